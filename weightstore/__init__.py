@@ -1,0 +1,14 @@
+"""weightstore: model weights in files any framework can read, moved under any scope.
+
+The core never imports TensorFlow; ``weightstore.adapters`` does, on demand.
+"""
+
+__version__ = "0.1.0"
+
+from weightstore import errors  # noqa: E402
+from weightstore.errors import *  # noqa: E402,F401,F403
+from weightstore.keys import remap, select  # noqa: E402
+from weightstore.manifest import TensorInfo  # noqa: E402
+from weightstore.store import Store, load, open, save  # noqa: E402,A004
+
+__all__ = ["__version__", "load", "open", "remap", "save", "select", "Store", "TensorInfo", *errors.__all__]

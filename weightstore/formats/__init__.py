@@ -1,0 +1,88 @@
+"""One small reader/writer protocol for every file format, registered by suffix.
+
+The rest of weightstore never branches on the format: it asks :func:`format_for` for the
+module and speaks :class:`Reader` and :class:`Writer`. Readers treat the file as hostile:
+every size is checked against the bytes that really exist before anything is allocated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+from typing import Any, BinaryIO, Callable, Protocol
+
+import numpy as np
+
+from weightstore.errors import FormatError
+from weightstore.manifest import TensorInfo
+
+
+class Reader(Protocol):
+    metadata: dict[str, Any]
+    created: str
+    has_checksums: bool
+
+    def keys(self) -> list[str]: ...
+    def info(self, key: str) -> TensorInfo: ...
+    def read(self, key: str, *, verify: bool) -> np.ndarray: ...
+    def close(self) -> None: ...
+
+
+class Writer(Protocol):
+    #: tensors stored somewhere other than their key (HDF5 reserved datasets), for the manifest
+    locations: dict[str, str]
+
+    def add(self, key: str, dtype_name: str, data: np.ndarray) -> None: ...
+    def commit(self, manifest_text: str) -> None: ...
+    def abort(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    suffixes: tuple[str, ...]
+    magic: Callable[[bytes], bool]
+    open_reader: Callable[[Any, str], Reader]
+    open_writer: Callable[[str, bool], Writer]
+
+
+def _registry() -> list[Format]:
+    from weightstore.formats import hdf5, npz
+
+    return [npz.FORMAT, hdf5.FORMAT]
+
+
+def format_named(name: str) -> Format:
+    for fmt in _registry():
+        if fmt.name == name:
+            return fmt
+    raise ValueError(f"unknown format {name!r}; known: {', '.join(f.name for f in _registry())}")
+
+
+def format_for_suffix(path: str) -> Format | None:
+    """The format a file name asks for, by suffix; ``None`` when the suffix says nothing."""
+    suffix = PurePosixPath(str(path)).suffix.lower()
+    for fmt in _registry():
+        if suffix in fmt.suffixes:
+            return fmt
+    return None
+
+
+def sniff(head: bytes, where: str) -> Format:
+    """The format of a file by its first bytes, for names whose suffix says nothing."""
+    for fmt in _registry():
+        if fmt.magic(head):
+            return fmt
+    if not head:
+        raise FormatError(f"{where}: file is empty")
+    raise FormatError(f"{where}: not a weightstore file (neither npz nor HDF5)")
+
+
+def read_exact(stream: BinaryIO, size: int) -> bytes:
+    data = stream.read(size)
+    return data if data is not None else b""
+
+
+def known_suffixes() -> Iterable[str]:
+    return [s for fmt in _registry() for s in fmt.suffixes]

@@ -1,0 +1,221 @@
+"""HDF5: one dataset per key in groups that follow the scope path, manifest in a root attribute.
+
+A key that is also the scope of other keys (TF1 keeps the slot ``w/Adagrad`` under ``w``)
+becomes a group, and its own array moves into the reserved dataset ``VALUE`` inside it; the
+manifest records that location. The reader refuses everything that would make it read
+outside the file or allocate more than the file can hold: links, external storage, virtual
+datasets, unknown filters, and sizes the stored bytes cannot back.
+"""
+
+from __future__ import annotations
+
+import math
+
+import h5py
+import numpy as np
+
+from weightstore.errors import ChecksumError, FormatError, KeyNotInStoreError, UnsafeFileError
+from weightstore.formats import Format
+from weightstore.keys import RESERVED_PREFIX, join_scope
+from weightstore.manifest import (
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    TensorInfo,
+    checksum,
+    dtype_name,
+    from_storage,
+    parse_manifest,
+    shape_nbytes,
+    storage_dtype,
+)
+
+MANIFEST_ATTRIBUTE = "weightstore"
+VALUE = RESERVED_PREFIX + "_value__"
+#: no filter h5py ships (deflate, lzf, shuffle) shrinks data by more than this
+MAX_FILTER_RATIO = 1100
+_SAFE_FILTERS = {h5py.h5z.FILTER_DEFLATE, h5py.h5z.FILTER_SHUFFLE, h5py.h5z.FILTER_FLETCHER32, 32000}
+_MAGIC = b"\x89HDF\r\n\x1a\n"
+_MIN_COMPRESSED_BYTES = 4096
+
+
+class Hdf5Writer:
+    def __init__(self, path: str, compress: bool):
+        self._file = h5py.File(path, "w", libver=("earliest", "v110"))
+        self._compress = compress
+        self.locations: dict[str, str] = {}
+
+    def add(self, key: str, dtype_name: str, data: np.ndarray) -> None:
+        parent_key, _, leaf = key.rpartition("/")
+        parent = self._group_for(parent_key) if parent_key else self._file
+        if leaf in parent:  # the key is already the scope of other keys: store it inside
+            parent = parent[leaf]
+            leaf = VALUE
+            self.locations[key] = join_scope(key, VALUE)
+        options = {}
+        if self._compress and data.ndim and data.nbytes >= _MIN_COMPRESSED_BYTES:
+            options = {"compression": "gzip", "compression_opts": 4, "shuffle": data.dtype.itemsize > 1}
+        parent.create_dataset(leaf, data=data, **options)
+
+    def _group_for(self, scope: str) -> h5py.Group:
+        group = self._file
+        walked = ""
+        for segment in scope.split("/"):
+            walked = join_scope(walked, segment)
+            node = group.get(segment)
+            if node is None:
+                group = group.create_group(segment)
+            elif isinstance(node, h5py.Dataset):  # a key is becoming a scope: move its array in
+                group.move(segment, segment + VALUE)
+                group.create_group(segment)
+                group.move(segment + VALUE, f"{segment}/{VALUE}")
+                self.locations[walked] = join_scope(walked, VALUE)
+                group = group[segment]
+            else:
+                group = node
+        return group
+
+    def commit(self, manifest_text: str) -> None:
+        self._file.attrs[MANIFEST_ATTRIBUTE] = manifest_text
+        self._file.close()
+
+    def abort(self) -> None:
+        self._file.close()
+
+
+class Hdf5Reader:
+    def __init__(self, location, name: str):
+        self.name = name
+        try:
+            self._file = h5py.File(location, "r")
+        except OSError as exc:
+            raise FormatError(f"{name}: not a readable HDF5 file ({exc})") from None
+        try:
+            self._manifest = self._read_manifest()
+            self._paths = self._walk()
+        except BaseException:
+            self._file.close()
+            raise
+        manifest = self._manifest
+        self.metadata = manifest.metadata if manifest else {}
+        self.created = manifest.created if manifest else ""
+        self.has_checksums = manifest is not None
+        if manifest is not None:
+            paths = {key: manifest.locations.get(key, key) for key in manifest.tensors}
+            unknown = sorted(set(paths.values()) - set(self._paths.values()))
+            if unknown or len(paths) != len(self._paths):
+                raise FormatError(f"{name}: manifest and datasets disagree (e.g. {unknown[:3] or sorted(self._paths)[:3]})")
+            self._paths = paths
+        self._infos: dict[str, TensorInfo] = dict(manifest.tensors) if manifest else {}
+
+    def _read_manifest(self) -> Manifest | None:
+        if MANIFEST_ATTRIBUTE not in self._file.attrs:
+            return None
+        attribute = self._file.attrs.get_id(MANIFEST_ATTRIBUTE)
+        if attribute.get_storage_size() > MAX_MANIFEST_BYTES:
+            raise UnsafeFileError(f"{self.name}: manifest attribute is too large")
+        text = self._file.attrs[MANIFEST_ATTRIBUTE]
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", "replace")
+        if not isinstance(text, str):
+            raise FormatError(f"{self.name}: manifest attribute is not text")
+        return parse_manifest(text, self.name)
+
+    def _walk(self) -> dict[str, str]:
+        """Key -> dataset path for every dataset, refusing links that leave the tree."""
+        found: dict[str, str] = {}
+        seen: set = set()
+        pending = [("", self._file)]
+        while pending:
+            prefix, group = pending.pop()
+            for child in group:
+                path = join_scope(prefix, child)
+                link = group.get(child, getlink=True)
+                if not isinstance(link, h5py.HardLink):
+                    raise UnsafeFileError(f"{self.name}: {path!r} is a {type(link).__name__}; only plain datasets are read")
+                node = group[child]
+                address = h5py.h5o.get_info(node.id).addr
+                if address in seen:
+                    raise UnsafeFileError(f"{self.name}: {path!r} links to an object seen before")
+                seen.add(address)
+                if isinstance(node, h5py.Group):
+                    pending.append((path, node))
+                elif isinstance(node, h5py.Dataset):
+                    key = prefix if child == VALUE else path
+                    found[key] = path
+                else:
+                    raise FormatError(f"{self.name}: {path!r} is neither a group nor a dataset")
+        return found
+
+    def keys(self) -> list[str]:
+        return list(self._infos) if self._manifest else sorted(self._paths)
+
+    def _dataset(self, key: str) -> h5py.Dataset:
+        path = self._paths.get(key)
+        if path is None:
+            raise KeyNotInStoreError(f"{self.name}: no tensor {key!r}")
+        return self._file[path]
+
+    def info(self, key: str) -> TensorInfo:
+        info = self._infos.get(key)
+        if info is None:
+            dataset = self._dataset(key)
+            name = dtype_name(dataset.dtype, key) if dataset.dtype.kind != "V" else f"V{dataset.dtype.itemsize}"
+            info = TensorInfo(key, name, dataset.shape, shape_nbytes(dataset.shape, dataset.dtype.itemsize))
+            self._infos[key] = info
+        return info
+
+    def read(self, key: str, *, verify: bool) -> np.ndarray:
+        dataset = self._dataset(key)
+        where = f"{self.name}: tensor {key!r}"
+        info = self._infos.get(key) if self._manifest else None
+        dtype = dataset.dtype
+        if dtype.hasobject or dtype.fields is not None or dtype.kind not in "biufcV":
+            raise UnsafeFileError(f"{where} has dtype {dtype}; only numeric arrays are read")
+        shape = dataset.shape
+        if shape is None:
+            raise FormatError(f"{where} has no shape (empty dataspace)")
+        if info is not None:
+            expected = storage_dtype(info.dtype)
+            if dtype != expected or tuple(shape) != info.shape:
+                raise FormatError(f"{where} is {shape} {dtype} but the manifest says {info.shape} {info.dtype}")
+        self._check_storage(dataset, where, math.prod(shape) * dtype.itemsize)
+        out = np.empty(shape, dtype=dtype.newbyteorder("<") if dtype.kind != "V" else dtype)
+        if out.size:
+            dataset.read_direct(out)
+        if verify and info is not None and info.checksum:
+            actual = checksum(out)
+            if actual != info.checksum:
+                raise ChecksumError(f"{where} is corrupt (checksum {actual}, manifest {info.checksum})")
+        if info is not None:
+            return from_storage(out, info.dtype)
+        if dtype.kind == "V":
+            raise FormatError(f"{where} is raw bytes ({dtype}) and no manifest says what they are")
+        return out
+
+    def _check_storage(self, dataset: h5py.Dataset, where: str, nbytes: int) -> None:
+        if dataset.is_virtual:
+            raise UnsafeFileError(f"{where} is a virtual dataset; only data inside the file is read")
+        if dataset.external:
+            raise UnsafeFileError(f"{where} keeps its data in external files; only data inside the file is read")
+        plist = dataset.id.get_create_plist()
+        filters = [plist.get_filter(i)[0] for i in range(plist.get_nfilters())]
+        unknown = [f for f in filters if f not in _SAFE_FILTERS]
+        if unknown:
+            raise UnsafeFileError(f"{where} uses HDF5 filters {unknown}; only gzip, lzf, shuffle and fletcher32 are read")
+        stored = dataset.id.get_storage_size()
+        if not filters and stored < nbytes:
+            raise FormatError(f"{where} declares {nbytes} bytes but the file stores {stored}")
+        if filters and nbytes > stored * MAX_FILTER_RATIO + (1 << 20):
+            raise UnsafeFileError(f"{where} declares {nbytes} bytes from {stored} compressed; refusing (bomb?)")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+FORMAT = Format(
+    name="hdf5",
+    suffixes=(".h5", ".hdf5"),
+    magic=lambda head: head.startswith(_MAGIC),
+    open_reader=lambda location, name: Hdf5Reader(location, name),
+    open_writer=lambda path, compress: Hdf5Writer(path, compress),
+)

@@ -1,0 +1,474 @@
+"""npz: a zip of ``.npy`` members that ``np.load(path, allow_pickle=False)`` reads as is.
+
+We write the zip ourselves rather than through :mod:`zipfile` so that each member's array
+data starts on a 64-byte boundary (readers map it without copying), sizes and CRCs are known
+before the local header is written, and ZIP64 is used exactly when needed. The reader parses
+the central directory itself because the stdlib's ``zipfile`` on this Python accepts
+overlapping members (zip bombs) and would let a hostile file choose our allocations.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import struct
+import time
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import numpy as np
+from isal import isal_zlib
+
+from weightstore.errors import ChecksumError, FormatError, KeyNotInStoreError, UnsafeFileError
+from weightstore.formats import Format
+from weightstore.formats.source import ByteSource, MappedFile, StreamFile
+from weightstore.manifest import (
+    MAX_MANIFEST_BYTES,
+    MAX_NDIM,
+    Manifest,
+    TensorInfo,
+    checksum,
+    dtype_name,
+    from_storage,
+    logical_dtype,
+    parse_manifest,
+    raw_bytes,
+    storage_dtype,
+)
+
+MANIFEST_MEMBER = "__weightstore__.npy"
+ALIGNMENT = 64
+MAX_NPY_HEADER = 10_000
+#: deflate cannot expand data by more than this factor; a member claiming more is a bomb
+MAX_DEFLATE_RATIO = 1032
+_COMPRESS_CHUNK = 16 << 20
+
+_LOCAL = struct.Struct("<4s5H3I2H")
+_CENTRAL = struct.Struct("<4s6H3I5H2I")
+_EOCD = struct.Struct("<4s4H2IH")
+_EOCD64 = struct.Struct("<4sQ2H2I4Q")
+_LOCATOR64 = struct.Struct("<4sIQI")
+_LOCAL_SIG, _CENTRAL_SIG = b"PK\x03\x04", b"PK\x01\x02"
+_EOCD_SIG, _EOCD64_SIG, _LOCATOR64_SIG = b"PK\x05\x06", b"PK\x06\x06", b"PK\x06\x07"
+_STORED, _DEFLATED = 0, 8
+_UTF8_FLAG, _ENCRYPTED_FLAG = 0x800, 0x1
+_ZIP64_LIMIT = 0xFFFFFFFF
+_PAD_ID = 0xD935  # the extra-field id Android's zipalign uses for the same padding
+
+
+def _dos_time() -> tuple[int, int]:
+    t = time.localtime()
+    return (t.tm_hour << 11) | (t.tm_min << 5) | (t.tm_sec // 2), ((t.tm_year - 1980) << 9) | (t.tm_mon << 5) | t.tm_mday
+
+
+def npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
+    """An npy v1.0 header padded so the data after it starts 64-byte aligned."""
+    text = "{'descr': %r, 'fortran_order': False, 'shape': %r, }" % (np.lib.format.dtype_to_descr(dtype), tuple(shape))
+    total = 10 + len(text) + 1
+    text += " " * (-total % ALIGNMENT) + "\n"
+    return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(text)) + text.encode("latin1")
+
+
+@dataclass
+class _Written:
+    name: bytes
+    offset: int
+    crc: int
+    compressed: int
+    size: int
+    method: int
+
+
+class NpzWriter:
+    """Streams members into a seekable file; :meth:`commit` adds the manifest and directory."""
+
+    def __init__(self, path: str, compress: bool):
+        self._file: BinaryIO = open(path, "wb")
+        self._compress = compress
+        self._members: list[_Written] = []
+        self._time = _dos_time()
+        self.locations: dict[str, str] = {}
+
+    def add(self, key: str, dtype_name: str, data: np.ndarray) -> None:
+        self._add_member(key + ".npy", npy_header(data.dtype, data.shape), data)
+
+    def _add_member(self, name: str, header: bytes, data: np.ndarray) -> None:
+        payload = raw_bytes(data)
+        size = len(header) + len(payload)
+        crc = isal_zlib.crc32(payload, isal_zlib.crc32(header))
+        compress = self._compress and size > 0 and data.ndim > 0
+        zip64 = size >= (0xF0000000 if compress else _ZIP64_LIMIT) or self._file.tell() >= _ZIP64_LIMIT
+        encoded = name.encode("utf-8")
+        offset = self._file.tell()
+        zip64_extra = struct.pack("<HHQQ", 1, 16, size, size) if zip64 else b""
+        fixed = offset + _LOCAL.size + len(encoded) + len(zip64_extra) + 4
+        padding = struct.pack("<HH", _PAD_ID, -fixed % ALIGNMENT) + b"\0" * (-fixed % ALIGNMENT)
+        method = _DEFLATED if compress else _STORED
+        sizes = (_ZIP64_LIMIT, _ZIP64_LIMIT) if zip64 else (size, size)
+        self._file.write(
+            _LOCAL.pack(_LOCAL_SIG, 45 if zip64 else 20, _UTF8_FLAG, method, *self._time, crc, *sizes,
+                        len(encoded), len(zip64_extra) + len(padding))
+            + encoded + zip64_extra + padding
+        )
+        if compress:
+            compressed = self._deflate(header, payload)
+            end = self._file.tell()
+            self._file.seek(offset + 18)
+            if zip64:
+                self._file.seek(offset + _LOCAL.size + len(encoded) + 12)
+                self._file.write(struct.pack("<Q", compressed))
+            else:
+                self._file.write(struct.pack("<I", compressed))
+            self._file.seek(end)
+        else:
+            self._file.write(header)
+            self._file.write(payload)
+            compressed = size
+        self._members.append(_Written(encoded, offset, crc, compressed, size, method))
+
+    def _deflate(self, header: bytes, payload: memoryview) -> int:
+        engine = isal_zlib.compressobj(isal_zlib.ISAL_DEFAULT_COMPRESSION, isal_zlib.DEFLATED, -15)
+        written = self._file.write(engine.compress(header))
+        for start in range(0, len(payload), _COMPRESS_CHUNK):
+            written += self._file.write(engine.compress(payload[start : start + _COMPRESS_CHUNK]))
+        return written + self._file.write(engine.flush())
+
+    def commit(self, manifest_text: str) -> None:
+        manifest = np.array(manifest_text)
+        self._add_member(MANIFEST_MEMBER, npy_header(manifest.dtype, ()), manifest)
+        directory_offset = self._file.tell()
+        for member in self._members:
+            self._file.write(self._central_entry(member))
+        directory_size = self._file.tell() - directory_offset
+        count = len(self._members)
+        if count >= 0xFFFF or directory_offset >= _ZIP64_LIMIT or directory_size >= _ZIP64_LIMIT:
+            record_offset = self._file.tell()
+            self._file.write(_EOCD64.pack(_EOCD64_SIG, 44, 45, 45, 0, 0, count, count, directory_size, directory_offset))
+            self._file.write(_LOCATOR64.pack(_LOCATOR64_SIG, 0, record_offset, 1))
+            count, directory_size, directory_offset = 0xFFFF, _ZIP64_LIMIT, _ZIP64_LIMIT
+        self._file.write(_EOCD.pack(_EOCD_SIG, 0, 0, count, count, directory_size, directory_offset, 0))
+        self._file.close()
+
+    def _central_entry(self, member: _Written) -> bytes:
+        big = [v for v in (member.size, member.compressed, member.offset) if v >= _ZIP64_LIMIT]
+        extra = struct.pack("<HH", 1, 8 * len(big)) + struct.pack(f"<{len(big)}Q", *big) if big else b""
+        clip = lambda v: _ZIP64_LIMIT if v >= _ZIP64_LIMIT else v  # noqa: E731
+        return _CENTRAL.pack(
+            _CENTRAL_SIG, (3 << 8) | 45, 45 if big else 20, _UTF8_FLAG, member.method, *self._time, member.crc,
+            clip(member.compressed), clip(member.size), len(member.name), len(extra), 0, 0, 0,
+            0o100644 << 16, clip(member.offset),
+        ) + member.name + extra
+
+    def abort(self) -> None:
+        self._file.close()
+
+
+@dataclass
+class _Member:
+    name: str
+    offset: int
+    crc: int
+    compressed: int
+    size: int
+    method: int
+    limit: int  # where the next member (or the central directory) begins
+    raw_name: bytes
+
+
+class NpzReader:
+    """Reads the central directory and manifest at open; each tensor only when asked."""
+
+    def __init__(self, source: ByteSource):
+        self._source = source
+        self.name = source.name
+        self._members = self._read_directory()
+        self._data_offsets: dict[str, int] = {}
+        manifest_member = self._members.pop(MANIFEST_MEMBER, None)
+        manifest = self._read_manifest(manifest_member) if manifest_member else None
+        self._manifest = manifest
+        self.metadata = manifest.metadata if manifest else {}
+        self.created = manifest.created if manifest else ""
+        self.has_checksums = manifest is not None
+        member_keys = {}
+        for name in self._members:
+            if not name.endswith(".npy"):
+                raise FormatError(f"{self.name}: member {name!r} is not an .npy array")
+            member_keys[name[:-4]] = name
+        self._member_of = member_keys
+        if manifest is not None:
+            listed, present = set(manifest.tensors), set(member_keys)
+            if listed != present:
+                missing = sorted(listed - present)[:3]
+                extra = sorted(present - listed)[:3]
+                raise FormatError(
+                    f"{self.name}: manifest and members disagree (listed but absent: {missing}, present but unlisted: {extra})"
+                )
+        self._infos: dict[str, TensorInfo] = dict(manifest.tensors) if manifest else {}
+
+    # -- the directory -------------------------------------------------------------------
+    def _read_directory(self) -> dict[str, _Member]:
+        size = self._source.size
+        if size == 0:
+            raise FormatError(f"{self.name}: file is empty")
+        tail_start = max(0, size - (_EOCD.size + 0xFFFF))
+        tail = bytes(self._source.read_at(tail_start, size - tail_start))
+        position = tail.rfind(_EOCD_SIG)
+        while position >= 0 and position + _EOCD.size <= len(tail):
+            comment = struct.unpack_from("<H", tail, position + 20)[0]
+            if position + _EOCD.size + comment == len(tail):
+                break
+            position = tail.rfind(_EOCD_SIG, 0, position)
+        else:
+            position = -1
+        if position < 0:
+            raise FormatError(f"{self.name}: not an npz file (no zip directory; truncated or not a zip)")
+        eocd_offset = tail_start + position
+        _, disk, cd_disk, _, count, cd_size, cd_offset, _ = _EOCD.unpack_from(tail, position)
+        if disk or cd_disk:
+            raise FormatError(f"{self.name}: multi-disk zip archives are not supported")
+        if count == 0xFFFF or cd_size == _ZIP64_LIMIT or cd_offset == _ZIP64_LIMIT:
+            count, cd_size, cd_offset, eocd_offset = self._read_zip64_end(eocd_offset)
+        if cd_offset + cd_size > eocd_offset or count * _CENTRAL.size > cd_size:
+            raise FormatError(f"{self.name}: zip directory points outside the file (truncated?)")
+        directory = bytes(self._source.read_at(cd_offset, cd_size))
+        return self._parse_members(directory, count, cd_offset)
+
+    def _read_zip64_end(self, eocd_offset: int) -> tuple[int, int, int, int]:
+        if eocd_offset < _LOCATOR64.size:
+            raise FormatError(f"{self.name}: ZIP64 locator missing")
+        sig, _, record, _ = _LOCATOR64.unpack(bytes(self._source.read_at(eocd_offset - _LOCATOR64.size, _LOCATOR64.size)))
+        if sig != _LOCATOR64_SIG or record + _EOCD64.size > eocd_offset:
+            raise FormatError(f"{self.name}: ZIP64 locator is corrupt")
+        fields = _EOCD64.unpack(bytes(self._source.read_at(record, _EOCD64.size)))
+        if fields[0] != _EOCD64_SIG:
+            raise FormatError(f"{self.name}: ZIP64 end record is corrupt")
+        return fields[7], fields[8], fields[9], record
+
+    def _parse_members(self, directory: bytes, count: int, cd_offset: int) -> dict[str, _Member]:
+        members: dict[str, _Member] = {}
+        position = 0
+        for _ in range(count):
+            if position + _CENTRAL.size > len(directory):
+                raise FormatError(f"{self.name}: zip directory is truncated")
+            (sig, _, _, flags, method, _, _, crc, compressed, size, name_len, extra_len, comment_len,
+             _, _, _, offset) = _CENTRAL.unpack_from(directory, position)
+            if sig != _CENTRAL_SIG:
+                raise FormatError(f"{self.name}: zip directory entry {len(members)} is corrupt")
+            start = position + _CENTRAL.size
+            raw_name = directory[start : start + name_len]
+            extra = directory[start + name_len : start + name_len + extra_len]
+            position = start + name_len + extra_len + comment_len
+            name = self._member_name(raw_name, flags)
+            if flags & _ENCRYPTED_FLAG:
+                raise UnsafeFileError(f"{self.name}: member {name!r} is encrypted")
+            if method not in (_STORED, _DEFLATED):
+                raise UnsafeFileError(f"{self.name}: member {name!r} uses compression method {method}; only stored and deflate are read")
+            size, compressed, offset = _apply_zip64(extra, size, compressed, offset, self.name, name)
+            if name in members:
+                raise UnsafeFileError(f"{self.name}: member {name!r} appears twice")
+            members[name] = _Member(name, offset, crc, compressed, size, method, 0, raw_name)
+        ordered = sorted(members.values(), key=lambda m: m.offset)
+        for member, following in zip(ordered, ordered[1:] + [None]):
+            member.limit = following.offset if following else cd_offset
+            if member.offset + _LOCAL.size + len(member.raw_name) + member.compressed > member.limit:
+                raise UnsafeFileError(f"{self.name}: member {member.name!r} overlaps the next one (zip bomb?)")
+            if member.method == _DEFLATED and member.size > member.compressed * MAX_DEFLATE_RATIO + 1024:
+                raise UnsafeFileError(f"{self.name}: member {member.name!r} claims an impossible compression ratio")
+            if member.method == _STORED and member.size != member.compressed:
+                raise FormatError(f"{self.name}: stored member {member.name!r} has inconsistent sizes")
+        return members
+
+    def _member_name(self, raw: bytes, flags: int) -> str:
+        try:
+            name = raw.decode("utf-8" if flags & _UTF8_FLAG else "cp437")
+        except UnicodeDecodeError:
+            raise FormatError(f"{self.name}: a member name is not valid UTF-8") from None
+        segments = name.split("/")
+        if "\0" in name or "\\" in name or name.startswith("/") or ".." in segments:
+            raise UnsafeFileError(f"{self.name}: unsafe member name {name!r}")
+        return name
+
+    # -- members ------------------------------------------------------------------------
+    def _data_offset(self, member: _Member) -> int:
+        cached = self._data_offsets.get(member.name)
+        if cached is not None:
+            return cached
+        header = bytes(self._source.read_at(member.offset, _LOCAL.size))
+        sig, _, _, method, _, _, _, _, _, name_len, extra_len = _LOCAL.unpack(header)
+        if sig != _LOCAL_SIG or method != member.method:
+            raise FormatError(f"{self.name}: local header of {member.name!r} is corrupt")
+        if bytes(self._source.read_at(member.offset + _LOCAL.size, name_len)) != member.raw_name:
+            raise UnsafeFileError(f"{self.name}: local header of {member.name!r} names another file")
+        start = member.offset + _LOCAL.size + name_len + extra_len
+        if start + member.compressed > member.limit:
+            raise UnsafeFileError(f"{self.name}: member {member.name!r} overlaps the next one (zip bomb?)")
+        self._data_offsets[member.name] = start
+        return start
+
+    def _member_bytes(self, member: _Member, budget: int) -> memoryview:
+        """A member's bytes: a view into the map when stored, inflated (and bounded) when not."""
+        start = self._data_offset(member)
+        if member.size > budget:
+            raise UnsafeFileError(f"{self.name}: member {member.name!r} is larger than allowed ({member.size} > {budget})")
+        if member.method == _STORED:
+            self._source.prefetch(start, member.size)
+            return memoryview(self._source.read_at(start, member.size))
+        out = bytearray(member.size)
+        view = memoryview(out)
+        engine = isal_zlib.decompressobj(-15)
+        filled = 0
+        for chunk_start in range(start, start + member.compressed, _COMPRESS_CHUNK):
+            chunk = self._source.read_at(chunk_start, min(_COMPRESS_CHUNK, start + member.compressed - chunk_start))
+            piece = engine.decompress(bytes(chunk), member.size - filled + 1)
+            if filled + len(piece) > member.size:
+                raise FormatError(f"{self.name}: member {member.name!r} inflates past its declared size")
+            view[filled : filled + len(piece)] = piece
+            filled += len(piece)
+        if filled != member.size or not engine.eof:
+            raise FormatError(f"{self.name}: member {member.name!r} is truncated or corrupt (deflate)")
+        return view
+
+    def _parse_npy(self, member: _Member, data: memoryview) -> tuple[np.dtype, tuple[int, ...], bool, int]:
+        where = f"{self.name}: member {member.name!r}"
+        if len(data) < 10 or bytes(data[:6]) != b"\x93NUMPY":
+            raise FormatError(f"{where} is not an npy array")
+        major = data[6]
+        if major == 1:
+            header_len, prefix = struct.unpack("<H", data[8:10])[0], 10
+        elif major in (2, 3) and len(data) >= 12:
+            header_len, prefix = struct.unpack("<I", data[8:12])[0], 12
+        else:
+            raise FormatError(f"{where} has unknown npy version {major}")
+        if header_len > MAX_NPY_HEADER:
+            raise UnsafeFileError(f"{where} has an npy header of {header_len} bytes (limit {MAX_NPY_HEADER})")
+        if prefix + header_len > len(data):
+            raise FormatError(f"{where} is truncated inside its npy header")
+        try:
+            text = bytes(data[prefix : prefix + header_len]).decode("utf-8" if major == 3 else "latin1")
+            fields = ast.literal_eval(text)
+        except (ValueError, SyntaxError, UnicodeDecodeError, MemoryError, RecursionError):
+            raise FormatError(f"{where} has an unreadable npy header") from None
+        if not isinstance(fields, dict) or set(fields) != {"descr", "fortran_order", "shape"}:
+            raise FormatError(f"{where} has an npy header without descr/fortran_order/shape")
+        shape, descr = fields["shape"], fields["descr"]
+        if (not isinstance(shape, tuple) or len(shape) > MAX_NDIM
+                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+            raise FormatError(f"{where} has an invalid shape {shape!r}")
+        if not isinstance(descr, str):
+            raise UnsafeFileError(f"{where} holds a structured array; only plain numeric arrays are read")
+        try:
+            dtype = np.lib.format.descr_to_dtype(descr)
+        except (TypeError, ValueError):
+            raise FormatError(f"{where} has an unknown dtype {descr!r}") from None
+        if dtype.hasobject:
+            raise UnsafeFileError(f"{where} holds an object array; weightstore never unpickles")
+        expected = math.prod(shape) * dtype.itemsize
+        start = prefix + header_len
+        if len(data) - start != expected:
+            raise FormatError(
+                f"{where}: header says {shape} of {dtype} ({expected} bytes) but the member holds {len(data) - start}"
+            )
+        return dtype, shape, bool(fields["fortran_order"]), start
+
+    def _read_manifest(self, member: _Member) -> Manifest:
+        data = self._member_bytes(member, 4 * MAX_MANIFEST_BYTES + MAX_NPY_HEADER)
+        dtype, shape, _, start = self._parse_npy(member, data)
+        if dtype.kind != "U" or shape != ():
+            raise FormatError(f"{self.name}: manifest member is not a text scalar")
+        text = bytes(data[start:]).decode("utf-32-le" if dtype.byteorder in "<=|" else "utf-32-be", "replace")
+        return parse_manifest(text.rstrip("\0"), self.name)
+
+    # -- the Reader protocol -----------------------------------------------------------------
+    def keys(self) -> list[str]:
+        return list(self._infos) if self._manifest else sorted(self._member_of)
+
+    def _member(self, key: str) -> _Member:
+        name = self._member_of.get(key)
+        if name is None:
+            raise KeyNotInStoreError(f"{self.name}: no tensor {key!r}")
+        return self._members[name]
+
+    def info(self, key: str) -> TensorInfo:
+        info = self._infos.get(key)
+        if info is None:
+            member = self._member(key)
+            data = self._member_bytes(member, member.size)
+            dtype, shape, _, _ = self._parse_npy(member, data)
+            name = dtype_name(dtype, key) if dtype.kind != "V" else f"V{dtype.itemsize}"
+            info = TensorInfo(key, name, shape, math.prod(shape) * dtype.itemsize, None)
+            self._infos[key] = info
+        return info
+
+    def read(self, key: str, *, verify: bool) -> np.ndarray:
+        member = self._member(key)
+        data = self._member_bytes(member, member.size)
+        dtype, shape, fortran, start = self._parse_npy(member, data)
+        payload = data[start:]
+        info = self._infos.get(key)
+        if info is not None and self._manifest is not None:
+            if dtype != storage_dtype(info.dtype):
+                raise FormatError(f"{self.name}: tensor {key!r} is stored as {dtype} but the manifest says {info.dtype}")
+            if shape != info.shape:
+                raise FormatError(f"{self.name}: tensor {key!r} has shape {shape} but the manifest says {info.shape}")
+        if verify:
+            self._verify(key, member, data, payload, info)
+        array = np.frombuffer(payload, dtype=dtype, count=math.prod(shape)) if payload.nbytes else np.empty(0, dtype)
+        array = array.reshape(shape, order="F" if fortran else "C")
+        if info is not None and self._manifest is not None:
+            return from_storage(array, info.dtype)
+        if dtype.kind == "V":
+            raise FormatError(f"{self.name}: tensor {key!r} is raw bytes ({dtype}) and no manifest says what they are")
+        dtype_name(dtype, key)
+        return array
+
+    def _verify(self, key: str, member: _Member, data: memoryview, payload: memoryview, info: TensorInfo | None) -> None:
+        if info is not None and info.checksum:
+            actual = checksum(payload)
+            if actual != info.checksum:
+                raise ChecksumError(f"{self.name}: tensor {key!r} is corrupt (checksum {actual}, manifest {info.checksum})")
+        elif isal_zlib.crc32(raw_bytes(data)) & 0xFFFFFFFF != member.crc:
+            raise ChecksumError(f"{self.name}: tensor {key!r} is corrupt (zip CRC-32 mismatch)")
+
+    def close(self) -> None:
+        self._source.close()
+
+
+def _apply_zip64(extra: bytes, size: int, compressed: int, offset: int, where: str, name: str) -> tuple[int, int, int]:
+    position = 0
+    while position + 4 <= len(extra):
+        tag, length = struct.unpack_from("<HH", extra, position)
+        body = extra[position + 4 : position + 4 + length]
+        if tag == 1:
+            values = list(struct.unpack_from(f"<{len(body) // 8}Q", body))
+            try:
+                if size == _ZIP64_LIMIT:
+                    size = values.pop(0)
+                if compressed == _ZIP64_LIMIT:
+                    compressed = values.pop(0)
+                if offset == _ZIP64_LIMIT:
+                    offset = values.pop(0)
+            except IndexError:
+                raise FormatError(f"{where}: ZIP64 field of {name!r} is truncated") from None
+            return size, compressed, offset
+        position += 4 + length
+    if _ZIP64_LIMIT in (size, compressed, offset):
+        raise FormatError(f"{where}: member {name!r} lacks its ZIP64 sizes")
+    return size, compressed, offset
+
+
+def _open_reader(location, name: str) -> NpzReader:
+    source = MappedFile(location) if isinstance(location, str) else StreamFile(location, name)
+    try:
+        return NpzReader(source)
+    except BaseException:
+        source.close()
+        raise
+
+
+FORMAT = Format(
+    name="npz",
+    suffixes=(".npz",),
+    magic=lambda head: head[:4] in (_LOCAL_SIG, _EOCD_SIG),
+    open_reader=_open_reader,
+    open_writer=lambda path, compress: NpzWriter(path, compress),
+)

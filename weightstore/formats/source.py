@@ -1,0 +1,81 @@
+"""Random access to a file's bytes: memory-mapped when local, ranged reads when remote.
+
+The npz reader only ever asks for byte ranges it has already proved lie inside the file, so
+neither implementation needs to trust a length it is given.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from typing import BinaryIO, Protocol
+
+from weightstore.errors import FormatError
+
+
+class ByteSource(Protocol):
+    name: str
+    size: int
+
+    def read_at(self, offset: int, length: int) -> bytes | memoryview: ...
+    def close(self) -> None: ...
+
+
+class MappedFile:
+    """A read-only map of a local file: tensors are views into the page cache, never copies.
+
+    Writers replace files by rename, never in place, so a map stays valid for as long as any
+    array made from it lives, even after the file is replaced.
+    """
+
+    def __init__(self, path: str):
+        self.name = path
+        with open(path, "rb") as handle:
+            self.size = os.fstat(handle.fileno()).st_size
+            self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if self.size else None
+
+    def read_at(self, offset: int, length: int) -> memoryview:
+        self._check(offset, length)
+        if self._map is None:
+            return memoryview(b"")
+        return memoryview(self._map)[offset : offset + length]
+
+    def prefetch(self, offset: int, length: int) -> None:
+        if self._map is not None and length > 1 << 20:
+            start = offset - offset % mmap.PAGESIZE
+            self._map.madvise(mmap.MADV_WILLNEED, start, offset + length - start)
+
+    def _check(self, offset: int, length: int) -> None:
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise FormatError(f"{self.name}: truncated file (needs bytes {offset}..{offset + length}, has {self.size})")
+
+    def close(self) -> None:
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass  # arrays handed out still view the map; it closes when the last one goes
+
+
+class StreamFile:
+    """Ranged reads over any seekable binary file, such as an fsspec file on object storage."""
+
+    def __init__(self, handle: BinaryIO, name: str):
+        self.name = name
+        self._handle = handle
+        self.size = handle.seek(0, os.SEEK_END)
+
+    def read_at(self, offset: int, length: int) -> bytes:
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise FormatError(f"{self.name}: truncated file (needs bytes {offset}..{offset + length}, has {self.size})")
+        self._handle.seek(offset)
+        data = self._handle.read(length)
+        if len(data) != length:
+            raise FormatError(f"{self.name}: short read at byte {offset}")
+        return data
+
+    def prefetch(self, offset: int, length: int) -> None:
+        pass
+
+    def close(self) -> None:
+        self._handle.close()

@@ -1,0 +1,247 @@
+"""Keys, scopes, selections and mappings: the vocabulary every other module speaks.
+
+A key is a scope path (``model_001/conv_1/bn/beta``). Scopes match whole segments, so
+``model_1`` never matches ``model_10/w`` (the classic ``startswith`` bug). Everything here is
+pure and works on any mapping, so the API, the adapters and the CLI share one meaning of
+each word.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import fnmatch
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TypeVar, Union
+
+from weightstore.errors import InvalidKeyError, SelectionError
+
+V = TypeVar("V")
+Patterns = Union[str, Sequence[str], None]
+MappingRules = Union[Mapping[str, str], Sequence[str], None]
+
+RESERVED_PREFIX = "__weightstore"
+_GLOB_CHARS = frozenset("*?[")
+_OUTPUT_SUFFIX = re.compile(r":\d+$")
+
+
+def validate_key(key: object) -> str:
+    """Return ``key`` if it is a valid key, else raise :class:`InvalidKeyError` naming it."""
+    if not isinstance(key, str):
+        raise InvalidKeyError(f"key {key!r} is not a string")
+    problem = _key_problem(key)
+    if problem:
+        raise InvalidKeyError(f"invalid key {key!r}: {problem}")
+    return key
+
+
+def _key_problem(key: str) -> str | None:
+    if not key:
+        return "it is empty"
+    if key.startswith("/") or key.endswith("/"):
+        return "it starts or ends with '/'"
+    if "\\" in key:
+        return "it contains a backslash"
+    if any(ord(c) < 32 or ord(c) == 127 for c in key):
+        return "it contains a control character"
+    if _OUTPUT_SUFFIX.search(key):
+        return "TensorFlow's output suffix (':0') is not part of a key; drop it"
+    for segment in key.split("/"):
+        if segment == "":
+            return "it has an empty segment ('//')"
+        if segment in (".", ".."):
+            return f"it has a {segment!r} segment"
+        if segment.startswith(RESERVED_PREFIX):
+            return f"segments starting with {RESERVED_PREFIX!r} are reserved"
+    return None
+
+
+def normalize_scope(scope: str | None) -> str:
+    """A scope as users type it (``model_002/`` or ``None``) in canonical form."""
+    if scope is None:
+        return ""
+    if not isinstance(scope, str):
+        raise InvalidKeyError(f"scope {scope!r} is not a string")
+    trimmed = scope[:-1] if scope.endswith("/") else scope
+    if trimmed:
+        problem = _key_problem(trimmed)
+        if problem:
+            raise InvalidKeyError(f"invalid scope {scope!r}: {problem}")
+    return trimmed
+
+
+def in_scope(key: str, scope: str) -> bool:
+    """Whether ``key`` is ``scope`` or lies under it, by whole segments."""
+    return not scope or key == scope or key.startswith(scope + "/")
+
+
+def strip_scope(key: str, scope: str) -> str:
+    """``key`` relative to ``scope``; the inverse of :func:`join_scope`."""
+    if not scope:
+        return key
+    if not key.startswith(scope + "/"):
+        raise ValueError(f"key {key!r} is not under scope {scope!r}")
+    return key[len(scope) + 1 :]
+
+
+def join_scope(scope: str, key: str) -> str:
+    return f"{scope}/{key}" if scope and key else scope or key
+
+
+def is_glob(pattern: str) -> bool:
+    return any(c in _GLOB_CHARS for c in pattern)
+
+
+def matches(key: str, pattern: str) -> bool:
+    """A glob matches the whole key (``*`` crosses ``/``); any other pattern is a scope."""
+    if is_glob(pattern):
+        return fnmatch.fnmatchcase(key, pattern)
+    return in_scope(key, normalize_scope(pattern))
+
+
+def _as_list(patterns: Patterns) -> list[str]:
+    if patterns is None:
+        return []
+    if isinstance(patterns, str):
+        return [patterns]
+    return list(patterns)
+
+
+def passes(key: str, include: Patterns = None, exclude: Patterns = None) -> bool:
+    """``include`` (any of them; all keys when empty) minus ``exclude`` (any of them)."""
+    includes, excludes = _as_list(include), _as_list(exclude)
+    if includes and not any(matches(key, p) for p in includes):
+        return False
+    return not any(matches(key, p) for p in excludes)
+
+
+def parse_mapping(mapping: MappingRules) -> list[tuple[str, str]]:
+    """Ordered ``(FROM, TO)`` scope pairs from a dict or ``"FROM=TO"`` strings."""
+    if mapping is None:
+        return []
+    if isinstance(mapping, str):
+        mapping = [mapping]
+    if isinstance(mapping, Mapping):
+        pairs = list(mapping.items())
+    else:
+        pairs = []
+        for rule in mapping:
+            if not isinstance(rule, str) or "=" not in rule:
+                raise InvalidKeyError(f"mapping rule {rule!r} is not of the form FROM=TO")
+            source, target = rule.split("=", 1)
+            pairs.append((source, target))
+    return [(normalize_scope(s), normalize_scope(t)) for s, t in pairs]
+
+
+def map_key(key: str, rules: Sequence[tuple[str, str]]) -> str:
+    """Rewrite ``key`` by the first rule whose FROM scope matches it."""
+    for source, target in rules:
+        if in_scope(key, source):
+            rest = "" if key == source else strip_scope(key, source)
+            mapped = join_scope(target, rest)
+            if not mapped:
+                raise InvalidKeyError(f"mapping {source}={target} turns key {key!r} into an empty key")
+            return mapped
+    return key
+
+
+def scopes_of(keys: Iterable[str]) -> list[str]:
+    """Every key and every scope above it: the names a user might have meant."""
+    names: set[str] = set()
+    for key in keys:
+        parts = key.split("/")
+        names.update("/".join(parts[: i + 1]) for i in range(len(parts)))
+    return sorted(names)
+
+
+def suggest(name: str, candidates: Iterable[str]) -> str:
+    """``"; did you mean 'x'?"`` when a close match exists, else an empty string."""
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def plan_outward(
+    keys: Iterable[str],
+    *,
+    scope: str | None = None,
+    mapping: MappingRules = None,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    where: str = "",
+) -> dict[str, str]:
+    """New key -> source key for reading out: keep under ``scope`` and strip it, map, select.
+
+    A key equal to the scope itself has no name relative to it and is left out.
+    """
+    norm_scope = normalize_scope(scope)
+    rules = parse_mapping(mapping)
+    source_keys = list(keys)
+    under = [k for k in source_keys if not norm_scope or k.startswith(norm_scope + "/")]
+    if norm_scope and not under and source_keys:
+        hint = suggest(norm_scope, scopes_of(source_keys))
+        raise SelectionError(f"scope {norm_scope!r} matches no key{_where(where)}{hint}")
+    renamed = {map_key(strip_scope(k, norm_scope), rules): k for k in under}
+    _refuse_collisions(renamed, under, norm_scope, rules, where)
+    return _select_or_fail(renamed, include, exclude, where)
+
+
+def plan_inward(
+    keys: Iterable[str],
+    *,
+    scope: str | None = None,
+    mapping: MappingRules = None,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    where: str = "",
+) -> dict[str, str]:
+    """New key -> source key for writing in: map, select (scope-relative), then put under ``scope``."""
+    norm_scope = normalize_scope(scope)
+    rules = parse_mapping(mapping)
+    source_keys = list(keys)
+    renamed = {map_key(k, rules): k for k in source_keys}
+    _refuse_collisions(renamed, source_keys, "", rules, where)
+    selected = _select_or_fail(renamed, include, exclude, where)
+    return {join_scope(norm_scope, k): v for k, v in selected.items()}
+
+
+def _refuse_collisions(renamed: dict[str, str], sources: list[str], scope: str, rules, where: str) -> None:
+    if len(renamed) == len(sources):
+        return
+    seen: dict[str, str] = {}
+    for source in sources:
+        new = map_key(strip_scope(source, scope), rules)
+        if new in seen:
+            raise InvalidKeyError(
+                f"keys {seen[new]!r} and {source!r} both become {new!r}{_where(where)}; "
+                "change the mapping so each key has its own name"
+            )
+        seen[new] = source
+
+
+def _select_or_fail(renamed: dict[str, str], include: Patterns, exclude: Patterns, where: str) -> dict[str, str]:
+    selected = {k: v for k, v in renamed.items() if passes(k, include, exclude)}
+    if renamed and not selected and (include or exclude):
+        includes = [p for p in _as_list(include) if not is_glob(p)]
+        hint = suggest(includes[0], scopes_of(renamed)) if includes else ""
+        raise SelectionError(
+            f"include {_as_list(include)} exclude {_as_list(exclude)} keeps no key{_where(where)}{hint}"
+        )
+    return selected
+
+
+def _where(where: str) -> str:
+    return f" in {where}" if where else ""
+
+
+def select(weights: Mapping[str, V], include: Patterns = None, exclude: Patterns = None) -> dict[str, V]:
+    """The entries of ``weights`` whose key passes ``include``/``exclude``; a new dict."""
+    plan = _select_or_fail({k: k for k in weights}, include, exclude, "")
+    return {k: weights[k] for k in plan}
+
+
+def remap(weights: Mapping[str, V], *, mapping: MappingRules = None, scope: str | None = None) -> dict[str, V]:
+    """``weights`` renamed by ``mapping`` and then put under ``scope``; a new dict."""
+    plan = plan_inward(weights, scope=scope, mapping=mapping)
+    for key in plan:
+        validate_key(key)
+    return {new: weights[old] for new, old in plan.items()}

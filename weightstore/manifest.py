@@ -1,0 +1,213 @@
+"""The manifest: what a file holds, tensor by tensor, and how to check it.
+
+Both formats carry the same JSON manifest, so a file's logical dtypes (``bfloat16`` that npy
+can only store as raw void), shapes and checksums survive any reader. A manifest read from a
+file is untrusted input: :func:`parse_manifest` checks every field before anything uses it.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+from isal import isal_zlib
+
+from weightstore.errors import FormatError, UnsupportedDTypeError
+from weightstore.keys import validate_key
+
+FORMAT_NAME = "weightstore"
+FORMAT_VERSION = 1
+CHECKSUM_ALGORITHM = "crc32"
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+MAX_NDIM = 64
+
+_NUMERIC_KINDS = frozenset("biufc")
+_ML_DTYPE_NAMES = (
+    "bfloat16", "float8_e3m4", "float8_e4m3", "float8_e4m3b11fnuz", "float8_e4m3fn",
+    "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "float6_e2m3fn",
+    "float6_e3m2fn", "float4_e2m1fn", "int2", "int4", "uint2", "uint4",
+)
+#: ml_dtypes kinds that npy and HDF5 store as raw void bytes; the manifest names them.
+ML_DTYPES: dict[str, np.dtype] = {
+    name: np.dtype(getattr(ml_dtypes, name)) for name in _ML_DTYPE_NAMES if hasattr(ml_dtypes, name)
+}
+_ML_DTYPE_TYPES = {dtype.type: name for name, dtype in ML_DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor as the index describes it; reading it costs nothing."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    checksum: str | None = None
+
+
+@dataclass
+class Manifest:
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, Any] = field(default_factory=dict)
+    created: str = ""
+    producer: str = ""
+    #: where a tensor lives in the file when that differs from its key (HDF5 reserved datasets)
+    locations: dict[str, str] = field(default_factory=dict)
+
+
+def dtype_name(dtype: np.dtype, key: str = "") -> str:
+    """The logical name of a storable dtype; refuse objects, strings, records and dates."""
+    dtype = np.dtype(dtype)
+    ml_name = _ML_DTYPE_TYPES.get(dtype.type)
+    if ml_name is not None:
+        return ml_name
+    if dtype.kind not in _NUMERIC_KINDS or dtype.fields is not None or dtype.subdtype is not None:
+        what = "object arrays are never stored (they would need pickle)" if dtype.kind == "O" else (
+            "only numeric, bool and ml_dtypes arrays are weights"
+        )
+        raise UnsupportedDTypeError(f"tensor {key!r} has dtype {dtype}: {what}")
+    return dtype.newbyteorder("=").name
+
+
+def logical_dtype(name: str, where: str = "") -> np.dtype:
+    """The numpy dtype a manifest names; only names :func:`dtype_name` can produce."""
+    if name in ML_DTYPES:
+        return ML_DTYPES[name]
+    try:
+        dtype = np.dtype(name)
+    except TypeError:
+        dtype = None
+    if dtype is None or not isinstance(name, str) or dtype.kind not in _NUMERIC_KINDS or dtype.name != name:
+        raise FormatError(f"{where}: unknown dtype {name!r}")
+    return dtype.newbyteorder("<")
+
+
+def storage_dtype(name: str) -> np.dtype:
+    """How a logical dtype is laid out on disk: little-endian, ml_dtypes as raw void."""
+    logical = logical_dtype(name)
+    if name in ML_DTYPES:
+        return np.dtype(f"V{logical.itemsize}")
+    return logical.newbyteorder("<")
+
+
+def to_storage(array: np.ndarray, key: str = "") -> tuple[str, np.ndarray]:
+    """``(logical dtype name, C-contiguous little-endian array in storage dtype)``."""
+    array = np.asarray(array)
+    name = dtype_name(array.dtype, key)
+    target = storage_dtype(name)
+    if name in ML_DTYPES:
+        return name, np.asarray(array, order="C").view(target)
+    return name, np.asarray(array, dtype=target, order="C")
+
+
+def from_storage(array: np.ndarray, name: str) -> np.ndarray:
+    """The logical view of a storage array; native byte order (no copy on little-endian hosts)."""
+    logical = logical_dtype(name)
+    if name in ML_DTYPES:
+        return array.view(logical)
+    return array.view(logical.newbyteorder("="))
+
+
+def raw_bytes(buffer) -> memoryview:
+    """A flat read-only byte view of contiguous memory, whatever its shape (0-d, empty)."""
+    view = memoryview(buffer)
+    if not view.c_contiguous:
+        raise ValueError("raw_bytes needs contiguous memory")
+    if view.ndim == 1 and view.format == "B":
+        return view.toreadonly()
+    if view.nbytes == 0:
+        return memoryview(b"")
+    return view.cast("B", (view.nbytes,)).toreadonly() if view.ndim <= 1 else view.cast("B").toreadonly()
+
+
+def checksum(buffer) -> str:
+    """CRC-32 of a tensor's stored bytes, hardware-accelerated by ISA-L (~30 GB/s here)."""
+    return f"{CHECKSUM_ALGORITHM}:{isal_zlib.crc32(raw_bytes(buffer)) & 0xFFFFFFFF:08x}"
+
+
+def shape_nbytes(shape: tuple[int, ...], itemsize: int) -> int:
+    return math.prod(shape) * itemsize
+
+
+def build_manifest(
+    tensors: Mapping[str, TensorInfo], metadata: Mapping[str, Any] | None, producer: str,
+    locations: Mapping[str, str] | None = None,
+) -> str:
+    document = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "producer": producer,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "metadata": dict(metadata or {}),
+        "tensors": {
+            key: {"dtype": info.dtype, "shape": list(info.shape), "checksum": info.checksum}
+            | ({"location": locations[key]} if locations and key in locations else {})
+            for key, info in tensors.items()
+        },
+    }
+    try:
+        return json.dumps(document, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"metadata must be JSON-serializable: {exc}") from None
+
+
+def parse_manifest(text: str, where: str) -> Manifest:
+    """Check an untrusted manifest field by field; any surprise is a :class:`FormatError`."""
+    if len(text) > MAX_MANIFEST_BYTES:
+        raise FormatError(f"{where}: manifest is larger than {MAX_MANIFEST_BYTES} bytes")
+    try:
+        document = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise FormatError(f"{where}: manifest is not valid JSON ({exc})") from None
+    if not isinstance(document, dict) or document.get("format") != FORMAT_NAME:
+        raise FormatError(f"{where}: manifest is not a weightstore manifest")
+    version = document.get("version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise FormatError(f"{where}: manifest version {version!r} is newer than this weightstore reads")
+    raw_tensors = document.get("tensors")
+    metadata = document.get("metadata", {})
+    if not isinstance(raw_tensors, dict) or not isinstance(metadata, dict):
+        raise FormatError(f"{where}: manifest 'tensors' and 'metadata' must be objects")
+    tensors: dict[str, TensorInfo] = {}
+    locations: dict[str, str] = {}
+    for key, entry in raw_tensors.items():
+        tensors[key] = _parse_entry(key, entry, where)
+        if isinstance(entry.get("location"), str):
+            locations[key] = entry["location"]
+    return Manifest(
+        tensors=tensors,
+        metadata=metadata,
+        created=str(document.get("created", "")),
+        producer=str(document.get("producer", "")),
+        locations=locations,
+    )
+
+
+def _parse_entry(key: str, entry: object, where: str) -> TensorInfo:
+    try:
+        validate_key(key)
+    except ValueError as exc:
+        raise FormatError(f"{where}: manifest has {exc}") from None
+    if not isinstance(entry, dict):
+        raise FormatError(f"{where}: manifest entry for {key!r} is not an object")
+    shape = entry.get("shape")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_NDIM
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+    ):
+        raise FormatError(f"{where}: manifest shape of {key!r} is not a list of sizes: {shape!r}")
+    name = entry.get("dtype")
+    if not isinstance(name, str):
+        raise FormatError(f"{where}: manifest dtype of {key!r} is missing")
+    dtype = logical_dtype(name, f"{where}: tensor {key!r}")
+    digest = entry.get("checksum")
+    if digest is not None and not (isinstance(digest, str) and digest.startswith(CHECKSUM_ALGORITHM + ":")):
+        raise FormatError(f"{where}: manifest checksum of {key!r} is not {CHECKSUM_ALGORITHM}: {digest!r}")
+    return TensorInfo(key, name, tuple(shape), shape_nbytes(tuple(shape), dtype.itemsize), digest)

@@ -1,0 +1,285 @@
+"""``save``, ``load`` and ``open`` over local paths and fsspec URLs, with atomic replace.
+
+Local writes go to a temporary file beside the target, are fsynced, renamed over it, and the
+folder is fsynced, so a reader sees the old file or the new one and never a mix. A save
+killed outright leaves its temporary file behind; the next save to that target removes
+temporaries whose writer is gone. URLs are written locally first and uploaded in one put,
+which object stores make visible all at once.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import os
+import re
+import secrets
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Union
+
+import numpy as np
+
+from weightstore import __version__
+from weightstore.errors import (
+    KeyNotInStoreError,
+    MissingDependencyError,
+    SizeLimitError,
+    StoreExistsError,
+    StoreNotFoundError,
+)
+from weightstore.formats import Format, Reader, format_for_suffix, format_named, sniff
+from weightstore.keys import MappingRules, Patterns, plan_outward, validate_key
+from weightstore.manifest import TensorInfo, build_manifest, checksum, to_storage
+
+PathLike = Union[str, "os.PathLike[str]"]
+_TEMP_MARK = ".wstmp-"
+
+
+def is_url(path: object) -> bool:
+    text = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
+    return "://" in text and not text.startswith("file://")
+
+
+def _fsspec():
+    try:
+        import fsspec
+    except ImportError:  # pragma: no cover - fsspec is a core dependency
+        raise MissingDependencyError("reading URLs needs fsspec: pip install 'weightstore[s3]'") from None
+    return fsspec
+
+
+def _location(path: Any) -> str:
+    """The path or URL behind anything :func:`open` accepts (``Version`` has ``.path``)."""
+    if hasattr(path, "path") and not isinstance(path, (str, os.PathLike)):
+        path = path.path
+    text = os.fspath(path)
+    return text[len("file://"):] if text.startswith("file://") else text
+
+
+class Store:
+    """An open weight file: the index is read, each tensor is read when asked for.
+
+    Tensors from uncompressed local npz files are read-only views of the mapped file; copy one
+    (``np.array(store[key])``) to change it.
+    """
+
+    def __init__(self, reader: Reader, path: str, verify: bool):
+        self._reader = reader
+        self.path = path
+        self.verify = verify
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return self._reader.metadata
+
+    @property
+    def created(self) -> str:
+        return self._reader.created
+
+    @property
+    def has_checksums(self) -> bool:
+        return self._reader.has_checksums
+
+    def keys(self) -> list[str]:
+        return self._reader.keys()
+
+    def info(self, key: str) -> TensorInfo:
+        return self._reader.info(key)
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        return self._reader.read(key, verify=self.verify)
+
+    def read(self, keys=None, *, max_bytes: int | None = None) -> dict[str, np.ndarray]:
+        """Several tensors at once, refusing before reading if they exceed ``max_bytes``."""
+        wanted = self.keys() if keys is None else list(keys)
+        for key in wanted:
+            if key not in self:
+                raise KeyNotInStoreError(f"{self.path}: no tensor {key!r}")
+        check_budget(self, wanted, max_bytes)
+        return {key: self[key] for key in wanted}
+
+    def __contains__(self, key: object) -> bool:
+        return key in set(self._reader.keys())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def __len__(self) -> int:
+        return len(self.keys())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.info(k).nbytes for k in self.keys())
+
+    def close(self) -> None:
+        self._reader.close()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<weightstore.Store {self.path!r} ({len(self)} tensors)>"
+
+
+def check_budget(store: Store, keys, max_bytes: int | None) -> None:
+    if max_bytes is None:
+        return
+    total = sum(store.info(k).nbytes for k in keys)
+    if total > max_bytes:
+        raise SizeLimitError(f"{store.path}: reading {len(keys)} tensors needs {total} bytes, over max_bytes={max_bytes}")
+
+
+def open(path: Any, *, verify: bool = True, format: str | None = None) -> Store:  # noqa: A001
+    """Open a weight file lazily: only its index is read until a tensor is asked for."""
+    location = _location(path)
+    if is_url(location):
+        fs, remote = _fsspec().core.url_to_fs(location)
+        try:
+            handle = fs.open(remote, "rb")
+        except FileNotFoundError:
+            raise StoreNotFoundError(f"{location}: no such file") from None
+        fmt = format_named(format) if format else format_for_suffix(location) or sniff(handle.read(8), location)
+        return Store(fmt.open_reader(handle, location), location, verify)
+    try:
+        with builtins.open(location, "rb") as handle:
+            head = handle.read(8)
+    except FileNotFoundError:
+        raise StoreNotFoundError(f"{location}: no such file") from None
+    except IsADirectoryError:
+        raise StoreNotFoundError(f"{location}: is a folder, not a weight file") from None
+    fmt = format_named(format) if format else format_for_suffix(location) or sniff(head, location)
+    return Store(fmt.open_reader(location, location), location, verify)
+
+
+def load(
+    path: Any,
+    *,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    scope: str | None = None,
+    mapping: MappingRules = None,
+    verify: bool = True,
+    max_bytes: int | None = None,
+) -> dict[str, np.ndarray]:
+    """Read a weight file into a dict, reading only the selected tensors' bytes."""
+    with open(path, verify=verify) as store:
+        plan = plan_outward(store.keys(), scope=scope, mapping=mapping, include=include, exclude=exclude, where=store.path)
+        check_budget(store, plan.values(), max_bytes)
+        return {new: store[old] for new, old in plan.items()}
+
+
+def save(
+    path: Any,
+    weights: Mapping[str, Any],
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    compress: bool = False,
+    overwrite: bool = True,
+    format: str | None = None,
+) -> None:
+    """Write ``weights`` atomically; the suffix (or ``format``) picks npz or HDF5.
+
+    Every key and dtype is checked before the first byte is written, so a bad input changes
+    nothing on disk.
+    """
+    location = _location(path)
+    fmt = format_named(format) if format else format_for_suffix(location) or format_named("npz")
+    arrays = _checked(weights)
+    if is_url(location):
+        _save_remote(location, fmt, arrays, metadata, compress, overwrite)
+        return
+    target = Path(location)
+    if not target.parent.is_dir():
+        raise StoreNotFoundError(f"{location}: folder {str(target.parent)!r} does not exist")
+    if not overwrite and target.exists():
+        raise StoreExistsError(f"{location}: file exists (pass overwrite=True to replace it)")
+    remove_stale_temporaries(target)
+    with atomic_target(target) as temporary:
+        write_file(temporary, fmt, arrays, metadata, compress)
+
+
+def _checked(weights: Mapping[str, Any]) -> dict[str, tuple[str, np.ndarray]]:
+    if not isinstance(weights, Mapping):
+        raise TypeError(f"weights must be a mapping of key to array, not {type(weights).__name__}")
+    checked = {}
+    for key, value in weights.items():
+        validate_key(key)
+        checked[key] = to_storage(np.asarray(value), key)
+    return checked
+
+
+def write_file(path: str, fmt: Format, arrays: Mapping[str, tuple[str, np.ndarray]],
+               metadata: Mapping[str, Any] | None, compress: bool) -> None:
+    writer = fmt.open_writer(path, compress)
+    try:
+        infos = {}
+        for key, (name, data) in arrays.items():
+            writer.add(key, name, data)
+            infos[key] = TensorInfo(key, name, data.shape, data.nbytes, checksum(data))
+        writer.commit(build_manifest(infos, metadata, f"weightstore {__version__}", writer.locations))
+    except BaseException:
+        writer.abort()
+        raise
+
+
+@contextlib.contextmanager
+def atomic_target(target: Path) -> Iterator[str]:
+    """A temporary path beside ``target`` that replaces it, durably, when the block succeeds."""
+    temporary = target.with_name(f".{target.name}{_TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        yield str(temporary)
+        fd = os.open(temporary, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temporary, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
+    fsync_folder(target.parent)
+
+
+def fsync_folder(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_stale_temporaries(target: Path) -> None:
+    """Remove temporaries of earlier saves to ``target`` whose process has died (SIGKILL)."""
+    pattern = re.compile(re.escape(f".{target.name}{_TEMP_MARK}") + r"(\d+)-[0-9a-f]+$")
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(target.parent):
+            match = pattern.match(entry.name)
+            if match and not _process_alive(int(match.group(1))):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _save_remote(url: str, fmt: Format, arrays, metadata, compress: bool, overwrite: bool) -> None:
+    fs, remote = _fsspec().core.url_to_fs(url)
+    if not overwrite and fs.exists(remote):
+        raise StoreExistsError(f"{url}: file exists (pass overwrite=True to replace it)")
+    with tempfile.TemporaryDirectory(prefix="weightstore-") as scratch:
+        local = os.path.join(scratch, "upload" + (fmt.suffixes[0]))
+        write_file(local, fmt, arrays, metadata, compress)
+        fs.put_file(local, remote)
