@@ -1,0 +1,257 @@
+"""What an assign will do, decided before any variable changes.
+
+TF1 and TF2 adapters differ only in how they list variables and write values; the pairing
+of values with targets, the dtype rules, the error message and the hot-reload memory live
+here so both mean exactly the same thing by ``scope``, ``mapping``, ``strict`` and ``cast``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import weakref
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+import weightstore
+from weightstore.errors import AssignmentError
+from weightstore.keys import MappingRules, Patterns, in_scope, normalize_scope, passes, plan_inward, strip_scope, suggest
+from weightstore.manifest import logical_dtype
+
+_LISTED = 20  # names shown per category in an error; the rest are counted
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    key: str
+    target: str  # "float32[3, 4]"
+    value: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.key}: variable is {self.target}, value is {self.value} ({self.reason})"
+
+
+@dataclass
+class Report:
+    """What an assign did. ``skipped`` holds keys left alone because their bytes had not changed."""
+
+    assigned: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: list[Mismatch] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.missing or self.unexpected or self.mismatched)
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """A variable as the planner sees it: its key, numpy dtype, shape and trainability."""
+
+    key: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    trainable: bool = True
+
+
+@dataclass
+class Plan:
+    pairs: dict[str, str]  # target key -> value (source) key
+    report: Report
+
+
+class Values:
+    """A uniform lazy view over what ``assign`` accepts: a dict, a path, a Store or a Version."""
+
+    def __init__(self, weights: Any):
+        self._store: weightstore.Store | None = None
+        self._owned = False
+        if isinstance(weights, Mapping):
+            self._arrays = {k: np.asarray(v) for k, v in weights.items()}
+        elif isinstance(weights, weightstore.Store):
+            self._store = weights
+        elif isinstance(weights, (str, os.PathLike)) or hasattr(weights, "path"):
+            self._store = weightstore.open(weights)
+            self._owned = True
+        else:
+            raise TypeError(f"weights must be a dict, a path, a Store or a Version, not {type(weights).__name__}")
+        self.where = self._store.path if self._store else "the weight dictionary"
+
+    def keys(self) -> list[str]:
+        return self._store.keys() if self._store else list(self._arrays)
+
+    def dtype(self, key: str) -> np.dtype:
+        if self._store:
+            return logical_dtype(self._store.info(key).dtype, self.where)
+        return self._arrays[key].dtype
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._store.info(key).shape) if self._store else self._arrays[key].shape
+
+    def checksum(self, key: str) -> str | None:
+        return self._store.info(key).checksum if self._store else None
+
+    def read(self, key: str) -> np.ndarray:
+        return self._store[key] if self._store else self._arrays[key]
+
+    def close(self) -> None:
+        if self._owned and self._store is not None:
+            self._store.close()
+
+
+@contextlib.contextmanager
+def open_values(weights: Any) -> Iterator[Values]:
+    values = Values(weights)
+    try:
+        yield values
+    finally:
+        values.close()
+
+
+def widens(source: np.dtype, target: np.dtype) -> bool:
+    """Whether every value of ``source`` is exactly representable in ``target``."""
+    source, target = np.dtype(source), np.dtype(target)
+    if source == target:
+        return True
+    try:
+        if not np.can_cast(source, target, "safe"):
+            return False
+    except TypeError:
+        return False
+    if source.kind in "iu" and target.kind in "fc":  # numpy calls int64 -> float64 safe; it is not
+        bits = source.itemsize * 8 - (source.kind == "i")
+        return bits <= np.finfo(target).nmant + 1
+    return True
+
+
+def _castable(source: np.dtype, target: np.dtype) -> bool:
+    try:
+        return np.can_cast(source, target, "unsafe") and source.kind in "biufcV" and target.kind in "biufcV"
+    except TypeError:
+        return False
+
+
+def describe(dtype: np.dtype, shape: tuple[int, ...]) -> str:
+    return f"{np.dtype(dtype).name}{list(shape)}"
+
+
+def plan_assign(
+    values: Values,
+    targets: Mapping[str, TargetInfo],
+    *,
+    scope: str | None = None,
+    mapping: MappingRules = None,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    trainable_only: bool = False,
+    strict: bool = True,
+    cast: bool = False,
+) -> Plan:
+    """Pair values with variables by key and check every pair; raise before writing if strict.
+
+    Values are the dictionary's keys after ``mapping`` and ``scope`` that pass
+    ``include``/``exclude`` (scope-relative). Targets are the variables under ``scope`` whose
+    scope-relative key passes the same selection, and, with ``trainable_only``, are trainable.
+    """
+    norm_scope = normalize_scope(scope)
+    value_keys = plan_inward(values.keys(), scope=norm_scope, mapping=mapping, include=include, exclude=exclude,
+                             where=values.where)
+    chosen = {
+        key: info
+        for key, info in targets.items()
+        if in_scope(key, norm_scope) and key != norm_scope
+        and passes(strip_scope(key, norm_scope), include, exclude)
+        and (info.trainable or not trainable_only)
+    }
+    report = Report()
+    report.missing = [k for k in chosen if k not in value_keys]
+    report.unexpected = [k for k in value_keys if k not in chosen]
+    pairs: dict[str, str] = {}
+    for key, source in value_keys.items():
+        target = chosen.get(key)
+        if target is None:
+            continue
+        problem = _pair_problem(values.dtype(source), values.shape(source), target, cast)
+        if problem:
+            report.mismatched.append(
+                Mismatch(key, describe(target.dtype, target.shape), describe(values.dtype(source), values.shape(source)), problem)
+            )
+        else:
+            pairs[key] = source
+    if (strict and not report.ok) or not pairs:
+        raise AssignmentError(
+            _message(report, values.where, chosen, value_keys, pairs),
+            missing=report.missing, unexpected=report.unexpected, mismatched=report.mismatched,
+        )
+    return Plan(pairs, report)
+
+
+def _pair_problem(dtype: np.dtype, shape: tuple[int, ...], target: TargetInfo, cast: bool) -> str:
+    if tuple(shape) != tuple(target.shape):
+        return "shapes differ"
+    if widens(dtype, target.dtype):
+        return ""
+    if cast and _castable(dtype, target.dtype):
+        return ""
+    return "dtype does not widen losslessly; pass cast=True to convert" if _castable(dtype, target.dtype) else "dtypes are incompatible"
+
+
+def _message(report: Report, where: str, targets: Mapping[str, Any], values: Mapping[str, str], pairs) -> str:
+    lines = [f"cannot assign {where}: nothing was changed"]
+    if not pairs and report.ok:
+        lines.append("  no value pairs with a variable" + (" (no variables selected)" if not targets else ""))
+    sections = [
+        ("missing (variables with no value)", report.missing, lambda k: f"no value for variable {k!r}{suggest(k, values)}"),
+        ("unexpected (values with no variable)", report.unexpected, lambda k: f"no variable {k!r}{suggest(k, targets)}"),
+        ("mismatched", report.mismatched, str),
+    ]
+    for title, items, render in sections:
+        if items:
+            lines.append(f"  {len(items)} {title}:")
+            lines.extend(f"    {render(item)}" for item in items[:_LISTED])
+            if len(items) > _LISTED:
+                lines.append(f"    … and {len(items) - _LISTED} more")
+    return "\n".join(lines)
+
+
+class ChecksumMemory:
+    """Which bytes each variable last received, so a newer version can skip unchanged tensors.
+
+    Keyed weakly by the owner (a TF1 session, a TF2 variable), so forgetting a session or a
+    model forgets its entries too.
+    """
+
+    def __init__(self) -> None:
+        self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def unchanged(self, owner: object, key: str, digest: str | None) -> bool:
+        return digest is not None and self._seen.get(owner, {}).get(key) == digest
+
+    def remember(self, owner: object, key: str, digest: str | None) -> None:
+        entries = self._seen.setdefault(owner, {})
+        if digest is None:
+            entries.pop(key, None)
+        else:
+            entries[key] = digest
+
+    def forget(self, owner: object) -> None:
+        self._seen.pop(owner, None)
+
+
+MEMORY = ChecksumMemory()
+
+
+def wants_skip(weights: Any, skip_unchanged: bool | None) -> bool:
+    """By default only versions (from ``publish``/``follow``) skip unchanged tensors.
+
+    A plain path may be re-assigned on purpose to undo training, so it is always written.
+    """
+    if skip_unchanged is not None:
+        return skip_unchanged
+    return type(weights).__name__ == "Version"
