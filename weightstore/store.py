@@ -58,15 +58,19 @@ def _location(path: Any) -> str:
     return text[len("file://"):] if text.startswith("file://") else text
 
 
-class Store:
+class Store(Mapping):
     """An open weight file: the index is read, each tensor is read when asked for.
 
-    Tensors from uncompressed local npz files are read-only views of the mapped file; copy one
-    (``np.array(store[key])``) to change it.
+    A read-only mapping of key to array, so it can be passed wherever a weight dictionary
+    goes (``ws.save(other, store)`` streams tensor by tensor). Tensors from uncompressed local
+    npz files are read-only views of the mapped file; copy one (``np.array(store[key])``) to
+    change it.
     """
 
     def __init__(self, reader: Reader, path: str, verify: bool):
         self._reader = reader
+        self._keys = reader.keys()
+        self._key_set = frozenset(self._keys)
         self.path = path
         self.verify = verify
 
@@ -82,8 +86,8 @@ class Store:
     def has_checksums(self) -> bool:
         return self._reader.has_checksums
 
-    def keys(self) -> list[str]:
-        return self._reader.keys()
+    def keys(self) -> list[str]:  # type: ignore[override]  # a list keeps the file's order
+        return list(self._keys)
 
     def info(self, key: str) -> TensorInfo:
         return self._reader.info(key)
@@ -101,13 +105,13 @@ class Store:
         return {key: self[key] for key in wanted}
 
     def __contains__(self, key: object) -> bool:
-        return key in set(self._reader.keys())
+        return key in self._key_set
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.keys())
+        return iter(self._keys)
 
     def __len__(self) -> int:
-        return len(self.keys())
+        return len(self._keys)
 
     @property
     def nbytes(self) -> int:
