@@ -319,7 +319,10 @@ class NpzReader:
         filled = 0
         for chunk_start in range(start, start + member.compressed, _COMPRESS_CHUNK):
             chunk = self._source.read_at(chunk_start, min(_COMPRESS_CHUNK, start + member.compressed - chunk_start))
-            piece = engine.decompress(bytes(chunk), member.size - filled + 1)
+            try:
+                piece = engine.decompress(bytes(chunk), member.size - filled + 1)
+            except isal_zlib.error as exc:
+                raise FormatError(f"{self.name}: member {member.name!r} is corrupt (deflate: {exc})") from None
             if filled + len(piece) > member.size:
                 raise FormatError(f"{self.name}: member {member.name!r} inflates past its declared size")
             view[filled : filled + len(piece)] = piece

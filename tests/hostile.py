@@ -1,0 +1,115 @@
+"""Hand-made hostile files for the bad-input tests.
+
+Zips are built with :mod:`struct` rather than :mod:`zipfile`, because a hostile file is exactly
+one that ``zipfile`` would refuse to write: duplicate names, overlapping members, lying sizes.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+_LOCAL = struct.Struct("<4s5H3I2H")
+_CENTRAL = struct.Struct("<4s6H3I5H2I")
+_EOCD = struct.Struct("<4s4H2IH")
+STORED, DEFLATED, BZIP2, LZMA = 0, 8, 12, 14
+
+
+def npy(array: np.ndarray) -> bytes:
+    """An ordinary ``.npy`` file's bytes (v1.0 header, C order)."""
+    array = np.ascontiguousarray(array)
+    return npy_raw(np.lib.format.dtype_to_descr(array.dtype), array.shape, array.tobytes())
+
+
+def npy_raw(descr, shape, payload: bytes, *, header_text: str | None = None, version: int = 1) -> bytes:
+    """An ``.npy`` file whose header says whatever the caller wants, over any payload."""
+    if header_text is None:
+        header_text = "{'descr': %r, 'fortran_order': False, 'shape': %r, }" % (descr, tuple(shape))
+    text = header_text.encode("latin1")
+    prefix = 10 if version == 1 else 12
+    text += b" " * (-(prefix + len(text) + 1) % 64) + b"\n"
+    length = struct.pack("<H", len(text)) if version == 1 else struct.pack("<I", len(text))
+    return b"\x93NUMPY" + bytes([version, 0]) + length + text + payload
+
+
+@dataclass
+class Member:
+    """One zip member. ``data`` is what lies in the file; the other fields may lie about it."""
+
+    name: bytes | str
+    data: bytes
+    method: int = STORED
+    size: int | None = None  # uncompressed size the headers claim; len(data) when None
+    crc: int | None = None
+    offset: int | None = None  # central directory's local-header offset; the real one when None
+    flags: int = 0x800
+    extra: bytes = field(default=b"")
+
+    @property
+    def raw_name(self) -> bytes:
+        return self.name.encode("utf-8") if isinstance(self.name, str) else self.name
+
+
+def deflated(payload: bytes) -> bytes:
+    engine = zlib.compressobj(9, zlib.DEFLATED, -15)
+    return engine.compress(payload) + engine.flush()
+
+
+def zip_bytes(members: list[Member], *, extra_central: list[Member] = ()) -> bytes:
+    """A zip holding ``members``; ``extra_central`` adds central entries with no local data."""
+    out = bytearray()
+    entries = []
+    for member in members:
+        offset = len(out)
+        size = len(member.data) if member.size is None else member.size
+        crc = zlib.crc32(member.data) if member.crc is None else member.crc
+        out += _LOCAL.pack(b"PK\x03\x04", 20, member.flags, member.method, 0, 0x21, crc, len(member.data), size,
+                           len(member.raw_name), len(member.extra))
+        out += member.raw_name + member.extra + member.data
+        entries.append((member, offset if member.offset is None else member.offset, crc, size))
+    for member in extra_central:
+        size = len(member.data) if member.size is None else member.size
+        entries.append((member, member.offset or 0, member.crc or zlib.crc32(member.data), size))
+    directory = len(out)
+    for member, offset, crc, size in entries:
+        out += _CENTRAL.pack(b"PK\x01\x02", 20, 20, member.flags, member.method, 0, 0x21, crc, len(member.data), size,
+                             len(member.raw_name), 0, 0, 0, 0, 0, offset)
+        out += member.raw_name
+    out += _EOCD.pack(b"PK\x05\x06", 0, 0, len(entries), len(entries), len(out) - directory, directory, 0)
+    return bytes(out)
+
+
+def data_offsets(path) -> dict[str, tuple[int, int]]:
+    """Member name -> (offset of its data in the file, stored length), read with the stdlib."""
+    import zipfile
+
+    result = {}
+    with zipfile.ZipFile(path) as archive, open(path, "rb") as handle:
+        for info in archive.infolist():
+            handle.seek(info.header_offset)
+            local = _LOCAL.unpack(handle.read(_LOCAL.size))
+            result[info.filename] = (info.header_offset + _LOCAL.size + local[9] + local[10], info.compress_size)
+    return result
+
+
+def npy_data_offset(path, member: str) -> int:
+    """Where the array bytes (after the npy header) of an uncompressed member start in the file."""
+    start, _ = data_offsets(path)[member]
+    with open(path, "rb") as handle:
+        handle.seek(start)
+        head = handle.read(12)
+    assert head[:6] == b"\x93NUMPY", head
+    if head[6] == 1:
+        return start + 10 + struct.unpack("<H", head[8:10])[0]
+    return start + 12 + struct.unpack("<I", head[8:12])[0]
+
+
+def flip_bit(path, offset: int, bit: int = 0) -> None:
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        byte = handle.read(1)[0]
+        handle.seek(offset)
+        handle.write(bytes([byte ^ (1 << bit)]))

@@ -1,0 +1,663 @@
+"""Hostile and broken files: each is refused with the right error, naming the file (and key).
+
+Nothing here may crash the reader, allocate without bound or execute code. Every file is
+real, under ``tmp_path``; the zips are made by hand in :mod:`hostile`.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import subprocess
+import sys
+import zlib
+
+import h5py
+import numpy as np
+import pytest
+
+import hostile
+import weightstore as ws
+from weightstore import errors
+
+
+def raises_naming(exc_type, *names):
+    """``pytest.raises`` that also checks the message names every one of ``names``."""
+    return _Naming(exc_type, names)
+
+
+class _Naming:
+    def __init__(self, exc_type, names):
+        self._ctx = pytest.raises(exc_type)
+        self._names = [str(n) for n in names]
+
+    def __enter__(self):
+        self.info = self._ctx.__enter__()
+        return self.info
+
+    def __exit__(self, *exc):
+        suppressed = self._ctx.__exit__(*exc)
+        if suppressed:
+            message = str(self.info.value)
+            for name in self._names:
+                assert name in message, f"{name!r} not in {message!r}"
+        return suppressed
+
+
+def write(path, data: bytes):
+    path.write_bytes(data)
+    return path
+
+
+def load_all(path, **kwargs):
+    """Open, list, read every tensor: the whole reader surface."""
+    return ws.load(path, **kwargs)
+
+
+def good_npz(tmp_path, name="good.npz", **kwargs):
+    path = tmp_path / name
+    ws.save(path, {"dense/kernel": np.arange(64, dtype=np.float32).reshape(8, 8),
+                   "dense/bias": np.arange(8, dtype=np.float64)}, **kwargs)
+    return path
+
+
+def good_h5(tmp_path, name="good.h5", **kwargs):
+    path = tmp_path / name
+    ws.save(path, {"dense/kernel": np.arange(64, dtype=np.float32).reshape(8, 8),
+                   "dense/bias": np.arange(8, dtype=np.float64)}, **kwargs)
+    return path
+
+
+# -- not a weight file at all --------------------------------------------------------------
+
+@pytest.mark.parametrize("suffix", [".npz", ".h5", ".bin"])
+def test_empty_file(tmp_path, suffix):
+    path = write(tmp_path / f"empty{suffix}", b"")
+    with raises_naming(errors.FormatError, path):
+        ws.open(path)
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".h5"])
+def test_random_bytes(tmp_path, suffix):
+    path = write(tmp_path / f"noise{suffix}", np.random.default_rng(0).bytes(10_000))
+    with raises_naming(errors.FormatError, path):
+        ws.open(path)
+
+
+def test_html_page_saved_as_npz(tmp_path):
+    page = b"<!DOCTYPE html><html><head><title>404 Not Found</title></head><body>gone</body></html>\n"
+    path = write(tmp_path / "weights.npz", page)
+    with raises_naming(errors.FormatError, path):
+        ws.load(path)
+
+
+class _Boom:
+    """Unpickling this writes a marker file: proof that something executed pickle data."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_pickle_saved_as_npz_is_never_unpickled(tmp_path):
+    marker = tmp_path / "pwned"
+    path = write(tmp_path / "weights.npz", pickle.dumps({"w": _Boom(marker)}))
+    with raises_naming(errors.FormatError, path):
+        ws.load(path)
+    assert not marker.exists()
+
+
+def test_pickle_saved_as_h5(tmp_path):
+    path = write(tmp_path / "weights.h5", pickle.dumps({"w": [1.0, 2.0]}))
+    with raises_naming(errors.FormatError, path):
+        ws.load(path)
+
+
+@pytest.mark.parametrize("fraction", [0.05, 0.5, 0.95, 0.999])
+def test_truncated_npz(tmp_path, fraction):
+    path = good_npz(tmp_path)
+    data = path.read_bytes()
+    write(path, data[: int(len(data) * fraction)])
+    with raises_naming(errors.FormatError, path):
+        load_all(path)
+
+
+@pytest.mark.parametrize("keep", [100, 2000, -200, -1])
+def test_truncated_npz_tensor_data(tmp_path, keep):
+    """Cut inside the member data of a one-tensor file whose directory is then re-appended."""
+    payload = hostile.npy(np.arange(1000, dtype=np.float32))
+    cut = payload[:keep]
+    path = write(tmp_path / "cut.npz", hostile.zip_bytes([hostile.Member("w.npy", cut)]))
+    with raises_naming(errors.FormatError, path, "w"):
+        load_all(path)
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.5, 0.9])
+def test_truncated_h5(tmp_path, fraction):
+    path = good_h5(tmp_path)
+    data = path.read_bytes()
+    write(path, data[: int(len(data) * fraction)])
+    with raises_naming(errors.FormatError, path):
+        load_all(path)
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "nothing.npz"
+    with raises_naming(errors.StoreNotFoundError, path):
+        ws.load(path)
+    with pytest.raises(FileNotFoundError):
+        ws.open(path)
+
+
+# -- bit flips and checksums ------------------------------------------------------------------
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_bit_flip_npz_names_the_tensor(tmp_path, compress):
+    path = tmp_path / "w.npz"
+    kernel = np.arange(64, dtype=np.float32).reshape(8, 8)
+    ws.save(path, {"dense/kernel": kernel, "dense/bias": np.zeros(8)}, compress=compress)
+    if compress:
+        # Rewrite the member with a value changed but a valid stream, so only our checksum can tell.
+        flipped = kernel.copy()
+        flipped[3, 3] += 1
+        _replace_npz_member(path, "dense/kernel.npy", hostile.npy(flipped))
+    else:
+        hostile.flip_bit(path, hostile.npy_data_offset(path, "dense/kernel.npy") + 4 * 27, 3)
+    with raises_naming(errors.ChecksumError, path, "dense/kernel"):
+        ws.load(path)
+    with ws.open(path) as store:
+        assert np.array_equal(store["dense/bias"], np.zeros(8))  # the other tensor still reads
+        with raises_naming(errors.ChecksumError, path, "dense/kernel"):
+            store["dense/kernel"]
+    unverified = ws.load(path, verify=False)["dense/kernel"]
+    assert unverified.shape == (8, 8)
+    assert (unverified != kernel).sum() == 1
+    with ws.open(path, verify=False) as store:
+        assert (store["dense/kernel"] != kernel).sum() == 1
+
+
+def _replace_npz_member(path, name, payload):
+    """Rewrite an npz keeping every member but ``name`` byte for byte (same order, deflated)."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        members = [(info.filename, archive.read(info.filename)) for info in archive.infolist()]
+    rebuilt = [hostile.Member(n, hostile.deflated(payload if n == name else data), hostile.DEFLATED,
+                              size=len(payload if n == name else data),
+                              crc=zlib.crc32(payload if n == name else data))
+               for n, data in members]
+    path.write_bytes(hostile.zip_bytes(rebuilt))
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_bit_flip_h5_names_the_tensor(tmp_path, compress):
+    path = tmp_path / "w.h5"
+    kernel = np.arange(4096, dtype=np.float32).reshape(64, 64)
+    ws.save(path, {"dense/kernel": kernel, "dense/bias": np.zeros(8)}, compress=compress)
+    if compress:
+        with h5py.File(path, "r+") as f:  # a valid gzip stream with one value changed
+            f["dense/kernel"][5, 5] = -1.0
+    else:
+        with h5py.File(path, "r") as f:
+            offset = f["dense/kernel"].id.get_offset()
+        hostile.flip_bit(path, offset + 4 * 100 + 2, 5)
+    with raises_naming(errors.ChecksumError, path, "dense/kernel"):
+        ws.load(path)
+    assert np.array_equal(ws.load(path, include="dense/bias")["dense/bias"], np.zeros(8))
+    unverified = ws.load(path, verify=False)["dense/kernel"]
+    assert (unverified != kernel).sum() == 1
+
+
+def test_bit_flip_in_npy_header_is_caught(tmp_path):
+    path = good_npz(tmp_path)
+    start, _ = hostile.data_offsets(path)["dense/kernel.npy"]
+    raw = bytearray(path.read_bytes())
+    header = raw[start : start + 128]
+    at = header.index(b"(8, 8)")
+    raw[start + at + 1] = ord("4")  # shape (4, 8): the byte count no longer matches
+    path.write_bytes(bytes(raw))
+    with raises_naming(errors.FormatError, path, "dense/kernel"):
+        ws.load(path)
+
+
+# -- object arrays: refused on write and on read, never unpickled ---------------------------
+
+@pytest.mark.parametrize("suffix", [".npz", ".h5"])
+@pytest.mark.parametrize("value", [
+    np.array([1, "a", None], dtype=object),
+    np.array(["text", "more"]),
+    np.array([b"bytes"]),
+    np.zeros(3, dtype=[("a", "f4"), ("b", "i4")]),
+    np.array(["2020-01-01"], dtype="datetime64[D]"),
+], ids=["object", "unicode", "bytes", "structured", "datetime"])
+def test_non_numeric_arrays_refused_on_write(tmp_path, suffix, value):
+    path = tmp_path / f"w{suffix}"
+    with raises_naming(errors.UnsupportedDTypeError, "bad/tensor"):
+        ws.save(path, {"good": np.zeros(2), "bad/tensor": value})
+    assert not path.exists()
+    assert os.listdir(tmp_path) == []
+
+
+def test_object_array_in_npz_refused_on_read_never_unpickled(tmp_path):
+    marker = tmp_path / "pwned"
+    path = tmp_path / "evil.npz"
+    np.savez(path, w=np.zeros(3, dtype=np.float32), evil=np.array([_Boom(marker)], dtype=object))
+    with raises_naming(errors.UnsafeFileError, path, "evil"):
+        ws.load(path)
+    with ws.open(path) as store:  # listing is fine; the object member is refused when touched
+        assert sorted(store.keys()) == ["evil", "w"]
+        with raises_naming(errors.UnsafeFileError, path, "evil"):
+            store["evil"]
+        assert np.array_equal(store["w"], np.zeros(3))
+    assert not marker.exists()
+
+
+def test_object_array_under_a_manifest_refused(tmp_path):
+    """A weightstore file whose member was swapped for a pickle stays refused."""
+    path = good_npz(tmp_path)
+    marker = tmp_path / "pwned"
+    evil = np.array([_Boom(marker)], dtype=object)
+    import io
+
+    buffer = io.BytesIO()
+    np.save(buffer, evil, allow_pickle=True)
+    _rewrite_stored(path, {"dense/bias.npy": buffer.getvalue()})
+    with raises_naming(errors.FormatError, path, "dense/bias"):
+        ws.load(path)
+    assert not marker.exists()
+
+
+def _rewrite_stored(path, replace):
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        members = [(i.filename, replace.get(i.filename, archive.read(i.filename))) for i in archive.infolist()]
+    path.write_bytes(hostile.zip_bytes([hostile.Member(n, d) for n, d in members]))
+
+
+def test_h5_string_dataset_refused(tmp_path):
+    path = tmp_path / "strings.h5"
+    with h5py.File(path, "w") as f:
+        f["w"] = np.zeros(3)
+        f["names"] = np.array([b"a", b"bc"], dtype=h5py.string_dtype())
+    with raises_naming(errors.UnsafeFileError, path, "names"):
+        ws.load(path)
+    assert np.array_equal(ws.load(path, include="w")["w"], np.zeros(3))
+
+
+# -- lying npy headers ------------------------------------------------------------------------
+
+def _one_member(tmp_path, payload, name="w.npy"):
+    return write(tmp_path / "bad.npz", hostile.zip_bytes([hostile.Member(name, payload)]))
+
+
+@pytest.mark.parametrize("shape", [(10,), (3,), (2, 2, 2), ()])
+def test_npy_shape_does_not_match_byte_count(tmp_path, shape):
+    path = _one_member(tmp_path, hostile.npy_raw("<f4", shape, np.zeros(5, np.float32).tobytes()))
+    with raises_naming(errors.FormatError, path, "w"):
+        load_all(path)
+
+
+@pytest.mark.parametrize("shape", [(2**40, 2**40), (2**63, 2**63, 2**63), (2**62,)])
+def test_npy_shape_product_overflows(tmp_path, shape):
+    path = _one_member(tmp_path, hostile.npy_raw("<f8", shape, b"\0" * 64))
+    with raises_naming(errors.FormatError, path, "w"):
+        load_all(path)
+    with ws.open(path) as store:
+        with raises_naming(errors.FormatError, path, "w"):
+            store.info("w")
+
+
+def test_npy_header_over_10000_bytes(tmp_path):
+    text = "{'descr': '<f4', 'fortran_order': False, 'shape': (1,), }" + " " * 20_000
+    path = _one_member(tmp_path, hostile.npy_raw("<f4", (1,), b"\0" * 4, header_text=text, version=2))
+    with raises_naming(errors.UnsafeFileError, path, "w"):
+        load_all(path)
+
+
+@pytest.mark.parametrize("text", [
+    "__import__('os').system('touch pwned')",
+    "{'descr': '<f4', 'fortran_order': False}",
+    "{'descr': '<f4', 'fortran_order': False, 'shape': (-1,), }",
+    "{'descr': '<f4', 'fortran_order': False, 'shape': (1.5,), }",
+    "{'descr': 'nonsense', 'fortran_order': False, 'shape': (1,), }",
+    "[" * 10_000 + "]" * 10_000,
+], ids=["code", "no-shape", "negative", "float-dim", "bad-descr", "deep"])
+def test_npy_header_garbage(tmp_path, text):
+    path = _one_member(tmp_path, hostile.npy_raw("<f4", (1,), b"\0" * 4, header_text=text[:9000]))
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with raises_naming(errors.FormatError, path, "w"):
+            load_all(path)
+    finally:
+        os.chdir(cwd)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_npy_structured_descr_refused(tmp_path):
+    path = _one_member(tmp_path, hostile.npy(np.zeros(2, dtype=[("a", "<f4"), ("b", "<i4")])))
+    with raises_naming(errors.FormatError, path, "w"):
+        load_all(path)
+
+
+# -- zip tricks -----------------------------------------------------------------------------------
+
+def test_duplicate_zip_members(tmp_path):
+    first = hostile.npy(np.zeros(4, np.float32))
+    second = hostile.npy(np.ones(4, np.float32))
+    path = write(tmp_path / "dup.npz", hostile.zip_bytes([hostile.Member("w.npy", first), hostile.Member("w.npy", second)]))
+    with raises_naming(errors.UnsafeFileError, path, "w.npy"):
+        ws.open(path)
+
+
+def test_overlapping_zip_members_bomb(tmp_path):
+    """Many central entries sharing one local record: each would inflate the same data."""
+    payload = hostile.npy(np.zeros(1 << 16, np.float32))
+    member = hostile.Member("a.npy", hostile.deflated(payload), hostile.DEFLATED, size=len(payload),
+                            crc=zlib.crc32(payload))
+    aliases = [hostile.Member(f"b{i}.npy", member.data, hostile.DEFLATED, size=len(payload), crc=zlib.crc32(payload),
+                              offset=0) for i in range(50)]
+    path = write(tmp_path / "overlap.npz", hostile.zip_bytes([member], extra_central=aliases))
+    with raises_naming(errors.UnsafeFileError, path, "overlaps"):
+        ws.open(path)
+
+
+def test_member_pointing_into_another(tmp_path):
+    """A central entry whose offset lands inside the previous member's data."""
+    a = hostile.npy(np.arange(256, dtype=np.float32))
+    b = hostile.npy(np.arange(4, dtype=np.float32))
+    data = hostile.zip_bytes([hostile.Member("a.npy", a), hostile.Member("b.npy", b, offset=40)])
+    path = write(tmp_path / "overlap.npz", data)
+    with raises_naming(errors.FormatError, path):
+        load_all(path)
+
+
+@pytest.mark.parametrize("method", [hostile.BZIP2, hostile.LZMA, 1, 99])
+def test_compression_methods_other_than_stored_and_deflate(tmp_path, method):
+    payload = hostile.npy(np.zeros(4, np.float32))
+    path = write(tmp_path / "method.npz", hostile.zip_bytes([hostile.Member("w.npy", payload, method)]))
+    with raises_naming(errors.UnsafeFileError, path, "w.npy", str(method)):
+        ws.open(path)
+
+
+def test_encrypted_member_refused(tmp_path):
+    payload = hostile.npy(np.zeros(4, np.float32))
+    path = write(tmp_path / "enc.npz", hostile.zip_bytes([hostile.Member("w.npy", payload, flags=0x801)]))
+    with raises_naming(errors.UnsafeFileError, path, "w.npy"):
+        ws.open(path)
+
+
+@pytest.mark.parametrize("name", [
+    b"../escape.npy", b"a/../../escape.npy", b"..", b"w\x00.npy", b"a\\b.npy", b"/abs.npy", b"/etc/passwd.npy",
+], ids=["dotdot", "nested-dotdot", "bare-dotdot", "nul", "backslash", "leading-slash", "absolute"])
+def test_unsafe_member_names(tmp_path, name):
+    payload = hostile.npy(np.zeros(4, np.float32))
+    path = write(tmp_path / "names.npz", hostile.zip_bytes([hostile.Member(name, payload)]))
+    with raises_naming(errors.UnsafeFileError, path):
+        ws.open(path)
+
+
+def test_non_npy_member_refused(tmp_path):
+    path = write(tmp_path / "extra.npz", hostile.zip_bytes([
+        hostile.Member("w.npy", hostile.npy(np.zeros(2))), hostile.Member("readme.txt", b"hello")]))
+    with raises_naming(errors.FormatError, path, "readme.txt"):
+        ws.open(path)
+
+
+def test_deflate_member_claiming_huge_size(tmp_path):
+    """A few bytes that claim to inflate to 4 GB: refused from the directory, nothing allocated."""
+    payload = hostile.npy(np.zeros(16, np.float32))
+    member = hostile.Member("w.npy", hostile.deflated(payload), hostile.DEFLATED, size=0xFFFF_FFF0,
+                            crc=zlib.crc32(payload))
+    path = write(tmp_path / "bomb.npz", hostile.zip_bytes([member]))
+    with raises_naming(errors.UnsafeFileError, path, "w.npy"):
+        ws.open(path)
+
+
+def test_deflate_member_inflating_past_its_declared_size(tmp_path):
+    """A plausible declared size, but the stream holds more: inflation stops at the declared size."""
+    payload = hostile.npy(np.zeros(100_000, np.float32))
+    stream = hostile.deflated(payload)
+    member = hostile.Member("w.npy", stream, hostile.DEFLATED, size=len(stream) * 10, crc=zlib.crc32(payload))
+    path = write(tmp_path / "liar.npz", hostile.zip_bytes([member]))
+    with raises_naming(errors.FormatError, path, "w.npy"):
+        load_all(path)
+
+
+def test_deflate_member_shorter_than_declared(tmp_path):
+    payload = hostile.npy(np.arange(1000, dtype=np.float32))
+    stream = hostile.deflated(payload)
+    member = hostile.Member("w.npy", stream, hostile.DEFLATED, size=len(payload) + 400, crc=zlib.crc32(payload))
+    path = write(tmp_path / "short.npz", hostile.zip_bytes([member]))
+    with raises_naming(errors.FormatError, path, "w.npy"):
+        load_all(path)
+
+
+def test_corrupt_deflate_stream(tmp_path):
+    payload = hostile.npy(np.arange(1000, dtype=np.float32))
+    stream = bytearray(hostile.deflated(payload))
+    stream[len(stream) // 2 :] = b"\xff" * (len(stream) - len(stream) // 2)
+    member = hostile.Member("w.npy", bytes(stream), hostile.DEFLATED, size=len(payload), crc=zlib.crc32(payload))
+    path = write(tmp_path / "corrupt.npz", hostile.zip_bytes([member]))
+    with raises_naming(errors.FormatError, path, "w"):
+        load_all(path)
+
+
+def test_stored_member_with_inconsistent_sizes(tmp_path):
+    payload = hostile.npy(np.zeros(16, np.float32))
+    path = write(tmp_path / "sizes.npz", hostile.zip_bytes([hostile.Member("w.npy", payload, size=1 << 30)]))
+    with raises_naming(errors.FormatError, path, "w.npy"):
+        load_all(path)
+
+
+def test_local_header_naming_another_file(tmp_path):
+    """The central directory says ``a.npy`` but the local record it points to is ``b.npy``."""
+    payload = hostile.npy(np.zeros(16, np.float32))
+    data = bytearray(hostile.zip_bytes([hostile.Member("a.npy", payload)]))
+    data[30:35] = b"b.npy"
+    path = write(tmp_path / "swap.npz", bytes(data))
+    with raises_naming(errors.UnsafeFileError, path, "a.npy"):
+        load_all(path)
+
+
+def test_manifest_that_lies_about_members(tmp_path):
+    path = good_npz(tmp_path)
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        members = [(i.filename, archive.read(i.filename)) for i in archive.infolist()]
+    kept = [hostile.Member(n, d) for n, d in members if n != "dense/bias.npy"]
+    path.write_bytes(hostile.zip_bytes(kept))
+    with raises_naming(errors.FormatError, path, "dense/bias"):
+        ws.open(path)
+
+
+def test_manifest_not_json(tmp_path):
+    manifest = hostile.npy(np.array("{not json"))
+    data = hostile.zip_bytes([hostile.Member("w.npy", hostile.npy(np.zeros(2))),
+                              hostile.Member("__weightstore__.npy", manifest)])
+    path = write(tmp_path / "manifest.npz", data)
+    with raises_naming(errors.FormatError, path, "manifest"):
+        ws.open(path)
+
+
+# -- max_bytes ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("suffix", [".npz", ".h5"])
+def test_max_bytes_refuses_before_reading(tmp_path, suffix):
+    """Every tensor's bytes are corrupt: had anything been read, a ChecksumError would win."""
+    path = tmp_path / f"w{suffix}"
+    weights = {"a": np.arange(1000, dtype=np.float32), "b": np.arange(10, dtype=np.float64)}
+    ws.save(path, weights)
+    _corrupt_every_tensor(path, suffix, weights)
+    with raises_naming(errors.SizeLimitError, path, "4080", "4000"):
+        ws.load(path, max_bytes=4000)
+    with pytest.raises(ValueError):  # catchable as the builtin it refines
+        ws.load(path, max_bytes=4079)
+    with ws.open(path) as store:
+        with raises_naming(errors.SizeLimitError, path):
+            store.read(["a"], max_bytes=3999)
+    # inside the budget the read happens, and meets the corruption
+    with raises_naming(errors.ChecksumError, path, "b"):
+        ws.load(path, include="b", max_bytes=80)
+    assert ws.load(path, include="b", max_bytes=80, verify=False)["b"].shape == (10,)
+
+
+def _corrupt_every_tensor(path, suffix, weights):
+    if suffix == ".npz":
+        for key in weights:
+            hostile.flip_bit(path, hostile.npy_data_offset(path, f"{key}.npy"), 6)
+    else:
+        with h5py.File(path, "r") as f:
+            offsets = [f[key].id.get_offset() for key in weights]
+        for offset in offsets:
+            hostile.flip_bit(path, offset, 6)
+
+
+# -- HDF5 tricks ----------------------------------------------------------------------------------
+
+def test_h5_external_storage(tmp_path):
+    raw = tmp_path / "outside.bin"
+    raw.write_bytes(np.arange(100, dtype=np.float32).tobytes())
+    path = tmp_path / "external.h5"
+    with h5py.File(path, "w") as f:
+        f["w"] = np.zeros(3)
+        f.create_dataset("leak", shape=(100,), dtype="<f4", external=[(str(raw), 0, 400)])
+    with raises_naming(errors.UnsafeFileError, path, "leak"):
+        ws.load(path)
+    assert np.array_equal(ws.load(path, include="w")["w"], np.zeros(3))
+
+
+def test_h5_soft_link(tmp_path):
+    path = tmp_path / "soft.h5"
+    with h5py.File(path, "w") as f:
+        f["w"] = np.zeros(3)
+        f["alias"] = h5py.SoftLink("/w")
+    with raises_naming(errors.UnsafeFileError, path, "alias"):
+        ws.open(path)
+
+
+def test_h5_external_link(tmp_path):
+    other = tmp_path / "other.h5"
+    with h5py.File(other, "w") as f:
+        f["secret"] = np.arange(5)
+    path = tmp_path / "extlink.h5"
+    with h5py.File(path, "w") as f:
+        f["w"] = np.zeros(3)
+        f["scope/leak"] = h5py.ExternalLink(str(other), "/secret")
+    with raises_naming(errors.UnsafeFileError, path, "scope/leak"):
+        ws.open(path)
+
+
+def test_h5_hard_link_twice(tmp_path):
+    path = tmp_path / "hard.h5"
+    with h5py.File(path, "w") as f:
+        f["w"] = np.zeros(3)
+        f["again"] = f["w"]
+    with raises_naming(errors.UnsafeFileError, path):
+        ws.open(path)
+
+
+def test_h5_virtual_dataset(tmp_path):
+    source = tmp_path / "source.h5"
+    with h5py.File(source, "w") as f:
+        f["data"] = np.arange(10, dtype=np.float32)
+    layout = h5py.VirtualLayout(shape=(10,), dtype="<f4")
+    layout[:] = h5py.VirtualSource(str(source), "data", shape=(10,))
+    path = tmp_path / "virtual.h5"
+    with h5py.File(path, "w") as f:
+        f["w"] = np.zeros(3)
+        f.create_virtual_dataset("view", layout)
+    with raises_naming(errors.UnsafeFileError, path, "view"):
+        ws.load(path)
+
+
+def test_h5_declared_size_larger_than_stored(tmp_path):
+    """A dataset whose declared bytes were never written (4 GB of nothing) is refused unread."""
+    path = tmp_path / "hollow.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("big", shape=(1 << 30,), dtype="<f4")
+    assert path.stat().st_size < 1 << 20
+    with raises_naming(errors.FormatError, path, "big"):
+        ws.load(path)
+
+
+def test_h5_compressed_bomb_ratio(tmp_path):
+    path = tmp_path / "bomb.h5"
+    with h5py.File(path, "w") as f:
+        big = f.create_dataset("big", shape=(1 << 30,), dtype="<f4", chunks=(1 << 20,), compression="gzip")
+        big[: 1 << 20] = 0.0  # one chunk stored; the other 1023 read as fill values
+    with raises_naming(errors.UnsafeFileError, path, "big"):
+        ws.load(path)
+
+
+def test_h5_unknown_filter(tmp_path):
+    path = tmp_path / "scaleoffset.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("w", data=np.arange(1000, dtype=np.int32), scaleoffset=0)
+    with raises_naming(errors.UnsafeFileError, path, "w"):
+        ws.load(path)
+
+
+def test_h5_manifest_that_lies(tmp_path):
+    path = good_h5(tmp_path)
+    with h5py.File(path, "r+") as f:
+        del f["dense/bias"]
+    with raises_naming(errors.FormatError, path):
+        ws.open(path)
+
+
+def test_h5_manifest_shape_disagrees_with_dataset(tmp_path):
+    path = good_h5(tmp_path)
+    with h5py.File(path, "r+") as f:
+        del f["dense/bias"]
+        f["dense/bias"] = np.zeros(9)
+    with raises_naming(errors.FormatError, path, "dense/bias"):
+        ws.load(path)
+
+
+# -- the error hierarchy --------------------------------------------------------------------------
+
+def test_every_error_is_a_weightstore_error_and_its_builtin():
+    refines = {
+        "InvalidKeyError": ValueError, "UnsupportedDTypeError": TypeError, "SelectionError": ValueError,
+        "StoreNotFoundError": FileNotFoundError, "VersionGoneError": FileNotFoundError,
+        "StoreExistsError": FileExistsError, "KeyNotInStoreError": KeyError, "FormatError": ValueError,
+        "ChecksumError": ValueError, "UnsafeFileError": ValueError, "SizeLimitError": ValueError,
+        "AssignmentError": ValueError, "PublishError": RuntimeError, "MissingDependencyError": ImportError,
+    }
+    assert set(errors.__all__) == set(refines) | {"WeightStoreError"}
+    for name, builtin in refines.items():
+        cls = getattr(errors, name)
+        assert issubclass(cls, errors.WeightStoreError) and issubclass(cls, builtin), name
+        assert getattr(ws, name) is cls
+    assert issubclass(errors.ChecksumError, errors.FormatError)
+    assert issubclass(errors.UnsafeFileError, errors.FormatError)
+    assert issubclass(errors.VersionGoneError, errors.StoreNotFoundError)
+
+
+def test_key_not_in_store_message_is_not_quoted(tmp_path):
+    path = good_npz(tmp_path)
+    with ws.open(path) as store:
+        with pytest.raises(KeyError) as info:
+            store["dense/kernl"]
+    message = str(info.value)
+    assert str(path) in message and "dense/kernl" in message
+    assert not message.startswith(("'", '"'))
+
+
+def test_import_weightstore_does_not_import_tensorflow():
+    code = "import sys, weightstore; print(sorted(m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras')))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert result.stdout.strip() == "[]", result.stdout
+
+
+def test_messages_name_the_file_not_a_repr(tmp_path):
+    path = write(tmp_path / "garbage.npz", b"PK\x03\x04" + b"\0" * 100)
+    with pytest.raises(errors.FormatError) as info:
+        ws.open(path)
+    assert re.search(re.escape(str(path)), str(info.value))
