@@ -72,33 +72,33 @@ class Values:
     def __init__(self, weights: Any):
         self._store: weightstore.Store | None = None
         self._owned = False
-        if isinstance(weights, Mapping):
-            self._arrays = {k: np.asarray(v) for k, v in weights.items()}
-        elif isinstance(weights, weightstore.Store):
+        if isinstance(weights, weightstore.Store):  # before Mapping: a Store is one, but lazy
             self._store = weights
+        elif isinstance(weights, Mapping):
+            self._arrays = {k: np.asarray(v) for k, v in weights.items()}
         elif isinstance(weights, (str, os.PathLike)) or hasattr(weights, "path"):
             self._store = weightstore.open(weights)
             self._owned = True
         else:
             raise TypeError(f"weights must be a dict, a path, a Store or a Version, not {type(weights).__name__}")
-        self.where = self._store.path if self._store else "the weight dictionary"
+        self.where = self._store.path if self._store is not None else "the weight dictionary"
 
     def keys(self) -> list[str]:
-        return self._store.keys() if self._store else list(self._arrays)
+        return self._store.keys() if self._store is not None else list(self._arrays)
 
     def dtype(self, key: str) -> np.dtype:
-        if self._store:
+        if self._store is not None:
             return logical_dtype(self._store.info(key).dtype, self.where)
         return self._arrays[key].dtype
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self._store.info(key).shape) if self._store else self._arrays[key].shape
+        return tuple(self._store.info(key).shape) if self._store is not None else self._arrays[key].shape
 
     def checksum(self, key: str) -> str | None:
-        return self._store.info(key).checksum if self._store else None
+        return self._store.info(key).checksum if self._store is not None else None
 
     def read(self, key: str) -> np.ndarray:
-        return self._store[key] if self._store else self._arrays[key]
+        return self._store[key] if self._store is not None else self._arrays[key]
 
     def close(self) -> None:
         if self._owned and self._store is not None:
