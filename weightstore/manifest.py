@@ -116,6 +116,11 @@ def from_storage(array: np.ndarray, name: str) -> np.ndarray:
 
 def raw_bytes(buffer) -> memoryview:
     """A flat read-only byte view of contiguous memory, whatever its shape (0-d, empty)."""
+    if isinstance(buffer, np.ndarray):
+        # As bytes first: the buffer protocol refuses long double in explicit '<' order.
+        if not buffer.flags.c_contiguous:
+            raise ValueError("raw_bytes needs contiguous memory")
+        buffer = buffer.reshape(-1).view(np.uint8)
     view = memoryview(buffer)
     if not view.c_contiguous:
         raise ValueError("raw_bytes needs contiguous memory")
