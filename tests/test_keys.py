@@ -1,0 +1,216 @@
+"""Keys, scopes, globs and mappings: the pure functions, and the same words through real files."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import weightstore as ws
+from weightstore import keys as K
+
+
+# -- key rules ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("key", [
+    "w", "model_001/conv_1/bn/beta", "a.b/c-d/e_f", "ünï/kérnel", "x/y:z", "w/Adagrad", "...x", "a/.hidden",
+    "with space/x", "0/1/2",
+])
+def test_valid_keys(key):
+    assert K.validate_key(key) == key
+
+
+@pytest.mark.parametrize("key", [
+    "", "/w", "w/", "a//b", "a/./b", "a/../b", "..", ".", "a\\b", "a\nb", "a\x00b", "tab\there", "a\x7fb",
+    "dense/kernel:0", "w:12", "__weightstore__", "a/__weightstore_value__",
+])
+def test_invalid_keys_are_refused_naming_the_key(key):
+    with pytest.raises(ws.InvalidKeyError) as info:
+        K.validate_key(key)
+    assert repr(key) in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize("key", [None, 3, b"w", ("a",)])
+def test_non_string_keys_are_refused(key):
+    with pytest.raises(ws.InvalidKeyError) as info:
+        K.validate_key(key)
+    assert repr(key) in str(info.value)
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".h5"])
+@pytest.mark.parametrize("bad", ["a//b", "w:0", "../escape", "/abs", "a\\b", "", "x/./y", "__weightstore__", 7])
+def test_invalid_key_refused_on_save_and_nothing_written(tmp_path, suffix, bad):
+    path = tmp_path / f"w{suffix}"
+    ws.save(path, {"old": np.arange(3)})
+    before = path.read_bytes()
+    weights = {"good/a": np.zeros(4), "good/b": np.ones(2), bad: np.zeros(1), "after": np.zeros(1)}
+    with pytest.raises(ws.InvalidKeyError) as info:
+        ws.save(path, weights)
+    assert repr(bad) in str(info.value)
+    assert path.read_bytes() == before
+    assert os.listdir(tmp_path) == [path.name]
+
+
+# -- scopes ---------------------------------------------------------------------------------------
+
+def test_scopes_match_whole_segments():
+    assert K.in_scope("model_1", "model_1")
+    assert K.in_scope("model_1/w", "model_1")
+    assert not K.in_scope("model_10/w", "model_1")
+    assert not K.in_scope("model_1x", "model_1")
+    assert K.in_scope("anything", "")
+    assert K.matches("model_1/dense/w", "model_1/dense")
+    assert not K.matches("model_1/dense_1/w", "model_1/dense")
+    assert K.matches("model_1/w", "model_1/")  # a trailing '/' is how users often type a scope
+
+
+def test_globs_cross_slashes_and_match_whole_keys():
+    assert K.matches("model_1/dense/kernel", "model_*/kernel")  # '*' crosses '/'
+    assert K.matches("model_1/dense/kernel", "*kernel")
+    assert not K.matches("model_1/dense/kernel", "*dense")  # whole key, not a prefix
+    assert K.matches("model_7/w", "model_?/w")
+    assert not K.matches("model_10/w", "model_?/w")
+    assert K.matches("model_3/w", "model_[0-4]/*")
+    assert not K.matches("model_5/w", "model_[0-4]/*")
+    assert not K.matches("Model_1/w", "model_*")  # case matters
+
+
+def test_select_include_exclude():
+    weights = {k: k for k in ["model_1/w", "model_1/b", "model_10/w", "model_2/w", "head/w"]}
+    assert list(ws.select(weights, include="model_1")) == ["model_1/w", "model_1/b"]
+    assert list(ws.select(weights, include=["model_1", "head"])) == ["model_1/w", "model_1/b", "head/w"]
+    assert list(ws.select(weights, exclude="model_1")) == ["model_10/w", "model_2/w", "head/w"]
+    assert list(ws.select(weights, include="model_*", exclude="*/b")) == ["model_1/w", "model_10/w", "model_2/w"]
+    assert list(ws.select(weights, include="*/w", exclude=["model_10", "model_2"])) == ["model_1/w", "head/w"]
+    assert ws.select(weights) == weights and ws.select(weights) is not weights
+
+
+def test_select_that_keeps_nothing_is_an_error_with_a_suggestion():
+    weights = {"model_001/w": 1, "model_002/w": 2}
+    with pytest.raises(ws.SelectionError) as info:
+        ws.select(weights, include="model_01")
+    assert "model_01" in str(info.value) and "did you mean 'model_001'" in str(info.value)
+    with pytest.raises(ValueError):
+        ws.select(weights, exclude="*")
+
+
+# -- mapping --------------------------------------------------------------------------------------
+
+def test_mapping_rules():
+    weights = {"model_001/w": 1, "model_0010/w": 2, "head/b": 3, "model_001": 4}
+    assert ws.remap(weights, mapping=["model_001=student"]) == {
+        "student/w": 1, "model_0010/w": 2, "head/b": 3, "student": 4}
+    assert ws.remap(weights, mapping={"head": "new/head"})["new/head/b"] == 3
+    assert list(ws.remap(weights, mapping=["=under"])) == ["under/model_001/w", "under/model_0010/w",
+                                                          "under/head/b", "under/model_001"]
+    assert ws.remap({"model_001/w": 1, "head/b": 3}, mapping=["model_001="]) == {"w": 1, "head/b": 3}
+
+
+def test_first_matching_rule_wins():
+    weights = {"a/b/c": 1, "a/x": 2}
+    assert ws.remap(weights, mapping=["a/b=first", "a=second"]) == {"first/c": 1, "second/x": 2}
+    assert ws.remap(weights, mapping=["a=second", "a/b=first"]) == {"second/b/c": 1, "second/x": 2}
+
+
+def test_mapping_then_scope():
+    weights = {"model_001/w": 1, "other": 2}
+    assert ws.remap(weights, mapping="model_001=student", scope="ensemble") == {
+        "ensemble/student/w": 1, "ensemble/other": 2}
+    assert ws.remap(weights, scope="ensemble/") == {"ensemble/model_001/w": 1, "ensemble/other": 2}
+
+
+def test_mapping_collisions_and_bad_rules():
+    with pytest.raises(ws.InvalidKeyError) as info:
+        ws.remap({"a/w": 1, "b/w": 2}, mapping=["a=c", "b=c"])
+    assert "'a/w'" in str(info.value) and "'b/w'" in str(info.value) and "c/w" in str(info.value)
+    with pytest.raises(ws.InvalidKeyError) as info:
+        ws.remap({"w": 1}, mapping=["no-equals-sign"])
+    assert "no-equals-sign" in str(info.value)
+    with pytest.raises(ws.InvalidKeyError):
+        ws.remap({"w": 1}, mapping=["w="])  # would leave an empty key
+    with pytest.raises(ws.InvalidKeyError):
+        ws.remap({"w": 1}, mapping=["w=../up"])
+
+
+# -- the order rules, through real files ----------------------------------------------------------
+
+@pytest.fixture(params=[".npz", ".h5"])
+def ensemble(request, tmp_path):
+    path = tmp_path / f"ensemble{request.param}"
+    weights = {
+        "model_1/dense/kernel": np.full((2, 2), 1.0),
+        "model_1/dense/bias": np.full(2, 1.5),
+        "model_1/head/w": np.full(3, 1.7),
+        "model_10/dense/kernel": np.full((2, 2), 10.0),
+        "model_2/dense/kernel": np.full((2, 2), 2.0),
+        "shared/emb": np.arange(4.0),
+    }
+    ws.save(path, weights)
+    return path, weights
+
+
+def test_load_scope_keeps_whole_segments_and_strips(ensemble):
+    path, weights = ensemble
+    loaded = ws.load(path, scope="model_1")
+    assert list(loaded) == ["dense/kernel", "dense/bias", "head/w"]
+    assert np.array_equal(loaded["dense/kernel"], weights["model_1/dense/kernel"])
+
+
+def test_load_include_is_relative_to_the_scope(ensemble):
+    path, _ = ensemble
+    assert list(ws.load(path, scope="model_1", include="dense")) == ["dense/kernel", "dense/bias"]
+    assert list(ws.load(path, scope="model_1", include="*/kernel")) == ["dense/kernel"]
+    assert list(ws.load(path, scope="model_1", exclude="dense")) == ["head/w"]
+    with pytest.raises(ws.SelectionError):  # the full key is not what include sees under a scope
+        ws.load(path, scope="model_1", include="model_1/dense")
+
+
+def test_load_mapping_then_selection_on_mapped_keys(ensemble):
+    path, weights = ensemble
+    loaded = ws.load(path, mapping=["model_1=student", "model_2=teacher"], include=["student", "teacher"])
+    assert list(loaded) == ["student/dense/kernel", "student/dense/bias", "student/head/w", "teacher/dense/kernel"]
+    assert np.array_equal(loaded["teacher/dense/kernel"], weights["model_2/dense/kernel"])
+    with pytest.raises(ws.SelectionError):
+        ws.load(path, mapping="model_1=student", include="model_1")
+
+
+def test_load_scope_and_mapping_together(ensemble):
+    path, _ = ensemble
+    rules = ["dense=layer_0", "=net"]
+    assert list(ws.load(path, scope="model_1", mapping=rules)) == ["layer_0/kernel", "layer_0/bias", "net/head/w"]
+    assert list(ws.load(path, scope="model_1", mapping=rules, include="net")) == ["net/head/w"]
+    # '=TO' puts every key (not caught by an earlier rule) under TO
+    assert list(ws.load(path, scope="model_1", mapping="=net")) == ["net/dense/kernel", "net/dense/bias", "net/head/w"]
+    # 'FROM=' strips FROM
+    assert list(ws.load(path, scope="model_1", mapping="dense=")) == ["kernel", "bias", "head/w"]
+
+
+def test_load_scope_that_matches_nothing_suggests(ensemble):
+    path, _ = ensemble
+    with pytest.raises(ws.SelectionError) as info:
+        ws.load(path, scope="model_01")
+    message = str(info.value)
+    assert str(path) in message and "model_01" in message and "did you mean 'model_1'" in message
+    with pytest.raises(ws.SelectionError) as info:
+        ws.load(path, scope="model_1", include="densee")
+    assert str(path) in str(info.value) and "did you mean 'dense'" in str(info.value)
+    with pytest.raises(ws.SelectionError):
+        ws.load(path, exclude="*")
+
+
+def test_load_include_without_scope(ensemble):
+    path, _ = ensemble
+    assert list(ws.load(path, include="model_1")) == ["model_1/dense/kernel", "model_1/dense/bias", "model_1/head/w"]
+    assert list(ws.load(path, include="model_1*/dense/kernel")) == ["model_1/dense/kernel", "model_10/dense/kernel"]
+
+
+def test_store_read_of_missing_key(ensemble):
+    path, _ = ensemble
+    with ws.open(path) as store:
+        with pytest.raises(ws.KeyNotInStoreError) as info:
+            store.read(["model_1/dense/kernel", "model_3/dense/kernel"])
+        assert "model_3/dense/kernel" in str(info.value) and str(path) in str(info.value)
+        assert set(store.read(["shared/emb"])) == {"shared/emb"}
+        assert "model_2/dense/kernel" in store and "model_2" not in store
