@@ -79,7 +79,10 @@ class Hdf5Writer:
         self._file.close()
 
     def abort(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except Exception:  # closing flushes, and may fail as the write did; report that first error
+            pass
 
 
 class Hdf5Reader:

@@ -160,7 +160,10 @@ class NpzWriter:
         ) + member.name + extra
 
     def abort(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except Exception:  # closing flushes, and may fail as the write did; report that first error
+            pass
 
 
 @dataclass
