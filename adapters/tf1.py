@@ -1,0 +1,228 @@
+"""TF1 graphs in and out of weight dictionaries, through ``tf.compat.v1`` sessions.
+
+Keys are variable names without ``:0``. Variables are found in every collection of the
+session's graph (global, local, model, custom), of both kinds (ref and resource).
+Partitioned variables (``w/part_0``, ``w/part_1``…) appear as one whole tensor ``w``, cut
+and stitched along the slices TF records for its ``Saver``.
+
+Assigning writes by feeding each variable's initializer input and running its initializer:
+those ops already exist, so repeated assigns never grow the graph and work on a graph that
+``MonitoredTrainingSession`` has finalized, and every value goes in one ``session.run``. A
+naive ``sess.run(v.assign(x))`` adds ops on every reload until the process runs out of memory.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from weightstore.adapters.plan import MEMORY, Report, TargetInfo, open_values, plan_assign, wants_skip
+from weightstore.errors import SelectionError
+from weightstore.keys import MappingRules, Patterns, plan_outward
+from weightstore.manifest import ML_DTYPES
+
+__all__ = ["export", "assign"]
+
+_ALIGNMENT = 64  # TF adopts fed numpy memory aligned to this instead of copying it
+_WEIGHT_KINDS = frozenset("biufc")
+_ASSIGN_TYPES = frozenset({"Assign", "AssignVariableOp"})
+_ML_TYPES = frozenset(dtype.type for dtype in ML_DTYPES.values())
+
+# graph -> variable name -> (assign op, placeholder), for variables whose initializer cannot be fed
+_FALLBACK_OPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class _Part:
+    variable: tf.Variable
+    index: tuple[slice, ...]  # where this part lies in the whole tensor; () for a whole variable
+
+
+@dataclass
+class _Target:
+    """One key: a variable, or every part of a partitioned variable."""
+
+    key: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    trainable: bool
+    parts: list[_Part] = field(default_factory=list)
+
+    @property
+    def info(self) -> TargetInfo:
+        return TargetInfo(self.key, self.dtype, self.shape, self.trainable)
+
+
+def export(
+    sess: Any,
+    *,
+    scope: str | None = None,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    trainable_only: bool = False,
+) -> dict[str, np.ndarray]:
+    """The variables of ``sess``'s graph as a new dict of arrays, read in one ``session.run``.
+
+    Keeps the variables under ``scope`` (keys made relative to it), then those passing
+    ``include``/``exclude``, then, with ``trainable_only``, the trainable ones.
+    """
+    targets = _targets(sess.graph)
+    plan = plan_outward(targets, scope=scope, include=include, exclude=exclude, where="the graph")
+    if trainable_only:
+        kept = {key: source for key, source in plan.items() if targets[source].trainable}
+        if plan and not kept:
+            raise SelectionError("trainable_only keeps no variable: the selected variables are all non-trainable")
+        plan = kept
+    chosen = [targets[source] for source in plan.values()]
+    fetched = iter(sess.run([part.variable for target in chosen for part in target.parts]))
+    return {key: _stitch(target, fetched) for key, target in zip(plan, chosen)}
+
+
+def assign(
+    sess: Any,
+    weights: Any,
+    *,
+    scope: str | None = None,
+    mapping: MappingRules = None,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    trainable_only: bool = False,
+    strict: bool = True,
+    cast: bool = False,
+    skip_unchanged: bool | None = None,
+) -> Report:
+    """Write ``weights`` into the variables of ``sess``'s graph, planned first, in one run.
+
+    ``weights`` is a dict, a path, an open store or a ``Version``; only what is assigned is
+    read. With ``strict`` (the default) any missing, unexpected or mismatched key raises
+    :class:`~weightstore.errors.AssignmentError` and no variable changes. ``skip_unchanged``
+    (default: only for versions) leaves alone tensors whose checksum matches what this
+    session last received for that key.
+    """
+    graph = sess.graph
+    targets = _targets(graph)
+    skip = wants_skip(weights, skip_unchanged)
+    with open_values(weights) as values:
+        plan = plan_assign(
+            values, {key: target.info for key, target in targets.items()}, scope=scope, mapping=mapping,
+            include=include, exclude=exclude, trainable_only=trainable_only, strict=strict, cast=cast,
+        )
+        report = plan.report
+        fetches: list[tf.Operation] = []
+        feeds: dict[tf.Tensor, np.ndarray] = {}
+        written: list[tuple[str, str | None]] = []
+        for key, source in plan.pairs.items():
+            digest = values.checksum(source)
+            if skip and MEMORY.unchanged(sess, key, digest):
+                report.skipped.append(key)
+                continue
+            array = values.read(source)
+            for part in targets[key].parts:
+                op, tensor = _writer(graph, part.variable)
+                fetches.append(op)
+                feeds[tensor] = _private_copy(array[part.index], targets[key].dtype)
+            written.append((key, digest))
+        if fetches:
+            sess.run(fetches, feed_dict=feeds)
+    for key, digest in written:
+        MEMORY.remember(sess, key, digest)
+        report.assigned.append(key)
+    return report
+
+
+def _targets(graph: tf.Graph) -> dict[str, _Target]:
+    """Every weight variable of ``graph`` by key, partitioned variables joined into one."""
+    trainable = {v.op.name for v in graph.get_collection(tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES)}
+    targets: dict[str, _Target] = {}
+    for variable in _variables(graph):
+        dtype = np.dtype(variable.dtype.base_dtype.as_numpy_dtype)
+        if dtype.kind not in _WEIGHT_KINDS and dtype.type not in _ML_TYPES:
+            continue  # string and resource variables hold no weights
+        name = variable.op.name
+        slice_info = variable._get_save_slice_info()
+        if slice_info is None:
+            targets[name] = _Target(name, dtype, tuple(variable.shape.as_list()), name in trainable, [_Part(variable, ())])
+            continue
+        whole = targets.setdefault(
+            slice_info.full_name, _Target(slice_info.full_name, dtype, tuple(slice_info.full_shape), True)
+        )
+        whole.trainable &= name in trainable
+        index = tuple(slice(o, o + s) for o, s in zip(slice_info.var_offset, slice_info.var_shape))
+        whole.parts.append(_Part(variable, index))
+    for target in targets.values():
+        covered = sum(math.prod(part.variable.shape.as_list()) for part in target.parts)
+        if target.parts[0].index and covered != math.prod(target.shape):
+            raise ValueError(f"partitioned variable {target.key!r}: its parts in the graph's collections "
+                             f"cover {covered} of {math.prod(target.shape)} elements")
+    return targets
+
+
+def _variables(graph: tf.Graph) -> list[tf.Variable]:
+    """Variables of every collection, each once, global ones first in creation order."""
+    seen: dict[str, tf.Variable] = {}
+    keys = [tf.compat.v1.GraphKeys.GLOBAL_VARIABLES, tf.compat.v1.GraphKeys.LOCAL_VARIABLES,
+            *sorted(graph.get_all_collection_keys())]
+    for collection in keys:
+        for item in graph.get_collection(collection):
+            if isinstance(item, tf.Variable):
+                seen.setdefault(item.op.name, item)
+    return list(seen.values())
+
+
+def _stitch(target: _Target, fetched) -> np.ndarray:
+    if not target.parts[0].index:
+        return np.asarray(next(fetched))
+    whole = np.empty(target.shape, target.dtype)
+    for part in target.parts:
+        whole[part.index] = next(fetched)
+    return whole
+
+
+def _writer(graph: tf.Graph, variable: tf.Variable) -> tuple[tf.Operation, tf.Tensor]:
+    """The op that writes ``variable`` and the tensor to feed it: its initializer when it may."""
+    initializer = variable.initializer
+    if initializer is not None and not initializer.control_inputs and len(initializer.inputs) == 2:
+        tensor = initializer.inputs[1]
+        writers = [op for op in tensor.consumers() if op.type in _ASSIGN_TYPES]
+        if graph.is_feedable(tensor) and writers == [initializer]:
+            return initializer, tensor
+    # The initial value is shared with other ops (tf.Variable(t) twice): feeding it would write
+    # one value into every variable made from it. Such a variable gets one assign op, made once.
+    cached = _FALLBACK_OPS.setdefault(graph, {})
+    name = variable.op.name
+    if name not in cached:
+        if graph.finalized:
+            raise RuntimeError(
+                f"variable {name!r} shares its initial value with other ops, so weightstore needs one "
+                "assign op for it, and the graph is finalized; give the variable its own initial value, "
+                "or assign once before the graph is finalized"
+            )
+        with graph.as_default(), tf.control_dependencies(None), tf.name_scope(f"{name}/weightstore_assign"):
+            placeholder = tf.compat.v1.placeholder(variable.dtype.base_dtype, variable.shape)
+            op = variable.assign(placeholder, read_value=False)
+        cached[name] = (op if isinstance(op, tf.Operation) else op.op, placeholder)
+    return cached[name]
+
+
+def _private_copy(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``array`` as ``dtype`` in fresh 64-byte-aligned memory that only TF will hold.
+
+    TF adopts aligned fed memory as a resource variable's buffer instead of copying it (its
+    copy-on-write keeps TF itself from writing there), so feeding the caller's array would
+    make the variable change whenever the caller's array does, and feeding a view of a
+    mapped file would pin that file (even once pruned) for as long as the variable lives.
+    Unaligned memory TF copies itself, so this is the one copy an assign needs anyway.
+    """
+    dtype = np.dtype(dtype)
+    size = math.prod(array.shape) * dtype.itemsize
+    raw = np.empty(size + _ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % _ALIGNMENT
+    out = raw[start:start + size].view(dtype).reshape(array.shape)
+    np.copyto(out, array, casting="unsafe")
+    return out

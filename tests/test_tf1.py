@@ -1,0 +1,370 @@
+"""The TF1 adapter against real ``tf.compat.v1`` graphs: every test builds its own graph.
+
+Eager execution stays on for the process (TF2 tests share it); graphs are entered with
+``tf.Graph().as_default()`` instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+import weightstore as ws  # noqa: E402
+from weightstore.adapters import tf1  # noqa: E402
+from weightstore.errors import AssignmentError, ChecksumError, SelectionError  # noqa: E402
+from weightstore.versions import Version  # noqa: E402
+
+v1 = tf.compat.v1
+DTYPES = ["float16", "float32", "float64", "bfloat16", "int8", "int16", "int32", "int64", "uint8", "bool",
+          "complex64"]
+SHAPES = {"scalar": [], "empty": [0, 3], "matrix": [3, 4]}
+
+
+@contextlib.contextmanager
+def graph_session():
+    graph = tf.Graph()
+    with graph.as_default(), v1.Session(graph=graph) as sess:
+        yield graph, sess
+
+
+def np_dtype(name: str) -> np.dtype:
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def random_array(dtype: np.dtype, shape, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if dtype.kind == "b":
+        return rng.random(shape) > 0.5
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, size=shape, dtype=dtype, endpoint=True)
+    if dtype.kind == "c":
+        return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype)
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def values(sess, variables) -> list[np.ndarray]:
+    return [np.asarray(x) for x in sess.run(list(variables))]
+
+
+def build_dtype_graph(dtype_name: str):
+    """Resource and ref variables of one dtype and three shapes, initialised to zeros."""
+    dtype = tf.as_dtype(dtype_name)
+    made = []
+    for kind, resource in (("res", True), ("ref", False)):
+        for label, shape in SHAPES.items():
+            made.append(v1.get_variable(f"{kind}/{label}", shape, dtype=dtype,
+                                        initializer=v1.zeros_initializer(), use_resource=resource))
+    return made
+
+
+@pytest.mark.parametrize("route", ["dict", "npz", "h5"])
+@pytest.mark.parametrize("dtype_name", DTYPES)
+def test_round_trip_every_dtype(tmp_path, dtype_name, route):
+    dtype = np_dtype(dtype_name)
+    expected = {f"{kind}/{label}": random_array(dtype, shape, seed=i)
+                for i, (kind, (label, shape)) in enumerate((k, s) for k in ("res", "ref") for s in SHAPES.items())}
+    with graph_session() as (_, sess):
+        build_dtype_graph(dtype_name)
+        sess.run(v1.global_variables_initializer())
+        tf1.assign(sess, expected)
+        exported = tf1.export(sess)
+    assert list(exported) == list(expected)
+    source = exported
+    if route != "dict":
+        source = tmp_path / f"w.{route}"
+        ws.save(source, exported)
+    with graph_session() as (_, sess):
+        variables = build_dtype_graph(dtype_name)
+        report = tf1.assign(sess, source)  # into uninitialised variables: assign is an initialiser
+        assert report.assigned == list(expected) and report.ok
+        for variable, got in zip(variables, values(sess, variables)):
+            want = expected[variable.op.name]
+            assert got.dtype == dtype and got.shape == want.shape
+            np.testing.assert_array_equal(got, want)
+
+
+def test_keys_have_no_output_suffix_and_cover_every_collection():
+    with graph_session() as (_, sess):
+        v1.get_variable("global", [2])
+        v1.get_variable("local", [2], collections=[v1.GraphKeys.LOCAL_VARIABLES])
+        v1.get_variable("model", [2], collections=[v1.GraphKeys.MODEL_VARIABLES])
+        v1.Variable(np.ones(2, np.float32), name="custom", collections=["my_collection"], use_resource=False)
+        v1.Variable("text", name="words")  # a string variable holds no weights
+        sess.run([v.initializer for name in (v1.GraphKeys.GLOBAL_VARIABLES, v1.GraphKeys.LOCAL_VARIABLES,
+                                             v1.GraphKeys.MODEL_VARIABLES, "my_collection")
+                  for v in v1.get_collection(name)])
+        assert sorted(tf1.export(sess)) == ["custom", "global", "local", "model"]
+
+
+def test_scope_matches_whole_segments():
+    with graph_session() as (_, sess):
+        one = v1.get_variable("model_1/w", [2], initializer=v1.zeros_initializer())
+        ten = v1.get_variable("model_10/w", [2], initializer=v1.zeros_initializer())
+        sess.run(v1.global_variables_initializer())
+        assert list(tf1.export(sess, scope="model_1")) == ["w"]
+        report = tf1.assign(sess, {"w": np.ones(2, np.float32)}, scope="model_1")
+        assert report.assigned == ["model_1/w"]
+        one_value, ten_value = values(sess, [one, ten])
+        np.testing.assert_array_equal(one_value, [1, 1])
+        np.testing.assert_array_equal(ten_value, [0, 0])
+        with pytest.raises(SelectionError, match="model_1"):
+            tf1.export(sess, scope="model_100")
+
+
+def test_mapping_then_scope_then_selection():
+    with graph_session() as (_, sess):
+        student = v1.get_variable("ens/student/dense/w", [2], initializer=v1.zeros_initializer())
+        other = v1.get_variable("ens/student/head/w", [2], initializer=v1.zeros_initializer())
+        sess.run(v1.global_variables_initializer())
+        weights = {"teacher/dense/w": np.full(2, 3, np.float32), "teacher/head/w": np.full(2, 4, np.float32)}
+        report = tf1.assign(sess, weights, scope="ens", mapping=["teacher=student"], include="student/dense")
+        assert report.assigned == ["ens/student/dense/w"]
+        np.testing.assert_array_equal(values(sess, [student, other]), [[3, 3], [0, 0]])
+        tf1.assign(sess, weights, mapping={"teacher": "ens/student"})
+        np.testing.assert_array_equal(values(sess, [student, other]), [[3, 3], [4, 4]])
+        assert list(tf1.export(sess, scope="ens", include="*/head/*")) == ["student/head/w"]
+        assert list(tf1.export(sess, exclude="ens/student/head")) == ["ens/student/dense/w"]
+
+
+def test_strict_lists_every_problem_and_changes_nothing():
+    with graph_session() as (_, sess):
+        w = v1.get_variable("model_001/w", [3], initializer=v1.zeros_initializer())
+        b = v1.get_variable("model_001/b", [3], initializer=v1.zeros_initializer())
+        k = v1.get_variable("model_001/k", [2, 2], initializer=v1.zeros_initializer())
+        sess.run(v1.global_variables_initializer())
+        weights = {
+            "model_02/w": np.ones(3, np.float32),          # unexpected, close to model_001/w
+            "model_001/b": np.ones(3, np.float32),         # fine on its own
+            "model_001/k": np.ones((4,), np.float32),      # mismatched shape
+        }
+        with pytest.raises(AssignmentError) as caught:
+            tf1.assign(sess, weights)
+        error = caught.value
+        assert error.missing == ["model_001/w"]
+        assert error.unexpected == ["model_02/w"]
+        assert [m.key for m in error.mismatched] == ["model_001/k"]
+        text = str(error)
+        assert "nothing was changed" in text
+        assert "no variable 'model_02/w'; did you mean 'model_001/w'?" in text
+        assert "shapes differ" in text
+        for got in values(sess, [w, b, k]):
+            assert not got.any()
+
+        report = tf1.assign(sess, weights, strict=False)
+        assert report.assigned == ["model_001/b"]
+        assert report.missing == ["model_001/w"] and report.unexpected == ["model_02/w"]
+        assert [m.key for m in report.mismatched] == ["model_001/k"]
+        np.testing.assert_array_equal(values(sess, [w, b]), [[0, 0, 0], [1, 1, 1]])
+
+
+def test_cast_rules():
+    with graph_session() as (_, sess):
+        w = v1.get_variable("w", [2], dtype=tf.float32, initializer=v1.zeros_initializer())
+        sess.run(w.initializer)
+        tf1.assign(sess, {"w": np.array([0.5, 1.5], np.float16)})  # widening is always fine
+        np.testing.assert_array_equal(sess.run(w), [0.5, 1.5])
+        for value in (np.array([1.0, 2.0], np.float64), np.array([1, 2], np.int64)):
+            with pytest.raises(AssignmentError, match="cast=True"):
+                tf1.assign(sess, {"w": value})
+            np.testing.assert_array_equal(sess.run(w), [0.5, 1.5])
+        tf1.assign(sess, {"w": np.array([1.25, 2.0], np.float64)}, cast=True)
+        np.testing.assert_array_equal(sess.run(w), [1.25, 2.0])
+
+
+@pytest.mark.parametrize("resource", [True, False], ids=["resource", "ref"])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_partitioned_variables_are_whole_tensors(tmp_path, resource, axis):
+    whole = np.arange(7 * 5, dtype=np.float32).reshape(7, 5)
+    with graph_session() as (_, sess):
+        part = v1.get_variable("net/w", [7, 5], partitioner=v1.fixed_size_partitioner(3, axis=axis),
+                               use_resource=resource)
+        sess.run(v1.global_variables_initializer())
+        parts = list(part)
+        assert [p.op.name for p in parts] == ["net/w/part_0", "net/w/part_1", "net/w/part_2"]
+        tf1.assign(sess, {"net/w": whole})
+        np.testing.assert_array_equal(np.concatenate(values(sess, parts), axis=axis), whole)
+        exported = tf1.export(sess)
+        assert list(exported) == ["net/w"]
+        np.testing.assert_array_equal(exported["net/w"], whole)
+        ws.save(tmp_path / "w.h5", exported)
+    with graph_session() as (_, sess):
+        part = v1.get_variable("model_2/net/w", [7, 5], partitioner=v1.fixed_size_partitioner(3, axis=axis),
+                               use_resource=resource)
+        report = tf1.assign(sess, tmp_path / "w.h5", scope="model_2")
+        assert report.assigned == ["model_2/net/w"]
+        np.testing.assert_array_equal(np.concatenate(values(sess, list(part)), axis=axis), whole)
+
+
+def test_finalized_graph_and_monitored_training_session(tmp_path):
+    ws.save(tmp_path / "w.npz", {"w": np.full(3, 7, np.float32), "global_step": np.int64(40)})
+    with tf.Graph().as_default() as graph:
+        v1.train.create_global_step()
+        w = v1.get_variable("w", [3])
+        train = v1.assign_add(v1.train.get_global_step(), 1)
+        with v1.train.MonitoredTrainingSession() as sess:
+            assert graph.finalized
+            report = tf1.assign(sess, tmp_path / "w.npz")
+            assert sorted(report.assigned) == ["global_step", "w"]
+            sess.run(train)
+            exported = tf1.export(sess)
+            assert exported["global_step"] == 41
+            np.testing.assert_array_equal(exported["w"], [7, 7, 7])
+            del w
+
+
+def test_trainable_only():
+    with graph_session() as (_, sess):
+        w = v1.get_variable("layer/w", [2], initializer=v1.zeros_initializer())
+        mean = v1.get_variable("layer/moving_mean", [2], initializer=v1.zeros_initializer(), trainable=False)
+        sess.run(v1.global_variables_initializer())
+        assert list(tf1.export(sess, trainable_only=True)) == ["layer/w"]
+        report = tf1.assign(sess, {"layer/w": np.ones(2, np.float32)}, trainable_only=True)
+        assert report.ok and report.assigned == ["layer/w"]
+        np.testing.assert_array_equal(values(sess, [w, mean]), [[1, 1], [0, 0]])
+        with pytest.raises(SelectionError, match="trainable_only"):
+            tf1.export(sess, include="layer/moving_mean", trainable_only=True)
+
+
+def test_optimizer_slots_under_their_variable_round_trip(tmp_path):
+    """``w`` is a key and also the scope of ``w/Adagrad``: HDF5 must hold both."""
+
+    def build():
+        w = v1.get_variable("w", [3], initializer=v1.constant_initializer(1.0))
+        train = v1.train.AdagradOptimizer(0.5).minimize(tf.reduce_sum(w * w))
+        return w, train
+
+    with graph_session() as (_, sess):
+        _, train = build()
+        sess.run(v1.global_variables_initializer())
+        for _ in range(3):
+            sess.run(train)
+        trained = tf1.export(sess)
+    assert sorted(trained) == ["w", "w/Adagrad"]
+    for suffix in ("npz", "h5"):
+        ws.save(tmp_path / f"t.{suffix}", trained)
+        with graph_session() as (_, sess):
+            build()
+            assert tf1.assign(sess, tmp_path / f"t.{suffix}").ok
+            got = tf1.export(sess)
+            for key in trained:
+                np.testing.assert_array_equal(got[key], trained[key])
+            assert list(tf1.export(sess, scope="w")) == ["Adagrad"]
+
+
+def test_repeated_assigns_keep_graph_and_memory_flat(tmp_path):
+    rng = np.random.default_rng(0)
+    weights = {f"layer_{i}/w": rng.standard_normal((256, 256)).astype(np.float32) for i in range(4)}
+    weights["layer_0/b"] = np.zeros(256, np.float32)
+    ws.save(tmp_path / "w.npz", weights)
+    with graph_session() as (graph, sess):
+        for key, value in weights.items():
+            v1.get_variable(key, value.shape, use_resource=not key.startswith("layer_1"))
+        graph.finalize()
+        for _ in range(20):  # warm up allocator and caches before measuring
+            tf1.assign(sess, tmp_path / "w.npz")
+        ops, rss = len(graph.get_operations()), _rss()
+        for i in range(1000):
+            tf1.assign(sess, tmp_path / "w.npz" if i % 2 else weights)
+        assert len(graph.get_operations()) == ops
+        assert _rss() - rss < 50 << 20
+        np.testing.assert_array_equal(tf1.export(sess)["layer_2/w"], weights["layer_2/w"])
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_shared_initial_value_gets_its_own_assign_op():
+    """``tf.Variable(t)`` twice shares ``t``: feeding it would write one value into both."""
+    with graph_session() as (graph, sess):
+        init = tf.zeros([3])
+        a = v1.Variable(init, name="a")
+        b = v1.Variable(init, name="b", use_resource=False)
+        tf1.assign(sess, {"a": np.ones(3, np.float32), "b": np.full(3, 2, np.float32)})
+        np.testing.assert_array_equal(values(sess, [a, b]), [[1, 1, 1], [2, 2, 2]])
+        ops = len(graph.get_operations())
+        graph.finalize()
+        tf1.assign(sess, {"a": np.full(3, 5, np.float32), "b": np.full(3, 6, np.float32)})
+        assert len(graph.get_operations()) == ops
+        np.testing.assert_array_equal(values(sess, [a, b]), [[5, 5, 5], [6, 6, 6]])
+    with graph_session() as (graph, sess):
+        init = tf.zeros([3])
+        v1.Variable(init, name="a"), v1.Variable(init, name="b")
+        graph.finalize()
+        with pytest.raises(RuntimeError, match="finalized"):
+            tf1.assign(sess, {"a": np.ones(3, np.float32), "b": np.ones(3, np.float32)})
+
+
+@pytest.mark.parametrize("resource", [True, False], ids=["resource", "ref"])
+def test_variables_never_share_memory_with_the_values(tmp_path, resource):
+    """TF adopts aligned fed memory; the caller's array and the file's map must stay apart."""
+    raw = np.empty(4096 * 4 + 64, np.uint8)
+    value = raw[-raw.ctypes.data % 64:][:4096 * 4].view(np.float32)  # aligned: TF would adopt it
+    value[:] = 1
+    ws.save(tmp_path / "w.npz", {"w": value})
+    with graph_session() as (_, sess):
+        w = v1.get_variable("w", [4096], use_resource=resource)
+        step = v1.assign_add(w, tf.ones([4096]))
+        tf1.assign(sess, {"w": value})
+        value[:] = 9
+        assert sess.run(w)[0] == 1
+        with ws.open(tmp_path / "w.npz") as store:
+            tf1.assign(sess, store)
+            sess.run(step)  # a write into a read-only map would crash here
+            assert store["w"][0] == 1
+        assert sess.run(w)[0] == 2
+        exported = tf1.export(sess)["w"]
+        sess.run(step)
+        assert exported[0] == 2 and exported.flags.writeable
+
+
+def test_assign_reads_only_what_it_assigns(tmp_path):
+    """A corrupt tensor outside the selection is never read, so its checksum never fails."""
+    path = tmp_path / "w.npz"
+    marker = np.full(64, 0x5A5A5A5A, np.uint32)
+    ws.save(path, {"keep/w": np.ones(2, np.float32), "other/w": marker})
+    data = bytearray(path.read_bytes())
+    at = data.find(marker.tobytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with graph_session() as (_, sess):
+        w = v1.get_variable("keep/w", [2])
+        assert tf1.assign(sess, path, include="keep").assigned == ["keep/w"]
+        np.testing.assert_array_equal(sess.run(w), [1, 1])
+        v1.get_variable("other/w", [64], dtype=tf.uint32, initializer=v1.zeros_initializer())
+        with pytest.raises(ChecksumError):
+            tf1.assign(sess, path)
+
+
+def test_skip_unchanged(tmp_path):
+    first = {"a": np.ones(3, np.float32), "p": np.arange(8, dtype=np.float32).reshape(4, 2)}
+    second = {"a": first["a"], "p": first["p"] + 1}
+    ws.save(tmp_path / "1.npz", first)
+    ws.save(tmp_path / "2.npz", second)
+    with graph_session() as (_, sess):
+        a = v1.get_variable("a", [3])
+        part = v1.get_variable("p", [4, 2], partitioner=v1.fixed_size_partitioner(2))
+        poke = v1.assign_add(a, tf.ones([3]))
+        version = Version(step=1, path=str(tmp_path / "1.npz"), created="")
+        assert tf1.assign(sess, version).assigned == ["a", "p"]
+        assert tf1.assign(sess, version).skipped == ["a", "p"]
+        sess.run(poke)  # only a version's own bytes are remembered: a is now 2 in the graph
+        report = tf1.assign(sess, Version(step=2, path=str(tmp_path / "2.npz"), created=""))
+        assert report.skipped == ["a"] and report.assigned == ["p"]
+        np.testing.assert_array_equal(sess.run(a), [2, 2, 2])
+        np.testing.assert_array_equal(np.concatenate(values(sess, list(part))), second["p"])
+        # a plain path is always written (re-assigning undoes training) unless asked otherwise
+        assert tf1.assign(sess, tmp_path / "2.npz").assigned == ["a", "p"]
+        np.testing.assert_array_equal(sess.run(a), [1, 1, 1])
+        assert tf1.assign(sess, tmp_path / "2.npz", skip_unchanged=True).skipped == ["a", "p"]
+        # a dict has no checksums: written, and forgotten so the next version is written too
+        tf1.assign(sess, second)
+        assert tf1.assign(sess, tmp_path / "2.npz", skip_unchanged=True).assigned == ["a", "p"]
