@@ -10,5 +10,7 @@ from weightstore.errors import *  # noqa: E402,F401,F403
 from weightstore.keys import remap, select  # noqa: E402
 from weightstore.manifest import TensorInfo  # noqa: E402
 from weightstore.store import Store, load, open, save  # noqa: E402,A004
+from weightstore.versions import Version, follow, latest, publish  # noqa: E402
 
-__all__ = ["__version__", "load", "open", "remap", "save", "select", "Store", "TensorInfo", *errors.__all__]
+__all__ = ["__version__", "load", "open", "remap", "save", "select", "Store", "TensorInfo",
+           "publish", "latest", "follow", "Version", *errors.__all__]

@@ -140,6 +140,9 @@ def check_budget(store: Store, keys, max_bytes: int | None) -> None:
 
 def open(path: Any, *, verify: bool = True, format: str | None = None) -> Store:  # noqa: A001
     """Open a weight file lazily: only its index is read until a tensor is asked for."""
+    opener = getattr(path, "_weightstore_open", None)
+    if opener is not None:  # a Version: its pinned file, or a clear "version gone" if pruned
+        return opener(verify=verify)
     location = _location(path)
     if is_url(location):
         fs, remote = _fsspec().core.url_to_fs(location)

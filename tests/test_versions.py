@@ -1,0 +1,332 @@
+"""Versioned folders on local disk and memory://: publish, latest, follow, retention, faults."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import typer
+from typer.testing import CliRunner
+
+import weightstore as ws
+from weightstore import versions
+from weightstore.cli import sync as sync_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def weights_at(step: int, n: int = 3) -> dict:
+    """Every tensor carries the step, so a mixed read is visible at once."""
+    return {f"layer_{i}/w": np.full((4,), step, np.float32) for i in range(n)}
+
+
+def assert_whole(loaded: dict, step: int) -> None:
+    assert sorted(loaded) == sorted(weights_at(step))
+    for value in loaded.values():
+        assert np.all(value == step), (step, value)
+
+
+def files(folder) -> list[str]:
+    return sorted(os.listdir(folder))
+
+
+def test_publish_then_latest_round_trips(tmp_path):
+    assert ws.latest(tmp_path) is None
+    published = ws.publish(tmp_path / "run", weights_at(3), step=3, metadata={"loss": 0.5})
+    found = ws.latest(tmp_path / "run")
+    assert isinstance(found, ws.Version)
+    assert (found.step, found.path, found.metadata) == (3, published.path, {"loss": 0.5})
+    assert found.created == published.created and found.created.endswith("Z")
+    assert_whole(ws.load(found), 3)
+    with ws.open(found) as store:
+        assert store.metadata == {"loss": 0.5}
+
+
+def test_hdf5_versions(tmp_path):
+    version = ws.publish(tmp_path, weights_at(1), step=1, format="hdf5")
+    assert version.path.endswith("step-000000000001.h5")
+    assert_whole(ws.load(ws.latest(tmp_path)), 1)
+
+
+@pytest.mark.parametrize("keep, kept", [(3, [4, 5, 6]), (1, [5, 6]), (None, [1, 2, 3, 4, 5, 6])])
+def test_retention_keeps_latest_and_the_one_before(tmp_path, keep, kept):
+    for step in range(1, 7):
+        ws.publish(tmp_path, weights_at(step), step=step, keep=keep)
+    entries = versions.list_versions(tmp_path)
+    assert [e.step for e in entries] == kept
+    assert [e.latest for e in entries] == [False] * (len(kept) - 1) + [True]
+
+
+def test_steps_must_increase(tmp_path):
+    ws.publish(tmp_path, weights_at(5), step=5)
+    for step in (5, 4):
+        with pytest.raises(ws.PublishError, match="steps must increase"):
+            ws.publish(tmp_path, weights_at(step), step=step)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="step must be"):
+            ws.publish(tmp_path, weights_at(1), step=bad)
+    assert ws.latest(tmp_path).step == 5
+
+
+def test_follow_starts_late_at_latest_resumes_and_times_out(tmp_path):
+    for step in (1, 2, 3):
+        ws.publish(tmp_path, weights_at(step), step=step)
+    assert [v.step for v in ws.follow(tmp_path, poll=0.01, timeout=0.05)] == [3]
+    assert [v.step for v in ws.follow(tmp_path, poll=0.01, timeout=0.05, after=3)] == []
+    assert [v.step for v in ws.follow(tmp_path / "nothing-yet", poll=0.01, timeout=0.05)] == []
+
+
+def test_follow_sees_each_new_version_once_in_order(tmp_path):
+    ws.publish(tmp_path, weights_at(0), step=0)
+    seen = []
+
+    def publisher():
+        for step in range(1, 30):
+            ws.publish(tmp_path, weights_at(step), step=step, keep=2)
+
+    thread = threading.Thread(target=publisher)
+    thread.start()
+    for version in ws.follow(tmp_path, poll=0.002, timeout=0.5):
+        assert_whole(ws.load(version), version.step)
+        seen.append(version.step)
+    thread.join()
+    assert seen == sorted(set(seen)) and seen[0] == 0 and seen[-1] == 29
+
+
+def test_yielded_version_is_pinned_until_the_iteration_moves_on(tmp_path):
+    ws.publish(tmp_path, weights_at(1), step=1, keep=2)
+    following = ws.follow(tmp_path, poll=0.01, timeout=0.2)
+    pinned = next(following)
+    for step in (2, 3, 4):  # prunes step 1 from the folder
+        ws.publish(tmp_path, weights_at(step), step=step, keep=2)
+    assert not os.path.exists(pinned.path)
+    assert_whole(ws.load(pinned), 1)
+    assert next(following).step == 4
+    following.close()
+
+
+def test_unpinned_version_pruned_away_says_retry(tmp_path):
+    ws.publish(tmp_path, weights_at(1), step=1, keep=2)
+    stale = ws.latest(tmp_path)
+    for step in (2, 3):
+        ws.publish(tmp_path, weights_at(step), step=step, keep=2)
+    with pytest.raises(ws.VersionGoneError, match="read LATEST again and retry"):
+        ws.load(stale)
+    with pytest.raises(FileNotFoundError):  # the builtin a caller may already handle
+        ws.open(stale)
+
+
+@pytest.mark.parametrize("content", [b"", b"  \n", b"garbage\x00\xff", b'{"step": 3}', b"[1, 2]"])
+def test_damaged_latest_is_a_clear_error_and_publish_repairs_it(tmp_path, content):
+    ws.publish(tmp_path, weights_at(3), step=3)
+    (tmp_path / "LATEST").write_bytes(content)
+    with pytest.raises(ws.FormatError, match="LATEST is (empty|not a weightstore version pointer)"):
+        ws.latest(tmp_path)
+    with pytest.raises(ws.FormatError, match="LATEST"):
+        next(ws.follow(tmp_path, timeout=0))
+    with pytest.warns(UserWarning, match="LATEST"):
+        with pytest.raises(ws.PublishError, match="not after step 3"):
+            ws.publish(tmp_path, weights_at(2), step=2)
+    with pytest.warns(UserWarning, match="the next publish replaces it"):
+        ws.publish(tmp_path, weights_at(4), step=4)
+    assert ws.latest(tmp_path).step == 4
+
+
+def test_latest_naming_a_missing_file(tmp_path):
+    ws.publish(tmp_path, weights_at(3), step=3)
+    os.unlink(ws.latest(tmp_path).path)
+    with pytest.raises(ws.VersionGoneError):
+        ws.load(ws.latest(tmp_path))
+    with pytest.raises(ws.StoreNotFoundError, match="LATEST names .*step-000000000003.npz, which does not exist") as info:
+        next(ws.follow(tmp_path, timeout=0))
+    assert not isinstance(info.value, ws.VersionGoneError)  # not worth retrying
+
+
+def test_memory_urls(tmp_path):
+    folder = f"memory://weightstore-tests/{tmp_path.name}"
+    for step in range(1, 5):
+        ws.publish(folder, weights_at(step), step=step, keep=2)
+    version = ws.latest(folder)
+    assert version.path == f"{folder}/step-000000000004.npz"
+    assert_whole(ws.load(version), 4)
+    assert [e.step for e in versions.list_versions(folder)] == [3, 4]
+    assert [v.step for v in ws.follow(folder, poll=0.01, timeout=0.05, after=2)] == [4]
+
+
+# --- a publisher killed at every stage -------------------------------------------------------
+
+STAGES = ["locked", "cleaned", "version-temporary", "version-written", "latest-temporary",
+          "latest-written", "pruning", "pruned"]
+
+KILLED_PUBLISHER = textwrap.dedent("""
+    import os, signal, sys
+    import numpy as np
+    import weightstore as ws
+    from weightstore import versions
+    folder, stage = sys.argv[1], sys.argv[2]
+    def weights(step):
+        return {f"layer_{i}/w": np.full((4,), step, np.float32) for i in range(3)}
+    for step in (1, 2, 3):
+        ws.publish(folder, weights(step), step=step, keep=2)
+    def hook(name):
+        if name == stage:
+            os.kill(os.getpid(), signal.SIGKILL)
+    versions.STAGE_HOOK = hook
+    ws.publish(folder, weights(4), step=4, keep=2)
+    sys.exit(3)  # the stage was never reached
+""")
+
+
+def run_killed_publisher(folder, stage: str) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, "-c", KILLED_PUBLISHER, str(folder), stage], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == -signal.SIGKILL, result.stderr
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_publisher_killed_at_each_stage(tmp_path, stage):
+    run_killed_publisher(tmp_path, stage)
+    version = ws.latest(tmp_path)
+    expected = 4 if STAGES.index(stage) >= STAGES.index("latest-written") else 3
+    assert version.step == expected
+    assert_whole(ws.load(version), expected)
+    assert [v.step for v in ws.follow(tmp_path, timeout=0)] == [expected]
+    ws.publish(tmp_path, weights_at(5), step=5, keep=2)
+    assert files(tmp_path) == [".publish.lock", "LATEST", f"step-00000000000{expected}.npz", "step-000000000005.npz"]
+
+
+def test_killed_first_publish_leaves_nothing_a_reader_sees(tmp_path):
+    script = KILLED_PUBLISHER.replace("for step in (1, 2, 3):", "for step in ():")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path), "version-written"], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    assert ws.latest(tmp_path) is None
+    assert list(ws.follow(tmp_path, timeout=0)) == []
+    ws.publish(tmp_path, weights_at(5), step=5)
+    assert files(tmp_path) == [".publish.lock", "LATEST", "step-000000000005.npz"]
+
+
+# --- a reader racing a publisher --------------------------------------------------------------
+
+RACING_PUBLISHER = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import weightstore as ws
+    folder, count = sys.argv[1], int(sys.argv[2])
+    for step in range(1, count + 1):
+        ws.publish(folder, {f"layer_{i}/w": np.full((4,), step, np.float32) for i in range(3)},
+                   step=step, keep=2, metadata={"step": step})
+""")
+
+
+def test_reader_racing_500_publishes_with_keep_2(tmp_path):
+    ws.publish(tmp_path, weights_at(0), step=0, keep=2, metadata={"step": 0})
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    publisher = subprocess.Popen([sys.executable, "-c", RACING_PUBLISHER, str(tmp_path), "500"], env=env)
+    loads = retries = 0
+    last = -1
+    followed = []
+    try:
+        while True:
+            done = publisher.poll() is not None
+            version = ws.latest(tmp_path)
+            if loads % 10 == 9:
+                time.sleep(0.05)  # a slow reader: two publishes land and prune its version
+            try:
+                loaded = ws.load(version)
+            except ws.VersionGoneError:
+                retries += 1
+                continue
+            assert_whole(loaded, version.step)
+            assert version.metadata == {"step": version.step}
+            assert version.step >= last
+            last = version.step
+            loads += 1
+            for pinned in ws.follow(tmp_path, poll=0.001, timeout=0, after=followed[-1] if followed else None):
+                assert_whole(ws.load(pinned), pinned.step)
+                followed.append(pinned.step)
+            if done:
+                break
+    finally:
+        publisher.wait(timeout=120)
+    assert publisher.returncode == 0
+    assert last == 500 and followed[-1] == 500
+    assert followed == sorted(set(followed))
+    assert loads > 10 and retries > 0, (loads, retries)
+
+
+# --- two publishers ---------------------------------------------------------------------------
+
+TWO_PUBLISHERS = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import weightstore as ws
+    folder = sys.argv[1]
+    won, refused = [], []
+    for step in range(1, 61):
+        try:
+            ws.publish(folder, {"w": np.full((4,), step, np.float32)}, step=step, keep=3)
+            won.append(step)
+        except ws.PublishError:
+            refused.append(step)
+    print(json.dumps(won))
+""")
+
+
+def test_two_publishers_steps_must_increase(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    runs = [subprocess.Popen([sys.executable, "-c", TWO_PUBLISHERS, str(tmp_path)], env=env,
+                             stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [run.communicate(timeout=120)[0] for run in runs]
+    assert [run.returncode for run in runs] == [0, 0]
+    won = [json.loads(out) for out in outputs]
+    assert not set(won[0]) & set(won[1]), "a step was published twice"
+    assert ws.latest(tmp_path).step == 60
+    assert np.all(ws.load(ws.latest(tmp_path))["w"] == 60)
+    # a trainer restarted from an older checkpoint is refused until it passes the latest step
+    with pytest.raises(ws.PublishError, match="another trainer"):
+        ws.publish(tmp_path, {"w": np.zeros(4, np.float32)}, step=10)
+
+
+# --- CLI --------------------------------------------------------------------------------------
+
+@pytest.fixture
+def cli():
+    app = typer.Typer()
+    sync_cli.register(app)
+    return app
+
+
+def test_cli_versions(tmp_path, cli):
+    for step in (7, 8, 9):
+        ws.publish(tmp_path, weights_at(step), step=step, keep=2)
+    result = CliRunner().invoke(cli, ["versions", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert len(lines) == 2 and "step-000000000008.npz" in lines[0]
+    assert lines[1].endswith("<- LATEST") and lines[1].split()[0] == "9"
+    result = CliRunner().invoke(cli, ["versions", str(tmp_path), "--json"])
+    rows = [json.loads(line) for line in result.output.splitlines()]
+    assert [(r["step"], r["latest"]) for r in rows] == [(8, False), (9, True)] and rows[0]["size"] > 0
+    result = CliRunner().invoke(cli, ["versions", str(tmp_path / "missing")])
+    assert isinstance(result.exception, ws.StoreNotFoundError)
+
+
+def test_cli_follow(tmp_path, cli):
+    for step in (1, 2):
+        ws.publish(tmp_path, weights_at(step), step=step)
+    result = CliRunner().invoke(cli, ["follow", str(tmp_path), "--timeout", "0.05", "--poll", "0.01"])
+    assert result.exit_code == 0 and result.output.split() == ["2", str(tmp_path / "step-000000000002.npz")]
+    result = CliRunner().invoke(cli, ["follow", str(tmp_path), "--after", "2", "--timeout", "0.05", "--json"])
+    assert result.exit_code == 0 and result.output == ""
+    for args in (["versions", "--help"], ["follow", "--help"]):
+        assert CliRunner().invoke(cli, args).exit_code == 0
