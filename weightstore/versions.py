@@ -412,7 +412,7 @@ class _RemoteFolder(_Folder):
 
     def read_latest(self) -> bytes | None:
         try:
-            return self.fs.cat_file(self._path(LATEST), start=0, end=_MAX_POINTER_BYTES)
+            return self.fs.cat_file(self._path(LATEST))  # no range: S3 refuses one on an empty object
         except FileNotFoundError:
             return None
 

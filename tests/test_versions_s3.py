@@ -1,0 +1,174 @@
+"""Versioned folders on S3: the real s3fs client against moto's S3 server on 127.0.0.1."""
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import weightstore as ws
+from weightstore import versions
+
+pytest.importorskip("s3fs")
+moto_server = pytest.importorskip("moto.server")
+
+ROOT = Path(__file__).resolve().parents[1]
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+BUCKET = "weightstore-tests"
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """Storage options for an S3 server of our own on a free loopback port."""
+    saved = {key: os.environ.get(key) for key in CREDENTIALS}
+    os.environ.update(CREDENTIALS)
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    options = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}}
+    import s3fs
+
+    s3fs.S3FileSystem(**options).mkdir(BUCKET)
+    try:
+        yield options
+    finally:
+        server.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture
+def folder(s3):
+    return f"s3://{BUCKET}/{uuid.uuid4().hex}"
+
+
+def weights_at(step: int) -> dict:
+    return {f"layer_{i}/w": np.full((4,), step, np.float32) for i in range(3)}
+
+
+def assert_whole(loaded: dict, step: int) -> None:
+    assert sorted(loaded) == sorted(weights_at(step))
+    assert all(np.all(value == step) for value in loaded.values()), step
+
+
+def names(s3, folder: str) -> list[str]:
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**s3)
+    fs.invalidate_cache()
+    return sorted(path.rsplit("/", 1)[-1] for path in fs.ls(folder[len("s3://"):]))
+
+
+def test_publish_latest_follow_on_s3(s3, folder):
+    assert ws.latest(folder, storage_options=s3) is None
+    for step in range(1, 5):
+        ws.publish(folder, weights_at(step), step=step, keep=2, metadata={"step": step}, storage_options=s3)
+    version = ws.latest(folder, storage_options=s3)
+    assert (version.step, version.path, version.metadata) == (4, f"{folder}/step-000000000004.npz", {"step": 4})
+    assert_whole(ws.load(version), 4)
+    assert names(s3, folder) == ["LATEST", "step-000000000003.npz", "step-000000000004.npz"]
+    entries = versions.list_versions(folder, storage_options=s3)
+    assert [(e.step, e.latest) for e in entries] == [(3, False), (4, True)] and entries[0].size > 0
+    assert [v.step for v in ws.follow(folder, poll=0.01, timeout=0.05, storage_options=s3)] == [4]
+    with pytest.raises(ws.PublishError, match="steps must increase"):
+        ws.publish(folder, weights_at(4), step=4, storage_options=s3)
+
+
+def test_pruned_version_on_s3_says_retry(s3, folder):
+    ws.publish(folder, weights_at(1), step=1, keep=2, storage_options=s3)
+    stale = ws.latest(folder, storage_options=s3)
+    for step in (2, 3):
+        ws.publish(folder, weights_at(step), step=step, keep=2, storage_options=s3)
+    with pytest.raises(ws.VersionGoneError, match="retry"):
+        ws.load(stale)
+
+
+@pytest.mark.parametrize("content", [b"", b"not json", b'{"format": "weightstore-latest"}'])
+def test_damaged_latest_on_s3(s3, folder, content):
+    import s3fs
+
+    ws.publish(folder, weights_at(1), step=1, storage_options=s3)
+    s3fs.S3FileSystem(**s3).pipe_file(f"{folder}/LATEST", content)
+    with pytest.raises(ws.FormatError, match="LATEST is"):
+        ws.latest(folder, storage_options=s3)
+
+
+def test_latest_naming_a_missing_object(s3, folder):
+    import s3fs
+
+    ws.publish(folder, weights_at(1), step=1, storage_options=s3)
+    s3fs.S3FileSystem(**s3).rm_file(f"{folder}/step-000000000001.npz")
+    with pytest.raises(ws.StoreNotFoundError, match="LATEST names .* which does not exist"):
+        next(ws.follow(folder, timeout=0, storage_options=s3))
+
+
+KILLED_PUBLISHER = textwrap.dedent("""
+    import json, os, signal, sys
+    import numpy as np
+    import weightstore as ws
+    from weightstore import versions
+    folder, stage, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    def weights(step):
+        return {f"layer_{i}/w": np.full((4,), step, np.float32) for i in range(3)}
+    for step in (1, 2, 3):
+        ws.publish(folder, weights(step), step=step, keep=2, storage_options=options)
+    def hook(name):
+        if name == stage:
+            os.kill(os.getpid(), signal.SIGKILL)
+    versions.STAGE_HOOK = hook
+    ws.publish(folder, weights(4), step=4, keep=2, storage_options=options)
+    sys.exit(3)
+""")
+
+
+@pytest.mark.parametrize("stage", ["version-temporary", "version-written", "latest-written", "pruning"])
+def test_publisher_killed_on_s3(s3, folder, stage):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, "-c", KILLED_PUBLISHER, folder, stage, json.dumps(s3)], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    expected = 4 if stage in ("latest-written", "pruning") else 3
+    version = ws.latest(folder, storage_options=s3)
+    assert version.step == expected
+    assert_whole(ws.load(version), expected)
+    ws.publish(folder, weights_at(5), step=5, keep=2, storage_options=s3)
+    assert names(s3, folder) == ["LATEST", f"step-00000000000{expected}.npz", "step-000000000005.npz"]
+
+
+def test_reader_racing_publishes_on_s3(s3, folder):
+    ws.publish(folder, weights_at(0), step=0, keep=2, storage_options=s3)
+    failures = []
+
+    def publisher():
+        try:
+            for step in range(1, 31):
+                ws.publish(folder, weights_at(step), step=step, keep=2, storage_options=s3)
+        except BaseException as exc:  # pragma: no cover - reported below
+            failures.append(exc)
+
+    thread = threading.Thread(target=publisher)
+    thread.start()
+    seen = []
+    for version in ws.follow(folder, poll=0.01, timeout=2.0, storage_options=s3):
+        assert_whole(ws.load(version), version.step)
+        seen.append(version.step)
+        if version.step == 30:
+            break
+    thread.join()
+    assert not failures
+    assert seen == sorted(set(seen)) and seen[-1] == 30
