@@ -186,7 +186,7 @@ def plan_assign(
             pairs[key] = source
     if (strict and not report.ok) or not pairs:
         raise AssignmentError(
-            _message(report, values.where, chosen, value_keys, pairs),
+            _message(report, values.where, chosen, value_keys, pairs, targets),
             missing=report.missing, unexpected=report.unexpected, mismatched=report.mismatched,
         )
     return Plan(pairs, report)
@@ -202,13 +202,15 @@ def _pair_problem(dtype: np.dtype, shape: tuple[int, ...], target: TargetInfo, c
     return "dtype does not widen losslessly; pass cast=True to convert" if _castable(dtype, target.dtype) else "dtypes are incompatible"
 
 
-def _message(report: Report, where: str, targets: Mapping[str, Any], values: Mapping[str, str], pairs) -> str:
+def _message(report: Report, where: str, targets: Mapping[str, Any], values: Mapping[str, str], pairs,
+             every: Mapping[str, Any]) -> str:
+    """``targets`` are the selected variables; ``every`` also suggests those a typo left out."""
     lines = [f"cannot assign {where}: nothing was changed"]
     if not pairs and report.ok:
         lines.append("  no value pairs with a variable" + (" (no variables selected)" if not targets else ""))
     sections = [
         ("missing (variables with no value)", report.missing, lambda k: f"no value for variable {k!r}{suggest(k, values)}"),
-        ("unexpected (values with no variable)", report.unexpected, lambda k: f"no variable {k!r}{suggest(k, targets)}"),
+        ("unexpected (values with no variable)", report.unexpected, lambda k: f"no variable {k!r}{suggest(k, targets) or suggest(k, every)}"),
         ("mismatched", report.mismatched, str),
     ]
     for title, items, render in sections:
