@@ -1,0 +1,112 @@
+"""Property-based: any dictionary of valid keys and arrays round-trips, in both formats."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import hypothesis.extra.numpy as hnp
+import ml_dtypes
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import weightstore as ws
+from weightstore import keys as K
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+# -- keys -----------------------------------------------------------------------------------------
+
+#: few, short segment names so that one key is often the scope of another (``w`` and ``w/Adagrad``)
+_TREE_SEGMENTS = st.sampled_from(["w", "Adagrad", "b", "model_1", "model_10", "x.y", "kérnel", "a b", "0"])
+_FREE_SEGMENTS = st.text(
+    alphabet=st.characters(blacklist_categories=["Cs"], blacklist_characters="/\\"), min_size=1, max_size=8,
+)
+_SEGMENT = st.one_of(_TREE_SEGMENTS, _TREE_SEGMENTS, _FREE_SEGMENTS)
+KEY = st.lists(_SEGMENT, min_size=1, max_size=4).map("/".join).filter(lambda k: K._key_problem(k) is None)
+
+# -- arrays ---------------------------------------------------------------------------------------
+
+_NUMPY_DTYPES = st.sampled_from([
+    "?", "i1", "<i2", ">i2", "<i4", ">i4", "<i8", "u1", "<u2", "<u4", ">u8",
+    "<f2", ">f2", "<f4", ">f4", "<f8", ">f8", "<c8", ">c16", "<c16",
+]).map(np.dtype)
+_SHAPES = hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=5)
+_PLAIN = _NUMPY_DTYPES.flatmap(lambda dtype: hnp.arrays(dtype, _SHAPES))
+_ML = st.sampled_from([ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2,
+                       ml_dtypes.float8_e4m3fnuz, ml_dtypes.float8_e5m2fnuz]).flatmap(
+    lambda kind: hnp.arrays(np.dtype(f"u{np.dtype(kind).itemsize}"), _SHAPES).map(lambda raw: raw.view(kind))
+)
+_STRIDED = hnp.arrays(np.float32, hnp.array_shapes(min_dims=2, max_dims=2, min_side=1, max_side=6)).map(lambda a: a.T[::-1])
+ARRAY = st.one_of(_PLAIN, _PLAIN, _ML, _STRIDED)
+
+WEIGHTS = st.dictionaries(KEY, ARRAY, max_size=8)
+METADATA = st.dictionaries(st.text(max_size=5), st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    max_leaves=8,
+), max_size=4)
+
+
+def _native(array: np.ndarray) -> np.ndarray:
+    return array.astype(array.dtype.newbyteorder("=")) if array.dtype.byteorder == ">" else array
+
+
+def _round_trip(suffix: str, weights, metadata, compress: bool) -> None:
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / f"w{suffix}"
+        ws.save(path, weights, metadata=metadata, compress=compress)
+        loaded = ws.load(path)
+        with ws.open(path) as store:
+            assert list(store.keys()) == list(weights)
+            assert store.metadata == metadata
+    assert list(loaded) == list(weights)
+    for key, value in weights.items():
+        expected = _native(value)
+        got = loaded[key]
+        assert got.dtype == expected.dtype, key
+        assert got.shape == expected.shape, key
+        assert got.tobytes() == np.ascontiguousarray(expected).tobytes(), key
+
+
+@SETTINGS
+@given(weights=WEIGHTS, metadata=METADATA, compress=st.booleans())
+def test_any_weights_round_trip_npz(weights, metadata, compress):
+    _round_trip(".npz", weights, metadata, compress)
+
+
+@SETTINGS
+@given(weights=WEIGHTS, metadata=METADATA, compress=st.booleans())
+def test_any_weights_round_trip_h5(weights, metadata, compress):
+    _round_trip(".h5", weights, metadata, compress)
+
+
+@SETTINGS
+@given(keys=st.lists(st.lists(_TREE_SEGMENTS, min_size=1, max_size=4).map("/".join), min_size=1, max_size=10, unique=True),
+       suffix=st.sampled_from([".npz", ".h5"]))
+def test_keys_that_are_scopes_of_others_in_any_order(keys, suffix):
+    """Trees of ``w``, ``w/Adagrad``, ``w/Adagrad/b``…, inserted in any order."""
+    weights = {key: np.full((2,), i, dtype=np.int32) for i, key in enumerate(keys)}
+    _round_trip(suffix, weights, {}, False)
+
+
+# -- keys and scopes as pure functions ------------------------------------------------------------
+
+@SETTINGS
+@given(keys=st.lists(KEY, min_size=1, max_size=12, unique=True), scope=st.lists(_TREE_SEGMENTS, min_size=1, max_size=2).map("/".join))
+def test_scope_out_is_the_inverse_of_scope_in(keys, scope):
+    weights = {key: i for i, key in enumerate(keys)}
+    placed = ws.remap(weights, scope=scope)
+    assert list(placed) == [f"{scope}/{k}" for k in keys]
+    plan = K.plan_outward(placed, scope=scope)
+    assert {new: placed[old] for new, old in plan.items()} == weights
+
+
+@SETTINGS
+@given(keys=st.lists(KEY, min_size=1, max_size=12, unique=True), scope=st.lists(_TREE_SEGMENTS, min_size=1, max_size=2).map("/".join))
+def test_scope_matches_whole_segments_only(keys, scope):
+    for key in keys:
+        expected = key == scope or key.startswith(scope + "/")
+        assert K.in_scope(key, scope) == expected
+        assert K.matches(key, scope) == expected
