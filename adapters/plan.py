@@ -226,24 +226,34 @@ class ChecksumMemory:
     """Which bytes each variable last received, so a newer version can skip unchanged tensors.
 
     Keyed weakly by the owner (a TF1 session, a TF2 variable), so forgetting a session or a
-    model forgets its entries too.
+    model forgets its entries too. Owners are held by identity, not hash: TF2 variables
+    refuse ``hash()``, so a ``WeakKeyDictionary`` cannot hold them.
     """
 
     def __init__(self) -> None:
-        self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._seen: dict[int, tuple[weakref.ref, dict[str, str]]] = {}
+
+    def _entries(self, owner: object) -> dict[str, str] | None:
+        held = self._seen.get(id(owner))
+        return held[1] if held is not None and held[0]() is owner else None
 
     def unchanged(self, owner: object, key: str, digest: str | None) -> bool:
-        return digest is not None and self._seen.get(owner, {}).get(key) == digest
+        return digest is not None and (self._entries(owner) or {}).get(key) == digest
 
     def remember(self, owner: object, key: str, digest: str | None) -> None:
-        entries = self._seen.setdefault(owner, {})
+        entries = self._entries(owner)
+        if entries is None:
+            entries = {}
+            ident = id(owner)
+            self._seen[ident] = (weakref.ref(owner, lambda _: self._seen.pop(ident, None)), entries)
         if digest is None:
             entries.pop(key, None)
         else:
             entries[key] = digest
 
     def forget(self, owner: object) -> None:
-        self._seen.pop(owner, None)
+        if self._entries(owner) is not None:
+            del self._seen[id(owner)]
 
 
 MEMORY = ChecksumMemory()
