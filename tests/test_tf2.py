@@ -1,0 +1,349 @@
+"""The TF2/Keras adapter on real Keras models, tf.Modules and variables, through real files."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+
+import weightstore as ws  # noqa: E402
+from weightstore.adapters import tf2  # noqa: E402
+from weightstore.errors import AssignmentError, ChecksumError, SelectionError  # noqa: E402
+
+DTYPES = ["float16", "float32", "float64", "bfloat16", "int8", "int16", "int32", "int64", "uint8", "bool"]
+FORMATS = ["npz", "h5"]
+
+
+def np_dtype(name):
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def sample(dtype, shape, seed=0):
+    rng = np.random.default_rng(seed)
+    if dtype.kind == "b":
+        return rng.integers(0, 2, shape).astype(bool)
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return rng.integers(max(info.min, -100), min(info.max, 100), shape).astype(dtype)
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def values_of(obj):
+    return {k: np.array(v) for k, v in tf2.export(obj).items()}
+
+
+class Holder(tf.Module):
+    """Variables of one dtype at several depths and shapes, including 0-d and zero-size."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.w = tf.Variable(tf.zeros((3, 4), dtype))
+        self.scalar = tf.Variable(tf.zeros((), dtype))
+        self.empty = tf.Variable(tf.zeros((0, 2), dtype))
+        self.blocks = [tf.Module()]
+        self.blocks[0].b = tf.Variable(tf.zeros((5,), dtype))
+
+
+def mlp(hidden=4, named=False):
+    return keras.Sequential([
+        keras.Input((3,)),
+        keras.layers.Dense(hidden, name="hidden" if named else None),
+        keras.layers.BatchNormalization(),
+        keras.layers.Dense(2),
+    ])
+
+
+class Block(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.conv = keras.layers.Conv2D(2, 3, padding="same", name="conv")
+        self.bn = keras.layers.BatchNormalization(name="bn")
+
+    def call(self, x, training=False):
+        return self.bn(self.conv(x), training=training)
+
+
+def blocks_model():
+    return keras.Sequential([keras.Input((6, 6, 1)), Block(name="conv_1"), Block(name="conv_2"),
+                             keras.layers.Flatten(), keras.layers.Dense(2)])
+
+
+# --- round trips -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype_name", DTYPES)
+def test_round_trip_every_dtype_through_files(tmp_path, dtype_name, fmt):
+    dtype = np_dtype(dtype_name)
+    source, target = Holder(tf.as_dtype(dtype)), Holder(tf.as_dtype(dtype))
+    for i, (key, var) in enumerate(tf2.variables(source).items()):
+        var.assign(sample(dtype, tuple(var.shape), seed=i))
+    path = tmp_path / f"w.{fmt}"
+    ws.save(path, tf2.export(source))
+    assert ws.load(path)["w"].dtype == dtype
+    report = tf2.assign(target, path)
+    assert sorted(report.assigned) == ["blocks/0/b", "empty", "scalar", "w"]
+    expected, got = values_of(source), values_of(target)
+    for key in expected:
+        assert got[key].dtype == dtype and got[key].shape == expected[key].shape
+        np.testing.assert_array_equal(got[key], expected[key])
+
+
+def test_keras_model_built_twice_exchanges_weights_by_default(tmp_path):
+    first, second = mlp(), mlp()  # Keras names the second one's layers dense_2, dense_3, …
+    assert [w.path for w in first.weights] != [w.path for w in second.weights]
+    assert list(tf2.variables(first)) == list(tf2.variables(second)) == [
+        "dense/kernel", "dense/bias", "batch_normalization/gamma", "batch_normalization/beta",
+        "batch_normalization/moving_mean", "batch_normalization/moving_variance", "dense_1/kernel", "dense_1/bias",
+    ]
+    first.compile("sgd", "mse")
+    first.fit(np.ones((8, 3)), np.ones((8, 2)), epochs=1, verbose=0)
+    ws.save(tmp_path / "m.npz", tf2.export(first))
+    assert len(tf2.assign(second, tmp_path / "m.npz").assigned) == 8
+    x = np.random.default_rng(1).standard_normal((4, 3)).astype(np.float32)
+    np.testing.assert_array_equal(first.predict(x, verbose=0), second.predict(x, verbose=0))
+
+
+def test_keys_keep_user_names_and_nest_by_layer():
+    keys = list(tf2.variables(blocks_model()))
+    assert "conv_1/bn/moving_mean" in keys and "conv_2/conv/kernel" in keys and "dense/kernel" in keys
+    # a chosen name is kept; names of Keras's automatic form are renumbered within the parent
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2, name="head"), keras.layers.Dense(2),
+                              keras.layers.Dense(2, name="dense_9")])
+    assert [k for k in tf2.variables(model) if k.endswith("kernel")] == ["head/kernel", "dense/kernel", "dense_1/kernel"]
+
+
+def test_module_keys_are_attribute_paths_and_lists_use_variable_names():
+    holder = Holder(tf.float32)
+    holder.head = keras.layers.Dense(2)
+    holder.head.build((5,))
+    holder.alias = holder.w  # a second path to the same variable is not a second key
+    keys = set(tf2.variables(holder))
+    assert keys == {"alias", "scalar", "empty", "blocks/0/b", "head/kernel", "head/bias"}
+    listed = [tf.Variable(1.0, name="enc/w"), tf.Variable(2.0, name="dec/w")]
+    assert tf2.export(listed) == {"enc/w": 1.0, "dec/w": 2.0}
+    with pytest.raises(ValueError, match="pass a dict"):
+        tf2.export([tf.Variable(1.0, name="w"), tf.Variable(2.0, name="w")])
+    assert list(tf2.export({"a/b": listed[0]})) == ["a/b"]
+
+
+def test_export_refuses_unbuilt_models_and_other_objects():
+    with pytest.raises(SelectionError, match="build"):
+        tf2.export(keras.Sequential([keras.layers.Dense(2)]))
+    with pytest.raises(TypeError, match="Keras model"):
+        tf2.export(object())
+
+
+# --- scope, mapping, selection -----------------------------------------------------------
+
+class Ensemble(tf.Module):
+    def __init__(self, names):
+        super().__init__()
+        for name in names:
+            member = tf.Module()
+            member.w = tf.Variable(tf.zeros((2,)))
+            member.b = tf.Variable(tf.zeros(()))
+            setattr(self, name, member)
+
+
+def test_scope_matches_whole_segments_model_1_vs_model_10():
+    ensemble = Ensemble(["model_1", "model_10"])
+    report = tf2.assign(ensemble, {"w": np.ones(2, np.float32), "b": np.float32(5)}, scope="model_1")
+    assert sorted(report.assigned) == ["model_1/b", "model_1/w"]
+    values = values_of(ensemble)
+    assert values["model_10/w"].tolist() == [0, 0] and values["model_1/w"].tolist() == [1, 1]
+    scoped = tf2.export(ensemble, scope="model_1")
+    assert sorted(scoped) == ["b", "w"] and scoped["w"].tolist() == [1, 1] and scoped["b"] == 5
+    with pytest.raises(SelectionError, match="model_1"):
+        tf2.export(ensemble, scope="model_2")
+
+
+def test_mapping_include_and_exclude():
+    ensemble = Ensemble(["model_1", "model_10"])
+    weights = {"old/w": np.full(2, 3, np.float32), "old/b": np.float32(4)}
+    report = tf2.assign(ensemble, weights, mapping=["old=model_10"], include="model_10/w", strict=False)
+    assert report.assigned == ["model_10/w"] and "model_10/b" not in report.missing
+    assert values_of(ensemble)["model_10/w"].tolist() == [3, 3]
+    assert list(tf2.export(ensemble, exclude="model_1")) == ["model_10/b", "model_10/w"]
+    assert list(tf2.export(ensemble, include="*/b")) == ["model_1/b", "model_10/b"]
+
+
+# --- strict and non-strict plans, casts --------------------------------------------------
+
+def test_strict_failure_lists_everything_and_changes_nothing():
+    ensemble = Ensemble(["model_001"])
+    before = values_of(ensemble)
+    weights = {"model_01/w": np.ones(2, np.float32), "model_001/b": np.ones(3, np.float32)}
+    with pytest.raises(AssignmentError) as caught:
+        tf2.assign(ensemble, weights)
+    message = str(caught.value)
+    assert "nothing was changed" in message
+    assert "no variable 'model_01/w'; did you mean 'model_001/w'?" in message
+    assert caught.value.missing == ["model_001/w"] and caught.value.unexpected == ["model_01/w"]
+    assert [m.key for m in caught.value.mismatched] == ["model_001/b"]
+    assert all(np.array_equal(before[k], v) for k, v in values_of(ensemble).items())
+
+
+def test_non_strict_assigns_what_fits_and_reports_the_rest():
+    ensemble = Ensemble(["m"])
+    weights = {"m/w": np.ones(2, np.float32), "m/b": np.ones(3, np.float32), "extra": np.ones(1)}
+    report = tf2.assign(ensemble, weights, strict=False)
+    assert report.assigned == ["m/w"] and report.unexpected == ["extra"] and not report.ok
+    assert [m.key for m in report.mismatched] == ["m/b"]
+    assert values_of(ensemble)["m/w"].tolist() == [1, 1] and values_of(ensemble)["m/b"] == 0
+
+
+def test_cast_rules():
+    holder = {"f32": tf.Variable(tf.zeros(2)), "i32": tf.Variable(tf.zeros(2, tf.int32))}
+    assert tf2.assign(holder, {"f32": np.array([1.5, 2], np.float16), "i32": np.array([1, 2], np.int8)}).ok
+    narrowing = {"f32": np.array([1.25, 2], np.float64), "i32": np.array([3, 4], np.int64)}
+    with pytest.raises(AssignmentError, match="cast=True"):
+        tf2.assign(holder, narrowing)
+    assert holder["f32"].numpy().tolist() == [1.5, 2]
+    tf2.assign(holder, narrowing, cast=True)
+    assert holder["f32"].numpy().tolist() == [1.25, 2] and holder["i32"].numpy().tolist() == [3, 4]
+    bf16 = {"f32": np.array([1, 2], ml_dtypes.bfloat16)}
+    assert tf2.assign(holder, bf16, include="f32").assigned == ["f32"]  # bfloat16 widens into float32
+
+
+# --- trainable_only, optimizer -----------------------------------------------------------
+
+def test_trainable_only_leaves_batch_norm_statistics_and_frozen_layers_alone():
+    model = mlp(named=True)
+    keys = list(tf2.export(model, trainable_only=True))
+    assert "batch_normalization/moving_mean" not in keys and "batch_normalization/gamma" in keys
+    ones = {k: np.ones_like(v) for k, v in tf2.export(model).items()}
+    report = tf2.assign(model, ones, trainable_only=True, strict=False)
+    assert sorted(report.unexpected) == ["batch_normalization/moving_mean", "batch_normalization/moving_variance"]
+    assert values_of(model)["batch_normalization/moving_mean"].tolist() == [0, 0, 0, 0]
+    model.get_layer("hidden").trainable = False
+    assert "hidden/kernel" not in tf2.export(model, trainable_only=True)
+
+
+def test_export_holds_model_weights_not_optimizer_state():
+    model = mlp()
+    model.compile(keras.optimizers.Adagrad(0.1), "mse")
+    model.fit(np.ones((8, 3)), np.ones((8, 2)), epochs=1, verbose=0)
+    assert model.optimizer.variables
+    assert len(tf2.export(model)) == len(model.weights)
+    optimizer = tf2.export(model.optimizer.variables)
+    assert any("accumulator" in key for key in optimizer)
+
+
+# --- laziness, safety, hot reload --------------------------------------------------------
+
+def corrupt(path, array):
+    data = path.read_bytes()
+    at = data.index(array.tobytes())
+    path.write_bytes(data[:at] + b"\xff" * 8 + data[at + 8:])
+
+
+def test_reads_only_what_is_assigned_and_verifies_before_writing(tmp_path):
+    holder = {"a": tf.Variable(tf.zeros(64)), "b": tf.Variable(tf.zeros(64))}
+    path = tmp_path / "w.npz"
+    ws.save(path, {"a": np.full(64, 1, np.float32), "b": np.full(64, 2, np.float32)})
+    corrupt(path, np.full(64, 2, np.float32))
+    assert tf2.assign(holder, path, include="a").assigned == ["a"]  # b, corrupt, is never read
+    holder["a"].assign(tf.zeros(64))
+    with pytest.raises(ChecksumError):
+        tf2.assign(holder, path)
+    assert not holder["a"].numpy().any()  # a was read first, yet nothing was written
+
+
+def test_assigned_values_share_no_memory_with_maps_or_callers(tmp_path):
+    path = tmp_path / "w.npz"
+    ws.save(path, {"w": np.arange(64, dtype=np.float32)})
+    var = tf.Variable(tf.zeros(64))
+    tf2.assign({"w": var}, path)
+    var.assign_add(tf.ones(64))  # an in-place update of a read-only map would abort the process
+    np.testing.assert_array_equal(ws.load(path)["w"], np.arange(64))
+    mine = np.zeros(64, np.float32)
+    tf2.assign({"w": var}, {"w": mine})
+    mine += 7
+    assert not var.numpy().any()
+
+
+def test_skip_unchanged_uses_checksums(tmp_path):
+    model = mlp()
+    path = tmp_path / "v.npz"
+    weights = tf2.export(model)
+    ws.save(path, weights)
+    assert not tf2.assign(model, path).skipped  # plain paths are always written
+    assert sorted(tf2.assign(model, path, skip_unchanged=True).skipped) == sorted(weights)
+    weights["dense/bias"] = weights["dense/bias"] + 1
+    ws.save(path, weights)
+    report = tf2.assign(model, path, skip_unchanged=True)
+    assert report.assigned == ["dense/bias"] and len(report.skipped) == len(weights) - 1
+    assert not tf2.assign(model, weights, skip_unchanged=True).skipped  # dicts carry no checksums
+    fresh = mlp()
+    assert not tf2.assign(fresh, path, skip_unchanged=True).skipped  # memory is per variable
+
+
+# --- distributed variables and devices ---------------------------------------------------
+
+def test_sharded_variable_exports_whole_and_assigns_across_shards(tmp_path):
+    shards = [tf.Variable(tf.zeros((2, 3)), name="emb/part_0"), tf.Variable(tf.zeros((1, 3)), name="emb/part_1")]
+    module = tf.Module()
+    module.emb = tf.__internal__.distribute.ShardedVariable(shards)
+    value = np.arange(9, dtype=np.float32).reshape(3, 3)
+    ws.save(tmp_path / "e.h5", {"emb": value})
+    assert tf2.assign(module, tmp_path / "e.h5").assigned == ["emb"]
+    np.testing.assert_array_equal(shards[1].numpy(), value[2:])
+    np.testing.assert_array_equal(tf2.export(module)["emb"], value)
+    assert list(tf2.export([module.emb])) == ["emb"]
+
+
+DISTRIBUTED = textwrap.dedent("""
+    import json, sys
+    import numpy as np, tensorflow as tf
+    tf.config.set_logical_device_configuration(
+        tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+    import keras, weightstore as ws
+    from weightstore.adapters import tf2
+    out, path = {}, sys.argv[1]
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        module = tf.Module()
+        module.w = tf.Variable(tf.zeros(4))
+    out["mirrored"] = type(module.w).__name__
+    out["exported"] = {k: list(v.shape) for k, v in tf2.export(model).items()}
+    ws.save(path, {"dense/kernel": np.full((3, 2), 2, np.float32), "dense/bias": np.ones(2, np.float32)})
+    tf2.assign(model, path)
+    tf2.assign(module, {"w": np.arange(4, dtype=np.float32)})
+    replicas = [strategy.experimental_local_results(v.value) for v in model.weights] + [
+        strategy.experimental_local_results(module.w)]
+    out["replica_devices"] = sorted({r.device for group in replicas for r in group})
+    out["replica_values"] = [r.numpy().ravel().tolist() for group in replicas for r in group]
+
+    with tf.device("/cpu:1"):
+        source = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    with tf.device("/cpu:0"):
+        target = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    out["devices"] = [source.weights[0].value.device, target.weights[0].value.device]
+    out["copied"] = tf2.assign(target, tf2.export(source)).assigned
+    out["equal"] = all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(source.weights, target.weights))
+    print(json.dumps(out))
+""")
+
+
+def test_mirrored_variables_and_device_to_device_copy(tmp_path):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    done = subprocess.run([sys.executable, "-c", DISTRIBUTED, str(tmp_path / "m.npz")], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["mirrored"] == "MirroredVariable"
+    assert out["exported"] == {"dense/kernel": [3, 2], "dense/bias": [2]}  # once, not once per replica
+    assert len(out["replica_devices"]) == 2
+    kernel, bias, w = [2.0] * 6, [1.0, 1.0], [0.0, 1.0, 2.0, 3.0]
+    assert out["replica_values"] == [kernel, kernel, bias, bias, w, w]
+    assert out["devices"][0].endswith("CPU:1") and out["devices"][1].endswith("CPU:0")
+    assert out["copied"] == ["dense/kernel", "dense/bias"] and out["equal"]
