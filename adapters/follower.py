@@ -1,0 +1,188 @@
+"""Keep a TF1 session or a TF2 model at the newest version of a folder while it serves.
+
+A background thread follows the folder and assigns each new version in place; the caller
+wraps each inference in ``with follower.reading():`` (or calls ``follower.run(fn, ...)``) and
+a swap waits for the calls in flight to finish and holds new ones back until it is done, so
+no call ever sees half of one version and half of the next. Reloads skip tensors whose
+checksum has not changed since the last assign into the same target (``skip_unchanged``).
+
+::
+
+    with Follower(model, "s3://bucket/run", poll=0.5, storage_options=...) as follower:
+        follower.wait()                      # the first version is in
+        while serving:
+            with follower.reading():
+                outputs = model(inputs)
+
+The lock is not reentrant: do not nest ``reading()`` in one thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any, Callable, TypeVar
+
+from weightstore.adapters.plan import Report
+from weightstore.errors import VersionGoneError
+from weightstore.keys import MappingRules, Patterns
+from weightstore.versions import Version, follow
+
+__all__ = ["Follower"]
+
+_log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class _ReadWriteLock:
+    """Any number of inference calls at once, or one swap; a waiting swap stops new calls starting."""
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._readers = 0
+        self._writing = False
+        self._writers_waiting = 0
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        with self._condition:
+            while self._writing or self._writers_waiting:
+                self._condition.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._readers -= 1
+                if not self._readers:
+                    self._condition.notify_all()
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        with self._condition:
+            self._writers_waiting += 1
+            while self._writing or self._readers:
+                self._condition.wait()
+            self._writers_waiting -= 1
+            self._writing = True
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._writing = False
+                self._condition.notify_all()
+
+
+class Follower:
+    """Follow ``folder`` in a background thread, assigning each new version into ``target``.
+
+    ``target`` is a ``tf.compat.v1.Session`` (assigned with ``tf1.assign``) or a Keras model,
+    module or variables (``tf2.assign``); the assign options mean what they mean there.
+    ``version`` and ``report`` describe the last swap; ``error`` holds the last failure (a
+    version that does not fit the target is logged, recorded and passed over, not retried).
+    """
+
+    def __init__(self, target: Any, folder: Any, *, poll: float = 1.0, after: int | None = None,
+                 storage_options: Mapping[str, Any] | None = None, scope: str | None = None,
+                 mapping: MappingRules = None, include: Patterns = None, exclude: Patterns = None,
+                 trainable_only: bool = False, strict: bool = True, cast: bool = False,
+                 skip_unchanged: bool | None = None):
+        self.target = target
+        self.folder = folder
+        self.poll = poll
+        self.storage_options = storage_options
+        self.options = {"scope": scope, "mapping": mapping, "include": include, "exclude": exclude,
+                        "trainable_only": trainable_only, "strict": strict, "cast": cast,
+                        "skip_unchanged": skip_unchanged}
+        self.version: Version | None = None
+        self.report: Report | None = None
+        self.error: BaseException | None = None
+        self._after = after
+        self._lock = _ReadWriteLock()
+        self._swapped = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._assign: Callable[..., Report] | None = None
+
+    def start(self) -> "Follower":
+        if self._thread is None:
+            self._assign = _assigner(self.target)
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name=f"weightstore-follower {self.folder}", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = None) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def __enter__(self) -> "Follower":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def reading(self) -> contextlib.AbstractContextManager:
+        """Hold around one inference call: no swap happens while any such block runs."""
+        return self._lock.reading()
+
+    def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` between swaps."""
+        with self._lock.reading():
+            return fn(*args, **kwargs)
+
+    def wait(self, step: int | None = None, timeout: float | None = None) -> Version | None:
+        """Block until a version (with at least ``step``) is assigned; the version, or None on timeout."""
+        def arrived() -> bool:
+            return self.version is not None and (step is None or self.version.step >= step)
+
+        with self._swapped:
+            self._swapped.wait_for(arrived, timeout)
+            return self.version if arrived() else None
+
+    def _loop(self) -> None:
+        last = self._after
+        while not self._stop.is_set():
+            try:
+                for version in follow(self.folder, timeout=0, after=last, storage_options=self.storage_options):
+                    if self._swap(version):
+                        last = version.step
+                    if self._stop.is_set():
+                        return
+            except Exception as exc:  # a damaged folder: keep serving the current weights, look again
+                self._failed(exc, "following")
+            self._stop.wait(self.poll)
+
+    def _swap(self, version: Version) -> bool:
+        """Assign ``version``; False when it should be looked for again (it was pruned mid-read)."""
+        try:
+            with self._lock.writing():
+                report = self._assign(self.target, version, **self.options)
+        except VersionGoneError:
+            return False
+        except Exception as exc:
+            self._failed(exc, f"assigning step {version.step}")
+            return True
+        with self._swapped:
+            self.version, self.report, self.error = version, report, None
+            self._swapped.notify_all()
+        return True
+
+    def _failed(self, exc: BaseException, doing: str) -> None:
+        self.error = exc
+        _log.warning("weightstore follower of %s: %s failed: %s", self.folder, doing, exc)
+
+
+def _assigner(target: Any) -> Callable[..., Report]:
+    """``tf1.assign`` for sessions (anything with ``graph`` and ``run``), ``tf2.assign`` otherwise."""
+    if hasattr(target, "graph") and hasattr(target, "run"):
+        from weightstore.adapters import tf1
+
+        return tf1.assign
+    from weightstore.adapters import tf2
+
+    return tf2.assign

@@ -1,0 +1,169 @@
+"""Publish versions from the training loops people already run.
+
+:class:`PublishCallback` is a Keras callback (``model.fit(..., callbacks=[...])``) and
+:class:`PublishHook` a TF1 ``SessionRunHook`` for ``MonitoredTrainingSession``. Both export
+the weights through the adapters and hand them to :func:`weightstore.publish`; the step is the
+training step (the optimizer's ``iterations``, or the global step), so a resumed run keeps
+counting where it left off and the "steps must increase" rule holds across restarts.
+
+Under tf.distribute (or a ``TF_CONFIG`` cluster) only the chief publishes: the task of type
+``chief``, or worker 0 when the cluster has no chief. Every worker holds the same weights, and
+one publisher per folder is the rule :mod:`weightstore.versions` enforces.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+import weightstore
+from weightstore.keys import Patterns
+from weightstore.versions import Version
+
+__all__ = ["PublishCallback", "PublishHook", "is_chief"]
+
+
+def is_chief(strategy: Any = None) -> bool:
+    """Whether this task publishes: ``chief``, or worker 0 of a cluster without one, or no cluster."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is not None and resolver.task_type is not None:
+        return _chief(resolver.task_type, resolver.task_id, resolver.cluster_spec().as_dict())
+    config = json.loads(os.environ.get("TF_CONFIG") or "{}")
+    task = config.get("task") or {}
+    if not task.get("type"):
+        return True
+    return _chief(task["type"], int(task.get("index", 0)), config.get("cluster") or {})
+
+
+def _chief(task_type: str, task_id: int | None, cluster: Mapping[str, Any]) -> bool:
+    if task_type == "chief":
+        return True
+    return task_type == "worker" and not task_id and "chief" not in cluster
+
+
+class _Publisher:
+    """What both hooks share: the folder, the publish options and the export selection."""
+
+    def __init__(self, folder: Any, *, keep: int | None, metadata: Mapping[str, Any] | None, format: str,
+                 scope: str | None, include: Patterns, exclude: Patterns, trainable_only: bool,
+                 storage_options: Mapping[str, Any] | None):
+        self.folder = folder
+        self.selection = {"scope": scope, "include": include, "exclude": exclude, "trainable_only": trainable_only}
+        self.options = {"keep": keep, "format": format, "storage_options": storage_options}
+        self.metadata = dict(metadata or {})
+        self.last: Version | None = None
+
+    def publish(self, weights: Mapping[str, Any], step: int, extra: Mapping[str, Any]) -> None:
+        if self.last is not None and step <= self.last.step:
+            return  # this step is out already (e.g. a batch and an epoch trigger at once)
+        self.last = weightstore.publish(self.folder, weights, step=step, metadata={**self.metadata, **extra},
+                                        **self.options)
+
+
+class PublishCallback(keras.callbacks.Callback):
+    """Publish the model's weights to ``folder`` every ``every_n_batches`` and/or ``every_n_epochs``.
+
+    With neither given, publishes after every epoch. The step is ``model.optimizer.iterations``;
+    the metadata gets ``{"epoch": ...}`` on top of ``metadata``. ``last`` is the last Version
+    published. ``scope``/``include``/``exclude``/``trainable_only`` select as in ``tf2.export``.
+    """
+
+    def __init__(self, folder: Any, *, every_n_batches: int | None = None, every_n_epochs: int | None = None,
+                 keep: int | None = 5, metadata: Mapping[str, Any] | None = None, format: str = "npz",  # noqa: A002
+                 scope: str | None = None, include: Patterns = None, exclude: Patterns = None,
+                 trainable_only: bool = False, storage_options: Mapping[str, Any] | None = None):
+        super().__init__()
+        if every_n_batches is None and every_n_epochs is None:
+            every_n_epochs = 1
+        for name, value in (("every_n_batches", every_n_batches), ("every_n_epochs", every_n_epochs)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, not {value!r}")
+        self.every_n_batches, self.every_n_epochs = every_n_batches, every_n_epochs
+        self._publisher = _Publisher(folder, keep=keep, metadata=metadata, format=format, scope=scope,
+                                     include=include, exclude=exclude, trainable_only=trainable_only,
+                                     storage_options=storage_options)
+        self._batches = 0
+        self._epoch = 0
+
+    @property
+    def last(self) -> Version | None:
+        return self._publisher.last
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        self._batches += 1
+        if self.every_n_batches and self._batches % self.every_n_batches == 0:
+            self._publish()
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        if self.every_n_epochs and (epoch + 1) % self.every_n_epochs == 0:
+            self._publish()
+
+    def _publish(self) -> None:
+        if not is_chief(getattr(self.model, "distribute_strategy", None)):
+            return
+        from weightstore.adapters import tf2
+
+        optimizer = getattr(self.model, "optimizer", None)
+        step = int(optimizer.iterations.numpy()) if optimizer is not None else self._batches
+        self._publisher.publish(tf2.export(self.model, **self._publisher.selection), step, {"epoch": self._epoch})
+
+
+class PublishHook(tf.compat.v1.train.SessionRunHook):
+    """Publish a TF1 graph's variables to ``folder`` every N steps or seconds, and at the end.
+
+    The step is the global step, which must exist (``tf.compat.v1.train.get_or_create_global_step()``).
+    ``is_chief`` defaults to what ``TF_CONFIG`` says; pass the value you give
+    ``MonitoredTrainingSession(is_chief=...)`` to be explicit. Export reads variables with no new
+    ops, so the finalized graph of a ``MonitoredTrainingSession`` is fine.
+    """
+
+    def __init__(self, folder: Any, *, every_n_steps: int | None = None, every_n_secs: float | None = None,
+                 keep: int | None = 5, metadata: Mapping[str, Any] | None = None, format: str = "npz",  # noqa: A002
+                 scope: str | None = None, include: Patterns = None, exclude: Patterns = None,
+                 trainable_only: bool = False, storage_options: Mapping[str, Any] | None = None,
+                 is_chief: bool | None = None):
+        if (every_n_steps is None) == (every_n_secs is None):
+            raise ValueError("pass exactly one of every_n_steps and every_n_secs")
+        self._timer = tf.compat.v1.train.SecondOrStepTimer(every_secs=every_n_secs, every_steps=every_n_steps)
+        self._publisher = _Publisher(folder, keep=keep, metadata=metadata, format=format, scope=scope,
+                                     include=include, exclude=exclude, trainable_only=trainable_only,
+                                     storage_options=storage_options)
+        self._is_chief = is_chief
+        self._global_step: tf.Tensor | None = None
+
+    @property
+    def last(self) -> Version | None:
+        return self._publisher.last
+
+    def begin(self) -> None:
+        self._global_step = tf.compat.v1.train.get_global_step()
+        if self._global_step is None:
+            raise RuntimeError("PublishHook needs a global step: call tf.compat.v1.train.get_or_create_global_step()")
+        if self._is_chief is None:
+            self._is_chief = is_chief()
+
+    def before_run(self, run_context: Any) -> Any:
+        return tf.compat.v1.train.SessionRunArgs(self._global_step)
+
+    def after_run(self, run_context: Any, run_values: Any) -> None:
+        if self._is_chief and self._timer.should_trigger_for_step(int(run_values.results) + 1):
+            self._publish(run_context.session)
+
+    def end(self, session: Any) -> None:
+        if self._is_chief:
+            self._publish(session)
+
+    def _publish(self, session: Any) -> None:
+        from weightstore.adapters import tf1
+
+        step = int(session.run(self._global_step))
+        self._timer.update_last_triggered_step(step)
+        self._publisher.publish(tf1.export(session, **self._publisher.selection), step, {})

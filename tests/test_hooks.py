@@ -1,0 +1,186 @@
+"""Trainer-side hooks (Keras callback, TF1 SessionRunHook) and the inference-side Follower."""
+
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+
+import weightstore as ws  # noqa: E402
+from weightstore import versions  # noqa: E402
+from weightstore.adapters import tf1, tf2  # noqa: E402
+from weightstore.adapters.follower import Follower  # noqa: E402
+from weightstore.adapters.hooks import PublishCallback, PublishHook, is_chief  # noqa: E402
+
+
+def small_model(seed: int = 0) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, name="hidden"), keras.layers.Dense(1, name="out")])
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def fit(model, callback, epochs: int = 2) -> None:
+    x = np.random.default_rng(0).normal(size=(32, 3)).astype(np.float32)
+    model.fit(x, x[:, :1], batch_size=8, epochs=epochs, verbose=0, callbacks=[callback])  # 4 batches an epoch
+
+
+def test_keras_callback_publishes_every_n_batches(tmp_path):
+    model = small_model()
+    callback = PublishCallback(tmp_path, every_n_batches=3, keep=None, metadata={"run": "a"})
+    fit(model, callback)
+    assert [e.step for e in versions.list_versions(tmp_path)] == [3, 6]
+    latest = ws.latest(tmp_path)
+    assert latest.metadata == {"run": "a", "epoch": 1} and callback.last.step == 6
+    assert sorted(ws.load(latest)) == sorted(tf2.export(model))
+
+
+def test_keras_callback_every_epoch_by_default_and_final_weights(tmp_path):
+    model = small_model()
+    fit(model, PublishCallback(tmp_path, keep=None))
+    assert [e.step for e in versions.list_versions(tmp_path)] == [4, 8]
+    for key, value in tf2.export(model).items():
+        np.testing.assert_array_equal(ws.load(ws.latest(tmp_path))[key], value)
+
+
+def test_keras_callback_publishes_on_the_chief_only(tmp_path, monkeypatch):
+    cluster = {"worker": ["a:1", "b:1"]}
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster, "task": {"type": "worker", "index": 1}}))
+    fit(small_model(), PublishCallback(tmp_path / "run"))
+    assert ws.latest(tmp_path / "run") is None
+
+
+@pytest.mark.parametrize("config, chief", [
+    ({}, True),
+    ({"cluster": {"worker": ["a", "b"]}, "task": {"type": "worker", "index": 0}}, True),
+    ({"cluster": {"worker": ["a", "b"]}, "task": {"type": "worker", "index": 1}}, False),
+    ({"cluster": {"chief": ["c"], "worker": ["a"]}, "task": {"type": "worker", "index": 0}}, False),
+    ({"cluster": {"chief": ["c"], "worker": ["a"]}, "task": {"type": "chief", "index": 0}}, True),
+    ({"cluster": {"ps": ["p"], "worker": ["a"]}, "task": {"type": "ps", "index": 0}}, False),
+])
+def test_is_chief_from_tf_config(monkeypatch, config, chief):
+    monkeypatch.setenv("TF_CONFIG", json.dumps(config))
+    assert is_chief() is chief
+
+
+def test_keras_callback_rejects_bad_intervals(tmp_path):
+    with pytest.raises(ValueError, match="every_n_batches"):
+        PublishCallback(tmp_path, every_n_batches=0)
+
+
+def tf1_training(folder, hook_options: dict, steps: int = 10):
+    """A tiny TF1 trainer under MonitoredTrainingSession; returns the final variable values."""
+    with tf.Graph().as_default():
+        global_step = tf.compat.v1.train.get_or_create_global_step()
+        with tf.compat.v1.variable_scope("model"):
+            w = tf.compat.v1.get_variable("w", initializer=tf.zeros([3]))
+        train = tf.group(w.assign_add(tf.ones([3])), global_step.assign_add(1))
+        hook = PublishHook(folder, **hook_options)
+        with tf.compat.v1.train.MonitoredTrainingSession(hooks=[hook], checkpoint_dir=None) as sess:
+            for _ in range(steps):
+                sess.run(train)
+    return hook
+
+
+def test_session_run_hook_publishes_every_n_steps_and_at_the_end(tmp_path):
+    hook = tf1_training(tmp_path, {"every_n_steps": 4, "keep": None, "include": "model"})
+    steps = [e.step for e in versions.list_versions(tmp_path)]
+    assert steps[-1] == 10 and steps == sorted(steps) and len(steps) >= 3
+    loaded = ws.load(ws.latest(tmp_path))
+    assert list(loaded) == ["model/w"] and np.all(loaded["model/w"] == 10)
+    for entry in versions.list_versions(tmp_path):
+        assert np.all(ws.load(entry.path)["model/w"] == entry.step)
+    assert hook.last.step == 10
+
+
+def test_session_run_hook_not_chief_publishes_nothing(tmp_path):
+    tf1_training(tmp_path / "run", {"every_n_steps": 1, "is_chief": False})
+    assert ws.latest(tmp_path / "run") is None
+
+
+def test_session_run_hook_needs_one_interval(tmp_path):
+    with pytest.raises(ValueError, match="exactly one"):
+        PublishHook(tmp_path)
+
+
+# --- the inference side -----------------------------------------------------------------------
+
+def step_weights(model, step: int, changed=None) -> dict:
+    """Every tensor holds ``step``, or only the keys in ``changed`` do (the rest hold 0)."""
+    return {key: np.full(value.shape, step if changed is None or key in changed else 0, value.dtype)
+            for key, value in tf2.export(model).items()}
+
+
+def test_follower_swaps_tf2_model_between_calls_and_skips_unchanged(tmp_path):
+    model = small_model()
+    keys = sorted(tf2.export(model))
+    ws.publish(tmp_path, step_weights(model, 1), step=1)
+    torn = []
+    stop = threading.Event()
+
+    def inference():
+        while not stop.is_set():
+            with follower.reading():
+                first = float(model.variables[0].numpy().flat[0])
+                time.sleep(0.001)  # a swap now would tear this call
+                values = {float(v.numpy().flat[0]) for v in model.variables}
+            if values != {first}:
+                torn.append(values)
+
+    with Follower(model, tmp_path, poll=0.005) as follower:
+        assert follower.wait(1, timeout=30).step == 1
+        readers = [threading.Thread(target=inference) for _ in range(2)]
+        for reader in readers:
+            reader.start()
+        for step in range(2, 12):
+            ws.publish(tmp_path, step_weights(model, step), step=step, keep=2)
+            assert follower.wait(step, timeout=30).step == step
+        stop.set()
+        for reader in readers:
+            reader.join()
+        assert not torn
+        assert sorted(follower.report.assigned) == keys and follower.report.skipped == []
+        head = [key for key in keys if key.startswith("out/")]
+        ws.publish(tmp_path, {**step_weights(model, 11), **{k: v + 1 for k, v in step_weights(model, 11, head).items()
+                                                           if k in head}}, step=12)
+        follower.wait(12, timeout=30)
+        assert sorted(follower.report.assigned) == head and sorted(follower.report.skipped) == sorted(set(keys) - set(head))
+        assert follower.run(lambda: float(model.get_layer("out").kernel.numpy().flat[0])) == 12.0
+        assert follower.error is None
+
+
+def test_follower_keeps_tf1_session_current_without_growing_the_graph(tmp_path):
+    with tf.Graph().as_default() as graph:
+        w = tf.compat.v1.get_variable("w", initializer=tf.zeros([3]))
+        b = tf.compat.v1.get_variable("b", initializer=tf.zeros([2]))
+        out = tf.reduce_sum(w) + tf.reduce_sum(b)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            ws.publish(tmp_path, {"w": np.full(3, 1, np.float32), "b": np.full(2, 1, np.float32)}, step=1)
+            with Follower(sess, tmp_path, poll=0.005) as follower:
+                follower.wait(1, timeout=30)
+                ops = len(graph.get_operations())
+                for step in range(2, 8):
+                    ws.publish(tmp_path, {"w": np.full(3, step, np.float32), "b": np.full(2, 1, np.float32)},
+                               step=step, keep=2)
+                    follower.wait(step, timeout=30)
+                    assert follower.run(sess.run, out) == 3 * step + 2
+                    assert follower.report.skipped == ["b"]
+                assert len(graph.get_operations()) == ops
+                assert follower.error is None
+
+
+def test_follower_records_a_version_that_does_not_fit(tmp_path):
+    model = small_model()
+    ws.publish(tmp_path, {"unrelated": np.zeros(2, np.float32)}, step=1)
+    with Follower(model, tmp_path, poll=0.005) as follower:
+        deadline = time.monotonic() + 30
+        while follower.error is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert isinstance(follower.error, ws.AssignmentError) and follower.version is None
+        ws.publish(tmp_path, step_weights(model, 2), step=2)
+        assert follower.wait(2, timeout=30).step == 2 and follower.error is None
