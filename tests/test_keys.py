@@ -214,3 +214,15 @@ def test_store_read_of_missing_key(ensemble):
         assert "model_3/dense/kernel" in str(info.value) and str(path) in str(info.value)
         assert set(store.read(["shared/emb"])) == {"shared/emb"}
         assert "model_2/dense/kernel" in store and "model_2" not in store
+
+
+def test_scope_that_names_a_tensor_says_so(tmp_path):
+    path = tmp_path / "w.npz"
+    ws.save(path, {"w": np.zeros(1), "w/Adagrad": np.ones(1)})
+    assert list(ws.load(path, scope="w")) == ["Adagrad"]  # the key equal to the scope has no relative name
+    with pytest.raises(ws.SelectionError) as info:
+        ws.load(path, scope="w/Adagrad")
+    message = str(info.value)
+    assert str(path) in message and "not a scope" in message and "include='w/Adagrad'" in message
+    assert "did you mean 'w/Adagrad'" not in message
+    assert list(ws.load(path, include="w/Adagrad")) == ["w/Adagrad"]

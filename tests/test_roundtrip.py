@@ -422,3 +422,28 @@ def test_pathlike_and_str_paths(tmp_path):
     ws.save(str(tmp_path / "b.hdf5"), {"w": np.arange(3)})
     assert h5py.is_hdf5(tmp_path / "a.h5") and h5py.is_hdf5(tmp_path / "b.hdf5")
     assert np.array_equal(ws.load(str(tmp_path / "a.h5"))["w"], ws.load(tmp_path / "b.hdf5")["w"])
+
+
+@pytest.mark.parametrize("suffix,compress", FORMATS)
+def test_keys_near_the_reserved_names(tmp_path, suffix, compress):
+    """Valid keys that resemble the names HDF5 uses internally for a key that is also a scope."""
+    weights = {"w__weightstore_value__": np.zeros(1), "w_moving": np.full(1, 2.0), "w": np.ones(2),
+               "w/x": np.full(3, 3.0), "w/x/y": np.full(4, 4.0), "weightstore": np.full(5, 5.0)}
+    path = tmp_path / f"w{suffix}"
+    ws.save(path, weights, compress=compress)
+    loaded = ws.load(path)
+    assert list(loaded) == list(weights)
+    for key, value in weights.items():
+        assert same(loaded[key], value), key
+
+
+def test_foreign_npz_loads_in_native_byte_order(tmp_path):
+    """An npz from ``np.savez`` (no manifest) with big-endian members reads as native arrays."""
+    path = tmp_path / "foreign.npz"
+    np.savez(path, big=np.arange(4.0).astype(">f8"), fortran=np.asfortranarray(np.arange(6).reshape(2, 3)),
+             small=np.arange(3, dtype=">i2"))
+    loaded = ws.load(path)
+    assert loaded["big"].dtype == np.float64 and loaded["big"].dtype.isnative
+    assert loaded["big"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert loaded["small"].dtype == np.int16 and loaded["small"].tolist() == [0, 1, 2]
+    assert loaded["fortran"].tolist() == [[0, 1, 2], [3, 4, 5]]

@@ -178,7 +178,10 @@ def plan_outward(
     source_keys = list(keys)
     under = [k for k in source_keys if not norm_scope or k.startswith(norm_scope + "/")]
     if norm_scope and not under and source_keys:
-        hint = suggest(norm_scope, scopes_of(source_keys))
+        if norm_scope in source_keys:
+            hint = f"; {norm_scope!r} is a tensor, not a scope: select it with include={norm_scope!r}"
+        else:
+            hint = suggest(norm_scope, scopes_of(source_keys))
         raise SelectionError(f"scope {norm_scope!r} matches no key{_where(where)}{hint}")
     renamed = {map_key(strip_scope(k, norm_scope), rules): k for k in under}
     _refuse_collisions(renamed, under, norm_scope, rules, where)

@@ -31,6 +31,8 @@ from weightstore.manifest import (
 
 MANIFEST_ATTRIBUTE = "weightstore"
 VALUE = RESERVED_PREFIX + "_value__"
+#: where a dataset waits while its name becomes a group; reserved, so no key segment can clash
+_MOVING = RESERVED_PREFIX + "_moving__"
 #: no filter h5py ships (deflate, lzf, shuffle) shrinks data by more than this
 MAX_FILTER_RATIO = 1100
 _SAFE_FILTERS = {h5py.h5z.FILTER_DEFLATE, h5py.h5z.FILTER_SHUFFLE, h5py.h5z.FILTER_FLETCHER32, 32000}
@@ -65,9 +67,9 @@ class Hdf5Writer:
             if node is None:
                 group = group.create_group(segment)
             elif isinstance(node, h5py.Dataset):  # a key is becoming a scope: move its array in
-                group.move(segment, segment + VALUE)
+                group.move(segment, _MOVING)
                 group.create_group(segment)
-                group.move(segment + VALUE, f"{segment}/{VALUE}")
+                group.move(_MOVING, f"{segment}/{VALUE}")
                 self.locations[walked] = join_scope(walked, VALUE)
                 group = group[segment]
             else:

@@ -425,7 +425,7 @@ class NpzReader:
         if dtype.kind == "V":
             raise FormatError(f"{self.name}: tensor {key!r} is raw bytes ({dtype}) and no manifest says what they are")
         dtype_name(dtype, key)
-        return array
+        return array if dtype.isnative else array.astype(dtype.newbyteorder("="))
 
     def _verify(self, key: str, member: _Member, data: memoryview, payload: memoryview, info: TensorInfo | None) -> None:
         if info is not None and info.checksum:
