@@ -157,6 +157,9 @@ def test_strict_lists_every_problem_and_changes_nothing():
         for got in values(sess, [w, b, k]):
             assert not got.any()
 
+        with pytest.raises(AssignmentError, match="no variable 'model_01/w'; did you mean 'model_001/w'"):
+            tf1.assign(sess, {"w": np.ones(3, np.float32)}, scope="model_01")
+
         report = tf1.assign(sess, weights, strict=False)
         assert report.assigned == ["model_001/b"]
         assert report.missing == ["model_001/w"] and report.unexpected == ["model_02/w"]

@@ -1,0 +1,48 @@
+"""The TF1 examples run as the README shows them, and show what they claim."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("tensorflow")
+
+from examples import tf1_ensemble, tf1_selective, tf1_sync  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_sync_reloads_in_another_process_without_growing_its_graph(tmp_path):
+    seen = tf1_sync.main(str(tmp_path), rounds=3, every=20)
+    assert [entry["step"] for entry in seen] == [None, 20, 40, 60]
+    outputs = [entry["output"] for entry in seen]
+    assert len(set(outputs)) == len(outputs)  # every reload changed the output
+    assert abs(outputs[-1] - 9.0) < 0.5  # the trainer's target: 2 * sum(ones(4)) + 1
+    assert len({entry["ops"] for entry in seen}) == 1
+
+
+def test_ensemble_prints_11_12_13(tmp_path, capsys):
+    assert tf1_ensemble.main(str(tmp_path)) == [11.0, 12.0, 13.0]
+    out = capsys.readouterr().out
+    assert "x = 10 -> 11, 12, 13" in out
+    assert "did you mean 'model_002/w'?" in out
+
+
+def test_selective_restore_gives_identical_predictions(tmp_path):
+    result = tf1_selective.main(str(tmp_path))
+    assert result["identical"] and result["kept_initial"]
+    assert result["ratio"] < 0.7
+    assert result["missing"] == result["left_out"]
+    assert all(key.endswith("/Adagrad") for key in result["left_out"] if key != "global_step")
+    assert {"conv_1/bn/moving_mean", "conv_2/bn/moving_variance"}.isdisjoint(result["left_out"])
+
+
+def test_examples_run_as_modules():
+    done = subprocess.run([sys.executable, "-m", "examples.tf1_ensemble"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert done.returncode == 0, done.stderr
+    assert "x = 10 -> 11, 12, 13" in done.stdout
