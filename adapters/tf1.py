@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,7 +146,8 @@ def _targets(graph: tf.Graph) -> dict[str, _Target]:
         name = variable.op.name
         slice_info = variable._get_save_slice_info()
         if slice_info is None:
-            targets[name] = _Target(name, dtype, tuple(variable.shape.as_list()), name in trainable, [_Part(variable, ())])
+            shape = tuple(variable.shape.as_list())
+            targets[name] = _Target(name, dtype, shape, name in trainable, [_Part(variable, ())])
             continue
         whole = targets.setdefault(
             slice_info.full_name, _Target(slice_info.full_name, dtype, tuple(slice_info.full_shape), True)
