@@ -661,3 +661,20 @@ def test_messages_name_the_file_not_a_repr(tmp_path):
     with pytest.raises(errors.FormatError) as info:
         ws.open(path)
     assert re.search(re.escape(str(path)), str(info.value))
+
+
+def test_max_bytes_on_a_foreign_compressed_npz_refuses_before_inflating(tmp_path):
+    """No manifest: sizes come from each member's npy header, read without inflating the rest."""
+    path = tmp_path / "foreign.npz"
+    np.savez_compressed(path, big=np.arange(100_000, dtype=np.float64), small=np.arange(3, dtype=np.int8))
+    raw = bytearray(path.read_bytes())
+    start, length = hostile.data_offsets(path)["big.npy"]
+    raw[start + length - 64 : start + length] = b"\xff" * 64  # the end of the stream is garbage
+    path.write_bytes(bytes(raw))
+    with ws.open(path) as store:
+        assert store.info("big").shape == (100_000,) and store.info("big").nbytes == 800_000
+        with raises_naming(errors.FormatError, path, "big"):
+            store["big"]
+    with raises_naming(errors.SizeLimitError, path, "800003"):
+        ws.load(path, max_bytes=1000)
+    assert ws.load(path, include="small", max_bytes=3)["small"].tolist() == [0, 1, 2]

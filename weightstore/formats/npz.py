@@ -334,8 +334,30 @@ class NpzReader:
             raise FormatError(f"{self.name}: member {member.name!r} is truncated or corrupt (deflate)")
         return view
 
-    def _parse_npy(self, member: _Member, data: memoryview) -> tuple[np.dtype, tuple[int, ...], bool, int]:
+    def _member_head(self, member: _Member) -> memoryview:
+        """The first bytes of a member, enough for its npy header, without reading or inflating the rest."""
+        start = self._data_offset(member)
+        wanted = min(member.size, 12 + MAX_NPY_HEADER)
+        if member.method == _STORED:
+            return memoryview(self._source.read_at(start, wanted))
+        engine = isal_zlib.decompressobj(-15)
+        head = bytearray()
+        position, end = start, start + member.compressed
+        while len(head) < wanted and position < end and not engine.eof:
+            chunk = bytes(self._source.read_at(position, min(1 << 16, end - position)))
+            position += len(chunk)
+            try:
+                head += engine.decompress(chunk, wanted - len(head))
+            except isal_zlib.error as exc:
+                raise FormatError(f"{self.name}: member {member.name!r} is corrupt (deflate: {exc})") from None
+        return memoryview(head)
+
+    def _parse_npy(
+        self, member: _Member, data: memoryview, size: int | None = None,
+    ) -> tuple[np.dtype, tuple[int, ...], bool, int]:
+        """Check a member's npy header; ``size`` is the whole member's when ``data`` is only its head."""
         where = f"{self.name}: member {member.name!r}"
+        size = len(data) if size is None else size
         if len(data) < 10 or bytes(data[:6]) != b"\x93NUMPY":
             raise FormatError(f"{where} is not an npy array")
         major = data[6]
@@ -370,9 +392,9 @@ class NpzReader:
             raise UnsafeFileError(f"{where} holds an object array; weightstore never unpickles")
         expected = math.prod(shape) * dtype.itemsize
         start = prefix + header_len
-        if len(data) - start != expected:
+        if size - start != expected:
             raise FormatError(
-                f"{where}: header says {shape} of {dtype} ({expected} bytes) but the member holds {len(data) - start}"
+                f"{where}: header says {shape} of {dtype} ({expected} bytes) but the member holds {size - start}"
             )
         return dtype, shape, bool(fields["fortran_order"]), start
 
@@ -398,8 +420,7 @@ class NpzReader:
         info = self._infos.get(key)
         if info is None:
             member = self._member(key)
-            data = self._member_bytes(member, member.size)
-            dtype, shape, _, _ = self._parse_npy(member, data)
+            dtype, shape, _, _ = self._parse_npy(member, self._member_head(member), member.size)
             name = dtype_name(dtype, key) if dtype.kind != "V" else f"V{dtype.itemsize}"
             info = TensorInfo(key, name, shape, math.prod(shape) * dtype.itemsize, None)
             self._infos[key] = info
