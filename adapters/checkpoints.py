@@ -1,0 +1,438 @@
+"""TensorFlow checkpoints and Keras weight files, read and written as weight dictionaries.
+
+Every source is wrapped in the core's ``Reader`` protocol and handed out as a
+:class:`Source` (a :class:`weightstore.Store`), so the ``ws`` command lists, diffs, exports
+and imports a TF checkpoint exactly as it does an npz file and never branches on where
+weights came from. TensorFlow is imported only when a TF checkpoint is opened or written:
+Keras files are plain HDF5 (a ``.keras`` archive is a zip holding one) and are read by the
+core's HDF5 reader without TensorFlow and without ever deserializing a model config.
+
+Keys:
+- TF1 ``Saver`` checkpoints: the variable names (``layer/w``, slots as ``layer/w/Adam``).
+- TF2 object-based checkpoints: the object path with ``/.ATTRIBUTES/VARIABLE_VALUE`` dropped.
+  Entries that are not variables (the object graph, Python state, iterator state) and the
+  checkpoint's own ``save_counter`` are left out. Optimizer state is kept, since it is made of
+  variables: Keras 3 optimizers' under ``optimizer/…``, and slot variables of
+  ``tf.compat.v1`` optimizers under their variable as ``<variable>/.OPTIMIZER_SLOT/<optimizer>/<slot>``
+  (drop them with ``--exclude '*/.OPTIMIZER_SLOT/*'``).
+- Keras and other plain HDF5 files: the dataset paths (``layers/dense/vars/0``), with the
+  ``:0`` output suffix that legacy ``tf.keras`` files carry dropped.
+Non-numeric entries (string variables) are skipped and named in :attr:`Source.skipped`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import shutil
+import tempfile
+import zipfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import weightstore
+from weightstore.errors import (
+    FormatError,
+    KeyNotInStoreError,
+    MissingDependencyError,
+    SelectionError,
+    StoreNotFoundError,
+    UnsupportedDTypeError,
+    WeightStoreError,
+)
+from weightstore.formats import format_for_suffix, format_named
+from weightstore.keys import validate_key
+from weightstore.manifest import TensorInfo, dtype_name, shape_nbytes
+from weightstore.store import Store, fsync_folder, is_url
+
+OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
+VARIABLE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
+KERAS_WEIGHTS_MEMBER = "model.weights.h5"
+_SAVE_COUNTER = "save_counter" + VARIABLE_SUFFIX
+_OUTPUT_SUFFIX = re.compile(r":\d+$")
+_DATA_FILE = re.compile(r"\.data-\d{5}-of-\d{5}$")
+_TEMP_MARK = ".wstmp-"
+_silent = False
+
+
+def silence_tensorflow() -> None:
+    """Keep TensorFlow's start-up chatter off stderr, where the CLI promises one-line errors.
+
+    Some of it is printed by native code before any logging setting applies, so the import
+    itself runs with file descriptor 2 pointed at ``/dev/null``.
+    """
+    global _silent
+    _silent = True
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+
+def _tf():
+    try:
+        if not _silent:
+            import tensorflow as tf
+            return tf
+        with _stderr_to_devnull():
+            import tensorflow as tf
+        return tf
+    except ImportError:
+        raise MissingDependencyError(
+            "TensorFlow checkpoints need TensorFlow: pip install 'weightstore[tf]'"
+        ) from None
+
+
+@contextlib.contextmanager
+def _stderr_to_devnull() -> Iterator[None]:
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+class Source(Store):
+    """A :class:`Store` over any weight source, with what the CLI needs to know about it."""
+
+    def __init__(self, reader: Any, path: str, *, kind: str, skipped: list[str] | None = None, meta_graph: str | None = None):
+        super().__init__(reader, path, verify=True)
+        self.kind = kind
+        self.skipped = skipped or []
+        self._meta_graph = meta_graph
+
+    def trainable_keys(self) -> set[str]:
+        """Keys of the trainable variables, from a TF1 checkpoint's ``.meta`` graph.
+
+        Only that graph records trainability: TF2 checkpoints, Keras files and stores do not.
+        """
+        if self._meta_graph is None:
+            raise FormatError(f"{self.path}: --trainable-only needs a TF1 checkpoint with its .meta graph; "
+                              f"a {self.kind} does not record which variables are trainable")
+        if not os.path.exists(self._meta_graph):
+            raise FormatError(f"{self.path}: --trainable-only needs the graph file {self._meta_graph}, "
+                              "which is missing (save with Saver(write_meta_graph=True))")
+        return _trainable_from_meta(self._meta_graph)
+
+
+def open_source(path: str | os.PathLike) -> Source:
+    """Open a store, a TF checkpoint (prefix, file of one, or folder) or a Keras weight file."""
+    text = os.fspath(path)
+    prefix = checkpoint_prefix(text)
+    if prefix is not None:
+        return _open_checkpoint(prefix)
+    if os.path.isdir(text):
+        raise StoreNotFoundError(f"{text}: folder holds no 'checkpoint' state file naming a checkpoint")
+    if not is_url(text) and not os.path.exists(text):
+        raise StoreNotFoundError(f"{text}: no such file or checkpoint")
+    if text.endswith(".keras") or (format_for_suffix(text) is None and _is_keras_archive(text)):
+        return _open_keras_archive(text)
+    store = weightstore.open(text)
+    if store.has_checksums:
+        return Source(store._reader, store.path, kind="weightstore file")
+    return _plain(store._reader, store.path)
+
+
+def checkpoint_prefix(path: str) -> str | None:
+    """The TF checkpoint prefix ``path`` names, or ``None`` when it names none.
+
+    Accepts the prefix itself, one of its ``.index``/``.data-…``/``.meta`` files (what shell
+    completion offers), or a folder whose ``checkpoint`` state file names the latest one.
+    """
+    if os.path.isdir(path):
+        if not os.path.exists(os.path.join(path, "checkpoint")):
+            return None
+        latest = _tf().train.latest_checkpoint(path)
+        if latest is None:
+            raise StoreNotFoundError(f"{path}: its 'checkpoint' state file names no checkpoint that exists")
+        return latest
+    for suffix in (".index", ".meta"):
+        if path.endswith(suffix) and os.path.exists(path[: -len(suffix)] + ".index"):
+            return path[: -len(suffix)]
+    data = _DATA_FILE.search(path)
+    if data and os.path.exists(path[: data.start()] + ".index"):
+        return path[: data.start()]
+    return path if os.path.exists(path + ".index") else None
+
+
+class CheckpointReader:
+    """The core's Reader protocol over ``tf.train.load_checkpoint``; tensors read on demand."""
+
+    has_checksums = False
+    created = ""
+
+    def __init__(self, prefix: str):
+        tf = _tf()
+        self.name = prefix
+        try:
+            self._reader = tf.train.load_checkpoint(prefix)
+        except (tf.errors.OpError, ValueError) as exc:
+            raise FormatError(f"{prefix}: not a readable TensorFlow checkpoint ({_first_line(exc)})") from None
+        shapes = self._reader.get_variable_to_shape_map()
+        dtypes = self._reader.get_variable_to_dtype_map()
+        self.object_based = OBJECT_GRAPH_KEY in shapes
+        self.metadata: dict[str, Any] = {}
+        self.skipped: list[str] = []
+        self._names: dict[str, str] = {}
+        self._infos: dict[str, TensorInfo] = {}
+        for name in sorted(shapes):
+            key = self._key_for(name)
+            if key is None:
+                continue
+            try:
+                validate_key(key)
+                numpy_dtype = np.dtype(dtypes[name].as_numpy_dtype)
+                logical = dtype_name(numpy_dtype, key)
+            except (WeightStoreError, TypeError):
+                self.skipped.append(name)
+                continue
+            shape = tuple(int(d) for d in shapes[name])
+            self._names[key] = name
+            self._infos[key] = TensorInfo(key, logical, shape, shape_nbytes(shape, numpy_dtype.itemsize))
+
+    def _key_for(self, name: str) -> str | None:
+        if not self.object_based:
+            return name
+        if name == _SAVE_COUNTER or not name.endswith(VARIABLE_SUFFIX):
+            return None  # the object graph, Python/iterator state, the checkpoint's own counter
+        return name[: -len(VARIABLE_SUFFIX)]
+
+    def keys(self) -> list[str]:
+        return list(self._infos)
+
+    def info(self, key: str) -> TensorInfo:
+        try:
+            return self._infos[key]
+        except KeyError:
+            raise KeyNotInStoreError(f"{self.name}: no tensor {key!r}") from None
+
+    def read(self, key: str, *, verify: bool) -> np.ndarray:
+        info = self.info(key)
+        array = np.asarray(self._reader.get_tensor(self._names[key]))
+        if array.shape != info.shape:
+            raise FormatError(f"{self.name}: tensor {key!r} is {array.shape}, index says {info.shape}")
+        return array
+
+    def close(self) -> None:
+        self._reader = None
+
+
+def _open_checkpoint(prefix: str) -> Source:
+    reader = CheckpointReader(prefix)
+    kind = "TF2 object-based checkpoint" if reader.object_based else "TF1 checkpoint"
+    meta = None if reader.object_based else prefix + ".meta"
+    return Source(reader, prefix, kind=kind, skipped=reader.skipped, meta_graph=meta)
+
+
+def _trainable_from_meta(meta_path: str) -> set[str]:
+    """Checkpoint names of the variables in a MetaGraphDef's trainable collection.
+
+    A partitioned variable lists each part (``w/part_0:0``); the checkpoint holds it whole
+    under ``save_slice_info_def.full_name``.
+    """
+    _tf()
+    from tensorflow.core.framework import variable_pb2
+    from tensorflow.core.protobuf import meta_graph_pb2
+
+    graph = meta_graph_pb2.MetaGraphDef()
+    try:
+        graph.ParseFromString(Path(meta_path).read_bytes())
+    except Exception as exc:  # protobuf's DecodeError has no stable import path
+        raise FormatError(f"{meta_path}: not a readable MetaGraphDef ({exc})") from None
+    names = set()
+    for raw in graph.collection_def["trainable_variables"].bytes_list.value:
+        variable = variable_pb2.VariableDef.FromString(raw)
+        full = variable.save_slice_info_def.full_name
+        names.add(full or _OUTPUT_SUFFIX.sub("", variable.variable_name))
+    return names
+
+
+class _RenamedReader:
+    """A reader seen through new key names (``dense/kernel:0`` read as ``dense/kernel``)."""
+
+    def __init__(self, reader: Any, names: dict[str, str], cleanup=None):
+        self._reader = reader
+        self._names = names
+        self._cleanup = cleanup
+        self.metadata = reader.metadata
+        self.created = reader.created
+        self.has_checksums = reader.has_checksums
+
+    def keys(self) -> list[str]:
+        return list(self._names)
+
+    def _old(self, key: str) -> str:
+        try:
+            return self._names[key]
+        except KeyError:
+            raise KeyNotInStoreError(f"no tensor {key!r}") from None
+
+    def info(self, key: str) -> TensorInfo:
+        info = self._reader.info(self._old(key))
+        return TensorInfo(key, info.dtype, info.shape, info.nbytes, info.checksum)
+
+    def read(self, key: str, *, verify: bool) -> np.ndarray:
+        return self._reader.read(self._old(key), verify=verify)
+
+    def close(self) -> None:
+        try:
+            self._reader.close()
+        finally:
+            if self._cleanup is not None:
+                self._cleanup()
+
+
+def _plain(reader: Any, path: str, cleanup=None) -> Source:
+    """A file without a manifest (Keras ``.weights.h5``, ``np.savez``) with ``:0`` suffixes dropped."""
+    names: dict[str, str] = {}
+    skipped = []
+    for old in reader.keys():
+        new = _OUTPUT_SUFFIX.sub("", old)
+        try:
+            validate_key(new)
+        except WeightStoreError:
+            skipped.append(old)
+            continue
+        if new in names:
+            raise FormatError(f"{path}: datasets {names[new]!r} and {old!r} both read as key {new!r}")
+        names[new] = old
+    keras = path.endswith((".weights.h5", ".keras"))
+    kind = "Keras weights file" if keras else "file without a weightstore manifest"
+    return Source(_RenamedReader(reader, names, cleanup), path, kind=kind, skipped=skipped)
+
+
+def _is_keras_archive(path: str) -> bool:
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return KERAS_WEIGHTS_MEMBER in archive.namelist()
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def _open_keras_archive(path: str) -> Source:
+    """The weights of a ``.keras`` zip: its ``model.weights.h5`` copied out and read as HDF5.
+
+    The config is never read, let alone deserialized: only the weights file is touched.
+    """
+    try:
+        archive = zipfile.ZipFile(path)
+    except FileNotFoundError:
+        raise StoreNotFoundError(f"{path}: no such file") from None
+    except zipfile.BadZipFile:
+        raise FormatError(f"{path}: not a .keras archive (not a zip file)") from None
+    scratch = tempfile.mkdtemp(prefix="weightstore-keras-")
+    try:
+        with archive:
+            if KERAS_WEIGHTS_MEMBER not in archive.namelist():
+                raise FormatError(f"{path}: .keras archive holds no {KERAS_WEIGHTS_MEMBER}")
+            local = os.path.join(scratch, KERAS_WEIGHTS_MEMBER)
+            with archive.open(KERAS_WEIGHTS_MEMBER) as member, open(local, "wb") as out:
+                shutil.copyfileobj(member, out, 16 << 20)
+        reader = format_named("hdf5").open_reader(local, f"{path}:{KERAS_WEIGHTS_MEMBER}")
+    except zipfile.BadZipFile as exc:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise FormatError(f"{path}: corrupt .keras archive ({exc})") from None
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    return _plain(reader, path, cleanup=lambda: shutil.rmtree(scratch, ignore_errors=True))
+
+
+def checkpoint_names(prefix: str) -> list[str]:
+    """The entries of the name-based checkpoint at ``prefix``; empty when there is none.
+
+    Refuses a TF2 object-based checkpoint: entries merged into one would be invisible to
+    ``tf.train.Checkpoint.restore``, which finds variables through the object graph.
+    """
+    if not os.path.exists(prefix + ".index"):
+        return []
+    reader = CheckpointReader(prefix)
+    if reader.object_based:
+        raise FormatError(f"{prefix}: is a TF2 object-based checkpoint; ws writes name-based (TF1 Saver) "
+                          "checkpoints, so choose another prefix")
+    return list(reader._reader.get_variable_to_shape_map())
+
+
+def write_checkpoint(prefix: str, weights: Mapping[str, np.ndarray]) -> None:
+    """Write ``weights`` as a name-based checkpoint at ``prefix``, merged with the one there.
+
+    Entries already at ``prefix`` that ``weights`` does not name are kept byte for byte, even
+    non-numeric ones. The checkpoint is written under a temporary prefix beside the target,
+    fsynced, then renamed into place data file first and ``.index`` last, so TensorFlow sees
+    either the old checkpoint or the new one as long as no crash falls between those two
+    renames; stale data shards of the old checkpoint are removed afterwards.
+    """
+    tf = _tf()
+    target = Path(prefix)
+    if not target.parent.is_dir():
+        raise StoreNotFoundError(f"{prefix}: folder {str(target.parent)!r} does not exist")
+    tensors: dict[str, Any] = {}
+    if os.path.exists(prefix + ".index"):
+        checkpoint_names(prefix)  # refuses object-based checkpoints
+        old = tf.train.load_checkpoint(prefix)
+        for name in old.get_variable_to_shape_map():
+            if name not in weights:
+                tensors[name] = tf.constant(old.get_tensor(name), dtype=old.get_variable_to_dtype_map()[name])
+    for key, value in weights.items():
+        tensors[key] = _as_tensor(tf, prefix, key, value)
+    if not tensors:
+        raise SelectionError(f"{prefix}: nothing to write")
+    temporary = str(target.with_name(f".{target.name}{_TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"))
+    try:
+        with tf.device("/cpu:0"):
+            tf.raw_ops.SaveV2(prefix=temporary, tensor_names=list(tensors), shape_and_slices=[""] * len(tensors),
+                              tensors=list(tensors.values()))
+        written = _files_of(temporary)
+        for path in written:
+            _fsync(path)
+        for path in sorted(written, key=lambda p: p.endswith(".index")):
+            os.replace(path, prefix + path[len(temporary):])
+    except BaseException as exc:
+        for path in _files_of(temporary):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        if isinstance(exc, tf.errors.OpError):
+            raise FormatError(f"{prefix}: TensorFlow could not write the checkpoint ({_first_line(exc)})") from None
+        raise
+    kept = {prefix + path[len(temporary):] for path in written}
+    for stale in _files_of(prefix):
+        if _DATA_FILE.search(stale) and stale not in kept:
+            os.unlink(stale)
+    fsync_folder(target.parent)
+
+
+def _as_tensor(tf: Any, prefix: str, key: str, value: Any) -> Any:
+    array = np.asarray(value)
+    try:
+        return tf.constant(array)
+    except (TypeError, ValueError):
+        raise UnsupportedDTypeError(
+            f"{prefix}: tensor {key!r} has dtype {array.dtype}, which TensorFlow checkpoints cannot hold"
+        ) from None
+
+
+def _files_of(prefix: str) -> list[str]:
+    folder, base = os.path.split(prefix)
+    with contextlib.suppress(FileNotFoundError):
+        return [os.path.join(folder, name) for name in os.listdir(folder or ".")
+                if name == base + ".index" or (name.startswith(base + ".data-") and _DATA_FILE.search(name))]
+    return []
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

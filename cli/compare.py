@@ -1,0 +1,119 @@
+"""``ws diff`` and ``ws verify``: what differs between two weight sources, and what is corrupt.
+
+Both read one tensor at a time, so memory holds at most two tensors whatever the file size.
+``diff`` skips reading a pair whose manifest checksums agree: equal bytes are equal values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from weightstore.cli.render import tensor_type, track
+from weightstore.errors import FormatError
+from weightstore.store import Store
+
+
+@dataclass
+class Change:
+    key: str
+    reason: str  # "dtype", "shape" or "values"
+    a: str  # float32[3, 4]
+    b: str
+    max_abs: float | None = None
+    max_rel: float | None = None
+
+
+@dataclass
+class Diff:
+    added: list[str] = field(default_factory=list)  # only in B
+    removed: list[str] = field(default_factory=list)  # only in A
+    changed: list[Change] = field(default_factory=list)
+    unchanged: int = 0
+    metadata_equal: bool = True
+
+    @property
+    def equal(self) -> bool:
+        """Tensors only: metadata is reported but does not make two files different."""
+        return not (self.added or self.removed or self.changed)
+
+    def to_json(self) -> dict:
+        return {
+            "equal": self.equal,
+            "added": self.added,
+            "removed": self.removed,
+            "changed": [{k: _finite(v) for k, v in asdict(c).items()} for c in self.changed],
+            "unchanged": self.unchanged,
+            "metadata_equal": self.metadata_equal,
+        }
+
+
+def _finite(value):
+    """JSON has no infinity or NaN: name them as strings."""
+    if isinstance(value, float) and not np.isfinite(value):
+        return str(value)
+    return value
+
+
+def diff(a: Store, b: Store, *, atol: float = 0.0) -> Diff:
+    a_keys, b_keys = a.keys(), b.keys()
+    b_set, a_set = set(b_keys), set(a_keys)
+    result = Diff(
+        added=[k for k in b_keys if k not in a_set],
+        removed=[k for k in a_keys if k not in b_set],
+        metadata_equal=a.metadata == b.metadata,
+    )
+    common = [k for k in a_keys if k in b_set]
+    total = sum(a.info(k).nbytes for k in common)
+    for key in track(((k, a.info(k).nbytes) for k in common), "comparing", total):
+        change = _compare(a, b, key, atol)
+        if change is None:
+            result.unchanged += 1
+        else:
+            result.changed.append(change)
+    return result
+
+
+def _compare(a: Store, b: Store, key: str, atol: float) -> Change | None:
+    left, right = a.info(key), b.info(key)
+    if left.dtype != right.dtype:
+        return Change(key, "dtype", tensor_type(left), tensor_type(right))
+    if left.shape != right.shape:
+        return Change(key, "shape", tensor_type(left), tensor_type(right))
+    if left.checksum and left.checksum == right.checksum:
+        return None
+    max_abs, max_rel = difference(a[key], b[key])
+    if max_abs <= atol:
+        return None
+    return Change(key, "values", tensor_type(left), tensor_type(right), max_abs, max_rel)
+
+
+def difference(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """``(max |x - y|, that divided by max |x|)``; NaN equals NaN, equal infinities are equal."""
+    if x.size == 0:
+        return 0.0, 0.0
+    wide = np.complex128 if np.iscomplexobj(x) else np.float64
+    x, y = np.asarray(x, dtype=wide), np.asarray(y, dtype=wide)
+    with np.errstate(invalid="ignore", over="ignore"):
+        gap = np.where(x == y, 0.0, np.abs(x - y))
+    both_nan = np.isnan(x) & np.isnan(y)
+    gap = np.where(both_nan, 0.0, np.where(np.isnan(gap), np.inf, gap))
+    max_abs = float(gap.max())
+    scale = float(np.nanmax(np.abs(x))) if not np.all(np.isnan(x)) else 0.0
+    if max_abs == 0.0:
+        return 0.0, 0.0
+    return max_abs, (max_abs / scale if scale and np.isfinite(scale) else float("inf"))
+
+
+def verify(store: Store) -> list[str]:
+    """Read every tensor with its checksum checked; one line per problem, empty when sound."""
+    problems = []
+    keys = store.keys()
+    total = sum(store.info(k).nbytes for k in keys)
+    for key in track(((k, store.info(k).nbytes) for k in keys), "verifying", total):
+        try:
+            store[key]
+        except FormatError as exc:
+            problems.append(str(exc).removeprefix(f"{store.path}: "))
+    return problems

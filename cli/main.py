@@ -1,0 +1,231 @@
+"""The ``ws`` command: one typer app, one function per command.
+
+Commands stay thin: they parse options, call :mod:`transfer` or :mod:`compare`, and print.
+TensorFlow is imported only when a command meets a TF checkpoint, so ``ws ls m.npz`` starts
+in a fraction of a second. Errors of every command, including those :mod:`sync` adds, are
+turned into one line and exit status 1 by :class:`guard.GuardedGroup`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from weightstore.adapters import checkpoints
+from weightstore.cli import compare, render, sync, transfer
+from weightstore.cli.guard import GuardedGroup
+from weightstore.cli.render import count, human_bytes, note, settings
+
+app = typer.Typer(
+    name="ws",
+    cls=GuardedGroup,
+    no_args_is_help=True,
+    rich_markup_mode="rich",
+    pretty_exceptions_show_locals=False,
+    help="Move model weights between TensorFlow checkpoints, Keras files and npz/HDF5 weight stores.",
+)
+
+Scope = Annotated[Optional[str], typer.Option("--scope", "-s", help="Scope: on export keep keys under it and strip it; "
+                                                                     "on import put every key under it.")]
+Include = Annotated[Optional[list[str]], typer.Option("--include", "-i", help="Keep keys under this scope or matching "
+                                                                               "this glob (repeatable); relative to --scope.")]
+Exclude = Annotated[Optional[list[str]], typer.Option("--exclude", "-x", help="Drop keys under this scope or matching "
+                                                                               "this glob (repeatable); relative to --scope.")]
+
+
+def _check_rules(rules: Optional[list[str]]) -> Optional[list[str]]:
+    for rule in rules or []:
+        if "=" not in rule:
+            raise typer.BadParameter(f"{rule!r} is not of the form FROM=TO")
+    return rules
+
+
+Mapping = Annotated[Optional[list[str]], typer.Option("--map", "-m", metavar="FROM=TO", callback=_check_rules,
+                                                      help="Rename scope FROM to TO (repeatable; first match wins; "
+                                                           "applied before --include/--exclude).")]
+
+
+@app.callback()
+def options(
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or status lines.")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks and TensorFlow's own logs.")] = False,
+) -> None:
+    """Move model weights between TensorFlow checkpoints, Keras files and npz/HDF5 weight stores."""
+    settings.quiet, settings.debug = quiet, debug
+    if not debug:
+        checkpoints.silence_tensorflow()
+
+
+@app.command()
+def export(
+    source: Annotated[str, typer.Argument(help="TF1/TF2 checkpoint (prefix, one of its files, or its folder), "
+                                               "Keras .weights.h5 or .keras file, or a weight store.")],
+    output: Annotated[str, typer.Option("--output", "-o", help="The store to write: .npz (default) or .h5.")],
+    scope: Scope = None,
+    mapping: Mapping = None,
+    include: Include = None,
+    exclude: Exclude = None,
+    trainable_only: Annotated[bool, typer.Option("--trainable-only", help="Only trainable variables (needs a TF1 checkpoint's .meta).")] = False,
+    compress: Annotated[bool, typer.Option("--compress", help="Deflate the tensors (smaller, not memory-mappable).")] = False,
+) -> None:
+    """Write the weights of SOURCE, or the selected part of them, to a weight store.
+
+    \b
+    Example:
+      ws export train/ -o model_001.npz --scope tower_0 --exclude '*/Adam*'
+    """
+    with checkpoints.open_source(source) as opened:
+        written = transfer.export(opened, output, scope=scope, mapping=mapping, include=include, exclude=exclude,
+                                  trainable_only=trainable_only, compress=compress)
+    note(f"wrote {count(written.count, 'tensor')} ({human_bytes(written.nbytes)}) from {opened.kind} {source} to {written.path}")
+    _note_skipped(opened)
+
+
+@app.command("import")
+def import_(
+    store: Annotated[str, typer.Argument(help="The weights to import: a store, TF checkpoint or Keras file.")],
+    into: Annotated[str, typer.Option("--into", help="Target: a store (.npz/.h5; created or merged into) or a TF "
+                                                     "checkpoint prefix (created or merged into).")],
+    scope: Scope = None,
+    mapping: Mapping = None,
+    include: Include = None,
+    exclude: Exclude = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace keys the target already holds.")] = False,
+) -> None:
+    """Put the weights of STORE into a store or TF checkpoint, under a scope.
+
+    \b
+    Example:
+      ws import m2.npz --into ensemble.ckpt --scope model_002
+    """
+    with checkpoints.open_source(store) as opened:
+        written = transfer.import_(opened, into, scope=scope, mapping=mapping, include=include, exclude=exclude,
+                                   overwrite=overwrite)
+    note(f"wrote {count(written.count, 'tensor')} ({human_bytes(written.nbytes)}) into {written.kind} {written.path}")
+    _note_skipped(opened)
+
+
+@app.command("ls")
+def ls(
+    store: Annotated[str, typer.Argument(help="A store, TF checkpoint or Keras file.")],
+    scope: Annotated[Optional[str], typer.Option("--scope", "-s", help="Only keys under this scope.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+) -> None:
+    """List the tensors of STORE: key, dtype, shape and size, with totals and metadata.
+
+    \b
+    Example:
+      ws ls model.npz --scope model_002
+    """
+    from weightstore.keys import plan_outward
+
+    with checkpoints.open_source(store) as opened:
+        keys = list(plan_outward(opened.keys(), scope=scope, where=opened.path).values()) if scope else opened.keys()
+        infos = [opened.info(k) for k in keys]
+        if as_json:
+            render.print_json({
+                "path": opened.path, "kind": opened.kind, "created": opened.created, "metadata": opened.metadata,
+                "count": len(infos), "nbytes": sum(i.nbytes for i in infos),
+                "tensors": [{"key": i.key, "dtype": i.dtype, "shape": list(i.shape), "nbytes": i.nbytes,
+                             "checksum": i.checksum} for i in infos],
+            })
+            return
+        _note_skipped(opened)
+        console = render.stdout()
+        console.print(render.listing_table(infos, f"{opened.path} ({opened.kind})"))
+        for name, value in opened.metadata.items():
+            console.print(f"{name}: {value}", soft_wrap=True)
+
+
+@app.command()
+def diff(
+    a: Annotated[str, typer.Argument(help="A store, TF checkpoint or Keras file.")],
+    b: Annotated[str, typer.Argument(help="Another one, compared key by key.")],
+    atol: Annotated[float, typer.Option(min=0.0, help="Values differing by at most this count as equal.")] = 0.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+) -> None:
+    """Compare the tensors of A and B: added, removed, changed and unchanged.
+
+    Exit status 0 when the tensors are equal, 1 when they differ (metadata is shown, not judged).
+
+    \b
+    Example:
+      ws diff before.npz after.npz --atol 1e-6
+    """
+    with checkpoints.open_source(a) as left, checkpoints.open_source(b) as right:
+        result = compare.diff(left, right, atol=atol)
+    if as_json:
+        render.print_json({"a": a, "b": b, "atol": atol, **result.to_json()})
+    else:
+        _print_diff(a, b, result)
+    if not result.equal:
+        raise typer.Exit(1)
+
+
+def _print_diff(a: str, b: str, result: compare.Diff) -> None:
+    echo = typer.echo
+    for key in result.removed:
+        echo(f"- {key}")
+    for key in result.added:
+        echo(f"+ {key}")
+    for change in result.changed:
+        if change.reason == "values":
+            echo(f"~ {change.key}  max abs {change.max_abs:.6g}  max rel {change.max_rel:.6g}")
+        else:
+            echo(f"~ {change.key}  {change.reason}: {change.a} -> {change.b}")
+    echo(f"{a} vs {b}: {len(result.added)} added, {len(result.removed)} removed, {len(result.changed)} changed, "
+         f"{result.unchanged} unchanged" + ("" if result.metadata_equal else "; metadata differs"))
+
+
+@app.command()
+def convert(
+    a: Annotated[str, typer.Argument(help="The weights to convert: a store, TF checkpoint or Keras file.")],
+    b: Annotated[str, typer.Argument(help="The store to write; its suffix picks npz or HDF5 (.h5).")],
+    compress: Annotated[bool, typer.Option("--compress", help="Deflate the tensors (smaller, not memory-mappable).")] = False,
+) -> None:
+    """Rewrite A as B: npz to HDF5 or back, or recompressed; metadata is kept.
+
+    \b
+    Example:
+      ws convert model.npz model.h5
+    """
+    with checkpoints.open_source(a) as opened:
+        written = transfer.convert(opened, b, compress=compress)
+    note(f"wrote {count(written.count, 'tensor')} ({human_bytes(written.nbytes)}) to {written.path}")
+
+
+@app.command()
+def verify(store: Annotated[str, typer.Argument(help="The weight store to check.")]) -> None:
+    """Check the structure of STORE and every tensor's checksum; exit 1 naming what is corrupt.
+
+    \b
+    Example:
+      ws verify model.npz
+    """
+    import weightstore
+    from weightstore.errors import ChecksumError
+
+    with weightstore.open(store) as opened:
+        problems = compare.verify(opened)
+        total, has_checksums = len(opened), opened.has_checksums
+    if problems:
+        raise ChecksumError(f"{store}: {len(problems)} of {count(total, 'tensor')} corrupt: {'; '.join(problems)}")
+    if has_checksums:
+        note(f"{store}: ok, {count(total, 'tensor')}, checksums match")
+    else:
+        note(f"{store}: readable, {count(total, 'tensor')}; no weightstore manifest, so no checksums to check")
+
+
+def _note_skipped(source: checkpoints.Source) -> None:
+    if source.skipped:
+        shown = ", ".join(source.skipped[:5]) + (" …" if len(source.skipped) > 5 else "")
+        note(f"skipped {len(source.skipped)} non-numeric entr{'y' if len(source.skipped) == 1 else 'ies'}: {shown}")
+
+
+sync.register(app)
+
+
+def main() -> None:
+    """The console script ``ws``."""
+    app(prog_name="ws")

@@ -1,0 +1,131 @@
+"""``ws export``, ``ws import`` and ``ws convert``: move tensors between sources and targets.
+
+Every source opens through :func:`weightstore.adapters.checkpoints.open_source`, so each
+command accepts a store, a TF checkpoint or a Keras file alike. Selection follows
+DESIGN.md everywhere: scope and mapping first, then include/exclude on the resulting keys.
+Targets are written whole and atomically: a failed or interrupted command leaves them as
+they were.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+import weightstore
+from weightstore.adapters import checkpoints
+from weightstore.adapters.checkpoints import Source
+from weightstore.cli.render import track, working
+from weightstore.errors import FormatError, SelectionError, StoreExistsError, StoreNotFoundError
+from weightstore.formats import format_for_suffix, sniff
+from weightstore.keys import MappingRules, Patterns, plan_inward, plan_outward, validate_key
+from weightstore.store import is_url
+
+_SHOWN = 5  # colliding keys named in an error; the rest are counted
+
+
+@dataclass(frozen=True)
+class Written:
+    """What a command wrote, for its one-line summary."""
+
+    path: str
+    kind: str
+    count: int
+    nbytes: int
+
+
+def read(source: Source, plan: Mapping[str, str], description: str) -> dict[str, np.ndarray]:
+    """New key -> array for every ``plan`` entry (new key -> source key), with progress."""
+    total = sum(source.info(old).nbytes for old in plan.values())
+    items = ((new, source.info(old).nbytes) for new, old in plan.items())
+    return {new: source[plan[new]] for new in track(items, description, total)}
+
+
+def export(source: Source, out: str, *, scope: str | None, mapping: MappingRules, include: Patterns,
+           exclude: Patterns, trainable_only: bool, compress: bool) -> Written:
+    plan = plan_outward(source.keys(), scope=scope, mapping=mapping, include=include, exclude=exclude, where=source.path)
+    if trainable_only:
+        trainable = source.trainable_keys()
+        plan = {new: old for new, old in plan.items() if old in trainable}
+        if not plan:
+            raise SelectionError(f"{source.path}: no trainable variable is selected")
+    if not plan:
+        raise SelectionError(f"{source.path}: selects no tensor")
+    weights = read(source, plan, "reading")
+    metadata = source.metadata if source.has_checksums else {"source": source.path, "source_kind": source.kind}
+    with working(f"writing {out}"):
+        weightstore.save(out, weights, metadata=metadata, compress=compress)
+    return Written(out, "store", len(weights), sum(a.nbytes for a in weights.values()))
+
+
+def convert(source: Source, out: str, *, compress: bool) -> Written:
+    weights = read(source, {k: k for k in source.keys()}, "converting")
+    with working(f"writing {out}"):
+        weightstore.save(out, weights, metadata=source.metadata, compress=compress)
+    return Written(out, "store", len(weights), sum(a.nbytes for a in weights.values()))
+
+
+def is_checkpoint_target(target: str) -> bool:
+    """Whether ``--into`` names a TF checkpoint prefix rather than a store.
+
+    A store suffix (``.npz``, ``.h5``) or an existing store file means a store; an existing
+    checkpoint at the prefix, or any other new name (``model.ckpt``), means a checkpoint.
+    """
+    if format_for_suffix(target) is not None or is_url(target):
+        return False
+    if os.path.exists(target + ".index"):
+        return True
+    if os.path.isdir(target):
+        raise FormatError(f"{target}: is a folder; give a checkpoint prefix such as {os.path.join(target, 'model.ckpt')}")
+    if target.endswith(".keras"):
+        raise FormatError(f"{target}: writing .keras archives is not supported; import into a .weights.h5 or .npz file")
+    if os.path.isfile(target):
+        with open(target, "rb") as handle:
+            sniff(handle.read(8), target)  # refuses files that are neither npz nor HDF5
+        return False
+    return True
+
+
+def import_(source: Source, target: str, *, scope: str | None, mapping: MappingRules, include: Patterns,
+            exclude: Patterns, overwrite: bool) -> Written:
+    plan = plan_inward(source.keys(), scope=scope, mapping=mapping, include=include, exclude=exclude, where=source.path)
+    if not plan:
+        raise SelectionError(f"{source.path}: holds no tensor to import")
+    for key in plan:
+        validate_key(key)
+    if is_checkpoint_target(target):
+        existing = checkpoints.checkpoint_names(target)
+        _refuse_clashes(target, existing, plan, overwrite)
+        weights = read(source, plan, "importing")
+        with working(f"writing {target}"):
+            checkpoints.write_checkpoint(target, weights)
+        return Written(target, "TF checkpoint", len(weights), sum(a.nbytes for a in weights.values()))
+    try:
+        old = weightstore.open(target)
+    except StoreNotFoundError:
+        weights = read(source, plan, "importing")
+        metadata = source.metadata if source.has_checksums else {"source": source.path, "source_kind": source.kind}
+        with working(f"writing {target}"):
+            weightstore.save(target, weights, metadata=metadata)
+        return Written(target, "store", len(weights), sum(a.nbytes for a in weights.values()))
+    with old:
+        _refuse_clashes(target, old.keys(), plan, overwrite)
+        merged = {key: old[key] for key in old.keys() if key not in plan}
+        weights = read(source, plan, "importing")
+        with working(f"writing {target}"):
+            weightstore.save(target, {**merged, **weights}, metadata=old.metadata)
+    return Written(target, "store", len(weights), sum(a.nbytes for a in weights.values()))
+
+
+def _refuse_clashes(target: str, existing: list[str], plan: Mapping[str, str], overwrite: bool) -> None:
+    if overwrite:
+        return
+    present = set(existing)
+    clash = [key for key in plan if key in present]
+    if clash:
+        named = ", ".join(repr(k) for k in clash[:_SHOWN]) + (f" and {len(clash) - _SHOWN} more" if len(clash) > _SHOWN else "")
+        raise StoreExistsError(f"{target}: already holds {len(clash)} of the imported keys ({named}); "
+                               "pass --overwrite to replace them, or --scope to import beside them")

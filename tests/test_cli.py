@@ -1,0 +1,302 @@
+"""The ``ws`` command, through ``CliRunner`` and, a few times, the installed console script.
+
+Sources are real TF1/TF2 checkpoints and Keras files made once per module by the builders in
+``test_checkpoints``; every file a test writes goes under its ``tmp_path``. Subprocess runs
+that import TensorFlow cost seconds each, so there are only a few.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+import weightstore as ws
+from weightstore.cli import render
+from weightstore.cli.guard import GuardedGroup
+from weightstore.cli.main import app
+
+tf = pytest.importorskip("tensorflow")
+from test_checkpoints import made, restore_with_saver  # noqa: E402,F401  (the module-scoped fixture)
+
+WS = os.path.join(os.path.dirname(sys.executable), "ws")
+COMMANDS = ["export", "import", "ls", "diff", "convert", "verify", "versions", "follow"]
+
+
+def run(*args: str):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def one_error_line(result, *fragments: str) -> str:
+    """The error a failed command printed: exit 1, one line on stderr, no traceback."""
+    assert result.exit_code == 1, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.output
+    for fragment in fragments:
+        assert fragment in lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def store(tmp_path):
+    path = tmp_path / "m.npz"
+    ws.save(path, {"dense/w": np.arange(6, dtype=np.float32).reshape(2, 3), "dense/b": np.ones(3, np.float32),
+                   "head/w": np.zeros((3, 1), np.float32)}, metadata={"run": "a"})
+    return path
+
+
+# -- help and usage ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help(command):
+    result = run(command, "--help")
+    assert result.exit_code == 0
+    assert "Usage" in result.stdout
+    if command not in ("versions", "follow"):  # those belong to cli/sync.py
+        assert f"ws {command} " in result.stdout  # the example
+
+
+def test_no_arguments_shows_help_and_usage_errors_exit_2(store, tmp_path):
+    assert "export" in run().output
+    assert run("export", store).exit_code == 2  # -o is required
+    assert run("import", store, "--into", tmp_path / "x.npz", "--map", "no-equals-sign").exit_code == 2
+    assert run("diff", store, store, "--atol", "-1").exit_code == 2
+    assert run("nonsense").exit_code == 2
+
+
+# -- export --------------------------------------------------------------------------------
+
+def test_export_tf1_folder_takes_the_latest_checkpoint(made, tmp_path):
+    out = tmp_path / "out.npz"
+    result = run("export", os.path.dirname(made["tf1"]), "-o", out, "--scope", "model", "--exclude", "*/Adam*")
+    assert result.exit_code == 0, result.output
+    assert "skipped 1 non-numeric entry: tag" in result.stderr
+    loaded = ws.load(out)
+    assert sorted(loaded) == ["dense/b", "dense/w", "emb", "stats"]
+    reader = tf.train.load_checkpoint(made["tf1"])
+    np.testing.assert_array_equal(loaded["dense/w"], reader.get_tensor("model/dense/w"))
+    with ws.open(out) as opened:
+        assert opened.metadata == {"source": made["tf1"], "source_kind": "TF1 checkpoint"}
+
+
+def test_export_trainable_only(made, tmp_path):
+    out = tmp_path / "t.h5"
+    assert run("export", made["tf1"], "-o", out, "--trainable-only").exit_code == 0
+    assert sorted(ws.load(out)) == ["model/dense/b", "model/dense/w", "model/emb"]
+    result = run("export", made["tf1_nometa"], "-o", tmp_path / "n.npz", "--trainable-only")
+    one_error_line(result, "model.ckpt-1.meta, which is missing")
+    assert not (tmp_path / "n.npz").exists()
+
+
+def test_export_tf2_checkpoint_without_optimizer_slots(made, tmp_path):
+    out = tmp_path / "net.npz"
+    result = run("export", made["module"] + ".index", "-o", out, "--scope", "net", "--exclude", "*/.OPTIMIZER_SLOT/*")
+    assert result.exit_code == 0, result.output
+    loaded = ws.load(out)
+    assert sorted(loaded) == ["b", "w"]
+    np.testing.assert_array_equal(loaded["w"], made["net"]["net/w"])
+
+
+@pytest.mark.parametrize("name", ["model.weights.h5", "model.keras"])
+def test_export_keras_files(made, tmp_path, name):
+    out = tmp_path / "k.npz"
+    result = run("export", made["root"] / name, "-o", out, "--scope", "layers/dense", "--compress")
+    assert result.exit_code == 0, result.output
+    loaded = ws.load(out)
+    assert sorted(loaded) == ["vars/0", "vars/1"]
+    np.testing.assert_array_equal(loaded["vars/0"], made["model"].get_layer("d1").kernel.numpy())
+
+
+def test_export_store_maps_then_selects(store, tmp_path):
+    out = tmp_path / "s.npz"
+    assert run("export", store, "-o", out, "--map", "dense=student", "--include", "student").exit_code == 0
+    assert sorted(ws.load(out)) == ["student/b", "student/w"]
+    with ws.open(out) as opened:
+        assert opened.metadata == {"run": "a"}
+
+
+def test_export_unknown_scope_suggests_a_close_match(made, tmp_path):
+    result = run("export", made["tf1"], "-o", tmp_path / "x.npz", "--scope", "modle")
+    one_error_line(result, "scope 'modle' matches no key", "did you mean 'model'?")
+
+
+# -- import --------------------------------------------------------------------------------
+
+def test_import_into_stores_creates_merges_and_refuses_collisions(store, tmp_path):
+    target = tmp_path / "ensemble.npz"
+    assert run("import", store, "--into", target, "--scope", "model_001").exit_code == 0
+    assert run("import", store, "--into", target, "--scope", "model_002", "--include", "dense").exit_code == 0
+    assert sorted(ws.load(target)) == ["model_001/dense/b", "model_001/dense/w", "model_001/head/w",
+                                       "model_002/dense/b", "model_002/dense/w"]
+    before = target.read_bytes()
+    result = run("import", store, "--into", target, "--scope", "model_002")
+    one_error_line(result, "already holds 2 of the imported keys", "'model_002/dense/w'", "--overwrite")
+    assert target.read_bytes() == before
+    ws.save(tmp_path / "new.npz", {"dense/w": np.full((2, 3), 9, np.float32)})
+    assert run("import", tmp_path / "new.npz", "--into", target, "--scope", "model_002", "--overwrite").exit_code == 0
+    np.testing.assert_array_equal(ws.load(target)["model_002/dense/w"], np.full((2, 3), 9))
+    assert len(ws.load(target)) == 5
+
+
+def test_import_into_a_tf_checkpoint_restored_by_saver(store, tmp_path):
+    prefix = str(tmp_path / "ens.ckpt")
+    assert run("import", store, "--into", prefix, "--scope", "model_001").exit_code == 0
+    result = run("import", store, "--into", prefix, "--scope", "model_002", "--map", "dense=student")
+    assert result.exit_code == 0, result.output
+    assert "into TF checkpoint" in result.stderr
+    weights = ws.load(store)
+    expected = {f"model_001/{k}": v for k, v in weights.items()}
+    expected |= {f"model_002/{k.replace('dense', 'student')}": v for k, v in weights.items()}
+    assert set(tf.train.load_checkpoint(prefix).get_variable_to_shape_map()) == set(expected)
+    restored = restore_with_saver(prefix, {k: v.shape for k, v in expected.items()})
+    for key, value in expected.items():
+        np.testing.assert_array_equal(restored[key], value)
+    before = open(prefix + ".index", "rb").read()
+    one_error_line(run("import", store, "--into", prefix, "--scope", "model_001"), "ens.ckpt: already holds 3")
+    assert open(prefix + ".index", "rb").read() == before
+
+
+def test_import_refuses_object_based_checkpoints(made, store):
+    one_error_line(run("import", store, "--into", made["module"]), "TF2 object-based checkpoint")
+
+
+# -- ls, diff, convert, verify ----------------------------------------------------------------
+
+def test_ls_table_json_and_scope(store):
+    result = run("ls", store)
+    assert result.exit_code == 0
+    assert "dense/w" in result.stdout and "3 tensors" in result.stdout and "run: a" in result.stdout
+    document = json.loads(run("ls", store, "--json", "--scope", "dense").stdout)
+    assert [t["key"] for t in document["tensors"]] == ["dense/w", "dense/b"]
+    assert document["nbytes"] == 36 and document["metadata"] == {"run": "a"}
+    one_error_line(run("ls", store, "--scope", "dens"), "did you mean 'dense'?")
+
+
+def test_ls_reads_checkpoints_too(made):
+    result = run("ls", made["tf1"], "--json")
+    assert result.exit_code == 0
+    assert {t["key"] for t in json.loads(result.stdout)["tensors"]} >= {"model/dense/w", "global_step"}
+
+
+def test_diff_exit_status_and_report(store, tmp_path):
+    assert run("diff", store, store).exit_code == 0
+    other = tmp_path / "other.h5"
+    weights = ws.load(store)
+    weights["dense/w"] = weights["dense/w"] + np.float32(0.5)
+    weights["head/w"] = np.zeros((1, 3), np.float32)
+    weights["extra"] = np.ones(1)
+    del weights["dense/b"]
+    ws.save(other, weights)
+    result = run("diff", store, other, "--json")
+    assert result.exit_code == 1
+    report = json.loads(result.stdout)
+    assert report["added"] == ["extra"] and report["removed"] == ["dense/b"] and not report["equal"]
+    changes = {c["key"]: c for c in report["changed"]}
+    assert changes["dense/w"]["max_abs"] == 0.5 and changes["dense/w"]["max_rel"] == pytest.approx(0.1)
+    assert changes["head/w"]["reason"] == "shape"
+    text = run("diff", store, other, "--atol", "1")
+    assert text.exit_code == 1 and "~ head/w  shape: float32[3, 1] -> float32[1, 3]" in text.stdout
+    assert "1 added, 1 removed, 1 changed, 1 unchanged; metadata differs" in text.stdout  # dense/w within atol
+
+
+def test_diff_of_an_export_against_its_checkpoint(made, tmp_path):
+    out = tmp_path / "all.npz"
+    assert run("export", made["tf1"], "-o", out).exit_code == 0
+    assert run("diff", made["tf1"], out).exit_code == 0
+
+
+def test_convert_keeps_metadata_and_values(store, tmp_path):
+    h5 = tmp_path / "m.h5"
+    assert run("convert", store, h5).exit_code == 0
+    assert run("convert", h5, tmp_path / "back.npz", "--compress").exit_code == 0
+    for path in (h5, tmp_path / "back.npz"):
+        with ws.open(path) as opened:
+            assert opened.metadata == {"run": "a"}
+        assert run("diff", store, path).exit_code == 0
+
+
+def test_verify_names_the_corrupt_tensor(store, tmp_path):
+    result = run("verify", store)
+    assert result.exit_code == 0 and "ok, 3 tensors" in result.stderr
+    data = bytearray(store.read_bytes())
+    member = data.index(b"dense/b.npy")
+    offset = data.index(b"\n", data.index(b"\x93NUMPY", member)) + 1  # first byte of dense/b's data
+    data[offset] ^= 0xFF
+    store.write_bytes(bytes(data))
+    one_error_line(run("verify", store), "1 of 3 tensors corrupt", "'dense/b'")
+
+
+# -- errors --------------------------------------------------------------------------------
+
+def test_missing_and_junk_files(tmp_path):
+    one_error_line(run("ls", tmp_path / "absent.npz"), "absent.npz: no such file")
+    (tmp_path / "junk.npz").write_bytes(b"not a zip at all")
+    one_error_line(run("verify", tmp_path / "junk.npz"), "junk.npz")
+    (tmp_path / "junk").write_bytes(b"\x00" * 64)
+    one_error_line(run("export", tmp_path / "junk", "-o", tmp_path / "o.npz"), "junk: not a weightstore file")
+
+
+def test_debug_shows_the_exception(tmp_path):
+    result = run("--debug", "ls", tmp_path / "absent.npz")
+    assert isinstance(result.exception, ws.StoreNotFoundError)
+
+
+def test_guard_covers_commands_from_other_modules(tmp_path):
+    one_error_line(run("versions", tmp_path / "no-such-folder"), "no such folder")
+    import typer
+
+    extra = typer.Typer(cls=GuardedGroup)
+
+    @extra.command()
+    def fail(kind: str) -> None:
+        raise PermissionError(13, "Permission denied", "/some/file") if kind == "os" else ZeroDivisionError("boom")
+
+    @extra.command()
+    def other() -> None: ...
+
+    result = CliRunner().invoke(extra, ["fail", "os"])
+    assert result.exit_code == 1 and result.stderr.strip() == "error: /some/file: Permission denied"
+    result = CliRunner().invoke(extra, ["fail", "bug"])
+    assert result.exit_code == 1 and "internal error (ZeroDivisionError: boom); run with --debug" in result.stderr
+
+
+def test_progress_appears_only_on_a_terminal(monkeypatch):
+    buffer = io.StringIO()
+    monkeypatch.setattr(render, "stderr", lambda: Console(file=buffer, force_terminal=True, width=80))
+    monkeypatch.setattr(render, "PROGRESS_DELAY_S", 0.0)
+    monkeypatch.setattr(render.settings, "quiet", False)
+    assert list(render.track([("a", 10), ("b", 10)], "reading", 20)) == ["a", "b"]
+    assert "reading" in buffer.getvalue()
+    monkeypatch.setattr(render, "stderr", lambda: Console(file=io.StringIO(), force_terminal=False))
+    buffer.truncate(0)
+    list(render.track([("a", 10)], "reading", 10))
+    assert buffer.getvalue().strip("\x00") == ""
+
+
+# -- the installed command -------------------------------------------------------------------
+
+def test_installed_ws_exports_a_checkpoint_quietly(made, tmp_path):
+    out = tmp_path / "x.npz"
+    done = subprocess.run([WS, "export", made["tf1"], "-o", str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip().splitlines() == [  # none of TensorFlow's start-up noise
+        f"wrote {len(ws.load(out))} tensors (232 B) from TF1 checkpoint {made['tf1']} to {out}",
+        "skipped 1 non-numeric entry: tag",
+    ]
+    done = subprocess.run([WS, "-q", "ls", str(tmp_path / "absent.npz")], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stderr == f"error: {tmp_path / 'absent.npz'}: no such file or checkpoint\n"
+
+
+def test_python_m_weightstore(store):
+    done = subprocess.run([sys.executable, "-m", "weightstore", "ls", "--json", str(store)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["count"] == 3
