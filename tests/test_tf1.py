@@ -68,8 +68,8 @@ def build_dtype_graph(dtype_name: str):
 @pytest.mark.parametrize("dtype_name", DTYPES)
 def test_round_trip_every_dtype(tmp_path, dtype_name, route):
     dtype = np_dtype(dtype_name)
-    expected = {f"{kind}/{label}": random_array(dtype, shape, seed=i)
-                for i, (kind, (label, shape)) in enumerate((k, s) for k in ("res", "ref") for s in SHAPES.items())}
+    names = [f"{kind}/{label}" for kind in ("res", "ref") for label in SHAPES]
+    expected = {name: random_array(dtype, SHAPES[name.split("/")[1]], seed=i) for i, name in enumerate(names)}
     with graph_session() as (_, sess):
         build_dtype_graph(dtype_name)
         sess.run(v1.global_variables_initializer())
@@ -209,7 +209,7 @@ def test_finalized_graph_and_monitored_training_session(tmp_path):
     ws.save(tmp_path / "w.npz", {"w": np.full(3, 7, np.float32), "global_step": np.int64(40)})
     with tf.Graph().as_default() as graph:
         v1.train.create_global_step()
-        w = v1.get_variable("w", [3])
+        v1.get_variable("w", [3])
         train = v1.assign_add(v1.train.get_global_step(), 1)
         with v1.train.MonitoredTrainingSession() as sess:
             assert graph.finalized
@@ -219,7 +219,6 @@ def test_finalized_graph_and_monitored_training_session(tmp_path):
             exported = tf1.export(sess)
             assert exported["global_step"] == 41
             np.testing.assert_array_equal(exported["w"], [7, 7, 7])
-            del w
 
 
 def test_trainable_only():
