@@ -235,7 +235,7 @@ def test_bit_flip_in_npy_header_is_caught(tmp_path):
 ], ids=["object", "unicode", "bytes", "structured", "datetime"])
 def test_non_numeric_arrays_refused_on_write(tmp_path, suffix, value):
     path = tmp_path / f"w{suffix}"
-    with raises_naming(errors.UnsupportedDTypeError, "bad/tensor"):
+    with raises_naming(errors.UnsupportedDTypeError, path, "bad/tensor"):
         ws.save(path, {"good": np.zeros(2), "bad/tensor": value})
     assert not path.exists()
     assert os.listdir(tmp_path) == []

@@ -48,7 +48,7 @@ def test_invalid_key_refused_on_save_and_nothing_written(tmp_path, suffix, bad):
     weights = {"good/a": np.zeros(4), "good/b": np.ones(2), bad: np.zeros(1), "after": np.zeros(1)}
     with pytest.raises(ws.InvalidKeyError) as info:
         ws.save(path, weights)
-    assert repr(bad) in str(info.value)
+    assert repr(bad) in str(info.value) and str(path) in str(info.value)
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == [path.name]
 

@@ -23,11 +23,13 @@ import numpy as np
 
 from weightstore import __version__
 from weightstore.errors import (
+    InvalidKeyError,
     KeyNotInStoreError,
     MissingDependencyError,
     SizeLimitError,
     StoreExistsError,
     StoreNotFoundError,
+    UnsupportedDTypeError,
 )
 from weightstore.formats import Format, Reader, format_for_suffix, format_named, sniff
 from weightstore.keys import MappingRules, Patterns, plan_outward, validate_key
@@ -196,7 +198,7 @@ def save(
     """
     location = _location(path)
     fmt = format_named(format) if format else format_for_suffix(location) or format_named("npz")
-    arrays = _checked(weights)
+    arrays = _checked(weights, location)
     if is_url(location):
         _save_remote(location, fmt, arrays, metadata, compress, overwrite)
         return
@@ -210,13 +212,19 @@ def save(
         write_file(temporary, fmt, arrays, metadata, compress)
 
 
-def _checked(weights: Mapping[str, Any]) -> dict[str, tuple[str, np.ndarray]]:
+def _checked(weights: Mapping[str, Any], where: str = "") -> dict[str, tuple[str, np.ndarray]]:
+    """Every key and dtype checked before anything is written; errors name ``where`` (the file)."""
     if not isinstance(weights, Mapping):
         raise TypeError(f"weights must be a mapping of key to array, not {type(weights).__name__}")
     checked = {}
     for key, value in weights.items():
-        validate_key(key)
-        checked[key] = to_storage(np.asarray(value), key)
+        try:
+            validate_key(key)
+            checked[key] = to_storage(np.asarray(value), key)
+        except (InvalidKeyError, UnsupportedDTypeError) as exc:
+            if not where:
+                raise
+            raise type(exc)(f"{where}: {exc}") from None
     return checked
 
 
