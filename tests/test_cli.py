@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -269,16 +270,15 @@ def test_guard_covers_commands_from_other_modules(tmp_path):
 
 
 def test_progress_appears_only_on_a_terminal(monkeypatch):
-    buffer = io.StringIO()
-    monkeypatch.setattr(render, "stderr", lambda: Console(file=buffer, force_terminal=True, width=80))
     monkeypatch.setattr(render, "PROGRESS_DELAY_S", 0.0)
     monkeypatch.setattr(render.settings, "quiet", False)
-    assert list(render.track([("a", 10), ("b", 10)], "reading", 20)) == ["a", "b"]
-    assert "reading" in buffer.getvalue()
-    monkeypatch.setattr(render, "stderr", lambda: Console(file=io.StringIO(), force_terminal=False))
-    buffer.truncate(0)
-    list(render.track([("a", 10)], "reading", 10))
-    assert buffer.getvalue().strip("\x00") == ""
+    for terminal in (True, False):
+        buffer = io.StringIO()
+        monkeypatch.setattr(render, "stderr", lambda: Console(file=buffer, force_terminal=terminal, width=80))
+        assert list(render.track([("a", 10), ("b", 10)], "reading", 20)) == ["a", "b"]
+        with render.working("writing"):
+            time.sleep(0.05)
+        assert ("reading" in buffer.getvalue()) is terminal
 
 
 # -- the installed command -------------------------------------------------------------------
