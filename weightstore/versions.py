@@ -20,6 +20,20 @@ above the step ``LATEST`` names is refused with :class:`PublishError`. On a loca
 publishes serialise on an advisory lock (``.publish.lock``), so two processes cannot
 interleave the check and the write; on object stores there is no lock and the check is
 best-effort (read ``LATEST``, then write), so run one publisher per folder there.
+
+**Pinning.** :func:`follow` opens each version before yielding it. A local file is memory-
+mapped, and a mapping survives the file's removal, so a slow reader keeps its version. An
+object store has no such thing: the open object's bytes are fetched in ranges as they are read,
+so a reader that lags more than one publish behind can still lose a large version; it then gets
+:class:`VersionGoneError` and should move to the newest (``Follower`` does).
+
+**Hot reload.** ``tf1.assign``/``tf2.assign`` given a :class:`Version` skip every tensor whose
+manifest checksum equals what the same target last received (``skip_unchanged=None`` means
+"only for versions"; pass ``True``/``False`` to force it), and list them in ``report.skipped``.
+Unchanged tensors are not even read.
+
+**URLs.** Anything fsspec opens. Credentials and endpoints come from ``storage_options=`` or
+from the environment as the client reads it (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``…).
 """
 
 from __future__ import annotations
