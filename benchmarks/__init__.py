@@ -1,0 +1,1 @@
+"""weightstore's benchmarks: scripts, not tests. ``python -m benchmarks`` runs them all."""

@@ -1,0 +1,27 @@
+"""Run every benchmark: ``python -m benchmarks [--size-mb N] [--repeat N] [--only core|tf]``."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    parser.add_argument("--size-mb", type=float, default=1024, help="bytes of weights per benchmark (default 1024)")
+    parser.add_argument("--repeat", type=int, default=5, help="timed runs per case (default 5)")
+    parser.add_argument("--only", choices=["core", "tf"], help="run one benchmark")
+    args = parser.parse_args(argv)
+    if args.only in (None, "core"):
+        from benchmarks import core_bench
+
+        core_bench.bench(args.size_mb, args.repeat)
+    if args.only in (None, "tf"):
+        from benchmarks import tf_bench
+
+        if args.only is None:
+            print()
+        tf_bench.bench(args.size_mb, args.repeat)
+
+
+if __name__ == "__main__":
+    main()

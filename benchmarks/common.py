@@ -1,0 +1,205 @@
+"""Shared helpers for the benchmarks: timing, medians, peak memory, subprocess cases, tables.
+
+Every case runs in a fresh Python process so that its peak memory is its own. Inside that
+process, :func:`measure` warms up, resets the kernel's peak-RSS mark before each repetition
+(``/proc/self/clear_refs``, falling back to ``ru_maxrss``) and reports the median time and
+the largest peak above the RSS the process held just before the repetition began.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+MB = 1 << 20
+RESULT_MARK = "@@RESULT@@ "
+
+
+# -- memory -------------------------------------------------------------------------------
+def _status_kb(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def rss_bytes() -> int:
+    """Resident memory now (anonymous and file-backed pages this process maps)."""
+    kb = _status_kb("VmRSS")
+    if kb is None:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return kb * 1024
+
+
+_CAN_RESET = None
+
+
+def reset_peak() -> bool:
+    """Reset the peak-RSS mark (Linux ``clear_refs`` 5); False where the kernel forbids it."""
+    global _CAN_RESET
+    if _CAN_RESET is False:
+        return False
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        _CAN_RESET = True
+    except OSError:
+        _CAN_RESET = False
+    return _CAN_RESET
+
+
+def peak_bytes() -> int:
+    kb = _status_kb("VmHWM")
+    if kb is None:
+        kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb * 1024
+
+
+# -- timing -------------------------------------------------------------------------------
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def touch(arrays: Mapping[str, Any] | Sequence[Any]) -> float:
+    """Read every byte of every array (sum them), so a lazy map cannot hide its cost."""
+    values = arrays.values() if isinstance(arrays, Mapping) else arrays
+    total = 0.0
+    for value in values:
+        array = np.asarray(value)
+        if array.size:
+            total += float(array.sum(dtype=np.float64 if array.dtype.kind == "f" else None))
+    return total
+
+
+def measure(
+    run: Callable[[], Any],
+    *,
+    repeat: int = 5,
+    warmup: int = 1,
+    cleanup: Callable[[Any], None] | None = None,
+) -> dict[str, Any]:
+    """Time ``run`` ``repeat`` times after ``warmup`` untimed runs.
+
+    ``run`` returns whatever it produced (kept alive until after the peak is read, then
+    dropped); ``cleanup`` gets it when something besides dropping must happen.
+    """
+    for _ in range(warmup):
+        out = run()
+        if cleanup:
+            cleanup(out)
+        del out
+        gc.collect()
+    times, peaks = [], []
+    for _ in range(repeat):
+        gc.collect()
+        before = rss_bytes()
+        exact = reset_peak()
+        start = time.perf_counter()
+        out = run()
+        elapsed = time.perf_counter() - start
+        peaks.append(peak_bytes() - before if exact else float("nan"))
+        times.append(elapsed)
+        if cleanup:
+            cleanup(out)
+        del out
+    gc.collect()
+    return {"median": median(times), "times": times, "peak": max(peaks) if peaks else float("nan")}
+
+
+# -- subprocess cases -----------------------------------------------------------------------
+def emit(result: Mapping[str, Any]) -> None:
+    """How a case process hands its numbers to the parent: one marked JSON line."""
+    print(RESULT_MARK + json.dumps(result), flush=True)
+
+
+def run_case(module: str, case: str, args: Sequence[str], *, timeout: float = 1800,
+             env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Run ``python -m module --case case *args`` in a fresh process; return its result."""
+    command = [sys.executable, "-m", module, "--case", case, *args]
+    full_env = dict(os.environ, **(env or {}))
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=full_env)
+    for line in done.stdout.splitlines():
+        if line.startswith(RESULT_MARK):
+            return json.loads(line[len(RESULT_MARK):])
+    tail = (done.stdout[-2000:] + "\n" + done.stderr[-4000:]).strip()
+    raise RuntimeError(f"case {case!r} failed (exit {done.returncode}):\n{tail}")
+
+
+# -- output -------------------------------------------------------------------------------
+def fmt_seconds(value: float) -> str:
+    if value != value:  # nan
+        return "-"
+    return f"{value:.3f}" if value < 10 else f"{value:.1f}"
+
+
+def fmt_ratio(value: float | None) -> str:
+    return "-" if value is None or value != value else f"{value:.2f}x"
+
+
+def fmt_mb(value: float | None) -> str:
+    return "-" if value is None or value != value else f"{value / MB:,.0f}"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A Markdown table (it reads well in a terminal and pastes into the README)."""
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
+    lines = ["| " + " | ".join(str(h).ljust(w) for h, w in zip(headers, widths)) + " |",
+             "|" + "|".join(("-" * (w + 1) + ":") if i else ("-" * (w + 2)) for i, w in enumerate(widths)) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(
+            str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(row, widths))) + " |")
+    return "\n".join(lines)
+
+
+def fsync_path(path: str) -> None:
+    """Make a peer's write durable the way weightstore's save is: file, then its folder."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def machine_line() -> str:
+    import platform
+
+    return (f"python {platform.python_version()}, numpy {np.__version__}, {os.cpu_count()} CPUs, "
+            f"{platform.machine()} Linux {platform.release()}")
+
+
+def fsync_tree(path: str) -> None:
+    """fsync every file under ``path`` (a file or a folder of checkpoint files), then folders."""
+    if os.path.isfile(path):
+        fsync_path(path)
+        return
+    for root, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

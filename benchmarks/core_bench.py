@@ -1,0 +1,392 @@
+"""Core benchmark (issue 2): weightstore npz and HDF5 against numpy, safetensors and h5py.
+
+Builds about 1 GB of float32 weights shaped like a small transformer (an embedding matrix,
+18 blocks of kernels, biases and norm scales: 255 arrays from 256 B to 100 MB) and measures,
+in one run, saving and loading them with weightstore and with its peers, plus the floors:
+writing the raw bytes, reading them back from the page cache, and copying them in memory.
+
+Every case runs in its own process (so its peak memory is its own), warms up once, then
+repeats; the table shows medians. A load counts only once every byte has been touched (each
+array is summed; the floors sum too), so a lazy memory map cannot hide its cost. Files live
+on the local disk and are in the page cache when read. ``weightstore.save`` makes every
+file durable (fsync of file and folder, atomic rename); the peers do not, so each peer also
+gets a ``+fsync`` row.
+
+    python -m benchmarks.core_bench                 # 1 GB, 5 repetitions
+    python -m benchmarks.core_bench --size-mb 128   # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from benchmarks.common import (
+    MB,
+    emit,
+    fmt_mb,
+    fmt_ratio,
+    fmt_seconds,
+    fsync_path,
+    machine_line,
+    measure,
+    median,
+    run_case,
+    table,
+    touch,
+)
+
+MODULE = "benchmarks.core_bench"
+BLOCKS = 18
+SCOPE = "block_07"  # one block: about 5% of the bytes
+
+
+# -- the weights ----------------------------------------------------------------------------
+def layout(size_mb: float) -> list[tuple[str, tuple[int, ...]]]:
+    """Keys and shapes: an embedding (~10% of bytes) and 18 blocks (~5% each)."""
+    total = size_mb * MB
+    d = max(64, int(round(math.sqrt(total * 0.05 / 32) / 64)) * 64)  # a block holds 8*d*d floats
+    vocab = max(64, int(total * 0.10 / (4 * d)))
+    keys: list[tuple[str, tuple[int, ...]]] = [("embedding/embeddings", (vocab, d))]
+    for b in range(BLOCKS):
+        p = f"block_{b:02d}"
+        keys += [
+            (f"{p}/attn/qkv/kernel", (d, 3 * d)), (f"{p}/attn/qkv/bias", (3 * d,)),
+            (f"{p}/attn/q_norm/scale", (64,)), (f"{p}/attn/k_norm/scale", (64,)),
+            (f"{p}/attn/out/kernel", (d, d)), (f"{p}/attn/out/bias", (d,)),
+            (f"{p}/ln_1/gamma", (d,)), (f"{p}/ln_1/beta", (d,)),
+            (f"{p}/mlp/in/kernel", (d, 2 * d)), (f"{p}/mlp/in/bias", (2 * d,)),
+            (f"{p}/mlp/out/kernel", (2 * d, d)), (f"{p}/mlp/out/bias", (d,)),
+            (f"{p}/ln_2/gamma", (d,)), (f"{p}/ln_2/beta", (d,)),
+        ]
+    keys += [("final_ln/gamma", (d,)), ("final_ln/beta", (d,)), ("head/bias", (vocab,))]
+    return keys
+
+
+def prepare(folder: str, size_mb: float) -> dict:
+    """Write the weights once as raw bytes plus a spec; every case process reads them back."""
+    spec = [(k, list(s)) for k, s in layout(size_mb)]
+    rng = np.random.default_rng(0)
+    with open(os.path.join(folder, "weights.raw"), "wb") as out:
+        for key, shape in spec:
+            array = rng.standard_normal(shape, dtype=np.float32)
+            array *= 0.02
+            out.write(array.data)
+    with open(os.path.join(folder, "spec.json"), "w") as handle:
+        json.dump(spec, handle)
+    nbytes = sum(4 * math.prod(s) for _, s in spec)
+    return {"arrays": len(spec), "bytes": nbytes,
+            "scope_bytes": sum(4 * math.prod(s) for k, s in spec if k.startswith(SCOPE + "/"))}
+
+
+def read_weights(folder: str) -> dict[str, np.ndarray]:
+    """The weights as separate, writable, already-touched arrays (as a trainer holds them)."""
+    with open(os.path.join(folder, "spec.json")) as handle:
+        spec = json.load(handle)
+    weights = {}
+    with open(os.path.join(folder, "weights.raw"), "rb", buffering=0) as raw:
+        for key, shape in spec:
+            array = np.empty(shape, dtype=np.float32)
+            raw.readinto(memoryview(array).cast("B"))
+            weights[key] = array
+    return weights
+
+
+# -- the cases ------------------------------------------------------------------------------
+FILES = {  # product -> file name
+    "ws-npz": "ws.npz", "ws-h5": "ws.h5", "ws-npz-c": "ws-c.npz", "np": "savez.npz",
+    "safetensors": "st.safetensors", "h5py": "h5py.h5", "raw": "raw.bin",
+}
+
+
+def _h5py_save(path, weights):
+    import h5py
+
+    with h5py.File(path, "w") as f:
+        for key, value in weights.items():
+            f.create_dataset(key, data=value)
+
+
+def _raw_save(path, weights):
+    with open(path, "wb") as out:
+        for value in weights.values():
+            out.write(value.data)
+
+
+def _save_fn(case: str):
+    import weightstore as ws
+
+    product, _, durable = case.partition("+")
+    if product == "ws-npz":
+        return lambda p, w: ws.save(p, w)
+    if product == "ws-h5":
+        return lambda p, w: ws.save(p, w)
+    if product == "ws-npz-c":
+        return lambda p, w: ws.save(p, w, compress=True)
+    if product == "np":
+        fn = lambda p, w: np.savez(p, **w)  # noqa: E731
+    elif product == "safetensors":
+        from safetensors.numpy import save_file
+
+        fn = lambda p, w: save_file(w, p)  # noqa: E731
+    elif product == "h5py":
+        fn = _h5py_save
+    elif product == "raw":
+        fn = _raw_save
+    else:
+        raise SystemExit(f"unknown save case {case}")
+    if durable:
+        return lambda p, w: (fn(p, w), fsync_path(p))
+    return fn
+
+
+def _h5py_load(path):
+    import h5py
+
+    out = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, node: out.__setitem__(name, node[()]) if isinstance(node, h5py.Dataset) else None)
+    return out
+
+
+def _np_load(path):
+    with np.load(path, allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
+
+
+def _load_fn(case: str, folder: str):
+    import weightstore as ws
+
+    path = lambda product: os.path.join(folder, FILES[product])  # noqa: E731
+    if case == "ws-npz":
+        return lambda: ws.load(path("ws-npz"))
+    if case == "ws-npz-noverify":
+        return lambda: ws.load(path("ws-npz"), verify=False)
+    if case == "ws-npz-scope":
+        return lambda: ws.load(path("ws-npz"), scope=SCOPE)
+    if case == "ws-h5":
+        return lambda: ws.load(path("ws-h5"))
+    if case == "ws-h5-scope":
+        return lambda: ws.load(path("ws-h5"), scope=SCOPE)
+    if case == "ws-npz-c":
+        return lambda: ws.load(path("ws-npz-c"))
+    if case == "np":
+        return lambda: _np_load(path("np"))
+    if case == "safetensors":
+        from safetensors.numpy import load_file
+
+        return lambda: load_file(path("safetensors"))
+    if case == "h5py":
+        return lambda: _h5py_load(path("h5py"))
+    raise SystemExit(f"unknown load case {case}")
+
+
+def case_main(args) -> None:
+    folder, kind, case = args.dir, *args.case.split(":", 1)
+    if kind == "save":
+        weights = read_weights(folder)
+        target = os.path.join(folder, FILES[case.partition("+")[0]])
+        save = _save_fn(case)
+        result = measure(lambda: save(target, weights), repeat=args.repeat)
+        result["file_bytes"] = os.path.getsize(target)
+    elif kind == "load":
+        load = _load_fn(case, folder)
+        result = measure(lambda: (lambda d: (touch(d), d))(load()), repeat=args.repeat)
+    elif kind == "open":
+        import weightstore as ws
+
+        path = os.path.join(folder, FILES[case])
+
+        def listing():
+            with ws.open(path) as store:
+                return [store.info(k) for k in store.keys()]
+
+        result = measure(listing, repeat=max(20, args.repeat), warmup=3)
+    elif kind == "floor":
+        weights = read_weights(folder)  # warm destination (read floor) or source (copy floor)
+        if case == "read":
+            path = os.path.join(folder, FILES["raw"])
+            views = list(weights.values())
+
+            def read():
+                with open(path, "rb", buffering=0) as raw:
+                    for view in views:
+                        raw.readinto(view.data.cast("B"))
+                touch(views)
+
+            result = measure(read, repeat=args.repeat)
+        elif case == "copy":
+            targets = [np.ones_like(v) for v in weights.values()]
+            pairs = list(zip(targets, weights.values()))
+
+            def copy():
+                for dst, src in pairs:
+                    np.copyto(dst, src)
+                touch(targets)
+
+            result = measure(copy, repeat=args.repeat)
+        else:
+            raise SystemExit(f"unknown floor {case}")
+    else:
+        raise SystemExit(f"unknown case kind {kind}")
+    emit(result)
+
+
+# -- the run --------------------------------------------------------------------------------
+SAVE_PEERS = ["np", "safetensors", "h5py"]
+LOAD_PEERS = ["np", "safetensors", "h5py"]
+
+
+def bench(size_mb: float, repeat: int, folder: str | None = None, keep: bool = False,
+          out=sys.stdout) -> dict:
+    own = folder is None
+    folder = folder or tempfile.mkdtemp(prefix="ws-bench-", dir=os.environ.get("WS_BENCH_DIR"))
+    os.makedirs(folder, exist_ok=True)
+    say = lambda *a: print(*a, file=out, flush=True)  # noqa: E731
+    args = ["--dir", folder, "--repeat", str(repeat)]
+    started = time.perf_counter()
+    try:
+        facts = prepare(folder, size_mb)
+        say(f"core benchmark: {facts['arrays']} float32 arrays, {facts['bytes'] / MB:,.0f} MB; "
+            f"{repeat} runs per case, medians; {machine_line()}")
+        r: dict[str, dict] = {}
+
+        def case(name):
+            r[name] = run_case(MODULE, name, args)
+            say(f"  {name:28s} {fmt_seconds(r[name]['median'])} s")
+
+        # write each product, read it back, delete it: at most two large files exist at once
+        case("save:raw")
+        case("floor:read")
+        case("floor:copy")
+        case("save:raw+fsync")
+        for product, loads in [
+            ("ws-npz", ["ws-npz", "ws-npz-noverify", "ws-npz-scope", "open:ws-npz"]),
+            ("ws-h5", ["ws-h5", "ws-h5-scope", "open:ws-h5"]),
+            ("ws-npz-c", ["ws-npz-c"]),
+            ("np", ["np"]),
+            ("safetensors", ["safetensors"]),
+            ("h5py", ["h5py"]),
+        ]:
+            if product not in ("ws-npz", "ws-h5", "ws-npz-c"):
+                case(f"save:{product}+fsync")
+            case(f"save:{product}")
+            for name in loads:
+                case(name if ":" in name else f"load:{name}")
+            os.unlink(os.path.join(folder, FILES[product]))
+        os.unlink(os.path.join(folder, FILES["raw"]))
+        report(r, facts, size_mb, repeat, say)
+        say(f"(whole run {time.perf_counter() - started:.0f} s)")
+        return {"results": r, "facts": facts}
+    finally:
+        if own and not keep:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def report(r: dict, facts: dict, size_mb: float, repeat: int, say) -> None:
+    loaded = facts["bytes"]
+    m = lambda name: r[name]["median"]  # noqa: E731
+    save_peer = min(m(f"save:{p}") for p in SAVE_PEERS)
+    save_peer_sync = min(m(f"save:{p}+fsync") for p in SAVE_PEERS)
+    load_peer = min(m(f"load:{p}") for p in LOAD_PEERS)
+    write_floor, write_floor_sync = m("save:raw"), m("save:raw+fsync")
+    read_floor, copy_floor = m("floor:read"), m("floor:copy")
+
+    names = {
+        "ws-npz": "weightstore npz", "ws-h5": "weightstore HDF5", "ws-npz-c": "weightstore npz compress=True",
+        "np": "np.savez / np.load", "safetensors": "safetensors.numpy", "h5py": "h5py",
+        "raw": "floor: raw write", "ws-npz-noverify": "weightstore npz verify=False",
+    }
+    rows = []
+    for product, durable in [("ws-npz", True), ("ws-h5", True), ("ws-npz-c", True),
+                             ("np", False), ("np", True), ("safetensors", False), ("safetensors", True),
+                             ("h5py", False), ("h5py", True), ("raw", False), ("raw", True)]:
+        key = f"save:{product}" + ("+fsync" if durable and not product.startswith("ws") else "")
+        res = r[key]
+        label = names[product] + (" (fsync)" if product.startswith("ws") else " + fsync" if durable else "")
+        floor = write_floor_sync if durable else write_floor
+        rows.append([label, fmt_seconds(res["median"]), fmt_ratio(res["median"] / save_peer),
+                     fmt_ratio(res["median"] / save_peer_sync), fmt_ratio(res["median"] / floor),
+                     fmt_mb(res["peak"]), fmt_mb(res["file_bytes"])])
+    say("")
+    say(f"Save {loaded / MB:,.0f} MB in {facts['arrays']} arrays (page cache; fsync = durable on disk)")
+    say(table(["save", "median s", "x fastest peer", "x fastest peer+fsync", "x raw write floor",
+               "peak MB over weights", "file MB"], rows))
+
+    rows = []
+    for name in ["ws-npz", "ws-npz-noverify", "ws-h5", "ws-npz-c", "np", "safetensors", "h5py"]:
+        res = r[f"load:{name}"]
+        rows.append([names[name], fmt_seconds(res["median"]), fmt_ratio(res["median"] / load_peer),
+                     fmt_ratio(res["median"] / read_floor), fmt_mb(res["peak"]),
+                     fmt_ratio(res["peak"] / loaded)])
+    for name, label in [("floor:read", "floor: page-cache read"), ("floor:copy", "floor: in-memory copy")]:
+        res = r[name]
+        rows.append([label, fmt_seconds(res["median"]), fmt_ratio(res["median"] / load_peer),
+                     fmt_ratio(res["median"] / read_floor), "-", "-"])
+    say("")
+    say(f"Load {loaded / MB:,.0f} MB (page cache warm; every array summed; checksums verified unless noted)")
+    say(table(["load", "median s", "x fastest peer", "x read floor", "peak MB", "peak / loaded"], rows))
+
+    scope_frac = facts["scope_bytes"] / loaded
+    rows = []
+    for fmt, label in [("ws-npz", "npz"), ("ws-h5", "HDF5")]:
+        full, part, opened = m(f"load:{fmt}"), m(f"load:{fmt}-scope"), m(f"open:{fmt}")
+        rows.append([f"weightstore {label}", f"{opened * 1000:.1f}", fmt_seconds(part),
+                     f"{100 * part / full:.1f}%", fmt_mb(r[f"load:{fmt}-scope"]["peak"])])
+    say("")
+    say(f"Open + list all {facts['arrays']} tensors; load scope {SCOPE!r} "
+        f"({100 * scope_frac:.1f}% of bytes, {facts['scope_bytes'] / MB:,.0f} MB)")
+    say(table(["file", "open+list ms", "scope load s", "of full load", "peak MB"], rows))
+
+    ws_save, ws_load = m("save:ws-npz"), m("load:ws-npz")
+    st_load = m("load:safetensors")
+    checks = [
+        ("save npz (fsync) <= fastest peer save (no fsync)", ws_save <= save_peer, f"{ws_save:.3f} vs {save_peer:.3f} s"),
+        ("save npz (fsync) <= fastest peer save + fsync", ws_save <= save_peer_sync, f"{ws_save:.3f} vs {save_peer_sync:.3f} s"),
+        ("save HDF5 (fsync) <= fastest peer save + fsync", m("save:ws-h5") <= save_peer_sync,
+         f"{m('save:ws-h5'):.3f} vs {save_peer_sync:.3f} s"),
+        ("load npz verified <= safetensors load_file", ws_load <= st_load, f"{ws_load:.3f} vs {st_load:.3f} s"),
+        ("load npz verified <= 2x page-cache read floor", ws_load <= 2 * read_floor,
+         f"{ws_load / read_floor:.2f}x"),
+        ("load HDF5 verified <= safetensors load_file", m("load:ws-h5") <= st_load,
+         f"{m('load:ws-h5'):.3f} vs {st_load:.3f} s"),
+        ("open + list 1 GB npz < 50 ms", m("open:ws-npz") < 0.05, f"{m('open:ws-npz') * 1000:.1f} ms"),
+        ("open + list 1 GB HDF5 < 50 ms", m("open:ws-h5") < 0.05, f"{m('open:ws-h5') * 1000:.1f} ms"),
+        ("load 5% by scope <= 10% of full load (npz)", m("load:ws-npz-scope") <= 0.1 * ws_load,
+         f"{100 * m('load:ws-npz-scope') / ws_load:.1f}%"),
+        ("load 5% by scope <= 10% of full load (HDF5)", m("load:ws-h5-scope") <= 0.1 * m("load:ws-h5"),
+         f"{100 * m('load:ws-h5-scope') / m('load:ws-h5'):.1f}%"),
+    ]
+    for name in ["ws-npz", "ws-h5", "ws-npz-c"]:
+        peak = r[f"load:{name}"]["peak"]
+        checks.append((f"peak memory of {names[name]} load <= loaded bytes + 10%", peak <= 1.1 * loaded,
+                       f"{peak / loaded:.2f}x"))
+    say("")
+    say("Targets (issue 2)")
+    say(table(["target", "holds", "measured"], [[c, "yes" if ok else "NO", v] for c, ok, v in checks]))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.core_bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-mb", type=float, default=1024, help="bytes of weights to build (default 1024)")
+    parser.add_argument("--repeat", type=int, default=5, help="timed runs per case (default 5)")
+    parser.add_argument("--dir", help="folder for the files (default: a temporary folder)")
+    parser.add_argument("--keep", action="store_true", help="keep the folder")
+    parser.add_argument("--case", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.case:
+        case_main(args)
+    else:
+        bench(args.size_mb, args.repeat, args.dir, args.keep)
+
+
+if __name__ == "__main__":
+    main()
