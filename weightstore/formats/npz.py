@@ -42,6 +42,8 @@ MAX_NPY_HEADER = 10_000
 #: deflate cannot expand data by more than this factor; a member claiming more is a bomb
 MAX_DEFLATE_RATIO = 1032
 _COMPRESS_CHUNK = 16 << 20
+#: inflate input chunk: isal inflates 1 MB pieces faster than 16 MB ones (2.6 vs 2.9 s CPU per GB here)
+_INFLATE_CHUNK = 1 << 20
 
 _LOCAL = struct.Struct("<4s5H3I2H")
 _CENTRAL = struct.Struct("<4s6H3I5H2I")
@@ -320,8 +322,8 @@ class NpzReader:
         view = memoryview(out)
         engine = isal_zlib.decompressobj(-15)
         filled = 0
-        for chunk_start in range(start, start + member.compressed, _COMPRESS_CHUNK):
-            chunk = self._source.read_at(chunk_start, min(_COMPRESS_CHUNK, start + member.compressed - chunk_start))
+        for chunk_start in range(start, start + member.compressed, _INFLATE_CHUNK):
+            chunk = self._source.read_at(chunk_start, min(_INFLATE_CHUNK, start + member.compressed - chunk_start))
             try:
                 piece = engine.decompress(bytes(chunk), member.size - filled + 1)
             except isal_zlib.error as exc:
@@ -330,6 +332,7 @@ class NpzReader:
                 raise FormatError(f"{self.name}: member {member.name!r} inflates past its declared size")
             view[filled : filled + len(piece)] = piece
             filled += len(piece)
+            self._source.release(chunk_start, len(chunk))  # else the compressed pages stay in RSS
         if filled != member.size or not engine.eof:
             raise FormatError(f"{self.name}: member {member.name!r} is truncated or corrupt (deflate)")
         return view

@@ -45,6 +45,13 @@ class MappedFile:
             start = offset - offset % mmap.PAGESIZE
             self._map.madvise(mmap.MADV_WILLNEED, start, offset + length - start)
 
+    def release(self, offset: int, length: int) -> None:
+        """Unmap a range read once and never handed out (compressed bytes): it leaves this
+        process's resident memory, the page cache keeps it, a later read maps it again."""
+        if self._map is not None and length > 0:
+            start = offset - offset % mmap.PAGESIZE
+            self._map.madvise(mmap.MADV_DONTNEED, start, offset + length - start)
+
     def _check(self, offset: int, length: int) -> None:
         if offset < 0 or length < 0 or offset + length > self.size:
             raise FormatError(f"{self.name}: truncated file (needs bytes {offset}..{offset + length}, has {self.size})")
@@ -75,6 +82,9 @@ class StreamFile:
         return data
 
     def prefetch(self, offset: int, length: int) -> None:
+        pass
+
+    def release(self, offset: int, length: int) -> None:
         pass
 
     def close(self) -> None:
