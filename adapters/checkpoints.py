@@ -9,12 +9,41 @@ core's HDF5 reader without TensorFlow and without ever deserializing a model con
 
 Keys:
 - TF1 ``Saver`` checkpoints: the variable names (``layer/w``, slots as ``layer/w/Adam``).
-- TF2 object-based checkpoints: the object path with ``/.ATTRIBUTES/VARIABLE_VALUE`` dropped.
+- TF2 object-based checkpoints: each variable's *best path* in the object graph that the
+  checkpoint records (``_CHECKPOINTABLE_OBJECT_GRAPH``), segments being the local names of the
+  edges from the root. TensorFlow writes each variable under the first path its own walk
+  finds, so a Keras 3 model saved as ``tf.train.Checkpoint(model=m, optimizer=opt)`` keeps its
+  kernels at ``optimizer/_trainable_variables/N``; weightstore instead looks at *every* path
+  to a variable and picks, in order:
+  1. one that passes through no optimizer-like object, where an object is optimizer-like
+     when an edge named ``optimizer`` leads to it (at any depth: Keras models track their
+     optimizer as ``model/optimizer`` too), when it owns slot variables (``tf.compat.v1`` and
+     ``tf.keras`` 2 optimizers), or when it has a step counter child ``iter`` or
+     ``_iterations`` (``tf.keras`` 2 and Keras 3 optimizers);
+  2. then the shortest; 3. then the one with fewest edges into a catch-all variable list
+  (``_variables``, ``variables``, ``_trainable_variables``, ``trainable_variables``), so a
+  Keras 3 Adam's velocity reads ``optimizer/_velocities/0``, not ``optimizer/_variables/3``;
+  4. then the first by comparing segments as strings.
+  So model weights read ``model/_functional/_operations/1/_kernel`` (Sequential),
+  ``model/_operations/1/bias`` (functional), ``model/encoder/_kernel`` (attributes of a
+  subclassed model or ``tf.Module``), the same whether or not the optimizer was saved too
+  (a compiled Keras model tracks it as ``model/optimizer``, so even a model-only checkpoint
+  can hold its kernels at ``model/optimizer/_trainable_variables/N``). Keys come from
+  structure only, so two checkpoints of one architecture have equal keys even when Keras
+  numbered their layers differently (``dense_1`` vs ``dense_7``). Layer names are deliberately *not* used: the
+  object graph does not record them, and the variables' recorded ``full_name`` is neither
+  stable (auto-numbered ``sequential_1/dense_2/kernel``) nor unique (a subclassed model's
+  layers may all record ``<model>/kernel``). The optimizer's own variables stay under it:
+  ``optimizer/_iterations``, ``optimizer/_learning_rate``, ``optimizer/_momentums/N`` (Keras
+  3 keeps its slots in lists parallel to ``optimizer/_trainable_variables``), so
+  ``--exclude optimizer`` leaves exactly the model.
+  Slot variables the object graph records as such (``tf.compat.v1`` / ``tf.keras`` 2
+  optimizers) go under their variable's key: ``<variable>/.OPTIMIZER_SLOT/<optimizer>/<slot>``
+  (``net/w/.OPTIMIZER_SLOT/opt/m``), TensorFlow's own layout, which names the optimizer so two
+  never collide and ``--exclude '*/.OPTIMIZER_SLOT/*'`` drops them all.
   Entries that are not variables (the object graph, Python state, iterator state) and the
-  checkpoint's own ``save_counter`` are left out. Optimizer state is kept, since it is made of
-  variables: Keras 3 optimizers' under ``optimizer/…``, and slot variables of
-  ``tf.compat.v1`` optimizers under their variable as ``<variable>/.OPTIMIZER_SLOT/<optimizer>/<slot>``
-  (drop them with ``--exclude '*/.OPTIMIZER_SLOT/*'``).
+  checkpoint's own ``save_counter`` are left out. A checkpoint whose object graph cannot be
+  read falls back to the entry names with ``/.ATTRIBUTES/VARIABLE_VALUE`` dropped.
 - Keras and other plain HDF5 files: the dataset paths (``layers/dense/vars/0``), with the
   ``:0`` output suffix that legacy ``tf.keras`` files carry dropped.
 Non-numeric entries (string variables) are skipped and named in :attr:`Source.skipped`.
@@ -23,6 +52,7 @@ Non-numeric entries (string variables) are skipped and named in :attr:`Source.sk
 from __future__ import annotations
 
 import contextlib
+import heapq
 import os
 import re
 import secrets
@@ -181,6 +211,7 @@ class CheckpointReader:
         self.skipped: list[str] = []
         self._names: dict[str, str] = {}
         self._infos: dict[str, TensorInfo] = {}
+        self._graph_keys = _object_graph_keys(self._reader) if self.object_based else {}
         for name in sorted(shapes):
             key = self._key_for(name)
             if key is None:
@@ -193,15 +224,21 @@ class CheckpointReader:
                 self.skipped.append(name)
                 continue
             shape = tuple(int(d) for d in shapes[name])
+            if key in self._names:  # only when the object graph disagrees with itself
+                key = name[: -len(VARIABLE_SUFFIX)] if self.object_based else name
+                if key in self._names:
+                    raise FormatError(f"{prefix}: entries {self._names[key]!r} and {name!r} both read as key {key!r}")
             self._names[key] = name
             self._infos[key] = TensorInfo(key, logical, shape, shape_nbytes(shape, numpy_dtype.itemsize))
+        if self.object_based:  # keys, not entry names, in order: layers/2 before layers/10
+            self._infos = {key: self._infos[key] for key in sorted(self._infos, key=_natural)}
 
     def _key_for(self, name: str) -> str | None:
         if not self.object_based:
             return name
         if name == _SAVE_COUNTER or not name.endswith(VARIABLE_SUFFIX):
             return None  # the object graph, Python/iterator state, the checkpoint's own counter
-        return name[: -len(VARIABLE_SUFFIX)]
+        return self._graph_keys.get(name) or name[: -len(VARIABLE_SUFFIX)]
 
     def keys(self) -> list[str]:
         return list(self._infos)
@@ -221,6 +258,77 @@ class CheckpointReader:
 
     def close(self) -> None:
         self._reader = None
+
+
+_OPTIMIZER_EDGE = "optimizer"
+_STEP_COUNTERS = frozenset({"iter", "_iterations"})
+_CATCH_ALL_LISTS = frozenset({"_variables", "variables", "_trainable_variables", "trainable_variables"})
+
+
+def _object_graph_keys(reader: Any) -> dict[str, str]:
+    """Checkpoint entry name -> key for every variable the object graph names (module docstring).
+
+    Empty when the graph cannot be read, so the caller falls back to the entry names.
+    """
+    _tf()
+    from tensorflow.core.protobuf import trackable_object_graph_pb2
+
+    graph = trackable_object_graph_pb2.TrackableObjectGraph()
+    try:
+        graph.ParseFromString(reader.get_tensor(OBJECT_GRAPH_KEY))
+    except Exception:  # protobuf's DecodeError has no stable import path; TF raises its own errors
+        return {}
+    nodes = graph.nodes
+    if not nodes:
+        return {}
+    best = _best_paths(nodes)
+    node_keys = {node: "/".join(path) for node, path in best.items() if path}
+    for optimizer_id, node in enumerate(nodes):  # slots go under their variable
+        optimizer_key = node_keys.get(optimizer_id)
+        for slot in node.slot_variables:
+            variable_key = node_keys.get(slot.original_variable_node_id)
+            if optimizer_key and variable_key and slot.slot_variable_node_id < len(nodes):
+                node_keys.setdefault(slot.slot_variable_node_id,
+                                     f"{variable_key}/.OPTIMIZER_SLOT/{optimizer_key}/{slot.slot_name}")
+    keys: dict[str, str] = {}
+    for node_id, key in node_keys.items():
+        for attribute in nodes[node_id].attributes:
+            if attribute.name == "VARIABLE_VALUE" and attribute.checkpoint_key.endswith(VARIABLE_SUFFIX):
+                keys[attribute.checkpoint_key] = key
+    return keys
+
+
+def _best_paths(nodes: Any) -> dict[int, tuple[str, ...]]:
+    """Node id -> its best path from the root, the least by (through an optimizer-like node,
+    length, edges into catch-all lists, segments).
+
+    A Dijkstra walk: extending two paths by one edge keeps their order, so the first time a
+    node is taken off the heap its path is the best of all paths to it.
+    """
+    optimizer_like = {
+        node_id for node_id, node in enumerate(nodes)
+        if node.slot_variables or any(child.local_name in _STEP_COUNTERS for child in node.children)
+    }
+    optimizer_like.update(child.node_id for node in nodes for child in node.children
+                          if child.local_name == _OPTIMIZER_EDGE)
+    optimizer_like.discard(0)
+    best: dict[int, tuple[str, ...]] = {}
+    heap: list[tuple[bool, int, int, tuple[str, ...], int]] = [(False, 0, 0, (), 0)]
+    while heap:
+        through_optimizer, length, catch_all, path, node_id = heapq.heappop(heap)
+        if node_id in best:
+            continue
+        best[node_id] = path
+        for child in nodes[node_id].children:
+            if child.node_id not in best and 0 <= child.node_id < len(nodes):
+                flag = through_optimizer or child.node_id in optimizer_like
+                lists = catch_all + (child.local_name in _CATCH_ALL_LISTS)
+                heapq.heappush(heap, (flag, length + 1, lists, (*path, child.local_name), child.node_id))
+    return best
+
+
+def _natural(key: str) -> list[tuple[int, Any]]:
+    return [(0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", key)]
 
 
 def _open_checkpoint(prefix: str) -> Source:

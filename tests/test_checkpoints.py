@@ -134,14 +134,103 @@ def test_tf2_keys_drop_attributes_bookkeeping_and_name_slots(made):
         np.testing.assert_array_equal(source["net/w"], made["net"]["net/w"])
 
 
-def test_tf2_keras_checkpoint_keeps_only_variables(made):
+def test_tf2_keras_checkpoint_keeps_only_variables(made, tmp_path):
     expected = raw(made["keras_ckpt"])
-    with checkpoints.open_source(made["keras_ckpt"]) as source:
+    alone = tf.train.Checkpoint(model=made["model"]).write(str(tmp_path / "alone"))  # no optimizer
+    with checkpoints.open_source(made["keras_ckpt"]) as source, checkpoints.open_source(alone) as model_only:
         keys = source.keys()
         assert len(keys) == len(expected) - 1  # the object graph is left out
         assert not any(".ATTRIBUTES" in k or k.startswith("_CHECKPOINTABLE") for k in keys)
-        for key in keys:
-            np.testing.assert_array_equal(source[key], expected[key + checkpoints.VARIABLE_SUFFIX])
+        assert sorted(values.tobytes() for values in map(source.__getitem__, keys)) == sorted(
+            value.tobytes() for name, value in expected.items() if name != checkpoints.OBJECT_GRAPH_KEY)
+        weights = [k for k in model_only.keys() if not k.startswith("model/optimizer/")]  # compiled: tracked
+        assert len(weights) == len(made["model"].weights)
+        assert [k for k in keys if k.startswith("model/")] == weights
+        for key in weights:
+            np.testing.assert_array_equal(source[key], model_only[key])
+
+
+def make_adam_checkpoint(folder):
+    """A Keras 3 model with auto-named layers, trained one step with Adam, saved with its optimizer."""
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.BatchNormalization(),
+                              keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.Adam(0.1), loss="mse")
+    rng = np.random.default_rng(0)
+    model.fit(rng.normal(size=(8, 3)).astype(np.float32), rng.normal(size=(8, 2)).astype(np.float32),
+              batch_size=8, epochs=1, verbose=0)
+    prefix = tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(str(folder / "ckpt"))
+    return model, prefix
+
+
+def test_tf2_keras_weights_stay_under_model_when_saved_with_adam(tmp_path):
+    from typer.testing import CliRunner
+
+    from weightstore.cli.main import app
+
+    model, prefix = make_adam_checkpoint(tmp_path)
+    assert any(k.startswith("optimizer/_trainable_variables/") for k in raw(prefix))  # what TF itself writes
+    out = tmp_path / "model.npz"
+    result = CliRunner().invoke(app, ["export", prefix, "-o", str(out), "--exclude", "optimizer"])
+    assert result.exit_code == 0, result.output
+    exported = ws.load(out)
+    assert len(exported) == len(model.weights) == 8
+    assert all(k.startswith("model/") for k in exported)
+    # every weight once, by value (no two weights of this model are equal after a step)
+    unused = dict(exported)
+    for weight in model.weights:
+        match = [k for k, v in unused.items() if v.shape == tuple(weight.shape) and np.array_equal(v, weight.numpy())]
+        assert len(match) == 1, weight.path
+        del unused[match[0]]
+    # the same keys as a checkpoint of the model alone
+    with checkpoints.open_source(tf.train.Checkpoint(model=model).write(str(tmp_path / "alone"))) as alone:
+        assert sorted(exported) == sorted(k for k in alone.keys() if not k.startswith("model/optimizer/"))
+    kernel = model.layers[0].kernel.numpy()
+    np.testing.assert_array_equal(exported["model/_functional/_operations/1/_kernel"], kernel)
+    with checkpoints.open_source(prefix) as source:  # the optimizer's own state stays under optimizer/
+        optimizer_keys = [k for k in source.keys() if k.startswith("optimizer/")]
+        assert optimizer_keys == ["optimizer/_iterations", "optimizer/_learning_rate",
+                                  *[f"optimizer/_momentums/{i}" for i in range(6)],
+                                  *[f"optimizer/_velocities/{i}" for i in range(6)]]
+        assert source["optimizer/_iterations"] == 1
+        momentum = model.optimizer._momentums[0]
+        assert momentum.shape == model.layers[0].kernel.shape
+        np.testing.assert_array_equal(source["optimizer/_momentums/0"], momentum.numpy())
+
+
+def test_tf2_keys_are_equal_for_two_models_of_one_architecture(tmp_path):
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    first, first_prefix = make_adam_checkpoint(tmp_path / "a")
+    second, second_prefix = make_adam_checkpoint(tmp_path / "b")
+    assert [layer.name for layer in first.layers] != [layer.name for layer in second.layers]  # dense vs dense_2
+    with checkpoints.open_source(first_prefix) as a, checkpoints.open_source(second_prefix) as b:
+        assert a.keys() == b.keys()
+        assert len(a.keys()) == len(raw(first_prefix)) - 1
+
+
+class Tower(tf.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = tf.Variable(np.ones((3, 2), np.float32), name="Variable")
+        self.blocks = [Net(), Net()]
+        self.alias = self.blocks[1]  # a second path to the same variables, shorter than blocks/1
+
+
+def test_tf2_module_keys_are_attribute_paths(tmp_path):
+    tower = Tower()
+    opt = tf.compat.v1.train.MomentumOptimizer(0.1, 0.9)
+    variables = [tower.embed, tower.blocks[0].w, tower.blocks[1].b]
+    with tf.GradientTape() as tape:
+        loss = sum(tf.reduce_sum(v * v) for v in variables)
+    opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+    prefix = tf.train.Checkpoint(tower=tower, optimizer=opt).write(str(tmp_path / "ckpt"))
+    with checkpoints.open_source(prefix) as source:
+        assert source.keys() == [
+            "tower/alias/b", "tower/alias/b/.OPTIMIZER_SLOT/optimizer/momentum", "tower/alias/w",
+            "tower/blocks/0/b", "tower/blocks/0/w", "tower/blocks/0/w/.OPTIMIZER_SLOT/optimizer/momentum",
+            "tower/embed", "tower/embed/.OPTIMIZER_SLOT/optimizer/momentum",
+        ]
+        np.testing.assert_array_equal(source["tower/embed"], tower.embed.numpy())
+        np.testing.assert_array_equal(source["tower/alias/b"], tower.blocks[1].b.numpy())
 
 
 @pytest.mark.parametrize("name", ["model.weights.h5", "model.keras"])
