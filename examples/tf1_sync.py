@@ -1,9 +1,17 @@
-"""Keep a copy in sync: a TF1 trainer publishes, an inference graph in another process reloads.
+"""Keep a copy in sync: a TF1 trainer publishes versions, an inference graph in another process follows.
 
-The trainer saves its trainable weights every few steps (``weightstore.save`` is atomic, so
-the reader never sees half a file). The inference process builds its graph once, finalizes
-it, and on each new file calls ``tf1.assign``: its outputs change while its graph keeps the
-same number of ops, reload after reload.
+The trainer runs under ``MonitoredTrainingSession`` (which finalizes its graph) with a
+``PublishHook``: at the first step, every ``every`` steps and at the end it publishes the
+trainable weights as a new version of a folder (``step-….npz`` plus a ``LATEST`` pointer,
+only the newest ``keep=2`` kept). The model has a frozen ``body`` (think: pretrained) and a
+``head`` being fine-tuned.
+
+The inference process builds its graph once, finalizes it, and runs
+``for version in ws.follow(folder): tf1.assign(sess, version)``. Each version is pinned while
+it is assigned, so pruning cannot pull it away. This is a hot reload: the first version
+writes all four tensors, later ones only the head, since the body's checksums have not
+changed (``report.skipped``). Per version it prints the step, its output on a fixed input
+and its graph's op count, which stays the same reload after reload.
 
 Run: ``python -m examples.tf1_sync``
 """
@@ -15,7 +23,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -27,19 +34,23 @@ PROBE = np.ones((1, 4), np.float32)
 
 
 def build_model():
-    """``y = x @ w + b``: the same names in the trainer and in the inference graph."""
+    """``y = (x @ body/w + body/b) @ head/w + head/b``: the same names in both processes."""
     import tensorflow as tf
 
     v1 = tf.compat.v1
     x = v1.placeholder(tf.float32, [None, 4], name="x")
-    with v1.variable_scope("linear"):
+    with v1.variable_scope("body"):
+        w = v1.get_variable("w", [4, 4], initializer=v1.glorot_uniform_initializer(seed=1))
+        b = v1.get_variable("b", [4], initializer=v1.zeros_initializer())
+        hidden = tf.matmul(x, w) + b
+    with v1.variable_scope("head"):
         w = v1.get_variable("w", [4, 1], initializer=v1.zeros_initializer())
         b = v1.get_variable("b", [1], initializer=v1.zeros_initializer())
-    return x, tf.matmul(x, w) + b
+    return x, tf.matmul(hidden, w) + b
 
 
-def serve(path: str, rounds: int) -> None:
-    """The inference process: reload ``path`` whenever its step changes, report each output."""
+def serve(folder: str, last_step: int) -> None:
+    """The inference process: follow ``folder`` until ``last_step``, reporting each version."""
     import tensorflow as tf
 
     from weightstore.adapters import tf1
@@ -47,56 +58,83 @@ def serve(path: str, rounds: int) -> None:
     with tf.Graph().as_default() as graph, tf.compat.v1.Session() as sess:
         x, y = build_model()
         sess.run(tf.compat.v1.global_variables_initializer())
-        graph.finalize()  # as MonitoredTrainingSession does: no op may be added from here on
-        _report(step=None, output=sess.run(y, {x: PROBE}), ops=len(graph.get_operations()))
-        seen, deadline = None, time.monotonic() + 120
-        while rounds and time.monotonic() < deadline:
-            if os.path.exists(path):
-                with ws.open(path) as store:
-                    step = store.metadata["step"]
-                    if step != seen:
-                        tf1.assign(sess, store)
-                        seen, rounds = step, rounds - 1
-                        _report(step=step, output=sess.run(y, {x: PROBE}), ops=len(graph.get_operations()))
-            time.sleep(0.02)
+        graph.finalize()  # no op may be added from here on: every reload must do without
+        _report(sess, graph, x, y, step=None)
+        for version in ws.follow(folder, poll=0.02, timeout=60):  # stops after 60 s with nothing new
+            report = tf1.assign(sess, version)  # only the tensors whose checksum changed
+            _report(sess, graph, x, y, step=version.step, assigned=report.assigned, skipped=report.skipped)
+            if version.step >= last_step:
+                break
 
 
-def _report(step, output, ops) -> None:
-    print(json.dumps({"step": step, "output": float(output[0, 0]), "ops": ops}), flush=True)
+def _report(sess, graph, x, y, *, step, assigned=(), skipped=()) -> None:
+    output = float(sess.run(y, {x: PROBE})[0, 0])
+    print(json.dumps({"step": step, "output": output, "ops": len(graph.get_operations()),
+                      "assigned": sorted(assigned), "skipped": sorted(skipped)}), flush=True)
 
 
-def main(folder: str | None = None, *, rounds: int = 3, every: int = 20) -> list[dict]:
-    """Train, publish every ``every`` steps, and return what the inference process saw."""
+def main(folder: str | None = None, *, steps: int = 60, every: int = 20) -> list[dict]:
+    """Train ``steps`` steps publishing every ``every``; return what the inference process saw."""
     import tensorflow as tf
 
-    from weightstore.adapters import tf1
+    from weightstore.adapters.hooks import PublishHook
 
     v1 = tf.compat.v1
     with tempfile.TemporaryDirectory() as scratch:
-        path = str(Path(folder or scratch) / "weights.npz")
+        folder = str(Path(folder or scratch) / "versions")
         reader = subprocess.Popen(
-            [sys.executable, "-m", "examples.tf1_sync", "serve", path, str(rounds)],
+            [sys.executable, "-m", "examples.tf1_sync", "serve", folder, str(steps)],
             cwd=ROOT, stdout=subprocess.PIPE, text=True,
             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
         )
         try:
             seen = [_read(reader)]
-            print(f"reader: before any reload     output {seen[0]['output']:8.4f}   graph ops {seen[0]['ops']}")
+            print(f"reader: before any version  output {seen[0]['output']:8.4f}   graph ops {seen[0]['ops']}")
+
+            def reloaded(version: ws.Version) -> None:
+                seen.append(_read(reader))
+                entry = seen[-1]
+                print(f"trainer: published step {version.step:3d} -> reader: output {entry['output']:8.4f}   "
+                      f"graph ops {entry['ops']}   assigned {len(entry['assigned'])}, "
+                      f"skipped {len(entry['skipped'])} {entry['skipped']}")
+
+            class Lockstep(v1.train.SessionRunHook):
+                """Demo only: after each publish, wait for the reader's report, so the printout reads in order.
+
+                A real trainer never waits for its readers; a follower that falls behind just
+                jumps to the newest version.
+                """
+
+                def __init__(self, publish: PublishHook):
+                    self.publish, self.reported = publish, None
+
+                def check(self) -> None:
+                    if self.publish.last is not None and self.publish.last.step != self.reported:
+                        self.reported = self.publish.last.step
+                        reloaded(self.publish.last)
+
+                def after_run(self, run_context, run_values) -> None:  # after PublishHook's: hooks run in order
+                    self.check()
+
+                def end(self, session) -> None:  # PublishHook publishes the final step in its end()
+                    self.check()
+
             rng = np.random.default_rng(0)
             data = rng.standard_normal((64, 4)).astype(np.float32)
             target = data.sum(axis=1, keepdims=True) * 2 + 1
-            with tf.Graph().as_default(), v1.Session() as sess:
+            with tf.Graph().as_default():
+                global_step = v1.train.get_or_create_global_step()  # the hook's step
                 x, y = build_model()
-                train = v1.train.GradientDescentOptimizer(0.05).minimize(tf.reduce_mean((y - target) ** 2))
-                sess.run(v1.global_variables_initializer())
-                for step in range(1, rounds * every + 1):
-                    sess.run(train, {x: data})
-                    if step % every == 0:
-                        ws.save(path, tf1.export(sess, trainable_only=True), metadata={"step": step})
-                        seen.append(_read(reader))
-                        print(f"trainer: published step {step:3d}; reader reloaded it: "
-                              f"output {seen[-1]['output']:8.4f}   graph ops {seen[-1]['ops']}")
+                head = v1.get_collection(v1.GraphKeys.TRAINABLE_VARIABLES, scope="head")  # the body stays frozen
+                loss = tf.reduce_mean((y - target) ** 2)
+                train = v1.train.GradientDescentOptimizer(0.05).minimize(loss, global_step, var_list=head)
+                publish = PublishHook(folder, every_n_steps=every, keep=2, trainable_only=True)
+                hooks = [v1.train.StopAtStepHook(last_step=steps), publish, Lockstep(publish)]
+                with v1.train.MonitoredTrainingSession(hooks=hooks, log_step_count_steps=None) as sess:
+                    while not sess.should_stop():
+                        sess.run(train, {x: data})
             reader.wait(timeout=60)
+            print(f"folder now holds {sorted(os.listdir(folder))}")
         finally:
             if reader.poll() is None:
                 reader.kill()

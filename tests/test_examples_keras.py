@@ -17,14 +17,17 @@ from examples import keras_ensemble, keras_selective, keras_sync  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_sync_reloads_in_another_process(tmp_path, capsys):
-    seen = keras_sync.main(str(tmp_path), rounds=3, every=4)
-    assert [entry["step"] for entry in seen] == [None, 4, 8, 12]
+def test_sync_follower_swaps_versions_in_another_process_while_it_serves(tmp_path, capsys):
+    seen = keras_sync.main(str(tmp_path), steps=12, every=4)
+    assert [entry["step"] for entry in seen] == [None, 4, 8, 12]  # each version once, in order
     outputs = [entry["output"] for entry in seen]
-    assert len(set(outputs)) == len(outputs)  # every reload changed the output
+    assert len(set(outputs)) == len(outputs)  # every version changed the output
+    assert all(entry["assigned"] == 4 and entry["skipped"] == 0 for entry in seen[1:])  # the whole model trains
     path, key = seen[0]["paths"]
     assert key == "dense/kernel" and path != "sequential/dense/kernel"  # other Keras names, same key
-    assert "reader reloaded it" in capsys.readouterr().out
+    assert sorted(path.name for path in (tmp_path / "versions").glob("step-*")) == [
+        "step-000000000004.npz", "step-000000000008.npz", "step-000000000012.npz"]  # keep=3
+    assert "trainer: published step  12 -> reader: output" in capsys.readouterr().out
 
 
 def test_ensemble_prints_11_12_13(tmp_path, capsys):
