@@ -162,13 +162,14 @@ class Follower:
         try:
             with self._lock.writing():
                 report = self._assign(self.target, version, **self.options)
+                # still inside the swap: a reader never sees new weights under the old version
+                self.version, self.report, self.error = version, report, None
         except VersionGoneError:
             return False
         except Exception as exc:
             self._failed(exc, f"assigning step {version.step}")
             return True
         with self._swapped:
-            self.version, self.report, self.error = version, report, None
             self._swapped.notify_all()
         return True
 

@@ -150,11 +150,10 @@ class PublishHook(tf.compat.v1.train.SessionRunHook):
         if self._is_chief is None:
             self._is_chief = is_chief()
 
-    def before_run(self, run_context: Any) -> Any:
-        return tf.compat.v1.train.SessionRunArgs(self._global_step)
-
     def after_run(self, run_context: Any, run_values: Any) -> None:
-        if self._is_chief and self._timer.should_trigger_for_step(int(run_values.results) + 1):
+        # read the step after the run: fetched alongside the train op it may or may not
+        # include that run's increment, which made publishes land a step early under load
+        if self._is_chief and self._timer.should_trigger_for_step(int(run_context.session.run(self._global_step))):
             self._publish(run_context.session)
 
     def end(self, session: Any) -> None:
