@@ -81,7 +81,7 @@ def touch(arrays: Mapping[str, Any] | Sequence[Any]) -> float:
     for value in values:
         array = np.asarray(value)
         if array.size:
-            total += float(array.sum(dtype=np.float64 if array.dtype.kind == "f" else None))
+            total += float(array.sum())  # native-dtype SIMD sum: ~0.05 s per GB here
     return total
 
 
