@@ -100,6 +100,13 @@ class Values:
     def read(self, key: str) -> np.ndarray:
         return self._store[key] if self._store is not None else self._arrays[key]
 
+    def read_into(self, key: str, out: np.ndarray) -> np.ndarray:
+        """The value converted into ``out``, straight from the file where the store can."""
+        if self._store is not None:
+            return self._store.read_into(key, out)
+        np.copyto(out, self._arrays[key], casting="unsafe")
+        return out
+
     def close(self) -> None:
         if self._owned and self._store is not None:
             self._store.close()

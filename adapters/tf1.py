@@ -121,11 +121,17 @@ def assign(
             if skip and MEMORY.unchanged(sess, key, digest):
                 report.skipped.append(key)
                 continue
-            array = values.read(source)
-            for part in targets[key].parts:
-                op, tensor = _writer(graph, part.variable)
+            parts, dtype = targets[key].parts, targets[key].dtype
+            if len(parts) == 1:  # the common case: read straight from the file into memory TF adopts
+                op, tensor = _writer(graph, parts[0].variable)
                 fetches.append(op)
-                feeds[tensor] = _private_copy(array[part.index], targets[key].dtype)
+                feeds[tensor] = values.read_into(source, _aligned_empty(values.shape(source), dtype))
+            else:
+                array = values.read(source)
+                for part in parts:
+                    op, tensor = _writer(graph, part.variable)
+                    fetches.append(op)
+                    feeds[tensor] = _private_copy(array[part.index], dtype)
             written.append((key, digest))
         if fetches:
             sess.run(fetches, feed_dict=feeds)
@@ -219,10 +225,14 @@ def _private_copy(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
     mapped file would pin that file (even once pruned) for as long as the variable lives.
     Unaligned memory TF copies itself, so this is the one copy an assign needs anyway.
     """
-    dtype = np.dtype(dtype)
-    size = math.prod(array.shape) * dtype.itemsize
-    raw = np.empty(size + _ALIGNMENT, np.uint8)
-    start = -raw.ctypes.data % _ALIGNMENT
-    out = raw[start:start + size].view(dtype).reshape(array.shape)
+    out = _aligned_empty(array.shape, dtype)
     np.copyto(out, array, casting="unsafe")
     return out
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    size = math.prod(shape) * dtype.itemsize
+    raw = np.empty(size + _ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % _ALIGNMENT
+    return raw[start:start + size].view(dtype).reshape(shape)

@@ -447,3 +447,29 @@ def test_foreign_npz_loads_in_native_byte_order(tmp_path):
     assert loaded["big"].tolist() == [0.0, 1.0, 2.0, 3.0]
     assert loaded["small"].dtype == np.int16 and loaded["small"].tolist() == [0, 1, 2]
     assert loaded["fortran"].tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+@pytest.mark.parametrize("suffix,compress", [(".npz", False), (".npz", True), (".h5", False)])
+def test_read_into_fills_the_callers_buffer_and_verifies_it(tmp_path, suffix, compress):
+    path = tmp_path / f"w{suffix}"
+    value = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    ws.save(path, {"a/w": value, "b": np.float16([1.5, 2.5])}, compress=compress)
+    with ws.open(path) as store:
+        out = np.empty((2, 3, 4), np.float32)
+        assert store.read_into("a/w", out) is out
+        np.testing.assert_array_equal(out, value)
+        widened = store.read_into("b", np.empty(2, np.float64))  # converted to the buffer's dtype
+        np.testing.assert_array_equal(widened, [1.5, 2.5])
+        with pytest.raises(ValueError, match="a/w"):
+            store.read_into("a/w", np.empty((4, 6), np.float32))
+
+
+def test_read_into_checks_the_checksum_of_what_it_read(tmp_path):
+    path = tmp_path / "w.npz"
+    ws.save(path, {"w": np.arange(1000, dtype=np.float32)})
+    data = bytearray(path.read_bytes())
+    offset = data.find(np.arange(1000, dtype=np.float32).tobytes())
+    data[offset + 100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with ws.open(path) as store, pytest.raises(ws.ChecksumError, match="'w'"):
+        store.read_into("w", np.empty(1000, np.float32))

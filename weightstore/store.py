@@ -34,7 +34,7 @@ from weightstore.errors import (
 )
 from weightstore.formats import Format, Reader, format_for_suffix, format_named, sniff
 from weightstore.keys import MappingRules, Patterns, plan_outward, validate_key
-from weightstore.manifest import TensorInfo, build_manifest, checksum, to_storage
+from weightstore.manifest import TensorInfo, build_manifest, checksum, logical_dtype, to_storage
 
 PathLike = Union[str, "os.PathLike[str]"]
 _TEMP_MARK = ".wstmp-"
@@ -97,6 +97,21 @@ class Store(Mapping):
 
     def __getitem__(self, key: str) -> np.ndarray:
         return self._reader.read(key, verify=self.verify)
+
+    def read_into(self, key: str, out: np.ndarray) -> np.ndarray:
+        """Read ``key`` into ``out`` (its shape, C-contiguous, writable; converted to its dtype) and return it.
+
+        For callers that need the tensor in memory they own, such as the TF1 adapter, which
+        hands TF aligned buffers it adopts without a copy: an uncompressed npz tensor goes
+        from the file straight into ``out``, never mapped into this process as well, so a
+        restore holds the model's bytes once rather than twice.
+        """
+        info = self.info(key)
+        if out.shape != tuple(info.shape) or not out.flags.c_contiguous or not out.flags.writeable:
+            raise ValueError(f"{self.path}: read_into {key!r} needs a writable C-contiguous array of shape {info.shape}")
+        if out.dtype != logical_dtype(info.dtype, self.path) or not self._reader.read_into(key, out, verify=self.verify):
+            np.copyto(out, self[key], casting="unsafe")
+        return out
 
     def read(self, keys=None, *, max_bytes: int | None = None) -> dict[str, np.ndarray]:
         """Several tensors at once, refusing before reading if they exceed ``max_bytes``."""

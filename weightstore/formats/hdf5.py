@@ -202,6 +202,10 @@ class Hdf5Reader:
             raise FormatError(f"{where} is raw bytes ({dtype}) and no manifest says what they are")
         return out
 
+    def read_into(self, key: str, out: np.ndarray, *, verify: bool) -> bool:
+        """HDF5 reads into fresh memory already; :meth:`read` is the direct path here."""
+        return False
+
     def _check_storage(self, dataset: h5py.Dataset, where: str, nbytes: int) -> None:
         if dataset.is_virtual:
             raise UnsafeFileError(f"{where} is a virtual dataset; only data inside the file is read")

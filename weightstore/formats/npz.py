@@ -451,6 +451,21 @@ class NpzReader:
         dtype_name(dtype, key)
         return array if dtype.isnative else array.astype(dtype.newbyteorder("="))
 
+    def read_into(self, key: str, out: np.ndarray, *, verify: bool) -> bool:
+        """Read a stored tensor straight into ``out``; False when only :meth:`read` can (deflated, no manifest)."""
+        member = self._member(key)
+        info = self._infos.get(key)
+        if member.method != _STORED or self._manifest is None or info is None:
+            return False
+        dtype, shape, fortran, start = self._parse_npy(member, self._member_head(member), member.size)
+        if fortran or dtype != storage_dtype(info.dtype) or shape != info.shape:
+            return False
+        payload = raw_bytes(out) if out.nbytes else memoryview(b"")
+        self._source.read_into(self._data_offset(member) + start, memoryview(out.reshape(-1).view(np.uint8)))
+        if verify and info.checksum and checksum(payload) != info.checksum:
+            raise ChecksumError(f"{self.name}: tensor {key!r} is corrupt (checksum {checksum(payload)}, manifest {info.checksum})")
+        return True
+
     def _verify(self, key: str, member: _Member, data: memoryview, payload: memoryview, info: TensorInfo | None) -> None:
         if info is not None and info.checksum:
             actual = checksum(payload)

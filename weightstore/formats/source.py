@@ -30,15 +30,24 @@ class MappedFile:
 
     def __init__(self, path: str):
         self.name = path
-        with open(path, "rb") as handle:
-            self.size = os.fstat(handle.fileno()).st_size
-            self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if self.size else None
+        self._handle = open(path, "rb")  # kept for read_into, which bypasses the map
+        try:
+            self.size = os.fstat(self._handle.fileno()).st_size
+            self._map = mmap.mmap(self._handle.fileno(), 0, access=mmap.ACCESS_READ) if self.size else None
+        except BaseException:
+            self._handle.close()
+            raise
 
     def read_at(self, offset: int, length: int) -> memoryview:
         self._check(offset, length)
         if self._map is None:
             return memoryview(b"")
         return memoryview(self._map)[offset : offset + length]
+
+    def read_into(self, offset: int, buffer: memoryview) -> None:
+        """Copy bytes from the file into ``buffer`` without mapping them into this process."""
+        self._check(offset, len(buffer))
+        _read_fully(self._handle, offset, buffer, self.name)
 
     def prefetch(self, offset: int, length: int) -> None:
         if self._map is not None and length > 1 << 20:
@@ -57,6 +66,7 @@ class MappedFile:
             raise FormatError(f"{self.name}: truncated file (needs bytes {offset}..{offset + length}, has {self.size})")
 
     def close(self) -> None:
+        self._handle.close()
         if self._map is not None:
             try:
                 self._map.close()
@@ -81,6 +91,11 @@ class StreamFile:
             raise FormatError(f"{self.name}: short read at byte {offset}")
         return data
 
+    def read_into(self, offset: int, buffer: memoryview) -> None:
+        if offset < 0 or offset + len(buffer) > self.size:
+            raise FormatError(f"{self.name}: truncated file (needs bytes {offset}..{offset + len(buffer)}, has {self.size})")
+        _read_fully(self._handle, offset, buffer, self.name)
+
     def prefetch(self, offset: int, length: int) -> None:
         pass
 
@@ -89,3 +104,13 @@ class StreamFile:
 
     def close(self) -> None:
         self._handle.close()
+
+
+def _read_fully(handle: BinaryIO, offset: int, buffer: memoryview, name: str) -> None:
+    handle.seek(offset)
+    filled = 0
+    while filled < len(buffer):
+        count = handle.readinto(buffer[filled:])
+        if not count:
+            raise FormatError(f"{name}: short read at byte {offset + filled}")
+        filled += count
