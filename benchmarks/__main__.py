@@ -1,4 +1,4 @@
-"""Run every benchmark: ``python -m benchmarks [--size-mb N] [--repeat N] [--only core|tf]``."""
+"""Run every benchmark: ``python -m benchmarks [--size-mb N] [--repeat N] [--only core|tf|sync]``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     parser.add_argument("--size-mb", type=float, default=1024, help="bytes of weights per benchmark (default 1024)")
     parser.add_argument("--repeat", type=int, default=5, help="timed runs per case (default 5)")
-    parser.add_argument("--only", choices=["core", "tf"], help="run one benchmark")
+    parser.add_argument("--only", choices=["core", "tf", "sync"], help="run one benchmark")
     args = parser.parse_args(argv)
     if args.only in (None, "core"):
         from benchmarks import core_bench
@@ -21,6 +21,12 @@ def main(argv=None) -> None:
         if args.only is None:
             print()
         tf_bench.bench(args.size_mb, args.repeat)
+    if args.only in (None, "sync"):
+        from benchmarks import sync_bench
+
+        if args.only is None:
+            print()
+        sync_bench.bench(args.size_mb, small_mb=4, repeat=args.repeat, poll=0.01, tensors=300, kinds=["tf2", "tf1"])
 
 
 if __name__ == "__main__":
