@@ -141,7 +141,23 @@ def assign(
     return report
 
 
+_TARGETS: "weakref.WeakKeyDictionary[tf.Graph, tuple[tuple, dict[str, _Target]]]" = weakref.WeakKeyDictionary()
+
+
 def _targets(graph: tf.Graph) -> dict[str, _Target]:
+    """:func:`_collect_targets`, remembered while the graph's ops and collections stay the same.
+
+    Walking every collection costs milliseconds per assign, which a follower reloading a
+    small head every few seconds would pay again and again for an unchanged graph.
+    """
+    fingerprint = (graph.version, tuple((k, len(graph.get_collection_ref(k))) for k in graph.get_all_collection_keys()))
+    cached = _TARGETS.get(graph)
+    if cached is None or cached[0] != fingerprint:
+        cached = _TARGETS[graph] = (fingerprint, _collect_targets(graph))
+    return cached[1]
+
+
+def _collect_targets(graph: tf.Graph) -> dict[str, _Target]:
     """Every weight variable of ``graph`` by key, partitioned variables joined into one."""
     trainable = {v.op.name for v in graph.get_collection(tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES)}
     targets: dict[str, _Target] = {}

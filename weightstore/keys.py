@@ -9,8 +9,9 @@ each word.
 from __future__ import annotations
 
 import difflib
-import re
 import fnmatch
+import functools
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TypeVar, Union
 
@@ -35,6 +36,7 @@ def validate_key(key: object) -> str:
     return key
 
 
+@functools.lru_cache(maxsize=1 << 16)  # the same keys are checked on every open and assign
 def _key_problem(key: str) -> str | None:
     if not key:
         return "it is empty"
@@ -56,6 +58,7 @@ def _key_problem(key: str) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=1024)  # patterns are normalized once per key they are matched against
 def normalize_scope(scope: str | None) -> str:
     """A scope as users type it (``model_002/`` or ``None``) in canonical form."""
     if scope is None:

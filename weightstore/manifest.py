@@ -8,6 +8,7 @@ file is untrusted input: :func:`parse_manifest` checks every field before anythi
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import json
 import math
 from collections.abc import Mapping
@@ -77,14 +78,22 @@ def dtype_name(dtype: np.dtype, key: str = "") -> str:
 
 def logical_dtype(name: str, where: str = "") -> np.dtype:
     """The numpy dtype a manifest names; only names :func:`dtype_name` can produce."""
+    dtype = _known_dtype(name) if isinstance(name, str) else None
+    if dtype is None:
+        raise FormatError(f"{where}: unknown dtype {name!r}")
+    return dtype
+
+
+@functools.lru_cache(maxsize=256)  # a manifest names a handful of dtypes many times over
+def _known_dtype(name: str) -> np.dtype | None:
     if name in ML_DTYPES:
         return ML_DTYPES[name]
     try:
         dtype = np.dtype(name)
     except TypeError:
-        dtype = None
-    if dtype is None or not isinstance(name, str) or dtype.kind not in _NUMERIC_KINDS or dtype.name != name:
-        raise FormatError(f"{where}: unknown dtype {name!r}")
+        return None
+    if dtype.kind not in _NUMERIC_KINDS or dtype.name != name:
+        return None
     return dtype.newbyteorder("<")
 
 
