@@ -86,6 +86,7 @@ KERAS_WEIGHTS_MEMBER = "model.weights.h5"
 _SAVE_COUNTER = "save_counter" + VARIABLE_SUFFIX
 _OUTPUT_SUFFIX = re.compile(r":\d+$")
 _DATA_FILE = re.compile(r"\.data-\d{5}-of-\d{5}$")
+_SHARD_COUNT = re.compile(r"\.data-\d{5}-of-(\d{5})$")
 _TEMP_MARK = ".wstmp-"
 _silent = False
 
@@ -251,7 +252,10 @@ class CheckpointReader:
 
     def read(self, key: str, *, verify: bool) -> np.ndarray:
         info = self.info(key)
-        array = np.asarray(self._reader.get_tensor(self._names[key]))
+        try:
+            array = np.asarray(self._reader.get_tensor(self._names[key]))
+        except _tf().errors.OpError as exc:  # a data file missing, short, or failing its CRC-32C
+            raise FormatError(f"{self.name}: tensor {key!r} is unreadable ({_first_line(exc)})") from None
         if array.shape != info.shape:
             raise FormatError(f"{self.name}: tensor {key!r} is {array.shape}, index says {info.shape}")
         return array
@@ -471,15 +475,31 @@ def write_checkpoint(prefix: str, weights: Mapping[str, np.ndarray]) -> None:
     """Write ``weights`` as a name-based checkpoint at ``prefix``, merged with the one there.
 
     Entries already at ``prefix`` that ``weights`` does not name are kept byte for byte, even
-    non-numeric ones. The checkpoint is written under a temporary prefix beside the target,
-    fsynced, then renamed into place data file first and ``.index`` last, so TensorFlow sees
-    either the old checkpoint or the new one as long as no crash falls between those two
-    renames; stale data shards of the old checkpoint are removed afterwards.
+    non-numeric ones.
+
+    A TF checkpoint is two kinds of file whose names TensorFlow fixes: ``PREFIX.index`` and
+    ``PREFIX.data-NNNNN-of-MMMMM``, where ``MMMMM`` is the shard count the index records. So
+    the new checkpoint is written with a shard count that no data file at ``prefix`` has
+    (one shard, or two when the old checkpoint has one): its data files then take names the
+    old index never reads. Everything is written under a temporary prefix beside the target
+    and fsynced, the data files are renamed in beside the old ones, and renaming ``.index``
+    over the old one is the single commit point. A crash before it leaves the old checkpoint
+    whole (plus unreferenced data files); a crash after it leaves the new one whole (plus
+    the old data files). Either leftover, and temporaries of writers that were killed
+    (``.NAME.wstmp-PID-…``), are removed by the next write to ``prefix``.
+
+    The one exception: a checkpoint of a single entry replacing a one-shard checkpoint cannot
+    be split into two shards, so its data file is renamed over the old one before ``.index``;
+    a crash between those two renames leaves the old index over the new data, which
+    TensorFlow refuses to read (each entry's CRC-32C no longer matches) rather than returning
+    wrong values. A reader that opened the old ``.index`` just before the swap may find its
+    data file gone: TensorFlow opens data files lazily.
     """
     tf = _tf()
     target = Path(prefix)
     if not target.parent.is_dir():
         raise StoreNotFoundError(f"{prefix}: folder {str(target.parent)!r} does not exist")
+    remove_stale_temporaries(prefix)
     tensors: dict[str, Any] = {}
     if os.path.exists(prefix + ".index"):
         checkpoint_names(prefix)  # refuses object-based checkpoints
@@ -491,20 +511,33 @@ def write_checkpoint(prefix: str, weights: Mapping[str, np.ndarray]) -> None:
         tensors[key] = _as_tensor(tf, prefix, key, value)
     if not tensors:
         raise SelectionError(f"{prefix}: nothing to write")
+    taken = {int(match.group(1)) for path in _files_of(prefix) if (match := _SHARD_COUNT.search(path))}
+    shards = next(n for n in range(1, len(taken) + 2) if n not in taken)
+    fresh_names = shards <= len(tensors)
+    if not fresh_names:
+        shards = 1  # the single-entry case of the docstring: data renamed over the old data
     temporary = str(target.with_name(f".{target.name}{_TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"))
+    moved: list[str] = []
     try:
         with tf.device("/cpu:0"):
-            tf.raw_ops.SaveV2(prefix=temporary, tensor_names=list(tensors), shape_and_slices=[""] * len(tensors),
-                              tensors=list(tensors.values()))
+            _save(tf, temporary, tensors, shards)
         written = _files_of(temporary)
         for path in written:
             _fsync(path)
-        for path in sorted(written, key=lambda p: p.endswith(".index")):
-            os.replace(path, prefix + path[len(temporary):])
+        for path in written:
+            if not path.endswith(".index"):
+                os.replace(path, prefix + path[len(temporary):])
+                moved.append(prefix + path[len(temporary):])
+        fsync_folder(target.parent)
+        os.replace(temporary + ".index", prefix + ".index")  # the commit point
     except BaseException as exc:
-        for path in _files_of(temporary):
+        for path in _files_of(temporary) + [p for i in range(shards) for p in _files_of(f"{temporary}-part{i}")]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+        if fresh_names:  # data files the old index never names
+            for path in moved:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
         if isinstance(exc, tf.errors.OpError):
             raise FormatError(f"{prefix}: TensorFlow could not write the checkpoint ({_first_line(exc)})") from None
         raise
@@ -513,6 +546,48 @@ def write_checkpoint(prefix: str, weights: Mapping[str, np.ndarray]) -> None:
         if _DATA_FILE.search(stale) and stale not in kept:
             os.unlink(stale)
     fsync_folder(target.parent)
+
+
+def _save(tf: Any, prefix: str, tensors: Mapping[str, Any], shards: int) -> None:
+    """``SaveV2`` the tensors at ``prefix`` as ``shards`` data files (merged as a sharded Saver does)."""
+    if shards == 1:
+        tf.raw_ops.SaveV2(prefix=prefix, tensor_names=list(tensors), shape_and_slices=[""] * len(tensors),
+                          tensors=list(tensors.values()))
+        return
+    names = list(tensors)
+    parts = [f"{prefix}-part{i}" for i in range(shards)]
+    for i, part in enumerate(parts):
+        group = names[i::shards]
+        tf.raw_ops.SaveV2(prefix=part, tensor_names=group, shape_and_slices=[""] * len(group),
+                          tensors=[tensors[name] for name in group])
+    tf.raw_ops.MergeV2Checkpoints(checkpoint_prefixes=parts, destination_prefix=prefix, delete_old_dirs=False)
+
+
+def remove_stale_temporaries(prefix: str) -> None:
+    """Remove the temporary files of earlier writes to ``prefix`` whose process has died.
+
+    The pattern of :func:`weightstore.store.remove_stale_temporaries`, with the checkpoint
+    file suffixes (``.index``, ``.data-…``) and the shard parts of a two-shard write added.
+    """
+    folder, base = os.path.split(prefix)
+    pattern = re.compile(re.escape(f".{base}{_TEMP_MARK}") + r"(\d+)-[0-9a-f]+(?:-part\d+)?"
+                         r"(?:\.index|\.data-\d{5}-of-\d{5})?$")
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(folder or "."):
+            match = pattern.match(entry.name)
+            if match and not _process_alive(int(match.group(1))):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _as_tensor(tf: Any, prefix: str, key: str, value: Any) -> Any:

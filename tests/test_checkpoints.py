@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import zipfile
 
 import numpy as np
@@ -326,6 +329,67 @@ def test_write_checkpoint_failure_leaves_the_old_one(tmp_path, monkeypatch):
         checkpoints.write_checkpoint(prefix, {"w": np.zeros(2, np.float32)})
     monkeypatch.undo()
     assert {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)} == before
+
+
+def data_files(folder):
+    return sorted(name for name in os.listdir(folder) if ".data-" in name)
+
+
+def test_write_checkpoint_never_overwrites_the_data_the_old_index_reads(tmp_path):
+    prefix = str(tmp_path / "m.ckpt")
+    checkpoints.write_checkpoint(prefix, {"a": np.ones(2, np.float32), "b": np.zeros(3, np.float32)})
+    assert data_files(tmp_path) == ["m.ckpt.data-00000-of-00001"]
+    checkpoints.write_checkpoint(prefix, {"a": np.full(2, 5, np.float32)})
+    assert data_files(tmp_path) == ["m.ckpt.data-00000-of-00002", "m.ckpt.data-00001-of-00002"]
+    restored = restore_with_saver(prefix, {"a": (2,), "b": (3,)})
+    np.testing.assert_array_equal(restored["a"], [5, 5])
+    np.testing.assert_array_equal(restored["b"], [0, 0, 0])
+    checkpoints.write_checkpoint(prefix, {"b": np.full(3, 2, np.float32)})
+    assert sorted(os.listdir(tmp_path)) == ["m.ckpt.data-00000-of-00001", "m.ckpt.index"]
+    assert {k: v.tolist() for k, v in raw(prefix).items()} == {"a": [5, 5], "b": [2, 2, 2]}
+
+
+KILLED_BEFORE_INDEX = """
+import os, signal, sys
+import numpy as np
+from weightstore.adapters import checkpoints
+real = os.replace
+def replace(src, dst):
+    if str(dst).endswith(".index"):
+        os.kill(os.getpid(), signal.SIGKILL)  # the data files are in place, the index not yet
+    real(src, dst)
+checkpoints.os.replace = replace
+checkpoints.write_checkpoint(sys.argv[1], {"a": np.full(2, 9, np.float32), "b": np.full(3, 9, np.float32)})
+"""
+
+
+def test_a_write_killed_before_the_index_swap_leaves_the_old_checkpoint(tmp_path):
+    prefix = str(tmp_path / "m.ckpt")
+    old = {"a": np.ones(2, np.float32), "b": np.zeros(3, np.float32)}
+    checkpoints.write_checkpoint(prefix, old)
+    done = subprocess.run([sys.executable, "-c", KILLED_BEFORE_INDEX, prefix], capture_output=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    left = sorted(os.listdir(tmp_path))
+    assert "m.ckpt.data-00000-of-00002" in left and any(".wstmp-" in name for name in left)
+    restored = restore_with_saver(prefix, {"a": (2,), "b": (3,)})  # the old checkpoint, whole
+    for key, value in old.items():
+        np.testing.assert_array_equal(restored[key], value)
+    checkpoints.write_checkpoint(prefix, {"a": np.full(2, 4, np.float32)})  # cleans up after the dead writer
+    assert not [name for name in os.listdir(tmp_path) if ".wstmp-" in name]
+    assert len(data_files(tmp_path)) == 1
+    assert {k: v.tolist() for k, v in raw(prefix).items()} == {"a": [4, 4], "b": [0, 0, 0]}
+
+
+def test_a_mixed_single_entry_checkpoint_is_refused_on_read(tmp_path):
+    """The one case that renames data over data: a crash before the index leaves a mix TF refuses."""
+    prefix = str(tmp_path / "one.ckpt")
+    checkpoints.write_checkpoint(prefix, {"a": np.ones(2, np.float32)})
+    old_index = (tmp_path / "one.ckpt.index").read_bytes()
+    checkpoints.write_checkpoint(prefix, {"a": np.full(2, 3, np.float32)})
+    assert data_files(tmp_path) == ["one.ckpt.data-00000-of-00001"]
+    (tmp_path / "one.ckpt.index").write_bytes(old_index)  # the state a crash between the renames leaves
+    with checkpoints.open_source(prefix) as source, pytest.raises(FormatError, match="'a' is unreadable.*Checksum"):
+        source["a"]
 
 
 def test_write_checkpoint_refuses_object_based_targets(made):
