@@ -13,15 +13,18 @@ Each part is one of the examples beside this file; run any of them alone with
 from __future__ import annotations
 
 import importlib
+import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow loads: keep its C++ start-up chatter out
 
-import weightstore as ws
+import numpy as np  # noqa: E402
+
+import weightstore as ws  # noqa: E402
 
 PARTS = [
     ("The core: save, list without reading, load a selection", ["core_tour"]),

@@ -41,6 +41,7 @@ def build(images, labels):
     loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=train_logits))
     step = v1.train.get_or_create_global_step()
     with tf.control_dependencies(updates):
+        v1.logging.set_verbosity(v1.logging.ERROR)  # Adagrad's own deprecation notice is not ours to show
         train = v1.train.AdagradOptimizer(0.1).minimize(loss, global_step=step)
     return train, tf.nn.softmax(eval_logits)
 
