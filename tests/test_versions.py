@@ -178,7 +178,7 @@ KILLED_PUBLISHER = textwrap.dedent("""
     def hook(name):
         if name == stage:
             os.kill(os.getpid(), signal.SIGKILL)
-    versions.STAGE_HOOK = hook
+    versions._stage = hook  # the no-op each stage of a publish calls
     ws.publish(folder, weights(4), step=4, keep=2)
     sys.exit(3)  # the stage was never reached
 """)
@@ -211,8 +211,43 @@ def test_killed_first_publish_leaves_nothing_a_reader_sees(tmp_path):
     assert result.returncode == -signal.SIGKILL, result.stderr
     assert ws.latest(tmp_path) is None
     assert list(ws.follow(tmp_path, timeout=0)) == []
-    ws.publish(tmp_path, weights_at(5), step=5)
-    assert files(tmp_path) == [".publish.lock", "LATEST", "step-000000000005.npz"]
+    # the complete step-4 file LATEST never named is kept (no LATEST: no version is deleted)
+    with pytest.warns(UserWarning, match="LATEST is missing"):
+        ws.publish(tmp_path, weights_at(5), step=5)
+    assert files(tmp_path) == [".publish.lock", "LATEST", "step-000000000004.npz", "step-000000000005.npz"]
+    assert ws.latest(tmp_path).step == 5
+
+
+def test_publish_never_reads_the_stage_hook_from_a_global():
+    assert not hasattr(versions, "STAGE_HOOK")
+    assert versions._stage("locked") is None
+
+
+def test_missing_latest_keeps_versions_and_refuses_going_back(tmp_path):
+    for step in (1, 2, 3):
+        ws.publish(tmp_path, weights_at(step), step=step)
+    temporary = tmp_path / ".step-000000000004.npz.wstmp-999999999-0123abcd"  # a dead writer's
+    temporary.write_bytes(b"partial")
+    os.unlink(tmp_path / "LATEST")
+    assert ws.latest(tmp_path) is None
+    for step in (1, 3):
+        with pytest.warns(UserWarning, match="LATEST is missing"):
+            with pytest.raises(ws.PublishError, match=f"step {step} is not after step 3, which is the newest version"):
+                ws.publish(tmp_path, weights_at(step), step=step)
+    assert files(tmp_path) == sorted([".publish.lock", temporary.name] + [f"step-00000000000{s}.npz" for s in (1, 2, 3)])
+    with pytest.warns(UserWarning, match="LATEST is missing"):
+        ws.publish(tmp_path, weights_at(4), step=4, keep=3)
+    assert files(tmp_path) == [".publish.lock", "LATEST"] + [f"step-00000000000{s}.npz" for s in (2, 3, 4)]
+    assert_whole(ws.load(ws.latest(tmp_path)), 4)
+
+
+def test_publish_errors_name_the_version_file(tmp_path):
+    folder = tmp_path / "run"
+    with pytest.raises(ws.InvalidKeyError, match=f"^{folder}/step-000000000001.npz: "):
+        ws.publish(folder, {"bad//key": np.zeros(2, np.float32)}, step=1)
+    with pytest.raises(ws.UnsupportedDTypeError, match=f"^{folder}/step-000000000001.npz: "):
+        ws.publish(folder, {"w": np.array(["text"])}, step=1)
+    assert not folder.exists()  # checked before anything is made
 
 
 # --- a reader racing a publisher --------------------------------------------------------------

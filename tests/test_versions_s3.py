@@ -117,6 +117,20 @@ def test_latest_naming_a_missing_object(s3, folder):
         next(ws.follow(folder, timeout=0, storage_options=s3))
 
 
+def test_missing_latest_on_s3_keeps_versions(s3, folder):
+    import s3fs
+
+    for step in (1, 2, 3):
+        ws.publish(folder, weights_at(step), step=step, storage_options=s3)
+    s3fs.S3FileSystem(**s3).rm_file(f"{folder}/LATEST")
+    with pytest.warns(UserWarning, match="LATEST is missing"):
+        with pytest.raises(ws.PublishError, match="not after step 3"):
+            ws.publish(folder, weights_at(1), step=1, storage_options=s3)
+    with pytest.warns(UserWarning, match="LATEST is missing"):
+        ws.publish(folder, weights_at(4), step=4, storage_options=s3)
+    assert names(s3, folder) == ["LATEST"] + [f"step-00000000000{step}.npz" for step in (1, 2, 3, 4)]
+
+
 KILLED_PUBLISHER = textwrap.dedent("""
     import json, os, signal, sys
     import numpy as np
@@ -130,7 +144,7 @@ KILLED_PUBLISHER = textwrap.dedent("""
     def hook(name):
         if name == stage:
             os.kill(os.getpid(), signal.SIGKILL)
-    versions.STAGE_HOOK = hook
+    versions._stage = hook  # the no-op each stage of a publish calls
     ws.publish(folder, weights(4), step=4, keep=2, storage_options=options)
     sys.exit(3)
 """)

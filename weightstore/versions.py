@@ -15,8 +15,16 @@ Readers only ever reach a version through ``LATEST``, so leftovers of a killed p
 temporary file, or a complete version ``LATEST`` never named) are invisible to them; the next
 publish removes them.
 
+**A missing or damaged ``LATEST``** (deleted by hand, or a first publish killed between its
+version file and its pointer) never costs versions: the newest version file's step then counts
+as current, so the next publish must be above it (with a warning), and that publish removes
+nothing but temporaries of dead writers. A complete version file a killed *first* publish left
+is therefore kept: it holds real weights of that step, readers never saw it, and retention
+prunes it like any older version.
+
 **One publisher per folder.** Steps must strictly increase: a publish whose step is not
-above the step ``LATEST`` names is refused with :class:`PublishError`. On a local folder,
+above the step ``LATEST`` names (or, without a readable ``LATEST``, the newest version file's)
+is refused with :class:`PublishError`. On a local folder,
 publishes serialise on an advisory lock (``.publish.lock``), so two processes cannot
 interleave the check and the write; on object stores there is no lock and the check is
 best-effort (read ``LATEST``, then write), so run one publisher per folder there.
@@ -49,7 +57,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from weightstore.errors import FormatError, PublishError, StoreNotFoundError, VersionGoneError
 from weightstore.formats import format_for_suffix, format_named
@@ -72,13 +80,8 @@ POINTER_FORMAT = "weightstore-latest"
 _NAME = re.compile(r"^step-(\d+)(\.[A-Za-z0-9]+)$")
 _MAX_POINTER_BYTES = 1 << 20
 
-#: Called with the name of each stage of a publish; tests set it to kill the publisher there.
-STAGE_HOOK: Callable[[str], None] | None = None
-
-
 def _stage(name: str) -> None:
-    if STAGE_HOOK is not None:
-        STAGE_HOOK(name)
+    """Marks each stage of a publish; does nothing (tests replace it to kill the publisher there)."""
 
 
 @dataclass
@@ -164,18 +167,20 @@ def publish(
     if keep is not None and keep < 1:
         raise ValueError(f"keep must be at least 1 (or None to keep all), not {keep!r}")
     fmt = format_named(format)
-    arrays = _checked(weights)
-    target = _folder_for(folder, storage_options, create=True)
+    target = _folder_for(folder, storage_options)
     name = f"step-{step:012d}{fmt.suffixes[0]}"
+    arrays = _checked(weights, target.url(name))
+    target.create()
     with target.publish_lock():
         _stage("locked")
-        current = target.current_step()
+        current, named = target.current_step()
         if current is not None and step <= current:
+            which = "LATEST names" if named else "is the newest version file (LATEST is missing or damaged)"
             raise PublishError(
-                f"{target.where}: step {step} is not after step {current}, which LATEST names; steps must increase"
+                f"{target.where}: step {step} is not after step {current}, which {which}; steps must increase"
                 " (is another trainer publishing to this folder?)"
             )
-        target.remove_leftovers(current)
+        target.remove_leftovers(current, named)
         _stage("cleaned")
         created = _now()
         pointer = json.dumps({"format": POINTER_FORMAT, "version": 1, "step": step, "file": name,
@@ -264,6 +269,10 @@ def list_versions(folder: Any, *, storage_options: Mapping[str, Any] | None = No
     ]
 
 
+def _gone(version: Version) -> VersionGoneError:
+    return VersionGoneError(f"{version.path}: version {version.step} is gone (pruned); read LATEST again and retry")
+
+
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
@@ -300,22 +309,40 @@ class _Folder:
         metadata = pointer.get("metadata") if isinstance(pointer.get("metadata"), dict) else {}
         return Version(pointer["step"], self.url(pointer["file"]), str(pointer.get("created", "")), metadata, self)
 
-    def current_step(self) -> int | None:
-        """The step a new publish must exceed: LATEST's, or, if LATEST is unreadable, the newest file's."""
+    def current_step(self) -> tuple[int | None, bool]:
+        """The step a new publish must exceed, and whether LATEST names it.
+
+        LATEST's step when it is readable; when it is damaged or missing but version files
+        exist, the newest file's, so a folder that lost its pointer neither goes backwards nor
+        loses versions. ``None`` for a folder with no versions.
+        """
         try:
             version = self.latest()
         except FormatError as exc:
-            steps = [step for step, *_ in self.entries()]
             warnings.warn(f"{exc}; the next publish replaces it", stacklevel=3)
-            return max(steps) if steps else None
-        return None if version is None else version.step
+            return self._newest_file(), False
+        if version is not None:
+            return version.step, True
+        newest = self._newest_file()
+        if newest is not None:
+            warnings.warn(f"{self.where}: LATEST is missing but version files exist; the newest, step {newest}, "
+                          "counts as current and the next publish names its own version", stacklevel=3)
+        return newest, False
 
-    def remove_leftovers(self, current: int | None) -> None:
-        """Remove what killed publishes left: temporaries, and versions LATEST never named."""
-        if current is None and self.read_latest() is not None:
-            return  # LATEST is unreadable: keep every version, the next LATEST repairs the folder
+    def _newest_file(self) -> int | None:
+        steps = [step for step, *_ in self.entries()]
+        return max(steps) if steps else None
+
+    def remove_leftovers(self, current: int | None, named: bool) -> None:
+        """Remove versions above the one LATEST names: a killed publish wrote them, LATEST never named them.
+
+        Without a readable LATEST (``named`` false) no version is removed: any of them may be
+        the one a reader or a person still needs. Temporaries of dead writers go either way.
+        """
+        if not named:
+            return
         for step, name, *_ in self.entries():
-            if current is None or step > current:
+            if step > current:
                 self.remove(name)
 
     def prune(self, newest: int, keep: int | None) -> None:
@@ -325,6 +352,9 @@ class _Folder:
         for _, name, *_ in entries[:-keep]:
             self.remove(name)
             _stage("pruning")
+
+    def create(self) -> None:
+        """Make the folder if this kind of folder needs making (object stores do not)."""
 
     # implemented by each kind of folder
     def exists(self) -> bool: ...
@@ -338,11 +368,12 @@ class _Folder:
 
 
 class _LocalFolder(_Folder):
-    def __init__(self, path: str, create: bool):
+    def __init__(self, path: str):
         self.root = Path(path)
         self.where = str(path)
-        if create:
-            self.root.mkdir(parents=True, exist_ok=True)
+
+    def create(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
 
     def exists(self) -> bool:
         return self.root.is_dir()
@@ -380,11 +411,11 @@ class _LocalFolder(_Folder):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.root / name)
 
-    def remove_leftovers(self, current: int | None) -> None:
+    def remove_leftovers(self, current: int | None, named: bool) -> None:
         targets = {entry.name.split(_TEMP_MARK)[0][1:] for entry in os.scandir(self.root) if _TEMP_MARK in entry.name}
         for name in targets:
             remove_stale_temporaries(self.root / name)
-        super().remove_leftovers(current)
+        super().remove_leftovers(current, named)
 
     def open_version(self, version: Version, verify: bool) -> Store:
         from weightstore.store import open as open_store
@@ -392,7 +423,7 @@ class _LocalFolder(_Folder):
         try:
             return open_store(version.path, verify=verify)
         except FileNotFoundError:  # also when pruned between ``open``'s look and its map
-            raise VersionGoneError(f"{version.path}: version {version.step} is gone (pruned); read LATEST again and retry") from None
+            raise _gone(version) from None
 
     @contextlib.contextmanager
     def publish_lock(self) -> Iterator[None]:
@@ -463,13 +494,13 @@ class _RemoteFolder(_Folder):
         try:
             handle = self.fs.open(self._path(name), "rb")
         except FileNotFoundError:
-            raise VersionGoneError(f"{version.path}: version {version.step} is gone (pruned); read LATEST again and retry") from None
+            raise _gone(version) from None
         try:
             fmt = format_for_suffix(name) or format_named("npz")
             return Store(fmt.open_reader(handle, version.path), version.path, verify)
         except FileNotFoundError:
             handle.close()
-            raise VersionGoneError(f"{version.path}: version {version.step} is gone (pruned); read LATEST again and retry") from None
+            raise _gone(version) from None
         except BaseException:
             handle.close()
             raise
@@ -479,13 +510,13 @@ class _RemoteFolder(_Folder):
         yield  # object stores offer no lock; the step check guards, best-effort
 
 
-def _folder_for(folder: Any, storage_options: Mapping[str, Any] | None = None, create: bool = False) -> _Folder:
+def _folder_for(folder: Any, storage_options: Mapping[str, Any] | None = None) -> _Folder:
     text = os.fspath(folder)
     if text.startswith("file://"):
         text = text[len("file://"):]
     if is_url(text):
         return _RemoteFolder(text, storage_options)
-    return _LocalFolder(text, create)
+    return _LocalFolder(text)
 
 
 def _iso(timestamp: float) -> str:
