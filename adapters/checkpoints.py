@@ -59,6 +59,7 @@ import secrets
 import shutil
 import tempfile
 import zipfile
+import zlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,7 @@ from weightstore.errors import (
     MissingDependencyError,
     SelectionError,
     StoreNotFoundError,
+    UnsafeFileError,
     UnsupportedDTypeError,
     WeightStoreError,
 )
@@ -88,6 +90,7 @@ _OUTPUT_SUFFIX = re.compile(r":\d+$")
 _DATA_FILE = re.compile(r"\.data-\d{5}-of-\d{5}$")
 _SHARD_COUNT = re.compile(r"\.data-\d{5}-of-(\d{5})$")
 _TEMP_MARK = ".wstmp-"
+_MAX_DEFLATE_RATIO = 1032  # deflate's largest expansion (258-byte matches in 2 bits)
 _silent = False
 
 
@@ -443,17 +446,49 @@ def _open_keras_archive(path: str) -> Source:
         with archive:
             if KERAS_WEIGHTS_MEMBER not in archive.namelist():
                 raise FormatError(f"{path}: .keras archive holds no {KERAS_WEIGHTS_MEMBER}")
+            info = archive.getinfo(KERAS_WEIGHTS_MEMBER)
+            _refuse_bomb(path, info, os.path.getsize(path))
             local = os.path.join(scratch, KERAS_WEIGHTS_MEMBER)
-            with archive.open(KERAS_WEIGHTS_MEMBER) as member, open(local, "wb") as out:
-                shutil.copyfileobj(member, out, 16 << 20)
+            with archive.open(info) as member, open(local, "wb") as out:
+                left = info.file_size
+                while chunk := member.read(min(16 << 20, left + 1)):
+                    if len(chunk) > left:
+                        raise UnsafeFileError(f"{path}: {KERAS_WEIGHTS_MEMBER} inflates past its declared "
+                                              f"{info.file_size} bytes")
+                    out.write(chunk)
+                    left -= len(chunk)
+                if left:
+                    raise FormatError(f"{path}: corrupt .keras archive ({KERAS_WEIGHTS_MEMBER} ends "
+                                      f"{left} bytes short of its declared size)")
         reader = format_named("hdf5").open_reader(local, f"{path}:{KERAS_WEIGHTS_MEMBER}")
-    except zipfile.BadZipFile as exc:
+    except (zipfile.BadZipFile, EOFError, zlib.error) as exc:
         shutil.rmtree(scratch, ignore_errors=True)
         raise FormatError(f"{path}: corrupt .keras archive ({exc})") from None
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
     return _plain(reader, path, cleanup=lambda: shutil.rmtree(scratch, ignore_errors=True))
+
+
+def _refuse_bomb(path: str, info: zipfile.ZipInfo, archive_size: int) -> None:
+    """Refuse, before inflating a byte, a weights member that could not honestly be that big.
+
+    Deflate expands at most about 1032 to 1, so a larger declared size is a zip bomb (or a
+    lie about the size); stored members must declare equal sizes. Members other than stored
+    or deflated (bzip2, lzma reach far higher ratios) and encrypted ones are refused too.
+    """
+    where = f"{path}: {KERAS_WEIGHTS_MEMBER}"
+    if info.flag_bits & 0x1:
+        raise UnsafeFileError(f"{where} is encrypted")
+    if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+        raise UnsafeFileError(f"{where} uses compression method {info.compress_type}; only stored and deflate are read")
+    if info.compress_size > archive_size:
+        raise FormatError(f"{where} declares {info.compress_size} compressed bytes in a {archive_size}-byte archive")
+    if info.compress_type == zipfile.ZIP_STORED and info.file_size != info.compress_size:
+        raise UnsafeFileError(f"{where} is stored but declares {info.file_size} bytes in {info.compress_size}")
+    if info.file_size > _MAX_DEFLATE_RATIO * info.compress_size or info.file_size > _MAX_DEFLATE_RATIO * archive_size:
+        raise UnsafeFileError(f"{where} declares {info.file_size} bytes from {info.compress_size} compressed, "
+                              f"more than deflate can expand ({_MAX_DEFLATE_RATIO}x): a zip bomb")
 
 
 def checkpoint_names(prefix: str) -> list[str]:

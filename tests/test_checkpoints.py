@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import weightstore as ws
-from weightstore.errors import FormatError, StoreNotFoundError
+from weightstore.errors import FormatError, StoreNotFoundError, UnsafeFileError
 
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
@@ -257,6 +257,44 @@ def test_keras_archive_config_is_never_read(made, tmp_path):
     for path in (archive, renamed):
         with checkpoints.open_source(path) as source:
             assert "layers/dense/vars/0" in source.keys()
+
+
+def hostile_keras(path, payload, *, declared=None, crc=None):
+    """A .keras zip whose one deflated model.weights.h5 declares ``declared`` bytes (and ``crc``)."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("model.weights.h5", payload)
+    data = bytearray(path.read_bytes())
+    for signature, crc_at, size_at in ((b"PK\x03\x04", 14, 22), (b"PK\x01\x02", 16, 24)):  # local, central
+        header = data.index(signature)
+        if declared is not None:
+            data[header + size_at: header + size_at + 4] = declared.to_bytes(4, "little")
+        if crc is not None:
+            data[header + crc_at: header + crc_at + 4] = crc.to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    return path
+
+
+def scratch_folders():
+    import tempfile
+
+    return {name for name in os.listdir(tempfile.gettempdir()) if name.startswith("weightstore-keras-")}
+
+
+def test_keras_archive_bombs_are_refused_before_inflating(tmp_path):
+    import zlib
+
+    before = scratch_folders()
+    payload = b"\0" * (1 << 20)  # deflates about 1000 to 1
+    bomb = hostile_keras(tmp_path / "bomb.keras", payload, declared=0xF000_0000)  # claims 3.75 GiB
+    with pytest.raises(UnsafeFileError, match="declares 4026531840 bytes .* a zip bomb"):
+        checkpoints.open_source(bomb)
+    short = hostile_keras(tmp_path / "short.keras", payload, declared=1000)  # inflates past what it declares
+    with pytest.raises(FormatError, match="corrupt .keras archive"):
+        checkpoints.open_source(short)
+    lying = hostile_keras(tmp_path / "lying.keras", payload, declared=1000, crc=zlib.crc32(payload[:1000]))
+    with pytest.raises(FormatError):  # only the declared 1000 bytes come out: not an HDF5 file
+        checkpoints.open_source(lying)
+    assert scratch_folders() == before
 
 
 def test_legacy_output_suffixes_are_dropped(tmp_path):

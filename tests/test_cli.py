@@ -245,6 +245,14 @@ def test_missing_and_junk_files(tmp_path):
     one_error_line(run("export", tmp_path / "junk", "-o", tmp_path / "o.npz"), "junk: not a weightstore file")
 
 
+def test_a_keras_zip_bomb_is_one_error_line(tmp_path):
+    from test_checkpoints import hostile_keras
+
+    bomb = hostile_keras(tmp_path / "bomb.keras", b"\0" * (1 << 20), declared=0xF000_0000)
+    one_error_line(run("ls", bomb), "bomb.keras: model.weights.h5 declares 4026531840 bytes", "zip bomb")
+    assert sorted(os.listdir(tmp_path)) == ["bomb.keras"]
+
+
 def test_debug_shows_the_exception(tmp_path):
     result = run("--debug", "ls", tmp_path / "absent.npz")
     assert isinstance(result.exception, ws.StoreNotFoundError)
