@@ -17,9 +17,34 @@ from weightstore.cli import compare, render, sync, transfer
 from weightstore.cli.guard import GuardedGroup
 from weightstore.cli.render import count, human_bytes, note, settings
 
+class _Group(GuardedGroup):
+    """The ``ws`` group: its help, and every command's, shows flags as flags.
+
+    typer labels every bool option ``<bool>`` (``--quiet <bool>``), which reads as if it took
+    a value; an empty metavar leaves that column blank. Commands other modules register
+    (``cli/sync.py``) and typer's own ``--help`` and completion options are covered too.
+    """
+
+    def get_params(self, ctx):
+        return _flags_as_flags(super().get_params(ctx))
+
+    def get_command(self, ctx, cmd_name):
+        command = super().get_command(ctx, cmd_name)
+        if command is not None:
+            _flags_as_flags(command.get_params(ctx))
+        return command
+
+
+def _flags_as_flags(params: list) -> list:
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    return params
+
+
 app = typer.Typer(
     name="ws",
-    cls=GuardedGroup,
+    cls=_Group,
     no_args_is_help=True,
     rich_markup_mode="rich",
     pretty_exceptions_show_locals=False,
@@ -118,10 +143,8 @@ def ls(
     Example:
       ws ls model.npz --scope model_002
     """
-    from weightstore.keys import plan_outward
-
     with checkpoints.open_source(store) as opened:
-        keys = list(plan_outward(opened.keys(), scope=scope, where=opened.path).values()) if scope else opened.keys()
+        keys = _under_scope(opened, scope)
         infos = [opened.info(k) for k in keys]
         if as_json:
             render.print_json({
@@ -136,6 +159,18 @@ def ls(
         console.print(render.listing_table(infos, f"{opened.path} ({opened.kind})"))
         for name, value in opened.metadata.items():
             console.print(f"{name}: {value}", soft_wrap=True)
+
+
+def _under_scope(opened: checkpoints.Source, scope: Optional[str]) -> list[str]:
+    """The keys ``ls`` lists: the scope itself (TF1's ``w`` beside its slot ``w/Adagrad``) and those under it."""
+    from weightstore.errors import SelectionError
+    from weightstore.keys import in_scope, normalize_scope, scopes_of, suggest
+
+    norm = normalize_scope(scope)
+    keys = [key for key in opened.keys() if in_scope(key, norm)]
+    if not keys and opened.keys():
+        raise SelectionError(f"scope {norm!r} matches no key in {opened.path}{suggest(norm, scopes_of(opened.keys()))}")
+    return keys
 
 
 @app.command()

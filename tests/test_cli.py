@@ -65,6 +65,18 @@ def test_every_command_has_help(command):
         assert f"ws {command} " in result.stdout  # the example
 
 
+@pytest.mark.parametrize("command", [[], *([c] for c in COMMANDS)])
+def test_help_shows_flags_as_flags(command):
+    result = run(*command, "--help")
+    assert result.exit_code == 0
+    assert "<bool>" not in result.stdout
+    flags = {(): ["--quiet", "--debug", "--help"], ("export",): ["--trainable-only", "--compress"],
+             ("import",): ["--overwrite"], ("ls",): ["--json"]}.get(tuple(command), ["--help"])
+    for flag in flags:  # each on its line with its help, and no value after it
+        line = next(line for line in result.stdout.splitlines() if flag in line)
+        assert line.split(flag, 1)[1].lstrip(" │-q").split()[0][0].isupper(), line
+
+
 def test_no_arguments_shows_help_and_usage_errors_exit_2(store, tmp_path):
     assert "export" in run().output
     assert run("export", store).exit_code == 2  # -o is required
@@ -179,6 +191,15 @@ def test_ls_table_json_and_scope(store):
     assert [t["key"] for t in document["tensors"]] == ["dense/w", "dense/b"]
     assert document["nbytes"] == 36 and document["metadata"] == {"run": "a"}
     one_error_line(run("ls", store, "--scope", "dens"), "did you mean 'dense'?")
+
+
+def test_ls_scope_lists_the_key_equal_to_the_scope(tmp_path):
+    path = tmp_path / "slots.npz"
+    ws.save(path, {"w": np.ones(2, np.float32), "w/Adagrad": np.ones(2, np.float32), "wx": np.ones(1, np.float32)})
+    document = json.loads(run("ls", path, "--json", "--scope", "w").stdout)
+    assert [t["key"] for t in document["tensors"]] == ["w", "w/Adagrad"] and document["count"] == 2
+    assert "w/Adagrad" in run("ls", path, "--scope", "w/").stdout
+    one_error_line(run("ls", path, "--scope", "w/Adgrad"), "scope 'w/Adgrad' matches no key", "did you mean 'w/Adagrad'?")
 
 
 def test_ls_reads_checkpoints_too(made):
