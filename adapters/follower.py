@@ -15,6 +15,13 @@ checksum has not changed since the last assign into the same target (``skip_unch
                 outputs = model(inputs)
 
 The lock is not reentrant: do not nest ``reading()`` in one thread.
+
+**Do not train the target in place.** Skipping unchanged tensors trusts that a variable still
+holds what the follower last assigned. If something else writes the target's variables
+(an initializer run, training, ``Saver.restore``, ``var.assign``), pass
+``skip_unchanged=False``, or call ``tf1.forget(sess)`` / ``tf2.forget(model)`` after such a
+write, or a later version whose bytes match the old ones is skipped and the variable keeps the
+foreign value.
 """
 
 from __future__ import annotations
@@ -81,7 +88,12 @@ class Follower:
     ``target`` is a ``tf.compat.v1.Session`` (assigned with ``tf1.assign``) or a Keras model,
     module or variables (``tf2.assign``); the assign options mean what they mean there.
     ``version`` and ``report`` describe the last swap; ``error`` holds the last failure (a
-    version that does not fit the target is logged, recorded and passed over, not retried).
+    version that does not fit the target is logged, recorded and passed over, not retried)
+    until the next swap succeeds, and makes :meth:`wait` raise.
+
+    Hot reload skips tensors whose bytes equal what this follower last assigned, so the target
+    must not be changed in place by anything else (training, initializers, restores); if it
+    is, pass ``skip_unchanged=False`` (see the module docstring).
     """
 
     def __init__(self, target: Any, folder: Any, *, poll: float = 1.0, after: int | None = None,
@@ -136,13 +148,24 @@ class Follower:
             return fn(*args, **kwargs)
 
     def wait(self, step: int | None = None, timeout: float | None = None) -> Version | None:
-        """Block until a version (with at least ``step``) is assigned; the version, or None on timeout."""
+        """Block until a version (with at least ``step``) is assigned; the version, or None on timeout.
+
+        Raises the follower's :attr:`error` at once if there is one (already, or while waiting)
+        and the wanted version is not in: a first version that does not fit the target, or a
+        damaged folder, ends the wait instead of blocking it forever. The follower keeps
+        following; ``error`` clears when a later version is assigned, so to wait past a failure,
+        wait again once the trainer has published a version that fits.
+        """
         def arrived() -> bool:
             return self.version is not None and (step is None or self.version.step >= step)
 
         with self._swapped:
-            self._swapped.wait_for(arrived, timeout)
-            return self.version if arrived() else None
+            self._swapped.wait_for(lambda: arrived() or self.error is not None, timeout)
+            if arrived():
+                return self.version
+            if self.error is not None:
+                raise self.error
+            return None
 
     def _loop(self) -> None:
         last = self._after
@@ -174,8 +197,10 @@ class Follower:
         return True
 
     def _failed(self, exc: BaseException, doing: str) -> None:
-        self.error = exc
         _log.warning("weightstore follower of %s: %s failed: %s", self.folder, doing, exc)
+        with self._swapped:
+            self.error = exc
+            self._swapped.notify_all()
 
 
 def _assigner(target: Any) -> Callable[..., Report]:

@@ -273,4 +273,4 @@ def wants_skip(weights: Any, skip_unchanged: bool | None) -> bool:
     """
     if skip_unchanged is not None:
         return skip_unchanged
-    return type(weights).__name__ == "Version"
+    return isinstance(weights, weightstore.versions.Version)

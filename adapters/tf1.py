@@ -26,7 +26,7 @@ from weightstore.errors import SelectionError
 from weightstore.keys import MappingRules, Patterns, plan_outward
 from weightstore.manifest import ML_DTYPES
 
-__all__ = ["export", "assign"]
+__all__ = ["export", "assign", "forget"]
 
 _ALIGNMENT = 64  # TF adopts fed numpy memory aligned to this instead of copying it
 _WEIGHT_KINDS = frozenset("biufc")
@@ -103,6 +103,11 @@ def assign(
     :class:`~weightstore.errors.AssignmentError` and no variable changes. ``skip_unchanged``
     (default: only for versions) leaves alone tensors whose checksum matches what this
     session last received for that key.
+
+    That memory only knows what weightstore assigned: after anything else writes the
+    variables (``sess.run(init)``, training, ``Saver.restore``), call :func:`forget` (or pass
+    ``skip_unchanged=False``), or a version with the old bytes is skipped and the variable keeps
+    the other value.
     """
     graph = sess.graph
     targets = _targets(graph)
@@ -139,6 +144,15 @@ def assign(
         MEMORY.remember(sess, key, digest)
         report.assigned.append(key)
     return report
+
+
+def forget(sess: Any) -> None:
+    """Forget what ``sess`` last received, so the next assign writes every tensor (no skips).
+
+    Call it after the session's variables were changed outside weightstore (initializers,
+    training, ``Saver.restore``): hot reload would otherwise trust the old checksums.
+    """
+    MEMORY.forget(sess)
 
 
 _TARGETS: "weakref.WeakKeyDictionary[tf.Graph, tuple[tuple, dict[str, _Target]]]" = weakref.WeakKeyDictionary()

@@ -91,6 +91,11 @@ def assign(
     problem and changes nothing. Every value is read, and its checksum verified, before the
     first variable changes. With ``skip_unchanged`` (default: only for Versions), variables
     that last received the very same bytes are left alone and listed in ``report.skipped``.
+
+    That memory only knows what weightstore assigned: after anything else writes the
+    variables (training, ``var.assign``, ``model.load_weights``, a checkpoint restore), call
+    :func:`forget` (or pass ``skip_unchanged=False``), or a version with the old bytes is skipped
+    and the variable keeps the other value.
     """
     found = _collect(obj)
     targets = {
@@ -114,6 +119,16 @@ def assign(
             MEMORY.remember(var, key, digest)
             report.assigned.append(key)
     return report
+
+
+def forget(obj: Any) -> None:
+    """Forget what ``obj``'s variables last received, so the next assign writes them all (no skips).
+
+    Call it after they were changed outside weightstore (training, ``var.assign``, restores):
+    hot reload would otherwise trust the old checksums. Accepts what :func:`assign` accepts.
+    """
+    for var in variables(obj).values():
+        MEMORY.forget(var)
 
 
 def _collect(obj: Any) -> dict[str, tuple[Variable, bool]]:

@@ -178,9 +178,66 @@ def test_follower_records_a_version_that_does_not_fit(tmp_path):
     model = small_model()
     ws.publish(tmp_path, {"unrelated": np.zeros(2, np.float32)}, step=1)
     with Follower(model, tmp_path, poll=0.005) as follower:
-        deadline = time.monotonic() + 30
-        while follower.error is None and time.monotonic() < deadline:
-            time.sleep(0.01)
+        started = time.monotonic()
+        with pytest.raises(ws.AssignmentError):  # not a wait until the timeout (or forever)
+            follower.wait(timeout=10)
+        assert time.monotonic() - started < 5
         assert isinstance(follower.error, ws.AssignmentError) and follower.version is None
+        with pytest.raises(ws.AssignmentError):  # still failed: raises at once
+            follower.wait(1, timeout=10)
         ws.publish(tmp_path, step_weights(model, 2), step=2)
+        deadline = time.monotonic() + 30
+        while follower.error is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert follower.wait(2, timeout=30).step == 2 and follower.error is None
+
+
+def test_wants_skip_by_type_not_by_name():
+    from weightstore.adapters.plan import wants_skip
+
+    class Subclassed(ws.Version):
+        pass
+
+    class Version:  # only the name
+        path = "x.npz"
+
+    assert wants_skip(Subclassed(1, "x.npz", ""), None) is True
+    assert wants_skip(Version(), None) is False
+    assert wants_skip(Version(), True) is True and wants_skip(Subclassed(1, "x.npz", ""), False) is False
+
+
+# --- hot reload after the target was changed outside weightstore ---------------------------------
+
+def test_tf1_forget_after_an_initializer_rewrote_the_variables(tmp_path):
+    with tf.Graph().as_default():
+        w = tf.compat.v1.get_variable("w", initializer=tf.zeros([3]))
+        init = tf.compat.v1.global_variables_initializer()
+        with tf.compat.v1.Session() as sess:
+            sess.run(init)
+            same = {"w": np.full(3, 7, np.float32)}
+            assert tf1.assign(sess, ws.publish(tmp_path, same, step=1)).assigned == ["w"]
+            sess.run(init)  # back to zeros behind weightstore's back
+            stale = tf1.assign(sess, ws.publish(tmp_path, same, step=2))
+            assert stale.skipped == ["w"] and np.all(sess.run(w) == 0)  # the caveat the docstrings state
+            tf1.forget(sess)
+            report = tf1.assign(sess, ws.latest(tmp_path))
+            assert (report.assigned, report.skipped) == (["w"], []) and np.all(sess.run(w) == 7)
+            assert tf1.assign(sess, ws.publish(tmp_path, same, step=3)).skipped == ["w"]  # remembered again
+
+
+def test_tf2_forget_after_the_variables_were_changed(tmp_path):
+    model = small_model()
+    weights = step_weights(model, 5)
+    keys = sorted(weights)
+    assert sorted(tf2.assign(model, ws.publish(tmp_path, weights, step=1)).assigned) == keys
+    for var in model.variables:
+        var.assign(np.zeros(var.shape, np.float32))  # e.g. training in place
+    stale = tf2.assign(model, ws.publish(tmp_path, weights, step=2))
+    assert sorted(stale.skipped) == keys and all(np.all(v.numpy() == 0) for v in model.variables)
+    tf2.forget(model)
+    report = tf2.assign(model, ws.latest(tmp_path))
+    assert (sorted(report.assigned), report.skipped) == (keys, [])
+    assert all(np.all(v.numpy() == 5) for v in model.variables)
+    tf2.forget(model.get_layer("out"))  # a part of the model: only its variables are written next time
+    report = tf2.assign(model, ws.publish(tmp_path, weights, step=3))
+    assert sorted(report.assigned) == [k for k in keys if k.startswith("out/")]
