@@ -1,6 +1,7 @@
 """``ws diff`` and ``ws verify``: what differs between two weight sources, and what is corrupt.
 
-Both read one tensor at a time, so memory holds at most two tensors whatever the file size.
+Both read one tensor at a time and ``diff`` compares a pair in slices, so memory holds about
+two tensors whatever the file size.
 ``diff`` skips reading a pair whose manifest checksums agree: equal bytes are equal values.
 """
 
@@ -13,6 +14,8 @@ import numpy as np
 from weightstore.cli.render import tensor_type, track
 from weightstore.errors import FormatError
 from weightstore.store import Store
+
+_CHUNK = 2 << 20  # elements: 16 MB of float64
 
 
 @dataclass
@@ -89,18 +92,29 @@ def _compare(a: Store, b: Store, key: str, atol: float) -> Change | None:
     return Change(key, "values", tensor_type(left), tensor_type(right), max_abs, max_rel)
 
 
-def difference(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-    """``(max |x - y|, that divided by max |x|)``; NaN equals NaN, equal infinities are equal."""
+def difference(x: np.ndarray, y: np.ndarray, *, chunk: int = _CHUNK) -> tuple[float, float]:
+    """``(max |x - y|, that divided by max |x|)``; NaN equals NaN, equal infinities are equal.
+
+    Compared ``chunk`` elements at a time in float64 (complex128 for complex tensors), so
+    beyond the two tensors memory holds a few 16 MB slices, never float64 copies of both.
+    """
     if x.size == 0:
         return 0.0, 0.0
     wide = np.complex128 if np.iscomplexobj(x) else np.float64
-    x, y = np.asarray(x, dtype=wide), np.asarray(y, dtype=wide)
+    flat_x, flat_y = np.ravel(x), np.ravel(y)
+    max_abs, scale = 0.0, 0.0
     with np.errstate(invalid="ignore", over="ignore"):
-        gap = np.where(x == y, 0.0, np.abs(x - y))
-    both_nan = np.isnan(x) & np.isnan(y)
-    gap = np.where(both_nan, 0.0, np.where(np.isnan(gap), np.inf, gap))
-    max_abs = float(gap.max())
-    scale = float(np.nanmax(np.abs(x))) if not np.all(np.isnan(x)) else 0.0
+        for start in range(0, flat_x.size, chunk):
+            xs = np.asarray(flat_x[start:start + chunk], dtype=wide)
+            ys = np.asarray(flat_y[start:start + chunk], dtype=wide)
+            gap = np.abs(xs - ys)
+            gap[xs == ys] = 0.0
+            x_nan = np.isnan(xs)
+            gap[x_nan & np.isnan(ys)] = 0.0
+            gap[np.isnan(gap)] = np.inf
+            max_abs = max(max_abs, float(gap.max()))
+            if not x_nan.all():
+                scale = max(scale, float(np.nanmax(np.abs(xs))))
     if max_abs == 0.0:
         return 0.0, 0.0
     return max_abs, (max_abs / scale if scale and np.isfinite(scale) else float("inf"))

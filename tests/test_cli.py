@@ -229,6 +229,55 @@ def test_diff_exit_status_and_report(store, tmp_path):
     assert "1 added, 1 removed, 1 changed, 1 unchanged; metadata differs" in text.stdout  # dense/w within atol
 
 
+def test_diff_values_nan_and_infinity_rules():
+    from weightstore.cli.compare import difference
+
+    inf, nan = np.inf, np.nan
+    assert difference(np.array([1.0, nan, inf]), np.array([1.0, nan, inf])) == (0.0, 0.0)  # NaN = NaN, inf = inf
+    assert difference(np.array([2.0, 4.0]), np.array([2.5, 4.0])) == (0.5, 0.125)
+    assert difference(np.array([1.0, nan]), np.array([1.0, 2.0])) == (inf, inf)  # NaN against a number
+    assert difference(np.array([inf, 1.0]), np.array([-inf, 1.0])) == (inf, inf)
+    assert difference(np.array([nan, nan]), np.array([nan, 1.0])) == (inf, inf)  # max |x| of all-NaN is 0
+    assert difference(np.array([1 + 1j]), np.array([1 + 2j])) == (1.0, 1 / np.sqrt(2))
+    assert difference(np.array([True, False]), np.array([True, True])) == (1.0, 1.0)
+    assert difference(np.zeros((0, 3), np.float32), np.zeros((0, 3), np.float32)) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_diff_in_slices_equals_diff_in_one_piece(seed):
+    from weightstore.cli.compare import difference
+
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(37, 5)).astype(np.float32)
+    y = x.copy()
+    specials = [np.nan, np.inf, -np.inf, 0.0, 1e30]
+    for array in (x, y):
+        for _ in range(8):
+            array.flat[rng.integers(x.size)] = specials[rng.integers(len(specials))]
+    x[:2] = np.nan  # a slice that is all NaN in x
+    y.flat[rng.integers(x.size)] += np.float32(seed)
+    whole = difference(x, y, chunk=x.size)
+    for chunk in (1, 3, 7, 64):
+        assert difference(x, y, chunk=chunk) == whole
+
+
+def test_diff_memory_stays_near_the_two_tensors():
+    import tracemalloc
+
+    from weightstore.cli.compare import difference
+
+    x = np.arange(16 << 20, dtype=np.float32)  # 64 MiB each; float64 copies of both would be 256 MiB
+    y = x.copy()
+    y[-1] += 1
+    tracemalloc.start()
+    try:
+        assert difference(x, y) == (1.0, 1.0 / float(x[-1]))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 100 << 20, peak
+
+
 def test_diff_of_an_export_against_its_checkpoint(made, tmp_path):
     out = tmp_path / "all.npz"
     assert run("export", made["tf1"], "-o", out).exit_code == 0
