@@ -7,9 +7,11 @@ errors, which its wrapper turns into one-line exit-1 messages.
 from __future__ import annotations
 
 import json
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
+
+from weightstore.cli.render import human_bytes
 
 
 def register(app: typer.Typer) -> None:
@@ -18,11 +20,19 @@ def register(app: typer.Typer) -> None:
     app.command("follow")(follow)
 
 
+Folder = Annotated[str, typer.Argument(help="Versioned folder: a local path or an fsspec URL (s3://, memory://).")]
+
+
 def versions(
-    folder: str = typer.Argument(..., help="Versioned folder: a local path or an fsspec URL (s3://, memory://)."),
-    as_json: bool = typer.Option(False, "--json", help="One JSON object per version, oldest first."),
+    folder: Folder,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per version, oldest first.")] = False,
 ) -> None:
-    """List the versions in FOLDER: step, time, size, and which one LATEST names."""
+    """List the versions in FOLDER: step, time, size, and which one LATEST names.
+
+    \b
+    Example:
+      ws versions s3://bucket/run --json
+    """
     from weightstore.versions import list_versions
 
     entries = list_versions(folder)
@@ -36,17 +46,23 @@ def versions(
         return
     for entry in entries:
         mark = "  <- LATEST" if entry.latest else ""
-        typer.echo(f"{entry.step:>12}  {entry.modified}  {_human(entry.size):>9}  {entry.name}{mark}")
+        typer.echo(f"{entry.step:>12}  {entry.modified}  {human_bytes(entry.size):>9}  {entry.name}{mark}")
 
 
 def follow(
-    folder: str = typer.Argument(..., help="Versioned folder: a local path or an fsspec URL."),
-    timeout: Optional[float] = typer.Option(None, "--timeout", help="Stop after this many seconds without a new version."),
-    after: Optional[int] = typer.Option(None, "--after", help="Only versions with a step above this one."),
-    poll: float = typer.Option(1.0, "--poll", help="Seconds between looks at LATEST."),
-    as_json: bool = typer.Option(False, "--json", help="Print each version as one JSON object."),
+    folder: Folder,
+    timeout: Annotated[Optional[float], typer.Option("--timeout", help="Stop after this many seconds without a "
+                                                                       "new version.")] = None,
+    after: Annotated[Optional[int], typer.Option("--after", help="Only versions with a step above this one.")] = None,
+    poll: Annotated[float, typer.Option("--poll", help="Seconds between looks at LATEST.")] = 1.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print each version as one JSON object.")] = False,
 ) -> None:
-    """Print each new version of FOLDER as it lands (the latest one first), one per line."""
+    """Print each new version of FOLDER as it lands (the latest one first), one per line.
+
+    \b
+    Example:
+      ws follow s3://bucket/run --after 1000 --timeout 600
+    """
     from weightstore.versions import follow as follow_versions
 
     for version in follow_versions(folder, poll=poll, timeout=timeout, after=after):
@@ -55,12 +71,3 @@ def follow(
                                    "metadata": version.metadata}))
         else:
             typer.echo(f"{version.step}\t{version.path}")
-
-
-def _human(size: int) -> str:
-    value = float(size)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{size} B"  # pragma: no cover

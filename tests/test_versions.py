@@ -234,7 +234,8 @@ def test_missing_latest_keeps_versions_and_refuses_going_back(tmp_path):
         with pytest.warns(UserWarning, match="LATEST is missing"):
             with pytest.raises(ws.PublishError, match=f"step {step} is not after step 3, which is the newest version"):
                 ws.publish(tmp_path, weights_at(step), step=step)
-    assert files(tmp_path) == sorted([".publish.lock", temporary.name] + [f"step-00000000000{s}.npz" for s in (1, 2, 3)])
+    kept = [f"step-00000000000{s}.npz" for s in (1, 2, 3)]
+    assert files(tmp_path) == sorted([".publish.lock", temporary.name, *kept])
     with pytest.warns(UserWarning, match="LATEST is missing"):
         ws.publish(tmp_path, weights_at(4), step=4, keep=3)
     assert files(tmp_path) == [".publish.lock", "LATEST"] + [f"step-00000000000{s}.npz" for s in (2, 3, 4)]
@@ -365,3 +366,22 @@ def test_cli_follow(tmp_path, cli):
     assert result.exit_code == 0 and result.output == ""
     for args in (["versions", "--help"], ["follow", "--help"]):
         assert CliRunner().invoke(cli, args).exit_code == 0
+
+
+@pytest.mark.parametrize("command", ["versions", "follow"])
+def test_cli_sync_help_shows_an_example(command):
+    from weightstore.cli.main import app
+
+    result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"})
+    assert result.exit_code == 0, result.output
+    assert "Example:" in result.output and f"ws {command} " in result.output
+
+
+def test_cli_versions_sizes_read_like_the_other_commands(tmp_path, cli):
+    from weightstore.cli.render import human_bytes
+
+    ws.publish(tmp_path, weights_at(1), step=1)
+    entry = versions.list_versions(tmp_path)[0]
+    result = CliRunner().invoke(cli, ["versions", str(tmp_path)])
+    assert human_bytes(entry.size) in result.output
+    assert not hasattr(sync_cli, "_human")
