@@ -22,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from weightstore.adapters.plan import MEMORY, Report, TargetInfo, open_values, plan_assign, wants_skip
-from weightstore.errors import SelectionError
+from weightstore.errors import AssignmentError, FormatError, SelectionError
 from weightstore.keys import MappingRules, Patterns, plan_outward
 from weightstore.manifest import ML_DTYPES
 
@@ -194,8 +194,8 @@ def _collect_targets(graph: tf.Graph) -> dict[str, _Target]:
     for target in targets.values():
         covered = sum(math.prod(part.variable.shape.as_list()) for part in target.parts)
         if target.parts[0].index and covered != math.prod(target.shape):
-            raise ValueError(f"partitioned variable {target.key!r}: its parts in the graph's collections "
-                             f"cover {covered} of {math.prod(target.shape)} elements")
+            raise FormatError(f"partitioned variable {target.key!r}: its parts in the graph's collections "
+                              f"cover {covered} of {math.prod(target.shape)} elements")
     return targets
 
 
@@ -234,8 +234,8 @@ def _writer(graph: tf.Graph, variable: tf.Variable) -> tuple[tf.Operation, tf.Te
     name = variable.op.name
     if name not in cached:
         if graph.finalized:
-            raise RuntimeError(
-                f"variable {name!r} shares its initial value with other ops, so weightstore needs one "
+            raise AssignmentError(
+                f"cannot assign: variable {name!r} shares its initial value with other ops, so weightstore needs one "
                 "assign op for it, and the graph is finalized; give the variable its own initial value, "
                 "or assign once before the graph is finalized"
             )

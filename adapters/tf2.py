@@ -39,7 +39,7 @@ import numpy as np
 import tensorflow as tf
 
 from weightstore.adapters.plan import MEMORY, Report, TargetInfo, open_values, plan_assign, wants_skip
-from weightstore.errors import SelectionError
+from weightstore.errors import InvalidKeyError, SelectionError
 from weightstore.keys import MappingRules, Patterns, join_scope, plan_outward, validate_key
 
 Variable = Union[tf.Variable, keras.Variable, "tf.__internal__.distribute.ShardedVariable"]
@@ -210,8 +210,8 @@ def _add(found: dict, key: str, var: Variable, seen: set[int], *, trainable: boo
     seen.add(id(var))
     if key in found:
         if refuse_duplicates:
-            raise ValueError(f"two variables are both named {key!r}; pass a dict {{key: variable}} to choose keys")
-        raise ValueError(f"two variables both have key {key!r}")
+            raise InvalidKeyError(f"two variables are both named {key!r}; pass a dict {{key: variable}} to choose keys")
+        raise InvalidKeyError(f"two variables both have key {key!r}")
     found[validate_key(key)] = (var, _trainable(var) if trainable is None else trainable)
 
 

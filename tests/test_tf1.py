@@ -17,7 +17,7 @@ tf = pytest.importorskip("tensorflow")
 
 import weightstore as ws  # noqa: E402
 from weightstore.adapters import tf1  # noqa: E402
-from weightstore.errors import AssignmentError, ChecksumError, SelectionError  # noqa: E402
+from weightstore.errors import AssignmentError, ChecksumError, FormatError, SelectionError  # noqa: E402
 from weightstore.versions import Version  # noqa: E402
 
 v1 = tf.compat.v1
@@ -301,8 +301,21 @@ def test_shared_initial_value_gets_its_own_assign_op():
         init = tf.zeros([3])
         v1.Variable(init, name="a"), v1.Variable(init, name="b")
         graph.finalize()
-        with pytest.raises(RuntimeError, match="finalized"):
+        with pytest.raises(AssignmentError, match="finalized"):
             tf1.assign(sess, {"a": np.ones(3, np.float32), "b": np.ones(3, np.float32)})
+
+
+def test_a_partitioned_variable_missing_parts_is_a_weightstore_error():
+    with graph_session() as (graph, sess):
+        v1.get_variable("p", [4, 2], partitioner=v1.fixed_size_partitioner(2))
+        sess.run(v1.global_variables_initializer())
+        last = graph.get_collection(v1.GraphKeys.GLOBAL_VARIABLES)[-1]
+        for collection in graph.get_all_collection_keys():  # one part of "p" no longer in any collection
+            members = graph.get_collection_ref(collection)
+            if last in members:
+                members.remove(last)
+        with pytest.raises(FormatError, match="'p': its parts in the graph's collections cover 4 of 8"):
+            tf1.export(sess)
 
 
 @pytest.mark.parametrize("resource", [True, False], ids=["resource", "ref"])

@@ -15,7 +15,7 @@ keras = pytest.importorskip("keras")
 
 import weightstore as ws  # noqa: E402
 from weightstore.adapters import tf2  # noqa: E402
-from weightstore.errors import AssignmentError, ChecksumError, SelectionError  # noqa: E402
+from weightstore.errors import AssignmentError, ChecksumError, InvalidKeyError, SelectionError  # noqa: E402
 
 DTYPES = ["float16", "float32", "float64", "bfloat16", "int8", "int16", "int32", "int64", "uint8", "bool"]
 FORMATS = ["npz", "h5"]
@@ -128,7 +128,7 @@ def test_module_keys_are_attribute_paths_and_lists_use_variable_names():
     assert keys == {"alias", "scalar", "empty", "blocks/0/b", "head/kernel", "head/bias"}
     listed = [tf.Variable(1.0, name="enc/w"), tf.Variable(2.0, name="dec/w")]
     assert tf2.export(listed) == {"enc/w": 1.0, "dec/w": 2.0}
-    with pytest.raises(ValueError, match="pass a dict"):
+    with pytest.raises(InvalidKeyError, match="pass a dict"):
         tf2.export([tf.Variable(1.0, name="w"), tf.Variable(2.0, name="w")])
     assert list(tf2.export({"a/b": listed[0]})) == ["a/b"]
 
