@@ -193,7 +193,7 @@ def plan_assign(
             pairs[key] = source
     if (strict and not report.ok) or not pairs:
         raise AssignmentError(
-            _message(report, values.where, chosen, value_keys, pairs, targets),
+            _message(report, values.where, chosen, value_keys, pairs, targets, trainable_only=trainable_only),
             missing=report.missing, unexpected=report.unexpected, mismatched=report.mismatched,
         )
     return Plan(pairs, report)
@@ -210,14 +210,24 @@ def _pair_problem(dtype: np.dtype, shape: tuple[int, ...], target: TargetInfo, c
 
 
 def _message(report: Report, where: str, targets: Mapping[str, Any], values: Mapping[str, str], pairs,
-             every: Mapping[str, Any]) -> str:
-    """``targets`` are the selected variables; ``every`` also suggests those a typo left out."""
+             every: Mapping[str, Any], *, trainable_only: bool = False) -> str:
+    """``targets`` are the selected variables; ``every`` also suggests those a typo left out.
+
+    A value whose variable exists but was left out as not trainable says so, rather than
+    suggesting a trainable neighbour (``did you mean 'model_10/w'?`` for ``model_10/b``).
+    """
+
+    def unexpected(key: str) -> str:
+        if trainable_only and key in every and not every[key].trainable:
+            return f"{key!r} is a variable but not trainable (trainable_only=True)"
+        return f"no variable {key!r}{suggest(key, targets) or suggest(key, every)}"
+
     lines = [f"cannot assign {where}: nothing was changed"]
     if not pairs and report.ok:
         lines.append("  no value pairs with a variable" + (" (no variables selected)" if not targets else ""))
     sections = [
         ("missing (variables with no value)", report.missing, lambda k: f"no value for variable {k!r}{suggest(k, values)}"),
-        ("unexpected (values with no variable)", report.unexpected, lambda k: f"no variable {k!r}{suggest(k, targets) or suggest(k, every)}"),
+        ("unexpected (values with no variable)", report.unexpected, unexpected),
         ("mismatched", report.mismatched, str),
     ]
     for title, items, render in sections:

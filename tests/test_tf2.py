@@ -119,6 +119,21 @@ def test_keys_keep_user_names_and_nest_by_layer():
     assert [k for k in tf2.variables(model) if k.endswith("kernel")] == ["head/kernel", "dense/kernel", "dense_1/kernel"]
 
 
+def test_trainable_only_says_a_value_has_a_variable_that_is_not_trainable():
+    variables = {"model_10/w": tf.Variable(np.zeros(2, np.float32)),
+                 "model_10/b": tf.Variable(np.zeros(2, np.float32), trainable=False)}
+    weights = {"model_10/w": np.ones(2, np.float32), "model_10/b": np.ones(2, np.float32)}
+    with pytest.raises(AssignmentError) as raised:
+        tf2.assign(variables, weights, trainable_only=True)
+    message = str(raised.value)
+    assert "'model_10/b' is a variable but not trainable (trainable_only=True)" in message
+    assert "did you mean" not in message
+    assert raised.value.unexpected == ["model_10/b"]
+    report = tf2.assign(variables, weights, trainable_only=True, strict=False)
+    assert report.assigned == ["model_10/w"] and report.unexpected == ["model_10/b"]
+    np.testing.assert_array_equal(variables["model_10/b"].numpy(), [0, 0])
+
+
 def test_module_keys_are_attribute_paths_and_lists_use_variable_names():
     holder = Holder(tf.float32)
     holder.head = keras.layers.Dense(2)
