@@ -113,3 +113,48 @@ def flip_bit(path, offset: int, bit: int = 0) -> None:
         byte = handle.read(1)[0]
         handle.seek(offset)
         handle.write(bytes([byte ^ (1 << bit)]))
+
+
+def deflated_npy_zeros(descr: str, shape: tuple[int, ...]) -> tuple[bytes, int, int]:
+    """``(deflate stream, inflated size, CRC-32)`` of an npy of zeros, built without holding it."""
+    header = npy_raw(descr, shape, b"")
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(descr).itemsize
+    engine = zlib.compressobj(9, zlib.DEFLATED, -15)
+    parts, crc = [engine.compress(header)], zlib.crc32(header)
+    block = bytes(16 << 20)
+    left = nbytes
+    while left:
+        piece = block[: min(left, len(block))]
+        parts.append(engine.compress(piece))
+        crc = zlib.crc32(piece, crc)
+        left -= len(piece)
+    parts.append(engine.flush())
+    return b"".join(parts), len(header) + nbytes, crc
+
+
+def peak_rss_growth(code: str, *, timeout: float = 120) -> tuple[int, str]:
+    """Run ``code`` in a fresh Python after importing weightstore and its formats (h5py is
+    not small); return how far its peak resident memory rose above the peak before ``code``
+    (bytes), and what it printed.
+
+    The peak is ``VmHWM`` from ``/proc/self/status``, which belongs to the process's own
+    address space; ``ru_maxrss`` would not do, as Linux carries the parent's peak across
+    fork and exec into the child's.
+    """
+    import subprocess
+    import sys
+
+    script = (
+        "import numpy as np, weightstore as ws, weightstore.formats.npz, weightstore.formats.hdf5\n"
+        "def _peak():\n"
+        "    for line in open('/proc/self/status'):\n"
+        "        if line.startswith('VmHWM:'):\n"
+        "            return int(line.split()[1]) * 1024\n"
+        "base = _peak()\n"
+        + code
+        + "\nprint('GROWTH', _peak() - base)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr
+    growth = [line for line in result.stdout.splitlines() if line.startswith("GROWTH ")]
+    return int(growth[-1].split()[1]), result.stdout

@@ -678,3 +678,68 @@ def test_max_bytes_on_a_foreign_compressed_npz_refuses_before_inflating(tmp_path
     with raises_naming(errors.SizeLimitError, path, "800003"):
         ws.load(path, max_bytes=1000)
     assert ws.load(path, include="small", max_bytes=3)["small"].tolist() == [0, 1, 2]
+
+
+# -- a manifest that lies small about a large member ----------------------------------------
+
+def _manifest_member(tensors: dict) -> "hostile.Member":
+    import json
+
+    text = json.dumps({"format": "weightstore", "version": 1, "metadata": {}, "tensors": tensors})
+    value = np.array(text)  # 0-d: hostile.npy's ascontiguousarray would make it 1-d
+    return hostile.Member("__weightstore__.npy", hostile.npy_raw(value.dtype.str, (), value.tobytes()))
+
+
+def test_manifest_lying_small_cannot_front_a_large_deflated_member(tmp_path):
+    """The manifest says ``w`` is one float32 (4 bytes, passes ``max_bytes=100``), the member
+    inflates to 200 MB: refused from the sizes alone, before inflating or allocating."""
+    stream, size, crc = hostile.deflated_npy_zeros("<f4", (50_000_000,))
+    path = write(tmp_path / "liar.npz", hostile.zip_bytes([
+        hostile.Member("w.npy", stream, hostile.DEFLATED, size=size, crc=crc),
+        _manifest_member({"w": {"dtype": "float32", "shape": [1], "checksum": None}}),
+    ]))
+    assert path.stat().st_size < 1 << 20
+    with raises_naming(errors.FormatError, path, "'w'"):
+        ws.load(path, max_bytes=100)
+    with ws.open(path) as store, raises_naming(errors.FormatError, path, "'w'"):
+        store.read_into("w", np.empty(1, np.float32))
+    growth, out = hostile.peak_rss_growth(
+        f"try:\n    ws.load({str(path)!r}, max_bytes=100)\nexcept ws.FormatError as exc:\n    print('REFUSED', exc)\n"
+    )
+    assert "REFUSED" in out and str(path) in out
+    assert growth < 32 << 20, f"peak memory rose by {growth >> 20} MB refusing a 4-byte tensor"
+
+
+def test_manifest_lying_small_about_a_stored_member(tmp_path):
+    payload = hostile.npy(np.zeros(1 << 16, np.float32))
+    path = write(tmp_path / "liar.npz", hostile.zip_bytes([
+        hostile.Member("w.npy", payload),
+        _manifest_member({"w": {"dtype": "float32", "shape": [1], "checksum": None}}),
+    ]))
+    with ws.open(path) as store:
+        assert store.info("w").nbytes == 4
+        with raises_naming(errors.FormatError, path, "'w'"):
+            store["w"]
+        with raises_naming(errors.FormatError, path, "'w'"):
+            store.read_into("w", np.empty(1, np.float32))
+
+
+# -- read_into without a manifest checksum ----------------------------------------------------
+
+def test_read_into_without_manifest_checksum_still_verifies(tmp_path):
+    """A manifest whose checksum is null: read_into falls back to read, which checks the zip CRC."""
+    value = np.arange(1000, dtype=np.float32)
+    good = hostile.npy(value)
+    bad = bytearray(good)
+    bad[-100] ^= 0xFF
+    path = write(tmp_path / "nullsum.npz", hostile.zip_bytes([
+        hostile.Member("w.npy", bytes(bad), crc=zlib.crc32(good)),
+        _manifest_member({"w": {"dtype": "float32", "shape": [1000], "checksum": None}}),
+    ]))
+    with ws.open(path) as store:
+        with raises_naming(errors.ChecksumError, path, "'w'"):
+            store["w"]
+        with raises_naming(errors.ChecksumError, path, "'w'"):
+            store.read_into("w", np.empty(1000, np.float32))
+    with ws.open(path, verify=False) as store:
+        assert store.read_into("w", np.empty(1000, np.float32))[0] == 0

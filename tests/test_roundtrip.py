@@ -473,3 +473,17 @@ def test_read_into_checks_the_checksum_of_what_it_read(tmp_path):
     path.write_bytes(bytes(data))
     with ws.open(path) as store, pytest.raises(ws.ChecksumError, match="'w'"):
         store.read_into("w", np.empty(1000, np.float32))
+
+
+def test_compressed_load_peaks_near_the_tensor_size(tmp_path):
+    """Inflating in capped pieces: a 200 MB tensor of zeros (1 MB of input inflates to all of
+    it) loads with peak memory near 200 MB, not twice that."""
+    path = tmp_path / "zeros.npz"
+    nbytes = 200 << 20
+    ws.save(path, {"w": np.zeros(nbytes // 4, np.float32)}, compress=True)
+    assert path.stat().st_size < nbytes // 50
+    growth, out = hostile.peak_rss_growth(
+        f"w = ws.load({str(path)!r})['w']\nprint('SHAPE', w.shape, int(w.any()))"
+    )
+    assert f"SHAPE ({nbytes // 4},) 0" in out
+    assert growth <= 1.1 * nbytes, f"peak grew by {growth / nbytes:.2f}x the tensor"

@@ -44,6 +44,8 @@ MAX_DEFLATE_RATIO = 1032
 _COMPRESS_CHUNK = 16 << 20
 #: inflate input chunk: isal inflates 1 MB pieces faster than 16 MB ones (2.6 vs 2.9 s CPU per GB here)
 _INFLATE_CHUNK = 1 << 20
+#: most bytes one inflate call may return: bounds the transient copy beside the output buffer
+_INFLATE_PIECE = 4 << 20
 
 _LOCAL = struct.Struct("<4s5H3I2H")
 _CENTRAL = struct.Struct("<4s6H3I5H2I")
@@ -324,15 +326,25 @@ class NpzReader:
         filled = 0
         for chunk_start in range(start, start + member.compressed, _INFLATE_CHUNK):
             chunk = self._source.read_at(chunk_start, min(_INFLATE_CHUNK, start + member.compressed - chunk_start))
-            try:
-                piece = engine.decompress(bytes(chunk), member.size - filled + 1)
-            except isal_zlib.error as exc:
-                raise FormatError(f"{self.name}: member {member.name!r} is corrupt (deflate: {exc})") from None
-            if filled + len(piece) > member.size:
-                raise FormatError(f"{self.name}: member {member.name!r} inflates past its declared size")
-            view[filled : filled + len(piece)] = piece
-            filled += len(piece)
+            pending = bytes(chunk)
             self._source.release(chunk_start, len(chunk))  # else the compressed pages stay in RSS
+            while True:
+                # Each piece is capped, so 1 MB of input that inflates to a whole tensor never
+                # exists twice (piece + output): the input left over waits in unconsumed_tail,
+                # output already inflated inside the engine comes out on the next call (even
+                # with no input left). The +1 lets a stream that runs past the declared size show.
+                wanted = min(_INFLATE_PIECE, member.size - filled + 1)
+                try:
+                    piece = engine.decompress(pending, wanted)
+                except isal_zlib.error as exc:
+                    raise FormatError(f"{self.name}: member {member.name!r} is corrupt (deflate: {exc})") from None
+                if filled + len(piece) > member.size:
+                    raise FormatError(f"{self.name}: member {member.name!r} inflates past its declared size")
+                view[filled : filled + len(piece)] = piece
+                filled += len(piece)
+                pending = engine.unconsumed_tail
+                if engine.eof or (not pending and len(piece) < wanted):
+                    break
         if filled != member.size or not engine.eof:
             raise FormatError(f"{self.name}: member {member.name!r} is truncated or corrupt (deflate)")
         return view
@@ -429,9 +441,24 @@ class NpzReader:
             self._infos[key] = info
         return info
 
+    def _bounded(self, key: str, member: _Member) -> int:
+        """The most bytes ``key``'s member may hold: with a manifest, its tensor's bytes plus
+        the largest npy header we accept. Refused before anything is inflated or allocated,
+        so a manifest that lies small (to pass ``max_bytes``) cannot front a large member."""
+        info = self._infos.get(key) if self._manifest is not None else None
+        if info is None:
+            return member.size
+        limit = info.nbytes + 12 + MAX_NPY_HEADER
+        if member.size > limit:
+            raise UnsafeFileError(
+                f"{self.name}: tensor {key!r} (member {member.name!r}) holds {member.size} bytes but the manifest "
+                f"says {info.shape} {info.dtype} ({info.nbytes} bytes); refusing to read it"
+            )
+        return limit
+
     def read(self, key: str, *, verify: bool) -> np.ndarray:
         member = self._member(key)
-        data = self._member_bytes(member, member.size)
+        data = self._member_bytes(member, self._bounded(key, member))
         dtype, shape, fortran, start = self._parse_npy(member, data)
         payload = data[start:]
         info = self._infos.get(key)
@@ -452,11 +479,16 @@ class NpzReader:
         return array if dtype.isnative else array.astype(dtype.newbyteorder("="))
 
     def read_into(self, key: str, out: np.ndarray, *, verify: bool) -> bool:
-        """Read a stored tensor straight into ``out``; False when only :meth:`read` can (deflated, no manifest)."""
+        """Read a stored tensor straight into ``out``; False when only :meth:`read` can.
+
+        That is: deflated, no manifest, or (when verifying) no checksum in the manifest, where
+        :meth:`read` checks the zip CRC-32 instead.
+        """
         member = self._member(key)
         info = self._infos.get(key)
-        if member.method != _STORED or self._manifest is None or info is None:
+        if member.method != _STORED or self._manifest is None or info is None or (verify and not info.checksum):
             return False
+        self._bounded(key, member)
         dtype, shape, fortran, start = self._parse_npy(member, self._member_head(member), member.size)
         if fortran or dtype != storage_dtype(info.dtype) or shape != info.shape:
             return False
