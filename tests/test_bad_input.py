@@ -743,3 +743,55 @@ def test_read_into_without_manifest_checksum_still_verifies(tmp_path):
             store.read_into("w", np.empty(1000, np.float32))
     with ws.open(path, verify=False) as store:
         assert store.read_into("w", np.empty(1000, np.float32))[0] == 0
+
+
+# -- names in files without a manifest ---------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["c//d", "a/./b", "e\x01", "a/__weightstore_x", "w/", "tab\there"],
+                         ids=["empty-segment", "dot-segment", "control", "reserved", "trailing-slash", "tab"])
+def test_foreign_npz_member_that_is_no_key_refused(tmp_path, name):
+    path = write(tmp_path / "foreign.npz", hostile.zip_bytes([
+        hostile.Member("ok.npy", hostile.npy(np.zeros(2))), hostile.Member(name + ".npy", hostile.npy(np.ones(2)))]))
+    with raises_naming(errors.FormatError, path, repr(name + ".npy")):
+        ws.open(path)
+
+
+@pytest.mark.parametrize("name", ["__weightstore_value__", "e\x01", "a/__weightstore_moving__", "a\\b"],
+                         ids=["root-value", "control", "reserved", "backslash"])
+def test_foreign_h5_dataset_that_is_no_key_refused(tmp_path, name):
+    path = tmp_path / "foreign.h5"
+    with h5py.File(path, "w") as f:
+        f["ok"] = np.zeros(2)
+        f[name] = np.ones(2)
+    with raises_naming(errors.FormatError, path, repr(name)):
+        ws.open(path)
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".h5"])
+def test_foreign_output_suffix_is_dropped(tmp_path, suffix):
+    """Old tf.keras HDF5 files name datasets ``dense/kernel:0``: the key is ``dense/kernel``."""
+    path = tmp_path / f"keras{suffix}"
+    values = {"dense/kernel:0": np.arange(4.0), "dense/bias:12": np.ones(2), "plain": np.zeros(1)}
+    if suffix == ".npz":
+        np.savez(path, **values)
+    else:
+        with h5py.File(path, "w") as f:
+            for name, value in values.items():
+                f[name] = value
+    loaded = ws.load(path)
+    assert sorted(loaded) == ["dense/bias", "dense/kernel", "plain"]
+    assert loaded["dense/kernel"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    with ws.open(path) as store:
+        assert store.info("dense/bias").shape == (2,)
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".h5"])
+def test_foreign_names_that_drop_to_one_key_refused(tmp_path, suffix):
+    path = tmp_path / f"twice{suffix}"
+    if suffix == ".npz":
+        np.savez(path, **{"w": np.zeros(1), "w:0": np.ones(1)})
+    else:
+        with h5py.File(path, "w") as f:
+            f["w"], f["w:0"] = np.zeros(1), np.ones(1)
+    with raises_naming(errors.FormatError, path, "'w'", "'w:0"):
+        ws.open(path)

@@ -23,7 +23,8 @@ MappingRules = Union[Mapping[str, str], Sequence[str], None]
 
 RESERVED_PREFIX = "__weightstore"
 _GLOB_CHARS = frozenset("*?[")
-_OUTPUT_SUFFIX = re.compile(r":\d+$")
+#: TensorFlow's output suffix ending a tensor name (``dense/kernel:0``); never part of a key
+OUTPUT_SUFFIX = re.compile(r":\d+$")
 
 
 def validate_key(key: object) -> str:
@@ -46,7 +47,7 @@ def _key_problem(key: str) -> str | None:
         return "it contains a backslash"
     if any(ord(c) < 32 or ord(c) == 127 for c in key):
         return "it contains a control character"
-    if _OUTPUT_SUFFIX.search(key):
+    if OUTPUT_SUFFIX.search(key):
         return "TensorFlow's output suffix (':0') is not part of a key; drop it"
     for segment in key.split("/"):
         if segment == "":

@@ -10,11 +10,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import PurePosixPath
-from typing import Any, BinaryIO, Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from weightstore.errors import FormatError
+from weightstore.errors import FormatError, InvalidKeyError
+from weightstore.keys import OUTPUT_SUFFIX, validate_key
 from weightstore.manifest import TensorInfo
 
 
@@ -80,10 +81,23 @@ def sniff(head: bytes, where: str) -> Format:
     raise FormatError(f"{where}: not a weightstore file (neither npz nor HDF5)")
 
 
-def read_exact(stream: BinaryIO, size: int) -> bytes:
-    data = stream.read(size)
-    return data if data is not None else b""
+def foreign_keys(names: Iterable[tuple[str, str]], where: str, what: str) -> dict[str, str]:
+    """Key -> member (npz member, HDF5 dataset path) of a file without a manifest.
 
-
-def known_suffixes() -> Iterable[str]:
-    return [s for fmt in _registry() for s in fmt.suffixes]
+    Such names were chosen by whatever wrote the file, so each must become a valid key: a
+    trailing TensorFlow output suffix is dropped (old tf.keras HDF5 files name datasets
+    ``dense/kernel:0``); any other name that is not a valid key (``c//d``, ``a/./b``, a
+    control character, a reserved ``__weightstore`` segment) refuses the file with a
+    :class:`FormatError` naming it, as do two names that drop to the same key.
+    """
+    keys: dict[str, str] = {}
+    for name, member in names:
+        key = OUTPUT_SUFFIX.sub("", name)
+        try:
+            validate_key(key)
+        except InvalidKeyError as exc:
+            raise FormatError(f"{where}: {what} {member!r} does not name a valid key ({exc})") from None
+        if key in keys:
+            raise FormatError(f"{where}: {what}s {keys[key]!r} and {member!r} both read as key {key!r}")
+        keys[key] = member
+    return keys

@@ -15,7 +15,7 @@ import h5py
 import numpy as np
 
 from weightstore.errors import ChecksumError, FormatError, KeyNotInStoreError, UnsafeFileError
-from weightstore.formats import Format
+from weightstore.formats import Format, foreign_keys
 from weightstore.keys import RESERVED_PREFIX, join_scope
 from weightstore.manifest import (
     MAX_MANIFEST_BYTES,
@@ -110,6 +110,8 @@ class Hdf5Reader:
             if unknown or len(paths) != len(self._paths):
                 raise FormatError(f"{name}: manifest and datasets disagree (e.g. {unknown[:3] or sorted(self._paths)[:3]})")
             self._paths = paths
+        else:
+            self._paths = foreign_keys(self._paths.items(), name, "dataset")
         self._infos: dict[str, TensorInfo] = dict(manifest.tensors) if manifest else {}
 
     def _read_manifest(self) -> Manifest | None:

@@ -20,7 +20,7 @@ import numpy as np
 from isal import isal_zlib
 
 from weightstore.errors import ChecksumError, FormatError, KeyNotInStoreError, UnsafeFileError
-from weightstore.formats import Format
+from weightstore.formats import Format, foreign_keys
 from weightstore.formats.source import ByteSource, MappedFile, StreamFile
 from weightstore.manifest import (
     MAX_MANIFEST_BYTES,
@@ -201,7 +201,7 @@ class NpzReader:
             if not name.endswith(".npy"):
                 raise FormatError(f"{self.name}: member {name!r} is not an .npy array")
             member_keys[name[:-4]] = name
-        self._member_of = member_keys
+        self._member_of = member_keys if manifest is not None else foreign_keys(member_keys.items(), self.name, "member")
         if manifest is not None:
             listed, present = set(manifest.tensors), set(member_keys)
             if listed != present:
