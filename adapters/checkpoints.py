@@ -78,18 +78,16 @@ from weightstore.errors import (
     WeightStoreError,
 )
 from weightstore.formats import format_for_suffix, format_named
-from weightstore.keys import validate_key
+from weightstore.keys import OUTPUT_SUFFIX, validate_key
 from weightstore.manifest import TensorInfo, dtype_name, shape_nbytes
-from weightstore.store import Store, fsync_folder, is_url
+from weightstore.store import TEMP_MARK, Store, fsync_folder, is_url
 
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 VARIABLE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
 KERAS_WEIGHTS_MEMBER = "model.weights.h5"
 _SAVE_COUNTER = "save_counter" + VARIABLE_SUFFIX
-_OUTPUT_SUFFIX = re.compile(r":\d+$")
 _DATA_FILE = re.compile(r"\.data-\d{5}-of-\d{5}$")
 _SHARD_COUNT = re.compile(r"\.data-\d{5}-of-(\d{5})$")
-_TEMP_MARK = ".wstmp-"
 _MAX_DEFLATE_RATIO = 1032  # deflate's largest expansion (258-byte matches in 2 bits)
 _silent = False
 
@@ -364,7 +362,7 @@ def _trainable_from_meta(meta_path: str) -> set[str]:
     for raw in graph.collection_def["trainable_variables"].bytes_list.value:
         variable = variable_pb2.VariableDef.FromString(raw)
         full = variable.save_slice_info_def.full_name
-        names.add(full or _OUTPUT_SUFFIX.sub("", variable.variable_name))
+        names.add(full or OUTPUT_SUFFIX.sub("", variable.variable_name))
     return names
 
 
@@ -408,7 +406,7 @@ def _plain(reader: Any, path: str, cleanup=None) -> Source:
     names: dict[str, str] = {}
     skipped = []
     for old in reader.keys():
-        new = _OUTPUT_SUFFIX.sub("", old)
+        new = OUTPUT_SUFFIX.sub("", old)
         try:
             validate_key(new)
         except WeightStoreError:
@@ -551,7 +549,7 @@ def write_checkpoint(prefix: str, weights: Mapping[str, np.ndarray]) -> None:
     fresh_names = shards <= len(tensors)
     if not fresh_names:
         shards = 1  # the single-entry case of the docstring: data renamed over the old data
-    temporary = str(target.with_name(f".{target.name}{_TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"))
+    temporary = str(target.with_name(f".{target.name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"))
     moved: list[str] = []
     try:
         with tf.device("/cpu:0"):
@@ -605,7 +603,7 @@ def remove_stale_temporaries(prefix: str) -> None:
     file suffixes (``.index``, ``.data-…``) and the shard parts of a two-shard write added.
     """
     folder, base = os.path.split(prefix)
-    pattern = re.compile(re.escape(f".{base}{_TEMP_MARK}") + r"(\d+)-[0-9a-f]+(?:-part\d+)?"
+    pattern = re.compile(re.escape(f".{base}{TEMP_MARK}") + r"(\d+)-[0-9a-f]+(?:-part\d+)?"
                          r"(?:\.index|\.data-\d{5}-of-\d{5})?$")
     with contextlib.suppress(OSError):
         for entry in os.scandir(folder or "."):

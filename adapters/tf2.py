@@ -40,12 +40,11 @@ import tensorflow as tf
 
 from weightstore.adapters.plan import MEMORY, Report, TargetInfo, open_values, plan_assign, wants_skip
 from weightstore.errors import InvalidKeyError, SelectionError
-from weightstore.keys import MappingRules, Patterns, join_scope, plan_outward, validate_key
+from weightstore.keys import OUTPUT_SUFFIX, MappingRules, Patterns, join_scope, plan_outward, validate_key
 
 Variable = Union[tf.Variable, keras.Variable, "tf.__internal__.distribute.ShardedVariable"]
 _SHARDED = tf.__internal__.distribute.ShardedVariable
 _VARIABLE_TYPES = (tf.Variable, keras.Variable, _SHARDED)
-_OUTPUT_SUFFIX = re.compile(r":\d+$")
 _PART_SUFFIX = re.compile(r"/part_\d+$")
 
 
@@ -226,8 +225,8 @@ def _own_name(var: Variable) -> str:
     if isinstance(var, keras.Variable):
         return var.path
     if isinstance(var, _SHARDED):
-        return _PART_SUFFIX.sub("", _OUTPUT_SUFFIX.sub("", var.variables[0].name))
-    return _OUTPUT_SUFFIX.sub("", var.name)
+        return _PART_SUFFIX.sub("", OUTPUT_SUFFIX.sub("", var.variables[0].name))
+    return OUTPUT_SUFFIX.sub("", var.name)
 
 
 def _trainable(var: Variable) -> bool:

@@ -37,7 +37,9 @@ from weightstore.keys import MappingRules, Patterns, plan_outward, validate_key
 from weightstore.manifest import TensorInfo, build_manifest, checksum, logical_dtype, to_storage
 
 PathLike = Union[str, "os.PathLike[str]"]
-_TEMP_MARK = ".wstmp-"
+#: marks the temporary file a save writes beside its target (``.NAME.wstmp-PID-RANDOM``)
+TEMP_MARK = ".wstmp-"
+_TEMP_MARK = TEMP_MARK  # the name weightstore.versions imports
 
 
 def is_url(path: object) -> bool:
@@ -316,7 +318,7 @@ class EarlyWriteback:
 @contextlib.contextmanager
 def atomic_target(target: Path) -> Iterator[str]:
     """A temporary path beside ``target`` that replaces it, durably, when the block succeeds."""
-    temporary = target.with_name(f".{target.name}{_TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+    temporary = target.with_name(f".{target.name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
     try:
         yield str(temporary)
         fd = os.open(temporary, os.O_RDONLY)
@@ -342,7 +344,7 @@ def fsync_folder(folder: Path) -> None:
 
 def remove_stale_temporaries(target: Path) -> None:
     """Remove temporaries of earlier saves to ``target`` whose process has died (SIGKILL)."""
-    pattern = re.compile(re.escape(f".{target.name}{_TEMP_MARK}") + r"(\d+)-[0-9a-f]+$")
+    pattern = re.compile(re.escape(f".{target.name}{TEMP_MARK}") + r"(\d+)-[0-9a-f]+$")
     with contextlib.suppress(OSError):
         for entry in os.scandir(target.parent):
             match = pattern.match(entry.name)
