@@ -795,3 +795,36 @@ def test_foreign_names_that_drop_to_one_key_refused(tmp_path, suffix):
             f["w"], f["w:0"] = np.zeros(1), np.ones(1)
     with raises_naming(errors.FormatError, path, "'w'", "'w:0"):
         ws.open(path)
+
+
+def _h5_with_manifest_attribute(path, value):
+    with h5py.File(path, "w") as f:
+        f["w"] = np.zeros(2)
+        f.attrs["weightstore"] = value
+    return path
+
+
+def test_h5_manifest_over_the_size_limit_refused_before_parsing(tmp_path):
+    """A variable-length string (16 bytes of storage, whatever its length) of 64 MB + 1."""
+    from weightstore.manifest import MAX_MANIFEST_BYTES
+
+    path = _h5_with_manifest_attribute(tmp_path / "huge.h5", "[" * (MAX_MANIFEST_BYTES + 1))
+    with raises_naming(errors.UnsafeFileError, path, "manifest", "too large"):
+        ws.open(path)
+
+
+def test_h5_manifest_over_the_size_limit_in_utf8_bytes(tmp_path):
+    """Fewer characters than the limit, more bytes: the limit is on the bytes."""
+    from weightstore.manifest import MAX_MANIFEST_BYTES
+
+    path = _h5_with_manifest_attribute(tmp_path / "wide.h5", "模" * (MAX_MANIFEST_BYTES // 3 + 1))
+    with raises_naming(errors.UnsafeFileError, path, "manifest", "too large"):
+        ws.open(path)
+
+
+@pytest.mark.parametrize("value", [np.array(["{}", "{}"], dtype=h5py.string_dtype()), h5py.Empty("f4"), 7],
+                         ids=["array-of-strings", "empty", "number"])
+def test_h5_manifest_attribute_that_is_not_one_string(tmp_path, value):
+    path = _h5_with_manifest_attribute(tmp_path / "odd.h5", value)
+    with raises_naming(errors.FormatError, path, "manifest attribute is not one text value"):
+        ws.open(path)

@@ -115,16 +115,35 @@ class Hdf5Reader:
         self._infos: dict[str, TensorInfo] = dict(manifest.tensors) if manifest else {}
 
     def _read_manifest(self) -> Manifest | None:
+        """The manifest attribute, its size bounded before any JSON is parsed.
+
+        It must be one string. A fixed-length string's size is known before reading and is
+        checked first. A variable-length one (what h5py writes for a ``str``, and what we
+        write) keeps only a 16-byte heap reference in the attribute, and HDF5 cannot tell its
+        length without reading it: h5py reads it whole (its bytes must lie in the file, so
+        that allocation is bounded by the file's size), and its length is checked before
+        parsing, so at most :data:`MAX_MANIFEST_BYTES` of JSON is ever parsed.
+        """
         if MANIFEST_ATTRIBUTE not in self._file.attrs:
             return None
         attribute = self._file.attrs.get_id(MANIFEST_ATTRIBUTE)
-        if attribute.get_storage_size() > MAX_MANIFEST_BYTES:
-            raise UnsafeFileError(f"{self.name}: manifest attribute is too large")
+        string = h5py.check_string_dtype(attribute.dtype)
+        if attribute.shape != () or string is None:
+            raise FormatError(f"{self.name}: manifest attribute is not one text value ({attribute.dtype}, shape {attribute.shape})")
+        if string.length is not None and attribute.get_storage_size() > MAX_MANIFEST_BYTES:
+            raise UnsafeFileError(f"{self.name}: manifest attribute is too large ({attribute.get_storage_size()} bytes)")
         text = self._file.attrs[MANIFEST_ATTRIBUTE]
+        if isinstance(text, np.ndarray) and text.shape == ():
+            text = text[()]
+        if not isinstance(text, (str, bytes)):
+            raise FormatError(f"{self.name}: manifest attribute is not text")
+        size = len(text)
+        if isinstance(text, str) and MAX_MANIFEST_BYTES // 4 < size <= MAX_MANIFEST_BYTES:
+            size = len(text.encode("utf-8", "surrogatepass"))
+        if size > MAX_MANIFEST_BYTES:
+            raise UnsafeFileError(f"{self.name}: manifest attribute is too large ({size} bytes, limit {MAX_MANIFEST_BYTES})")
         if isinstance(text, bytes):
             text = text.decode("utf-8", "replace")
-        if not isinstance(text, str):
-            raise FormatError(f"{self.name}: manifest attribute is not text")
         return parse_manifest(text, self.name)
 
     def _walk(self) -> dict[str, str]:
