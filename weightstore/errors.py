@@ -22,6 +22,8 @@ weightstore class or the builtin they already handle::
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 __all__ = [
     "WeightStoreError",
     "InvalidKeyError",
@@ -93,7 +95,14 @@ class SizeLimitError(WeightStoreError, ValueError):
 class AssignmentError(WeightStoreError, ValueError):
     """Carries the plan that failed so callers can inspect it, not only read it."""
 
-    def __init__(self, message: str, *, missing=(), unexpected=(), mismatched=()):
+    def __init__(
+        self,
+        message: str,
+        *,
+        missing: Iterable[str] = (),
+        unexpected: Iterable[str] = (),
+        mismatched: Iterable[object] = (),
+    ) -> None:
         super().__init__(message)
         self.missing = list(missing)
         self.unexpected = list(unexpected)
