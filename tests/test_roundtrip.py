@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import mmap
 import zipfile
 
@@ -487,3 +488,60 @@ def test_compressed_load_peaks_near_the_tensor_size(tmp_path):
     )
     assert f"SHAPE ({nbytes // 4},) 0" in out
     assert growth <= 1.1 * nbytes, f"peak grew by {growth / nbytes:.2f}x the tensor"
+
+
+class _Recording(dict):
+    """A weight dictionary that remembers which values were asked for."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.asked: list[str] = []
+
+    def __getitem__(self, key):
+        self.asked.append(key)
+        return super().__getitem__(key)
+
+    def items(self):  # route every value through __getitem__
+        return [(key, self[key]) for key in self]
+
+    def values(self):
+        return [self[key] for key in self]
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".h5"])
+def test_metadata_refused_before_any_tensor_is_touched(tmp_path, suffix):
+    """Non-JSON metadata is found before reading a tensor, and the error names the file."""
+    path = tmp_path / f"w{suffix}"
+    weights = _Recording({"a": np.zeros(2), "b": np.ones(3)})
+    for bad in ({"x": object()}, {"nan": float("nan")}, ["not", "a", "mapping"]):
+        with pytest.raises(TypeError, match=re.escape(str(path))):
+            ws.save(path, weights, metadata=bad)
+        assert weights.asked == [] and not path.exists()
+        assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_saving_a_store_streams_tensor_by_tensor(tmp_path, compress):
+    """``ws.save(other, store)`` holds about one tensor at a time, not the whole file."""
+    source, target = tmp_path / "src.npz", tmp_path / "dst.npz"
+    tensor = 50 << 20
+    ws.save(source, {f"t{i}": np.zeros(tensor // 4, np.float32) for i in range(4)}, compress=True)
+    growth, out = hostile.peak_rss_growth(
+        f"with ws.open({str(source)!r}) as store:\n"
+        f"    ws.save({str(target)!r}, store, compress={compress})\n"
+        "print('KEYS', list(ws.open(" + repr(str(target)) + ")))"
+    )
+    assert "KEYS ['t0', 't1', 't2', 't3']" in out
+    assert growth < 1.6 * tensor, f"copying 4 x 50 MB held {growth / tensor:.1f} tensors"
+    assert all(not value.any() for value in ws.load(target).values())
+
+
+def test_saving_a_store_checks_every_dtype_from_its_index_first(tmp_path):
+    """A foreign npz holding raw bytes (no manifest to say what they are) after a good tensor:
+    refused from the index before the target exists, naming the target and the key."""
+    source, target = tmp_path / "foreign.npz", tmp_path / "copy.npz"
+    np.savez(source, a=np.arange(3.0), b=np.zeros(2, dtype="V4"))
+    with ws.open(source) as store:
+        with pytest.raises(ws.UnsupportedDTypeError, match=re.escape(str(target)) + ".*'b'"):
+            ws.save(target, store)
+    assert not target.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["foreign.npz"]

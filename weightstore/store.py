@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import json
 import os
 import re
 import secrets
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Union
 
@@ -31,10 +32,11 @@ from weightstore.errors import (
     StoreExistsError,
     StoreNotFoundError,
     UnsupportedDTypeError,
+    WeightStoreError,
 )
 from weightstore.formats import Format, Reader, format_for_suffix, format_named, sniff
 from weightstore.keys import MappingRules, Patterns, plan_outward, validate_key
-from weightstore.manifest import TensorInfo, build_manifest, checksum, logical_dtype, to_storage
+from weightstore.manifest import TensorInfo, build_manifest, checksum, dtype_name, logical_dtype, to_storage
 
 PathLike = Union[str, "os.PathLike[str]"]
 #: marks the temporary file a save writes beside its target (``.NAME.wstmp-PID-RANDOM``)
@@ -67,7 +69,9 @@ class Store(Mapping):
     """An open weight file: the index is read, each tensor is read when asked for.
 
     A read-only mapping of key to array, so it can be passed wherever a weight dictionary
-    goes (``ws.save(other, store)`` streams tensor by tensor). Tensors from uncompressed local
+    goes. ``ws.save(other, store)`` streams tensor by tensor: keys and dtypes are checked
+    from the index first, then each tensor is read just before it is written, so a copy holds
+    about one tensor in memory, not the whole file. Tensors from uncompressed local
     npz files are read-only views of the mapped file; copy one (``np.array(store[key])``) to
     change it.
     """
@@ -115,7 +119,7 @@ class Store(Mapping):
             np.copyto(out, self[key], casting="unsafe")
         return out
 
-    def read(self, keys=None, *, max_bytes: int | None = None) -> dict[str, np.ndarray]:
+    def read(self, keys: Iterable[str] | None = None, *, max_bytes: int | None = None) -> dict[str, np.ndarray]:
         """Several tensors at once, refusing before reading if they exceed ``max_bytes``."""
         wanted = self.keys() if keys is None else list(keys)
         for key in wanted:
@@ -150,9 +154,15 @@ class Store(Mapping):
         return f"<weightstore.Store {self.path!r} ({len(self)} tensors)>"
 
 
-def check_budget(store: Store, keys, max_bytes: int | None) -> None:
+def check_budget(store: Store, keys: Iterable[str], max_bytes: int | None) -> None:
+    """Refuse, with :class:`SizeLimitError`, reading ``keys`` if their bytes exceed ``max_bytes``.
+
+    The sizes come from the index (the manifest, or each npy/HDF5 header); readers refuse a
+    tensor whose stored bytes exceed what its index entry says, so the index cannot lie small.
+    """
     if max_bytes is None:
         return
+    keys = list(keys)
     total = sum(store.info(k).nbytes for k in keys)
     if total > max_bytes:
         raise SizeLimitError(f"{store.path}: reading {len(keys)} tensors needs {total} bytes, over max_bytes={max_bytes}")
@@ -211,11 +221,13 @@ def save(
 ) -> None:
     """Write ``weights`` atomically; the suffix (or ``format``) picks npz or HDF5.
 
-    Every key and dtype is checked before the first byte is written, so a bad input changes
-    nothing on disk.
+    Every key and dtype, and the metadata, are checked before the first byte is written, so
+    a bad input changes nothing on disk. Tensors are then converted to their stored form (and,
+    from a :class:`Store`, read) one at a time as they are written.
     """
     location = _location(path)
     fmt = format_named(format) if format else format_for_suffix(location) or format_named("npz")
+    metadata = checked_metadata(metadata, location)
     arrays = _checked(weights, location)
     if is_url(location):
         _save_remote(location, fmt, arrays, metadata, compress, overwrite)
@@ -230,34 +242,101 @@ def save(
         write_file(temporary, fmt, arrays, metadata, compress)
 
 
-def _checked(weights: Mapping[str, Any], where: str = "") -> dict[str, tuple[str, np.ndarray]]:
-    """Every key and dtype checked before anything is written; errors name ``where`` (the file)."""
-    if not isinstance(weights, Mapping):
-        raise TypeError(f"weights must be a mapping of key to array, not {type(weights).__name__}")
-    checked = {}
-    for key, value in weights.items():
+def checked_metadata(metadata: Mapping[str, Any] | None, where: str = "") -> dict[str, Any]:
+    """``metadata`` as a dict, refused with a ``TypeError`` naming ``where`` unless it is JSON."""
+    prefix = f"{where}: " if where else ""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise TypeError(f"{prefix}metadata must be a mapping, not {type(metadata).__name__}")
+    try:
+        json.dumps(dict(metadata), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise TypeError(f"{prefix}metadata must be JSON-serializable: {exc}") from None
+    return dict(metadata)
+
+
+class _Checked(Mapping):
+    """Key -> ``(logical dtype name, array in storage form)``, produced when asked for.
+
+    Keys and dtypes are checked when this is built, without reading any tensor of a
+    :class:`Store` (its index has them) and without converting any ``ndarray``; the
+    conversion (a copy for big-endian or non-contiguous input) and the read of a stored
+    tensor happen per tensor in :func:`write_file`, so only one is held at a time.
+    """
+
+    def __init__(self, weights: Mapping[str, Any], where: str):
+        if not isinstance(weights, Mapping):
+            raise TypeError(f"weights must be a mapping of key to array, not {type(weights).__name__}")
+        self._weights = weights
+        self._where = where
+        self._values: dict[str, Any] = {}  # None: read from ``weights`` when written
+        lazy = isinstance(weights, Store)
+        for key in weights.keys():
+            with self._naming_the_file():
+                validate_key(key)
+                if lazy:
+                    name = weights.info(key).dtype
+                    try:
+                        logical_dtype(name)
+                    except WeightStoreError:
+                        raise UnsupportedDTypeError(
+                            f"tensor {key!r} has dtype {name}: only numeric, bool and ml_dtypes arrays are weights"
+                        ) from None
+                    self._values[key] = None
+                    continue
+                value = weights[key]
+                if not isinstance(value, np.ndarray):
+                    value = np.asarray(value)
+                dtype_name(value.dtype, key)
+                self._values[key] = value
+
+    @contextlib.contextmanager
+    def _naming_the_file(self) -> Iterator[None]:
         try:
-            validate_key(key)
-            checked[key] = to_storage(np.asarray(value), key)
+            yield
         except (InvalidKeyError, UnsupportedDTypeError) as exc:
-            if not where:
+            if not self._where:
                 raise
-            raise type(exc)(f"{where}: {exc}") from None
-    return checked
+            raise type(exc)(f"{self._where}: {exc}") from None
+
+    def __getitem__(self, key: str) -> tuple[str, np.ndarray]:
+        value = self._values[key]
+        if value is None:
+            value = self._weights[key]
+        with self._naming_the_file():
+            return to_storage(np.asarray(value), key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+
+def _checked(weights: Mapping[str, Any], where: str = "") -> Mapping[str, tuple[str, np.ndarray]]:
+    """Every key and dtype checked before anything is written; errors name ``where`` (the file).
+
+    The tensors themselves are read and converted lazily, one at a time, as they are written.
+    """
+    return _Checked(weights, where)
 
 
 def write_file(path: str, fmt: Format, arrays: Mapping[str, tuple[str, np.ndarray]],
                metadata: Mapping[str, Any] | None, compress: bool, *, durable: bool = True) -> None:
     """Write a file; when ``durable`` (it will be fsynced), start its disk writes early."""
+    metadata = checked_metadata(metadata, path)  # before the file exists (callers check earlier, naming theirs)
     writer = fmt.open_writer(path, compress)
     writeback = EarlyWriteback(path) if durable else None
     try:
         infos = {}
-        for key, (name, data) in arrays.items():
+        for key in arrays:
+            name, data = arrays[key]  # read/converted now: one tensor in memory at a time
             writer.add(key, name, data)
             infos[key] = TensorInfo(key, name, data.shape, data.nbytes, checksum(data))
             if writeback is not None:
                 writeback.wrote(data.nbytes)
+            del data
         writer.commit(build_manifest(infos, metadata, f"weightstore {__version__}", writer.locations))
     except BaseException:
         writer.abort()
