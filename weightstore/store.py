@@ -41,7 +41,6 @@ from weightstore.manifest import TensorInfo, build_manifest, checksum, dtype_nam
 PathLike = Union[str, "os.PathLike[str]"]
 #: marks the temporary file a save writes beside its target (``.NAME.wstmp-PID-RANDOM``)
 TEMP_MARK = ".wstmp-"
-_TEMP_MARK = TEMP_MARK  # the name weightstore.versions imports
 
 
 def is_url(path: object) -> bool:

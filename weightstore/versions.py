@@ -62,10 +62,11 @@ from typing import Any
 from weightstore.errors import FormatError, PublishError, StoreNotFoundError, VersionGoneError
 from weightstore.formats import format_for_suffix, format_named
 from weightstore.store import (
-    _TEMP_MARK,
+    TEMP_MARK,
     Store,
     _checked,
     _fsspec,
+    checked_metadata,
     atomic_target,
     is_url,
     remove_stale_temporaries,
@@ -170,6 +171,7 @@ def publish(
     target = _folder_for(folder, storage_options)
     name = f"step-{step:012d}{fmt.suffixes[0]}"
     arrays = _checked(weights, target.url(name))
+    metadata = checked_metadata(metadata, target.url(name))
     target.create()
     with target.publish_lock():
         _stage("locked")
@@ -412,7 +414,7 @@ class _LocalFolder(_Folder):
             os.unlink(self.root / name)
 
     def remove_leftovers(self, current: int | None, named: bool) -> None:
-        targets = {entry.name.split(_TEMP_MARK)[0][1:] for entry in os.scandir(self.root) if _TEMP_MARK in entry.name}
+        targets = {entry.name.split(TEMP_MARK)[0][1:] for entry in os.scandir(self.root) if TEMP_MARK in entry.name}
         for name in targets:
             remove_stale_temporaries(self.root / name)
         super().remove_leftovers(current, named)
