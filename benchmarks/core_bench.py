@@ -38,7 +38,6 @@ from benchmarks.common import (
     fsync_path,
     machine_line,
     measure,
-    median,
     run_case,
     table,
     touch,
@@ -298,7 +297,7 @@ def report(r: dict, facts: dict, size_mb: float, repeat: int, say) -> None:
     save_peer_sync = min(m(f"save:{p}+fsync") for p in SAVE_PEERS)
     load_peer = min(m(f"load:{p}") for p in LOAD_PEERS)
     write_floor, write_floor_sync = m("save:raw"), m("save:raw+fsync")
-    read_floor, copy_floor = m("floor:read"), m("floor:copy")
+    read_floor = m("floor:read")
 
     names = {
         "ws-npz": "weightstore npz", "ws-h5": "weightstore HDF5", "ws-npz-c": "weightstore npz compress=True",

@@ -22,14 +22,11 @@ then warms up once and repeats. ``ws.save`` fsyncs; each peer also gets a ``+fsy
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import shutil
 import sys
 import tempfile
 import time
-
-import numpy as np
 
 from benchmarks.common import (
     MB,

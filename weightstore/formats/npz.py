@@ -30,7 +30,6 @@ from weightstore.manifest import (
     checksum,
     dtype_name,
     from_storage,
-    logical_dtype,
     parse_manifest,
     raw_bytes,
     storage_dtype,
