@@ -140,9 +140,18 @@ def raw_bytes(buffer) -> memoryview:
     return view.cast("B", (view.nbytes,)).toreadonly() if view.ndim <= 1 else view.cast("B").toreadonly()
 
 
-def checksum(buffer) -> str:
+def crc32(buffer) -> int:
     """CRC-32 of a tensor's stored bytes, hardware-accelerated by ISA-L (~30 GB/s here)."""
-    return f"{CHECKSUM_ALGORITHM}:{isal_zlib.crc32(raw_bytes(buffer)) & 0xFFFFFFFF:08x}"
+    return isal_zlib.crc32(raw_bytes(buffer)) & 0xFFFFFFFF
+
+
+def checksum_text(crc: int) -> str:
+    """How the manifest writes a CRC-32."""
+    return f"{CHECKSUM_ALGORITHM}:{crc:08x}"
+
+
+def checksum(buffer) -> str:
+    return checksum_text(crc32(buffer))
 
 
 def shape_nbytes(shape: tuple[int, ...], itemsize: int) -> int:

@@ -35,7 +35,7 @@ from weightstore.errors import (
 )
 from weightstore.formats import Format, Reader, format_for_suffix, format_named, sniff
 from weightstore.keys import MappingRules, Patterns, plan_outward, validate_key
-from weightstore.manifest import TensorInfo, build_manifest, checksum, dtype_name, logical_dtype, to_storage
+from weightstore.manifest import TensorInfo, build_manifest, checksum_text, crc32, dtype_name, logical_dtype, to_storage
 
 PathLike = Union[str, "os.PathLike[str]"]
 #: marks the temporary file a save writes beside its target (``.NAME.wstmp-PID-RANDOM``)
@@ -329,8 +329,9 @@ def write_file(path: str, fmt: Format, arrays: Mapping[str, tuple[str, np.ndarra
         infos = {}
         for key in arrays:
             name, data = arrays[key]  # read/converted now: one tensor in memory at a time
-            writer.add(key, name, data)
-            infos[key] = TensorInfo(key, name, data.shape, data.nbytes, checksum(data))
+            crc = crc32(data)
+            writer.add(key, name, data, crc)
+            infos[key] = TensorInfo(key, name, data.shape, data.nbytes, checksum_text(crc))
             del data
         writer.commit(build_manifest(infos, metadata, f"weightstore {__version__}", writer.locations))
     except BaseException:

@@ -46,7 +46,7 @@ class Hdf5Writer:
         self._compress = compress
         self.locations: dict[str, str] = {}
 
-    def add(self, key: str, dtype_name: str, data: np.ndarray) -> None:
+    def add(self, key: str, dtype_name: str, data: np.ndarray, crc: int) -> None:
         parent_key, _, leaf = key.rpartition("/")
         parent = self._group_for(parent_key) if parent_key else self._file
         if leaf in parent:  # the key is already the scope of other keys: store it inside

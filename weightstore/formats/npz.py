@@ -28,6 +28,7 @@ from weightstore.manifest import (
     Manifest,
     TensorInfo,
     checksum,
+    crc32,
     dtype_name,
     from_storage,
     parse_manifest,
@@ -92,13 +93,14 @@ class NpzWriter:
         self._time = _dos_time()
         self.locations: dict[str, str] = {}
 
-    def add(self, key: str, dtype_name: str, data: np.ndarray) -> None:
-        self._add_member(key + ".npy", npy_header(data.dtype, data.shape), data)
+    def add(self, key: str, dtype_name: str, data: np.ndarray, crc: int) -> None:
+        self._add_member(key + ".npy", npy_header(data.dtype, data.shape), data, crc)
 
-    def _add_member(self, name: str, header: bytes, data: np.ndarray) -> None:
+    def _add_member(self, name: str, header: bytes, data: np.ndarray, data_crc: int) -> None:
         payload = raw_bytes(data)
         size = len(header) + len(payload)
-        crc = isal_zlib.crc32(payload, isal_zlib.crc32(header))
+        # the zip CRC covers the npy header too; combining saves a second pass over the data
+        crc = isal_zlib.crc32_combine(isal_zlib.crc32(header), data_crc, len(payload))
         compress = self._compress and size > 0 and data.ndim > 0
         zip64 = size >= (0xF0000000 if compress else _ZIP64_LIMIT) or self._file.tell() >= _ZIP64_LIMIT
         encoded = name.encode("utf-8")
@@ -138,7 +140,7 @@ class NpzWriter:
 
     def commit(self, manifest_text: str) -> None:
         manifest = np.array(manifest_text)
-        self._add_member(MANIFEST_MEMBER, npy_header(manifest.dtype, ()), manifest)
+        self._add_member(MANIFEST_MEMBER, npy_header(manifest.dtype, ()), manifest, crc32(manifest))
         directory_offset = self._file.tell()
         for member in self._members:
             self._file.write(self._central_entry(member))
