@@ -274,16 +274,13 @@ def hostile_keras(path, payload, *, declared=None, crc=None):
     return path
 
 
-def scratch_folders():
+def test_keras_archive_bombs_are_refused_before_inflating(tmp_path, monkeypatch):
     import tempfile
-
-    return {name for name in os.listdir(tempfile.gettempdir()) if name.startswith("weightstore-keras-")}
-
-
-def test_keras_archive_bombs_are_refused_before_inflating(tmp_path):
     import zlib
 
-    before = scratch_folders()
+    scratch = tmp_path / "scratch"  # a temporary folder of our own: other processes use the shared one
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     payload = b"\0" * (1 << 20)  # deflates about 1000 to 1
     bomb = hostile_keras(tmp_path / "bomb.keras", payload, declared=0xF000_0000)  # claims 3.75 GiB
     with pytest.raises(UnsafeFileError, match="declares 4026531840 bytes .* a zip bomb"):
@@ -294,7 +291,7 @@ def test_keras_archive_bombs_are_refused_before_inflating(tmp_path):
     lying = hostile_keras(tmp_path / "lying.keras", payload, declared=1000, crc=zlib.crc32(payload[:1000]))
     with pytest.raises(FormatError):  # only the declared 1000 bytes come out: not an HDF5 file
         checkpoints.open_source(lying)
-    assert scratch_folders() == before
+    assert list(scratch.iterdir()) == []  # the unpacking folder is gone
 
 
 def test_legacy_output_suffixes_are_dropped(tmp_path):
