@@ -80,7 +80,7 @@ from weightstore.errors import (
 from weightstore.formats import format_for_suffix, format_named
 from weightstore.keys import OUTPUT_SUFFIX, validate_key
 from weightstore.manifest import TensorInfo, dtype_name, shape_nbytes
-from weightstore.store import TEMP_MARK, Store, fsync_folder, is_url
+from weightstore.store import TEMP_MARK, Store, fsync_folder, fsync_path, is_url, remove_stale_temporaries
 
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 VARIABLE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
@@ -532,7 +532,7 @@ def write_checkpoint(prefix: str, weights: Mapping[str, np.ndarray]) -> None:
     target = Path(prefix)
     if not target.parent.is_dir():
         raise StoreNotFoundError(f"{prefix}: folder {str(target.parent)!r} does not exist")
-    remove_stale_temporaries(prefix)
+    remove_stale_temporaries(target, r"(?:-part\d+)?(?:\.index|\.data-\d{5}-of-\d{5})?")
     tensors: dict[str, Any] = {}
     if os.path.exists(prefix + ".index"):
         checkpoint_names(prefix)  # refuses object-based checkpoints
@@ -556,7 +556,7 @@ def write_checkpoint(prefix: str, weights: Mapping[str, np.ndarray]) -> None:
             _save(tf, temporary, tensors, shards)
         written = _files_of(temporary)
         for path in written:
-            _fsync(path)
+            fsync_path(path)
         for path in written:
             if not path.endswith(".index"):
                 os.replace(path, prefix + path[len(temporary):])
@@ -596,33 +596,6 @@ def _save(tf: Any, prefix: str, tensors: Mapping[str, Any], shards: int) -> None
     tf.raw_ops.MergeV2Checkpoints(checkpoint_prefixes=parts, destination_prefix=prefix, delete_old_dirs=False)
 
 
-def remove_stale_temporaries(prefix: str) -> None:
-    """Remove the temporary files of earlier writes to ``prefix`` whose process has died.
-
-    The pattern of :func:`weightstore.store.remove_stale_temporaries`, with the checkpoint
-    file suffixes (``.index``, ``.data-…``) and the shard parts of a two-shard write added.
-    """
-    folder, base = os.path.split(prefix)
-    pattern = re.compile(re.escape(f".{base}{TEMP_MARK}") + r"(\d+)-[0-9a-f]+(?:-part\d+)?"
-                         r"(?:\.index|\.data-\d{5}-of-\d{5})?$")
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(folder or "."):
-            match = pattern.match(entry.name)
-            if match and not _process_alive(int(match.group(1))):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _as_tensor(tf: Any, prefix: str, key: str, value: Any) -> Any:
     array = np.asarray(value)
     try:
@@ -641,12 +614,6 @@ def _files_of(prefix: str) -> list[str]:
     return []
 
 
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _first_line(exc: BaseException) -> str:

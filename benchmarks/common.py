@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+from pathlib import Path
 import resource
 import statistics
 import subprocess
@@ -167,16 +168,10 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def fsync_path(path: str) -> None:
     """Make a peer's write durable the way weightstore's save is: file, then its folder."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    from weightstore.store import fsync_folder, fsync_path as fsync_file
+
+    fsync_file(path)
+    fsync_folder(Path(os.path.abspath(path)).parent)
 
 
 def machine_line() -> str:

@@ -345,17 +345,21 @@ def atomic_target(target: Path) -> Iterator[str]:
     temporary = target.with_name(f".{target.name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
     try:
         yield str(temporary)
-        fd = os.open(temporary, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(temporary)
         os.replace(temporary, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temporary)
         raise
     fsync_folder(target.parent)
+
+
+def fsync_path(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def fsync_folder(folder: Path) -> None:
@@ -366,9 +370,13 @@ def fsync_folder(folder: Path) -> None:
         os.close(fd)
 
 
-def remove_stale_temporaries(target: Path) -> None:
-    """Remove temporaries of earlier saves to ``target`` whose process has died (SIGKILL)."""
-    pattern = re.compile(re.escape(f".{target.name}{TEMP_MARK}") + r"(\d+)-[0-9a-f]+$")
+def remove_stale_temporaries(target: Path, suffix: str = "") -> None:
+    """Remove temporaries of earlier saves to ``target`` whose process has died (SIGKILL).
+
+    ``suffix`` is a pattern for what a writer appends after the temporary's name (the file
+    endings of a TF checkpoint written under a temporary prefix).
+    """
+    pattern = re.compile(re.escape(f".{target.name}{TEMP_MARK}") + r"(\d+)-[0-9a-f]+" + suffix + "$")
     with contextlib.suppress(OSError):
         for entry in os.scandir(target.parent):
             match = pattern.match(entry.name)
