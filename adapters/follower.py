@@ -111,6 +111,7 @@ class Follower:
         self.version: Version | None = None
         self.report: Report | None = None
         self.error: BaseException | None = None
+        self._following_failed = False  # whether ``error`` came from reading the folder, not assigning
         self._after = after
         self._lock = _ReadWriteLock()
         self._swapped = threading.Condition()
@@ -153,8 +154,9 @@ class Follower:
         Raises the follower's :attr:`error` at once if there is one (already, or while waiting)
         and the wanted version is not in: a first version that does not fit the target, or a
         damaged folder, ends the wait instead of blocking it forever. The follower keeps
-        following; ``error`` clears when a later version is assigned, so to wait past a failure,
-        wait again once the trainer has published a version that fits.
+        following; an assign failure clears when a later version is assigned (so to wait past
+        one, wait again once the trainer has published a version that fits), a failure to read
+        the folder as soon as the folder reads cleanly again.
         """
         def arrived() -> bool:
             return self.version is not None and (step is None or self.version.step >= step)
@@ -178,6 +180,8 @@ class Follower:
                         return
             except Exception as exc:  # a damaged folder: keep serving the current weights, look again
                 self._failed(exc, "following")
+            else:
+                self._folder_healthy()
             self._stop.wait(self.poll)
 
     def _swap(self, version: Version) -> bool:
@@ -200,7 +204,14 @@ class Follower:
         _log.warning("weightstore follower of %s: %s failed: %s", self.folder, doing, exc)
         with self._swapped:
             self.error = exc
+            self._following_failed = doing == "following"
             self._swapped.notify_all()
+
+    def _folder_healthy(self) -> None:
+        """A look at the folder went through: a failure to read it earlier is over."""
+        if self._following_failed:
+            with self._swapped:
+                self.error, self._following_failed = None, False
 
 
 def _assigner(target: Any) -> Callable[..., Report]:

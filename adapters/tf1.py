@@ -14,7 +14,6 @@ naive ``sess.run(v.assign(x))`` adds ops on every reload until the process runs 
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,9 +31,6 @@ _ALIGNMENT = 64  # TF adopts fed numpy memory aligned to this instead of copying
 _WEIGHT_KINDS = frozenset("biufc")
 _ASSIGN_TYPES = frozenset({"Assign", "AssignVariableOp"})
 _ML_TYPES = frozenset(dtype.type for dtype in ML_DTYPES.values())
-
-# graph -> variable name -> (assign op, placeholder), for variables whose initializer cannot be fed
-_FALLBACK_OPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -155,19 +151,19 @@ def forget(sess: Any) -> None:
     MEMORY.forget(sess)
 
 
-_TARGETS: "weakref.WeakKeyDictionary[tf.Graph, tuple[tuple, dict[str, _Target]]]" = weakref.WeakKeyDictionary()
-
-
 def _targets(graph: tf.Graph) -> dict[str, _Target]:
     """:func:`_collect_targets`, remembered while the graph's ops and collections stay the same.
 
     Walking every collection costs milliseconds per assign, which a follower reloading a
-    small head every few seconds would pay again and again for an unchanged graph.
+    small head every few seconds would pay again and again for an unchanged graph. The cache
+    lives on the graph: the targets refer to it, so a cache keyed by the graph elsewhere would
+    keep every graph alive.
     """
-    fingerprint = (graph.version, tuple((k, len(graph.get_collection_ref(k))) for k in graph.get_all_collection_keys()))
-    cached = _TARGETS.get(graph)
+    fingerprint = (graph.version, tuple((key, tuple(map(id, graph.get_collection_ref(key))))
+                                        for key in graph.get_all_collection_keys()))
+    cached = getattr(graph, "_weightstore_targets", None)
     if cached is None or cached[0] != fingerprint:
-        cached = _TARGETS[graph] = (fingerprint, _collect_targets(graph))
+        cached = graph._weightstore_targets = (fingerprint, _collect_targets(graph))
     return cached[1]
 
 
@@ -230,7 +226,9 @@ def _writer(graph: tf.Graph, variable: tf.Variable) -> tuple[tf.Operation, tf.Te
             return initializer, tensor
     # The initial value is shared with other ops (tf.Variable(t) twice): feeding it would write
     # one value into every variable made from it. Such a variable gets one assign op, made once.
-    cached = _FALLBACK_OPS.setdefault(graph, {})
+    if not hasattr(graph, "_weightstore_assign_ops"):  # on the graph, for the reason _targets says
+        graph._weightstore_assign_ops = {}
+    cached = graph._weightstore_assign_ops
     name = variable.op.name
     if name not in cached:
         if graph.finalized:

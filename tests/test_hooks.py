@@ -241,3 +241,23 @@ def test_tf2_forget_after_the_variables_were_changed(tmp_path):
     tf2.forget(model.get_layer("out"))  # a part of the model: only its variables are written next time
     report = tf2.assign(model, ws.publish(tmp_path, weights, step=3))
     assert sorted(report.assigned) == [k for k in keys if k.startswith("out/")]
+
+
+def test_follower_error_from_a_damaged_folder_clears_once_it_reads_cleanly(tmp_path):
+    model = small_model()
+    ws.publish(tmp_path, step_weights(model, 1), step=1)
+    with Follower(model, tmp_path, poll=0.005) as follower:
+        assert follower.wait(1, timeout=30).step == 1
+        pointer = (tmp_path / "LATEST").read_bytes()
+        (tmp_path / "LATEST").write_bytes(b"garbage")
+        deadline = time.monotonic() + 30
+        while follower.error is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert isinstance(follower.error, ws.FormatError)
+        (tmp_path / "LATEST").write_bytes(pointer)  # repaired: the folder reads cleanly again
+        while follower.error is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert follower.error is None
+        started = time.monotonic()
+        assert follower.wait(2, timeout=0.3) is None  # waits for step 2 instead of raising the old error
+        assert time.monotonic() - started >= 0.25

@@ -545,3 +545,24 @@ def test_saving_a_store_checks_every_dtype_from_its_index_first(tmp_path):
         with pytest.raises(ws.UnsupportedDTypeError, match=re.escape(str(target)) + ".*'b'"):
             ws.save(target, store)
     assert not target.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["foreign.npz"]
+
+
+def test_read_into_from_many_threads_on_one_store(tmp_path):
+    import threading
+
+    path = tmp_path / "w.npz"
+    ws.save(path, {"a": np.full(16384, 1, np.float32), "b": np.full(16384, 2, np.float32)})
+    wrong = []
+    with ws.open(path, verify=False) as store:
+        def read(key, value):
+            out = np.empty(16384, np.float32)
+            for _ in range(1000):
+                store.read_into(key, out)
+                if not (out == value).all():
+                    wrong.append(key)
+        threads = [threading.Thread(target=read, args=(key, value)) for key, value in [("a", 1), ("b", 2)] * 2]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert wrong == []

@@ -383,3 +383,27 @@ def test_skip_unchanged(tmp_path):
         # a dict has no checksums: written, and forgotten so the next version is written too
         tf1.assign(sess, second)
         assert tf1.assign(sess, tmp_path / "2.npz", skip_unchanged=True).assigned == ["a", "p"]
+
+
+def test_assigning_does_not_keep_the_graph_alive(tmp_path):
+    import gc
+    import weakref
+
+    with tf.Graph().as_default() as graph, tf.compat.v1.Session() as sess:
+        tf.compat.v1.get_variable("w", [1000, 100])
+        sess.run(tf.compat.v1.global_variables_initializer())
+        tf1.assign(sess, tf1.export(sess))
+    alive = weakref.ref(graph)
+    del graph, sess
+    gc.collect()
+    assert alive() is None
+
+
+def test_a_variable_frozen_by_editing_the_collection_is_seen(tmp_path):
+    with tf.Graph().as_default() as graph, tf.compat.v1.Session() as sess:
+        tf.compat.v1.get_variable("a", [2], trainable=True)
+        b = tf.compat.v1.get_variable("b", [2], trainable=False)
+        sess.run(tf.compat.v1.global_variables_initializer())
+        assert list(tf1.export(sess, trainable_only=True)) == ["a"]
+        graph.get_collection_ref(tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES)[0] = b  # same length, no new op
+        assert list(tf1.export(sess, trainable_only=True)) == ["b"]

@@ -178,8 +178,12 @@ def open(path: Any, *, verify: bool = True, format: str | None = None) -> Store:
             handle = fs.open(remote, "rb")
         except FileNotFoundError:
             raise StoreNotFoundError(f"{location}: no such file") from None
-        fmt = format_named(format) if format else format_for_suffix(location) or sniff(handle.read(8), location)
-        return Store(fmt.open_reader(handle, location), location, verify)
+        try:
+            fmt = format_named(format) if format else format_for_suffix(location) or sniff(handle.read(8), location)
+            return Store(fmt.open_reader(handle, location), location, verify)
+        except BaseException:
+            handle.close()
+            raise
     try:
         with builtins.open(location, "rb") as handle:
             head = handle.read(8)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 from typing import BinaryIO, Protocol
 
 from weightstore.errors import FormatError
@@ -47,7 +48,12 @@ class MappedFile:
     def read_into(self, offset: int, buffer: memoryview) -> None:
         """Copy bytes from the file into ``buffer`` without mapping them into this process."""
         self._check(offset, len(buffer))
-        _read_fully(self._handle, offset, buffer, self.name)
+        filled = 0  # positional reads: threads sharing one store never move each other's offset
+        while filled < len(buffer):
+            count = os.preadv(self._handle.fileno(), [buffer[filled:]], offset + filled)
+            if not count:
+                raise FormatError(f"{self.name}: short read at byte {offset + filled}")
+            filled += count
 
     def prefetch(self, offset: int, length: int) -> None:
         if self._map is not None and length > 1 << 20:
@@ -80,13 +86,15 @@ class StreamFile:
     def __init__(self, handle: BinaryIO, name: str):
         self.name = name
         self._handle = handle
+        self._lock = threading.Lock()  # a seek and its read must not interleave with another thread's
         self.size = handle.seek(0, os.SEEK_END)
 
     def read_at(self, offset: int, length: int) -> bytes:
         if offset < 0 or length < 0 or offset + length > self.size:
             raise FormatError(f"{self.name}: truncated file (needs bytes {offset}..{offset + length}, has {self.size})")
-        self._handle.seek(offset)
-        data = self._handle.read(length)
+        with self._lock:
+            self._handle.seek(offset)
+            data = self._handle.read(length)
         if len(data) != length:
             raise FormatError(f"{self.name}: short read at byte {offset}")
         return data
@@ -94,7 +102,14 @@ class StreamFile:
     def read_into(self, offset: int, buffer: memoryview) -> None:
         if offset < 0 or offset + len(buffer) > self.size:
             raise FormatError(f"{self.name}: truncated file (needs bytes {offset}..{offset + len(buffer)}, has {self.size})")
-        _read_fully(self._handle, offset, buffer, self.name)
+        with self._lock:
+            self._handle.seek(offset)
+            filled = 0
+            while filled < len(buffer):
+                count = self._handle.readinto(buffer[filled:])
+                if not count:
+                    raise FormatError(f"{self.name}: short read at byte {offset + filled}")
+                filled += count
 
     def prefetch(self, offset: int, length: int) -> None:
         pass
@@ -105,12 +120,3 @@ class StreamFile:
     def close(self) -> None:
         self._handle.close()
 
-
-def _read_fully(handle: BinaryIO, offset: int, buffer: memoryview, name: str) -> None:
-    handle.seek(offset)
-    filled = 0
-    while filled < len(buffer):
-        count = handle.readinto(buffer[filled:])
-        if not count:
-            raise FormatError(f"{name}: short read at byte {offset + filled}")
-        filled += count
