@@ -521,8 +521,10 @@ def write_checkpoint(prefix: str, weights: Mapping[str, np.ndarray]) -> None:
     the old data files). Either leftover, and temporaries of writers that were killed
     (``.NAME.wstmp-PID-…``), are removed by the next write to ``prefix``.
 
-    The one exception: a checkpoint of a single entry replacing a one-shard checkpoint cannot
-    be split into two shards, so its data file is renamed over the old one before ``.index``;
+    The one exception: when no unused shard count is small enough for the entries (a single
+    entry replacing a one-shard checkpoint, or a checkpoint of a few entries while a crashed
+    write's data files are still beside the live ones), the data is written as one shard and
+    renamed over the old one before ``.index``;
     a crash between those two renames leaves the old index over the new data, which
     TensorFlow refuses to read (each entry's CRC-32C no longer matches) rather than returning
     wrong values. A reader that opened the old ``.index`` just before the swap may find its
