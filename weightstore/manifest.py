@@ -29,14 +29,12 @@ MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 MAX_NDIM = 64
 
 _NUMERIC_KINDS = frozenset("biufc")
-_ML_DTYPE_NAMES = (
-    "bfloat16", "float8_e3m4", "float8_e4m3", "float8_e4m3b11fnuz", "float8_e4m3fn",
-    "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "float6_e2m3fn",
-    "float6_e3m2fn", "float4_e2m1fn", "int2", "int4", "uint2", "uint4",
-)
-#: ml_dtypes kinds that npy and HDF5 store as raw void bytes; the manifest names them.
+#: ml_dtypes kinds (bfloat16, float8_*, int4, ...) that npy and HDF5 store as raw void bytes; the
+#: manifest names them. Taken from the installed ml_dtypes, which adds kinds in minor releases.
 ML_DTYPES: dict[str, np.dtype] = {
-    name: np.dtype(getattr(ml_dtypes, name)) for name in _ML_DTYPE_NAMES if hasattr(ml_dtypes, name)
+    name: np.dtype(kind)
+    for name, kind in sorted(vars(ml_dtypes).items())
+    if not name.startswith("_") and isinstance(kind, type) and issubclass(kind, np.generic)
 }
 _ML_DTYPE_TYPES = {dtype.type: name for name, dtype in ML_DTYPES.items()}
 
