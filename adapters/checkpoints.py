@@ -55,7 +55,6 @@ import contextlib
 import heapq
 import os
 import re
-import secrets
 import shutil
 import tempfile
 import zipfile
@@ -80,7 +79,8 @@ from weightstore.errors import (
 from weightstore.formats import format_for_suffix, format_named
 from weightstore.keys import OUTPUT_SUFFIX, validate_key
 from weightstore.manifest import TensorInfo, dtype_name, shape_nbytes
-from weightstore.store import TEMP_MARK, Store, fsync_folder, fsync_path, is_url, remove_stale_temporaries
+from weightstore.storage import fsync_folder, fsync_path, is_url, remove_stale_temporaries, temporary_beside
+from weightstore.store import Store
 
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 VARIABLE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
@@ -551,7 +551,7 @@ def write_checkpoint(prefix: str, weights: Mapping[str, np.ndarray]) -> None:
     fresh_names = shards <= len(tensors)
     if not fresh_names:
         shards = 1  # the single-entry case of the docstring: data renamed over the old data
-    temporary = str(target.with_name(f".{target.name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"))
+    temporary = str(temporary_beside(target))
     moved: list[str] = []
     try:
         with tf.device("/cpu:0"):

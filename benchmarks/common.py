@@ -168,7 +168,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def fsync_path(path: str) -> None:
     """Make a peer's write durable the way weightstore's save is: file, then its folder."""
-    from weightstore.store import fsync_folder, fsync_path as fsync_file
+    from weightstore.storage import fsync_folder, fsync_path as fsync_file
 
     fsync_file(path)
     fsync_folder(Path(os.path.abspath(path)).parent)

@@ -22,7 +22,7 @@ from weightstore.cli.render import track, working
 from weightstore.errors import FormatError, SelectionError, StoreExistsError, StoreNotFoundError
 from weightstore.formats import format_for_suffix, sniff
 from weightstore.keys import MappingRules, Patterns, plan_inward, plan_outward, validate_key
-from weightstore.store import is_url
+from weightstore.storage import is_url
 
 _SHOWN = 5  # colliding keys named in an error; the rest are counted
 

@@ -629,6 +629,7 @@ def test_every_error_is_a_weightstore_error_and_its_builtin():
         "StoreExistsError": FileExistsError, "KeyNotInStoreError": KeyError, "FormatError": ValueError,
         "ChecksumError": ValueError, "UnsafeFileError": ValueError, "SizeLimitError": ValueError,
         "AssignmentError": ValueError, "PublishError": RuntimeError, "MissingDependencyError": ImportError,
+        "TargetError": ValueError, "StorageError": OSError,
     }
     assert set(errors.__all__) == set(refines) | {"WeightStoreError"}
     for name, builtin in refines.items():

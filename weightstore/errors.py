@@ -14,6 +14,8 @@ weightstore class or the builtin they already handle::
     ├── FormatError(ValueError)            not a weightstore/npz/HDF5 file, or a corrupt one
     │   ├── ChecksumError                  a tensor's bytes do not match the manifest
     │   └── UnsafeFileError                pickles, links, external storage, zip tricks
+    ├── TargetError(ValueError)            a write target that must not be replaced (folder, FIFO, device)
+    ├── StorageError(OSError)              the storage service failed (outage, credentials); retry later
     ├── SizeLimitError(ValueError)         a read would exceed ``max_bytes``
     ├── AssignmentError(ValueError)        assign found missing/unexpected/mismatched keys
     ├── PublishError(RuntimeError)         a second publisher, or steps that go back
@@ -36,6 +38,8 @@ __all__ = [
     "FormatError",
     "ChecksumError",
     "UnsafeFileError",
+    "TargetError",
+    "StorageError",
     "SizeLimitError",
     "AssignmentError",
     "PublishError",
@@ -44,7 +48,25 @@ __all__ = [
 
 
 class WeightStoreError(Exception):
-    """Root of every error weightstore raises on purpose."""
+    """Root of every error weightstore raises on purpose.
+
+    ``path`` (the file, folder or URL) and ``key`` (the tensor), where known, are attributes so
+    that callers and the CLI can filter on them; the message is composed from them here, once:
+    ``"model.npz: tensor 'dense/kernel': is corrupt"``. Older raise sites still write the path
+    into ``message`` themselves and leave the attributes ``None``.
+    """
+
+    def __init__(self, message: str = "", *, path: str | None = None, key: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.path = path
+        self.key = key
+
+    def __str__(self) -> str:
+        parts = [self.path] if self.path else []
+        if self.key is not None:
+            parts.append(f"tensor {self.key!r}")
+        return ": ".join([*parts, self.message]) if parts else self.message
 
 
 class InvalidKeyError(WeightStoreError, ValueError):
@@ -72,8 +94,7 @@ class StoreExistsError(WeightStoreError, FileExistsError):
 
 
 class KeyNotInStoreError(WeightStoreError, KeyError):
-    def __str__(self) -> str:  # KeyError would quote the whole message
-        return str(self.args[0]) if self.args else ""
+    __str__ = WeightStoreError.__str__  # KeyError's would quote the whole message
 
 
 class FormatError(WeightStoreError, ValueError):
@@ -86,6 +107,16 @@ class ChecksumError(FormatError):
 
 class UnsafeFileError(FormatError):
     pass
+
+
+class TargetError(WeightStoreError, ValueError):
+    """A write whose target must not be replaced: a folder, FIFO, socket or device."""
+
+
+class StorageError(WeightStoreError, OSError):
+    """The storage service failed (an object store outage, refused credentials): retrying may help."""
+
+    __str__ = WeightStoreError.__str__
 
 
 class SizeLimitError(WeightStoreError, ValueError):
@@ -102,8 +133,9 @@ class AssignmentError(WeightStoreError, ValueError):
         missing: Iterable[str] = (),
         unexpected: Iterable[str] = (),
         mismatched: Iterable[object] = (),
+        path: str | None = None,
     ) -> None:
-        super().__init__(message)
+        super().__init__(message, path=path)
         self.missing = list(missing)
         self.unexpected = list(unexpected)
         self.mismatched = list(mismatched)

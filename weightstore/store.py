@@ -1,10 +1,8 @@
 """``save``, ``load`` and ``open`` over local paths and fsspec URLs, with atomic replace.
 
-Local writes go to a temporary file beside the target, are fsynced, renamed over it, and the
-folder is fsynced, so a reader sees the old file or the new one and never a mix. A save
-killed outright leaves its temporary file behind; the next save to that target removes
-temporaries whose writer is gone. URLs are written locally first and uploaded in one put,
-which object stores make visible all at once.
+How a save becomes visible (rename beside the target locally, one upload to a URL), and which
+targets it refuses to replace, is :mod:`weightstore.storage`'s business; this module checks the
+input, picks the format and streams tensors into the file the commit protocol hands it.
 """
 
 from __future__ import annotations
@@ -13,12 +11,8 @@ import builtins
 import contextlib
 import json
 import os
-import re
-import secrets
-import tempfile
 from collections.abc import Iterable, Iterator, Mapping
-from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
@@ -26,41 +20,17 @@ from weightstore import __version__
 from weightstore.errors import (
     InvalidKeyError,
     KeyNotInStoreError,
-    MissingDependencyError,
     SizeLimitError,
     StoreExistsError,
     StoreNotFoundError,
+    TargetError,
     UnsupportedDTypeError,
     WeightStoreError,
 )
-from weightstore.formats import Format, Reader, format_for_suffix, format_named, sniff
+from weightstore.formats import Format, Reader, format_for_suffix, format_named, known_suffixes, sniff
 from weightstore.keys import MappingRules, Patterns, plan_outward, validate_key
 from weightstore.manifest import TensorInfo, build_manifest, checksum_text, crc32, dtype_name, logical_dtype, to_storage
-
-PathLike = Union[str, "os.PathLike[str]"]
-#: marks the temporary file a save writes beside its target (``.NAME.wstmp-PID-RANDOM``)
-TEMP_MARK = ".wstmp-"
-
-
-def is_url(path: object) -> bool:
-    text = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
-    return "://" in text and not text.startswith("file://")
-
-
-def _fsspec():
-    try:
-        import fsspec
-    except ImportError:  # pragma: no cover - fsspec is a core dependency
-        raise MissingDependencyError("reading URLs needs fsspec: pip install 'weightstore[s3]'") from None
-    return fsspec
-
-
-def _location(path: Any) -> str:
-    """The path or URL behind anything :func:`open` accepts (``Version`` has ``.path``)."""
-    if hasattr(path, "path") and not isinstance(path, (str, os.PathLike)):
-        path = path.path
-    text = os.fspath(path)
-    return text[len("file://"):] if text.startswith("file://") else text
+from weightstore.storage import commit_for, filesystem, location_of
 
 
 class Store(Mapping):
@@ -171,9 +141,10 @@ def open(path: Any, *, verify: bool = True, format: str | None = None) -> Store:
     opener = getattr(path, "_weightstore_open", None)
     if opener is not None:  # a Version: its pinned file, or a clear "version gone" if pruned
         return opener(verify=verify)
-    location = _location(path)
-    if is_url(location):
-        fs, remote = _fsspec().core.url_to_fs(location)
+    where = location_of(path)
+    location = where.text
+    if where.remote:
+        fs, remote = filesystem(location)
         try:
             handle = fs.open(remote, "rb")
         except FileNotFoundError:
@@ -227,21 +198,38 @@ def save(
     a bad input changes nothing on disk. Tensors are then converted to their stored form (and,
     from a :class:`Store`, read) one at a time as they are written.
     """
-    location = _location(path)
-    fmt = format_named(format) if format else format_for_suffix(location) or format_named("npz")
+    where = location_of(path)
+    location = where.text
+    fmt = _output_format(location, format)
     metadata = checked_metadata(metadata, location)
     arrays = _checked(weights, location)
-    if is_url(location):
-        _save_remote(location, fmt, arrays, metadata, compress, overwrite)
-        return
-    target = Path(location)
-    if not target.parent.is_dir():
-        raise StoreNotFoundError(f"{location}: folder {str(target.parent)!r} does not exist")
-    if not overwrite and target.exists():
+    commit = commit_for(where, suffix=fmt.suffixes[0])
+    if not overwrite and _exists(commit, location):
         raise StoreExistsError(f"{location}: file exists (pass overwrite=True to replace it)")
-    remove_stale_temporaries(target)
-    with atomic_target(target) as temporary:
-        write_file(temporary, fmt, arrays, metadata, compress)
+    with commit.writing() as local:
+        write_file(local, fmt, arrays, metadata, compress)
+
+
+def _output_format(location: str, format: str | None) -> Format:  # noqa: A002
+    """The format a save writes: ``format`` if given, else the suffix's; any other suffix is refused.
+
+    Refused before anything is written: a silent npz under ``model.safetensors`` or ``m.xyz``
+    would be a file that its own name misdescribes to every other tool.
+    """
+    if format:
+        return format_named(format)
+    fmt = format_for_suffix(location)
+    if fmt is None:
+        raise TargetError(f"cannot tell which format to write from the file name; use one of "
+                          f"{', '.join(known_suffixes())}, or pass format=", path=location)
+    return fmt
+
+
+def _exists(commit: Any, location: str) -> bool:
+    exists = getattr(commit, "exists", None)
+    if exists is not None:
+        return bool(exists())
+    return os.path.lexists(location)
 
 
 def checked_metadata(metadata: Mapping[str, Any] | None, where: str = "") -> dict[str, Any]:
@@ -341,69 +329,3 @@ def write_file(path: str, fmt: Format, arrays: Mapping[str, tuple[str, np.ndarra
     except BaseException:
         writer.abort()
         raise
-
-
-@contextlib.contextmanager
-def atomic_target(target: Path) -> Iterator[str]:
-    """A temporary path beside ``target`` that replaces it, durably, when the block succeeds."""
-    temporary = target.with_name(f".{target.name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
-    try:
-        yield str(temporary)
-        fsync_path(temporary)
-        os.replace(temporary, target)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary)
-        raise
-    fsync_folder(target.parent)
-
-
-def fsync_path(path: str | Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_folder(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def remove_stale_temporaries(target: Path, suffix: str = "") -> None:
-    """Remove temporaries of earlier saves to ``target`` whose process has died (SIGKILL).
-
-    ``suffix`` is a pattern for what a writer appends after the temporary's name (the file
-    endings of a TF checkpoint written under a temporary prefix).
-    """
-    pattern = re.compile(re.escape(f".{target.name}{TEMP_MARK}") + r"(\d+)-[0-9a-f]+" + suffix + "$")
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(target.parent):
-            match = pattern.match(entry.name)
-            if match and not _process_alive(int(match.group(1))):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _save_remote(url: str, fmt: Format, arrays, metadata, compress: bool, overwrite: bool) -> None:
-    fs, remote = _fsspec().core.url_to_fs(url)
-    if not overwrite and fs.exists(remote):
-        raise StoreExistsError(f"{url}: file exists (pass overwrite=True to replace it)")
-    with tempfile.TemporaryDirectory(prefix="weightstore-") as scratch:
-        local = os.path.join(scratch, "upload" + (fmt.suffixes[0]))
-        write_file(local, fmt, arrays, metadata, compress)
-        fs.put_file(local, remote)

@@ -13,7 +13,14 @@ order of a publish is what makes readers safe without talking to the writer:
 
 Readers only ever reach a version through ``LATEST``, so leftovers of a killed publish (a
 temporary file, or a complete version ``LATEST`` never named) are invisible to them; the next
-publish removes them.
+publish removes them. It knows which complete file is a leftover because every publish first
+records its intent (``.publishing``, naming its step) and removes that record once ``LATEST``
+names the new version: a version above ``LATEST`` that the intent names was never published.
+
+**A version above ``LATEST`` that no intent names is never removed.** That is a ``LATEST``
+rolled back (restored from a backup, copied from another folder): the newer versions are real,
+so a publish whose step is not above the newest of them is refused with :class:`PublishError`
+naming them, and one above them keeps them all.
 
 **A missing or damaged ``LATEST``** (deleted by hand, or a first publish killed between its
 version file and its pointer) never costs versions: the newest version file's step then counts
@@ -21,6 +28,10 @@ as current, so the next publish must be above it (with a warning), and that publ
 nothing but temporaries of dead writers. A complete version file a killed *first* publish left
 is therefore kept: it holds real weights of that step, readers never saw it, and retention
 prunes it like any older version.
+
+**A ``LATEST`` that is not a file** (a FIFO, a folder) is reported as damaged and never opened
+for reading (a FIFO would block the reader forever); the next publish replaces a FIFO, socket
+or empty folder there, and refuses a folder holding files.
 
 **One publisher per folder.** Steps must strictly increase: a publish whose step is not
 above the step ``LATEST`` names (or, without a readable ``LATEST``, the newest version file's)
@@ -33,7 +44,13 @@ best-effort (read ``LATEST``, then write), so run one publisher per folder there
 mapped, and a mapping survives the file's removal, so a slow reader keeps its version. An
 object store has no such thing: the open object's bytes are fetched in ranges as they are read,
 so a reader that lags more than one publish behind can still lose a large version; it then gets
-:class:`VersionGoneError` and should move to the newest (``Follower`` does).
+:class:`VersionGoneError` and should move to the newest (``Follower`` does). A store opened
+from a pinned version (``ws.open(version)``) shares the pin and keeps the file open until it
+is closed itself, even after the iteration moved on.
+
+**Outages.** A storage service that fails (an object store down for a while) raises
+:class:`StorageError`; :func:`follow` keeps looking, every ``poll`` seconds, and raises it only
+when ``timeout`` passes while the service is still failing.
 
 **Hot reload.** ``tf1.assign``/``tf2.assign`` given a :class:`Version` skip every tensor whose
 manifest checksum equals what the same target last received (``skip_unchanged=None`` means
@@ -46,43 +63,87 @@ from the environment as the client reads it (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
-import os
+import logging
 import re
-import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from weightstore.errors import FormatError, PublishError, StoreNotFoundError, VersionGoneError
-from weightstore.formats import format_for_suffix, format_named
-from weightstore.store import (
-    TEMP_MARK,
-    Store,
-    _checked,
-    _fsspec,
-    checked_metadata,
-    atomic_target,
-    is_url,
-    remove_stale_temporaries,
-    write_file,
+from weightstore.errors import (
+    FormatError,
+    PublishError,
+    StorageError,
+    StoreNotFoundError,
+    TargetError,
+    VersionGoneError,
 )
+from weightstore.formats import format_for_suffix, format_named
+from weightstore.storage import Folder, LocalFolder, folder_for, location_of, remove_stale_temporaries
+from weightstore.store import Store, _checked, checked_metadata, write_file
 
 __all__ = ["Version", "VersionEntry", "publish", "latest", "follow", "list_versions"]
 
 LATEST = "LATEST"
-LOCK = ".publish.lock"
+INTENT = ".publishing"
 POINTER_FORMAT = "weightstore-latest"
 _NAME = re.compile(r"^step-(\d+)(\.[A-Za-z0-9]+)$")
 _MAX_POINTER_BYTES = 1 << 20
+_log = logging.getLogger(__name__)
+
 
 def _stage(name: str) -> None:
     """Marks each stage of a publish; does nothing (tests replace it to kill the publisher there)."""
+
+
+class _SharedReader:
+    """One open reader shared by a pin and the stores opened from it; closed when the last lets go.
+
+    A store the user opened from a pinned version must stay readable while they hold it, even
+    after the iteration released the pin: closing it under them turned reads into a raw
+    ``ValueError: mmap closed``.
+    """
+
+    def __init__(self, reader: Any):
+        self._reader = reader
+        self._holders = 1
+        self._lock = threading.Lock()
+
+    def share(self) -> _Borrowed:
+        with self._lock:
+            if not self._holders:
+                raise ValueError("reader already closed")
+            self._holders += 1
+        return _Borrowed(self)
+
+    def release(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            last = not self._holders
+        if last:
+            self._reader.close()
+
+
+class _Borrowed:
+    """A shared reader as one holder sees it: ``close`` lets go of this holder's share only."""
+
+    def __init__(self, shared: _SharedReader):
+        self._shared: _SharedReader | None = shared
+
+    def __getattr__(self, name: str) -> Any:
+        shared = self.__dict__.get("_shared")
+        if shared is None:
+            raise AttributeError(name)
+        return getattr(shared._reader, name)
+
+    def close(self) -> None:
+        shared, self._shared = self._shared, None
+        if shared is not None:
+            shared.release()
 
 
 @dataclass
@@ -90,8 +151,9 @@ class Version:
     """One published version. ``ws.open``, ``ws.load`` and the adapters' ``assign`` accept it.
 
     A version yielded by :func:`follow` is *pinned*: its file is already open, so it stays
-    readable (even if pruned meanwhile) until the iteration moves on. One from :func:`latest`
-    is opened when first read; if it was pruned by then, that read raises
+    readable (even if pruned meanwhile) until the iteration moves on; a store opened from it
+    with ``ws.open`` stays readable until that store is closed. One from :func:`latest` is
+    opened when first read; if it was pruned by then, that read raises
     :class:`VersionGoneError` — call ``latest`` again and retry. Assigning a Version skips
     tensors whose checksum equals what the same target last received (hot reload).
     """
@@ -100,38 +162,35 @@ class Version:
     path: str
     created: str
     metadata: dict[str, Any] = field(default_factory=dict)
-    _folder: "_Folder | None" = field(default=None, repr=False, compare=False)
-    _pinned: Store | None = field(default=None, repr=False, compare=False)
+    _folder: Folder | None = field(default=None, repr=False, compare=False)
+    _pinned: _SharedReader | None = field(default=None, repr=False, compare=False)
 
     def _weightstore_open(self, *, verify: bool = True) -> Store:
-        """What ``ws.open(version)`` returns: a view of the pinned file, or the file opened now."""
-        if self._pinned is not None:
-            return Store(_Borrowed(self._pinned._reader), self.path, verify)
-        folder = self._folder or _folder_for(self.path.rsplit("/", 1)[0] if "/" in self.path else ".")
-        return folder.open_version(self, verify)
+        """What ``ws.open(version)`` returns: a share of the pinned file, or the file opened now."""
+        pinned = self._pinned
+        if pinned is not None:
+            with_share = _try_share(pinned)
+            if with_share is not None:
+                return Store(with_share, self.path, verify)
+        return _open_version(self._folder or folder_for(self.path.rsplit("/", 1)[0] if "/" in self.path else "."),
+                             self, verify)
 
     def pin(self) -> None:
         """Open the file now so that pruning cannot take it away; :meth:`release` lets go."""
         if self._pinned is None:
-            self._pinned = self._weightstore_open(verify=True)
+            self._pinned = _SharedReader(self._weightstore_open(verify=True)._reader)
 
     def release(self) -> None:
-        if self._pinned is not None:
-            self._pinned.close()
-            self._pinned = None
+        pinned, self._pinned = self._pinned, None
+        if pinned is not None:
+            pinned.release()
 
 
-class _Borrowed:
-    """A pinned version's reader, lent to a Store whose ``close`` must not end the pin."""
-
-    def __init__(self, reader: Any):
-        self._reader = reader
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._reader, name)
-
-    def close(self) -> None:
-        pass
+def _try_share(pinned: _SharedReader) -> _Borrowed | None:
+    try:
+        return pinned.share()
+    except ValueError:  # released by another thread a moment ago: open the file anew
+        return None
 
 
 @dataclass(frozen=True)
@@ -168,30 +227,34 @@ def publish(
     if keep is not None and keep < 1:
         raise ValueError(f"keep must be at least 1 (or None to keep all), not {keep!r}")
     fmt = format_named(format)
-    target = _folder_for(folder, storage_options)
+    target = folder_for(folder, storage_options)
     name = f"step-{step:012d}{fmt.suffixes[0]}"
     arrays = _checked(weights, target.url(name))
     metadata = checked_metadata(metadata, target.url(name))
     target.create()
-    with target.publish_lock():
+    with target.lock():
         _stage("locked")
-        current, named = target.current_step()
-        if current is not None and step <= current:
-            which = "LATEST names" if named else "is the newest version file (LATEST is missing or damaged)"
-            raise PublishError(
-                f"{target.where}: step {step} is not after step {current}, which {which}; steps must increase"
-                " (is another trainer publishing to this folder?)"
-            )
-        target.remove_leftovers(current, named)
+        state = _FolderState.read(target)
+        state.check_step(step)
+        state.clean()
         _stage("cleaned")
+        _write_small(target, INTENT, json.dumps({"step": step, "file": name}).encode())
         created = _now()
         pointer = json.dumps({"format": POINTER_FORMAT, "version": 1, "step": step, "file": name,
                               "created": created, "metadata": dict(metadata or {})}, sort_keys=True)
-        target.write_version(name, fmt, arrays, metadata)
+        with target.commit(name, fmt.suffixes[0]).writing() as local:
+            write_file(local, fmt, arrays, metadata, False)
+            _stage("version-temporary")
         _stage("version-written")
-        target.write_latest(pointer.encode())
+        if isinstance(target, LocalFolder):
+            target.replace_special(LATEST)
+        with target.commit(LATEST).writing() as local:
+            with open(local, "wb") as handle:
+                handle.write(pointer.encode())
+            _stage("latest-temporary")
         _stage("latest-written")
-        target.prune(step, None if keep is None else max(keep, 2))
+        target.remove(INTENT)
+        _prune(target, step, None if keep is None else max(keep, 2))
         _stage("pruned")
     return Version(step, target.url(name), created, dict(metadata or {}), target)
 
@@ -199,10 +262,10 @@ def publish(
 def latest(folder: Any, *, storage_options: Mapping[str, Any] | None = None) -> Version | None:
     """The version ``LATEST`` names, or ``None`` if nothing was published yet.
 
-    Raises :class:`FormatError` when ``LATEST`` is empty or not a pointer. The file itself is
-    opened only when read; see :class:`Version`.
+    Raises :class:`FormatError` when ``LATEST`` is empty, not a pointer, or not a file. The
+    file itself is opened only when read; see :class:`Version`.
     """
-    return _folder_for(folder, storage_options).latest()
+    return _latest(folder_for(folder, storage_options))
 
 
 def follow(
@@ -219,13 +282,19 @@ def follow(
     the caller was busy are skipped in favour of the newest. Stops after ``timeout`` seconds
     without a new version (``None``: never). A version pruned between reading ``LATEST`` and
     opening it is retried at once; ``LATEST`` naming a file that stays missing raises
-    :class:`StoreNotFoundError`.
+    :class:`StoreNotFoundError`. A storage outage is waited out (see the module docstring).
     """
-    source = _folder_for(folder, storage_options)
+    source = folder_for(folder, storage_options)
     last = after
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        version = _newer_pinned(source, last)
+        try:
+            version = _newer_pinned(source, last)
+        except StorageError as exc:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise
+            _log.warning("weightstore: following %s: %s; retrying in %ss", source.where, exc, poll)
+            version = None
         if version is not None:
             try:
                 yield version
@@ -240,11 +309,11 @@ def follow(
         time.sleep(poll if remaining is None else min(poll, remaining))
 
 
-def _newer_pinned(source: "_Folder", last: int | None) -> Version | None:
+def _newer_pinned(source: Folder, last: int | None) -> Version | None:
     """The latest version if it is above ``last``, opened; retries while it is pruned away."""
     gone = None
     while True:
-        version = source.latest()
+        version = _latest(source)
         if version is None or (last is not None and version.step <= last):
             return None
         try:
@@ -260,15 +329,160 @@ def _newer_pinned(source: "_Folder", last: int | None) -> Version | None:
 
 def list_versions(folder: Any, *, storage_options: Mapping[str, Any] | None = None) -> list[VersionEntry]:
     """Every version file in ``folder``, oldest first, marking the one ``LATEST`` names."""
-    source = _folder_for(folder, storage_options)
+    source = folder_for(folder, storage_options)
     if not source.exists():
         raise StoreNotFoundError(f"{source.where}: no such folder")
-    pointer = source.latest()
+    pointer = _latest(source)
     named = pointer.path.rsplit("/", 1)[-1] if pointer else None
-    return [
-        VersionEntry(step, name, source.url(name), size, modified, name == named)
-        for step, name, size, modified in source.entries()
-    ]
+    return [VersionEntry(step, entry.name, source.url(entry.name), entry.size, entry.modified, entry.name == named)
+            for step, entry in _versions(source)]
+
+
+# -- the folder's state, as a publish sees it ------------------------------------------------
+
+@dataclass
+class _FolderState:
+    """What a publish must know before writing: LATEST, the version files, a killed publish's intent."""
+
+    folder: Folder
+    pointer: Version | None
+    pointer_error: FormatError | None
+    versions: list[tuple[int, Any]]
+    intent: int | None
+
+    @classmethod
+    def read(cls, folder: Folder) -> _FolderState:
+        try:
+            pointer, error = _latest(folder), None
+        except FormatError as exc:
+            pointer, error = None, exc
+        return cls(folder, pointer, error, _versions(folder), _read_intent(folder))
+
+    @property
+    def newest(self) -> int | None:
+        return self.versions[-1][0] if self.versions else None
+
+    def unpublished(self) -> list[tuple[int, Any]]:
+        """Version files above the one LATEST names that a killed publish's intent accounts for."""
+        if self.pointer is None:
+            return []
+        return [(step, entry) for step, entry in self.versions if step > self.pointer.step and step == self.intent]
+
+    def above_latest(self) -> list[int]:
+        """Steps above LATEST's that no intent accounts for: a LATEST that was rolled back."""
+        if self.pointer is None:
+            return []
+        return [step for step, _ in self.versions if step > self.pointer.step and step != self.intent]
+
+    def check_step(self, step: int) -> None:
+        """Refuse a step that does not go forward; warn about a damaged or missing LATEST."""
+        where = self.folder.where
+        if self.pointer_error is not None:
+            warnings.warn(f"{self.pointer_error}; the next publish replaces it", stacklevel=4)
+        elif self.pointer is None and self.newest is not None:
+            warnings.warn(f"{where}: LATEST is missing but version files exist; the newest, step {self.newest}, "
+                          "counts as current and the next publish names its own version", stacklevel=4)
+        if self.pointer is not None and step <= self.pointer.step:
+            raise PublishError(f"{where}: step {step} is not after step {self.pointer.step}, which LATEST names; "
+                               "steps must increase (is another trainer publishing to this folder?)")
+        rolled_back = self.above_latest()
+        if rolled_back and step <= rolled_back[-1]:
+            raise PublishError(
+                f"{where}: step {step} is not after step {rolled_back[-1]}: LATEST names step {self.pointer.step}, "
+                f"but {_steps(rolled_back)} above it {'were' if len(rolled_back) > 1 else 'was'} published before "
+                "(was LATEST restored from an older copy?); publish a later step, or move those files away"
+            )
+        if self.pointer is None and self.newest is not None and step <= self.newest:
+            raise PublishError(f"{where}: step {step} is not after step {self.newest}, which is the newest version "
+                               "file (LATEST is missing or damaged); steps must increase")
+
+    def clean(self) -> None:
+        """Remove what killed publishes left: dead writers' temporaries and never-published versions."""
+        if isinstance(self.folder, LocalFolder):
+            for name in self.folder.temporaries():
+                remove_stale_temporaries(self.folder.root / name)
+        for _, entry in self.unpublished():
+            self.folder.remove(entry.name)
+        if self.intent is not None:
+            self.folder.remove(INTENT)
+
+
+def _steps(steps: list[int]) -> str:
+    return f"step {steps[0]}" if len(steps) == 1 else f"steps {', '.join(map(str, steps[:5]))}" + (
+        " …" if len(steps) > 5 else "")
+
+
+def _versions(folder: Folder) -> list[tuple[int, Any]]:
+    found = []
+    for entry in folder.list():
+        match = _NAME.match(entry.name)
+        if match:
+            found.append((int(match.group(1)), entry))
+    return sorted(found, key=lambda item: item[0])
+
+
+def _read_intent(folder: Folder) -> int | None:
+    """The step a killed publish was writing, from its intent record; ``None`` when there is none."""
+    try:
+        data = folder.read_small(INTENT, 4096)
+    except TargetError:
+        return None
+    try:
+        step = json.loads(data)["step"] if data else None
+    except (ValueError, TypeError, KeyError, RecursionError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def _write_small(folder: Folder, name: str, data: bytes) -> None:
+    with folder.commit(name).writing() as local:
+        with open(local, "wb") as handle:
+            handle.write(data)
+
+
+def _prune(folder: Folder, newest: int, keep: int | None) -> None:
+    if keep is None:
+        return
+    entries = [entry for step, entry in _versions(folder) if step <= newest]
+    for entry in entries[:-keep]:
+        folder.remove(entry.name)
+        _stage("pruning")
+
+
+def _latest(folder: Folder) -> Version | None:
+    try:
+        data = folder.read_small(LATEST, _MAX_POINTER_BYTES)
+    except TargetError as exc:
+        raise FormatError(f"{exc}; the next publish replaces it") from None
+    if data is None:
+        return None
+    pointer = _parse_pointer(data, folder.where)
+    metadata = pointer.get("metadata") if isinstance(pointer.get("metadata"), dict) else {}
+    return Version(pointer["step"], folder.url(pointer["file"]), str(pointer.get("created", "")), metadata, folder)
+
+
+def _open_version(folder: Folder, version: Version, verify: bool) -> Store:
+    name = version.path.rsplit("/", 1)[-1]
+    try:
+        handle = folder.open_binary(name)
+    except FileNotFoundError:
+        raise _gone(version) from None
+    if isinstance(handle, str):
+        from weightstore.store import open as open_store
+
+        try:
+            return open_store(handle, verify=verify)
+        except FileNotFoundError:  # pruned between the look and the map
+            raise _gone(version) from None
+    try:
+        fmt = format_for_suffix(name) or format_named("npz")
+        return Store(fmt.open_reader(handle, version.path), version.path, verify)
+    except FileNotFoundError:
+        handle.close()
+        raise _gone(version) from None
+    except BaseException:
+        handle.close()
+        raise
 
 
 def _gone(version: Version) -> VersionGoneError:
@@ -284,255 +498,17 @@ def _parse_pointer(data: bytes, where: str) -> dict[str, Any]:
         raise FormatError(f"{where}: LATEST is empty; publish again to repair it")
     try:
         pointer = json.loads(data)
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         pointer = None
+    file_match = _NAME.match(pointer["file"]) if isinstance(pointer, dict) and isinstance(pointer.get("file"), str) else None
+    step = pointer.get("step") if isinstance(pointer, dict) else None
     if (
-        not isinstance(pointer, dict) or pointer.get("format") != POINTER_FORMAT
-        or not isinstance(pointer.get("step"), int) or not isinstance(pointer.get("file"), str)
-        or _NAME.match(pointer["file"]) is None or int(_NAME.match(pointer["file"]).group(1)) != pointer["step"]
+        not isinstance(pointer, dict) or pointer.get("format") != POINTER_FORMAT or file_match is None
+        or not isinstance(step, int) or isinstance(step, bool) or int(file_match.group(1)) != step
     ):
         raise FormatError(f"{where}: LATEST is not a weightstore version pointer; publish again to repair it")
     return pointer
 
 
-class _Folder:
-    """The handful of operations a versioned folder needs; local and fsspec versions below."""
-
-    where: str
-
-    def url(self, name: str) -> str:
-        return f"{self.where.rstrip('/')}/{name}"
-
-    def latest(self) -> Version | None:
-        data = self.read_latest()
-        if data is None:
-            return None
-        pointer = _parse_pointer(data, self.where)
-        metadata = pointer.get("metadata") if isinstance(pointer.get("metadata"), dict) else {}
-        return Version(pointer["step"], self.url(pointer["file"]), str(pointer.get("created", "")), metadata, self)
-
-    def current_step(self) -> tuple[int | None, bool]:
-        """The step a new publish must exceed, and whether LATEST names it.
-
-        LATEST's step when it is readable; when it is damaged or missing but version files
-        exist, the newest file's, so a folder that lost its pointer neither goes backwards nor
-        loses versions. ``None`` for a folder with no versions.
-        """
-        try:
-            version = self.latest()
-        except FormatError as exc:
-            warnings.warn(f"{exc}; the next publish replaces it", stacklevel=3)
-            return self._newest_file(), False
-        if version is not None:
-            return version.step, True
-        newest = self._newest_file()
-        if newest is not None:
-            warnings.warn(f"{self.where}: LATEST is missing but version files exist; the newest, step {newest}, "
-                          "counts as current and the next publish names its own version", stacklevel=3)
-        return newest, False
-
-    def _newest_file(self) -> int | None:
-        steps = [step for step, *_ in self.entries()]
-        return max(steps) if steps else None
-
-    def remove_leftovers(self, current: int | None, named: bool) -> None:
-        """Remove versions above the one LATEST names: a killed publish wrote them, LATEST never named them.
-
-        Without a readable LATEST (``named`` false) no version is removed: any of them may be
-        the one a reader or a person still needs. Temporaries of dead writers go either way.
-        """
-        if not named:
-            return
-        for step, name, *_ in self.entries():
-            if step > current:
-                self.remove(name)
-
-    def prune(self, newest: int, keep: int | None) -> None:
-        if keep is None:
-            return
-        entries = [entry for entry in self.entries() if entry[0] <= newest]
-        for _, name, *_ in entries[:-keep]:
-            self.remove(name)
-            _stage("pruning")
-
-    def create(self) -> None:
-        """Make the folder if this kind of folder needs making (object stores do not)."""
-
-    # implemented by each kind of folder
-    def exists(self) -> bool: ...
-    def read_latest(self) -> bytes | None: ...
-    def entries(self) -> list[tuple[int, str, int, str]]: ...
-    def write_version(self, name: str, fmt, arrays, metadata) -> None: ...
-    def write_latest(self, data: bytes) -> None: ...
-    def remove(self, name: str) -> None: ...
-    def open_version(self, version: Version, verify: bool) -> Store: ...
-    def publish_lock(self) -> contextlib.AbstractContextManager: ...
-
-
-class _LocalFolder(_Folder):
-    def __init__(self, path: str):
-        self.root = Path(path)
-        self.where = str(path)
-
-    def create(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-
-    def exists(self) -> bool:
-        return self.root.is_dir()
-
-    def read_latest(self) -> bytes | None:
-        try:
-            with open(self.root / LATEST, "rb") as handle:
-                return handle.read(_MAX_POINTER_BYTES)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-
-    def entries(self) -> list[tuple[int, str, int, str]]:
-        found = []
-        with contextlib.suppress(FileNotFoundError):
-            for entry in os.scandir(self.root):
-                match = _NAME.match(entry.name)
-                if match:
-                    with contextlib.suppress(FileNotFoundError):  # pruned while we listed
-                        stat = entry.stat()
-                        found.append((int(match.group(1)), entry.name, stat.st_size, _iso(stat.st_mtime)))
-        return sorted(found)
-
-    def write_version(self, name: str, fmt, arrays, metadata) -> None:
-        with atomic_target(self.root / name) as temporary:
-            write_file(temporary, fmt, arrays, metadata, False)
-            _stage("version-temporary")
-
-    def write_latest(self, data: bytes) -> None:
-        with atomic_target(self.root / LATEST) as temporary:
-            with open(temporary, "wb") as handle:
-                handle.write(data)
-            _stage("latest-temporary")
-
-    def remove(self, name: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.root / name)
-
-    def remove_leftovers(self, current: int | None, named: bool) -> None:
-        targets = {entry.name.split(TEMP_MARK)[0][1:] for entry in os.scandir(self.root) if TEMP_MARK in entry.name}
-        for name in targets:
-            remove_stale_temporaries(self.root / name)
-        super().remove_leftovers(current, named)
-
-    def open_version(self, version: Version, verify: bool) -> Store:
-        from weightstore.store import open as open_store
-
-        try:
-            return open_store(version.path, verify=verify)
-        except FileNotFoundError:  # also when pruned between ``open``'s look and its map
-            raise _gone(version) from None
-
-    @contextlib.contextmanager
-    def publish_lock(self) -> Iterator[None]:
-        try:
-            import fcntl
-        except ImportError:  # pragma: no cover - Windows: no advisory lock, steps still checked
-            yield
-            return
-        fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
-
-
-class _RemoteFolder(_Folder):
-    """An fsspec folder: no rename, so each object is written whole, LATEST last."""
-
-    def __init__(self, url: str, storage_options: Mapping[str, Any] | None):
-        self.where = url.rstrip("/")
-        self.fs, self.root = _fsspec().core.url_to_fs(url, **dict(storage_options or {}))
-        self.root = self.root.rstrip("/")
-
-    def _path(self, name: str) -> str:
-        return f"{self.root}/{name}"
-
-    def exists(self) -> bool:
-        self.fs.invalidate_cache(self.root)
-        return bool(self.fs.exists(self.root)) or bool(self.entries())
-
-    def read_latest(self) -> bytes | None:
-        try:
-            return self.fs.cat_file(self._path(LATEST))  # no range: S3 refuses one on an empty object
-        except FileNotFoundError:
-            return None
-
-    def entries(self) -> list[tuple[int, str, int, str]]:
-        self.fs.invalidate_cache(self.root)
-        try:
-            listing = self.fs.ls(self.root, detail=True)
-        except FileNotFoundError:
-            return []
-        found = []
-        for info in listing:
-            name = info["name"].rstrip("/").rsplit("/", 1)[-1]
-            match = _NAME.match(name)
-            if match and info.get("type") != "directory":
-                found.append((int(match.group(1)), name, int(info.get("size") or 0), _modified(info)))
-        return sorted(found)
-
-    def write_version(self, name: str, fmt, arrays, metadata) -> None:
-        with tempfile.TemporaryDirectory(prefix="weightstore-publish-") as scratch:
-            local = os.path.join(scratch, name)
-            write_file(local, fmt, arrays, metadata, False)
-            _stage("version-temporary")
-            self.fs.put_file(local, self._path(name))
-
-    def write_latest(self, data: bytes) -> None:
-        self.fs.pipe_file(self._path(LATEST), data)
-
-    def remove(self, name: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm_file(self._path(name))
-
-    def open_version(self, version: Version, verify: bool) -> Store:
-        name = version.path.rsplit("/", 1)[-1]
-        try:
-            handle = self.fs.open(self._path(name), "rb")
-        except FileNotFoundError:
-            raise _gone(version) from None
-        try:
-            fmt = format_for_suffix(name) or format_named("npz")
-            return Store(fmt.open_reader(handle, version.path), version.path, verify)
-        except FileNotFoundError:
-            handle.close()
-            raise _gone(version) from None
-        except BaseException:
-            handle.close()
-            raise
-
-    @contextlib.contextmanager
-    def publish_lock(self) -> Iterator[None]:
-        yield  # object stores offer no lock; the step check guards, best-effort
-
-
-def _folder_for(folder: Any, storage_options: Mapping[str, Any] | None = None) -> _Folder:
-    text = os.fspath(folder)
-    if text.startswith("file://"):
-        text = text[len("file://"):]
-    if is_url(text):
-        return _RemoteFolder(text, storage_options)
-    return _LocalFolder(text)
-
-
-def _iso(timestamp: float) -> str:
-    moment = datetime.datetime.fromtimestamp(timestamp, datetime.timezone.utc)
-    return moment.isoformat(timespec="seconds").replace("+00:00", "Z")
-
-
-def _modified(info: Mapping[str, Any]) -> str:
-    for key in ("LastModified", "mtime", "created", "updated"):
-        value = info.get(key)
-        if isinstance(value, datetime.datetime):
-            return _iso(value.timestamp())
-        if isinstance(value, (int, float)):
-            return _iso(float(value))
-        if isinstance(value, str) and value:
-            return value
-    return ""
+def _folder_of(path: str) -> Folder:
+    return folder_for(location_of(path).text)

@@ -71,6 +71,11 @@ def format_for_suffix(path: str) -> Format | None:
     return None
 
 
+def known_suffixes() -> list[str]:
+    """Every suffix a save can write, in registry order."""
+    return [suffix for fmt in _registry() for suffix in fmt.suffixes]
+
+
 def sniff(head: bytes, where: str) -> Format:
     """The format of a file by its first bytes, for names whose suffix says nothing."""
     for fmt in _registry():
