@@ -186,3 +186,56 @@ def test_reader_racing_publishes_on_s3(s3, folder):
     thread.join()
     assert not failures
     assert seen == sorted(set(seen)) and seen[-1] == 30
+
+
+def test_follow_waits_out_an_outage(s3, caplog):
+    """A service that goes away for a while is waited out, not fatal (it used to kill ``follow``)."""
+    import s3fs
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    options = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"},
+               "config_kwargs": {"retries": {"max_attempts": 1}}}
+    s3fs.S3FileSystem.clear_instance_cache()
+    url = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    ws.publish(url, weights_at(1), step=1, storage_options=options)
+    seen, errors = [], []
+
+    def follow():
+        try:
+            for version in ws.follow(url, poll=0.05, timeout=30, storage_options=options):
+                seen.append(version.step)
+                if version.step == 2:
+                    return
+        except Exception as exc:  # noqa: BLE001 - whatever comes out is the failure under test
+            errors.append(exc)
+
+    thread = threading.Thread(target=follow)
+    thread.start()
+    server.stop()  # the outage: every request is refused for a while
+    try:
+        thread.join(1.0)
+        assert thread.is_alive() and errors == []
+    finally:
+        server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()
+    try:
+        ws.publish(url, weights_at(2), step=2, storage_options=options)
+        thread.join(30)
+        assert errors == [] and seen[-1] == 2
+        assert "storage failed" in caplog.text and "retrying" in caplog.text
+    finally:
+        server.stop()
+
+
+def test_follow_raises_a_storage_error_when_the_outage_outlasts_its_timeout(s3):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # nothing listens there
+    options = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"},
+               "config_kwargs": {"retries": {"max_attempts": 1}}}
+    with pytest.raises(ws.StorageError, match=rf"s3://{BUCKET}/down: storage failed"):
+        next(ws.follow(f"s3://{BUCKET}/down", poll=0.05, timeout=0.5, storage_options=options))

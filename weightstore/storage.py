@@ -379,12 +379,11 @@ class LocalFolder(Folder):
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         except (FileNotFoundError, NotADirectoryError):
             return None
-        except IsADirectoryError:
-            raise TargetError(f"{name} is a folder, not a file", path=self.where) from None
+        kind = _kind_of(os.fstat(fd).st_mode)
+        if kind is not None:
+            os.close(fd)
+            raise TargetError(f"{name} is {kind}, not a file", path=self.where)
         with os.fdopen(fd, "rb") as handle:
-            kind = _kind_of(os.fstat(fd).st_mode)
-            if kind is not None:
-                raise TargetError(f"{name} is {kind}, not a file", path=self.where)
             return handle.read(limit)
 
     def commit(self, name: str, suffix: str = "") -> Commit:
