@@ -178,10 +178,8 @@ def test_follower_records_a_version_that_does_not_fit(tmp_path):
     model = small_model()
     ws.publish(tmp_path, {"unrelated": np.zeros(2, np.float32)}, step=1)
     with Follower(model, tmp_path, poll=0.005) as follower:
-        started = time.monotonic()
-        with pytest.raises(ws.AssignmentError):  # not a wait until the timeout (or forever)
+        with pytest.raises(ws.AssignmentError):  # raised, not a wait until the timeout (that returns None)
             follower.wait(timeout=10)
-        assert time.monotonic() - started < 5
         assert isinstance(follower.error, ws.AssignmentError) and follower.version is None
         with pytest.raises(ws.AssignmentError):  # still failed: raises at once
             follower.wait(1, timeout=10)
@@ -258,6 +256,4 @@ def test_follower_error_from_a_damaged_folder_clears_once_it_reads_cleanly(tmp_p
         while follower.error is not None and time.monotonic() < deadline:
             time.sleep(0.01)
         assert follower.error is None
-        started = time.monotonic()
         assert follower.wait(2, timeout=0.3) is None  # waits for step 2 instead of raising the old error
-        assert time.monotonic() - started >= 0.25
