@@ -14,9 +14,12 @@ import typer
 from typer.core import TyperGroup
 from typer.exceptions import Abort, Exit, TyperException
 
+from weightstore.cli import render
 from weightstore.errors import WeightStoreError
 
 INTERRUPTED = 130
+#: flags of the group that may also be written after the subcommand (``ws ls m.npz -q``)
+GLOBAL_FLAGS = frozenset({"--quiet", "-q", "--debug"})
 
 
 def describe(exc: BaseException) -> str:
@@ -32,8 +35,22 @@ def describe(exc: BaseException) -> str:
     return " ".join(text.split()) or type(exc).__name__
 
 
+def hoist_global_flags(args: list[str]) -> list[str]:
+    """``args`` with the group's flags moved in front of the subcommand, where click looks for them.
+
+    People type ``ws ls m.npz -q`` as often as ``ws -q ls m.npz``; click only reads group options
+    before the subcommand. Nothing after a ``--`` is touched.
+    """
+    end = args.index("--") if "--" in args else len(args)
+    flags = [arg for arg in args[:end] if arg in GLOBAL_FLAGS]
+    return flags + [arg for arg in args[:end] if arg not in GLOBAL_FLAGS] + args[end:]
+
+
 class GuardedGroup(TyperGroup):
     """A typer group whose subcommands fail with one line instead of a traceback."""
+
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, hoist_global_flags(list(args)))
 
     def invoke(self, ctx: typer.Context):
         try:
@@ -46,5 +63,10 @@ class GuardedGroup(TyperGroup):
         except Exception as exc:
             if ctx.params.get("debug") or (isinstance(exc, OSError) and exc.errno == errno.EPIPE):
                 raise  # typer's own handler: a traceback, or a quiet exit when a pipe closes
-            typer.echo(f"error: {describe(exc)}", err=True)
+            message = describe(exc)
+            if render.settings.json:
+                render.print_json(render.error_document(ctx.invoked_subcommand, exc, message))
+            typer.echo(f"error: {message}", err=True)
             raise Exit(1) from None
+        finally:
+            render.settings.reset()  # the next invocation in this process (tests, embedding) starts afresh

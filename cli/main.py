@@ -66,6 +66,7 @@ def _check_rules(rules: Optional[list[str]]) -> Optional[list[str]]:
     return rules
 
 
+AsJson = Annotated[bool, typer.Option("--json", help="Print the result as one JSON object (see the README).")]
 Mapping = Annotated[Optional[list[str]], typer.Option("--map", "-m", metavar="FROM=TO", callback=_check_rules,
                                                       help="Rename scope FROM to TO (repeatable; first match wins; "
                                                            "applied before --include/--exclude).")]
@@ -75,9 +76,13 @@ Mapping = Annotated[Optional[list[str]], typer.Option("--map", "-m", metavar="FR
 def options(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or status lines.")] = False,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks and TensorFlow's own logs.")] = False,
+    as_json: AsJson = False,
 ) -> None:
-    """Move model weights between TensorFlow checkpoints, Keras files and npz/HDF5 weight stores."""
-    settings.quiet, settings.debug = quiet, debug
+    """Move model weights between TensorFlow checkpoints, Keras files and npz/HDF5 weight stores.
+
+    Global flags may also follow the command: ws ls m.npz -q.
+    """
+    settings.quiet, settings.debug, settings.json = quiet, debug, as_json
     if not debug:
         checkpoints.silence_tensorflow()
 
@@ -92,19 +97,27 @@ def export(
     include: Include = None,
     exclude: Exclude = None,
     trainable_only: Annotated[bool, typer.Option("--trainable-only", help="Only trainable variables (needs a TF1 checkpoint's .meta).")] = False,
+    also: Annotated[Optional[list[str]], typer.Option("--also", help="With --trainable-only, also keep keys under this "
+                                                                      "scope or matching this glob (repeatable).")] = None,
     compress: Annotated[bool, typer.Option("--compress", help="Deflate the tensors (smaller, not memory-mappable).")] = False,
+    as_json: AsJson = False,
 ) -> None:
     """Write the weights of SOURCE, or the selected part of them, to a weight store.
 
     \b
     Example:
       ws export train/ -o model_001.npz --scope tower_0 --exclude '*/Adam*'
+      ws export train/ -o small.npz --trainable-only --also '*/bn/moving_*'
     """
+    _json(as_json)
+    if also and not trainable_only:
+        raise typer.BadParameter("--also adds to what --trainable-only keeps; give --trainable-only too",
+                                 param_hint="--also")
     with checkpoints.open_source(source) as opened:
         written = transfer.export(opened, output, scope=scope, mapping=mapping, include=include, exclude=exclude,
-                                  trainable_only=trainable_only, compress=compress)
-    note(f"wrote {count(written.count, 'tensor')} ({human_bytes(written.nbytes)}) from {opened.kind} {source} to {written.path}")
-    _note_skipped(opened)
+                                  trainable_only=trainable_only, also=also, compress=compress)
+    _report("export", written, opened, f"wrote {count(written.count, 'tensor')} ({human_bytes(written.nbytes)}) "
+                                       f"from {opened.kind} {source} to {written.path}")
 
 
 @app.command("import")
@@ -117,6 +130,7 @@ def import_(
     include: Include = None,
     exclude: Exclude = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace keys the target already holds.")] = False,
+    as_json: AsJson = False,
 ) -> None:
     """Put the weights of STORE into a store or TF checkpoint, under a scope.
 
@@ -124,18 +138,19 @@ def import_(
     Example:
       ws import m2.npz --into ensemble.ckpt --scope model_002
     """
+    _json(as_json)
     with checkpoints.open_source(store) as opened:
         written = transfer.import_(opened, into, scope=scope, mapping=mapping, include=include, exclude=exclude,
                                    overwrite=overwrite)
-    note(f"wrote {count(written.count, 'tensor')} ({human_bytes(written.nbytes)}) into {written.kind} {written.path}")
-    _note_skipped(opened)
+    _report("import", written, opened, f"wrote {count(written.count, 'tensor')} ({human_bytes(written.nbytes)}) "
+                                       f"into {written.kind} {written.path}")
 
 
 @app.command("ls")
 def ls(
     store: Annotated[str, typer.Argument(help="A store, TF checkpoint or Keras file.")],
     scope: Annotated[Optional[str], typer.Option("--scope", "-s", help="Only keys under this scope.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+    as_json: AsJson = False,
 ) -> None:
     """List the tensors of STORE: key, dtype, shape and size, with totals and metadata.
 
@@ -143,15 +158,17 @@ def ls(
     Example:
       ws ls model.npz --scope model_002
     """
+    _json(as_json)
     with checkpoints.open_source(store) as opened:
         keys = _under_scope(opened, scope)
         infos = [opened.info(k) for k in keys]
-        if as_json:
-            render.print_json({
+        if settings.json:
+            render.emit("ls", {
                 "path": opened.path, "kind": opened.kind, "created": opened.created, "metadata": opened.metadata,
                 "count": len(infos), "nbytes": sum(i.nbytes for i in infos),
                 "tensors": [{"key": i.key, "dtype": i.dtype, "shape": list(i.shape), "nbytes": i.nbytes,
                              "checksum": i.checksum} for i in infos],
+                "skipped": list(opened.skipped),
             })
             return
         _note_skipped(opened)
@@ -178,7 +195,7 @@ def diff(
     a: Annotated[str, typer.Argument(help="A store, TF checkpoint or Keras file.")],
     b: Annotated[str, typer.Argument(help="Another one, compared key by key.")],
     atol: Annotated[float, typer.Option(min=0.0, help="Values differing by at most this count as equal.")] = 0.0,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+    as_json: AsJson = False,
 ) -> None:
     """Compare the tensors of A and B: added, removed, changed and unchanged.
 
@@ -188,10 +205,11 @@ def diff(
     Example:
       ws diff before.npz after.npz --atol 1e-6
     """
+    _json(as_json)
     with checkpoints.open_source(a) as left, checkpoints.open_source(b) as right:
         result = compare.diff(left, right, atol=atol)
-    if as_json:
-        render.print_json({"a": a, "b": b, "atol": atol, **result.to_json()})
+    if settings.json:
+        render.emit("diff", {"a": a, "b": b, "atol": atol, **result.to_json()})
     else:
         _print_diff(a, b, result)
     if not result.equal:
@@ -218,6 +236,7 @@ def convert(
     a: Annotated[str, typer.Argument(help="The weights to convert: a store, TF checkpoint or Keras file.")],
     b: Annotated[str, typer.Argument(help="The store to write; its suffix picks npz or HDF5 (.h5).")],
     compress: Annotated[bool, typer.Option("--compress", help="Deflate the tensors (smaller, not memory-mappable).")] = False,
+    as_json: AsJson = False,
 ) -> None:
     """Rewrite A as B: npz to HDF5 or back, or recompressed; metadata is kept.
 
@@ -225,13 +244,15 @@ def convert(
     Example:
       ws convert model.npz model.h5
     """
+    _json(as_json)
     with checkpoints.open_source(a) as opened:
         written = transfer.convert(opened, b, compress=compress)
-    note(f"wrote {count(written.count, 'tensor')} ({human_bytes(written.nbytes)}) to {written.path}")
+    _report("convert", written, opened, f"wrote {count(written.count, 'tensor')} ({human_bytes(written.nbytes)}) "
+                                        f"to {written.path}")
 
 
 @app.command()
-def verify(store: Annotated[str, typer.Argument(help="The weight store to check.")]) -> None:
+def verify(store: Annotated[str, typer.Argument(help="The weight store to check.")], as_json: AsJson = False) -> None:
     """Check the structure of STORE and every tensor's checksum; exit 1 naming what is corrupt.
 
     \b
@@ -241,15 +262,35 @@ def verify(store: Annotated[str, typer.Argument(help="The weight store to check.
     import weightstore
     from weightstore.errors import ChecksumError
 
+    _json(as_json)
     with weightstore.open(store) as opened:
         problems = compare.verify(opened)
         total, has_checksums = len(opened), opened.has_checksums
+    if settings.json and not problems:
+        render.emit("verify", {"path": store, "count": total, "checksums": has_checksums, "problems": []})
+        return
     if problems:
         raise ChecksumError(f"{store}: {len(problems)} of {count(total, 'tensor')} corrupt: {'; '.join(problems)}")
     if has_checksums:
         note(f"{store}: ok, {count(total, 'tensor')}, checksums match")
     else:
         note(f"{store}: readable, {count(total, 'tensor')}; no weightstore manifest, so no checksums to check")
+
+
+def _json(as_json: bool) -> None:
+    """``--json`` after the command means what it means before it."""
+    settings.json = settings.json or as_json
+
+
+def _report(command: str, written: transfer.Written, source: checkpoints.Source, line: str) -> None:
+    """What a writing command did: one JSON object with ``--json``, else a note on stderr."""
+    if settings.json:
+        render.emit(command, {"source": source.path, "source_kind": source.kind, "path": written.path,
+                              "kind": written.kind, "count": written.count, "nbytes": written.nbytes,
+                              "skipped": list(source.skipped)})
+        return
+    note(line)
+    _note_skipped(source)
 
 
 def _note_skipped(source: checkpoints.Source) -> None:

@@ -34,6 +34,10 @@ class Settings:
 
     quiet: bool = False
     debug: bool = False
+    json: bool = False
+
+    def reset(self) -> None:
+        self.quiet = self.debug = self.json = False
 
 
 settings = Settings()
@@ -133,3 +137,21 @@ def listing_table(infos: list[TensorInfo], title: str) -> Table:
 
 def print_json(document: Any) -> None:
     typer.echo(json.dumps(document, indent=2, ensure_ascii=False))
+
+
+def emit(command: str, document: dict[str, Any]) -> None:
+    """A command's result with ``--json``: one object, ``{"command": …, "ok": true, …}``.
+
+    Every command prints exactly one such object on stdout (``ws follow`` one per version, on
+    one line each, since it streams); a failure prints ``{"command": …, "ok": false, "error":
+    {"type", "message", "path", "key"}}`` instead, as :func:`error_document` builds it.
+    """
+    print_json({"command": command, "ok": True, **document})
+
+
+def error_document(command: str | None, exc: BaseException, message: str) -> dict[str, Any]:
+    return {"command": command, "ok": False, "error": {
+        "type": type(exc).__name__, "message": message,
+        "path": getattr(exc, "path", None) if isinstance(getattr(exc, "path", None), str) else None,
+        "key": getattr(exc, "key", None) if isinstance(getattr(exc, "key", None), str) else None,
+    }}

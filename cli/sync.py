@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from weightstore.cli.render import human_bytes
+from weightstore.cli.render import emit, human_bytes, settings
 
 
 def register(app: typer.Typer) -> None:
@@ -25,7 +25,7 @@ Folder = Annotated[str, typer.Argument(help="Versioned folder: a local path or a
 
 def versions(
     folder: Folder,
-    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per version, oldest first.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the versions as one JSON object, oldest first.")] = False,
 ) -> None:
     """List the versions in FOLDER: step, time, size, and which one LATEST names.
 
@@ -36,10 +36,10 @@ def versions(
     from weightstore.versions import list_versions
 
     entries = list_versions(folder)
-    if as_json:
-        for entry in entries:
-            typer.echo(json.dumps({"step": entry.step, "path": entry.path, "modified": entry.modified,
-                                   "size": entry.size, "latest": entry.latest}))
+    if as_json or settings.json:
+        emit("versions", {"folder": folder, "versions": [
+            {"step": entry.step, "path": entry.path, "modified": entry.modified, "size": entry.size,
+             "latest": entry.latest} for entry in entries]})
         return
     if not entries:
         typer.echo(f"{folder}: no versions")
@@ -55,7 +55,7 @@ def follow(
                                                                        "new version.")] = None,
     after: Annotated[Optional[int], typer.Option("--after", help="Only versions with a step above this one.")] = None,
     poll: Annotated[float, typer.Option("--poll", help="Seconds between looks at LATEST.")] = 1.0,
-    as_json: Annotated[bool, typer.Option("--json", help="Print each version as one JSON object.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print each version as one JSON object on its line.")] = False,
 ) -> None:
     """Print each new version of FOLDER as it lands (the latest one first), one per line.
 
@@ -65,9 +65,10 @@ def follow(
     """
     from weightstore.versions import follow as follow_versions
 
+    as_json = as_json or settings.json
     for version in follow_versions(folder, poll=poll, timeout=timeout, after=after):
-        if as_json:
-            typer.echo(json.dumps({"step": version.step, "path": version.path, "created": version.created,
-                                   "metadata": version.metadata}))
+        if as_json:  # a stream: one object per line, so a reader can act on each as it lands
+            typer.echo(json.dumps({"command": "follow", "ok": True, "step": version.step, "path": version.path,
+                                   "created": version.created, "metadata": version.metadata}, ensure_ascii=False))
         else:
             typer.echo(f"{version.step}\t{version.path}")

@@ -21,7 +21,8 @@ from weightstore.adapters.checkpoints import Source
 from weightstore.cli.render import track, working
 from weightstore.errors import FormatError, SelectionError, StoreExistsError, StoreNotFoundError
 from weightstore.formats import format_for_suffix, sniff
-from weightstore.keys import MappingRules, Patterns, plan_inward, plan_outward, validate_key
+from weightstore.keys import MappingRules, Patterns, passes, plan_inward, plan_outward, validate_key
+from weightstore.store import output_format
 from weightstore.storage import is_url
 
 _SHOWN = 5  # colliding keys named in an error; the rest are counted
@@ -45,11 +46,14 @@ def read(source: Source, plan: Mapping[str, str], description: str) -> dict[str,
 
 
 def export(source: Source, out: str, *, scope: str | None, mapping: MappingRules, include: Patterns,
-           exclude: Patterns, trainable_only: bool, compress: bool) -> Written:
+           exclude: Patterns, trainable_only: bool, compress: bool, also: Patterns = None) -> Written:
+    """``also`` (with ``trainable_only``) keeps keys matching it too: the batch-norm statistics a
+    seed needs beside the trainable weights. It matches the keys after scope and mapping."""
+    output_format(out)
     plan = plan_outward(source.keys(), scope=scope, mapping=mapping, include=include, exclude=exclude, where=source.path)
     if trainable_only:
         trainable = source.trainable_keys()
-        plan = {new: old for new, old in plan.items() if old in trainable}
+        plan = {new: old for new, old in plan.items() if old in trainable or (also and passes(new, include=also))}
         if not plan:
             raise SelectionError(f"{source.path}: no trainable variable is selected")
     if not plan:
@@ -62,6 +66,7 @@ def export(source: Source, out: str, *, scope: str | None, mapping: MappingRules
 
 
 def convert(source: Source, out: str, *, compress: bool) -> Written:
+    output_format(out)
     weights = read(source, {k: k for k in source.keys()}, "converting")
     with working(f"writing {out}"):
         weightstore.save(out, weights, metadata=source.metadata, compress=compress)

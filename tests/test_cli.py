@@ -73,7 +73,7 @@ def test_help_shows_flags_as_flags(command):
     flags = {(): ["--quiet", "--debug", "--help"], ("export",): ["--trainable-only", "--compress"],
              ("import",): ["--overwrite"], ("ls",): ["--json"]}.get(tuple(command), ["--help"])
     for flag in flags:  # each on its line with its help, and no value after it
-        line = next(line for line in result.stdout.splitlines() if flag in line)
+        line = next(line for line in result.stdout.splitlines() if flag in line and line.lstrip().startswith("│"))
         assert line.split(flag, 1)[1].lstrip(" │-q").split()[0][0].isupper(), line
 
 
@@ -378,3 +378,61 @@ def test_python_m_weightstore(store):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["count"] == 3
+
+
+# -- the CLI as people type it ----------------------------------------------------------------
+
+def test_export_trainable_only_also_keeps_chosen_statistics(made, tmp_path):
+    out = tmp_path / "seed.npz"
+    result = run("export", made["tf1"], "-o", out, "--trainable-only", "--also", "model/stats", "--exclude", "*/Adam*")
+    assert result.exit_code == 0, result.output
+    assert sorted(ws.load(out)) == ["model/dense/b", "model/dense/w", "model/emb", "model/stats"]
+    result = run("export", made["tf1"], "-o", tmp_path / "x.npz", "--also", "model/stats")
+    assert result.exit_code == 2 and "--also adds to what --trainable-only keeps" in result.output
+
+
+@pytest.mark.parametrize("flag", ["-q", "--quiet", "--debug"])
+def test_global_flags_also_after_the_command(store, tmp_path, flag):
+    out = tmp_path / "copy.npz"
+    result = run("convert", store, out, flag)
+    assert result.exit_code == 0, result.output
+    if flag != "--debug":
+        assert result.stderr == ""  # quiet: no "wrote …" note
+    assert sorted(ws.load(out)) == sorted(ws.load(store))
+
+
+def test_json_on_every_command_has_one_shape(store, tmp_path):
+    results = {
+        "ls": run("ls", store, "--json"),
+        "diff": run("diff", store, store, "--json"),
+        "convert": run("convert", store, tmp_path / "c.h5", "--json"),
+        "export": run("export", store, "-o", tmp_path / "e.npz", "--scope", "dense", "--json"),
+        "import": run("import", store, "--into", tmp_path / "i.npz", "--scope", "m", "--json"),
+        "verify": run("--json", "verify", store),
+    }
+    for command, result in results.items():
+        assert result.exit_code == 0, (command, result.output)
+        document = json.loads(result.stdout)
+        assert document["command"] == command and document["ok"] is True, document
+    assert results["export"].stderr == ""  # the result is on stdout, not a note on stderr
+    export = json.loads(results["export"].stdout)
+    assert (export["count"], export["path"], export["kind"]) == (2, str(tmp_path / "e.npz"), "store")
+    assert json.loads(results["verify"].stdout)["problems"] == []
+
+
+def test_json_error_names_the_type_the_file_and_exits_1(tmp_path):
+    missing = tmp_path / "missing.npz"
+    result = run("ls", missing, "--json")
+    assert result.exit_code == 1
+    document = json.loads(result.stdout)
+    assert document["ok"] is False and document["command"] == "ls"
+    assert document["error"]["type"] == "StoreNotFoundError" and str(missing) in document["error"]["message"]
+    one_error_line(result, str(missing))
+
+
+@pytest.mark.parametrize("name", ["out.safetensors.bak", "out.xyz"])
+def test_unknown_output_suffix_is_refused_before_anything_is_read(store, tmp_path, name):
+    result = run("export", store, "-o", tmp_path / name)
+    one_error_line(result, "cannot tell which format to write from the file name")
+    assert not (tmp_path / name).exists()
+    one_error_line(run("convert", store, tmp_path / name), "cannot tell which format")

@@ -350,7 +350,9 @@ def test_cli_versions(tmp_path, cli):
     assert len(lines) == 2 and "step-000000000008.npz" in lines[0]
     assert lines[1].endswith("<- LATEST") and lines[1].split()[0] == "9"
     result = CliRunner().invoke(cli, ["versions", str(tmp_path), "--json"])
-    rows = [json.loads(line) for line in result.output.splitlines()]
+    document = json.loads(result.output)
+    assert document["command"] == "versions" and document["ok"] is True
+    rows = document["versions"]
     assert [(r["step"], r["latest"]) for r in rows] == [(8, False), (9, True)] and rows[0]["size"] > 0
     result = CliRunner().invoke(cli, ["versions", str(tmp_path / "missing")])
     assert isinstance(result.exception, ws.StoreNotFoundError)

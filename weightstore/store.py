@@ -200,7 +200,7 @@ def save(
     """
     where = location_of(path)
     location = where.text
-    fmt = _output_format(location, format)
+    fmt = output_format(location, format)
     metadata = checked_metadata(metadata, location)
     arrays = _checked(weights, location)
     commit = commit_for(where, suffix=fmt.suffixes[0])
@@ -210,7 +210,7 @@ def save(
         write_file(local, fmt, arrays, metadata, compress)
 
 
-def _output_format(location: str, format: str | None) -> Format:  # noqa: A002
+def output_format(location: str, format: str | None = None) -> Format:  # noqa: A002
     """The format a save writes: ``format`` if given, else the suffix's; any other suffix is refused.
 
     Refused before anything is written: a silent npz under ``model.safetensors`` or ``m.xyz``
