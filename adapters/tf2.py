@@ -30,6 +30,7 @@ that makes it safe is paid (see the README).
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any, Union
@@ -38,9 +39,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from weightstore.adapters.plan import MEMORY, Report, TargetInfo, open_values, plan_assign, wants_skip
-from weightstore.errors import InvalidKeyError, SelectionError
-from weightstore.keys import OUTPUT_SUFFIX, MappingRules, Patterns, join_scope, plan_outward, validate_key
+import weightstore
+from weightstore.adapters.artifacts import for_model, is_model_file
+from weightstore.adapters.plan import MEMORY, Report, TargetInfo, keeps, open_values, plan_assign, wants_skip
+from weightstore.errors import AssignmentError, InvalidKeyError, SelectionError
+from weightstore.keys import OUTPUT_SUFFIX, MappingRules, Patterns, join_scope, passes, plan_outward, validate_key
 
 Variable = Union[tf.Variable, keras.Variable, "tf.__internal__.distribute.ShardedVariable"]
 _SHARDED = tf.__internal__.distribute.ShardedVariable
@@ -60,11 +63,16 @@ def export(
     include: Patterns = None,
     exclude: Patterns = None,
     trainable_only: bool = False,
+    also: Patterns = None,
 ) -> dict[str, np.ndarray]:
-    """A new weight dictionary of ``obj``'s variables under ``scope`` (keys relative to it)."""
+    """A new weight dictionary of ``obj``'s variables under ``scope`` (keys relative to it).
+
+    With ``trainable_only``, keeps the trainable variables plus those whose key matches
+    ``also`` (``also="*/bn/moving_*"`` adds batch-norm statistics).
+    """
     found = _collect(obj)
     plan = plan_outward(found, scope=scope, include=include, exclude=exclude, where=_describe(obj))
-    chosen = {new: found[old][0] for new, old in plan.items() if found[old][1] or not trainable_only}
+    chosen = {new: found[old][0] for new, old in plan.items() if keeps(new, found[old][1], trainable_only, also)}
     if not chosen:
         why = "no variables (build a Keras model before exporting it)" if not found else "no variable passes the selection"
         raise SelectionError(f"{_describe(obj)} has {why}")
@@ -80,6 +88,7 @@ def assign(
     include: Patterns = None,
     exclude: Patterns = None,
     trainable_only: bool = False,
+    also: Patterns = None,
     strict: bool = True,
     cast: bool = False,
     skip_unchanged: bool | None = None,
@@ -91,19 +100,29 @@ def assign(
     first variable changes. With ``skip_unchanged`` (default: only for Versions), variables
     that last received the very same bytes are left alone and listed in ``report.skipped``.
 
+    A Keras file (``save_weights``'s ``.weights.h5``, ``model.save``'s ``.keras``) or a TF2
+    object checkpoint (``tf.train.Checkpoint``, a prefix or its folder) is paired with
+    ``obj``'s variables by ``obj``'s own structure (see :mod:`weightstore.adapters.artifacts`),
+    so it assigns into any instance of the architecture; optimizer state in it is left out.
+
     That memory only knows what weightstore assigned: after anything else writes the
     variables (training, ``var.assign``, ``model.load_weights``, a checkpoint restore), call
     :func:`forget` (or pass ``skip_unchanged=False``), or a version with the old bytes is skipped
     and the variable keeps the other value.
     """
     found = _collect(obj)
+    if not found and isinstance(obj, keras.layers.Layer) and not obj.built:
+        raise AssignmentError(f"cannot assign into {_describe(obj)}: it is not built, so it has no variables yet; "
+                              "build it first (call it on a batch of inputs, or model.build(input_shape))")
     targets = {
         key: TargetInfo(key, _numpy_dtype(var), _shape(var), trainable) for key, (var, trainable) in found.items()
     }
     skip = wants_skip(weights, skip_unchanged)
-    with open_values(weights) as values:
+    paired = for_model(obj, weights, {key: var for key, (var, _) in found.items()}) if _structured(obj, weights) else None
+    with contextlib.closing(paired) if paired is not None else contextlib.nullcontext(), \
+            open_values(paired if paired is not None else weights) as values:
         plan = plan_assign(values, targets, scope=scope, mapping=mapping, include=include, exclude=exclude,
-                           trainable_only=trainable_only, strict=strict, cast=cast)
+                           trainable_only=trainable_only, also=also, strict=strict, cast=cast)
         report = plan.report
         pending = []
         for key, source in plan.pairs.items():
@@ -120,6 +139,19 @@ def assign(
     return report
 
 
+def load(obj: Any, path: Any, *, include: Patterns = None, exclude: Patterns = None) -> dict[str, np.ndarray]:
+    """The weights in ``path`` keyed as ``export(obj)`` keys ``obj``'s variables: ``ws.load`` with a model at hand.
+
+    For a Keras file or TF2 object checkpoint the keys come from ``obj``'s structure, as
+    :func:`assign` pairs them (tensors the model has no variable for keep their file keys;
+    optimizer state is left out); any other file is read with its own keys.
+    """
+    if not _structured(obj, path):
+        return weightstore.load(path, include=include, exclude=exclude)
+    with for_model(obj, path, variables(obj)) as store:
+        return {key: np.array(store[key]) for key in store.keys() if passes(key, include, exclude)}
+
+
 def forget(obj: Any) -> None:
     """Forget what ``obj``'s variables last received, so the next assign writes them all (no skips).
 
@@ -128,6 +160,11 @@ def forget(obj: Any) -> None:
     """
     for var in variables(obj).values():
         MEMORY.forget(var)
+
+
+def _structured(obj: Any, weights: Any) -> bool:
+    """Whether ``weights`` names a file whose keys must come from ``obj``'s structure."""
+    return isinstance(obj, (keras.layers.Layer, tf.Module)) and is_model_file(weights)
 
 
 def _collect(obj: Any) -> dict[str, tuple[Variable, bool]]:
