@@ -243,11 +243,11 @@ def keeps(key: str, trainable: bool, trainable_only: bool, also: Patterns) -> bo
 
 
 def _few_assigned(where: str, paired: int, targets: Mapping[str, TargetInfo], values: Mapping[str, str]) -> str:
-    """Why most variables stayed as they were, saying so when file and model barely share keys."""
+    """Why most variables stayed as they were, saying so when file and model barely fit each other."""
     common = sum(1 for key in values if key in targets)
     text = (f"assigning {where} (strict=False) left {len(targets) - paired} of {len(targets)} variables as they "
-            f"were; {common} of {len(values)} values share a key with a variable")
-    if common * 2 < min(len(targets), len(values)):
+            f"were; {paired} of {len(values)} values fit a variable ({common} share a key with one)")
+    if paired * 2 < min(len(targets), len(values)):
         text += ": the file and the model look like different architectures (or need scope= or mapping=)"
     return text
 
