@@ -19,9 +19,10 @@ with the variables it reaches them through.
 File keys the walk pairs with a model variable become that variable's key; those it pairs
 with something else (the optimizer's slots, its step counter) are left out, so optimizer state
 is never assigned into a model by accident; file keys under the model's part of the file that
-the walk never reached, other than optimizer state (anything under an ``optimizer`` edge, which
-a model built without its optimizer never reaches), keep their names, so an assign reports them as unexpected (a different
-architecture) instead of pairing them with some look-alike.
+the walk never reached, other than optimizer state (anything under an ``optimizer`` edge,
+which a model built without its optimizer never reaches), keep their names, so an assign
+reports them as unexpected (a different architecture) instead of pairing them with some
+look-alike.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def open_artifact(path: Any) -> weightstore.Store:
     from weightstore.adapters.checkpoints import open_source
 
     source = open_source(path)
-    return weightstore.Store(_Renamed(source, {key: key for key in source.keys()}), source.path, verify=True)
+    return weightstore.Store(_Renamed(source, {key: key for key in source}), source.path, verify=True)
 
 
 def is_model_file(path: Any) -> bool:

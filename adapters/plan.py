@@ -248,7 +248,7 @@ def _few_assigned(where: str, paired: int, targets: Mapping[str, TargetInfo], va
     text = (f"assigning {where} (strict=False) left {len(targets) - paired} of {len(targets)} variables as they "
             f"were; {paired} of {len(values)} values fit a variable ({common} share a key with one)")
     if paired * 2 < min(len(targets), len(values)):
-        text += ": the file and the model look like different architectures (or need scope= or mapping=)"
+        text += ": the weights and the model look like different architectures (or need scope= or mapping=)"
     return text
 
 

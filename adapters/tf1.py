@@ -245,18 +245,9 @@ def _variables(graph: tf.Graph) -> list[tf.Variable]:
 
 
 def _read_tensor(variable: tf.Variable) -> tf.Tensor:
-    """The tensor TF made to read ``variable`` when it made the variable: fetching it runs nothing else.
-
-    ``sess.run(variable)`` would do the same for a real variable, but the read tensor is
-    checked here to depend on nothing but the variable, so an export can never run an update.
-    """
-    tensor = variable._as_graph_element()
-    op = getattr(tensor, "op", None)
-    if op is None or op.control_inputs or not (op is variable.op or (op.type == "ReadVariableOp"
-                                                                     and op.inputs[0].op.name == variable.op.name)):
-        raise FormatError(f"variable {variable.op.name!r} has no plain read tensor in the graph; weightstore reads "
-                          "variables only through the read op TF creates with them")
-    return tensor
+    """The tensor TF made to read ``variable`` along with it (``Read/ReadVariableOp``, or a ref
+    variable's own output): it depends on nothing else, so fetching it runs no other op."""
+    return variable._as_graph_element()
 
 
 def _stitch(target: _Target, fetched) -> np.ndarray:

@@ -118,7 +118,9 @@ def assign(
         key: TargetInfo(key, _numpy_dtype(var), _shape(var), trainable) for key, (var, trainable) in found.items()
     }
     skip = wants_skip(weights, skip_unchanged)
-    paired = for_model(obj, weights, {key: var for key, (var, _) in found.items()}) if _structured(obj, weights) else None
+    paired = None
+    if _structured(obj, weights):
+        paired = for_model(obj, weights, {key: var for key, (var, _) in found.items()})
     with contextlib.closing(paired) if paired is not None else contextlib.nullcontext(), \
             open_values(paired if paired is not None else weights) as values:
         plan = plan_assign(values, targets, scope=scope, mapping=mapping, include=include, exclude=exclude,
@@ -149,7 +151,7 @@ def load(obj: Any, path: Any, *, include: Patterns = None, exclude: Patterns = N
     if not _structured(obj, path):
         return weightstore.load(path, include=include, exclude=exclude)
     with for_model(obj, path, variables(obj)) as store:
-        return {key: np.array(store[key]) for key in store.keys() if passes(key, include, exclude)}
+        return {key: np.array(store[key]) for key in store if passes(key, include, exclude)}
 
 
 def forget(obj: Any) -> None:

@@ -16,12 +16,13 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
-import weightstore as ws  # noqa: E402
-from weightstore import versions  # noqa: E402
 from weightstore.adapters import tf1, tf2  # noqa: E402
 from weightstore.adapters.follower import Follower  # noqa: E402
 from weightstore.adapters.hooks import PublishHook  # noqa: E402
 from weightstore.adapters.plan import AssignWarning, Report  # noqa: E402
+
+import weightstore as ws  # noqa: E402
+from weightstore import versions  # noqa: E402
 from weightstore.errors import AssignmentError, FormatError, InvalidKeyError, VersionGoneError  # noqa: E402
 
 v1 = tf.compat.v1
@@ -60,7 +61,7 @@ def test_tf1_export_reads_only_variables_runs_no_update_and_adds_no_op():
         assert sorted(exported) == ["model_001/bn/beta", "model_001/bn/gamma", "model_001/bn/moving_mean",
                                     "model_001/bn/moving_variance", "model_001/dense/kernel"]
         assert len(graph.get_operations()) == ops
-        for old, new in zip(before, sess.run(variables)):
+        for old, new in zip(before, sess.run(variables), strict=True):
             np.testing.assert_array_equal(old, new)  # the moving stats did not move
         report = tf1.assign(sess, exported)  # strict, complete: no bogus "…/AssignVariableOp" target
         assert report.ok and len(report.assigned) == 5
@@ -166,10 +167,12 @@ def keras_files(tmp_path_factory):
         x = np.random.default_rng(1).random((2, 4) if name == "Subclassed" else (2, 32, 32, 3)).astype("float32")
         model(x)
         scramble(model)
-        weights_file, keras_file = folder / f"{name}.weights.h5", folder / f"{name}.keras"
-        model.save_weights(weights_file)
-        model.save(keras_file)
-        made[name] = (build, x, np.asarray(model(x)), {"weights": weights_file, "keras": keras_file})
+        files = {"weights": folder / f"{name}.weights.h5"}
+        model.save_weights(files["weights"])
+        if name in ("MobileNetV2", "Subclassed"):  # a .keras file holds the same layout: two are enough
+            files["keras"] = folder / f"{name}.keras"
+            model.save(files["keras"])
+        made[name] = (build, x, np.asarray(model(x)), files)
     return made
 
 
@@ -179,18 +182,19 @@ def test_keras_files_assign_into_a_separately_built_instance(keras_files, name):
     model = build()  # built again: Keras numbers its layers differently (dense_3 for dense)
     model(x)
     keys = sorted(tf2.export(model))
-    for kind in ("weights", "keras"):
+    for path in files.values():
         scramble(model, seed=3)
-        report = tf2.assign(model, files[kind])
+        report = tf2.assign(model, path)
         assert report.ok and sorted(report.assigned) == keys
         np.testing.assert_array_equal(np.asarray(model(x)), expected)
-    assert sorted(tf2.load(model, files["keras"])) == keys
+    assert sorted(tf2.load(model, files["weights"])) == keys
 
 
 def keras_pair():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="dense"),
                               keras.layers.BatchNormalization(name="bn")])
-    other = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="dense"), keras.layers.Dense(3, name="out")])
+    other = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="dense"),
+                              keras.layers.Dense(3, name="out")])
     return model, other
 
 
@@ -210,8 +214,8 @@ def test_not_strict_warns_when_file_and_model_look_like_different_architectures(
     model.save_weights(tmp_path / "m.weights.h5")
     other = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4)] + [keras.layers.Dense(3) for _ in range(3)])
     with pytest.warns(AssignWarning, match=r"m\.weights\.h5 \(strict=False\) left 6 of 8 variables as they were; "
-                                           r"2 of 6 values fit a variable \(6 share a key with one\): the file and "
-                                           r"the model look like different architectures"):
+                                           r"2 of 6 values fit a variable \(6 share a key with one\): the weights "
+                                           r"and the model look like different architectures"):
         report = tf2.assign(other, tmp_path / "m.weights.h5", strict=False)
     assert len(report.assigned) == 2
 
