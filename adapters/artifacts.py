@@ -82,15 +82,20 @@ def _is_keras(text: str) -> bool:
 
 
 def _keras_names(model: Any, file_keys: list[str], by_variable: Mapping[int, str]) -> dict[str, str]:
-    """Model key -> file key, from Keras's own save walk over ``model``."""
+    """Model key -> file key, from Keras's own save walk over ``model``.
+
+    Keras's optimizer saves copies (``variable.numpy()``), not its variables, so its
+    ``optimizer/vars/<i>`` entries pair by key: the TF2 adapter keys optimizer state that way.
+    """
     paths = _keras_paths(model)
+    model_keys = set(by_variable.values())
     names: dict[str, str] = {}
     for file_key in file_keys:
         variable = paths.get(file_key)
-        if variable is None and not _optimizer_state(file_key):
-            names.setdefault(file_key, file_key)  # a tensor this model does not have: reported as unexpected
-        elif id(variable) in by_variable:
+        if variable is not None and id(variable) in by_variable:
             names[by_variable[id(variable)]] = file_key
+        elif file_key in model_keys or (variable is None and not _optimizer_state(file_key)):
+            names.setdefault(file_key, file_key)  # a tensor this model does not have: reported as unexpected
     return names
 
 

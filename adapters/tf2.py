@@ -43,7 +43,18 @@ import weightstore
 from weightstore.adapters.artifacts import for_model, is_model_file
 from weightstore.adapters.plan import MEMORY, Report, TargetInfo, keeps, open_values, plan_assign, wants_skip
 from weightstore.errors import AssignmentError, InvalidKeyError, SelectionError
-from weightstore.keys import OUTPUT_SUFFIX, MappingRules, Patterns, join_scope, passes, plan_outward, validate_key
+from weightstore.keys import (
+    OUTPUT_SUFFIX,
+    MappingRules,
+    Patterns,
+    in_scope,
+    join_scope,
+    normalize_scope,
+    passes,
+    plan_outward,
+    strip_scope,
+    validate_key,
+)
 
 Variable = Union[tf.Variable, keras.Variable, "tf.__internal__.distribute.ShardedVariable"]
 _SHARDED = tf.__internal__.distribute.ShardedVariable
@@ -51,9 +62,9 @@ _VARIABLE_TYPES = (tf.Variable, keras.Variable, _SHARDED)
 _PART_SUFFIX = re.compile(r"/part_\d+$")
 
 
-def variables(obj: Any) -> dict[str, Variable]:
+def variables(obj: Any, *, optimizer: bool = False) -> dict[str, Variable]:
     """Key -> variable for everything ``export`` and ``assign`` see in ``obj``."""
-    return {key: var for key, (var, _) in _collect(obj).items()}
+    return {key: var for key, (var, _) in _collect(obj, optimizer).items()}
 
 
 def export(
@@ -64,13 +75,16 @@ def export(
     exclude: Patterns = None,
     trainable_only: bool = False,
     also: Patterns = None,
+    optimizer: bool = False,
 ) -> dict[str, np.ndarray]:
     """A new weight dictionary of ``obj``'s variables under ``scope`` (keys relative to it).
 
     With ``trainable_only``, keeps the trainable variables plus those whose key matches
-    ``also`` (``also="*/bn/moving_*"`` adds batch-norm statistics).
+    ``also`` (``also="*/bn/moving_*"`` adds batch-norm statistics). With ``optimizer``, a
+    Keras model's optimizer state comes too, as ``optimizer/vars/<i>`` (the order and names
+    Keras's own files use).
     """
-    found = _collect(obj)
+    found = _collect(obj, optimizer)
     plan = plan_outward(found, scope=scope, include=include, exclude=exclude, where=_describe(obj))
     chosen = {new: found[old][0] for new, old in plan.items() if keeps(new, found[old][1], trainable_only, also)}
     if not chosen:
@@ -89,6 +103,7 @@ def assign(
     exclude: Patterns = None,
     trainable_only: bool = False,
     also: Patterns = None,
+    optimizer: bool = False,
     strict: bool = True,
     cast: bool = False,
     skip_unchanged: bool | None = None,
@@ -103,14 +118,17 @@ def assign(
     A Keras file (``save_weights``'s ``.weights.h5``, ``model.save``'s ``.keras``) or a TF2
     object checkpoint (``tf.train.Checkpoint``, a prefix or its folder) is paired with
     ``obj``'s variables by ``obj``'s own structure (see :mod:`weightstore.adapters.artifacts`),
-    so it assigns into any instance of the architecture; optimizer state in it is left out.
+    so it assigns into any instance of the architecture. With ``scope``, the file is one of
+    the part of ``obj`` at that scope (one member of an ensemble). Optimizer state in the file
+    is left out unless ``optimizer=True`` (then the model's optimizer must be built:
+    ``model.optimizer.build(model.trainable_variables)``).
 
     That memory only knows what weightstore assigned: after anything else writes the
     variables (training, ``var.assign``, ``model.load_weights``, a checkpoint restore), call
     :func:`forget` (or pass ``skip_unchanged=False``), or a version with the old bytes is skipped
     and the variable keeps the other value.
     """
-    found = _collect(obj)
+    found = _collect(obj, optimizer)
     if not found and isinstance(obj, keras.layers.Layer) and not obj.built:
         raise AssignmentError(f"cannot assign into {_describe(obj)}: it is not built, so it has no variables yet; "
                               "build it first (call it on a batch of inputs, or model.build(input_shape))")
@@ -120,7 +138,9 @@ def assign(
     skip = wants_skip(weights, skip_unchanged)
     paired = None
     if _structured(obj, weights):
-        paired = for_model(obj, weights, {key: var for key, (var, _) in found.items()})
+        part, at = _part_at(obj, normalize_scope(scope)), normalize_scope(scope)
+        paired = for_model(part, weights, {strip_scope(key, at): var for key, (var, _) in found.items()
+                                           if in_scope(key, at) and key != at})
     with contextlib.closing(paired) if paired is not None else contextlib.nullcontext(), \
             open_values(paired if paired is not None else weights) as values:
         plan = plan_assign(values, targets, scope=scope, mapping=mapping, include=include, exclude=exclude,
@@ -141,16 +161,17 @@ def assign(
     return report
 
 
-def load(obj: Any, path: Any, *, include: Patterns = None, exclude: Patterns = None) -> dict[str, np.ndarray]:
+def load(obj: Any, path: Any, *, include: Patterns = None, exclude: Patterns = None,
+         optimizer: bool = False) -> dict[str, np.ndarray]:
     """The weights in ``path`` keyed as ``export(obj)`` keys ``obj``'s variables: ``ws.load`` with a model at hand.
 
     For a Keras file or TF2 object checkpoint the keys come from ``obj``'s structure, as
     :func:`assign` pairs them (tensors the model has no variable for keep their file keys;
-    optimizer state is left out); any other file is read with its own keys.
+    optimizer state is left out unless ``optimizer``); any other file is read with its own keys.
     """
     if not _structured(obj, path):
         return weightstore.load(path, include=include, exclude=exclude)
-    with for_model(obj, path, variables(obj)) as store:
+    with for_model(obj, path, variables(obj, optimizer=optimizer)) as store:
         return {key: np.array(store[key]) for key in store if passes(key, include, exclude)}
 
 
@@ -169,7 +190,31 @@ def _structured(obj: Any, weights: Any) -> bool:
     return isinstance(obj, (keras.layers.Layer, tf.Module)) and is_model_file(weights)
 
 
-def _collect(obj: Any) -> dict[str, tuple[Variable, bool]]:
+def _part_at(obj: Any, scope: str) -> Any:
+    """The layer or module of ``obj`` whose variables' keys are those under ``scope``."""
+    part = obj
+    for segment in scope.split("/") if scope else []:
+        if isinstance(part, keras.layers.Layer):
+            children = list(part._flatten_layers(include_self=False, recursive=False))
+            named = dict(zip(_segments((c.name, _snake_case(type(c).__name__)) for c in children), children))
+        else:
+            named = {segment: getattr(part, segment)} if isinstance(getattr(part, segment, None), tf.Module) else {}
+        if segment not in named:
+            raise SelectionError(f"{_describe(obj)} has no layer or module at scope {scope!r} to pair a file with")
+        part = named[segment]
+    return part
+
+
+def _optimizer_variables(obj: Any) -> list[Variable]:
+    """A compiled Keras model's optimizer variables, in the order Keras saves them (``optimizer/vars/<i>``)."""
+    variables = list(getattr(getattr(obj, "optimizer", None), "variables", None) or [])
+    if not variables:
+        raise SelectionError(f"{_describe(obj)} has no optimizer state: compile it and build its optimizer "
+                             "(model.optimizer.build(model.trainable_variables)) before asking for optimizer=True")
+    return variables
+
+
+def _collect(obj: Any, optimizer: bool = False) -> dict[str, tuple[Variable, bool]]:
     """Key -> (variable, trainable), by the rules in the module docstring."""
     found: dict[str, tuple[Variable, bool]] = {}
     if isinstance(obj, Mapping):
@@ -184,6 +229,9 @@ def _collect(obj: Any) -> dict[str, tuple[Variable, bool]]:
         raise TypeError(
             f"expected a Keras model or layer, a tf.Module, or a list or dict of variables, not {type(obj).__name__}"
         )
+    if optimizer:
+        for i, var in enumerate(_optimizer_variables(obj)):
+            _add(found, f"optimizer/vars/{i}", var, set(), trainable=False)
     return found
 
 

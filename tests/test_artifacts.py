@@ -226,9 +226,17 @@ def test_assigning_into_an_unbuilt_model_says_to_build_it(tmp_path):
         tf2.assign(model, {"head/kernel": np.zeros((6, 2), np.float32)})
 
 
-def trained_with_optimizer():
+def small_net(name=None, compiled=False):
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.BatchNormalization(),
-                              keras.layers.Dense(2)])
+                              keras.layers.Dense(2)], name=name)
+    if compiled:
+        model.compile(keras.optimizers.Adam(0.1), "mse")
+        model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def trained_with_optimizer():
+    model = small_net()
     model.compile(keras.optimizers.Adam(0.1), "mse")
     model.fit(np.random.default_rng(0).random((16, 4)), np.ones((16, 2)), epochs=2, verbose=0)
     return model
@@ -242,11 +250,45 @@ def test_tf2_checkpoint_with_optimizer_state_assigns_the_model_only(tmp_path, la
     prefix = checkpoint.save(str(tmp_path / "ckpt" / "ckpt"))
     x = np.random.default_rng(2).random((3, 4)).astype("float32")
     for path in (prefix, tmp_path / "ckpt"):
-        fresh = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.BatchNormalization(),
-                                  keras.layers.Dense(2)])  # no optimizer: its state must be left out
+        fresh = small_net()  # no optimizer: its state must be left out
         report = tf2.assign(fresh, path)
         assert report.ok and sorted(report.assigned) == sorted(tf2.export(fresh))
         np.testing.assert_array_equal(np.asarray(fresh(x)), np.asarray(model(x)))
+
+
+def test_optimizer_state_is_assigned_when_asked_for(tmp_path):
+    model = trained_with_optimizer()
+    prefix = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(str(tmp_path / "ckpt" / "ckpt"))
+    model.save_weights(tmp_path / "m.weights.h5")
+    expected = tf2.export(model, optimizer=True)
+    assert "optimizer/vars/0" in expected and len(expected) > len(tf2.export(model))
+    for path in (prefix, tmp_path / "m.weights.h5"):
+        fresh = small_net(compiled=True)
+        report = tf2.assign(fresh, path, optimizer=True)
+        assert report.ok and sorted(report.assigned) == sorted(expected)
+        got = tf2.export(fresh, optimizer=True)
+        assert all(np.array_equal(got[key], value) for key, value in expected.items())
+    with pytest.raises(ws.errors.SelectionError, match=r"has no optimizer state: compile it and build its optimizer "
+                                                       r"\(model.optimizer.build\(model.trainable_variables\)\)"):
+        tf2.assign(small_net(), prefix, optimizer=True)
+
+
+def test_a_file_of_one_member_assigns_under_its_scope_in_an_ensemble(tmp_path):
+    single = small_net()
+    x = np.random.default_rng(4).random((3, 4)).astype("float32")
+    single(x)
+    scramble(single)
+    single.save_weights(tmp_path / "m.weights.h5")
+    inputs = keras.Input((4,))
+    members = [small_net(name="model_001"), small_net(name="model_002")]
+    ensemble = keras.Model(inputs, [member(inputs) for member in members])
+    before = np.asarray(ensemble(x)[0])
+    report = tf2.assign(ensemble, tmp_path / "m.weights.h5", scope="model_002")
+    assert report.ok and all(key.startswith("model_002/") for key in report.assigned) and len(report.assigned) == 8
+    np.testing.assert_array_equal(np.asarray(ensemble(x)[1]), np.asarray(single(x)))
+    np.testing.assert_array_equal(np.asarray(ensemble(x)[0]), before)
+    with pytest.raises(ws.errors.SelectionError, match=r"has no layer or module at scope 'model_003' to pair a file"):
+        tf2.assign(ensemble, tmp_path / "m.weights.h5", scope="model_003")
 
 
 def test_tf2_checkpoint_of_another_model_names_the_file(tmp_path):
