@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 import weightstore
-from weightstore.errors import FormatError, KeyNotInStoreError
+from weightstore.errors import AssignmentError, FormatError, KeyNotInStoreError
 from weightstore.manifest import TensorInfo
 
 __all__ = ["ModelKeyedStore", "open_artifact", "is_model_file", "for_model"]
@@ -63,10 +63,15 @@ def is_model_file(path: Any) -> bool:
 
 def for_model(model: Any, path: Any, model_keys: Mapping[str, Any]) -> weightstore.Store:
     """The file at ``path`` as a store keyed like ``model_keys`` (key -> variable of ``model``)."""
+    import keras
+
     text = os.fspath(path)
     source = open_artifact(text)
     try:
         by_variable = {id(var): key for key, var in model_keys.items()}
+        if _is_keras(text) and not isinstance(model, keras.layers.Layer):
+            raise AssignmentError(f"cannot assign {text}: a Keras file pairs with the Keras model or layer that "
+                                  f"saved it, not a {type(model).__name__}")
         if _is_keras(text):
             names = _keras_names(model, source.keys(), by_variable)
         else:
@@ -118,20 +123,27 @@ def _keras_paths(model: Any) -> dict[str, Any]:
 
 
 def _object_graph(path: Any) -> Any:
-    """The object graph of the TF2 checkpoint at ``path``, or None when it is not one."""
-    import tensorflow as tf
+    """The object graph of the TF2 checkpoint at ``path``, or None when it is not one.
 
-    text = os.fspath(path)
-    prefix = tf.train.latest_checkpoint(text) if os.path.isdir(text) else _prefix(text)
-    if prefix is None or not os.path.exists(prefix + ".index"):
-        return None
-    reader = tf.train.load_checkpoint(prefix)
-    if not reader.has_tensor(_OBJECT_GRAPH):
-        return None
+    A damaged checkpoint is None too: :func:`open_artifact` then opens it with its own keys
+    and its reader says what is wrong with which file.
+    """
+    import tensorflow as tf
+    from google.protobuf.message import DecodeError
     from tensorflow.core.protobuf import trackable_object_graph_pb2
 
+    text = os.fspath(path)
     graph = trackable_object_graph_pb2.TrackableObjectGraph()
-    graph.ParseFromString(reader.get_tensor(_OBJECT_GRAPH))
+    try:
+        prefix = tf.train.latest_checkpoint(text) if os.path.isdir(text) else _prefix(text)
+        if prefix is None or not os.path.exists(prefix + ".index"):
+            return None
+        reader = tf.train.load_checkpoint(prefix)
+        if not reader.has_tensor(_OBJECT_GRAPH):
+            return None
+        graph.ParseFromString(reader.get_tensor(_OBJECT_GRAPH))
+    except (tf.errors.OpError, ValueError, DecodeError):
+        return None
     return graph
 
 

@@ -115,8 +115,9 @@ def assign(
 ) -> Report:
     """Write ``weights`` into the variables of ``sess``'s graph, planned first, in one run.
 
-    ``weights`` is a dict, a path, an open store or a ``Version``; only what is assigned is
-    read. With ``strict`` (the default) any missing, unexpected or mismatched key raises
+    ``weights`` is a dict, a path (a store, a TF1 ``Saver`` checkpoint prefix or its folder),
+    an open store or a ``Version``; only what is assigned is read. ``also`` widens
+    ``trainable_only`` as in :func:`export`. With ``strict`` (the default) any missing, unexpected or mismatched key raises
     :class:`~weightstore.errors.AssignmentError` and no variable changes. ``skip_unchanged``
     (default: only for versions) leaves alone tensors whose checksum matches what this
     session last received for that key.

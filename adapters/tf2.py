@@ -20,6 +20,14 @@ How keys are formed (the object you pass is the root; its own name is never part
   ``dense/kernel``; a Keras variable's ``path``); two with the same name are refused.
   **A dict**: its own keys.
 
+- **Optimizer state** (``optimizer=True`` on ``export``/``assign``/``load``): a compiled
+  model's optimizer variables as ``optimizer/vars/<i>``, in ``optimizer.variables`` order,
+  the names Keras's own files give them. Left out otherwise.
+
+Keras files and TF2 object checkpoints given to ``assign`` or :func:`load` are paired with the
+model by its own structure, not by names (:mod:`weightstore.adapters.artifacts`), and come
+out under these keys.
+
 Distributed variables are one key each: a ``MirroredVariable`` exports its value once and an
 assign reaches every replica; a ``ShardedVariable`` exports as one whole tensor and is
 assigned back across its shards. Values go to TensorFlow with ``variable.assign(ndarray)``,

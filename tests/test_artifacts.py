@@ -300,6 +300,25 @@ def test_tf2_checkpoint_of_another_model_names_the_file(tmp_path):
         tf2.assign(unrelated, prefix)
 
 
+def test_a_keras_file_into_a_tf_module_is_refused_naming_the_file(tmp_path):
+    model, _ = keras_pair()
+    model.save_weights(tmp_path / "m.weights.h5")
+    module = tf.Module()
+    module.w = tf.Variable(tf.zeros([2]))
+    with pytest.raises(AssignmentError, match=r"m\.weights\.h5: a Keras file pairs with the Keras model or layer "
+                                              r"that saved it, not a Module"):
+        tf2.assign(module, tmp_path / "m.weights.h5")
+
+
+def test_a_damaged_checkpoint_is_a_weightstore_error_naming_the_file(tmp_path):
+    model, _ = keras_pair()
+    prefix = tf.train.Checkpoint(model=model).write(str(tmp_path / "ckpt-7"))
+    index = tmp_path / "ckpt-7.index"
+    index.write_bytes(index.read_bytes()[:40])
+    with pytest.raises(ws.errors.WeightStoreError, match="ckpt-7"):
+        tf2.assign(model, prefix)
+
+
 # --- selection and reports -----------------------------------------------------------------
 
 def test_also_keeps_batch_norm_statistics_with_trainable_only():
