@@ -89,17 +89,23 @@ def _is_keras(text: str) -> bool:
 def _keras_names(model: Any, file_keys: list[str], by_variable: Mapping[int, str]) -> dict[str, str]:
     """Model key -> file key, from Keras's own save walk over ``model``.
 
-    Keras's optimizer saves copies (``variable.numpy()``), not its variables, so its
-    ``optimizer/vars/<i>`` entries pair by key: the TF2 adapter keys optimizer state that way.
+    A file key the walk reaches through a variable of the model that is not a target (state
+    ``tf2`` does not export, such as a metric's) is left out, like the optimizer's entries; Keras's optimizer saves copies
+    (``variable.numpy()``), not its variables, so its ``optimizer/vars/<i>`` pair by key, which
+    is how the TF2 adapter keys optimizer state. Anything else keeps its file key.
     """
+    import keras
+
     paths = _keras_paths(model)
     model_keys = set(by_variable.values())
     names: dict[str, str] = {}
     for file_key in file_keys:
-        variable = paths.get(file_key)
-        if variable is not None and id(variable) in by_variable:
-            names[by_variable[id(variable)]] = file_key
-        elif file_key in model_keys or (variable is None and not _optimizer_state(file_key)):
+        recorded = paths.get(file_key)
+        if recorded is not None and id(recorded) in by_variable:
+            names[by_variable[id(recorded)]] = file_key
+        elif file_key in model_keys:
+            names.setdefault(file_key, file_key)
+        elif not isinstance(recorded, keras.Variable) and not _optimizer_state(file_key):
             names.setdefault(file_key, file_key)  # a tensor this model does not have: reported as unexpected
     return names
 
@@ -204,6 +210,7 @@ def _near_root(children: list[dict[str, int]]) -> Iterator[int]:
 
 def _match(model: Any, home: int, children: list[dict[str, int]]) -> tuple[dict[int, Any], set[int]]:
     """Node -> variable for every variable reached walking ``model`` and the graph together from ``home``."""
+    import keras
     import tensorflow as tf
 
     view = tf.train.TrackableView(model)
@@ -218,7 +225,7 @@ def _match(model: Any, home: int, children: list[dict[str, int]]) -> tuple[dict[
         seen.add(id(obj))
         reached.add(node)
         edges = view.children(obj)
-        if not edges and hasattr(obj, "assign"):
+        if isinstance(obj, (tf.Variable, keras.Variable)):
             found[node] = obj
         for name, child in edges.items():
             if name in children[node]:
