@@ -117,10 +117,10 @@ def assign(
 
     ``weights`` is a dict, a path (a store, a TF1 ``Saver`` checkpoint prefix or its folder),
     an open store or a ``Version``; only what is assigned is read. ``also`` widens
-    ``trainable_only`` as in :func:`export`. With ``strict`` (the default) any missing, unexpected or mismatched key raises
-    :class:`~weightstore.errors.AssignmentError` and no variable changes. ``skip_unchanged``
-    (default: only for versions) leaves alone tensors whose checksum matches what this
-    session last received for that key.
+    ``trainable_only`` as in :func:`export`. With ``strict`` (the default) any missing,
+    unexpected or mismatched key raises :class:`~weightstore.errors.AssignmentError` and no
+    variable changes. ``skip_unchanged`` (default: only for versions) leaves alone tensors
+    whose checksum matches what this session last received for that key.
 
     That memory only knows what weightstore assigned: after anything else writes the
     variables (``sess.run(init)``, training, ``Saver.restore``), call :func:`forget` (or pass
@@ -191,8 +191,7 @@ def _targets(graph: tf.Graph) -> dict[str, _Target]:
 
 def _collect_targets(graph: tf.Graph) -> dict[str, _Target]:
     """Every weight variable of ``graph`` by key, partitioned variables joined into one."""
-    trainable = {v.op.name for v in graph.get_collection(tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES)
-                 if _is_variable(v)}
+    trainable = {v.op.name for v in graph.get_collection(tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES)}
     targets: dict[str, _Target] = {}
     named: dict[str, str] = {}  # key -> the TF name it came from, to name both sides of a collision
     for variable in _variables(graph):
