@@ -96,7 +96,7 @@ def test_tf1_empty_name_segments_collapse_and_round_trip(tmp_path):
         sess.run(v1.global_variables_initializer())
         exported = tf1.export(sess)
         assert list(exported) == ["model_001/conv_1/kernel"]
-        ws.save(tmp_path / "m.npz", {"model_001/conv_1/kernel": np.full((2, 2), 7.0, np.float32)})
+        ws.save(tmp_path / "m.npz", {key: np.full_like(value, 7.0) for key, value in exported.items()})
         assert tf1.assign(sess, tmp_path / "m.npz").assigned == ["model_001/conv_1/kernel"]
         np.testing.assert_array_equal(sess.run(kernel), np.full((2, 2), 7.0))
 
@@ -254,6 +254,9 @@ def test_tf2_checkpoint_with_optimizer_state_assigns_the_model_only(tmp_path, la
         report = tf2.assign(fresh, path)
         assert report.ok and sorted(report.assigned) == sorted(tf2.export(fresh))
         np.testing.assert_array_equal(np.asarray(fresh(x)), np.asarray(model(x)))
+        loaded = tf2.load(fresh, path)  # ws.load with the model at hand: keyed like tf2.export
+        assert loaded.keys() == tf2.export(model).keys()
+        assert all(np.array_equal(loaded[key], value) for key, value in tf2.export(model).items())
 
 
 def test_optimizer_state_is_assigned_when_asked_for(tmp_path):
