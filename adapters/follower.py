@@ -27,11 +27,13 @@ foreign value.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 from collections.abc import Iterator, Mapping
 from typing import Any, Callable, TypeVar
 
+import weightstore
 from weightstore.adapters.plan import Report
 from weightstore.errors import VersionGoneError
 from weightstore.keys import MappingRules, Patterns
@@ -128,6 +130,7 @@ class Follower:
         return self
 
     def stop(self, timeout: float | None = None) -> None:
+        """Stop following; the current version stays readable until the follower is garbage."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -185,17 +188,28 @@ class Follower:
             self._stop.wait(self.poll)
 
     def _swap(self, version: Version) -> bool:
-        """Assign ``version``; False when it should be looked for again (it was pruned mid-read)."""
+        """Assign ``version``; False when it should be looked for again (it was pruned mid-read).
+
+        The follower takes over the pin ``follow`` holds on the version's file, so
+        ``ws.load(follower.version)`` keeps working while that version is current; the
+        previous version's file is let go once the swap is done (reading it, or a store opened
+        from it, then raises :class:`VersionGoneError`).
+        """
+        held = _hold(version)
         try:
             with self._lock.writing():
-                report = self._assign(self.target, version, **self.options)
+                report = self._assign(self.target, held, **self.options)
                 # still inside the swap: a reader never sees new weights under the old version
-                self.version, self.report, self.error = version, report, None
+                previous, self.version, self.report, self.error = self.version, held, report, None
         except VersionGoneError:
+            held.release()
             return False
         except Exception as exc:
+            held.release()
             self._failed(exc, f"assigning step {version.step}")
             return True
+        if previous is not None:
+            previous.release()
         with self._swapped:
             self._swapped.notify_all()
         return True
@@ -212,6 +226,39 @@ class Follower:
         if self._following_failed:
             with self._swapped:
                 self.error, self._following_failed = None, False
+
+
+def _hold(version: Version) -> Version:
+    """A copy of ``version`` that owns the pin ``follow`` took, which ``follow`` then no longer releases."""
+    pinned = version._pinned
+    version._pinned = None  # follow's release() at the next iteration is now a no-op
+    held = dataclasses.replace(version, _pinned=None)
+    if pinned is not None:
+        held._pinned = weightstore.Store(_Released(pinned), pinned.path, pinned.verify)
+    return held
+
+
+class _Released:
+    """A pinned file's reader that, once closed, says the version is gone rather than ``mmap closed``.
+
+    Stores opened from a pinned version borrow its reader; when the follower lets the
+    version go, their reads land here.
+    """
+
+    def __init__(self, store: weightstore.Store):
+        self._store: weightstore.Store | None = store
+        self._path = store.path
+
+    def __getattr__(self, name: str) -> Any:
+        if self._store is None:
+            raise VersionGoneError(f"{self._path}: this version is no longer current and its file was let go; "
+                                   "read follower.version again")
+        return getattr(self._store._reader, name)
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
 
 
 def _assigner(target: Any) -> Callable[..., Report]:

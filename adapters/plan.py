@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -17,11 +18,18 @@ from typing import Any
 import numpy as np
 
 import weightstore
+from weightstore.adapters.artifacts import open_artifact
 from weightstore.errors import AssignmentError
-from weightstore.keys import MappingRules, Patterns, in_scope, normalize_scope, passes, plan_inward, strip_scope, suggest
+from weightstore.keys import MappingRules, Patterns, in_scope, normalize_scope, passes, plan_inward, strip_scope
+from weightstore.keys import suggest as keys_suggest
 from weightstore.manifest import logical_dtype
 
 _LISTED = 20  # names shown per category in an error; the rest are counted
+_SHOWN = 3  # names shown per category in a report's one-paragraph summary
+
+
+class AssignWarning(UserWarning):
+    """A non-strict assign left most of the selected variables as they were."""
 
 
 @dataclass(frozen=True)
@@ -35,9 +43,14 @@ class Mismatch:
         return f"{self.key}: variable is {self.target}, value is {self.value} ({self.reason})"
 
 
-@dataclass
+@dataclass(repr=False)
 class Report:
-    """What an assign did. ``skipped`` holds keys left alone because their bytes had not changed."""
+    """What an assign did. ``skipped`` holds keys left alone because their bytes had not changed.
+
+    ``str(report)`` is a one-paragraph summary (counts and the first few keys of each kind)
+    and ``repr`` only counts, so printing the report of a 500-variable model stays readable;
+    the lists themselves hold everything.
+    """
 
     assigned: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
@@ -48,6 +61,21 @@ class Report:
     @property
     def ok(self) -> bool:
         return not (self.missing or self.unexpected or self.mismatched)
+
+    def __str__(self) -> str:
+        parts = [f"assigned {len(self.assigned)} variable{'s' * (len(self.assigned) != 1)}"]
+        for title, items in (("skipped as unchanged", self.skipped), ("missing (no value)", self.missing),
+                             ("unexpected (no variable)", self.unexpected),
+                             ("mismatched", [m.key for m in self.mismatched])):
+            if items:
+                shown = ", ".join(items[:_SHOWN]) + (", …" if len(items) > _SHOWN else "")
+                parts.append(f"{len(items)} {title}: {shown}")
+        return "; ".join(parts) + "."
+
+    def __repr__(self) -> str:
+        counts = ", ".join(f"{name}={len(getattr(self, name))}"
+                           for name in ("assigned", "missing", "unexpected", "mismatched", "skipped"))
+        return f"Report({counts})"
 
 
 @dataclass(frozen=True)
@@ -76,12 +104,16 @@ class Values:
             self._store = weights
         elif isinstance(weights, Mapping):
             self._arrays = {k: np.asarray(v) for k, v in weights.items()}
-        elif isinstance(weights, (str, os.PathLike)) or hasattr(weights, "path"):
+        elif isinstance(weights, (str, os.PathLike)):
+            self._store = open_artifact(weights)
+            self._owned = True
+        elif hasattr(weights, "path"):
             self._store = weightstore.open(weights)
             self._owned = True
         else:
             raise TypeError(f"weights must be a dict, a path, a Store or a Version, not {type(weights).__name__}")
         self.where = self._store.path if self._store is not None else "the weight dictionary"
+        self.exact_keys = getattr(self._store, "exact_keys", False)  # keys paired by structure: no hints
 
     def keys(self) -> list[str]:
         return self._store.keys() if self._store is not None else list(self._arrays)
@@ -157,6 +189,7 @@ def plan_assign(
     include: Patterns = None,
     exclude: Patterns = None,
     trainable_only: bool = False,
+    also: Patterns = None,
     strict: bool = True,
     cast: bool = False,
 ) -> Plan:
@@ -164,7 +197,9 @@ def plan_assign(
 
     Values are the dictionary's keys after ``mapping`` and ``scope`` that pass
     ``include``/``exclude`` (scope-relative). Targets are the variables under ``scope`` whose
-    scope-relative key passes the same selection, and, with ``trainable_only``, are trainable.
+    scope-relative key passes the same selection, and, with ``trainable_only``, are trainable
+    or match ``also``. Not strict, a plan that leaves most targets as they were warns
+    (:class:`AssignWarning`): that is nearly always the wrong file, scope or mapping.
     """
     norm_scope = normalize_scope(scope)
     value_keys = plan_inward(values.keys(), scope=norm_scope, mapping=mapping, include=include, exclude=exclude,
@@ -174,7 +209,7 @@ def plan_assign(
         for key, info in targets.items()
         if in_scope(key, norm_scope) and key != norm_scope
         and passes(strip_scope(key, norm_scope), include, exclude)
-        and (info.trainable or not trainable_only)
+        and keeps(strip_scope(key, norm_scope), info.trainable, trainable_only, also)
     }
     report = Report()
     report.missing = [k for k in chosen if k not in value_keys]
@@ -193,10 +228,28 @@ def plan_assign(
             pairs[key] = source
     if (strict and not report.ok) or not pairs:
         raise AssignmentError(
-            _message(report, values.where, chosen, value_keys, pairs, targets, trainable_only=trainable_only),
+            _message(report, values.where, chosen, value_keys, pairs, targets, trainable_only=trainable_only,
+                     hints=not values.exact_keys),
             missing=report.missing, unexpected=report.unexpected, mismatched=report.mismatched,
         )
+    if len(pairs) * 2 < len(chosen):
+        warnings.warn(_few_assigned(values.where, len(pairs), chosen, value_keys), AssignWarning, stacklevel=3)
     return Plan(pairs, report)
+
+
+def keeps(key: str, trainable: bool, trainable_only: bool, also: Patterns) -> bool:
+    """The ``trainable_only`` rule: trainable variables, plus those whose key matches ``also``."""
+    return trainable or not trainable_only or (bool(also) and passes(key, also))
+
+
+def _few_assigned(where: str, paired: int, targets: Mapping[str, TargetInfo], values: Mapping[str, str]) -> str:
+    """Why most variables stayed as they were, saying so when file and model barely fit each other."""
+    common = sum(1 for key in values if key in targets)
+    text = (f"assigning {where} (strict=False) left {len(targets) - paired} of {len(targets)} variables as they "
+            f"were; {paired} of {len(values)} values fit a variable ({common} share a key with one)")
+    if paired * 2 < min(len(targets), len(values)):
+        text += ": the weights and the model look like different architectures (or need scope= or mapping=)"
+    return text
 
 
 def _pair_problem(dtype: np.dtype, shape: tuple[int, ...], target: TargetInfo, cast: bool) -> str:
@@ -210,12 +263,16 @@ def _pair_problem(dtype: np.dtype, shape: tuple[int, ...], target: TargetInfo, c
 
 
 def _message(report: Report, where: str, targets: Mapping[str, Any], values: Mapping[str, str], pairs,
-             every: Mapping[str, Any], *, trainable_only: bool = False) -> str:
+             every: Mapping[str, Any], *, trainable_only: bool = False, hints: bool = True) -> str:
     """``targets`` are the selected variables; ``every`` also suggests those a typo left out.
 
     A value whose variable exists but was left out as not trainable says so, rather than
     suggesting a trainable neighbour (``did you mean 'model_10/w'?`` for ``model_10/b``).
+    Without ``hints`` (keys paired by structure) nothing is suggested.
     """
+
+    def suggest(key: str, candidates: Any) -> str:
+        return keys_suggest(key, candidates) if hints else ""
 
     def unexpected(key: str) -> str:
         if trainable_only and key in every and not every[key].trainable:

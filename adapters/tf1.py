@@ -5,6 +5,18 @@ session's graph (global, local, model, custom), of both kinds (ref and resource)
 Partitioned variables (``w/part_0``, ``w/part_1``…) appear as one whole tensor ``w``, cut
 and stitched along the slices TF records for its ``Saver``.
 
+Only variables are ever read or written: objects in collections that merely subclass
+``tf.Variable`` (the ``_UnreadVariable`` that ``resource_var.assign(...)`` returns, which
+training code puts in ``UPDATE_OPS``) are recognised by their op type (``VarHandleOp``,
+``VariableV2``, ``Variable``) and skipped, and each variable is read through the read tensor
+TF made with it (a resource variable's ``Read/ReadVariableOp``, a ref variable's own output),
+so an export runs no update, needs no placeholder fed, and adds no op to the graph.
+
+Keys collapse empty name segments: a nested ``variable_scope("")`` makes names like
+``model_001//conv_1/kernel``, which export as ``model_001/conv_1/kernel`` and assign back to
+that variable. Two variables whose names collapse to one key (``a//b`` and ``a/b``) are an
+error naming both.
+
 Assigning writes by feeding each variable's initializer input and running its initializer:
 those ops already exist, so repeated assigns never grow the graph and work on a graph that
 ``MonitoredTrainingSession`` has finalized, and every value goes in one ``session.run``. A
@@ -14,14 +26,15 @@ naive ``sess.run(v.assign(x))`` adds ops on every reload until the process runs 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
-from weightstore.adapters.plan import MEMORY, Report, TargetInfo, open_values, plan_assign, wants_skip
-from weightstore.errors import AssignmentError, FormatError, SelectionError
+from weightstore.adapters.plan import MEMORY, Report, TargetInfo, keeps, open_values, plan_assign, wants_skip
+from weightstore.errors import AssignmentError, FormatError, InvalidKeyError, SelectionError
 from weightstore.keys import MappingRules, Patterns, plan_outward
 from weightstore.manifest import ML_DTYPES
 
@@ -30,6 +43,8 @@ __all__ = ["export", "assign", "forget"]
 _ALIGNMENT = 64  # TF adopts fed numpy memory aligned to this instead of copying it
 _WEIGHT_KINDS = frozenset("biufc")
 _ASSIGN_TYPES = frozenset({"Assign", "AssignVariableOp"})
+_VARIABLE_OPS = frozenset({"VarHandleOp", "VariableV2", "Variable"})
+_EMPTY_SEGMENTS = re.compile(r"/{2,}")
 _ML_TYPES = frozenset(dtype.type for dtype in ML_DTYPES.values())
 
 
@@ -61,21 +76,26 @@ def export(
     include: Patterns = None,
     exclude: Patterns = None,
     trainable_only: bool = False,
+    also: Patterns = None,
 ) -> dict[str, np.ndarray]:
     """The variables of ``sess``'s graph as a new dict of arrays, read in one ``session.run``.
 
     Keeps the variables under ``scope`` (keys made relative to it), then those passing
-    ``include``/``exclude``, then, with ``trainable_only``, the trainable ones.
+    ``include``/``exclude``, then, with ``trainable_only``, the trainable ones and those whose
+    key matches ``also`` (``trainable_only=True, also="*/bn/moving_*"``: weights plus batch-norm
+    statistics). Only the variables' own read tensors are fetched: no update runs, nothing
+    needs feeding, and the graph gains no op.
     """
     targets = _targets(sess.graph)
     plan = plan_outward(targets, scope=scope, include=include, exclude=exclude, where="the graph")
     if trainable_only:
-        kept = {key: source for key, source in plan.items() if targets[source].trainable}
+        kept = {key: source for key, source in plan.items() if keeps(key, targets[source].trainable, True, also)}
         if plan and not kept:
-            raise SelectionError("trainable_only keeps no variable: the selected variables are all non-trainable")
+            raise SelectionError("trainable_only keeps no variable: the selected variables are all non-trainable"
+                                 + (f" and none matches also={also!r}" if also else ""))
         plan = kept
     chosen = [targets[source] for source in plan.values()]
-    fetched = iter(sess.run([part.variable for target in chosen for part in target.parts]))
+    fetched = iter(sess.run([_read_tensor(part.variable) for target in chosen for part in target.parts]))
     return {key: _stitch(target, fetched) for key, target in zip(plan, chosen)}
 
 
@@ -88,17 +108,19 @@ def assign(
     include: Patterns = None,
     exclude: Patterns = None,
     trainable_only: bool = False,
+    also: Patterns = None,
     strict: bool = True,
     cast: bool = False,
     skip_unchanged: bool | None = None,
 ) -> Report:
     """Write ``weights`` into the variables of ``sess``'s graph, planned first, in one run.
 
-    ``weights`` is a dict, a path, an open store or a ``Version``; only what is assigned is
-    read. With ``strict`` (the default) any missing, unexpected or mismatched key raises
-    :class:`~weightstore.errors.AssignmentError` and no variable changes. ``skip_unchanged``
-    (default: only for versions) leaves alone tensors whose checksum matches what this
-    session last received for that key.
+    ``weights`` is a dict, a path (a store, a TF1 ``Saver`` checkpoint prefix or its folder),
+    an open store or a ``Version``; only what is assigned is read. ``also`` widens
+    ``trainable_only`` as in :func:`export`. With ``strict`` (the default) any missing,
+    unexpected or mismatched key raises :class:`~weightstore.errors.AssignmentError` and no
+    variable changes. ``skip_unchanged`` (default: only for versions) leaves alone tensors
+    whose checksum matches what this session last received for that key.
 
     That memory only knows what weightstore assigned: after anything else writes the
     variables (``sess.run(init)``, training, ``Saver.restore``), call :func:`forget` (or pass
@@ -111,7 +133,7 @@ def assign(
     with open_values(weights) as values:
         plan = plan_assign(
             values, {key: target.info for key, target in targets.items()}, scope=scope, mapping=mapping,
-            include=include, exclude=exclude, trainable_only=trainable_only, strict=strict, cast=cast,
+            include=include, exclude=exclude, trainable_only=trainable_only, also=also, strict=strict, cast=cast,
         )
         report = plan.report
         fetches: list[tf.Operation] = []
@@ -171,19 +193,23 @@ def _collect_targets(graph: tf.Graph) -> dict[str, _Target]:
     """Every weight variable of ``graph`` by key, partitioned variables joined into one."""
     trainable = {v.op.name for v in graph.get_collection(tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES)}
     targets: dict[str, _Target] = {}
+    named: dict[str, str] = {}  # key -> the TF name it came from, to name both sides of a collision
     for variable in _variables(graph):
         dtype = np.dtype(variable.dtype.base_dtype.as_numpy_dtype)
         if dtype.kind not in _WEIGHT_KINDS and dtype.type not in _ML_TYPES:
             continue  # string and resource variables hold no weights
         name = variable.op.name
         slice_info = variable._get_save_slice_info()
+        whole_name = name if slice_info is None else slice_info.full_name
+        key = _key(whole_name)
+        if named.setdefault(key, whole_name) != whole_name:
+            raise InvalidKeyError(f"variables {named[key]!r} and {whole_name!r} both have key {key!r} "
+                                  "(empty name segments are dropped from keys)")
         if slice_info is None:
             shape = tuple(variable.shape.as_list())
-            targets[name] = _Target(name, dtype, shape, name in trainable, [_Part(variable, ())])
+            targets[key] = _Target(key, dtype, shape, name in trainable, [_Part(variable, ())])
             continue
-        whole = targets.setdefault(
-            slice_info.full_name, _Target(slice_info.full_name, dtype, tuple(slice_info.full_shape), True)
-        )
+        whole = targets.setdefault(key, _Target(key, dtype, tuple(slice_info.full_shape), True))
         whole.trainable &= name in trainable
         index = tuple(slice(o, o + s) for o, s in zip(slice_info.var_offset, slice_info.var_shape))
         whole.parts.append(_Part(variable, index))
@@ -195,6 +221,17 @@ def _collect_targets(graph: tf.Graph) -> dict[str, _Target]:
     return targets
 
 
+def _key(name: str) -> str:
+    """A TF name as a key: empty segments (``a//b`` from ``variable_scope("")``) dropped."""
+    return _EMPTY_SEGMENTS.sub("/", name).strip("/")
+
+
+def _is_variable(item: Any) -> bool:
+    """A variable itself, not an update op dressed as one (``_UnreadVariable`` subclasses ``tf.Variable``)."""
+    op = getattr(item, "op", None) if isinstance(item, tf.Variable) else None
+    return op is not None and op.type in _VARIABLE_OPS
+
+
 def _variables(graph: tf.Graph) -> list[tf.Variable]:
     """Variables of every collection, each once, global ones first in creation order."""
     seen: dict[str, tf.Variable] = {}
@@ -202,9 +239,15 @@ def _variables(graph: tf.Graph) -> list[tf.Variable]:
             *sorted(graph.get_all_collection_keys())]
     for collection in keys:
         for item in graph.get_collection(collection):
-            if isinstance(item, tf.Variable):
+            if _is_variable(item):
                 seen.setdefault(item.op.name, item)
     return list(seen.values())
+
+
+def _read_tensor(variable: tf.Variable) -> tf.Tensor:
+    """The tensor TF made to read ``variable`` along with it (``Read/ReadVariableOp``, or a ref
+    variable's own output): it depends on nothing else, so fetching it runs no other op."""
+    return variable._as_graph_element()
 
 
 def _stitch(target: _Target, fetched) -> np.ndarray:

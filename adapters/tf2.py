@@ -20,6 +20,14 @@ How keys are formed (the object you pass is the root; its own name is never part
   ``dense/kernel``; a Keras variable's ``path``); two with the same name are refused.
   **A dict**: its own keys.
 
+- **Optimizer state** (``optimizer=True`` on ``export``/``assign``/``load``): a compiled
+  model's optimizer variables as ``optimizer/vars/<i>``, in ``optimizer.variables`` order,
+  the names Keras's own files give them. Left out otherwise.
+
+Keras files and TF2 object checkpoints given to ``assign`` or :func:`load` are paired with the
+model by its own structure, not by names (:mod:`weightstore.adapters.artifacts`), and come
+out under these keys.
+
 Distributed variables are one key each: a ``MirroredVariable`` exports its value once and an
 assign reaches every replica; a ``ShardedVariable`` exports as one whole tensor and is
 assigned back across its shards. Values go to TensorFlow with ``variable.assign(ndarray)``,
@@ -30,6 +38,7 @@ that makes it safe is paid (see the README).
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any, Union
@@ -38,9 +47,22 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from weightstore.adapters.plan import MEMORY, Report, TargetInfo, open_values, plan_assign, wants_skip
-from weightstore.errors import InvalidKeyError, SelectionError
-from weightstore.keys import OUTPUT_SUFFIX, MappingRules, Patterns, join_scope, plan_outward, validate_key
+import weightstore
+from weightstore.adapters.artifacts import for_model, is_model_file
+from weightstore.adapters.plan import MEMORY, Report, TargetInfo, keeps, open_values, plan_assign, wants_skip
+from weightstore.errors import AssignmentError, InvalidKeyError, SelectionError
+from weightstore.keys import (
+    OUTPUT_SUFFIX,
+    MappingRules,
+    Patterns,
+    in_scope,
+    join_scope,
+    normalize_scope,
+    passes,
+    plan_outward,
+    strip_scope,
+    validate_key,
+)
 
 Variable = Union[tf.Variable, keras.Variable, "tf.__internal__.distribute.ShardedVariable"]
 _SHARDED = tf.__internal__.distribute.ShardedVariable
@@ -48,9 +70,9 @@ _VARIABLE_TYPES = (tf.Variable, keras.Variable, _SHARDED)
 _PART_SUFFIX = re.compile(r"/part_\d+$")
 
 
-def variables(obj: Any) -> dict[str, Variable]:
+def variables(obj: Any, *, optimizer: bool = False) -> dict[str, Variable]:
     """Key -> variable for everything ``export`` and ``assign`` see in ``obj``."""
-    return {key: var for key, (var, _) in _collect(obj).items()}
+    return {key: var for key, (var, _) in _collect(obj, optimizer).items()}
 
 
 def export(
@@ -60,11 +82,19 @@ def export(
     include: Patterns = None,
     exclude: Patterns = None,
     trainable_only: bool = False,
+    also: Patterns = None,
+    optimizer: bool = False,
 ) -> dict[str, np.ndarray]:
-    """A new weight dictionary of ``obj``'s variables under ``scope`` (keys relative to it)."""
-    found = _collect(obj)
+    """A new weight dictionary of ``obj``'s variables under ``scope`` (keys relative to it).
+
+    With ``trainable_only``, keeps the trainable variables plus those whose key matches
+    ``also`` (``also="*/bn/moving_*"`` adds batch-norm statistics). With ``optimizer``, a
+    Keras model's optimizer state comes too, as ``optimizer/vars/<i>`` (the order and names
+    Keras's own files use).
+    """
+    found = _collect(obj, optimizer)
     plan = plan_outward(found, scope=scope, include=include, exclude=exclude, where=_describe(obj))
-    chosen = {new: found[old][0] for new, old in plan.items() if found[old][1] or not trainable_only}
+    chosen = {new: found[old][0] for new, old in plan.items() if keeps(new, found[old][1], trainable_only, also)}
     if not chosen:
         why = "no variables (build a Keras model before exporting it)" if not found else "no variable passes the selection"
         raise SelectionError(f"{_describe(obj)} has {why}")
@@ -80,6 +110,8 @@ def assign(
     include: Patterns = None,
     exclude: Patterns = None,
     trainable_only: bool = False,
+    also: Patterns = None,
+    optimizer: bool = False,
     strict: bool = True,
     cast: bool = False,
     skip_unchanged: bool | None = None,
@@ -91,19 +123,36 @@ def assign(
     first variable changes. With ``skip_unchanged`` (default: only for Versions), variables
     that last received the very same bytes are left alone and listed in ``report.skipped``.
 
+    A Keras file (``save_weights``'s ``.weights.h5``, ``model.save``'s ``.keras``) or a TF2
+    object checkpoint (``tf.train.Checkpoint``, a prefix or its folder) is paired with
+    ``obj``'s variables by ``obj``'s own structure (see :mod:`weightstore.adapters.artifacts`),
+    so it assigns into any instance of the architecture. With ``scope``, the file is one of
+    the part of ``obj`` at that scope (one member of an ensemble). Optimizer state in the file
+    is left out unless ``optimizer=True`` (then the model's optimizer must be built:
+    ``model.optimizer.build(model.trainable_variables)``).
+
     That memory only knows what weightstore assigned: after anything else writes the
     variables (training, ``var.assign``, ``model.load_weights``, a checkpoint restore), call
     :func:`forget` (or pass ``skip_unchanged=False``), or a version with the old bytes is skipped
     and the variable keeps the other value.
     """
-    found = _collect(obj)
+    found = _collect(obj, optimizer)
+    if not found and isinstance(obj, keras.layers.Layer) and not obj.built:
+        raise AssignmentError(f"cannot assign into {_describe(obj)}: it is not built, so it has no variables yet; "
+                              "build it first (call it on a batch of inputs, or model.build(input_shape))")
     targets = {
         key: TargetInfo(key, _numpy_dtype(var), _shape(var), trainable) for key, (var, trainable) in found.items()
     }
     skip = wants_skip(weights, skip_unchanged)
-    with open_values(weights) as values:
+    paired = None
+    if _structured(obj, weights):
+        part, at = _part_at(obj, normalize_scope(scope)), normalize_scope(scope)
+        paired = for_model(part, weights, {strip_scope(key, at): var for key, (var, _) in found.items()
+                                           if in_scope(key, at) and key != at})
+    with contextlib.closing(paired) if paired is not None else contextlib.nullcontext(), \
+            open_values(paired if paired is not None else weights) as values:
         plan = plan_assign(values, targets, scope=scope, mapping=mapping, include=include, exclude=exclude,
-                           trainable_only=trainable_only, strict=strict, cast=cast)
+                           trainable_only=trainable_only, also=also, strict=strict, cast=cast)
         report = plan.report
         pending = []
         for key, source in plan.pairs.items():
@@ -120,6 +169,20 @@ def assign(
     return report
 
 
+def load(obj: Any, path: Any, *, include: Patterns = None, exclude: Patterns = None,
+         optimizer: bool = False) -> dict[str, np.ndarray]:
+    """The weights in ``path`` keyed as ``export(obj)`` keys ``obj``'s variables: ``ws.load`` with a model at hand.
+
+    For a Keras file or TF2 object checkpoint the keys come from ``obj``'s structure, as
+    :func:`assign` pairs them (tensors the model has no variable for keep their file keys;
+    optimizer state is left out unless ``optimizer``); any other file is read with its own keys.
+    """
+    if not _structured(obj, path):
+        return weightstore.load(path, include=include, exclude=exclude)
+    with for_model(obj, path, variables(obj, optimizer=optimizer)) as store:
+        return {key: np.array(store[key]) for key in store if passes(key, include, exclude)}
+
+
 def forget(obj: Any) -> None:
     """Forget what ``obj``'s variables last received, so the next assign writes them all (no skips).
 
@@ -130,7 +193,36 @@ def forget(obj: Any) -> None:
         MEMORY.forget(var)
 
 
-def _collect(obj: Any) -> dict[str, tuple[Variable, bool]]:
+def _structured(obj: Any, weights: Any) -> bool:
+    """Whether ``weights`` names a file whose keys must come from ``obj``'s structure."""
+    return isinstance(obj, (keras.layers.Layer, tf.Module)) and is_model_file(weights)
+
+
+def _part_at(obj: Any, scope: str) -> Any:
+    """The layer or module of ``obj`` whose variables' keys are those under ``scope``."""
+    part = obj
+    for segment in scope.split("/") if scope else []:
+        if isinstance(part, keras.layers.Layer):
+            children = list(part._flatten_layers(include_self=False, recursive=False))
+            named = dict(zip(_segments((c.name, _snake_case(type(c).__name__)) for c in children), children))
+        else:
+            named = {segment: getattr(part, segment)} if isinstance(getattr(part, segment, None), tf.Module) else {}
+        if segment not in named:
+            raise SelectionError(f"{_describe(obj)} has no layer or module at scope {scope!r} to pair a file with")
+        part = named[segment]
+    return part
+
+
+def _optimizer_variables(obj: Any) -> list[Variable]:
+    """A compiled Keras model's optimizer variables, in the order Keras saves them (``optimizer/vars/<i>``)."""
+    variables = list(getattr(getattr(obj, "optimizer", None), "variables", None) or [])
+    if not variables:
+        raise SelectionError(f"{_describe(obj)} has no optimizer state: compile it and build its optimizer "
+                             "(model.optimizer.build(model.trainable_variables)) before asking for optimizer=True")
+    return variables
+
+
+def _collect(obj: Any, optimizer: bool = False) -> dict[str, tuple[Variable, bool]]:
     """Key -> (variable, trainable), by the rules in the module docstring."""
     found: dict[str, tuple[Variable, bool]] = {}
     if isinstance(obj, Mapping):
@@ -145,6 +237,9 @@ def _collect(obj: Any) -> dict[str, tuple[Variable, bool]]:
         raise TypeError(
             f"expected a Keras model or layer, a tf.Module, or a list or dict of variables, not {type(obj).__name__}"
         )
+    if optimizer:
+        for i, var in enumerate(_optimizer_variables(obj)):
+            _add(found, f"optimizer/vars/{i}", var, set(), trainable=False)
     return found
 
 

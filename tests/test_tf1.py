@@ -17,6 +17,7 @@ tf = pytest.importorskip("tensorflow")
 
 import weightstore as ws  # noqa: E402
 from weightstore.adapters import tf1  # noqa: E402
+from weightstore.adapters.plan import AssignWarning  # noqa: E402
 from weightstore.errors import AssignmentError, ChecksumError, FormatError, SelectionError  # noqa: E402
 from weightstore.versions import Version  # noqa: E402
 
@@ -160,7 +161,9 @@ def test_strict_lists_every_problem_and_changes_nothing():
         with pytest.raises(AssignmentError, match="no variable 'model_01/w'; did you mean 'model_001/w'"):
             tf1.assign(sess, {"w": np.ones(3, np.float32)}, scope="model_01")
 
-        report = tf1.assign(sess, weights, strict=False)
+        with pytest.warns(AssignWarning, match=r"the weight dictionary \(strict=False\) left 2 of 3 variables as "
+                                               r"they were; 1 of 3 values fit a variable \(2 share a key with one\)"):
+            report = tf1.assign(sess, weights, strict=False)
         assert report.assigned == ["model_001/b"]
         assert report.missing == ["model_001/w"] and report.unexpected == ["model_02/w"]
         assert [m.key for m in report.mismatched] == ["model_001/k"]
@@ -232,6 +235,22 @@ def test_trainable_only():
         np.testing.assert_array_equal(values(sess, [w, mean]), [[1, 1], [0, 0]])
         with pytest.raises(SelectionError, match="trainable_only"):
             tf1.export(sess, include="layer/moving_mean", trainable_only=True)
+
+
+def test_also_adds_chosen_non_trainable_variables_to_trainable_only():
+    with graph_session() as (_, sess):
+        w = v1.get_variable("net/bn/gamma", [2], initializer=v1.zeros_initializer())
+        mean = v1.get_variable("net/bn/moving_mean", [2], initializer=v1.zeros_initializer(), trainable=False)
+        v1.get_variable("net/step", [], initializer=v1.zeros_initializer(), trainable=False)
+        sess.run(v1.global_variables_initializer())
+        exported = tf1.export(sess, scope="net", trainable_only=True, also="*/moving_*")
+        assert list(exported) == ["bn/gamma", "bn/moving_mean"]  # also= is relative to the scope, like include
+        report = tf1.assign(sess, {"bn/gamma": np.ones(2, np.float32), "bn/moving_mean": np.ones(2, np.float32)},
+                            scope="net", trainable_only=True, also="bn/moving_mean")
+        assert report.ok and report.assigned == ["net/bn/gamma", "net/bn/moving_mean"]
+        np.testing.assert_array_equal(values(sess, [w, mean]), [[1, 1], [1, 1]])
+        with pytest.raises(SelectionError, match=r"all non-trainable and none matches also='\*/beta'"):
+            tf1.export(sess, include="net/step", trainable_only=True, also="*/beta")
 
 
 def test_optimizer_slots_under_their_variable_round_trip(tmp_path):

@@ -1,0 +1,305 @@
+"""Files TensorFlow and Keras wrote, seen with the keys of the model they are assigned into.
+
+A Keras ``.weights.h5`` or ``.keras`` file names tensors by where Keras's saver walked
+(``layers/dense/vars/0``), a TF2 object checkpoint by object-graph edges
+(``model/_operations/1/_kernel``); a model's keys are layer paths (``dense/kernel``). Neither
+side's names say which tensor is which variable, so nothing here guesses from names: the
+model itself is walked the way the writer walked it, and the file keys it reaches are paired
+with the variables it reaches them through.
+
+- **Keras files**: Keras's own walk (``saving_lib._save_state``) runs over the model with a
+  store that records each ``(path, variable)`` instead of writing anything. The walk is the
+  one ``save_weights`` and ``model.save`` run, so the paths are exactly the file's.
+- **TF2 object checkpoints**: TensorFlow's trackable children walk of the model runs in step
+  with the checkpoint's object graph, edge name by edge name, from the node where the model
+  sits (the root for ``tf.train.Checkpoint(root)``-style saves, ``model`` for
+  ``Checkpoint(model=m)``: the node matching the most variables wins). A file key reaches
+  its node by following its segments from the root.
+
+File keys the walk pairs with a model variable become that variable's key; those it pairs
+with something else (the optimizer's slots, its step counter) are left out, so optimizer state
+is never assigned into a model by accident; file keys under the model's part of the file that
+the walk never reached, other than optimizer state (anything under an ``optimizer`` edge,
+which a model built without its optimizer never reaches), keep their names, so an assign
+reports them as unexpected (a different architecture) instead of pairing them with some
+look-alike.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+import weightstore
+from weightstore.errors import AssignmentError, FormatError, KeyNotInStoreError
+from weightstore.manifest import TensorInfo
+
+__all__ = ["ModelKeyedStore", "open_artifact", "is_model_file", "for_model"]
+
+_KERAS_SUFFIXES = (".keras", ".weights.h5")
+_OBJECT_GRAPH = "_CHECKPOINTABLE_OBJECT_GRAPH"
+_NEAR_ROOT = 2  # edges from the checkpoint's root within which the model's own node is looked for
+
+
+def open_artifact(path: Any) -> weightstore.Store:
+    """Any file ``ws`` reads (store, TF checkpoint, Keras file) with the file's own keys.
+
+    The one place the adapters open such files; it becomes ``weightstore.open`` once the core
+    reads TF checkpoints and Keras files itself.
+    """
+    from weightstore.adapters.checkpoints import open_source
+
+    source = open_source(path)
+    return weightstore.Store(_Renamed(source, {key: key for key in source}), source.path, verify=True)
+
+
+def is_model_file(path: Any) -> bool:
+    """Whether ``path`` is a Keras file or a TF2 object checkpoint, whose keys need the model's structure."""
+    return isinstance(path, (str, os.PathLike)) and (_is_keras(os.fspath(path)) or _object_graph(path) is not None)
+
+
+def for_model(model: Any, path: Any, model_keys: Mapping[str, Any]) -> weightstore.Store:
+    """The file at ``path`` as a store keyed like ``model_keys`` (key -> variable of ``model``)."""
+    import keras
+
+    text = os.fspath(path)
+    source = open_artifact(text)
+    try:
+        by_variable = {id(var): key for key, var in model_keys.items()}
+        if _is_keras(text) and not isinstance(model, keras.layers.Layer):
+            raise AssignmentError(f"cannot assign {text}: a Keras file pairs with the Keras model or layer that "
+                                  f"saved it, not a {type(model).__name__}")
+        if _is_keras(text):
+            names = _keras_names(model, source.keys(), by_variable)
+        else:
+            names = _checkpoint_names(model, text, source.keys(), by_variable)
+    except BaseException:
+        source.close()
+        raise
+    return ModelKeyedStore(_Renamed(source, names), source.path, verify=True)
+
+
+def _is_keras(text: str) -> bool:
+    return text.endswith(_KERAS_SUFFIXES)
+
+
+def _keras_names(model: Any, file_keys: list[str], by_variable: Mapping[int, str]) -> dict[str, str]:
+    """Model key -> file key, from Keras's own save walk over ``model``.
+
+    A file key the walk reaches through a variable of the model that is not a target (state
+    ``tf2`` does not export, such as a metric's) is left out, like the optimizer's entries; Keras's optimizer saves copies
+    (``variable.numpy()``), not its variables, so its ``optimizer/vars/<i>`` pair by key, which
+    is how the TF2 adapter keys optimizer state. Anything else keeps its file key.
+    """
+    import keras
+
+    paths = _keras_paths(model)
+    model_keys = set(by_variable.values())
+    names: dict[str, str] = {}
+    for file_key in file_keys:
+        recorded = paths.get(file_key)
+        if recorded is not None and id(recorded) in by_variable:
+            names[by_variable[id(recorded)]] = file_key
+        elif file_key in model_keys:
+            names.setdefault(file_key, file_key)
+        elif not isinstance(recorded, keras.Variable) and not _optimizer_state(file_key):
+            names.setdefault(file_key, file_key)  # a tensor this model does not have: reported as unexpected
+    return names
+
+
+def _keras_paths(model: Any) -> dict[str, Any]:
+    """File key -> variable for what ``model.save_weights`` would write, without writing anything."""
+    from keras.src.saving import saving_lib
+
+    class Recorder(saving_lib.NpzIOStore):  # ``_save_state`` accepts only Keras's own store types
+        def __init__(self) -> None:
+            self.entries: dict[str, dict[str, Any]] = {}
+
+        def make(self, path: str, metadata: Any = None) -> dict[str, Any]:
+            return self.entries.setdefault(path, {})
+
+    recorder = Recorder()
+    saving_lib._save_state(model, weights_store=recorder, assets_store=None, inner_path="",
+                           visited_saveables=set())
+    return {f"{path}/vars/{name}".lstrip("/"): variable
+            for path, entry in recorder.entries.items() for name, variable in entry.items()}
+
+
+def _object_graph(path: Any) -> Any:
+    """The object graph of the TF2 checkpoint at ``path``, or None when it is not one.
+
+    A damaged checkpoint is None too: :func:`open_artifact` then opens it with its own keys
+    and its reader says what is wrong with which file.
+    """
+    import tensorflow as tf
+    from google.protobuf.message import DecodeError
+    from tensorflow.core.protobuf import trackable_object_graph_pb2
+
+    text = os.fspath(path)
+    graph = trackable_object_graph_pb2.TrackableObjectGraph()
+    try:
+        prefix = tf.train.latest_checkpoint(text) if os.path.isdir(text) else _prefix(text)
+        if prefix is None or not os.path.exists(prefix + ".index"):
+            return None
+        reader = tf.train.load_checkpoint(prefix)
+        if not reader.has_tensor(_OBJECT_GRAPH):
+            return None
+        graph.ParseFromString(reader.get_tensor(_OBJECT_GRAPH))
+    except (tf.errors.OpError, ValueError, DecodeError):
+        return None
+    return graph
+
+
+def _prefix(text: str) -> str:
+    for end in (".index", ".data-"):
+        if end in os.path.basename(text):
+            return text[:text.rindex(end)]
+    return text
+
+
+def _checkpoint_names(model: Any, path: str, file_keys: list[str], by_variable: Mapping[int, str]) -> dict[str, str]:
+    """Model key -> file key, walking ``model``'s trackable children in step with the object graph."""
+    graph = _object_graph(path)
+    if graph is None:
+        raise FormatError(f"{path}: not a TF2 object checkpoint (no object graph)")
+    children = [{child.local_name: child.node_id for child in node.children} for node in graph.nodes]
+    best: tuple[int, int, dict[int, Any], set[int]] | None = None
+    for node in _near_root(children):
+        found, reached = _match(model, node, children)
+        score = sum(1 for variable in found.values() if id(variable) in by_variable)
+        if best is None or score > best[0]:
+            best = (score, node, found, reached)
+    if best is None or not best[0]:
+        raise FormatError(f"{path}: no part of this checkpoint has the structure of the model "
+                          f"({type(model).__name__}): no variable of the model is in it")
+    _, home, found, reached = best
+    below_home = _descendants(home, children)
+    names: dict[str, str] = {}
+    for file_key in file_keys:
+        node = _follow(file_key, children)
+        variable = found.get(node)
+        if variable is not None and id(variable) in by_variable:
+            names[by_variable[id(variable)]] = file_key
+        elif node is not None and node in below_home and node not in reached and not _optimizer_state(file_key):
+            names.setdefault(file_key, file_key)  # the model has nothing here: reported as unexpected
+    return names
+
+
+def _optimizer_state(file_key: str) -> bool:
+    """Whether a key the model's walk did not reach lies under an optimizer (``optimizer/vars/3``).
+
+    Keras and TF both save a model's optimizer under the edge ``optimizer``; a model built
+    fresh, without that optimizer, reaches none of it, and none of it is a model weight.
+    """
+    return "optimizer" in file_key.split("/")
+
+
+def _near_root(children: list[dict[str, int]]) -> Iterator[int]:
+    frontier, seen = [0], {0}
+    for _ in range(_NEAR_ROOT + 1):
+        yield from frontier
+        following = []
+        for node in frontier:
+            following.extend(c for c in children[node].values() if c not in seen)
+            seen.update(following)
+        frontier = following
+
+
+def _match(model: Any, home: int, children: list[dict[str, int]]) -> tuple[dict[int, Any], set[int]]:
+    """Node -> variable for every variable reached walking ``model`` and the graph together from ``home``."""
+    import keras
+    import tensorflow as tf
+
+    view = tf.train.TrackableView(model)
+    found: dict[int, Any] = {}
+    reached: set[int] = set()
+    stack = [(model, home)]
+    seen: set[int] = set()
+    while stack:
+        obj, node = stack.pop()
+        if id(obj) in seen or node in reached:
+            continue
+        seen.add(id(obj))
+        reached.add(node)
+        edges = view.children(obj)
+        if isinstance(obj, (tf.Variable, keras.Variable)):
+            found[node] = obj
+        for name, child in edges.items():
+            if name in children[node]:
+                stack.append((child, children[node][name]))
+    return found, reached
+
+
+def _descendants(home: int, children: list[dict[str, int]]) -> set[int]:
+    found, stack = {home}, [home]
+    while stack:
+        for child in children[stack.pop()].values():
+            if child not in found:
+                found.add(child)
+                stack.append(child)
+    return found
+
+
+def _follow(file_key: str, children: list[dict[str, int]]) -> int | None:
+    node = 0
+    for segment in file_key.split("/"):
+        node = children[node].get(segment)
+        if node is None:
+            return None
+    return node
+
+
+class ModelKeyedStore(weightstore.Store):
+    """A file's tensors under the keys of the model they were paired with by structure.
+
+    Such keys match exactly or not at all, so an assign error offers no "did you mean" hints
+    between a model key and a file key that merely looks alike (``gamma`` and ``vars/3``).
+    """
+
+    exact_keys = True
+
+
+class _Renamed:
+    """A store's reader seen through new key names."""
+
+    def __init__(self, store: weightstore.Store, names: dict[str, str]):
+        self._store = store
+        self._names = names  # new key -> the store's key
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return self._store.metadata
+
+    @property
+    def created(self) -> str:
+        return self._store.created
+
+    @property
+    def has_checksums(self) -> bool:
+        return self._store.has_checksums
+
+    def keys(self) -> list[str]:
+        return list(self._names)
+
+    def _old(self, key: str) -> str:
+        try:
+            return self._names[key]
+        except KeyError:
+            raise KeyNotInStoreError(f"{self._store.path}: no tensor {key!r}") from None
+
+    def info(self, key: str) -> TensorInfo:
+        info = self._store.info(self._old(key))
+        return TensorInfo(key, info.dtype, info.shape, info.nbytes, info.checksum)
+
+    def read(self, key: str, *, verify: bool) -> np.ndarray:
+        return self._store[self._old(key)]
+
+    def read_into(self, key: str, out: np.ndarray, *, verify: bool) -> bool:
+        """Always False: the store then copies what :meth:`read` returns, which every source supports."""
+        return False
+
+    def close(self) -> None:
+        self._store.close()

@@ -1,0 +1,363 @@
+"""Files TensorFlow and Keras wrote themselves, in these tests, assigned into live models.
+
+TF1 training graphs as real code builds them (batch norm updates in ``UPDATE_OPS``, a
+placeholder input, ``MonitoredTrainingSession``), Keras ``save_weights``/``model.save`` of
+``keras.applications`` architectures and a subclassed model, ``tf.train.Checkpoint`` with
+optimizer state, and a TF1 ``Saver`` checkpoint.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+
+from weightstore.adapters import tf1, tf2  # noqa: E402
+from weightstore.adapters.follower import Follower  # noqa: E402
+from weightstore.adapters.hooks import PublishHook  # noqa: E402
+from weightstore.adapters.plan import AssignWarning, Report  # noqa: E402
+
+import weightstore as ws  # noqa: E402
+from weightstore import versions  # noqa: E402
+from weightstore.errors import AssignmentError, FormatError, InvalidKeyError, VersionGoneError  # noqa: E402
+
+v1 = tf.compat.v1
+
+
+# --- TF1 graphs as training code builds them -------------------------------------------------
+
+def batch_norm_graph():
+    """A conv-free "network": placeholder -> dense -> batch norm whose moving stats update via UPDATE_OPS."""
+    x = v1.placeholder(tf.float32, [None, 4], name="x")
+    with v1.variable_scope("model_001"):
+        kernel = v1.get_variable("dense/kernel", [4, 3], use_resource=True)
+        gamma = v1.get_variable("bn/gamma", [3], initializer=v1.ones_initializer(), use_resource=True)
+        beta = v1.get_variable("bn/beta", [3], initializer=v1.zeros_initializer(), use_resource=True)
+        moving_mean = v1.get_variable("bn/moving_mean", [3], initializer=v1.zeros_initializer(), trainable=False,
+                                      use_resource=True)
+        moving_var = v1.get_variable("bn/moving_variance", [3], initializer=v1.ones_initializer(), trainable=False,
+                                     use_resource=True)
+    h = tf.matmul(x, kernel)
+    mean, var = tf.nn.moments(h, [0])
+    for stat, value in ((moving_mean, mean), (moving_var, var)):  # what tf.compat.v1.layers did
+        v1.add_to_collection(v1.GraphKeys.UPDATE_OPS, stat.assign(0.9 * stat + 0.1 * value))
+    y = tf.nn.batch_normalization(h, mean, var, beta, gamma, 1e-3)
+    return x, y, [kernel, gamma, beta, moving_mean, moving_var]
+
+
+def test_tf1_export_reads_only_variables_runs_no_update_and_adds_no_op():
+    with tf.Graph().as_default() as graph, v1.Session() as sess:
+        _, _, variables = batch_norm_graph()
+        sess.run(v1.global_variables_initializer())
+        sess.run([v.assign(tf.fill(v.shape, 0.5)) for v in variables])
+        before = sess.run(variables)
+        ops = len(graph.get_operations())
+        graph.finalize()
+        exported = tf1.export(sess)  # the placeholder is not fed: only read tensors are fetched
+        assert sorted(exported) == ["model_001/bn/beta", "model_001/bn/gamma", "model_001/bn/moving_mean",
+                                    "model_001/bn/moving_variance", "model_001/dense/kernel"]
+        assert len(graph.get_operations()) == ops
+        for old, new in zip(before, sess.run(variables), strict=True):
+            np.testing.assert_array_equal(old, new)  # the moving stats did not move
+        report = tf1.assign(sess, exported)  # strict, complete: no bogus "…/AssignVariableOp" target
+        assert report.ok and len(report.assigned) == 5
+
+
+def test_tf1_training_under_monitored_session_with_publish_hook(tmp_path):
+    rng = np.random.default_rng(0)
+    with tf.Graph().as_default():
+        step = v1.train.get_or_create_global_step()
+        x, y, variables = batch_norm_graph()
+        loss = tf.reduce_mean(tf.square(y - 1.0))
+        with tf.control_dependencies(v1.get_collection(v1.GraphKeys.UPDATE_OPS)):
+            train = v1.train.GradientDescentOptimizer(0.1).minimize(loss, global_step=step)
+        hook = PublishHook(tmp_path, every_n_steps=2, keep=None, include="model_001")
+        with v1.train.MonitoredTrainingSession(hooks=[hook], checkpoint_dir=None) as sess:
+            for _ in range(6):
+                sess.run(train, feed_dict={x: rng.normal(2.0, 1.0, (8, 4))})
+            final = sess.run(variables)
+    assert [entry.step for entry in versions.list_versions(tmp_path)][-1] == 6
+    published = ws.load(ws.latest(tmp_path))
+    assert sorted(published) == ["model_001/bn/beta", "model_001/bn/gamma", "model_001/bn/moving_mean",
+                                 "model_001/bn/moving_variance", "model_001/dense/kernel"]
+    np.testing.assert_array_equal(published["model_001/bn/moving_mean"], final[3])
+    assert not np.allclose(final[3], 0)  # training did run the updates
+
+
+def test_tf1_empty_name_segments_collapse_and_round_trip(tmp_path):
+    with tf.Graph().as_default(), v1.Session() as sess:
+        with v1.variable_scope("model_001"), v1.variable_scope(""):
+            kernel = v1.get_variable("conv_1/kernel", [2, 2], use_resource=True)
+        assert kernel.op.name == "model_001//conv_1/kernel"
+        sess.run(v1.global_variables_initializer())
+        exported = tf1.export(sess)
+        assert list(exported) == ["model_001/conv_1/kernel"]
+        ws.save(tmp_path / "m.npz", {key: np.full_like(value, 7.0) for key, value in exported.items()})
+        assert tf1.assign(sess, tmp_path / "m.npz").assigned == ["model_001/conv_1/kernel"]
+        np.testing.assert_array_equal(sess.run(kernel), np.full((2, 2), 7.0))
+
+
+def test_tf1_names_that_collapse_to_one_key_are_an_error_naming_both():
+    with tf.Graph().as_default(), v1.Session() as sess:
+        v1.get_variable("a/b", [1])
+        with v1.variable_scope("a"), v1.variable_scope(""):
+            v1.get_variable("b", [1])
+        with pytest.raises(InvalidKeyError, match=r"variables 'a/b' and 'a//b' both have key 'a/b'"):
+            tf1.export(sess)
+
+
+def test_tf1_assign_from_a_saver_checkpoint(tmp_path):
+    with tf.Graph().as_default(), v1.Session() as sess:
+        _, _, variables = batch_norm_graph()
+        sess.run(v1.global_variables_initializer())
+        sess.run([v.assign(tf.fill(v.shape, 3.0)) for v in variables])
+        prefix = v1.train.Saver().save(sess, str(tmp_path / "train" / "model.ckpt"), global_step=500)
+        assert prefix.endswith("model.ckpt-500")
+    with tf.Graph().as_default(), v1.Session() as sess:
+        _, _, variables = batch_norm_graph()
+        sess.run(v1.global_variables_initializer())
+        report = tf1.assign(sess, prefix)
+        assert len(report.assigned) == 5
+        assert all(np.all(value == 3.0) for value in sess.run(variables))
+
+
+# --- Keras files and TF2 checkpoints into separately built models --------------------------
+
+APPLICATIONS = {
+    "MobileNetV2": lambda: keras.applications.MobileNetV2(input_shape=(32, 32, 3), alpha=0.35, weights=None,
+                                                          classes=5),
+    "EfficientNetB0": lambda: keras.applications.EfficientNetB0(input_shape=(32, 32, 3), weights=None, classes=5),
+    "ResNet50": lambda: keras.applications.ResNet50(input_shape=(32, 32, 3), weights=None, classes=5),
+}
+
+
+class Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.encoder = keras.layers.Dense(6, activation="relu")
+        self.norm = keras.layers.BatchNormalization()
+        self.head = keras.layers.Dense(2)
+
+    def call(self, x, training=False):
+        return self.head(self.norm(self.encoder(x), training=training))
+
+
+def scramble(model, seed=0):
+    """Give every variable distinct values, so a wrong pairing changes the predictions."""
+    rng = np.random.default_rng(seed)
+    for var in model.weights:
+        value = rng.normal(0.0, 0.05, var.shape)
+        if "variance" in var.path:
+            value = np.abs(value) + 0.5
+        var.assign(value.astype(var.dtype))
+
+
+@pytest.fixture(scope="module")
+def keras_files(tmp_path_factory):
+    """Per architecture: its builder, an input, the original's predictions, and the files Keras wrote."""
+    folder = tmp_path_factory.mktemp("keras")
+    made = {}
+    builders = {**APPLICATIONS, "Subclassed": Subclassed}
+    for name, build in builders.items():
+        model = build()
+        x = np.random.default_rng(1).random((2, 4) if name == "Subclassed" else (2, 32, 32, 3)).astype("float32")
+        model(x)
+        scramble(model)
+        files = {"weights": folder / f"{name}.weights.h5"}
+        model.save_weights(files["weights"])
+        if name in ("MobileNetV2", "Subclassed"):  # a .keras file holds the same layout: two are enough
+            files["keras"] = folder / f"{name}.keras"
+            model.save(files["keras"])
+        made[name] = (build, x, np.asarray(model(x)), files)
+    return made
+
+
+@pytest.mark.parametrize("name", [*APPLICATIONS, "Subclassed"])
+def test_keras_files_assign_into_a_separately_built_instance(keras_files, name):
+    build, x, expected, files = keras_files[name]
+    model = build()  # built again: Keras numbers its layers differently (dense_3 for dense)
+    model(x)
+    keys = sorted(tf2.export(model))
+    for path in files.values():
+        scramble(model, seed=3)
+        report = tf2.assign(model, path)
+        assert report.ok and sorted(report.assigned) == keys
+        np.testing.assert_array_equal(np.asarray(model(x)), expected)
+    assert sorted(tf2.load(model, files["weights"])) == keys
+
+
+def keras_pair():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="dense"),
+                              keras.layers.BatchNormalization(name="bn")])
+    other = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="dense"),
+                              keras.layers.Dense(3, name="out")])
+    return model, other
+
+
+def test_a_keras_file_of_another_architecture_is_reported_without_wrong_hints(tmp_path):
+    model, other = keras_pair()
+    model.save_weights(tmp_path / "m.weights.h5")
+    with pytest.raises(AssignmentError) as caught:
+        tf2.assign(other, tmp_path / "m.weights.h5")
+    message = str(caught.value)
+    assert "no value for variable 'out/kernel'" in message
+    assert "no variable 'layers/batch_normalization/vars/3'" in message
+    assert "did you mean" not in message  # never 'gamma' for 'vars/3' (which is moving_variance)
+
+
+def test_not_strict_warns_when_file_and_model_look_like_different_architectures(tmp_path):
+    model = keras.Sequential([keras.Input((4,))] + [keras.layers.Dense(4) for _ in range(3)])
+    model.save_weights(tmp_path / "m.weights.h5")
+    other = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4)] + [keras.layers.Dense(3) for _ in range(3)])
+    with pytest.warns(AssignWarning, match=r"m\.weights\.h5 \(strict=False\) left 6 of 8 variables as they were; "
+                                           r"2 of 6 values fit a variable \(6 share a key with one\): the weights "
+                                           r"and the model look like different architectures"):
+        report = tf2.assign(other, tmp_path / "m.weights.h5", strict=False)
+    assert len(report.assigned) == 2
+
+
+def test_assigning_into_an_unbuilt_model_says_to_build_it(tmp_path):
+    model = Subclassed()
+    with pytest.raises(AssignmentError, match=r"not built.*call it on a batch of inputs, or model.build"):
+        tf2.assign(model, {"head/kernel": np.zeros((6, 2), np.float32)})
+
+
+def small_net(name=None, compiled=False):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.BatchNormalization(),
+                              keras.layers.Dense(2)], name=name)
+    if compiled:
+        model.compile(keras.optimizers.Adam(0.1), "mse")
+        model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def trained_with_optimizer():
+    model = small_net()
+    model.compile(keras.optimizers.Adam(0.1), "mse")
+    model.fit(np.random.default_rng(0).random((16, 4)), np.ones((16, 2)), epochs=2, verbose=0)
+    return model
+
+
+@pytest.mark.parametrize("layout", ["model=", "root"])
+def test_tf2_checkpoint_with_optimizer_state_assigns_the_model_only(tmp_path, layout):
+    model = trained_with_optimizer()
+    checkpoint = (tf.train.Checkpoint(model=model, optimizer=model.optimizer) if layout == "model="
+                  else tf.train.Checkpoint(model))
+    prefix = checkpoint.save(str(tmp_path / "ckpt" / "ckpt"))
+    x = np.random.default_rng(2).random((3, 4)).astype("float32")
+    for path in (prefix, tmp_path / "ckpt"):
+        fresh = small_net()  # no optimizer: its state must be left out
+        report = tf2.assign(fresh, path)
+        assert report.ok and sorted(report.assigned) == sorted(tf2.export(fresh))
+        np.testing.assert_array_equal(np.asarray(fresh(x)), np.asarray(model(x)))
+        loaded = tf2.load(fresh, path)  # ws.load with the model at hand: keyed like tf2.export
+        assert loaded.keys() == tf2.export(model).keys()
+        assert all(np.array_equal(loaded[key], value) for key, value in tf2.export(model).items())
+
+
+def test_optimizer_state_is_assigned_when_asked_for(tmp_path):
+    model = trained_with_optimizer()
+    prefix = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(str(tmp_path / "ckpt" / "ckpt"))
+    model.save_weights(tmp_path / "m.weights.h5")
+    expected = tf2.export(model, optimizer=True)
+    assert "optimizer/vars/0" in expected and len(expected) > len(tf2.export(model))
+    for path in (prefix, tmp_path / "m.weights.h5"):
+        fresh = small_net(compiled=True)
+        report = tf2.assign(fresh, path, optimizer=True)
+        assert report.ok and sorted(report.assigned) == sorted(expected)
+        got = tf2.export(fresh, optimizer=True)
+        assert all(np.array_equal(got[key], value) for key, value in expected.items())
+    with pytest.raises(ws.errors.SelectionError, match=r"has no optimizer state: compile it and build its optimizer "
+                                                       r"\(model.optimizer.build\(model.trainable_variables\)\)"):
+        tf2.assign(small_net(), prefix, optimizer=True)
+
+
+def test_a_file_of_one_member_assigns_under_its_scope_in_an_ensemble(tmp_path):
+    single = small_net()
+    x = np.random.default_rng(4).random((3, 4)).astype("float32")
+    single(x)
+    scramble(single)
+    single.save_weights(tmp_path / "m.weights.h5")
+    inputs = keras.Input((4,))
+    members = [small_net(name="model_001"), small_net(name="model_002")]
+    ensemble = keras.Model(inputs, [member(inputs) for member in members])
+    before = np.asarray(ensemble(x)[0])
+    report = tf2.assign(ensemble, tmp_path / "m.weights.h5", scope="model_002")
+    assert report.ok and all(key.startswith("model_002/") for key in report.assigned) and len(report.assigned) == 8
+    np.testing.assert_array_equal(np.asarray(ensemble(x)[1]), np.asarray(single(x)))
+    np.testing.assert_array_equal(np.asarray(ensemble(x)[0]), before)
+    with pytest.raises(ws.errors.SelectionError, match=r"has no layer or module at scope 'model_003' to pair a file"):
+        tf2.assign(ensemble, tmp_path / "m.weights.h5", scope="model_003")
+
+
+def test_tf2_checkpoint_of_another_model_names_the_file(tmp_path):
+    model, _ = keras_pair()
+    prefix = tf.train.Checkpoint(model=model).write(str(tmp_path / "ckpt-7"))
+    unrelated = tf.Module()
+    unrelated.w = tf.Variable(tf.zeros([2]))
+    with pytest.raises(FormatError, match=r"ckpt-7: no part of this checkpoint has the structure of the model"):
+        tf2.assign(unrelated, prefix)
+
+
+def test_a_keras_file_into_a_tf_module_is_refused_naming_the_file(tmp_path):
+    model, _ = keras_pair()
+    model.save_weights(tmp_path / "m.weights.h5")
+    module = tf.Module()
+    module.w = tf.Variable(tf.zeros([2]))
+    with pytest.raises(AssignmentError, match=r"m\.weights\.h5: a Keras file pairs with the Keras model or layer "
+                                              r"that saved it, not a Module"):
+        tf2.assign(module, tmp_path / "m.weights.h5")
+
+
+def test_a_damaged_checkpoint_is_a_weightstore_error_naming_the_file(tmp_path):
+    model, _ = keras_pair()
+    prefix = tf.train.Checkpoint(model=model).write(str(tmp_path / "ckpt-7"))
+    index = tmp_path / "ckpt-7.index"
+    index.write_bytes(index.read_bytes()[:40])
+    with pytest.raises(ws.errors.WeightStoreError, match="ckpt-7"):
+        tf2.assign(model, prefix)
+
+
+# --- selection and reports -----------------------------------------------------------------
+
+def test_also_keeps_batch_norm_statistics_with_trainable_only():
+    model, _ = keras_pair()
+    kept = tf2.export(model, trainable_only=True, also="bn/moving_*")
+    assert sorted(kept) == ["bn/beta", "bn/gamma", "bn/moving_mean", "bn/moving_variance", "dense/bias",
+                            "dense/kernel"]
+    assert sorted(tf2.export(model, trainable_only=True)) == ["bn/beta", "bn/gamma", "dense/bias", "dense/kernel"]
+    report = tf2.assign(model, kept, trainable_only=True, also="*/moving_*")
+    assert report.ok and len(report.assigned) == 6
+
+
+def test_report_reads_as_one_short_paragraph():
+    report = Report(assigned=[f"layer_{i}/kernel" for i in range(500)], missing=["a", "b", "c", "d"],
+                    skipped=["s"])
+    assert str(report) == ("assigned 500 variables; 1 skipped as unchanged: s; "
+                           "4 missing (no value): a, b, c, ….")
+    assert repr(report) == "Report(assigned=500, missing=4, unexpected=0, mismatched=0, skipped=1)"
+
+
+# --- the follower's current version ----------------------------------------------------------
+
+def test_follower_version_stays_readable_while_current_then_is_gone(tmp_path):
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2, name="d")])
+    ws.publish(tmp_path, {"d/kernel": np.ones((2, 2), np.float32), "d/bias": np.zeros(2, np.float32)}, step=1)
+    with Follower(model, tmp_path, poll=0.005) as follower:
+        first = follower.wait(1, timeout=30)
+        time.sleep(0.05)  # the follow loop has moved past the version it yielded
+        with follower.reading():
+            assert np.all(ws.load(follower.version)["d/kernel"] == 1)
+        store = ws.open(first)
+        for step in (2, 3):
+            ws.publish(tmp_path, {"d/kernel": np.full((2, 2), step, np.float32), "d/bias": np.zeros(2, np.float32)},
+                       step=step, keep=1)
+            follower.wait(step, timeout=30)
+        with pytest.raises(VersionGoneError, match="no longer current"):
+            store["d/kernel"]  # opened while current, read after: gone, not "mmap closed"
+        with pytest.raises(VersionGoneError, match="version 1 is gone"):
+            ws.load(first)  # pruned once released
