@@ -27,13 +27,11 @@ foreign value.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import threading
 from collections.abc import Iterator, Mapping
 from typing import Any, Callable, TypeVar
 
-import weightstore
 from weightstore.adapters.plan import Report
 from weightstore.errors import VersionGoneError
 from weightstore.keys import MappingRules, Patterns
@@ -190,12 +188,12 @@ class Follower:
     def _swap(self, version: Version) -> bool:
         """Assign ``version``; False when it should be looked for again (it was pruned mid-read).
 
-        The follower takes over the pin ``follow`` holds on the version's file, so
+        The follower keeps its own share of the pin ``follow`` took on the version's file, so
         ``ws.load(follower.version)`` keeps working while that version is current; the
-        previous version's file is let go once the swap is done (reading it, or a store opened
-        from it, then raises :class:`VersionGoneError`).
+        previous version's share is let go once the swap is done (reading it afterwards opens
+        its file anew, or raises :class:`VersionGoneError` if it was pruned).
         """
-        held = _hold(version)
+        held = version.held()
         try:
             with self._lock.writing():
                 report = self._assign(self.target, held, **self.options)
@@ -226,39 +224,6 @@ class Follower:
         if self._following_failed:
             with self._swapped:
                 self.error, self._following_failed = None, False
-
-
-def _hold(version: Version) -> Version:
-    """A copy of ``version`` that owns the pin ``follow`` took, which ``follow`` then no longer releases."""
-    pinned = version._pinned
-    version._pinned = None  # follow's release() at the next iteration is now a no-op
-    held = dataclasses.replace(version, _pinned=None)
-    if pinned is not None:
-        held._pinned = weightstore.Store(_Released(pinned), pinned.path, pinned.verify)
-    return held
-
-
-class _Released:
-    """A pinned file's reader that, once closed, says the version is gone rather than ``mmap closed``.
-
-    Stores opened from a pinned version borrow its reader; when the follower lets the
-    version go, their reads land here.
-    """
-
-    def __init__(self, store: weightstore.Store):
-        self._store: weightstore.Store | None = store
-        self._path = store.path
-
-    def __getattr__(self, name: str) -> Any:
-        if self._store is None:
-            raise VersionGoneError(f"{self._path}: this version is no longer current and its file was let go; "
-                                   "read follower.version again")
-        return getattr(self._store._reader, name)
-
-    def close(self) -> None:
-        if self._store is not None:
-            self._store.close()
-            self._store = None
 
 
 def _assigner(target: Any) -> Callable[..., Report]:

@@ -63,6 +63,7 @@ from the environment as the client reads it (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import logging
@@ -113,12 +114,13 @@ class _SharedReader:
         self._holders = 1
         self._lock = threading.Lock()
 
-    def share(self) -> _Borrowed:
+    def acquire(self) -> bool:
+        """Take one more share; False when the last holder already closed the reader."""
         with self._lock:
             if not self._holders:
-                raise ValueError("reader already closed")
+                return False
             self._holders += 1
-        return _Borrowed(self)
+            return True
 
     def release(self) -> None:
         with self._lock:
@@ -168,10 +170,8 @@ class Version:
     def _weightstore_open(self, *, verify: bool = True) -> Store:
         """What ``ws.open(version)`` returns: a share of the pinned file, or the file opened now."""
         pinned = self._pinned
-        if pinned is not None:
-            with_share = _try_share(pinned)
-            if with_share is not None:
-                return Store(with_share, self.path, verify)
+        if pinned is not None and pinned.acquire():
+            return Store(_Borrowed(pinned), self.path, verify)
         return _open_version(self._folder or folder_for(self.path.rsplit("/", 1)[0] if "/" in self.path else "."),
                              self, verify)
 
@@ -185,12 +185,19 @@ class Version:
         if pinned is not None:
             pinned.release()
 
+    def held(self) -> Version:
+        """A copy of this version with its own share of the pin (pinned now if this one is not).
 
-def _try_share(pinned: _SharedReader) -> _Borrowed | None:
-    try:
-        return pinned.share()
-    except ValueError:  # released by another thread a moment ago: open the file anew
-        return None
+        For whoever keeps a version past the iteration that yielded it (``Follower`` keeps the
+        current one): each copy's :meth:`release` lets go of its own share only.
+        """
+        copy = dataclasses.replace(self, _pinned=None)
+        pinned = self._pinned
+        if pinned is not None and pinned.acquire():
+            copy._pinned = pinned
+        else:
+            copy.pin()
+        return copy
 
 
 @dataclass(frozen=True)
