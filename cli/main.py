@@ -103,7 +103,8 @@ def export(
     with checkpoints.open_source(source) as opened:
         written = transfer.export(opened, output, scope=scope, mapping=mapping, include=include, exclude=exclude,
                                   trainable_only=trainable_only, compress=compress)
-    note(f"wrote {count(written.count, 'tensor')} ({human_bytes(written.nbytes)}) from {opened.kind} {source} to {written.path}")
+    note(f"wrote {count(written.count, 'tensor')} ({human_bytes(written.nbytes)}) from {opened.kind} {opened.path} "
+         f"to {written.path}")
     _note_skipped(opened)
 
 
