@@ -425,7 +425,8 @@ def test_a_mixed_single_entry_checkpoint_is_refused_on_read(tmp_path):
     checkpoints.write_checkpoint(prefix, {"a": np.full(2, 3, np.float32)})
     assert data_files(tmp_path) == ["one.ckpt.data-00000-of-00001"]
     (tmp_path / "one.ckpt.index").write_bytes(old_index)  # the state a crash between the renames leaves
-    with checkpoints.open_source(prefix) as source, pytest.raises(ChecksumError, match=r"data-00000-of-00001: tensor 'a' is corrupt \(CRC-32C"):
+    corrupt = r"data-00000-of-00001: tensor 'a' is corrupt \(CRC-32C"
+    with checkpoints.open_source(prefix) as source, pytest.raises(ChecksumError, match=corrupt):
         source["a"]
 
 

@@ -576,6 +576,10 @@ class CheckpointReader:
         except KeyError:
             raise KeyNotInStoreError(f"{self.name}: no tensor {key!r}") from None
 
+    def entry_name(self, key: str) -> str:
+        """The checkpoint entry a key reads (``net/w/.ATTRIBUTES/VARIABLE_VALUE`` for ``net/w``)."""
+        return self._tensor(key).name
+
     def _tensor(self, key: str) -> _Tensor:
         if key not in self._infos:
             raise KeyNotInStoreError(f"{self.name}: no tensor {key!r}")
