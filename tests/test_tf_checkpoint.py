@@ -15,6 +15,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+import crc32c
 import numpy as np
 import pytest
 import tf_forge
@@ -23,7 +24,7 @@ from typer.testing import CliRunner
 import weightstore as ws
 from weightstore.errors import ChecksumError, FormatError, StoreNotFoundError, UnsafeFileError, WeightStoreError
 from weightstore.formats import keras_file
-from weightstore.formats.tf_checkpoint import CheckpointReader, resolve_prefix
+from weightstore.formats.tf_checkpoint import CheckpointReader, resolve_prefix, slice_key
 
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
@@ -437,3 +438,62 @@ def test_odd_zips_give_clear_errors_not_library_exceptions(tmp_path, suffix):
         assert path.name in str(caught.value)
         result = CliRunner().invoke(app, ["ls", str(path)])
         assert result.exit_code == 1 and "internal error" not in result.output, result.output
+
+
+def sliced(tmp_path: Path, full_shape, slices, pieces) -> str:
+    """A checkpoint of one partitioned float variable ``v``: ``pieces`` are ``(extents, array)``."""
+    prefix = tmp_path / "sliced"
+    items, data = [(b"", tf_forge.header())], b""
+    items.append((b"v", tf_forge.entry(shape=full_shape, slices=slices)))
+    for extents, array in pieces:
+        raw = array.astype("<f4").tobytes()
+        items.append((slice_key(b"v", extents), tf_forge.entry(shape=array.shape, offset=len(data), size=len(raw),
+                                                                 crc=crc32c.crc32c(raw))))
+        data += raw
+    Path(f"{prefix}.index").write_bytes(tf_forge.table(sorted(items)))
+    Path(f"{prefix}.data-00000-of-00001").write_bytes(data)
+    return str(prefix)
+
+
+def test_forged_slices_join_like_tensorflows(tmp_path):
+    top, bottom = np.zeros((1, 3), np.float32), np.ones((2, 3), np.float32)
+    prefix = sliced(tmp_path, (3, 3), [[(0, 1), (0, -1)], [(1, 2), (0, -1)]],
+                    [([(0, 1), (0, -1)], top), ([(1, 2), (0, -1)], bottom)])
+    np.testing.assert_array_equal(ws.load(prefix)["v"], tf_values(prefix)["v"])
+
+
+SLICE_LIES = {
+    "a slice the index lacks": ([[(0, 1), (0, -1)], [(1, 2), (0, -1)]], 1, "lists a slice .* the index does not hold"),
+    "slices that leave a gap": ([[(0, 1), (0, -1)]], 1, "do not cover its shape"),
+    "overlapping slices": ([[(0, 2), (0, -1)], [(1, 2), (0, -1)]], 2, "two slices of tensor 'v' overlap"),
+    "a slice outside the shape": ([[(0, 1), (0, -1)], [(1, 5), (0, -1)]], 2, "reaches outside its shape"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SLICE_LIES))
+def test_forged_slices_that_lie_are_refused(tmp_path, case):
+    slices, backed, message = SLICE_LIES[case]
+    pieces = [(extents, np.ones([length if length >= 0 else 3 for _, length in extents], np.float32))
+              for extents in slices[:backed]]
+    with pytest.raises(FormatError, match=message):
+        ws.open(sliced(tmp_path, (3, 3), slices, pieces))
+
+
+def test_a_huge_sliced_tensor_is_refused_before_it_is_allocated(tmp_path):
+    prefix = tmp_path / "huge"
+    side = 1 << 24
+    items = [(b"", tf_forge.header()), (b"v", tf_forge.entry(shape=(side, side), slices=[[(0, -1), (0, -1)]])),
+             (slice_key(b"v", [(0, -1), (0, -1)]), tf_forge.entry(shape=(side, side), size=4 * side * side))]
+    Path(f"{prefix}.index").write_bytes(tf_forge.table(sorted(items)))
+    Path(f"{prefix}.data-00000-of-00001").write_bytes(b"\0" * 64)
+    with ws.open(prefix) as store:
+        assert store.info("v").nbytes == 4 << 48  # what the index claims; max_bytes can refuse it
+        with pytest.raises(FormatError, match=r"data file is short: tensor 'v' needs bytes 0\.\.1125899906842624"):
+            store["v"]
+
+
+def test_a_closed_checkpoint_refuses_reads(made):
+    store = ws.open(made["tf1"])
+    store.close()
+    with pytest.raises(FormatError, match="the checkpoint is closed; open it again to read 'model/w'"):
+        store["model/w"]

@@ -38,10 +38,17 @@ def varint(value: int) -> bytes:
 
 
 def entry(*, dtype: int = DT_FLOAT, shape: Sequence[int] = (), offset: int = 0, size: int = 0, crc: int = 0,
-          shard: int = 0) -> bytes:
+          shard: int = 0, slices: Sequence[Sequence[tuple[int, int]]] = ()) -> bytes:
+    """A ``BundleEntryProto``; each slice is ``(start, length)`` per dimension, length -1 for all of it."""
     proto = BundleEntryProto(dtype=dtype, shard_id=shard, offset=offset, size=size, crc32c=mask(crc))
     for dim in shape:
         proto.shape.dim.add(size=dim)
+    for extents in slices:
+        piece = proto.slices.add()
+        for start, length in extents:
+            extent = piece.extent.add(start=start)
+            if length >= 0:
+                extent.length = length
     return proto.SerializeToString()
 
 

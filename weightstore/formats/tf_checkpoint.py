@@ -347,6 +347,7 @@ class CheckpointReader:
         self.metadata: dict[str, Any] = {}
         self.skipped: list[str] = []
         self._maps: dict[int, MappedFile] = {}
+        self._closed = False
         table = Table(self._read_index(), prefix + ".index")
         header, entries, slice_entries = self._parse(table)
         self._num_shards = header.num_shards
@@ -544,6 +545,8 @@ class CheckpointReader:
     def _map(self, shard: int, key: str) -> MappedFile:
         mapped = self._maps.get(shard)
         if mapped is None:
+            if self._closed:
+                raise FormatError(f"{self.name}: the checkpoint is closed; open it again to read {key!r}")
             path = self._shard_file(shard)
             try:
                 mapped = MappedFile(path)
@@ -554,12 +557,16 @@ class CheckpointReader:
             self._maps[shard] = mapped
         return mapped
 
-    def _bytes(self, stored: _Stored, key: str) -> memoryview:
+    def _backed(self, stored: _Stored, key: str) -> MappedFile:
+        """The mapped data file holding ``stored``, refused when the file is too short for it."""
         mapped = self._map(stored.shard, key)
         if stored.offset + stored.size > mapped.size:
             raise FormatError(f"{mapped.name}: data file is short: tensor {key!r} needs bytes "
                               f"{stored.offset}..{stored.offset + stored.size}, the file has {mapped.size}")
-        return mapped.read_at(stored.offset, stored.size)
+        return mapped
+
+    def _bytes(self, stored: _Stored, key: str) -> memoryview:
+        return self._backed(stored, key).read_at(stored.offset, stored.size)
 
     def _verified(self, stored: _Stored, data, key: str) -> None:
         actual = crc32c(data)
@@ -589,6 +596,8 @@ class CheckpointReader:
         """A read-only view of the mapped data file; a partitioned variable is joined into new memory."""
         tensor = self._tensor(key)
         if tensor.stored is None:
+            for _, _, stored in tensor.slices:  # every slice backed by its file before the whole is allocated
+                self._backed(stored, key)
             out = np.empty(tensor.shape, tensor.dtype)
             for index, shape, stored in tensor.slices:
                 out[index] = self._array(stored, tensor.dtype, shape, key, verify)
@@ -608,15 +617,13 @@ class CheckpointReader:
         if tensor.stored is None or out.dtype != tensor.dtype.newbyteorder("="):
             return False
         buffer = memoryview(out.reshape(-1).view(np.uint8))
-        mapped = self._map(tensor.stored.shard, key)
-        if tensor.stored.offset + tensor.stored.size > mapped.size:
-            self._bytes(tensor.stored, key)  # raises, naming the short file
-        mapped.read_into(tensor.stored.offset, buffer)
+        self._backed(tensor.stored, key).read_into(tensor.stored.offset, buffer)
         if verify:
             self._verified(tensor.stored, buffer, key)
         return True
 
     def close(self) -> None:
+        self._closed = True
         maps, self._maps = self._maps, {}
         for mapped in maps.values():
             mapped.close()
