@@ -63,6 +63,9 @@ def make_tf1(folder: Path) -> str:
             tf.compat.v1.get_variable(f"kinds/{dtype.name}", initializer=tf.cast(value, dtype), trainable=False)
         emb = tf.compat.v1.get_variable("model/emb", shape=[7, 3], partitioner=tf.compat.v1.fixed_size_partitioner(3))
         cols = tf.compat.v1.get_variable("model/cols", shape=[2, 5], partitioner=lambda shape, dtype: [1, 2])
+        for name, rows, parts in (("model/hundreds", 300, 3), ("model/long", 20_000, 2)):  # 2- and 3-byte slice keys
+            tf.compat.v1.get_variable(name, shape=[rows, 1], partitioner=tf.compat.v1.fixed_size_partitioner(parts),
+                                      trainable=False)
         w = tf.compat.v1.get_variable("model/w", initializer=np.arange(6, dtype=np.float32).reshape(2, 3))
         tf.Variable("a tag", name="tag", trainable=False)
         loss = tf.reduce_sum(tf.square(emb.as_tensor())) + tf.reduce_sum(cols) + tf.reduce_sum(w * w)
@@ -129,6 +132,7 @@ def test_tf1_checkpoint_reads_without_tensorflow_as_tensorflow_reads_it(made, tm
             assert value.dtype == expected[key].dtype, key
     values = reports[0]["values"]
     assert values["model/emb"].shape == (7, 3) and values["model/cols"].shape == (2, 5)  # joined from slices
+    assert values["model/long"].shape == (20_000, 1) and values["model/hundreds"].shape == (300, 1)
     assert values["model/emb/Adam"].shape == (7, 3)  # slots of a partitioned variable are partitioned too
     assert {f"kinds/{d.name}" for d in DTYPES} <= set(values)
 

@@ -205,6 +205,7 @@ def natural_order(text: str) -> list[tuple[int, Any]]:
 # --- the slice keys of partitioned variables ---------------------------------------------
 
 def _escape(text: bytes) -> bytes:
+    """``OrderedCode::WriteString`` without its terminator: 0x00 and 0xff escaped as 00 ff and ff 00."""
     out = bytearray()
     for byte in text:
         if byte == 0:
