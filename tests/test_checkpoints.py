@@ -311,7 +311,8 @@ def test_missing_and_junk_sources(tmp_path):
     with pytest.raises(FormatError, match=r"junk\.ckpt\.index: not a TensorFlow checkpoint index"):
         checkpoints.open_source(tmp_path / "junk.ckpt")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(StoreNotFoundError, match="holds no 'checkpoint' state file"):
+    with pytest.raises(StoreNotFoundError, match=r"empty: is a folder, not a weight file, and holds no TF checkpoint "
+                                                 r"\(no 'checkpoint' state file, no \.index file\)"):
         checkpoints.open_source(tmp_path / "empty")
 
 

@@ -148,8 +148,8 @@ def _prefix_in_folder(folder: str) -> str:
     if len(candidates) == 1:
         return os.path.join(folder, candidates[0])
     if not candidates:
-        raise StoreNotFoundError(f"{folder}: folder holds no '{STATE_FILE}' state file naming a checkpoint, "
-                                 "and no checkpoint")
+        raise StoreNotFoundError(f"{folder}: is a folder, not a weight file, and holds no TF checkpoint "
+                                 f"(no '{STATE_FILE}' state file, no .index file)")
     raise StoreNotFoundError(f"{folder}: holds {len(candidates)} checkpoints and no '{STATE_FILE}' state file "
                              f"saying which to read; name one of: {', '.join(candidates)}")
 
