@@ -68,10 +68,10 @@ from google.protobuf.message import DecodeError
 from weightstore.errors import (
     ChecksumError,
     FormatError,
+    InvalidKeyError,
     KeyNotInStoreError,
     StoreNotFoundError,
     UnsafeFileError,
-    WeightStoreError,
 )
 from weightstore.formats.source import MappedFile
 from weightstore.formats.sstable import Table, crc32c, read_varint, unmask_crc
@@ -109,6 +109,7 @@ _DTYPES.update({number: ML_DTYPES[name] for number, name in {
     14: "bfloat16", 24: "float8_e5m2", 25: "float8_e4m3fn", 26: "float8_e4m3fnuz",
     27: "float8_e4m3b11fnuz", 28: "float8_e5m2fnuz",
 }.items() if name in ML_DTYPES})
+_LOGICAL = {dtype: dtype_name(dtype) for dtype in _DTYPES.values()}
 
 
 # --- finding the checkpoint a path names -------------------------------------------------
@@ -370,12 +371,7 @@ class CheckpointReader:
             if key is None:
                 continue
             tensor = tensors.get(name)
-            try:
-                validate_key(key)
-                if tensor is None:
-                    raise FormatError(name)
-                logical = dtype_name(tensor.dtype, key)
-            except WeightStoreError:
+            if tensor is None or not _is_key(key):  # not numeric, or a name no key can spell
                 self.skipped.append(name)
                 continue
             if key in self._tensors_by_key:  # only when the object graph disagrees with itself
@@ -384,7 +380,8 @@ class CheckpointReader:
                     raise FormatError(f"{prefix}: entries {self._tensors_by_key[key].name!r} and {name!r} "
                                       f"both read as key {key!r}")
             self._tensors_by_key[key] = tensor
-            self._infos[key] = TensorInfo(key, logical, tensor.shape, math.prod(tensor.shape) * tensor.dtype.itemsize)
+            nbytes = math.prod(tensor.shape) * tensor.dtype.itemsize
+            self._infos[key] = TensorInfo(key, _LOGICAL[tensor.dtype], tensor.shape, nbytes)
         if self.object_based:  # keys, not entry names, in order: layers/2 before layers/10
             self._infos = {key: self._infos[key] for key in sorted(self._infos, key=natural_order)}
 
@@ -628,6 +625,14 @@ class CheckpointReader:
         maps, self._maps = self._maps, {}
         for mapped in maps.values():
             mapped.close()
+
+
+def _is_key(name: str) -> bool:
+    try:
+        validate_key(name)
+    except InvalidKeyError:
+        return False
+    return True
 
 
 def _parse_proto(message: Any, value: bytes, where: str, what: str) -> None:
