@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
 import subprocess
 import sys
@@ -501,3 +502,20 @@ def test_a_closed_checkpoint_refuses_reads(made):
     store.close()
     with pytest.raises(FormatError, match="the checkpoint is closed; open it again to read 'model/w'"):
         store["model/w"]
+
+
+def test_fifos_where_files_belong_are_refused_not_waited_on(tmp_path):
+    prefix = forged(tmp_path)
+    data = Path(prefix + ".data-00000-of-00001")
+    data.unlink()
+    os.mkfifo(data)
+    with ws.open(prefix) as store, pytest.raises(FormatError, match=r"data-00000-of-00001: is not a regular file"):
+        store["w"]
+    index = Path(prefix + ".index")
+    index.unlink()
+    os.mkfifo(index)
+    with pytest.raises(FormatError, match=r"forged\.index: is not a regular file"):
+        ws.open(prefix)
+    os.mkfifo(tmp_path / "pipe.keras")
+    with pytest.raises(FormatError, match=r"pipe\.keras: is not a regular file"):
+        ws.open(tmp_path / "pipe.keras")

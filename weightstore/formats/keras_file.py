@@ -22,9 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from weightstore.errors import FormatError, StoreNotFoundError, UnsafeFileError
+from weightstore.errors import FormatError, StoreNotFoundError, UnsafeFileError, WeightStoreError
 from weightstore.formats import format_for_suffix, format_named
 from weightstore.formats.npz import MAX_DEFLATE_RATIO
+from weightstore.formats.tf_checkpoint import refuse_special_file
 from weightstore.manifest import TensorInfo
 
 KERAS_SUFFIX = ".keras"
@@ -126,11 +127,13 @@ def read_config(path: str | os.PathLike, *, max_bytes: int = MAX_CONFIG_BYTES) -
 
 def _open_archive(path: str) -> zipfile.ZipFile:
     try:
+        refuse_special_file(path)
+    except FileNotFoundError:
+        raise StoreNotFoundError(f"{path}: no such file") from None
+    try:
         return zipfile.ZipFile(path)
     except FileNotFoundError:
         raise StoreNotFoundError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise FormatError(f"{path}: is a folder, not a .keras archive") from None
     except OSError as exc:
         raise FormatError(f"{path}: unreadable ({exc.strerror})") from None
     except _ZIP_ERRORS as exc:
@@ -157,6 +160,8 @@ def _member_chunks(path: str, archive: zipfile.ZipFile, name: str):
                     raise UnsafeFileError(f"{path}: {name} inflates past its declared {info.file_size} bytes")
                 left -= len(chunk)
                 yield chunk
+    except WeightStoreError:
+        raise
     except _ZIP_ERRORS as exc:
         raise FormatError(f"{path}: corrupt .keras archive ({name}: {exc})") from None
     if left:

@@ -58,6 +58,7 @@ import itertools
 import math
 import os
 import re
+import stat
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -388,6 +389,7 @@ class CheckpointReader:
     def _read_index(self) -> bytes:
         path = self.prefix + ".index"
         try:
+            refuse_special_file(path)
             with open(path, "rb") as handle:
                 size = os.fstat(handle.fileno()).st_size
                 if size > MAX_INDEX_BYTES:
@@ -396,8 +398,6 @@ class CheckpointReader:
                 return handle.read(MAX_INDEX_BYTES + 1)
         except FileNotFoundError:
             raise StoreNotFoundError(f"{self.prefix}: no such checkpoint ({path} is missing)") from None
-        except IsADirectoryError:
-            raise FormatError(f"{path}: is a folder, not a checkpoint index") from None
 
     def _parse(self, table: Table) -> tuple[Any, dict[str, Any], dict[bytes, Any]]:
         where = table.where
@@ -547,6 +547,7 @@ class CheckpointReader:
                 raise FormatError(f"{self.name}: the checkpoint is closed; open it again to read {key!r}")
             path = self._shard_file(shard)
             try:
+                refuse_special_file(path)
                 mapped = MappedFile(path)
             except FileNotFoundError:
                 raise FormatError(f"{path}: data file of tensor {key!r} is missing") from None
@@ -625,6 +626,16 @@ class CheckpointReader:
         maps, self._maps = self._maps, {}
         for mapped in maps.values():
             mapped.close()
+
+
+def refuse_special_file(path: str) -> None:
+    """Refuse a FIFO, device or folder where a file belongs: opening a FIFO would wait forever.
+
+    Raises ``FileNotFoundError`` as :func:`open` would when nothing is there.
+    """
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        raise FormatError(f"{path}: is not a regular file (a folder, FIFO or device)")
 
 
 def _is_key(name: str) -> bool:
