@@ -50,8 +50,8 @@ else:
     raise SystemExit("tensorflow was importable")
 json.dump(report, open(f"{out}/report.json", "w"))
 """
-DTYPES = [tf.float32, tf.float64, tf.float16, tf.bfloat16, tf.int8, tf.uint8, tf.int16, tf.uint16, tf.int32,
-          tf.int64, tf.bool, tf.complex64]
+DTYPES = [tf.float32, tf.float64, tf.float16, tf.bfloat16, tf.int8, tf.uint8, tf.int16, tf.uint16, tf.int32, tf.uint32,
+          tf.int64, tf.uint64, tf.bool, tf.complex64, tf.complex128]
 
 
 def make_tf1(folder: Path) -> str:
@@ -60,7 +60,7 @@ def make_tf1(folder: Path) -> str:
     with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
         rng = np.random.default_rng(0)
         for dtype in DTYPES:
-            value = rng.normal(size=(3, 2)) * 50
+            value = np.abs(rng.normal(size=(3, 2))) * 50
             tf.compat.v1.get_variable(f"kinds/{dtype.name}", initializer=tf.cast(value, dtype), trainable=False)
         emb = tf.compat.v1.get_variable("model/emb", shape=[7, 3], partitioner=tf.compat.v1.fixed_size_partitioner(3))
         cols = tf.compat.v1.get_variable("model/cols", shape=[2, 5], partitioner=lambda shape, dtype: [1, 2])

@@ -654,10 +654,11 @@ def _parse_proto(message: Any, value: bytes, where: str, what: str) -> None:
 
 
 def _shape(entry: Any, where: str, name: str) -> tuple[int, ...]:
-    if entry.shape.unknown_rank:
+    proto = entry.shape
+    if proto.unknown_rank:
         raise FormatError(f"{where}: tensor {name!r} has no known rank")
-    shape = tuple(dim.size for dim in entry.shape.dim)
-    if len(shape) > MAX_NDIM or any(d < 0 for d in shape):
+    shape = tuple([dim.size for dim in proto.dim])
+    if len(shape) > MAX_NDIM or (shape and min(shape) < 0):
         raise FormatError(f"{where}: tensor {name!r} has an impossible shape {shape}")
     return shape
 
