@@ -60,6 +60,7 @@ import os
 import re
 import stat
 import struct
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -351,6 +352,7 @@ class CheckpointReader:
         self.skipped: list[str] = []
         self._maps: dict[int, MappedFile] = {}
         self._closed = False
+        self._lock = threading.Lock()
         table = Table(self._read_index(), prefix + ".index")
         header, entries, slice_entries = self._parse(table)
         self._num_shards = header.num_shards
@@ -541,20 +543,23 @@ class CheckpointReader:
         return f"{self.prefix}.data-{shard:05d}-of-{self._num_shards:05d}"
 
     def _map(self, shard: int, key: str) -> MappedFile:
+        """The data file, mapped at its first read (once, however many threads read at a time)."""
         mapped = self._maps.get(shard)
-        if mapped is None:
+        if mapped is not None:
+            return mapped
+        with self._lock:
             if self._closed:
                 raise FormatError(f"{self.name}: the checkpoint is closed; open it again to read {key!r}")
-            path = self._shard_file(shard)
-            try:
-                refuse_special_file(path)
-                mapped = MappedFile(path)
-            except FileNotFoundError:
-                raise FormatError(f"{path}: data file of tensor {key!r} is missing") from None
-            except OSError as exc:
-                raise FormatError(f"{path}: data file of tensor {key!r} is unreadable ({exc.strerror})") from None
-            self._maps[shard] = mapped
-        return mapped
+            if shard not in self._maps:
+                path = self._shard_file(shard)
+                try:
+                    refuse_special_file(path)
+                    self._maps[shard] = MappedFile(path)
+                except FileNotFoundError:
+                    raise FormatError(f"{path}: data file of tensor {key!r} is missing") from None
+                except OSError as exc:
+                    raise FormatError(f"{path}: data file of tensor {key!r} is unreadable ({exc.strerror})") from None
+            return self._maps[shard]
 
     def _backed(self, stored: _Stored, key: str) -> MappedFile:
         """The mapped data file holding ``stored``, refused when the file is too short for it."""
@@ -622,8 +627,9 @@ class CheckpointReader:
         return True
 
     def close(self) -> None:
-        self._closed = True
-        maps, self._maps = self._maps, {}
+        with self._lock:
+            self._closed = True
+            maps, self._maps = self._maps, {}
         for mapped in maps.values():
             mapped.close()
 
