@@ -45,15 +45,8 @@ _NEAR_ROOT = 2  # edges from the checkpoint's root within which the model's own 
 
 
 def open_artifact(path: Any) -> weightstore.Store:
-    """Any file ``ws`` reads (store, TF checkpoint, Keras file) with the file's own keys.
-
-    The one place the adapters open such files; it becomes ``weightstore.open`` once the core
-    reads TF checkpoints and Keras files itself.
-    """
-    from weightstore.adapters.checkpoints import open_source
-
-    source = open_source(path)
-    return weightstore.Store(_Renamed(source, {key: key for key in source}), source.path, verify=True)
+    """Any file ``ws`` reads (store, TF checkpoint, Keras file) with the file's own keys."""
+    return weightstore.open(path)
 
 
 def is_model_file(path: Any) -> bool:

@@ -117,7 +117,7 @@ def export(
         written = transfer.export(opened, output, scope=scope, mapping=mapping, include=include, exclude=exclude,
                                   trainable_only=trainable_only, also=also, compress=compress)
     _report("export", written, opened, f"wrote {count(written.count, 'tensor')} ({human_bytes(written.nbytes)}) "
-                                       f"from {opened.kind} {source} to {written.path}")
+                                       f"from {opened.kind} {opened.path} to {written.path}")
 
 
 @app.command("import")

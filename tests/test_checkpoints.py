@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import weightstore as ws
-from weightstore.errors import FormatError, StoreNotFoundError, UnsafeFileError
+from weightstore.errors import ChecksumError, FormatError, StoreNotFoundError, UnsafeFileError
+from weightstore.formats.tf_checkpoint import OBJECT_GRAPH_KEY, resolve_prefix
 
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
@@ -109,7 +110,7 @@ def test_a_checkpoint_is_found_by_prefix_file_or_folder(made, spelling):
     prefix = made["tf1"]
     path = {"prefix": prefix, "index": prefix + ".index", "data": prefix + ".data-00000-of-00001",
             "meta": prefix + ".meta", "folder": os.path.dirname(prefix)}[spelling]
-    assert checkpoints.checkpoint_prefix(path) == prefix
+    assert resolve_prefix(path) == prefix
 
 
 def test_trainable_keys_come_from_the_meta_graph(made):
@@ -145,7 +146,7 @@ def test_tf2_keras_checkpoint_keeps_only_variables(made, tmp_path):
         assert len(keys) == len(expected) - 1  # the object graph is left out
         assert not any(".ATTRIBUTES" in k or k.startswith("_CHECKPOINTABLE") for k in keys)
         assert sorted(values.tobytes() for values in map(source.__getitem__, keys)) == sorted(
-            value.tobytes() for name, value in expected.items() if name != checkpoints.OBJECT_GRAPH_KEY)
+            value.tobytes() for name, value in expected.items() if name != OBJECT_GRAPH_KEY)
         weights = [k for k in model_only.keys() if not k.startswith("model/optimizer/")]  # compiled: tracked
         assert len(weights) == len(made["model"].weights)
         assert [k for k in keys if k.startswith("model/")] == weights
@@ -304,13 +305,15 @@ def test_legacy_output_suffixes_are_dropped(tmp_path):
 
 
 def test_missing_and_junk_sources(tmp_path):
-    with pytest.raises(StoreNotFoundError, match="no such file or checkpoint"):
+    with pytest.raises(StoreNotFoundError, match="absent.ckpt: no such file or checkpoint"):
         checkpoints.open_source(tmp_path / "absent.ckpt")
     (tmp_path / "junk.ckpt.index").write_bytes(b"not a table")
-    with pytest.raises(FormatError, match="junk.ckpt: not a readable TensorFlow checkpoint"):
+    with pytest.raises(FormatError, match=r"junk\.ckpt\.index: not a TensorFlow checkpoint index"):
         checkpoints.open_source(tmp_path / "junk.ckpt")
-    with pytest.raises(StoreNotFoundError, match="holds no 'checkpoint' state file"):
-        checkpoints.open_source(tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(StoreNotFoundError, match=r"empty: is a folder, not a weight file, and holds no TF checkpoint "
+                                                 r"\(no 'checkpoint' state file, no \.index file\)"):
+        checkpoints.open_source(tmp_path / "empty")
 
 
 def restore_with_saver(prefix, shapes):
@@ -423,7 +426,8 @@ def test_a_mixed_single_entry_checkpoint_is_refused_on_read(tmp_path):
     checkpoints.write_checkpoint(prefix, {"a": np.full(2, 3, np.float32)})
     assert data_files(tmp_path) == ["one.ckpt.data-00000-of-00001"]
     (tmp_path / "one.ckpt.index").write_bytes(old_index)  # the state a crash between the renames leaves
-    with checkpoints.open_source(prefix) as source, pytest.raises(FormatError, match="'a' is unreadable.*Checksum"):
+    corrupt = r"data-00000-of-00001: tensor 'a' is corrupt \(CRC-32C"
+    with checkpoints.open_source(prefix) as source, pytest.raises(ChecksumError, match=corrupt):
         source["a"]
 
 

@@ -436,3 +436,13 @@ def test_unknown_output_suffix_is_refused_before_anything_is_read(store, tmp_pat
     one_error_line(result, "cannot tell which format to write from the file name")
     assert not (tmp_path / name).exists()
     one_error_line(run("convert", store, tmp_path / name), "cannot tell which format")
+
+
+def test_tensorflow_logs_stay_out_whatever_the_environment_says(store, tmp_path):
+    """Writing a TF checkpoint imports TensorFlow; its C++ lines must not reach stderr even when
+    the shell asks TensorFlow for every log line."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0")
+    done = subprocess.run([WS, "import", str(store), "--into", str(tmp_path / "m.ckpt")], capture_output=True,
+                          text=True, timeout=180, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip().splitlines() == [f"wrote 3 tensors (48 B) into TF checkpoint {tmp_path / 'm.ckpt'}"]

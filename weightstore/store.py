@@ -28,6 +28,7 @@ from weightstore.errors import (
     WeightStoreError,
 )
 from weightstore.formats import Format, Reader, format_for_suffix, format_named, known_suffixes, sniff
+from weightstore.formats.foreign import open_foreign
 from weightstore.keys import MappingRules, Patterns, plan_outward, validate_key
 from weightstore.manifest import TensorInfo, build_manifest, checksum_text, crc32, dtype_name, logical_dtype, to_storage
 from weightstore.storage import commit_for, filesystem, location_of
@@ -155,6 +156,10 @@ def open(path: Any, *, verify: bool = True, format: str | None = None) -> Store:
         except BaseException:
             handle.close()
             raise
+    if format is None:  # TF checkpoints (prefix, file or folder) and .keras archives
+        foreign = open_foreign(location)
+        if foreign is not None:
+            return Store(foreign, foreign.name, verify)
     try:
         with builtins.open(location, "rb") as handle:
             head = handle.read(8)

@@ -1,0 +1,190 @@
+"""Keras 3 files read without Keras: ``.weights.h5`` and the ``.keras`` zip archive.
+
+A ``.weights.h5`` file is plain HDF5 and is read by :mod:`weightstore.formats.hdf5` as a file
+without a manifest; its keys are its dataset paths (``layers/dense/vars/0``). A ``.keras``
+archive is a zip holding that same weights file as ``model.weights.h5`` beside
+``config.json`` and ``metadata.json``. Its weights member is copied out, after checks that
+refuse zip bombs before a byte is inflated, and read the same way. The config is read only
+when asked for (:func:`read_config`), as bounded JSON, and never deserialized into a model:
+nothing in the file is ever executed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import tempfile
+import zipfile
+import zlib
+from typing import Any
+
+import numpy as np
+
+from weightstore.errors import FormatError, StoreNotFoundError, UnsafeFileError, WeightStoreError
+from weightstore.formats import format_for_suffix, format_named
+from weightstore.formats.npz import MAX_DEFLATE_RATIO
+from weightstore.formats.tf_checkpoint import refuse_special_file
+from weightstore.manifest import TensorInfo
+
+KERAS_SUFFIX = ".keras"
+WEIGHTS_SUFFIX = ".weights.h5"
+WEIGHTS_MEMBER = "model.weights.h5"
+CONFIG_MEMBER = "config.json"
+KIND = "Keras weights file"
+#: a model config is a few hundred KB even for large architectures
+MAX_CONFIG_BYTES = 16 << 20
+_CHUNK = 16 << 20
+#: what :mod:`zipfile` raises on damaged or unusual archives (unsupported features, bad names)
+_ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, zlib.error, struct.error, ValueError,
+               NotImplementedError, UnicodeDecodeError, OverflowError)
+
+
+def is_keras_archive(path: str) -> bool:
+    """Whether ``path`` is to be read as a ``.keras`` archive: by suffix, or, for a name whose
+    suffix says nothing, a zip holding ``model.weights.h5``. Never raises for a damaged zip."""
+    if path.endswith(KERAS_SUFFIX):
+        return True
+    if format_for_suffix(path) is not None or not os.path.isfile(path):
+        return False
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return WEIGHTS_MEMBER in archive.namelist()
+    except (OSError, *_ZIP_ERRORS):
+        return False
+
+
+class KerasArchiveReader:
+    """The Reader protocol over a ``.keras`` archive's weights, unpacked to a private folder."""
+
+    kind = KIND
+
+    def __init__(self, path: str):
+        self.name = path
+        self.skipped: list[str] = []
+        self._scratch = tempfile.mkdtemp(prefix="weightstore-keras-")
+        try:
+            local = os.path.join(self._scratch, WEIGHTS_MEMBER)
+            with _open_archive(path) as archive, open(local, "wb") as out:
+                for chunk in _member_chunks(path, archive, WEIGHTS_MEMBER):
+                    out.write(chunk)
+            self._reader = format_named("hdf5").open_reader(local, f"{path}:{WEIGHTS_MEMBER}")
+        except BaseException:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            raise
+        self.metadata: dict[str, Any] = {}
+        self.created = ""
+        self.has_checksums = False
+
+    def keys(self) -> list[str]:
+        return self._reader.keys()
+
+    def info(self, key: str) -> TensorInfo:
+        return self._reader.info(key)
+
+    def read(self, key: str, *, verify: bool) -> np.ndarray:
+        return self._reader.read(key, verify=verify)
+
+    def read_into(self, key: str, out: np.ndarray, *, verify: bool) -> bool:
+        return self._reader.read_into(key, out, verify=verify)
+
+    def close(self) -> None:
+        try:
+            self._reader.close()
+        finally:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+
+
+def read_config(path: str | os.PathLike, *, max_bytes: int = MAX_CONFIG_BYTES) -> dict[str, Any]:
+    """The model config of a ``.keras`` archive, as plain JSON data: never deserialized.
+
+    For mapping the archive's weights onto a model's keys (``layers/dense/vars/0`` is layer
+    ``dense``'s first variable). The member's declared size is checked against ``max_bytes``
+    and against what deflate can produce before anything is inflated, and inflation stops at
+    the declared size.
+
+    Raises:
+        StoreNotFoundError: no such file.
+        UnsafeFileError: the config is larger than ``max_bytes``, or a zip bomb.
+        FormatError: not a zip, no ``config.json``, or not a JSON object in UTF-8.
+    """
+    text = os.fspath(path)
+    where = f"{text}: {CONFIG_MEMBER}"
+    with _open_archive(text) as archive:
+        info = _member(text, archive, CONFIG_MEMBER)
+        if info.file_size > max_bytes:
+            raise UnsafeFileError(f"{where} declares {info.file_size} bytes, over the {max_bytes}-byte limit")
+        raw = b"".join(_member_chunks(text, archive, CONFIG_MEMBER))
+    try:
+        config = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise FormatError(f"{where} is not JSON text ({type(exc).__name__})") from None
+    if not isinstance(config, dict):
+        raise FormatError(f"{where} holds a JSON {type(config).__name__}, not an object")
+    return config
+
+
+def _open_archive(path: str) -> zipfile.ZipFile:
+    try:
+        refuse_special_file(path)
+    except FileNotFoundError:
+        raise StoreNotFoundError(f"{path}: no such file") from None
+    try:
+        return zipfile.ZipFile(path)
+    except FileNotFoundError:
+        raise StoreNotFoundError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise FormatError(f"{path}: unreadable ({exc.strerror})") from None
+    except _ZIP_ERRORS as exc:
+        raise FormatError(f"{path}: not a .keras archive (not a readable zip file: {type(exc).__name__})") from None
+
+
+def _member(path: str, archive: zipfile.ZipFile, name: str) -> zipfile.ZipInfo:
+    try:
+        info = archive.getinfo(name)
+    except KeyError:
+        raise FormatError(f"{path}: .keras archive holds no {name}") from None
+    refuse_bomb(path, info, os.path.getsize(path))
+    return info
+
+
+def _member_chunks(path: str, archive: zipfile.ZipFile, name: str):
+    """The bytes of one member, in chunks, checked against its declared size as they inflate."""
+    info = _member(path, archive, name)
+    left = info.file_size
+    try:
+        with archive.open(info) as member:
+            while chunk := member.read(min(_CHUNK, left + 1)):
+                if len(chunk) > left:
+                    raise UnsafeFileError(f"{path}: {name} inflates past its declared {info.file_size} bytes")
+                left -= len(chunk)
+                yield chunk
+    except WeightStoreError:
+        raise
+    except _ZIP_ERRORS as exc:
+        raise FormatError(f"{path}: corrupt .keras archive ({name}: {exc})") from None
+    if left:
+        raise FormatError(f"{path}: corrupt .keras archive ({name} ends {left} bytes short of its declared size)")
+
+
+def refuse_bomb(path: str, info: zipfile.ZipInfo, archive_size: int) -> None:
+    """Refuse, before inflating a byte, a member that could not honestly be that big (CWE-409).
+
+    Deflate expands at most about 1032 to 1, so a larger declared size is a zip bomb (or a
+    lie about the size); stored members must declare equal sizes. Members other than stored
+    or deflated (bzip2, lzma reach far higher ratios) and encrypted ones are refused too.
+    """
+    where = f"{path}: {info.filename}"
+    if info.flag_bits & 0x1:
+        raise UnsafeFileError(f"{where} is encrypted")
+    if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+        raise UnsafeFileError(f"{where} uses compression method {info.compress_type}; "
+                              "only stored and deflate are read")
+    if info.compress_size > archive_size:
+        raise FormatError(f"{where} declares {info.compress_size} compressed bytes in a {archive_size}-byte archive")
+    if info.compress_type == zipfile.ZIP_STORED and info.file_size != info.compress_size:
+        raise UnsafeFileError(f"{where} is stored but declares {info.file_size} bytes in {info.compress_size}")
+    if info.file_size > MAX_DEFLATE_RATIO * min(info.compress_size, archive_size):
+        raise UnsafeFileError(f"{where} declares {info.file_size} bytes from {info.compress_size} compressed, "
+                              f"more than deflate can expand ({MAX_DEFLATE_RATIO}x): a zip bomb")

@@ -1,0 +1,681 @@
+"""TensorFlow checkpoints (TF1 ``Saver`` and TF2 object-based) read lazily, without TensorFlow.
+
+A checkpoint is a *tensor bundle* (``tensorflow/core/util/tensor_bundle``): ``PREFIX.index``,
+an SSTable (:mod:`weightstore.formats.sstable`) mapping each tensor name to a
+``BundleEntryProto`` (dtype, shape, data shard, offset, size, masked CRC-32C of the bytes),
+with a ``BundleHeaderProto`` under the empty name; and ``PREFIX.data-NNNNN-of-MMMMM``, the
+shards holding the raw little-endian bytes. Opening reads and checks the index only; each
+tensor is a view of its memory-mapped shard, its CRC-32C verified when read with
+``verify=True``. A variable saved in slices (TF1 partitioned variables) has an entry with
+the full shape and a list of slices, each stored under the key
+``checkpoint::EncodeTensorNameSlice`` makes (TensorFlow's ``OrderedCode``); it is read as
+one tensor, joined from its slices, which must tile it exactly.
+
+Keys:
+- TF1 ``Saver`` checkpoints: the variable names (``layer/w``, slots as ``layer/w/Adam``).
+- TF2 object-based checkpoints: each variable's *best path* in the object graph that the
+  checkpoint records (``_CHECKPOINTABLE_OBJECT_GRAPH``), segments being the local names of the
+  edges from the root. TensorFlow writes each variable under the first path its own walk
+  finds, so a Keras 3 model saved as ``tf.train.Checkpoint(model=m, optimizer=opt)`` keeps its
+  kernels at ``optimizer/_trainable_variables/N``; weightstore instead looks at *every* path
+  to a variable and picks, in order:
+  1. one that passes through no optimizer-like object, where an object is optimizer-like
+     when an edge named ``optimizer`` leads to it (at any depth: Keras models track their
+     optimizer as ``model/optimizer`` too), when it owns slot variables (``tf.compat.v1`` and
+     ``tf.keras`` 2 optimizers), or when it has a step counter child ``iter`` or
+     ``_iterations`` (``tf.keras`` 2 and Keras 3 optimizers);
+  2. then the shortest; 3. then the one with fewest edges into a catch-all variable list
+  (``_variables``, ``variables``, ``_trainable_variables``, ``trainable_variables``), so a
+  Keras 3 Adam's velocity reads ``optimizer/_velocities/0``, not ``optimizer/_variables/3``;
+  4. then the first by comparing segments as strings.
+  So model weights read ``model/_functional/_operations/1/_kernel`` (Sequential),
+  ``model/_operations/1/bias`` (functional), ``model/encoder/_kernel`` (attributes of a
+  subclassed model or ``tf.Module``), the same whether or not the optimizer was saved too.
+  Keys come from structure only, so two checkpoints of one architecture have equal keys even
+  when Keras numbered their layers differently (``dense_1`` vs ``dense_7``); layer names are
+  deliberately *not* used (the object graph does not record them, and the variables'
+  ``full_name`` is neither stable nor unique). The optimizer's own variables stay under it
+  (``optimizer/_iterations``, ``optimizer/_momentums/N``), so ``--exclude optimizer`` leaves
+  exactly the model. Slot variables the object graph records as such (``tf.compat.v1`` /
+  ``tf.keras`` 2 optimizers) go under their variable's key:
+  ``<variable>/.OPTIMIZER_SLOT/<optimizer>/<slot>``, TensorFlow's own layout.
+  Entries that are not variables (the object graph, Python state, iterator state) and the
+  checkpoint's own ``save_counter`` are left out. A checkpoint whose object graph cannot be
+  read falls back to the entry names with ``/.ATTRIBUTES/VARIABLE_VALUE`` dropped.
+Non-numeric entries (string variables, resources, quantized types) are skipped and listed in
+:attr:`CheckpointReader.skipped`.
+
+Every size in the index is hostile until checked: entries must lie inside their data file
+and not overlap, shapes must need exactly the bytes an entry says, names must be UTF-8 and
+unique; nothing is allocated that the files do not back.
+"""
+
+from __future__ import annotations
+
+import codecs
+import heapq
+import itertools
+import math
+import os
+import re
+import stat
+import struct
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from weightstore.errors import (
+    ChecksumError,
+    FormatError,
+    InvalidKeyError,
+    KeyNotInStoreError,
+    StoreNotFoundError,
+    UnsafeFileError,
+)
+from weightstore.formats.source import MappedFile
+from weightstore.formats.sstable import Table, crc32c, read_varint, unmask_crc
+from weightstore.formats.tf_protos import BundleEntryProto, BundleHeaderProto, TrackableObjectGraph
+from weightstore.keys import validate_key
+from weightstore.manifest import MAX_NDIM, ML_DTYPES, TensorInfo, dtype_name
+
+OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
+VARIABLE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
+STATE_FILE = "checkpoint"
+KIND_TF1 = "TF1 checkpoint"
+KIND_TF2 = "TF2 object-based checkpoint"
+#: an index holds about 100 bytes per tensor; a million tensors stay far below this
+MAX_INDEX_BYTES = 256 << 20
+#: a ``checkpoint`` state file names a few dozen paths
+MAX_STATE_FILE_BYTES = 1 << 20
+#: slices of one partitioned variable (TF partitions into at most a few hundred in practice)
+MAX_SLICES = 4096
+#: shards of one checkpoint (one per device that saved; TF numbers them with five digits)
+MAX_SHARDS = 99_999
+
+_SAVE_COUNTER = "save_counter" + VARIABLE_SUFFIX
+_DATA_FILE = re.compile(r"\.data-\d{5}-of-\d{5}$")
+_DT_STRING = 7
+#: TensorFlow's ``DataType`` numbers (``types.proto``) -> numpy dtype, for every numeric kind
+#: numpy or ml_dtypes can hold byte for byte; the rest (strings, resources, variants,
+#: quantized and 4-bit types) are skipped.
+_DTYPES: dict[int, np.dtype] = {
+    number: np.dtype(kind) for number, kind in {
+        1: "<f4", 2: "<f8", 3: "<i4", 4: "u1", 5: "<i2", 6: "i1", 8: "<c8", 9: "<i8", 10: "?",
+        17: "<u2", 18: "<c16", 19: "<f2", 22: "<u4", 23: "<u8",
+    }.items()
+}
+_DTYPES.update({number: ML_DTYPES[name] for number, name in {
+    14: "bfloat16", 24: "float8_e5m2", 25: "float8_e4m3fn", 26: "float8_e4m3fnuz",
+    27: "float8_e4m3b11fnuz", 28: "float8_e5m2fnuz",
+}.items() if name in ML_DTYPES})
+_LOGICAL = {dtype: dtype_name(dtype) for dtype in _DTYPES.values()}
+
+
+# --- finding the checkpoint a path names -------------------------------------------------
+
+def resolve_prefix(path: str) -> str | None:
+    """The checkpoint prefix ``path`` names, or ``None`` when it names no checkpoint.
+
+    Accepts the prefix itself, one of its ``.index``/``.data-…``/``.meta`` files (what shell
+    completion offers), or a folder: the checkpoint its ``checkpoint`` state file names, or
+    the only one in it. A folder that holds several but no state file is refused with the
+    candidates listed, as is one whose state file names a checkpoint that is not there.
+    """
+    if os.path.isdir(path):
+        return _prefix_in_folder(path)
+    for suffix in (".index", ".meta"):
+        if path.endswith(suffix) and os.path.exists(path[: -len(suffix)] + ".index"):
+            return path[: -len(suffix)]
+    data = _DATA_FILE.search(path)
+    if data and os.path.exists(path[: data.start()] + ".index"):
+        return path[: data.start()]
+    return path if os.path.exists(path + ".index") else None
+
+
+def _prefix_in_folder(folder: str) -> str:
+    state = os.path.join(folder, STATE_FILE)
+    if os.path.isfile(state):
+        named = read_state_file(state)
+        prefix = named if os.path.isabs(named) else os.path.join(folder, named)
+        if not os.path.exists(prefix + ".index"):
+            moved = os.path.join(folder, os.path.basename(named))  # the folder was moved or copied
+            if not os.path.exists(moved + ".index"):
+                raise StoreNotFoundError(f"{folder}: its '{STATE_FILE}' state file names checkpoint {named!r}, "
+                                         f"which does not exist{_candidates_hint(folder)}")
+            prefix = moved
+        return prefix
+    candidates = checkpoints_in(folder)
+    if len(candidates) == 1:
+        return os.path.join(folder, candidates[0])
+    if not candidates:
+        raise StoreNotFoundError(f"{folder}: is a folder, not a weight file, and holds no TF checkpoint "
+                                 f"(no '{STATE_FILE}' state file, no .index file)")
+    raise StoreNotFoundError(f"{folder}: holds {len(candidates)} checkpoints and no '{STATE_FILE}' state file "
+                             f"saying which to read; name one of: {', '.join(candidates)}")
+
+
+def checkpoints_in(folder: str) -> list[str]:
+    """Names of the checkpoint prefixes in ``folder`` (those with an ``.index``), oldest step first."""
+    try:
+        names = [entry.name[: -len(".index")] for entry in os.scandir(folder)
+                 if entry.name.endswith(".index") and not entry.name.startswith(".")]
+    except OSError:
+        return []
+    return sorted(names, key=natural_order)
+
+
+def _candidates_hint(folder: str) -> str:
+    candidates = checkpoints_in(folder)
+    return f"; the folder holds: {', '.join(candidates)}" if candidates else ""
+
+
+def read_state_file(path: str) -> str:
+    """``model_checkpoint_path`` of a ``checkpoint`` state file (a ``CheckpointState`` text proto).
+
+    Read as text, never through TensorFlow; its size is bounded first.
+    """
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_STATE_FILE_BYTES + 1)
+    except OSError as exc:
+        raise FormatError(f"{path}: unreadable checkpoint state file ({exc.strerror})") from None
+    if len(raw) > MAX_STATE_FILE_BYTES:
+        raise UnsafeFileError(f"{path}: checkpoint state file is over {MAX_STATE_FILE_BYTES} bytes")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise FormatError(f"{path}: checkpoint state file is not UTF-8 text") from None
+    match = re.search(r'^\s*model_checkpoint_path\s*:\s*"((?:[^"\\\n]|\\.)*)"\s*$', text, re.MULTILINE)
+    if match is None:
+        raise FormatError(f"{path}: checkpoint state file names no model_checkpoint_path")
+    try:
+        named = codecs.escape_decode(match.group(1).encode("utf-8"))[0].decode("utf-8")
+    except (ValueError, UnicodeDecodeError):
+        raise FormatError(f"{path}: checkpoint state file has a malformed model_checkpoint_path") from None
+    if not named or "\0" in named:
+        raise FormatError(f"{path}: checkpoint state file has an empty or malformed model_checkpoint_path")
+    return named
+
+
+def natural_order(text: str) -> list[tuple[int, Any]]:
+    """Sort key reading digit runs as numbers: ``layers/2`` before ``layers/10``."""
+    return [(0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", text)]
+
+
+# --- the slice keys of partitioned variables ---------------------------------------------
+
+def _escape(text: bytes) -> bytes:
+    """``OrderedCode::WriteString`` without its terminator: 0x00 and 0xff escaped as 00 ff and ff 00."""
+    out = bytearray()
+    for byte in text:
+        if byte == 0:
+            out += b"\x00\xff"
+        elif byte == 0xFF:
+            out += b"\xff\x00"
+        else:
+            out.append(byte)
+    return bytes(out)
+
+
+def _ordered_unsigned(value: int) -> bytes:
+    """``OrderedCode::WriteNumIncreasing``: a length byte, then big-endian bytes without leading zeros."""
+    body = value.to_bytes((value.bit_length() + 7) // 8, "big")
+    return bytes([len(body)]) + body
+
+
+_SIGNED_HEADER = {1: (0x80, 0), 2: (0xC0, 0), 3: (0xE0, 0), 4: (0xF0, 0), 5: (0xF8, 0), 6: (0xFC, 0),
+                  7: (0xFE, 0), 8: (0xFF, 0), 9: (0xFF, 0x80), 10: (0xFF, 0xC0)}
+
+
+def _ordered_signed(value: int) -> bytes:
+    """``OrderedCode::WriteSignedNumIncreasing``: n bytes hold [-2^(7n-1), 2^(7n-1)), length in the leading bits."""
+    magnitude = ~value if value < 0 else value
+    if magnitude < 64:
+        return bytes([(0x80 ^ value) & 0xFF])
+    length = -(-(magnitude.bit_length() + 1) // 7)
+    body = bytearray(value.to_bytes(10, "big", signed=True)[10 - length :])
+    first, second = _SIGNED_HEADER[length]
+    body[0] ^= first
+    body[1] ^= second
+    return bytes(body)
+
+
+def slice_key(name: bytes, extents: list[tuple[int, int]]) -> bytes:
+    """``checkpoint::EncodeTensorNameSlice``: where one slice of a partitioned variable is stored."""
+    parts = [_ordered_unsigned(0), _escape(name) + b"\x00\x01", _ordered_unsigned(len(extents))]
+    for start, length in extents:
+        parts += [_ordered_signed(start), _ordered_signed(length)]
+    return b"".join(parts)
+
+
+# --- the TF2 object graph -----------------------------------------------------------------
+
+_OPTIMIZER_EDGE = "optimizer"
+_STEP_COUNTERS = frozenset({"iter", "_iterations"})
+_CATCH_ALL_LISTS = frozenset({"_variables", "variables", "_trainable_variables", "trainable_variables"})
+
+
+def object_graph_keys(serialized: bytes) -> dict[str, str]:
+    """Checkpoint entry name -> key for every variable the object graph names (module docstring).
+
+    Empty when the graph cannot be read, so the caller falls back to the entry names.
+    """
+    graph = TrackableObjectGraph()
+    try:
+        graph.ParseFromString(serialized)
+    except (DecodeError, RecursionError):
+        return {}
+    nodes = graph.nodes
+    if not nodes:
+        return {}
+    best = best_paths(nodes)
+    node_keys = {node: "/".join(path) for node, path in best.items() if path}
+    for optimizer_id, node in enumerate(nodes):  # slots go under their variable
+        optimizer_key = node_keys.get(optimizer_id)
+        for slot in node.slot_variables:
+            variable_key = node_keys.get(slot.original_variable_node_id)
+            if optimizer_key and variable_key and 0 <= slot.slot_variable_node_id < len(nodes):
+                node_keys.setdefault(slot.slot_variable_node_id,
+                                     f"{variable_key}/.OPTIMIZER_SLOT/{optimizer_key}/{slot.slot_name}")
+    keys: dict[str, str] = {}
+    for node_id, key in node_keys.items():
+        for attribute in nodes[node_id].attributes:
+            if attribute.name == "VARIABLE_VALUE" and attribute.checkpoint_key.endswith(VARIABLE_SUFFIX):
+                keys[attribute.checkpoint_key] = key
+    return keys
+
+
+def best_paths(nodes: Any) -> dict[int, tuple[str, ...]]:
+    """Node id -> its best path from the root, the least by (through an optimizer-like node,
+    length, edges into catch-all lists, segments).
+
+    A Dijkstra walk: extending two paths by one edge keeps their order, so the first time a
+    node is taken off the heap its path is the best of all paths to it.
+    """
+    optimizer_like = {
+        node_id for node_id, node in enumerate(nodes)
+        if node.slot_variables or any(child.local_name in _STEP_COUNTERS for child in node.children)
+    }
+    optimizer_like.update(child.node_id for node in nodes for child in node.children
+                          if child.local_name == _OPTIMIZER_EDGE)
+    optimizer_like.discard(0)
+    best: dict[int, tuple[str, ...]] = {}
+    heap: list[tuple[bool, int, int, tuple[str, ...], int]] = [(False, 0, 0, (), 0)]
+    while heap:
+        through_optimizer, length, catch_all, path, node_id = heapq.heappop(heap)
+        if node_id in best:
+            continue
+        best[node_id] = path
+        for child in nodes[node_id].children:
+            if child.node_id not in best and 0 <= child.node_id < len(nodes):
+                flag = through_optimizer or child.node_id in optimizer_like
+                lists = catch_all + (child.local_name in _CATCH_ALL_LISTS)
+                heapq.heappush(heap, (flag, length + 1, lists, (*path, child.local_name), child.node_id))
+    return best
+
+
+# --- the reader ---------------------------------------------------------------------------
+
+@dataclass
+class _Stored:
+    """Where one tensor's bytes lie: a shard, a range, and the CRC-32C TensorFlow recorded."""
+
+    shard: int
+    offset: int
+    size: int
+    crc: int
+
+
+@dataclass
+class _Tensor:
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    stored: _Stored | None = None
+    #: a partitioned variable: ``(index into the full tensor, slice shape, where it lies)`` per slice
+    slices: list[tuple[tuple[slice, ...], tuple[int, ...], _Stored]] = field(default_factory=list)
+
+
+class CheckpointReader:
+    """The core's Reader protocol over a TF checkpoint; only the index is read at open."""
+
+    has_checksums = False
+    created = ""
+
+    def __init__(self, prefix: str):
+        self.name = prefix
+        self.prefix = prefix
+        self.metadata: dict[str, Any] = {}
+        self.skipped: list[str] = []
+        self._maps: dict[int, MappedFile] = {}
+        self._closed = False
+        self._lock = threading.Lock()
+        table = Table(self._read_index(), prefix + ".index")
+        header, entries, slice_entries = self._parse(table)
+        self._num_shards = header.num_shards
+        self.entry_names = list(entries)
+        self.object_based = OBJECT_GRAPH_KEY in entries
+        self.kind = KIND_TF2 if self.object_based else KIND_TF1
+        #: the graph a TF1 ``Saver`` wrote beside the checkpoint: the only record of trainability
+        self.meta_graph = None if self.object_based else prefix + ".meta"
+        try:
+            tensors = self._tensors(entries, slice_entries)
+            graph_keys = self._graph_keys(entries) if self.object_based else {}
+        except BaseException:
+            self.close()
+            raise
+        self._tensors_by_key: dict[str, _Tensor] = {}
+        self._infos: dict[str, TensorInfo] = {}
+        for name in entries:
+            key = self._key_for(name, graph_keys)
+            if key is None:
+                continue
+            tensor = tensors.get(name)
+            if tensor is None or not _is_key(key):  # not numeric, or a name no key can spell
+                self.skipped.append(name)
+                continue
+            if key in self._tensors_by_key:  # only when the object graph disagrees with itself
+                key = name[: -len(VARIABLE_SUFFIX)] if self.object_based else name
+                if key in self._tensors_by_key:
+                    raise FormatError(f"{prefix}: entries {self._tensors_by_key[key].name!r} and {name!r} "
+                                      f"both read as key {key!r}")
+            self._tensors_by_key[key] = tensor
+            nbytes = math.prod(tensor.shape) * tensor.dtype.itemsize
+            self._infos[key] = TensorInfo(key, _LOGICAL[tensor.dtype], tensor.shape, nbytes)
+        if self.object_based:  # keys, not entry names, in order: layers/2 before layers/10
+            self._infos = {key: self._infos[key] for key in sorted(self._infos, key=natural_order)}
+
+    def _read_index(self) -> bytes:
+        path = self.prefix + ".index"
+        try:
+            refuse_special_file(path)
+            with open(path, "rb") as handle:
+                size = os.fstat(handle.fileno()).st_size
+                if size > MAX_INDEX_BYTES:
+                    raise UnsafeFileError(f"{path}: checkpoint index is {size} bytes, over the "
+                                          f"{MAX_INDEX_BYTES}-byte limit")
+                return handle.read(MAX_INDEX_BYTES + 1)
+        except FileNotFoundError:
+            raise StoreNotFoundError(f"{self.prefix}: no such checkpoint ({path} is missing)") from None
+
+    def _parse(self, table: Table) -> tuple[Any, dict[str, Any], dict[bytes, Any]]:
+        where = table.where
+        header = None
+        entries: dict[str, Any] = {}
+        slice_entries: dict[bytes, Any] = {}
+        for raw_key, value in table.items():
+            if raw_key == b"":
+                header = BundleHeaderProto()
+                _parse_proto(header, value, where, "the bundle header")
+                continue
+            entry = BundleEntryProto()
+            if raw_key.startswith(b"\x00"):  # a slice of a partitioned variable (see slice_key)
+                _parse_proto(entry, value, where, f"slice entry {raw_key!r}")
+                slice_entries[raw_key] = entry
+                continue
+            try:
+                name = raw_key.decode("utf-8")
+            except UnicodeDecodeError:
+                raise FormatError(f"{where}: entry name {raw_key!r} is not valid UTF-8") from None
+            _parse_proto(entry, value, where, f"entry {name!r}")
+            entries[name] = entry
+        if header is None:
+            raise FormatError(f"{where}: not a TensorFlow checkpoint index (no bundle header)")
+        if header.endianness != 0:
+            raise FormatError(f"{where}: big-endian checkpoints are not read")
+        if not 0 < header.num_shards <= MAX_SHARDS:
+            raise FormatError(f"{where}: bundle header declares {header.num_shards} data shards")
+        return header, entries, slice_entries
+
+    def _tensors(self, entries: dict[str, Any], slice_entries: dict[bytes, Any]) -> dict[str, _Tensor]:
+        """Every numeric entry checked against the index's own rules; data ranges checked for overlap."""
+        where = self.prefix + ".index"
+        tensors: dict[str, _Tensor] = {}
+        ranges: list[tuple[int, int, int, str]] = []  # shard, start, end, entry
+        for name, entry in entries.items():
+            dtype = _DTYPES.get(entry.dtype)
+            if not entry.slices:
+                stored = self._stored(entry, name)
+                ranges.append((stored.shard, stored.offset, stored.offset + stored.size, name))
+                if dtype is None:
+                    continue  # strings and others: skipped, but their bytes still may not overlap
+                shape = _shape(entry, where, name)
+                needed = math.prod(shape) * dtype.itemsize
+                if needed != stored.size:
+                    raise FormatError(f"{where}: tensor {name!r} of shape {shape} {dtype} needs {needed} bytes, "
+                                      f"its entry says {stored.size}")
+                tensors[name] = _Tensor(name, dtype, shape, stored=stored)
+                continue
+            if dtype is None:
+                continue
+            shape = _shape(entry, where, name)
+            tensor = _Tensor(name, dtype, shape)
+            tensor.slices = self._slices(entry, name, shape, dtype, slice_entries)
+            for _, _, stored in tensor.slices:
+                ranges.append((stored.shard, stored.offset, stored.offset + stored.size, name))
+            tensors[name] = tensor
+        ranges = sorted(r for r in ranges if r[2] > r[1])  # empty tensors occupy no bytes
+        for (shard, _, end, first), (other, start, _, second) in itertools.pairwise(ranges):
+            if shard == other and start < end:
+                raise FormatError(f"{where}: tensors {first!r} and {second!r} overlap in data shard {shard}")
+        return tensors
+
+    def _stored(self, entry: Any, name: str) -> _Stored:
+        where = self.prefix + ".index"
+        if not 0 <= entry.shard_id < self._num_shards:
+            raise FormatError(f"{where}: tensor {name!r} lies in data shard {entry.shard_id}, "
+                              f"of {self._num_shards}")
+        if entry.offset < 0 or entry.size < 0:
+            raise FormatError(f"{where}: tensor {name!r} has a negative offset or size")
+        return _Stored(entry.shard_id, entry.offset, entry.size, unmask_crc(entry.crc32c))
+
+    def _slices(self, entry: Any, name: str, shape: tuple[int, ...], dtype: np.dtype,
+                slice_entries: dict[bytes, Any]) -> list[tuple[tuple[slice, ...], tuple[int, ...], _Stored]]:
+        """The slices of a partitioned variable, proved to tile its full shape exactly."""
+        where = self.prefix + ".index"
+        if len(entry.slices) > MAX_SLICES:
+            raise UnsafeFileError(f"{where}: tensor {name!r} is split into {len(entry.slices)} slices "
+                                  f"(limit {MAX_SLICES})")
+        if entry.size:
+            raise FormatError(f"{where}: tensor {name!r} lists slices and data of its own")
+        pieces = []
+        covered = 0
+        for proto in entry.slices:
+            if len(proto.extent) != len(shape):
+                raise FormatError(f"{where}: a slice of tensor {name!r} has {len(proto.extent)} dimensions, "
+                                  f"the tensor {len(shape)}")
+            extents, index = [], []
+            for extent, dim in zip(proto.extent, shape, strict=True):
+                length = extent.length if extent.HasField("length") else -1
+                start, stop = (extent.start, extent.start + length) if length >= 0 else (extent.start, dim)
+                if length < -1 or not 0 <= start <= stop <= dim or (length == -1 and start != 0):
+                    raise FormatError(f"{where}: a slice of tensor {name!r} reaches outside its shape {shape}")
+                extents.append((start, length))
+                index.append(slice(start, stop))
+            piece = slice_entries.get(slice_key(name.encode("utf-8"), extents))
+            if piece is None:
+                raise FormatError(f"{where}: tensor {name!r} lists a slice {extents} that the index does not hold")
+            piece_shape = tuple(s.stop - s.start for s in index)
+            stored = self._stored(piece, name)
+            needed = math.prod(piece_shape) * dtype.itemsize
+            if piece.dtype != entry.dtype or _shape(piece, where, name) != piece_shape or stored.size != needed:
+                raise FormatError(f"{where}: a slice of tensor {name!r} does not match its place "
+                                  f"{piece_shape} {dtype} ({stored.size} bytes)")
+            covered += math.prod(piece_shape)
+            pieces.append((tuple(index), piece_shape, stored))
+        _refuse_overlapping_slices(where, name, pieces)
+        if covered != math.prod(shape):
+            raise FormatError(f"{where}: the slices of tensor {name!r} do not cover its shape {shape}")
+        return pieces
+
+    def _graph_keys(self, entries: dict[str, Any]) -> dict[str, str]:
+        entry = entries[OBJECT_GRAPH_KEY]
+        if entry.dtype != _DT_STRING or entry.slices or _shape(entry, self.prefix, OBJECT_GRAPH_KEY) != ():
+            return {}
+        stored = self._stored(entry, OBJECT_GRAPH_KEY)
+        return object_graph_keys(self._string_scalar(stored))
+
+    def _string_scalar(self, stored: _Stored) -> bytes:
+        """One DT_STRING element: ``varint64 length, masked CRC-32C of the length, bytes``."""
+        where = f"{self.name}: tensor {OBJECT_GRAPH_KEY!r}"
+        data = bytes(self._bytes(stored, OBJECT_GRAPH_KEY))
+        length, pos = read_varint(data, 0, len(data), 64, where)
+        if pos + 4 + length != len(data):
+            raise FormatError(f"{where}: its string length disagrees with its entry's size")
+        width = "<I" if length <= 0xFFFFFFFF else "<Q"
+        crc = crc32c(data[pos : pos + 4], crc32c(struct.pack(width, length)))
+        crc = crc32c(memoryview(data)[pos + 4 :], crc)
+        if crc != stored.crc:
+            raise ChecksumError(f"{where} is corrupt (CRC-32C {crc:08x}, index says {stored.crc:08x})")
+        return data[pos + 4 :]
+
+    def _key_for(self, name: str, graph_keys: dict[str, str]) -> str | None:
+        if not self.object_based:
+            return name
+        if name == _SAVE_COUNTER or not name.endswith(VARIABLE_SUFFIX):
+            return None  # the object graph, Python/iterator state, the checkpoint's own counter
+        return graph_keys.get(name) or name[: -len(VARIABLE_SUFFIX)]
+
+    def _shard_file(self, shard: int) -> str:
+        return f"{self.prefix}.data-{shard:05d}-of-{self._num_shards:05d}"
+
+    def _map(self, shard: int, key: str) -> MappedFile:
+        """The data file, mapped at its first read (once, however many threads read at a time)."""
+        mapped = self._maps.get(shard)
+        if mapped is not None:
+            return mapped
+        with self._lock:
+            if self._closed:
+                raise FormatError(f"{self.name}: the checkpoint is closed; open it again to read {key!r}")
+            if shard not in self._maps:
+                path = self._shard_file(shard)
+                try:
+                    refuse_special_file(path)
+                    self._maps[shard] = MappedFile(path)
+                except FileNotFoundError:
+                    raise FormatError(f"{path}: data file of tensor {key!r} is missing") from None
+                except OSError as exc:
+                    raise FormatError(f"{path}: data file of tensor {key!r} is unreadable ({exc.strerror})") from None
+            return self._maps[shard]
+
+    def _backed(self, stored: _Stored, key: str) -> MappedFile:
+        """The mapped data file holding ``stored``, refused when the file is too short for it."""
+        mapped = self._map(stored.shard, key)
+        if stored.offset + stored.size > mapped.size:
+            raise FormatError(f"{mapped.name}: data file is short: tensor {key!r} needs bytes "
+                              f"{stored.offset}..{stored.offset + stored.size}, the file has {mapped.size}")
+        return mapped
+
+    def _bytes(self, stored: _Stored, key: str) -> memoryview:
+        return self._backed(stored, key).read_at(stored.offset, stored.size)
+
+    def _verified(self, stored: _Stored, data, key: str) -> None:
+        actual = crc32c(data)
+        if actual != stored.crc:
+            raise ChecksumError(f"{self._shard_file(stored.shard)}: tensor {key!r} is corrupt "
+                                f"(CRC-32C {actual:08x}, index says {stored.crc:08x})")
+
+    def keys(self) -> list[str]:
+        return list(self._infos)
+
+    def info(self, key: str) -> TensorInfo:
+        try:
+            return self._infos[key]
+        except KeyError:
+            raise KeyNotInStoreError(f"{self.name}: no tensor {key!r}") from None
+
+    def entry_name(self, key: str) -> str:
+        """The checkpoint entry a key reads (``net/w/.ATTRIBUTES/VARIABLE_VALUE`` for ``net/w``)."""
+        return self._tensor(key).name
+
+    def _tensor(self, key: str) -> _Tensor:
+        if key not in self._infos:
+            raise KeyNotInStoreError(f"{self.name}: no tensor {key!r}")
+        return self._tensors_by_key[key]
+
+    def read(self, key: str, *, verify: bool) -> np.ndarray:
+        """A read-only view of the mapped data file; a partitioned variable is joined into new memory."""
+        tensor = self._tensor(key)
+        if tensor.stored is None:
+            for _, _, stored in tensor.slices:  # every slice backed by its file before the whole is allocated
+                self._backed(stored, key)
+            out = np.empty(tensor.shape, tensor.dtype)
+            for index, shape, stored in tensor.slices:
+                out[index] = self._array(stored, tensor.dtype, shape, key, verify)
+            return out
+        return self._array(tensor.stored, tensor.dtype, tensor.shape, key, verify)
+
+    def _array(self, stored: _Stored, dtype: np.dtype, shape: tuple[int, ...], key: str, verify: bool) -> np.ndarray:
+        data = self._bytes(stored, key)
+        if verify:
+            self._verified(stored, data, key)
+        array = np.frombuffer(data, dtype=dtype).reshape(shape)
+        return array if stored.offset % dtype.alignment == 0 else array.copy()
+
+    def read_into(self, key: str, out: np.ndarray, *, verify: bool) -> bool:
+        """Copy a whole tensor's bytes straight from the file into ``out`` (never mapped here)."""
+        tensor = self._tensor(key)
+        if tensor.stored is None or out.dtype != tensor.dtype.newbyteorder("="):
+            return False
+        buffer = memoryview(out.reshape(-1).view(np.uint8))
+        self._backed(tensor.stored, key).read_into(tensor.stored.offset, buffer)
+        if verify:
+            self._verified(tensor.stored, buffer, key)
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            maps, self._maps = self._maps, {}
+        for mapped in maps.values():
+            mapped.close()
+
+
+def refuse_special_file(path: str) -> None:
+    """Refuse a FIFO, device or folder where a file belongs: opening a FIFO would wait forever.
+
+    Raises ``FileNotFoundError`` as :func:`open` would when nothing is there.
+    """
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        raise FormatError(f"{path}: is not a regular file (a folder, FIFO or device)")
+
+
+def _is_key(name: str) -> bool:
+    try:
+        validate_key(name)
+    except InvalidKeyError:
+        return False
+    return True
+
+
+def _parse_proto(message: Any, value: bytes, where: str, what: str) -> None:
+    try:
+        message.ParseFromString(value)
+    except (DecodeError, RecursionError):
+        raise FormatError(f"{where}: {what} is not a readable protocol buffer") from None
+
+
+def _shape(entry: Any, where: str, name: str) -> tuple[int, ...]:
+    proto = entry.shape
+    if proto.unknown_rank:
+        raise FormatError(f"{where}: tensor {name!r} has no known rank")
+    shape = tuple([dim.size for dim in proto.dim])
+    if len(shape) > MAX_NDIM or (shape and min(shape) < 0):
+        raise FormatError(f"{where}: tensor {name!r} has an impossible shape {shape}")
+    return shape
+
+
+def _refuse_overlapping_slices(where: str, name: str, pieces: list) -> None:
+    """Two slices that share an element would make the joined value depend on their order."""
+    boxes = sorted(([(s.start, s.stop) for s in index] for index, shape, _ in pieces if math.prod(shape)))
+    for i, box in enumerate(boxes):
+        for other in boxes[i + 1 :]:
+            if other[0][0] >= box[0][1]:
+                break  # sorted by the first dimension's start: no later box reaches back
+            if all(a < d and c < b for (a, b), (c, d) in zip(box, other, strict=True)):
+                raise FormatError(f"{where}: two slices of tensor {name!r} overlap")
+
