@@ -15,9 +15,9 @@ import pytest
 import safetensors.numpy
 from safetensors import safe_open
 from typer.testing import CliRunner
+from weightstore.cli.main import app
 
 import weightstore as ws
-from weightstore.cli.main import app
 from weightstore.formats import safetensors as st_format
 
 SUPPORTED = [np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64,
@@ -70,7 +70,7 @@ def reaches_mmap(array: np.ndarray) -> bool:
 
 
 def header_of(path) -> tuple[int, dict]:
-    data = open(path, "rb").read()
+    data = path.read_bytes()
     (length,) = struct.unpack("<Q", data[:8])
     return length, json.loads(data[8 : 8 + length])
 
@@ -379,7 +379,7 @@ HOSTILE = [
     ("not-from-zero", st_file({"a": entry("F32", [1], 4, 8)}, bytes(8)), ws.UnsafeFileError, ["'a'", "unindexed"]),
     ("trailing-bytes", st_file({"a": entry("F32", [1], 0, 4)}, bytes(8)), ws.UnsafeFileError,
      ["4 bytes after the last tensor"]),
-    ("duplicate-names", st_file('{"a": %s, "a": %s}' % (json.dumps(F32_2), json.dumps(F32_2)), bytes(8)),
+    ("duplicate-names", st_file(f'{{"a": {json.dumps(F32_2)}, "a": {json.dumps(F32_2)}}}', bytes(8)),
      ws.UnsafeFileError, ["'a' twice"]),
     ("duplicate-field", st_file('{"a": {"dtype": "F32", "dtype": "I32", "shape": [2], "data_offsets": [0, 8]}}',
                                 bytes(8)), ws.UnsafeFileError, ["'dtype' twice"]),
