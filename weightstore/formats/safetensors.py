@@ -44,7 +44,7 @@ import math
 import os
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -74,6 +74,9 @@ _HOLD_BYTES = 64 << 20
 #: room left for the header beyond twice the estimate, once streaming (spaces: cheap to write and parse)
 _HEADER_SLACK = 64 << 10
 _MOVE_CHUNK = 16 << 20
+#: tensors at least this big are announced to the kernel (madvise) before they are read
+_PREFETCH_BYTES = 1 << 20
+_JUST_INT = {int}
 
 #: logical dtype -> safetensors dtype, for every kind both know
 _SPEC_CODES = {
@@ -94,11 +97,12 @@ _DTYPE_OF_CODE = {code: logical_dtype(name) for code, name in _NAME_OF_CODE.item
 _PACKED_CODES = frozenset({"F4", "F6_E2M3", "F6_E3M2"})
 
 
-@dataclass
+@dataclass(slots=True)
 class _Pending:
     key: str
     code: str
     shape: tuple[int, ...]
+    size: int
     payload: memoryview
     begin: int = 0
 
@@ -120,11 +124,12 @@ class SafetensorsWriter:
         code = _CODES.get(dtype_name)
         if code is None:
             raise UnsupportedDTypeError(f"{self._path}: {_unsupported(key, dtype_name)}")
-        tensor = _Pending(key, code, tuple(data.shape), raw_bytes(data) if data.nbytes else memoryview(b""))
+        size = data.nbytes
+        tensor = _Pending(key, code, data.shape, size, raw_bytes(data) if size else memoryview(b""))
         self._tensors.append(tensor)
         if self._data_start is None:
             self._held.append(tensor)
-            self._held_bytes += len(tensor.payload)
+            self._held_bytes += size
             if self._held_bytes > _HOLD_BYTES:
                 self._start_streaming()
         else:
@@ -136,7 +141,7 @@ class SafetensorsWriter:
         self._held.sort(key=lambda t: -_DTYPE_OF_CODE[t.code].itemsize)
         for tensor in self._held:
             tensor.begin = self._written
-            self._written += len(tensor.payload)
+            self._written += tensor.size
 
     def _write_held(self) -> None:
         for tensor in self._held:
@@ -147,7 +152,7 @@ class SafetensorsWriter:
     def _write(self, tensor: _Pending) -> None:
         tensor.begin = self._written
         self._file.write(tensor.payload)
-        self._written += len(tensor.payload)
+        self._written += tensor.size
         tensor.payload = memoryview(b"")
 
     def _start_streaming(self) -> None:
@@ -178,12 +183,8 @@ class SafetensorsWriter:
 
     def _header(self, manifest_text: str) -> bytes:
         document: dict[str, Any] = {METADATA_KEY: {MANIFEST_KEY: manifest_text}}
-        for tensor in self._tensors:
-            document[tensor.key] = {
-                "dtype": tensor.code,
-                "shape": list(tensor.shape),
-                "data_offsets": [tensor.begin, tensor.begin + _nbytes(tensor)],
-            }
+        for t in self._tensors:  # json writes tuples as arrays
+            document[t.key] = {"dtype": t.code, "shape": t.shape, "data_offsets": (t.begin, t.begin + t.size)}
         return json.dumps(document, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
     def _move_data(self, old: int, new: int) -> None:
@@ -196,10 +197,6 @@ class SafetensorsWriter:
     def abort(self) -> None:
         with contextlib.suppress(Exception):  # closing flushes, and may fail as the write did: report that
             self._file.close()
-
-
-def _nbytes(tensor: _Pending) -> int:
-    return math.prod(tensor.shape) * _DTYPE_OF_CODE[tensor.code].itemsize
 
 
 def _header_estimate(tensors: list[_Pending]) -> int:
@@ -217,8 +214,7 @@ def _unsupported(key: str, dtype_name: str) -> str:
             f"(it holds {', '.join(sorted(DTYPES))}); save it as .npz or .h5")
 
 
-@dataclass(frozen=True)
-class _Tensor:
+class _Tensor(NamedTuple):
     name: str
     dtype: np.dtype
     shape: tuple[int, ...]
@@ -259,17 +255,18 @@ class SafetensorsReader:
         manifest = parse_manifest(manifest_text, self.name) if manifest_text is not None else None
         self.has_checksums = manifest is not None
         if manifest is None:
-            self._names = foreign_keys(((name, name) for name in sorted(self._tensors)), self.name, "tensor")
+            names = foreign_keys(((name, name) for name in sorted(self._tensors)), self.name, "tensor")
+            self._by_key = {key: self._tensors[name] for key, name in names.items()}
             self._infos = {
                 key: TensorInfo(key, _NAME_OF_CODE_BY_DTYPE[t.dtype], t.shape, t.end - t.begin, None)
-                for key, t in ((key, self._tensors[name]) for key, name in self._names.items())
+                for key, t in self._by_key.items()
             }
             self.metadata: dict[str, Any] = metadata
             self.created = ""
         else:
             self._check_manifest(manifest)
-            self._names = {key: key for key in manifest.tensors}
-            self._infos = dict(manifest.tensors)
+            self._by_key = {key: self._tensors[key] for key in manifest.tensors}
+            self._infos = manifest.tensors
             self.metadata = manifest.metadata
             self.created = manifest.created
 
@@ -314,39 +311,46 @@ class SafetensorsReader:
         data_size = self._source.size - self._data_start
         tensors: dict[str, _Tensor] = {}
         for name, entry in document.items():
-            where = f"{self.name}: tensor {name!r}"
-            if not isinstance(entry, dict):
-                raise FormatError(f"{where} is not described by an object")
-            code, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-            dtype = _DTYPE_OF_CODE.get(code) if isinstance(code, str) else None
-            if dtype is None:
-                what = "packed sub-byte dtype" if code in _PACKED_CODES else "unknown dtype"
-                raise FormatError(f"{where} has {what} {code!r}; weightstore reads {', '.join(sorted(_DTYPE_OF_CODE))}")
-            if (not isinstance(shape, list) or len(shape) > MAX_NDIM
-                    or not all(type(d) is int and d >= 0 for d in shape)):
-                raise FormatError(f"{where} has an invalid shape {_clip(shape)}")
-            if (not isinstance(offsets, list) or len(offsets) != 2
-                    or not all(type(o) is int for o in offsets) or not 0 <= offsets[0] <= offsets[1]):
-                raise FormatError(f"{where} has invalid data_offsets {_clip(offsets)}")
-            begin, end = offsets
+            try:  # the common, well-formed case first, cheaply; any surprise is diagnosed below
+                code, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+                dtype = _DTYPE_OF_CODE[code]
+            except (TypeError, KeyError, ValueError):
+                raise FormatError(self._malformed(name, entry)) from None
+            if (type(shape) is not list or len(shape) > MAX_NDIM
+                    or (shape and (set(map(type, shape)) != _JUST_INT or min(shape) < 0))):
+                raise FormatError(f"{self.name}: tensor {name!r} has an invalid shape {_clip(shape)}")
+            if type(begin) is not int or type(end) is not int or not 0 <= begin <= end:
+                raise FormatError(f"{self.name}: tensor {name!r} has invalid data_offsets {_clip([begin, end])}")
             if end > data_size:
-                raise FormatError(f"{where} ends at byte {end} of a {data_size}-byte data buffer (truncated file?)")
+                raise FormatError(f"{self.name}: tensor {name!r} ends at byte {end} of a {data_size}-byte data "
+                                  "buffer (truncated file?)")
             expected = math.prod(shape) * dtype.itemsize
             if end - begin != expected:
-                raise FormatError(f"{where}: {code} {_clip(shape)} needs {expected} bytes but data_offsets "
-                                  f"give {end - begin}")
+                raise FormatError(f"{self.name}: tensor {name!r}: {code} {_clip(shape)} needs {expected} bytes "
+                                  f"but data_offsets give {end - begin}")
             tensors[name] = _Tensor(name, dtype, tuple(shape), begin, end)
         covered = 0
-        for tensor in sorted(tensors.values(), key=lambda t: (t.begin, t.end)):
-            if tensor.begin != covered:
-                what = "overlaps the tensor before it" if tensor.begin < covered else "leaves unindexed bytes before it"
-                raise UnsafeFileError(
-                    f"{self.name}: tensor {tensor.name!r} {what} (bytes {tensor.begin}..{tensor.end})"
-                )
-            covered = tensor.end
+        for begin, end, name in sorted((t.begin, t.end, t.name) for t in tensors.values()):
+            if begin != covered:
+                what = "overlaps the tensor before it" if begin < covered else "leaves unindexed bytes before it"
+                raise UnsafeFileError(f"{self.name}: tensor {name!r} {what} (bytes {begin}..{end})")
+            covered = end
         if covered != data_size:
             raise UnsafeFileError(f"{self.name}: {data_size - covered} bytes after the last tensor are indexed by none")
         return tensors
+
+    def _malformed(self, name: str, entry: Any) -> str:
+        """Why an entry that failed the quick unpacking is malformed."""
+        where = f"{self.name}: tensor {name!r}"
+        if not isinstance(entry, dict):
+            return f"{where} is not described by an object"
+        code, offsets = entry.get("dtype"), entry.get("data_offsets")
+        if not isinstance(code, str) or code not in _DTYPE_OF_CODE:
+            what = "packed sub-byte dtype" if code in _PACKED_CODES else "unknown dtype"
+            return f"{where} has {what} {_clip(code)}; weightstore reads {', '.join(sorted(_DTYPE_OF_CODE))}"
+        if "shape" not in entry:
+            return f"{where} has no shape"
+        return f"{where} has invalid data_offsets {_clip(offsets)}"
 
     def _check_manifest(self, manifest: Manifest) -> None:
         listed, present = set(manifest.tensors), set(self._tensors)
@@ -365,7 +369,7 @@ class SafetensorsReader:
 
     # -- the Reader protocol ------------------------------------------------------------------
     def keys(self) -> list[str]:
-        return list(self._names)
+        return list(self._by_key)
 
     def info(self, key: str) -> TensorInfo:
         info = self._infos.get(key)
@@ -374,16 +378,17 @@ class SafetensorsReader:
         return info
 
     def _tensor(self, key: str) -> _Tensor:
-        name = self._names.get(key)
-        if name is None:
+        tensor = self._by_key.get(key)
+        if tensor is None:
             raise KeyNotInStoreError(f"{self.name}: no tensor {key!r}")
-        return self._tensors[name]
+        return tensor
 
     def read(self, key: str, *, verify: bool) -> np.ndarray:
         tensor = self._tensor(key)
-        size = tensor.end - tensor.begin
-        self._source.prefetch(self._data_start + tensor.begin, size)
-        data = self._source.read_at(self._data_start + tensor.begin, size)
+        start, size = self._data_start + tensor.begin, tensor.end - tensor.begin
+        if size > _PREFETCH_BYTES:
+            self._source.prefetch(start, size)
+        data = self._source.read_at(start, size)
         if verify:
             self._verify(key, data)
         if not size:

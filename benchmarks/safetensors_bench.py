@@ -1,0 +1,101 @@
+"""safetensors through weightstore against the ``safetensors`` library itself (issue 9).
+
+Two shapes of weights: ``size_mb`` of float32 in 50 tensors, and 50,000 tensors of 256
+floats (50 MB, where per-tensor costs dominate). For each, in one run:
+
+- save: ``weightstore.save`` (atomic and durable: fsync of file and folder, rename) against
+  ``safetensors.numpy.save_file`` plus the same fsyncs;
+- load: ``weightstore.load`` (checksums verified, and not) against
+  ``safetensors.numpy.load_file``; a load counts once every byte has been touched (each array
+  is summed), so a lazy map cannot hide its cost. Files are in the page cache when read.
+
+The table shows medians and the ratio to the library's row; the issue's bar is 1.1x.
+
+    python -m benchmarks.safetensors_bench                 # 1 GB, 5 repetitions
+    python -m benchmarks.safetensors_bench --size-mb 256   # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+
+import numpy as np
+import safetensors.numpy
+
+import weightstore
+from benchmarks.common import MB, fmt_ratio, fmt_seconds, fsync_path, machine_line, measure, table, touch
+
+BIG_TENSORS = 50
+SMALL_TENSORS, SMALL_FLOATS = 50_000, 256
+
+
+def big_weights(size_mb: float) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    floats = int(size_mb * MB / 4 / BIG_TENSORS) // 256 * 256
+    return {f"block_{i:02d}/kernel": rng.standard_normal((floats // 256, 256), dtype=np.float32)
+            for i in range(BIG_TENSORS)}
+
+
+def small_weights() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1)
+    flat = rng.standard_normal(SMALL_TENSORS * SMALL_FLOATS, dtype=np.float32)
+    return {f"layer_{i // 100:03d}/unit_{i % 100:02d}/w": flat[i * SMALL_FLOATS : (i + 1) * SMALL_FLOATS].copy()
+            for i in range(SMALL_TENSORS)}
+
+
+def cases(weights: dict[str, np.ndarray], folder: str, repeat: int) -> list[tuple[str, float, float]]:
+    """``(case, median seconds, ratio to the library's matching case)`` rows."""
+    ours, theirs = os.path.join(folder, "ours.safetensors"), os.path.join(folder, "theirs.safetensors")
+
+    def library_save() -> None:
+        safetensors.numpy.save_file(weights, theirs)
+        fsync_path(theirs)
+
+    save_ours = measure(lambda: weightstore.save(ours, weights), repeat=repeat)["median"]
+    save_theirs = measure(library_save, repeat=repeat)["median"]
+    load_ours = measure(lambda: touch(weightstore.load(ours)), repeat=repeat)["median"]
+    load_unverified = measure(lambda: touch(weightstore.load(ours, verify=False)), repeat=repeat)["median"]
+    load_theirs = measure(lambda: touch(safetensors.numpy.load_file(theirs)), repeat=repeat)["median"]
+    return [
+        ("save: safetensors.numpy.save_file + fsync", save_theirs, 1.0),
+        ("save: weightstore.save (durable)", save_ours, save_ours / save_theirs),
+        ("load: safetensors.numpy.load_file + touch", load_theirs, 1.0),
+        ("load: weightstore.load, verified + touch", load_ours, load_ours / load_theirs),
+        ("load: weightstore.load, verify=False + touch", load_unverified, load_unverified / load_theirs),
+    ]
+
+
+def bench(size_mb: float = 1024, repeat: int = 5) -> list[tuple[str, str, float, float]]:
+    """Run both shapes, print one table, return its rows ``(shape, case, seconds, ratio)``."""
+    folder = tempfile.mkdtemp(prefix="ws-safetensors-bench-", dir=os.environ.get("WS_BENCH_DIR"))
+    rows: list[tuple[str, str, float, float]] = []
+    try:
+        shapes = [(f"{size_mb:g} MB in {BIG_TENSORS} tensors", lambda: big_weights(size_mb)),
+                  (f"{SMALL_TENSORS:,} x {SMALL_FLOATS} floats", small_weights)]
+        for label, make in shapes:
+            weights = make()
+            rows += [(label, case, seconds, ratio) for case, seconds, ratio in cases(weights, folder, repeat)]
+            del weights
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    print(f"safetensors benchmark: {machine_line()}, safetensors {safetensors.__version__}, "
+          f"median of {repeat}")
+    print(table(["weights", "case", "seconds", "vs library"],
+                [(label, case, fmt_seconds(seconds), fmt_ratio(ratio)) for label, case, seconds, ratio in rows]))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.safetensors_bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-mb", type=float, default=1024, help="bytes of the big case (default 1024)")
+    parser.add_argument("--repeat", type=int, default=5, help="timed runs per case (default 5)")
+    args = parser.parse_args(argv)
+    bench(args.size_mb, args.repeat)
+
+
+if __name__ == "__main__":
+    main()
