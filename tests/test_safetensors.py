@@ -464,3 +464,14 @@ def test_mutation_fuzz_only_raises_weightstore_errors_and_never_returns_wrong_da
         assert sorted(loaded) == sorted(weights)
         assert all(same(loaded[k], v) for k, v in weights.items())
     assert outcomes["read"] and outcomes["refused"] > 200, outcomes
+
+
+def test_publish_safetensors_versions(tmp_path):
+    folder = tmp_path / "run"
+    ws.publish(folder, {"w": np.arange(3, dtype=np.float32)}, step=1, format="safetensors")
+    latest = ws.latest(folder)
+    assert latest.path.endswith(".safetensors")
+    assert same(ws.load(latest)["w"], np.arange(3, dtype=np.float32))
+    with pytest.raises(ws.UnsupportedDTypeError, match="step-000000000002.safetensors: tensor 'c'"):
+        ws.publish(folder, {"c": np.ones(2, np.complex128)}, step=2, format="safetensors")
+    assert ws.latest(folder).step == 1
