@@ -162,12 +162,14 @@ def test_compress_is_refused(tmp_path):
 def test_every_writer_layout_is_a_valid_file(tmp_path, monkeypatch, hold, slack):
     monkeypatch.setattr(st_format, "_HOLD_BYTES", hold)
     monkeypatch.setattr(st_format, "_HEADER_SLACK", slack)
-    weights = {f"layer_{i:03d}/" + "k" * 40: sample(np.float32 if i % 3 else np.float16, (i % 7 + 1, 5), i)
+    weights = {f"layer_{i:03d}/" + "k" * 40: sample([np.float32, np.float16, np.int8][i % 3], (i % 7 + 1, 5), i)
                for i in range(150)}
     path = tmp_path / "w.safetensors"
     ws.save(path, weights, metadata={"note": "x" * 5000})
-    length, _ = header_of(path)
+    length, header = header_of(path)
     assert (8 + length) % 64 == 0
+    for key, value in weights.items():
+        assert header[key]["data_offsets"][0] % value.dtype.itemsize == 0, key
     loaded = ws.load(path)
     assert list(loaded) == list(weights) and all(same(loaded[k], v) for k, v in weights.items())
     theirs = safetensors.numpy.load_file(path)
@@ -475,3 +477,11 @@ def test_publish_safetensors_versions(tmp_path):
     with pytest.raises(ws.UnsupportedDTypeError, match="step-000000000002.safetensors: tensor 'c'"):
         ws.publish(folder, {"c": np.ones(2, np.complex128)}, step=2, format="safetensors")
     assert ws.latest(folder).step == 1
+
+
+def test_an_empty_dictionary_is_a_valid_file(tmp_path):
+    path = tmp_path / "empty.safetensors"
+    ws.save(path, {}, metadata={"k": "v"})
+    assert ws.load(path) == {} and safetensors.numpy.load_file(path) == {}
+    with ws.open(path) as store:
+        assert store.metadata == {"k": "v"}

@@ -25,15 +25,17 @@ packed sub-byte types (``F4``, ``F6_*``), which numpy cannot view.
 
 Alignment: the data buffer starts on a 64-byte boundary (the header is padded with spaces,
 which the specification allows). Offsets must be contiguous, so single tensors cannot be
-padded; like the library, tensors are laid out by descending item size, which keeps each one
-aligned to its own item size. Tensors read from a local file are read-only views of the
+padded to 64 bytes; but every tensor starts on a multiple of its own item size: tensors
+whose size is a multiple of 8 bytes go first, in order, the others last by descending item
+size (the library's layout). Tensors read from a local file are read-only views of the
 mapped file; a tensor that a foreign writer left misaligned is copied instead.
 
 Writing: the header, which holds every offset and checksum, comes before the data, but is
 known only at :meth:`SafetensorsWriter.commit`. The writer holds the first tensors (up to
 ``_HOLD_BYTES``, as references, not copies) so that small files get an exact header; past
-that it reserves generous room for the header and streams the rest, and in the rare case
-the header outgrows the room, it moves the data up once.
+that it reserves generous room for the header and streams the rest (holding only tensors
+whose odd size would misalign the next), and in the rare case the header outgrows the
+room, it moves the data up once.
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ _MOVE_CHUNK = 16 << 20
 #: tensors at least this big are announced to the kernel (madvise) before they are read
 _PREFETCH_BYTES = 1 << 20
 _JUST_INT = {int}
+#: a tensor whose byte size is a multiple of this leaves the next one aligned for any dtype
+_KEEPS_ALIGNED = 8
 
 #: logical dtype -> safetensors dtype, for every kind both know
 _SPEC_CODES = {
@@ -132,12 +136,14 @@ class SafetensorsWriter:
             self._held_bytes += size
             if self._held_bytes > _HOLD_BYTES:
                 self._start_streaming()
+        elif size % _KEEPS_ALIGNED:
+            self._held.append(tensor)  # would misalign what follows: laid out at the end instead
         else:
             self._write(tensor)
 
     def _lay_out_held(self) -> None:
-        """Give the held tensors their offsets: largest item size first (stable), so each
-        tensor starts aligned to its own item size, as the library lays them out."""
+        """Give the held tensors their offsets after everything written: largest item size
+        first (stable), as the library lays tensors out, so each starts on its item size."""
         self._held.sort(key=lambda t: -_DTYPE_OF_CODE[t.code].itemsize)
         for tensor in self._held:
             tensor.begin = self._written
@@ -156,23 +162,28 @@ class SafetensorsWriter:
         tensor.payload = memoryview(b"")
 
     def _start_streaming(self) -> None:
+        """Reserve room for the header and write what is held, except tensors whose size would
+        misalign the ones after them: those wait for :meth:`commit`."""
         self._data_start = _aligned(_LENGTH.size + 2 * _header_estimate(self._tensors) + _HEADER_SLACK)
-        self._lay_out_held()
         self._file.seek(self._data_start)
-        self._write_held()
+        held, self._held = self._held, []
+        for tensor in held:
+            if tensor.size % _KEEPS_ALIGNED:
+                self._held.append(tensor)
+            else:
+                self._write(tensor)
 
     def commit(self, manifest_text: str) -> None:
-        if self._data_start is None:  # everything held: the header is exact, the data follows it once
-            self._lay_out_held()
+        self._lay_out_held()
         header = self._header(manifest_text)
         if len(header) > MAX_HEADER_BYTES:
             raise FormatError(f"{self._path}: the safetensors header would be {len(header)} bytes "
                               f"(readers refuse over {MAX_HEADER_BYTES}); store these tensors as .npz or .h5")
         needed = _aligned(_LENGTH.size + len(header))
-        if self._data_start is None:
+        if self._data_start is None:  # nothing written yet: the data follows the exact header
             self._data_start = needed
             self._file.seek(needed)
-            self._write_held()
+        self._write_held()
         self._file.flush()
         if needed > self._data_start:
             self._move_data(self._data_start, needed)
