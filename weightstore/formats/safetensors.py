@@ -260,7 +260,7 @@ class SafetensorsReader:
         self._source = source
         self.name = source.name
         document = self._read_header()
-        metadata = self._check_metadata(document.pop(METADATA_KEY, {}))
+        metadata = self._check_metadata(document.pop(METADATA_KEY, None) or {})  # null: none, as the library reads it
         self._tensors = self._check_tensors(document)
         manifest_text = metadata.get(MANIFEST_KEY)
         manifest = parse_manifest(manifest_text, self.name) if manifest_text is not None else None
