@@ -387,6 +387,7 @@ HOSTILE = [
                                 bytes(8)), ws.UnsafeFileError, ["'dtype' twice"]),
     ("duplicate-metadata", st_file('{"__metadata__": {"k": "1", "k": "2"}}'), ws.UnsafeFileError, ["'k' twice"]),
     ("metadata-not-object", st_file({"__metadata__": "x"}), ws.FormatError, ["__metadata__"]),
+    ("metadata-empty-list", st_file({"__metadata__": []}), ws.FormatError, ["__metadata__"]),
     ("metadata-not-strings", st_file({"__metadata__": {"k": 1}}), ws.FormatError, ["__metadata__", "'k'"]),
     ("manifest-not-json", st_file({"__metadata__": {"weightstore": "{"}, "a": F32_2}, bytes(8)), ws.FormatError,
      ["manifest"]),

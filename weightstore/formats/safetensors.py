@@ -189,7 +189,7 @@ class SafetensorsWriter:
             self._move_data(self._data_start, needed)
             self._data_start = needed
         padded = header + b" " * (self._data_start - _LENGTH.size - len(header))
-        os.pwrite(self._file.fileno(), _LENGTH.pack(len(padded)) + padded, 0)
+        _write_at(self._file.fileno(), _LENGTH.pack(len(padded)) + padded, 0)
         self._file.close()
 
     def _header(self, manifest_text: str) -> bytes:
@@ -202,17 +202,24 @@ class SafetensorsWriter:
         """Move the data buffer up from ``old`` to ``new`` in place, last chunk first."""
         fd = self._file.fileno()
         for start in reversed(range(0, self._written, _MOVE_CHUNK)):
-            chunk = os.pread(fd, min(_MOVE_CHUNK, self._written - start), old + start)
-            os.pwrite(fd, chunk, new + start)
+            _write_at(fd, os.pread(fd, min(_MOVE_CHUNK, self._written - start), old + start), new + start)
 
     def abort(self) -> None:
         with contextlib.suppress(Exception):  # closing flushes, and may fail as the write did: report that
             self._file.close()
 
 
+def _write_at(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
 def _header_estimate(tensors: list[_Pending]) -> int:
-    """More than the header of ``tensors`` will take, user metadata aside: each tensor appears
-    twice (its entry, and the manifest's, escaped), with offsets of up to 20 digits."""
+    """About what the header of ``tensors`` will take, user metadata aside: each tensor appears
+    twice (its entry, and the manifest's, escaped), with offsets of up to 20 digits. A header
+    that outgrows the room reserved from this costs one move of the data, nothing more."""
     return 512 + sum(2 * len(t.key.encode("utf-8")) + 24 * len(t.shape) + 240 for t in tensors)
 
 
@@ -260,7 +267,7 @@ class SafetensorsReader:
         self._source = source
         self.name = source.name
         document = self._read_header()
-        metadata = self._check_metadata(document.pop(METADATA_KEY, None) or {})  # null: none, as the library reads it
+        metadata = self._check_metadata(document.pop(METADATA_KEY, None))
         self._tensors = self._check_tensors(document)
         manifest_text = metadata.get(MANIFEST_KEY)
         manifest = parse_manifest(manifest_text, self.name) if manifest_text is not None else None
@@ -309,6 +316,8 @@ class SafetensorsReader:
         return document
 
     def _check_metadata(self, metadata: Any) -> dict[str, str]:
+        if metadata is None:  # absent, or null, which the library reads as absent
+            return {}
         if not isinstance(metadata, dict):
             raise FormatError(f"{self.name}: safetensors {METADATA_KEY} is not an object of strings")
         for key, value in metadata.items():
