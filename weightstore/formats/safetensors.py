@@ -25,10 +25,11 @@ packed sub-byte types (``F4``, ``F6_*``), which numpy cannot view.
 
 Alignment: the data buffer starts on a 64-byte boundary (the header is padded with spaces,
 which the specification allows). Offsets must be contiguous, so single tensors cannot be
-padded to 64 bytes; but every tensor starts on a multiple of its own item size: tensors
-whose size is a multiple of 8 bytes go first, in order, the others last by descending item
-size (the library's layout). Tensors read from a local file are read-only views of the
-mapped file; a tensor that a foreign writer left misaligned is copied instead.
+padded to 64 bytes; but every tensor starts on a multiple of its own item size. A file of
+up to ``_HOLD_BYTES`` is laid out as the library lays files out, by descending item size; in
+a larger one, tensors whose size is a multiple of 8 bytes come first, in order, and the
+others last, by descending item size. Tensors read from a local file are read-only views of
+the mapped file; a tensor that a foreign writer left misaligned is copied instead.
 
 Writing: the header, which holds every offset and checksum, comes before the data, but is
 known only at :meth:`SafetensorsWriter.commit`. The writer holds the first tensors (up to
