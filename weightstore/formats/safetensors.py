@@ -80,6 +80,8 @@ _MOVE_CHUNK = 16 << 20
 #: tensors at least this big are announced to the kernel (madvise) before they are read
 _PREFETCH_BYTES = 1 << 20
 _JUST_INT = {int}
+#: numpy refuses arrays whose size, zero dimensions left out, exceeds this (even empty ones)
+_MAX_ARRAY_BYTES = 2**63 - 1
 #: a tensor whose byte size is a multiple of this leaves the next one aligned for any dtype
 _KEEPS_ALIGNED = 8
 
@@ -346,6 +348,8 @@ class SafetensorsReader:
                 raise FormatError(f"{self.name}: tensor {name!r} ends at byte {end} of a {data_size}-byte data "
                                   "buffer (truncated file?)")
             expected = math.prod(shape) * dtype.itemsize
+            if not expected and math.prod(d for d in shape if d) * dtype.itemsize > _MAX_ARRAY_BYTES:
+                raise FormatError(f"{self.name}: tensor {name!r} has a shape {_clip(shape)} no array can have")
             if end - begin != expected:
                 raise FormatError(f"{self.name}: tensor {name!r}: {code} {_clip(shape)} needs {expected} bytes "
                                   f"but data_offsets give {end - begin}")
