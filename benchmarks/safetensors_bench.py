@@ -3,8 +3,10 @@
 Two shapes of weights: ``size_mb`` of float32 in 50 tensors, and 50,000 tensors of 256
 floats (50 MB, where per-tensor costs dominate). For each, in one run:
 
-- save: ``weightstore.save`` (atomic and durable: fsync of file and folder, rename) against
-  ``safetensors.numpy.save_file`` plus the same fsyncs;
+- save: ``weightstore.save`` (atomic and durable: fsync of the file, rename, fsync of the
+  folder) against ``safetensors.numpy.save_file`` (which writes a temporary and renames it)
+  plus the same fsyncs, after its rename; and the floors: the raw bytes written and made
+  durable in each of those two orders, which differ by themselves (see :func:`raw_save`);
 - load: ``weightstore.load`` (checksums verified, and not) against
   ``safetensors.numpy.load_file``; a load counts once every byte has been touched (each array
   is summed), so a lazy map cannot hide its cost. Files are in the page cache when read.
@@ -26,12 +28,15 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import safetensors.numpy
 
 import weightstore
 from benchmarks.common import MB, fmt_ratio, fmt_seconds, fsync_path, machine_line, median, table, touch
+from weightstore.store import fsync_folder
+from weightstore.store import fsync_path as fsync_file
 
 BIG_TENSORS = 50
 SMALL_TENSORS, SMALL_FLOATS = 50_000, 256
@@ -71,27 +76,53 @@ def interleaved(runs: dict[str, Callable[[], object]], repeat: int) -> dict[str,
     return {name: median(values) for name, values in times.items()}
 
 
+def raw_save(weights: dict[str, np.ndarray], path: str, *, fsync_first: bool) -> None:
+    """The floor of a durable save: the tensors' bytes to a temporary file, renamed over
+    ``path``, fsynced before the rename (the crash-safe order weightstore uses) or after it
+    (the order of "the library's save, then an fsync": ext4 starts writing a file back when
+    it is renamed over another, which makes that order measurably cheaper)."""
+    temporary = path + ".tmp"
+    with open(temporary, "wb") as handle:
+        for value in weights.values():
+            handle.write(value)
+    if fsync_first:
+        fsync_file(temporary)
+    os.replace(temporary, path)
+    if not fsync_first:
+        fsync_file(path)
+    fsync_folder(Path(path).parent)
+
+
 def cases(weights: dict[str, np.ndarray], folder: str, repeat: int) -> list[tuple[str, float, float]]:
     """``(case, median seconds, ratio to the library's matching case)`` rows."""
     ours, theirs = os.path.join(folder, "ours.safetensors"), os.path.join(folder, "theirs.safetensors")
+    raw = os.path.join(folder, "raw.bin")
 
     def library_save() -> None:
         safetensors.numpy.save_file(weights, theirs)
         fsync_path(theirs)
 
-    save = interleaved({"theirs": library_save, "ours": lambda: weightstore.save(ours, weights)}, repeat)
+    save = interleaved({
+        "theirs": library_save,
+        "ours": lambda: weightstore.save(ours, weights),
+        "raw, rename, fsync": lambda: raw_save(weights, raw, fsync_first=False),
+        "raw, fsync, rename": lambda: raw_save(weights, raw, fsync_first=True),
+    }, repeat)
     load = interleaved({
         "theirs": lambda: touch(safetensors.numpy.load_file(theirs)),
         "ours": lambda: touch(weightstore.load(ours)),
         "unverified": lambda: touch(weightstore.load(ours, verify=False)),
     }, repeat)
-    return [
-        ("save: safetensors.numpy.save_file + fsync", save["theirs"], 1.0),
-        ("save: weightstore.save (durable)", save["ours"], save["ours"] / save["theirs"]),
-        ("load: safetensors.numpy.load_file + touch", load["theirs"], 1.0),
-        ("load: weightstore.load, verified + touch", load["ours"], load["ours"] / load["theirs"]),
-        ("load: weightstore.load, verify=False + touch", load["unverified"], load["unverified"] / load["theirs"]),
+    rows = [
+        ("save: safetensors.numpy.save_file + fsync", save, "theirs"),
+        ("save: weightstore.save (durable)", save, "ours"),
+        ("save floor: raw bytes, rename, fsync", save, "raw, rename, fsync"),
+        ("save floor: raw bytes, fsync, rename", save, "raw, fsync, rename"),
+        ("load: safetensors.numpy.load_file + touch", load, "theirs"),
+        ("load: weightstore.load, verified + touch", load, "ours"),
+        ("load: weightstore.load, verify=False + touch", load, "unverified"),
     ]
+    return [(label, medians[name], medians[name] / medians["theirs"]) for label, medians, name in rows]
 
 
 def bench(size_mb: float = 1024, repeat: int = 6) -> list[tuple[str, str, float, float]]:
