@@ -323,6 +323,10 @@ def test_ws_errors_on_safetensors_are_one_line(tmp_path):
     result = run("ls", tmp_path / "bad.safetensors")
     assert result.exit_code == 1 and "bad.safetensors" in result.stderr and "'b'" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+    ws.save(npz, {"w": np.ones(2, np.float32)})
+    result = run("convert", npz, tmp_path / "c.safetensors", "--compress")
+    assert result.exit_code == 1 and "never compressed" in result.stderr and "Traceback" not in result.output
+    assert not (tmp_path / "c.safetensors").exists()
 
 
 # -- hostile headers ----------------------------------------------------------------------------
