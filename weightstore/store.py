@@ -18,6 +18,7 @@ import numpy as np
 
 from weightstore import __version__
 from weightstore.errors import (
+    FormatError,
     InvalidKeyError,
     KeyNotInStoreError,
     SizeLimitError,
@@ -206,8 +207,10 @@ def save(
     where = location_of(path)
     location = where.text
     fmt = output_format(location, format)
+    if compress and not fmt.compresses:
+        raise FormatError(f"{location}: {fmt.name} files are never compressed; save without compress")
     metadata = checked_metadata(metadata, location)
-    arrays = _checked(weights, location)
+    arrays = _checked(weights, location, fmt)
     commit = commit_for(where, suffix=fmt.suffixes[0])
     if not overwrite and _exists(commit, location):
         raise StoreExistsError(f"{location}: file exists (pass overwrite=True to replace it)")
@@ -260,7 +263,7 @@ class _Checked(Mapping):
     tensor happen per tensor in :func:`write_file`, so only one is held at a time.
     """
 
-    def __init__(self, weights: Mapping[str, Any], where: str):
+    def __init__(self, weights: Mapping[str, Any], where: str, fmt: Format | None = None):
         if not isinstance(weights, Mapping):
             raise TypeError(f"weights must be a mapping of key to array, not {type(weights).__name__}")
         self._weights = weights
@@ -279,12 +282,16 @@ class _Checked(Mapping):
                             f"tensor {key!r} has dtype {name}: only numeric, bool and ml_dtypes arrays are weights"
                         ) from None
                     self._values[key] = None
-                    continue
-                value = weights[key]
-                if not isinstance(value, np.ndarray):
-                    value = np.asarray(value)
-                dtype_name(value.dtype, key)
-                self._values[key] = value
+                else:
+                    value = weights[key]
+                    if not isinstance(value, np.ndarray):
+                        value = np.asarray(value)
+                    name = dtype_name(value.dtype, key)
+                    self._values[key] = value
+                if fmt is not None and fmt.dtypes is not None and name not in fmt.dtypes:
+                    raise UnsupportedDTypeError(
+                        f"tensor {key!r} has dtype {name}, which {fmt.name} cannot hold; save it as .npz or .h5"
+                    )
 
     @contextlib.contextmanager
     def _naming_the_file(self) -> Iterator[None]:
@@ -309,12 +316,15 @@ class _Checked(Mapping):
         return len(self._values)
 
 
-def _checked(weights: Mapping[str, Any], where: str = "") -> Mapping[str, tuple[str, np.ndarray]]:
-    """Every key and dtype checked before anything is written; errors name ``where`` (the file).
+def _checked(
+    weights: Mapping[str, Any], where: str = "", fmt: Format | None = None,
+) -> Mapping[str, tuple[str, np.ndarray]]:
+    """Every key and dtype (against ``fmt``'s, when given) checked before anything is
+    written; errors name ``where`` (the file).
 
     The tensors themselves are read and converted lazily, one at a time, as they are written.
     """
-    return _Checked(weights, where)
+    return _Checked(weights, where, fmt)
 
 
 def write_file(path: str, fmt: Format, arrays: Mapping[str, tuple[str, np.ndarray]],

@@ -236,7 +236,7 @@ def publish(
     fmt = format_named(format)
     target = folder_for(folder, storage_options)
     name = f"step-{step:012d}{fmt.suffixes[0]}"
-    arrays = _checked(weights, target.url(name))
+    arrays = _checked(weights, target.url(name), fmt)
     metadata = checked_metadata(metadata, target.url(name))
     target.create()
     with target.lock():

@@ -47,12 +47,15 @@ class Format:
     magic: Callable[[bytes], bool]
     open_reader: Callable[[Any, str], Reader]
     open_writer: Callable[[str, bool], Writer]
+    #: the logical dtypes the format can hold; ``None``: every dtype weightstore stores
+    dtypes: frozenset[str] | None = None
+    compresses: bool = True
 
 
 def _registry() -> list[Format]:
-    from weightstore.formats import hdf5, npz
+    from weightstore.formats import hdf5, npz, safetensors
 
-    return [npz.FORMAT, hdf5.FORMAT]
+    return [npz.FORMAT, hdf5.FORMAT, safetensors.FORMAT]
 
 
 def format_named(name: str) -> Format:
@@ -83,7 +86,7 @@ def sniff(head: bytes, where: str) -> Format:
             return fmt
     if not head:
         raise FormatError(f"{where}: file is empty")
-    raise FormatError(f"{where}: not a weightstore file (neither npz nor HDF5)")
+    raise FormatError(f"{where}: not a weightstore file (not npz, HDF5 or safetensors)")
 
 
 def foreign_keys(names: Iterable[tuple[str, str]], where: str, what: str) -> dict[str, str]:
