@@ -16,6 +16,7 @@ weightstore class or the builtin they already handle::
     │   └── UnsafeFileError                pickles, links, external storage, zip tricks
     ├── SizeLimitError(ValueError)         a read would exceed ``max_bytes``
     ├── AssignmentError(ValueError)        assign found missing/unexpected/mismatched keys
+    ├── LayoutError(ValueError)            a tensor no layout rule converts (Keras <-> PyTorch/Flax)
     ├── PublishError(RuntimeError)         a second publisher, or steps that go back
     └── MissingDependencyError(ImportError) an optional extra is not installed
 """
@@ -38,6 +39,7 @@ __all__ = [
     "UnsafeFileError",
     "SizeLimitError",
     "AssignmentError",
+    "LayoutError",
     "PublishError",
     "MissingDependencyError",
 ]
@@ -107,6 +109,10 @@ class AssignmentError(WeightStoreError, ValueError):
         self.missing = list(missing)
         self.unexpected = list(unexpected)
         self.mismatched = list(mismatched)
+
+
+class LayoutError(WeightStoreError, ValueError):
+    pass
 
 
 class PublishError(WeightStoreError, RuntimeError):
