@@ -64,6 +64,9 @@ class Rule:
             ``(in, multiplier)`` at positions ``merge, merge + 1``; they become one axis of
             ``in * multiplier`` channels, and an axis of size 1 (one input channel per group) is
             inserted at ``unit``. Undoing it needs the group count (``in``), which the module knows.
+        by_shape: on the way from Keras, apply only where the receiving variable's shape
+            confirms this rule (Keras 3 calls a depthwise kernel ``kernel``, as it does a
+            convolution's; only the variable it goes into tells them apart).
     """
 
     kinds: tuple[str, ...]
@@ -72,6 +75,7 @@ class Rule:
     rank: int | None = None
     axes: tuple[int, ...] | None = None
     fold: tuple[int, int] | None = None
+    by_shape: bool = False
 
     def to_other_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         shape = tuple(shape[a] for a in self.axes) if self.axes else tuple(shape)
@@ -135,8 +139,14 @@ class Layout:
         """This layout with ``rules`` tried first (the first matching rule wins)."""
         return replace(self, rules=(*rules, *self.rules))
 
-    def rule_from_keras(self, leaf: str, rank: int) -> Rule | None:
-        return next((r for r in self.rules if r.keras == leaf and r.rank in (None, rank)), None)
+    def rule_from_keras(self, leaf: str, shape: tuple[int, ...], target: tuple[int, ...] | None = None) -> Rule | None:
+        """The first rule for this Keras leaf and rank; given the variable's shape, the first that fits it."""
+        candidates = [r for r in self.rules if r.keras == leaf and r.rank in (None, len(shape))]
+        if target is not None:
+            fitting = next((r for r in candidates if r.to_other_shape(shape) == tuple(target)), None)
+            if fitting is not None:
+                return fitting
+        return next((r for r in candidates if not r.by_shape), None)
 
     def rule_to_keras(self, leaf: str, rank: int, kind: str | None) -> Rule | None:
         return next((r for r in self.rules if r.other == leaf and r.rank in (None, rank) and kind in r.kinds), None)
@@ -154,7 +164,9 @@ KERAS_TO_TORCH = Layout(
         Rule((DENSE,), "kernel", "weight", 2, (1, 0)),
         *_kernels((CONV,), "weight", {3: (2, 1, 0), 4: (3, 2, 0, 1), 5: (4, 3, 0, 1, 2)}),
         Rule((CONV,), "pointwise_kernel", "weight", 4, (3, 2, 0, 1)),  # SeparableConv2D's 1x1 part
-        Rule((DEPTHWISE,), "depthwise_kernel", "weight", 3, (1, 2, 0), fold=(0, 1)),
+        Rule((DEPTHWISE,), "kernel", "weight", 3, (1, 2, 0), fold=(0, 1), by_shape=True),  # Keras 3
+        Rule((DEPTHWISE,), "kernel", "weight", 4, (2, 3, 0, 1), fold=(0, 1), by_shape=True),
+        Rule((DEPTHWISE,), "depthwise_kernel", "weight", 3, (1, 2, 0), fold=(0, 1)),  # Keras 2, TF1
         Rule((DEPTHWISE,), "depthwise_kernel", "weight", 4, (2, 3, 0, 1), fold=(0, 1)),
         Rule(_WEIGHTED, "bias", "bias"),
         Rule((NORM,), "gamma", "weight"),
@@ -173,7 +185,9 @@ KERAS_TO_FLAX = Layout(
     rules=(
         Rule((DENSE, CONV), "kernel", "kernel"),
         Rule((CONV,), "pointwise_kernel", "kernel", 4),
-        Rule((DEPTHWISE,), "depthwise_kernel", "kernel", 3, fold=(1, 1)),
+        Rule((DEPTHWISE,), "kernel", "kernel", 3, fold=(1, 1), by_shape=True),  # Keras 3
+        Rule((DEPTHWISE,), "kernel", "kernel", 4, fold=(2, 2), by_shape=True),
+        Rule((DEPTHWISE,), "depthwise_kernel", "kernel", 3, fold=(1, 1)),  # Keras 2, TF1
         Rule((DEPTHWISE,), "depthwise_kernel", "kernel", 4, fold=(2, 2)),
         Rule(_WEIGHTED, "bias", "bias"),
         Rule((NORM,), "gamma", "scale"),
@@ -221,13 +235,21 @@ def resolve(name: str | Layout, default: str) -> Layout:
     raise ValueError(f"unknown layout {name!r}; use 'keras' or a weightstore.adapters.layout.Layout")
 
 
-def from_keras(layout: Layout, shapes: Mapping[str, tuple[int, ...]]) -> tuple[dict[str, Step], dict[str, str]]:
-    """Plan converting Keras-named tensors: new key -> :class:`Step`, and refused key -> why."""
+def from_keras(layout: Layout, shapes: Mapping[str, tuple[int, ...]],
+               target_shape: Callable[[str], tuple[int, ...] | None] | None = None,
+               ) -> tuple[dict[str, Step], dict[str, str]]:
+    """Plan converting Keras-named tensors: new key -> :class:`Step`, and refused key -> why.
+
+    ``target_shape(new key)`` is the shape of the variable a tensor would go into (``None``
+    where there is none), which decides between rules a name and rank leave open.
+    """
     steps: dict[str, Step] = {}
     refused: dict[str, str] = {}
     for key, shape in shapes.items():
         scope, _, leaf = key.rpartition("/")
-        rule = layout.rule_from_keras(leaf, len(shape))
+        names = dict.fromkeys(r.other for r in layout.rules if r.keras == leaf)
+        shapes_there = (target_shape(join_scope(scope, name)) for name in names) if target_shape else ()
+        rule = layout.rule_from_keras(leaf, tuple(shape), next(filter(None, shapes_there), None))
         if rule is None:
             refused[key] = f"no {layout.name} layout rule for a rank-{len(shape)} {leaf!r}"
         else:
@@ -349,7 +371,13 @@ def plan_laid_out(values: Values, targets: Mapping[str, TargetInfo], *, layout: 
     refused: list[Mismatch] = []
     view: Values | LaidOutValues = values
     if layout is not None:
-        steps, refusals = from_keras(layout, {key: values.shape(key) for key in list(values.keys())})
+        rules, norm_scope = parse_mapping(mapping), normalize_scope(scope)
+
+        def target_shape(key: str) -> tuple[int, ...] | None:
+            target = targets.get(join_scope(norm_scope, map_key(key, rules)))
+            return None if target is None else target.shape
+
+        steps, refusals = from_keras(layout, {key: values.shape(key) for key in list(values.keys())}, target_shape)
         view = LaidOutValues(values, steps)
         for key, source, why in selected_refusals(refusals, scope=scope, mapping=mapping, include=include,
                                                   exclude=exclude):
