@@ -19,6 +19,13 @@ guessed:
   :func:`kinds_from_names` derives the kind from a scope's tensors (see there), and never
   finds ``depthwise``: a depthwise layer's kernel is only converted where its module is at hand.
 
+Keras 3 calls a depthwise kernel ``kernel``, as it calls a convolution's (Keras 2 and TF1 say
+``depthwise_kernel``), and the two have the same rank. On the way in, the shape of the
+variable a tensor goes into decides (a depthwise kernel only fits a grouped convolution);
+converting a *file* has no such variable, so ``ws convert --layout keras-to-torch`` reads a
+Keras 3 ``kernel`` as a convolution's. On the way out, depthwise kernels are written as Keras
+3 names them.
+
 A tensor no rule covers is refused (listed in the adapter's ``Report``/error, or in a
 :class:`~weightstore.errors.LayoutError`), never passed through unconverted. Tensors a
 framework keeps that Keras has no place for (PyTorch's ``num_batches_tracked``) are
@@ -163,7 +170,6 @@ KERAS_TO_TORCH = Layout(
     rules=(
         Rule((DENSE,), "kernel", "weight", 2, (1, 0)),
         *_kernels((CONV,), "weight", {3: (2, 1, 0), 4: (3, 2, 0, 1), 5: (4, 3, 0, 1, 2)}),
-        Rule((CONV,), "pointwise_kernel", "weight", 4, (3, 2, 0, 1)),  # SeparableConv2D's 1x1 part
         Rule((DEPTHWISE,), "kernel", "weight", 3, (1, 2, 0), fold=(0, 1), by_shape=True),  # Keras 3
         Rule((DEPTHWISE,), "kernel", "weight", 4, (2, 3, 0, 1), fold=(0, 1), by_shape=True),
         Rule((DEPTHWISE,), "depthwise_kernel", "weight", 3, (1, 2, 0), fold=(0, 1)),  # Keras 2, TF1
@@ -184,7 +190,6 @@ KERAS_TO_FLAX = Layout(
     "flax",
     rules=(
         Rule((DENSE, CONV), "kernel", "kernel"),
-        Rule((CONV,), "pointwise_kernel", "kernel", 4),
         Rule((DEPTHWISE,), "kernel", "kernel", 3, fold=(1, 1), by_shape=True),  # Keras 3
         Rule((DEPTHWISE,), "kernel", "kernel", 4, fold=(2, 2), by_shape=True),
         Rule((DEPTHWISE,), "depthwise_kernel", "kernel", 3, fold=(1, 1)),  # Keras 2, TF1
