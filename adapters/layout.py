@@ -93,7 +93,7 @@ class Rule:
             value = np.transpose(value, self.axes)
         if self.fold:
             value = np.reshape(value, _folded(value.shape, *self.fold))
-        return np.ascontiguousarray(value)
+        return np.asarray(value, order="C")
 
     def to_keras_shape(self, shape: tuple[int, ...], groups: int = 1) -> tuple[int, ...]:
         shape = _unfolded(tuple(shape), *self.fold, groups) if self.fold else tuple(shape)
@@ -104,7 +104,7 @@ class Rule:
             value = np.reshape(value, _unfolded(value.shape, *self.fold, groups))
         if self.axes:
             value = np.transpose(value, np.argsort(self.axes))
-        return np.ascontiguousarray(value)
+        return np.asarray(value, order="C")
 
     def fold_problem(self, shape: tuple[int, ...], groups: int) -> str:
         """Why a depthwise kernel of ``shape`` cannot be split into ``groups`` groups; empty if it can."""

@@ -159,7 +159,7 @@ def _read(tensor: torch.Tensor, key: str) -> np.ndarray:
 
 def _as_tensor(array: np.ndarray) -> torch.Tensor:
     """A CPU tensor over ``array``'s memory; ``copy_`` reads it, so a read-only array is fine."""
-    array = np.ascontiguousarray(array)
+    array = np.asarray(array, order="C")  # not ascontiguousarray: that makes a 0-d array 1-d
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "The given NumPy array is not writable")
         if array.dtype in _FROM_NUMPY:

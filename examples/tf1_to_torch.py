@@ -1,11 +1,12 @@
 """Serve a TF1-trained model with PyTorch, in a process that never imports TensorFlow.
 
-A TF1 graph (two dense layers written with ``variable_scope``/``get_variable``, as TF1's
-``layers.dense`` names them: ``hidden/kernel``, ``hidden/bias``, ``logits/kernel``, ``logits/bias``) trains a few steps and is saved with
-``tf.compat.v1.train.Saver`` as ``ckpt/model.ckpt-<step>``, next to its predictions on fixed
-inputs. That happens in a child process, as a trainer would. This process then reads the
-checkpoint with ``ws.load`` (weightstore parses TF's bundle format itself), assigns it to an
-equivalent ``torch.nn.Module`` with ``layout="keras"`` (TF1's dense kernels are ``[in, out]``,
+A TF1 graph trains a few steps: two dense layers written with ``variable_scope`` and
+``get_variable``, named as TF1's ``layers.dense`` names them (``hidden/kernel``,
+``hidden/bias``, ``logits/kernel``, ``logits/bias``). ``tf.compat.v1.train.Saver`` saves it
+as ``ckpt/model.ckpt-<step>``, next to its predictions on fixed inputs. That happens in a
+child process, as a trainer would. This process then reads the checkpoint with ``ws.load``
+(weightstore parses TF's bundle format itself), assigns it to an equivalent
+``torch.nn.Module`` with ``layout="keras"`` (TF1's dense kernels are ``[in, out]``,
 ``nn.Linear`` wants ``[out, in]``), and compares predictions, without TensorFlow loaded.
 
 Run: ``python -m examples.tf1_to_torch``
@@ -78,7 +79,6 @@ def build_torch():
 
 def main(folder: str | None = None) -> dict:
     import torch
-
     from weightstore.adapters import torch as torch_adapter
 
     with tempfile.TemporaryDirectory() as scratch:
