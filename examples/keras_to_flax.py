@@ -26,11 +26,12 @@ def build_flax():
     class Net(nnx.Module):
         def __init__(self, rngs: nnx.Rngs):
             norm = {"epsilon": 1e-3, "use_running_average": True, "rngs": rngs}  # Keras's epsilon; inference
-            self.conv1 = nnx.Conv(3, 8, (3, 3), padding="SAME", rngs=rngs)
+            zeros = nnx.initializers.zeros_init()  # the weights come from Keras: skip compiling random inits
+            self.conv1 = nnx.Conv(3, 8, (3, 3), padding="SAME", kernel_init=zeros, rngs=rngs)
             self.bn1 = nnx.BatchNorm(8, **norm)
-            self.dw = nnx.Conv(8, 16, (3, 3), padding="SAME", feature_group_count=8, rngs=rngs)
+            self.dw = nnx.Conv(8, 16, (3, 3), padding="SAME", feature_group_count=8, kernel_init=zeros, rngs=rngs)
             self.bn2 = nnx.BatchNorm(16, **norm)
-            self.head = nnx.Linear(16, CLASSES, rngs=rngs)
+            self.head = nnx.Linear(16, CLASSES, kernel_init=zeros, rngs=rngs)
 
         def __call__(self, images):
             x = nnx.max_pool(nnx.relu(self.bn1(self.conv1(images))), (2, 2), strides=(2, 2))
