@@ -35,7 +35,7 @@ _STATE = (nnx.Param, nnx.BatchStat)
 def variables(module: nnx.Module) -> dict[str, nnx.Variable]:
     """Key -> variable for the parameters and batch statistics ``export`` and ``assign`` see."""
     if not isinstance(module, nnx.Module):
-        raise TypeError(f"expected a flax.nnx.Module, not {type(module).__name__}")
+        raise TypeError(f"expected a flax.nnx.Module, not {type(module).__name__} (for a pytree, use restore)")
     return {_key(path): node for path, node in nnx.iter_graph(module) if isinstance(node, _STATE)}
 
 

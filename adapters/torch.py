@@ -30,7 +30,7 @@ from torch import nn
 from weightstore.adapters import layout as layouts
 from weightstore.adapters.plan import MEMORY, Report, TargetInfo, open_values, wants_skip
 
-from weightstore.errors import LayoutError, SelectionError, UnsupportedDTypeError
+from weightstore.errors import AssignmentError, LayoutError, SelectionError, UnsupportedDTypeError
 from weightstore.keys import MappingRules, Patterns, plan_outward, validate_key
 
 OPTIONAL_LEAF = "num_batches_tracked"
@@ -105,6 +105,11 @@ def assign(
     :func:`forget` after the module's tensors changed outside weightstore.
     """
     found = tensors(module)
+    without_data = [key for key, tensor in found.items() if tensor.is_meta]
+    if without_data:
+        raise AssignmentError(f"cannot assign {_describe(module)}: {len(without_data)} tensors are on the meta device "
+                              f"and hold no data (first {without_data[0]!r}); call module.to_empty(device=...) first",
+                              missing=without_data)
     targets = {key: TargetInfo(key, numpy_dtype(tensor, key), tuple(tensor.shape), tensor.requires_grad)
                for key, tensor in found.items()}
     skip = wants_skip(weights, skip_unchanged)
@@ -151,6 +156,8 @@ def _optional(key: str) -> bool:
 def _read(tensor: torch.Tensor, key: str) -> np.ndarray:
     """A new array, whatever device the tensor lives on."""
     dtype = numpy_dtype(tensor, key)
+    if tensor.is_meta:
+        raise SelectionError(f"{key!r} is on the meta device and holds no data to export")
     copy = tensor.detach().to("cpu", copy=True)
     if tensor.dtype in _VIEWED:
         return copy.view(_VIEWED[tensor.dtype][1]).numpy().view(dtype)

@@ -159,6 +159,15 @@ def test_bad_input_names_the_key(bad):
     assert next(iter(bad)) in str(info.value)
 
 
+def test_a_module_without_data_is_refused_not_silently_skipped():
+    with torch.device("meta"):
+        net = nn.Linear(2, 2)
+    with pytest.raises(AssignmentError, match="meta device.*'weight'.*to_empty"):
+        torch_adapter.assign(net, {"weight": np.ones((2, 2), np.float32), "bias": np.ones(2, np.float32)})
+    with pytest.raises(SelectionError, match="'weight' is on the meta device"):
+        torch_adapter.export(net)
+
+
 def test_not_a_module_is_refused():
     with pytest.raises(TypeError, match="torch.nn.Module"):
         torch_adapter.export({"weight": torch.zeros(2)})
