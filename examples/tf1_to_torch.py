@@ -36,20 +36,21 @@ def train_and_save(folder: Path) -> None:
     import tensorflow as tf
 
     v1 = tf.compat.v1
-    v1.disable_eager_execution()
-    v1.set_random_seed(0)
-    x = v1.placeholder(tf.float32, [None, FEATURES])
-    labels = v1.placeholder(tf.int64, [None])
-    hidden = tf.nn.relu(_dense(x, FEATURES, HIDDEN, "hidden"))
-    logits = _dense(hidden, HIDDEN, CLASSES, "logits")
-    loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
-    train = v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    with tf.Graph().as_default() as graph:  # a TF1 graph without switching the whole process out of eager mode
+        v1.set_random_seed(0)
+        x = v1.placeholder(tf.float32, [None, FEATURES])
+        labels = v1.placeholder(tf.int64, [None])
+        hidden = tf.nn.relu(_dense(x, FEATURES, HIDDEN, "hidden"))
+        logits = _dense(hidden, HIDDEN, CLASSES, "logits")
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
+        train = v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        saver, initialize = v1.train.Saver(), v1.global_variables_initializer()
     rng = np.random.default_rng(1)
-    with v1.Session() as sess:
-        sess.run(v1.global_variables_initializer())
+    with v1.Session(graph=graph) as sess:
+        sess.run(initialize)
         for _ in range(STEP):
             sess.run(train, {x: rng.normal(size=(32, FEATURES)), labels: rng.integers(0, CLASSES, 32)})
-        v1.train.Saver().save(sess, str(folder / "ckpt" / "model.ckpt"), global_step=STEP)
+        saver.save(sess, str(folder / "ckpt" / "model.ckpt"), global_step=STEP)
         np.save(folder / "expected.npy", sess.run(logits, {x: inputs()}))
 
 
@@ -77,24 +78,29 @@ def build_torch():
     return Net().eval()
 
 
-def main(folder: str | None = None) -> dict:
+def serve(folder: Path) -> dict:
+    """The serving side (no TensorFlow): read the checkpoint, assign it to PyTorch, compare predictions."""
     import torch
     from weightstore.adapters import torch as torch_adapter
 
-    with tempfile.TemporaryDirectory() as scratch:
-        root = Path(folder or scratch)
-        subprocess.run([sys.executable, "-m", "examples.tf1_to_torch", "--train", str(root)], check=True)
-        weights = ws.load(root / "ckpt" / f"model.ckpt-{STEP}")
-        net = build_torch()
-        report = torch_adapter.assign(net, weights, layout="keras")
-        with torch.no_grad():
-            served = net(torch.from_numpy(inputs())).numpy()
-        difference = float(np.max(np.abs(served - np.load(root / "expected.npy"))))
+    weights = ws.load(folder / "ckpt" / f"model.ckpt-{STEP}")
+    net = build_torch()
+    report = torch_adapter.assign(net, weights, layout="keras")
+    with torch.no_grad():
+        served = net(torch.from_numpy(inputs())).numpy()
+    difference = float(np.max(np.abs(served - np.load(folder / "expected.npy"))))
     tensorflow_loaded = "tensorflow" in sys.modules
     print(f"read {len(weights)} tensors from model.ckpt-{STEP}: {sorted(weights)}")
     print(f"PyTorch predictions vs TF1's: max abs difference {difference:.2e}; "
           f"TensorFlow imported in this process: {tensorflow_loaded}")
     return {"difference": difference, "assigned": sorted(report.assigned), "tensorflow_loaded": tensorflow_loaded}
+
+
+def main(folder: str | None = None) -> dict:
+    with tempfile.TemporaryDirectory() as scratch:
+        root = Path(folder or scratch)
+        subprocess.run([sys.executable, "-m", "examples.tf1_to_torch", "--train", str(root)], check=True)
+        return serve(root)
 
 
 if __name__ == "__main__":

@@ -183,12 +183,16 @@ def test_example_keras_to_torch_gives_the_same_predictions_both_ways(tmp_path, c
     assert "Keras -> PyTorch: 14 tensors assigned, max abs difference" in capsys.readouterr().out
 
 
-def test_example_tf1_to_torch_runs_without_tensorflow(tmp_path):
-    """The serving process blocks TensorFlow: reading the checkpoint must not need it."""
+def test_example_tf1_to_torch_serves_without_tensorflow(tmp_path):
+    """Trained here; served in a process that blocks TensorFlow, so reading the checkpoint must not need it."""
     pytest.importorskip("tensorflow")
+    from examples import tf1_to_torch
+
+    tf1_to_torch.train_and_save(tmp_path)
     code = ("import sys; sys.modules['tensorflow'] = None\n"
+            "from pathlib import Path\n"
             "from examples import tf1_to_torch\n"
-            f"result = tf1_to_torch.main({str(tmp_path)!r})\n"
+            f"result = tf1_to_torch.serve(Path({str(tmp_path)!r}))\n"
             "assert result['difference'] < 1e-5 and not result['tensorflow_loaded'], result\n")
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
