@@ -89,7 +89,7 @@ def serve(folder: Path) -> dict:
     with torch.no_grad():
         served = net(torch.from_numpy(inputs())).numpy()
     difference = float(np.max(np.abs(served - np.load(folder / "expected.npy"))))
-    tensorflow_loaded = "tensorflow" in sys.modules
+    tensorflow_loaded = sys.modules.get("tensorflow") is not None  # None: a blocked import
     print(f"read {len(weights)} tensors from model.ckpt-{STEP}: {sorted(weights)}")
     print(f"PyTorch predictions vs TF1's: max abs difference {difference:.2e}; "
           f"TensorFlow imported in this process: {tensorflow_loaded}")
