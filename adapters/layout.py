@@ -237,7 +237,7 @@ def resolve(name: str | Layout, default: str) -> Layout:
         return name
     if name == "keras":
         return LAYOUTS[default]
-    raise ValueError(f"unknown layout {name!r}; use 'keras' or a weightstore.adapters.layout.Layout")
+    raise LayoutError(f"unknown layout {name!r}; use 'keras' or a weightstore.adapters.layout.Layout")
 
 
 def from_keras(layout: Layout, shapes: Mapping[str, tuple[int, ...]],
@@ -248,7 +248,7 @@ def from_keras(layout: Layout, shapes: Mapping[str, tuple[int, ...]],
     ``target_shape(new key)`` is the shape of the variable a tensor would go into (``None``
     where there is none), which decides between rules a name and rank leave open.
     """
-    steps: dict[str, Step] = {}
+    steps: dict[str, list[Step]] = {}
     refused: dict[str, str] = {}
     for key, shape in shapes.items():
         scope, _, leaf = key.rpartition("/")
@@ -258,8 +258,9 @@ def from_keras(layout: Layout, shapes: Mapping[str, tuple[int, ...]],
         if rule is None:
             refused[key] = f"no {layout.name} layout rule for a rank-{len(shape)} {leaf!r}"
         else:
-            _add(steps, refused, join_scope(scope, rule.other), Step(key, rule, rule.to_other_shape(shape), False))
-    return steps, refused
+            step = Step(key, rule, rule.to_other_shape(shape), False)
+            steps.setdefault(join_scope(scope, rule.other), []).append(step)
+    return _unique(steps, refused), refused
 
 
 def to_keras(layout: Layout, shapes: Mapping[str, tuple[int, ...]],
@@ -270,7 +271,7 @@ def to_keras(layout: Layout, shapes: Mapping[str, tuple[int, ...]],
     the names (:func:`kinds_from_names`). Keys whose leaf is in ``layout.dropped`` are left out.
     """
     kinds = {key: Site(kind) for key, kind in kinds_from_names(layout, shapes).items()} if sites is None else sites
-    steps: dict[str, Step] = {}
+    steps: dict[str, list[Step]] = {}
     refused: dict[str, str] = {}
     for key, shape in shapes.items():
         scope, _, leaf = key.rpartition("/")
@@ -285,15 +286,17 @@ def to_keras(layout: Layout, shapes: Mapping[str, tuple[int, ...]],
             refused[key] = rule.fold_problem(shape, site.groups)
         else:
             step = Step(key, rule, rule.to_keras_shape(shape, site.groups), True, site.groups)
-            _add(steps, refused, join_scope(scope, rule.keras), step)
-    return steps, refused
+            steps.setdefault(join_scope(scope, rule.keras), []).append(step)
+    return _unique(steps, refused), refused
 
 
-def _add(steps: dict[str, Step], refused: dict[str, str], new: str, step: Step) -> None:
-    if new in steps:
-        refused[step.source] = f"{steps[new].source!r} and {step.source!r} would both become {new!r}"
-    else:
-        steps[new] = step
+def _unique(steps: dict[str, list[Step]], refused: dict[str, str]) -> dict[str, Step]:
+    """The steps whose new key is theirs alone; tensors that would share one are all refused."""
+    for new, clashing in steps.items():
+        if len(clashing) > 1:
+            sources = " and ".join(repr(step.source) for step in clashing)
+            refused.update({step.source: f"{sources} would both become {new!r}" for step in clashing})
+    return {new: only[0] for new, only in steps.items() if len(only) == 1}
 
 
 def kinds_from_names(layout: Layout, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, str]:

@@ -136,6 +136,24 @@ def test_a_tensor_no_rule_covers_is_refused_and_nothing_changes():
     assert report.ok
 
 
+def test_two_tensors_that_would_share_a_name_are_both_refused():
+    module = nn.BatchNorm1d(2)
+    weights = {"beta": np.ones(2, np.float32), "bias": np.ones(2, np.float32), "gamma": np.ones(2, np.float32)}
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(AssignmentError, match="'beta' and 'bias' would both become 'bias'"):
+        torch_adapter.assign(module, weights, layout="keras")
+    report = torch_adapter.assign(module, weights, layout="keras", strict=False)
+    assert report.assigned == ["weight"] and sorted(m.key for m in report.mismatched) == ["beta", "bias"]
+    assert torch.equal(module.bias, before["bias"])
+
+
+def test_an_unknown_layout_name_is_a_layout_error():
+    with pytest.raises(LayoutError, match="'pytorch'"):
+        torch_adapter.assign(nn.Linear(2, 2), {"kernel": np.ones((2, 2), np.float32)}, layout="pytorch")
+    with pytest.raises(LayoutError, match="'pytorch'"):
+        flax_adapter.export(nnx.Linear(2, 2, kernel_init=ZEROS, rngs=RNGS), layout="pytorch")
+
+
 def test_custom_rule_extends_the_table_for_a_custom_module():
     class Scale(nn.Module):
         def __init__(self):
