@@ -89,22 +89,24 @@ class Rule:
         return _folded(shape, *self.fold) if self.fold else shape
 
     def to_other(self, value: np.ndarray) -> np.ndarray:
+        """``value`` converted; a strided view of it where no copy is needed (the consumer copies anyway)."""
         if self.axes:
             value = np.transpose(value, self.axes)
         if self.fold:
             value = np.reshape(value, _folded(value.shape, *self.fold))
-        return np.asarray(value, order="C")
+        return value
 
     def to_keras_shape(self, shape: tuple[int, ...], groups: int = 1) -> tuple[int, ...]:
         shape = _unfolded(tuple(shape), *self.fold, groups) if self.fold else tuple(shape)
         return tuple(shape[a] for a in np.argsort(self.axes)) if self.axes else shape
 
     def to_keras(self, value: np.ndarray, groups: int = 1) -> np.ndarray:
+        """``value`` converted; a strided view of it where no copy is needed."""
         if self.fold:
             value = np.reshape(value, _unfolded(value.shape, *self.fold, groups))
         if self.axes:
             value = np.transpose(value, np.argsort(self.axes))
-        return np.asarray(value, order="C")
+        return value
 
     def fold_problem(self, shape: tuple[int, ...], groups: int) -> str:
         """Why a depthwise kernel of ``shape`` cannot be split into ``groups`` groups; empty if it can."""

@@ -165,8 +165,13 @@ def _read(tensor: torch.Tensor, key: str) -> np.ndarray:
 
 
 def _as_tensor(array: np.ndarray) -> torch.Tensor:
-    """A CPU tensor over ``array``'s memory; ``copy_`` reads it, so a read-only array is fine."""
-    array = np.asarray(array, order="C")  # not ascontiguousarray: that makes a 0-d array 1-d
+    """A CPU tensor over ``array``'s memory; ``copy_`` reads it, so a read-only array is fine.
+
+    A layout's transposed view stays strided: ``copy_`` transposes about five times faster
+    than numpy making it contiguous first.
+    """
+    if any(stride < 0 for stride in array.strides):  # torch.from_numpy refuses negative strides
+        array = array.copy()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "The given NumPy array is not writable")
         if array.dtype in _FROM_NUMPY:

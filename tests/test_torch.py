@@ -117,6 +117,13 @@ def test_dtype_that_does_not_widen_needs_cast():
     assert torch.all(net.bias == 1)
 
 
+def test_strided_and_reversed_arrays_are_assigned_as_they_read():
+    net = nn.Linear(3, 2)
+    weight = np.arange(6, dtype=np.float32).reshape(3, 2)
+    torch_adapter.assign(net, {"weight": weight.T, "bias": np.arange(2, dtype=np.float32)[::-1]})
+    assert net.weight.tolist() == weight.T.tolist() and net.bias.tolist() == [1.0, 0.0]
+
+
 def test_bfloat16_round_trips_through_a_store(tmp_path):
     net = nn.Linear(3, 2).to(torch.bfloat16)
     weights = torch_adapter.export(net)
