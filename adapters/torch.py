@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 from weightstore.adapters import layout as layouts
-from weightstore.adapters.plan import MEMORY, Report, TargetInfo, open_values, wants_skip
+from weightstore.adapters.plan import MEMORY, Mismatch, Report, TargetInfo, describe, open_values, wants_skip
 
 from weightstore.errors import AssignmentError, LayoutError, SelectionError, UnsupportedDTypeError
 from weightstore.keys import MappingRules, Patterns, plan_outward, validate_key
@@ -126,12 +126,35 @@ def assign(
                 report.skipped.append(key)
             else:
                 pending.append((key, np.asarray(source.read(value_key), dtype=targets[key].dtype), digest))
+        pending = _refuse_tied_conflicts(pending, found, report, strict=strict, where=values.where)
         with torch.no_grad():
             for key, array, digest in pending:
                 found[key].copy_(_as_tensor(array))
                 MEMORY.remember(found[key], key, digest)
                 report.assigned.append(key)
     return report
+
+
+def _refuse_tied_conflicts(pending: list, found: dict[str, torch.Tensor], report: Report, *, strict: bool,
+                           where: str) -> list:
+    """Tied parameters (one tensor under two keys, like a shared embedding) must get one value.
+
+    Two different values for one tensor would leave whichever came last; that is refused
+    as a mismatch rather than decided by key order.
+    """
+    first: dict[int, tuple[str, np.ndarray]] = {}
+    conflicts: dict[str, Mismatch] = {}
+    for key, array, _ in pending:
+        other, value = first.setdefault(id(found[key]), (key, array))
+        if other != key and not np.array_equal(value, array):
+            shape = describe(array.dtype, array.shape)
+            conflicts[key] = Mismatch(key, shape, shape, f"the same tensor as {other!r}, which gets a different value")
+    if conflicts and strict:
+        lines = "\n".join(f"    {mismatch}" for mismatch in conflicts.values())
+        raise AssignmentError(f"cannot assign {where}: nothing was changed\n  {len(conflicts)} mismatched:\n{lines}",
+                              mismatched=list(conflicts.values()))
+    report.mismatched.extend(conflicts.values())
+    return [entry for entry in pending if entry[0] not in conflicts]
 
 
 def forget(module: nn.Module) -> None:

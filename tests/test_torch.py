@@ -104,6 +104,17 @@ def test_strict_failure_changes_nothing_and_lists_every_problem():
     assert torch.equal(net[0].weight, before["0.weight"] + 1) and torch.equal(net[3].weight, before["3.weight"])
 
 
+def test_tied_parameters_must_get_one_value():
+    net = nn.Sequential(nn.Embedding(4, 2), nn.Linear(2, 4, bias=False))
+    net[1].weight = net[0].weight  # one tensor, two keys
+    before = state(net)
+    tied = {"0/weight": np.ones((4, 2), np.float32), "1/weight": np.ones((4, 2), np.float32)}
+    assert sorted(torch_adapter.assign(net, tied).assigned) == ["0/weight", "1/weight"]
+    with pytest.raises(AssignmentError, match="1/weight.*the same tensor as '0/weight'"):
+        torch_adapter.assign(net, {**tied, "1/weight": np.zeros((4, 2), np.float32)})
+    assert torch.all(net[0].weight == 1) and before.keys() == state(net).keys()
+
+
 def test_dtype_that_does_not_widen_needs_cast():
     net = nn.Linear(2, 2)
     before = state(net)
