@@ -11,7 +11,7 @@ import contextlib
 import os
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,8 @@ class Mismatch:
     reason: str
 
     def __str__(self) -> str:
+        if not self.target:  # refused before pairing (no layout rule converts it): no variable to name
+            return f"{self.key}: value is {self.value} ({self.reason})"
         return f"{self.key}: variable is {self.target}, value is {self.value} ({self.reason})"
 
 
@@ -192,6 +194,8 @@ def plan_assign(
     also: Patterns = None,
     strict: bool = True,
     cast: bool = False,
+    optional: Callable[[str], bool] | None = None,
+    refused: Sequence[Mismatch] = (),
 ) -> Plan:
     """Pair values with variables by key and check every pair; raise before writing if strict.
 
@@ -200,6 +204,10 @@ def plan_assign(
     scope-relative key passes the same selection, and, with ``trainable_only``, are trainable
     or match ``also``. Not strict, a plan that leaves most targets as they were warns
     (:class:`AssignWarning`): that is nearly always the wrong file, scope or mapping.
+    ``optional`` keys are state one framework keeps and others lack (PyTorch's
+    ``num_batches_tracked``): assigned when both sides have them, never missing or unexpected.
+    ``refused`` are values the adapter could not offer at all (no layout rule converts them);
+    they count as mismatched.
     """
     norm_scope = normalize_scope(scope)
     value_keys = plan_inward(values.keys(), scope=norm_scope, mapping=mapping, include=include, exclude=exclude,
@@ -212,8 +220,9 @@ def plan_assign(
         and keeps(strip_scope(key, norm_scope), info.trainable, trainable_only, also)
     }
     report = Report()
-    report.missing = [k for k in chosen if k not in value_keys]
-    report.unexpected = [k for k in value_keys if k not in chosen]
+    report.missing = [k for k in chosen if k not in value_keys and not (optional and optional(k))]
+    report.unexpected = [k for k in value_keys if k not in chosen and not (optional and optional(k))]
+    report.mismatched.extend(refused)
     pairs: dict[str, str] = {}
     for key, source in value_keys.items():
         target = chosen.get(key)

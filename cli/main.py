@@ -237,16 +237,20 @@ def convert(
     b: Annotated[str, typer.Argument(help="The store to write; its suffix picks npz or HDF5 (.h5).")],
     compress: Annotated[bool, typer.Option("--compress", help="Deflate the tensors (smaller, not memory-mappable).")] = False,
     as_json: AsJson = False,
+    layout: Annotated[Optional[str], typer.Option(
+        "--layout", help="Convert names and layouts: keras-to-torch, torch-to-keras, keras-to-flax, flax-to-keras.",
+    )] = None,
 ) -> None:
     """Rewrite A as B: npz to HDF5 or back, or recompressed; metadata is kept.
 
     \b
     Example:
       ws convert model.npz model.h5
+      ws convert keras.weights.h5 torch.npz --layout keras-to-torch
     """
     _json(as_json)
     with checkpoints.open_source(a) as opened:
-        written = transfer.convert(opened, b, compress=compress)
+        written = transfer.convert(opened, b, compress=compress, layout=layout)
     _report("convert", written, opened, f"wrote {count(written.count, 'tensor')} ({human_bytes(written.nbytes)}) "
                                         f"to {written.path}")
 

@@ -17,9 +17,10 @@ import numpy as np
 
 import weightstore
 from weightstore.adapters import checkpoints
+from weightstore.adapters import layout as layouts
 from weightstore.adapters.checkpoints import Source
 from weightstore.cli.render import track, working
-from weightstore.errors import FormatError, SelectionError, StoreExistsError, StoreNotFoundError
+from weightstore.errors import FormatError, LayoutError, SelectionError, StoreExistsError, StoreNotFoundError
 from weightstore.formats import format_for_suffix, sniff
 from weightstore.keys import MappingRules, Patterns, passes, plan_inward, plan_outward, validate_key
 from weightstore.store import output_format
@@ -65,9 +66,13 @@ def export(source: Source, out: str, *, scope: str | None, mapping: MappingRules
     return Written(out, "store", len(weights), sum(a.nbytes for a in weights.values()))
 
 
-def convert(source: Source, out: str, *, compress: bool) -> Written:
+def convert(source: Source, out: str, *, compress: bool, layout: str | None = None) -> Written:
+    if layout is not None and layout not in layouts.DIRECTIONS:
+        raise LayoutError(f"unknown layout {layout!r}; use one of {', '.join(layouts.DIRECTIONS)}")
     output_format(out)
     weights = read(source, {k: k for k in source.keys()}, "converting")
+    if layout is not None:
+        weights = layouts.convert(weights, layout, where=source.path)
     with working(f"writing {out}"):
         weightstore.save(out, weights, metadata=source.metadata, compress=compress)
     return Written(out, "store", len(weights), sum(a.nbytes for a in weights.values()))

@@ -651,8 +651,9 @@ def test_key_not_in_store_message_is_not_quoted(tmp_path):
     assert not message.startswith(("'", '"'))
 
 
-def test_import_weightstore_does_not_import_tensorflow():
-    code = "import sys, weightstore; print(sorted(m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras')))"
+def test_import_weightstore_does_not_import_any_framework():
+    frameworks = "('tensorflow', 'keras', 'torch', 'jax', 'jaxlib', 'flax')"
+    code = f"import sys, weightstore; print(sorted(m for m in sys.modules if m.split('.')[0] in {frameworks}))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert result.stdout.strip() == "[]", result.stdout
 

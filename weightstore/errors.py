@@ -18,6 +18,7 @@ weightstore class or the builtin they already handle::
     ├── StorageError(OSError)              the storage service failed (outage, credentials); retry later
     ├── SizeLimitError(ValueError)         a read would exceed ``max_bytes``
     ├── AssignmentError(ValueError)        assign found missing/unexpected/mismatched keys
+    ├── LayoutError(ValueError)            a tensor no layout rule converts (Keras <-> PyTorch/Flax)
     ├── PublishError(RuntimeError)         a second publisher, or steps that go back
     └── MissingDependencyError(ImportError) an optional extra is not installed
 """
@@ -42,6 +43,7 @@ __all__ = [
     "StorageError",
     "SizeLimitError",
     "AssignmentError",
+    "LayoutError",
     "PublishError",
     "MissingDependencyError",
 ]
@@ -139,6 +141,10 @@ class AssignmentError(WeightStoreError, ValueError):
         self.missing = list(missing)
         self.unexpected = list(unexpected)
         self.mismatched = list(mismatched)
+
+
+class LayoutError(WeightStoreError, ValueError):
+    pass
 
 
 class PublishError(WeightStoreError, RuntimeError):

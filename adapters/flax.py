@@ -1,0 +1,223 @@
+"""Flax in and out: NNX modules, and plain parameter pytrees (Linen's nested dicts).
+
+**NNX modules**: the module's ``nnx.Param`` and ``nnx.BatchStat`` variables (not RNG state),
+keyed by their ``nnx.state`` path joined with ``/`` (``conv/kernel``, ``bn/mean``,
+``layers/0/bias``). Trainable means ``nnx.Param``. :func:`assign` sets each variable's
+value in place, on the device (and with the sharding) its old value had. Variables refuse weak
+references, so hot reload remembers checksums per module and key.
+
+**Pytrees** (``{"params": {"Dense_0": {"kernel": …}}, "batch_stats": …}``, a ``FrozenDict``,
+lists): keys are the tree paths joined with ``/`` (``params/Dense_0/kernel``); every array
+leaf is a target, other leaves are left alone. :func:`restore` returns a new tree and never
+changes the one it was given, since JAX code treats trees as values.
+
+``layout="keras"`` converts Keras/TF names and layouts (``gamma`` ↔ ``scale``,
+``moving_mean`` ↔ ``mean``, depthwise kernels ↔ grouped ``Conv`` kernels); see
+:mod:`weightstore.adapters.layout`. Scope, mapping and selection speak the Flax names.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from weightstore.adapters import layout as layouts
+from weightstore.adapters.plan import MEMORY, Report, TargetInfo, open_values, wants_skip
+
+from weightstore.errors import InvalidKeyError, LayoutError, SelectionError
+from weightstore.keys import MappingRules, Patterns, plan_outward, validate_key
+
+_STATE = (nnx.Param, nnx.BatchStat)
+
+
+def variables(module: nnx.Module) -> dict[str, nnx.Variable]:
+    """Key -> variable for the parameters and batch statistics ``export`` and ``assign`` see."""
+    if not isinstance(module, nnx.Module):
+        raise TypeError(f"expected a flax.nnx.Module, not {type(module).__name__} (for a pytree, use restore)")
+    return {_key(path): node for path, node in nnx.iter_graph(module) if isinstance(node, _STATE)}
+
+
+def export(
+    obj: Any,
+    *,
+    scope: str | None = None,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    trainable_only: bool = False,
+    layout: str | layouts.Layout | None = None,
+) -> dict[str, np.ndarray]:
+    """A new weight dictionary of an NNX module's variables or a pytree's array leaves.
+
+    With ``layout``, keys and arrays come out in Keras's names and layouts; a tensor no rule
+    converts raises :class:`~weightstore.errors.LayoutError` listing every such key.
+    """
+    if isinstance(obj, nnx.Module):
+        found = variables(obj)
+        values = {key: var.get_value() for key, var in found.items()}
+        trainable = {key: isinstance(var, nnx.Param) for key, var in found.items()}
+        sites = _sites(obj)
+    else:
+        values = _leaves(obj)
+        trainable = dict.fromkeys(values, True)
+        sites = None
+    plan = plan_outward(values, scope=scope, include=include, exclude=exclude, where=_describe(obj))
+    chosen = {new: old for new, old in plan.items() if trainable[old] or not trainable_only}
+    if not chosen:
+        raise SelectionError(f"{_describe(obj)} has {'no arrays' if not values else 'no array passing the selection'}")
+    weights = {key: np.array(jax.device_get(values[old]), copy=True) for key, old in chosen.items()}
+    if layout is None:
+        return weights
+    steps, refused = layouts.to_keras(
+        layouts.resolve(layout, "flax"), {key: value.shape for key, value in weights.items()},
+        None if sites is None else {key: sites.get(old, layouts.Site(None)) for key, old in chosen.items()})
+    if refused:
+        raise LayoutError(layouts.refusal_message(f"exporting {_describe(obj)}", refused))
+    return {new: step.apply(weights[step.source]) for new, step in steps.items()}
+
+
+def assign(
+    module: nnx.Module,
+    weights: Any,
+    *,
+    scope: str | None = None,
+    mapping: MappingRules = None,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    trainable_only: bool = False,
+    strict: bool = True,
+    cast: bool = False,
+    skip_unchanged: bool | None = None,
+    layout: str | layouts.Layout | None = None,
+) -> Report:
+    """Write ``weights`` (a dict, path, open Store or Version) into an NNX module's variables.
+
+    Plans first: a strict failure raises ``AssignmentError`` naming every missing,
+    unexpected, mismatched or unconvertible key and changes nothing.
+    """
+    found = variables(module)
+    current = {key: var.get_value() for key, var in found.items()}
+    targets = {key: TargetInfo(key, np.dtype(value.dtype), tuple(value.shape), isinstance(found[key], nnx.Param))
+               for key, value in current.items()}
+    skip = wants_skip(weights, skip_unchanged)
+    with open_values(weights) as values:
+        plan, source = layouts.plan_laid_out(
+            values, targets, layout=_resolved(layout), scope=scope, mapping=mapping, include=include,
+            exclude=exclude, trainable_only=trainable_only, strict=strict, cast=cast)
+        report = plan.report
+        pending = []
+        for key, value_key in plan.pairs.items():
+            digest = source.checksum(value_key)
+            if skip and MEMORY.unchanged(module, key, digest):
+                report.skipped.append(key)
+            else:
+                pending.append((key, _placed(source.read(value_key), current[key]), digest))
+        for key, array, digest in pending:
+            found[key].set_value(array)
+            MEMORY.remember(module, key, digest)
+            report.assigned.append(key)
+    return report
+
+
+def restore(
+    tree: Any,
+    weights: Any,
+    *,
+    scope: str | None = None,
+    mapping: MappingRules = None,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    strict: bool = True,
+    cast: bool = False,
+    layout: str | layouts.Layout | None = None,
+) -> Any:
+    """A new pytree shaped like ``tree`` whose array leaves hold ``weights``; ``tree`` is unchanged.
+
+    Leaves without a value keep the old one (with ``strict=False``); each new leaf has the
+    old leaf's type (a JAX array on the same device and sharding, or a numpy array).
+    """
+    leaves = _leaves(tree)
+    targets = {key: TargetInfo(key, np.dtype(leaf.dtype), tuple(np.shape(leaf))) for key, leaf in leaves.items()}
+    with open_values(weights) as values:
+        plan, source = layouts.plan_laid_out(
+            values, targets, layout=_resolved(layout), scope=scope, mapping=mapping, include=include,
+            exclude=exclude, trainable_only=False, strict=strict, cast=cast)
+        new = {key: _placed(source.read(value_key), leaves[key]) for key, value_key in plan.pairs.items()}
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    return jax.tree_util.tree_unflatten(treedef, [new.get(_key(path), leaf) if _is_array(leaf) else leaf
+                                                  for path, leaf in flat])
+
+
+def forget(module: nnx.Module) -> None:
+    """Forget what ``module``'s variables last received, so the next assign writes them all."""
+    MEMORY.forget(module)
+
+
+def _resolved(layout: str | layouts.Layout | None) -> layouts.Layout | None:
+    return None if layout is None else layouts.resolve(layout, "flax")
+
+
+def _placed(value: np.ndarray, old: Any) -> Any:
+    """``value`` as the kind of array ``old`` is: same dtype, and for JAX the same sharding."""
+    array = np.asarray(value, dtype=old.dtype)
+    if isinstance(old, jax.Array):
+        return jax.device_put(array, old.sharding)
+    return np.array(array, copy=True)
+
+
+def _leaves(tree: Any) -> dict[str, Any]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    leaves = {}
+    for path, leaf in flat:
+        if _is_array(leaf):
+            key = _key(path)
+            if key in leaves:
+                raise InvalidKeyError(f"two leaves of the tree both have key {key!r}")
+            leaves[key] = leaf
+    return leaves
+
+
+def _is_array(leaf: Any) -> bool:
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+
+
+def _key(path: tuple) -> str:
+    """``('params', 'Dense_0', 'kernel')`` or JAX's path entries, joined with ``/``."""
+    return validate_key("/".join(str(_entry(part)) for part in path))
+
+
+def _entry(part: Any) -> Any:
+    for attribute in ("key", "idx", "name"):  # DictKey, SequenceKey, GetAttrKey
+        if hasattr(part, attribute):
+            return getattr(part, attribute)
+    return part
+
+
+def _sites(module: nnx.Module) -> dict[str, layouts.Site]:
+    """Key -> the layer kind of the module holding that variable, for converting to Keras."""
+    sites = {}
+    for path, node in nnx.iter_graph(module):
+        if isinstance(node, nnx.Module):
+            site = _site(node)
+            for name, child in vars(node).items():
+                if isinstance(child, _STATE):
+                    sites[_key((*path, name))] = site
+    return sites
+
+
+def _site(module: nnx.Module) -> layouts.Site:
+    if isinstance(module, nnx.Linear):
+        return layouts.Site(layouts.DENSE)
+    if type(module) is nnx.Conv:
+        if module.feature_group_count == 1:
+            return layouts.Site(layouts.CONV)
+        if module.feature_group_count == module.in_features:
+            return layouts.Site(layouts.DEPTHWISE, module.feature_group_count)
+    if isinstance(module, (nnx.BatchNorm, nnx.LayerNorm, nnx.GroupNorm)):
+        return layouts.Site(layouts.NORM)
+    return layouts.Site(type(module).__name__)
+
+
+def _describe(obj: Any) -> str:
+    return f"flax module {type(obj).__name__}" if isinstance(obj, nnx.Module) else f"pytree {type(obj).__name__}"

@@ -1,0 +1,422 @@
+"""Keras/TensorFlow names and tensor layouts against PyTorch's and Flax's, as tables of rules.
+
+Keras (and TF1, and Flax) keep a Dense kernel as ``[in, out]`` and convolution kernels
+channels-last (``HWIO``); PyTorch keeps ``Linear.weight`` as ``[out, in]`` and convolutions
+as ``OIHW``. Names differ too: Keras's batch norm ``gamma/beta/moving_mean/moving_variance``
+is PyTorch's ``weight/bias/running_mean/running_var`` and Flax's ``scale/bias/mean/var``.
+Each :class:`Rule` below says, for one kind of layer, how a tensor's *leaf name* (the last
+key segment) and axes change; a :class:`Layout` is an ordered table of them. Nothing is
+guessed:
+
+- **Keras → other** (assigning Keras weights into a PyTorch or Flax module, or
+  ``ws convert --layout keras-to-torch``): the rule is found by the Keras leaf name and the
+  tensor's rank (``kernel`` of rank 2 is a Dense kernel, of rank 4 a Conv2D kernel).
+- **other → Keras** (exporting a module with a layout, ``--layout torch-to-keras``): names
+  alone are ambiguous (PyTorch calls a Linear's and a batch norm's offsets both ``bias``), so
+  the rule is found by leaf name, rank *and the layer's kind*. Adapters take the kind from
+  the module holding the tensor (``nn.Linear`` is ``dense``; a convolution with
+  ``groups == in_channels`` is ``depthwise``); a file records no modules, so
+  :func:`kinds_from_names` derives the kind from a scope's tensors (see there), and never
+  finds ``depthwise``: a depthwise layer's kernel is only converted where its module is at hand.
+
+Keras 3 calls a depthwise kernel ``kernel``, as it calls a convolution's (Keras 2 and TF1 say
+``depthwise_kernel``), and the two have the same rank. On the way in, the shape of the
+variable a tensor goes into decides (a depthwise kernel only fits a grouped convolution);
+converting a *file* has no such variable, so ``ws convert --layout keras-to-torch`` reads a
+Keras 3 ``kernel`` as a convolution's. On the way out, depthwise kernels are written as Keras
+3 names them.
+
+A tensor no rule covers is refused (listed in the adapter's ``Report``/error, or in a
+:class:`~weightstore.errors.LayoutError`), never passed through unconverted. Tensors a
+framework keeps that Keras has no place for (PyTorch's ``num_batches_tracked``) are
+``dropped`` on the way to Keras, by name.
+
+Extend a table for your own layer with :meth:`Layout.extended`; your rules come first, and
+the first matching rule wins. An adapter names a module's kind by the table in the adapter
+(``nn.Linear`` → ``dense``…), else by the module's class name, so a rule for your own
+``class Scale(nn.Module)`` holding ``alpha`` reads::
+
+    rules = layout.KERAS_TO_TORCH.extended(layout.Rule(("Scale",), "alpha", "alpha"))
+    torch.assign(module, weights, layout=rules)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+from weightstore.adapters.plan import Mismatch, Plan, TargetInfo, Values, describe, plan_assign
+
+from weightstore.errors import LayoutError
+from weightstore.keys import MappingRules, Patterns, join_scope, map_key, normalize_scope, parse_mapping, passes
+
+DENSE, CONV, DEPTHWISE, NORM = "dense", "conv", "depthwise", "norm"
+_WEIGHTED = (DENSE, CONV, DEPTHWISE)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One tensor of one kind of layer, as Keras holds it and as the other framework does.
+
+    Args:
+        kinds: the layer kinds this rule serves on the way to Keras (``dense``, ``conv``,
+            ``depthwise``, ``norm``, or a module class name of your own).
+        keras: the tensor's leaf name in Keras/TF (``kernel``, ``gamma``).
+        other: its leaf name in the other framework (``weight``, ``scale``).
+        rank: the tensor's rank this rule applies to; ``None`` for any (names like ``bias``).
+        axes: Keras → other is ``numpy.transpose(value, axes)``; ``None`` keeps the axes.
+        fold: for depthwise kernels, ``(merge, unit)``: after ``axes`` the Keras kernel ends in
+            ``(in, multiplier)`` at positions ``merge, merge + 1``; they become one axis of
+            ``in * multiplier`` channels, and an axis of size 1 (one input channel per group) is
+            inserted at ``unit``. Undoing it needs the group count (``in``), which the module knows.
+        by_shape: on the way from Keras, apply only where the receiving variable's shape
+            confirms this rule (Keras 3 calls a depthwise kernel ``kernel``, as it does a
+            convolution's; only the variable it goes into tells them apart).
+    """
+
+    kinds: tuple[str, ...]
+    keras: str
+    other: str
+    rank: int | None = None
+    axes: tuple[int, ...] | None = None
+    fold: tuple[int, int] | None = None
+    by_shape: bool = False
+
+    def to_other_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        shape = tuple(shape[a] for a in self.axes) if self.axes else tuple(shape)
+        return _folded(shape, *self.fold) if self.fold else shape
+
+    def to_other(self, value: np.ndarray) -> np.ndarray:
+        """``value`` converted; a strided view of it where no copy is needed (the consumer copies anyway)."""
+        if self.axes:
+            value = np.transpose(value, self.axes)
+        if self.fold:
+            value = np.reshape(value, _folded(value.shape, *self.fold))
+        return value
+
+    def to_keras_shape(self, shape: tuple[int, ...], groups: int = 1) -> tuple[int, ...]:
+        shape = _unfolded(tuple(shape), *self.fold, groups) if self.fold else tuple(shape)
+        return tuple(shape[a] for a in np.argsort(self.axes)) if self.axes else shape
+
+    def to_keras(self, value: np.ndarray, groups: int = 1) -> np.ndarray:
+        """``value`` converted; a strided view of it where no copy is needed."""
+        if self.fold:
+            value = np.reshape(value, _unfolded(value.shape, *self.fold, groups))
+        if self.axes:
+            value = np.transpose(value, np.argsort(self.axes))
+        return value
+
+    def fold_problem(self, shape: tuple[int, ...], groups: int) -> str:
+        """Why a depthwise kernel of ``shape`` cannot be split into ``groups`` groups; empty if it can."""
+        if not self.fold:
+            return ""
+        merge, unit = self.fold
+        channels = shape[merge + 1 if unit <= merge else merge]
+        if shape[unit] != 1 or groups < 1 or channels % groups:
+            return (f"a depthwise kernel {list(shape)} needs one input channel per group and channels "
+                    f"divisible by its {groups} groups")
+        return ""
+
+
+def _folded(shape: tuple[int, ...], merge: int, unit: int) -> tuple[int, ...]:
+    shape = (*shape[:merge], shape[merge] * shape[merge + 1], *shape[merge + 2:])
+    return (*shape[:unit], 1, *shape[unit:])
+
+
+def _unfolded(shape: tuple[int, ...], merge: int, unit: int, groups: int) -> tuple[int, ...]:
+    shape = (*shape[:unit], *shape[unit + 1:])
+    return (*shape[:merge], groups, shape[merge] // groups, *shape[merge + 1:])
+
+
+@dataclass(frozen=True)
+class Layout:
+    """An ordered table of rules between Keras and one other framework.
+
+    ``kernel`` is the other framework's name for a layer's main weight, which
+    :func:`kinds_from_names` reads the layer kind from; ``dropped`` are leaf names with no
+    Keras counterpart, left out on the way to Keras.
+    """
+
+    name: str
+    rules: tuple[Rule, ...]
+    kernel: str
+    dropped: tuple[str, ...] = ()
+
+    def extended(self, *rules: Rule) -> Layout:
+        """This layout with ``rules`` tried first (the first matching rule wins)."""
+        return replace(self, rules=(*rules, *self.rules))
+
+    def rule_from_keras(self, leaf: str, shape: tuple[int, ...], target: tuple[int, ...] | None = None) -> Rule | None:
+        """The first rule for this Keras leaf and rank; given the variable's shape, the first that fits it."""
+        candidates = [r for r in self.rules if r.keras == leaf and r.rank in (None, len(shape))]
+        if target is not None:
+            fitting = next((r for r in candidates if r.to_other_shape(shape) == tuple(target)), None)
+            if fitting is not None:
+                return fitting
+        return next((r for r in candidates if not r.by_shape), None)
+
+    def rule_to_keras(self, leaf: str, rank: int, kind: str | None) -> Rule | None:
+        return next((r for r in self.rules if r.other == leaf and r.rank in (None, rank) and kind in r.kinds), None)
+
+
+def _kernels(kinds: tuple[str, ...], other: str, axes_by_rank: Mapping[int, tuple[int, ...]]) -> tuple[Rule, ...]:
+    return tuple(Rule(kinds, "kernel", other, rank, axes) for rank, axes in axes_by_rank.items())
+
+
+#: Keras/TF ↔ PyTorch: Linear weights ``[out, in]``, convolutions ``OIHW`` (and 1D/3D alike),
+#: depthwise convolutions ``[in * multiplier, 1, *spatial]``, batch norm ``running_*`` buffers.
+KERAS_TO_TORCH = Layout(
+    "torch",
+    rules=(
+        Rule((DENSE,), "kernel", "weight", 2, (1, 0)),
+        *_kernels((CONV,), "weight", {3: (2, 1, 0), 4: (3, 2, 0, 1), 5: (4, 3, 0, 1, 2)}),
+        Rule((DEPTHWISE,), "kernel", "weight", 3, (1, 2, 0), fold=(0, 1), by_shape=True),  # Keras 3
+        Rule((DEPTHWISE,), "kernel", "weight", 4, (2, 3, 0, 1), fold=(0, 1), by_shape=True),
+        Rule((DEPTHWISE,), "depthwise_kernel", "weight", 3, (1, 2, 0), fold=(0, 1)),  # Keras 2, TF1
+        Rule((DEPTHWISE,), "depthwise_kernel", "weight", 4, (2, 3, 0, 1), fold=(0, 1)),
+        Rule(_WEIGHTED, "bias", "bias"),
+        Rule((NORM,), "gamma", "weight"),
+        Rule((NORM,), "beta", "bias"),
+        Rule((NORM,), "moving_mean", "running_mean"),
+        Rule((NORM,), "moving_variance", "running_var"),
+    ),
+    kernel="weight",
+    dropped=("num_batches_tracked",),
+)
+
+#: Keras/TF ↔ Flax: kernels keep Keras's layout; a depthwise kernel is Flax's grouped
+#: ``Conv`` kernel ``[*spatial, 1, in * multiplier]``; batch norm is ``scale/bias/mean/var``.
+KERAS_TO_FLAX = Layout(
+    "flax",
+    rules=(
+        Rule((DENSE, CONV), "kernel", "kernel"),
+        Rule((DEPTHWISE,), "kernel", "kernel", 3, fold=(1, 1), by_shape=True),  # Keras 3
+        Rule((DEPTHWISE,), "kernel", "kernel", 4, fold=(2, 2), by_shape=True),
+        Rule((DEPTHWISE,), "depthwise_kernel", "kernel", 3, fold=(1, 1)),  # Keras 2, TF1
+        Rule((DEPTHWISE,), "depthwise_kernel", "kernel", 4, fold=(2, 2)),
+        Rule(_WEIGHTED, "bias", "bias"),
+        Rule((NORM,), "gamma", "scale"),
+        Rule((NORM,), "beta", "bias"),
+        Rule((NORM,), "moving_mean", "mean"),
+        Rule((NORM,), "moving_variance", "var"),
+    ),
+    kernel="kernel",
+)
+
+LAYOUTS = {"torch": KERAS_TO_TORCH, "flax": KERAS_TO_FLAX}
+#: what ``ws convert --layout`` accepts: the layout and whether the file is in Keras's names
+DIRECTIONS = {"keras-to-torch": ("torch", True), "torch-to-keras": ("torch", False),
+              "keras-to-flax": ("flax", True), "flax-to-keras": ("flax", False)}
+
+
+@dataclass(frozen=True)
+class Site:
+    """What a tensor's module tells about it: the layer kind and, for depthwise layers, the group count."""
+
+    kind: str | None
+    groups: int = 1
+
+
+@dataclass(frozen=True)
+class Step:
+    """One tensor's conversion: where it comes from, which rule, and the shape it will have."""
+
+    source: str
+    rule: Rule
+    shape: tuple[int, ...]
+    to_keras: bool
+    groups: int = 1
+
+    def apply(self, value: np.ndarray) -> np.ndarray:
+        return self.rule.to_keras(value, self.groups) if self.to_keras else self.rule.to_other(value)
+
+
+def resolve(name: str | Layout, default: str) -> Layout:
+    """A layout from its name (``"keras"`` means the adapter's own table) or as given."""
+    if isinstance(name, Layout):
+        return name
+    if name == "keras":
+        return LAYOUTS[default]
+    raise LayoutError(f"unknown layout {name!r}; use 'keras' or a weightstore.adapters.layout.Layout")
+
+
+def from_keras(layout: Layout, shapes: Mapping[str, tuple[int, ...]],
+               target_shape: Callable[[str], tuple[int, ...] | None] | None = None,
+               ) -> tuple[dict[str, Step], dict[str, str]]:
+    """Plan converting Keras-named tensors: new key -> :class:`Step`, and refused key -> why.
+
+    ``target_shape(new key)`` is the shape of the variable a tensor would go into (``None``
+    where there is none), which decides between rules a name and rank leave open.
+    """
+    steps: dict[str, list[Step]] = {}
+    refused: dict[str, str] = {}
+    for key, shape in shapes.items():
+        scope, _, leaf = key.rpartition("/")
+        names = dict.fromkeys(r.other for r in layout.rules if r.keras == leaf)
+        shapes_there = (target_shape(join_scope(scope, name)) for name in names) if target_shape else ()
+        rule = layout.rule_from_keras(leaf, tuple(shape), next(filter(None, shapes_there), None))
+        if rule is None:
+            refused[key] = f"no {layout.name} layout rule for a rank-{len(shape)} {leaf!r}"
+        else:
+            step = Step(key, rule, rule.to_other_shape(shape), False)
+            steps.setdefault(join_scope(scope, rule.other), []).append(step)
+    return _unique(steps, refused), refused
+
+
+def to_keras(layout: Layout, shapes: Mapping[str, tuple[int, ...]],
+             sites: Mapping[str, Site] | None = None) -> tuple[dict[str, Step], dict[str, str]]:
+    """Plan converting tensors named the other framework's way into Keras's names and layouts.
+
+    ``sites`` gives each key's layer kind (from its module); without it the kinds come from
+    the names (:func:`kinds_from_names`). Keys whose leaf is in ``layout.dropped`` are left out.
+    """
+    kinds = {key: Site(kind) for key, kind in kinds_from_names(layout, shapes).items()} if sites is None else sites
+    steps: dict[str, list[Step]] = {}
+    refused: dict[str, str] = {}
+    for key, shape in shapes.items():
+        scope, _, leaf = key.rpartition("/")
+        if leaf in layout.dropped:
+            continue
+        site = kinds.get(key, Site(None))
+        rule = layout.rule_to_keras(leaf, len(shape), site.kind)
+        if rule is None:
+            of = f"in a {site.kind!r} layer" if site.kind else "in a layer of unknown kind"
+            refused[key] = f"no {layout.name} layout rule for a rank-{len(shape)} {leaf!r} {of}"
+        elif rule.fold_problem(shape, site.groups):
+            refused[key] = rule.fold_problem(shape, site.groups)
+        else:
+            step = Step(key, rule, rule.to_keras_shape(shape, site.groups), True, site.groups)
+            steps.setdefault(join_scope(scope, rule.keras), []).append(step)
+    return _unique(steps, refused), refused
+
+
+def _unique(steps: dict[str, list[Step]], refused: dict[str, str]) -> dict[str, Step]:
+    """The steps whose new key is theirs alone; tensors that would share one are all refused."""
+    for new, clashing in steps.items():
+        if len(clashing) > 1:
+            sources = " and ".join(repr(step.source) for step in clashing)
+            refused.update({step.source: f"{sources} would both become {new!r}" for step in clashing})
+    return {new: only[0] for new, only in steps.items() if len(only) == 1}
+
+
+def kinds_from_names(layout: Layout, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, str]:
+    """Each key's layer kind as a file shows it, scope by scope (a scope holds one layer).
+
+    A scope holding a name only normalization layers use (``running_mean``, ``scale``…) is
+    ``norm``; otherwise the rank of its ``layout.kernel`` tensor decides: 1 is ``norm``
+    (PyTorch's LayerNorm ``weight``), 2 is ``dense``, 3 to 5 is ``conv``. Other scopes get no
+    kind, so their tensors are refused.
+    """
+    norm_only = {r.other for r in layout.rules if r.kinds == (NORM,)}
+    norm_only -= {r.other for r in layout.rules if NORM not in r.kinds}
+    by_scope: dict[str, dict[str, tuple[int, ...]]] = {}
+    for key, shape in shapes.items():
+        scope, _, leaf = key.rpartition("/")
+        by_scope.setdefault(scope, {})[leaf] = tuple(shape)
+    kinds: dict[str, str] = {}
+    for scope, leaves in by_scope.items():
+        kernel_rank = len(leaves[layout.kernel]) if layout.kernel in leaves else None
+        if norm_only & leaves.keys() or kernel_rank == 1:
+            kind = NORM
+        else:
+            kind = {2: DENSE, 3: CONV, 4: CONV, 5: CONV}.get(kernel_rank)  # type: ignore[arg-type]
+        if kind:
+            kinds.update({join_scope(scope, leaf): kind for leaf in leaves})
+    return kinds
+
+
+def selected_refusals(refused: Mapping[str, str], *, scope: str | None, mapping: MappingRules,
+                      include: Patterns, exclude: Patterns) -> list[tuple[str, str, str]]:
+    """``(key, source key, why)`` for the refused values an assign would have offered.
+
+    Mapped, selected and put under ``scope`` as ``plan_assign`` treats values, so a tensor the
+    caller excluded is not reported.
+    """
+    rules = parse_mapping(mapping)
+    norm_scope = normalize_scope(scope)
+    kept = []
+    for source, why in refused.items():
+        mapped = map_key(source, rules)
+        if passes(mapped, include, exclude):
+            kept.append((join_scope(norm_scope, mapped), source, why))
+    return kept
+
+
+class LaidOutValues:
+    """A view of assign's values (``plan.Values``) under their converted names, shapes and contents."""
+
+    def __init__(self, values: Any, steps: Mapping[str, Step]):
+        self._values = values
+        self._steps = steps
+        self.where = values.where
+
+    def keys(self) -> list[str]:
+        return list(self._steps)
+
+    def dtype(self, key: str) -> np.dtype:
+        return self._values.dtype(self._steps[key].source)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._steps[key].shape
+
+    def checksum(self, key: str) -> str | None:
+        digest = self._values.checksum(self._steps[key].source)
+        return None if digest is None else f"{digest}@{self._steps[key].rule}"
+
+    def read(self, key: str) -> np.ndarray:
+        step = self._steps[key]
+        return step.apply(np.asarray(self._values.read(step.source)))
+
+
+def plan_laid_out(values: Values, targets: Mapping[str, TargetInfo], *, layout: Layout | None, scope: str | None,
+                  mapping: MappingRules, include: Patterns, exclude: Patterns, trainable_only: bool, strict: bool,
+                  cast: bool, optional: Callable[[str], bool] | None = None) -> tuple[Plan, Values | LaidOutValues]:
+    """``plan_assign`` over Keras-named ``values`` converted by ``layout`` (as they are when ``None``).
+
+    Returns the plan and the values to read its pairs from. Values no rule converts are
+    reported as mismatched, so a strict assign refuses them and changes nothing.
+    """
+    refused: list[Mismatch] = []
+    view: Values | LaidOutValues = values
+    if layout is not None:
+        rules, norm_scope = parse_mapping(mapping), normalize_scope(scope)
+
+        def target_shape(key: str) -> tuple[int, ...] | None:
+            target = targets.get(join_scope(norm_scope, map_key(key, rules)))
+            return None if target is None else target.shape
+
+        steps, refusals = from_keras(layout, {key: values.shape(key) for key in list(values.keys())}, target_shape)
+        view = LaidOutValues(values, steps)
+        for key, source, why in selected_refusals(refusals, scope=scope, mapping=mapping, include=include,
+                                                  exclude=exclude):
+            refused.append(Mismatch(key, "", describe(values.dtype(source), values.shape(source)), why))
+    plan = plan_assign(view, targets, scope=scope, mapping=mapping, include=include, exclude=exclude,
+                       trainable_only=trainable_only, strict=strict, cast=cast, optional=optional, refused=refused)
+    return plan, view
+
+
+def convert(weights: Mapping[str, np.ndarray], direction: str, *, where: str) -> dict[str, np.ndarray]:
+    """``weights`` in the other naming and layout (``direction`` from :data:`DIRECTIONS`); a new dict.
+
+    Raises:
+        LayoutError: naming ``where`` and every tensor no rule converts.
+    """
+    if direction not in DIRECTIONS:
+        raise LayoutError(f"unknown layout {direction!r}; use one of {', '.join(DIRECTIONS)}")
+    name, from_keras_names = DIRECTIONS[direction]
+    shapes = {key: np.shape(value) for key, value in weights.items()}
+    steps, refused = (from_keras if from_keras_names else to_keras)(LAYOUTS[name], shapes)
+    if refused:
+        raise LayoutError(refusal_message(where, refused))
+    return {new: step.apply(np.asarray(weights[step.source])) for new, step in steps.items()}
+
+
+def refusal_message(where: str, refused: Mapping[str, str], listed: int = 20) -> str:
+    plural = "s" if len(refused) != 1 else ""
+    lines = [f"{where}: {len(refused)} tensor{plural} no layout rule converts (add a Rule with Layout.extended):"]
+    lines += [f"  {key}: {why}" for key, why in list(refused.items())[:listed]]
+    if len(refused) > listed:
+        lines.append(f"  … and {len(refused) - listed} more")
+    return "\n".join(lines)

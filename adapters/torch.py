@@ -1,0 +1,230 @@
+"""PyTorch in and out: an ``nn.Module``'s parameters and buffers as a weight dictionary.
+
+Keys are ``state_dict`` names with ``.`` read as ``/`` (``features.0.weight`` is
+``features/0/weight``), so persistent buffers (batch norm's ``running_mean``/``running_var``)
+are included and non-persistent ones are not. Trainable means ``requires_grad``; buffers never are.
+
+``num_batches_tracked`` (batch norm's step counter) is exported like any buffer, but on assign
+it is *optional*: written when the weights hold it, never reported missing when they do not
+(Keras and Flax keep no such counter), never unexpected when the module has none. With a
+layout it has no Keras counterpart and is left out of the export.
+
+Values are written in place under ``torch.no_grad()`` with ``tensor.copy_``: no new
+``Parameter`` is made, so optimizers and hooks holding the module's tensors keep working, and
+``copy_`` moves the value onto the tensor's own device (CPU, CUDA, MPS) itself.
+
+``layout="keras"`` (or a :class:`~weightstore.adapters.layout.Layout`) converts Keras/TF names
+and layouts on the way in and out: see :mod:`weightstore.adapters.layout`. Scope, mapping and
+selection then speak the module's names (``conv/weight``, not ``conv/kernel``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import torch
+from torch import nn
+from weightstore.adapters import layout as layouts
+from weightstore.adapters.plan import MEMORY, Mismatch, Report, TargetInfo, describe, open_values, wants_skip
+
+from weightstore.errors import AssignmentError, LayoutError, SelectionError, UnsupportedDTypeError
+from weightstore.keys import MappingRules, Patterns, plan_outward, validate_key
+
+OPTIONAL_LEAF = "num_batches_tracked"
+#: torch dtypes numpy lacks -> (their ml_dtypes kind, a torch integer of the same width):
+#: the bytes cross between the two as that integer
+_VIEWED = {
+    torch.bfloat16: (np.dtype(ml_dtypes.bfloat16), torch.int16),
+    torch.float8_e4m3fn: (np.dtype(ml_dtypes.float8_e4m3fn), torch.uint8),
+    torch.float8_e5m2: (np.dtype(ml_dtypes.float8_e5m2), torch.uint8),
+}
+_FROM_NUMPY = {kind: (dtype, integer) for dtype, (kind, integer) in _VIEWED.items()}
+
+
+def tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Key -> the module's own tensor (parameter or persistent buffer), as ``export`` and ``assign`` see them."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"expected a torch.nn.Module, not {type(module).__name__}")
+    return {validate_key(name.replace(".", "/")): tensor for name, tensor in module.state_dict(keep_vars=True).items()}
+
+
+def export(
+    module: nn.Module,
+    *,
+    scope: str | None = None,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    trainable_only: bool = False,
+    layout: str | layouts.Layout | None = None,
+) -> dict[str, np.ndarray]:
+    """A new weight dictionary of ``module``'s tensors under ``scope`` (keys relative to it).
+
+    With ``layout``, keys and arrays come out in Keras's names and layouts; a tensor no rule
+    converts raises :class:`~weightstore.errors.LayoutError` listing every such key.
+    """
+    found = tensors(module)
+    plan = plan_outward(found, scope=scope, include=include, exclude=exclude, where=_describe(module))
+    chosen = {new: old for new, old in plan.items() if found[old].requires_grad or not trainable_only}
+    if not chosen:
+        why = "no tensors" if not found else "no tensor passing the selection"
+        raise SelectionError(f"{_describe(module)} has {why}")
+    weights = {key: _read(found[old], key) for key, old in chosen.items()}
+    if layout is None:
+        return weights
+    sites = _sites(module)
+    steps, refused = layouts.to_keras(layouts.resolve(layout, "torch"), {k: v.shape for k, v in weights.items()},
+                                      {key: sites.get(old, layouts.Site(None)) for key, old in chosen.items()})
+    if refused:
+        raise LayoutError(layouts.refusal_message(f"exporting {_describe(module)}", refused))
+    return {new: step.apply(weights[step.source]) for new, step in steps.items()}
+
+
+def assign(
+    module: nn.Module,
+    weights: Any,
+    *,
+    scope: str | None = None,
+    mapping: MappingRules = None,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    trainable_only: bool = False,
+    strict: bool = True,
+    cast: bool = False,
+    skip_unchanged: bool | None = None,
+    layout: str | layouts.Layout | None = None,
+) -> Report:
+    """Write ``weights`` (a dict, path, open Store or Version) into ``module``'s tensors, in place.
+
+    Plans first, as the TF adapters do: a strict failure raises ``AssignmentError`` naming
+    every missing, unexpected and mismatched key (with a layout, also every value no rule
+    converts) and changes nothing. Every value is read, and its checksum verified, before
+    the first tensor changes. ``skip_unchanged`` works as in ``tf2.assign``; call
+    :func:`forget` after the module's tensors changed outside weightstore.
+    """
+    found = tensors(module)
+    without_data = [key for key, tensor in found.items() if tensor.is_meta]
+    if without_data:
+        raise AssignmentError(f"cannot assign {_describe(module)}: {len(without_data)} tensors are on the meta device "
+                              f"and hold no data (first {without_data[0]!r}); call module.to_empty(device=...) first",
+                              missing=without_data)
+    targets = {key: TargetInfo(key, numpy_dtype(tensor, key), tuple(tensor.shape), tensor.requires_grad)
+               for key, tensor in found.items()}
+    skip = wants_skip(weights, skip_unchanged)
+    chosen_layout = None if layout is None else layouts.resolve(layout, "torch")
+    with open_values(weights) as values:
+        plan, source = layouts.plan_laid_out(
+            values, targets, layout=chosen_layout, scope=scope, mapping=mapping, include=include, exclude=exclude,
+            trainable_only=trainable_only, strict=strict, cast=cast, optional=_optional)
+        report = plan.report
+        pending = []
+        for key, value_key in plan.pairs.items():
+            digest = source.checksum(value_key)
+            if skip and MEMORY.unchanged(found[key], key, digest):
+                report.skipped.append(key)
+            else:
+                pending.append((key, np.asarray(source.read(value_key), dtype=targets[key].dtype), digest))
+        pending = _refuse_tied_conflicts(pending, found, report, strict=strict, where=values.where)
+        with torch.no_grad():
+            for key, array, digest in pending:
+                found[key].copy_(_as_tensor(array))
+                MEMORY.remember(found[key], key, digest)
+                report.assigned.append(key)
+    return report
+
+
+def _refuse_tied_conflicts(pending: list, found: dict[str, torch.Tensor], report: Report, *, strict: bool,
+                           where: str) -> list:
+    """Tied parameters (one tensor under two keys, like a shared embedding) must get one value.
+
+    Two different values for one tensor would leave whichever came last; that is refused
+    as a mismatch rather than decided by key order.
+    """
+    first: dict[int, tuple[str, np.ndarray]] = {}
+    conflicts: dict[str, Mismatch] = {}
+    for key, array, _ in pending:
+        other, value = first.setdefault(id(found[key]), (key, array))
+        if other != key and not np.array_equal(value, array):
+            shape = describe(array.dtype, array.shape)
+            conflicts[key] = Mismatch(key, shape, shape, f"the same tensor as {other!r}, which gets a different value")
+    if conflicts and strict:
+        lines = "\n".join(f"    {mismatch}" for mismatch in conflicts.values())
+        raise AssignmentError(f"cannot assign {where}: nothing was changed\n  {len(conflicts)} mismatched:\n{lines}",
+                              mismatched=list(conflicts.values()))
+    report.mismatched.extend(conflicts.values())
+    return [entry for entry in pending if entry[0] not in conflicts]
+
+
+def forget(module: nn.Module) -> None:
+    """Forget what ``module``'s tensors last received, so the next assign writes them all."""
+    for tensor in tensors(module).values():
+        MEMORY.forget(tensor)
+
+
+def numpy_dtype(tensor: torch.Tensor, key: str) -> np.dtype:
+    if tensor.dtype in _VIEWED:
+        return _VIEWED[tensor.dtype][0]
+    try:
+        return torch.empty(0, dtype=tensor.dtype).numpy().dtype
+    except TypeError as error:
+        raise UnsupportedDTypeError(f"{key!r}: torch dtype {tensor.dtype} has no numpy counterpart") from error
+
+
+def _optional(key: str) -> bool:
+    return key.rpartition("/")[2] == OPTIONAL_LEAF
+
+
+def _read(tensor: torch.Tensor, key: str) -> np.ndarray:
+    """A new array, whatever device the tensor lives on."""
+    dtype = numpy_dtype(tensor, key)
+    if tensor.is_meta:
+        raise SelectionError(f"{key!r} is on the meta device and holds no data to export")
+    copy = tensor.detach().to("cpu", copy=True)
+    if tensor.dtype in _VIEWED:
+        return copy.view(_VIEWED[tensor.dtype][1]).numpy().view(dtype)
+    return copy.numpy()
+
+
+def _as_tensor(array: np.ndarray) -> torch.Tensor:
+    """A CPU tensor over ``array``'s memory; ``copy_`` reads it, so a read-only array is fine.
+
+    A layout's transposed view stays strided: ``copy_`` transposes about five times faster
+    than numpy making it contiguous first.
+    """
+    if any(stride < 0 for stride in array.strides):  # torch.from_numpy refuses negative strides
+        array = array.copy()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+        if array.dtype in _FROM_NUMPY:
+            dtype, integer = _FROM_NUMPY[array.dtype]
+            return torch.from_numpy(array.view(torch.empty(0, dtype=integer).numpy().dtype)).view(dtype)
+        return torch.from_numpy(array)
+
+
+def _sites(module: nn.Module) -> dict[str, layouts.Site]:
+    """Key -> the layer kind of the module holding that tensor, for converting to Keras."""
+    sites = {}
+    for name, owner in module.named_modules(remove_duplicate=False):
+        site = _site(owner)
+        own = [*owner.named_parameters(recurse=False), *owner.named_buffers(recurse=False)]
+        sites.update({f"{name}.{leaf}".lstrip(".").replace(".", "/"): site for leaf, _ in own})
+    return sites
+
+
+def _site(module: nn.Module) -> layouts.Site:
+    if isinstance(module, nn.Linear):
+        return layouts.Site(layouts.DENSE)
+    if isinstance(module, nn.modules.conv._ConvNd) and not module.transposed:
+        if module.groups == 1:
+            return layouts.Site(layouts.CONV)
+        if module.groups == module.in_channels:
+            return layouts.Site(layouts.DEPTHWISE, module.groups)
+    if isinstance(module, (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)):
+        return layouts.Site(layouts.NORM)
+    return layouts.Site(type(module).__name__)
+
+
+def _describe(module: Any) -> str:
+    return f"torch module {type(module).__name__}"

@@ -1,0 +1,136 @@
+"""The Flax adapter: NNX modules in place, parameter pytrees as new trees, and the example."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+nnx = pytest.importorskip("flax.nnx")
+
+from flax.core import FrozenDict  # noqa: E402
+from weightstore.adapters import flax as flax_adapter  # noqa: E402
+
+import weightstore as ws  # noqa: E402
+from weightstore.errors import AssignmentError, LayoutError, SelectionError  # noqa: E402
+
+ZEROS = nnx.initializers.zeros_init()  # random initializers compile once per shape: seconds each
+
+
+class Net(nnx.Module):
+    def __init__(self, seed: int = 0):
+        rngs = nnx.Rngs(seed)
+        self.conv = nnx.Conv(2, 3, (3, 3), kernel_init=ZEROS, rngs=rngs)
+        self.bn = nnx.BatchNorm(3, use_running_average=True, rngs=rngs)
+        self.layers = nnx.List([nnx.Linear(3, 2, kernel_init=ZEROS, rngs=rngs)])
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)  # RNG state: not weights
+
+
+def random_weights(seed: int = 1) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {key: rng.normal(size=value.shape).astype(value.dtype) for key, value in flax_adapter.export(Net()).items()}
+
+
+def test_export_keys_are_state_paths_params_and_batch_stats_not_rng_state():
+    weights = flax_adapter.export(Net())
+    assert sorted(weights) == ["bn/bias", "bn/mean", "bn/scale", "bn/var", "conv/bias", "conv/kernel",
+                               "layers/0/bias", "layers/0/kernel"]
+    assert sorted(flax_adapter.export(Net(), trainable_only=True)) == ["bn/bias", "bn/scale", "conv/bias",
+                                                                       "conv/kernel", "layers/0/bias",
+                                                                       "layers/0/kernel"]
+    assert isinstance(weights["conv/kernel"], np.ndarray) and weights["conv/kernel"].flags.writeable
+    with pytest.raises(SelectionError, match="'head'"):
+        flax_adapter.export(Net(), scope="head")
+
+
+def test_assign_in_place_through_a_store(tmp_path):
+    weights = random_weights()
+    ws.save(tmp_path / "w.npz", weights)
+    net = Net()
+    report = flax_adapter.assign(net, tmp_path / "w.npz")
+    assert report.ok and len(report.assigned) == 8
+    exported = flax_adapter.export(net)
+    for key, value in weights.items():
+        np.testing.assert_array_equal(exported[key], value, err_msg=key)
+    assert isinstance(net.conv.kernel.get_value(), jax.Array)
+
+
+def test_strict_failure_changes_nothing():
+    net = Net()
+    before = flax_adapter.export(net)
+    weights = random_weights()
+    weights["bn/mean"] = np.ones(4, np.float32)
+    del weights["conv/bias"]
+    with pytest.raises(AssignmentError) as info:
+        flax_adapter.assign(net, weights)
+    message = str(info.value)
+    assert "bn/mean: variable is float32[3], value is float32[4]" in message and "'conv/bias'" in message
+    after = flax_adapter.export(net)
+    assert all(np.array_equal(after[key], value) for key, value in before.items())
+
+
+def test_dtype_that_does_not_widen_needs_cast():
+    net = Net()
+    weights = {key: value.astype(np.float64) for key, value in random_weights().items()}
+    with pytest.raises(AssignmentError, match="pass cast=True"):
+        flax_adapter.assign(net, weights)
+    flax_adapter.assign(net, weights, cast=True)
+    assert net.conv.kernel.get_value().dtype == np.float32
+
+
+def test_versions_skip_unchanged_tensors(tmp_path):
+    net = Net()
+    weights = random_weights()
+    first = ws.publish(tmp_path / "v", weights, step=1)
+    assert len(flax_adapter.assign(net, first).assigned) == 8
+    second = ws.publish(tmp_path / "v", {**weights, "bn/mean": weights["bn/mean"] + 1}, step=2)
+    report = flax_adapter.assign(net, second)
+    assert report.assigned == ["bn/mean"] and len(report.skipped) == 7
+
+
+def linen_tree():
+    return {"params": {"Dense_0": {"kernel": jax.numpy.zeros((3, 2)), "bias": np.zeros(2, np.float32)},
+                       "BatchNorm_0": {"scale": jax.numpy.ones(2), "bias": jax.numpy.zeros(2)}},
+            "batch_stats": {"BatchNorm_0": {"mean": jax.numpy.zeros(2), "var": jax.numpy.ones(2)}},
+            "config": "not an array"}
+
+
+def test_restore_returns_a_new_tree_and_never_touches_the_old_one():
+    tree = FrozenDict(linen_tree())
+    weights = {key: np.full(value.shape, 7, np.float32) for key, value in flax_adapter.export(tree).items()}
+    assert sorted(weights) == ["batch_stats/BatchNorm_0/mean", "batch_stats/BatchNorm_0/var",
+                               "params/BatchNorm_0/bias", "params/BatchNorm_0/scale", "params/Dense_0/bias",
+                               "params/Dense_0/kernel"]
+    new = flax_adapter.restore(tree, weights)
+    assert isinstance(new, FrozenDict) and new["config"] == "not an array"
+    assert isinstance(new["params"]["Dense_0"]["kernel"], jax.Array)
+    assert isinstance(new["params"]["Dense_0"]["bias"], np.ndarray)
+    assert float(new["batch_stats"]["BatchNorm_0"]["var"][0]) == 7
+    assert float(tree["batch_stats"]["BatchNorm_0"]["var"][0]) == 1  # the input is unchanged
+
+
+def test_restore_strict_failure_names_the_key():
+    tree = linen_tree()
+    with pytest.raises(AssignmentError, match="params/Dense_0/kernl"):
+        flax_adapter.restore(tree, {"params/Dense_0/kernl": np.zeros((3, 2), np.float32)})
+    partial = flax_adapter.restore(tree, {"params/Dense_0/bias": np.ones(2, np.float32)}, strict=False)
+    assert partial["params"]["Dense_0"]["bias"].tolist() == [1.0, 1.0]
+
+
+def test_linen_tree_exports_in_keras_names_by_its_scopes():
+    exported = flax_adapter.export(linen_tree(), layout="keras")
+    assert sorted(exported) == ["batch_stats/BatchNorm_0/moving_mean", "batch_stats/BatchNorm_0/moving_variance",
+                                "params/BatchNorm_0/beta", "params/BatchNorm_0/gamma", "params/Dense_0/bias",
+                                "params/Dense_0/kernel"]
+    with pytest.raises(LayoutError, match="params/odd/alpha"):
+        flax_adapter.export({"params": {"odd": {"alpha": np.zeros(2)}}}, layout="keras")
+
+
+def test_example_keras_to_flax_gives_the_same_predictions_both_ways(tmp_path, capsys):
+    pytest.importorskip("keras")
+    from examples import keras_to_flax
+
+    result = keras_to_flax.main(str(tmp_path))
+    assert result["to_flax"] < 1e-5 and result["back_to_keras"] < 1e-5
+    assert "dw/kernel" in result["assigned"] and "bn2/var" in result["assigned"]
+    assert "Keras -> Flax: 14 tensors assigned, max abs difference" in capsys.readouterr().out

@@ -1,0 +1,229 @@
+"""Layout rules: each one, both directions, checked against what Keras, PyTorch and Flax compute.
+
+Every Keras layer the tables cover gets random weights (batch-norm statistics included),
+goes into the equivalent PyTorch and Flax layer with ``layout="keras"``, and the outputs must
+agree; the framework's export with the layout must then give back Keras's exact tensors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+keras = pytest.importorskip("keras")
+torch = pytest.importorskip("torch")
+nnx = pytest.importorskip("flax.nnx")
+
+from typer.testing import CliRunner  # noqa: E402
+from weightstore.adapters import flax as flax_adapter  # noqa: E402
+from weightstore.adapters import layout, tf2  # noqa: E402
+from weightstore.adapters import torch as torch_adapter  # noqa: E402
+from weightstore.cli.main import app  # noqa: E402
+
+import weightstore as ws  # noqa: E402
+from weightstore.errors import AssignmentError, LayoutError  # noqa: E402
+
+nn = torch.nn
+RNGS = nnx.Rngs(0)
+ZEROS = nnx.initializers.zeros_init()  # random initializers compile once per shape: seconds each
+
+# name: (Keras layer, input shape (channels last), PyTorch module, Flax module)
+LAYERS = {
+    "dense": (lambda: keras.layers.Dense(4), (2, 3), lambda: nn.Linear(3, 4),
+              lambda: nnx.Linear(3, 4, kernel_init=ZEROS, rngs=RNGS)),
+    "conv1d": (lambda: keras.layers.Conv1D(4, 3), (2, 7, 3), lambda: nn.Conv1d(3, 4, 3),
+               lambda: nnx.Conv(3, 4, (3,), padding="VALID", kernel_init=ZEROS, rngs=RNGS)),
+    "conv2d": (lambda: keras.layers.Conv2D(4, (3, 2)), (2, 6, 5, 3), lambda: nn.Conv2d(3, 4, (3, 2)),
+               lambda: nnx.Conv(3, 4, (3, 2), padding="VALID", kernel_init=ZEROS, rngs=RNGS)),
+    "conv3d": (lambda: keras.layers.Conv3D(4, (3, 2, 2)), (2, 5, 4, 4, 3), lambda: nn.Conv3d(3, 4, (3, 2, 2)),
+               lambda: nnx.Conv(3, 4, (3, 2, 2), padding="VALID", kernel_init=ZEROS, rngs=RNGS)),
+    "depthwise1d": (lambda: keras.layers.DepthwiseConv1D(3, depth_multiplier=2), (2, 7, 3),
+                    lambda: nn.Conv1d(3, 6, 3, groups=3),
+                    lambda: nnx.Conv(3, 6, (3,), padding="VALID", feature_group_count=3, kernel_init=ZEROS, rngs=RNGS)),
+    "depthwise2d": (lambda: keras.layers.DepthwiseConv2D((3, 2), depth_multiplier=2), (2, 6, 5, 3),
+                    lambda: nn.Conv2d(3, 6, (3, 2), groups=3),
+                    lambda: nnx.Conv(3, 6, (3, 2), padding="VALID", feature_group_count=3, kernel_init=ZEROS,
+                                     rngs=RNGS)),
+    "batch_norm": (lambda: keras.layers.BatchNormalization(), (2, 3), lambda: nn.BatchNorm1d(3, eps=1e-3),
+                   lambda: nnx.BatchNorm(3, epsilon=1e-3, use_running_average=True, rngs=RNGS)),
+    "layer_norm": (lambda: keras.layers.LayerNormalization(), (2, 3), lambda: nn.LayerNorm(3, eps=1e-3),
+                   lambda: nnx.LayerNorm(3, epsilon=1e-3, rngs=RNGS)),
+}
+
+
+def random_keras(name: str, seed: int = 0):
+    make, shape, _, _ = LAYERS[name]
+    layer = make()
+    layer.build(shape)
+    rng = np.random.default_rng(seed)
+    for var in layer.weights:
+        value = rng.normal(size=var.shape).astype("float32")
+        var.assign(np.abs(value) + 0.5 if "variance" in var.path else value)
+    images = rng.normal(size=shape).astype("float32")
+    return layer, images, np.asarray(layer(images, training=False))
+
+
+def torch_call(module, images: np.ndarray) -> np.ndarray:
+    """The module on channels-last input, as channels-first in and channels-last out."""
+    x = torch.from_numpy(images)
+    if x.ndim > 2:
+        x = x.movedim(-1, 1)
+    with torch.no_grad():
+        y = module.eval()(x)
+    return (y.movedim(1, -1) if y.ndim > 2 else y).numpy()
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_keras_layer_into_torch_and_back(name):
+    layer, images, expected = random_keras(name)
+    weights = tf2.export(layer)
+    module = LAYERS[name][2]()
+    report = torch_adapter.assign(module, weights, layout="keras")
+    assert report.ok and report.assigned
+    np.testing.assert_allclose(torch_call(module, images), expected, atol=1e-5)
+    back = torch_adapter.export(module, layout="keras")
+    assert back.keys() == weights.keys()
+    for key in weights:
+        np.testing.assert_array_equal(back[key], weights[key], err_msg=key)
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_keras_layer_into_flax_and_back(name):
+    layer, images, expected = random_keras(name)
+    weights = tf2.export(layer)
+    module = LAYERS[name][3]()
+    report = flax_adapter.assign(module, weights, layout="keras")
+    assert report.ok and report.assigned
+    np.testing.assert_allclose(np.asarray(module(images)), expected, atol=1e-5)
+    back = flax_adapter.export(module, layout="keras")
+    assert back.keys() == weights.keys()
+    for key in weights:
+        np.testing.assert_array_equal(back[key], weights[key], err_msg=key)
+
+
+def test_keras2_and_tf1_depthwise_kernel_name_is_read_too():
+    layer, images, expected = random_keras("depthwise2d")
+    weights = {"depthwise_kernel" if k == "kernel" else k: v for k, v in tf2.export(layer).items()}
+    module = LAYERS["depthwise2d"][2]()
+    torch_adapter.assign(module, weights, layout="keras")
+    np.testing.assert_allclose(torch_call(module, images), expected, atol=1e-5)
+
+
+def test_every_rule_round_trips_on_arrays():
+    rng = np.random.default_rng(0)
+    for table in (layout.KERAS_TO_TORCH, layout.KERAS_TO_FLAX):
+        for rule in table.rules:
+            shape = (3, 2, 4, 2, 5)[: rule.rank or 1]
+            value = rng.normal(size=shape)
+            other = rule.to_other(value)
+            assert other.shape == rule.to_other_shape(shape)
+            groups = shape[-2] if rule.fold else 1
+            assert rule.to_keras_shape(other.shape, groups) == shape
+            np.testing.assert_array_equal(rule.to_keras(other, groups), value)
+
+
+def test_a_tensor_no_rule_covers_is_refused_and_nothing_changes():
+    module = nn.Linear(3, 4)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    weights = {"kernel": np.ones((3, 4), np.float32), "bias": np.ones(4, np.float32), "alpha": np.ones(2, np.float32)}
+    with pytest.raises(AssignmentError) as info:
+        torch_adapter.assign(module, weights, layout="keras")
+    assert "alpha" in str(info.value) and "no torch layout rule for a rank-1 'alpha'" in str(info.value)
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+    report = torch_adapter.assign(module, weights, layout="keras", strict=False)
+    assert sorted(report.assigned) == ["bias", "weight"] and [m.key for m in report.mismatched] == ["alpha"]
+    report = torch_adapter.assign(module, weights, layout="keras", exclude="alpha")  # excluded: not reported
+    assert report.ok
+
+
+def test_two_tensors_that_would_share_a_name_are_both_refused():
+    module = nn.BatchNorm1d(2)
+    weights = {"beta": np.ones(2, np.float32), "bias": np.ones(2, np.float32), "gamma": np.ones(2, np.float32)}
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(AssignmentError, match="'beta' and 'bias' would both become 'bias'"):
+        torch_adapter.assign(module, weights, layout="keras")
+    report = torch_adapter.assign(module, weights, layout="keras", strict=False)
+    assert report.assigned == ["weight"] and sorted(m.key for m in report.mismatched) == ["beta", "bias"]
+    assert torch.equal(module.bias, before["bias"])
+
+
+def test_an_unknown_layout_name_is_a_layout_error():
+    with pytest.raises(LayoutError, match="'pytorch'"):
+        torch_adapter.assign(nn.Linear(2, 2), {"kernel": np.ones((2, 2), np.float32)}, layout="pytorch")
+    with pytest.raises(LayoutError, match="'pytorch'"):
+        flax_adapter.export(nnx.Linear(2, 2, kernel_init=ZEROS, rngs=RNGS), layout="pytorch")
+
+
+def test_custom_rule_extends_the_table_for_a_custom_module():
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.alpha = nn.Parameter(torch.zeros(3))
+
+    module = nn.Sequential()
+    module.add_module("scale", Scale())
+    with pytest.raises(LayoutError) as info:
+        torch_adapter.export(module, layout="keras")
+    assert "scale/alpha" in str(info.value) and "'Scale'" in str(info.value)
+    rules = layout.KERAS_TO_TORCH.extended(layout.Rule(("Scale",), "gamma", "alpha"))
+    exported = torch_adapter.export(module, layout=rules)
+    assert list(exported) == ["scale/gamma"]
+    torch_adapter.assign(module, {"scale/gamma": np.arange(3, dtype=np.float32)}, layout=rules)
+    assert module.scale.alpha.tolist() == [0.0, 1.0, 2.0]
+
+
+def test_transposed_and_grouped_convolutions_are_refused_not_guessed():
+    module = nn.Sequential(nn.ConvTranspose2d(2, 4, 3), nn.Conv2d(4, 4, 3, groups=2))
+    with pytest.raises(LayoutError) as info:
+        torch_adapter.export(module, layout="keras")
+    message = str(info.value)
+    assert "0/weight" in message and "'ConvTranspose2d'" in message and "1/weight" in message
+
+
+def test_torch_export_leaves_num_batches_tracked_out_with_a_layout():
+    exported = torch_adapter.export(nn.BatchNorm2d(3), layout="keras")
+    assert sorted(exported) == ["beta", "gamma", "moving_mean", "moving_variance"]
+
+
+def test_kinds_from_names_reads_a_scope_by_its_tensors():
+    shapes = {"fc/weight": (4, 3), "fc/bias": (4,), "bn/weight": (4,), "bn/bias": (4,), "bn/running_mean": (4,),
+              "ln/weight": (4,), "ln/bias": (4,), "conv/weight": (4, 3, 3, 3), "odd/thing": (2,)}
+    kinds = layout.kinds_from_names(layout.KERAS_TO_TORCH, shapes)
+    assert kinds == {"fc/weight": "dense", "fc/bias": "dense", "bn/weight": "norm", "bn/bias": "norm",
+                     "bn/running_mean": "norm", "ln/weight": "norm", "ln/bias": "norm", "conv/weight": "conv"}
+
+
+def test_cli_convert_with_a_layout_round_trips(tmp_path):
+    rng = np.random.default_rng(0)
+    keras_weights = {"fc/kernel": rng.normal(size=(3, 4)), "fc/bias": rng.normal(size=4),
+                     "conv/kernel": rng.normal(size=(3, 3, 2, 5)), "bn/gamma": rng.normal(size=5),
+                     "bn/beta": rng.normal(size=5), "bn/moving_mean": rng.normal(size=5),
+                     "bn/moving_variance": rng.normal(size=5)}
+    ws.save(tmp_path / "keras.npz", keras_weights)
+    runner = CliRunner()
+    result = runner.invoke(app, ["convert", str(tmp_path / "keras.npz"), str(tmp_path / "torch.npz"),
+                                 "--layout", "keras-to-torch"])
+    assert result.exit_code == 0, result.output
+    torch_weights = ws.load(tmp_path / "torch.npz")
+    assert sorted(torch_weights) == ["bn/bias", "bn/running_mean", "bn/running_var", "bn/weight", "conv/weight",
+                                     "fc/bias", "fc/weight"]
+    assert torch_weights["conv/weight"].shape == (5, 2, 3, 3) and torch_weights["fc/weight"].shape == (4, 3)
+    result = runner.invoke(app, ["convert", str(tmp_path / "torch.npz"), str(tmp_path / "back.h5"),
+                                 "--layout", "torch-to-keras"])
+    assert result.exit_code == 0, result.output
+    back = ws.load(tmp_path / "back.h5")
+    assert back.keys() == keras_weights.keys()
+    for key, value in keras_weights.items():
+        np.testing.assert_array_equal(back[key], value)
+
+
+def test_cli_convert_names_the_file_and_the_tensor_no_rule_covers(tmp_path):
+    ws.save(tmp_path / "odd.npz", {"fc/kernel": np.ones((2, 3)), "fc/alpha": np.ones(3)})
+    result = CliRunner().invoke(app, ["convert", str(tmp_path / "odd.npz"), str(tmp_path / "out.npz"),
+                                      "--layout", "keras-to-torch"])
+    assert result.exit_code == 1
+    assert str(tmp_path / "odd.npz") in result.output and "fc/alpha" in result.output
+    assert not (tmp_path / "out.npz").exists()
+    result = CliRunner().invoke(app, ["convert", str(tmp_path / "odd.npz"), str(tmp_path / "out.npz"),
+                                      "--layout", "keras-to-mxnet"])
+    assert result.exit_code == 1 and "keras-to-mxnet" in result.output and not (tmp_path / "out.npz").exists()

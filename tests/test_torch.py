@@ -1,0 +1,219 @@
+"""The PyTorch adapter: keys, buffers, plan-before-assign, dtypes, sources, and the examples."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from weightstore.adapters import torch as torch_adapter  # noqa: E402
+
+import weightstore as ws  # noqa: E402
+from weightstore.errors import AssignmentError, InvalidKeyError, SelectionError  # noqa: E402
+
+nn = torch.nn
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def small_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4, 2))
+
+
+def state(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def assert_unchanged(module: nn.Module, before: dict[str, torch.Tensor]) -> None:
+    after = module.state_dict()
+    assert after.keys() == before.keys()
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
+
+
+def test_export_keys_are_state_dict_names_with_slashes_buffers_included():
+    weights = torch_adapter.export(small_net())
+    assert list(weights) == ["0/weight", "0/bias", "1/weight", "1/bias", "1/running_mean", "1/running_var",
+                             "1/num_batches_tracked", "3/weight", "3/bias"]
+    assert weights["0/weight"].shape == (4, 3, 3, 3) and weights["1/num_batches_tracked"].dtype == np.int64
+
+
+def test_export_copies_and_selects():
+    net = small_net()
+    weights = torch_adapter.export(net)
+    weights["3/bias"][:] = 42
+    assert not torch.any(net[3].bias == 42)
+    net[0].bias.requires_grad_(False)
+    assert list(torch_adapter.export(net, trainable_only=True)) == ["0/weight", "1/weight", "1/bias", "3/weight",
+                                                                    "3/bias"]
+    assert list(torch_adapter.export(net, scope="1", include="running_*")) == ["running_mean", "running_var"]
+    with pytest.raises(SelectionError, match="'4'"):
+        torch_adapter.export(net, scope="4")
+
+
+def test_assign_round_trip_in_place_keeps_the_very_same_parameters():
+    """An optimizer holding the parameters keeps training the module (importing torch.optim costs 3 s)."""
+    source, target = small_net(), nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4, 2))
+    source[1].running_mean.normal_()
+    parameters = list(target.parameters())
+    running_mean = target[1].running_mean
+    report = torch_adapter.assign(target, torch_adapter.export(source))
+    assert report.ok and len(report.assigned) == 9
+    assert_unchanged(target, state(source))
+    assert all(a is b for a, b in zip(parameters, target.parameters(), strict=True))
+    assert target[1].running_mean is running_mean and all(isinstance(p, nn.Parameter) for p in parameters)
+
+
+def test_num_batches_tracked_is_never_missing_nor_unexpected():
+    net = nn.BatchNorm1d(3)
+    without = {k: v for k, v in torch_adapter.export(net).items() if k != "num_batches_tracked"}
+    report = torch_adapter.assign(net, without)
+    assert report.ok and "num_batches_tracked" not in report.assigned
+    counted = {**without, "num_batches_tracked": np.array(7)}
+    report = torch_adapter.assign(net, counted)
+    assert "num_batches_tracked" in report.assigned and int(net.num_batches_tracked) == 7
+    untracked = nn.BatchNorm1d(3, track_running_stats=False)  # no counter (nor statistics) to receive it
+    report = torch_adapter.assign(untracked, {"weight": np.ones(3, np.float32), "bias": np.zeros(3, np.float32),
+                                              "num_batches_tracked": np.array(7)})
+    assert report.ok and sorted(report.assigned) == ["bias", "weight"]
+
+
+def test_strict_failure_changes_nothing_and_lists_every_problem():
+    net = small_net()
+    before = state(net)
+    weights = {k: v + 1 for k, v in torch_adapter.export(net).items()}
+    del weights["0/bias"]
+    weights["3/weight"] = np.ones((3, 4), np.float32)
+    weights["3/wieght"] = np.ones((2, 4), np.float32)
+    with pytest.raises(AssignmentError) as info:
+        torch_adapter.assign(net, weights)
+    message = str(info.value)
+    assert "'0/bias'" in message and "3/weight: variable is float32[2, 4], value is float32[3, 4]" in message
+    assert "no variable '3/wieght'; did you mean '3/weight'?" in message
+    assert info.value.missing == ["0/bias"] and info.value.unexpected == ["3/wieght"]
+    assert_unchanged(net, before)
+    report = torch_adapter.assign(net, weights, strict=False)
+    assert report.missing == ["0/bias"] and [m.key for m in report.mismatched] == ["3/weight"]
+    assert torch.equal(net[0].weight, before["0.weight"] + 1) and torch.equal(net[3].weight, before["3.weight"])
+
+
+def test_tied_parameters_must_get_one_value():
+    net = nn.Sequential(nn.Embedding(4, 2), nn.Linear(2, 4, bias=False))
+    net[1].weight = net[0].weight  # one tensor, two keys
+    before = state(net)
+    tied = {"0/weight": np.ones((4, 2), np.float32), "1/weight": np.ones((4, 2), np.float32)}
+    assert sorted(torch_adapter.assign(net, tied).assigned) == ["0/weight", "1/weight"]
+    with pytest.raises(AssignmentError, match="1/weight.*the same tensor as '0/weight'"):
+        torch_adapter.assign(net, {**tied, "1/weight": np.zeros((4, 2), np.float32)})
+    assert torch.all(net[0].weight == 1) and before.keys() == state(net).keys()
+
+
+def test_dtype_that_does_not_widen_needs_cast():
+    net = nn.Linear(2, 2)
+    before = state(net)
+    weights = {"weight": np.full((2, 2), 0.5), "bias": np.zeros(2, np.float16)}  # float64 into float32
+    with pytest.raises(AssignmentError, match="weight: variable is float32.*pass cast=True"):
+        torch_adapter.assign(net, weights)
+    assert_unchanged(net, before)
+    torch_adapter.assign(net, weights, cast=True)
+    assert net.weight.dtype == torch.float32 and torch.all(net.weight == 0.5)
+    torch_adapter.assign(net, {"weight": np.ones((2, 2), np.float16), "bias": np.ones(2, np.float16)})  # widens
+    assert torch.all(net.bias == 1)
+
+
+def test_strided_and_reversed_arrays_are_assigned_as_they_read():
+    net = nn.Linear(3, 2)
+    weight = np.arange(6, dtype=np.float32).reshape(3, 2)
+    torch_adapter.assign(net, {"weight": weight.T, "bias": np.arange(2, dtype=np.float32)[::-1]})
+    assert net.weight.tolist() == weight.T.tolist() and net.bias.tolist() == [1.0, 0.0]
+
+
+def test_bfloat16_round_trips_through_a_store(tmp_path):
+    net = nn.Linear(3, 2).to(torch.bfloat16)
+    weights = torch_adapter.export(net)
+    assert weights["weight"].dtype == ml_dtypes.bfloat16
+    ws.save(tmp_path / "bf16.npz", weights)
+    fresh = nn.Linear(3, 2).to(torch.bfloat16)
+    torch_adapter.assign(fresh, tmp_path / "bf16.npz")
+    assert torch.equal(fresh.weight, net.weight)
+
+
+def test_assign_takes_a_path_a_store_and_a_version_and_skips_unchanged_versions(tmp_path):
+    source, target = small_net(), nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4, 2))
+    ws.save(tmp_path / "m.h5", torch_adapter.export(source))
+    assert torch_adapter.assign(target, tmp_path / "m.h5").ok
+    with ws.open(tmp_path / "m.h5") as store:
+        assert len(torch_adapter.assign(target, store).assigned) == 9
+    version = ws.publish(tmp_path / "versions", torch_adapter.export(source), step=1)
+    assert len(torch_adapter.assign(target, version).skipped) == 9  # the very bytes the file gave
+    with torch.no_grad():
+        source[3].bias.add_(1)
+    newer = ws.publish(tmp_path / "versions", torch_adapter.export(source), step=2)
+    report = torch_adapter.assign(target, newer)
+    assert report.assigned == ["3/bias"] and len(report.skipped) == 8
+    assert_unchanged(target, state(source))
+
+
+def test_scope_and_mapping_place_one_model_inside_another():
+    ensemble = nn.ModuleDict({"model_1": nn.Linear(2, 2), "model_10": nn.Linear(2, 2)})
+    weights = {"w": np.eye(2, dtype=np.float32), "b": np.ones(2, np.float32)}
+    before = state(ensemble)
+    report = torch_adapter.assign(ensemble, weights, scope="model_1", mapping={"w": "weight", "b": "bias"})
+    assert report.assigned == ["model_1/weight", "model_1/bias"]
+    assert torch.equal(ensemble["model_1"].weight, torch.eye(2))
+    assert torch.equal(ensemble["model_10"].weight, before["model_10.weight"])  # whole segments only
+
+
+@pytest.mark.parametrize("bad", [{"w": np.ones(2)}, {"a//b": np.ones(2)}])
+def test_bad_input_names_the_key(bad):
+    with pytest.raises((AssignmentError, InvalidKeyError)) as info:
+        torch_adapter.assign(nn.Linear(2, 2), bad)
+    assert next(iter(bad)) in str(info.value)
+
+
+def test_a_module_without_data_is_refused_not_silently_skipped():
+    with torch.device("meta"):
+        net = nn.Linear(2, 2)
+    with pytest.raises(AssignmentError, match="meta device.*'weight'.*to_empty"):
+        torch_adapter.assign(net, {"weight": np.ones((2, 2), np.float32), "bias": np.ones(2, np.float32)})
+    with pytest.raises(SelectionError, match="'weight' is on the meta device"):
+        torch_adapter.export(net)
+
+
+def test_not_a_module_is_refused():
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        torch_adapter.export({"weight": torch.zeros(2)})
+
+
+def test_example_keras_to_torch_gives_the_same_predictions_both_ways(tmp_path, capsys):
+    pytest.importorskip("keras")
+    from examples import keras_to_torch
+
+    result = keras_to_torch.main(str(tmp_path))
+    assert result["to_torch"] < 1e-5 and result["back_to_keras"] < 1e-5
+    assert "dw/weight" in result["assigned"] and "bn2/running_var" in result["assigned"]
+    assert "Keras -> PyTorch: 14 tensors assigned, max abs difference" in capsys.readouterr().out
+
+
+def test_example_tf1_to_torch_serves_without_tensorflow(tmp_path):
+    """Trained here; served in a process that blocks TensorFlow, so reading the checkpoint must not need it."""
+    pytest.importorskip("tensorflow")
+    from examples import tf1_to_torch
+
+    tf1_to_torch.train_and_save(tmp_path)
+    code = ("import sys; sys.modules['tensorflow'] = None\n"
+            "from pathlib import Path\n"
+            "from examples import tf1_to_torch\n"
+            f"result = tf1_to_torch.serve(Path({str(tmp_path)!r}))\n"
+            "assert result['difference'] < 1e-5 and not result['tensorflow_loaded'], result\n")
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "TensorFlow imported in this process: False" in done.stdout
