@@ -351,6 +351,7 @@ class LaidOutValues:
         self._values = values
         self._steps = steps
         self.where = values.where
+        self.exact_keys = values.exact_keys
 
     def keys(self) -> list[str]:
         return list(self._steps)
