@@ -24,7 +24,8 @@ import jax
 import numpy as np
 from flax import nnx
 from weightstore.adapters import layout as layouts
-from weightstore.adapters.plan import MEMORY, Report, TargetInfo, open_values, wants_skip
+from weightstore.adapters.plan import MEMORY, AssignOptions, Report, TargetInfo, open_values
+from weightstore.adapters.skeleton import Target, run_assign
 
 from weightstore.errors import InvalidKeyError, LayoutError, SelectionError
 from weightstore.keys import MappingRules, Patterns, plan_outward, validate_key
@@ -86,6 +87,7 @@ def assign(
     include: Patterns = None,
     exclude: Patterns = None,
     trainable_only: bool = False,
+    also: Patterns = None,
     strict: bool = True,
     cast: bool = False,
     skip_unchanged: bool | None = None,
@@ -100,24 +102,23 @@ def assign(
     current = {key: var.get_value() for key, var in found.items()}
     targets = {key: TargetInfo(key, np.dtype(value.dtype), tuple(value.shape), isinstance(found[key], nnx.Param))
                for key, value in current.items()}
-    skip = wants_skip(weights, skip_unchanged)
-    with open_values(weights) as values:
-        plan, source = layouts.plan_laid_out(
-            values, targets, layout=_resolved(layout), scope=scope, mapping=mapping, include=include,
-            exclude=exclude, trainable_only=trainable_only, strict=strict, cast=cast)
-        report = plan.report
-        pending = []
-        for key, value_key in plan.pairs.items():
-            digest = source.checksum(value_key)
-            if skip and MEMORY.unchanged(module, key, digest):
-                report.skipped.append(key)
-            else:
-                pending.append((key, _placed(source.read(value_key), current[key]), digest))
-        for key, array, digest in pending:
+    options = AssignOptions(scope=scope, mapping=mapping, include=include, exclude=exclude,
+                            trainable_only=trainable_only, also=also, strict=strict, cast=cast,
+                            skip_unchanged=skip_unchanged)
+    chosen_layout = _resolved(layout)
+
+    def write(batch: list[tuple[str, Any]], report: Report) -> list[str]:
+        for key, array in batch:
             found[key].set_value(array)
-            MEMORY.remember(module, key, digest)
-            report.assigned.append(key)
-    return report
+        return [key for key, _ in batch]
+
+    def plan(values: Any, options: AssignOptions) -> tuple[Any, Any]:
+        return layouts.plan_laid_out(values, targets, options, layout=chosen_layout)
+
+    def prepare(source: Any, key: str, value_key: str) -> Any:
+        return _placed(source.read(value_key), current[key])
+
+    return run_assign(Target(targets, write, owner=lambda key: module, prepare=prepare, plan=plan), weights, options)
 
 
 def restore(
@@ -140,9 +141,9 @@ def restore(
     leaves = _leaves(tree)
     targets = {key: TargetInfo(key, np.dtype(leaf.dtype), tuple(np.shape(leaf))) for key, leaf in leaves.items()}
     with open_values(weights) as values:
-        plan, source = layouts.plan_laid_out(
-            values, targets, layout=_resolved(layout), scope=scope, mapping=mapping, include=include,
-            exclude=exclude, trainable_only=False, strict=strict, cast=cast)
+        options = AssignOptions(scope=scope, mapping=mapping, include=include, exclude=exclude, strict=strict,
+                                cast=cast)
+        plan, source = layouts.plan_laid_out(values, targets, options, layout=_resolved(layout))
         new = {key: _placed(source.read(value_key), leaves[key]) for key, value_key in plan.pairs.items()}
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     return jax.tree_util.tree_unflatten(treedef, [new.get(_key(path), leaf) if _is_array(leaf) else leaf

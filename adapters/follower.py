@@ -32,7 +32,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any, Callable, TypeVar
 
-from weightstore.adapters.plan import Report
+from weightstore.adapters.plan import AssignOptions, Report
 from weightstore.errors import VersionGoneError
 from weightstore.keys import MappingRules, Patterns
 from weightstore.versions import Version, follow
@@ -99,15 +99,15 @@ class Follower:
     def __init__(self, target: Any, folder: Any, *, poll: float = 1.0, after: int | None = None,
                  storage_options: Mapping[str, Any] | None = None, scope: str | None = None,
                  mapping: MappingRules = None, include: Patterns = None, exclude: Patterns = None,
-                 trainable_only: bool = False, strict: bool = True, cast: bool = False,
+                 trainable_only: bool = False, also: Patterns = None, strict: bool = True, cast: bool = False,
                  skip_unchanged: bool | None = None):
         self.target = target
         self.folder = folder
         self.poll = poll
         self.storage_options = storage_options
-        self.options = {"scope": scope, "mapping": mapping, "include": include, "exclude": exclude,
-                        "trainable_only": trainable_only, "strict": strict, "cast": cast,
-                        "skip_unchanged": skip_unchanged}
+        self.options = AssignOptions(scope=scope, mapping=mapping, include=include, exclude=exclude,
+                                     trainable_only=trainable_only, also=also, strict=strict, cast=cast,
+                                     skip_unchanged=skip_unchanged)
         self.version: Version | None = None
         self.report: Report | None = None
         self.error: BaseException | None = None
@@ -196,7 +196,7 @@ class Follower:
         held = version.held()
         try:
             with self._lock.writing():
-                report = self._assign(self.target, held, **self.options)
+                report = self._assign(self.target, held, **vars(self.options))
                 # still inside the swap: a reader never sees new weights under the old version
                 previous, self.version, self.report, self.error = self.version, held, report, None
         except VersionGoneError:

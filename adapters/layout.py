@@ -47,7 +47,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
-from weightstore.adapters.plan import Mismatch, Plan, TargetInfo, Values, describe, plan_assign
+from weightstore.adapters.plan import AssignOptions, Mismatch, Plan, TargetInfo, Values, describe, plan_assign
 
 from weightstore.errors import LayoutError
 from weightstore.keys import MappingRules, Patterns, join_scope, map_key, normalize_scope, parse_mapping, passes
@@ -371,9 +371,9 @@ class LaidOutValues:
         return step.apply(np.asarray(self._values.read(step.source)))
 
 
-def plan_laid_out(values: Values, targets: Mapping[str, TargetInfo], *, layout: Layout | None, scope: str | None,
-                  mapping: MappingRules, include: Patterns, exclude: Patterns, trainable_only: bool, strict: bool,
-                  cast: bool, optional: Callable[[str], bool] | None = None) -> tuple[Plan, Values | LaidOutValues]:
+def plan_laid_out(values: Values, targets: Mapping[str, TargetInfo], options: AssignOptions, *,
+                  layout: Layout | None, optional: Callable[[str], bool] | None = None,
+                  ) -> tuple[Plan, Values | LaidOutValues]:
     """``plan_assign`` over Keras-named ``values`` converted by ``layout`` (as they are when ``None``).
 
     Returns the plan and the values to read its pairs from. Values no rule converts are
@@ -381,6 +381,7 @@ def plan_laid_out(values: Values, targets: Mapping[str, TargetInfo], *, layout: 
     """
     refused: list[Mismatch] = []
     view: Values | LaidOutValues = values
+    scope, mapping = options.scope, options.mapping
     if layout is not None:
         rules, norm_scope = parse_mapping(mapping), normalize_scope(scope)
 
@@ -390,11 +391,10 @@ def plan_laid_out(values: Values, targets: Mapping[str, TargetInfo], *, layout: 
 
         steps, refusals = from_keras(layout, {key: values.shape(key) for key in list(values.keys())}, target_shape)
         view = LaidOutValues(values, steps)
-        for key, source, why in selected_refusals(refusals, scope=scope, mapping=mapping, include=include,
-                                                  exclude=exclude):
+        for key, source, why in selected_refusals(refusals, scope=scope, mapping=mapping, include=options.include,
+                                                  exclude=options.exclude):
             refused.append(Mismatch(key, "", describe(values.dtype(source), values.shape(source)), why))
-    plan = plan_assign(view, targets, scope=scope, mapping=mapping, include=include, exclude=exclude,
-                       trainable_only=trainable_only, strict=strict, cast=cast, optional=optional, refused=refused)
+    plan = plan_assign(view, targets, options, optional=optional, refused=refused)
     return plan, view
 
 

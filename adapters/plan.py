@@ -1,8 +1,9 @@
 """What an assign will do, decided before any variable changes.
 
-TF1 and TF2 adapters differ only in how they list variables and write values; the pairing
+Adapters differ only in how they list variables and write values; the options, the pairing
 of values with targets, the dtype rules, the error message and the hot-reload memory live
-here so both mean exactly the same thing by ``scope``, ``mapping``, ``strict`` and ``cast``.
+here so every adapter means exactly the same thing by ``scope``, ``mapping``, ``strict`` and
+``cast`` (:mod:`weightstore.adapters.skeleton` runs the plan).
 """
 
 from __future__ import annotations
@@ -30,6 +31,37 @@ _SHOWN = 3  # names shown per category in a report's one-paragraph summary
 
 class AssignWarning(UserWarning):
     """A non-strict assign left most of the selected variables as they were."""
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which variables an export or assign sees; the same words in every adapter.
+
+    ``scope``: only variables under it (keys relative to it); ``include``/``exclude``: patterns
+    on those relative keys; ``trainable_only``: only trainable ones, plus those matching ``also``.
+    """
+
+    scope: str | None = None
+    include: Patterns = None
+    exclude: Patterns = None
+    trainable_only: bool = False
+    also: Patterns = None
+
+
+@dataclass(frozen=True)
+class AssignOptions(Selection):
+    """A :class:`Selection` plus how values become variables' contents.
+
+    ``mapping`` renames the dictionary's keys before pairing; ``strict`` refuses any missing,
+    unexpected or mismatched key without changing a variable; ``cast`` allows lossy dtype
+    conversions; ``skip_unchanged`` (``None``: only for versions) leaves alone variables that
+    last received the very same bytes.
+    """
+
+    mapping: MappingRules = None
+    strict: bool = True
+    cast: bool = False
+    skip_unchanged: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -185,15 +217,8 @@ def describe(dtype: np.dtype, shape: tuple[int, ...]) -> str:
 def plan_assign(
     values: Values,
     targets: Mapping[str, TargetInfo],
+    options: AssignOptions,
     *,
-    scope: str | None = None,
-    mapping: MappingRules = None,
-    include: Patterns = None,
-    exclude: Patterns = None,
-    trainable_only: bool = False,
-    also: Patterns = None,
-    strict: bool = True,
-    cast: bool = False,
     optional: Callable[[str], bool] | None = None,
     refused: Sequence[Mismatch] = (),
 ) -> Plan:
@@ -209,15 +234,16 @@ def plan_assign(
     ``refused`` are values the adapter could not offer at all (no layout rule converts them);
     they count as mismatched.
     """
-    norm_scope = normalize_scope(scope)
-    value_keys = plan_inward(values.keys(), scope=norm_scope, mapping=mapping, include=include, exclude=exclude,
-                             where=values.where)
+    norm_scope = normalize_scope(options.scope)
+    include, exclude, cast = options.include, options.exclude, options.cast
+    value_keys = plan_inward(values.keys(), scope=norm_scope, mapping=options.mapping, include=include,
+                             exclude=exclude, where=values.where)
     chosen = {
         key: info
         for key, info in targets.items()
         if in_scope(key, norm_scope) and key != norm_scope
         and passes(strip_scope(key, norm_scope), include, exclude)
-        and keeps(strip_scope(key, norm_scope), info.trainable, trainable_only, also)
+        and keeps(strip_scope(key, norm_scope), info.trainable, options.trainable_only, options.also)
     }
     report = Report()
     report.missing = [k for k in chosen if k not in value_keys and not (optional and optional(k))]
@@ -235,14 +261,14 @@ def plan_assign(
             )
         else:
             pairs[key] = source
-    if (strict and not report.ok) or not pairs:
+    if (options.strict and not report.ok) or not pairs:
         raise AssignmentError(
-            _message(report, values.where, chosen, value_keys, pairs, targets, trainable_only=trainable_only,
+            _message(report, values.where, chosen, value_keys, pairs, targets, trainable_only=options.trainable_only,
                      hints=not values.exact_keys),
             missing=report.missing, unexpected=report.unexpected, mismatched=report.mismatched,
         )
     if len(pairs) * 2 < len(chosen):
-        warnings.warn(_few_assigned(values.where, len(pairs), chosen, value_keys), AssignWarning, stacklevel=3)
+        warnings.warn(_few_assigned(values.where, len(pairs), chosen, value_keys), AssignWarning, stacklevel=5)
     return Plan(pairs, report)
 
 

@@ -33,7 +33,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from weightstore.adapters.plan import MEMORY, Report, TargetInfo, keeps, open_values, plan_assign, wants_skip
+from weightstore.adapters.plan import MEMORY, AssignOptions, Report, TargetInfo, keeps
+from weightstore.adapters.skeleton import Target, run_assign
 from weightstore.errors import AssignmentError, FormatError, InvalidKeyError, SelectionError
 from weightstore.keys import MappingRules, Patterns, plan_outward
 from weightstore.manifest import ML_DTYPES
@@ -129,39 +130,31 @@ def assign(
     """
     graph = sess.graph
     targets = _targets(graph)
-    skip = wants_skip(weights, skip_unchanged)
-    with open_values(weights) as values:
-        plan = plan_assign(
-            values, {key: target.info for key, target in targets.items()}, scope=scope, mapping=mapping,
-            include=include, exclude=exclude, trainable_only=trainable_only, also=also, strict=strict, cast=cast,
-        )
-        report = plan.report
+    options = AssignOptions(scope=scope, mapping=mapping, include=include, exclude=exclude,
+                            trainable_only=trainable_only, also=also, strict=strict, cast=cast,
+                            skip_unchanged=skip_unchanged)
+
+    def prepare(values: Any, key: str, value_key: str) -> np.ndarray:
+        target = targets[key]
+        if len(target.parts) == 1:  # the common case: read straight from the file into memory TF adopts
+            return values.read_into(value_key, _aligned_empty(target.shape, target.dtype))
+        return np.asarray(values.read(value_key))
+
+    def write(batch: list[tuple[str, np.ndarray]], report: Report) -> list[str]:
+        """Every value in one ``session.run``, through ops the graph already has."""
         fetches: list[tf.Operation] = []
         feeds: dict[tf.Tensor, np.ndarray] = {}
-        written: list[tuple[str, str | None]] = []
-        for key, source in plan.pairs.items():
-            digest = values.checksum(source)
-            if skip and MEMORY.unchanged(sess, key, digest):
-                report.skipped.append(key)
-                continue
-            parts, dtype = targets[key].parts, targets[key].dtype
-            if len(parts) == 1:  # the common case: read straight from the file into memory TF adopts
-                op, tensor = _writer(graph, parts[0].variable)
+        for key, array in batch:
+            parts = targets[key].parts
+            for part in parts:
+                op, tensor = _writer(graph, part.variable)
                 fetches.append(op)
-                feeds[tensor] = values.read_into(source, _aligned_empty(values.shape(source), dtype))
-            else:
-                array = values.read(source)
-                for part in parts:
-                    op, tensor = _writer(graph, part.variable)
-                    fetches.append(op)
-                    feeds[tensor] = _private_copy(array[part.index], dtype)
-            written.append((key, digest))
-        if fetches:
-            sess.run(fetches, feed_dict=feeds)
-    for key, digest in written:
-        MEMORY.remember(sess, key, digest)
-        report.assigned.append(key)
-    return report
+                feeds[tensor] = array if len(parts) == 1 else _private_copy(array[part.index], targets[key].dtype)
+        sess.run(fetches, feed_dict=feeds)
+        return [key for key, _ in batch]
+
+    infos = {key: target.info for key, target in targets.items()}
+    return run_assign(Target(infos, write, owner=lambda key: sess, prepare=prepare), weights, options)
 
 
 def forget(sess: Any) -> None:

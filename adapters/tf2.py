@@ -38,7 +38,6 @@ that makes it safe is paid (see the README).
 
 from __future__ import annotations
 
-import contextlib
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any, Union
@@ -49,7 +48,8 @@ import tensorflow as tf
 
 import weightstore
 from weightstore.adapters.artifacts import for_model, is_model_file
-from weightstore.adapters.plan import MEMORY, Report, TargetInfo, keeps, open_values, plan_assign, wants_skip
+from weightstore.adapters.plan import MEMORY, AssignOptions, Report, TargetInfo, keeps
+from weightstore.adapters.skeleton import Target, run_assign
 from weightstore.errors import AssignmentError, InvalidKeyError, SelectionError
 from weightstore.keys import (
     OUTPUT_SUFFIX,
@@ -143,30 +143,22 @@ def assign(
     targets = {
         key: TargetInfo(key, _numpy_dtype(var), _shape(var), trainable) for key, (var, trainable) in found.items()
     }
-    skip = wants_skip(weights, skip_unchanged)
-    paired = None
-    if _structured(obj, weights):
-        part, at = _part_at(obj, normalize_scope(scope)), normalize_scope(scope)
-        paired = for_model(part, weights, {strip_scope(key, at): var for key, (var, _) in found.items()
-                                           if in_scope(key, at) and key != at})
-    with contextlib.closing(paired) if paired is not None else contextlib.nullcontext(), \
-            open_values(paired if paired is not None else weights) as values:
-        plan = plan_assign(values, targets, scope=scope, mapping=mapping, include=include, exclude=exclude,
-                           trainable_only=trainable_only, also=also, strict=strict, cast=cast)
-        report = plan.report
-        pending = []
-        for key, source in plan.pairs.items():
-            digest = values.checksum(source)
-            if skip and MEMORY.unchanged(found[key][0], key, digest):
-                report.skipped.append(key)
-            else:
-                pending.append((key, values.read(source), digest))
-        for key, array, digest in pending:
-            var = found[key][0]
-            _write(var, np.asarray(array, dtype=targets[key].dtype))
-            MEMORY.remember(var, key, digest)
-            report.assigned.append(key)
-    return report
+    options = AssignOptions(scope=scope, mapping=mapping, include=include, exclude=exclude,
+                            trainable_only=trainable_only, also=also, strict=strict, cast=cast,
+                            skip_unchanged=skip_unchanged)
+
+    def write(batch: list[tuple[str, np.ndarray]], report: Report) -> list[str]:
+        for key, array in batch:
+            _write(found[key][0], array)
+        return [key for key, _ in batch]
+
+    target = Target(targets, write, owner=lambda key: found[key][0])
+    if not _structured(obj, weights):
+        return run_assign(target, weights, options)
+    at = normalize_scope(scope)
+    with for_model(_part_at(obj, at), weights, {strip_scope(key, at): var for key, (var, _) in found.items()
+                                                 if in_scope(key, at) and key != at}) as paired:
+        return run_assign(target, paired, options, skip_for=weights)
 
 
 def load(obj: Any, path: Any, *, include: Patterns = None, exclude: Patterns = None,

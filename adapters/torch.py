@@ -28,7 +28,8 @@ import numpy as np
 import torch
 from torch import nn
 from weightstore.adapters import layout as layouts
-from weightstore.adapters.plan import MEMORY, Mismatch, Report, TargetInfo, describe, open_values, wants_skip
+from weightstore.adapters.plan import MEMORY, AssignOptions, Mismatch, Report, TargetInfo, describe
+from weightstore.adapters.skeleton import Target, run_assign
 
 from weightstore.errors import AssignmentError, LayoutError, SelectionError, UnsupportedDTypeError
 from weightstore.keys import MappingRules, Patterns, plan_outward, validate_key
@@ -91,6 +92,7 @@ def assign(
     include: Patterns = None,
     exclude: Patterns = None,
     trainable_only: bool = False,
+    also: Patterns = None,
     strict: bool = True,
     cast: bool = False,
     skip_unchanged: bool | None = None,
@@ -112,27 +114,22 @@ def assign(
                               missing=without_data)
     targets = {key: TargetInfo(key, numpy_dtype(tensor, key), tuple(tensor.shape), tensor.requires_grad)
                for key, tensor in found.items()}
-    skip = wants_skip(weights, skip_unchanged)
+    options = AssignOptions(scope=scope, mapping=mapping, include=include, exclude=exclude,
+                            trainable_only=trainable_only, also=also, strict=strict, cast=cast,
+                            skip_unchanged=skip_unchanged)
     chosen_layout = None if layout is None else layouts.resolve(layout, "torch")
-    with open_values(weights) as values:
-        plan, source = layouts.plan_laid_out(
-            values, targets, layout=chosen_layout, scope=scope, mapping=mapping, include=include, exclude=exclude,
-            trainable_only=trainable_only, strict=strict, cast=cast, optional=_optional)
-        report = plan.report
-        pending = []
-        for key, value_key in plan.pairs.items():
-            digest = source.checksum(value_key)
-            if skip and MEMORY.unchanged(found[key], key, digest):
-                report.skipped.append(key)
-            else:
-                pending.append((key, np.asarray(source.read(value_key), dtype=targets[key].dtype), digest))
-        pending = _refuse_tied_conflicts(pending, found, report, strict=strict, where=values.where)
+
+    def write(batch: list[tuple[str, np.ndarray]], report: Report) -> list[str]:
+        batch = _refuse_tied_conflicts(batch, found, report, strict=strict, where=_describe(module))
         with torch.no_grad():
-            for key, array, digest in pending:
+            for key, array in batch:
                 found[key].copy_(_as_tensor(array))
-                MEMORY.remember(found[key], key, digest)
-                report.assigned.append(key)
-    return report
+        return [key for key, _ in batch]
+
+    def plan(values: Any, options: AssignOptions) -> tuple[Any, Any]:
+        return layouts.plan_laid_out(values, targets, options, layout=chosen_layout, optional=_optional)
+
+    return run_assign(Target(targets, write, owner=lambda key: found[key], plan=plan), weights, options)
 
 
 def _refuse_tied_conflicts(pending: list, found: dict[str, torch.Tensor], report: Report, *, strict: bool,
@@ -144,7 +141,7 @@ def _refuse_tied_conflicts(pending: list, found: dict[str, torch.Tensor], report
     """
     first: dict[int, tuple[str, np.ndarray]] = {}
     conflicts: dict[str, Mismatch] = {}
-    for key, array, _ in pending:
+    for key, array in pending:
         other, value = first.setdefault(id(found[key]), (key, array))
         if other != key and not np.array_equal(value, array):
             shape = describe(array.dtype, array.shape)
