@@ -139,7 +139,23 @@ def check_budget(store: Store, keys: Iterable[str], max_bytes: int | None) -> No
 
 
 def open(path: Any, *, verify: bool = True, format: str | None = None) -> Store:  # noqa: A001
-    """Open a weight file lazily: only its index is read until a tensor is asked for."""
+    """Open a weight file lazily: only its index is read until a tensor is asked for.
+
+    Args:
+        path: anything :func:`load` accepts.
+        verify: check each tensor's checksum when it is read.
+        format: read as this format whatever the name says (``"npz"``, ``"hdf5"``, ``"safetensors"``).
+
+    Returns:
+        A :class:`Store`: a read-only mapping of key -> array; use it as a context manager.
+
+    Raises:
+        StoreNotFoundError: no such file. FormatError, UnsafeFileError: a damaged or hostile index.
+
+    Example:
+        >>> with ws.open("model.npz") as store:
+        ...     kernel = store["dense/kernel"] if "dense/kernel" in store else None
+    """
     opener = getattr(path, "_weightstore_open", None)
     if opener is not None:  # a Version: its pinned file, or a clear "version gone" if pruned
         return opener(verify=verify)
@@ -182,7 +198,29 @@ def load(
     verify: bool = True,
     max_bytes: int | None = None,
 ) -> dict[str, np.ndarray]:
-    """Read a weight file into a dict, reading only the selected tensors' bytes."""
+    """Read a weight file into a dict, reading only the selected tensors' bytes.
+
+    Args:
+        path: a store, TF checkpoint (prefix, file or folder), Keras file, plain npz/HDF5/
+            safetensors file (local or URL), or a :class:`~weightstore.versions.Version`.
+        scope: keep only keys under it, made relative to it.
+        mapping: ``FROM=TO`` rules (a dict or list of strings) applied after ``scope``.
+        include, exclude: patterns (scopes or globs) on the resulting keys.
+        verify: check each tensor's checksum as it is read.
+        max_bytes: refuse, before reading, a selection larger than this.
+
+    Returns:
+        A new dict of key -> array, in the file's order. Uncompressed local npz and
+        safetensors tensors are read-only views of the mapped file (see the README).
+
+    Raises:
+        StoreNotFoundError: no such file. SelectionError: the selection keeps nothing.
+        FormatError, ChecksumError, UnsafeFileError: a damaged or hostile file, naming the key.
+        SizeLimitError: the selection exceeds ``max_bytes``.
+
+    Example:
+        >>> head = ws.load("model.npz", scope="head", exclude="*/Adam*")
+    """
     with open(path, verify=verify) as store:
         plan = plan_outward(store.keys(), scope=scope, mapping=mapping, include=include, exclude=exclude, where=store.path)
         check_budget(store, plan.values(), max_bytes)
@@ -198,11 +236,30 @@ def save(
     overwrite: bool = True,
     format: str | None = None,
 ) -> None:
-    """Write ``weights`` atomically; the suffix (or ``format``) picks npz or HDF5.
+    """Write ``weights`` atomically; the suffix (or ``format``) picks npz, HDF5 or safetensors.
 
     Every key and dtype, and the metadata, are checked before the first byte is written, so
     a bad input changes nothing on disk. Tensors are then converted to their stored form (and,
-    from a :class:`Store`, read) one at a time as they are written.
+    from a :class:`Store`, read) one at a time as they are written, so copying a store holds
+    about one tensor in memory.
+
+    Args:
+        path: a local path or fsspec URL; its suffix (``.npz``, ``.h5``/``.hdf5``,
+            ``.safetensors``) picks the format unless ``format`` is given.
+        weights: key -> array (anything ``np.asarray`` takes), or an open :class:`Store`.
+        metadata: JSON-serializable, stored in the manifest and returned as ``store.metadata``.
+        compress: deflate (npz) or gzip (HDF5) the tensors; safetensors files are never compressed.
+        overwrite: with ``False``, an existing file is an error.
+        format: ``"npz"``, ``"hdf5"`` or ``"safetensors"``, whatever the suffix says.
+
+    Raises:
+        InvalidKeyError, UnsupportedDTypeError: a key or dtype that cannot be stored (nothing written).
+        TargetError: a suffix that names no format, or a target that is a folder, FIFO or device.
+        StoreExistsError: ``overwrite=False`` and the file exists.
+        StoreNotFoundError: the folder does not exist.
+
+    Example:
+        >>> ws.save("model.npz", {"dense/kernel": np.zeros((3, 4))}, metadata={"step": 10})
     """
     where = location_of(path)
     location = where.text

@@ -224,10 +224,25 @@ def publish(
 ) -> Version:
     """Write ``weights`` as version ``step`` of ``folder``, point ``LATEST`` at it, prune.
 
-    ``step`` must be above the step ``LATEST`` names (one publisher per folder). ``keep`` is how
-    many versions stay (``None``: all); never fewer than two, so the version a reader has just
-    found through ``LATEST`` survives the next publish. ``storage_options`` go to fsspec for
-    URLs (credentials, ``client_kwargs={"endpoint_url": ...}``).
+    Args:
+        folder: a local folder (created if missing) or an fsspec URL.
+        weights: key -> array, or an open store.
+        step: above the step ``LATEST`` names and every version file it does not account for.
+        keep: how many versions stay (``None``: all); never fewer than two, so the version a
+            reader has just found through ``LATEST`` survives the next publish.
+        metadata: JSON-serializable; travels in the file and in ``LATEST``.
+        format: ``"npz"`` (default), ``"hdf5"`` or ``"safetensors"``.
+        storage_options: for URLs, given to fsspec (credentials, ``client_kwargs={"endpoint_url": ...}``).
+
+    Returns:
+        The published :class:`Version`.
+
+    Raises:
+        PublishError: the step does not go forward (another publisher, or a restored ``LATEST``).
+        StorageError: the storage service failed; nothing a reader sees has changed.
+
+    Example:
+        >>> ws.publish("runs/a", weights, step=1200, keep=5, metadata={"loss": 0.31})
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, not {step!r}")
