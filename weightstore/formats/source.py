@@ -128,7 +128,6 @@ class StreamFile:
         self._handle.close()
 
 
-
 # -- object storage -------------------------------------------------------------------------
 
 #: bytes the first request of a remote open asks for: the tail that holds an npz's zip directory
@@ -139,6 +138,8 @@ INDEX_WINDOW = 256 << 10
 PART_BYTES = 8 << 20
 #: concurrent requests per file when the file system names none (s3fs: ``max_concurrency``)
 DEFAULT_CONCURRENCY = 8
+#: prefetched ranges at most this far apart are fetched as one (the padding between tensors)
+MERGE_GAP = 4096
 _ALIGNMENT = 64
 
 
@@ -149,9 +150,10 @@ class RemoteFile:
     object's size and ETag; every later request carries ``If-Match`` with that ETag (S3), so an
     object replaced while open is a :class:`FormatError`, never a mix of two files. Nothing is
     read ahead: a tensor costs its own bytes. :meth:`prefetch_ranges` fetches the ranges of
-    many tensors concurrently (up to ``concurrency`` requests at once, large reads split into
-    parts), and each prefetched range is dropped once read, so the bytes live in the arrays
-    made from them only.
+    many tensors at once: neighbours joined into one range (a scope's tensors lie side by side),
+    each range split into parts of :data:`PART_BYTES`, the parts requested concurrently (s3fs's
+    ``max_concurrency`` storage option, default 10). A prefetched range is dropped once every
+    tensor in it has been read, so its bytes live on only in the arrays made from them.
     """
 
     def __init__(self, fs: Any, path: str, name: str, *,
@@ -161,7 +163,7 @@ class RemoteFile:
         self._known = (size, details)
         self._size: int | None = None
         self._index: list[_Span] = []  # fetched while the reader reads its index; kept until close
-        self._ahead: list[_Span] = []  # prefetched for reads to come; each dropped once read to its end
+        self._ahead: list[_Span] = []  # prefetched for reads to come; each dropped once all are read
         self._indexing = True
         self._lock = threading.Lock()
 
@@ -224,7 +226,8 @@ class RemoteFile:
                     return span.view(offset, length)
             for span in self._ahead:
                 if span.holds(offset, length):
-                    if offset + length == span.end:
+                    span.unread.discard(offset + length)
+                    if not span.unread:
                         self._ahead.remove(span)
                     return span.view(offset, length)
             if self._indexing and length:
@@ -267,7 +270,7 @@ class RemoteFile:
                     self._grow_index(offset, length)
                 return
             self._ahead = []
-        wanted = [_Span(offset, _aligned_buffer(offset, length)) for offset, length in missing]
+        wanted = [_Span(start, _aligned_buffer(start, end - start), ends) for start, end, ends in _coalesce(missing)]
         self._object.fill([(span.start, span.data) for span in wanted])
         with self._lock:
             self._ahead = wanted
@@ -285,12 +288,13 @@ class RemoteFile:
 
 
 class _Span:
-    """Fetched bytes of the object starting at ``start``."""
+    """Fetched bytes of the object starting at ``start``; ``unread``: where the prefetched
+    ranges in it end, each removed when a read ends there (the last read of a tensor)."""
 
-    __slots__ = ("start", "data")
+    __slots__ = ("start", "data", "unread")
 
-    def __init__(self, start: int, data: memoryview):
-        self.start, self.data = start, data
+    def __init__(self, start: int, data: memoryview, unread: set[int] | None = None):
+        self.start, self.data, self.unread = start, data, unread or set()
 
     @property
     def end(self) -> int:
@@ -309,6 +313,19 @@ def _aligned_buffer(offset: int, length: int) -> memoryview:
     raw = np.empty(length + _ALIGNMENT, np.uint8)
     shift = (offset - raw.ctypes.data) % _ALIGNMENT
     return memoryview(raw[shift : shift + length]).cast("B")
+
+
+def _coalesce(ranges: list[tuple[int, int]]) -> list[tuple[int, int, set[int]]]:
+    """``(start, end, ends of the ranges inside)`` with ranges at most :data:`MERGE_GAP` apart joined."""
+    merged: list[tuple[int, int, set[int]]] = []
+    for offset, length in sorted(ranges):
+        end = offset + length
+        if merged and offset <= merged[-1][1] + MERGE_GAP:
+            start, last, ends = merged[-1]
+            merged[-1] = (start, max(last, end), ends | {end})
+        else:
+            merged.append((offset, end, {end}))
+    return merged
 
 
 def _parts(ranges: list[tuple[int, memoryview]]) -> list[tuple[int, memoryview]]:
