@@ -221,15 +221,9 @@ class RemoteFile:
     def read_at(self, offset: int, length: int) -> memoryview:
         self._check(offset, length)
         with self._lock:
-            for span in self._index:
-                if span.holds(offset, length):
-                    return span.view(offset, length)
-            for span in self._ahead:
-                if span.holds(offset, length):
-                    span.unread.discard(offset + length)
-                    if not span.unread:
-                        self._ahead.remove(span)
-                    return span.view(offset, length)
+            held = self._held(offset, length)
+            if held is not None:
+                return held
             if self._indexing and length:
                 return self._grow_index(offset, length).view(offset, length)
         data = _aligned_buffer(offset, length)
@@ -241,12 +235,24 @@ class RemoteFile:
         buffer = buffer.cast("B")
         self._check(offset, len(buffer))
         with self._lock:
-            for span in self._index + self._ahead:
-                if span.holds(offset, len(buffer)):
-                    buffer[:] = span.view(offset, len(buffer))
-                    return
-        if len(buffer):
+            held = self._held(offset, len(buffer))
+        if held is not None:
+            buffer[:] = held
+        elif len(buffer):
             self._object.fill([(offset, buffer)])
+
+    def _held(self, offset: int, length: int) -> memoryview | None:
+        """The bytes if already fetched; a prefetched range is let go once all of it is read."""
+        for span in self._index:
+            if span.holds(offset, length):
+                return span.view(offset, length)
+        for span in self._ahead:
+            if span.holds(offset, length):
+                span.unread.discard(offset + length)
+                if not span.unread:
+                    self._ahead.remove(span)
+                return span.view(offset, length)
+        return None
 
     def prefetch(self, offset: int, length: int) -> None:
         self.prefetch_ranges([(offset, length)])
