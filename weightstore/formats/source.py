@@ -23,7 +23,9 @@ R = TypeVar("R")
 
 class ByteSource(Protocol):
     name: str
-    size: int
+
+    @property
+    def size(self) -> int: ...
 
     def read_at(self, offset: int, length: int) -> bytes | memoryview: ...
     def close(self) -> None: ...
@@ -318,7 +320,7 @@ def _aligned_buffer(offset: int, length: int) -> memoryview:
     of a file that aligns its tensors (npz, safetensors) are aligned in memory too."""
     raw = np.empty(length + _ALIGNMENT, np.uint8)
     shift = (offset - raw.ctypes.data) % _ALIGNMENT
-    return memoryview(raw[shift : shift + length]).cast("B")
+    return raw[shift : shift + length].data.cast("B")
 
 
 def _coalesce(ranges: list[tuple[int, int]]) -> list[tuple[int, int, set[int]]]:
