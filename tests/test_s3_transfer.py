@@ -136,6 +136,7 @@ def test_full_load_is_exact_verified_and_concurrent(s3, suffix, monkeypatch):
         s3.intercept = wait_for_a_second_get
         loaded = store.read()
     assert same(loaded, WEIGHTS)
+    assert all(a.ctypes.data % 64 == 0 for a in loaded.values()), "aligned as in the file, for TF's DLPack"
     assert s3.most_in_flight >= 2 and any(overlapped)
     assert s3.bytes_sent() <= 1.1 * sum(a.nbytes for a in WEIGHTS.values())
 
@@ -261,3 +262,17 @@ def test_version_opens_in_two_requests(s3):
     with ws.open(version) as store:
         assert s3.count() <= 2, s3.requests
         assert np.array_equal(store["block_3/w3"], WEIGHTS["block_3/w3"])
+
+
+def test_other_file_systems_catch_a_shortened_file(tmp_path):
+    """Without ETags (here fsspec's memory file system) a replaced, shorter file is still caught."""
+    import fsspec
+
+    target = f"memory://transfer-{tmp_path.name}/w.npz"
+    ws.save(target, WEIGHTS)
+    with ws.open(target) as store:
+        fsspec.filesystem("memory").pipe_file(target[len("memory://"):], b"x" * 600_000)
+        with pytest.raises(ws.FormatError, match="shorter than when it was opened") as caught:
+            store["block_3/w0"]
+    assert target in str(caught.value)
+    fsspec.filesystem("memory").rm(f"/transfer-{tmp_path.name}", recursive=True)
