@@ -276,3 +276,15 @@ def test_other_file_systems_catch_a_shortened_file(tmp_path):
             store["block_3/w0"]
     assert target in str(caught.value)
     fsspec.filesystem("memory").rm(f"/transfer-{tmp_path.name}", recursive=True)
+
+
+def test_concurrency_is_s3fs_max_concurrency(s3, monkeypatch):
+    from weightstore.formats import source
+
+    monkeypatch.setattr(source, "PART_BYTES", 256 << 10)
+    folder = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    ws.publish(folder, WEIGHTS, step=1)
+    version = ws.latest(folder, storage_options={"max_concurrency": 1})
+    s3.reset()
+    assert same(ws.load(version), WEIGHTS)
+    assert s3.most_in_flight == 1 and s3.count("GET") > 2
