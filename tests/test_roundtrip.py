@@ -368,13 +368,13 @@ def test_open_over_a_stream_reads_a_small_index(tmp_path, monkeypatch):
     weights = {f"layer_{i}/kernel": np.full((256, 256), i, np.float32) for i in range(64)}
     ws.save(url, weights)
     read = []
-    original = source.StreamFile.read_at
+    original = source.RemoteFile.read_at
 
     def counting(self, offset, length):
         read.append(length)
         return original(self, offset, length)
 
-    monkeypatch.setattr(source.StreamFile, "read_at", counting)
+    monkeypatch.setattr(source.RemoteFile, "read_at", counting)
     with ws.open(url) as store:
         assert len(store.keys()) == 64
         index_bytes = sum(read)

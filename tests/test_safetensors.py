@@ -271,13 +271,13 @@ def test_remote_reads_are_ranged(tmp_path, monkeypatch):
     weights = {f"layer_{i}/kernel": np.full((128, 128), i, np.float32) for i in range(32)}
     ws.save(url, weights, metadata={"step": 1})
     read = []
-    original = source.StreamFile.read_at
+    original = source.RemoteFile.read_at
 
     def counting(self, offset, length):
         read.append(length)
         return original(self, offset, length)
 
-    monkeypatch.setattr(source.StreamFile, "read_at", counting)
+    monkeypatch.setattr(source.RemoteFile, "read_at", counting)
     with ws.open(url) as store:
         assert store.metadata == {"step": 1} and len(store.keys()) == 32
         header_bytes = sum(read)

@@ -30,6 +30,7 @@ from weightstore.errors import (
 )
 from weightstore.formats import Format, Reader, format_for_suffix, format_named, known_suffixes, sniff
 from weightstore.formats.foreign import open_foreign
+from weightstore.formats.source import RemoteFile
 from weightstore.keys import MappingRules, Patterns, plan_outward, validate_key
 from weightstore.manifest import TensorInfo, build_manifest, checksum_text, crc32, dtype_name, logical_dtype, to_storage
 from weightstore.storage import commit_for, filesystem, location_of
@@ -96,7 +97,14 @@ class Store(Mapping):
             if key not in self:
                 raise KeyNotInStoreError(f"{self.path}: no tensor {key!r}")
         check_budget(self, wanted, max_bytes)
+        self._prefetch(wanted)
         return {key: self[key] for key in wanted}
+
+    def _prefetch(self, keys: list[str]) -> None:
+        """Let a remote file fetch the tensors about to be read at once, rather than one by one."""
+        prefetch = getattr(self._reader, "prefetch", None)
+        if prefetch is not None and len(keys) > 1:
+            prefetch(keys)
 
     def __contains__(self, key: object) -> bool:
         return key in self._key_set
@@ -162,17 +170,7 @@ def open(path: Any, *, verify: bool = True, format: str | None = None) -> Store:
     where = location_of(path)
     location = where.text
     if where.remote:
-        fs, remote = filesystem(location)
-        try:
-            handle = fs.open(remote, "rb")
-        except FileNotFoundError:
-            raise StoreNotFoundError(f"{location}: no such file") from None
-        try:
-            fmt = format_named(format) if format else format_for_suffix(location) or sniff(handle.read(8), location)
-            return Store(fmt.open_reader(handle, location), location, verify)
-        except BaseException:
-            handle.close()
-            raise
+        return _open_remote(location, verify, format)
     if format is None:  # TF checkpoints (prefix, file or folder) and .keras archives
         foreign = open_foreign(location)
         if foreign is not None:
@@ -186,6 +184,31 @@ def open(path: Any, *, verify: bool = True, format: str | None = None) -> Store:
         raise StoreNotFoundError(f"{location}: is a folder, not a weight file") from None
     fmt = format_named(format) if format else format_for_suffix(location) or sniff(head, location)
     return Store(fmt.open_reader(location, location), location, verify)
+
+
+def _open_remote(location: str, verify: bool, format: str | None) -> Store:  # noqa: A002
+    """A URL: ranged GETs of what is read (npz, safetensors), so opening costs one request for
+    an index of up to a few hundred tensors; HDF5 goes through an fsspec file object for h5py."""
+    fs, remote = filesystem(location)
+    source = RemoteFile(fs, remote, location)
+    try:
+        fmt = format_named(format) if format else format_for_suffix(location)
+        if fmt is None:
+            fmt = sniff(bytes(source.read_at(0, min(8, source.size))), location)
+        if fmt.name == "hdf5":
+            source.close()
+            handle = fs.open(remote, "rb")
+            try:
+                return Store(fmt.open_reader(handle, location), location, verify)
+            except BaseException:
+                handle.close()
+                raise
+        return Store(fmt.open_reader(source, location), location, verify)
+    except FileNotFoundError:
+        raise StoreNotFoundError(f"{location}: no such file") from None
+    except BaseException:
+        source.close()
+        raise
 
 
 def load(
@@ -224,6 +247,7 @@ def load(
     with open(path, verify=verify) as store:
         plan = plan_outward(store.keys(), scope=scope, mapping=mapping, include=include, exclude=exclude, where=store.path)
         check_budget(store, plan.values(), max_bytes)
+        store._prefetch(list(plan.values()))
         return {new: store[old] for new, old in plan.items()}
 
 

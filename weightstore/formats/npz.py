@@ -21,7 +21,7 @@ from isal import isal_zlib
 
 from weightstore.errors import ChecksumError, FormatError, KeyNotInStoreError, UnsafeFileError
 from weightstore.formats import Format, foreign_keys
-from weightstore.formats.source import ByteSource, MappedFile, StreamFile
+from weightstore.formats.source import ByteSource, open_source, prefetch_ranges
 from weightstore.manifest import (
     MAX_MANIFEST_BYTES,
     MAX_NDIM,
@@ -315,9 +315,10 @@ class NpzReader:
 
     def _member_bytes(self, member: _Member, budget: int) -> memoryview:
         """A member's bytes: a view into the map when stored, inflated (and bounded) when not."""
-        start = self._data_offset(member)
         if member.size > budget:
             raise UnsafeFileError(f"{self.name}: member {member.name!r} is larger than allowed ({member.size} > {budget})")
+        prefetch_ranges(self._source, lambda: [self._extent(member)])
+        start = self._data_offset(member)
         if member.method == _STORED:
             self._source.prefetch(start, member.size)
             return memoryview(self._source.read_at(start, member.size))
@@ -349,6 +350,24 @@ class NpzReader:
         if filled != member.size or not engine.eof:
             raise FormatError(f"{self.name}: member {member.name!r} is truncated or corrupt (deflate)")
         return view
+
+    def _extent(self, member: _Member) -> tuple[int, int]:
+        """The bytes reading a member touches (local header, name, padding, data), within its limit."""
+        most = _LOCAL.size + len(member.raw_name) + 0xFFFF + member.compressed
+        return member.offset, min(member.limit - member.offset, most)
+
+    def prefetch(self, keys: list[str]) -> None:
+        """Announce the tensors read next, so a remote source fetches them at once; each is
+        bounded first, as a read would be."""
+        def extents() -> list[tuple[int, int]]:
+            found = []
+            for key in keys:
+                member = self._member(key)
+                self._bounded(key, member)  # a member larger than its manifest entry is refused, not fetched
+                found.append(self._extent(member))
+            return found
+
+        prefetch_ranges(self._source, extents)
 
     def _member_head(self, member: _Member) -> memoryview:
         """The first bytes of a member, enough for its npy header, without reading or inflating the rest."""
@@ -535,12 +554,7 @@ def _apply_zip64(extra: bytes, size: int, compressed: int, offset: int, where: s
 
 
 def _open_reader(location, name: str) -> NpzReader:
-    source = MappedFile(location) if isinstance(location, str) else StreamFile(location, name)
-    try:
-        return NpzReader(source)
-    except BaseException:
-        source.close()
-        raise
+    return open_source(location, name, NpzReader, index_at_end=True)
 
 
 FORMAT = Format(

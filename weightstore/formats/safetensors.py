@@ -53,7 +53,7 @@ import numpy as np
 
 from weightstore.errors import ChecksumError, FormatError, KeyNotInStoreError, UnsafeFileError, UnsupportedDTypeError
 from weightstore.formats import Format, foreign_keys
-from weightstore.formats.source import ByteSource, MappedFile, StreamFile
+from weightstore.formats.source import ByteSource, open_source, prefetch_ranges
 from weightstore.manifest import (
     MAX_NDIM,
     ML_DTYPES,
@@ -423,6 +423,14 @@ class SafetensorsReader:
             array = array.copy()
         return array if array.dtype.isnative else array.astype(array.dtype.newbyteorder("="))
 
+    def prefetch(self, keys: list[str]) -> None:
+        """Announce the tensors read next, so a remote source fetches them at once."""
+        def extents() -> list[tuple[int, int]]:
+            tensors = [self._tensor(key) for key in keys]
+            return [(self._data_start + t.begin, t.end - t.begin) for t in tensors]
+
+        prefetch_ranges(self._source, extents)
+
     def read_into(self, key: str, out: np.ndarray, *, verify: bool) -> bool:
         """Read a tensor straight into ``out``; False when the file has no checksum to verify it by."""
         info = self.info(key)
@@ -457,12 +465,7 @@ def _clip(value: Any) -> str:
 
 
 def _open_reader(location: Any, name: str) -> SafetensorsReader:
-    source = MappedFile(location) if isinstance(location, str) else StreamFile(location, name)
-    try:
-        return SafetensorsReader(source)
-    except BaseException:
-        source.close()
-        raise
+    return open_source(location, name, SafetensorsReader, index_at_end=False)
 
 
 def _looks_like_safetensors(head: bytes) -> bool:

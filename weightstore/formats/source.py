@@ -6,17 +6,26 @@ neither implementation needs to trust a length it is given.
 
 from __future__ import annotations
 
+import asyncio
 import mmap
 import os
+import re
 import threading
-from typing import BinaryIO, Protocol
+from collections.abc import Callable, Mapping
+from typing import Any, BinaryIO, Protocol, TypeVar
 
-from weightstore.errors import FormatError
+import numpy as np
+
+from weightstore.errors import FormatError, StorageError, WeightStoreError
+
+R = TypeVar("R")
 
 
 class ByteSource(Protocol):
     name: str
-    size: int
+
+    @property
+    def size(self) -> int: ...
 
     def read_at(self, offset: int, length: int) -> bytes | memoryview: ...
     def close(self) -> None: ...
@@ -120,3 +129,414 @@ class StreamFile:
     def close(self) -> None:
         self._handle.close()
 
+
+# -- object storage -------------------------------------------------------------------------
+
+#: bytes the first request of a remote open asks for: the tail that holds an npz's zip directory
+#: and manifest, or the head that holds a safetensors header (one request for up to ~350 tensors)
+INDEX_WINDOW = 256 << 10
+#: a remote read larger than this is fetched as parts of this size, at once (S3 serves each
+#: connection at a fraction of its total bandwidth)
+PART_BYTES = 8 << 20
+#: concurrent requests per file when the file system names none (s3fs: ``max_concurrency``)
+DEFAULT_CONCURRENCY = 8
+#: prefetched ranges at most this far apart are fetched as one (the padding between tensors)
+MERGE_GAP = 4096
+_ALIGNMENT = 64
+
+
+class RemoteFile:
+    """A file on object storage read with ranged GETs of exactly the bytes a reader asks for.
+
+    The index (an npz's tail, a safetensors header) comes in one request that also says the
+    object's size and ETag; every later request carries ``If-Match`` with that ETag (S3), so an
+    object replaced while open is a :class:`FormatError`, never a mix of two files. Nothing is
+    read ahead: a tensor costs its own bytes. :meth:`prefetch_ranges` fetches the ranges of
+    many tensors at once: neighbours joined into one range (a scope's tensors lie side by side),
+    each range split into parts of :data:`PART_BYTES`, the parts requested concurrently (s3fs's
+    ``max_concurrency`` storage option, default 10). A prefetched range is dropped once every
+    tensor in it has been read, so its bytes live on only in the arrays made from them.
+    """
+
+    def __init__(self, fs: Any, path: str, name: str, *,
+                 size: int | None = None, details: Mapping[str, Any] | None = None):
+        self.name = name
+        self._object = _S3Object(fs, path, name) if _is_s3(fs) else _FsspecObject(fs, path, name)
+        self._known = (size, details)
+        self._size: int | None = None
+        self._index: list[_Span] = []  # fetched while the reader reads its index; kept until close
+        self._ahead: list[_Span] = []  # prefetched for reads to come; each dropped once all are read
+        self._indexing = True
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_handle(cls, handle: Any, name: str) -> RemoteFile | None:
+        """The remote file behind an fsspec file object, reusing the size and ETag it already knows."""
+        fs, path, details = getattr(handle, "fs", None), getattr(handle, "path", None), getattr(handle, "details", None)
+        if fs is None or not isinstance(path, str) or not isinstance(details, Mapping) or "size" not in details:
+            return None
+        handle.close()
+        return cls(fs, path, name, size=int(details["size"]), details=details)
+
+    # -- the index ------------------------------------------------------------------------
+    def start(self, index_at_end: bool) -> None:
+        """Fetch the index window, from the end or the start of the object; once, before any read."""
+        if self._size is not None:
+            return
+        size, details = self._known
+        self._size, start, data = self._object.first(index_at_end, INDEX_WINDOW, size, details)
+        self._index.append(_Span(start, data))
+
+    @property
+    def size(self) -> int:
+        if self._size is None:
+            self.start(index_at_end=False)
+        assert self._size is not None
+        return self._size
+
+    def index_read(self) -> None:
+        """The reader has its index: from now on a miss fetches only what it asks for."""
+        self._indexing = False
+
+    def _grow_index(self, offset: int, length: int) -> _Span:
+        """Fetch an index read that missed, joined to the window it touches so later index reads
+        hit; grown at least fourfold towards the start, since an npz manifest lies before its
+        directory and is often several times larger (so a large index still costs few requests)."""
+        end = offset + length
+        for position, span in enumerate(self._index):
+            if offset <= span.end and end >= span.start:
+                if offset < span.start:
+                    offset = max(0, min(offset, span.start - 4 * len(span.data)))
+                new_start, new_end = min(offset, span.start), max(end, span.end)
+                data = _aligned_buffer(new_start, new_end - new_start)
+                data[span.start - new_start : span.end - new_start] = span.data
+                gaps = [(new_start, data[: span.start - new_start]), (span.end, data[span.end - new_start :])]
+                self._object.fill([(at, view) for at, view in gaps if len(view)])
+                self._index[position] = _Span(new_start, data)
+                return self._index[position]
+        data = _aligned_buffer(offset, length)
+        self._object.fill([(offset, data)])
+        self._index.append(_Span(offset, data))
+        return self._index[-1]
+
+    # -- the ByteSource protocol ----------------------------------------------------------------
+    def read_at(self, offset: int, length: int) -> memoryview:
+        self._check(offset, length)
+        with self._lock:
+            held = self._held(offset, length)
+            if held is not None:
+                return held
+            if self._indexing and length:
+                return self._grow_index(offset, length).view(offset, length)
+        data = _aligned_buffer(offset, length)
+        if length:
+            self._object.fill([(offset, data)])
+        return data.toreadonly()
+
+    def read_into(self, offset: int, buffer: memoryview) -> None:
+        buffer = buffer.cast("B")
+        self._check(offset, len(buffer))
+        with self._lock:
+            held = self._held(offset, len(buffer))
+        if held is not None:
+            buffer[:] = held
+        elif len(buffer):
+            self._object.fill([(offset, buffer)])
+
+    def _held(self, offset: int, length: int) -> memoryview | None:
+        """The bytes if already fetched; a prefetched range is let go once all of it is read."""
+        for span in self._index:
+            if span.holds(offset, length):
+                return span.view(offset, length)
+        for span in self._ahead:
+            if span.holds(offset, length):
+                span.unread.discard(offset + length)
+                if not span.unread:
+                    self._ahead.remove(span)
+                return span.view(offset, length)
+        return None
+
+    def prefetch(self, offset: int, length: int) -> None:
+        self.prefetch_ranges([(offset, length)])
+
+    def prefetch_ranges(self, ranges: list[tuple[int, int]]) -> None:
+        """Fetch these ranges now, concurrently, for the reads that follow.
+
+        Ranges already fetched are left as they are; otherwise prefetched ranges not yet read
+        are dropped first, so at most one batch is held. While the index is read, the ranges
+        join the index window instead.
+        """
+        with self._lock:
+            for offset, length in ranges:
+                self._check(offset, length)
+            missing = [(offset, length) for offset, length in ranges
+                       if length and not any(span.holds(offset, length) for span in self._index + self._ahead)]
+            if not missing:
+                return
+            if self._indexing:
+                for offset, length in missing:
+                    self._grow_index(offset, length)
+                return
+            self._ahead = []
+        wanted = [_Span(start, _aligned_buffer(start, end - start), ends) for start, end, ends in _coalesce(missing)]
+        self._object.fill([(span.start, span.data) for span in wanted])
+        with self._lock:
+            self._ahead = wanted
+
+    def release(self, offset: int, length: int) -> None:
+        pass
+
+    def _check(self, offset: int, length: int) -> None:
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise FormatError(f"{self.name}: truncated file (needs bytes {offset}..{offset + length}, has {self.size})")
+
+    def close(self) -> None:
+        with self._lock:
+            self._index, self._ahead = [], []
+
+
+class _Span:
+    """Fetched bytes of the object starting at ``start``; ``unread``: where the prefetched
+    ranges in it end, each removed when a read ends there (the last read of a tensor)."""
+
+    __slots__ = ("start", "data", "unread")
+
+    def __init__(self, start: int, data: memoryview, unread: set[int] | None = None):
+        self.start, self.data, self.unread = start, data, unread or set()
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.data)
+
+    def holds(self, offset: int, length: int) -> bool:
+        return self.start <= offset and offset + length <= self.end
+
+    def view(self, offset: int, length: int) -> memoryview:
+        return self.data[offset - self.start : offset - self.start + length].toreadonly()
+
+
+def _aligned_buffer(offset: int, length: int) -> memoryview:
+    """A writable buffer whose address is ``offset`` modulo 64, so arrays made from the bytes
+    of a file that aligns its tensors (npz, safetensors) are aligned in memory too."""
+    raw = np.empty(length + _ALIGNMENT, np.uint8)
+    shift = (offset - raw.ctypes.data) % _ALIGNMENT
+    return raw[shift : shift + length].data.cast("B")
+
+
+def _coalesce(ranges: list[tuple[int, int]]) -> list[tuple[int, int, set[int]]]:
+    """``(start, end, ends of the ranges inside)`` with ranges at most :data:`MERGE_GAP` apart joined."""
+    merged: list[tuple[int, int, set[int]]] = []
+    for offset, length in sorted(ranges):
+        end = offset + length
+        if merged and offset <= merged[-1][1] + MERGE_GAP:
+            start, last, ends = merged[-1]
+            merged[-1] = (start, max(last, end), ends | {end})
+        else:
+            merged.append((offset, end, {end}))
+    return merged
+
+
+def _parts(ranges: list[tuple[int, memoryview]]) -> list[tuple[int, memoryview]]:
+    return [(offset + at, view[at : at + PART_BYTES])
+            for offset, view in ranges for at in range(0, len(view), PART_BYTES)]
+
+
+def _is_s3(fs: Any) -> bool:
+    protocol = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return "s3" in protocol and hasattr(fs, "_call_s3")
+
+
+def _storage_error(exc: BaseException, name: str) -> StorageError:
+    return StorageError(f"storage failed ({type(exc).__name__}: {str(exc).strip() or 'no detail'})", path=name)
+
+
+def _window(index_at_end: bool, size: int, window: int) -> tuple[int, int]:
+    return (max(0, size - window), size) if index_at_end else (0, min(size, window))
+
+
+class _FsspecObject:
+    """Any fsspec file system: the size from ``info``, ranges from ``cat_ranges`` (concurrent
+    on asynchronous file systems). Without an ETag, a replaced object shows only as a changed
+    length: a short read is a :class:`FormatError`."""
+
+    def __init__(self, fs: Any, path: str, name: str):
+        self._fs, self._path, self.name = fs, path, name
+
+    def first(self, index_at_end: bool, window: int, size: int | None,
+              details: Mapping[str, Any] | None) -> tuple[int, int, memoryview]:
+        if size is None:
+            try:
+                info = self._fs.info(self._path)
+            except FileNotFoundError:
+                raise
+            except Exception as exc:
+                raise _storage_error(exc, self.name) from exc
+            if info.get("type") == "directory":
+                raise FileNotFoundError(self.name)
+            size = int(info["size"])
+        start, end = _window(index_at_end, size, window)
+        data = _aligned_buffer(start, end - start)
+        self.fill([(start, data)], opening=True)
+        return size, start, data
+
+    def fill(self, ranges: list[tuple[int, memoryview]], opening: bool = False) -> None:
+        parts = _parts(ranges)
+        if not parts:
+            return
+        try:
+            found = self._fs.cat_ranges([self._path] * len(parts), [at for at, _ in parts],
+                                        [at + len(view) for at, view in parts], on_error="raise")
+        except FileNotFoundError:
+            if opening:
+                raise
+            raise FormatError(f"{self.name}: the file was removed while it was open") from None
+        except Exception as exc:
+            raise _storage_error(exc, self.name) from exc
+        for (at, view), data in zip(parts, found, strict=True):
+            if len(data) != len(view):
+                raise FormatError(f"{self.name}: got {len(data)} bytes at byte {at}, not {len(view)}: "
+                                  f"the file is shorter than when it was opened (replaced while open?)")
+            view[:] = data
+
+
+class _S3Object:
+    """An S3 object through s3fs's client: the first request is a suffix range (``bytes=-N``), whose
+    ``Content-Range`` gives the size, so opening costs one request; later ones carry ``If-Match``."""
+
+    def __init__(self, fs: Any, path: str, name: str):
+        self._fs, self.name = fs, name
+        self._bucket, self._key, version = fs.split_path(path)
+        self._pinned: dict[str, str] = {"VersionId": version} if version else {}
+        self.concurrency = max(1, int(getattr(fs, "max_concurrency", None) or DEFAULT_CONCURRENCY))
+
+    def first(self, index_at_end: bool, window: int, size: int | None,
+              details: Mapping[str, Any] | None) -> tuple[int, int, memoryview]:
+        if size is not None:
+            self._pin(details or {})
+            start, end = _window(index_at_end, size, window)
+            data = _aligned_buffer(start, end - start)
+            self.fill([(start, data)], opening=True)
+            return size, start, data
+        wanted = f"bytes=-{window}" if index_at_end else f"bytes=0-{window - 1}"
+        try:
+            response, body = self._run(self._get, wanted, True, opening=True)
+        except _EmptyObject:
+            return 0, 0, memoryview(b"")
+        self._pin(response)
+        total, start = len(body), 0
+        match = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", str(response.get("ContentRange", "")))
+        if match:
+            start, total = int(match.group(1)), int(match.group(3))
+        if start + len(body) > total:
+            raise FormatError(f"{self.name}: the storage returned more bytes than the object holds")
+        data = _aligned_buffer(start, len(body))
+        data[:] = body
+        return total, start, data
+
+    def _pin(self, described: Mapping[str, Any]) -> None:
+        etag = described.get("ETag") or described.get("etag")
+        if etag and "VersionId" not in self._pinned:
+            self._pinned["IfMatch"] = str(etag)
+
+    def fill(self, ranges: list[tuple[int, memoryview]], opening: bool = False) -> None:
+        parts = _parts(ranges)
+        if parts:
+            self._run(self._fill, parts, opening=opening)
+
+    async def _fill(self, parts: list[tuple[int, memoryview]]) -> None:
+        gate = asyncio.Semaphore(self.concurrency)
+
+        async def one(at: int, view: memoryview) -> None:
+            async with gate:
+                _, data = await self._get(f"bytes={at}-{at + len(view) - 1}")
+            if len(data) != len(view):
+                raise FormatError(f"{self.name}: got {len(data)} bytes at byte {at}, not {len(view)}: "
+                                  f"the object is shorter than its index says")
+            view[:] = data
+
+        await asyncio.gather(*(one(at, view) for at, view in parts))
+
+    async def _get(self, wanted: str, empty_is_ok: bool = False) -> tuple[Mapping[str, Any], bytes]:
+        try:
+            response = await self._fs._call_s3("get_object", Bucket=self._bucket, Key=self._key,
+                                               Range=wanted, **self._pinned)
+        except OSError as exc:
+            code = _s3_code(exc)
+            if empty_is_ok and code in ("InvalidRange", "416"):
+                raise _EmptyObject() from None
+            raise
+        body = response["Body"]
+        try:
+            return response, await body.read()
+        finally:
+            body.close()
+
+    def _run(self, method: Any, *args: Any, opening: bool = False) -> Any:
+        from fsspec.asyn import sync
+
+        try:
+            return sync(self._fs.loop, method, *args)
+        except (WeightStoreError, _EmptyObject):
+            raise
+        except FileNotFoundError:
+            if opening:
+                raise
+            raise FormatError(f"{self.name}: the object was removed while it was open") from None
+        except Exception as exc:
+            if _s3_code(exc) in ("PreconditionFailed", "412"):
+                raise FormatError(f"{self.name}: the object changed while it was open (its ETag no longer "
+                                  f"matches); open it again") from None
+            if _s3_code(exc) in ("InvalidRange", "416"):
+                raise FormatError(f"{self.name}: the object is shorter than its index says") from None
+            raise _storage_error(exc, self.name) from exc
+
+
+class _EmptyObject(Exception):
+    """S3 refuses any range of an empty object."""
+
+
+def _s3_code(exc: BaseException) -> str | None:
+    """The S3 error code behind an exception s3fs translated (it keeps the botocore error as the cause)."""
+    seen = 0
+    while exc is not None and seen < 5:
+        response = getattr(exc, "response", None)
+        if isinstance(response, Mapping):
+            error = response.get("Error") or {}
+            return str(error.get("Code") or response.get("ResponseMetadata", {}).get("HTTPStatusCode") or "")
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1  # type: ignore[assignment]
+    return None
+
+
+# -- choosing a source ----------------------------------------------------------------------
+
+def byte_source(location: Any, name: str) -> ByteSource:
+    """The byte source for what a reader is given: a local path, a remote file, or a file object."""
+    if isinstance(location, str):
+        return MappedFile(location)
+    if isinstance(location, RemoteFile):
+        return location
+    return RemoteFile.from_handle(location, name) or StreamFile(location, name)
+
+
+def open_source(location: Any, name: str, read_index: Callable[[ByteSource], R], *, index_at_end: bool) -> R:
+    """A reader built over the byte source for ``location``; a remote file fetches the index
+    window where this format keeps its index (``index_at_end``), in one request."""
+    source = byte_source(location, name)
+    try:
+        if isinstance(source, RemoteFile):
+            source.start(index_at_end)
+        reader = read_index(source)
+    except BaseException:
+        source.close()
+        raise
+    if isinstance(source, RemoteFile):
+        source.index_read()
+    return reader
+
+
+def prefetch_ranges(source: ByteSource, ranges: Callable[[], list[tuple[int, int]]]) -> None:
+    """Tell a source that fetches over the network which byte ranges are read next; local
+    sources need no warning, so ``ranges`` is only worked out for a remote one."""
+    fetch = getattr(source, "prefetch_ranges", None)
+    if fetch is not None:
+        fetch(ranges())

@@ -1,0 +1,125 @@
+"""moto's S3 server on a loopback port, counting what crosses the wire (for tests and benchmarks).
+
+Counting at the server sees every request any client makes, retries included, and the bytes
+really sent: the body bytes of each response and each request's declared length. A test can
+also answer chosen requests itself (:attr:`CountingS3.intercept`) to play a failing or lying
+server, and hold requests until several are in flight at once, to prove concurrency.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@dataclass
+class Request:
+    method: str
+    path: str
+    query: str
+    status: int
+    sent: int  # response body bytes
+    received: int  # request body bytes (Content-Length)
+    range: str
+
+
+class CountingS3:
+    """A moto S3 server on 127.0.0.1 whose every request is recorded in :attr:`requests`.
+
+    ``endpoint`` is its URL; :meth:`environment` points botocore (and so s3fs, also for plain
+    ``s3://`` URLs with no storage options) at it. :attr:`intercept`, when set, sees each
+    request's WSGI environ first and may return ``(status, body)`` to answer it instead.
+    """
+
+    def __init__(self) -> None:
+        from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+        from werkzeug.serving import make_server
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        self.endpoint = f"http://127.0.0.1:{port}"
+        self.requests: list[Request] = []
+        self.intercept: Callable[[dict[str, Any]], tuple[int, bytes] | None] | None = None
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self._lock = threading.Lock()
+        self._moto = DomainDispatcherApplication(create_backend_app)
+        self._server = make_server("127.0.0.1", port, self._app, threaded=True, request_handler=MotoRequestHandler)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def start(self) -> CountingS3:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._thread.join()
+
+    def environment(self) -> dict[str, str]:
+        return {**CREDENTIALS, "AWS_ENDPOINT_URL_S3": self.endpoint, "AWS_MAX_ATTEMPTS": "1"}
+
+    def reset(self) -> None:
+        with self._lock:
+            self.requests = []
+            self.most_in_flight = 0
+
+    def count(self, method: str | None = None) -> int:
+        return sum(1 for r in self.requests if method is None or r.method == method)
+
+    def bytes_sent(self) -> int:
+        return sum(r.sent for r in self.requests)
+
+    def bytes_received(self) -> int:
+        return sum(r.received for r in self.requests)
+
+    def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterator[bytes]:
+        with self._lock:
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            status: list[int] = [0]
+
+            def recording_start(line: str, headers: list[tuple[str, str]], *rest: Any) -> Any:
+                status[0] = int(line.split()[0])
+                return start_response(line, headers, *rest)
+
+            answer = self.intercept(environ) if self.intercept else None
+            if answer is not None:
+                code, body = answer
+                recording_start(f"{code} X", [("Content-Length", str(len(body))), ("Content-Type", "application/xml")])
+                chunks = [body]
+            else:
+                chunks = list(self._moto(environ, recording_start))
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+        request = Request(environ["REQUEST_METHOD"], environ.get("PATH_INFO", ""), environ.get("QUERY_STRING", ""),
+                          status[0], sum(len(chunk) for chunk in chunks), int(environ.get("CONTENT_LENGTH") or 0),
+                          environ.get("HTTP_RANGE", ""))
+        with self._lock:
+            self.requests.append(request)
+        return iter(chunks)
+
+
+def use_environment(server: CountingS3) -> dict[str, str | None]:
+    """Point this process's S3 clients at ``server``; returns what to restore."""
+    saved = {key: os.environ.get(key) for key in server.environment()}
+    os.environ.update(server.environment())
+    return saved
+
+
+def restore_environment(saved: dict[str, str | None]) -> None:
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

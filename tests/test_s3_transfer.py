@@ -1,0 +1,290 @@
+"""What crosses the wire to S3: requests and bytes counted at a real moto server on 127.0.0.1,
+read and written through the real s3fs client with plain ``s3://`` URLs."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import numpy as np
+import pytest
+
+import weightstore as ws
+from weightstore import storage
+
+pytest.importorskip("s3fs")
+pytest.importorskip("moto.server")
+
+from benchmarks.s3_server import CountingS3, restore_environment, use_environment  # noqa: E402
+
+BUCKET = "weightstore-transfer"
+FORMATS = [".npz", ".safetensors"]
+#: 4 scopes of 4 tensors of 128 KB: one scope is 512 KB, the file 2 MB
+WEIGHTS = {f"block_{s}/w{t}": np.random.default_rng(4 * s + t).standard_normal((128, 256)).astype(np.float32)
+           for s in range(4) for t in range(4)}
+
+
+@pytest.fixture(scope="module")
+def server():
+    import s3fs
+
+    server = CountingS3().start()
+    saved = use_environment(server)
+    s3fs.S3FileSystem.clear_instance_cache()
+    s3fs.S3FileSystem().mkdir(BUCKET)
+    try:
+        yield server
+    finally:
+        server.intercept = None
+        server.stop()
+        s3fs.S3FileSystem.clear_instance_cache()
+        restore_environment(saved)
+
+
+@pytest.fixture
+def s3(server):
+    server.intercept = None
+    server.reset()
+    yield server
+    server.intercept = None
+
+
+def url(suffix: str) -> str:
+    return f"s3://{BUCKET}/{uuid.uuid4().hex}/w{suffix}"
+
+
+def put(target: str, data: bytes) -> None:
+    import s3fs
+
+    s3fs.S3FileSystem().pipe_file(target[len("s3://"):], data)
+
+
+def get(target: str) -> bytes:
+    import s3fs
+
+    return s3fs.S3FileSystem().cat_file(target[len("s3://"):])
+
+
+def same(loaded: dict, expected: dict) -> bool:
+    return list(loaded) == list(expected) and all(np.array_equal(loaded[k], expected[k]) for k in expected)
+
+
+# -- what an open and a load cost ---------------------------------------------------------------
+
+@pytest.mark.parametrize("suffix", FORMATS)
+def test_open_costs_one_request(s3, suffix):
+    target = url(suffix)
+    ws.save(target, WEIGHTS, metadata={"run": 1})
+    s3.reset()
+    with ws.open(target) as store:
+        assert store.metadata == {"run": 1} and store.keys() == list(WEIGHTS)
+        assert [r.method for r in s3.requests] == ["GET"], s3.requests
+        assert s3.bytes_sent() <= 256 << 10
+
+
+def test_an_index_larger_than_the_window_costs_a_second_request(s3):
+    target = url(".npz")
+    many = {f"layer_{i:04d}/bias": np.full((2,), i, np.float32) for i in range(1500)}  # manifest ~1 MB
+    ws.save(target, many)
+    s3.reset()
+    with ws.open(target) as store:
+        assert len(store) == 1500
+        assert s3.count() == 2, s3.requests
+        assert np.all(store["layer_0042/bias"] == 42)
+
+
+@pytest.mark.parametrize("suffix", FORMATS)
+def test_one_scope_transfers_its_bytes_and_the_index(s3, suffix):
+    target = url(suffix)
+    ws.save(target, WEIGHTS)
+    s3.reset()
+    ws.open(target).close()
+    index = s3.bytes_sent()
+    s3.reset()
+    loaded = ws.load(target, scope="block_1")
+    selected = sum(a.nbytes for a in loaded.values())
+    assert selected == 4 * 128 * 256 * 4
+    assert same(loaded, {k[len("block_1/"):]: v for k, v in WEIGHTS.items() if k.startswith("block_1/")})
+    assert s3.bytes_sent() <= 1.1 * selected + index, (s3.bytes_sent(), selected, index)
+    assert s3.count() == 1 + 1  # the index, then one ranged GET for the scope's neighbouring tensors
+    assert all(r.range for r in s3.requests), "every GET is ranged"
+
+
+@pytest.mark.parametrize("suffix", FORMATS)
+def test_full_load_is_exact_verified_and_concurrent(s3, suffix, monkeypatch):
+    from weightstore.formats import source
+
+    monkeypatch.setattr(source, "PART_BYTES", 256 << 10)  # 2 MB in 8 parts
+    target = url(suffix)
+    ws.save(target, WEIGHTS)
+    arrived = threading.Barrier(2, timeout=5)
+    overlapped: list[bool] = []
+
+    def wait_for_a_second_get(environ):
+        """Hold the first GET until a second one arrives: only a concurrent reader gets past."""
+        if environ["REQUEST_METHOD"] == "GET" and not overlapped:
+            try:
+                arrived.wait()
+                overlapped.append(True)
+            except threading.BrokenBarrierError:
+                overlapped.append(False)  # a serial reader: the lone request goes on alone
+        return None
+
+    with ws.open(target) as store:
+        assert store.verify and store.has_checksums
+        s3.reset()
+        s3.intercept = wait_for_a_second_get
+        loaded = store.read()
+    assert same(loaded, WEIGHTS)
+    assert all(a.ctypes.data % 64 == 0 for a in loaded.values()), "aligned as in the file, for TF's DLPack"
+    assert s3.most_in_flight >= 2 and any(overlapped)
+    assert s3.bytes_sent() <= 1.1 * sum(a.nbytes for a in WEIGHTS.values())
+
+
+def test_a_large_tensor_is_fetched_in_concurrent_parts(s3, monkeypatch):
+    from weightstore.formats import source
+
+    monkeypatch.setattr(source, "PART_BYTES", 1 << 20)
+    big = {"big": np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)}  # 4 MB: four parts
+    target = url(".safetensors")
+    ws.save(target, big)
+    with ws.open(target) as store:
+        s3.reset()
+        assert np.array_equal(store["big"], big["big"])
+    assert s3.count("GET") == 4 and s3.bytes_sent() <= 4 << 20
+
+
+def test_save_uploads_parts_concurrently_and_appears_only_when_complete(s3, monkeypatch):
+    monkeypatch.setattr(storage, "UPLOAD_PART_BYTES", 5 << 20)  # S3's smallest part
+    weights = {"w": np.random.default_rng(0).standard_normal((3 << 20,)).astype(np.float32)}  # 12 MB
+    target = url(".npz")
+    seen_before_complete = []
+    parts_at_once = []
+
+    def look_before_complete(environ):
+        if environ["REQUEST_METHOD"] == "POST" and "uploadId=" in environ.get("QUERY_STRING", ""):
+            import s3fs
+
+            parts_at_once.append(s3.most_in_flight)  # before this look adds a request of its own
+
+            fs = s3fs.S3FileSystem(skip_instance_cache=True)
+            seen_before_complete.append(fs.exists(target[len("s3://"):]))
+        return None
+
+    s3.intercept = look_before_complete
+    ws.save(target, weights)
+    s3.intercept = None
+    parts = [r for r in s3.requests if r.method == "PUT" and "partNumber=" in r.query]
+    assert len(parts) == 3 and parts_at_once[0] >= 2
+    assert seen_before_complete == [False]
+    assert same(ws.load(target), weights)
+
+
+# -- a hostile or failing store ----------------------------------------------------------------
+
+@pytest.mark.parametrize("suffix", FORMATS)
+def test_object_shorter_than_its_index_says(s3, suffix, tmp_path):
+    local = tmp_path / f"w{suffix}"
+    ws.save(local, WEIGHTS)
+    data = local.read_bytes()
+    target = url(suffix)
+    # npz: drop data from the middle, so the directory points past the end; safetensors: cut the tail
+    put(target, data[:100_000] + data[300_000:] if suffix == ".npz" else data[:-100_000])
+    with pytest.raises(ws.FormatError, match=target.replace("/", ".")):
+        ws.load(target)
+
+
+@pytest.mark.parametrize("suffix", FORMATS)
+def test_object_replaced_while_open(s3, suffix):
+    target = url(suffix)
+    ws.save(target, WEIGHTS)
+    with ws.open(target) as store:
+        ws.save(target, {k: v + 1 for k, v in WEIGHTS.items()})
+        with pytest.raises(ws.FormatError, match="changed while it was open") as caught:
+            store["block_2/w0"]  # outside the index window, so read after the change
+    assert target in str(caught.value)
+
+
+def test_object_removed_while_open(s3):
+    import s3fs
+
+    target = url(".npz")
+    ws.save(target, WEIGHTS)
+    with ws.open(target) as store:
+        s3fs.S3FileSystem().rm_file(target[len("s3://"):])
+        with pytest.raises(ws.FormatError, match="removed while it was open"):
+            store["block_2/w0"]  # outside the index window, so read after the change
+
+
+@pytest.mark.parametrize("when", ["open", "read"])
+def test_server_errors_are_storage_errors(s3, when):
+    target = url(".npz")
+    ws.save(target, WEIGHTS)
+    failing = (500, b"<Error><Code>InternalError</Code><Message>down</Message></Error>")
+    if when == "open":
+        s3.intercept = lambda environ: failing
+        with pytest.raises(ws.StorageError, match="InternalError|down") as caught:
+            ws.open(target)
+    else:
+        with ws.open(target) as store:
+            s3.intercept = lambda environ: failing
+            with pytest.raises(ws.StorageError) as caught:
+                store["block_2/w1"]
+    assert caught.value.path == target
+
+
+def test_missing_and_empty_objects(s3):
+    with pytest.raises(ws.StoreNotFoundError, match="no such file"):
+        ws.open(url(".npz"))
+    for suffix in FORMATS + [".bin"]:
+        target = url(suffix)
+        put(target, b"")
+        with pytest.raises(ws.FormatError, match="empty|shorter") as caught:
+            ws.open(target)
+        assert target in str(caught.value)
+
+
+def test_unknown_suffix_is_sniffed_in_the_same_request(s3):
+    target = url(".safetensors")
+    ws.save(target, WEIGHTS)
+    renamed = target[: -len(".safetensors")] + ".weights"
+    put(renamed, get(target))
+    s3.reset()
+    with ws.open(renamed) as store:
+        assert s3.count() == 1 and store.keys() == list(WEIGHTS)
+
+
+def test_version_opens_in_two_requests(s3):
+    folder = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    ws.publish(folder, WEIGHTS, step=1)
+    version = ws.latest(folder)
+    s3.reset()
+    with ws.open(version) as store:
+        assert s3.count() <= 2, s3.requests
+        assert np.array_equal(store["block_3/w3"], WEIGHTS["block_3/w3"])
+
+
+def test_other_file_systems_catch_a_shortened_file(tmp_path):
+    """Without ETags (here fsspec's memory file system) a replaced, shorter file is still caught."""
+    import fsspec
+
+    target = f"memory://transfer-{tmp_path.name}/w.npz"
+    ws.save(target, WEIGHTS)
+    with ws.open(target) as store:
+        fsspec.filesystem("memory").pipe_file(target[len("memory://"):], b"x" * 600_000)
+        with pytest.raises(ws.FormatError, match="shorter than when it was opened") as caught:
+            store["block_3/w0"]
+    assert target in str(caught.value)
+    fsspec.filesystem("memory").rm(f"/transfer-{tmp_path.name}", recursive=True)
+
+
+def test_concurrency_is_s3fs_max_concurrency(s3, monkeypatch):
+    from weightstore.formats import source
+
+    monkeypatch.setattr(source, "PART_BYTES", 256 << 10)
+    folder = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    ws.publish(folder, WEIGHTS, step=1)
+    version = ws.latest(folder, storage_options={"max_concurrency": 1})
+    s3.reset()
+    assert same(ws.load(version), WEIGHTS)
+    assert s3.most_in_flight == 1 and s3.count("GET") > 2
