@@ -628,6 +628,7 @@ def test_every_error_is_a_weightstore_error_and_its_builtin():
         "StoreNotFoundError": FileNotFoundError, "VersionGoneError": FileNotFoundError,
         "StoreExistsError": FileExistsError, "KeyNotInStoreError": KeyError, "FormatError": ValueError,
         "ChecksumError": ValueError, "UnsafeFileError": ValueError, "SizeLimitError": ValueError,
+        "StoreClosedError": ValueError,
         "AssignmentError": ValueError, "PublishError": RuntimeError, "MissingDependencyError": ImportError,
     }
     assert set(errors.__all__) == set(refines) | {"WeightStoreError"}

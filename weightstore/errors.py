@@ -15,6 +15,7 @@ weightstore class or the builtin they already handle::
     │   ├── ChecksumError                  a tensor's bytes do not match the manifest
     │   └── UnsafeFileError                pickles, links, external storage, zip tricks
     ├── SizeLimitError(ValueError)         a read would exceed ``max_bytes``
+    ├── StoreClosedError(ValueError)       a tensor asked of a store after ``close()``
     ├── AssignmentError(ValueError)        assign found missing/unexpected/mismatched keys
     ├── PublishError(RuntimeError)         a second publisher, or steps that go back
     └── MissingDependencyError(ImportError) an optional extra is not installed
@@ -37,6 +38,7 @@ __all__ = [
     "ChecksumError",
     "UnsafeFileError",
     "SizeLimitError",
+    "StoreClosedError",
     "AssignmentError",
     "PublishError",
     "MissingDependencyError",
@@ -89,6 +91,10 @@ class UnsafeFileError(FormatError):
 
 
 class SizeLimitError(WeightStoreError, ValueError):
+    pass
+
+
+class StoreClosedError(WeightStoreError, ValueError):
     pass
 
 

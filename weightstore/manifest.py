@@ -88,9 +88,9 @@ def _known_dtype(name: str) -> np.dtype | None:
         return ML_DTYPES[name]
     try:
         dtype = np.dtype(name)
-    except TypeError:
+    except Exception:  # numpy's dtype parser raises TypeError, ValueError or SyntaxError on junk
         return None
-    if dtype.kind not in _NUMERIC_KINDS or dtype.name != name:
+    if dtype.kind not in _NUMERIC_KINDS or dtype.name != name or dtype.subdtype is not None:
         return None
     return dtype.newbyteorder("<")
 
@@ -183,7 +183,9 @@ def parse_manifest(text: str, where: str) -> Manifest:
     if len(text) > MAX_MANIFEST_BYTES:
         raise FormatError(f"{where}: manifest is larger than {MAX_MANIFEST_BYTES} bytes")
     try:
-        document = json.loads(text)
+        document = json.loads(text, parse_constant=_refuse_constant)
+    except _NonFiniteNumber as exc:
+        raise FormatError(f"{where}: manifest holds {exc}, which JSON has no number for (writers refuse it too)") from None
     except (ValueError, RecursionError) as exc:
         raise FormatError(f"{where}: manifest is not valid JSON ({exc})") from None
     if not isinstance(document, dict) or document.get("format") != FORMAT_NAME:
@@ -199,8 +201,11 @@ def parse_manifest(text: str, where: str) -> Manifest:
     locations: dict[str, str] = {}
     for key, entry in raw_tensors.items():
         tensors[key] = _parse_entry(key, entry, where)
-        if isinstance(entry.get("location"), str):
-            locations[key] = entry["location"]
+        if "location" in entry:
+            location = entry["location"]
+            if not isinstance(location, str) or not location:
+                raise FormatError(f"{where}: manifest location of {key!r} is not a path: {location!r}")
+            locations[key] = location
     return Manifest(
         tensors=tensors,
         metadata=metadata,
@@ -208,6 +213,16 @@ def parse_manifest(text: str, where: str) -> Manifest:
         producer=str(document.get("producer", "")),
         locations=locations,
     )
+
+
+class _NonFiniteNumber(Exception):
+    pass
+
+
+def _refuse_constant(name: str) -> None:
+    """NaN and Infinity: :func:`build_manifest` refuses them, so a reader must too (else a file
+    reads but cannot be converted)."""
+    raise _NonFiniteNumber(name)
 
 
 def _parse_entry(key: str, entry: object, where: str) -> TensorInfo:

@@ -166,8 +166,13 @@ def check_budget(store: Store, keys: Iterable[str], max_bytes: int | None) -> No
         raise SizeLimitError(f"{store.path}: reading {len(keys)} tensors needs {total} bytes, over max_bytes={max_bytes}")
 
 
-def open(path: Any, *, verify: bool = True, format: str | None = None) -> Store:  # noqa: A001
-    """Open a weight file lazily: only its index is read until a tensor is asked for."""
+def open(path: Any, *, verify: bool = True, format: str | None = None, mmap: bool = True) -> Store:  # noqa: A001
+    """Open a weight file lazily: only its index is read until a tensor is asked for.
+
+    ``mmap=False`` reads each tensor of a local npz into memory it owns (``preadv``, 64-byte
+    aligned) instead of returning a view of the mapped file, which a file truncated or
+    rewritten in place would change or (SIGBUS) make fatal to touch.
+    """
     opener = getattr(path, "_weightstore_open", None)
     if opener is not None:  # a Version: its pinned file, or a clear "version gone" if pruned
         return opener(verify=verify)
@@ -192,7 +197,7 @@ def open(path: Any, *, verify: bool = True, format: str | None = None) -> Store:
     except IsADirectoryError:
         raise StoreNotFoundError(f"{location}: is a folder, not a weight file") from None
     fmt = format_named(format) if format else format_for_suffix(location) or sniff(head, location)
-    return Store(fmt.open_reader(location, location), location, verify)
+    return Store(fmt.open_reader(location, location, mmap=mmap), location, verify)
 
 
 def load(
@@ -204,9 +209,14 @@ def load(
     mapping: MappingRules = None,
     verify: bool = True,
     max_bytes: int | None = None,
+    mmap: bool = True,
 ) -> dict[str, np.ndarray]:
-    """Read a weight file into a dict, reading only the selected tensors' bytes."""
-    with open(path, verify=verify) as store:
+    """Read a weight file into a dict, reading only the selected tensors' bytes.
+
+    With ``mmap=True`` (the default) uncompressed local npz tensors are read-only views of the
+    mapped file; ``mmap=False`` gives arrays that own their memory (see :func:`open`).
+    """
+    with open(path, verify=verify, mmap=mmap) as store:
         plan = plan_outward(store.keys(), scope=scope, mapping=mapping, include=include, exclude=exclude, where=store.path)
         check_budget(store, plan.values(), max_bytes)
         return {new: store[old] for new, old in plan.items()}

@@ -45,7 +45,7 @@ class Format:
     name: str
     suffixes: tuple[str, ...]
     magic: Callable[[bytes], bool]
-    open_reader: Callable[[Any, str], Reader]
+    open_reader: Callable[..., Reader]  # (location, name, *, mmap=True)
     open_writer: Callable[[str, bool], Writer]
 
 

@@ -251,6 +251,6 @@ FORMAT = Format(
     name="hdf5",
     suffixes=(".h5", ".hdf5"),
     magic=lambda head: head.startswith(_MAGIC),
-    open_reader=lambda location, name: Hdf5Reader(location, name),
+    open_reader=lambda location, name, mmap=True: Hdf5Reader(location, name),  # HDF5 reads into owned memory
     open_writer=lambda path, compress: Hdf5Writer(path, compress),
 )
