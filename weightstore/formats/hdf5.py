@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Iterator
 
 import h5py
@@ -25,6 +26,7 @@ from weightstore.errors import (
     WeightStoreError,
 )
 from weightstore.formats import Format, foreign_keys
+from weightstore.formats.hdf5_heap import check_vlen_attribute
 from weightstore.keys import RESERVED_PREFIX, join_scope
 from weightstore.manifest import (
     MAX_MANIFEST_BYTES,
@@ -139,7 +141,7 @@ class Hdf5Reader:
             self._file = h5py.File(location, "r")
         try:
             with _as_format_error(name):
-                self._manifest = self._read_manifest()
+                self._manifest = self._read_manifest(location)
                 found = self._walk()
             self._paths = self._keyed(found)
         except BaseException:
@@ -172,15 +174,15 @@ class Hdf5Reader:
             )
         return paths
 
-    def _read_manifest(self) -> Manifest | None:
-        """The manifest attribute, its size bounded before any JSON is parsed.
+    def _read_manifest(self, location) -> Manifest | None:
+        """The manifest attribute, its size bounded before HDF5 reads it and before any JSON is parsed.
 
         It must be one string. A fixed-length string's size is known before reading and is
         checked first. A variable-length one (what h5py writes for a ``str``, and what we
-        write) keeps only a 16-byte heap reference in the attribute, and HDF5 cannot tell its
-        length without reading it: h5py reads it whole (its bytes must lie in the file, so
-        that allocation is bounded by the file's size), and its length is checked before
-        parsing, so at most :data:`MAX_MANIFEST_BYTES` of JSON is ever parsed.
+        write) keeps only a 16-byte heap reference in the attribute, which HDF5 follows
+        blindly (allocating what it claims, looping on a corrupt heap):
+        :func:`check_vlen_attribute` checks the reference and its heap object in the file's
+        bytes first, and the text's length is checked again before parsing.
         """
         if MANIFEST_ATTRIBUTE not in self._file.attrs:
             return None
@@ -190,6 +192,8 @@ class Hdf5Reader:
             raise FormatError(f"{self.name}: manifest attribute is not one text value ({attribute.dtype}, shape {attribute.shape})")
         if string.length is not None and attribute.get_storage_size() > MAX_MANIFEST_BYTES:
             raise UnsafeFileError(f"{self.name}: manifest attribute is too large ({attribute.get_storage_size()} bytes)")
+        if string.length is None:
+            self._check_heap_reference(location)
         text = self._file.attrs[MANIFEST_ATTRIBUTE]
         if isinstance(text, np.ndarray) and text.shape == ():
             text = text[()]
@@ -203,6 +207,27 @@ class Hdf5Reader:
         if isinstance(text, bytes):
             text = text.decode("utf-8", "replace")
         return parse_manifest(text, self.name)
+
+    def _check_heap_reference(self, location) -> None:
+        header = h5py.h5o.get_info(self._file.id).addr
+        base = self._file.userblock_size
+        if isinstance(location, str):
+            with open(location, "rb") as handle:
+                size = os.fstat(handle.fileno()).st_size
+                check_vlen_attribute(lambda offset, length: os.pread(handle.fileno(), length, offset), size, base,
+                                     header, MANIFEST_ATTRIBUTE, MAX_MANIFEST_BYTES, self.name)
+            return
+        position = location.tell()
+        size = location.seek(0, os.SEEK_END)
+
+        def read_at(offset: int, length: int) -> bytes:
+            location.seek(offset)
+            return location.read(length)
+
+        try:
+            check_vlen_attribute(read_at, size, base, header, MANIFEST_ATTRIBUTE, MAX_MANIFEST_BYTES, self.name)
+        finally:
+            location.seek(position)
 
     def _walk(self) -> dict[str, str]:
         """Key -> dataset path for every dataset, refusing links that leave the tree.
