@@ -185,7 +185,7 @@ def parse_manifest(text: str, where: str) -> Manifest:
     try:
         document = json.loads(text, parse_constant=_refuse_constant)
     except _NonFiniteNumber as exc:
-        raise FormatError(f"{where}: manifest holds {exc}, which JSON has no number for (writers refuse it too)") from None
+        raise FormatError(f"{where}: manifest holds {exc}, which no JSON number is (writers refuse it too)") from None
     except (ValueError, RecursionError) as exc:
         raise FormatError(f"{where}: manifest is not valid JSON ({exc})") from None
     if not isinstance(document, dict) or document.get("format") != FORMAT_NAME:

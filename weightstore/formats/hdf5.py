@@ -51,8 +51,16 @@ _MAGIC = b"\x89HDF\r\n\x1a\n"
 _MIN_COMPRESSED_BYTES = 4096
 #: deepest group nesting read; deeper files are refused before anything recurses over them
 MAX_DEPTH = 256
+_LINK_KINDS = {h5py.h5l.TYPE_SOFT: "SoftLink", h5py.h5l.TYPE_EXTERNAL: "ExternalLink"}
 #: what h5py raises for a corrupt file or a failed write, depending on which C call failed
 _H5PY_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError, IndexError, UnicodeDecodeError)
+
+
+def _links(group: h5py.h5g.GroupID) -> list[tuple[bytes, int, object]]:
+    """``(name, link type, address)`` of each link in one group, without descending."""
+    links: list[tuple[bytes, int, object]] = []
+    group.links.iterate(lambda name, info: links.append((name, info.type, info.u)), info=True)
+    return links
 
 
 @contextlib.contextmanager
@@ -241,15 +249,13 @@ class Hdf5Reader:
         pending: list[tuple[h5py.h5g.GroupID, str, int]] = [(self._file.id, "", 0)]
         while pending:
             group, prefix, depth = pending.pop()
-            links: list[tuple[bytes, int, object]] = []
-            group.links.iterate(lambda name, info: links.append((name, info.type, info.u)), info=True)
-            for raw, kind, address in links:
+            for raw, kind, address in _links(group):
                 try:
                     path = join_scope(prefix, raw.decode("utf-8"))
                 except UnicodeDecodeError:
                     raise FormatError(f"{self.name}: an object name is not valid UTF-8: {raw!r}") from None
                 if kind != h5py.h5l.TYPE_HARD:
-                    what = {h5py.h5l.TYPE_SOFT: "SoftLink", h5py.h5l.TYPE_EXTERNAL: "ExternalLink"}.get(kind, "user-defined link")
+                    what = _LINK_KINDS.get(kind, "user-defined link")
                     raise UnsafeFileError(f"{self.name}: {path!r} is a {what}; only plain datasets are read")
                 if address in seen:
                     raise UnsafeFileError(f"{self.name}: {path!r} links to an object seen before")
@@ -261,7 +267,7 @@ class Hdf5Reader:
                 elif node_type != h5py.h5o.TYPE_GROUP:
                     raise FormatError(f"{self.name}: {path!r} is neither a group nor a dataset")
                 elif depth + 1 >= MAX_DEPTH:
-                    raise UnsafeFileError(f"{self.name}: groups nest deeper than {MAX_DEPTH} levels at {path[:200]!r}...")
+                    raise UnsafeFileError(f"{self.name}: groups nest deeper than {MAX_DEPTH} levels at {path[:200]!r}")
                 else:
                     pending.append((h5py.h5g.open(group, raw), path, depth + 1))
         return found

@@ -42,7 +42,7 @@ def check_vlen_attribute(read_at: ReadAt, file_size: int, base: int, header: int
         raise FormatError(f"{where}: no HDF5 superblock at byte {base}")
     sizes = superblock[13:15] if superblock[8] in (0, 1) else superblock[9:11]
     if tuple(sizes) != (8, 8):
-        raise UnsafeFileError(f"{where}: HDF5 addresses of {sizes[0]} bytes; the manifest is read from 8-byte ones only")
+        raise UnsafeFileError(f"{where}: HDF5 addresses of {sizes[0]} bytes; manifests are read from 8-byte ones only")
     found = _attribute(reader, base, header, name.encode("utf-8"))
     if found is None:
         return
@@ -53,7 +53,7 @@ def check_vlen_attribute(read_at: ReadAt, file_size: int, base: int, header: int
         raise FormatError(f"{where}: attribute {name!r} is truncated")
     length, heap, index = struct.unpack_from("<IQI", data)
     if length > limit:
-        raise UnsafeFileError(f"{where}: {name!r} attribute (the manifest) is too large: claims {length} bytes, limit {limit}")
+        raise UnsafeFileError(f"{where}: {name!r} attribute (manifest) is too large ({length} bytes, limit {limit})")
     stored = _heap_object(reader, base + heap, index, limit)
     if stored != length:
         raise FormatError(f"{where}: attribute {name!r} claims {length} bytes but its heap object holds {stored}")
@@ -66,7 +66,7 @@ class _Bytes:
 
     def read(self, offset: int, length: int, *, budgeted: bool = True) -> bytes:
         if offset < 0 or length < 0 or offset + length > self.size:
-            raise FormatError(f"{self.where}: HDF5 structure points outside the file (bytes {offset}..{offset + length})")
+            raise FormatError(f"{self.where}: HDF5 structure points outside the file ({offset}..{offset + length})")
         self._budget -= length if budgeted else 0
         if self._budget < 0:
             raise UnsafeFileError(f"{self.where}: HDF5 object header is larger than {_MAX_HEADER_BYTES} bytes")
@@ -87,7 +87,7 @@ def _attribute(reader: _Bytes, base: int, header: int, name: bytes) -> tuple[byt
             if parsed[0] == name:
                 return parsed[1], parsed[2]
     if dense:
-        raise UnsafeFileError(f"{reader.where}: attributes in dense storage; the manifest is read from compact ones only")
+        raise UnsafeFileError(f"{reader.where}: attributes in dense storage; manifests are read from compact ones only")
     return None
 
 
