@@ -161,20 +161,21 @@ class Hdf5Reader:
         self.has_checksums = manifest is not None
         self._infos: dict[str, TensorInfo] = dict(manifest.tensors) if manifest else {}
 
-    def _keyed(self, found: dict[str, str]) -> dict[str, str]:
+    def _keyed(self, found: set[str]) -> dict[str, str]:
         """Key -> dataset path. A manifest must name every dataset exactly once, each key at its
-        own path (or the reserved dataset inside it): no key may read another's data, none hide."""
+        own path (or the reserved dataset inside it): no key may read another's data, none hide.
+        Without a manifest each path is its key, so a weightstore file whose manifest attribute
+        is damaged (its ``VALUE`` datasets then name no key) is refused, not read unverified."""
         if self._manifest is None:
-            return foreign_keys(found.items(), self.name, "dataset")
+            return foreign_keys(((path, path) for path in sorted(found)), self.name, "dataset")
         paths = {}
         for key in self._manifest.tensors:
             path = self._manifest.locations.get(key, key)
             if path not in (key, join_scope(key, VALUE)):
                 raise FormatError(f"{self.name}: manifest puts tensor {key!r} at {path!r}, outside its own name")
             paths[key] = path
-        stored = set(found.values())
-        unknown = sorted(set(paths.values()) - stored)
-        unlisted = sorted(stored - set(paths.values()))
+        unknown = sorted(set(paths.values()) - found)
+        unlisted = sorted(found - set(paths.values()))
         if unknown or unlisted:
             raise FormatError(
                 f"{self.name}: manifest and datasets disagree (listed but absent: {unknown[:3]}, "
@@ -237,14 +238,14 @@ class Hdf5Reader:
         finally:
             location.seek(position)
 
-    def _walk(self) -> dict[str, str]:
-        """Key -> dataset path for every dataset, refusing links that leave the tree.
+    def _walk(self) -> set[str]:
+        """The path of every dataset, refusing links that leave the tree.
 
         One group at a time with an explicit stack (HDF5's own recursive visit overflows the C
         stack on groups nested 10,000 deep, and takes seconds at 3,000), refusing nesting
         deeper than :data:`MAX_DEPTH` before descending into it.
         """
-        found: dict[str, str] = {}
+        found: set[str] = set()
         seen: set = set()
         pending: list[tuple[h5py.h5g.GroupID, str, int]] = [(self._file.id, "", 0)]
         while pending:
@@ -262,8 +263,7 @@ class Hdf5Reader:
                 seen.add(address)
                 node_type = h5py.h5o.get_info(group, raw).type
                 if node_type == h5py.h5o.TYPE_DATASET:
-                    parent, _, child = path.rpartition("/")
-                    found[parent if child == VALUE else path] = path
+                    found.add(path)
                 elif node_type != h5py.h5o.TYPE_GROUP:
                     raise FormatError(f"{self.name}: {path!r} is neither a group nor a dataset")
                 elif depth + 1 >= MAX_DEPTH:

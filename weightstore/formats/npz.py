@@ -247,9 +247,11 @@ class NpzReader:
         if position < 0:
             raise FormatError(f"{self.name}: not an npz file (no zip directory; truncated or not a zip)")
         eocd_offset = tail_start + position
-        _, disk, cd_disk, _, count, cd_size, cd_offset, _ = _EOCD.unpack_from(tail, position)
+        _, disk, cd_disk, disk_count, count, cd_size, cd_offset, _ = _EOCD.unpack_from(tail, position)
         if disk or cd_disk:
             raise FormatError(f"{self.name}: multi-disk zip archives are not supported")
+        if disk_count != count:
+            raise FormatError(f"{self.name}: zip end record counts {disk_count} and {count} entries")
         if count == 0xFFFF or cd_size == _ZIP64_LIMIT or cd_offset == _ZIP64_LIMIT:
             count, cd_size, cd_offset, eocd_offset = self._read_zip64_end(eocd_offset)
         if cd_offset + cd_size > eocd_offset or count * _CENTRAL.size > cd_size:
@@ -291,6 +293,8 @@ class NpzReader:
             if name in members:
                 raise UnsafeFileError(f"{self.name}: member {name!r} appears twice")
             members[name] = _Member(name, offset, crc, compressed, size, method, 0, raw_name)
+        if position != len(directory):  # else a count that lies small hides members (the manifest among them)
+            raise FormatError(f"{self.name}: zip directory holds more than the {count} entries its end record counts")
         ordered = sorted(members.values(), key=lambda m: m.offset)
         for member, following in zip(ordered, ordered[1:] + [None]):
             member.limit = following.offset if following else cd_offset
