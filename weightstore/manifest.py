@@ -25,6 +25,7 @@ from weightstore.keys import validate_key
 FORMAT_NAME = "weightstore"
 FORMAT_VERSION = 1
 CHECKSUM_ALGORITHM = "crc32"
+_CHECKSUM_PREFIX = CHECKSUM_ALGORITHM + ":"
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 MAX_NDIM = 64
 
@@ -226,24 +227,31 @@ def _refuse_constant(name: str) -> None:
 
 
 def _parse_entry(key: str, entry: object, where: str) -> TensorInfo:
+    """One tensor's entry. Plain type checks, no generators: a file may hold 50,000 entries."""
     try:
         validate_key(key)
     except ValueError as exc:
         raise FormatError(f"{where}: manifest has {exc}") from None
-    if not isinstance(entry, dict):
+    if type(entry) is not dict:
         raise FormatError(f"{where}: manifest entry for {key!r} is not an object")
     shape = entry.get("shape")
-    if (
-        not isinstance(shape, list)
-        or len(shape) > MAX_NDIM
-        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
-    ):
+    if type(shape) is not list or len(shape) > MAX_NDIM or not _all_sizes(shape):
         raise FormatError(f"{where}: manifest shape of {key!r} is not a list of sizes: {shape!r}")
     name = entry.get("dtype")
     if not isinstance(name, str):
         raise FormatError(f"{where}: manifest dtype of {key!r} is missing")
-    dtype = logical_dtype(name, f"{where}: tensor {key!r}")
+    dtype = _known_dtype(name)
+    if dtype is None:
+        raise FormatError(f"{where}: tensor {key!r}: unknown dtype {name!r}")
     digest = entry.get("checksum")
-    if digest is not None and not (isinstance(digest, str) and digest.startswith(CHECKSUM_ALGORITHM + ":")):
+    if digest is not None and not (type(digest) is str and digest.startswith(_CHECKSUM_PREFIX)):
         raise FormatError(f"{where}: manifest checksum of {key!r} is not {CHECKSUM_ALGORITHM}: {digest!r}")
-    return TensorInfo(key, name, tuple(shape), shape_nbytes(tuple(shape), dtype.itemsize), digest)
+    dims = tuple(shape)
+    return TensorInfo(key, name, dims, math.prod(dims) * dtype.itemsize, digest)
+
+
+def _all_sizes(shape: list) -> bool:
+    for size in shape:
+        if type(size) is not int or size < 0:  # ``type``, not isinstance: True is no size
+            return False
+    return True

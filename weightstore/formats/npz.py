@@ -289,7 +289,8 @@ class NpzReader:
                 raise UnsafeFileError(f"{self.name}: member {name!r} is encrypted")
             if method not in (_STORED, _DEFLATED):
                 raise UnsafeFileError(f"{self.name}: member {name!r} uses compression method {method}; only stored and deflate are read")
-            size, compressed, offset = _apply_zip64(extra, size, compressed, offset, self.name, name)
+            if extra or _ZIP64_LIMIT in (size, compressed, offset):
+                size, compressed, offset = _apply_zip64(extra, size, compressed, offset, self.name, name)
             if name in members:
                 raise UnsafeFileError(f"{self.name}: member {name!r} appears twice")
             members[name] = _Member(name, offset, crc, compressed, size, method, 0, raw_name)
@@ -311,8 +312,7 @@ class NpzReader:
             name = raw.decode("utf-8" if flags & _UTF8_FLAG else "cp437")
         except UnicodeDecodeError:
             raise FormatError(f"{self.name}: a member name is not valid UTF-8") from None
-        segments = name.split("/")
-        if "\0" in name or "\\" in name or name.startswith("/") or ".." in segments:
+        if "\0" in name or "\\" in name or name.startswith("/") or (".." in name and ".." in name.split("/")):
             raise UnsafeFileError(f"{self.name}: unsafe member name {name!r}")
         return name
 

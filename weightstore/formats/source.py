@@ -142,6 +142,12 @@ class OwnedFile(_LocalFile):
     tensor the writer aligned in the file is aligned in memory too.
     """
 
+    def check_unchanged(self, what: str) -> None:
+        """Only whether it is closed: a file changed under positional reads fails them cleanly
+        (a short read) or is caught by the header and checksum checks, and no array can change."""
+        if self._closed:
+            raise StoreClosedError(f"{self.name}: store is closed; cannot read {what}")
+
     def read_at(self, offset: int, length: int) -> memoryview:
         self._check(offset, length)
         raw = np.empty(length + ALIGNMENT, dtype=np.uint8)
