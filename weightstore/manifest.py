@@ -26,6 +26,9 @@ FORMAT_NAME = "weightstore"
 FORMAT_VERSION = 1
 CHECKSUM_ALGORITHM = "crc32"
 _CHECKSUM_PREFIX = CHECKSUM_ALGORITHM + ":"
+_FIELDS = frozenset({"format", "version", "producer", "created", "metadata", "tensors"})
+#: ``location`` is optional; the other three are always written (``checksum`` may be null)
+_ENTRY_FIELDS = frozenset({"dtype", "shape", "checksum", "location"})
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 MAX_NDIM = 64
 
@@ -191,6 +194,9 @@ def parse_manifest(text: str, where: str) -> Manifest:
         raise FormatError(f"{where}: manifest is not valid JSON ({exc})") from None
     if not isinstance(document, dict) or document.get("format") != FORMAT_NAME:
         raise FormatError(f"{where}: manifest is not a weightstore manifest")
+    unknown = sorted(set(document) - _FIELDS)
+    if unknown:  # a field misspelt by damage must not read as a field left out
+        raise FormatError(f"{where}: manifest has fields {unknown} this version does not define")
     version = document.get("version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise FormatError(f"{where}: manifest version {version!r} is newer than this weightstore reads")
@@ -227,13 +233,19 @@ def _refuse_constant(name: str) -> None:
 
 
 def _parse_entry(key: str, entry: object, where: str) -> TensorInfo:
-    """One tensor's entry. Plain type checks, no generators: a file may hold 50,000 entries."""
+    """One tensor's entry. Plain type checks, no generators: a file may hold 50,000 entries.
+
+    Its fields are exactly those the writer writes: a ``checksum`` field damaged into another
+    name would otherwise read as a tensor without a checksum, and go unverified.
+    """
     try:
         validate_key(key)
     except ValueError as exc:
         raise FormatError(f"{where}: manifest has {exc}") from None
     if type(entry) is not dict:
         raise FormatError(f"{where}: manifest entry for {key!r} is not an object")
+    if len(entry) != 3 + ("location" in entry) or not _ENTRY_FIELDS.issuperset(entry):
+        raise FormatError(f"{where}: manifest entry for {key!r} has fields {sorted(entry)}, not {sorted(_ENTRY_FIELDS)}")
     shape = entry.get("shape")
     if type(shape) is not list or len(shape) > MAX_NDIM or not _all_sizes(shape):
         raise FormatError(f"{where}: manifest shape of {key!r} is not a list of sizes: {shape!r}")
