@@ -71,7 +71,8 @@ def _as_format_error(where: str, doing: str = "unreadable HDF5") -> Iterator[Non
     except WeightStoreError:
         raise
     except _H5PY_ERRORS as exc:
-        raise FormatError(f"{where}: {doing} ({type(exc).__name__}: {exc})") from None
+        detail = (str(exc).splitlines() or [""])[0][:300]  # HDF5's messages run to many lines
+        raise FormatError(f"{where}: {doing} ({type(exc).__name__}: {detail})") from None
 
 
 class Hdf5Writer:
