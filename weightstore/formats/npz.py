@@ -81,12 +81,13 @@ class _Layout:
 
     header: bytes
     storage: np.dtype
+    logical: np.dtype  # what the stored bytes are viewed as (native order, ml_dtypes by name)
 
 
 @functools.lru_cache(maxsize=4096)  # files hold many tensors of few (dtype, shape) pairs
 def _layout(dtype_name: str, shape: tuple[int, ...]) -> _Layout:
     storage = storage_dtype(dtype_name)
-    return _Layout(npy_header(storage, shape), storage)
+    return _Layout(npy_header(storage, shape), storage, from_storage(np.empty(0, storage), dtype_name).dtype)
 
 
 @dataclass
@@ -512,7 +513,7 @@ class NpzReader:
             self._verify(key, member, data, payload, info)
         count = math.prod(info.shape)
         array = np.frombuffer(payload, dtype=layout.storage, count=count) if count else np.empty(0, layout.storage)
-        return from_storage(array.reshape(info.shape), info.dtype)
+        return array.reshape(info.shape).view(layout.logical)
 
     def _read_foreign(self, key: str, member: _Member, verify: bool) -> np.ndarray:
         """A member of a file without a manifest: its own npy header is all there is to go on."""
