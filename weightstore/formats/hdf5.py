@@ -26,7 +26,7 @@ from weightstore.errors import (
     WeightStoreError,
 )
 from weightstore.formats import Format, foreign_keys
-from weightstore.formats.hdf5_heap import check_vlen_attribute
+from weightstore.formats.hdf5_bytes import ReadAt, check_group, check_vlen_attribute
 from weightstore.keys import RESERVED_PREFIX, join_scope
 from weightstore.manifest import (
     MAX_MANIFEST_BYTES,
@@ -54,6 +54,26 @@ MAX_DEPTH = 256
 _LINK_KINDS = {h5py.h5l.TYPE_SOFT: "SoftLink", h5py.h5l.TYPE_EXTERNAL: "ExternalLink"}
 #: what h5py raises for a corrupt file or a failed write, depending on which C call failed
 _H5PY_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError, IndexError, UnicodeDecodeError)
+
+
+@contextlib.contextmanager
+def _raw_bytes(location) -> Iterator[tuple[ReadAt, int]]:
+    """``(read_at, size)`` over the file's bytes, beside h5py's own access to it."""
+    if isinstance(location, str):
+        with open(location, "rb") as handle:
+            yield (lambda offset, length: os.pread(handle.fileno(), length, offset)), os.fstat(handle.fileno()).st_size
+        return
+    position = location.tell()
+    size = location.seek(0, os.SEEK_END)
+
+    def read_at(offset: int, length: int) -> bytes:
+        location.seek(offset)  # h5py's file-object driver seeks before each of its reads too
+        return location.read(length)
+
+    try:
+        yield read_at, size
+    finally:
+        location.seek(position)
 
 
 def _links(group: h5py.h5g.GroupID) -> list[tuple[bytes, int, object]]:
@@ -149,8 +169,9 @@ class Hdf5Reader:
         with _as_format_error(name, "not a readable HDF5 file"):
             self._file = h5py.File(location, "r")
         try:
-            with _as_format_error(name):
-                self._manifest = self._read_manifest(location)
+            with _as_format_error(name), _raw_bytes(location) as (read_at, size):
+                self._raw = read_at, size, self._file.userblock_size
+                self._manifest = self._read_manifest()
                 found = self._walk()
             self._paths = self._keyed(found)
         except BaseException:
@@ -184,7 +205,7 @@ class Hdf5Reader:
             )
         return paths
 
-    def _read_manifest(self, location) -> Manifest | None:
+    def _read_manifest(self) -> Manifest | None:
         """The manifest attribute, its size bounded before HDF5 reads it and before any JSON is parsed.
 
         It must be one string. A fixed-length string's size is known before reading and is
@@ -194,6 +215,8 @@ class Hdf5Reader:
         :func:`check_vlen_attribute` checks the reference and its heap object in the file's
         bytes first, and the text's length is checked again before parsing.
         """
+        read_at, size, base = self._raw  # first: HDF5 walks the root header to find any attribute
+        check_vlen_attribute(read_at, size, base, MANIFEST_ATTRIBUTE, MAX_MANIFEST_BYTES, self.name)
         if MANIFEST_ATTRIBUTE not in self._file.attrs:
             return None
         attribute = self._file.attrs.get_id(MANIFEST_ATTRIBUTE)
@@ -202,8 +225,6 @@ class Hdf5Reader:
             raise FormatError(f"{self.name}: manifest attribute is not one text value ({attribute.dtype}, shape {attribute.shape})")
         if string.length is not None and attribute.get_storage_size() > MAX_MANIFEST_BYTES:
             raise UnsafeFileError(f"{self.name}: manifest attribute is too large ({attribute.get_storage_size()} bytes)")
-        if string.length is None:
-            self._check_heap_reference(location)
         text = self._file.attrs[MANIFEST_ATTRIBUTE]
         if isinstance(text, np.ndarray) and text.shape == ():
             text = text[()]
@@ -218,39 +239,21 @@ class Hdf5Reader:
             text = text.decode("utf-8", "replace")
         return parse_manifest(text, self.name)
 
-    def _check_heap_reference(self, location) -> None:
-        header = h5py.h5o.get_info(self._file.id).addr
-        base = self._file.userblock_size
-        if isinstance(location, str):
-            with open(location, "rb") as handle:
-                size = os.fstat(handle.fileno()).st_size
-                check_vlen_attribute(lambda offset, length: os.pread(handle.fileno(), length, offset), size, base,
-                                     header, MANIFEST_ATTRIBUTE, MAX_MANIFEST_BYTES, self.name)
-            return
-        position = location.tell()
-        size = location.seek(0, os.SEEK_END)
-
-        def read_at(offset: int, length: int) -> bytes:
-            location.seek(offset)
-            return location.read(length)
-
-        try:
-            check_vlen_attribute(read_at, size, base, header, MANIFEST_ATTRIBUTE, MAX_MANIFEST_BYTES, self.name)
-        finally:
-            location.seek(position)
-
     def _walk(self) -> set[str]:
         """The path of every dataset, refusing links that leave the tree.
 
         One group at a time with an explicit stack (HDF5's own recursive visit overflows the C
         stack on groups nested 10,000 deep, and takes seconds at 3,000), refusing nesting
-        deeper than :data:`MAX_DEPTH` before descending into it.
+        deeper than :data:`MAX_DEPTH` before descending into it, and checking each group's
+        symbol table (:func:`check_group`) before HDF5 lists it.
         """
+        read_at, size, base = self._raw
         found: set[str] = set()
         seen: set = set()
-        pending: list[tuple[h5py.h5g.GroupID, str, int]] = [(self._file.id, "", 0)]
+        pending: list[tuple[h5py.h5g.GroupID, int | None, str, int]] = [(self._file.id, None, "", 0)]
         while pending:
-            group, prefix, depth = pending.pop()
+            group, header, prefix, depth = pending.pop()
+            check_group(read_at, size, base, header, self.name)
             for raw, kind, address in _links(group):
                 try:
                     path = join_scope(prefix, raw.decode("utf-8"))
@@ -270,7 +273,7 @@ class Hdf5Reader:
                 elif depth + 1 >= MAX_DEPTH:
                     raise UnsafeFileError(f"{self.name}: groups nest deeper than {MAX_DEPTH} levels at {path[:200]!r}")
                 else:
-                    pending.append((h5py.h5g.open(group, raw), path, depth + 1))
+                    pending.append((h5py.h5g.open(group, raw), address, path, depth + 1))
         return found
 
     def keys(self) -> list[str]:

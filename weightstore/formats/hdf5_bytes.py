@@ -1,4 +1,8 @@
-"""Bounds on a variable-length string attribute, checked in the file's own bytes before HDF5 reads it.
+"""HDF5 structures HDF5 itself follows blindly, checked in the file's own bytes before it reads them.
+
+:func:`check_group`: a group's symbol table (local heap free list, B-tree), where a cycle made
+HDF5 loop and allocate without bound. :func:`check_vlen_attribute`: a variable-length string
+attribute (the manifest), described below.
 
 A variable-length string attribute holds only a reference: a length, the address of a global
 heap collection and an object index. HDF5 allocates whatever length the reference claims
@@ -29,21 +33,16 @@ _MAX_BLOCKS = 64  # object header chunks followed before giving up
 _MAX_HEADER_BYTES = 16 << 20
 
 
-def check_vlen_attribute(read_at: ReadAt, file_size: int, base: int, header: int, name: str, limit: int,
-                         where: str) -> None:
-    """Refuse, before HDF5 follows it, a string attribute whose reference lies about its heap object.
+def check_vlen_attribute(read_at: ReadAt, file_size: int, base: int, name: str, limit: int, where: str) -> None:
+    """Refuse, before HDF5 reads it, a root-group string attribute whose reference lies about its heap object.
 
-    ``base`` is where the superblock lies (after any user block), ``header`` the object header's
-    address relative to it. Attributes that are not variable-length strings are left alone.
+    ``base`` is where the superblock lies (after any user block). The root group's object
+    header is found from the superblock, not from HDF5, which walks the whole header (and can
+    loop on a damaged one) to describe it. Attributes that are not variable-length strings,
+    and a root group without the attribute, are left to HDF5.
     """
     reader = _Bytes(read_at, file_size, where)
-    superblock = reader.read(base, 16)
-    if not superblock.startswith(_SIGNATURE):
-        raise FormatError(f"{where}: no HDF5 superblock at byte {base}")
-    sizes = superblock[13:15] if superblock[8] in (0, 1) else superblock[9:11]
-    if tuple(sizes) != (8, 8):
-        raise UnsafeFileError(f"{where}: HDF5 addresses of {sizes[0]} bytes; manifests are read from 8-byte ones only")
-    found = _attribute(reader, base, header, name.encode("utf-8"))
+    found = _attribute(reader, base, _root_header(reader, base), name.encode("utf-8"))
     if found is None:
         return
     datatype, data = found
@@ -198,3 +197,97 @@ def _heap_object(reader: _Bytes, collection: int, index: int, limit: int) -> int
             found = length
         position += step
     return found
+
+
+_SYMBOL_TABLE = 0x11
+_UNDEFINED = (1 << 64) - 1
+
+
+def check_group(read_at: ReadAt, file_size: int, base: int, header: int | None, where: str) -> None:
+    """Refuse a group whose symbol table HDF5 would loop over, before HDF5 lists it.
+
+    A version-1 group (what weightstore and most tools write) keeps its links in a B-tree of
+    symbol nodes whose names live in a local heap. HDF5 follows the heap's free list and the
+    tree's child pointers without noticing a cycle: one damaged byte made it loop, allocating
+    until the machine ran out of memory. Both are walked here first, each block seen once, each
+    inside the file. ``header`` is the group's object header address; None for the root group
+    (found from the superblock). Groups of other kinds are left to HDF5.
+    """
+    reader = _Bytes(read_at, file_size, where)
+    if header is None:
+        header = _root_header(reader, base)
+    for kind, body in _messages(reader, base, header):
+        if kind == _SYMBOL_TABLE:
+            if len(body) < 16:
+                raise FormatError(f"{where}: symbol table message is truncated")
+            tree, heap = struct.unpack_from("<QQ", body)
+            heap_size = _check_local_heap(reader, base + heap)
+            _check_tree(reader, base, tree, heap_size)
+
+
+def _root_header(reader: _Bytes, base: int) -> int:
+    """The root group's object header address: in the root symbol table entry (superblock
+    versions 0 and 1) or a field of its own (versions 2 and 3)."""
+    superblock = reader.read(base, 72)
+    if not superblock.startswith(_SIGNATURE):
+        raise FormatError(f"{reader.where}: no HDF5 superblock at byte {base}")
+    version = superblock[8]
+    sizes = superblock[13:15] if version in (0, 1) else superblock[9:11]
+    if tuple(sizes) != (8, 8):
+        raise UnsafeFileError(f"{reader.where}: HDF5 addresses of {sizes[0]} bytes; only 8-byte ones are read")
+    return struct.unpack_from("<Q", superblock, {0: 64, 1: 68}.get(version, 36))[0]
+
+
+def _check_local_heap(reader: _Bytes, address: int) -> int:
+    """The data size of the local heap at ``address``, once its free list is known to end."""
+    head = reader.read(address, 32)
+    if head[:4] != b"HEAP":
+        raise FormatError(f"{reader.where}: no local heap at byte {address}")
+    size, free, data = struct.unpack_from("<QQQ", head, 8)
+    if data + size > reader.size:
+        raise FormatError(f"{reader.where}: local heap at byte {address} lies outside the file")
+    seen: set[int] = set()
+    while free not in (_UNDEFINED, 1):  # HDF5 writes either for "no free block"
+        if free in seen or free + 16 > size:
+            raise FormatError(f"{reader.where}: local heap at byte {address} has a free list that loops or "
+                              "leaves the heap")
+        seen.add(free)
+        free, length = struct.unpack_from("<QQ", reader.read(data + free, 16))
+        if length < 16:
+            raise FormatError(f"{reader.where}: local heap at byte {address} has a free block of {length} bytes")
+    return size
+
+
+def _check_tree(reader: _Bytes, base: int, root: int, heap_size: int) -> None:
+    """Every node of a group's B-tree visited once, one level down each step, inside the file."""
+    seen: set[int] = set()
+    pending: list[tuple[int, int | None]] = [(root, None)]
+    while pending:
+        address, level_above = pending.pop()
+        if address in seen:
+            raise FormatError(f"{reader.where}: group B-tree node at byte {base + address} is reached twice")
+        seen.add(address)
+        head = reader.read(base + address, 24, budgeted=False)
+        if head[:4] != b"TREE" or head[4] != 0:
+            raise FormatError(f"{reader.where}: no group B-tree node at byte {base + address}")
+        level, entries = head[5], struct.unpack_from("<H", head, 6)[0]
+        if level_above is not None and level != level_above - 1:
+            raise FormatError(f"{reader.where}: group B-tree node at byte {base + address} is at the wrong level")
+        body = reader.read(base + address + 24, 8 + 16 * entries, budgeted=False)
+        children = [struct.unpack_from("<Q", body, 8 + 16 * i)[0] for i in range(entries)]
+        if level:
+            pending.extend((child, level) for child in children)
+        else:
+            for child in children:
+                _check_symbols(reader, base + child, heap_size)
+
+
+def _check_symbols(reader: _Bytes, address: int, heap_size: int) -> None:
+    head = reader.read(address, 8, budgeted=False)
+    if head[:4] != b"SNOD":
+        raise FormatError(f"{reader.where}: no symbol table node at byte {address}")
+    count = struct.unpack_from("<H", head, 6)[0]
+    entries = reader.read(address + 8, 40 * count, budgeted=False)
+    for i in range(count):
+        if struct.unpack_from("<Q", entries, 40 * i)[0] >= heap_size:
+            raise FormatError(f"{reader.where}: symbol table node at byte {address} names a link outside its heap")
