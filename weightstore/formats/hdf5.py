@@ -250,10 +250,10 @@ class Hdf5Reader:
         read_at, size, base = self._raw
         found: set[str] = set()
         seen: set = set()
-        pending: list[tuple[h5py.h5g.GroupID, int | None, str, int]] = [(self._file.id, None, "", 0)]
+        check_group(read_at, size, base, None, self.name)
+        pending: list[tuple[h5py.h5g.GroupID, str, int]] = [(self._file.id, "", 0)]
         while pending:
-            group, header, prefix, depth = pending.pop()
-            check_group(read_at, size, base, header, self.name)
+            group, prefix, depth = pending.pop()
             for raw, kind, address in _links(group):
                 try:
                     path = join_scope(prefix, raw.decode("utf-8"))
@@ -265,6 +265,7 @@ class Hdf5Reader:
                 if address in seen:
                     raise UnsafeFileError(f"{self.name}: {path!r} links to an object seen before")
                 seen.add(address)
+                check_group(read_at, size, base, address, self.name)  # before HDF5 describes it (sizing its tree)
                 node_type = h5py.h5o.get_info(group, raw).type
                 if node_type == h5py.h5o.TYPE_DATASET:
                     found.add(path)
@@ -273,7 +274,7 @@ class Hdf5Reader:
                 elif depth + 1 >= MAX_DEPTH:
                     raise UnsafeFileError(f"{self.name}: groups nest deeper than {MAX_DEPTH} levels at {path[:200]!r}")
                 else:
-                    pending.append((h5py.h5g.open(group, raw), address, path, depth + 1))
+                    pending.append((h5py.h5g.open(group, raw), path, depth + 1))
         return found
 
     def keys(self) -> list[str]:

@@ -210,8 +210,9 @@ def check_group(read_at: ReadAt, file_size: int, base: int, header: int | None, 
     symbol nodes whose names live in a local heap. HDF5 follows the heap's free list and the
     tree's child pointers without noticing a cycle: one damaged byte made it loop, allocating
     until the machine ran out of memory. Both are walked here first, each block seen once, each
-    inside the file. ``header`` is the group's object header address; None for the root group
-    (found from the superblock). Groups of other kinds are left to HDF5.
+    inside the file. ``header`` is the object header's address; None for the root group (found
+    from the superblock). Any object header may be given: one without a symbol table (a
+    dataset, a newer-style group) only has its messages walked, a bounded number of blocks.
     """
     reader = _Bytes(read_at, file_size, where)
     if header is None:
