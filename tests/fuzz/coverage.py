@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -48,16 +49,15 @@ def _supervise(names: list[str], seconds: int) -> int:
     command = [sys.executable, "-m", "fuzz.coverage", "--child", *sum((["--target", n] for n in names), []),
                str(corpus), f"-artifact_prefix={crashes}/", "-timeout=10", "-rss_limit_mb=2048",
                *([f"-max_total_time={seconds}"] if seconds else [])]
-    while True:
-        try:
-            result = subprocess.run(command, cwd=ROOT / "tests")
-        except KeyboardInterrupt:
-            return 0
-        if result.returncode == 0:
-            return 0
-        kept = _keep_current()
-        print(f"fuzz: the fuzzer stopped (exit {result.returncode}); the input is kept as {kept}", file=sys.stderr)
-        return 1
+    try:
+        result = subprocess.run(command, cwd=ROOT / "tests")
+    except KeyboardInterrupt:
+        return 0
+    if result.returncode in (0, -signal.SIGINT, -signal.SIGTERM):  # done, or stopped by someone
+        return 0
+    kept = _keep_current()
+    print(f"fuzz: the fuzzer stopped (exit {result.returncode}); the input is kept as {kept}", file=sys.stderr)
+    return 1
 
 
 def _keep_current() -> Path | None:
