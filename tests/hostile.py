@@ -7,6 +7,8 @@ one that ``zipfile`` would refuse to write: duplicate names, overlapping members
 from __future__ import annotations
 
 import struct
+import subprocess
+import sys
 import zlib
 from dataclasses import dataclass, field
 
@@ -158,3 +160,29 @@ def peak_rss_growth(code: str, *, timeout: float = 120) -> tuple[int, str]:
     assert result.returncode == 0, result.stderr
     growth = [line for line in result.stdout.splitlines() if line.startswith("GROWTH ")]
     return int(growth[-1].split()[1]), result.stdout
+
+
+def run_isolated(code: str, *, timeout: float = 60, address_space: int | None = None,
+                 file_size: int | None = None) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh Python after ``import weightstore as ws``, under resource limits,
+    so that a crash (SIGBUS, SIGSEGV), a hang or a runaway allocation is reported, not fatal.
+
+    ``address_space`` caps virtual memory above what the interpreter maps at start-up (h5py and
+    numpy map a lot); ``file_size`` caps any file written, with SIGXFSZ ignored so a write past
+    it fails with EFBIG the way a full disk fails with ENOSPC.
+    """
+    limits = (
+        "import resource, signal\n"
+        + (
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+            f"resource.setrlimit(resource.RLIMIT_FSIZE, ({file_size}, {file_size}))\n"
+            if file_size is not None else ""
+        )
+        + (
+            "_mapped = int(open('/proc/self/statm').read().split()[0]) * resource.getpagesize()\n"
+            f"resource.setrlimit(resource.RLIMIT_AS, (_mapped + {address_space}, _mapped + {address_space}))\n"
+            if address_space is not None else ""
+        )
+    )
+    script = "import numpy as np, weightstore as ws, weightstore.formats.hdf5\n" + limits + code
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout)

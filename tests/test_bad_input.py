@@ -7,6 +7,7 @@ real, under ``tmp_path``; the zips are made by hand in :mod:`hostile`.
 from __future__ import annotations
 
 import os
+import pathlib
 import pickle
 import re
 import subprocess
@@ -325,7 +326,15 @@ def test_npy_header_over_10000_bytes(tmp_path):
     "{'descr': '<f4', 'fortran_order': False, 'shape': (1.5,), }",
     "{'descr': 'nonsense', 'fortran_order': False, 'shape': (1,), }",
     "[" * 10_000 + "]" * 10_000,
-], ids=["code", "no-shape", "negative", "float-dim", "bad-descr", "deep"])
+    "{'descr': '(2,)<f4', 'fortran_order': False, 'shape': (1,), }",
+    "{'descr': 'V0', 'fortran_order': False, 'shape': (4,), }",
+    "{'descr': '<f4', 'fortran_order': False, 'shape': (0, 2**62, 2**62), }",
+    "{'descr': '<f4', 'fortran_order': False, 'shape': (1,), [1]: 2}",
+    "{'descr': ',<f', 'fortran_order': False, 'shape': (1,), }",
+    "{'descr': '<f4', 'fortran_order': 'yes', 'shape': (1,), }",
+    "{'descr': '<f4', 'fortran_order': 0, 'shape': (1,), }",
+], ids=["code", "no-shape", "negative", "float-dim", "bad-descr", "deep", "sub-array", "V0", "huge-zero-size",
+        "unhashable", "comma-descr", "fortran-str", "fortran-int"])
 def test_npy_header_garbage(tmp_path, text):
     path = _one_member(tmp_path, hostile.npy_raw("<f4", (1,), b"\0" * 4, header_text=text[:9000]))
     cwd = os.getcwd()
@@ -628,8 +637,9 @@ def test_every_error_is_a_weightstore_error_and_its_builtin():
         "StoreNotFoundError": FileNotFoundError, "VersionGoneError": FileNotFoundError,
         "StoreExistsError": FileExistsError, "KeyNotInStoreError": KeyError, "FormatError": ValueError,
         "ChecksumError": ValueError, "UnsafeFileError": ValueError, "SizeLimitError": ValueError,
+        "StoreClosedError": ValueError,
         "AssignmentError": ValueError, "PublishError": RuntimeError, "MissingDependencyError": ImportError,
-        "TargetError": ValueError, "StorageError": OSError,
+        "TargetError": ValueError, "StorageError": OSError, "LayoutError": ValueError,
     }
     assert set(errors.__all__) == set(refines) | {"WeightStoreError"}
     for name, builtin in refines.items():
@@ -830,3 +840,242 @@ def test_h5_manifest_attribute_that_is_not_one_string(tmp_path, value):
     path = _h5_with_manifest_attribute(tmp_path / "odd.h5", value)
     with raises_naming(errors.FormatError, path, "manifest attribute is not one text value"):
         ws.open(path)
+
+
+# -- files changed under an open store; owned arrays ------------------------------------------
+
+def test_npz_truncated_in_place_under_an_open_store_is_refused_not_fatal(tmp_path):
+    """``cp new.npz model.npz`` over a mapped file: the next read refuses, naming file and key,
+    instead of dying of SIGBUS on the pages past the new end."""
+    path = tmp_path / "m.npz"
+    ws.save(path, {"a": np.arange(1 << 16, dtype=np.float32), "b": np.ones(1 << 16, np.float32)})
+    result = hostile.run_isolated(
+        f"store = ws.open({str(path)!r})\n"
+        "a = store['a']\n"
+        f"with open({str(path)!r}, 'r+b') as f:\n"
+        "    f.truncate(4096)\n"
+        "try:\n"
+        "    store['b']\n"
+        "except ws.FormatError as exc:\n"
+        "    print('REFUSED', exc)\n"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "REFUSED" in result.stdout and str(path) in result.stdout and "'b'" in result.stdout
+
+
+def test_mmap_false_arrays_own_aligned_memory_and_survive_rewrites_in_place(tmp_path):
+    path = tmp_path / "m.npz"
+    weights = {"w": np.arange(1000, dtype=np.float32), "v": np.arange(7, dtype=np.int64)}
+    ws.save(path, weights)
+    mapped = ws.load(path)
+    owned = ws.load(path, mmap=False)
+    assert not mapped["w"].flags.writeable
+    for key, value in owned.items():
+        assert value.flags.writeable and value.ctypes.data % 64 == 0
+        np.testing.assert_array_equal(value, weights[key])
+    with open(path, "r+b") as handle:  # rewritten in place, same size
+        handle.write(b"\0" * path.stat().st_size)
+    np.testing.assert_array_equal(owned["w"], weights["w"])
+    with raises_naming(errors.FormatError, path):
+        ws.load(path, mmap=False)
+
+
+def test_h5_compressed_save_over_a_file_size_limit_raises_and_does_not_crash(tmp_path):
+    path = tmp_path / "big.h5"
+    result = hostile.run_isolated(
+        "import gc\n"
+        "rng = np.random.default_rng(0)\n"
+        "weights = {f'l{i}/w': rng.standard_normal((256, 256)).astype(np.float32) for i in range(8)}\n"
+        "try:\n"
+        f"    ws.save({str(path)!r}, weights, compress=True)\n"
+        "except ws.WeightStoreError as exc:\n"
+        "    print('REFUSED', type(exc).__name__)\n"
+        "gc.collect()\n"
+        "print('ALIVE')\n",
+        file_size=1 << 20,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "REFUSED" in result.stdout and "ALIVE" in result.stdout
+    assert not path.exists()
+
+
+def test_h5_groups_nested_deeper_than_the_limit_refused_early(tmp_path):
+    """10,000 levels overflowed HDF5's recursive visit (3,000 took 13 s)."""
+    path = tmp_path / "deep.h5"
+    with h5py.File(path, "w") as f:
+        f.create_group("/".join(["g"] * 10_000))["w"] = np.zeros(2)
+    result = hostile.run_isolated(
+        f"try:\n    ws.open({str(path)!r})\nexcept ws.UnsafeFileError as exc:\n    print('REFUSED', exc)\n", timeout=60
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "REFUSED" in result.stdout and "deeper than" in result.stdout
+
+
+REGRESSIONS = sorted((pathlib.Path(__file__).parent / "data" / "regressions").glob("*"))
+
+
+@pytest.mark.parametrize("path", REGRESSIONS, ids=[p.name for p in REGRESSIONS])
+def test_regression_files_end_in_a_clean_error(tmp_path, path):
+    """Files that once hung, crashed, allocated gigabytes or read as other data
+    (``tests/data/regressions``, from hand-made mutants and ``./tasks fuzz``): each is opened
+    and read in a separate process with a timeout and 1 GB of address space, and must end in a
+    WeightStoreError. A ``.latest`` file is the ``LATEST`` pointer of an otherwise empty
+    versions folder."""
+    if path.suffix == ".latest":
+        (tmp_path / "LATEST").write_bytes(path.read_bytes())
+        reader = f"ws.latest({str(tmp_path)!r})"
+    else:
+        reader = f"ws.load({str(path)!r})"
+    result = hostile.run_isolated(
+        f"try:\n    {reader}\n    print('READ')\nexcept ws.WeightStoreError as exc:\n    print('REFUSED', exc)\n",
+        timeout=30, address_space=1 << 30,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    named = str(tmp_path) if path.suffix == ".latest" else path.name
+    assert "REFUSED" in result.stdout and named in result.stdout, result.stdout
+
+
+# -- every byte that decides what a tensor is ---------------------------------------------------
+
+def test_npy_header_under_a_manifest_must_be_the_one_the_writer_writes(tmp_path):
+    """fortran_order flipped (same length) used to return a silently reordered array."""
+    path = good_npz(tmp_path)
+    start, _ = hostile.data_offsets(path)["dense/kernel.npy"]
+    raw = bytearray(path.read_bytes())
+    at = raw.index(b"'fortran_order': False", start)
+    raw[at : at + 22] = b"'fortran_order': True "
+    path.write_bytes(bytes(raw))
+    for verify in (True, False):
+        with raises_naming(errors.FormatError, path, "dense/kernel", "npy header"):
+            ws.load(path, verify=verify)
+        with ws.open(path, verify=verify) as store, raises_naming(errors.FormatError, path, "dense/kernel"):
+            store.read_into("dense/kernel", np.empty((8, 8), np.float32))
+
+
+def test_npz_manifest_member_is_always_crc_checked(tmp_path):
+    path = good_npz(tmp_path, metadata={"lr": 0.125})
+    raw = path.read_bytes()
+    path.write_bytes(raw.replace("0.125".encode("utf-32-le"), "0.375".encode("utf-32-le")))
+    for verify in (True, False):
+        with raises_naming(errors.ChecksumError, path, "manifest"):
+            ws.open(path, verify=verify)
+
+
+def _rewrite_h5_manifest(path, change):
+    import json
+
+    with h5py.File(path, "r+") as f:
+        document = json.loads(f.attrs["weightstore"])
+        change(document)
+        f.attrs["weightstore"] = json.dumps(document)
+
+
+@pytest.mark.parametrize("location", ["dense/kernel", "dense/other"], ids=["two-keys-one-dataset", "elsewhere"])
+def test_h5_manifest_location_must_be_the_keys_own(tmp_path, location):
+    path = good_h5(tmp_path)
+    _rewrite_h5_manifest(path, lambda d: d["tensors"]["dense/bias"].update(location=location))
+    with raises_naming(errors.FormatError, path, "dense/bias"):
+        ws.open(path)
+
+
+@pytest.mark.parametrize("dtype", ["(2,)f4", ",<f", "V0", "float32,float32", "f4\x00", 7, "M8", "a" * 500])
+@pytest.mark.parametrize("suffix", [".npz", ".h5"])
+def test_manifest_dtype_junk_is_a_format_error(tmp_path, suffix, dtype):
+    path = tmp_path / f"m{suffix}"
+    weights = {"w": np.zeros(2, np.float32)}
+    if suffix == ".npz":
+        write(path, hostile.zip_bytes([
+            hostile.Member("w.npy", hostile.npy(weights["w"])),
+            _manifest_member({"w": {"dtype": dtype, "shape": [2], "checksum": None}}),
+        ]))
+    else:
+        ws.save(path, weights)
+        _rewrite_h5_manifest(path, lambda d: d["tensors"]["w"].update(dtype=dtype))
+    with raises_naming(errors.FormatError, path, "'w'"):
+        ws.open(path)
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+@pytest.mark.parametrize("suffix", [".npz", ".h5"])
+def test_manifest_metadata_nan_refused_on_read_as_on_write(tmp_path, suffix, constant):
+    with pytest.raises(TypeError):
+        ws.save(tmp_path / f"x{suffix}", {"w": np.zeros(1)}, metadata={"loss": float(constant.lower())})
+    path = tmp_path / f"m{suffix}"
+    if suffix == ".npz":
+        document = (f'{{"format": "weightstore", "version": 1, "metadata": {{"loss": {constant}}}, '
+                    '"tensors": {"w": {"dtype": "float64", "shape": [1], "checksum": null}}}')
+        value = np.array(document)
+        write(path, hostile.zip_bytes([
+            hostile.Member("w.npy", hostile.npy(np.zeros(1))),
+            hostile.Member("__weightstore__.npy", hostile.npy_raw(value.dtype.str, (), value.tobytes())),
+        ]))
+    else:
+        ws.save(path, {"w": np.zeros(1)})
+        with h5py.File(path, "r+") as f:
+            text = f.attrs["weightstore"]
+            f.attrs["weightstore"] = text.replace('"metadata": {}', f'"metadata": {{"loss": {constant}}}')
+    with raises_naming(errors.FormatError, path, constant):
+        ws.open(path)
+
+
+# -- every error a WeightStoreError naming file and key ----------------------------------------
+
+def test_h5_empty_dataspace_in_info_is_a_format_error(tmp_path):
+    path = tmp_path / "empty.h5"
+    with h5py.File(path, "w") as f:
+        f["w"] = h5py.Empty("f4")
+    with ws.open(path) as store:
+        with raises_naming(errors.FormatError, path, "'w'"):
+            store.info("w")
+        with raises_naming(errors.FormatError, path, "'w'"):
+            store["w"]
+
+
+@pytest.mark.parametrize("opener", [
+    lambda p: ws.open(p / "m.npz"), lambda p: ws.open(p / "m.npz", mmap=False), lambda p: ws.open(p / "m.h5"),
+    lambda p: ws.open(p / "foreign.npz"), lambda p: ws.open(p / "foreign.h5"),
+], ids=["npz", "npz-owned", "h5", "foreign-npz", "foreign-h5"])
+def test_reading_a_closed_store_raises_store_closed(tmp_path, opener):
+    weights = {"w": np.arange(4, dtype=np.float32)}
+    ws.save(tmp_path / "m.npz", weights)
+    ws.save(tmp_path / "m.h5", weights)
+    np.savez(tmp_path / "foreign.npz", **weights)
+    with h5py.File(tmp_path / "foreign.h5", "w") as f:
+        f["w"] = weights["w"]
+    store = opener(tmp_path)
+    store.close()
+    with raises_naming(errors.StoreClosedError, "closed", "'w'"):
+        store["w"]
+    with pytest.raises(errors.StoreClosedError):
+        store.read_into("w", np.empty(4, np.float32))
+    with pytest.raises(errors.StoreClosedError):
+        store.read()
+
+
+# -- keys that print alike, or cannot be stored --------------------------------------------------
+
+@pytest.mark.parametrize("key", [
+    "a\ud800b", "k" * 65_532, "x\x85y", "a\x9fb", "evil\u202egnp.exe", "a\u200eb", "zero\u200bwidth", "\ufeffbom",
+    "cafe\u0301",
+], ids=["surrogate", "too-long", "nel-c1", "c1", "bidi-override", "lrm", "zwsp", "bom", "nfd"])
+def test_keys_that_cannot_be_stored_or_print_alike_are_refused(tmp_path, key):
+    with pytest.raises(errors.InvalidKeyError):
+        ws.save(tmp_path / "k.npz", {key: np.zeros(1)})
+    assert not (tmp_path / "k.npz").exists()
+    name = key.encode("utf-8", "surrogatepass") + b".npy"
+    if len(name) <= 0xFFFF:  # a longer one cannot be in a zip at all
+        path = write(tmp_path / "foreign.npz", hostile.zip_bytes([hostile.Member(name, hostile.npy(np.ones(2)))]))
+        with raises_naming(errors.FormatError, path, "member"):
+            ws.open(path)
+
+
+def test_longest_key_an_npz_member_can_hold_round_trips(tmp_path):
+    key = "k" * (65_535 - len(".npy"))
+    ws.save(tmp_path / "k.npz", {key: np.zeros(1)})
+    assert ws.load(tmp_path / "k.npz")[key].shape == (1,)
+
+
+def test_non_nfc_key_message_names_the_nfc_form():
+    with pytest.raises(errors.InvalidKeyError) as info:
+        ws.remap({"cafe\u0301/w": np.zeros(1)})
+    assert "'caf\\xe9/w'" in str(info.value) and "NFC" in str(info.value)

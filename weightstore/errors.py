@@ -15,8 +15,9 @@ weightstore class or the builtin they already handle::
     │   ├── ChecksumError                  a tensor's bytes do not match the manifest
     │   └── UnsafeFileError                pickles, links, external storage, zip tricks
     ├── TargetError(ValueError)            a write target that must not be replaced (folder, FIFO, device)
-    ├── StorageError(OSError)              the storage service failed (outage, credentials); retry later
+    ├── StorageError(OSError)              the storage failed (disk full, an outage, credentials)
     ├── SizeLimitError(ValueError)         a read would exceed ``max_bytes``
+    ├── StoreClosedError(ValueError)       a tensor asked of a store after ``close()``
     ├── AssignmentError(ValueError)        assign found missing/unexpected/mismatched keys
     ├── LayoutError(ValueError)            a tensor no layout rule converts (Keras <-> PyTorch/Flax)
     ├── PublishError(RuntimeError)         a second publisher, or steps that go back
@@ -42,6 +43,7 @@ __all__ = [
     "TargetError",
     "StorageError",
     "SizeLimitError",
+    "StoreClosedError",
     "AssignmentError",
     "LayoutError",
     "PublishError",
@@ -116,12 +118,19 @@ class TargetError(WeightStoreError, ValueError):
 
 
 class StorageError(WeightStoreError, OSError):
-    """The storage service failed (an object store outage, refused credentials): retrying may help."""
+    """The storage failed: a disk full or a size limit, an object store outage, refused credentials.
+
+    Not the file's fault, so retrying (after freeing space, once the service is back) may help.
+    """
 
     __str__ = WeightStoreError.__str__
 
 
 class SizeLimitError(WeightStoreError, ValueError):
+    pass
+
+
+class StoreClosedError(WeightStoreError, ValueError):
     pass
 
 

@@ -12,6 +12,7 @@ import difflib
 import fnmatch
 import functools
 import re
+import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TypeVar, Union
 
@@ -23,6 +24,10 @@ MappingRules = Union[Mapping[str, str], Sequence[str], None]
 
 RESERVED_PREFIX = "__weightstore"
 _GLOB_CHARS = frozenset("*?[")
+#: the zip name field is 16-bit: an npz member ``key + ".npy"`` must fit 65,535 UTF-8 bytes
+MAX_KEY_BYTES = 0xFFFF - len(".npy")
+#: C0, DEL and C1 controls (U+0080-U+009F), which terminals interpret rather than print
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 #: TensorFlow's output suffix ending a tensor name (``dense/kernel:0``); never part of a key
 OUTPUT_SUFFIX = re.compile(r":\d+$")
 
@@ -45,8 +50,14 @@ def _key_problem(key: str) -> str | None:
         return "it starts or ends with '/'"
     if "\\" in key:
         return "it contains a backslash"
-    if any(ord(c) < 32 or ord(c) == 127 for c in key):
+    if _CONTROL.search(key):
         return "it contains a control character"
+    if not key.isascii():
+        problem = _unicode_problem(key)
+        if problem:
+            return problem
+    elif len(key) > MAX_KEY_BYTES:
+        return f"it is {len(key)} bytes of UTF-8; an npz member name holds at most {MAX_KEY_BYTES}"
     if OUTPUT_SUFFIX.search(key):
         return "TensorFlow's output suffix (':0') is not part of a key; drop it"
     for segment in key.split("/"):
@@ -56,6 +67,24 @@ def _key_problem(key: str) -> str | None:
             return f"it has a {segment!r} segment"
         if segment.startswith(RESERVED_PREFIX):
             return f"segments starting with {RESERVED_PREFIX!r} are reserved"
+    return None
+
+
+def _unicode_problem(key: str) -> str | None:
+    """Why a non-ASCII key is refused: one name must have one spelling, and print as itself."""
+    try:
+        size = len(key.encode("utf-8"))
+    except UnicodeEncodeError:
+        return "it contains a lone surrogate (not valid Unicode text)"
+    if size > MAX_KEY_BYTES:
+        return f"it is {size} bytes of UTF-8; an npz member name holds at most {MAX_KEY_BYTES}"
+    # Format characters (bidi overrides, zero-width joiners, BOM) make a key print as another one.
+    invisible = next((c for c in key if unicodedata.category(c) == "Cf"), None)
+    if invisible is not None:
+        return f"it contains the invisible format character U+{ord(invisible):04X}"
+    if not unicodedata.is_normalized("NFC", key):
+        nfc = unicodedata.normalize("NFC", key)
+        return f"it is not in Unicode NFC form ({ascii(key)}); write it as {nfc!r} ({ascii(nfc)})"
     return None
 
 

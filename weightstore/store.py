@@ -146,13 +146,16 @@ def check_budget(store: Store, keys: Iterable[str], max_bytes: int | None) -> No
         raise SizeLimitError(f"{store.path}: reading {len(keys)} tensors needs {total} bytes, over max_bytes={max_bytes}")
 
 
-def open(path: Any, *, verify: bool = True, format: str | None = None) -> Store:  # noqa: A001
+def open(path: Any, *, verify: bool = True, format: str | None = None, mmap: bool = True) -> Store:  # noqa: A001
     """Open a weight file lazily: only its index is read until a tensor is asked for.
 
     Args:
         path: anything :func:`load` accepts.
         verify: check each tensor's checksum when it is read.
         format: read as this format whatever the name says (``"npz"``, ``"hdf5"``, ``"safetensors"``).
+        mmap: ``False`` reads each tensor of a local npz into memory it owns (``preadv``, 64-byte
+            aligned) instead of returning a view of the mapped file, which a file truncated or
+            rewritten in place by another tool would change, or (SIGBUS) make fatal to touch.
 
     Returns:
         A :class:`Store`: a read-only mapping of key -> array; use it as a context manager.
@@ -183,7 +186,7 @@ def open(path: Any, *, verify: bool = True, format: str | None = None) -> Store:
     except IsADirectoryError:
         raise StoreNotFoundError(f"{location}: is a folder, not a weight file") from None
     fmt = format_named(format) if format else format_for_suffix(location) or sniff(head, location)
-    return Store(fmt.open_reader(location, location), location, verify)
+    return Store(fmt.open_reader(location, location, mmap=mmap), location, verify)
 
 
 def _open_remote(location: str, verify: bool, format: str | None) -> Store:  # noqa: A002
@@ -220,6 +223,7 @@ def load(
     mapping: MappingRules = None,
     verify: bool = True,
     max_bytes: int | None = None,
+    mmap: bool = True,
 ) -> dict[str, np.ndarray]:
     """Read a weight file into a dict, reading only the selected tensors' bytes.
 
@@ -231,6 +235,7 @@ def load(
         include, exclude: patterns (scopes or globs) on the resulting keys.
         verify: check each tensor's checksum as it is read.
         max_bytes: refuse, before reading, a selection larger than this.
+        mmap: ``False`` for arrays that own their memory (see :func:`open`).
 
     Returns:
         A new dict of key -> array, in the file's order. Uncompressed local npz and
@@ -244,7 +249,7 @@ def load(
     Example:
         >>> head = ws.load("model.npz", scope="head", exclude="*/Adam*")
     """
-    with open(path, verify=verify) as store:
+    with open(path, verify=verify, mmap=mmap) as store:
         plan = plan_outward(store.keys(), scope=scope, mapping=mapping, include=include, exclude=exclude, where=store.path)
         check_budget(store, plan.values(), max_bytes)
         store._prefetch(list(plan.values()))

@@ -45,7 +45,7 @@ class Format:
     name: str
     suffixes: tuple[str, ...]
     magic: Callable[[bytes], bool]
-    open_reader: Callable[[Any, str], Reader]
+    open_reader: Callable[..., Reader]  # (location, name, *, mmap=True)
     open_writer: Callable[[str, bool], Writer]
     #: the logical dtypes the format can hold; ``None``: every dtype weightstore stores
     dtypes: frozenset[str] | None = None

@@ -10,6 +10,7 @@ overlapping members (zip bombs) and would let a hostile file choose our allocati
 from __future__ import annotations
 
 import ast
+import functools
 import math
 import struct
 import time
@@ -21,7 +22,7 @@ from isal import isal_zlib
 
 from weightstore.errors import ChecksumError, FormatError, KeyNotInStoreError, UnsafeFileError
 from weightstore.formats import Format, foreign_keys
-from weightstore.formats.source import ByteSource, open_source, prefetch_ranges
+from weightstore.formats.source import ALIGNMENT, ByteSource, open_source, prefetch_ranges
 from weightstore.manifest import (
     MAX_MANIFEST_BYTES,
     MAX_NDIM,
@@ -37,7 +38,6 @@ from weightstore.manifest import (
 )
 
 MANIFEST_MEMBER = "__weightstore__.npy"
-ALIGNMENT = 64
 MAX_NPY_HEADER = 10_000
 #: deflate cannot expand data by more than this factor; a member claiming more is a bomb
 MAX_DEFLATE_RATIO = 1032
@@ -46,6 +46,8 @@ _COMPRESS_CHUNK = 16 << 20
 _INFLATE_CHUNK = 1 << 20
 #: most bytes one inflate call may return: bounds the transient copy beside the output buffer
 _INFLATE_PIECE = 4 << 20
+#: numpy refuses an array whose size, counting zero dimensions as one, overflows a signed 64-bit count
+_MAX_ARRAY_BYTES = (1 << 63) - 1
 
 _LOCAL = struct.Struct("<4s5H3I2H")
 _CENTRAL = struct.Struct("<4s6H3I5H2I")
@@ -71,6 +73,21 @@ def npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
     total = 10 + len(text) + 1
     text += " " * (-total % ALIGNMENT) + "\n"
     return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(text)) + text.encode("latin1")
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What a manifest entry says a member holds, byte for byte: the header, then the data."""
+
+    header: bytes
+    storage: np.dtype
+    logical: np.dtype  # what the stored bytes are viewed as (native order, ml_dtypes by name)
+
+
+@functools.lru_cache(maxsize=4096)  # files hold many tensors of few (dtype, shape) pairs
+def _layout(dtype_name: str, shape: tuple[int, ...]) -> _Layout:
+    storage = storage_dtype(dtype_name)
+    return _Layout(npy_header(storage, shape), storage, from_storage(np.empty(0, storage), dtype_name).dtype)
 
 
 @dataclass
@@ -231,9 +248,11 @@ class NpzReader:
         if position < 0:
             raise FormatError(f"{self.name}: not an npz file (no zip directory; truncated or not a zip)")
         eocd_offset = tail_start + position
-        _, disk, cd_disk, _, count, cd_size, cd_offset, _ = _EOCD.unpack_from(tail, position)
+        _, disk, cd_disk, disk_count, count, cd_size, cd_offset, _ = _EOCD.unpack_from(tail, position)
         if disk or cd_disk:
             raise FormatError(f"{self.name}: multi-disk zip archives are not supported")
+        if disk_count != count:
+            raise FormatError(f"{self.name}: zip end record disagrees with itself ({disk_count} entries, {count} in all)")
         if count == 0xFFFF or cd_size == _ZIP64_LIMIT or cd_offset == _ZIP64_LIMIT:
             count, cd_size, cd_offset, eocd_offset = self._read_zip64_end(eocd_offset)
         if cd_offset + cd_size > eocd_offset or count * _CENTRAL.size > cd_size:
@@ -271,10 +290,13 @@ class NpzReader:
                 raise UnsafeFileError(f"{self.name}: member {name!r} is encrypted")
             if method not in (_STORED, _DEFLATED):
                 raise UnsafeFileError(f"{self.name}: member {name!r} uses compression method {method}; only stored and deflate are read")
-            size, compressed, offset = _apply_zip64(extra, size, compressed, offset, self.name, name)
+            if extra or _ZIP64_LIMIT in (size, compressed, offset):
+                size, compressed, offset = _apply_zip64(extra, size, compressed, offset, self.name, name)
             if name in members:
                 raise UnsafeFileError(f"{self.name}: member {name!r} appears twice")
             members[name] = _Member(name, offset, crc, compressed, size, method, 0, raw_name)
+        if position != len(directory):  # else a count that lies small hides members (the manifest among them)
+            raise FormatError(f"{self.name}: zip directory holds more than the {count} entries its end record counts")
         ordered = sorted(members.values(), key=lambda m: m.offset)
         for member, following in zip(ordered, ordered[1:] + [None]):
             member.limit = following.offset if following else cd_offset
@@ -291,8 +313,7 @@ class NpzReader:
             name = raw.decode("utf-8" if flags & _UTF8_FLAG else "cp437")
         except UnicodeDecodeError:
             raise FormatError(f"{self.name}: a member name is not valid UTF-8") from None
-        segments = name.split("/")
-        if "\0" in name or "\\" in name or name.startswith("/") or ".." in segments:
+        if "\0" in name or "\\" in name or name.startswith("/") or (".." in name and ".." in name.split("/")):
             raise UnsafeFileError(f"{self.name}: unsafe member name {name!r}")
         return name
 
@@ -363,7 +384,8 @@ class NpzReader:
             found = []
             for key in keys:
                 member = self._member(key)
-                self._bounded(key, member)  # a member larger than its manifest entry is refused, not fetched
+                if self._manifest is not None:
+                    self._listed(key, member)  # a member larger than its manifest entry is refused, not fetched
                 found.append(self._extent(member))
             return found
 
@@ -409,32 +431,41 @@ class NpzReader:
         try:
             text = bytes(data[prefix : prefix + header_len]).decode("utf-8" if major == 3 else "latin1")
             fields = ast.literal_eval(text)
-        except (ValueError, SyntaxError, UnicodeDecodeError, MemoryError, RecursionError):
+        except (ValueError, TypeError, SyntaxError, UnicodeDecodeError, MemoryError, RecursionError):
             raise FormatError(f"{where} has an unreadable npy header") from None
         if not isinstance(fields, dict) or set(fields) != {"descr", "fortran_order", "shape"}:
             raise FormatError(f"{where} has an npy header without descr/fortran_order/shape")
-        shape, descr = fields["shape"], fields["descr"]
+        shape, descr, fortran = fields["shape"], fields["descr"], fields["fortran_order"]
         if (not isinstance(shape, tuple) or len(shape) > MAX_NDIM
                 or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
             raise FormatError(f"{where} has an invalid shape {shape!r}")
+        if not isinstance(fortran, bool):
+            raise FormatError(f"{where} has fortran_order {fortran!r}, not True or False")
         if not isinstance(descr, str):
             raise UnsafeFileError(f"{where} holds a structured array; only plain numeric arrays are read")
         try:
             dtype = np.lib.format.descr_to_dtype(descr)
-        except (TypeError, ValueError):
+        except Exception:  # numpy's dtype parser raises TypeError, ValueError or SyntaxError on junk
             raise FormatError(f"{where} has an unknown dtype {descr!r}") from None
         if dtype.hasobject:
             raise UnsafeFileError(f"{where} holds an object array; weightstore never unpickles")
+        if dtype.fields is not None or dtype.subdtype is not None or dtype.itemsize == 0:
+            raise FormatError(f"{where} has dtype {descr!r}; only plain numeric arrays are read")
+        if math.prod(max(d, 1) for d in shape) * dtype.itemsize > _MAX_ARRAY_BYTES:
+            raise FormatError(f"{where} has a shape {shape} too large for any array")
         expected = math.prod(shape) * dtype.itemsize
         start = prefix + header_len
         if size - start != expected:
             raise FormatError(
                 f"{where}: header says {shape} of {dtype} ({expected} bytes) but the member holds {size - start}"
             )
-        return dtype, shape, bool(fields["fortran_order"]), start
+        return dtype, shape, fortran, start
 
     def _read_manifest(self, member: _Member) -> Manifest:
+        """The manifest, always checked against its zip CRC-32: it decides what every tensor is."""
         data = self._member_bytes(member, 4 * MAX_MANIFEST_BYTES + MAX_NPY_HEADER)
+        if isal_zlib.crc32(raw_bytes(data)) & 0xFFFFFFFF != member.crc:
+            raise ChecksumError(f"{self.name}: manifest member {member.name!r} is corrupt (zip CRC-32 mismatch)")
         dtype, shape, _, start = self._parse_npy(member, data)
         if dtype.kind != "U" or shape != ():
             raise FormatError(f"{self.name}: manifest member is not a text scalar")
@@ -455,47 +486,67 @@ class NpzReader:
         info = self._infos.get(key)
         if info is None:
             member = self._member(key)
+            self._source.check_unchanged(f"tensor {key!r}")
             dtype, shape, _, _ = self._parse_npy(member, self._member_head(member), member.size)
             name = dtype_name(dtype, key) if dtype.kind != "V" else f"V{dtype.itemsize}"
             info = TensorInfo(key, name, shape, math.prod(shape) * dtype.itemsize, None)
             self._infos[key] = info
         return info
 
-    def _bounded(self, key: str, member: _Member) -> int:
-        """The most bytes ``key``'s member may hold: with a manifest, its tensor's bytes plus
-        the largest npy header we accept. Refused before anything is inflated or allocated,
-        so a manifest that lies small (to pass ``max_bytes``) cannot front a large member."""
-        info = self._infos.get(key) if self._manifest is not None else None
-        if info is None:
-            return member.size
-        limit = info.nbytes + 12 + MAX_NPY_HEADER
-        if member.size > limit:
+    def _listed(self, key: str, member: _Member) -> tuple[TensorInfo, _Layout]:
+        """A tensor's manifest entry and the exact bytes its member must begin with.
+
+        The member must be that npy header followed by exactly the entry's bytes: refused from
+        the sizes alone, before anything is inflated or allocated, so a manifest that lies
+        small (to pass ``max_bytes``) cannot front a large member.
+        """
+        info = self._infos[key]
+        layout = _layout(info.dtype, info.shape)
+        if member.size != len(layout.header) + info.nbytes:
             raise UnsafeFileError(
                 f"{self.name}: tensor {key!r} (member {member.name!r}) holds {member.size} bytes but the manifest "
-                f"says {info.shape} {info.dtype} ({info.nbytes} bytes); refusing to read it"
+                f"says {info.shape} {info.dtype} ({info.nbytes} bytes after a {len(layout.header)}-byte header); "
+                "refusing to read it"
             )
-        return limit
+        return info, layout
+
+    def _check_header(self, key: str, info: TensorInfo, layout: _Layout, head: memoryview) -> None:
+        """Byte for byte, as the writer would have written it: dtype, shape and order all decide what
+        the data means, and nothing else checks them (the tensor checksum covers the data only)."""
+        found = bytes(head[: len(layout.header)])
+        if found != layout.header:
+            raise FormatError(
+                f"{self.name}: tensor {key!r} has npy header {found[:96]!r}, not the one its manifest entry "
+                f"({info.shape} {info.dtype}) implies"
+            )
 
     def read(self, key: str, *, verify: bool) -> np.ndarray:
         member = self._member(key)
-        data = self._member_bytes(member, self._bounded(key, member))
-        dtype, shape, fortran, start = self._parse_npy(member, data)
-        payload = data[start:]
-        info = self._infos.get(key)
-        if info is not None and self._manifest is not None:
-            if dtype != storage_dtype(info.dtype):
-                raise FormatError(f"{self.name}: tensor {key!r} is stored as {dtype} but the manifest says {info.dtype}")
-            if shape != info.shape:
-                raise FormatError(f"{self.name}: tensor {key!r} has shape {shape} but the manifest says {info.shape}")
+        self._source.check_unchanged(f"tensor {key!r}")
+        if self._manifest is None:
+            return self._read_foreign(key, member, verify)
+        info, layout = self._listed(key, member)
+        data = self._member_bytes(member, member.size)
+        self._check_header(key, info, layout, data)
+        payload = data[len(layout.header) :]
         if verify:
             self._verify(key, member, data, payload, info)
-        array = np.frombuffer(payload, dtype=dtype, count=math.prod(shape)) if payload.nbytes else np.empty(0, dtype)
-        array = array.reshape(shape, order="F" if fortran else "C")
-        if info is not None and self._manifest is not None:
-            return from_storage(array, info.dtype)
+        count = math.prod(info.shape)
+        array = np.frombuffer(payload, dtype=layout.storage, count=count) if count else np.empty(0, layout.storage)
+        return array.reshape(info.shape).view(layout.logical)
+
+    def _read_foreign(self, key: str, member: _Member, verify: bool) -> np.ndarray:
+        """A member of a file without a manifest: its own npy header is all there is to go on."""
+        data = self._member_bytes(member, member.size)
+        dtype, shape, fortran, start = self._parse_npy(member, data)
+        payload = data[start:]
+        if verify:
+            self._verify(key, member, data, payload, None)
         if dtype.kind == "V":
             raise FormatError(f"{self.name}: tensor {key!r} is raw bytes ({dtype}) and no manifest says what they are")
         dtype_name(dtype, key)
+        array = np.frombuffer(payload, dtype=dtype, count=math.prod(shape)) if payload.nbytes else np.empty(0, dtype)
+        array = array.reshape(shape, order="F" if fortran else "C")
         return array if dtype.isnative else array.astype(dtype.newbyteorder("="))
 
     def read_into(self, key: str, out: np.ndarray, *, verify: bool) -> bool:
@@ -505,16 +556,17 @@ class NpzReader:
         :meth:`read` checks the zip CRC-32 instead.
         """
         member = self._member(key)
-        info = self._infos.get(key)
-        if member.method != _STORED or self._manifest is None or info is None or (verify and not info.checksum):
+        self._source.check_unchanged(f"tensor {key!r}")
+        if member.method != _STORED or self._manifest is None:
             return False
-        self._bounded(key, member)
-        dtype, shape, fortran, start = self._parse_npy(member, self._member_head(member), member.size)
-        if fortran or dtype != storage_dtype(info.dtype) or shape != info.shape:
+        info, layout = self._listed(key, member)
+        if verify and not info.checksum:
             return False
+        start = self._data_offset(member)
+        self._check_header(key, info, layout, memoryview(self._source.read_at(start, len(layout.header))))
         payload = raw_bytes(out) if out.nbytes else memoryview(b"")
-        self._source.read_into(self._data_offset(member) + start, memoryview(out.reshape(-1).view(np.uint8)))
-        if verify and info.checksum and checksum(payload) != info.checksum:
+        self._source.read_into(start + len(layout.header), memoryview(out.reshape(-1).view(np.uint8)))
+        if verify and checksum(payload) != info.checksum:
             raise ChecksumError(f"{self.name}: tensor {key!r} is corrupt (checksum {checksum(payload)}, manifest {info.checksum})")
         return True
 
@@ -553,8 +605,9 @@ def _apply_zip64(extra: bytes, size: int, compressed: int, offset: int, where: s
     return size, compressed, offset
 
 
-def _open_reader(location, name: str) -> NpzReader:
-    return open_source(location, name, NpzReader, index_at_end=True)
+def _open_reader(location, name: str, *, mmap: bool = True) -> NpzReader:
+    """``mmap=False`` reads local tensors into memory they own instead of viewing a map of the file."""
+    return open_source(location, name, NpzReader, index_at_end=True, mmap=mmap)
 
 
 FORMAT = Format(

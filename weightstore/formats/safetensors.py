@@ -464,8 +464,9 @@ def _clip(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _open_reader(location: Any, name: str) -> SafetensorsReader:
-    return open_source(location, name, SafetensorsReader, index_at_end=False)
+def _open_reader(location: Any, name: str, *, mmap: bool = True) -> SafetensorsReader:
+    """``mmap=False`` reads local tensors into memory they own instead of viewing a map of the file."""
+    return open_source(location, name, SafetensorsReader, index_at_end=False, mmap=mmap)
 
 
 def _looks_like_safetensors(head: bytes) -> bool:

@@ -1,0 +1,79 @@
+"""Many small tensors (issue 11): 50,000 float32 tensors of 256 values, against safetensors.
+
+Here per-tensor work dominates, not bytes: parsing and checking 50,000 manifest entries at
+open, and, per read, finding the member, checking its npy header and CRC. One process, the
+same weights for every case, files in the page cache; medians of ``repeat`` runs.
+
+    python -m benchmarks.small_bench                       # 50,000 x 256 float32, 5 runs
+    python -m benchmarks.small_bench --tensors 5000 --repeat 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+
+def _median_seconds(run: Callable[[], object], repeat: int) -> float:
+    run()  # warm up: page cache, imports, caches a user's second open would have too
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench(tensors: int = 50_000, size: int = 256, repeat: int = 5) -> dict[str, float]:
+    """Print and return median seconds per case, and weightstore's ratio to safetensors."""
+    import safetensors.numpy
+
+    import weightstore as ws
+
+    rng = np.random.default_rng(0)
+    weights = {f"layer_{i // 100:04d}/w_{i % 100:02d}": rng.standard_normal(size).astype(np.float32)
+               for i in range(tensors)}
+    with tempfile.TemporaryDirectory(prefix="ws-small-") as folder:
+        npz, st = os.path.join(folder, "w.npz"), os.path.join(folder, "w.safetensors")
+        flat = {k.replace("/", "."): v for k, v in weights.items()}
+
+        def open_keys() -> None:
+            with ws.open(npz) as store:
+                store.keys()
+
+        def read_each() -> None:
+            with ws.open(npz) as store:
+                for key in store:
+                    store[key]
+
+        cases = {
+            "save (weightstore npz)": lambda: ws.save(npz, weights),
+            "save (safetensors)": lambda: safetensors.numpy.save_file(flat, st),
+            "open + keys (weightstore npz)": open_keys,
+            "load (weightstore npz)": lambda: ws.load(npz),
+            "load mmap=False (weightstore npz)": lambda: ws.load(npz, mmap=False),
+            "read each via open (weightstore npz)": read_each,
+            "load (safetensors)": lambda: safetensors.numpy.load_file(st),
+        }
+        results = {name: _median_seconds(run, repeat) for name, run in cases.items()}
+    print(f"{tensors} tensors of {size} float32, median of {repeat} runs")
+    for name, seconds in results.items():
+        peer = "save (safetensors)" if name.startswith("save") else "load (safetensors)"
+        ratio = "" if "safetensors" in name else f"  {seconds / results[peer]:5.2f}x safetensors {peer.split()[0]}"
+        print(f"  {name:40s} {seconds * 1000:9.1f} ms{ratio}")
+    return results
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.small_bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tensors", type=int, default=50_000)
+    parser.add_argument("--size", type=int, default=256, help="float32 values per tensor")
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    bench(args.tensors, args.size, args.repeat)

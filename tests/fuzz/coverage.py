@@ -1,0 +1,117 @@
+"""Coverage-guided fuzzing of the readers with atheris (libFuzzer), for as long as anyone wants.
+
+``./tasks fuzz [--seconds N] [--target NAME ...]`` runs until interrupted (Ctrl-C) or for N
+seconds. It fuzzes the targets of :mod:`fuzz.targets` (the ones ``tests/test_fuzz.py`` runs
+seeded): an input's first byte picks the target, the rest is that target's file. Whatever
+breaks the property (an exception outside WeightStoreError, different arrays, a crash, a hang
+or a runaway allocation) is copied to ``tests/data/regressions/`` as a file of that target,
+which ``tests/test_bad_input.py`` then replays under limits in a subprocess; commit it with the
+fix. The corpus grows in ``.fuzz/corpus`` and is reused by the next run.
+
+The fuzzer runs in a child process, so that when a mutant kills it (SIGSEGV, libFuzzer's
+timeout or memory limit) this parent still finds the file being read and keeps it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+REGRESSIONS = ROOT / "tests" / "data" / "regressions"
+WORK = ROOT / ".fuzz"
+NAMES = ["npz", "npz-compressed", "hdf5", "numpy-savez", "latest"]
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="./tasks fuzz", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=int, default=0, help="stop after this long (default: until Ctrl-C)")
+    parser.add_argument("--target", action="append", choices=NAMES, help="fuzz only these (repeatable)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args, libfuzzer = parser.parse_known_args(argv)
+    names = args.target or NAMES
+    if args.child:
+        _fuzz(names, libfuzzer)
+        return 0
+    return _supervise(names, args.seconds)
+
+
+def _supervise(names: list[str], seconds: int) -> int:
+    corpus = WORK / "corpus"
+    crashes = WORK / "crashes"
+    for folder in (corpus, crashes):
+        folder.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "fuzz.coverage", "--child", *sum((["--target", n] for n in names), []),
+               str(corpus), f"-artifact_prefix={crashes}/", "-timeout=10", "-rss_limit_mb=2048",
+               *([f"-max_total_time={seconds}"] if seconds else [])]
+    try:
+        result = subprocess.run(command, cwd=ROOT / "tests")
+    except KeyboardInterrupt:
+        return 0
+    if result.returncode in (0, -signal.SIGINT, -signal.SIGTERM):  # done, or stopped by someone
+        return 0
+    kept = _keep_current()
+    print(f"fuzz: the fuzzer stopped (exit {result.returncode}); the input is kept as {kept}", file=sys.stderr)
+    return 1
+
+
+def _keep_current() -> Path | None:
+    """The file a crashed, hung or bloated child was reading, copied to the regressions."""
+    marker = WORK / "work" / "KEPT"
+    if marker.exists():  # the child kept it itself (an exception, or different arrays)
+        return Path(marker.read_text())
+    current = sorted((WORK / "work").glob("**/mutant*")) + sorted((WORK / "work").glob("**/LATEST"))
+    if not current:
+        return None
+    source = current[0]
+    data = source.read_bytes()
+    suffix = source.suffix if source.name != "LATEST" else ".latest"
+    target = REGRESSIONS / f"fuzz-{hashlib.sha256(data).hexdigest()[:12]}{suffix}"
+    REGRESSIONS.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source, target)
+    return target
+
+
+def _fuzz(names: list[str], libfuzzer: list[str]) -> None:
+    import atheris  # the ``fuzz`` extra: pip install -e '.[fuzz]'
+
+    with atheris.instrument_imports():
+        import weightstore  # noqa: F401  (instrumented for coverage)
+        from fuzz.targets import TARGETS, Finding, Session
+
+    work = WORK / "work"
+    shutil.rmtree(work, ignore_errors=True)
+    sessions = []
+    for name in names:
+        folder = work / name
+        folder.mkdir(parents=True)
+        sessions.append(Session(TARGETS[name], folder))
+    corpus = Path(libfuzzer[0]) if libfuzzer and not libfuzzer[0].startswith("-") else None
+    if corpus is not None:
+        for number, session in enumerate(sessions):
+            (corpus / f"seed-{session.target.name}").write_bytes(bytes([number]) + session.seed)
+
+    def one_input(data: bytes) -> None:
+        if not data:
+            return
+        session = sessions[data[0] % len(sessions)]
+        try:
+            session.check(data[1:])
+        except Finding as finding:
+            suffix = session.target.suffix or ".latest"
+            kept = REGRESSIONS / f"fuzz-{hashlib.sha256(data[1:]).hexdigest()[:12]}{suffix}"
+            kept.write_bytes(data[1:])
+            (work / "KEPT").write_text(str(kept))
+            raise Finding(f"{session.target.name}: {finding} (kept as {kept})") from None
+
+    atheris.Setup([sys.argv[0], *libfuzzer], one_input)
+    atheris.Fuzz()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,294 @@
+"""HDF5 structures HDF5 itself follows blindly, checked in the file's own bytes before it reads them.
+
+:func:`check_group`: a group's symbol table (local heap free list, B-tree), where a cycle made
+HDF5 loop and allocate without bound. :func:`check_vlen_attribute`: a variable-length string
+attribute (the manifest), described below.
+
+A variable-length string attribute holds only a reference: a length, the address of a global
+heap collection and an object index. HDF5 allocates whatever length the reference claims
+(one 30 KB file made it allocate 4 GB) and walks the collection's objects by their declared
+sizes, looping forever on a free-space object of size zero. HDF5 offers no call that
+reads the reference without following it, so this module finds it itself: the root object
+header's messages (versions 1 and 2, following continuation blocks a bounded number of
+times), the attribute message, then the heap collection, walked exactly as HDF5 walks it
+but refusing any object that does not lie inside it. Only when the referenced object's size
+equals the claimed length, and both lie in the file, may HDF5 read it.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Iterator
+
+from weightstore.errors import FormatError, UnsafeFileError
+
+#: read ``length`` bytes at ``offset`` of the file, or fewer at its end
+ReadAt = Callable[[int, int], bytes]
+
+_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+_CONTINUATION, _ATTRIBUTE, _ATTRIBUTE_INFO = 0x10, 0x0C, 0x15
+_VLEN_CLASS, _VLEN_STRING = 9, 1
+_OBJECT_HEADER = 16  # a heap object's index, reference count, reserved bytes and size
+_MAX_BLOCKS = 64  # object header chunks followed before giving up
+_MAX_HEADER_BYTES = 16 << 20
+
+
+def check_vlen_attribute(read_at: ReadAt, file_size: int, base: int, name: str, limit: int, where: str) -> None:
+    """Refuse, before HDF5 reads it, a root-group string attribute whose reference lies about its heap object.
+
+    ``base`` is where the superblock lies (after any user block). The root group's object
+    header is found from the superblock, not from HDF5, which walks the whole header (and can
+    loop on a damaged one) to describe it. Attributes that are not variable-length strings,
+    and a root group without the attribute, are left to HDF5.
+    """
+    reader = _Bytes(read_at, file_size, where)
+    found = _attribute(reader, base, _root_header(reader, base), name.encode("utf-8"))
+    if found is None:
+        return
+    datatype, data = found
+    if len(datatype) < 8 or datatype[0] & 0x0F != _VLEN_CLASS or datatype[1] & 0x0F != _VLEN_STRING:
+        return
+    if len(data) < 16:
+        raise FormatError(f"{where}: attribute {name!r} is truncated")
+    length, heap, index = struct.unpack_from("<IQI", data)
+    if length > limit:
+        raise UnsafeFileError(f"{where}: {name!r} attribute (manifest) is too large ({length} bytes, limit {limit})")
+    stored = _heap_object(reader, base + heap, index, limit)
+    if stored != length:
+        raise FormatError(f"{where}: attribute {name!r} claims {length} bytes but its heap object holds {stored}")
+
+
+class _Bytes:
+    def __init__(self, read_at: ReadAt, size: int, where: str):
+        self._read_at, self.size, self.where = read_at, size, where
+        self._budget = _MAX_HEADER_BYTES
+
+    def read(self, offset: int, length: int, *, budgeted: bool = True) -> bytes:
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise FormatError(f"{self.where}: HDF5 structure points outside the file ({offset}..{offset + length})")
+        self._budget -= length if budgeted else 0
+        if self._budget < 0:
+            raise UnsafeFileError(f"{self.where}: HDF5 object header is larger than {_MAX_HEADER_BYTES} bytes")
+        data = self._read_at(offset, length)
+        if len(data) != length:
+            raise FormatError(f"{self.where}: short read at byte {offset}")
+        return data
+
+
+def _attribute(reader: _Bytes, base: int, header: int, name: bytes) -> tuple[bytes, bytes] | None:
+    """``(datatype, data)`` of the compact attribute ``name``; None when the header has no such attribute."""
+    dense = False
+    for kind, body in _messages(reader, base, header):
+        if kind == _ATTRIBUTE_INFO:
+            dense = True
+        elif kind == _ATTRIBUTE:
+            parsed = _parse_attribute(body, reader.where)
+            if parsed[0] == name:
+                return parsed[1], parsed[2]
+    if dense:
+        raise UnsafeFileError(f"{reader.where}: attributes in dense storage; manifests are read from compact ones only")
+    return None
+
+
+def _parse_attribute(body: bytes, where: str) -> tuple[bytes, bytes, bytes]:
+    """``(name, datatype, data)`` of an attribute message (versions 1 to 3)."""
+    if len(body) < 8:
+        raise FormatError(f"{where}: attribute message is truncated")
+    version, flags, name_size, type_size, space_size = struct.unpack_from("<BBHHH", body)
+    if version not in (1, 2, 3):
+        raise FormatError(f"{where}: attribute message version {version} is unknown")
+    position = 9 if version == 3 else 8
+    pad = (lambda n: n + (-n % 8)) if version == 1 else (lambda n: n)
+    name = body[position : position + name_size].rstrip(b"\0")
+    position += pad(name_size)
+    datatype = body[position : position + type_size]
+    position += pad(type_size) + pad(space_size)
+    if position > len(body):
+        raise FormatError(f"{where}: attribute message is truncated")
+    if flags & 0x03:  # a shared datatype or dataspace is a reference, not the thing itself
+        datatype = b""
+    return name, datatype, body[position:]
+
+
+def _messages(reader: _Bytes, base: int, header: int) -> Iterator[tuple[int, bytes]]:
+    """``(type, body)`` of every message of an object header, following continuation blocks."""
+    prefix = reader.read(base + header, 16)
+    if prefix[:4] == b"OHDR":
+        yield from _messages_v2(reader, base, header)
+        return
+    if prefix[0] != 1:
+        raise FormatError(f"{reader.where}: object header version {prefix[0]} is unknown")
+    blocks = [(base + header + 16, struct.unpack_from("<I", prefix, 8)[0])]
+    for _ in range(_MAX_BLOCKS):
+        if not blocks:
+            return
+        offset, length = blocks.pop(0)
+        block = reader.read(offset, length)
+        position = 0
+        while position + 8 <= len(block):
+            kind, size = struct.unpack_from("<HH", block, position)
+            body = block[position + 8 : position + 8 + size]
+            if len(body) != size:
+                raise FormatError(f"{reader.where}: object header message overruns its block")
+            if kind == _CONTINUATION:
+                blocks.append(_continuation(body, base, reader.where))
+            yield kind, body
+            position += 8 + size
+    raise UnsafeFileError(f"{reader.where}: object header has more than {_MAX_BLOCKS} continuation blocks")
+
+
+def _messages_v2(reader: _Bytes, base: int, header: int) -> Iterator[tuple[int, bytes]]:
+    head = reader.read(base + header, 6)
+    flags = head[5]
+    position = 6 + (16 if flags & 0x20 else 0) + (4 if flags & 0x10 else 0)
+    width = 1 << (flags & 0x03)
+    chunk_size = int.from_bytes(reader.read(base + header + position, width), "little")
+    blocks = [(base + header + position + width, chunk_size)]
+    message_header = 6 if flags & 0x04 else 4
+    for _ in range(_MAX_BLOCKS):
+        if not blocks:
+            return
+        offset, length = blocks.pop(0)
+        block = reader.read(offset, length)
+        position = 0
+        while position + message_header <= len(block):
+            kind, size = struct.unpack_from("<BH", block, position)
+            body = block[position + message_header : position + message_header + size]
+            if len(body) != size:
+                raise FormatError(f"{reader.where}: object header message overruns its block")
+            if kind == _CONTINUATION:
+                start, span = _continuation(body, base, reader.where)
+                if span < 8:
+                    raise FormatError(f"{reader.where}: object header continuation block is too small")
+                blocks.append((start + 4, span - 8))  # "OCHK" ... checksum
+            yield kind, body
+            position += message_header + size
+    raise UnsafeFileError(f"{reader.where}: object header has more than {_MAX_BLOCKS} continuation blocks")
+
+
+def _continuation(body: bytes, base: int, where: str) -> tuple[int, int]:
+    if len(body) < 16:
+        raise FormatError(f"{where}: object header continuation message is truncated")
+    offset, length = struct.unpack_from("<QQ", body)
+    return base + offset, length
+
+
+def _heap_object(reader: _Bytes, collection: int, index: int, limit: int) -> int | None:
+    """The size of object ``index`` in the global heap collection at ``collection``, walking
+    every object as HDF5 will and refusing any that does not lie inside the collection."""
+    head = reader.read(collection, 16)
+    if head[:4] != b"GCOL":
+        raise FormatError(f"{reader.where}: no global heap collection at byte {collection}")
+    size = struct.unpack_from("<Q", head, 8)[0]
+    if size < 16:
+        raise FormatError(f"{reader.where}: global heap collection at byte {collection} is too small")
+    if size > limit + (1 << 20):
+        raise UnsafeFileError(f"{reader.where}: global heap collection of {size} bytes (limit {limit})")
+    data = reader.read(collection, size, budgeted=False)
+    found = None
+    position = 16
+    while position + _OBJECT_HEADER <= size:
+        number, _, length = struct.unpack_from("<HH4xQ", data, position)
+        step = _OBJECT_HEADER + length + (-length % 8) if number else length
+        if step <= 0 or position + step > size:
+            raise FormatError(f"{reader.where}: global heap object {number} at byte {collection + position} "
+                              "does not lie inside its collection")
+        if number and number == index:
+            found = length
+        position += step
+    return found
+
+
+_SYMBOL_TABLE = 0x11
+_UNDEFINED = (1 << 64) - 1
+
+
+def check_group(read_at: ReadAt, file_size: int, base: int, header: int | None, where: str) -> None:
+    """Refuse a group whose symbol table HDF5 would loop over, before HDF5 lists it.
+
+    A version-1 group (what weightstore and most tools write) keeps its links in a B-tree of
+    symbol nodes whose names live in a local heap. HDF5 follows the heap's free list and the
+    tree's child pointers without noticing a cycle: one damaged byte made it loop, allocating
+    until the machine ran out of memory. Both are walked here first, each block seen once, each
+    inside the file. ``header`` is the object header's address; None for the root group (found
+    from the superblock). Any object header may be given: one without a symbol table (a
+    dataset, a newer-style group) only has its messages walked, a bounded number of blocks.
+    """
+    reader = _Bytes(read_at, file_size, where)
+    if header is None:
+        header = _root_header(reader, base)
+    for kind, body in _messages(reader, base, header):
+        if kind == _SYMBOL_TABLE:
+            if len(body) < 16:
+                raise FormatError(f"{where}: symbol table message is truncated")
+            tree, heap = struct.unpack_from("<QQ", body)
+            heap_size = _check_local_heap(reader, base + heap)
+            _check_tree(reader, base, tree, heap_size)
+
+
+def _root_header(reader: _Bytes, base: int) -> int:
+    """The root group's object header address: in the root symbol table entry (superblock
+    versions 0 and 1) or a field of its own (versions 2 and 3)."""
+    superblock = reader.read(base, 72)
+    if not superblock.startswith(_SIGNATURE):
+        raise FormatError(f"{reader.where}: no HDF5 superblock at byte {base}")
+    version = superblock[8]
+    sizes = superblock[13:15] if version in (0, 1) else superblock[9:11]
+    if tuple(sizes) != (8, 8):
+        raise UnsafeFileError(f"{reader.where}: HDF5 addresses of {sizes[0]} bytes; only 8-byte ones are read")
+    return struct.unpack_from("<Q", superblock, {0: 64, 1: 68}.get(version, 36))[0]
+
+
+def _check_local_heap(reader: _Bytes, address: int) -> int:
+    """The data size of the local heap at ``address``, once its free list is known to end."""
+    head = reader.read(address, 32)
+    if head[:4] != b"HEAP":
+        raise FormatError(f"{reader.where}: no local heap at byte {address}")
+    size, free, data = struct.unpack_from("<QQQ", head, 8)
+    if data + size > reader.size:
+        raise FormatError(f"{reader.where}: local heap at byte {address} lies outside the file")
+    seen: set[int] = set()
+    while free not in (_UNDEFINED, 1):  # HDF5 writes either for "no free block"
+        if free in seen or free + 16 > size:
+            raise FormatError(f"{reader.where}: local heap at byte {address} has a free list that loops or "
+                              "leaves the heap")
+        seen.add(free)
+        free, length = struct.unpack_from("<QQ", reader.read(data + free, 16))
+        if length < 16:
+            raise FormatError(f"{reader.where}: local heap at byte {address} has a free block of {length} bytes")
+    return size
+
+
+def _check_tree(reader: _Bytes, base: int, root: int, heap_size: int) -> None:
+    """Every node of a group's B-tree visited once, one level down each step, inside the file."""
+    seen: set[int] = set()
+    pending: list[tuple[int, int | None]] = [(root, None)]
+    while pending:
+        address, level_above = pending.pop()
+        if address in seen:
+            raise FormatError(f"{reader.where}: group B-tree node at byte {base + address} is reached twice")
+        seen.add(address)
+        head = reader.read(base + address, 24, budgeted=False)
+        if head[:4] != b"TREE" or head[4] != 0:
+            raise FormatError(f"{reader.where}: no group B-tree node at byte {base + address}")
+        level, entries = head[5], struct.unpack_from("<H", head, 6)[0]
+        if level_above is not None and level != level_above - 1:
+            raise FormatError(f"{reader.where}: group B-tree node at byte {base + address} is at the wrong level")
+        body = reader.read(base + address + 24, 8 + 16 * entries, budgeted=False)
+        children = [struct.unpack_from("<Q", body, 8 + 16 * i)[0] for i in range(entries)]
+        if level:
+            pending.extend((child, level) for child in children)
+        else:
+            for child in children:
+                _check_symbols(reader, base + child, heap_size)
+
+
+def _check_symbols(reader: _Bytes, address: int, heap_size: int) -> None:
+    head = reader.read(address, 8, budgeted=False)
+    if head[:4] != b"SNOD":
+        raise FormatError(f"{reader.where}: no symbol table node at byte {address}")
+    count = struct.unpack_from("<H", head, 6)[0]
+    entries = reader.read(address + 8, 40 * count, budgeted=False)
+    for i in range(count):
+        if struct.unpack_from("<Q", entries, 40 * i)[0] >= heap_size:
+            raise FormatError(f"{reader.where}: symbol table node at byte {address} names a link outside its heap")
