@@ -83,9 +83,10 @@ def _keras_names(model: Any, file_keys: list[str], by_variable: Mapping[int, str
     """Model key -> file key, from Keras's own save walk over ``model``.
 
     A file key the walk reaches through a variable of the model that is not a target (state
-    ``tf2`` does not export, such as a metric's) is left out, like the optimizer's entries; Keras's optimizer saves copies
-    (``variable.numpy()``), not its variables, so its ``optimizer/vars/<i>`` pair by key, which
-    is how the TF2 adapter keys optimizer state. Anything else keeps its file key.
+    ``tf2`` does not export, such as a metric's) is left out, like the optimizer's entries;
+    Keras's optimizer saves copies (``variable.numpy()``), not its variables, so its
+    ``optimizer/vars/<i>`` pair by key, which is how the TF2 adapter keys optimizer state.
+    Anything else keeps its file key.
     """
     import keras
 
@@ -172,11 +173,11 @@ def _checkpoint_names(model: Any, path: str, file_keys: list[str], by_variable: 
     below_home = _descendants(home, children)
     names: dict[str, str] = {}
     for file_key in file_keys:
-        node = _follow(file_key, children)
-        variable = found.get(node)
+        leaf = _follow(file_key, children)
+        variable = found.get(leaf) if leaf is not None else None
         if variable is not None and id(variable) in by_variable:
             names[by_variable[id(variable)]] = file_key
-        elif node is not None and node in below_home and node not in reached and not _optimizer_state(file_key):
+        elif leaf is not None and leaf in below_home and leaf not in reached and not _optimizer_state(file_key):
             names.setdefault(file_key, file_key)  # the model has nothing here: reported as unexpected
     return names
 
@@ -194,7 +195,7 @@ def _near_root(children: list[dict[str, int]]) -> Iterator[int]:
     frontier, seen = [0], {0}
     for _ in range(_NEAR_ROOT + 1):
         yield from frontier
-        following = []
+        following: list[int] = []
         for node in frontier:
             following.extend(c for c in children[node].values() if c not in seen)
             seen.update(following)
@@ -237,9 +238,9 @@ def _descendants(home: int, children: list[dict[str, int]]) -> set[int]:
 
 
 def _follow(file_key: str, children: list[dict[str, int]]) -> int | None:
-    node = 0
+    node: int | None = 0
     for segment in file_key.split("/"):
-        node = children[node].get(segment)
+        node = children[node].get(segment)  # type: ignore[index]  # None ends the loop below
         if node is None:
             return None
     return node

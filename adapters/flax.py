@@ -23,10 +23,10 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+
 from weightstore.adapters import layout as layouts
 from weightstore.adapters.plan import MEMORY, AssignOptions, Report, TargetInfo, open_values
 from weightstore.adapters.skeleton import Target, run_assign
-
 from weightstore.errors import InvalidKeyError, LayoutError, SelectionError
 from weightstore.keys import MappingRules, Patterns, plan_outward, validate_key
 

@@ -29,8 +29,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator, Mapping
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
 from weightstore.adapters.plan import AssignOptions, Report
 from weightstore.errors import VersionGoneError
@@ -117,11 +117,10 @@ class Follower:
         self._swapped = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._assign: Callable[..., Report] | None = None
+        self._assign: Callable[..., Report] = _assigner(target)
 
-    def start(self) -> "Follower":
+    def start(self) -> Follower:
         if self._thread is None:
-            self._assign = _assigner(self.target)
             self._stop.clear()
             self._thread = threading.Thread(target=self._loop, name=f"weightstore-follower {self.folder}", daemon=True)
             self._thread.start()
@@ -134,7 +133,7 @@ class Follower:
             self._thread.join(timeout)
             self._thread = None
 
-    def __enter__(self) -> "Follower":
+    def __enter__(self) -> Follower:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

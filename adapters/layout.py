@@ -47,8 +47,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
-from weightstore.adapters.plan import AssignOptions, Mismatch, Plan, TargetInfo, Values, describe, plan_assign
 
+from weightstore.adapters.plan import AssignOptions, Mismatch, Plan, TargetInfo, Values, describe, plan_assign
 from weightstore.errors import LayoutError
 from weightstore.keys import MappingRules, Patterns, join_scope, map_key, normalize_scope, parse_mapping, passes
 
@@ -318,10 +318,11 @@ def kinds_from_names(layout: Layout, shapes: Mapping[str, tuple[int, ...]]) -> d
     kinds: dict[str, str] = {}
     for scope, leaves in by_scope.items():
         kernel_rank = len(leaves[layout.kernel]) if layout.kernel in leaves else None
+        kind: str | None
         if norm_only & leaves.keys() or kernel_rank == 1:
             kind = NORM
         else:
-            kind = {2: DENSE, 3: CONV, 4: CONV, 5: CONV}.get(kernel_rank)  # type: ignore[arg-type]
+            kind = {2: DENSE, 3: CONV, 4: CONV, 5: CONV}.get(kernel_rank or 0)
         if kind:
             kinds.update({join_scope(scope, leaf): kind for leaf in leaves})
     return kinds

@@ -27,10 +27,10 @@ import ml_dtypes
 import numpy as np
 import torch
 from torch import nn
+
 from weightstore.adapters import layout as layouts
 from weightstore.adapters.plan import MEMORY, AssignOptions, Mismatch, Report, TargetInfo, describe
 from weightstore.adapters.skeleton import Target, run_assign
-
 from weightstore.errors import AssignmentError, LayoutError, SelectionError, UnsupportedDTypeError
 from weightstore.keys import MappingRules, Patterns, plan_outward, validate_key
 

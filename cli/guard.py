@@ -49,10 +49,10 @@ def hoist_global_flags(args: list[str]) -> list[str]:
 class GuardedGroup(TyperGroup):
     """A typer group whose subcommands fail with one line instead of a traceback."""
 
-    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:  # type: ignore[override]
         return super().parse_args(ctx, hoist_global_flags(list(args)))
 
-    def invoke(self, ctx: typer.Context):
+    def invoke(self, ctx: typer.Context):  # type: ignore[override]
         try:
             return super().invoke(ctx)
         except (TyperException, Exit, Abort):

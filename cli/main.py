@@ -8,7 +8,7 @@ turned into one line and exit status 1 by :class:`guard.GuardedGroup`.
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -16,6 +16,7 @@ from weightstore.adapters import checkpoints
 from weightstore.cli import compare, render, sync, transfer
 from weightstore.cli.guard import GuardedGroup
 from weightstore.cli.render import count, human_bytes, note, settings
+
 
 class _Group(GuardedGroup):
     """The ``ws`` group: its help, and every command's, shows flags as flags.
@@ -51,23 +52,24 @@ app = typer.Typer(
     help="Move model weights between TensorFlow checkpoints, Keras files and npz/HDF5 weight stores.",
 )
 
-Scope = Annotated[Optional[str], typer.Option("--scope", "-s", help="Scope: on export keep keys under it and strip it; "
+Scope = Annotated[str | None, typer.Option("--scope", "-s", help="Scope: on export keep keys under it and strip it; "
                                                                      "on import put every key under it.")]
-Include = Annotated[Optional[list[str]], typer.Option("--include", "-i", help="Keep keys under this scope or matching "
-                                                                               "this glob (repeatable); relative to --scope.")]
-Exclude = Annotated[Optional[list[str]], typer.Option("--exclude", "-x", help="Drop keys under this scope or matching "
-                                                                               "this glob (repeatable); relative to --scope.")]
+Include = Annotated[list[str] | None, typer.Option(
+    "--include", "-i", help="Keep keys under this scope or matching this glob (repeatable); relative to --scope.")]
+Exclude = Annotated[list[str] | None, typer.Option(
+    "--exclude", "-x", help="Drop keys under this scope or matching this glob (repeatable); relative to --scope.")]
 
 
-def _check_rules(rules: Optional[list[str]]) -> Optional[list[str]]:
+def _check_rules(rules: list[str] | None) -> list[str] | None:
     for rule in rules or []:
         if "=" not in rule:
             raise typer.BadParameter(f"{rule!r} is not of the form FROM=TO")
     return rules
 
 
+Compress = Annotated[bool, typer.Option("--compress", help="Deflate the tensors (smaller, not memory-mappable).")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print the result as one JSON object (see the README).")]
-Mapping = Annotated[Optional[list[str]], typer.Option("--map", "-m", metavar="FROM=TO", callback=_check_rules,
+Mapping = Annotated[list[str] | None, typer.Option("--map", "-m", metavar="FROM=TO", callback=_check_rules,
                                                       help="Rename scope FROM to TO (repeatable; first match wins; "
                                                            "applied before --include/--exclude).")]
 
@@ -91,15 +93,17 @@ def options(
 def export(
     source: Annotated[str, typer.Argument(help="TF1/TF2 checkpoint (prefix, one of its files, or its folder), "
                                                "Keras .weights.h5 or .keras file, or a weight store.")],
-    output: Annotated[str, typer.Option("--output", "-o", help="The store to write: .npz (default) or .h5.")],
+    output: Annotated[str, typer.Option("--output", "-o", help="The store to write: .npz, .h5 or .safetensors.")],
     scope: Scope = None,
     mapping: Mapping = None,
     include: Include = None,
     exclude: Exclude = None,
-    trainable_only: Annotated[bool, typer.Option("--trainable-only", help="Only trainable variables (needs a TF1 checkpoint's .meta).")] = False,
-    also: Annotated[Optional[list[str]], typer.Option("--also", help="With --trainable-only, also keep keys under this "
-                                                                      "scope or matching this glob (repeatable).")] = None,
-    compress: Annotated[bool, typer.Option("--compress", help="Deflate the tensors (smaller, not memory-mappable).")] = False,
+    trainable_only: Annotated[bool, typer.Option(
+        "--trainable-only", help="Only trainable variables (needs a TF1 checkpoint's .meta).")] = False,
+    also: Annotated[list[str] | None, typer.Option(
+        "--also", help="With --trainable-only, also keep keys under this scope or matching this glob (repeatable).",
+    )] = None,
+    compress: Compress = False,
     as_json: AsJson = False,
 ) -> None:
     """Write the weights of SOURCE, or the selected part of them, to a weight store.
@@ -149,7 +153,7 @@ def import_(
 @app.command("ls")
 def ls(
     store: Annotated[str, typer.Argument(help="A store, TF checkpoint or Keras file.")],
-    scope: Annotated[Optional[str], typer.Option("--scope", "-s", help="Only keys under this scope.")] = None,
+    scope: Annotated[str | None, typer.Option("--scope", "-s", help="Only keys under this scope.")] = None,
     as_json: AsJson = False,
 ) -> None:
     """List the tensors of STORE: key, dtype, shape and size, with totals and metadata.
@@ -178,13 +182,13 @@ def ls(
             console.print(f"{name}: {value}", soft_wrap=True)
 
 
-def _under_scope(opened: checkpoints.Source, scope: Optional[str]) -> list[str]:
+def _under_scope(opened: checkpoints.Source, scope: str | None) -> list[str]:
     """The keys ``ls`` lists: the scope itself (TF1's ``w`` beside its slot ``w/Adagrad``) and those under it."""
     from weightstore.errors import SelectionError
     from weightstore.keys import in_scope, normalize_scope, scopes_of, suggest
 
     norm = normalize_scope(scope)
-    keys = [key for key in opened.keys() if in_scope(key, norm)]
+    keys = [key for key in opened if in_scope(key, norm)]
     if not keys and opened.keys():
         raise SelectionError(f"scope {norm!r} matches no key in {opened.path}{suggest(norm, scopes_of(opened.keys()))}")
     return keys
@@ -234,10 +238,10 @@ def _print_diff(a: str, b: str, result: compare.Diff) -> None:
 @app.command()
 def convert(
     a: Annotated[str, typer.Argument(help="The weights to convert: a store, TF checkpoint or Keras file.")],
-    b: Annotated[str, typer.Argument(help="The store to write; its suffix picks npz or HDF5 (.h5).")],
-    compress: Annotated[bool, typer.Option("--compress", help="Deflate the tensors (smaller, not memory-mappable).")] = False,
+    b: Annotated[str, typer.Argument(help="The store to write; its suffix picks npz, HDF5 (.h5) or .safetensors.")],
+    compress: Compress = False,
     as_json: AsJson = False,
-    layout: Annotated[Optional[str], typer.Option(
+    layout: Annotated[str | None, typer.Option(
         "--layout", help="Convert names and layouts: keras-to-torch, torch-to-keras, keras-to-flax, flax-to-keras.",
     )] = None,
 ) -> None:

@@ -7,7 +7,7 @@ errors, which its wrapper turns into one-line exit-1 messages.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -25,7 +25,8 @@ Folder = Annotated[str, typer.Argument(help="Versioned folder: a local path or a
 
 def versions(
     folder: Folder,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the versions as one JSON object, oldest first.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the versions as one JSON object, oldest first.")
+                       ] = False,
 ) -> None:
     """List the versions in FOLDER: step, time, size, and which one LATEST names.
 
@@ -51,9 +52,9 @@ def versions(
 
 def follow(
     folder: Folder,
-    timeout: Annotated[Optional[float], typer.Option("--timeout", help="Stop after this many seconds without a "
+    timeout: Annotated[float | None, typer.Option("--timeout", help="Stop after this many seconds without a "
                                                                        "new version.")] = None,
-    after: Annotated[Optional[int], typer.Option("--after", help="Only versions with a step above this one.")] = None,
+    after: Annotated[int | None, typer.Option("--after", help="Only versions with a step above this one.")] = None,
     poll: Annotated[float, typer.Option("--poll", help="Seconds between looks at LATEST.")] = 1.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print each version as one JSON object on its line.")] = False,
 ) -> None:

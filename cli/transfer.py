@@ -23,8 +23,8 @@ from weightstore.cli.render import track, working
 from weightstore.errors import FormatError, LayoutError, SelectionError, StoreExistsError, StoreNotFoundError
 from weightstore.formats import format_for_suffix, sniff
 from weightstore.keys import MappingRules, Patterns, passes, plan_inward, plan_outward, validate_key
-from weightstore.store import output_format
 from weightstore.storage import is_url
+from weightstore.store import output_format
 
 _SHOWN = 5  # colliding keys named in an error; the rest are counted
 
@@ -51,7 +51,8 @@ def export(source: Source, out: str, *, scope: str | None, mapping: MappingRules
     """``also`` (with ``trainable_only``) keeps keys matching it too: the batch-norm statistics a
     seed needs beside the trainable weights. It matches the keys after scope and mapping."""
     output_format(out)
-    plan = plan_outward(source.keys(), scope=scope, mapping=mapping, include=include, exclude=exclude, where=source.path)
+    plan = plan_outward(source.keys(), scope=scope, mapping=mapping, include=include, exclude=exclude,
+                        where=source.path)
     if trainable_only:
         trainable = source.trainable_keys()
         plan = {new: old for new, old in plan.items() if old in trainable or (also and passes(new, include=also))}
@@ -70,7 +71,7 @@ def convert(source: Source, out: str, *, compress: bool, layout: str | None = No
     if layout is not None and layout not in layouts.DIRECTIONS:
         raise LayoutError(f"unknown layout {layout!r}; use one of {', '.join(layouts.DIRECTIONS)}")
     output_format(out)
-    weights = read(source, {k: k for k in source.keys()}, "converting")
+    weights = read(source, {k: k for k in source}, "converting")
     if layout is not None:
         weights = layouts.convert(weights, layout, where=source.path)
     with working(f"writing {out}"):
@@ -89,7 +90,8 @@ def is_checkpoint_target(target: str) -> bool:
     if os.path.exists(target + ".index"):
         return True
     if os.path.isdir(target):
-        raise FormatError(f"{target}: is a folder; give a checkpoint prefix such as {os.path.join(target, 'model.ckpt')}")
+        example = os.path.join(target, "model.ckpt")
+        raise FormatError(f"{target}: is a folder; give a checkpoint prefix such as {example}")
     if target.endswith(".keras"):
         raise FormatError(f"{target}: writing .keras archives is not supported; import into a .weights.h5 or .npz file")
     if os.path.isfile(target):
@@ -123,7 +125,7 @@ def import_(source: Source, target: str, *, scope: str | None, mapping: MappingR
         return Written(target, "store", len(weights), sum(a.nbytes for a in weights.values()))
     with old:
         _refuse_clashes(target, old.keys(), plan, overwrite)
-        merged = {key: old[key] for key in old.keys() if key not in plan}
+        merged = {key: old[key] for key in old if key not in plan}
         weights = read(source, plan, "importing")
         with working(f"writing {target}"):
             weightstore.save(target, {**merged, **weights}, metadata=old.metadata)
@@ -136,6 +138,7 @@ def _refuse_clashes(target: str, existing: list[str], plan: Mapping[str, str], o
     present = set(existing)
     clash = [key for key in plan if key in present]
     if clash:
-        named = ", ".join(repr(k) for k in clash[:_SHOWN]) + (f" and {len(clash) - _SHOWN} more" if len(clash) > _SHOWN else "")
+        more = f" and {len(clash) - _SHOWN} more" if len(clash) > _SHOWN else ""
+        named = ", ".join(repr(k) for k in clash[:_SHOWN]) + more
         raise StoreExistsError(f"{target}: already holds {len(clash)} of the imported keys ({named}); "
                                "pass --overwrite to replace them, or --scope to import beside them")

@@ -326,14 +326,14 @@ class Folder(abc.ABC):
     def url(self, name: str) -> str:
         return f"{self.where.rstrip('/')}/{name}"
 
-    def create(self) -> None:
+    def create(self) -> None:  # noqa: B027 - a hook only some backends need; object stores have no folders
         """Make the folder if this kind of folder needs making (object stores do not)."""
 
     @abc.abstractmethod
     def exists(self) -> bool: ...
 
     @abc.abstractmethod
-    def list(self) -> list[FileEntry]:
+    def files(self) -> list[FileEntry]:
         """The plain files directly in the folder (no folders, no special files)."""
 
     @abc.abstractmethod
@@ -374,7 +374,7 @@ class LocalFolder(Folder):
     def exists(self) -> bool:
         return self.root.is_dir()
 
-    def list(self) -> list[FileEntry]:
+    def files(self) -> list[FileEntry]:
         found = []
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
             for entry in os.scandir(self.root):
@@ -483,9 +483,9 @@ class RemoteFolder(Folder):
     def exists(self) -> bool:
         with self._service():
             self.fs.invalidate_cache(self.root)
-            return bool(self.fs.exists(self.root)) or bool(self.list())
+            return bool(self.fs.exists(self.root)) or bool(self.files())
 
-    def list(self) -> list[FileEntry]:
+    def files(self) -> list[FileEntry]:
         with self._service():
             self.fs.invalidate_cache(self.root)
             try:

@@ -408,7 +408,7 @@ class _FolderState:
             raise PublishError(f"{where}: step {step} is not after step {self.pointer.step}, which LATEST names; "
                                "steps must increase (is another trainer publishing to this folder?)")
         rolled_back = self.above_latest()
-        if rolled_back and step <= rolled_back[-1]:
+        if self.pointer is not None and rolled_back and step <= rolled_back[-1]:
             raise PublishError(
                 f"{where}: step {step} is not after step {rolled_back[-1]}: LATEST names step {self.pointer.step}, "
                 f"but {_steps(rolled_back)} above it {'were' if len(rolled_back) > 1 else 'was'} published before "
@@ -436,7 +436,7 @@ def _steps(steps: list[int]) -> str:
 
 def _versions(folder: Folder) -> list[tuple[int, Any]]:
     found = []
-    for entry in folder.list():
+    for entry in folder.files():
         match = _NAME.match(entry.name)
         if match:
             found.append((int(match.group(1)), entry))
@@ -457,9 +457,8 @@ def _read_intent(folder: Folder) -> int | None:
 
 
 def _write_small(folder: Folder, name: str, data: bytes) -> None:
-    with folder.commit(name).writing() as local:
-        with open(local, "wb") as handle:
-            handle.write(data)
+    with folder.commit(name).writing() as local, open(local, "wb") as handle:
+        handle.write(data)
 
 
 def _prune(folder: Folder, newest: int, keep: int | None) -> None:
@@ -479,7 +478,7 @@ def _latest(folder: Folder) -> Version | None:
     if data is None:
         return None
     pointer = _parse_pointer(data, folder.where)
-    metadata = pointer.get("metadata") if isinstance(pointer.get("metadata"), dict) else {}
+    metadata: dict[str, Any] = pointer["metadata"] if isinstance(pointer.get("metadata"), dict) else {}
     return Version(pointer["step"], folder.url(pointer["file"]), str(pointer.get("created", "")), metadata, folder)
 
 
@@ -522,10 +521,12 @@ def _parse_pointer(data: bytes, where: str) -> dict[str, Any]:
         pointer = json.loads(data)
     except (UnicodeDecodeError, ValueError, RecursionError):
         pointer = None
-    file_match = _NAME.match(pointer["file"]) if isinstance(pointer, dict) and isinstance(pointer.get("file"), str) else None
-    step = pointer.get("step") if isinstance(pointer, dict) else None
+    if not isinstance(pointer, dict):
+        pointer = {}
+    file_match = _NAME.match(pointer["file"]) if isinstance(pointer.get("file"), str) else None
+    step = pointer.get("step")
     if (
-        not isinstance(pointer, dict) or pointer.get("format") != POINTER_FORMAT or file_match is None
+        pointer.get("format") != POINTER_FORMAT or file_match is None
         or not isinstance(step, int) or isinstance(step, bool) or int(file_match.group(1)) != step
     ):
         raise FormatError(f"{where}: LATEST is not a weightstore version pointer; publish again to repair it")

@@ -620,7 +620,7 @@ class CheckpointReader:
         tensor = self._tensor(key)
         if tensor.stored is None or out.dtype != tensor.dtype.newbyteorder("="):
             return False
-        buffer = memoryview(out.reshape(-1).view(np.uint8))
+        buffer = out.reshape(-1).view(np.uint8).data
         self._backed(tensor.stored, key).read_into(tensor.stored.offset, buffer)
         if verify:
             self._verified(tensor.stored, buffer, key)

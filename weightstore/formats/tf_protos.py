@@ -11,6 +11,8 @@ declared as ``int32``, which has the same wire encoding, so every TF dtype numbe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 _F = descriptor_pb2.FieldDescriptorProto
@@ -18,7 +20,7 @@ _OPTIONAL, _REPEATED = _F.LABEL_OPTIONAL, _F.LABEL_REPEATED
 _PACKAGE = "weightstore.tf"
 
 
-def _message(name: str, fields: list[tuple], nested: list[descriptor_pb2.DescriptorProto] = (),
+def _message(name: str, fields: list[tuple], nested: Sequence[descriptor_pb2.DescriptorProto] = (),
              oneofs: tuple[str, ...] = ()) -> descriptor_pb2.DescriptorProto:
     """A message type; each field is ``(name, number, type, label[, type name[, oneof index]])``."""
     message = descriptor_pb2.DescriptorProto(name=name)
