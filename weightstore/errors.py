@@ -16,6 +16,7 @@ weightstore class or the builtin they already handle::
     │   └── UnsafeFileError                pickles, links, external storage, zip tricks
     ├── SizeLimitError(ValueError)         a read would exceed ``max_bytes``
     ├── StoreClosedError(ValueError)       a tensor asked of a store after ``close()``
+    ├── WriteError(OSError)                the file system refused a write (disk full, size limit)
     ├── AssignmentError(ValueError)        assign found missing/unexpected/mismatched keys
     ├── PublishError(RuntimeError)         a second publisher, or steps that go back
     └── MissingDependencyError(ImportError) an optional extra is not installed
@@ -39,6 +40,7 @@ __all__ = [
     "UnsafeFileError",
     "SizeLimitError",
     "StoreClosedError",
+    "WriteError",
     "AssignmentError",
     "PublishError",
     "MissingDependencyError",
@@ -96,6 +98,10 @@ class SizeLimitError(WeightStoreError, ValueError):
 
 class StoreClosedError(WeightStoreError, ValueError):
     pass
+
+
+class WriteError(WeightStoreError, OSError):
+    """Keeps the ``errno`` of the failed write, so callers that handle ``OSError`` still do."""
 
 
 class AssignmentError(WeightStoreError, ValueError):
