@@ -252,7 +252,7 @@ class NpzReader:
         if disk or cd_disk:
             raise FormatError(f"{self.name}: multi-disk zip archives are not supported")
         if disk_count != count:
-            raise FormatError(f"{self.name}: zip end record disagrees with itself ({disk_count} entries, {count} in all)")
+            raise FormatError(f"{self.name}: zip end record disagrees with itself ({disk_count}, {count} entries)")
         if count == 0xFFFF or cd_size == _ZIP64_LIMIT or cd_offset == _ZIP64_LIMIT:
             count, cd_size, cd_offset, eocd_offset = self._read_zip64_end(eocd_offset)
         if cd_offset + cd_size > eocd_offset or count * _CENTRAL.size > cd_size:
