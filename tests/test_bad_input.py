@@ -6,6 +6,7 @@ real, under ``tmp_path``; the zips are made by hand in :mod:`hostile`.
 
 from __future__ import annotations
 
+import errno
 import os
 import pathlib
 import pickle
@@ -637,7 +638,7 @@ def test_every_error_is_a_weightstore_error_and_its_builtin():
         "StoreNotFoundError": FileNotFoundError, "VersionGoneError": FileNotFoundError,
         "StoreExistsError": FileExistsError, "KeyNotInStoreError": KeyError, "FormatError": ValueError,
         "ChecksumError": ValueError, "UnsafeFileError": ValueError, "SizeLimitError": ValueError,
-        "StoreClosedError": ValueError,
+        "StoreClosedError": ValueError, "WriteError": OSError,
         "AssignmentError": ValueError, "PublishError": RuntimeError, "MissingDependencyError": ImportError,
         "TargetError": ValueError, "StorageError": OSError, "LayoutError": ValueError,
     }
@@ -888,14 +889,14 @@ def test_h5_compressed_save_over_a_file_size_limit_raises_and_does_not_crash(tmp
         "weights = {f'l{i}/w': rng.standard_normal((256, 256)).astype(np.float32) for i in range(8)}\n"
         "try:\n"
         f"    ws.save({str(path)!r}, weights, compress=True)\n"
-        "except ws.WeightStoreError as exc:\n"
-        "    print('REFUSED', type(exc).__name__)\n"
+        "except ws.WriteError as exc:\n"
+        "    print('REFUSED', type(exc).__name__, exc.errno)\n"
         "gc.collect()\n"
         "print('ALIVE')\n",
         file_size=1 << 20,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "REFUSED" in result.stdout and "ALIVE" in result.stdout
+    assert f"REFUSED WriteError {errno.EFBIG}" in result.stdout and "ALIVE" in result.stdout
     assert not path.exists()
 
 

@@ -15,7 +15,8 @@ weightstore class or the builtin they already handle::
     │   ├── ChecksumError                  a tensor's bytes do not match the manifest
     │   └── UnsafeFileError                pickles, links, external storage, zip tricks
     ├── TargetError(ValueError)            a write target that must not be replaced (folder, FIFO, device)
-    ├── StorageError(OSError)              the storage failed (disk full, an outage, credentials)
+    ├── StorageError(OSError)              the storage failed (an outage, credentials); retry later
+    │   └── WriteError                     the file system refused a write (disk full, size limit)
     ├── SizeLimitError(ValueError)         a read would exceed ``max_bytes``
     ├── StoreClosedError(ValueError)       a tensor asked of a store after ``close()``
     ├── AssignmentError(ValueError)        assign found missing/unexpected/mismatched keys
@@ -44,6 +45,7 @@ __all__ = [
     "StorageError",
     "SizeLimitError",
     "StoreClosedError",
+    "WriteError",
     "AssignmentError",
     "LayoutError",
     "PublishError",
@@ -118,10 +120,7 @@ class TargetError(WeightStoreError, ValueError):
 
 
 class StorageError(WeightStoreError, OSError):
-    """The storage failed: a disk full or a size limit, an object store outage, refused credentials.
-
-    Not the file's fault, so retrying (after freeing space, once the service is back) may help.
-    """
+    """The storage failed (an object store outage, refused credentials), not the file: retrying may help."""
 
     __str__ = WeightStoreError.__str__
 
@@ -132,6 +131,14 @@ class SizeLimitError(WeightStoreError, ValueError):
 
 class StoreClosedError(WeightStoreError, ValueError):
     pass
+
+
+class WriteError(StorageError):
+    """A write the file system refused; keeps its ``errno``, so callers that handle ``OSError`` still do."""
+
+    def __init__(self, errno: int, message: str, *, path: str | None = None) -> None:
+        super().__init__(message, path=path)
+        self.errno = errno
 
 
 class AssignmentError(WeightStoreError, ValueError):

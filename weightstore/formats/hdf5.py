@@ -21,10 +21,10 @@ from weightstore.errors import (
     ChecksumError,
     FormatError,
     KeyNotInStoreError,
-    StorageError,
     StoreClosedError,
     UnsafeFileError,
     WeightStoreError,
+    WriteError,
 )
 from weightstore.formats import Format, foreign_keys
 from weightstore.formats.hdf5_bytes import ReadAt, check_group, check_vlen_attribute
@@ -85,20 +85,27 @@ def _links(group: h5py.h5g.GroupID) -> list[tuple[bytes, int, object]]:
 
 
 @contextlib.contextmanager
-def _as_format_error(where: str, doing: str = "unreadable HDF5", error: type[WeightStoreError] = FormatError,
-                     ) -> Iterator[None]:
-    """Turn whatever h5py raises into a :class:`FormatError` naming ``where`` (file, and key).
+def _as_write_error(where: str) -> Iterator[None]:
+    """A failed HDF5 write as a :class:`WriteError` naming ``where``, with the errno h5py kept."""
+    try:
+        yield
+    except WeightStoreError:
+        raise
+    except _H5PY_ERRORS as exc:
+        detail = (str(exc).splitlines() or [""])[0][:300]
+        raise WriteError(getattr(exc, "errno", None) or 0, f"{where}: writing HDF5 failed ({detail})") from None
 
-    Writes pass ``error=StorageError``: a disk that is full or a size limit is the storage
-    failing (an ``OSError``, as callers of a save expect), not a damaged file.
-    """
+
+@contextlib.contextmanager
+def _as_format_error(where: str, doing: str = "unreadable HDF5") -> Iterator[None]:
+    """Turn whatever h5py raises into a :class:`FormatError` naming ``where`` (file, and key)."""
     try:
         yield
     except WeightStoreError:
         raise
     except _H5PY_ERRORS as exc:
         detail = (str(exc).splitlines() or [""])[0][:300]  # HDF5's messages run to many lines
-        raise error(f"{where}: {doing} ({type(exc).__name__}: {detail})") from None
+        raise FormatError(f"{where}: {doing} ({type(exc).__name__}: {detail})") from None
 
 
 class Hdf5Writer:
@@ -107,18 +114,18 @@ class Hdf5Writer:
     With a cache, compressed chunks are written when the file is flushed or closed, and
     HDF5 1.14 crashes the process (SIGSEGV) when such a deferred write fails (disk full, file
     size limit). Written through, the failure surfaces in :meth:`add`, and closing after it
-    is safe. Either way a failure is a :class:`FormatError` naming the file.
+    is safe. A failure is a :class:`WriteError` (an ``OSError``) naming the file.
     """
 
     def __init__(self, path: str, compress: bool):
         self._path = path
-        with _as_format_error(path, "cannot create HDF5 file", StorageError):
+        with _as_write_error(path):
             self._file = h5py.File(path, "w", libver=("earliest", "v110"), rdcc_nbytes=0)
         self._compress = compress
         self.locations: dict[str, str] = {}
 
     def add(self, key: str, dtype_name: str, data: np.ndarray, crc: int) -> None:
-        with _as_format_error(f"{self._path}: tensor {key!r}", "writing HDF5 failed (disk full?)", StorageError):
+        with _as_write_error(f"{self._path}: tensor {key!r}"):
             self._add(key, data)
 
     def _add(self, key: str, data: np.ndarray) -> None:
@@ -152,7 +159,7 @@ class Hdf5Writer:
         return group
 
     def commit(self, manifest_text: str) -> None:
-        with _as_format_error(self._path, "writing HDF5 failed (disk full?)", StorageError):
+        with _as_write_error(self._path):
             self._file.attrs[MANIFEST_ATTRIBUTE] = manifest_text
             self._file.close()
 

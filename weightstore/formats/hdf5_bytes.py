@@ -26,7 +26,7 @@ from weightstore.errors import FormatError, UnsafeFileError
 ReadAt = Callable[[int, int], bytes]
 
 _SIGNATURE = b"\x89HDF\r\n\x1a\n"
-_CONTINUATION, _ATTRIBUTE, _ATTRIBUTE_INFO = 0x10, 0x0C, 0x15
+_CONTINUATION, _ATTRIBUTE = 0x10, 0x0C
 _VLEN_CLASS, _VLEN_STRING = 9, 1
 _OBJECT_HEADER = 16  # a heap object's index, reference count, reserved bytes and size
 _MAX_BLOCKS = 64  # object header chunks followed before giving up
@@ -42,7 +42,8 @@ def check_vlen_attribute(read_at: ReadAt, file_size: int, base: int, name: str, 
     and a root group without the attribute, are left to HDF5.
     """
     reader = _Bytes(read_at, file_size, where)
-    found = _attribute(reader, base, _root_header(reader, base), name.encode("utf-8"))
+    root = _root_header(reader, base)
+    found = None if root is None else _attribute(reader, base, root, name.encode("utf-8"))
     if found is None:
         return
     datatype, data = found
@@ -77,17 +78,12 @@ class _Bytes:
 
 def _attribute(reader: _Bytes, base: int, header: int, name: bytes) -> tuple[bytes, bytes] | None:
     """``(datatype, data)`` of the compact attribute ``name``; None when the header has no such attribute."""
-    dense = False
     for kind, body in _messages(reader, base, header):
-        if kind == _ATTRIBUTE_INFO:
-            dense = True
-        elif kind == _ATTRIBUTE:
+        if kind == _ATTRIBUTE:
             parsed = _parse_attribute(body, reader.where)
             if parsed[0] == name:
                 return parsed[1], parsed[2]
-    if dense:
-        raise UnsafeFileError(f"{reader.where}: attributes in dense storage; manifests are read from compact ones only")
-    return None
+    return None  # absent, or in dense storage (never written by weightstore): left to HDF5
 
 
 def _parse_attribute(body: bytes, where: str) -> tuple[bytes, bytes, bytes]:
@@ -217,6 +213,8 @@ def check_group(read_at: ReadAt, file_size: int, base: int, header: int | None, 
     reader = _Bytes(read_at, file_size, where)
     if header is None:
         header = _root_header(reader, base)
+        if header is None:
+            return
     for kind, body in _messages(reader, base, header):
         if kind == _SYMBOL_TABLE:
             if len(body) < 16:
@@ -226,16 +224,17 @@ def check_group(read_at: ReadAt, file_size: int, base: int, header: int | None, 
             _check_tree(reader, base, tree, heap_size)
 
 
-def _root_header(reader: _Bytes, base: int) -> int:
+def _root_header(reader: _Bytes, base: int) -> int | None:
     """The root group's object header address: in the root symbol table entry (superblock
-    versions 0 and 1) or a field of its own (versions 2 and 3)."""
+    versions 0 and 1) or a field of its own (versions 2 and 3). None for files with addresses
+    of other than 8 bytes (never written by weightstore or h5py's defaults): left to HDF5."""
     superblock = reader.read(base, 72)
     if not superblock.startswith(_SIGNATURE):
         raise FormatError(f"{reader.where}: no HDF5 superblock at byte {base}")
     version = superblock[8]
     sizes = superblock[13:15] if version in (0, 1) else superblock[9:11]
     if tuple(sizes) != (8, 8):
-        raise UnsafeFileError(f"{reader.where}: HDF5 addresses of {sizes[0]} bytes; only 8-byte ones are read")
+        return None
     return struct.unpack_from("<Q", superblock, {0: 64, 1: 68}.get(version, 36))[0]
 
 

@@ -252,7 +252,7 @@ class NpzReader:
         if disk or cd_disk:
             raise FormatError(f"{self.name}: multi-disk zip archives are not supported")
         if disk_count != count:
-            raise FormatError(f"{self.name}: zip end record disagrees with itself ({disk_count} entries, {count} in all)")
+            raise FormatError(f"{self.name}: zip end record disagrees with itself ({disk_count}, {count} entries)")
         if count == 0xFFFF or cd_size == _ZIP64_LIMIT or cd_offset == _ZIP64_LIMIT:
             count, cd_size, cd_offset, eocd_offset = self._read_zip64_end(eocd_offset)
         if cd_offset + cd_size > eocd_offset or count * _CENTRAL.size > cd_size:
@@ -322,11 +322,12 @@ class NpzReader:
         cached = self._data_offsets.get(member.name)
         if cached is not None:
             return cached
-        header = bytes(self._source.read_at(member.offset, _LOCAL.size))
-        sig, _, _, method, _, _, _, _, _, name_len, extra_len = _LOCAL.unpack(header)
+        # header and name in one read: the directory proved both lie before the next member
+        header = bytes(self._source.read_at(member.offset, _LOCAL.size + len(member.raw_name)))
+        sig, _, _, method, _, _, _, _, _, name_len, extra_len = _LOCAL.unpack_from(header)
         if sig != _LOCAL_SIG or method != member.method:
             raise FormatError(f"{self.name}: local header of {member.name!r} is corrupt")
-        if bytes(self._source.read_at(member.offset + _LOCAL.size, name_len)) != member.raw_name:
+        if name_len != len(member.raw_name) or header[_LOCAL.size :] != member.raw_name:
             raise UnsafeFileError(f"{self.name}: local header of {member.name!r} names another file")
         start = member.offset + _LOCAL.size + name_len + extra_len
         if start + member.compressed > member.limit:
