@@ -62,13 +62,26 @@ def export(
     trainable_only: bool = False,
 ) -> dict[str, np.ndarray]:
     """A new weight dictionary of ``obj``'s variables under ``scope`` (keys relative to it)."""
+    chosen = selected(obj, scope=scope, include=include, exclude=exclude, trainable_only=trainable_only)
+    return {key: _read(var) for key, var in chosen.items()}
+
+
+def selected(
+    obj: Any,
+    *,
+    scope: str | None = None,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    trainable_only: bool = False,
+) -> dict[str, Variable]:
+    """Key -> variable for exactly what :func:`export` reads with the same words (for snapshots)."""
     found = _collect(obj)
     plan = plan_outward(found, scope=scope, include=include, exclude=exclude, where=_describe(obj))
     chosen = {new: found[old][0] for new, old in plan.items() if found[old][1] or not trainable_only}
     if not chosen:
         why = "no variables (build a Keras model before exporting it)" if not found else "no variable passes the selection"
         raise SelectionError(f"{_describe(obj)} has {why}")
-    return {key: _read(var) for key, var in chosen.items()}
+    return chosen
 
 
 def assign(
