@@ -2,6 +2,7 @@
 
 import shutil
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -88,6 +89,30 @@ def test_tensors_are_converted_on_the_publishing_thread(tmp_path):
     for value in lazy.values():
         assert len(value.converted_on) == 1 and value.converted_on[0] is not threading.current_thread()
     np.testing.assert_array_equal(ws.load(ws.latest(tmp_path))["dense/kernel"], weights(3)["dense/kernel"])
+
+
+def test_each_value_is_let_go_once_written(tmp_path):
+    """A snapshot nobody else holds is freed tensor by tensor as it is written, not all at the end."""
+    holders = []
+    alive_at_conversion = []
+
+    class Holder:
+        """Holds its buffer as a TF tensor does; counts the holders converted before it that are alive."""
+
+        dtype = np.dtype(np.float32)
+
+        def __init__(self):
+            self.array = np.ones((256, 256), np.float32)
+            holders.append(weakref.ref(self))
+
+        def __array__(self, dtype=None, copy=None):
+            alive_at_conversion.append(sum(ref() is not None for ref in holders[:len(alive_at_conversion)]))
+            return self.array
+
+    with ws.BackgroundPublisher(tmp_path) as publisher:
+        publisher.publish({f"t{i}": Holder() for i in range(5)}, step=1)
+    assert alive_at_conversion == [0] * 5
+    assert ws.load(ws.latest(tmp_path))["t4"].sum() == 256 * 256
 
 
 def test_a_failed_publish_raises_on_the_next_publish_once(tmp_path):

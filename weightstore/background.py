@@ -35,6 +35,8 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from weightstore.formats import format_named
 from weightstore.store import checked_metadata
 from weightstore.versions import Version, publish
@@ -103,7 +105,9 @@ class BackgroundPublisher:
         Waits first for a publish still in flight, and raises its error if it failed and
         nobody saw it (then ``weights`` are not published). ``weights`` must not change until
         the returned future is done: the caller hands over arrays it will not write to, or
-        tensors whose framework copies on write (a TF snapshot).
+        tensors whose framework copies on write (a TF snapshot). From a plain ``dict`` the
+        publisher lets go of each value as soon as it is written, so a snapshot nobody else
+        holds is freed tensor by tensor rather than at the end.
         """
         if self._closed:
             raise RuntimeError(f"{self.folder}: this BackgroundPublisher is closed")
@@ -112,7 +116,8 @@ class BackgroundPublisher:
         future.set_running_or_notify_cancel()
         merged = {**self.metadata, **dict(metadata or {})}
         self._pending = future
-        self._thread = threading.Thread(target=self._run, args=(future, weights, step, merged),
+        handed = _handed_over(weights) if type(weights) is dict else weights
+        self._thread = threading.Thread(target=self._run, args=(future, handed, step, merged),
                                         name=f"weightstore-publish-{step}")
         self._thread.start()
         return future
@@ -164,3 +169,30 @@ class BackgroundPublisher:
                 exc.add_note(note)
             else:  # pragma: no cover - Python 3.10
                 warnings.warn(note, RuntimeWarning, stacklevel=2)
+
+
+def _handed_over(weights: dict[str, Any]) -> dict[str, Any]:
+    """``weights`` with each array-like value wrapped so that the writer drops it once written."""
+    return {key: _Once(value) if hasattr(value, "__array__") and hasattr(value, "dtype") else value
+            for key, value in weights.items()}
+
+
+class _Once:
+    """An array-like the writer converts exactly once, after which this holds no reference to it.
+
+    While training goes on, every tensor of a snapshot that is still referenced costs a copy
+    (TF copies a variable's buffer on write while a snapshot shares it); dropping each one as
+    soon as it is written keeps that to the tensors not yet written.
+    """
+
+    __slots__ = ("_value", "dtype")
+
+    def __init__(self, value: Any):
+        self._value = value
+        self.dtype = value.dtype  # checked before the write without converting (see store._Checked)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        value, self._value = self._value, None
+        if value is None:
+            raise RuntimeError("a snapshot value was converted twice; the publisher hands each one over once")
+        return np.asarray(value) if dtype is None else np.asarray(value, dtype=dtype)
