@@ -15,7 +15,10 @@ trainer that publishes faster than the folder takes them is slowed down to the f
 next :meth:`~BackgroundPublisher.publish`, :meth:`~BackgroundPublisher.wait` or
 :meth:`~BackgroundPublisher.close`; unless the caller already saw it through the future's
 ``result()`` or ``exception()``. The version files stay as crash-safe as :func:`weightstore.publish`
-makes them, since each publish is exactly one call to it.
+makes them, since each publish is exactly one call to it: a process that exits normally first
+waits for the publish in flight (the thread is not a daemon), and one killed mid-write leaves
+the folder as a killed ``publish`` does, with the previous version intact. Only ``close()``
+(or leaving a ``with`` block) can still hand the last publish's error to you.
 
 Example::
 
