@@ -33,9 +33,6 @@ Example::
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import os
-import sys
 import threading
 import warnings
 from collections.abc import Mapping
@@ -129,7 +126,6 @@ class BackgroundPublisher:
         return future
 
     def _run(self, future: PublishFuture, weights: Mapping[str, Any], step: int, metadata: dict[str, Any]) -> None:
-        _yield_cpu_to_training()
         try:
             version = publish(self.folder, weights, step=step, metadata=metadata, **self._options)
         except BaseException as exc:  # handed to whoever waits next, never lost in this thread
@@ -176,18 +172,6 @@ class BackgroundPublisher:
                 exc.add_note(note)
             else:  # pragma: no cover - Python 3.10
                 warnings.warn(note, RuntimeWarning, stacklevel=2)
-
-
-def _yield_cpu_to_training() -> None:
-    """Lower this thread's CPU priority (Linux: nice +10 for this thread alone).
-
-    Training keeps every core busy; at equal priority the write's copies take their share of
-    the cores from it. Niced, the write runs on the time training leaves and finishes a little
-    later, which costs nothing while it is done before the next publish.
-    """
-    if sys.platform.startswith("linux"):  # elsewhere a thread id passed as a process id could name another process
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
 
 
 def _handed_over(weights: dict[str, Any]) -> dict[str, Any]:
