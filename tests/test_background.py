@@ -91,7 +91,7 @@ def test_tensors_are_converted_on_the_publishing_thread(tmp_path):
     np.testing.assert_array_equal(ws.load(ws.latest(tmp_path))["dense/kernel"], weights(3)["dense/kernel"])
 
 
-def test_each_value_is_let_go_once_written(tmp_path):
+def test_each_value_is_let_go_once_written(tmp_path, gate):
     """A snapshot nobody else holds is freed tensor by tensor as it is written, not all at the end."""
     holders = []
     alive_at_conversion = []
@@ -111,6 +111,7 @@ def test_each_value_is_let_go_once_written(tmp_path):
 
     with ws.BackgroundPublisher(tmp_path) as publisher:
         publisher.publish({f"t{i}": Holder() for i in range(5)}, step=1)
+        gate.set()  # write only once the caller has let go of its dict
     assert alive_at_conversion == [0] * 5
     assert ws.load(ws.latest(tmp_path))["t4"].sum() == 256 * 256
 
