@@ -6,6 +6,16 @@ the weights through the adapters and hand them to :func:`weightstore.publish`; t
 training step (the optimizer's ``iterations``, or the global step), so a resumed run keeps
 counting where it left off and the "steps must increase" rule holds across restarts.
 
+Both publish in the background by default (``background=False`` writes on the training
+thread instead). The training thread is held only for a snapshot: the Keras callback reads
+each variable as an eager tensor that shares the variable's buffer, which TensorFlow copies on
+the next write to it (see :mod:`weightstore.adapters.snapshot`); the TF1 hook fetches the
+values in one ``session.run``. A :class:`weightstore.BackgroundPublisher` then writes them:
+at most one publish in flight (the next one waits for it), and a failed publish raises on the
+next publish, at the end of training, or from ``wait()``/``close()``. The end of training
+(Keras ``on_train_end``, the hook's ``end``) waits, so the last version is complete when
+``fit`` returns or the session closes.
+
 Under tf.distribute (or a ``TF_CONFIG`` cluster) only the chief publishes: the task of type
 ``chief``, or worker 0 when the cluster has no chief. Every worker holds the same weights, and
 one publisher per folder is the rule :mod:`weightstore.versions` enforces.
@@ -15,13 +25,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import keras
 import tensorflow as tf
 
 import weightstore
+from weightstore.background import BackgroundPublisher
 from weightstore.keys import Patterns
 from weightstore.versions import Version
 
@@ -47,22 +58,40 @@ def _chief(task_type: str, task_id: int | None, cluster: Mapping[str, Any]) -> b
 
 
 class _Publisher:
-    """What both hooks share: the folder, the publish options and the export selection."""
+    """What both hooks share: the folder, the publish options, the export selection, the thread."""
 
     def __init__(self, folder: Any, *, keep: int | None, metadata: Mapping[str, Any] | None, format: str,
                  scope: str | None, include: Patterns, exclude: Patterns, trainable_only: bool,
-                 storage_options: Mapping[str, Any] | None):
+                 storage_options: Mapping[str, Any] | None, background: bool):
         self.folder = folder
         self.selection = {"scope": scope, "include": include, "exclude": exclude, "trainable_only": trainable_only}
         self.options = {"keep": keep, "format": format, "storage_options": storage_options}
         self.metadata = dict(metadata or {})
-        self.last: Version | None = None
+        self.background = BackgroundPublisher(folder, **self.options, metadata=metadata) if background else None
+        self._last: Version | None = None
+        self._step: int | None = None  # the last step handed over, finished or not
 
-    def publish(self, weights: Mapping[str, Any], step: int, extra: Mapping[str, Any]) -> None:
-        if self.last is not None and step <= self.last.step:
+    @property
+    def last(self) -> Version | None:
+        return self._last if self.background is None else self.background.last
+
+    def publish(self, read: Callable[[], Mapping[str, Any]], step: int, extra: Mapping[str, Any]) -> None:
+        """Publish what ``read()`` returns as ``step``; in the background, after the one in flight."""
+        if self._step is not None and step <= self._step:
             return  # this step is out already (e.g. a batch and an epoch trigger at once)
-        self.last = weightstore.publish(self.folder, weights, step=step, metadata={**self.metadata, **extra},
-                                        **self.options)
+        if self.background is None:
+            self._last = weightstore.publish(self.folder, read(), step=step, metadata={**self.metadata, **extra},
+                                             **self.options)
+        else:
+            self.background.wait()  # before the snapshot: its error first, and never two snapshots held
+            self.background.publish(read(), step=step, metadata=extra)
+        self._step = step
+
+    def wait(self) -> Version | None:
+        return self.last if self.background is None else self.background.wait()
+
+    def close(self) -> Version | None:
+        return self.last if self.background is None else self.background.close()
 
 
 class PublishCallback(keras.callbacks.Callback):
@@ -70,13 +99,18 @@ class PublishCallback(keras.callbacks.Callback):
 
     With neither given, publishes after every epoch. The step is ``model.optimizer.iterations``;
     the metadata gets ``{"epoch": ...}`` on top of ``metadata``. ``last`` is the last Version
-    published. ``scope``/``include``/``exclude``/``trainable_only`` select as in ``tf2.export``.
+    completed. ``scope``/``include``/``exclude``/``trainable_only`` select as in ``tf2.export``.
+
+    With ``background`` (the default) each publish is written while training goes on; the end
+    of ``fit`` waits for the last one and raises its error. Outside ``fit``, :meth:`wait`
+    and :meth:`close` do the same.
     """
 
     def __init__(self, folder: Any, *, every_n_batches: int | None = None, every_n_epochs: int | None = None,
                  keep: int | None = 5, metadata: Mapping[str, Any] | None = None, format: str = "npz",  # noqa: A002
                  scope: str | None = None, include: Patterns = None, exclude: Patterns = None,
-                 trainable_only: bool = False, storage_options: Mapping[str, Any] | None = None):
+                 trainable_only: bool = False, storage_options: Mapping[str, Any] | None = None,
+                 background: bool = True):
         super().__init__()
         if every_n_batches is None and every_n_epochs is None:
             every_n_epochs = 1
@@ -86,13 +120,24 @@ class PublishCallback(keras.callbacks.Callback):
         self.every_n_batches, self.every_n_epochs = every_n_batches, every_n_epochs
         self._publisher = _Publisher(folder, keep=keep, metadata=metadata, format=format, scope=scope,
                                      include=include, exclude=exclude, trainable_only=trainable_only,
-                                     storage_options=storage_options)
+                                     storage_options=storage_options, background=background)
         self._batches = 0
         self._epoch = 0
 
     @property
     def last(self) -> Version | None:
         return self._publisher.last
+
+    def wait(self) -> Version | None:
+        """Wait for the publish in flight; return the last version or raise its error."""
+        return self._publisher.wait()
+
+    def close(self) -> Version | None:
+        """Wait like :meth:`wait`, then refuse further publishes."""
+        return self._publisher.close()
+
+    def on_train_end(self, logs: Any = None) -> None:
+        self._publisher.wait()
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         self._epoch = epoch
@@ -109,11 +154,11 @@ class PublishCallback(keras.callbacks.Callback):
     def _publish(self) -> None:
         if not is_chief(getattr(self.model, "distribute_strategy", None)):
             return
-        from weightstore.adapters import tf2
+        from weightstore.adapters.snapshot import snapshot
 
         optimizer = getattr(self.model, "optimizer", None)
         step = int(optimizer.iterations.numpy()) if optimizer is not None else self._batches
-        self._publisher.publish(tf2.export(self.model, **self._publisher.selection), step, {"epoch": self._epoch})
+        self._publisher.publish(lambda: snapshot(self.model, **self._publisher.selection), step, {"epoch": self._epoch})
 
 
 class PublishHook(tf.compat.v1.train.SessionRunHook):
@@ -123,25 +168,37 @@ class PublishHook(tf.compat.v1.train.SessionRunHook):
     ``is_chief`` defaults to what ``TF_CONFIG`` says; pass the value you give
     ``MonitoredTrainingSession(is_chief=...)`` to be explicit. Export reads variables with no new
     ops, so the finalized graph of a ``MonitoredTrainingSession`` is fine.
+
+    With ``background`` (the default) the values are fetched on the training thread and
+    written while training goes on; ``end`` (when the session closes) publishes the final step
+    and waits for it, raising a publish's error. :meth:`wait` and :meth:`close` do the same.
     """
 
     def __init__(self, folder: Any, *, every_n_steps: int | None = None, every_n_secs: float | None = None,
                  keep: int | None = 5, metadata: Mapping[str, Any] | None = None, format: str = "npz",  # noqa: A002
                  scope: str | None = None, include: Patterns = None, exclude: Patterns = None,
                  trainable_only: bool = False, storage_options: Mapping[str, Any] | None = None,
-                 is_chief: bool | None = None):
+                 is_chief: bool | None = None, background: bool = True):
         if (every_n_steps is None) == (every_n_secs is None):
             raise ValueError("pass exactly one of every_n_steps and every_n_secs")
         self._timer = tf.compat.v1.train.SecondOrStepTimer(every_secs=every_n_secs, every_steps=every_n_steps)
         self._publisher = _Publisher(folder, keep=keep, metadata=metadata, format=format, scope=scope,
                                      include=include, exclude=exclude, trainable_only=trainable_only,
-                                     storage_options=storage_options)
+                                     storage_options=storage_options, background=background)
         self._is_chief = is_chief
         self._global_step: tf.Tensor | None = None
 
     @property
     def last(self) -> Version | None:
         return self._publisher.last
+
+    def wait(self) -> Version | None:
+        """Wait for the publish in flight; return the last version or raise its error."""
+        return self._publisher.wait()
+
+    def close(self) -> Version | None:
+        """Wait like :meth:`wait`, then refuse further publishes."""
+        return self._publisher.close()
 
     def begin(self) -> None:
         self._global_step = tf.compat.v1.train.get_global_step()
@@ -159,10 +216,11 @@ class PublishHook(tf.compat.v1.train.SessionRunHook):
     def end(self, session: Any) -> None:
         if self._is_chief:
             self._publish(session)
+            self._publisher.wait()
 
     def _publish(self, session: Any) -> None:
         from weightstore.adapters import tf1
 
         step = int(session.run(self._global_step))
         self._timer.update_last_triggered_step(step)
-        self._publisher.publish(tf1.export(session, **self._publisher.selection), step, {})
+        self._publisher.publish(lambda: tf1.export(session, **self._publisher.selection), step, {})

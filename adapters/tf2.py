@@ -92,13 +92,29 @@ def export(
     Keras model's optimizer state comes too, as ``optimizer/vars/<i>`` (the order and names
     Keras's own files use).
     """
+    chosen = selected(obj, scope=scope, include=include, exclude=exclude, trainable_only=trainable_only, also=also,
+                      optimizer=optimizer)
+    return {key: _read(var) for key, var in chosen.items()}
+
+
+def selected(
+    obj: Any,
+    *,
+    scope: str | None = None,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    trainable_only: bool = False,
+    also: Patterns = None,
+    optimizer: bool = False,
+) -> dict[str, Variable]:
+    """Key -> variable for exactly what :func:`export` reads with the same words (for snapshots)."""
     found = _collect(obj, optimizer)
     plan = plan_outward(found, scope=scope, include=include, exclude=exclude, where=_describe(obj))
     chosen = {new: found[old][0] for new, old in plan.items() if keeps(new, found[old][1], trainable_only, also)}
     if not chosen:
         why = "no variables (build a Keras model before exporting it)" if not found else "no variable passes the selection"
         raise SelectionError(f"{_describe(obj)} has {why}")
-    return {key: _read(var) for key, var in chosen.items()}
+    return chosen
 
 
 def assign(

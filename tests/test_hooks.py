@@ -107,6 +107,112 @@ def test_session_run_hook_needs_one_interval(tmp_path):
         PublishHook(tmp_path)
 
 
+# --- publishing in the background ------------------------------------------------------------
+
+@pytest.fixture
+def gate(monkeypatch):
+    """Holds the first publish at its "locked" stage (before any tensor is read) until ``gate.set()``."""
+    opened = threading.Event()
+    released = []
+
+    def stage(name: str) -> None:
+        if name == "locked" and not released:
+            released.append(opened.wait(60))  # False: nobody opened it, the trainer was blocked
+
+    monkeypatch.setattr(versions, "_stage", stage)
+    opened.released = released
+    yield opened
+    opened.set()
+
+
+class Recorder(keras.callbacks.Callback):
+    """Copies the weights at every step and opens ``gate`` once training is ``after`` steps past the first publish."""
+
+    def __init__(self, gate=None, opens_at: int | None = None):
+        super().__init__()
+        self.values = {}
+        self.gate, self.opens_at = gate, opens_at
+
+    def on_train_batch_end(self, batch, logs=None):
+        step = int(self.model.optimizer.iterations.numpy())
+        self.values[step] = tf2.export(self.model)
+        if step == self.opens_at:
+            self.gate.set()
+
+
+def test_keras_callback_publishes_the_snapshot_while_training_goes_on(tmp_path, gate):
+    model = small_model()
+    recorder = Recorder(gate, opens_at=7)  # three steps after the publish of step 4 began
+    callback = PublishCallback(tmp_path, every_n_batches=4, keep=None)
+    x = np.random.default_rng(0).normal(size=(32, 3)).astype(np.float32)
+    model.fit(x, x[:, :1], batch_size=8, epochs=2, verbose=0, callbacks=[recorder, callback])
+    assert gate.released == [True]  # the trainer went on to step 7 while step 4 was being written
+    assert [e.step for e in versions.list_versions(tmp_path)] == [4, 8]
+    first = ws.load(versions.list_versions(tmp_path)[0].path)
+    assert sorted(first) == sorted(recorder.values[4])
+    for key, value in recorder.values[4].items():
+        np.testing.assert_array_equal(first[key], value)  # the values of step 4, not of step 7
+    assert any(not np.array_equal(recorder.values[4][k], recorder.values[7][k]) for k in first)
+    # fit returned with the last version complete
+    assert callback.last.step == 8 and ws.latest(tmp_path).step == 8 and callback.wait().step == 8
+    for key, value in tf2.export(model).items():
+        np.testing.assert_array_equal(ws.load(ws.latest(tmp_path))[key], value)
+
+
+def test_keras_callback_without_background_publishes_before_the_step_returns(tmp_path):
+    seen = []
+
+    class Check(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            step = int(self.model.optimizer.iterations.numpy())
+            if step % 2 == 0:
+                seen.append((step, ws.latest(tmp_path).step))
+
+    model = small_model()
+    x = np.zeros((32, 3), np.float32)
+    callback = PublishCallback(tmp_path, every_n_batches=2, background=False)
+    model.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0, callbacks=[callback, Check()])
+    assert seen == [(2, 2), (4, 4)] and callback.last.step == 4
+
+
+def test_keras_callback_raises_a_failed_publish_on_the_next_one(tmp_path):
+    ws.publish(tmp_path, {"other": np.zeros(1, np.float32)}, step=100)  # another trainer's folder
+    callback = PublishCallback(tmp_path, every_n_batches=2)
+    with pytest.raises(ws.PublishError, match="step 2 is not after step 100"):
+        fit(small_model(), callback, epochs=1)
+    assert ws.latest(tmp_path).step == 100
+
+
+def test_keras_callback_raises_a_failed_last_publish_when_fit_ends(tmp_path):
+    ws.publish(tmp_path, {"other": np.zeros(1, np.float32)}, step=100)
+    with pytest.raises(ws.PublishError, match="step 4 is not after step 100"):
+        fit(small_model(), PublishCallback(tmp_path), epochs=1)  # one publish, at the end of the epoch
+
+
+def test_session_run_hook_writes_in_the_background_while_training_goes_on(tmp_path, gate):
+    with tf.Graph().as_default():
+        global_step = tf.compat.v1.train.get_or_create_global_step()
+        w = tf.compat.v1.get_variable("w", initializer=tf.zeros([3]))
+        train = tf.group(w.assign_add(tf.ones([3])), global_step.assign_add(1))
+        hook = PublishHook(tmp_path, every_n_steps=4, keep=None)
+        with tf.compat.v1.train.MonitoredTrainingSession(hooks=[hook], checkpoint_dir=None) as sess:
+            for done in range(10):
+                if done == 3:
+                    gate.set()  # two steps past the first publish (step 1), which is still held
+                sess.run(train)
+    assert gate.released == [True]
+    entries = versions.list_versions(tmp_path)
+    assert entries[-1].step == 10 and hook.last.step == 10  # end() waited for the last one
+    for entry in entries:
+        assert np.all(ws.load(entry.path)["w"] == entry.step)
+
+
+def test_session_run_hook_raises_a_failed_publish_when_the_session_closes(tmp_path):
+    ws.publish(tmp_path, {"other": np.zeros(1, np.float32)}, step=100)
+    with pytest.raises(ws.PublishError, match="steps must increase"):
+        tf1_training(tmp_path, {"every_n_steps": 100})
+
+
 # --- the inference side -----------------------------------------------------------------------
 
 def step_weights(model, step: int, changed=None) -> dict:

@@ -6,6 +6,7 @@ The core never imports TensorFlow; ``weightstore.adapters`` does, on demand.
 __version__ = "0.1.0"
 
 from weightstore import errors  # noqa: E402
+from weightstore.background import BackgroundPublisher  # noqa: E402
 from weightstore.errors import *  # noqa: E402,F401,F403
 from weightstore.keys import remap, select  # noqa: E402
 from weightstore.manifest import TensorInfo  # noqa: E402
@@ -13,4 +14,4 @@ from weightstore.store import Store, load, open, save  # noqa: E402,A004
 from weightstore.versions import Version, follow, latest, publish  # noqa: E402
 
 __all__ = ["__version__", "load", "open", "remap", "save", "select", "Store", "TensorInfo",
-           "publish", "latest", "follow", "Version", *errors.__all__]
+           "publish", "latest", "follow", "Version", "BackgroundPublisher", *errors.__all__]

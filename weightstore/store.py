@@ -344,9 +344,10 @@ class _Checked(Mapping):
     """Key -> ``(logical dtype name, array in storage form)``, produced when asked for.
 
     Keys and dtypes are checked when this is built, without reading any tensor of a
-    :class:`Store` (its index has them) and without converting any ``ndarray``; the
-    conversion (a copy for big-endian or non-contiguous input) and the read of a stored
-    tensor happen per tensor in :func:`write_file`, so only one is held at a time.
+    :class:`Store` (its index has them) and without converting any array that states its
+    dtype (``ndarray``, TF tensors); the conversion (a copy for big-endian or non-contiguous
+    input) and the read of a stored tensor happen per tensor in :func:`write_file`, so only
+    one is held at a time.
     """
 
     def __init__(self, weights: Mapping[str, Any], where: str, fmt: Format | None = None):
@@ -370,9 +371,11 @@ class _Checked(Mapping):
                     self._values[key] = None
                 else:
                     value = weights[key]
-                    if not isinstance(value, np.ndarray):
+                    dtype = _declared_dtype(value)
+                    if dtype is None:
                         value = np.asarray(value)
-                    name = dtype_name(value.dtype, key)
+                        dtype = value.dtype
+                    name = dtype_name(dtype, key)
                     self._values[key] = value
                 if fmt is not None and fmt.dtypes is not None and name not in fmt.dtypes:
                     raise UnsupportedDTypeError(
@@ -400,6 +403,24 @@ class _Checked(Mapping):
 
     def __len__(self) -> int:
         return len(self._values)
+
+
+def _declared_dtype(value: Any) -> np.dtype | None:
+    """The numpy dtype an array-like states without being converted, or ``None``.
+
+    A TF tensor (``dtype.as_numpy_dtype``) or any ``__array__`` object with a numpy ``dtype``
+    is checked now and converted only when written, on whatever thread writes it: a trainer's
+    snapshot is not copied to numpy all at once (see ``weightstore.background``).
+    """
+    if isinstance(value, np.ndarray):
+        return value.dtype
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or not hasattr(value, "__array__"):
+        return None
+    try:
+        return np.dtype(getattr(dtype, "as_numpy_dtype", dtype))
+    except (TypeError, ValueError):
+        return None
 
 
 def _checked(
