@@ -32,6 +32,7 @@ import keras
 import tensorflow as tf
 
 import weightstore
+from weightstore.adapters.plan import Selection
 from weightstore.background import BackgroundPublisher
 from weightstore.keys import Patterns
 from weightstore.versions import Version
@@ -61,10 +62,9 @@ class _Publisher:
     """What both hooks share: the folder, the publish options, the export selection, the thread."""
 
     def __init__(self, folder: Any, *, keep: int | None, metadata: Mapping[str, Any] | None, format: str,
-                 scope: str | None, include: Patterns, exclude: Patterns, trainable_only: bool,
-                 storage_options: Mapping[str, Any] | None, background: bool):
+                 selection: Selection, storage_options: Mapping[str, Any] | None, background: bool):
         self.folder = folder
-        self.selection = {"scope": scope, "include": include, "exclude": exclude, "trainable_only": trainable_only}
+        self.selection = selection
         self.options = {"keep": keep, "format": format, "storage_options": storage_options}
         self.metadata = dict(metadata or {})
         self.background = BackgroundPublisher(folder, **self.options, metadata=metadata) if background else None
@@ -99,7 +99,7 @@ class PublishCallback(keras.callbacks.Callback):
 
     With neither given, publishes after every epoch. The step is ``model.optimizer.iterations``;
     the metadata gets ``{"epoch": ...}`` on top of ``metadata``. ``last`` is the last Version
-    completed. ``scope``/``include``/``exclude``/``trainable_only`` select as in ``tf2.export``.
+    completed. ``scope``/``include``/``exclude``/``trainable_only``/``also`` select as in ``tf2.export``.
 
     With ``background`` (the default) each publish is written while training goes on; the end
     of ``fit`` waits for the last one and raises its error. Outside ``fit``, :meth:`wait`
@@ -109,7 +109,8 @@ class PublishCallback(keras.callbacks.Callback):
     def __init__(self, folder: Any, *, every_n_batches: int | None = None, every_n_epochs: int | None = None,
                  keep: int | None = 5, metadata: Mapping[str, Any] | None = None, format: str = "npz",  # noqa: A002
                  scope: str | None = None, include: Patterns = None, exclude: Patterns = None,
-                 trainable_only: bool = False, storage_options: Mapping[str, Any] | None = None,
+                 trainable_only: bool = False, also: Patterns = None,
+                 storage_options: Mapping[str, Any] | None = None,
                  background: bool = True):
         super().__init__()
         if every_n_batches is None and every_n_epochs is None:
@@ -118,8 +119,8 @@ class PublishCallback(keras.callbacks.Callback):
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, not {value!r}")
         self.every_n_batches, self.every_n_epochs = every_n_batches, every_n_epochs
-        self._publisher = _Publisher(folder, keep=keep, metadata=metadata, format=format, scope=scope,
-                                     include=include, exclude=exclude, trainable_only=trainable_only,
+        self._publisher = _Publisher(folder, keep=keep, metadata=metadata, format=format,
+                                     selection=Selection(scope, include, exclude, trainable_only, also),
                                      storage_options=storage_options, background=background)
         self._batches = 0
         self._epoch = 0
@@ -158,7 +159,7 @@ class PublishCallback(keras.callbacks.Callback):
 
         optimizer = getattr(self.model, "optimizer", None)
         step = int(optimizer.iterations.numpy()) if optimizer is not None else self._batches
-        self._publisher.publish(lambda: snapshot(self.model, **self._publisher.selection), step, {"epoch": self._epoch})
+        self._publisher.publish(lambda: snapshot(self.model, **vars(self._publisher.selection)), step, {"epoch": self._epoch})
 
 
 class PublishHook(tf.compat.v1.train.SessionRunHook):
@@ -177,13 +178,14 @@ class PublishHook(tf.compat.v1.train.SessionRunHook):
     def __init__(self, folder: Any, *, every_n_steps: int | None = None, every_n_secs: float | None = None,
                  keep: int | None = 5, metadata: Mapping[str, Any] | None = None, format: str = "npz",  # noqa: A002
                  scope: str | None = None, include: Patterns = None, exclude: Patterns = None,
-                 trainable_only: bool = False, storage_options: Mapping[str, Any] | None = None,
+                 trainable_only: bool = False, also: Patterns = None,
+                 storage_options: Mapping[str, Any] | None = None,
                  is_chief: bool | None = None, background: bool = True):
         if (every_n_steps is None) == (every_n_secs is None):
             raise ValueError("pass exactly one of every_n_steps and every_n_secs")
         self._timer = tf.compat.v1.train.SecondOrStepTimer(every_secs=every_n_secs, every_steps=every_n_steps)
-        self._publisher = _Publisher(folder, keep=keep, metadata=metadata, format=format, scope=scope,
-                                     include=include, exclude=exclude, trainable_only=trainable_only,
+        self._publisher = _Publisher(folder, keep=keep, metadata=metadata, format=format,
+                                     selection=Selection(scope, include, exclude, trainable_only, also),
                                      storage_options=storage_options, background=background)
         self._is_chief = is_chief
         self._global_step: tf.Tensor | None = None
@@ -223,4 +225,4 @@ class PublishHook(tf.compat.v1.train.SessionRunHook):
 
         step = int(session.run(self._global_step))
         self._timer.update_last_triggered_step(step)
-        self._publisher.publish(lambda: tf1.export(session, **self._publisher.selection), step, {})
+        self._publisher.publish(lambda: tf1.export(session, **vars(self._publisher.selection)), step, {})

@@ -40,6 +40,7 @@ def snapshot(
     include: Patterns = None,
     exclude: Patterns = None,
     trainable_only: bool = False,
+    also: Patterns = None,
 ) -> dict[str, Any]:
     """The values :func:`tf2.export` would return, as eager tensors read now, not numpy copies.
 
@@ -47,7 +48,8 @@ def snapshot(
     :class:`weightstore.BackgroundPublisher`; its values stay those of this moment while
     training continues. A sharded variable is joined when converted.
     """
-    chosen = tf2.selected(obj, scope=scope, include=include, exclude=exclude, trainable_only=trainable_only)
+    chosen = tf2.selected(obj, scope=scope, include=include, exclude=exclude, trainable_only=trainable_only,
+                          also=also)
     return {key: _read(var) for key, var in chosen.items()}
 
 
