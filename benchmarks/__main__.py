@@ -1,41 +1,94 @@
-"""Run every benchmark: ``python -m benchmarks [--size-mb N] [--repeat N] [--only core|tf|sync|publish]``.
+"""Run every benchmark: ``python -m benchmarks [--size-mb N] [--repeat N] [--only NAME ...]``.
 
-The publish benchmark trains a model of at most 256 MB (a step of a bigger one takes seconds here).
+Each benchmark runs weightstore and the tools users would otherwise use in the same run and
+prints medians and ratios. Some cap the size: the publish benchmark trains a model of at most
+256 MB (a step of a bigger one takes seconds here), and the S3 benchmark moves at most 64 MB
+through a loopback server that is a CPU-bound Python process (count its requests and bytes,
+not its seconds).
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 
-def main(argv=None) -> None:
+def _core(size_mb: float, repeat: int) -> None:
+    from benchmarks import core_bench
+
+    core_bench.bench(size_mb, repeat)
+
+
+def _tf(size_mb: float, repeat: int) -> None:
+    from benchmarks import tf_bench
+
+    tf_bench.bench(size_mb, repeat)
+
+
+def _sync(size_mb: float, repeat: int) -> None:
+    from benchmarks import sync_bench
+
+    sync_bench.bench(size_mb, small_mb=4, repeat=repeat, poll=0.01, tensors=300, kinds=["tf2", "tf1"])
+
+
+def _publish(size_mb: float, repeat: int) -> None:
+    from benchmarks import publish_bench
+
+    publish_bench.bench(min(size_mb, 256), repeat)
+
+
+def _small(size_mb: float, repeat: int) -> None:
+    from benchmarks import small_bench
+
+    small_bench.bench(50_000, 256, repeat)
+
+
+def _safetensors(size_mb: float, repeat: int) -> None:
+    from benchmarks import safetensors_bench
+
+    safetensors_bench.bench(size_mb, repeat)
+
+
+def _checkpoints(size_mb: float, repeat: int) -> None:
+    from benchmarks import ckpt_bench
+
+    ckpt_bench.bench(size_mb, repeat)
+
+
+def _s3(size_mb: float, repeat: int) -> None:
+    from benchmarks import s3_bench
+
+    s3_bench.bench(min(size_mb, 64), repeat)
+
+
+def _torch(size_mb: float, repeat: int) -> None:
+    from benchmarks import torch_bench
+
+    torch_bench.bench(size_mb, repeat)
+
+
+def _artifacts(size_mb: float, repeat: int) -> None:
+    from benchmarks import artifacts_bench
+
+    artifacts_bench.bench(repeat)
+
+
+BENCHMARKS: dict[str, Callable[[float, int], None]] = {
+    "core": _core, "tf": _tf, "sync": _sync, "publish": _publish, "small": _small, "safetensors": _safetensors,
+    "ckpt": _checkpoints, "s3": _s3, "torch": _torch, "artifacts": _artifacts,
+}
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     parser.add_argument("--size-mb", type=float, default=1024, help="bytes of weights per benchmark (default 1024)")
     parser.add_argument("--repeat", type=int, default=5, help="timed runs per case (default 5)")
-    parser.add_argument("--only", choices=["core", "tf", "sync", "publish"], help="run one benchmark")
+    parser.add_argument("--only", nargs="+", choices=list(BENCHMARKS), help="run these benchmarks only")
     args = parser.parse_args(argv)
-    if args.only in (None, "core"):
-        from benchmarks import core_bench
-
-        core_bench.bench(args.size_mb, args.repeat)
-    if args.only in (None, "tf"):
-        from benchmarks import tf_bench
-
-        if args.only is None:
+    for number, name in enumerate(args.only or BENCHMARKS):
+        if number:
             print()
-        tf_bench.bench(args.size_mb, args.repeat)
-    if args.only in (None, "sync"):
-        from benchmarks import sync_bench
-
-        if args.only is None:
-            print()
-        sync_bench.bench(args.size_mb, small_mb=4, repeat=args.repeat, poll=0.01, tensors=300, kinds=["tf2", "tf1"])
-    if args.only in (None, "publish"):
-        from benchmarks import publish_bench
-
-        if args.only is None:
-            print()
-        publish_bench.bench(min(args.size_mb, 256), args.repeat)
+        BENCHMARKS[name](args.size_mb, args.repeat)
 
 
 if __name__ == "__main__":
