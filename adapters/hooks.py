@@ -35,7 +35,7 @@ import weightstore
 from weightstore.adapters.plan import Selection
 from weightstore.background import BackgroundPublisher
 from weightstore.keys import Patterns
-from weightstore.versions import Version
+from weightstore.versions import PublishOptions, Version
 
 __all__ = ["PublishCallback", "PublishHook", "is_chief"]
 
@@ -65,7 +65,7 @@ class _Publisher:
                  selection: Selection, storage_options: Mapping[str, Any] | None, background: bool):
         self.folder = folder
         self.selection = selection
-        self.options = {"keep": keep, "format": format, "storage_options": storage_options}
+        self.options = PublishOptions(keep=keep, format=format, storage_options=storage_options)
         self.metadata = dict(metadata or {})
         self.background = BackgroundPublisher(folder, **self.options, metadata=metadata) if background else None
         self._last: Version | None = None
@@ -159,7 +159,8 @@ class PublishCallback(keras.callbacks.Callback):
 
         optimizer = getattr(self.model, "optimizer", None)
         step = int(optimizer.iterations.numpy()) if optimizer is not None else self._batches
-        self._publisher.publish(lambda: snapshot(self.model, **vars(self._publisher.selection)), step, {"epoch": self._epoch})
+        selection = vars(self._publisher.selection)
+        self._publisher.publish(lambda: snapshot(self.model, **selection), step, {"epoch": self._epoch})
 
 
 class PublishHook(tf.compat.v1.train.SessionRunHook):

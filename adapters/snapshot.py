@@ -24,8 +24,8 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
-from weightstore.adapters import tf2
 
+from weightstore.adapters import tf2
 from weightstore.keys import Patterns
 
 __all__ = ["snapshot"]

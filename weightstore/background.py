@@ -40,9 +40,10 @@ from typing import Any
 
 import numpy as np
 
+from weightstore.errors import PublishError
 from weightstore.formats import format_named
 from weightstore.store import checked_metadata
-from weightstore.versions import Version, publish
+from weightstore.versions import PublishOptions, Version, publish
 
 __all__ = ["BackgroundPublisher", "PublishFuture"]
 
@@ -94,7 +95,7 @@ class BackgroundPublisher:
         format_named(format)  # an unknown format fails here, not on the first background publish
         self.folder = folder
         self.metadata = checked_metadata(metadata, str(folder))
-        self._options = {"keep": keep, "format": format, "storage_options": storage_options}
+        self._options = PublishOptions(keep=keep, format=format, storage_options=storage_options)
         self._pending: PublishFuture | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -113,7 +114,7 @@ class BackgroundPublisher:
         holds is freed tensor by tensor rather than at the end.
         """
         if self._closed:
-            raise RuntimeError(f"{self.folder}: this BackgroundPublisher is closed")
+            raise PublishError(f"{self.folder}: this BackgroundPublisher is closed")
         self.wait()
         future = PublishFuture()
         future.set_running_or_notify_cancel()

@@ -14,13 +14,13 @@ import functools
 import re
 import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TypeVar, Union
+from typing import TypeVar
 
 from weightstore.errors import InvalidKeyError, SelectionError
 
 V = TypeVar("V")
-Patterns = Union[str, Sequence[str], None]
-MappingRules = Union[Mapping[str, str], Sequence[str], None]
+Patterns = str | Sequence[str] | None
+MappingRules = Mapping[str, str] | Sequence[str] | None
 
 RESERVED_PREFIX = "__weightstore"
 _GLOB_CHARS = frozenset("*?[")

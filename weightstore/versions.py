@@ -73,7 +73,7 @@ import time
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from weightstore.errors import (
     FormatError,
@@ -87,7 +87,7 @@ from weightstore.formats import format_for_suffix, format_named
 from weightstore.storage import Folder, LocalFolder, folder_for, location_of, remove_stale_temporaries
 from weightstore.store import Store, _checked, checked_metadata, write_file
 
-__all__ = ["Version", "VersionEntry", "publish", "latest", "follow", "list_versions"]
+__all__ = ["Version", "VersionEntry", "PublishOptions", "publish", "latest", "follow", "list_versions"]
 
 LATEST = "LATEST"
 INTENT = ".publishing"
@@ -95,6 +95,14 @@ POINTER_FORMAT = "weightstore-latest"
 _NAME = re.compile(r"^step-(\d+)(\.[A-Za-z0-9]+)$")
 _MAX_POINTER_BYTES = 1 << 20
 _log = logging.getLogger(__name__)
+
+
+class PublishOptions(TypedDict):
+    """How :func:`publish` writes each version; what a trainer's publisher passes on every time."""
+
+    keep: int | None
+    format: str
+    storage_options: Mapping[str, Any] | None
 
 
 def _stage(name: str) -> None:

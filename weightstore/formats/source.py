@@ -13,7 +13,7 @@ import os
 import re
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any, BinaryIO, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -157,7 +157,7 @@ class OwnedFile(_LocalFile):
         self._check(offset, length)
         raw = np.empty(length + ALIGNMENT, dtype=np.uint8)
         skip = (offset - raw.ctypes.data) % ALIGNMENT
-        view = memoryview(raw[skip : skip + length])
+        view = raw[skip : skip + length].data
         self.read_into(offset, view)
         return view
 
@@ -165,7 +165,7 @@ class OwnedFile(_LocalFile):
 class StreamFile:
     """Ranged reads over any seekable binary file, such as an fsspec file on object storage."""
 
-    def __init__(self, handle: BinaryIO, name: str):
+    def __init__(self, handle: Any, name: str):  # any binary file object with seek, read and readinto
         self.name = name
         self._handle = handle
         self._lock = threading.Lock()  # a seek and its read must not interleave with another thread's
@@ -188,7 +188,8 @@ class StreamFile:
 
     def read_into(self, offset: int, buffer: memoryview) -> None:
         if offset < 0 or offset + len(buffer) > self.size:
-            raise FormatError(f"{self.name}: truncated file (needs bytes {offset}..{offset + len(buffer)}, has {self.size})")
+            raise FormatError(f"{self.name}: truncated file (needs bytes {offset}..{offset + len(buffer)}, "
+                              f"has {self.size})")
         with self._lock:
             self._handle.seek(offset)
             filled = 0
