@@ -134,7 +134,7 @@ def assign(
 ) -> Report:
     """Write ``weights`` (a dict, path, open Store or Version) into ``obj``'s variables.
 
-    Plans first (see DESIGN.md): a strict failure raises ``AssignmentError`` with every
+    Plans first (see :mod:`weightstore.adapters.plan`): a strict failure raises ``AssignmentError`` with every
     problem and changes nothing. Every value is read, and its checksum verified, before the
     first variable changes. With ``skip_unchanged`` (default: only for Versions), variables
     that last received the very same bytes are left alone and listed in ``report.skipped``.

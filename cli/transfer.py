@@ -2,7 +2,7 @@
 
 Every source opens through :func:`weightstore.adapters.checkpoints.open_source`, so each
 command accepts a store, a TF checkpoint or a Keras file alike. Selection follows
-DESIGN.md everywhere: scope and mapping first, then include/exclude on the resulting keys.
+the README everywhere: scope and mapping first, then include/exclude on the resulting keys.
 Targets are written whole and atomically: a failed or interrupted command leaves them as
 they were.
 """

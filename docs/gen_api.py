@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import sys
 from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # before TensorFlow loads: its start-up lines are noise here
 
 #: (module, names) in the order the reference presents them
 PUBLIC = [
@@ -45,10 +48,7 @@ def render() -> str:
 
 def _entry(module_name: str, name: str, obj: object) -> list[str]:
     kind = "class" if inspect.isclass(obj) else "function"
-    try:
-        signature = str(inspect.signature(obj))  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        signature = ""
+    signature = _signature(obj) if callable(obj) else ""
     lines = [f"### `{module_name}.{name}`", "", f"```python\n{kind} {name}{signature}\n```", ""]
     lines += [inspect.getdoc(obj) or "(no docstring)", ""]
     if inspect.isclass(obj):
@@ -61,8 +61,9 @@ def _entry(module_name: str, name: str, obj: object) -> list[str]:
 
 
 def _signature(obj: object) -> str:
+    """The signature as written in the source (annotations are strings there: unquoted here)."""
     try:
-        return str(inspect.signature(obj))  # type: ignore[arg-type]
+        return str(inspect.signature(obj)).replace("'", "")  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return "()"
 
