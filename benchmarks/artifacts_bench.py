@@ -9,27 +9,17 @@ machine and compare within one run.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
-
-def _median(run: Callable[[], object], repeat: int) -> float:
-    run()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from benchmarks.common import median_seconds
 
 
 def bench(repeat: int) -> dict[str, float]:
     import keras
     import numpy as np
     import tensorflow as tf
+
     from weightstore.adapters import artifacts, tf2
 
     model = keras.applications.ResNet50(input_shape=(64, 64, 3), weights=None, classes=10)
@@ -39,11 +29,11 @@ def bench(repeat: int) -> dict[str, float]:
         model.save_weights(weights)
         prefix = tf.train.Checkpoint(model=model).write(str(Path(folder) / "ckpt-1"))
         return {
-            "keras load_weights": _median(lambda: model.load_weights(weights), repeat),
-            "tf2.assign(.weights.h5)": _median(lambda: tf2.assign(model, weights), repeat),
-            "  of which Keras's save walk": _median(lambda: artifacts._keras_paths(model), repeat),
-            "Checkpoint.read": _median(lambda: tf.train.Checkpoint(model=model).read(prefix).assert_consumed(), repeat),
-            "tf2.assign(TF2 checkpoint)": _median(lambda: tf2.assign(model, prefix), repeat),
+            "keras load_weights": median_seconds(lambda: model.load_weights(weights), repeat),
+            "tf2.assign(.weights.h5)": median_seconds(lambda: tf2.assign(model, weights), repeat),
+            "  of which Keras's save walk": median_seconds(lambda: artifacts._keras_paths(model), repeat),
+            "Checkpoint.read": median_seconds(lambda: tf.train.Checkpoint(model=model).read(prefix).assert_consumed(), repeat),
+            "tf2.assign(TF2 checkpoint)": median_seconds(lambda: tf2.assign(model, prefix), repeat),
         }
 
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import gc
 import json
 import os
-from pathlib import Path
 import resource
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -73,6 +73,18 @@ def peak_bytes() -> int:
 # -- timing -------------------------------------------------------------------------------
 def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
+
+
+def median_seconds(run: Callable[[], object], repeat: int) -> float:
+    """Median wall time of ``repeat`` calls of ``run`` in this process, after one warm-up call
+    (page cache, imports, caches a user's second call would have too)."""
+    run()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return median(times)
 
 
 def touch(arrays: Mapping[str, Any] | Sequence[Any]) -> float:
@@ -168,7 +180,8 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def fsync_path(path: str) -> None:
     """Make a peer's write durable the way weightstore's save is: file, then its folder."""
-    from weightstore.storage import fsync_folder, fsync_path as fsync_file
+    from weightstore.storage import fsync_folder
+    from weightstore.storage import fsync_path as fsync_file
 
     fsync_file(path)
     fsync_folder(Path(os.path.abspath(path)).parent)

@@ -132,10 +132,10 @@ def saving_callback(mode: str, model, folder: str, every: int):
     """The callback that saves every ``every`` batches, and the method of it to time."""
     import keras
     import tensorflow as tf
-    from weightstore.adapters import tf2
-    from weightstore.adapters.hooks import PublishCallback
 
     import weightstore as ws
+    from weightstore.adapters import tf2
+    from weightstore.adapters.hooks import PublishCallback
 
     if mode in ("ws-background", "ws-sync"):
         return PublishCallback(folder, every_n_batches=every, keep=2, background=mode == "ws-background")

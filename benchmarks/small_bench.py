@@ -12,22 +12,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
-import time
-from collections.abc import Callable
 
 import numpy as np
 
-
-def _median_seconds(run: Callable[[], object], repeat: int) -> float:
-    run()  # warm up: page cache, imports, caches a user's second open would have too
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from benchmarks.common import median_seconds
 
 
 def bench(tensors: int = 50_000, size: int = 256, repeat: int = 5) -> dict[str, float]:
@@ -61,7 +50,7 @@ def bench(tensors: int = 50_000, size: int = 256, repeat: int = 5) -> dict[str, 
             "read each via open (weightstore npz)": read_each,
             "load (safetensors)": lambda: safetensors.numpy.load_file(st),
         }
-        results = {name: _median_seconds(run, repeat) for name, run in cases.items()}
+        results = {name: median_seconds(run, repeat) for name, run in cases.items()}
     print(f"{tensors} tensors of {size} float32, median of {repeat} runs")
     for name, seconds in results.items():
         peer = "save (safetensors)" if name.startswith("save") else "load (safetensors)"

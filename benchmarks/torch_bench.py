@@ -11,28 +11,17 @@ compare the ratios, not the seconds (the disk and the neighbours are noisy).
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
-
-def _median(action: Callable[[], object], repeat: int) -> float:
-    action()  # warm-up: page cache, allocator
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        action()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from benchmarks.common import median_seconds
 
 
 def bench(size_mb: float, repeat: int) -> dict[str, float]:
     import torch
-    from weightstore.adapters import torch as torch_adapter
 
     import weightstore as ws
+    from weightstore.adapters import torch as torch_adapter
 
     width = 2048
     layers = max(1, round(size_mb * (1 << 20) / (width * width * 4)))
@@ -48,10 +37,10 @@ def bench(size_mb: float, repeat: int) -> dict[str, float]:
             net.load_state_dict({key.replace("/", "."): torch.from_numpy(value) for key, value in weights.items()})
 
         results = {
-            "torch.assign(path)": _median(lambda: torch_adapter.assign(net, path), repeat),
-            "ws.load + load_state_dict": _median(load_then_state_dict, repeat),
-            "load_state_dict (in memory)": _median(lambda: net.load_state_dict(in_memory), repeat),
-            "torch.assign(layout='keras') (in memory)": _median(
+            "torch.assign(path)": median_seconds(lambda: torch_adapter.assign(net, path), repeat),
+            "ws.load + load_state_dict": median_seconds(load_then_state_dict, repeat),
+            "load_state_dict (in memory)": median_seconds(lambda: net.load_state_dict(in_memory), repeat),
+            "torch.assign(layout='keras') (in memory)": median_seconds(
                 lambda: torch_adapter.assign(net, keras_layout, layout="keras"), repeat),
         }
     print(f"{layers} x Linear({width}, {width}), {size_mb:.0f} MB, median of {repeat}:")
