@@ -10,10 +10,11 @@ imported only then.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +29,16 @@ from weightstore.errors import (
     UnsupportedDTypeError,
 )
 from weightstore.formats import keras_file
-from weightstore.formats.tf_checkpoint import CheckpointReader, resolve_prefix
+from weightstore.formats.tf_checkpoint import KIND_TF2, STATE_FILE, CheckpointReader, read_state_file, resolve_prefix
 from weightstore.keys import OUTPUT_SUFFIX
 from weightstore.storage import fsync_folder, fsync_path, is_url, remove_stale_temporaries, temporary_beside
 from weightstore.store import Store
 
 _DATA_FILE = re.compile(r"\.data-\d{5}-of-\d{5}$")
 _SHARD_COUNT = re.compile(r"\.data-\d{5}-of-(\d{5})$")
+_TEMPORARY_ENDINGS = r"(?:-part\d+)?(?:\.index|\.data-\d{5}-of-\d{5})?"
+_LISTED = re.compile(r'^\s*all_model_checkpoint_paths\s*:\s*"((?:[^"\\\n]|\\.)*)"\s*$', re.MULTILINE)
+_SHOWN = 5  # keys named in an error; the rest are counted
 _silent = False
 
 
@@ -53,10 +57,7 @@ def silence_tensorflow() -> None:
 
 def _tf():
     try:
-        if not _silent:
-            import tensorflow as tf
-            return tf
-        with _stderr_to_devnull():
+        with _quietly():
             import tensorflow as tf
         return tf
     except ImportError:
@@ -66,7 +67,11 @@ def _tf():
 
 
 @contextlib.contextmanager
-def _stderr_to_devnull() -> Iterator[None]:
+def _quietly() -> Iterator[None]:
+    """File descriptor 2 on ``/dev/null`` when the CLI silenced TensorFlow (see :func:`silence_tensorflow`)."""
+    if not _silent:
+        yield
+        return
     saved = os.dup(2)
     devnull = os.open(os.devnull, os.O_WRONLY)
     try:
@@ -88,6 +93,8 @@ class Source(Store):
         #: entries that are not numeric tensors (string variables), left out of the keys
         self.skipped: list[str] = list(getattr(reader, "skipped", []))
         self._meta_graph: str | None = getattr(reader, "meta_graph", None)
+        #: the .keras file whose model gave the keys (:func:`open_keyed_like_model`), else None
+        self.keyed_like: str | None = None
 
     def trainable_keys(self) -> set[str]:
         """Keys of the trainable variables, from a TF1 checkpoint's ``.meta`` graph.
@@ -109,6 +116,34 @@ def open_source(path: str | os.PathLike) -> Source:
     if not is_url(text) and not os.path.exists(text) and resolve_prefix(text) is None:
         raise StoreNotFoundError(f"{text}: no such file or checkpoint")
     return Source(weightstore.open(text))
+
+
+def open_keyed_like_model(path: str | os.PathLike, model_file: str | os.PathLike) -> Source:
+    """A Keras file or TF2 object checkpoint keyed as ``tf2.export`` keys the model of ``model_file``.
+
+    ``model_file`` is a ``.keras`` archive (``path`` itself, or another one whose architecture
+    the weights fit); its model is rebuilt from its config in Keras's safe mode
+    (:mod:`weightstore.adapters.keras_config`) and paired with ``path`` as ``tf2.load(model,
+    path)`` pairs them: tensors the model has no variable for keep their file keys, optimizer
+    state is left out.
+    """
+    text, model_text = os.fspath(path), os.fspath(model_file)
+    if not model_text.endswith(".keras"):
+        raise FormatError(f"{model_text}: is not a .keras file; the model's architecture comes from the "
+                          "config.json of one")
+    with open_source(text) as plain:
+        kind = plain.kind
+    prefix = resolve_prefix(text) if kind == KIND_TF2 else None
+    if prefix is None and not text.endswith((".keras", keras_file.WEIGHTS_SUFFIX)):
+        raise FormatError(f"{text}: is a {kind}; only Keras files and TF2 object-based checkpoints can be "
+                          "keyed like a model")
+    _tf()
+    with _quietly():
+        from weightstore.adapters import artifacts, keras_config, tf2
+    model = keras_config.model_from_archive(model_text)
+    keyed = Source(artifacts.for_model(model, prefix or text, tf2.variables(model)))
+    keyed.kind, keyed.keyed_like = kind, model_text
+    return keyed
 
 
 def _store_kind(store: Store) -> str:
@@ -188,18 +223,114 @@ def write_checkpoint(prefix: str, weights: Mapping[str, np.ndarray]) -> None:
     target = Path(prefix)
     if not target.parent.is_dir():
         raise StoreNotFoundError(f"{prefix}: folder {str(target.parent)!r} does not exist")
-    remove_stale_temporaries(target, r"(?:-part\d+)?(?:\.index|\.data-\d{5}-of-\d{5})?")
     tensors: dict[str, Any] = {}
     if os.path.exists(prefix + ".index"):
         checkpoint_names(prefix)  # refuses object-based checkpoints
-        old = tf.train.load_checkpoint(prefix)
-        for name in old.get_variable_to_shape_map():
-            if name not in weights:
-                tensors[name] = tf.constant(old.get_tensor(name), dtype=old.get_variable_to_dtype_map()[name])
+        tensors = _old_entries(tf, prefix, keep=lambda name: name not in weights)
     for key, value in weights.items():
         tensors[key] = _as_tensor(tf, prefix, key, value)
     if not tensors:
         raise SelectionError(f"{prefix}: nothing to write")
+    _commit(tf, prefix, tensors)
+
+
+def replace_in_object_checkpoint(prefix: str, weights: Mapping[str, np.ndarray]) -> None:
+    """Replace the values of variables of the TF2 object-based checkpoint at ``prefix``, in place.
+
+    ``weights`` is keyed as ``ws ls`` lists the checkpoint (object-graph keys). Each value goes
+    into the very entry its key reads (``.../.ATTRIBUTES/VARIABLE_VALUE``); the object graph
+    and every other entry are kept byte for byte, so ``tf.train.Checkpoint.restore`` finds the
+    new values where it looks. A key the checkpoint does not have is refused rather than
+    added: the object graph would not reference it, and TF2 readers would silently ignore it.
+    Everything is checked before anything is written; the write is :func:`write_checkpoint`'s
+    crash-safe commit.
+    """
+    tf = _tf()
+    reader = CheckpointReader(prefix)
+    reader.close()  # only the index is needed
+    if not reader.object_based:
+        raise FormatError(f"{prefix}: is a name-based (TF1 Saver) checkpoint, not a TF2 object-based one")
+    present = set(reader.keys())
+    unknown = [key for key in weights if key not in present]
+    if unknown:
+        more = f" and {len(unknown) - _SHOWN} more" if len(unknown) > _SHOWN else ""
+        named = ", ".join(repr(k) for k in unknown[:_SHOWN]) + more
+        raise SelectionError(f"{prefix}: the TF2 object-based checkpoint has no variable {named}; "
+                             "tf.train.Checkpoint.restore ignores entries its object graph does not name, "
+                             "so ws only replaces existing ones (see ws ls)")
+    replaced: dict[str, np.ndarray] = {}
+    for key, value in weights.items():
+        array, info = np.asarray(value), reader.info(key)
+        if tuple(array.shape) != tuple(info.shape) or array.dtype != np.dtype(info.dtype):
+            raise SelectionError(f"{prefix}: variable {key!r} is {info.dtype} {list(info.shape)} in the checkpoint, "
+                                 f"the imported tensor is {array.dtype} {list(array.shape)}")
+        replaced[reader.entry_name(key)] = array
+    tensors = _old_entries(tf, prefix, keep=lambda name: name not in replaced)
+    for name, array in replaced.items():
+        tensors[name] = _as_tensor(tf, prefix, name, array)
+    _commit(tf, prefix, tensors)
+
+
+def is_object_based(prefix: str) -> bool:
+    """Whether the checkpoint at ``prefix`` is TF2 object-based (it records an object graph)."""
+    reader = CheckpointReader(prefix)
+    reader.close()  # only the index is needed
+    return reader.object_based
+
+
+def state_file_text(prefix: str) -> str:
+    """The folder's ``checkpoint`` state file once ``prefix`` is recorded in it as the latest checkpoint.
+
+    That file is how ``tf.train.latest_checkpoint`` and ``ws export folder/`` find a checkpoint
+    in a folder. Paths already listed are kept and ``prefix`` moves to the end, as TF1's
+    ``Saver`` does. A state file that is there but unreadable is refused here, before the
+    caller writes anything.
+    """
+    folder, name = os.path.split(prefix)
+    state = os.path.join(folder or ".", STATE_FILE)
+    listed: list[str] = []
+    if os.path.exists(state):
+        read_state_file(state)  # refuses oversized, non-UTF-8 or malformed files
+        text = Path(state).read_text(encoding="utf-8")
+        listed = [codecs.escape_decode(found.encode("utf-8"))[0].decode("utf-8")
+                  for found in _LISTED.findall(text)]
+    listed = [path for path in listed if path not in (name, prefix)] + [name]
+    lines = [f'model_checkpoint_path: "{_quoted(name)}"']
+    lines += [f'all_model_checkpoint_paths: "{_quoted(path)}"' for path in listed]
+    return "\n".join(lines) + "\n"
+
+
+def write_state_file(prefix: str, text: str) -> None:
+    """Replace the ``checkpoint`` state file beside ``prefix`` with ``text``, atomically."""
+    state = Path(os.path.dirname(prefix) or ".") / STATE_FILE
+    temporary = temporary_beside(state)
+    try:
+        temporary.write_text(text, encoding="utf-8")
+        fsync_path(str(temporary))
+        os.replace(temporary, state)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
+    fsync_folder(state.parent)
+
+
+def _quoted(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def _old_entries(tf: Any, prefix: str, keep: Callable[[str], bool]) -> dict[str, Any]:
+    """The entries of the checkpoint at ``prefix`` that ``keep`` accepts, as tensors of their own dtype."""
+    old = tf.train.load_checkpoint(prefix)
+    dtypes = old.get_variable_to_dtype_map()
+    return {name: tf.constant(old.get_tensor(name), dtype=dtypes[name])
+            for name in old.get_variable_to_shape_map() if keep(name)}
+
+
+def _commit(tf: Any, prefix: str, tensors: Mapping[str, Any]) -> None:
+    """Write ``tensors`` as the whole checkpoint at ``prefix``, crash-safe (see :func:`write_checkpoint`)."""
+    target = Path(prefix)
+    remove_stale_temporaries(target, _TEMPORARY_ENDINGS)
     taken = {int(match.group(1)) for path in _files_of(prefix) if (match := _SHARD_COUNT.search(path))}
     shards = next(n for n in range(1, len(taken) + 2) if n not in taken)
     fresh_names = shards <= len(tensors)

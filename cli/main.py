@@ -104,6 +104,12 @@ def export(
         "--also", help="With --trainable-only, also keep keys under this scope or matching this glob (repeatable).",
     )] = None,
     compress: Compress = False,
+    model_keys: Annotated[bool, typer.Option(
+        "--model-keys", help="Key a .keras SOURCE like its model (dense/kernel, as tf2.export keys it), building "
+                             "the model from the archive's config in Keras's safe mode.")] = False,
+    model: Annotated[str | None, typer.Option(
+        "--model", help="Key a Keras file or TF2 checkpoint SOURCE like the model of this .keras file "
+                        "(implies --model-keys).")] = None,
     as_json: AsJson = False,
 ) -> None:
     """Write the weights of SOURCE, or the selected part of them, to a weight store.
@@ -112,23 +118,35 @@ def export(
     Example:
       ws export train/ -o model_001.npz --scope tower_0 --exclude '*/Adam*'
       ws export train/ -o small.npz --trainable-only --also '*/bn/moving_*'
+      ws export model.keras -o m.npz --model-keys
+      ws export ckpt/ -o m.npz --model model.keras
     """
     _json(as_json)
     if also and not trainable_only:
         raise typer.BadParameter("--also adds to what --trainable-only keeps; give --trainable-only too",
                                  param_hint="--also")
-    with checkpoints.open_source(source) as opened:
+    if model_keys and model is None and not source.endswith(".keras"):
+        raise typer.BadParameter(f"{source} has no model config to key it by; name a .keras file with --model",
+                                 param_hint="--model-keys")
+    keyed_by = model or (source if model_keys else None)
+    opening = checkpoints.open_source(source) if keyed_by is None else checkpoints.open_keyed_like_model(source,
+                                                                                                         keyed_by)
+    with opening as opened:
         written = transfer.export(opened, output, scope=scope, mapping=mapping, include=include, exclude=exclude,
                                   trainable_only=trainable_only, also=also, compress=compress)
+    keyed = f", keyed like the model of {opened.keyed_like}" if opened.keyed_like else ""
     _report("export", written, opened, f"wrote {count(written.count, 'tensor')} ({human_bytes(written.nbytes)}) "
-                                       f"from {opened.kind} {opened.path} to {written.path}")
+                                       f"from {opened.kind} {opened.path} to {written.path}{keyed}")
 
 
 @app.command("import")
 def import_(
     store: Annotated[str, typer.Argument(help="The weights to import: a store, TF checkpoint or Keras file.")],
-    into: Annotated[str, typer.Option("--into", help="Target: a store (.npz/.h5; created or merged into) or a TF "
-                                                     "checkpoint prefix (created or merged into).")],
+    into: Annotated[str, typer.Option("--into", help="Target: a store (.npz/.h5; created or merged into), a TF1 "
+                                                     "checkpoint prefix (created or merged into; a new one is "
+                                                     "recorded in its folder's 'checkpoint' file) or a TF2 "
+                                                     "object-based checkpoint (its variables replaced in place, "
+                                                     "keyed as ws ls lists them).")],
     scope: Scope = None,
     mapping: Mapping = None,
     include: Include = None,
@@ -141,6 +159,7 @@ def import_(
     \b
     Example:
       ws import m2.npz --into ensemble.ckpt --scope model_002
+      ws import fixed.npz --into ckpt/ckpt-3 --scope model --include '_operations/1/*'
     """
     _json(as_json)
     with checkpoints.open_source(store) as opened:
@@ -295,9 +314,12 @@ def _report(command: str, written: transfer.Written, source: checkpoints.Source,
     if settings.json:
         render.emit(command, {"source": source.path, "source_kind": source.kind, "path": written.path,
                               "kind": written.kind, "count": written.count, "nbytes": written.nbytes,
-                              "skipped": list(source.skipped)})
+                              "skipped": list(source.skipped), "keyed_like": source.keyed_like,
+                              "caution": written.caution})
         return
     note(line)
+    if written.caution:
+        note(written.caution)
     _note_skipped(source)
 
 

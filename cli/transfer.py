@@ -27,6 +27,11 @@ from weightstore.storage import is_url
 from weightstore.store import output_format
 
 _SHOWN = 5  # colliding keys named in an error; the rest are counted
+NAME_BASED_CAUTION = (
+    "note: {target} is a name-based checkpoint: tf.compat.v1.train.Saver, tf.train.load_checkpoint and ws read "
+    "it, tf.train.Checkpoint.restore does not (it would silently restore nothing); to load it into a Keras "
+    "model use weightstore.adapters.tf2.assign(model, store)"
+)
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,8 @@ class Written:
     kind: str
     count: int
     nbytes: int
+    #: what the user should know about the result (one line), or None
+    caution: str | None = None
 
 
 def read(source: Source, plan: Mapping[str, str], description: str) -> dict[str, np.ndarray]:
@@ -109,12 +116,7 @@ def import_(source: Source, target: str, *, scope: str | None, mapping: MappingR
     for key in plan:
         validate_key(key)
     if is_checkpoint_target(target):
-        existing = checkpoints.checkpoint_names(target)
-        _refuse_clashes(target, existing, plan, overwrite)
-        weights = read(source, plan, "importing")
-        with working(f"writing {target}"):
-            checkpoints.write_checkpoint(target, weights)
-        return Written(target, "TF checkpoint", len(weights), sum(a.nbytes for a in weights.values()))
+        return _import_into_checkpoint(source, target, plan, overwrite)
     try:
         old = weightstore.open(target)
     except StoreNotFoundError:
@@ -130,6 +132,29 @@ def import_(source: Source, target: str, *, scope: str | None, mapping: MappingR
         with working(f"writing {target}"):
             weightstore.save(target, {**merged, **weights}, metadata=old.metadata)
     return Written(target, "store", len(weights), sum(a.nbytes for a in weights.values()))
+
+
+def _import_into_checkpoint(source: Source, target: str, plan: Mapping[str, str], overwrite: bool) -> Written:
+    """An existing TF2 object-based checkpoint has its variables replaced in place (nothing else can be
+    restored from it, so no ``--overwrite`` is asked for); an existing name-based one is merged into;
+    a new prefix becomes a name-based checkpoint recorded in its folder's state file."""
+    if os.path.exists(target + ".index") and checkpoints.is_object_based(target):
+        weights = read(source, plan, "importing")
+        with working(f"writing {target}"):
+            checkpoints.replace_in_object_checkpoint(target, weights)
+        return Written(target, "TF2 object-based checkpoint", len(weights), sum(a.nbytes for a in weights.values()))
+    new = not os.path.exists(target + ".index")
+    _refuse_clashes(target, checkpoints.checkpoint_names(target), plan, overwrite)
+    state = checkpoints.state_file_text(target) if new else None
+    weights = read(source, plan, "importing")
+    with working(f"writing {target}"):
+        if state is not None:
+            os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+        checkpoints.write_checkpoint(target, weights)
+        if state is not None:
+            checkpoints.write_state_file(target, state)
+    caution = NAME_BASED_CAUTION.format(target=target) if new else None
+    return Written(target, "TF checkpoint", len(weights), sum(a.nbytes for a in weights.values()), caution)
 
 
 def _refuse_clashes(target: str, existing: list[str], plan: Mapping[str, str], overwrite: bool) -> None:
