@@ -7,6 +7,7 @@ every test writes only under its own ``tmp_path``.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -17,8 +18,8 @@ import numpy as np
 import pytest
 
 import weightstore as ws
-from weightstore.errors import ChecksumError, FormatError, StoreNotFoundError, UnsafeFileError
-from weightstore.formats.tf_checkpoint import OBJECT_GRAPH_KEY, resolve_prefix
+from weightstore.errors import ChecksumError, FormatError, SelectionError, StoreNotFoundError, UnsafeFileError
+from weightstore.formats.tf_checkpoint import OBJECT_GRAPH_KEY, CheckpointReader, resolve_prefix
 
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
@@ -441,3 +442,73 @@ def test_stores_keep_their_kind_and_metadata(tmp_path):
     with checkpoints.open_source(tmp_path / "m.npz") as source:
         assert source.kind == "weightstore file"
         assert source.metadata == {"run": 3}
+
+
+# -- values replaced in TF2 object-based checkpoints; the state file of a new prefix ------------
+
+def same_architecture():
+    """A fresh model shaped like ``make_keras``'s, to restore a TF2 checkpoint into."""
+    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, name="d1"),
+                             keras.layers.BatchNormalization(name="bn"), keras.layers.Dense(2, name="d2")])
+
+
+def test_values_replaced_in_an_object_checkpoint_are_what_checkpoint_restore_reads(made, tmp_path):
+    target = copy_checkpoint(made["keras_ckpt"], tmp_path)
+    before = raw(target)
+    with ws.open(target) as source:
+        kernel = next(k for k in source if k.startswith("model/") and k.endswith("/_kernel"))
+        gamma = next(k for k in source if k.startswith("model/") and k.endswith("/gamma"))
+        new = {key: np.full(source.info(key).shape, 7.5, np.float32) for key in (kernel, gamma)}
+    entries = {key: CheckpointReader(target).entry_name(key) for key in new}
+    assert all(name.endswith("/.ATTRIBUTES/VARIABLE_VALUE") for name in entries.values())
+    checkpoints.replace_in_object_checkpoint(target, new)
+    after = raw(target)
+    assert set(after) == set(before)  # same entry names, no new ones
+    assert after[OBJECT_GRAPH_KEY] == before[OBJECT_GRAPH_KEY]
+    for name, value in before.items():
+        if name not in entries.values():
+            np.testing.assert_array_equal(after[name], value)  # optimizer state, save counter, the rest
+    model = same_architecture()
+    tf.train.Checkpoint(model=model).restore(target).expect_partial()
+    np.testing.assert_array_equal(model.get_layer("d1").kernel.numpy(), new[kernel])
+    np.testing.assert_array_equal(model.get_layer("bn").gamma.numpy(), new[gamma])
+    np.testing.assert_array_equal(model.get_layer("d2").bias.numpy(), made["model"].get_layer("d2").bias.numpy())
+
+
+@pytest.mark.parametrize("value, message", [
+    (np.zeros((5, 4), np.float32), "is float32 [3, 4] in the checkpoint, the imported tensor is float32 [5, 4]"),
+    (np.zeros((3, 4), np.float64), "is float32 [3, 4] in the checkpoint, the imported tensor is float64 [3, 4]"),
+])
+def test_object_checkpoint_shape_and_dtype_mismatches_write_nothing(made, tmp_path, value, message):
+    target = copy_checkpoint(made["keras_ckpt"], tmp_path)
+    before = {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)}
+    with ws.open(target) as source:
+        kernel = next(k for k in source if k.startswith("model/") and source.info(k).shape == (3, 4))
+    with pytest.raises(SelectionError, match=re.escape(f"{target}: variable {kernel!r} {message}")):
+        checkpoints.replace_in_object_checkpoint(target, {kernel: value})
+    assert {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)} == before
+
+
+def test_object_checkpoint_refuses_keys_it_does_not_have(made, tmp_path):
+    target = copy_checkpoint(made["module"], tmp_path)
+    before = (tmp_path / (os.path.basename(target) + ".index")).read_bytes()
+    with pytest.raises(SelectionError, match=re.escape(f"{target}: the TF2 object-based checkpoint has no variable "
+                                                       "'net/extra'; tf.train.Checkpoint.restore ignores")):
+        checkpoints.replace_in_object_checkpoint(target, {"net/w": np.ones((2, 2), np.float32),
+                                                          "net/extra": np.ones(2, np.float32)})
+    assert (tmp_path / (os.path.basename(target) + ".index")).read_bytes() == before
+    with pytest.raises(FormatError, match="is a name-based"):
+        checkpoints.replace_in_object_checkpoint(copy_checkpoint(made["tf1"], tmp_path), {})
+
+
+def test_state_file_lists_every_recorded_prefix_and_tensorflow_reads_it(tmp_path):
+    for name in ("a.ckpt", 'odd "name".ckpt', "a.ckpt"):
+        prefix = str(tmp_path / name)
+        checkpoints.write_checkpoint(prefix, {"w": np.ones(2, np.float32)})
+        checkpoints.write_state_file(prefix, checkpoints.state_file_text(prefix))
+    assert tf.train.latest_checkpoint(str(tmp_path)) == str(tmp_path / "a.ckpt")
+    state = tf.train.get_checkpoint_state(str(tmp_path))
+    assert [os.path.basename(p) for p in state.all_model_checkpoint_paths] == ['odd "name".ckpt', "a.ckpt"]
+    (tmp_path / "checkpoint").write_text("not a state file\n")
+    with pytest.raises(FormatError, match="checkpoint state file names no model_checkpoint_path"):
+        checkpoints.state_file_text(str(tmp_path / "b.ckpt"))
