@@ -55,6 +55,8 @@ def _mentions_lambda(value: Any) -> bool:
 
 
 def _first_sentence(exc: BaseException) -> str:
-    """Keras's messages go on to print the whole config: the first sentence says what failed."""
+    """What failed, in one sentence: Keras wraps a layer's failure in its model's (``Exception
+    encountered: …``, innermost last) and goes on to print the whole config."""
     text = " ".join(str(exc).split()) or type(exc).__name__
+    text = text.rsplit("Exception encountered: ", 1)[-1]
     return text.split(". ")[0].rstrip(".")

@@ -126,8 +126,10 @@ def export(
         raise typer.BadParameter("--also adds to what --trainable-only keeps; give --trainable-only too",
                                  param_hint="--also")
     if model_keys and model is None and not source.endswith(".keras"):
-        raise typer.BadParameter(f"{source} has no model config to key it by; name a .keras file with --model",
-                                 param_hint="--model-keys")
+        from weightstore.errors import FormatError
+
+        raise FormatError(f"{source}: has no model config to key it by (--model-keys); name a .keras file "
+                          "with --model")
     keyed_by = model or (source if model_keys else None)
     opening = checkpoints.open_source(source) if keyed_by is None else checkpoints.open_keyed_like_model(source,
                                                                                                          keyed_by)

@@ -20,11 +20,12 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 import weightstore as ws
-from weightstore.cli import render
+from weightstore.cli import render, transfer
 from weightstore.cli.guard import GuardedGroup
 from weightstore.cli.main import app
 
 tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
 from test_checkpoints import made, restore_with_saver  # noqa: E402,F401  (the module-scoped fixture)
 
 WS = os.path.join(os.path.dirname(sys.executable), "ws")
@@ -175,10 +176,6 @@ def test_import_into_a_tf_checkpoint_restored_by_saver(store, tmp_path):
     before = open(prefix + ".index", "rb").read()
     one_error_line(run("import", store, "--into", prefix, "--scope", "model_001"), "ens.ckpt: already holds 3")
     assert open(prefix + ".index", "rb").read() == before
-
-
-def test_import_refuses_object_based_checkpoints(made, store):
-    one_error_line(run("import", store, "--into", made["module"]), "TF2 object-based checkpoint")
 
 
 # -- ls, diff, convert, verify ----------------------------------------------------------------
@@ -445,4 +442,132 @@ def test_tensorflow_logs_stay_out_whatever_the_environment_says(store, tmp_path)
     done = subprocess.run([WS, "import", str(store), "--into", str(tmp_path / "m.ckpt")], capture_output=True,
                           text=True, timeout=180, env=env)
     assert done.returncode == 0, done.stderr
-    assert done.stderr.strip().splitlines() == [f"wrote 3 tensors (48 B) into TF checkpoint {tmp_path / 'm.ckpt'}"]
+    assert done.stderr.strip().splitlines() == [f"wrote 3 tensors (48 B) into TF checkpoint {tmp_path / 'm.ckpt'}",
+                                                transfer.NAME_BASED_CAUTION.format(target=tmp_path / "m.ckpt")]
+
+
+# -- import into TF2 object checkpoints and new prefixes; export keyed like a Keras model ---------
+
+from test_checkpoints import copy_checkpoint, same_architecture  # noqa: E402
+
+
+def test_import_replaces_object_checkpoint_values_that_checkpoint_restore_reads(made, tmp_path):
+    target = copy_checkpoint(made["keras_ckpt"], tmp_path)
+    exported = run("export", target, "-o", tmp_path / "model.npz", "--scope", "model", "--exclude", "optimizer")
+    assert exported.exit_code == 0, exported.output
+    changed = {key: value + 1 for key, value in ws.load(tmp_path / "model.npz").items()}
+    ws.save(tmp_path / "changed.npz", changed)
+    dense = next(key.rsplit("/", 1)[0] for key in changed if key.endswith("/_kernel"))  # the first Dense layer
+    result = run("import", tmp_path / "changed.npz", "--into", target, "--scope", "model", "--include", f"{dense}/*")
+    assert result.exit_code == 0, result.output
+    assert result.stderr.strip() == f"wrote 2 tensors (64 B) into TF2 object-based checkpoint {target}"
+    model = same_architecture()
+    tf.train.Checkpoint(model=model).restore(target).expect_partial()
+    d1, bn = model.get_layer("d1"), model.get_layer("bn")
+    np.testing.assert_array_equal(d1.kernel.numpy(), changed[f"{dense}/_kernel"])
+    np.testing.assert_array_equal(d1.bias.numpy(), changed[f"{dense}/bias"])
+    np.testing.assert_array_equal(bn.gamma.numpy(), made["model"].get_layer("bn").gamma.numpy())  # not included
+
+
+def test_import_into_an_object_checkpoint_refuses_keys_it_lacks(made, store, tmp_path):
+    target = copy_checkpoint(made["module"], tmp_path)
+    index = tmp_path / (os.path.basename(target) + ".index")
+    before = index.read_bytes()
+    one_error_line(run("import", store, "--into", target),
+                   f"{target}: the TF2 object-based checkpoint has no variable 'dense/w', 'dense/b', 'head/w'; "
+                   "tf.train.Checkpoint.restore ignores entries its object graph does not name")
+    ws.save(tmp_path / "w.npz", {"net/w": np.ones((3, 3), np.float32)})
+    one_error_line(run("import", tmp_path / "w.npz", "--into", target),
+                   "variable 'net/w' is float32 [2, 2] in the checkpoint, the imported tensor is float32 [3, 3]")
+    assert index.read_bytes() == before
+
+
+def test_import_of_a_new_prefix_makes_its_folder_state_file_and_says_restore_ignores_it(store, tmp_path):
+    folder = tmp_path / "new" / "run"
+    prefix = str(folder / "model.ckpt-1")
+    result = run("import", store, "--into", prefix, "--scope", "m")
+    assert result.exit_code == 0, result.output
+    assert result.stderr.strip().splitlines()[1] == (
+        f"note: {prefix} is a name-based checkpoint: tf.compat.v1.train.Saver, tf.train.load_checkpoint and ws "
+        "read it, tf.train.Checkpoint.restore does not (it would silently restore nothing); to load it into a "
+        "Keras model use weightstore.adapters.tf2.assign(model, store)")
+    assert tf.train.latest_checkpoint(str(folder)) == prefix
+    weights = {f"m/{k}": v for k, v in ws.load(store).items()}
+    for key, value in restore_with_saver(prefix, {k: v.shape for k, v in weights.items()}).items():
+        np.testing.assert_array_equal(value, weights[key])
+    assert run("export", folder, "-o", tmp_path / "back.npz", "--scope", "m").exit_code == 0
+    assert sorted(ws.load(tmp_path / "back.npz")) == sorted(ws.load(store))
+    second = run("import", store, "--into", folder / "model.ckpt-2", "--json")
+    assert json.loads(second.stdout)["caution"] == transfer.NAME_BASED_CAUTION.format(target=folder / "model.ckpt-2")
+    assert tf.train.latest_checkpoint(str(folder)) == str(folder / "model.ckpt-2")
+    merged = run("import", store, "--into", prefix, "--scope", "n")  # an existing TF1 checkpoint: merged, no note
+    assert merged.exit_code == 0 and "note:" not in merged.stderr
+    assert tf.train.latest_checkpoint(str(folder)) == str(folder / "model.ckpt-2")
+
+
+def test_import_refuses_a_bad_state_file_before_writing(store, tmp_path):
+    (tmp_path / "checkpoint").write_text("garbage\n")
+    one_error_line(run("import", store, "--into", tmp_path / "m.ckpt"),
+                   "checkpoint state file names no model_checkpoint_path")
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint", "m.npz"]
+
+
+@pytest.mark.parametrize("source, options", [
+    ("model.keras", ["--model-keys"]),
+    ("model.weights.h5", ["--model", "model.keras"]),
+    ("tf2", ["--model", "model.keras"]),  # a TF2 checkpoint folder, saved with the optimizer
+])
+def test_export_keyed_like_the_model(made, tmp_path, source, options):
+    from weightstore.adapters import tf2
+
+    root = made["root"]
+    options = [root / o if o.endswith(".keras") else o for o in options]
+    result = run("export", root / source, "-o", tmp_path / "out.npz", *options, "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["keyed_like"] == str(root / "model.keras")
+    exported, expected = ws.load(tmp_path / "out.npz"), tf2.export(made["model"])
+    assert sorted(exported) == sorted(expected) and "d1/kernel" in exported  # no optimizer state
+    for key, value in expected.items():
+        np.testing.assert_array_equal(exported[key], value)
+
+
+def test_export_keyed_like_the_model_says_so_and_selects_by_model_keys(made, tmp_path):
+    result = run("export", made["root"] / "model.keras", "-o", tmp_path / "d1.npz", "--model-keys", "--scope", "d1")
+    assert result.exit_code == 0, result.output
+    archive = made["root"] / "model.keras"
+    assert result.stderr.strip() == (f"wrote 2 tensors (64 B) from Keras weights file {archive} "
+                                     f"to {tmp_path / 'd1.npz'}, keyed like the model of {archive}")
+    assert sorted(ws.load(tmp_path / "d1.npz")) == ["bias", "kernel"]
+
+
+def test_export_keyed_like_a_model_refuses_what_it_cannot_pair(made, store, tmp_path):
+    out = tmp_path / "out.npz"
+    one_error_line(run("export", store, "-o", out, "--model-keys"),
+                   f"{store}: has no model config to key it by (--model-keys); name a .keras file with --model")
+    one_error_line(run("export", store, "-o", out, "--model", made["root"] / "model.keras"),
+                   f"{store}: is a weightstore file; only Keras files and TF2 object-based checkpoints")
+    one_error_line(run("export", made["tf1"], "-o", out, "--model", made["root"] / "model.keras"),
+                   "is a TF1 checkpoint; only Keras files and TF2 object-based checkpoints")
+    one_error_line(run("export", made["root"] / "model.weights.h5", "-o", out, "--model", store),
+                   f"{store}: is not a .keras file; the model's architecture comes from the config.json of one")
+    assert not out.exists()
+
+
+class Doubler(keras.layers.Layer):
+    """A custom layer: its class lives in this test module, which ws must never import or run."""
+
+    def call(self, inputs):
+        return inputs * 2
+
+
+@pytest.mark.parametrize("layer, message", [
+    (lambda: keras.layers.Lambda(lambda x: x + 1),
+     "its model has a Lambda layer or other Python code, which ws never runs"),
+    (Doubler, "cannot rebuild its model from config.json (Could not locate class 'Doubler'); ws builds only "
+              "Keras's own layers, never custom ones"),
+])
+def test_export_model_keys_refuses_code_in_the_config(tmp_path, layer, message):
+    path = tmp_path / "custom.keras"
+    keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), layer()]).save(path)
+    one_error_line(run("export", path, "-o", tmp_path / "out.npz", "--model-keys"), f"{path}: {message}")
+    assert not (tmp_path / "out.npz").exists()
