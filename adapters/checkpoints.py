@@ -3,9 +3,11 @@
 Reading needs no TensorFlow: :func:`weightstore.open` reads TF checkpoints
 (:mod:`weightstore.formats.tf_checkpoint`, whose docstring defines their keys) and Keras files
 (:mod:`weightstore.formats.keras_file`) in the core. This module adds what does need
-TensorFlow: writing name-based checkpoints (:func:`write_checkpoint`) and reading a TF1
-``.meta`` graph for ``--trainable-only`` (:meth:`Source.trainable_keys`). TensorFlow is
-imported only then.
+TensorFlow: writing name-based checkpoints (:func:`write_checkpoint`) and the ``checkpoint``
+state file that makes them findable (:func:`state_file_text`), replacing values in TF2
+object-based ones (:func:`replace_in_object_checkpoint`), keying a Keras file or TF2
+checkpoint like a model (:func:`open_keyed_like_model`), and reading a TF1 ``.meta`` graph
+for ``--trainable-only`` (:meth:`Source.trainable_keys`). TensorFlow is imported only then.
 """
 
 from __future__ import annotations
@@ -189,7 +191,8 @@ def checkpoint_names(prefix: str) -> list[str]:
     reader.close()  # only the index is needed
     if reader.object_based:
         raise FormatError(f"{prefix}: is a TF2 object-based checkpoint; ws writes name-based (TF1 Saver) "
-                          "checkpoints, so choose another prefix")
+                          "entries, which tf.train.Checkpoint.restore would not see: replace its values "
+                          "(replace_in_object_checkpoint, or ws import) or choose another prefix")
     return list(reader.entry_names)
 
 
@@ -261,7 +264,7 @@ def replace_in_object_checkpoint(prefix: str, weights: Mapping[str, np.ndarray])
     replaced: dict[str, np.ndarray] = {}
     for key, value in weights.items():
         array, info = np.asarray(value), reader.info(key)
-        if tuple(array.shape) != tuple(info.shape) or array.dtype != np.dtype(info.dtype):
+        if tuple(array.shape) != tuple(info.shape) or str(array.dtype) != info.dtype:
             raise SelectionError(f"{prefix}: variable {key!r} is {info.dtype} {list(info.shape)} in the checkpoint, "
                                  f"the imported tensor is {array.dtype} {list(array.shape)}")
         replaced[reader.entry_name(key)] = array
