@@ -108,8 +108,8 @@ def export(
         "--model-keys", help="Key a .keras SOURCE like its model (dense/kernel, as tf2.export keys it), building "
                              "the model from the archive's config in Keras's safe mode.")] = False,
     model: Annotated[str | None, typer.Option(
-        "--model", help="Key a Keras file or TF2 checkpoint SOURCE like the model of this .keras file "
-                        "(implies --model-keys).")] = None,
+        "--model", metavar="FILE.keras", help="Key a Keras file or TF2 checkpoint SOURCE like the model of this "
+                                              ".keras file (implies --model-keys).")] = None,
     as_json: AsJson = False,
 ) -> None:
     """Write the weights of SOURCE, or the selected part of them, to a weight store.
