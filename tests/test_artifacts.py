@@ -361,3 +361,25 @@ def test_follower_version_stays_readable_while_held_then_is_gone(tmp_path):
         store.close()
         with pytest.raises(VersionGoneError, match="version 1 is gone"):
             ws.load(first)  # pruned once released
+
+
+def test_tf1_checkpoint_with_empty_name_segments_assigns_strictly(tmp_path):
+    """A Saver checkpoint of a graph built under ``variable_scope("")`` reads with the keys the
+    TF1 adapter gives those variables, so a strict assign from the checkpoint finds every one."""
+    def build():
+        with tf.compat.v1.variable_scope("model_001"), tf.compat.v1.variable_scope(""):
+            return tf.compat.v1.get_variable("conv_1/kernel", initializer=np.arange(6, dtype=np.float32))
+
+    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+        kernel = build()
+        assert kernel.op.name == "model_001//conv_1/kernel"
+        sess.run(tf.compat.v1.global_variables_initializer())
+        prefix = tf.compat.v1.train.Saver().save(sess, str(tmp_path / "model.ckpt"))
+    assert sorted(ws.load(prefix)) == ["model_001/conv_1/kernel"]
+    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+        kernel = build()
+        sess.run(tf.compat.v1.global_variables_initializer())
+        sess.run(kernel.assign(np.zeros(6, np.float32)))
+        report = tf1.assign(sess, prefix)
+        assert report.assigned == ["model_001/conv_1/kernel"]
+        np.testing.assert_array_equal(sess.run(kernel), np.arange(6, dtype=np.float32))

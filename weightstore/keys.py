@@ -32,6 +32,16 @@ _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 OUTPUT_SUFFIX = re.compile(r":\d+$")
 
 
+def from_tf_name(name: str) -> str:
+    """A TensorFlow variable name as a key: empty segments dropped.
+
+    TF allows ``model_001//conv_1/kernel`` (a nested ``variable_scope("")``); a key has no
+    empty segment, so it reads ``model_001/conv_1/kernel``. Two names that collapse to one key
+    are an error wherever both appear (the TF1 adapter, TF1 checkpoints).
+    """
+    return "/".join(segment for segment in name.split("/") if segment)
+
+
 def validate_key(key: object) -> str:
     """Return ``key`` if it is a valid key, else raise :class:`InvalidKeyError` naming it."""
     if not isinstance(key, str):

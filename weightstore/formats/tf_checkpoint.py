@@ -12,7 +12,8 @@ the full shape and a list of slices, each stored under the key
 one tensor, joined from its slices, which must tile it exactly.
 
 Keys:
-- TF1 ``Saver`` checkpoints: the variable names (``layer/w``, slots as ``layer/w/Adam``).
+- TF1 ``Saver`` checkpoints: the variable names (``layer/w``, slots as ``layer/w/Adam``), empty segments
+  dropped as the TF1 adapter drops them (``model_001//conv/w`` reads ``model_001/conv/w``).
 - TF2 object-based checkpoints: each variable's *best path* in the object graph that the
   checkpoint records (``_CHECKPOINTABLE_OBJECT_GRAPH``), segments being the local names of the
   edges from the root. TensorFlow writes each variable under the first path its own walk
@@ -78,7 +79,7 @@ from weightstore.errors import (
 from weightstore.formats.source import MappedFile
 from weightstore.formats.sstable import Table, crc32c, read_varint, unmask_crc
 from weightstore.formats.tf_protos import BundleEntryProto, BundleHeaderProto, TrackableObjectGraph
-from weightstore.keys import validate_key
+from weightstore.keys import from_tf_name, validate_key
 from weightstore.manifest import MAX_NDIM, ML_DTYPES, TensorInfo, dtype_name
 
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
@@ -377,8 +378,11 @@ class CheckpointReader:
             if tensor is None or not _is_key(key):  # not numeric, or a name no key can spell
                 self.skipped.append(name)
                 continue
+            if key in self._tensors_by_key and not self.object_based:  # a//b and a/b
+                raise FormatError(f"{prefix}: variables {self._tensors_by_key[key].name!r} and {name!r} "
+                                  f"both read as key {key!r} (empty name segments are dropped)")
             if key in self._tensors_by_key:  # only when the object graph disagrees with itself
-                key = name[: -len(VARIABLE_SUFFIX)] if self.object_based else name
+                key = name[: -len(VARIABLE_SUFFIX)]
                 if key in self._tensors_by_key:
                     raise FormatError(f"{prefix}: entries {self._tensors_by_key[key].name!r} and {name!r} "
                                       f"both read as key {key!r}")
@@ -534,7 +538,7 @@ class CheckpointReader:
 
     def _key_for(self, name: str, graph_keys: dict[str, str]) -> str | None:
         if not self.object_based:
-            return name
+            return from_tf_name(name)
         if name == _SAVE_COUNTER or not name.endswith(VARIABLE_SUFFIX):
             return None  # the object graph, Python/iterator state, the checkpoint's own counter
         return graph_keys.get(name) or name[: -len(VARIABLE_SUFFIX)]
