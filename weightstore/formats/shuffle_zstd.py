@@ -10,14 +10,17 @@ stays in cache between the two steps, both cores decode blocks at once (zstd and
 copy release the GIL), and each block's output size is known before it is decoded, so a
 hostile frame cannot make us allocate or write more than the tensor's declared bytes.
 
-The encoded bytes are not an npy array: the npz member that holds them has its own suffix
-and magic, so ``np.load`` lists it as raw bytes and never returns it as an array.
+Readability: the encoded bytes are not an npy array. The npz member that holds them has its
+own suffix and magic, so ``np.load`` lists it as raw bytes and never returns it as an array;
+only weightstore decodes it (0-d and empty tensors stay npy members numpy reads). HDF5 files
+saved with ``compress="shuffle"`` use HDF5's own shuffle and gzip filters instead: h5py reads them.
 """
 
 from __future__ import annotations
 
 import functools
 import struct
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO
 
@@ -98,6 +101,17 @@ def _pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(2, thread_name_prefix="weightstore-unshuffle")
 
 
+_local = threading.local()
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    """One per thread: a decompressor is not thread-safe, and making one per block costs."""
+    found = getattr(_local, "decompressor", None)
+    if found is None:
+        found = _local.decompressor = zstandard.ZstdDecompressor()
+    return found
+
+
 def decode(blob: memoryview, itemsize: int, nbytes: int, where: str) -> tuple[np.ndarray, int]:
     """The plain bytes of an encoded member, as a new uint8 array of exactly ``nbytes``, and
     their CRC-32 (taken block by block as each is decoded, while it is in cache).
@@ -133,7 +147,7 @@ def decode(blob: memoryview, itemsize: int, nbytes: int, where: str) -> tuple[np
         try:
             if zstandard.frame_content_size(frame) != length:
                 raise FormatError(f"{where}: block at byte {start} does not declare its {length} bytes (corrupt)")
-            plain = zstandard.ZstdDecompressor().decompress(frame, max_output_size=length)
+            plain = _decompressor().decompress(frame, max_output_size=length)
         except zstandard.ZstdError as exc:
             raise FormatError(f"{where} is corrupt (zstd: {exc})") from None
         if len(plain) != length:
