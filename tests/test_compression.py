@@ -189,12 +189,13 @@ def test_header_disagreeing_with_manifest_is_refused():
 @pytest.mark.parametrize("suffix", [".npz", ".h5", ".safetensors"])
 @pytest.mark.parametrize("compress", [False, True])
 def test_checksums_from_the_write_pass_match_the_data(tmp_path, suffix, compress, monkeypatch):
-    """Tensors over several checksum chunks, streamed (safetensors past its hold limit) or not."""
+    """Tensors over several checksum chunks (and HDF5 write blocks; a row larger than one), streamed
+    (safetensors past its hold limit) or not."""
     if suffix == ".safetensors" and compress:
         pytest.skip("safetensors is never compressed")
     monkeypatch.setattr(safetensors_format, "_HOLD_BYTES", 1 << 20)
-    original = {"big": trained_like((1100, 700)), "odd": np.arange(1000003, dtype=np.int8),
-                "small": np.arange(6, dtype=np.float64)}
+    original = {"big": trained_like((2100, 700)), "odd": np.arange(1000003, dtype=np.int8),
+                "wide": np.arange(6_000_000, dtype=np.int8).reshape(2, -1), "small": np.arange(6, dtype=np.float64)}
     path = tmp_path / f"m{suffix}"
     ws.save(path, original, compress=compress)
     with ws.open(path) as store:
