@@ -24,12 +24,14 @@ from weightstore.errors import ChecksumError, FormatError, KeyNotInStoreError, U
 from weightstore.formats import Format, foreign_keys, shuffle_zstd
 from weightstore.formats.source import ALIGNMENT, ByteSource, open_source, prefetch_ranges
 from weightstore.manifest import (
+    CRC_CHUNK,
     MAX_MANIFEST_BYTES,
     MAX_NDIM,
     Manifest,
     TensorInfo,
     checksum,
     checksum_text,
+    crc32,
     dtype_name,
     from_storage,
     parse_manifest,
@@ -126,12 +128,18 @@ class NpzWriter:
     def _add_member(self, name: str, header: bytes, data: np.ndarray, *, shuffle: bool = False) -> int:
         """Write one member, checksumming the data as it is written; returns the data's CRC-32.
 
-        The local header goes first with a zero CRC (and size, when compressed), patched once
-        the data is written: one pass over the tensor instead of a checksum pass before it.
+        A large or encoded member's local header goes first with a zero CRC (and size, when
+        encoded), patched once the data is written: one pass over the tensor instead of a
+        checksum pass before it. A small one is checksummed first (it stays in cache for the
+        write), so thousands of small tensors cost no seeks.
         """
         payload = raw_bytes(data)
         size = len(header) + len(payload)
         deflate = bool(self._compress) and not shuffle and size > 0 and data.ndim > 0
+        patched = deflate or shuffle or len(payload) > CRC_CHUNK
+        data_crc = 0 if patched else crc32(payload)
+        # the zip CRC covers the npy header too; combining saves a second pass over the data
+        crc = 0 if patched else isal_zlib.crc32_combine(isal_zlib.crc32(header), data_crc, len(payload))
         # the encoded size is only bounded, not known: ZIP64 when it might pass 4 GB
         zip64 = size >= (0xF0000000 if deflate or shuffle else _ZIP64_LIMIT) or self._file.tell() >= _ZIP64_LIMIT
         encoded = name.encode("utf-8")
@@ -142,7 +150,7 @@ class NpzWriter:
         method = _DEFLATED if deflate else _STORED
         sizes = (_ZIP64_LIMIT, _ZIP64_LIMIT) if zip64 else (size, size)
         self._file.write(
-            _LOCAL.pack(_LOCAL_SIG, 45 if zip64 else 20, _UTF8_FLAG, method, *self._time, 0, *sizes,
+            _LOCAL.pack(_LOCAL_SIG, 45 if zip64 else 20, _UTF8_FLAG, method, *self._time, crc, *sizes,
                         len(encoded), len(zip64_extra) + len(padding))
             + encoded + zip64_extra + padding
         )
@@ -151,19 +159,23 @@ class NpzWriter:
         elif shuffle:
             data_crc, stored_crc, size = shuffle_zstd.encode(payload, data.dtype.itemsize, self._file)
             compressed = size
-        else:
+        elif patched:
             self._file.write(header)
             data_crc = write_checksummed(payload, self._file.write)
             compressed = size
-        # the zip CRC covers the npy header too; combining saves a second pass over the data
-        crc = stored_crc if shuffle else isal_zlib.crc32_combine(isal_zlib.crc32(header), data_crc, len(payload))
-        end = self._file.tell()
-        self._file.seek(offset + 14)
-        self._file.write(struct.pack("<I", crc) + (b"" if zip64 else struct.pack("<II", compressed, size)))
-        if zip64:
-            self._file.seek(offset + _LOCAL.size + len(encoded) + 4)
-            self._file.write(struct.pack("<QQ", size, compressed))
-        self._file.seek(end)
+        else:
+            self._file.write(header)
+            self._file.write(payload)
+            compressed = size
+        if patched:
+            crc = stored_crc if shuffle else isal_zlib.crc32_combine(isal_zlib.crc32(header), data_crc, len(payload))
+            end = self._file.tell()
+            self._file.seek(offset + 14)
+            self._file.write(struct.pack("<I", crc) + (b"" if zip64 else struct.pack("<II", compressed, size)))
+            if zip64:
+                self._file.seek(offset + _LOCAL.size + len(encoded) + 4)
+                self._file.write(struct.pack("<QQ", size, compressed))
+            self._file.seek(end)
         self._members.append(_Written(encoded, offset, crc, compressed, size, method))
         return data_crc
 
