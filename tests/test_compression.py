@@ -202,3 +202,15 @@ def test_checksums_from_the_write_pass_match_the_data(tmp_path, suffix, compress
         for key, value in original.items():
             assert store.info(key).checksum == checksum(value)
             assert store[key].tobytes() == value.tobytes()
+
+
+@pytest.mark.parametrize("compress", [False, True, "shuffle"])
+def test_local_headers_patched_after_the_write_agree_with_the_directory(tmp_path, compress):
+    """Streaming zip readers trust the local header's CRC and sizes, written before the data."""
+    path = tmp_path / "m.npz"
+    ws.save(path, {"big": trained_like((1100, 700)), "small": np.arange(5.0)}, compress=compress)
+    raw = path.read_bytes()
+    with zipfile.ZipFile(path) as archive:
+        for info in archive.infolist():
+            crc, compressed, size = struct.unpack_from("<III", raw, info.header_offset + 14)
+            assert (crc, compressed, size) == (info.CRC, info.compress_size, info.file_size), info.filename
