@@ -109,7 +109,7 @@ def test_hdf5_shuffle_is_gzip_and_shuffle_filters_h5py_reads(tmp_path):
     assert ws.load(path)["dense/kernel"].tobytes() == original["dense/kernel"].tobytes()
 
 
-@pytest.mark.parametrize("compress", ["zstd", 2, "True"])
+@pytest.mark.parametrize("compress", ["zstd", 2, "True", None, np.array([True, False])])
 def test_unknown_compress_option_is_refused_naming_the_file(tmp_path, compress):
     path = tmp_path / "m.npz"
     with pytest.raises(TargetError, match="m.npz"):

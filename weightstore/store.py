@@ -278,10 +278,10 @@ def save(
         weights: key -> array (anything ``np.asarray`` takes), or an open :class:`Store`.
         metadata: JSON-serializable, stored in the manifest and returned as ``store.metadata``.
         compress: ``True``: deflate (npz) or gzip (HDF5) the tensors; plain numpy and h5py read
-            such files. ``"shuffle"``: byte shuffle, then zstd (npz) or gzip (HDF5): smaller
-            (1.2x float32, 1.45x bfloat16) and, for npz, faster to load, but ``np.load`` cannot
-            decode those npz members (h5py still reads the HDF5 file). safetensors files are
-            never compressed.
+            such files. ``"shuffle"``: byte shuffle, then zstd (npz) or gzip (HDF5). On trained
+            weights npz shrinks 1.18x (float32) / 1.45x (bfloat16) against deflate's 1.08x / 1.29x
+            and loads 3x faster, but ``np.load`` cannot decode those members; HDF5 reaches
+            1.13x / 1.30x and h5py still reads it. safetensors files are never compressed.
         overwrite: with ``False``, an existing file is an error.
         format: ``"npz"``, ``"hdf5"`` or ``"safetensors"``, whatever the suffix says.
 
@@ -297,7 +297,7 @@ def save(
     where = location_of(path)
     location = where.text
     fmt = output_format(location, format)
-    if compress not in (False, True, "shuffle"):
+    if not isinstance(compress, (bool, np.bool_)) and not (isinstance(compress, str) and compress == "shuffle"):
         raise TargetError(f"{location}: compress={compress!r}; use False, True or \"shuffle\"")
     if compress and not fmt.compresses:
         raise FormatError(f"{location}: {fmt.name} files are never compressed; save without compress")
