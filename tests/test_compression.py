@@ -15,9 +15,10 @@ import zstandard
 
 import weightstore as ws
 from weightstore.errors import ChecksumError, FormatError, TargetError
+from weightstore.formats import npz as npz_format
 from weightstore.formats import safetensors as safetensors_format
 from weightstore.formats import shuffle_zstd
-from weightstore.manifest import checksum, parse_manifest
+from weightstore.manifest import TensorInfo, build_manifest, checksum, checksum_text, parse_manifest
 
 SUFFIX = shuffle_zstd.MEMBER_SUFFIX
 
@@ -214,3 +215,24 @@ def test_local_headers_patched_after_the_write_agree_with_the_directory(tmp_path
         for info in archive.infolist():
             crc, compressed, size = struct.unpack_from("<III", raw, info.header_offset + 14)
             assert (crc, compressed, size) == (info.CRC, info.compress_size, info.file_size), info.filename
+
+
+def test_shuffled_member_without_a_manifest_is_refused(tmp_path):
+    path = tmp_path / "m.npz"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("a" + SUFFIX, shuffle_zstd.MAGIC + b"\0" * 64)
+    with pytest.raises(FormatError, match=r"m\.npz.*'a\.shuffled-zstd'"):
+        ws.open(path)
+
+
+@pytest.mark.parametrize(("compress", "codecs"), [("shuffle", None), (False, {"k": "shuffle-zstd"})])
+def test_member_and_manifest_codec_must_agree(tmp_path, compress, codecs):
+    """A shuffled member the manifest calls plain, or a plain one it calls shuffled, is refused."""
+    path = str(tmp_path / "m.npz")
+    data = trained_like((64, 32))
+    writer = npz_format.NpzWriter(path, compress)
+    crc = writer.add("k", "float32", data)
+    info = TensorInfo("k", "float32", data.shape, data.nbytes, checksum_text(crc))
+    writer.commit(build_manifest({"k": info}, {}, "test", None, codecs))
+    with ws.open(path) as store, pytest.raises(FormatError, match=r"m\.npz.*'k'.*codec"):
+        store["k"]

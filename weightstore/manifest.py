@@ -149,7 +149,7 @@ def raw_bytes(buffer) -> memoryview:
 
 
 def crc32(buffer) -> int:
-    """CRC-32 of a tensor's stored bytes, hardware-accelerated by ISA-L (~30 GB/s here)."""
+    """CRC-32 of a tensor's stored bytes by ISA-L: ~25 GB/s in cache, memory-bound (~12 GB/s) on whole tensors here."""
     return isal_zlib.crc32(raw_bytes(buffer)) & 0xFFFFFFFF
 
 
