@@ -236,7 +236,8 @@ def parse_manifest(text: str, where: str) -> Manifest:
             locations[key] = location
         if "codec" in entry:
             codec = entry["codec"]
-            if not isinstance(codec, str) or codec not in CODECS:  # a codec this version cannot decode must not read as plain bytes
+            # a codec this version cannot decode must not read as plain bytes
+            if not isinstance(codec, str) or codec not in CODECS:
                 raise FormatError(f"{where}: manifest codec of {key!r} is {codec!r}, not one of {sorted(CODECS)}")
             codecs[key] = codec
     return Manifest(
