@@ -35,14 +35,14 @@ def test_failure_mid_write_leaves_previous_file(tmp_path, suffix, monkeypatch):
     original = writer.add
     seen = []
 
-    def add(self, key, dtype_name, data, crc):
+    def add(self, key, dtype_name, data):
         if seen:
             # The first tensor is already in the temporary file beside the target.
             temporaries = leftovers(tmp_path, path)
             assert len(temporaries) == 1 and (tmp_path / temporaries[0]).stat().st_size > 0
             raise OSError(28, "No space left on device (simulated)")
         seen.append(key)
-        return original(self, key, dtype_name, data, crc)
+        return original(self, key, dtype_name, data)
 
     monkeypatch.setattr(writer, "add", add)
     with pytest.raises(OSError, match="No space left"):

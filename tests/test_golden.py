@@ -20,7 +20,8 @@ import weightstore as ws
 from weightstore.manifest import checksum
 
 DATA = Path(__file__).resolve().parent / "data"
-GOLDEN = ["golden_v1.npz", "golden_v1_compressed.npz", "golden_v1.h5", "golden_v1_compressed.h5"]
+GOLDEN = ["golden_v1.npz", "golden_v1_compressed.npz", "golden_v1.h5", "golden_v1_compressed.h5",
+          "golden_v1_shuffled.npz"]
 
 #: key -> (dtype name, shape, values as a flat Python list)
 EXPECTED = {
@@ -106,6 +107,19 @@ def test_golden_npz_without_weightstore(name):
         manifest = json.loads(str(archive["__weightstore__"]))
     assert manifest["format"] == "weightstore" and manifest["version"] == 1
     with zipfile.ZipFile(DATA / name) as archive:
+        assert archive.testzip() is None
+
+
+def test_golden_shuffled_npz_without_weightstore():
+    """numpy reads the manifest and the tensors left as npy (0-d, empty), and hands the shuffled
+    members back as bytes under their own names, never as arrays."""
+    with np.load(DATA / "golden_v1_shuffled.npz", allow_pickle=False) as archive:
+        assert archive["step"] == 1000 and archive["empty"].shape == (0, 3)
+        assert "w" not in archive and "w.shuffled-zstd" in archive.files
+        assert isinstance(archive["w.shuffled-zstd"], bytes)
+        manifest = json.loads(str(archive["__weightstore__"]))
+    assert manifest["tensors"]["w"]["codec"] == "shuffle-zstd"
+    with zipfile.ZipFile(DATA / "golden_v1_shuffled.npz") as archive:
         assert archive.testzip() is None
 
 

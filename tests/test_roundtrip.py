@@ -19,6 +19,7 @@ from weightstore.manifest import logical_dtype
 FORMATS = [
     pytest.param(".npz", False, id="npz"),
     pytest.param(".npz", True, id="npz-compressed"),
+    pytest.param(".npz", "shuffle", id="npz-shuffle"),
     pytest.param(".h5", False, id="h5"),
     pytest.param(".h5", True, id="h5-compressed"),
 ]
@@ -93,6 +94,8 @@ def test_big_endian_input_is_stored_little_endian(tmp_path, suffix, compress, dt
     assert loaded.dtype == np.dtype(dtype).newbyteorder("=")
     assert loaded.dtype.isnative
     assert np.array_equal(loaded, native)
+    if compress == "shuffle":  # its members are not npy: the round trip above is what holds
+        return
     if suffix == ".npz":
         with zipfile.ZipFile(path) as archive:
             raw = archive.read("w.npy")

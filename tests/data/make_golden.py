@@ -47,7 +47,8 @@ def weights() -> dict[str, np.ndarray]:
 
 def main() -> None:
     for name, compress in [("golden_v1.npz", False), ("golden_v1_compressed.npz", True),
-                           ("golden_v1.h5", False), ("golden_v1_compressed.h5", True)]:
+                           ("golden_v1.h5", False), ("golden_v1_compressed.h5", True),
+                           ("golden_v1_shuffled.npz", "shuffle")]:  # added later, written alone
         ws.save(HERE / name, weights(), metadata=METADATA, compress=compress)
     # foreign files, with no manifest: what numpy and h5py write on their own
     np.savez(HERE / "plain_numpy.npz", **{"a": np.arange(3, dtype=np.int32), "b": np.eye(2)})

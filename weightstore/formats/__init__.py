@@ -37,8 +37,10 @@ class Reader(Protocol):
 class Writer(Protocol):
     #: tensors stored somewhere other than their key (HDF5 reserved datasets), for the manifest
     locations: dict[str, str]
+    #: tensors whose bytes a codec encodes (npz ``compress="shuffle"``), for the manifest
+    codecs: dict[str, str]
 
-    def add(self, key: str, dtype_name: str, data: np.ndarray, crc: int) -> None: ...  # crc: CRC-32 of data
+    def add(self, key: str, dtype_name: str, data: np.ndarray) -> int: ...  # the CRC-32 of data, from the write pass
     def commit(self, manifest_text: str) -> None: ...
     def abort(self) -> None: ...
 
@@ -49,7 +51,7 @@ class Format:
     suffixes: tuple[str, ...]
     magic: Callable[[bytes], bool]
     open_reader: Callable[..., Reader]  # (location, name, *, mmap=True)
-    open_writer: Callable[[str, bool], Writer]
+    open_writer: Callable[[str, "bool | str"], Writer]  # (path, compress: False, True or "shuffle")
     #: the logical dtypes the format can hold; ``None``: every dtype weightstore stores
     dtypes: frozenset[str] | None = None
     compresses: bool = True

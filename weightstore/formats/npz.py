@@ -21,20 +21,23 @@ import numpy as np
 from isal import isal_zlib
 
 from weightstore.errors import ChecksumError, FormatError, KeyNotInStoreError, UnsafeFileError
-from weightstore.formats import Format, foreign_keys
+from weightstore.formats import Format, foreign_keys, shuffle_zstd
 from weightstore.formats.source import ALIGNMENT, ByteSource, open_source, prefetch_ranges
 from weightstore.manifest import (
+    CRC_CHUNK,
     MAX_MANIFEST_BYTES,
     MAX_NDIM,
     Manifest,
     TensorInfo,
     checksum,
+    checksum_text,
     crc32,
     dtype_name,
     from_storage,
     parse_manifest,
     raw_bytes,
     storage_dtype,
+    write_checksummed,
 )
 
 MANIFEST_MEMBER = "__weightstore__.npy"
@@ -101,63 +104,95 @@ class _Written:
 
 
 class NpzWriter:
-    """Streams members into a seekable file; :meth:`commit` adds the manifest and directory."""
+    """Streams members into a seekable file; :meth:`commit` adds the manifest and directory.
 
-    def __init__(self, path: str, compress: bool):
+    ``compress=True`` deflates npy members (``np.load`` reads them); ``"shuffle"`` stores
+    byte-shuffled zstd members (see :mod:`weightstore.formats.shuffle_zstd`) that only
+    weightstore decodes: ``np.load`` lists them as raw bytes under their own suffix.
+    """
+
+    def __init__(self, path: str, compress: bool | str):
         self._file: BinaryIO = open(path, "wb")
         self._compress = compress
         self._members: list[_Written] = []
         self._time = _dos_time()
         self.locations: dict[str, str] = {}
+        self.codecs: dict[str, str] = {}
 
-    def add(self, key: str, dtype_name: str, data: np.ndarray, crc: int) -> None:
-        self._add_member(key + ".npy", npy_header(data.dtype, data.shape), data, crc)
+    def add(self, key: str, dtype_name: str, data: np.ndarray) -> int:
+        if self._compress == "shuffle" and data.ndim and data.nbytes:
+            self.codecs[key] = shuffle_zstd.CODEC
+            return self._add_member(key + shuffle_zstd.MEMBER_SUFFIX, b"", data, shuffle=True)
+        return self._add_member(key + ".npy", npy_header(data.dtype, data.shape), data)
 
-    def _add_member(self, name: str, header: bytes, data: np.ndarray, data_crc: int) -> None:
+    def _add_member(self, name: str, header: bytes, data: np.ndarray, *, shuffle: bool = False) -> int:
+        """Write one member, checksumming the data as it is written; returns the data's CRC-32.
+
+        A large or encoded member's local header goes first with a zero CRC (and size, when
+        encoded), patched once the data is written: one pass over the tensor instead of a
+        checksum pass before it. A small one is checksummed first (it stays in cache for the
+        write), so thousands of small tensors cost no seeks.
+        """
         payload = raw_bytes(data)
         size = len(header) + len(payload)
+        deflate = bool(self._compress) and not shuffle and size > 0 and data.ndim > 0
+        patched = deflate or shuffle or len(payload) > CRC_CHUNK
+        data_crc = 0 if patched else crc32(payload)
         # the zip CRC covers the npy header too; combining saves a second pass over the data
-        crc = isal_zlib.crc32_combine(isal_zlib.crc32(header), data_crc, len(payload))
-        compress = self._compress and size > 0 and data.ndim > 0
-        zip64 = size >= (0xF0000000 if compress else _ZIP64_LIMIT) or self._file.tell() >= _ZIP64_LIMIT
+        crc = 0 if patched else isal_zlib.crc32_combine(isal_zlib.crc32(header), data_crc, len(payload))
+        # the encoded size is only bounded, not known: ZIP64 when it might pass 4 GB
+        zip64 = size >= (0xF0000000 if deflate or shuffle else _ZIP64_LIMIT) or self._file.tell() >= _ZIP64_LIMIT
         encoded = name.encode("utf-8")
         offset = self._file.tell()
         zip64_extra = struct.pack("<HHQQ", 1, 16, size, size) if zip64 else b""
         fixed = offset + _LOCAL.size + len(encoded) + len(zip64_extra) + 4
         padding = struct.pack("<HH", _PAD_ID, -fixed % ALIGNMENT) + b"\0" * (-fixed % ALIGNMENT)
-        method = _DEFLATED if compress else _STORED
+        method = _DEFLATED if deflate else _STORED
         sizes = (_ZIP64_LIMIT, _ZIP64_LIMIT) if zip64 else (size, size)
         self._file.write(
             _LOCAL.pack(_LOCAL_SIG, 45 if zip64 else 20, _UTF8_FLAG, method, *self._time, crc, *sizes,
                         len(encoded), len(zip64_extra) + len(padding))
             + encoded + zip64_extra + padding
         )
-        if compress:
-            compressed = self._deflate(header, payload)
-            end = self._file.tell()
-            self._file.seek(offset + 18)
-            if zip64:
-                self._file.seek(offset + _LOCAL.size + len(encoded) + 12)
-                self._file.write(struct.pack("<Q", compressed))
-            else:
-                self._file.write(struct.pack("<I", compressed))
-            self._file.seek(end)
+        if deflate:
+            data_crc, compressed = self._deflate(header, payload)
+        elif shuffle:
+            data_crc, stored_crc, size = shuffle_zstd.encode(payload, data.dtype.itemsize, self._file)
+            compressed = size
+        elif patched:
+            self._file.write(header)
+            data_crc = write_checksummed(payload, self._file.write)
+            compressed = size
         else:
             self._file.write(header)
             self._file.write(payload)
             compressed = size
+        if patched:
+            crc = stored_crc if shuffle else isal_zlib.crc32_combine(isal_zlib.crc32(header), data_crc, len(payload))
+            end = self._file.tell()
+            self._file.seek(offset + 14)
+            self._file.write(struct.pack("<I", crc) + (b"" if zip64 else struct.pack("<II", compressed, size)))
+            if zip64:
+                self._file.seek(offset + _LOCAL.size + len(encoded) + 4)
+                self._file.write(struct.pack("<QQ", size, compressed))
+            self._file.seek(end)
         self._members.append(_Written(encoded, offset, crc, compressed, size, method))
+        return data_crc
 
-    def _deflate(self, header: bytes, payload: memoryview) -> int:
+    def _deflate(self, header: bytes, payload: memoryview) -> tuple[int, int]:
+        """Deflate header and payload; returns (CRC-32 of the payload, bytes written)."""
         engine = isal_zlib.compressobj(isal_zlib.ISAL_DEFAULT_COMPRESSION, isal_zlib.DEFLATED, -15)
         written = self._file.write(engine.compress(header))
+        crc = 0
         for start in range(0, len(payload), _COMPRESS_CHUNK):
-            written += self._file.write(engine.compress(payload[start : start + _COMPRESS_CHUNK]))
-        return written + self._file.write(engine.flush())
+            chunk = payload[start : start + _COMPRESS_CHUNK]
+            crc = isal_zlib.crc32(chunk, crc)
+            written += self._file.write(engine.compress(chunk))
+        return crc & 0xFFFFFFFF, written + self._file.write(engine.flush())
 
     def commit(self, manifest_text: str) -> None:
         manifest = np.array(manifest_text)
-        self._add_member(MANIFEST_MEMBER, npy_header(manifest.dtype, ()), manifest, crc32(manifest))
+        self._add_member(MANIFEST_MEMBER, npy_header(manifest.dtype, ()), manifest)
         directory_offset = self._file.tell()
         for member in self._members:
             self._file.write(self._central_entry(member))
@@ -216,9 +251,12 @@ class NpzReader:
         self.has_checksums = manifest is not None
         member_keys = {}
         for name in self._members:
-            if not name.endswith(".npy"):
+            if name.endswith(".npy"):
+                member_keys[name[:-4]] = name
+            elif name.endswith(shuffle_zstd.MEMBER_SUFFIX) and manifest is not None:
+                member_keys[name[: -len(shuffle_zstd.MEMBER_SUFFIX)]] = name
+            else:
                 raise FormatError(f"{self.name}: member {name!r} is not an .npy array")
-            member_keys[name[:-4]] = name
         self._member_of = member_keys if manifest is not None else foreign_keys(member_keys.items(), self.name, "member")
         if manifest is not None:
             listed, present = set(manifest.tensors), set(member_keys)
@@ -229,6 +267,9 @@ class NpzReader:
                     f"{self.name}: manifest and members disagree (listed but absent: {missing}, present but unlisted: {extra})"
                 )
         self._infos: dict[str, TensorInfo] = dict(manifest.tensors) if manifest else {}
+        self._codecs = manifest.codecs if manifest else {}
+        if len(member_keys) != len(self._members):
+            raise FormatError(f"{self.name}: two members hold the same tensor (.npy and {shuffle_zstd.MEMBER_SUFFIX})")
 
     # -- the directory -------------------------------------------------------------------
     def _read_directory(self) -> dict[str, _Member]:
@@ -503,6 +544,15 @@ class NpzReader:
         """
         info = self._infos[key]
         layout = _layout(info.dtype, info.shape)
+        shuffled = member.name.endswith(shuffle_zstd.MEMBER_SUFFIX)
+        if shuffled != (self._codecs.get(key) == shuffle_zstd.CODEC):
+            raise FormatError(f"{self.name}: tensor {key!r} is stored as member {member.name!r} but its manifest "
+                              f"entry says codec {self._codecs.get(key)!r}")
+        if shuffled:
+            if member.method != _STORED or member.size > shuffle_zstd.max_encoded_size(info.nbytes):
+                raise UnsafeFileError(f"{self.name}: tensor {key!r} (member {member.name!r}) holds {member.size} "
+                                      f"encoded bytes for {info.nbytes} plain ones; refusing to read it")
+            return info, layout
         if member.size != len(layout.header) + info.nbytes:
             raise UnsafeFileError(
                 f"{self.name}: tensor {key!r} (member {member.name!r}) holds {member.size} bytes but the manifest "
@@ -527,6 +577,8 @@ class NpzReader:
         if self._manifest is None:
             return self._read_foreign(key, member, verify)
         info, layout = self._listed(key, member)
+        if self._codecs.get(key):
+            return self._read_shuffled(key, member, info, layout, verify)
         data = self._member_bytes(member, member.size)
         self._check_header(key, info, layout, data)
         payload = data[len(layout.header) :]
@@ -535,6 +587,18 @@ class NpzReader:
         count = math.prod(info.shape)
         array = np.frombuffer(payload, dtype=layout.storage, count=count) if count else np.empty(0, layout.storage)
         return array.reshape(info.shape).view(layout.logical)
+
+    def _read_shuffled(self, key: str, member: _Member, info: TensorInfo, layout: _Layout, verify: bool) -> np.ndarray:
+        """A ``compress="shuffle"`` tensor, decoded into memory it owns and checked against the
+        manifest's CRC-32 of the plain bytes (the zip CRC, of the encoded bytes, is not needed)."""
+        where = f"{self.name}: tensor {key!r} (member {member.name!r})"
+        plain, crc = shuffle_zstd.decode(self._member_bytes(member, member.size), layout.storage.itemsize,
+                                         info.nbytes, where)
+        self._source.release(self._data_offset(member), member.size)  # else the encoded pages stay in RSS
+        if verify and info.checksum and checksum_text(crc) != info.checksum:
+            raise ChecksumError(f"{self.name}: tensor {key!r} is corrupt (checksum {checksum_text(crc)}, "
+                                f"manifest {info.checksum})")
+        return plain.view(layout.storage).reshape(info.shape).view(layout.logical)
 
     def _read_foreign(self, key: str, member: _Member, verify: bool) -> np.ndarray:
         """A member of a file without a manifest: its own npy header is all there is to go on."""
@@ -558,7 +622,7 @@ class NpzReader:
         """
         member = self._member(key)
         self._source.check_unchanged(f"tensor {key!r}")
-        if member.method != _STORED or self._manifest is None:
+        if member.method != _STORED or self._manifest is None or self._codecs.get(key):
             return False
         info, layout = self._listed(key, member)
         if verify and not info.checksum:

@@ -60,9 +60,11 @@ from weightstore.manifest import (
     Manifest,
     TensorInfo,
     checksum,
+    crc32,
     logical_dtype,
     parse_manifest,
     raw_bytes,
+    write_checksummed,
 )
 
 #: the reference library refuses larger headers (``MAX_HEADER_SIZE``), so we neither write nor read them
@@ -126,8 +128,11 @@ class SafetensorsWriter:
         self._data_start: int | None = None  # decided when streaming starts
         self._written = 0  # bytes of the data buffer written so far
         self.locations: dict[str, str] = {}
+        self.codecs: dict[str, str] = {}
 
-    def add(self, key: str, dtype_name: str, data: np.ndarray, crc: int) -> None:
+    def add(self, key: str, dtype_name: str, data: np.ndarray) -> int:
+        """Write or hold a tensor; its CRC-32 comes from the write when written now, else from a
+        pass over it here (held tensors are written at :meth:`commit`, after the manifest is built)."""
         code = _CODES.get(dtype_name)
         if code is None:
             raise UnsupportedDTypeError(f"{self._path}: {_unsupported(key, dtype_name)}")
@@ -135,14 +140,15 @@ class SafetensorsWriter:
         tensor = _Pending(key, code, data.shape, size, raw_bytes(data) if size else memoryview(b""))
         self._tensors.append(tensor)
         if self._data_start is None:
-            self._held.append(tensor)
-            self._held_bytes += size
-            if self._held_bytes > _HOLD_BYTES:
-                self._start_streaming()
-        elif size % _KEEPS_ALIGNED:
+            if self._held_bytes + size <= _HOLD_BYTES:
+                self._held.append(tensor)
+                self._held_bytes += size
+                return crc32(tensor.payload)
+            self._start_streaming()  # writes what is held; this tensor follows, as if it had been held
+        if size % _KEEPS_ALIGNED:
             self._held.append(tensor)  # would misalign what follows: laid out at the end instead
-        else:
-            self._write(tensor)
+            return crc32(tensor.payload)
+        return self._write_checksummed(tensor)
 
     def _lay_out_held(self) -> None:
         """Give the held tensors their offsets after everything written: largest item size
@@ -163,6 +169,13 @@ class SafetensorsWriter:
         self._file.write(tensor.payload)
         self._written += tensor.size
         tensor.payload = memoryview(b"")
+
+    def _write_checksummed(self, tensor: _Pending) -> int:
+        tensor.begin = self._written
+        crc = write_checksummed(tensor.payload, self._file.write)
+        self._written += tensor.size
+        tensor.payload = memoryview(b"")
+        return crc
 
     def _start_streaming(self) -> None:
         """Reserve room for the header and write what is held, except tensors whose size would
