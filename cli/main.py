@@ -68,6 +68,12 @@ def _check_rules(rules: list[str] | None) -> list[str] | None:
 
 
 Compress = Annotated[bool, typer.Option("--compress", help="Deflate the tensors (smaller, not memory-mappable).")]
+Shuffle = Annotated[bool, typer.Option("--shuffle", help="Compress npz tensors with byte shuffle + zstd: smaller and "
+                                                         "faster to load than --compress, but np.load cannot read them.")]
+
+
+def _compression(compress: bool, shuffle: bool) -> bool | str:
+    return "shuffle" if shuffle else compress
 AsJson = Annotated[bool, typer.Option("--json", help="Print the result as one JSON object (see the README).")]
 Mapping = Annotated[list[str] | None, typer.Option("--map", "-m", metavar="FROM=TO", callback=_check_rules,
                                                       help="Rename scope FROM to TO (repeatable; first match wins; "
@@ -104,6 +110,7 @@ def export(
         "--also", help="With --trainable-only, also keep keys under this scope or matching this glob (repeatable).",
     )] = None,
     compress: Compress = False,
+    shuffle: Shuffle = False,
     model_keys: Annotated[bool, typer.Option(
         "--model-keys", help="Key a .keras SOURCE like its model (dense/kernel, as tf2.export keys it), building "
                              "the model from the archive's config in Keras's safe mode.")] = False,
@@ -135,7 +142,8 @@ def export(
                                                                                                          keyed_by)
     with opening as opened:
         written = transfer.export(opened, output, scope=scope, mapping=mapping, include=include, exclude=exclude,
-                                  trainable_only=trainable_only, also=also, compress=compress)
+                                  trainable_only=trainable_only, also=also,
+                                  compress=_compression(compress, shuffle))
     keyed = f", keyed like the model of {opened.keyed_like}" if opened.keyed_like else ""
     _report("export", written, opened, f"wrote {count(written.count, 'tensor')} ({human_bytes(written.nbytes)}) "
                                        f"from {opened.kind} {opened.path} to {written.path}{keyed}")
@@ -261,6 +269,7 @@ def convert(
     a: Annotated[str, typer.Argument(help="The weights to convert: a store, TF checkpoint or Keras file.")],
     b: Annotated[str, typer.Argument(help="The store to write; its suffix picks npz, HDF5 (.h5) or .safetensors.")],
     compress: Compress = False,
+    shuffle: Shuffle = False,
     as_json: AsJson = False,
     layout: Annotated[str | None, typer.Option(
         "--layout", help="Convert names and layouts: keras-to-torch, torch-to-keras, keras-to-flax, flax-to-keras.",
@@ -275,7 +284,7 @@ def convert(
     """
     _json(as_json)
     with checkpoints.open_source(a) as opened:
-        written = transfer.convert(opened, b, compress=compress, layout=layout)
+        written = transfer.convert(opened, b, compress=_compression(compress, shuffle), layout=layout)
     _report("convert", written, opened, f"wrote {count(written.count, 'tensor')} ({human_bytes(written.nbytes)}) "
                                         f"to {written.path}")
 

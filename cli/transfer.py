@@ -54,7 +54,7 @@ def read(source: Source, plan: Mapping[str, str], description: str) -> dict[str,
 
 
 def export(source: Source, out: str, *, scope: str | None, mapping: MappingRules, include: Patterns,
-           exclude: Patterns, trainable_only: bool, compress: bool, also: Patterns = None) -> Written:
+           exclude: Patterns, trainable_only: bool, compress: bool | str, also: Patterns = None) -> Written:
     """``also`` (with ``trainable_only``) keeps keys matching it too: the batch-norm statistics a
     seed needs beside the trainable weights. It matches the keys after scope and mapping."""
     output_format(out)
@@ -74,7 +74,7 @@ def export(source: Source, out: str, *, scope: str | None, mapping: MappingRules
     return Written(out, "store", len(weights), sum(a.nbytes for a in weights.values()))
 
 
-def convert(source: Source, out: str, *, compress: bool, layout: str | None = None) -> Written:
+def convert(source: Source, out: str, *, compress: bool | str, layout: str | None = None) -> Written:
     if layout is not None and layout not in layouts.DIRECTIONS:
         raise LayoutError(f"unknown layout {layout!r}; use one of {', '.join(layouts.DIRECTIONS)}")
     output_format(out)
