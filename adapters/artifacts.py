@@ -262,6 +262,7 @@ class _Renamed:
     def __init__(self, store: weightstore.Store, names: dict[str, str]):
         self._store = store
         self._names = names  # new key -> the store's key
+        self.name = store.path
 
     @property
     def metadata(self) -> dict[str, Any]:

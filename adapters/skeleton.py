@@ -15,7 +15,16 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from weightstore.adapters.plan import MEMORY, AssignOptions, Plan, Report, TargetInfo, open_values, plan_assign, wants_skip
+from weightstore.adapters.plan import (
+    MEMORY,
+    AssignOptions,
+    Plan,
+    Report,
+    TargetInfo,
+    open_values,
+    plan_assign,
+    wants_skip,
+)
 
 __all__ = ["Target", "ValueSource", "run_assign"]
 

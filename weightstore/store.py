@@ -12,7 +12,7 @@ import contextlib
 import json
 import os
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -34,6 +34,9 @@ from weightstore.formats.source import RemoteFile
 from weightstore.keys import MappingRules, Patterns, plan_outward, validate_key
 from weightstore.manifest import TensorInfo, build_manifest, checksum_text, dtype_name, logical_dtype, to_storage
 from weightstore.storage import commit_for, filesystem, location_of
+
+
+_S = TypeVar("_S", bound="Store")
 
 
 class Store(Mapping):
@@ -122,7 +125,7 @@ class Store(Mapping):
     def close(self) -> None:
         self._reader.close()
 
-    def __enter__(self) -> "Store":
+    def __enter__(self: _S) -> _S:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -362,12 +365,12 @@ class _Checked(Mapping):
         self._weights = weights
         self._where = where
         self._values: dict[str, Any] = {}  # None: read from ``weights`` when written
-        lazy = isinstance(weights, Store)
-        for key in weights.keys():
+        store = weights if isinstance(weights, Store) else None
+        for key in weights:
             with self._naming_the_file():
                 validate_key(key)
-                if lazy:
-                    name = weights.info(key).dtype
+                if store is not None:
+                    name = store.info(key).dtype
                     try:
                         logical_dtype(name)
                     except WeightStoreError:

@@ -7,10 +7,10 @@ every size is checked against the bytes that really exist before anything is all
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import PurePosixPath
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -20,6 +20,8 @@ from weightstore.manifest import TensorInfo
 
 
 class Reader(Protocol):
+    @property
+    def name(self) -> str: ...
     @property
     def metadata(self) -> dict[str, Any]: ...
     @property
@@ -51,7 +53,7 @@ class Format:
     suffixes: tuple[str, ...]
     magic: Callable[[bytes], bool]
     open_reader: Callable[..., Reader]  # (location, name, *, mmap=True)
-    open_writer: Callable[[str, "bool | str"], Writer]  # (path, compress: False, True or "shuffle")
+    open_writer: Callable[[str, bool | str], Writer]  # (path, compress: False, True or "shuffle")
     #: the logical dtypes the format can hold; ``None``: every dtype weightstore stores
     dtypes: frozenset[str] | None = None
     compresses: bool = True

@@ -80,9 +80,9 @@ def _raw_bytes(location) -> Iterator[tuple[ReadAt, int]]:
         location.seek(position)
 
 
-def _links(group: h5py.h5g.GroupID) -> list[tuple[bytes, int, object]]:
+def _links(group: h5py.h5g.GroupID) -> list[tuple[bytes, int, int]]:
     """``(name, link type, address)`` of each link in one group, without descending."""
-    links: list[tuple[bytes, int, object]] = []
+    links: list[tuple[bytes, int, int]] = []
     group.links.iterate(lambda name, info: links.append((name, info.type, info.u)), info=True)
     return links
 
@@ -191,10 +191,8 @@ class Hdf5Writer:
             self._file.close()
 
     def abort(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # closing flushes, and may fail as the write did: report that error
             self._file.close()
-        except Exception:  # closing flushes, and may fail as the write did; report that first error
-            pass
 
 
 class Hdf5Reader:

@@ -10,6 +10,7 @@ overlapping members (zip bombs) and would let a hostile file choose our allocati
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import math
 import struct
@@ -72,7 +73,7 @@ def _dos_time() -> tuple[int, int]:
 
 def npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
     """An npy v1.0 header padded so the data after it starts 64-byte aligned."""
-    text = "{'descr': %r, 'fortran_order': False, 'shape': %r, }" % (np.lib.format.dtype_to_descr(dtype), tuple(shape))
+    text = f"{{'descr': {np.lib.format.dtype_to_descr(dtype)!r}, 'fortran_order': False, 'shape': {tuple(shape)!r}, }}"
     total = 10 + len(text) + 1
     text += " " * (-total % ALIGNMENT) + "\n"
     return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(text)) + text.encode("latin1")
@@ -112,7 +113,7 @@ class NpzWriter:
     """
 
     def __init__(self, path: str, compress: bool | str):
-        self._file: BinaryIO = open(path, "wb")
+        self._file: BinaryIO = open(path, "wb")  # noqa: SIM115 - open until commit() or abort() closes it
         self._compress = compress
         self._members: list[_Written] = []
         self._time = _dos_time()
@@ -217,10 +218,8 @@ class NpzWriter:
         ) + member.name + extra
 
     def abort(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # closing flushes, and may fail as the write did: report that error
             self._file.close()
-        except Exception:  # closing flushes, and may fail as the write did; report that first error
-            pass
 
 
 @dataclass
@@ -339,7 +338,7 @@ class NpzReader:
         if position != len(directory):  # else a count that lies small hides members (the manifest among them)
             raise FormatError(f"{self.name}: zip directory holds more than the {count} entries its end record counts")
         ordered = sorted(members.values(), key=lambda m: m.offset)
-        for member, following in zip(ordered, ordered[1:] + [None]):
+        for member, following in zip(ordered, [*ordered[1:], None], strict=True):
             member.limit = following.offset if following else cd_offset
             if member.offset + _LOCAL.size + len(member.raw_name) + member.compressed > member.limit:
                 raise UnsafeFileError(f"{self.name}: member {member.name!r} overlaps the next one (zip bomb?)")
@@ -401,7 +400,7 @@ class NpzReader:
                 wanted = min(_INFLATE_PIECE, member.size - filled + 1)
                 try:
                     piece = engine.decompress(pending, wanted)
-                except isal_zlib.error as exc:
+                except isal_zlib.error as exc:  # type: ignore[misc]  # isal's stubs do not say it is an exception
                     raise FormatError(f"{self.name}: member {member.name!r} is corrupt (deflate: {exc})") from None
                 if filled + len(piece) > member.size:
                     raise FormatError(f"{self.name}: member {member.name!r} inflates past its declared size")
@@ -447,7 +446,7 @@ class NpzReader:
             position += len(chunk)
             try:
                 head += engine.decompress(chunk, wanted - len(head))
-            except isal_zlib.error as exc:
+            except isal_zlib.error as exc:  # type: ignore[misc]  # isal's stubs do not say it is an exception
                 raise FormatError(f"{self.name}: member {member.name!r} is corrupt (deflate: {exc})") from None
         return memoryview(head)
 
@@ -486,7 +485,7 @@ class NpzReader:
         if not isinstance(descr, str):
             raise UnsafeFileError(f"{where} holds a structured array; only plain numeric arrays are read")
         try:
-            dtype = np.lib.format.descr_to_dtype(descr)
+            dtype = np.lib.format.descr_to_dtype(descr)  # type: ignore[arg-type]  # a str descr is valid
         except Exception:  # numpy's dtype parser raises TypeError, ValueError or SyntaxError on junk
             raise FormatError(f"{where} has an unknown dtype {descr!r}") from None
         if dtype.hasobject:
@@ -630,7 +629,7 @@ class NpzReader:
         start = self._data_offset(member)
         self._check_header(key, info, layout, memoryview(self._source.read_at(start, len(layout.header))))
         payload = raw_bytes(out) if out.nbytes else memoryview(b"")
-        self._source.read_into(start + len(layout.header), memoryview(out.reshape(-1).view(np.uint8)))
+        self._source.read_into(start + len(layout.header), out.reshape(-1).view(np.uint8).data)
         if verify and checksum(payload) != info.checksum:
             raise ChecksumError(f"{self.name}: tensor {key!r} is corrupt (checksum {checksum(payload)}, manifest {info.checksum})")
         return True

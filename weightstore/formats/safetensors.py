@@ -451,7 +451,7 @@ class SafetensorsReader:
             return False
         tensor = self._tensor(key)
         if out.nbytes:
-            self._source.read_into(self._data_start + tensor.begin, memoryview(out.reshape(-1).view(np.uint8)))
+            self._source.read_into(self._data_start + tensor.begin, out.reshape(-1).view(np.uint8).data)
         if verify:
             self._verify(key, out)
         return True

@@ -37,7 +37,7 @@ _HEAD = struct.Struct("<8sIIQI")  # magic, item size, block size, data bytes, bl
 _BLOCK = 1 << 20
 _LEVEL = 1
 _MAX_BLOCK = 64 << 20
-_WORDS = {2: np.dtype("<u2"), 4: np.dtype("<u4")}  # little-endian: plane 0 is each word's low byte
+_WORDS: dict[int, np.dtype] = {2: np.dtype("<u2"), 4: np.dtype("<u4")}  # little-endian: plane 0 is each word's low byte
 
 
 def _block_size(itemsize: int) -> int:
@@ -88,7 +88,7 @@ def encode(payload: memoryview, itemsize: int, file: BinaryIO) -> tuple[int, int
     for start in range(0, len(payload), size):
         block = payload[start : start + size]
         plain_crc = isal_zlib.crc32(block, plain_crc)
-        frame = compressor.compress(_shuffled(block, itemsize))
+        frame = compressor.compress(_shuffled(block, itemsize).data)
         frames_crc = isal_zlib.crc32(frame, frames_crc)
         lengths.append(len(frame))
         file.write(frame)
