@@ -30,10 +30,14 @@ out under these keys.
 
 Distributed variables are one key each: a ``MirroredVariable`` exports its value once and an
 assign reaches every replica; a ``ShardedVariable`` exports as one whole tensor and is
-assigned back across its shards. Values go to TensorFlow with ``variable.assign(ndarray)``,
-which copies: DLPack would hand TF the numpy buffer itself (the variable adopts it), which is
-unsafe for read-only memory maps and for the caller's arrays and was no faster once the copy
-that makes it safe is paid (see the README).
+assigned back across its shards.
+
+A plain resource variable gets each value the way ``tf.train.Checkpoint`` restores it: one
+copy into fresh aligned memory, which ``AssignVariableOp`` adopts as the variable's buffer (the
+old one is freed), rather than ``variable.assign(ndarray)``, which copies the value into a
+temporary tensor and that into the variable. The copy is never skipped: an adopted read-only
+map of the file would crash the next in-place update, an adopted caller's array would change
+with it. Distributed variables, and subclasses with an ``assign`` of their own, get ``assign``.
 """
 
 from __future__ import annotations
@@ -45,11 +49,13 @@ from typing import Any, Union
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.src.backend.common.stateless_scope import in_stateless_scope
+from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable
 
 import weightstore
 from weightstore.adapters.artifacts import for_model, is_model_file
 from weightstore.adapters.plan import MEMORY, AssignOptions, Report, TargetInfo, keeps
-from weightstore.adapters.skeleton import Target, run_assign
+from weightstore.adapters.skeleton import Target, private_copy, run_assign
 from weightstore.errors import AssignmentError, InvalidKeyError, SelectionError
 from weightstore.keys import (
     OUTPUT_SUFFIX,
@@ -120,7 +126,8 @@ def assign(
 
     Plans first (see DESIGN.md): a strict failure raises ``AssignmentError`` with every
     problem and changes nothing. Every value is read, and its checksum verified, before the
-    first variable changes. With ``skip_unchanged`` (default: only for Versions), variables
+    first variable changes (then they are written in batches of bounded memory, see
+    :func:`weightstore.adapters.skeleton.run_assign`). With ``skip_unchanged`` (default: only for Versions), variables
     that last received the very same bytes are left alone and listed in ``report.skipped``.
 
     A Keras file (``save_weights``'s ``.weights.h5``, ``model.save``'s ``.keras``) or a TF2
@@ -152,7 +159,7 @@ def assign(
             _write(found[key][0], array)
         return [key for key, _ in batch]
 
-    target = Target(targets, write, owner=lambda key: found[key][0])
+    target = Target(targets, write, owner=lambda key: found[key][0], batched=True)
     if not _structured(obj, weights):
         return run_assign(target, weights, options)
     at = normalize_scope(scope)
@@ -336,7 +343,10 @@ def _read(var: Variable) -> np.ndarray:
 
 
 def _write(var: Variable, array: np.ndarray) -> None:
-    if isinstance(var, _SHARDED):
+    resource = _plain_resource(var)
+    if resource is not None:
+        tf.raw_ops.AssignVariableOp(resource=resource.handle, value=private_copy(array, array.dtype))
+    elif isinstance(var, _SHARDED):
         start = 0
         for shard in var.variables:
             stop = start + int(shard.shape[0])
@@ -346,6 +356,23 @@ def _write(var: Variable, array: np.ndarray) -> None:
         var.assign(array)
     else:
         var.assign(array, read_value=False)
+
+
+def _plain_resource(var: Variable) -> BaseResourceVariable | None:
+    """The resource variable whose buffer an assign may replace, or None where ``assign`` must run.
+
+    That is a Keras variable's own TF variable (outside a ``StatelessScope``, where Keras records
+    assigns instead), or a TF one, unless distributed or with an ``assign`` of its own.
+    """
+    if isinstance(var, keras.Variable):
+        if in_stateless_scope():
+            return None
+        var = var._value
+    if not isinstance(var, BaseResourceVariable) or isinstance(var, tf.distribute.DistributedValues):
+        return None
+    assign = type(var).assign  # TF wraps it per class (weak tensors), so compare where it was written
+    own = (assign.__module__, assign.__qualname__) == (BaseResourceVariable.__module__, "BaseResourceVariable.assign")
+    return var if own else None
 
 
 def _describe(obj: Any) -> str:
