@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -38,6 +40,9 @@ __all__ = ["Target", "ValueSource", "private_copy", "run_assign"]
 
 _ALIGNMENT = 64  # frameworks adopt memory aligned to this instead of copying it (TF: EIGEN_MAX_ALIGN_BYTES)
 _ALIGNED_FROM = 1 << 16  # smaller arrays are copied plainly: aligning them costs more than TF's copy
+_PIECE_BYTES = 16 << 20  # larger copies are split across threads: faulting in fresh pages is most of their cost
+_COPIERS = max(1, min(4, os.cpu_count() or 1))
+_copier_pool: ThreadPoolExecutor | None = None
 
 # A batch holds at most max(BATCH_MIN_BYTES, the assign's bytes / BATCH_SHARE): 1/16 of a large
 # model, so its extra memory stays well under a quarter of it even with a tensor or two over
@@ -209,5 +214,22 @@ def private_copy(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
     raw = np.empty(size + _ALIGNMENT, np.uint8)
     start = -raw.ctypes.data % _ALIGNMENT
     out = raw[start:start + size].view(dtype).reshape(array.shape)
-    np.copyto(out, array, casting="unsafe")
+    _copy(out, array)
     return out
+
+
+def _copy(out: np.ndarray, array: np.ndarray) -> None:
+    """``np.copyto`` in pieces along the first axis on several threads (numpy releases the GIL)."""
+    global _copier_pool
+    pieces = min(_COPIERS, out.nbytes // _PIECE_BYTES, out.shape[0] if out.ndim else 1)
+    if pieces < 2:
+        np.copyto(out, array, casting="unsafe")
+        return
+    if _copier_pool is None:
+        _copier_pool = ThreadPoolExecutor(_COPIERS - 1, thread_name_prefix="weightstore-copy")
+    bounds = [out.shape[0] * i // pieces for i in range(pieces + 1)]
+    others = [_copier_pool.submit(np.copyto, out[a:b], array[a:b], casting="unsafe")
+              for a, b in zip(bounds[1:-1], bounds[2:], strict=True)]
+    np.copyto(out[:bounds[1]], array[:bounds[1]], casting="unsafe")
+    for piece in others:
+        piece.result()

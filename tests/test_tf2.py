@@ -405,3 +405,15 @@ def test_mirrored_variables_and_device_to_device_copy(tmp_path):
     assert out["replica_values"] == [kernel, kernel, bias, bias, w, w]
     assert out["devices"][0].endswith("CPU:1") and out["devices"][1].endswith("CPU:0")
     assert out["copied"] == ["dense/kernel", "dense/bias"] and out["equal"]
+
+
+def test_a_large_value_copied_on_several_threads_arrives_whole(tmp_path):
+    """Over 32 MB the private copy is cut along the first axis; rows must land where they belong."""
+    value = np.arange(4099 * 1025, dtype=np.float32).reshape(4099, 1025)  # 16.8 MB, odd row count, exact
+    path = tmp_path / "big.npz"
+    ws.save(path, {"w": value})
+    var = tf.Variable(tf.zeros(value.shape, tf.float64))
+    tf2.assign({"w": var}, path)  # float32 widens to 33.6 MB of float64 in the copy
+    np.testing.assert_array_equal(var.numpy(), value)
+    var.assign_add(tf.ones(value.shape, tf.float64))
+    np.testing.assert_array_equal(ws.load(path)["w"], value)
