@@ -140,7 +140,7 @@ def _write_batches(target: Target, source: ValueSource, prepare: Callable[[Value
         elif held + sizes[key] <= budget:
             kept[key] = value
             held += sizes[key]
-        del value  # read again in its batch
+        del value  # one not kept is read again in its batch
     written_before = False
     for chunk in _chunks(todo, sizes, budget):
         try:
@@ -202,9 +202,9 @@ def private_copy(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
     TensorFlow adopts aligned fed memory as a resource variable's buffer instead of copying it
     (as its own restore adopts what it read), so this is the one copy an assign needs. Handing
-    it the caller's array would make the variable change whenever the caller's array does, and
-    a view of a mapped file would be written into (a crash: the map is read-only) and would pin
-    that file (even once pruned) for as long as the variable lives. A small array is copied
+    it the caller's array would make the variable change whenever the caller's array does; a
+    view of a mapped file would pin that file (even once pruned) for as long as the variable
+    lives, and leave in-place updates a read-only map to write into. A small array is copied
     without aligning it: TF may copy it again, which costs less than aligning it did.
     """
     dtype = np.dtype(dtype)

@@ -127,8 +127,9 @@ def assign(
     Plans first (see DESIGN.md): a strict failure raises ``AssignmentError`` with every
     problem and changes nothing. Every value is read, and its checksum verified, before the
     first variable changes (then they are written in batches of bounded memory, see
-    :func:`weightstore.adapters.skeleton.run_assign`). With ``skip_unchanged`` (default: only for Versions), variables
-    that last received the very same bytes are left alone and listed in ``report.skipped``.
+    :func:`weightstore.adapters.skeleton.run_assign`). With ``skip_unchanged`` (default: only
+    for Versions), variables that last received the very same bytes are left alone and listed
+    in ``report.skipped``.
 
     A Keras file (``save_weights``'s ``.weights.h5``, ``model.save``'s ``.keras``) or a TF2
     object checkpoint (``tf.train.Checkpoint``, a prefix or its folder) is paired with
