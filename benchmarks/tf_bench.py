@@ -16,14 +16,15 @@ Every case runs in its own process that first builds the variables (its memory b
 then warms up once and repeats. ``ws.save`` fsyncs; each peer also gets a ``+fsync`` row.
 
 Then "hold the model once" (issue 11), each against its peer in the same run (two alternated
-processes each, the better median kept), with the extra anonymous memory (``RssAnon``, sampled every millisecond during one more run; file-backed pages
-of a mapped file are the page cache's, not a copy of the model): ``tf2.assign`` against
-``Checkpoint.read`` at 4 GB (halved until three copies fit in the free memory), ``tf1.assign``
-against ``Saver.restore`` at 1 GB, and 50,000 tensors of 256 floats through ``tf2.assign``
-against ``safetensors.numpy.load_file`` + ``var.assign``.
+processes each, the better median kept), with the extra anonymous memory (``RssAnon``, sampled
+every millisecond during one more run; file-backed pages of a mapped file are the page
+cache's, not a copy of the model): ``tf2.assign`` against ``Checkpoint.read`` at 4 GB (halved
+until three copies fit in the free memory), ``tf1.assign`` against ``Saver.restore`` at 1 GB,
+and 50,000 tensors of 256 floats through ``tf2.assign`` against ``safetensors.numpy.load_file`` + ``var.assign``.
 
     python -m benchmarks.tf_bench                 # 1 GB, 5 repetitions, then the hold rows
-    python -m benchmarks.tf_bench --size-mb 128 --hold-mb 256 --tf1-mb 128 --small 5000   # quick
+    python -m benchmarks.tf_bench --size-mb 128 --hold-mb 256 --tf1-mb 128 --small 5000  # quick
+    python -m benchmarks.tf_bench --only-hold --hold-rows tf2   # one hold row
     python -m benchmarks.tf_bench --only-hold     # only the hold rows
 """
 
@@ -441,13 +442,14 @@ def _fitting_mb(size_mb: float, say) -> float:
     return fitted
 
 
-def hold_bench(tf2_mb: float, tf1_mb: float, small: int, repeat: int, out=sys.stdout) -> dict:
-    """The three "hold the model once" comparisons, each pair in its own folder and run."""
+def hold_bench(tf2_mb: float, tf1_mb: float, small: int, repeat: int, out=sys.stdout,
+               rows: tuple[str, ...] = ("tf2", "tf1", "small")) -> dict:
+    """The three "hold the model once" comparisons (those in ``rows``), each pair in its own folder."""
     say = lambda *a: print(*a, file=out, flush=True)  # noqa: E731
     say(f"Hold the model once (issue 11): {repeat} runs per case, medians; extra anonymous memory "
         f"sampled in one more run; {machine_line()}")
     tf2_mb = _fitting_mb(tf2_mb, say)
-    rows, checks, results = [], [], {}
+    table_rows, checks, results = [], [], {}
     pairs = [
         ("tf2", tf2_mb, None, "ws-tf2", "tf2-ckpt", "tf2.assign(variables, npz)", "Checkpoint.read"),
         ("tf1", tf1_mb, None, "ws-tf1", "tf1-saver", "tf1.assign(sess, npz)", "Saver.restore"),
@@ -455,6 +457,8 @@ def hold_bench(tf2_mb: float, tf1_mb: float, small: int, repeat: int, out=sys.st
          "safetensors load_file + var.assign"),
     ]
     for name, size_mb, count, own, peer, own_label, peer_label in pairs:
+        if name not in rows:
+            continue
         folder = tempfile.mkdtemp(prefix=f"ws-hold-{name}-", dir=os.environ.get("WS_BENCH_DIR"))
         try:
             facts = prepare(folder, size_mb) if count is None else prepare_small(folder, count)
@@ -477,8 +481,9 @@ def hold_bench(tf2_mb: float, tf1_mb: float, small: int, repeat: int, out=sys.st
             what = f"{facts['arrays']:,} tensors, {model / MB:,.0f} MB"
             for product, label in ((own, own_label), (peer, peer_label)):
                 res = r[product]
-                rows.append([what, label, fmt_seconds(res["median"]), fmt_ratio(res["median"] / r[peer]["median"]),
-                             fmt_mb(res["anon"]), fmt_ratio(res["anon"] / model), fmt_mb(res["peak"])])
+                table_rows.append([what, label, fmt_seconds(res["median"]),
+                                   fmt_ratio(res["median"] / r[peer]["median"]), fmt_mb(res["anon"]),
+                                   fmt_ratio(res["anon"] / model), fmt_mb(res["peak"])])
             checks.append((f"{own_label} <= 1.0x {peer_label}", ratio <= 1.0, f"{ratio:.2f}x"))
             if name == "tf1":
                 share = r[own]["anon"] / model
@@ -486,7 +491,8 @@ def hold_bench(tf2_mb: float, tf1_mb: float, small: int, repeat: int, out=sys.st
         finally:
             shutil.rmtree(folder, ignore_errors=True)
     say("")
-    say(table(["weights", "restore", "median s", "x peer", "extra anon MB", "anon / model", "peak RSS MB"], rows))
+    say(table(["weights", "restore", "median s", "x peer", "extra anon MB", "anon / model", "peak RSS MB"],
+              table_rows))
     say("")
     say("Targets (issue 11)")
     say(table(["target", "holds", "measured"], [[c, "yes" if ok else "NO", v] for c, ok, v in checks]))
@@ -503,6 +509,7 @@ def main(argv=None) -> None:
     parser.add_argument("--tf1-mb", type=float, default=1024, help="tf1.assign vs Saver.restore size (default 1024)")
     parser.add_argument("--small", type=int, default=50_000, help="small tensors of 256 floats (default 50000)")
     parser.add_argument("--only-hold", action="store_true", help="only the hold-the-model-once rows")
+    parser.add_argument("--hold-rows", default="tf2,tf1,small", help="which hold rows (default tf2,tf1,small)")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--anon", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -513,7 +520,7 @@ def main(argv=None) -> None:
     if not args.only_hold:
         bench(args.size_mb, args.repeat, args.dir, args.keep)
         print()
-    hold_bench(args.hold_mb, args.tf1_mb, args.small, args.repeat)
+    hold_bench(args.hold_mb, args.tf1_mb, args.small, args.repeat, rows=tuple(args.hold_rows.split(",")))
 
 
 if __name__ == "__main__":
