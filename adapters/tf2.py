@@ -42,6 +42,7 @@ with it. Distributed variables, and subclasses with an ``assign`` of their own, 
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any, Union
@@ -325,15 +326,24 @@ def _own_name(var: Variable) -> str:
 
 
 def _trainable(var: Variable) -> bool:
-    return bool(var.variables[0].trainable if isinstance(var, _SHARDED) else var.trainable)
+    # isinstance against ShardedVariable takes microseconds (an ABC); a plain variable skips it
+    sharded = not isinstance(var, (BaseResourceVariable, keras.Variable)) and isinstance(var, _SHARDED)
+    return bool(var.variables[0].trainable if sharded else var.trainable)
 
 
 def _numpy_dtype(var: Variable) -> np.dtype:
-    return np.dtype(tf.as_dtype(var.dtype).as_numpy_dtype)
+    return _as_numpy(var.dtype)
+
+
+@functools.cache
+def _as_numpy(dtype: Any) -> np.dtype:
+    """A TF or Keras dtype as numpy's, remembered: 50,000 variables share a few dtypes."""
+    return np.dtype(tf.as_dtype(dtype).as_numpy_dtype)
 
 
 def _shape(var: Variable) -> tuple[int, ...]:
-    return tuple(int(d) for d in var.shape)
+    shape = var.shape
+    return tuple(shape.as_list()) if isinstance(shape, tf.TensorShape) else tuple(int(d) for d in shape)
 
 
 def _read(var: Variable) -> np.ndarray:
