@@ -317,7 +317,7 @@ def _message(report: Report, where: str, targets: Mapping[str, Any], values: Map
     lines = [f"cannot assign {where}: nothing was changed"]
     if not pairs and report.ok:
         lines.append("  no value pairs with a variable" + (" (no variables selected)" if not targets else ""))
-    sections = [
+    sections: list[tuple[str, list[Any], Callable[[Any], str]]] = [
         ("missing (variables with no value)", report.missing, lambda k: f"no value for variable {k!r}{suggest(k, values)}"),
         ("unexpected (values with no variable)", report.unexpected, unexpected),
         ("mismatched", report.mismatched, str),

@@ -5,11 +5,20 @@ in nothing else; so an adapter describes itself as a :class:`Target` and calls
 :func:`run_assign`, the way safetensors' framework modules convert tensors and call one
 implementation. What ``strict``, ``scope``, hot reload and the report mean is decided here
 and in :mod:`weightstore.adapters.plan`, once for every framework.
+
+A batched target (TF1, TF2) holds the model once: every value is read and verified before the
+first variable changes, but what that pass read into memory of its own (an HDF5 tensor, not a
+view of a mapped npz) is kept only up to a budget and read again when its batch is written,
+and each batch hands the framework at most that budget of new arrays.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import math
+import mmap
+import os
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -25,8 +34,21 @@ from weightstore.adapters.plan import (
     plan_assign,
     wants_skip,
 )
+from weightstore.errors import AssignmentError
 
-__all__ = ["Target", "ValueSource", "run_assign"]
+__all__ = ["Target", "ValueSource", "private_copy", "run_assign"]
+
+_ALIGNMENT = 64  # frameworks adopt memory aligned to this instead of copying it (TF: EIGEN_MAX_ALIGN_BYTES)
+_ALIGNED_FROM = 1 << 16  # smaller arrays are copied plainly: aligning them costs more than TF's copy
+_PIECE_BYTES = 16 << 20  # larger copies are split across threads: faulting in fresh pages is most of their cost
+_COPIERS = max(1, min(4, os.cpu_count() or 1))
+_copier_pool: ThreadPoolExecutor | None = None
+
+# A batch holds at most max(BATCH_MIN_BYTES, the assign's bytes / BATCH_SHARE): 1/16 of a large
+# model, so its extra memory stays well under a quarter of it even with a tensor or two over
+# the budget (such a tensor is a batch of its own), and few enough runs that their fixed cost vanishes.
+BATCH_MIN_BYTES = 64 << 20
+BATCH_SHARE = 16
 
 
 class ValueSource(Protocol):
@@ -50,6 +72,8 @@ class Target:
     ``prepare`` reads one value for a target, by default read and cast to the target's dtype.
     ``plan`` pairs values with targets, by default :func:`plan_assign`; an adapter with a
     layout plans over converted values and returns the view to read them through.
+    ``batched``: ``write`` is called once per batch of bounded bytes instead (see the module
+    docstring), so it must copy what it keeps; values come as :attr:`prepare` read them.
     """
 
     infos: Mapping[str, TargetInfo]
@@ -57,6 +81,7 @@ class Target:
     owner: Callable[[str], object]
     prepare: Callable[[ValueSource, str, str], Any] | None = None
     plan: Callable[[Any, AssignOptions], tuple[Plan, ValueSource]] | None = None
+    batched: bool = False
 
 
 def run_assign(target: Target, weights: Any, options: AssignOptions, *, skip_for: Any = None) -> Report:
@@ -64,26 +89,104 @@ def run_assign(target: Target, weights: Any, options: AssignOptions, *, skip_for
 
     ``skip_for`` is what decides the default of ``skip_unchanged`` when ``weights`` is a view
     made from it (a Keras file paired by structure from the Version the user passed).
+
+    Batched, every value was read and verified (keys, dtypes, shapes, checksums) before the
+    first batch is written, so a bad file still changes nothing. A later batch can fail only
+    for what that pass could not see: a value read again (one that did not fit the budget)
+    whose file was rewritten in place meanwhile, or the framework failing (out of memory).
+    Then :class:`~weightstore.errors.AssignmentError` says how many variables were written
+    (they keep their new values, the rest their old ones) and hot reload forgets the failed
+    batch, so the next assign writes it whatever its checksums.
     """
     skip = wants_skip(weights if skip_for is None else skip_for, options.skip_unchanged)
     prepare = target.prepare or _read_as_target(target.infos)
     with open_values(weights) as values:
         plan, source = (target.plan or _plain_plan(target.infos))(values, options)
         report = plan.report
-        batch: list[tuple[str, Any]] = []
+        todo: list[tuple[str, str]] = []
         digests: dict[str, str | None] = {}
         for key, value_key in plan.pairs.items():
             digest = source.checksum(value_key)
             if skip and MEMORY.unchanged(target.owner(key), key, digest):
                 report.skipped.append(key)
                 continue
-            batch.append((key, prepare(source, key, value_key)))
+            todo.append((key, value_key))
             digests[key] = digest
-        written = target.write(batch, report) if batch else []
+        if target.batched:
+            _write_batches(target, source, prepare, todo, digests, report)
+        else:
+            batch = [(key, prepare(source, key, value_key)) for key, value_key in todo]
+            _remember(target, target.write(batch, report) if batch else [], digests, report)
+    return report
+
+
+def _remember(target: Target, written: list[str], digests: Mapping[str, str | None], report: Report) -> None:
     for key in written:
         MEMORY.remember(target.owner(key), key, digests[key])
         report.assigned.append(key)
-    return report
+
+
+def _write_batches(target: Target, source: ValueSource, prepare: Callable[[ValueSource, str, str], Any],
+                   todo: list[tuple[str, str]], digests: Mapping[str, str | None], report: Report) -> None:
+    """Verify every value, then write them batch by batch; see :func:`run_assign` for failures."""
+    sizes = {key: _nbytes(target.infos[key]) for key, _ in todo}
+    budget = max(BATCH_MIN_BYTES, sum(sizes.values()) // BATCH_SHARE)
+    kept: dict[str, Any] = {}
+    held = 0
+    for key, value_key in todo:  # the verify pass: any bad value raises here, before any write
+        value = prepare(source, key, value_key)
+        if not _costs_memory(value):
+            kept[key] = value
+        elif held + sizes[key] <= budget:
+            kept[key] = value
+            held += sizes[key]
+        del value  # one not kept is read again in its batch
+    written_before = False
+    for chunk in _chunks(todo, sizes, budget):
+        try:
+            batch = [(key, kept.pop(key) if key in kept else prepare(source, key, value_key))
+                     for key, value_key in chunk]
+            written = target.write(batch, report)
+            del batch
+        except Exception as exc:
+            if not written_before:
+                raise
+            for key, _ in chunk:  # the variables of this batch may hold anything now
+                MEMORY.remember(target.owner(key), key, None)
+            raise AssignmentError(
+                f"cannot assign {source.where}: failed after {len(report.assigned)} of {len(todo)} variables "
+                f"were written, which keep their new values ({exc})"
+            ) from exc
+        _remember(target, written, digests, report)
+        written_before = True
+
+
+def _chunks(todo: list[tuple[str, str]], sizes: Mapping[str, int], budget: int) -> Iterator[list[tuple[str, str]]]:
+    """``todo`` in order, cut into runs of at most ``budget`` bytes (a larger value alone)."""
+    chunk: list[tuple[str, str]] = []
+    filled = 0
+    for item in todo:
+        if chunk and filled + sizes[item[0]] > budget:
+            yield chunk
+            chunk, filled = [], 0
+        chunk.append(item)
+        filled += sizes[item[0]]
+    if chunk:
+        yield chunk
+
+
+def _nbytes(info: TargetInfo) -> int:
+    return math.prod(info.shape) * np.dtype(info.dtype).itemsize
+
+
+def _costs_memory(value: Any) -> bool:
+    """Whether keeping ``value`` holds memory of its own, rather than a view of a mapped file."""
+    base = value
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    if isinstance(base, memoryview):
+        base = base.obj
+    return not isinstance(base, mmap.mmap)
 
 
 def _plain_plan(infos: Mapping[str, TargetInfo]) -> Callable[[Any, AssignOptions], tuple[Plan, ValueSource]]:
@@ -92,3 +195,41 @@ def _plain_plan(infos: Mapping[str, TargetInfo]) -> Callable[[Any, AssignOptions
 
 def _read_as_target(infos: Mapping[str, TargetInfo]) -> Callable[[ValueSource, str, str], np.ndarray]:
     return lambda source, key, value_key: np.asarray(source.read(value_key), dtype=infos[key].dtype)
+
+
+def private_copy(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``array`` as ``dtype`` in fresh 64-byte-aligned memory that only the framework will hold.
+
+    TensorFlow adopts aligned fed memory as a resource variable's buffer instead of copying it
+    (as its own restore adopts what it read), so this is the one copy an assign needs. Handing
+    it the caller's array would make the variable change whenever the caller's array does; a
+    view of a mapped file would pin that file (even once pruned) for as long as the variable
+    lives, and leave in-place updates a read-only map to write into. A small array is copied
+    without aligning it: TF may copy it again, which costs less than aligning it did.
+    """
+    dtype = np.dtype(dtype)
+    size = math.prod(array.shape) * dtype.itemsize
+    if size < _ALIGNED_FROM:  # the framework's own copy of a small array costs less than aligning it
+        return np.array(array, dtype, order="C")
+    raw = np.empty(size + _ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % _ALIGNMENT
+    out = raw[start:start + size].view(dtype).reshape(array.shape)
+    _copy(out, array)
+    return out
+
+
+def _copy(out: np.ndarray, array: np.ndarray) -> None:
+    """``np.copyto`` in pieces along the first axis on several threads (numpy releases the GIL)."""
+    global _copier_pool
+    pieces = min(_COPIERS, out.nbytes // _PIECE_BYTES, out.shape[0] if out.ndim else 1)
+    if pieces < 2:
+        np.copyto(out, array, casting="unsafe")
+        return
+    if _copier_pool is None:
+        _copier_pool = ThreadPoolExecutor(_COPIERS - 1, thread_name_prefix="weightstore-copy")
+    bounds = [out.shape[0] * i // pieces for i in range(pieces + 1)]
+    others = [_copier_pool.submit(np.copyto, out[a:b], array[a:b], casting="unsafe")
+              for a, b in zip(bounds[1:-1], bounds[2:], strict=True)]
+    np.copyto(out[:bounds[1]], array[:bounds[1]], casting="unsafe")
+    for piece in others:
+        piece.result()

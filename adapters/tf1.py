@@ -19,8 +19,11 @@ error naming both.
 
 Assigning writes by feeding each variable's initializer input and running its initializer:
 those ops already exist, so repeated assigns never grow the graph and work on a graph that
-``MonitoredTrainingSession`` has finalized, and every value goes in one ``session.run``. A
-naive ``sess.run(v.assign(x))`` adds ops on every reload until the process runs out of memory.
+``MonitoredTrainingSession`` has finalized. A naive ``sess.run(v.assign(x))`` adds ops on every
+reload until the process runs out of memory. Every value is read and verified first, then the
+values go in batches of bounded bytes, one ``session.run`` each, so a restore holds a small part
+of the model in extra memory rather than a second copy of it (see
+:func:`weightstore.adapters.skeleton.run_assign` for what a failure in a later batch means).
 """
 
 from __future__ import annotations
@@ -34,14 +37,13 @@ import numpy as np
 import tensorflow as tf
 
 from weightstore.adapters.plan import MEMORY, AssignOptions, Report, TargetInfo, keeps
-from weightstore.adapters.skeleton import Target, run_assign
+from weightstore.adapters.skeleton import Target, private_copy, run_assign
 from weightstore.errors import AssignmentError, FormatError, InvalidKeyError, SelectionError
 from weightstore.keys import MappingRules, Patterns, plan_outward
 from weightstore.manifest import ML_DTYPES
 
 __all__ = ["export", "assign", "forget"]
 
-_ALIGNMENT = 64  # TF adopts fed numpy memory aligned to this instead of copying it
 _WEIGHT_KINDS = frozenset("biufc")
 _ASSIGN_TYPES = frozenset({"Assign", "AssignVariableOp"})
 _VARIABLE_OPS = frozenset({"VarHandleOp", "VariableV2", "Variable"})
@@ -97,7 +99,7 @@ def export(
         plan = kept
     chosen = [targets[source] for source in plan.values()]
     fetched = iter(sess.run([_read_tensor(part.variable) for target in chosen for part in target.parts]))
-    return {key: _stitch(target, fetched) for key, target in zip(plan, chosen)}
+    return {key: _stitch(target, fetched) for key, target in zip(plan, chosen, strict=True)}
 
 
 def assign(
@@ -114,7 +116,7 @@ def assign(
     cast: bool = False,
     skip_unchanged: bool | None = None,
 ) -> Report:
-    """Write ``weights`` into the variables of ``sess``'s graph, planned first, in one run.
+    """Write ``weights`` into the variables of ``sess``'s graph, planned and verified first, in batches.
 
     ``weights`` is a dict, a path (a store, a TF1 ``Saver`` checkpoint prefix or its folder),
     an open store or a ``Version``; only what is assigned is read. ``also`` widens
@@ -135,26 +137,27 @@ def assign(
                             skip_unchanged=skip_unchanged)
 
     def prepare(values: Any, key: str, value_key: str) -> np.ndarray:
-        target = targets[key]
-        if len(target.parts) == 1:  # the common case: read straight from the file into memory TF adopts
-            return values.read_into(value_key, _aligned_empty(target.shape, target.dtype))
+        """The verified value as the file holds it (a view of a mapped npz costs no memory);
+        the writers are found now too, so one that cannot exist fails before any batch runs."""
+        for part in targets[key].parts:
+            _writer(graph, part.variable)
         return np.asarray(values.read(value_key))
 
     def write(batch: list[tuple[str, np.ndarray]], report: Report) -> list[str]:
-        """Every value in one ``session.run``, through ops the graph already has."""
+        """One batch in one ``session.run``, through ops the graph already has."""
         fetches: list[tf.Operation] = []
         feeds: dict[tf.Tensor, np.ndarray] = {}
         for key, array in batch:
-            parts = targets[key].parts
-            for part in parts:
+            target = targets[key]
+            for part in target.parts:
                 op, tensor = _writer(graph, part.variable)
                 fetches.append(op)
-                feeds[tensor] = array if len(parts) == 1 else _private_copy(array[part.index], targets[key].dtype)
+                feeds[tensor] = private_copy(array[part.index] if part.index else array, target.dtype)
         sess.run(fetches, feed_dict=feeds)
         return [key for key, _ in batch]
 
     infos = {key: target.info for key, target in targets.items()}
-    return run_assign(Target(infos, write, owner=lambda key: sess, prepare=prepare), weights, options)
+    return run_assign(Target(infos, write, owner=lambda key: sess, prepare=prepare, batched=True), weights, options)
 
 
 def forget(sess: Any) -> None:
@@ -204,7 +207,7 @@ def _collect_targets(graph: tf.Graph) -> dict[str, _Target]:
             continue
         whole = targets.setdefault(key, _Target(key, dtype, tuple(slice_info.full_shape), True))
         whole.trainable &= name in trainable
-        index = tuple(slice(o, o + s) for o, s in zip(slice_info.var_offset, slice_info.var_shape))
+        index = tuple(slice(o, o + s) for o, s in zip(slice_info.var_offset, slice_info.var_shape, strict=True))
         whole.parts.append(_Part(variable, index))
     for target in targets.values():
         covered = sum(math.prod(part.variable.shape.as_list()) for part in target.parts)
@@ -278,25 +281,3 @@ def _writer(graph: tf.Graph, variable: tf.Variable) -> tuple[tf.Operation, tf.Te
             op = variable.assign(placeholder, read_value=False)
         cached[name] = (op if isinstance(op, tf.Operation) else op.op, placeholder)
     return cached[name]
-
-
-def _private_copy(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """``array`` as ``dtype`` in fresh 64-byte-aligned memory that only TF will hold.
-
-    TF adopts aligned fed memory as a resource variable's buffer instead of copying it (its
-    copy-on-write keeps TF itself from writing there), so feeding the caller's array would
-    make the variable change whenever the caller's array does, and feeding a view of a
-    mapped file would pin that file (even once pruned) for as long as the variable lives.
-    Unaligned memory TF copies itself, so this is the one copy an assign needs anyway.
-    """
-    out = _aligned_empty(array.shape, dtype)
-    np.copyto(out, array, casting="unsafe")
-    return out
-
-
-def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    dtype = np.dtype(dtype)
-    size = math.prod(shape) * dtype.itemsize
-    raw = np.empty(size + _ALIGNMENT, np.uint8)
-    start = -raw.ctypes.data % _ALIGNMENT
-    return raw[start:start + size].view(dtype).reshape(shape)

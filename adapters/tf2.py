@@ -30,14 +30,19 @@ out under these keys.
 
 Distributed variables are one key each: a ``MirroredVariable`` exports its value once and an
 assign reaches every replica; a ``ShardedVariable`` exports as one whole tensor and is
-assigned back across its shards. Values go to TensorFlow with ``variable.assign(ndarray)``,
-which copies: DLPack would hand TF the numpy buffer itself (the variable adopts it), which is
-unsafe for read-only memory maps and for the caller's arrays and was no faster once the copy
-that makes it safe is paid (see the README).
+assigned back across its shards.
+
+A plain resource variable gets each value the way ``tf.train.Checkpoint`` restores it: one
+copy into fresh aligned memory, which ``AssignVariableOp`` adopts as the variable's buffer (the
+old one is freed), rather than ``variable.assign(ndarray)``, which copies the value into a
+temporary tensor and that into the variable. The copy is never skipped: an adopted read-only
+map of the file would crash the next in-place update, an adopted caller's array would change
+with it. Distributed variables, and subclasses with an ``assign`` of their own, get ``assign``.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any, Union
@@ -45,11 +50,13 @@ from typing import Any, Union
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.src.backend.common.stateless_scope import in_stateless_scope
+from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable
 
 import weightstore
 from weightstore.adapters.artifacts import for_model, is_model_file
 from weightstore.adapters.plan import MEMORY, AssignOptions, Report, TargetInfo, keeps
-from weightstore.adapters.skeleton import Target, run_assign
+from weightstore.adapters.skeleton import Target, private_copy, run_assign
 from weightstore.errors import AssignmentError, InvalidKeyError, SelectionError
 from weightstore.keys import (
     OUTPUT_SUFFIX,
@@ -136,8 +143,10 @@ def assign(
 
     Plans first (see :mod:`weightstore.adapters.plan`): a strict failure raises ``AssignmentError`` with every
     problem and changes nothing. Every value is read, and its checksum verified, before the
-    first variable changes. With ``skip_unchanged`` (default: only for Versions), variables
-    that last received the very same bytes are left alone and listed in ``report.skipped``.
+    first variable changes (then they are written in batches of bounded memory, see
+    :func:`weightstore.adapters.skeleton.run_assign`). With ``skip_unchanged`` (default: only
+    for Versions), variables that last received the very same bytes are left alone and listed
+    in ``report.skipped``.
 
     A Keras file (``save_weights``'s ``.weights.h5``, ``model.save``'s ``.keras``) or a TF2
     object checkpoint (``tf.train.Checkpoint``, a prefix or its folder) is paired with
@@ -168,7 +177,7 @@ def assign(
             _write(found[key][0], array)
         return [key for key, _ in batch]
 
-    target = Target(targets, write, owner=lambda key: found[key][0])
+    target = Target(targets, write, owner=lambda key: found[key][0], batched=True)
     if not _structured(obj, weights):
         return run_assign(target, weights, options)
     at = normalize_scope(scope)
@@ -212,7 +221,7 @@ def _part_at(obj: Any, scope: str) -> Any:
     for segment in scope.split("/") if scope else []:
         if isinstance(part, keras.layers.Layer):
             children = list(part._flatten_layers(include_self=False, recursive=False))
-            named = dict(zip(_segments((c.name, _snake_case(type(c).__name__)) for c in children), children))
+            named = dict(zip(_segments((c.name, _snake_case(type(c).__name__)) for c in children), children, strict=True))
         else:
             named = {segment: getattr(part, segment)} if isinstance(getattr(part, segment, None), tf.Module) else {}
         if segment not in named:
@@ -268,20 +277,20 @@ def _walk_layer(layer: keras.layers.Layer, path: str, found: dict, seen: set[int
     children = list(layer._flatten_layers(include_self=False, recursive=False))
     below = {id(w) for child in children for w in child.weights}
     own = [w for w in layer.weights if id(w) not in below]
-    for var, name in zip(own, _segments((w.name, "variable") for w in own)):
+    for var, name in zip(own, _segments((w.name, "variable") for w in own), strict=True):
         _walk(var, join_scope(path, name), found, seen, trainable_ids)
-    for child, name in zip(children, _segments((c.name, _snake_case(type(c).__name__)) for c in children)):
+    for child, name in zip(children, _segments((c.name, _snake_case(type(c).__name__)) for c in children), strict=True):
         _walk(child, join_scope(path, name), found, seen, trainable_ids)
 
 
 def _segments(items: Iterable[tuple[str, str]]) -> list[str]:
     """Sibling names: chosen names kept, automatic ones (``base`` or ``base_<n>``) renumbered in order."""
-    items = [(name, base, name == base or re.fullmatch(re.escape(base) + r"_\d+", name) is not None)
-             for name, base in items]
-    taken = {name for name, _, automatic in items if not automatic}
+    marked = [(name, base, name == base or re.fullmatch(re.escape(base) + r"_\d+", name) is not None)
+              for name, base in items]
+    taken = {name for name, _, automatic in marked if not automatic}
     used: set[str] = set()
     segments = []
-    for name, base, automatic in items:
+    for name, base, automatic in marked:
         segment = _unused(base, taken) if automatic else _unused(name, taken) if name in used else name
         taken.add(segment)
         used.add(segment)
@@ -333,15 +342,24 @@ def _own_name(var: Variable) -> str:
 
 
 def _trainable(var: Variable) -> bool:
-    return bool(var.variables[0].trainable if isinstance(var, _SHARDED) else var.trainable)
+    # isinstance against ShardedVariable takes microseconds (an ABC); a plain variable skips it
+    sharded = not isinstance(var, (BaseResourceVariable, keras.Variable)) and isinstance(var, _SHARDED)
+    return bool(var.variables[0].trainable if sharded else var.trainable)
 
 
 def _numpy_dtype(var: Variable) -> np.dtype:
-    return np.dtype(tf.as_dtype(var.dtype).as_numpy_dtype)
+    return _as_numpy(var.dtype)
+
+
+@functools.cache
+def _as_numpy(dtype: Any) -> np.dtype:
+    """A TF or Keras dtype as numpy's, remembered: 50,000 variables share a few dtypes."""
+    return np.dtype(tf.as_dtype(dtype).as_numpy_dtype)
 
 
 def _shape(var: Variable) -> tuple[int, ...]:
-    return tuple(int(d) for d in var.shape)
+    shape = var.shape
+    return tuple(shape.as_list()) if isinstance(shape, tf.TensorShape) else tuple(int(d) for d in shape)
 
 
 def _read(var: Variable) -> np.ndarray:
@@ -352,7 +370,10 @@ def _read(var: Variable) -> np.ndarray:
 
 
 def _write(var: Variable, array: np.ndarray) -> None:
-    if isinstance(var, _SHARDED):
+    resource = _plain_resource(var)
+    if resource is not None:
+        tf.raw_ops.AssignVariableOp(resource=resource.handle, value=private_copy(array, array.dtype))
+    elif isinstance(var, _SHARDED):
         start = 0
         for shard in var.variables:
             stop = start + int(shard.shape[0])
@@ -362,6 +383,23 @@ def _write(var: Variable, array: np.ndarray) -> None:
         var.assign(array)
     else:
         var.assign(array, read_value=False)
+
+
+def _plain_resource(var: Variable) -> BaseResourceVariable | None:
+    """The resource variable whose buffer an assign may replace, or None where ``assign`` must run.
+
+    That is a Keras variable's own TF variable (outside a ``StatelessScope``, where Keras records
+    assigns instead), or a TF one, unless distributed or with an ``assign`` of its own.
+    """
+    if isinstance(var, keras.Variable):
+        if in_stateless_scope():
+            return None
+        var = var._value
+    if not isinstance(var, BaseResourceVariable) or isinstance(var, tf.distribute.DistributedValues):
+        return None
+    assign = type(var).assign  # TF wraps it per class (weak tensors), so compare where it was written
+    own = (assign.__module__, assign.__qualname__) == (BaseResourceVariable.__module__, "BaseResourceVariable.assign")
+    return var if own else None
 
 
 def _describe(obj: Any) -> str:

@@ -15,18 +15,31 @@ benchmark) is saved and restored, in one run, through
 Every case runs in its own process that first builds the variables (its memory baseline),
 then warms up once and repeats. ``ws.save`` fsyncs; each peer also gets a ``+fsync`` row.
 
-    python -m benchmarks.tf_bench                 # 1 GB, 5 repetitions
-    python -m benchmarks.tf_bench --size-mb 128   # quick
+Then "hold the model once" (issue 11), each against its peer in the same run (two alternated
+processes each, the better median kept), with the extra anonymous memory (``RssAnon``, sampled
+every millisecond during one more run; file-backed pages of a mapped file are the page
+cache's, not a copy of the model): ``tf2.assign`` against ``Checkpoint.read`` at 4 GB (halved
+until three copies fit in the free memory), ``tf1.assign`` against ``Saver.restore`` at 1 GB,
+and 50,000 tensors of 256 floats through ``tf2.assign`` against ``safetensors.numpy.load_file`` + ``var.assign``.
+
+    python -m benchmarks.tf_bench                 # 1 GB, 5 repetitions, then the hold rows
+    python -m benchmarks.tf_bench --size-mb 128 --hold-mb 256 --tf1-mb 128 --small 5000  # quick
+    python -m benchmarks.tf_bench --only-hold --hold-rows tf2   # one hold row
+    python -m benchmarks.tf_bench --only-hold     # only the hold rows
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
+
+import numpy as np
 
 from benchmarks.common import (
     MB,
@@ -65,14 +78,62 @@ def _spec(folder):
         return [(k, tuple(s)) for k, s in json.load(handle)]
 
 
+def prepare_small(folder: str, count: int, floats: int = 256) -> dict:
+    """``count`` float32 tensors of ``floats`` values, written as :func:`prepare` writes its layout."""
+    spec = [(f"layer_{i // 4:05d}/w{i % 4}", [floats]) for i in range(count)]
+    values = np.random.default_rng(0).standard_normal(count * floats, dtype=np.float32)
+    with open(os.path.join(folder, "weights.raw"), "wb") as out:
+        out.write(values.data)
+    with open(os.path.join(folder, "spec.json"), "w") as handle:
+        json.dump(spec, handle)
+    return {"arrays": count, "bytes": values.nbytes, "scope_bytes": 0}
+
+
+def _anon_bytes() -> int:
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def anon_peak(run) -> int:
+    """The most anonymous memory ``run()`` held above what the process held before it."""
+    start = peak = _anon_bytes()
+    stop = threading.Event()
+
+    def sample():
+        nonlocal peak
+        while not stop.wait(0.001):
+            peak = max(peak, _anon_bytes())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        out = run()
+    finally:
+        stop.set()
+        sampler.join()
+    peak = max(peak, _anon_bytes())
+    del out
+    return peak - start
+
+
+def _arrays(folder):
+    """The weights one new array at a time, so building variables never holds the model twice."""
+    with open(os.path.join(folder, "weights.raw"), "rb", buffering=0) as raw:
+        for key, shape in _spec(folder):
+            array = np.empty(shape, np.float32)
+            raw.readinto(memoryview(array).cast("B"))
+            yield key, array
+
+
 def build_tf2(folder):
     """A ``tf.Module`` holding a dict of eager variables filled with the benchmark's weights."""
     import tensorflow as tf
 
-    weights = read_weights(folder)
     module = tf.Module(name="model")
-    module.vars = {key: tf.Variable(value, name=key) for key, value in weights.items()}
-    del weights
+    module.vars = {key: tf.Variable(value, name=key) for key, value in _arrays(folder)}
     return module
 
 
@@ -112,10 +173,9 @@ def build_tf1(folder):
         scoped = {k: v for k, v in variables.items() if k.startswith(SCOPE + "/")}
         scoped_saver = tf.compat.v1.train.Saver(scoped)
     sess = tf.compat.v1.Session(graph=graph)
-    weights = read_weights(folder)
-    sess.run([v.initializer for v in variables.values()],
-             feed_dict={v.initializer.inputs[1]: weights[k] for k, v in variables.items()})
-    del weights
+    for key, value in _arrays(folder):
+        variable = variables[key]
+        sess.run(variable.initializer, feed_dict={variable.initializer.inputs[1]: value})
     graph.finalize()
     return sess, variables, saver, scoped_saver
 
@@ -226,6 +286,8 @@ def case_main(args) -> None:
     if run is None:
         raise SystemExit(f"unknown case {args.case}")
     result = measure(run, repeat=args.repeat)
+    if args.anon:
+        result["anon"] = anon_peak(run)
     if kind == "save" and target:
         result["file_bytes"] = _size(os.path.dirname(target) if "/" in PRODUCTS[product][0] else target)
     emit(result)
@@ -366,6 +428,76 @@ def report(r: dict, facts: dict, say) -> None:
     say("Targets (issue 3)")
     say(table(["target", "holds", "measured"], [[c, "yes" if ok else "NO", v] for c, ok, v in checks]))
 
+# -- hold the model once (issue 11) -------------------------------------------------------------
+def _fitting_mb(size_mb: float, say) -> float:
+    """``size_mb`` halved until three copies (variables, file, the peer's file) fit in free memory."""
+    with open("/proc/meminfo") as handle:
+        free = next(int(line.split()[1]) * 1024 for line in handle if line.startswith("MemAvailable:"))
+    fitted = size_mb
+    while fitted > 64 and 3 * fitted * MB > free:
+        fitted /= 2
+    if fitted != size_mb:
+        say(f"  ({size_mb:,.0f} MB needs {3 * size_mb / 1024:,.0f} GB free, {free / (1 << 30):,.0f} GB is: "
+            f"running {fitted:,.0f} MB instead)")
+    return fitted
+
+
+def hold_bench(tf2_mb: float, tf1_mb: float, small: int, repeat: int, out=sys.stdout,
+               rows: tuple[str, ...] = ("tf2", "tf1", "small")) -> dict:
+    """The three "hold the model once" comparisons (those in ``rows``), each pair in its own folder."""
+    say = lambda *a: print(*a, file=out, flush=True)  # noqa: E731
+    say(f"Hold the model once (issue 11): {repeat} runs per case, medians; extra anonymous memory "
+        f"sampled in one more run; {machine_line()}")
+    tf2_mb = _fitting_mb(tf2_mb, say)
+    table_rows, checks, results = [], [], {}
+    pairs = [
+        ("tf2", tf2_mb, None, "ws-tf2", "tf2-ckpt", "tf2.assign(variables, npz)", "Checkpoint.read"),
+        ("tf1", tf1_mb, None, "ws-tf1", "tf1-saver", "tf1.assign(sess, npz)", "Saver.restore"),
+        ("small", None, small, "ws-tf2", "safetensors", f"tf2.assign, {small:,} x 256 floats",
+         "safetensors load_file + var.assign"),
+    ]
+    for name, size_mb, count, own, peer, own_label, peer_label in pairs:
+        if name not in rows:
+            continue
+        folder = tempfile.mkdtemp(prefix=f"ws-hold-{name}-", dir=os.environ.get("WS_BENCH_DIR"))
+        try:
+            facts = prepare(folder, size_mb) if count is None else prepare_small(folder, count)
+            args = ["--dir", folder, "--repeat", str(repeat), "--anon"]
+            for product in (own, peer):
+                run_case(MODULE, f"save:{product}", args, env=QUIET)
+            r: dict[str, dict] = {}
+            for _ in range(2):  # alternated, each keeping its better median: load from others evens out
+                for product in (own, peer):
+                    res = run_case(MODULE, f"restore:{product}", args, env=QUIET)
+                    say(f"  {name:5s} restore:{product:12s} {fmt_seconds(res['median'])} s, "
+                        f"extra anon {fmt_mb(res['anon'])} MB")
+                    best = r.setdefault(product, res)
+                    best["anon"] = max(best["anon"], res["anon"])
+                    if res["median"] < best["median"]:
+                        best.update(median=res["median"], times=res["times"], peak=res["peak"])
+            results[name] = {"facts": facts, **r}
+            model = facts["bytes"]
+            ratio = r[own]["median"] / r[peer]["median"]
+            what = f"{facts['arrays']:,} tensors, {model / MB:,.0f} MB"
+            for product, label in ((own, own_label), (peer, peer_label)):
+                res = r[product]
+                table_rows.append([what, label, fmt_seconds(res["median"]),
+                                   fmt_ratio(res["median"] / r[peer]["median"]), fmt_mb(res["anon"]),
+                                   fmt_ratio(res["anon"] / model), fmt_mb(res["peak"])])
+            checks.append((f"{own_label} <= 1.0x {peer_label}", ratio <= 1.0, f"{ratio:.2f}x"))
+            if name == "tf1":
+                share = r[own]["anon"] / model
+                checks.append(("tf1.assign extra anonymous memory <= 0.25x model", share <= 0.25, f"{share:.2f}x"))
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+    say("")
+    say(table(["weights", "restore", "median s", "x peer", "extra anon MB", "anon / model", "peak RSS MB"],
+              table_rows))
+    say("")
+    say("Targets (issue 11)")
+    say(table(["target", "holds", "measured"], [[c, "yes" if ok else "NO", v] for c, ok, v in checks]))
+    return results
+
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tf_bench", description=__doc__.split("\n\n")[0])
@@ -373,13 +505,22 @@ def main(argv=None) -> None:
     parser.add_argument("--repeat", type=int, default=5, help="timed runs per case (default 5)")
     parser.add_argument("--dir", help="folder for the files (default: a temporary folder)")
     parser.add_argument("--keep", action="store_true", help="keep the folder")
+    parser.add_argument("--hold-mb", type=float, default=4096, help="tf2.assign vs Checkpoint.read size (default 4096)")
+    parser.add_argument("--tf1-mb", type=float, default=1024, help="tf1.assign vs Saver.restore size (default 1024)")
+    parser.add_argument("--small", type=int, default=50_000, help="small tensors of 256 floats (default 50000)")
+    parser.add_argument("--only-hold", action="store_true", help="only the hold-the-model-once rows")
+    parser.add_argument("--hold-rows", default="tf2,tf1,small", help="which hold rows (default tf2,tf1,small)")
     parser.add_argument("--case", help=argparse.SUPPRESS)
+    parser.add_argument("--anon", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.case:
         os.environ.update(QUIET)
         case_main(args)
-    else:
+        return
+    if not args.only_hold:
         bench(args.size_mb, args.repeat, args.dir, args.keep)
+        print()
+    hold_bench(args.hold_mb, args.tf1_mb, args.small, args.repeat, rows=tuple(args.hold_rows.split(",")))
 
 
 if __name__ == "__main__":

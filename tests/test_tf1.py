@@ -16,7 +16,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 import weightstore as ws  # noqa: E402
-from weightstore.adapters import tf1  # noqa: E402
+from weightstore.adapters import skeleton, tf1  # noqa: E402
 from weightstore.adapters.plan import AssignWarning  # noqa: E402
 from weightstore.errors import AssignmentError, ChecksumError, FormatError, SelectionError  # noqa: E402
 from weightstore.versions import Version  # noqa: E402
@@ -426,3 +426,134 @@ def test_a_variable_frozen_by_editing_the_collection_is_seen(tmp_path):
         assert list(tf1.export(sess, trainable_only=True)) == ["a"]
         graph.get_collection_ref(tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES)[0] = b  # same length, no new op
         assert list(tf1.export(sess, trainable_only=True)) == ["b"]
+
+
+# -- bounded batches: one session.run per batch, everything verified before the first ---------
+FLOATS = 32768  # 128 KiB a tensor: over HDF5's 64 KiB sieve buffer, so a tensor read again comes from the file
+
+
+class CountingSession(v1.Session):
+    """A real session that counts the runs that feed values (an assign's batches) and can act after one."""
+
+    def __init__(self, *args, after_feed=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.feeding_runs = 0
+        self.after_feed = after_feed
+
+    def run(self, fetches, feed_dict=None, **kwargs):
+        result = super().run(fetches, feed_dict=feed_dict, **kwargs)
+        if feed_dict:
+            self.feeding_runs += 1
+            if self.after_feed:
+                self.after_feed(self.feeding_runs)
+        return result
+
+
+@pytest.fixture
+def two_per_batch(monkeypatch):
+    """A budget of two of the tensors below, so six of them take three runs."""
+    monkeypatch.setattr(skeleton, "BATCH_MIN_BYTES", 2 * FLOATS * 4)
+
+
+def six_values() -> dict[str, np.ndarray]:
+    return {f"layer_{i}/w": np.full(FLOATS, i + 1, np.float32) for i in range(6)}
+
+
+def six_variables():
+    return [v1.get_variable(f"layer_{i}/w", [FLOATS], initializer=v1.zeros_initializer(),
+                            use_resource=i % 2 == 0) for i in range(6)]
+
+
+@pytest.mark.parametrize("route", ["dict", "npz", "h5"])
+def test_batched_assign_equals_one_shot_and_runs_once_per_batch(tmp_path, monkeypatch, route):
+    weights = six_values()
+    source = weights if route == "dict" else tmp_path / f"w.{route}"
+    if route != "dict":
+        ws.save(source, weights)
+    with tf.Graph().as_default() as graph, CountingSession(graph=graph) as sess:
+        variables = six_variables()
+        sess.run(v1.global_variables_initializer())
+        assert tf1.assign(sess, source).assigned == list(weights)
+        assert sess.feeding_runs == 1  # 768 KiB: one batch of the 64 MB minimum
+        one_shot = values(sess, variables)
+        sess.run(v1.global_variables_initializer())
+        monkeypatch.setattr(skeleton, "BATCH_MIN_BYTES", 2 * FLOATS * 4)
+        assert tf1.assign(sess, source).assigned == list(weights)
+        assert sess.feeding_runs == 1 + 3
+        batched = values(sess, variables)
+    for got_once, got_batched, expected in zip(one_shot, batched, weights.values(), strict=True):
+        np.testing.assert_array_equal(got_once, expected)
+        np.testing.assert_array_equal(got_batched, expected)
+
+
+@pytest.mark.parametrize("fmt", ["npz", "h5"])
+def test_a_bad_value_in_a_later_batch_changes_nothing(tmp_path, two_per_batch, fmt):
+    weights = six_values()
+    path = tmp_path / f"w.{fmt}"
+    ws.save(path, weights)
+    data = bytearray(path.read_bytes())
+    data[data.find(weights["layer_5/w"].tobytes()) + 100] ^= 0xFF  # the last batch's last value
+    path.write_bytes(bytes(data))
+    with tf.Graph().as_default() as graph, CountingSession(graph=graph) as sess:
+        variables = six_variables()
+        sess.run(v1.global_variables_initializer())
+        with pytest.raises(ChecksumError, match="layer_5/w"):
+            tf1.assign(sess, path)
+        assert sess.feeding_runs == 0
+        assert not any(got.any() for got in values(sess, variables))
+
+
+def test_a_file_rewritten_in_place_between_batches_says_what_was_written(tmp_path, two_per_batch):
+    """What the verify pass cannot see: an HDF5 value read again after the file changed under it."""
+    weights = six_values()
+    path = tmp_path / "w.h5"
+    ws.save(path, weights)
+    good = path.read_bytes()
+    at = good.find(weights["layer_5/w"].tobytes())
+
+    def rewrite_after_first_batch(runs: int) -> None:
+        if runs == 1:
+            with open(path, "r+b") as handle:  # in place, as no weightstore writer ever does
+                handle.seek(at)
+                handle.write(b"\xff" * 8)
+
+    with tf.Graph().as_default() as graph, CountingSession(graph=graph, after_feed=rewrite_after_first_batch) as sess:
+        variables = six_variables()
+        sess.run(v1.global_variables_initializer())
+        with pytest.raises(AssignmentError, match=r"w\.h5: failed after 4 of 6 variables were written") as caught:
+            tf1.assign(sess, path)
+        assert isinstance(caught.value.__cause__, ChecksumError)
+        got = values(sess, variables)
+        for i in range(6):
+            np.testing.assert_array_equal(got[i], np.full(FLOATS, i + 1 if i < 4 else 0, np.float32))
+        sess.after_feed = None
+        path.write_bytes(good)
+        report = tf1.assign(sess, path, skip_unchanged=True)  # the failed batch was forgotten: written again
+        assert report.skipped == [f"layer_{i}/w" for i in range(4)]
+        assert report.assigned == ["layer_4/w", "layer_5/w"]
+        np.testing.assert_array_equal(values(sess, variables)[5], weights["layer_5/w"])
+
+
+def test_partitioned_variables_and_shared_initial_values_in_batches(tmp_path, two_per_batch):
+    """A key's parts travel in one batch; writers that cannot exist fail before the first batch."""
+    weights = {"p": np.arange(4 * FLOATS, dtype=np.float32).reshape(4, FLOATS), **six_values()}
+    with tf.Graph().as_default() as graph, CountingSession(graph=graph) as sess:
+        v1.get_variable("p", [4, FLOATS], partitioner=v1.fixed_size_partitioner(2),
+                        initializer=v1.zeros_initializer())
+        variables = six_variables()
+        sess.run(v1.global_variables_initializer())
+        tf1.assign(sess, weights)
+        np.testing.assert_array_equal(tf1.export(sess)["p"], weights["p"])
+        assert sess.feeding_runs == 1 + 3  # p (four tensors' bytes) alone, then two by two
+        np.testing.assert_array_equal(values(sess, variables)[5], weights["layer_5/w"])
+    with tf.Graph().as_default() as graph, CountingSession(graph=graph) as sess:
+        variables = six_variables()
+        init = tf.zeros([FLOATS])
+        v1.Variable(init, name="shared_a"), v1.Variable(init, name="shared_b")
+        sess.run(v1.global_variables_initializer())
+        graph.finalize()
+        with pytest.raises(AssignmentError, match="finalized"):
+            tf1.assign(sess, {**six_values(), "shared_a": np.ones(FLOATS, np.float32),
+                              "shared_b": np.ones(FLOATS, np.float32)})
+        assert sess.feeding_runs == 0
+        assert not any(got.any() for got in values(sess, variables))

@@ -14,7 +14,7 @@ tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
 import weightstore as ws  # noqa: E402
-from weightstore.adapters import tf2  # noqa: E402
+from weightstore.adapters import skeleton, tf2  # noqa: E402
 from weightstore.errors import AssignmentError, ChecksumError, InvalidKeyError, SelectionError  # noqa: E402
 
 DTYPES = ["float16", "float32", "float64", "bfloat16", "int8", "int16", "int32", "int64", "uint8", "bool"]
@@ -271,17 +271,60 @@ def test_reads_only_what_is_assigned_and_verifies_before_writing(tmp_path):
     assert not holder["a"].numpy().any()  # a was read first, yet nothing was written
 
 
-def test_assigned_values_share_no_memory_with_maps_or_callers(tmp_path):
+@pytest.mark.parametrize("size", [64, 1 << 16], ids=["small", "adopted"])  # the large one TF adopts
+@pytest.mark.parametrize("kind", ["tf", "keras"])
+def test_assigned_values_share_no_memory_with_maps_or_callers(tmp_path, size, kind):
     path = tmp_path / "w.npz"
-    ws.save(path, {"w": np.arange(64, dtype=np.float32)})
-    var = tf.Variable(tf.zeros(64))
+    ws.save(path, {"w": np.arange(size, dtype=np.float32)})
+    var = tf.Variable(tf.zeros(size)) if kind == "tf" else keras.Variable(np.zeros(size, np.float32))
     tf2.assign({"w": var}, path)
-    var.assign_add(tf.ones(64))  # an in-place update of a read-only map would abort the process
-    np.testing.assert_array_equal(ws.load(path)["w"], np.arange(64))
-    mine = np.zeros(64, np.float32)
+    var.assign_add(tf.ones(size))  # an in-place update of a read-only map would abort the process
+    np.testing.assert_array_equal(ws.load(path)["w"], np.arange(size))
+    np.testing.assert_array_equal(np.asarray(var.numpy()), np.arange(size) + 1)
+    raw = np.zeros(size * 4 + 64, np.uint8)
+    mine = raw[-raw.ctypes.data % 64:][:size * 4].view(np.float32)  # aligned: TF would adopt it
     tf2.assign({"w": var}, {"w": mine})
     mine += 7
-    assert not var.numpy().any()
+    assert not np.asarray(var.numpy()).any()
+
+
+def test_inside_a_keras_stateless_scope_assign_is_recorded_not_applied():
+    model = mlp()
+    before = values_of(model)
+    ones = {key: np.ones_like(value) for key, value in before.items()}
+    with keras.StatelessScope() as scope:
+        tf2.assign(model, ones)
+        for var in model.weights:
+            np.testing.assert_array_equal(scope.get_current_value(var), np.ones(var.shape))
+    for key, value in values_of(model).items():
+        np.testing.assert_array_equal(value, before[key])
+
+
+FLOATS = 32768  # 128 KiB a tensor
+
+
+@pytest.mark.parametrize("fmt", ["npz", "h5"])
+def test_batched_assign_equals_one_shot_and_a_bad_later_value_changes_nothing(tmp_path, monkeypatch, fmt):
+    """Two tensors a batch: HDF5 values beyond the budget are read twice, and still verified first."""
+    weights = {f"layer_{i}/w": np.full(FLOATS, i + 1, np.float32) for i in range(6)}
+    holder = {key: tf.Variable(tf.zeros(FLOATS)) for key in weights}
+    path = tmp_path / f"w.{fmt}"
+    ws.save(path, weights)
+    tf2.assign(holder, path)
+    one_shot = values_of(holder)
+    for var in holder.values():
+        var.assign(tf.zeros(FLOATS))
+    monkeypatch.setattr(skeleton, "BATCH_MIN_BYTES", 2 * FLOATS * 4)
+    assert tf2.assign(holder, path).assigned == list(weights)
+    for key, expected in weights.items():
+        np.testing.assert_array_equal(one_shot[key], expected)
+        np.testing.assert_array_equal(holder[key].numpy(), expected)
+    for var in holder.values():
+        var.assign(tf.zeros(FLOATS))
+    corrupt(path, weights["layer_5/w"])
+    with pytest.raises(ChecksumError, match="layer_5/w"):
+        tf2.assign(holder, path)
+    assert not any(value.any() for value in values_of(holder).values())
 
 
 def test_skip_unchanged_uses_checksums(tmp_path):
@@ -362,3 +405,15 @@ def test_mirrored_variables_and_device_to_device_copy(tmp_path):
     assert out["replica_values"] == [kernel, kernel, bias, bias, w, w]
     assert out["devices"][0].endswith("CPU:1") and out["devices"][1].endswith("CPU:0")
     assert out["copied"] == ["dense/kernel", "dense/bias"] and out["equal"]
+
+
+def test_a_large_value_copied_on_several_threads_arrives_whole(tmp_path):
+    """Over 32 MB the private copy is cut along the first axis; rows must land where they belong."""
+    value = np.arange(4099 * 1025, dtype=np.float32).reshape(4099, 1025)  # 16.8 MB, odd row count, exact
+    path = tmp_path / "big.npz"
+    ws.save(path, {"w": value})
+    var = tf.Variable(tf.zeros(value.shape, tf.float64))
+    tf2.assign({"w": var}, path)  # float32 widens to 33.6 MB of float64 in the copy
+    np.testing.assert_array_equal(var.numpy(), value)
+    var.assign_add(tf.ones(value.shape, tf.float64))
+    np.testing.assert_array_equal(ws.load(path)["w"], value)

@@ -35,7 +35,6 @@ from weightstore.keys import MappingRules, Patterns, plan_outward, validate_key
 from weightstore.manifest import TensorInfo, build_manifest, checksum_text, dtype_name, logical_dtype, to_storage
 from weightstore.storage import commit_for, filesystem, location_of
 
-
 _S = TypeVar("_S", bound="Store")
 
 
