@@ -87,7 +87,7 @@ def main(folder: str | None = None, *, steps: int = 12, every: int = 4) -> list[
             publish = PublishCallback(folder, every_n_batches=every, keep=3)
 
             class Lockstep(keras.callbacks.Callback):
-                """Demo only: after each publish, wait for the reader's report, so the printout reads in order.
+                """Demo only: after each publish, wait for it and the reader's report, so the printout reads in order.
 
                 A real trainer never waits for its readers; a Follower that falls behind just
                 jumps to the newest version.
@@ -96,8 +96,9 @@ def main(folder: str | None = None, *, steps: int = 12, every: int = 4) -> list[
                 reported = None
 
                 def on_train_batch_end(self, batch, logs=None):  # after PublishCallback's: callbacks run in order
-                    if publish.last is not None and publish.last.step != self.reported:
-                        self.reported = publish.last.step
+                    last = publish.wait()  # the background publish of this batch, if any, is complete
+                    if last is not None and last.step != self.reported:
+                        self.reported = last.step
                         seen.append(_read(reader))
                         entry = seen[-1]
                         print(f"trainer: published step {self.reported:3d} -> reader: output {entry['output']:8.4f}"

@@ -99,7 +99,7 @@ def main(folder: str | None = None, *, steps: int = 60, every: int = 20) -> list
                       f"skipped {len(entry['skipped'])} {entry['skipped']}")
 
             class Lockstep(v1.train.SessionRunHook):
-                """Demo only: after each publish, wait for the reader's report, so the printout reads in order.
+                """Demo only: after each publish, wait for it and the reader's report, so the printout reads in order.
 
                 A real trainer never waits for its readers; a follower that falls behind just
                 jumps to the newest version.
@@ -109,9 +109,10 @@ def main(folder: str | None = None, *, steps: int = 60, every: int = 20) -> list
                     self.publish, self.reported = publish, None
 
                 def check(self) -> None:
-                    if self.publish.last is not None and self.publish.last.step != self.reported:
-                        self.reported = self.publish.last.step
-                        reloaded(self.publish.last)
+                    last = self.publish.wait()  # the background publish of this step, if any, is complete
+                    if last is not None and last.step != self.reported:
+                        self.reported = last.step
+                        reloaded(last)
 
                 def after_run(self, run_context, run_values) -> None:  # after PublishHook's: hooks run in order
                     self.check()
