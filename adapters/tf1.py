@@ -29,7 +29,6 @@ of the model in extra memory rather than a second copy of it (see
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +38,7 @@ import tensorflow as tf
 from weightstore.adapters.plan import MEMORY, AssignOptions, Report, TargetInfo, keeps
 from weightstore.adapters.skeleton import Target, private_copy, run_assign
 from weightstore.errors import AssignmentError, FormatError, InvalidKeyError, SelectionError
-from weightstore.keys import MappingRules, Patterns, plan_outward
+from weightstore.keys import MappingRules, Patterns, from_tf_name, plan_outward
 from weightstore.manifest import ML_DTYPES
 
 __all__ = ["export", "assign", "forget"]
@@ -47,7 +46,6 @@ __all__ = ["export", "assign", "forget"]
 _WEIGHT_KINDS = frozenset("biufc")
 _ASSIGN_TYPES = frozenset({"Assign", "AssignVariableOp"})
 _VARIABLE_OPS = frozenset({"VarHandleOp", "VariableV2", "Variable"})
-_EMPTY_SEGMENTS = re.compile(r"/{2,}")
 _ML_TYPES = frozenset(dtype.type for dtype in ML_DTYPES.values())
 
 
@@ -197,7 +195,7 @@ def _collect_targets(graph: tf.Graph) -> dict[str, _Target]:
         name = variable.op.name
         slice_info = variable._get_save_slice_info()
         whole_name = name if slice_info is None else slice_info.full_name
-        key = _key(whole_name)
+        key = from_tf_name(whole_name)
         if named.setdefault(key, whole_name) != whole_name:
             raise InvalidKeyError(f"variables {named[key]!r} and {whole_name!r} both have key {key!r} "
                                   "(empty name segments are dropped from keys)")
@@ -215,11 +213,6 @@ def _collect_targets(graph: tf.Graph) -> dict[str, _Target]:
             raise FormatError(f"partitioned variable {target.key!r}: its parts in the graph's collections "
                               f"cover {covered} of {math.prod(target.shape)} elements")
     return targets
-
-
-def _key(name: str) -> str:
-    """A TF name as a key: empty segments (``a//b`` from ``variable_scope("")``) dropped."""
-    return _EMPTY_SEGMENTS.sub("/", name).strip("/")
 
 
 def _is_variable(item: Any) -> bool:
