@@ -32,6 +32,28 @@ def test_invalid_keys_are_refused_naming_the_key(key):
     assert isinstance(info.value, ValueError)
 
 
+INVALID_KEYS = [
+    "", "/w", "w/", "a//b", "a/./b", "a/../b", "..", ".", "a\\b", "a\nb", "a\x00b", "tab\there", "a\x7fb",
+    "dense/kernel:0", "w:12", "__weightstore__", "a/__weightstore_value__", "a/b\u202e", "e\u0301", "x" * 70_000,
+]
+
+
+@pytest.mark.parametrize("bad", INVALID_KEYS + [None, 3, b"w"])
+@pytest.mark.parametrize("place", [0, 1, 2])
+def test_many_keys_at_once_refuse_the_same_keys_as_one_at_a_time(bad, place):
+    """The bulk check scans joined text: a bad key first, among others or last is found, named."""
+    keys = ["a/w", "b/..x", "c/w:x"]
+    keys.insert(place, bad)
+    with pytest.raises(ws.InvalidKeyError) as info:
+        K.validate_keys(keys)
+    assert repr(bad)[:40] in str(info.value)
+
+
+@pytest.mark.parametrize("keys", [[], ["w"], ["a/b", "a/b/c", "ünï/kérnel", "x:y/0", "...x", "a/.hidden"]])
+def test_many_valid_keys_pass(keys):
+    assert K.validate_keys(iter(keys)) == keys
+
+
 @pytest.mark.parametrize("key", [None, 3, b"w", ("a",)])
 def test_non_string_keys_are_refused(key):
     with pytest.raises(ws.InvalidKeyError) as info:

@@ -8,6 +8,7 @@ from pathlib import Path
 import hypothesis.extra.numpy as hnp
 import ml_dtypes
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -110,3 +111,19 @@ def test_scope_matches_whole_segments_only(keys, scope):
         expected = key == scope or key.startswith(scope + "/")
         assert K.in_scope(key, scope) == expected
         assert K.matches(key, scope) == expected
+
+
+_ANY_KEY = st.lists(st.sampled_from([*"ab/.:_0\\\x00\n\x7fé\u0301\u200b", "__weightstore"]), max_size=12).map("".join)
+
+
+@SETTINGS
+@given(st.lists(_ANY_KEY, max_size=6))
+def test_bulk_key_check_agrees_with_the_one_key_check(keys):
+    """``validate_keys`` (joined-text scans) refuses exactly the lists that hold a key ``validate_key`` refuses."""
+    bad = [k for k in keys if K._key_problem(k) is not None]
+    if bad:
+        with pytest.raises(ws.InvalidKeyError):
+            K.validate_keys(keys)
+    else:
+        assert K.validate_keys(keys) == keys
+

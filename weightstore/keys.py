@@ -30,6 +30,11 @@ MAX_KEY_BYTES = 0xFFFF - len(".npy")
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 #: TensorFlow's output suffix ending a tensor name (``dense/kernel:0``); never part of a key
 OUTPUT_SUFFIX = re.compile(r":\d+$")
+#: anything :func:`_key_problem` refuses in ASCII keys joined by NUL (``^``/``$``/NUL bound a key)
+_JOINED_PROBLEM = re.compile(
+    r"(?:^|\0)(?:\0|/|$)|/(?:\0|$)|//|\\|[\x01-\x1f\x7f]|:\d+(?:\0|$)"
+    rf"|(?:^|[\0/])(?:\.\.?(?:[\0/]|$)|{re.escape(RESERVED_PREFIX)})"
+)
 
 
 def from_tf_name(name: str) -> str:
@@ -50,6 +55,26 @@ def validate_key(key: object) -> str:
     if problem:
         raise InvalidKeyError(f"invalid key {key!r}: {problem}")
     return key
+
+
+def validate_keys(keys: Iterable[object]) -> list[str]:
+    """:func:`validate_key` for many keys at once; the keys as a list.
+
+    A file may hold 50,000 keys: rather than one call each, the keys are joined with NUL
+    (which no valid key holds) and the rules are checked with a few scans of the joined text.
+    Only when a scan finds something, or a key is not ASCII (NFC and format characters are
+    per-key questions), are the keys checked one by one, which names the first bad key.
+    """
+    keys = list(keys)
+    try:
+        joined = "\0".join(keys)  # type: ignore[arg-type]  # a non-str is refused below
+    except TypeError:
+        joined = None
+    if (joined is None or not joined.isascii() or _JOINED_PROBLEM.search(joined)
+            or joined.count("\0") != len(keys) - 1 or max(map(len, keys), default=0) > MAX_KEY_BYTES):  # type: ignore[arg-type]
+        for key in keys:
+            validate_key(key)
+    return keys  # type: ignore[return-value]  # every one was checked to be a str
 
 
 @functools.lru_cache(maxsize=1 << 16)  # the same keys are checked on every open and assign

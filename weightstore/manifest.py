@@ -10,17 +10,18 @@ from __future__ import annotations
 import datetime as _dt
 import functools
 import json
+import json.encoder
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import ml_dtypes
 import numpy as np
 from isal import isal_zlib
 
 from weightstore.errors import FormatError, UnsupportedDTypeError
-from weightstore.keys import validate_key
+from weightstore.keys import validate_keys
 
 FORMAT_NAME = "weightstore"
 FORMAT_VERSION = 1
@@ -29,6 +30,7 @@ _CHECKSUM_PREFIX = CHECKSUM_ALGORITHM + ":"
 _FIELDS = frozenset({"format", "version", "producer", "created", "metadata", "tensors"})
 #: ``location`` and ``codec`` are optional; the other three are always written (``checksum`` may be null)
 _ENTRY_FIELDS = frozenset({"dtype", "shape", "checksum", "location", "codec"})
+_PLAIN_ENTRY_FIELDS = frozenset({"dtype", "shape", "checksum"})
 #: how a tensor's bytes may be encoded beyond what the format itself says (npz ``compress="shuffle"``)
 CODECS = frozenset({"shuffle-zstd"})
 #: bytes checksummed and written at a time: small enough to stay in cache between the two
@@ -45,11 +47,16 @@ ML_DTYPES: dict[str, np.dtype] = {
     if not name.startswith("_") and isinstance(kind, type) and issubclass(kind, np.generic)
 }
 _ML_DTYPE_TYPES = {dtype.type: name for name, dtype in ML_DTYPES.items()}
+#: a str as a JSON string literal, exactly as ``json.dumps(..., ensure_ascii=False)`` writes it (C-accelerated)
+_json_string: Callable[[str], str] = json.encoder.encode_basestring  # type: ignore[attr-defined]
 
 
-@dataclass(frozen=True)
-class TensorInfo:
-    """One tensor as the index describes it; reading it costs nothing."""
+class TensorInfo(NamedTuple):
+    """One tensor as the index describes it; reading it costs nothing.
+
+    A named tuple rather than a dataclass: opening a file builds one per tensor, and a tuple
+    is built in a third of the time (50,000 per open).
+    """
 
     key: str
     dtype: str
@@ -183,23 +190,38 @@ def build_manifest(
     tensors: Mapping[str, TensorInfo], metadata: Mapping[str, Any] | None, producer: str,
     locations: Mapping[str, str] | None = None, codecs: Mapping[str, str] | None = None,
 ) -> str:
+    """The manifest's JSON text, as ``json.dumps`` of the document would write it.
+
+    The tensor entries are written by formatting each one, not by building a dict per tensor
+    for ``json.dumps`` to walk: a third of the time for 50,000 entries. Strings go through
+    ``json``'s own escaping, so the text is the same.
+    """
     document = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
         "producer": producer,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "metadata": dict(metadata or {}),
-        "tensors": {
-            key: {"dtype": info.dtype, "shape": list(info.shape), "checksum": info.checksum}
-            | ({"location": locations[key]} if locations and key in locations else {})
-            | ({"codec": codecs[key]} if codecs and key in codecs else {})
-            for key, info in tensors.items()
-        },
     }
     try:
-        return json.dumps(document, ensure_ascii=False, allow_nan=False)
+        head = json.dumps(document, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"metadata must be JSON-serializable: {exc}") from None
+    quote = _json_string
+    shapes: dict[tuple[int, ...], str] = {}
+    entries = []
+    for key, info in tensors.items():
+        shape = shapes.get(info.shape)
+        if shape is None:
+            shape = shapes[info.shape] = json.dumps([int(size) for size in info.shape])
+        digest = "null" if info.checksum is None else quote(info.checksum)
+        entry = f'{quote(key)}: {{"dtype": {quote(info.dtype)}, "shape": {shape}, "checksum": {digest}'
+        if locations and key in locations:
+            entry += f', "location": {quote(locations[key])}'
+        if codecs and key in codecs:
+            entry += f', "codec": {quote(codecs[key])}'
+        entries.append(entry + "}")
+    return f'{head[:-1]}, "tensors": {{{", ".join(entries)}}}}}'
 
 
 def parse_manifest(text: str, where: str) -> Manifest:
@@ -224,22 +246,33 @@ def parse_manifest(text: str, where: str) -> Manifest:
     metadata = document.get("metadata", {})
     if not isinstance(raw_tensors, dict) or not isinstance(metadata, dict):
         raise FormatError(f"{where}: manifest 'tensors' and 'metadata' must be objects")
+    try:
+        validate_keys(raw_tensors)
+    except ValueError as exc:
+        raise FormatError(f"{where}: manifest has {exc}") from None
     tensors: dict[str, TensorInfo] = {}
     locations: dict[str, str] = {}
     codecs: dict[str, str] = {}
+    itemsizes: dict[object, int] = {}  # per dtype name seen: a manifest names a handful many times over
     for key, entry in raw_tensors.items():
-        tensors[key] = _parse_entry(key, entry, where)
-        if "location" in entry:
-            location = entry["location"]
-            if not isinstance(location, str) or not location:
-                raise FormatError(f"{where}: manifest location of {key!r} is not a path: {location!r}")
-            locations[key] = location
-        if "codec" in entry:
-            codec = entry["codec"]
-            # a codec this version cannot decode must not read as plain bytes
-            if not isinstance(codec, str) or codec not in CODECS:
-                raise FormatError(f"{where}: manifest codec of {key!r} is {codec!r}, not one of {sorted(CODECS)}")
-            codecs[key] = codec
+        # One loop of plain type checks, no helper calls on the common entry: 50,000 entries
+        # must cost a few microseconds each. Its fields are exactly those the writer writes: a
+        # ``checksum`` field damaged into another name would otherwise read as a tensor without
+        # a checksum, and go unverified.
+        if type(entry) is not dict or entry.keys() != _PLAIN_ENTRY_FIELDS:
+            _parse_optional_fields(key, entry, where, locations, codecs)
+        shape = entry["shape"]
+        if type(shape) is not list or len(shape) > MAX_NDIM or not _all_sizes(shape):
+            raise FormatError(f"{where}: manifest shape of {key!r} is not a list of sizes: {shape!r}")
+        name = entry["dtype"]
+        itemsize = itemsizes.get(name) if type(name) is str else None
+        if itemsize is None:
+            itemsize = itemsizes[name] = _itemsize_of(key, name, where)
+        digest = entry["checksum"]
+        if digest is not None and not (type(digest) is str and digest.startswith(_CHECKSUM_PREFIX)):
+            raise FormatError(f"{where}: manifest checksum of {key!r} is not {CHECKSUM_ALGORITHM}: {digest!r}")
+        dims = tuple(shape)
+        tensors[key] = TensorInfo(key, name, dims, math.prod(dims) * itemsize, digest)
     return Manifest(
         tensors=tensors,
         metadata=metadata,
@@ -260,34 +293,34 @@ def _refuse_constant(name: str) -> None:
     raise _NonFiniteNumber(name)
 
 
-def _parse_entry(key: str, entry: object, where: str) -> TensorInfo:
-    """One tensor's entry. Plain type checks, no generators: a file may hold 50,000 entries.
-
-    Its fields are exactly those the writer writes: a ``checksum`` field damaged into another
-    name would otherwise read as a tensor without a checksum, and go unverified.
-    """
-    try:
-        validate_key(key)
-    except ValueError as exc:
-        raise FormatError(f"{where}: manifest has {exc}") from None
+def _parse_optional_fields(key: str, entry: object, where: str, locations: dict[str, str],
+                           codecs: dict[str, str]) -> None:
+    """An entry with more than the three fields every entry has: ``location`` and ``codec`` are
+    recorded; anything else (or a field missing) is a :class:`FormatError`."""
     if type(entry) is not dict:
         raise FormatError(f"{where}: manifest entry for {key!r} is not an object")
-    if len(entry) != 3 + ("location" in entry) + ("codec" in entry) or not _ENTRY_FIELDS.issuperset(entry):
+    if not (_PLAIN_ENTRY_FIELDS <= entry.keys() <= _ENTRY_FIELDS):
         raise FormatError(f"{where}: manifest entry for {key!r} has fields {sorted(entry)}, not {sorted(_ENTRY_FIELDS)}")
-    shape = entry.get("shape")
-    if type(shape) is not list or len(shape) > MAX_NDIM or not _all_sizes(shape):
-        raise FormatError(f"{where}: manifest shape of {key!r} is not a list of sizes: {shape!r}")
-    name = entry.get("dtype")
+    if "location" in entry:
+        location = entry["location"]
+        if not isinstance(location, str) or not location:
+            raise FormatError(f"{where}: manifest location of {key!r} is not a path: {location!r}")
+        locations[key] = location
+    if "codec" in entry:
+        codec = entry["codec"]
+        # a codec this version cannot decode must not read as plain bytes
+        if not isinstance(codec, str) or codec not in CODECS:
+            raise FormatError(f"{where}: manifest codec of {key!r} is {codec!r}, not one of {sorted(CODECS)}")
+        codecs[key] = codec
+
+
+def _itemsize_of(key: str, name: object, where: str) -> int:
     if not isinstance(name, str):
         raise FormatError(f"{where}: manifest dtype of {key!r} is missing")
     dtype = _known_dtype(name)
     if dtype is None:
         raise FormatError(f"{where}: tensor {key!r}: unknown dtype {name!r}")
-    digest = entry.get("checksum")
-    if digest is not None and not (type(digest) is str and digest.startswith(_CHECKSUM_PREFIX)):
-        raise FormatError(f"{where}: manifest checksum of {key!r} is not {CHECKSUM_ALGORITHM}: {digest!r}")
-    dims = tuple(shape)
-    return TensorInfo(key, name, dims, math.prod(dims) * dtype.itemsize, digest)
+    return dtype.itemsize
 
 
 def _all_sizes(shape: list) -> bool:
