@@ -48,7 +48,7 @@ ML_DTYPES: dict[str, np.dtype] = {
 }
 _ML_DTYPE_TYPES = {dtype.type: name for name, dtype in ML_DTYPES.items()}
 #: a str as a JSON string literal, exactly as ``json.dumps(..., ensure_ascii=False)`` writes it (C-accelerated)
-_json_string: Callable[[str], str] = json.encoder.encode_basestring  # type: ignore[attr-defined]
+_json_string: Callable[[str], str] = json.encoder.encode_basestring
 
 
 class TensorInfo(NamedTuple):

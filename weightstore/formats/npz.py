@@ -22,8 +22,23 @@ import numpy as np
 from isal import isal_zlib
 
 from weightstore.errors import ChecksumError, FormatError, KeyNotInStoreError, UnsafeFileError
-from weightstore.formats import Format, foreign_keys, shuffle_zstd
+from weightstore.formats import Format, foreign_keys, shuffle_zstd, zipdir
 from weightstore.formats.source import ALIGNMENT, ByteSource, open_source, prefetch_ranges
+from weightstore.formats.zipdir import (
+    CENTRAL_SIG,
+    DEFLATED,
+    EOCD,
+    EOCD64,
+    EOCD64_SIG,
+    EOCD_SIG,
+    LOCAL,
+    LOCAL_SIG,
+    LOCATOR64,
+    LOCATOR64_SIG,
+    STORED,
+    UTF8_FLAG,
+    ZIP64_LIMIT,
+)
 from weightstore.manifest import (
     CRC_CHUNK,
     MAX_MANIFEST_BYTES,
@@ -43,8 +58,6 @@ from weightstore.manifest import (
 
 MANIFEST_MEMBER = "__weightstore__.npy"
 MAX_NPY_HEADER = 10_000
-#: deflate cannot expand data by more than this factor; a member claiming more is a bomb
-MAX_DEFLATE_RATIO = 1032
 _COMPRESS_CHUNK = 16 << 20
 #: inflate input chunk: isal inflates 1 MB pieces faster than 16 MB ones (2.6 vs 2.9 s CPU per GB here)
 _INFLATE_CHUNK = 1 << 20
@@ -53,16 +66,7 @@ _INFLATE_PIECE = 4 << 20
 #: numpy refuses an array whose size, counting zero dimensions as one, overflows a signed 64-bit count
 _MAX_ARRAY_BYTES = (1 << 63) - 1
 
-_LOCAL = struct.Struct("<4s5H3I2H")
 _CENTRAL = struct.Struct("<4s6H3I5H2I")
-_EOCD = struct.Struct("<4s4H2IH")
-_EOCD64 = struct.Struct("<4sQ2H2I4Q")
-_LOCATOR64 = struct.Struct("<4sIQI")
-_LOCAL_SIG, _CENTRAL_SIG = b"PK\x03\x04", b"PK\x01\x02"
-_EOCD_SIG, _EOCD64_SIG, _LOCATOR64_SIG = b"PK\x05\x06", b"PK\x06\x06", b"PK\x06\x07"
-_STORED, _DEFLATED = 0, 8
-_UTF8_FLAG, _ENCRYPTED_FLAG = 0x800, 0x1
-_ZIP64_LIMIT = 0xFFFFFFFF
 _PAD_ID = 0xD935  # the extra-field id Android's zipalign uses for the same padding
 
 
@@ -142,16 +146,16 @@ class NpzWriter:
         # the zip CRC covers the npy header too; combining saves a second pass over the data
         crc = 0 if patched else isal_zlib.crc32_combine(isal_zlib.crc32(header), data_crc, len(payload))
         # the encoded size is only bounded, not known: ZIP64 when it might pass 4 GB
-        zip64 = size >= (0xF0000000 if deflate or shuffle else _ZIP64_LIMIT) or self._file.tell() >= _ZIP64_LIMIT
+        zip64 = size >= (0xF0000000 if deflate or shuffle else ZIP64_LIMIT) or self._file.tell() >= ZIP64_LIMIT
         encoded = name.encode("utf-8")
         offset = self._file.tell()
         zip64_extra = struct.pack("<HHQQ", 1, 16, size, size) if zip64 else b""
-        fixed = offset + _LOCAL.size + len(encoded) + len(zip64_extra) + 4
+        fixed = offset + LOCAL.size + len(encoded) + len(zip64_extra) + 4
         padding = struct.pack("<HH", _PAD_ID, -fixed % ALIGNMENT) + b"\0" * (-fixed % ALIGNMENT)
-        method = _DEFLATED if deflate else _STORED
-        sizes = (_ZIP64_LIMIT, _ZIP64_LIMIT) if zip64 else (size, size)
+        method = DEFLATED if deflate else STORED
+        sizes = (ZIP64_LIMIT, ZIP64_LIMIT) if zip64 else (size, size)
         self._file.write(
-            _LOCAL.pack(_LOCAL_SIG, 45 if zip64 else 20, _UTF8_FLAG, method, *self._time, crc, *sizes,
+            LOCAL.pack(LOCAL_SIG, 45 if zip64 else 20, UTF8_FLAG, method, *self._time, crc, *sizes,
                         len(encoded), len(zip64_extra) + len(padding))
             + encoded + zip64_extra + padding
         )
@@ -174,7 +178,7 @@ class NpzWriter:
             self._file.seek(offset + 14)
             self._file.write(struct.pack("<I", crc) + (b"" if zip64 else struct.pack("<II", compressed, size)))
             if zip64:
-                self._file.seek(offset + _LOCAL.size + len(encoded) + 4)
+                self._file.seek(offset + LOCAL.size + len(encoded) + 4)
                 self._file.write(struct.pack("<QQ", size, compressed))
             self._file.seek(end)
         self._members.append(_Written(encoded, offset, crc, compressed, size, method))
@@ -199,20 +203,20 @@ class NpzWriter:
             self._file.write(self._central_entry(member))
         directory_size = self._file.tell() - directory_offset
         count = len(self._members)
-        if count >= 0xFFFF or directory_offset >= _ZIP64_LIMIT or directory_size >= _ZIP64_LIMIT:
+        if count >= 0xFFFF or directory_offset >= ZIP64_LIMIT or directory_size >= ZIP64_LIMIT:
             record_offset = self._file.tell()
-            self._file.write(_EOCD64.pack(_EOCD64_SIG, 44, 45, 45, 0, 0, count, count, directory_size, directory_offset))
-            self._file.write(_LOCATOR64.pack(_LOCATOR64_SIG, 0, record_offset, 1))
-            count, directory_size, directory_offset = 0xFFFF, _ZIP64_LIMIT, _ZIP64_LIMIT
-        self._file.write(_EOCD.pack(_EOCD_SIG, 0, 0, count, count, directory_size, directory_offset, 0))
+            self._file.write(EOCD64.pack(EOCD64_SIG, 44, 45, 45, 0, 0, count, count, directory_size, directory_offset))
+            self._file.write(LOCATOR64.pack(LOCATOR64_SIG, 0, record_offset, 1))
+            count, directory_size, directory_offset = 0xFFFF, ZIP64_LIMIT, ZIP64_LIMIT
+        self._file.write(EOCD.pack(EOCD_SIG, 0, 0, count, count, directory_size, directory_offset, 0))
         self._file.close()
 
     def _central_entry(self, member: _Written) -> bytes:
-        big = [v for v in (member.size, member.compressed, member.offset) if v >= _ZIP64_LIMIT]
+        big = [v for v in (member.size, member.compressed, member.offset) if v >= ZIP64_LIMIT]
         extra = struct.pack("<HH", 1, 8 * len(big)) + struct.pack(f"<{len(big)}Q", *big) if big else b""
-        clip = lambda v: _ZIP64_LIMIT if v >= _ZIP64_LIMIT else v  # noqa: E731
+        clip = lambda v: ZIP64_LIMIT if v >= ZIP64_LIMIT else v  # noqa: E731
         return _CENTRAL.pack(
-            _CENTRAL_SIG, (3 << 8) | 45, 45 if big else 20, _UTF8_FLAG, member.method, *self._time, member.crc,
+            CENTRAL_SIG, (3 << 8) | 45, 45 if big else 20, UTF8_FLAG, member.method, *self._time, member.crc,
             clip(member.compressed), clip(member.size), len(member.name), len(extra), 0, 0, 0,
             0o100644 << 16, clip(member.offset),
         ) + member.name + extra
@@ -220,18 +224,6 @@ class NpzWriter:
     def abort(self) -> None:
         with contextlib.suppress(Exception):  # closing flushes, and may fail as the write did: report that error
             self._file.close()
-
-
-@dataclass
-class _Member:
-    name: str
-    offset: int
-    crc: int
-    compressed: int
-    size: int
-    method: int
-    limit: int  # where the next member (or the central directory) begins
-    raw_name: bytes
 
 
 class NpzReader:
@@ -242,146 +234,81 @@ class NpzReader:
         self.name = source.name
         self._members = self._read_directory()
         self._data_offsets: dict[str, int] = {}
-        manifest_member = self._members.pop(MANIFEST_MEMBER, None)
+        manifest_member = self._members.pop(MANIFEST_MEMBER)
         manifest = self._read_manifest(manifest_member) if manifest_member else None
         self._manifest = manifest
         self.metadata = manifest.metadata if manifest else {}
         self.created = manifest.created if manifest else ""
         self.has_checksums = manifest is not None
-        member_keys = {}
-        for name in self._members:
-            if name.endswith(".npy"):
-                member_keys[name[:-4]] = name
-            elif name.endswith(shuffle_zstd.MEMBER_SUFFIX) and manifest is not None:
-                member_keys[name[: -len(shuffle_zstd.MEMBER_SUFFIX)]] = name
-            else:
-                raise FormatError(f"{self.name}: member {name!r} is not an .npy array")
+        member_keys = self._keys_of_members(shuffled=manifest is not None)
         self._member_of = member_keys if manifest is not None else foreign_keys(member_keys.items(), self.name, "member")
-        if manifest is not None:
+        if manifest is not None and manifest.tensors.keys() != member_keys.keys():
             listed, present = set(manifest.tensors), set(member_keys)
-            if listed != present:
-                missing = sorted(listed - present)[:3]
-                extra = sorted(present - listed)[:3]
-                raise FormatError(
-                    f"{self.name}: manifest and members disagree (listed but absent: {missing}, present but unlisted: {extra})"
-                )
+            missing = sorted(listed - present)[:3]
+            extra = sorted(present - listed)[:3]
+            raise FormatError(f"{self.name}: manifest and members disagree (listed but absent: {missing}, "
+                              f"present but unlisted: {extra})")
         self._infos: dict[str, TensorInfo] = dict(manifest.tensors) if manifest else {}
         self._codecs = manifest.codecs if manifest else {}
         if len(member_keys) != len(self._members):
             raise FormatError(f"{self.name}: two members hold the same tensor (.npy and {shuffle_zstd.MEMBER_SUFFIX})")
 
+    def _keys_of_members(self, *, shuffled: bool) -> dict[str, str]:
+        """Tensor key -> member name: ``.npy`` members, and ``compress="shuffle"`` ones when a
+        manifest can say what they hold."""
+        names = list(self._members)
+        if ("\0".join(names) + "\0").count(".npy\0") == len(names):  # every name ends .npy (none holds NUL)
+            return dict(zip([name[:-4] for name in names], names, strict=True))
+        member_keys = {}
+        for name in names:
+            if name.endswith(".npy"):
+                member_keys[name[:-4]] = name
+            elif name.endswith(shuffle_zstd.MEMBER_SUFFIX) and shuffled:
+                member_keys[name[: -len(shuffle_zstd.MEMBER_SUFFIX)]] = name
+            else:
+                raise FormatError(f"{self.name}: member {name!r} is not an .npy array")
+        return member_keys
+
     # -- the directory -------------------------------------------------------------------
-    def _read_directory(self) -> dict[str, _Member]:
+    def _read_directory(self) -> zipdir.Directory:
         size = self._source.size
         if size == 0:
             raise FormatError(f"{self.name}: file is empty")
-        tail_start = max(0, size - (_EOCD.size + 0xFFFF))
+        tail_start = max(0, size - (EOCD.size + 0xFFFF))
         tail = bytes(self._source.read_at(tail_start, size - tail_start))
-        position = tail.rfind(_EOCD_SIG)
-        while position >= 0 and position + _EOCD.size <= len(tail):
-            comment = struct.unpack_from("<H", tail, position + 20)[0]
-            if position + _EOCD.size + comment == len(tail):
-                break
-            position = tail.rfind(_EOCD_SIG, 0, position)
-        else:
-            position = -1
-        if position < 0:
-            raise FormatError(f"{self.name}: not an npz file (no zip directory; truncated or not a zip)")
-        eocd_offset = tail_start + position
-        _, disk, cd_disk, disk_count, count, cd_size, cd_offset, _ = _EOCD.unpack_from(tail, position)
-        if disk or cd_disk:
-            raise FormatError(f"{self.name}: multi-disk zip archives are not supported")
-        if disk_count != count:
-            raise FormatError(f"{self.name}: zip end record disagrees with itself ({disk_count}, {count} entries)")
-        if count == 0xFFFF or cd_size == _ZIP64_LIMIT or cd_offset == _ZIP64_LIMIT:
-            count, cd_size, cd_offset, eocd_offset = self._read_zip64_end(eocd_offset)
-        if cd_offset + cd_size > eocd_offset or count * _CENTRAL.size > cd_size:
+        count, cd_size, cd_offset, eocd_offset = zipdir.locate(tail, tail_start, self.name)
+        if count < 0:
+            count, cd_size, cd_offset, eocd_offset = zipdir.locate_zip64(
+                lambda offset, length: bytes(self._source.read_at(offset, length)), eocd_offset, self.name)
+        if cd_offset + cd_size > eocd_offset or count * zipdir.CENTRAL_SIZE > cd_size:
             raise FormatError(f"{self.name}: zip directory points outside the file (truncated?)")
-        directory = bytes(self._source.read_at(cd_offset, cd_size))
-        return self._parse_members(directory, count, cd_offset)
-
-    def _read_zip64_end(self, eocd_offset: int) -> tuple[int, int, int, int]:
-        if eocd_offset < _LOCATOR64.size:
-            raise FormatError(f"{self.name}: ZIP64 locator missing")
-        sig, _, record, _ = _LOCATOR64.unpack(bytes(self._source.read_at(eocd_offset - _LOCATOR64.size, _LOCATOR64.size)))
-        if sig != _LOCATOR64_SIG or record + _EOCD64.size > eocd_offset:
-            raise FormatError(f"{self.name}: ZIP64 locator is corrupt")
-        fields = _EOCD64.unpack(bytes(self._source.read_at(record, _EOCD64.size)))
-        if fields[0] != _EOCD64_SIG:
-            raise FormatError(f"{self.name}: ZIP64 end record is corrupt")
-        return fields[7], fields[8], fields[9], record
-
-    def _parse_members(self, directory: bytes, count: int, cd_offset: int) -> dict[str, _Member]:
-        members: dict[str, _Member] = {}
-        position = 0
-        for _ in range(count):
-            if position + _CENTRAL.size > len(directory):
-                raise FormatError(f"{self.name}: zip directory is truncated")
-            (sig, _, _, flags, method, _, _, crc, compressed, size, name_len, extra_len, comment_len,
-             _, _, _, offset) = _CENTRAL.unpack_from(directory, position)
-            if sig != _CENTRAL_SIG:
-                raise FormatError(f"{self.name}: zip directory entry {len(members)} is corrupt")
-            start = position + _CENTRAL.size
-            raw_name = directory[start : start + name_len]
-            extra = directory[start + name_len : start + name_len + extra_len]
-            position = start + name_len + extra_len + comment_len
-            name = self._member_name(raw_name, flags)
-            if flags & _ENCRYPTED_FLAG:
-                raise UnsafeFileError(f"{self.name}: member {name!r} is encrypted")
-            if method not in (_STORED, _DEFLATED):
-                raise UnsafeFileError(f"{self.name}: member {name!r} uses compression method {method}; only stored and deflate are read")
-            if extra or _ZIP64_LIMIT in (size, compressed, offset):
-                size, compressed, offset = _apply_zip64(extra, size, compressed, offset, self.name, name)
-            if name in members:
-                raise UnsafeFileError(f"{self.name}: member {name!r} appears twice")
-            members[name] = _Member(name, offset, crc, compressed, size, method, 0, raw_name)
-        if position != len(directory):  # else a count that lies small hides members (the manifest among them)
-            raise FormatError(f"{self.name}: zip directory holds more than the {count} entries its end record counts")
-        ordered = sorted(members.values(), key=lambda m: m.offset)
-        for member, following in zip(ordered, [*ordered[1:], None], strict=True):
-            member.limit = following.offset if following else cd_offset
-            if member.offset + _LOCAL.size + len(member.raw_name) + member.compressed > member.limit:
-                raise UnsafeFileError(f"{self.name}: member {member.name!r} overlaps the next one (zip bomb?)")
-            if member.method == _DEFLATED and member.size > member.compressed * MAX_DEFLATE_RATIO + 1024:
-                raise UnsafeFileError(f"{self.name}: member {member.name!r} claims an impossible compression ratio")
-            if member.method == _STORED and member.size != member.compressed:
-                raise FormatError(f"{self.name}: stored member {member.name!r} has inconsistent sizes")
-        return members
-
-    def _member_name(self, raw: bytes, flags: int) -> str:
-        try:
-            name = raw.decode("utf-8" if flags & _UTF8_FLAG else "cp437")
-        except UnicodeDecodeError:
-            raise FormatError(f"{self.name}: a member name is not valid UTF-8") from None
-        if "\0" in name or "\\" in name or name.startswith("/") or (".." in name and ".." in name.split("/")):
-            raise UnsafeFileError(f"{self.name}: unsafe member name {name!r}")
-        return name
+        return zipdir.parse(bytes(self._source.read_at(cd_offset, cd_size)), count, cd_offset, self.name)
 
     # -- members ------------------------------------------------------------------------
-    def _data_offset(self, member: _Member) -> int:
+    def _data_offset(self, member: zipdir.Member) -> int:
         cached = self._data_offsets.get(member.name)
         if cached is not None:
             return cached
         # header and name in one read: the directory proved both lie before the next member
-        header = bytes(self._source.read_at(member.offset, _LOCAL.size + len(member.raw_name)))
-        sig, _, _, method, _, _, _, _, _, name_len, extra_len = _LOCAL.unpack_from(header)
-        if sig != _LOCAL_SIG or method != member.method:
+        header = bytes(self._source.read_at(member.offset, LOCAL.size + len(member.raw_name)))
+        sig, _, _, method, _, _, _, _, _, name_len, extra_len = LOCAL.unpack_from(header)
+        if sig != LOCAL_SIG or method != member.method:
             raise FormatError(f"{self.name}: local header of {member.name!r} is corrupt")
-        if name_len != len(member.raw_name) or header[_LOCAL.size :] != member.raw_name:
+        if name_len != len(member.raw_name) or header[LOCAL.size :] != member.raw_name:
             raise UnsafeFileError(f"{self.name}: local header of {member.name!r} names another file")
-        start = member.offset + _LOCAL.size + name_len + extra_len
+        start = member.offset + LOCAL.size + name_len + extra_len
         if start + member.compressed > member.limit:
             raise UnsafeFileError(f"{self.name}: member {member.name!r} overlaps the next one (zip bomb?)")
         self._data_offsets[member.name] = start
         return start
 
-    def _member_bytes(self, member: _Member, budget: int) -> memoryview:
+    def _member_bytes(self, member: zipdir.Member, budget: int) -> memoryview:
         """A member's bytes: a view into the map when stored, inflated (and bounded) when not."""
         if member.size > budget:
             raise UnsafeFileError(f"{self.name}: member {member.name!r} is larger than allowed ({member.size} > {budget})")
         prefetch_ranges(self._source, lambda: [self._extent(member)])
         start = self._data_offset(member)
-        if member.method == _STORED:
+        if member.method == STORED:
             self._source.prefetch(start, member.size)
             return memoryview(self._source.read_at(start, member.size))
         out = bytearray(member.size)
@@ -413,9 +340,9 @@ class NpzReader:
             raise FormatError(f"{self.name}: member {member.name!r} is truncated or corrupt (deflate)")
         return view
 
-    def _extent(self, member: _Member) -> tuple[int, int]:
+    def _extent(self, member: zipdir.Member) -> tuple[int, int]:
         """The bytes reading a member touches (local header, name, padding, data), within its limit."""
-        most = _LOCAL.size + len(member.raw_name) + 0xFFFF + member.compressed
+        most = LOCAL.size + len(member.raw_name) + 0xFFFF + member.compressed
         return member.offset, min(member.limit - member.offset, most)
 
     def prefetch(self, keys: list[str]) -> None:
@@ -432,11 +359,11 @@ class NpzReader:
 
         prefetch_ranges(self._source, extents)
 
-    def _member_head(self, member: _Member) -> memoryview:
+    def _member_head(self, member: zipdir.Member) -> memoryview:
         """The first bytes of a member, enough for its npy header, without reading or inflating the rest."""
         start = self._data_offset(member)
         wanted = min(member.size, 12 + MAX_NPY_HEADER)
-        if member.method == _STORED:
+        if member.method == STORED:
             return memoryview(self._source.read_at(start, wanted))
         engine = isal_zlib.decompressobj(-15)
         head = bytearray()
@@ -451,7 +378,7 @@ class NpzReader:
         return memoryview(head)
 
     def _parse_npy(
-        self, member: _Member, data: memoryview, size: int | None = None,
+        self, member: zipdir.Member, data: memoryview, size: int | None = None,
     ) -> tuple[np.dtype, tuple[int, ...], bool, int]:
         """Check a member's npy header; ``size`` is the whole member's when ``data`` is only its head."""
         where = f"{self.name}: member {member.name!r}"
@@ -502,7 +429,7 @@ class NpzReader:
             )
         return dtype, shape, fortran, start
 
-    def _read_manifest(self, member: _Member) -> Manifest:
+    def _read_manifest(self, member: zipdir.Member) -> Manifest:
         """The manifest, always checked against its zip CRC-32: it decides what every tensor is."""
         data = self._member_bytes(member, 4 * MAX_MANIFEST_BYTES + MAX_NPY_HEADER)
         if isal_zlib.crc32(raw_bytes(data)) & 0xFFFFFFFF != member.crc:
@@ -517,7 +444,7 @@ class NpzReader:
     def keys(self) -> list[str]:
         return list(self._infos) if self._manifest else sorted(self._member_of)
 
-    def _member(self, key: str) -> _Member:
+    def _member(self, key: str) -> zipdir.Member:
         name = self._member_of.get(key)
         if name is None:
             raise KeyNotInStoreError(f"{self.name}: no tensor {key!r}")
@@ -534,7 +461,7 @@ class NpzReader:
             self._infos[key] = info
         return info
 
-    def _listed(self, key: str, member: _Member) -> tuple[TensorInfo, _Layout]:
+    def _listed(self, key: str, member: zipdir.Member) -> tuple[TensorInfo, _Layout]:
         """A tensor's manifest entry and the exact bytes its member must begin with.
 
         The member must be that npy header followed by exactly the entry's bytes: refused from
@@ -548,7 +475,7 @@ class NpzReader:
             raise FormatError(f"{self.name}: tensor {key!r} is stored as member {member.name!r} but its manifest "
                               f"entry says codec {self._codecs.get(key)!r}")
         if shuffled:
-            if member.method != _STORED or member.size > shuffle_zstd.max_encoded_size(info.nbytes):
+            if member.method != STORED or member.size > shuffle_zstd.max_encoded_size(info.nbytes):
                 raise UnsafeFileError(f"{self.name}: tensor {key!r} (member {member.name!r}) holds {member.size} "
                                       f"encoded bytes for {info.nbytes} plain ones; refusing to read it")
             return info, layout
@@ -587,7 +514,7 @@ class NpzReader:
         array = np.frombuffer(payload, dtype=layout.storage, count=count) if count else np.empty(0, layout.storage)
         return array.reshape(info.shape).view(layout.logical)
 
-    def _read_shuffled(self, key: str, member: _Member, info: TensorInfo, layout: _Layout, verify: bool) -> np.ndarray:
+    def _read_shuffled(self, key: str, member: zipdir.Member, info: TensorInfo, layout: _Layout, verify: bool) -> np.ndarray:
         """A ``compress="shuffle"`` tensor, decoded into memory it owns and checked against the
         manifest's CRC-32 of the plain bytes (the zip CRC, of the encoded bytes, is not needed)."""
         where = f"{self.name}: tensor {key!r} (member {member.name!r})"
@@ -599,7 +526,7 @@ class NpzReader:
                                 f"manifest {info.checksum})")
         return plain.view(layout.storage).reshape(info.shape).view(layout.logical)
 
-    def _read_foreign(self, key: str, member: _Member, verify: bool) -> np.ndarray:
+    def _read_foreign(self, key: str, member: zipdir.Member, verify: bool) -> np.ndarray:
         """A member of a file without a manifest: its own npy header is all there is to go on."""
         data = self._member_bytes(member, member.size)
         dtype, shape, fortran, start = self._parse_npy(member, data)
@@ -621,7 +548,7 @@ class NpzReader:
         """
         member = self._member(key)
         self._source.check_unchanged(f"tensor {key!r}")
-        if member.method != _STORED or self._manifest is None or self._codecs.get(key):
+        if member.method != STORED or self._manifest is None or self._codecs.get(key):
             return False
         info, layout = self._listed(key, member)
         if verify and not info.checksum:
@@ -634,7 +561,7 @@ class NpzReader:
             raise ChecksumError(f"{self.name}: tensor {key!r} is corrupt (checksum {checksum(payload)}, manifest {info.checksum})")
         return True
 
-    def _verify(self, key: str, member: _Member, data: memoryview, payload: memoryview, info: TensorInfo | None) -> None:
+    def _verify(self, key: str, member: zipdir.Member, data: memoryview, payload: memoryview, info: TensorInfo | None) -> None:
         if info is not None and info.checksum:
             actual = checksum(payload)
             if actual != info.checksum:
@@ -646,29 +573,6 @@ class NpzReader:
         self._source.close()
 
 
-def _apply_zip64(extra: bytes, size: int, compressed: int, offset: int, where: str, name: str) -> tuple[int, int, int]:
-    position = 0
-    while position + 4 <= len(extra):
-        tag, length = struct.unpack_from("<HH", extra, position)
-        body = extra[position + 4 : position + 4 + length]
-        if tag == 1:
-            values = list(struct.unpack_from(f"<{len(body) // 8}Q", body))
-            try:
-                if size == _ZIP64_LIMIT:
-                    size = values.pop(0)
-                if compressed == _ZIP64_LIMIT:
-                    compressed = values.pop(0)
-                if offset == _ZIP64_LIMIT:
-                    offset = values.pop(0)
-            except IndexError:
-                raise FormatError(f"{where}: ZIP64 field of {name!r} is truncated") from None
-            return size, compressed, offset
-        position += 4 + length
-    if _ZIP64_LIMIT in (size, compressed, offset):
-        raise FormatError(f"{where}: member {name!r} lacks its ZIP64 sizes")
-    return size, compressed, offset
-
-
 def _open_reader(location, name: str, *, mmap: bool = True) -> NpzReader:
     """``mmap=False`` reads local tensors into memory they own instead of viewing a map of the file."""
     return open_source(location, name, NpzReader, index_at_end=True, mmap=mmap)
@@ -677,7 +581,7 @@ def _open_reader(location, name: str, *, mmap: bool = True) -> NpzReader:
 FORMAT = Format(
     name="npz",
     suffixes=(".npz",),
-    magic=lambda head: head[:4] in (_LOCAL_SIG, _EOCD_SIG),
+    magic=lambda head: head[:4] in (LOCAL_SIG, EOCD_SIG),
     open_reader=_open_reader,
     open_writer=lambda path, compress: NpzWriter(path, compress),
 )

@@ -1,0 +1,258 @@
+"""A zip file's central directory, read as hostile input and held as columns.
+
+An npz of 50,000 small tensors has a directory of 50,000 entries: parsed one entry at a time
+in Python that alone costs more than safetensors takes to open the same weights. So the
+entries are located in one light loop (each entry's length decides where the next begins),
+then their fixed fields are gathered into one numpy record array and every rule is checked
+on whole columns; only names are made one by one. Members become :class:`Member` records
+when a reader asks for one.
+
+The stdlib's ``zipfile`` is not used: on this Python it accepts overlapping members (zip
+bombs) and would let a hostile file choose our allocations.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
+
+import numpy as np
+
+from weightstore.errors import FormatError, UnsafeFileError
+
+EOCD = struct.Struct("<4s4H2IH")
+EOCD64 = struct.Struct("<4sQ2H2I4Q")
+LOCATOR64 = struct.Struct("<4sIQI")
+LOCAL = struct.Struct("<4s5H3I2H")
+CENTRAL_SIZE = 46
+LOCAL_SIG, CENTRAL_SIG = b"PK\x03\x04", b"PK\x01\x02"
+EOCD_SIG, EOCD64_SIG, LOCATOR64_SIG = b"PK\x05\x06", b"PK\x06\x06", b"PK\x06\x07"
+STORED, DEFLATED = 0, 8
+UTF8_FLAG, ENCRYPTED_FLAG = 0x800, 0x1
+ZIP64_LIMIT = 0xFFFFFFFF
+#: deflate cannot expand data by more than this factor; a member claiming more is a bomb
+MAX_DEFLATE_RATIO = 1032
+
+#: one central directory entry's fixed part, as numpy reads it from the directory's bytes
+_CENTRAL_RECORD = np.dtype([
+    ("sig", "S4"), ("made_by", "<u2"), ("needed", "<u2"), ("flags", "<u2"), ("method", "<u2"),
+    ("time", "<u2"), ("date", "<u2"), ("crc", "<u4"), ("compressed", "<u4"), ("size", "<u4"),
+    ("name_len", "<u2"), ("extra_len", "<u2"), ("comment_len", "<u2"), ("disk", "<u2"),
+    ("internal", "<u2"), ("external", "<u4"), ("offset", "<u4"),
+])
+_LENGTHS = struct.Struct("<3H")  # name, extra and comment lengths, 28 bytes into an entry
+#: anything :func:`_unsafe_name` refuses, in names joined by NUL (``^``/``$``/NUL bound a name)
+_UNSAFE_IN_JOINED = re.compile(r"\\|(?:^|\0)/|(?:^|[\0/])\.\.(?:[\0/]|$)")
+
+
+class Member(NamedTuple):
+    name: str
+    offset: int
+    crc: int
+    compressed: int
+    size: int
+    method: int
+    limit: int  # where the next member (or the central directory) begins
+    raw_name: bytes
+
+
+class Directory:
+    """The members of a zip, by name, in directory order; checked in full when built.
+
+    Columns are plain lists (a Python int from a list is cheaper than one from an array), and
+    a :class:`Member` is made only for the names a reader asks about.
+    """
+
+    def __init__(self, names: list[str], raw_names: list[bytes], columns: dict[str, list[int]]):
+        self.names = names
+        self.raw_names = raw_names
+        self.offsets, self.crcs = columns["offset"], columns["crc"]
+        self.compressed, self.sizes = columns["compressed"], columns["size"]
+        self.methods, self.limits = columns["method"], columns["limit"]
+        self._index = dict(zip(names, range(len(names)), strict=True))
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._index)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._index
+
+    def position(self, name: str) -> int:
+        return self._index[name]
+
+    def __getitem__(self, name: str) -> Member:
+        i = self._index[name]
+        return Member(name, self.offsets[i], self.crcs[i], self.compressed[i], self.sizes[i], self.methods[i],
+                      self.limits[i], self.raw_names[i])
+
+    def pop(self, name: str) -> Member | None:
+        """Take one member out of the listing (the manifest: it is no tensor)."""
+        if name not in self._index:
+            return None
+        member = self[name]
+        del self._index[name]
+        return member
+
+
+def locate(tail: bytes, tail_start: int, where: str) -> tuple[int, int, int, int]:
+    """``(entries, directory size, directory offset, end record offset)`` from the file's last
+    bytes; a ZIP64 end is reported with ``entries == -1`` for :func:`locate_zip64` to read."""
+    position = tail.rfind(EOCD_SIG)
+    while position >= 0 and position + EOCD.size <= len(tail):
+        comment = struct.unpack_from("<H", tail, position + 20)[0]
+        if position + EOCD.size + comment == len(tail):
+            break
+        position = tail.rfind(EOCD_SIG, 0, position)
+    else:
+        position = -1
+    if position < 0:
+        raise FormatError(f"{where}: not an npz file (no zip directory; truncated or not a zip)")
+    _, disk, cd_disk, disk_count, count, cd_size, cd_offset, _ = EOCD.unpack_from(tail, position)
+    if disk or cd_disk:
+        raise FormatError(f"{where}: multi-disk zip archives are not supported")
+    if disk_count != count:
+        raise FormatError(f"{where}: zip end record disagrees with itself ({disk_count}, {count} entries)")
+    if count == 0xFFFF or cd_size == ZIP64_LIMIT or cd_offset == ZIP64_LIMIT:
+        return -1, cd_size, cd_offset, tail_start + position
+    return count, cd_size, cd_offset, tail_start + position
+
+
+def locate_zip64(read_at: Callable[[int, int], bytes], eocd_offset: int, where: str) -> tuple[int, int, int, int]:
+    """The ZIP64 end record's ``(entries, directory size, directory offset, record offset)``."""
+    if eocd_offset < LOCATOR64.size:
+        raise FormatError(f"{where}: ZIP64 locator missing")
+    sig, _, record, _ = LOCATOR64.unpack(read_at(eocd_offset - LOCATOR64.size, LOCATOR64.size))
+    if sig != LOCATOR64_SIG or record + EOCD64.size > eocd_offset:
+        raise FormatError(f"{where}: ZIP64 locator is corrupt")
+    fields = EOCD64.unpack(read_at(record, EOCD64.size))
+    if fields[0] != EOCD64_SIG:
+        raise FormatError(f"{where}: ZIP64 end record is corrupt")
+    return fields[7], fields[8], fields[9], record
+
+
+def parse(directory: bytes, count: int, cd_offset: int, where: str) -> Directory:
+    """Every entry of ``directory`` (``count`` of them, ending where the directory ends)."""
+    positions = _entry_positions(directory, count, where)
+    records = np.frombuffer(directory, np.uint8)[
+        np.asarray(positions, dtype=np.int64)[:, None] + np.arange(CENTRAL_SIZE)
+    ].view(_CENTRAL_RECORD)[:, 0] if count else np.zeros(0, _CENTRAL_RECORD)
+    bad = np.flatnonzero(records["sig"] != CENTRAL_SIG)
+    if bad.size:
+        raise FormatError(f"{where}: zip directory entry {bad[0]} is corrupt")
+    name_lens = records["name_len"].tolist()
+    raw_names = [directory[p + CENTRAL_SIZE : p + CENTRAL_SIZE + n] for p, n in zip(positions, name_lens, strict=True)]
+    flags = records["flags"]
+    names = _names(raw_names, flags, where)
+    encrypted = np.flatnonzero(flags & ENCRYPTED_FLAG)
+    if encrypted.size:
+        raise UnsafeFileError(f"{where}: member {names[encrypted[0]]!r} is encrypted")
+    methods = records["method"]
+    odd = np.flatnonzero((methods != STORED) & (methods != DEFLATED))
+    if odd.size:
+        raise UnsafeFileError(f"{where}: member {names[odd[0]]!r} uses compression method {methods[odd[0]]}; "
+                              "only stored and deflate are read")
+    columns = {field: records[field].tolist() for field in ("crc", "compressed", "size", "offset", "method")}
+    for i in np.flatnonzero((records["extra_len"] > 0) | (records["size"] == ZIP64_LIMIT)
+                            | (records["compressed"] == ZIP64_LIMIT) | (records["offset"] == ZIP64_LIMIT)).tolist():
+        start = positions[i] + CENTRAL_SIZE + name_lens[i]
+        extra = directory[start : start + int(records["extra_len"][i])]
+        columns["size"][i], columns["compressed"][i], columns["offset"][i] = _apply_zip64(
+            extra, columns["size"][i], columns["compressed"][i], columns["offset"][i], where, names[i])
+    if len(set(names)) != len(names):
+        seen: set[str] = set()
+        for name in names:
+            if name in seen:
+                raise UnsafeFileError(f"{where}: member {name!r} appears twice")
+            seen.add(name)
+    columns["limit"] = _limits(names, name_lens, columns, cd_offset, where)
+    return Directory(names, raw_names, columns)
+
+
+def _entry_positions(directory: bytes, count: int, where: str) -> list[int]:
+    """Where each entry starts: the one sequential step, each entry's lengths giving the next."""
+    positions = []
+    position, end = 0, len(directory)
+    lengths = _LENGTHS.unpack_from
+    for _ in range(count):
+        if position + CENTRAL_SIZE > end:
+            raise FormatError(f"{where}: zip directory is truncated")
+        positions.append(position)
+        name, extra, comment = lengths(directory, position + 28)
+        position += CENTRAL_SIZE + name + extra + comment
+    if position != end:  # else a count that lies small hides members (the manifest among them)
+        raise FormatError(f"{where}: zip directory holds more than the {count} entries its end record counts")
+    return positions
+
+
+def _names(raw_names: list[bytes], flags: np.ndarray, where: str) -> list[str]:
+    """Decoded and checked names: the joined text is scanned once, each name only if it finds something."""
+    try:
+        if np.all(flags & UTF8_FLAG):
+            names = [raw.decode("utf-8") for raw in raw_names]
+        else:
+            names = [raw.decode("utf-8" if flag & UTF8_FLAG else "cp437")
+                     for raw, flag in zip(raw_names, flags.tolist(), strict=True)]
+    except UnicodeDecodeError:
+        raise FormatError(f"{where}: a member name is not valid UTF-8") from None
+    joined = "\0".join(names)
+    if joined.count("\0") != max(len(names) - 1, 0) or _UNSAFE_IN_JOINED.search(joined):
+        for name in names:
+            if _unsafe_name(name):
+                raise UnsafeFileError(f"{where}: unsafe member name {name!r}")
+    return names
+
+
+def _unsafe_name(name: str) -> bool:
+    return "\0" in name or "\\" in name or name.startswith("/") or (".." in name and ".." in name.split("/"))
+
+
+def _limits(names: list[str], name_lens: list[int], columns: dict[str, list[int]], cd_offset: int,
+            where: str) -> list[int]:
+    """Where each member must end (the next member by offset, or the directory), checking that
+    none overlaps the next or claims more than its bytes can hold."""
+    offsets = np.asarray(columns["offset"], dtype=np.int64)
+    compressed = np.asarray(columns["compressed"], dtype=np.int64)
+    sizes = np.asarray(columns["size"], dtype=np.int64)
+    methods = np.asarray(columns["method"])
+    order = np.argsort(offsets, kind="stable")
+    limits = np.empty_like(offsets)
+    limits[order] = np.append(offsets[order][1:], cd_offset)
+    overlapping = offsets + LOCAL.size + np.asarray(name_lens, dtype=np.int64) + compressed > limits
+    # in file order, so the first member reported is the first that overlaps
+    for i in order[overlapping[order]][:1].tolist():
+        raise UnsafeFileError(f"{where}: member {names[i]!r} overlaps the next one (zip bomb?)")
+    bombs = np.flatnonzero((methods == DEFLATED) & (sizes > compressed * MAX_DEFLATE_RATIO + 1024))
+    if bombs.size:
+        raise UnsafeFileError(f"{where}: member {names[bombs[0]]!r} claims an impossible compression ratio")
+    inconsistent = np.flatnonzero((methods == STORED) & (sizes != compressed))
+    if inconsistent.size:
+        raise FormatError(f"{where}: stored member {names[inconsistent[0]]!r} has inconsistent sizes")
+    return limits.tolist()
+
+
+def _apply_zip64(extra: bytes, size: int, compressed: int, offset: int, where: str, name: str) -> tuple[int, int, int]:
+    position = 0
+    while position + 4 <= len(extra):
+        tag, length = struct.unpack_from("<HH", extra, position)
+        body = extra[position + 4 : position + 4 + length]
+        if tag == 1:
+            values = list(struct.unpack_from(f"<{len(body) // 8}Q", body))
+            try:
+                if size == ZIP64_LIMIT:
+                    size = values.pop(0)
+                if compressed == ZIP64_LIMIT:
+                    compressed = values.pop(0)
+                if offset == ZIP64_LIMIT:
+                    offset = values.pop(0)
+            except IndexError:
+                raise FormatError(f"{where}: ZIP64 field of {name!r} is truncated") from None
+            return size, compressed, offset
+        position += 4 + length
+    if ZIP64_LIMIT in (size, compressed, offset):
+        raise FormatError(f"{where}: member {name!r} lacks its ZIP64 sizes")
+    return size, compressed, offset
