@@ -13,6 +13,7 @@ import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
+import pytest
 
 _LOCAL = struct.Struct("<4s5H3I2H")
 _CENTRAL = struct.Struct("<4s6H3I5H2I")
@@ -186,3 +187,26 @@ def run_isolated(code: str, *, timeout: float = 60, address_space: int | None = 
     )
     script = "import numpy as np, weightstore as ws, weightstore.formats.hdf5\n" + limits + code
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout)
+
+
+def raises_naming(exc_type, *names):
+    """``pytest.raises`` that also checks the message names every one of ``names``."""
+    return _Naming(exc_type, names)
+
+
+class _Naming:
+    def __init__(self, exc_type, names):
+        self._ctx = pytest.raises(exc_type)
+        self._names = [str(n) for n in names]
+
+    def __enter__(self):
+        self.info = self._ctx.__enter__()
+        return self.info
+
+    def __exit__(self, *exc):
+        suppressed = self._ctx.__exit__(*exc)
+        if suppressed:
+            message = str(self.info.value)
+            for name in self._names:
+                assert name in message, f"{name!r} not in {message!r}"
+        return suppressed

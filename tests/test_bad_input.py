@@ -20,31 +20,9 @@ import numpy as np
 import pytest
 
 import hostile
+from hostile import raises_naming
 import weightstore as ws
 from weightstore import errors
-
-
-def raises_naming(exc_type, *names):
-    """``pytest.raises`` that also checks the message names every one of ``names``."""
-    return _Naming(exc_type, names)
-
-
-class _Naming:
-    def __init__(self, exc_type, names):
-        self._ctx = pytest.raises(exc_type)
-        self._names = [str(n) for n in names]
-
-    def __enter__(self):
-        self.info = self._ctx.__enter__()
-        return self.info
-
-    def __exit__(self, *exc):
-        suppressed = self._ctx.__exit__(*exc)
-        if suppressed:
-            message = str(self.info.value)
-            for name in self._names:
-                assert name in message, f"{name!r} not in {message!r}"
-        return suppressed
 
 
 def write(path, data: bytes):

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import datetime as _dt
 import functools
+import itertools
 import json
 import json.encoder
 import math
+import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import ml_dtypes
 import numpy as np
+import orjson
 from isal import isal_zlib
 
 from weightstore.errors import FormatError, UnsupportedDTypeError
@@ -26,7 +29,7 @@ from weightstore.keys import validate_keys
 FORMAT_NAME = "weightstore"
 FORMAT_VERSION = 1
 CHECKSUM_ALGORITHM = "crc32"
-_CHECKSUM_PREFIX = CHECKSUM_ALGORITHM + ":"
+CHECKSUM_PREFIX = CHECKSUM_ALGORITHM + ":"
 _FIELDS = frozenset({"format", "version", "producer", "created", "metadata", "tensors"})
 #: ``location`` and ``codec`` are optional; the other three are always written (``checksum`` may be null)
 _ENTRY_FIELDS = frozenset({"dtype", "shape", "checksum", "location", "codec"})
@@ -229,7 +232,7 @@ def parse_manifest(text: str, where: str) -> Manifest:
     if len(text) > MAX_MANIFEST_BYTES:
         raise FormatError(f"{where}: manifest is larger than {MAX_MANIFEST_BYTES} bytes")
     try:
-        document = json.loads(text, parse_constant=_refuse_constant)
+        document = _parse_json(text)
     except _NonFiniteNumber as exc:
         raise FormatError(f"{where}: manifest holds {exc}, which no JSON number is (writers refuse it too)") from None
     except (ValueError, RecursionError) as exc:
@@ -250,29 +253,11 @@ def parse_manifest(text: str, where: str) -> Manifest:
         validate_keys(raw_tensors)
     except ValueError as exc:
         raise FormatError(f"{where}: manifest has {exc}") from None
-    tensors: dict[str, TensorInfo] = {}
+    tensors = _parse_plain_entries(raw_tensors)
     locations: dict[str, str] = {}
     codecs: dict[str, str] = {}
-    itemsizes: dict[object, int] = {}  # per dtype name seen: a manifest names a handful many times over
-    for key, entry in raw_tensors.items():
-        # One loop of plain type checks, no helper calls on the common entry: 50,000 entries
-        # must cost a few microseconds each. Its fields are exactly those the writer writes: a
-        # ``checksum`` field damaged into another name would otherwise read as a tensor without
-        # a checksum, and go unverified.
-        if type(entry) is not dict or entry.keys() != _PLAIN_ENTRY_FIELDS:
-            _parse_optional_fields(key, entry, where, locations, codecs)
-        shape = entry["shape"]
-        if type(shape) is not list or len(shape) > MAX_NDIM or not _all_sizes(shape):
-            raise FormatError(f"{where}: manifest shape of {key!r} is not a list of sizes: {shape!r}")
-        name = entry["dtype"]
-        itemsize = itemsizes.get(name) if type(name) is str else None
-        if itemsize is None:
-            itemsize = itemsizes[name] = _itemsize_of(key, name, where)
-        digest = entry["checksum"]
-        if digest is not None and not (type(digest) is str and digest.startswith(_CHECKSUM_PREFIX)):
-            raise FormatError(f"{where}: manifest checksum of {key!r} is not {CHECKSUM_ALGORITHM}: {digest!r}")
-        dims = tuple(shape)
-        tensors[key] = TensorInfo(key, name, dims, math.prod(dims) * itemsize, digest)
+    if tensors is None:
+        tensors = _parse_entries(raw_tensors, where, locations, codecs)
     return Manifest(
         tensors=tensors,
         metadata=metadata,
@@ -283,6 +268,67 @@ def parse_manifest(text: str, where: str) -> Manifest:
     )
 
 
+def _parse_plain_entries(raw: dict[str, Any]) -> dict[str, TensorInfo] | None:
+    """The entries of a manifest whose every entry is exactly ``dtype``, ``shape``, ``checksum``
+    and valid, checked column by column at C speed (``map`` over 50,000 entries, no Python
+    step per entry); ``None`` when anything needs :func:`_parse_entries` to look, or to name it."""
+    entries = list(raw.values())
+    if set(map(type, entries)) - {dict} or set(map(len, entries)) - {3}:
+        return None
+    try:
+        shapes, names, digests = (list(map(operator.itemgetter(field), entries)) for field in ("shape", "dtype", "checksum"))
+        itemsize = {name: _known_dtype(name).itemsize for name in set(names)}  # type: ignore[union-attr]
+    except (KeyError, TypeError, AttributeError):  # a field missing, a dtype unhashable or unknown
+        return None
+    if set(map(type, shapes)) - {list} or max(map(len, shapes), default=0) > MAX_NDIM:
+        return None
+    sizes = list(itertools.chain.from_iterable(shapes))
+    if set(map(type, sizes)) - {int} or min(sizes, default=0) < 0:  # ``type``: True is no size
+        return None
+    texts = [digest for digest in digests if digest is not None]
+    if set(map(type, texts)) - {str} or sum(map(str.startswith, texts, itertools.repeat(CHECKSUM_PREFIX))) != len(texts):
+        return None
+    dims = list(map(tuple, shapes))
+    nbytes = map(operator.mul, map(math.prod, dims), map(itemsize.__getitem__, names))
+    infos = map(_new_info, itertools.repeat(TensorInfo), zip(raw, names, dims, nbytes, digests, strict=True))
+    return dict(zip(raw, infos, strict=True))
+
+
+def _parse_entries(raw: dict[str, Any], where: str, locations: dict[str, str],
+                   codecs: dict[str, str]) -> dict[str, TensorInfo]:
+    """Entry by entry, naming the first bad one; ``location`` and ``codec`` go to their dicts."""
+    tensors: dict[str, TensorInfo] = {}
+    itemsizes: dict[object, int] = {}  # per dtype name seen: a manifest names a handful many times over
+    for key, entry in raw.items():
+        # Its fields are exactly those the writer writes: a ``checksum`` field damaged into
+        # another name would otherwise read as a tensor without a checksum, and go unverified.
+        if type(entry) is not dict or entry.keys() != _PLAIN_ENTRY_FIELDS:
+            _parse_optional_fields(key, entry, where, locations, codecs)
+        shape = entry["shape"]
+        if type(shape) is not list or len(shape) > MAX_NDIM or not _all_sizes(shape):
+            raise FormatError(f"{where}: manifest shape of {key!r} is not a list of sizes: {shape!r}")
+        name = entry["dtype"]
+        itemsize = itemsizes.get(name) if type(name) is str else None
+        if itemsize is None:
+            itemsize = itemsizes[name] = _itemsize_of(key, name, where)
+        digest = entry["checksum"]
+        if digest is not None and not (type(digest) is str and digest.startswith(CHECKSUM_PREFIX)):
+            raise FormatError(f"{where}: manifest checksum of {key!r} is not {CHECKSUM_ALGORITHM}: {digest!r}")
+        dims = tuple(shape)
+        tensors[key] = _new_info(TensorInfo, (key, name, dims, math.prod(dims) * itemsize, digest))
+    return tensors
+
+
+def _parse_json(text: str) -> Any:
+    """orjson where it agrees to read the text (4x the stdlib's speed on 50,000 entries), the
+    stdlib where it does not: orjson refuses what strict JSON lacks (NaN, integers past 64
+    bits, deep nesting), and the stdlib then decides, exactly as when it read every manifest."""
+    try:
+        return orjson.loads(text.encode("utf-8", "surrogatepass"))
+    except orjson.JSONDecodeError:
+        return json.loads(text, parse_constant=_refuse_constant)
+
+
 class _NonFiniteNumber(Exception):
     pass
 
@@ -291,6 +337,10 @@ def _refuse_constant(name: str) -> None:
     """NaN and Infinity: :func:`build_manifest` refuses them, so a reader must too (else a file
     reads but cannot be converted)."""
     raise _NonFiniteNumber(name)
+
+
+#: ``TensorInfo(*fields)`` without the named tuple's generated ``__new__`` frame (and mappable over tuples)
+_new_info = tuple.__new__
 
 
 def _parse_optional_fields(key: str, entry: object, where: str, locations: dict[str, str],

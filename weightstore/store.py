@@ -99,14 +99,18 @@ class Store(Mapping):
             if key not in self:
                 raise KeyNotInStoreError(f"{self.path}: no tensor {key!r}")
         check_budget(self, wanted, max_bytes)
-        self._prefetch(wanted)
-        return {key: self[key] for key in wanted}
+        return dict(zip(wanted, self._read_many(wanted), strict=True))
 
-    def _prefetch(self, keys: list[str]) -> None:
-        """Let a remote file fetch the tensors about to be read at once, rather than one by one."""
+    def _read_many(self, keys: list[str]) -> list[np.ndarray]:
+        """Several tensors, in order: a remote file fetches them at once rather than one by one,
+        and a reader that can read many in one pass (npz) does."""
         prefetch = getattr(self._reader, "prefetch", None)
         if prefetch is not None and len(keys) > 1:
             prefetch(keys)
+        read_many = getattr(self._reader, "read_many", None)
+        if read_many is not None and keys:
+            return read_many(keys, verify=self.verify)
+        return [self[key] for key in keys]
 
     def __contains__(self, key: object) -> bool:
         return key in self._key_set
@@ -254,8 +258,7 @@ def load(
     with open(path, verify=verify, mmap=mmap) as store:
         plan = plan_outward(store.keys(), scope=scope, mapping=mapping, include=include, exclude=exclude, where=store.path)
         check_budget(store, plan.values(), max_bytes)
-        store._prefetch(list(plan.values()))
-        return {new: store[old] for new, old in plan.items()}
+        return dict(zip(plan, store._read_many(list(plan.values())), strict=True))
 
 
 def save(

@@ -114,6 +114,12 @@ class MappedFile(_LocalFile):
             self._handle.close()
             raise
 
+    @property
+    def mapping(self) -> mmap.mmap | None:
+        """The whole map, for a reader that checks bounds itself and reads many small tensors in
+        one loop (slicing the map costs less than a ``read_at`` per header); ``None`` when empty."""
+        return self._map
+
     def read_at(self, offset: int, length: int) -> memoryview:
         self._check(offset, length)
         if self._map is None:

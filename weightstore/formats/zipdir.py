@@ -13,7 +13,6 @@ bombs) and would let a hostile file choose our allocations.
 
 from __future__ import annotations
 
-import re
 import struct
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
@@ -42,9 +41,15 @@ _CENTRAL_RECORD = np.dtype([
     ("name_len", "<u2"), ("extra_len", "<u2"), ("comment_len", "<u2"), ("disk", "<u2"),
     ("internal", "<u2"), ("external", "<u4"), ("offset", "<u4"),
 ])
+#: a member's local header, as numpy reads many of them from the file at once
+LOCAL_RECORD = np.dtype([
+    ("sig", "S4"), ("needed", "<u2"), ("flags", "<u2"), ("method", "<u2"), ("time", "<u2"), ("date", "<u2"),
+    ("crc", "<u4"), ("compressed", "<u4"), ("size", "<u4"), ("name_len", "<u2"), ("extra_len", "<u2"),
+])
 _LENGTHS = struct.Struct("<3H")  # name, extra and comment lengths, 28 bytes into an entry
-#: anything :func:`_unsafe_name` refuses, in names joined by NUL (``^``/``$``/NUL bound a name)
-_UNSAFE_IN_JOINED = re.compile(r"\\|(?:^|\0)/|(?:^|[\0/])\.\.(?:[\0/]|$)")
+#: what an unsafe name holds, in names joined by NUL (substring searches: a regex starting
+#: with an alternation is tried at every position, 90 ms for 50,000 names)
+_UNSAFE_IN_JOINED = ("\\", "\0/", "../", "..\0")
 
 
 class Member(NamedTuple):
@@ -71,31 +76,38 @@ class Directory:
         self.offsets, self.crcs = columns["offset"], columns["crc"]
         self.compressed, self.sizes = columns["compressed"], columns["size"]
         self.methods, self.limits = columns["method"], columns["limit"]
-        self._index = dict(zip(names, range(len(names)), strict=True))
+        self.index = dict(zip(names, range(len(names)), strict=True))
+        self._arrays: dict[str, np.ndarray] = {}
+
+    def column(self, name: str) -> np.ndarray:
+        """``offsets``, ``sizes``, ``limits``, ``methods`` or ``name_lens`` as an int64 array, for checks on
+        many members at once (made on first use)."""
+        array = self._arrays.get(name)
+        if array is None:
+            values = [len(raw) for raw in self.raw_names] if name == "name_lens" else getattr(self, name)
+            array = self._arrays[name] = np.asarray(values, dtype=np.int64)
+        return array
 
     def __len__(self) -> int:
-        return len(self._index)
+        return len(self.index)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._index)
+        return iter(self.index)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._index
-
-    def position(self, name: str) -> int:
-        return self._index[name]
+        return name in self.index
 
     def __getitem__(self, name: str) -> Member:
-        i = self._index[name]
+        i = self.index[name]
         return Member(name, self.offsets[i], self.crcs[i], self.compressed[i], self.sizes[i], self.methods[i],
                       self.limits[i], self.raw_names[i])
 
     def pop(self, name: str) -> Member | None:
         """Take one member out of the listing (the manifest: it is no tensor)."""
-        if name not in self._index:
+        if name not in self.index:
             return None
         member = self[name]
-        del self._index[name]
+        del self.index[name]
         return member
 
 
@@ -200,7 +212,8 @@ def _names(raw_names: list[bytes], flags: np.ndarray, where: str) -> list[str]:
     except UnicodeDecodeError:
         raise FormatError(f"{where}: a member name is not valid UTF-8") from None
     joined = "\0".join(names)
-    if joined.count("\0") != max(len(names) - 1, 0) or _UNSAFE_IN_JOINED.search(joined):
+    if (joined.count("\0") != max(len(names) - 1, 0) or joined.startswith("/") or joined.endswith("..")
+            or any(unsafe in joined for unsafe in _UNSAFE_IN_JOINED)):
         for name in names:
             if _unsafe_name(name):
                 raise UnsafeFileError(f"{where}: unsafe member name {name!r}")
