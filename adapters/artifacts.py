@@ -63,8 +63,8 @@ def for_model(model: Any, path: Any, model_keys: Mapping[str, Any]) -> weightsto
     try:
         by_variable = {id(var): key for key, var in model_keys.items()}
         if _is_keras(text) and not isinstance(model, keras.layers.Layer):
-            raise AssignmentError(f"cannot assign {text}: a Keras file pairs with the Keras model or layer that "
-                                  f"saved it, not a {type(model).__name__}")
+            raise AssignmentError(f"a Keras file pairs with the Keras model or layer that saved it, not a "
+                                  f"{type(model).__name__}", path=text)
         if _is_keras(text):
             names = _keras_names(model, source.keys(), by_variable)
         else:

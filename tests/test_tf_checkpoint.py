@@ -283,7 +283,7 @@ def test_hostile_tables_are_refused(tmp_path, case):
     rewrite_index(prefix, valid_items(), **options)
     with pytest.raises(error, match=message) as caught:
         ws.open(prefix)
-    assert "forged.index" in str(caught.value)
+    assert "forged.index" in str(caught.value) and caught.value.path == prefix + ".index"
 
 
 ENTRY_LIES = {
@@ -400,8 +400,9 @@ def test_keras_config_is_read_as_bounded_json(keras_files, tmp_path):
     odd = tmp_path / "odd.keras"
     with zipfile.ZipFile(odd, "w") as archive:
         archive.writestr("config.json", "[1, 2]")
-    with pytest.raises(FormatError, match=r"odd\.keras: config\.json holds a JSON list, not an object"):
+    with pytest.raises(FormatError, match=r"odd\.keras: config\.json holds a JSON list, not an object") as caught:
         keras_file.read_config(odd)
+    assert (caught.value.path, caught.value.key) == (str(odd), None)
     with zipfile.ZipFile(odd, "w") as archive:
         archive.writestr("config.json", "{" * 100_000)
     with pytest.raises(FormatError, match=r"config\.json is not JSON text"):
