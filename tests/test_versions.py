@@ -337,9 +337,13 @@ def test_two_publishers_steps_must_increase(tmp_path):
 
 @pytest.fixture
 def cli():
+    """The sync commands on a bare app; ``ws`` resets the global options after each command, so this does too."""
+    from weightstore.cli.render import settings
+
     app = typer.Typer()
     sync_cli.register(app)
-    return app
+    yield app
+    settings.reset()
 
 
 def test_cli_versions(tmp_path, cli):
