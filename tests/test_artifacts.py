@@ -299,7 +299,8 @@ def test_tf2_checkpoint_of_another_model_names_the_file(tmp_path):
     prefix = tf.train.Checkpoint(model=model).write(str(tmp_path / "ckpt-7"))
     unrelated = tf.Module()
     unrelated.w = tf.Variable(tf.zeros([2]))
-    with pytest.raises(FormatError, match=r"ckpt-7: no part of this checkpoint has the structure of the model") as caught:
+    refusal = r"ckpt-7: no part of this checkpoint has the structure of the model"
+    with pytest.raises(FormatError, match=refusal) as caught:
         tf2.assign(unrelated, prefix)
     assert (caught.value.path, caught.value.key) == (prefix, None)
 

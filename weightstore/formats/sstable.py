@@ -47,8 +47,8 @@ def read_varint(data: bytes, pos: int, end: int, bits: int, *, path: str, what: 
     """``(value, next position)`` of a little-endian base-128 varint of at most ``bits`` bits.
 
     A varint that runs past ``end``, takes more bytes than ``bits`` allow, or overflows them
-    is a :class:`FormatError` naming ``path`` (and ``key``) and saying in ``what`` it lies:
-    a C reader would silently wrap or read on.
+    is a :class:`FormatError` naming ``path`` (and ``key``), its message saying which part of the
+    file (``what``) held it: a C reader would silently wrap or read on.
     """
     result = 0
     shift = 0

@@ -406,37 +406,37 @@ class CheckpointReader:
             raise StoreNotFoundError(f"no such checkpoint ({path} is missing)", path=self.prefix) from None
 
     def _parse(self, table: Table) -> tuple[Any, dict[str, Any], dict[bytes, Any]]:
-        where = table.path
+        index_path = table.path
         header = None
         entries: dict[str, Any] = {}
         slice_entries: dict[bytes, Any] = {}
         for raw_key, value in table.items():
             if raw_key == b"":
                 header = BundleHeaderProto()
-                _parse_proto(header, value, where, "the bundle header")
+                _parse_proto(header, value, index_path, "the bundle header")
                 continue
             entry = BundleEntryProto()
             if raw_key.startswith(b"\x00"):  # a slice of a partitioned variable (see slice_key)
-                _parse_proto(entry, value, where, f"slice entry {raw_key!r}")
+                _parse_proto(entry, value, index_path, f"slice entry {raw_key!r}")
                 slice_entries[raw_key] = entry
                 continue
             try:
                 name = raw_key.decode("utf-8")
             except UnicodeDecodeError:
-                raise FormatError(f"entry name {raw_key!r} is not valid UTF-8", path=where) from None
-            _parse_proto(entry, value, where, f"entry {name!r}")
+                raise FormatError(f"entry name {raw_key!r} is not valid UTF-8", path=index_path) from None
+            _parse_proto(entry, value, index_path, f"entry {name!r}")
             entries[name] = entry
         if header is None:
-            raise FormatError("not a TensorFlow checkpoint index (no bundle header)", path=where)
+            raise FormatError("not a TensorFlow checkpoint index (no bundle header)", path=index_path)
         if header.endianness != 0:
-            raise FormatError("big-endian checkpoints are not read", path=where)
+            raise FormatError("big-endian checkpoints are not read", path=index_path)
         if not 0 < header.num_shards <= MAX_SHARDS:
-            raise FormatError(f"bundle header declares {header.num_shards} data shards", path=where)
+            raise FormatError(f"bundle header declares {header.num_shards} data shards", path=index_path)
         return header, entries, slice_entries
 
     def _tensors(self, entries: dict[str, Any], slice_entries: dict[bytes, Any]) -> dict[str, _Tensor]:
         """Every numeric entry checked against the index's own rules; data ranges checked for overlap."""
-        where = self.prefix + ".index"
+        index_path = self.prefix + ".index"
         tensors: dict[str, _Tensor] = {}
         ranges: list[tuple[int, int, int, str]] = []  # shard, start, end, entry
         for name, entry in entries.items():
@@ -446,16 +446,16 @@ class CheckpointReader:
                 ranges.append((stored.shard, stored.offset, stored.offset + stored.size, name))
                 if dtype is None:
                     continue  # strings and others: skipped, but their bytes still may not overlap
-                shape = _shape(entry, where, name)
+                shape = _shape(entry, index_path, name)
                 needed = math.prod(shape) * dtype.itemsize
                 if needed != stored.size:
-                    raise FormatError(f"has shape {shape} {dtype}, which needs {needed} bytes; its entry says {stored.size}",
-                                      path=where, key=name)
+                    raise FormatError(f"has shape {shape} {dtype}, which needs {needed} bytes; its entry says "
+                                      f"{stored.size}", path=index_path, key=name)
                 tensors[name] = _Tensor(name, dtype, shape, stored=stored)
                 continue
             if dtype is None:
                 continue
-            shape = _shape(entry, where, name)
+            shape = _shape(entry, index_path, name)
             tensor = _Tensor(name, dtype, shape)
             tensor.slices = self._slices(entry, name, shape, dtype, slice_entries)
             for _, _, stored in tensor.slices:
@@ -464,54 +464,54 @@ class CheckpointReader:
         ranges = sorted(r for r in ranges if r[2] > r[1])  # empty tensors occupy no bytes
         for (shard, _, end, first), (other, start, _, second) in itertools.pairwise(ranges):
             if shard == other and start < end:
-                raise FormatError(f"tensors {first!r} and {second!r} overlap in data shard {shard}", path=where)
+                raise FormatError(f"tensors {first!r} and {second!r} overlap in data shard {shard}", path=index_path)
         return tensors
 
     def _stored(self, entry: Any, name: str) -> _Stored:
-        where = self.prefix + ".index"
+        index_path = self.prefix + ".index"
         if not 0 <= entry.shard_id < self._num_shards:
-            raise FormatError(f"lies in data shard {entry.shard_id}, of {self._num_shards}", path=where, key=name)
+            raise FormatError(f"lies in data shard {entry.shard_id}, of {self._num_shards}", path=index_path, key=name)
         if entry.offset < 0 or entry.size < 0:
-            raise FormatError("has a negative offset or size", path=where, key=name)
+            raise FormatError("has a negative offset or size", path=index_path, key=name)
         return _Stored(entry.shard_id, entry.offset, entry.size, unmask_crc(entry.crc32c))
 
     def _slices(self, entry: Any, name: str, shape: tuple[int, ...], dtype: np.dtype,
                 slice_entries: dict[bytes, Any]) -> list[tuple[tuple[slice, ...], tuple[int, ...], _Stored]]:
         """The slices of a partitioned variable, proved to tile its full shape exactly."""
-        where = self.prefix + ".index"
+        index_path = self.prefix + ".index"
         if len(entry.slices) > MAX_SLICES:
             raise UnsafeFileError(f"is split into {len(entry.slices)} slices (limit {MAX_SLICES})",
-                                  path=where, key=name)
+                                  path=index_path, key=name)
         if entry.size:
-            raise FormatError("lists slices and data of its own", path=where, key=name)
+            raise FormatError("lists slices and data of its own", path=index_path, key=name)
         pieces = []
         covered = 0
         for proto in entry.slices:
             if len(proto.extent) != len(shape):
                 raise FormatError(f"a slice has {len(proto.extent)} dimensions, the tensor {len(shape)}",
-                                  path=where, key=name)
+                                  path=index_path, key=name)
             extents, index = [], []
             for extent, dim in zip(proto.extent, shape, strict=True):
                 length = extent.length if extent.HasField("length") else -1
                 start, stop = (extent.start, extent.start + length) if length >= 0 else (extent.start, dim)
                 if length < -1 or not 0 <= start <= stop <= dim or (length == -1 and start != 0):
-                    raise FormatError(f"a slice reaches outside its shape {shape}", path=where, key=name)
+                    raise FormatError(f"a slice reaches outside its shape {shape}", path=index_path, key=name)
                 extents.append((start, length))
                 index.append(slice(start, stop))
             piece = slice_entries.get(slice_key(name.encode("utf-8"), extents))
             if piece is None:
-                raise FormatError(f"lists a slice {extents} that the index does not hold", path=where, key=name)
+                raise FormatError(f"lists a slice {extents} that the index does not hold", path=index_path, key=name)
             piece_shape = tuple(s.stop - s.start for s in index)
             stored = self._stored(piece, name)
             needed = math.prod(piece_shape) * dtype.itemsize
-            if piece.dtype != entry.dtype or _shape(piece, where, name) != piece_shape or stored.size != needed:
+            if piece.dtype != entry.dtype or _shape(piece, index_path, name) != piece_shape or stored.size != needed:
                 raise FormatError(f"a slice does not match its place {piece_shape} {dtype} ({stored.size} bytes)",
-                                  path=where, key=name)
+                                  path=index_path, key=name)
             covered += math.prod(piece_shape)
             pieces.append((tuple(index), piece_shape, stored))
-        _refuse_overlapping_slices(where, name, pieces)
+        _refuse_overlapping_slices(index_path, name, pieces)
         if covered != math.prod(shape):
-            raise FormatError(f"its slices do not cover its shape {shape}", path=where, key=name)
+            raise FormatError(f"its slices do not cover its shape {shape}", path=index_path, key=name)
         return pieces
 
     def _graph_keys(self, entries: dict[str, Any]) -> dict[str, str]:
@@ -656,24 +656,24 @@ def _is_key(name: str) -> bool:
     return True
 
 
-def _parse_proto(message: Any, value: bytes, where: str, what: str) -> None:
+def _parse_proto(message: Any, value: bytes, path: str, what: str) -> None:
     try:
         message.ParseFromString(value)
     except (DecodeError, RecursionError):
-        raise FormatError(f"{what} is not a readable protocol buffer", path=where) from None
+        raise FormatError(f"{what} is not a readable protocol buffer", path=path) from None
 
 
-def _shape(entry: Any, where: str, name: str) -> tuple[int, ...]:
+def _shape(entry: Any, path: str, name: str) -> tuple[int, ...]:
     proto = entry.shape
     if proto.unknown_rank:
-        raise FormatError("has no known rank", path=where, key=name)
+        raise FormatError("has no known rank", path=path, key=name)
     shape = tuple([dim.size for dim in proto.dim])
     if len(shape) > MAX_NDIM or (shape and min(shape) < 0):
-        raise FormatError(f"has an impossible shape {shape}", path=where, key=name)
+        raise FormatError(f"has an impossible shape {shape}", path=path, key=name)
     return shape
 
 
-def _refuse_overlapping_slices(where: str, name: str, pieces: list) -> None:
+def _refuse_overlapping_slices(path: str, name: str, pieces: list) -> None:
     """Two slices that share an element would make the joined value depend on their order."""
     boxes = sorted(([(s.start, s.stop) for s in index] for index, shape, _ in pieces if math.prod(shape)))
     for i, box in enumerate(boxes):
@@ -681,5 +681,5 @@ def _refuse_overlapping_slices(where: str, name: str, pieces: list) -> None:
             if other[0][0] >= box[0][1]:
                 break  # sorted by the first dimension's start: no later box reaches back
             if all(a < d and c < b for (a, b), (c, d) in zip(box, other, strict=True)):
-                raise FormatError("two of its slices overlap", path=where, key=name)
+                raise FormatError("two of its slices overlap", path=path, key=name)
 
