@@ -63,8 +63,8 @@ def for_model(model: Any, path: Any, model_keys: Mapping[str, Any]) -> weightsto
     try:
         by_variable = {id(var): key for key, var in model_keys.items()}
         if _is_keras(text) and not isinstance(model, keras.layers.Layer):
-            raise AssignmentError(f"cannot assign {text}: a Keras file pairs with the Keras model or layer that "
-                                  f"saved it, not a {type(model).__name__}")
+            raise AssignmentError(f"a Keras file pairs with the Keras model or layer that saved it, not a "
+                                  f"{type(model).__name__}", path=text)
         if _is_keras(text):
             names = _keras_names(model, source.keys(), by_variable)
         else:
@@ -158,7 +158,7 @@ def _checkpoint_names(model: Any, path: str, file_keys: list[str], by_variable: 
     """Model key -> file key, walking ``model``'s trackable children in step with the object graph."""
     graph = _object_graph(path)
     if graph is None:
-        raise FormatError(f"{path}: not a TF2 object checkpoint (no object graph)")
+        raise FormatError("not a TF2 object checkpoint (no object graph)", path=path)
     children = [{child.local_name: child.node_id for child in node.children} for node in graph.nodes]
     best: tuple[int, int, dict[int, Any], set[int]] | None = None
     for node in _near_root(children):
@@ -167,8 +167,8 @@ def _checkpoint_names(model: Any, path: str, file_keys: list[str], by_variable: 
         if best is None or score > best[0]:
             best = (score, node, found, reached)
     if best is None or not best[0]:
-        raise FormatError(f"{path}: no part of this checkpoint has the structure of the model "
-                          f"({type(model).__name__}): no variable of the model is in it")
+        raise FormatError(f"no part of this checkpoint has the structure of the model ({type(model).__name__}): "
+                          "no variable of the model is in it", path=path)
     _, home, found, reached = best
     below_home = _descendants(home, children)
     names: dict[str, str] = {}
@@ -283,7 +283,7 @@ class _Renamed:
         try:
             return self._names[key]
         except KeyError:
-            raise KeyNotInStoreError(f"{self._store.path}: no tensor {key!r}") from None
+            raise KeyNotInStoreError("no such tensor", path=self._store.path, key=key) from None
 
     def info(self, key: str) -> TensorInfo:
         info = self._store.info(self._old(key))

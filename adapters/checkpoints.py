@@ -104,11 +104,11 @@ class Source(Store):
         Only that graph records trainability: TF2 checkpoints, Keras files and stores do not.
         """
         if self._meta_graph is None:
-            raise FormatError(f"{self.path}: --trainable-only needs a TF1 checkpoint with its .meta graph; "
-                              f"a {self.kind} does not record which variables are trainable")
+            raise FormatError(f"--trainable-only needs a TF1 checkpoint with its .meta graph; a {self.kind} does not "
+                              "record which variables are trainable", path=self.path)
         if not os.path.exists(self._meta_graph):
-            raise FormatError(f"{self.path}: --trainable-only needs the graph file {self._meta_graph}, "
-                              "which is missing (save with Saver(write_meta_graph=True))")
+            raise FormatError(f"--trainable-only needs the graph file {self._meta_graph}, which is missing "
+                              "(save with Saver(write_meta_graph=True))", path=self.path)
         return _trainable_from_meta(self._meta_graph)
 
 
@@ -116,7 +116,7 @@ def open_source(path: str | os.PathLike) -> Source:
     """Open anything :func:`weightstore.open` reads, labelled with its kind for the CLI's messages."""
     text = os.fspath(path)
     if not is_url(text) and not os.path.exists(text) and resolve_prefix(text) is None:
-        raise StoreNotFoundError(f"{text}: no such file or checkpoint")
+        raise StoreNotFoundError("no such file or checkpoint", path=text)
     return Source(weightstore.open(text))
 
 
@@ -131,14 +131,14 @@ def open_keyed_like_model(path: str | os.PathLike, model_file: str | os.PathLike
     """
     text, model_text = os.fspath(path), os.fspath(model_file)
     if not model_text.endswith(".keras"):
-        raise FormatError(f"{model_text}: is not a .keras file; the model's architecture comes from the "
-                          "config.json of one")
+        raise FormatError("is not a .keras file; the model's architecture comes from the config.json of one",
+                          path=model_text)
     with open_source(text) as plain:
         kind = plain.kind
     prefix = resolve_prefix(text) if kind == KIND_TF2 else None
     if prefix is None and not text.endswith((".keras", keras_file.WEIGHTS_SUFFIX)):
-        raise FormatError(f"{text}: is a {kind}; only Keras files and TF2 object-based checkpoints can be "
-                          "keyed like a model")
+        raise FormatError(f"is a {kind}; only Keras files and TF2 object-based checkpoints can be keyed like a model",
+                          path=text)
     _tf()
     with _quietly():
         from weightstore.adapters import artifacts, keras_config, tf2
@@ -170,7 +170,7 @@ def _trainable_from_meta(meta_path: str) -> set[str]:
     try:
         graph.ParseFromString(Path(meta_path).read_bytes())
     except Exception as exc:  # protobuf's DecodeError has no stable import path
-        raise FormatError(f"{meta_path}: not a readable MetaGraphDef ({exc})") from None
+        raise FormatError(f"not a readable MetaGraphDef ({exc})", path=meta_path) from None
     names = set()
     for raw in graph.collection_def["trainable_variables"].bytes_list.value:
         variable = variable_pb2.VariableDef.FromString(raw)
@@ -190,9 +190,9 @@ def checkpoint_names(prefix: str) -> list[str]:
     reader = CheckpointReader(prefix)
     reader.close()  # only the index is needed
     if reader.object_based:
-        raise FormatError(f"{prefix}: is a TF2 object-based checkpoint; ws writes name-based (TF1 Saver) "
+        raise FormatError("is a TF2 object-based checkpoint; ws writes name-based (TF1 Saver) "
                           "entries, which tf.train.Checkpoint.restore would not see: replace its values "
-                          "(replace_in_object_checkpoint, or ws import) or choose another prefix")
+                          "(replace_in_object_checkpoint, or ws import) or choose another prefix", path=prefix)
     return list(reader.entry_names)
 
 
@@ -225,7 +225,7 @@ def write_checkpoint(prefix: str, weights: Mapping[str, np.ndarray]) -> None:
     tf = _tf()
     target = Path(prefix)
     if not target.parent.is_dir():
-        raise StoreNotFoundError(f"{prefix}: folder {str(target.parent)!r} does not exist")
+        raise StoreNotFoundError(f"folder {str(target.parent)!r} does not exist", path=prefix)
     tensors: dict[str, Any] = {}
     if os.path.exists(prefix + ".index"):
         checkpoint_names(prefix)  # refuses object-based checkpoints
@@ -233,7 +233,7 @@ def write_checkpoint(prefix: str, weights: Mapping[str, np.ndarray]) -> None:
     for key, value in weights.items():
         tensors[key] = _as_tensor(tf, prefix, key, value)
     if not tensors:
-        raise SelectionError(f"{prefix}: nothing to write")
+        raise SelectionError("nothing to write", path=prefix)
     _commit(tf, prefix, tensors)
 
 
@@ -252,21 +252,21 @@ def replace_in_object_checkpoint(prefix: str, weights: Mapping[str, np.ndarray])
     reader = CheckpointReader(prefix)
     reader.close()  # only the index is needed
     if not reader.object_based:
-        raise FormatError(f"{prefix}: is a name-based (TF1 Saver) checkpoint, not a TF2 object-based one")
+        raise FormatError("is a name-based (TF1 Saver) checkpoint, not a TF2 object-based one", path=prefix)
     present = set(reader.keys())
     unknown = [key for key in weights if key not in present]
     if unknown:
         more = f" and {len(unknown) - _SHOWN} more" if len(unknown) > _SHOWN else ""
         named = ", ".join(repr(k) for k in unknown[:_SHOWN]) + more
-        raise SelectionError(f"{prefix}: the TF2 object-based checkpoint has no variable {named}; "
+        raise SelectionError(f"the TF2 object-based checkpoint has no variable {named}; "
                              "tf.train.Checkpoint.restore ignores entries its object graph does not name, "
-                             "so ws only replaces existing ones (see ws ls)")
+                             "so ws only replaces existing ones (see ws ls)", path=prefix)
     replaced: dict[str, np.ndarray] = {}
     for key, value in weights.items():
         array, info = np.asarray(value), reader.info(key)
         if tuple(array.shape) != tuple(info.shape) or str(array.dtype) != info.dtype:
-            raise SelectionError(f"{prefix}: variable {key!r} is {info.dtype} {list(info.shape)} in the checkpoint, "
-                                 f"the imported tensor is {array.dtype} {list(array.shape)}")
+            raise SelectionError(f"is {info.dtype} {list(info.shape)} in the checkpoint, the imported tensor is "
+                                 f"{array.dtype} {list(array.shape)}", path=prefix, key=key)
         replaced[reader.entry_name(key)] = array
     tensors = _old_entries(tf, prefix, keep=lambda name: name not in replaced)
     for name, array in replaced.items():
@@ -362,7 +362,8 @@ def _commit(tf: Any, prefix: str, tensors: Mapping[str, Any]) -> None:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
         if isinstance(exc, tf.errors.OpError):
-            raise FormatError(f"{prefix}: TensorFlow could not write the checkpoint ({_first_line(exc)})") from None
+            raise FormatError(f"TensorFlow could not write the checkpoint ({_first_line(exc)})",
+                              path=prefix) from None
         raise
     kept = {prefix + path[len(temporary):] for path in written}
     for stale in _files_of(prefix):
@@ -391,9 +392,8 @@ def _as_tensor(tf: Any, prefix: str, key: str, value: Any) -> Any:
     try:
         return tf.constant(array)
     except (TypeError, ValueError):
-        raise UnsupportedDTypeError(
-            f"{prefix}: tensor {key!r} has dtype {array.dtype}, which TensorFlow checkpoints cannot hold"
-        ) from None
+        raise UnsupportedDTypeError(f"has dtype {array.dtype}, which TensorFlow checkpoints cannot hold",
+                                    path=prefix, key=key) from None
 
 
 def _files_of(prefix: str) -> list[str]:

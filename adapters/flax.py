@@ -174,7 +174,7 @@ def _leaves(tree: Any) -> dict[str, Any]:
         if _is_array(leaf):
             key = _key(path)
             if key in leaves:
-                raise InvalidKeyError(f"two leaves of the tree both have key {key!r}")
+                raise InvalidKeyError("two leaves of the tree both have this key", key=key)
             leaves[key] = leaf
     return leaves
 

@@ -26,17 +26,17 @@ def model_from_archive(path: str) -> Any:
 
     config = keras_file.read_config(path)
     if _mentions_lambda(config):
-        raise FormatError(f"{path}: its model has a Lambda layer or other Python code, which ws never runs; "
-                          "load the weights in Python with tf2.load(model, path) instead")
+        raise FormatError("its model has a Lambda layer or other Python code, which ws never runs; "
+                          "load the weights in Python with tf2.load(model, path) instead", path=path)
     config = {name: value for name, value in config.items() if name != "compile_config"}
     try:
         model = keras.saving.deserialize_keras_object(config, safe_mode=True)
     except Exception as exc:  # Keras raises TypeError, ValueError, KeyError… for configs it cannot build
-        raise FormatError(f"{path}: cannot rebuild its model from config.json ({_first_sentence(exc)}); "
+        raise FormatError(f"cannot rebuild its model from config.json ({_first_sentence(exc)}); "
                           "ws builds only Keras's own layers, never custom ones: load the weights in Python "
-                          "with tf2.load(model, path) instead") from None
+                          "with tf2.load(model, path) instead", path=path) from None
     if not isinstance(model, keras.layers.Layer):
-        raise FormatError(f"{path}: config.json describes a {type(model).__name__}, not a Keras model")
+        raise FormatError(f"config.json describes a {type(model).__name__}, not a Keras model", path=path)
     return model
 
 

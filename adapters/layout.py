@@ -411,13 +411,14 @@ def convert(weights: Mapping[str, np.ndarray], direction: str, *, where: str) ->
     shapes = {key: np.shape(value) for key, value in weights.items()}
     steps, refused = (from_keras if from_keras_names else to_keras)(LAYOUTS[name], shapes)
     if refused:
-        raise LayoutError(refusal_message(where, refused))
+        raise LayoutError(refusal_message(None, refused), path=where)
     return {new: step.apply(np.asarray(weights[step.source])) for new, step in steps.items()}
 
 
-def refusal_message(where: str, refused: Mapping[str, str], listed: int = 20) -> str:
+def refusal_message(where: str | None, refused: Mapping[str, str], listed: int = 20) -> str:
     plural = "s" if len(refused) != 1 else ""
-    lines = [f"{where}: {len(refused)} tensor{plural} no layout rule converts (add a Rule with Layout.extended):"]
+    head = f"{len(refused)} tensor{plural} no layout rule converts (add a Rule with Layout.extended):"
+    lines = [f"{where}: {head}" if where else head]
     lines += [f"  {key}: {why}" for key, why in list(refused.items())[:listed]]
     if len(refused) > listed:
         lines.append(f"  … and {len(refused) - listed} more")

@@ -166,7 +166,7 @@ def numpy_dtype(tensor: torch.Tensor, key: str) -> np.dtype:
     try:
         return torch.empty(0, dtype=tensor.dtype).numpy().dtype
     except TypeError as error:
-        raise UnsupportedDTypeError(f"{key!r}: torch dtype {tensor.dtype} has no numpy counterpart") from error
+        raise UnsupportedDTypeError(f"torch dtype {tensor.dtype} has no numpy counterpart", key=key) from error
 
 
 def _optional(key: str) -> bool:
@@ -177,7 +177,7 @@ def _read(tensor: torch.Tensor, key: str) -> np.ndarray:
     """A new array, whatever device the tensor lives on."""
     dtype = numpy_dtype(tensor, key)
     if tensor.is_meta:
-        raise SelectionError(f"{key!r} is on the meta device and holds no data to export")
+        raise SelectionError("is on the meta device and holds no data to export", key=key)
     copy = tensor.detach().to("cpu", copy=True)
     if tensor.dtype in _VIEWED:
         return copy.view(_VIEWED[tensor.dtype][1]).numpy().view(dtype)

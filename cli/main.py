@@ -135,8 +135,8 @@ def export(
     if model_keys and model is None and not source.endswith(".keras"):
         from weightstore.errors import FormatError
 
-        raise FormatError(f"{source}: has no model config to key it by (--model-keys); name a .keras file "
-                          "with --model")
+        raise FormatError("has no model config to key it by (--model-keys); name a .keras file with --model",
+                          path=source)
     keyed_by = model or (source if model_keys else None)
     opening = checkpoints.open_source(source) if keyed_by is None else checkpoints.open_keyed_like_model(source,
                                                                                                          keyed_by)
@@ -219,7 +219,8 @@ def _under_scope(opened: checkpoints.Source, scope: str | None) -> list[str]:
     norm = normalize_scope(scope)
     keys = [key for key in opened if in_scope(key, norm)]
     if not keys and opened.keys():
-        raise SelectionError(f"scope {norm!r} matches no key in {opened.path}{suggest(norm, scopes_of(opened.keys()))}")
+        raise SelectionError(f"scope {norm!r} matches no key{suggest(norm, scopes_of(opened.keys()))}",
+                             path=opened.path)
     return keys
 
 
@@ -308,7 +309,8 @@ def verify(store: Annotated[str, typer.Argument(help="The weight store to check.
         render.emit("verify", {"path": store, "count": total, "checksums": has_checksums, "problems": []})
         return
     if problems:
-        raise ChecksumError(f"{store}: {len(problems)} of {count(total, 'tensor')} corrupt: {'; '.join(problems)}")
+        raise ChecksumError(f"{len(problems)} of {count(total, 'tensor')} corrupt: {'; '.join(problems)}",
+                            path=store)
     if has_checksums:
         note(f"{store}: ok, {count(total, 'tensor')}, checksums match")
     else:

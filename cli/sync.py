@@ -36,8 +36,9 @@ def versions(
     """
     from weightstore.versions import list_versions
 
+    settings.json = settings.json or as_json  # so a failure is reported as JSON too
     entries = list_versions(folder)
-    if as_json or settings.json:
+    if settings.json:
         emit("versions", {"folder": folder, "versions": [
             {"step": entry.step, "path": entry.path, "modified": entry.modified, "size": entry.size,
              "latest": entry.latest} for entry in entries]})
@@ -66,7 +67,7 @@ def follow(
     """
     from weightstore.versions import follow as follow_versions
 
-    as_json = as_json or settings.json
+    as_json = settings.json = settings.json or as_json  # so a failure is reported as JSON too
     for version in follow_versions(folder, poll=poll, timeout=timeout, after=after):
         if as_json:  # a stream: one object per line, so a reader can act on each as it lands
             typer.echo(json.dumps({"command": "follow", "ok": True, "step": version.step, "path": version.path,

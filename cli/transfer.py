@@ -64,9 +64,9 @@ def export(source: Source, out: str, *, scope: str | None, mapping: MappingRules
         trainable = source.trainable_keys()
         plan = {new: old for new, old in plan.items() if old in trainable or (also and passes(new, include=also))}
         if not plan:
-            raise SelectionError(f"{source.path}: no trainable variable is selected")
+            raise SelectionError("no trainable variable is selected", path=source.path)
     if not plan:
-        raise SelectionError(f"{source.path}: selects no tensor")
+        raise SelectionError("selects no tensor", path=source.path)
     weights = read(source, plan, "reading")
     metadata = source.metadata if source.has_checksums else {"source": source.path, "source_kind": source.kind}
     with working(f"writing {out}"):
@@ -98,9 +98,10 @@ def is_checkpoint_target(target: str) -> bool:
         return True
     if os.path.isdir(target):
         example = os.path.join(target, "model.ckpt")
-        raise FormatError(f"{target}: is a folder; give a checkpoint prefix such as {example}")
+        raise FormatError(f"is a folder; give a checkpoint prefix such as {example}", path=target)
     if target.endswith(".keras"):
-        raise FormatError(f"{target}: writing .keras archives is not supported; import into a .weights.h5 or .npz file")
+        raise FormatError("writing .keras archives is not supported; import into a .weights.h5 or .npz file",
+                          path=target)
     if os.path.isfile(target):
         with open(target, "rb") as handle:
             sniff(handle.read(8), target)  # refuses files that are neither npz nor HDF5
@@ -112,7 +113,7 @@ def import_(source: Source, target: str, *, scope: str | None, mapping: MappingR
             exclude: Patterns, overwrite: bool) -> Written:
     plan = plan_inward(source.keys(), scope=scope, mapping=mapping, include=include, exclude=exclude, where=source.path)
     if not plan:
-        raise SelectionError(f"{source.path}: holds no tensor to import")
+        raise SelectionError("holds no tensor to import", path=source.path)
     for key in plan:
         validate_key(key)
     if is_checkpoint_target(target):
@@ -165,5 +166,5 @@ def _refuse_clashes(target: str, existing: list[str], plan: Mapping[str, str], o
     if clash:
         more = f" and {len(clash) - _SHOWN} more" if len(clash) > _SHOWN else ""
         named = ", ".join(repr(k) for k in clash[:_SHOWN]) + more
-        raise StoreExistsError(f"{target}: already holds {len(clash)} of the imported keys ({named}); "
-                               "pass --overwrite to replace them, or --scope to import beside them")
+        raise StoreExistsError(f"already holds {len(clash)} of the imported keys ({named}); pass --overwrite to "
+                               "replace them, or --scope to import beside them", path=target)

@@ -299,8 +299,10 @@ def test_tf2_checkpoint_of_another_model_names_the_file(tmp_path):
     prefix = tf.train.Checkpoint(model=model).write(str(tmp_path / "ckpt-7"))
     unrelated = tf.Module()
     unrelated.w = tf.Variable(tf.zeros([2]))
-    with pytest.raises(FormatError, match=r"ckpt-7: no part of this checkpoint has the structure of the model"):
+    refusal = r"ckpt-7: no part of this checkpoint has the structure of the model"
+    with pytest.raises(FormatError, match=refusal) as caught:
         tf2.assign(unrelated, prefix)
+    assert (caught.value.path, caught.value.key) == (prefix, None)
 
 
 def test_a_keras_file_into_a_tf_module_is_refused_naming_the_file(tmp_path):
@@ -309,8 +311,9 @@ def test_a_keras_file_into_a_tf_module_is_refused_naming_the_file(tmp_path):
     module = tf.Module()
     module.w = tf.Variable(tf.zeros([2]))
     with pytest.raises(AssignmentError, match=r"m\.weights\.h5: a Keras file pairs with the Keras model or layer "
-                                              r"that saved it, not a Module"):
+                                              r"that saved it, not a Module") as caught:
         tf2.assign(module, tmp_path / "m.weights.h5")
+    assert caught.value.path == str(tmp_path / "m.weights.h5")
 
 
 def test_a_damaged_checkpoint_is_a_weightstore_error_naming_the_file(tmp_path):

@@ -135,8 +135,9 @@ def test_a_failed_publish_raises_on_close_and_wait(tmp_path):
     with pytest.raises(ws.PublishError, match="steps must increase"):
         publisher.close()
     assert publisher.wait() is None  # raised once
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(RuntimeError, match="closed") as caught:
         publisher.publish(weights(12), step=12)
+    assert caught.value.path == str(tmp_path)
     other = ws.BackgroundPublisher(tmp_path)
     other.publish(weights(6), step=6)
     with pytest.raises(ws.PublishError):

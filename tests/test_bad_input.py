@@ -836,10 +836,10 @@ def test_npz_truncated_in_place_under_an_open_store_is_refused_not_fatal(tmp_pat
         "try:\n"
         "    store['b']\n"
         "except ws.FormatError as exc:\n"
-        "    print('REFUSED', exc)\n"
+        "    print('REFUSED', exc.path == str(store.path), exc)\n"
     )
     assert result.returncode == 0, result.stderr
-    assert "REFUSED" in result.stdout and str(path) in result.stdout and "'b'" in result.stdout
+    assert "REFUSED True" in result.stdout and str(path) in result.stdout and "'b'" in result.stdout
 
 
 def test_mmap_false_arrays_own_aligned_memory_and_survive_rewrites_in_place(tmp_path):

@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 import pytest
+import tf_forge
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -427,6 +428,45 @@ def test_json_error_names_the_type_the_file_and_exits_1(tmp_path):
     one_error_line(result, str(missing))
 
 
+def _truncated_safetensors(tmp_path) -> tuple[list[str], str, str | None]:
+    path = tmp_path / "m.safetensors"
+    ws.save(path, {"w": np.ones(8, np.float32)})
+    path.write_bytes(path.read_bytes()[:-4])
+    return ["ls", str(path)], str(path), "w"
+
+
+def _corrupt_npz(tmp_path) -> tuple[list[str], str, str | None]:
+    path = tmp_path / "m.npz"
+    ws.save(path, {"w": np.ones(8, np.float32)})
+    raw = bytearray(path.read_bytes())
+    raw[raw.index(np.ones(8, np.float32).tobytes())] ^= 0x01
+    path.write_bytes(bytes(raw))
+    return ["verify", str(path)], str(path), None  # one error for every corrupt tensor: no single key
+
+
+def _checkpoint_without_its_data(tmp_path) -> tuple[list[str], str, str | None]:
+    prefix = tf_forge.write(tmp_path / "model.ckpt", {"w": np.ones((2, 3), np.float32)})
+    os.remove(prefix + ".data-00000-of-00001")
+    return ["convert", prefix, str(tmp_path / "out.npz")], prefix + ".data-00000-of-00001", "w"
+
+
+def _folder_with_a_damaged_latest(tmp_path) -> tuple[list[str], str, str | None]:
+    ws.publish(tmp_path, {"w": np.ones(2, np.float32)}, step=1)
+    (tmp_path / "LATEST").write_text("{}")
+    return ["versions", str(tmp_path)], str(tmp_path), None
+
+
+@pytest.mark.parametrize("damaged", [_truncated_safetensors, _corrupt_npz, _checkpoint_without_its_data,
+                                     _folder_with_a_damaged_latest], ids=["ls", "verify", "convert", "versions"])
+def test_json_errors_carry_the_file_and_the_key(tmp_path, damaged):
+    """Scripts filter failures by ``error.path``/``error.key``; the message still names both."""
+    args, path, key = damaged(tmp_path)
+    result = run(*args, "--json")
+    error = json.loads(result.stdout)["error"]
+    assert (error["path"], error["key"]) == (path, key)
+    one_error_line(result, path, *([f"tensor {key!r}"] if key else []))
+
+
 @pytest.mark.parametrize("name", ["out.safetensors.bak", "out.xyz"])
 def test_unknown_output_suffix_is_refused_before_anything_is_read(store, tmp_path, name):
     result = run("export", store, "-o", tmp_path / name)
@@ -478,7 +518,7 @@ def test_import_into_an_object_checkpoint_refuses_keys_it_lacks(made, store, tmp
                    "tf.train.Checkpoint.restore ignores entries its object graph does not name")
     ws.save(tmp_path / "w.npz", {"net/w": np.ones((3, 3), np.float32)})
     one_error_line(run("import", tmp_path / "w.npz", "--into", target),
-                   "variable 'net/w' is float32 [2, 2] in the checkpoint, the imported tensor is float32 [3, 3]")
+                   "tensor 'net/w': is float32 [2, 2] in the checkpoint, the imported tensor is float32 [3, 3]")
     assert index.read_bytes() == before
 
 
@@ -569,7 +609,9 @@ class Doubler(keras.layers.Layer):
 def test_export_model_keys_refuses_code_in_the_config(tmp_path, layer, message):
     path = tmp_path / "custom.keras"
     keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), layer()]).save(path)
-    one_error_line(run("export", path, "-o", tmp_path / "out.npz", "--model-keys"), f"{path}: {message}")
+    result = run("export", path, "-o", tmp_path / "out.npz", "--model-keys", "--json")
+    one_error_line(result, f"{path}: {message}")
+    assert json.loads(result.stdout)["error"]["path"] == str(path)
     assert not (tmp_path / "out.npz").exists()
 
 

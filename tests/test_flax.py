@@ -117,6 +117,13 @@ def test_restore_strict_failure_names_the_key():
     assert partial["params"]["Dense_0"]["bias"].tolist() == [1.0, 1.0]
 
 
+def test_two_leaves_with_one_key_are_refused_naming_the_key():
+    tree = {"dense": {"kernel": np.ones(2, np.float32)}, "dense/kernel": np.zeros(2, np.float32)}
+    with pytest.raises(ws.errors.InvalidKeyError, match="tensor 'dense/kernel': two leaves of the tree") as caught:
+        flax_adapter.export(tree)
+    assert (caught.value.path, caught.value.key) == (None, "dense/kernel")
+
+
 def test_linen_tree_exports_in_keras_names_by_its_scopes():
     exported = flax_adapter.export(linen_tree(), layout="keras")
     assert sorted(exported) == ["batch_stats/BatchNorm_0/moving_mean", "batch_stats/BatchNorm_0/moving_variance",

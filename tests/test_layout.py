@@ -7,6 +7,8 @@ agree; the framework's export with the layout must then give back Keras's exact 
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -220,9 +222,10 @@ def test_cli_convert_with_a_layout_round_trips(tmp_path):
 def test_cli_convert_names_the_file_and_the_tensor_no_rule_covers(tmp_path):
     ws.save(tmp_path / "odd.npz", {"fc/kernel": np.ones((2, 3)), "fc/alpha": np.ones(3)})
     result = CliRunner().invoke(app, ["convert", str(tmp_path / "odd.npz"), str(tmp_path / "out.npz"),
-                                      "--layout", "keras-to-torch"])
+                                      "--layout", "keras-to-torch", "--json"])
     assert result.exit_code == 1
     assert str(tmp_path / "odd.npz") in result.output and "fc/alpha" in result.output
+    assert json.loads(result.stdout)["error"]["path"] == str(tmp_path / "odd.npz")
     assert not (tmp_path / "out.npz").exists()
     result = CliRunner().invoke(app, ["convert", str(tmp_path / "odd.npz"), str(tmp_path / "out.npz"),
                                       "--layout", "keras-to-mxnet"])

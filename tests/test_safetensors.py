@@ -250,8 +250,9 @@ def test_open_reads_only_the_header_and_reads_verify(tmp_path):
     with ws.open(path) as store:
         assert store.keys() == list(weights) and store.info("drop/w").shape == (100,)
         assert same(store["keep/w"], weights["keep/w"])
-        with pytest.raises(ws.ChecksumError, match="w.safetensors: tensor 'drop/w' is corrupt"):
+        with pytest.raises(ws.ChecksumError, match="w.safetensors: tensor 'drop/w': is corrupt") as caught:
             store["drop/w"]
+        assert (caught.value.path, caught.value.key) == (str(path), "drop/w")
     assert list(ws.load(path, include="keep")) == ["keep/w"]
     assert not np.array_equal(ws.load(path, verify=False)["drop/w"], weights["drop/w"])
     out = np.empty(100, np.float32)

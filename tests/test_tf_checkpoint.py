@@ -215,18 +215,19 @@ def test_tensors_are_read_lazily_and_verified(made, tmp_path):
     at = raw.index(entry)
     raw[at] ^= 0x01
     data.write_bytes(bytes(raw))
-    corrupt = r"copy\.data-00000-of-00001: tensor 'model/w' is corrupt \(CRC-32C"
-    with ws.open(prefix) as store, pytest.raises(ChecksumError, match=corrupt):
+    corrupt = r"copy\.data-00000-of-00001: tensor 'model/w': is corrupt \(CRC-32C"
+    with ws.open(prefix) as store, pytest.raises(ChecksumError, match=corrupt) as caught:
         store["model/w"]
+    assert (caught.value.path, caught.value.key) == (str(data), "model/w")
     flipped = ws.load(prefix, include="model/w", verify=False)["model/w"]
     assert flipped.shape == (2, 3) and flipped.tobytes() != entry
     data.unlink()
     with ws.open(prefix) as store:  # only the index is read at open
         assert "model/w" in store and store.info("model/w").shape == (2, 3)
-        with pytest.raises(FormatError, match=r"copy\.data-00000-of-00001: data file of tensor 'model/w' is missing"):
+        with pytest.raises(FormatError, match=r"copy\.data-00000-of-00001: tensor 'model/w': its data file is missing"):
             store["model/w"]
     data.write_bytes(bytes(raw[: at + 2]))  # short: the tensor runs past the end
-    with pytest.raises(FormatError, match=r"data file is short: tensor 'model/w' needs bytes"):
+    with pytest.raises(FormatError, match=r"tensor 'model/w': data file is short: needs bytes"):
         ws.load(prefix, verify=False)
 
 
@@ -282,13 +283,13 @@ def test_hostile_tables_are_refused(tmp_path, case):
     rewrite_index(prefix, valid_items(), **options)
     with pytest.raises(error, match=message) as caught:
         ws.open(prefix)
-    assert "forged.index" in str(caught.value)
+    assert "forged.index" in str(caught.value) and caught.value.path == prefix + ".index"
 
 
 ENTRY_LIES = {
-    "size past the data file": ({"w": {"size": 24, "offset": 10**9}}, "data file is short: tensor 'w'"),
-    "shape disagrees with size": ({"w": {"shape": (2, 4)}}, r"tensor 'w' of shape \(2, 4\) float32 needs 32 bytes, "
-                                                            r"its entry says 24"),
+    "size past the data file": ({"w": {"size": 24, "offset": 10**9}}, "tensor 'w': data file is short"),
+    "shape disagrees with size": ({"w": {"shape": (2, 4)}}, r"tensor 'w': has shape \(2, 4\) float32, which needs "
+                                                            r"32 bytes; its entry says 24"),
     "absurd dims": ({"w": {"shape": (1 << 40, 1 << 40)}}, "needs 4835703278458516698824704 bytes"),
     "negative dim": ({"w": {"shape": (-1, 3)}}, "impossible shape"),
     "overlapping ranges": ({"b": {"offset": 20}}, "tensors 'b' and 'w' overlap|tensors 'w' and 'b' overlap"),
@@ -303,7 +304,8 @@ def test_entries_that_lie_are_refused_naming_file_and_key(tmp_path, case):
     prefix = forged(tmp_path, overrides=overrides)
     with pytest.raises(FormatError, match=message) as caught:
         ws.load(prefix)
-    assert "forged." in str(caught.value)
+    assert "forged." in str(caught.value) and caught.value.path.startswith(f"{prefix}.")
+    assert caught.value.key == (None if case == "overlapping ranges" else "w")
 
 
 def test_names_must_be_utf8_and_unique(tmp_path):
@@ -398,8 +400,9 @@ def test_keras_config_is_read_as_bounded_json(keras_files, tmp_path):
     odd = tmp_path / "odd.keras"
     with zipfile.ZipFile(odd, "w") as archive:
         archive.writestr("config.json", "[1, 2]")
-    with pytest.raises(FormatError, match=r"odd\.keras: config\.json holds a JSON list, not an object"):
+    with pytest.raises(FormatError, match=r"odd\.keras: config\.json holds a JSON list, not an object") as caught:
         keras_file.read_config(odd)
+    assert (caught.value.path, caught.value.key) == (str(odd), None)
     with zipfile.ZipFile(odd, "w") as archive:
         archive.writestr("config.json", "{" * 100_000)
     with pytest.raises(FormatError, match=r"config\.json is not JSON text"):
@@ -470,7 +473,7 @@ def test_forged_slices_join_like_tensorflows(tmp_path):
 SLICE_LIES = {
     "a slice the index lacks": ([[(0, 1), (0, -1)], [(1, 2), (0, -1)]], 1, "lists a slice .* the index does not hold"),
     "slices that leave a gap": ([[(0, 1), (0, -1)]], 1, "do not cover its shape"),
-    "overlapping slices": ([[(0, 2), (0, -1)], [(1, 2), (0, -1)]], 2, "two slices of tensor 'v' overlap"),
+    "overlapping slices": ([[(0, 2), (0, -1)], [(1, 2), (0, -1)]], 2, "tensor 'v': two of its slices overlap"),
     "a slice outside the shape": ([[(0, 1), (0, -1)], [(1, 5), (0, -1)]], 2, "reaches outside its shape"),
 }
 
@@ -493,14 +496,14 @@ def test_a_huge_sliced_tensor_is_refused_before_it_is_allocated(tmp_path):
     Path(f"{prefix}.data-00000-of-00001").write_bytes(b"\0" * 64)
     with ws.open(prefix) as store:
         assert store.info("v").nbytes == 4 << 48  # what the index claims; max_bytes can refuse it
-        with pytest.raises(FormatError, match=r"data file is short: tensor 'v' needs bytes 0\.\.1125899906842624"):
+        with pytest.raises(FormatError, match=r"tensor 'v': data file is short: needs bytes 0\.\.1125899906842624"):
             store["v"]
 
 
 def test_a_closed_checkpoint_refuses_reads(made):
     store = ws.open(made["tf1"])
     store.close()
-    with pytest.raises(FormatError, match="the checkpoint is closed; open it again to read 'model/w'"):
+    with pytest.raises(FormatError, match="tensor 'model/w': the checkpoint is closed; open it again"):
         store["model/w"]
 
 

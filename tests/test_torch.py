@@ -183,8 +183,9 @@ def test_a_module_without_data_is_refused_not_silently_skipped():
         net = nn.Linear(2, 2)
     with pytest.raises(AssignmentError, match="meta device.*'weight'.*to_empty"):
         torch_adapter.assign(net, {"weight": np.ones((2, 2), np.float32), "bias": np.ones(2, np.float32)})
-    with pytest.raises(SelectionError, match="'weight' is on the meta device"):
+    with pytest.raises(SelectionError, match="tensor 'weight': is on the meta device") as caught:
         torch_adapter.export(net)
+    assert (caught.value.path, caught.value.key) == (None, "weight")
 
 
 def test_not_a_module_is_refused():

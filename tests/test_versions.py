@@ -127,8 +127,9 @@ def test_unpinned_version_pruned_away_says_retry(tmp_path):
 def test_damaged_latest_is_a_clear_error_and_publish_repairs_it(tmp_path, content):
     ws.publish(tmp_path, weights_at(3), step=3)
     (tmp_path / "LATEST").write_bytes(content)
-    with pytest.raises(ws.FormatError, match="LATEST is (empty|not a weightstore version pointer)"):
+    with pytest.raises(ws.FormatError, match="LATEST is (empty|not a weightstore version pointer)") as caught:
         ws.latest(tmp_path)
+    assert (caught.value.path, caught.value.key) == (str(tmp_path), None)
     with pytest.raises(ws.FormatError, match="LATEST"):
         next(ws.follow(tmp_path, timeout=0))
     with pytest.warns(UserWarning, match="LATEST"):
@@ -336,9 +337,13 @@ def test_two_publishers_steps_must_increase(tmp_path):
 
 @pytest.fixture
 def cli():
+    """The sync commands on a bare app; ``ws`` resets the global options after each command, so this does too."""
+    from weightstore.cli.render import settings
+
     app = typer.Typer()
     sync_cli.register(app)
-    return app
+    yield app
+    settings.reset()
 
 
 def test_cli_versions(tmp_path, cli):

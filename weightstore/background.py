@@ -114,7 +114,7 @@ class BackgroundPublisher:
         holds is freed tensor by tensor rather than at the end.
         """
         if self._closed:
-            raise PublishError(f"{self.folder}: this BackgroundPublisher is closed")
+            raise PublishError("this BackgroundPublisher is closed", path=str(self.folder))
         self.wait()
         future = PublishFuture()
         future.set_running_or_notify_cancel()

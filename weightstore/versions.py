@@ -351,9 +351,8 @@ def _newer_pinned(source: Folder, last: int | None) -> Version | None:
             return version
         except VersionGoneError:
             if gone == version.step:  # LATEST still names it: not a race, a damaged folder
-                raise StoreNotFoundError(
-                    f"{source.where}: LATEST names {version.path}, which does not exist; publish again to repair"
-                ) from None
+                raise StoreNotFoundError(f"LATEST names {version.path}, which does not exist; publish again to repair",
+                                         path=source.where) from None
             gone = version.step
 
 
@@ -361,7 +360,7 @@ def list_versions(folder: Any, *, storage_options: Mapping[str, Any] | None = No
     """Every version file in ``folder``, oldest first, marking the one ``LATEST`` names."""
     source = folder_for(folder, storage_options)
     if not source.exists():
-        raise StoreNotFoundError(f"{source.where}: no such folder")
+        raise StoreNotFoundError("no such folder", path=source.where)
     pointer = _latest(source)
     named = pointer.path.rsplit("/", 1)[-1] if pointer else None
     return [VersionEntry(step, entry.name, source.url(entry.name), entry.size, entry.modified, entry.name == named)
@@ -413,18 +412,19 @@ class _FolderState:
             warnings.warn(f"{where}: LATEST is missing but version files exist; the newest, step {self.newest}, "
                           "counts as current and the next publish names its own version", stacklevel=4)
         if self.pointer is not None and step <= self.pointer.step:
-            raise PublishError(f"{where}: step {step} is not after step {self.pointer.step}, which LATEST names; "
-                               "steps must increase (is another trainer publishing to this folder?)")
+            raise PublishError(f"step {step} is not after step {self.pointer.step}, which LATEST names; steps must "
+                               "increase (is another trainer publishing to this folder?)", path=where)
         rolled_back = self.above_latest()
         if self.pointer is not None and rolled_back and step <= rolled_back[-1]:
             raise PublishError(
-                f"{where}: step {step} is not after step {rolled_back[-1]}: LATEST names step {self.pointer.step}, "
+                f"step {step} is not after step {rolled_back[-1]}: LATEST names step {self.pointer.step}, "
                 f"but {_steps(rolled_back)} above it {'were' if len(rolled_back) > 1 else 'was'} published before "
-                "(was LATEST restored from an older copy?); publish a later step, or move those files away"
+                "(was LATEST restored from an older copy?); publish a later step, or move those files away",
+                path=where,
             )
         if self.pointer is None and self.newest is not None and step <= self.newest:
-            raise PublishError(f"{where}: step {step} is not after step {self.newest}, which is the newest version "
-                               "file (LATEST is missing or damaged); steps must increase")
+            raise PublishError(f"step {step} is not after step {self.newest}, which is the newest version file "
+                               "(LATEST is missing or damaged); steps must increase", path=where)
 
     def clean(self) -> None:
         """Remove what killed publishes left: dead writers' temporaries and never-published versions."""
@@ -482,7 +482,7 @@ def _latest(folder: Folder) -> Version | None:
     try:
         data = folder.read_small(LATEST, _MAX_POINTER_BYTES)
     except TargetError as exc:
-        raise FormatError(f"{exc}; the next publish replaces it") from None
+        raise FormatError(f"{exc.message}; the next publish replaces it", path=exc.path) from None
     if data is None:
         return None
     pointer = _parse_pointer(data, folder.where)
@@ -515,7 +515,8 @@ def _open_version(folder: Folder, version: Version, verify: bool) -> Store:
 
 
 def _gone(version: Version) -> VersionGoneError:
-    return VersionGoneError(f"{version.path}: version {version.step} is gone (pruned); read LATEST again and retry")
+    return VersionGoneError(f"version {version.step} is gone (pruned); read LATEST again and retry",
+                            path=version.path)
 
 
 def _now() -> str:
@@ -524,7 +525,7 @@ def _now() -> str:
 
 def _parse_pointer(data: bytes, where: str) -> dict[str, Any]:
     if not data.strip():
-        raise FormatError(f"{where}: LATEST is empty; publish again to repair it")
+        raise FormatError("LATEST is empty; publish again to repair it", path=where)
     try:
         pointer = json.loads(data)
     except (UnicodeDecodeError, ValueError, RecursionError):
@@ -537,7 +538,7 @@ def _parse_pointer(data: bytes, where: str) -> dict[str, Any]:
         pointer.get("format") != POINTER_FORMAT or file_match is None
         or not isinstance(step, int) or isinstance(step, bool) or int(file_match.group(1)) != step
     ):
-        raise FormatError(f"{where}: LATEST is not a weightstore version pointer; publish again to repair it")
+        raise FormatError("LATEST is not a weightstore version pointer; publish again to repair it", path=where)
     return pointer
 
 

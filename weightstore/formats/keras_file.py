@@ -110,18 +110,18 @@ def read_config(path: str | os.PathLike, *, max_bytes: int = MAX_CONFIG_BYTES) -
         FormatError: not a zip, no ``config.json``, or not a JSON object in UTF-8.
     """
     text = os.fspath(path)
-    where = f"{text}: {CONFIG_MEMBER}"
     with _open_archive(text) as archive:
         info = _member(text, archive, CONFIG_MEMBER)
         if info.file_size > max_bytes:
-            raise UnsafeFileError(f"{where} declares {info.file_size} bytes, over the {max_bytes}-byte limit")
+            raise UnsafeFileError(f"{CONFIG_MEMBER} declares {info.file_size} bytes, over the {max_bytes}-byte limit",
+                                  path=text)
         raw = b"".join(_member_chunks(text, archive, CONFIG_MEMBER))
     try:
         config = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise FormatError(f"{where} is not JSON text ({type(exc).__name__})") from None
+        raise FormatError(f"{CONFIG_MEMBER} is not JSON text ({type(exc).__name__})", path=text) from None
     if not isinstance(config, dict):
-        raise FormatError(f"{where} holds a JSON {type(config).__name__}, not an object")
+        raise FormatError(f"{CONFIG_MEMBER} holds a JSON {type(config).__name__}, not an object", path=text)
     return config
 
 
@@ -129,22 +129,23 @@ def _open_archive(path: str) -> zipfile.ZipFile:
     try:
         refuse_special_file(path)
     except FileNotFoundError:
-        raise StoreNotFoundError(f"{path}: no such file") from None
+        raise StoreNotFoundError("no such file", path=path) from None
     try:
         return zipfile.ZipFile(path)
     except FileNotFoundError:
-        raise StoreNotFoundError(f"{path}: no such file") from None
+        raise StoreNotFoundError("no such file", path=path) from None
     except OSError as exc:
-        raise FormatError(f"{path}: unreadable ({exc.strerror})") from None
+        raise FormatError(f"unreadable ({exc.strerror})", path=path) from None
     except _ZIP_ERRORS as exc:
-        raise FormatError(f"{path}: not a .keras archive (not a readable zip file: {type(exc).__name__})") from None
+        raise FormatError(f"not a .keras archive (not a readable zip file: {type(exc).__name__})",
+                          path=path) from None
 
 
 def _member(path: str, archive: zipfile.ZipFile, name: str) -> zipfile.ZipInfo:
     try:
         info = archive.getinfo(name)
     except KeyError:
-        raise FormatError(f"{path}: .keras archive holds no {name}") from None
+        raise FormatError(f".keras archive holds no {name}", path=path) from None
     refuse_bomb(path, info, os.path.getsize(path))
     return info
 
@@ -157,15 +158,15 @@ def _member_chunks(path: str, archive: zipfile.ZipFile, name: str):
         with archive.open(info) as member:
             while chunk := member.read(min(_CHUNK, left + 1)):
                 if len(chunk) > left:
-                    raise UnsafeFileError(f"{path}: {name} inflates past its declared {info.file_size} bytes")
+                    raise UnsafeFileError(f"{name} inflates past its declared {info.file_size} bytes", path=path)
                 left -= len(chunk)
                 yield chunk
     except WeightStoreError:
         raise
     except _ZIP_ERRORS as exc:
-        raise FormatError(f"{path}: corrupt .keras archive ({name}: {exc})") from None
+        raise FormatError(f"corrupt .keras archive ({name}: {exc})", path=path) from None
     if left:
-        raise FormatError(f"{path}: corrupt .keras archive ({name} ends {left} bytes short of its declared size)")
+        raise FormatError(f"corrupt .keras archive ({name} ends {left} bytes short of its declared size)", path=path)
 
 
 def refuse_bomb(path: str, info: zipfile.ZipInfo, archive_size: int) -> None:
@@ -175,16 +176,18 @@ def refuse_bomb(path: str, info: zipfile.ZipInfo, archive_size: int) -> None:
     lie about the size); stored members must declare equal sizes. Members other than stored
     or deflated (bzip2, lzma reach far higher ratios) and encrypted ones are refused too.
     """
-    where = f"{path}: {info.filename}"
+    member = info.filename
     if info.flag_bits & 0x1:
-        raise UnsafeFileError(f"{where} is encrypted")
+        raise UnsafeFileError(f"{member} is encrypted", path=path)
     if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
-        raise UnsafeFileError(f"{where} uses compression method {info.compress_type}; "
-                              "only stored and deflate are read")
+        raise UnsafeFileError(f"{member} uses compression method {info.compress_type}; only stored and deflate are "
+                              "read", path=path)
     if info.compress_size > archive_size:
-        raise FormatError(f"{where} declares {info.compress_size} compressed bytes in a {archive_size}-byte archive")
+        raise FormatError(f"{member} declares {info.compress_size} compressed bytes in a {archive_size}-byte archive",
+                          path=path)
     if info.compress_type == zipfile.ZIP_STORED and info.file_size != info.compress_size:
-        raise UnsafeFileError(f"{where} is stored but declares {info.file_size} bytes in {info.compress_size}")
+        raise UnsafeFileError(f"{member} is stored but declares {info.file_size} bytes in {info.compress_size}",
+                              path=path)
     if info.file_size > MAX_DEFLATE_RATIO * min(info.compress_size, archive_size):
-        raise UnsafeFileError(f"{where} declares {info.file_size} bytes from {info.compress_size} compressed, "
-                              f"more than deflate can expand ({MAX_DEFLATE_RATIO}x): a zip bomb")
+        raise UnsafeFileError(f"{member} declares {info.file_size} bytes from {info.compress_size} compressed, "
+                              f"more than deflate can expand ({MAX_DEFLATE_RATIO}x): a zip bomb", path=path)

@@ -135,7 +135,7 @@ class SafetensorsWriter:
         pass over it here (held tensors are written at :meth:`commit`, after the manifest is built)."""
         code = _CODES.get(dtype_name)
         if code is None:
-            raise UnsupportedDTypeError(f"{self._path}: {_unsupported(key, dtype_name)}")
+            raise UnsupportedDTypeError(_unsupported(dtype_name), path=self._path, key=key)
         size = data.nbytes
         tensor = _Pending(key, code, data.shape, size, raw_bytes(data) if size else memoryview(b""))
         self._tensors.append(tensor)
@@ -193,8 +193,8 @@ class SafetensorsWriter:
         self._lay_out_held()
         header = self._header(manifest_text)
         if len(header) > MAX_HEADER_BYTES:
-            raise FormatError(f"{self._path}: the safetensors header would be {len(header)} bytes "
-                              f"(readers refuse over {MAX_HEADER_BYTES}); store these tensors as .npz or .h5")
+            raise FormatError(f"the safetensors header would be {len(header)} bytes (readers refuse over "
+                              f"{MAX_HEADER_BYTES}); store these tensors as .npz or .h5", path=self._path)
         needed = _aligned(_LENGTH.size + len(header))
         if self._data_start is None:  # nothing written yet: the data follows the exact header
             self._data_start = needed
@@ -243,8 +243,8 @@ def _aligned(offset: int) -> int:
     return offset + (-offset % ALIGNMENT)
 
 
-def _unsupported(key: str, dtype_name: str) -> str:
-    return (f"tensor {key!r} has dtype {dtype_name}, which safetensors cannot hold "
+def _unsupported(dtype_name: str) -> str:
+    return (f"has dtype {dtype_name}, which safetensors cannot hold "
             f"(it holds {', '.join(sorted(DTYPES))}); save it as .npz or .h5")
 
 
@@ -308,37 +308,38 @@ class SafetensorsReader:
     def _read_header(self) -> dict[str, Any]:
         size = self._source.size
         if size < _LENGTH.size:
-            raise FormatError(f"{self.name}: not a safetensors file ({size} bytes, shorter than its header length)")
+            raise FormatError(f"not a safetensors file ({size} bytes, shorter than its header length)", path=self.name)
         (length,) = _LENGTH.unpack(bytes(self._source.read_at(0, _LENGTH.size)))
         if length > MAX_HEADER_BYTES:
-            raise UnsafeFileError(f"{self.name}: safetensors header claims {length} bytes (limit {MAX_HEADER_BYTES})")
+            raise UnsafeFileError(f"safetensors header claims {length} bytes (limit {MAX_HEADER_BYTES})",
+                                  path=self.name)
         if _LENGTH.size + length > size:
-            raise FormatError(f"{self.name}: safetensors header of {length} bytes runs past the end of the file "
-                              f"({size} bytes; truncated, or not a safetensors file)")
+            raise FormatError(f"safetensors header of {length} bytes runs past the end of the file "
+                              f"({size} bytes; truncated, or not a safetensors file)", path=self.name)
         self._data_start = _LENGTH.size + length
         raw = bytes(self._source.read_at(_LENGTH.size, length))
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise FormatError(f"{self.name}: safetensors header is not UTF-8 (byte {exc.start})") from None
+            raise FormatError(f"safetensors header is not UTF-8 (byte {exc.start})", path=self.name) from None
         try:
             document = json.loads(text, object_pairs_hook=_unique_object, parse_constant=_refuse_constant)
         except _DuplicateName as exc:
-            raise UnsafeFileError(f"{self.name}: safetensors header names {exc.args[0]!r} twice") from None
+            raise UnsafeFileError(f"safetensors header names {exc.args[0]!r} twice", path=self.name) from None
         except (ValueError, RecursionError) as exc:
-            raise FormatError(f"{self.name}: safetensors header is not JSON ({exc})") from None
+            raise FormatError(f"safetensors header is not JSON ({exc})", path=self.name) from None
         if not isinstance(document, dict):
-            raise FormatError(f"{self.name}: safetensors header is not a JSON object")
+            raise FormatError("safetensors header is not a JSON object", path=self.name)
         return document
 
     def _check_metadata(self, metadata: Any) -> dict[str, str]:
         if metadata is None:  # absent, or null, which the library reads as absent
             return {}
         if not isinstance(metadata, dict):
-            raise FormatError(f"{self.name}: safetensors {METADATA_KEY} is not an object of strings")
+            raise FormatError(f"safetensors {METADATA_KEY} is not an object of strings", path=self.name)
         for key, value in metadata.items():
             if not isinstance(value, str):
-                raise FormatError(f"{self.name}: safetensors {METADATA_KEY} entry {key!r} is not a string")
+                raise FormatError(f"safetensors {METADATA_KEY} entry {key!r} is not a string", path=self.name)
         return metadata
 
     def _check_tensors(self, document: dict[str, Any]) -> dict[str, _Tensor]:
@@ -351,59 +352,58 @@ class SafetensorsReader:
                 code, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
                 dtype = _DTYPE_OF_CODE[code]
             except (TypeError, KeyError, ValueError):
-                raise FormatError(self._malformed(name, entry)) from None
+                raise FormatError(self._malformed(entry), path=self.name, key=name) from None
             if (type(shape) is not list or len(shape) > MAX_NDIM
                     or (shape and (set(map(type, shape)) != _JUST_INT or min(shape) < 0))):
-                raise FormatError(f"{self.name}: tensor {name!r} has an invalid shape {_clip(shape)}")
+                raise FormatError(f"has an invalid shape {_clip(shape)}", path=self.name, key=name)
             if type(begin) is not int or type(end) is not int or not 0 <= begin <= end:
-                raise FormatError(f"{self.name}: tensor {name!r} has invalid data_offsets {_clip([begin, end])}")
+                raise FormatError(f"has invalid data_offsets {_clip([begin, end])}", path=self.name, key=name)
             if end > data_size:
-                raise FormatError(f"{self.name}: tensor {name!r} ends at byte {end} of a {data_size}-byte data "
-                                  "buffer (truncated file?)")
+                raise FormatError(f"ends at byte {end} of a {data_size}-byte data buffer (truncated file?)",
+                                  path=self.name, key=name)
             expected = math.prod(shape) * dtype.itemsize
             if not expected and math.prod(d for d in shape if d) * dtype.itemsize > _MAX_ARRAY_BYTES:
-                raise FormatError(f"{self.name}: tensor {name!r} has a shape {_clip(shape)} no array can have")
+                raise FormatError(f"has a shape {_clip(shape)} no array can have", path=self.name, key=name)
             if end - begin != expected:
-                raise FormatError(f"{self.name}: tensor {name!r}: {code} {_clip(shape)} needs {expected} bytes "
-                                  f"but data_offsets give {end - begin}")
+                raise FormatError(f"{code} {_clip(shape)} needs {expected} bytes "
+                                  f"but data_offsets give {end - begin}", path=self.name, key=name)
             tensors[name] = _Tensor(name, dtype, tuple(shape), begin, end)
         covered = 0
         for begin, end, name in sorted((t.begin, t.end, t.name) for t in tensors.values()):
             if begin != covered:
                 what = "overlaps the tensor before it" if begin < covered else "leaves unindexed bytes before it"
-                raise UnsafeFileError(f"{self.name}: tensor {name!r} {what} (bytes {begin}..{end})")
+                raise UnsafeFileError(f"{what} (bytes {begin}..{end})", path=self.name, key=name)
             covered = end
         if covered != data_size:
-            raise UnsafeFileError(f"{self.name}: {data_size - covered} bytes after the last tensor are indexed by none")
+            raise UnsafeFileError(f"{data_size - covered} bytes after the last tensor are indexed by none",
+                                  path=self.name)
         return tensors
 
-    def _malformed(self, name: str, entry: Any) -> str:
+    def _malformed(self, entry: Any) -> str:
         """Why an entry that failed the quick unpacking is malformed."""
-        where = f"{self.name}: tensor {name!r}"
         if not isinstance(entry, dict):
-            return f"{where} is not described by an object"
+            return "is not described by an object"
         code, offsets = entry.get("dtype"), entry.get("data_offsets")
         if not isinstance(code, str) or code not in _DTYPE_OF_CODE:
             what = "packed sub-byte dtype" if code in _PACKED_CODES else "unknown dtype"
-            return f"{where} has {what} {_clip(code)}; weightstore reads {', '.join(sorted(_DTYPE_OF_CODE))}"
+            return f"has {what} {_clip(code)}; weightstore reads {', '.join(sorted(_DTYPE_OF_CODE))}"
         if "shape" not in entry:
-            return f"{where} has no shape"
-        return f"{where} has invalid data_offsets {_clip(offsets)}"
+            return "has no shape"
+        return f"has invalid data_offsets {_clip(offsets)}"
 
     def _check_manifest(self, manifest: Manifest) -> None:
         listed, present = set(manifest.tensors), set(self._tensors)
         if listed != present:
-            raise FormatError(f"{self.name}: manifest and header disagree (listed but absent: "
-                              f"{sorted(listed - present)[:3]}, present but unlisted: {sorted(present - listed)[:3]})")
+            raise FormatError(f"manifest and header disagree (listed but absent: {sorted(listed - present)[:3]}, "
+                              f"present but unlisted: {sorted(present - listed)[:3]})", path=self.name)
         for key, info in manifest.tensors.items():
             tensor = self._tensors[key]
             if _CODES.get(info.dtype) != _CODE_OF_DTYPE[tensor.dtype]:
-                raise FormatError(f"{self.name}: tensor {key!r} is stored as {_CODE_OF_DTYPE[tensor.dtype]} "
-                                  f"but the manifest says {info.dtype}")
+                raise FormatError(f"is stored as {_CODE_OF_DTYPE[tensor.dtype]} but the manifest says {info.dtype}",
+                                  path=self.name, key=key)
             if tensor.shape != info.shape:
-                raise FormatError(
-                    f"{self.name}: tensor {key!r} has shape {tensor.shape} but the manifest says {info.shape}"
-                )
+                raise FormatError(f"has shape {tensor.shape} but the manifest says {info.shape}",
+                                  path=self.name, key=key)
 
     # -- the Reader protocol ------------------------------------------------------------------
     def keys(self) -> list[str]:
@@ -412,13 +412,13 @@ class SafetensorsReader:
     def info(self, key: str) -> TensorInfo:
         info = self._infos.get(key)
         if info is None:
-            raise KeyNotInStoreError(f"{self.name}: no tensor {key!r}")
+            raise KeyNotInStoreError("no such tensor", path=self.name, key=key)
         return info
 
     def _tensor(self, key: str) -> _Tensor:
         tensor = self._by_key.get(key)
         if tensor is None:
-            raise KeyNotInStoreError(f"{self.name}: no tensor {key!r}")
+            raise KeyNotInStoreError("no such tensor", path=self.name, key=key)
         return tensor
 
     def read(self, key: str, *, verify: bool) -> np.ndarray:
@@ -461,7 +461,7 @@ class SafetensorsReader:
         if expected:
             actual = checksum(data)
             if actual != expected:
-                raise ChecksumError(f"{self.name}: tensor {key!r} is corrupt (checksum {actual}, manifest {expected})")
+                raise ChecksumError(f"is corrupt (checksum {actual}, manifest {expected})", path=self.name, key=key)
 
     def close(self) -> None:
         self._source.close()

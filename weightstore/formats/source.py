@@ -58,7 +58,7 @@ class _LocalFile:
         while filled < len(buffer):
             count = os.preadv(self._handle.fileno(), [buffer[filled:]], offset + filled)
             if not count:
-                raise FormatError(f"{self.name}: short read at byte {offset + filled} (file truncated while open?)")
+                raise FormatError(f"short read at byte {offset + filled} (file truncated while open?)", path=self.name)
             filled += count
 
     def check_unchanged(self, what: str) -> None:
@@ -69,12 +69,12 @@ class _LocalFile:
         SIGBUS when touched.
         """
         if self._closed:
-            raise StoreClosedError(f"{self.name}: store is closed; cannot read {what}")
+            raise StoreClosedError(f"store is closed; cannot read {what}", path=self.name)
         size = os.fstat(self._handle.fileno()).st_size
         if size != self.size:
             raise FormatError(
-                f"{self.name}: file changed size since it was opened ({self.size} -> {size} bytes; rewritten "
-                f"in place?); refusing to read {what}. Open it again."
+                f"file changed size since it was opened ({self.size} -> {size} bytes; rewritten "
+                f"in place?); refusing to read {what}. Open it again.", path=self.name
             )
 
     def prefetch(self, offset: int, length: int) -> None:
@@ -85,9 +85,10 @@ class _LocalFile:
 
     def _check(self, offset: int, length: int) -> None:
         if self._closed:
-            raise StoreClosedError(f"{self.name}: store is closed")
+            raise StoreClosedError("store is closed", path=self.name)
         if offset < 0 or length < 0 or offset + length > self.size:
-            raise FormatError(f"{self.name}: truncated file (needs bytes {offset}..{offset + length}, has {self.size})")
+            raise FormatError(f"truncated file (needs bytes {offset}..{offset + length}, has {self.size})",
+                              path=self.name)
 
     def close(self) -> None:
         self._closed = True
@@ -157,7 +158,7 @@ class OwnedFile(_LocalFile):
         """Only whether it is closed: a file changed under positional reads fails them cleanly
         (a short read) or is caught by the header and checksum checks, and no array can change."""
         if self._closed:
-            raise StoreClosedError(f"{self.name}: store is closed; cannot read {what}")
+            raise StoreClosedError(f"store is closed; cannot read {what}", path=self.name)
 
     def read_at(self, offset: int, length: int) -> memoryview:
         self._check(offset, length)
@@ -180,29 +181,30 @@ class StreamFile:
     def check_unchanged(self, what: str) -> None:
         """Objects are replaced whole, never changed under a reader: only the closed state to check."""
         if self._handle.closed:
-            raise StoreClosedError(f"{self.name}: store is closed; cannot read {what}")
+            raise StoreClosedError(f"store is closed; cannot read {what}", path=self.name)
 
     def read_at(self, offset: int, length: int) -> bytes:
         if offset < 0 or length < 0 or offset + length > self.size:
-            raise FormatError(f"{self.name}: truncated file (needs bytes {offset}..{offset + length}, has {self.size})")
+            raise FormatError(f"truncated file (needs bytes {offset}..{offset + length}, has {self.size})",
+                              path=self.name)
         with self._lock:
             self._handle.seek(offset)
             data = self._handle.read(length)
         if len(data) != length:
-            raise FormatError(f"{self.name}: short read at byte {offset}")
+            raise FormatError(f"short read at byte {offset}", path=self.name)
         return data
 
     def read_into(self, offset: int, buffer: memoryview) -> None:
         if offset < 0 or offset + len(buffer) > self.size:
-            raise FormatError(f"{self.name}: truncated file (needs bytes {offset}..{offset + len(buffer)}, "
-                              f"has {self.size})")
+            raise FormatError(f"truncated file (needs bytes {offset}..{offset + len(buffer)}, "
+                              f"has {self.size})", path=self.name)
         with self._lock:
             self._handle.seek(offset)
             filled = 0
             while filled < len(buffer):
                 count = self._handle.readinto(buffer[filled:])
                 if not count:
-                    raise FormatError(f"{self.name}: short read at byte {offset + filled}")
+                    raise FormatError(f"short read at byte {offset + filled}", path=self.name)
                 filled += count
 
     def prefetch(self, offset: int, length: int) -> None:
@@ -374,13 +376,14 @@ class RemoteFile:
 
     def _check(self, offset: int, length: int) -> None:
         if offset < 0 or length < 0 or offset + length > self.size:
-            raise FormatError(f"{self.name}: truncated file (needs bytes {offset}..{offset + length}, has {self.size})")
+            raise FormatError(f"truncated file (needs bytes {offset}..{offset + length}, has {self.size})",
+                              path=self.name)
 
     def check_unchanged(self, what: str) -> None:
         """Only whether it is closed: every request after the index carries the object's ETag,
         so an object replaced while open fails that request instead."""
         if self._closed:
-            raise StoreClosedError(f"{self.name}: store is closed; cannot read {what}")
+            raise StoreClosedError(f"store is closed; cannot read {what}", path=self.name)
 
     def close(self) -> None:
         with self._lock:
@@ -482,13 +485,13 @@ class _FsspecObject:
         except FileNotFoundError:
             if opening:
                 raise
-            raise FormatError(f"{self.name}: the file was removed while it was open") from None
+            raise FormatError("the file was removed while it was open", path=self.name) from None
         except Exception as exc:
             raise _storage_error(exc, self.name) from exc
         for (at, view), data in zip(parts, found, strict=True):
             if len(data) != len(view):
-                raise FormatError(f"{self.name}: got {len(data)} bytes at byte {at}, not {len(view)}: "
-                                  f"the file is shorter than when it was opened (replaced while open?)")
+                raise FormatError(f"got {len(data)} bytes at byte {at}, not {len(view)}: "
+                                  f"the file is shorter than when it was opened (replaced while open?)", path=self.name)
             view[:] = data
 
 
@@ -521,7 +524,7 @@ class _S3Object:
         if match:
             start, total = int(match.group(1)), int(match.group(3))
         if start + len(body) > total:
-            raise FormatError(f"{self.name}: the storage returned more bytes than the object holds")
+            raise FormatError("the storage returned more bytes than the object holds", path=self.name)
         data = _aligned_buffer(start, len(body))
         data[:] = body
         return total, start, data
@@ -543,8 +546,8 @@ class _S3Object:
             async with gate:
                 _, data = await self._get(f"bytes={at}-{at + len(view) - 1}")
             if len(data) != len(view):
-                raise FormatError(f"{self.name}: got {len(data)} bytes at byte {at}, not {len(view)}: "
-                                  f"the object is shorter than its index says")
+                raise FormatError(f"got {len(data)} bytes at byte {at}, not {len(view)}: "
+                                  f"the object is shorter than its index says", path=self.name)
             view[:] = data
 
         await asyncio.gather(*(one(at, view) for at, view in parts))
@@ -574,13 +577,13 @@ class _S3Object:
         except FileNotFoundError:
             if opening:
                 raise
-            raise FormatError(f"{self.name}: the object was removed while it was open") from None
+            raise FormatError("the object was removed while it was open", path=self.name) from None
         except Exception as exc:
             if _s3_code(exc) in ("PreconditionFailed", "412"):
-                raise FormatError(f"{self.name}: the object changed while it was open (its ETag no longer "
-                                  f"matches); open it again") from None
+                raise FormatError("the object changed while it was open (its ETag no longer matches); open it again",
+                                  path=self.name) from None
             if _s3_code(exc) in ("InvalidRange", "416"):
-                raise FormatError(f"{self.name}: the object is shorter than its index says") from None
+                raise FormatError("the object is shorter than its index says", path=self.name) from None
             raise _storage_error(exc, self.name) from exc
 
 

@@ -42,17 +42,19 @@ def unmask_crc(masked: int) -> int:
     return ((rotated >> 17) | (rotated << 15)) & 0xFFFFFFFF
 
 
-def read_varint(data: bytes, pos: int, end: int, bits: int, where: str) -> tuple[int, int]:
+def read_varint(data: bytes, pos: int, end: int, bits: int, *, path: str, what: str,
+                key: str | None = None) -> tuple[int, int]:
     """``(value, next position)`` of a little-endian base-128 varint of at most ``bits`` bits.
 
     A varint that runs past ``end``, takes more bytes than ``bits`` allow, or overflows them
-    is a :class:`FormatError`: a C reader would silently wrap or read on.
+    is a :class:`FormatError` naming ``path`` (and ``key``), its message saying which part of the
+    file (``what``) held it: a C reader would silently wrap or read on.
     """
     result = 0
     shift = 0
     while True:
         if pos >= end:
-            raise FormatError(f"{where}: a varint runs past the end of its block")
+            raise FormatError(f"{what}: a varint runs past the end of its block", path=path, key=key)
         byte = data[pos]
         pos += 1
         result |= (byte & 0x7F) << shift
@@ -60,33 +62,33 @@ def read_varint(data: bytes, pos: int, end: int, bits: int, where: str) -> tuple
             break
         shift += 7
         if shift >= bits:
-            raise FormatError(f"{where}: a varint is longer than {bits} bits allow")
+            raise FormatError(f"{what}: a varint is longer than {bits} bits allow", path=path, key=key)
     if result >> bits:
-        raise FormatError(f"{where}: a varint overflows {bits} bits")
+        raise FormatError(f"{what}: a varint overflows {bits} bits", path=path, key=key)
     return result, pos
 
 
-def _handle(data: bytes, pos: int, end: int, where: str) -> tuple[tuple[int, int], int]:
-    offset, pos = read_varint(data, pos, end, 64, where)
-    size, pos = read_varint(data, pos, end, 64, where)
+def _handle(data: bytes, pos: int, end: int, path: str, what: str) -> tuple[tuple[int, int], int]:
+    offset, pos = read_varint(data, pos, end, 64, path=path, what=what)
+    size, pos = read_varint(data, pos, end, 64, path=path, what=what)
     return (offset, size), pos
 
 
 class Table:
     """The entries of one SSTable held in memory (an index is small: about 100 bytes a tensor)."""
 
-    def __init__(self, data: bytes, where: str):
+    def __init__(self, data: bytes, path: str):
         self._data = data
-        self.where = where
+        self.path = path
         if len(data) < FOOTER_BYTES:
-            raise FormatError(f"{where}: not a TensorFlow checkpoint index "
-                              f"({len(data)} bytes, shorter than a table footer)")
+            raise FormatError(f"not a TensorFlow checkpoint index ({len(data)} bytes, shorter than a table footer)",
+                              path=path)
         footer = len(data) - FOOTER_BYTES
         (magic,) = struct.unpack_from("<Q", data, len(data) - 8)
         if magic != TABLE_MAGIC:
-            raise FormatError(f"{where}: not a TensorFlow checkpoint index (bad table magic number)")
-        metaindex, pos = _handle(data, footer, len(data) - 8, f"{where}: table footer")
-        self._index, _ = _handle(data, pos, len(data) - 8, f"{where}: table footer")
+            raise FormatError("not a TensorFlow checkpoint index (bad table magic number)", path=path)
+        metaindex, pos = _handle(data, footer, len(data) - 8, path, "table footer")
+        self._index, _ = _handle(data, pos, len(data) - 8, path, "table footer")
         self._check_handle(metaindex, footer, "metaindex block")
         self._check_handle(self._index, footer, "index block")
         self._end = footer
@@ -94,8 +96,8 @@ class Table:
     def _check_handle(self, handle: tuple[int, int], limit: int, what: str) -> None:
         offset, size = handle
         if offset + size + TRAILER_BYTES > limit:
-            raise FormatError(f"{self.where}: the {what} (bytes {offset}..{offset + size}) lies outside the "
-                              f"{limit}-byte table")
+            raise FormatError(f"the {what} (bytes {offset}..{offset + size}) lies outside the {limit}-byte table",
+                              path=self.path)
 
     def _block(self, handle: tuple[int, int], what: str) -> tuple[int, int]:
         """The checked bounds of a block's contents; its trailer's type and CRC verified."""
@@ -103,33 +105,33 @@ class Table:
         kind = self._data[offset + size]
         (stored,) = struct.unpack_from("<I", self._data, offset + size + 1)
         if kind == _SNAPPY:
-            raise FormatError(f"{self.where}: the {what} is snappy-compressed, which TensorFlow never writes "
-                              "and weightstore does not read")
+            raise FormatError(f"the {what} is snappy-compressed, which TensorFlow never writes "
+                              "and weightstore does not read", path=self.path)
         if kind != _NO_COMPRESSION:
-            raise FormatError(f"{self.where}: the {what} has unknown compression type {kind}")
+            raise FormatError(f"the {what} has unknown compression type {kind}", path=self.path)
         actual = crc32c(memoryview(self._data)[offset : offset + size + 1])
         if actual != unmask_crc(stored):
-            raise FormatError(f"{self.where}: the {what} at byte {offset} fails its CRC-32C check (corrupt index)")
+            raise FormatError(f"the {what} at byte {offset} fails its CRC-32C check (corrupt index)",
+                              path=self.path)
         return offset, offset + size
 
     def _entries(self, start: int, end: int, what: str) -> Iterator[tuple[bytes, bytes]]:
         """Key/value pairs of one block, keys rebuilt from their shared prefixes."""
         data = self._data
-        where = f"{self.where}: {what}"
         if end - start < 4:
-            raise FormatError(f"{where} is too short to hold its restart count")
+            raise FormatError(f"the {what} is too short to hold its restart count", path=self.path)
         (restarts,) = struct.unpack_from("<I", data, end - 4)
         if restarts * 4 > end - start - 4:
-            raise FormatError(f"{where} declares {restarts} restart points, more than it can hold")
+            raise FormatError(f"the {what} declares {restarts} restart points, more than it can hold", path=self.path)
         limit = end - 4 - 4 * restarts
         pos = start
         key = b""
         while pos < limit:
-            shared, pos = read_varint(data, pos, limit, 32, where)
-            unshared, pos = read_varint(data, pos, limit, 32, where)
-            value_size, pos = read_varint(data, pos, limit, 32, where)
+            shared, pos = read_varint(data, pos, limit, 32, path=self.path, what=what)
+            unshared, pos = read_varint(data, pos, limit, 32, path=self.path, what=what)
+            value_size, pos = read_varint(data, pos, limit, 32, path=self.path, what=what)
             if shared > len(key) or pos + unshared + value_size > limit:
-                raise FormatError(f"{where}: an entry at byte {pos} reaches outside its block")
+                raise FormatError(f"{what}: an entry at byte {pos} reaches outside its block", path=self.path)
             key = key[:shared] + data[pos : pos + unshared]
             pos += unshared
             yield key, data[pos : pos + value_size]
@@ -141,18 +143,18 @@ class Table:
         previous_key: bytes | None = None
         block_floor = 0
         for _, value in self._entries(index_start, index_end, "index block"):
-            handle, used = _handle(value, 0, len(value), f"{self.where}: index block")
+            handle, used = _handle(value, 0, len(value), self.path, "index block")
             if used != len(value):
-                raise FormatError(f"{self.where}: index block entry holds bytes after its block handle")
+                raise FormatError("index block entry holds bytes after its block handle", path=self.path)
             self._check_handle(handle, self._end, "data block")
             if handle[0] < block_floor or handle[0] + handle[1] + TRAILER_BYTES > index_start and handle[0] < index_end:
-                raise FormatError(f"{self.where}: data block at byte {handle[0]} overlaps another block")
+                raise FormatError(f"data block at byte {handle[0]} overlaps another block", path=self.path)
             block_floor = handle[0] + handle[1] + TRAILER_BYTES
             start, end = self._block(handle, f"data block at byte {handle[0]}")
             for key, item in self._entries(start, end, f"data block at byte {handle[0]}"):
                 if previous_key is not None and key <= previous_key:
                     what = "twice" if key == previous_key else "out of order"
-                    raise FormatError(f"{self.where}: entry {_shown(key)} appears {what}")
+                    raise FormatError(f"entry {_shown(key)} appears {what}", path=self.path)
                 previous_key = key
                 yield key, item
 

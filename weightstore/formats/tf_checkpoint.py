@@ -144,18 +144,18 @@ def _prefix_in_folder(folder: str) -> str:
         if not os.path.exists(prefix + ".index"):
             moved = os.path.join(folder, os.path.basename(named))  # the folder was moved or copied
             if not os.path.exists(moved + ".index"):
-                raise StoreNotFoundError(f"{folder}: its '{STATE_FILE}' state file names checkpoint {named!r}, "
-                                         f"which does not exist{_candidates_hint(folder)}")
+                raise StoreNotFoundError(f"its '{STATE_FILE}' state file names checkpoint {named!r}, which does not "
+                                         f"exist{_candidates_hint(folder)}", path=folder)
             prefix = moved
         return prefix
     candidates = checkpoints_in(folder)
     if len(candidates) == 1:
         return os.path.join(folder, candidates[0])
     if not candidates:
-        raise StoreNotFoundError(f"{folder}: is a folder, not a weight file, and holds no TF checkpoint "
-                                 f"(no '{STATE_FILE}' state file, no .index file)")
-    raise StoreNotFoundError(f"{folder}: holds {len(candidates)} checkpoints and no '{STATE_FILE}' state file "
-                             f"saying which to read; name one of: {', '.join(candidates)}")
+        raise StoreNotFoundError(f"is a folder, not a weight file, and holds no TF checkpoint (no '{STATE_FILE}' "
+                                 "state file, no .index file)", path=folder)
+    raise StoreNotFoundError(f"holds {len(candidates)} checkpoints and no '{STATE_FILE}' state file saying which to "
+                             f"read; name one of: {', '.join(candidates)}", path=folder)
 
 
 def checkpoints_in(folder: str) -> list[str]:
@@ -182,22 +182,22 @@ def read_state_file(path: str) -> str:
         with open(path, "rb") as handle:
             raw = handle.read(MAX_STATE_FILE_BYTES + 1)
     except OSError as exc:
-        raise FormatError(f"{path}: unreadable checkpoint state file ({exc.strerror})") from None
+        raise FormatError(f"unreadable checkpoint state file ({exc.strerror})", path=path) from None
     if len(raw) > MAX_STATE_FILE_BYTES:
-        raise UnsafeFileError(f"{path}: checkpoint state file is over {MAX_STATE_FILE_BYTES} bytes")
+        raise UnsafeFileError(f"checkpoint state file is over {MAX_STATE_FILE_BYTES} bytes", path=path)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
-        raise FormatError(f"{path}: checkpoint state file is not UTF-8 text") from None
+        raise FormatError("checkpoint state file is not UTF-8 text", path=path) from None
     match = re.search(r'^\s*model_checkpoint_path\s*:\s*"((?:[^"\\\n]|\\.)*)"\s*$', text, re.MULTILINE)
     if match is None:
-        raise FormatError(f"{path}: checkpoint state file names no model_checkpoint_path")
+        raise FormatError("checkpoint state file names no model_checkpoint_path", path=path)
     try:
         named = codecs.escape_decode(match.group(1).encode("utf-8"))[0].decode("utf-8")
     except (ValueError, UnicodeDecodeError):
-        raise FormatError(f"{path}: checkpoint state file has a malformed model_checkpoint_path") from None
+        raise FormatError("checkpoint state file has a malformed model_checkpoint_path", path=path) from None
     if not named or "\0" in named:
-        raise FormatError(f"{path}: checkpoint state file has an empty or malformed model_checkpoint_path")
+        raise FormatError("checkpoint state file has an empty or malformed model_checkpoint_path", path=path)
     return named
 
 
@@ -379,13 +379,13 @@ class CheckpointReader:
                 self.skipped.append(name)
                 continue
             if key in self._tensors_by_key and not self.object_based:  # a//b and a/b
-                raise FormatError(f"{prefix}: variables {self._tensors_by_key[key].name!r} and {name!r} "
-                                  f"both read as key {key!r} (empty name segments are dropped)")
+                raise FormatError(f"variables {self._tensors_by_key[key].name!r} and {name!r} both read as this key "
+                                  "(empty name segments are dropped)", path=prefix, key=key)
             if key in self._tensors_by_key:  # only when the object graph disagrees with itself
                 key = name[: -len(VARIABLE_SUFFIX)]
                 if key in self._tensors_by_key:
-                    raise FormatError(f"{prefix}: entries {self._tensors_by_key[key].name!r} and {name!r} "
-                                      f"both read as key {key!r}")
+                    raise FormatError(f"entries {self._tensors_by_key[key].name!r} and {name!r} both read as this key",
+                                      path=prefix, key=key)
             self._tensors_by_key[key] = tensor
             nbytes = math.prod(tensor.shape) * tensor.dtype.itemsize
             self._infos[key] = TensorInfo(key, _LOGICAL[tensor.dtype], tensor.shape, nbytes)
@@ -399,44 +399,44 @@ class CheckpointReader:
             with open(path, "rb") as handle:
                 size = os.fstat(handle.fileno()).st_size
                 if size > MAX_INDEX_BYTES:
-                    raise UnsafeFileError(f"{path}: checkpoint index is {size} bytes, over the "
-                                          f"{MAX_INDEX_BYTES}-byte limit")
+                    raise UnsafeFileError(f"checkpoint index is {size} bytes, over the {MAX_INDEX_BYTES}-byte limit",
+                                          path=path)
                 return handle.read(MAX_INDEX_BYTES + 1)
         except FileNotFoundError:
-            raise StoreNotFoundError(f"{self.prefix}: no such checkpoint ({path} is missing)") from None
+            raise StoreNotFoundError(f"no such checkpoint ({path} is missing)", path=self.prefix) from None
 
     def _parse(self, table: Table) -> tuple[Any, dict[str, Any], dict[bytes, Any]]:
-        where = table.where
+        index_path = table.path
         header = None
         entries: dict[str, Any] = {}
         slice_entries: dict[bytes, Any] = {}
         for raw_key, value in table.items():
             if raw_key == b"":
                 header = BundleHeaderProto()
-                _parse_proto(header, value, where, "the bundle header")
+                _parse_proto(header, value, index_path, "the bundle header")
                 continue
             entry = BundleEntryProto()
             if raw_key.startswith(b"\x00"):  # a slice of a partitioned variable (see slice_key)
-                _parse_proto(entry, value, where, f"slice entry {raw_key!r}")
+                _parse_proto(entry, value, index_path, f"slice entry {raw_key!r}")
                 slice_entries[raw_key] = entry
                 continue
             try:
                 name = raw_key.decode("utf-8")
             except UnicodeDecodeError:
-                raise FormatError(f"{where}: entry name {raw_key!r} is not valid UTF-8") from None
-            _parse_proto(entry, value, where, f"entry {name!r}")
+                raise FormatError(f"entry name {raw_key!r} is not valid UTF-8", path=index_path) from None
+            _parse_proto(entry, value, index_path, f"entry {name!r}")
             entries[name] = entry
         if header is None:
-            raise FormatError(f"{where}: not a TensorFlow checkpoint index (no bundle header)")
+            raise FormatError("not a TensorFlow checkpoint index (no bundle header)", path=index_path)
         if header.endianness != 0:
-            raise FormatError(f"{where}: big-endian checkpoints are not read")
+            raise FormatError("big-endian checkpoints are not read", path=index_path)
         if not 0 < header.num_shards <= MAX_SHARDS:
-            raise FormatError(f"{where}: bundle header declares {header.num_shards} data shards")
+            raise FormatError(f"bundle header declares {header.num_shards} data shards", path=index_path)
         return header, entries, slice_entries
 
     def _tensors(self, entries: dict[str, Any], slice_entries: dict[bytes, Any]) -> dict[str, _Tensor]:
         """Every numeric entry checked against the index's own rules; data ranges checked for overlap."""
-        where = self.prefix + ".index"
+        index_path = self.prefix + ".index"
         tensors: dict[str, _Tensor] = {}
         ranges: list[tuple[int, int, int, str]] = []  # shard, start, end, entry
         for name, entry in entries.items():
@@ -446,16 +446,16 @@ class CheckpointReader:
                 ranges.append((stored.shard, stored.offset, stored.offset + stored.size, name))
                 if dtype is None:
                     continue  # strings and others: skipped, but their bytes still may not overlap
-                shape = _shape(entry, where, name)
+                shape = _shape(entry, index_path, name)
                 needed = math.prod(shape) * dtype.itemsize
                 if needed != stored.size:
-                    raise FormatError(f"{where}: tensor {name!r} of shape {shape} {dtype} needs {needed} bytes, "
-                                      f"its entry says {stored.size}")
+                    raise FormatError(f"has shape {shape} {dtype}, which needs {needed} bytes; its entry says "
+                                      f"{stored.size}", path=index_path, key=name)
                 tensors[name] = _Tensor(name, dtype, shape, stored=stored)
                 continue
             if dtype is None:
                 continue
-            shape = _shape(entry, where, name)
+            shape = _shape(entry, index_path, name)
             tensor = _Tensor(name, dtype, shape)
             tensor.slices = self._slices(entry, name, shape, dtype, slice_entries)
             for _, _, stored in tensor.slices:
@@ -464,55 +464,54 @@ class CheckpointReader:
         ranges = sorted(r for r in ranges if r[2] > r[1])  # empty tensors occupy no bytes
         for (shard, _, end, first), (other, start, _, second) in itertools.pairwise(ranges):
             if shard == other and start < end:
-                raise FormatError(f"{where}: tensors {first!r} and {second!r} overlap in data shard {shard}")
+                raise FormatError(f"tensors {first!r} and {second!r} overlap in data shard {shard}", path=index_path)
         return tensors
 
     def _stored(self, entry: Any, name: str) -> _Stored:
-        where = self.prefix + ".index"
+        index_path = self.prefix + ".index"
         if not 0 <= entry.shard_id < self._num_shards:
-            raise FormatError(f"{where}: tensor {name!r} lies in data shard {entry.shard_id}, "
-                              f"of {self._num_shards}")
+            raise FormatError(f"lies in data shard {entry.shard_id}, of {self._num_shards}", path=index_path, key=name)
         if entry.offset < 0 or entry.size < 0:
-            raise FormatError(f"{where}: tensor {name!r} has a negative offset or size")
+            raise FormatError("has a negative offset or size", path=index_path, key=name)
         return _Stored(entry.shard_id, entry.offset, entry.size, unmask_crc(entry.crc32c))
 
     def _slices(self, entry: Any, name: str, shape: tuple[int, ...], dtype: np.dtype,
                 slice_entries: dict[bytes, Any]) -> list[tuple[tuple[slice, ...], tuple[int, ...], _Stored]]:
         """The slices of a partitioned variable, proved to tile its full shape exactly."""
-        where = self.prefix + ".index"
+        index_path = self.prefix + ".index"
         if len(entry.slices) > MAX_SLICES:
-            raise UnsafeFileError(f"{where}: tensor {name!r} is split into {len(entry.slices)} slices "
-                                  f"(limit {MAX_SLICES})")
+            raise UnsafeFileError(f"is split into {len(entry.slices)} slices (limit {MAX_SLICES})",
+                                  path=index_path, key=name)
         if entry.size:
-            raise FormatError(f"{where}: tensor {name!r} lists slices and data of its own")
+            raise FormatError("lists slices and data of its own", path=index_path, key=name)
         pieces = []
         covered = 0
         for proto in entry.slices:
             if len(proto.extent) != len(shape):
-                raise FormatError(f"{where}: a slice of tensor {name!r} has {len(proto.extent)} dimensions, "
-                                  f"the tensor {len(shape)}")
+                raise FormatError(f"a slice has {len(proto.extent)} dimensions, the tensor {len(shape)}",
+                                  path=index_path, key=name)
             extents, index = [], []
             for extent, dim in zip(proto.extent, shape, strict=True):
                 length = extent.length if extent.HasField("length") else -1
                 start, stop = (extent.start, extent.start + length) if length >= 0 else (extent.start, dim)
                 if length < -1 or not 0 <= start <= stop <= dim or (length == -1 and start != 0):
-                    raise FormatError(f"{where}: a slice of tensor {name!r} reaches outside its shape {shape}")
+                    raise FormatError(f"a slice reaches outside its shape {shape}", path=index_path, key=name)
                 extents.append((start, length))
                 index.append(slice(start, stop))
             piece = slice_entries.get(slice_key(name.encode("utf-8"), extents))
             if piece is None:
-                raise FormatError(f"{where}: tensor {name!r} lists a slice {extents} that the index does not hold")
+                raise FormatError(f"lists a slice {extents} that the index does not hold", path=index_path, key=name)
             piece_shape = tuple(s.stop - s.start for s in index)
             stored = self._stored(piece, name)
             needed = math.prod(piece_shape) * dtype.itemsize
-            if piece.dtype != entry.dtype or _shape(piece, where, name) != piece_shape or stored.size != needed:
-                raise FormatError(f"{where}: a slice of tensor {name!r} does not match its place "
-                                  f"{piece_shape} {dtype} ({stored.size} bytes)")
+            if piece.dtype != entry.dtype or _shape(piece, index_path, name) != piece_shape or stored.size != needed:
+                raise FormatError(f"a slice does not match its place {piece_shape} {dtype} ({stored.size} bytes)",
+                                  path=index_path, key=name)
             covered += math.prod(piece_shape)
             pieces.append((tuple(index), piece_shape, stored))
-        _refuse_overlapping_slices(where, name, pieces)
+        _refuse_overlapping_slices(index_path, name, pieces)
         if covered != math.prod(shape):
-            raise FormatError(f"{where}: the slices of tensor {name!r} do not cover its shape {shape}")
+            raise FormatError(f"its slices do not cover its shape {shape}", path=index_path, key=name)
         return pieces
 
     def _graph_keys(self, entries: dict[str, Any]) -> dict[str, str]:
@@ -524,16 +523,17 @@ class CheckpointReader:
 
     def _string_scalar(self, stored: _Stored) -> bytes:
         """One DT_STRING element: ``varint64 length, masked CRC-32C of the length, bytes``."""
-        where = f"{self.name}: tensor {OBJECT_GRAPH_KEY!r}"
         data = bytes(self._bytes(stored, OBJECT_GRAPH_KEY))
-        length, pos = read_varint(data, 0, len(data), 64, where)
+        length, pos = read_varint(data, 0, len(data), 64, path=self.name, what="its string length",
+                                  key=OBJECT_GRAPH_KEY)
         if pos + 4 + length != len(data):
-            raise FormatError(f"{where}: its string length disagrees with its entry's size")
+            raise FormatError("its string length disagrees with its entry's size", path=self.name, key=OBJECT_GRAPH_KEY)
         width = "<I" if length <= 0xFFFFFFFF else "<Q"
         crc = crc32c(data[pos : pos + 4], crc32c(struct.pack(width, length)))
         crc = crc32c(memoryview(data)[pos + 4 :], crc)
         if crc != stored.crc:
-            raise ChecksumError(f"{where} is corrupt (CRC-32C {crc:08x}, index says {stored.crc:08x})")
+            raise ChecksumError(f"is corrupt (CRC-32C {crc:08x}, index says {stored.crc:08x})",
+                                path=self.name, key=OBJECT_GRAPH_KEY)
         return data[pos + 4 :]
 
     def _key_for(self, name: str, graph_keys: dict[str, str]) -> str | None:
@@ -553,24 +553,24 @@ class CheckpointReader:
             return mapped
         with self._lock:
             if self._closed:
-                raise FormatError(f"{self.name}: the checkpoint is closed; open it again to read {key!r}")
+                raise FormatError("the checkpoint is closed; open it again to read it", path=self.name, key=key)
             if shard not in self._maps:
                 path = self._shard_file(shard)
                 try:
                     refuse_special_file(path)
                     self._maps[shard] = MappedFile(path)
                 except FileNotFoundError:
-                    raise FormatError(f"{path}: data file of tensor {key!r} is missing") from None
+                    raise FormatError("its data file is missing", path=path, key=key) from None
                 except OSError as exc:
-                    raise FormatError(f"{path}: data file of tensor {key!r} is unreadable ({exc.strerror})") from None
+                    raise FormatError(f"its data file is unreadable ({exc.strerror})", path=path, key=key) from None
             return self._maps[shard]
 
     def _backed(self, stored: _Stored, key: str) -> MappedFile:
         """The mapped data file holding ``stored``, refused when the file is too short for it."""
         mapped = self._map(stored.shard, key)
         if stored.offset + stored.size > mapped.size:
-            raise FormatError(f"{mapped.name}: data file is short: tensor {key!r} needs bytes "
-                              f"{stored.offset}..{stored.offset + stored.size}, the file has {mapped.size}")
+            raise FormatError(f"data file is short: needs bytes {stored.offset}..{stored.offset + stored.size}, "
+                              f"the file has {mapped.size}", path=mapped.name, key=key)
         return mapped
 
     def _bytes(self, stored: _Stored, key: str) -> memoryview:
@@ -579,8 +579,8 @@ class CheckpointReader:
     def _verified(self, stored: _Stored, data, key: str) -> None:
         actual = crc32c(data)
         if actual != stored.crc:
-            raise ChecksumError(f"{self._shard_file(stored.shard)}: tensor {key!r} is corrupt "
-                                f"(CRC-32C {actual:08x}, index says {stored.crc:08x})")
+            raise ChecksumError(f"is corrupt (CRC-32C {actual:08x}, index says {stored.crc:08x})",
+                                path=self._shard_file(stored.shard), key=key)
 
     def keys(self) -> list[str]:
         return list(self._infos)
@@ -589,7 +589,7 @@ class CheckpointReader:
         try:
             return self._infos[key]
         except KeyError:
-            raise KeyNotInStoreError(f"{self.name}: no tensor {key!r}") from None
+            raise KeyNotInStoreError("no such tensor", path=self.name, key=key) from None
 
     def entry_name(self, key: str) -> str:
         """The checkpoint entry a key reads (``net/w/.ATTRIBUTES/VARIABLE_VALUE`` for ``net/w``)."""
@@ -597,7 +597,7 @@ class CheckpointReader:
 
     def _tensor(self, key: str) -> _Tensor:
         if key not in self._infos:
-            raise KeyNotInStoreError(f"{self.name}: no tensor {key!r}")
+            raise KeyNotInStoreError("no such tensor", path=self.name, key=key)
         return self._tensors_by_key[key]
 
     def read(self, key: str, *, verify: bool) -> np.ndarray:
@@ -645,7 +645,7 @@ def refuse_special_file(path: str) -> None:
     """
     mode = os.stat(path).st_mode
     if not stat.S_ISREG(mode):
-        raise FormatError(f"{path}: is not a regular file (a folder, FIFO or device)")
+        raise FormatError("is not a regular file (a folder, FIFO or device)", path=path)
 
 
 def _is_key(name: str) -> bool:
@@ -656,24 +656,24 @@ def _is_key(name: str) -> bool:
     return True
 
 
-def _parse_proto(message: Any, value: bytes, where: str, what: str) -> None:
+def _parse_proto(message: Any, value: bytes, path: str, what: str) -> None:
     try:
         message.ParseFromString(value)
     except (DecodeError, RecursionError):
-        raise FormatError(f"{where}: {what} is not a readable protocol buffer") from None
+        raise FormatError(f"{what} is not a readable protocol buffer", path=path) from None
 
 
-def _shape(entry: Any, where: str, name: str) -> tuple[int, ...]:
+def _shape(entry: Any, path: str, name: str) -> tuple[int, ...]:
     proto = entry.shape
     if proto.unknown_rank:
-        raise FormatError(f"{where}: tensor {name!r} has no known rank")
+        raise FormatError("has no known rank", path=path, key=name)
     shape = tuple([dim.size for dim in proto.dim])
     if len(shape) > MAX_NDIM or (shape and min(shape) < 0):
-        raise FormatError(f"{where}: tensor {name!r} has an impossible shape {shape}")
+        raise FormatError(f"has an impossible shape {shape}", path=path, key=name)
     return shape
 
 
-def _refuse_overlapping_slices(where: str, name: str, pieces: list) -> None:
+def _refuse_overlapping_slices(path: str, name: str, pieces: list) -> None:
     """Two slices that share an element would make the joined value depend on their order."""
     boxes = sorted(([(s.start, s.stop) for s in index] for index, shape, _ in pieces if math.prod(shape)))
     for i, box in enumerate(boxes):
@@ -681,5 +681,5 @@ def _refuse_overlapping_slices(where: str, name: str, pieces: list) -> None:
             if other[0][0] >= box[0][1]:
                 break  # sorted by the first dimension's start: no later box reaches back
             if all(a < d and c < b for (a, b), (c, d) in zip(box, other, strict=True)):
-                raise FormatError(f"{where}: two slices of tensor {name!r} overlap")
+                raise FormatError("two of its slices overlap", path=path, key=name)
 
