@@ -31,7 +31,7 @@ from weightstore.errors import (
 from weightstore.formats import Format, Reader, format_for_suffix, format_named, known_suffixes, sniff
 from weightstore.formats.foreign import open_foreign
 from weightstore.formats.source import RemoteFile
-from weightstore.keys import MappingRules, Patterns, plan_outward, validate_key
+from weightstore.keys import MappingRules, Patterns, plan_outward, validate_keys
 from weightstore.manifest import TensorInfo, build_manifest, checksum_text, dtype_name, logical_dtype, to_storage
 from weightstore.storage import commit_for, filesystem, location_of
 
@@ -368,9 +368,8 @@ class _Checked(Mapping):
         self._where = where
         self._values: dict[str, Any] = {}  # None: read from ``weights`` when written
         store = weights if isinstance(weights, Store) else None
-        for key in weights:
-            with self._naming_the_file():
-                validate_key(key)
+        with self._naming_the_file():  # once around the loop: 50,000 small tensors
+            for key in validate_keys(weights):
                 if store is not None:
                     name = store.info(key).dtype
                     try:
@@ -406,8 +405,10 @@ class _Checked(Mapping):
         value = self._values[key]
         if value is None:
             value = self._weights[key]
-        with self._naming_the_file():
-            return to_storage(np.asarray(value), key)
+        try:
+            return to_storage(value if isinstance(value, np.ndarray) else np.asarray(value), key)
+        except UnsupportedDTypeError as exc:  # a value whose dtype changed since it was checked
+            raise UnsupportedDTypeError(f"{self._where}: {exc}" if self._where else str(exc)) from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._values)

@@ -18,7 +18,7 @@ import mmap
 import struct
 import time
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 import numpy as np
 from isal import isal_zlib
@@ -72,6 +72,10 @@ _INFLATE_PIECE = 4 << 20
 _MAX_ARRAY_BYTES = (1 << 63) - 1
 
 _CENTRAL = struct.Struct("<4s6H3I5H2I")
+#: below this many tensors, reading one by one costs less than setting up column checks
+_FEW = 16
+#: members start past here only in files near 4 GB: left to the path that writes ZIP64 fields
+_SMALL_MEMBERS_END = 0xF0000000
 _PAD_ID = 0xD935  # the extra-field id Android's zipalign uses for the same padding
 
 
@@ -106,14 +110,19 @@ def _layout(dtype_name: str, shape: tuple[int, ...]) -> _Layout:
     return _Layout(npy_header(storage, shape), storage, logical, math.prod(shape), logical != storage)
 
 
-@dataclass
-class _Written:
+class _Written(NamedTuple):
     name: bytes
     offset: int
     crc: int
     compressed: int
     size: int
     method: int
+
+
+@functools.lru_cache(maxsize=4096)  # a model's tensors come in few (dtype, shape) pairs
+def _npy_header_and_crc(dtype: np.dtype, shape: tuple[int, ...]) -> tuple[bytes, int]:
+    header = npy_header(dtype, shape)
+    return header, isal_zlib.crc32(header) & 0xFFFFFFFF
 
 
 class NpzWriter:
@@ -128,6 +137,7 @@ class NpzWriter:
         self._file: BinaryIO = open(path, "wb")  # noqa: SIM115 - open until commit() or abort() closes it
         self._compress = compress
         self._members: list[_Written] = []
+        self._offset = 0  # where the next member starts
         self._time = _dos_time()
         self.locations: dict[str, str] = {}
         self.codecs: dict[str, str] = {}
@@ -136,7 +146,30 @@ class NpzWriter:
         if self._compress == "shuffle" and data.ndim and data.nbytes:
             self.codecs[key] = shuffle_zstd.CODEC
             return self._add_member(key + shuffle_zstd.MEMBER_SUFFIX, b"", data, shuffle=True)
-        return self._add_member(key + ".npy", npy_header(data.dtype, data.shape), data)
+        header, header_crc = _npy_header_and_crc(data.dtype, data.shape)
+        if not self._compress and data.nbytes <= CRC_CHUNK and self._offset < _SMALL_MEMBERS_END:
+            return self._add_small((key + ".npy").encode("utf-8"), header, header_crc, data)
+        crc = self._add_member(key + ".npy", header, data)
+        self._offset = self._file.tell()
+        return crc
+
+    def _add_small(self, name: bytes, header: bytes, header_crc: int, data: np.ndarray) -> int:
+        """A small stored member in two writes, its offset counted rather than asked (``tell``
+        and seeks cost more than a small tensor's bytes: 50,000 of them)."""
+        payload = raw_bytes(data) if not data.flags.c_contiguous else data  # an array is a buffer too, without a view
+        data_crc = isal_zlib.crc32(payload) & 0xFFFFFFFF
+        size = len(header) + data.nbytes
+        crc = isal_zlib.crc32_combine(header_crc, data_crc, data.nbytes)
+        offset = self._offset
+        padding = -(offset + LOCAL.size + len(name) + 4) % ALIGNMENT
+        self._file.write(b"".join((
+            LOCAL.pack(LOCAL_SIG, 20, UTF8_FLAG, STORED, *self._time, crc, size, size, len(name), 4 + padding),
+            name, struct.pack("<HH", _PAD_ID, padding), bytes(padding), header,
+        )))
+        self._file.write(payload)  # type: ignore[arg-type]  # numpy arrays export the buffer protocol
+        self._offset = offset + LOCAL.size + len(name) + 4 + padding + size
+        self._members.append(_Written(name, offset, crc, size, size, STORED))
+        return data_crc
 
     def _add_member(self, name: str, header: bytes, data: np.ndarray, *, shuffle: bool = False) -> int:
         """Write one member, checksumming the data as it is written; returns the data's CRC-32.
@@ -220,6 +253,11 @@ class NpzWriter:
         self._file.close()
 
     def _central_entry(self, member: _Written) -> bytes:
+        if member.offset < ZIP64_LIMIT and member.size < ZIP64_LIMIT and member.compressed < ZIP64_LIMIT:
+            return _CENTRAL.pack(
+                CENTRAL_SIG, (3 << 8) | 45, 20, UTF8_FLAG, member.method, *self._time, member.crc, member.compressed,
+                member.size, len(member.name), 0, 0, 0, 0, 0o100644 << 16, member.offset,
+            ) + member.name
         big = [v for v in (member.size, member.compressed, member.offset) if v >= ZIP64_LIMIT]
         extra = struct.pack("<HH", 1, 8 * len(big)) + struct.pack(f"<{len(big)}Q", *big) if big else b""
         clip = lambda v: ZIP64_LIMIT if v >= ZIP64_LIMIT else v  # noqa: E731
@@ -511,13 +549,14 @@ class NpzReader:
             )
 
     def read(self, key: str, *, verify: bool) -> np.ndarray:
-        return self.read_many([key], verify=verify)[0]
+        return self._read_one(key, verify)
 
     def read_many(self, keys: list[str], *, verify: bool) -> list[np.ndarray]:
         """Tensors in ``keys``' order: what ``read`` returns for each, but a file of 50,000 small
         tensors costs microseconds per tensor. Stored members of a mapped file with a manifest
         (the usual case) are read by :meth:`_read_mapped`; any other one by :meth:`_read_one`."""
-        if not isinstance(self._source, MappedFile) or self._manifest is None or self._source.mapping is None:
+        if (len(keys) < _FEW or not isinstance(self._source, MappedFile) or self._manifest is None
+                or self._source.mapping is None):
             return [self._read_one(key, verify) for key in keys]
         self._source.check_unchanged(f"tensor {keys[0]!r}" if len(keys) == 1 else f"{len(keys)} tensors")
         return self._read_mapped(keys, self._source.mapping, verify)
