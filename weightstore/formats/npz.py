@@ -308,7 +308,8 @@ class NpzReader:
         """Tensor key -> member name: ``.npy`` members, and ``compress="shuffle"`` ones when a
         manifest can say what they hold."""
         names = list(self._members)
-        if ("\0".join(names) + "\0").count(".npy\0") == len(names):  # every name ends .npy (none holds NUL)
+        self._only_npy = ("\0".join(names) + "\0").count(".npy\0") == len(names)  # (names hold no NUL)
+        if self._only_npy:
             return dict(zip([name[:-4] for name in names], names, strict=True))
         member_keys = {}
         for name in names:
@@ -558,8 +559,9 @@ class NpzReader:
         if (len(keys) < _FEW or not isinstance(self._source, MappedFile) or self._manifest is None
                 or self._source.mapping is None):
             return [self._read_one(key, verify) for key in keys]
-        self._source.check_unchanged(f"tensor {keys[0]!r}" if len(keys) == 1 else f"{len(keys)} tensors")
-        return self._read_mapped(keys, self._source.mapping, verify)
+        self._source.check_unchanged(f"{len(keys)} tensors")
+        with paused_gc():  # each array made holds a memoryview of the map: 50,000 tracked objects
+            return self._read_mapped(keys, self._source.mapping, verify)
 
     def _read_mapped(self, keys: list[str], mapping: mmap.mmap, verify: bool) -> list[np.ndarray]:
         """What :meth:`_read_one` checks, for many members of a mapped file at once: local
@@ -602,8 +604,12 @@ class NpzReader:
         members = self._members
         if self._plain_positions is None:
             index, codecs = members.index, self._codecs
-            self._plain_positions = {key: index[name] for key, name in self._member_of.items()
-                                     if len(name) == len(key) + len(".npy") and key not in codecs}
+            self._plain_positions = (
+                {key: index[name] for key, name in self._member_of.items()
+                 if len(name) == len(key) + len(".npy") and key not in codecs}
+                if codecs or not self._only_npy else
+                dict(zip(self._member_of, map(index.__getitem__, self._member_of.values()), strict=True))
+            )
         positions = np.fromiter(map(self._plain_positions.get, keys, itertools.repeat(-1)), np.int64, len(keys))
         chosen = np.flatnonzero(positions >= 0)
         chosen = chosen[members.column("methods")[positions[chosen]] == STORED]
