@@ -140,17 +140,19 @@ def storage_dtype(name: str) -> np.dtype:
 def to_storage(array: np.ndarray, key: str = "") -> tuple[str, np.ndarray]:
     """``(logical dtype name, C-contiguous little-endian array in storage dtype)``."""
     array = np.asarray(array)
-    name = dtype_name(array.dtype, key)
-    if array.flags.c_contiguous and array.dtype in _STORED_AS_IS:  # the usual case: nothing to convert
+    name = _STORED_AS_IS.get(array.dtype)
+    if name is not None and array.flags.c_contiguous:  # the usual case: nothing to convert
         return name, array
+    name = dtype_name(array.dtype, key)
     target = storage_dtype(name)
     if name in ML_DTYPES:
         return name, np.asarray(array, order="C").view(target)
     return name, np.asarray(array, dtype=target, order="C")
 
 
-#: numeric dtypes already in storage form (little-endian, not ml_dtypes)
-_STORED_AS_IS = frozenset(np.dtype(f"<{code}") for code in ["b1", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8", "c8", "c16"])
+#: numeric dtypes already in storage form (little-endian, not ml_dtypes) -> their names
+_STORED_AS_IS = {dtype: dtype.name for dtype in map(np.dtype, ["<b1", "<i1", "<i2", "<i4", "<i8", "<u1", "<u2", "<u4",
+                                                                  "<u8", "<f2", "<f4", "<f8", "<c8", "<c16"])}
 
 
 def from_storage(array: np.ndarray, name: str) -> np.ndarray:

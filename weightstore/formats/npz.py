@@ -76,7 +76,11 @@ _CENTRAL = struct.Struct("<4s6H3I5H2I")
 _FEW = 16
 #: members start past here only in files near 4 GB: left to the path that writes ZIP64 fields
 _SMALL_MEMBERS_END = 0xF0000000
+#: small members are gathered up to this many bytes per write
+_PENDING_BYTES = 1 << 20
+#: the zip extra field that pads a member's data to :data:`ALIGNMENT`, by padding length
 _PAD_ID = 0xD935  # the extra-field id Android's zipalign uses for the same padding
+_PADDING = [struct.pack("<HH", _PAD_ID, n) + bytes(n) for n in range(ALIGNMENT)]
 
 
 def _dos_time() -> tuple[int, int]:
@@ -138,6 +142,7 @@ class NpzWriter:
         self._compress = compress
         self._members: list[_Written] = []
         self._offset = 0  # where the next member starts
+        self._pending = bytearray()  # small members not yet handed to the file
         self._time = _dos_time()
         self.locations: dict[str, str] = {}
         self.codecs: dict[str, str] = {}
@@ -149,24 +154,30 @@ class NpzWriter:
         header, header_crc = _npy_header_and_crc(data.dtype, data.shape)
         if not self._compress and data.nbytes <= CRC_CHUNK and self._offset < _SMALL_MEMBERS_END:
             return self._add_small((key + ".npy").encode("utf-8"), header, header_crc, data)
-        crc = self._add_member(key + ".npy", header, data)
-        self._offset = self._file.tell()
-        return crc
+        return self._add_member(key + ".npy", header, data)
+
+    def _flush_pending(self) -> None:
+        self._file.write(self._pending)
+        self._pending.clear()
 
     def _add_small(self, name: bytes, header: bytes, header_crc: int, data: np.ndarray) -> int:
-        """A small stored member in two writes, its offset counted rather than asked (``tell``
-        and seeks cost more than a small tensor's bytes: 50,000 of them)."""
+        """A small stored member, gathered with others into one write and its offset counted
+        rather than asked: a ``write``, ``tell`` or seek costs more than a small tensor's bytes,
+        and a file may hold 50,000 of them."""
         payload = raw_bytes(data) if not data.flags.c_contiguous else data  # an array is a buffer too, without a view
         data_crc = isal_zlib.crc32(payload) & 0xFFFFFFFF
         size = len(header) + data.nbytes
         crc = isal_zlib.crc32_combine(header_crc, data_crc, data.nbytes)
         offset = self._offset
         padding = -(offset + LOCAL.size + len(name) + 4) % ALIGNMENT
-        self._file.write(b"".join((
-            LOCAL.pack(LOCAL_SIG, 20, UTF8_FLAG, STORED, *self._time, crc, size, size, len(name), 4 + padding),
-            name, struct.pack("<HH", _PAD_ID, padding), bytes(padding), header,
-        )))
-        self._file.write(payload)  # type: ignore[arg-type]  # numpy arrays export the buffer protocol
+        pending = self._pending
+        pending += LOCAL.pack(LOCAL_SIG, 20, UTF8_FLAG, STORED, *self._time, crc, size, size, len(name), 4 + padding)
+        pending += name
+        pending += _PADDING[padding]
+        pending += header
+        pending.extend(payload)  # a buffer: not "+=", where numpy would add elementwise
+        if len(pending) >= _PENDING_BYTES:
+            self._flush_pending()
         self._offset = offset + LOCAL.size + len(name) + 4 + padding + size
         self._members.append(_Written(name, offset, crc, size, size, STORED))
         return data_crc
@@ -179,6 +190,7 @@ class NpzWriter:
         checksum pass before it. A small one is checksummed first (it stays in cache for the
         write), so thousands of small tensors cost no seeks.
         """
+        self._flush_pending()
         payload = raw_bytes(data)
         size = len(header) + len(payload)
         deflate = bool(self._compress) and not shuffle and size > 0 and data.ndim > 0
@@ -223,6 +235,7 @@ class NpzWriter:
                 self._file.write(struct.pack("<QQ", size, compressed))
             self._file.seek(end)
         self._members.append(_Written(encoded, offset, crc, compressed, size, method))
+        self._offset = self._file.tell()
         return data_crc
 
     def _deflate(self, header: bytes, payload: memoryview) -> tuple[int, int]:
