@@ -87,6 +87,20 @@ def median_seconds(run: Callable[[], object], repeat: int) -> float:
     return median(times)
 
 
+def interleaved_medians(cases: Mapping[str, Callable[[], object]], repeat: int,
+                        clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """Median seconds per case, the cases taking turns (one warm-up round, then ``repeat``
+    rounds): on a machine whose load drifts, every case sees the same drift."""
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for round_ in range(repeat + 1):
+        for name, run in cases.items():
+            start = clock()
+            run()
+            if round_:
+                times[name].append(clock() - start)
+    return {name: median(values) for name, values in times.items()}
+
+
 def touch(arrays: Mapping[str, Any] | Sequence[Any]) -> float:
     """Read every byte of every array (sum them), so a lazy map cannot hide its cost."""
     values = arrays.values() if isinstance(arrays, Mapping) else arrays

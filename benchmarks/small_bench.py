@@ -8,6 +8,7 @@ before the rename), so the save row is also compared with ``save_file`` followed
 
     python -m benchmarks.small_bench                       # 50,000 x 256 float32, 5 runs
     python -m benchmarks.small_bench --tensors 5000 --repeat 3
+    python -m benchmarks.small_bench --cpu                 # CPU time, for a machine others load
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+import time
 
 import numpy as np
 
-from benchmarks.common import median_seconds
+from benchmarks.common import interleaved_medians
 
 
-def bench(tensors: int = 50_000, size: int = 256, repeat: int = 5) -> dict[str, float]:
+def bench(tensors: int = 50_000, size: int = 256, repeat: int = 5, clock=time.perf_counter) -> dict[str, float]:
     """Print and return median seconds per case, and weightstore's ratio to safetensors."""
     import safetensors.numpy
     from safetensors import safe_open
@@ -65,11 +67,12 @@ def bench(tensors: int = 50_000, size: int = 256, repeat: int = 5) -> dict[str, 
             "read each via open (weightstore npz)": read_each,
             "load (safetensors load_file)": lambda: safetensors.numpy.load_file(st),
         }
-        results = {name: median_seconds(run, repeat) for name, run in cases.items()}
+        results = interleaved_medians(cases, repeat, clock)
     peers = {"save": ["save (safetensors save_file)", "save (safetensors save_file + fsync)"],
              "open": ["open + keys (safetensors safe_open)"], "load": ["load (safetensors load_file)"],
              "read": ["load (safetensors load_file)"]}
-    print(f"{tensors} tensors of {size} float32, median of {repeat} runs")
+    what = "CPU time of this process" if clock is time.process_time else "wall time"
+    print(f"{tensors} tensors of {size} float32, median {what} of {repeat} interleaved runs")
     for name, seconds in results.items():
         ratios = "" if "safetensors" in name else "  " + ", ".join(
             f"{seconds / results[peer]:5.2f}x {peer.split('(')[1].rstrip(')')}" for peer in peers[name.split()[0]])
@@ -82,5 +85,7 @@ if __name__ == "__main__":
     parser.add_argument("--tensors", type=int, default=50_000)
     parser.add_argument("--size", type=int, default=256, help="float32 values per tensor")
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--cpu", action="store_true",
+                        help="time CPU seconds of this process (steadier on a shared machine; fsync waits do not count)")
     args = parser.parse_args()
-    bench(args.tensors, args.size, args.repeat)
+    bench(args.tensors, args.size, args.repeat, time.process_time if args.cpu else time.perf_counter)

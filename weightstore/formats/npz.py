@@ -14,18 +14,17 @@ import contextlib
 import functools
 import itertools
 import math
-import mmap
 import struct
 import time
 from dataclasses import dataclass
-from typing import BinaryIO, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 import numpy as np
 from isal import isal_zlib
 
 from weightstore.errors import ChecksumError, FormatError, KeyNotInStoreError, UnsafeFileError
 from weightstore.formats import Format, foreign_keys, shuffle_zstd, zipdir
-from weightstore.formats.source import ALIGNMENT, ByteSource, MappedFile, open_source, prefetch_ranges
+from weightstore.formats.source import ALIGNMENT, ByteSource, MappedFile, OwnedFile, open_source, prefetch_ranges
 from weightstore.formats.zipdir import (
     CENTRAL_SIG,
     DEFLATED,
@@ -567,53 +566,34 @@ class NpzReader:
 
     def read_many(self, keys: list[str], *, verify: bool) -> list[np.ndarray]:
         """Tensors in ``keys``' order: what ``read`` returns for each, but a file of 50,000 small
-        tensors costs microseconds per tensor. Stored members of a mapped file with a manifest
-        (the usual case) are read by :meth:`_read_mapped`; any other one by :meth:`_read_one`."""
-        if (len(keys) < _FEW or not isinstance(self._source, MappedFile) or self._manifest is None
-                or self._source.mapping is None):
+        tensors costs microseconds per tensor.
+
+        Plain stored members of a local file with a manifest (the usual case) are checked and
+        read together by :meth:`_read_together`, from the map, or with ``mmap=False`` from one
+        read of the span that holds the small ones; any other member by :meth:`_read_one`.
+        """
+        if len(keys) < _FEW or self._manifest is None or not isinstance(self._source, (MappedFile, OwnedFile)):
             return [self._read_one(key, verify) for key in keys]
         self._source.check_unchanged(f"{len(keys)} tensors")
-        with paused_gc():  # each array made holds a memoryview of the map: 50,000 tracked objects
-            return self._read_mapped(keys, self._source.mapping, verify)
+        positions = self._plain_positions_of(keys)
+        if isinstance(self._source, MappedFile):
+            buffer: Any = self._source.mapping
+            base = 0
+        else:  # owned memory: one read of the span the small members lie in, if they fill most of it
+            positions[self._members.column("sizes")[np.maximum(positions, 0)] > CRC_CHUNK] = -1
+            found = positions[positions >= 0]
+            if not found.size:
+                return [self._read_one(key, verify) for key in keys]
+            base = int(self._members.column("offsets")[found].min())
+            span = int(self._members.column("limits")[found].max()) - base
+            if span > 2 * int(self._members.column("sizes")[found].sum()) + CRC_CHUNK:
+                return [self._read_one(key, verify) for key in keys]
+            buffer = self._source.read_at(base, span)
+        with paused_gc():  # each array made holds a memoryview of the buffer: 50,000 tracked objects
+            return self._read_together(keys, positions, buffer, base, verify)
 
-    def _read_mapped(self, keys: list[str], mapping: mmap.mmap, verify: bool) -> list[np.ndarray]:
-        """What :meth:`_read_one` checks, for many members of a mapped file at once: local
-        headers and names on whole columns (:meth:`_data_starts`), then per member only what
-        must be: its npy header compared byte for byte as a slice of the map, its data viewed in
-        place and checksummed. A member that fails a check, or is not a plain stored ``.npy``,
-        goes to :meth:`_read_one`, which raises the precise error (or reads it)."""
-        infos = self._infos
-        starts, ends = self._data_starts(keys, mapping)
-        arrays = []
-        for key, start, end in zip(keys, starts, ends, strict=True):
-            info = infos[key] if start >= 0 else None
-            layout = _layout(info.dtype, info.shape) if info is not None else None
-            if info is None or layout is None or end - start != len(layout.header) + info.nbytes:
-                arrays.append(self._read_one(key, verify))
-                continue
-            data = start + len(layout.header)
-            if mapping[start:data] != layout.header:
-                arrays.append(self._read_one(key, verify))
-                continue
-            array = (np.frombuffer(mapping, layout.storage, layout.count, data) if layout.count
-                     else np.empty(0, layout.storage))
-            if verify and (f"{CHECKSUM_PREFIX}{isal_zlib.crc32(array) & 0xFFFFFFFF:08x}" != info.checksum
-                           if info.checksum is not None
-                           else isal_zlib.crc32(mapping[start:end]) & 0xFFFFFFFF != self._members[self._member_of[key]].crc):
-                arrays.append(self._read_one(key, verify))
-                continue
-            array = array.reshape(info.shape)
-            arrays.append(array.view(layout.logical) if layout.viewed else array)
-        return arrays
-
-    def _data_starts(self, keys: list[str], mapping: mmap.mmap) -> tuple[list[int], list[int]]:
-        """Where each key's member data (npy header first) starts and ends in the map, or -1 for
-        a key that is not a plain stored ``.npy`` member whose local header checks out.
-
-        The local headers are read as one record array and checked as columns: the signature,
-        the method, the name (same length and bytes as the directory's), and the data within the
-        member's limit, as :meth:`_data_offset` checks one member.
-        """
+    def _plain_positions_of(self, keys: list[str]) -> np.ndarray:
+        """Each key's directory position if its member is a plain stored ``.npy``, else -1."""
         members = self._members
         if self._plain_positions is None:
             index, codecs = members.index, self._codecs
@@ -624,16 +604,59 @@ class NpzReader:
                 dict(zip(self._member_of, map(index.__getitem__, self._member_of.values()), strict=True))
             )
         positions = np.fromiter(map(self._plain_positions.get, keys, itertools.repeat(-1)), np.int64, len(keys))
+        positions[members.column("methods")[np.maximum(positions, 0)] != STORED] = -1
+        return positions
+
+    def _read_together(self, keys: list[str], positions: np.ndarray, buffer: Any, base: int,
+                       verify: bool) -> list[np.ndarray]:
+        """What :meth:`_read_one` checks, for many members at once, in ``buffer`` (the file's
+        bytes from offset ``base``): local headers and names on whole columns
+        (:meth:`_data_starts`), then per member only what must be: its npy header compared byte
+        for byte as a slice, its data viewed in place and checksummed. A member that fails a
+        check, or is not a plain stored ``.npy`` (position -1), goes to :meth:`_read_one`, which
+        raises the precise error (or reads it)."""
+        infos = self._infos
+        starts, ends = self._data_starts(positions, buffer, base)
+        arrays = []
+        for key, start, end in zip(keys, starts, ends, strict=True):
+            info = infos[key] if start >= 0 else None
+            layout = _layout(info.dtype, info.shape) if info is not None else None
+            if info is None or layout is None or end - start != len(layout.header) + info.nbytes:
+                arrays.append(self._read_one(key, verify))
+                continue
+            data = start + len(layout.header)
+            if buffer[start:data] != layout.header:
+                arrays.append(self._read_one(key, verify))
+                continue
+            array = (np.frombuffer(buffer, layout.storage, layout.count, data) if layout.count
+                     else np.empty(0, layout.storage))
+            if verify and (f"{CHECKSUM_PREFIX}{isal_zlib.crc32(array) & 0xFFFFFFFF:08x}" != info.checksum
+                           if info.checksum is not None
+                           else isal_zlib.crc32(buffer[start:end]) & 0xFFFFFFFF != self._members[self._member_of[key]].crc):
+                arrays.append(self._read_one(key, verify))
+                continue
+            array = array.reshape(info.shape)
+            arrays.append(array.view(layout.logical) if layout.viewed else array)
+        return arrays
+
+    def _data_starts(self, positions: np.ndarray, buffer: Any, base: int) -> tuple[list[int], list[int]]:
+        """Where each member's data (npy header first) starts and ends in ``buffer``, or -1
+        where the position is -1 or the member's local header does not check out.
+
+        The local headers are read as one record array and checked as columns: the signature,
+        the method, the name (same length and bytes as the directory's), and the data within the
+        member's limit, as :meth:`_data_offset` checks one member.
+        """
+        members = self._members
         chosen = np.flatnonzero(positions >= 0)
-        chosen = chosen[members.column("methods")[positions[chosen]] == STORED]
         found = positions[chosen]
-        offsets, name_lens = members.column("offsets")[found], members.column("name_lens")[found]
-        file_bytes = np.frombuffer(mapping, np.uint8)
+        offsets, name_lens = members.column("offsets")[found] - base, members.column("name_lens")[found]
+        file_bytes = np.frombuffer(buffer, np.uint8)
         local = file_bytes[offsets[:, None] + np.arange(LOCAL.size)].view(LOCAL_RECORD)[:, 0]
         starts = offsets + LOCAL.size + local["name_len"] + local["extra_len"].astype(np.int64)
         ends = starts + members.column("sizes")[found]
         good = ((local["sig"] == LOCAL_SIG) & (local["method"] == STORED) & (local["name_len"] == name_lens)
-                & (ends <= members.column("limits")[found]))
+                & (ends <= members.column("limits")[found] - base))
         # every name's bytes, gathered end to end, against the directory's names end to end
         first = np.concatenate(([0], np.cumsum(name_lens)[:-1])) if found.size else found
         stored_names = file_bytes[np.repeat(offsets + LOCAL.size - first, name_lens) + np.arange(int(name_lens.sum()))]
@@ -641,8 +664,8 @@ class NpzReader:
         differs = stored_names != listed_names
         if differs.any():
             good &= ~np.logical_or.reduceat(differs, first)
-        all_starts = np.full(len(keys), -1, dtype=np.int64)
-        all_ends = np.full(len(keys), -1, dtype=np.int64)
+        all_starts = np.full(len(positions), -1, dtype=np.int64)
+        all_ends = np.full(len(positions), -1, dtype=np.int64)
         all_starts[chosen] = np.where(good, starts, -1)
         all_ends[chosen] = ends
         return all_starts.tolist(), all_ends.tolist()
