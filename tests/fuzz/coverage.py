@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 REGRESSIONS = ROOT / "tests" / "data" / "regressions"
 WORK = ROOT / ".fuzz"
-NAMES = ["npz", "npz-compressed", "hdf5", "numpy-savez", "latest"]
+NAMES = ["npz", "npz-many", "npz-compressed", "hdf5", "numpy-savez", "latest"]
 
 
 def main(argv: list[str]) -> int:

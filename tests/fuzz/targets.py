@@ -49,6 +49,12 @@ class Target:
         return path.read_bytes()
 
 
+def many_weights() -> dict[str, np.ndarray]:
+    """Enough small tensors (40) that a whole-file read takes the npz reader's batch path."""
+    weights = {f"layer_{i:02d}/w": np.arange(i, i + 6, dtype=np.float32).reshape(2, 3) for i in range(36)}
+    return weights | {k: v for k, v in sample_weights().items() if k != "emb"}
+
+
 def _save_plain_numpy(path: Path) -> None:
     with open(path, "wb") as handle:  # np.savez would add ".npz" to a str path
         np.savez(handle, **{k.replace("/", "."): v for k, v in sample_weights().items()})
@@ -61,6 +67,7 @@ def _publish(folder: Path) -> None:
 
 TARGETS = {
     "npz": Target("npz", ".npz", lambda p: ws.save(p, sample_weights(), metadata={"lr": 0.5})),
+    "npz-many": Target("npz-many", ".npz", lambda p: ws.save(p, many_weights())),
     "npz-compressed": Target("npz-compressed", ".npz", lambda p: ws.save(p, sample_weights(), compress=True)),
     "hdf5": Target("hdf5", ".h5", lambda p: ws.save(p, sample_weights(), metadata={"lr": 0.5}, compress=True),
                    checks_metadata=False),
@@ -77,10 +84,13 @@ def read_file(path: Path) -> tuple[dict[str, np.ndarray], dict, bool]:
     """Everything a user can read from a weight file, verified, in memory it owns; and
     whether a manifest said what it holds."""
     with ws.open(path, verify=True) as store:
+        together = store.read()  # many tensors at once: npz checks them as columns
         arrays = {}
         for key in store:
             store.info(key)
             arrays[key] = np.array(store[key])
+            if together[key].tobytes() != arrays[key].tobytes() or together[key].dtype != arrays[key].dtype:
+                raise Finding(f"tensor {key!r} reads differently alone and with the others")
         return arrays, dict(store.metadata), store.has_checksums
 
 
