@@ -153,3 +153,13 @@ def test_a_bad_key_among_thousands_in_a_manifest_is_named(tmp_path, bad_key):
     path.write_bytes(hostile.zip_bytes([hostile.Member(name, data) for name, data in members.items()]))
     with raises_naming(errors.FormatError, path, repr(bad_key)):
         ws.open(path)
+
+
+def test_a_directory_whose_names_hold_its_entry_signature_is_walked_entry_by_entry():
+    """Entries are found by their signature first; a name holding those bytes must not fool it."""
+    from weightstore.formats import zipdir
+
+    names = ["a.npy", "bPK\x01\x02c.npy", "PK\x01\x02.npy", "d.npy"]
+    data = hostile.zip_bytes([hostile.Member(name, hostile.npy(np.zeros(2))) for name in names])
+    count, size, offset, _ = zipdir.locate(data, 0, "t.npz")
+    assert list(zipdir.parse(data[offset : offset + size], count, offset, "t.npz")) == names
