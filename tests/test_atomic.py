@@ -46,7 +46,7 @@ def test_failure_mid_write_leaves_previous_file(tmp_path, suffix, monkeypatch):
 
     monkeypatch.setattr(writer, "add", add)
     with pytest.raises(OSError, match="No space left"):
-        ws.save(path, {"new/a": np.ones((256, 256)), "new/b": np.ones(10)})
+        ws.save(path, {"new/a": np.ones((512, 512)), "new/b": np.ones(10)})  # 2 MB: past any write buffering
     assert seen == ["new/a"]
     assert path.read_bytes() == before
     assert leftovers(tmp_path, path) == []
