@@ -639,7 +639,7 @@ class NpzReader:
             actual = checksum(payload)
             if actual != info.checksum:
                 raise ChecksumError(f"{self.name}: tensor {key!r} is corrupt (checksum {actual}, manifest {info.checksum})")
-        elif isal_zlib.crc32(raw_bytes(data)) & 0xFFFFFFFF != member.crc:
+        elif crc32(data) != member.crc:
             raise ChecksumError(f"{self.name}: tensor {key!r} is corrupt (zip CRC-32 mismatch)")
 
     def close(self) -> None:
