@@ -17,7 +17,6 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
-from isal import isal_zlib
 
 from weightstore import crc as _crc
 from weightstore.errors import FormatError, UnsupportedDTypeError
@@ -158,11 +157,12 @@ def write_checksummed(payload: memoryview, write: Callable[[memoryview], object]
     """Hand ``payload`` to ``write`` chunk by chunk and return its CRC-32 (continuing ``crc``).
 
     Each chunk is checksummed just before it is written, while it is in cache: saving reads
-    the tensor from memory once, not once for the checksum and again for the write.
+    the tensor from memory once, not once for the checksum and again for the write. The
+    checksum releases the GIL, so a save in the background does not stall the trainer.
     """
     for start in range(0, len(payload), CRC_CHUNK):
         chunk = payload[start : start + CRC_CHUNK]
-        crc = isal_zlib.crc32(chunk, crc)
+        crc = _crc.crc32(chunk, crc)
         write(chunk)
     return crc & 0xFFFFFFFF
 

@@ -92,7 +92,7 @@ def encode(payload: memoryview, itemsize: int, file: BinaryIO) -> tuple[int, int
     lengths, plain_crc, frames_crc = [], 0, 0
     for start in range(0, len(payload), size):
         block = payload[start : start + size]
-        plain_crc = isal_zlib.crc32(block, plain_crc)
+        plain_crc = crc.crc32(block, plain_crc)
         frame = compressor.compress(_shuffled(block, itemsize).data)
         frames_crc = isal_zlib.crc32(frame, frames_crc)
         lengths.append(len(frame))
