@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import struct
 import threading
 import zlib
@@ -188,3 +189,24 @@ def _encode(plain: np.ndarray, itemsize: int) -> memoryview:
     file = io.BytesIO()
     shuffle_zstd.encode(memoryview(plain), itemsize, file)
     return file.getbuffer()
+
+
+def test_a_forked_child_gets_its_own_helper():
+    """A child inherits the pool object but not its thread: it must start a helper of its own
+    (a data-loader worker would otherwise check every tensor on one core, or hang waiting)."""
+    parallel.for_each(2, lambda index: None)  # the parent's pool and its thread exist before the fork
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if a second thread ran job 1 while job 0 waited for it
+        second_ran, waited = threading.Event(), []
+
+        def job(index: int) -> None:
+            if index == 0:
+                waited.append(second_ran.wait(timeout=10))
+            else:
+                second_ran.set()
+
+        parallel.for_each(2, job)
+        data = b"x" * (crc.PARALLEL_BYTES + 5)
+        os._exit(0 if waited == [True] and crc.crc32(memoryview(data)) == zlib.crc32(data) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -28,7 +28,7 @@ from weightstore import parallel
 #: address lookup cost more than the GIL held for this long (about 3 us)
 RELEASE_GIL_BYTES = 64 << 10
 #: from this size on a buffer is split across threads: handing work to a helper costs
-#: about 50 us, which is what a buffer this size takes to checksum alone
+#: 30-50 us, paid back once a second core takes half of the ~200 us this size takes alone
 PARALLEL_BYTES = 4 << 20
 #: work claimed by one thread at a time: small enough that the threads finish close
 #: together, large enough that the per-chunk cost (a ctypes call, a combine) is noise

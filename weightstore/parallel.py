@@ -21,14 +21,18 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-#: threads working on one piece of work, the caller included: two saturate the memory
-#: bandwidth that checksums need here, and take both cores of the machines we measured on
+#: threads working on one piece of work, the caller included: all the cores of the 2-core
+#: machines this was measured on; more were never measured, so never used
 THREADS = min(2, os.cpu_count() or 1)
 
 
 @functools.lru_cache(maxsize=1)
 def _pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max(1, THREADS - 1), thread_name_prefix="weightstore-worker")
+
+
+# A forked child (a data-loader worker) inherits the pool but not its threads: it gets its own.
+os.register_at_fork(after_in_child=_pool.cache_clear)
 
 
 def for_each(count: int, job: Callable[[int], object]) -> None:
