@@ -68,7 +68,7 @@ def test_threaded_path_only_above_the_threshold(for_each_calls):
     crc.crc32(memoryview(random_bytes(crc.PARALLEL_BYTES - 1)))
     assert for_each_calls == []  # a small tensor pays no hand-off
     crc.crc32(memoryview(random_bytes(crc.PARALLEL_BYTES + 1)))
-    assert for_each_calls == [-(-(crc.PARALLEL_BYTES + 1) // crc.CHUNK_BYTES)]
+    assert len(for_each_calls) == 1 and for_each_calls[0] >= 2  # one call, work for two threads
 
 
 def test_large_tensor_loads_verified_through_the_threaded_path(tmp_path, tiny_chunks, for_each_calls):

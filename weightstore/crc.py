@@ -27,11 +27,12 @@ from weightstore import parallel
 #: below this a buffer is checksummed by ``isal_zlib.crc32``: the ctypes call and the
 #: address lookup cost more than the GIL held for this long (about 3 us)
 RELEASE_GIL_BYTES = 64 << 10
-#: from this size on a buffer is split across threads: handing work to a helper costs
-#: 30-50 us, paid back once a second core takes half of the ~200 us this size takes alone
-PARALLEL_BYTES = 4 << 20
-#: work claimed by one thread at a time: small enough that the threads finish close
-#: together, large enough that the per-chunk cost (a ctypes call, a combine) is noise
+#: from this size on a buffer is split across threads. Tensors read fresh from the page
+#: cache here (``benchmarks/split_bench`` timing): even at 1 MB, 1.18x faster at 2 MB, 1.3x
+#: at 4 MB, 1.4-1.7x from 8 MB; at 256 KB the hand-off (30-50 us) makes it 1.7x slower
+PARALLEL_BYTES = 2 << 20
+#: work claimed by one thread at a time (a buffer under two is halved): small enough that
+#: the threads finish close together, large enough that the per-chunk cost is noise
 CHUNK_BYTES = 2 << 20
 
 _CRC_FN = ctypes.CFUNCTYPE(ctypes.c_uint32, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_uint64)
@@ -55,14 +56,15 @@ def crc32(view: memoryview, crc: int = 0) -> int:
     address = np.frombuffer(view, np.uint8).ctypes.data  # the view stays alive, so does its memory
     if size < PARALLEL_BYTES:
         return native(crc, address, size)
-    count = -(-size // CHUNK_BYTES)
+    step = min(CHUNK_BYTES, -(-size // 2))
+    count = -(-size // step)
     chunk_crcs = [0] * count
 
     def chunk(index: int) -> None:
-        start = index * CHUNK_BYTES
-        chunk_crcs[index] = native(0, address + start, min(CHUNK_BYTES, size - start))
+        start = index * step
+        chunk_crcs[index] = native(0, address + start, min(step, size - start))
 
     parallel.for_each(count, chunk)
     for index, chunk_crc in enumerate(chunk_crcs):
-        crc = isal_zlib.crc32_combine(crc, chunk_crc, min(CHUNK_BYTES, size - index * CHUNK_BYTES))
+        crc = isal_zlib.crc32_combine(crc, chunk_crc, min(step, size - index * step))
     return crc & 0xFFFFFFFF
