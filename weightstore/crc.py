@@ -28,7 +28,7 @@ from weightstore import parallel
 #: address lookup cost more than the GIL held for this long (about 3 us)
 RELEASE_GIL_BYTES = 64 << 10
 #: from this size on a buffer is split across threads. Tensors read fresh from the page
-#: cache here (``benchmarks/split_bench`` timing): even at 1 MB, 1.18x faster at 2 MB, 1.3x
+#: cache here (``benchmarks/split_bench`` timing): break-even at 1 MB, 1.18x faster at 2 MB, 1.3x
 #: at 4 MB, 1.4-1.7x from 8 MB; at 256 KB the hand-off (30-50 us) makes it 1.7x slower
 PARALLEL_BYTES = 2 << 20
 #: work claimed by one thread at a time (a buffer under two is halved): small enough that
