@@ -171,6 +171,11 @@ def _load_fn(case: str, folder: str):
         return lambda: ws.load(path("ws-npz"))
     if case == "ws-npz-noverify":
         return lambda: ws.load(path("ws-npz"), verify=False)
+    if case in ("ws-npz-1thread", "ws-npz-s-1thread"):  # what checksums and decoding cost on one core
+        from weightstore import parallel
+
+        parallel.THREADS = 1
+        return lambda: ws.load(path(case.removesuffix("-1thread")))
     if case == "ws-npz-scope":
         return lambda: ws.load(path("ws-npz"), scope=SCOPE)
     if case == "ws-h5":
@@ -328,10 +333,10 @@ def bench(size_mb: float, repeat: int, folder: str | None = None, keep: bool = F
         case("floor:copy")
         case("save:raw+fsync")
         for product, loads in [
-            ("ws-npz", ["ws-npz", "ws-npz-noverify", "ws-npz-scope", "open:ws-npz"]),
+            ("ws-npz", ["ws-npz", "ws-npz-noverify", "ws-npz-1thread", "ws-npz-scope", "open:ws-npz"]),
             ("ws-h5", ["ws-h5", "ws-h5-scope", "open:ws-h5"]),
             ("ws-npz-c", ["ws-npz-c"]),
-            ("ws-npz-s", ["ws-npz-s"]),
+            ("ws-npz-s", ["ws-npz-s", "ws-npz-s-1thread"]),
             ("np", ["np"]),
             ("safetensors", ["safetensors"]),
             ("h5py", ["h5py"]),
@@ -368,6 +373,8 @@ def report(r: dict, facts: dict, size_mb: float, repeat: int, say) -> None:
         "ws-npz-s": "weightstore npz compress=\"shuffle\"",
         "np": "np.savez / np.load", "safetensors": "safetensors.numpy", "h5py": "h5py",
         "raw": "floor: raw write", "ws-npz-noverify": "weightstore npz verify=False",
+        "ws-npz-1thread": "weightstore npz, checksums on one thread",
+        "ws-npz-s-1thread": "weightstore npz compress=\"shuffle\", decoded on one thread",
     }
     rows = []
     for product, durable in [("ws-npz", True), ("ws-h5", True), ("ws-npz-c", True), ("ws-npz-s", True),
@@ -386,7 +393,8 @@ def report(r: dict, facts: dict, size_mb: float, repeat: int, say) -> None:
                "peak MB over weights", "file MB"], rows))
 
     rows = []
-    for name in ["ws-npz", "ws-npz-noverify", "ws-h5", "ws-npz-c", "ws-npz-s", "np", "safetensors", "h5py"]:
+    for name in ["ws-npz", "ws-npz-noverify", "ws-npz-1thread", "ws-h5", "ws-npz-c", "ws-npz-s", "ws-npz-s-1thread",
+                 "np", "safetensors", "h5py"]:
         res = r[f"load:{name}"]
         rows.append([names[name], fmt_seconds(res["median"]), fmt_ratio(res["median"] / load_peer),
                      fmt_ratio(res["median"] / read_floor), fmt_mb(res["peak"]),

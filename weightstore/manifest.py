@@ -21,8 +21,8 @@ from typing import Any, NamedTuple
 import ml_dtypes
 import numpy as np
 import orjson
-from isal import isal_zlib
 
+from weightstore import crc as _crc
 from weightstore.errors import FormatError, UnsupportedDTypeError
 from weightstore.keys import validate_keys
 
@@ -181,19 +181,20 @@ def raw_bytes(buffer) -> memoryview:
 
 
 def crc32(buffer) -> int:
-    """CRC-32 of a tensor's stored bytes by ISA-L: ~25 GB/s in cache, memory-bound (~12 GB/s) on whole tensors here."""
-    return isal_zlib.crc32(raw_bytes(buffer)) & 0xFFFFFFFF
+    """CRC-32 of a tensor's stored bytes, by ISA-L; a large tensor on two cores (see :mod:`weightstore.crc`)."""
+    return _crc.crc32(raw_bytes(buffer))
 
 
 def write_checksummed(payload: memoryview, write: Callable[[memoryview], object], crc: int = 0) -> int:
     """Hand ``payload`` to ``write`` chunk by chunk and return its CRC-32 (continuing ``crc``).
 
     Each chunk is checksummed just before it is written, while it is in cache: saving reads
-    the tensor from memory once, not once for the checksum and again for the write.
+    the tensor from memory once, not once for the checksum and again for the write. The
+    checksum releases the GIL, so a save in the background does not stall the trainer.
     """
     for start in range(0, len(payload), CRC_CHUNK):
         chunk = payload[start : start + CRC_CHUNK]
-        crc = isal_zlib.crc32(chunk, crc)
+        crc = _crc.crc32(chunk, crc)
         write(chunk)
     return crc & 0xFFFFFFFF
 

@@ -18,16 +18,15 @@ saved with ``compress="shuffle"`` use HDF5's own shuffle and gzip filters instea
 
 from __future__ import annotations
 
-import functools
 import struct
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO
 
 import numpy as np
 import zstandard
 from isal import isal_zlib
 
+from weightstore import crc, parallel
 from weightstore.errors import FormatError
 
 CODEC = "shuffle-zstd"
@@ -56,18 +55,24 @@ def _shuffled(block: memoryview, itemsize: int) -> np.ndarray:
 
 def _unshuffle(plain: bytes, target: np.ndarray, itemsize: int) -> None:
     planes = np.frombuffer(plain, np.uint8).reshape(itemsize, -1)
-    if itemsize in _WORDS:  # shifting planes into whole words: 3x (2 bytes) and 1.2x (4) the byte copies
-        words = target.view(_WORDS[itemsize])
-        np.left_shift(planes[-1], 8 * (itemsize - 1), out=words, dtype=words.dtype)
-        spare = np.empty_like(words) if itemsize > 2 else None
-        for byte in range(itemsize - 2, 0, -1):
-            np.left_shift(planes[byte], 8 * byte, out=spare, dtype=words.dtype)
-            words |= spare
-        np.bitwise_or(words, planes[0], out=words)
+    word = _WORDS.get(itemsize)
+    if word is None:
+        items = target.reshape(-1, itemsize)
+        for byte in range(itemsize):
+            items[:, byte] = planes[byte]
         return
-    items = target.reshape(-1, itemsize)
-    for byte in range(itemsize):
-        items[:, byte] = planes[byte]
+    # Each plane widened into whole words (a plain cast, not a cast inside the shift), shifted
+    # to its byte and or-ed in, through scratch reused per thread: 1.15x the shift-with-cast
+    # for 4-byte items, 1.3x byte copies into every 4th place; 8-byte words lose to copies.
+    words = target.view(word)
+    spare = _scratch(len(target)).view(word)[: len(words)]
+    words[:] = planes[-1]
+    np.left_shift(words, 8 * (itemsize - 1), out=words)
+    for byte in range(itemsize - 2, -1, -1):
+        spare[:] = planes[byte]
+        if byte:
+            np.left_shift(spare, 8 * byte, out=spare)
+        np.bitwise_or(words, spare, out=words)
 
 
 def encode(payload: memoryview, itemsize: int, file: BinaryIO) -> tuple[int, int, int]:
@@ -87,7 +92,7 @@ def encode(payload: memoryview, itemsize: int, file: BinaryIO) -> tuple[int, int
     lengths, plain_crc, frames_crc = [], 0, 0
     for start in range(0, len(payload), size):
         block = payload[start : start + size]
-        plain_crc = isal_zlib.crc32(block, plain_crc)
+        plain_crc = crc.crc32(block, plain_crc)
         frame = compressor.compress(_shuffled(block, itemsize).data)
         frames_crc = isal_zlib.crc32(frame, frames_crc)
         lengths.append(len(frame))
@@ -106,11 +111,6 @@ def max_encoded_size(nbytes: int) -> int:
     return _HEAD.size + 4 * count + nbytes + count * (_BLOCK // 128 + 64)
 
 
-@functools.lru_cache(maxsize=1)
-def _pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(2, thread_name_prefix="weightstore-unshuffle")
-
-
 _local = threading.local()
 
 
@@ -119,6 +119,18 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     found = getattr(_local, "decompressor", None)
     if found is None:
         found = _local.decompressor = zstandard.ZstdDecompressor()
+    return found
+
+
+def _scratch(nbytes: int) -> np.ndarray:
+    """Unshuffle scratch, kept per thread for blocks of the size we write (a fresh megabyte
+    per block is a fresh page-faulted megabyte); a larger block gets its own."""
+    found = getattr(_local, "scratch", None)
+    if found is not None and len(found) >= nbytes:
+        return found
+    if nbytes > _BLOCK:
+        return np.empty(nbytes, np.uint8)
+    found = _local.scratch = np.empty(_BLOCK, np.uint8)
     return found
 
 
@@ -152,8 +164,10 @@ def decode(blob: memoryview, itemsize: int, nbytes: int, where: str) -> tuple[np
         jobs.append((blob[position : position + length], start, min(size, nbytes - start)))
         position += length
 
-    def decode_block(job: tuple[memoryview, int, int]) -> int:
-        frame, start, length = job
+    block_crcs = [0] * len(jobs)
+
+    def decode_block(index: int) -> None:
+        frame, start, length = jobs[index]
         try:
             if zstandard.frame_content_size(frame) != length:
                 raise FormatError(f"{where}: block at byte {start} does not declare its {length} bytes (corrupt)")
@@ -164,11 +178,10 @@ def decode(blob: memoryview, itemsize: int, nbytes: int, where: str) -> tuple[np
             raise FormatError(f"{where}: block at byte {start} decodes to {len(plain)} bytes, not {length}")
         target = out[start : start + length]
         _unshuffle(plain, target, itemsize)
-        return isal_zlib.crc32(target)
+        block_crcs[index] = crc.crc32(target.data)
 
-    crcs = _pool().map(decode_block, jobs) if len(jobs) > 1 else map(decode_block, jobs)
-    crc = 0
-    for (_, _, length), block_crc in zip(jobs, crcs, strict=True):
-        crc = isal_zlib.crc32_combine(crc, block_crc, length)
-    return out, crc & 0xFFFFFFFF
-
+    parallel.for_each(len(jobs), decode_block)
+    total = 0
+    for (_, _, length), block_crc in zip(jobs, block_crcs, strict=True):
+        total = isal_zlib.crc32_combine(total, block_crc, length)
+    return out, total & 0xFFFFFFFF

@@ -1,0 +1,70 @@
+"""CRC-32 of large buffers without holding the GIL, on two cores when they are large.
+
+One core cannot checksum a tensor as fast as memory delivers it (ISA-L reads a tensor
+fresh from the page cache at about 20 GB/s here, page faults included). So a buffer of at
+least :data:`PARALLEL_BYTES` is cut into :data:`CHUNK_BYTES` chunks checksummed by the
+caller and a helper thread (:func:`weightstore.parallel.for_each`), and the chunk CRCs are
+joined with ``crc32_combine``: the same CRC-32 as one pass, only the work is split.
+
+The chunks go through ISA-L's ``crc32_gzip_refl``, from the library the isal package has
+already loaded, called through ctypes, which releases the GIL for the call
+(``isal_zlib.crc32`` holds it; ``zlib.crc32`` releases it but is about 8x slower). Where
+the library does not export that symbol, every CRC runs on the caller's thread through
+``isal_zlib.crc32``, as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable
+
+import numpy as np
+from isal import isal_zlib
+
+from weightstore import parallel
+
+#: below this a buffer is checksummed by ``isal_zlib.crc32``: the ctypes call and the
+#: address lookup cost more than the GIL held for this long (about 3 us)
+RELEASE_GIL_BYTES = 64 << 10
+#: from this size on a buffer is split across threads. Tensors read fresh from the page
+#: cache here (``benchmarks/split_bench`` timing): break-even at 1 MB, 1.18x faster at 2 MB, 1.3x
+#: at 4 MB, 1.4-1.7x from 8 MB; at 256 KB the hand-off (30-50 us) makes it 1.7x slower
+PARALLEL_BYTES = 2 << 20
+#: work claimed by one thread at a time (a buffer under two is halved): small enough that
+#: the threads finish close together, large enough that the per-chunk cost is noise
+CHUNK_BYTES = 2 << 20
+
+_CRC_FN = ctypes.CFUNCTYPE(ctypes.c_uint32, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_uint64)
+
+
+@functools.lru_cache(maxsize=1)
+def _isal_crc() -> Callable[[int, int, int], int] | None:
+    """ISA-L's CRC-32 entry point, ``(crc, address, length) -> crc``; None where not exported."""
+    try:
+        return _CRC_FN(("crc32_gzip_refl", ctypes.CDLL(isal_zlib.__file__)))
+    except (OSError, AttributeError):
+        return None
+
+
+def crc32(view: memoryview, crc: int = 0) -> int:
+    """CRC-32 of a flat, contiguous byte view, continuing ``crc``."""
+    size = len(view)
+    native = _isal_crc() if size >= RELEASE_GIL_BYTES else None
+    if native is None:
+        return isal_zlib.crc32(view, crc) & 0xFFFFFFFF
+    address = np.frombuffer(view, np.uint8).ctypes.data  # the view stays alive, so does its memory
+    if size < PARALLEL_BYTES:
+        return native(crc, address, size)
+    step = min(CHUNK_BYTES, -(-size // 2))
+    count = -(-size // step)
+    chunk_crcs = [0] * count
+
+    def chunk(index: int) -> None:
+        start = index * step
+        chunk_crcs[index] = native(0, address + start, min(step, size - start))
+
+    parallel.for_each(count, chunk)
+    for index, chunk_crc in enumerate(chunk_crcs):
+        crc = isal_zlib.crc32_combine(crc, chunk_crc, min(step, size - index * step))
+    return crc & 0xFFFFFFFF

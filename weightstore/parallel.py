@@ -1,0 +1,76 @@
+"""Splitting one piece of CPU work (a checksum, a decode) across the caller and a shared helper.
+
+The caller and :data:`THREADS` - 1 helper threads claim numbered jobs until none is left.
+The caller never waits for a helper to start: a helper still queued (another load holds it)
+or slow (another process holds its core) just claims fewer jobs, and the caller does the
+rest. So the work never takes longer than on the caller alone, by more than a few
+microseconds, and a job may itself call :func:`for_each` without deadlock (a helper that
+is busy is simply not there to help).
+
+One pool serves the whole process, so concurrent loads add no threads. Jobs must release
+the GIL for most of their time (ISA-L through ctypes, zstd, numpy), or two threads run no
+faster than one.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+#: threads working on one piece of work, the caller included: all the cores of the 2-core
+#: machines this was measured on; more were never measured, so never used
+THREADS = min(2, os.cpu_count() or 1)
+
+
+@functools.lru_cache(maxsize=1)
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max(1, THREADS - 1), thread_name_prefix="weightstore-worker")
+
+
+# A forked child (a data-loader worker) inherits the pool but not its threads: it gets its own.
+os.register_at_fork(after_in_child=_pool.cache_clear)
+
+
+def for_each(count: int, job: Callable[[int], object]) -> None:
+    """Run ``job(0)`` ... ``job(count - 1)``, each exactly once, across the caller and helpers.
+
+    Returns once every job has finished, and no helper touches the work afterwards, so the
+    buffers the jobs read and write may be released at once. The first exception a job
+    raises stops the claiming of new jobs and is raised here once running ones finish.
+    """
+    if count <= 1 or THREADS == 1:
+        for index in range(count):
+            job(index)
+        return
+    claims = itertools.count()  # next() on it is atomic under the GIL: every job is claimed once
+    failures: list[BaseException] = []
+
+    def claim_and_run(started: threading.Event | None) -> None:
+        if started is not None:
+            started.set()
+        for index in claims:
+            if index >= count or failures:
+                return
+            try:
+                job(index)
+            except BaseException as exc:  # handed to the caller, which raises it
+                failures.append(exc)
+                return
+
+    helpers = []
+    for _ in range(THREADS - 1):
+        started = threading.Event()
+        helpers.append((started, _pool().submit(claim_and_run, started)))
+    claim_and_run(None)
+    # The caller stops once every job is claimed or one failed. A helper that had not
+    # started by then finds nothing left to run whenever it starts, so only the ones that
+    # started (and may be running a job now) are waited for.
+    for started, future in helpers:
+        if started.is_set():
+            future.result()
+    if failures:
+        raise failures[0]
