@@ -171,6 +171,13 @@ class Hdf5Writer:
         self._compress = compress
         self.locations: dict[str, str] = {}
         self.codecs: dict[str, str] = {}
+        #: scope -> its group, and the keys written at their own path, so that placing a tensor
+        #: asks HDF5 nothing (each lookup by name cost as much as writing a small tensor)
+        self._groups: dict[str, h5py.Group] = {"": self._file}
+        self._at_own_path: set[str] = set()
+        self._plain_creation = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        self._plain_creation.set_obj_track_times(False)  # as h5py's create_dataset: files differ only by content
+        self._types: dict[np.dtype, tuple[h5py.h5t.TypeID, h5py.h5t.TypeID]] = {}
 
     def add(self, key: str, dtype_name: str, data: np.ndarray) -> int:
         with _as_write_error(f"{self._path}: tensor {key!r}"):
@@ -178,36 +185,56 @@ class Hdf5Writer:
 
     def _add(self, key: str, data: np.ndarray) -> int:
         parent_key, _, leaf = key.rpartition("/")
-        parent = self._group_for(parent_key) if parent_key else self._file
-        if leaf in parent:  # the key is already the scope of other keys: store it inside
-            parent = parent[leaf]
-            leaf = VALUE
+        parent = self._group_for(parent_key)
+        inside = self._groups.get(key)
+        if inside is not None:  # the key is already the scope of other keys: store it inside
+            parent, leaf = inside, VALUE
             self.locations[key] = join_scope(key, VALUE)
-        options = {}
-        if self._compress and data.ndim and data.nbytes >= _MIN_COMPRESSED_BYTES:
-            # True and "shuffle" alike: HDF5's own shuffle filter, which h5py reads
-            options = {"compression": "gzip", "compression_opts": 4, "shuffle": data.dtype.itemsize > 1}
-        if data.ndim == 0 or data.nbytes <= _WRITE_BLOCK:
+        else:
+            self._at_own_path.add(key)
+        compressed = self._compress and data.ndim and data.nbytes >= _MIN_COMPRESSED_BYTES
+        # True and "shuffle" alike: HDF5's own shuffle filter, which h5py reads
+        options = {"compression": "gzip", "compression_opts": 4, "shuffle": data.dtype.itemsize > 1} if compressed else {}
+        if data.nbytes > _WRITE_BLOCK:
+            return _write_rows(parent.create_dataset(leaf, shape=data.shape, dtype=data.dtype, **options), data)
+        if compressed:
             parent.create_dataset(leaf, data=data, **options)
-            return crc32(data)
-        return _write_rows(parent.create_dataset(leaf, shape=data.shape, dtype=data.dtype, **options), data)
+        else:
+            self._write_plain(parent, leaf, data)
+        return crc32(data)
+
+    def _write_plain(self, parent: h5py.Group, name: str, data: np.ndarray) -> None:
+        """An uncompressed tensor that fits one write, through the HDF5 calls h5py's
+        ``create_dataset`` makes (the same file), without its argument handling, which took
+        longer than HDF5's own work on a 1 KB tensor; types are made once per dtype."""
+        types = self._types.get(data.dtype)
+        if types is None:
+            types = self._types[data.dtype] = h5py.h5t.py_create(data.dtype, logical=True), h5py.h5t.py_create(data.dtype)
+        stored_type, memory_type = types
+        space = h5py.h5s.create_simple(data.shape)
+        dataset = h5py.h5d.create(parent.id, name.encode("utf-8"), stored_type, space, dcpl=self._plain_creation)
+        dataset.write(h5py.h5s.ALL, h5py.h5s.ALL, data, memory_type)
 
     def _group_for(self, scope: str) -> h5py.Group:
+        group = self._groups.get(scope)
+        if group is not None:
+            return group
         group = self._file
         walked = ""
         for segment in scope.split("/"):
             walked = join_scope(walked, segment)
-            node = group.get(segment)
-            if node is None:
-                group = group.create_group(segment)
-            elif isinstance(node, h5py.Dataset):  # a key is becoming a scope: move its array in
-                group.move(segment, _MOVING)
-                group.create_group(segment)
-                group.move(_MOVING, f"{segment}/{VALUE}")
-                self.locations[walked] = join_scope(walked, VALUE)
-                group = group[segment]
-            else:
-                group = node
+            known = self._groups.get(walked)
+            if known is None:
+                if walked in self._at_own_path:  # a key is becoming a scope: move its array in
+                    group.move(segment, _MOVING)
+                    known = group.create_group(segment)
+                    group.move(_MOVING, f"{segment}/{VALUE}")
+                    self._at_own_path.discard(walked)
+                    self.locations[walked] = join_scope(walked, VALUE)
+                else:
+                    known = group.create_group(segment)
+                self._groups[walked] = known
+            group = known
         return group
 
     def commit(self, manifest_text: str) -> None:
@@ -347,10 +374,9 @@ class Hdf5Reader:
     def keys(self) -> list[str]:
         return list(self._infos) if self._manifest else sorted(self._paths)
 
-    def _open_dataset(self, key: str) -> tuple[h5py.h5d.DatasetID, np.dtype, tuple[int, ...]]:
+    def _open_dataset(self, key: str) -> tuple[h5py.h5d.DatasetID, tuple[int, ...]]:
         """The dataset of ``key`` through HDF5's low-level calls (h5py's ``File[path]`` and
-        ``Dataset`` wrappers cost more than HDF5's own work on a small tensor), with its dtype
-        and shape as HDF5 reads them."""
+        ``Dataset`` wrappers cost more than HDF5's own work on a small tensor), and its shape."""
         path = self._paths.get(key)
         if path is None:
             raise KeyNotInStoreError(f"{self.name}: no tensor {key!r}")
@@ -360,13 +386,14 @@ class Hdf5Reader:
         space = dataset.get_space()
         if space.get_simple_extent_type() == h5py.h5s.NULL:
             raise FormatError(f"{self.name}: tensor {key!r} has no shape (empty dataspace)")
-        return dataset, dataset.dtype, space.shape
+        return dataset, space.shape
 
     def info(self, key: str) -> TensorInfo:
         info = self._infos.get(key)
         if info is None:
             with _as_format_error(f"{self.name}: tensor {key!r}"):
-                _, dtype, shape = self._open_dataset(key)
+                dataset, shape = self._open_dataset(key)
+                dtype = dataset.dtype
             name = dtype_name(dtype, key) if dtype.kind != "V" else f"V{dtype.itemsize}"
             info = TensorInfo(key, name, shape, shape_nbytes(shape, dtype.itemsize))
             self._infos[key] = info
@@ -377,21 +404,31 @@ class Hdf5Reader:
             return self._read(key, verify)
 
     def _read(self, key: str, verify: bool) -> np.ndarray:
-        dataset, dtype, shape = self._open_dataset(key)
+        dataset, shape = self._open_dataset(key)
         where = f"{self.name}: tensor {key!r}"
         info = self._infos.get(key) if self._manifest else None
-        if dtype.hasobject or dtype.fields is not None or dtype.kind not in "biufcV":
-            raise UnsafeFileError(f"{where} has dtype {dtype}; only numeric arrays are read")
-        if info is not None and (dtype != self._storage_dtype(info.dtype) or shape != info.shape):
-            raise FormatError(f"{where} is {shape} {dtype} but the manifest says {info.shape} {info.dtype}")
+        if info is not None:
+            dtype = self._storage_dtype(info.dtype)
+            memory_type = self._memory_type(dtype)
+            # HDF5's comparison of the types first: cheaper than h5py's translation of the
+            # stored type into a dtype, and when they are equal HDF5 reads without converting
+            if shape != info.shape or (dataset.get_type() != memory_type and dataset.dtype != dtype):
+                raise FormatError(f"{where} is {shape} {dataset.dtype} but the manifest says {info.shape} {info.dtype}")
+        else:
+            dtype = dataset.dtype
+            if dtype.hasobject or dtype.fields is not None or dtype.kind not in "biufcV":
+                raise UnsafeFileError(f"{where} has dtype {dtype}; only numeric arrays are read")
+            if dtype.kind != "V":
+                dtype = dtype.newbyteorder("<")
+            memory_type = self._memory_type(dtype)
         nbytes = math.prod(shape) * dtype.itemsize
         if self._stored_plain[self._paths[key]]:
             _check_stored_size(dataset, where, nbytes)
         else:
             _check_storage(dataset, where, nbytes)
-        out = np.empty(shape, dtype=dtype.newbyteorder("<") if dtype.kind != "V" else dtype)
+        out = np.empty(shape, dtype=dtype)
         if out.size:
-            dataset.read(h5py.h5s.ALL, h5py.h5s.ALL, out, self._memory_type(out.dtype))
+            dataset.read(h5py.h5s.ALL, h5py.h5s.ALL, out, memory_type)
         if verify and info is not None and info.checksum:
             actual = checksum(out)
             if actual != info.checksum:
