@@ -28,7 +28,7 @@ from weightstore.errors import (
     WriteError,
 )
 from weightstore.formats import Format, foreign_keys
-from weightstore.formats.hdf5_bytes import ReadAt, check_object, check_root_group, check_vlen_attribute
+from weightstore.formats.hdf5_bytes import ReadAt, check_object, check_root_group, check_vlen_attribute, read_ahead
 from weightstore.keys import RESERVED_PREFIX, join_scope
 from weightstore.manifest import (
     MAX_MANIFEST_BYTES,
@@ -260,7 +260,7 @@ class Hdf5Reader:
             self._file = h5py.File(location, "r")
         try:
             with _as_format_error(name), _raw_bytes(location) as (read_at, size):
-                self._raw = read_at, size, self._file.userblock_size
+                self._raw = read_ahead(read_at), size, self._file.userblock_size
                 self._manifest = self._read_manifest()
                 self._stored_plain = self._walk()
             self._paths = self._keyed(set(self._stored_plain))

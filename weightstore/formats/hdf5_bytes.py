@@ -62,6 +62,31 @@ def check_vlen_attribute(read_at: ReadAt, file_size: int, base: int, name: str, 
         raise FormatError(f"{where}: attribute {name!r} claims {length} bytes but its heap object holds {stored}")
 
 
+#: bytes read at once by :func:`read_ahead`: the headers of about 50 datasets of 1 KB
+READ_AHEAD = 64 << 10
+
+
+def read_ahead(read_at: ReadAt, window: int = READ_AHEAD) -> ReadAt:
+    """``read_at`` that reads ``window`` bytes at a time and serves the small reads that
+    follow from them.
+
+    A file's object headers, heaps and tree nodes lie near each other, mostly in increasing
+    order, and checking 50,000 of them read each with two or three reads of a few hundred
+    bytes (a third of the time to open the file); reads longer than ``window`` pass through.
+    """
+    start, cached = 0, b""
+
+    def read(offset: int, length: int) -> bytes:
+        nonlocal start, cached
+        if length > window:
+            return read_at(offset, length)
+        if not (start <= offset and offset + length <= start + len(cached)):
+            start, cached = offset, read_at(offset, window)
+        return cached[offset - start : offset - start + length]
+
+    return read
+
+
 class _Bytes:
     def __init__(self, read_at: ReadAt, size: int, where: str):
         self._read_at, self.size, self.where = read_at, size, where
