@@ -3,6 +3,8 @@ the reader classifies from the file's bytes instead of asking HDF5."""
 
 from __future__ import annotations
 
+import errno
+
 import fsspec
 import h5py
 import ml_dtypes
@@ -10,6 +12,7 @@ import numpy as np
 import pytest
 
 import weightstore as ws
+from tests import hostile
 from weightstore import errors
 
 
@@ -147,3 +150,25 @@ def test_a_named_datatype_in_the_tree_is_refused_naming_it(tmp_path):
         f["scope/kind"] = np.dtype("<f4")  # a committed datatype: neither group nor dataset
     with pytest.raises(errors.FormatError, match=r"typed\.h5.*'scope/kind'"):
         ws.open(path)
+
+
+def test_many_small_tensors_over_a_file_size_limit_raise_write_error_naming_the_tensor(tmp_path):
+    """Small uncompressed tensors once waited in HDF5's sieve buffer until their dataset was
+    closed, where a failed write crashed the process (SIGSEGV). Now the failure is a WriteError
+    (EFBIG, as a full disk gives ENOSPC) naming the file being written and the tensor, the
+    process lives on, and nothing is left behind."""
+    path = tmp_path / "many.h5"
+    result = hostile.run_isolated(
+        "weights = {f'layer_{i // 100:04d}/w_{i % 100:02d}': np.full(256, i, np.float32) for i in range(4000)}\n"
+        "try:\n"
+        f"    ws.save({str(path)!r}, weights)\n"
+        "except ws.WriteError as exc:\n"
+        "    print('REFUSED', exc.errno, exc)\n"
+        "print('ALIVE')\n",
+        file_size=1 << 20,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith(f"REFUSED {errno.EFBIG} {tmp_path}"), result.stdout
+    assert "many.h5" in result.stdout and "tensor 'layer_" in result.stdout
+    assert "ALIVE" in result.stdout
+    assert not any(tmp_path.iterdir())

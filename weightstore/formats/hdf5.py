@@ -96,8 +96,12 @@ def _as_write_error(where: str) -> Iterator[None]:
     except WeightStoreError:
         raise
     except _H5PY_ERRORS as exc:
-        detail = (str(exc).splitlines() or [""])[0][:300]
-        raise WriteError(getattr(exc, "errno", None) or 0, f"{where}: writing HDF5 failed ({detail})") from None
+        raise _write_error(where, exc) from None
+
+
+def _write_error(where: str, exc: Exception) -> WriteError:
+    detail = (str(exc).splitlines() or [""])[0][:300]
+    return WriteError(getattr(exc, "errno", None) or 0, f"{where}: writing HDF5 failed ({detail})")
 
 
 @contextlib.contextmanager
@@ -169,18 +173,26 @@ def _check_storage(dataset: h5py.h5d.DatasetID, where: str, nbytes: int) -> None
 
 
 class Hdf5Writer:
-    """Writes through HDF5 with no chunk cache.
+    """Writes through HDF5 with neither a chunk cache nor a sieve buffer.
 
-    With a cache, compressed chunks are written when the file is flushed or closed, and
-    HDF5 1.14 crashes the process (SIGSEGV) when such a deferred write fails (disk full, file
-    size limit). Written through, the failure surfaces in :meth:`add`, and closing after it
-    is safe. A failure is a :class:`WriteError` (an ``OSError``) naming the file.
+    With a chunk cache, compressed chunks are written when the file is flushed or closed;
+    with a sieve buffer (64 KB by default), so are the bytes of small uncompressed datasets,
+    when the dataset is closed. HDF5 1.14 crashes the process (SIGSEGV) when such a deferred
+    write fails (disk full, file size limit). Written through, the failure surfaces in
+    :meth:`add`, and closing after it is safe. A failure is a :class:`WriteError` (an
+    ``OSError``) naming the file.
     """
 
     def __init__(self, path: str, compress: bool | str):
         self._path = path
+        access = h5py.h5p.create(h5py.h5p.FILE_ACCESS)  # what h5py.File(path, "w", ...) makes, and no sieve buffer
+        access.set_libver_bounds(h5py.h5f.LIBVER_EARLIEST, h5py.h5f.LIBVER_V110)
+        cache = list(access.get_cache())
+        cache[2] = 0  # chunk cache bytes
+        access.set_cache(*cache)
+        access.set_sieve_buf_size(0)
         with _as_write_error(path):
-            self._file = h5py.File(path, "w", libver=("earliest", "v110"), rdcc_nbytes=0)
+            self._file = h5py.File(h5py.h5f.create(os.fsencode(path), h5py.h5f.ACC_TRUNC, fapl=access))
         self._compress = compress
         self.locations: dict[str, str] = {}
         self.codecs: dict[str, str] = {}
@@ -193,8 +205,12 @@ class Hdf5Writer:
         self._types: dict[np.dtype, tuple[h5py.h5t.TypeID, h5py.h5t.TypeID]] = {}
 
     def add(self, key: str, dtype_name: str, data: np.ndarray) -> int:
-        with _as_write_error(f"{self._path}: tensor {key!r}"):
+        try:  # not _as_write_error: a generator context per tensor cost a tenth of writing 1 KB
             return self._add(key, data)
+        except WeightStoreError:
+            raise
+        except _H5PY_ERRORS as exc:
+            raise _write_error(f"{self._path}: tensor {key!r}", exc) from None
 
     def _add(self, key: str, data: np.ndarray) -> int:
         parent_key, _, leaf = key.rpartition("/")
@@ -206,8 +222,9 @@ class Hdf5Writer:
         else:
             self._at_own_path.add(key)
         compressed = self._compress and data.ndim and data.nbytes >= _MIN_COMPRESSED_BYTES
-        # True and "shuffle" alike: HDF5's own shuffle filter, which h5py reads
-        options = {"compression": "gzip", "compression_opts": 4, "shuffle": data.dtype.itemsize > 1} if compressed else {}
+        options = {}
+        if compressed:  # True and "shuffle" alike: HDF5's own shuffle filter, which h5py reads
+            options = {"compression": "gzip", "compression_opts": 4, "shuffle": data.dtype.itemsize > 1}
         if data.nbytes > _WRITE_BLOCK:
             return _write_rows(parent.create_dataset(leaf, shape=data.shape, dtype=data.dtype, **options), data)
         if compressed:
@@ -222,7 +239,8 @@ class Hdf5Writer:
         longer than HDF5's own work on a 1 KB tensor; types are made once per dtype."""
         types = self._types.get(data.dtype)
         if types is None:
-            types = self._types[data.dtype] = h5py.h5t.py_create(data.dtype, logical=True), h5py.h5t.py_create(data.dtype)
+            types = h5py.h5t.py_create(data.dtype, logical=True), h5py.h5t.py_create(data.dtype)
+            self._types[data.dtype] = types
         stored_type, memory_type = types
         space = h5py.h5s.create_simple(data.shape)
         dataset = h5py.h5d.create(parent.id, name.encode("utf-8"), stored_type, space, dcpl=self._plain_creation)

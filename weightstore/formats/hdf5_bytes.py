@@ -223,7 +223,8 @@ def _heap_object(reader: _Bytes, collection: int, index: int, limit: int) -> int
     return found
 
 
-_DATASPACE, _LINK_INFO, _DATATYPE, _EXTERNAL_FILES, _LAYOUT, _FILTERS, _SYMBOL_TABLE = 0x01, 0x02, 0x03, 0x07, 0x08, 0x0B, 0x11
+_DATASPACE, _LINK_INFO, _DATATYPE, _EXTERNAL_FILES, _LAYOUT = 0x01, 0x02, 0x03, 0x07, 0x08
+_FILTERS, _SYMBOL_TABLE = 0x0B, 0x11
 _COMPACT, _CONTIGUOUS = 0, 1
 _UNDEFINED = (1 << 64) - 1
 
