@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from weightstore.errors import FormatError, UnsafeFileError
 
@@ -32,6 +32,7 @@ _SIGNATURE = b"\x89HDF\r\n\x1a\n"
 _CONTINUATION, _ATTRIBUTE = 0x10, 0x0C
 _VLEN_CLASS, _VLEN_STRING = 9, 1
 _OBJECT_HEADER = 16  # a heap object's index, reference count, reserved bytes and size
+_V1_MESSAGE = struct.Struct("<HH")  # a version-1 header message's type and size (then flags, reserved)
 _MAX_BLOCKS = 64  # object header chunks followed before giving up
 _MAX_HEADER_BYTES = 16 << 20
 
@@ -148,16 +149,17 @@ def _messages(reader: _Bytes, base: int, header: int) -> Iterator[tuple[int, byt
             return
         offset, length = blocks.pop(0)
         block = reader.read(offset, length)
-        position = 0
-        while position + 8 <= len(block):
-            kind, size = struct.unpack_from("<HH", block, position)
-            body = block[position + 8 : position + 8 + size]
-            if len(body) != size:
+        position, end = 0, len(block)
+        while position + 8 <= end:
+            kind, size = _V1_MESSAGE.unpack_from(block, position)
+            position += 8
+            if position + size > end:
                 raise FormatError(f"{reader.where}: object header message overruns its block")
+            body = block[position : position + size]
             if kind == _CONTINUATION:
                 blocks.append(_continuation(body, base, reader.where))
             yield kind, body
-            position += 8 + size
+            position += size
     raise UnsafeFileError(f"{reader.where}: object header has more than {_MAX_BLOCKS} continuation blocks")
 
 
@@ -229,8 +231,7 @@ _COMPACT, _CONTIGUOUS = 0, 1
 _UNDEFINED = (1 << 64) - 1
 
 
-@dataclass(frozen=True)
-class ObjectHeader:
+class ObjectHeader(NamedTuple):
     """What an object is, by the messages of its header, classified as HDF5 classifies it
     (``H5O__obj_class_real``: a symbol table or link info makes a group; else a datatype and a
     dataspace make a dataset)."""
