@@ -63,7 +63,7 @@ def test_many_small_tensors_in_nested_groups_round_trip(tmp_path):
 
 def test_many_small_tensors_round_trip_through_a_url(tmp_path):
     """A URL is read through a file object (seek and read), not a descriptor: the structures the
-    reader checks come through it too, many headers per read."""
+    reader checks come through it too, in whatever reads its own buffering makes."""
     weights = many_weights()
     ws.save(tmp_path / "many.h5", weights)
     url = f"memory://{tmp_path.name}/many.h5"

@@ -63,10 +63,15 @@ _H5PY_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError, IndexErr
 
 @contextlib.contextmanager
 def _raw_bytes(location) -> Iterator[tuple[ReadAt, int]]:
-    """``(read_at, size)`` over the file's bytes, beside h5py's own access to it."""
+    """``(read_at, size)`` over the file's bytes, beside h5py's own access to it.
+
+    A local file is read 64 KB at a time (:func:`read_ahead`: its structures lie close
+    together); a file object (a URL) keeps its own buffering, which decides what is fetched.
+    """
     if isinstance(location, str):
         with open(location, "rb") as handle:
-            yield (lambda offset, length: os.pread(handle.fileno(), length, offset)), os.fstat(handle.fileno()).st_size
+            descriptor = handle.fileno()
+            yield read_ahead(lambda offset, length: os.pread(descriptor, length, offset)), os.fstat(descriptor).st_size
         return
     position = location.tell()
     size = location.seek(0, os.SEEK_END)
@@ -293,7 +298,7 @@ class Hdf5Reader:
             self._file = h5py.File(location, "r")
         try:
             with _as_format_error(name), _raw_bytes(location) as (read_at, size):
-                self._raw = read_ahead(read_at), size, self._file.userblock_size
+                self._raw = read_at, size, self._file.userblock_size
                 self._manifest = self._read_manifest()
                 self._stored_plain = self._walk()
             self._paths = self._keyed(set(self._stored_plain))
