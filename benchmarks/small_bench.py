@@ -77,6 +77,54 @@ def bench(tensors: int = 50_000, size: int = 256, repeat: int = 5, clock=time.pe
         ratios = "" if "safetensors" in name else "  " + ", ".join(
             f"{seconds / results[peer]:5.2f}x {peer.split('(')[1].rstrip(')')}" for peer in peers[name.split()[0]])
         print(f"  {name:40s} {seconds * 1000:9.1f} ms{ratios}")
+    results.update(bench_hdf5(weights, repeat, clock))
+    return results
+
+
+def bench_hdf5(weights: dict[str, np.ndarray], repeat: int = 5, clock=time.perf_counter) -> dict[str, float]:
+    """weightstore's HDF5 files against the h5py code a user would write for the same weights.
+
+    The peers: ``create_dataset`` of each key (h5py makes the nested groups), and a load that
+    walks the file with ``visititems`` and reads each dataset with ``ds[()]``. Print and return
+    median seconds per case, with weightstore's ratio to its h5py peer.
+    """
+    import h5py
+
+    import weightstore as ws
+
+    with tempfile.TemporaryDirectory(prefix="ws-small-h5-") as folder:
+        ours, plain = os.path.join(folder, "w.h5"), os.path.join(folder, "plain.h5")
+
+        def h5py_save() -> None:
+            with h5py.File(plain, "w") as handle:
+                for key, value in weights.items():
+                    handle.create_dataset(key, data=value)
+
+        def h5py_load() -> dict[str, np.ndarray]:
+            out: dict[str, np.ndarray] = {}
+            with h5py.File(plain, "r") as handle:
+                handle.visititems(lambda name, node: out.__setitem__(name, node[()])
+                                  if isinstance(node, h5py.Dataset) else None)
+            return out
+
+        def open_keys() -> None:
+            with ws.open(ours) as store:
+                store.keys()
+
+        cases = {
+            "save (weightstore hdf5)": lambda: ws.save(ours, weights),
+            "save (h5py)": h5py_save,
+            "open + keys (weightstore hdf5)": open_keys,
+            "load (weightstore hdf5)": lambda: ws.load(ours),
+            "load verify=False (weightstore hdf5)": lambda: ws.load(ours, verify=False),
+            "load (h5py)": h5py_load,
+        }
+        results = interleaved_medians(cases, repeat, clock)
+    print(f"HDF5, {len(weights)} tensors, median of {repeat} interleaved runs")
+    for name, seconds in results.items():
+        peer = "save (h5py)" if name.startswith("save") else "load (h5py)"
+        ratio = "" if "h5py" in name else f"  {seconds / results[peer]:5.2f}x h5py {peer.split()[0]}"
+        print(f"  {name:40s} {seconds * 1000:9.1f} ms{ratio}")
     return results
 
 

@@ -1,0 +1,174 @@
+"""HDF5 files of many small tensors: the low-level read and write paths, and the object headers
+the reader classifies from the file's bytes instead of asking HDF5."""
+
+from __future__ import annotations
+
+import errno
+
+import fsspec
+import h5py
+import ml_dtypes
+import numpy as np
+import pytest
+
+import weightstore as ws
+from tests import hostile
+from weightstore import errors
+
+
+def many_weights() -> dict[str, np.ndarray]:
+    """600 small tensors in nested groups, a key that becomes a scope after its tensor was written
+    and one that is a scope before, and every kind of dtype and shape a header describes."""
+    weights = {f"layer_{i // 100:04d}/w_{i % 100:02d}": np.full(256, i, np.float32) for i in range(600)}
+    weights.update({
+        "deep/a/b/c/d/kernel": np.arange(12, dtype=np.float64).reshape(3, 4),
+        "slot": np.arange(3, dtype=np.int64),  # written first, then becomes a scope
+        "slot/Adagrad": np.ones(3, np.float32),
+        "scope/inner": np.zeros(2, np.int8),
+        "scope": np.array(7, np.int16),  # a scope first, then a key
+        "flags": np.array([True, False, True]),
+        "empty": np.zeros((0, 3), np.float16),
+        "big_endian": np.arange(5, dtype=">i4"),
+        "bf16": np.arange(6, dtype=ml_dtypes.bfloat16).reshape(2, 3),
+        "complex": np.arange(3, dtype=np.complex64),
+        "ünïcode/name": np.arange(4, dtype=np.uint16),
+    })
+    return weights
+
+
+def assert_same(loaded: dict[str, np.ndarray], weights: dict[str, np.ndarray]) -> None:
+    assert loaded.keys() == weights.keys()
+    for key, value in weights.items():
+        assert loaded[key].dtype == value.dtype.newbyteorder("="), key
+        assert loaded[key].shape == value.shape, key
+        assert np.array_equal(loaded[key], value), key
+
+
+def test_many_small_tensors_in_nested_groups_round_trip(tmp_path):
+    weights = many_weights()
+    path = tmp_path / "many.h5"
+    ws.save(path, weights)
+    assert_same(ws.load(path), weights)
+    assert_same(ws.load(path, verify=False), weights)
+    with ws.open(path) as store:
+        assert store.keys() == list(weights)
+        assert store.info("deep/a/b/c/d/kernel").shape == (3, 4)
+    with h5py.File(path, "r") as f:  # plain h5py reads every tensor where its key says
+        assert np.array_equal(f["layer_0005/w_99"][()], weights["layer_0005/w_99"])
+        assert np.array_equal(f["slot/__weightstore_value__"][()], weights["slot"])
+        assert np.array_equal(f["scope/__weightstore_value__"][()], weights["scope"])
+        assert f["layer_0000/w_00"].id.get_create_plist().get_layout() == h5py.h5d.CONTIGUOUS
+        assert f["layer_0000/w_00"].compression is None
+
+
+def test_many_small_tensors_round_trip_through_a_url(tmp_path):
+    """A URL is read through a file object (seek and read), not a descriptor: the structures the
+    reader checks come through it too, in whatever reads its own buffering makes."""
+    weights = many_weights()
+    ws.save(tmp_path / "many.h5", weights)
+    url = f"memory://{tmp_path.name}/many.h5"
+    with fsspec.open(url, "wb") as handle:
+        handle.write((tmp_path / "many.h5").read_bytes())
+    assert_same(ws.load(url), weights)
+
+
+def test_many_small_tensors_compressed_round_trip(tmp_path):
+    weights = many_weights()
+    weights["compressible"] = np.zeros(4096, np.float32)
+    path = tmp_path / "many.h5"
+    ws.save(path, weights, compress=True)
+    assert_same(ws.load(path), weights)
+    with h5py.File(path, "r") as f:
+        assert f["compressible"].compression == "gzip"
+        assert f["layer_0000/w_00"].compression is None  # too small to pay
+
+
+def _flip_one_value(path, dataset: str) -> None:
+    with h5py.File(path, "r") as f:
+        offset = f[dataset].id.get_offset()
+    with open(path, "r+b") as handle:
+        handle.seek(offset + 4)
+        byte = handle.read(1)[0]
+        handle.seek(offset + 4)
+        handle.write(bytes([byte ^ 0x40]))
+
+
+def test_a_damaged_tensor_among_many_is_refused_naming_it(tmp_path):
+    weights = many_weights()
+    path = tmp_path / "many.h5"
+    ws.save(path, weights)
+    _flip_one_value(path, "layer_0003/w_42")
+    with pytest.raises(errors.ChecksumError, match=r"many\.h5.*'layer_0003/w_42'"):
+        ws.load(path)
+    unverified = ws.load(path, verify=False)  # what a user asked for: the bytes as stored
+    assert not np.array_equal(unverified["layer_0003/w_42"], weights["layer_0003/w_42"])
+    assert np.array_equal(unverified["layer_0003/w_41"], weights["layer_0003/w_41"])
+
+
+@pytest.mark.parametrize("replacement", [
+    np.full(256, 7, np.int32),  # same size, another type: HDF5 would convert it without a word
+    np.full((16, 16), 7, np.float32),  # same bytes, another shape: the checksum cannot tell
+    np.full(256, 7, ">f4"),  # same values stored big-endian: not what weightstore writes
+], ids=["int32", "reshaped", "big-endian"])
+def test_a_dataset_unlike_its_manifest_entry_is_refused_naming_it(tmp_path, replacement):
+    path = tmp_path / "many.h5"
+    ws.save(path, {f"layer_{i}/w": np.full(256, 7, np.float32) for i in range(50)})
+    with h5py.File(path, "r+") as f:
+        del f["layer_17/w"]
+        f["layer_17/w"] = replacement
+    with pytest.raises(errors.FormatError, match=r"many\.h5.*'layer_17/w'.*manifest"):
+        ws.load(path, verify=False)
+
+
+def _compact(group: h5py.Group, name: str, value: np.ndarray) -> None:
+    """A dataset whose bytes sit in its own object header (h5py has no keyword for it)."""
+    creation = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    creation.set_layout(h5py.h5d.COMPACT)
+    space = h5py.h5s.create_simple(value.shape)
+    h5py.h5d.create(group.id, name.encode(), h5py.h5t.py_create(value.dtype), space, dcpl=creation).write(
+        h5py.h5s.ALL, h5py.h5s.ALL, value)
+
+
+@pytest.mark.parametrize("libver", ["earliest", "latest"])  # object headers of version 1 and 2
+def test_every_storage_layout_of_a_plain_h5py_file_reads_back(tmp_path, libver):
+    """Whether a dataset's bytes lie plainly in the file is read from its header: each layout
+    must come back exactly, however its header is classified."""
+    values = {f"g{i}/v": np.arange(300, dtype=np.float32) * i for i in range(4)}
+    path = tmp_path / "layouts.h5"
+    with h5py.File(path, "w", libver=libver) as f:
+        f.create_dataset("g0/v", data=values["g0/v"])
+        f.create_dataset("g1/v", data=values["g1/v"], chunks=(100,))
+        f.create_dataset("g2/v", data=values["g2/v"], chunks=(100,), compression="gzip", shuffle=True)
+        _compact(f.create_group("g3"), "v", values["g3/v"])
+    assert_same(ws.load(path), values)
+
+
+def test_a_named_datatype_in_the_tree_is_refused_naming_it(tmp_path):
+    path = tmp_path / "typed.h5"
+    with h5py.File(path, "w") as f:
+        f["w"] = np.zeros(3)
+        f["scope/kind"] = np.dtype("<f4")  # a committed datatype: neither group nor dataset
+    with pytest.raises(errors.FormatError, match=r"typed\.h5.*'scope/kind'"):
+        ws.open(path)
+
+
+def test_many_small_tensors_over_a_file_size_limit_raise_write_error_naming_the_tensor(tmp_path):
+    """Small uncompressed tensors once waited in HDF5's sieve buffer until their dataset was
+    closed, where a failed write crashed the process (SIGSEGV). Now the failure is a WriteError
+    (EFBIG, as a full disk gives ENOSPC) naming the file being written and the tensor, the
+    process lives on, and nothing is left behind."""
+    path = tmp_path / "many.h5"
+    result = hostile.run_isolated(
+        "weights = {f'layer_{i // 100:04d}/w_{i % 100:02d}': np.full(256, i, np.float32) for i in range(4000)}\n"
+        "try:\n"
+        f"    ws.save({str(path)!r}, weights)\n"
+        "except ws.WriteError as exc:\n"
+        "    print('REFUSED', exc.errno, exc)\n"
+        "print('ALIVE')\n",
+        file_size=1 << 20,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith(f"REFUSED {errno.EFBIG} {tmp_path}"), result.stdout
+    assert "many.h5" in result.stdout and "tensor 'layer_" in result.stdout
+    assert "ALIVE" in result.stdout
+    assert not any(tmp_path.iterdir())
