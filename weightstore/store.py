@@ -31,6 +31,7 @@ from weightstore.errors import (
 from weightstore.formats import Format, Reader, format_for_suffix, format_named, known_suffixes, sniff
 from weightstore.formats.foreign import open_foreign
 from weightstore.formats.source import RemoteFile
+from weightstore.gcpause import paused_gc
 from weightstore.keys import MappingRules, Patterns, plan_outward, validate_keys
 from weightstore.manifest import TensorInfo, build_manifest, checksum_text, dtype_name, logical_dtype, to_storage
 from weightstore.storage import commit_for, filesystem, location_of
@@ -176,6 +177,11 @@ def open(path: Any, *, verify: bool = True, format: str | None = None, mmap: boo
     opener = getattr(path, "_weightstore_open", None)
     if opener is not None:  # a Version: its pinned file, or a clear "version gone" if pruned
         return opener(verify=verify)
+    with paused_gc():  # an index of 50,000 tensors is some 300,000 containers (weightstore.gcpause)
+        return _open(path, verify=verify, format=format, mmap=mmap)
+
+
+def _open(path: Any, *, verify: bool, format: str | None, mmap: bool) -> Store:  # noqa: A002
     where = location_of(path)
     location = where.text
     if where.remote:

@@ -295,10 +295,6 @@ class NpzReader:
     """Reads the central directory and manifest at open; each tensor only when asked."""
 
     def __init__(self, source: ByteSource):
-        with paused_gc():  # see weightstore.gcpause: the index of 50,000 tensors is 300,000 containers
-            self._read_index(source)
-
-    def _read_index(self, source: ByteSource) -> None:
         self._source = source
         self.name = source.name
         self._members = self._read_directory()
