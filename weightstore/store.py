@@ -160,9 +160,10 @@ def open(path: Any, *, verify: bool = True, format: str | None = None, mmap: boo
         path: anything :func:`load` accepts.
         verify: check each tensor's checksum when it is read.
         format: read as this format whatever the name says (``"npz"``, ``"hdf5"``, ``"safetensors"``).
-        mmap: ``False`` reads each tensor of a local npz into memory it owns (``preadv``, 64-byte
-            aligned) instead of returning a view of the mapped file, which a file truncated or
-            rewritten in place by another tool would change, or (SIGBUS) make fatal to touch.
+        mmap: ``False`` reads the tensors of a local npz into memory of their own (``preadv``,
+            64-byte aligned; small tensors read together share one buffer) instead of returning
+            views of the mapped file, which a file truncated or rewritten in place by another
+            tool would change, or (SIGBUS) make fatal to touch.
 
     Returns:
         A :class:`Store`: a read-only mapping of key -> array; use it as a context manager.
