@@ -256,13 +256,14 @@ def _writer(graph: tf.Graph, variable: tf.Variable) -> tuple[tf.Operation, tf.Te
     every assign. A new op may consume an initial value and change the answer, so any new op
     forgets them all.
     """
-    known = getattr(graph, "_weightstore_writers", None)
+    known: tuple[int, dict[str, tuple[tf.Operation, tf.Tensor]]] | None = getattr(graph, "_weightstore_writers", None)
     if known is None or known[0] != graph.version:
         known = graph._weightstore_writers = (graph.version, {})
+    writers = known[1]
     name = variable.op.name
-    if name not in known[1]:
-        known[1][name] = _find_writer(graph, variable)
-    return known[1][name]
+    if name not in writers:
+        writers[name] = _find_writer(graph, variable)
+    return writers[name]
 
 
 def _find_writer(graph: tf.Graph, variable: tf.Variable) -> tuple[tf.Operation, tf.Tensor]:
