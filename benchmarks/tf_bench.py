@@ -524,7 +524,7 @@ def main(argv=None) -> None:
     parser.add_argument("--tf1-mb", type=float, default=1024, help="tf1.assign vs Saver.restore size (default 1024)")
     parser.add_argument("--small", type=int, default=50_000, help="small tensors of 256 floats (default 50000)")
     parser.add_argument("--only-hold", action="store_true", help="only the hold-the-model-once rows")
-    parser.add_argument("--hold-rows", default="tf2,tf1,small", help="which hold rows (default tf2,tf1,small)")
+    parser.add_argument("--hold-rows", default="tf2,tf1,small", help="which hold rows: tf2, tf1, small, small-tf1 (default tf2,tf1,small)")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--anon", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
