@@ -324,6 +324,19 @@ def test_shared_initial_value_gets_its_own_assign_op():
             tf1.assign(sess, {"a": np.ones(3, np.float32), "b": np.ones(3, np.float32)})
 
 
+def test_a_variable_sharing_an_initial_value_added_between_assigns_gets_its_own_value():
+    """Writers are remembered between assigns only while the graph gains no op."""
+    with graph_session() as (graph, sess):
+        init = tf.zeros([3])
+        a = v1.Variable(init, name="a")
+        tf1.assign(sess, {"a": np.ones(3, np.float32)})
+        b = v1.Variable(init, name="b")  # now feeding init would write into a and b alike
+        for step in range(2):
+            tf1.assign(sess, {"a": np.full(3, 5 + step, np.float32), "b": np.full(3, 7 + step, np.float32)})
+            np.testing.assert_array_equal(values(sess, [a, b]), [[5 + step] * 3, [7 + step] * 3])
+            graph.finalize()
+
+
 def test_a_partitioned_variable_missing_parts_is_a_weightstore_error():
     with graph_session() as (graph, sess):
         v1.get_variable("p", [4, 2], partitioner=v1.fixed_size_partitioner(2))

@@ -1,5 +1,6 @@
 """The TF2/Keras adapter on real Keras models, tf.Modules and variables, through real files."""
 
+import gc
 import json
 import os
 import subprocess
@@ -286,6 +287,57 @@ def test_assigned_values_share_no_memory_with_maps_or_callers(tmp_path, size, ki
     tf2.assign({"w": var}, {"w": mine})
     mine += 7
     assert not np.asarray(var.numpy()).any()
+
+
+@pytest.mark.parametrize("kind", ["tf", "keras"])
+def test_many_small_values_of_mixed_shapes_and_dtypes_each_reach_their_own_variable(tmp_path, kind):
+    """Small values are written in groups of one dtype and shape: several full groups of a
+    shape and a remainder, a lone shape, scalars, other dtypes and a large value in one batch."""
+    rng = np.random.default_rng(0)
+    weights = {f"rows/{i}": rng.standard_normal(7).astype(np.float32) for i in range(2 * tf2._GROUP + 5)}
+    weights |= {f"scalars/{i}": np.array(i / 3) for i in range(3)}
+    weights |= {"lone": rng.standard_normal((2, 3)).astype(np.float32), "ints": np.arange(7, dtype=np.int32),
+                "flags": np.array([True, False, True]), "half": sample(np_dtype("bfloat16"), (7,)),
+                "large": rng.standard_normal(1 << 15).astype(np.float32)}
+
+    def variable(value):
+        if kind == "keras":
+            return keras.Variable(np.zeros(value.shape, value.dtype), dtype=value.dtype.name)
+        return tf.Variable(tf.zeros(value.shape, tf.as_dtype(value.dtype)))
+
+    holder = {key: variable(value) for key, value in weights.items()}
+    path = tmp_path / "w.npz"
+    ws.save(path, weights)
+    assert tf2.assign(holder, path).assigned == list(weights)
+    given = {key: value.copy() for key, value in weights.items()}
+    tf2.assign(holder, given)
+    for value in given.values():
+        value[...] = 0  # the caller's arrays are theirs: the variables keep what was assigned
+    for key, value in weights.items():
+        got = np.asarray(holder[key].numpy())
+        assert got.dtype == value.dtype and got.shape == value.shape, key
+        np.testing.assert_array_equal(got, value, err_msg=key)
+    for key in ["rows/0", "rows/1", "lone"]:
+        holder[key].assign_add(np.ones(weights[key].shape, np.float32))
+    np.testing.assert_array_equal(np.asarray(holder["rows/1"].numpy()), weights["rows/1"] + 1)
+    np.testing.assert_array_equal(np.asarray(holder["rows/2"].numpy()), weights["rows/2"])
+    np.testing.assert_array_equal(ws.load(path)["rows/0"], weights["rows/0"])
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_assign_leaves_the_garbage_collector_as_it_found_it(enabled):
+    """An assign pauses the cyclic collector while it runs (a full pass over TF's heap is slow)."""
+    holder = {"w": tf.Variable(tf.zeros(3))}
+    if not enabled:
+        gc.disable()
+    try:
+        tf2.assign(holder, {"w": np.ones(3, np.float32)})
+        assert gc.isenabled() is enabled
+        with pytest.raises(AssignmentError, match="shapes differ"):
+            tf2.assign(holder, {"w": np.ones(4, np.float32)})
+        assert gc.isenabled() is enabled
+    finally:
+        gc.enable()
 
 
 def test_inside_a_keras_stateless_scope_assign_is_recorded_not_applied():
