@@ -321,7 +321,8 @@ class NpzReader:
 
     def _keys_of_members(self, *, shuffled: bool) -> dict[str, str]:
         """Tensor key -> member name: ``.npy`` members, and ``compress="shuffle"`` ones when a
-        manifest can say what they hold."""
+        manifest can say what they hold. Notes in ``_only_npy`` whether every member is ``.npy``
+        (then a key's member is found without a test per key, see :meth:`_plain_positions_of`)."""
         names = list(self._members)
         self._only_npy = ("\0".join(names) + "\0").count(".npy\0") == len(names)  # (names hold no NUL)
         if self._only_npy:
