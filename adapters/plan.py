@@ -146,6 +146,7 @@ class Values:
             self._owned = True
         else:
             raise TypeError(f"weights must be a dict, a path, a Store or a Version, not {type(weights).__name__}")
+        self._ready: dict[str, np.ndarray] = {}  # read by prefetch, not yet handed out
         self.where = self._store.path if self._store is not None else "the weight dictionary"
         self.exact_keys = getattr(self._store, "exact_keys", False)  # keys paired by structure: no hints
 
@@ -163,8 +164,17 @@ class Values:
     def checksum(self, key: str) -> str | None:
         return self._store.info(key).checksum if self._store is not None else None
 
+    def prefetch(self, keys: list[str]) -> None:
+        """Read ``keys`` from the store together (an npz checks and maps many small tensors in
+        one pass, a remote file fetches them at once); :meth:`read` hands each out once."""
+        if self._store is not None and len(keys) > 1:
+            self._ready.update(self._store.read(keys))
+
     def read(self, key: str) -> np.ndarray:
-        return self._store[key] if self._store is not None else self._arrays[key]
+        if self._store is None:
+            return self._arrays[key]
+        ready = self._ready.pop(key, None)
+        return self._store[key] if ready is None else ready
 
     def read_into(self, key: str, out: np.ndarray) -> np.ndarray:
         """The value converted into ``out``, straight from the file where the store can."""

@@ -119,6 +119,8 @@ def run_assign(target: Target, weights: Any, options: AssignOptions, *, skip_for
         if target.batched:
             _write_batches(target, source, prepare, todo, digests, report)
         else:
+            if hasattr(source, "prefetch"):  # every value is held until the write anyway
+                source.prefetch([value_key for _, value_key in todo])
             batch = [(key, prepare(source, key, value_key)) for key, value_key in todo]
             _remember(target, target.write(batch, report) if batch else [], digests, report)
     return report
@@ -137,14 +139,18 @@ def _write_batches(target: Target, source: ValueSource, prepare: Callable[[Value
     budget = max(BATCH_MIN_BYTES, sum(sizes.values()) // BATCH_SHARE)
     kept: dict[str, Any] = {}
     held = 0
-    for key, value_key in todo:  # the verify pass: any bad value raises here, before any write
-        value = prepare(source, key, value_key)
-        if not _costs_memory(value):
-            kept[key] = value
-        elif held + sizes[key] <= budget:
-            kept[key] = value
-            held += sizes[key]
-        del value  # one not kept is read again in its batch
+    prefetch = getattr(source, "prefetch", None)
+    for chunk in _chunks(todo, sizes, budget):  # the verify pass: any bad value raises here, before any write
+        if prefetch is not None:  # read a budget's worth together, as the write batches will hold
+            prefetch([value_key for _, value_key in chunk])
+        for key, value_key in chunk:
+            value = prepare(source, key, value_key)
+            if not _costs_memory(value):
+                kept[key] = value
+            elif held + sizes[key] <= budget:
+                kept[key] = value
+                held += sizes[key]
+            del value  # one not kept is read again in its batch
     written_before = False
     for chunk in _chunks(todo, sizes, budget):
         try:
