@@ -74,6 +74,12 @@ def _torch(size_mb: float, repeat: int) -> None:
     torch_bench.bench(size_mb, repeat)
 
 
+def _split(size_mb: float, repeat: int) -> None:
+    from benchmarks import split_bench
+
+    split_bench.bench(size_mb, max(repeat, 5))
+
+
 def _artifacts(size_mb: float, repeat: int) -> None:
     from benchmarks import artifacts_bench
 
@@ -82,7 +88,7 @@ def _artifacts(size_mb: float, repeat: int) -> None:
 
 BENCHMARKS: dict[str, Callable[[float, int], None]] = {
     "core": _core, "tf": _tf, "hold": _hold, "sync": _sync, "publish": _publish, "small": _small, "safetensors": _safetensors,
-    "ckpt": _checkpoints, "s3": _s3, "torch": _torch, "artifacts": _artifacts,
+    "ckpt": _checkpoints, "s3": _s3, "torch": _torch, "artifacts": _artifacts, "split": _split,
 }
 
 
