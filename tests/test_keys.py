@@ -248,3 +248,11 @@ def test_scope_that_names_a_tensor_says_so(tmp_path):
     assert str(path) in message and "not a scope" in message and "include='w/Adagrad'" in message
     assert "did you mean 'w/Adagrad'" not in message
     assert list(ws.load(path, include="w/Adagrad")) == ["w/Adagrad"]
+
+
+@pytest.mark.parametrize("exclude", ["", [""]])
+def test_excluding_the_root_scope_keeps_nothing_and_says_so(exclude):
+    """``""`` is the root scope, so it matches every key: as a string or in a list alike."""
+    with pytest.raises(ws.SelectionError, match="keeps no key"):
+        K.plan_outward(["a", "b/c"], exclude=exclude)
+    assert K.plan_outward(["a", "b/c"], include="") == {"a": "a", "b/c": "b/c"}

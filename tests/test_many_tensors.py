@@ -163,3 +163,38 @@ def test_a_directory_whose_names_hold_its_entry_signature_is_walked_entry_by_ent
     data = hostile.zip_bytes([hostile.Member(name, hostile.npy(np.zeros(2))) for name in names])
     count, size, offset, _ = zipdir.locate(data, 0, "t.npz")
     assert list(zipdir.parse(data[offset : offset + size], count, offset, "t.npz")) == names
+
+
+@pytest.mark.parametrize("zip64", [[16, 16, 2**64 - 1], [2**63, 2**63], [2**63 - 1, 2**63 - 1]])
+def test_zip64_sizes_past_the_file_are_refused_at_open(tmp_path, zip64):
+    """The directory's columns are checked in int64: a ZIP64 value no file can hold must be
+    refused, not wrap around into a member that seems to fit (and is then read past the map)."""
+    import struct
+
+    weights = {f"t{i:02d}": np.arange(4, dtype=np.float32) for i in range(20)}
+    path = tmp_path / "z64.npz"
+    ws.save(path, weights)
+    raw = bytearray(path.read_bytes())
+    entry = raw.index(b"PK\x01\x02")  # the first central entry (no tensor holds these bytes)
+    name_len = struct.unpack_from("<H", raw, entry + 28)[0]
+    extra = struct.pack("<HH", 1, 8 * len(zip64)) + struct.pack(f"<{len(zip64)}Q", *zip64)
+    struct.pack_into("<II", raw, entry + 20, 0xFFFFFFFF, 0xFFFFFFFF)  # compressed and size in the extra
+    if len(zip64) == 3:
+        struct.pack_into("<I", raw, entry + 42, 0xFFFFFFFF)  # and the offset
+    struct.pack_into("<H", raw, entry + 30, len(extra))
+    start = entry + 46 + name_len
+    raw[start:start] = extra
+    end = raw.rindex(b"PK\x05\x06")
+    struct.pack_into("<I", raw, end + 12, struct.unpack_from("<I", raw, end + 12)[0] + len(extra))
+    path.write_bytes(bytes(raw))
+    with raises_naming(errors.UnsafeFileError, path, "t00.npy"):
+        ws.open(path)
+
+
+def test_metadata_integers_past_64_bits_stay_exact(tmp_path):
+    """The manifest parser reads such integers as the stdlib does, not as rounded floats."""
+    metadata = {"step": -(2**63) - 1, "seed": 2**70, "nested": [{"big": -(10**20)}], "lr": 0.5, "huge": 1e20}
+    ws.save(tmp_path / "m.npz", {"w": np.zeros(2)}, metadata=metadata)
+    ws.save(tmp_path / "m.h5", {"w": np.zeros(2)}, metadata=metadata)
+    assert ws.open(tmp_path / "m.npz").metadata == metadata
+    assert ws.open(tmp_path / "m.h5").metadata == metadata

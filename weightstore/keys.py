@@ -311,10 +311,10 @@ def _refuse_collisions(renamed: dict[str, str], sources: list[str], scope: str, 
 
 
 def _select_or_fail(renamed: dict[str, str], include: Patterns, exclude: Patterns, where: str) -> dict[str, str]:
-    if not include and not exclude:
+    if include is None and exclude is None:
         return dict(renamed)
     selected = {k: v for k, v in renamed.items() if passes(k, include, exclude)}
-    if renamed and not selected and (include or exclude):
+    if renamed and not selected and (_as_list(include) or _as_list(exclude)):
         includes = [p for p in _as_list(include) if not is_glob(p)]
         hint = suggest(includes[0], scopes_of(renamed)) if includes else ""
         raise SelectionError(

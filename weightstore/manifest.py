@@ -344,12 +344,31 @@ def _parse_entries(raw: dict[str, Any], where: str, locations: dict[str, str],
 
 def _parse_json(text: str) -> Any:
     """orjson where it agrees to read the text (4x the stdlib's speed on 50,000 entries), the
-    stdlib where it does not: orjson refuses what strict JSON lacks (NaN, integers past 64
-    bits, deep nesting), and the stdlib then decides, exactly as when it read every manifest."""
+    stdlib where it does not: orjson refuses what strict JSON lacks (NaN, deep nesting), and
+    the stdlib then decides, exactly as when it read every manifest; metadata that may hold
+    an integer past 64 bits is read by the stdlib too, which keeps it exact."""
     try:
-        return orjson.loads(text.encode("utf-8", "surrogatepass"))
+        document = orjson.loads(text.encode("utf-8", "surrogatepass"))
     except orjson.JSONDecodeError:
         return json.loads(text, parse_constant=_refuse_constant)
+    if isinstance(document, dict) and _holds_rounded_integer(document.get("metadata")):
+        return json.loads(text, parse_constant=_refuse_constant)  # orjson made an integer past 64 bits a float
+    return document
+
+
+def _holds_rounded_integer(value: Any) -> bool:
+    """Whether a float in ``value`` may be an integer orjson could not hold (it reads those as
+    floats where the stdlib keeps them exact): a whole float of 2**63 or more."""
+    pending = [value]
+    while pending:  # not recursive: orjson reads 1,024 levels, past Python's recursion limit
+        item = pending.pop()
+        if type(item) is float and abs(item) >= 2.0**63 and item.is_integer():
+            return True
+        if type(item) is dict:
+            pending.extend(item.values())
+        elif type(item) is list:
+            pending.extend(item)
+    return False
 
 
 class _NonFiniteNumber(Exception):

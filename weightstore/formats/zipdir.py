@@ -33,6 +33,8 @@ UTF8_FLAG, ENCRYPTED_FLAG = 0x800, 0x1
 ZIP64_LIMIT = 0xFFFFFFFF
 #: deflate cannot expand data by more than this factor; a member claiming more is a bomb
 MAX_DEFLATE_RATIO = 1032
+#: no member's size may claim more (the checks on whole columns add sizes in int64)
+_MOST_BYTES = 1 << 62
 
 #: one central directory entry's fixed part, as numpy reads it from the directory's bytes
 _CENTRAL_RECORD = np.dtype([
@@ -173,8 +175,12 @@ def parse(directory: bytes, count: int, cd_offset: int, where: str) -> Directory
                             | (records["compressed"] == ZIP64_LIMIT) | (records["offset"] == ZIP64_LIMIT)).tolist():
         start = positions[i] + CENTRAL_SIZE + name_lens[i]
         extra = directory[start : start + int(records["extra_len"][i])]
-        columns["size"][i], columns["compressed"][i], columns["offset"][i] = _apply_zip64(
+        size, compressed, offset = _apply_zip64(
             extra, columns["size"][i], columns["compressed"][i], columns["offset"][i], where, names[i])
+        # the column checks below add these in int64: values past the file cannot be true anyway
+        if offset >= cd_offset or compressed > cd_offset or size > _MOST_BYTES:
+            raise UnsafeFileError(f"{where}: member {names[i]!r} has ZIP64 sizes or offset past the file's end")
+        columns["size"][i], columns["compressed"][i], columns["offset"][i] = size, compressed, offset
     if len(set(names)) != len(names):
         seen: set[str] = set()
         for name in names:
