@@ -259,8 +259,7 @@ class NpzWriter:
         manifest = np.array(manifest_text)
         self._add_member(MANIFEST_MEMBER, npy_header(manifest.dtype, ()), manifest)
         directory_offset = self._file.tell()
-        for member in self._members:
-            self._file.write(self._central_entry(member))
+        self._file.write(b"".join(map(self._central_entry, self._members)))  # one write, not one per member
         directory_size = self._file.tell() - directory_offset
         count = len(self._members)
         if count >= 0xFFFF or directory_offset >= ZIP64_LIMIT or directory_size >= ZIP64_LIMIT:
