@@ -119,8 +119,9 @@ def run_assign(target: Target, weights: Any, options: AssignOptions, *, skip_for
         if target.batched:
             _write_batches(target, source, prepare, todo, digests, report)
         else:
-            if hasattr(source, "prefetch"):  # every value is held until the write anyway
-                source.prefetch([value_key for _, value_key in todo])
+            prefetch = getattr(source, "prefetch", None)
+            if prefetch is not None:  # every value is held until the write anyway
+                prefetch([value_key for _, value_key in todo])
             batch = [(key, prepare(source, key, value_key)) for key, value_key in todo]
             _remember(target, target.write(batch, report) if batch else [], digests, report)
     return report

@@ -404,18 +404,19 @@ class _Checked(Mapping):
         try:
             yield
         except (InvalidKeyError, UnsupportedDTypeError) as exc:
-            if not self._where:
-                raise
-            raise type(exc)(f"{self._where}: {exc}") from None
+            raise self._naming(exc) from None
+
+    def _naming(self, exc: InvalidKeyError | UnsupportedDTypeError) -> WeightStoreError:
+        return type(exc)(f"{self._where}: {exc}") if self._where else exc
 
     def __getitem__(self, key: str) -> tuple[str, np.ndarray]:
         value = self._values[key]
         if value is None:
             value = self._weights[key]
-        try:
+        try:  # not _naming_the_file: a context manager per tensor costs more than a small tensor's write
             return to_storage(value if isinstance(value, np.ndarray) else np.asarray(value), key)
         except UnsupportedDTypeError as exc:  # a value whose dtype changed since it was checked
-            raise UnsupportedDTypeError(f"{self._where}: {exc}" if self._where else str(exc)) from None
+            raise self._naming(exc) from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._values)

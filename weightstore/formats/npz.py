@@ -22,7 +22,6 @@ from typing import Any, BinaryIO, NamedTuple
 import numpy as np
 from isal import isal_zlib
 
-from weightstore import crc as _crc
 from weightstore.errors import ChecksumError, FormatError, KeyNotInStoreError, UnsafeFileError
 from weightstore.formats import Format, foreign_keys, shuffle_zstd, zipdir
 from weightstore.formats.source import ALIGNMENT, ByteSource, MappedFile, OwnedFile, open_source, prefetch_ranges
@@ -112,12 +111,6 @@ def _layout(dtype_name: str, shape: tuple[int, ...]) -> _Layout:
     storage = storage_dtype(dtype_name)
     logical = from_storage(np.empty(0, storage), dtype_name).dtype
     return _Layout(npy_header(storage, shape), storage, logical, math.prod(shape), logical != storage)
-
-
-def _crc_of(array: np.ndarray) -> int:
-    """CRC-32 of a C-contiguous array: a small one straight through ISA-L (no view made), a
-    large one by :func:`~weightstore.manifest.crc32`, on two cores."""
-    return isal_zlib.crc32(array) & 0xFFFFFFFF if array.nbytes < _crc.RELEASE_GIL_BYTES else crc32(array)
 
 
 class _Written(NamedTuple):
@@ -633,7 +626,7 @@ class NpzReader:
                 continue
             array = (np.frombuffer(buffer, layout.storage, layout.count, data) if layout.count
                      else np.empty(0, layout.storage))
-            if verify and (f"{CHECKSUM_PREFIX}{_crc_of(array):08x}" != info.checksum if info.checksum is not None
+            if verify and (f"{CHECKSUM_PREFIX}{crc32(array):08x}" != info.checksum if info.checksum is not None
                            else crc32(memoryview(buffer)[start:end]) != self._members[self._member_of[key]].crc):
                 arrays.append(self._read_one(key, verify))
                 continue
