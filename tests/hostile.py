@@ -210,3 +210,20 @@ class _Naming:
             for name in self._names:
                 assert name in message, f"{name!r} not in {message!r}"
         return suppressed
+
+
+def manifest_entries(document: dict) -> dict[str, dict]:
+    """A manifest's tensors (version 2: columns) as one entry per key, the way a person reads
+    them: ``dtype``, ``shape``, ``checksum`` (``crc32:…``), and ``location``/``codec`` where set."""
+    columns = document["tensors"]
+    entries, start = {}, 0
+    for row, key in enumerate(columns["keys"]):
+        ndim = columns["ndim"][row]
+        entries[key] = {"dtype": columns["dtypes"][columns["dtype"][row]],
+                        "shape": columns["shape"][start : start + ndim],
+                        "checksum": f"crc32:{columns['crc32'][row]:08x}"}
+        start += ndim
+        for field_name in ("location", "codec"):
+            if key in columns.get(field_name, {}):
+                entries[key][field_name] = columns[field_name][key]
+    return entries

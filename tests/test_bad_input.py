@@ -952,7 +952,7 @@ def _rewrite_h5_manifest(path, change):
 @pytest.mark.parametrize("location", ["dense/kernel", "dense/other"], ids=["two-keys-one-dataset", "elsewhere"])
 def test_h5_manifest_location_must_be_the_keys_own(tmp_path, location):
     path = good_h5(tmp_path)
-    _rewrite_h5_manifest(path, lambda d: d["tensors"]["dense/bias"].update(location=location))
+    _rewrite_h5_manifest(path, lambda d: d["tensors"].setdefault("location", {}).update({"dense/bias": location}))
     with raises_naming(errors.FormatError, path, "dense/bias"):
         ws.open(path)
 
@@ -969,7 +969,7 @@ def test_manifest_dtype_junk_is_a_format_error(tmp_path, suffix, dtype):
         ]))
     else:
         ws.save(path, weights)
-        _rewrite_h5_manifest(path, lambda d: d["tensors"]["w"].update(dtype=dtype))
+        _rewrite_h5_manifest(path, lambda d: d["tensors"].update(dtypes=[dtype]))
     with raises_naming(errors.FormatError, path, "'w'"):
         ws.open(path)
 

@@ -33,7 +33,7 @@ from weightstore.formats.foreign import open_foreign
 from weightstore.formats.source import RemoteFile
 from weightstore.gcpause import paused_gc
 from weightstore.keys import MappingRules, Patterns, plan_outward, validate_keys
-from weightstore.manifest import TensorInfo, build_manifest, checksum_text, dtype_name, logical_dtype, to_storage
+from weightstore.manifest import TensorInfo, build_manifest, dtype_name, logical_dtype, to_storage
 from weightstore.storage import commit_for, filesystem, location_of
 
 _S = TypeVar("_S", bound="Store")
@@ -460,13 +460,12 @@ def write_file(path: str, fmt: Format, arrays: Mapping[str, tuple[str, np.ndarra
     metadata = checked_metadata(metadata, path)  # before the file exists (callers check earlier, naming theirs)
     writer = fmt.open_writer(path, compress)
     try:
-        infos = {}
+        tensors = []
         for key in arrays:
             name, data = arrays[key]  # read/converted now: one tensor in memory at a time
-            crc = writer.add(key, name, data)
-            infos[key] = TensorInfo(key, name, data.shape, data.nbytes, checksum_text(crc))
+            tensors.append((key, name, data.shape, writer.add(key, name, data)))
             del data
-        writer.commit(build_manifest(infos, metadata, f"weightstore {__version__}", writer.locations, writer.codecs))
+        writer.commit(build_manifest(tensors, metadata, f"weightstore {__version__}", writer.locations, writer.codecs))
     except BaseException:
         writer.abort()
         raise

@@ -16,12 +16,14 @@ import itertools
 import math
 import struct
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, BinaryIO, NamedTuple
+from typing import Any, BinaryIO
 
 import numpy as np
 from isal import isal_zlib
 
+from weightstore import crc as _crc
 from weightstore.errors import ChecksumError, FormatError, KeyNotInStoreError, UnsafeFileError
 from weightstore.formats import Format, foreign_keys, shuffle_zstd, zipdir
 from weightstore.formats.source import ALIGNMENT, ByteSource, MappedFile, OwnedFile, open_source, prefetch_ranges
@@ -43,7 +45,6 @@ from weightstore.formats.zipdir import (
 )
 from weightstore.gcpause import paused_gc
 from weightstore.manifest import (
-    CHECKSUM_PREFIX,
     CRC_CHUNK,
     MAX_MANIFEST_BYTES,
     MAX_NDIM,
@@ -59,6 +60,7 @@ from weightstore.manifest import (
     storage_dtype,
     write_checksummed,
 )
+from weightstore.tensortable import NO_CRC
 
 MANIFEST_MEMBER = "__weightstore__.npy"
 MAX_NPY_HEADER = 10_000
@@ -113,13 +115,8 @@ def _layout(dtype_name: str, shape: tuple[int, ...]) -> _Layout:
     return _Layout(npy_header(storage, shape), storage, logical, math.prod(shape), logical != storage)
 
 
-class _Written(NamedTuple):
-    name: bytes
-    offset: int
-    crc: int
-    compressed: int
-    size: int
-    method: int
+#: a member written: ``(name, offset, crc, compressed size, size, method)``; a plain tuple (one per small tensor)
+_Written = tuple[bytes, int, int, int, int, int]
 
 
 @functools.lru_cache(maxsize=4096)  # a model's tensors come in few (dtype, shape) pairs
@@ -178,7 +175,7 @@ class NpzWriter:
         if len(pending) >= _PENDING_BYTES:
             self._flush_pending()
         self._offset = offset + LOCAL.size + len(name) + 4 + padding + size
-        self._members.append(_Written(name, offset, crc, size, size, STORED))
+        self._members.append((name, offset, crc, size, size, STORED))
         return data_crc
 
     def _add_member(self, name: str, header: bytes, data: np.ndarray, *, shuffle: bool = False) -> int:
@@ -233,7 +230,7 @@ class NpzWriter:
                 self._file.seek(offset + LOCAL.size + len(encoded) + 4)
                 self._file.write(struct.pack("<QQ", size, compressed))
             self._file.seek(end)
-        self._members.append(_Written(encoded, offset, crc, compressed, size, method))
+        self._members.append((encoded, offset, crc, compressed, size, method))
         self._offset = self._file.tell()
         return data_crc
 
@@ -252,7 +249,7 @@ class NpzWriter:
         manifest = np.array(manifest_text)
         self._add_member(MANIFEST_MEMBER, npy_header(manifest.dtype, ()), manifest)
         directory_offset = self._file.tell()
-        self._file.write(b"".join(map(self._central_entry, self._members)))  # one write, not one per member
+        self._file.write(self._central_directory())
         directory_size = self._file.tell() - directory_offset
         count = len(self._members)
         if count >= 0xFFFF or directory_offset >= ZIP64_LIMIT or directory_size >= ZIP64_LIMIT:
@@ -263,20 +260,38 @@ class NpzWriter:
         self._file.write(EOCD.pack(EOCD_SIG, 0, 0, count, count, directory_size, directory_offset, 0))
         self._file.close()
 
+    def _central_directory(self) -> bytes:
+        """Every member's directory entry, in one buffer for one write.
+
+        Built as columns: a record array of the fixed fields, the names laid in between (50,000
+        small tensors would otherwise pack 50,000 entries one by one). A directory with a ZIP64
+        member is built entry by entry (a file past 4 GB has few enough members).
+        """
+        names, offsets, crcs, compressed, sizes, methods = map(list, zip(*self._members, strict=True))
+        if max(*offsets, *compressed, *sizes) >= ZIP64_LIMIT:
+            return b"".join(map(self._central_entry, self._members))
+        count = len(names)
+        records = np.zeros(count, zipdir.CENTRAL_RECORD)
+        records["sig"], records["made_by"], records["needed"], records["flags"] = CENTRAL_SIG, (3 << 8) | 45, 20, UTF8_FLAG
+        records["time"], records["date"], records["external"] = *self._time, 0o100644 << 16
+        records["method"], records["crc"], records["compressed"], records["size"] = methods, crcs, compressed, sizes
+        records["name_len"] = name_lens = np.fromiter(map(len, names), np.int64, count)
+        records["offset"] = offsets
+        fixed = zipdir.fixed_fields(name_lens)
+        directory = np.empty(len(fixed), np.uint8)
+        directory[fixed] = records.view(np.uint8)
+        directory[~fixed] = np.frombuffer(b"".join(names), np.uint8)
+        return directory.tobytes()
+
     def _central_entry(self, member: _Written) -> bytes:
-        if member.offset < ZIP64_LIMIT and member.size < ZIP64_LIMIT and member.compressed < ZIP64_LIMIT:
-            return _CENTRAL.pack(
-                CENTRAL_SIG, (3 << 8) | 45, 20, UTF8_FLAG, member.method, *self._time, member.crc, member.compressed,
-                member.size, len(member.name), 0, 0, 0, 0, 0o100644 << 16, member.offset,
-            ) + member.name
-        big = [v for v in (member.size, member.compressed, member.offset) if v >= ZIP64_LIMIT]
+        name, offset, crc, compressed, size, method = member
+        big = [v for v in (size, compressed, offset) if v >= ZIP64_LIMIT]
         extra = struct.pack("<HH", 1, 8 * len(big)) + struct.pack(f"<{len(big)}Q", *big) if big else b""
         clip = lambda v: ZIP64_LIMIT if v >= ZIP64_LIMIT else v  # noqa: E731
         return _CENTRAL.pack(
-            CENTRAL_SIG, (3 << 8) | 45, 45 if big else 20, UTF8_FLAG, member.method, *self._time, member.crc,
-            clip(member.compressed), clip(member.size), len(member.name), len(extra), 0, 0, 0,
-            0o100644 << 16, clip(member.offset),
-        ) + member.name + extra
+            CENTRAL_SIG, (3 << 8) | 45, 45 if big else 20, UTF8_FLAG, method, *self._time, crc,
+            clip(compressed), clip(size), len(name), len(extra), 0, 0, 0, 0o100644 << 16, clip(offset),
+        ) + name + extra
 
     def abort(self) -> None:
         with contextlib.suppress(Exception):  # closing flushes, and may fail as the write did: report that error
@@ -289,27 +304,74 @@ class NpzReader:
     def __init__(self, source: ByteSource):
         self._source = source
         self.name = source.name
-        self._members = self._read_directory()
         self._data_offsets: dict[str, int] = {}
-        self._plain_positions: dict[str, int] | None = None  # key -> directory position, plain .npy members
-        manifest_member = self._members.pop(MANIFEST_MEMBER)
-        manifest = self._read_manifest(manifest_member) if manifest_member else None
+        self._plain_positions: Mapping[str, int] | None = None  # key -> directory position, plain .npy members
+        self._infos: dict[str, TensorInfo] = {}  # a file without a manifest: each npy header, once read
+        directory, count, cd_offset = self._read_directory()
+        # The manifest first, where the writer puts it (last), so that the directory can be
+        # checked against the names it lists in one pass: see :meth:`_as_written`.
+        manifest_member = zipdir.last_member(directory, cd_offset, MANIFEST_MEMBER)
+        manifest = self._read_manifest(manifest_member) if manifest_member is not None else None
+        members = (self._as_written(directory, count, manifest_member, manifest)
+                   if manifest_member is not None and manifest is not None else None)
+        as_written = members is not None
+        if members is None:
+            members = zipdir.parse(directory, count, cd_offset, self.name)
+            found = members.pop(MANIFEST_MEMBER)
+            if found != manifest_member:
+                manifest = self._read_manifest(found) if found is not None else None
+        self._members = members
         self._manifest = manifest
         self.metadata = manifest.metadata if manifest else {}
         self.created = manifest.created if manifest else ""
         self.has_checksums = manifest is not None
-        member_keys = self._keys_of_members(shuffled=manifest is not None)
-        self._member_of = member_keys if manifest is not None else foreign_keys(member_keys.items(), self.name, "member")
-        if manifest is not None and manifest.tensors.keys() != member_keys.keys():
-            listed, present = set(manifest.tensors), set(member_keys)
+        self._table = manifest.tensors if manifest is not None else None
+        self._codecs = manifest.codecs if manifest else {}
+        self._in_table_order = as_written  # a key's member is at its manifest row
+        if not as_written:
+            self._check_members()
+
+    def _as_written(self, directory: bytes, count: int, manifest_member: zipdir.Member,
+                    manifest: Manifest) -> zipdir.Directory | None:
+        """The tensors' members, if the directory is exactly the one the writer writes for
+        this manifest: each key's ``.npy`` member in the manifest's order, then the manifest.
+        Proved on whole columns (:func:`zipdir.parse_expected`), so a file of 50,000 tensors
+        opens without a Python step per member. ``None`` for any other file."""
+        keys = manifest.tensors.key_list()
+        if manifest.codecs or count != len(keys) + 1:
+            return None
+        joined = ".npy".join(keys) + ".npy" if keys else ""
+        if not joined.isascii():
+            return None
+        head = directory[: len(directory) - zipdir.CENTRAL_SIZE - len(MANIFEST_MEMBER)]
+        name_lens = np.fromiter(map(len, keys), np.int64, len(keys)) + len(".npy")
+        members = zipdir.parse_expected(head, manifest_member.offset, lambda: [key + ".npy" for key in keys],
+                                        joined.encode("ascii"), name_lens)
+        self._only_npy = members is not None
+        return members
+
+    def _check_members(self) -> None:
+        """That the members are the manifest's tensors (or, without one, that their names
+        are keys), for a directory :meth:`_as_written` did not prove."""
+        member_keys = self._keys_of_members(shuffled=self._manifest is not None)
+        if self._table is None:
+            self._member_of = foreign_keys(member_keys.items(), self.name, "member")
+            return
+        self._member_of = member_keys
+        if not _same_keys(self._table.key_list(), member_keys):
+            listed, present = set(self._table), set(member_keys)
             missing = sorted(listed - present)[:3]
             extra = sorted(present - listed)[:3]
             raise FormatError(f"{self.name}: manifest and members disagree (listed but absent: {missing}, "
                               f"present but unlisted: {extra})")
-        self._infos: dict[str, TensorInfo] = dict(manifest.tensors) if manifest else {}
-        self._codecs = manifest.codecs if manifest else {}
         if len(member_keys) != len(self._members):
             raise FormatError(f"{self.name}: two members hold the same tensor (.npy and {shuffle_zstd.MEMBER_SUFFIX})")
+
+    @functools.cached_property
+    def _member_of(self) -> dict[str, str]:
+        """Tensor key -> member name; made on first use for a directory :meth:`_as_written`
+        proved (each key's member is ``key.npy``), set by :meth:`_check_members` otherwise."""
+        return dict(zip(self._table.key_list(), self._members.names, strict=True))  # type: ignore[union-attr]
 
     def _keys_of_members(self, *, shuffled: bool) -> dict[str, str]:
         """Tensor key -> member name: ``.npy`` members, and ``compress="shuffle"`` ones when a
@@ -330,7 +392,8 @@ class NpzReader:
         return member_keys
 
     # -- the directory -------------------------------------------------------------------
-    def _read_directory(self) -> zipdir.Directory:
+    def _read_directory(self) -> tuple[bytes, int, int]:
+        """The central directory's bytes, its entry count and offset."""
         size = self._source.size
         if size == 0:
             raise FormatError(f"{self.name}: file is empty")
@@ -342,7 +405,7 @@ class NpzReader:
                 lambda offset, length: bytes(self._source.read_at(offset, length)), eocd_offset, self.name)
         if cd_offset + cd_size > eocd_offset or count * zipdir.CENTRAL_SIZE > cd_size:
             raise FormatError(f"{self.name}: zip directory points outside the file (truncated?)")
-        return zipdir.parse(bytes(self._source.read_at(cd_offset, cd_size)), count, cd_offset, self.name)
+        return bytes(self._source.read_at(cd_offset, cd_size)), count, cd_offset
 
     # -- members ------------------------------------------------------------------------
     def _data_offset(self, member: zipdir.Member) -> int:
@@ -502,7 +565,7 @@ class NpzReader:
 
     # -- the Reader protocol -----------------------------------------------------------------
     def keys(self) -> list[str]:
-        return list(self._infos) if self._manifest else sorted(self._member_of)
+        return self._table.key_list() if self._table is not None else sorted(self._member_of)
 
     def _member(self, key: str) -> zipdir.Member:
         name = self._member_of.get(key)
@@ -511,6 +574,10 @@ class NpzReader:
         return self._members[name]
 
     def info(self, key: str) -> TensorInfo:
+        if self._table is not None:
+            if key not in self._table:
+                raise KeyNotInStoreError(f"{self.name}: no tensor {key!r}")
+            return self._table[key]
         info = self._infos.get(key)
         if info is None:
             member = self._member(key)
@@ -528,7 +595,7 @@ class NpzReader:
         the sizes alone, before anything is inflated or allocated, so a manifest that lies
         small (to pass ``max_bytes``) cannot front a large member.
         """
-        info = self._infos[key]
+        info = self._table[key]  # type: ignore[index]  # only called for files with a manifest
         layout = _layout(info.dtype, info.shape)
         shuffled = member.name.endswith(shuffle_zstd.MEMBER_SUFFIX)
         if shuffled != (self._codecs.get(key) == shuffle_zstd.CODEC):
@@ -591,6 +658,8 @@ class NpzReader:
     def _plain_positions_of(self, keys: list[str]) -> np.ndarray:
         """Each key's directory position if its member is a plain stored ``.npy``, else -1."""
         members = self._members
+        if self._plain_positions is None and self._in_table_order:
+            self._plain_positions = self._table.row_index  # type: ignore[union-attr]  # only with a manifest
         if self._plain_positions is None:
             index, codecs = members.index, self._codecs
             self._plain_positions = (
@@ -611,26 +680,29 @@ class NpzReader:
         for byte as a slice, its data viewed in place and checksummed. A member that fails a
         check, or is not a plain stored ``.npy`` (position -1), goes to :meth:`_read_one`, which
         raises the precise error (or reads it)."""
-        infos = self._infos
+        table = self._table
+        names, shapes, nbytes, crcs = table.rows()  # type: ignore[union-attr]  # read_many checked there is one
+        rows = (positions.tolist() if self._in_table_order and positions.min() >= 0
+                else table.positions(keys).tolist())  # type: ignore[union-attr]
         starts, ends = self._data_starts(positions, buffer, base)
+        small_crc, released_from = isal_zlib.crc32, _crc.RELEASE_GIL_BYTES  # as crc32() would choose
         arrays = []
-        for key, start, end in zip(keys, starts, ends, strict=True):
-            info = infos[key] if start >= 0 else None
-            layout = _layout(info.dtype, info.shape) if info is not None else None
-            if info is None or layout is None or end - start != len(layout.header) + info.nbytes:
-                arrays.append(self._read_one(key, verify))
-                continue
+        for key, row, start, end in zip(keys, rows, starts, ends, strict=True):
+            shape = shapes[row]
+            layout = _layout(names[row], shape)
+            size = nbytes[row]
             data = start + len(layout.header)
-            if buffer[start:data] != layout.header:
+            if start < 0 or end != data + size or buffer[start:data] != layout.header:
                 arrays.append(self._read_one(key, verify))
                 continue
-            array = (np.frombuffer(buffer, layout.storage, layout.count, data) if layout.count
-                     else np.empty(0, layout.storage))
-            if verify and (f"{CHECKSUM_PREFIX}{crc32(array):08x}" != info.checksum if info.checksum is not None
+            # frombuffer, not ndarray(buffer=...): only an exported buffer keeps the map from being closed
+            array = (np.frombuffer(buffer, layout.storage, layout.count, data).reshape(shape) if size
+                     else np.empty(shape, layout.storage))
+            if verify and ((small_crc(array) if size < released_from else crc32(array)) != crcs[row]
+                           if crcs[row] != NO_CRC
                            else crc32(memoryview(buffer)[start:end]) != self._members[self._member_of[key]].crc):
                 arrays.append(self._read_one(key, verify))
                 continue
-            array = array.reshape(info.shape)
             arrays.append(array.view(layout.logical) if layout.viewed else array)
         return arrays
 
@@ -655,7 +727,7 @@ class NpzReader:
         # every name's bytes, gathered end to end, against the directory's names end to end
         first = np.concatenate(([0], np.cumsum(name_lens)[:-1])) if found.size else found
         stored_names = file_bytes[np.repeat(offsets + LOCAL.size - first, name_lens) + np.arange(int(name_lens.sum()))]
-        listed_names = np.frombuffer(b"".join([members.raw_names[i] for i in found.tolist()]), np.uint8)
+        listed_names = members.raw_names_of(found)
         differs = stored_names != listed_names
         if differs.any():
             good &= ~np.logical_or.reduceat(differs, first)
@@ -739,6 +811,12 @@ class NpzReader:
 
     def close(self) -> None:
         self._source.close()
+
+
+def _same_keys(listed: list[str], members: dict[str, str]) -> bool:
+    """Whether the manifest lists exactly the members' keys: in the same order (as written), one
+    comparison of two lists; in any other, as sets."""
+    return listed == list(members) or (len(listed) == len(members) and set(listed) == members.keys())
 
 
 def _open_reader(location, name: str, *, mmap: bool = True) -> NpzReader:

@@ -46,6 +46,7 @@ import json
 import math
 import os
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -291,7 +292,7 @@ class SafetensorsReader:
         if manifest is None:
             names = foreign_keys(((name, name) for name in sorted(self._tensors)), self.name, "tensor")
             self._by_key = {key: self._tensors[name] for key, name in names.items()}
-            self._infos = {
+            self._infos: Mapping[str, TensorInfo] = {
                 key: TensorInfo(key, _NAME_OF_CODE_BY_DTYPE[t.dtype], t.shape, t.end - t.begin, None)
                 for key, t in self._by_key.items()
             }

@@ -13,6 +13,7 @@ bombs) and would let a hostile file choose our allocations.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
@@ -37,7 +38,7 @@ MAX_DEFLATE_RATIO = 1032
 _MOST_BYTES = 1 << 62
 
 #: one central directory entry's fixed part, as numpy reads it from the directory's bytes
-_CENTRAL_RECORD = np.dtype([
+CENTRAL_RECORD = np.dtype([
     ("sig", "S4"), ("made_by", "<u2"), ("needed", "<u2"), ("flags", "<u2"), ("method", "<u2"),
     ("time", "<u2"), ("date", "<u2"), ("crc", "<u4"), ("compressed", "<u4"), ("size", "<u4"),
     ("name_len", "<u2"), ("extra_len", "<u2"), ("comment_len", "<u2"), ("disk", "<u2"),
@@ -48,6 +49,8 @@ LOCAL_RECORD = np.dtype([
     ("sig", "S4"), ("needed", "<u2"), ("flags", "<u2"), ("method", "<u2"), ("time", "<u2"), ("date", "<u2"),
     ("crc", "<u4"), ("compressed", "<u4"), ("size", "<u4"), ("name_len", "<u2"), ("extra_len", "<u2"),
 ])
+#: :meth:`Directory.column` name -> the column it is
+_COLUMN_OF = {"offsets": "offset", "sizes": "size", "limits": "limit", "methods": "method"}
 _LENGTHS = struct.Struct("<3H")  # name, extra and comment lengths, 28 bytes into an entry
 #: what an unsafe name holds, in names joined by NUL (substring searches: a regex starting
 #: with an alternation is tried at every position, 90 ms for 50,000 names)
@@ -68,26 +71,60 @@ class Member(NamedTuple):
 class Directory:
     """The members of a zip, by name, in directory order; checked in full when built.
 
-    Columns are plain lists (a Python int from a list is cheaper than one from an array), and
-    a :class:`Member` is made only for the names a reader asks about.
+    Columns are plain lists (a Python int from a list is cheaper than one from an array), the
+    names' bytes one string end to end, and a :class:`Member` is made only for the names a
+    reader asks about.
     """
 
-    def __init__(self, names: list[str], raw_names: list[bytes], columns: dict[str, list[int]]):
-        self.names = names
-        self.raw_names = raw_names
-        self.offsets, self.crcs = columns["offset"], columns["crc"]
-        self.compressed, self.sizes = columns["compressed"], columns["size"]
-        self.methods, self.limits = columns["method"], columns["limit"]
-        self.index = dict(zip(names, range(len(names)), strict=True))
+    def __init__(self, names: list[str] | Callable[[], list[str]], name_blob: bytes, name_ends: list[int],
+                 columns: dict[str, list[int]] | dict[str, np.ndarray]):
+        self._names = names
+        self._name_blob = name_blob
+        self._name_ends = name_ends
+        self._columns = columns
+        self._index: dict[str, int] | None = None
         self._arrays: dict[str, np.ndarray] = {}
 
+    @functools.cached_property
+    def names(self) -> list[str]:
+        """Member names in directory order (made on first use when given as a function)."""
+        return self._names if isinstance(self._names, list) else self._names()
+
+    @functools.cached_property
+    def _lists(self) -> dict[str, list[int]]:
+        return {field: values if isinstance(values, list) else values.tolist() for field, values in self._columns.items()}
+
+    @property
+    def index(self) -> dict[str, int]:
+        """Name -> position; made on first use (a reader that knows positions never asks)."""
+        if self._index is None:
+            self._index = dict(zip(self.names, range(len(self.names)), strict=True))
+        return self._index
+
+    def raw_name(self, i: int) -> bytes:
+        return self._name_blob[self._name_ends[i - 1] if i else 0 : self._name_ends[i]]
+
+    def raw_names_of(self, positions: np.ndarray) -> np.ndarray:
+        """The names at ``positions``, their bytes end to end (uint8)."""
+        blob = np.frombuffer(self._name_blob, np.uint8)
+        if len(positions) == len(self.names) and np.array_equal(positions, np.arange(len(positions))):
+            return blob
+        ends = self.column("name_ends")[positions]
+        lengths = self.column("name_lens")[positions]
+        firsts = np.concatenate(([0], np.cumsum(lengths)[:-1])) if len(positions) else lengths
+        return blob[np.repeat(ends - lengths - firsts, lengths) + np.arange(int(lengths.sum()))]
+
     def column(self, name: str) -> np.ndarray:
-        """``offsets``, ``sizes``, ``limits``, ``methods`` or ``name_lens`` as an int64 array, for checks on
-        many members at once (made on first use)."""
+        """``offsets``, ``sizes``, ``limits``, ``methods``, ``name_lens`` or ``name_ends`` as an int64
+        array, for checks on many members at once (made on first use)."""
         array = self._arrays.get(name)
         if array is None:
-            values = [len(raw) for raw in self.raw_names] if name == "name_lens" else getattr(self, name)
-            array = self._arrays[name] = np.asarray(values, dtype=np.int64)
+            if name in ("name_lens", "name_ends"):
+                ends = np.asarray(self._name_ends, dtype=np.int64)
+                self._arrays["name_ends"] = ends
+                self._arrays["name_lens"] = np.diff(ends, prepend=0)
+                return self._arrays[name]
+            array = self._arrays[name] = np.asarray(self._columns[_COLUMN_OF[name]], dtype=np.int64)
         return array
 
     def __len__(self) -> int:
@@ -100,9 +137,12 @@ class Directory:
         return name in self.index
 
     def __getitem__(self, name: str) -> Member:
-        i = self.index[name]
-        return Member(name, self.offsets[i], self.crcs[i], self.compressed[i], self.sizes[i], self.methods[i],
-                      self.limits[i], self.raw_names[i])
+        return self.member(self.index[name])
+
+    def member(self, i: int) -> Member:
+        lists = self._lists
+        return Member(self.names[i], lists["offset"][i], lists["crc"][i], lists["compressed"][i], lists["size"][i],
+                      lists["method"][i], lists["limit"][i], self.raw_name(i))
 
     def pop(self, name: str) -> Member | None:
         """Take one member out of the listing (the manifest: it is no tensor)."""
@@ -154,7 +194,7 @@ def parse(directory: bytes, count: int, cd_offset: int, where: str) -> Directory
     positions = _entry_positions(directory, count, where)
     records = np.frombuffer(directory, np.uint8)[
         np.asarray(positions, dtype=np.int64)[:, None] + np.arange(CENTRAL_SIZE)
-    ].view(_CENTRAL_RECORD)[:, 0] if count else np.zeros(0, _CENTRAL_RECORD)
+    ].view(CENTRAL_RECORD)[:, 0] if count else np.zeros(0, CENTRAL_RECORD)
     bad = np.flatnonzero(records["sig"] != CENTRAL_SIG)
     if bad.size:
         raise FormatError(f"{where}: zip directory entry {bad[0]} is corrupt")
@@ -188,7 +228,7 @@ def parse(directory: bytes, count: int, cd_offset: int, where: str) -> Directory
                 raise UnsafeFileError(f"{where}: member {name!r} appears twice")
             seen.add(name)
     columns["limit"] = _limits(names, name_lens, columns, cd_offset, where)
-    return Directory(names, raw_names, columns)
+    return Directory(names, b"".join(raw_names), np.cumsum(records["name_len"], dtype=np.int64).tolist(), columns)
 
 
 def _entry_positions(directory: bytes, count: int, where: str) -> list[int]:
@@ -285,3 +325,59 @@ def _apply_zip64(extra: bytes, size: int, compressed: int, offset: int, where: s
     if ZIP64_LIMIT in (size, compressed, offset):
         raise FormatError(f"{where}: member {name!r} lacks its ZIP64 sizes")
     return size, compressed, offset
+
+
+def last_member(directory: bytes, cd_offset: int, name: str) -> Member | None:
+    """The directory's last entry, if it is the stored or deflated member ``name`` with nothing
+    after its name (where this project's writer puts the manifest); ``None`` otherwise. Its
+    bytes lie before the directory; that no other member overlaps them is for the caller to
+    prove (:func:`parse_expected`, or :func:`parse`)."""
+    raw = name.encode("utf-8")
+    start = len(directory) - CENTRAL_SIZE - len(raw)
+    if start < 0 or directory[start + CENTRAL_SIZE :] != raw:
+        return None
+    entry = np.frombuffer(directory, CENTRAL_RECORD, 1, start)[0]
+    method, compressed, size, offset = int(entry["method"]), int(entry["compressed"]), int(entry["size"]), int(entry["offset"])
+    if (entry["sig"] != CENTRAL_SIG or entry["name_len"] != len(raw) or entry["extra_len"] or entry["comment_len"]
+            or entry["flags"] & ENCRYPTED_FLAG or ZIP64_LIMIT in (compressed, size, offset)
+            or not (method == STORED and size == compressed
+                    or method == DEFLATED and size <= compressed * MAX_DEFLATE_RATIO + 1024)
+            or offset + LOCAL.size + len(raw) + compressed > cd_offset):
+        return None
+    return Member(name, offset, int(entry["crc"]), compressed, size, method, cd_offset, raw)
+
+
+def fixed_fields(name_lens: np.ndarray) -> np.ndarray:
+    """Over a directory whose entries hold nothing after their names: True on each entry's
+    fixed fields, False on its name (so both are gathered, or laid down, in one step each)."""
+    lengths = np.empty(2 * len(name_lens), dtype=np.int64)
+    lengths[0::2], lengths[1::2] = CENTRAL_SIZE, name_lens
+    return np.repeat(np.tile(np.array([True, False]), len(name_lens)), lengths)
+
+
+def parse_expected(directory: bytes, end: int, names: Callable[[], list[str]], name_blob: bytes, name_lens: np.ndarray) -> Directory | None:
+    """The directory, if it is exactly what this project's writer writes for ``names`` (in that
+    order, each entry its name and nothing after it, the members in the same order before
+    ``end``): proved on whole columns, with no step per entry. ``None`` for anything else,
+    which :func:`parse` then reads entry by entry (and names what is wrong)."""
+    count = len(name_lens)
+    if not count or CENTRAL_SIZE * count + int(name_lens.sum()) != len(directory):
+        return None
+    raw = np.frombuffer(directory, np.uint8)
+    fixed = fixed_fields(name_lens)
+    if raw[~fixed].tobytes() != name_blob:
+        return None
+    records = raw[fixed].view(CENTRAL_RECORD)
+    offsets, compressed, sizes = (records[field].astype(np.int64) for field in ("offset", "compressed", "size"))
+    methods = records["method"]
+    limits = np.append(offsets[1:], end)
+    if not (np.all(records["sig"] == CENTRAL_SIG) and np.array_equal(records["name_len"], name_lens)
+            and not np.any(records["extra_len"] | records["comment_len"] | (records["flags"] & ENCRYPTED_FLAG))
+            and np.all(((methods == STORED) & (sizes == compressed))
+                       | ((methods == DEFLATED) & (sizes <= compressed * MAX_DEFLATE_RATIO + 1024)))
+            and not np.any((offsets == ZIP64_LIMIT) | (compressed == ZIP64_LIMIT) | (sizes == ZIP64_LIMIT))
+            and np.all(offsets + LOCAL.size + name_lens + compressed <= limits)):  # in order, none overlapping
+        return None
+    columns = {"offset": offsets, "crc": records["crc"], "compressed": compressed, "size": sizes, "method": methods,
+               "limit": limits}
+    return Directory(names, name_blob, np.cumsum(name_lens).tolist(), columns)

@@ -1,0 +1,238 @@
+"""The manifest's tensors as columns: one list per field, not one JSON object per tensor.
+
+A file of 50,000 small tensors is the case this layout is for. As one object per tensor, its
+manifest cost 300,000 Python objects to parse and as many checks, more than reading the
+tensors themselves; as columns (version 2 of the manifest) it is a few lists that orjson reads
+in milliseconds and numpy checks whole. A :class:`TensorInfo` is made only for a key asked
+about; readers of many tensors take the columns (:meth:`TensorTable.crcs`, ...) instead.
+
+The JSON form, inside the manifest's ``"tensors"``::
+
+    {"keys": ["dense/kernel", "dense/bias"], "dtypes": ["float32"], "dtype": [0, 0],
+     "ndim": [2, 1], "shape": [3, 4, 4], "crc32": [2914140146, 1028911024],
+     "location": {...}, "codec": {...}}
+
+``dtypes`` names each logical dtype once; ``dtype`` indexes it per tensor; ``shape`` is every
+tensor's dimensions end to end, ``ndim`` says how many are each tensor's. ``location`` and
+``codec`` map only the keys that have one (HDF5 reserved datasets, ``compress="shuffle"``).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import orjson
+
+from weightstore.errors import FormatError
+from weightstore.keys import validate_keys
+
+CHECKSUM_ALGORITHM = "crc32"
+CHECKSUM_PREFIX = CHECKSUM_ALGORITHM + ":"
+COLUMNS = ("keys", "dtypes", "dtype", "ndim", "shape", "crc32")
+SPARSE_COLUMNS = ("location", "codec")
+MAX_NDIM = 64
+#: more distinct dtypes than any numpy and ml_dtypes together define
+_MAX_DTYPES = 1024
+#: numpy refuses an array whose size, counting zero dimensions as one, overflows a signed 64-bit count
+_MAX_ARRAY_BYTES = (1 << 63) - 1
+#: below this, a float product of dimensions is exact enough to prove a size in bounds
+_SURELY_IN_BOUNDS = float(1 << 52)
+#: "no checksum" in the CRC column (version 1 manifests allowed null)
+NO_CRC = -1
+
+
+class TensorInfo(NamedTuple):
+    """One tensor as the index describes it; reading it costs nothing."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    checksum: str | None = None
+
+
+class TensorTable(Mapping[str, TensorInfo]):
+    """Key -> :class:`TensorInfo`, in the file's order, held as columns; checked when built
+    (:func:`parse_columns`), so nothing read from it later can be out of range."""
+
+    def __init__(self, keys: list[str], dtype_names: list[str], dtype_codes: np.ndarray, ndims: np.ndarray,
+                 dims: np.ndarray, nbytes: np.ndarray, crcs: np.ndarray):
+        self._keys = keys
+        self._dtype_names = dtype_names
+        self._dtype_codes = dtype_codes
+        self._ndims = ndims
+        self._dims = dims
+        self._nbytes = nbytes
+        self._crcs = crcs
+        self._rows: tuple[list[str], list[tuple[int, ...]], list[int], list[int]] | None = None
+
+    @classmethod
+    def from_infos(cls, infos: Sequence[TensorInfo]) -> TensorTable:
+        """A table of entries already checked one by one (version 1 manifests)."""
+        names = list(dict.fromkeys(info.dtype for info in infos))
+        code = {name: i for i, name in enumerate(names)}
+        return cls(
+            [info.key for info in infos], names,
+            np.fromiter((code[info.dtype] for info in infos), np.int64, len(infos)),
+            np.fromiter((len(info.shape) for info in infos), np.int64, len(infos)),
+            np.fromiter(itertools.chain.from_iterable(info.shape for info in infos), np.int64),
+            np.fromiter((info.nbytes for info in infos), np.int64, len(infos)),
+            np.fromiter((NO_CRC if info.checksum is None else int(info.checksum[len(CHECKSUM_PREFIX):], 16)
+                         for info in infos), np.int64, len(infos)),
+        )
+
+    # -- the mapping ---------------------------------------------------------------------
+    @functools.cached_property
+    def _position(self) -> dict[str, int]:
+        """Key -> row, made on first use: listing the keys does not need it."""
+        return dict(zip(self._keys, range(len(self._keys)), strict=True))
+
+    def __getitem__(self, key: str) -> TensorInfo:
+        i = self._position[key]
+        names, shapes, nbytes, crcs = self.rows()
+        crc = crcs[i]
+        return TensorInfo(key, names[i], shapes[i], nbytes[i], None if crc == NO_CRC else f"{CHECKSUM_PREFIX}{crc:08x}")
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._position
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def key_list(self) -> list[str]:
+        """The keys in the file's order (a new list)."""
+        return list(self._keys)
+
+    # -- columns, for readers of many tensors ------------------------------------------------
+    @property
+    def row_index(self) -> Mapping[str, int]:
+        """Key -> row."""
+        return self._position
+
+    def positions(self, keys: Sequence[str]) -> np.ndarray:
+        """Each key's row; every key must be in the table."""
+        return np.fromiter(map(self._position.__getitem__, keys), np.int64, len(keys))
+
+    def rows(self) -> tuple[list[str], list[tuple[int, ...]], list[int], list[int]]:
+        """``(dtype names, shapes, nbytes, CRCs)`` as lists by row, made on first use: indexing a
+        list is the cheapest way to a Python value, and a shape must be a tuple anyway."""
+        if self._rows is None:
+            ends = np.cumsum(self._ndims).tolist()
+            dims = self._dims.tolist()
+            starts = [0, *ends[:-1]] if ends else []
+            shapes = list(map(tuple, map(dims.__getitem__, map(slice, starts, ends))))
+            self._rows = ([self._dtype_names[c] for c in self._dtype_codes.tolist()], shapes,
+                          self._nbytes.tolist(), self._crcs.tolist())
+        return self._rows
+
+    @property
+    def crcs(self) -> np.ndarray:
+        """CRC-32 of each tensor's stored bytes, :data:`NO_CRC` where none was recorded."""
+        return self._crcs
+
+    @property
+    def nbytes(self) -> np.ndarray:
+        return self._nbytes
+
+
+#: a tensor as a writer learns it: key, logical dtype name, shape, CRC-32 of its stored bytes
+TensorRow = tuple[str, str, tuple[int, ...], int]
+
+
+def columns_text(tensors: Sequence[TensorRow]) -> str:
+    """The JSON of the columns for ``tensors`` (their keys already valid)."""
+    keys, dtypes, shapes, crcs = map(list, zip(*tensors, strict=True)) if tensors else ([], [], [], [])
+    names = list(dict.fromkeys(dtypes))
+    code = {name: i for i, name in enumerate(names)}
+    return orjson.dumps({
+        "keys": keys, "dtypes": names, "dtype": list(map(code.__getitem__, dtypes)),
+        "ndim": list(map(len, shapes)), "shape": list(map(int, itertools.chain.from_iterable(shapes))),
+        "crc32": crcs,
+    }).decode("utf-8")
+
+
+def parse_columns(raw: dict[str, Any], where: str, itemsize_of: Callable[[object], int | None]) -> TensorTable:
+    """Check the columns of an untrusted manifest whole: types, lengths and ranges, the keys'
+    rules, and that every shape fits an array; ``itemsize_of`` gives a dtype name's item size,
+    or None for a name that is no dtype."""
+    fields = set(raw)
+    if not set(COLUMNS) <= fields <= set(COLUMNS + SPARSE_COLUMNS):
+        raise FormatError(f"{where}: manifest tensor columns are {sorted(fields)}, not {list(COLUMNS)} "
+                          f"(and optionally {list(SPARSE_COLUMNS)})")
+    keys = raw["keys"]
+    if type(keys) is not list or set(map(type, keys)) - {str}:
+        raise FormatError(f"{where}: manifest 'keys' is not a list of strings")
+    try:
+        validate_keys(keys)
+    except ValueError as exc:
+        raise FormatError(f"{where}: manifest has {exc}") from None
+    count = len(keys)
+    if len(set(keys)) != count:
+        seen: set[str] = set()
+        twice = next(key for key in keys if key in seen or seen.add(key))  # type: ignore[func-returns-value]
+        raise FormatError(f"{where}: manifest lists tensor {twice!r} twice")
+    names = raw["dtypes"]
+    if type(names) is not list or len(names) > _MAX_DTYPES or len(set(map(repr, names))) != len(names):
+        raise FormatError(f"{where}: manifest 'dtypes' is not a list of distinct dtype names")
+    codes = _int_column(raw, "dtype", where, count, len(names) - 1)
+    itemsizes = []
+    for code, name in enumerate(names):
+        itemsize = itemsize_of(name)
+        if itemsize is None:
+            users = np.flatnonzero(codes == code)
+            whose = f"tensor {keys[users[0]]!r}: " if users.size else ""
+            raise FormatError(f"{where}: manifest: {whose}unknown dtype {name!r}")
+        itemsizes.append(itemsize)
+    ndims = _int_column(raw, "ndim", where, count, MAX_NDIM)
+    dims = _int_column(raw, "shape", where, int(ndims.sum()), _MAX_ARRAY_BYTES)
+    crcs = _int_column(raw, "crc32", where, count, 0xFFFFFFFF)
+    nbytes = _sizes(keys, ndims, dims, np.asarray(itemsizes, dtype=np.int64)[codes], where)
+    return TensorTable(keys, names, codes, ndims, dims, nbytes, crcs)
+
+
+def fits_an_array(shape: tuple[int, ...], itemsize: int) -> bool:
+    """Whether numpy can make an array of ``shape`` (it counts a zero dimension as one)."""
+    return math.prod(max(size, 1) for size in shape) * itemsize <= _MAX_ARRAY_BYTES
+
+
+def _int_column(raw: dict[str, Any], field: str, where: str, count: int, most: int) -> np.ndarray:
+    """A list of ``count`` integers from 0 to ``most`` as int64 (``true`` is no integer here)."""
+    column = raw[field]
+    if type(column) is not list or len(column) != count:
+        raise FormatError(f"{where}: manifest column {field!r} is not a list of {count} integers")
+    if set(map(type, column)) - {int}:
+        raise FormatError(f"{where}: manifest column {field!r} holds something other than integers")
+    try:
+        values = np.array(column, dtype=np.int64)
+    except OverflowError:
+        raise FormatError(f"{where}: manifest column {field!r} holds an integer past 64 bits") from None
+    if values.size and (values.min() < 0 or values.max() > most):
+        bad = int(np.flatnonzero((values < 0) | (values > most))[0])
+        raise FormatError(f"{where}: manifest column {field!r} holds {column[bad]} (entry {bad}), "
+                          f"outside 0..{most}")
+    return values
+
+
+def _sizes(keys: list[str], ndims: np.ndarray, dims: np.ndarray, itemsizes: np.ndarray, where: str) -> np.ndarray:
+    """Each tensor's bytes, refusing a shape no array can have: proved in floats for the usual
+    sizes, exactly (Python integers) for any near the bound."""
+    if not len(keys):
+        return np.zeros(0, dtype=np.int64)
+    # a leading 1 per tensor makes every segment non-empty (reduceat misreads empty ones)
+    starts = np.concatenate(([0], np.cumsum(ndims)[:-1]))
+    padded = np.insert(dims, starts, 1)
+    padded_starts = starts + np.arange(len(keys))
+    estimate = np.multiply.reduceat(np.maximum(padded, 1).astype(np.float64), padded_starts) * itemsizes
+    for i in np.flatnonzero(estimate >= _SURELY_IN_BOUNDS).tolist():
+        shape = tuple(dims[starts[i] : starts[i] + ndims[i]].tolist())
+        if not fits_an_array(shape, int(itemsizes[i])):
+            raise FormatError(f"{where}: tensor {keys[i]!r} has a shape {shape} too large for any array")
+    return np.multiply.reduceat(padded, padded_starts) * itemsizes
