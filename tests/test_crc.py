@@ -19,8 +19,8 @@ from weightstore.formats import shuffle_zstd
 from weightstore.manifest import checksum, crc32
 
 DATA = Path(__file__).resolve().parent / "data"
-GOLDEN = ["golden_v1.npz", "golden_v1_compressed.npz", "golden_v1.h5", "golden_v1_compressed.h5",
-          "golden_v1_shuffled.npz", "plain_numpy.npz"]
+GOLDEN = [f"golden_v{version}{suffix}" for version in (1, 2)
+          for suffix in (".npz", "_compressed.npz", ".h5", "_compressed.h5", "_shuffled.npz")] + ["plain_numpy.npz"]
 
 
 @pytest.fixture

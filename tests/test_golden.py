@@ -1,6 +1,7 @@
-"""Golden files written by weightstore 0.1 (format version 1): every later version reads them.
+"""Golden files written by weightstore 0.1 (format versions 1 and 2): every later version reads them.
 
-The files in ``tests/data`` were written once by ``tests/data/make_golden.py`` and committed.
+The files in ``tests/data`` were written once per format version by ``tests/data/make_golden.py``
+and committed (version 2 holds the manifest's tensors as columns).
 The expected values below are spelled out, not recomputed by that script, so a change in how
 either side encodes a value shows up here.
 """
@@ -16,12 +17,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import hostile
 import weightstore as ws
 from weightstore.manifest import checksum
 
 DATA = Path(__file__).resolve().parent / "data"
-GOLDEN = ["golden_v1.npz", "golden_v1_compressed.npz", "golden_v1.h5", "golden_v1_compressed.h5",
-          "golden_v1_shuffled.npz"]
+GOLDEN = [f"golden_v{version}{suffix}" for version in (1, 2)
+          for suffix in (".npz", "_compressed.npz", ".h5", "_compressed.h5", "_shuffled.npz")]
 
 #: key -> (dtype name, shape, values as a flat Python list)
 EXPECTED = {
@@ -98,42 +100,49 @@ def test_golden_selection(name):
     assert ws.load(DATA / name, include="w")["w/Adagrad"].tolist() == [[0.25, 0.25], [0.25, 0.25]]
 
 
-@pytest.mark.parametrize("name", ["golden_v1.npz", "golden_v1_compressed.npz"])
+def _entry(manifest: dict, key: str) -> dict:
+    """A tensor's manifest entry, as version 1 wrote it or as version 2's columns give it."""
+    return manifest["tensors"][key] if manifest["version"] == 1 else hostile.manifest_entries(manifest)[key]
+
+
+@pytest.mark.parametrize("name", [f"golden_v{v}{s}" for v in (1, 2) for s in (".npz", "_compressed.npz")])
 def test_golden_npz_without_weightstore(name):
     with np.load(DATA / name, allow_pickle=False) as archive:
         assert archive["w"].tolist() == [[1, 2], [3, 4]]
         assert archive["model_001/dense/bias"].dtype == np.dtype("<f8")
         assert archive["bf16"].dtype == np.dtype("V2") and archive["bf16"].tobytes() == EXPECTED_BYTES["bf16"]
         manifest = json.loads(str(archive["__weightstore__"]))
-    assert manifest["format"] == "weightstore" and manifest["version"] == 1
+    assert manifest["format"] == "weightstore" and manifest["version"] == int(name[len("golden_v")])
+    assert _entry(manifest, "bf16")["dtype"] == "bfloat16"
     with zipfile.ZipFile(DATA / name) as archive:
         assert archive.testzip() is None
 
 
-def test_golden_shuffled_npz_without_weightstore():
+@pytest.mark.parametrize("name", ["golden_v1_shuffled.npz", "golden_v2_shuffled.npz"])
+def test_golden_shuffled_npz_without_weightstore(name):
     """numpy reads the manifest and the tensors left as npy (0-d, empty), and hands the shuffled
     members back as bytes under their own names, never as arrays."""
-    with np.load(DATA / "golden_v1_shuffled.npz", allow_pickle=False) as archive:
+    with np.load(DATA / name, allow_pickle=False) as archive:
         assert archive["step"] == 1000 and archive["empty"].shape == (0, 3)
         assert "w" not in archive and "w.shuffled-zstd" in archive.files
         assert isinstance(archive["w.shuffled-zstd"], bytes)
         manifest = json.loads(str(archive["__weightstore__"]))
-    assert manifest["tensors"]["w"]["codec"] == "shuffle-zstd"
-    with zipfile.ZipFile(DATA / "golden_v1_shuffled.npz") as archive:
+    assert _entry(manifest, "w")["codec"] == "shuffle-zstd"
+    with zipfile.ZipFile(DATA / name) as archive:
         assert archive.testzip() is None
 
 
-@pytest.mark.parametrize("name", ["golden_v1.h5", "golden_v1_compressed.h5"])
+@pytest.mark.parametrize("name", [f"golden_v{v}{s}" for v in (1, 2) for s in (".h5", "_compressed.h5")])
 def test_golden_h5_without_weightstore(name):
     with h5py.File(DATA / name, "r") as f:
         manifest = json.loads(f.attrs["weightstore"])
         assert f["model_001/dense/kernel"][1, 2] == 0.75
-        assert f[manifest["tensors"]["w"]["location"]][()].tolist() == [[1, 2], [3, 4]]
+        assert f[_entry(manifest, "w")["location"]][()].tolist() == [[1, 2], [3, 4]]
         assert f["w/Adagrad"][()].tolist() == [[0.25, 0.25], [0.25, 0.25]]
         assert f["bf16"][()].tobytes() == EXPECTED_BYTES["bf16"]
         if "compressed" in name:
             assert f["model_001/embedding"].compression == "gzip"
-    assert manifest["version"] == 1
+    assert manifest["version"] == int(name[len("golden_v")])
 
 
 def test_plain_numpy_npz_without_manifest():

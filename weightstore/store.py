@@ -376,28 +376,44 @@ class _Checked(Mapping):
         self._values: dict[str, Any] = {}  # None: read from ``weights`` when written
         store = weights if isinstance(weights, Store) else None
         with self._naming_the_file():  # once around the loop: 50,000 small tensors
-            for key in validate_keys(weights):
-                if store is not None:
-                    name = store.info(key).dtype
-                    try:
-                        logical_dtype(name)
-                    except WeightStoreError:
-                        raise UnsupportedDTypeError(
-                            f"tensor {key!r} has dtype {name}: only numeric, bool and ml_dtypes arrays are weights"
-                        ) from None
-                    self._values[key] = None
-                else:
-                    value = weights[key]
-                    dtype = _declared_dtype(value)
-                    if dtype is None:
-                        value = np.asarray(value)
-                        dtype = value.dtype
-                    name = dtype_name(dtype, key)
-                    self._values[key] = value
-                if fmt is not None and fmt.dtypes is not None and name not in fmt.dtypes:
-                    raise UnsupportedDTypeError(
-                        f"tensor {key!r} has dtype {name}, which {fmt.name} cannot hold; save it as .npz or .h5"
-                    )
+            keys = validate_keys(weights)
+            if store is not None:
+                names = [store.info(key).dtype for key in keys]
+                values: list[Any] = [None] * len(keys)
+            else:
+                values = [weights[key] for key in keys]
+                dtypes = [value.dtype if type(value) is np.ndarray else None for value in values]
+                for i in [i for i, dtype in enumerate(dtypes) if dtype is None]:
+                    dtypes[i] = _declared_dtype(values[i])
+                    if dtypes[i] is None:
+                        values[i] = np.asarray(values[i])
+                        dtypes[i] = values[i].dtype
+                names = self._names_of(keys, dtypes)
+            for name in dict.fromkeys(names):  # a file holds a handful of dtypes: each checked once, in order
+                self._check_dtype(name, keys[names.index(name)], fmt, stored=store is not None)
+            self._values = dict(zip(keys, values, strict=True))
+
+    @staticmethod
+    def _names_of(keys: list[str], dtypes: list[Any]) -> list[str]:
+        """Each dtype's logical name, worked out once per distinct dtype."""
+        name_of = {dtype: dtype_name(dtype, keys[dtypes.index(dtype)]) for dtype in dict.fromkeys(dtypes)}
+        return [name_of[dtype] for dtype in dtypes]
+
+    @staticmethod
+    def _check_dtype(name: str, key: str, fmt: Format | None, *, stored: bool) -> None:
+        """That ``fmt`` can hold ``name`` (``key`` is the first tensor of that dtype), and, for a
+        store's tensor, that the name it gives is one weightstore writes."""
+        if stored:
+            try:
+                logical_dtype(name)
+            except WeightStoreError:
+                raise UnsupportedDTypeError(
+                    f"tensor {key!r} has dtype {name}: only numeric, bool and ml_dtypes arrays are weights"
+                ) from None
+        if fmt is not None and fmt.dtypes is not None and name not in fmt.dtypes:
+            raise UnsupportedDTypeError(
+                f"tensor {key!r} has dtype {name}, which {fmt.name} cannot hold; save it as .npz or .h5"
+            )
 
     @contextlib.contextmanager
     def _naming_the_file(self) -> Iterator[None]:
@@ -410,11 +426,19 @@ class _Checked(Mapping):
         return type(exc)(f"{self._where}: {exc}") if self._where else exc
 
     def __getitem__(self, key: str) -> tuple[str, np.ndarray]:
-        value = self._values[key]
+        return self._stored_form(key, self._values[key])
+
+    def stored(self) -> Iterator[tuple[str, str, np.ndarray]]:
+        """``(key, logical dtype name, array in storage form)`` in order, each converted (or read
+        from a store) only when the one before it has been written."""
+        for key, value in self._values.items():
+            yield (key, *self._stored_form(key, value))
+
+    def _stored_form(self, key: str, value: Any) -> tuple[str, np.ndarray]:
         if value is None:
             value = self._weights[key]
         try:  # not _naming_the_file: a context manager per tensor costs more than a small tensor's write
-            return to_storage(value if isinstance(value, np.ndarray) else np.asarray(value), key)
+            return to_storage(value if type(value) is np.ndarray else np.asarray(value), key)
         except UnsupportedDTypeError as exc:  # a value whose dtype changed since it was checked
             raise self._naming(exc) from None
 
@@ -443,9 +467,7 @@ def _declared_dtype(value: Any) -> np.dtype | None:
         return None
 
 
-def _checked(
-    weights: Mapping[str, Any], where: str = "", fmt: Format | None = None,
-) -> Mapping[str, tuple[str, np.ndarray]]:
+def _checked(weights: Mapping[str, Any], where: str = "", fmt: Format | None = None) -> _Checked:
     """Every key and dtype (against ``fmt``'s, when given) checked before anything is
     written; errors name ``where`` (the file).
 
@@ -454,15 +476,14 @@ def _checked(
     return _Checked(weights, where, fmt)
 
 
-def write_file(path: str, fmt: Format, arrays: Mapping[str, tuple[str, np.ndarray]],
+def write_file(path: str, fmt: Format, arrays: _Checked,
                metadata: Mapping[str, Any] | None, compress: bool | str) -> None:
     """Write a file tensor by tensor; the caller makes it atomic and durable."""
     metadata = checked_metadata(metadata, path)  # before the file exists (callers check earlier, naming theirs)
     writer = fmt.open_writer(path, compress)
     try:
         tensors = []
-        for key in arrays:
-            name, data = arrays[key]  # read/converted now: one tensor in memory at a time
+        for key, name, data in arrays.stored():  # read/converted now: one tensor in memory at a time
             tensors.append((key, name, data.shape, writer.add(key, name, data)))
             del data
         writer.commit(build_manifest(tensors, metadata, f"weightstore {__version__}", writer.locations, writer.codecs))

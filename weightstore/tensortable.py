@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -149,12 +150,12 @@ TensorRow = tuple[str, str, tuple[int, ...], int]
 
 def columns_text(tensors: Sequence[TensorRow]) -> str:
     """The JSON of the columns for ``tensors`` (their keys already valid)."""
-    keys, dtypes, shapes, crcs = map(list, zip(*tensors, strict=True)) if tensors else ([], [], [], [])
+    keys, dtypes, shapes, crcs = (list(map(operator.itemgetter(field), tensors)) for field in range(4))
     names = list(dict.fromkeys(dtypes))
     code = {name: i for i, name in enumerate(names)}
     return orjson.dumps({
         "keys": keys, "dtypes": names, "dtype": list(map(code.__getitem__, dtypes)),
-        "ndim": list(map(len, shapes)), "shape": list(map(int, itertools.chain.from_iterable(shapes))),
+        "ndim": list(map(len, shapes)), "shape": list(itertools.chain.from_iterable(shapes)),
         "crc32": crcs,
     }).decode("utf-8")
 

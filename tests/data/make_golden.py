@@ -1,9 +1,10 @@
-"""Write the golden files in this folder. Run once per format version; commit what it writes.
+"""Write the golden files of the current format version in this folder; commit what it writes.
 
     .venv/bin/python tests/data/make_golden.py
 
 ``tests/test_golden.py`` reads the committed files and checks every value, so later versions
-of weightstore keep reading what version 1 wrote. Never regenerate the v1 files: add new ones.
+of weightstore keep reading what each version wrote. Files already here are never rewritten:
+a new format version adds its own (``golden_v2*`` beside ``golden_v1*``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import ml_dtypes
 import numpy as np
 
 import weightstore as ws
+from weightstore.manifest import FORMAT_VERSION
 
 HERE = Path(__file__).resolve().parent
 METADATA = {"step": 1000, "note": "golden v1 ✓", "nested": {"lr": 0.001, "list": [1, 2.5, None, True]}}
@@ -46,15 +48,20 @@ def weights() -> dict[str, np.ndarray]:
 
 
 def main() -> None:
-    for name, compress in [("golden_v1.npz", False), ("golden_v1_compressed.npz", True),
-                           ("golden_v1.h5", False), ("golden_v1_compressed.h5", True),
-                           ("golden_v1_shuffled.npz", "shuffle")]:  # added later, written alone
-        ws.save(HERE / name, weights(), metadata=METADATA, compress=compress)
+    """The golden files of the current format version; files already there are never rewritten."""
+    version = FORMAT_VERSION
+    for suffix, compress in [(".npz", False), ("_compressed.npz", True), (".h5", False), ("_compressed.h5", True),
+                             ("_shuffled.npz", "shuffle")]:
+        path = HERE / f"golden_v{version}{suffix}"
+        if not path.exists():
+            ws.save(path, weights(), metadata=METADATA, compress=compress)
     # foreign files, with no manifest: what numpy and h5py write on their own
-    np.savez(HERE / "plain_numpy.npz", **{"a": np.arange(3, dtype=np.int32), "b": np.eye(2)})
-    with h5py.File(HERE / "plain_h5py.h5", "w") as f:
-        f["layer/kernel"] = np.arange(4, dtype=np.float32).reshape(2, 2)
-        f["layer/bias"] = np.array([0.5, -0.5], dtype=">f4")
+    if not (HERE / "plain_numpy.npz").exists():
+        np.savez(HERE / "plain_numpy.npz", **{"a": np.arange(3, dtype=np.int32), "b": np.eye(2)})
+    if not (HERE / "plain_h5py.h5").exists():
+        with h5py.File(HERE / "plain_h5py.h5", "w") as f:
+            f["layer/kernel"] = np.arange(4, dtype=np.float32).reshape(2, 2)
+            f["layer/bias"] = np.array([0.5, -0.5], dtype=">f4")
 
 
 if __name__ == "__main__":

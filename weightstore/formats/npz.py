@@ -82,6 +82,8 @@ _PENDING_BYTES = 1 << 20
 #: the zip extra field that pads a member's data to :data:`ALIGNMENT`, by padding length
 _PAD_ID = 0xD935  # the extra-field id Android's zipalign uses for the same padding
 _PADDING = [struct.pack("<HH", _PAD_ID, n) + bytes(n) for n in range(ALIGNMENT)]
+_LOCAL_AND_PAD_ID = LOCAL.size + 4
+_LOCAL_SMALL = LOCAL.pack
 
 
 def _dos_time() -> tuple[int, int]:
@@ -115,8 +117,11 @@ def _layout(dtype_name: str, shape: tuple[int, ...]) -> _Layout:
     return _Layout(npy_header(storage, shape), storage, logical, math.prod(shape), logical != storage)
 
 
-#: a member written: ``(name, offset, crc, compressed size, size, method)``; a plain tuple (one per small tensor)
+#: a member written: ``(name, offset, crc, compressed size, size, method)``
 _Written = tuple[bytes, int, int, int, int, int]
+#: a writer keeps each member's fields end to end in one list: one ``+=`` per small tensor, and
+#: each field's column a slice
+_WRITTEN_FIELDS = 6
 
 
 @functools.lru_cache(maxsize=4096)  # a model's tensors come in few (dtype, shape) pairs
@@ -136,7 +141,8 @@ class NpzWriter:
     def __init__(self, path: str, compress: bool | str):
         self._file: BinaryIO = open(path, "wb")  # noqa: SIM115 - open until commit() or abort() closes it
         self._compress = compress
-        self._members: list[_Written] = []
+        self._small = not compress  # small members are gathered (see _add_small) unless encoded
+        self._written: list[Any] = []  # _WRITTEN_FIELDS per member, end to end (see _central_directory)
         self._offset = 0  # where the next member starts
         self._pending = bytearray()  # small members not yet handed to the file
         self._time = _dos_time()
@@ -144,38 +150,40 @@ class NpzWriter:
         self.codecs: dict[str, str] = {}
 
     def add(self, key: str, dtype_name: str, data: np.ndarray) -> int:
-        if self._compress == "shuffle" and data.ndim and data.nbytes:
+        nbytes = data.nbytes
+        if self._small and nbytes <= CRC_CHUNK and self._offset < _SMALL_MEMBERS_END:
+            return self._add_small((key + ".npy").encode("utf-8"), data, nbytes)
+        if self._compress == "shuffle" and data.ndim and nbytes:
             self.codecs[key] = shuffle_zstd.CODEC
             return self._add_member(key + shuffle_zstd.MEMBER_SUFFIX, b"", data, shuffle=True)
-        header, header_crc = _npy_header_and_crc(data.dtype, data.shape)
-        if not self._compress and data.nbytes <= CRC_CHUNK and self._offset < _SMALL_MEMBERS_END:
-            return self._add_small((key + ".npy").encode("utf-8"), header, header_crc, data)
-        return self._add_member(key + ".npy", header, data)
+        return self._add_member(key + ".npy", _npy_header_and_crc(data.dtype, data.shape)[0], data)
 
     def _flush_pending(self) -> None:
         self._file.write(self._pending)
         self._pending.clear()
 
-    def _add_small(self, name: bytes, header: bytes, header_crc: int, data: np.ndarray) -> int:
+    def _add_small(self, name: bytes, data: np.ndarray, nbytes: int) -> int:
         """A small stored member, gathered with others into one write and its offset counted
         rather than asked: a ``write``, ``tell`` or seek costs more than a small tensor's bytes,
-        and a file may hold 50,000 of them."""
-        payload = raw_bytes(data) if not data.flags.c_contiguous else data  # an array is a buffer too, without a view
-        data_crc = isal_zlib.crc32(payload) & 0xFFFFFFFF
-        size = len(header) + data.nbytes
-        crc = isal_zlib.crc32_combine(header_crc, data_crc, data.nbytes)
+        and a file may hold 50,000 of them (so this is one flat function, its constants local)."""
+        header, header_crc = _npy_header_and_crc(data.dtype, data.shape)
+        payload = data if data.flags.c_contiguous else raw_bytes(data)  # an array is a buffer too, without a view
+        data_crc = isal_zlib.crc32(payload)
+        size = len(header) + nbytes
         offset = self._offset
-        padding = -(offset + LOCAL.size + len(name) + 4) % ALIGNMENT
+        fixed = offset + _LOCAL_AND_PAD_ID + len(name)
+        padding = -fixed % ALIGNMENT
+        crc = isal_zlib.crc32_combine(header_crc, data_crc, nbytes)
         pending = self._pending
-        pending += LOCAL.pack(LOCAL_SIG, 20, UTF8_FLAG, STORED, *self._time, crc, size, size, len(name), 4 + padding)
+        pending += _LOCAL_SMALL(LOCAL_SIG, 20, UTF8_FLAG, STORED, *self._time, crc, size, size, len(name), 4 + padding)
         pending += name
         pending += _PADDING[padding]
         pending += header
         pending.extend(payload)  # a buffer: not "+=", where numpy would add elementwise
         if len(pending) >= _PENDING_BYTES:
             self._flush_pending()
-        self._offset = offset + LOCAL.size + len(name) + 4 + padding + size
-        self._members.append((name, offset, crc, size, size, STORED))
+        self._offset = fixed + padding + size
+        self._written += (name, offset, crc, size, size, STORED)
         return data_crc
 
     def _add_member(self, name: str, header: bytes, data: np.ndarray, *, shuffle: bool = False) -> int:
@@ -230,7 +238,7 @@ class NpzWriter:
                 self._file.seek(offset + LOCAL.size + len(encoded) + 4)
                 self._file.write(struct.pack("<QQ", size, compressed))
             self._file.seek(end)
-        self._members.append((encoded, offset, crc, compressed, size, method))
+        self._written += (encoded, offset, crc, compressed, size, method)
         self._offset = self._file.tell()
         return data_crc
 
@@ -251,7 +259,7 @@ class NpzWriter:
         directory_offset = self._file.tell()
         self._file.write(self._central_directory())
         directory_size = self._file.tell() - directory_offset
-        count = len(self._members)
+        count = len(self._written) // _WRITTEN_FIELDS
         if count >= 0xFFFF or directory_offset >= ZIP64_LIMIT or directory_size >= ZIP64_LIMIT:
             record_offset = self._file.tell()
             self._file.write(EOCD64.pack(EOCD64_SIG, 44, 45, 45, 0, 0, count, count, directory_size, directory_offset))
@@ -267,9 +275,10 @@ class NpzWriter:
         small tensors would otherwise pack 50,000 entries one by one). A directory with a ZIP64
         member is built entry by entry (a file past 4 GB has few enough members).
         """
-        names, offsets, crcs, compressed, sizes, methods = map(list, zip(*self._members, strict=True))
-        if max(*offsets, *compressed, *sizes) >= ZIP64_LIMIT:
-            return b"".join(map(self._central_entry, self._members))
+        written = self._written
+        names, offsets, crcs, compressed, sizes, methods = (written[i::_WRITTEN_FIELDS] for i in range(_WRITTEN_FIELDS))
+        if max(max(offsets), max(compressed), max(sizes)) >= ZIP64_LIMIT:
+            return b"".join(map(self._central_entry, zip(names, offsets, crcs, compressed, sizes, methods, strict=True)))
         count = len(names)
         records = np.zeros(count, zipdir.CENTRAL_RECORD)
         records["sig"], records["made_by"], records["needed"], records["flags"] = CENTRAL_SIG, (3 << 8) | 45, 20, UTF8_FLAG
@@ -686,6 +695,10 @@ class NpzReader:
                 else table.positions(keys).tolist())  # type: ignore[union-attr]
         starts, ends = self._data_starts(positions, buffer, base)
         small_crc, released_from = isal_zlib.crc32, _crc.RELEASE_GIL_BYTES  # as crc32() would choose
+        # Every array is a view of this one, its base: it holds the one export of ``buffer``
+        # that keeps a map open while any array lives. (``frombuffer`` per tensor would make a
+        # memoryview each, 50,000 objects for the cyclic collector to walk once it resumes.)
+        whole = np.frombuffer(buffer, np.uint8)
         arrays = []
         for key, row, start, end in zip(keys, rows, starts, ends, strict=True):
             shape = shapes[row]
@@ -695,9 +708,7 @@ class NpzReader:
             if start < 0 or end != data + size or buffer[start:data] != layout.header:
                 arrays.append(self._read_one(key, verify))
                 continue
-            # frombuffer, not ndarray(buffer=...): only an exported buffer keeps the map from being closed
-            array = (np.frombuffer(buffer, layout.storage, layout.count, data).reshape(shape) if size
-                     else np.empty(shape, layout.storage))
+            array = np.ndarray(shape, layout.storage, whole, data) if size else np.empty(shape, layout.storage)
             if verify and ((small_crc(array) if size < released_from else crc32(array)) != crcs[row]
                            if crcs[row] != NO_CRC
                            else crc32(memoryview(buffer)[start:end]) != self._members[self._member_of[key]].crc):
