@@ -408,12 +408,13 @@ class NpzReader:
             raise FormatError(f"{self.name}: file is empty")
         tail_start = max(0, size - (EOCD.size + 0xFFFF))
         tail = bytes(self._source.read_at(tail_start, size - tail_start))
-        count, cd_size, cd_offset, eocd_offset = zipdir.locate(tail, tail_start, self.name)
-        if count < 0:
-            count, cd_size, cd_offset, eocd_offset = zipdir.locate_zip64(
-                lambda offset, length: bytes(self._source.read_at(offset, length)), eocd_offset, self.name)
+        count, cd_size, cd_offset, eocd_offset = zipdir.locate_zip64(
+            lambda offset, length: bytes(self._source.read_at(offset, length)),
+            zipdir.locate(tail, tail_start, self.name), self.name)
         if cd_offset + cd_size > eocd_offset or count * zipdir.CENTRAL_SIZE > cd_size:
             raise FormatError(f"{self.name}: zip directory points outside the file (truncated?)")
+        if cd_offset + cd_size != eocd_offset:  # zipfile would take the gap for a prefix and move every member
+            raise FormatError(f"{self.name}: bytes lie between the zip directory and its end record")
         return bytes(self._source.read_at(cd_offset, cd_size)), count, cd_offset
 
     # -- members ------------------------------------------------------------------------
