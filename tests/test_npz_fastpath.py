@@ -10,14 +10,19 @@ of weights, so weightstore reads only files whose directory every reader finds i
 
 from __future__ import annotations
 
+import random
+import re
 import struct
 import zlib
 
+import ml_dtypes
 import numpy as np
+import pytest
 
 import hostile
 import weightstore as ws
 from weightstore import errors
+from weightstore.formats import npz, zipdir
 
 _LOCAL = struct.Struct("<4s5H3I2H")
 _CENTRAL = struct.Struct("<4s6H3I5H2I")
@@ -97,3 +102,121 @@ def test_a_zip64_record_beside_an_ordinary_end_record_is_not_ignored(tmp_path):
     good_directory = central(good, 0, comment=evil_directory + zip64)
     (path := tmp_path / "zip64-beside.npz").write_bytes(body + good_directory + end(1, len(good_directory), len(body)))
     agrees_with_numpy(path)
+
+
+# -- the fast path reads what the entry-by-entry path reads ----------------------------------------
+
+def small_weights(count: int, key: str = "layer_{i:02d}/w") -> dict[str, np.ndarray]:
+    """Enough small tensors (over 16) that a whole-file read takes the batch path."""
+    rng = np.random.default_rng(count)
+    kinds = [np.float32, ml_dtypes.bfloat16, np.int8, np.float16, np.complex64]
+    shapes = [(3,), (2, 2), (), (0, 4), (1, 3, 1)]
+    return {key.format(i=i): rng.standard_normal(shapes[i % 5]).astype(kinds[i % 4]) for i in range(count)}
+
+
+def same_arrays(loaded: dict, weights: dict) -> bool:
+    return list(loaded) == list(weights) and all(
+        loaded[k].dtype == v.dtype and loaded[k].shape == v.shape and loaded[k].tobytes() == v.tobytes()
+        for k, v in weights.items())
+
+
+@pytest.mark.parametrize("compress", [False, True, "shuffle"])
+@pytest.mark.parametrize("key", ["layer_{i:02d}/w", "schicht_{i:02d}/gewicht_ä", "层{i}/权重"])
+def test_keys_compression_and_sources_read_the_same(tmp_path, key, compress):
+    """Non-ASCII keys skip the fast path (names are compared as ASCII bytes), compressed members
+    skip the batch read; every way in reads the same arrays, and np.load the same bytes."""
+    weights = small_weights(24, key)
+    path = tmp_path / "m.npz"
+    ws.save(path, weights, compress=compress)
+    for mmap in (True, False):
+        for verify in (True, False):
+            assert same_arrays(ws.load(path, mmap=mmap, verify=verify), weights)
+    url = f"memory://fastpath/{tmp_path.name}.npz"
+    ws.save(url, weights, compress=compress)
+    assert same_arrays(ws.load(url), weights)
+    if compress != "shuffle":  # numpy has no zstd
+        with np.load(path) as archive:
+            assert all(archive[k].tobytes() == v.tobytes() for k, v in weights.items() if v.dtype.kind in "fic")
+
+
+@pytest.mark.parametrize("weights", [{}, {"w": np.float32(2)}], ids=["no-tensors", "one-scalar"])
+def test_files_with_no_or_one_tensor_read_back(tmp_path, weights):
+    path = tmp_path / "m.npz"
+    ws.save(path, weights, metadata={"step": 3})
+    with ws.open(path) as store:
+        assert store.metadata == {"step": 3}
+        assert same_arrays(store.read(), weights)
+
+
+def test_more_members_than_a_zip_end_record_counts_read_through_zip64(tmp_path):
+    """65,535 tensors and the manifest: the count is in the ZIP64 end record only."""
+    weights = {f"t{i}": np.full(2, i, np.int32) for i in range(0xFFFF)}
+    path = tmp_path / "m.npz"
+    ws.save(path, weights)
+    assert b"PK\x06\x06" in path.read_bytes()[-200:]
+    loaded = ws.load(path)
+    assert list(loaded) == list(weights)
+    assert np.array_equal(np.stack(list(loaded.values())), np.stack(list(weights.values())))
+    with np.load(path) as archive:
+        assert np.array_equal(archive["t65534"], weights["t65534"])
+
+
+def test_arrays_read_together_outlive_the_store():
+    """Every array of a batch read views one buffer over the map; closing the store must leave
+    the map open until the last array dies (else touching one is a segfault)."""
+    result = hostile.run_isolated(
+        "import gc, tempfile, os\n"
+        "path = os.path.join(tempfile.mkdtemp(), 'm.npz')\n"
+        "ws.save(path, {f'w{i}': np.full(1000, i, np.float32) for i in range(40)})\n"
+        "with ws.open(path) as store:\n"
+        "    arrays = store.read()\n"
+        "kept = arrays['w39']\n"
+        "del arrays, store\n"
+        "gc.collect()\n"
+        "os.remove(path)\n"
+        "print('SUM', float(kept.sum()))\n",
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "SUM 39000.0" in result.stdout
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory) -> bytes:
+    path = tmp_path_factory.mktemp("fastpath") / "m.npz"
+    ws.save(path, small_weights(30), metadata={"lr": 0.5})
+    return path.read_bytes()
+
+
+def outcome(path, monkeypatch, *, fast: bool) -> tuple:
+    """What a verified read of the whole file gives: arrays, or the error's kind."""
+    with monkeypatch.context() as patch:
+        if not fast:  # the reference: the directory read entry by entry, each tensor alone
+            patch.setattr(zipdir, "last_member", lambda *_: None)
+            patch.setattr(npz.NpzReader, "read_many", lambda self, keys, verify: [self.read(k, verify=verify) for k in keys])
+        try:
+            with ws.open(path) as store:
+                return "read", {k: (v.dtype, v.shape, v.tobytes()) for k, v in store.read().items()}, store.metadata
+        except errors.WeightStoreError as exc:
+            assert str(path) in str(exc)
+            return ("refused",)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_damaged_directories_read_alike_on_either_path(tmp_path, monkeypatch, written, seed):
+    """Fields of the central directory and the local headers set to edge values: the fast path
+    reads exactly what the entry-by-entry path reads, or refuses what it refuses, and never
+    raises anything but a WeightStoreError."""
+    rng = random.Random(seed)
+    directory = written.rfind(b"PK\x05\x06") - int.from_bytes(written[-10:-6], "little")
+    headers = [m.start() for m in re.finditer(b"PK\x03\x04", written)]
+    path = tmp_path / "m.npz"
+    for _ in range(60):
+        data = bytearray(written)
+        for _ in range(rng.randint(1, 3)):
+            at = rng.randrange(directory, len(data) - 22) if rng.random() < 0.7 else rng.choice(headers) + rng.randrange(30)
+            width = rng.choice([1, 2, 4])
+            value = rng.choice([0, 1, 0xFF, 2**(8 * width) - 1, rng.randrange(2**(8 * width)), data[at] ^ 1])
+            data[at : at + width] = (value % 2**(8 * width)).to_bytes(width, "little")
+        path.write_bytes(bytes(data))
+        assert outcome(path, monkeypatch, fast=True) == outcome(path, monkeypatch, fast=False)
