@@ -23,6 +23,7 @@ import hostile
 import weightstore as ws
 from weightstore import errors
 from weightstore.formats import npz, zipdir
+from weightstore.manifest import build_manifest
 
 _LOCAL = struct.Struct("<4s5H3I2H")
 _CENTRAL = struct.Struct("<4s6H3I5H2I")
@@ -220,3 +221,31 @@ def test_damaged_directories_read_alike_on_either_path(tmp_path, monkeypatch, wr
             data[at : at + width] = (value % 2**(8 * width)).to_bytes(width, "little")
         path.write_bytes(bytes(data))
         assert outcome(path, monkeypatch, fast=True) == outcome(path, monkeypatch, fast=False)
+
+
+# -- the manifest read first: only a guess until the directory is read --------------------------------
+
+def manifest_npy(metadata: dict) -> bytes:
+    text = build_manifest([("w", "float32", (4,), zlib.crc32(GOOD.tobytes()))], metadata, "test")
+    return hostile.npy_raw(f"<U{len(text)}", (), text.encode("utf-32-le"))
+
+
+@pytest.mark.parametrize("lookalike", ["another-manifest", "pointing-at-a-tensor"])
+def test_a_lookalike_of_the_manifest_entry_at_the_directory_end_is_not_read_as_it(tmp_path, lookalike):
+    """The manifest's entry is first in the directory; the last entry's comment ends with what
+    looks like the manifest's entry, pointing at another manifest (or at a tensor). The reader
+    tries the directory's last bytes first: what it read there must not stand (nor be where
+    the real entry is read from), and reading it must not refuse a file np.load reads."""
+    real, fake, tensor = manifest_npy({"who": "real"}), manifest_npy({"who": "fake, and longer"}), hostile.npy(GOOD)
+    name = b"__weightstore__.npy"
+    body = local(real, name) + local(tensor)
+    fake_at = len(body) if lookalike == "another-manifest" else len(local(real, name))
+    body += local(fake, name)
+    lookalike_entry = central(fake, fake_at, name)
+    directory = central(real, 0, name) + central(tensor, len(local(real, name)), comment=lookalike_entry)
+    (path := tmp_path / "m.npz").write_bytes(body + directory + end(2, len(directory), len(body)))
+    with np.load(path) as archive:
+        assert archive["w"].tobytes() == GOOD.tobytes()
+    with ws.open(path) as store:
+        assert store.metadata == {"who": "real"}
+        assert store["w"].tobytes() == GOOD.tobytes()
