@@ -218,3 +218,28 @@ def test_version_1_manifest_reads_as_the_same_table():
     manifest = parse({"format": "weightstore", "version": 1, "tensors": entries})
     assert manifest.tensors["a"] == ("a", "bfloat16", (2, 3), 12, "crc32:0000abcd")
     assert manifest.tensors["b"] == ("b", "int8", (), 1, None)
+
+
+#: a JSON value nested as deep as orjson reads (1,024 levels), past where ``repr`` raises RecursionError
+DEEP = "[" * 1000 + "]" * 1000
+V2_TENSORS = '"keys": ["w"], "dtypes": ["float32"], "dtype": [0], "ndim": [0], "shape": [], "crc32": [0]'
+
+
+@pytest.mark.parametrize(("version", "tensors"), [
+    ("2", '{"keys": ["w"], "dtypes": [DEEP], "dtype": [0], "ndim": [0], "shape": [], "crc32": [0]}'),
+    ("2", '{"keys": ["w"], "dtypes": ["float32", DEEP], "dtype": [0], "ndim": [0], "shape": [], "crc32": [0]}'),
+    ("2", '{' + V2_TENSORS + ', "location": {"w": DEEP}}'),
+    ("2", '{' + V2_TENSORS + ', "codec": {"w": DEEP}}'),
+    ("DEEP", '{' + V2_TENSORS + '}'),
+    ("1", '{"w": {"dtype": "float32", "shape": [DEEP], "checksum": null}}'),
+    ("1", '{"w": {"dtype": "float32", "shape": [], "checksum": DEEP}}'),
+    ("1", '{"w": {"dtype": DEEP, "shape": [], "checksum": null}}'),
+    ("1", '{"w": {"dtype": "float32", "shape": [], "checksum": null, "location": DEEP}}'),
+], ids=["v2-dtypes", "v2-second-dtype", "v2-location", "v2-codec", "version", "v1-shape", "v1-checksum", "v1-dtype",
+        "v1-location"])
+def test_a_deeply_nested_value_is_a_format_error(version, tensors):
+    """A value nested a thousand deep where a string or number belongs: refused as any wrong
+    value is (its message shows it cut short), not a RecursionError from printing it."""
+    text = f'{{"format": "weightstore", "version": {version}, "tensors": {tensors}}}'.replace("DEEP", DEEP)
+    with raises_naming(errors.FormatError, "m.npz"):
+        parse_manifest(text, "m.npz")

@@ -36,6 +36,7 @@ from weightstore.tensortable import (
     columns_text,
     fits_an_array,
     parse_columns,
+    short_repr,
 )
 
 FORMAT_NAME = "weightstore"
@@ -254,7 +255,7 @@ def parse_manifest(text: str, where: str) -> Manifest:
         raise FormatError(f"{where}: manifest has fields {unknown} this version does not define")
     version = document.get("version")
     if type(version) is not int or version > FORMAT_VERSION:
-        raise FormatError(f"{where}: manifest version {version!r} is newer than this weightstore reads")
+        raise FormatError(f"{where}: manifest version {short_repr(version)} is newer than this weightstore reads")
     raw_tensors = document.get("tensors")
     metadata = document.get("metadata", {})
     if not isinstance(raw_tensors, dict) or not isinstance(metadata, dict):
@@ -351,14 +352,14 @@ def _parse_entries(raw: dict[str, Any], where: str, locations: dict[str, str],
             _parse_optional_fields(key, entry, where, locations, codecs)
         shape = entry["shape"]
         if type(shape) is not list or len(shape) > MAX_NDIM or not _all_sizes(shape):
-            raise FormatError(f"{where}: manifest shape of {key!r} is not a list of sizes: {shape!r}")
+            raise FormatError(f"{where}: manifest shape of {key!r} is not a list of sizes: {short_repr(shape)}")
         name = entry["dtype"]
         itemsize = itemsizes.get(name) if type(name) is str else None
         if itemsize is None:
             itemsize = itemsizes[name] = _itemsize_of(key, name, where)
         digest = entry["checksum"]
         if digest is not None and not (type(digest) is str and digest.startswith(CHECKSUM_PREFIX)):
-            raise FormatError(f"{where}: manifest checksum of {key!r} is not {CHECKSUM_ALGORITHM}: {digest!r}")
+            raise FormatError(f"{where}: manifest checksum of {key!r} is not {CHECKSUM_ALGORITHM}: {short_repr(digest)}")
         dims = tuple(shape)
         tensors[key] = _new_info(TensorInfo, (key, name, dims, math.prod(dims) * itemsize, digest))
     return tensors
@@ -423,14 +424,14 @@ def _parse_optional_fields(key: str, entry: object, where: str, locations: dict[
 
 def _record_location(key: str, location: object, where: str, locations: dict[str, str]) -> None:
     if not isinstance(location, str) or not location:
-        raise FormatError(f"{where}: manifest location of {key!r} is not a path: {location!r}")
+        raise FormatError(f"{where}: manifest location of {key!r} is not a path: {short_repr(location)}")
     locations[key] = location
 
 
 def _record_codec(key: str, codec: object, where: str, codecs: dict[str, str]) -> None:
     # a codec this version cannot decode must not read as plain bytes
     if not isinstance(codec, str) or codec not in CODECS:
-        raise FormatError(f"{where}: manifest codec of {key!r} is {codec!r}, not one of {sorted(CODECS)}")
+        raise FormatError(f"{where}: manifest codec of {key!r} is {short_repr(codec)}, not one of {sorted(CODECS)}")
     codecs[key] = codec
 
 

@@ -23,6 +23,7 @@ import functools
 import itertools
 import math
 import operator
+import reprlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -45,6 +46,11 @@ _MAX_ARRAY_BYTES = (1 << 63) - 1
 _SURELY_IN_BOUNDS = float(1 << 52)
 #: "no checksum" in the CRC column (version 1 manifests allowed null)
 NO_CRC = -1
+#: shows an untrusted JSON value in a message: a few levels deep and cut short, since orjson reads
+#: values nested 1,024 deep, past the depth at which ``repr`` raises RecursionError
+_SHORT_REPR = reprlib.Repr()
+_SHORT_REPR.maxlevel, _SHORT_REPR.maxstring, _SHORT_REPR.maxother = 3, 80, 80
+short_repr = _SHORT_REPR.repr
 
 
 class TensorInfo(NamedTuple):
@@ -181,7 +187,8 @@ def parse_columns(raw: dict[str, Any], where: str, itemsize_of: Callable[[object
         twice = next(key for key in keys if key in seen or seen.add(key))  # type: ignore[func-returns-value]
         raise FormatError(f"{where}: manifest lists tensor {twice!r} twice")
     names = raw["dtypes"]
-    if type(names) is not list or len(names) > _MAX_DTYPES or len(set(map(repr, names))) != len(names):
+    texts = [name for name in names if type(name) is str] if type(names) is list else []  # any other: no dtype, below
+    if type(names) is not list or len(names) > _MAX_DTYPES or len(set(texts)) != len(texts):
         raise FormatError(f"{where}: manifest 'dtypes' is not a list of distinct dtype names")
     codes = _int_column(raw, "dtype", where, count, len(names) - 1)
     itemsizes = []
@@ -190,7 +197,7 @@ def parse_columns(raw: dict[str, Any], where: str, itemsize_of: Callable[[object
         if itemsize is None:
             users = np.flatnonzero(codes == code)
             whose = f"tensor {keys[users[0]]!r}: " if users.size else ""
-            raise FormatError(f"{where}: manifest: {whose}unknown dtype {name!r}")
+            raise FormatError(f"{where}: manifest: {whose}unknown dtype {short_repr(name)}")
         itemsizes.append(itemsize)
     ndims = _int_column(raw, "ndim", where, count, MAX_NDIM)
     dims = _int_column(raw, "shape", where, int(ndims.sum()), _MAX_ARRAY_BYTES)

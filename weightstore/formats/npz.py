@@ -320,7 +320,12 @@ class NpzReader:
         # The manifest first, where the writer puts it (last), so that the directory can be
         # checked against the names it lists in one pass: see :meth:`_as_written`.
         manifest_member = zipdir.last_member(directory, cd_offset, MANIFEST_MEMBER)
-        manifest = self._read_manifest(manifest_member) if manifest_member is not None else None
+        manifest = None
+        if manifest_member is not None:
+            try:
+                manifest = self._read_manifest(manifest_member)
+            except FormatError:  # the last entry may only look like the manifest's: the directory decides
+                manifest_member = None
         members = (self._as_written(directory, count, manifest_member, manifest)
                    if manifest_member is not None and manifest is not None else None)
         as_written = members is not None
@@ -328,6 +333,7 @@ class NpzReader:
             members = zipdir.parse(directory, count, cd_offset, self.name)
             found = members.pop(MANIFEST_MEMBER)
             if found != manifest_member:
+                self._data_offsets.clear()  # where the last entry pointed may be no member's
                 manifest = self._read_manifest(found) if found is not None else None
         self._members = members
         self._manifest = manifest
@@ -408,12 +414,13 @@ class NpzReader:
             raise FormatError(f"{self.name}: file is empty")
         tail_start = max(0, size - (EOCD.size + 0xFFFF))
         tail = bytes(self._source.read_at(tail_start, size - tail_start))
-        count, cd_size, cd_offset, eocd_offset = zipdir.locate(tail, tail_start, self.name)
-        if count < 0:
-            count, cd_size, cd_offset, eocd_offset = zipdir.locate_zip64(
-                lambda offset, length: bytes(self._source.read_at(offset, length)), eocd_offset, self.name)
+        count, cd_size, cd_offset, eocd_offset = zipdir.locate_zip64(
+            lambda offset, length: bytes(self._source.read_at(offset, length)),
+            zipdir.locate(tail, tail_start, self.name), self.name)
         if cd_offset + cd_size > eocd_offset or count * zipdir.CENTRAL_SIZE > cd_size:
             raise FormatError(f"{self.name}: zip directory points outside the file (truncated?)")
+        if cd_offset + cd_size != eocd_offset:  # zipfile would take the gap for a prefix and move every member
+            raise FormatError(f"{self.name}: bytes lie between the zip directory and its end record")
         return bytes(self._source.read_at(cd_offset, cd_size)), count, cd_offset
 
     # -- members ------------------------------------------------------------------------

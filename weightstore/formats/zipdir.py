@@ -155,38 +155,49 @@ class Directory:
 
 def locate(tail: bytes, tail_start: int, where: str) -> tuple[int, int, int, int]:
     """``(entries, directory size, directory offset, end record offset)`` from the file's last
-    bytes; a ZIP64 end is reported with ``entries == -1`` for :func:`locate_zip64` to read."""
-    position = tail.rfind(EOCD_SIG)
-    while position >= 0 and position + EOCD.size <= len(tail):
-        comment = struct.unpack_from("<H", tail, position + 20)[0]
-        if position + EOCD.size + comment == len(tail):
-            break
-        position = tail.rfind(EOCD_SIG, 0, position)
-    else:
-        position = -1
-    if position < 0:
+    bytes, the end record found where ``zipfile`` (so ``np.load``) finds it: the last 22 bytes
+    if they are one without a comment, else the last signature. That one's comment must end
+    the file; passing over it to an earlier record would read another directory than numpy's.
+    Values a ZIP64 record gives are for :func:`locate_zip64` to read."""
+    position = len(tail) - EOCD.size
+    if position < 0 or tail[position : position + 4] != EOCD_SIG or tail[-2:] != b"\0\0":
+        position = tail.rfind(EOCD_SIG)
+    if position < 0 or position + EOCD.size > len(tail):
         raise FormatError(f"{where}: not an npz file (no zip directory; truncated or not a zip)")
-    _, disk, cd_disk, disk_count, count, cd_size, cd_offset, _ = EOCD.unpack_from(tail, position)
+    _, disk, cd_disk, disk_count, count, cd_size, cd_offset, comment = EOCD.unpack_from(tail, position)
+    if position + EOCD.size + comment != len(tail):
+        raise FormatError(f"{where}: zip end record's comment does not end the file (another end record in it?)")
     if disk or cd_disk:
         raise FormatError(f"{where}: multi-disk zip archives are not supported")
     if disk_count != count:
         raise FormatError(f"{where}: zip end record disagrees with itself ({disk_count}, {count} entries)")
-    if count == 0xFFFF or cd_size == ZIP64_LIMIT or cd_offset == ZIP64_LIMIT:
-        return -1, cd_size, cd_offset, tail_start + position
     return count, cd_size, cd_offset, tail_start + position
 
 
-def locate_zip64(read_at: Callable[[int, int], bytes], eocd_offset: int, where: str) -> tuple[int, int, int, int]:
-    """The ZIP64 end record's ``(entries, directory size, directory offset, record offset)``."""
-    if eocd_offset < LOCATOR64.size:
-        raise FormatError(f"{where}: ZIP64 locator missing")
-    sig, _, record, _ = LOCATOR64.unpack(read_at(eocd_offset - LOCATOR64.size, LOCATOR64.size))
-    if sig != LOCATOR64_SIG or record + EOCD64.size > eocd_offset:
+def locate_zip64(read_at: Callable[[int, int], bytes], end: tuple[int, int, int, int],
+                 where: str) -> tuple[int, int, int, int]:
+    """The directory's ``(entries, size, offset, end)`` as a ZIP64 end record gives them, read
+    whenever its locator lies just before the end record (as ``zipfile`` reads it, even where
+    the end record needs no ZIP64 value), the record just before the locator; ``end`` (from
+    :func:`locate`) where there is no locator."""
+    count, cd_size, cd_offset, eocd_offset = end
+    marked = count == 0xFFFF or cd_size == ZIP64_LIMIT or cd_offset == ZIP64_LIMIT
+    locator = read_at(eocd_offset - LOCATOR64.size, LOCATOR64.size) if eocd_offset >= LOCATOR64.size else b""
+    if locator[:4] != LOCATOR64_SIG:
+        if marked:
+            raise FormatError(f"{where}: ZIP64 locator missing")
+        return end
+    _, _, record, _ = LOCATOR64.unpack(locator)
+    if record + EOCD64.size != eocd_offset - LOCATOR64.size:
         raise FormatError(f"{where}: ZIP64 locator is corrupt")
     fields = EOCD64.unpack(read_at(record, EOCD64.size))
     if fields[0] != EOCD64_SIG:
         raise FormatError(f"{where}: ZIP64 end record is corrupt")
-    return fields[7], fields[8], fields[9], record
+    wide = fields[7], fields[8], fields[9]
+    markers = (0xFFFF, ZIP64_LIMIT, ZIP64_LIMIT)  # a value the end record cannot hold; any other must agree
+    if any(value not in (marker, full) for value, marker, full in zip(end[:3], markers, wide, strict=True)):
+        raise FormatError(f"{where}: ZIP64 end record disagrees with the end record ({wide} against {end[:3]})")
+    return (*wide, record)
 
 
 def parse(directory: bytes, count: int, cd_offset: int, where: str) -> Directory:
