@@ -6,7 +6,9 @@ seeded): an input's first byte picks the target, the rest is that target's file.
 breaks the property (an exception outside WeightStoreError, different arrays, a crash, a hang
 or a runaway allocation) is copied to ``tests/data/regressions/`` as a file of that target,
 which ``tests/test_bad_input.py`` then replays under limits in a subprocess; commit it with the
-fix. The corpus grows in ``.fuzz/corpus`` and is reused by the next run.
+fix. The corpus grows in ``.fuzz/corpus/TARGETS`` and is reused by the next run of the same
+targets (one corpus per set: an input's first byte picks among the targets run, so another set
+would read it as another target's file).
 
 The fuzzer runs in a child process, so that when a mutant kills it (SIGSEGV, libFuzzer's
 timeout or memory limit) this parent still finds the file being read and keeps it.
@@ -42,7 +44,7 @@ def main(argv: list[str]) -> int:
 
 
 def _supervise(names: list[str], seconds: int) -> int:
-    corpus = WORK / "corpus"
+    corpus = WORK / "corpus" / "+".join(names)
     crashes = WORK / "crashes"
     for folder in (corpus, crashes):
         folder.mkdir(parents=True, exist_ok=True)
