@@ -4,7 +4,7 @@ A file of 50,000 small tensors is the case this layout is for. As one object per
 manifest cost 300,000 Python objects to parse and as many checks, more than reading the
 tensors themselves; as columns (version 2 of the manifest) it is a few lists that orjson reads
 in milliseconds and numpy checks whole. A :class:`TensorInfo` is made only for a key asked
-about; readers of many tensors take the columns (:meth:`TensorTable.crcs`, ...) instead.
+about; readers of many tensors take whole rows (:meth:`TensorTable.rows`) instead.
 
 The JSON form, inside the manifest's ``"tensors"``::
 
@@ -139,15 +139,6 @@ class TensorTable(Mapping[str, TensorInfo]):
             self._rows = ([self._dtype_names[c] for c in self._dtype_codes.tolist()], shapes,
                           self._nbytes.tolist(), self._crcs.tolist())
         return self._rows
-
-    @property
-    def crcs(self) -> np.ndarray:
-        """CRC-32 of each tensor's stored bytes, :data:`NO_CRC` where none was recorded."""
-        return self._crcs
-
-    @property
-    def nbytes(self) -> np.ndarray:
-        return self._nbytes
 
 
 #: a tensor as a writer learns it: key, logical dtype name, shape, CRC-32 of its stored bytes
