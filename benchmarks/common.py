@@ -184,11 +184,11 @@ def fmt_mb(value: float | None) -> str:
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """A Markdown table (it reads well in a terminal and pastes into the README)."""
     widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
-    lines = ["| " + " | ".join(str(h).ljust(w) for h, w in zip(headers, widths)) + " |",
+    lines = ["| " + " | ".join(str(h).ljust(w) for h, w in zip(headers, widths, strict=False)) + " |",
              "|" + "|".join(("-" * (w + 1) + ":") if i else ("-" * (w + 2)) for i, w in enumerate(widths)) + "|"]
     for row in rows:
         lines.append("| " + " | ".join(
-            str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(row, widths))) + " |")
+            str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=False))) + " |")
     return "\n".join(lines)
 
 

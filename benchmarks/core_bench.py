@@ -75,7 +75,7 @@ def prepare(folder: str, size_mb: float) -> dict:
     spec = [(k, list(s)) for k, s in layout(size_mb)]
     rng = np.random.default_rng(0)
     with open(os.path.join(folder, "weights.raw"), "wb") as out:
-        for key, shape in spec:
+        for _key, shape in spec:
             array = rng.standard_normal(shape, dtype=np.float32)
             array *= 0.02
             out.write(array.data)
@@ -215,7 +215,7 @@ def case_main(args) -> None:
 
         def listing():
             with ws.open(path) as store:
-                return [store.info(k) for k in store.keys()]
+                return [store.info(k) for k in store]
 
         result = measure(listing, repeat=max(20, args.repeat), warmup=3)
     elif kind == "compress":
@@ -235,7 +235,7 @@ def case_main(args) -> None:
             result = measure(read, repeat=args.repeat)
         elif case == "copy":
             targets = [np.ones_like(v) for v in weights.values()]
-            pairs = list(zip(targets, weights.values()))
+            pairs = list(zip(targets, weights.values(), strict=True))
 
             def copy():
                 for dst, src in pairs:

@@ -158,7 +158,7 @@ def build_keras(folder):
 
     model = Bag()
     weights = read_weights(folder)
-    for var, value in zip(model.held, weights.values()):
+    for var, value in zip(model.held, weights.values(), strict=True):
         var.assign(value)
     del weights
     return model
@@ -229,7 +229,7 @@ def case_main(args) -> None:
 
                 def run():
                     with safe_open(target, "np") as f:
-                        for key in f.keys():
+                        for key in f.keys():  # noqa: SIM118 - a safe_open handle is no mapping
                             if key.startswith(SCOPE + "/"):
                                 variables[key].assign(f.get_tensor(key), read_value=False)
             else:
@@ -255,10 +255,7 @@ def case_main(args) -> None:
     elif product in ("ws-keras", "keras"):
         model = build_keras(folder)
         if product == "ws-keras":
-            if kind == "save":
-                run = lambda: ws.save(target, tf2.export(model))  # noqa: E731
-            else:
-                run = lambda: tf2.assign(model, target)  # noqa: E731
+            run = (lambda: ws.save(target, tf2.export(model))) if kind == "save" else lambda: tf2.assign(model, target)
         elif kind == "save":
             run = durably(lambda: model.save_weights(target))
         else:
@@ -413,7 +410,7 @@ def report(r: dict, facts: dict, say) -> None:
     say(table(["restore", "median s", "of full restore", "peak MB"], rows))
 
     checks = []
-    for product, floor in [("ws-tf2", None), ("ws-tf1", None)]:
+    for product in ("ws-tf2", "ws-tf1"):
         save, restore = m(f"save:{product}"), m(f"restore:{product}")
         rfloor = tf1_floor if product == "ws-tf1" else tf2_floor
         checks += [

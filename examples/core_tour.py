@@ -30,7 +30,7 @@ def main(folder: str | None = None) -> dict[str, np.ndarray]:
             ws.save(path, weights, metadata={"step": 1000})
             with ws.open(path) as store:  # reads the index only
                 print(f"{name}: {len(store)} tensors, {store.nbytes} bytes, metadata {store.metadata}")
-                for key in store.keys():
+                for key in store:
                     info = store.info(key)
                     print(f"  {key:<24} {info.dtype:<8} {str(info.shape):<16} {info.checksum}")
         head = ws.load(root / "weights.npz", include="dense", exclude="*/Adagrad")

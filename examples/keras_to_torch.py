@@ -73,6 +73,7 @@ def randomize(model, seed: int) -> None:
 
 def main(folder: str | None = None) -> dict:
     import torch
+
     from weightstore.adapters import tf2
     from weightstore.adapters import torch as torch_adapter
 

@@ -81,6 +81,7 @@ def build_torch():
 def serve(folder: Path) -> dict:
     """The serving side (no TensorFlow): read the checkpoint, assign it to PyTorch, compare predictions."""
     import torch
+
     from weightstore.adapters import torch as torch_adapter
 
     weights = ws.load(folder / "ckpt" / f"model.ckpt-{STEP}")

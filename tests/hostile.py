@@ -30,7 +30,7 @@ def npy(array: np.ndarray) -> bytes:
 def npy_raw(descr, shape, payload: bytes, *, header_text: str | None = None, version: int = 1) -> bytes:
     """An ``.npy`` file whose header says whatever the caller wants, over any payload."""
     if header_text is None:
-        header_text = "{'descr': %r, 'fortran_order': False, 'shape': %r, }" % (descr, tuple(shape))
+        header_text = f"{{'descr': {descr!r}, 'fortran_order': False, 'shape': {tuple(shape)!r}, }}"
     text = header_text.encode("latin1")
     prefix = 10 if version == 1 else 12
     text += b" " * (-(prefix + len(text) + 1) % 64) + b"\n"

@@ -16,13 +16,12 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
+import weightstore as ws  # noqa: E402
+from weightstore import versions  # noqa: E402
 from weightstore.adapters import tf1, tf2  # noqa: E402
 from weightstore.adapters.follower import Follower  # noqa: E402
 from weightstore.adapters.hooks import PublishHook  # noqa: E402
 from weightstore.adapters.plan import AssignWarning, Report  # noqa: E402
-
-import weightstore as ws  # noqa: E402
-from weightstore import versions  # noqa: E402
 from weightstore.errors import AssignmentError, FormatError, InvalidKeyError, VersionGoneError  # noqa: E402
 
 v1 = tf.compat.v1

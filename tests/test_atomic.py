@@ -114,7 +114,7 @@ print("done", flush=True)
 @pytest.mark.parametrize("suffix", SUFFIXES)
 def test_sigkill_mid_write_leaves_previous_file_and_next_save_cleans_up(tmp_path, suffix):
     path, before = previous(tmp_path, suffix)
-    for attempt in range(3):
+    for _attempt in range(3):
         child = subprocess.Popen([sys.executable, "-c", _SLOW_WRITER, str(path)], stdout=subprocess.PIPE, text=True)
         try:
             assert child.stdout.readline().strip() == "ready"

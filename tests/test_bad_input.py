@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 import hostile
-from hostile import raises_naming
 import weightstore as ws
+from hostile import raises_naming
 from weightstore import errors
 
 
@@ -286,9 +286,8 @@ def test_npy_shape_product_overflows(tmp_path, shape):
     path = _one_member(tmp_path, hostile.npy_raw("<f8", shape, b"\0" * 64))
     with raises_naming(errors.FormatError, path, "w"):
         load_all(path)
-    with ws.open(path) as store:
-        with raises_naming(errors.FormatError, path, "w"):
-            store.info("w")
+    with ws.open(path) as store, raises_naming(errors.FormatError, path, "w"):
+        store.info("w")
 
 
 def test_npy_header_over_10000_bytes(tmp_path):
@@ -486,9 +485,8 @@ def test_max_bytes_refuses_before_reading(tmp_path, suffix):
         ws.load(path, max_bytes=4000)
     with pytest.raises(ValueError):  # catchable as the builtin it refines
         ws.load(path, max_bytes=4079)
-    with ws.open(path) as store:
-        with raises_naming(errors.SizeLimitError, path):
-            store.read(["a"], max_bytes=3999)
+    with ws.open(path) as store, raises_naming(errors.SizeLimitError, path):
+        store.read(["a"], max_bytes=3999)
     # inside the budget the read happens, and meets the corruption
     with raises_naming(errors.ChecksumError, path, "b"):
         ws.load(path, include="b", max_bytes=80)
@@ -632,9 +630,8 @@ def test_every_error_is_a_weightstore_error_and_its_builtin():
 
 def test_key_not_in_store_message_is_not_quoted(tmp_path):
     path = good_npz(tmp_path)
-    with ws.open(path) as store:
-        with pytest.raises(KeyError) as info:
-            store["dense/kernl"]
+    with ws.open(path) as store, pytest.raises(KeyError) as info:
+        store["dense/kernl"]
     message = str(info.value)
     assert str(path) in message and "dense/kernl" in message
     assert not message.startswith(("'", '"'))
@@ -673,7 +670,7 @@ def test_max_bytes_on_a_foreign_compressed_npz_refuses_before_inflating(tmp_path
 
 # -- a manifest that lies small about a large member ----------------------------------------
 
-def _manifest_member(tensors: dict) -> "hostile.Member":
+def _manifest_member(tensors: dict) -> hostile.Member:
     import json
 
     text = json.dumps({"format": "weightstore", "version": 1, "metadata": {}, "tensors": tensors})

@@ -56,7 +56,7 @@ def make_tf2_module(folder):
     net, opt = Net(), tf.compat.v1.train.AdamOptimizer(0.1)
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(net.w * net.w) + tf.reduce_sum(net.b)
-    opt.apply_gradients(zip(tape.gradient(loss, [net.w, net.b]), [net.w, net.b]))
+    opt.apply_gradients(zip(tape.gradient(loss, [net.w, net.b]), [net.w, net.b], strict=True))
     return tf.train.Checkpoint(net=net, opt=opt).save(str(folder / "ckpt")), net
 
 
@@ -101,7 +101,7 @@ def test_tf1_keys_are_variable_names_and_values_match(made):
         assert source.skipped == ["tag"]
         assert set(source.keys()) == set(expected) - {"tag"}
         assert {"model/dense/w/Adam", "model/dense/w/Adam_1", "global_step", "beta1_power"} <= set(source.keys())
-        for key in source.keys():
+        for key in source:
             np.testing.assert_array_equal(source[key], expected[key])
         assert source["model/emb"].shape == (4, 2)  # partitioned, read whole
 
@@ -120,12 +120,12 @@ def test_trainable_keys_come_from_the_meta_graph(made):
 
 
 def test_trainable_keys_without_meta_is_a_clear_error(made):
-    with checkpoints.open_source(made["tf1_nometa"]) as source:
-        with pytest.raises(FormatError, match=r"needs the graph file .*model\.ckpt-1\.meta, which is missing"):
-            source.trainable_keys()
-    with checkpoints.open_source(made["module"]) as source:
-        with pytest.raises(FormatError, match="does not record which variables are trainable"):
-            source.trainable_keys()
+    with (checkpoints.open_source(made["tf1_nometa"]) as source,
+          pytest.raises(FormatError, match=r"needs the graph file .*model\.ckpt-1\.meta, which is missing")):
+        source.trainable_keys()
+    with (checkpoints.open_source(made["module"]) as source,
+          pytest.raises(FormatError, match="does not record which variables are trainable")):
+        source.trainable_keys()
 
 
 def test_tf2_keys_drop_attributes_bookkeeping_and_name_slots(made):
@@ -148,7 +148,7 @@ def test_tf2_keras_checkpoint_keeps_only_variables(made, tmp_path):
         assert not any(".ATTRIBUTES" in k or k.startswith("_CHECKPOINTABLE") for k in keys)
         assert sorted(values.tobytes() for values in map(source.__getitem__, keys)) == sorted(
             value.tobytes() for name, value in expected.items() if name != OBJECT_GRAPH_KEY)
-        weights = [k for k in model_only.keys() if not k.startswith("model/optimizer/")]  # compiled: tracked
+        weights = [k for k in model_only if not k.startswith("model/optimizer/")]  # compiled: tracked
         assert len(weights) == len(made["model"].weights)
         assert [k for k in keys if k.startswith("model/")] == weights
         for key in weights:
@@ -188,11 +188,11 @@ def test_tf2_keras_weights_stay_under_model_when_saved_with_adam(tmp_path):
         del unused[match[0]]
     # the same keys as a checkpoint of the model alone
     with checkpoints.open_source(tf.train.Checkpoint(model=model).write(str(tmp_path / "alone"))) as alone:
-        assert sorted(exported) == sorted(k for k in alone.keys() if not k.startswith("model/optimizer/"))
+        assert sorted(exported) == sorted(k for k in alone if not k.startswith("model/optimizer/"))
     kernel = model.layers[0].kernel.numpy()
     np.testing.assert_array_equal(exported["model/_functional/_operations/1/_kernel"], kernel)
     with checkpoints.open_source(prefix) as source:  # the optimizer's own state stays under optimizer/
-        optimizer_keys = [k for k in source.keys() if k.startswith("optimizer/")]
+        optimizer_keys = [k for k in source if k.startswith("optimizer/")]
         assert optimizer_keys == ["optimizer/_iterations", "optimizer/_learning_rate",
                                   *[f"optimizer/_momentums/{i}" for i in range(6)],
                                   *[f"optimizer/_velocities/{i}" for i in range(6)]]
@@ -226,7 +226,7 @@ def test_tf2_module_keys_are_attribute_paths(tmp_path):
     variables = [tower.embed, tower.blocks[0].w, tower.blocks[1].b]
     with tf.GradientTape() as tape:
         loss = sum(tf.reduce_sum(v * v) for v in variables)
-    opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+    opt.apply_gradients(zip(tape.gradient(loss, variables), variables, strict=True))
     prefix = tf.train.Checkpoint(tower=tower, optimizer=opt).write(str(tmp_path / "ckpt"))
     with checkpoints.open_source(prefix) as source:
         assert source.keys() == [
@@ -246,7 +246,7 @@ def test_keras_files_read_as_their_hdf5_layout(made, name):
         np.testing.assert_array_equal(source["layers/dense/vars/0"], model.get_layer("d1").kernel.numpy())
         np.testing.assert_array_equal(source["layers/batch_normalization/vars/3"],
                                       model.get_layer("bn").moving_variance.numpy())
-        assert len([k for k in source.keys() if k.startswith("layers/")]) == len(model.weights)
+        assert len([k for k in source if k.startswith("layers/")]) == len(model.weights)
 
 
 def test_keras_archive_config_is_never_read(made, tmp_path):
@@ -258,7 +258,7 @@ def test_keras_archive_config_is_never_read(made, tmp_path):
     renamed.write_bytes(archive.read_bytes())
     for path in (archive, renamed):
         with checkpoints.open_source(path) as source:
-            assert "layers/dense/vars/0" in source.keys()
+            assert "layers/dense/vars/0" in source
 
 
 def hostile_keras(path, payload, *, declared=None, crc=None):

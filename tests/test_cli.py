@@ -13,13 +13,14 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
-import tf_forge
 from rich.console import Console
 from typer.testing import CliRunner
 
+import tf_forge
 import weightstore as ws
 from weightstore.cli import render, transfer
 from weightstore.cli.guard import GuardedGroup
@@ -174,9 +175,9 @@ def test_import_into_a_tf_checkpoint_restored_by_saver(store, tmp_path):
     restored = restore_with_saver(prefix, {k: v.shape for k, v in expected.items()})
     for key, value in expected.items():
         np.testing.assert_array_equal(restored[key], value)
-    before = open(prefix + ".index", "rb").read()
+    before = Path(prefix + ".index").read_bytes()
     one_error_line(run("import", store, "--into", prefix, "--scope", "model_001"), "ens.ckpt: already holds 3")
-    assert open(prefix + ".index", "rb").read() == before
+    assert Path(prefix + ".index").read_bytes() == before
 
 
 # -- ls, diff, convert, verify ----------------------------------------------------------------
@@ -350,7 +351,8 @@ def test_progress_appears_only_on_a_terminal(monkeypatch):
     monkeypatch.setattr(render.settings, "quiet", False)
     for terminal in (True, False):
         buffer = io.StringIO()
-        monkeypatch.setattr(render, "stderr", lambda: Console(file=buffer, force_terminal=terminal, width=80))
+        monkeypatch.setattr(render, "stderr",
+                            lambda buffer=buffer, terminal=terminal: Console(file=buffer, force_terminal=terminal, width=80))
         assert list(render.track([("a", 10), ("b", 10)], "reading", 20)) == ["a", "b"]
         with render.working("writing"):
             time.sleep(0.05)

@@ -9,9 +9,9 @@ jax = pytest.importorskip("jax")
 nnx = pytest.importorskip("flax.nnx")
 
 from flax.core import FrozenDict  # noqa: E402
-from weightstore.adapters import flax as flax_adapter  # noqa: E402
 
 import weightstore as ws  # noqa: E402
+from weightstore.adapters import flax as flax_adapter  # noqa: E402
 from weightstore.errors import AssignmentError, LayoutError, SelectionError  # noqa: E402
 
 ZEROS = nnx.initializers.zeros_init()  # random initializers compile once per shape: seconds each

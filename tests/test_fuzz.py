@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from fuzz.targets import fuzz_batch
 
 #: mutants per target: a few seconds in all on a small machine

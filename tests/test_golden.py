@@ -168,7 +168,7 @@ def test_plain_h5py_file_without_manifest():
 def test_golden_survives_a_rewrite(tmp_path, name):
     """Read golden, write it again in each format: the values and metadata come through."""
     with ws.open(DATA / name) as store:
-        weights = {key: store[key] for key in store.keys()}
+        weights = {key: store[key] for key in store}
         metadata = store.metadata
     for suffix in (".npz", ".h5"):
         out = tmp_path / f"again{suffix}"

@@ -10,7 +10,6 @@ import pytest
 import weightstore as ws
 from weightstore import keys as K
 
-
 # -- key rules ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("key", [

@@ -17,12 +17,12 @@ torch = pytest.importorskip("torch")
 nnx = pytest.importorskip("flax.nnx")
 
 from typer.testing import CliRunner  # noqa: E402
+
+import weightstore as ws  # noqa: E402
 from weightstore.adapters import flax as flax_adapter  # noqa: E402
 from weightstore.adapters import layout, tf2  # noqa: E402
 from weightstore.adapters import torch as torch_adapter  # noqa: E402
 from weightstore.cli.main import app  # noqa: E402
-
-import weightstore as ws  # noqa: E402
 from weightstore.errors import AssignmentError, LayoutError  # noqa: E402
 
 nn = torch.nn

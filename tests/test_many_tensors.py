@@ -133,7 +133,7 @@ def test_one_damaged_member_among_thousands_is_named(tmp_path, damage, error):
             store.read()
         with raises_naming(error, path, VICTIM):
             store[VICTIM]
-        others = [k for k in store.keys() if k != VICTIM]
+        others = [k for k in store if k != VICTIM]
         assert_same(store.read(others), {k: weights[k] for k in others})
 
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import ast
-import re
 import mmap
+import re
 import zipfile
 
 import h5py
@@ -544,9 +544,8 @@ def test_saving_a_store_checks_every_dtype_from_its_index_first(tmp_path):
     refused from the index before the target exists, naming the target and the key."""
     source, target = tmp_path / "foreign.npz", tmp_path / "copy.npz"
     np.savez(source, a=np.arange(3.0), b=np.zeros(2, dtype="V4"))
-    with ws.open(source) as store:
-        with pytest.raises(ws.UnsupportedDTypeError, match=re.escape(str(target)) + ".*'b'"):
-            ws.save(target, store)
+    with ws.open(source) as store, pytest.raises(ws.UnsupportedDTypeError, match=re.escape(str(target)) + ".*'b'"):
+        ws.save(target, store)
     assert not target.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["foreign.npz"]
 
 

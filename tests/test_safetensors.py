@@ -15,9 +15,9 @@ import pytest
 import safetensors.numpy
 from safetensors import safe_open
 from typer.testing import CliRunner
-from weightstore.cli.main import app
 
 import weightstore as ws
+from weightstore.cli.main import app
 from weightstore.formats import safetensors as st_format
 
 SUPPORTED = [np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64,

@@ -85,7 +85,7 @@ def test_round_trip_every_dtype(tmp_path, dtype_name, route):
         variables = build_dtype_graph(dtype_name)
         report = tf1.assign(sess, source)  # into uninitialised variables: assign is an initialiser
         assert report.assigned == list(expected) and report.ok
-        for variable, got in zip(variables, values(sess, variables)):
+        for variable, got in zip(variables, values(sess, variables), strict=True):
             want = expected[variable.op.name]
             assert got.dtype == dtype and got.shape == want.shape
             np.testing.assert_array_equal(got, want)

@@ -19,9 +19,9 @@ from pathlib import Path
 import crc32c
 import numpy as np
 import pytest
-import tf_forge
 from typer.testing import CliRunner
 
+import tf_forge
 import weightstore as ws
 from weightstore.errors import ChecksumError, FormatError, StoreNotFoundError, UnsafeFileError, WeightStoreError
 from weightstore.formats import keras_file

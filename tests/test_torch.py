@@ -13,9 +13,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from weightstore.adapters import torch as torch_adapter  # noqa: E402
-
 import weightstore as ws  # noqa: E402
+from weightstore.adapters import torch as torch_adapter  # noqa: E402
 from weightstore.errors import AssignmentError, InvalidKeyError, SelectionError  # noqa: E402
 
 nn = torch.nn

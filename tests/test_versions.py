@@ -132,9 +132,8 @@ def test_damaged_latest_is_a_clear_error_and_publish_repairs_it(tmp_path, conten
     assert (caught.value.path, caught.value.key) == (str(tmp_path), None)
     with pytest.raises(ws.FormatError, match="LATEST"):
         next(ws.follow(tmp_path, timeout=0))
-    with pytest.warns(UserWarning, match="LATEST"):
-        with pytest.raises(ws.PublishError, match="not after step 3"):
-            ws.publish(tmp_path, weights_at(2), step=2)
+    with pytest.warns(UserWarning, match="LATEST"), pytest.raises(ws.PublishError, match="not after step 3"):
+        ws.publish(tmp_path, weights_at(2), step=2)
     with pytest.warns(UserWarning, match="the next publish replaces it"):
         ws.publish(tmp_path, weights_at(4), step=4)
     assert ws.latest(tmp_path).step == 4
@@ -232,9 +231,9 @@ def test_missing_latest_keeps_versions_and_refuses_going_back(tmp_path):
     os.unlink(tmp_path / "LATEST")
     assert ws.latest(tmp_path) is None
     for step in (1, 3):
-        with pytest.warns(UserWarning, match="LATEST is missing"):
-            with pytest.raises(ws.PublishError, match=f"step {step} is not after step 3, which is the newest version"):
-                ws.publish(tmp_path, weights_at(step), step=step)
+        with (pytest.warns(UserWarning, match="LATEST is missing"),
+              pytest.raises(ws.PublishError, match=f"step {step} is not after step 3, which is the newest version")):
+            ws.publish(tmp_path, weights_at(step), step=step)
     kept = [f"step-00000000000{s}.npz" for s in (1, 2, 3)]
     assert files(tmp_path) == sorted([".publish.lock", temporary.name, *kept])
     with pytest.warns(UserWarning, match="LATEST is missing"):

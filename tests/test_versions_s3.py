@@ -123,9 +123,8 @@ def test_missing_latest_on_s3_keeps_versions(s3, folder):
     for step in (1, 2, 3):
         ws.publish(folder, weights_at(step), step=step, storage_options=s3)
     s3fs.S3FileSystem(**s3).rm_file(f"{folder}/LATEST")
-    with pytest.warns(UserWarning, match="LATEST is missing"):
-        with pytest.raises(ws.PublishError, match="not after step 3"):
-            ws.publish(folder, weights_at(1), step=1, storage_options=s3)
+    with pytest.warns(UserWarning, match="LATEST is missing"), pytest.raises(ws.PublishError, match="not after step 3"):
+        ws.publish(folder, weights_at(1), step=1, storage_options=s3)
     with pytest.warns(UserWarning, match="LATEST is missing"):
         ws.publish(folder, weights_at(4), step=4, storage_options=s3)
     assert names(s3, folder) == ["LATEST"] + [f"step-00000000000{step}.npz" for step in (1, 2, 3, 4)]
