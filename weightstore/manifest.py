@@ -109,7 +109,7 @@ def logical_dtype(name: str, where: str = "") -> np.dtype:
     """The numpy dtype a manifest names; only names :func:`dtype_name` can produce."""
     dtype = _known_dtype(name) if isinstance(name, str) else None
     if dtype is None:
-        raise FormatError(f"{where}: unknown dtype {name!r}")
+        raise FormatError(f"unknown dtype {name!r}", path=where or None)
     return dtype
 
 
@@ -241,25 +241,25 @@ def build_manifest(
 def parse_manifest(text: str, where: str) -> Manifest:
     """Check an untrusted manifest field by field; any surprise is a :class:`FormatError`."""
     if len(text) > MAX_MANIFEST_BYTES:
-        raise FormatError(f"{where}: manifest is larger than {MAX_MANIFEST_BYTES} bytes")
+        raise FormatError(f"manifest is larger than {MAX_MANIFEST_BYTES} bytes", path=where)
     try:
         document = _parse_json(text)
     except _NonFiniteNumber as exc:
-        raise FormatError(f"{where}: manifest holds {exc}, which no JSON number is (writers refuse it too)") from None
+        raise FormatError(f"manifest holds {exc}, which no JSON number is (writers refuse it too)", path=where) from None
     except (ValueError, RecursionError) as exc:
-        raise FormatError(f"{where}: manifest is not valid JSON ({exc})") from None
+        raise FormatError(f"manifest is not valid JSON ({exc})", path=where) from None
     if not isinstance(document, dict) or document.get("format") != FORMAT_NAME:
-        raise FormatError(f"{where}: manifest is not a weightstore manifest")
+        raise FormatError("manifest is not a weightstore manifest", path=where)
     unknown = sorted(set(document) - _FIELDS)
     if unknown:  # a field misspelt by damage must not read as a field left out
-        raise FormatError(f"{where}: manifest has fields {unknown} this version does not define")
+        raise FormatError(f"manifest has fields {unknown} this version does not define", path=where)
     version = document.get("version")
     if type(version) is not int or version > FORMAT_VERSION:
-        raise FormatError(f"{where}: manifest version {short_repr(version)} is newer than this weightstore reads")
+        raise FormatError(f"manifest version {short_repr(version)} is newer than this weightstore reads", path=where)
     raw_tensors = document.get("tensors")
     metadata = document.get("metadata", {})
     if not isinstance(raw_tensors, dict) or not isinstance(metadata, dict):
-        raise FormatError(f"{where}: manifest 'tensors' and 'metadata' must be objects")
+        raise FormatError("manifest 'tensors' and 'metadata' must be objects", path=where)
     locations: dict[str, str] = {}
     codecs: dict[str, str] = {}
     if version >= 2:
@@ -289,10 +289,10 @@ def _sparse_column(raw: dict[str, Any], name: str, tensors: TensorTable, where: 
     """An optional column: an object from some of the table's keys to a value."""
     column = raw.get(name, {})
     if type(column) is not dict:
-        raise FormatError(f"{where}: manifest column {name!r} is not an object of key to value")
+        raise FormatError(f"manifest column {name!r} is not an object of key to value", path=where)
     for key in column:
         if key not in tensors:
-            raise FormatError(f"{where}: manifest column {name!r} names {key!r}, which it does not list")
+            raise FormatError(f"manifest column {name!r} names {key!r}, which it does not list", path=where)
     return column
 
 
@@ -302,15 +302,15 @@ def _parse_entries_v1(raw: dict[str, Any], where: str, locations: dict[str, str]
     try:
         validate_keys(raw)
     except ValueError as exc:
-        raise FormatError(f"{where}: manifest has {exc}") from None
+        raise FormatError(f"manifest has {exc}", path=where) from None
     tensors = _parse_plain_entries(raw)
     if tensors is None:
         tensors = _parse_entries(raw, where, locations, codecs)
     for key, info in tensors.items():
         if info.checksum is not None and not _CHECKSUM_TEXT.fullmatch(info.checksum):
-            raise FormatError(f"{where}: manifest checksum of {key!r} is not {CHECKSUM_ALGORITHM}: {info.checksum!r}")
+            raise FormatError(f"manifest checksum of {key!r} is not {CHECKSUM_ALGORITHM}: {info.checksum!r}", path=where)
         if not fits_an_array(info.shape, logical_dtype(info.dtype).itemsize):
-            raise FormatError(f"{where}: tensor {key!r} has a shape {info.shape} too large for any array")
+            raise FormatError(f"has a shape {info.shape} too large for any array", path=where, key=key)
     return TensorTable.from_infos(list(tensors.values()))
 
 
@@ -352,14 +352,14 @@ def _parse_entries(raw: dict[str, Any], where: str, locations: dict[str, str],
             _parse_optional_fields(key, entry, where, locations, codecs)
         shape = entry["shape"]
         if type(shape) is not list or len(shape) > MAX_NDIM or not _all_sizes(shape):
-            raise FormatError(f"{where}: manifest shape of {key!r} is not a list of sizes: {short_repr(shape)}")
+            raise FormatError(f"manifest shape of {key!r} is not a list of sizes: {short_repr(shape)}", path=where)
         name = entry["dtype"]
         itemsize = itemsizes.get(name) if type(name) is str else None
         if itemsize is None:
             itemsize = itemsizes[name] = _itemsize_of(key, name, where)
         digest = entry["checksum"]
         if digest is not None and not (type(digest) is str and digest.startswith(CHECKSUM_PREFIX)):
-            raise FormatError(f"{where}: manifest checksum of {key!r} is not {CHECKSUM_ALGORITHM}: {short_repr(digest)}")
+            raise FormatError(f"manifest checksum of {key!r} is not {CHECKSUM_ALGORITHM}: {short_repr(digest)}", path=where)
         dims = tuple(shape)
         tensors[key] = _new_info(TensorInfo, (key, name, dims, math.prod(dims) * itemsize, digest))
     return tensors
@@ -413,9 +413,9 @@ def _parse_optional_fields(key: str, entry: object, where: str, locations: dict[
     """An entry with more than the three fields every entry has: ``location`` and ``codec`` are
     recorded; anything else (or a field missing) is a :class:`FormatError`."""
     if type(entry) is not dict:
-        raise FormatError(f"{where}: manifest entry for {key!r} is not an object")
+        raise FormatError(f"manifest entry for {key!r} is not an object", path=where)
     if not (_PLAIN_ENTRY_FIELDS <= entry.keys() <= _ENTRY_FIELDS):
-        raise FormatError(f"{where}: manifest entry for {key!r} has fields {sorted(entry)}, not {sorted(_ENTRY_FIELDS)}")
+        raise FormatError(f"manifest entry for {key!r} has fields {sorted(entry)}, not {sorted(_ENTRY_FIELDS)}", path=where)
     if "location" in entry:
         _record_location(key, entry["location"], where, locations)
     if "codec" in entry:
@@ -424,23 +424,23 @@ def _parse_optional_fields(key: str, entry: object, where: str, locations: dict[
 
 def _record_location(key: str, location: object, where: str, locations: dict[str, str]) -> None:
     if not isinstance(location, str) or not location:
-        raise FormatError(f"{where}: manifest location of {key!r} is not a path: {short_repr(location)}")
+        raise FormatError(f"manifest location of {key!r} is not a path: {short_repr(location)}", path=where)
     locations[key] = location
 
 
 def _record_codec(key: str, codec: object, where: str, codecs: dict[str, str]) -> None:
     # a codec this version cannot decode must not read as plain bytes
     if not isinstance(codec, str) or codec not in CODECS:
-        raise FormatError(f"{where}: manifest codec of {key!r} is {short_repr(codec)}, not one of {sorted(CODECS)}")
+        raise FormatError(f"manifest codec of {key!r} is {short_repr(codec)}, not one of {sorted(CODECS)}", path=where)
     codecs[key] = codec
 
 
 def _itemsize_of(key: str, name: object, where: str) -> int:
     if not isinstance(name, str):
-        raise FormatError(f"{where}: manifest dtype of {key!r} is missing")
+        raise FormatError(f"manifest dtype of {key!r} is missing", path=where)
     dtype = _known_dtype(name)
     if dtype is None:
-        raise FormatError(f"{where}: tensor {key!r}: unknown dtype {name!r}")
+        raise FormatError(f"unknown dtype {name!r}", path=where, key=key)
     return dtype.itemsize
 
 

@@ -163,24 +163,24 @@ def parse_columns(raw: dict[str, Any], where: str, itemsize_of: Callable[[object
     or None for a name that is no dtype."""
     fields = set(raw)
     if not set(COLUMNS) <= fields <= set(COLUMNS + SPARSE_COLUMNS):
-        raise FormatError(f"{where}: manifest tensor columns are {sorted(fields)}, not {list(COLUMNS)} "
-                          f"(and optionally {list(SPARSE_COLUMNS)})")
+        raise FormatError(f"manifest tensor columns are {sorted(fields)}, not {list(COLUMNS)} "
+                          f"(and optionally {list(SPARSE_COLUMNS)})", path=where)
     keys = raw["keys"]
     if type(keys) is not list or set(map(type, keys)) - {str}:
-        raise FormatError(f"{where}: manifest 'keys' is not a list of strings")
+        raise FormatError("manifest 'keys' is not a list of strings", path=where)
     try:
         validate_keys(keys)
     except ValueError as exc:
-        raise FormatError(f"{where}: manifest has {exc}") from None
+        raise FormatError(f"manifest has {exc}", path=where) from None
     count = len(keys)
     if len(set(keys)) != count:
         seen: set[str] = set()
         twice = next(key for key in keys if key in seen or seen.add(key))  # type: ignore[func-returns-value]
-        raise FormatError(f"{where}: manifest lists tensor {twice!r} twice")
+        raise FormatError(f"manifest lists tensor {twice!r} twice", path=where)
     names = raw["dtypes"]
     texts = [name for name in names if type(name) is str] if type(names) is list else []  # any other: no dtype, below
     if type(names) is not list or len(names) > _MAX_DTYPES or len(set(texts)) != len(texts):
-        raise FormatError(f"{where}: manifest 'dtypes' is not a list of distinct dtype names")
+        raise FormatError("manifest 'dtypes' is not a list of distinct dtype names", path=where)
     codes = _int_column(raw, "dtype", where, count, len(names) - 1)
     itemsizes = []
     for code, name in enumerate(names):
@@ -188,7 +188,7 @@ def parse_columns(raw: dict[str, Any], where: str, itemsize_of: Callable[[object
         if itemsize is None:
             users = np.flatnonzero(codes == code)
             whose = f"tensor {keys[users[0]]!r}: " if users.size else ""
-            raise FormatError(f"{where}: manifest: {whose}unknown dtype {short_repr(name)}")
+            raise FormatError(f"manifest: {whose}unknown dtype {short_repr(name)}", path=where)
         itemsizes.append(itemsize)
     ndims = _int_column(raw, "ndim", where, count, MAX_NDIM)
     dims = _int_column(raw, "shape", where, int(ndims.sum()), _MAX_ARRAY_BYTES)
@@ -206,17 +206,17 @@ def _int_column(raw: dict[str, Any], field: str, where: str, count: int, most: i
     """A list of ``count`` integers from 0 to ``most`` as int64 (``true`` is no integer here)."""
     column = raw[field]
     if type(column) is not list or len(column) != count:
-        raise FormatError(f"{where}: manifest column {field!r} is not a list of {count} integers")
+        raise FormatError(f"manifest column {field!r} is not a list of {count} integers", path=where)
     if set(map(type, column)) - {int}:
-        raise FormatError(f"{where}: manifest column {field!r} holds something other than integers")
+        raise FormatError(f"manifest column {field!r} holds something other than integers", path=where)
     try:
         values = np.array(column, dtype=np.int64)
     except OverflowError:
-        raise FormatError(f"{where}: manifest column {field!r} holds an integer past 64 bits") from None
+        raise FormatError(f"manifest column {field!r} holds an integer past 64 bits", path=where) from None
     if values.size and (values.min() < 0 or values.max() > most):
         bad = int(np.flatnonzero((values < 0) | (values > most))[0])
-        raise FormatError(f"{where}: manifest column {field!r} holds {column[bad]} (entry {bad}), "
-                          f"outside 0..{most}")
+        raise FormatError(f"manifest column {field!r} holds {column[bad]} (entry {bad}), "
+                          f"outside 0..{most}", path=where)
     return values
 
 
@@ -233,5 +233,5 @@ def _sizes(keys: list[str], ndims: np.ndarray, dims: np.ndarray, itemsizes: np.n
     for i in np.flatnonzero(estimate >= _SURELY_IN_BOUNDS).tolist():
         shape = tuple(dims[starts[i] : starts[i] + ndims[i]].tolist())
         if not fits_an_array(shape, int(itemsizes[i])):
-            raise FormatError(f"{where}: tensor {keys[i]!r} has a shape {shape} too large for any array")
+            raise FormatError(f"tensor {keys[i]!r} has a shape {shape} too large for any array", path=where)
     return np.multiply.reduceat(padded, padded_starts) * itemsizes

@@ -94,35 +94,37 @@ def _links(group: h5py.h5g.GroupID) -> list[tuple[bytes, int, int]]:
 
 
 @contextlib.contextmanager
-def _as_write_error(where: str) -> Iterator[None]:
-    """A failed HDF5 write as a :class:`WriteError` naming ``where``, with the errno h5py kept."""
+def _as_write_error(path: str) -> Iterator[None]:
+    """A failed HDF5 write as a :class:`WriteError` naming ``path``, with the errno h5py kept."""
     try:
         yield
     except WeightStoreError:
         raise
     except _H5PY_ERRORS as exc:
-        raise _write_error(where, exc) from None
+        raise _write_error(path, exc) from None
 
 
-def _write_error(where: str, exc: Exception) -> WriteError:
+def _write_error(path: str, exc: Exception, key: str | None = None) -> WriteError:
     detail = (str(exc).splitlines() or [""])[0][:300]
-    return WriteError(getattr(exc, "errno", None) or 0, f"{where}: writing HDF5 failed ({detail})")
+    error = WriteError(getattr(exc, "errno", None) or 0, f"writing HDF5 failed ({detail})", path=path)
+    error.key = key  # WriteError's signature takes no key; the attribute still names the tensor
+    return error
 
 
 @contextlib.contextmanager
-def _as_format_error(where: str, doing: str = "unreadable HDF5") -> Iterator[None]:
-    """Turn whatever h5py raises into a :class:`FormatError` naming ``where`` (file, and key)."""
+def _as_format_error(path: str, doing: str = "unreadable HDF5", key: str | None = None) -> Iterator[None]:
+    """Turn whatever h5py raises into a :class:`FormatError` naming ``path`` (and ``key``, the tensor read)."""
     try:
         yield
     except WeightStoreError:
         raise
     except _H5PY_ERRORS as exc:
-        raise _format_error(where, doing, exc) from None
+        raise _format_error(path, doing, exc, key) from None
 
 
-def _format_error(where: str, doing: str, exc: Exception) -> FormatError:
+def _format_error(path: str, doing: str, exc: Exception, key: str | None = None) -> FormatError:
     detail = (str(exc).splitlines() or [""])[0][:300]  # HDF5's messages run to many lines
-    return FormatError(f"{where}: {doing} ({type(exc).__name__}: {detail})")
+    return FormatError(f"{doing} ({type(exc).__name__}: {detail})", path=path, key=key)
 
 
 class _Reading(NamedTuple):
@@ -152,29 +154,30 @@ def _write_rows(dataset: h5py.Dataset, data: np.ndarray) -> int:
     return crc & 0xFFFFFFFF
 
 
-def _check_stored_size(dataset: h5py.h5d.DatasetID, where: str, nbytes: int) -> None:
+def _check_stored_size(dataset: h5py.h5d.DatasetID, path: str, key: str, nbytes: int) -> None:
     """For a dataset whose header shows its bytes lie plainly in the file: they must all be there."""
     stored = dataset.get_storage_size()
     if stored < nbytes:
-        raise FormatError(f"{where} declares {nbytes} bytes but the file stores {stored}")
+        raise FormatError(f"declares {nbytes} bytes but the file stores {stored}", path=path, key=key)
 
 
-def _check_storage(dataset: h5py.h5d.DatasetID, where: str, nbytes: int) -> None:
+def _check_storage(dataset: h5py.h5d.DatasetID, path: str, key: str, nbytes: int) -> None:
     """For any other dataset, HDF5's own account of where its bytes are and how they are encoded."""
     plist = dataset.get_create_plist()
     if plist.get_layout() == h5py.h5d.VIRTUAL:
-        raise UnsafeFileError(f"{where} is a virtual dataset; only data inside the file is read")
+        raise UnsafeFileError("is a virtual dataset; only data inside the file is read", path=path, key=key)
     if plist.get_external_count():
-        raise UnsafeFileError(f"{where} keeps its data in external files; only data inside the file is read")
+        raise UnsafeFileError("keeps its data in external files; only data inside the file is read", path=path, key=key)
     filters = [plist.get_filter(i)[0] for i in range(plist.get_nfilters())]
     unknown = [f for f in filters if f not in _SAFE_FILTERS]
     if unknown:
-        raise UnsafeFileError(f"{where} uses HDF5 filters {unknown}; only gzip, lzf, shuffle and fletcher32 are read")
+        raise UnsafeFileError(f"uses HDF5 filters {unknown}; only gzip, lzf, shuffle and fletcher32 are read",
+                              path=path, key=key)
     if not filters:
-        _check_stored_size(dataset, where, nbytes)
+        _check_stored_size(dataset, path, key, nbytes)
     elif nbytes > dataset.get_storage_size() * MAX_FILTER_RATIO + (1 << 20):
-        raise UnsafeFileError(f"{where} declares {nbytes} bytes from {dataset.get_storage_size()} compressed; "
-                              "refusing (bomb?)")
+        raise UnsafeFileError(f"declares {nbytes} bytes from {dataset.get_storage_size()} compressed; "
+                              "refusing (bomb?)", path=path, key=key)
 
 
 class Hdf5Writer:
@@ -215,7 +218,7 @@ class Hdf5Writer:
         except WeightStoreError:
             raise
         except _H5PY_ERRORS as exc:
-            raise _write_error(f"{self._path}: tensor {key!r}", exc) from None
+            raise _write_error(self._path, exc, key) from None
 
     def _add(self, key: str, data: np.ndarray) -> int:
         parent_key, _, leaf = key.rpartition("/")
@@ -324,14 +327,14 @@ class Hdf5Reader:
         for key in self._manifest.tensors:
             path = self._manifest.locations.get(key, key)
             if path not in (key, join_scope(key, VALUE)):
-                raise FormatError(f"{self.name}: manifest puts tensor {key!r} at {path!r}, outside its own name")
+                raise FormatError(f"manifest puts tensor {key!r} at {path!r}, outside its own name", path=self.name)
             paths[key] = path
         unknown = sorted(set(paths.values()) - found)
         unlisted = sorted(found - set(paths.values()))
         if unknown or unlisted:
             raise FormatError(
-                f"{self.name}: manifest and datasets disagree (listed but absent: {unknown[:3]}, "
-                f"present but unlisted: {unlisted[:3]})"
+                f"manifest and datasets disagree (listed but absent: {unknown[:3]}, "
+                f"present but unlisted: {unlisted[:3]})", path=self.name
             )
         return paths
 
@@ -352,19 +355,19 @@ class Hdf5Reader:
         attribute = self._file.attrs.get_id(MANIFEST_ATTRIBUTE)
         string = h5py.check_string_dtype(attribute.dtype)
         if attribute.shape != () or string is None:
-            raise FormatError(f"{self.name}: manifest attribute is not one text value ({attribute.dtype}, shape {attribute.shape})")
+            raise FormatError(f"manifest attribute is not one text value ({attribute.dtype}, shape {attribute.shape})", path=self.name)
         if string.length is not None and attribute.get_storage_size() > MAX_MANIFEST_BYTES:
-            raise UnsafeFileError(f"{self.name}: manifest attribute is too large ({attribute.get_storage_size()} bytes)")
+            raise UnsafeFileError(f"manifest attribute is too large ({attribute.get_storage_size()} bytes)", path=self.name)
         text = self._file.attrs[MANIFEST_ATTRIBUTE]
         if isinstance(text, np.ndarray) and text.shape == ():
             text = text[()]
         if not isinstance(text, (str, bytes)):
-            raise FormatError(f"{self.name}: manifest attribute is not text")
+            raise FormatError("manifest attribute is not text", path=self.name)
         size = len(text)
         if isinstance(text, str) and MAX_MANIFEST_BYTES // 4 < size <= MAX_MANIFEST_BYTES:
             size = len(text.encode("utf-8", "surrogatepass"))
         if size > MAX_MANIFEST_BYTES:
-            raise UnsafeFileError(f"{self.name}: manifest attribute is too large ({size} bytes, limit {MAX_MANIFEST_BYTES})")
+            raise UnsafeFileError(f"manifest attribute is too large ({size} bytes, limit {MAX_MANIFEST_BYTES})", path=self.name)
         if isinstance(text, bytes):
             text = text.decode("utf-8", "replace")
         return parse_manifest(text, self.name)
@@ -391,20 +394,20 @@ class Hdf5Reader:
                 try:
                     path = join_scope(prefix, raw.decode("utf-8"))
                 except UnicodeDecodeError:
-                    raise FormatError(f"{self.name}: an object name is not valid UTF-8: {raw!r}") from None
+                    raise FormatError(f"an object name is not valid UTF-8: {raw!r}", path=self.name) from None
                 if kind != h5py.h5l.TYPE_HARD:
                     what = _LINK_KINDS.get(kind, "user-defined link")
-                    raise UnsafeFileError(f"{self.name}: {path!r} is a {what}; only plain datasets are read")
+                    raise UnsafeFileError(f"{path!r} is a {what}; only plain datasets are read", path=self.name)
                 if address in seen:
-                    raise UnsafeFileError(f"{self.name}: {path!r} links to an object seen before")
+                    raise UnsafeFileError(f"{path!r} links to an object seen before", path=self.name)
                 seen.add(address)
                 header = check_object(read_at, size, base, address, self.name)
                 if header.is_dataset:
                     found[path] = header.stored_plain
                 elif not header.is_group:
-                    raise FormatError(f"{self.name}: {path!r} is neither a group nor a dataset")
+                    raise FormatError(f"{path!r} is neither a group nor a dataset", path=self.name)
                 elif depth + 1 >= MAX_DEPTH:
-                    raise UnsafeFileError(f"{self.name}: groups nest deeper than {MAX_DEPTH} levels at {path[:200]!r}")
+                    raise UnsafeFileError(f"groups nest deeper than {MAX_DEPTH} levels at {path[:200]!r}", path=self.name)
                 else:
                     pending.append((h5py.h5g.open(group, raw), path, depth + 1))
         return found
@@ -417,19 +420,19 @@ class Hdf5Reader:
         ``Dataset`` wrappers cost more than HDF5's own work on a small tensor), and its shape."""
         path = self._paths.get(key)
         if path is None:
-            raise KeyNotInStoreError(f"{self.name}: no tensor {key!r}")
+            raise KeyNotInStoreError(f"no tensor {key!r}", path=self.name)
         if not self._file.id.valid:
-            raise StoreClosedError(f"{self.name}: store is closed; cannot read tensor {key!r}")
+            raise StoreClosedError(f"store is closed; cannot read tensor {key!r}", path=self.name)
         dataset = h5py.h5d.open(self._file.id, path.encode("utf-8"))
         space = dataset.get_space()
         if space.get_simple_extent_type() == h5py.h5s.NULL:
-            raise FormatError(f"{self.name}: tensor {key!r} has no shape (empty dataspace)")
+            raise FormatError("has no shape (empty dataspace)", path=self.name, key=key)
         return dataset, space.shape
 
     def info(self, key: str) -> TensorInfo:
         info = self._infos.get(key)
         if info is None:
-            with _as_format_error(f"{self.name}: tensor {key!r}"):
+            with _as_format_error(self.name, key=key):
                 dataset, shape = self._open_dataset(key)
                 dtype = dataset.dtype
             name = dtype_name(dtype, key) if dtype.kind != "V" else f"V{dtype.itemsize}"
@@ -443,7 +446,7 @@ class Hdf5Reader:
         except WeightStoreError:
             raise
         except _H5PY_ERRORS as exc:
-            raise _format_error(f"{self.name}: tensor {key!r}", "unreadable HDF5", exc) from None
+            raise _format_error(self.name, "unreadable HDF5", exc, key) from None
 
     def _read(self, key: str, verify: bool) -> np.ndarray:
         dataset, shape = self._open_dataset(key)
@@ -454,22 +457,22 @@ class Hdf5Reader:
         # HDF5's comparison of the types first: cheaper than h5py's translation of the stored
         # type into a dtype, and when they are equal HDF5 reads without converting
         if shape != info.shape or (dataset.get_type() != reading.memory_type and dataset.dtype != reading.stored):
-            raise FormatError(f"{self.name}: tensor {key!r} is {shape} {dataset.dtype} but the manifest says "
-                              f"{info.shape} {info.dtype}")
+            raise FormatError(f"is {shape} {dataset.dtype} but the manifest says "
+                              f"{info.shape} {info.dtype}", path=self.name, key=key)
         out = self._read_stored(key, dataset, shape, reading.stored, reading.memory_type)
         if verify and info.checksum:
             actual = checksum(out)
             if actual != info.checksum:
-                raise ChecksumError(f"{self.name}: tensor {key!r} is corrupt (checksum {actual}, manifest {info.checksum})")
+                raise ChecksumError(f"is corrupt (checksum {actual}, manifest {info.checksum})", path=self.name, key=key)
         return out if reading.logical is None else out.view(reading.logical)
 
     def _read_unlisted(self, key: str, dataset: h5py.h5d.DatasetID, shape: tuple[int, ...]) -> np.ndarray:
         """A dataset of a file without a manifest, as the numeric array its own type says."""
         dtype = dataset.dtype
         if dtype.hasobject or dtype.fields is not None or dtype.kind not in "biufcV":
-            raise UnsafeFileError(f"{self.name}: tensor {key!r} has dtype {dtype}; only numeric arrays are read")
+            raise UnsafeFileError(f"has dtype {dtype}; only numeric arrays are read", path=self.name, key=key)
         if dtype.kind == "V":
-            raise FormatError(f"{self.name}: tensor {key!r} is raw bytes ({dtype}) and no manifest says what they are")
+            raise FormatError(f"is raw bytes ({dtype}) and no manifest says what they are", path=self.name, key=key)
         dtype = dtype.newbyteorder("<")
         memory_type = self._memory_types.get(dtype)
         if memory_type is None:
@@ -479,12 +482,11 @@ class Hdf5Reader:
     def _read_stored(self, key: str, dataset: h5py.h5d.DatasetID, shape: tuple[int, ...], dtype: np.dtype,
                      memory_type: h5py.h5t.TypeID) -> np.ndarray:
         """The dataset's bytes into a new array, once HDF5's account of them is known to fit the file."""
-        where = f"{self.name}: tensor {key!r}"
         nbytes = math.prod(shape) * dtype.itemsize
         if self._stored_plain[self._paths[key]]:
-            _check_stored_size(dataset, where, nbytes)
+            _check_stored_size(dataset, self.name, key, nbytes)
         else:
-            _check_storage(dataset, where, nbytes)
+            _check_storage(dataset, self.name, key, nbytes)
         out = np.empty(shape, dtype=dtype)
         if out.size:
             dataset.read(h5py.h5s.ALL, h5py.h5s.ALL, out, memory_type)

@@ -377,10 +377,10 @@ class NpzReader:
             listed, present = set(self._table), set(member_keys)
             missing = sorted(listed - present)[:3]
             extra = sorted(present - listed)[:3]
-            raise FormatError(f"{self.name}: manifest and members disagree (listed but absent: {missing}, "
-                              f"present but unlisted: {extra})")
+            raise FormatError(f"manifest and members disagree (listed but absent: {missing}, "
+                              f"present but unlisted: {extra})", path=self.name)
         if len(member_keys) != len(self._members):
-            raise FormatError(f"{self.name}: two members hold the same tensor (.npy and {shuffle_zstd.MEMBER_SUFFIX})")
+            raise FormatError(f"two members hold the same tensor (.npy and {shuffle_zstd.MEMBER_SUFFIX})", path=self.name)
 
     @functools.cached_property
     def _member_of(self) -> dict[str, str]:
@@ -403,7 +403,7 @@ class NpzReader:
             elif name.endswith(shuffle_zstd.MEMBER_SUFFIX) and shuffled:
                 member_keys[name[: -len(shuffle_zstd.MEMBER_SUFFIX)]] = name
             else:
-                raise FormatError(f"{self.name}: member {name!r} is not an .npy array")
+                raise FormatError(f"member {name!r} is not an .npy array", path=self.name)
         return member_keys
 
     # -- the directory -------------------------------------------------------------------
@@ -411,16 +411,16 @@ class NpzReader:
         """The central directory's bytes, its entry count and offset."""
         size = self._source.size
         if size == 0:
-            raise FormatError(f"{self.name}: file is empty")
+            raise FormatError("file is empty", path=self.name)
         tail_start = max(0, size - (EOCD.size + 0xFFFF))
         tail = bytes(self._source.read_at(tail_start, size - tail_start))
         count, cd_size, cd_offset, eocd_offset = zipdir.locate_zip64(
             lambda offset, length: bytes(self._source.read_at(offset, length)),
             zipdir.locate(tail, tail_start, self.name), self.name)
         if cd_offset + cd_size > eocd_offset or count * zipdir.CENTRAL_SIZE > cd_size:
-            raise FormatError(f"{self.name}: zip directory points outside the file (truncated?)")
+            raise FormatError("zip directory points outside the file (truncated?)", path=self.name)
         if cd_offset + cd_size != eocd_offset:  # zipfile would take the gap for a prefix and move every member
-            raise FormatError(f"{self.name}: bytes lie between the zip directory and its end record")
+            raise FormatError("bytes lie between the zip directory and its end record", path=self.name)
         return bytes(self._source.read_at(cd_offset, cd_size)), count, cd_offset
 
     # -- members ------------------------------------------------------------------------
@@ -432,19 +432,19 @@ class NpzReader:
         header = bytes(self._source.read_at(member.offset, LOCAL.size + len(member.raw_name)))
         sig, _, _, method, _, _, _, _, _, name_len, extra_len = LOCAL.unpack_from(header)
         if sig != LOCAL_SIG or method != member.method:
-            raise FormatError(f"{self.name}: local header of {member.name!r} is corrupt")
+            raise FormatError(f"local header of {member.name!r} is corrupt", path=self.name)
         if name_len != len(member.raw_name) or header[LOCAL.size :] != member.raw_name:
-            raise UnsafeFileError(f"{self.name}: local header of {member.name!r} names another file")
+            raise UnsafeFileError(f"local header of {member.name!r} names another file", path=self.name)
         start = member.offset + LOCAL.size + name_len + extra_len
         if start + member.compressed > member.limit:
-            raise UnsafeFileError(f"{self.name}: member {member.name!r} overlaps the next one (zip bomb?)")
+            raise UnsafeFileError(f"member {member.name!r} overlaps the next one (zip bomb?)", path=self.name)
         self._data_offsets[member.name] = start
         return start
 
     def _member_bytes(self, member: zipdir.Member, budget: int) -> memoryview:
         """A member's bytes: a view into the map when stored, inflated (and bounded) when not."""
         if member.size > budget:
-            raise UnsafeFileError(f"{self.name}: member {member.name!r} is larger than allowed ({member.size} > {budget})")
+            raise UnsafeFileError(f"member {member.name!r} is larger than allowed ({member.size} > {budget})", path=self.name)
         prefetch_ranges(self._source, lambda: [self._extent(member)])
         start = self._data_offset(member)
         if member.method == STORED:
@@ -467,16 +467,16 @@ class NpzReader:
                 try:
                     piece = engine.decompress(pending, wanted)
                 except isal_zlib.error as exc:  # type: ignore[misc]  # isal's stubs do not say it is an exception
-                    raise FormatError(f"{self.name}: member {member.name!r} is corrupt (deflate: {exc})") from None
+                    raise FormatError(f"member {member.name!r} is corrupt (deflate: {exc})", path=self.name) from None
                 if filled + len(piece) > member.size:
-                    raise FormatError(f"{self.name}: member {member.name!r} inflates past its declared size")
+                    raise FormatError(f"member {member.name!r} inflates past its declared size", path=self.name)
                 view[filled : filled + len(piece)] = piece
                 filled += len(piece)
                 pending = engine.unconsumed_tail
                 if engine.eof or (not pending and len(piece) < wanted):
                     break
         if filled != member.size or not engine.eof:
-            raise FormatError(f"{self.name}: member {member.name!r} is truncated or corrupt (deflate)")
+            raise FormatError(f"member {member.name!r} is truncated or corrupt (deflate)", path=self.name)
         return view
 
     def _extent(self, member: zipdir.Member) -> tuple[int, int]:
@@ -513,58 +513,59 @@ class NpzReader:
             try:
                 head += engine.decompress(chunk, wanted - len(head))
             except isal_zlib.error as exc:  # type: ignore[misc]  # isal's stubs do not say it is an exception
-                raise FormatError(f"{self.name}: member {member.name!r} is corrupt (deflate: {exc})") from None
+                raise FormatError(f"member {member.name!r} is corrupt (deflate: {exc})", path=self.name) from None
         return memoryview(head)
 
     def _parse_npy(
         self, member: zipdir.Member, data: memoryview, size: int | None = None,
     ) -> tuple[np.dtype, tuple[int, ...], bool, int]:
         """Check a member's npy header; ``size`` is the whole member's when ``data`` is only its head."""
-        where = f"{self.name}: member {member.name!r}"
+        what = f"member {member.name!r}"
         size = len(data) if size is None else size
         if len(data) < 10 or bytes(data[:6]) != b"\x93NUMPY":
-            raise FormatError(f"{where} is not an npy array")
+            raise FormatError(f"{what} is not an npy array", path=self.name)
         major = data[6]
         if major == 1:
             header_len, prefix = struct.unpack("<H", data[8:10])[0], 10
         elif major in (2, 3) and len(data) >= 12:
             header_len, prefix = struct.unpack("<I", data[8:12])[0], 12
         else:
-            raise FormatError(f"{where} has unknown npy version {major}")
+            raise FormatError(f"{what} has unknown npy version {major}", path=self.name)
         if header_len > MAX_NPY_HEADER:
-            raise UnsafeFileError(f"{where} has an npy header of {header_len} bytes (limit {MAX_NPY_HEADER})")
+            raise UnsafeFileError(f"{what} has an npy header of {header_len} bytes (limit {MAX_NPY_HEADER})", path=self.name)
         if prefix + header_len > len(data):
-            raise FormatError(f"{where} is truncated inside its npy header")
+            raise FormatError(f"{what} is truncated inside its npy header", path=self.name)
         try:
             text = bytes(data[prefix : prefix + header_len]).decode("utf-8" if major == 3 else "latin1")
             fields = ast.literal_eval(text)
         except (ValueError, TypeError, SyntaxError, UnicodeDecodeError, MemoryError, RecursionError):
-            raise FormatError(f"{where} has an unreadable npy header") from None
+            raise FormatError(f"{what} has an unreadable npy header", path=self.name) from None
         if not isinstance(fields, dict) or set(fields) != {"descr", "fortran_order", "shape"}:
-            raise FormatError(f"{where} has an npy header without descr/fortran_order/shape")
+            raise FormatError(f"{what} has an npy header without descr/fortran_order/shape", path=self.name)
         shape, descr, fortran = fields["shape"], fields["descr"], fields["fortran_order"]
         if (not isinstance(shape, tuple) or len(shape) > MAX_NDIM
                 or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
-            raise FormatError(f"{where} has an invalid shape {shape!r}")
+            raise FormatError(f"{what} has an invalid shape {shape!r}", path=self.name)
         if not isinstance(fortran, bool):
-            raise FormatError(f"{where} has fortran_order {fortran!r}, not True or False")
+            raise FormatError(f"{what} has fortran_order {fortran!r}, not True or False", path=self.name)
         if not isinstance(descr, str):
-            raise UnsafeFileError(f"{where} holds a structured array; only plain numeric arrays are read")
+            raise UnsafeFileError(f"{what} holds a structured array; only plain numeric arrays are read", path=self.name)
         try:
             dtype = np.lib.format.descr_to_dtype(descr)  # type: ignore[arg-type]  # a str descr is valid
         except Exception:  # numpy's dtype parser raises TypeError, ValueError or SyntaxError on junk
-            raise FormatError(f"{where} has an unknown dtype {descr!r}") from None
+            raise FormatError(f"{what} has an unknown dtype {descr!r}", path=self.name) from None
         if dtype.hasobject:
-            raise UnsafeFileError(f"{where} holds an object array; weightstore never unpickles")
+            raise UnsafeFileError(f"{what} holds an object array; weightstore never unpickles", path=self.name)
         if dtype.fields is not None or dtype.subdtype is not None or dtype.itemsize == 0:
-            raise FormatError(f"{where} has dtype {descr!r}; only plain numeric arrays are read")
+            raise FormatError(f"{what} has dtype {descr!r}; only plain numeric arrays are read", path=self.name)
         if math.prod(max(d, 1) for d in shape) * dtype.itemsize > _MAX_ARRAY_BYTES:
-            raise FormatError(f"{where} has a shape {shape} too large for any array")
+            raise FormatError(f"{what} has a shape {shape} too large for any array", path=self.name)
         expected = math.prod(shape) * dtype.itemsize
         start = prefix + header_len
         if size - start != expected:
             raise FormatError(
-                f"{where}: header says {shape} of {dtype} ({expected} bytes) but the member holds {size - start}"
+                f"{what}: header says {shape} of {dtype} ({expected} bytes) but the member holds {size - start}",
+                path=self.name,
             )
         return dtype, shape, fortran, start
 
@@ -572,10 +573,10 @@ class NpzReader:
         """The manifest, always checked against its zip CRC-32: it decides what every tensor is."""
         data = self._member_bytes(member, 4 * MAX_MANIFEST_BYTES + MAX_NPY_HEADER)
         if isal_zlib.crc32(raw_bytes(data)) & 0xFFFFFFFF != member.crc:
-            raise ChecksumError(f"{self.name}: manifest member {member.name!r} is corrupt (zip CRC-32 mismatch)")
+            raise ChecksumError(f"manifest member {member.name!r} is corrupt (zip CRC-32 mismatch)", path=self.name)
         dtype, shape, _, start = self._parse_npy(member, data)
         if dtype.kind != "U" or shape != ():
-            raise FormatError(f"{self.name}: manifest member is not a text scalar")
+            raise FormatError("manifest member is not a text scalar", path=self.name)
         text = bytes(data[start:]).decode("utf-32-le" if dtype.byteorder in "<=|" else "utf-32-be", "replace")
         return parse_manifest(text.rstrip("\0"), self.name)
 
@@ -586,13 +587,13 @@ class NpzReader:
     def _member(self, key: str) -> zipdir.Member:
         name = self._member_of.get(key)
         if name is None:
-            raise KeyNotInStoreError(f"{self.name}: no tensor {key!r}")
+            raise KeyNotInStoreError(f"no tensor {key!r}", path=self.name)
         return self._members[name]
 
     def info(self, key: str) -> TensorInfo:
         if self._table is not None:
             if key not in self._table:
-                raise KeyNotInStoreError(f"{self.name}: no tensor {key!r}")
+                raise KeyNotInStoreError(f"no tensor {key!r}", path=self.name)
             return self._table[key]
         info = self._infos.get(key)
         if info is None:
@@ -615,18 +616,19 @@ class NpzReader:
         layout = _layout(info.dtype, info.shape)
         shuffled = member.name.endswith(shuffle_zstd.MEMBER_SUFFIX)
         if shuffled != (self._codecs.get(key) == shuffle_zstd.CODEC):
-            raise FormatError(f"{self.name}: tensor {key!r} is stored as member {member.name!r} but its manifest "
-                              f"entry says codec {self._codecs.get(key)!r}")
+            raise FormatError(f"is stored as member {member.name!r} but its manifest "
+                              f"entry says codec {self._codecs.get(key)!r}", path=self.name, key=key)
         if shuffled:
             if member.method != STORED or member.size > shuffle_zstd.max_encoded_size(info.nbytes):
-                raise UnsafeFileError(f"{self.name}: tensor {key!r} (member {member.name!r}) holds {member.size} "
-                                      f"encoded bytes for {info.nbytes} plain ones; refusing to read it")
+                raise UnsafeFileError(f"(member {member.name!r}) holds {member.size} encoded bytes for "
+                                      f"{info.nbytes} plain ones; refusing to read it", path=self.name, key=key)
             return info, layout
         if member.size != len(layout.header) + info.nbytes:
             raise UnsafeFileError(
-                f"{self.name}: tensor {key!r} (member {member.name!r}) holds {member.size} bytes but the manifest "
+                f"(member {member.name!r}) holds {member.size} bytes but the manifest "
                 f"says {info.shape} {info.dtype} ({info.nbytes} bytes after a {len(layout.header)}-byte header); "
-                "refusing to read it"
+                "refusing to read it",
+                path=self.name, key=key,
             )
         return info, layout
 
@@ -636,8 +638,8 @@ class NpzReader:
         found = bytes(head[: len(layout.header)])
         if found != layout.header:
             raise FormatError(
-                f"{self.name}: tensor {key!r} has npy header {found[:96]!r}, not the one its manifest entry "
-                f"({info.shape} {info.dtype}) implies"
+                f"has npy header {found[:96]!r}, not the one its manifest entry "
+                f"({info.shape} {info.dtype}) implies", path=self.name, key=key
             )
 
     def read(self, key: str, *, verify: bool) -> np.ndarray:
@@ -780,8 +782,8 @@ class NpzReader:
                                          info.nbytes, where)
         self._source.release(self._data_offset(member), member.size)  # else the encoded pages stay in RSS
         if verify and info.checksum and checksum_text(crc) != info.checksum:
-            raise ChecksumError(f"{self.name}: tensor {key!r} is corrupt (checksum {checksum_text(crc)}, "
-                                f"manifest {info.checksum})")
+            raise ChecksumError(f"is corrupt (checksum {checksum_text(crc)}, "
+                                f"manifest {info.checksum})", path=self.name, key=key)
         return plain.view(layout.storage).reshape(info.shape).view(layout.logical)
 
     def _read_foreign(self, key: str, member: zipdir.Member, verify: bool) -> np.ndarray:
@@ -792,7 +794,7 @@ class NpzReader:
         if verify:
             self._verify(key, member, data, payload, None)
         if dtype.kind == "V":
-            raise FormatError(f"{self.name}: tensor {key!r} is raw bytes ({dtype}) and no manifest says what they are")
+            raise FormatError(f"is raw bytes ({dtype}) and no manifest says what they are", path=self.name, key=key)
         dtype_name(dtype, key)
         array = np.frombuffer(payload, dtype=dtype, count=math.prod(shape)) if payload.nbytes else np.empty(0, dtype)
         array = array.reshape(shape, order="F" if fortran else "C")
@@ -816,16 +818,16 @@ class NpzReader:
         payload = raw_bytes(out) if out.nbytes else memoryview(b"")
         self._source.read_into(start + len(layout.header), out.reshape(-1).view(np.uint8).data)
         if verify and checksum(payload) != info.checksum:
-            raise ChecksumError(f"{self.name}: tensor {key!r} is corrupt (checksum {checksum(payload)}, manifest {info.checksum})")
+            raise ChecksumError(f"is corrupt (checksum {checksum(payload)}, manifest {info.checksum})", path=self.name, key=key)
         return True
 
     def _verify(self, key: str, member: zipdir.Member, data: memoryview, payload: memoryview, info: TensorInfo | None) -> None:
         if info is not None and info.checksum:
             actual = checksum(payload)
             if actual != info.checksum:
-                raise ChecksumError(f"{self.name}: tensor {key!r} is corrupt (checksum {actual}, manifest {info.checksum})")
+                raise ChecksumError(f"is corrupt (checksum {actual}, manifest {info.checksum})", path=self.name, key=key)
         elif crc32(data) != member.crc:
-            raise ChecksumError(f"{self.name}: tensor {key!r} is corrupt (zip CRC-32 mismatch)")
+            raise ChecksumError("is corrupt (zip CRC-32 mismatch)", path=self.name, key=key)
 
     def close(self) -> None:
         self._source.close()

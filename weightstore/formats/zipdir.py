@@ -163,14 +163,14 @@ def locate(tail: bytes, tail_start: int, where: str) -> tuple[int, int, int, int
     if position < 0 or tail[position : position + 4] != EOCD_SIG or tail[-2:] != b"\0\0":
         position = tail.rfind(EOCD_SIG)
     if position < 0 or position + EOCD.size > len(tail):
-        raise FormatError(f"{where}: not an npz file (no zip directory; truncated or not a zip)")
+        raise FormatError("not an npz file (no zip directory; truncated or not a zip)", path=where)
     _, disk, cd_disk, disk_count, count, cd_size, cd_offset, comment = EOCD.unpack_from(tail, position)
     if position + EOCD.size + comment != len(tail):
-        raise FormatError(f"{where}: zip end record's comment does not end the file (another end record in it?)")
+        raise FormatError("zip end record's comment does not end the file (another end record in it?)", path=where)
     if disk or cd_disk:
-        raise FormatError(f"{where}: multi-disk zip archives are not supported")
+        raise FormatError("multi-disk zip archives are not supported", path=where)
     if disk_count != count:
-        raise FormatError(f"{where}: zip end record disagrees with itself ({disk_count}, {count} entries)")
+        raise FormatError(f"zip end record disagrees with itself ({disk_count}, {count} entries)", path=where)
     return count, cd_size, cd_offset, tail_start + position
 
 
@@ -185,18 +185,18 @@ def locate_zip64(read_at: Callable[[int, int], bytes], end: tuple[int, int, int,
     locator = read_at(eocd_offset - LOCATOR64.size, LOCATOR64.size) if eocd_offset >= LOCATOR64.size else b""
     if locator[:4] != LOCATOR64_SIG:
         if marked:
-            raise FormatError(f"{where}: ZIP64 locator missing")
+            raise FormatError("ZIP64 locator missing", path=where)
         return end
     _, _, record, _ = LOCATOR64.unpack(locator)
     if record + EOCD64.size != eocd_offset - LOCATOR64.size:
-        raise FormatError(f"{where}: ZIP64 locator is corrupt")
+        raise FormatError("ZIP64 locator is corrupt", path=where)
     fields = EOCD64.unpack(read_at(record, EOCD64.size))
     if fields[0] != EOCD64_SIG:
-        raise FormatError(f"{where}: ZIP64 end record is corrupt")
+        raise FormatError("ZIP64 end record is corrupt", path=where)
     wide = fields[7], fields[8], fields[9]
     markers = (0xFFFF, ZIP64_LIMIT, ZIP64_LIMIT)  # a value the end record cannot hold; any other must agree
     if any(value not in (marker, full) for value, marker, full in zip(end[:3], markers, wide, strict=True)):
-        raise FormatError(f"{where}: ZIP64 end record disagrees with the end record ({wide} against {end[:3]})")
+        raise FormatError(f"ZIP64 end record disagrees with the end record ({wide} against {end[:3]})", path=where)
     return (*wide, record)
 
 
@@ -208,19 +208,19 @@ def parse(directory: bytes, count: int, cd_offset: int, where: str) -> Directory
     ].view(CENTRAL_RECORD)[:, 0] if count else np.zeros(0, CENTRAL_RECORD)
     bad = np.flatnonzero(records["sig"] != CENTRAL_SIG)
     if bad.size:
-        raise FormatError(f"{where}: zip directory entry {bad[0]} is corrupt")
+        raise FormatError(f"zip directory entry {bad[0]} is corrupt", path=where)
     name_lens = records["name_len"].tolist()
     raw_names = [directory[p + CENTRAL_SIZE : p + CENTRAL_SIZE + n] for p, n in zip(positions, name_lens, strict=True)]
     flags = records["flags"]
     names = _names(raw_names, flags, where)
     encrypted = np.flatnonzero(flags & ENCRYPTED_FLAG)
     if encrypted.size:
-        raise UnsafeFileError(f"{where}: member {names[encrypted[0]]!r} is encrypted")
+        raise UnsafeFileError(f"member {names[encrypted[0]]!r} is encrypted", path=where)
     methods = records["method"]
     odd = np.flatnonzero((methods != STORED) & (methods != DEFLATED))
     if odd.size:
-        raise UnsafeFileError(f"{where}: member {names[odd[0]]!r} uses compression method {methods[odd[0]]}; "
-                              "only stored and deflate are read")
+        raise UnsafeFileError(f"member {names[odd[0]]!r} uses compression method {methods[odd[0]]}; "
+                              "only stored and deflate are read", path=where)
     columns = {field: records[field].tolist() for field in ("crc", "compressed", "size", "offset", "method")}
     for i in np.flatnonzero((records["extra_len"] > 0) | (records["size"] == ZIP64_LIMIT)
                             | (records["compressed"] == ZIP64_LIMIT) | (records["offset"] == ZIP64_LIMIT)).tolist():
@@ -230,13 +230,13 @@ def parse(directory: bytes, count: int, cd_offset: int, where: str) -> Directory
             extra, columns["size"][i], columns["compressed"][i], columns["offset"][i], where, names[i])
         # the column checks below add these in int64: values past the file cannot be true anyway
         if offset >= cd_offset or compressed > cd_offset or size > _MOST_BYTES:
-            raise UnsafeFileError(f"{where}: member {names[i]!r} has ZIP64 sizes or offset past the file's end")
+            raise UnsafeFileError(f"member {names[i]!r} has ZIP64 sizes or offset past the file's end", path=where)
         columns["size"][i], columns["compressed"][i], columns["offset"][i] = size, compressed, offset
     if len(set(names)) != len(names):
         seen: set[str] = set()
         for name in names:
             if name in seen:
-                raise UnsafeFileError(f"{where}: member {name!r} appears twice")
+                raise UnsafeFileError(f"member {name!r} appears twice", path=where)
             seen.add(name)
     columns["limit"] = _limits(names, name_lens, columns, cd_offset, where)
     return Directory(names, b"".join(raw_names), np.cumsum(records["name_len"], dtype=np.int64).tolist(), columns)
@@ -259,12 +259,12 @@ def _entry_positions(directory: bytes, count: int, where: str) -> list[int]:
     lengths = _LENGTHS.unpack_from
     for _ in range(count):
         if position + CENTRAL_SIZE > end:
-            raise FormatError(f"{where}: zip directory is truncated")
+            raise FormatError("zip directory is truncated", path=where)
         positions.append(position)
         name, extra, comment = lengths(directory, position + 28)
         position += CENTRAL_SIZE + name + extra + comment
     if position != end:  # else a count that lies small hides members (the manifest among them)
-        raise FormatError(f"{where}: zip directory holds more than the {count} entries its end record counts")
+        raise FormatError(f"zip directory holds more than the {count} entries its end record counts", path=where)
     return positions
 
 
@@ -277,13 +277,13 @@ def _names(raw_names: list[bytes], flags: np.ndarray, where: str) -> list[str]:
             names = [raw.decode("utf-8" if flag & UTF8_FLAG else "cp437")
                      for raw, flag in zip(raw_names, flags.tolist(), strict=True)]
     except UnicodeDecodeError:
-        raise FormatError(f"{where}: a member name is not valid UTF-8") from None
+        raise FormatError("a member name is not valid UTF-8", path=where) from None
     joined = "\0".join(names)
     if (joined.count("\0") != max(len(names) - 1, 0) or joined.startswith("/") or joined.endswith("..")
             or any(unsafe in joined for unsafe in _UNSAFE_IN_JOINED)):
         for name in names:
             if _unsafe_name(name):
-                raise UnsafeFileError(f"{where}: unsafe member name {name!r}")
+                raise UnsafeFileError(f"unsafe member name {name!r}", path=where)
     return names
 
 
@@ -305,13 +305,13 @@ def _limits(names: list[str], name_lens: list[int], columns: dict[str, list[int]
     overlapping = offsets + LOCAL.size + np.asarray(name_lens, dtype=np.int64) + compressed > limits
     # in file order, so the first member reported is the first that overlaps
     for i in order[overlapping[order]][:1].tolist():
-        raise UnsafeFileError(f"{where}: member {names[i]!r} overlaps the next one (zip bomb?)")
+        raise UnsafeFileError(f"member {names[i]!r} overlaps the next one (zip bomb?)", path=where)
     bombs = np.flatnonzero((methods == DEFLATED) & (sizes > compressed * MAX_DEFLATE_RATIO + 1024))
     if bombs.size:
-        raise UnsafeFileError(f"{where}: member {names[bombs[0]]!r} claims an impossible compression ratio")
+        raise UnsafeFileError(f"member {names[bombs[0]]!r} claims an impossible compression ratio", path=where)
     inconsistent = np.flatnonzero((methods == STORED) & (sizes != compressed))
     if inconsistent.size:
-        raise FormatError(f"{where}: stored member {names[inconsistent[0]]!r} has inconsistent sizes")
+        raise FormatError(f"stored member {names[inconsistent[0]]!r} has inconsistent sizes", path=where)
     return limits.tolist()
 
 
@@ -330,11 +330,11 @@ def _apply_zip64(extra: bytes, size: int, compressed: int, offset: int, where: s
                 if offset == ZIP64_LIMIT:
                     offset = values.pop(0)
             except IndexError:
-                raise FormatError(f"{where}: ZIP64 field of {name!r} is truncated") from None
+                raise FormatError(f"ZIP64 field of {name!r} is truncated", path=where) from None
             return size, compressed, offset
         position += 4 + length
     if ZIP64_LIMIT in (size, compressed, offset):
-        raise FormatError(f"{where}: member {name!r} lacks its ZIP64 sizes")
+        raise FormatError(f"member {name!r} lacks its ZIP64 sizes", path=where)
     return size, compressed, offset
 
 
