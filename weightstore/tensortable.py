@@ -187,8 +187,9 @@ def parse_columns(raw: dict[str, Any], where: str, itemsize_of: Callable[[object
         itemsize = itemsize_of(name)
         if itemsize is None:
             users = np.flatnonzero(codes == code)
-            whose = f"tensor {keys[users[0]]!r}: " if users.size else ""
-            raise FormatError(f"manifest: {whose}unknown dtype {short_repr(name)}", path=where)
+            if users.size:  # the tensor named as a version 1 manifest's entry names it
+                raise FormatError(f"unknown dtype {short_repr(name)}", path=where, key=keys[users[0]])
+            raise FormatError(f"manifest: unknown dtype {short_repr(name)}", path=where)
         itemsizes.append(itemsize)
     ndims = _int_column(raw, "ndim", where, count, MAX_NDIM)
     dims = _int_column(raw, "shape", where, int(ndims.sum()), _MAX_ARRAY_BYTES)
