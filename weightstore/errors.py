@@ -137,8 +137,8 @@ class StoreClosedError(WeightStoreError, ValueError):
 class WriteError(StorageError):
     """A write the file system refused; keeps its ``errno``, so callers that handle ``OSError`` still do."""
 
-    def __init__(self, errno: int, message: str, *, path: str | None = None) -> None:
-        super().__init__(message, path=path)
+    def __init__(self, errno: int, message: str, *, path: str | None = None, key: str | None = None) -> None:
+        super().__init__(message, path=path, key=key)
         self.errno = errno
 
 

@@ -106,9 +106,7 @@ def _as_write_error(path: str) -> Iterator[None]:
 
 def _write_error(path: str, exc: Exception, key: str | None = None) -> WriteError:
     detail = (str(exc).splitlines() or [""])[0][:300]
-    error = WriteError(getattr(exc, "errno", None) or 0, f"writing HDF5 failed ({detail})", path=path)
-    error.key = key  # WriteError's signature takes no key; the attribute still names the tensor
-    return error
+    return WriteError(getattr(exc, "errno", None) or 0, f"writing HDF5 failed ({detail})", path=path, key=key)
 
 
 @contextlib.contextmanager
