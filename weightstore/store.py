@@ -98,7 +98,7 @@ class Store(Mapping):
         wanted = self.keys() if keys is None else list(keys)
         for key in wanted:
             if key not in self:
-                raise KeyNotInStoreError(f"{self.path}: no tensor {key!r}")
+                raise KeyNotInStoreError(f"no tensor {key!r}", path=self.path)
         check_budget(self, wanted, max_bytes)
         return dict(zip(wanted, self._read_many(wanted), strict=True))
 
@@ -150,7 +150,7 @@ def check_budget(store: Store, keys: Iterable[str], max_bytes: int | None) -> No
     keys = list(keys)
     total = sum(store.info(k).nbytes for k in keys)
     if total > max_bytes:
-        raise SizeLimitError(f"{store.path}: reading {len(keys)} tensors needs {total} bytes, over max_bytes={max_bytes}")
+        raise SizeLimitError(f"reading {len(keys)} tensors needs {total} bytes, over max_bytes={max_bytes}", path=store.path)
 
 
 def open(path: Any, *, verify: bool = True, format: str | None = None, mmap: bool = True) -> Store:  # noqa: A001
@@ -195,9 +195,9 @@ def _open(path: Any, *, verify: bool, format: str | None, mmap: bool) -> Store: 
         with builtins.open(location, "rb") as handle:
             head = handle.read(8)
     except FileNotFoundError:
-        raise StoreNotFoundError(f"{location}: no such file") from None
+        raise StoreNotFoundError("no such file", path=location) from None
     except IsADirectoryError:
-        raise StoreNotFoundError(f"{location}: is a folder, not a weight file") from None
+        raise StoreNotFoundError("is a folder, not a weight file", path=location) from None
     fmt = format_named(format) if format else format_for_suffix(location) or sniff(head, location)
     return Store(fmt.open_reader(location, location, mmap=mmap), location, verify)
 
@@ -221,7 +221,7 @@ def _open_remote(location: str, verify: bool, format: str | None) -> Store:  # n
                 raise
         return Store(fmt.open_reader(source, location), location, verify)
     except FileNotFoundError:
-        raise StoreNotFoundError(f"{location}: no such file") from None
+        raise StoreNotFoundError("no such file", path=location) from None
     except BaseException:
         source.close()
         raise
@@ -310,14 +310,14 @@ def save(
     location = where.text
     fmt = output_format(location, format)
     if not isinstance(compress, (bool, np.bool_)) and not (isinstance(compress, str) and compress == "shuffle"):
-        raise TargetError(f"{location}: compress={compress!r}; use False, True or \"shuffle\"")
+        raise TargetError(f"compress={compress!r}; use False, True or \"shuffle\"", path=location)
     if compress and not fmt.compresses:
-        raise FormatError(f"{location}: {fmt.name} files are never compressed; save without compress")
+        raise FormatError(f"{fmt.name} files are never compressed; save without compress", path=location)
     metadata = checked_metadata(metadata, location)
     arrays = _checked(weights, location, fmt)
     commit = commit_for(where, suffix=fmt.suffixes[0])
     if not overwrite and _exists(commit, location):
-        raise StoreExistsError(f"{location}: file exists (pass overwrite=True to replace it)")
+        raise StoreExistsError("file exists (pass overwrite=True to replace it)", path=location)
     with commit.writing() as local:
         write_file(local, fmt, arrays, metadata, compress)
 

@@ -92,8 +92,8 @@ def sniff(head: bytes, where: str) -> Format:
         if fmt.magic(head):
             return fmt
     if not head:
-        raise FormatError(f"{where}: file is empty")
-    raise FormatError(f"{where}: not a weightstore file (not npz, HDF5 or safetensors)")
+        raise FormatError("file is empty", path=where)
+    raise FormatError("not a weightstore file (not npz, HDF5 or safetensors)", path=where)
 
 
 def foreign_keys(names: Iterable[tuple[str, str]], where: str, what: str) -> dict[str, str]:
@@ -111,8 +111,8 @@ def foreign_keys(names: Iterable[tuple[str, str]], where: str, what: str) -> dic
         try:
             validate_key(key)
         except InvalidKeyError as exc:
-            raise FormatError(f"{where}: {what} {member!r} does not name a valid key ({exc})") from None
+            raise FormatError(f"{what} {member!r} does not name a valid key ({exc})", path=where) from None
         if key in keys:
-            raise FormatError(f"{where}: {what}s {keys[key]!r} and {member!r} both read as key {key!r}")
+            raise FormatError(f"{what}s {keys[key]!r} and {member!r} both read as key {key!r}", path=where)
         keys[key] = member
     return keys
