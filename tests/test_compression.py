@@ -174,21 +174,21 @@ def _blob(itemsize: int, nbytes: int, frames: list[bytes], block: int = 1 << 20)
 def test_frame_that_inflates_past_its_block_is_refused():
     bomb = zstandard.ZstdCompressor().compress(b"\0" * (8 << 20))  # 8 MB of zeros in a few hundred bytes
     with pytest.raises(FormatError, match="does not declare"):
-        shuffle_zstd.decode(_blob(4, 1 << 20, [bomb]), 4, 1 << 20, "m.npz: tensor 'k'")
+        shuffle_zstd.decode(_blob(4, 1 << 20, [bomb]), 4, 1 << 20, "m.npz", "k")
 
 
 def test_frame_without_content_size_is_refused():
     frame = zstandard.ZstdCompressor(write_content_size=False).compress(b"\0" * 1024)
     with pytest.raises(FormatError, match="m.npz: tensor 'k'"):
-        shuffle_zstd.decode(_blob(4, 1024, [frame]), 4, 1024, "m.npz: tensor 'k'")
+        shuffle_zstd.decode(_blob(4, 1024, [frame]), 4, 1024, "m.npz", "k")
 
 
 def test_header_disagreeing_with_manifest_is_refused():
     frame = zstandard.ZstdCompressor().compress(b"\0" * 1024)
     with pytest.raises(FormatError, match="manifest entry says"):
-        shuffle_zstd.decode(_blob(4, 1024, [frame]), 4, 2048, "m.npz: tensor 'k'")
+        shuffle_zstd.decode(_blob(4, 1024, [frame]), 4, 2048, "m.npz", "k")
     with pytest.raises(FormatError, match="shuffle-zstd header"):
-        shuffle_zstd.decode(_blob(4, 1024, [frame], block=3), 4, 1024, "m.npz: tensor 'k'")
+        shuffle_zstd.decode(_blob(4, 1024, [frame], block=3), 4, 1024, "m.npz", "k")
 
 
 @pytest.mark.parametrize("suffix", [".npz", ".h5", ".safetensors"])

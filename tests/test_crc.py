@@ -171,7 +171,7 @@ def test_nested_sharing_does_not_deadlock():
 def test_shuffled_blocks_decode_in_parallel_exactly(itemsize):
     plain = random_bytes(3 * (1 << 20) + 24, seed=itemsize)  # three whole blocks and a short one
     encoded = _encode(plain, itemsize)
-    out, plain_crc = shuffle_zstd.decode(encoded, itemsize, len(plain), "m.npz: tensor 'k'")
+    out, plain_crc = shuffle_zstd.decode(encoded, itemsize, len(plain), "m.npz", "k")
     assert out.tobytes() == plain.tobytes()
     assert plain_crc == zlib.crc32(plain)
 
@@ -182,7 +182,7 @@ def test_corrupt_block_decoded_by_a_helper_names_file_and_key():
     last_frame = len(encoded) - struct.unpack_from("<4I", encoded, 28)[-1]
     encoded[last_frame : last_frame + 4] = b"\0\0\0\0"  # no zstd magic: the helper may well be the one to find it
     with pytest.raises(FormatError, match=r"m\.npz: tensor 'k'"):
-        shuffle_zstd.decode(memoryview(encoded), 4, len(plain), "m.npz: tensor 'k'")
+        shuffle_zstd.decode(memoryview(encoded), 4, len(plain), "m.npz", "k")
 
 
 def _encode(plain: np.ndarray, itemsize: int) -> memoryview:

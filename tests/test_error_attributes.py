@@ -138,3 +138,14 @@ def test_h5_dataset_stored_elsewhere_names_file_and_tensor(tmp_path):
     with ws.open(path) as store:
         exc = refusal(errors.UnsafeFileError, lambda: store["leak"], path, "leak")
     assert "external files" in exc.message
+
+
+def test_npz_shuffled_member_not_shuffle_zstd_names_file_and_tensor(tmp_path):
+    """A ``compress="shuffle"`` member whose bytes are not shuffle-zstd: the decoder names both."""
+    path = tmp_path / "shuffled.npz"
+    ws.save(path, {"dense/kernel": np.arange(64, dtype=np.float32).reshape(8, 8)}, compress="shuffle")
+    start, _ = hostile.data_offsets(path)["dense/kernel.shuffled-zstd"]
+    hostile.flip_bit(path, start, 0)  # the format's magic
+    with ws.open(path) as store:
+        exc = refusal(errors.FormatError, lambda: store["dense/kernel"], path, "dense/kernel")
+    assert "shuffle-zstd" in exc.message

@@ -58,8 +58,7 @@ class WeightStoreError(Exception):
 
     ``path`` (the file, folder or URL) and ``key`` (the tensor), where known, are attributes so
     that callers and the CLI can filter on them; the message is composed from them here, once:
-    ``"model.npz: tensor 'dense/kernel': is corrupt"``. One module still writes the file and
-    tensor into ``message`` itself and leaves the attributes ``None``: shuffle-zstd decoding.
+    ``"model.npz: tensor 'dense/kernel': is corrupt"``.
     """
 
     def __init__(self, message: str = "", *, path: str | None = None, key: str | None = None) -> None:

@@ -777,9 +777,8 @@ class NpzReader:
     def _read_shuffled(self, key: str, member: zipdir.Member, info: TensorInfo, layout: _Layout, verify: bool) -> np.ndarray:
         """A ``compress="shuffle"`` tensor, decoded into memory it owns and checked against the
         manifest's CRC-32 of the plain bytes (the zip CRC, of the encoded bytes, is not needed)."""
-        where = f"{self.name}: tensor {key!r} (member {member.name!r})"
         plain, crc = shuffle_zstd.decode(self._member_bytes(member, member.size), layout.storage.itemsize,
-                                         info.nbytes, where)
+                                         info.nbytes, self.name, key)
         self._source.release(self._data_offset(member), member.size)  # else the encoded pages stay in RSS
         if verify and info.checksum and checksum_text(crc) != info.checksum:
             raise ChecksumError(f"is corrupt (checksum {checksum_text(crc)}, "

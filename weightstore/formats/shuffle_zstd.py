@@ -134,29 +134,30 @@ def _scratch(nbytes: int) -> np.ndarray:
     return found
 
 
-def decode(blob: memoryview, itemsize: int, nbytes: int, where: str) -> tuple[np.ndarray, int]:
-    """The plain bytes of an encoded member, as a new uint8 array of exactly ``nbytes``, and
-    their CRC-32 (taken block by block as each is decoded, while it is in cache).
+def decode(blob: memoryview, itemsize: int, nbytes: int, path: str, key: str) -> tuple[np.ndarray, int]:
+    """The plain bytes of tensor ``key``'s encoded member in file ``path``, as a new uint8 array
+    of exactly ``nbytes``, and their CRC-32 (taken block by block as each is decoded, while it is
+    in cache).
 
     Every size is checked against ``nbytes`` (from the manifest, already bounded by the
     caller) and the member's own length before anything is allocated or decoded.
     """
     if len(blob) < _HEAD.size:
-        raise FormatError(f"{where} is truncated (no shuffle-zstd header)")
+        raise FormatError("is truncated (no shuffle-zstd header)", path=path, key=key)
     magic, stored_itemsize, size, stored_nbytes, count = _HEAD.unpack_from(blob)
     if magic != MAGIC:
-        raise FormatError(f"{where} is not shuffle-zstd data")
+        raise FormatError("is not shuffle-zstd data", path=path, key=key)
     if stored_itemsize != itemsize or stored_nbytes != nbytes:
-        raise FormatError(f"{where} holds {stored_nbytes} bytes of {stored_itemsize}-byte items; "
-                          f"its manifest entry says {nbytes} bytes of {itemsize}-byte items")
+        raise FormatError(f"holds {stored_nbytes} bytes of {stored_itemsize}-byte items; "
+                          f"its manifest entry says {nbytes} bytes of {itemsize}-byte items", path=path, key=key)
     if not 0 < size <= _MAX_BLOCK or size % itemsize or count != -(-nbytes // size):
-        raise FormatError(f"{where} has a corrupt shuffle-zstd header ({count} blocks of {size} bytes)")
+        raise FormatError(f"has a corrupt shuffle-zstd header ({count} blocks of {size} bytes)", path=path, key=key)
     table_end = _HEAD.size + 4 * count
     if table_end > len(blob):
-        raise FormatError(f"{where} is truncated inside its block table")
+        raise FormatError("is truncated inside its block table", path=path, key=key)
     lengths = struct.unpack_from(f"<{count}I", blob, _HEAD.size)
     if table_end + sum(lengths) != len(blob):
-        raise FormatError(f"{where}: its blocks do not add up to the member's size (truncated or corrupt)")
+        raise FormatError("its blocks do not add up to the member's size (truncated or corrupt)", path=path, key=key)
     out = np.empty(nbytes, np.uint8)
     jobs, position = [], table_end
     for index, length in enumerate(lengths):
@@ -170,12 +171,13 @@ def decode(blob: memoryview, itemsize: int, nbytes: int, where: str) -> tuple[np
         frame, start, length = jobs[index]
         try:
             if zstandard.frame_content_size(frame) != length:
-                raise FormatError(f"{where}: block at byte {start} does not declare its {length} bytes (corrupt)")
+                raise FormatError(f"block at byte {start} does not declare its {length} bytes (corrupt)",
+                                  path=path, key=key)
             plain = _decompressor().decompress(frame, max_output_size=length)
         except zstandard.ZstdError as exc:
-            raise FormatError(f"{where} is corrupt (zstd: {exc})") from None
+            raise FormatError(f"is corrupt (zstd: {exc})", path=path, key=key) from None
         if len(plain) != length:
-            raise FormatError(f"{where}: block at byte {start} decodes to {len(plain)} bytes, not {length}")
+            raise FormatError(f"block at byte {start} decodes to {len(plain)} bytes, not {length}", path=path, key=key)
         target = out[start : start + length]
         _unshuffle(plain, target, itemsize)
         block_crcs[index] = crc.crc32(target.data)
