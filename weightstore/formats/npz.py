@@ -670,7 +670,7 @@ class NpzReader:
             if span > 2 * int(self._members.column("sizes")[found].sum()) + CRC_CHUNK:
                 return [self._read_one(key, verify) for key in keys]
             buffer = self._source.read_at(base, span)
-        with paused_gc():  # each array made holds a memoryview of the buffer: 50,000 tracked objects
+        with paused_gc():  # an array per tensor, each tracked by the collector: 50,000 of them
             return self._read_together(keys, positions, buffer, base, verify)
 
     def _plain_positions_of(self, keys: list[str]) -> np.ndarray:
@@ -702,12 +702,12 @@ class NpzReader:
         names, shapes, nbytes, crcs = table.rows()  # type: ignore[union-attr]  # read_many checked there is one
         rows = (positions.tolist() if self._in_table_order and positions.min() >= 0
                 else table.positions(keys).tolist())  # type: ignore[union-attr]
-        starts, ends = self._data_starts(positions, buffer, base)
-        small_crc, released_from = isal_zlib.crc32, _crc.RELEASE_GIL_BYTES  # as crc32() would choose
         # Every array is a view of this one, its base: it holds the one export of ``buffer``
         # that keeps a map open while any array lives. (``frombuffer`` per tensor would make a
         # memoryview each, 50,000 objects for the cyclic collector to walk once it resumes.)
         whole = np.frombuffer(buffer, np.uint8)
+        starts, ends = self._data_starts(positions, whole, base)
+        small_crc, released_from = isal_zlib.crc32, _crc.RELEASE_GIL_BYTES  # as crc32() would choose
         arrays = []
         for key, row, start, end in zip(keys, rows, starts, ends, strict=True):
             shape = shapes[row]
@@ -726,8 +726,8 @@ class NpzReader:
             arrays.append(array.view(layout.logical) if layout.viewed else array)
         return arrays
 
-    def _data_starts(self, positions: np.ndarray, buffer: Any, base: int) -> tuple[list[int], list[int]]:
-        """Where each member's data (npy header first) starts and ends in ``buffer``, or -1
+    def _data_starts(self, positions: np.ndarray, file_bytes: np.ndarray, base: int) -> tuple[list[int], list[int]]:
+        """Where each member's data (npy header first) starts and ends in ``file_bytes``, or -1
         where the position is -1 or the member's local header does not check out.
 
         The local headers are read as one record array and checked as columns: the signature,
@@ -738,19 +738,15 @@ class NpzReader:
         chosen = np.flatnonzero(positions >= 0)
         found = positions[chosen]
         offsets, name_lens = members.column("offsets")[found] - base, members.column("name_lens")[found]
-        file_bytes = np.frombuffer(buffer, np.uint8)
         local = file_bytes[offsets[:, None] + np.arange(LOCAL.size)].view(LOCAL_RECORD)[:, 0]
         starts = offsets + LOCAL.size + local["name_len"] + local["extra_len"].astype(np.int64)
         ends = starts + members.column("sizes")[found]
         good = ((local["sig"] == LOCAL_SIG) & (local["method"] == STORED) & (local["name_len"] == name_lens)
                 & (ends <= members.column("limits")[found] - base))
         # every name's bytes, gathered end to end, against the directory's names end to end
-        first = np.concatenate(([0], np.cumsum(name_lens)[:-1])) if found.size else found
-        stored_names = file_bytes[np.repeat(offsets + LOCAL.size - first, name_lens) + np.arange(int(name_lens.sum()))]
-        listed_names = members.raw_names_of(found)
-        differs = stored_names != listed_names
+        differs = zipdir.spans(file_bytes, offsets + LOCAL.size, name_lens) != members.raw_names_of(found)
         if differs.any():
-            good &= ~np.logical_or.reduceat(differs, first)
+            good &= ~np.logical_or.reduceat(differs, np.concatenate(([0], np.cumsum(name_lens)[:-1])))
         all_starts = np.full(len(positions), -1, dtype=np.int64)
         all_ends = np.full(len(positions), -1, dtype=np.int64)
         all_starts[chosen] = np.where(good, starts, -1)

@@ -71,9 +71,10 @@ class Member(NamedTuple):
 class Directory:
     """The members of a zip, by name, in directory order; checked in full when built.
 
-    Columns are plain lists (a Python int from a list is cheaper than one from an array), the
-    names' bytes one string end to end, and a :class:`Member` is made only for the names a
-    reader asks about.
+    Columns come as lists or arrays; a :class:`Member` (made only for the names a reader asks
+    about) takes its values from lists (a Python int from a list is cheaper than one from an
+    array), checks on many members from arrays (:meth:`column`). The names' bytes are one
+    string end to end.
     """
 
     def __init__(self, names: list[str] | Callable[[], list[str]], name_blob: bytes, name_ends: list[int],
@@ -82,7 +83,6 @@ class Directory:
         self._name_blob = name_blob
         self._name_ends = name_ends
         self._columns = columns
-        self._index: dict[str, int] | None = None
         self._arrays: dict[str, np.ndarray] = {}
 
     @functools.cached_property
@@ -94,12 +94,10 @@ class Directory:
     def _lists(self) -> dict[str, list[int]]:
         return {field: values if isinstance(values, list) else values.tolist() for field, values in self._columns.items()}
 
-    @property
+    @functools.cached_property
     def index(self) -> dict[str, int]:
         """Name -> position; made on first use (a reader that knows positions never asks)."""
-        if self._index is None:
-            self._index = dict(zip(self.names, range(len(self.names)), strict=True))
-        return self._index
+        return dict(zip(self.names, range(len(self.names)), strict=True))
 
     def raw_name(self, i: int) -> bytes:
         return self._name_blob[self._name_ends[i - 1] if i else 0 : self._name_ends[i]]
@@ -109,10 +107,8 @@ class Directory:
         blob = np.frombuffer(self._name_blob, np.uint8)
         if len(positions) == len(self.names) and np.array_equal(positions, np.arange(len(positions))):
             return blob
-        ends = self.column("name_ends")[positions]
         lengths = self.column("name_lens")[positions]
-        firsts = np.concatenate(([0], np.cumsum(lengths)[:-1])) if len(positions) else lengths
-        return blob[np.repeat(ends - lengths - firsts, lengths) + np.arange(int(lengths.sum()))]
+        return spans(blob, self.column("name_ends")[positions] - lengths, lengths)
 
     def column(self, name: str) -> np.ndarray:
         """``offsets``, ``sizes``, ``limits``, ``methods``, ``name_lens`` or ``name_ends`` as an int64
@@ -356,6 +352,12 @@ def last_member(directory: bytes, cd_offset: int, name: str) -> Member | None:
             or offset + LOCAL.size + len(raw) + compressed > cd_offset):
         return None
     return Member(name, offset, int(entry["crc"]), compressed, size, method, cd_offset, raw)
+
+
+def spans(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The bytes of ``data`` from each start for its length, end to end: one gather, no step per span."""
+    firsts = np.concatenate(([0], np.cumsum(lengths)[:-1])) if len(starts) else lengths
+    return data[np.repeat(starts - firsts, lengths) + np.arange(int(lengths.sum()))]
 
 
 def fixed_fields(name_lens: np.ndarray) -> np.ndarray:
