@@ -21,7 +21,14 @@ from weightstore.adapters import layout as layouts
 from weightstore.adapters.checkpoints import Source
 from weightstore.adapters.plan import Selection
 from weightstore.cli.render import track, working
-from weightstore.errors import FormatError, LayoutError, SelectionError, StoreExistsError, StoreNotFoundError
+from weightstore.errors import (
+    FormatError,
+    LayoutError,
+    SelectionError,
+    StoreExistsError,
+    StoreNotFoundError,
+    naming,
+)
 from weightstore.formats import format_for_suffix, sniff
 from weightstore.keys import MappingRules, Patterns, plan_inward, plan_outward, validate_key
 from weightstore.storage import is_url
@@ -115,8 +122,9 @@ def import_(source: Source, target: str, *, scope: str | None, mapping: MappingR
     plan = plan_inward(source.keys(), scope=scope, mapping=mapping, include=include, exclude=exclude, where=source.path)
     if not plan:
         raise SelectionError("holds no tensor to import", path=source.path)
-    for key in plan:
-        validate_key(key)
+    with naming(path=target):  # keys the scope made, refused as the target's
+        for key in plan:
+            validate_key(key)
     if is_checkpoint_target(target):
         return _import_into_checkpoint(source, target, plan, overwrite)
     try:

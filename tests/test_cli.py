@@ -458,8 +458,29 @@ def _folder_with_a_damaged_latest(tmp_path) -> tuple[list[str], str, str | None]
     return ["versions", str(tmp_path)], str(tmp_path), None
 
 
+def _key_too_long_for_the_target(tmp_path) -> tuple[list[str], str, str | None]:
+    source, target = tmp_path / "m.npz", str(tmp_path / "out.npz")
+    ws.save(source, {"w": np.ones(2, np.float32)})
+    scope = "s" * 65530  # with "/w", past the longest member name npz holds
+    return ["import", str(source), "--into", target, "--scope", scope], target, f"{scope}/w"
+
+
+def _dtype_the_target_cannot_hold(tmp_path) -> tuple[list[str], str, str | None]:
+    source, target = tmp_path / "m.npz", str(tmp_path / "out.safetensors")
+    ws.save(source, {"ok": np.ones(2, np.float32), "c": np.ones(2, np.complex128)})
+    return ["convert", str(source), target], target, "c"
+
+
+def _suffix_that_names_no_format(tmp_path) -> tuple[list[str], str, str | None]:
+    source, target = tmp_path / "m.npz", str(tmp_path / "out.xyz")
+    ws.save(source, {"w": np.ones(2, np.float32)})
+    return ["export", str(source), "-o", target], target, None
+
+
 @pytest.mark.parametrize("damaged", [_truncated_safetensors, _corrupt_npz, _checkpoint_without_its_data,
-                                     _folder_with_a_damaged_latest], ids=["ls", "verify", "convert", "versions"])
+                                     _folder_with_a_damaged_latest, _key_too_long_for_the_target,
+                                     _dtype_the_target_cannot_hold, _suffix_that_names_no_format],
+                         ids=["ls", "verify", "convert", "versions", "save-key", "save-dtype", "save-suffix"])
 def test_json_errors_carry_the_file_and_the_key(tmp_path, damaged):
     """Scripts filter failures by ``error.path``/``error.key``; the message still names both."""
     args, path, key = damaged(tmp_path)

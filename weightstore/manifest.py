@@ -24,7 +24,7 @@ import orjson
 from isal import isal_zlib
 
 from weightstore import crc as _crc
-from weightstore.errors import FormatError, UnsupportedDTypeError
+from weightstore.errors import FormatError, InvalidKeyError, UnsupportedDTypeError
 from weightstore.keys import validate_keys
 from weightstore.tensortable import (
     CHECKSUM_ALGORITHM,
@@ -101,7 +101,7 @@ def _storable_name(dtype: np.dtype, key: str) -> str:
         what = "object arrays are never stored (they would need pickle)" if dtype.kind == "O" else (
             "only numeric, bool and ml_dtypes arrays are weights"
         )
-        raise UnsupportedDTypeError(f"tensor {key!r} has dtype {dtype}: {what}")
+        raise UnsupportedDTypeError(f"has dtype {dtype}: {what}", key=key or None)
     return dtype.newbyteorder("=").name
 
 
@@ -301,8 +301,8 @@ def _parse_entries_v1(raw: dict[str, Any], where: str, locations: dict[str, str]
     """A version 1 manifest's tensors: an object per tensor, key -> dtype, shape, checksum."""
     try:
         validate_keys(raw)
-    except ValueError as exc:
-        raise FormatError(f"manifest has {exc}", path=where) from None
+    except InvalidKeyError as exc:
+        raise FormatError(f"manifest has an {exc.message}", path=where, key=exc.key) from None
     tensors = _parse_plain_entries(raw)
     if tensors is None:
         tensors = _parse_entries(raw, where, locations, codecs)

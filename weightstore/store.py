@@ -8,7 +8,6 @@ input, picks the format and streams tensors into the file the commit protocol ha
 from __future__ import annotations
 
 import builtins
-import contextlib
 import json
 import os
 from collections.abc import Iterable, Iterator, Mapping
@@ -19,7 +18,6 @@ import numpy as np
 from weightstore import __version__
 from weightstore.errors import (
     FormatError,
-    InvalidKeyError,
     KeyNotInStoreError,
     SizeLimitError,
     StoreExistsError,
@@ -27,6 +25,8 @@ from weightstore.errors import (
     TargetError,
     UnsupportedDTypeError,
     WeightStoreError,
+    attach,
+    naming,
 )
 from weightstore.formats import Format, Reader, format_for_suffix, format_named, known_suffixes, sniff
 from weightstore.formats.foreign import open_foreign
@@ -73,10 +73,18 @@ class Store(Mapping):
         return list(self._keys)
 
     def info(self, key: str) -> TensorInfo:
-        return self._reader.info(key)
+        try:
+            return self._reader.info(key)
+        except WeightStoreError as exc:  # a reader's check that knows the tensor, not the file
+            attach(exc, path=self.path)
+            raise
 
     def __getitem__(self, key: str) -> np.ndarray:
-        return self._reader.read(key, verify=self.verify)
+        try:
+            return self._reader.read(key, verify=self.verify)
+        except WeightStoreError as exc:
+            attach(exc, path=self.path)
+            raise
 
     def read_into(self, key: str, out: np.ndarray) -> np.ndarray:
         """Read ``key`` into ``out`` (its shape, C-contiguous, writable; converted to its dtype) and return it.
@@ -110,7 +118,8 @@ class Store(Mapping):
             prefetch(keys)
         read_many = getattr(self._reader, "read_many", None)
         if read_many is not None and keys:
-            return read_many(keys, verify=self.verify)
+            with naming(path=self.path):
+                return read_many(keys, verify=self.verify)
         return [self[key] for key in keys]
 
     def __contains__(self, key: object) -> bool:
@@ -375,7 +384,7 @@ class _Checked(Mapping):
         self._where = where
         self._values: dict[str, Any] = {}  # None: read from ``weights`` when written
         store = weights if isinstance(weights, Store) else None
-        with self._naming_the_file():  # once around the loop: 50,000 small tensors
+        with naming(path=where):  # once around the loop: 50,000 small tensors
             keys = validate_keys(weights)
             if store is not None:
                 names = [store.info(key).dtype for key in keys]
@@ -408,22 +417,11 @@ class _Checked(Mapping):
                 logical_dtype(name)
             except WeightStoreError:
                 raise UnsupportedDTypeError(
-                    f"tensor {key!r} has dtype {name}: only numeric, bool and ml_dtypes arrays are weights"
+                    f"has dtype {name}: only numeric, bool and ml_dtypes arrays are weights", key=key
                 ) from None
         if fmt is not None and fmt.dtypes is not None and name not in fmt.dtypes:
-            raise UnsupportedDTypeError(
-                f"tensor {key!r} has dtype {name}, which {fmt.name} cannot hold; save it as .npz or .h5"
-            )
-
-    @contextlib.contextmanager
-    def _naming_the_file(self) -> Iterator[None]:
-        try:
-            yield
-        except (InvalidKeyError, UnsupportedDTypeError) as exc:
-            raise self._naming(exc) from None
-
-    def _naming(self, exc: InvalidKeyError | UnsupportedDTypeError) -> WeightStoreError:
-        return type(exc)(f"{self._where}: {exc}") if self._where else exc
+            raise UnsupportedDTypeError(f"has dtype {name}, which {fmt.name} cannot hold; save it as .npz or .h5",
+                                        key=key)
 
     def __getitem__(self, key: str) -> tuple[str, np.ndarray]:
         return self._stored_form(key, self._values[key])
@@ -437,10 +435,10 @@ class _Checked(Mapping):
     def _stored_form(self, key: str, value: Any) -> tuple[str, np.ndarray]:
         if value is None:
             value = self._weights[key]
-        try:  # not _naming_the_file: a context manager per tensor costs more than a small tensor's write
+        try:  # not naming(): a context manager per tensor costs more than a small tensor's write
             return to_storage(value if type(value) is np.ndarray else np.asarray(value), key)
         except UnsupportedDTypeError as exc:  # a value whose dtype changed since it was checked
-            raise self._naming(exc) from None
+            raise attach(exc, path=self._where, key=key) from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._values)
