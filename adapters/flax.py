@@ -20,10 +20,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import numpy as np
-from flax import nnx
 from typing_extensions import Unpack
+
+from weightstore.extras import needs
+
+with needs("flax", __name__):
+    import jax
+    from flax import nnx
 
 from weightstore.adapters import layout as layouts
 from weightstore.adapters.plan import (

@@ -33,8 +33,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import tensorflow as tf
 from typing_extensions import Unpack
+
+from weightstore.extras import needs
+
+with needs("tf", __name__):
+    import tensorflow as tf
 
 from weightstore.adapters.plan import MEMORY, AssignOptions, AssignWords, Report, Selection, SelectionWords, TargetInfo
 from weightstore.adapters.skeleton import Target, private_copy, run_assign

@@ -50,12 +50,16 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any, Union
 
-import keras
 import numpy as np
-import tensorflow as tf
-from keras.src.backend.common.stateless_scope import in_stateless_scope
-from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable
 from typing_extensions import Unpack
+
+from weightstore.extras import needs
+
+with needs("tf", __name__):
+    import keras
+    import tensorflow as tf
+    from keras.src.backend.common.stateless_scope import in_stateless_scope
+    from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable
 
 import weightstore
 from weightstore.adapters.artifacts import for_model, is_model_file

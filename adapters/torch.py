@@ -25,9 +25,13 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
-import torch
-from torch import nn
 from typing_extensions import Unpack
+
+from weightstore.extras import needs
+
+with needs("torch", __name__):
+    import torch
+    from torch import nn
 
 from weightstore.adapters import layout as layouts
 from weightstore.adapters.plan import (
