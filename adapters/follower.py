@@ -32,9 +32,10 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
-from weightstore.adapters.plan import AssignOptions, Report
+from typing_extensions import Unpack
+
+from weightstore.adapters.plan import AssignOptions, AssignWords, Report
 from weightstore.errors import VersionGoneError
-from weightstore.keys import MappingRules, Patterns
 from weightstore.versions import Version, follow
 
 __all__ = ["Follower"]
@@ -97,17 +98,12 @@ class Follower:
     """
 
     def __init__(self, target: Any, folder: Any, *, poll: float = 1.0, after: int | None = None,
-                 storage_options: Mapping[str, Any] | None = None, scope: str | None = None,
-                 mapping: MappingRules = None, include: Patterns = None, exclude: Patterns = None,
-                 trainable_only: bool = False, also: Patterns = None, strict: bool = True, cast: bool = False,
-                 skip_unchanged: bool | None = None):
+                 storage_options: Mapping[str, Any] | None = None, **words: Unpack[AssignWords]):
         self.target = target
         self.folder = folder
         self.poll = poll
         self.storage_options = storage_options
-        self.options = AssignOptions(scope=scope, mapping=mapping, include=include, exclude=exclude,
-                                     trainable_only=trainable_only, also=also, strict=strict, cast=cast,
-                                     skip_unchanged=skip_unchanged)
+        self.options = AssignOptions(**words)
         self.version: Version | None = None
         self.report: Report | None = None
         self.error: BaseException | None = None
@@ -195,7 +191,7 @@ class Follower:
         held = version.held()
         try:
             with self._lock.writing():
-                report = self._assign(self.target, held, **vars(self.options))
+                report = self._assign(self.target, held, **self.options.assign_words())
                 # still inside the swap: a reader never sees new weights under the old version
                 previous, self.version, self.report, self.error = self.version, held, report, None
         except VersionGoneError:
