@@ -30,8 +30,8 @@ from weightstore.errors import (
     naming,
 )
 from weightstore.formats import format_for_suffix, sniff
+from weightstore.io.location import is_url
 from weightstore.keys import MappingRules, Patterns, plan_inward, plan_outward, validate_key
-from weightstore.storage import is_url
 from weightstore.store import output_format
 
 _SHOWN = 5  # colliding keys named in an error; the rest are counted
