@@ -44,6 +44,8 @@ from weightstore.adapters.skeleton import Target, run_assign
 from weightstore.errors import InvalidKeyError, LayoutError, SelectionError
 from weightstore.keys import MappingRules, Patterns, plan_outward, validate_key
 
+__all__ = ["export", "assign", "restore", "variables", "forget"]
+
 _STATE = (nnx.Param, nnx.BatchStat)
 
 

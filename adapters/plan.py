@@ -25,6 +25,8 @@ from weightstore.keys import MappingRules, Patterns, in_scope, normalize_scope, 
 from weightstore.keys import suggest as keys_suggest
 from weightstore.manifest import logical_dtype
 
+__all__ = ["Report", "SelectionWords", "AssignWords", "Selection", "AssignOptions", "AssignWarning"]
+
 _LISTED = 20  # names shown per category in an error; the rest are counted
 _SHOWN = 3  # names shown per category in a report's one-paragraph summary
 

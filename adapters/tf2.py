@@ -78,6 +78,8 @@ from weightstore.keys import (
     validate_key,
 )
 
+__all__ = ["export", "assign", "load", "variables", "forget"]
+
 Variable = Union[tf.Variable, keras.Variable, "tf.__internal__.distribute.ShardedVariable"]
 _SHARDED = tf.__internal__.distribute.ShardedVariable
 _VARIABLE_TYPES = (tf.Variable, keras.Variable, _SHARDED)

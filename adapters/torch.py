@@ -49,6 +49,8 @@ from weightstore.adapters.skeleton import Target, run_assign
 from weightstore.errors import AssignmentError, LayoutError, SelectionError, UnsupportedDTypeError
 from weightstore.keys import plan_outward, validate_key
 
+__all__ = ["export", "assign", "tensors", "forget"]
+
 OPTIONAL_LEAF = "num_batches_tracked"
 #: torch dtypes numpy lacks -> (their ml_dtypes kind, a torch integer of the same width):
 #: the bytes cross between the two as that integer

@@ -60,20 +60,26 @@ class Store(Mapping):
 
     @property
     def metadata(self) -> dict[str, Any]:
+        """What the writer passed as ``metadata`` (``{}`` for a file without a manifest)."""
         return self._reader.metadata
 
     @property
     def created(self) -> str:
+        """When the file was written (ISO 8601, UTC), as its manifest says; empty without one."""
         return self._reader.created
 
     @property
     def has_checksums(self) -> bool:
+        """Whether the file has weightstore's manifest, with a checksum per tensor (what hot reload
+        compares); False for files other tools wrote and for TF checkpoints."""
         return self._reader.has_checksums
 
     def keys(self) -> list[str]:  # type: ignore[override]  # a list keeps the file's order
+        """Every key, in the file's order."""
         return list(self._keys)
 
     def info(self, key: str) -> TensorInfo:
+        """A tensor's dtype, shape, size and checksum, from the index: no tensor bytes are read."""
         try:
             return self._reader.info(key)
         except WeightStoreError as exc:  # a reader's check that knows the tensor, not the file
@@ -134,9 +140,11 @@ class Store(Mapping):
 
     @property
     def nbytes(self) -> int:
+        """The bytes of every tensor, as arrays in memory (not as stored, which compression shrinks)."""
         return sum(self.info(k).nbytes for k in self.keys())
 
     def close(self) -> None:
+        """Release the file (its map or handle); ``with ws.open(...)`` calls it. Read no tensor after it."""
         self._reader.close()
 
     def __enter__(self: _S) -> _S:
