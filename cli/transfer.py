@@ -20,7 +20,7 @@ from weightstore.adapters import checkpoints
 from weightstore.adapters import layout as layouts
 from weightstore.adapters.checkpoints import Source
 from weightstore.adapters.plan import Selection
-from weightstore.cli.render import track, working
+from weightstore.cli.render import counted, track, working
 from weightstore.errors import (
     FormatError,
     LayoutError,
@@ -77,8 +77,8 @@ def export(source: Source, out: str, *, selection: Selection, mapping: MappingRu
         raise SelectionError("selects no tensor", path=source.path)
     weights = read(source, plan, "reading")
     metadata = source.metadata if source.has_checksums else {"source": source.path, "source_kind": source.kind}
-    with working(f"writing {out}"):
-        weightstore.save(out, weights, metadata=metadata, compress=compress)
+    with counted(weights, f"writing {out}") as values:
+        weightstore.save(out, values, metadata=metadata, compress=compress)
     return Written(out, "store", len(weights), sum(a.nbytes for a in weights.values()))
 
 
@@ -89,8 +89,8 @@ def convert(source: Source, out: str, *, compress: bool | str, layout: str | Non
     weights = read(source, {k: k for k in source}, "converting")
     if layout is not None:
         weights = layouts.convert(weights, layout, where=source.path)
-    with working(f"writing {out}"):
-        weightstore.save(out, weights, metadata=source.metadata, compress=compress)
+    with counted(weights, f"writing {out}") as values:
+        weightstore.save(out, values, metadata=source.metadata, compress=compress)
     return Written(out, "store", len(weights), sum(a.nbytes for a in weights.values()))
 
 
@@ -132,15 +132,15 @@ def import_(source: Source, target: str, *, scope: str | None, mapping: MappingR
     except StoreNotFoundError:
         weights = read(source, plan, "importing")
         metadata = source.metadata if source.has_checksums else {"source": source.path, "source_kind": source.kind}
-        with working(f"writing {target}"):
-            weightstore.save(target, weights, metadata=metadata)
+        with counted(weights, f"writing {target}") as values:
+            weightstore.save(target, values, metadata=metadata)
         return Written(target, "store", len(weights), sum(a.nbytes for a in weights.values()))
     with old:
         _refuse_clashes(target, old.keys(), plan, overwrite)
         merged = {key: old[key] for key in old if key not in plan}
         weights = read(source, plan, "importing")
-        with working(f"writing {target}"):
-            weightstore.save(target, {**merged, **weights}, metadata=old.metadata)
+        with counted({**merged, **weights}, f"writing {target}") as values:
+            weightstore.save(target, values, metadata=old.metadata)
     return Written(target, "store", len(weights), sum(a.nbytes for a in weights.values()))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -357,6 +358,21 @@ def test_progress_appears_only_on_a_terminal(monkeypatch):
         with render.working("writing"):
             time.sleep(0.05)
         assert ("reading" in buffer.getvalue()) is terminal
+
+
+@pytest.mark.parametrize("command", [["convert", "{store}", "{out}.h5", "--compress"],
+                                     ["export", "{store}", "-o", "{out}.npz", "--compress"],
+                                     ["import", "{store}", "--into", "{out}.h5"]], ids=["convert", "export", "import"])
+def test_writing_a_store_shows_the_byte_bar_reading_does(store, tmp_path, monkeypatch, command):
+    """Compressing and HDF5 are where a write spends its time: it counts bytes as reading does, not a spinner."""
+    monkeypatch.setattr(render, "PROGRESS_DELAY_S", 0.0)
+    buffer = io.StringIO()
+    monkeypatch.setattr(render, "stderr", lambda: Console(file=buffer, force_terminal=True, width=300))
+    out = tmp_path / "out"
+    result = run(*(part.format(store=store, out=out) for part in command))
+    assert result.exit_code == 0, result.output
+    shown = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", buffer.getvalue())
+    assert re.search(rf"writing {re.escape(str(out))}\.(h5|npz) [^\r\n]* 48/48 bytes", shown), shown
 
 
 # -- the installed command -------------------------------------------------------------------
