@@ -70,6 +70,18 @@ def test_every_command_has_help(command):
 
 
 @pytest.mark.parametrize("command", [[], *([c] for c in COMMANDS)])
+def test_help_names_values_in_words_not_python_types(command):
+    result = run(*command, "--help")
+    assert result.exit_code == 0
+    assert not re.search(r"<(str|int|float|list\[\w+\]|\w+)>", result.stdout), result.stdout
+
+
+def test_version():
+    result = run("--version")
+    assert result.exit_code == 0 and result.stdout == f"weightstore {ws.__version__}\n"
+
+
+@pytest.mark.parametrize("command", [[], *([c] for c in COMMANDS)])
 def test_help_shows_flags_as_flags(command):
     result = run(*command, "--help")
     assert result.exit_code == 0
