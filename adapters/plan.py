@@ -23,7 +23,7 @@ from weightstore.adapters.artifacts import open_artifact
 from weightstore.errors import AssignmentError
 from weightstore.keys import MappingRules, Patterns, in_scope, normalize_scope, passes, plan_inward, strip_scope
 from weightstore.keys import suggest as keys_suggest
-from weightstore.manifest import logical_dtype
+from weightstore.manifest import TensorInfo, logical_dtype
 
 _LISTED = 20  # names shown per category in an error; the rest are counted
 _SHOWN = 3  # names shown per category in a report's one-paragraph summary
@@ -162,7 +162,7 @@ class Values:
         return tuple(self._store.info(key).shape) if self._store is not None else self._arrays[key].shape
 
     def checksum(self, key: str) -> str | None:
-        return self._store.info(key).checksum if self._store is not None else None
+        return reload_digest(self._store.info(key)) if self._store is not None else None
 
     def prefetch(self, keys: list[str]) -> None:
         """Read ``keys`` from the store together (an npz checks and maps many small tensors in
@@ -376,6 +376,11 @@ class ChecksumMemory:
 
 
 MEMORY = ChecksumMemory()
+
+
+def reload_digest(info: TensorInfo) -> str | None:
+    """What hot reload compares to decide a tensor is unchanged; None: it cannot tell, so it writes."""
+    return info.checksum
 
 
 def wants_skip(weights: Any, skip_unchanged: bool | None) -> bool:
