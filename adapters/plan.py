@@ -379,8 +379,11 @@ MEMORY = ChecksumMemory()
 
 
 def reload_digest(info: TensorInfo) -> str | None:
-    """What hot reload compares to decide a tensor is unchanged; None: it cannot tell, so it writes."""
-    return info.checksum
+    """What hot reload compares to decide a tensor is unchanged: its content digest, dtype and
+    shape (equal bytes of another dtype are other values). None where the file has no digest
+    (written before manifest version 3): such a tensor is always written, never trusted to a
+    CRC-32, which a changed tensor can match."""
+    return None if info.digest is None else f"{info.digest} {info.dtype}{list(info.shape)}"
 
 
 def wants_skip(weights: Any, skip_unchanged: bool | None) -> bool:
