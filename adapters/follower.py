@@ -43,11 +43,11 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import numpy as np
+from typing_extensions import Unpack
 
 import weightstore
-from weightstore.adapters.plan import AssignOptions, Report, reload_digest, wants_skip
+from weightstore.adapters.plan import AssignOptions, AssignWords, Report, reload_digest, wants_skip
 from weightstore.errors import VersionGoneError
-from weightstore.keys import MappingRules, Patterns
 from weightstore.manifest import TensorInfo
 from weightstore.store import Store
 from weightstore.versions import Version, follow
@@ -112,17 +112,12 @@ class Follower:
     """
 
     def __init__(self, target: Any, folder: Any, *, poll: float = 1.0, after: int | None = None,
-                 storage_options: Mapping[str, Any] | None = None, scope: str | None = None,
-                 mapping: MappingRules = None, include: Patterns = None, exclude: Patterns = None,
-                 trainable_only: bool = False, also: Patterns = None, strict: bool = True, cast: bool = False,
-                 skip_unchanged: bool | None = None):
+                 storage_options: Mapping[str, Any] | None = None, **words: Unpack[AssignWords]):
         self.target = target
         self.folder = folder
         self.poll = poll
         self.storage_options = storage_options
-        self.options = AssignOptions(scope=scope, mapping=mapping, include=include, exclude=exclude,
-                                     trainable_only=trainable_only, also=also, strict=strict, cast=cast,
-                                     skip_unchanged=skip_unchanged)
+        self.options = AssignOptions(**words)
         self.version: Version | None = None
         self.report: Report | None = None
         self.error: BaseException | None = None
@@ -215,7 +210,8 @@ class Follower:
         try:
             staged = self._stage(held, skip)
             with staged, self._lock.writing():
-                report = self._assign(self.target, staged, **vars(dataclasses.replace(self.options, skip_unchanged=skip)))
+                report = self._assign(self.target, staged,
+                                      **dataclasses.replace(self.options, skip_unchanged=skip).assign_words())
                 # still inside the swap: a reader never sees new weights under the old version
                 previous, self.version, self.report, self.error = self.version, held, report, None
         except VersionGoneError:

@@ -14,7 +14,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -33,6 +33,31 @@ class AssignWarning(UserWarning):
     """A non-strict assign left most of the selected variables as they were."""
 
 
+class SelectionWords(TypedDict, total=False):
+    """The keyword arguments every export takes (``tf2.export(model, scope=..., include=...)``).
+
+    Each adapter's ``export`` declares ``**selection: Unpack[SelectionWords]`` and makes a
+    :class:`Selection` of them, so the words, their types and their defaults are the same in
+    every adapter, the hooks and the CLI; mypy checks every call. The fields of
+    :class:`Selection` are these words (a test holds the two to one list).
+    """
+
+    scope: str | None
+    include: Patterns
+    exclude: Patterns
+    trainable_only: bool
+    also: Patterns
+
+
+class AssignWords(SelectionWords, total=False):
+    """The keyword arguments every assign takes: :class:`SelectionWords` plus :class:`AssignOptions`'s own."""
+
+    mapping: MappingRules
+    strict: bool
+    cast: bool
+    skip_unchanged: bool | None
+
+
 @dataclass(frozen=True)
 class Selection:
     """Which variables an export or assign sees; the same words in every adapter.
@@ -46,6 +71,15 @@ class Selection:
     exclude: Patterns = None
     trainable_only: bool = False
     also: Patterns = None
+
+    def keeps(self, key: str, trainable: bool) -> bool:
+        """The ``trainable_only`` rule for a variable with scope-relative ``key``."""
+        return keeps(key, trainable, self.trainable_only, self.also)
+
+    def words(self) -> SelectionWords:
+        """These options as the keyword arguments that make them, to pass on to an export."""
+        return SelectionWords(scope=self.scope, include=self.include, exclude=self.exclude,
+                              trainable_only=self.trainable_only, also=self.also)
 
 
 @dataclass(frozen=True)
@@ -62,6 +96,11 @@ class AssignOptions(Selection):
     strict: bool = True
     cast: bool = False
     skip_unchanged: bool | None = None
+
+    def assign_words(self) -> AssignWords:
+        """These options as the keyword arguments that make them, to pass on to an assign."""
+        return AssignWords(**self.words(), mapping=self.mapping, strict=self.strict, cast=self.cast,
+                           skip_unchanged=self.skip_unchanged)
 
 
 @dataclass(frozen=True)

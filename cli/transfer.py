@@ -19,11 +19,12 @@ import weightstore
 from weightstore.adapters import checkpoints
 from weightstore.adapters import layout as layouts
 from weightstore.adapters.checkpoints import Source
+from weightstore.adapters.plan import Selection
 from weightstore.cli.render import track, working
 from weightstore.errors import FormatError, LayoutError, SelectionError, StoreExistsError, StoreNotFoundError
 from weightstore.formats import format_for_suffix, sniff
-from weightstore.keys import MappingRules, Patterns, passes, plan_inward, plan_outward, validate_key
-from weightstore.storage import is_url
+from weightstore.io.location import is_url
+from weightstore.keys import MappingRules, Patterns, plan_inward, plan_outward, validate_key
 from weightstore.store import output_format
 
 _SHOWN = 5  # colliding keys named in an error; the rest are counted
@@ -53,16 +54,16 @@ def read(source: Source, plan: Mapping[str, str], description: str) -> dict[str,
     return {new: source[plan[new]] for new in track(items, description, total)}
 
 
-def export(source: Source, out: str, *, scope: str | None, mapping: MappingRules, include: Patterns,
-           exclude: Patterns, trainable_only: bool, compress: bool | str, also: Patterns = None) -> Written:
-    """``also`` (with ``trainable_only``) keeps keys matching it too: the batch-norm statistics a
-    seed needs beside the trainable weights. It matches the keys after scope and mapping."""
+def export(source: Source, out: str, *, selection: Selection, mapping: MappingRules, compress: bool | str) -> Written:
+    """The tensors ``selection`` keeps, as an adapter's export keeps them; ``also`` matches the
+    keys after scope and mapping (``--also '*/bn/moving_*'``: batch-norm statistics beside the
+    trainable weights)."""
     output_format(out)
-    plan = plan_outward(source.keys(), scope=scope, mapping=mapping, include=include, exclude=exclude,
-                        where=source.path)
-    if trainable_only:
+    plan = plan_outward(source.keys(), scope=selection.scope, mapping=mapping, include=selection.include,
+                        exclude=selection.exclude, where=source.path)
+    if selection.trainable_only:
         trainable = source.trainable_keys()
-        plan = {new: old for new, old in plan.items() if old in trainable or (also and passes(new, include=also))}
+        plan = {new: old for new, old in plan.items() if selection.keeps(new, old in trainable)}
         if not plan:
             raise SelectionError("no trainable variable is selected", path=source.path)
     if not plan:

@@ -1,13 +1,12 @@
 """``save``, ``load`` and ``open`` over local paths and fsspec URLs, with atomic replace.
 
 How a save becomes visible (rename beside the target locally, one upload to a URL), and which
-targets it refuses to replace, is :mod:`weightstore.storage`'s business; this module checks the
+targets it refuses to replace, is :mod:`weightstore.io`'s business; this module checks the
 input, picks the format and streams tensors into the file the commit protocol hands it.
 """
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import functools
 import json
@@ -31,11 +30,13 @@ from weightstore.errors import (
 )
 from weightstore.formats import Format, Reader, format_for_suffix, format_named, known_suffixes, sniff
 from weightstore.formats.foreign import open_foreign
-from weightstore.formats.source import RemoteFile
 from weightstore.gcpause import paused_gc
+from weightstore.io.commit import commit_for
+from weightstore.io.files import open_regular
+from weightstore.io.location import filesystem, location_of
+from weightstore.io.remote import RemoteFile
 from weightstore.keys import MappingRules, Patterns, plan_outward, validate_keys
 from weightstore.manifest import TensorInfo, build_manifest, content_digest, dtype_name, logical_dtype, to_storage
-from weightstore.storage import commit_for, filesystem, location_of
 
 _S = TypeVar("_S", bound="Store")
 #: tensors of at least this many bytes are hashed beside their write (see :func:`write_file`)
@@ -194,13 +195,13 @@ def _open(path: Any, *, verify: bool, format: str | None, mmap: bool) -> Store: 
         foreign = open_foreign(location)
         if foreign is not None:
             return Store(foreign, foreign.name, verify)
+    if os.path.isdir(location):
+        raise StoreNotFoundError("is a folder, not a weight file", path=location)
     try:
-        with builtins.open(location, "rb") as handle:
+        with open_regular(location) as handle:
             head = handle.read(8)
     except FileNotFoundError:
         raise StoreNotFoundError("no such file", path=location) from None
-    except IsADirectoryError:
-        raise StoreNotFoundError("is a folder, not a weight file", path=location) from None
     fmt = format_named(format) if format else format_for_suffix(location) or sniff(head, location)
     return Store(fmt.open_reader(location, location, mmap=mmap), location, verify)
 

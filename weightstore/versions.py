@@ -86,7 +86,9 @@ from weightstore.errors import (
     VersionGoneError,
 )
 from weightstore.formats import format_for_suffix, format_named
-from weightstore.storage import Folder, LocalFolder, folder_for, location_of, remove_stale_temporaries
+from weightstore.io.files import remove_stale_temporaries
+from weightstore.io.folders import Folder, LocalFolder, folder_for
+from weightstore.io.location import location_of
 from weightstore.store import Store, _checked, checked_metadata, write_file
 
 __all__ = ["Version", "VersionEntry", "PublishOptions", "publish", "latest", "follow", "list_versions"]
