@@ -23,7 +23,7 @@ from weightstore.adapters.artifacts import open_artifact
 from weightstore.errors import AssignmentError
 from weightstore.keys import MappingRules, Patterns, in_scope, normalize_scope, passes, plan_inward, strip_scope
 from weightstore.keys import suggest as keys_suggest
-from weightstore.manifest import logical_dtype
+from weightstore.manifest import TensorInfo, logical_dtype
 
 __all__ = ["Report", "SelectionWords", "AssignWords", "Selection", "AssignOptions", "AssignWarning"]
 
@@ -203,7 +203,7 @@ class Values:
         return tuple(self._store.info(key).shape) if self._store is not None else self._arrays[key].shape
 
     def checksum(self, key: str) -> str | None:
-        return self._store.info(key).checksum if self._store is not None else None
+        return reload_digest(self._store.info(key)) if self._store is not None else None
 
     def prefetch(self, keys: list[str]) -> None:
         """Read ``keys`` from the store together (an npz checks and maps many small tensors in
@@ -417,6 +417,14 @@ class ChecksumMemory:
 
 
 MEMORY = ChecksumMemory()
+
+
+def reload_digest(info: TensorInfo) -> str | None:
+    """What hot reload compares to decide a tensor is unchanged: its content digest, dtype and
+    shape (equal bytes of another dtype are other values). None where the file has no digest
+    (written before manifest version 3): such a tensor is always written, never trusted to a
+    CRC-32, which a changed tensor can match."""
+    return None if info.digest is None else f"{info.digest} {info.dtype}{list(info.shape)}"
 
 
 def wants_skip(weights: Any, skip_unchanged: bool | None) -> bool:

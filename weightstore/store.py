@@ -7,6 +7,7 @@ input, picks the format and streams tensors into the file the commit protocol ha
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterable, Iterator, Mapping
@@ -14,7 +15,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from weightstore import __version__
+from weightstore import __version__, parallel
 from weightstore.errors import (
     FormatError,
     KeyNotInStoreError,
@@ -35,9 +36,11 @@ from weightstore.io.files import open_regular
 from weightstore.io.location import filesystem, location_of
 from weightstore.io.remote import RemoteFile
 from weightstore.keys import MappingRules, Patterns, plan_outward, validate_keys
-from weightstore.manifest import TensorInfo, build_manifest, dtype_name, logical_dtype, to_storage
+from weightstore.manifest import TensorInfo, build_manifest, content_digest, dtype_name, logical_dtype, to_storage
 
 _S = TypeVar("_S", bound="Store")
+#: tensors of at least this many bytes are hashed beside their write (see :func:`write_file`)
+_HASH_BESIDE = 1 << 20
 
 
 class Store(Mapping):
@@ -489,11 +492,16 @@ def write_file(path: str, fmt: Format, arrays: _Checked,
     metadata = checked_metadata(metadata, path)  # before the file exists (callers check earlier, naming theirs)
     writer = fmt.open_writer(path, compress)
     try:
-        tensors = []
+        tensors, digests = [], []
         for key, name, data in arrays.stored():  # read/converted now: one tensor in memory at a time
+            # a large tensor is hashed on the helper thread while the writer writes it (both release
+            # the GIL); a small one after, still in cache, as a hand-off costs more than its hash
+            hashing = parallel.beside(functools.partial(content_digest, data)) if data.nbytes >= _HASH_BESIDE else None
             tensors.append((key, name, data.shape, writer.add(key, name, data)))
+            digests.append(content_digest(data) if hashing is None else hashing.result())
             del data
-        writer.commit(build_manifest(tensors, metadata, f"weightstore {__version__}", writer.locations, writer.codecs))
+        writer.commit(build_manifest(tensors, metadata, f"weightstore {__version__}", writer.locations, writer.codecs,
+                                     digests))
     except BaseException:
         writer.abort()
         raise
