@@ -25,7 +25,7 @@ from isal import isal_zlib
 
 from weightstore import crc as _crc
 from weightstore.errors import ChecksumError, FormatError, KeyNotInStoreError, UnsafeFileError
-from weightstore.formats import Format, foreign_keys, shuffle_zstd, zipdir
+from weightstore.formats import Format, ReaderDefaults, foreign_keys, shuffle_zstd, zipdir
 from weightstore.formats.zipdir import (
     CENTRAL_SIG,
     DEFLATED,
@@ -309,7 +309,7 @@ class NpzWriter:
             self._file.close()
 
 
-class NpzReader:
+class NpzReader(ReaderDefaults):
     """Reads the central directory and manifest at open; each tensor only when asked."""
 
     def __init__(self, source: ByteSource):
@@ -653,7 +653,8 @@ class NpzReader:
 
         Plain stored members of a local file with a manifest (the usual case) are checked and
         read together by :meth:`_read_together`, from the map, or with ``mmap=False`` from one
-        read of the span that holds the small ones; any other member by :meth:`_read_one`.
+        read of the span that holds the small ones; any other member by :meth:`_read_one`, the
+        rule (see :meth:`_read_together` for the differential test binding the two).
         """
         if len(keys) < _FEW or self._manifest is None or not isinstance(self._source, (MappedFile, OwnedFile)):
             return [self._read_one(key, verify) for key in keys]
@@ -699,7 +700,12 @@ class NpzReader:
         (:meth:`_data_starts`), then per member only what must be: its npy header compared byte
         for byte as a slice, its data viewed in place and checksummed. A member that fails a
         check, or is not a plain stored ``.npy`` (position -1), goes to :meth:`_read_one`, which
-        raises the precise error (or reads it)."""
+        raises the precise error (or reads it).
+
+        Fast twin of :meth:`_read_one`, which is the rule; bound by the differential test
+        ``tests/test_npz_fastpath.py::test_damaged_directories_read_alike_on_either_path``
+        (every tensor read, or refused, alike) and by
+        ``test_npz_fastpath.py::test_keys_compression_and_sources_read_the_same``."""
         table = self._table
         names, shapes, nbytes, crcs = table.rows()  # type: ignore[union-attr]  # read_many checked there is one
         rows = (positions.tolist() if self._in_table_order and positions.min() >= 0
