@@ -30,6 +30,7 @@ from weightstore.errors import (
     StoreNotFoundError,
     UnsupportedDTypeError,
 )
+from weightstore.extras import install_hint
 from weightstore.formats import keras_file
 from weightstore.formats.tf_checkpoint import KIND_TF2, STATE_FILE, CheckpointReader, read_state_file, resolve_prefix
 from weightstore.io.commit import IndexLastCommit, RenameCommit
@@ -62,7 +63,7 @@ def _tf():
         return tf
     except ImportError:
         raise MissingDependencyError(
-            "writing TensorFlow checkpoints and reading .meta graphs need TensorFlow: pip install 'weightstore[tf]'"
+            f"writing TensorFlow checkpoints and reading .meta graphs need TensorFlow: {install_hint('tf')}"
         ) from None
 
 
