@@ -177,17 +177,23 @@ def assign(
                             trainable_only=trainable_only, also=also, strict=strict, cast=cast,
                             skip_unchanged=skip_unchanged)
 
+    written: set[int] = set()
+
     def write(batch: list[tuple[str, np.ndarray]], report: Report) -> list[str]:
         _write_batch([(found[key][0], array) for key, array in batch])
+        written.update(id(found[key][0]) for key, _ in batch)
         return [key for key, _ in batch]
 
     target = Target(targets, write, owner=lambda key: found[key][0], batched=True)
-    if not _structured(obj, weights):
-        return run_assign(target, weights, options)
-    at = normalize_scope(scope)
-    with for_model(_part_at(obj, at), weights, {strip_scope(key, at): var for key, (var, _) in found.items()
-                                                 if in_scope(key, at) and key != at}) as paired:
-        return run_assign(target, paired, options, skip_for=weights)
+    try:
+        if not _structured(obj, weights):
+            return run_assign(target, weights, options)
+        at = normalize_scope(scope)
+        with for_model(_part_at(obj, at), weights, {strip_scope(key, at): var for key, (var, _) in found.items()
+                                                     if in_scope(key, at) and key != at}) as paired:
+            return run_assign(target, paired, options, skip_for=weights)
+    finally:  # after a partial failure too: the layers hold what their variables now hold
+        _finalize(obj, written)
 
 
 def load(obj: Any, path: Any, *, include: Patterns = None, exclude: Patterns = None,
@@ -232,6 +238,38 @@ def _part_at(obj: Any, scope: str) -> Any:
             raise SelectionError(f"{_describe(obj)} has no layer or module at scope {scope!r} to pair a file with")
         part = named[segment]
     return part
+
+
+def _finalize(obj: Any, written: set[int]) -> None:
+    """Let each Keras layer that derives state from variables just written recompute it.
+
+    An adapted ``Normalization`` divides by constants made from its ``mean`` and ``variance``
+    variables when it was adapted or built, not by the variables: writing them changes nothing
+    it computes until ``finalize_state()`` runs again. Keras's loaders run it after loading a
+    layer's variables (``saving_lib`` through the layer's own ``load_own_variables``, the
+    legacy HDF5 loader for every layer that has the method and received weights), which is
+    the rule here: any layer with a ``finalize_state`` one of whose variables was written.
+    Among Keras's own layers that is ``Normalization``; ``Discretization`` keeps its bins and
+    the lookup layers their vocabulary outside their variables (config, assets), so an assign
+    leaves those as the target has them, as ``load_weights`` does. A dict or list of
+    variables names no layers, so nothing is finalized for it.
+    """
+    if not written:
+        return
+    for layer in _keras_layers(obj):
+        finalize = getattr(layer, "finalize_state", None)
+        if callable(finalize) and any(id(var) in written for var in layer.weights):
+            finalize()
+
+
+def _keras_layers(obj: Any) -> list[keras.layers.Layer]:
+    """Every Keras layer in ``obj`` (a layer and all below it, or those a ``tf.Module`` holds)."""
+    if isinstance(obj, keras.layers.Layer):
+        return list(obj._flatten_layers(include_self=True, recursive=True))
+    if isinstance(obj, tf.Module):
+        tops = obj._flatten(predicate=lambda x: isinstance(x, keras.layers.Layer))
+        return [layer for top in tops for layer in top._flatten_layers(include_self=True, recursive=True)]
+    return []
 
 
 def _optimizer_variables(obj: Any) -> list[Variable]:
