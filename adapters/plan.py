@@ -21,7 +21,17 @@ import numpy as np
 import weightstore
 from weightstore.adapters.artifacts import open_artifact
 from weightstore.errors import AssignmentError
-from weightstore.keys import MappingRules, Patterns, in_scope, normalize_scope, passes, plan_inward, strip_scope
+from weightstore.keys import (
+    MappingRules,
+    Patterns,
+    in_scope,
+    join_scope,
+    normalize_scope,
+    passes,
+    plan_inward,
+    require_matches,
+    strip_scope,
+)
 from weightstore.keys import suggest as keys_suggest
 from weightstore.manifest import logical_dtype
 
@@ -255,13 +265,15 @@ def plan_assign(
     every_key = values.keys()
     value_keys = plan_inward([key for key in every_key if key not in left_out] if left_out else every_key, scope=norm_scope, mapping=options.mapping, include=include,
                              exclude=exclude, where=values.where)
-    chosen = {
-        key: info
+    selectable = {
+        strip_scope(key, norm_scope): info
         for key, info in targets.items()
-        if in_scope(key, norm_scope) and key != norm_scope
-        and passes(strip_scope(key, norm_scope), include, exclude)
-        and keeps(strip_scope(key, norm_scope), info.trainable, options.trainable_only, options.also)
+        if in_scope(key, norm_scope) and key != norm_scope and passes(strip_scope(key, norm_scope), include, exclude)
     }
+    if options.also:
+        require_matches(selectable.keys(), options.also, "also", "the model's variables")
+    chosen = {join_scope(norm_scope, relative): info for relative, info in selectable.items()
+              if keeps(relative, info.trainable, options.trainable_only, options.also)}
     report = Report(left_out=[key for key in every_key if key in left_out] if left_out else [])
     report.missing = [k for k in chosen if k not in value_keys and not (optional and optional(k))]
     report.unexpected = [k for k in value_keys if k not in chosen and not (optional and optional(k))]

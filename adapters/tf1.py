@@ -39,7 +39,7 @@ from weightstore.adapters import tf1_training
 from weightstore.adapters.plan import MEMORY, AssignOptions, Plan, Report, TargetInfo, keeps, plan_assign
 from weightstore.adapters.skeleton import Target, private_copy, run_assign
 from weightstore.errors import AssignmentError, FormatError, InvalidKeyError, SelectionError
-from weightstore.keys import MappingRules, Patterns, from_tf_name, plan_outward
+from weightstore.keys import MappingRules, Patterns, from_tf_name, plan_outward, require_matches
 from weightstore.manifest import ML_DTYPES
 
 __all__ = ["export", "assign", "forget"]
@@ -91,11 +91,12 @@ def export(
     """
     targets = _targets(sess.graph)
     plan = plan_outward(targets, scope=scope, include=include, exclude=exclude, where="the graph")
+    if also:
+        require_matches(plan.keys(), also, "also", "the graph")
     if trainable_only:
         kept = {key: source for key, source in plan.items() if keeps(key, targets[source].trainable, True, also)}
         if plan and not kept:
-            raise SelectionError("trainable_only keeps no variable: the selected variables are all non-trainable"
-                                 + (f" and none matches also={also!r}" if also else ""))
+            raise SelectionError("trainable_only keeps no variable: the selected variables are all non-trainable")
         plan = kept
     chosen = [targets[source] for source in plan.values()]
     fetched = iter(sess.run([_read_tensor(part.variable) for target in chosen for part in target.parts]))

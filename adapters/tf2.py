@@ -70,6 +70,7 @@ from weightstore.keys import (
     normalize_scope,
     passes,
     plan_outward,
+    require_matches,
     strip_scope,
     validate_key,
 )
@@ -122,6 +123,8 @@ def selected(
     """Key -> variable for exactly what :func:`export` reads with the same words (for snapshots)."""
     found = _collect(obj, optimizer)
     plan = plan_outward(found, scope=scope, include=include, exclude=exclude, where=_describe(obj))
+    if also:
+        require_matches(plan.keys(), also, "also", _describe(obj))
     chosen = {new: found[old][0] for new, old in plan.items() if keeps(new, found[old][1], trainable_only, also)}
     if not chosen:
         why = "no variables (build a Keras model before exporting it)" if not found else "no variable passes the selection"

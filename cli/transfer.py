@@ -22,7 +22,7 @@ from weightstore.adapters.checkpoints import Source
 from weightstore.cli.render import track, working
 from weightstore.errors import FormatError, LayoutError, SelectionError, StoreExistsError, StoreNotFoundError
 from weightstore.formats import format_for_suffix, sniff
-from weightstore.keys import MappingRules, Patterns, passes, plan_inward, plan_outward, validate_key
+from weightstore.keys import MappingRules, Patterns, passes, plan_inward, plan_outward, require_matches, validate_key
 from weightstore.storage import is_url
 from weightstore.store import output_format
 
@@ -60,6 +60,8 @@ def export(source: Source, out: str, *, scope: str | None, mapping: MappingRules
     output_format(out)
     plan = plan_outward(source.keys(), scope=scope, mapping=mapping, include=include, exclude=exclude,
                         where=source.path)
+    if also:
+        require_matches(plan.keys(), also, "--also", path=source.path)
     if trainable_only:
         trainable = source.trainable_keys()
         plan = {new: old for new, old in plan.items() if old in trainable or (also and passes(new, include=also))}

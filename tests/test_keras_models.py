@@ -120,3 +120,31 @@ def test_adapted_lookup_keeps_its_vocabulary_as_load_weights_does(tmp_path):
     tf2.assign(model, path)
     words = tf.constant([["a", "b"], ["c", "x"]])
     np.testing.assert_array_equal(model(words), keras_loaded(lambda: looked_up([["c", "b"], ["c", "a"]]), path)(words))
+
+
+# --- a selection word that matches nothing is an error naming the closest key ---------------
+
+def batch_normed(bn_name=None):
+    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.BatchNormalization(name=bn_name),
+                             keras.layers.Dense(2)], name="net")
+
+
+@pytest.mark.parametrize(("bn_name", "closest"), [(None, "batch_normalization/moving_mean"), ("bn", "bn/moving_mean")],
+                         ids=["default-named", "top-level"])
+def test_also_matching_nothing_names_the_closest_key(bn_name, closest):
+    model = batch_normed(bn_name)
+    with pytest.raises(ws.SelectionError) as caught:
+        tf2.export(model, trainable_only=True, also="*/bn/moving_*")
+    assert str(caught.value) == f"also '*/bn/moving_*' matches no key in Sequential 'net'; did you mean {closest!r}?"
+    before = tf2.export(model)
+    with pytest.raises(ws.SelectionError) as caught:
+        tf2.assign(model, {key: value + 1 for key, value in before.items()}, trainable_only=True, also="*/bn/moving_*")
+    assert str(caught.value) == f"also '*/bn/moving_*' matches no key in the model's variables; did you mean {closest!r}?"
+    assert all(np.array_equal(value, before[key]) for key, value in tf2.export(model).items())  # nothing changed
+
+
+def test_include_word_matching_nothing_is_an_error_even_beside_one_that_matches():
+    model = batch_normed("bn")
+    with pytest.raises(ws.SelectionError) as caught:
+        tf2.export(model, include=["dense", "bn/moving_men"])
+    assert str(caught.value) == "include 'bn/moving_men' matches no key in Sequential 'net'; did you mean 'bn/moving_mean'?"
