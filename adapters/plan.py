@@ -201,6 +201,38 @@ class Values:
             self._store.close()
 
 
+class RenamedValues:
+    """A view of :class:`Values` with some keys renamed (``renames``: old key -> new key)."""
+
+    def __init__(self, values: Values, renames: Mapping[str, str]):
+        self._values = values
+        names = values.keys()  # a Values, not a dict: it has no __iter__
+        self._old = {renames.get(key, key): key for key in names}
+        self.where = values.where
+        self.exact_keys = values.exact_keys
+
+    def keys(self) -> list[str]:
+        return list(self._old)
+
+    def dtype(self, key: str) -> np.dtype:
+        return self._values.dtype(self._old[key])
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._values.shape(self._old[key])
+
+    def checksum(self, key: str) -> str | None:
+        return self._values.checksum(self._old[key])
+
+    def prefetch(self, keys: list[str]) -> None:
+        self._values.prefetch([self._old[key] for key in keys])
+
+    def read(self, key: str) -> np.ndarray:
+        return self._values.read(self._old[key])
+
+    def read_into(self, key: str, out: np.ndarray) -> np.ndarray:
+        return self._values.read_into(self._old[key], out)
+
+
 @contextlib.contextmanager
 def open_values(weights: Any) -> Iterator[Values]:
     values = Values(weights)

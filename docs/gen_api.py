@@ -19,7 +19,7 @@ PUBLIC = [
     ("weightstore", ["save", "load", "open", "Store", "select", "remap", "TensorInfo",
                      "publish", "latest", "follow", "Version", "BackgroundPublisher"]),
     ("weightstore.adapters.tf1", ["export", "assign", "forget"]),
-    ("weightstore.adapters.tf2", ["export", "assign", "load", "variables", "forget"]),
+    ("weightstore.adapters.tf2", ["export", "assign", "load", "keys", "variables", "forget"]),
     ("weightstore.adapters.torch", ["export", "assign", "forget"]),
     ("weightstore.adapters.flax", ["export", "assign", "restore", "forget"]),
     ("weightstore.adapters.layout", ["Rule", "Layout", "convert"]),

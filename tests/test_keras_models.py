@@ -148,3 +148,137 @@ def test_include_word_matching_nothing_is_an_error_even_beside_one_that_matches(
     with pytest.raises(ws.SelectionError) as caught:
         tf2.export(model, include=["dense", "bn/moving_men"])
     assert str(caught.value) == "include 'bn/moving_men' matches no key in Sequential 'net'; did you mean 'bn/moving_mean'?"
+
+
+# --- keys: stable across instances, Keras's own names in a process's first model -------------
+
+def bilstm():
+    inputs = keras.Input((5, 3))
+    x = keras.layers.Bidirectional(keras.layers.LSTM(4, return_sequences=True))(inputs)
+    x = keras.layers.Bidirectional(keras.layers.GRU(3))(x)
+    return keras.Model(inputs, keras.layers.Dense(2)(x))
+
+
+def time_distributed():
+    inputs = keras.Input((5, 3))
+    return keras.Model(inputs, keras.layers.TimeDistributed(keras.layers.Dense(4))(inputs))
+
+
+def transformer_block():
+    inputs = keras.Input((6, 8))
+    attended = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)(inputs, inputs)
+    x = keras.layers.LayerNormalization()(inputs + attended)
+    x = keras.layers.LayerNormalization()(x + keras.layers.Dense(8)(keras.layers.Dense(16, activation="relu")(x)))
+    return keras.Model(inputs, x)
+
+
+def holding_a_model():
+    inner = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(4)])
+    inputs = keras.Input((3,))
+    return keras.Model(inputs, keras.layers.Dense(2)(inner(inputs)))
+
+
+def out_of_order():
+    """The second Dense is made first: Keras names it ``dense``, though it comes second in the graph."""
+    second, first = keras.layers.Dense(2), keras.layers.Dense(3)
+    inputs = keras.Input((3,))
+    return keras.Model(inputs, second(first(inputs)))
+
+
+def mobilenet():
+    return keras.applications.MobileNet(input_shape=(32, 32, 3), alpha=0.25, weights=None, classes=3)
+
+
+ARCHITECTURES = {"bilstm": (bilstm, (2, 5, 3)), "time_distributed": (time_distributed, (2, 5, 3)),
+                 "transformer": (transformer_block, (2, 6, 8)), "nested": (holding_a_model, (2, 3)),
+                 "out_of_order": (out_of_order, (2, 3)), "mobilenet": (mobilenet, (1, 32, 32, 3))}
+
+
+@pytest.fixture(scope="module", params=list(ARCHITECTURES))
+def two_instances(request):
+    build, shape = ARCHITECTURES[request.param]
+    return build(), build(), RNG.normal(size=shape).astype("float32")
+
+
+def test_two_instances_have_one_set_of_keys_and_trade_weights(two_instances, tmp_path):
+    first, second, x = two_instances
+    assert tf2.keys(first) == tf2.keys(second)
+    ws.save(tmp_path / "w.npz", tf2.export(first))
+    report = tf2.assign(second, tmp_path / "w.npz")
+    assert report.ok and len(report.assigned) == len(tf2.keys(first))
+    np.testing.assert_array_equal(second(x), first(x))
+
+
+def test_wrappers_key_their_copies_without_instance_numbers():
+    assert tf2.keys(bilstm())[:3] == ["bidirectional/forward_lstm/lstm_cell/kernel",
+                                      "bidirectional/forward_lstm/lstm_cell/recurrent_kernel",
+                                      "bidirectional/forward_lstm/lstm_cell/bias"]
+    assert "bidirectional_1/backward_gru/gru_cell/bias" in tf2.keys(bilstm())
+    assert tf2.keys(time_distributed()) == ["time_distributed/dense/kernel", "time_distributed/dense/bias"]
+
+
+FIRST_IN_PROCESS = """
+import json, keras
+from tests.test_keras_models import ARCHITECTURES
+from weightstore.adapters import tf2
+out = {}
+for name in ("out_of_order", "nested", "bilstm", "time_distributed"):
+    model = ARCHITECTURES[name][0]()
+    names = {}
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        for var in layer.weights:
+            names[id(var)] = layer  # pre-order: the deepest layer holding it wins
+    paths = {}
+    def walk(layer, prefix):
+        for child in layer._flatten_layers(include_self=False, recursive=False):
+            paths[id(child)] = prefix + child.name
+            walk(child, prefix + child.name + "/")
+    walk(model, "")
+    out[name] = [[key, paths[id(names[id(var)])]] for key, var in tf2.variables(model).items()]
+    keras.backend.clear_session()  # the next model is again the first of its process, as Keras counts
+print(json.dumps(out))
+"""
+
+
+def test_in_a_fresh_process_keys_are_the_layer_names_keras_shows():
+    """Keras's own names (``layer.name``, ``model.summary()``) for the first model of a process."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", FIRST_IN_PROCESS], cwd=root, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": root, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    for name, pairs in json.loads(done.stdout.splitlines()[-1]).items():
+        for key, layer_path in pairs:
+            assert key.rsplit("/", 1)[0] == layer_path, name
+
+
+def test_keys_of_earlier_releases_still_assign():
+    """Earlier releases numbered automatic names per parent in layer order: the outer Dense of a
+    model holding a model was ``dense``, the later-made first Dense of a graph ``dense``."""
+    model = holding_a_model()
+    values = {key: RNG.normal(size=np.shape(value)).astype("float32") for key, value in tf2.export(model).items()}
+    old = {key.replace("dense_2/", "dense/", 1) if key.startswith("dense_2/") else key: value
+           for key, value in values.items()}
+    assert "dense/kernel" in old and tf2.assign(model, old).ok
+    for key, value in tf2.export(model).items():
+        np.testing.assert_array_equal(value, values[key])
+
+
+def test_one_member_of_an_ensemble_assigns_into_another_by_scope():
+    inputs = keras.Input((3,))
+    members = [holding_a_model() for _ in range(2)]
+    for i, member in enumerate(members):
+        member.name = f"member_{i}"
+    ensemble = keras.Model(inputs, [member(inputs) for member in members])
+    keys = tf2.keys(ensemble)
+    assert "member_1/sequential_1/dense_3/kernel" in keys  # numbered from the root, as Keras shows them
+    part = tf2.export(members[0])  # a member on its own: numbered from itself, like any model
+    assert list(part) == tf2.keys(holding_a_model())
+    report = tf2.assign(ensemble, {key: value + 1 for key, value in part.items()}, scope="member_1")
+    assert report.ok and len(report.assigned) == len(part)
+    for key, value in tf2.export(members[1]).items():
+        np.testing.assert_array_equal(value, tf2.export(members[0])[key] + 1)
