@@ -282,3 +282,63 @@ def test_one_member_of_an_ensemble_assigns_into_another_by_scope():
     assert report.ok and len(report.assigned) == len(part)
     for key, value in tf2.export(members[1]).items():
         np.testing.assert_array_equal(value, tf2.export(members[0])[key] + 1)
+
+
+# --- ws import into a Keras file: the values Keras reads, or a refusal saying what to do -----
+
+def ws_command(*args):
+    from typer.testing import CliRunner
+
+    from weightstore.cli.main import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def small_dense():
+    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="head")])
+
+
+@pytest.mark.parametrize("suffix", [".weights.h5", ".keras"])
+def test_ws_import_into_a_keras_file_replaces_what_load_weights_reads(tmp_path, suffix):
+    model = small_dense()
+    path = tmp_path / f"m{suffix}"
+    (model.save_weights if suffix == ".weights.h5" else model.save)(path)
+    names = tmp_path / "names.npz"
+    assert ws_command("export", path, "-o", names).exit_code == 0
+    fix = {key: value + 1 for key, value in ws.load(names).items()}
+    ws.save(tmp_path / "fix.npz", fix)
+    refused = ws_command("import", tmp_path / "fix.npz", "--into", path)
+    assert refused.exit_code != 0 and "is a Keras file: an import replaces tensors Keras reads (2 of them); " \
+                                     "pass --overwrite to replace them" in refused.output
+    done = ws_command("import", tmp_path / "fix.npz", "--into", path, "--overwrite")
+    assert done.exit_code == 0, done.output
+    loaded = small_dense()
+    loaded.load_weights(path)
+    assert sorted(fix) == ["layers/dense/vars/0", "layers/dense/vars/1"]  # Keras's save walk names it by class
+    np.testing.assert_array_equal(loaded.layers[0].kernel.numpy(), fix["layers/dense/vars/0"])
+    np.testing.assert_array_equal(loaded.layers[0].bias.numpy(), fix["layers/dense/vars/1"])
+
+
+def test_ws_import_of_model_keys_into_a_keras_file_is_refused_saying_what_to_do(tmp_path):
+    model = small_dense()
+    path = tmp_path / "m.weights.h5"
+    model.save_weights(path)
+    before = path.read_bytes()
+    ws.save(tmp_path / "fix.npz", {key: value + 1 for key, value in tf2.export(model).items()})
+    result = ws_command("import", tmp_path / "fix.npz", "--into", path, "--overwrite")
+    assert result.exit_code != 0
+    text = " ".join(result.output.split())
+    assert (f"{path}: tensor 'head/kernel': is a Keras file, which Keras reads by its own tensor names only "
+            "(layers/<layer>/vars/<i>), and has no such tensor") in text
+    assert f"`ws export {path} -o names.npz` writes them" in text
+    assert path.read_bytes() == before
+
+
+def test_ws_import_of_a_wrong_shape_into_a_keras_file_names_both(tmp_path):
+    path = tmp_path / "m.weights.h5"
+    small_dense().save_weights(path)
+    ws.save(tmp_path / "fix.npz", {"layers/dense/vars/0": np.zeros((2, 3), np.float32)})
+    result = ws_command("import", tmp_path / "fix.npz", "--into", path, "--overwrite")
+    assert result.exit_code != 0
+    assert ("tensor 'layers/dense/vars/0': holds float32[3, 2]; the import gives float32[2, 3], which Keras "
+            "could not load in its place") in " ".join(result.output.split())
