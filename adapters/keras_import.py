@@ -26,6 +26,7 @@ from weightstore.errors import FormatError, KeyNotInStoreError
 from weightstore.formats import keras_file
 from weightstore.io.commit import RenameCommit
 from weightstore.keys import suggest
+from weightstore.manifest import logical_dtype
 
 __all__ = ["is_keras_target", "replace_in_keras_file"]
 
@@ -60,11 +61,11 @@ def _checked(target: str, weights: Mapping[str, np.ndarray]) -> dict[str, np.nda
                     f"tf2.assign(model, weights); model.save_weights(...)", path=target, key=key)
             info = store.info(key)
             array = np.asarray(value)
-            if tuple(array.shape) != tuple(info.shape) or not widens(array.dtype, info.dtype):
-                raise FormatError(f"holds {describe(info.dtype, tuple(info.shape))}; the import gives "
+            if tuple(array.shape) != tuple(info.shape) or not widens(array.dtype, logical_dtype(info.dtype)):
+                raise FormatError(f"holds {describe(logical_dtype(info.dtype), tuple(info.shape))}; the import gives "
                                   f"{describe(array.dtype, array.shape)}, which Keras could not load in its place",
                                   path=target, key=key)
-            converted[key] = array.astype(info.dtype, copy=False)
+            converted[key] = array.astype(logical_dtype(info.dtype), copy=False)
     return converted
 
 
