@@ -14,7 +14,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import Any, Protocol, TypedDict
 
 import numpy as np
 
@@ -182,6 +182,25 @@ class Plan:
     report: Report
 
 
+class ValueSource(Protocol):
+    """What a plan pairs and an assign reads values through: :class:`Values`, or a view of it
+    under other names (:class:`~weightstore.adapters.layout.LaidOutValues`)."""
+
+    #: the file (or "the weight dictionary") errors and reports name
+    where: str
+    #: keys were paired with the model by structure: an error suggests no look-alike keys
+    exact_keys: bool
+
+    def keys(self) -> list[str]: ...
+    def dtype(self, key: str) -> np.dtype: ...
+    def shape(self, key: str) -> tuple[int, ...]: ...
+    def checksum(self, key: str) -> str | None: ...
+    def read(self, key: str) -> np.ndarray: ...
+
+    def prefetch(self, keys: list[str]) -> None:
+        """Read ``keys`` together now, for the :meth:`read` of each that follows (or do nothing)."""
+
+
 class Values:
     """A uniform lazy view over what ``assign`` accepts: a dict, a path, a Store or a Version."""
 
@@ -202,7 +221,7 @@ class Values:
             raise TypeError(f"weights must be a dict, a path, a Store or a Version, not {type(weights).__name__}")
         self._ready: dict[str, np.ndarray] = {}  # read by prefetch, not yet handed out
         self.where = self._store.path if self._store is not None else "the weight dictionary"
-        self.exact_keys = getattr(self._store, "exact_keys", False)  # keys paired by structure: no hints
+        self.exact_keys = self._store is not None and self._store.exact_keys  # keys paired by structure: no hints
 
     def keys(self) -> list[str]:
         return self._store.keys() if self._store is not None else list(self._arrays)
@@ -311,7 +330,7 @@ def describe(dtype: np.dtype, shape: tuple[int, ...]) -> str:
 
 
 def plan_assign(
-    values: Values,
+    values: ValueSource,
     targets: Mapping[str, TargetInfo],
     options: AssignOptions,
     *,

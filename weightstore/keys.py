@@ -81,7 +81,11 @@ def validate_keys(keys: Iterable[object]) -> list[str]:
 def _maybe_invalid(joined: str, count: int) -> bool:
     """Whether ``count`` keys joined by NUL might break a rule of :func:`_key_problem`; False
     only when none does. Substring searches and literal-first patterns only: a pattern that
-    starts with an alternation is tried at every position, 90 ms for 50,000 keys."""
+    starts with an alternation is tried at every position, 90 ms for 50,000 keys.
+
+    Fast twin of :func:`_key_problem`, which is the rule (and names what is wrong). Bound by
+    the differential test ``tests/test_fast_paths.py::test_the_bulk_key_check_refuses_exactly_what_the_per_key_rule_refuses``
+    (and ``tests/test_keys.py::test_many_keys_at_once_refuse_the_same_keys_as_one_at_a_time``)."""
     if not joined.isascii() or joined.count("\0") != count - 1 or "\\" in joined or "__weightstore" in joined:
         return True
     if joined.startswith(("/", "\0")) or joined.endswith(("/", "\0")) or not joined:
@@ -96,6 +100,8 @@ def _maybe_invalid(joined: str, count: int) -> bool:
 
 @functools.lru_cache(maxsize=1 << 16)  # the same keys are checked on every open and assign
 def _key_problem(key: str) -> str | None:
+    """What makes ``key`` invalid, in words; ``None`` for a valid key. The rule; its fast twin
+    for many keys at once is :func:`_maybe_invalid`."""
     if not key:
         return "it is empty"
     if key.startswith("/") or key.endswith("/"):
