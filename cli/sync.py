@@ -44,6 +44,7 @@ def versions(
              "latest": entry.latest} for entry in entries]})
         return
     if not entries:
+        _refuse_serving_base(folder)
         typer.echo(f"{folder}: no versions")
         return
     for entry in entries:
@@ -68,9 +69,25 @@ def follow(
     from weightstore.versions import follow as follow_versions
 
     as_json = settings.json = settings.json or as_json  # so a failure is reported as JSON too
+    _refuse_serving_base(folder)  # numbered SavedModel folders are never ws.publish's
     for version in follow_versions(folder, poll=poll, timeout=timeout, after=after):
         if as_json:  # a stream: one object per line, so a reader can act on each as it lands
             typer.echo(json.dumps({"command": "follow", "ok": True, "step": version.step, "path": version.path,
                                    "created": version.created, "metadata": version.metadata}, ensure_ascii=False))
         else:
             typer.echo(f"{version.step}\t{version.path}")
+
+
+def _refuse_serving_base(folder: str) -> None:
+    """A TF Serving model base (``base/1/``, ``base/2/``) holds SavedModels, not ``ws.publish``
+    versions: say so, rather than "no versions" or a follow that waits forever."""
+    import os
+
+    from weightstore.errors import FormatError
+    from weightstore.formats.tf_checkpoint import serving_versions
+
+    versions = serving_versions(folder) if os.path.isdir(folder) else []
+    if versions:
+        raise FormatError(f"is a TF Serving model base (SavedModel versions {', '.join(map(str, versions))}), not a "
+                          f"folder of ws.publish versions; read one version with ws ls {os.path.join(folder, str(versions[-1]))}",
+                          path=folder)

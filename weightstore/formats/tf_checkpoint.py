@@ -118,12 +118,16 @@ _LOGICAL = {dtype: dtype_name(dtype) for dtype in _DTYPES.values()}
 
 # --- finding the checkpoint a path names -------------------------------------------------
 
+SAVED_MODEL_FILE = "saved_model.pb"
+SAVED_MODEL_VARIABLES = os.path.join("variables", "variables")
+
+
 def resolve_prefix(path: str) -> str | None:
     """The checkpoint prefix ``path`` names, or ``None`` when it names no checkpoint.
 
     Accepts the prefix itself, one of its ``.index``/``.data-…``/``.meta`` files (what shell
-    completion offers), or a folder: the checkpoint its ``checkpoint`` state file names, or
-    the only one in it. A folder that holds several but no state file is refused with the
+    completion offers), or a folder: a SavedModel's variables (:func:`saved_model_prefix`), the
+    checkpoint its ``checkpoint`` state file names, or the only one in it. A folder that holds several but no state file is refused with the
     candidates listed, as is one whose state file names a checkpoint that is not there.
     """
     if os.path.isdir(path):
@@ -138,6 +142,9 @@ def resolve_prefix(path: str) -> str | None:
 
 
 def _prefix_in_folder(folder: str) -> str:
+    saved_model = saved_model_prefix(folder)
+    if saved_model is not None:
+        return saved_model
     state = os.path.join(folder, STATE_FILE)
     if os.path.isfile(state):
         named = read_state_file(state)
@@ -152,11 +159,38 @@ def _prefix_in_folder(folder: str) -> str:
     candidates = checkpoints_in(folder)
     if len(candidates) == 1:
         return os.path.join(folder, candidates[0])
+    versions = serving_versions(folder)
+    if not candidates and versions:
+        raise StoreNotFoundError(f"is a TF Serving model base (SavedModel versions {', '.join(map(str, versions))}), "
+                                 f"not one model; name a version's folder, such as {os.path.join(folder, str(versions[-1]))}",
+                                 path=folder)
     if not candidates:
         raise StoreNotFoundError(f"is a folder, not a weight file, and holds no TF checkpoint (no '{STATE_FILE}' "
                                  "state file, no .index file)", path=folder)
     raise StoreNotFoundError(f"holds {len(candidates)} checkpoints and no '{STATE_FILE}' state file saying which to "
                              f"read; name one of: {', '.join(candidates)}", path=folder)
+
+
+def saved_model_prefix(folder: str) -> str | None:
+    """The variables checkpoint of the SavedModel in ``folder``, or None when it is not one.
+
+    ``tf.saved_model.save`` and Keras's ``model.export`` write ``saved_model.pb`` beside a
+    ``variables/`` folder holding a TF2 object checkpoint with the prefix ``variables``: the
+    weights are that checkpoint, read like any other (without TensorFlow).
+    """
+    prefix = os.path.join(folder, SAVED_MODEL_VARIABLES)
+    if os.path.isfile(os.path.join(folder, SAVED_MODEL_FILE)) and os.path.exists(prefix + ".index"):
+        return prefix
+    return None
+
+
+def serving_versions(folder: str) -> list[int]:
+    """The versions of a TF Serving model base (``base/1/``, ``base/2/``: numbered SavedModel folders), oldest first."""
+    try:
+        entries = [entry for entry in os.scandir(folder) if entry.is_dir() and entry.name.isdigit()]
+    except OSError:
+        return []
+    return sorted(int(entry.name) for entry in entries if saved_model_prefix(entry.path) is not None)
 
 
 def checkpoints_in(folder: str) -> list[str]:
