@@ -238,3 +238,27 @@ def test_follow_raises_a_storage_error_when_the_outage_outlasts_its_timeout(s3):
                "config_kwargs": {"retries": {"max_attempts": 1}}}
     with pytest.raises(ws.StorageError, match=rf"s3://{BUCKET}/down: storage failed"):
         next(ws.follow(f"s3://{BUCKET}/down", poll=0.05, timeout=0.5, storage_options=options))
+
+
+ABANDONED_FOLLOW = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import weightstore as ws
+    folder, options = sys.argv[1], json.loads(sys.argv[2])
+    ws.publish(folder, {"w": np.ones(1 << 18, np.float32)}, step=1, storage_options=options)  # 1 MB: read in ranges
+    following = ws.follow(folder, timeout=30, storage_options=options)
+    version = next(following)  # pinned: its file stays open
+    store = ws.open(version)
+    assert float(store["w"][0]) == 1.0
+    print("followed", version.step)  # then exit with the generator (and the store) left open
+""")
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_an_abandoned_follow_generator_exits_quietly(s3, folder, tmp_path, where):
+    target, options = (folder, s3) if where == "s3" else (str(tmp_path / "run"), {})
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, "-c", ABANDONED_FOLLOW, target, json.dumps(options)], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.split() == ["followed", "1"], result.stderr
+    assert "Traceback" not in result.stderr and "Exception ignored" not in result.stderr, result.stderr

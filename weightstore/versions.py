@@ -362,13 +362,19 @@ def _newer_pinned(source: Folder, last: int | None) -> Version | None:
 
 def list_versions(folder: Any, *, storage_options: Mapping[str, Any] | None = None) -> list[VersionEntry]:
     """Every version file in ``folder``, oldest first, marking the one ``LATEST`` names."""
-    source = folder_for(folder, storage_options)
-    if not source.exists():
-        raise StoreNotFoundError("no such folder", path=source.where)
+    source = require_folder(folder, storage_options=storage_options)
     pointer = _latest(source)
     named = pointer.path.rsplit("/", 1)[-1] if pointer else None
     return [VersionEntry(step, entry.name, source.url(entry.name), entry.size, entry.modified, entry.name == named)
             for step, entry in _versions(source)]
+
+
+def require_folder(folder: Any, *, storage_options: Mapping[str, Any] | None = None, hint: str = "") -> Folder:
+    """``folder`` opened, or :class:`StoreNotFoundError` naming it when it does not exist."""
+    source = folder_for(folder, storage_options)
+    if not source.exists():
+        raise StoreNotFoundError("no such folder" + (f"; {hint}" if hint else ""), path=source.where)
+    return source
 
 
 # -- the folder's state, as a publish sees it ------------------------------------------------
