@@ -61,6 +61,9 @@ means "only for versions"; pass ``True``/``False`` to force it), and list them i
 
 **URLs.** Anything fsspec opens. Credentials and endpoints come from ``storage_options=`` or
 from the environment as the client reads it (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``…).
+Reads of ``LATEST`` and of version files bypass the file system's per-process listing cache
+(s3fs keeps one): a process that listed the folder still sees what another one published
+after it.
 """
 
 from __future__ import annotations
