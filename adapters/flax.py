@@ -20,10 +20,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import numpy as np
-from flax import nnx
 from typing_extensions import Unpack
+
+from weightstore.extras import needs
+
+with needs("flax", __name__):
+    import jax
+    from flax import nnx
 
 from weightstore.adapters import layout as layouts
 from weightstore.adapters.plan import (
@@ -39,6 +43,8 @@ from weightstore.adapters.plan import (
 from weightstore.adapters.skeleton import Target, run_assign
 from weightstore.errors import InvalidKeyError, LayoutError, SelectionError
 from weightstore.keys import MappingRules, Patterns, plan_outward, validate_key
+
+__all__ = ["export", "assign", "restore", "variables", "forget"]
 
 _STATE = (nnx.Param, nnx.BatchStat)
 

@@ -28,11 +28,15 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import keras
-import tensorflow as tf
 from typing_extensions import Unpack
 
 import weightstore
+from weightstore.extras import needs
+
+with needs("tf", __name__):
+    import keras
+    import tensorflow as tf
+
 from weightstore.adapters.plan import Selection, SelectionWords
 from weightstore.background import BackgroundPublisher
 from weightstore.versions import PublishOptions, Version

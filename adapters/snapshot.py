@@ -21,10 +21,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import keras
 import numpy as np
-import tensorflow as tf
 from typing_extensions import Unpack
+
+from weightstore.extras import needs
+
+with needs("tf", __name__):
+    import keras
+    import tensorflow as tf
 
 from weightstore.adapters import tf2
 from weightstore.adapters.plan import SelectionWords

@@ -25,9 +25,13 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
-import torch
-from torch import nn
 from typing_extensions import Unpack
+
+from weightstore.extras import needs
+
+with needs("torch", __name__):
+    import torch
+    from torch import nn
 
 from weightstore.adapters import layout as layouts
 from weightstore.adapters.plan import (
@@ -44,6 +48,8 @@ from weightstore.adapters.plan import (
 from weightstore.adapters.skeleton import Target, run_assign
 from weightstore.errors import AssignmentError, LayoutError, SelectionError, UnsupportedDTypeError
 from weightstore.keys import plan_outward, validate_key
+
+__all__ = ["export", "assign", "tensors", "forget"]
 
 OPTIONAL_LEAF = "num_batches_tracked"
 #: torch dtypes numpy lacks -> (their ml_dtypes kind, a torch integer of the same width):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -22,13 +23,14 @@ from typer.testing import CliRunner
 
 import tf_forge
 import weightstore as ws
+from hostile import hostile_keras
 from weightstore.cli import render, transfer
 from weightstore.cli.guard import GuardedGroup
 from weightstore.cli.main import app
 
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
-from test_checkpoints import made, restore_with_saver  # noqa: E402,F401  (the module-scoped fixture)
+from tf_files import copy_checkpoint, restore_with_saver, same_architecture  # noqa: E402
 
 WS = os.path.join(os.path.dirname(sys.executable), "ws")
 COMMANDS = ["export", "import", "ls", "diff", "convert", "verify", "versions", "follow"]
@@ -66,6 +68,18 @@ def test_every_command_has_help(command):
     assert "Usage" in result.stdout
     if command not in ("versions", "follow"):  # those belong to cli/sync.py
         assert f"ws {command} " in result.stdout  # the example
+
+
+@pytest.mark.parametrize("command", [[], *([c] for c in COMMANDS)])
+def test_help_names_values_in_words_not_python_types(command):
+    result = run(*command, "--help")
+    assert result.exit_code == 0
+    assert not re.search(r"<(str|int|float|list\[\w+\]|\w+)>", result.stdout), result.stdout
+
+
+def test_version():
+    result = run("--version")
+    assert result.exit_code == 0 and result.stdout == f"weightstore {ws.__version__}\n"
 
 
 @pytest.mark.parametrize("command", [[], *([c] for c in COMMANDS)])
@@ -315,8 +329,6 @@ def test_missing_and_junk_files(tmp_path):
 
 
 def test_a_keras_zip_bomb_is_one_error_line(tmp_path):
-    from test_checkpoints import hostile_keras
-
     bomb = hostile_keras(tmp_path / "bomb.keras", b"\0" * (1 << 20), declared=0xF000_0000)
     one_error_line(run("ls", bomb), "bomb.keras: model.weights.h5 declares 4026531840 bytes", "zip bomb")
     assert sorted(os.listdir(tmp_path)) == ["bomb.keras"]
@@ -359,6 +371,21 @@ def test_progress_appears_only_on_a_terminal(monkeypatch):
         assert ("reading" in buffer.getvalue()) is terminal
 
 
+@pytest.mark.parametrize("command", [["convert", "{store}", "{out}.h5", "--compress"],
+                                     ["export", "{store}", "-o", "{out}.npz", "--compress"],
+                                     ["import", "{store}", "--into", "{out}.h5"]], ids=["convert", "export", "import"])
+def test_writing_a_store_shows_the_byte_bar_reading_does(store, tmp_path, monkeypatch, command):
+    """Compressing and HDF5 are where a write spends its time: it counts bytes as reading does, not a spinner."""
+    monkeypatch.setattr(render, "PROGRESS_DELAY_S", 0.0)
+    buffer = io.StringIO()
+    monkeypatch.setattr(render, "stderr", lambda: Console(file=buffer, force_terminal=True, width=300))
+    out = tmp_path / "out"
+    result = run(*(part.format(store=store, out=out) for part in command))
+    assert result.exit_code == 0, result.output
+    shown = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", buffer.getvalue())
+    assert re.search(rf"writing {re.escape(str(out))}\.(h5|npz) [^\r\n]* 48/48 bytes", shown), shown
+
+
 # -- the installed command -------------------------------------------------------------------
 
 def test_installed_ws_exports_a_checkpoint_quietly(made, tmp_path):
@@ -389,6 +416,9 @@ def test_export_trainable_only_also_keeps_chosen_statistics(made, tmp_path):
     assert sorted(ws.load(out)) == ["model/dense/b", "model/dense/w", "model/emb", "model/stats"]
     result = run("export", made["tf1"], "-o", tmp_path / "x.npz", "--also", "model/stats")
     assert result.exit_code == 2 and "--also adds to what --trainable-only keeps" in result.output
+    result = run("export", made["tf1"], "-o", tmp_path / "y.npz", "--trainable-only", "--also", "*/bn/moving_*")
+    assert result.exit_code != 0 and not os.path.exists(tmp_path / "y.npz")
+    assert "--also '*/bn/moving_*' matches no key; did you mean" in result.output
 
 
 @pytest.mark.parametrize("flag", ["-q", "--quiet", "--debug"])
@@ -458,8 +488,29 @@ def _folder_with_a_damaged_latest(tmp_path) -> tuple[list[str], str, str | None]
     return ["versions", str(tmp_path)], str(tmp_path), None
 
 
+def _key_too_long_for_the_target(tmp_path) -> tuple[list[str], str, str | None]:
+    source, target = tmp_path / "m.npz", str(tmp_path / "out.npz")
+    ws.save(source, {"w": np.ones(2, np.float32)})
+    scope = "s" * 65530  # with "/w", past the longest member name npz holds
+    return ["import", str(source), "--into", target, "--scope", scope], target, f"{scope}/w"
+
+
+def _dtype_the_target_cannot_hold(tmp_path) -> tuple[list[str], str, str | None]:
+    source, target = tmp_path / "m.npz", str(tmp_path / "out.safetensors")
+    ws.save(source, {"ok": np.ones(2, np.float32), "c": np.ones(2, np.complex128)})
+    return ["convert", str(source), target], target, "c"
+
+
+def _suffix_that_names_no_format(tmp_path) -> tuple[list[str], str, str | None]:
+    source, target = tmp_path / "m.npz", str(tmp_path / "out.xyz")
+    ws.save(source, {"w": np.ones(2, np.float32)})
+    return ["export", str(source), "-o", target], target, None
+
+
 @pytest.mark.parametrize("damaged", [_truncated_safetensors, _corrupt_npz, _checkpoint_without_its_data,
-                                     _folder_with_a_damaged_latest], ids=["ls", "verify", "convert", "versions"])
+                                     _folder_with_a_damaged_latest, _key_too_long_for_the_target,
+                                     _dtype_the_target_cannot_hold, _suffix_that_names_no_format],
+                         ids=["ls", "verify", "convert", "versions", "save-key", "save-dtype", "save-suffix"])
 def test_json_errors_carry_the_file_and_the_key(tmp_path, damaged):
     """Scripts filter failures by ``error.path``/``error.key``; the message still names both."""
     args, path, key = damaged(tmp_path)
@@ -489,9 +540,6 @@ def test_tensorflow_logs_stay_out_whatever_the_environment_says(store, tmp_path)
 
 
 # -- import into TF2 object checkpoints and new prefixes; export keyed like a Keras model ---------
-
-from test_checkpoints import copy_checkpoint, same_architecture  # noqa: E402
-
 
 def test_import_replaces_object_checkpoint_values_that_checkpoint_restore_reads(made, tmp_path):
     target = copy_checkpoint(made["keras_ckpt"], tmp_path)

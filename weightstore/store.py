@@ -7,19 +7,17 @@ input, picks the format and streams tensors into the file the commit protocol ha
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
 from weightstore import __version__, parallel
 from weightstore.errors import (
     FormatError,
-    InvalidKeyError,
     KeyNotInStoreError,
     SizeLimitError,
     StoreExistsError,
@@ -27,6 +25,8 @@ from weightstore.errors import (
     TargetError,
     UnsupportedDTypeError,
     WeightStoreError,
+    attach,
+    naming,
 )
 from weightstore.formats import Format, Reader, format_for_suffix, format_named, known_suffixes, sniff
 from weightstore.formats.foreign import open_foreign
@@ -43,6 +43,14 @@ _S = TypeVar("_S", bound="Store")
 _HASH_BESIDE = 1 << 20
 
 
+@runtime_checkable
+class OpensItself(Protocol):
+    """Something :func:`open` accepts that knows how to open its own file (a ``Version``: its
+    pinned reader, or a clear "version gone" once pruned)."""
+
+    def _weightstore_open(self, *, verify: bool = True) -> Store: ...
+
+
 class Store(Mapping):
     """An open weight file: the index is read, each tensor is read when asked for.
 
@@ -54,6 +62,10 @@ class Store(Mapping):
     change it.
     """
 
+    #: keys paired with a model by structure (``artifacts``), so an assign error offers no
+    #: "did you mean" hints between keys that merely look alike
+    exact_keys = False
+
     def __init__(self, reader: Reader, path: str, verify: bool):
         self._reader = reader
         self._keys = reader.keys()
@@ -63,24 +75,38 @@ class Store(Mapping):
 
     @property
     def metadata(self) -> dict[str, Any]:
+        """What the writer passed as ``metadata`` (``{}`` for a file without a manifest)."""
         return self._reader.metadata
 
     @property
     def created(self) -> str:
+        """When the file was written (ISO 8601, UTC), as its manifest says; empty without one."""
         return self._reader.created
 
     @property
     def has_checksums(self) -> bool:
+        """Whether the file has weightstore's manifest, with a checksum per tensor (what hot reload
+        compares); False for files other tools wrote and for TF checkpoints."""
         return self._reader.has_checksums
 
     def keys(self) -> list[str]:  # type: ignore[override]  # a list keeps the file's order
+        """Every key, in the file's order."""
         return list(self._keys)
 
     def info(self, key: str) -> TensorInfo:
-        return self._reader.info(key)
+        """A tensor's dtype, shape, size and checksum, from the index: no tensor bytes are read."""
+        try:
+            return self._reader.info(key)
+        except WeightStoreError as exc:  # a reader's check that knows the tensor, not the file
+            attach(exc, path=self.path)
+            raise
 
     def __getitem__(self, key: str) -> np.ndarray:
-        return self._reader.read(key, verify=self.verify)
+        try:
+            return self._reader.read(key, verify=self.verify)
+        except WeightStoreError as exc:
+            attach(exc, path=self.path)
+            raise
 
     def read_into(self, key: str, out: np.ndarray) -> np.ndarray:
         """Read ``key`` into ``out`` (its shape, C-contiguous, writable; converted to its dtype) and return it.
@@ -109,13 +135,12 @@ class Store(Mapping):
     def _read_many(self, keys: list[str]) -> list[np.ndarray]:
         """Several tensors, in order: a remote file fetches them at once rather than one by one,
         and a reader that can read many in one pass (npz) does."""
-        prefetch = getattr(self._reader, "prefetch", None)
-        if prefetch is not None and len(keys) > 1:
-            prefetch(keys)
-        read_many = getattr(self._reader, "read_many", None)
-        if read_many is not None and keys:
-            return read_many(keys, verify=self.verify)
-        return [self[key] for key in keys]
+        if len(keys) > 1:
+            self._reader.prefetch(keys)
+        if not keys:
+            return []
+        with naming(path=self.path):
+            return self._reader.read_many(keys, verify=self.verify)
 
     def __contains__(self, key: object) -> bool:
         return key in self._key_set
@@ -128,9 +153,11 @@ class Store(Mapping):
 
     @property
     def nbytes(self) -> int:
+        """The bytes of every tensor, as arrays in memory (not as stored, which compression shrinks)."""
         return sum(self.info(k).nbytes for k in self.keys())
 
     def close(self) -> None:
+        """Release the file (its map or handle); ``with ws.open(...)`` calls it. Read no tensor after it."""
         self._reader.close()
 
     def __enter__(self: _S) -> _S:
@@ -179,9 +206,8 @@ def open(path: Any, *, verify: bool = True, format: str | None = None, mmap: boo
         >>> with ws.open("model.npz") as store:
         ...     kernel = store["dense/kernel"] if "dense/kernel" in store else None
     """
-    opener = getattr(path, "_weightstore_open", None)
-    if opener is not None:  # a Version: its pinned file, or a clear "version gone" if pruned
-        return opener(verify=verify)
+    if isinstance(path, OpensItself):  # a Version: its pinned file, or a clear "version gone" if pruned
+        return path._weightstore_open(verify=verify)
     with paused_gc():  # an index of 50,000 tensors is some 300,000 containers (weightstore.gcpause)
         return _open(path, verify=verify, format=format, mmap=mmap)
 
@@ -320,7 +346,7 @@ def save(
     metadata = checked_metadata(metadata, location)
     arrays = _checked(weights, location, fmt)
     commit = commit_for(where, suffix=fmt.suffixes[0])
-    if not overwrite and _exists(commit, location):
+    if not overwrite and commit.exists():
         raise StoreExistsError("file exists (pass overwrite=True to replace it)", path=location)
     with commit.writing() as local:
         write_file(local, fmt, arrays, metadata, compress)
@@ -339,13 +365,6 @@ def output_format(location: str, format: str | None = None) -> Format:  # noqa: 
         raise TargetError(f"cannot tell which format to write from the file name; use one of "
                           f"{', '.join(known_suffixes())}, or pass format=", path=location)
     return fmt
-
-
-def _exists(commit: Any, location: str) -> bool:
-    exists = getattr(commit, "exists", None)
-    if exists is not None:
-        return bool(exists())
-    return os.path.lexists(location)
 
 
 def checked_metadata(metadata: Mapping[str, Any] | None, where: str = "") -> dict[str, Any]:
@@ -379,7 +398,7 @@ class _Checked(Mapping):
         self._where = where
         self._values: dict[str, Any] = {}  # None: read from ``weights`` when written
         store = weights if isinstance(weights, Store) else None
-        with self._naming_the_file():  # once around the loop: 50,000 small tensors
+        with naming(path=where):  # once around the loop: 50,000 small tensors
             keys = validate_keys(weights)
             if store is not None:
                 names = [store.info(key).dtype for key in keys]
@@ -412,22 +431,11 @@ class _Checked(Mapping):
                 logical_dtype(name)
             except WeightStoreError:
                 raise UnsupportedDTypeError(
-                    f"tensor {key!r} has dtype {name}: only numeric, bool and ml_dtypes arrays are weights"
+                    f"has dtype {name}: only numeric, bool and ml_dtypes arrays are weights", key=key
                 ) from None
         if fmt is not None and fmt.dtypes is not None and name not in fmt.dtypes:
-            raise UnsupportedDTypeError(
-                f"tensor {key!r} has dtype {name}, which {fmt.name} cannot hold; save it as .npz or .h5"
-            )
-
-    @contextlib.contextmanager
-    def _naming_the_file(self) -> Iterator[None]:
-        try:
-            yield
-        except (InvalidKeyError, UnsupportedDTypeError) as exc:
-            raise self._naming(exc) from None
-
-    def _naming(self, exc: InvalidKeyError | UnsupportedDTypeError) -> WeightStoreError:
-        return type(exc)(f"{self._where}: {exc}") if self._where else exc
+            raise UnsupportedDTypeError(f"has dtype {name}, which {fmt.name} cannot hold; save it as .npz or .h5",
+                                        key=key)
 
     def __getitem__(self, key: str) -> tuple[str, np.ndarray]:
         return self._stored_form(key, self._values[key])
@@ -441,10 +449,10 @@ class _Checked(Mapping):
     def _stored_form(self, key: str, value: Any) -> tuple[str, np.ndarray]:
         if value is None:
             value = self._weights[key]
-        try:  # not _naming_the_file: a context manager per tensor costs more than a small tensor's write
+        try:  # not naming(): a context manager per tensor costs more than a small tensor's write
             return to_storage(value if type(value) is np.ndarray else np.asarray(value), key)
         except UnsupportedDTypeError as exc:  # a value whose dtype changed since it was checked
-            raise self._naming(exc) from None
+            raise attach(exc, path=self._where, key=key) from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._values)

@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import orjson
 
-from weightstore.errors import FormatError
+from weightstore.errors import FormatError, InvalidKeyError
 from weightstore.keys import validate_keys
 
 CHECKSUM_ALGORITHM = "crc32"
@@ -194,8 +194,8 @@ def parse_columns(raw: dict[str, Any], where: str, itemsize_of: Callable[[object
         raise FormatError("manifest 'keys' is not a list of strings", path=where)
     try:
         validate_keys(keys)
-    except ValueError as exc:
-        raise FormatError(f"manifest has {exc}", path=where) from None
+    except InvalidKeyError as exc:
+        raise FormatError(f"manifest has an {exc.message}", path=where, key=exc.key) from None
     count = len(keys)
     if len(set(keys)) != count:
         seen: set[str] = set()

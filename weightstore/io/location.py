@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightstore.errors import MissingDependencyError, StorageError, WeightStoreError
+from weightstore.extras import install_hint
 
 __all__ = ["Location", "location_of", "is_url", "filesystem", "protocols", "storage_error", "service"]
 
@@ -49,11 +50,16 @@ def location_of(path: Any) -> Location:
 
 def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
     """The fsspec file system and its path for ``url``; fsspec is imported only for URLs."""
+    import fsspec  # a core dependency
+
     try:
-        import fsspec
-    except ImportError:  # pragma: no cover - fsspec is a core dependency
-        raise MissingDependencyError("reading URLs needs fsspec: pip install 'weightstore[s3]'") from None
-    return fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+        return fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+    except ImportError as exc:  # fsspec knows the protocol, its implementation is not installed
+        protocol = url.partition("://")[0]
+        if protocol in ("s3", "s3a"):
+            raise MissingDependencyError(f"{protocol}:// URLs need s3fs, which is not installed: {install_hint('s3')}",
+                                         path=url) from None
+        raise MissingDependencyError(f"{protocol}:// URLs need the fsspec file system for them: {exc}", path=url) from None
 
 
 def uncached(fs: Any, path: str) -> str:
