@@ -58,18 +58,27 @@ def follow(
                                                                        "new version.")] = None,
     after: Annotated[int | None, typer.Option("--after", help="Only versions with a step above this one.")] = None,
     poll: Annotated[float, typer.Option("--poll", help="Seconds between looks at LATEST.")] = 1.0,
+    wait: Annotated[bool, typer.Option("--wait", help="Wait for FOLDER to appear, rather than refuse a folder "
+                                                      "that does not exist (yet).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print each version as one JSON object on its line.")] = False,
 ) -> None:
     """Print each new version of FOLDER as it lands (the latest one first), one per line.
+
+    A FOLDER that does not exist is refused (exit 1, naming it): a mistyped path would
+    otherwise wait forever. Pass --wait when it is only not there yet (a trainer about to
+    publish its first version).
 
     \b
     Example:
       ws follow s3://bucket/run --after 1000 --timeout 600
     """
     from weightstore.versions import follow as follow_versions
+    from weightstore.versions import require_folder
 
     as_json = settings.json = settings.json or as_json  # so a failure is reported as JSON too
     _refuse_serving_base(folder)  # numbered SavedModel folders are never ws.publish's
+    if not wait:
+        require_folder(folder, hint="pass --wait to wait for it to appear")
     for version in follow_versions(folder, poll=poll, timeout=timeout, after=after):
         if as_json:  # a stream: one object per line, so a reader can act on each as it lands
             typer.echo(json.dumps({"command": "follow", "ok": True, "step": version.step, "path": version.path,

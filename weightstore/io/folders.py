@@ -21,7 +21,7 @@ from typing import Any, BinaryIO
 from weightstore.errors import TargetError
 from weightstore.io.commit import Commit, RenameCommit, UploadCommit
 from weightstore.io.files import TEMP_MARK, fsync_folder, kind_of
-from weightstore.io.location import filesystem, location_of, service
+from weightstore.io.location import filesystem, location_of, service, uncached
 
 __all__ = ["FileEntry", "Folder", "LocalFolder", "RemoteFolder", "folder_for"]
 
@@ -212,7 +212,7 @@ class RemoteFolder(Folder):
     def read_small(self, name: str, limit: int) -> bytes | None:
         with self._service():
             try:
-                data = self.fs.cat_file(self._path(name))  # no range: S3 refuses one on an empty object
+                data = self.fs.cat_file(uncached(self.fs, self._path(name)))  # no range: S3 refuses one on an empty object
             except FileNotFoundError:
                 return None
         return data[:limit]
@@ -226,7 +226,7 @@ class RemoteFolder(Folder):
 
     def open_binary(self, name: str) -> BinaryIO:
         with self._service():
-            return self.fs.open(self._path(name), "rb")
+            return self.fs.open(uncached(self.fs, self._path(name)), "rb")
 
 
 def folder_for(folder: Any, storage_options: Mapping[str, Any] | None = None) -> Folder:
