@@ -57,12 +57,14 @@ class Format:
     #: the logical dtypes the format can hold; ``None``: every dtype weightstore stores
     dtypes: frozenset[str] | None = None
     compresses: bool = True
+    #: False for a format only weightstore's own machinery writes (a sharded version's index)
+    writes: bool = True
 
 
 def _registry() -> list[Format]:
-    from weightstore.formats import hdf5, npz, safetensors
+    from weightstore.formats import hdf5, npz, safetensors, sharded
 
-    return [npz.FORMAT, hdf5.FORMAT, safetensors.FORMAT]
+    return [npz.FORMAT, hdf5.FORMAT, safetensors.FORMAT, sharded.FORMAT]
 
 
 def format_named(name: str) -> Format:
@@ -83,7 +85,7 @@ def format_for_suffix(path: str) -> Format | None:
 
 def known_suffixes() -> list[str]:
     """Every suffix a save can write, in registry order."""
-    return [suffix for fmt in _registry() for suffix in fmt.suffixes]
+    return [suffix for fmt in _registry() if fmt.writes for suffix in fmt.suffixes]
 
 
 def sniff(head: bytes, where: str) -> Format:
