@@ -35,6 +35,7 @@ import numpy as np
 
 import weightstore
 from weightstore.errors import AssignmentError, FormatError, KeyNotInStoreError
+from weightstore.formats import ReaderDefaults
 from weightstore.manifest import TensorInfo
 
 __all__ = ["ModelKeyedStore", "open_artifact", "is_model_file", "for_model"]
@@ -256,7 +257,7 @@ class ModelKeyedStore(weightstore.Store):
     exact_keys = True
 
 
-class _Renamed:
+class _Renamed(ReaderDefaults):
     """A store's reader seen through new key names."""
 
     def __init__(self, store: weightstore.Store, names: dict[str, str]):
@@ -291,10 +292,6 @@ class _Renamed:
 
     def read(self, key: str, *, verify: bool) -> np.ndarray:
         return self._store[self._old(key)]
-
-    def read_into(self, key: str, out: np.ndarray, *, verify: bool) -> bool:
-        """Always False: the store then copies what :meth:`read` returns, which every source supports."""
-        return False
 
     def close(self) -> None:
         self._store.close()

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from weightstore.errors import ChecksumError, KeyNotInStoreError, TargetError, WeightStoreError
-from weightstore.formats import Format
+from weightstore.formats import Format, ReaderDefaults
 from weightstore.io.buffer import aligned_array
 from weightstore.io.location import location_of
 from weightstore.io.ranges import RangedFile
@@ -48,7 +48,7 @@ def normalized_region(region: Any, shape: Sequence[int], key: str, where: str) -
     return bounds
 
 
-class ShardedReader:
+class ShardedReader(ReaderDefaults):
     """The :class:`~weightstore.formats.Reader` of a ``.wsindex`` file (see the module docstring)."""
 
     def __init__(self, index: ShardIndex, name: str, fs: Any = None):
@@ -108,9 +108,6 @@ class ShardedReader:
 
     def read(self, key: str, *, verify: bool) -> np.ndarray:
         return self.read_region(key, (), verify=verify)
-
-    def read_into(self, key: str, out: np.ndarray, *, verify: bool) -> bool:
-        return False
 
     def read_region(self, key: str, region: Any, *, verify: bool) -> np.ndarray:
         """The part of ``key`` that ``region`` names, from the blocks that hold it, each verified."""
