@@ -42,7 +42,7 @@ from weightstore.formats.safetensors import SafetensorsReader
 from weightstore.io.folders import Folder, folder_for
 from weightstore.io.local import OwnedFile
 from weightstore.keys import validate_key
-from weightstore.manifest import logical_dtype, to_storage
+from weightstore.manifest import from_storage, logical_dtype, to_storage
 from weightstore.shardindex import (
     MAX_DONE_BYTES,
     DoneRecord,
@@ -142,7 +142,8 @@ def publish_shard(
     target.create()
     members.create()
     with members.commit(member_name(rank), ".safetensors").writing() as local:
-        write_file(local, fmt, _checked({item.stored: item.data for item in listed}, where, fmt), metadata, False)
+        arrays = {item.stored: from_storage(item.data, item.dtype) for item in listed}
+        write_file(local, fmt, _checked(arrays, where, fmt), metadata, False)
         tensors = _described(local, listed)
         size = os.path.getsize(local)
         _stage("member-temporary")

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from weightstore.io.objects import RemoteObject
-
 from weightstore.errors import FormatError
 from weightstore.io.local import OwnedFile, check_range
 from weightstore.io.location import location_of, service
+from weightstore.io.objects import RemoteObject
 from weightstore.io.remote import object_for
 
 __all__ = ["RangedFile"]
