@@ -290,3 +290,41 @@ def test_bfloat16_regions_keep_their_dtype(tmp_path):
     version = shards.commit_shards(folder, step=1, world=2, attempt=0, timeout=5)
     part = ws.open(version).read_region("e", (slice(1, 7), slice(1, 4)))
     assert part.dtype == a.dtype and part.tobytes() == a[1:7, 1:4].tobytes()
+
+
+def test_the_cli_lists_verifies_exports_and_cleans_a_sharded_version(tmp_path):
+    from typer.testing import CliRunner
+
+    from weightstore.cli.main import app
+
+    def run(*args):
+        return CliRunner().invoke(app, [str(a) for a in args])
+
+    folder = tmp_path / "run"
+    for rank in range(4):
+        ws.publish_shard(folder, pieces_of(rank), step=2, rank=rank, world=4, attempt=0)
+    version = shards.commit_shards(folder, step=2, world=4, attempt=0, timeout=5)
+    listed = run("versions", folder, "--json")
+    assert listed.exit_code == 0, listed.output
+    entry = json.loads(listed.output)["versions"][0]
+    members = sorted((folder / "step-000000000002.attempt-0").glob("*.safetensors"))
+    assert entry["members"] == 4 and entry["member_bytes"] == sum(p.stat().st_size for p in members)
+    assert "4 members" in run("versions", folder).output
+    ls = run("ls", version.path, "--json")
+    assert {t["key"]: t["shape"] for t in json.loads(ls.output)["tensors"]}["dense/kernel"] == [96, 2048]
+    assert run("verify", version.path).exit_code == 0
+    whole = tmp_path / "whole.safetensors"
+    assert run("export", version.path, "-o", whole).exit_code == 0
+    from safetensors.numpy import load_file
+
+    assert load_file(str(whole))["dense/kernel"].tobytes() == model()["dense/kernel"].tobytes()
+    data = bytearray(members[1].read_bytes())
+    data[-100] ^= 1
+    members[1].write_bytes(bytes(data))
+    assert run("verify", version.path).exit_code == 1
+    (folder / "step-000000000001.attempt-0").mkdir()  # a dead attempt of an older step
+    (folder / "step-000000000003.attempt-2").mkdir()  # and one of a commit that never came
+    cleaned = run("clean", folder, "--json")
+    assert sorted(json.loads(cleaned.output)["removed"]) == ["step-000000000001.attempt-0",
+                                                             "step-000000000003.attempt-2"]
+    assert (folder / "step-000000000002.wsindex").exists() and (folder / "step-000000000002.attempt-0").is_dir()

@@ -64,7 +64,7 @@ from weightstore.shardindex import (
 from weightstore.store import _checked, checked_metadata, write_file
 from weightstore.versions import SHARDED_SUFFIX, Version, _latest, _stage, _versions, commit_version
 
-__all__ = ["Piece", "publish_shard", "commit_shards", "clean_attempts", "total_bytes", "SHARD_METADATA"]
+__all__ = ["Piece", "publish_shard", "commit_shards", "clean_folder"]
 
 #: the member metadata entry that maps each stored name to its global key, start and shape
 SHARD_METADATA = "weightstore-shard"
@@ -213,39 +213,64 @@ def commit_shards(
     return version
 
 
-def clean_attempts(target: Folder, *, keep_step: int | None = None, keep_attempt: int | None = None) -> list[str]:
-    """Remove attempt folders no commit will name: other attempts of ``keep_step``, and attempts
-    of older steps that no index names. Attempts above ``keep_step`` may be in flight and stay;
-    ``keep_step=None`` (``ws clean``): below the newest index, and of a step with an index,
-    every attempt but the one it names. Returns the names removed."""
-    indexes = {step: entry.name for step, entry in _versions(target) if entry.name.endswith(SHARDED_SUFFIX)}
-    newest = max(indexes, default=-1) if keep_step is None else keep_step
+def clean_attempts(target: Folder, *, keep_step: int, keep_attempt: int) -> list[str]:
+    """After committing ``keep_step``: remove its other attempts, and attempts of older steps no
+    index names (no commit of an older step can succeed any more). Attempts of later steps may
+    be in flight and stay. Returns the names removed."""
+    indexed = {step for step, entry in _versions(target) if entry.name.endswith(SHARDED_SUFFIX)}
     removed = []
-    for sub in target.subfolders():
-        match = _ATTEMPT.match(sub)
-        if match is None:
-            continue
-        step, attempt = int(match.group(1)), int(match.group(2))
-        if step > newest:
-            continue
-        if step == keep_step:
-            dead = attempt != keep_attempt
-        elif step in indexes:
-            dead = keep_step is None and attempt != _named_attempt(target, indexes[step])
-        else:
-            dead = step < newest
-        if dead:
+    for sub, step, attempt in _attempts(target):
+        if (step == keep_step and attempt != keep_attempt) or (step < keep_step and step not in indexed):
             target.remove_folder(sub)
             removed.append(sub)
     return removed
 
 
-def _named_attempt(target: Folder, name: str) -> int | None:
+def clean_folder(folder: Any, *, storage_options: Mapping[str, Any] | None = None) -> list[str]:
+    """``ws clean``: remove what dead writers and coordinators left in a folder *at rest* (no job
+    publishing to it): indexes above the step ``LATEST`` names (a coordinator killed before
+    ``LATEST``), indexes whose members are gone, and every attempt folder no remaining index
+    names. Returns the names removed."""
+    target = folder_for(folder, storage_options)
+    current = _latest(target)
+    removed, live = [], set()
+    for step, entry in _versions(target):
+        if not entry.name.endswith(SHARDED_SUFFIX):
+            continue
+        index = _read_index(target, entry.name)
+        named = current is not None and step == current.step  # never removed, whatever its state
+        if named or (current is not None and step < current.step and index is not None
+                     and _members_present(target, index, storage_options)):
+            if index is not None:
+                live.add((step, index.attempt))
+        else:
+            target.remove(entry.name)
+            removed.append(entry.name)
+    for sub, step, attempt in _attempts(target):
+        if (step, attempt) not in live:
+            target.remove_folder(sub)
+            removed.append(sub)
+    return removed
+
+
+def _members_present(target: Folder, index: ShardIndex, storage_options: Mapping[str, Any] | None) -> bool:
+    members = folder_for(target.url(attempt_folder(index.step, index.attempt)), storage_options)
+    present = {entry.name: entry.size for entry in members.files()}
+    return all(present.get(member.file.rsplit("/", 1)[-1], -1) >= member.size for member in index.members)
+
+
+def _attempts(target: Folder) -> list[tuple[str, int, int]]:
+    """``(name, step, attempt)`` of every attempt folder in ``target``."""
+    return [(sub, int(match.group(1)), int(match.group(2)))
+            for sub in target.subfolders() if (match := _ATTEMPT.match(sub))]
+
+
+def _read_index(target: Folder, name: str) -> ShardIndex | None:
     from weightstore.shardindex import MAX_INDEX_BYTES
 
     data = target.read_small(name, MAX_INDEX_BYTES + 1)
     try:
-        return None if data is None else ShardIndex.parse(data, target.url(name)).attempt
+        return None if data is None else ShardIndex.parse(data, target.url(name))
     except WeightStoreError:
         return None
 
@@ -378,9 +403,3 @@ def _check_ids(**ids: int) -> None:
 def _check_id(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be a non-negative int, not {value!r}")
-
-
-def total_bytes(index: ShardIndex) -> int:
-    """Bytes of every member of a sharded version."""
-    return sum(member.size for member in index.members)
-

@@ -224,6 +224,9 @@ class VersionEntry:
     size: int
     modified: str
     latest: bool
+    #: a sharded version's member files and their bytes (``None`` for a plain version)
+    members: int | None = None
+    member_bytes: int | None = None
 
 
 def publish(
@@ -396,8 +399,24 @@ def list_versions(folder: Any, *, storage_options: Mapping[str, Any] | None = No
         raise StoreNotFoundError("no such folder", path=source.where)
     pointer = _latest(source)
     named = pointer.path.rsplit("/", 1)[-1] if pointer else None
-    return [VersionEntry(step, entry.name, source.url(entry.name), entry.size, entry.modified, entry.name == named)
+    return [VersionEntry(step, entry.name, source.url(entry.name), entry.size, entry.modified, entry.name == named,
+                         *_sharded_sizes(source, entry.name))
             for step, entry in _versions(source)]
+
+
+def _sharded_sizes(folder: Folder, name: str) -> tuple[int | None, int | None]:
+    """How many members a sharded version has and their bytes, from its index; ``(None, None)``
+    for a plain version or an index that does not parse."""
+    if not name.endswith(SHARDED_SUFFIX):
+        return None, None
+    from weightstore.shardindex import MAX_INDEX_BYTES, ShardIndex
+
+    data = folder.read_small(name, MAX_INDEX_BYTES + 1)
+    try:
+        index = ShardIndex.parse(data or b"", folder.url(name))
+    except FormatError:
+        return None, None
+    return len(index.members), sum(member.size for member in index.members)
 
 
 # -- the folder's state, as a publish sees it ------------------------------------------------
