@@ -37,8 +37,12 @@ or empty folder there, and refuses a folder holding files.
 above the step ``LATEST`` names (or, without a readable ``LATEST``, the newest version file's)
 is refused with :class:`PublishError`. On a local folder,
 publishes serialise on an advisory lock (``.publish.lock``), so two processes cannot
-interleave the check and the write; on object stores there is no lock and the check is
-best-effort (read ``LATEST``, then write), so run one publisher per folder there.
+interleave the check and the write; on object stores there is no lock, but ``LATEST`` is
+replaced by compare-and-swap on the ETag read before the check (S3 ``If-Match``; see
+:func:`commit_version`), so of two publishers racing there exactly one moves ``LATEST`` and
+the other gets :class:`PublishError`; ``LATEST`` never goes backwards. (Their version files
+are still plain uploads: two publishers of the *same* step share one name, so run one
+publisher per folder there all the same.)
 
 **Pinning.** :func:`follow` opens each version before yielding it. A local file is memory-
 mapped, and a mapping survives the file's removal, so a slow reader keeps its version. An
