@@ -33,7 +33,7 @@ keras = pytest.importorskip("keras")
 from tf_files import copy_checkpoint, restore_with_saver, same_architecture  # noqa: E402
 
 WS = os.path.join(os.path.dirname(sys.executable), "ws")
-COMMANDS = ["export", "import", "ls", "diff", "convert", "verify", "versions", "follow"]
+COMMANDS = ["export", "import", "ls", "diff", "convert", "verify", "versions", "follow", "clean"]
 
 
 def run(*args: str):
@@ -416,6 +416,9 @@ def test_export_trainable_only_also_keeps_chosen_statistics(made, tmp_path):
     assert sorted(ws.load(out)) == ["model/dense/b", "model/dense/w", "model/emb", "model/stats"]
     result = run("export", made["tf1"], "-o", tmp_path / "x.npz", "--also", "model/stats")
     assert result.exit_code == 2 and "--also adds to what --trainable-only keeps" in result.output
+    result = run("export", made["tf1"], "-o", tmp_path / "y.npz", "--trainable-only", "--also", "*/bn/moving_*")
+    assert result.exit_code != 0 and not os.path.exists(tmp_path / "y.npz")
+    assert "--also '*/bn/moving_*' matches no key; did you mean" in result.output
 
 
 @pytest.mark.parametrize("flag", ["-q", "--quiet", "--debug"])
