@@ -57,6 +57,8 @@ class Format:
     #: the logical dtypes the format can hold; ``None``: every dtype weightstore stores
     dtypes: frozenset[str] | None = None
     compresses: bool = True
+    #: names the format keeps for itself (safetensors' ``__metadata__``): refused as keys before writing
+    reserved_keys: frozenset[str] = frozenset()
 
 
 def _registry() -> list[Format]:

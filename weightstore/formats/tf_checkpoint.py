@@ -81,6 +81,7 @@ from weightstore.formats.sstable import Table, crc32c, read_varint, unmask_crc
 from weightstore.formats.tf_protos import BundleEntryProto, BundleHeaderProto, TrackableObjectGraph
 from weightstore.keys import from_tf_name, validate_key
 from weightstore.manifest import MAX_NDIM, ML_DTYPES, TensorInfo, dtype_name
+from weightstore.tensortable import fits_an_array, short_repr
 
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 VARIABLE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
@@ -201,9 +202,18 @@ def read_state_file(path: str) -> str:
     return named
 
 
-def natural_order(text: str) -> list[tuple[int, Any]]:
-    """Sort key reading digit runs as numbers: ``layers/2`` before ``layers/10``."""
-    return [(0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", text)]
+_DIGIT_RUNS = re.compile(r"([0-9]+)")
+
+
+def natural_order(text: str) -> list[tuple[Any, ...]]:
+    """Sort key reading ASCII digit runs as numbers: ``layers/2`` before ``layers/10``.
+
+    Runs are compared by length, then digits, never converted: a name of 5,000 digits (past
+    Python's ``int`` limit) or a digit like ``²`` (which ``str.isdigit`` accepts and ``int``
+    refuses) sorts like any other.
+    """
+    runs = _DIGIT_RUNS.split(text)  # text, digits, text, ...
+    return [(0, len(run.lstrip("0")), run.lstrip("0")) if index % 2 else (1, run) for index, run in enumerate(runs)]
 
 
 # --- the slice keys of partitioned variables ---------------------------------------------
@@ -446,7 +456,7 @@ class CheckpointReader:
                 ranges.append((stored.shard, stored.offset, stored.offset + stored.size, name))
                 if dtype is None:
                     continue  # strings and others: skipped, but their bytes still may not overlap
-                shape = _shape(entry, index_path, name)
+                shape = _shape(entry, index_path, name, dtype)
                 needed = math.prod(shape) * dtype.itemsize
                 if needed != stored.size:
                     raise FormatError(f"has shape {shape} {dtype}, which needs {needed} bytes; its entry says "
@@ -455,7 +465,7 @@ class CheckpointReader:
                 continue
             if dtype is None:
                 continue
-            shape = _shape(entry, index_path, name)
+            shape = _shape(entry, index_path, name, dtype)
             tensor = _Tensor(name, dtype, shape)
             tensor.slices = self._slices(entry, name, shape, dtype, slice_entries)
             for _, _, stored in tensor.slices:
@@ -484,6 +494,9 @@ class CheckpointReader:
                                   path=index_path, key=name)
         if entry.size:
             raise FormatError("lists slices and data of its own", path=index_path, key=name)
+        if not shape:
+            raise FormatError(f"is a scalar but lists {len(entry.slices)} slices (only tensors are partitioned)",
+                              path=index_path, key=name)
         pieces = []
         covered = 0
         for proto in entry.slices:
@@ -566,8 +579,10 @@ class CheckpointReader:
             return self._maps[shard]
 
     def _backed(self, stored: _Stored, key: str) -> MappedFile:
-        """The mapped data file holding ``stored``, refused when the file is too short for it."""
+        """The mapped data file holding ``stored``, refused when the file is too short for it, or
+        changed size since it was mapped (truncated in place: touching the map would be SIGBUS)."""
         mapped = self._map(stored.shard, key)
+        mapped.check_unchanged(f"tensor {key!r}")
         if stored.offset + stored.size > mapped.size:
             raise FormatError(f"data file is short: needs bytes {stored.offset}..{stored.offset + stored.size}, "
                               f"the file has {mapped.size}", path=mapped.name, key=key)
@@ -663,13 +678,18 @@ def _parse_proto(message: Any, value: bytes, path: str, what: str) -> None:
         raise FormatError(f"{what} is not a readable protocol buffer", path=path) from None
 
 
-def _shape(entry: Any, path: str, name: str) -> tuple[int, ...]:
+def _shape(entry: Any, path: str, name: str, dtype: np.dtype | None = None) -> tuple[int, ...]:
+    """The entry's shape; an empty one refused unless numpy can make it (of ``dtype``, where known):
+    ``(0, 2**62)`` needs no bytes, but numpy counts the zero as one and refuses it. (A shape
+    that needs more bytes than any file holds is refused by its entry's size.)"""
     proto = entry.shape
     if proto.unknown_rank:
         raise FormatError("has no known rank", path=path, key=name)
+    if len(proto.dim) > MAX_NDIM:
+        raise FormatError(f"has {len(proto.dim)} dimensions (at most {MAX_NDIM})", path=path, key=name)
     shape = tuple([dim.size for dim in proto.dim])
-    if len(shape) > MAX_NDIM or (shape and min(shape) < 0):
-        raise FormatError(f"has an impossible shape {shape}", path=path, key=name)
+    if (shape and min(shape) < 0) or (0 in shape and not fits_an_array(shape, 1 if dtype is None else dtype.itemsize)):
+        raise FormatError(f"has an impossible shape {short_repr(shape)}", path=path, key=name)
     return shape
 
 

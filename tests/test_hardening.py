@@ -1,0 +1,190 @@
+"""Issue 18's classes of hostile input, each a test: crashes in a subprocess, memory under an
+address-space limit, time under a timeout, and leaked library exceptions as WeightStoreErrors
+naming the file and tensor."""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import weightstore as ws
+from weightstore import errors
+from weightstore.formats.tf_checkpoint import natural_order, slice_key
+
+sys.path.insert(0, str(Path(__file__).parent))
+import hostile  # noqa: E402
+import tf_forge  # noqa: E402
+from hostile import raises_naming  # noqa: E402
+
+
+def _safetensors(path: Path, header: dict | str, data: bytes = b"") -> Path:
+    raw = (header if isinstance(header, str) else json.dumps(header)).encode("utf-8")
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    return path
+
+
+def _read_all(path) -> None:
+    with ws.open(path) as store:
+        for key in store:
+            store[key]
+
+
+# -- files truncated in place under an open store ----------------------------------------------
+
+def _checkpoint(tmp_path: Path) -> tuple[str, str]:
+    prefix = tf_forge.write(tmp_path / "ckpt", {"a": np.arange(1 << 14, dtype=np.float32),
+                                                 "b": np.ones(1 << 14, np.float32)})
+    return prefix, f"{prefix}.data-00000-of-00001"
+
+
+def _safetensors_store(tmp_path: Path) -> tuple[str, str]:
+    path = tmp_path / "m.safetensors"
+    ws.save(path, {"a": np.arange(1 << 14, dtype=np.float32), "b": np.ones(1 << 14, np.float32)})
+    return str(path), str(path)
+
+
+@pytest.mark.parametrize("make", [_safetensors_store, _checkpoint], ids=["safetensors", "tf-checkpoint"])
+def test_file_truncated_in_place_under_an_open_store_is_refused_not_sigbus(tmp_path, make):
+    """The npz guard (the file's size checked before each read), now every mapped reader's:
+    without it the read of ``b`` touched pages past the new end and the process died of SIGBUS."""
+    opened, data_file = make(tmp_path)
+    result = hostile.run_isolated(
+        f"store = ws.open({opened!r})\n"
+        "a = store['a']\n"
+        f"with open({data_file!r}, 'r+b') as f:\n"
+        "    f.truncate(64)\n"
+        "for how in ('getitem', 'read_into'):\n"
+        "    try:\n"
+        "        store['b'] if how == 'getitem' else store.read_into('b', np.empty(1 << 14, np.float32))\n"
+        "    except ws.FormatError as exc:\n"
+        "        print('REFUSED', how, exc)\n"
+    )
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    assert result.stdout.count("REFUSED") == 2 and data_file in result.stdout and "'b'" in result.stdout
+
+
+# -- library exceptions that leaked ------------------------------------------------------------
+
+def test_tf_entry_of_a_shape_numpy_cannot_make_is_a_format_error(tmp_path):
+    """``(0, 2**62)`` needs no bytes, but numpy counts the zero as one and raised ValueError."""
+    prefix = tf_forge.write(tmp_path / "ckpt", {"w": np.zeros(1, np.float32)},
+                            overrides={"w": {"shape": (0, 2**62), "size": 0, "crc": 0}})
+    with raises_naming(errors.FormatError, f"{prefix}.index", "'w'", "impossible shape"):
+        _read_all(prefix)
+
+
+def test_tf_scalar_with_two_slices_is_a_format_error(tmp_path):
+    """A "partitioned" scalar raised IndexError in the slice-overlap check."""
+    prefix = tmp_path / "ckpt"
+    items = [(b"", tf_forge.header()), (b"v", tf_forge.entry(shape=(), slices=[[], []])),
+             (slice_key(b"v", []), tf_forge.entry(shape=(), size=4))]
+    Path(f"{prefix}.index").write_bytes(tf_forge.table(sorted(items)))
+    Path(f"{prefix}.data-00000-of-00001").write_bytes(bytes(4))
+    with raises_naming(errors.FormatError, f"{prefix}.index", "'v'", "scalar"):
+        _read_all(str(prefix))
+
+
+@pytest.mark.parametrize("edge", ["9" * 5000, "²", "٣"])
+def test_keys_order_without_converting_digits(edge):
+    """Object-graph edges become key segments and keys sort naturally: 5,000 digits (past
+    ``int``'s limit) and ``²`` (``isdigit`` but no ``int``) raised ValueError."""
+    keys = [f"model/{edge}/w", "model/10/w", "model/2/w", "model/x/w"]
+    ordered = sorted(keys, key=natural_order)
+    assert ordered.index("model/2/w") < ordered.index("model/10/w")
+    assert set(ordered) == set(keys)
+
+
+def test_latest_naming_a_step_of_5000_digits_is_a_format_error(tmp_path):
+    ws.publish(tmp_path, {"w": np.zeros(2)}, step=1)
+    pointer = json.loads((tmp_path / "LATEST").read_text())
+    pointer["file"] = "step-" + "9" * 5000 + ".npz"
+    (tmp_path / "LATEST").write_text(json.dumps(pointer))
+    with raises_naming(errors.FormatError, tmp_path, "LATEST"):
+        ws.latest(tmp_path)
+
+
+def test_safetensors_dtype_that_is_a_json_list_is_a_format_error(tmp_path):
+    path = _safetensors(tmp_path / "m.safetensors", {"t": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}},
+                        bytes(4))
+    with raises_naming(errors.FormatError, path, "'t'", "unknown dtype"):
+        ws.open(path)
+
+
+def test_safetensors_metadata_with_a_lone_surrogate_is_refused_at_open(tmp_path):
+    """It read, then failed as UnicodeEncodeError on convert and made ``ws ls --json`` print
+    bytes that are not UTF-8."""
+    path = _safetensors(tmp_path / "m.safetensors",
+                        '{"__metadata__": {"note": "\\ud800"}, "t": {"dtype": "F32", "shape": [1], '
+                        '"data_offsets": [0, 4]}}', bytes(4))
+    with raises_naming(errors.FormatError, path, "'note'", "surrogate"):
+        ws.open(path)
+    from typer.testing import CliRunner
+
+    from weightstore.cli.main import app
+
+    result = CliRunner().invoke(app, ["ls", "--json", str(path)])
+    assert result.exit_code != 0
+    report = json.loads(result.stdout.encode("utf-8"))
+    assert report["error"]["type"] == "FormatError"
+
+
+# -- keys a format reserves; a manifest nobody may change --------------------------------------
+
+@pytest.mark.parametrize("save", ["save", "publish"])
+def test_safetensors_metadata_key_is_refused_before_anything_is_written(tmp_path, save):
+    """A tensor keyed ``__metadata__`` made a file no reader (ours or the library) opens."""
+    weights = {"w": np.zeros(2, np.float32), "__metadata__": np.zeros(2, np.float32)}
+    target = tmp_path / "m.safetensors"
+    with raises_naming(errors.InvalidKeyError, "'__metadata__'", "safetensors"):
+        if save == "save":
+            ws.save(target, weights)
+        else:
+            ws.publish(tmp_path / "versions", weights, step=1, format="safetensors")
+    assert not target.exists() and not list(tmp_path.glob("versions/step-*"))
+    ws.save(tmp_path / "m.npz", weights)  # other formats hold it
+    assert "__metadata__" in ws.load(tmp_path / "m.npz")
+
+
+def _change_user_metadata(path: Path) -> None:
+    """Edit the manifest's user metadata in place of the same length, header untouched otherwise."""
+    data = path.read_bytes()
+    assert data.count(b'\\"lr\\": 0.5') == 1
+    path.write_bytes(data.replace(b'\\"lr\\": 0.5', b'\\"lr\\": 9.5'))
+
+
+def test_changed_safetensors_metadata_fails_load_and_verify(tmp_path):
+    path = tmp_path / "m.safetensors"
+    ws.save(path, {"w": np.arange(4, dtype=np.float32)}, metadata={"lr": 0.5})
+    assert ws.open(path).metadata == {"lr": 0.5}
+    _change_user_metadata(path)
+    with raises_naming(errors.ChecksumError, path, "manifest"):
+        ws.load(path)
+    from typer.testing import CliRunner
+
+    from weightstore.cli.main import app
+
+    result = CliRunner().invoke(app, ["verify", str(path)])
+    assert result.exit_code != 0 and "checksums match" not in result.output
+
+
+def test_safetensors_written_before_the_manifest_checksum_still_read(tmp_path):
+    """A file whose ``__metadata__`` has the manifest but no checksum of it (every file written
+    before the checksum existed) reads as before, with its tensors verified."""
+    path = tmp_path / "m.safetensors"
+    ws.save(path, {"w": np.arange(4, dtype=np.float32)}, metadata={"lr": 0.5})
+    length = struct.unpack("<Q", path.read_bytes()[:8])[0]
+    raw = path.read_bytes()
+    header = json.loads(raw[8 : 8 + length])
+    manifest = header["__metadata__"]["weightstore"]
+    header["__metadata__"]["weightstore"] = manifest[: manifest.rindex(', "checksum"')] + "}"
+    old = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    old += b" " * (length - len(old))  # the data stays where it was
+    path.write_bytes(raw[:8] + old + raw[8 + length :])
+    store = ws.open(path)
+    assert store.has_checksums and store.metadata == {"lr": 0.5}
+    np.testing.assert_array_equal(store["w"], np.arange(4, dtype=np.float32))
