@@ -4,6 +4,7 @@ naming the file and tensor."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import struct
 import sys
@@ -247,7 +248,7 @@ def test_slices_on_an_irregular_grid_are_refused_and_gaps_still_found(tmp_path):
     bricks = []  # rows of bricks 8 wide, each row shifted one further: 64 x 64 cells for 576 slices
     for row in range(64):
         cuts = sorted({0, 64, *range(row % 8, 64, 8)})
-        bricks += [[(row, 1), (start, stop - start)] for start, stop in zip(cuts, cuts[1:])]
+        bricks += [[(row, 1), (start, stop - start)] for start, stop in itertools.pairwise(cuts)]
     with raises_naming(errors.UnsafeFileError, "'v'", "grid"):
         ws.open(checkpoint("bricks", bricks))
     with raises_naming(errors.FormatError, "'v'", "do not cover"):
