@@ -253,3 +253,35 @@ def test_slices_on_an_irregular_grid_are_refused_and_gaps_still_found(tmp_path):
         ws.open(checkpoint("bricks", bricks))
     with raises_naming(errors.FormatError, "'v'", "do not cover"):
         ws.open(checkpoint("gap", grid[:-1]))
+
+
+# -- writes the file system refuses -------------------------------------------------------------
+
+def test_saves_and_publishes_past_a_file_size_limit_are_write_errors_naming_the_target(tmp_path):
+    """A full disk or a file-size limit was a bare ``OSError`` without a path, handed as it was
+    to the training loop by the background publisher; now a WriteError (an OSError with its
+    errno) naming the file, and the target is left as it was."""
+    result = hostile.run_isolated(
+        "import errno\n"
+        "weights = {'w': np.ones(1 << 16, np.float32)}\n"
+        f"folder = {str(tmp_path)!r}\n"
+        "def report(what, call):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except ws.WriteError as exc:\n"
+        "        print('REFUSED', what, isinstance(exc, OSError) and exc.errno == errno.EFBIG, exc.path)\n"
+        "report('npz', lambda: ws.save(folder + '/m.npz', weights))\n"
+        "report('safetensors', lambda: ws.save(folder + '/m.safetensors', weights))\n"
+        "report('publish', lambda: ws.publish(folder + '/versions', weights, step=1))\n"
+        "with ws.BackgroundPublisher(folder + '/background') as publisher:\n"
+        "    report('background', lambda: publisher.publish(weights, step=2).result())\n",
+        file_size=1 << 16,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert lines == [
+        f"REFUSED npz True {tmp_path}/m.npz", f"REFUSED safetensors True {tmp_path}/m.safetensors",
+        f"REFUSED publish True {tmp_path}/versions/step-000000000001.npz",
+        f"REFUSED background True {tmp_path}/background/step-000000000002.npz",
+    ], result.stdout
+    assert list(tmp_path.glob("m.*")) == list(tmp_path.glob("*/step-*")) == list(tmp_path.glob("*/LATEST")) == []

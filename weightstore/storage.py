@@ -54,7 +54,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from weightstore.errors import MissingDependencyError, StorageError, StoreNotFoundError, TargetError
+from weightstore.errors import (
+    MissingDependencyError,
+    StorageError,
+    StoreNotFoundError,
+    TargetError,
+    WeightStoreError,
+    WriteError,
+)
 
 __all__ = [
     "TEMP_MARK", "Location", "location_of", "is_url", "filesystem", "Commit", "RenameCommit", "UploadCommit",
@@ -213,10 +220,19 @@ class Commit(abc.ABC):
 
     @contextlib.contextmanager
     def writing(self) -> Iterator[str]:
+        """A write the file system refuses (disk full, file-size limit, read-only) comes out as
+        a :class:`WriteError` naming the target and keeping the ``errno``, so a caller that
+        handles ``OSError`` still does and a background publish says which file failed."""
         path = self.begin()
         try:
             yield path
             self.finalize()
+        except WeightStoreError:
+            self.discard()
+            raise
+        except OSError as exc:
+            self.discard()
+            raise WriteError(exc.errno or 0, f"writing failed: {exc.strerror or exc}", path=self.target) from exc
         except BaseException:
             self.discard()
             raise
