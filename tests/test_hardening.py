@@ -285,3 +285,65 @@ def test_saves_and_publishes_past_a_file_size_limit_are_write_errors_naming_the_
         f"REFUSED background True {tmp_path}/background/step-000000000002.npz",
     ], result.stdout
     assert list(tmp_path.glob("m.*")) == list(tmp_path.glob("*/step-*")) == list(tmp_path.glob("*/LATEST")) == []
+
+
+# -- PyTorch: the strict plan holds ------------------------------------------------------------
+
+def _tied_autoencoder():
+    import torch
+    from torch import nn
+
+    class TiedAutoencoder(nn.Module):
+        """The decoder's weight is the encoder's, transposed: one storage under two keys."""
+
+        def __init__(self):
+            super().__init__()
+            self.encoder = nn.Linear(4, 6, bias=False)
+            self.decoder = nn.Linear(6, 4, bias=False)
+            self.decoder.weight = nn.Parameter(self.encoder.weight.t())
+
+    torch.manual_seed(0)
+    return TiedAutoencoder()
+
+
+def test_torch_tied_transposed_weights_take_one_consistent_value_or_are_refused_naming_both():
+    """They took two values, both reported assigned, and the encoder kept the decoder's."""
+    pytest.importorskip("torch")
+    from weightstore.adapters import torch as torch_adapter
+
+    model = _tied_autoencoder()
+    kernel = np.arange(24, dtype=np.float32).reshape(6, 4)
+    report = torch_adapter.assign(model, {"encoder/weight": kernel, "decoder/weight": kernel.T.copy()})
+    assert sorted(report.assigned) == ["decoder/weight", "encoder/weight"]
+    np.testing.assert_array_equal(model.encoder.weight.detach().numpy(), kernel)
+    with raises_naming(errors.AssignmentError, "decoder/weight", "encoder/weight", "nothing was changed"):
+        torch_adapter.assign(model, {"encoder/weight": kernel, "decoder/weight": -kernel.T.copy()})
+    np.testing.assert_array_equal(model.encoder.weight.detach().numpy(), kernel)
+    report = torch_adapter.assign(model, {"encoder/weight": 2 * kernel, "decoder/weight": -kernel.T.copy()},
+                                  strict=False)
+    assert report.assigned == ["encoder/weight"] and [m.key for m in report.mismatched] == ["decoder/weight"]
+    np.testing.assert_array_equal(model.decoder.weight.detach().numpy(), 2 * kernel.T)
+
+
+def test_torch_assign_into_tensors_that_cannot_be_written_in_place_changes_nothing():
+    """An inference tensor and an expanded buffer: the first tensors were changed, then
+    torch's RuntimeError leaked out of a strict plan."""
+    torch = pytest.importorskip("torch")
+    from torch import nn
+
+    from weightstore.adapters import torch as torch_adapter
+
+    model = nn.Module()
+    model.layer = nn.Linear(2, 2)
+    with torch.inference_mode():
+        model.register_buffer("frozen", torch.zeros(3))
+    model.register_buffer("wide", torch.zeros(1, 3).expand(4, 3))
+    before = {key: value.detach().clone() for key, value in torch_adapter.tensors(model).items()}
+    weights = {"layer/weight": np.ones((2, 2), np.float32), "layer/bias": np.ones(2, np.float32),
+               "frozen": np.ones(3, np.float32), "wide": np.ones((4, 3), np.float32)}
+    with raises_naming(errors.AssignmentError, "frozen", "inference tensor", "wide", "expanded"):
+        torch_adapter.assign(model, weights)
+    assert all(torch.equal(before[key], value) for key, value in torch_adapter.tensors(model).items())
+    report = torch_adapter.assign(model, weights, strict=False)
+    assert sorted(report.assigned) == ["layer/bias", "layer/weight"]
+    assert sorted(m.key for m in report.mismatched) == ["frozen", "wide"]
