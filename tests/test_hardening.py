@@ -347,3 +347,40 @@ def test_torch_assign_into_tensors_that_cannot_be_written_in_place_changes_nothi
     report = torch_adapter.assign(model, weights, strict=False)
     assert sorted(report.assigned) == ["layer/bias", "layer/weight"]
     assert sorted(m.key for m in report.mismatched) == ["frozen", "wide"]
+
+
+# -- memory: .keras configs are never used to allocate -----------------------------------------
+
+def test_keras_config_claiming_gigabytes_builds_its_model_in_no_memory(tmp_path):
+    """``ws export --model-keys`` of a small archive whose Dense claims a billion units (a
+    12 GB kernel) allocated it; the model is now built without initializing its variables.
+    One subprocess makes a real tiny archive, edits its config, then runs the command under
+    a 4 GB address-space limit, so a regression fails instead of exhausting the machine."""
+    import subprocess
+
+    pytest.importorskip("keras")
+    script = (
+        "import os, resource, sys, zipfile\n"
+        "os.environ['TF_CPP_MIN_LOG_LEVEL'] = '3'\n"
+        "import keras\n"
+        "small, claims, out = sys.argv[1:4]\n"
+        "keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, name='dense')]).save(small)\n"
+        "with zipfile.ZipFile(small) as source, zipfile.ZipFile(claims, 'w') as target:\n"
+        "    for info in source.infolist():\n"
+        "        data = source.read(info)\n"
+        "        if info.filename == 'config.json':\n"
+        "            assert data.count(b'\"units\": 4') == 1\n"
+        "            data = data.replace(b'\"units\": 4', b'\"units\": 1000000000')\n"
+        "        target.writestr(info, data)\n"
+        "print('ARCHIVE', os.path.getsize(claims), flush=True)\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))\n"
+        "from weightstore.cli.main import main\n"
+        "sys.argv = ['ws', 'export', claims, '-o', out, '--model-keys']\n"
+        "main()\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "small.keras"), str(tmp_path / "claims.keras"),
+                             str(tmp_path / "out.npz")], capture_output=True, text=True, timeout=240)
+    assert "ARCHIVE" in result.stdout, result.stderr[-2000:]
+    assert int(result.stdout.split("ARCHIVE ")[1].split()[0]) < 64 << 10
+    assert result.returncode == 0 and "OOM" not in result.stderr, result.stderr[-2000:]  # the kernel was allocated
+    assert "wrote 2 tensors" in result.stderr + result.stdout
