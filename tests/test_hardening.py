@@ -384,3 +384,46 @@ def test_keras_config_claiming_gigabytes_builds_its_model_in_no_memory(tmp_path)
     assert int(result.stdout.split("ARCHIVE ")[1].split()[0]) < 64 << 10
     assert result.returncode == 0 and "OOM" not in result.stderr, result.stderr[-2000:]  # the kernel was allocated
     assert "wrote 2 tensors" in result.stderr + result.stdout
+
+
+# -- memory: TF checkpoint indexes and object graphs ------------------------------------------
+
+def test_index_keys_sharing_prefixes_are_bounded_by_the_table_size(tmp_path):
+    """50,000 entries of 4 bytes whose keys each extend the last made 1.2 GB of keys from a
+    200 KB index; now refused before a key past 16x the table is made (256 MB here)."""
+    prefix = tf_forge.shared_prefix_index(tmp_path / "keys", 40_000)
+    assert Path(f"{prefix}.index").stat().st_size < 300 << 10
+    result = hostile.run_isolated(
+        f"try:\n    ws.open({prefix!r})\nexcept ws.UnsafeFileError as exc:\n    print('REFUSED', exc)\n",
+        timeout=60, address_space=256 << 20)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "REFUSED" in result.stdout and "keys.index" in result.stdout and "shared prefixes" in result.stdout
+
+
+def test_object_graph_paths_are_bounded_by_the_graph_size(tmp_path):
+    """A chain of 12,000 one-letter edges (120 KB) made 72 million path segments (0.7 GB); the
+    walk now stops at 8 per byte and the keys fall back to the entry names."""
+    prefix = tf_forge.with_object_graph(tmp_path / "deep", tf_forge.chain_graph(12_000),
+                                        {"w/.ATTRIBUTES/VARIABLE_VALUE": np.arange(3, dtype=np.float32)})
+    result = hostile.run_isolated(
+        f"with ws.open({prefix!r}) as store:\n    print('KEYS', store.keys(), store['w'])\n",
+        timeout=60, address_space=256 << 20)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "KEYS ['w'] [0. 1. 2.]" in result.stdout
+
+
+@pytest.mark.parametrize("edge", ["9" * 5000, "²"])
+def test_object_graph_edges_that_no_int_reads_key_their_variables(tmp_path, edge):
+    from weightstore.formats.tf_protos import TrackableObjectGraph
+
+    graph = TrackableObjectGraph()
+    root, layer, variable = graph.nodes.add(), graph.nodes.add(), graph.nodes.add()
+    root.children.add(node_id=1, local_name=edge)
+    layer.children.add(node_id=2, local_name="kernel")
+    variable.attributes.add(name="VARIABLE_VALUE", checkpoint_key="k/.ATTRIBUTES/VARIABLE_VALUE")
+    prefix = tf_forge.with_object_graph(tmp_path / "edge", graph.SerializeToString(),
+                                        {"k/.ATTRIBUTES/VARIABLE_VALUE": np.ones(2, np.float32),
+                                         "z/.ATTRIBUTES/VARIABLE_VALUE": np.zeros(1, np.float32)})
+    with ws.open(prefix) as store:
+        assert store.keys() == [f"{edge}/kernel", "z"] or store.keys() == ["z", f"{edge}/kernel"]
+        np.testing.assert_array_equal(store[f"{edge}/kernel"], np.ones(2, np.float32))

@@ -271,10 +271,23 @@ _STEP_COUNTERS = frozenset({"iter", "_iterations"})
 _CATCH_ALL_LISTS = frozenset({"_variables", "variables", "_trainable_variables", "trainable_variables"})
 
 
+#: what the best paths may hold, in segments plus characters, per byte of serialized graph: each
+#: edge takes at least 4 bytes, and real models nest a few levels deep; a chain of 12,000
+#: one-letter edges (120 KB) made paths of 72 million segments (0.7 GB)
+PATH_UNITS_PER_BYTE = 8
+PATH_UNITS_SLACK = 1 << 16
+
+
+class _GraphTooLarge(Exception):
+    pass
+
+
 def object_graph_keys(serialized: bytes) -> dict[str, str]:
     """Checkpoint entry name -> key for every variable the object graph names (module docstring).
 
-    Empty when the graph cannot be read, so the caller falls back to the entry names.
+    Empty when the graph cannot be read, or when its paths would take more memory than
+    :data:`PATH_UNITS_PER_BYTE` allows (a graph nested far deeper than any model), so the
+    caller falls back to the entry names.
     """
     graph = TrackableObjectGraph()
     try:
@@ -284,7 +297,10 @@ def object_graph_keys(serialized: bytes) -> dict[str, str]:
     nodes = graph.nodes
     if not nodes:
         return {}
-    best = best_paths(nodes)
+    try:
+        best = best_paths(nodes, budget=PATH_UNITS_PER_BYTE * len(serialized) + PATH_UNITS_SLACK)
+    except _GraphTooLarge:
+        return {}
     node_keys = {node: "/".join(path) for node, path in best.items() if path}
     for optimizer_id, node in enumerate(nodes):  # slots go under their variable
         optimizer_key = node_keys.get(optimizer_id)
@@ -301,12 +317,13 @@ def object_graph_keys(serialized: bytes) -> dict[str, str]:
     return keys
 
 
-def best_paths(nodes: Any) -> dict[int, tuple[str, ...]]:
+def best_paths(nodes: Any, *, budget: int) -> dict[int, tuple[str, ...]]:
     """Node id -> its best path from the root, the least by (through an optimizer-like node,
     length, edges into catch-all lists, segments).
 
     A Dijkstra walk: extending two paths by one edge keeps their order, so the first time a
-    node is taken off the heap its path is the best of all paths to it.
+    node is taken off the heap its path is the best of all paths to it. Every path made
+    costs its segments and characters out of ``budget``; :class:`_GraphTooLarge` when spent.
     """
     optimizer_like = {
         node_id for node_id, node in enumerate(nodes)
@@ -316,9 +333,9 @@ def best_paths(nodes: Any) -> dict[int, tuple[str, ...]]:
                           if child.local_name == _OPTIMIZER_EDGE)
     optimizer_like.discard(0)
     best: dict[int, tuple[str, ...]] = {}
-    heap: list[tuple[bool, int, int, tuple[str, ...], int]] = [(False, 0, 0, (), 0)]
+    heap: list[tuple[bool, int, int, tuple[str, ...], int, int]] = [(False, 0, 0, (), 0, 0)]
     while heap:
-        through_optimizer, length, catch_all, path, node_id = heapq.heappop(heap)
+        through_optimizer, length, catch_all, path, node_id, chars = heapq.heappop(heap)
         if node_id in best:
             continue
         best[node_id] = path
@@ -326,7 +343,11 @@ def best_paths(nodes: Any) -> dict[int, tuple[str, ...]]:
             if child.node_id not in best and 0 <= child.node_id < len(nodes):
                 flag = through_optimizer or child.node_id in optimizer_like
                 lists = catch_all + (child.local_name in _CATCH_ALL_LISTS)
-                heapq.heappush(heap, (flag, length + 1, lists, (*path, child.local_name), child.node_id))
+                name = child.local_name
+                budget -= length + 1 + chars + len(name) + 1
+                if budget < 0:
+                    raise _GraphTooLarge
+                heapq.heappush(heap, (flag, length + 1, lists, (*path, name), child.node_id, chars + len(name) + 1))
     return best
 
 
@@ -413,7 +434,7 @@ class CheckpointReader:
                 if size > MAX_INDEX_BYTES:
                     raise UnsafeFileError(f"checkpoint index is {size} bytes, over the {MAX_INDEX_BYTES}-byte limit",
                                           path=path)
-                return handle.read(MAX_INDEX_BYTES + 1)
+                return handle.read(size + 1)  # what the file holds: a buffer of the limit is 256 MB
         except FileNotFoundError:
             raise StoreNotFoundError(f"no such checkpoint ({path} is missing)", path=self.prefix) from None
 
