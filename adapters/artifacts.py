@@ -287,7 +287,7 @@ class _Renamed:
 
     def info(self, key: str) -> TensorInfo:
         info = self._store.info(self._old(key))
-        return TensorInfo(key, info.dtype, info.shape, info.nbytes, info.checksum)
+        return info._replace(key=key)
 
     def read(self, key: str, *, verify: bool) -> np.ndarray:
         return self._store[self._old(key)]

@@ -52,6 +52,8 @@ from weightstore.adapters.plan import AssignOptions, Mismatch, Plan, TargetInfo,
 from weightstore.errors import LayoutError
 from weightstore.keys import MappingRules, Patterns, join_scope, map_key, normalize_scope, parse_mapping, passes
 
+__all__ = ["Rule", "Layout", "convert"]
+
 DENSE, CONV, DEPTHWISE, NORM = "dense", "conv", "depthwise", "norm"
 _WEIGHTED = (DENSE, CONV, DEPTHWISE)
 
