@@ -427,3 +427,46 @@ def test_object_graph_edges_that_no_int_reads_key_their_variables(tmp_path, edge
     with ws.open(prefix) as store:
         assert store.keys() == [f"{edge}/kernel", "z"] or store.keys() == ["z", f"{edge}/kernel"]
         np.testing.assert_array_equal(store[f"{edge}/kernel"], np.ones(2, np.float32))
+
+
+# -- .keras archives ---------------------------------------------------------------------------
+
+def _keras_archive(path: Path, *, extra_members: int = 0) -> Path:
+    """A ``.keras`` archive made by hand: config, metadata and a Keras-style weights file."""
+    import io
+    import zipfile
+
+    import h5py
+
+    weights = io.BytesIO()
+    with h5py.File(weights, "w") as handle:
+        handle["layers/dense/vars/0"] = np.ones((3, 4), np.float32)
+    with zipfile.ZipFile(path, "w") as archive:
+        for number in range(extra_members):
+            archive.writestr(f"assets/{number}", b"")
+        archive.writestr("metadata.json", "{}")
+        archive.writestr("config.json", '{"class_name": "Sequential", "config": {}}')
+        archive.writestr("model.weights.h5", weights.getvalue())
+    return path
+
+
+def test_keras_archive_missing_its_first_bytes_is_a_format_error(tmp_path):
+    """Found by atheris: the weights member then lies before the file's start, and seeking
+    there leaked ``OSError [Errno 22]``."""
+    import zipfile
+
+    path = _keras_archive(tmp_path / "whole.keras")
+    with zipfile.ZipFile(path) as archive:
+        weights_at = archive.getinfo("model.weights.h5").header_offset
+    cut = tmp_path / "cut.keras"
+    cut.write_bytes(path.read_bytes()[weights_at + 1 :])
+    with raises_naming(errors.FormatError, cut, "model.weights.h5"):
+        ws.load(cut)
+
+
+def test_keras_archive_directory_of_thousands_of_members_is_refused_before_it_is_parsed(tmp_path):
+    """``zipfile`` makes a 500-byte object of each 46-byte entry: 9x the file, unbounded."""
+    path = _keras_archive(tmp_path / "crowded.keras", extra_members=5000)
+    with raises_naming(errors.UnsafeFileError, path, "5003 members"):
+        ws.load(path)
+    assert ws.load(_keras_archive(tmp_path / "fine.keras", extra_members=10))["layers/dense/vars/0"].shape == (3, 4)
