@@ -23,8 +23,7 @@ from typing import Any
 import numpy as np
 
 from weightstore.errors import FormatError, StoreNotFoundError, UnsafeFileError, WeightStoreError
-from weightstore.formats import format_for_suffix, format_named
-from weightstore.formats import zipdir
+from weightstore.formats import format_for_suffix, format_named, zipdir
 from weightstore.formats.zipdir import MAX_DEFLATE_RATIO
 from weightstore.io.files import refuse_special_file
 from weightstore.manifest import TensorInfo
