@@ -94,7 +94,7 @@ def sample_object_graph() -> bytes:
 
 
 def _read_object_graph(path: Path) -> object:
-    from weightstore.formats.tf_checkpoint import object_graph_keys, natural_order
+    from weightstore.formats.tf_checkpoint import natural_order, object_graph_keys
 
     keys = object_graph_keys(path.read_bytes())
     return sorted(keys.values(), key=natural_order)
