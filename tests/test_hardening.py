@@ -470,3 +470,31 @@ def test_keras_archive_directory_of_thousands_of_members_is_refused_before_it_is
     with raises_naming(errors.UnsafeFileError, path, "5003 members"):
         ws.load(path)
     assert ws.load(_keras_archive(tmp_path / "fine.keras", extra_members=10))["layers/dense/vars/0"].shape == (3, 4)
+
+
+# -- memory: JSON manifests --------------------------------------------------------------------
+
+def test_deflated_manifest_of_nested_objects_is_refused_before_it_is_inflated(tmp_path):
+    """A manifest of 2.7 million empty objects, deflated (UTF-32 JSON deflates 1000x): it
+    inflated to 32 MB of text, then parsed into 170 MB of dicts, from a file of 40 KB; the
+    member may now inflate 32x, and any manifest holds at most one object per 4 bytes."""
+    import zlib
+
+    metadata = "[" + ",".join(["{}"] * 2_700_000) + "]"
+    text = json.dumps({"format": "weightstore", "version": 1, "tensors": {}})[:-1] + ', "metadata": ' + metadata + "}"
+    payload = hostile.npy(np.array(text))
+    path = tmp_path / "nested.npz"
+    path.write_bytes(hostile.zip_bytes([hostile.Member("__weightstore__.npy", hostile.deflated(payload),
+                                                       method=8, size=len(payload), crc=zlib.crc32(payload))]))
+    del payload, text
+    assert path.stat().st_size < 64 << 10
+    result = hostile.run_isolated(
+        f"try:\n    ws.open({str(path)!r})\nexcept ws.UnsafeFileError as exc:\n    print('REFUSED', exc)\n",
+        address_space=160 << 20)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "REFUSED" in result.stdout and "manifest" in result.stdout and "nested.npz" in result.stdout
+    from weightstore.manifest import parse_manifest
+
+    with raises_naming(errors.UnsafeFileError, "m.npz", "JSON objects and arrays"):
+        parse_manifest('{"format": "weightstore", "version": 1, "tensors": {}, "metadata": [' + "[]," * 10_000 + "0]}",
+                       "m.npz")

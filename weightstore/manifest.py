@@ -25,7 +25,7 @@ import orjson
 from isal import isal_zlib
 
 from weightstore import crc as _crc
-from weightstore.errors import FormatError, InvalidKeyError, UnsupportedDTypeError
+from weightstore.errors import FormatError, InvalidKeyError, UnsafeFileError, UnsupportedDTypeError
 from weightstore.keys import validate_keys
 from weightstore.tensortable import (
     CHECKSUM_ALGORITHM,
@@ -58,6 +58,10 @@ CODECS = frozenset({"shuffle-zstd"})
 #: bytes checksummed and written at a time: small enough to stay in cache between the two
 CRC_CHUNK = 1 << 20
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+#: a JSON object or array costs Python 56-64 bytes however short its text (``{}``: 2 bytes), so a
+#: manifest may hold at most one per this many bytes of text: what it parses into stays a few
+#: times its size (a manifest's columns are a handful of arrays; metadata is rarely denser)
+MIN_BYTES_PER_CONTAINER = 4
 
 _NUMERIC_KINDS = frozenset("biufc")
 #: ml_dtypes kinds (bfloat16, float8_*, int4, ...) that npy and HDF5 store as raw void bytes; the
@@ -261,6 +265,10 @@ def parse_manifest(text: str, where: str) -> Manifest:
     """Check an untrusted manifest field by field; any surprise is a :class:`FormatError`."""
     if len(text) > MAX_MANIFEST_BYTES:
         raise FormatError(f"manifest is larger than {MAX_MANIFEST_BYTES} bytes", path=where)
+    containers = text.count("{") + text.count("[")  # counted in C: cheaper than any parse
+    if containers > len(text) // MIN_BYTES_PER_CONTAINER + 1024:
+        raise UnsafeFileError(f"manifest holds {containers} JSON objects and arrays in {len(text)} bytes (at most one "
+                              f"per {MIN_BYTES_PER_CONTAINER} bytes)", path=where)
     try:
         document = _parse_json(text)
     except _NonFiniteNumber as exc:
