@@ -498,3 +498,15 @@ def test_deflated_manifest_of_nested_objects_is_refused_before_it_is_inflated(tm
     with raises_naming(errors.UnsafeFileError, "m.npz", "JSON objects and arrays"):
         parse_manifest('{"format": "weightstore", "version": 1, "tensors": {}, "metadata": [' + "[]," * 10_000 + "0]}",
                        "m.npz")
+
+
+def test_safetensors_header_dense_with_arrays_is_refused_before_it_is_parsed(tmp_path):
+    """A 3 MB header of a million empty lists made 81 MB of lists before its entry was found
+    malformed; it is now refused from a count of its brackets (9 MB in all)."""
+    header = '{"t": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "x": [' + ",".join(["[]"] * 1_000_000) + "]}"
+    path = _safetensors(tmp_path / "dense.safetensors", header, bytes(4))
+    result = hostile.run_isolated(
+        f"try:\n    ws.open({str(path)!r})\nexcept ws.UnsafeFileError as exc:\n    print('REFUSED', exc)\n",
+        address_space=48 << 20)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "REFUSED" in result.stdout and "dense.safetensors" in result.stdout and "JSON objects and arrays" in result.stdout

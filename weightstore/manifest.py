@@ -265,10 +265,7 @@ def parse_manifest(text: str, where: str) -> Manifest:
     """Check an untrusted manifest field by field; any surprise is a :class:`FormatError`."""
     if len(text) > MAX_MANIFEST_BYTES:
         raise FormatError(f"manifest is larger than {MAX_MANIFEST_BYTES} bytes", path=where)
-    containers = text.count("{") + text.count("[")  # counted in C: cheaper than any parse
-    if containers > len(text) // MIN_BYTES_PER_CONTAINER + 1024:
-        raise UnsafeFileError(f"manifest holds {containers} JSON objects and arrays in {len(text)} bytes (at most one "
-                              f"per {MIN_BYTES_PER_CONTAINER} bytes)", path=where)
+    refuse_dense_json(text, MIN_BYTES_PER_CONTAINER, "manifest", where)
     try:
         document = _parse_json(text)
     except _NonFiniteNumber as exc:
@@ -391,6 +388,17 @@ def _parse_entries(raw: dict[str, Any], where: str, locations: dict[str, str],
         dims = tuple(shape)
         tensors[key] = _new_info(TensorInfo, (key, name, dims, math.prod(dims) * itemsize, digest, None))
     return tensors
+
+
+def refuse_dense_json(text: str, min_bytes: int, what: str, where: str) -> None:
+    """Refuse, before parsing, JSON text holding more than one object or array per ``min_bytes``
+    (plus a few): Python spends 56-64 bytes on each however short its text (``[]``: 2 bytes), so
+    this bounds what the parse allocates to a few times the text. Brackets inside strings count
+    too (counted in C, cheaper than any parse); text that dense is no real manifest or header."""
+    containers = text.count("{") + text.count("[")
+    if containers > len(text) // min_bytes + 1024:
+        raise UnsafeFileError(f"{what} is not JSON weightstore parses: it holds {containers} JSON objects and arrays "
+                              f"in {len(text)} bytes (at most one per {min_bytes} bytes)", path=where)
 
 
 def _parse_json(text: str) -> Any:

@@ -69,6 +69,7 @@ from weightstore.manifest import (
     logical_dtype,
     parse_manifest,
     raw_bytes,
+    refuse_dense_json,
     write_checksummed,
 )
 
@@ -89,6 +90,9 @@ _MOVE_CHUNK = 16 << 20
 #: tensors at least this big are announced to the kernel (madvise) before they are read
 _PREFETCH_BYTES = 1 << 20
 _JUST_INT = {int}
+#: a tensor's entry is an object and two arrays in 50 bytes or more: a header may hold at most one
+#: object or array per this many bytes (``[[],[],…]`` made 27x its size in lists before it was refused)
+_HEADER_BYTES_PER_CONTAINER = 8
 #: numpy refuses arrays whose size, zero dimensions left out, exceeds this (even empty ones)
 _MAX_ARRAY_BYTES = 2**63 - 1
 #: a tensor whose byte size is a multiple of this leaves the next one aligned for any dtype
@@ -330,6 +334,7 @@ class SafetensorsReader:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise FormatError(f"safetensors header is not UTF-8 (byte {exc.start})", path=self.name) from None
+        refuse_dense_json(text, _HEADER_BYTES_PER_CONTAINER, "safetensors header", self.name)
         try:
             document = json.loads(text, object_pairs_hook=_unique_object, parse_constant=_refuse_constant)
         except _DuplicateName as exc:
