@@ -48,6 +48,7 @@ from typing_extensions import Unpack
 import weightstore
 from weightstore.adapters.plan import AssignOptions, AssignWords, Report, reload_digest, wants_skip
 from weightstore.errors import VersionGoneError
+from weightstore.formats import ReaderDefaults
 from weightstore.manifest import TensorInfo
 from weightstore.store import Store
 from weightstore.versions import Version, follow
@@ -260,11 +261,12 @@ class Follower:
                 self.error, self._following_failed = None, False
 
 
-class _Staged:
+class _Staged(ReaderDefaults):
     """A version's reader with some tensors already read and verified: a swap writes from memory.
 
     Tensors not staged (the unchanged ones a swap expects to skip) are read from the version's
-    own store if the assign asks for them after all.
+    own store if the assign asks for them after all (:meth:`read_many` fetches them together,
+    so :meth:`prefetch` has nothing to do).
     """
 
     def __init__(self, store: Store, arrays: dict[str, np.ndarray]):

@@ -94,9 +94,9 @@ def sample_object_graph() -> bytes:
 
 
 def _read_object_graph(path: Path) -> object:
-    from weightstore.formats.tf_checkpoint import natural_order, object_graph_keys
+    from weightstore.formats.tf_checkpoint import natural_order, object_graph_keys, parse_object_graph
 
-    keys = object_graph_keys(path.read_bytes())
+    keys = object_graph_keys(parse_object_graph(path.read_bytes()))
     return sorted(keys.values(), key=natural_order)
 
 
