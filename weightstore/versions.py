@@ -105,7 +105,9 @@ LATEST = "LATEST"
 SHARDED_SUFFIX = ".wsindex"
 INTENT = ".publishing"
 POINTER_FORMAT = "weightstore-latest"
-_NAME = re.compile(r"^step-(\d+)(\.[A-Za-z0-9]+)$")
+#: a version's file name: ASCII digits only (``\d`` takes ``٣``), and few enough that ``int`` reads them
+#: (it refuses over 4,300); a file system names none longer than 255 bytes anyway
+_NAME = re.compile(r"^step-([0-9]{1,1000})(\.[A-Za-z0-9]+)$")
 _MAX_POINTER_BYTES = 1 << 20
 _log = logging.getLogger(__name__)
 
