@@ -342,3 +342,55 @@ def test_ws_import_of_a_wrong_shape_into_a_keras_file_names_both(tmp_path):
     assert result.exit_code != 0
     assert ("tensor 'layers/dense/vars/0': holds float32[3, 2]; the import gives float32[2, 3], which Keras "
             "could not load in its place") in " ".join(result.output.split())
+
+
+# --- Keras's file layout given where model keys are expected --------------------------------
+
+def bn_model():
+    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, name="dense"),
+                             keras.layers.BatchNormalization(name="bn")], name="net")
+
+
+def test_keras_layout_keys_into_a_model_say_another_architecture_and_pair_no_look_alikes(tmp_path):
+    """``ws export x.weights.h5`` without a model writes Keras's names; a strict assign of them
+    says in one line, before the list, that they look like another architecture, and offers no
+    variable for a tensor of another name (``gamma`` for ``beta``)."""
+    model = bn_model()
+    path = tmp_path / "m.weights.h5"
+    model.save_weights(path)
+    laid_out = ws.load(path)
+    assert sorted(laid_out)[:2] == ["layers/batch_normalization/vars/0", "layers/batch_normalization/vars/1"]
+    with pytest.raises(ws.AssignmentError) as caught:
+        tf2.assign(model, laid_out)
+    lines = str(caught.value).splitlines()
+    assert lines[1] == ("  the weights and the model look like different architectures: 0 of 6 values share a key "
+                        "with one of 6 variables (or they need scope= or mapping=)")
+    assert lines[2] == "  6 missing (variables with no value):"
+    assert "did you mean" not in str(caught.value)
+    assert tf2.assign(model, str(path)).ok  # the file itself pairs by Keras's own save walk
+
+
+def test_a_typo_is_still_offered_its_variable():
+    model = bn_model()
+    values = tf2.export(model)
+    values["bn/gama"] = values.pop("bn/gamma")
+    with pytest.raises(ws.AssignmentError) as caught:
+        tf2.assign(model, values)
+    assert "no variable 'bn/gama'; did you mean 'bn/gamma'?" in str(caught.value)
+    assert "different architectures" not in str(caught.value)
+
+
+@pytest.mark.parametrize("suffix", [".weights.h5", ".keras"])
+def test_a_keras_file_given_to_torch_says_it_needs_its_keras_model(tmp_path, suffix):
+    torch = pytest.importorskip("torch")
+    from weightstore.adapters import torch as torch_adapter
+
+    path = tmp_path / f"m{suffix}"
+    model = small_dense()
+    (model.save_weights if suffix == ".weights.h5" else model.save)(path)
+    with pytest.raises(ws.AssignmentError) as caught:
+        torch_adapter.assign(torch.nn.Linear(3, 2), str(path), layout="keras")
+    assert str(caught.value) == (
+        f"{path}: is a Keras file, whose tensors Keras names by its save walk (layers/<layer>/vars/<i>), not by "
+        "layer: key it by its Keras model first, in Python with tf2.assign(model, path) then tf2.export(model), or "
+        f"with `ws export {path} -o m.npz --model-keys` (a .keras file; --model m.keras for a .weights.h5)")
