@@ -264,12 +264,13 @@ class Values:
 
 
 class RenamedValues:
-    """A view of :class:`Values` with some keys renamed (``renames``: old key -> new key)."""
+    """A view of :class:`Values` with some keys renamed (``renames``: old key -> new key) and,
+    with ``keep``, only those of its keys (the others left out, as optimizer state is)."""
 
-    def __init__(self, values: Values, renames: Mapping[str, str]):
+    def __init__(self, values: Values, renames: Mapping[str, str], keep: Collection[str] | None = None):
         self._values = values
         names = values.keys()  # a Values, not a dict: it has no __iter__
-        self._old = {renames.get(key, key): key for key in names}
+        self._old = {renames.get(key, key): key for key in names if keep is None or key in keep}
         self.where = values.where
         self.exact_keys = values.exact_keys
 
