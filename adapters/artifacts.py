@@ -34,15 +34,14 @@ from typing import Any
 import numpy as np
 
 import weightstore
-from weightstore.errors import AssignmentError, FormatError, KeyNotInStoreError
+from weightstore.errors import AssignmentError, FormatError, KeyNotInStoreError, WeightStoreError
 from weightstore.formats import ReaderDefaults
-from weightstore.formats.tf_checkpoint import saved_model_prefix
+from weightstore.formats.tf_checkpoint import CheckpointReader, saved_model_prefix
 from weightstore.manifest import TensorInfo
 
 __all__ = ["ModelKeyedStore", "open_artifact", "is_model_file", "for_model", "keras_file_names"]
 
 _KERAS_SUFFIXES = (".keras", ".weights.h5")
-_OBJECT_GRAPH = "_CHECKPOINTABLE_OBJECT_GRAPH"
 _NEAR_ROOT = 2  # edges from the checkpoint's root within which the model's own node is looked for
 
 
@@ -131,22 +130,20 @@ def _object_graph(path: Any) -> Any:
     and its reader says what is wrong with which file.
     """
     import tensorflow as tf
-    from google.protobuf.message import DecodeError
-    from tensorflow.core.protobuf import trackable_object_graph_pb2
 
     text = os.fspath(path)
-    graph = trackable_object_graph_pb2.TrackableObjectGraph()
     try:
         prefix = _folder_prefix(text) if os.path.isdir(text) else _prefix(text)
-        if prefix is None or not os.path.exists(prefix + ".index"):
-            return None
-        reader = tf.train.load_checkpoint(prefix)
-        if not reader.has_tensor(_OBJECT_GRAPH):
-            return None
-        graph.ParseFromString(reader.get_tensor(_OBJECT_GRAPH))
-    except (tf.errors.OpError, ValueError, DecodeError):
+    except (tf.errors.OpError, ValueError):
         return None
-    return graph
+    if prefix is None or not os.path.exists(prefix + ".index"):
+        return None
+    try:  # the core's parser, as ws.open reads the checkpoint's keys
+        reader = CheckpointReader(prefix)
+    except WeightStoreError:
+        return None
+    reader.close()  # only the index is needed
+    return reader.object_graph
 
 
 def _folder_prefix(folder: str) -> str | None:

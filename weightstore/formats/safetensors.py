@@ -426,6 +426,11 @@ class SafetensorsReader(ReaderDefaults):
             raise KeyNotInStoreError("no such tensor", path=self.name, key=key)
         return tensor
 
+    def extent(self, key: str) -> tuple[int, int]:
+        """``(offset, length)`` of a tensor's bytes in the file (a sharded version's index records it)."""
+        tensor = self._tensor(key)
+        return self._data_start + tensor.begin, tensor.end - tensor.begin
+
     def read(self, key: str, *, verify: bool) -> np.ndarray:
         tensor = self._tensor(key)
         start, size = self._data_start + tensor.begin, tensor.end - tensor.begin

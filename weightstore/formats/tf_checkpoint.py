@@ -294,17 +294,22 @@ _STEP_COUNTERS = frozenset({"iter", "_iterations"})
 _CATCH_ALL_LISTS = frozenset({"_variables", "variables", "_trainable_variables", "trainable_variables"})
 
 
-def object_graph_keys(serialized: bytes) -> dict[str, str]:
-    """Checkpoint entry name -> key for every variable the object graph names (module docstring).
-
-    Empty when the graph cannot be read, so the caller falls back to the entry names.
-    """
+def parse_object_graph(serialized: bytes) -> Any:
+    """The ``TrackableObjectGraph`` message in ``serialized``; ``None`` when it cannot be read."""
     graph = TrackableObjectGraph()
     try:
         graph.ParseFromString(serialized)
     except (DecodeError, RecursionError):
-        return {}
-    nodes = graph.nodes
+        return None
+    return graph
+
+
+def object_graph_keys(graph: Any) -> dict[str, str]:
+    """Checkpoint entry name -> key for every variable the object graph names (module docstring).
+
+    Empty when there is no readable graph, so the caller falls back to the entry names.
+    """
+    nodes = graph.nodes if graph is not None else []
     if not nodes:
         return {}
     best = best_paths(nodes)
@@ -397,6 +402,8 @@ class CheckpointReader(ReaderDefaults):
         self.kind = KIND_TF2 if self.object_based else KIND_TF1
         #: the graph a TF1 ``Saver`` wrote beside the checkpoint: the only record of trainability
         self.meta_graph = None if self.object_based else prefix + ".meta"
+        #: the TF2 object graph (a ``TrackableObjectGraph`` message); ``None`` when there is no readable one
+        self.object_graph: Any = None
         try:
             tensors = self._tensors(entries, slice_entries)
             graph_keys = self._graph_keys(entries) if self.object_based else {}
@@ -553,7 +560,8 @@ class CheckpointReader(ReaderDefaults):
         if entry.dtype != _DT_STRING or entry.slices or _shape(entry, self.prefix, OBJECT_GRAPH_KEY) != ():
             return {}
         stored = self._stored(entry, OBJECT_GRAPH_KEY)
-        return object_graph_keys(self._string_scalar(stored))
+        self.object_graph = parse_object_graph(self._string_scalar(stored))
+        return object_graph_keys(self.object_graph)
 
     def _string_scalar(self, stored: _Stored) -> bytes:
         """One DT_STRING element: ``varint64 length, masked CRC-32C of the length, bytes``."""
