@@ -254,8 +254,8 @@ def _match(model: Any, home: int, children: list[dict[str, int]]) -> tuple[dict[
         seen.add(id(obj))
         reached.add(node)
         edges = view.children(obj)
-        if isinstance(obj, (tf.Variable, keras.Variable)):
-            found[node] = obj
+        if isinstance(obj, (tf.Variable, keras.Variable, tf.__internal__.distribute.ShardedVariable)):
+            found[node] = obj  # a ShardedVariable is one node holding the whole tensor, restored across its shards
         for name, child in edges.items():
             if name in children[node]:
                 stack.append((child, children[node][name]))
