@@ -108,7 +108,8 @@ class Follower:
     version that does not fit the target is logged, recorded and passed over, not retried)
     until the next swap succeeds, and makes :meth:`wait` raise. ``poll`` and ``max_poll`` pace
     the looks at ``LATEST`` as in :func:`~weightstore.versions.follow` (conditional on an object
-    store's ETag, backing off from ``poll`` to ``max_poll`` while nothing is published).
+    store's ETag, backing off from ``poll`` to ``max_poll`` while nothing is published), and
+    ``notifications`` (an SQS queue URL) wakes it when ``LATEST`` is written.
 
     Hot reload skips tensors whose bytes equal what this follower last assigned, so the target
     must not be changed in place by anything else (training, initializers, restores); if it
@@ -117,11 +118,12 @@ class Follower:
 
     def __init__(self, target: Any, folder: Any, *, poll: float = 1.0, after: int | None = None,
                  storage_options: Mapping[str, Any] | None = None, max_poll: float | None = None,
-                 **words: Unpack[AssignWords]):
+                 notifications: str | None = None, **words: Unpack[AssignWords]):
         self.target = target
         self.folder = folder
         self.poll = poll
         self.max_poll = max_poll
+        self.notifications = notifications
         self.storage_options = storage_options
         self.options = AssignOptions(**words)
         self.version: Version | None = None
@@ -188,7 +190,7 @@ class Follower:
 
     def _loop(self) -> None:
         last = self._after
-        watch = PointerWatch(folder_for(self.folder, self.storage_options), self.poll, self.max_poll)
+        watch = PointerWatch(folder_for(self.folder, self.storage_options), self.poll, self.max_poll, self.notifications)
         while not self._stop.is_set():
             try:
                 version = watch.newer(last)
@@ -207,7 +209,7 @@ class Follower:
                 else:  # pruned while staged: read LATEST again, whatever its tag
                     watch.forget()
                 continue  # look again at once: a newer version may have landed meanwhile
-            self._stop.wait(watch.interval)
+            watch.sleep(watch.interval, self._stop)
 
     def _swap(self, version: Version) -> bool:
         """Stage ``version``, then assign it; False when it should be looked for again (pruned mid-read).

@@ -61,6 +61,9 @@ def follow(
     max_poll: Annotated[float | None, typer.Option("--max-poll", min=0.0, help="Back off to this many seconds "
                                                    "between looks while nothing is published (default 4x --poll; "
                                                    "equal to --poll for a fixed interval).")] = None,
+    notifications: Annotated[str | None, typer.Option("--notifications", help="An SQS queue URL the bucket's "
+                                                      "event notifications feed: look at once when LATEST is "
+                                                      "written (polling goes on as well).")] = None,
     wait: Annotated[bool, typer.Option("--wait", help="Wait for FOLDER to appear, rather than refuse a folder "
                                                       "that does not exist (yet).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print each version as one JSON object on its line.")] = False,
@@ -81,7 +84,8 @@ def follow(
     as_json = settings.json = settings.json or as_json  # so a failure is reported as JSON too
     if not wait:
         require_folder(folder, hint="pass --wait to wait for it to appear")
-    for version in follow_versions(folder, poll=poll, timeout=timeout, after=after, max_poll=max_poll):
+    for version in follow_versions(folder, poll=poll, timeout=timeout, after=after, max_poll=max_poll,
+                                   notifications=notifications):
         if as_json:  # a stream: one object per line, so a reader can act on each as it lands
             typer.echo(json.dumps({"command": "follow", "ok": True, "step": version.step, "path": version.path,
                                    "created": version.created, "metadata": version.metadata}, ensure_ascii=False))

@@ -75,6 +75,7 @@ import logging
 import re
 import threading
 import time
+import urllib.parse
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -313,6 +314,7 @@ def follow(
     after: int | None = None,
     storage_options: Mapping[str, Any] | None = None,
     max_poll: float | None = None,
+    notifications: str | None = None,
 ) -> Iterator[Version]:
     """Yield each new version of ``folder``, pinned, in increasing step order.
 
@@ -326,8 +328,10 @@ def follow(
     doubles the wait, up to ``max_poll`` (default ``4 * poll``; pass ``poll`` for a fixed
     interval), and a new version resets it. On an object store a look whose ``LATEST`` has
     the ETag of the last one read is one HEAD request and moves no body (:class:`PointerWatch`).
+    With ``notifications`` (an SQS queue URL the bucket's event notifications feed), an event
+    naming ``LATEST`` ends the wait at once (:mod:`weightstore.notify`); polling goes on too.
     """
-    watch = PointerWatch(folder_for(folder, storage_options), poll, max_poll)
+    watch = PointerWatch(folder_for(folder, storage_options), poll, max_poll, notifications)
     last = after
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
@@ -349,7 +353,7 @@ def follow(
         remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:
             return
-        time.sleep(watch.interval if remaining is None else min(watch.interval, remaining))
+        watch.sleep(watch.interval if remaining is None else min(watch.interval, remaining))
 
 
 class PointerWatch:
@@ -359,10 +363,12 @@ class PointerWatch:
     from a HEAD that moves no body); the same tag as the pointer last read means nothing was
     published, and nothing more is read. :attr:`interval`, the wait before the next look,
     doubles with each look that finds nothing new, up to ``max_poll``, and is back at ``poll``
-    once one does. :func:`follow` and ``Follower`` poll through it.
+    once one does; :meth:`sleep` ends early when ``notifications`` (an SQS queue URL, see
+    :mod:`weightstore.notify`) says ``LATEST`` was written. :func:`follow` and ``Follower``
+    poll through it.
     """
 
-    def __init__(self, source: Folder, poll: float, max_poll: float | None = None):
+    def __init__(self, source: Folder, poll: float, max_poll: float | None = None, notifications: str | None = None):
         if poll < 0 or (max_poll is not None and max_poll < 0):
             raise ValueError(f"poll and max_poll must not be negative, not {poll!r} and {max_poll!r}")
         self.source = source
@@ -371,6 +377,27 @@ class PointerWatch:
         self.interval = poll
         self._read: object | None = None  # the tag of the pointer last read through; never matches at first
         self._fresh = True
+        self.wake = None
+        if notifications is not None:
+            from weightstore.notify import QueueWake
+
+            self.wake = QueueWake(notifications, urllib.parse.urlsplit(source.url(LATEST)).path.lstrip("/"))
+
+    def sleep(self, seconds: float, stop: threading.Event | None = None) -> None:
+        """Wait ``seconds`` before the next look, or less: until ``stop`` is set, or a
+        notification says ``LATEST`` was written (then the next look reads it whatever its tag)."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0 and not (stop is not None and stop.is_set()):
+            if self.wake is None:
+                if stop is None:
+                    time.sleep(left)
+                else:
+                    stop.wait(left)
+                return
+            if self.wake.wait(left):
+                self.forget()
+                self.interval = self.poll
+                return
 
     def newer(self, last: int | None) -> Version | None:
         """The latest version if it is above ``last``, pinned; None when there is none (or the
