@@ -123,6 +123,25 @@ class Store(Mapping):
             np.copyto(out, self[key], casting="unsafe")
         return out
 
+    def read_region(self, key: str, region: Any) -> np.ndarray:
+        """The part of ``key`` a tuple of slices names (``(slice(0, 128), slice(None))``), as a new array.
+
+        A sharded version (:func:`weightstore.commit_shards`) reads and verifies only the blocks
+        of its members that hold the region; any other store reads the tensor and copies the part.
+        Slices have no step; fewer slices than axes leave the remaining axes whole.
+        """
+        read_region = getattr(self._reader, "read_region", None)
+        if read_region is None:
+            from weightstore.formats.sharded import normalized_region
+
+            bounds = normalized_region(region, self.info(key).shape, key, self.path)
+            return np.array(self[key][tuple(slice(lo, hi) for lo, hi in bounds)])
+        try:
+            return read_region(key, region, verify=self.verify)
+        except WeightStoreError as exc:
+            attach(exc, path=self.path)
+            raise
+
     def read(self, keys: Iterable[str] | None = None, *, max_bytes: int | None = None) -> dict[str, np.ndarray]:
         """Several tensors at once, refusing before reading if they exceed ``max_bytes``."""
         wanted = self.keys() if keys is None else list(keys)
@@ -267,6 +286,7 @@ def load(
     verify: bool = True,
     max_bytes: int | None = None,
     mmap: bool = True,
+    regions: Mapping[str, Any] | None = None,
 ) -> dict[str, np.ndarray]:
     """Read a weight file into a dict, reading only the selected tensors' bytes.
 
@@ -279,6 +299,8 @@ def load(
         verify: check each tensor's checksum as it is read.
         max_bytes: refuse, before reading, a selection larger than this.
         mmap: ``False`` for arrays that own their memory (see :func:`open`).
+        regions: key (as the file names it) -> tuple of slices: only that part of the tensor
+            is read (see :meth:`Store.read_region`; a sharded version fetches only its blocks).
 
     Returns:
         A new dict of key -> array, in the file's order. Uncompressed local npz and
@@ -294,6 +316,15 @@ def load(
     """
     with open(path, verify=verify, mmap=mmap) as store:
         plan = plan_outward(store.keys(), scope=scope, mapping=mapping, include=include, exclude=exclude, where=store.path)
+        if regions:
+            for key in regions:
+                if key not in store:
+                    raise KeyNotInStoreError("no such tensor to read a region of", path=store.path, key=key)
+            whole = [key for key in plan.values() if key not in regions]
+            check_budget(store, whole, max_bytes)
+            read = dict(zip(whole, store._read_many(whole), strict=True))
+            return {name: read[key] if key in read else store.read_region(key, regions[key])
+                    for name, key in plan.items()}
         check_budget(store, plan.values(), max_bytes)
         return dict(zip(plan, store._read_many(list(plan.values())), strict=True))
 

@@ -37,8 +37,12 @@ or empty folder there, and refuses a folder holding files.
 above the step ``LATEST`` names (or, without a readable ``LATEST``, the newest version file's)
 is refused with :class:`PublishError`. On a local folder,
 publishes serialise on an advisory lock (``.publish.lock``), so two processes cannot
-interleave the check and the write; on object stores there is no lock and the check is
-best-effort (read ``LATEST``, then write), so run one publisher per folder there.
+interleave the check and the write; on object stores there is no lock, but ``LATEST`` is
+replaced by compare-and-swap on the ETag read before the check (S3 ``If-Match``; see
+:func:`commit_version`), so of two publishers racing there exactly one moves ``LATEST`` and
+the other gets :class:`PublishError`; ``LATEST`` never goes backwards. (Their version files
+are still plain uploads: two publishers of the *same* step share one name, so run one
+publisher per folder there all the same.)
 
 **Pinning.** :func:`follow` opens each version before yielding it. A local file is memory-
 mapped, and a mapping survives the file's removal, so a slow reader keeps its version. An
@@ -77,7 +81,7 @@ import threading
 import time
 import urllib.parse
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
@@ -98,6 +102,8 @@ from weightstore.store import Store, _checked, checked_metadata, write_file
 __all__ = ["Version", "VersionEntry", "PublishOptions", "PointerWatch", "publish", "latest", "follow", "list_versions"]
 
 LATEST = "LATEST"
+#: the suffix of a sharded version's index (:mod:`weightstore.shards`)
+SHARDED_SUFFIX = ".wsindex"
 INTENT = ".publishing"
 POINTER_FORMAT = "weightstore-latest"
 _NAME = re.compile(r"^step-(\d+)(\.[A-Za-z0-9]+)$")
@@ -226,6 +232,9 @@ class VersionEntry:
     size: int
     modified: str
     latest: bool
+    #: a sharded version's member files and their bytes (``None`` for a plain version)
+    members: int | None = None
+    member_bytes: int | None = None
 
 
 def publish(
@@ -270,31 +279,58 @@ def publish(
     arrays = _checked(weights, target.url(name), fmt)
     metadata = checked_metadata(metadata, target.url(name))
     target.create()
+
+    def write_version(created: str) -> None:
+        with target.commit(name, fmt.suffixes[0]).writing() as local:
+            write_file(local, fmt, arrays, metadata, False)
+            _stage("version-temporary")
+
+    return commit_version(target, step, name, write_version, metadata, keep)
+
+
+def commit_version(target: Folder, step: int, name: str, write: Callable[[str], None],
+                   metadata: Mapping[str, Any] | None, keep: int | None) -> Version:
+    """The publish protocol around one version file: check the step, clean what killed publishes
+    left, record the intent, ``write(created)`` the file ``name``, replace ``LATEST``, prune.
+
+    :func:`publish` writes a plain version file; :func:`weightstore.shards.commit_shards` a
+    sharded version's index. On object storage ``LATEST`` is replaced by compare-and-swap on the
+    ETag read at the start (``If-Match``; ``If-None-Match: *`` when there was none), so a
+    publisher that lost a race gets :class:`PublishError` and ``LATEST`` never goes backwards.
+    """
     with target.lock():
         _stage("locked")
         state = _FolderState.read(target)
         state.check_step(step)
-        state.clean()
+        state.clean(step)
         _stage("cleaned")
         _write_small(target, INTENT, json.dumps({"step": step, "file": name}).encode())
         created = _now()
         pointer = json.dumps({"format": POINTER_FORMAT, "version": 1, "step": step, "file": name,
                               "created": created, "metadata": dict(metadata or {})}, sort_keys=True)
-        with target.commit(name, fmt.suffixes[0]).writing() as local:
-            write_file(local, fmt, arrays, metadata, False)
-            _stage("version-temporary")
+        write(created)
         _stage("version-written")
-        if isinstance(target, LocalFolder):
-            target.replace_special(LATEST)
-        with target.commit(LATEST).writing() as local:
-            with open(local, "wb") as handle:
-                handle.write(pointer.encode())
-            _stage("latest-temporary")
+        _write_latest(target, state, pointer.encode(), step)
         _stage("latest-written")
         target.remove(INTENT)
         _prune(target, step, None if keep is None else max(keep, 2))
         _stage("pruned")
     return Version(step, target.url(name), created, dict(metadata or {}), target)
+
+
+def _write_latest(target: Folder, state: _FolderState, pointer: bytes, step: int) -> None:
+    """Replace ``LATEST``: by rename under the folder's lock locally, by compare-and-swap remotely."""
+    if isinstance(target, LocalFolder):
+        target.replace_special(LATEST)
+        with target.commit(LATEST).writing() as local:
+            with open(local, "wb") as handle:
+                handle.write(pointer)
+            _stage("latest-temporary")
+        return
+    _stage("latest-temporary")
+    if not target.put_if(LATEST, pointer, create=not state.latest_exists, expect=state.latest_tag):
+        raise PublishError(f"LATEST changed while step {step} was being published (another publisher committed "
+                           "first); this version was not published", path=target.where)
 
 
 def latest(folder: Any, *, storage_options: Mapping[str, Any] | None = None) -> Version | None:
@@ -444,7 +480,8 @@ def list_versions(folder: Any, *, storage_options: Mapping[str, Any] | None = No
     source = require_folder(folder, storage_options=storage_options)
     pointer = _latest(source)
     named = pointer.path.rsplit("/", 1)[-1] if pointer else None
-    return [VersionEntry(step, entry.name, source.url(entry.name), entry.size, entry.modified, entry.name == named)
+    return [VersionEntry(step, entry.name, source.url(entry.name), entry.size, entry.modified, entry.name == named,
+                         *_sharded_sizes(source, entry.name))
             for step, entry in _versions(source)]
 
 
@@ -454,6 +491,21 @@ def require_folder(folder: Any, *, storage_options: Mapping[str, Any] | None = N
     if not source.exists():
         raise StoreNotFoundError("no such folder" + (f"; {hint}" if hint else ""), path=source.where)
     return source
+
+
+def _sharded_sizes(folder: Folder, name: str) -> tuple[int | None, int | None]:
+    """How many members a sharded version has and their bytes, from its index; ``(None, None)``
+    for a plain version or an index that does not parse."""
+    if not name.endswith(SHARDED_SUFFIX):
+        return None, None
+    from weightstore.shardindex import MAX_INDEX_BYTES, ShardIndex
+
+    data = folder.read_small(name, MAX_INDEX_BYTES + 1)
+    try:
+        index = ShardIndex.parse(data or b"", folder.url(name))
+    except FormatError:
+        return None, None
+    return len(index.members), sum(member.size for member in index.members)
 
 
 # -- the folder's state, as a publish sees it ------------------------------------------------
@@ -467,14 +519,22 @@ class _FolderState:
     pointer_error: FormatError | None
     versions: list[tuple[int, Any]]
     intent: int | None
+    #: whether a LATEST was there, and its ETag (object storage), for the compare-and-swap
+    latest_exists: bool = False
+    latest_tag: str | None = None
 
     @classmethod
     def read(cls, folder: Folder) -> _FolderState:
         try:
-            pointer, error = _latest(folder), None
+            data, tag = folder.read_tagged(LATEST, _MAX_POINTER_BYTES)
+        except TargetError as exc:
+            return cls(folder, None, FormatError(f"{exc.message}; the next publish replaces it", path=exc.path),
+                       _versions(folder), _read_intent(folder), True)
+        try:
+            pointer, error = _pointer_version(folder, data), None
         except FormatError as exc:
             pointer, error = None, exc
-        return cls(folder, pointer, error, _versions(folder), _read_intent(folder))
+        return cls(folder, pointer, error, _versions(folder), _read_intent(folder), data is not None, tag)
 
     @property
     def newest(self) -> int | None:
@@ -515,13 +575,19 @@ class _FolderState:
             raise PublishError(f"step {step} is not after step {self.newest}, which is the newest version file "
                                "(LATEST is missing or damaged); steps must increase", path=where)
 
-    def clean(self) -> None:
-        """Remove what killed publishes left: dead writers' temporaries and never-published versions."""
+    def clean(self, step: int) -> None:
+        """Remove what killed publishes left: dead writers' temporaries and never-published versions.
+
+        On object storage, with no lock, a never-published version of ``step`` itself may be
+        another publisher's in flight, so it is left for the compare-and-swap to decide.
+        """
+        local = isinstance(self.folder, LocalFolder)
         if isinstance(self.folder, LocalFolder):
             for name in self.folder.temporaries():
                 remove_stale_temporaries(self.folder.root / name)
-        for _, entry in self.unpublished():
-            self.folder.remove(entry.name)
+        for unpublished, entry in self.unpublished():
+            if local or unpublished != step:
+                self.folder.remove(entry.name)  # a sharded one's members: the next commit removes dead attempts
         if self.intent is not None:
             self.folder.remove(INTENT)
 
@@ -563,8 +629,18 @@ def _prune(folder: Folder, newest: int, keep: int | None) -> None:
         return
     entries = [entry for step, entry in _versions(folder) if step <= newest]
     for entry in entries[:-keep]:
-        folder.remove(entry.name)
+        remove_version(folder, entry.name)
         _stage("pruning")
+
+
+def remove_version(folder: Folder, name: str) -> None:
+    """Remove a version file; a sharded version's index first, then every attempt folder of its step."""
+    folder.remove(name)
+    if name.endswith(SHARDED_SUFFIX):
+        prefix = name[: -len(SHARDED_SUFFIX)] + ".attempt-"
+        for sub in folder.subfolders():
+            if sub.startswith(prefix):
+                folder.remove_folder(sub)
 
 
 def _latest(folder: Folder) -> Version | None:
@@ -572,6 +648,10 @@ def _latest(folder: Folder) -> Version | None:
         data = folder.read_small(LATEST, _MAX_POINTER_BYTES)
     except TargetError as exc:
         raise FormatError(f"{exc.message}; the next publish replaces it", path=exc.path) from None
+    return _pointer_version(folder, data)
+
+
+def _pointer_version(folder: Folder, data: bytes | None) -> Version | None:
     if data is None:
         return None
     pointer = _parse_pointer(data, folder.where)
