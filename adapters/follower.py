@@ -265,7 +265,8 @@ class _Staged(ReaderDefaults):
     """A version's reader with some tensors already read and verified: a swap writes from memory.
 
     Tensors not staged (the unchanged ones a swap expects to skip) are read from the version's
-    own store if the assign asks for them after all.
+    own store if the assign asks for them after all (:meth:`read_many` fetches them together,
+    so :meth:`prefetch` has nothing to do).
     """
 
     def __init__(self, store: Store, arrays: dict[str, np.ndarray]):

@@ -98,6 +98,7 @@ __all__ = ["export", "assign", "load", "keys", "variables", "forget"]
 Variable = Union[tf.Variable, keras.Variable, "tf.__internal__.distribute.ShardedVariable"]
 _SHARDED = tf.__internal__.distribute.ShardedVariable
 _VARIABLE_TYPES = (tf.Variable, keras.Variable, _SHARDED)
+_TRACKABLE = tf.__internal__.tracking.AutoTrackable
 _PART_SUFFIX = re.compile(r"/part_\d+$")
 _GROUPED_BELOW = 1 << 16  # values under this many bytes are written in groups (see _write_batch)
 _GROUP = 64  # most values per group: as fast per variable as larger groups, and a cheap kernel to build
@@ -347,14 +348,36 @@ def _collect_with_aliases(obj: Any, optimizer: bool = False) -> tuple[dict[str, 
             _add(found, _own_name(_checked_variable(var, "")), var, set(), refuse_duplicates=True)
     elif isinstance(obj, (keras.layers.Layer, tf.Module)):
         _Walk(obj, found, aliases).walk(obj, "", "", None)
+    elif isinstance(obj, _TRACKABLE):
+        _walk_trackable(obj, found)
     else:
         raise TypeError(
-            f"expected a Keras model or layer, a tf.Module, or a list or dict of variables, not {type(obj).__name__}"
+            f"expected a Keras model or layer, a tf.Module, a loaded SavedModel, or a list or dict of variables, "
+            f"not {type(obj).__name__}"
         )
     if optimizer:
         for i, var in enumerate(_optimizer_variables(obj)):
             _add(found, f"optimizer/vars/{i}", var, set(), trainable=False)
     return found, aliases
+
+
+def _walk_trackable(root: Any, found: dict[str, tuple[Variable, bool]]) -> None:
+    """A trackable that is no ``tf.Module`` (what ``tf.saved_model.load`` returns): the paths of
+    TF's own checkpoint walk, breadth first, so each variable gets the key the SavedModel's
+    variables checkpoint gives it (``ws ls``'s names for the folder)."""
+    view = tf.train.TrackableView(root)
+    seen: set[int] = {id(root)}
+    queue: list[tuple[str, Any]] = [("", root)]
+    while queue:
+        path, obj = queue.pop(0)
+        for name, child in sorted(view.children(obj).items(), key=lambda item: item[0]):  # TF's saver sorts too
+            if id(child) in seen:
+                continue
+            seen.add(id(child))
+            if isinstance(child, _VARIABLE_TYPES):
+                _add(found, join_scope(path, name), child, set())
+            else:
+                queue.append((join_scope(path, name), child))
 
 
 class _Walk:

@@ -46,6 +46,7 @@ def versions(
             for entry in entries]})
         return
     if not entries:
+        _refuse_serving_base(folder)
         typer.echo(f"{folder}: no versions")
         return
     for entry in entries:
@@ -61,17 +62,27 @@ def follow(
                                                                        "new version.")] = None,
     after: Annotated[int | None, typer.Option("--after", help="Only versions with a step above this one.")] = None,
     poll: Annotated[float, typer.Option("--poll", help="Seconds between looks at LATEST.")] = 1.0,
+    wait: Annotated[bool, typer.Option("--wait", help="Wait for FOLDER to appear, rather than refuse a folder "
+                                                      "that does not exist (yet).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print each version as one JSON object on its line.")] = False,
 ) -> None:
     """Print each new version of FOLDER as it lands (the latest one first), one per line.
+
+    A FOLDER that does not exist is refused (exit 1, naming it): a mistyped path would
+    otherwise wait forever. Pass --wait when it is only not there yet (a trainer about to
+    publish its first version).
 
     \b
     Example:
       ws follow s3://bucket/run --after 1000 --timeout 600
     """
     from weightstore.versions import follow as follow_versions
+    from weightstore.versions import require_folder
 
     as_json = settings.json = settings.json or as_json  # so a failure is reported as JSON too
+    _refuse_serving_base(folder)  # numbered SavedModel folders are never ws.publish's
+    if not wait:
+        require_folder(folder, hint="pass --wait to wait for it to appear")
     for version in follow_versions(folder, poll=poll, timeout=timeout, after=after):
         if as_json:  # a stream: one object per line, so a reader can act on each as it lands
             typer.echo(json.dumps({"command": "follow", "ok": True, "step": version.step, "path": version.path,
@@ -100,3 +111,18 @@ def clean(
         emit("clean", {"folder": folder, "removed": removed})
         return
     typer.echo(f"{folder}: removed {len(removed)}" + "".join(f"\n  {name}" for name in removed))
+
+
+def _refuse_serving_base(folder: str) -> None:
+    """A TF Serving model base (``base/1/``, ``base/2/``) holds SavedModels, not ``ws.publish``
+    versions: say so, rather than "no versions" or a follow that waits forever."""
+    import os
+
+    from weightstore.errors import FormatError
+    from weightstore.formats.tf_checkpoint import serving_versions
+
+    versions = serving_versions(folder) if os.path.isdir(folder) else []
+    if versions:
+        raise FormatError(f"is a TF Serving model base (SavedModel versions {', '.join(map(str, versions))}), not a "
+                          f"folder of ws.publish versions; read one version with ws ls {os.path.join(folder, str(versions[-1]))}",
+                          path=folder)

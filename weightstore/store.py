@@ -33,7 +33,7 @@ from weightstore.formats.foreign import open_foreign
 from weightstore.gcpause import paused_gc
 from weightstore.io.commit import commit_for
 from weightstore.io.files import open_regular
-from weightstore.io.location import filesystem, location_of
+from weightstore.io.location import filesystem, location_of, uncached
 from weightstore.io.remote import RemoteFile
 from weightstore.keys import MappingRules, Patterns, plan_outward, validate_keys
 from weightstore.manifest import TensorInfo, build_manifest, content_digest, dtype_name, logical_dtype, to_storage
@@ -262,7 +262,7 @@ def _open_remote(location: str, verify: bool, format: str | None) -> Store:  # n
             fmt = sniff(bytes(source.read_at(0, min(8, source.size))), location)
         if fmt.name == "hdf5":
             source.close()
-            handle = fs.open(remote, "rb")
+            handle = fs.open(uncached(fs, remote), "rb")
             try:
                 return Store(fmt.open_reader(handle, location), location, verify)
             except BaseException:

@@ -65,6 +65,9 @@ means "only for versions"; pass ``True``/``False`` to force it), and list them i
 
 **URLs.** Anything fsspec opens. Credentials and endpoints come from ``storage_options=`` or
 from the environment as the client reads it (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``…).
+Reads of ``LATEST`` and of version files bypass the file system's per-process listing cache
+(s3fs keeps one): a process that listed the folder still sees what another one published
+after it.
 """
 
 from __future__ import annotations
@@ -398,9 +401,7 @@ def _newer_pinned(source: Folder, last: int | None) -> Version | None:
 
 def list_versions(folder: Any, *, storage_options: Mapping[str, Any] | None = None) -> list[VersionEntry]:
     """Every version file in ``folder``, oldest first, marking the one ``LATEST`` names."""
-    source = folder_for(folder, storage_options)
-    if not source.exists():
-        raise StoreNotFoundError("no such folder", path=source.where)
+    source = require_folder(folder, storage_options=storage_options)
     pointer = _latest(source)
     named = pointer.path.rsplit("/", 1)[-1] if pointer else None
     return [VersionEntry(step, entry.name, source.url(entry.name), entry.size, entry.modified, entry.name == named,
@@ -421,6 +422,14 @@ def _sharded_sizes(folder: Folder, name: str) -> tuple[int | None, int | None]:
     except FormatError:
         return None, None
     return len(index.members), sum(member.size for member in index.members)
+
+
+def require_folder(folder: Any, *, storage_options: Mapping[str, Any] | None = None, hint: str = "") -> Folder:
+    """``folder`` opened, or :class:`StoreNotFoundError` naming it when it does not exist."""
+    source = folder_for(folder, storage_options)
+    if not source.exists():
+        raise StoreNotFoundError("no such folder" + (f"; {hint}" if hint else ""), path=source.where)
+    return source
 
 
 # -- the folder's state, as a publish sees it ------------------------------------------------

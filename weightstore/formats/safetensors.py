@@ -54,6 +54,7 @@ import numpy as np
 
 from weightstore.errors import ChecksumError, FormatError, KeyNotInStoreError, UnsafeFileError, UnsupportedDTypeError
 from weightstore.formats import Format, ReaderDefaults, foreign_keys
+from weightstore.formats.sstable import crc32c, unmask_crc
 from weightstore.io.source import ByteSource, open_source, prefetch_ranges
 from weightstore.manifest import (
     MAX_NDIM,
@@ -311,6 +312,9 @@ class SafetensorsReader(ReaderDefaults):
         if size < _LENGTH.size:
             raise FormatError(f"not a safetensors file ({size} bytes, shorter than its header length)", path=self.name)
         (length,) = _LENGTH.unpack(bytes(self._source.read_at(0, _LENGTH.size)))
+        if size >= _TFRECORD_HEAD and _is_tfrecord(bytes(self._source.read_at(0, _TFRECORD_HEAD))):
+            raise FormatError("is a TFRecord file (a TensorBoard events file, or tf.data records), not weights",
+                              path=self.name)
         if length > MAX_HEADER_BYTES:
             raise UnsafeFileError(f"safetensors header claims {length} bytes (limit {MAX_HEADER_BYTES})",
                                   path=self.name)
@@ -486,6 +490,16 @@ def _clip(value: Any) -> str:
 def _open_reader(location: Any, name: str, *, mmap: bool = True) -> SafetensorsReader:
     """``mmap=False`` reads local tensors into memory they own instead of viewing a map of the file."""
     return open_source(location, name, SafetensorsReader, index_at_end=False, mmap=mmap)
+
+
+_TFRECORD_HEAD = 12  # a record's 8-byte length and the masked CRC-32C of those 8 bytes
+
+
+def _is_tfrecord(head: bytes) -> bool:
+    """Whether the file opens as a TFRecord does (TensorBoard's ``events.out.tfevents.*``): its
+    first 8 bytes, a length like a safetensors header's, are followed by their masked CRC-32C,
+    where a safetensors header has ``{``."""
+    return unmask_crc(int.from_bytes(head[8:12], "little")) == crc32c(head[:8])
 
 
 def _looks_like_safetensors(head: bytes) -> bool:

@@ -118,12 +118,16 @@ _LOGICAL = {dtype: dtype_name(dtype) for dtype in _DTYPES.values()}
 
 # --- finding the checkpoint a path names -------------------------------------------------
 
+SAVED_MODEL_FILE = "saved_model.pb"
+SAVED_MODEL_VARIABLES = os.path.join("variables", "variables")
+
+
 def resolve_prefix(path: str) -> str | None:
     """The checkpoint prefix ``path`` names, or ``None`` when it names no checkpoint.
 
     Accepts the prefix itself, one of its ``.index``/``.data-…``/``.meta`` files (what shell
-    completion offers), or a folder: the checkpoint its ``checkpoint`` state file names, or
-    the only one in it. A folder that holds several but no state file is refused with the
+    completion offers), or a folder: a SavedModel's variables (:func:`saved_model_prefix`), the
+    checkpoint its ``checkpoint`` state file names, or the only one in it. A folder that holds several but no state file is refused with the
     candidates listed, as is one whose state file names a checkpoint that is not there.
     """
     if os.path.isdir(path):
@@ -138,6 +142,9 @@ def resolve_prefix(path: str) -> str | None:
 
 
 def _prefix_in_folder(folder: str) -> str:
+    saved_model = saved_model_prefix(folder)
+    if saved_model is not None:
+        return saved_model
     state = os.path.join(folder, STATE_FILE)
     if os.path.isfile(state):
         named = read_state_file(state)
@@ -152,11 +159,38 @@ def _prefix_in_folder(folder: str) -> str:
     candidates = checkpoints_in(folder)
     if len(candidates) == 1:
         return os.path.join(folder, candidates[0])
+    versions = serving_versions(folder)
+    if not candidates and versions:
+        raise StoreNotFoundError(f"is a TF Serving model base (SavedModel versions {', '.join(map(str, versions))}), "
+                                 f"not one model; name a version's folder, such as {os.path.join(folder, str(versions[-1]))}",
+                                 path=folder)
     if not candidates:
         raise StoreNotFoundError(f"is a folder, not a weight file, and holds no TF checkpoint (no '{STATE_FILE}' "
                                  "state file, no .index file)", path=folder)
     raise StoreNotFoundError(f"holds {len(candidates)} checkpoints and no '{STATE_FILE}' state file saying which to "
                              f"read; name one of: {', '.join(candidates)}", path=folder)
+
+
+def saved_model_prefix(folder: str) -> str | None:
+    """The variables checkpoint of the SavedModel in ``folder``, or None when it is not one.
+
+    ``tf.saved_model.save`` and Keras's ``model.export`` write ``saved_model.pb`` beside a
+    ``variables/`` folder holding a TF2 object checkpoint with the prefix ``variables``: the
+    weights are that checkpoint, read like any other (without TensorFlow).
+    """
+    prefix = os.path.join(folder, SAVED_MODEL_VARIABLES)
+    if os.path.isfile(os.path.join(folder, SAVED_MODEL_FILE)) and os.path.exists(prefix + ".index"):
+        return prefix
+    return None
+
+
+def serving_versions(folder: str) -> list[int]:
+    """The versions of a TF Serving model base (``base/1/``, ``base/2/``: numbered SavedModel folders), oldest first."""
+    try:
+        entries = [entry for entry in os.scandir(folder) if entry.is_dir() and entry.name.isdigit()]
+    except OSError:
+        return []
+    return sorted(int(entry.name) for entry in entries if saved_model_prefix(entry.path) is not None)
 
 
 def checkpoints_in(folder: str) -> list[str]:
@@ -260,17 +294,22 @@ _STEP_COUNTERS = frozenset({"iter", "_iterations"})
 _CATCH_ALL_LISTS = frozenset({"_variables", "variables", "_trainable_variables", "trainable_variables"})
 
 
-def object_graph_keys(serialized: bytes) -> dict[str, str]:
-    """Checkpoint entry name -> key for every variable the object graph names (module docstring).
-
-    Empty when the graph cannot be read, so the caller falls back to the entry names.
-    """
+def parse_object_graph(serialized: bytes) -> Any:
+    """The ``TrackableObjectGraph`` message in ``serialized``; ``None`` when it cannot be read."""
     graph = TrackableObjectGraph()
     try:
         graph.ParseFromString(serialized)
     except (DecodeError, RecursionError):
-        return {}
-    nodes = graph.nodes
+        return None
+    return graph
+
+
+def object_graph_keys(graph: Any) -> dict[str, str]:
+    """Checkpoint entry name -> key for every variable the object graph names (module docstring).
+
+    Empty when there is no readable graph, so the caller falls back to the entry names.
+    """
+    nodes = graph.nodes if graph is not None else []
     if not nodes:
         return {}
     best = best_paths(nodes)
@@ -363,6 +402,8 @@ class CheckpointReader(ReaderDefaults):
         self.kind = KIND_TF2 if self.object_based else KIND_TF1
         #: the graph a TF1 ``Saver`` wrote beside the checkpoint: the only record of trainability
         self.meta_graph = None if self.object_based else prefix + ".meta"
+        #: the TF2 object graph (a ``TrackableObjectGraph`` message); ``None`` when there is no readable one
+        self.object_graph: Any = None
         try:
             tensors = self._tensors(entries, slice_entries)
             graph_keys = self._graph_keys(entries) if self.object_based else {}
@@ -519,7 +560,8 @@ class CheckpointReader(ReaderDefaults):
         if entry.dtype != _DT_STRING or entry.slices or _shape(entry, self.prefix, OBJECT_GRAPH_KEY) != ():
             return {}
         stored = self._stored(entry, OBJECT_GRAPH_KEY)
-        return object_graph_keys(self._string_scalar(stored))
+        self.object_graph = parse_object_graph(self._string_scalar(stored))
+        return object_graph_keys(self.object_graph)
 
     def _string_scalar(self, stored: _Stored) -> bytes:
         """One DT_STRING element: ``varint64 length, masked CRC-32C of the length, bytes``."""

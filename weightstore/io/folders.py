@@ -23,7 +23,7 @@ from weightstore.errors import TargetError
 from weightstore.io import s3
 from weightstore.io.commit import Commit, RenameCommit, UploadCommit
 from weightstore.io.files import TEMP_MARK, fsync_folder, fsync_path, kind_of, temporary_beside
-from weightstore.io.location import filesystem, location_of, service
+from weightstore.io.location import filesystem, location_of, service, uncached
 
 __all__ = ["FileEntry", "Folder", "LocalFolder", "RemoteFolder", "folder_for"]
 
@@ -269,7 +269,7 @@ class RemoteFolder(Folder):
     def read_small(self, name: str, limit: int) -> bytes | None:
         with self._service():
             try:
-                data = self.fs.cat_file(self._path(name))  # no range: S3 refuses one on an empty object
+                data = self.fs.cat_file(uncached(self.fs, self._path(name)))  # no range: S3 refuses one on an empty object
             except FileNotFoundError:
                 return None
         return data[:limit]
@@ -283,7 +283,7 @@ class RemoteFolder(Folder):
 
     def open_binary(self, name: str) -> BinaryIO:
         with self._service():
-            return self.fs.open(self._path(name), "rb")
+            return self.fs.open(uncached(self.fs, self._path(name)), "rb")
 
     def read_tagged(self, name: str, limit: int) -> tuple[bytes | None, str | None]:
         if not s3.serves(self.fs):
