@@ -335,3 +335,16 @@ def test_the_cli_lists_verifies_exports_and_cleans_a_sharded_version(tmp_path):
     assert sorted(json.loads(cleaned.output)["removed"]) == ["step-000000000001.attempt-0",
                                                              "step-000000000003.attempt-2"]
     assert (folder / "step-000000000002.wsindex").exists() and (folder / "step-000000000002.attempt-0").is_dir()
+
+
+def test_read_region_and_load_regions_on_a_plain_store(tmp_path):
+    path = tmp_path / "m.npz"
+    a = np.arange(24, dtype=np.float32).reshape(4, 6)
+    ws.save(path, {"a": a, "b": np.zeros(2)})
+    with ws.open(path) as store:
+        assert store.read_region("a", (slice(1, 3), slice(2, 5))).tobytes() == a[1:3, 2:5].tobytes()
+        with pytest.raises(ws.TargetError, match="has a step; regions are contiguous"):
+            store.read_region("a", (slice(0, 4, 2),))
+    assert ws.load(path, regions={"a": (slice(3, None),)})["a"].tobytes() == a[3:].tobytes()
+    with pytest.raises(ws.KeyNotInStoreError):
+        ws.load(path, regions={"c": (slice(0, 1),)})
