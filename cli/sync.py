@@ -91,6 +91,21 @@ def follow(
             typer.echo(f"{version.step}\t{version.path}")
 
 
+def _refuse_serving_base(folder: str) -> None:
+    """A TF Serving model base (``base/1/``, ``base/2/``) holds SavedModels, not ``ws.publish``
+    versions: say so, rather than "no versions" or a follow that waits forever."""
+    import os
+
+    from weightstore.errors import FormatError
+    from weightstore.formats.tf_checkpoint import serving_versions
+
+    versions = serving_versions(folder) if os.path.isdir(folder) else []
+    if versions:
+        raise FormatError(f"is a TF Serving model base (SavedModel versions {', '.join(map(str, versions))}), not a "
+                          f"folder of ws.publish versions; read one version with ws ls {os.path.join(folder, str(versions[-1]))}",
+                          path=folder)
+
+
 def clean(
     folder: Folder,
     as_json: Annotated[bool, typer.Option("--json", help="Print what was removed as one JSON object.")] = False,
@@ -111,18 +126,3 @@ def clean(
         emit("clean", {"folder": folder, "removed": removed})
         return
     typer.echo(f"{folder}: removed {len(removed)}" + "".join(f"\n  {name}" for name in removed))
-
-
-def _refuse_serving_base(folder: str) -> None:
-    """A TF Serving model base (``base/1/``, ``base/2/``) holds SavedModels, not ``ws.publish``
-    versions: say so, rather than "no versions" or a follow that waits forever."""
-    import os
-
-    from weightstore.errors import FormatError
-    from weightstore.formats.tf_checkpoint import serving_versions
-
-    versions = serving_versions(folder) if os.path.isdir(folder) else []
-    if versions:
-        raise FormatError(f"is a TF Serving model base (SavedModel versions {', '.join(map(str, versions))}), not a "
-                          f"folder of ws.publish versions; read one version with ws ls {os.path.join(folder, str(versions[-1]))}",
-                          path=folder)

@@ -409,6 +409,14 @@ def list_versions(folder: Any, *, storage_options: Mapping[str, Any] | None = No
             for step, entry in _versions(source)]
 
 
+def require_folder(folder: Any, *, storage_options: Mapping[str, Any] | None = None, hint: str = "") -> Folder:
+    """``folder`` opened, or :class:`StoreNotFoundError` naming it when it does not exist."""
+    source = folder_for(folder, storage_options)
+    if not source.exists():
+        raise StoreNotFoundError("no such folder" + (f"; {hint}" if hint else ""), path=source.where)
+    return source
+
+
 def _sharded_sizes(folder: Folder, name: str) -> tuple[int | None, int | None]:
     """How many members a sharded version has and their bytes, from its index; ``(None, None)``
     for a plain version or an index that does not parse."""
@@ -422,14 +430,6 @@ def _sharded_sizes(folder: Folder, name: str) -> tuple[int | None, int | None]:
     except FormatError:
         return None, None
     return len(index.members), sum(member.size for member in index.members)
-
-
-def require_folder(folder: Any, *, storage_options: Mapping[str, Any] | None = None, hint: str = "") -> Folder:
-    """``folder`` opened, or :class:`StoreNotFoundError` naming it when it does not exist."""
-    source = folder_for(folder, storage_options)
-    if not source.exists():
-        raise StoreNotFoundError("no such folder" + (f"; {hint}" if hint else ""), path=source.where)
-    return source
 
 
 # -- the folder's state, as a publish sees it ------------------------------------------------
