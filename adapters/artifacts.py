@@ -39,7 +39,7 @@ from weightstore.formats import ReaderDefaults
 from weightstore.formats.tf_checkpoint import CheckpointReader, saved_model_prefix
 from weightstore.manifest import TensorInfo
 
-__all__ = ["ModelKeyedStore", "open_artifact", "is_model_file", "for_model"]
+__all__ = ["ModelKeyedStore", "open_artifact", "is_model_file", "for_model", "keras_file_names"]
 
 _KERAS_SUFFIXES = (".keras", ".weights.h5")
 _NEAR_ROOT = 2  # edges from the checkpoint's root within which the model's own node is looked for
@@ -67,7 +67,7 @@ def for_model(model: Any, path: Any, model_keys: Mapping[str, Any]) -> weightsto
             raise AssignmentError(f"a Keras file pairs with the Keras model or layer that saved it, not a "
                                   f"{type(model).__name__}", path=text)
         if _is_keras(text):
-            names = _keras_names(model, source.keys(), by_variable)
+            names = keras_file_names(model, source.keys(), by_variable)
         else:
             names = _checkpoint_names(model, text, source.keys(), by_variable)
     except BaseException:
@@ -80,7 +80,7 @@ def _is_keras(text: str) -> bool:
     return text.endswith(_KERAS_SUFFIXES)
 
 
-def _keras_names(model: Any, file_keys: list[str], by_variable: Mapping[int, str]) -> dict[str, str]:
+def keras_file_names(model: Any, file_keys: list[str], by_variable: Mapping[int, str]) -> dict[str, str]:
     """Model key -> file key, from Keras's own save walk over ``model``.
 
     A file key the walk reaches through a variable of the model that is not a target (state
@@ -254,8 +254,8 @@ def _match(model: Any, home: int, children: list[dict[str, int]]) -> tuple[dict[
         seen.add(id(obj))
         reached.add(node)
         edges = view.children(obj)
-        if isinstance(obj, (tf.Variable, keras.Variable)):
-            found[node] = obj
+        if isinstance(obj, (tf.Variable, keras.Variable, tf.__internal__.distribute.ShardedVariable)):
+            found[node] = obj  # a ShardedVariable is one node holding the whole tensor, restored across its shards
         for name, child in edges.items():
             if name in children[node]:
                 stack.append((child, children[node][name]))

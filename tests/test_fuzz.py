@@ -21,11 +21,11 @@ from fuzz.targets import fuzz_batch
 #: mutants per target: a few seconds in all on a small machine
 COUNT = {"npz": 300, "npz-many": 300, "npz-compressed": 300, "numpy-savez": 300, "latest": 300, "hdf5": 300,
          "safetensors": 200, "tf-index": 200, "tf-object-graph": 200, "keras-config": 200, "npz-numpy": 200,
-         "keras": 100}
+         "keras": 100, "sharded-index": 300}
 
 
 @pytest.mark.parametrize("name", ["npz", "npz-many", "npz-compressed", "numpy-savez", "latest", "safetensors",
-                                  "tf-index", "npz-numpy", "keras-config"])
+                                  "tf-index", "npz-numpy", "keras-config", "sharded-index"])
 def test_mutants_are_refused_or_read_exactly(tmp_path, name):
     outcomes = fuzz_batch(name, seed=20261201, count=COUNT[name], folder=tmp_path)
     assert outcomes.get("refused", 0) > COUNT[name] // 3, outcomes  # the mutations do reach the parsers

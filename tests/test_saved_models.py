@@ -129,3 +129,19 @@ def test_a_tensorboard_events_file_is_named_as_one(tmp_path):
     with pytest.raises(ws.FormatError) as caught:
         ws.open(events)
     assert str(caught.value) == f"{events}: is a TFRecord file (a TensorBoard events file, or tf.data records), not weights"
+
+
+def test_a_sharded_variable_assigns_from_a_tf2_checkpoint_across_other_shards(tmp_path):
+    """Checkpoint.restore restores a ShardedVariable from its one whole tensor; so does assign, into any sharding."""
+    sharded = tf.__internal__.distribute.ShardedVariable
+
+    def holder(value, cuts):
+        module = tf.Module()
+        module.w = sharded([tf.Variable(part) for part in np.split(value, cuts)])
+        return module
+
+    value = np.arange(8, dtype=np.float32).reshape(4, 2)
+    prefix = tf.train.Checkpoint(model=holder(value, [2])).save(str(tmp_path / "ckpt"))
+    target = holder(np.zeros_like(value), [1, 2])
+    assert tf2.assign(target, prefix).assigned == ["w"]
+    np.testing.assert_array_equal(np.concatenate([shard.numpy() for shard in target.w.variables]), value)

@@ -25,7 +25,7 @@ import orjson
 from isal import isal_zlib
 
 from weightstore import crc as _crc
-from weightstore.errors import FormatError, InvalidKeyError, UnsafeFileError, UnsupportedDTypeError
+from weightstore.errors import FormatError, InvalidKeyError, UnsafeFileError, UnsupportedDTypeError, naming
 from weightstore.keys import validate_keys
 from weightstore.tensortable import (
     CHECKSUM_ALGORITHM,
@@ -262,7 +262,7 @@ def build_manifest(
 
 
 def parse_manifest(text: str, where: str) -> Manifest:
-    """Check an untrusted manifest field by field; any surprise is a :class:`FormatError`."""
+    """Check an untrusted manifest field by field; any surprise is a :class:`FormatError` naming ``where``."""
     if len(text) > MAX_MANIFEST_BYTES:
         raise FormatError(f"manifest is larger than {MAX_MANIFEST_BYTES} bytes", path=where)
     refuse_dense_json(text, MIN_BYTES_PER_CONTAINER, "manifest", where)
@@ -287,10 +287,13 @@ def parse_manifest(text: str, where: str) -> Manifest:
     locations: dict[str, str] = {}
     codecs: dict[str, str] = {}
     if version >= 2:
-        tensors = parse_columns(raw_tensors, where, _itemsize_or_none, version)
-        for key, location in _sparse_column(raw_tensors, "location", tensors, where).items():
+        with naming(path=where):  # the column checks name no file
+            tensors = parse_columns(raw_tensors, _itemsize_or_none, version)
+            locations_column = _sparse_column(raw_tensors, "location", tensors)
+            codecs_column = _sparse_column(raw_tensors, "codec", tensors)
+        for key, location in locations_column.items():
             _record_location(key, location, where, locations)
-        for key, codec in _sparse_column(raw_tensors, "codec", tensors, where).items():
+        for key, codec in codecs_column.items():
             _record_codec(key, codec, where, codecs)
     else:
         tensors = _parse_entries_v1(raw_tensors, where, locations, codecs)
@@ -309,14 +312,14 @@ def _itemsize_or_none(name: object) -> int | None:
     return None if dtype is None else dtype.itemsize
 
 
-def _sparse_column(raw: dict[str, Any], name: str, tensors: TensorTable, where: str) -> dict[str, Any]:
+def _sparse_column(raw: dict[str, Any], name: str, tensors: TensorTable) -> dict[str, Any]:
     """An optional column: an object from some of the table's keys to a value."""
     column = raw.get(name, {})
     if type(column) is not dict:
-        raise FormatError(f"manifest column {name!r} is not an object of key to value", path=where)
+        raise FormatError(f"manifest column {name!r} is not an object of key to value")
     for key in column:
         if key not in tensors:
-            raise FormatError(f"manifest column {name!r} names {key!r}, which it does not list", path=where)
+            raise FormatError(f"manifest column {name!r} names {key!r}, which it does not list")
     return column
 
 

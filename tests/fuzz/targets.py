@@ -147,6 +147,19 @@ def _publish(folder: Path) -> None:
     ws.publish(folder, {"w": np.arange(4, dtype=np.float32)}, step=7)
 
 
+def _commit_shards(path: Path) -> None:
+    """A sharded version of two ranks beside ``path``, and its index copied to ``path``: a mutant
+    index written beside it names the same members (a piece held by each rank, one whole tensor)."""
+    kernel = sample_weights()["dense/kernel"]
+    for rank in range(2):
+        held = {"dense/kernel": ws.Piece(kernel[3 * rank:3 * rank + 3], (3 * rank, 0), kernel.shape)}
+        if rank:
+            held |= {k: v for k, v in sample_weights().items() if k != "dense/kernel"}
+        ws.publish_shard(path.parent, held, step=1, rank=rank, world=2, attempt=0)
+    version = ws.commit_shards(path.parent, step=1, world=2, attempt=0, timeout=10)
+    path.write_bytes(Path(version.path).read_bytes())
+
+
 TARGETS = {
     "npz": Target("npz", ".npz", lambda p: ws.save(p, sample_weights(), metadata={"lr": 0.5})),
     "npz-many": Target("npz-many", ".npz", lambda p: ws.save(p, many_weights())),
@@ -163,6 +176,8 @@ TARGETS = {
     "keras": Target("keras", ".keras", _save_keras_archive, checks_metadata=False),
     "keras-config": Target("keras-config", ".keras", _save_keras_archive, reader=_read_keras_config),
     "npz-numpy": Target("npz-numpy", ".npz", lambda p: ws.save(p, sample_weights()), reader=_read_like_numpy),
+    # the index says nothing the members' block CRCs do not check, but its metadata is its own
+    "sharded-index": Target("sharded-index", ".wsindex", _commit_shards, checks_metadata=False),
 }
 
 
