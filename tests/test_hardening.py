@@ -213,6 +213,7 @@ def _many_slices(prefix: Path, count: int, variables: int) -> str:
     return str(prefix)
 
 
+@pytest.mark.slow
 def test_slice_tiling_is_checked_in_n_log_n_not_quadratic_time(tmp_path):
     """Five variables of 4,096 slices (a 1 MB index) took 94 s to open; now about a second,
     here under a 30 s timeout."""
@@ -351,6 +352,7 @@ def test_torch_assign_into_tensors_that_cannot_be_written_in_place_changes_nothi
 
 # -- memory: .keras configs are never used to allocate -----------------------------------------
 
+@pytest.mark.slow
 def test_keras_config_claiming_gigabytes_builds_its_model_in_no_memory(tmp_path):
     """``ws export --model-keys`` of a small archive whose Dense claims a billion units (a
     12 GB kernel) allocated it; the model is now built without initializing its variables.
