@@ -512,3 +512,20 @@ def test_safetensors_header_dense_with_arrays_is_refused_before_it_is_parsed(tmp
         address_space=48 << 20)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "REFUSED" in result.stdout and "dense.safetensors" in result.stdout and "JSON objects and arrays" in result.stdout
+
+
+def test_torch_parameters_in_one_flat_buffer_are_assigned_without_a_conflict():
+    """Parameters that are disjoint views of one storage (a flattened model, as FSDP keeps
+    them) share memory but no element: each gets its own value."""
+    torch = pytest.importorskip("torch")
+    from torch import nn
+
+    from weightstore.adapters import torch as torch_adapter
+
+    flat = torch.zeros(10)
+    model = nn.Module()
+    model.register_buffer("a", flat[:4].view(2, 2))
+    model.register_buffer("b", flat[4:])
+    weights = {"a": np.ones((2, 2), np.float32), "b": np.arange(6, dtype=np.float32)}
+    assert sorted(torch_adapter.assign(model, weights).assigned) == ["a", "b"]
+    np.testing.assert_array_equal(flat.numpy(), np.r_[np.ones(4), np.arange(6)])
