@@ -61,7 +61,14 @@ def follow(
     timeout: Annotated[float | None, typer.Option("--timeout", help="Stop after this many seconds without a "
                                                                        "new version.")] = None,
     after: Annotated[int | None, typer.Option("--after", help="Only versions with a step above this one.")] = None,
-    poll: Annotated[float, typer.Option("--poll", help="Seconds between looks at LATEST.")] = 1.0,
+    poll: Annotated[float, typer.Option("--poll", min=0.0, help="Seconds between looks at LATEST (at first, "
+                                                               "and again after each new version).")] = 1.0,
+    max_poll: Annotated[float | None, typer.Option("--max-poll", min=0.0, help="Back off to this many seconds "
+                                                   "between looks while nothing is published (default 4x --poll; "
+                                                   "equal to --poll for a fixed interval).")] = None,
+    notifications: Annotated[str | None, typer.Option("--notifications", help="An SQS queue URL the bucket's "
+                                                      "event notifications feed: look at once when LATEST is "
+                                                      "written (polling goes on as well).")] = None,
     wait: Annotated[bool, typer.Option("--wait", help="Wait for FOLDER to appear, rather than refuse a folder "
                                                       "that does not exist (yet).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print each version as one JSON object on its line.")] = False,
@@ -83,7 +90,8 @@ def follow(
     _refuse_serving_base(folder)  # numbered SavedModel folders are never ws.publish's
     if not wait:
         require_folder(folder, hint="pass --wait to wait for it to appear")
-    for version in follow_versions(folder, poll=poll, timeout=timeout, after=after):
+    for version in follow_versions(folder, poll=poll, timeout=timeout, after=after, max_poll=max_poll,
+                                   notifications=notifications):
         if as_json:  # a stream: one object per line, so a reader can act on each as it lands
             typer.echo(json.dumps({"command": "follow", "ok": True, "step": version.step, "path": version.path,
                                    "created": version.created, "metadata": version.metadata}, ensure_ascii=False))

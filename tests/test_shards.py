@@ -14,7 +14,7 @@ import pytest
 
 import weightstore as ws
 from weightstore import shards, versions
-from weightstore.shardindex import ShardIndex
+from weightstore.shardindex import ShardIndex, seal
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -251,8 +251,9 @@ def hostile_index(tmp_path, edit):
                          step=1, rank=rank, world=2, attempt=0)
     version = shards.commit_shards(folder, step=1, world=2, attempt=0, timeout=5)
     raw = json.loads(Path(version.path).read_text())
+    raw.pop("crc32")
     edit(raw)
-    Path(version.path).write_text(json.dumps(raw))
+    Path(version.path).write_bytes(seal(raw))  # a hostile writer seals what it wrote
     return version.path
 
 
@@ -265,6 +266,7 @@ def hostile_index(tmp_path, edit):
     (lambda raw: raw["tensors"]["w"]["pieces"][1].update(member=0), "overlap another's in member"),
     (lambda raw: raw["tensors"]["w"]["pieces"].extend([raw["tensors"]["w"]["pieces"][0]] * 20000), "pieces, over"),
     (lambda raw: raw["tensors"]["w"].update(dtype="object"), "unknown dtype"),
+    (lambda raw: raw["tensors"]["w"]["pieces"][1].update(start=[2 ** 63, 0]), "below 2\\*\\*62"),
 ])
 def test_a_hostile_index_is_refused_naming_file_and_key(tmp_path, edit, words):
     path = hostile_index(tmp_path, edit)
@@ -279,7 +281,12 @@ def test_a_hostile_index_cannot_name_files_outside_its_attempt(tmp_path):
         ws.open(path)
     assert caught.value.path == path
     with pytest.raises(ws.FormatError, match="not a weightstore-sharded file"):
-        ShardIndex.parse(b'{"format": "weightstore-latest"}', "x.wsindex")
+        ShardIndex.parse(seal({"format": "weightstore-latest"}), "x.wsindex")
+    data = bytearray(Path(path).read_bytes())
+    data[data.index(b'"offset":') + 9] ^= 1  # one digit of an offset, not resealed
+    Path(path).write_bytes(bytes(data))
+    with pytest.raises(ws.FormatError, match="CRC-32 does not match"):
+        ws.open(path)
 
 
 def test_bfloat16_regions_keep_their_dtype(tmp_path):
@@ -328,3 +335,16 @@ def test_the_cli_lists_verifies_exports_and_cleans_a_sharded_version(tmp_path):
     assert sorted(json.loads(cleaned.output)["removed"]) == ["step-000000000001.attempt-0",
                                                              "step-000000000003.attempt-2"]
     assert (folder / "step-000000000002.wsindex").exists() and (folder / "step-000000000002.attempt-0").is_dir()
+
+
+def test_read_region_and_load_regions_on_a_plain_store(tmp_path):
+    path = tmp_path / "m.npz"
+    a = np.arange(24, dtype=np.float32).reshape(4, 6)
+    ws.save(path, {"a": a, "b": np.zeros(2)})
+    with ws.open(path) as store:
+        assert store.read_region("a", (slice(1, 3), slice(2, 5))).tobytes() == a[1:3, 2:5].tobytes()
+        with pytest.raises(ws.TargetError, match="has a step; regions are contiguous"):
+            store.read_region("a", (slice(0, 4, 2),))
+    assert ws.load(path, regions={"a": (slice(3, None),)})["a"].tobytes() == a[3:].tobytes()
+    with pytest.raises(ws.KeyNotInStoreError):
+        ws.load(path, regions={"c": (slice(0, 1),)})

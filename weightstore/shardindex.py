@@ -17,6 +17,7 @@ nothing a reader allocates exceeds what the members hold. Errors name the file a
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +32,7 @@ from weightstore.tensortable import MAX_NDIM
 
 __all__ = ["index_name", "attempt_folder", "member_name", "done_name", "BLOCK_BYTES", "INDEX_FORMAT", "DONE_FORMAT", "MAX_INDEX_BYTES", "MAX_DONE_BYTES", "MAX_PIECES_PER_KEY",
            "PieceEntry", "TensorEntry", "Member", "ShardIndex", "DoneRecord", "parse_done", "check_tensor",
-           "check_member_bytes",
+           "check_member_bytes", "seal",
            "block_rows", "block_crcs", "row_bytes", "rows_of"]
 
 INDEX_FORMAT = "weightstore-sharded"
@@ -139,7 +140,7 @@ class ShardIndex:
     producer: str = ""
 
     def to_json(self) -> bytes:
-        return orjson.dumps({
+        return seal({
             "format": INDEX_FORMAT, "version": 1, "step": self.step, "attempt": self.attempt, "world": self.world,
             "created": self.created, "producer": self.producer, "metadata": self.metadata,
             "members": [{"file": m.file, "size": m.size, "rank": m.rank} for m in self.members],
@@ -183,7 +184,7 @@ class DoneRecord:
     tensors: dict[str, TensorEntry]
 
     def to_json(self) -> bytes:
-        return orjson.dumps({
+        return seal({
             "format": DONE_FORMAT, "version": 1, "step": self.step, "attempt": self.attempt, "rank": self.rank,
             "world": self.world, "member": {"file": self.member.file, "size": self.member.size},
             "tensors": {key: entry.to_json() for key, entry in self.tensors.items()},
@@ -203,9 +204,27 @@ def parse_done(data: bytes, where: str) -> DoneRecord:
     return DoneRecord(step, attempt, rank, world, member, _tensors(raw.get("tensors"), where, [member], own=True))
 
 
+#: how a sealed document ends: its CRC-32, of every byte before this trailer
+_SEAL = re.compile(rb',"crc32":(\d{1,10})\}\s*$')
+
+
+def seal(document: dict[str, Any]) -> bytes:
+    """``document`` as JSON ending in the CRC-32 of the bytes before it, so damage to any key,
+    offset or checksum in it is found before it is believed (a hostile writer can recompute it:
+    the checks of :func:`check_tensor` do not rely on it)."""
+    body = orjson.dumps(document)[:-1]
+    return body + b',"crc32":%d}' % crc32(np.frombuffer(body, np.uint8))
+
+
 def _document(data: bytes, where: str, kind: str, limit: int) -> dict[str, Any]:
     if len(data) > limit:
         raise FormatError(f"is over {limit} bytes; not a {kind} file", path=where)
+    trailer = _SEAL.search(data[-32:])
+    if trailer is None:
+        raise FormatError(f"is not a {kind} file (no checksum at its end)", path=where)
+    body = data[: len(data) - 32 + trailer.start()] if len(data) > 32 else data[: trailer.start()]
+    if crc32(np.frombuffer(body, np.uint8)) != int(trailer.group(1)):
+        raise FormatError(f"is corrupt (its CRC-32 does not match); not a readable {kind} file", path=where)
     try:
         raw = orjson.loads(data)
     except orjson.JSONDecodeError:
@@ -218,8 +237,8 @@ def _document(data: bytes, where: str, kind: str, limit: int) -> dict[str, Any]:
 
 
 def _count(value: Any, where: str, what: str, key: str | None = None) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise FormatError(f"{what} is not a non-negative integer", path=where, key=key)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 62:
+        raise FormatError(f"{what} is not a non-negative integer below 2**62", path=where, key=key)
     return value
 
 

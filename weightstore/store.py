@@ -18,6 +18,7 @@ import numpy as np
 from weightstore import __version__, parallel
 from weightstore.errors import (
     FormatError,
+    InvalidKeyError,
     KeyNotInStoreError,
     SizeLimitError,
     StoreExistsError,
@@ -446,6 +447,14 @@ class _Checked(Mapping):
             for name in dict.fromkeys(names):  # a file holds a handful of dtypes: each checked once, in order
                 self._check_dtype(name, keys[names.index(name)], fmt, stored=store is not None)
             self._values = dict(zip(keys, values, strict=True))
+        if fmt is not None:
+            self._refuse_reserved(fmt)
+
+    def _refuse_reserved(self, fmt: Format) -> None:
+        """A key the format keeps for itself would make a file no reader opens (not even ours)."""
+        for key in sorted(fmt.reserved_keys & self._values.keys()):
+            raise InvalidKeyError(f"{fmt.name} keeps this name for itself (no reader could open the file); "
+                                  "rename the tensor or save as .npz or .h5", path=self._where or None, key=key)
 
     @staticmethod
     def _names_of(keys: list[str], dtypes: list[Any]) -> list[str]:

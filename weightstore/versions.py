@@ -79,6 +79,7 @@ import logging
 import re
 import threading
 import time
+import urllib.parse
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -98,14 +99,16 @@ from weightstore.io.folders import Folder, LocalFolder, folder_for
 from weightstore.io.location import location_of
 from weightstore.store import Store, _checked, checked_metadata, write_file
 
-__all__ = ["Version", "VersionEntry", "PublishOptions", "publish", "latest", "follow", "list_versions"]
+__all__ = ["Version", "VersionEntry", "PublishOptions", "PointerWatch", "publish", "latest", "follow", "list_versions"]
 
 LATEST = "LATEST"
 #: the suffix of a sharded version's index (:mod:`weightstore.shards`)
 SHARDED_SUFFIX = ".wsindex"
 INTENT = ".publishing"
 POINTER_FORMAT = "weightstore-latest"
-_NAME = re.compile(r"^step-(\d+)(\.[A-Za-z0-9]+)$")
+#: a version's file name: ASCII digits only (``\d`` takes ``٣``), and few enough that ``int`` reads them
+#: (it refuses over 4,300); a file system names none longer than 255 bytes anyway
+_NAME = re.compile(r"^step-([0-9]{1,1000})(\.[A-Za-z0-9]+)$")
 _MAX_POINTER_BYTES = 1 << 20
 _log = logging.getLogger(__name__)
 
@@ -348,6 +351,8 @@ def follow(
     timeout: float | None = None,
     after: int | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    max_poll: float | None = None,
+    notifications: str | None = None,
 ) -> Iterator[Version]:
     """Yield each new version of ``folder``, pinned, in increasing step order.
 
@@ -356,17 +361,24 @@ def follow(
     without a new version (``None``: never). A version pruned between reading ``LATEST`` and
     opening it is retried at once; ``LATEST`` naming a file that stays missing raises
     :class:`StoreNotFoundError`. A storage outage is waited out (see the module docstring).
+
+    Looks at ``LATEST`` every ``poll`` seconds at first; each look that finds nothing new
+    doubles the wait, up to ``max_poll`` (default ``4 * poll``; pass ``poll`` for a fixed
+    interval), and a new version resets it. On an object store a look whose ``LATEST`` has
+    the ETag of the last one read is one HEAD request and moves no body (:class:`PointerWatch`).
+    With ``notifications`` (an SQS queue URL the bucket's event notifications feed), an event
+    naming ``LATEST`` ends the wait at once (:mod:`weightstore.notify`); polling goes on too.
     """
-    source = folder_for(folder, storage_options)
+    watch = PointerWatch(folder_for(folder, storage_options), poll, max_poll, notifications)
     last = after
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         try:
-            version = _newer_pinned(source, last)
+            version = watch.newer(last)
         except StorageError as exc:
             if deadline is not None and time.monotonic() >= deadline:
                 raise
-            _log.warning("weightstore: following %s: %s; retrying in %ss", source.where, exc, poll)
+            _log.warning("weightstore: following %s: %s; retrying in %ss", watch.source.where, exc, watch.interval)
             version = None
         if version is not None:
             try:
@@ -379,7 +391,73 @@ def follow(
         remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:
             return
-        time.sleep(poll if remaining is None else min(poll, remaining))
+        watch.sleep(watch.interval if remaining is None else min(watch.interval, remaining))
+
+
+class PointerWatch:
+    """``LATEST`` as one reader polls it: cheap looks while nothing changes.
+
+    A look first asks the folder for the pointer's tag (:meth:`Folder.tag`: an object's ETag,
+    from a HEAD that moves no body); the same tag as the pointer last read means nothing was
+    published, and nothing more is read. :attr:`interval`, the wait before the next look,
+    doubles with each look that finds nothing new, up to ``max_poll``, and is back at ``poll``
+    once one does; :meth:`sleep` ends early when ``notifications`` (an SQS queue URL, see
+    :mod:`weightstore.notify`) says ``LATEST`` was written. :func:`follow` and ``Follower``
+    poll through it.
+    """
+
+    def __init__(self, source: Folder, poll: float, max_poll: float | None = None, notifications: str | None = None):
+        if poll < 0 or (max_poll is not None and max_poll < 0):
+            raise ValueError(f"poll and max_poll must not be negative, not {poll!r} and {max_poll!r}")
+        self.source = source
+        self.poll = poll
+        self.max_poll = max(poll, 4 * poll if max_poll is None else max_poll)
+        self.interval = poll
+        self._read: object | None = None  # the tag of the pointer last read through; never matches at first
+        self._fresh = True
+        self.wake = None
+        if notifications is not None:
+            from weightstore.notify import QueueWake
+
+            self.wake = QueueWake(notifications, urllib.parse.urlsplit(source.url(LATEST)).path.lstrip("/"))
+
+    def sleep(self, seconds: float, stop: threading.Event | None = None) -> None:
+        """Wait ``seconds`` before the next look, or less: until ``stop`` is set, or a
+        notification says ``LATEST`` was written (then the next look reads it whatever its tag)."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0 and not (stop is not None and stop.is_set()):
+            if self.wake is None:
+                if stop is None:
+                    time.sleep(left)
+                else:
+                    stop.wait(left)
+                return
+            if self.wake.wait(left):
+                self.forget()
+                self.interval = self.poll
+                return
+
+    def newer(self, last: int | None) -> Version | None:
+        """The latest version if it is above ``last``, pinned; None when there is none (or the
+        pointer did not change since the last look)."""
+        tag = self.source.tag(LATEST)
+        if not self._fresh and tag == self._read:
+            self._idle()
+            return None
+        version = _newer_pinned(self.source, last)
+        self._read, self._fresh = tag, False
+        if version is None:
+            self._idle()
+        else:
+            self.interval = self.poll
+        return version
+
+    def forget(self) -> None:
+        """Read the pointer on the next look even if its tag did not change (its version went away)."""
+        self._fresh = True
+
+    def _idle(self) -> None:
+        self.interval = min(self.max_poll, self.interval * 2 or self.max_poll)
 
 
 def _newer_pinned(source: Folder, last: int | None) -> Version | None:

@@ -110,6 +110,8 @@ class Format:
     #: the logical dtypes the format can hold; ``None``: every dtype weightstore stores
     dtypes: frozenset[str] | None = None
     compresses: bool = True
+    #: names the format keeps for itself (safetensors' ``__metadata__``): refused as keys before writing
+    reserved_keys: frozenset[str] = frozenset()
     #: False for a format only weightstore's own machinery writes (a sharded version's index)
     writes: bool = True
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,8 @@ from weightstore.tensortable import TensorInfo
 __all__ = ["FORMAT", "ShardedReader", "normalized_region"]
 
 Region = tuple[slice, ...]
+#: remote members read at once for one region (each request of a member's ranges is itself concurrent)
+_MEMBERS_AT_ONCE = 8
 
 
 def normalized_region(region: Any, shape: Sequence[int], key: str, where: str) -> list[tuple[int, int]]:
@@ -57,7 +60,8 @@ class ShardedReader(ReaderDefaults):
         base = name.rsplit("/", 1)[0] if "/" in name else "."
         self._files: list[RangedFile | None] = [None] * len(index.members)
         self._base, self._fs = base, fs
-        if not location_of(name).remote:  # opened now, so a version pruned while read keeps its members
+        self._remote = location_of(name).remote
+        if not self._remote:  # opened now, so a version pruned while read keeps its members
             try:
                 for position in range(len(index.members)):
                     self._member(position)
@@ -119,9 +123,16 @@ class ShardedReader(ReaderDefaults):
         by_member: dict[int, list[_PieceRead]] = {}
         for read in reads:
             by_member.setdefault(read.piece.member, []).append(read)
+        def fill(position: int) -> None:
+            self._member(position).fill([(read.offset, read.buffer.data.cast("B")) for read in by_member[position]])
+
         try:
-            for position, wanted in by_member.items():
-                self._member(position).fill([(read.offset, read.buffer.data.cast("B")) for read in wanted])
+            if self._remote and len(by_member) > 1:  # members fetched at once: each is a round trip
+                with ThreadPoolExecutor(min(len(by_member), _MEMBERS_AT_ONCE)) as pool:
+                    list(pool.map(fill, by_member))
+            else:
+                for position in by_member:
+                    fill(position)
         except WeightStoreError as exc:
             exc.key = exc.key or key
             raise

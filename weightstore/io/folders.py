@@ -67,6 +67,12 @@ class Folder(abc.ABC):
         """
 
     @abc.abstractmethod
+    def tag(self, name: str) -> object | None:
+        """What names the current content of file ``name`` without reading it (a remote
+        object's ETag: one HEAD, no body); equal tags, equal content. ``None`` when there is
+        no such file; a new object each time where the storage cannot tell (then read it)."""
+
+    @abc.abstractmethod
     def commit(self, name: str, suffix: str = "") -> Commit:
         """How a new file ``name`` is written and made visible (protocol 1 or 2)."""
 
@@ -144,6 +150,10 @@ class LocalFolder(Folder):
             raise TargetError(f"{name} is {kind}, not a file", path=self.where)
         with os.fdopen(fd, "rb") as handle:
             return handle.read(limit)
+
+    def tag(self, name: str) -> object | None:
+        """Always new: a local read costs microseconds, and a file's times and inode can repeat."""
+        return object() if os.path.lexists(self.root / name) else None
 
     def commit(self, name: str, suffix: str = "") -> Commit:
         return RenameCommit(self.root / name)
@@ -273,6 +283,15 @@ class RemoteFolder(Folder):
             except FileNotFoundError:
                 return None
         return data[:limit]
+
+    def tag(self, name: str) -> object | None:
+        with self._service():
+            try:
+                info = self.fs.info(uncached(self.fs, self._path(name)))
+            except FileNotFoundError:
+                return None
+        # without an ETag, nothing short of the bytes tells two writes apart (times repeat within a second)
+        return info.get("ETag") or info.get("etag") or object()
 
     def commit(self, name: str, suffix: str = "") -> Commit:
         return UploadCommit(self.url(name), suffix=suffix, storage_options=self._storage_options)

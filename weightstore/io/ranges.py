@@ -14,7 +14,7 @@ from typing import Any
 
 from weightstore.errors import FormatError
 from weightstore.io.local import OwnedFile, check_range
-from weightstore.io.location import location_of, service
+from weightstore.io.location import location_of, service, uncached
 from weightstore.io.objects import RemoteObject
 from weightstore.io.remote import object_for
 
@@ -49,7 +49,7 @@ class RangedFile:
     def size(self) -> int:
         if self._size < 0:
             with service(self.name):
-                info = self._fs.info(self._path)
+                info = self._fs.info(uncached(self._fs, self._path))
             self._size = int(info.get("size") or 0)
         return self._size
 
