@@ -44,12 +44,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
 
 import numpy as np
 
-from weightstore.adapters.plan import AssignOptions, Mismatch, Plan, TargetInfo, Values, describe, plan_assign
-from weightstore.errors import LayoutError
+from weightstore.adapters.plan import (
+    AssignOptions,
+    Mismatch,
+    Plan,
+    TargetInfo,
+    Values,
+    ValueSource,
+    describe,
+    plan_assign,
+)
+from weightstore.errors import AssignmentError, LayoutError
+from weightstore.formats import keras_file
 from weightstore.keys import MappingRules, Patterns, join_scope, map_key, normalize_scope, parse_mapping, passes
 
 __all__ = ["Rule", "Layout", "convert"]
@@ -347,10 +356,21 @@ def selected_refusals(refused: Mapping[str, str], *, scope: str | None, mapping:
     return kept
 
 
+def _refuse_keras_file(where: str) -> None:
+    """A Keras file names tensors by Keras's save walk (``layers/dense/vars/0``): no layout rule
+    can say which is which without the Keras model that wrote it, so say how to key it by that model."""
+    if not where.endswith((keras_file.KERAS_SUFFIX, keras_file.WEIGHTS_SUFFIX)):
+        return
+    raise AssignmentError(
+        "is a Keras file, whose tensors Keras names by its save walk (layers/<layer>/vars/<i>), not by layer: "
+        "key it by its Keras model first, in Python with tf2.assign(model, path) then tf2.export(model), or with "
+        f"`ws export {where} -o m.npz --model-keys` (a .keras file; --model m.keras for a .weights.h5)", path=where)
+
+
 class LaidOutValues:
     """A view of assign's values (``plan.Values``) under their converted names, shapes and contents."""
 
-    def __init__(self, values: Any, steps: Mapping[str, Step]):
+    def __init__(self, values: ValueSource, steps: Mapping[str, Step]):
         self._values = values
         self._steps = steps
         self.where = values.where
@@ -373,17 +393,21 @@ class LaidOutValues:
         step = self._steps[key]
         return step.apply(np.asarray(self._values.read(step.source)))
 
+    def prefetch(self, keys: list[str]) -> None:
+        """Nothing: converted values are read one by one, as each is converted."""
+
 
 def plan_laid_out(values: Values, targets: Mapping[str, TargetInfo], options: AssignOptions, *,
                   layout: Layout | None, optional: Callable[[str], bool] | None = None,
-                  ) -> tuple[Plan, Values | LaidOutValues]:
+                  ) -> tuple[Plan, ValueSource]:
     """``plan_assign`` over Keras-named ``values`` converted by ``layout`` (as they are when ``None``).
 
     Returns the plan and the values to read its pairs from. Values no rule converts are
     reported as mismatched, so a strict assign refuses them and changes nothing.
     """
+    _refuse_keras_file(values.where)
     refused: list[Mismatch] = []
-    view: Values | LaidOutValues = values
+    view: ValueSource = values
     scope, mapping = options.scope, options.mapping
     if layout is not None:
         rules, norm_scope = parse_mapping(mapping), normalize_scope(scope)

@@ -11,13 +11,14 @@ import functools
 import json
 import os
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
 from weightstore import __version__, parallel
 from weightstore.errors import (
     FormatError,
+    InvalidKeyError,
     KeyNotInStoreError,
     SizeLimitError,
     StoreExistsError,
@@ -33,7 +34,7 @@ from weightstore.formats.foreign import open_foreign
 from weightstore.gcpause import paused_gc
 from weightstore.io.commit import commit_for
 from weightstore.io.files import open_regular
-from weightstore.io.location import filesystem, location_of
+from weightstore.io.location import filesystem, location_of, uncached
 from weightstore.io.remote import RemoteFile
 from weightstore.keys import MappingRules, Patterns, plan_outward, validate_keys
 from weightstore.manifest import TensorInfo, build_manifest, content_digest, dtype_name, logical_dtype, to_storage
@@ -41,6 +42,14 @@ from weightstore.manifest import TensorInfo, build_manifest, content_digest, dty
 _S = TypeVar("_S", bound="Store")
 #: tensors of at least this many bytes are hashed beside their write (see :func:`write_file`)
 _HASH_BESIDE = 1 << 20
+
+
+@runtime_checkable
+class OpensItself(Protocol):
+    """Something :func:`open` accepts that knows how to open its own file (a ``Version``: its
+    pinned reader, or a clear "version gone" once pruned)."""
+
+    def _weightstore_open(self, *, verify: bool = True) -> Store: ...
 
 
 class Store(Mapping):
@@ -53,6 +62,10 @@ class Store(Mapping):
     npz files are read-only views of the mapped file; copy one (``np.array(store[key])``) to
     change it.
     """
+
+    #: keys paired with a model by structure (``artifacts``), so an assign error offers no
+    #: "did you mean" hints between keys that merely look alike
+    exact_keys = False
 
     def __init__(self, reader: Reader, path: str, verify: bool):
         self._reader = reader
@@ -111,6 +124,25 @@ class Store(Mapping):
             np.copyto(out, self[key], casting="unsafe")
         return out
 
+    def read_region(self, key: str, region: Any) -> np.ndarray:
+        """The part of ``key`` a tuple of slices names (``(slice(0, 128), slice(None))``), as a new array.
+
+        A sharded version (:func:`weightstore.commit_shards`) reads and verifies only the blocks
+        of its members that hold the region; any other store reads the tensor and copies the part.
+        Slices have no step; fewer slices than axes leave the remaining axes whole.
+        """
+        read_region = getattr(self._reader, "read_region", None)
+        if read_region is None:
+            from weightstore.formats.sharded import normalized_region
+
+            bounds = normalized_region(region, self.info(key).shape, key, self.path)
+            return np.array(self[key][tuple(slice(lo, hi) for lo, hi in bounds)])
+        try:
+            return read_region(key, region, verify=self.verify)
+        except WeightStoreError as exc:
+            attach(exc, path=self.path)
+            raise
+
     def read(self, keys: Iterable[str] | None = None, *, max_bytes: int | None = None) -> dict[str, np.ndarray]:
         """Several tensors at once, refusing before reading if they exceed ``max_bytes``."""
         wanted = self.keys() if keys is None else list(keys)
@@ -123,14 +155,12 @@ class Store(Mapping):
     def _read_many(self, keys: list[str]) -> list[np.ndarray]:
         """Several tensors, in order: a remote file fetches them at once rather than one by one,
         and a reader that can read many in one pass (npz) does."""
-        prefetch = getattr(self._reader, "prefetch", None)
-        if prefetch is not None and len(keys) > 1:
-            prefetch(keys)
-        read_many = getattr(self._reader, "read_many", None)
-        if read_many is not None and keys:
-            with naming(path=self.path):
-                return read_many(keys, verify=self.verify)
-        return [self[key] for key in keys]
+        if len(keys) > 1:
+            self._reader.prefetch(keys)
+        if not keys:
+            return []
+        with naming(path=self.path):
+            return self._reader.read_many(keys, verify=self.verify)
 
     def __contains__(self, key: object) -> bool:
         return key in self._key_set
@@ -196,9 +226,8 @@ def open(path: Any, *, verify: bool = True, format: str | None = None, mmap: boo
         >>> with ws.open("model.npz") as store:
         ...     kernel = store["dense/kernel"] if "dense/kernel" in store else None
     """
-    opener = getattr(path, "_weightstore_open", None)
-    if opener is not None:  # a Version: its pinned file, or a clear "version gone" if pruned
-        return opener(verify=verify)
+    if isinstance(path, OpensItself):  # a Version: its pinned file, or a clear "version gone" if pruned
+        return path._weightstore_open(verify=verify)
     with paused_gc():  # an index of 50,000 tensors is some 300,000 containers (weightstore.gcpause)
         return _open(path, verify=verify, format=format, mmap=mmap)
 
@@ -234,7 +263,7 @@ def _open_remote(location: str, verify: bool, format: str | None) -> Store:  # n
             fmt = sniff(bytes(source.read_at(0, min(8, source.size))), location)
         if fmt.name == "hdf5":
             source.close()
-            handle = fs.open(remote, "rb")
+            handle = fs.open(uncached(fs, remote), "rb")
             try:
                 return Store(fmt.open_reader(handle, location), location, verify)
             except BaseException:
@@ -258,6 +287,7 @@ def load(
     verify: bool = True,
     max_bytes: int | None = None,
     mmap: bool = True,
+    regions: Mapping[str, Any] | None = None,
 ) -> dict[str, np.ndarray]:
     """Read a weight file into a dict, reading only the selected tensors' bytes.
 
@@ -270,6 +300,8 @@ def load(
         verify: check each tensor's checksum as it is read.
         max_bytes: refuse, before reading, a selection larger than this.
         mmap: ``False`` for arrays that own their memory (see :func:`open`).
+        regions: key (as the file names it) -> tuple of slices: only that part of the tensor
+            is read (see :meth:`Store.read_region`; a sharded version fetches only its blocks).
 
     Returns:
         A new dict of key -> array, in the file's order. Uncompressed local npz and
@@ -285,6 +317,15 @@ def load(
     """
     with open(path, verify=verify, mmap=mmap) as store:
         plan = plan_outward(store.keys(), scope=scope, mapping=mapping, include=include, exclude=exclude, where=store.path)
+        if regions:
+            for key in regions:
+                if key not in store:
+                    raise KeyNotInStoreError("no such tensor to read a region of", path=store.path, key=key)
+            whole = [key for key in plan.values() if key not in regions]
+            check_budget(store, whole, max_bytes)
+            read = dict(zip(whole, store._read_many(whole), strict=True))
+            return {name: read[key] if key in read else store.read_region(key, regions[key])
+                    for name, key in plan.items()}
         check_budget(store, plan.values(), max_bytes)
         return dict(zip(plan, store._read_many(list(plan.values())), strict=True))
 
@@ -337,7 +378,7 @@ def save(
     metadata = checked_metadata(metadata, location)
     arrays = _checked(weights, location, fmt)
     commit = commit_for(where, suffix=fmt.suffixes[0])
-    if not overwrite and _exists(commit, location):
+    if not overwrite and commit.exists():
         raise StoreExistsError("file exists (pass overwrite=True to replace it)", path=location)
     with commit.writing() as local:
         write_file(local, fmt, arrays, metadata, compress)
@@ -356,13 +397,6 @@ def output_format(location: str, format: str | None = None) -> Format:  # noqa: 
         raise TargetError(f"cannot tell which format to write from the file name; use one of "
                           f"{', '.join(known_suffixes())}, or pass format=", path=location)
     return fmt
-
-
-def _exists(commit: Any, location: str) -> bool:
-    exists = getattr(commit, "exists", None)
-    if exists is not None:
-        return bool(exists())
-    return os.path.lexists(location)
 
 
 def checked_metadata(metadata: Mapping[str, Any] | None, where: str = "") -> dict[str, Any]:
@@ -413,6 +447,14 @@ class _Checked(Mapping):
             for name in dict.fromkeys(names):  # a file holds a handful of dtypes: each checked once, in order
                 self._check_dtype(name, keys[names.index(name)], fmt, stored=store is not None)
             self._values = dict(zip(keys, values, strict=True))
+        if fmt is not None:
+            self._refuse_reserved(fmt)
+
+    def _refuse_reserved(self, fmt: Format) -> None:
+        """A key the format keeps for itself would make a file no reader opens (not even ours)."""
+        for key in sorted(fmt.reserved_keys & self._values.keys()):
+            raise InvalidKeyError(f"{fmt.name} keeps this name for itself (no reader could open the file); "
+                                  "rename the tensor or save as .npz or .h5", path=self._where or None, key=key)
 
     @staticmethod
     def _names_of(keys: list[str], dtypes: list[Any]) -> list[str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import warnings
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -28,7 +29,7 @@ from weightstore.errors import (
     WeightStoreError,
     WriteError,
 )
-from weightstore.formats import Format, foreign_keys
+from weightstore.formats import Format, ReaderDefaults, foreign_keys
 from weightstore.formats.hdf5_bytes import ReadAt, check_object, check_root_group, check_vlen_attribute, read_ahead
 from weightstore.keys import RESERVED_PREFIX, join_scope
 from weightstore.manifest import (
@@ -284,7 +285,11 @@ class Hdf5Writer:
             self._file.close()
 
 
-class Hdf5Reader:
+class RemoteHDF5Warning(UserWarning):
+    """An HDF5 file read from an object store: h5py's small reads move many times what is asked."""
+
+
+class Hdf5Reader(ReaderDefaults):
     """Reads the manifest and the tree of datasets at open; each tensor only when asked.
 
     Every h5py call on the file runs inside :func:`_as_format_error` (:meth:`read` does the
@@ -295,6 +300,11 @@ class Hdf5Reader:
 
     def __init__(self, location, name: str):
         self.name = name
+        if getattr(location, "fs", None) is not None:  # an fsspec file: an object store, not a local file
+            warnings.warn(RemoteHDF5Warning(
+                f"{name}: HDF5 from an object store moves many times the bytes it reads (h5py reads in "
+                "small pieces: a one-scope load moved 51x its bytes); keep remote weights as npz or "
+                "safetensors (ws convert in.h5 out.npz)"), stacklevel=2)
         with _as_format_error(name, "not a readable HDF5 file"):
             self._file = h5py.File(location, "r")
         try:

@@ -57,7 +57,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from weightstore.errors import StoreNotFoundError
+from weightstore.errors import StoreNotFoundError, WeightStoreError, WriteError
 from weightstore.io.files import (
     check_writable_target,
     fsync_folder,
@@ -96,12 +96,25 @@ class Commit(abc.ABC):
     def discard(self) -> None:
         """Remove whatever :meth:`begin` and the writer left; the target is untouched."""
 
+    @abc.abstractmethod
+    def exists(self) -> bool:
+        """Whether something is at the target already (what a save without ``overwrite`` refuses)."""
+
     @contextlib.contextmanager
     def writing(self) -> Iterator[str]:
+        """A write the file system refuses (disk full, file-size limit, read-only) comes out as
+        a :class:`WriteError` naming the target and keeping the ``errno``, so a caller that
+        handles ``OSError`` still does and a background publish says which file failed."""
         path = self.begin()
         try:
             yield path
             self.finalize()
+        except WeightStoreError:
+            self.discard()
+            raise
+        except OSError as exc:
+            self.discard()
+            raise WriteError(exc.errno or 0, f"writing failed: {exc.strerror or exc}", path=self.target) from exc
         except BaseException:
             self.discard()
             raise
@@ -135,6 +148,9 @@ class RenameCommit(Commit):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._temporary)
             self._temporary = None
+
+    def exists(self) -> bool:
+        return os.path.lexists(self.target)
 
 
 class UploadCommit(Commit):
@@ -245,6 +261,9 @@ class IndexLastCommit(Commit):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
         self._temporary, self._moved = None, []
+
+    def exists(self) -> bool:
+        return os.path.exists(self.target + ".index")
 
 
 def checkpoint_files(prefix: str) -> list[str]:
