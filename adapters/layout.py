@@ -57,7 +57,8 @@ from weightstore.adapters.plan import (
     describe,
     plan_assign,
 )
-from weightstore.errors import LayoutError
+from weightstore.errors import AssignmentError, LayoutError
+from weightstore.formats import keras_file
 from weightstore.keys import MappingRules, Patterns, join_scope, map_key, normalize_scope, parse_mapping, passes
 
 __all__ = ["Rule", "Layout", "convert"]
@@ -355,6 +356,17 @@ def selected_refusals(refused: Mapping[str, str], *, scope: str | None, mapping:
     return kept
 
 
+def _refuse_keras_file(where: str) -> None:
+    """A Keras file names tensors by Keras's save walk (``layers/dense/vars/0``): no layout rule
+    can say which is which without the Keras model that wrote it, so say how to key it by that model."""
+    if not where.endswith((keras_file.KERAS_SUFFIX, keras_file.WEIGHTS_SUFFIX)):
+        return
+    raise AssignmentError(
+        "is a Keras file, whose tensors Keras names by its save walk (layers/<layer>/vars/<i>), not by layer: "
+        "key it by its Keras model first, in Python with tf2.assign(model, path) then tf2.export(model), or with "
+        f"`ws export {where} -o m.npz --model-keys` (a .keras file; --model m.keras for a .weights.h5)", path=where)
+
+
 class LaidOutValues:
     """A view of assign's values (``plan.Values``) under their converted names, shapes and contents."""
 
@@ -393,6 +405,7 @@ def plan_laid_out(values: Values, targets: Mapping[str, TargetInfo], options: As
     Returns the plan and the values to read its pairs from. Values no rule converts are
     reported as mismatched, so a strict assign refuses them and changes nothing.
     """
+    _refuse_keras_file(values.where)
     refused: list[Mismatch] = []
     view: ValueSource = values
     scope, mapping = options.scope, options.mapping
@@ -412,11 +425,11 @@ def plan_laid_out(values: Values, targets: Mapping[str, TargetInfo], options: As
     return plan, view
 
 
-def convert(weights: Mapping[str, np.ndarray], direction: str, *, where: str) -> dict[str, np.ndarray]:
+def convert(weights: Mapping[str, np.ndarray], direction: str) -> dict[str, np.ndarray]:
     """``weights`` in the other naming and layout (``direction`` from :data:`DIRECTIONS`); a new dict.
 
     Raises:
-        LayoutError: naming ``where`` and every tensor no rule converts.
+        LayoutError: naming every tensor no rule converts.
     """
     if direction not in DIRECTIONS:
         raise LayoutError(f"unknown layout {direction!r}; use one of {', '.join(DIRECTIONS)}")
@@ -424,7 +437,7 @@ def convert(weights: Mapping[str, np.ndarray], direction: str, *, where: str) ->
     shapes = {key: np.shape(value) for key, value in weights.items()}
     steps, refused = (from_keras if from_keras_names else to_keras)(LAYOUTS[name], shapes)
     if refused:
-        raise LayoutError(refusal_message(None, refused), path=where)
+        raise LayoutError(refusal_message(None, refused))
     return {new: step.apply(np.asarray(weights[step.source])) for new, step in steps.items()}
 
 

@@ -24,6 +24,13 @@ reload until the process runs out of memory. Every value is read and verified fi
 values go in batches of bounded bytes, one ``session.run`` each, so a restore holds a small part
 of the model in extra memory rather than a second copy of it (see
 :func:`weightstore.adapters.skeleton.run_assign` for what a failure in a later batch means).
+
+Fed values are copies TF cannot adopt (:func:`~weightstore.adapters.skeleton.private_copy` with
+``adoptable=False``): TF copies each into its own allocator and the variable's buffer stays
+there. A variable that adopted fed memory would free its old buffer into oneDNN's allocator
+pool (x86 TensorFlow's default), which never shrinks: measured on a fresh process, the first
+assign then held the model twice for good (1.0x extra, as ``Saver.restore``'s first call does),
+where an unadoptable feed holds about two batches (0.2x at 256 MB, most of it the largest tensor).
 """
 
 from __future__ import annotations
@@ -56,8 +63,9 @@ from weightstore.adapters.skeleton import Target, private_copy, run_assign
 from weightstore.errors import AssignmentError, FormatError, InvalidKeyError, SelectionError
 from weightstore.keys import from_tf_name, plan_outward, require_matches
 from weightstore.manifest import ML_DTYPES
+from weightstore.shards import Piece
 
-__all__ = ["export", "assign", "forget"]
+__all__ = ["export", "export_pieces", "assign", "forget"]
 
 _WEIGHT_KINDS = frozenset("biufc")
 _ASSIGN_TYPES = frozenset({"Assign", "AssignVariableOp"})
@@ -96,7 +104,28 @@ def export(sess: Any, **selection: Unpack[SelectionWords]) -> dict[str, np.ndarr
     statistics). Only the variables' own read tensors are fetched: no update runs, nothing
     needs feeding, and the graph gains no op.
     """
-    chosen_by = Selection(**selection)
+    plan, chosen = _chosen(sess, Selection(**selection))
+    fetched = iter(sess.run([_read_tensor(part.variable) for target in chosen for part in target.parts]))
+    return {key: _stitch(target, fetched) for key, target in zip(plan, chosen, strict=True)}
+
+
+def export_pieces(sess: Any, **selection: Unpack[SelectionWords]) -> dict[str, list[Piece]]:
+    """Like :func:`export`, but a partitioned variable comes part by part, never stitched:
+    key -> one :class:`~weightstore.Piece` per part, at the offset TF's save-slice info gives it
+    in the whole tensor (a plain variable: one piece holding all of it).
+
+    What :func:`weightstore.publish_shard` takes: each rank publishes the pieces it holds (a
+    parameter server's parts, say), and the committed version reads back in any partitioning.
+    """
+    plan, chosen = _chosen(sess, Selection(**selection))
+    fetched = iter(sess.run([_read_tensor(part.variable) for target in chosen for part in target.parts]))
+    return {key: [Piece(np.asarray(next(fetched)), tuple(s.start for s in part.index) if part.index
+                        else (0,) * len(target.shape), target.shape) for part in target.parts]
+            for key, target in zip(plan, chosen, strict=True)}
+
+
+def _chosen(sess: Any, chosen_by: Selection) -> tuple[dict[str, str], list[_Target]]:
+    """The selected variables of ``sess``'s graph: output key -> graph key, and their targets."""
     targets = _targets(sess.graph)
     plan = plan_outward(targets, scope=chosen_by.scope, include=chosen_by.include, exclude=chosen_by.exclude,
                         where="the graph")
@@ -107,9 +136,7 @@ def export(sess: Any, **selection: Unpack[SelectionWords]) -> dict[str, np.ndarr
         if plan and not kept:
             raise SelectionError("trainable_only keeps no variable: the selected variables are all non-trainable")
         plan = kept
-    chosen = [targets[source] for source in plan.values()]
-    fetched = iter(sess.run([_read_tensor(part.variable) for target in chosen for part in target.parts]))
-    return {key: _stitch(target, fetched) for key, target in zip(plan, chosen, strict=True)}
+    return plan, [targets[source] for source in plan.values()]
 
 
 def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[AssignWords]) -> Report:
@@ -154,7 +181,7 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
             for part in target.parts:
                 op, tensor = _writer(graph, part.variable)
                 fetches.append(op)
-                feeds[tensor] = private_copy(array[part.index] if part.index else array, target.dtype)
+                feeds[tensor] = private_copy(array[part.index] if part.index else array, target.dtype, adoptable=False)
         sess.run(fetches, feed_dict=feeds)
         return [key for key, _ in batch]
 
