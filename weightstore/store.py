@@ -36,6 +36,7 @@ from weightstore.io.commit import commit_for
 from weightstore.io.files import open_regular
 from weightstore.io.location import filesystem, location_of, uncached
 from weightstore.io.remote import RemoteFile
+from weightstore.io.writeback import Writeback
 from weightstore.keys import MappingRules, Patterns, plan_outward, validate_keys
 from weightstore.manifest import TensorInfo, build_manifest, content_digest, dtype_name, logical_dtype, to_storage
 
@@ -532,6 +533,7 @@ def write_file(path: str, fmt: Format, arrays: _Checked,
     """Write a file tensor by tensor; the caller makes it atomic and durable."""
     metadata = checked_metadata(metadata, path)  # before the file exists (callers check earlier, naming theirs)
     writer = fmt.open_writer(path, compress)
+    writeback = Writeback(path)  # the disk starts on what is written while the rest is (see its module)
     try:
         tensors, digests = [], []
         for key, name, data in arrays.stored():  # read/converted now: one tensor in memory at a time
@@ -541,8 +543,11 @@ def write_file(path: str, fmt: Format, arrays: _Checked,
             tensors.append((key, name, data.shape, writer.add(key, name, data)))
             digests.append(content_digest(data) if hashing is None else hashing.result())
             del data
+            writeback.advance()
         writer.commit(build_manifest(tensors, metadata, f"weightstore {__version__}", writer.locations, writer.codecs,
                                      digests))
     except BaseException:
         writer.abort()
         raise
+    finally:
+        writeback.close()
