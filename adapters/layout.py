@@ -425,11 +425,11 @@ def plan_laid_out(values: Values, targets: Mapping[str, TargetInfo], options: As
     return plan, view
 
 
-def convert(weights: Mapping[str, np.ndarray], direction: str, *, where: str) -> dict[str, np.ndarray]:
+def convert(weights: Mapping[str, np.ndarray], direction: str) -> dict[str, np.ndarray]:
     """``weights`` in the other naming and layout (``direction`` from :data:`DIRECTIONS`); a new dict.
 
     Raises:
-        LayoutError: naming ``where`` and every tensor no rule converts.
+        LayoutError: naming every tensor no rule converts.
     """
     if direction not in DIRECTIONS:
         raise LayoutError(f"unknown layout {direction!r}; use one of {', '.join(DIRECTIONS)}")
@@ -437,7 +437,7 @@ def convert(weights: Mapping[str, np.ndarray], direction: str, *, where: str) ->
     shapes = {key: np.shape(value) for key, value in weights.items()}
     steps, refused = (from_keras if from_keras_names else to_keras)(LAYOUTS[name], shapes)
     if refused:
-        raise LayoutError(refusal_message(None, refused), path=where)
+        raise LayoutError(refusal_message(None, refused))
     return {new: step.apply(np.asarray(weights[step.source])) for new, step in steps.items()}
 
 

@@ -90,7 +90,8 @@ def convert(source: Source, out: str, *, compress: bool | str, layout: str | Non
     output_format(out)
     weights = read(source, {k: k for k in source}, "converting")
     if layout is not None:
-        weights = layouts.convert(weights, layout, where=source.path)
+        with naming(path=source.path):
+            weights = layouts.convert(weights, layout)
     with counted(weights, f"writing {out}") as values:
         weightstore.save(out, values, metadata=source.metadata, compress=compress)
     return Written(out, "store", len(weights), sum(a.nbytes for a in weights.values()))
