@@ -281,7 +281,7 @@ def test_a_hostile_index_cannot_name_files_outside_its_attempt(tmp_path):
         ws.open(path)
     assert caught.value.path == path
     with pytest.raises(ws.FormatError, match="not a weightstore-sharded file"):
-        ShardIndex.parse(seal({"format": "weightstore-latest"}), "x.wsindex")
+        ShardIndex.parse(seal({"format": "weightstore-latest"}))
     data = bytearray(Path(path).read_bytes())
     data[data.index(b'"offset":') + 9] ^= 1  # one digit of an offset, not resealed
     Path(path).write_bytes(bytes(data))

@@ -11,7 +11,8 @@ done-records into the index without reading a tensor byte.
 Both files are read as hostile input: :meth:`ShardIndex.parse` and :func:`parse_done` check
 every field, and :func:`check_tensor` that the pieces of a key lie inside the tensor and inside
 their member, never overlap (in the tensor, or in a member's bytes) and cover the tensor, so
-nothing a reader allocates exceeds what the members hold. Errors name the file and the key.
+nothing a reader allocates exceeds what the members hold. Errors name the key; the caller, which
+knows the file, names it with :func:`weightstore.errors.naming`.
 """
 
 from __future__ import annotations
@@ -148,26 +149,26 @@ class ShardIndex:
         })
 
     @classmethod
-    def parse(cls, data: bytes, where: str) -> ShardIndex:
+    def parse(cls, data: bytes) -> ShardIndex:
         """An index read from a file, every field checked (see the module docstring)."""
-        raw = _document(data, where, INDEX_FORMAT, MAX_INDEX_BYTES)
-        step, attempt, world = (_count(raw.get(name), where, name) for name in ("step", "attempt", "world"))
+        raw = _document(data, INDEX_FORMAT, MAX_INDEX_BYTES)
+        step, attempt, world = (_count(raw.get(name), name) for name in ("step", "attempt", "world"))
         members_raw = raw.get("members")
         if not isinstance(members_raw, list) or len(members_raw) != world:
-            raise FormatError(f"the index must name {world} members, one per rank", path=where)
+            raise FormatError(f"the index must name {world} members, one per rank")
         members = []
         for rank, entry in enumerate(members_raw):
             if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) or entry.get("rank") != rank:
-                raise FormatError(f"member {rank} is not a file entry of rank {rank}", path=where)
+                raise FormatError(f"member {rank} is not a file entry of rank {rank}")
             expected = f"{attempt_folder(step, attempt)}/{member_name(rank)}"
             if entry["file"] != expected:
-                raise FormatError(f"member {rank} must be {expected!r}, not {entry['file'][:200]!r}", path=where)
-            members.append(Member(entry["file"], _count(entry.get("size"), where, f"member {rank} size"), rank))
+                raise FormatError(f"member {rank} must be {expected!r}, not {entry['file'][:200]!r}")
+            members.append(Member(entry["file"], _count(entry.get("size"), f"member {rank} size"), rank))
         metadata = raw.get("metadata", {})
         if not isinstance(metadata, dict):
-            raise FormatError("metadata is not an object", path=where)
-        tensors = _tensors(raw.get("tensors"), where, members)
-        check_member_bytes(tensors, members, where)
+            raise FormatError("metadata is not an object")
+        tensors = _tensors(raw.get("tensors"), members)
+        check_member_bytes(tensors, members)
         return cls(step, attempt, world, str(raw.get("created", "")), members, tensors, metadata,
                    str(raw.get("producer", "")))
 
@@ -191,17 +192,17 @@ class DoneRecord:
         })
 
 
-def parse_done(data: bytes, where: str) -> DoneRecord:
+def parse_done(data: bytes) -> DoneRecord:
     """A done-record read from a rank's folder, every field checked; pieces name member 0 (its own)."""
-    raw = _document(data, where, DONE_FORMAT, MAX_DONE_BYTES)
-    step, attempt, rank, world = (_count(raw.get(name), where, name) for name in ("step", "attempt", "rank", "world"))
+    raw = _document(data, DONE_FORMAT, MAX_DONE_BYTES)
+    step, attempt, rank, world = (_count(raw.get(name), name) for name in ("step", "attempt", "rank", "world"))
     member_raw = raw.get("member")
     if not isinstance(member_raw, dict) or not isinstance(member_raw.get("file"), str):
-        raise FormatError("member is not a file entry", path=where)
+        raise FormatError("member is not a file entry")
     if member_raw["file"] != member_name(rank):
-        raise FormatError(f"member must be {member_name(rank)!r}", path=where)
-    member = Member(member_raw["file"], _count(member_raw.get("size"), where, "member size"), rank)
-    return DoneRecord(step, attempt, rank, world, member, _tensors(raw.get("tensors"), where, [member], own=True))
+        raise FormatError(f"member must be {member_name(rank)!r}")
+    member = Member(member_raw["file"], _count(member_raw.get("size"), "member size"), rank)
+    return DoneRecord(step, attempt, rank, world, member, _tensors(raw.get("tensors"), [member], own=True))
 
 
 #: how a sealed document ends: its CRC-32, of every byte before this trailer
@@ -216,106 +217,106 @@ def seal(document: dict[str, Any]) -> bytes:
     return body + b',"crc32":%d}' % crc32(np.frombuffer(body, np.uint8))
 
 
-def _document(data: bytes, where: str, kind: str, limit: int) -> dict[str, Any]:
+def _document(data: bytes, kind: str, limit: int) -> dict[str, Any]:
     if len(data) > limit:
-        raise FormatError(f"is over {limit} bytes; not a {kind} file", path=where)
+        raise FormatError(f"is over {limit} bytes; not a {kind} file")
     trailer = _SEAL.search(data[-32:])
     if trailer is None:
-        raise FormatError(f"is not a {kind} file (no checksum at its end)", path=where)
+        raise FormatError(f"is not a {kind} file (no checksum at its end)")
     body = data[: len(data) - 32 + trailer.start()] if len(data) > 32 else data[: trailer.start()]
     if crc32(np.frombuffer(body, np.uint8)) != int(trailer.group(1)):
-        raise FormatError(f"is corrupt (its CRC-32 does not match); not a readable {kind} file", path=where)
+        raise FormatError(f"is corrupt (its CRC-32 does not match); not a readable {kind} file")
     try:
         raw = orjson.loads(data)
     except orjson.JSONDecodeError:
         raw = None
     if not isinstance(raw, dict) or raw.get("format") != kind:
-        raise FormatError(f"is not a {kind} file", path=where)
+        raise FormatError(f"is not a {kind} file")
     if raw.get("version") != 1:
-        raise FormatError(f"is {kind} version {raw.get('version')!r}; this weightstore reads version 1", path=where)
+        raise FormatError(f"is {kind} version {raw.get('version')!r}; this weightstore reads version 1")
     return raw
 
 
-def _count(value: Any, where: str, what: str, key: str | None = None) -> int:
+def _count(value: Any, what: str, key: str | None = None) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 62:
-        raise FormatError(f"{what} is not a non-negative integer below 2**62", path=where, key=key)
+        raise FormatError(f"{what} is not a non-negative integer below 2**62", key=key)
     return value
 
 
-def _counts(value: Any, where: str, what: str, key: str, length: int | None = None) -> tuple[int, ...]:
+def _counts(value: Any, what: str, key: str, length: int | None = None) -> tuple[int, ...]:
     if not isinstance(value, list) or (length is not None and len(value) != length) or len(value) > MAX_NDIM:
         raise FormatError(f"{what} is not a list of {length if length is not None else 'at most ' + str(MAX_NDIM)} "
-                          "integers", path=where, key=key)
-    return tuple(_count(v, where, what, key) for v in value)
+                          "integers", key=key)
+    return tuple(_count(v, what, key) for v in value)
 
 
-def _tensors(raw: Any, where: str, members: list[Member], *, own: bool = False) -> dict[str, TensorEntry]:
+def _tensors(raw: Any, members: list[Member], *, own: bool = False) -> dict[str, TensorEntry]:
     if not isinstance(raw, dict):
-        raise FormatError("tensors is not an object", path=where)
+        raise FormatError("tensors is not an object")
     tensors = {}
     for key, entry in raw.items():
         try:
             validate_key(key)
         except InvalidKeyError as exc:
-            raise FormatError(f"names an invalid key ({exc.message})", path=where, key=key) from None
+            raise FormatError(f"names an invalid key ({exc.message})", key=key) from None
         if not isinstance(entry, dict) or not isinstance(entry.get("pieces"), list):
-            raise FormatError("is not a tensor entry with pieces", path=where, key=key)
+            raise FormatError("is not a tensor entry with pieces", key=key)
         try:
             logical_dtype(entry["dtype"] if isinstance(entry.get("dtype"), str) else "")
         except WeightStoreError:
-            raise FormatError(f"has unknown dtype {str(entry.get('dtype'))[:40]!r}", path=where, key=key) from None
-        shape = _counts(entry.get("shape"), where, "shape", key)
+            raise FormatError(f"has unknown dtype {str(entry.get('dtype'))[:40]!r}", key=key) from None
+        shape = _counts(entry.get("shape"), "shape", key)
         if len(entry["pieces"]) > MAX_PIECES_PER_KEY:
-            raise FormatError(f"has {len(entry['pieces'])} pieces, over {MAX_PIECES_PER_KEY}", path=where, key=key)
-        pieces = tuple(_piece(p, where, key, len(shape), len(members), own) for p in entry["pieces"])
+            raise FormatError(f"has {len(entry['pieces'])} pieces, over {MAX_PIECES_PER_KEY}", key=key)
+        pieces = tuple(_piece(p, key, len(shape), len(members), own) for p in entry["pieces"])
         tensors[key] = TensorEntry(entry["dtype"], shape, pieces)
         if not own:
-            check_tensor(key, tensors[key], members, where)
+            check_tensor(key, tensors[key], members)
     return tensors
 
 
-def _piece(raw: Any, where: str, key: str, ndim: int, members: int, own: bool) -> PieceEntry:
+def _piece(raw: Any, key: str, ndim: int, members: int, own: bool) -> PieceEntry:
     if not isinstance(raw, dict):
-        raise FormatError("has a piece that is not an object", path=where, key=key)
-    member = 0 if own and "member" not in raw else _count(raw.get("member"), where, "a piece's member", key)
+        raise FormatError("has a piece that is not an object", key=key)
+    member = 0 if own and "member" not in raw else _count(raw.get("member"), "a piece's member", key)
     if member >= members:
-        raise FormatError(f"has a piece in member {member}, of {members}", path=where, key=key)
+        raise FormatError(f"has a piece in member {member}, of {members}", key=key)
     crcs = raw.get("crcs")
     if not isinstance(crcs, list) or not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 1 << 32
                                              for c in crcs):
-        raise FormatError("has a piece whose crcs are not CRC-32 values", path=where, key=key)
+        raise FormatError("has a piece whose crcs are not CRC-32 values", key=key)
     digest = raw.get("digest")
     if not isinstance(digest, str) or len(digest) > 80:
-        raise FormatError("has a piece without a digest", path=where, key=key)
-    rows = _count(raw.get("rows"), where, "a piece's rows", key)
-    return PieceEntry(member, _counts(raw.get("start"), where, "a piece's start", key, ndim),
-                      _counts(raw.get("shape"), where, "a piece's shape", key, ndim),
-                      _count(raw.get("offset"), where, "a piece's offset", key), rows, tuple(crcs), digest)
+        raise FormatError("has a piece without a digest", key=key)
+    rows = _count(raw.get("rows"), "a piece's rows", key)
+    return PieceEntry(member, _counts(raw.get("start"), "a piece's start", key, ndim),
+                      _counts(raw.get("shape"), "a piece's shape", key, ndim),
+                      _count(raw.get("offset"), "a piece's offset", key), rows, tuple(crcs), digest)
 
 
-def check_tensor(key: str, entry: TensorEntry, members: Sequence[Member], where: str,
+def check_tensor(key: str, entry: TensorEntry, members: Sequence[Member],
                  error: type[WeightStoreError] = FormatError) -> None:
     """That the pieces of ``key`` lie in the tensor and their members, never overlap, and cover it."""
     itemsize = entry.itemsize
     for piece in entry.pieces:
         if any(s + n > d for s, n, d in zip(piece.start, piece.shape, entry.shape, strict=True)):
             raise error(f"has a piece at {list(piece.start)} of shape {list(piece.shape)} outside its shape "
-                        f"{list(entry.shape)}", path=where, key=key)
+                        f"{list(entry.shape)}", key=key)
         nbytes = math.prod(piece.shape) * itemsize
         if piece.offset + nbytes > members[piece.member].size:
             raise error(f"has a piece at byte {piece.offset} of {nbytes} bytes, past the end of member "
-                        f"{members[piece.member].file} ({members[piece.member].size} bytes)", path=where, key=key)
+                        f"{members[piece.member].file} ({members[piece.member].size} bytes)", key=key)
         blocks = -(-rows_of(piece.shape) // piece.rows) if piece.rows and nbytes else 0
         if (nbytes and not piece.rows) or len(piece.crcs) != blocks:
-            raise error(f"has a piece with {len(piece.crcs)} block checksums for {blocks} blocks", path=where, key=key)
-    _check_no_overlap(key, entry, where, error)
+            raise error(f"has a piece with {len(piece.crcs)} block checksums for {blocks} blocks", key=key)
+    _check_no_overlap(key, entry, error)
     covered = sum(math.prod(p.shape) for p in entry.pieces)
     if covered != math.prod(entry.shape):
         raise error(f"its pieces do not cover it: they hold {covered} of its {math.prod(entry.shape)} elements "
-                    f"(shape {list(entry.shape)}); a rank left a gap", path=where, key=key)
+                    f"(shape {list(entry.shape)}); a rank left a gap", key=key)
 
 
-def _check_no_overlap(key: str, entry: TensorEntry, where: str, error: type[WeightStoreError]) -> None:
+def _check_no_overlap(key: str, entry: TensorEntry, error: type[WeightStoreError]) -> None:
     pieces = [p for p in entry.pieces if math.prod(p.shape)]
     if len(pieces) < 2:
         return
@@ -333,10 +334,10 @@ def _check_no_overlap(key: str, entry: TensorEntry, where: str, error: type[Weig
         if hits.any():
             j = i + 1 + int(np.argmax(hits))
             raise error(f"has pieces that overlap: at {starts[i].tolist()} and {starts[j].tolist()}",
-                        path=where, key=key)
+                        key=key)
 
 
-def check_member_bytes(tensors: Mapping[str, TensorEntry], members: Sequence[Member], where: str) -> None:
+def check_member_bytes(tensors: Mapping[str, TensorEntry], members: Sequence[Member]) -> None:
     """That no two pieces share bytes of a member: what readers allocate stays within the members' sizes."""
     spans: list[list[tuple[int, int, str]]] = [[] for _ in members]
     for key, entry in tensors.items():
@@ -349,4 +350,4 @@ def check_member_bytes(tensors: Mapping[str, TensorEntry], members: Sequence[Mem
         for (_, end, _), (start, _, key) in zip(found, found[1:], strict=False):
             if start < end:
                 raise FormatError(f"has a piece whose bytes overlap another's in member {member.file}",
-                                  path=where, key=key)
+                                  key=key)

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from weightstore import __version__
-from weightstore.errors import FormatError, PublishError, ShardTimeoutError, WeightStoreError
+from weightstore.errors import FormatError, PublishError, ShardTimeoutError, WeightStoreError, naming
 from weightstore.formats import format_named
 from weightstore.formats.safetensors import SafetensorsReader
 from weightstore.io.folders import Folder, folder_for
@@ -189,14 +189,18 @@ def commit_shards(
     name = index_name(step)
     metadata = checked_metadata(metadata, target.url(name))
     found, sizes = _wait_for_ranks(members, world, timeout)
-    records = [parse_done(data, members.url(done_name(rank))) for rank, data in sorted(found.items())]
+    records = []
+    for rank, data in sorted(found.items()):
+        with naming(path=members.url(done_name(rank))):
+            records.append(parse_done(data))
     if any(sizes.get(record.member.file) != record.member.size for record in records):
         sizes = {entry.name: entry.size for entry in members.files()}  # a listing made while one was renamed in
     for record in records:  # from the listing that found the last done-record: no request more
         if sizes.get(record.member.file) != record.member.size:
             raise PublishError(f"rank {record.rank}'s member {record.member.file} is {sizes.get(record.member.file)} "
                                f"bytes; its done-record says {record.member.size}", path=members.where)
-    index = _merged(records, step, attempt, world, metadata, target.url(name))
+    with naming(path=target.url(name)):
+        index = _merged(records, step, attempt, world, metadata)
     created_index = False
 
     def write_index(created: str) -> None:
@@ -276,7 +280,7 @@ def _read_index(target: Folder, name: str) -> ShardIndex | None:
 
     data = target.read_small(name, MAX_INDEX_BYTES + 1)
     try:
-        return None if data is None else ShardIndex.parse(data, target.url(name))
+        return None if data is None else ShardIndex.parse(data)
     except WeightStoreError:
         return None
 
@@ -374,15 +378,13 @@ def _wait_for_ranks(members: Folder, world: int, timeout: float) -> tuple[dict[i
         pause = min(pause * 2, _POLL)
 
 
-def _merged(records: list[DoneRecord], step: int, attempt: int, world: int, metadata: dict[str, Any],
-            where: str) -> ShardIndex:
+def _merged(records: list[DoneRecord], step: int, attempt: int, world: int, metadata: dict[str, Any]) -> ShardIndex:
     """The index of the version the done-records describe; pieces checked key by key."""
     members = []
     for rank, record in enumerate(records):
         if (record.step, record.attempt, record.rank, record.world) != (step, attempt, rank, world):
             raise PublishError(f"rank {rank}'s done-record is for step {record.step} attempt {record.attempt} rank "
-                               f"{record.rank} of {record.world}, not step {step} attempt {attempt} of {world}",
-                               path=where)
+                               f"{record.rank} of {record.world}, not step {step} attempt {attempt} of {world}")
         members.append(Member(f"{attempt_folder(step, attempt)}/{record.member.file}", record.member.size, rank))
     tensors: dict[str, TensorEntry] = {}
     owners: dict[str, int] = {}
@@ -394,12 +396,12 @@ def _merged(records: list[DoneRecord], step: int, attempt: int, world: int, meta
                 tensors[key], owners[key] = TensorEntry(entry.dtype, entry.shape, pieces), rank
             elif (known.dtype, known.shape) != (entry.dtype, entry.shape):
                 raise PublishError(f"ranks disagree on it: rank {owners[key]} has {known.dtype} {list(known.shape)}, "
-                                   f"rank {rank} {entry.dtype} {list(entry.shape)}", path=where, key=key)
+                                   f"rank {rank} {entry.dtype} {list(entry.shape)}", key=key)
             else:
                 tensors[key] = TensorEntry(known.dtype, known.shape, known.pieces + pieces)
     for key, entry in tensors.items():
-        check_tensor(key, entry, members, where, error=PublishError)
-    check_member_bytes(tensors, members, where)
+        check_tensor(key, entry, members, error=PublishError)
+    check_member_bytes(tensors, members)
     return ShardIndex(step, attempt, world, "", members, tensors, metadata, f"weightstore {__version__}")
 
 

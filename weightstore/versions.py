@@ -506,7 +506,7 @@ def _sharded_sizes(folder: Folder, name: str) -> tuple[int | None, int | None]:
 
     data = folder.read_small(name, MAX_INDEX_BYTES + 1)
     try:
-        index = ShardIndex.parse(data or b"", folder.url(name))
+        index = ShardIndex.parse(data or b"")
     except FormatError:
         return None, None
     return len(index.members), sum(member.size for member in index.members)

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from weightstore.errors import ChecksumError, KeyNotInStoreError, TargetError, WeightStoreError
+from weightstore.errors import ChecksumError, KeyNotInStoreError, TargetError, WeightStoreError, naming
 from weightstore.formats import Format, ReaderDefaults
 from weightstore.io.buffer import aligned_array
 from weightstore.io.location import location_of
@@ -206,7 +206,9 @@ def _open_reader(location: Any, name: str, *, mmap: bool = True) -> ShardedReade
         data = bytes(source.read_at(0, source.size))
     finally:
         source.close()
-    return ShardedReader(ShardIndex.parse(data, name), name, fs)
+    with naming(path=name):
+        index = ShardIndex.parse(data)
+    return ShardedReader(index, name, fs)
 
 
 def _no_writer(path: str, compress: bool | str) -> Any:
