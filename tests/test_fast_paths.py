@@ -69,7 +69,7 @@ def test_version_1_entries_read_column_wise_as_entry_by_entry(raw):
     ``_parse_entries`` reads; whatever the rule refuses, it hands over."""
     fast = manifest._parse_plain_entries(raw)
     try:
-        slow = manifest._parse_entries(raw, "m.npz", {}, {})
+        slow = manifest._parse_entries(raw, {}, {})
     except errors.FormatError:
         assert fast is None
         return

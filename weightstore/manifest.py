@@ -263,40 +263,44 @@ def build_manifest(
 
 def parse_manifest(text: str, where: str) -> Manifest:
     """Check an untrusted manifest field by field; any surprise is a :class:`FormatError` naming ``where``."""
+    with naming(path=where):  # the checks below name the key, not the file
+        return _parsed_manifest(text)
+
+
+def _parsed_manifest(text: str) -> Manifest:
     if len(text) > MAX_MANIFEST_BYTES:
-        raise FormatError(f"manifest is larger than {MAX_MANIFEST_BYTES} bytes", path=where)
-    refuse_dense_json(text, MIN_BYTES_PER_CONTAINER, "manifest", where)
+        raise FormatError(f"manifest is larger than {MAX_MANIFEST_BYTES} bytes")
+    refuse_dense_json(text, MIN_BYTES_PER_CONTAINER, "manifest")
     try:
         document = _parse_json(text)
     except _NonFiniteNumber as exc:
-        raise FormatError(f"manifest holds {exc}, which no JSON number is (writers refuse it too)", path=where) from None
+        raise FormatError(f"manifest holds {exc}, which no JSON number is (writers refuse it too)") from None
     except (ValueError, RecursionError) as exc:
-        raise FormatError(f"manifest is not valid JSON ({exc})", path=where) from None
+        raise FormatError(f"manifest is not valid JSON ({exc})") from None
     if not isinstance(document, dict) or document.get("format") != FORMAT_NAME:
-        raise FormatError("manifest is not a weightstore manifest", path=where)
+        raise FormatError("manifest is not a weightstore manifest")
     unknown = sorted(set(document) - _FIELDS)
     if unknown:  # a field misspelt by damage must not read as a field left out
-        raise FormatError(f"manifest has fields {unknown} this version does not define", path=where)
+        raise FormatError(f"manifest has fields {unknown} this version does not define")
     version = document.get("version")
     if type(version) is not int or version > FORMAT_VERSION:
-        raise FormatError(f"manifest version {short_repr(version)} is newer than this weightstore reads", path=where)
+        raise FormatError(f"manifest version {short_repr(version)} is newer than this weightstore reads")
     raw_tensors = document.get("tensors")
     metadata = document.get("metadata", {})
     if not isinstance(raw_tensors, dict) or not isinstance(metadata, dict):
-        raise FormatError("manifest 'tensors' and 'metadata' must be objects", path=where)
+        raise FormatError("manifest 'tensors' and 'metadata' must be objects")
     locations: dict[str, str] = {}
     codecs: dict[str, str] = {}
     if version >= 2:
-        with naming(path=where):  # the column checks name no file
-            tensors = parse_columns(raw_tensors, _itemsize_or_none, version)
-            locations_column = _sparse_column(raw_tensors, "location", tensors)
-            codecs_column = _sparse_column(raw_tensors, "codec", tensors)
+        tensors = parse_columns(raw_tensors, _itemsize_or_none, version)
+        locations_column = _sparse_column(raw_tensors, "location", tensors)
+        codecs_column = _sparse_column(raw_tensors, "codec", tensors)
         for key, location in locations_column.items():
-            _record_location(key, location, where, locations)
+            _record_location(key, location, locations)
         for key, codec in codecs_column.items():
-            _record_codec(key, codec, where, codecs)
+            _record_codec(key, codec, codecs)
     else:
-        tensors = _parse_entries_v1(raw_tensors, where, locations, codecs)
+        tensors = _parse_entries_v1(raw_tensors, locations, codecs)
     return Manifest(
         tensors=tensors,
         metadata=metadata,
@@ -323,21 +327,21 @@ def _sparse_column(raw: dict[str, Any], name: str, tensors: TensorTable) -> dict
     return column
 
 
-def _parse_entries_v1(raw: dict[str, Any], where: str, locations: dict[str, str],
+def _parse_entries_v1(raw: dict[str, Any], locations: dict[str, str],
                       codecs: dict[str, str]) -> TensorTable:
     """A version 1 manifest's tensors: an object per tensor, key -> dtype, shape, checksum."""
     try:
         validate_keys(raw)
     except InvalidKeyError as exc:
-        raise FormatError(f"manifest has an {exc.message}", path=where, key=exc.key) from None
+        raise FormatError(f"manifest has an {exc.message}", key=exc.key) from None
     tensors = _parse_plain_entries(raw)
     if tensors is None:
-        tensors = _parse_entries(raw, where, locations, codecs)
+        tensors = _parse_entries(raw, locations, codecs)
     for key, info in tensors.items():
         if info.checksum is not None and not _CHECKSUM_TEXT.fullmatch(info.checksum):
-            raise FormatError(f"manifest checksum of {key!r} is not {CHECKSUM_ALGORITHM}: {info.checksum!r}", path=where)
+            raise FormatError(f"manifest checksum of {key!r} is not {CHECKSUM_ALGORITHM}: {info.checksum!r}")
         if not fits_an_array(info.shape, logical_dtype(info.dtype).itemsize):
-            raise FormatError(f"has a shape {info.shape} too large for any array", path=where, key=key)
+            raise FormatError(f"has a shape {info.shape} too large for any array", key=key)
     return TensorTable.from_infos(list(tensors.values()))
 
 
@@ -371,7 +375,7 @@ def _parse_plain_entries(raw: dict[str, Any]) -> dict[str, TensorInfo] | None:
     return dict(zip(raw, infos, strict=True))
 
 
-def _parse_entries(raw: dict[str, Any], where: str, locations: dict[str, str],
+def _parse_entries(raw: dict[str, Any], locations: dict[str, str],
                    codecs: dict[str, str]) -> dict[str, TensorInfo]:
     """Entry by entry, naming the first bad one; ``location`` and ``codec`` go to their dicts.
 
@@ -382,23 +386,23 @@ def _parse_entries(raw: dict[str, Any], where: str, locations: dict[str, str],
         # Its fields are exactly those the writer writes: a ``checksum`` field damaged into
         # another name would otherwise read as a tensor without a checksum, and go unverified.
         if type(entry) is not dict or entry.keys() != _PLAIN_ENTRY_FIELDS:
-            _parse_optional_fields(key, entry, where, locations, codecs)
+            _parse_optional_fields(key, entry, locations, codecs)
         shape = entry["shape"]
         if type(shape) is not list or len(shape) > MAX_NDIM or not _all_sizes(shape):
-            raise FormatError(f"manifest shape of {key!r} is not a list of sizes: {short_repr(shape)}", path=where)
+            raise FormatError(f"manifest shape of {key!r} is not a list of sizes: {short_repr(shape)}")
         name = entry["dtype"]
         itemsize = itemsizes.get(name) if type(name) is str else None
         if itemsize is None:
-            itemsize = itemsizes[name] = _itemsize_of(key, name, where)
+            itemsize = itemsizes[name] = _itemsize_of(key, name)
         digest = entry["checksum"]
         if digest is not None and not (type(digest) is str and digest.startswith(CHECKSUM_PREFIX)):
-            raise FormatError(f"manifest checksum of {key!r} is not {CHECKSUM_ALGORITHM}: {short_repr(digest)}", path=where)
+            raise FormatError(f"manifest checksum of {key!r} is not {CHECKSUM_ALGORITHM}: {short_repr(digest)}")
         dims = tuple(shape)
         tensors[key] = _new_info(TensorInfo, (key, name, dims, math.prod(dims) * itemsize, digest, None))
     return tensors
 
 
-def refuse_dense_json(text: str, min_bytes: int, what: str, where: str) -> None:
+def refuse_dense_json(text: str, min_bytes: int, what: str, where: str | None = None) -> None:
     """Refuse, before parsing, JSON text holding more than one object or array per ``min_bytes``
     (plus a few): Python spends 56-64 bytes on each however short its text (``[]``: 2 bytes), so
     this bounds what the parse allocates to a few times the text. Brackets inside strings count
@@ -452,39 +456,39 @@ def _refuse_constant(name: str) -> None:
 _new_info = tuple.__new__
 
 
-def _parse_optional_fields(key: str, entry: object, where: str, locations: dict[str, str],
+def _parse_optional_fields(key: str, entry: object, locations: dict[str, str],
                            codecs: dict[str, str]) -> None:
     """An entry with more than the three fields every entry has: ``location`` and ``codec`` are
     recorded; anything else (or a field missing) is a :class:`FormatError`."""
     if type(entry) is not dict:
-        raise FormatError(f"manifest entry for {key!r} is not an object", path=where)
+        raise FormatError(f"manifest entry for {key!r} is not an object")
     if not (_PLAIN_ENTRY_FIELDS <= entry.keys() <= _ENTRY_FIELDS):
-        raise FormatError(f"manifest entry for {key!r} has fields {sorted(entry)}, not {sorted(_ENTRY_FIELDS)}", path=where)
+        raise FormatError(f"manifest entry for {key!r} has fields {sorted(entry)}, not {sorted(_ENTRY_FIELDS)}")
     if "location" in entry:
-        _record_location(key, entry["location"], where, locations)
+        _record_location(key, entry["location"], locations)
     if "codec" in entry:
-        _record_codec(key, entry["codec"], where, codecs)
+        _record_codec(key, entry["codec"], codecs)
 
 
-def _record_location(key: str, location: object, where: str, locations: dict[str, str]) -> None:
+def _record_location(key: str, location: object, locations: dict[str, str]) -> None:
     if not isinstance(location, str) or not location:
-        raise FormatError(f"manifest location of {key!r} is not a path: {short_repr(location)}", path=where)
+        raise FormatError(f"manifest location of {key!r} is not a path: {short_repr(location)}")
     locations[key] = location
 
 
-def _record_codec(key: str, codec: object, where: str, codecs: dict[str, str]) -> None:
+def _record_codec(key: str, codec: object, codecs: dict[str, str]) -> None:
     # a codec this version cannot decode must not read as plain bytes
     if not isinstance(codec, str) or codec not in CODECS:
-        raise FormatError(f"manifest codec of {key!r} is {short_repr(codec)}, not one of {sorted(CODECS)}", path=where)
+        raise FormatError(f"manifest codec of {key!r} is {short_repr(codec)}, not one of {sorted(CODECS)}")
     codecs[key] = codec
 
 
-def _itemsize_of(key: str, name: object, where: str) -> int:
+def _itemsize_of(key: str, name: object) -> int:
     if not isinstance(name, str):
-        raise FormatError(f"manifest dtype of {key!r} is missing", path=where)
+        raise FormatError(f"manifest dtype of {key!r} is missing")
     dtype = _known_dtype(name)
     if dtype is None:
-        raise FormatError(f"unknown dtype {name!r}", path=where, key=key)
+        raise FormatError(f"unknown dtype {name!r}", key=key)
     return dtype.itemsize
 
 
