@@ -163,7 +163,7 @@ def _refuse_crowded(path: str) -> None:
             return handle.read(length)
 
         try:
-            count = zipdir.locate_zip64(read_at, zipdir.locate(tail, tail_start, path), path)[0]
+            count = zipdir.locate_zip64(read_at, zipdir.locate(tail, tail_start))[0]
         except FormatError:
             return
     if count > MAX_MEMBERS:

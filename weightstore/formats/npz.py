@@ -24,7 +24,7 @@ import numpy as np
 from isal import isal_zlib
 
 from weightstore import crc as _crc
-from weightstore.errors import ChecksumError, FormatError, KeyNotInStoreError, UnsafeFileError
+from weightstore.errors import ChecksumError, FormatError, KeyNotInStoreError, UnsafeFileError, naming
 from weightstore.formats import Format, ReaderDefaults, foreign_keys, shuffle_zstd, zipdir
 from weightstore.formats.zipdir import (
     CENTRAL_SIG,
@@ -334,7 +334,8 @@ class NpzReader(ReaderDefaults):
                    if manifest_member is not None and manifest is not None else None)
         as_written = members is not None
         if members is None:
-            members = zipdir.parse(directory, count, cd_offset, self.name)
+            with naming(path=self.name):
+                members = zipdir.parse(directory, count, cd_offset)
             found = members.pop(MANIFEST_MEMBER)
             if found != manifest_member:
                 self._data_offsets.clear()  # where the last entry pointed may be no member's
@@ -418,9 +419,9 @@ class NpzReader(ReaderDefaults):
             raise FormatError("file is empty", path=self.name)
         tail_start = max(0, size - (EOCD.size + 0xFFFF))
         tail = bytes(self._source.read_at(tail_start, size - tail_start))
-        count, cd_size, cd_offset, eocd_offset = zipdir.locate_zip64(
-            lambda offset, length: bytes(self._source.read_at(offset, length)),
-            zipdir.locate(tail, tail_start, self.name), self.name)
+        with naming(path=self.name):
+            count, cd_size, cd_offset, eocd_offset = zipdir.locate_zip64(
+                lambda offset, length: bytes(self._source.read_at(offset, length)), zipdir.locate(tail, tail_start))
         if cd_offset + cd_size > eocd_offset or count * zipdir.CENTRAL_SIZE > cd_size:
             raise FormatError("zip directory points outside the file (truncated?)", path=self.name)
         if cd_offset + cd_size != eocd_offset:  # zipfile would take the gap for a prefix and move every member

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from weightstore.errors import FormatError, UnsafeFileError, naming
+from weightstore.errors import FormatError, UnsafeFileError
 
 EOCD = struct.Struct("<4s4H2IH")
 EOCD64 = struct.Struct("<4sQ2H2I4Q")
@@ -149,7 +149,7 @@ class Directory:
         return member
 
 
-def locate(tail: bytes, tail_start: int, where: str) -> tuple[int, int, int, int]:
+def locate(tail: bytes, tail_start: int) -> tuple[int, int, int, int]:
     """``(entries, directory size, directory offset, end record offset)`` from the file's last
     bytes, the end record found where ``zipfile`` (so ``np.load``) finds it: the last 22 bytes
     if they are one without a comment, else the last signature. That one's comment must end
@@ -159,19 +159,18 @@ def locate(tail: bytes, tail_start: int, where: str) -> tuple[int, int, int, int
     if position < 0 or tail[position : position + 4] != EOCD_SIG or tail[-2:] != b"\0\0":
         position = tail.rfind(EOCD_SIG)
     if position < 0 or position + EOCD.size > len(tail):
-        raise FormatError("not an npz file (no zip directory; truncated or not a zip)", path=where)
+        raise FormatError("not an npz file (no zip directory; truncated or not a zip)")
     _, disk, cd_disk, disk_count, count, cd_size, cd_offset, comment = EOCD.unpack_from(tail, position)
     if position + EOCD.size + comment != len(tail):
-        raise FormatError("zip end record's comment does not end the file (another end record in it?)", path=where)
+        raise FormatError("zip end record's comment does not end the file (another end record in it?)")
     if disk or cd_disk:
-        raise FormatError("multi-disk zip archives are not supported", path=where)
+        raise FormatError("multi-disk zip archives are not supported")
     if disk_count != count:
-        raise FormatError(f"zip end record disagrees with itself ({disk_count}, {count} entries)", path=where)
+        raise FormatError(f"zip end record disagrees with itself ({disk_count}, {count} entries)")
     return count, cd_size, cd_offset, tail_start + position
 
 
-def locate_zip64(read_at: Callable[[int, int], bytes], end: tuple[int, int, int, int],
-                 where: str) -> tuple[int, int, int, int]:
+def locate_zip64(read_at: Callable[[int, int], bytes], end: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
     """The directory's ``(entries, size, offset, end)`` as a ZIP64 end record gives them, read
     whenever its locator lies just before the end record (as ``zipfile`` reads it, even where
     the end record needs no ZIP64 value), the record just before the locator; ``end`` (from
@@ -181,32 +180,27 @@ def locate_zip64(read_at: Callable[[int, int], bytes], end: tuple[int, int, int,
     locator = read_at(eocd_offset - LOCATOR64.size, LOCATOR64.size) if eocd_offset >= LOCATOR64.size else b""
     if locator[:4] != LOCATOR64_SIG:
         if marked:
-            raise FormatError("ZIP64 locator missing", path=where)
+            raise FormatError("ZIP64 locator missing")
         return end
     _, _, record, _ = LOCATOR64.unpack(locator)
     if record + EOCD64.size != eocd_offset - LOCATOR64.size:
-        raise FormatError("ZIP64 locator is corrupt", path=where)
+        raise FormatError("ZIP64 locator is corrupt")
     fields = EOCD64.unpack(read_at(record, EOCD64.size))
     if fields[0] != EOCD64_SIG:
-        raise FormatError("ZIP64 end record is corrupt", path=where)
+        raise FormatError("ZIP64 end record is corrupt")
     wide = fields[7], fields[8], fields[9]
     markers = (0xFFFF, ZIP64_LIMIT, ZIP64_LIMIT)  # a value the end record cannot hold; any other must agree
     if any(value not in (marker, full) for value, marker, full in zip(end[:3], markers, wide, strict=True)):
-        raise FormatError(f"ZIP64 end record disagrees with the end record ({wide} against {end[:3]})", path=where)
+        raise FormatError(f"ZIP64 end record disagrees with the end record ({wide} against {end[:3]})")
     return (*wide, record)
 
 
-def parse(directory: bytes, count: int, cd_offset: int, where: str) -> Directory:
+def parse(directory: bytes, count: int, cd_offset: int) -> Directory:
     """Every entry of ``directory`` (``count`` of them, ending where the directory ends).
 
     The rule for reading a directory; :func:`parse_expected` is its fast twin for the layout
     this project writes (see there for the differential test binding them). Its errors name
-    ``where``, the file, attached once here."""
-    with naming(path=where):
-        return _parse(directory, count, cd_offset)
-
-
-def _parse(directory: bytes, count: int, cd_offset: int) -> Directory:
+    the entry, not the file: the caller names that with :func:`~weightstore.errors.naming`."""
     positions = _entry_positions(directory, count)
     records = np.frombuffer(directory, np.uint8)[
         np.asarray(positions, dtype=np.int64)[:, None] + np.arange(CENTRAL_SIZE)
