@@ -92,6 +92,7 @@ from weightstore.errors import (
     StoreNotFoundError,
     TargetError,
     VersionGoneError,
+    naming,
 )
 from weightstore.formats import format_for_suffix, format_named
 from weightstore.io.files import remove_stale_temporaries
@@ -664,7 +665,8 @@ def _latest(folder: Folder) -> Version | None:
 def _pointer_version(folder: Folder, data: bytes | None) -> Version | None:
     if data is None:
         return None
-    pointer = _parse_pointer(data, folder.where)
+    with naming(path=folder.where):
+        pointer = _parse_pointer(data)
     metadata: dict[str, Any] = pointer["metadata"] if isinstance(pointer.get("metadata"), dict) else {}
     return Version(pointer["step"], folder.url(pointer["file"]), str(pointer.get("created", "")), metadata, folder)
 
@@ -702,9 +704,9 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def _parse_pointer(data: bytes, where: str) -> dict[str, Any]:
+def _parse_pointer(data: bytes) -> dict[str, Any]:
     if not data.strip():
-        raise FormatError("LATEST is empty; publish again to repair it", path=where)
+        raise FormatError("LATEST is empty; publish again to repair it")
     try:
         pointer = json.loads(data)
     except (UnicodeDecodeError, ValueError, RecursionError):
@@ -717,7 +719,7 @@ def _parse_pointer(data: bytes, where: str) -> dict[str, Any]:
         pointer.get("format") != POINTER_FORMAT or file_match is None
         or not isinstance(step, int) or isinstance(step, bool) or int(file_match.group(1)) != step
     ):
-        raise FormatError("LATEST is not a weightstore version pointer; publish again to repair it", path=where)
+        raise FormatError("LATEST is not a weightstore version pointer; publish again to repair it")
     return pointer
 
 
