@@ -116,8 +116,8 @@ def is_checkpoint_target(target: str) -> bool:
     if keras_import.is_keras_target(target):
         return False
     if os.path.isfile(target):
-        with open(target, "rb") as handle:
-            sniff(handle.read(8), target)  # refuses files that are neither npz nor HDF5
+        with open(target, "rb") as handle, naming(path=target):
+            sniff(handle.read(8))  # refuses files that are neither npz nor HDF5
         return False
     return True
 

@@ -248,7 +248,10 @@ def _open(path: Any, *, verify: bool, format: str | None, mmap: bool) -> Store: 
             head = handle.read(8)
     except FileNotFoundError:
         raise StoreNotFoundError("no such file", path=location) from None
-    fmt = format_named(format) if format else format_for_suffix(location) or sniff(head, location)
+    fmt = format_named(format) if format else format_for_suffix(location)
+    if fmt is None:
+        with naming(path=location):
+            fmt = sniff(head)
     return Store(fmt.open_reader(location, location, mmap=mmap), location, verify)
 
 
@@ -260,7 +263,8 @@ def _open_remote(location: str, verify: bool, format: str | None) -> Store:  # n
     try:
         fmt = format_named(format) if format else format_for_suffix(location)
         if fmt is None:
-            fmt = sniff(bytes(source.read_at(0, min(8, source.size))), location)
+            with naming(path=location):
+                fmt = sniff(bytes(source.read_at(0, min(8, source.size))))
         if fmt.name == "hdf5":
             source.close()
             handle = fs.open(uncached(fs, remote), "rb")

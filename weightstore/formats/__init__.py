@@ -166,14 +166,15 @@ def known_suffixes() -> list[str]:
     return [suffix for fmt in _registry() if fmt.writes for suffix in fmt.suffixes]
 
 
-def sniff(head: bytes, where: str) -> Format:
-    """The format of a file by its first bytes, for names whose suffix says nothing."""
+def sniff(head: bytes) -> Format:
+    """The format of a file by its first bytes, for names whose suffix says nothing; the caller
+    names the file (:func:`~weightstore.errors.naming`)."""
     for fmt in _registry():
         if fmt.magic(head):
             return fmt
     if not head:
-        raise FormatError("file is empty", path=where)
-    raise FormatError("not a weightstore file (not npz, HDF5 or safetensors)", path=where)
+        raise FormatError("file is empty")
+    raise FormatError("not a weightstore file (not npz, HDF5 or safetensors)")
 
 
 def foreign_keys(names: Iterable[tuple[str, str]], where: str, what: str) -> dict[str, str]:
