@@ -135,7 +135,8 @@ class Store(Mapping):
         if not isinstance(self._reader, RegionReader):
             from weightstore.formats.sharded import normalized_region
 
-            bounds = normalized_region(region, self.info(key).shape, key, self.path)
+            with naming(path=self.path):
+                bounds = normalized_region(region, self.info(key).shape, key)
             return np.array(self[key][tuple(slice(lo, hi) for lo, hi in bounds)])
         try:
             return self._reader.read_region(key, region, verify=self.verify)

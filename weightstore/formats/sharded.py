@@ -35,18 +35,18 @@ Region = tuple[slice, ...]
 _MEMBERS_AT_ONCE = 8
 
 
-def normalized_region(region: Any, shape: Sequence[int], key: str, where: str) -> list[tuple[int, int]]:
+def normalized_region(region: Any, shape: Sequence[int], key: str) -> list[tuple[int, int]]:
     """``(start, stop)`` along each axis for a tuple of slices (fewer than the axes: the rest whole)."""
     if isinstance(region, slice):
         region = (region,)
     if not isinstance(region, tuple) or len(region) > len(shape) or not all(isinstance(s, slice) for s in region):
-        raise TargetError(f"a region is a tuple of at most {len(shape)} slices, not {region!r}", path=where, key=key)
+        raise TargetError(f"a region is a tuple of at most {len(shape)} slices, not {region!r}", key=key)
     bounds = []
     for axis, size in enumerate(shape):
         part = region[axis] if axis < len(region) else slice(None)
         start, stop, step = part.indices(size)
         if step != 1:
-            raise TargetError(f"region {region!r} has a step; regions are contiguous", path=where, key=key)
+            raise TargetError(f"region {region!r} has a step; regions are contiguous", key=key)
         bounds.append((start, max(start, stop)))
     return bounds
 
@@ -115,8 +115,12 @@ class ShardedReader(ReaderDefaults):
 
     def read_region(self, key: str, region: Any, *, verify: bool) -> np.ndarray:
         """The part of ``key`` that ``region`` names, from the blocks that hold it, each verified."""
+        with naming(path=self.name):
+            return self._read_region(key, region, verify=verify)
+
+    def _read_region(self, key: str, region: Any, *, verify: bool) -> np.ndarray:
         entry = self._entry(key)
-        bounds = normalized_region(region, entry.shape, key, self.name)
+        bounds = normalized_region(region, entry.shape, key)
         stored = storage_dtype(entry.dtype)
         out = np.empty([stop - start for start, stop in bounds], stored)
         reads = [read for piece in entry.pieces if (read := _PieceRead.of(piece, entry, bounds)) is not None]
@@ -138,7 +142,7 @@ class ShardedReader(ReaderDefaults):
             raise
         for read in reads:
             if verify:
-                read.verify(self._index.members[read.piece.member].file, self.name, key)
+                read.verify(self._index.members[read.piece.member].file, key)
             read.place(out, bounds, stored)
         return from_storage(out, entry.dtype)
 
@@ -168,14 +172,14 @@ class _PieceRead:
         top, bottom = (box[0][0] - piece.start[0], box[0][1] - piece.start[0]) if box else (0, 1)
         return cls(piece, entry, box, top // piece.rows, -(-bottom // piece.rows))
 
-    def verify(self, member: str, where: str, key: str) -> None:
+    def verify(self, member: str, key: str) -> None:
         for block in range(-(-self.rows * self.row_bytes // self.block_bytes)):
             data = self.buffer[block * self.block_bytes : (block + 1) * self.block_bytes]
             expected = self.piece.crcs[self.first + block]
             if crc32(data) != expected:
                 raise ChecksumError(f"block {self.first + block} of its piece at {list(self.piece.start)} in member "
                                     f"{member} is corrupt (CRC-32 {crc32(data):08x}, index {expected:08x})",
-                                    path=where, key=key)
+                                    key=key)
 
     def place(self, out: np.ndarray, bounds: list[tuple[int, int]], stored: np.dtype) -> None:
         shape = (self.rows, *self.piece.shape[1:]) if self.piece.shape else ()
