@@ -22,7 +22,7 @@ import numpy as np
 
 import weightstore
 from weightstore.adapters.plan import describe, widens
-from weightstore.errors import FormatError, KeyNotInStoreError
+from weightstore.errors import FormatError, KeyNotInStoreError, naming
 from weightstore.formats import keras_file
 from weightstore.io.commit import RenameCommit
 from weightstore.keys import suggest
@@ -60,7 +60,8 @@ def _checked(target: str, weights: Mapping[str, np.ndarray]) -> dict[str, np.nda
                     f"(`ws export {target} -o names.npz` writes them), or assign in Python and save again: "
                     f"tf2.assign(model, weights); model.save_weights(...)", path=target, key=key)
             info = store.info(key)
-            dtype = logical_dtype(info.dtype, target)
+            with naming(path=target):
+                dtype = logical_dtype(info.dtype)
             array = np.asarray(value)
             if tuple(array.shape) != tuple(info.shape) or not widens(array.dtype, dtype):
                 raise FormatError(f"holds {describe(dtype, tuple(info.shape))}; the import gives "

@@ -21,7 +21,7 @@ import numpy as np
 
 import weightstore
 from weightstore.adapters.artifacts import open_artifact
-from weightstore.errors import AssignmentError
+from weightstore.errors import AssignmentError, naming
 from weightstore.keys import (
     MappingRules,
     Patterns,
@@ -231,7 +231,8 @@ class Values:
 
     def dtype(self, key: str) -> np.dtype:
         if self._store is not None:
-            return logical_dtype(self._store.info(key).dtype, self.where)
+            with naming(path=self.where):
+                return logical_dtype(self._store.info(key).dtype)
         return self._arrays[key].dtype
 
     def shape(self, key: str) -> tuple[int, ...]:

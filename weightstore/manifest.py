@@ -114,11 +114,12 @@ def _storable_name(dtype: np.dtype, key: str) -> str:
     return dtype.newbyteorder("=").name
 
 
-def logical_dtype(name: str, where: str = "") -> np.dtype:
-    """The numpy dtype a manifest names; only names :func:`dtype_name` can produce."""
+def logical_dtype(name: str) -> np.dtype:
+    """The numpy dtype a manifest names; only names :func:`dtype_name` can produce (callers
+    that know the file name it: :func:`~weightstore.errors.naming`)."""
     dtype = _known_dtype(name) if isinstance(name, str) else None
     if dtype is None:
-        raise FormatError(f"unknown dtype {name!r}", path=where or None)
+        raise FormatError(f"unknown dtype {name!r}")
     return dtype
 
 

@@ -121,7 +121,9 @@ class Store(Mapping):
         info = self.info(key)
         if out.shape != tuple(info.shape) or not out.flags.c_contiguous or not out.flags.writeable:
             raise ValueError(f"{self.path}: read_into {key!r} needs a writable C-contiguous array of shape {info.shape}")
-        if out.dtype != logical_dtype(info.dtype, self.path) or not self._reader.read_into(key, out, verify=self.verify):
+        with naming(path=self.path):
+            dtype = logical_dtype(info.dtype)
+        if out.dtype != dtype or not self._reader.read_into(key, out, verify=self.verify):
             np.copyto(out, self[key], casting="unsafe")
         return out
 
