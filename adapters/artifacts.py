@@ -35,9 +35,9 @@ import numpy as np
 
 import weightstore
 from weightstore.errors import AssignmentError, FormatError, KeyNotInStoreError, WeightStoreError
-from weightstore.formats import ReaderDefaults
 from weightstore.formats.tf_checkpoint import CheckpointReader, saved_model_prefix
 from weightstore.manifest import TensorInfo
+from weightstore.store import StoreView
 
 __all__ = ["ModelKeyedStore", "open_artifact", "is_model_file", "for_model", "keras_file_names"]
 
@@ -316,25 +316,12 @@ class ModelKeyedStore(weightstore.Store):
     missing_note = ""  # why some of the model's variables cannot be in the file (see _untracked_note)
 
 
-class _Renamed(ReaderDefaults):
+class _Renamed(StoreView):
     """A store's reader seen through new key names."""
 
     def __init__(self, store: weightstore.Store, names: dict[str, str]):
-        self._store = store
+        super().__init__(store)
         self._names = names  # new key -> the store's key
-        self.name = store.path
-
-    @property
-    def metadata(self) -> dict[str, Any]:
-        return self._store.metadata
-
-    @property
-    def created(self) -> str:
-        return self._store.created
-
-    @property
-    def has_checksums(self) -> bool:
-        return self._store.has_checksums
 
     def keys(self) -> list[str]:
         return list(self._names)

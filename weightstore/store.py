@@ -29,7 +29,16 @@ from weightstore.errors import (
     attach,
     naming,
 )
-from weightstore.formats import Format, Reader, RegionReader, format_for_suffix, format_named, known_suffixes, sniff
+from weightstore.formats import (
+    Format,
+    Reader,
+    ReaderDefaults,
+    RegionReader,
+    format_for_suffix,
+    format_named,
+    known_suffixes,
+    sniff,
+)
 from weightstore.formats.foreign import open_foreign
 from weightstore.gcpause import paused_gc
 from weightstore.io.commit import commit_for
@@ -188,6 +197,27 @@ class Store(Mapping):
 
     def __repr__(self) -> str:
         return f"<weightstore.Store {self.path!r} ({len(self)} tensors)>"
+
+
+class StoreView(ReaderDefaults):
+    """A :class:`Reader` over an open :class:`Store` that keeps the store's name, metadata and
+    checksums: the base of the adapters' views of one (keys renamed, tensors already staged)."""
+
+    def __init__(self, store: Store):
+        self._store = store
+        self.name = store.path
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return self._store.metadata
+
+    @property
+    def created(self) -> str:
+        return self._store.created
+
+    @property
+    def has_checksums(self) -> bool:
+        return self._store.has_checksums
 
 
 def check_budget(store: Store, keys: Iterable[str], max_bytes: int | None) -> None:
