@@ -150,3 +150,27 @@ def test_a_failing_queue_falls_back_to_polling(notified, caplog):
     finally:
         following.close()
     assert "polling only" in caplog.text
+
+
+def test_a_queue_refusing_deletes_still_wakes_the_follower(notified, s3, caplog):
+    folder, queue = notified
+
+    def refuse_deletes(environ):
+        if environ.get("HTTP_X_AMZ_TARGET", "").endswith(".DeleteMessageBatch"):
+            return 400, b'{"__type": "AccessDenied", "message": "not allowed to delete"}'
+        return None
+
+    s3.intercept = refuse_deletes
+    ws.publish(folder, {"w": np.zeros(4, np.float32)}, step=1)
+    following = ws.follow(folder, poll=30, max_poll=30, timeout=60, notifications=queue)
+    try:
+        assert next(following).step == 1
+        publisher = threading.Timer(0.5, lambda: ws.publish(folder, {"w": np.ones(4, np.float32)}, step=2))
+        start = time.monotonic()
+        publisher.start()
+        assert next(following).step == 2  # the event still wakes it; the undeleted message only comes back
+        assert time.monotonic() - start < 15
+        publisher.join()
+    finally:
+        following.close()
+    assert "not allowed to delete" in caplog.text
