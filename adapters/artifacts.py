@@ -31,11 +31,9 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import numpy as np
-
 import weightstore
-from weightstore.errors import AssignmentError, FormatError, KeyNotInStoreError
-from weightstore.manifest import TensorInfo
+from weightstore.errors import AssignmentError, FormatError
+from weightstore.formats.renamed import RenamedReader
 
 __all__ = ["ModelKeyedStore", "open_artifact", "is_model_file", "for_model"]
 
@@ -72,7 +70,7 @@ def for_model(model: Any, path: Any, model_keys: Mapping[str, Any]) -> weightsto
     except BaseException:
         source.close()
         raise
-    return ModelKeyedStore(_Renamed(source, names), source.path, verify=True)
+    return ModelKeyedStore(RenamedReader(source._reader, names), source.path, verify=True)
 
 
 def _is_keras(text: str) -> bool:
@@ -254,47 +252,3 @@ class ModelKeyedStore(weightstore.Store):
     """
 
     exact_keys = True
-
-
-class _Renamed:
-    """A store's reader seen through new key names."""
-
-    def __init__(self, store: weightstore.Store, names: dict[str, str]):
-        self._store = store
-        self._names = names  # new key -> the store's key
-        self.name = store.path
-
-    @property
-    def metadata(self) -> dict[str, Any]:
-        return self._store.metadata
-
-    @property
-    def created(self) -> str:
-        return self._store.created
-
-    @property
-    def has_checksums(self) -> bool:
-        return self._store.has_checksums
-
-    def keys(self) -> list[str]:
-        return list(self._names)
-
-    def _old(self, key: str) -> str:
-        try:
-            return self._names[key]
-        except KeyError:
-            raise KeyNotInStoreError("no such tensor", path=self._store.path, key=key) from None
-
-    def info(self, key: str) -> TensorInfo:
-        info = self._store.info(self._old(key))
-        return TensorInfo(key, info.dtype, info.shape, info.nbytes, info.checksum)
-
-    def read(self, key: str, *, verify: bool) -> np.ndarray:
-        return self._store[self._old(key)]
-
-    def read_into(self, key: str, out: np.ndarray, *, verify: bool) -> bool:
-        """Always False: the store then copies what :meth:`read` returns, which every source supports."""
-        return False
-
-    def close(self) -> None:
-        self._store.close()

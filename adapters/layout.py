@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from weightstore.adapters.plan import AssignOptions, Mismatch, Plan, TargetInfo, Values, describe, plan_assign
+from weightstore.adapters.plan import AssignOptions, Mismatch, Plan, TargetInfo, ValueView, describe, plan_assign
 from weightstore.errors import LayoutError
 from weightstore.keys import MappingRules, Patterns, join_scope, map_key, normalize_scope, parse_mapping, passes
 
@@ -372,16 +372,16 @@ class LaidOutValues:
         return step.apply(np.asarray(self._values.read(step.source)))
 
 
-def plan_laid_out(values: Values, targets: Mapping[str, TargetInfo], options: AssignOptions, *,
+def plan_laid_out(values: ValueView, targets: Mapping[str, TargetInfo], options: AssignOptions, *,
                   layout: Layout | None, optional: Callable[[str], bool] | None = None,
-                  ) -> tuple[Plan, Values | LaidOutValues]:
+                  ) -> tuple[Plan, ValueView]:
     """``plan_assign`` over Keras-named ``values`` converted by ``layout`` (as they are when ``None``).
 
     Returns the plan and the values to read its pairs from. Values no rule converts are
     reported as mismatched, so a strict assign refuses them and changes nothing.
     """
     refused: list[Mismatch] = []
-    view: Values | LaidOutValues = values
+    view: ValueView = values
     scope, mapping = options.scope, options.mapping
     if layout is not None:
         rules, norm_scope = parse_mapping(mapping), normalize_scope(scope)

@@ -14,7 +14,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -128,6 +128,19 @@ class Plan:
     report: Report
 
 
+class ValueView(Protocol):
+    """What planning reads from: :class:`Values` or a view of it under other keys or layouts."""
+
+    where: str
+    exact_keys: bool
+
+    def keys(self) -> list[str]: ...
+    def dtype(self, key: str) -> np.dtype: ...
+    def shape(self, key: str) -> tuple[int, ...]: ...
+    def checksum(self, key: str) -> str | None: ...
+    def read(self, key: str) -> np.ndarray: ...
+
+
 class Values:
     """A uniform lazy view over what ``assign`` accepts: a dict, a path, a Store or a Version."""
 
@@ -188,6 +201,37 @@ class Values:
             self._store.close()
 
 
+class RenamedValues:
+    """A view of assign's values under new keys: ``names`` maps each new key to the values' own."""
+
+    def __init__(self, values: Values, names: Mapping[str, str]):
+        self._values = values
+        self._names = dict(names)
+        self.where = values.where
+        self.exact_keys = values.exact_keys
+
+    def keys(self) -> list[str]:
+        return list(self._names)
+
+    def dtype(self, key: str) -> np.dtype:
+        return self._values.dtype(self._names[key])
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._values.shape(self._names[key])
+
+    def checksum(self, key: str) -> str | None:
+        return self._values.checksum(self._names[key])
+
+    def prefetch(self, keys: list[str]) -> None:
+        self._values.prefetch([self._names[key] for key in keys])
+
+    def read(self, key: str) -> np.ndarray:
+        return self._values.read(self._names[key])
+
+    def read_into(self, key: str, out: np.ndarray) -> np.ndarray:
+        return self._values.read_into(self._names[key], out)
+
+
 @contextlib.contextmanager
 def open_values(weights: Any) -> Iterator[Values]:
     values = Values(weights)
@@ -225,7 +269,7 @@ def describe(dtype: np.dtype, shape: tuple[int, ...]) -> str:
 
 
 def plan_assign(
-    values: Values,
+    values: ValueView,
     targets: Mapping[str, TargetInfo],
     options: AssignOptions,
     *,

@@ -1,8 +1,12 @@
 """PyTorch in and out: an ``nn.Module``'s parameters and buffers as a weight dictionary.
 
 Keys are ``state_dict`` names with ``.`` read as ``/`` (``features.0.weight`` is
-``features/0/weight``), so persistent buffers (batch norm's ``running_mean``/``running_var``)
-are included and non-persistent ones are not. Trainable means ``requires_grad``; buffers never are.
+``features/0/weight``, :mod:`weightstore.names`), so persistent buffers (batch norm's
+``running_mean``/``running_var``) are included and non-persistent ones are not. Trainable
+means ``requires_grad``; buffers never are. ``export(..., names="torch")`` returns the
+``state_dict`` names themselves, and ``assign`` takes weights keyed either way: a
+``safetensors.torch.save_file`` file, a Hugging Face ``model.safetensors``, or the dict
+``safetensors.torch.load_file`` returns goes into the module that wrote it as it is.
 
 ``num_batches_tracked`` (batch norm's step counter) is exported like any buffer, but on assign
 it is *optional*: written when the weights hold it, never reported missing when they do not
@@ -29,10 +33,11 @@ import torch
 from torch import nn
 
 from weightstore.adapters import layout as layouts
-from weightstore.adapters.plan import MEMORY, AssignOptions, Mismatch, Report, TargetInfo, describe
+from weightstore.adapters.plan import MEMORY, AssignOptions, Mismatch, RenamedValues, Report, TargetInfo, describe
 from weightstore.adapters.skeleton import Target, run_assign
-from weightstore.errors import AssignmentError, LayoutError, SelectionError, UnsupportedDTypeError
-from weightstore.keys import MappingRules, Patterns, plan_outward, validate_key
+from weightstore.errors import AssignmentError, InvalidKeyError, LayoutError, SelectionError, UnsupportedDTypeError
+from weightstore.keys import MappingRules, Patterns, plan_outward
+from weightstore.names import TORCH, WRITE_NAMINGS, check_naming, key_of_torch_name, torch_keys, torch_name_of_key
 
 OPTIONAL_LEAF = "num_batches_tracked"
 #: torch dtypes numpy lacks -> (their ml_dtypes kind, a torch integer of the same width):
@@ -49,7 +54,10 @@ def tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     """Key -> the module's own tensor (parameter or persistent buffer), as ``export`` and ``assign`` see them."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"expected a torch.nn.Module, not {type(module).__name__}")
-    return {validate_key(name.replace(".", "/")): tensor for name, tensor in module.state_dict(keep_vars=True).items()}
+    try:
+        return {key_of_torch_name(name): tensor for name, tensor in module.state_dict(keep_vars=True).items()}
+    except InvalidKeyError as exc:
+        raise InvalidKeyError(f"{_describe(module)}: {exc}") from None
 
 
 def export(
@@ -60,12 +68,19 @@ def export(
     exclude: Patterns = None,
     trainable_only: bool = False,
     layout: str | layouts.Layout | None = None,
+    names: str | None = None,
 ) -> dict[str, np.ndarray]:
     """A new weight dictionary of ``module``'s tensors under ``scope`` (keys relative to it).
 
     With ``layout``, keys and arrays come out in Keras's names and layouts; a tensor no rule
-    converts raises :class:`~weightstore.errors.LayoutError` listing every such key.
+    converts raises :class:`~weightstore.errors.LayoutError` listing every such key. With
+    ``names="torch"`` the keys are ``state_dict`` names (``features.0.weight``), so
+    ``safetensors.numpy.save_file`` or ``ws.save`` of the result is a file that
+    ``load_state_dict(safetensors.torch.load_file(f))`` takes as is (``ws.save(f, export(m),
+    names="torch")`` writes the same file and keeps weightstore's keys).
     """
+    if check_naming(names, WRITE_NAMINGS) == TORCH and layout is not None:
+        raise ValueError("names='torch' and layout= do not combine: a layout writes Keras's names")
     found = tensors(module)
     plan = plan_outward(found, scope=scope, include=include, exclude=exclude, where=_describe(module))
     chosen = {new: old for new, old in plan.items() if found[old].requires_grad or not trainable_only}
@@ -73,6 +88,8 @@ def export(
         why = "no tensors" if not found else "no tensor passing the selection"
         raise SelectionError(f"{_describe(module)} has {why}")
     weights = {key: _read(found[old], key) for key, old in chosen.items()}
+    if names == TORCH:
+        return {torch_name_of_key(key): value for key, value in weights.items()}
     if layout is None:
         return weights
     sites = _sites(module)
@@ -99,6 +116,10 @@ def assign(
     layout: str | layouts.Layout | None = None,
 ) -> Report:
     """Write ``weights`` (a dict, path, open Store or Version) into ``module``'s tensors, in place.
+
+    Keys may be keys (``features/0/weight``) or ``state_dict`` names (``features.0.weight``):
+    a value key with ``.`` and no ``/`` is read as a torch name (no module key holds ``.``,
+    so nothing that would have matched is lost), unless a ``layout`` makes them Keras's.
 
     Plans first, as the TF adapters do: a strict failure raises ``AssignmentError`` naming
     every missing, unexpected and mismatched key (with a layout, also every value no rule
@@ -127,9 +148,17 @@ def assign(
         return [key for key, _ in batch]
 
     def plan(values: Any, options: AssignOptions) -> tuple[Any, Any]:
+        if chosen_layout is None:
+            values = _keyed(values)
         return layouts.plan_laid_out(values, targets, options, layout=chosen_layout, optional=_optional)
 
     return run_assign(Target(targets, write, owner=lambda key: found[key], plan=plan), weights, options)
+
+
+def _keyed(values: Any) -> Any:
+    """``values`` with each ``state_dict`` name read as its key (:func:`~weightstore.names.torch_keys`)."""
+    names = torch_keys(values.keys())
+    return values if all(key == name for key, name in names.items()) else RenamedValues(values, names)
 
 
 def _refuse_tied_conflicts(pending: list, found: dict[str, torch.Tensor], report: Report, *, strict: bool,

@@ -16,6 +16,7 @@ from weightstore.adapters import checkpoints
 from weightstore.cli import compare, render, sync, transfer
 from weightstore.cli.guard import GuardedGroup
 from weightstore.cli.render import count, human_bytes, note, settings
+from weightstore.names import WRITE_NAMINGS, check_naming
 
 
 class _Group(GuardedGroup):
@@ -67,6 +68,13 @@ def _check_rules(rules: list[str] | None) -> list[str] | None:
     return rules
 
 
+def _check_names(names: str | None) -> str | None:
+    try:
+        return check_naming(names, WRITE_NAMINGS)
+    except ValueError:
+        raise typer.BadParameter(f"{names!r}; use torch or keys") from None
+
+
 Compress = Annotated[bool, typer.Option("--compress", help="Deflate the tensors (smaller, not memory-mappable).")]
 Shuffle = Annotated[bool, typer.Option("--shuffle", help="Compress npz tensors with byte shuffle + zstd: smaller and "
                                                          "faster to load than --compress, but np.load cannot read them.")]
@@ -74,6 +82,9 @@ Shuffle = Annotated[bool, typer.Option("--shuffle", help="Compress npz tensors w
 
 def _compression(compress: bool, shuffle: bool) -> bool | str:
     return "shuffle" if shuffle else compress
+Names = Annotated[str | None, typer.Option(
+    "--names", metavar="torch|keys", callback=_check_names, help="Name the written tensors as PyTorch's state_dict does (torch: "
+                                          "features.0.weight) or by their keys (keys: features/0/weight).")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print the result as one JSON object (see the README).")]
 Mapping = Annotated[list[str] | None, typer.Option("--map", "-m", metavar="FROM=TO", callback=_check_rules,
                                                       help="Rename scope FROM to TO (repeatable; first match wins; "
@@ -117,6 +128,7 @@ def export(
     model: Annotated[str | None, typer.Option(
         "--model", metavar="FILE.keras", help="Key a Keras file or TF2 checkpoint SOURCE like the model of this "
                                               ".keras file (implies --model-keys).")] = None,
+    names: Names = None,
     as_json: AsJson = False,
 ) -> None:
     """Write the weights of SOURCE, or the selected part of them, to a weight store.
@@ -143,7 +155,7 @@ def export(
     with opening as opened:
         written = transfer.export(opened, output, scope=scope, mapping=mapping, include=include, exclude=exclude,
                                   trainable_only=trainable_only, also=also,
-                                  compress=_compression(compress, shuffle))
+                                  compress=_compression(compress, shuffle), names=names)
     keyed = f", keyed like the model of {opened.keyed_like}" if opened.keyed_like else ""
     _report("export", written, opened, f"wrote {count(written.count, 'tensor')} ({human_bytes(written.nbytes)}) "
                                        f"from {opened.kind} {opened.path} to {written.path}{keyed}")
@@ -275,17 +287,22 @@ def convert(
     layout: Annotated[str | None, typer.Option(
         "--layout", help="Convert names and layouts: keras-to-torch, torch-to-keras, keras-to-flax, flax-to-keras.",
     )] = None,
+    names: Annotated[str | None, typer.Option(
+        "--names", metavar="torch|keys", callback=_check_names, help="Name the written tensors as PyTorch's state_dict does (torch: "
+                                              "features.0.weight; the default with --layout keras-to-torch) or by "
+                                              "their keys (keys: features/0/weight).")] = None,
 ) -> None:
     """Rewrite A as B: npz to HDF5 or back, or recompressed; metadata is kept.
 
     \b
     Example:
       ws convert model.npz model.h5
-      ws convert keras.weights.h5 torch.npz --layout keras-to-torch
+      ws convert keras.weights.h5 torch.safetensors --layout keras-to-torch
+      ws convert torch.safetensors keras.npz --layout torch-to-keras
     """
     _json(as_json)
     with checkpoints.open_source(a) as opened:
-        written = transfer.convert(opened, b, compress=_compression(compress, shuffle), layout=layout)
+        written = transfer.convert(opened, b, compress=_compression(compress, shuffle), layout=layout, names=names)
     _report("convert", written, opened, f"wrote {count(written.count, 'tensor')} ({human_bytes(written.nbytes)}) "
                                         f"to {written.path}")
 

@@ -23,6 +23,7 @@ from weightstore.cli.render import track, working
 from weightstore.errors import FormatError, LayoutError, SelectionError, StoreExistsError, StoreNotFoundError
 from weightstore.formats import format_for_suffix, sniff
 from weightstore.keys import MappingRules, Patterns, passes, plan_inward, plan_outward, validate_key
+from weightstore.names import TORCH, WRITE_NAMINGS, check_naming, torch_keys
 from weightstore.storage import is_url
 from weightstore.store import output_format
 
@@ -54,10 +55,13 @@ def read(source: Source, plan: Mapping[str, str], description: str) -> dict[str,
 
 
 def export(source: Source, out: str, *, scope: str | None, mapping: MappingRules, include: Patterns,
-           exclude: Patterns, trainable_only: bool, compress: bool | str, also: Patterns = None) -> Written:
+           exclude: Patterns, trainable_only: bool, compress: bool | str, also: Patterns = None,
+           names: str | None = None) -> Written:
     """``also`` (with ``trainable_only``) keeps keys matching it too: the batch-norm statistics a
-    seed needs beside the trainable weights. It matches the keys after scope and mapping."""
+    seed needs beside the trainable weights. It matches the keys after scope and mapping.
+    ``names`` is :func:`weightstore.save`'s."""
     output_format(out)
+    check_naming(names, WRITE_NAMINGS)
     plan = plan_outward(source.keys(), scope=scope, mapping=mapping, include=include, exclude=exclude,
                         where=source.path)
     if trainable_only:
@@ -68,21 +72,35 @@ def export(source: Source, out: str, *, scope: str | None, mapping: MappingRules
     if not plan:
         raise SelectionError("selects no tensor", path=source.path)
     weights = read(source, plan, "reading")
-    metadata = source.metadata if source.has_checksums else {"source": source.path, "source_kind": source.kind}
     with working(f"writing {out}"):
-        weightstore.save(out, weights, metadata=metadata, compress=compress)
+        weightstore.save(out, weights, metadata=provenance(source), compress=compress, names=names)
     return Written(out, "store", len(weights), sum(a.nbytes for a in weights.values()))
 
 
-def convert(source: Source, out: str, *, compress: bool | str, layout: str | None = None) -> Written:
+def provenance(source: Source) -> dict:
+    """The metadata a store written from ``source`` carries: a store's own; for a foreign file,
+    where it came from, and its own metadata (a safetensors ``__metadata__``) under its own names."""
+    if source.has_checksums:
+        return source.metadata
+    return {"source": source.path, "source_kind": source.kind, **source.metadata}
+
+
+def convert(source: Source, out: str, *, compress: bool | str, layout: str | None = None,
+            names: str | None = None) -> Written:
+    """``source`` rewritten as ``out``; with ``layout``, in the other framework's names and
+    layouts, named (``names``, :func:`weightstore.save`'s) as ``load_state_dict`` takes them
+    when the other framework is PyTorch. A torch-to-keras source may be keyed by torch names."""
     if layout is not None and layout not in layouts.DIRECTIONS:
         raise LayoutError(f"unknown layout {layout!r}; use one of {', '.join(layouts.DIRECTIONS)}")
+    if check_naming(names, WRITE_NAMINGS) is None and layout == "keras-to-torch":
+        names = TORCH
     output_format(out)
-    weights = read(source, {k: k for k in source}, "converting")
+    plan = torch_keys(source.keys()) if layout == "torch-to-keras" else {k: k for k in source}
+    weights = read(source, plan, "converting")
     if layout is not None:
         weights = layouts.convert(weights, layout, where=source.path)
     with working(f"writing {out}"):
-        weightstore.save(out, weights, metadata=source.metadata, compress=compress)
+        weightstore.save(out, weights, metadata=source.metadata, compress=compress, names=names)
     return Written(out, "store", len(weights), sum(a.nbytes for a in weights.values()))
 
 
@@ -122,9 +140,8 @@ def import_(source: Source, target: str, *, scope: str | None, mapping: MappingR
         old = weightstore.open(target)
     except StoreNotFoundError:
         weights = read(source, plan, "importing")
-        metadata = source.metadata if source.has_checksums else {"source": source.path, "source_kind": source.kind}
         with working(f"writing {target}"):
-            weightstore.save(target, weights, metadata=metadata)
+            weightstore.save(target, weights, metadata=provenance(source))
         return Written(target, "store", len(weights), sum(a.nbytes for a in weights.values()))
     with old:
         _refuse_clashes(target, old.keys(), plan, overwrite)

@@ -30,10 +30,22 @@ from weightstore.errors import (
 )
 from weightstore.formats import Format, Reader, format_for_suffix, format_named, known_suffixes, sniff
 from weightstore.formats.foreign import open_foreign
+from weightstore.formats.renamed import RenamedReader, names_by_key
 from weightstore.formats.source import RemoteFile
 from weightstore.gcpause import paused_gc
 from weightstore.keys import MappingRules, Patterns, plan_outward, validate_keys
 from weightstore.manifest import TensorInfo, build_manifest, dtype_name, logical_dtype, to_storage
+from weightstore.names import (
+    FILE,
+    KEYS,
+    READ_NAMINGS,
+    TORCH_FORMATS,
+    WRITE_NAMINGS,
+    check_naming,
+    key_of_torch_name,
+    reads_as_torch,
+    torch_name_of_key,
+)
 from weightstore.storage import commit_for, filesystem, location_of
 
 _S = TypeVar("_S", bound="Store")
@@ -50,12 +62,14 @@ class Store(Mapping):
     change it.
     """
 
-    def __init__(self, reader: Reader, path: str, verify: bool):
+    def __init__(self, reader: Reader, path: str, verify: bool, format: str = ""):  # noqa: A002
         self._reader = reader
         self._keys = reader.keys()
         self._key_set = frozenset(self._keys)
         self.path = path
         self.verify = verify
+        #: the registered format's name (``"safetensors"``); empty for TF checkpoints and Keras archives
+        self.format = format
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -153,7 +167,8 @@ def check_budget(store: Store, keys: Iterable[str], max_bytes: int | None) -> No
         raise SizeLimitError(f"reading {len(keys)} tensors needs {total} bytes, over max_bytes={max_bytes}", path=store.path)
 
 
-def open(path: Any, *, verify: bool = True, format: str | None = None, mmap: bool = True) -> Store:  # noqa: A001
+def open(path: Any, *, verify: bool = True, format: str | None = None, mmap: bool = True,  # noqa: A001
+         names: str | None = None) -> Store:
     """Open a weight file lazily: only its index is read until a tensor is asked for.
 
     Args:
@@ -164,6 +179,11 @@ def open(path: Any, *, verify: bool = True, format: str | None = None, mmap: boo
             64-byte aligned; small tensors read together share one buffer) instead of returning
             views of the mapped file, which a file truncated or rewritten in place by another
             tool would change, or (SIGBUS) make fatal to touch.
+        names: how a foreign file's tensor names become keys (:mod:`weightstore.names`).
+            ``None``: as the file says: a safetensors file written by PyTorch or Hugging Face
+            (names with ``.``, none with ``/``) reads ``features.0.weight`` as
+            ``features/0/weight``; other names are keys as written. ``"torch"``: read every
+            name as PyTorch's (an ``np.savez`` of a ``state_dict``); ``"file"``: as written.
 
     Returns:
         A :class:`Store`: a read-only mapping of key -> array; use it as a context manager.
@@ -179,7 +199,23 @@ def open(path: Any, *, verify: bool = True, format: str | None = None, mmap: boo
     if opener is not None:  # a Version: its pinned file, or a clear "version gone" if pruned
         return opener(verify=verify)
     with paused_gc():  # an index of 50,000 tensors is some 300,000 containers (weightstore.gcpause)
-        return _open(path, verify=verify, format=format, mmap=mmap)
+        store = _open(path, verify=verify, format=format, mmap=mmap)
+    return _named(store, check_naming(names, READ_NAMINGS))
+
+
+def _named(store: Store, names: str | None) -> Store:
+    """``store`` with its keys formed from its file's names as ``names`` says (see :func:`open`)."""
+    reader = store._reader
+    if names == FILE or reader.has_checksums and names is None:
+        return store
+    if names is None and not (store.format in TORCH_FORMATS and reads_as_torch(reader.keys())):
+        return store
+    try:
+        renamed = RenamedReader(reader, names_by_key(reader, key_of_torch_name))
+    except BaseException:
+        store.close()
+        raise
+    return Store(renamed, store.path, store.verify, store.format)
 
 
 def _open(path: Any, *, verify: bool, format: str | None, mmap: bool) -> Store:  # noqa: A002
@@ -199,7 +235,7 @@ def _open(path: Any, *, verify: bool, format: str | None, mmap: bool) -> Store: 
     except IsADirectoryError:
         raise StoreNotFoundError("is a folder, not a weight file", path=location) from None
     fmt = format_named(format) if format else format_for_suffix(location) or sniff(head, location)
-    return Store(fmt.open_reader(location, location, mmap=mmap), location, verify)
+    return Store(fmt.open_reader(location, location, mmap=mmap), location, verify, fmt.name)
 
 
 def _open_remote(location: str, verify: bool, format: str | None) -> Store:  # noqa: A002
@@ -215,11 +251,11 @@ def _open_remote(location: str, verify: bool, format: str | None) -> Store:  # n
             source.close()
             handle = fs.open(remote, "rb")
             try:
-                return Store(fmt.open_reader(handle, location), location, verify)
+                return Store(fmt.open_reader(handle, location), location, verify, fmt.name)
             except BaseException:
                 handle.close()
                 raise
-        return Store(fmt.open_reader(source, location), location, verify)
+        return Store(fmt.open_reader(source, location), location, verify, fmt.name)
     except FileNotFoundError:
         raise StoreNotFoundError("no such file", path=location) from None
     except BaseException:
@@ -237,6 +273,7 @@ def load(
     verify: bool = True,
     max_bytes: int | None = None,
     mmap: bool = True,
+    names: str | None = None,
 ) -> dict[str, np.ndarray]:
     """Read a weight file into a dict, reading only the selected tensors' bytes.
 
@@ -249,6 +286,7 @@ def load(
         verify: check each tensor's checksum as it is read.
         max_bytes: refuse, before reading, a selection larger than this.
         mmap: ``False`` for arrays that own their memory (see :func:`open`).
+        names: how a foreign file's names become keys (see :func:`open`).
 
     Returns:
         A new dict of key -> array, in the file's order. Uncompressed local npz and
@@ -262,7 +300,7 @@ def load(
     Example:
         >>> head = ws.load("model.npz", scope="head", exclude="*/Adam*")
     """
-    with open(path, verify=verify, mmap=mmap) as store:
+    with open(path, verify=verify, mmap=mmap, names=names) as store:
         plan = plan_outward(store.keys(), scope=scope, mapping=mapping, include=include, exclude=exclude, where=store.path)
         check_budget(store, plan.values(), max_bytes)
         return dict(zip(plan, store._read_many(list(plan.values())), strict=True))
@@ -276,6 +314,7 @@ def save(
     compress: bool | str = False,
     overwrite: bool = True,
     format: str | None = None,
+    names: str | None = None,
 ) -> None:
     """Write ``weights`` atomically; the suffix (or ``format``) picks npz, HDF5 or safetensors.
 
@@ -296,6 +335,12 @@ def save(
             1.13x / 1.30x and h5py still reads it. safetensors files are never compressed.
         overwrite: with ``False``, an existing file is an error.
         format: ``"npz"``, ``"hdf5"`` or ``"safetensors"``, whatever the suffix says.
+        names: ``"torch"`` names each tensor in the file as PyTorch does (key
+            ``features/0/weight`` is ``features.0.weight``), so ``safetensors.torch.load_file``
+            (or ``np.load``) gives a ``state_dict`` that ``load_state_dict`` takes as is. A
+            safetensors file remembers the keys, so weightstore reads them back; in npz and
+            HDF5 the torch names are the keys. A key with ``.`` inside a segment is refused.
+            ``None`` or ``"keys"``: tensors are named by their keys.
 
     Raises:
         InvalidKeyError, UnsupportedDTypeError: a key or dtype that cannot be stored (nothing written).
@@ -315,11 +360,25 @@ def save(
         raise FormatError(f"{fmt.name} files are never compressed; save without compress", path=location)
     metadata = checked_metadata(metadata, location)
     arrays = _checked(weights, location, fmt)
+    stored_names = file_names(arrays, check_naming(names, WRITE_NAMINGS), fmt, location)
     commit = commit_for(where, suffix=fmt.suffixes[0])
     if not overwrite and _exists(commit, location):
         raise StoreExistsError("file exists (pass overwrite=True to replace it)", path=location)
     with commit.writing() as local:
-        write_file(local, fmt, arrays, metadata, compress)
+        write_file(local, fmt, arrays, metadata, compress, stored_names)
+
+
+def file_names(keys: Iterable[str], names: str | None, fmt: Format, where: str) -> dict[str, str]:
+    """Key -> the tensor's name in the file, where ``names`` makes it differ from the key.
+
+    Checked before anything is written: a key no torch name reads back as is refused.
+    """
+    if names in (None, KEYS):
+        return {}
+    try:
+        return {key: torch_name_of_key(key) for key in keys}
+    except InvalidKeyError as exc:
+        raise InvalidKeyError(str(exc), path=where) from None
 
 
 def output_format(location: str, format: str | None = None) -> Format:  # noqa: A002
@@ -476,17 +535,26 @@ def _checked(weights: Mapping[str, Any], where: str = "", fmt: Format | None = N
     return _Checked(weights, where, fmt)
 
 
-def write_file(path: str, fmt: Format, arrays: _Checked,
-               metadata: Mapping[str, Any] | None, compress: bool | str) -> None:
-    """Write a file tensor by tensor; the caller makes it atomic and durable."""
+def write_file(path: str, fmt: Format, arrays: _Checked, metadata: Mapping[str, Any] | None,
+               compress: bool | str, stored_names: Mapping[str, str] | None = None) -> None:
+    """Write a file tensor by tensor; the caller makes it atomic and durable.
+
+    ``stored_names`` (from :func:`file_names`) names tensors in the file other than by their
+    keys: where the format can (:attr:`Format.torch_names`), the manifest records each such
+    name as the tensor's location, so the keys read back; elsewhere the name is the key.
+    """
     metadata = checked_metadata(metadata, path)  # before the file exists (callers check earlier, naming theirs)
+    stored_names = stored_names or {}
+    located = stored_names if fmt.torch_names else {}
     writer = fmt.open_writer(path, compress)
     try:
         tensors = []
         for key, name, data in arrays.stored():  # read/converted now: one tensor in memory at a time
-            tensors.append((key, name, data.shape, writer.add(key, name, data)))
+            stored = stored_names.get(key, key)
+            tensors.append((key if located else stored, name, data.shape, writer.add(stored, name, data)))
             del data
-        writer.commit(build_manifest(tensors, metadata, f"weightstore {__version__}", writer.locations, writer.codecs))
+        locations = {**writer.locations, **located}
+        writer.commit(build_manifest(tensors, metadata, f"weightstore {__version__}", locations, writer.codecs))
     except BaseException:
         writer.abort()
         raise

@@ -57,6 +57,8 @@ class Format:
     #: the logical dtypes the format can hold; ``None``: every dtype weightstore stores
     dtypes: frozenset[str] | None = None
     compresses: bool = True
+    #: whether tensors can be named in the file other than by their keys (``names="torch"``)
+    torch_names: bool = False
 
 
 def _registry() -> list[Format]:

@@ -300,7 +300,7 @@ class SafetensorsReader:
             self.created = ""
         else:
             self._check_manifest(manifest)
-            self._by_key = {key: self._tensors[key] for key in manifest.tensors}
+            self._by_key = {key: self._tensors[manifest.locations.get(key, key)] for key in manifest.tensors}
             self._infos = manifest.tensors
             self.metadata = manifest.metadata
             self.created = manifest.created
@@ -393,12 +393,15 @@ class SafetensorsReader:
         return f"has invalid data_offsets {_clip(offsets)}"
 
     def _check_manifest(self, manifest: Manifest) -> None:
-        listed, present = set(manifest.tensors), set(self._tensors)
-        if listed != present:
+        """The manifest lists each tensor of the header once: by its key, or by the name its
+        location gives (a file written with ``names="torch"`` names ``a/b`` ``a.b``)."""
+        named = {key: manifest.locations.get(key, key) for key in manifest.tensors}
+        listed, present = set(named.values()), set(self._tensors)
+        if listed != present or len(listed) != len(named):
             raise FormatError(f"manifest and header disagree (listed but absent: {sorted(listed - present)[:3]}, "
                               f"present but unlisted: {sorted(present - listed)[:3]})", path=self.name)
         for key, info in manifest.tensors.items():
-            tensor = self._tensors[key]
+            tensor = self._tensors[named[key]]
             if _CODES.get(info.dtype) != _CODE_OF_DTYPE[tensor.dtype]:
                 raise FormatError(f"is stored as {_CODE_OF_DTYPE[tensor.dtype]} but the manifest says {info.dtype}",
                                   path=self.name, key=key)
@@ -497,4 +500,5 @@ FORMAT = Format(
     open_writer=lambda path, compress: SafetensorsWriter(path),
     dtypes=DTYPES,
     compresses=False,
+    torch_names=True,
 )
