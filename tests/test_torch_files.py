@@ -155,3 +155,57 @@ def test_ws_export_keeps_a_foreign_files_metadata_under_its_own_names(tmp_path):
     with ws.open(out) as store:
         assert store.metadata == {"source": str(path), "source_kind": "file without a weightstore manifest", "format": "pt", "n": "1"}
         assert store.keys() == ["a.w"]
+
+
+# -- torch.save files: recognised, never unpickled ----------------------------------------------
+
+class _MakesAFile:
+    """Unpickling this opens (creates) the file at ``path``."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _evil_pickle(path) -> bytes:
+    import pickle
+
+    return pickle.dumps({"w": _MakesAFile(str(path))}, protocol=2)
+
+
+def _torch_zip(path, pickled: bytes) -> None:
+    """What torch.save writes, with ``pickled`` as its data.pkl."""
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("archive/data.pkl", pickled)
+        archive.writestr("archive/version", "3\n")
+
+
+@pytest.mark.parametrize("kind", ["zip", "legacy", "hostile zip", "hostile pickle"])
+def test_torch_save_files_are_refused_saying_what_they_are_and_how_to_convert(tmp_path, kind):
+    made = tmp_path / "made-by-unpickling"
+    path = tmp_path / ("pytorch_model.bin" if kind.startswith("hostile") else "model.pt")
+    if kind == "zip":
+        torch.save(net().state_dict(), path)
+    elif kind == "legacy":
+        torch.save(net().state_dict(), path, _use_new_zipfile_serialization=False)
+    elif kind == "hostile zip":
+        _torch_zip(path, _evil_pickle(made))
+    else:
+        path.write_bytes(_evil_pickle(made))
+    what = {"zip": "PyTorch torch.save file", "legacy": "legacy format", "hostile zip": "PyTorch torch.save file",
+            "hostile pickle": "a Python pickle"}[kind]
+    with pytest.raises(FormatError, match=what) as caught:
+        ws.open(path)
+    message = str(caught.value)
+    assert caught.value.path == str(path)
+    assert "never unpickles" in message and "did not unpickle this one" in message
+    assert "torch.load(f, weights_only=True)" in message and "safetensors.torch.save_file" in message
+    with pytest.raises(FormatError, match="never unpickles"):
+        torch_adapter.assign(net(), path)
+    result = run("ls", path)
+    assert result.exit_code == 1 and "never unpickles" in result.output
+    assert not made.exists()

@@ -29,7 +29,7 @@ from weightstore.errors import (
     WeightStoreError,
 )
 from weightstore.formats import Format, Reader, format_for_suffix, format_named, known_suffixes, sniff
-from weightstore.formats.foreign import open_foreign
+from weightstore.formats.foreign import HEAD_BYTES, open_foreign, refuse_pickle
 from weightstore.formats.renamed import RenamedReader, names_by_key
 from weightstore.formats.source import RemoteFile
 from weightstore.gcpause import paused_gc
@@ -229,11 +229,12 @@ def _open(path: Any, *, verify: bool, format: str | None, mmap: bool) -> Store: 
             return Store(foreign, foreign.name, verify)
     try:
         with builtins.open(location, "rb") as handle:
-            head = handle.read(8)
+            head = handle.read(HEAD_BYTES)
     except FileNotFoundError:
         raise StoreNotFoundError("no such file", path=location) from None
     except IsADirectoryError:
         raise StoreNotFoundError("is a folder, not a weight file", path=location) from None
+    refuse_pickle(head, location)
     fmt = format_named(format) if format else format_for_suffix(location) or sniff(head, location)
     return Store(fmt.open_reader(location, location, mmap=mmap), location, verify, fmt.name)
 
@@ -245,8 +246,10 @@ def _open_remote(location: str, verify: bool, format: str | None) -> Store:  # n
     source = RemoteFile(fs, remote, location)
     try:
         fmt = format_named(format) if format else format_for_suffix(location)
-        if fmt is None:
-            fmt = sniff(bytes(source.read_at(0, min(8, source.size))), location)
+        if fmt is None:  # only then: an npz's index lies at the end, and its first request fetches it
+            head = bytes(source.read_at(0, min(HEAD_BYTES, source.size)))
+            refuse_pickle(head, location)
+            fmt = sniff(head, location)
         if fmt.name == "hdf5":
             source.close()
             handle = fs.open(remote, "rb")
