@@ -291,6 +291,10 @@ def convert(
         "--names", metavar="torch|keys", callback=_check_names, help="Name the written tensors as PyTorch's state_dict does (torch: "
                                               "features.0.weight; the default with --layout keras-to-torch) or by "
                                               "their keys (keys: features/0/weight).")] = None,
+    max_shard_size: Annotated[str | None, typer.Option(
+        "--max-shard-size", metavar="SIZE", help="Write B as a Hugging Face sharded folder: safetensors shards of at "
+                                                 "most SIZE bytes (5GB, 500MiB) and model.safetensors.index.json.",
+    )] = None,
 ) -> None:
     """Rewrite A as B: npz to HDF5 or back, or recompressed; metadata is kept.
 
@@ -299,10 +303,12 @@ def convert(
       ws convert model.npz model.h5
       ws convert keras.weights.h5 torch.safetensors --layout keras-to-torch
       ws convert torch.safetensors keras.npz --layout torch-to-keras
+      ws convert model.npz hf-folder/ --max-shard-size 5GB
     """
     _json(as_json)
     with checkpoints.open_source(a) as opened:
-        written = transfer.convert(opened, b, compress=_compression(compress, shuffle), layout=layout, names=names)
+        written = transfer.convert(opened, b, compress=_compression(compress, shuffle), layout=layout, names=names,
+                                     max_shard_size=max_shard_size)
     _report("convert", written, opened, f"wrote {count(written.count, 'tensor')} ({human_bytes(written.nbytes)}) "
                                         f"to {written.path}")
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import copy
 import json
+import math
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
@@ -28,7 +30,7 @@ from weightstore.errors import (
     UnsupportedDTypeError,
     WeightStoreError,
 )
-from weightstore.formats import Format, Reader, format_for_suffix, format_named, known_suffixes, sniff
+from weightstore.formats import Format, Reader, format_for_suffix, format_named, hf_sharded, known_suffixes, sniff
 from weightstore.formats.foreign import HEAD_BYTES, open_foreign, refuse_pickle
 from weightstore.formats.renamed import RenamedReader, names_by_key
 from weightstore.formats.source import RemoteFile
@@ -39,6 +41,7 @@ from weightstore.names import (
     FILE,
     KEYS,
     READ_NAMINGS,
+    TORCH,
     TORCH_FORMATS,
     WRITE_NAMINGS,
     check_naming,
@@ -46,7 +49,7 @@ from weightstore.names import (
     reads_as_torch,
     torch_name_of_key,
 )
-from weightstore.storage import commit_for, filesystem, location_of
+from weightstore.storage import commit_for, filesystem, is_url, location_of
 
 _S = TypeVar("_S", bound="Store")
 
@@ -205,11 +208,9 @@ def open(path: Any, *, verify: bool = True, format: str | None = None, mmap: boo
 
 def _named(store: Store, names: str | None) -> Store:
     """``store`` with its keys formed from its file's names as ``names`` says (see :func:`open`)."""
+    if names == FILE or names is None and not _torch_named(store):
+        return store
     reader = store._reader
-    if names == FILE or reader.has_checksums and names is None:
-        return store
-    if names is None and not (store.format in TORCH_FORMATS and reads_as_torch(reader.keys())):
-        return store
     try:
         renamed = RenamedReader(reader, names_by_key(reader, key_of_torch_name))
     except BaseException:
@@ -218,15 +219,22 @@ def _named(store: Store, names: str | None) -> Store:
     return Store(renamed, store.path, store.verify, store.format)
 
 
+def _torch_named(store: Store) -> bool:
+    """Whether what wrote the file named its tensors PyTorch's way: a safetensors file without
+    a manifest, or a sharded folder (weightstore names shards so too), whose names read so."""
+    written_by_torch = not store.has_checksums or store.format == hf_sharded.FORMAT_NAME
+    return store.format in TORCH_FORMATS and written_by_torch and reads_as_torch(store.keys())
+
+
 def _open(path: Any, *, verify: bool, format: str | None, mmap: bool) -> Store:  # noqa: A002
     where = location_of(path)
     location = where.text
     if where.remote:
         return _open_remote(location, verify, format)
     if format is None:  # TF checkpoints (prefix, file or folder) and .keras archives
-        foreign = open_foreign(location)
+        foreign = open_foreign(location, mmap=mmap)
         if foreign is not None:
-            return Store(foreign, foreign.name, verify)
+            return Store(foreign, foreign.name, verify, getattr(foreign, "format", ""))
     try:
         with builtins.open(location, "rb") as handle:
             head = handle.read(HEAD_BYTES)
@@ -243,6 +251,13 @@ def _open_remote(location: str, verify: bool, format: str | None) -> Store:  # n
     """A URL: ranged GETs of what is read (npz, safetensors), so opening costs one request for
     an index of up to a few hundred tensors; HDF5 goes through an fsspec file object for h5py."""
     fs, remote = filesystem(location)
+    if format is None and (location.endswith(hf_sharded.INDEX_SUFFIX)
+                           or format_for_suffix(location) is None and fs.isdir(remote)):
+        index = hf_sharded.index_location(remote, is_dir=lambda _: True, exists=fs.exists)
+        if index is None:
+            raise StoreNotFoundError("is a folder holding no model.safetensors.index.json", path=location)
+        url = location if location.endswith(hf_sharded.INDEX_SUFFIX) else location.rstrip("/") + "/" + hf_sharded.INDEX_NAME
+        return Store(hf_sharded.open_remote(fs, index, url), url, verify, hf_sharded.FORMAT_NAME)
     source = RemoteFile(fs, remote, location)
     try:
         fmt = format_named(format) if format else format_for_suffix(location)
@@ -318,6 +333,7 @@ def save(
     overwrite: bool = True,
     format: str | None = None,
     names: str | None = None,
+    max_shard_size: int | str | None = None,
 ) -> None:
     """Write ``weights`` atomically; the suffix (or ``format``) picks npz, HDF5 or safetensors.
 
@@ -344,6 +360,11 @@ def save(
             safetensors file remembers the keys, so weightstore reads them back; in npz and
             HDF5 the torch names are the keys. A key with ``.`` inside a segment is refused.
             ``None`` or ``"keys"``: tensors are named by their keys.
+        max_shard_size: write a Hugging Face sharded folder at ``path`` (a folder, or its
+            ``model.safetensors.index.json``) instead: ``model-0000N-of-0000M.safetensors``
+            shards of at most this many bytes (or ``"5GB"``, ``"500MiB"``; a larger tensor gets
+            a shard of its own) and the index, written last. Tensors are named PyTorch's way
+            unless ``names="keys"``, so ``transformers`` and ``safetensors`` load the folder.
 
     Raises:
         InvalidKeyError, UnsupportedDTypeError: a key or dtype that cannot be stored (nothing written).
@@ -356,6 +377,11 @@ def save(
     """
     where = location_of(path)
     location = where.text
+    if max_shard_size is not None:
+        if format not in (None, "safetensors") or compress:
+            raise TargetError("a sharded folder holds uncompressed safetensors shards", path=location)
+        _save_sharded(location, weights, metadata, max_shard_size, names, overwrite)
+        return
     fmt = output_format(location, format)
     if not isinstance(compress, (bool, np.bool_)) and not (isinstance(compress, str) and compress == "shuffle"):
         raise TargetError(f"compress={compress!r}; use False, True or \"shuffle\"", path=location)
@@ -369,6 +395,38 @@ def save(
         raise StoreExistsError("file exists (pass overwrite=True to replace it)", path=location)
     with commit.writing() as local:
         write_file(local, fmt, arrays, metadata, compress, stored_names)
+
+
+def _save_sharded(location: str, weights: Mapping[str, Any], metadata: Mapping[str, Any] | None,
+                  max_shard_size: int | str, names: str | None, overwrite: bool) -> None:
+    """A Hugging Face sharded folder (see :func:`save`): every key, dtype and name checked first;
+    each shard written atomically, then the index, which is what readers go by."""
+    from weightstore.formats import safetensors
+
+    index = location if location.endswith(hf_sharded.INDEX_SUFFIX) else location.rstrip("/") + "/" + hf_sharded.INDEX_NAME
+    folder = index.rpartition("/")[0] or "."
+    limit = hf_sharded.parse_size(max_shard_size, location)
+    metadata = checked_metadata(metadata, location)
+    if "total_size" in metadata:
+        raise TargetError("metadata 'total_size' is the index's own (the shards' bytes); rename it", path=location)
+    arrays = _checked(weights, location, safetensors.FORMAT)
+    stored_names = file_names(arrays, check_naming(names, WRITE_NAMINGS) or TORCH, safetensors.FORMAT, location)
+    index_commit = commit_for(location_of(index), suffix=".json")
+    if not overwrite and _exists(index_commit, index):
+        raise StoreExistsError("sharded folder exists (pass overwrite=True to replace it)", path=index)
+    if not is_url(folder):
+        os.makedirs(folder, exist_ok=True)
+    sizes = {key: arrays.nbytes(key) for key in arrays}
+    plan = hf_sharded.plan_shards(sizes, limit)
+    shards = dict(zip(hf_sharded.shard_names(len(plan)), plan, strict=True))
+    for shard, keys in shards.items():
+        with commit_for(location_of(f"{folder}/{shard}"), suffix=".safetensors").writing() as local:
+            write_file(local, safetensors.FORMAT, arrays.only(keys), metadata, False,
+                       {key: stored_names[key] for key in keys if key in stored_names})
+    document = hf_sharded.index_document({shard: [stored_names.get(k, k) for k in keys] for shard, keys in shards.items()},
+                                         sum(sizes.values()), metadata, {"producer": f"weightstore {__version__}"})
+    with index_commit.writing() as local, builtins.open(local, "wb") as handle:
+        handle.write(document)
 
 
 def file_names(keys: Iterable[str], names: str | None, fmt: Format, where: str) -> dict[str, str]:
@@ -454,6 +512,7 @@ class _Checked(Mapping):
             for name in dict.fromkeys(names):  # a file holds a handful of dtypes: each checked once, in order
                 self._check_dtype(name, keys[names.index(name)], fmt, stored=store is not None)
             self._values = dict(zip(keys, values, strict=True))
+            self._dtype_names = dict(zip(keys, names, strict=True))
 
     @staticmethod
     def _names_of(keys: list[str], dtypes: list[Any]) -> list[str]:
@@ -486,6 +545,21 @@ class _Checked(Mapping):
 
     def _naming(self, exc: InvalidKeyError | UnsupportedDTypeError) -> WeightStoreError:
         return type(exc)(f"{self._where}: {exc}") if self._where else exc
+
+    def nbytes(self, key: str) -> int:
+        """The bytes ``key`` will take in the file, from its index or shape; nothing is read."""
+        value = self._values[key]
+        if value is None:  # a store's tensor, read when written
+            assert isinstance(self._weights, Store)
+            return self._weights.info(key).nbytes
+        shape = value.shape if hasattr(value, "shape") else np.shape(value)
+        return math.prod(int(d) for d in shape) * logical_dtype(self._dtype_names[key]).itemsize
+
+    def only(self, keys: Iterable[str]) -> _Checked:
+        """These checked tensors, in this order (one shard of a sharded save)."""
+        part = copy.copy(self)
+        part._values = {key: self._values[key] for key in keys}
+        return part
 
     def __getitem__(self, key: str) -> tuple[str, np.ndarray]:
         return self._stored_form(key, self._values[key])
@@ -550,6 +624,9 @@ def write_file(path: str, fmt: Format, arrays: _Checked, metadata: Mapping[str, 
     stored_names = stored_names or {}
     located = stored_names if fmt.torch_names else {}
     writer = fmt.open_writer(path, compress)
+    mark_torch_names = getattr(writer, "mark_torch_names", None)
+    if stored_names and mark_torch_names is not None:
+        mark_torch_names()
     try:
         tensors = []
         for key, name, data in arrays.stored():  # read/converted now: one tensor in memory at a time

@@ -54,9 +54,10 @@ def _pickle_kind(head: bytes) -> str:
     return ""
 
 
-def open_foreign(location: str) -> Reader | None:
-    """A reader for the TF checkpoint (prefix, one of its files, or its folder) or ``.keras``
-    archive at the local path ``location``; ``None`` when it is neither.
+def open_foreign(location: str, *, mmap: bool = True) -> Reader | None:
+    """A reader for the Hugging Face sharded folder (or its index), TF checkpoint (prefix, one
+    of its files, or its folder) or ``.keras`` archive at the local path ``location``; ``None``
+    when it is none of them.
 
     The reader's ``name`` is what it read (the checkpoint prefix a folder resolved to). A file
     whose suffix names a store format is answered without importing the checkpoint reader, so
@@ -64,6 +65,11 @@ def open_foreign(location: str) -> Reader | None:
     """
     if format_for_suffix(location) is not None and os.path.isfile(location):
         return None
+    from weightstore.formats import hf_sharded
+
+    index = hf_sharded.index_location(location, is_dir=os.path.isdir, exists=os.path.isfile)
+    if index is not None:
+        return hf_sharded.open_local(index, mmap=mmap)
     from weightstore.formats.keras_file import KerasArchiveReader, is_keras_archive
     from weightstore.formats.tf_checkpoint import CheckpointReader, resolve_prefix
 

@@ -130,6 +130,12 @@ class SafetensorsWriter:
         self._written = 0  # bytes of the data buffer written so far
         self.locations: dict[str, str] = {}
         self.codecs: dict[str, str] = {}
+        self._header_metadata: dict[str, str] = {}
+
+    def mark_torch_names(self) -> None:
+        """Tell readers the names are PyTorch's: ``__metadata__["format"] = "pt"``, which
+        ``transformers`` requires of every safetensors file it loads."""
+        self._header_metadata["format"] = "pt"
 
     def add(self, key: str, dtype_name: str, data: np.ndarray) -> int:
         """Write or hold a tensor; its CRC-32 comes from the write when written now, else from a
@@ -210,7 +216,7 @@ class SafetensorsWriter:
         self._file.close()
 
     def _header(self, manifest_text: str) -> bytes:
-        document: dict[str, Any] = {METADATA_KEY: {MANIFEST_KEY: manifest_text}}
+        document: dict[str, Any] = {METADATA_KEY: {**self._header_metadata, MANIFEST_KEY: manifest_text}}
         for t in self._tensors:  # json writes tuples as arrays
             document[t.key] = {"dtype": t.code, "shape": t.shape, "data_offsets": (t.begin, t.begin + t.size)}
         return json.dumps(document, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
@@ -439,6 +445,10 @@ class SafetensorsReader:
         if not array.flags.aligned:  # a foreign writer's layout: views of it would trip up consumers
             array = array.copy()
         return array if array.dtype.isnative else array.astype(array.dtype.newbyteorder("="))
+
+    def keys_by_name(self) -> dict[str, str]:
+        """Each tensor's name in the header -> its key (they differ in a file written with ``names="torch"``)."""
+        return {tensor.name: key for key, tensor in self._by_key.items()}
 
     def prefetch(self, keys: list[str]) -> None:
         """Announce the tensors read next, so a remote source fetches them at once."""
