@@ -97,7 +97,7 @@ def export(
                                       {key: sites.get(old, layouts.Site(None)) for key, old in chosen.items()})
     if refused:
         raise LayoutError(layouts.refusal_message(f"exporting {_describe(module)}", refused))
-    return {new: step.apply(weights[step.source]) for new, step in steps.items()}
+    return {new: step.build(weights.__getitem__) for new, step in steps.items()}
 
 
 def assign(
@@ -249,6 +249,10 @@ def _site(module: nn.Module) -> layouts.Site:
             return layouts.Site(layouts.DEPTHWISE, module.groups)
     if isinstance(module, (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)):
         return layouts.Site(layouts.NORM)
+    if isinstance(module, nn.Embedding):
+        return layouts.Site(layouts.EMBEDDING)
+    if isinstance(module, nn.MultiheadAttention):  # the head count splits in_proj_weight for Keras
+        return layouts.Site(type(module).__name__, module.num_heads)
     return layouts.Site(type(module).__name__)
 
 

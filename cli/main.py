@@ -68,6 +68,10 @@ def _check_rules(rules: list[str] | None) -> list[str] | None:
     return rules
 
 
+def _kinds(rules: list[str] | None) -> dict[str, str] | None:
+    return None if not rules else dict(rule.rsplit("=", 1) for rule in rules)
+
+
 def _check_names(names: str | None) -> str | None:
     try:
         return check_naming(names, WRITE_NAMINGS)
@@ -291,6 +295,10 @@ def convert(
         "--names", metavar="torch|keys", callback=_check_names, help="Name the written tensors as PyTorch's state_dict does (torch: "
                                               "features.0.weight; the default with --layout keras-to-torch) or by "
                                               "their keys (keys: features/0/weight).")] = None,
+    kind: Annotated[list[str] | None, typer.Option(
+        "--kind", metavar="SCOPE=KIND", callback=_check_rules,
+        help="With --layout: the kind (dense, conv, depthwise, norm, embedding) of the layers under SCOPE (a scope "
+             "or glob), where the file's names and shapes do not tell (repeatable).")] = None,
     max_shard_size: Annotated[str | None, typer.Option(
         "--max-shard-size", metavar="SIZE", help="Write B as a Hugging Face sharded folder: safetensors shards of at "
                                                  "most SIZE bytes (5GB, 500MiB) and model.safetensors.index.json.",
@@ -308,7 +316,7 @@ def convert(
     _json(as_json)
     with checkpoints.open_source(a) as opened:
         written = transfer.convert(opened, b, compress=_compression(compress, shuffle), layout=layout, names=names,
-                                     max_shard_size=max_shard_size)
+                                     max_shard_size=max_shard_size, kinds=_kinds(kind))
     _report("convert", written, opened, f"wrote {count(written.count, 'tensor')} ({human_bytes(written.nbytes)}) "
                                         f"to {written.path}")
 

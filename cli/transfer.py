@@ -86,11 +86,13 @@ def provenance(source: Source) -> dict:
 
 
 def convert(source: Source, out: str, *, compress: bool | str, layout: str | None = None,
-            names: str | None = None, max_shard_size: str | None = None) -> Written:
+            names: str | None = None, max_shard_size: str | None = None,
+            kinds: Mapping[str, str] | None = None) -> Written:
     """``source`` rewritten as ``out``; with ``layout``, in the other framework's names and
     layouts, named (``names``, :func:`weightstore.save`'s) as ``load_state_dict`` takes them
     when the other framework is PyTorch. A torch-to-keras source may be keyed by torch names.
-    ``max_shard_size`` writes a Hugging Face sharded folder at ``out``."""
+    ``max_shard_size`` writes a Hugging Face sharded folder at ``out``; ``kinds`` (scope or glob
+    -> layer kind) decides what the file's names leave open (:func:`layouts.convert`)."""
     if layout is not None and layout not in layouts.DIRECTIONS:
         raise LayoutError(f"unknown layout {layout!r}; use one of {', '.join(layouts.DIRECTIONS)}")
     if check_naming(names, WRITE_NAMINGS) is None and layout == "keras-to-torch":
@@ -100,7 +102,7 @@ def convert(source: Source, out: str, *, compress: bool | str, layout: str | Non
     plan = torch_keys(source.keys()) if layout == "torch-to-keras" else {k: k for k in source}
     weights = read(source, plan, "converting")
     if layout is not None:
-        weights = layouts.convert(weights, layout, where=source.path)
+        weights = layouts.convert(weights, layout, where=source.path, kinds=kinds)
     with working(f"writing {out}"):
         weightstore.save(out, weights, metadata=source.metadata, compress=compress, names=names,
                          max_shard_size=max_shard_size)
