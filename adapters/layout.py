@@ -58,6 +58,7 @@ DENSE, CONV, DEPTHWISE, NORM, EMBEDDING = "dense", "conv", "depthwise", "norm", 
 #: the kinds a user may give a layer a file cannot tell (``kinds=``, ``ws convert --kind``)
 KINDS = (DENSE, CONV, DEPTHWISE, NORM, EMBEDDING)
 _WEIGHTED = (DENSE, CONV, DEPTHWISE)
+_EXTEND = " (add a Rule with Layout.extended)"
 
 
 @dataclass(frozen=True)
@@ -309,7 +310,7 @@ def from_keras(layout: Layout, shapes: Mapping[str, tuple[int, ...]],
         rule = layout.rule_from_keras(leaf, tuple(shape), next(filter(None, there.values()), None), kind)
         if rule is None:
             refused[key] = f"no {layout.name} layout rule for a rank-{len(shape)} {leaf!r}" + (
-                f" in a {kind!r} layer" if kind else "")
+                f" in a {kind!r} layer" if kind else "") + _EXTEND
             continue
         why = _undecided(layout, key, tuple(shape), rule, kind) if target_shape is None else ""
         if target_shape is not None and there.get(rule.other, ()) is None:
@@ -408,7 +409,7 @@ def to_keras(layout: Layout, shapes: Mapping[str, tuple[int, ...]],
         rule = layout.rule_to_keras(leaf, len(shape), site.kind)
         if rule is None:
             of = f"in a {site.kind!r} layer" if site.kind else "in a layer of unknown kind"
-            refused[key] = f"no {layout.name} layout rule for a rank-{len(shape)} {leaf!r} {of}"
+            refused[key] = f"no {layout.name} layout rule for a rank-{len(shape)} {leaf!r} {of}{_EXTEND}"
             if site.kind is None and leaf == layout.kernel and len(shape) == 2:
                 refused[key] = (f"a rank-2 {leaf!r} with no 'bias' beside it is a bias-free Linear's or an "
                                 f"Embedding's, which a file does not tell apart; say which: kinds={{{scope!r}: "
@@ -597,7 +598,7 @@ def convert(weights: Mapping[str, np.ndarray], direction: str, *, where: str,
 
 def refusal_message(where: str | None, refused: Mapping[str, str], listed: int = 20) -> str:
     plural = "s" if len(refused) != 1 else ""
-    head = f"{len(refused)} tensor{plural} no layout rule converts (add a Rule with Layout.extended):"
+    head = f"{len(refused)} tensor{plural} the layout cannot convert exactly:"
     lines = [f"{where}: {head}" if where else head]
     lines += [f"  {key}: {why}" for key, why in list(refused.items())[:listed]]
     if len(refused) > listed:
