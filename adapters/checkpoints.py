@@ -30,15 +30,14 @@ from weightstore.errors import (
     StoreNotFoundError,
     UnsupportedDTypeError,
 )
+from weightstore.extras import install_hint
 from weightstore.formats import keras_file
 from weightstore.formats.tf_checkpoint import KIND_TF2, STATE_FILE, CheckpointReader, read_state_file, resolve_prefix
+from weightstore.io.commit import IndexLastCommit, RenameCommit
+from weightstore.io.location import is_url
 from weightstore.keys import OUTPUT_SUFFIX
-from weightstore.storage import fsync_folder, fsync_path, is_url, remove_stale_temporaries, temporary_beside
 from weightstore.store import Store
 
-_DATA_FILE = re.compile(r"\.data-\d{5}-of-\d{5}$")
-_SHARD_COUNT = re.compile(r"\.data-\d{5}-of-(\d{5})$")
-_TEMPORARY_ENDINGS = r"(?:-part\d+)?(?:\.index|\.data-\d{5}-of-\d{5})?"
 _LISTED = re.compile(r'^\s*all_model_checkpoint_paths\s*:\s*"((?:[^"\\\n]|\\.)*)"\s*$', re.MULTILINE)
 _SHOWN = 5  # keys named in an error; the rest are counted
 _silent = False
@@ -64,7 +63,7 @@ def _tf():
         return tf
     except ImportError:
         raise MissingDependencyError(
-            "writing TensorFlow checkpoints and reading .meta graphs need TensorFlow: pip install 'weightstore[tf]'"
+            f"writing TensorFlow checkpoints and reading .meta graphs need TensorFlow: {install_hint('tf')}"
         ) from None
 
 
@@ -202,30 +201,13 @@ def write_checkpoint(prefix: str, weights: Mapping[str, np.ndarray]) -> None:
     Entries already at ``prefix`` that ``weights`` does not name are kept byte for byte, even
     non-numeric ones.
 
-    A TF checkpoint is two kinds of file whose names TensorFlow fixes: ``PREFIX.index`` and
-    ``PREFIX.data-NNNNN-of-MMMMM``, where ``MMMMM`` is the shard count the index records. So
-    the new checkpoint is written with a shard count that no data file at ``prefix`` has
-    (one shard, or two when the old checkpoint has one): its data files then take names the
-    old index never reads. Everything is written under a temporary prefix beside the target
-    and fsynced, the data files are renamed in beside the old ones, and renaming ``.index``
-    over the old one is the single commit point. A crash before it leaves the old checkpoint
-    whole (plus unreferenced data files); a crash after it leaves the new one whole (plus
-    the old data files). Either leftover, and temporaries of writers that were killed
-    (``.NAME.wstmp-PID-…``), are removed by the next write to ``prefix``.
-
-    The one exception: when no unused shard count is small enough for the entries (a single
-    entry replacing a one-shard checkpoint, or a checkpoint of a few entries while a crashed
-    write's data files are still beside the live ones), the data is written as one shard and
-    renamed over the old one before ``.index``;
-    a crash between those two renames leaves the old index over the new data, which
-    TensorFlow refuses to read (each entry's CRC-32C no longer matches) rather than returning
-    wrong values. A reader that opened the old ``.index`` just before the swap may find its
-    data file gone: TensorFlow opens data files lazily.
+    The write is crash-safe by the *index last* protocol
+    (:class:`weightstore.io.commit.IndexLastCommit`, whose module holds the crash argument): data
+    files under names the old index never reads, then ``.index`` renamed over the old one as
+    the single commit point. A reader that opened the old ``.index`` just before the swap may
+    find its data file gone: TensorFlow opens data files lazily.
     """
     tf = _tf()
-    target = Path(prefix)
-    if not target.parent.is_dir():
-        raise StoreNotFoundError(f"folder {str(target.parent)!r} does not exist", path=prefix)
     tensors: dict[str, Any] = {}
     if os.path.exists(prefix + ".index"):
         checkpoint_names(prefix)  # refuses object-based checkpoints
@@ -305,17 +287,8 @@ def state_file_text(prefix: str) -> str:
 
 def write_state_file(prefix: str, text: str) -> None:
     """Replace the ``checkpoint`` state file beside ``prefix`` with ``text``, atomically."""
-    state = Path(os.path.dirname(prefix) or ".") / STATE_FILE
-    temporary = temporary_beside(state)
-    try:
-        temporary.write_text(text, encoding="utf-8")
-        fsync_path(str(temporary))
-        os.replace(temporary, state)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary)
-        raise
-    fsync_folder(state.parent)
+    with RenameCommit(Path(os.path.dirname(prefix) or ".") / STATE_FILE).writing() as temporary:
+        Path(temporary).write_text(text, encoding="utf-8")
 
 
 def _quoted(text: str) -> str:
@@ -331,45 +304,13 @@ def _old_entries(tf: Any, prefix: str, keep: Callable[[str], bool]) -> dict[str,
 
 
 def _commit(tf: Any, prefix: str, tensors: Mapping[str, Any]) -> None:
-    """Write ``tensors`` as the whole checkpoint at ``prefix``, crash-safe (see :func:`write_checkpoint`)."""
-    target = Path(prefix)
-    remove_stale_temporaries(target, _TEMPORARY_ENDINGS)
-    taken = {int(match.group(1)) for path in _files_of(prefix) if (match := _SHARD_COUNT.search(path))}
-    shards = next(n for n in range(1, len(taken) + 2) if n not in taken)
-    fresh_names = shards <= len(tensors)
-    if not fresh_names:
-        shards = 1  # the single-entry case of the docstring: data renamed over the old data
-    temporary = str(temporary_beside(target))
-    moved: list[str] = []
+    """Write ``tensors`` as the whole checkpoint at ``prefix``, index last (see :func:`write_checkpoint`)."""
+    commit = IndexLastCommit(prefix, entries=len(tensors))
     try:
-        with tf.device("/cpu:0"):
-            _save(tf, temporary, tensors, shards)
-        written = _files_of(temporary)
-        for path in written:
-            fsync_path(path)
-        for path in written:
-            if not path.endswith(".index"):
-                os.replace(path, prefix + path[len(temporary):])
-                moved.append(prefix + path[len(temporary):])
-        fsync_folder(target.parent)
-        os.replace(temporary + ".index", prefix + ".index")  # the commit point
-    except BaseException as exc:
-        for path in _files_of(temporary) + [p for i in range(shards) for p in _files_of(f"{temporary}-part{i}")]:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-        if fresh_names:  # data files the old index never names
-            for path in moved:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-        if isinstance(exc, tf.errors.OpError):
-            raise FormatError(f"TensorFlow could not write the checkpoint ({_first_line(exc)})",
-                              path=prefix) from None
-        raise
-    kept = {prefix + path[len(temporary):] for path in written}
-    for stale in _files_of(prefix):
-        if _DATA_FILE.search(stale) and stale not in kept:
-            os.unlink(stale)
-    fsync_folder(target.parent)
+        with commit.writing() as temporary, tf.device("/cpu:0"):
+            _save(tf, temporary, tensors, commit.shards)
+    except tf.errors.OpError as exc:
+        raise FormatError(f"TensorFlow could not write the checkpoint ({_first_line(exc)})", path=prefix) from None
 
 
 def _save(tf: Any, prefix: str, tensors: Mapping[str, Any], shards: int) -> None:
@@ -394,14 +335,6 @@ def _as_tensor(tf: Any, prefix: str, key: str, value: Any) -> Any:
     except (TypeError, ValueError):
         raise UnsupportedDTypeError(f"has dtype {array.dtype}, which TensorFlow checkpoints cannot hold",
                                     path=prefix, key=key) from None
-
-
-def _files_of(prefix: str) -> list[str]:
-    folder, base = os.path.split(prefix)
-    with contextlib.suppress(FileNotFoundError):
-        return [os.path.join(folder, name) for name in os.listdir(folder or ".")
-                if name == base + ".index" or (name.startswith(base + ".data-") and _DATA_FILE.search(name))]
-    return []
 
 
 def _first_line(exc: BaseException) -> str:

@@ -20,15 +20,31 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import numpy as np
-from flax import nnx
+from typing_extensions import Unpack
+
+from weightstore.extras import needs
+
+with needs("flax", __name__):
+    import jax
+    from flax import nnx
 
 from weightstore.adapters import layout as layouts
-from weightstore.adapters.plan import MEMORY, AssignOptions, Report, TargetInfo, open_values
+from weightstore.adapters.plan import (
+    MEMORY,
+    AssignOptions,
+    AssignWords,
+    Report,
+    Selection,
+    SelectionWords,
+    TargetInfo,
+    open_values,
+)
 from weightstore.adapters.skeleton import Target, run_assign
 from weightstore.errors import InvalidKeyError, LayoutError, SelectionError
 from weightstore.keys import MappingRules, Patterns, plan_outward, validate_key
+
+__all__ = ["export", "assign", "restore", "variables", "forget"]
 
 _STATE = (nnx.Param, nnx.BatchStat)
 
@@ -43,17 +59,17 @@ def variables(module: nnx.Module) -> dict[str, nnx.Variable]:
 def export(
     obj: Any,
     *,
-    scope: str | None = None,
-    include: Patterns = None,
-    exclude: Patterns = None,
-    trainable_only: bool = False,
     layout: str | layouts.Layout | None = None,
+    **selection: Unpack[SelectionWords],
 ) -> dict[str, np.ndarray]:
     """A new weight dictionary of an NNX module's variables or a pytree's array leaves.
 
-    With ``layout``, keys and arrays come out in Keras's names and layouts; a tensor no rule
-    converts raises :class:`~weightstore.errors.LayoutError` listing every such key.
+    ``trainable_only`` keeps a module's ``nnx.Param`` variables, plus those whose key matches
+    ``also`` (``also="*/mean"`` adds batch norm's ``BatchStat``s); every leaf of a pytree counts
+    as trainable. With ``layout``, keys and arrays come out in Keras's names and layouts; a
+    tensor no rule converts raises :class:`~weightstore.errors.LayoutError` listing every such key.
     """
+    chosen_by = Selection(**selection)
     if isinstance(obj, nnx.Module):
         found = variables(obj)
         values = {key: var.get_value() for key, var in found.items()}
@@ -63,8 +79,9 @@ def export(
         values = _leaves(obj)
         trainable = dict.fromkeys(values, True)
         sites = None
-    plan = plan_outward(values, scope=scope, include=include, exclude=exclude, where=_describe(obj))
-    chosen = {new: old for new, old in plan.items() if trainable[old] or not trainable_only}
+    plan = plan_outward(values, scope=chosen_by.scope, include=chosen_by.include, exclude=chosen_by.exclude,
+                        where=_describe(obj))
+    chosen = {new: old for new, old in plan.items() if chosen_by.keeps(new, trainable[old])}
     if not chosen:
         raise SelectionError(f"{_describe(obj)} has {'no arrays' if not values else 'no array passing the selection'}")
     weights = {key: np.array(jax.device_get(values[old]), copy=True) for key, old in chosen.items()}
@@ -82,16 +99,8 @@ def assign(
     module: nnx.Module,
     weights: Any,
     *,
-    scope: str | None = None,
-    mapping: MappingRules = None,
-    include: Patterns = None,
-    exclude: Patterns = None,
-    trainable_only: bool = False,
-    also: Patterns = None,
-    strict: bool = True,
-    cast: bool = False,
-    skip_unchanged: bool | None = None,
     layout: str | layouts.Layout | None = None,
+    **words: Unpack[AssignWords],
 ) -> Report:
     """Write ``weights`` (a dict, path, open Store or Version) into an NNX module's variables.
 
@@ -102,9 +111,7 @@ def assign(
     current = {key: var.get_value() for key, var in found.items()}
     targets = {key: TargetInfo(key, np.dtype(value.dtype), tuple(value.shape), isinstance(found[key], nnx.Param))
                for key, value in current.items()}
-    options = AssignOptions(scope=scope, mapping=mapping, include=include, exclude=exclude,
-                            trainable_only=trainable_only, also=also, strict=strict, cast=cast,
-                            skip_unchanged=skip_unchanged)
+    options = AssignOptions(**words)
     chosen_layout = _resolved(layout)
 
     def write(batch: list[tuple[str, Any]], report: Report) -> list[str]:

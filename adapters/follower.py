@@ -4,7 +4,16 @@ A background thread follows the folder and assigns each new version in place; th
 wraps each inference in ``with follower.reading():`` (or calls ``follower.run(fn, ...)``) and
 a swap waits for the calls in flight to finish and holds new ones back until it is done, so
 no call ever sees half of one version and half of the next. Reloads skip tensors whose
-checksum has not changed since the last assign into the same target (``skip_unchanged``).
+content has not changed since the last assign into the same target (``skip_unchanged``).
+
+**Serving never waits on the network.** A swap first *stages* the version with no lock held:
+every tensor that changed since the last swap is fetched (an object store's ranges) and its
+checksum verified, into memory or, for a local file, as views of its mapping. Only then does
+it take the lock, and inside it only writes variables from what was staged, so the longest
+wait to enter ``reading()`` is the time to assign the model from memory, not to download
+it. The serving process holds the model plus at most the one version being staged; the
+staged arrays are dropped as soon as the swap is done. A bad version (a checksum that does
+not match, a file pruned mid-read) fails while staging, before serving is held at all.
 
 ::
 
@@ -27,14 +36,20 @@ foreign value.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
-from weightstore.adapters.plan import AssignOptions, Report
+import numpy as np
+from typing_extensions import Unpack
+
+import weightstore
+from weightstore.adapters.plan import AssignOptions, AssignWords, Report, reload_digest, wants_skip
 from weightstore.errors import VersionGoneError
-from weightstore.keys import MappingRules, Patterns
+from weightstore.manifest import TensorInfo
+from weightstore.store import Store
 from weightstore.versions import Version, follow
 
 __all__ = ["Follower"]
@@ -97,17 +112,12 @@ class Follower:
     """
 
     def __init__(self, target: Any, folder: Any, *, poll: float = 1.0, after: int | None = None,
-                 storage_options: Mapping[str, Any] | None = None, scope: str | None = None,
-                 mapping: MappingRules = None, include: Patterns = None, exclude: Patterns = None,
-                 trainable_only: bool = False, also: Patterns = None, strict: bool = True, cast: bool = False,
-                 skip_unchanged: bool | None = None):
+                 storage_options: Mapping[str, Any] | None = None, **words: Unpack[AssignWords]):
         self.target = target
         self.folder = folder
         self.poll = poll
         self.storage_options = storage_options
-        self.options = AssignOptions(scope=scope, mapping=mapping, include=include, exclude=exclude,
-                                     trainable_only=trainable_only, also=also, strict=strict, cast=cast,
-                                     skip_unchanged=skip_unchanged)
+        self.options = AssignOptions(**words)
         self.version: Version | None = None
         self.report: Report | None = None
         self.error: BaseException | None = None
@@ -118,6 +128,7 @@ class Follower:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._assign: Callable[..., Report] = _assigner(target)
+        self._digests: dict[str, str | None] = {}  # key -> content digest, as the last swap staged it
 
     def start(self) -> Follower:
         if self._thread is None:
@@ -185,17 +196,22 @@ class Follower:
             self._stop.wait(self.poll)
 
     def _swap(self, version: Version) -> bool:
-        """Assign ``version``; False when it should be looked for again (it was pruned mid-read).
+        """Stage ``version``, then assign it; False when it should be looked for again (pruned mid-read).
 
-        The follower keeps its own share of the pin ``follow`` took on the version's file, so
-        ``ws.load(follower.version)`` keeps working while that version is current; the
-        previous version's share is let go once the swap is done (reading it afterwards opens
-        its file anew, or raises :class:`VersionGoneError` if it was pruned).
+        Staging (:meth:`_stage`) runs with no lock held; the lock covers only the writes into
+        the target and the bookkeeping readers see. The follower keeps its own share of the
+        pin ``follow`` took on the version's file, so ``ws.load(follower.version)`` keeps
+        working while that version is current; the previous version's share is let go once
+        the swap is done (reading it afterwards opens its file anew, or raises
+        :class:`VersionGoneError` if it was pruned).
         """
         held = version.held()
+        skip = wants_skip(held, self.options.skip_unchanged)
         try:
-            with self._lock.writing():
-                report = self._assign(self.target, held, **vars(self.options))
+            staged = self._stage(held, skip)
+            with staged, self._lock.writing():
+                report = self._assign(self.target, staged,
+                                      **dataclasses.replace(self.options, skip_unchanged=skip).assign_words())
                 # still inside the swap: a reader never sees new weights under the old version
                 previous, self.version, self.report, self.error = self.version, held, report, None
         except VersionGoneError:
@@ -205,11 +221,30 @@ class Follower:
             held.release()
             self._failed(exc, f"assigning step {version.step}")
             return True
+        self._digests = staged.digests
+        # the swap is done and serving runs again: what follows a swap goes here
         if previous is not None:
             previous.release()
         with self._swapped:
             self._swapped.notify_all()
         return True
+
+    def _stage(self, version: Version, skip: bool) -> _StagedStore:
+        """``version`` opened with every tensor that changed since the last swap read and verified.
+
+        With ``skip``, a tensor whose content digest equals the one the last swap staged is
+        left unread: the assign skips it, as the target already holds those bytes (should the
+        target have forgotten them, the assign reads it from the pinned file instead).
+        """
+        store = weightstore.open(version)
+        try:
+            digests = {key: reload_digest(store.info(key)) for key in store}
+            changed = [key for key, digest in digests.items()
+                       if not skip or digest is None or self._digests.get(key) != digest]
+            return _StagedStore(store, store.read(changed), digests)
+        except BaseException:
+            store.close()
+            raise
 
     def _failed(self, exc: BaseException, doing: str) -> None:
         _log.warning("weightstore follower of %s: %s failed: %s", self.folder, doing, exc)
@@ -223,6 +258,67 @@ class Follower:
         if self._following_failed:
             with self._swapped:
                 self.error, self._following_failed = None, False
+
+
+class _Staged:
+    """A version's reader with some tensors already read and verified: a swap writes from memory.
+
+    Tensors not staged (the unchanged ones a swap expects to skip) are read from the version's
+    own store if the assign asks for them after all.
+    """
+
+    def __init__(self, store: Store, arrays: dict[str, np.ndarray]):
+        self._store = store
+        self._arrays = arrays
+        self.name = store.path
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return self._store.metadata
+
+    @property
+    def created(self) -> str:
+        return self._store.created
+
+    @property
+    def has_checksums(self) -> bool:
+        return self._store.has_checksums
+
+    def keys(self) -> list[str]:
+        return self._store.keys()
+
+    def info(self, key: str) -> TensorInfo:
+        return self._store.info(key)
+
+    def read(self, key: str, *, verify: bool) -> np.ndarray:
+        staged = self._arrays.get(key)
+        return self._store[key] if staged is None else staged
+
+    def read_many(self, keys: list[str], *, verify: bool) -> list[np.ndarray]:
+        unstaged = [key for key in keys if key not in self._arrays]
+        fetched = self._store.read(unstaged) if unstaged else {}
+        return [fetched[key] if key in fetched else self._arrays[key] for key in keys]
+
+    def read_into(self, key: str, out: np.ndarray, *, verify: bool) -> bool:
+        staged = self._arrays.get(key)
+        if staged is None:
+            self._store.read_into(key, out)
+        else:
+            np.copyto(out, staged)
+        return True
+
+    def close(self) -> None:
+        self._arrays = {}
+        self._store.close()
+
+
+class _StagedStore(Store):
+    """What a swap assigns from: a :class:`Store` over :class:`_Staged`, with the content digests
+    of the version's tensors (the follower's memory of what the target holds once it is in)."""
+
+    def __init__(self, store: Store, arrays: dict[str, np.ndarray], digests: dict[str, str | None]):
+        super().__init__(_Staged(store, arrays), store.path, verify=False)  # staging verified what it read
+        self.digests = digests
 
 
 def _assigner(target: Any) -> Callable[..., Report]:

@@ -28,13 +28,17 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import keras
-import tensorflow as tf
+from typing_extensions import Unpack
 
 import weightstore
-from weightstore.adapters.plan import Selection
+from weightstore.extras import needs
+
+with needs("tf", __name__):
+    import keras
+    import tensorflow as tf
+
+from weightstore.adapters.plan import Selection, SelectionWords
 from weightstore.background import BackgroundPublisher
-from weightstore.keys import Patterns
 from weightstore.versions import PublishOptions, Version
 
 __all__ = ["PublishCallback", "PublishHook", "is_chief"]
@@ -108,10 +112,8 @@ class PublishCallback(keras.callbacks.Callback):
 
     def __init__(self, folder: Any, *, every_n_batches: int | None = None, every_n_epochs: int | None = None,
                  keep: int | None = 5, metadata: Mapping[str, Any] | None = None, format: str = "npz",  # noqa: A002
-                 scope: str | None = None, include: Patterns = None, exclude: Patterns = None,
-                 trainable_only: bool = False, also: Patterns = None,
-                 storage_options: Mapping[str, Any] | None = None,
-                 background: bool = True):
+                 storage_options: Mapping[str, Any] | None = None, background: bool = True,
+                 **selection: Unpack[SelectionWords]):
         super().__init__()
         if every_n_batches is None and every_n_epochs is None:
             every_n_epochs = 1
@@ -120,7 +122,7 @@ class PublishCallback(keras.callbacks.Callback):
                 raise ValueError(f"{name} must be at least 1, not {value!r}")
         self.every_n_batches, self.every_n_epochs = every_n_batches, every_n_epochs
         self._publisher = _Publisher(folder, keep=keep, metadata=metadata, format=format,
-                                     selection=Selection(scope, include, exclude, trainable_only, also),
+                                     selection=Selection(**selection),
                                      storage_options=storage_options, background=background)
         self._batches = 0
         self._epoch = 0
@@ -159,7 +161,7 @@ class PublishCallback(keras.callbacks.Callback):
 
         optimizer = getattr(self.model, "optimizer", None)
         step = int(optimizer.iterations.numpy()) if optimizer is not None else self._batches
-        selection = vars(self._publisher.selection)
+        selection = self._publisher.selection.words()
         self._publisher.publish(lambda: snapshot(self.model, **selection), step, {"epoch": self._epoch})
 
 
@@ -178,15 +180,13 @@ class PublishHook(tf.compat.v1.train.SessionRunHook):
 
     def __init__(self, folder: Any, *, every_n_steps: int | None = None, every_n_secs: float | None = None,
                  keep: int | None = 5, metadata: Mapping[str, Any] | None = None, format: str = "npz",  # noqa: A002
-                 scope: str | None = None, include: Patterns = None, exclude: Patterns = None,
-                 trainable_only: bool = False, also: Patterns = None,
-                 storage_options: Mapping[str, Any] | None = None,
-                 is_chief: bool | None = None, background: bool = True):
+                 storage_options: Mapping[str, Any] | None = None, is_chief: bool | None = None,
+                 background: bool = True, **selection: Unpack[SelectionWords]):
         if (every_n_steps is None) == (every_n_secs is None):
             raise ValueError("pass exactly one of every_n_steps and every_n_secs")
         self._timer = tf.compat.v1.train.SecondOrStepTimer(every_secs=every_n_secs, every_steps=every_n_steps)
         self._publisher = _Publisher(folder, keep=keep, metadata=metadata, format=format,
-                                     selection=Selection(scope, include, exclude, trainable_only, also),
+                                     selection=Selection(**selection),
                                      storage_options=storage_options, background=background)
         self._is_chief = is_chief
         self._global_step: tf.Tensor | None = None
@@ -226,4 +226,4 @@ class PublishHook(tf.compat.v1.train.SessionRunHook):
 
         step = int(session.run(self._global_step))
         self._timer.update_last_triggered_step(step)
-        self._publisher.publish(lambda: tf1.export(session, **vars(self._publisher.selection)), step, {})
+        self._publisher.publish(lambda: tf1.export(session, **self._publisher.selection.words()), step, {})

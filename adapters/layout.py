@@ -54,6 +54,8 @@ from weightstore.adapters.plan import AssignOptions, Mismatch, Plan, TargetInfo,
 from weightstore.errors import LayoutError
 from weightstore.keys import MappingRules, Patterns, join_scope, map_key, normalize_scope, parse_mapping, passes
 
+__all__ = ["Rule", "Layout", "convert", "fold_bias_into_norm"]
+
 DENSE, CONV, DEPTHWISE, NORM, EMBEDDING = "dense", "conv", "depthwise", "norm", "embedding"
 #: the kinds a user may give a layer a file cannot tell (``kinds=``, ``ws convert --kind``)
 KINDS = (DENSE, CONV, DEPTHWISE, NORM, EMBEDDING)

@@ -14,7 +14,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
 import numpy as np
 
@@ -23,7 +23,9 @@ from weightstore.adapters.artifacts import open_artifact
 from weightstore.errors import AssignmentError
 from weightstore.keys import MappingRules, Patterns, in_scope, normalize_scope, passes, plan_inward, strip_scope
 from weightstore.keys import suggest as keys_suggest
-from weightstore.manifest import logical_dtype
+from weightstore.manifest import TensorInfo, logical_dtype
+
+__all__ = ["Report", "SelectionWords", "AssignWords", "Selection", "AssignOptions", "AssignWarning"]
 
 _LISTED = 20  # names shown per category in an error; the rest are counted
 _SHOWN = 3  # names shown per category in a report's one-paragraph summary
@@ -31,6 +33,31 @@ _SHOWN = 3  # names shown per category in a report's one-paragraph summary
 
 class AssignWarning(UserWarning):
     """A non-strict assign left most of the selected variables as they were."""
+
+
+class SelectionWords(TypedDict, total=False):
+    """The keyword arguments every export takes (``tf2.export(model, scope=..., include=...)``).
+
+    Each adapter's ``export`` declares ``**selection: Unpack[SelectionWords]`` and makes a
+    :class:`Selection` of them, so the words, their types and their defaults are the same in
+    every adapter, the hooks and the CLI; mypy checks every call. The fields of
+    :class:`Selection` are these words (a test holds the two to one list).
+    """
+
+    scope: str | None
+    include: Patterns
+    exclude: Patterns
+    trainable_only: bool
+    also: Patterns
+
+
+class AssignWords(SelectionWords, total=False):
+    """The keyword arguments every assign takes: :class:`SelectionWords` plus :class:`AssignOptions`'s own."""
+
+    mapping: MappingRules
+    strict: bool
+    cast: bool
+    skip_unchanged: bool | None
 
 
 @dataclass(frozen=True)
@@ -47,6 +74,15 @@ class Selection:
     trainable_only: bool = False
     also: Patterns = None
 
+    def keeps(self, key: str, trainable: bool) -> bool:
+        """The ``trainable_only`` rule for a variable with scope-relative ``key``."""
+        return keeps(key, trainable, self.trainable_only, self.also)
+
+    def words(self) -> SelectionWords:
+        """These options as the keyword arguments that make them, to pass on to an export."""
+        return SelectionWords(scope=self.scope, include=self.include, exclude=self.exclude,
+                              trainable_only=self.trainable_only, also=self.also)
+
 
 @dataclass(frozen=True)
 class AssignOptions(Selection):
@@ -62,6 +98,11 @@ class AssignOptions(Selection):
     strict: bool = True
     cast: bool = False
     skip_unchanged: bool | None = None
+
+    def assign_words(self) -> AssignWords:
+        """These options as the keyword arguments that make them, to pass on to an assign."""
+        return AssignWords(**self.words(), mapping=self.mapping, strict=self.strict, cast=self.cast,
+                           skip_unchanged=self.skip_unchanged)
 
 
 @dataclass(frozen=True)
@@ -175,7 +216,7 @@ class Values:
         return tuple(self._store.info(key).shape) if self._store is not None else self._arrays[key].shape
 
     def checksum(self, key: str) -> str | None:
-        return self._store.info(key).checksum if self._store is not None else None
+        return reload_digest(self._store.info(key)) if self._store is not None else None
 
     def prefetch(self, keys: list[str]) -> None:
         """Read ``keys`` from the store together (an npz checks and maps many small tensors in
@@ -420,6 +461,14 @@ class ChecksumMemory:
 
 
 MEMORY = ChecksumMemory()
+
+
+def reload_digest(info: TensorInfo) -> str | None:
+    """What hot reload compares to decide a tensor is unchanged: its content digest, dtype and
+    shape (equal bytes of another dtype are other values). None where the file has no digest
+    (written before manifest version 3): such a tensor is always written, never trusted to a
+    CRC-32, which a changed tensor can match."""
+    return None if info.digest is None else f"{info.digest} {info.dtype}{list(info.shape)}"
 
 
 def wants_skip(weights: Any, skip_unchanged: bool | None) -> bool:

@@ -36,10 +36,10 @@ from weightstore.adapters.plan import (
 )
 from weightstore.errors import AssignmentError
 from weightstore.gcpause import paused_gc
+from weightstore.io.buffer import aligned_array  # frameworks adopt 64-byte-aligned memory (TF: EIGEN_MAX_ALIGN_BYTES)
 
 __all__ = ["Target", "ValueSource", "private_copy", "run_assign"]
 
-_ALIGNMENT = 64  # frameworks adopt memory aligned to this instead of copying it (TF: EIGEN_MAX_ALIGN_BYTES)
 _ALIGNED_FROM = 1 << 16  # smaller arrays are copied plainly: aligning them costs more than TF's copy
 _PIECE_BYTES = 16 << 20  # larger copies are split across threads: faulting in fresh pages is most of their cost
 _COPIERS = max(1, min(4, os.cpu_count() or 1))
@@ -222,9 +222,7 @@ def private_copy(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
     size = math.prod(array.shape) * dtype.itemsize
     if size < _ALIGNED_FROM:  # the framework's own copy of a small array costs less than aligning it
         return np.array(array, dtype, order="C")
-    raw = np.empty(size + _ALIGNMENT, np.uint8)
-    start = -raw.ctypes.data % _ALIGNMENT
-    out = raw[start:start + size].view(dtype).reshape(array.shape)
+    out = aligned_array(size).view(dtype).reshape(array.shape)
     _copy(out, array)
     return out
 

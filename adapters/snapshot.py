@@ -21,36 +21,31 @@ from __future__ import annotations
 
 from typing import Any
 
-import keras
 import numpy as np
-import tensorflow as tf
+from typing_extensions import Unpack
+
+from weightstore.extras import needs
+
+with needs("tf", __name__):
+    import keras
+    import tensorflow as tf
 
 from weightstore.adapters import tf2
-from weightstore.keys import Patterns
+from weightstore.adapters.plan import SelectionWords
 
 __all__ = ["snapshot"]
 
 _SHARDED = tf.__internal__.distribute.ShardedVariable
 
 
-def snapshot(
-    obj: Any,
-    *,
-    scope: str | None = None,
-    include: Patterns = None,
-    exclude: Patterns = None,
-    trainable_only: bool = False,
-    also: Patterns = None,
-) -> dict[str, Any]:
+def snapshot(obj: Any, **selection: Unpack[SelectionWords]) -> dict[str, Any]:
     """The values :func:`tf2.export` would return, as eager tensors read now, not numpy copies.
 
     Give the result to :func:`weightstore.publish`, :func:`weightstore.save` or a
     :class:`weightstore.BackgroundPublisher`; its values stay those of this moment while
     training continues. A sharded variable is joined when converted.
     """
-    chosen = tf2.selected(obj, scope=scope, include=include, exclude=exclude, trainable_only=trainable_only,
-                          also=also)
-    return {key: _read(var) for key, var in chosen.items()}
+    return {key: _read(var) for key, var in tf2.selected(obj, **selection).items()}
 
 
 def _read(var: Any) -> Any:

@@ -33,12 +33,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import tensorflow as tf
+from typing_extensions import Unpack
 
-from weightstore.adapters.plan import MEMORY, AssignOptions, Report, TargetInfo, keeps
+from weightstore.extras import needs
+
+with needs("tf", __name__):
+    import tensorflow as tf
+
+from weightstore.adapters.plan import MEMORY, AssignOptions, AssignWords, Report, Selection, SelectionWords, TargetInfo
 from weightstore.adapters.skeleton import Target, private_copy, run_assign
 from weightstore.errors import AssignmentError, FormatError, InvalidKeyError, SelectionError
-from weightstore.keys import MappingRules, Patterns, from_tf_name, plan_outward
+from weightstore.keys import from_tf_name, plan_outward
 from weightstore.manifest import ML_DTYPES
 
 __all__ = ["export", "assign", "forget"]
@@ -70,15 +75,7 @@ class _Target:
         return TargetInfo(self.key, self.dtype, self.shape, self.trainable)
 
 
-def export(
-    sess: Any,
-    *,
-    scope: str | None = None,
-    include: Patterns = None,
-    exclude: Patterns = None,
-    trainable_only: bool = False,
-    also: Patterns = None,
-) -> dict[str, np.ndarray]:
+def export(sess: Any, **selection: Unpack[SelectionWords]) -> dict[str, np.ndarray]:
     """The variables of ``sess``'s graph as a new dict of arrays, read in one ``session.run``.
 
     Keeps the variables under ``scope`` (keys made relative to it), then those passing
@@ -87,11 +84,14 @@ def export(
     statistics). Only the variables' own read tensors are fetched: no update runs, nothing
     needs feeding, and the graph gains no op.
     """
+    chosen_by = Selection(**selection)
     targets = _targets(sess.graph)
-    plan = plan_outward(targets, scope=scope, include=include, exclude=exclude, where="the graph")
-    if trainable_only:
-        kept = {key: source for key, source in plan.items() if keeps(key, targets[source].trainable, True, also)}
+    plan = plan_outward(targets, scope=chosen_by.scope, include=chosen_by.include, exclude=chosen_by.exclude,
+                        where="the graph")
+    if chosen_by.trainable_only:
+        kept = {key: source for key, source in plan.items() if chosen_by.keeps(key, targets[source].trainable)}
         if plan and not kept:
+            also = chosen_by.also
             raise SelectionError("trainable_only keeps no variable: the selected variables are all non-trainable"
                                  + (f" and none matches also={also!r}" if also else ""))
         plan = kept
@@ -100,20 +100,7 @@ def export(
     return {key: _stitch(target, fetched) for key, target in zip(plan, chosen, strict=True)}
 
 
-def assign(
-    sess: Any,
-    weights: Any,
-    *,
-    scope: str | None = None,
-    mapping: MappingRules = None,
-    include: Patterns = None,
-    exclude: Patterns = None,
-    trainable_only: bool = False,
-    also: Patterns = None,
-    strict: bool = True,
-    cast: bool = False,
-    skip_unchanged: bool | None = None,
-) -> Report:
+def assign(sess: Any, weights: Any, **words: Unpack[AssignWords]) -> Report:
     """Write ``weights`` into the variables of ``sess``'s graph, planned and verified first, in batches.
 
     ``weights`` is a dict, a path (a store, a TF1 ``Saver`` checkpoint prefix or its folder),
@@ -130,9 +117,7 @@ def assign(
     """
     graph = sess.graph
     targets = _targets(graph)
-    options = AssignOptions(scope=scope, mapping=mapping, include=include, exclude=exclude,
-                            trainable_only=trainable_only, also=also, strict=strict, cast=cast,
-                            skip_unchanged=skip_unchanged)
+    options = AssignOptions(**words)
 
     def prepare(values: Any, key: str, value_key: str) -> np.ndarray:
         """The verified value as the file holds it (a view of a mapped npz costs no memory);

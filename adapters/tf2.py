@@ -50,20 +50,24 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any, Union
 
-import keras
 import numpy as np
-import tensorflow as tf
-from keras.src.backend.common.stateless_scope import in_stateless_scope
-from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable
+from typing_extensions import Unpack
+
+from weightstore.extras import needs
+
+with needs("tf", __name__):
+    import keras
+    import tensorflow as tf
+    from keras.src.backend.common.stateless_scope import in_stateless_scope
+    from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable
 
 import weightstore
 from weightstore.adapters.artifacts import for_model, is_model_file
-from weightstore.adapters.plan import MEMORY, AssignOptions, Report, TargetInfo, keeps
+from weightstore.adapters.plan import MEMORY, AssignOptions, AssignWords, Report, Selection, SelectionWords, TargetInfo
 from weightstore.adapters.skeleton import Target, private_copy, run_assign
 from weightstore.errors import AssignmentError, InvalidKeyError, SelectionError
 from weightstore.keys import (
     OUTPUT_SUFFIX,
-    MappingRules,
     Patterns,
     in_scope,
     join_scope,
@@ -73,6 +77,8 @@ from weightstore.keys import (
     strip_scope,
     validate_key,
 )
+
+__all__ = ["export", "assign", "load", "variables", "forget"]
 
 Variable = Union[tf.Variable, keras.Variable, "tf.__internal__.distribute.ShardedVariable"]
 _SHARDED = tf.__internal__.distribute.ShardedVariable
@@ -87,16 +93,7 @@ def variables(obj: Any, *, optimizer: bool = False) -> dict[str, Variable]:
     return {key: var for key, (var, _) in _collect(obj, optimizer).items()}
 
 
-def export(
-    obj: Any,
-    *,
-    scope: str | None = None,
-    include: Patterns = None,
-    exclude: Patterns = None,
-    trainable_only: bool = False,
-    also: Patterns = None,
-    optimizer: bool = False,
-) -> dict[str, np.ndarray]:
+def export(obj: Any, *, optimizer: bool = False, **selection: Unpack[SelectionWords]) -> dict[str, np.ndarray]:
     """A new weight dictionary of ``obj``'s variables under ``scope`` (keys relative to it).
 
     With ``trainable_only``, keeps the trainable variables plus those whose key matches
@@ -104,46 +101,23 @@ def export(
     Keras model's optimizer state comes too, as ``optimizer/vars/<i>`` (the order and names
     Keras's own files use).
     """
-    chosen = selected(obj, scope=scope, include=include, exclude=exclude, trainable_only=trainable_only, also=also,
-                      optimizer=optimizer)
-    return {key: _read(var) for key, var in chosen.items()}
+    return {key: _read(var) for key, var in selected(obj, optimizer=optimizer, **selection).items()}
 
 
-def selected(
-    obj: Any,
-    *,
-    scope: str | None = None,
-    include: Patterns = None,
-    exclude: Patterns = None,
-    trainable_only: bool = False,
-    also: Patterns = None,
-    optimizer: bool = False,
-) -> dict[str, Variable]:
+def selected(obj: Any, *, optimizer: bool = False, **selection: Unpack[SelectionWords]) -> dict[str, Variable]:
     """Key -> variable for exactly what :func:`export` reads with the same words (for snapshots)."""
+    chosen_by = Selection(**selection)
     found = _collect(obj, optimizer)
-    plan = plan_outward(found, scope=scope, include=include, exclude=exclude, where=_describe(obj))
-    chosen = {new: found[old][0] for new, old in plan.items() if keeps(new, found[old][1], trainable_only, also)}
+    plan = plan_outward(found, scope=chosen_by.scope, include=chosen_by.include, exclude=chosen_by.exclude,
+                        where=_describe(obj))
+    chosen = {new: found[old][0] for new, old in plan.items() if chosen_by.keeps(new, found[old][1])}
     if not chosen:
         why = "no variables (build a Keras model before exporting it)" if not found else "no variable passes the selection"
         raise SelectionError(f"{_describe(obj)} has {why}")
     return chosen
 
 
-def assign(
-    obj: Any,
-    weights: Any,
-    *,
-    scope: str | None = None,
-    mapping: MappingRules = None,
-    include: Patterns = None,
-    exclude: Patterns = None,
-    trainable_only: bool = False,
-    also: Patterns = None,
-    optimizer: bool = False,
-    strict: bool = True,
-    cast: bool = False,
-    skip_unchanged: bool | None = None,
-) -> Report:
+def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[AssignWords]) -> Report:
     """Write ``weights`` (a dict, path, open Store or Version) into ``obj``'s variables.
 
     Plans first (see :mod:`weightstore.adapters.plan`): a strict failure raises ``AssignmentError`` with every
@@ -173,9 +147,7 @@ def assign(
     targets = {
         key: TargetInfo(key, _numpy_dtype(var), _shape(var), trainable) for key, (var, trainable) in found.items()
     }
-    options = AssignOptions(scope=scope, mapping=mapping, include=include, exclude=exclude,
-                            trainable_only=trainable_only, also=also, strict=strict, cast=cast,
-                            skip_unchanged=skip_unchanged)
+    options = AssignOptions(**words)
 
     def write(batch: list[tuple[str, np.ndarray]], report: Report) -> list[str]:
         _write_batch([(found[key][0], array) for key, array in batch])
@@ -184,7 +156,7 @@ def assign(
     target = Target(targets, write, owner=lambda key: found[key][0], batched=True)
     if not _structured(obj, weights):
         return run_assign(target, weights, options)
-    at = normalize_scope(scope)
+    at = normalize_scope(options.scope)
     with for_model(_part_at(obj, at), weights, {strip_scope(key, at): var for key, (var, _) in found.items()
                                                  if in_scope(key, at) and key != at}) as paired:
         return run_assign(target, paired, options, skip_for=weights)

@@ -29,15 +29,33 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
-import torch
-from torch import nn
+from typing_extensions import Unpack
+
+from weightstore.extras import needs
+
+with needs("torch", __name__):
+    import torch
+    from torch import nn
 
 from weightstore.adapters import layout as layouts
-from weightstore.adapters.plan import MEMORY, AssignOptions, Mismatch, RenamedValues, Report, TargetInfo, describe
+from weightstore.adapters.plan import (
+    MEMORY,
+    AssignOptions,
+    AssignWords,
+    Mismatch,
+    RenamedValues,
+    Report,
+    Selection,
+    SelectionWords,
+    TargetInfo,
+    describe,
+)
 from weightstore.adapters.skeleton import Target, run_assign
 from weightstore.errors import AssignmentError, InvalidKeyError, LayoutError, SelectionError, UnsupportedDTypeError
-from weightstore.keys import MappingRules, Patterns, plan_outward
+from weightstore.keys import plan_outward
 from weightstore.names import TORCH, WRITE_NAMINGS, check_naming, key_of_torch_name, torch_keys, torch_name_of_key
+
+__all__ = ["export", "assign", "tensors", "forget"]
 
 OPTIONAL_LEAF = "num_batches_tracked"
 #: torch dtypes numpy lacks -> (their ml_dtypes kind, a torch integer of the same width):
@@ -63,15 +81,14 @@ def tensors(module: nn.Module) -> dict[str, torch.Tensor]:
 def export(
     module: nn.Module,
     *,
-    scope: str | None = None,
-    include: Patterns = None,
-    exclude: Patterns = None,
-    trainable_only: bool = False,
     layout: str | layouts.Layout | None = None,
     names: str | None = None,
+    **selection: Unpack[SelectionWords],
 ) -> dict[str, np.ndarray]:
     """A new weight dictionary of ``module``'s tensors under ``scope`` (keys relative to it).
 
+    ``trainable_only`` keeps the parameters that require grad, plus the tensors whose key
+    matches ``also`` (``also="*/running_*"`` adds batch norm's statistics, which are buffers).
     With ``layout``, keys and arrays come out in Keras's names and layouts; a tensor no rule
     converts raises :class:`~weightstore.errors.LayoutError` listing every such key. With
     ``names="torch"`` the keys are ``state_dict`` names (``features.0.weight``), so
@@ -81,9 +98,11 @@ def export(
     """
     if check_naming(names, WRITE_NAMINGS) == TORCH and layout is not None:
         raise ValueError("names='torch' and layout= do not combine: a layout writes Keras's names")
+    chosen_by = Selection(**selection)
     found = tensors(module)
-    plan = plan_outward(found, scope=scope, include=include, exclude=exclude, where=_describe(module))
-    chosen = {new: old for new, old in plan.items() if found[old].requires_grad or not trainable_only}
+    plan = plan_outward(found, scope=chosen_by.scope, include=chosen_by.include, exclude=chosen_by.exclude,
+                        where=_describe(module))
+    chosen = {new: old for new, old in plan.items() if chosen_by.keeps(new, found[old].requires_grad)}
     if not chosen:
         why = "no tensors" if not found else "no tensor passing the selection"
         raise SelectionError(f"{_describe(module)} has {why}")
@@ -104,16 +123,8 @@ def assign(
     module: nn.Module,
     weights: Any,
     *,
-    scope: str | None = None,
-    mapping: MappingRules = None,
-    include: Patterns = None,
-    exclude: Patterns = None,
-    trainable_only: bool = False,
-    also: Patterns = None,
-    strict: bool = True,
-    cast: bool = False,
-    skip_unchanged: bool | None = None,
     layout: str | layouts.Layout | None = None,
+    **words: Unpack[AssignWords],
 ) -> Report:
     """Write ``weights`` (a dict, path, open Store or Version) into ``module``'s tensors, in place.
 
@@ -135,13 +146,11 @@ def assign(
                               missing=without_data)
     targets = {key: TargetInfo(key, numpy_dtype(tensor, key), tuple(tensor.shape), tensor.requires_grad)
                for key, tensor in found.items()}
-    options = AssignOptions(scope=scope, mapping=mapping, include=include, exclude=exclude,
-                            trainable_only=trainable_only, also=also, strict=strict, cast=cast,
-                            skip_unchanged=skip_unchanged)
+    options = AssignOptions(**words)
     chosen_layout = None if layout is None else layouts.resolve(layout, "torch")
 
     def write(batch: list[tuple[str, np.ndarray]], report: Report) -> list[str]:
-        batch = _refuse_tied_conflicts(batch, found, report, strict=strict, where=_describe(module))
+        batch = _refuse_tied_conflicts(batch, found, report, strict=options.strict, where=_describe(module))
         with torch.no_grad():
             for key, array in batch:
                 found[key].copy_(_as_tensor(array))

@@ -194,8 +194,8 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def fsync_path(path: str) -> None:
     """Make a peer's write durable the way weightstore's save is: file, then its folder."""
-    from weightstore.storage import fsync_folder
-    from weightstore.storage import fsync_path as fsync_file
+    from weightstore.io.files import fsync_folder
+    from weightstore.io.files import fsync_path as fsync_file
 
     fsync_file(path)
     fsync_folder(Path(os.path.abspath(path)).parent)

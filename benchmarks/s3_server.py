@@ -123,3 +123,75 @@ def restore_environment(saved: dict[str, str | None]) -> None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+class ServerProcess:
+    """A :class:`CountingS3` in a child process, so its Python work does not share this
+    process's interpreter lock (a benchmark timing waits in this process must not time the
+    server). It answers over its standard input: ``reset`` clears its record, ``counts``
+    returns requests by method and the body bytes both ways; closing it stops the server."""
+
+    def __init__(self) -> None:
+        import subprocess
+        import sys
+
+        self._process = subprocess.Popen([sys.executable, "-m", "benchmarks.s3_server"], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, text=True)
+        self.endpoint = self._answer()
+
+    def _answer(self) -> str:
+        assert self._process.stdout is not None
+        line = self._process.stdout.readline().strip()
+        if not line:
+            raise RuntimeError("the S3 server process ended before answering")
+        return line
+
+    def _ask(self, command: str) -> str:
+        assert self._process.stdin is not None
+        self._process.stdin.write(command + "\n")
+        self._process.stdin.flush()
+        return self._answer()
+
+    def environment(self) -> dict[str, str]:
+        return {**CREDENTIALS, "AWS_ENDPOINT_URL_S3": self.endpoint, "AWS_MAX_ATTEMPTS": "1"}
+
+    def reset(self) -> None:
+        self._ask("reset")
+
+    def counts(self) -> dict[str, Any]:
+        import json
+
+        return json.loads(self._ask("counts"))
+
+    def stop(self) -> None:
+        assert self._process.stdin is not None
+        self._process.stdin.close()
+        self._process.wait(30)
+
+
+def _serve() -> None:
+    """The child side of :class:`ServerProcess`."""
+    import json
+    import sys
+
+    server = CountingS3().start()
+    print(server.endpoint, flush=True)
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "reset":
+            server.reset()
+            print("ok", flush=True)
+        elif command == "counts":
+            with server._lock:
+                requests = list(server.requests)
+            by_method: dict[str, int] = {}
+            for request in requests:
+                by_method[request.method] = by_method.get(request.method, 0) + 1
+            print(json.dumps({"requests": len(requests), "by_method": by_method,
+                              "sent": sum(r.sent for r in requests), "received": sum(r.received for r in requests)}),
+                  flush=True)
+    server.stop()
+
+
+if __name__ == "__main__":
+    _serve()

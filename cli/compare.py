@@ -2,7 +2,10 @@
 
 Both read one tensor at a time and ``diff`` compares a pair in slices, so memory holds about
 two tensors whatever the file size.
-``diff`` skips reading a pair whose manifest checksums agree: equal bytes are equal values.
+``diff`` skips reading a pair whose content digests (BLAKE3, manifest version 3) agree: equal
+bytes are equal values. CRC-32s never decide it (a collision is four chosen bytes away), so
+pairs without digests are read and compared, and at ``atol=0`` equal values whose bytes
+differ (``-0.0`` and ``0.0``, NaNs of other payloads) are a change too.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ _CHUNK = 2 << 20  # elements: 16 MB of float64
 @dataclass
 class Change:
     key: str
-    reason: str  # "dtype", "shape" or "values"
+    reason: str  # "dtype", "shape", "values" or "bytes" (equal values, other bytes: -0.0 and 0.0)
     a: str  # float32[3, 4]
     b: str
     max_abs: float | None = None
@@ -84,12 +87,24 @@ def _compare(a: Store, b: Store, key: str, atol: float) -> Change | None:
         return Change(key, "dtype", tensor_type(left), tensor_type(right))
     if left.shape != right.shape:
         return Change(key, "shape", tensor_type(left), tensor_type(right))
-    if left.checksum and left.checksum == right.checksum:
+    if left.digest is not None and left.digest == right.digest:
         return None
-    max_abs, max_rel = difference(a[key], b[key])
-    if max_abs <= atol:
-        return None
-    return Change(key, "values", tensor_type(left), tensor_type(right), max_abs, max_rel)
+    x, y = a[key], b[key]
+    max_abs, max_rel = difference(x, y)
+    if max_abs > atol:
+        return Change(key, "values", tensor_type(left), tensor_type(right), max_abs, max_rel)
+    if atol == 0 and not _same_bytes(x, y):
+        return Change(key, "bytes", tensor_type(left), tensor_type(right), 0.0, 0.0)
+    return None
+
+
+def _same_bytes(x: np.ndarray, y: np.ndarray, *, chunk: int = _CHUNK) -> bool:
+    """Whether two arrays of one dtype and shape hold the same bytes, a slice at a time."""
+    flat_x = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+    flat_y = np.ascontiguousarray(y).reshape(-1).view(np.uint8)
+    step = chunk * 8
+    return all(np.array_equal(flat_x[start:start + step], flat_y[start:start + step])
+               for start in range(0, flat_x.size, step))
 
 
 def difference(x: np.ndarray, y: np.ndarray, *, chunk: int = _CHUNK) -> tuple[float, float]:

@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from weightstore.adapters import checkpoints
+from weightstore.adapters.plan import Selection
 from weightstore.cli import compare, render, sync, transfer
 from weightstore.cli.guard import GuardedGroup
 from weightstore.cli.render import count, human_bytes, note, settings
@@ -157,8 +158,8 @@ def export(
     opening = checkpoints.open_source(source) if keyed_by is None else checkpoints.open_keyed_like_model(source,
                                                                                                          keyed_by)
     with opening as opened:
-        written = transfer.export(opened, output, scope=scope, mapping=mapping, include=include, exclude=exclude,
-                                  trainable_only=trainable_only, also=also,
+        selection = Selection(scope=scope, include=include, exclude=exclude, trainable_only=trainable_only, also=also)
+        written = transfer.export(opened, output, selection=selection, mapping=mapping,
                                   compress=_compression(compress, shuffle), names=names)
     keyed = f", keyed like the model of {opened.keyed_like}" if opened.keyed_like else ""
     _report("export", written, opened, f"wrote {count(written.count, 'tensor')} ({human_bytes(written.nbytes)}) "

@@ -13,10 +13,11 @@ import json
 import math
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
 import typer
 from rich import progress as rich_progress
 from rich.console import Console
@@ -74,40 +75,89 @@ def tensor_type(info: TensorInfo) -> str:
     return f"{info.dtype}[{', '.join(map(str, info.shape))}]"
 
 
+class ByteBar:
+    """The progress bar of every long operation: bytes done of the total, speed, time left.
+
+    On stderr, only on a terminal, only without ``--quiet``, and only once the operation has
+    run for :data:`PROGRESS_DELAY_S`; it disappears when done.
+    """
+
+    def __init__(self, description: str, total_bytes: int):
+        self._console = stderr()
+        self._enabled = not settings.quiet and self._console.is_terminal
+        self._description = description
+        self._total = total_bytes
+        self._started = time.monotonic()
+        self._done = 0
+        self._bar: rich_progress.Progress | None = None
+        self._task: Any = None
+
+    def advance(self, nbytes: int) -> None:
+        self._done += nbytes
+        if self._bar is not None:
+            self._bar.update(self._task, completed=self._done)
+        elif self._enabled and time.monotonic() - self._started > PROGRESS_DELAY_S:
+            self._bar = rich_progress.Progress(
+                rich_progress.TextColumn("{task.description}"),
+                rich_progress.BarColumn(),
+                rich_progress.DownloadColumn(binary_units=True),
+                rich_progress.TransferSpeedColumn(),
+                rich_progress.TimeRemainingColumn(),
+                console=self._console,
+                transient=True,
+            )
+            self._task = self._bar.add_task(self._description, total=self._total, completed=self._done)
+            self._bar.start()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
 def track(items: Iterable[tuple[T, int]], description: str, total_bytes: int) -> Iterator[T]:
-    """Yield each item, advancing a byte-counting progress bar on stderr when it is worth one."""
-    console = stderr()
-    enabled = not settings.quiet and console.is_terminal
-    started = time.monotonic()
-    done = 0
-    bar = None
+    """Yield each item, advancing a :class:`ByteBar` by its bytes once it has been handled."""
+    bar = ByteBar(description, total_bytes)
     try:
         for item, nbytes in items:
             yield item
-            done += nbytes
-            if bar is None and enabled and time.monotonic() - started > PROGRESS_DELAY_S:
-                bar = rich_progress.Progress(
-                    rich_progress.TextColumn("{task.description}"),
-                    rich_progress.BarColumn(),
-                    rich_progress.DownloadColumn(binary_units=True),
-                    rich_progress.TransferSpeedColumn(),
-                    rich_progress.TimeRemainingColumn(),
-                    console=console,
-                    transient=True,
-                )
-                task = bar.add_task(description, total=total_bytes, completed=done)
-                bar.start()
-            elif bar is not None:
-                bar.update(task, completed=done)
+            bar.advance(nbytes)
     finally:
-        if bar is not None:
-            bar.stop()
+        bar.close()
+
+
+@contextlib.contextmanager
+def counted(weights: Mapping[str, np.ndarray], description: str) -> Iterator[dict[str, Any]]:
+    """``weights`` for :func:`weightstore.save` to write under a :class:`ByteBar`.
+
+    ``save`` checks each value's ``dtype`` first and converts it (``np.asarray``) only when it
+    writes it, one tensor at a time, so each value advances the bar as it goes to the file:
+    compressing, HDF5 and the pages of a mapped source are where a write spends its time.
+    """
+    bar = ByteBar(description, sum(array.nbytes for array in weights.values()))
+    try:
+        yield {key: _Counted(array, bar) for key, array in weights.items()}
+    finally:
+        bar.close()
+
+
+class _Counted:
+    """An array that advances a bar when it is converted for writing."""
+
+    def __init__(self, array: np.ndarray, bar: ByteBar):
+        self.dtype = array.dtype
+        self._array = array
+        self._bar = bar
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        self._bar.advance(self._array.nbytes)
+        return self._array if dtype is None else self._array.astype(dtype, copy=False)
 
 
 @contextlib.contextmanager
 def working(description: str) -> Iterator[None]:
-    """A spinner on stderr for a step with no measurable progress (a file being written),
-    shown only on a terminal, without ``--quiet``, once the step has run for a moment."""
+    """A spinner on stderr for a step with no measurable progress (TensorFlow writing a
+    checkpoint in one call), shown only on a terminal, without ``--quiet``, once the step has
+    run for a moment."""
     console = stderr()
     if settings.quiet or not console.is_terminal:
         yield

@@ -19,12 +19,20 @@ import weightstore
 from weightstore.adapters import checkpoints
 from weightstore.adapters import layout as layouts
 from weightstore.adapters.checkpoints import Source
-from weightstore.cli.render import track, working
-from weightstore.errors import FormatError, LayoutError, SelectionError, StoreExistsError, StoreNotFoundError
+from weightstore.adapters.plan import Selection
+from weightstore.cli.render import counted, track, working
+from weightstore.errors import (
+    FormatError,
+    LayoutError,
+    SelectionError,
+    StoreExistsError,
+    StoreNotFoundError,
+    naming,
+)
 from weightstore.formats import format_for_suffix, sniff
-from weightstore.keys import MappingRules, Patterns, passes, plan_inward, plan_outward, validate_key
+from weightstore.io.location import is_url
+from weightstore.keys import MappingRules, Patterns, plan_inward, plan_outward, validate_key
 from weightstore.names import TORCH, WRITE_NAMINGS, check_naming, torch_keys
-from weightstore.storage import is_url
 from weightstore.store import output_format
 
 _SHOWN = 5  # colliding keys named in an error; the rest are counted
@@ -54,26 +62,25 @@ def read(source: Source, plan: Mapping[str, str], description: str) -> dict[str,
     return {new: source[plan[new]] for new in track(items, description, total)}
 
 
-def export(source: Source, out: str, *, scope: str | None, mapping: MappingRules, include: Patterns,
-           exclude: Patterns, trainable_only: bool, compress: bool | str, also: Patterns = None,
+def export(source: Source, out: str, *, selection: Selection, mapping: MappingRules, compress: bool | str,
            names: str | None = None) -> Written:
-    """``also`` (with ``trainable_only``) keeps keys matching it too: the batch-norm statistics a
-    seed needs beside the trainable weights. It matches the keys after scope and mapping.
-    ``names`` is :func:`weightstore.save`'s."""
+    """The tensors ``selection`` keeps, as an adapter's export keeps them; ``also`` matches the
+    keys after scope and mapping (``--also '*/bn/moving_*'``: batch-norm statistics beside the
+    trainable weights). ``names`` is :func:`weightstore.save`'s."""
     output_format(out)
     check_naming(names, WRITE_NAMINGS)
-    plan = plan_outward(source.keys(), scope=scope, mapping=mapping, include=include, exclude=exclude,
-                        where=source.path)
-    if trainable_only:
+    plan = plan_outward(source.keys(), scope=selection.scope, mapping=mapping, include=selection.include,
+                        exclude=selection.exclude, where=source.path)
+    if selection.trainable_only:
         trainable = source.trainable_keys()
-        plan = {new: old for new, old in plan.items() if old in trainable or (also and passes(new, include=also))}
+        plan = {new: old for new, old in plan.items() if selection.keeps(new, old in trainable)}
         if not plan:
             raise SelectionError("no trainable variable is selected", path=source.path)
     if not plan:
         raise SelectionError("selects no tensor", path=source.path)
     weights = read(source, plan, "reading")
-    with working(f"writing {out}"):
-        weightstore.save(out, weights, metadata=provenance(source), compress=compress, names=names)
+    with counted(weights, f"writing {out}") as values:
+        weightstore.save(out, values, metadata=provenance(source), compress=compress, names=names)
     return Written(out, "store", len(weights), sum(a.nbytes for a in weights.values()))
 
 
@@ -103,8 +110,8 @@ def convert(source: Source, out: str, *, compress: bool | str, layout: str | Non
     weights = read(source, plan, "converting")
     if layout is not None:
         weights = layouts.convert(weights, layout, where=source.path, kinds=kinds)
-    with working(f"writing {out}"):
-        weightstore.save(out, weights, metadata=source.metadata, compress=compress, names=names,
+    with counted(weights, f"writing {out}") as values:
+        weightstore.save(out, values, metadata=source.metadata, compress=compress, names=names,
                          max_shard_size=max_shard_size)
     return Written(out, "store", len(weights), sum(a.nbytes for a in weights.values()))
 
@@ -137,23 +144,24 @@ def import_(source: Source, target: str, *, scope: str | None, mapping: MappingR
     plan = plan_inward(source.keys(), scope=scope, mapping=mapping, include=include, exclude=exclude, where=source.path)
     if not plan:
         raise SelectionError("holds no tensor to import", path=source.path)
-    for key in plan:
-        validate_key(key)
+    with naming(path=target):  # keys the scope made, refused as the target's
+        for key in plan:
+            validate_key(key)
     if is_checkpoint_target(target):
         return _import_into_checkpoint(source, target, plan, overwrite)
     try:
         old = weightstore.open(target)
     except StoreNotFoundError:
         weights = read(source, plan, "importing")
-        with working(f"writing {target}"):
-            weightstore.save(target, weights, metadata=provenance(source))
+        with counted(weights, f"writing {target}") as values:
+            weightstore.save(target, values, metadata=provenance(source))
         return Written(target, "store", len(weights), sum(a.nbytes for a in weights.values()))
     with old:
         _refuse_clashes(target, old.keys(), plan, overwrite)
         merged = {key: old[key] for key in old if key not in plan}
         weights = read(source, plan, "importing")
-        with working(f"writing {target}"):
-            weightstore.save(target, {**merged, **weights}, metadata=old.metadata)
+        with counted({**merged, **weights}, f"writing {target}") as values:
+            weightstore.save(target, values, metadata=old.metadata)
     return Written(target, "store", len(weights), sum(a.nbytes for a in weights.values()))
 
 

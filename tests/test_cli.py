@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -359,6 +360,21 @@ def test_progress_appears_only_on_a_terminal(monkeypatch):
         assert ("reading" in buffer.getvalue()) is terminal
 
 
+@pytest.mark.parametrize("command", [["convert", "{store}", "{out}.h5", "--compress"],
+                                     ["export", "{store}", "-o", "{out}.npz", "--compress"],
+                                     ["import", "{store}", "--into", "{out}.h5"]], ids=["convert", "export", "import"])
+def test_writing_a_store_shows_the_byte_bar_reading_does(store, tmp_path, monkeypatch, command):
+    """Compressing and HDF5 are where a write spends its time: it counts bytes as reading does, not a spinner."""
+    monkeypatch.setattr(render, "PROGRESS_DELAY_S", 0.0)
+    buffer = io.StringIO()
+    monkeypatch.setattr(render, "stderr", lambda: Console(file=buffer, force_terminal=True, width=300))
+    out = tmp_path / "out"
+    result = run(*(part.format(store=store, out=out) for part in command))
+    assert result.exit_code == 0, result.output
+    shown = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", buffer.getvalue())
+    assert re.search(rf"writing {re.escape(str(out))}\.(h5|npz) [^\r\n]* 48/48 bytes", shown), shown
+
+
 # -- the installed command -------------------------------------------------------------------
 
 def test_installed_ws_exports_a_checkpoint_quietly(made, tmp_path):
@@ -458,8 +474,29 @@ def _folder_with_a_damaged_latest(tmp_path) -> tuple[list[str], str, str | None]
     return ["versions", str(tmp_path)], str(tmp_path), None
 
 
+def _key_too_long_for_the_target(tmp_path) -> tuple[list[str], str, str | None]:
+    source, target = tmp_path / "m.npz", str(tmp_path / "out.npz")
+    ws.save(source, {"w": np.ones(2, np.float32)})
+    scope = "s" * 65530  # with "/w", past the longest member name npz holds
+    return ["import", str(source), "--into", target, "--scope", scope], target, f"{scope}/w"
+
+
+def _dtype_the_target_cannot_hold(tmp_path) -> tuple[list[str], str, str | None]:
+    source, target = tmp_path / "m.npz", str(tmp_path / "out.safetensors")
+    ws.save(source, {"ok": np.ones(2, np.float32), "c": np.ones(2, np.complex128)})
+    return ["convert", str(source), target], target, "c"
+
+
+def _suffix_that_names_no_format(tmp_path) -> tuple[list[str], str, str | None]:
+    source, target = tmp_path / "m.npz", str(tmp_path / "out.xyz")
+    ws.save(source, {"w": np.ones(2, np.float32)})
+    return ["export", str(source), "-o", target], target, None
+
+
 @pytest.mark.parametrize("damaged", [_truncated_safetensors, _corrupt_npz, _checkpoint_without_its_data,
-                                     _folder_with_a_damaged_latest], ids=["ls", "verify", "convert", "versions"])
+                                     _folder_with_a_damaged_latest, _key_too_long_for_the_target,
+                                     _dtype_the_target_cannot_hold, _suffix_that_names_no_format],
+                         ids=["ls", "verify", "convert", "versions", "save-key", "save-dtype", "save-suffix"])
 def test_json_errors_carry_the_file_and_the_key(tmp_path, damaged):
     """Scripts filter failures by ``error.path``/``error.key``; the message still names both."""
     args, path, key = damaged(tmp_path)

@@ -43,6 +43,22 @@ def test_export_keys_are_state_paths_params_and_batch_stats_not_rng_state():
         flax_adapter.export(Net(), scope="head")
 
 
+def test_trainable_only_with_also_keeps_batch_stats_on_export_and_assign():
+    """``nnx.Param`` is trainable, ``BatchStat`` is not; ``also`` brings the statistics back."""
+    assert sorted(flax_adapter.export(Net(), trainable_only=True, also="bn/mean")) == [
+        "bn/bias", "bn/mean", "bn/scale", "conv/bias", "conv/kernel", "layers/0/bias", "layers/0/kernel"]
+    weights = random_weights()
+    net = Net()
+    var_before = np.array(net.bn.var.get_value())
+    report = flax_adapter.assign(net, {k: v for k, v in weights.items() if k != "bn/var"}, trainable_only=True,
+                                 also="bn/mean")
+    assert report.ok and sorted(report.assigned) == sorted(set(weights) - {"bn/var"})
+    np.testing.assert_array_equal(np.asarray(net.bn.mean.get_value()), weights["bn/mean"])
+    np.testing.assert_array_equal(np.asarray(net.bn.var.get_value()), var_before)
+    with pytest.raises(AssignmentError, match="bn/mean"):  # without also, a statistic in the dict is unexpected
+        flax_adapter.assign(Net(), {k: v for k, v in weights.items() if k != "bn/var"}, trainable_only=True)
+
+
 def test_assign_in_place_through_a_store(tmp_path):
     weights = random_weights()
     ws.save(tmp_path / "w.npz", weights)

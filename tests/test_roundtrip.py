@@ -364,20 +364,20 @@ def test_open_over_a_stream_reads_a_small_index(tmp_path, monkeypatch):
     """Through fsspec (ranged reads), opening a 16 MB file reads its directory tail and manifest."""
     import fsspec
 
-    from weightstore.formats import source
+    from weightstore.io import remote
 
     fs = fsspec.filesystem("memory")
     url = f"memory://{tmp_path.name}/w.npz"
     weights = {f"layer_{i}/kernel": np.full((256, 256), i, np.float32) for i in range(64)}
     ws.save(url, weights)
     read = []
-    original = source.RemoteFile.read_at
+    original = remote.RemoteFile.read_at
 
     def counting(self, offset, length):
         read.append(length)
         return original(self, offset, length)
 
-    monkeypatch.setattr(source.RemoteFile, "read_at", counting)
+    monkeypatch.setattr(remote.RemoteFile, "read_at", counting)
     with ws.open(url) as store:
         assert len(store.keys()) == 64
         index_bytes = sum(read)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import weightstore as ws
-from weightstore import storage
+from weightstore.io import commit, objects
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
@@ -112,9 +112,7 @@ def test_one_scope_transfers_its_bytes_and_the_index(s3, suffix):
 
 @pytest.mark.parametrize("suffix", FORMATS)
 def test_full_load_is_exact_verified_and_concurrent(s3, suffix, monkeypatch):
-    from weightstore.formats import source
-
-    monkeypatch.setattr(source, "PART_BYTES", 256 << 10)  # 2 MB in 8 parts
+    monkeypatch.setattr(objects, "PART_BYTES", 256 << 10)  # 2 MB in 8 parts
     target = url(suffix)
     ws.save(target, WEIGHTS)
     arrived = threading.Barrier(2, timeout=5)
@@ -142,9 +140,7 @@ def test_full_load_is_exact_verified_and_concurrent(s3, suffix, monkeypatch):
 
 
 def test_a_large_tensor_is_fetched_in_concurrent_parts(s3, monkeypatch):
-    from weightstore.formats import source
-
-    monkeypatch.setattr(source, "PART_BYTES", 1 << 20)
+    monkeypatch.setattr(objects, "PART_BYTES", 1 << 20)
     big = {"big": np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)}  # 4 MB: four parts
     target = url(".safetensors")
     ws.save(target, big)
@@ -155,7 +151,7 @@ def test_a_large_tensor_is_fetched_in_concurrent_parts(s3, monkeypatch):
 
 
 def test_save_uploads_parts_concurrently_and_appears_only_when_complete(s3, monkeypatch):
-    monkeypatch.setattr(storage, "UPLOAD_PART_BYTES", 5 << 20)  # S3's smallest part
+    monkeypatch.setattr(commit, "UPLOAD_PART_BYTES", 5 << 20)  # S3's smallest part
     weights = {"w": np.random.default_rng(0).standard_normal((3 << 20,)).astype(np.float32)}  # 12 MB
     target = url(".npz")
     seen_before_complete = []
@@ -279,9 +275,7 @@ def test_other_file_systems_catch_a_shortened_file(tmp_path):
 
 
 def test_concurrency_is_s3fs_max_concurrency(s3, monkeypatch):
-    from weightstore.formats import source
-
-    monkeypatch.setattr(source, "PART_BYTES", 256 << 10)
+    monkeypatch.setattr(objects, "PART_BYTES", 256 << 10)
     folder = f"s3://{BUCKET}/{uuid.uuid4().hex}"
     ws.publish(folder, WEIGHTS, step=1)
     version = ws.latest(folder, storage_options={"max_concurrency": 1})

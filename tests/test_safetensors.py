@@ -265,20 +265,20 @@ def test_open_reads_only_the_header_and_reads_verify(tmp_path):
 def test_remote_reads_are_ranged(tmp_path, monkeypatch):
     import fsspec
 
-    from weightstore.formats import source
+    from weightstore.io import remote
 
     fs = fsspec.filesystem("memory")
     url = f"memory://st-{tmp_path.name}/w.safetensors"
     weights = {f"layer_{i}/kernel": np.full((128, 128), i, np.float32) for i in range(32)}
     ws.save(url, weights, metadata={"step": 1})
     read = []
-    original = source.RemoteFile.read_at
+    original = remote.RemoteFile.read_at
 
     def counting(self, offset, length):
         read.append(length)
         return original(self, offset, length)
 
-    monkeypatch.setattr(source.RemoteFile, "read_at", counting)
+    monkeypatch.setattr(remote.RemoteFile, "read_at", counting)
     with ws.open(url) as store:
         assert store.metadata == {"step": 1} and len(store.keys()) == 32
         header_bytes = sum(read)

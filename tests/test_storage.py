@@ -217,3 +217,41 @@ def test_concurrent_open_and_release_of_a_pin_never_leaks_a_closed_reader(tmp_pa
         version.release()
         thread.join()
     assert errors == []
+
+
+# -- reading what is not a regular file ---------------------------------------------------------
+
+FIFO_READER = textwrap.dedent("""
+    import sys
+    import weightstore as ws
+    try:
+        getattr(ws, sys.argv[1])(sys.argv[2])
+    except ws.WeightStoreError as exc:
+        print(type(exc).__name__, exc.path, exc, sep="|")
+""")
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".h5", ".safetensors", ".keras", ""])
+@pytest.mark.parametrize("call", ["open", "load"])
+def test_reading_a_fifo_is_refused_not_waited_on(tmp_path, call, suffix):
+    fifo = tmp_path / f"pipe{suffix}"
+    os.mkfifo(fifo)
+    result = subprocess.run([sys.executable, "-c", FIFO_READER, call, str(fifo)], capture_output=True, text=True,
+                            timeout=60)
+    kind, path, message = result.stdout.strip().split("|")
+    assert (kind, path) == ("FormatError", str(fifo)), result.stderr
+    assert "is not a regular file (a FIFO)" in message
+
+
+def test_ws_ls_of_a_fifo_is_refused_not_waited_on(tmp_path):
+    fifo = tmp_path / "pipe.npz"
+    os.mkfifo(fifo)
+    result = subprocess.run([sys.executable, "-m", "weightstore", "ls", str(fifo)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 1
+    assert f"{fifo}: is not a regular file (a FIFO)" in result.stderr
+
+
+def test_reading_a_device_is_refused(tmp_path):
+    with pytest.raises(ws.FormatError, match=r"/dev/zero: is not a regular file \(a character device\)"):
+        ws.open("/dev/zero", format="npz")

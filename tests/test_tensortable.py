@@ -1,4 +1,4 @@
-"""The manifest's tensors as columns (version 2), and the npz directory proved against them.
+"""The manifest's tensors as columns (versions 2 and 3), and the npz directory proved against them.
 
 Every column of an untrusted manifest is checked whole; each kind of damage is a
 ``FormatError`` that names the file and, where one tensor is at fault, that tensor. An npz laid
@@ -96,8 +96,33 @@ def test_a_missing_column_is_named():
 
 
 def test_a_newer_version_is_refused():
-    with raises_naming(errors.FormatError, "m.npz", "version 3"):
-        parse({**columns(), "version": 3})
+    with raises_naming(errors.FormatError, "m.npz", "version 4"):
+        parse({**columns(), "version": 4})
+
+
+DIGESTS = "ab" * 32 + "0123456789abcdef" * 4
+
+
+def test_version_3_digests_read_per_tensor_and_are_optional():
+    manifest = parse({**columns(blake3=DIGESTS), "version": 3})
+    assert manifest.tensors["dense/kernel"].digest == "blake3:" + "ab" * 32
+    assert manifest.tensors["dense/bias"].digest == "blake3:" + "0123456789abcdef" * 4
+    assert manifest.tensors["dense/bias"].checksum == "crc32:ffffffff"  # CRC-32 still there for what checks it
+    assert parse({**columns(), "version": 3}).tensors["dense/kernel"].digest is None
+    assert parse(columns()).tensors["dense/kernel"].digest is None  # version 2: no digests
+
+
+@pytest.mark.parametrize("column", [DIGESTS[:-2], DIGESTS + "00", DIGESTS.upper(), DIGESTS[:-1] + "g",
+                                    ["ab" * 32, "cd" * 32], 7])
+def test_a_damaged_digest_column_is_a_format_error_naming_it(column):
+    with raises_naming(errors.FormatError, "m.npz", "'blake3'"):
+        parse({**columns(blake3=column), "version": 3})
+
+
+def test_a_digest_column_in_a_version_2_manifest_is_refused():
+    """What a version 2 reader does with it, so a file reads the same wherever it is read."""
+    with raises_naming(errors.FormatError, "m.npz", "columns"):
+        parse(columns(blake3=DIGESTS))
 
 
 @settings(max_examples=60, deadline=None)
@@ -216,8 +241,8 @@ def test_version_1_manifest_reads_as_the_same_table():
     entries = {"a": {"dtype": "bfloat16", "shape": [2, 3], "checksum": "crc32:0000abcd"},
                "b": {"dtype": "int8", "shape": [], "checksum": None}}
     manifest = parse({"format": "weightstore", "version": 1, "tensors": entries})
-    assert manifest.tensors["a"] == ("a", "bfloat16", (2, 3), 12, "crc32:0000abcd")
-    assert manifest.tensors["b"] == ("b", "int8", (), 1, None)
+    assert manifest.tensors["a"] == ("a", "bfloat16", (2, 3), 12, "crc32:0000abcd", None)  # no digest before version 3
+    assert manifest.tensors["b"] == ("b", "int8", (), 1, None, None)
 
 
 #: a JSON value nested as deep as orjson reads (1,024 levels), past where ``repr`` raises RecursionError

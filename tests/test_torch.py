@@ -57,6 +57,21 @@ def test_export_copies_and_selects():
         torch_adapter.export(net, scope="4")
 
 
+def test_trainable_only_with_also_keeps_batch_norm_statistics_on_export_and_assign():
+    """Buffers are never trainable; ``also`` brings back the running statistics a model needs to infer."""
+    net = small_net()
+    assert list(torch_adapter.export(net, trainable_only=True, also="*/running_*")) == [
+        "0/weight", "0/bias", "1/weight", "1/bias", "1/running_mean", "1/running_var", "3/weight", "3/bias"]
+    trained = {key: np.full_like(value, 3) for key, value in torch_adapter.export(small_net()).items()}
+    counter_before = net[1].num_batches_tracked.clone()
+    report = torch_adapter.assign(net, trained, trainable_only=True, also="*/running_*", strict=False)
+    assert torch.equal(net[1].running_var, torch.full((4,), 3.0)) and torch.equal(net[3].bias, torch.full((2,), 3.0))
+    assert torch.equal(net[1].num_batches_tracked, counter_before)  # a buffer also= does not name
+    assert "1/num_batches_tracked" not in report.assigned and "1/running_mean" in report.assigned
+    with pytest.raises(AssignmentError, match="1/running_mean"):  # without also, a buffer in the file is unexpected
+        torch_adapter.assign(small_net(), trained, trainable_only=True)
+
+
 def test_assign_round_trip_in_place_keeps_the_very_same_parameters():
     """An optimizer holding the parameters keeps training the module (importing torch.optim costs 3 s)."""
     source, target = small_net(), nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4, 2))

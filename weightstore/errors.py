@@ -27,7 +27,9 @@ weightstore class or the builtin they already handle::
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
 
 __all__ = [
     "WeightStoreError",
@@ -51,6 +53,8 @@ __all__ = [
     "PublishError",
     "MissingDependencyError",
 ]
+
+_E = TypeVar("_E", bound="WeightStoreError")
 
 
 class WeightStoreError(Exception):
@@ -168,3 +172,29 @@ class PublishError(WeightStoreError, RuntimeError):
 
 class MissingDependencyError(WeightStoreError, ImportError):
     pass
+
+
+def attach(exc: _E, *, path: object = None, key: str | None = None) -> _E:
+    """``exc`` with ``path`` and ``key`` filled in where it has none; returned for ``raise attach(...)``."""
+    if exc.path is None and path:
+        exc.path = str(path)
+    if exc.key is None and key is not None:
+        exc.key = key
+    return exc
+
+
+@contextlib.contextmanager
+def naming(*, path: object = None, key: str | None = None) -> Iterator[None]:
+    """Attach ``path`` (the file) and ``key`` (the tensor) to a :class:`WeightStoreError` raised
+    inside that does not name them yet.
+
+    The code that knows which file an operation is about wraps it, as httpx's
+    ``request_context`` attaches the request to errors raised under it, so the checks below need
+    not be handed the name only to put it in their messages: ``path``/``key`` are set as
+    attributes (``ws --json`` prints them) and the message is composed from them.
+    """
+    try:
+        yield
+    except WeightStoreError as exc:
+        attach(exc, path=path, key=key)
+        raise

@@ -52,10 +52,10 @@ def from_tf_name(name: str) -> str:
 def validate_key(key: object) -> str:
     """Return ``key`` if it is a valid key, else raise :class:`InvalidKeyError` naming it."""
     if not isinstance(key, str):
-        raise InvalidKeyError(f"key {key!r} is not a string")
+        raise InvalidKeyError(f"invalid key: {key!r} is not a string")
     problem = _key_problem(key)
     if problem:
-        raise InvalidKeyError(f"invalid key {key!r}: {problem}")
+        raise InvalidKeyError(f"invalid key: {problem}", key=key)
     return key
 
 

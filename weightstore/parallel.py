@@ -19,7 +19,10 @@ import itertools
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
+
+R = TypeVar("R")
 
 #: threads working on one piece of work, the caller included: all the cores of the 2-core
 #: machines this was measured on; more were never measured, so never used
@@ -74,3 +77,12 @@ def for_each(count: int, job: Callable[[int], object]) -> None:
             future.result()
     if failures:
         raise failures[0]
+
+
+def beside(job: Callable[[], R]) -> Future[R]:
+    """Start ``job`` on the shared helper, for the caller to overlap with work of its own.
+
+    While it runs, the caller's :func:`for_each` calls find the helper busy and do their jobs
+    alone, so nothing waits for it but whoever asks for its result.
+    """
+    return _pool().submit(job)

@@ -1,15 +1,15 @@
 """``save``, ``load`` and ``open`` over local paths and fsspec URLs, with atomic replace.
 
 How a save becomes visible (rename beside the target locally, one upload to a URL), and which
-targets it refuses to replace, is :mod:`weightstore.storage`'s business; this module checks the
+targets it refuses to replace, is :mod:`weightstore.io`'s business; this module checks the
 input, picks the format and streams tensors into the file the commit protocol hands it.
 """
 
 from __future__ import annotations
 
 import builtins
-import contextlib
 import copy
+import functools
 import json
 import math
 import os
@@ -18,10 +18,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from weightstore import __version__
+from weightstore import __version__, parallel
 from weightstore.errors import (
     FormatError,
-    InvalidKeyError,
     KeyNotInStoreError,
     SizeLimitError,
     StoreExistsError,
@@ -29,14 +28,19 @@ from weightstore.errors import (
     TargetError,
     UnsupportedDTypeError,
     WeightStoreError,
+    attach,
+    naming,
 )
 from weightstore.formats import Format, Reader, format_for_suffix, format_named, hf_sharded, known_suffixes, sniff
 from weightstore.formats.foreign import HEAD_BYTES, open_foreign, refuse_pickle
 from weightstore.formats.renamed import RenamedReader, names_by_key
-from weightstore.formats.source import RemoteFile
 from weightstore.gcpause import paused_gc
+from weightstore.io.commit import commit_for
+from weightstore.io.files import open_regular
+from weightstore.io.location import filesystem, is_url, location_of
+from weightstore.io.remote import RemoteFile
 from weightstore.keys import MappingRules, Patterns, plan_outward, validate_keys
-from weightstore.manifest import TensorInfo, build_manifest, dtype_name, logical_dtype, to_storage
+from weightstore.manifest import TensorInfo, build_manifest, content_digest, dtype_name, logical_dtype, to_storage
 from weightstore.names import (
     FILE,
     KEYS,
@@ -49,9 +53,10 @@ from weightstore.names import (
     reads_as_torch,
     torch_name_of_key,
 )
-from weightstore.storage import commit_for, filesystem, is_url, location_of
 
 _S = TypeVar("_S", bound="Store")
+#: tensors of at least this many bytes are hashed beside their write (see :func:`write_file`)
+_HASH_BESIDE = 1 << 20
 
 
 class Store(Mapping):
@@ -76,24 +81,38 @@ class Store(Mapping):
 
     @property
     def metadata(self) -> dict[str, Any]:
+        """What the writer passed as ``metadata`` (``{}`` for a file without a manifest)."""
         return self._reader.metadata
 
     @property
     def created(self) -> str:
+        """When the file was written (ISO 8601, UTC), as its manifest says; empty without one."""
         return self._reader.created
 
     @property
     def has_checksums(self) -> bool:
+        """Whether the file has weightstore's manifest, with a checksum per tensor (what hot reload
+        compares); False for files other tools wrote and for TF checkpoints."""
         return self._reader.has_checksums
 
     def keys(self) -> list[str]:  # type: ignore[override]  # a list keeps the file's order
+        """Every key, in the file's order."""
         return list(self._keys)
 
     def info(self, key: str) -> TensorInfo:
-        return self._reader.info(key)
+        """A tensor's dtype, shape, size and checksum, from the index: no tensor bytes are read."""
+        try:
+            return self._reader.info(key)
+        except WeightStoreError as exc:  # a reader's check that knows the tensor, not the file
+            attach(exc, path=self.path)
+            raise
 
     def __getitem__(self, key: str) -> np.ndarray:
-        return self._reader.read(key, verify=self.verify)
+        try:
+            return self._reader.read(key, verify=self.verify)
+        except WeightStoreError as exc:
+            attach(exc, path=self.path)
+            raise
 
     def read_into(self, key: str, out: np.ndarray) -> np.ndarray:
         """Read ``key`` into ``out`` (its shape, C-contiguous, writable; converted to its dtype) and return it.
@@ -127,7 +146,8 @@ class Store(Mapping):
             prefetch(keys)
         read_many = getattr(self._reader, "read_many", None)
         if read_many is not None and keys:
-            return read_many(keys, verify=self.verify)
+            with naming(path=self.path):
+                return read_many(keys, verify=self.verify)
         return [self[key] for key in keys]
 
     def __contains__(self, key: object) -> bool:
@@ -141,9 +161,11 @@ class Store(Mapping):
 
     @property
     def nbytes(self) -> int:
+        """The bytes of every tensor, as arrays in memory (not as stored, which compression shrinks)."""
         return sum(self.info(k).nbytes for k in self.keys())
 
     def close(self) -> None:
+        """Release the file (its map or handle); ``with ws.open(...)`` calls it. Read no tensor after it."""
         self._reader.close()
 
     def __enter__(self: _S) -> _S:
@@ -235,13 +257,13 @@ def _open(path: Any, *, verify: bool, format: str | None, mmap: bool) -> Store: 
         foreign = open_foreign(location, mmap=mmap)
         if foreign is not None:
             return Store(foreign, foreign.name, verify, getattr(foreign, "format", ""))
+    if os.path.isdir(location):
+        raise StoreNotFoundError("is a folder, not a weight file", path=location)
     try:
-        with builtins.open(location, "rb") as handle:
+        with open_regular(location) as handle:
             head = handle.read(HEAD_BYTES)
     except FileNotFoundError:
         raise StoreNotFoundError("no such file", path=location) from None
-    except IsADirectoryError:
-        raise StoreNotFoundError("is a folder, not a weight file", path=location) from None
     refuse_pickle(head, location)
     fmt = format_named(format) if format else format_for_suffix(location) or sniff(head, location)
     return Store(fmt.open_reader(location, location, mmap=mmap), location, verify, fmt.name)
@@ -436,10 +458,8 @@ def file_names(keys: Iterable[str], names: str | None, fmt: Format, where: str) 
     """
     if names in (None, KEYS):
         return {}
-    try:
+    with naming(path=where):
         return {key: torch_name_of_key(key) for key in keys}
-    except InvalidKeyError as exc:
-        raise InvalidKeyError(str(exc), path=where) from None
 
 
 def output_format(location: str, format: str | None = None) -> Format:  # noqa: A002
@@ -495,7 +515,7 @@ class _Checked(Mapping):
         self._where = where
         self._values: dict[str, Any] = {}  # None: read from ``weights`` when written
         store = weights if isinstance(weights, Store) else None
-        with self._naming_the_file():  # once around the loop: 50,000 small tensors
+        with naming(path=where):  # once around the loop: 50,000 small tensors
             keys = validate_keys(weights)
             if store is not None:
                 names = [store.info(key).dtype for key in keys]
@@ -529,22 +549,11 @@ class _Checked(Mapping):
                 logical_dtype(name)
             except WeightStoreError:
                 raise UnsupportedDTypeError(
-                    f"tensor {key!r} has dtype {name}: only numeric, bool and ml_dtypes arrays are weights"
+                    f"has dtype {name}: only numeric, bool and ml_dtypes arrays are weights", key=key
                 ) from None
         if fmt is not None and fmt.dtypes is not None and name not in fmt.dtypes:
-            raise UnsupportedDTypeError(
-                f"tensor {key!r} has dtype {name}, which {fmt.name} cannot hold; save it as .npz or .h5"
-            )
-
-    @contextlib.contextmanager
-    def _naming_the_file(self) -> Iterator[None]:
-        try:
-            yield
-        except (InvalidKeyError, UnsupportedDTypeError) as exc:
-            raise self._naming(exc) from None
-
-    def _naming(self, exc: InvalidKeyError | UnsupportedDTypeError) -> WeightStoreError:
-        return type(exc)(f"{self._where}: {exc}") if self._where else exc
+            raise UnsupportedDTypeError(f"has dtype {name}, which {fmt.name} cannot hold; save it as .npz or .h5",
+                                        key=key)
 
     def nbytes(self, key: str) -> int:
         """The bytes ``key`` will take in the file, from its index or shape; nothing is read."""
@@ -573,10 +582,10 @@ class _Checked(Mapping):
     def _stored_form(self, key: str, value: Any) -> tuple[str, np.ndarray]:
         if value is None:
             value = self._weights[key]
-        try:  # not _naming_the_file: a context manager per tensor costs more than a small tensor's write
+        try:  # not naming(): a context manager per tensor costs more than a small tensor's write
             return to_storage(value if type(value) is np.ndarray else np.asarray(value), key)
         except UnsupportedDTypeError as exc:  # a value whose dtype changed since it was checked
-            raise self._naming(exc) from None
+            raise attach(exc, path=self._where, key=key) from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._values)
@@ -628,13 +637,18 @@ def write_file(path: str, fmt: Format, arrays: _Checked, metadata: Mapping[str, 
     if stored_names and mark_torch_names is not None:
         mark_torch_names()
     try:
-        tensors = []
+        tensors, digests = [], []
         for key, name, data in arrays.stored():  # read/converted now: one tensor in memory at a time
+            # a large tensor is hashed on the helper thread while the writer writes it (both release
+            # the GIL); a small one after, still in cache, as a hand-off costs more than its hash
+            hashing = parallel.beside(functools.partial(content_digest, data)) if data.nbytes >= _HASH_BESIDE else None
             stored = stored_names.get(key, key)
             tensors.append((key if located else stored, name, data.shape, writer.add(stored, name, data)))
+            digests.append(content_digest(data) if hashing is None else hashing.result())
             del data
         locations = {**writer.locations, **located}
-        writer.commit(build_manifest(tensors, metadata, f"weightstore {__version__}", locations, writer.codecs))
+        writer.commit(build_manifest(tensors, metadata, f"weightstore {__version__}", locations, writer.codecs,
+                                     digests))
     except BaseException:
         writer.abort()
         raise

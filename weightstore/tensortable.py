@@ -15,6 +15,12 @@ The JSON form, inside the manifest's ``"tensors"``::
 ``dtypes`` names each logical dtype once; ``dtype`` indexes it per tensor; ``shape`` is every
 tensor's dimensions end to end, ``ndim`` says how many are each tensor's. ``location`` and
 ``codec`` map only the keys that have one (HDF5 reserved datasets, ``compress="shuffle"``).
+
+Version 3 adds ``"blake3"``: one string, each tensor's BLAKE3 digest of its stored bytes (32
+bytes, 64 hex digits) end to end in row order. CRC-32 finds damage; only the digest may
+decide that two tensors hold the same bytes (hot reload's skip, ``ws diff``), since a CRC-32
+collision takes four chosen bytes to forge. The column is optional: a table without it (every
+version 2 file) has no digests, and whoever compares its tensors compares their bytes.
 """
 
 from __future__ import annotations
@@ -30,13 +36,20 @@ from typing import Any, NamedTuple
 import numpy as np
 import orjson
 
-from weightstore.errors import FormatError
+from weightstore.errors import FormatError, InvalidKeyError
 from weightstore.keys import validate_keys
 
 CHECKSUM_ALGORITHM = "crc32"
 CHECKSUM_PREFIX = CHECKSUM_ALGORITHM + ":"
 COLUMNS = ("keys", "dtypes", "dtype", "ndim", "shape", "crc32")
 SPARSE_COLUMNS = ("location", "codec")
+DIGEST_ALGORITHM = "blake3"
+DIGEST_PREFIX = DIGEST_ALGORITHM + ":"
+#: hex digits of one tensor's digest in the ``blake3`` column
+DIGEST_HEX = 64
+#: columns a manifest of this version may add to :data:`COLUMNS` (and the version that added them)
+OPTIONAL_COLUMNS = {DIGEST_ALGORITHM: 3}
+_HEX = frozenset("0123456789abcdef")
 MAX_NDIM = 64
 #: more distinct dtypes than any numpy and ml_dtypes together define
 _MAX_DTYPES = 1024
@@ -61,6 +74,8 @@ class TensorInfo(NamedTuple):
     shape: tuple[int, ...]
     nbytes: int
     checksum: str | None = None
+    #: ``blake3:`` and the hex digest of the stored bytes; None in files written before version 3
+    digest: str | None = None
 
 
 class TensorTable(Mapping[str, TensorInfo]):
@@ -68,8 +83,9 @@ class TensorTable(Mapping[str, TensorInfo]):
     (:func:`parse_columns`), so nothing read from it later can be out of range."""
 
     def __init__(self, keys: list[str], dtype_names: list[str], dtype_codes: np.ndarray, ndims: np.ndarray,
-                 dims: np.ndarray, nbytes: np.ndarray, crcs: np.ndarray):
+                 dims: np.ndarray, nbytes: np.ndarray, crcs: np.ndarray, digests: str | None = None):
         self._keys = keys
+        self._digests = digests
         self._dtype_names = dtype_names
         self._dtype_codes = dtype_codes
         self._ndims = ndims
@@ -103,7 +119,9 @@ class TensorTable(Mapping[str, TensorInfo]):
         i = self._position[key]
         names, shapes, nbytes, crcs = self.rows()
         crc = crcs[i]
-        return TensorInfo(key, names[i], shapes[i], nbytes[i], None if crc == NO_CRC else f"{CHECKSUM_PREFIX}{crc:08x}")
+        digest = None if self._digests is None else DIGEST_PREFIX + self._digests[DIGEST_HEX * i : DIGEST_HEX * (i + 1)]
+        return TensorInfo(key, names[i], shapes[i], nbytes[i], None if crc == NO_CRC else f"{CHECKSUM_PREFIX}{crc:08x}",
+                          digest)
 
     def __contains__(self, key: object) -> bool:
         return key in self._position
@@ -145,33 +163,39 @@ class TensorTable(Mapping[str, TensorInfo]):
 TensorRow = tuple[str, str, tuple[int, ...], int]
 
 
-def columns_text(tensors: Sequence[TensorRow]) -> str:
-    """The JSON of the columns for ``tensors`` (their keys already valid)."""
+def columns_text(tensors: Sequence[TensorRow], digests: Sequence[bytes] | None = None) -> str:
+    """The JSON of the columns for ``tensors`` (their keys already valid), with each one's
+    content digest (raw, in the same order) when given."""
     keys, dtypes, shapes, crcs = (list(map(operator.itemgetter(field), tensors)) for field in range(4))
     names = list(dict.fromkeys(dtypes))
     code = {name: i for i, name in enumerate(names)}
-    return orjson.dumps({
+    columns: dict[str, Any] = {
         "keys": keys, "dtypes": names, "dtype": list(map(code.__getitem__, dtypes)),
         "ndim": list(map(len, shapes)), "shape": list(itertools.chain.from_iterable(shapes)),
         "crc32": crcs,
-    }).decode("utf-8")
+    }
+    if digests is not None:
+        columns[DIGEST_ALGORITHM] = b"".join(digests).hex()
+    return orjson.dumps(columns).decode("utf-8")
 
 
-def parse_columns(raw: dict[str, Any], where: str, itemsize_of: Callable[[object], int | None]) -> TensorTable:
-    """Check the columns of an untrusted manifest whole: types, lengths and ranges, the keys'
-    rules, and that every shape fits an array; ``itemsize_of`` gives a dtype name's item size,
-    or None for a name that is no dtype."""
+def parse_columns(raw: dict[str, Any], where: str, itemsize_of: Callable[[object], int | None],
+                  version: int = 3) -> TensorTable:
+    """Check the columns of an untrusted manifest of ``version`` whole: types, lengths and
+    ranges, the keys' rules, and that every shape fits an array; ``itemsize_of`` gives a dtype
+    name's item size, or None for a name that is no dtype."""
     fields = set(raw)
-    if not set(COLUMNS) <= fields <= set(COLUMNS + SPARSE_COLUMNS):
+    optional = [name for name, since in OPTIONAL_COLUMNS.items() if version >= since]
+    if not set(COLUMNS) <= fields <= set(COLUMNS + SPARSE_COLUMNS) | set(optional):
         raise FormatError(f"manifest tensor columns are {sorted(fields)}, not {list(COLUMNS)} "
-                          f"(and optionally {list(SPARSE_COLUMNS)})", path=where)
+                          f"(and optionally {[*SPARSE_COLUMNS, *optional]})", path=where)
     keys = raw["keys"]
     if type(keys) is not list or set(map(type, keys)) - {str}:
         raise FormatError("manifest 'keys' is not a list of strings", path=where)
     try:
         validate_keys(keys)
-    except ValueError as exc:
-        raise FormatError(f"manifest has {exc}", path=where) from None
+    except InvalidKeyError as exc:
+        raise FormatError(f"manifest has an {exc.message}", path=where, key=exc.key) from None
     count = len(keys)
     if len(set(keys)) != count:
         seen: set[str] = set()
@@ -195,7 +219,18 @@ def parse_columns(raw: dict[str, Any], where: str, itemsize_of: Callable[[object
     dims = _int_column(raw, "shape", where, int(ndims.sum()), _MAX_ARRAY_BYTES)
     crcs = _int_column(raw, "crc32", where, count, 0xFFFFFFFF)
     nbytes = _sizes(keys, ndims, dims, np.asarray(itemsizes, dtype=np.int64)[codes], where)
-    return TensorTable(keys, names, codes, ndims, dims, nbytes, crcs)
+    return TensorTable(keys, names, codes, ndims, dims, nbytes, crcs, _digest_column(raw, where, count))
+
+
+def _digest_column(raw: dict[str, Any], where: str, count: int) -> str | None:
+    """The ``blake3`` column: ``count`` digests as lowercase hex, end to end; None when absent."""
+    column = raw.get(DIGEST_ALGORITHM)
+    if column is None:
+        return None
+    if type(column) is not str or len(column) != DIGEST_HEX * count or not _HEX.issuperset(column):
+        raise FormatError(f"manifest column {DIGEST_ALGORITHM!r} is not {count} digests of {DIGEST_HEX} "
+                          "lowercase hex digits end to end", path=where)
+    return column
 
 
 def fits_an_array(shape: tuple[int, ...], itemsize: int) -> bool:

@@ -53,9 +53,11 @@ is closed itself, even after the iteration moved on.
 when ``timeout`` passes while the service is still failing.
 
 **Hot reload.** ``tf1.assign``/``tf2.assign`` given a :class:`Version` skip every tensor whose
-manifest checksum equals what the same target last received (``skip_unchanged=None`` means
-"only for versions"; pass ``True``/``False`` to force it), and list them in ``report.skipped``.
-Unchanged tensors are not even read.
+content digest (BLAKE3 of its bytes, with its dtype and shape; never the CRC-32, which a
+changed tensor can match) equals what the same target last received (``skip_unchanged=None``
+means "only for versions"; pass ``True``/``False`` to force it), and list them in
+``report.skipped``. Unchanged tensors are not even read. A file written before digests
+(manifest version 2) has every tensor written.
 
 **URLs.** Anything fsspec opens. Credentials and endpoints come from ``storage_options=`` or
 from the environment as the client reads it (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``…).
@@ -84,7 +86,9 @@ from weightstore.errors import (
     VersionGoneError,
 )
 from weightstore.formats import format_for_suffix, format_named
-from weightstore.storage import Folder, LocalFolder, folder_for, location_of, remove_stale_temporaries
+from weightstore.io.files import remove_stale_temporaries
+from weightstore.io.folders import Folder, LocalFolder, folder_for
+from weightstore.io.location import location_of
 from weightstore.store import Store, _checked, checked_metadata, write_file
 
 __all__ = ["Version", "VersionEntry", "PublishOptions", "publish", "latest", "follow", "list_versions"]
@@ -165,7 +169,7 @@ class Version:
     with ``ws.open`` stays readable until that store is closed. One from :func:`latest` is
     opened when first read; if it was pruned by then, that read raises
     :class:`VersionGoneError` — call ``latest`` again and retry. Assigning a Version skips
-    tensors whose checksum equals what the same target last received (hot reload).
+    tensors whose content digest equals what the same target last received (hot reload).
     """
 
     step: int

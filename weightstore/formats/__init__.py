@@ -113,7 +113,7 @@ def foreign_keys(names: Iterable[tuple[str, str]], where: str, what: str) -> dic
         try:
             validate_key(key)
         except InvalidKeyError as exc:
-            raise FormatError(f"{what} {member!r} does not name a valid key ({exc})", path=where) from None
+            raise FormatError(f"{what} {member!r} does not name a valid key ({exc.message})", path=where) from None
         if key in keys:
             raise FormatError(f"{what}s {keys[key]!r} and {member!r} both read as key {key!r}", path=where)
         keys[key] = member

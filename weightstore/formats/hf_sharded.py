@@ -29,7 +29,7 @@ import numpy as np
 
 from weightstore.errors import FormatError, KeyNotInStoreError, UnsafeFileError
 from weightstore.formats import safetensors
-from weightstore.formats.source import RemoteFile
+from weightstore.io.remote import RemoteFile
 from weightstore.manifest import TensorInfo
 
 INDEX_NAME = "model.safetensors.index.json"

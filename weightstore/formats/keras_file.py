@@ -24,8 +24,8 @@ import numpy as np
 
 from weightstore.errors import FormatError, StoreNotFoundError, UnsafeFileError, WeightStoreError
 from weightstore.formats import format_for_suffix, format_named
-from weightstore.formats.tf_checkpoint import refuse_special_file
 from weightstore.formats.zipdir import MAX_DEFLATE_RATIO
+from weightstore.io.files import refuse_special_file
 from weightstore.manifest import TensorInfo
 
 KERAS_SUFFIX = ".keras"

@@ -26,7 +26,6 @@ from isal import isal_zlib
 from weightstore import crc as _crc
 from weightstore.errors import ChecksumError, FormatError, KeyNotInStoreError, UnsafeFileError
 from weightstore.formats import Format, foreign_keys, shuffle_zstd, zipdir
-from weightstore.formats.source import ALIGNMENT, ByteSource, MappedFile, OwnedFile, open_source, prefetch_ranges
 from weightstore.formats.zipdir import (
     CENTRAL_SIG,
     DEFLATED,
@@ -44,6 +43,9 @@ from weightstore.formats.zipdir import (
     ZIP64_LIMIT,
 )
 from weightstore.gcpause import paused_gc
+from weightstore.io.buffer import ALIGNMENT
+from weightstore.io.local import MappedFile, OwnedFile
+from weightstore.io.source import ByteSource, open_source, prefetch_ranges
 from weightstore.manifest import (
     CRC_CHUNK,
     MAX_MANIFEST_BYTES,

@@ -54,7 +54,7 @@ import numpy as np
 
 from weightstore.errors import ChecksumError, FormatError, KeyNotInStoreError, UnsafeFileError, UnsupportedDTypeError
 from weightstore.formats import Format, foreign_keys
-from weightstore.formats.source import ByteSource, open_source, prefetch_ranges
+from weightstore.io.source import ByteSource, open_source, prefetch_ranges
 from weightstore.manifest import (
     MAX_NDIM,
     ML_DTYPES,

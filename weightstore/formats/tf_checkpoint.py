@@ -59,7 +59,6 @@ import itertools
 import math
 import os
 import re
-import stat
 import struct
 import threading
 from dataclasses import dataclass, field
@@ -76,9 +75,10 @@ from weightstore.errors import (
     StoreNotFoundError,
     UnsafeFileError,
 )
-from weightstore.formats.source import MappedFile
 from weightstore.formats.sstable import Table, crc32c, read_varint, unmask_crc
 from weightstore.formats.tf_protos import BundleEntryProto, BundleHeaderProto, TrackableObjectGraph
+from weightstore.io.files import open_regular
+from weightstore.io.local import MappedFile
 from weightstore.keys import from_tf_name, validate_key
 from weightstore.manifest import MAX_NDIM, ML_DTYPES, TensorInfo, dtype_name
 
@@ -395,8 +395,7 @@ class CheckpointReader:
     def _read_index(self) -> bytes:
         path = self.prefix + ".index"
         try:
-            refuse_special_file(path)
-            with open(path, "rb") as handle:
+            with open_regular(path) as handle:
                 size = os.fstat(handle.fileno()).st_size
                 if size > MAX_INDEX_BYTES:
                     raise UnsafeFileError(f"checkpoint index is {size} bytes, over the {MAX_INDEX_BYTES}-byte limit",
@@ -557,7 +556,6 @@ class CheckpointReader:
             if shard not in self._maps:
                 path = self._shard_file(shard)
                 try:
-                    refuse_special_file(path)
                     self._maps[shard] = MappedFile(path)
                 except FileNotFoundError:
                     raise FormatError("its data file is missing", path=path, key=key) from None
@@ -636,16 +634,6 @@ class CheckpointReader:
             maps, self._maps = self._maps, {}
         for mapped in maps.values():
             mapped.close()
-
-
-def refuse_special_file(path: str) -> None:
-    """Refuse a FIFO, device or folder where a file belongs: opening a FIFO would wait forever.
-
-    Raises ``FileNotFoundError`` as :func:`open` would when nothing is there.
-    """
-    mode = os.stat(path).st_mode
-    if not stat.S_ISREG(mode):
-        raise FormatError("is not a regular file (a folder, FIFO or device)", path=path)
 
 
 def _is_key(name: str) -> bool:

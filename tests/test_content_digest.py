@@ -1,0 +1,143 @@
+"""Tensors are "unchanged" only when their bytes are: a content digest, never a CRC-32.
+
+A CRC-32 collision is four chosen bytes away (:func:`forge_crc32_collision`). Hot reload and
+``ws diff`` decide on the BLAKE3 digest every file of manifest version 3 records per tensor;
+files written before it are compared by their bytes. The TF2 model is a real Keras model and
+``ws diff`` the real command.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import weightstore as ws
+from weightstore.cli.main import app
+from weightstore.manifest import content_digest
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def forge_crc32_collision(original: np.ndarray, changed_first: float) -> np.ndarray:
+    """A float32 array unlike ``original`` (its first element ``changed_first``, its last four
+    bytes computed) whose CRC-32 equals ``original``'s.
+
+    CRC-32 is affine over GF(2): for messages of one length, the CRC of the last four bytes'
+    changes is a linear map of 32 bits onto 32 bits (invertible), so solving it for the CRC
+    wanted is Gaussian elimination.
+    """
+    forged = original.astype(np.float32).copy()
+    forged.flat[0] = changed_first
+    raw = bytearray(forged.tobytes())
+    target = zlib.crc32(original.tobytes())
+    raw[-4:] = b"\0\0\0\0"
+    base = zlib.crc32(bytes(raw))
+    columns = []
+    for bit in range(32):
+        probe = bytearray(raw)
+        probe[-4 + bit // 8] ^= 1 << (bit % 8)
+        columns.append(zlib.crc32(bytes(probe)) ^ base)
+    # an XOR basis of the columns, each by its highest bit, with the bits of x that make it
+    basis: dict[int, tuple[int, int]] = {}
+    for bit, column in enumerate(columns):
+        value, combo = column, 1 << bit
+        for high in range(31, -1, -1):
+            if value >> high & 1:
+                if high not in basis:
+                    basis[high] = (value, combo)
+                    break
+                value, combo = value ^ basis[high][0], combo ^ basis[high][1]
+    want, chosen = target ^ base, 0
+    for high in range(31, -1, -1):
+        if want >> high & 1:
+            want, chosen = want ^ basis[high][0], chosen ^ basis[high][1]
+    assert want == 0
+    for bit in range(32):
+        if chosen >> bit & 1:
+            raw[-4 + bit // 8] ^= 1 << (bit % 8)
+    result = np.frombuffer(bytes(raw), np.float32).reshape(original.shape).copy()
+    assert zlib.crc32(result.tobytes()) == target and result.tobytes() != original.tobytes()
+    return result
+
+
+@pytest.fixture(scope="module")
+def collision() -> tuple[np.ndarray, np.ndarray]:
+    original = np.linspace(-1, 1, 4 * 8, dtype=np.float32).reshape(4, 8)
+    return original, forge_crc32_collision(original, 5.0)
+
+
+def test_the_forged_pair_has_one_crc32_and_two_digests(collision, tmp_path):
+    a, b = collision
+    ws.save(tmp_path / "a.npz", {"w": a})
+    ws.save(tmp_path / "b.npz", {"w": b})
+    with ws.open(tmp_path / "a.npz") as left, ws.open(tmp_path / "b.npz") as right:
+        assert left.info("w").checksum == right.info("w").checksum  # the CRC-32 in the manifest agrees
+        assert left.info("w").digest != right.info("w").digest
+        assert left.info("w").digest == "blake3:" + content_digest(a).hex()
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".h5", ".safetensors"])
+def test_ws_diff_reports_a_forged_crc32_collision(collision, tmp_path, suffix):
+    a, b = collision
+    ws.save(tmp_path / f"a{suffix}", {"w": a, "same": a})
+    ws.save(tmp_path / f"b{suffix}", {"w": b, "same": a})
+    result = CliRunner().invoke(app, ["diff", str(tmp_path / f"a{suffix}"), str(tmp_path / f"b{suffix}"), "--json"])
+    assert result.exit_code == 1, result.output
+    assert '"key": "w"' in result.output and '"unchanged": 1' in result.output
+
+
+def test_ws_diff_says_equal_only_for_equal_bytes(tmp_path):
+    """-0.0 and 0.0 are equal values but other bytes: at atol 0 that is a change ("bytes")."""
+    ws.save(tmp_path / "a.npz", {"w": np.zeros(3, np.float32)})
+    ws.save(tmp_path / "b.npz", {"w": np.array([0.0, -0.0, 0.0], np.float32)})
+    result = CliRunner().invoke(app, ["diff", str(tmp_path / "a.npz"), str(tmp_path / "b.npz"), "--json"])
+    assert result.exit_code == 1 and '"reason": "bytes"' in result.output
+    tolerant = CliRunner().invoke(app, ["diff", str(tmp_path / "a.npz"), str(tmp_path / "b.npz"), "--atol", "1e-9"])
+    assert tolerant.exit_code == 0  # a tolerance compares values
+
+
+def test_files_without_digests_are_compared_by_bytes(tmp_path):
+    """Golden version 2 files carry CRC-32s only: diff reads them, and finds them equal."""
+    older = DATA / "golden_v2.npz"
+    with ws.open(older) as store:
+        assert all(store.info(key).digest is None for key in store)
+        ws.save(tmp_path / "now.npz", store)
+    for pair in ([older, DATA / "golden_v2_compressed.npz"], [older, tmp_path / "now.npz"]):
+        result = CliRunner().invoke(app, ["diff", *map(str, pair)])
+        assert result.exit_code == 0, result.output
+
+
+# -- hot reload ---------------------------------------------------------------------------------
+
+tf = pytest.importorskip("tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+
+def test_hot_reload_writes_a_tensor_whose_crc32_was_forged(collision, tmp_path):
+    from weightstore.adapters import tf2
+
+    a, b = collision
+    variables = {"w": tf.Variable(np.zeros_like(a)), "bias": tf.Variable(np.zeros(3, np.float32))}
+    bias = np.ones(3, np.float32)
+    first = tf2.assign(variables, ws.publish(tmp_path, {"w": a, "bias": bias}, step=1))
+    assert sorted(first.assigned) == ["bias", "w"]
+    second = tf2.assign(variables, ws.publish(tmp_path, {"w": b, "bias": bias}, step=2))
+    assert second.assigned == ["w"] and second.skipped == ["bias"]  # bias unchanged: skipped by its digest
+    assert variables["w"].numpy().tobytes() == b.tobytes()
+
+
+def test_hot_reload_of_a_file_without_digests_writes_every_tensor(tmp_path):
+    from weightstore.adapters import tf2
+
+    older = DATA / "golden_v2.npz"
+    with ws.open(older) as store:
+        values = {key: tf.Variable(np.zeros(store.info(key).shape, store.info(key).dtype))
+                  for key in ["model_001/dense/kernel", "w"]}
+    for _ in range(2):
+        report = tf2.assign(values, older, include=list(values), strict=False, skip_unchanged=True)
+        assert sorted(report.assigned) == sorted(values) and report.skipped == []

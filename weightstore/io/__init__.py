@@ -1,0 +1,24 @@
+"""The I/O layer: every byte weightstore reads or writes crosses the boundary here.
+
+Formats (:mod:`weightstore.formats`) parse and build containers; they never open a path, name
+a temporary, call ``fsync`` or talk to a storage service themselves. What they need is here,
+one responsibility a module:
+
+* :mod:`~weightstore.io.location`: a path or URL, decided once (:func:`location_of`); the
+  fsspec file system behind a URL; the one mapping of storage-service failures to
+  :class:`~weightstore.errors.StorageError`.
+* :mod:`~weightstore.io.files`: local files: the one regular-file check every reader and
+  writer uses (a FIFO would block forever), fsync, temporaries and the sweep of those a killed
+  writer left.
+* :mod:`~weightstore.io.commit`: how a write becomes visible, as named types with their crash
+  argument (rename, upload, index last; pointer last is composed of them in versions).
+* :mod:`~weightstore.io.buffer`: the one allocator of aligned memory for bytes read.
+* :mod:`~weightstore.io.local`: local byte sources (mapped, ``pread`` into owned memory, a
+  stream) and the size guard before each read of a mapped file.
+* :mod:`~weightstore.io.remote`: a file on object storage read by ranged requests, over a
+  table of backends (:mod:`~weightstore.io.s3`, the generic :mod:`~weightstore.io.fsspec_objects`);
+  a new backend is one module added to that table.
+* :mod:`~weightstore.io.source`: the :class:`~weightstore.io.source.ByteSource` protocol every
+  reader reads through, and the choice of source for what a reader is given.
+* :mod:`~weightstore.io.folders`: the few operations a versioned folder needs, local or remote.
+"""

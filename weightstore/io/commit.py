@@ -1,0 +1,256 @@
+"""How a write becomes visible: every commit protocol as a named type, with its crash argument.
+
+A reader must only ever see a whole file, old or new, and a crash at any instant must leave one
+of the two. Each way weightstore reaches that is a type here (:class:`Commit`: :meth:`begin`
+names the local path the writer fills, :meth:`finalize` makes it visible, :meth:`discard`
+leaves the target as it was; :meth:`Commit.writing` is the three as a context manager), or a
+documented composition of them:
+
+1. *Rename* (:class:`RenameCommit`; every local file: ``save``, version files, ``LATEST``, a TF
+   checkpoint's ``checkpoint`` state file). The data goes to a temporary beside the target
+   (:func:`~weightstore.io.files.temporary_beside`), is fsynced, renamed over the target, and
+   the folder is fsynced. A crash before the rename leaves the old file plus a temporary; after
+   it, the new file. The temporary of a killed writer is removed by the next write to that
+   target once its PID is dead. Only regular files are replaced: a folder, FIFO, socket or
+   device at the target is refused before anything is written, a symlink is written *through*
+   (its target file is replaced, the link stays), and the new file keeps the permission bits
+   of the one it replaces.
+2. *Upload* (:class:`UploadCommit`; URLs). Object stores have no rename, but make an object
+   visible all at once when its upload completes (S3 PutObject / CompleteMultipartUpload), so
+   the file is written to a local scratch folder and sent in one ``put``: on S3, a file of at
+   least two parts (:data:`UPLOAD_PART_BYTES`) goes as a multipart upload whose parts are sent
+   concurrently (s3fs's ``max_concurrency`` storage option, default 10), and the object appears
+   only at CompleteMultipartUpload. A crash leaves the old object; an unfinished multipart
+   upload is invisible (s3fs aborts it when a part fails).
+3. *Pointer last* (versioned folders, :mod:`weightstore.versions`). Each version file is
+   committed by 1 or 2, and only then the small ``LATEST`` pointer, by the same protocol.
+   Readers reach versions only through ``LATEST``, so a crash between the two leaves a version
+   file no reader sees; the publisher's intent record says which file that is (see versions).
+4. *Index last* (:class:`IndexLastCommit`; TF checkpoints written by ``ws import``). A
+   checkpoint is ``PREFIX.index`` plus ``PREFIX.data-NNNNN-of-MMMMM`` files whose names
+   TensorFlow fixes (``MMMMM`` is the shard count the index records). The new checkpoint is
+   written under a temporary prefix beside the target with a shard count no data file at the
+   prefix has, so its data files take names the old index never reads; they are fsynced and
+   renamed in beside the old ones, and renaming ``.index`` over the old one is the single
+   commit point. A crash before it leaves the old checkpoint whole (plus unreferenced data
+   files); after it, the new one whole (plus the old data files). Either leftover, and
+   temporaries of killed writers, are removed by the next write to the prefix. The one
+   exception: when no unused shard count is small enough for the entries (one entry replacing
+   a one-shard checkpoint), the data is written as one shard and renamed over the old one
+   before ``.index``; a crash between those renames leaves the old index over the new data,
+   which TensorFlow refuses to read (each entry's CRC-32C no longer matches) rather than
+   returning wrong values. The folder's ``checkpoint`` state file, which makes a new prefix
+   findable (``tf.train.latest_checkpoint``), is replaced after the index by protocol 1: a
+   crash between the two leaves a whole checkpoint the state file does not name yet.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import os
+import re
+import shutil
+import stat
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from weightstore.errors import StoreNotFoundError
+from weightstore.io.files import (
+    check_writable_target,
+    fsync_folder,
+    fsync_path,
+    remove_stale_temporaries,
+    temporary_beside,
+)
+from weightstore.io.location import Location, filesystem, protocols, service
+
+__all__ = ["UPLOAD_PART_BYTES", "Commit", "RenameCommit", "UploadCommit", "IndexLastCommit", "commit_for",
+           "checkpoint_files"]
+
+#: part size of a multipart upload to S3 (at least 5 MiB, S3's floor): s3fs's own default of
+#: 50 MiB sends anything under 100 MiB as one serial PUT
+UPLOAD_PART_BYTES = 8 << 20
+
+
+class Commit(abc.ABC):
+    """One way a file becomes visible at its target (see the module docstring).
+
+    :meth:`writing` yields a local path to write the whole file to; leaving the block normally
+    commits it, an exception discards it and leaves the target as it was.
+    """
+
+    target: str
+
+    @abc.abstractmethod
+    def begin(self) -> str:
+        """Prepare and return the local path the writer fills."""
+
+    @abc.abstractmethod
+    def finalize(self) -> None:
+        """Make the written file visible at the target, durably."""
+
+    @abc.abstractmethod
+    def discard(self) -> None:
+        """Remove whatever :meth:`begin` and the writer left; the target is untouched."""
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[str]:
+        path = self.begin()
+        try:
+            yield path
+            self.finalize()
+        except BaseException:
+            self.discard()
+            raise
+
+
+class RenameCommit(Commit):
+    """Protocol 1: a temporary beside the target, fsync, rename over it, fsync the folder."""
+
+    def __init__(self, target: str | Path):
+        self.target = str(target)
+        self._final = Path(target)
+        self._temporary: Path | None = None
+
+    def begin(self) -> str:
+        self._final = check_writable_target(Path(self.target))
+        remove_stale_temporaries(self._final)
+        self._temporary = temporary_beside(self._final)
+        return str(self._temporary)
+
+    def finalize(self) -> None:
+        assert self._temporary is not None, "begin() first"
+        fsync_path(self._temporary)
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(self._temporary, stat.S_IMODE(os.stat(self._final).st_mode))  # a re-save keeps 0600
+        os.replace(self._temporary, self._final)
+        self._temporary = None
+        fsync_folder(self._final.parent)
+
+    def discard(self) -> None:
+        if self._temporary is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._temporary)
+            self._temporary = None
+
+
+class UploadCommit(Commit):
+    """Protocol 2: written in a local scratch folder, then sent in one upload."""
+
+    def __init__(self, url: str, *, suffix: str = "", storage_options: Mapping[str, Any] | None = None):
+        self.target = url
+        self._fs, self._remote = filesystem(url, storage_options)
+        self._suffix = suffix
+        self._scratch: str | None = None
+
+    def begin(self) -> str:
+        self._scratch = tempfile.mkdtemp(prefix="weightstore-upload-")
+        return os.path.join(self._scratch, "upload" + self._suffix)
+
+    def finalize(self) -> None:
+        assert self._scratch is not None, "begin() first"
+        local = os.path.join(self._scratch, "upload" + self._suffix)
+        options = {"chunksize": UPLOAD_PART_BYTES} if "s3" in protocols(self._fs) else {}
+        with service(self.target):
+            self._fs.put_file(local, self._remote, **options)
+        self.discard()
+
+    def discard(self) -> None:
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
+
+    def exists(self) -> bool:
+        with service(self.target):
+            return bool(self._fs.exists(self._remote))
+
+
+def commit_for(location: Location, *, suffix: str = "",
+               storage_options: Mapping[str, Any] | None = None) -> RenameCommit | UploadCommit:
+    """The commit protocol a write to ``location`` uses: rename locally, one upload to a URL."""
+    if location.remote:
+        return UploadCommit(location.text, suffix=suffix, storage_options=storage_options)
+    return RenameCommit(location.text)
+
+
+#: a TF checkpoint's data file, by the shard count its name records
+_DATA_FILE = re.compile(r"\.data-\d{5}-of-(\d{5})$")
+#: what a checkpoint writer appends to the temporary prefix (``-partN``: a sharded write's pieces)
+_TEMPORARY_ENDINGS = r"(?:-part\d+)?(?:\.index|\.data-\d{5}-of-\d{5})?"
+
+
+class IndexLastCommit(Commit):
+    """Protocol 4: a TF checkpoint's data files under fresh names, then ``.index`` renamed last.
+
+    :meth:`begin` returns the temporary *prefix* the writer saves the checkpoint at, as
+    :attr:`shards` data files (``PREFIX.data-NNNNN-of-<shards>``, plus ``PREFIX-partN`` pieces a
+    sharded writer merges); ``entries`` is how many tensors it holds (a shard holds at least one).
+    """
+
+    def __init__(self, prefix: str, *, entries: int):
+        self.target = prefix
+        self._entries = entries
+        self._temporary: str | None = None
+        self._moved: list[str] = []
+        #: how many data files the writer writes; fixed by :meth:`begin`
+        self.shards = 1
+        self._fresh_names = True
+
+    def begin(self) -> str:
+        target = Path(self.target)
+        if not target.parent.is_dir():
+            raise StoreNotFoundError(f"folder {str(target.parent)!r} does not exist", path=self.target)
+        remove_stale_temporaries(target, _TEMPORARY_ENDINGS)
+        taken = {int(match.group(1)) for path in checkpoint_files(self.target)
+                 if (match := _DATA_FILE.search(path))}
+        self.shards = next(n for n in range(1, len(taken) + 2) if n not in taken)
+        self._fresh_names = self.shards <= self._entries
+        if not self._fresh_names:
+            self.shards = 1  # the exception of the module docstring: data renamed over the old data
+        self._temporary = str(temporary_beside(target))
+        return self._temporary
+
+    def finalize(self) -> None:
+        assert self._temporary is not None, "begin() first"
+        temporary, prefix = self._temporary, self.target
+        written = checkpoint_files(temporary)
+        for path in written:
+            fsync_path(path)
+        for path in written:
+            if not path.endswith(".index"):
+                os.replace(path, prefix + path[len(temporary):])
+                self._moved.append(prefix + path[len(temporary):])
+        fsync_folder(Path(prefix).parent)
+        os.replace(temporary + ".index", prefix + ".index")  # the commit point
+        self._temporary = None
+        kept = {prefix + path[len(temporary):] for path in written}
+        for stale in checkpoint_files(prefix):
+            if _DATA_FILE.search(stale) and stale not in kept:
+                os.unlink(stale)
+        fsync_folder(Path(prefix).parent)
+
+    def discard(self) -> None:
+        temporary = self._temporary
+        if temporary is None:
+            return
+        pieces = [p for i in range(self.shards) for p in checkpoint_files(f"{temporary}-part{i}")]
+        for path in checkpoint_files(temporary) + pieces:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        if self._fresh_names:  # data files the old index never names
+            for path in self._moved:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        self._temporary, self._moved = None, []
+
+
+def checkpoint_files(prefix: str) -> list[str]:
+    """The ``.index`` and ``.data-…`` files of the TF checkpoint at ``prefix`` that exist."""
+    folder, base = os.path.split(prefix)
+    with contextlib.suppress(FileNotFoundError):
+        return [os.path.join(folder, name) for name in os.listdir(folder or ".")
+                if name == base + ".index" or (name.startswith(base + ".data-") and _DATA_FILE.search(name))]
+    return []

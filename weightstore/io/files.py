@@ -1,0 +1,146 @@
+"""Local files: the one regular-file check, durability (fsync), and temporaries beside a target.
+
+**Regular files only.** A FIFO opened for reading waits for a writer forever; a device or a
+socket is no weight file; replacing ``/dev/null`` or a named pipe with a weight file is data
+loss. So every local reader opens through :func:`open_regular` (or checks with
+:func:`refuse_special_file` where another library opens the file), and every writer resolves
+its target through :func:`check_writable_target`; all three decide with :func:`kind_of`.
+
+**Temporaries.** A write goes to ``.NAME.wstmp-PID-RANDOM`` beside its target
+(:func:`temporary_beside`: same folder, so the same file system, so a rename can commit it). A
+writer killed mid-write leaves its temporary; the next write to that target removes those whose
+PID is dead (:func:`remove_stale_temporaries`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import stat
+from pathlib import Path
+from typing import BinaryIO
+
+from weightstore.errors import FormatError, StoreNotFoundError, TargetError
+
+__all__ = [
+    "TEMP_MARK", "kind_of", "open_regular", "refuse_special_file", "check_writable_target",
+    "fsync_path", "fsync_folder", "temporary_beside", "remove_stale_temporaries",
+]
+
+#: marks the temporary file a write puts beside its target (``.NAME.wstmp-PID-RANDOM``)
+TEMP_MARK = ".wstmp-"
+
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def kind_of(mode: int) -> str | None:
+    """What a non-regular file is, in words; ``None`` for a regular file."""
+    for test, name in _KINDS:
+        if test(mode):
+            return name
+    return None if stat.S_ISREG(mode) else "not a regular file"
+
+
+def _not_regular(kind: str, path: str) -> FormatError:
+    return FormatError(f"is not a regular file ({kind}); weightstore reads only regular files", path=path)
+
+
+def open_regular(path: str) -> BinaryIO:
+    """Open the local file ``path`` for reading, refusing anything but a regular file.
+
+    Opened without blocking, then checked on the open descriptor, so a FIFO (or folder, or
+    device) is refused at once with a :class:`FormatError` naming it instead of waiting for a
+    writer, and nothing can be swapped in between the check and the read. A missing file raises
+    ``FileNotFoundError``, as :func:`open` would.
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        kind = kind_of(os.fstat(fd).st_mode)
+        if kind is not None:
+            raise _not_regular(kind, path)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def refuse_special_file(path: str) -> None:
+    """Refuse a FIFO, device or folder where a file belongs, for readers another library opens.
+
+    Raises ``FileNotFoundError`` as :func:`open` would when nothing is there.
+    """
+    kind = kind_of(os.stat(path).st_mode)
+    if kind is not None:
+        raise _not_regular(kind, path)
+
+
+def check_writable_target(target: Path) -> Path:
+    """The regular file a write to ``target`` replaces: ``target``, or the file a symlink names.
+
+    Refuses, with :class:`TargetError` and before a byte is written, a target that is a folder,
+    FIFO, socket or device, and a missing folder with :class:`StoreNotFoundError`.
+    """
+    resolved = Path(os.path.realpath(target)) if target.is_symlink() else target
+    try:
+        mode = os.stat(resolved).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as exc:
+        raise TargetError(f"cannot write there ({exc.strerror})", path=str(target)) from None
+    if mode is not None:
+        kind = kind_of(mode)
+        if kind is not None:
+            raise TargetError(f"is {kind}; weightstore only replaces regular files", path=str(target))
+    if not resolved.parent.is_dir():
+        raise StoreNotFoundError(f"folder {str(resolved.parent)!r} does not exist", path=str(target))
+    return resolved
+
+
+def fsync_path(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_folder(folder: str | Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def temporary_beside(target: Path) -> Path:
+    """A fresh temporary name beside ``target`` that :func:`remove_stale_temporaries` recognises."""
+    return target.with_name(f".{target.name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def remove_stale_temporaries(target: Path, suffix: str = "") -> None:
+    """Remove temporaries of earlier writes to ``target`` whose process has died (SIGKILL).
+
+    ``suffix`` is a pattern for what a writer appends after the temporary's name (the file
+    endings of a TF checkpoint written under a temporary prefix).
+    """
+    pattern = re.compile(re.escape(f".{target.name}{TEMP_MARK}") + r"(\d+)-[0-9a-f]+" + suffix + "$")
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(target.parent):
+            match = pattern.match(entry.name)
+            if match and not _process_alive(int(match.group(1))):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True

@@ -1,0 +1,253 @@
+"""The operations a versioned folder needs, whatever holds it: a local folder or an fsspec one.
+
+Errors of the storage service (outages, credentials) come out as
+:class:`~weightstore.errors.StorageError`, so callers can tell "try again later" from "this
+folder is damaged". Each file is written by its commit protocol (:mod:`weightstore.io.commit`);
+:mod:`weightstore.versions` orders them (pointer last).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import datetime
+import os
+import stat
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from weightstore.errors import TargetError
+from weightstore.io.commit import Commit, RenameCommit, UploadCommit
+from weightstore.io.files import TEMP_MARK, fsync_folder, kind_of
+from weightstore.io.location import filesystem, location_of, service
+
+__all__ = ["FileEntry", "Folder", "LocalFolder", "RemoteFolder", "folder_for"]
+
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    name: str
+    size: int
+    modified: str
+
+
+class Folder(abc.ABC):
+    """The operations a versioned folder needs, whatever holds it.
+
+    Errors of the storage service (outages, credentials) come out as :class:`StorageError`,
+    so callers can tell "try again later" from "this folder is damaged".
+    """
+
+    where: str
+
+    def url(self, name: str) -> str:
+        return f"{self.where.rstrip('/')}/{name}"
+
+    def create(self) -> None:  # noqa: B027 - a hook only some backends need; object stores have no folders
+        """Make the folder if this kind of folder needs making (object stores do not)."""
+
+    @abc.abstractmethod
+    def exists(self) -> bool: ...
+
+    @abc.abstractmethod
+    def files(self) -> list[FileEntry]:
+        """The plain files directly in the folder (no folders, no special files)."""
+
+    @abc.abstractmethod
+    def read_small(self, name: str, limit: int) -> bytes | None:
+        """At most ``limit`` bytes of file ``name``; ``None`` when there is no such file.
+
+        Anything at ``name`` that is not a plain file (a FIFO would block forever, a folder)
+        raises :class:`TargetError` instead of being read.
+        """
+
+    @abc.abstractmethod
+    def commit(self, name: str, suffix: str = "") -> Commit:
+        """How a new file ``name`` is written and made visible (protocol 1 or 2)."""
+
+    @abc.abstractmethod
+    def remove(self, name: str) -> None: ...
+
+    @abc.abstractmethod
+    def open_binary(self, name: str) -> BinaryIO | str:
+        """A local path, or an open binary handle for a remote file; FileNotFoundError if absent."""
+
+    def lock(self) -> contextlib.AbstractContextManager[None]:
+        """Exclusive access for one writer, where the storage offers it (object stores do not)."""
+        return contextlib.nullcontext()
+
+
+class LocalFolder(Folder):
+    def __init__(self, path: str):
+        self.root = Path(path)
+        self.where = str(path)
+
+    def create(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            raise TargetError("is not a folder", path=self.where) from None
+
+    def exists(self) -> bool:
+        return self.root.is_dir()
+
+    def files(self) -> list[FileEntry]:
+        found = []
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            for entry in os.scandir(self.root):
+                with contextlib.suppress(FileNotFoundError):  # removed while we listed
+                    info = entry.stat(follow_symlinks=False)
+                    if stat.S_ISREG(info.st_mode):
+                        found.append(FileEntry(entry.name, info.st_size, _iso(info.st_mtime)))
+        return found
+
+    def read_small(self, name: str, limit: int) -> bytes | None:
+        path = self.root / name
+        try:
+            # O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused just below
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        kind = kind_of(os.fstat(fd).st_mode)
+        if kind is not None:
+            os.close(fd)
+            raise TargetError(f"{name} is {kind}, not a file", path=self.where)
+        with os.fdopen(fd, "rb") as handle:
+            return handle.read(limit)
+
+    def commit(self, name: str, suffix: str = "") -> Commit:
+        return RenameCommit(self.root / name)
+
+    def remove(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.root / name)
+
+    def replace_special(self, name: str) -> bool:
+        """Remove a FIFO, socket or empty folder squatting on ``name``; False if there is none.
+
+        Only for names the folder's owner writes itself (``LATEST``): anything holding data (a
+        folder with files, a device) is left alone and refused with :class:`TargetError`.
+        """
+        path = self.root / name
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            return False
+        if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+            os.unlink(path)
+            return True
+        if stat.S_ISDIR(mode):
+            try:
+                os.rmdir(path)
+            except OSError:
+                raise TargetError(f"{name} is a folder with files in it; move it away", path=self.where) from None
+            return True
+        return False
+
+    def open_binary(self, name: str) -> str:
+        path = self.root / name
+        if not path.is_file():
+            raise FileNotFoundError(str(path))
+        return str(path)
+
+    def rename(self, name: str, new_name: str) -> None:
+        os.replace(self.root / name, self.root / new_name)
+        fsync_folder(self.root)
+
+    def temporaries(self) -> list[str]:
+        """Names of the targets that have temporaries beside them (``.NAME.wstmp-…``)."""
+        with contextlib.suppress(FileNotFoundError):
+            return sorted({entry.name.split(TEMP_MARK)[0][1:] for entry in os.scandir(self.root)
+                           if TEMP_MARK in entry.name})
+        return []
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - Windows: no advisory lock
+            yield
+            return
+        fd = os.open(self.root / ".publish.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+
+class RemoteFolder(Folder):
+    """An fsspec folder: no rename, so each object is written whole and the caller orders them."""
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None):
+        self.where = url.rstrip("/")
+        self._storage_options = storage_options
+        self.fs, root = filesystem(url, storage_options)
+        self.root = root.rstrip("/")
+
+    def _path(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def _service(self) -> contextlib.AbstractContextManager[None]:
+        return service(self.where)
+
+    def exists(self) -> bool:
+        with self._service():
+            self.fs.invalidate_cache(self.root)
+            return bool(self.fs.exists(self.root)) or bool(self.files())
+
+    def files(self) -> list[FileEntry]:
+        with self._service():
+            self.fs.invalidate_cache(self.root)
+            try:
+                listing = self.fs.ls(self.root, detail=True)
+            except FileNotFoundError:
+                return []
+        return [FileEntry(info["name"].rstrip("/").rsplit("/", 1)[-1], int(info.get("size") or 0), _modified(info))
+                for info in listing if info.get("type") != "directory"]
+
+    def read_small(self, name: str, limit: int) -> bytes | None:
+        with self._service():
+            try:
+                data = self.fs.cat_file(self._path(name))  # no range: S3 refuses one on an empty object
+            except FileNotFoundError:
+                return None
+        return data[:limit]
+
+    def commit(self, name: str, suffix: str = "") -> Commit:
+        return UploadCommit(self.url(name), suffix=suffix, storage_options=self._storage_options)
+
+    def remove(self, name: str) -> None:
+        with self._service(), contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._path(name))
+
+    def open_binary(self, name: str) -> BinaryIO:
+        with self._service():
+            return self.fs.open(self._path(name), "rb")
+
+
+def folder_for(folder: Any, storage_options: Mapping[str, Any] | None = None) -> Folder:
+    location = location_of(folder)
+    if location.remote:
+        return RemoteFolder(location.text, storage_options)
+    return LocalFolder(location.text)
+
+
+def _iso(timestamp: float) -> str:
+    moment = datetime.datetime.fromtimestamp(timestamp, datetime.timezone.utc)
+    return moment.isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def _modified(info: Mapping[str, Any]) -> str:
+    for key in ("LastModified", "mtime", "created", "updated"):
+        value = info.get(key)
+        if isinstance(value, datetime.datetime):
+            return _iso(value.timestamp())
+        if isinstance(value, (int, float)):
+            return _iso(float(value))
+        if isinstance(value, str) and value:
+            return value
+    return ""

@@ -1,0 +1,218 @@
+"""Local byte sources: a file mapped, read with ``pread`` into owned memory, or a stream.
+
+Each opens its file through :func:`~weightstore.io.files.open_regular`, so a FIFO or device is
+refused at open instead of blocking. Each refuses a range outside the file before reading it,
+so no reader needs to trust a length it was given.
+
+**The size guard.** Writers replace files by rename, never in place, so a map stays valid for as
+long as any array made from it lives. A file truncated or rewritten *in place* by another tool
+(``cp``, ``rsync --inplace``) is another matter: touching a page of a map that now lies past the
+file's end kills the process with SIGBUS. :class:`SizeGuard` is the one check against that: a
+reader of a mapped file calls :meth:`SizeGuard.check` (through ``ByteSource.check_unchanged``)
+before each read, and an open store's next read then refuses cleanly. Any reader that maps a
+file itself holds a guard made at open (``SizeGuard.of(handle, path)``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import threading
+from typing import Any, BinaryIO
+
+from weightstore.errors import FormatError, StoreClosedError
+from weightstore.io.buffer import aligned_buffer
+from weightstore.io.files import open_regular
+
+__all__ = ["SizeGuard", "MappedFile", "OwnedFile", "StreamFile", "check_range"]
+
+
+def check_range(offset: int, length: int, size: int, name: str) -> None:
+    """Refuse a read of bytes ``offset..offset+length`` that the file of ``size`` bytes does not hold."""
+    if offset < 0 or length < 0 or offset + length > size:
+        raise FormatError(f"truncated file (needs bytes {offset}..{offset + length}, has {size})", path=name)
+
+
+class SizeGuard:
+    """The size a file had when it was opened, checked again before each read of its map."""
+
+    __slots__ = ("_fileno", "name", "size")
+
+    def __init__(self, fileno: int, size: int, name: str):
+        self._fileno, self.size, self.name = fileno, size, name
+
+    @classmethod
+    def of(cls, handle: BinaryIO, name: str) -> SizeGuard:
+        """The guard of the open file ``handle`` (kept open as long as the guard is used)."""
+        return cls(handle.fileno(), os.fstat(handle.fileno()).st_size, name)
+
+    def check(self, what: str, *, key: str | None = None) -> None:
+        """Refuse, naming ``what``, to read a file whose size changed since it was opened.
+
+        It was rewritten in place: the index read at open no longer describes it, and pages of
+        a map past its new end would kill the process with SIGBUS when touched.
+        """
+        size = os.fstat(self._fileno).st_size
+        if size != self.size:
+            raise FormatError(
+                f"file changed size since it was opened ({self.size} -> {size} bytes; rewritten "
+                f"in place?); refusing to read {what}. Open it again.", path=self.name, key=key
+            )
+
+
+class _LocalFile:
+    """What both local sources share: the open handle, positional reads, the closed state."""
+
+    def __init__(self, path: str):
+        self.name = path
+        self._handle = open_regular(path)  # open for the store's whole life, closed by close()
+        self._closed = False
+        try:
+            self._guard = SizeGuard.of(self._handle, path)
+        except BaseException:
+            self._handle.close()
+            raise
+        self.size = self._guard.size
+
+    def read_into(self, offset: int, buffer: memoryview) -> None:
+        """Copy bytes from the file into ``buffer`` without mapping them into this process."""
+        self._check(offset, len(buffer))
+        filled = 0  # positional reads: threads sharing one store never move each other's offset
+        while filled < len(buffer):
+            count = os.preadv(self._handle.fileno(), [buffer[filled:]], offset + filled)
+            if not count:
+                raise FormatError(f"short read at byte {offset + filled} (file truncated while open?)", path=self.name)
+            filled += count
+
+    def check_unchanged(self, what: str) -> None:
+        """Refuse to read a closed store, or (:class:`SizeGuard`) a file changed in place."""
+        if self._closed:
+            raise StoreClosedError(f"store is closed; cannot read {what}", path=self.name)
+        self._guard.check(what)
+
+    def prefetch(self, offset: int, length: int) -> None:
+        pass
+
+    def release(self, offset: int, length: int) -> None:
+        pass
+
+    def _check(self, offset: int, length: int) -> None:
+        if self._closed:
+            raise StoreClosedError("store is closed", path=self.name)
+        check_range(offset, length, self.size, self.name)
+
+    def close(self) -> None:
+        self._closed = True
+        self._handle.close()
+
+
+class MappedFile(_LocalFile):
+    """A read-only map of a local file: tensors are views into the page cache, never copies.
+
+    Readers call :meth:`check_unchanged` before each read (the module's size guard); for arrays
+    that must survive a file changed in place, open with ``mmap=False`` (:class:`OwnedFile`).
+    """
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        try:
+            self._map = mmap.mmap(self._handle.fileno(), 0, access=mmap.ACCESS_READ) if self.size else None
+        except BaseException:
+            self._handle.close()
+            raise
+
+    @property
+    def mapping(self) -> mmap.mmap | None:
+        """The whole map, for a reader that checks bounds itself and reads many small tensors in
+        one loop (slicing the map costs less than a ``read_at`` per header); ``None`` when empty."""
+        return self._map
+
+    def read_at(self, offset: int, length: int) -> memoryview:
+        self._check(offset, length)
+        if self._map is None:
+            return memoryview(b"")
+        return memoryview(self._map)[offset : offset + length]
+
+    def prefetch(self, offset: int, length: int) -> None:
+        if self._map is not None and length > 1 << 20:
+            start = offset - offset % mmap.PAGESIZE
+            self._map.madvise(mmap.MADV_WILLNEED, start, offset + length - start)
+
+    def release(self, offset: int, length: int) -> None:
+        """Unmap a range read once and never handed out (compressed bytes): it leaves this
+        process's resident memory, the page cache keeps it, a later read maps it again."""
+        if self._map is not None and length > 0:
+            start = offset - offset % mmap.PAGESIZE
+            self._map.madvise(mmap.MADV_DONTNEED, start, offset + length - start)
+
+    def close(self) -> None:
+        super().close()
+        if self._map is not None:
+            with contextlib.suppress(BufferError):  # arrays handed out still view the map; it closes with the last
+                self._map.close()
+
+
+class OwnedFile(_LocalFile):
+    """A local file read with ``preadv`` into fresh memory: arrays own their bytes.
+
+    Nothing is mapped, so no later change to the file can reach an array already read. Each
+    buffer starts at the same offset modulo :data:`~weightstore.io.buffer.ALIGNMENT` as its bytes
+    in the file, so a tensor the writer aligned in the file is aligned in memory too.
+    """
+
+    def check_unchanged(self, what: str) -> None:
+        """Only whether it is closed: a file changed under positional reads fails them cleanly
+        (a short read) or is caught by the header and checksum checks, and no array can change."""
+        if self._closed:
+            raise StoreClosedError(f"store is closed; cannot read {what}", path=self.name)
+
+    def read_at(self, offset: int, length: int) -> memoryview:
+        self._check(offset, length)
+        view = aligned_buffer(length, offset)
+        self.read_into(offset, view)
+        return view
+
+
+class StreamFile:
+    """Ranged reads over any seekable binary file, such as an fsspec file on object storage."""
+
+    def __init__(self, handle: Any, name: str):  # any binary file object with seek, read and readinto
+        self.name = name
+        self._handle = handle
+        self._lock = threading.Lock()  # a seek and its read must not interleave with another thread's
+        self.size = handle.seek(0, os.SEEK_END)
+
+    def check_unchanged(self, what: str) -> None:
+        """Objects are replaced whole, never changed under a reader: only the closed state to check."""
+        if self._handle.closed:
+            raise StoreClosedError(f"store is closed; cannot read {what}", path=self.name)
+
+    def read_at(self, offset: int, length: int) -> bytes:
+        check_range(offset, length, self.size, self.name)
+        with self._lock:
+            self._handle.seek(offset)
+            data = self._handle.read(length)
+        if len(data) != length:
+            raise FormatError(f"short read at byte {offset}", path=self.name)
+        return data
+
+    def read_into(self, offset: int, buffer: memoryview) -> None:
+        check_range(offset, len(buffer), self.size, self.name)
+        with self._lock:
+            self._handle.seek(offset)
+            filled = 0
+            while filled < len(buffer):
+                count = self._handle.readinto(buffer[filled:])
+                if not count:
+                    raise FormatError(f"short read at byte {offset + filled}", path=self.name)
+                filled += count
+
+    def prefetch(self, offset: int, length: int) -> None:
+        pass
+
+    def release(self, offset: int, length: int) -> None:
+        pass
+
+    def close(self) -> None:
+        self._handle.close()

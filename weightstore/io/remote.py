@@ -1,0 +1,231 @@
+"""A file on object storage read with ranged requests of exactly the bytes a reader asks for.
+
+:class:`RemoteFile` is the :class:`~weightstore.io.source.ByteSource` of every URL; what it asks
+of the storage service goes through a backend (:class:`~weightstore.io.objects.RemoteObject`)
+chosen by :data:`BACKENDS`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from weightstore.errors import StoreClosedError
+from weightstore.io import s3
+from weightstore.io.buffer import aligned_buffer
+from weightstore.io.fsspec_objects import FsspecObject
+from weightstore.io.local import check_range
+from weightstore.io.objects import RemoteObject
+
+__all__ = ["INDEX_WINDOW", "MERGE_GAP", "BACKENDS", "RemoteFile", "object_for"]
+
+#: the backends, by ``(does it serve this fsspec file system?, make its object (fs, path, name))``;
+#: the first that serves a file system reads its files. A new backend is one module and one
+#: entry here, before the generic fsspec one, which serves every file system.
+BACKENDS: list[tuple[Callable[[Any], bool], Callable[[Any, str, str], RemoteObject]]] = [
+    (s3.serves, s3.S3Object),
+    (lambda fs: True, FsspecObject),
+]
+
+
+def object_for(fs: Any, path: str, name: str) -> RemoteObject:
+    """The object at ``path`` on ``fs``, read by the first backend in :data:`BACKENDS` that serves ``fs``."""
+    return next(make for serves, make in BACKENDS if serves(fs))(fs, path, name)
+
+
+#: bytes the first request of a remote open asks for: the tail that holds an npz's zip directory
+#: and manifest, or the head that holds a safetensors header (one request for up to ~350 tensors)
+INDEX_WINDOW = 256 << 10
+#: prefetched ranges at most this far apart are fetched as one (the padding between tensors)
+MERGE_GAP = 4096
+
+
+class RemoteFile:
+    """A file on object storage read with ranged GETs of exactly the bytes a reader asks for.
+
+    The index (an npz's tail, a safetensors header) comes in one request that also says the
+    object's size and ETag; every later request carries ``If-Match`` with that ETag (S3), so an
+    object replaced while open is a :class:`FormatError`, never a mix of two files. Nothing is
+    read ahead: a tensor costs its own bytes. :meth:`prefetch_ranges` fetches the ranges of
+    many tensors at once: neighbours joined into one range (a scope's tensors lie side by side),
+    each range split into parts of :data:`~weightstore.io.objects.PART_BYTES`, the parts requested concurrently (s3fs's
+    ``max_concurrency`` storage option, default 10). A prefetched range is dropped once every
+    tensor in it has been read, so its bytes live on only in the arrays made from them.
+    """
+
+    def __init__(self, fs: Any, path: str, name: str, *,
+                 size: int | None = None, details: Mapping[str, Any] | None = None):
+        self.name = name
+        self._object = object_for(fs, path, name)
+        self._known = (size, details)
+        self._size: int | None = None
+        self._index: list[_Span] = []  # fetched while the reader reads its index; kept until close
+        self._ahead: list[_Span] = []  # prefetched for reads to come; each dropped once all are read
+        self._indexing = True
+        self._closed = False
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_handle(cls, handle: Any, name: str) -> RemoteFile | None:
+        """The remote file behind an fsspec file object, reusing the size and ETag it already knows."""
+        fs, path, details = getattr(handle, "fs", None), getattr(handle, "path", None), getattr(handle, "details", None)
+        if fs is None or not isinstance(path, str) or not isinstance(details, Mapping) or "size" not in details:
+            return None
+        handle.close()
+        return cls(fs, path, name, size=int(details["size"]), details=details)
+
+    # -- the index ------------------------------------------------------------------------
+    def start(self, index_at_end: bool) -> None:
+        """Fetch the index window, from the end or the start of the object; once, before any read."""
+        if self._size is not None:
+            return
+        size, details = self._known
+        self._size, start, data = self._object.first(index_at_end, INDEX_WINDOW, size, details)
+        self._index.append(_Span(start, data))
+
+    @property
+    def size(self) -> int:
+        if self._size is None:
+            self.start(index_at_end=False)
+        assert self._size is not None
+        return self._size
+
+    def index_read(self) -> None:
+        """The reader has its index: from now on a miss fetches only what it asks for."""
+        self._indexing = False
+
+    def _grow_index(self, offset: int, length: int) -> _Span:
+        """Fetch an index read that missed, joined to the window it touches so later index reads
+        hit; grown at least fourfold towards the start, since an npz manifest lies before its
+        directory and is often several times larger (so a large index still costs few requests)."""
+        end = offset + length
+        for position, span in enumerate(self._index):
+            if offset <= span.end and end >= span.start:
+                if offset < span.start:
+                    offset = max(0, min(offset, span.start - 4 * len(span.data)))
+                new_start, new_end = min(offset, span.start), max(end, span.end)
+                data = aligned_buffer(new_end - new_start, new_start)
+                data[span.start - new_start : span.end - new_start] = span.data
+                gaps = [(new_start, data[: span.start - new_start]), (span.end, data[span.end - new_start :])]
+                self._object.fill([(at, view) for at, view in gaps if len(view)])
+                self._index[position] = _Span(new_start, data)
+                return self._index[position]
+        data = aligned_buffer(length, offset)
+        self._object.fill([(offset, data)])
+        self._index.append(_Span(offset, data))
+        return self._index[-1]
+
+    # -- the ByteSource protocol ----------------------------------------------------------------
+    def read_at(self, offset: int, length: int) -> memoryview:
+        self._check(offset, length)
+        with self._lock:
+            held = self._held(offset, length)
+            if held is not None:
+                return held
+            if self._indexing and length:
+                return self._grow_index(offset, length).view(offset, length)
+        data = aligned_buffer(length, offset)
+        if length:
+            self._object.fill([(offset, data)])
+        return data.toreadonly()
+
+    def read_into(self, offset: int, buffer: memoryview) -> None:
+        buffer = buffer.cast("B")
+        self._check(offset, len(buffer))
+        with self._lock:
+            held = self._held(offset, len(buffer))
+        if held is not None:
+            buffer[:] = held
+        elif len(buffer):
+            self._object.fill([(offset, buffer)])
+
+    def _held(self, offset: int, length: int) -> memoryview | None:
+        """The bytes if already fetched; a prefetched range is let go once all of it is read."""
+        for span in self._index:
+            if span.holds(offset, length):
+                return span.view(offset, length)
+        for span in self._ahead:
+            if span.holds(offset, length):
+                span.unread.discard(offset + length)
+                if not span.unread:
+                    self._ahead.remove(span)
+                return span.view(offset, length)
+        return None
+
+    def prefetch(self, offset: int, length: int) -> None:
+        self.prefetch_ranges([(offset, length)])
+
+    def prefetch_ranges(self, ranges: list[tuple[int, int]]) -> None:
+        """Fetch these ranges now, concurrently, for the reads that follow.
+
+        Ranges already fetched are left as they are; otherwise prefetched ranges not yet read
+        are dropped first, so at most one batch is held. While the index is read, the ranges
+        join the index window instead.
+        """
+        with self._lock:
+            for offset, length in ranges:
+                self._check(offset, length)
+            missing = [(offset, length) for offset, length in ranges
+                       if length and not any(span.holds(offset, length) for span in self._index + self._ahead)]
+            if not missing:
+                return
+            if self._indexing:
+                for offset, length in missing:
+                    self._grow_index(offset, length)
+                return
+            self._ahead = []
+        wanted = [_Span(start, aligned_buffer(end - start, start), ends) for start, end, ends in _coalesce(missing)]
+        self._object.fill([(span.start, span.data) for span in wanted])
+        with self._lock:
+            self._ahead = wanted
+
+    def release(self, offset: int, length: int) -> None:
+        pass
+
+    def _check(self, offset: int, length: int) -> None:
+        check_range(offset, length, self.size, self.name)
+
+    def check_unchanged(self, what: str) -> None:
+        """Only whether it is closed: every request after the index carries the object's ETag,
+        so an object replaced while open fails that request instead."""
+        if self._closed:
+            raise StoreClosedError(f"store is closed; cannot read {what}", path=self.name)
+
+    def close(self) -> None:
+        with self._lock:
+            self._index, self._ahead = [], []
+            self._closed = True
+
+
+class _Span:
+    """Fetched bytes of the object starting at ``start``; ``unread``: where the prefetched
+    ranges in it end, each removed when a read ends there (the last read of a tensor)."""
+
+    __slots__ = ("start", "data", "unread")
+
+    def __init__(self, start: int, data: memoryview, unread: set[int] | None = None):
+        self.start, self.data, self.unread = start, data, unread or set()
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.data)
+
+    def holds(self, offset: int, length: int) -> bool:
+        return self.start <= offset and offset + length <= self.end
+
+    def view(self, offset: int, length: int) -> memoryview:
+        return self.data[offset - self.start : offset - self.start + length].toreadonly()
+
+
+def _coalesce(ranges: list[tuple[int, int]]) -> list[tuple[int, int, set[int]]]:
+    """``(start, end, ends of the ranges inside)`` with ranges at most :data:`MERGE_GAP` apart joined."""
+    merged: list[tuple[int, int, set[int]]] = []
+    for offset, length in sorted(ranges):
+        end = offset + length
+        if merged and offset <= merged[-1][1] + MERGE_GAP:
+            start, last, ends = merged[-1]
+            merged[-1] = (start, max(last, end), ends | {end})
+        else:
+            merged.append((offset, end, {end}))
+    return merged

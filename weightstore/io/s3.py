@@ -1,0 +1,136 @@
+"""The S3 backend: ranged GETs through s3fs's client, pinned to the object first read.
+
+The first request is a suffix range (``bytes=-N``) whose ``Content-Range`` gives the size, so
+opening costs one request; it also gives the object's ETag, and every later request carries
+``If-Match`` with it (or the ``VersionId`` a versioned URL names), so an object replaced while
+open fails that request (a :class:`FormatError`) instead of returning a mix of two files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from weightstore.errors import FormatError, WeightStoreError
+from weightstore.io.buffer import aligned_buffer
+from weightstore.io.location import protocols, storage_error
+from weightstore.io.objects import split_parts, window
+
+__all__ = ["S3Object", "serves"]
+
+#: concurrent requests per file when the file system names none (s3fs: ``max_concurrency``)
+DEFAULT_CONCURRENCY = 8
+
+
+def serves(fs: Any) -> bool:
+    """Whether ``fs`` is s3fs's file system (its client is what this backend calls)."""
+    return "s3" in protocols(fs) and hasattr(fs, "_call_s3")
+
+
+class S3Object:
+    """An S3 object through s3fs's client (see the module docstring)."""
+
+    def __init__(self, fs: Any, path: str, name: str):
+        self._fs, self.name = fs, name
+        self._bucket, self._key, version = fs.split_path(path)
+        self._pinned: dict[str, str] = {"VersionId": version} if version else {}
+        self.concurrency = max(1, int(getattr(fs, "max_concurrency", None) or DEFAULT_CONCURRENCY))
+
+    def first(self, index_at_end: bool, length: int, size: int | None,
+              details: Mapping[str, Any] | None) -> tuple[int, int, memoryview]:
+        if size is not None:
+            self._pin(details or {})
+            start, end = window(index_at_end, size, length)
+            data = aligned_buffer(end - start, start)
+            self.fill([(start, data)], opening=True)
+            return size, start, data
+        wanted = f"bytes=-{length}" if index_at_end else f"bytes=0-{length - 1}"
+        try:
+            response, body = self._run(self._get, wanted, True, opening=True)
+        except _EmptyObject:
+            return 0, 0, memoryview(b"")
+        self._pin(response)
+        total, start = len(body), 0
+        match = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", str(response.get("ContentRange", "")))
+        if match:
+            start, total = int(match.group(1)), int(match.group(3))
+        if start + len(body) > total:
+            raise FormatError("the storage returned more bytes than the object holds", path=self.name)
+        data = aligned_buffer(len(body), start)
+        data[:] = body
+        return total, start, data
+
+    def _pin(self, described: Mapping[str, Any]) -> None:
+        etag = described.get("ETag") or described.get("etag")
+        if etag and "VersionId" not in self._pinned:
+            self._pinned["IfMatch"] = str(etag)
+
+    def fill(self, ranges: list[tuple[int, memoryview]], opening: bool = False) -> None:
+        parts = split_parts(ranges)
+        if parts:
+            self._run(self._fill, parts, opening=opening)
+
+    async def _fill(self, parts: list[tuple[int, memoryview]]) -> None:
+        gate = asyncio.Semaphore(self.concurrency)
+
+        async def one(at: int, view: memoryview) -> None:
+            async with gate:
+                _, data = await self._get(f"bytes={at}-{at + len(view) - 1}")
+            if len(data) != len(view):
+                raise FormatError(f"got {len(data)} bytes at byte {at}, not {len(view)}: "
+                                  f"the object is shorter than its index says", path=self.name)
+            view[:] = data
+
+        await asyncio.gather(*(one(at, view) for at, view in parts))
+
+    async def _get(self, wanted: str, empty_is_ok: bool = False) -> tuple[Mapping[str, Any], bytes]:
+        try:
+            response = await self._fs._call_s3("get_object", Bucket=self._bucket, Key=self._key,
+                                               Range=wanted, **self._pinned)
+        except OSError as exc:
+            code = _s3_code(exc)
+            if empty_is_ok and code in ("InvalidRange", "416"):
+                raise _EmptyObject() from None
+            raise
+        body = response["Body"]
+        try:
+            return response, await body.read()
+        finally:
+            body.close()
+
+    def _run(self, method: Any, *args: Any, opening: bool = False) -> Any:
+        from fsspec.asyn import sync
+
+        try:
+            return sync(self._fs.loop, method, *args)
+        except (WeightStoreError, _EmptyObject):
+            raise
+        except FileNotFoundError:
+            if opening:
+                raise
+            raise FormatError("the object was removed while it was open", path=self.name) from None
+        except Exception as exc:
+            if _s3_code(exc) in ("PreconditionFailed", "412"):
+                raise FormatError("the object changed while it was open (its ETag no longer matches); open it again",
+                                  path=self.name) from None
+            if _s3_code(exc) in ("InvalidRange", "416"):
+                raise FormatError("the object is shorter than its index says", path=self.name) from None
+            raise storage_error(exc, self.name) from exc
+
+
+class _EmptyObject(Exception):
+    """S3 refuses any range of an empty object."""
+
+
+def _s3_code(exc: BaseException) -> str | None:
+    """The S3 error code behind an exception s3fs translated (it keeps the botocore error as the cause)."""
+    seen = 0
+    while exc is not None and seen < 5:
+        response = getattr(exc, "response", None)
+        if isinstance(response, Mapping):
+            error = response.get("Error") or {}
+            return str(error.get("Code") or response.get("ResponseMetadata", {}).get("HTTPStatusCode") or "")
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1  # type: ignore[assignment]
+    return None
