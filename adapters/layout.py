@@ -18,13 +18,22 @@ guessed:
   ``groups == in_channels`` is ``depthwise``); a file records no modules, so
   :func:`kinds_from_names` derives the kind from a scope's tensors (see there), and never
   finds ``depthwise``: a depthwise layer's kernel is only converted where its module is at hand.
+  A transposed convolution's kernel (``[*spatial, out, in]`` in Keras, ``[in, out, *spatial]``
+  in PyTorch) converts as a convolution's, by the same reversal of axes.
 
 Keras 3 calls a depthwise kernel ``kernel``, as it calls a convolution's (Keras 2 and TF1 say
 ``depthwise_kernel``), and the two have the same rank. On the way in, the shape of the
-variable a tensor goes into decides (a depthwise kernel only fits a grouped convolution);
-converting a *file* has no such variable, so ``ws convert --layout keras-to-torch`` reads a
-Keras 3 ``kernel`` as a convolution's. On the way out, depthwise kernels are written as Keras
-3 names them.
+variable a tensor goes into decides (a depthwise kernel only fits a grouped convolution).
+Converting a *file* has no such variable: a Keras 3 ``kernel`` that may be depthwise (its last
+axis 1, or a scope named ``depthwise``) is refused until ``kinds=`` (``ws convert --kind
+SCOPE=depthwise``) says which it is; a PyTorch file's rank-2 ``weight`` without a ``bias``
+(a bias-free Linear, or an Embedding) likewise. On the way out, depthwise kernels are written
+as Keras 3 names them. A value whose layer has no place for it (a convolution's bias into a
+PyTorch layer built with ``bias=False``) is refused naming :func:`fold_bias_into_norm`.
+
+Layers whose tensors convert only together (LSTM, GRU, multi-head attention) are
+:class:`~weightstore.adapters.layer_rules.LayerRule` s in ``Layout.layers``, tried first, by the
+whole set of names a layer's scope holds (see :mod:`weightstore.adapters.layer_rules`).
 
 A tensor no rule covers is refused (listed in the adapter's ``Report``/error, or in a
 :class:`~weightstore.errors.LayoutError`), never passed through unconverted. Tensors a

@@ -251,10 +251,10 @@ def _sites(module: nn.Module) -> dict[str, layouts.Site]:
 def _site(module: nn.Module) -> layouts.Site:
     if isinstance(module, nn.Linear):
         return layouts.Site(layouts.DENSE)
-    if isinstance(module, nn.modules.conv._ConvNd) and not module.transposed:
-        if module.groups == 1:
+    if isinstance(module, nn.modules.conv._ConvNd):
+        if module.groups == 1:  # a transposed one too: [in, out, *spatial] is Keras's [*spatial, out, in] reversed
             return layouts.Site(layouts.CONV)
-        if module.groups == module.in_channels:
+        if module.groups == module.in_channels and not module.transposed:
             return layouts.Site(layouts.DEPTHWISE, module.groups)
     if isinstance(module, (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)):
         return layouts.Site(layouts.NORM)
