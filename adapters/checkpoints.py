@@ -90,10 +90,10 @@ class Source(Store):
     def __init__(self, store: Store):
         super().__init__(store._reader, store.path, verify=store.verify)
         reader = store._reader
-        self.kind: str = getattr(reader, "kind", None) or _store_kind(store)
+        self.kind: str = reader.kind or _store_kind(store)
         #: entries that are not numeric tensors (string variables), left out of the keys
-        self.skipped: list[str] = list(getattr(reader, "skipped", []))
-        self._meta_graph: str | None = getattr(reader, "meta_graph", None)
+        self.skipped: list[str] = list(reader.skipped)
+        self._meta_graph: str | None = reader.meta_graph
         #: the .keras file whose model gave the keys (:func:`open_keyed_like_model`), else None
         self.keyed_like: str | None = None
 

@@ -48,6 +48,7 @@ from typing_extensions import Unpack
 import weightstore
 from weightstore.adapters.plan import AssignOptions, AssignWords, Report, reload_digest, wants_skip
 from weightstore.errors import VersionGoneError
+from weightstore.formats import ReaderDefaults
 from weightstore.manifest import TensorInfo
 from weightstore.store import Store
 from weightstore.versions import Version, follow
@@ -260,7 +261,7 @@ class Follower:
                 self.error, self._following_failed = None, False
 
 
-class _Staged:
+class _Staged(ReaderDefaults):
     """A version's reader with some tensors already read and verified: a swap writes from memory.
 
     Tensors not staged (the unchanged ones a swap expects to skip) are read from the version's

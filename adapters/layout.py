@@ -53,13 +53,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
 
 import numpy as np
 
 from weightstore.adapters import layer_rules
 from weightstore.adapters.layer_rules import LayerRule
-from weightstore.adapters.plan import AssignOptions, Mismatch, Plan, TargetInfo, ValueView, describe, plan_assign
+from weightstore.adapters.plan import (
+    AssignOptions,
+    Mismatch,
+    Plan,
+    TargetInfo,
+    ValueSource,
+    describe,
+    plan_assign,
+)
 from weightstore.errors import LayoutError
 from weightstore.keys import MappingRules, Patterns, join_scope, map_key, normalize_scope, parse_mapping, passes
 
@@ -529,7 +536,7 @@ def selected_refusals(refused: Mapping[str, str], *, scope: str | None, mapping:
 class LaidOutValues:
     """A view of assign's values (``plan.Values``) under their converted names, shapes and contents."""
 
-    def __init__(self, values: Any, steps: Mapping[str, AnyStep]):
+    def __init__(self, values: ValueSource, steps: Mapping[str, AnyStep]):
         self._values = values
         self._steps = steps
         self.where = values.where
@@ -554,17 +561,20 @@ class LaidOutValues:
     def read(self, key: str) -> np.ndarray:
         return self._steps[key].build(self._values.read)
 
+    def prefetch(self, keys: list[str]) -> None:
+        """Nothing: converted values are read one by one, as each is converted."""
 
-def plan_laid_out(values: ValueView, targets: Mapping[str, TargetInfo], options: AssignOptions, *,
+
+def plan_laid_out(values: ValueSource, targets: Mapping[str, TargetInfo], options: AssignOptions, *,
                   layout: Layout | None, optional: Callable[[str], bool] | None = None,
-                  ) -> tuple[Plan, ValueView]:
+                  ) -> tuple[Plan, ValueSource]:
     """``plan_assign`` over Keras-named ``values`` converted by ``layout`` (as they are when ``None``).
 
     Returns the plan and the values to read its pairs from. Values no rule converts are
     reported as mismatched, so a strict assign refuses them and changes nothing.
     """
     refused: list[Mismatch] = []
-    view: ValueView = values
+    view: ValueSource = values
     scope, mapping = options.scope, options.mapping
     if layout is not None:
         rules, norm_scope = parse_mapping(mapping), normalize_scope(scope)

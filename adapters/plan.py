@@ -12,7 +12,7 @@ import contextlib
 import os
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypedDict
 
@@ -21,7 +21,17 @@ import numpy as np
 import weightstore
 from weightstore.adapters.artifacts import open_artifact
 from weightstore.errors import AssignmentError
-from weightstore.keys import MappingRules, Patterns, in_scope, normalize_scope, passes, plan_inward, strip_scope
+from weightstore.keys import (
+    MappingRules,
+    Patterns,
+    in_scope,
+    join_scope,
+    normalize_scope,
+    passes,
+    plan_inward,
+    require_matches,
+    strip_scope,
+)
 from weightstore.keys import suggest as keys_suggest
 from weightstore.manifest import TensorInfo, logical_dtype
 
@@ -132,6 +142,7 @@ class Report:
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[Mismatch] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    left_out: list[str] = field(default_factory=list)  # values not assigned as training state (optimizer slots, step)
 
     @property
     def ok(self) -> bool:
@@ -139,7 +150,9 @@ class Report:
 
     def __str__(self) -> str:
         parts = [f"assigned {len(self.assigned)} variable{'s' * (len(self.assigned) != 1)}"]
-        for title, items in (("skipped as unchanged", self.skipped), ("missing (no value)", self.missing),
+        for title, items in (("skipped as unchanged", self.skipped),
+                             ("left out as training state (optimizer=True assigns them)", self.left_out),
+                             ("missing (no value)", self.missing),
                              ("unexpected (no variable)", self.unexpected),
                              ("mismatched", [m.key for m in self.mismatched])):
             if items:
@@ -149,7 +162,7 @@ class Report:
 
     def __repr__(self) -> str:
         counts = ", ".join(f"{name}={len(getattr(self, name))}"
-                           for name in ("assigned", "missing", "unexpected", "mismatched", "skipped"))
+                           for name in ("assigned", "missing", "unexpected", "mismatched", "skipped", "left_out"))
         return f"Report({counts})"
 
 
@@ -169,10 +182,13 @@ class Plan:
     report: Report
 
 
-class ValueView(Protocol):
-    """What planning reads from: :class:`Values` or a view of it under other keys or layouts."""
+class ValueSource(Protocol):
+    """What a plan pairs and an assign reads values through: :class:`Values`, or a view of it
+    under other names (:class:`~weightstore.adapters.layout.LaidOutValues`)."""
 
+    #: the file (or "the weight dictionary") errors and reports name
     where: str
+    #: keys were paired with the model by structure: an error suggests no look-alike keys
     exact_keys: bool
 
     def keys(self) -> list[str]: ...
@@ -180,6 +196,9 @@ class ValueView(Protocol):
     def shape(self, key: str) -> tuple[int, ...]: ...
     def checksum(self, key: str) -> str | None: ...
     def read(self, key: str) -> np.ndarray: ...
+
+    def prefetch(self, keys: list[str]) -> None:
+        """Read ``keys`` together now, for the :meth:`read` of each that follows (or do nothing)."""
 
 
 class Values:
@@ -202,7 +221,7 @@ class Values:
             raise TypeError(f"weights must be a dict, a path, a Store or a Version, not {type(weights).__name__}")
         self._ready: dict[str, np.ndarray] = {}  # read by prefetch, not yet handed out
         self.where = self._store.path if self._store is not None else "the weight dictionary"
-        self.exact_keys = getattr(self._store, "exact_keys", False)  # keys paired by structure: no hints
+        self.exact_keys = self._store is not None and self._store.exact_keys  # keys paired by structure: no hints
 
     def keys(self) -> list[str]:
         return self._store.keys() if self._store is not None else list(self._arrays)
@@ -243,34 +262,35 @@ class Values:
 
 
 class RenamedValues:
-    """A view of assign's values under new keys: ``names`` maps each new key to the values' own."""
+    """A view of :class:`Values` with some keys renamed (``renames``: old key -> new key)."""
 
-    def __init__(self, values: Values, names: Mapping[str, str]):
+    def __init__(self, values: Values, renames: Mapping[str, str]):
         self._values = values
-        self._names = dict(names)
+        names = values.keys()  # a Values, not a dict: it has no __iter__
+        self._old = {renames.get(key, key): key for key in names}
         self.where = values.where
         self.exact_keys = values.exact_keys
 
     def keys(self) -> list[str]:
-        return list(self._names)
+        return list(self._old)
 
     def dtype(self, key: str) -> np.dtype:
-        return self._values.dtype(self._names[key])
+        return self._values.dtype(self._old[key])
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return self._values.shape(self._names[key])
+        return self._values.shape(self._old[key])
 
     def checksum(self, key: str) -> str | None:
-        return self._values.checksum(self._names[key])
+        return self._values.checksum(self._old[key])
 
     def prefetch(self, keys: list[str]) -> None:
-        self._values.prefetch([self._names[key] for key in keys])
+        self._values.prefetch([self._old[key] for key in keys])
 
     def read(self, key: str) -> np.ndarray:
-        return self._values.read(self._names[key])
+        return self._values.read(self._old[key])
 
     def read_into(self, key: str, out: np.ndarray) -> np.ndarray:
-        return self._values.read_into(self._names[key], out)
+        return self._values.read_into(self._old[key], out)
 
 
 @contextlib.contextmanager
@@ -310,12 +330,13 @@ def describe(dtype: np.dtype, shape: tuple[int, ...]) -> str:
 
 
 def plan_assign(
-    values: ValueView,
+    values: ValueSource,
     targets: Mapping[str, TargetInfo],
     options: AssignOptions,
     *,
     optional: Callable[[str], bool] | None = None,
     refused: Sequence[Mismatch] = (),
+    left_out: Collection[str] = (),
 ) -> Plan:
     """Pair values with variables by key and check every pair; raise before writing if strict.
 
@@ -327,20 +348,25 @@ def plan_assign(
     ``optional`` keys are state one framework keeps and others lack (PyTorch's
     ``num_batches_tracked``): assigned when both sides have them, never missing or unexpected.
     ``refused`` are values the adapter could not offer at all (no layout rule converts them);
-    they count as mismatched.
+    they count as mismatched. ``left_out`` are value keys (as the values name them) that are
+    training state the caller did not ask for (a TF1 checkpoint's optimizer slots): never
+    paired, listed in ``report.left_out``.
     """
     norm_scope = normalize_scope(options.scope)
     include, exclude, cast = options.include, options.exclude, options.cast
-    value_keys = plan_inward(values.keys(), scope=norm_scope, mapping=options.mapping, include=include,
+    every_key = values.keys()
+    value_keys = plan_inward([key for key in every_key if key not in left_out] if left_out else every_key, scope=norm_scope, mapping=options.mapping, include=include,
                              exclude=exclude, where=values.where)
-    chosen = {
-        key: info
+    selectable = {
+        strip_scope(key, norm_scope): info
         for key, info in targets.items()
-        if in_scope(key, norm_scope) and key != norm_scope
-        and passes(strip_scope(key, norm_scope), include, exclude)
-        and keeps(strip_scope(key, norm_scope), info.trainable, options.trainable_only, options.also)
+        if in_scope(key, norm_scope) and key != norm_scope and passes(strip_scope(key, norm_scope), include, exclude)
     }
-    report = Report()
+    if options.also:
+        require_matches(selectable.keys(), options.also, "also", "the model's variables")
+    chosen = {join_scope(norm_scope, relative): info for relative, info in selectable.items()
+              if keeps(relative, info.trainable, options.trainable_only, options.also)}
+    report = Report(left_out=[key for key in every_key if key in left_out] if left_out else [])
     report.missing = [k for k in chosen if k not in value_keys and not (optional and optional(k))]
     report.unexpected = [k for k in value_keys if k not in chosen and not (optional and optional(k))]
     report.mismatched.extend(refused)
@@ -398,22 +424,27 @@ def _message(report: Report, where: str, targets: Mapping[str, Any], values: Map
 
     A value whose variable exists but was left out as not trainable says so, rather than
     suggesting a trainable neighbour (``did you mean 'model_10/w'?`` for ``model_10/b``).
+    A name already paired is never suggested: it has its value (``w/Adam`` is not ``w``).
     Without ``hints`` (keys paired by structure) nothing is suggested.
     """
 
     def suggest(key: str, candidates: Any) -> str:
         return keys_suggest(key, candidates) if hints else ""
 
+    free_targets = [key for key in targets if key not in pairs]  # a paired variable already has its value
+    free_every = [key for key in every if key not in pairs]
+    free_values = [key for key in values if key not in pairs]
+
     def unexpected(key: str) -> str:
         if trainable_only and key in every and not every[key].trainable:
             return f"{key!r} is a variable but not trainable (trainable_only=True)"
-        return f"no variable {key!r}{suggest(key, targets) or suggest(key, every)}"
+        return f"no variable {key!r}{suggest(key, free_targets) or suggest(key, free_every)}"
 
     lines = [f"cannot assign {where}: nothing was changed"]
     if not pairs and report.ok:
         lines.append("  no value pairs with a variable" + (" (no variables selected)" if not targets else ""))
     sections: list[tuple[str, list[Any], Callable[[Any], str]]] = [
-        ("missing (variables with no value)", report.missing, lambda k: f"no value for variable {k!r}{suggest(k, values)}"),
+        ("missing (variables with no value)", report.missing, lambda k: f"no value for variable {k!r}{suggest(k, free_values)}"),
         ("unexpected (values with no variable)", report.unexpected, unexpected),
         ("mismatched", report.mismatched, str),
     ]

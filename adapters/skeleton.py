@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -30,6 +30,8 @@ from weightstore.adapters.plan import (
     Plan,
     Report,
     TargetInfo,
+    Values,
+    ValueSource,
     open_values,
     plan_assign,
     wants_skip,
@@ -52,15 +54,6 @@ BATCH_MIN_BYTES = 64 << 20
 BATCH_SHARE = 16
 
 
-class ValueSource(Protocol):
-    """What a plan reads values through: :class:`~weightstore.adapters.plan.Values` or a view of it."""
-
-    where: str
-
-    def checksum(self, key: str) -> str | None: ...
-    def read(self, key: str) -> np.ndarray: ...
-
-
 @dataclass
 class Target:
     """What one framework supplies to an assign.
@@ -81,7 +74,7 @@ class Target:
     write: Callable[[list[tuple[str, Any]], Report], list[str]]
     owner: Callable[[str], object]
     prepare: Callable[[ValueSource, str, str], Any] | None = None
-    plan: Callable[[Any, AssignOptions], tuple[Plan, ValueSource]] | None = None
+    plan: Callable[[Values, AssignOptions], tuple[Plan, ValueSource]] | None = None
     batched: bool = False
 
 
@@ -118,10 +111,8 @@ def run_assign(target: Target, weights: Any, options: AssignOptions, *, skip_for
             digests[key] = digest
         if target.batched:
             _write_batches(target, source, prepare, todo, digests, report)
-        else:
-            prefetch = getattr(source, "prefetch", None)
-            if prefetch is not None:  # every value is held until the write anyway
-                prefetch([value_key for _, value_key in todo])
+        else:  # every value is held until the write anyway: read them together
+            source.prefetch([value_key for _, value_key in todo])
             batch = [(key, prepare(source, key, value_key)) for key, value_key in todo]
             _remember(target, target.write(batch, report) if batch else [], digests, report)
     return report
@@ -140,10 +131,8 @@ def _write_batches(target: Target, source: ValueSource, prepare: Callable[[Value
     budget = max(BATCH_MIN_BYTES, sum(sizes.values()) // BATCH_SHARE)
     kept: dict[str, Any] = {}
     held = 0
-    prefetch = getattr(source, "prefetch", None)
     for chunk in _chunks(todo, sizes, budget):  # the verify pass: any bad value raises here, before any write
-        if prefetch is not None:  # read a budget's worth together, as the write batches will hold
-            prefetch([value_key for _, value_key in chunk])
+        source.prefetch([value_key for _, value_key in chunk])  # a budget's worth, as the write batches will hold
         for key, value_key in chunk:
             value = prepare(source, key, value_key)
             if not _costs_memory(value):
@@ -200,7 +189,7 @@ def _costs_memory(value: Any) -> bool:
     return not isinstance(base, mmap.mmap)
 
 
-def _plain_plan(infos: Mapping[str, TargetInfo]) -> Callable[[Any, AssignOptions], tuple[Plan, ValueSource]]:
+def _plain_plan(infos: Mapping[str, TargetInfo]) -> Callable[[Values, AssignOptions], tuple[Plan, ValueSource]]:
     return lambda values, options: (plan_assign(values, infos, options), values)
 
 

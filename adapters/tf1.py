@@ -40,10 +40,21 @@ from weightstore.extras import needs
 with needs("tf", __name__):
     import tensorflow as tf
 
-from weightstore.adapters.plan import MEMORY, AssignOptions, AssignWords, Report, Selection, SelectionWords, TargetInfo
+from weightstore.adapters import tf1_training
+from weightstore.adapters.plan import (
+    MEMORY,
+    AssignOptions,
+    AssignWords,
+    Plan,
+    Report,
+    Selection,
+    SelectionWords,
+    TargetInfo,
+    plan_assign,
+)
 from weightstore.adapters.skeleton import Target, private_copy, run_assign
 from weightstore.errors import AssignmentError, FormatError, InvalidKeyError, SelectionError
-from weightstore.keys import from_tf_name, plan_outward
+from weightstore.keys import from_tf_name, plan_outward, require_matches
 from weightstore.manifest import ML_DTYPES
 
 __all__ = ["export", "assign", "forget"]
@@ -69,6 +80,7 @@ class _Target:
     shape: tuple[int, ...]
     trainable: bool
     parts: list[_Part] = field(default_factory=list)
+    training: bool = False  # optimizer state or the step counter (tf1_training), not the model
 
     @property
     def info(self) -> TargetInfo:
@@ -88,19 +100,19 @@ def export(sess: Any, **selection: Unpack[SelectionWords]) -> dict[str, np.ndarr
     targets = _targets(sess.graph)
     plan = plan_outward(targets, scope=chosen_by.scope, include=chosen_by.include, exclude=chosen_by.exclude,
                         where="the graph")
+    if chosen_by.also:
+        require_matches(plan.keys(), chosen_by.also, "also", "the graph")
     if chosen_by.trainable_only:
         kept = {key: source for key, source in plan.items() if chosen_by.keeps(key, targets[source].trainable)}
         if plan and not kept:
-            also = chosen_by.also
-            raise SelectionError("trainable_only keeps no variable: the selected variables are all non-trainable"
-                                 + (f" and none matches also={also!r}" if also else ""))
+            raise SelectionError("trainable_only keeps no variable: the selected variables are all non-trainable")
         plan = kept
     chosen = [targets[source] for source in plan.values()]
     fetched = iter(sess.run([_read_tensor(part.variable) for target in chosen for part in target.parts]))
     return {key: _stitch(target, fetched) for key, target in zip(plan, chosen, strict=True)}
 
 
-def assign(sess: Any, weights: Any, **words: Unpack[AssignWords]) -> Report:
+def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[AssignWords]) -> Report:
     """Write ``weights`` into the variables of ``sess``'s graph, planned and verified first, in batches.
 
     ``weights`` is a dict, a path (a store, a TF1 ``Saver`` checkpoint prefix or its folder),
@@ -109,6 +121,13 @@ def assign(sess: Any, weights: Any, **words: Unpack[AssignWords]) -> Report:
     unexpected or mismatched key raises :class:`~weightstore.errors.AssignmentError` and no
     variable changes. ``skip_unchanged`` (default: only for versions) leaves alone tensors
     whose checksum matches what this session last received for that key.
+
+    Training state (optimizer slots such as ``w/Adam``, Adam's ``beta1_power``/``beta2_power``,
+    ``global_step``) is left out on both sides unless ``optimizer=True``, as in ``tf2``: a
+    training ``Saver`` checkpoint assigns into an inference graph, and the values left out are
+    listed in ``report.left_out``. Which variables those are comes from the graph (its training
+    ops and ``global_step`` collection; for a checkpoint, its ``.meta``) or, for a checkpoint
+    without one, from TF's slot naming (see :mod:`weightstore.adapters.tf1_training`).
 
     That memory only knows what weightstore assigned: after anything else writes the
     variables (``sess.run(init)``, training, ``Saver.restore``), call :func:`forget` (or pass
@@ -140,7 +159,14 @@ def assign(sess: Any, weights: Any, **words: Unpack[AssignWords]) -> Report:
         return [key for key, _ in batch]
 
     infos = {key: target.info for key, target in targets.items()}
-    return run_assign(Target(infos, write, owner=lambda key: sess, prepare=prepare, batched=True), weights, options)
+    model = infos if optimizer else {key: info for key, info in infos.items() if not targets[key].training}
+
+    def plan(values: Any, options: AssignOptions) -> tuple[Plan, Any]:
+        left_out = () if optimizer else tf1_training.in_checkpoint(values.where, values.keys())
+        return plan_assign(values, model, options, left_out=left_out), values
+
+    target = Target(infos, write, owner=lambda key: sess, prepare=prepare, plan=plan, batched=True)
+    return run_assign(target, weights, options)
 
 
 def forget(sess: Any) -> None:
@@ -192,7 +218,10 @@ def _collect_targets(graph: tf.Graph) -> dict[str, _Target]:
         whole.trainable &= name in trainable
         index = tuple(slice(o, o + s) for o, s in zip(slice_info.var_offset, slice_info.var_shape, strict=True))
         whole.parts.append(_Part(variable, index))
+    training = tf1_training.in_graph({op.name: (op.type, [t.op.name for t in op.inputs]) for op in graph.get_operations()},
+                                     [v.op.name for v in graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_STEP)])
     for target in targets.values():
+        target.training = any(part.variable.op.name in training for part in target.parts)
         covered = sum(math.prod(part.variable.shape.as_list()) for part in target.parts)
         if target.parts[0].index and covered != math.prod(target.shape):
             raise FormatError(f"partitioned variable {target.key!r}: its parts in the graph's collections "

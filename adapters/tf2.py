@@ -5,14 +5,17 @@ How keys are formed (the object you pass is the root; its own name is never part
 - **Keras layers and models**: the path of layer names from the root down, then the
   variable's name: ``dense/kernel``, ``conv_1/bn/moving_mean``. A name the user chose is kept
   as is. A name Keras made up (``dense_7``: the snake-cased class name, optionally with
-  ``_<n>``) is renumbered *within its parent*, in the parent's layer order: the first
-  automatic ``Dense`` child is ``dense``, the next ``dense_1``, skipping names siblings
-  already use. Keras numbers automatic names process-wide, so the same architecture built
-  twice gets ``dense``/``dense_1`` and then ``dense_2``/``dense_3``; renumbering per parent
-  gives both the same keys. (A name the user typed that looks automatic, like ``dense_5``,
-  is renumbered too.) Variables come from ``layer.weights``: trainable and non-trainable
-  weights such as batch-norm statistics, never optimizer, metric or random-seed state.
-  Pass ``model.optimizer.variables`` (a list) to export those.
+  ``_<n>`` from Keras's one counter per process; ``forward_``/``backward_`` before it for a
+  ``Bidirectional``'s copies) is renumbered over the whole root in Keras's own order (see
+  :class:`_Naming`): the names Keras would have given had the root been the first model of
+  its process. So the first model built in a process has the keys ``model.summary()``
+  shows, and every later instance of its architecture the same keys. (A name the user typed
+  that looks automatic, like ``dense_5``, is renumbered too.) Variables come from
+  ``layer.weights``: trainable and non-trainable weights such as batch-norm statistics,
+  never optimizer, metric or random-seed state (pass ``model.optimizer.variables``, a list,
+  to export those). Keys of earlier releases (automatic names renumbered per parent, in layer order) and, under
+  ``scope``, the keys a part has as its own root still assign: a value whose key names no
+  variable pairs with the one that key named then, if that one has no value of its own.
 - **tf.Module**: the attribute path, as ``tf.train.Checkpoint`` walks it: ``encoder/w``,
   ``layers/0/b``. Keras layers found on the way continue with the Keras rule. A variable
   reachable along several paths gets the first in ``tf.Module``'s traversal order.
@@ -63,7 +66,18 @@ with needs("tf", __name__):
 
 import weightstore
 from weightstore.adapters.artifacts import for_model, is_model_file
-from weightstore.adapters.plan import MEMORY, AssignOptions, AssignWords, Report, Selection, SelectionWords, TargetInfo
+from weightstore.adapters.plan import (
+    MEMORY,
+    AssignOptions,
+    AssignWords,
+    Plan,
+    RenamedValues,
+    Report,
+    Selection,
+    SelectionWords,
+    TargetInfo,
+    plan_assign,
+)
 from weightstore.adapters.skeleton import Target, private_copy, run_assign
 from weightstore.errors import AssignmentError, InvalidKeyError, SelectionError
 from weightstore.keys import (
@@ -74,11 +88,12 @@ from weightstore.keys import (
     normalize_scope,
     passes,
     plan_outward,
+    require_matches,
     strip_scope,
     validate_key,
 )
 
-__all__ = ["export", "assign", "load", "variables", "forget"]
+__all__ = ["export", "assign", "load", "keys", "variables", "forget"]
 
 Variable = Union[tf.Variable, keras.Variable, "tf.__internal__.distribute.ShardedVariable"]
 _SHARDED = tf.__internal__.distribute.ShardedVariable
@@ -91,6 +106,15 @@ _GROUP = 64  # most values per group: as fast per variable as larger groups, and
 def variables(obj: Any, *, optimizer: bool = False) -> dict[str, Variable]:
     """Key -> variable for everything ``export`` and ``assign`` see in ``obj``."""
     return {key: var for key, (var, _) in _collect(obj, optimizer).items()}
+
+
+def keys(obj: Any, *, optimizer: bool = False) -> list[str]:
+    """The keys :func:`export` and :func:`assign` give ``obj``'s variables, in walk order.
+
+    List them before writing ``include``, ``also`` or ``mapping``: for a model built first in
+    its process they are the layer names ``model.summary()`` shows, joined by ``/``.
+    """
+    return list(_collect(obj, optimizer))
 
 
 def export(obj: Any, *, optimizer: bool = False, **selection: Unpack[SelectionWords]) -> dict[str, np.ndarray]:
@@ -110,6 +134,8 @@ def selected(obj: Any, *, optimizer: bool = False, **selection: Unpack[Selection
     found = _collect(obj, optimizer)
     plan = plan_outward(found, scope=chosen_by.scope, include=chosen_by.include, exclude=chosen_by.exclude,
                         where=_describe(obj))
+    if chosen_by.also:
+        require_matches(plan.keys(), chosen_by.also, "also", _describe(obj))
     chosen = {new: found[old][0] for new, old in plan.items() if chosen_by.keeps(new, found[old][1])}
     if not chosen:
         why = "no variables (build a Keras model before exporting it)" if not found else "no variable passes the selection"
@@ -140,7 +166,7 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
     :func:`forget` (or pass ``skip_unchanged=False``), or a version with the old bytes is skipped
     and the variable keeps the other value.
     """
-    found = _collect(obj, optimizer)
+    found, aliases = _collect_with_aliases(obj, optimizer)
     if not found and isinstance(obj, keras.layers.Layer) and not obj.built:
         raise AssignmentError(f"cannot assign into {_describe(obj)}: it is not built, so it has no variables yet; "
                               "build it first (call it on a batch of inputs, or model.build(input_shape))")
@@ -149,17 +175,29 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
     }
     options = AssignOptions(**words)
 
+    written: set[int] = set()
+
     def write(batch: list[tuple[str, np.ndarray]], report: Report) -> list[str]:
         _write_batch([(found[key][0], array) for key, array in batch])
+        written.update(id(found[key][0]) for key, _ in batch)
         return [key for key, _ in batch]
 
-    target = Target(targets, write, owner=lambda key: found[key][0], batched=True)
-    if not _structured(obj, weights):
-        return run_assign(target, weights, options)
     at = normalize_scope(options.scope)
-    with for_model(_part_at(obj, at), weights, {strip_scope(key, at): var for key, (var, _) in found.items()
-                                                 if in_scope(key, at) and key != at}) as paired:
-        return run_assign(target, paired, options, skip_for=weights)
+    aliases.update(_part_keys(obj, at, found))
+
+    def plan(values: Any, options: AssignOptions) -> tuple[Plan, Any]:
+        view = _old_keys_renamed(values, aliases, targets, options)
+        return plan_assign(view, targets, options), view
+
+    target = Target(targets, write, owner=lambda key: found[key][0], plan=plan if aliases else None, batched=True)
+    try:
+        if not _structured(obj, weights):
+            return run_assign(target, weights, options)
+        with for_model(_part_at(obj, at), weights, {strip_scope(key, at): var for key, (var, _) in found.items()
+                                                     if in_scope(key, at) and key != at}) as paired:
+            return run_assign(target, paired, options, skip_for=weights)
+    finally:  # after a partial failure too: the layers hold what their variables now hold
+        _finalize(obj, written)
 
 
 def load(obj: Any, path: Any, *, include: Patterns = None, exclude: Patterns = None,
@@ -194,16 +232,93 @@ def _structured(obj: Any, weights: Any) -> bool:
 def _part_at(obj: Any, scope: str) -> Any:
     """The layer or module of ``obj`` whose variables' keys are those under ``scope``."""
     part = obj
+    naming = _Naming(obj)
     for segment in scope.split("/") if scope else []:
         if isinstance(part, keras.layers.Layer):
             children = list(part._flatten_layers(include_self=False, recursive=False))
-            named = dict(zip(_segments((c.name, _snake_case(type(c).__name__)) for c in children), children, strict=True))
+            named = dict(zip(naming.segments(children), children, strict=True))
         else:
             named = {segment: getattr(part, segment)} if isinstance(getattr(part, segment, None), tf.Module) else {}
         if segment not in named:
             raise SelectionError(f"{_describe(obj)} has no layer or module at scope {scope!r} to pair a file with")
         part = named[segment]
     return part
+
+
+def _part_keys(obj: Any, scope: str, found: Mapping[str, tuple[Variable, bool]]) -> dict[str, str]:
+    """For an assign under ``scope``: the key each variable there has when its part is the root
+    (``tf2.export(member)``), under the scope -> its key in ``obj``, where the two differ.
+
+    Automatic names are numbered from the root, so one member of an ensemble is ``dense_3`` in
+    the ensemble but ``dense`` on its own; its own file assigns into any member by ``scope``.
+    """
+    if not scope or not isinstance(obj, (keras.layers.Layer, tf.Module)):
+        return {}
+    try:
+        part = _part_at(obj, scope)
+    except SelectionError:  # no layer or module there: the plan says what is wrong with the scope
+        return {}
+    if not isinstance(part, (keras.layers.Layer, tf.Module)):
+        return {}
+    full = {id(var): key for key, (var, _) in found.items()}
+    return {join_scope(scope, key): full[id(var)] for key, (var, _) in _collect(part).items()
+            if id(var) in full and join_scope(scope, key) != full[id(var)]}
+
+
+def _old_keys_renamed(values: Any, aliases: Mapping[str, str], targets: Mapping[str, TargetInfo],
+                      options: AssignOptions) -> Any:
+    """``values`` with the keys earlier releases gave the model's variables renamed to today's.
+
+    A value pairs by its old key only where it names no variable as it is and the variable
+    it names the old way has no value of today's key: a file written with old keys, or
+    exported from one part of a model (a member of an ensemble) and assigned into another
+    with ``scope=``, whose keys the part had when keyed on its own. Not with ``mapping``,
+    which renames keys on purpose.
+    """
+    if options.mapping:
+        return values
+    at = normalize_scope(options.scope)
+    keys = values.keys()
+    present = {join_scope(at, key) for key in keys}
+    renames = {}
+    for key in keys:
+        full = join_scope(at, key)
+        new = aliases.get(full)
+        if full not in targets and new is not None and new not in present and in_scope(new, at) and new != at:
+            renames[key] = strip_scope(new, at)
+    return RenamedValues(values, renames) if renames else values
+
+
+def _finalize(obj: Any, written: set[int]) -> None:
+    """Let each Keras layer that derives state from variables just written recompute it.
+
+    An adapted ``Normalization`` divides by constants made from its ``mean`` and ``variance``
+    variables when it was adapted or built, not by the variables: writing them changes nothing
+    it computes until ``finalize_state()`` runs again. Keras's loaders run it after loading a
+    layer's variables (``saving_lib`` through the layer's own ``load_own_variables``, the
+    legacy HDF5 loader for every layer that has the method and received weights), which is
+    the rule here: any layer with a ``finalize_state`` one of whose variables was written.
+    Among Keras's own layers that is ``Normalization``; ``Discretization`` keeps its bins and
+    the lookup layers their vocabulary outside their variables (config, assets), so an assign
+    leaves those as the target has them, as ``load_weights`` does. A dict or list of
+    variables names no layers, so nothing is finalized for it.
+    """
+    if not written:
+        return
+    for layer in _keras_layers(obj):
+        finalize = getattr(layer, "finalize_state", None)
+        if callable(finalize) and any(id(var) in written for var in layer.weights):
+            finalize()
+
+
+def _keras_layers(obj: Any) -> list[keras.layers.Layer]:
+    """Every Keras layer in ``obj`` (a layer and all below it, or those a ``tf.Module`` holds)."""
+    if isinstance(obj, keras.layers.Layer):
+        return list(obj._flatten_layers(include_self=True, recursive=True))
+    if isinstance(obj, tf.Module):
+        tops = obj._flatten(predicate=lambda x: isinstance(x, keras.layers.Layer))
+        return [layer for top in tops for layer in top._flatten_layers(include_self=True, recursive=True)]
+    return []
 
 
 def _optimizer_variables(obj: Any) -> list[Variable]:
@@ -217,7 +332,13 @@ def _optimizer_variables(obj: Any) -> list[Variable]:
 
 def _collect(obj: Any, optimizer: bool = False) -> dict[str, tuple[Variable, bool]]:
     """Key -> (variable, trainable), by the rules in the module docstring."""
+    return _collect_with_aliases(obj, optimizer)[0]
+
+
+def _collect_with_aliases(obj: Any, optimizer: bool = False) -> tuple[dict[str, tuple[Variable, bool]], dict[str, str]]:
+    """:func:`_collect`, and the keys earlier releases gave the same variables (old key -> key, where they differ)."""
     found: dict[str, tuple[Variable, bool]] = {}
+    aliases: dict[str, str] = {}
     if isinstance(obj, Mapping):
         for key, var in obj.items():
             _add(found, validate_key(key), _checked_variable(var, key), set())
@@ -225,7 +346,7 @@ def _collect(obj: Any, optimizer: bool = False) -> dict[str, tuple[Variable, boo
         for var in obj:
             _add(found, _own_name(_checked_variable(var, "")), var, set(), refuse_duplicates=True)
     elif isinstance(obj, (keras.layers.Layer, tf.Module)):
-        _walk(obj, "", found, set(), None)
+        _Walk(obj, found, aliases).walk(obj, "", "", None)
     else:
         raise TypeError(
             f"expected a Keras model or layer, a tf.Module, or a list or dict of variables, not {type(obj).__name__}"
@@ -233,34 +354,93 @@ def _collect(obj: Any, optimizer: bool = False) -> dict[str, tuple[Variable, boo
     if optimizer:
         for i, var in enumerate(_optimizer_variables(obj)):
             _add(found, f"optimizer/vars/{i}", var, set(), trainable=False)
-    return found
+    return found, aliases
 
 
-def _walk(obj: Any, path: str, found: dict, seen: set[int], trainable_ids: set[int] | None) -> None:
-    if isinstance(obj, _VARIABLE_TYPES):
-        _add(found, path, obj, seen, trainable=id(obj) in trainable_ids if trainable_ids is not None else None)
-    elif isinstance(obj, keras.layers.Layer):
-        if trainable_ids is None:  # the outermost Keras layer decides: a frozen layer's weights are not trainable
-            trainable_ids = {id(w) for w in obj.trainable_weights}
-        _walk_layer(obj, path, found, seen, trainable_ids)
-    else:
-        leaves = obj._flatten(predicate=lambda x: isinstance(x, (*_VARIABLE_TYPES, keras.layers.Layer)), with_path=True)
-        for attribute_path, leaf in leaves:
-            _walk(leaf, join_scope(path, "/".join(map(str, attribute_path))), found, seen, trainable_ids)
+class _Walk:
+    """One walk of a root's variables: keys by :class:`_Naming`, old keys by :func:`_segments`."""
+
+    def __init__(self, root: Any, found: dict[str, tuple[Variable, bool]], aliases: dict[str, str]):
+        self.naming = _Naming(root)
+        self.found = found
+        self.aliases = aliases
+        self.seen: set[int] = set()
+
+    def walk(self, obj: Any, path: str, old: str, trainable_ids: set[int] | None) -> None:
+        if isinstance(obj, _VARIABLE_TYPES):
+            if id(obj) not in self.seen and old != path:
+                self.aliases[old] = path
+            _add(self.found, path, obj, self.seen,
+                 trainable=id(obj) in trainable_ids if trainable_ids is not None else None)
+        elif isinstance(obj, keras.layers.Layer):
+            if trainable_ids is None:  # the outermost Keras layer decides: a frozen layer's weights are not trainable
+                trainable_ids = {id(w) for w in obj.trainable_weights}
+            self._walk_layer(obj, path, old, trainable_ids)
+        else:
+            leaves = obj._flatten(predicate=lambda x: isinstance(x, (*_VARIABLE_TYPES, keras.layers.Layer)),
+                                  with_path=True)
+            for attribute_path, leaf in leaves:
+                segment = "/".join(map(str, attribute_path))
+                self.walk(leaf, join_scope(path, segment), join_scope(old, segment), trainable_ids)
+
+    def _walk_layer(self, layer: keras.layers.Layer, path: str, old: str, trainable_ids: set[int]) -> None:
+        children = list(layer._flatten_layers(include_self=False, recursive=False))
+        below = {id(w) for child in children for w in child.weights}
+        own = [w for w in layer.weights if id(w) not in below]
+        for var, name in zip(own, _segments((w.name, "variable") for w in own), strict=True):
+            self.walk(var, join_scope(path, name), join_scope(old, name), trainable_ids)
+        olds = _segments((c.name, _snake_case(type(c).__name__)) for c in children)
+        for child, name, old_name in zip(children, self.naming.segments(children), olds, strict=True):
+            self.walk(child, join_scope(path, name), join_scope(old, old_name), trainable_ids)
 
 
-def _walk_layer(layer: keras.layers.Layer, path: str, found: dict, seen: set[int], trainable_ids: set[int]) -> None:
-    children = list(layer._flatten_layers(include_self=False, recursive=False))
-    below = {id(w) for child in children for w in child.weights}
-    own = [w for w in layer.weights if id(w) not in below]
-    for var, name in zip(own, _segments((w.name, "variable") for w in own), strict=True):
-        _walk(var, join_scope(path, name), found, seen, trainable_ids)
-    for child, name in zip(children, _segments((c.name, _snake_case(type(c).__name__)) for c in children), strict=True):
-        _walk(child, join_scope(path, name), found, seen, trainable_ids)
+class _Naming:
+    """Key segments for a root's Keras layers: Keras's own automatic names, numbered from the root.
+
+    Keras names a layer ``<snake-cased class>`` or ``<snake-cased class>_<n>`` from one counter
+    per process (``Bidirectional`` names its copies ``forward_<name>`` and ``backward_<name>``),
+    so the first model built in a process shows ``dense``, ``dense_1``… and a second
+    ``dense_2``, ``dense_3``…. Here the automatic names under one root are ranked by that
+    counter, the root's own included, and the rank replaces it: the numbering Keras would have
+    given had this been the first model of the process, for every instance alike. Names the
+    user chose are kept as they are.
+    """
+
+    def __init__(self, root: Any):
+        numbers: dict[str, set[int]] = {}
+        for layer in _keras_layers(root):
+            parsed = _automatic(layer)
+            if parsed is not None:
+                numbers.setdefault(parsed[1], set()).add(parsed[2])
+        self._rank = {base: {n: i for i, n in enumerate(sorted(found))} for base, found in numbers.items()}
+
+    def segments(self, children: list[keras.layers.Layer]) -> list[str]:
+        names = []
+        for child in children:
+            parsed = _automatic(child)
+            if parsed is None:
+                names.append(child.name)
+                continue
+            prefix, base, number = parsed
+            rank = self._rank[base][number]
+            names.append(f"{prefix}{base}" if rank == 0 else f"{prefix}{base}_{rank}")
+        if len(set(names)) == len(names):
+            return names
+        return _segments((name, name) for name in names)  # siblings sharing a name (subclassed models): _1, _2…
+
+
+def _automatic(layer: keras.layers.Layer) -> tuple[str, str, int] | None:
+    """``(prefix, base, n)`` for a name Keras made up (``dense_3``, ``forward_lstm``), else None."""
+    base = _snake_case(type(layer).__name__)
+    match = re.fullmatch(rf"(forward_|backward_)?{re.escape(base)}(?:_(\d+))?", layer.name)
+    if match is None:
+        return None
+    return match.group(1) or "", base, int(match.group(2) or 0)
 
 
 def _segments(items: Iterable[tuple[str, str]]) -> list[str]:
-    """Sibling names: chosen names kept, automatic ones (``base`` or ``base_<n>``) renumbered in order."""
+    """Sibling names as earlier releases keyed them: chosen names kept, automatic ones
+    (``base`` or ``base_<n>``) renumbered in the parent's layer order."""
     marked = [(name, base, name == base or re.fullmatch(re.escape(base) + r"_\d+", name) is not None)
               for name, base in items]
     taken = {name for name, _, automatic in marked if not automatic}

@@ -166,8 +166,8 @@ def assign(
 
 def _keyed(values: Any) -> Any:
     """``values`` with each ``state_dict`` name read as its key (:func:`~weightstore.names.torch_keys`)."""
-    names = torch_keys(values.keys())
-    return values if all(key == name for key, name in names.items()) else RenamedValues(values, names)
+    renames = {name: key for key, name in torch_keys(values.keys()).items() if key != name}
+    return RenamedValues(values, renames) if renames else values
 
 
 def _refuse_tied_conflicts(pending: list, found: dict[str, torch.Tensor], report: Report, *, strict: bool,

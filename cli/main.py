@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 
+from weightstore import __version__
 from weightstore.adapters import checkpoints
 from weightstore.adapters.plan import Selection
 from weightstore.cli import compare, render, sync, transfer
@@ -21,28 +22,36 @@ from weightstore.names import WRITE_NAMINGS, check_naming
 
 
 class _Group(GuardedGroup):
-    """The ``ws`` group: its help, and every command's, shows flags as flags.
+    """The ``ws`` group: its help, and every command's, names values in words and shows flags as flags.
 
-    typer labels every bool option ``<bool>`` (``--quiet <bool>``), which reads as if it took
-    a value; an empty metavar leaves that column blank. Commands other modules register
+    typer labels a value by its Python type (``--include <list[str]>``, ``--scope <str>``)
+    and every bool option ``<bool>`` (``--quiet <bool>``), which reads as if it took a value.
+    A value without a metavar of its own is named after its option or argument (``--scope
+    SCOPE``, ``SOURCE``); a flag's column is left blank. Commands other modules register
     (``cli/sync.py``) and typer's own ``--help`` and completion options are covered too.
     """
 
     def get_params(self, ctx):
-        return _flags_as_flags(super().get_params(ctx))
+        return _metavars_in_words(super().get_params(ctx))
 
     def get_command(self, ctx, cmd_name):
         command = super().get_command(ctx, cmd_name)
         if command is not None:
-            _flags_as_flags(command.get_params(ctx))
+            _metavars_in_words(command.get_params(ctx))
         return command
 
 
-def _flags_as_flags(params: list) -> list:
+def _metavars_in_words(params: list) -> list:
     for param in params:
-        if getattr(param, "is_flag", False) and param.metavar is None:
-            param.metavar = ""
+        if param.metavar is None:
+            param.metavar = "" if getattr(param, "is_flag", False) else (param.name or "value").upper()
+        if param.param_type_name == "argument":  # named SOURCE already: no "<str>" type column beside it
+            param.display_type_rich = _no_type
     return params
+
+
+def _no_type(ctx: object) -> None:
+    return None
 
 
 app = typer.Typer(
@@ -57,9 +66,9 @@ app = typer.Typer(
 Scope = Annotated[str | None, typer.Option("--scope", "-s", help="Scope: on export keep keys under it and strip it; "
                                                                      "on import put every key under it.")]
 Include = Annotated[list[str] | None, typer.Option(
-    "--include", "-i", help="Keep keys under this scope or matching this glob (repeatable); relative to --scope.")]
+    "--include", "-i", metavar="PATTERN", help="Keep keys under this scope or matching this glob (repeatable); relative to --scope.")]
 Exclude = Annotated[list[str] | None, typer.Option(
-    "--exclude", "-x", help="Drop keys under this scope or matching this glob (repeatable); relative to --scope.")]
+    "--exclude", "-x", metavar="PATTERN", help="Drop keys under this scope or matching this glob (repeatable); relative to --scope.")]
 
 
 def _check_rules(rules: list[str] | None) -> list[str] | None:
@@ -96,8 +105,16 @@ Mapping = Annotated[list[str] | None, typer.Option("--map", "-m", metavar="FROM=
                                                            "applied before --include/--exclude).")]
 
 
+def _print_version(wanted: bool) -> None:
+    if wanted:
+        typer.echo(f"weightstore {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
 def options(
+    version: Annotated[bool, typer.Option("--version", is_eager=True, callback=_print_version,
+                                          help="Print weightstore's version and exit.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or status lines.")] = False,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks and TensorFlow's own logs.")] = False,
     as_json: AsJson = False,
@@ -123,7 +140,7 @@ def export(
     trainable_only: Annotated[bool, typer.Option(
         "--trainable-only", help="Only trainable variables (needs a TF1 checkpoint's .meta).")] = False,
     also: Annotated[list[str] | None, typer.Option(
-        "--also", help="With --trainable-only, also keep keys under this scope or matching this glob (repeatable).",
+        "--also", metavar="PATTERN", help="With --trainable-only, also keep keys under this scope or matching this glob (repeatable).",
     )] = None,
     compress: Compress = False,
     shuffle: Shuffle = False,

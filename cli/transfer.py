@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import weightstore
-from weightstore.adapters import checkpoints
+from weightstore.adapters import checkpoints, keras_import
 from weightstore.adapters import layout as layouts
 from weightstore.adapters.checkpoints import Source
 from weightstore.adapters.plan import Selection
@@ -31,7 +31,7 @@ from weightstore.errors import (
 )
 from weightstore.formats import format_for_suffix, sniff
 from weightstore.io.location import is_url
-from weightstore.keys import MappingRules, Patterns, plan_inward, plan_outward, validate_key
+from weightstore.keys import MappingRules, Patterns, plan_inward, plan_outward, require_matches, validate_key
 from weightstore.names import TORCH, WRITE_NAMINGS, check_naming, torch_keys
 from weightstore.store import output_format
 
@@ -71,6 +71,8 @@ def export(source: Source, out: str, *, selection: Selection, mapping: MappingRu
     check_naming(names, WRITE_NAMINGS)
     plan = plan_outward(source.keys(), scope=selection.scope, mapping=mapping, include=selection.include,
                         exclude=selection.exclude, where=source.path)
+    if selection.also:
+        require_matches(plan.keys(), selection.also, "--also", path=source.path)
     if selection.trainable_only:
         trainable = source.trainable_keys()
         plan = {new: old for new, old in plan.items() if selection.keeps(new, old in trainable)}
@@ -129,9 +131,11 @@ def is_checkpoint_target(target: str) -> bool:
     if os.path.isdir(target):
         example = os.path.join(target, "model.ckpt")
         raise FormatError(f"is a folder; give a checkpoint prefix such as {example}", path=target)
-    if target.endswith(".keras"):
-        raise FormatError("writing .keras archives is not supported; import into a .weights.h5 or .npz file",
-                          path=target)
+    if target.endswith(".keras") and not os.path.isfile(target):
+        raise FormatError("no such .keras archive, and ws does not make new ones (Keras's model.save does); "
+                          "import into an existing one, or a .weights.h5 or .npz file", path=target)
+    if keras_import.is_keras_target(target):
+        return False
     if os.path.isfile(target):
         with open(target, "rb") as handle:
             sniff(handle.read(8), target)  # refuses files that are neither npz nor HDF5
@@ -149,6 +153,8 @@ def import_(source: Source, target: str, *, scope: str | None, mapping: MappingR
             validate_key(key)
     if is_checkpoint_target(target):
         return _import_into_checkpoint(source, target, plan, overwrite)
+    if keras_import.is_keras_target(target):
+        return _import_into_keras(source, target, plan, overwrite)
     try:
         old = weightstore.open(target)
     except StoreNotFoundError:
@@ -186,6 +192,17 @@ def _import_into_checkpoint(source: Source, target: str, plan: Mapping[str, str]
             checkpoints.write_state_file(target, state)
     caution = NAME_BASED_CAUTION.format(target=target) if new else None
     return Written(target, "TF checkpoint", len(weights), sum(a.nbytes for a in weights.values()), caution)
+
+
+def _import_into_keras(source: Source, target: str, plan: Mapping[str, str], overwrite: bool) -> Written:
+    """Tensors of a Keras file replaced where Keras reads them (see :mod:`weightstore.adapters.keras_import`)."""
+    if not overwrite:
+        raise StoreExistsError(f"is a Keras file: an import replaces tensors Keras reads ({len(plan)} of them); "
+                               "pass --overwrite to replace them", path=target)
+    weights = read(source, plan, "importing")
+    with working(f"writing {target}"):
+        keras_import.replace_in_keras_file(target, weights)
+    return Written(target, "Keras file", len(weights), sum(a.nbytes for a in weights.values()))
 
 
 def _refuse_clashes(target: str, existing: list[str], plan: Mapping[str, str], overwrite: bool) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import struct
 import subprocess
 import sys
+import zipfile
 import zlib
 from dataclasses import dataclass, field
 
@@ -227,3 +228,18 @@ def manifest_entries(document: dict) -> dict[str, dict]:
             if key in columns.get(field_name, {}):
                 entries[key][field_name] = columns[field_name][key]
     return entries
+
+
+def hostile_keras(path, payload, *, declared=None, crc=None):
+    """A .keras zip whose one deflated model.weights.h5 declares ``declared`` bytes (and ``crc``)."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("model.weights.h5", payload)
+    data = bytearray(path.read_bytes())
+    for signature, crc_at, size_at in ((b"PK\x03\x04", 14, 22), (b"PK\x01\x02", 16, 24)):  # local, central
+        header = data.index(signature)
+        if declared is not None:
+            data[header + size_at: header + size_at + 4] = declared.to_bytes(4, "little")
+        if crc is not None:
+            data[header + crc_at: header + crc_at + 4] = crc.to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    return path

@@ -341,7 +341,7 @@ def test_report_reads_as_one_short_paragraph():
                     skipped=["s"])
     assert str(report) == ("assigned 500 variables; 1 skipped as unchanged: s; "
                            "4 missing (no value): a, b, c, ….")
-    assert repr(report) == "Report(assigned=500, missing=4, unexpected=0, mismatched=0, skipped=1)"
+    assert repr(report) == "Report(assigned=500, missing=4, unexpected=0, mismatched=0, skipped=1, left_out=0)"
 
 
 # --- the follower's current version ----------------------------------------------------------

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 
 import weightstore as ws
+from polling import wait_until
 from weightstore.formats import hdf5, npz
 
 SUFFIXES = [".npz", ".h5"]
@@ -139,20 +140,18 @@ def test_sigkill_mid_write_leaves_previous_file_and_next_save_cleans_up(tmp_path
     assert list(ws.load(path)) == ["next"]
 
 
-def _wait_for_growing_temporary(folder, path, child, size, deadline=30.0):
+def _wait_for_growing_temporary(folder, path, child, size):
     """The name of the writer's temporary once it holds ``size`` bytes; None if the writer ended."""
-    end = time.monotonic() + deadline
-    while time.monotonic() < end:
+    def grown() -> tuple[str | None] | None:
         if child.poll() is not None:
-            return None
+            return (None,)
         for name in leftovers(folder, path):
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 if os.stat(folder / name).st_size >= size:
-                    return name
-            except FileNotFoundError:
-                pass
-        time.sleep(0.0005)
-    raise AssertionError("the writer never wrote its temporary file")
+                    return (name,)
+        return None
+
+    return wait_until(grown, what="the writer's temporary file", every=0.0005)[0]
 
 
 def test_temporaries_of_live_writers_are_left_alone(tmp_path):

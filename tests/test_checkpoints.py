@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,75 +17,14 @@ import numpy as np
 import pytest
 
 import weightstore as ws
+from hostile import hostile_keras
 from weightstore.errors import ChecksumError, FormatError, SelectionError, StoreNotFoundError, UnsafeFileError
 from weightstore.formats.tf_checkpoint import OBJECT_GRAPH_KEY, CheckpointReader, resolve_prefix
 
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
+from tf_files import Net, copy_checkpoint, restore_with_saver, same_architecture  # noqa: E402
 from weightstore.adapters import checkpoints  # noqa: E402
-
-
-def make_tf1(folder, *, meta: bool = True):
-    """A TF1 Saver checkpoint with Adam slots, a global step, a partitioned and a string variable."""
-    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
-        w = tf.compat.v1.get_variable("model/dense/w", initializer=np.arange(6, dtype=np.float32).reshape(2, 3))
-        b = tf.compat.v1.get_variable("model/dense/b", initializer=np.ones(3, np.float32))
-        emb = tf.compat.v1.get_variable("model/emb", shape=[4, 2], partitioner=tf.compat.v1.fixed_size_partitioner(2))
-        tf.compat.v1.get_variable("model/stats", initializer=np.zeros(3, np.float32), trainable=False)
-        tf.Variable("a tag", name="tag", trainable=False)
-        step = tf.compat.v1.train.get_or_create_global_step()
-        loss = tf.reduce_sum(w * w) + tf.reduce_sum(b) + tf.reduce_sum(emb)
-        train = tf.compat.v1.train.AdamOptimizer(0.1).minimize(loss, global_step=step)
-        sess.run(tf.compat.v1.global_variables_initializer())
-        sess.run(train)
-        prefix = tf.compat.v1.train.Saver().save(sess, str(folder / "model.ckpt"), global_step=step,
-                                                 write_meta_graph=meta)
-    return prefix
-
-
-class Net(tf.Module):
-    def __init__(self):
-        super().__init__()
-        self.w = tf.Variable(np.arange(4, dtype=np.float32).reshape(2, 2), name="w")
-        self.b = tf.Variable(np.zeros(2, np.float32), name="b")
-
-
-def make_tf2_module(folder):
-    """A tf.train.Checkpoint of a tf.Module with a compat.v1 Adam: slot variables and bookkeeping."""
-    net, opt = Net(), tf.compat.v1.train.AdamOptimizer(0.1)
-    with tf.GradientTape() as tape:
-        loss = tf.reduce_sum(net.w * net.w) + tf.reduce_sum(net.b)
-    opt.apply_gradients(zip(tape.gradient(loss, [net.w, net.b]), [net.w, net.b], strict=True))
-    return tf.train.Checkpoint(net=net, opt=opt).save(str(folder / "ckpt")), net
-
-
-def make_keras(folder):
-    """A trained Keras model saved as .weights.h5, .keras and a TF2 checkpoint with its optimizer."""
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, name="d1"),
-                              keras.layers.BatchNormalization(name="bn"), keras.layers.Dense(2, name="d2")])
-    model.compile(optimizer="adam", loss="mse")
-    model.fit(np.ones((8, 3), np.float32), np.ones((8, 2), np.float32), verbose=0, epochs=1)
-    model.save_weights(str(folder / "model.weights.h5"))
-    model.save(str(folder / "model.keras"))
-    prefix = tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(str(folder / "tf2" / "ckpt"))
-    return model, prefix
-
-
-@pytest.fixture(scope="module")
-def made(tmp_path_factory):
-    root = tmp_path_factory.mktemp("made")
-    (root / "tf1").mkdir(), (root / "tf1_nometa").mkdir(), (root / "module").mkdir()
-    model, keras_prefix = make_keras(root)
-    module_prefix, net = make_tf2_module(root / "module")
-    return {
-        "root": root,
-        "tf1": make_tf1(root / "tf1"),
-        "tf1_nometa": make_tf1(root / "tf1_nometa", meta=False),
-        "module": module_prefix,
-        "net": {"net/w": net.w.numpy(), "net/b": net.b.numpy()},
-        "keras_ckpt": keras_prefix,
-        "model": model,
-    }
 
 
 def raw(prefix):
@@ -261,19 +199,6 @@ def test_keras_archive_config_is_never_read(made, tmp_path):
             assert "layers/dense/vars/0" in source
 
 
-def hostile_keras(path, payload, *, declared=None, crc=None):
-    """A .keras zip whose one deflated model.weights.h5 declares ``declared`` bytes (and ``crc``)."""
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
-        archive.writestr("model.weights.h5", payload)
-    data = bytearray(path.read_bytes())
-    for signature, crc_at, size_at in ((b"PK\x03\x04", 14, 22), (b"PK\x01\x02", 16, 24)):  # local, central
-        header = data.index(signature)
-        if declared is not None:
-            data[header + size_at: header + size_at + 4] = declared.to_bytes(4, "little")
-        if crc is not None:
-            data[header + crc_at: header + crc_at + 4] = crc.to_bytes(4, "little")
-    path.write_bytes(bytes(data))
-    return path
 
 
 def test_keras_archive_bombs_are_refused_before_inflating(tmp_path, monkeypatch):
@@ -317,14 +242,6 @@ def test_missing_and_junk_sources(tmp_path):
         checkpoints.open_source(tmp_path / "empty")
 
 
-def restore_with_saver(prefix, shapes):
-    """Values TF1's own Saver restores into fresh variables named by ``shapes``' keys."""
-    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
-        variables = {k: tf.compat.v1.get_variable(k, shape=s, dtype=tf.float32) for k, s in shapes.items()}
-        tf.compat.v1.train.Saver(variables).restore(sess, prefix)
-        return {k: sess.run(v) for k, v in variables.items()}
-
-
 def test_write_checkpoint_is_read_by_saver_and_load_checkpoint(tmp_path):
     prefix = str(tmp_path / "out.ckpt")
     weights = {"a/w": np.arange(6, dtype=np.float32).reshape(2, 3), "a/b": np.ones(3, np.float32)}
@@ -333,15 +250,6 @@ def test_write_checkpoint_is_read_by_saver_and_load_checkpoint(tmp_path):
     for key, value in weights.items():
         np.testing.assert_array_equal(restored[key], value)
     assert sorted(os.listdir(tmp_path)) == ["out.ckpt.data-00000-of-00001", "out.ckpt.index"]
-
-
-def copy_checkpoint(prefix, folder):
-    """A copy of the checkpoint at ``prefix`` in ``folder``, so a test may change it."""
-    base = os.path.basename(prefix)
-    for name in os.listdir(os.path.dirname(prefix)):
-        if name.startswith(base + "."):
-            shutil.copy(os.path.join(os.path.dirname(prefix), name), folder / name)
-    return str(folder / base)
 
 
 def test_write_checkpoint_merges_and_keeps_non_numeric_entries(made, tmp_path):
@@ -445,12 +353,6 @@ def test_stores_keep_their_kind_and_metadata(tmp_path):
 
 
 # -- values replaced in TF2 object-based checkpoints; the state file of a new prefix ------------
-
-def same_architecture():
-    """A fresh model shaped like ``make_keras``'s, to restore a TF2 checkpoint into."""
-    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, name="d1"),
-                             keras.layers.BatchNormalization(name="bn"), keras.layers.Dense(2, name="d2")])
-
 
 def test_values_replaced_in_an_object_checkpoint_are_what_checkpoint_restore_reads(made, tmp_path):
     target = copy_checkpoint(made["keras_ckpt"], tmp_path)

@@ -23,13 +23,14 @@ from typer.testing import CliRunner
 
 import tf_forge
 import weightstore as ws
+from hostile import hostile_keras
 from weightstore.cli import render, transfer
 from weightstore.cli.guard import GuardedGroup
 from weightstore.cli.main import app
 
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
-from test_checkpoints import made, restore_with_saver  # noqa: E402,F401  (the module-scoped fixture)
+from tf_files import copy_checkpoint, restore_with_saver, same_architecture  # noqa: E402
 
 WS = os.path.join(os.path.dirname(sys.executable), "ws")
 COMMANDS = ["export", "import", "ls", "diff", "convert", "verify", "versions", "follow"]
@@ -67,6 +68,18 @@ def test_every_command_has_help(command):
     assert "Usage" in result.stdout
     if command not in ("versions", "follow"):  # those belong to cli/sync.py
         assert f"ws {command} " in result.stdout  # the example
+
+
+@pytest.mark.parametrize("command", [[], *([c] for c in COMMANDS)])
+def test_help_names_values_in_words_not_python_types(command):
+    result = run(*command, "--help")
+    assert result.exit_code == 0
+    assert not re.search(r"<(str|int|float|list\[\w+\]|\w+)>", result.stdout), result.stdout
+
+
+def test_version():
+    result = run("--version")
+    assert result.exit_code == 0 and result.stdout == f"weightstore {ws.__version__}\n"
 
 
 @pytest.mark.parametrize("command", [[], *([c] for c in COMMANDS)])
@@ -316,8 +329,6 @@ def test_missing_and_junk_files(tmp_path):
 
 
 def test_a_keras_zip_bomb_is_one_error_line(tmp_path):
-    from test_checkpoints import hostile_keras
-
     bomb = hostile_keras(tmp_path / "bomb.keras", b"\0" * (1 << 20), declared=0xF000_0000)
     one_error_line(run("ls", bomb), "bomb.keras: model.weights.h5 declares 4026531840 bytes", "zip bomb")
     assert sorted(os.listdir(tmp_path)) == ["bomb.keras"]
@@ -405,6 +416,9 @@ def test_export_trainable_only_also_keeps_chosen_statistics(made, tmp_path):
     assert sorted(ws.load(out)) == ["model/dense/b", "model/dense/w", "model/emb", "model/stats"]
     result = run("export", made["tf1"], "-o", tmp_path / "x.npz", "--also", "model/stats")
     assert result.exit_code == 2 and "--also adds to what --trainable-only keeps" in result.output
+    result = run("export", made["tf1"], "-o", tmp_path / "y.npz", "--trainable-only", "--also", "*/bn/moving_*")
+    assert result.exit_code != 0 and not os.path.exists(tmp_path / "y.npz")
+    assert "--also '*/bn/moving_*' matches no key; did you mean" in result.output
 
 
 @pytest.mark.parametrize("flag", ["-q", "--quiet", "--debug"])
@@ -526,9 +540,6 @@ def test_tensorflow_logs_stay_out_whatever_the_environment_says(store, tmp_path)
 
 
 # -- import into TF2 object checkpoints and new prefixes; export keyed like a Keras model ---------
-
-from test_checkpoints import copy_checkpoint, same_architecture  # noqa: E402
-
 
 def test_import_replaces_object_checkpoint_values_that_checkpoint_restore_reads(made, tmp_path):
     target = copy_checkpoint(made["keras_ckpt"], tmp_path)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import io
-import os
 import struct
+import subprocess
+import sys
 import threading
 import zlib
 from pathlib import Path
@@ -191,22 +192,34 @@ def _encode(plain: np.ndarray, itemsize: int) -> memoryview:
     return file.getbuffer()
 
 
+FORKED_CHILD = """
+import os, threading, zlib
+from weightstore import crc, parallel
+
+parallel.for_each(2, lambda index: None)  # the parent's pool and its thread exist before the fork
+pid = os.fork()
+if pid == 0:  # the child: exit 0 only if a second thread ran job 1 while job 0 waited for it
+    second_ran, waited = threading.Event(), []
+
+    def job(index):
+        if index == 0:
+            waited.append(second_ran.wait(timeout=10))
+        else:
+            second_ran.set()
+
+    parallel.for_each(2, job)
+    data = b"x" * (crc.PARALLEL_BYTES + 5)
+    os._exit(0 if waited == [True] and crc.crc32(memoryview(data)) == zlib.crc32(data) else 1)
+_, status = os.waitpid(pid, 0)
+raise SystemExit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def test_a_forked_child_gets_its_own_helper():
     """A child inherits the pool object but not its thread: it must start a helper of its own
-    (a data-loader worker would otherwise check every tensor on one core, or hang waiting)."""
-    parallel.for_each(2, lambda index: None)  # the parent's pool and its thread exist before the fork
-    pid = os.fork()
-    if pid == 0:  # the child: exit 0 only if a second thread ran job 1 while job 0 waited for it
-        second_ran, waited = threading.Event(), []
+    (a data-loader worker would otherwise check every tensor on one core, or hang waiting).
 
-        def job(index: int) -> None:
-            if index == 0:
-                waited.append(second_ran.wait(timeout=10))
-            else:
-                second_ran.set()
-
-        parallel.for_each(2, job)
-        data = b"x" * (crc.PARALLEL_BYTES + 5)
-        os._exit(0 if waited == [True] and crc.crc32(memoryview(data)) == zlib.crc32(data) else 1)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    The fork happens in a fresh interpreter holding only weightstore's own helper thread: the
+    test process may run TensorFlow's and JAX's threads, which a fork must not copy mid-work."""
+    done = subprocess.run([sys.executable, "-c", FORKED_CHILD], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

@@ -31,3 +31,9 @@ def test_nothing_points_outside_the_repository():
     for path in [*DOCS, *ROOT.glob("weightstore/**/*.py"), *ROOT.glob("adapters/*.py"), *ROOT.glob("cli/*.py")]:
         text = path.read_text()
         assert "../shared" not in text and "DESIGN.md" not in text, path
+
+
+def test_readme_lines_fit_100_columns():
+    long = [(number, len(line)) for number, line in enumerate((ROOT / "README.md").read_text().splitlines(), 1)
+            if len(line) > 100]
+    assert long == [], f"README.md lines over 100 columns (line, width): {long}"

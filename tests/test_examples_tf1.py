@@ -45,7 +45,7 @@ def test_selective_restore_gives_identical_predictions(tmp_path):
     result = tf1_selective.main(str(tmp_path))
     assert result["identical"] and result["kept_initial"]
     assert result["ratio"] < 0.7
-    assert result["missing"] == result["left_out"]
+    assert result["untouched"] == result["left_out"]
     assert all(key.endswith("/Adagrad") for key in result["left_out"] if key != "global_step")
     assert {"conv_1/bn/moving_mean", "conv_2/bn/moving_variance"}.isdisjoint(result["left_out"])
 

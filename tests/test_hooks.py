@@ -11,6 +11,7 @@ tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
 import weightstore as ws  # noqa: E402
+from polling import wait_until  # noqa: E402
 from weightstore import versions  # noqa: E402
 from weightstore.adapters import tf1, tf2  # noqa: E402
 from weightstore.adapters.follower import Follower  # noqa: E402
@@ -290,9 +291,7 @@ def test_follower_records_a_version_that_does_not_fit(tmp_path):
         with pytest.raises(ws.AssignmentError):  # still failed: raises at once
             follower.wait(1, timeout=10)
         ws.publish(tmp_path, step_weights(model, 2), step=2)
-        deadline = time.monotonic() + 30
-        while follower.error is not None and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: follower.error is None, what="the follower's error clearing")
         assert follower.wait(2, timeout=30).step == 2 and follower.error is None
 
 
@@ -354,12 +353,9 @@ def test_follower_error_from_a_damaged_folder_clears_once_it_reads_cleanly(tmp_p
         assert follower.wait(1, timeout=30).step == 1
         pointer = (tmp_path / "LATEST").read_bytes()
         (tmp_path / "LATEST").write_bytes(b"garbage")
-        deadline = time.monotonic() + 30
-        while follower.error is None and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: follower.error is not None, what="the follower seeing the damage")
         assert isinstance(follower.error, ws.FormatError)
         (tmp_path / "LATEST").write_bytes(pointer)  # repaired: the folder reads cleanly again
-        while follower.error is not None and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: follower.error is None, what="the follower's error clearing")
         assert follower.error is None
         assert follower.wait(2, timeout=0.3) is None  # waits for step 2 instead of raising the old error

@@ -216,7 +216,8 @@ def test_finalized_graph_and_monitored_training_session(tmp_path):
         train = v1.assign_add(v1.train.get_global_step(), 1)
         with v1.train.MonitoredTrainingSession() as sess:
             assert graph.finalized
-            report = tf1.assign(sess, tmp_path / "w.npz")
+            assert tf1.assign(sess, tmp_path / "w.npz").left_out == ["global_step"]  # training state: only if asked
+            report = tf1.assign(sess, tmp_path / "w.npz", optimizer=True)
             assert sorted(report.assigned) == ["global_step", "w"]
             sess.run(train)
             exported = tf1.export(sess)
@@ -249,8 +250,12 @@ def test_also_adds_chosen_non_trainable_variables_to_trainable_only():
                             scope="net", trainable_only=True, also="bn/moving_mean")
         assert report.ok and report.assigned == ["net/bn/gamma", "net/bn/moving_mean"]
         np.testing.assert_array_equal(values(sess, [w, mean]), [[1, 1], [1, 1]])
-        with pytest.raises(SelectionError, match=r"all non-trainable and none matches also='\*/beta'"):
-            tf1.export(sess, include="net/step", trainable_only=True, also="*/beta")
+        with pytest.raises(SelectionError, match=r"all non-trainable$"):
+            tf1.export(sess, include="net/step", trainable_only=True)
+        with pytest.raises(SelectionError) as caught:  # a word that matches nothing is a typo, never ignored
+            tf1.export(sess, trainable_only=True, also="*/bn/moving_variance")
+        assert str(caught.value) == ("also '*/bn/moving_variance' matches no key in the graph; "
+                                     "did you mean 'net/bn/moving_mean'?")
 
 
 def test_optimizer_slots_under_their_variable_round_trip(tmp_path):
@@ -272,7 +277,7 @@ def test_optimizer_slots_under_their_variable_round_trip(tmp_path):
         ws.save(tmp_path / f"t.{suffix}", trained)
         with graph_session() as (_, sess):
             build()
-            assert tf1.assign(sess, tmp_path / f"t.{suffix}").ok
+            assert tf1.assign(sess, tmp_path / f"t.{suffix}", optimizer=True).ok
             got = tf1.export(sess)
             for key in trained:
                 np.testing.assert_array_equal(got[key], trained[key])

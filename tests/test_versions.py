@@ -218,11 +218,6 @@ def test_killed_first_publish_leaves_nothing_a_reader_sees(tmp_path):
     assert ws.latest(tmp_path).step == 5
 
 
-def test_publish_never_reads_the_stage_hook_from_a_global():
-    assert not hasattr(versions, "STAGE_HOOK")
-    assert versions._stage("locked") is None
-
-
 def test_missing_latest_keeps_versions_and_refuses_going_back(tmp_path):
     for step in (1, 2, 3):
         ws.publish(tmp_path, weights_at(step), step=step)
@@ -389,4 +384,3 @@ def test_cli_versions_sizes_read_like_the_other_commands(tmp_path, cli):
     entry = versions.list_versions(tmp_path)[0]
     result = CliRunner().invoke(cli, ["versions", str(tmp_path)])
     assert human_bytes(entry.size) in result.output
-    assert not hasattr(sync_cli, "_human")

@@ -13,7 +13,7 @@ import fnmatch
 import functools
 import re
 import unicodedata
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TypeVar
 
 from weightstore.errors import InvalidKeyError, SelectionError
@@ -81,7 +81,11 @@ def validate_keys(keys: Iterable[object]) -> list[str]:
 def _maybe_invalid(joined: str, count: int) -> bool:
     """Whether ``count`` keys joined by NUL might break a rule of :func:`_key_problem`; False
     only when none does. Substring searches and literal-first patterns only: a pattern that
-    starts with an alternation is tried at every position, 90 ms for 50,000 keys."""
+    starts with an alternation is tried at every position, 90 ms for 50,000 keys.
+
+    Fast twin of :func:`_key_problem`, which is the rule (and names what is wrong). Bound by
+    the differential test ``tests/test_fast_paths.py::test_the_bulk_key_check_refuses_exactly_what_the_per_key_rule_refuses``
+    (and ``tests/test_keys.py::test_many_keys_at_once_refuse_the_same_keys_as_one_at_a_time``)."""
     if not joined.isascii() or joined.count("\0") != count - 1 or "\\" in joined or "__weightstore" in joined:
         return True
     if joined.startswith(("/", "\0")) or joined.endswith(("/", "\0")) or not joined:
@@ -96,6 +100,8 @@ def _maybe_invalid(joined: str, count: int) -> bool:
 
 @functools.lru_cache(maxsize=1 << 16)  # the same keys are checked on every open and assign
 def _key_problem(key: str) -> str | None:
+    """What makes ``key`` invalid, in words; ``None`` for a valid key. The rule; its fast twin
+    for many keys at once is :func:`_maybe_invalid`."""
     if not key:
         return "it is empty"
     if key.startswith("/") or key.endswith("/"):
@@ -245,6 +251,32 @@ def suggest(name: str, candidates: Iterable[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
+def closest(pattern: str, keys: Iterable[str]) -> str:
+    """``"; did you mean 'x'?"`` for a ``pattern`` that matched nothing: the closest key or scope.
+
+    Unlike :func:`suggest`, something is always named: a glob like ``*/bn/moving_*`` that
+    misses ``bn/moving_mean`` (a top-level layer) or ``batch_normalization/moving_mean`` (a
+    default name) is a near miss difflib's usual cutoff does not see.
+    """
+    candidates = list(keys) if is_glob(pattern) else scopes_of(keys)
+    close = difflib.get_close_matches(pattern, candidates, n=1, cutoff=0.0)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def require_matches(keys: Collection[str], patterns: Patterns, word: str, where: str = "", *,
+                    path: str | None = None) -> None:
+    """Raise :class:`SelectionError` for the first of ``patterns`` that matches none of ``keys``.
+
+    A word that matches nothing is nearly always a typo or a wrong guess at a name, and
+    ignoring it loses exactly what it was written to keep (``also="*/bn/moving_*"``: the
+    batch-norm statistics). ``word`` names the option in the message (``also``, ``include``);
+    ``where`` describes what was searched, or ``path`` names the file it is.
+    """
+    for pattern in _as_list(patterns):
+        if not any(matches(key, pattern) for key in keys):
+            raise SelectionError(f"{word} {pattern!r} matches no key{_where(where)}{closest(pattern, keys)}", path=path)
+
+
 def plan_outward(
     keys: Iterable[str],
     *,
@@ -313,6 +345,8 @@ def _refuse_collisions(renamed: dict[str, str], sources: list[str], scope: str, 
 def _select_or_fail(renamed: dict[str, str], include: Patterns, exclude: Patterns, where: str) -> dict[str, str]:
     if include is None and exclude is None:
         return dict(renamed)
+    if renamed:
+        require_matches(renamed.keys(), include, "include", where)
     selected = {k: v for k, v in renamed.items() if passes(k, include, exclude)}
     if renamed and not selected and (_as_list(include) or _as_list(exclude)):
         includes = [p for p in _as_list(include) if not is_glob(p)]

@@ -336,7 +336,10 @@ def _parse_entries_v1(raw: dict[str, Any], where: str, locations: dict[str, str]
 def _parse_plain_entries(raw: dict[str, Any]) -> dict[str, TensorInfo] | None:
     """The entries of a manifest whose every entry is exactly ``dtype``, ``shape``, ``checksum``
     and valid, checked column by column at C speed (``map`` over 50,000 entries, no Python
-    step per entry); ``None`` when anything needs :func:`_parse_entries` to look, or to name it."""
+    step per entry); ``None`` when anything needs :func:`_parse_entries` to look, or to name it.
+
+    Fast twin of :func:`_parse_entries`, which is the rule. Bound by the differential test
+    ``tests/test_fast_paths.py::test_version_1_entries_read_column_wise_as_entry_by_entry``."""
     entries = list(raw.values())
     if set(map(type, entries)) - {dict} or set(map(len, entries)) - {3}:
         return None
@@ -362,7 +365,9 @@ def _parse_plain_entries(raw: dict[str, Any]) -> dict[str, TensorInfo] | None:
 
 def _parse_entries(raw: dict[str, Any], where: str, locations: dict[str, str],
                    codecs: dict[str, str]) -> dict[str, TensorInfo]:
-    """Entry by entry, naming the first bad one; ``location`` and ``codec`` go to their dicts."""
+    """Entry by entry, naming the first bad one; ``location`` and ``codec`` go to their dicts.
+
+    The rule for version 1 entries; :func:`_parse_plain_entries` is its fast twin."""
     tensors: dict[str, TensorInfo] = {}
     itemsizes: dict[object, int] = {}  # per dtype name seen: a manifest names a handful many times over
     for key, entry in raw.items():

@@ -14,7 +14,7 @@ import json
 import math
 import os
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -59,6 +59,14 @@ _S = TypeVar("_S", bound="Store")
 _HASH_BESIDE = 1 << 20
 
 
+@runtime_checkable
+class OpensItself(Protocol):
+    """Something :func:`open` accepts that knows how to open its own file (a ``Version``: its
+    pinned reader, or a clear "version gone" once pruned)."""
+
+    def _weightstore_open(self, *, verify: bool = True) -> Store: ...
+
+
 class Store(Mapping):
     """An open weight file: the index is read, each tensor is read when asked for.
 
@@ -69,6 +77,10 @@ class Store(Mapping):
     npz files are read-only views of the mapped file; copy one (``np.array(store[key])``) to
     change it.
     """
+
+    #: keys paired with a model by structure (``artifacts``), so an assign error offers no
+    #: "did you mean" hints between keys that merely look alike
+    exact_keys = False
 
     def __init__(self, reader: Reader, path: str, verify: bool, format: str = ""):  # noqa: A002
         self._reader = reader
@@ -141,14 +153,12 @@ class Store(Mapping):
     def _read_many(self, keys: list[str]) -> list[np.ndarray]:
         """Several tensors, in order: a remote file fetches them at once rather than one by one,
         and a reader that can read many in one pass (npz) does."""
-        prefetch = getattr(self._reader, "prefetch", None)
-        if prefetch is not None and len(keys) > 1:
-            prefetch(keys)
-        read_many = getattr(self._reader, "read_many", None)
-        if read_many is not None and keys:
-            with naming(path=self.path):
-                return read_many(keys, verify=self.verify)
-        return [self[key] for key in keys]
+        if len(keys) > 1:
+            self._reader.prefetch(keys)
+        if not keys:
+            return []
+        with naming(path=self.path):
+            return self._reader.read_many(keys, verify=self.verify)
 
     def __contains__(self, key: object) -> bool:
         return key in self._key_set
@@ -220,9 +230,8 @@ def open(path: Any, *, verify: bool = True, format: str | None = None, mmap: boo
         >>> with ws.open("model.npz") as store:
         ...     kernel = store["dense/kernel"] if "dense/kernel" in store else None
     """
-    opener = getattr(path, "_weightstore_open", None)
-    if opener is not None:  # a Version: its pinned file, or a clear "version gone" if pruned
-        return opener(verify=verify)
+    if isinstance(path, OpensItself):  # a Version: its pinned file, or a clear "version gone" if pruned
+        return path._weightstore_open(verify=verify)
     with paused_gc():  # an index of 50,000 tensors is some 300,000 containers (weightstore.gcpause)
         store = _open(path, verify=verify, format=format, mmap=mmap)
     return _named(store, check_naming(names, READ_NAMINGS))
@@ -413,7 +422,7 @@ def save(
     arrays = _checked(weights, location, fmt)
     stored_names = file_names(arrays, check_naming(names, WRITE_NAMINGS), fmt, location)
     commit = commit_for(where, suffix=fmt.suffixes[0])
-    if not overwrite and _exists(commit, location):
+    if not overwrite and commit.exists():
         raise StoreExistsError("file exists (pass overwrite=True to replace it)", path=location)
     with commit.writing() as local:
         write_file(local, fmt, arrays, metadata, compress, stored_names)
@@ -434,7 +443,7 @@ def _save_sharded(location: str, weights: Mapping[str, Any], metadata: Mapping[s
     arrays = _checked(weights, location, safetensors.FORMAT)
     stored_names = file_names(arrays, check_naming(names, WRITE_NAMINGS) or TORCH, safetensors.FORMAT, location)
     index_commit = commit_for(location_of(index), suffix=".json")
-    if not overwrite and _exists(index_commit, index):
+    if not overwrite and index_commit.exists():
         raise StoreExistsError("sharded folder exists (pass overwrite=True to replace it)", path=index)
     if not is_url(folder):
         os.makedirs(folder, exist_ok=True)
@@ -475,13 +484,6 @@ def output_format(location: str, format: str | None = None) -> Format:  # noqa: 
         raise TargetError(f"cannot tell which format to write from the file name; use one of "
                           f"{', '.join(known_suffixes())}, or pass format=", path=location)
     return fmt
-
-
-def _exists(commit: Any, location: str) -> bool:
-    exists = getattr(commit, "exists", None)
-    if exists is not None:
-        return bool(exists())
-    return os.path.lexists(location)
 
 
 def checked_metadata(metadata: Mapping[str, Any] | None, where: str = "") -> dict[str, Any]:

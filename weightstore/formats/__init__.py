@@ -1,12 +1,14 @@
 """One small reader/writer protocol for every file format, registered by suffix.
 
-The rest of weightstore never branches on the format: it asks :func:`format_for` for the
-module and speaks :class:`Reader` and :class:`Writer`. Readers treat the file as hostile:
+The rest of weightstore never branches on the format: it asks :func:`format_named`,
+:func:`format_for_suffix` or :func:`sniff` for the :class:`Format` (all three read the one table,
+:data:`FORMAT_MODULES`) and speaks :class:`Reader` and :class:`Writer`. Readers treat the file as hostile:
 every size is checked against the bytes that really exist before anything is allocated.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import PurePosixPath
@@ -20,6 +22,25 @@ from weightstore.manifest import TensorInfo
 
 
 class Reader(Protocol):
+    """What every format's reader provides, optional capabilities included.
+
+    The rest of weightstore calls every member below and never asks ``hasattr``; a reader
+    inherits :class:`ReaderDefaults` for the optional ones it does not provide (``kind``,
+    ``skipped``, ``meta_graph``, ``read_into``, ``read_many``, ``prefetch``). Readers treat the
+    file as hostile (see the module docstring) and read bytes only through
+    :mod:`weightstore.io.source`.
+    """
+
+    @property
+    def kind(self) -> str | None:
+        """What ``ws ls`` calls the source ("TF1 name-based checkpoint"); ``None``: a store or a
+        plain file, as its checksums say."""
+    @property
+    def skipped(self) -> list[str]:
+        """Entries that are not numeric tensors (string variables), left out of :meth:`keys`."""
+    @property
+    def meta_graph(self) -> str | None:
+        """The TF1 ``.meta`` graph that records which variables are trainable; ``None`` when none does."""
     @property
     def name(self) -> str: ...
     @property
@@ -32,8 +53,40 @@ class Reader(Protocol):
     def keys(self) -> list[str]: ...
     def info(self, key: str) -> TensorInfo: ...
     def read(self, key: str, *, verify: bool) -> np.ndarray: ...
-    def read_into(self, key: str, out: np.ndarray, *, verify: bool) -> bool: ...
+
+    def read_into(self, key: str, out: np.ndarray, *, verify: bool) -> bool:
+        """Read ``key`` straight into ``out`` (its shape and dtype, C-contiguous) and return True;
+        False when this reader cannot, and the store copies what :meth:`read` returns."""
+
+    def read_many(self, keys: list[str], *, verify: bool) -> list[np.ndarray]:
+        """What :meth:`read` returns for each of ``keys``, in order (npz: all in one pass)."""
+
+    def prefetch(self, keys: list[str]) -> None:
+        """Warn that ``keys`` are read next, so a remote file fetches their bytes at once."""
+
     def close(self) -> None: ...
+
+
+class ReaderDefaults:
+    """The optional capabilities of :class:`Reader`, as a reader has them that does not override them."""
+
+    kind: str | None = None
+    skipped: list[str] = []  # noqa: RUF012 - never changed; a reader that skips entries sets its own list
+    meta_graph: str | None = None
+
+    def read(self, key: str, *, verify: bool) -> np.ndarray:
+        raise NotImplementedError
+
+    def read_into(self, key: str, out: np.ndarray, *, verify: bool) -> bool:
+        """False: the store then copies what :meth:`read` returns."""
+        return False
+
+    def read_many(self, keys: list[str], *, verify: bool) -> list[np.ndarray]:
+        """One :meth:`read` after another."""
+        return [self.read(key, verify=verify) for key in keys]
+
+    def prefetch(self, keys: list[str]) -> None:
+        """Nothing: a local file needs no warning."""
 
 
 class Writer(Protocol):
@@ -61,10 +114,22 @@ class Format:
     torch_names: bool = False
 
 
-def _registry() -> list[Format]:
-    from weightstore.formats import hdf5, npz, safetensors
+#: The one table of store formats, in the order suffixes and magic bytes are tried: each entry
+#: names a module that defines ``FORMAT``, imported when a file of its kind is first met (so
+#: ``import weightstore`` does not load h5py). A format of the package is added here; one from
+#: elsewhere (a plugin, a test) with :func:`register`.
+FORMAT_MODULES: list[str] = ["weightstore.formats.npz", "weightstore.formats.hdf5", "weightstore.formats.safetensors"]
 
-    return [npz.FORMAT, hdf5.FORMAT, safetensors.FORMAT]
+
+def register(module: str) -> None:
+    """Add the format that module ``module`` defines as ``FORMAT`` to :data:`FORMAT_MODULES`,
+    after those already there (a format of the same name or suffix already there wins)."""
+    if module not in FORMAT_MODULES:
+        FORMAT_MODULES.append(module)
+
+
+def _registry() -> list[Format]:
+    return [importlib.import_module(module).FORMAT for module in FORMAT_MODULES]
 
 
 def format_named(name: str) -> Format:

@@ -28,7 +28,7 @@ from weightstore.errors import (
     WeightStoreError,
     WriteError,
 )
-from weightstore.formats import Format, foreign_keys
+from weightstore.formats import Format, ReaderDefaults, foreign_keys
 from weightstore.formats.hdf5_bytes import ReadAt, check_object, check_root_group, check_vlen_attribute, read_ahead
 from weightstore.keys import RESERVED_PREFIX, join_scope
 from weightstore.manifest import (
@@ -284,7 +284,7 @@ class Hdf5Writer:
             self._file.close()
 
 
-class Hdf5Reader:
+class Hdf5Reader(ReaderDefaults):
     """Reads the manifest and the tree of datasets at open; each tensor only when asked.
 
     Every h5py call on the file runs inside :func:`_as_format_error` (:meth:`read` does the

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from weightstore.errors import FormatError, KeyNotInStoreError, UnsafeFileError
-from weightstore.formats import safetensors
+from weightstore.formats import ReaderDefaults, safetensors
 from weightstore.io.remote import RemoteFile
 from weightstore.manifest import TensorInfo
 
@@ -52,7 +52,7 @@ def index_location(location: str, *, is_dir: Callable[[str], bool], exists: Call
     return None
 
 
-class ShardedReader:
+class ShardedReader(ReaderDefaults):
     """The index read at open; each shard's reader made when first needed, and checked against the index.
 
     ``open_shard(file name)`` returns a safetensors reader for a shard beside the index.

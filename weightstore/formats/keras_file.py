@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from weightstore.errors import FormatError, StoreNotFoundError, UnsafeFileError, WeightStoreError
-from weightstore.formats import format_for_suffix, format_named
+from weightstore.formats import ReaderDefaults, format_for_suffix, format_named
 from weightstore.formats.zipdir import MAX_DEFLATE_RATIO
 from weightstore.io.files import refuse_special_file
 from weightstore.manifest import TensorInfo
@@ -55,7 +55,7 @@ def is_keras_archive(path: str) -> bool:
         return False
 
 
-class KerasArchiveReader:
+class KerasArchiveReader(ReaderDefaults):
     """The Reader protocol over a ``.keras`` archive's weights, unpacked to a private folder."""
 
     kind = KIND

@@ -9,9 +9,9 @@ overlapping members (zip bombs) and would let a hostile file choose our allocati
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import functools
+import io
 import itertools
 import math
 import struct
@@ -25,7 +25,7 @@ from isal import isal_zlib
 
 from weightstore import crc as _crc
 from weightstore.errors import ChecksumError, FormatError, KeyNotInStoreError, UnsafeFileError
-from weightstore.formats import Format, foreign_keys, shuffle_zstd, zipdir
+from weightstore.formats import Format, ReaderDefaults, foreign_keys, shuffle_zstd, zipdir
 from weightstore.formats.zipdir import (
     CENTRAL_SIG,
     DEFLATED,
@@ -309,7 +309,7 @@ class NpzWriter:
             self._file.close()
 
 
-class NpzReader:
+class NpzReader(ReaderDefaults):
     """Reads the central directory and manifest at open; each tensor only when asked."""
 
     def __init__(self, source: ByteSource):
@@ -521,7 +521,17 @@ class NpzReader:
     def _parse_npy(
         self, member: zipdir.Member, data: memoryview, size: int | None = None,
     ) -> tuple[np.dtype, tuple[int, ...], bool, int]:
-        """Check a member's npy header; ``size`` is the whole member's when ``data`` is only its head."""
+        """Check a member's npy header; ``size`` is the whole member's when ``data`` is only its head.
+
+        numpy parses the header (``read_array_header_1_0``/``_2_0``: the same rules ``np.load``
+        applies; a version 3 header is read as version 2, which differs only in decoding bytes
+        no plain numeric header holds). Around it, our policy: a bounded header length, read
+        only from bytes the member holds; no object or structured dtype; sizes that are no
+        bools or negatives; and a shape whose bytes are exactly what the member holds.
+        Members of this project's own files never come here but for the manifest:
+        :meth:`_check_header` compares their headers byte for byte with the one the manifest
+        implies (the fast path; a header is one slice comparison, not a parse).
+        """
         what = f"member {member.name!r}"
         size = len(data) if size is None else size
         if len(data) < 10 or bytes(data[:6]) != b"\x93NUMPY":
@@ -537,29 +547,20 @@ class NpzReader:
             raise UnsafeFileError(f"{what} has an npy header of {header_len} bytes (limit {MAX_NPY_HEADER})", path=self.name)
         if prefix + header_len > len(data):
             raise FormatError(f"{what} is truncated inside its npy header", path=self.name)
+        read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
         try:
-            text = bytes(data[prefix : prefix + header_len]).decode("utf-8" if major == 3 else "latin1")
-            fields = ast.literal_eval(text)
-        except (ValueError, TypeError, SyntaxError, UnicodeDecodeError, MemoryError, RecursionError):
-            raise FormatError(f"{what} has an unreadable npy header", path=self.name) from None
-        if not isinstance(fields, dict) or set(fields) != {"descr", "fortran_order", "shape"}:
-            raise FormatError(f"{what} has an npy header without descr/fortran_order/shape", path=self.name)
-        shape, descr, fortran = fields["shape"], fields["descr"], fields["fortran_order"]
-        if (not isinstance(shape, tuple) or len(shape) > MAX_NDIM
-                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+            shape, fortran, dtype = read_header(io.BytesIO(data[8 : prefix + header_len]), max_header_size=MAX_NPY_HEADER)
+        except Exception as exc:  # junk raises ValueError, SyntaxError, tokenize's TokenError, ...
+            detail = (str(exc).splitlines() or [type(exc).__name__])[0][:120]
+            raise FormatError(f"{what} has an unreadable npy header ({detail})", path=self.name) from None
+        if len(shape) > MAX_NDIM or not all(not isinstance(d, bool) and d >= 0 for d in shape):
             raise FormatError(f"{what} has an invalid shape {shape!r}", path=self.name)
-        if not isinstance(fortran, bool):
-            raise FormatError(f"{what} has fortran_order {fortran!r}, not True or False", path=self.name)
-        if not isinstance(descr, str):
-            raise UnsafeFileError(f"{what} holds a structured array; only plain numeric arrays are read", path=self.name)
-        try:
-            dtype = np.lib.format.descr_to_dtype(descr)  # type: ignore[arg-type]  # a str descr is valid
-        except Exception:  # numpy's dtype parser raises TypeError, ValueError or SyntaxError on junk
-            raise FormatError(f"{what} has an unknown dtype {descr!r}", path=self.name) from None
         if dtype.hasobject:
             raise UnsafeFileError(f"{what} holds an object array; weightstore never unpickles", path=self.name)
-        if dtype.fields is not None or dtype.subdtype is not None or dtype.itemsize == 0:
-            raise FormatError(f"{what} has dtype {descr!r}; only plain numeric arrays are read", path=self.name)
+        if dtype.names is not None:
+            raise UnsafeFileError(f"{what} holds a structured array; only plain numeric arrays are read", path=self.name)
+        if dtype.subdtype is not None or dtype.itemsize == 0:
+            raise FormatError(f"{what} has dtype {dtype.str!r}; only plain numeric arrays are read", path=self.name)
         if math.prod(max(d, 1) for d in shape) * dtype.itemsize > _MAX_ARRAY_BYTES:
             raise FormatError(f"{what} has a shape {shape} too large for any array", path=self.name)
         expected = math.prod(shape) * dtype.itemsize
@@ -653,7 +654,8 @@ class NpzReader:
 
         Plain stored members of a local file with a manifest (the usual case) are checked and
         read together by :meth:`_read_together`, from the map, or with ``mmap=False`` from one
-        read of the span that holds the small ones; any other member by :meth:`_read_one`.
+        read of the span that holds the small ones; any other member by :meth:`_read_one`, the
+        rule (see :meth:`_read_together` for the differential test binding the two).
         """
         if len(keys) < _FEW or self._manifest is None or not isinstance(self._source, (MappedFile, OwnedFile)):
             return [self._read_one(key, verify) for key in keys]
@@ -699,7 +701,12 @@ class NpzReader:
         (:meth:`_data_starts`), then per member only what must be: its npy header compared byte
         for byte as a slice, its data viewed in place and checksummed. A member that fails a
         check, or is not a plain stored ``.npy`` (position -1), goes to :meth:`_read_one`, which
-        raises the precise error (or reads it)."""
+        raises the precise error (or reads it).
+
+        Fast twin of :meth:`_read_one`, which is the rule; bound by the differential test
+        ``tests/test_npz_fastpath.py::test_damaged_directories_read_alike_on_either_path``
+        (every tensor read, or refused, alike) and by
+        ``test_npz_fastpath.py::test_keys_compression_and_sources_read_the_same``."""
         table = self._table
         names, shapes, nbytes, crcs = table.rows()  # type: ignore[union-attr]  # read_many checked there is one
         rows = (positions.tolist() if self._in_table_order and positions.min() >= 0

@@ -40,12 +40,6 @@ class RenamedReader:
         self._reader = reader
         self.name = reader.name
         self._name_of = dict(names)
-        prefetch = getattr(reader, "prefetch", None)
-        if prefetch is not None:
-            self.prefetch = lambda keys: prefetch([self._name(key) for key in keys])
-        read_many = getattr(reader, "read_many", None)
-        if read_many is not None:
-            self.read_many = lambda keys, *, verify: read_many([self._name(key) for key in keys], verify=verify)
 
     def _name(self, key: str) -> str:
         name = self._name_of.get(key)
@@ -56,6 +50,18 @@ class RenamedReader:
     @property
     def metadata(self) -> dict[str, Any]:
         return self._reader.metadata
+
+    @property
+    def kind(self) -> str | None:
+        return self._reader.kind
+
+    @property
+    def skipped(self) -> list[str]:
+        return self._reader.skipped
+
+    @property
+    def meta_graph(self) -> str | None:
+        return self._reader.meta_graph
 
     @property
     def created(self) -> str:
@@ -76,6 +82,12 @@ class RenamedReader:
 
     def read_into(self, key: str, out: np.ndarray, *, verify: bool) -> bool:
         return self._reader.read_into(self._name(key), out, verify=verify)
+
+    def read_many(self, keys: list[str], *, verify: bool) -> list[np.ndarray]:
+        return self._reader.read_many([self._name(key) for key in keys], verify=verify)
+
+    def prefetch(self, keys: list[str]) -> None:
+        self._reader.prefetch([self._name(key) for key in keys])
 
     def close(self) -> None:
         self._reader.close()

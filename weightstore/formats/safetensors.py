@@ -53,7 +53,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from weightstore.errors import ChecksumError, FormatError, KeyNotInStoreError, UnsafeFileError, UnsupportedDTypeError
-from weightstore.formats import Format, foreign_keys
+from weightstore.formats import Format, ReaderDefaults, foreign_keys
 from weightstore.io.source import ByteSource, open_source, prefetch_ranges
 from weightstore.manifest import (
     MAX_NDIM,
@@ -283,7 +283,7 @@ def _refuse_constant(name: str) -> None:
     raise ValueError(f"{name} is not JSON")
 
 
-class SafetensorsReader:
+class SafetensorsReader(ReaderDefaults):
     """Reads and checks the whole header at open; each tensor's bytes only when asked."""
 
     def __init__(self, source: ByteSource):

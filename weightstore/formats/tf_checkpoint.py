@@ -75,6 +75,7 @@ from weightstore.errors import (
     StoreNotFoundError,
     UnsafeFileError,
 )
+from weightstore.formats import ReaderDefaults
 from weightstore.formats.sstable import Table, crc32c, read_varint, unmask_crc
 from weightstore.formats.tf_protos import BundleEntryProto, BundleHeaderProto, TrackableObjectGraph
 from weightstore.io.files import open_regular
@@ -340,7 +341,7 @@ class _Tensor:
     slices: list[tuple[tuple[slice, ...], tuple[int, ...], _Stored]] = field(default_factory=list)
 
 
-class CheckpointReader:
+class CheckpointReader(ReaderDefaults):
     """The core's Reader protocol over a TF checkpoint; only the index is read at open."""
 
     has_checksums = False

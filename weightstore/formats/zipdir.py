@@ -197,7 +197,10 @@ def locate_zip64(read_at: Callable[[int, int], bytes], end: tuple[int, int, int,
 
 
 def parse(directory: bytes, count: int, cd_offset: int, where: str) -> Directory:
-    """Every entry of ``directory`` (``count`` of them, ending where the directory ends)."""
+    """Every entry of ``directory`` (``count`` of them, ending where the directory ends).
+
+    The rule for reading a directory; :func:`parse_expected` is its fast twin for the layout
+    this project writes (see there for the differential test binding them)."""
     positions = _entry_positions(directory, count, where)
     records = np.frombuffer(directory, np.uint8)[
         np.asarray(positions, dtype=np.int64)[:, None] + np.arange(CENTRAL_SIZE)
@@ -372,7 +375,12 @@ def parse_expected(directory: bytes, end: int, names: Callable[[], list[str]], n
     """The directory, if it is exactly what this project's writer writes for ``names`` (in that
     order, each entry its name and nothing after it, the members in the same order before
     ``end``): proved on whole columns, with no step per entry. ``None`` for anything else,
-    which :func:`parse` then reads entry by entry (and names what is wrong)."""
+    which :func:`parse` then reads entry by entry (and names what is wrong).
+
+    Fast twin of :func:`parse`, which is the rule: what this returns, :func:`parse` returns too.
+    Bound by the differential test
+    ``tests/test_npz_fastpath.py::test_damaged_directories_read_alike_on_either_path`` (damaged
+    directories read, or refused, alike on either path)."""
     count = len(name_lens)
     if not count or CENTRAL_SIZE * count + int(name_lens.sum()) != len(directory):
         return None

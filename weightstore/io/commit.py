@@ -96,6 +96,10 @@ class Commit(abc.ABC):
     def discard(self) -> None:
         """Remove whatever :meth:`begin` and the writer left; the target is untouched."""
 
+    @abc.abstractmethod
+    def exists(self) -> bool:
+        """Whether something is at the target already (what a save without ``overwrite`` refuses)."""
+
     @contextlib.contextmanager
     def writing(self) -> Iterator[str]:
         path = self.begin()
@@ -135,6 +139,9 @@ class RenameCommit(Commit):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._temporary)
             self._temporary = None
+
+    def exists(self) -> bool:
+        return os.path.lexists(self.target)
 
 
 class UploadCommit(Commit):
@@ -245,6 +252,9 @@ class IndexLastCommit(Commit):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
         self._temporary, self._moved = None, []
+
+    def exists(self) -> bool:
+        return os.path.exists(self.target + ".index")
 
 
 def checkpoint_files(prefix: str) -> list[str]:

@@ -1,0 +1,103 @@
+"""``ws import`` into a Keras file: replace the tensors Keras reads, or refuse saying why.
+
+Keras's ``load_weights`` reads a ``.weights.h5`` (or a ``.keras`` archive's ``model.weights.h5``)
+by the paths its save walk gives each layer (``layers/dense/vars/0``), and nothing else: a
+weight store merged into that file under other names (``dense/kernel``) would be a second,
+unread copy. So an import into a Keras file replaces datasets in place of the same path, shape
+and a dtype that holds the value exactly, and refuses any other name, listing the file's own.
+The new file replaces the old by rename (:class:`~weightstore.io.commit.RenameCommit`): a
+reader sees the old file or the new one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import zipfile
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+
+import weightstore
+from weightstore.adapters.plan import describe, widens
+from weightstore.errors import FormatError, KeyNotInStoreError
+from weightstore.formats import keras_file
+from weightstore.io.commit import RenameCommit
+from weightstore.keys import suggest
+from weightstore.manifest import logical_dtype
+
+__all__ = ["is_keras_target", "replace_in_keras_file"]
+
+
+def is_keras_target(path: str) -> bool:
+    """Whether ``path`` is an existing Keras file (``.weights.h5`` or ``.keras``)."""
+    return os.path.isfile(path) and (path.endswith(keras_file.WEIGHTS_SUFFIX) or keras_file.is_keras_archive(path))
+
+
+def replace_in_keras_file(target: str, weights: Mapping[str, np.ndarray]) -> None:
+    """Replace the tensors ``weights`` names in the Keras file ``target``, all or none."""
+    converted = _checked(target, weights)
+    with RenameCommit(target).writing() as temporary:
+        if target.endswith(keras_file.WEIGHTS_SUFFIX):
+            shutil.copyfile(target, temporary)
+            _write_datasets(temporary, converted)
+        else:
+            _rewrite_archive(target, temporary, converted)
+
+
+def _checked(target: str, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every value as the dtype its dataset has, after checking name, shape and dtype; nothing written yet."""
+    with weightstore.open(target) as store:
+        names = store.keys()
+        converted = {}
+        for key, value in weights.items():
+            if key not in names:
+                raise KeyNotInStoreError(
+                    f"is a Keras file, which Keras reads by its own tensor names only (layers/<layer>/vars/<i>), "
+                    f"and has no such tensor{suggest(key, names)}; import a store with the file's names "
+                    f"(`ws export {target} -o names.npz` writes them), or assign in Python and save again: "
+                    f"tf2.assign(model, weights); model.save_weights(...)", path=target, key=key)
+            info = store.info(key)
+            array = np.asarray(value)
+            if tuple(array.shape) != tuple(info.shape) or not widens(array.dtype, logical_dtype(info.dtype)):
+                raise FormatError(f"holds {describe(logical_dtype(info.dtype), tuple(info.shape))}; the import gives "
+                                  f"{describe(array.dtype, array.shape)}, which Keras could not load in its place",
+                                  path=target, key=key)
+            converted[key] = array.astype(logical_dtype(info.dtype), copy=False)
+    return converted
+
+
+def _write_datasets(path: str, weights: Mapping[str, np.ndarray]) -> None:
+    import h5py
+
+    with h5py.File(path, "r+") as file:
+        for key, value in weights.items():
+            file[key][...] = value
+
+
+def _rewrite_archive(target: str, temporary: str, weights: Mapping[str, np.ndarray]) -> None:
+    """A copy of the ``.keras`` archive with its weights member rewritten, every other member as it was."""
+    with _scratch() as scratch, zipfile.ZipFile(target) as old, zipfile.ZipFile(temporary, "w") as new:
+        size = os.path.getsize(target)
+        for info in old.infolist():
+            keras_file.refuse_bomb(target, info, size)
+            if info.filename != keras_file.WEIGHTS_MEMBER:
+                with old.open(info) as source, new.open(info, "w") as sink:
+                    shutil.copyfileobj(source, sink)
+                continue
+            local = os.path.join(scratch, keras_file.WEIGHTS_MEMBER)
+            with old.open(info) as source, open(local, "wb") as sink:
+                shutil.copyfileobj(source, sink)
+            _write_datasets(local, weights)
+            new.write(local, info.filename, compress_type=info.compress_type)
+
+
+@contextlib.contextmanager
+def _scratch() -> Iterator[str]:
+    folder = tempfile.mkdtemp(prefix="weightstore-keras-import-")
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

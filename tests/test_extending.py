@@ -1,0 +1,211 @@
+"""What docs/design.md's "Adding a format, an adapter or a backend" says, done once each.
+
+A toy format is registered through the one table and round-trips through ``ws.save`` and
+``ws.open`` (locally and on a URL); a toy backend is put in the table of remote backends and
+serves every byte a remote open reads. If the steps the document gives stop being enough,
+these fail.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import uuid
+
+import numpy as np
+import pytest
+
+import weightstore as ws
+from weightstore import formats
+from weightstore.io import remote
+
+TOY_FORMAT = textwrap.dedent('''
+    """A toy format: magic, the tensors' bytes one after another, the manifest, its length."""
+
+    import struct
+
+    import numpy as np
+
+    from weightstore.errors import ChecksumError, FormatError, KeyNotInStoreError
+    from weightstore.formats import Format, ReaderDefaults
+    from weightstore.io.source import open_source
+    from weightstore.manifest import checksum, crc32, from_storage, parse_manifest, storage_dtype
+
+    MAGIC = b"TOYWS\\0\\0\\0"
+
+
+    class ToyWriter:
+        def __init__(self, path, compress):
+            self._file = open(path, "wb")
+            self._file.write(MAGIC)
+            self.locations, self.codecs = {}, {}
+
+        def add(self, key, dtype_name, data):
+            self._file.write(memoryview(data).cast("B") if data.nbytes else b"")
+            return crc32(data)
+
+        def commit(self, manifest_text):
+            raw = manifest_text.encode("utf-8")
+            self._file.write(raw + struct.pack("<Q", len(raw)))
+            self._file.close()
+
+        def abort(self):
+            self._file.close()
+
+
+    class ToyReader(ReaderDefaults):
+        def __init__(self, source):
+            self._source, self.name = source, source.name
+            (length,) = struct.unpack("<Q", bytes(source.read_at(source.size - 8, 8)))
+            if length > source.size - 16:
+                raise FormatError("manifest length runs past the file", path=self.name)
+            manifest = parse_manifest(bytes(source.read_at(source.size - 8 - length, length)).decode(), self.name)
+            self.metadata, self.created, self.has_checksums = manifest.metadata, manifest.created, True
+            self._infos, self._offsets, offset = manifest.tensors, {}, len(MAGIC)
+            for key, info in self._infos.items():
+                self._offsets[key], offset = offset, offset + info.nbytes
+            if offset != source.size - 8 - length:
+                raise FormatError("tensors do not fill the file", path=self.name)
+
+        def keys(self):
+            return list(self._infos)
+
+        def info(self, key):
+            if key not in self._infos:
+                raise KeyNotInStoreError("no such tensor", path=self.name, key=key)
+            return self._infos[key]
+
+        def read(self, key, *, verify):
+            info = self.info(key)
+            self._source.check_unchanged(f"tensor {key!r}")
+            data = self._source.read_at(self._offsets[key], info.nbytes)
+            if verify and checksum(data) != info.checksum:
+                raise ChecksumError("checksum mismatch", path=self.name, key=key)
+            array = np.frombuffer(data, storage_dtype(info.dtype)).reshape(info.shape)
+            return from_storage(array, info.dtype)
+
+        def close(self):
+            self._source.close()
+
+
+    FORMAT = Format(
+        name="toy",
+        suffixes=(".toy",),
+        magic=lambda head: head.startswith(MAGIC),
+        open_reader=lambda location, name, *, mmap=True: open_source(location, name, ToyReader, index_at_end=True, mmap=mmap),
+        open_writer=ToyWriter,
+        compresses=False,
+    )
+''')
+
+WEIGHTS = {"dense/kernel": np.arange(12, dtype=np.float32).reshape(3, 4), "dense/bias": np.ones(4, np.int64),
+           "empty": np.zeros((0, 3), np.float16)}
+
+
+@pytest.fixture
+def toy_format(tmp_path, monkeypatch):
+    module = f"toy_format_{uuid.uuid4().hex}"
+    (tmp_path / f"{module}.py").write_text(TOY_FORMAT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(formats, "FORMAT_MODULES", list(formats.FORMAT_MODULES))
+    formats.register(module)
+    yield module
+    sys.modules.pop(module, None)
+
+
+def same(a, b) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+
+
+def test_a_registered_format_round_trips_through_save_and_open(tmp_path, toy_format):
+    path = tmp_path / "model.toy"
+    ws.save(path, WEIGHTS, metadata={"step": 3})
+    assert path.read_bytes().startswith(b"TOYWS")
+    with ws.open(path) as store:
+        assert store.keys() == list(WEIGHTS) and store.metadata == {"step": 3}
+        assert all(same(store[key], value) for key, value in WEIGHTS.items())
+        assert all(same(a, b) for a, b in zip(store.read().values(), WEIGHTS.values(), strict=True))  # read_many's default
+    renamed = tmp_path / "model.bin"
+    path.rename(renamed)
+    with ws.open(renamed, format="toy") as store:
+        assert same(store["dense/kernel"], WEIGHTS["dense/kernel"])
+    assert same(ws.load(renamed)["dense/bias"], WEIGHTS["dense/bias"])  # found by its magic bytes
+
+
+def test_a_registered_format_reads_on_a_url_and_refuses_damage(tmp_path, toy_format):
+    url = f"memory://toy-{tmp_path.name}/model.toy"
+    ws.save(url, WEIGHTS)
+    assert same(ws.load(url)["dense/kernel"], WEIGHTS["dense/kernel"])
+    path = tmp_path / "model.toy"
+    ws.save(path, WEIGHTS)
+    data = bytearray(path.read_bytes())
+    data[10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with ws.open(path) as store, pytest.raises(ws.ChecksumError) as caught:
+        store["dense/kernel"]
+    assert (caught.value.path, caught.value.key) == (str(path), "dense/kernel")
+
+
+class CatFileObject:
+    """A toy backend: any fsspec file system read with one ``cat_file`` per range."""
+
+    served: list[tuple[int, int]] = []
+
+    def __init__(self, fs, path, name):
+        self._fs, self._path, self.name = fs, path, name
+
+    def first(self, index_at_end, window, size, details):
+        size = int(self._fs.info(self._path)["size"]) if size is None else size
+        start = max(0, size - window) if index_at_end else 0
+        data = memoryview(bytearray(min(size, window)))
+        self.fill([(start, data)], opening=True)
+        return size, start, data
+
+    def fill(self, ranges, opening=False):
+        for at, view in ranges:
+            view[:] = self._fs.cat_file(self._path, at, at + len(view))
+            self.served.append((at, len(view)))
+
+
+def test_a_backend_in_the_table_serves_every_remote_read(tmp_path, monkeypatch):
+    monkeypatch.setattr(remote, "BACKENDS", [(lambda fs: "memory" in fs.protocol, CatFileObject), *remote.BACKENDS])
+    monkeypatch.setattr(CatFileObject, "served", [])
+    url = f"memory://backend-{tmp_path.name}/model.npz"
+    ws.save(url, WEIGHTS)
+    with ws.open(url) as store:
+        assert all(same(store[key], value) for key, value in WEIGHTS.items())
+    assert CatFileObject.served, "the toy backend read the file"
+
+
+class Model:
+    """A toy framework: its variables are numpy arrays in a dict."""
+
+    def __init__(self):
+        self.variables = {"dense/kernel": np.zeros((3, 4), np.float32), "dense/bias": np.zeros(4, np.int64)}
+
+
+def toy_assign(model: Model, weights, *, strict: bool = True):
+    """The toy adapter's ``assign``: list the targets, write the arrays, and nothing else."""
+    from weightstore.adapters.plan import AssignOptions, TargetInfo
+    from weightstore.adapters.skeleton import Target, run_assign
+
+    targets = {key: TargetInfo(key, value.dtype, value.shape) for key, value in model.variables.items()}
+
+    def write(batch, report):
+        for key, array in batch:
+            np.copyto(model.variables[key], array)
+        return [key for key, _ in batch]
+
+    return run_assign(Target(targets, write, owner=lambda key: model), weights, AssignOptions(strict=strict))
+
+
+def test_a_toy_adapter_gets_planning_strictness_and_hot_reload_from_the_skeleton(tmp_path):
+    model = Model()
+    ws.publish(tmp_path, {"dense/kernel": np.ones((3, 4), np.float32), "dense/bias": np.arange(4)}, step=1)
+    report = toy_assign(model, ws.latest(tmp_path))
+    assert sorted(report.assigned) == ["dense/bias", "dense/kernel"]
+    assert same(model.variables["dense/bias"], np.arange(4))
+    assert toy_assign(model, ws.latest(tmp_path)).skipped  # the same version again: nothing to write
+    with pytest.raises(ws.AssignmentError, match="no value for variable 'dense/bias'"):
+        toy_assign(model, {"dense/kernel": np.full((3, 4), 7, np.float32)})
+    assert same(model.variables["dense/kernel"], np.ones((3, 4), np.float32))  # a strict failure changes nothing

@@ -1,0 +1,76 @@
+"""Each fast path against the rule it stands in for, on inputs built to find where they differ.
+
+The checks that make 50,000 small tensors cheap are second implementations: a bulk key check
+(``keys._maybe_invalid``) before the per-key rule (``keys._key_problem``), a column-wise parse
+of version 1 manifest entries (``manifest._parse_plain_entries``) before the entry-by-entry
+one (``manifest._parse_entries``). The rule is the slow twin; the fast one may only ever say
+"nothing to find here" when the rule agrees. (The npz directory and batch read have theirs in
+``test_npz_fastpath.py::test_damaged_directories_read_alike_on_either_path``.)
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from weightstore import errors, manifest
+from weightstore import keys as K
+
+SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+#: pieces that each break, or nearly break, one rule of a key
+_PIECES = st.sampled_from(["a", "w", "0", "/", "//", ".", "..", "./", "/.", ":", ":0", ":12/", "\\", "\0", "\n", "\x7f",
+                           "\x1f", "__weightstore", "__weightstore_value__", "é", "e\u0301", "\u202e", "\ufeff", "层",
+                           " ", "x" * 300])
+KEY = st.lists(_PIECES, min_size=0, max_size=6).map("".join)
+
+
+def problem(key: str) -> str | None:
+    try:
+        K.validate_key(key)
+    except errors.InvalidKeyError as exc:
+        return str(exc)
+    return None
+
+
+@SETTINGS
+@given(st.lists(KEY, min_size=1, max_size=5))
+def test_the_bulk_key_check_refuses_exactly_what_the_per_key_rule_refuses(keys):
+    """``validate_keys`` passes a list only when every key passes ``validate_key``, and when it
+    refuses, it names the first key the rule refuses, with the rule's words."""
+    found = [text for text in map(problem, keys) if text is not None]
+    if not K._maybe_invalid("\0".join(keys), len(keys)):
+        assert not found, "the bulk scan said nothing to find, the rule found something"
+    try:
+        K.validate_keys(keys)
+    except errors.InvalidKeyError as exc:
+        assert found and str(exc) == found[0]
+    else:
+        assert not found
+
+
+_DTYPES = st.sampled_from(["float32", "bfloat16", "int8", "complex64", "bool", "float128", "object", "", 3, None, ["f4"]])
+_SIZES = st.one_of(st.integers(0, 5), st.sampled_from([-1, 2**40, 2**63, True, False, 2.0, "3", None]))
+_SHAPES = st.one_of(st.lists(_SIZES, max_size=4), st.sampled_from([None, 3, "2", {}, [0] * 40]))
+_DIGESTS = st.sampled_from([None, "crc32:0000abcd", "crc32:xyz", "crc32:", "md5:00", 5, ["crc32:0"]])
+_ENTRY = st.one_of(
+    st.fixed_dictionaries({"dtype": _DTYPES, "shape": _SHAPES, "checksum": _DIGESTS}),
+    st.fixed_dictionaries({"dtype": _DTYPES, "shape": _SHAPES}),
+    st.fixed_dictionaries({"dtype": _DTYPES, "shape": _SHAPES, "checksum": _DIGESTS,
+                           "location": st.sampled_from(["/x", 3]), "codec": st.sampled_from(["shuffle-zstd", "?"])}),
+    st.sampled_from([None, [], "float32", 3]),
+)
+
+
+@SETTINGS
+@given(st.dictionaries(st.sampled_from(["a", "b/w", "c"]), _ENTRY, min_size=1, max_size=3))
+def test_version_1_entries_read_column_wise_as_entry_by_entry(raw):
+    """``_parse_plain_entries`` either hands the entries over (``None``) or reads exactly what
+    ``_parse_entries`` reads; whatever the rule refuses, it hands over."""
+    fast = manifest._parse_plain_entries(raw)
+    try:
+        slow = manifest._parse_entries(raw, "m.npz", {}, {})
+    except errors.FormatError:
+        assert fast is None
+        return
+    assert fast is None or fast == slow

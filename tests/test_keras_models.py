@@ -1,0 +1,344 @@
+"""What a Keras user loads behaves like the model that was saved: layers whose state derives
+from their variables, keys as Keras names layers, selections that must match something.
+
+Every check compares with what Keras's own ``load_weights`` leaves, on models built here.
+"""
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+
+import weightstore as ws  # noqa: E402
+from weightstore.adapters import tf2  # noqa: E402
+from weightstore.adapters.follower import Follower  # noqa: E402
+
+RNG = np.random.default_rng(19)
+X = RNG.normal(5, 3, (8, 3)).astype("float32")
+
+
+def normalized(data):
+    """Normalization adapted to ``data``, then Dense: the layer divides by constants made from its variables."""
+    norm = keras.layers.Normalization()
+    norm.adapt(data)
+    inputs = keras.Input((3,))
+    return keras.Model(inputs, keras.layers.Dense(2)(norm(inputs)))
+
+
+@pytest.fixture(scope="module")
+def saved_normalized(tmp_path_factory):
+    """A model adapted to data around 5 and its ``save_weights`` file."""
+    model = normalized(RNG.normal(5, 3, (64, 3)).astype("float32"))
+    path = tmp_path_factory.mktemp("norm") / "m.weights.h5"
+    model.save_weights(path)
+    return model, str(path)
+
+
+def keras_loaded(build, path):
+    model = build()
+    model.load_weights(path)
+    return model
+
+
+def fresh_normalized():
+    return normalized(RNG.normal(0, 1, (64, 3)).astype("float32"))
+
+
+# --- layers finalized after an assign, as Keras's loaders leave them -------------------------
+
+@pytest.mark.parametrize("source", ["keras file", "dict", "npz"])
+def test_adapted_normalization_predicts_as_load_weights_after_assign(saved_normalized, source, tmp_path):
+    saved, path = saved_normalized
+    weights = {"keras file": path, "dict": tf2.export(saved), "npz": str(tmp_path / "w.npz")}[source]
+    if source == "npz":
+        ws.save(weights, tf2.export(saved))
+    model = fresh_normalized()
+    tf2.assign(model, weights)
+    expected = keras_loaded(fresh_normalized, path)(X)
+    np.testing.assert_array_equal(model(X), expected)
+    np.testing.assert_array_equal(model(X), saved(X))
+
+
+def test_follower_swap_finalizes_normalization(saved_normalized, tmp_path):
+    saved, path = saved_normalized
+    model = fresh_normalized()
+    ws.publish(tmp_path, tf2.export(saved), step=1)
+    with Follower(model, tmp_path, poll=0.005) as follower:
+        follower.wait(1, timeout=30)
+        with follower.reading():
+            np.testing.assert_array_equal(model(X), keras_loaded(fresh_normalized, path)(X))
+
+
+def test_normalization_in_a_nested_model_and_a_module_is_finalized(saved_normalized):
+    saved, _ = saved_normalized
+    inner = fresh_normalized()
+    inputs = keras.Input((3,))
+    outer = keras.Model(inputs, inner(inputs))
+    tf2.assign(outer, {f"{tf2_key_of(outer)}/{key}": value for key, value in tf2.export(saved).items()})
+    np.testing.assert_array_equal(outer(X), saved(X))
+    holder = tf.Module()
+    holder.net = fresh_normalized()
+    tf2.assign(holder, {f"net/{key}": value for key, value in tf2.export(saved).items()})
+    np.testing.assert_array_equal(holder.net(X), saved(X))
+
+
+def tf2_key_of(outer):
+    """The key segment ``tf2`` gives the only model nested in ``outer``."""
+    return next(iter(tf2.variables(outer))).split("/")[0]
+
+
+def discretized(bins):
+    layer = keras.layers.Discretization(bin_boundaries=bins)
+    inputs = keras.Input((3,))
+    return keras.Model(inputs, keras.layers.Dense(2)(layer(inputs)))
+
+
+def test_discretization_keeps_its_own_bins_as_load_weights_does(tmp_path):
+    """Discretization's bins are config, not variables: assign and ``load_weights`` both keep the target's."""
+    saved = discretized([0.0, 5.0])
+    path = str(tmp_path / "d.weights.h5")
+    saved.save_weights(path)
+    model = discretized([-1.0, 1.0])
+    tf2.assign(model, path)
+    np.testing.assert_array_equal(model(X), keras_loaded(lambda: discretized([-1.0, 1.0]), path)(X))
+
+
+def looked_up(vocabulary):
+    lookup = keras.layers.StringLookup(output_mode="multi_hot")
+    lookup.adapt(vocabulary)
+    inputs = keras.Input((2,), dtype="string")
+    return keras.Model(inputs, keras.layers.Dense(2)(lookup(inputs)))
+
+
+def test_adapted_lookup_keeps_its_vocabulary_as_load_weights_does(tmp_path):
+    """A lookup layer's vocabulary is an asset, not a variable: both keep the target's, the Dense changes."""
+    saved = looked_up([["a", "b"], ["a", "c"]])
+    path = str(tmp_path / "l.weights.h5")
+    saved.save_weights(path)
+    model = looked_up([["c", "b"], ["c", "a"]])
+    tf2.assign(model, path)
+    words = tf.constant([["a", "b"], ["c", "x"]])
+    np.testing.assert_array_equal(model(words), keras_loaded(lambda: looked_up([["c", "b"], ["c", "a"]]), path)(words))
+
+
+# --- a selection word that matches nothing is an error naming the closest key ---------------
+
+def batch_normed(bn_name=None):
+    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.BatchNormalization(name=bn_name),
+                             keras.layers.Dense(2)], name="net")
+
+
+@pytest.mark.parametrize(("bn_name", "closest"), [(None, "batch_normalization/moving_mean"), ("bn", "bn/moving_mean")],
+                         ids=["default-named", "top-level"])
+def test_also_matching_nothing_names_the_closest_key(bn_name, closest):
+    model = batch_normed(bn_name)
+    with pytest.raises(ws.SelectionError) as caught:
+        tf2.export(model, trainable_only=True, also="*/bn/moving_*")
+    assert str(caught.value) == f"also '*/bn/moving_*' matches no key in Sequential 'net'; did you mean {closest!r}?"
+    before = tf2.export(model)
+    with pytest.raises(ws.SelectionError) as caught:
+        tf2.assign(model, {key: value + 1 for key, value in before.items()}, trainable_only=True, also="*/bn/moving_*")
+    assert str(caught.value) == f"also '*/bn/moving_*' matches no key in the model's variables; did you mean {closest!r}?"
+    assert all(np.array_equal(value, before[key]) for key, value in tf2.export(model).items())  # nothing changed
+
+
+def test_include_word_matching_nothing_is_an_error_even_beside_one_that_matches():
+    model = batch_normed("bn")
+    with pytest.raises(ws.SelectionError) as caught:
+        tf2.export(model, include=["dense", "bn/moving_men"])
+    assert str(caught.value) == "include 'bn/moving_men' matches no key in Sequential 'net'; did you mean 'bn/moving_mean'?"
+
+
+# --- keys: stable across instances, Keras's own names in a process's first model -------------
+
+def bilstm():
+    inputs = keras.Input((5, 3))
+    x = keras.layers.Bidirectional(keras.layers.LSTM(4, return_sequences=True))(inputs)
+    x = keras.layers.Bidirectional(keras.layers.GRU(3))(x)
+    return keras.Model(inputs, keras.layers.Dense(2)(x))
+
+
+def time_distributed():
+    inputs = keras.Input((5, 3))
+    return keras.Model(inputs, keras.layers.TimeDistributed(keras.layers.Dense(4))(inputs))
+
+
+def transformer_block():
+    inputs = keras.Input((6, 8))
+    attended = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)(inputs, inputs)
+    x = keras.layers.LayerNormalization()(inputs + attended)
+    x = keras.layers.LayerNormalization()(x + keras.layers.Dense(8)(keras.layers.Dense(16, activation="relu")(x)))
+    return keras.Model(inputs, x)
+
+
+def holding_a_model():
+    inner = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(4)])
+    inputs = keras.Input((3,))
+    return keras.Model(inputs, keras.layers.Dense(2)(inner(inputs)))
+
+
+def out_of_order():
+    """The second Dense is made first: Keras names it ``dense``, though it comes second in the graph."""
+    second, first = keras.layers.Dense(2), keras.layers.Dense(3)
+    inputs = keras.Input((3,))
+    return keras.Model(inputs, second(first(inputs)))
+
+
+def mobilenet():
+    return keras.applications.MobileNet(input_shape=(32, 32, 3), alpha=0.25, weights=None, classes=3)
+
+
+ARCHITECTURES = {"bilstm": (bilstm, (2, 5, 3)), "time_distributed": (time_distributed, (2, 5, 3)),
+                 "transformer": (transformer_block, (2, 6, 8)), "nested": (holding_a_model, (2, 3)),
+                 "out_of_order": (out_of_order, (2, 3)), "mobilenet": (mobilenet, (1, 32, 32, 3))}
+
+
+@pytest.fixture(scope="module", params=list(ARCHITECTURES))
+def two_instances(request):
+    build, shape = ARCHITECTURES[request.param]
+    return build(), build(), RNG.normal(size=shape).astype("float32")
+
+
+def test_two_instances_have_one_set_of_keys_and_trade_weights(two_instances, tmp_path):
+    first, second, x = two_instances
+    assert tf2.keys(first) == tf2.keys(second)
+    ws.save(tmp_path / "w.npz", tf2.export(first))
+    report = tf2.assign(second, tmp_path / "w.npz")
+    assert report.ok and len(report.assigned) == len(tf2.keys(first))
+    np.testing.assert_array_equal(second(x), first(x))
+
+
+def test_wrappers_key_their_copies_without_instance_numbers():
+    assert tf2.keys(bilstm())[:3] == ["bidirectional/forward_lstm/lstm_cell/kernel",
+                                      "bidirectional/forward_lstm/lstm_cell/recurrent_kernel",
+                                      "bidirectional/forward_lstm/lstm_cell/bias"]
+    assert "bidirectional_1/backward_gru/gru_cell/bias" in tf2.keys(bilstm())
+    assert tf2.keys(time_distributed()) == ["time_distributed/dense/kernel", "time_distributed/dense/bias"]
+
+
+FIRST_IN_PROCESS = """
+import json, keras
+from tests.test_keras_models import ARCHITECTURES
+from weightstore.adapters import tf2
+out = {}
+for name in ("out_of_order", "nested", "bilstm", "time_distributed"):
+    model = ARCHITECTURES[name][0]()
+    names = {}
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        for var in layer.weights:
+            names[id(var)] = layer  # pre-order: the deepest layer holding it wins
+    paths = {}
+    def walk(layer, prefix):
+        for child in layer._flatten_layers(include_self=False, recursive=False):
+            paths[id(child)] = prefix + child.name
+            walk(child, prefix + child.name + "/")
+    walk(model, "")
+    out[name] = [[key, paths[id(names[id(var)])]] for key, var in tf2.variables(model).items()]
+    keras.backend.clear_session()  # the next model is again the first of its process, as Keras counts
+print(json.dumps(out))
+"""
+
+
+def test_in_a_fresh_process_keys_are_the_layer_names_keras_shows():
+    """Keras's own names (``layer.name``, ``model.summary()``) for the first model of a process."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", FIRST_IN_PROCESS], cwd=root, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": root, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    for name, pairs in json.loads(done.stdout.splitlines()[-1]).items():
+        for key, layer_path in pairs:
+            assert key.rsplit("/", 1)[0] == layer_path, name
+
+
+def test_keys_of_earlier_releases_still_assign():
+    """Earlier releases numbered automatic names per parent in layer order: the outer Dense of a
+    model holding a model was ``dense``, the later-made first Dense of a graph ``dense``."""
+    model = holding_a_model()
+    values = {key: RNG.normal(size=np.shape(value)).astype("float32") for key, value in tf2.export(model).items()}
+    old = {key.replace("dense_2/", "dense/", 1) if key.startswith("dense_2/") else key: value
+           for key, value in values.items()}
+    assert "dense/kernel" in old and tf2.assign(model, old).ok
+    for key, value in tf2.export(model).items():
+        np.testing.assert_array_equal(value, values[key])
+
+
+def test_one_member_of_an_ensemble_assigns_into_another_by_scope():
+    inputs = keras.Input((3,))
+    members = [holding_a_model() for _ in range(2)]
+    for i, member in enumerate(members):
+        member.name = f"member_{i}"
+    ensemble = keras.Model(inputs, [member(inputs) for member in members])
+    keys = tf2.keys(ensemble)
+    assert "member_1/sequential_1/dense_3/kernel" in keys  # numbered from the root, as Keras shows them
+    part = tf2.export(members[0])  # a member on its own: numbered from itself, like any model
+    assert list(part) == tf2.keys(holding_a_model())
+    report = tf2.assign(ensemble, {key: value + 1 for key, value in part.items()}, scope="member_1")
+    assert report.ok and len(report.assigned) == len(part)
+    for key, value in tf2.export(members[1]).items():
+        np.testing.assert_array_equal(value, tf2.export(members[0])[key] + 1)
+
+
+# --- ws import into a Keras file: the values Keras reads, or a refusal saying what to do -----
+
+def ws_command(*args):
+    from typer.testing import CliRunner
+
+    from weightstore.cli.main import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def small_dense():
+    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="head")])
+
+
+@pytest.mark.parametrize("suffix", [".weights.h5", ".keras"])
+def test_ws_import_into_a_keras_file_replaces_what_load_weights_reads(tmp_path, suffix):
+    model = small_dense()
+    path = tmp_path / f"m{suffix}"
+    (model.save_weights if suffix == ".weights.h5" else model.save)(path)
+    names = tmp_path / "names.npz"
+    assert ws_command("export", path, "-o", names).exit_code == 0
+    fix = {key: value + 1 for key, value in ws.load(names).items()}
+    ws.save(tmp_path / "fix.npz", fix)
+    refused = ws_command("import", tmp_path / "fix.npz", "--into", path)
+    assert refused.exit_code != 0 and "is a Keras file: an import replaces tensors Keras reads (2 of them); " \
+                                     "pass --overwrite to replace them" in refused.output
+    done = ws_command("import", tmp_path / "fix.npz", "--into", path, "--overwrite")
+    assert done.exit_code == 0, done.output
+    loaded = small_dense()
+    loaded.load_weights(path)
+    assert sorted(fix) == ["layers/dense/vars/0", "layers/dense/vars/1"]  # Keras's save walk names it by class
+    np.testing.assert_array_equal(loaded.layers[0].kernel.numpy(), fix["layers/dense/vars/0"])
+    np.testing.assert_array_equal(loaded.layers[0].bias.numpy(), fix["layers/dense/vars/1"])
+
+
+def test_ws_import_of_model_keys_into_a_keras_file_is_refused_saying_what_to_do(tmp_path):
+    model = small_dense()
+    path = tmp_path / "m.weights.h5"
+    model.save_weights(path)
+    before = path.read_bytes()
+    ws.save(tmp_path / "fix.npz", {key: value + 1 for key, value in tf2.export(model).items()})
+    result = ws_command("import", tmp_path / "fix.npz", "--into", path, "--overwrite")
+    assert result.exit_code != 0
+    text = " ".join(result.output.split())
+    assert (f"{path}: tensor 'head/kernel': is a Keras file, which Keras reads by its own tensor names only "
+            "(layers/<layer>/vars/<i>), and has no such tensor") in text
+    assert f"`ws export {path} -o names.npz` writes them" in text
+    assert path.read_bytes() == before
+
+
+def test_ws_import_of_a_wrong_shape_into_a_keras_file_names_both(tmp_path):
+    path = tmp_path / "m.weights.h5"
+    small_dense().save_weights(path)
+    ws.save(tmp_path / "fix.npz", {"layers/dense/vars/0": np.zeros((2, 3), np.float32)})
+    result = ws_command("import", tmp_path / "fix.npz", "--into", path, "--overwrite")
+    assert result.exit_code != 0
+    assert ("tensor 'layers/dense/vars/0': holds float32[3, 2]; the import gives float32[2, 3], which Keras "
+            "could not load in its place") in " ".join(result.output.split())

@@ -1,0 +1,121 @@
+"""A TF1 training checkpoint (``MonitoredTrainingSession``, Adam, a global step) into an inference
+graph, as the README writes it: optimizer state and the step counter left out and reported."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+from weightstore.adapters import tf1  # noqa: E402
+from weightstore.errors import AssignmentError  # noqa: E402
+
+v1 = tf.compat.v1
+MODEL = ["bn/moving_mean", "hidden/bias", "hidden/kernel", "out/kernel"]
+TRAINING = ["beta1_power", "beta2_power", "global_step", "hidden/bias/Adam", "hidden/bias/Adam_1",
+            "hidden/kernel/Adam", "hidden/kernel/Adam_1", "out/kernel/Adam", "out/kernel/Adam_1"]
+
+
+def model(x):
+    """Two dense layers and a batch-norm-like statistic (non-trainable, updated in UPDATE_OPS)."""
+    kernel = v1.get_variable("hidden/kernel", (3, 4))
+    bias = v1.get_variable("hidden/bias", (4,), initializer=v1.zeros_initializer())
+    mean = v1.get_variable("bn/moving_mean", (4,), initializer=v1.zeros_initializer(), trainable=False)
+    hidden = tf.matmul(x, kernel) + bias
+    v1.add_to_collection(v1.GraphKeys.UPDATE_OPS, v1.assign(mean, 0.9 * mean + 0.1 * tf.reduce_mean(hidden, 0)))
+    return tf.matmul(hidden - mean, v1.get_variable("out/kernel", (4, 1)))
+
+
+def training_graph():
+    x = v1.placeholder(tf.float32, (None, 3))
+    loss = tf.reduce_mean(model(x) ** 2)
+    step = v1.train.get_or_create_global_step()
+    with tf.control_dependencies(v1.get_collection(v1.GraphKeys.UPDATE_OPS)):
+        train = v1.train.AdamOptimizer(0.01).minimize(loss, global_step=step)
+    return x, train
+
+
+@pytest.fixture(scope="module")
+def train_dir(tmp_path_factory):
+    """A model dir as ``MonitoredTrainingSession`` leaves it after 6 Adam steps: ``model.ckpt-6`` and its ``.meta``."""
+    folder = tmp_path_factory.mktemp("train")
+    with tf.Graph().as_default():
+        x, train = training_graph()
+        with v1.train.MonitoredTrainingSession(checkpoint_dir=str(folder), save_checkpoint_steps=6,
+                                               save_summaries_steps=None) as sess:
+            for _ in range(6):
+                sess.run(train, {x: np.ones((2, 3), np.float32)})
+    return folder
+
+
+@contextlib.contextmanager
+def inference_session(scope="model_002"):
+    with tf.Graph().as_default() as graph, v1.Session(graph=graph) as sess:
+        with v1.variable_scope(scope):
+            model(v1.placeholder(tf.float32, (None, 3)))
+        sess.run(v1.global_variables_initializer())
+        yield sess
+
+
+def checkpoint_values(folder):
+    reader = tf.train.load_checkpoint(str(folder))
+    return {key: reader.get_tensor(key) for key in reader.get_variable_to_shape_map()}
+
+
+def scoped_values(sess, scope="model_002"):
+    return {key.removeprefix(f"{scope}/"): value for key, value in tf1.export(sess).items()}
+
+
+def without_meta(train_dir, tmp_path):
+    for name in os.listdir(train_dir):
+        if name.startswith("model.ckpt-6.") and not name.endswith(".meta"):
+            shutil.copy(train_dir / name, tmp_path / name)
+    return str(tmp_path / "model.ckpt-6")
+
+
+@pytest.mark.parametrize("meta", [True, False], ids=["from .meta", "by slot naming"])
+def test_training_checkpoint_assigns_into_an_inference_graph(train_dir, tmp_path, meta):
+    path = str(train_dir / "model.ckpt-6") if meta else without_meta(train_dir, tmp_path)
+    with inference_session() as sess:
+        report = tf1.assign(sess, path, scope="model_002")
+        assert sorted(report.assigned) == [f"model_002/{key}" for key in MODEL]
+        assert sorted(report.left_out) == TRAINING
+        saved = checkpoint_values(train_dir)
+        for key, value in scoped_values(sess).items():
+            np.testing.assert_array_equal(value, saved[key])
+    assert str(report) == ("assigned 4 variables; 9 left out as training state (optimizer=True assigns them): "
+                           "beta1_power, beta2_power, global_step, ….")
+
+
+def test_the_model_dir_itself_assigns_its_latest_checkpoint(train_dir):
+    with inference_session() as sess:
+        assert len(tf1.assign(sess, str(train_dir), scope="model_002").assigned) == 4
+
+
+def test_optimizer_true_asks_for_slots_the_inference_graph_lacks(train_dir):
+    """Asked for, the slots are unexpected; no hint offers the variable a slot is named after (it has its value)."""
+    with inference_session() as sess, pytest.raises(AssignmentError) as caught:
+        tf1.assign(sess, str(train_dir), scope="model_002", optimizer=True)
+    message = str(caught.value)
+    assert "9 unexpected (values with no variable):" in message
+    assert "    no variable 'model_002/hidden/kernel/Adam'\n" in message
+    assert "did you mean" not in message
+
+
+def test_into_the_training_graph_optimizer_state_moves_only_when_asked(train_dir):
+    saved = checkpoint_values(train_dir)
+    with tf.Graph().as_default() as graph, v1.Session(graph=graph) as sess:
+        training_graph()
+        sess.run(v1.global_variables_initializer())
+        report = tf1.assign(sess, str(train_dir))
+        assert sorted(report.assigned) == MODEL and sorted(report.left_out) == TRAINING
+        assert not np.array_equal(tf1.export(sess)["hidden/kernel/Adam"], saved["hidden/kernel/Adam"])
+        report = tf1.assign(sess, str(train_dir), optimizer=True)
+        assert sorted(report.assigned) == sorted(MODEL + TRAINING) and not report.left_out
+        for key, value in tf1.export(sess).items():
+            np.testing.assert_array_equal(value, saved[key])
