@@ -29,6 +29,7 @@ import numpy as np
 
 from weightstore.errors import FormatError, KeyNotInStoreError, UnsafeFileError
 from weightstore.formats import ReaderDefaults, safetensors
+from weightstore.io.files import open_regular
 from weightstore.io.remote import RemoteFile
 from weightstore.manifest import TensorInfo
 
@@ -140,18 +141,18 @@ class ShardedReader(ReaderDefaults):
 
 def open_local(index: str, *, mmap: bool = True) -> ShardedReader:
     """The sharded folder whose index is the local file ``index``."""
-    size = os.path.getsize(index)
-    if size > MAX_INDEX_BYTES:
-        raise UnsafeFileError(f"sharded index of {size} bytes (limit {MAX_INDEX_BYTES})", path=index)
-    with open(index, "rb") as handle:
+    with open_regular(index) as handle:
         text = handle.read(MAX_INDEX_BYTES + 1)
+    if len(text) > MAX_INDEX_BYTES:
+        raise UnsafeFileError(f"sharded index of over {MAX_INDEX_BYTES} bytes", path=index)
     folder = os.path.dirname(index)
 
     def open_shard(shard: str) -> Any:
         path = os.path.join(folder, shard)
-        if not os.path.isfile(path):
-            raise FormatError(f"the index maps tensors to shard {shard!r}, which is missing", path=index)
-        return safetensors.FORMAT.open_reader(path, path, mmap=mmap)
+        try:
+            return safetensors.FORMAT.open_reader(path, path, mmap=mmap)
+        except FileNotFoundError:
+            raise FormatError(f"the index maps tensors to shard {shard!r}, which is missing", path=index) from None
 
     return ShardedReader(text, index, open_shard)
 
