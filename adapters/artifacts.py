@@ -32,13 +32,13 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import weightstore
-from weightstore.errors import AssignmentError, FormatError
+from weightstore.errors import AssignmentError, FormatError, WeightStoreError
 from weightstore.formats.renamed import RenamedReader
+from weightstore.formats.tf_checkpoint import CheckpointReader, saved_model_prefix
 
-__all__ = ["ModelKeyedStore", "open_artifact", "is_model_file", "for_model"]
+__all__ = ["ModelKeyedStore", "open_artifact", "is_model_file", "for_model", "keras_file_names"]
 
 _KERAS_SUFFIXES = (".keras", ".weights.h5")
-_OBJECT_GRAPH = "_CHECKPOINTABLE_OBJECT_GRAPH"
 _NEAR_ROOT = 2  # edges from the checkpoint's root within which the model's own node is looked for
 
 
@@ -64,7 +64,7 @@ def for_model(model: Any, path: Any, model_keys: Mapping[str, Any]) -> weightsto
             raise AssignmentError(f"a Keras file pairs with the Keras model or layer that saved it, not a "
                                   f"{type(model).__name__}", path=text)
         if _is_keras(text):
-            names = _keras_names(model, source.keys(), by_variable)
+            names = keras_file_names(model, source.keys(), by_variable)
         else:
             names = _checkpoint_names(model, text, source.keys(), by_variable)
     except BaseException:
@@ -77,7 +77,7 @@ def _is_keras(text: str) -> bool:
     return text.endswith(_KERAS_SUFFIXES)
 
 
-def _keras_names(model: Any, file_keys: list[str], by_variable: Mapping[int, str]) -> dict[str, str]:
+def keras_file_names(model: Any, file_keys: list[str], by_variable: Mapping[int, str]) -> dict[str, str]:
     """Model key -> file key, from Keras's own save walk over ``model``.
 
     A file key the walk reaches through a variable of the model that is not a target (state
@@ -127,22 +127,27 @@ def _object_graph(path: Any) -> Any:
     and its reader says what is wrong with which file.
     """
     import tensorflow as tf
-    from google.protobuf.message import DecodeError
-    from tensorflow.core.protobuf import trackable_object_graph_pb2
 
     text = os.fspath(path)
-    graph = trackable_object_graph_pb2.TrackableObjectGraph()
     try:
-        prefix = tf.train.latest_checkpoint(text) if os.path.isdir(text) else _prefix(text)
-        if prefix is None or not os.path.exists(prefix + ".index"):
-            return None
-        reader = tf.train.load_checkpoint(prefix)
-        if not reader.has_tensor(_OBJECT_GRAPH):
-            return None
-        graph.ParseFromString(reader.get_tensor(_OBJECT_GRAPH))
-    except (tf.errors.OpError, ValueError, DecodeError):
+        prefix = _folder_prefix(text) if os.path.isdir(text) else _prefix(text)
+    except (tf.errors.OpError, ValueError):
         return None
-    return graph
+    if prefix is None or not os.path.exists(prefix + ".index"):
+        return None
+    try:  # the core's parser, as ws.open reads the checkpoint's keys
+        reader = CheckpointReader(prefix)
+    except WeightStoreError:
+        return None
+    reader.close()  # only the index is needed
+    return reader.object_graph
+
+
+def _folder_prefix(folder: str) -> str | None:
+    """The checkpoint a folder holds: a SavedModel's variables, or the one ``tf.train`` finds."""
+    import tensorflow as tf
+
+    return saved_model_prefix(folder) or tf.train.latest_checkpoint(folder)
 
 
 def _prefix(text: str) -> str:
@@ -161,9 +166,13 @@ def _checkpoint_names(model: Any, path: str, file_keys: list[str], by_variable: 
     best: tuple[int, int, dict[int, Any], set[int]] | None = None
     for node in _near_root(children):
         found, reached = _match(model, node, children)
-        score = sum(1 for variable in found.values() if id(variable) in by_variable)
+        score = _score(found, by_variable)
         if best is None or score > best[0]:
             best = (score, node, found, reached)
+    exported = _export_archive_match(model, children)
+    if exported is not None and (best is None or _score(exported[1], by_variable) > best[0]):
+        home, found, reached = exported
+        best = (_score(found, by_variable), home, found, reached)
     if best is None or not best[0]:
         raise FormatError(f"no part of this checkpoint has the structure of the model ({type(model).__name__}): "
                           "no variable of the model is in it", path=path)
@@ -178,6 +187,31 @@ def _checkpoint_names(model: Any, path: str, file_keys: list[str], by_variable: 
         elif leaf is not None and leaf in below_home and leaf not in reached and not _optimizer_state(file_key):
             names.setdefault(file_key, file_key)  # the model has nothing here: reported as unexpected
     return names
+
+
+def _score(found: Mapping[int, Any], by_variable: Mapping[int, str]) -> int:
+    return sum(1 for variable in found.values() if id(variable) in by_variable)
+
+
+def _export_archive_match(model: Any, children: list[dict[str, int]]) -> tuple[int, dict[int, Any], set[int]] | None:
+    """Node -> variable for a SavedModel that Keras's ``model.export()`` wrote, or None.
+
+    Its root is an ``ExportArchive``, not the model: ``track(model)`` lists the model's
+    ``variables`` under the edge ``variables``, in the model's own order, so the ``i``-th child
+    of that list is ``model.variables[i]`` (the writer's own walk, as for the other files).
+    The archive's ``_all_variables`` are the serving functions' copies of those variables,
+    saved with the same values: reached, but not paired a second time.
+    """
+    listed = children[0].get("variables") if children else None
+    variables = list(getattr(model, "variables", None) or [])
+    if listed is None or len(children[listed]) != len(variables) or not variables:
+        return None
+    if any(str(i) not in children[listed] for i in range(len(variables))):
+        return None
+    nodes = [children[listed][str(i)] for i in range(len(variables))]
+    copies = children[0].get("_all_variables")
+    reached = {0, listed, *nodes, *([copies, *children[copies].values()] if copies is not None else [])}
+    return 0, {node: variable for node, variable in zip(nodes, variables, strict=True)}, reached
 
 
 def _optimizer_state(file_key: str) -> bool:
@@ -217,8 +251,8 @@ def _match(model: Any, home: int, children: list[dict[str, int]]) -> tuple[dict[
         seen.add(id(obj))
         reached.add(node)
         edges = view.children(obj)
-        if isinstance(obj, (tf.Variable, keras.Variable)):
-            found[node] = obj
+        if isinstance(obj, (tf.Variable, keras.Variable, tf.__internal__.distribute.ShardedVariable)):
+            found[node] = obj  # a ShardedVariable is one node holding the whole tensor, restored across its shards
         for name, child in edges.items():
             if name in children[node]:
                 stack.append((child, children[node][name]))

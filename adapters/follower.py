@@ -49,9 +49,10 @@ import weightstore
 from weightstore.adapters.plan import AssignOptions, AssignWords, Report, reload_digest, wants_skip
 from weightstore.errors import VersionGoneError
 from weightstore.formats import ReaderDefaults
+from weightstore.io.folders import folder_for
 from weightstore.manifest import TensorInfo
 from weightstore.store import Store
-from weightstore.versions import Version, follow
+from weightstore.versions import PointerWatch, Version
 
 __all__ = ["Follower"]
 
@@ -105,7 +106,10 @@ class Follower:
     module or variables (``tf2.assign``); the assign options mean what they mean there.
     ``version`` and ``report`` describe the last swap; ``error`` holds the last failure (a
     version that does not fit the target is logged, recorded and passed over, not retried)
-    until the next swap succeeds, and makes :meth:`wait` raise.
+    until the next swap succeeds, and makes :meth:`wait` raise. ``poll`` and ``max_poll`` pace
+    the looks at ``LATEST`` as in :func:`~weightstore.versions.follow` (conditional on an object
+    store's ETag, backing off from ``poll`` to ``max_poll`` while nothing is published), and
+    ``notifications`` (an SQS queue URL) wakes it when ``LATEST`` is written.
 
     Hot reload skips tensors whose bytes equal what this follower last assigned, so the target
     must not be changed in place by anything else (training, initializers, restores); if it
@@ -113,10 +117,13 @@ class Follower:
     """
 
     def __init__(self, target: Any, folder: Any, *, poll: float = 1.0, after: int | None = None,
-                 storage_options: Mapping[str, Any] | None = None, **words: Unpack[AssignWords]):
+                 storage_options: Mapping[str, Any] | None = None, max_poll: float | None = None,
+                 notifications: str | None = None, **words: Unpack[AssignWords]):
         self.target = target
         self.folder = folder
         self.poll = poll
+        self.max_poll = max_poll
+        self.notifications = notifications
         self.storage_options = storage_options
         self.options = AssignOptions(**words)
         self.version: Version | None = None
@@ -183,18 +190,26 @@ class Follower:
 
     def _loop(self) -> None:
         last = self._after
+        watch = PointerWatch(folder_for(self.folder, self.storage_options), self.poll, self.max_poll, self.notifications)
         while not self._stop.is_set():
             try:
-                for version in follow(self.folder, timeout=0, after=last, storage_options=self.storage_options):
-                    if self._swap(version):
-                        last = version.step
-                    if self._stop.is_set():
-                        return
+                version = watch.newer(last)
             except Exception as exc:  # a damaged folder: keep serving the current weights, look again
                 self._failed(exc, "following")
+                version = None
             else:
                 self._folder_healthy()
-            self._stop.wait(self.poll)
+            if version is not None:
+                try:
+                    swapped = self._swap(version)
+                finally:
+                    version.release()
+                if swapped:
+                    last = version.step
+                else:  # pruned while staged: read LATEST again, whatever its tag
+                    watch.forget()
+                continue  # look again at once: a newer version may have landed meanwhile
+            watch.sleep(watch.interval, self._stop)
 
     def _swap(self, version: Version) -> bool:
         """Stage ``version``, then assign it; False when it should be looked for again (pruned mid-read).
@@ -265,7 +280,8 @@ class _Staged(ReaderDefaults):
     """A version's reader with some tensors already read and verified: a swap writes from memory.
 
     Tensors not staged (the unchanged ones a swap expects to skip) are read from the version's
-    own store if the assign asks for them after all.
+    own store if the assign asks for them after all (:meth:`read_many` fetches them together,
+    so :meth:`prefetch` has nothing to do).
     """
 
     def __init__(self, store: Store, arrays: dict[str, np.ndarray]):

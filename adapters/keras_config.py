@@ -8,6 +8,11 @@ lambdas), with no custom objects, after a check of our own that refuses lambdas 
 message before Keras is asked; classes outside Keras itself are not found and the model is
 refused. The training setup (``compile_config``: optimizer, losses, metrics) is dropped unread:
 keying weights needs the layers only.
+
+Nor is the config ever used to allocate: the model is built in a Keras ``StatelessScope`` that
+leaves its variables uninitialized (their paths, shapes and dtypes are all keying needs), so a
+1.4 KB archive whose ``Dense`` claims a billion units builds in no memory, where it took
+gigabytes; the weights, read from the archive, are bounded by the bytes that hold them.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ def model_from_archive(path: str) -> Any:
                           "load the weights in Python with tf2.load(model, path) instead", path=path)
     config = {name: value for name, value in config.items() if name != "compile_config"}
     try:
-        model = keras.saving.deserialize_keras_object(config, safe_mode=True)
+        with keras.StatelessScope(initialize_variables=False):  # shapes without memory behind them
+            model = keras.saving.deserialize_keras_object(config, safe_mode=True)
     except Exception as exc:  # Keras raises TypeError, ValueError, KeyError… for configs it cannot build
         raise FormatError(f"cannot rebuild its model from config.json ({_first_sentence(exc)}); "
                           "ws builds only Keras's own layers, never custom ones: load the weights in Python "

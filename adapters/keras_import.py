@@ -60,12 +60,13 @@ def _checked(target: str, weights: Mapping[str, np.ndarray]) -> dict[str, np.nda
                     f"(`ws export {target} -o names.npz` writes them), or assign in Python and save again: "
                     f"tf2.assign(model, weights); model.save_weights(...)", path=target, key=key)
             info = store.info(key)
+            dtype = logical_dtype(info.dtype, target)
             array = np.asarray(value)
-            if tuple(array.shape) != tuple(info.shape) or not widens(array.dtype, logical_dtype(info.dtype)):
-                raise FormatError(f"holds {describe(logical_dtype(info.dtype), tuple(info.shape))}; the import gives "
+            if tuple(array.shape) != tuple(info.shape) or not widens(array.dtype, dtype):
+                raise FormatError(f"holds {describe(dtype, tuple(info.shape))}; the import gives "
                                   f"{describe(array.dtype, array.shape)}, which Keras could not load in its place",
                                   path=target, key=key)
-            converted[key] = array.astype(logical_dtype(info.dtype), copy=False)
+            converted[key] = array.astype(dtype, copy=False)
     return converted
 
 

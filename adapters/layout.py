@@ -67,7 +67,8 @@ from weightstore.adapters.plan import (
     describe,
     plan_assign,
 )
-from weightstore.errors import LayoutError
+from weightstore.errors import AssignmentError, LayoutError
+from weightstore.formats import keras_file
 from weightstore.keys import MappingRules, Patterns, join_scope, map_key, normalize_scope, parse_mapping, passes
 
 __all__ = ["Rule", "Layout", "convert", "fold_bias_into_norm"]
@@ -533,6 +534,17 @@ def selected_refusals(refused: Mapping[str, str], *, scope: str | None, mapping:
     return kept
 
 
+def _refuse_keras_file(where: str) -> None:
+    """A Keras file names tensors by Keras's save walk (``layers/dense/vars/0``): no layout rule
+    can say which is which without the Keras model that wrote it, so say how to key it by that model."""
+    if not where.endswith((keras_file.KERAS_SUFFIX, keras_file.WEIGHTS_SUFFIX)):
+        return
+    raise AssignmentError(
+        "is a Keras file, whose tensors Keras names by its save walk (layers/<layer>/vars/<i>), not by layer: "
+        "key it by its Keras model first, in Python with tf2.assign(model, path) then tf2.export(model), or with "
+        f"`ws export {where} -o m.npz --model-keys` (a .keras file; --model m.keras for a .weights.h5)", path=where)
+
+
 class LaidOutValues:
     """A view of assign's values (``plan.Values``) under their converted names, shapes and contents."""
 
@@ -573,6 +585,7 @@ def plan_laid_out(values: ValueSource, targets: Mapping[str, TargetInfo], option
     Returns the plan and the values to read its pairs from. Values no rule converts are
     reported as mismatched, so a strict assign refuses them and changes nothing.
     """
+    _refuse_keras_file(values.where)
     refused: list[Mismatch] = []
     view: ValueSource = values
     scope, mapping = options.scope, options.mapping

@@ -9,6 +9,7 @@ here so every adapter means exactly the same thing by ``scope``, ``mapping``, ``
 from __future__ import annotations
 
 import contextlib
+import difflib
 import os
 import warnings
 import weakref
@@ -39,6 +40,7 @@ __all__ = ["Report", "SelectionWords", "AssignWords", "Selection", "AssignOption
 
 _LISTED = 20  # names shown per category in an error; the rest are counted
 _SHOWN = 3  # names shown per category in a report's one-paragraph summary
+_TYPO = 0.8  # how alike two variable names must be for one to be offered as the other misspelt
 
 
 class AssignWarning(UserWarning):
@@ -262,12 +264,13 @@ class Values:
 
 
 class RenamedValues:
-    """A view of :class:`Values` with some keys renamed (``renames``: old key -> new key)."""
+    """A view of :class:`Values` with some keys renamed (``renames``: old key -> new key) and,
+    with ``keep``, only those of its keys (the others left out, as optimizer state is)."""
 
-    def __init__(self, values: Values, renames: Mapping[str, str]):
+    def __init__(self, values: Values, renames: Mapping[str, str], keep: Collection[str] | None = None):
         self._values = values
         names = values.keys()  # a Values, not a dict: it has no __iter__
-        self._old = {renames.get(key, key): key for key in names}
+        self._old = {renames.get(key, key): key for key in names if keep is None or key in keep}
         self.where = values.where
         self.exact_keys = values.exact_keys
 
@@ -429,7 +432,7 @@ def _message(report: Report, where: str, targets: Mapping[str, Any], values: Map
     """
 
     def suggest(key: str, candidates: Any) -> str:
-        return keys_suggest(key, candidates) if hints else ""
+        return keys_suggest(key, [c for c in candidates if _same_leaf(key, c)]) if hints else ""
 
     free_targets = [key for key in targets if key not in pairs]  # a paired variable already has its value
     free_every = [key for key in every if key not in pairs]
@@ -441,6 +444,10 @@ def _message(report: Report, where: str, targets: Mapping[str, Any], values: Map
         return f"no variable {key!r}{suggest(key, free_targets) or suggest(key, free_every)}"
 
     lines = [f"cannot assign {where}: nothing was changed"]
+    common = sum(1 for key in values if key in every)
+    if min(len(targets), len(values)) >= 2 and common * 2 < min(len(targets), len(values)):
+        lines.append(f"  the weights and the model look like different architectures: {common} of {len(values)} "
+                     f"values share a key with one of {len(targets)} variables (or they need scope= or mapping=)")
     if not pairs and report.ok:
         lines.append("  no value pairs with a variable" + (" (no variables selected)" if not targets else ""))
     sections: list[tuple[str, list[Any], Callable[[Any], str]]] = [
@@ -455,6 +462,13 @@ def _message(report: Report, where: str, targets: Mapping[str, Any], values: Map
             if len(items) > _LISTED:
                 lines.append(f"    … and {len(items) - _LISTED} more")
     return "\n".join(lines)
+
+
+def _same_leaf(key: str, candidate: str) -> bool:
+    """Whether ``candidate`` could be ``key`` misspelt: the same variable name, or one a typo away
+    (``kernal``), never another variable of the same layer (``gamma`` for ``beta``, ``b`` for ``w``)."""
+    leaf, other = key.rsplit("/", 1)[-1], candidate.rsplit("/", 1)[-1]
+    return leaf == other or difflib.SequenceMatcher(None, leaf, other).ratio() >= _TYPO
 
 
 class ChecksumMemory:

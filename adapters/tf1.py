@@ -56,8 +56,9 @@ from weightstore.adapters.skeleton import Target, private_copy, run_assign
 from weightstore.errors import AssignmentError, FormatError, InvalidKeyError, SelectionError
 from weightstore.keys import from_tf_name, plan_outward, require_matches
 from weightstore.manifest import ML_DTYPES
+from weightstore.shards import Piece
 
-__all__ = ["export", "assign", "forget"]
+__all__ = ["export", "export_pieces", "assign", "forget"]
 
 _WEIGHT_KINDS = frozenset("biufc")
 _ASSIGN_TYPES = frozenset({"Assign", "AssignVariableOp"})
@@ -96,7 +97,28 @@ def export(sess: Any, **selection: Unpack[SelectionWords]) -> dict[str, np.ndarr
     statistics). Only the variables' own read tensors are fetched: no update runs, nothing
     needs feeding, and the graph gains no op.
     """
-    chosen_by = Selection(**selection)
+    plan, chosen = _chosen(sess, Selection(**selection))
+    fetched = iter(sess.run([_read_tensor(part.variable) for target in chosen for part in target.parts]))
+    return {key: _stitch(target, fetched) for key, target in zip(plan, chosen, strict=True)}
+
+
+def export_pieces(sess: Any, **selection: Unpack[SelectionWords]) -> dict[str, list[Piece]]:
+    """Like :func:`export`, but a partitioned variable comes part by part, never stitched:
+    key -> one :class:`~weightstore.Piece` per part, at the offset TF's save-slice info gives it
+    in the whole tensor (a plain variable: one piece holding all of it).
+
+    What :func:`weightstore.publish_shard` takes: each rank publishes the pieces it holds (a
+    parameter server's parts, say), and the committed version reads back in any partitioning.
+    """
+    plan, chosen = _chosen(sess, Selection(**selection))
+    fetched = iter(sess.run([_read_tensor(part.variable) for target in chosen for part in target.parts]))
+    return {key: [Piece(np.asarray(next(fetched)), tuple(s.start for s in part.index) if part.index
+                        else (0,) * len(target.shape), target.shape) for part in target.parts]
+            for key, target in zip(plan, chosen, strict=True)}
+
+
+def _chosen(sess: Any, chosen_by: Selection) -> tuple[dict[str, str], list[_Target]]:
+    """The selected variables of ``sess``'s graph: output key -> graph key, and their targets."""
     targets = _targets(sess.graph)
     plan = plan_outward(targets, scope=chosen_by.scope, include=chosen_by.include, exclude=chosen_by.exclude,
                         where="the graph")
@@ -107,9 +129,7 @@ def export(sess: Any, **selection: Unpack[SelectionWords]) -> dict[str, np.ndarr
         if plan and not kept:
             raise SelectionError("trainable_only keeps no variable: the selected variables are all non-trainable")
         plan = kept
-    chosen = [targets[source] for source in plan.values()]
-    fetched = iter(sess.run([_read_tensor(part.variable) for target in chosen for part in target.parts]))
-    return {key: _stitch(target, fetched) for key, target in zip(plan, chosen, strict=True)}
+    return plan, [targets[source] for source in plan.values()]
 
 
 def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[AssignWords]) -> Report:

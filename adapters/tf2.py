@@ -65,7 +65,7 @@ with needs("tf", __name__):
     from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable
 
 import weightstore
-from weightstore.adapters.artifacts import for_model, is_model_file
+from weightstore.adapters.artifacts import for_model, is_model_file, keras_file_names
 from weightstore.adapters.plan import (
     MEMORY,
     AssignOptions,
@@ -98,6 +98,8 @@ __all__ = ["export", "assign", "load", "keys", "variables", "forget"]
 Variable = Union[tf.Variable, keras.Variable, "tf.__internal__.distribute.ShardedVariable"]
 _SHARDED = tf.__internal__.distribute.ShardedVariable
 _VARIABLE_TYPES = (tf.Variable, keras.Variable, _SHARDED)
+_TRACKABLE = tf.__internal__.tracking.AutoTrackable
+_KERAS_LAYOUT = re.compile(r"(?:.+/)?vars/[^/]+")  # Keras's file names: layers/dense/vars/0, optimizer/vars/3
 _PART_SUFFIX = re.compile(r"/part_\d+$")
 _GROUPED_BELOW = 1 << 16  # values under this many bytes are written in groups (see _write_batch)
 _GROUP = 64  # most values per group: as fast per variable as larger groups, and a cheap kernel to build
@@ -186,10 +188,10 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
     aliases.update(_part_keys(obj, at, found))
 
     def plan(values: Any, options: AssignOptions) -> tuple[Plan, Any]:
-        view = _old_keys_renamed(values, aliases, targets, options)
+        view = _keras_layout_renamed(values, obj, found, options) or _old_keys_renamed(values, aliases, targets, options)
         return plan_assign(view, targets, options), view
 
-    target = Target(targets, write, owner=lambda key: found[key][0], plan=plan if aliases else None, batched=True)
+    target = Target(targets, write, owner=lambda key: found[key][0], plan=plan, batched=True)
     try:
         if not _structured(obj, weights):
             return run_assign(target, weights, options)
@@ -263,6 +265,30 @@ def _part_keys(obj: Any, scope: str, found: Mapping[str, tuple[Variable, bool]])
     full = {id(var): key for key, (var, _) in found.items()}
     return {join_scope(scope, key): full[id(var)] for key, (var, _) in _collect(part).items()
             if id(var) in full and join_scope(scope, key) != full[id(var)]}
+
+
+def _keras_layout_renamed(values: Any, obj: Any, found: Mapping[str, tuple[Variable, bool]],
+                          options: AssignOptions) -> Any:
+    """``values`` keyed as a Keras file keys its tensors (``layers/dense/vars/0``: what ``ws export
+    x.weights.h5`` writes without a model), renamed to the model's keys by Keras's own save walk
+    over the model (or its part at ``scope``), as the Keras file itself would be; None for other keys.
+
+    Keys the walk does not reach keep their names, so a store of another architecture is
+    reported as such rather than paired by position.
+    """
+    keys = values.keys()
+    if (not isinstance(obj, keras.layers.Layer) or options.mapping or not keys
+            or not all(_KERAS_LAYOUT.fullmatch(key) for key in keys) or any(key in found for key in keys)):
+        return None
+    at = normalize_scope(options.scope)
+    try:
+        part = _part_at(obj, at)
+    except SelectionError:
+        return None
+    by_variable = {id(var): strip_scope(key, at) for key, (var, _) in found.items() if in_scope(key, at) and key != at}
+    names = keras_file_names(part, keys, by_variable)  # model key -> file key
+    renames = {file_key: model_key for model_key, file_key in names.items() if model_key != file_key}
+    return RenamedValues(values, renames, keep=set(names.values()))  # optimizer state left out, as from the file
 
 
 def _old_keys_renamed(values: Any, aliases: Mapping[str, str], targets: Mapping[str, TargetInfo],
@@ -347,14 +373,36 @@ def _collect_with_aliases(obj: Any, optimizer: bool = False) -> tuple[dict[str, 
             _add(found, _own_name(_checked_variable(var, "")), var, set(), refuse_duplicates=True)
     elif isinstance(obj, (keras.layers.Layer, tf.Module)):
         _Walk(obj, found, aliases).walk(obj, "", "", None)
+    elif isinstance(obj, _TRACKABLE):
+        _walk_trackable(obj, found)
     else:
         raise TypeError(
-            f"expected a Keras model or layer, a tf.Module, or a list or dict of variables, not {type(obj).__name__}"
+            f"expected a Keras model or layer, a tf.Module, a loaded SavedModel, or a list or dict of variables, "
+            f"not {type(obj).__name__}"
         )
     if optimizer:
         for i, var in enumerate(_optimizer_variables(obj)):
             _add(found, f"optimizer/vars/{i}", var, set(), trainable=False)
     return found, aliases
+
+
+def _walk_trackable(root: Any, found: dict[str, tuple[Variable, bool]]) -> None:
+    """A trackable that is no ``tf.Module`` (what ``tf.saved_model.load`` returns): the paths of
+    TF's own checkpoint walk, breadth first, so each variable gets the key the SavedModel's
+    variables checkpoint gives it (``ws ls``'s names for the folder)."""
+    view = tf.train.TrackableView(root)
+    seen: set[int] = {id(root)}
+    queue: list[tuple[str, Any]] = [("", root)]
+    while queue:
+        path, obj = queue.pop(0)
+        for name, child in sorted(view.children(obj).items(), key=lambda item: item[0]):  # TF's saver sorts too
+            if id(child) in seen:
+                continue
+            seen.add(id(child))
+            if isinstance(child, _VARIABLE_TYPES):
+                _add(found, join_scope(path, name), child, set())
+            else:
+                queue.append((join_scope(path, name), child))
 
 
 class _Walk:

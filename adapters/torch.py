@@ -150,7 +150,7 @@ def assign(
     chosen_layout = None if layout is None else layouts.resolve(layout, "torch")
 
     def write(batch: list[tuple[str, np.ndarray]], report: Report) -> list[str]:
-        batch = _refuse_tied_conflicts(batch, found, report, strict=options.strict, where=_describe(module))
+        batch = _refuse_unwritable(batch, found, report, strict=options.strict, where=_describe(module))
         with torch.no_grad():
             for key, array in batch:
                 found[key].copy_(_as_tensor(array))
@@ -170,26 +170,71 @@ def _keyed(values: Any) -> Any:
     return RenamedValues(values, renames) if renames else values
 
 
-def _refuse_tied_conflicts(pending: list, found: dict[str, torch.Tensor], report: Report, *, strict: bool,
-                           where: str) -> list:
-    """Tied parameters (one tensor under two keys, like a shared embedding) must get one value.
-
-    Two different values for one tensor would leave whichever came last; that is refused
-    as a mismatch rather than decided by key order.
+def _refuse_unwritable(pending: list, found: dict[str, torch.Tensor], report: Report, *, strict: bool,
+                      where: str) -> list:
+    """Everything a write can still fail on, checked before the first write, so a strict
+    assign that fails changes nothing: each tensor must take an in-place write (not an
+    inference tensor, not expanded so that elements share memory), and tensors that share
+    memory (tied weights, one possibly a transposed view of the other) must get values that
+    agree where they overlap; else whichever came last would win, for both.
     """
-    first: dict[int, tuple[str, np.ndarray]] = {}
-    conflicts: dict[str, Mismatch] = {}
-    for key, array in pending:
-        other, value = first.setdefault(id(found[key]), (key, array))
-        if other != key and not np.array_equal(value, array):
-            shape = describe(array.dtype, array.shape)
-            conflicts[key] = Mismatch(key, shape, shape, f"the same tensor as {other!r}, which gets a different value")
+    conflicts = {key: Mismatch(key, describe(array.dtype, array.shape), describe(array.dtype, array.shape), why)
+                 for key, array in pending if (why := _why_not_writable(found[key])) is not None}
+    conflicts.update(_shared_memory_conflicts([entry for entry in pending if entry[0] not in conflicts], found))
     if conflicts and strict:
         lines = "\n".join(f"    {mismatch}" for mismatch in conflicts.values())
         raise AssignmentError(f"cannot assign {where}: nothing was changed\n  {len(conflicts)} mismatched:\n{lines}",
                               mismatched=list(conflicts.values()))
     report.mismatched.extend(conflicts.values())
     return [entry for entry in pending if entry[0] not in conflicts]
+
+
+def _why_not_writable(tensor: torch.Tensor) -> str | None:
+    """Why ``copy_`` into ``tensor`` would fail, found without writing a byte of it."""
+    if any(size > 1 and stride == 0 for size, stride in zip(tensor.shape, tensor.stride(), strict=True)):
+        return "cannot be written in place: it is expanded, several of its elements are one in memory"
+    try:
+        with torch.no_grad():  # what copy_ checks (inference tensors, version counters), on no element
+            tensor.as_strided((0,), (1,)).copy_(torch.empty(0, dtype=tensor.dtype))
+    except RuntimeError as error:
+        return f"cannot be written in place ({str(error).split('.')[0]})"
+    return None
+
+
+def _shared_memory_conflicts(pending: list, found: dict[str, torch.Tensor]) -> dict[str, Mismatch]:
+    """Tensors over one storage, written into a scratch copy of it, last key first: each must
+    then read back its own value, or its value and an earlier key's disagree on an element
+    they share (the earlier key, whose value is what the storage would end up holding, is
+    the one named)."""
+    groups: dict[tuple[Any, int], list[tuple[str, np.ndarray]]] = {}
+    for key, array in pending:
+        storage = found[key].untyped_storage()
+        if storage.nbytes():
+            groups.setdefault((found[key].device, storage.data_ptr()), []).append((key, array))
+    conflicts: dict[str, Mismatch] = {}
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        scratch = torch.empty(found[members[0][0]].untyped_storage().nbytes(), dtype=torch.uint8)
+        for key, array in reversed(members):
+            _view_in(scratch, found[key]).copy_(_as_tensor(array))
+        for key, array in members:
+            if not torch.equal(_bytes_of(_view_in(scratch, found[key])), _bytes_of(_as_tensor(array))):
+                others = [other for other, _ in members if other != key]
+                shape = describe(array.dtype, array.shape)
+                conflicts[key] = Mismatch(key, shape, shape, f"the same tensor as {others[0]!r} or a view of it "
+                                          "(tied), which gets a different value")
+    return conflicts
+
+
+def _view_in(scratch: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s elements as they lie in ``scratch``, a byte copy of its storage."""
+    return scratch.view(tensor.dtype).as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``tensor``'s elements in order: equal values compare equal, NaNs included."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
 def forget(module: nn.Module) -> None:

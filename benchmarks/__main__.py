@@ -86,9 +86,16 @@ def _artifacts(size_mb: float, repeat: int) -> None:
     artifacts_bench.bench(repeat)
 
 
+def _shards(size_mb: float, repeat: int) -> None:
+    from benchmarks import shard_bench
+
+    shard_bench.bench(min(size_mb, 256))
+
+
 BENCHMARKS: dict[str, Callable[[float, int], None]] = {
     "core": _core, "tf": _tf, "hold": _hold, "sync": _sync, "publish": _publish, "small": _small, "safetensors": _safetensors,
     "ckpt": _checkpoints, "s3": _s3, "torch": _torch, "artifacts": _artifacts, "split": _split,
+    "shards": _shards,
 }
 
 

@@ -15,9 +15,10 @@ from weightstore.cli.render import emit, human_bytes, settings
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``versions`` and ``follow`` to ``app``."""
+    """Add ``versions``, ``follow`` and ``clean`` to ``app``."""
     app.command("versions")(versions)
     app.command("follow")(follow)
+    app.command("clean")(clean)
 
 
 Folder = Annotated[str, typer.Argument(help="Versioned folder: a local path or an fsspec URL (s3://, memory://).")]
@@ -41,14 +42,18 @@ def versions(
     if settings.json:
         emit("versions", {"folder": folder, "versions": [
             {"step": entry.step, "path": entry.path, "modified": entry.modified, "size": entry.size,
-             "latest": entry.latest} for entry in entries]})
+             "latest": entry.latest, "members": entry.members, "member_bytes": entry.member_bytes}
+            for entry in entries]})
         return
     if not entries:
+        _refuse_serving_base(folder)
         typer.echo(f"{folder}: no versions")
         return
     for entry in entries:
         mark = "  <- LATEST" if entry.latest else ""
-        typer.echo(f"{entry.step:>12}  {entry.modified}  {human_bytes(entry.size):>9}  {entry.name}{mark}")
+        size = entry.size if entry.member_bytes is None else entry.size + entry.member_bytes
+        shards = "" if entry.members is None else f"  ({entry.members} members, index {human_bytes(entry.size)})"
+        typer.echo(f"{entry.step:>12}  {entry.modified}  {human_bytes(size):>9}  {entry.name}{shards}{mark}")
 
 
 def follow(
@@ -56,21 +61,76 @@ def follow(
     timeout: Annotated[float | None, typer.Option("--timeout", help="Stop after this many seconds without a "
                                                                        "new version.")] = None,
     after: Annotated[int | None, typer.Option("--after", help="Only versions with a step above this one.")] = None,
-    poll: Annotated[float, typer.Option("--poll", help="Seconds between looks at LATEST.")] = 1.0,
+    poll: Annotated[float, typer.Option("--poll", min=0.0, help="Seconds between looks at LATEST (at first, "
+                                                               "and again after each new version).")] = 1.0,
+    max_poll: Annotated[float | None, typer.Option("--max-poll", min=0.0, help="Back off to this many seconds "
+                                                   "between looks while nothing is published (default 4x --poll; "
+                                                   "equal to --poll for a fixed interval).")] = None,
+    notifications: Annotated[str | None, typer.Option("--notifications", help="An SQS queue URL the bucket's "
+                                                      "event notifications feed: look at once when LATEST is "
+                                                      "written (polling goes on as well).")] = None,
+    wait: Annotated[bool, typer.Option("--wait", help="Wait for FOLDER to appear, rather than refuse a folder "
+                                                      "that does not exist (yet).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print each version as one JSON object on its line.")] = False,
 ) -> None:
     """Print each new version of FOLDER as it lands (the latest one first), one per line.
+
+    A FOLDER that does not exist is refused (exit 1, naming it): a mistyped path would
+    otherwise wait forever. Pass --wait when it is only not there yet (a trainer about to
+    publish its first version).
 
     \b
     Example:
       ws follow s3://bucket/run --after 1000 --timeout 600
     """
     from weightstore.versions import follow as follow_versions
+    from weightstore.versions import require_folder
 
     as_json = settings.json = settings.json or as_json  # so a failure is reported as JSON too
-    for version in follow_versions(folder, poll=poll, timeout=timeout, after=after):
+    _refuse_serving_base(folder)  # numbered SavedModel folders are never ws.publish's
+    if not wait:
+        require_folder(folder, hint="pass --wait to wait for it to appear")
+    for version in follow_versions(folder, poll=poll, timeout=timeout, after=after, max_poll=max_poll,
+                                   notifications=notifications):
         if as_json:  # a stream: one object per line, so a reader can act on each as it lands
             typer.echo(json.dumps({"command": "follow", "ok": True, "step": version.step, "path": version.path,
                                    "created": version.created, "metadata": version.metadata}, ensure_ascii=False))
         else:
             typer.echo(f"{version.step}\t{version.path}")
+
+
+def _refuse_serving_base(folder: str) -> None:
+    """A TF Serving model base (``base/1/``, ``base/2/``) holds SavedModels, not ``ws.publish``
+    versions: say so, rather than "no versions" or a follow that waits forever."""
+    import os
+
+    from weightstore.errors import FormatError
+    from weightstore.formats.tf_checkpoint import serving_versions
+
+    versions = serving_versions(folder) if os.path.isdir(folder) else []
+    if versions:
+        raise FormatError(f"is a TF Serving model base (SavedModel versions {', '.join(map(str, versions))}), not a "
+                          f"folder of ws.publish versions; read one version with ws ls {os.path.join(folder, str(versions[-1]))}",
+                          path=folder)
+
+
+def clean(
+    folder: Folder,
+    as_json: Annotated[bool, typer.Option("--json", help="Print what was removed as one JSON object.")] = False,
+) -> None:
+    """Remove what dead writers and coordinators left in FOLDER: attempt folders of sharded
+    versions that no index names, and indexes LATEST never reached. Run it while no job
+    publishes to FOLDER.
+
+    \b
+    Example:
+      ws clean s3://bucket/run
+    """
+    from weightstore.shards import clean_folder
+
+    settings.json = settings.json or as_json
+    removed = clean_folder(folder)
+    if settings.json:
+        emit("clean", {"folder": folder, "removed": removed})
+        return
+    typer.echo(f"{folder}: removed {len(removed)}" + "".join(f"\n  {name}" for name in removed))

@@ -20,6 +20,7 @@ TARGET = Path(__file__).with_name("api.md")
 MODULES = [
     "weightstore",
     "weightstore.versions",
+    "weightstore.shards",
     "weightstore.background",
     "weightstore.adapters.tf1",
     "weightstore.adapters.tf2",

@@ -112,6 +112,7 @@ print("done", flush=True)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("suffix", SUFFIXES)
 def test_sigkill_mid_write_leaves_previous_file_and_next_save_cleans_up(tmp_path, suffix):
     path, before = previous(tmp_path, suffix)

@@ -33,7 +33,7 @@ keras = pytest.importorskip("keras")
 from tf_files import copy_checkpoint, restore_with_saver, same_architecture  # noqa: E402
 
 WS = os.path.join(os.path.dirname(sys.executable), "ws")
-COMMANDS = ["export", "import", "ls", "diff", "convert", "verify", "versions", "follow"]
+COMMANDS = ["export", "import", "ls", "diff", "convert", "verify", "versions", "follow", "clean"]
 
 
 def run(*args: str):

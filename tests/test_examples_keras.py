@@ -17,6 +17,7 @@ from examples import keras_ensemble, keras_selective, keras_sync  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_sync_follower_swaps_versions_in_another_process_while_it_serves(tmp_path, capsys):
     seen = keras_sync.main(str(tmp_path), steps=12, every=4)
     assert [entry["step"] for entry in seen] == [None, 4, 8, 12]  # each version once, in order
@@ -45,6 +46,7 @@ def test_selective_restore_gives_identical_predictions(tmp_path):
         result["assigned"])
 
 
+@pytest.mark.slow
 def test_examples_run_as_modules():
     done = subprocess.run([sys.executable, "-m", "examples.keras_ensemble"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})

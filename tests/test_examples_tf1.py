@@ -16,6 +16,7 @@ from examples import tf1_ensemble, tf1_selective, tf1_sync  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_sync_follows_versions_in_another_process_without_growing_its_graph(tmp_path, capsys):
     seen = tf1_sync.main(str(tmp_path), steps=60, every=20)
     # PublishHook: the first step, then every 20, then the last; the reader sees each once, in order
@@ -50,6 +51,7 @@ def test_selective_restore_gives_identical_predictions(tmp_path):
     assert {"conv_1/bn/moving_mean", "conv_2/bn/moving_variance"}.isdisjoint(result["left_out"])
 
 
+@pytest.mark.slow
 def test_examples_run_as_modules():
     done = subprocess.run([sys.executable, "-m", "examples.tf1_ensemble"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})

@@ -102,3 +102,77 @@ def test_serving_is_not_held_while_a_version_downloads(s3, folder, model):
             gate.set()
         assert follower.wait(2, timeout=30).step == 2
         assert np.all(model.get_layer("hidden").kernel.numpy() == 2) and follower.error is None
+
+
+def pointer_requests(s3, folder: str) -> list:
+    key = folder[len("s3://"):].split("/", 1)[1] + "/LATEST"
+    return [r for r in s3.requests if r.path.endswith(key)]
+
+
+def test_an_idle_follower_asks_for_the_pointer_without_moving_it(s3, folder):
+    """Each look is a HEAD (ETag unchanged: no body); LATEST's body moves only when it changed."""
+    from weightstore import versions
+
+    ws.publish(folder, {"w": np.zeros(4, np.float32)}, step=1)
+    s3.reset()
+    following = ws.follow(folder, poll=0.01, max_poll=0.01, timeout=0.5)
+    assert next(following).step == 1
+    assert list(following) == []  # half a second of looks, nothing new
+    looks = [r.method for r in pointer_requests(s3, folder)]
+    assert looks.count("GET") == 1 and len(looks) > 5
+    after_the_read = pointer_requests(s3, folder)[looks.index("GET") + 1:]
+    assert after_the_read and all(r.method == "HEAD" and r.sent == 0 for r in after_the_read)
+    watch = versions.PointerWatch(versions.folder_for(folder), poll=0.01, max_poll=0.08)
+    assert watch.newer(None).step == 1
+    intervals = []
+    for _ in range(5):
+        assert watch.newer(1) is None
+        intervals.append(watch.interval)
+    assert intervals == [0.02, 0.04, 0.08, 0.08, 0.08]  # backing off while idle, up to max_poll
+    ws.publish(folder, {"w": np.ones(4, np.float32)}, step=2)
+    assert watch.newer(1).step == 2 and watch.interval == 0.01  # a new version resets it
+
+
+@pytest.fixture
+def notified(s3, monkeypatch):
+    """A bucket whose writes S3 announces to an SQS queue of the same loopback server: (folder, queue URL)."""
+    import botocore.session
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL_SQS", s3.endpoint)
+    session = botocore.session.get_session()
+    sqs, s3_client = session.create_client("sqs"), session.create_client("s3")
+    bucket = f"weightstore-notify-{uuid.uuid4().hex[:8]}"
+    s3_client.create_bucket(Bucket=bucket)
+    queue = sqs.create_queue(QueueName=bucket)["QueueUrl"]
+    arn = sqs.get_queue_attributes(QueueUrl=queue, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+    s3_client.put_bucket_notification_configuration(Bucket=bucket, NotificationConfiguration={
+        "QueueConfigurations": [{"QueueArn": arn, "Events": ["s3:ObjectCreated:*"]}]})
+    return f"s3://{bucket}/run", queue
+
+
+def test_a_notification_wakes_a_follower_long_before_its_next_look(notified):
+    folder, queue = notified
+    ws.publish(folder, {"w": np.zeros(4, np.float32)}, step=1)
+    following = ws.follow(folder, poll=30, max_poll=30, timeout=60, notifications=queue)
+    try:
+        assert next(following).step == 1
+        publisher = threading.Timer(0.5, lambda: ws.publish(folder, {"w": np.ones(4, np.float32)}, step=2))
+        start = time.monotonic()
+        publisher.start()
+        assert next(following).step == 2
+        assert time.monotonic() - start < 15  # polling alone would look again only after 30 s
+    finally:
+        following.close()
+
+
+def test_a_failing_queue_falls_back_to_polling(notified, caplog):
+    folder, queue = notified
+    ws.publish(folder, {"w": np.zeros(4, np.float32)}, step=1)
+    following = ws.follow(folder, poll=0.05, max_poll=0.05, timeout=60, notifications=queue + "-missing")
+    try:
+        assert next(following).step == 1
+        threading.Timer(1.0, lambda: ws.publish(folder, {"w": np.ones(4, np.float32)}, step=2)).start()
+        assert next(following).step == 2  # found by polling while the queue fails
+    finally:
+        following.close()
+    assert "polling only" in caplog.text

@@ -19,19 +19,30 @@ import pytest
 from fuzz.targets import fuzz_batch
 
 #: mutants per target: a few seconds in all on a small machine
-COUNT = {"npz": 300, "npz-many": 300, "npz-compressed": 300, "numpy-savez": 300, "latest": 300, "hdf5": 300}
+COUNT = {"npz": 300, "npz-many": 300, "npz-compressed": 300, "numpy-savez": 300, "latest": 300, "hdf5": 300,
+         "safetensors": 200, "tf-index": 200, "tf-object-graph": 200, "keras-config": 200, "npz-numpy": 200,
+         "keras": 100, "sharded-index": 300}
 
 
-@pytest.mark.parametrize("name", ["npz", "npz-many", "npz-compressed", "numpy-savez", "latest"])
+@pytest.mark.parametrize("name", ["npz", "npz-many", "npz-compressed", "numpy-savez", "latest", "safetensors",
+                                  "tf-index", "npz-numpy", "keras-config", "sharded-index"])
 def test_mutants_are_refused_or_read_exactly(tmp_path, name):
     outcomes = fuzz_batch(name, seed=20261201, count=COUNT[name], folder=tmp_path)
     assert outcomes.get("refused", 0) > COUNT[name] // 3, outcomes  # the mutations do reach the parsers
 
 
-def test_hdf5_mutants_are_refused_or_read_exactly_in_a_subprocess(tmp_path):
+def test_object_graph_mutants_key_variables_or_fall_back(tmp_path):
+    """A damaged graph keys what it still can, or nothing (the entry names then): never raises."""
+    outcomes = fuzz_batch("tf-object-graph", seed=20261201, count=COUNT["tf-object-graph"], folder=tmp_path)
+    assert outcomes == {"same": COUNT["tf-object-graph"]}
+
+
+@pytest.mark.parametrize("name", ["hdf5", "keras"])
+def test_hdf5_mutants_are_refused_or_read_exactly_in_a_subprocess(tmp_path, name):
+    """HDF5 files, and ``.keras`` archives whose weights member is one."""
     tests = Path(__file__).parent
     result = subprocess.run(
-        [sys.executable, "-m", "fuzz.run_batch", "hdf5", "20261201", str(COUNT["hdf5"]), str(tmp_path)],
+        [sys.executable, "-m", "fuzz.run_batch", name, "20261201", str(COUNT[name]), str(tmp_path)],
         cwd=tests, capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(tests)},
     )
     lines = result.stdout.splitlines()

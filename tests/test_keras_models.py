@@ -342,3 +342,65 @@ def test_ws_import_of_a_wrong_shape_into_a_keras_file_names_both(tmp_path):
     assert result.exit_code != 0
     assert ("tensor 'layers/dense/vars/0': holds float32[3, 2]; the import gives float32[2, 3], which Keras "
             "could not load in its place") in " ".join(result.output.split())
+
+
+# --- Keras's file layout given where model keys are expected --------------------------------
+
+def bn_model():
+    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, name="dense"),
+                             keras.layers.BatchNormalization(name="bn")], name="net")
+
+
+def test_a_store_in_keras_file_layout_assigns_like_the_keras_file(tmp_path):
+    """``ws export x.weights.h5`` without a model writes Keras's names (``layers/dense/vars/0``):
+    they pair with the model by Keras's own save walk, as the file they came from does."""
+    saved = bn_model()
+    path = tmp_path / "m.weights.h5"
+    saved.save_weights(path)
+    assert ws_command("export", path, "-o", tmp_path / "names.npz").exit_code == 0
+    assert sorted(ws.load(tmp_path / "names.npz"))[0] == "layers/batch_normalization/vars/0"
+    model = bn_model()
+    report = tf2.assign(model, tmp_path / "names.npz")
+    assert sorted(report.assigned) == sorted(tf2.keys(model))
+    x = RNG.normal(size=(4, 3)).astype("float32")
+    np.testing.assert_array_equal(model(x), keras_loaded(bn_model, str(path))(x))
+
+
+def test_keras_layout_keys_of_another_architecture_say_so_and_pair_no_look_alikes(tmp_path):
+    """Another model's Keras names: one line, before the list, says the architectures differ, and
+    no hint offers a variable of another name (``gamma`` for ``beta``)."""
+    other = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.LayerNormalization(),
+                              keras.layers.Dense(5)])
+    path = tmp_path / "other.weights.h5"
+    other.save_weights(path)
+    with pytest.raises(ws.AssignmentError) as caught:
+        tf2.assign(bn_model(), ws.load(path))
+    lines = str(caught.value).splitlines()
+    assert lines[1].startswith("  the weights and the model look like different architectures: ")
+    assert "did you mean" not in str(caught.value)
+
+
+def test_a_typo_is_still_offered_its_variable():
+    model = bn_model()
+    values = tf2.export(model)
+    values["bn/gama"] = values.pop("bn/gamma")
+    with pytest.raises(ws.AssignmentError) as caught:
+        tf2.assign(model, values)
+    assert "no variable 'bn/gama'; did you mean 'bn/gamma'?" in str(caught.value)
+    assert "different architectures" not in str(caught.value)
+
+
+@pytest.mark.parametrize("suffix", [".weights.h5", ".keras"])
+def test_a_keras_file_given_to_torch_says_it_needs_its_keras_model(tmp_path, suffix):
+    torch = pytest.importorskip("torch")
+    from weightstore.adapters import torch as torch_adapter
+
+    path = tmp_path / f"m{suffix}"
+    model = small_dense()
+    (model.save_weights if suffix == ".weights.h5" else model.save)(path)
+    with pytest.raises(ws.AssignmentError) as caught:
+        torch_adapter.assign(torch.nn.Linear(3, 2), str(path), layout="keras")
+    assert str(caught.value) == (
+        f"{path}: is a Keras file, whose tensors Keras names by its save walk (layers/<layer>/vars/<i>), not by "
+        "layer: key it by its Keras model first, in Python with tf2.assign(model, path) then tf2.export(model), or "
+        f"with `ws export {path} -o m.npz --model-keys` (a .keras file; --model m.keras for a .weights.h5)")

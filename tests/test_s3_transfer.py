@@ -282,3 +282,22 @@ def test_concurrency_is_s3fs_max_concurrency(s3, monkeypatch):
     s3.reset()
     assert same(ws.load(version), WEIGHTS)
     assert s3.most_in_flight == 1 and s3.count("GET") > 2
+
+
+def test_a_remote_hdf5_file_warns_that_it_moves_more_than_it_reads(s3, tmp_path):
+    import warnings
+
+    from weightstore.formats.hdf5 import RemoteHDF5Warning
+
+    target = url(".h5")
+    ws.save(target, {"block_0/w0": WEIGHTS["block_0/w0"]})
+    with pytest.warns(RemoteHDF5Warning, match="npz or safetensors") as caught, ws.open(target) as store:
+        assert same({"w": store["block_0/w0"]}, {"w": WEIGHTS["block_0/w0"]})
+    assert target in str(caught[0].message)
+    ws.save(tmp_path / "local.h5", {"w": WEIGHTS["block_0/w0"]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RemoteHDF5Warning)  # a local HDF5 file is read as it should be
+        ws.load(tmp_path / "local.h5")
+        remote_npz = url(".npz")
+        ws.save(remote_npz, {"w": WEIGHTS["block_0/w0"]})
+        ws.load(remote_npz)

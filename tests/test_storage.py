@@ -255,3 +255,44 @@ def test_ws_ls_of_a_fifo_is_refused_not_waited_on(tmp_path):
 def test_reading_a_device_is_refused(tmp_path):
     with pytest.raises(ws.FormatError, match=r"/dev/zero: is not a regular file \(a character device\)"):
         ws.open("/dev/zero", format="npz")
+
+
+# -- the index-last commit of a TF checkpoint, without TensorFlow ------------------------------
+
+def write_fake_checkpoint(prefix: str, shards: int, content: bytes) -> None:
+    """What TensorFlow's SaveV2 leaves at ``prefix``: data files named by the shard count, then the index."""
+    for shard in range(shards):
+        with open(f"{prefix}.data-{shard:05d}-of-{shards:05d}", "wb") as handle:
+            handle.write(content)
+    with open(f"{prefix}.index", "wb") as handle:
+        handle.write(b"index of " + content)
+
+
+def test_index_last_commit_writes_fresh_data_names_and_swaps_the_index_last(tmp_path):
+    from weightstore.io.commit import IndexLastCommit
+
+    prefix = str(tmp_path / "m.ckpt")
+    first = IndexLastCommit(prefix, entries=2)
+    with first.writing() as temporary:
+        write_fake_checkpoint(temporary, first.shards, b"old")
+    assert names(tmp_path) == ["m.ckpt.data-00000-of-00001", "m.ckpt.index"]
+    second = IndexLastCommit(prefix, entries=2)
+    with second.writing() as temporary:
+        assert second.shards == 2  # a count no data file at the prefix has: names the old index never reads
+        write_fake_checkpoint(temporary, second.shards, b"new")
+    assert names(tmp_path) == ["m.ckpt.data-00000-of-00002", "m.ckpt.data-00001-of-00002", "m.ckpt.index"]
+    assert (tmp_path / "m.ckpt.index").read_bytes() == b"index of new"
+
+
+def test_index_last_commit_that_fails_leaves_the_old_checkpoint_alone(tmp_path):
+    from weightstore.io.commit import IndexLastCommit
+
+    prefix = str(tmp_path / "m.ckpt")
+    with IndexLastCommit(prefix, entries=1).writing() as temporary:
+        write_fake_checkpoint(temporary, 1, b"old")
+    before = {name: (tmp_path / name).read_bytes() for name in names(tmp_path)}
+    commit = IndexLastCommit(prefix, entries=3)
+    with pytest.raises(OSError, match="disk full"), commit.writing() as temporary:
+        write_fake_checkpoint(temporary, commit.shards, b"new")
+        raise OSError("disk full")
+    assert {name: (tmp_path / name).read_bytes() for name in names(tmp_path)} == before

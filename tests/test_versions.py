@@ -368,6 +368,25 @@ def test_cli_follow(tmp_path, cli):
         assert CliRunner().invoke(cli, args).exit_code == 0
 
 
+def test_ws_follow_of_a_missing_folder_says_so_unless_told_to_wait(tmp_path):
+    """The installed command: exit 1 naming the folder, not silence until --timeout (or forever)."""
+    missing = tmp_path / "typo"
+    ws_follow = [sys.executable, "-m", "weightstore", "follow", str(missing)]
+    refused = subprocess.run([*ws_follow, "--timeout", "30"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and str(missing) in refused.stderr and "no such folder" in refused.stderr
+    assert "--wait" in refused.stderr and "Traceback" not in refused.stderr
+    waiting = subprocess.Popen([*ws_follow, "--wait", "--timeout", "5", "--poll", "0.05"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(0.5)
+        ws.publish(missing, weights_at(3), step=3)  # the folder appears, with its first version
+        out, err = waiting.communicate(timeout=120)
+    finally:
+        waiting.kill()
+    assert waiting.returncode == 0, err
+    assert out.split() == ["3", str(missing / "step-000000000003.npz")]
+
+
 @pytest.mark.parametrize("command", ["versions", "follow"])
 def test_cli_sync_help_shows_an_example(command):
     from weightstore.cli.main import app

@@ -238,3 +238,65 @@ def test_follow_raises_a_storage_error_when_the_outage_outlasts_its_timeout(s3):
                "config_kwargs": {"retries": {"max_attempts": 1}}}
     with pytest.raises(ws.StorageError, match=rf"s3://{BUCKET}/down: storage failed"):
         next(ws.follow(f"s3://{BUCKET}/down", poll=0.05, timeout=0.5, storage_options=options))
+
+
+ABANDONED_FOLLOW = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import weightstore as ws
+    folder, options = sys.argv[1], json.loads(sys.argv[2])
+    ws.publish(folder, {"w": np.ones(1 << 18, np.float32)}, step=1, storage_options=options)  # 1 MB: read in ranges
+    following = ws.follow(folder, timeout=30, storage_options=options)
+    version = next(following)  # pinned: its file stays open
+    store = ws.open(version)
+    assert float(store["w"][0]) == 1.0
+    print("followed", version.step)  # then exit with the generator (and the store) left open
+""")
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_an_abandoned_follow_generator_exits_quietly(s3, folder, tmp_path, where):
+    target, options = (folder, s3) if where == "s3" else (str(tmp_path / "run"), {})
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, "-c", ABANDONED_FOLLOW, target, json.dumps(options)], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.split() == ["followed", "1"], result.stderr
+    assert "Traceback" not in result.stderr and "Exception ignored" not in result.stderr, result.stderr
+
+
+PUBLISH_FROM_ANOTHER_PROCESS = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import weightstore as ws
+    folder, step, options = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+    ws.publish(folder, {f"layer_{i}/w": np.full((4,), step, np.float32) for i in range(3)}, step=step,
+               storage_options=options)
+""")
+
+
+def publish_elsewhere(folder: str, step: int, options: dict) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", PUBLISH_FROM_ANOTHER_PROCESS, folder, str(step), json.dumps(options)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_follow_sees_what_another_process_published_after_this_one_listed(s3, folder):
+    """s3fs caches listings per process: what ``ws versions`` listed must not hide later publishes."""
+    assert versions.list_versions(folder.rsplit("/", 1)[0], storage_options=s3) is not None  # the bucket, listed
+    with pytest.raises(ws.StoreNotFoundError):
+        versions.list_versions(folder, storage_options=s3)  # the folder, listed before it exists
+    publish_elsewhere(folder, 1, s3)  # the first LATEST, from another process
+    assert ws.latest(folder, storage_options=s3).step == 1
+    assert [entry.step for entry in versions.list_versions(folder, storage_options=s3)] == [1]
+    publish_elsewhere(folder, 2, s3)  # a version this process's listing never saw
+    following = ws.follow(folder, timeout=5, poll=0.05, storage_options=s3)
+    try:
+        version = next(following)
+        assert version.step == 2
+        assert_whole(ws.load(version), 2)
+        publish_elsewhere(folder, 3, s3)
+        assert_whole(ws.load(next(following)), 3)
+    finally:
+        following.close()
+    assert_whole(ws.load(ws.latest(folder, storage_options=s3)), 3)

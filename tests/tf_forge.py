@@ -100,3 +100,53 @@ def write(prefix: Path, tensors: dict[str, np.ndarray], *, shards: int = 1, over
     Path(f"{prefix}.index").write_bytes(table(items))
     Path(f"{prefix}.data-00000-of-{shards:05d}").write_bytes(data)
     return str(prefix)
+
+
+def shared_prefix_index(prefix: Path, count: int) -> str:
+    """A checkpoint whose index holds ``count`` entries of 4 bytes, each key the one before it
+    plus a byte: ``count`` squared over two bytes of keys rebuilt from a table of ``4 * count``."""
+    body = bytearray(varint(0) + varint(0) + varint(len(header())) + header())
+    for length in range(count):
+        body += varint(length) + varint(1) + varint(0) + b"a"
+    Path(f"{prefix}.index").write_bytes(table([(b"a" * count, b"")], data_block=block([], raw_entries=bytes(body))))
+    Path(f"{prefix}.data-00000-of-00001").write_bytes(b"")
+    return str(prefix)
+
+
+def string_scalar(data: bytes) -> tuple[bytes, int]:
+    """One DT_STRING element as a tensor bundle stores it (varint length, masked CRC-32C of the
+    length, bytes), and the CRC-32C of all that the entry records."""
+    width = struct.pack("<I", len(data))
+    stored = varint(len(data)) + struct.pack("<I", mask(crc32c.crc32c(width))) + data
+    at = len(varint(len(data)))
+    crc = crc32c.crc32c(stored[at + 4 :], crc32c.crc32c(stored[at : at + 4], crc32c.crc32c(width)))
+    return stored, crc
+
+
+def with_object_graph(prefix: Path, graph: bytes, tensors: dict[str, np.ndarray] | None = None) -> str:
+    """A TF2 object-based checkpoint whose ``_CHECKPOINTABLE_OBJECT_GRAPH`` is ``graph`` (any
+    bytes), holding float ``tensors`` under their entry names after it."""
+    stored, crc = string_scalar(graph)
+    data, items = stored, [(b"", header()),
+                           (b"_CHECKPOINTABLE_OBJECT_GRAPH", entry(dtype=DT_STRING, size=len(stored), crc=crc))]
+    for name, array in sorted((tensors or {}).items()):
+        raw = np.ascontiguousarray(array, "<f4").tobytes()
+        items.append((name.encode("utf-8"), entry(shape=array.shape, offset=len(data), size=len(raw),
+                                                  crc=crc32c.crc32c(raw))))
+        data += raw
+    Path(f"{prefix}.index").write_bytes(table(sorted(items)))
+    Path(f"{prefix}.data-00000-of-00001").write_bytes(data)
+    return str(prefix)
+
+
+def chain_graph(count: int) -> bytes:
+    """A ``TrackableObjectGraph`` of ``count`` nodes in one chain of edges named ``a``: paths
+    ``count`` squared over two segments long in all."""
+    from weightstore.formats.tf_protos import TrackableObjectGraph
+
+    graph = TrackableObjectGraph()
+    for number in range(count):
+        node = graph.nodes.add()
+        if number + 1 < count:
+            node.children.add(node_id=number + 1, local_name="a")
+    return graph.SerializeToString()

@@ -51,6 +51,7 @@ __all__ = [
     "AssignmentError",
     "LayoutError",
     "PublishError",
+    "ShardTimeoutError",
     "MissingDependencyError",
 ]
 
@@ -168,6 +169,14 @@ class LayoutError(WeightStoreError, ValueError):
 
 class PublishError(WeightStoreError, RuntimeError):
     pass
+
+
+class ShardTimeoutError(WeightStoreError, TimeoutError):
+    """Ranks of a sharded version that did not finish in time (``missing``); nothing was published."""
+
+    def __init__(self, message: str = "", *, path: str | None = None, missing: Iterable[int] = ()) -> None:
+        super().__init__(message, path=path)
+        self.missing = list(missing)
 
 
 class MissingDependencyError(WeightStoreError, ImportError):

@@ -25,7 +25,7 @@ import orjson
 from isal import isal_zlib
 
 from weightstore import crc as _crc
-from weightstore.errors import FormatError, InvalidKeyError, UnsupportedDTypeError
+from weightstore.errors import FormatError, InvalidKeyError, UnsafeFileError, UnsupportedDTypeError, naming
 from weightstore.keys import validate_keys
 from weightstore.tensortable import (
     CHECKSUM_ALGORITHM,
@@ -58,6 +58,10 @@ CODECS = frozenset({"shuffle-zstd"})
 #: bytes checksummed and written at a time: small enough to stay in cache between the two
 CRC_CHUNK = 1 << 20
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+#: a JSON object or array costs Python 56-64 bytes however short its text (``{}``: 2 bytes), so a
+#: manifest may hold at most one per this many bytes of text: what it parses into stays a few
+#: times its size (a manifest's columns are a handful of arrays; metadata is rarely denser)
+MIN_BYTES_PER_CONTAINER = 4
 
 _NUMERIC_KINDS = frozenset("biufc")
 #: ml_dtypes kinds (bfloat16, float8_*, int4, ...) that npy and HDF5 store as raw void bytes; the
@@ -258,9 +262,10 @@ def build_manifest(
 
 
 def parse_manifest(text: str, where: str) -> Manifest:
-    """Check an untrusted manifest field by field; any surprise is a :class:`FormatError`."""
+    """Check an untrusted manifest field by field; any surprise is a :class:`FormatError` naming ``where``."""
     if len(text) > MAX_MANIFEST_BYTES:
         raise FormatError(f"manifest is larger than {MAX_MANIFEST_BYTES} bytes", path=where)
+    refuse_dense_json(text, MIN_BYTES_PER_CONTAINER, "manifest", where)
     try:
         document = _parse_json(text)
     except _NonFiniteNumber as exc:
@@ -282,10 +287,13 @@ def parse_manifest(text: str, where: str) -> Manifest:
     locations: dict[str, str] = {}
     codecs: dict[str, str] = {}
     if version >= 2:
-        tensors = parse_columns(raw_tensors, where, _itemsize_or_none, version)
-        for key, location in _sparse_column(raw_tensors, "location", tensors, where).items():
+        with naming(path=where):  # the column checks name no file
+            tensors = parse_columns(raw_tensors, _itemsize_or_none, version)
+            locations_column = _sparse_column(raw_tensors, "location", tensors)
+            codecs_column = _sparse_column(raw_tensors, "codec", tensors)
+        for key, location in locations_column.items():
             _record_location(key, location, where, locations)
-        for key, codec in _sparse_column(raw_tensors, "codec", tensors, where).items():
+        for key, codec in codecs_column.items():
             _record_codec(key, codec, where, codecs)
     else:
         tensors = _parse_entries_v1(raw_tensors, where, locations, codecs)
@@ -304,14 +312,14 @@ def _itemsize_or_none(name: object) -> int | None:
     return None if dtype is None else dtype.itemsize
 
 
-def _sparse_column(raw: dict[str, Any], name: str, tensors: TensorTable, where: str) -> dict[str, Any]:
+def _sparse_column(raw: dict[str, Any], name: str, tensors: TensorTable) -> dict[str, Any]:
     """An optional column: an object from some of the table's keys to a value."""
     column = raw.get(name, {})
     if type(column) is not dict:
-        raise FormatError(f"manifest column {name!r} is not an object of key to value", path=where)
+        raise FormatError(f"manifest column {name!r} is not an object of key to value")
     for key in column:
         if key not in tensors:
-            raise FormatError(f"manifest column {name!r} names {key!r}, which it does not list", path=where)
+            raise FormatError(f"manifest column {name!r} names {key!r}, which it does not list")
     return column
 
 
@@ -388,6 +396,17 @@ def _parse_entries(raw: dict[str, Any], where: str, locations: dict[str, str],
         dims = tuple(shape)
         tensors[key] = _new_info(TensorInfo, (key, name, dims, math.prod(dims) * itemsize, digest, None))
     return tensors
+
+
+def refuse_dense_json(text: str, min_bytes: int, what: str, where: str) -> None:
+    """Refuse, before parsing, JSON text holding more than one object or array per ``min_bytes``
+    (plus a few): Python spends 56-64 bytes on each however short its text (``[]``: 2 bytes), so
+    this bounds what the parse allocates to a few times the text. Brackets inside strings count
+    too (counted in C, cheaper than any parse); text that dense is no real manifest or header."""
+    containers = text.count("{") + text.count("[")
+    if containers > len(text) // min_bytes + 1024:
+        raise UnsafeFileError(f"{what} is not JSON weightstore parses: it holds {containers} JSON objects and arrays "
+                              f"in {len(text)} bytes (at most one per {min_bytes} bytes)", path=where)
 
 
 def _parse_json(text: str) -> Any:

@@ -21,6 +21,7 @@ import numpy as np
 from weightstore import __version__, parallel
 from weightstore.errors import (
     FormatError,
+    InvalidKeyError,
     KeyNotInStoreError,
     SizeLimitError,
     StoreExistsError,
@@ -37,7 +38,7 @@ from weightstore.formats.renamed import RenamedReader, names_by_key
 from weightstore.gcpause import paused_gc
 from weightstore.io.commit import commit_for
 from weightstore.io.files import open_regular
-from weightstore.io.location import filesystem, is_url, location_of
+from weightstore.io.location import filesystem, is_url, location_of, uncached
 from weightstore.io.remote import RemoteFile
 from weightstore.keys import MappingRules, Patterns, plan_outward, validate_keys
 from weightstore.manifest import TensorInfo, build_manifest, content_digest, dtype_name, logical_dtype, to_storage
@@ -140,6 +141,25 @@ class Store(Mapping):
         if out.dtype != logical_dtype(info.dtype, self.path) or not self._reader.read_into(key, out, verify=self.verify):
             np.copyto(out, self[key], casting="unsafe")
         return out
+
+    def read_region(self, key: str, region: Any) -> np.ndarray:
+        """The part of ``key`` a tuple of slices names (``(slice(0, 128), slice(None))``), as a new array.
+
+        A sharded version (:func:`weightstore.commit_shards`) reads and verifies only the blocks
+        of its members that hold the region; any other store reads the tensor and copies the part.
+        Slices have no step; fewer slices than axes leave the remaining axes whole.
+        """
+        read_region = getattr(self._reader, "read_region", None)
+        if read_region is None:
+            from weightstore.formats.sharded import normalized_region
+
+            bounds = normalized_region(region, self.info(key).shape, key, self.path)
+            return np.array(self[key][tuple(slice(lo, hi) for lo, hi in bounds)])
+        try:
+            return read_region(key, region, verify=self.verify)
+        except WeightStoreError as exc:
+            attach(exc, path=self.path)
+            raise
 
     def read(self, keys: Iterable[str] | None = None, *, max_bytes: int | None = None) -> dict[str, np.ndarray]:
         """Several tensors at once, refusing before reading if they exceed ``max_bytes``."""
@@ -298,7 +318,7 @@ def _open_remote(location: str, verify: bool, format: str | None) -> Store:  # n
             fmt = sniff(head, location)
         if fmt.name == "hdf5":
             source.close()
-            handle = fs.open(remote, "rb")
+            handle = fs.open(uncached(fs, remote), "rb")
             try:
                 return Store(fmt.open_reader(handle, location), location, verify, fmt.name)
             except BaseException:
@@ -323,6 +343,7 @@ def load(
     max_bytes: int | None = None,
     mmap: bool = True,
     names: str | None = None,
+    regions: Mapping[str, Any] | None = None,
 ) -> dict[str, np.ndarray]:
     """Read a weight file into a dict, reading only the selected tensors' bytes.
 
@@ -336,6 +357,8 @@ def load(
         max_bytes: refuse, before reading, a selection larger than this.
         mmap: ``False`` for arrays that own their memory (see :func:`open`).
         names: how a foreign file's names become keys (see :func:`open`).
+        regions: key (as the file names it) -> tuple of slices: only that part of the tensor
+            is read (see :meth:`Store.read_region`; a sharded version fetches only its blocks).
 
     Returns:
         A new dict of key -> array, in the file's order. Uncompressed local npz and
@@ -351,6 +374,15 @@ def load(
     """
     with open(path, verify=verify, mmap=mmap, names=names) as store:
         plan = plan_outward(store.keys(), scope=scope, mapping=mapping, include=include, exclude=exclude, where=store.path)
+        if regions:
+            for key in regions:
+                if key not in store:
+                    raise KeyNotInStoreError("no such tensor to read a region of", path=store.path, key=key)
+            whole = [key for key in plan.values() if key not in regions]
+            check_budget(store, whole, max_bytes)
+            read = dict(zip(whole, store._read_many(whole), strict=True))
+            return {name: read[key] if key in read else store.read_region(key, regions[key])
+                    for name, key in plan.items()}
         check_budget(store, plan.values(), max_bytes)
         return dict(zip(plan, store._read_many(list(plan.values())), strict=True))
 
@@ -535,6 +567,14 @@ class _Checked(Mapping):
                 self._check_dtype(name, keys[names.index(name)], fmt, stored=store is not None)
             self._values = dict(zip(keys, values, strict=True))
             self._dtype_names = dict(zip(keys, names, strict=True))
+        if fmt is not None:
+            self._refuse_reserved(fmt)
+
+    def _refuse_reserved(self, fmt: Format) -> None:
+        """A key the format keeps for itself would make a file no reader opens (not even ours)."""
+        for key in sorted(fmt.reserved_keys & self._values.keys()):
+            raise InvalidKeyError(f"{fmt.name} keeps this name for itself (no reader could open the file); "
+                                  "rename the tensor or save as .npz or .h5", path=self._where or None, key=key)
 
     @staticmethod
     def _names_of(keys: list[str], dtypes: list[Any]) -> list[str]:

@@ -179,57 +179,58 @@ def columns_text(tensors: Sequence[TensorRow], digests: Sequence[bytes] | None =
     return orjson.dumps(columns).decode("utf-8")
 
 
-def parse_columns(raw: dict[str, Any], where: str, itemsize_of: Callable[[object], int | None],
+def parse_columns(raw: dict[str, Any], itemsize_of: Callable[[object], int | None],
                   version: int = 3) -> TensorTable:
     """Check the columns of an untrusted manifest of ``version`` whole: types, lengths and
     ranges, the keys' rules, and that every shape fits an array; ``itemsize_of`` gives a dtype
-    name's item size, or None for a name that is no dtype."""
+    name's item size, or None for a name that is no dtype. Errors name no file: the caller's
+    :func:`~weightstore.errors.naming` attaches it."""
     fields = set(raw)
     optional = [name for name, since in OPTIONAL_COLUMNS.items() if version >= since]
     if not set(COLUMNS) <= fields <= set(COLUMNS + SPARSE_COLUMNS) | set(optional):
         raise FormatError(f"manifest tensor columns are {sorted(fields)}, not {list(COLUMNS)} "
-                          f"(and optionally {[*SPARSE_COLUMNS, *optional]})", path=where)
+                          f"(and optionally {[*SPARSE_COLUMNS, *optional]})")
     keys = raw["keys"]
     if type(keys) is not list or set(map(type, keys)) - {str}:
-        raise FormatError("manifest 'keys' is not a list of strings", path=where)
+        raise FormatError("manifest 'keys' is not a list of strings")
     try:
         validate_keys(keys)
     except InvalidKeyError as exc:
-        raise FormatError(f"manifest has an {exc.message}", path=where, key=exc.key) from None
+        raise FormatError(f"manifest has an {exc.message}", key=exc.key) from None
     count = len(keys)
     if len(set(keys)) != count:
         seen: set[str] = set()
         twice = next(key for key in keys if key in seen or seen.add(key))  # type: ignore[func-returns-value]
-        raise FormatError(f"manifest lists tensor {twice!r} twice", path=where)
+        raise FormatError(f"manifest lists tensor {twice!r} twice")
     names = raw["dtypes"]
     texts = [name for name in names if type(name) is str] if type(names) is list else []  # any other: no dtype, below
     if type(names) is not list or len(names) > _MAX_DTYPES or len(set(texts)) != len(texts):
-        raise FormatError("manifest 'dtypes' is not a list of distinct dtype names", path=where)
-    codes = _int_column(raw, "dtype", where, count, len(names) - 1)
+        raise FormatError("manifest 'dtypes' is not a list of distinct dtype names")
+    codes = _int_column(raw, "dtype", count, len(names) - 1)
     itemsizes = []
     for code, name in enumerate(names):
         itemsize = itemsize_of(name)
         if itemsize is None:
             users = np.flatnonzero(codes == code)
             if users.size:  # the tensor named as a version 1 manifest's entry names it
-                raise FormatError(f"unknown dtype {short_repr(name)}", path=where, key=keys[users[0]])
-            raise FormatError(f"manifest: unknown dtype {short_repr(name)}", path=where)
+                raise FormatError(f"unknown dtype {short_repr(name)}", key=keys[users[0]])
+            raise FormatError(f"manifest: unknown dtype {short_repr(name)}")
         itemsizes.append(itemsize)
-    ndims = _int_column(raw, "ndim", where, count, MAX_NDIM)
-    dims = _int_column(raw, "shape", where, int(ndims.sum()), _MAX_ARRAY_BYTES)
-    crcs = _int_column(raw, "crc32", where, count, 0xFFFFFFFF)
-    nbytes = _sizes(keys, ndims, dims, np.asarray(itemsizes, dtype=np.int64)[codes], where)
-    return TensorTable(keys, names, codes, ndims, dims, nbytes, crcs, _digest_column(raw, where, count))
+    ndims = _int_column(raw, "ndim", count, MAX_NDIM)
+    dims = _int_column(raw, "shape", int(ndims.sum()), _MAX_ARRAY_BYTES)
+    crcs = _int_column(raw, "crc32", count, 0xFFFFFFFF)
+    nbytes = _sizes(keys, ndims, dims, np.asarray(itemsizes, dtype=np.int64)[codes])
+    return TensorTable(keys, names, codes, ndims, dims, nbytes, crcs, _digest_column(raw, count))
 
 
-def _digest_column(raw: dict[str, Any], where: str, count: int) -> str | None:
+def _digest_column(raw: dict[str, Any], count: int) -> str | None:
     """The ``blake3`` column: ``count`` digests as lowercase hex, end to end; None when absent."""
     column = raw.get(DIGEST_ALGORITHM)
     if column is None:
         return None
     if type(column) is not str or len(column) != DIGEST_HEX * count or not _HEX.issuperset(column):
         raise FormatError(f"manifest column {DIGEST_ALGORITHM!r} is not {count} digests of {DIGEST_HEX} "
-                          "lowercase hex digits end to end", path=where)
+                          "lowercase hex digits end to end")
     return column
 
 
@@ -238,25 +239,25 @@ def fits_an_array(shape: tuple[int, ...], itemsize: int) -> bool:
     return math.prod(max(size, 1) for size in shape) * itemsize <= _MAX_ARRAY_BYTES
 
 
-def _int_column(raw: dict[str, Any], field: str, where: str, count: int, most: int) -> np.ndarray:
+def _int_column(raw: dict[str, Any], field: str, count: int, most: int) -> np.ndarray:
     """A list of ``count`` integers from 0 to ``most`` as int64 (``true`` is no integer here)."""
     column = raw[field]
     if type(column) is not list or len(column) != count:
-        raise FormatError(f"manifest column {field!r} is not a list of {count} integers", path=where)
+        raise FormatError(f"manifest column {field!r} is not a list of {count} integers")
     if set(map(type, column)) - {int}:
-        raise FormatError(f"manifest column {field!r} holds something other than integers", path=where)
+        raise FormatError(f"manifest column {field!r} holds something other than integers")
     try:
         values = np.array(column, dtype=np.int64)
     except OverflowError:
-        raise FormatError(f"manifest column {field!r} holds an integer past 64 bits", path=where) from None
+        raise FormatError(f"manifest column {field!r} holds an integer past 64 bits") from None
     if values.size and (values.min() < 0 or values.max() > most):
         bad = int(np.flatnonzero((values < 0) | (values > most))[0])
         raise FormatError(f"manifest column {field!r} holds {column[bad]} (entry {bad}), "
-                          f"outside 0..{most}", path=where)
+                          f"outside 0..{most}")
     return values
 
 
-def _sizes(keys: list[str], ndims: np.ndarray, dims: np.ndarray, itemsizes: np.ndarray, where: str) -> np.ndarray:
+def _sizes(keys: list[str], ndims: np.ndarray, dims: np.ndarray, itemsizes: np.ndarray) -> np.ndarray:
     """Each tensor's bytes, refusing a shape no array can have: proved in floats for the usual
     sizes, exactly (Python integers) for any near the bound."""
     if not len(keys):
@@ -269,5 +270,5 @@ def _sizes(keys: list[str], ndims: np.ndarray, dims: np.ndarray, itemsizes: np.n
     for i in np.flatnonzero(estimate >= _SURELY_IN_BOUNDS).tolist():
         shape = tuple(dims[starts[i] : starts[i] + ndims[i]].tolist())
         if not fits_an_array(shape, int(itemsizes[i])):
-            raise FormatError(f"tensor {keys[i]!r} has a shape {shape} too large for any array", path=where)
+            raise FormatError(f"tensor {keys[i]!r} has a shape {shape} too large for any array")
     return np.multiply.reduceat(padded, padded_starts) * itemsizes

@@ -37,8 +37,12 @@ or empty folder there, and refuses a folder holding files.
 above the step ``LATEST`` names (or, without a readable ``LATEST``, the newest version file's)
 is refused with :class:`PublishError`. On a local folder,
 publishes serialise on an advisory lock (``.publish.lock``), so two processes cannot
-interleave the check and the write; on object stores there is no lock and the check is
-best-effort (read ``LATEST``, then write), so run one publisher per folder there.
+interleave the check and the write; on object stores there is no lock, but ``LATEST`` is
+replaced by compare-and-swap on the ETag read before the check (S3 ``If-Match``; see
+:func:`commit_version`), so of two publishers racing there exactly one moves ``LATEST`` and
+the other gets :class:`PublishError`; ``LATEST`` never goes backwards. (Their version files
+are still plain uploads: two publishers of the *same* step share one name, so run one
+publisher per folder there all the same.)
 
 **Pinning.** :func:`follow` opens each version before yielding it. A local file is memory-
 mapped, and a mapping survives the file's removal, so a slow reader keeps its version. An
@@ -61,6 +65,9 @@ means "only for versions"; pass ``True``/``False`` to force it), and list them i
 
 **URLs.** Anything fsspec opens. Credentials and endpoints come from ``storage_options=`` or
 from the environment as the client reads it (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``…).
+Reads of ``LATEST`` and of version files bypass the file system's per-process listing cache
+(s3fs keeps one): a process that listed the folder still sees what another one published
+after it.
 """
 
 from __future__ import annotations
@@ -72,8 +79,9 @@ import logging
 import re
 import threading
 import time
+import urllib.parse
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
@@ -91,12 +99,16 @@ from weightstore.io.folders import Folder, LocalFolder, folder_for
 from weightstore.io.location import location_of
 from weightstore.store import Store, _checked, checked_metadata, write_file
 
-__all__ = ["Version", "VersionEntry", "PublishOptions", "publish", "latest", "follow", "list_versions"]
+__all__ = ["Version", "VersionEntry", "PublishOptions", "PointerWatch", "publish", "latest", "follow", "list_versions"]
 
 LATEST = "LATEST"
+#: the suffix of a sharded version's index (:mod:`weightstore.shards`)
+SHARDED_SUFFIX = ".wsindex"
 INTENT = ".publishing"
 POINTER_FORMAT = "weightstore-latest"
-_NAME = re.compile(r"^step-(\d+)(\.[A-Za-z0-9]+)$")
+#: a version's file name: ASCII digits only (``\d`` takes ``٣``), and few enough that ``int`` reads them
+#: (it refuses over 4,300); a file system names none longer than 255 bytes anyway
+_NAME = re.compile(r"^step-([0-9]{1,1000})(\.[A-Za-z0-9]+)$")
 _MAX_POINTER_BYTES = 1 << 20
 _log = logging.getLogger(__name__)
 
@@ -222,6 +234,9 @@ class VersionEntry:
     size: int
     modified: str
     latest: bool
+    #: a sharded version's member files and their bytes (``None`` for a plain version)
+    members: int | None = None
+    member_bytes: int | None = None
 
 
 def publish(
@@ -266,31 +281,58 @@ def publish(
     arrays = _checked(weights, target.url(name), fmt)
     metadata = checked_metadata(metadata, target.url(name))
     target.create()
+
+    def write_version(created: str) -> None:
+        with target.commit(name, fmt.suffixes[0]).writing() as local:
+            write_file(local, fmt, arrays, metadata, False)
+            _stage("version-temporary")
+
+    return commit_version(target, step, name, write_version, metadata, keep)
+
+
+def commit_version(target: Folder, step: int, name: str, write: Callable[[str], None],
+                   metadata: Mapping[str, Any] | None, keep: int | None) -> Version:
+    """The publish protocol around one version file: check the step, clean what killed publishes
+    left, record the intent, ``write(created)`` the file ``name``, replace ``LATEST``, prune.
+
+    :func:`publish` writes a plain version file; :func:`weightstore.shards.commit_shards` a
+    sharded version's index. On object storage ``LATEST`` is replaced by compare-and-swap on the
+    ETag read at the start (``If-Match``; ``If-None-Match: *`` when there was none), so a
+    publisher that lost a race gets :class:`PublishError` and ``LATEST`` never goes backwards.
+    """
     with target.lock():
         _stage("locked")
         state = _FolderState.read(target)
         state.check_step(step)
-        state.clean()
+        state.clean(step)
         _stage("cleaned")
         _write_small(target, INTENT, json.dumps({"step": step, "file": name}).encode())
         created = _now()
         pointer = json.dumps({"format": POINTER_FORMAT, "version": 1, "step": step, "file": name,
                               "created": created, "metadata": dict(metadata or {})}, sort_keys=True)
-        with target.commit(name, fmt.suffixes[0]).writing() as local:
-            write_file(local, fmt, arrays, metadata, False)
-            _stage("version-temporary")
+        write(created)
         _stage("version-written")
-        if isinstance(target, LocalFolder):
-            target.replace_special(LATEST)
-        with target.commit(LATEST).writing() as local:
-            with open(local, "wb") as handle:
-                handle.write(pointer.encode())
-            _stage("latest-temporary")
+        _write_latest(target, state, pointer.encode(), step)
         _stage("latest-written")
         target.remove(INTENT)
         _prune(target, step, None if keep is None else max(keep, 2))
         _stage("pruned")
     return Version(step, target.url(name), created, dict(metadata or {}), target)
+
+
+def _write_latest(target: Folder, state: _FolderState, pointer: bytes, step: int) -> None:
+    """Replace ``LATEST``: by rename under the folder's lock locally, by compare-and-swap remotely."""
+    if isinstance(target, LocalFolder):
+        target.replace_special(LATEST)
+        with target.commit(LATEST).writing() as local:
+            with open(local, "wb") as handle:
+                handle.write(pointer)
+            _stage("latest-temporary")
+        return
+    _stage("latest-temporary")
+    if not target.put_if(LATEST, pointer, create=not state.latest_exists, expect=state.latest_tag):
+        raise PublishError(f"LATEST changed while step {step} was being published (another publisher committed "
+                           "first); this version was not published", path=target.where)
 
 
 def latest(folder: Any, *, storage_options: Mapping[str, Any] | None = None) -> Version | None:
@@ -309,6 +351,8 @@ def follow(
     timeout: float | None = None,
     after: int | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    max_poll: float | None = None,
+    notifications: str | None = None,
 ) -> Iterator[Version]:
     """Yield each new version of ``folder``, pinned, in increasing step order.
 
@@ -317,17 +361,24 @@ def follow(
     without a new version (``None``: never). A version pruned between reading ``LATEST`` and
     opening it is retried at once; ``LATEST`` naming a file that stays missing raises
     :class:`StoreNotFoundError`. A storage outage is waited out (see the module docstring).
+
+    Looks at ``LATEST`` every ``poll`` seconds at first; each look that finds nothing new
+    doubles the wait, up to ``max_poll`` (default ``4 * poll``; pass ``poll`` for a fixed
+    interval), and a new version resets it. On an object store a look whose ``LATEST`` has
+    the ETag of the last one read is one HEAD request and moves no body (:class:`PointerWatch`).
+    With ``notifications`` (an SQS queue URL the bucket's event notifications feed), an event
+    naming ``LATEST`` ends the wait at once (:mod:`weightstore.notify`); polling goes on too.
     """
-    source = folder_for(folder, storage_options)
+    watch = PointerWatch(folder_for(folder, storage_options), poll, max_poll, notifications)
     last = after
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         try:
-            version = _newer_pinned(source, last)
+            version = watch.newer(last)
         except StorageError as exc:
             if deadline is not None and time.monotonic() >= deadline:
                 raise
-            _log.warning("weightstore: following %s: %s; retrying in %ss", source.where, exc, poll)
+            _log.warning("weightstore: following %s: %s; retrying in %ss", watch.source.where, exc, watch.interval)
             version = None
         if version is not None:
             try:
@@ -340,7 +391,73 @@ def follow(
         remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:
             return
-        time.sleep(poll if remaining is None else min(poll, remaining))
+        watch.sleep(watch.interval if remaining is None else min(watch.interval, remaining))
+
+
+class PointerWatch:
+    """``LATEST`` as one reader polls it: cheap looks while nothing changes.
+
+    A look first asks the folder for the pointer's tag (:meth:`Folder.tag`: an object's ETag,
+    from a HEAD that moves no body); the same tag as the pointer last read means nothing was
+    published, and nothing more is read. :attr:`interval`, the wait before the next look,
+    doubles with each look that finds nothing new, up to ``max_poll``, and is back at ``poll``
+    once one does; :meth:`sleep` ends early when ``notifications`` (an SQS queue URL, see
+    :mod:`weightstore.notify`) says ``LATEST`` was written. :func:`follow` and ``Follower``
+    poll through it.
+    """
+
+    def __init__(self, source: Folder, poll: float, max_poll: float | None = None, notifications: str | None = None):
+        if poll < 0 or (max_poll is not None and max_poll < 0):
+            raise ValueError(f"poll and max_poll must not be negative, not {poll!r} and {max_poll!r}")
+        self.source = source
+        self.poll = poll
+        self.max_poll = max(poll, 4 * poll if max_poll is None else max_poll)
+        self.interval = poll
+        self._read: object | None = None  # the tag of the pointer last read through; never matches at first
+        self._fresh = True
+        self.wake = None
+        if notifications is not None:
+            from weightstore.notify import QueueWake
+
+            self.wake = QueueWake(notifications, urllib.parse.urlsplit(source.url(LATEST)).path.lstrip("/"))
+
+    def sleep(self, seconds: float, stop: threading.Event | None = None) -> None:
+        """Wait ``seconds`` before the next look, or less: until ``stop`` is set, or a
+        notification says ``LATEST`` was written (then the next look reads it whatever its tag)."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0 and not (stop is not None and stop.is_set()):
+            if self.wake is None:
+                if stop is None:
+                    time.sleep(left)
+                else:
+                    stop.wait(left)
+                return
+            if self.wake.wait(left):
+                self.forget()
+                self.interval = self.poll
+                return
+
+    def newer(self, last: int | None) -> Version | None:
+        """The latest version if it is above ``last``, pinned; None when there is none (or the
+        pointer did not change since the last look)."""
+        tag = self.source.tag(LATEST)
+        if not self._fresh and tag == self._read:
+            self._idle()
+            return None
+        version = _newer_pinned(self.source, last)
+        self._read, self._fresh = tag, False
+        if version is None:
+            self._idle()
+        else:
+            self.interval = self.poll
+        return version
+
+    def forget(self) -> None:
+        """Read the pointer on the next look even if its tag did not change (its version went away)."""
+        self._fresh = True
+
+    def _idle(self) -> None:
+        self.interval = min(self.max_poll, self.interval * 2 or self.max_poll)
 
 
 def _newer_pinned(source: Folder, last: int | None) -> Version | None:
@@ -362,13 +479,35 @@ def _newer_pinned(source: Folder, last: int | None) -> Version | None:
 
 def list_versions(folder: Any, *, storage_options: Mapping[str, Any] | None = None) -> list[VersionEntry]:
     """Every version file in ``folder``, oldest first, marking the one ``LATEST`` names."""
-    source = folder_for(folder, storage_options)
-    if not source.exists():
-        raise StoreNotFoundError("no such folder", path=source.where)
+    source = require_folder(folder, storage_options=storage_options)
     pointer = _latest(source)
     named = pointer.path.rsplit("/", 1)[-1] if pointer else None
-    return [VersionEntry(step, entry.name, source.url(entry.name), entry.size, entry.modified, entry.name == named)
+    return [VersionEntry(step, entry.name, source.url(entry.name), entry.size, entry.modified, entry.name == named,
+                         *_sharded_sizes(source, entry.name))
             for step, entry in _versions(source)]
+
+
+def require_folder(folder: Any, *, storage_options: Mapping[str, Any] | None = None, hint: str = "") -> Folder:
+    """``folder`` opened, or :class:`StoreNotFoundError` naming it when it does not exist."""
+    source = folder_for(folder, storage_options)
+    if not source.exists():
+        raise StoreNotFoundError("no such folder" + (f"; {hint}" if hint else ""), path=source.where)
+    return source
+
+
+def _sharded_sizes(folder: Folder, name: str) -> tuple[int | None, int | None]:
+    """How many members a sharded version has and their bytes, from its index; ``(None, None)``
+    for a plain version or an index that does not parse."""
+    if not name.endswith(SHARDED_SUFFIX):
+        return None, None
+    from weightstore.shardindex import MAX_INDEX_BYTES, ShardIndex
+
+    data = folder.read_small(name, MAX_INDEX_BYTES + 1)
+    try:
+        index = ShardIndex.parse(data or b"", folder.url(name))
+    except FormatError:
+        return None, None
+    return len(index.members), sum(member.size for member in index.members)
 
 
 # -- the folder's state, as a publish sees it ------------------------------------------------
@@ -382,14 +521,22 @@ class _FolderState:
     pointer_error: FormatError | None
     versions: list[tuple[int, Any]]
     intent: int | None
+    #: whether a LATEST was there, and its ETag (object storage), for the compare-and-swap
+    latest_exists: bool = False
+    latest_tag: str | None = None
 
     @classmethod
     def read(cls, folder: Folder) -> _FolderState:
         try:
-            pointer, error = _latest(folder), None
+            data, tag = folder.read_tagged(LATEST, _MAX_POINTER_BYTES)
+        except TargetError as exc:
+            return cls(folder, None, FormatError(f"{exc.message}; the next publish replaces it", path=exc.path),
+                       _versions(folder), _read_intent(folder), True)
+        try:
+            pointer, error = _pointer_version(folder, data), None
         except FormatError as exc:
             pointer, error = None, exc
-        return cls(folder, pointer, error, _versions(folder), _read_intent(folder))
+        return cls(folder, pointer, error, _versions(folder), _read_intent(folder), data is not None, tag)
 
     @property
     def newest(self) -> int | None:
@@ -430,13 +577,19 @@ class _FolderState:
             raise PublishError(f"step {step} is not after step {self.newest}, which is the newest version file "
                                "(LATEST is missing or damaged); steps must increase", path=where)
 
-    def clean(self) -> None:
-        """Remove what killed publishes left: dead writers' temporaries and never-published versions."""
+    def clean(self, step: int) -> None:
+        """Remove what killed publishes left: dead writers' temporaries and never-published versions.
+
+        On object storage, with no lock, a never-published version of ``step`` itself may be
+        another publisher's in flight, so it is left for the compare-and-swap to decide.
+        """
+        local = isinstance(self.folder, LocalFolder)
         if isinstance(self.folder, LocalFolder):
             for name in self.folder.temporaries():
                 remove_stale_temporaries(self.folder.root / name)
-        for _, entry in self.unpublished():
-            self.folder.remove(entry.name)
+        for unpublished, entry in self.unpublished():
+            if local or unpublished != step:
+                self.folder.remove(entry.name)  # a sharded one's members: the next commit removes dead attempts
         if self.intent is not None:
             self.folder.remove(INTENT)
 
@@ -478,8 +631,18 @@ def _prune(folder: Folder, newest: int, keep: int | None) -> None:
         return
     entries = [entry for step, entry in _versions(folder) if step <= newest]
     for entry in entries[:-keep]:
-        folder.remove(entry.name)
+        remove_version(folder, entry.name)
         _stage("pruning")
+
+
+def remove_version(folder: Folder, name: str) -> None:
+    """Remove a version file; a sharded version's index first, then every attempt folder of its step."""
+    folder.remove(name)
+    if name.endswith(SHARDED_SUFFIX):
+        prefix = name[: -len(SHARDED_SUFFIX)] + ".attempt-"
+        for sub in folder.subfolders():
+            if sub.startswith(prefix):
+                folder.remove_folder(sub)
 
 
 def _latest(folder: Folder) -> Version | None:
@@ -487,6 +650,10 @@ def _latest(folder: Folder) -> Version | None:
         data = folder.read_small(LATEST, _MAX_POINTER_BYTES)
     except TargetError as exc:
         raise FormatError(f"{exc.message}; the next publish replaces it", path=exc.path) from None
+    return _pointer_version(folder, data)
+
+
+def _pointer_version(folder: Folder, data: bytes | None) -> Version | None:
     if data is None:
         return None
     pointer = _parse_pointer(data, folder.where)

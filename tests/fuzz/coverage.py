@@ -1,7 +1,13 @@
 """Coverage-guided fuzzing of the readers with atheris (libFuzzer), for as long as anyone wants.
 
 ``./tasks fuzz [--seconds N] [--target NAME ...]`` runs until interrupted (Ctrl-C) or for N
-seconds. It fuzzes the targets of :mod:`fuzz.targets` (the ones ``tests/test_fuzz.py`` runs
+seconds. How long: a few minutes per target reach the shallow findings (leaked exceptions
+on damaged fields); the classes that need structure to grow (prefix-sharing keys, deep
+object graphs, many slices) need hours, so after changing a reader run its target alone
+overnight (``./tasks fuzz --target tf-index --seconds 28800``), and every target for an hour
+or more before a release. Each
+input runs under a time limit (:data:`TIMEOUT_SECONDS`) and a memory limit
+(:data:`RSS_LIMIT_MB`), so a hang or a runaway allocation is a finding too. It fuzzes the targets of :mod:`fuzz.targets` (the ones ``tests/test_fuzz.py`` runs
 seeded): an input's first byte picks the target, the rest is that target's file. Whatever
 breaks the property (an exception outside WeightStoreError, different arrays, a crash, a hang
 or a runaway allocation) is copied to ``tests/data/regressions/`` as a file of that target,
@@ -27,7 +33,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 REGRESSIONS = ROOT / "tests" / "data" / "regressions"
 WORK = ROOT / ".fuzz"
-NAMES = ["npz", "npz-many", "npz-compressed", "hdf5", "numpy-savez", "latest"]
+NAMES = ["npz", "npz-many", "npz-compressed", "hdf5", "numpy-savez", "latest", "safetensors", "tf-index",
+         "tf-object-graph", "keras", "keras-config", "npz-numpy"]
+#: per input: libFuzzer stops on an input that takes longer (a super-linear parse: 4,096 slices
+#: took 10-20 s) or makes the process's memory pass this (a 200 KB index made 1.2 GB of keys)
+TIMEOUT_SECONDS = 5
+RSS_LIMIT_MB = 1024
 
 
 def main(argv: list[str]) -> int:
@@ -49,7 +60,7 @@ def _supervise(names: list[str], seconds: int) -> int:
     for folder in (corpus, crashes):
         folder.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "fuzz.coverage", "--child", *sum((["--target", n] for n in names), []),
-               str(corpus), f"-artifact_prefix={crashes}/", "-timeout=10", "-rss_limit_mb=2048",
+               str(corpus), f"-artifact_prefix={crashes}/", f"-timeout={TIMEOUT_SECONDS}", f"-rss_limit_mb={RSS_LIMIT_MB}",
                *([f"-max_total_time={seconds}"] if seconds else [])]
     try:
         result = subprocess.run(command, cwd=ROOT / "tests")

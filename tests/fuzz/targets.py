@@ -5,12 +5,19 @@ would: open, list, describe and read every tensor with verification on (or, for 
 folder, read its ``LATEST`` pointer). The property: the reader either raises a
 :class:`~weightstore.errors.WeightStoreError` subclass, or returns exactly what the unmutated
 file holds. Anything else (another exception, different arrays) is a finding.
+
+Targets with a ``reader`` feed one parser its bytes (a TF2 object graph, a ``.keras`` config)
+or read two ways (the npz fast path against ``np.load``): the property is then that the reader
+returns or raises a WeightStoreError, and that the two ways agree. A file that is more than
+one (a TF checkpoint's ``.index`` and data) keeps its other files beside each mutant.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +49,8 @@ class Target:
     #: whether the format checks its manifest, so metadata too must read back unchanged (HDF5 keeps
     #: the manifest in an attribute no checksum covers: a changed metadata value reads as changed)
     checks_metadata: bool = True
+    #: reads a mutant its own way (returns, or raises a WeightStoreError; Finding on disagreement)
+    reader: Callable[[Path], object] | None = None
 
     def seed(self, folder: Path) -> bytes:
         path = folder / f"seed-{self.name}{self.suffix}"
@@ -60,9 +69,95 @@ def _save_plain_numpy(path: Path) -> None:
         np.savez(handle, **{k.replace("/", "."): v for k, v in sample_weights().items()})
 
 
+def _save_checkpoint(path: Path) -> None:
+    """A TF1-style checkpoint (index and one data file) of float tensors, one of them empty."""
+    import tf_forge
+
+    tf_forge.write(path.with_suffix(""), {"dense/kernel": np.arange(48, dtype=np.float32).reshape(6, 8),
+                                          "dense/bias": np.linspace(-1, 1, 8), "empty": np.zeros((0, 3))})
+
+
+def sample_object_graph() -> bytes:
+    """A TF2 object graph as Keras writes one: model -> layer -> kernel and bias, an optimizer
+    with a step counter and a slot variable, a variable list."""
+    from weightstore.formats.tf_protos import TrackableObjectGraph
+
+    graph = TrackableObjectGraph()
+    nodes = [graph.nodes.add() for _ in range(8)]
+    for parent, child, name in [(0, 1, "model"), (1, 2, "dense_1"), (2, 3, "kernel"), (2, 4, "bias"),
+                                (0, 5, "optimizer"), (5, 6, "iter"), (1, 7, "_variables"), (7, 3, "0")]:
+        nodes[parent].children.add(node_id=child, local_name=name)
+    for node, name in [(3, "model/dense_1/kernel"), (4, "model/dense_1/bias"), (6, "optimizer/iter")]:
+        nodes[node].attributes.add(name="VARIABLE_VALUE", checkpoint_key=f"{name}/.ATTRIBUTES/VARIABLE_VALUE")
+    nodes[5].slot_variables.add(original_variable_node_id=3, slot_name="m", slot_variable_node_id=6)
+    return graph.SerializeToString()
+
+
+def _read_object_graph(path: Path) -> object:
+    from weightstore.formats.tf_checkpoint import natural_order, object_graph_keys, parse_object_graph
+
+    keys = object_graph_keys(parse_object_graph(path.read_bytes()))
+    return sorted(keys.values(), key=natural_order)
+
+
+def _save_keras_archive(path: Path) -> None:
+    """A ``.keras`` archive as Keras lays one out: metadata, config, then the weights file."""
+    import io
+    import zipfile
+
+    import h5py
+
+    weights = io.BytesIO()
+    with h5py.File(weights, "w") as handle:
+        handle["layers/dense/vars/0"] = np.arange(12, dtype=np.float32).reshape(3, 4)
+        handle["layers/dense/vars/1"] = np.zeros(4, np.float32)
+    config = {"module": "keras", "class_name": "Sequential", "config": {"name": "s", "layers": [
+        {"class_name": "Dense", "config": {"name": "dense", "units": 4}}]}}
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("metadata.json", '{"keras_version": "3.0.0"}')
+        archive.writestr("config.json", json.dumps(config))
+        archive.writestr("model.weights.h5", weights.getvalue())
+
+
+def _read_keras_config(path: Path) -> object:
+    from weightstore.formats.keras_file import read_config
+
+    return read_config(path)
+
+
+def _read_like_numpy(path: Path) -> object:
+    """The npz fast path against ``np.load``: what both read must be the same arrays."""
+    ours, _, _ = read_file(path)
+    try:
+        with np.load(path, allow_pickle=False) as theirs:
+            numpy_arrays = {name: theirs[name] for name in theirs.files}
+    except Exception:  # numpy refuses a file we read: a CRC it checks late, a name it mangles; ours is verified
+        return ours
+    for key, value in ours.items():
+        other = numpy_arrays.get(key)
+        if other is not None and (other.dtype != value.dtype or other.shape != value.shape
+                                  or other.tobytes() != value.tobytes()):
+            raise Finding(f"tensor {key!r} reads as {value.dtype} {value.shape} here, {other.dtype} {other.shape} "
+                          "with np.load")
+    return ours
+
+
 def _publish(folder: Path) -> None:
     folder.mkdir()
     ws.publish(folder, {"w": np.arange(4, dtype=np.float32)}, step=7)
+
+
+def _commit_shards(path: Path) -> None:
+    """A sharded version of two ranks beside ``path``, and its index copied to ``path``: a mutant
+    index written beside it names the same members (a piece held by each rank, one whole tensor)."""
+    kernel = sample_weights()["dense/kernel"]
+    for rank in range(2):
+        held = {"dense/kernel": ws.Piece(kernel[3 * rank:3 * rank + 3], (3 * rank, 0), kernel.shape)}
+        if rank:
+            held |= {k: v for k, v in sample_weights().items() if k != "dense/kernel"}
+        ws.publish_shard(path.parent, held, step=1, rank=rank, world=2, attempt=0)
+    version = ws.commit_shards(path.parent, step=1, world=2, attempt=0, timeout=10)
+    path.write_bytes(Path(version.path).read_bytes())
 
 
 TARGETS = {
@@ -73,6 +168,16 @@ TARGETS = {
                    checks_metadata=False),
     "numpy-savez": Target("numpy-savez", ".npz", _save_plain_numpy),
     "latest": Target("latest", "", _publish),
+    "safetensors": Target("safetensors", ".safetensors",
+                          lambda p: ws.save(p, sample_weights(), metadata={"lr": 0.5})),
+    "tf-index": Target("tf-index", ".index", _save_checkpoint, checks_metadata=False),
+    "tf-object-graph": Target("tf-object-graph", ".pb", lambda p: p.write_bytes(sample_object_graph()),
+                              reader=_read_object_graph),
+    "keras": Target("keras", ".keras", _save_keras_archive, checks_metadata=False),
+    "keras-config": Target("keras-config", ".keras", _save_keras_archive, reader=_read_keras_config),
+    "npz-numpy": Target("npz-numpy", ".npz", lambda p: ws.save(p, sample_weights()), reader=_read_like_numpy),
+    # the index says nothing the members' block CRCs do not check, but its metadata is its own
+    "sharded-index": Target("sharded-index", ".wsindex", _commit_shards, checks_metadata=False),
 }
 
 
@@ -139,6 +244,19 @@ def check_latest(folder: Path) -> str:
     return "same"
 
 
+def check_reader(reader: Callable[[Path], object], path: Path) -> str:
+    """A target's own reader on a mutant: ``"refused"`` or ``"same"``, else :class:`Finding`."""
+    try:
+        reader(path)
+    except ws.WeightStoreError:
+        return "refused"
+    except Finding:
+        raise
+    except Exception as exc:
+        raise Finding(f"{type(exc).__name__} escaped: {exc}") from exc
+    return "same"
+
+
 class Session:
     """A target's seed, made once in ``folder``, and the check of each mutant against it."""
 
@@ -152,7 +270,11 @@ class Session:
         else:
             self.where = folder
             self.seed = target.seed(folder)
-            self.expected = read_file(folder / f"seed-{target.name}{target.suffix}")
+            seed = folder / f"seed-{target.name}{target.suffix}"
+            for companion in folder.glob(f"seed-{target.name}.*"):  # a checkpoint's data file stays beside it
+                if companion != seed:
+                    shutil.copyfile(companion, folder / ("mutant" + companion.name[len(f"seed-{target.name}"):]))
+            self.expected = None if target.reader else read_file(seed)
 
     def check(self, data: bytes) -> str:
         """Write ``data`` where the target's file goes and check it; :class:`Finding` if it breaks the property."""
@@ -162,6 +284,8 @@ class Session:
         path = self.where / f"mutant{self.target.suffix}"
         path.write_bytes(data)
         try:
+            if self.target.reader is not None:
+                return check_reader(self.target.reader, path)
             return check_file(path, self.expected, self.target.checks_metadata)
         finally:
             os.unlink(path)

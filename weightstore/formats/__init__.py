@@ -112,13 +112,18 @@ class Format:
     compresses: bool = True
     #: whether tensors can be named in the file other than by their keys (``names="torch"``)
     torch_names: bool = False
+    #: names the format keeps for itself (safetensors' ``__metadata__``): refused as keys before writing
+    reserved_keys: frozenset[str] = frozenset()
+    #: False for a format only weightstore's own machinery writes (a sharded version's index)
+    writes: bool = True
 
 
 #: The one table of store formats, in the order suffixes and magic bytes are tried: each entry
 #: names a module that defines ``FORMAT``, imported when a file of its kind is first met (so
 #: ``import weightstore`` does not load h5py). A format of the package is added here; one from
 #: elsewhere (a plugin, a test) with :func:`register`.
-FORMAT_MODULES: list[str] = ["weightstore.formats.npz", "weightstore.formats.hdf5", "weightstore.formats.safetensors"]
+FORMAT_MODULES: list[str] = ["weightstore.formats.npz", "weightstore.formats.hdf5", "weightstore.formats.safetensors",
+                             "weightstore.formats.sharded"]
 
 
 def register(module: str) -> None:
@@ -150,7 +155,7 @@ def format_for_suffix(path: str) -> Format | None:
 
 def known_suffixes() -> list[str]:
     """Every suffix a save can write, in registry order."""
-    return [suffix for fmt in _registry() for suffix in fmt.suffixes]
+    return [suffix for fmt in _registry() if fmt.writes for suffix in fmt.suffixes]
 
 
 def sniff(head: bytes, where: str) -> Format:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import warnings
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -284,6 +285,10 @@ class Hdf5Writer:
             self._file.close()
 
 
+class RemoteHDF5Warning(UserWarning):
+    """An HDF5 file read from an object store: h5py's small reads move many times what is asked."""
+
+
 class Hdf5Reader(ReaderDefaults):
     """Reads the manifest and the tree of datasets at open; each tensor only when asked.
 
@@ -295,6 +300,11 @@ class Hdf5Reader(ReaderDefaults):
 
     def __init__(self, location, name: str):
         self.name = name
+        if getattr(location, "fs", None) is not None:  # an fsspec file: an object store, not a local file
+            warnings.warn(RemoteHDF5Warning(
+                f"{name}: HDF5 from an object store moves many times the bytes it reads (h5py reads in "
+                "small pieces: a one-scope load moved 51x its bytes); keep remote weights as npz or "
+                "safetensors (ws convert in.h5 out.npz)"), stacklevel=2)
         with _as_format_error(name, "not a readable HDF5 file"):
             self._file = h5py.File(location, "r")
         try:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from weightstore.errors import FormatError, StoreNotFoundError, UnsafeFileError, WeightStoreError
-from weightstore.formats import ReaderDefaults, format_for_suffix, format_named
+from weightstore.formats import ReaderDefaults, format_for_suffix, format_named, zipdir
 from weightstore.formats.zipdir import MAX_DEFLATE_RATIO
 from weightstore.io.files import refuse_special_file
 from weightstore.manifest import TensorInfo
@@ -35,6 +35,9 @@ CONFIG_MEMBER = "config.json"
 KIND = "Keras weights file"
 #: a model config is a few hundred KB even for large architectures
 MAX_CONFIG_BYTES = 16 << 20
+#: an archive holds its config, metadata, weights and a few assets; ``zipfile`` makes an object
+#: of about 500 bytes for each entry of 46, so hundreds of thousands took 9x the file
+MAX_MEMBERS = 4096
 _CHUNK = 16 << 20
 #: what :mod:`zipfile` raises on damaged or unusual archives (unsupported features, bad names)
 _ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, zlib.error, struct.error, ValueError,
@@ -49,9 +52,10 @@ def is_keras_archive(path: str) -> bool:
     if format_for_suffix(path) is not None or not os.path.isfile(path):
         return False
     try:
+        _refuse_crowded(path)
         with zipfile.ZipFile(path) as archive:
             return WEIGHTS_MEMBER in archive.namelist()
-    except (OSError, *_ZIP_ERRORS):
+    except (OSError, WeightStoreError, *_ZIP_ERRORS):
         return False
 
 
@@ -131,7 +135,10 @@ def _open_archive(path: str) -> zipfile.ZipFile:
     except FileNotFoundError:
         raise StoreNotFoundError("no such file", path=path) from None
     try:
+        _refuse_crowded(path)
         return zipfile.ZipFile(path)
+    except WeightStoreError:
+        raise
     except FileNotFoundError:
         raise StoreNotFoundError("no such file", path=path) from None
     except OSError as exc:
@@ -139,6 +146,28 @@ def _open_archive(path: str) -> zipfile.ZipFile:
     except _ZIP_ERRORS as exc:
         raise FormatError(f"not a .keras archive (not a readable zip file: {type(exc).__name__})",
                           path=path) from None
+
+
+def _refuse_crowded(path: str) -> None:
+    """Refuse, from the end record alone, a directory of more than :data:`MAX_MEMBERS` entries,
+    before ``zipfile`` makes an object of each. A file without a readable end record is left
+    to ``zipfile`` to refuse in its own words."""
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        tail_start = max(0, size - (zipdir.EOCD.size + 0xFFFF))
+        handle.seek(tail_start)
+        tail = handle.read()
+
+        def read_at(offset: int, length: int) -> bytes:
+            handle.seek(offset)
+            return handle.read(length)
+
+        try:
+            count = zipdir.locate_zip64(read_at, zipdir.locate(tail, tail_start, path), path)[0]
+        except FormatError:
+            return
+    if count > MAX_MEMBERS:
+        raise UnsafeFileError(f".keras archive lists {count} members (at most {MAX_MEMBERS} are read)", path=path)
 
 
 def _member(path: str, archive: zipfile.ZipFile, name: str) -> zipfile.ZipInfo:
@@ -165,6 +194,8 @@ def _member_chunks(path: str, archive: zipfile.ZipFile, name: str):
         raise
     except _ZIP_ERRORS as exc:
         raise FormatError(f"corrupt .keras archive ({name}: {exc})", path=path) from None
+    except OSError as exc:  # a member before the file's start (its first bytes cut off): EINVAL on seek
+        raise FormatError(f"corrupt .keras archive ({name} cannot be read: {exc.strerror or exc})", path=path) from None
     if left:
         raise FormatError(f"corrupt .keras archive ({name} ends {left} bytes short of its declared size)", path=path)
 

@@ -10,7 +10,10 @@ and ``safe_open`` read our files and we read theirs:
   is at most 100 MB (the library's limit) and padded with spaces to a multiple of 8 bytes.
 - our manifest (format, version, producer, created, user metadata, per-tensor logical dtype,
   shape and checksum) travels as JSON text under ``__metadata__["weightstore"]``, so reads are
-  verified like npz and user metadata round-trips exactly. A file without it (written by the
+  verified like npz and user metadata round-trips exactly. The manifest ends in its own
+  CRC-32 (``, "checksum": "crc32:…"}``, of the text without that field), checked at every
+  open as the npz manifest member's zip CRC is: changed metadata fails ``ws verify``. Files
+  written before it existed have none and read as before. A file without it (written by the
   ``safetensors`` library) reads as a foreign file: tensor names become keys, its
   ``__metadata__`` becomes ``metadata``, and there are no checksums to verify.
 
@@ -45,6 +48,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -54,6 +58,7 @@ import numpy as np
 
 from weightstore.errors import ChecksumError, FormatError, KeyNotInStoreError, UnsafeFileError, UnsupportedDTypeError
 from weightstore.formats import Format, ReaderDefaults, foreign_keys
+from weightstore.formats.sstable import crc32c, unmask_crc
 from weightstore.io.source import ByteSource, open_source, prefetch_ranges
 from weightstore.manifest import (
     MAX_NDIM,
@@ -65,6 +70,7 @@ from weightstore.manifest import (
     logical_dtype,
     parse_manifest,
     raw_bytes,
+    refuse_dense_json,
     write_checksummed,
 )
 
@@ -72,6 +78,8 @@ from weightstore.manifest import (
 MAX_HEADER_BYTES = 100_000_000
 #: the ``__metadata__`` entry that holds our manifest
 MANIFEST_KEY = "weightstore"
+#: the manifest's last field: the CRC-32 of the manifest without it (the text up to it, then ``}``)
+_SEAL = re.compile(r', "checksum": "(crc32:[0-9a-f]{8})"\}\Z')
 METADATA_KEY = "__metadata__"
 ALIGNMENT = 64
 _LENGTH = struct.Struct("<Q")
@@ -83,6 +91,9 @@ _MOVE_CHUNK = 16 << 20
 #: tensors at least this big are announced to the kernel (madvise) before they are read
 _PREFETCH_BYTES = 1 << 20
 _JUST_INT = {int}
+#: a tensor's entry is an object and two arrays in 50 bytes or more: a header may hold at most one
+#: object or array per this many bytes (``[[],[],…]`` made 27x its size in lists before it was refused)
+_HEADER_BYTES_PER_CONTAINER = 8
 #: numpy refuses arrays whose size, zero dimensions left out, exceeds this (even empty ones)
 _MAX_ARRAY_BYTES = 2**63 - 1
 #: a tensor whose byte size is a multiple of this leaves the next one aligned for any dtype
@@ -216,7 +227,8 @@ class SafetensorsWriter:
         self._file.close()
 
     def _header(self, manifest_text: str) -> bytes:
-        document: dict[str, Any] = {METADATA_KEY: {**self._header_metadata, MANIFEST_KEY: manifest_text}}
+        sealed = f'{manifest_text[:-1]}, "checksum": "{checksum(manifest_text.encode("utf-8"))}"}}'
+        document: dict[str, Any] = {METADATA_KEY: {**self._header_metadata, MANIFEST_KEY: sealed}}
         for t in self._tensors:  # json writes tuples as arrays
             document[t.key] = {"dtype": t.code, "shape": t.shape, "data_offsets": (t.begin, t.begin + t.size)}
         return json.dumps(document, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
@@ -293,7 +305,7 @@ class SafetensorsReader(ReaderDefaults):
         metadata = self._check_metadata(document.pop(METADATA_KEY, None))
         self._tensors = self._check_tensors(document)
         manifest_text = metadata.get(MANIFEST_KEY)
-        manifest = parse_manifest(manifest_text, self.name) if manifest_text is not None else None
+        manifest = self._parse_manifest(manifest_text) if manifest_text is not None else None
         self.has_checksums = manifest is not None
         if manifest is None:
             names = foreign_keys(((name, name) for name in sorted(self._tensors)), self.name, "tensor")
@@ -317,6 +329,9 @@ class SafetensorsReader(ReaderDefaults):
         if size < _LENGTH.size:
             raise FormatError(f"not a safetensors file ({size} bytes, shorter than its header length)", path=self.name)
         (length,) = _LENGTH.unpack(bytes(self._source.read_at(0, _LENGTH.size)))
+        if size >= _TFRECORD_HEAD and _is_tfrecord(bytes(self._source.read_at(0, _TFRECORD_HEAD))):
+            raise FormatError("is a TFRecord file (a TensorBoard events file, or tf.data records), not weights",
+                              path=self.name)
         if length > MAX_HEADER_BYTES:
             raise UnsafeFileError(f"safetensors header claims {length} bytes (limit {MAX_HEADER_BYTES})",
                                   path=self.name)
@@ -329,6 +344,7 @@ class SafetensorsReader(ReaderDefaults):
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise FormatError(f"safetensors header is not UTF-8 (byte {exc.start})", path=self.name) from None
+        refuse_dense_json(text, _HEADER_BYTES_PER_CONTAINER, "safetensors header", self.name)
         try:
             document = json.loads(text, object_pairs_hook=_unique_object, parse_constant=_refuse_constant)
         except _DuplicateName as exc:
@@ -340,14 +356,34 @@ class SafetensorsReader(ReaderDefaults):
         return document
 
     def _check_metadata(self, metadata: Any) -> dict[str, str]:
+        """A string map whose strings are Unicode text: JSON's ``\\ud800`` escape makes a lone
+        surrogate, which no UTF-8 output (a converted file, ``ws ls --json``) can hold."""
         if metadata is None:  # absent, or null, which the library reads as absent
             return {}
         if not isinstance(metadata, dict):
             raise FormatError(f"safetensors {METADATA_KEY} is not an object of strings", path=self.name)
         for key, value in metadata.items():
             if not isinstance(value, str):
-                raise FormatError(f"safetensors {METADATA_KEY} entry {key!r} is not a string", path=self.name)
+                raise FormatError(f"safetensors {METADATA_KEY} entry {_clip(key)} is not a string", path=self.name)
+            try:
+                key.encode("utf-8")
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise FormatError(f"safetensors {METADATA_KEY} entry {_clip(key)} holds a lone surrogate, "
+                                  "which is no Unicode text", path=self.name) from None
         return metadata
+
+    def _parse_manifest(self, text: str) -> Manifest:
+        """Our manifest, its CRC-32 checked first where it ends in one (every file written since
+        the seal was added; older ones have none, and a damaged seal is a field no manifest has)."""
+        seal = _SEAL.search(text)
+        if seal is not None:
+            text = text[: seal.start()] + "}"
+            actual = checksum(text.encode("utf-8"))
+            if actual != seal.group(1):
+                raise ChecksumError(f"manifest is corrupt or was changed (checksum {actual}, recorded "
+                                    f"{seal.group(1)})", path=self.name)
+        return parse_manifest(text, self.name)
 
     def _check_tensors(self, document: dict[str, Any]) -> dict[str, _Tensor]:
         """Every entry well-formed, its bytes exactly its dtype times its shape, and the
@@ -391,8 +427,8 @@ class SafetensorsReader(ReaderDefaults):
         if not isinstance(entry, dict):
             return "is not described by an object"
         code, offsets = entry.get("dtype"), entry.get("data_offsets")
-        if not isinstance(code, str) or code not in _DTYPE_OF_CODE:
-            what = "packed sub-byte dtype" if code in _PACKED_CODES else "unknown dtype"
+        if not isinstance(code, str) or code not in _DTYPE_OF_CODE:  # a list is no name, and unhashable
+            what = "packed sub-byte dtype" if isinstance(code, str) and code in _PACKED_CODES else "unknown dtype"
             return f"has {what} {_clip(code)}; weightstore reads {', '.join(sorted(_DTYPE_OF_CODE))}"
         if "shape" not in entry:
             return "has no shape"
@@ -431,8 +467,14 @@ class SafetensorsReader(ReaderDefaults):
             raise KeyNotInStoreError("no such tensor", path=self.name, key=key)
         return tensor
 
+    def extent(self, key: str) -> tuple[int, int]:
+        """``(offset, length)`` of a tensor's bytes in the file (a sharded version's index records it)."""
+        tensor = self._tensor(key)
+        return self._data_start + tensor.begin, tensor.end - tensor.begin
+
     def read(self, key: str, *, verify: bool) -> np.ndarray:
         tensor = self._tensor(key)
+        self._source.check_unchanged(f"tensor {key!r}")  # a mapped file truncated in place: SIGBUS
         start, size = self._data_start + tensor.begin, tensor.end - tensor.begin
         if size > _PREFETCH_BYTES:
             self._source.prefetch(start, size)
@@ -464,6 +506,7 @@ class SafetensorsReader(ReaderDefaults):
         if verify and not info.checksum:
             return False
         tensor = self._tensor(key)
+        self._source.check_unchanged(f"tensor {key!r}")
         if out.nbytes:
             self._source.read_into(self._data_start + tensor.begin, out.reshape(-1).view(np.uint8).data)
         if verify:
@@ -496,6 +539,16 @@ def _open_reader(location: Any, name: str, *, mmap: bool = True) -> SafetensorsR
     return open_source(location, name, SafetensorsReader, index_at_end=False, mmap=mmap)
 
 
+_TFRECORD_HEAD = 12  # a record's 8-byte length and the masked CRC-32C of those 8 bytes
+
+
+def _is_tfrecord(head: bytes) -> bool:
+    """Whether the file opens as a TFRecord does (TensorBoard's ``events.out.tfevents.*``): its
+    first 8 bytes, a length like a safetensors header's, are followed by their masked CRC-32C,
+    where a safetensors header has ``{``."""
+    return unmask_crc(int.from_bytes(head[8:12], "little")) == crc32c(head[:8])
+
+
 def _looks_like_safetensors(head: bytes) -> bool:
     """Eight bytes are all a sniffer gets: a header length the library would accept (the
     high bytes of any such length are zero); the reader then checks the rest."""
@@ -511,4 +564,5 @@ FORMAT = Format(
     dtypes=DTYPES,
     compresses=False,
     torch_names=True,
+    reserved_keys=frozenset({METADATA_KEY}),
 )

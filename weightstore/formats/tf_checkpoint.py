@@ -82,6 +82,7 @@ from weightstore.io.files import open_regular
 from weightstore.io.local import MappedFile
 from weightstore.keys import from_tf_name, validate_key
 from weightstore.manifest import MAX_NDIM, ML_DTYPES, TensorInfo, dtype_name
+from weightstore.tensortable import fits_an_array, short_repr
 
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 VARIABLE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
@@ -94,6 +95,8 @@ MAX_INDEX_BYTES = 256 << 20
 MAX_STATE_FILE_BYTES = 1 << 20
 #: slices of one partitioned variable (TF partitions into at most a few hundred in practice)
 MAX_SLICES = 4096
+#: the grid the slices' boundaries cut may have this many cells per slice (a partition has one)
+_MAX_GRID_CELLS_PER_SLICE = 4
 #: shards of one checkpoint (one per device that saved; TF numbers them with five digits)
 MAX_SHARDS = 99_999
 
@@ -118,12 +121,16 @@ _LOGICAL = {dtype: dtype_name(dtype) for dtype in _DTYPES.values()}
 
 # --- finding the checkpoint a path names -------------------------------------------------
 
+SAVED_MODEL_FILE = "saved_model.pb"
+SAVED_MODEL_VARIABLES = os.path.join("variables", "variables")
+
+
 def resolve_prefix(path: str) -> str | None:
     """The checkpoint prefix ``path`` names, or ``None`` when it names no checkpoint.
 
     Accepts the prefix itself, one of its ``.index``/``.data-…``/``.meta`` files (what shell
-    completion offers), or a folder: the checkpoint its ``checkpoint`` state file names, or
-    the only one in it. A folder that holds several but no state file is refused with the
+    completion offers), or a folder: a SavedModel's variables (:func:`saved_model_prefix`), the
+    checkpoint its ``checkpoint`` state file names, or the only one in it. A folder that holds several but no state file is refused with the
     candidates listed, as is one whose state file names a checkpoint that is not there.
     """
     if os.path.isdir(path):
@@ -138,6 +145,9 @@ def resolve_prefix(path: str) -> str | None:
 
 
 def _prefix_in_folder(folder: str) -> str:
+    saved_model = saved_model_prefix(folder)
+    if saved_model is not None:
+        return saved_model
     state = os.path.join(folder, STATE_FILE)
     if os.path.isfile(state):
         named = read_state_file(state)
@@ -152,11 +162,38 @@ def _prefix_in_folder(folder: str) -> str:
     candidates = checkpoints_in(folder)
     if len(candidates) == 1:
         return os.path.join(folder, candidates[0])
+    versions = serving_versions(folder)
+    if not candidates and versions:
+        raise StoreNotFoundError(f"is a TF Serving model base (SavedModel versions {', '.join(map(str, versions))}), "
+                                 f"not one model; name a version's folder, such as {os.path.join(folder, str(versions[-1]))}",
+                                 path=folder)
     if not candidates:
         raise StoreNotFoundError(f"is a folder, not a weight file, and holds no TF checkpoint (no '{STATE_FILE}' "
                                  "state file, no .index file)", path=folder)
     raise StoreNotFoundError(f"holds {len(candidates)} checkpoints and no '{STATE_FILE}' state file saying which to "
                              f"read; name one of: {', '.join(candidates)}", path=folder)
+
+
+def saved_model_prefix(folder: str) -> str | None:
+    """The variables checkpoint of the SavedModel in ``folder``, or None when it is not one.
+
+    ``tf.saved_model.save`` and Keras's ``model.export`` write ``saved_model.pb`` beside a
+    ``variables/`` folder holding a TF2 object checkpoint with the prefix ``variables``: the
+    weights are that checkpoint, read like any other (without TensorFlow).
+    """
+    prefix = os.path.join(folder, SAVED_MODEL_VARIABLES)
+    if os.path.isfile(os.path.join(folder, SAVED_MODEL_FILE)) and os.path.exists(prefix + ".index"):
+        return prefix
+    return None
+
+
+def serving_versions(folder: str) -> list[int]:
+    """The versions of a TF Serving model base (``base/1/``, ``base/2/``: numbered SavedModel folders), oldest first."""
+    try:
+        entries = [entry for entry in os.scandir(folder) if entry.is_dir() and entry.name.isdigit()]
+    except OSError:
+        return []
+    return sorted(int(entry.name) for entry in entries if saved_model_prefix(entry.path) is not None)
 
 
 def checkpoints_in(folder: str) -> list[str]:
@@ -202,9 +239,18 @@ def read_state_file(path: str) -> str:
     return named
 
 
-def natural_order(text: str) -> list[tuple[int, Any]]:
-    """Sort key reading digit runs as numbers: ``layers/2`` before ``layers/10``."""
-    return [(0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", text)]
+_DIGIT_RUNS = re.compile(r"([0-9]+)")
+
+
+def natural_order(text: str) -> list[tuple[Any, ...]]:
+    """Sort key reading ASCII digit runs as numbers: ``layers/2`` before ``layers/10``.
+
+    Runs are compared by length, then digits, never converted: a name of 5,000 digits (past
+    Python's ``int`` limit) or a digit like ``²`` (which ``str.isdigit`` accepts and ``int``
+    refuses) sorts like any other.
+    """
+    runs = _DIGIT_RUNS.split(text)  # text, digits, text, ...
+    return [(0, len(run.lstrip("0")), run.lstrip("0")) if index % 2 else (1, run) for index, run in enumerate(runs)]
 
 
 # --- the slice keys of partitioned variables ---------------------------------------------
@@ -260,20 +306,41 @@ _STEP_COUNTERS = frozenset({"iter", "_iterations"})
 _CATCH_ALL_LISTS = frozenset({"_variables", "variables", "_trainable_variables", "trainable_variables"})
 
 
-def object_graph_keys(serialized: bytes) -> dict[str, str]:
-    """Checkpoint entry name -> key for every variable the object graph names (module docstring).
+#: what the best paths may hold, in segments plus characters, per byte of serialized graph: each
+#: edge takes at least 4 bytes, and real models nest a few levels deep; a chain of 12,000
+#: one-letter edges (120 KB) made paths of 72 million segments (0.7 GB)
+PATH_UNITS_PER_BYTE = 8
+PATH_UNITS_SLACK = 1 << 16
 
-    Empty when the graph cannot be read, so the caller falls back to the entry names.
-    """
+
+class _GraphTooLarge(Exception):
+    pass
+
+
+def parse_object_graph(serialized: bytes) -> Any:
+    """The ``TrackableObjectGraph`` message in ``serialized``; ``None`` when it cannot be read."""
     graph = TrackableObjectGraph()
     try:
         graph.ParseFromString(serialized)
     except (DecodeError, RecursionError):
-        return {}
-    nodes = graph.nodes
+        return None
+    return graph
+
+
+def object_graph_keys(graph: Any) -> dict[str, str]:
+    """Checkpoint entry name -> key for every variable the object graph names (module docstring).
+
+    Empty when there is no readable graph, or when its paths would take more memory than
+    :data:`PATH_UNITS_PER_BYTE` allows (a graph nested far deeper than any model), so the
+    caller falls back to the entry names.
+    """
+    nodes = graph.nodes if graph is not None else []
     if not nodes:
         return {}
-    best = best_paths(nodes)
+    try:
+        best = best_paths(nodes, budget=PATH_UNITS_PER_BYTE * graph.ByteSize() + PATH_UNITS_SLACK)
+    except _GraphTooLarge:
+        return {}
     node_keys = {node: "/".join(path) for node, path in best.items() if path}
     for optimizer_id, node in enumerate(nodes):  # slots go under their variable
         optimizer_key = node_keys.get(optimizer_id)
@@ -290,12 +357,13 @@ def object_graph_keys(serialized: bytes) -> dict[str, str]:
     return keys
 
 
-def best_paths(nodes: Any) -> dict[int, tuple[str, ...]]:
+def best_paths(nodes: Any, *, budget: int) -> dict[int, tuple[str, ...]]:
     """Node id -> its best path from the root, the least by (through an optimizer-like node,
     length, edges into catch-all lists, segments).
 
     A Dijkstra walk: extending two paths by one edge keeps their order, so the first time a
-    node is taken off the heap its path is the best of all paths to it.
+    node is taken off the heap its path is the best of all paths to it. Every path made
+    costs its segments and characters out of ``budget``; :class:`_GraphTooLarge` when spent.
     """
     optimizer_like = {
         node_id for node_id, node in enumerate(nodes)
@@ -305,9 +373,9 @@ def best_paths(nodes: Any) -> dict[int, tuple[str, ...]]:
                           if child.local_name == _OPTIMIZER_EDGE)
     optimizer_like.discard(0)
     best: dict[int, tuple[str, ...]] = {}
-    heap: list[tuple[bool, int, int, tuple[str, ...], int]] = [(False, 0, 0, (), 0)]
+    heap: list[tuple[bool, int, int, tuple[str, ...], int, int]] = [(False, 0, 0, (), 0, 0)]
     while heap:
-        through_optimizer, length, catch_all, path, node_id = heapq.heappop(heap)
+        through_optimizer, length, catch_all, path, node_id, chars = heapq.heappop(heap)
         if node_id in best:
             continue
         best[node_id] = path
@@ -315,7 +383,11 @@ def best_paths(nodes: Any) -> dict[int, tuple[str, ...]]:
             if child.node_id not in best and 0 <= child.node_id < len(nodes):
                 flag = through_optimizer or child.node_id in optimizer_like
                 lists = catch_all + (child.local_name in _CATCH_ALL_LISTS)
-                heapq.heappush(heap, (flag, length + 1, lists, (*path, child.local_name), child.node_id))
+                name = child.local_name
+                budget -= length + 1 + chars + len(name) + 1
+                if budget < 0:
+                    raise _GraphTooLarge
+                heapq.heappush(heap, (flag, length + 1, lists, (*path, name), child.node_id, chars + len(name) + 1))
     return best
 
 
@@ -363,6 +435,8 @@ class CheckpointReader(ReaderDefaults):
         self.kind = KIND_TF2 if self.object_based else KIND_TF1
         #: the graph a TF1 ``Saver`` wrote beside the checkpoint: the only record of trainability
         self.meta_graph = None if self.object_based else prefix + ".meta"
+        #: the TF2 object graph (a ``TrackableObjectGraph`` message); ``None`` when there is no readable one
+        self.object_graph: Any = None
         try:
             tensors = self._tensors(entries, slice_entries)
             graph_keys = self._graph_keys(entries) if self.object_based else {}
@@ -401,7 +475,7 @@ class CheckpointReader(ReaderDefaults):
                 if size > MAX_INDEX_BYTES:
                     raise UnsafeFileError(f"checkpoint index is {size} bytes, over the {MAX_INDEX_BYTES}-byte limit",
                                           path=path)
-                return handle.read(MAX_INDEX_BYTES + 1)
+                return handle.read(size + 1)  # what the file holds: a buffer of the limit is 256 MB
         except FileNotFoundError:
             raise StoreNotFoundError(f"no such checkpoint ({path} is missing)", path=self.prefix) from None
 
@@ -446,7 +520,7 @@ class CheckpointReader(ReaderDefaults):
                 ranges.append((stored.shard, stored.offset, stored.offset + stored.size, name))
                 if dtype is None:
                     continue  # strings and others: skipped, but their bytes still may not overlap
-                shape = _shape(entry, index_path, name)
+                shape = _shape(entry, index_path, name, dtype)
                 needed = math.prod(shape) * dtype.itemsize
                 if needed != stored.size:
                     raise FormatError(f"has shape {shape} {dtype}, which needs {needed} bytes; its entry says "
@@ -455,7 +529,7 @@ class CheckpointReader(ReaderDefaults):
                 continue
             if dtype is None:
                 continue
-            shape = _shape(entry, index_path, name)
+            shape = _shape(entry, index_path, name, dtype)
             tensor = _Tensor(name, dtype, shape)
             tensor.slices = self._slices(entry, name, shape, dtype, slice_entries)
             for _, _, stored in tensor.slices:
@@ -484,8 +558,10 @@ class CheckpointReader(ReaderDefaults):
                                   path=index_path, key=name)
         if entry.size:
             raise FormatError("lists slices and data of its own", path=index_path, key=name)
+        if not shape:
+            raise FormatError(f"is a scalar but lists {len(entry.slices)} slices (only tensors are partitioned)",
+                              path=index_path, key=name)
         pieces = []
-        covered = 0
         for proto in entry.slices:
             if len(proto.extent) != len(shape):
                 raise FormatError(f"a slice has {len(proto.extent)} dimensions, the tensor {len(shape)}",
@@ -507,11 +583,8 @@ class CheckpointReader(ReaderDefaults):
             if piece.dtype != entry.dtype or _shape(piece, index_path, name) != piece_shape or stored.size != needed:
                 raise FormatError(f"a slice does not match its place {piece_shape} {dtype} ({stored.size} bytes)",
                                   path=index_path, key=name)
-            covered += math.prod(piece_shape)
             pieces.append((tuple(index), piece_shape, stored))
-        _refuse_overlapping_slices(index_path, name, pieces)
-        if covered != math.prod(shape):
-            raise FormatError(f"its slices do not cover its shape {shape}", path=index_path, key=name)
+        _check_tiling(index_path, name, shape, pieces)
         return pieces
 
     def _graph_keys(self, entries: dict[str, Any]) -> dict[str, str]:
@@ -519,7 +592,8 @@ class CheckpointReader(ReaderDefaults):
         if entry.dtype != _DT_STRING or entry.slices or _shape(entry, self.prefix, OBJECT_GRAPH_KEY) != ():
             return {}
         stored = self._stored(entry, OBJECT_GRAPH_KEY)
-        return object_graph_keys(self._string_scalar(stored))
+        self.object_graph = parse_object_graph(self._string_scalar(stored))
+        return object_graph_keys(self.object_graph)
 
     def _string_scalar(self, stored: _Stored) -> bytes:
         """One DT_STRING element: ``varint64 length, masked CRC-32C of the length, bytes``."""
@@ -565,8 +639,10 @@ class CheckpointReader(ReaderDefaults):
             return self._maps[shard]
 
     def _backed(self, stored: _Stored, key: str) -> MappedFile:
-        """The mapped data file holding ``stored``, refused when the file is too short for it."""
+        """The mapped data file holding ``stored``, refused when the file is too short for it, or
+        changed size since it was mapped (truncated in place: touching the map would be SIGBUS)."""
         mapped = self._map(stored.shard, key)
+        mapped.check_unchanged(f"tensor {key!r}")
         if stored.offset + stored.size > mapped.size:
             raise FormatError(f"data file is short: needs bytes {stored.offset}..{stored.offset + stored.size}, "
                               f"the file has {mapped.size}", path=mapped.name, key=key)
@@ -652,23 +728,44 @@ def _parse_proto(message: Any, value: bytes, path: str, what: str) -> None:
         raise FormatError(f"{what} is not a readable protocol buffer", path=path) from None
 
 
-def _shape(entry: Any, path: str, name: str) -> tuple[int, ...]:
+def _shape(entry: Any, path: str, name: str, dtype: np.dtype | None = None) -> tuple[int, ...]:
+    """The entry's shape; an empty one refused unless numpy can make it (of ``dtype``, where known):
+    ``(0, 2**62)`` needs no bytes, but numpy counts the zero as one and refuses it. (A shape
+    that needs more bytes than any file holds is refused by its entry's size.)"""
     proto = entry.shape
     if proto.unknown_rank:
         raise FormatError("has no known rank", path=path, key=name)
+    if len(proto.dim) > MAX_NDIM:
+        raise FormatError(f"has {len(proto.dim)} dimensions (at most {MAX_NDIM})", path=path, key=name)
     shape = tuple([dim.size for dim in proto.dim])
-    if len(shape) > MAX_NDIM or (shape and min(shape) < 0):
-        raise FormatError(f"has an impossible shape {shape}", path=path, key=name)
+    if (shape and min(shape) < 0) or (0 in shape and not fits_an_array(shape, 1 if dtype is None else dtype.itemsize)):
+        raise FormatError(f"has an impossible shape {short_repr(shape)}", path=path, key=name)
     return shape
 
 
-def _refuse_overlapping_slices(path: str, name: str, pieces: list) -> None:
-    """Two slices that share an element would make the joined value depend on their order."""
-    boxes = sorted(([(s.start, s.stop) for s in index] for index, shape, _ in pieces if math.prod(shape)))
-    for i, box in enumerate(boxes):
-        for other in boxes[i + 1 :]:
-            if other[0][0] >= box[0][1]:
-                break  # sorted by the first dimension's start: no later box reaches back
-            if all(a < d and c < b for (a, b), (c, d) in zip(box, other, strict=True)):
-                raise FormatError("two of its slices overlap", path=path, key=name)
+def _check_tiling(path: str, name: str, shape: tuple[int, ...], pieces: list) -> None:
+    """That the slices tile ``shape`` exactly: every element in one slice, none in two (two that
+    share one would make the joined value depend on their order).
 
+    On the grid that the slices' own boundaries cut, each slice covers whole cells; marking
+    them proves the tiling in time linear in the cells, and a partition along any axes (all
+    TensorFlow writes) has as many cells as slices. Boundaries so irregular that the grid has
+    far more cells than slices are refused: comparing slices pairwise instead was quadratic,
+    and 4,096 slices took 10-20 seconds.
+    """
+    boxes = [index for index, piece_shape, _ in pieces if math.prod(piece_shape)]
+    cuts = [sorted({0, dim, *(box[axis].start for box in boxes), *(box[axis].stop for box in boxes)})
+            for axis, dim in enumerate(shape)]
+    cells = math.prod(len(axis_cuts) - 1 for axis_cuts in cuts)
+    if cells > _MAX_GRID_CELLS_PER_SLICE * max(len(boxes), 1):
+        raise UnsafeFileError(f"its {len(boxes)} slices cut it into a grid of {cells} cells; weightstore reads "
+                              "slices that partition it along its axes", path=path, key=name)
+    position = [{cut: at for at, cut in enumerate(axis_cuts)} for axis_cuts in cuts]
+    covered = np.zeros([len(axis_cuts) - 1 for axis_cuts in cuts], dtype=bool)
+    for box in boxes:
+        region = covered[tuple(slice(where[s.start], where[s.stop]) for where, s in zip(position, box, strict=True))]
+        if region.any():
+            raise FormatError("two of its slices overlap", path=path, key=name)
+        region[...] = True
+    if not covered.all():
+        raise FormatError(f"its slices do not cover its shape {short_repr(shape)}", path=path, key=name)

@@ -17,7 +17,8 @@ one responsibility a module:
   stream) and the size guard before each read of a mapped file.
 * :mod:`~weightstore.io.remote`: a file on object storage read by ranged requests, over a
   table of backends (:mod:`~weightstore.io.s3`, the generic :mod:`~weightstore.io.fsspec_objects`);
-  a new backend is one module added to that table.
+  what a backend provides is :mod:`~weightstore.io.objects`, and a new one is one module added
+  to that table.
 * :mod:`~weightstore.io.source`: the :class:`~weightstore.io.source.ByteSource` protocol every
   reader reads through, and the choice of source for what a reader is given.
 * :mod:`~weightstore.io.folders`: the few operations a versioned folder needs, local or remote.

@@ -57,7 +57,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from weightstore.errors import StoreNotFoundError
+from weightstore.errors import StoreNotFoundError, WeightStoreError, WriteError
 from weightstore.io.files import (
     check_writable_target,
     fsync_folder,
@@ -102,10 +102,19 @@ class Commit(abc.ABC):
 
     @contextlib.contextmanager
     def writing(self) -> Iterator[str]:
+        """A write the file system refuses (disk full, file-size limit, read-only) comes out as
+        a :class:`WriteError` naming the target and keeping the ``errno``, so a caller that
+        handles ``OSError`` still does and a background publish says which file failed."""
         path = self.begin()
         try:
             yield path
             self.finalize()
+        except WeightStoreError:
+            self.discard()
+            raise
+        except OSError as exc:
+            self.discard()
+            raise WriteError(exc.errno or 0, f"writing failed: {exc.strerror or exc}", path=self.target) from exc
         except BaseException:
             self.discard()
             raise

@@ -12,6 +12,7 @@ import abc
 import contextlib
 import datetime
 import os
+import shutil
 import stat
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -19,9 +20,10 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from weightstore.errors import TargetError
+from weightstore.io import s3
 from weightstore.io.commit import Commit, RenameCommit, UploadCommit
-from weightstore.io.files import TEMP_MARK, fsync_folder, kind_of
-from weightstore.io.location import filesystem, location_of, service
+from weightstore.io.files import TEMP_MARK, fsync_folder, fsync_path, kind_of, temporary_beside
+from weightstore.io.location import filesystem, location_of, service, uncached
 
 __all__ = ["FileEntry", "Folder", "LocalFolder", "RemoteFolder", "folder_for"]
 
@@ -65,6 +67,12 @@ class Folder(abc.ABC):
         """
 
     @abc.abstractmethod
+    def tag(self, name: str) -> object | None:
+        """What names the current content of file ``name`` without reading it (a remote
+        object's ETag: one HEAD, no body); equal tags, equal content. ``None`` when there is
+        no such file; a new object each time where the storage cannot tell (then read it)."""
+
+    @abc.abstractmethod
     def commit(self, name: str, suffix: str = "") -> Commit:
         """How a new file ``name`` is written and made visible (protocol 1 or 2)."""
 
@@ -78,6 +86,31 @@ class Folder(abc.ABC):
     def lock(self) -> contextlib.AbstractContextManager[None]:
         """Exclusive access for one writer, where the storage offers it (object stores do not)."""
         return contextlib.nullcontext()
+
+    def read_tagged(self, name: str, limit: int) -> tuple[bytes | None, str | None]:
+        """:meth:`read_small` and a tag that :meth:`put_if` can require is unchanged (an ETag);
+        ``None`` where the storage has none (a local folder, whose writers take :meth:`lock`)."""
+        return self.read_small(name, limit), None
+
+    @abc.abstractmethod
+    def put_if(self, name: str, data: bytes, *, create: bool = False, expect: str | None = None) -> bool:
+        """Write small file ``name`` only if it does not exist (``create``), or only if it is
+        unchanged since it was read with tag ``expect``; False (nothing written) otherwise.
+
+        Locally ``expect`` is not checked (writers hold :meth:`lock`), but creation is exclusive:
+        the file is linked into place, which fails if the name exists. On S3 both are the
+        service's own conditional writes (``If-None-Match: *``, ``If-Match``); on a file system
+        offering neither, creation is checked first and the write is plain (one writer per
+        folder there).
+        """
+
+    @abc.abstractmethod
+    def subfolders(self) -> list[str]:
+        """Names of the folders directly in this one."""
+
+    @abc.abstractmethod
+    def remove_folder(self, name: str) -> None:
+        """Remove folder ``name`` and everything in it (nothing if it is gone)."""
 
 
 class LocalFolder(Folder):
@@ -118,6 +151,10 @@ class LocalFolder(Folder):
         with os.fdopen(fd, "rb") as handle:
             return handle.read(limit)
 
+    def tag(self, name: str) -> object | None:
+        """Always new: a local read costs microseconds, and a file's times and inode can repeat."""
+        return object() if os.path.lexists(self.root / name) else None
+
     def commit(self, name: str, suffix: str = "") -> Commit:
         return RenameCommit(self.root / name)
 
@@ -146,6 +183,36 @@ class LocalFolder(Folder):
                 raise TargetError(f"{name} is a folder with files in it; move it away", path=self.where) from None
             return True
         return False
+
+    def put_if(self, name: str, data: bytes, *, create: bool = False, expect: str | None = None) -> bool:
+        target = self.root / name
+        if create and os.path.lexists(target):
+            return False
+        temporary = temporary_beside(target)
+        try:
+            with open(temporary, "wb") as handle:
+                handle.write(data)
+            fsync_path(temporary)
+            if create:
+                try:
+                    os.link(temporary, target)  # exclusive: fails if the name exists
+                except FileExistsError:
+                    return False
+            else:
+                os.replace(temporary, target)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temporary)
+        fsync_folder(self.root)
+        return True
+
+    def subfolders(self) -> list[str]:
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            return sorted(entry.name for entry in os.scandir(self.root) if entry.is_dir(follow_symlinks=False))
+        return []
+
+    def remove_folder(self, name: str) -> None:
+        shutil.rmtree(self.root / name, ignore_errors=True)
 
     def open_binary(self, name: str) -> str:
         path = self.root / name
@@ -212,10 +279,19 @@ class RemoteFolder(Folder):
     def read_small(self, name: str, limit: int) -> bytes | None:
         with self._service():
             try:
-                data = self.fs.cat_file(self._path(name))  # no range: S3 refuses one on an empty object
+                data = self.fs.cat_file(uncached(self.fs, self._path(name)))  # no range: S3 refuses one on an empty object
             except FileNotFoundError:
                 return None
         return data[:limit]
+
+    def tag(self, name: str) -> object | None:
+        with self._service():
+            try:
+                info = self.fs.info(uncached(self.fs, self._path(name)))
+            except FileNotFoundError:
+                return None
+        # without an ETag, nothing short of the bytes tells two writes apart (times repeat within a second)
+        return info.get("ETag") or info.get("etag") or object()
 
     def commit(self, name: str, suffix: str = "") -> Commit:
         return UploadCommit(self.url(name), suffix=suffix, storage_options=self._storage_options)
@@ -226,7 +302,38 @@ class RemoteFolder(Folder):
 
     def open_binary(self, name: str) -> BinaryIO:
         with self._service():
-            return self.fs.open(self._path(name), "rb")
+            return self.fs.open(uncached(self.fs, self._path(name)), "rb")
+
+    def read_tagged(self, name: str, limit: int) -> tuple[bytes | None, str | None]:
+        if not s3.serves(self.fs):
+            return super().read_tagged(name, limit)
+        with self._service():
+            data, tag = s3.get_tagged(self.fs, self._path(name))
+        return (None if data is None else data[:limit]), tag
+
+    def put_if(self, name: str, data: bytes, *, create: bool = False, expect: str | None = None) -> bool:
+        with self._service():
+            if s3.serves(self.fs):
+                return s3.put_if(self.fs, self._path(name), data, create=create, expect=expect)
+            if create and self.fs.exists(self._path(name)):
+                return False
+            self.fs.pipe_file(self._path(name), data)
+        return True
+
+    def subfolders(self) -> list[str]:
+        with self._service():
+            self.fs.invalidate_cache(self.root)
+            try:
+                listing = self.fs.ls(self.root, detail=True)
+            except FileNotFoundError:
+                return []
+        return sorted(info["name"].rstrip("/").rsplit("/", 1)[-1] for info in listing
+                      if info.get("type") == "directory")
+
+    def remove_folder(self, name: str) -> None:
+        with self._service(), contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self._path(name), recursive=True)
+        self.fs.invalidate_cache(self.root)
 
 
 def folder_for(folder: Any, storage_options: Mapping[str, Any] | None = None) -> Folder:

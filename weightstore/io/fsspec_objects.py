@@ -12,7 +12,7 @@ from typing import Any
 
 from weightstore.errors import FormatError
 from weightstore.io.buffer import aligned_buffer
-from weightstore.io.location import service
+from weightstore.io.location import service, uncached
 from weightstore.io.objects import split_parts, window
 
 __all__ = ["FsspecObject"]
@@ -29,7 +29,7 @@ class FsspecObject:
               details: Mapping[str, Any] | None) -> tuple[int, int, memoryview]:
         if size is None:
             with service(self.name):
-                info = self._fs.info(self._path)
+                info = self._fs.info(uncached(self._fs, self._path))
             if info.get("type") == "directory":
                 raise FileNotFoundError(self.name)
             size = int(info["size"])

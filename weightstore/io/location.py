@@ -62,6 +62,15 @@ def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tu
         raise MissingDependencyError(f"{protocol}:// URLs need the fsspec file system for them: {exc}", path=url) from None
 
 
+def uncached(fs: Any, path: str) -> str:
+    """``path``, with whatever ``fs`` cached about it in this process dropped, for a read that
+    must see what another process wrote since: s3fs (and other fsspec file systems) answer
+    ``info``/``open``/``exists`` from a listing made earlier, which knows nothing of objects
+    written after it (a new version read as missing, a replaced one with its old size)."""
+    fs.invalidate_cache(path)
+    return path
+
+
 def protocols(fs: Any) -> tuple[str, ...]:
     """The protocol names an fsspec file system answers to (``("s3", "s3a")``)."""
     return tuple(fs.protocol) if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)

@@ -134,3 +134,45 @@ def _s3_code(exc: BaseException) -> str | None:
             return str(error.get("Code") or response.get("ResponseMetadata", {}).get("HTTPStatusCode") or "")
         exc, seen = exc.__cause__ or exc.__context__, seen + 1  # type: ignore[assignment]
     return None
+
+
+# -- conditional writes: what commits on object storage rest on --------------------------------
+
+def get_tagged(fs: Any, path: str) -> tuple[bytes | None, str | None]:
+    """The whole of a small object and its ETag; ``(None, None)`` when there is none."""
+    from fsspec.asyn import sync
+
+    bucket, key, _ = fs.split_path(path)
+
+    async def get() -> tuple[bytes, str]:
+        response = await fs._call_s3("get_object", Bucket=bucket, Key=key)
+        body = response["Body"]
+        try:
+            return await body.read(), str(response.get("ETag", ""))
+        finally:
+            body.close()
+
+    try:
+        return sync(fs.loop, get)
+    except FileNotFoundError:
+        return None, None
+
+
+def put_if(fs: Any, path: str, data: bytes, *, create: bool, expect: str | None) -> bool:
+    """Write ``data`` at ``path`` only if there is no object there (``create``: ``If-None-Match: *``)
+    or the one there is still the one read (its ETag is ``expect``: ``If-Match``). False when
+    the condition failed (another writer got there first); nothing is written then."""
+    from fsspec.asyn import sync
+
+    bucket, key, _ = fs.split_path(path)
+    condition = {"IfNoneMatch": "*"} if create else {"IfMatch": expect} if expect else {}
+    try:
+        sync(fs.loop, fs._call_s3, "put_object", Bucket=bucket, Key=key, Body=data, **condition)
+    except Exception as exc:
+        if isinstance(exc, FileExistsError) or _s3_code(exc) in ("PreconditionFailed", "412", "ConditionalRequestConflict",
+                                                                "409"):
+            return False
+        raise
+    finally:
+        fs.invalidate_cache(path)
+    return True

@@ -1,0 +1,165 @@
+"""Sharded versions (issue 23): what a commit costs, what each reader fetches, how writers scale.
+
+Three tables, one run:
+
+1. *Commit cost vs model size* (moto S3 on 127.0.0.1, counted at the server): the requests and
+   bytes of ``commit_shards`` alone, after four ranks have written, for models of 1/4, 1/2 and
+   all of ``--size-mb``. The coordinator reads only the done-records, so its bytes grow with
+   the number of blocks (one CRC per 256 KiB), not with the tensor bytes.
+2. *Bytes each reader fetches vs its share* (same server): a version written by 4 ranks by
+   rows, read by 3 readers by rows, 2 by columns, and 1 whole; member bytes fetched over the
+   bytes of the region, plus the index.
+3. *Write throughput for 1, 2, 4 writers* (local folder, forked processes started together):
+   the model's bytes over the time from the first writer's start to the last one's end.
+   Each writer is CPU-bound (conversion, CRC-32 per block, BLAKE3 per piece, the write); on a
+   2-core machine 4 writers share 2 cores, so aggregate throughput stops growing at 2 writers.
+   The per-writer figure is what scales with hosts: each host writes its own member, and the
+   coordinator's work does not grow with the tensor bytes.
+
+    python -m benchmarks.shard_bench --size-mb 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import shutil
+import tempfile
+import time
+import uuid
+
+import numpy as np
+
+import weightstore as ws
+from benchmarks.common import MB, fmt_ratio, machine_line, table
+from benchmarks.s3_server import CountingS3, restore_environment, use_environment
+
+BUCKET = "weightstore-shard-bench"
+COLS = 4096
+TENSORS = 8
+
+
+def _model(size_mb: float) -> dict[str, np.ndarray]:
+    rows = max(12, int(size_mb * MB / 4 / COLS / TENSORS) // 12 * 12)
+    rng = np.random.default_rng(0)
+    return {f"layer_{i}/kernel": rng.standard_normal((rows, COLS), dtype=np.float32) for i in range(TENSORS)}
+
+
+def _pieces(model: dict[str, np.ndarray], rank: int, world: int) -> dict[str, ws.Piece]:
+    held = {}
+    for key, value in model.items():
+        rows = value.shape[0] // world
+        held[key] = ws.Piece(value[rank * rows:(rank + 1) * rows], (rank * rows, 0), value.shape)
+    return held
+
+
+def _write(folder: str, model: dict[str, np.ndarray], world: int, step: int) -> None:
+    for rank in range(world):
+        ws.publish_shard(folder, _pieces(model, rank, world), step=step, rank=rank, world=world, attempt=0)
+
+
+def commit_cost(server: CountingS3, size_mb: float) -> str:
+    rows = []
+    for fraction in (0.25, 0.5, 1.0):
+        model = _model(size_mb * fraction)
+        folder = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+        _write(folder, model, 4, step=1)
+        server.reset()
+        started = time.perf_counter()
+        version = ws.commit_shards(folder, step=1, world=4, attempt=0, timeout=60)
+        seconds = time.perf_counter() - started
+        index = next(r.received for r in server.requests if r.method == "PUT" and r.path.endswith(".wsindex"))
+        nbytes = sum(v.nbytes for v in model.values())
+        rows.append([f"{nbytes / MB:,.0f} MB", str(server.count()), f"{server.bytes_sent() / 1024:,.1f} KiB",
+                     f"{server.bytes_received() / 1024:,.1f} KiB", f"{index / 1024:,.1f} KiB", f"{seconds:.2f}"])
+        assert ws.latest(folder).step == version.step
+    return table(["model", "requests", "bytes read", "bytes written", "of which index", "s"], rows)
+
+
+def reader_bytes(server: CountingS3, size_mb: float) -> str:
+    model = _model(size_mb)
+    folder = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    _write(folder, model, 4, step=1)
+    version = ws.commit_shards(folder, step=1, world=4, attempt=0, timeout=60)
+    total_rows = next(iter(model.values())).shape[0]
+    readers: list[tuple[str, tuple[slice, ...]]] = [
+        *((f"rows {i + 1}/3", (slice(i * total_rows // 3, (i + 1) * total_rows // 3),)) for i in range(3)),
+        *((f"columns {i + 1}/2", (slice(None), slice(i * COLS // 2, (i + 1) * COLS // 2))) for i in range(2)),
+        ("whole", ()),
+    ]
+    rows = []
+    for name, region in readers:
+        server.reset()
+        share = 0
+        with ws.open(version) as store:
+            for key, value in model.items():
+                part = store.read_region(key, region)
+                assert part.tobytes() == value[region].tobytes(), (name, key)
+                share += part.nbytes
+        members = sum(r.sent for r in server.requests if "rank-" in r.path)
+        index = sum(r.sent for r in server.requests if r.path.endswith(".wsindex"))
+        rows.append([name, f"{share / MB:,.1f} MB", f"{members / MB:,.1f} MB", fmt_ratio(members / share),
+                     f"{index / 1024:,.1f} KiB", str(server.count())])
+    return table(["reader", "its share", "member bytes fetched", "fetched/share", "index", "requests"], rows)
+
+
+def _writer(folder: str, size_mb: float, rank: int, world: int, start: object, out: object) -> None:
+    model = _model(size_mb)
+    start.wait()  # type: ignore[attr-defined]
+    began = time.perf_counter()
+    ws.publish_shard(folder, _pieces(model, rank, world), step=1, rank=rank, world=world, attempt=0)
+    out.put((rank, began, time.perf_counter()))  # type: ignore[attr-defined]
+
+
+def write_throughput(size_mb: float) -> str:
+    context = multiprocessing.get_context("fork")
+    rows = []
+    nbytes = sum(v.nbytes for v in _model(size_mb).values())
+    for world in (1, 2, 4):
+        folder = tempfile.mkdtemp(prefix="weightstore-shard-bench-")
+        start, out = context.Barrier(world), context.Queue()
+        procs = [context.Process(target=_writer, args=(folder, size_mb, rank, world, start, out)) for rank in range(world)]
+        for proc in procs:
+            proc.start()
+        times = [out.get(timeout=600) for _ in procs]
+        for proc in procs:
+            proc.join()
+        began, ended = min(t[1] for t in times), max(t[2] for t in times)
+        per_writer = [(nbytes / world) / (t[2] - t[1]) for t in times]
+        ws.commit_shards(folder, step=1, world=world, attempt=0, timeout=60)
+        shutil.rmtree(folder, ignore_errors=True)
+        rows.append([str(world), f"{nbytes / MB / (ended - began):,.0f} MB/s",
+                     f"{np.median(per_writer) / MB:,.0f} MB/s", f"{ended - began:.2f}"])
+    return table(["writers", "aggregate", "per writer (median)", "s"], rows)
+
+
+def bench(size_mb: float) -> None:
+    import s3fs
+
+    print(f"## Sharded versions: {size_mb:g} MB model ({machine_line()})\n")
+    server = CountingS3().start()
+    saved = use_environment(server)
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        s3fs.S3FileSystem().mkdir(BUCKET)
+        print("Commit of 4 ranks, counted at the S3 server (the coordinator reads done-records only):\n")
+        print(commit_cost(server, size_mb), "\n")
+        print("Bytes each reader fetches from a version written by 4 ranks by rows (S3):\n")
+        print(reader_bytes(server, size_mb), "\n")
+    finally:
+        server.stop()
+        s3fs.S3FileSystem.clear_instance_cache()
+        restore_environment(saved)
+    print("Write throughput, local folder (CPU-bound: this machine has "
+          f"{multiprocessing.cpu_count()} cores; the per-writer figure is what scales with hosts):\n")
+    print(write_throughput(size_mb))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-mb", type=float, default=64)
+    bench(parser.parse_args().size_mb)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,512 @@
+"""Issue 18's classes of hostile input, each a test: crashes in a subprocess, memory under an
+address-space limit, time under a timeout, and leaked library exceptions as WeightStoreErrors
+naming the file and tensor."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import struct
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import weightstore as ws
+from weightstore import errors
+from weightstore.formats.tf_checkpoint import natural_order, slice_key
+
+sys.path.insert(0, str(Path(__file__).parent))
+import hostile  # noqa: E402
+import tf_forge  # noqa: E402
+from hostile import raises_naming  # noqa: E402
+
+
+def _safetensors(path: Path, header: dict | str, data: bytes = b"") -> Path:
+    raw = (header if isinstance(header, str) else json.dumps(header)).encode("utf-8")
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    return path
+
+
+def _read_all(path) -> None:
+    with ws.open(path) as store:
+        for key in store:
+            store[key]
+
+
+# -- files truncated in place under an open store ----------------------------------------------
+
+def _checkpoint(tmp_path: Path) -> tuple[str, str]:
+    prefix = tf_forge.write(tmp_path / "ckpt", {"a": np.arange(1 << 14, dtype=np.float32),
+                                                 "b": np.ones(1 << 14, np.float32)})
+    return prefix, f"{prefix}.data-00000-of-00001"
+
+
+def _safetensors_store(tmp_path: Path) -> tuple[str, str]:
+    path = tmp_path / "m.safetensors"
+    ws.save(path, {"a": np.arange(1 << 14, dtype=np.float32), "b": np.ones(1 << 14, np.float32)})
+    return str(path), str(path)
+
+
+@pytest.mark.parametrize("make", [_safetensors_store, _checkpoint], ids=["safetensors", "tf-checkpoint"])
+def test_file_truncated_in_place_under_an_open_store_is_refused_not_sigbus(tmp_path, make):
+    """The npz guard (the file's size checked before each read), now every mapped reader's:
+    without it the read of ``b`` touched pages past the new end and the process died of SIGBUS."""
+    opened, data_file = make(tmp_path)
+    result = hostile.run_isolated(
+        f"store = ws.open({opened!r})\n"
+        "a = store['a']\n"
+        f"with open({data_file!r}, 'r+b') as f:\n"
+        "    f.truncate(64)\n"
+        "for how in ('getitem', 'read_into'):\n"
+        "    try:\n"
+        "        store['b'] if how == 'getitem' else store.read_into('b', np.empty(1 << 14, np.float32))\n"
+        "    except ws.FormatError as exc:\n"
+        "        print('REFUSED', how, exc)\n"
+    )
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    assert result.stdout.count("REFUSED") == 2 and data_file in result.stdout and "'b'" in result.stdout
+
+
+# -- library exceptions that leaked ------------------------------------------------------------
+
+def test_tf_entry_of_a_shape_numpy_cannot_make_is_a_format_error(tmp_path):
+    """``(0, 2**62)`` needs no bytes, but numpy counts the zero as one and raised ValueError."""
+    prefix = tf_forge.write(tmp_path / "ckpt", {"w": np.zeros(1, np.float32)},
+                            overrides={"w": {"shape": (0, 2**62), "size": 0, "crc": 0}})
+    with raises_naming(errors.FormatError, f"{prefix}.index", "'w'", "impossible shape"):
+        _read_all(prefix)
+
+
+def test_tf_scalar_with_two_slices_is_a_format_error(tmp_path):
+    """A "partitioned" scalar raised IndexError in the slice-overlap check."""
+    prefix = tmp_path / "ckpt"
+    items = [(b"", tf_forge.header()), (b"v", tf_forge.entry(shape=(), slices=[[], []])),
+             (slice_key(b"v", []), tf_forge.entry(shape=(), size=4))]
+    Path(f"{prefix}.index").write_bytes(tf_forge.table(sorted(items)))
+    Path(f"{prefix}.data-00000-of-00001").write_bytes(bytes(4))
+    with raises_naming(errors.FormatError, f"{prefix}.index", "'v'", "scalar"):
+        _read_all(str(prefix))
+
+
+@pytest.mark.parametrize("edge", ["9" * 5000, "²", "٣"])
+def test_keys_order_without_converting_digits(edge):
+    """Object-graph edges become key segments and keys sort naturally: 5,000 digits (past
+    ``int``'s limit) and ``²`` (``isdigit`` but no ``int``) raised ValueError."""
+    keys = [f"model/{edge}/w", "model/10/w", "model/2/w", "model/x/w"]
+    ordered = sorted(keys, key=natural_order)
+    assert ordered.index("model/2/w") < ordered.index("model/10/w")
+    assert set(ordered) == set(keys)
+
+
+def test_latest_naming_a_step_of_5000_digits_is_a_format_error(tmp_path):
+    ws.publish(tmp_path, {"w": np.zeros(2)}, step=1)
+    pointer = json.loads((tmp_path / "LATEST").read_text())
+    pointer["file"] = "step-" + "9" * 5000 + ".npz"
+    (tmp_path / "LATEST").write_text(json.dumps(pointer))
+    with raises_naming(errors.FormatError, tmp_path, "LATEST"):
+        ws.latest(tmp_path)
+
+
+def test_safetensors_dtype_that_is_a_json_list_is_a_format_error(tmp_path):
+    path = _safetensors(tmp_path / "m.safetensors", {"t": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}},
+                        bytes(4))
+    with raises_naming(errors.FormatError, path, "'t'", "unknown dtype"):
+        ws.open(path)
+
+
+def test_safetensors_metadata_with_a_lone_surrogate_is_refused_at_open(tmp_path):
+    """It read, then failed as UnicodeEncodeError on convert and made ``ws ls --json`` print
+    bytes that are not UTF-8."""
+    path = _safetensors(tmp_path / "m.safetensors",
+                        '{"__metadata__": {"note": "\\ud800"}, "t": {"dtype": "F32", "shape": [1], '
+                        '"data_offsets": [0, 4]}}', bytes(4))
+    with raises_naming(errors.FormatError, path, "'note'", "surrogate"):
+        ws.open(path)
+    from typer.testing import CliRunner
+
+    from weightstore.cli.main import app
+
+    result = CliRunner().invoke(app, ["ls", "--json", str(path)])
+    assert result.exit_code != 0
+    report = json.loads(result.stdout.encode("utf-8"))
+    assert report["error"]["type"] == "FormatError"
+
+
+# -- keys a format reserves; a manifest nobody may change --------------------------------------
+
+@pytest.mark.parametrize("save", ["save", "publish"])
+def test_safetensors_metadata_key_is_refused_before_anything_is_written(tmp_path, save):
+    """A tensor keyed ``__metadata__`` made a file no reader (ours or the library) opens."""
+    weights = {"w": np.zeros(2, np.float32), "__metadata__": np.zeros(2, np.float32)}
+    target = tmp_path / "m.safetensors"
+    with raises_naming(errors.InvalidKeyError, "'__metadata__'", "safetensors"):
+        if save == "save":
+            ws.save(target, weights)
+        else:
+            ws.publish(tmp_path / "versions", weights, step=1, format="safetensors")
+    assert not target.exists() and not list(tmp_path.glob("versions/step-*"))
+    ws.save(tmp_path / "m.npz", weights)  # other formats hold it
+    assert "__metadata__" in ws.load(tmp_path / "m.npz")
+
+
+def _change_user_metadata(path: Path) -> None:
+    """Edit the manifest's user metadata in place of the same length, header untouched otherwise."""
+    data = path.read_bytes()
+    assert data.count(b'\\"lr\\": 0.5') == 1
+    path.write_bytes(data.replace(b'\\"lr\\": 0.5', b'\\"lr\\": 9.5'))
+
+
+def test_changed_safetensors_metadata_fails_load_and_verify(tmp_path):
+    path = tmp_path / "m.safetensors"
+    ws.save(path, {"w": np.arange(4, dtype=np.float32)}, metadata={"lr": 0.5})
+    assert ws.open(path).metadata == {"lr": 0.5}
+    _change_user_metadata(path)
+    with raises_naming(errors.ChecksumError, path, "manifest"):
+        ws.load(path)
+    from typer.testing import CliRunner
+
+    from weightstore.cli.main import app
+
+    result = CliRunner().invoke(app, ["verify", str(path)])
+    assert result.exit_code != 0 and "checksums match" not in result.output
+
+
+def test_safetensors_written_before_the_manifest_checksum_still_read(tmp_path):
+    """A file whose ``__metadata__`` has the manifest but no checksum of it (every file written
+    before the checksum existed) reads as before, with its tensors verified."""
+    path = tmp_path / "m.safetensors"
+    ws.save(path, {"w": np.arange(4, dtype=np.float32)}, metadata={"lr": 0.5})
+    length = struct.unpack("<Q", path.read_bytes()[:8])[0]
+    raw = path.read_bytes()
+    header = json.loads(raw[8 : 8 + length])
+    manifest = header["__metadata__"]["weightstore"]
+    header["__metadata__"]["weightstore"] = manifest[: manifest.rindex(', "checksum"')] + "}"
+    old = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    old += b" " * (length - len(old))  # the data stays where it was
+    path.write_bytes(raw[:8] + old + raw[8 + length :])
+    store = ws.open(path)
+    assert store.has_checksums and store.metadata == {"lr": 0.5}
+    np.testing.assert_array_equal(store["w"], np.arange(4, dtype=np.float32))
+
+
+# -- time: slice tiling -------------------------------------------------------------------------
+
+def _many_slices(prefix: Path, count: int, variables: int) -> str:
+    """``variables`` partitioned variables of shape ``(2, count)``, each in ``count`` column
+    slices: every slice starts at 0 on the first axis, the case a sort by it did not help."""
+    import crc32c
+
+    items, data = [(b"", tf_forge.header())], b""
+    for number in range(variables):
+        name = f"v{number}".encode()
+        slices = [[(0, -1), (column, 1)] for column in range(count)]
+        items.append((name, tf_forge.entry(shape=(2, count), slices=slices)))
+        for extents in slices:
+            raw = np.full((2, 1), extents[1][0], "<f4").tobytes()
+            items.append((slice_key(name, extents), tf_forge.entry(shape=(2, 1), offset=len(data), size=len(raw),
+                                                                    crc=crc32c.crc32c(raw))))
+            data += raw
+    Path(f"{prefix}.index").write_bytes(tf_forge.table(sorted(items)))
+    Path(f"{prefix}.data-00000-of-00001").write_bytes(data)
+    return str(prefix)
+
+
+def test_slice_tiling_is_checked_in_n_log_n_not_quadratic_time(tmp_path):
+    """Five variables of 4,096 slices (a 1 MB index) took 94 s to open; now about a second,
+    here under a 30 s timeout."""
+    prefix = _many_slices(tmp_path / "ckpt", 4096, 5)
+    result = hostile.run_isolated(
+        f"with ws.open({prefix!r}) as store:\n"
+        "    print('READ', len(store), store['v4'][1, 4095])\n", timeout=30)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "READ 5 4095.0" in result.stdout
+
+
+def test_slices_on_an_irregular_grid_are_refused_and_gaps_still_found(tmp_path):
+    """Staggered slices (bricks) cut a grid of far more cells than slices: refused, not
+    compared pairwise. A partition along both axes is read."""
+    import crc32c
+
+    def checkpoint(name: str, slices: list) -> str:
+        prefix = tmp_path / name
+        items, data = [(b"", tf_forge.header())], b""
+        items.append((b"v", tf_forge.entry(shape=(64, 64), slices=slices)))
+        for extents in slices:
+            shape = tuple(length for _, length in extents)
+            raw = np.ones(shape, "<f4").tobytes()
+            items.append((slice_key(b"v", extents), tf_forge.entry(shape=shape, offset=len(data), size=len(raw),
+                                                                    crc=crc32c.crc32c(raw))))
+            data += raw
+        Path(f"{prefix}.index").write_bytes(tf_forge.table(sorted(items)))
+        Path(f"{prefix}.data-00000-of-00001").write_bytes(data)
+        return str(prefix)
+
+    grid = [[(row, 8), (column, 8)] for row in range(0, 64, 8) for column in range(0, 64, 8)]
+    np.testing.assert_array_equal(ws.load(checkpoint("grid", grid))["v"], np.ones((64, 64), np.float32))
+    bricks = []  # rows of bricks 8 wide, each row shifted one further: 64 x 64 cells for 576 slices
+    for row in range(64):
+        cuts = sorted({0, 64, *range(row % 8, 64, 8)})
+        bricks += [[(row, 1), (start, stop - start)] for start, stop in itertools.pairwise(cuts)]
+    with raises_naming(errors.UnsafeFileError, "'v'", "grid"):
+        ws.open(checkpoint("bricks", bricks))
+    with raises_naming(errors.FormatError, "'v'", "do not cover"):
+        ws.open(checkpoint("gap", grid[:-1]))
+
+
+# -- writes the file system refuses -------------------------------------------------------------
+
+def test_saves_and_publishes_past_a_file_size_limit_are_write_errors_naming_the_target(tmp_path):
+    """A full disk or a file-size limit was a bare ``OSError`` without a path, handed as it was
+    to the training loop by the background publisher; now a WriteError (an OSError with its
+    errno) naming the file, and the target is left as it was."""
+    result = hostile.run_isolated(
+        "import errno\n"
+        "weights = {'w': np.ones(1 << 16, np.float32)}\n"
+        f"folder = {str(tmp_path)!r}\n"
+        "def report(what, call):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except ws.WriteError as exc:\n"
+        "        print('REFUSED', what, isinstance(exc, OSError) and exc.errno == errno.EFBIG, exc.path)\n"
+        "report('npz', lambda: ws.save(folder + '/m.npz', weights))\n"
+        "report('safetensors', lambda: ws.save(folder + '/m.safetensors', weights))\n"
+        "report('publish', lambda: ws.publish(folder + '/versions', weights, step=1))\n"
+        "with ws.BackgroundPublisher(folder + '/background') as publisher:\n"
+        "    report('background', lambda: publisher.publish(weights, step=2).result())\n",
+        file_size=1 << 16,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert lines == [
+        f"REFUSED npz True {tmp_path}/m.npz", f"REFUSED safetensors True {tmp_path}/m.safetensors",
+        f"REFUSED publish True {tmp_path}/versions/step-000000000001.npz",
+        f"REFUSED background True {tmp_path}/background/step-000000000002.npz",
+    ], result.stdout
+    assert list(tmp_path.glob("m.*")) == list(tmp_path.glob("*/step-*")) == list(tmp_path.glob("*/LATEST")) == []
+
+
+# -- PyTorch: the strict plan holds ------------------------------------------------------------
+
+def _tied_autoencoder():
+    import torch
+    from torch import nn
+
+    class TiedAutoencoder(nn.Module):
+        """The decoder's weight is the encoder's, transposed: one storage under two keys."""
+
+        def __init__(self):
+            super().__init__()
+            self.encoder = nn.Linear(4, 6, bias=False)
+            self.decoder = nn.Linear(6, 4, bias=False)
+            self.decoder.weight = nn.Parameter(self.encoder.weight.t())
+
+    torch.manual_seed(0)
+    return TiedAutoencoder()
+
+
+def test_torch_tied_transposed_weights_take_one_consistent_value_or_are_refused_naming_both():
+    """They took two values, both reported assigned, and the encoder kept the decoder's."""
+    pytest.importorskip("torch")
+    from weightstore.adapters import torch as torch_adapter
+
+    model = _tied_autoencoder()
+    kernel = np.arange(24, dtype=np.float32).reshape(6, 4)
+    report = torch_adapter.assign(model, {"encoder/weight": kernel, "decoder/weight": kernel.T.copy()})
+    assert sorted(report.assigned) == ["decoder/weight", "encoder/weight"]
+    np.testing.assert_array_equal(model.encoder.weight.detach().numpy(), kernel)
+    with raises_naming(errors.AssignmentError, "decoder/weight", "encoder/weight", "nothing was changed"):
+        torch_adapter.assign(model, {"encoder/weight": kernel, "decoder/weight": -kernel.T.copy()})
+    np.testing.assert_array_equal(model.encoder.weight.detach().numpy(), kernel)
+    report = torch_adapter.assign(model, {"encoder/weight": 2 * kernel, "decoder/weight": -kernel.T.copy()},
+                                  strict=False)
+    assert report.assigned == ["encoder/weight"] and [m.key for m in report.mismatched] == ["decoder/weight"]
+    np.testing.assert_array_equal(model.decoder.weight.detach().numpy(), 2 * kernel.T)
+
+
+def test_torch_assign_into_tensors_that_cannot_be_written_in_place_changes_nothing():
+    """An inference tensor and an expanded buffer: the first tensors were changed, then
+    torch's RuntimeError leaked out of a strict plan."""
+    torch = pytest.importorskip("torch")
+    from torch import nn
+
+    from weightstore.adapters import torch as torch_adapter
+
+    model = nn.Module()
+    model.layer = nn.Linear(2, 2)
+    with torch.inference_mode():
+        model.register_buffer("frozen", torch.zeros(3))
+    model.register_buffer("wide", torch.zeros(1, 3).expand(4, 3))
+    before = {key: value.detach().clone() for key, value in torch_adapter.tensors(model).items()}
+    weights = {"layer/weight": np.ones((2, 2), np.float32), "layer/bias": np.ones(2, np.float32),
+               "frozen": np.ones(3, np.float32), "wide": np.ones((4, 3), np.float32)}
+    with raises_naming(errors.AssignmentError, "frozen", "inference tensor", "wide", "expanded"):
+        torch_adapter.assign(model, weights)
+    assert all(torch.equal(before[key], value) for key, value in torch_adapter.tensors(model).items())
+    report = torch_adapter.assign(model, weights, strict=False)
+    assert sorted(report.assigned) == ["layer/bias", "layer/weight"]
+    assert sorted(m.key for m in report.mismatched) == ["frozen", "wide"]
+
+
+# -- memory: .keras configs are never used to allocate -----------------------------------------
+
+def test_keras_config_claiming_gigabytes_builds_its_model_in_no_memory(tmp_path):
+    """``ws export --model-keys`` of a small archive whose Dense claims a billion units (a
+    12 GB kernel) allocated it; the model is now built without initializing its variables.
+    One subprocess makes a real tiny archive, edits its config, then runs the command under
+    a 4 GB address-space limit, so a regression fails instead of exhausting the machine."""
+    import subprocess
+
+    pytest.importorskip("keras")
+    script = (
+        "import os, resource, sys, zipfile\n"
+        "os.environ['TF_CPP_MIN_LOG_LEVEL'] = '3'\n"
+        "import keras\n"
+        "small, claims, out = sys.argv[1:4]\n"
+        "keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, name='dense')]).save(small)\n"
+        "with zipfile.ZipFile(small) as source, zipfile.ZipFile(claims, 'w') as target:\n"
+        "    for info in source.infolist():\n"
+        "        data = source.read(info)\n"
+        "        if info.filename == 'config.json':\n"
+        "            assert data.count(b'\"units\": 4') == 1\n"
+        "            data = data.replace(b'\"units\": 4', b'\"units\": 1000000000')\n"
+        "        target.writestr(info, data)\n"
+        "print('ARCHIVE', os.path.getsize(claims), flush=True)\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))\n"
+        "from weightstore.cli.main import main\n"
+        "sys.argv = ['ws', 'export', claims, '-o', out, '--model-keys']\n"
+        "main()\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "small.keras"), str(tmp_path / "claims.keras"),
+                             str(tmp_path / "out.npz")], capture_output=True, text=True, timeout=240)
+    assert "ARCHIVE" in result.stdout, result.stderr[-2000:]
+    assert int(result.stdout.split("ARCHIVE ")[1].split()[0]) < 64 << 10
+    assert result.returncode == 0 and "OOM" not in result.stderr, result.stderr[-2000:]  # the kernel was allocated
+    assert "wrote 2 tensors" in result.stderr + result.stdout
+
+
+# -- memory: TF checkpoint indexes and object graphs ------------------------------------------
+
+def test_index_keys_sharing_prefixes_are_bounded_by_the_table_size(tmp_path):
+    """50,000 entries of 4 bytes whose keys each extend the last made 1.2 GB of keys from a
+    200 KB index; now refused before a key past 16x the table is made (256 MB here)."""
+    prefix = tf_forge.shared_prefix_index(tmp_path / "keys", 40_000)
+    assert Path(f"{prefix}.index").stat().st_size < 300 << 10
+    result = hostile.run_isolated(
+        f"try:\n    ws.open({prefix!r})\nexcept ws.UnsafeFileError as exc:\n    print('REFUSED', exc)\n",
+        timeout=60, address_space=256 << 20)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "REFUSED" in result.stdout and "keys.index" in result.stdout and "shared prefixes" in result.stdout
+
+
+def test_object_graph_paths_are_bounded_by_the_graph_size(tmp_path):
+    """A chain of 12,000 one-letter edges (120 KB) made 72 million path segments (0.7 GB); the
+    walk now stops at 8 per byte and the keys fall back to the entry names."""
+    prefix = tf_forge.with_object_graph(tmp_path / "deep", tf_forge.chain_graph(12_000),
+                                        {"w/.ATTRIBUTES/VARIABLE_VALUE": np.arange(3, dtype=np.float32)})
+    result = hostile.run_isolated(
+        f"with ws.open({prefix!r}) as store:\n    print('KEYS', store.keys(), store['w'])\n",
+        timeout=60, address_space=256 << 20)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "KEYS ['w'] [0. 1. 2.]" in result.stdout
+
+
+@pytest.mark.parametrize("edge", ["9" * 5000, "²"])
+def test_object_graph_edges_that_no_int_reads_key_their_variables(tmp_path, edge):
+    from weightstore.formats.tf_protos import TrackableObjectGraph
+
+    graph = TrackableObjectGraph()
+    root, layer, variable = graph.nodes.add(), graph.nodes.add(), graph.nodes.add()
+    root.children.add(node_id=1, local_name=edge)
+    layer.children.add(node_id=2, local_name="kernel")
+    variable.attributes.add(name="VARIABLE_VALUE", checkpoint_key="k/.ATTRIBUTES/VARIABLE_VALUE")
+    prefix = tf_forge.with_object_graph(tmp_path / "edge", graph.SerializeToString(),
+                                        {"k/.ATTRIBUTES/VARIABLE_VALUE": np.ones(2, np.float32),
+                                         "z/.ATTRIBUTES/VARIABLE_VALUE": np.zeros(1, np.float32)})
+    with ws.open(prefix) as store:
+        assert store.keys() == [f"{edge}/kernel", "z"] or store.keys() == ["z", f"{edge}/kernel"]
+        np.testing.assert_array_equal(store[f"{edge}/kernel"], np.ones(2, np.float32))
+
+
+# -- .keras archives ---------------------------------------------------------------------------
+
+def _keras_archive(path: Path, *, extra_members: int = 0) -> Path:
+    """A ``.keras`` archive made by hand: config, metadata and a Keras-style weights file."""
+    import io
+    import zipfile
+
+    import h5py
+
+    weights = io.BytesIO()
+    with h5py.File(weights, "w") as handle:
+        handle["layers/dense/vars/0"] = np.ones((3, 4), np.float32)
+    with zipfile.ZipFile(path, "w") as archive:
+        for number in range(extra_members):
+            archive.writestr(f"assets/{number}", b"")
+        archive.writestr("metadata.json", "{}")
+        archive.writestr("config.json", '{"class_name": "Sequential", "config": {}}')
+        archive.writestr("model.weights.h5", weights.getvalue())
+    return path
+
+
+def test_keras_archive_missing_its_first_bytes_is_a_format_error(tmp_path):
+    """Found by atheris: the weights member then lies before the file's start, and seeking
+    there leaked ``OSError [Errno 22]``."""
+    import zipfile
+
+    path = _keras_archive(tmp_path / "whole.keras")
+    with zipfile.ZipFile(path) as archive:
+        weights_at = archive.getinfo("model.weights.h5").header_offset
+    cut = tmp_path / "cut.keras"
+    cut.write_bytes(path.read_bytes()[weights_at + 1 :])
+    with raises_naming(errors.FormatError, cut, "model.weights.h5"):
+        ws.load(cut)
+
+
+def test_keras_archive_directory_of_thousands_of_members_is_refused_before_it_is_parsed(tmp_path):
+    """``zipfile`` makes a 500-byte object of each 46-byte entry: 9x the file, unbounded."""
+    path = _keras_archive(tmp_path / "crowded.keras", extra_members=5000)
+    with raises_naming(errors.UnsafeFileError, path, "5003 members"):
+        ws.load(path)
+    assert ws.load(_keras_archive(tmp_path / "fine.keras", extra_members=10))["layers/dense/vars/0"].shape == (3, 4)
+
+
+# -- memory: JSON manifests --------------------------------------------------------------------
+
+def test_deflated_manifest_of_nested_objects_is_refused_before_it_is_inflated(tmp_path):
+    """A manifest of 2.7 million empty objects, deflated (UTF-32 JSON deflates 1000x): it
+    inflated to 32 MB of text, then parsed into 170 MB of dicts, from a file of 40 KB; the
+    member may now inflate 32x, and any manifest holds at most one object per 4 bytes."""
+    import zlib
+
+    metadata = "[" + ",".join(["{}"] * 2_700_000) + "]"
+    text = json.dumps({"format": "weightstore", "version": 1, "tensors": {}})[:-1] + ', "metadata": ' + metadata + "}"
+    payload = hostile.npy(np.array(text))
+    path = tmp_path / "nested.npz"
+    path.write_bytes(hostile.zip_bytes([hostile.Member("__weightstore__.npy", hostile.deflated(payload),
+                                                       method=8, size=len(payload), crc=zlib.crc32(payload))]))
+    del payload, text
+    assert path.stat().st_size < 64 << 10
+    result = hostile.run_isolated(
+        f"try:\n    ws.open({str(path)!r})\nexcept ws.UnsafeFileError as exc:\n    print('REFUSED', exc)\n",
+        address_space=160 << 20)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "REFUSED" in result.stdout and "manifest" in result.stdout and "nested.npz" in result.stdout
+    from weightstore.manifest import parse_manifest
+
+    with raises_naming(errors.UnsafeFileError, "m.npz", "JSON objects and arrays"):
+        parse_manifest('{"format": "weightstore", "version": 1, "tensors": {}, "metadata": [' + "[]," * 10_000 + "0]}",
+                       "m.npz")
+
+
+def test_safetensors_header_dense_with_arrays_is_refused_before_it_is_parsed(tmp_path):
+    """A 3 MB header of a million empty lists made 81 MB of lists before its entry was found
+    malformed; it is now refused from a count of its brackets (9 MB in all)."""
+    header = '{"t": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "x": [' + ",".join(["[]"] * 1_000_000) + "]}"
+    path = _safetensors(tmp_path / "dense.safetensors", header, bytes(4))
+    result = hostile.run_isolated(
+        f"try:\n    ws.open({str(path)!r})\nexcept ws.UnsafeFileError as exc:\n    print('REFUSED', exc)\n",
+        address_space=48 << 20)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "REFUSED" in result.stdout and "dense.safetensors" in result.stdout and "JSON objects and arrays" in result.stdout

@@ -1,0 +1,350 @@
+"""Sharded versions: many writer processes, one coordinator, readers partitioned their own way."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import weightstore as ws
+from weightstore import shards, versions
+from weightstore.shardindex import ShardIndex, seal
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: the model every writer process and the test build alike, and how the ranks split it
+MODEL = textwrap.dedent("""
+    import numpy as np, ml_dtypes
+    import weightstore as ws
+
+    def model():
+        rng = np.random.default_rng(23)
+        return {
+            "dense/kernel": rng.standard_normal((96, 2048)).astype(np.float32),
+            "dense/bias": rng.standard_normal(2048).astype(np.float32),
+            "emb": rng.standard_normal((64, 512)).astype(ml_dtypes.bfloat16),
+            "two": rng.standard_normal((40, 8)).astype(np.float32),
+            "step": np.array(7, np.int64),
+        }
+
+    def pieces_of(rank, world=4):
+        m, rows = model(), 96 // world
+        held = {"dense/kernel": ws.Piece(m["dense/kernel"][rank * rows:(rank + 1) * rows], (rank * rows, 0), (96, 2048)),
+                "emb": ws.Piece(m["emb"][:, rank * 128:(rank + 1) * 128], (0, rank * 128), (64, 512))}
+        if rank == 0:
+            held["step"] = m["step"]
+        if rank == 3:
+            held["dense/bias"] = m["dense/bias"]
+        if rank == 1:  # two pieces of one key in one member
+            held["two"] = [ws.Piece(m["two"][0:10], (0, 0), (40, 8)), ws.Piece(m["two"][20:30], (20, 0), (40, 8))]
+        if rank == 2:
+            held["two"] = [ws.Piece(m["two"][10:20], (10, 0), (40, 8)), ws.Piece(m["two"][30:40], (30, 0), (40, 8))]
+        return held
+""")
+namespace: dict = {}
+exec(MODEL, namespace)  # noqa: S102 - the same model text the writer processes run
+model, pieces_of = namespace["model"], namespace["pieces_of"]
+
+WRITER = MODEL + textwrap.dedent("""
+    import os, sys
+    from weightstore import shards, versions
+    folder, rank, attempt, kill_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    def stage(name):
+        if name == kill_at:
+            os.kill(os.getpid(), 9)
+    shards._stage = versions._stage = stage
+    ws.publish_shard(folder, pieces_of(rank), step=int(sys.argv[5]), rank=rank, world=4, attempt=attempt)
+""")
+
+
+def write_ranks(folder, *, step=2, attempt=0, kill=None, env=None, ranks=range(4)):
+    """Writer processes at once, one per rank; ``kill``: (rank, stage) that rank SIGKILLs itself at."""
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(folder), str(rank), str(attempt),
+                               kill[1] if kill and kill[0] == rank else "", str(step)],
+                              env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, stderr=subprocess.PIPE)
+             for rank in ranks]
+    codes = []
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        codes.append(proc.returncode)
+        assert proc.returncode in (0, -9), err.decode()
+    return codes
+
+
+def test_four_writers_read_back_in_any_partitioning(tmp_path):
+    folder = tmp_path / "run"
+    ws.publish(folder, {"dense/kernel": np.zeros(3)}, step=1)
+    assert write_ranks(folder) == [0, 0, 0, 0]
+    assert ws.latest(folder).step == 1  # nothing visible before the commit
+    version = shards.commit_shards(folder, step=2, world=4, attempt=0, timeout=10, metadata={"loss": 0.5})
+    assert Path(version.path).name == "step-000000000002.wsindex"
+    assert ws.latest(folder).path == version.path and ws.latest(folder).metadata == {"loss": 0.5}
+    expected = model()
+    with ws.open(ws.latest(folder)) as store:
+        assert sorted(store) == sorted(expected)
+        assert store.info("emb").dtype == "bfloat16" and store.info("emb").shape == (64, 512)
+        for key, value in expected.items():  # whole
+            assert store[key].dtype == value.dtype and store[key].tobytes() == value.tobytes(), key
+        kernel = expected["dense/kernel"]
+        for part in range(3):  # 3 ways after 4, by rows
+            rows = slice(part * 32, (part + 1) * 32)
+            assert store.read_region("dense/kernel", (rows,)).tobytes() == kernel[rows].tobytes()
+        for part in range(4):  # columns after rows, rows after columns
+            cols = slice(part * 512, (part + 1) * 512)
+            assert store.read_region("dense/kernel", (slice(None), cols)).tobytes() == kernel[:, cols].tobytes()
+            assert store.read_region("emb", (slice(part * 16, part * 16 + 16),)).tobytes() == (
+                expected["emb"][part * 16:part * 16 + 16].tobytes())
+        assert store.read_region("two", (slice(5, 35), slice(2, 3))).tobytes() == expected["two"][5:35, 2:3].tobytes()
+    loaded = ws.load(version, regions={"dense/kernel": (slice(10, 50), slice(7, 9))})
+    assert loaded["dense/kernel"].tobytes() == kernel[10:50, 7:9].tobytes()
+    assert loaded["step"] == 7
+    # each member stands alone: an ordinary safetensors file under the global keys
+    from safetensors.numpy import load_file
+
+    member = folder / "step-000000000002.attempt-0" / "rank-00001.safetensors"
+    assert sorted(load_file(str(member))) == ["dense/kernel", "emb", "two@0,0", "two@20,0"]
+    with ws.open(member) as alone:
+        assert alone.metadata[shards.SHARD_METADATA]["pieces"]["two@20,0"] == {"key": "two", "start": [20, 0],
+                                                                              "shape": [40, 8]}
+    # steps go on across plain and sharded versions
+    with pytest.raises(ws.PublishError, match="not after step 2"):
+        ws.publish(folder, {"a": np.zeros(1)}, step=2)
+    ws.publish(folder, {"a": np.zeros(1)}, step=3)
+
+
+def test_a_killed_writer_times_out_and_a_retry_commits(tmp_path):
+    folder = tmp_path / "run"
+    ws.publish(folder, {"a": np.zeros(1)}, step=1)
+    for rank in (0, 1, 3):
+        ws.publish_shard(folder, pieces_of(rank), step=2, rank=rank, world=4, attempt=0)
+    assert write_ranks(folder, kill=(2, "member-temporary"), ranks=[2]) == [-9]  # SIGKILLed mid-save
+    with pytest.raises(ws.ShardTimeoutError, match="rank 2 of 4 did not finish") as caught:
+        shards.commit_shards(folder, step=2, world=4, attempt=0, timeout=0.5)
+    assert caught.value.missing == [2] and isinstance(caught.value, TimeoutError)
+    assert ws.latest(folder).step == 1 and not (folder / "step-000000000002.wsindex").exists()
+    for rank in range(4):  # the job restarts: attempt 1
+        ws.publish_shard(folder, pieces_of(rank), step=2, rank=rank, world=4, attempt=1)
+    version = shards.commit_shards(folder, step=2, world=4, attempt=1, timeout=5)
+    assert ws.latest(folder).step == 2
+    assert ws.load(version)["two"].tobytes() == model()["two"].tobytes()
+    assert sorted(p.name for p in folder.iterdir() if p.is_dir()) == ["step-000000000002.attempt-1"]
+
+
+def test_a_killed_coordinator_leaves_nothing_visible_and_the_retry_commits(tmp_path):
+    folder = tmp_path / "run"
+    ws.publish(folder, {"a": np.zeros(1)}, step=1)
+    for rank in range(4):
+        ws.publish_shard(folder, pieces_of(rank), step=2, rank=rank, world=4, attempt=0)
+    script = ("import sys; from weightstore import shards, versions; import os\n"
+              "versions._stage = shards._stage = lambda s: s == 'index-written' and os.kill(os.getpid(), 9)\n"
+              f"shards.commit_shards({str(folder)!r}, step=2, world=4, attempt=0, timeout=5)\n")
+    proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    assert proc.returncode == -9
+    assert (folder / "step-000000000002.wsindex").exists() and ws.latest(folder).step == 1
+    version = shards.commit_shards(folder, step=2, world=4, attempt=0, timeout=5)
+    assert ws.latest(folder).step == 2 and ws.load(version)["step"] == 7
+
+
+def test_two_coordinators_racing_one_step_locally(tmp_path):
+    folder = tmp_path / "run"
+    for rank in range(4):
+        ws.publish_shard(folder, pieces_of(rank), step=2, rank=rank, world=4, attempt=0)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(_outcome(shards.commit_shards, folder)))
+               for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert sorted(type(r).__name__ for r in results) == ["PublishError", "Version"]
+    assert ws.latest(folder).step == 2
+
+
+def _outcome(commit, folder):
+    try:
+        return commit(folder, step=2, world=4, attempt=0, timeout=5)
+    except ws.PublishError as exc:
+        return exc
+
+
+@pytest.mark.parametrize("case, words", [
+    ("overlap", "overlap"),
+    ("gap", "do not cover"),
+    ("dtype", "disagree"),
+    ("shape", "disagree"),
+])
+def test_pieces_that_do_not_tile_are_refused_naming_the_key(tmp_path, case, words):
+    folder = tmp_path / "run"
+    ws.publish(folder, {"a": np.zeros(1)}, step=1)
+    a = np.arange(12, dtype=np.float32).reshape(6, 2)
+    rank0 = {"w": ws.Piece(a[:3], (0, 0), (6, 2))}
+    rank1 = {
+        "overlap": {"w": ws.Piece(a[2:], (2, 0), (6, 2))},
+        "gap": {"w": ws.Piece(a[4:], (4, 0), (6, 2))},
+        "dtype": {"w": ws.Piece(a[3:].astype(np.float64), (3, 0), (6, 2))},
+        "shape": {"w": ws.Piece(a[3:], (3, 0), (7, 2))},
+    }[case]
+    ws.publish_shard(folder, rank0, step=2, rank=0, world=2, attempt=0)
+    ws.publish_shard(folder, rank1, step=2, rank=1, world=2, attempt=0)
+    with pytest.raises(ws.PublishError, match=words) as caught:
+        shards.commit_shards(folder, step=2, world=2, attempt=0, timeout=5)
+    assert caught.value.key == "w"
+    assert ws.latest(folder).step == 1 and not (folder / "step-000000000002.wsindex").exists()
+
+
+def test_bad_pieces_are_refused_before_anything_is_written(tmp_path):
+    folder = tmp_path / "run"
+    with pytest.raises(ValueError, match="does not fit"):
+        ws.publish_shard(folder, {"w": ws.Piece(np.zeros((3, 2)), (4, 0), (6, 2))}, step=1, rank=0, world=1, attempt=0)
+    with pytest.raises(ws.UnsupportedDTypeError):
+        ws.publish_shard(folder, {"w": np.array(["x"], object)}, step=1, rank=0, world=1, attempt=0)
+    with pytest.raises(ValueError, match="rank 2 is not below world 2"):
+        ws.publish_shard(folder, {"w": np.zeros(2)}, step=1, rank=2, world=2, attempt=0)
+    assert not folder.exists() or not any(folder.rglob("*.safetensors"))
+    ws.publish(folder, {"a": np.zeros(1)}, step=5)
+    with pytest.raises(ws.PublishError, match="not after step 5"):
+        ws.publish_shard(folder, {"w": np.zeros(2)}, step=5, rank=0, world=1, attempt=0)
+
+
+def test_follow_latest_and_retention_treat_a_sharded_version_like_any(tmp_path):
+    folder = tmp_path / "run"
+    for step in (1, 2, 3):
+        for rank in range(2):
+            ws.publish_shard(folder, {"w": ws.Piece(np.full((2, 3), step, np.float32), (2 * rank, 0), (4, 3))},
+                             step=step, rank=rank, world=2, attempt=0)
+        shards.commit_shards(folder, step=step, world=2, attempt=0, timeout=5, keep=2)
+    ws.publish(folder, {"w": np.full((4, 3), 4, np.float32)}, step=4, keep=2)
+    names = sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
+    assert names == ["LATEST", "step-000000000003.attempt-0", "step-000000000003.wsindex", "step-000000000004.npz"]
+    assert [entry.step for entry in versions.list_versions(folder)] == [3, 4]
+    version = next(ws.follow(folder, after=2, timeout=1))
+    assert version.step == 4
+
+
+def test_a_corrupt_block_is_refused_naming_the_key(tmp_path):
+    folder = tmp_path / "run"
+    a = np.arange(600_000, dtype=np.float32).reshape(1000, 600)
+    ws.publish_shard(folder, {"w": a}, step=1, rank=0, world=1, attempt=0)
+    shards.commit_shards(folder, step=1, world=1, attempt=0, timeout=5)
+    member = folder / "step-000000000001.attempt-0" / "rank-00000.safetensors"
+    data = bytearray(member.read_bytes())
+    data[-10] ^= 0xFF  # the last block
+    member.write_bytes(bytes(data))
+    with ws.open(ws.latest(folder)) as store:
+        assert store.read_region("w", (slice(0, 100),)).tobytes() == a[:100].tobytes()  # blocks untouched
+        with pytest.raises(ws.ChecksumError, match="is corrupt") as caught:
+            store.read_region("w", (slice(990, 1000),))
+        assert caught.value.key == "w" and caught.value.path.endswith(".wsindex")
+
+
+def hostile_index(tmp_path, edit):
+    folder = tmp_path / "run"
+    a = np.arange(24, dtype=np.float32).reshape(6, 4)
+    for rank in range(2):
+        ws.publish_shard(folder, {"w": ws.Piece(a[3 * rank:3 * rank + 3], (3 * rank, 0), (6, 4))},
+                         step=1, rank=rank, world=2, attempt=0)
+    version = shards.commit_shards(folder, step=1, world=2, attempt=0, timeout=5)
+    raw = json.loads(Path(version.path).read_text())
+    raw.pop("crc32")
+    edit(raw)
+    Path(version.path).write_bytes(seal(raw))  # a hostile writer seals what it wrote
+    return version.path
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda raw: raw["tensors"]["w"]["pieces"][1].update(offset=10 ** 9), "past the end of member"),
+    (lambda raw: raw["tensors"]["w"]["pieces"][1].update(start=[2, 0]), "overlap"),
+    (lambda raw: raw["tensors"]["w"]["pieces"][1]["crcs"].append(1), "block checksums"),
+    (lambda raw: raw["tensors"]["w"].update(shape=[7, 4]), "do not cover"),
+    (lambda raw: raw["tensors"]["w"]["pieces"][1].update(member=5), "member 5"),
+    (lambda raw: raw["tensors"]["w"]["pieces"][1].update(member=0), "overlap another's in member"),
+    (lambda raw: raw["tensors"]["w"]["pieces"].extend([raw["tensors"]["w"]["pieces"][0]] * 20000), "pieces, over"),
+    (lambda raw: raw["tensors"]["w"].update(dtype="object"), "unknown dtype"),
+    (lambda raw: raw["tensors"]["w"]["pieces"][1].update(start=[2 ** 63, 0]), "below 2\\*\\*62"),
+])
+def test_a_hostile_index_is_refused_naming_file_and_key(tmp_path, edit, words):
+    path = hostile_index(tmp_path, edit)
+    with pytest.raises(ws.FormatError, match=words) as caught:
+        ws.open(path)
+    assert caught.value.path == path and caught.value.key == "w"
+
+
+def test_a_hostile_index_cannot_name_files_outside_its_attempt(tmp_path):
+    path = hostile_index(tmp_path, lambda raw: raw["members"][0].update(file="../../etc/passwd"))
+    with pytest.raises(ws.FormatError, match="member 0 must be") as caught:
+        ws.open(path)
+    assert caught.value.path == path
+    with pytest.raises(ws.FormatError, match="not a weightstore-sharded file"):
+        ShardIndex.parse(seal({"format": "weightstore-latest"}), "x.wsindex")
+    data = bytearray(Path(path).read_bytes())
+    data[data.index(b'"offset":') + 9] ^= 1  # one digit of an offset, not resealed
+    Path(path).write_bytes(bytes(data))
+    with pytest.raises(ws.FormatError, match="CRC-32 does not match"):
+        ws.open(path)
+
+
+def test_bfloat16_regions_keep_their_dtype(tmp_path):
+    folder = tmp_path / "run"
+    a = np.random.default_rng(1).standard_normal((8, 5)).astype(ml_dtypes.bfloat16)
+    ws.publish_shard(folder, {"e": ws.Piece(a[:, :2], (0, 0), (8, 5))}, step=1, rank=0, world=2, attempt=0)
+    ws.publish_shard(folder, {"e": ws.Piece(a[:, 2:], (0, 2), (8, 5))}, step=1, rank=1, world=2, attempt=0)
+    version = shards.commit_shards(folder, step=1, world=2, attempt=0, timeout=5)
+    part = ws.open(version).read_region("e", (slice(1, 7), slice(1, 4)))
+    assert part.dtype == a.dtype and part.tobytes() == a[1:7, 1:4].tobytes()
+
+
+def test_the_cli_lists_verifies_exports_and_cleans_a_sharded_version(tmp_path):
+    from typer.testing import CliRunner
+
+    from weightstore.cli.main import app
+
+    def run(*args):
+        return CliRunner().invoke(app, [str(a) for a in args])
+
+    folder = tmp_path / "run"
+    for rank in range(4):
+        ws.publish_shard(folder, pieces_of(rank), step=2, rank=rank, world=4, attempt=0)
+    version = shards.commit_shards(folder, step=2, world=4, attempt=0, timeout=5)
+    listed = run("versions", folder, "--json")
+    assert listed.exit_code == 0, listed.output
+    entry = json.loads(listed.output)["versions"][0]
+    members = sorted((folder / "step-000000000002.attempt-0").glob("*.safetensors"))
+    assert entry["members"] == 4 and entry["member_bytes"] == sum(p.stat().st_size for p in members)
+    assert "4 members" in run("versions", folder).output
+    ls = run("ls", version.path, "--json")
+    assert {t["key"]: t["shape"] for t in json.loads(ls.output)["tensors"]}["dense/kernel"] == [96, 2048]
+    assert run("verify", version.path).exit_code == 0
+    whole = tmp_path / "whole.safetensors"
+    assert run("export", version.path, "-o", whole).exit_code == 0
+    from safetensors.numpy import load_file
+
+    assert load_file(str(whole))["dense/kernel"].tobytes() == model()["dense/kernel"].tobytes()
+    data = bytearray(members[1].read_bytes())
+    data[-100] ^= 1
+    members[1].write_bytes(bytes(data))
+    assert run("verify", version.path).exit_code == 1
+    (folder / "step-000000000001.attempt-0").mkdir()  # a dead attempt of an older step
+    (folder / "step-000000000003.attempt-2").mkdir()  # and one of a commit that never came
+    cleaned = run("clean", folder, "--json")
+    assert sorted(json.loads(cleaned.output)["removed"]) == ["step-000000000001.attempt-0",
+                                                             "step-000000000003.attempt-2"]
+    assert (folder / "step-000000000002.wsindex").exists() and (folder / "step-000000000002.attempt-0").is_dir()
+
+
+def test_read_region_and_load_regions_on_a_plain_store(tmp_path):
+    path = tmp_path / "m.npz"
+    a = np.arange(24, dtype=np.float32).reshape(4, 6)
+    ws.save(path, {"a": a, "b": np.zeros(2)})
+    with ws.open(path) as store:
+        assert store.read_region("a", (slice(1, 3), slice(2, 5))).tobytes() == a[1:3, 2:5].tobytes()
+        with pytest.raises(ws.TargetError, match="has a step; regions are contiguous"):
+            store.read_region("a", (slice(0, 4, 2),))
+    assert ws.load(path, regions={"a": (slice(3, None),)})["a"].tobytes() == a[3:].tobytes()
+    with pytest.raises(ws.KeyNotInStoreError):
+        ws.load(path, regions={"c": (slice(0, 1),)})

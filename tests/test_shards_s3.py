@@ -1,0 +1,141 @@
+"""Sharded versions on S3 (moto on 127.0.0.1, counting at the server): bytes per reader, racing commits."""
+
+import sys
+import threading
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("s3fs")
+pytest.importorskip("moto.server")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import weightstore as ws  # noqa: E402
+from benchmarks.s3_server import CountingS3, restore_environment, use_environment  # noqa: E402
+from weightstore import shards, versions  # noqa: E402
+
+BUCKET = "weightstore-shards"
+#: 23 MiB in rows of 16 KiB, 375 rows a writer and 500 a reader: a reader's region starts and
+#: ends inside blocks (16 rows) of the pieces, so it fetches up to two partial 256 KiB blocks
+#: beyond its 7.8 MiB share, under 10% of it
+ROWS, COLS = 1500, 4096
+
+
+@pytest.fixture(scope="module")
+def server():
+    import s3fs
+
+    server = CountingS3().start()
+    saved = use_environment(server)
+    s3fs.S3FileSystem.clear_instance_cache()
+    s3fs.S3FileSystem().mkdir(BUCKET)
+    try:
+        yield server
+    finally:
+        server.stop()
+        s3fs.S3FileSystem.clear_instance_cache()
+        restore_environment(saved)
+
+
+@pytest.fixture
+def folder(server):
+    server.reset()
+    return f"s3://{BUCKET}/{uuid.uuid4().hex}"
+
+
+def write(folder, weights, world, *, step, attempt=0):
+    rows = weights.shape[0] // world
+    for rank in range(world):
+        ws.publish_shard(folder, {"w": ws.Piece(weights[rank * rows:(rank + 1) * rows], (rank * rows, 0),
+                                                weights.shape)}, step=step, rank=rank, world=world, attempt=attempt)
+
+
+def test_readers_fetch_only_their_share(server, folder):
+    weights = np.random.default_rng(0).standard_normal((ROWS, COLS)).astype(np.float32)
+    write(folder, weights, 4, step=1)
+    server.reset()
+    version = shards.commit_shards(folder, step=1, world=4, attempt=0, timeout=10)
+    commit_get = sum(r.sent for r in server.requests if r.method == "GET" and "rank-" in r.path and ".done" not in r.path)
+    assert commit_get == 0  # the coordinator never reads a tensor byte
+    share = weights.nbytes // 3
+    for part in range(3):  # part 0 ends, part 1 starts and ends, part 2 starts inside a block
+        server.reset()
+        rows = slice(part * ROWS // 3, (part + 1) * ROWS // 3)
+        with ws.open(ws.latest(folder)) as store:
+            got = store.read_region("w", (rows,))
+        assert got.tobytes() == weights[rows].tobytes()
+        index_bytes = sum(r.sent for r in server.requests if r.path.endswith((".wsindex", "LATEST")))
+        member_bytes = sum(r.sent for r in server.requests if "rank-" in r.path)
+        assert share < member_bytes <= 1.1 * share, (part, member_bytes / share)
+        assert server.bytes_sent() == index_bytes + member_bytes
+    server.reset()
+    assert ws.load(version)["w"].tobytes() == weights.tobytes()  # whole, from S3
+    assert sum(r.sent for r in server.requests if "rank-" in r.path) == weights.nbytes
+
+
+def test_a_missing_rank_on_s3_times_out_and_nothing_is_published(server, folder):
+    ws.publish(folder, {"w": np.zeros(2)}, step=1)
+    weights = np.zeros((8, 4), np.float32)
+    ws.publish_shard(folder, {"w": ws.Piece(weights[:4], (0, 0), (8, 4))}, step=2, rank=0, world=2, attempt=0)
+    with pytest.raises(ws.ShardTimeoutError, match="rank 1 of 2"):
+        shards.commit_shards(folder, step=2, world=2, attempt=0, timeout=0.3)
+    assert ws.latest(folder).step == 1
+
+
+def race(count, commit):
+    """``count`` commits that all read the folder's state before any of them writes."""
+    barrier = threading.Barrier(count)
+    saved = versions._stage
+    outcomes: list = [None] * count
+
+    def hold(name):
+        if name == "cleaned":
+            barrier.wait(timeout=30)
+
+    def run(i):
+        try:
+            outcomes[i] = commit(i)
+        except ws.PublishError as exc:
+            outcomes[i] = exc
+
+    versions._stage = hold
+    try:
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    finally:
+        versions._stage = saved
+    return outcomes
+
+
+def test_two_coordinators_racing_one_step_exactly_one_wins(server, folder):
+    weights = np.arange(64, dtype=np.float32).reshape(8, 8)
+    write(folder, weights, 2, step=3)
+    outcomes = race(2, lambda i: shards.commit_shards(folder, step=3, world=2, attempt=0, timeout=5))
+    assert sorted(type(o).__name__ for o in outcomes) == ["PublishError", "Version"]
+    assert "another coordinator" in str(next(o for o in outcomes if isinstance(o, ws.PublishError)))
+    assert ws.latest(folder).step == 3 and ws.load(ws.latest(folder))["w"].tobytes() == weights.tobytes()
+
+
+def test_coordinators_of_two_steps_racing_never_move_latest_back(server, folder):
+    weights = np.arange(64, dtype=np.float32).reshape(8, 8)
+    write(folder, weights, 2, step=4)
+    write(folder, weights + 1, 2, step=5)
+    outcomes = race(2, lambda i: shards.commit_shards(folder, step=4 + i, world=2, attempt=0, timeout=5))
+    won = [o for o in outcomes if isinstance(o, ws.Version)]
+    assert len(won) == 1 and "LATEST changed" in str(next(o for o in outcomes if isinstance(o, ws.PublishError)))
+    assert ws.latest(folder).step == won[0].step
+    assert ws.load(ws.latest(folder))["w"][0, 0] == won[0].step - 4  # the winner's own weights
+
+
+def test_plain_publishers_racing_on_s3_leave_latest_at_the_winner(server, folder):
+    ws.publish(folder, {"w": np.zeros(2)}, step=1)
+    outcomes = race(2, lambda i: ws.publish(folder, {"w": np.full(2, 10 + i)}, step=10 + i))
+    won = [o for o in outcomes if isinstance(o, ws.Version)]
+    assert len(won) == 1 and sum(isinstance(o, ws.PublishError) for o in outcomes) == 1
+    assert ws.latest(folder).step == won[0].step

@@ -1,0 +1,217 @@
+"""Reading a sharded version: its index opened as a store of global keys and global shapes.
+
+``ws.open("step-000000000042.wsindex")`` (or a :class:`~weightstore.versions.Version` naming
+one) gives a :class:`~weightstore.store.Store` like any other: ``store[key]`` assembles the whole
+tensor from its pieces, ``store.read_region(key, region)`` only the part a tuple of slices
+names. Either way the reader fetches, from each member that holds part of it, only the blocks
+(:mod:`weightstore.shardindex`) that intersect what is asked, in one ranged read per piece,
+and verifies each block's CRC-32 before a byte of it is used. Members are never opened as
+stores: the index already says where everything is, so their headers are never fetched.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from weightstore.errors import ChecksumError, KeyNotInStoreError, TargetError, WeightStoreError
+from weightstore.formats import Format, ReaderDefaults
+from weightstore.io.buffer import aligned_array
+from weightstore.io.location import location_of
+from weightstore.io.ranges import RangedFile
+from weightstore.io.source import byte_source
+from weightstore.manifest import crc32, from_storage, storage_dtype
+from weightstore.shardindex import MAX_INDEX_BYTES, PieceEntry, ShardIndex, TensorEntry, row_bytes, rows_of
+from weightstore.tensortable import TensorInfo
+
+__all__ = ["FORMAT", "ShardedReader", "normalized_region"]
+
+Region = tuple[slice, ...]
+#: remote members read at once for one region (each request of a member's ranges is itself concurrent)
+_MEMBERS_AT_ONCE = 8
+
+
+def normalized_region(region: Any, shape: Sequence[int], key: str, where: str) -> list[tuple[int, int]]:
+    """``(start, stop)`` along each axis for a tuple of slices (fewer than the axes: the rest whole)."""
+    if isinstance(region, slice):
+        region = (region,)
+    if not isinstance(region, tuple) or len(region) > len(shape) or not all(isinstance(s, slice) for s in region):
+        raise TargetError(f"a region is a tuple of at most {len(shape)} slices, not {region!r}", path=where, key=key)
+    bounds = []
+    for axis, size in enumerate(shape):
+        part = region[axis] if axis < len(region) else slice(None)
+        start, stop, step = part.indices(size)
+        if step != 1:
+            raise TargetError(f"region {region!r} has a step; regions are contiguous", path=where, key=key)
+        bounds.append((start, max(start, stop)))
+    return bounds
+
+
+class ShardedReader(ReaderDefaults):
+    """The :class:`~weightstore.formats.Reader` of a ``.wsindex`` file (see the module docstring)."""
+
+    def __init__(self, index: ShardIndex, name: str, fs: Any = None):
+        self.name = name
+        self._index = index
+        base = name.rsplit("/", 1)[0] if "/" in name else "."
+        self._files: list[RangedFile | None] = [None] * len(index.members)
+        self._base, self._fs = base, fs
+        self._remote = location_of(name).remote
+        if not self._remote:  # opened now, so a version pruned while read keeps its members
+            try:
+                for position in range(len(index.members)):
+                    self._member(position)
+            except BaseException:
+                self.close()
+                raise
+
+    @property
+    def index(self) -> ShardIndex:
+        return self._index
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return self._index.metadata
+
+    @property
+    def created(self) -> str:
+        return self._index.created
+
+    @property
+    def has_checksums(self) -> bool:
+        return True
+
+    def keys(self) -> list[str]:
+        return list(self._index.tensors)
+
+    def _entry(self, key: str) -> TensorEntry:
+        entry = self._index.tensors.get(key)
+        if entry is None:
+            raise KeyNotInStoreError("no such tensor", path=self.name, key=key)
+        return entry
+
+    def info(self, key: str) -> TensorInfo:
+        entry = self._entry(key)
+        return TensorInfo(key, entry.dtype, entry.shape, entry.nbytes, None, _digest(entry))
+
+    def member_path(self, position: int) -> str:
+        return f"{self._base}/{self._index.members[position].file}"
+
+    def _member(self, position: int) -> RangedFile:
+        found = self._files[position]
+        if found is None:
+            found = self._files[position] = RangedFile(self.member_path(position), fs=self._fs)
+            if found.size < self._index.members[position].size:
+                raise ChecksumError(f"member {self._index.members[position].file} has {found.size} bytes; the index "
+                                    f"says {self._index.members[position].size}", path=self.name)
+        return found
+
+    def read(self, key: str, *, verify: bool) -> np.ndarray:
+        return self.read_region(key, (), verify=verify)
+
+    def read_region(self, key: str, region: Any, *, verify: bool) -> np.ndarray:
+        """The part of ``key`` that ``region`` names, from the blocks that hold it, each verified."""
+        entry = self._entry(key)
+        bounds = normalized_region(region, entry.shape, key, self.name)
+        stored = storage_dtype(entry.dtype)
+        out = np.empty([stop - start for start, stop in bounds], stored)
+        reads = [read for piece in entry.pieces if (read := _PieceRead.of(piece, entry, bounds)) is not None]
+        by_member: dict[int, list[_PieceRead]] = {}
+        for read in reads:
+            by_member.setdefault(read.piece.member, []).append(read)
+        def fill(position: int) -> None:
+            self._member(position).fill([(read.offset, read.buffer.data.cast("B")) for read in by_member[position]])
+
+        try:
+            if self._remote and len(by_member) > 1:  # members fetched at once: each is a round trip
+                with ThreadPoolExecutor(min(len(by_member), _MEMBERS_AT_ONCE)) as pool:
+                    list(pool.map(fill, by_member))
+            else:
+                for position in by_member:
+                    fill(position)
+        except WeightStoreError as exc:
+            exc.key = exc.key or key
+            raise
+        for read in reads:
+            if verify:
+                read.verify(self._index.members[read.piece.member].file, self.name, key)
+            read.place(out, bounds, stored)
+        return from_storage(out, entry.dtype)
+
+    def close(self) -> None:
+        for found in self._files:
+            if found is not None:
+                found.close()
+        self._files = [None] * len(self._files)
+
+
+class _PieceRead:
+    """The blocks of one piece that hold part of a region: one byte range of its member."""
+
+    def __init__(self, piece: PieceEntry, entry: TensorEntry, box: list[tuple[int, int]], first: int, last: int):
+        self.piece, self.box, self.first = piece, box, first
+        self.row_bytes = row_bytes(piece.shape, entry.itemsize)
+        self.block_bytes = piece.rows * self.row_bytes
+        self.rows = min(last * piece.rows, rows_of(piece.shape)) - first * piece.rows
+        self.offset = piece.offset + first * self.block_bytes
+        self.buffer = aligned_array(self.rows * self.row_bytes, self.offset)
+
+    @classmethod
+    def of(cls, piece: PieceEntry, entry: TensorEntry, bounds: list[tuple[int, int]]) -> _PieceRead | None:
+        box = [(max(lo, s), min(hi, s + n)) for (lo, hi), s, n in zip(bounds, piece.start, piece.shape, strict=True)]
+        if any(lo >= hi for lo, hi in box) or not math.prod(piece.shape):
+            return None
+        top, bottom = (box[0][0] - piece.start[0], box[0][1] - piece.start[0]) if box else (0, 1)
+        return cls(piece, entry, box, top // piece.rows, -(-bottom // piece.rows))
+
+    def verify(self, member: str, where: str, key: str) -> None:
+        for block in range(-(-self.rows * self.row_bytes // self.block_bytes)):
+            data = self.buffer[block * self.block_bytes : (block + 1) * self.block_bytes]
+            expected = self.piece.crcs[self.first + block]
+            if crc32(data) != expected:
+                raise ChecksumError(f"block {self.first + block} of its piece at {list(self.piece.start)} in member "
+                                    f"{member} is corrupt (CRC-32 {crc32(data):08x}, index {expected:08x})",
+                                    path=where, key=key)
+
+    def place(self, out: np.ndarray, bounds: list[tuple[int, int]], stored: np.dtype) -> None:
+        shape = (self.rows, *self.piece.shape[1:]) if self.piece.shape else ()
+        data = self.buffer.view(stored).reshape(shape)
+        top = self.piece.start[0] + self.first * self.piece.rows if self.piece.shape else 0
+        source = tuple(slice(lo - (top if axis == 0 else s), hi - (top if axis == 0 else s))
+                       for axis, ((lo, hi), s) in enumerate(zip(self.box, self.piece.start, strict=True)))
+        target = tuple(slice(lo - b, hi - b) for (lo, hi), (b, _) in zip(self.box, bounds, strict=True))
+        out[target] = data[source]
+
+
+def _digest(entry: TensorEntry) -> str:
+    """The tensor's content digest for hot reload: BLAKE3 over its pieces' digests and boxes, so
+    it is equal for equal bytes written in the same partitioning (another partitioning only
+    costs a reload)."""
+    import blake3
+
+    text = "|".join(f"{p.start}{p.shape}{p.digest}" for p in sorted(entry.pieces, key=lambda p: p.start))
+    return "blake3:" + blake3.blake3(("sharded|" + text).encode()).hexdigest()
+
+
+def _open_reader(location: Any, name: str, *, mmap: bool = True) -> ShardedReader:
+    fs = getattr(location, "fs", None)
+    source = byte_source(location, name)
+    try:
+        if source.size > MAX_INDEX_BYTES:
+            raise TargetError(f"a sharded index of {source.size} bytes is over {MAX_INDEX_BYTES}", path=name)
+        data = bytes(source.read_at(0, source.size))
+    finally:
+        source.close()
+    return ShardedReader(ShardIndex.parse(data, name), name, fs)
+
+
+def _no_writer(path: str, compress: bool | str) -> Any:
+    raise TargetError("a sharded index is written by ws.commit_shards, not saved", path=path)
+
+
+FORMAT = Format(name="sharded", suffixes=(".wsindex",), magic=lambda head: False, open_reader=_open_reader,
+                open_writer=_no_writer, compresses=False, writes=False)

@@ -1,0 +1,73 @@
+"""Files read only at byte ranges another file's index gives: the members of a sharded version.
+
+A plain store reads its own header first; a member of a sharded version never needs to, since
+the version's index says where each piece's bytes lie and what their CRC-32s are. So a reader
+of a region fetches exactly the blocks it asks for: locally by ``preadv``
+(:class:`~weightstore.io.local.OwnedFile`), on object storage by ranged GETs through the
+backend table of :mod:`weightstore.io.remote`, with no index window and no ``If-Match`` (the
+CRCs in the index pin the bytes: a member replaced under the index fails its checksums).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from weightstore.errors import FormatError
+from weightstore.io.local import OwnedFile, check_range
+from weightstore.io.location import location_of, service, uncached
+from weightstore.io.objects import RemoteObject
+from weightstore.io.remote import object_for
+
+__all__ = ["RangedFile"]
+
+
+class RangedFile:
+    """A local or remote file whose byte ranges are filled on request.
+
+    A local file is opened at once (so a version pruned while it is read keeps its members, as
+    a plain version's mapped file does); a remote one is only described, and its size asked
+    for (one ``HEAD``) before its first read, so no range past its end is ever allocated.
+    """
+
+    def __init__(self, location: str, *, fs: Any = None):
+        where = location_of(location)
+        self.name = where.text
+        self._local: OwnedFile | None = None
+        self._object: RemoteObject | None = None
+        self._fs, self._path, self._size = fs, "", -1
+        if not where.remote:
+            self._local = OwnedFile(where.text)
+            self._size = self._local.size
+        elif fs is None:
+            from weightstore.io.location import filesystem
+
+            self._fs, self._path = filesystem(where.text)
+        else:
+            self._path = fs._strip_protocol(where.text)
+
+    @property
+    def size(self) -> int:
+        if self._size < 0:
+            with service(self.name):
+                info = self._fs.info(uncached(self._fs, self._path))
+            self._size = int(info.get("size") or 0)
+        return self._size
+
+    def fill(self, ranges: list[tuple[int, memoryview]]) -> None:
+        """Fill each view with the file's bytes from its offset (a remote file: concurrently)."""
+        for offset, view in ranges:
+            check_range(offset, len(view), self.size, self.name)
+        if self._local is not None:
+            for offset, view in ranges:
+                self._local.read_into(offset, view)
+            return
+        if self._object is None:
+            self._object = object_for(self._fs, self._path, self.name)
+        try:
+            self._object.fill([(offset, view) for offset, view in ranges if len(view)])
+        except FileNotFoundError:
+            raise FormatError("the member was removed while it was read", path=self.name) from None
+
+    def close(self) -> None:
+        if self._local is not None:
+            self._local.close()

@@ -1,0 +1,352 @@
+"""What a sharded version says about itself: the index, each rank's done-record, and their checks.
+
+A sharded version is one index file (``step-000000000042.wsindex``) naming member files (one
+per rank, each an ordinary safetensors file) and, for every global key, the pieces that tile
+it: where each sits in the global tensor (``start``, ``shape``), where its bytes lie in its
+member (``offset``), and a CRC-32 for each *block* of it (``rows`` rows along its first axis,
+about :data:`BLOCK_BYTES`), so a reader of a region fetches and verifies only the blocks that
+hold it. Each rank's done-record says the same of its own member; the coordinator merges the
+done-records into the index without reading a tensor byte.
+
+Both files are read as hostile input: :meth:`ShardIndex.parse` and :func:`parse_done` check
+every field, and :func:`check_tensor` that the pieces of a key lie inside the tensor and inside
+their member, never overlap (in the tensor, or in a member's bytes) and cover the tensor, so
+nothing a reader allocates exceeds what the members hold. Errors name the file and the key.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+
+from weightstore.errors import FormatError, InvalidKeyError, WeightStoreError
+from weightstore.keys import validate_key
+from weightstore.manifest import crc32, logical_dtype
+from weightstore.tensortable import MAX_NDIM
+
+__all__ = ["index_name", "attempt_folder", "member_name", "done_name", "BLOCK_BYTES", "INDEX_FORMAT", "DONE_FORMAT", "MAX_INDEX_BYTES", "MAX_DONE_BYTES", "MAX_PIECES_PER_KEY",
+           "PieceEntry", "TensorEntry", "Member", "ShardIndex", "DoneRecord", "parse_done", "check_tensor",
+           "check_member_bytes", "seal",
+           "block_rows", "block_crcs", "row_bytes", "rows_of"]
+
+INDEX_FORMAT = "weightstore-sharded"
+DONE_FORMAT = "weightstore-shard-done"
+#: bytes a checksummed block holds, about: a reader of a region fetches at most one block more
+#: than it needs at each end of each piece it touches
+BLOCK_BYTES = 256 << 10
+MAX_INDEX_BYTES = 256 << 20
+MAX_DONE_BYTES = 64 << 20
+#: pieces one key may have; the overlap check compares each piece with the ones beside it
+MAX_PIECES_PER_KEY = 1 << 14
+
+
+def index_name(step: int) -> str:
+    """The index's name: a version file of the folder, named like a plain version."""
+    return f"step-{step:012d}.wsindex"
+
+
+def attempt_folder(step: int, attempt: int) -> str:
+    """The folder the members and done-records of one attempt at a step live in, beside the index."""
+    return f"step-{step:012d}.attempt-{attempt}"
+
+
+def member_name(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+def done_name(rank: int) -> str:
+    return f"rank-{rank:05d}.done"
+
+
+def rows_of(shape: Sequence[int]) -> int:
+    """Rows along the first axis (a scalar is one row)."""
+    return shape[0] if shape else 1
+
+
+def row_bytes(shape: Sequence[int], itemsize: int) -> int:
+    """Bytes of one row along the first axis, C order."""
+    return math.prod(shape[1:]) * itemsize
+
+
+def block_rows(shape: Sequence[int], itemsize: int) -> int:
+    """Rows a block of a piece of ``shape`` holds: about :data:`BLOCK_BYTES`, at least one row."""
+    return max(1, BLOCK_BYTES // max(1, row_bytes(shape, itemsize)))
+
+
+def block_crcs(data: np.ndarray, block_bytes: int) -> list[int]:
+    """The CRC-32 of each block of ``block_bytes`` of a piece's stored bytes (``data``: uint8, C order)."""
+    return [crc32(data[at : at + block_bytes]) for at in range(0, data.size, block_bytes)] if block_bytes else []
+
+
+@dataclass(frozen=True)
+class PieceEntry:
+    """One piece of a global tensor: its box in the tensor, its bytes in its member, its blocks' CRCs."""
+
+    member: int
+    start: tuple[int, ...]
+    shape: tuple[int, ...]
+    offset: int
+    rows: int
+    crcs: tuple[int, ...]
+    digest: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"member": self.member, "start": list(self.start), "shape": list(self.shape), "offset": self.offset,
+                "rows": self.rows, "crcs": list(self.crcs), "digest": self.digest}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    dtype: str
+    shape: tuple[int, ...]
+    pieces: tuple[PieceEntry, ...]
+
+    @property
+    def itemsize(self) -> int:
+        return logical_dtype(self.dtype).itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "shape": list(self.shape), "pieces": [p.to_json() for p in self.pieces]}
+
+
+@dataclass(frozen=True)
+class Member:
+    """One rank's file: its name relative to the index's folder, and its size in bytes."""
+
+    file: str
+    size: int
+    rank: int
+
+
+@dataclass
+class ShardIndex:
+    step: int
+    attempt: int
+    world: int
+    created: str
+    members: list[Member]
+    tensors: dict[str, TensorEntry]
+    metadata: dict[str, Any] = field(default_factory=dict)
+    producer: str = ""
+
+    def to_json(self) -> bytes:
+        return seal({
+            "format": INDEX_FORMAT, "version": 1, "step": self.step, "attempt": self.attempt, "world": self.world,
+            "created": self.created, "producer": self.producer, "metadata": self.metadata,
+            "members": [{"file": m.file, "size": m.size, "rank": m.rank} for m in self.members],
+            "tensors": {key: entry.to_json() for key, entry in self.tensors.items()},
+        })
+
+    @classmethod
+    def parse(cls, data: bytes, where: str) -> ShardIndex:
+        """An index read from a file, every field checked (see the module docstring)."""
+        raw = _document(data, where, INDEX_FORMAT, MAX_INDEX_BYTES)
+        step, attempt, world = (_count(raw.get(name), where, name) for name in ("step", "attempt", "world"))
+        members_raw = raw.get("members")
+        if not isinstance(members_raw, list) or len(members_raw) != world:
+            raise FormatError(f"the index must name {world} members, one per rank", path=where)
+        members = []
+        for rank, entry in enumerate(members_raw):
+            if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) or entry.get("rank") != rank:
+                raise FormatError(f"member {rank} is not a file entry of rank {rank}", path=where)
+            expected = f"{attempt_folder(step, attempt)}/{member_name(rank)}"
+            if entry["file"] != expected:
+                raise FormatError(f"member {rank} must be {expected!r}, not {entry['file'][:200]!r}", path=where)
+            members.append(Member(entry["file"], _count(entry.get("size"), where, f"member {rank} size"), rank))
+        metadata = raw.get("metadata", {})
+        if not isinstance(metadata, dict):
+            raise FormatError("metadata is not an object", path=where)
+        tensors = _tensors(raw.get("tensors"), where, members)
+        check_member_bytes(tensors, members, where)
+        return cls(step, attempt, world, str(raw.get("created", "")), members, tensors, metadata,
+                   str(raw.get("producer", "")))
+
+
+@dataclass(frozen=True)
+class DoneRecord:
+    """What one rank says it wrote: its member file (name in the attempt folder, size) and pieces."""
+
+    step: int
+    attempt: int
+    rank: int
+    world: int
+    member: Member
+    tensors: dict[str, TensorEntry]
+
+    def to_json(self) -> bytes:
+        return seal({
+            "format": DONE_FORMAT, "version": 1, "step": self.step, "attempt": self.attempt, "rank": self.rank,
+            "world": self.world, "member": {"file": self.member.file, "size": self.member.size},
+            "tensors": {key: entry.to_json() for key, entry in self.tensors.items()},
+        })
+
+
+def parse_done(data: bytes, where: str) -> DoneRecord:
+    """A done-record read from a rank's folder, every field checked; pieces name member 0 (its own)."""
+    raw = _document(data, where, DONE_FORMAT, MAX_DONE_BYTES)
+    step, attempt, rank, world = (_count(raw.get(name), where, name) for name in ("step", "attempt", "rank", "world"))
+    member_raw = raw.get("member")
+    if not isinstance(member_raw, dict) or not isinstance(member_raw.get("file"), str):
+        raise FormatError("member is not a file entry", path=where)
+    if member_raw["file"] != member_name(rank):
+        raise FormatError(f"member must be {member_name(rank)!r}", path=where)
+    member = Member(member_raw["file"], _count(member_raw.get("size"), where, "member size"), rank)
+    return DoneRecord(step, attempt, rank, world, member, _tensors(raw.get("tensors"), where, [member], own=True))
+
+
+#: how a sealed document ends: its CRC-32, of every byte before this trailer
+_SEAL = re.compile(rb',"crc32":(\d{1,10})\}\s*$')
+
+
+def seal(document: dict[str, Any]) -> bytes:
+    """``document`` as JSON ending in the CRC-32 of the bytes before it, so damage to any key,
+    offset or checksum in it is found before it is believed (a hostile writer can recompute it:
+    the checks of :func:`check_tensor` do not rely on it)."""
+    body = orjson.dumps(document)[:-1]
+    return body + b',"crc32":%d}' % crc32(np.frombuffer(body, np.uint8))
+
+
+def _document(data: bytes, where: str, kind: str, limit: int) -> dict[str, Any]:
+    if len(data) > limit:
+        raise FormatError(f"is over {limit} bytes; not a {kind} file", path=where)
+    trailer = _SEAL.search(data[-32:])
+    if trailer is None:
+        raise FormatError(f"is not a {kind} file (no checksum at its end)", path=where)
+    body = data[: len(data) - 32 + trailer.start()] if len(data) > 32 else data[: trailer.start()]
+    if crc32(np.frombuffer(body, np.uint8)) != int(trailer.group(1)):
+        raise FormatError(f"is corrupt (its CRC-32 does not match); not a readable {kind} file", path=where)
+    try:
+        raw = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        raw = None
+    if not isinstance(raw, dict) or raw.get("format") != kind:
+        raise FormatError(f"is not a {kind} file", path=where)
+    if raw.get("version") != 1:
+        raise FormatError(f"is {kind} version {raw.get('version')!r}; this weightstore reads version 1", path=where)
+    return raw
+
+
+def _count(value: Any, where: str, what: str, key: str | None = None) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 62:
+        raise FormatError(f"{what} is not a non-negative integer below 2**62", path=where, key=key)
+    return value
+
+
+def _counts(value: Any, where: str, what: str, key: str, length: int | None = None) -> tuple[int, ...]:
+    if not isinstance(value, list) or (length is not None and len(value) != length) or len(value) > MAX_NDIM:
+        raise FormatError(f"{what} is not a list of {length if length is not None else 'at most ' + str(MAX_NDIM)} "
+                          "integers", path=where, key=key)
+    return tuple(_count(v, where, what, key) for v in value)
+
+
+def _tensors(raw: Any, where: str, members: list[Member], *, own: bool = False) -> dict[str, TensorEntry]:
+    if not isinstance(raw, dict):
+        raise FormatError("tensors is not an object", path=where)
+    tensors = {}
+    for key, entry in raw.items():
+        try:
+            validate_key(key)
+        except InvalidKeyError as exc:
+            raise FormatError(f"names an invalid key ({exc.message})", path=where, key=key) from None
+        if not isinstance(entry, dict) or not isinstance(entry.get("pieces"), list):
+            raise FormatError("is not a tensor entry with pieces", path=where, key=key)
+        try:
+            logical_dtype(entry["dtype"] if isinstance(entry.get("dtype"), str) else "")
+        except WeightStoreError:
+            raise FormatError(f"has unknown dtype {str(entry.get('dtype'))[:40]!r}", path=where, key=key) from None
+        shape = _counts(entry.get("shape"), where, "shape", key)
+        if len(entry["pieces"]) > MAX_PIECES_PER_KEY:
+            raise FormatError(f"has {len(entry['pieces'])} pieces, over {MAX_PIECES_PER_KEY}", path=where, key=key)
+        pieces = tuple(_piece(p, where, key, len(shape), len(members), own) for p in entry["pieces"])
+        tensors[key] = TensorEntry(entry["dtype"], shape, pieces)
+        if not own:
+            check_tensor(key, tensors[key], members, where)
+    return tensors
+
+
+def _piece(raw: Any, where: str, key: str, ndim: int, members: int, own: bool) -> PieceEntry:
+    if not isinstance(raw, dict):
+        raise FormatError("has a piece that is not an object", path=where, key=key)
+    member = 0 if own and "member" not in raw else _count(raw.get("member"), where, "a piece's member", key)
+    if member >= members:
+        raise FormatError(f"has a piece in member {member}, of {members}", path=where, key=key)
+    crcs = raw.get("crcs")
+    if not isinstance(crcs, list) or not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 1 << 32
+                                             for c in crcs):
+        raise FormatError("has a piece whose crcs are not CRC-32 values", path=where, key=key)
+    digest = raw.get("digest")
+    if not isinstance(digest, str) or len(digest) > 80:
+        raise FormatError("has a piece without a digest", path=where, key=key)
+    rows = _count(raw.get("rows"), where, "a piece's rows", key)
+    return PieceEntry(member, _counts(raw.get("start"), where, "a piece's start", key, ndim),
+                      _counts(raw.get("shape"), where, "a piece's shape", key, ndim),
+                      _count(raw.get("offset"), where, "a piece's offset", key), rows, tuple(crcs), digest)
+
+
+def check_tensor(key: str, entry: TensorEntry, members: Sequence[Member], where: str,
+                 error: type[WeightStoreError] = FormatError) -> None:
+    """That the pieces of ``key`` lie in the tensor and their members, never overlap, and cover it."""
+    itemsize = entry.itemsize
+    for piece in entry.pieces:
+        if any(s + n > d for s, n, d in zip(piece.start, piece.shape, entry.shape, strict=True)):
+            raise error(f"has a piece at {list(piece.start)} of shape {list(piece.shape)} outside its shape "
+                        f"{list(entry.shape)}", path=where, key=key)
+        nbytes = math.prod(piece.shape) * itemsize
+        if piece.offset + nbytes > members[piece.member].size:
+            raise error(f"has a piece at byte {piece.offset} of {nbytes} bytes, past the end of member "
+                        f"{members[piece.member].file} ({members[piece.member].size} bytes)", path=where, key=key)
+        blocks = -(-rows_of(piece.shape) // piece.rows) if piece.rows and nbytes else 0
+        if (nbytes and not piece.rows) or len(piece.crcs) != blocks:
+            raise error(f"has a piece with {len(piece.crcs)} block checksums for {blocks} blocks", path=where, key=key)
+    _check_no_overlap(key, entry, where, error)
+    covered = sum(math.prod(p.shape) for p in entry.pieces)
+    if covered != math.prod(entry.shape):
+        raise error(f"its pieces do not cover it: they hold {covered} of its {math.prod(entry.shape)} elements "
+                    f"(shape {list(entry.shape)}); a rank left a gap", path=where, key=key)
+
+
+def _check_no_overlap(key: str, entry: TensorEntry, where: str, error: type[WeightStoreError]) -> None:
+    pieces = [p for p in entry.pieces if math.prod(p.shape)]
+    if len(pieces) < 2:
+        return
+    ndim = max(1, len(entry.shape))
+    starts = np.array([p.start or (0,) for p in pieces], np.int64).reshape(len(pieces), ndim)
+    ends = starts + np.array([p.shape or (1,) for p in pieces], np.int64).reshape(len(pieces), ndim)
+    order = np.argsort(starts[:, 0], kind="stable")
+    starts, ends = starts[order], ends[order]
+    firsts = starts[:, 0]
+    for i in range(len(pieces) - 1):
+        last = int(np.searchsorted(firsts, ends[i, 0], side="left"))  # pieces starting before this one ends
+        if last <= i + 1:
+            continue
+        hits = np.all((starts[i + 1 : last] < ends[i]) & (ends[i + 1 : last] > starts[i]), axis=1)
+        if hits.any():
+            j = i + 1 + int(np.argmax(hits))
+            raise error(f"has pieces that overlap: at {starts[i].tolist()} and {starts[j].tolist()}",
+                        path=where, key=key)
+
+
+def check_member_bytes(tensors: Mapping[str, TensorEntry], members: Sequence[Member], where: str) -> None:
+    """That no two pieces share bytes of a member: what readers allocate stays within the members' sizes."""
+    spans: list[list[tuple[int, int, str]]] = [[] for _ in members]
+    for key, entry in tensors.items():
+        for piece in entry.pieces:
+            nbytes = math.prod(piece.shape) * entry.itemsize
+            if nbytes:
+                spans[piece.member].append((piece.offset, piece.offset + nbytes, key))
+    for member, found in zip(members, spans, strict=True):
+        found.sort()
+        for (_, end, _), (start, _, key) in zip(found, found[1:], strict=False):
+            if start < end:
+                raise FormatError(f"has a piece whose bytes overlap another's in member {member.file}",
+                                  path=where, key=key)

@@ -1,0 +1,405 @@
+"""One version written by many workers: each rank publishes its shard, one coordinator commits.
+
+Every rank calls :func:`publish_shard` with the pieces it holds; it writes one member file
+(``step-000000000042.attempt-1/rank-00003.safetensors``, an ordinary safetensors file that
+``ws.open`` and ``safetensors.numpy.load_file`` read alone) and then, last, a small
+done-record beside it (``rank-00003.done``) saying what the member holds: for every piece its
+global key, its box in the global tensor, its bytes' offset in the member and a CRC-32 per
+block. Nothing a reader sees changes. One coordinator calls :func:`commit_shards`: it waits
+for every rank's done-record (reading them alone, never a tensor byte), checks that the pieces
+of every key agree on dtype and shape, never overlap and cover it, writes the index
+``step-000000000042.wsindex`` create-only and then replaces ``LATEST`` as a plain publish
+does (:func:`weightstore.versions.commit_version`). No collective, no barrier: the ranks and
+the coordinator meet only in the folder. The crash argument is in ``docs/sharded.md``.
+
+**How a member holds its pieces.** A key the rank holds one piece of is stored under the key
+itself. A key it holds several pieces of is stored once per piece, as ``KEY@i,j`` (the piece's
+start); the member's metadata (``weightstore-shard``) maps every stored name to its key, start
+and shape, and is what decides: a global key that happens to look like ``KEY@i,j`` is refused
+rather than misread.
+
+**Attempts.** A job that restarts writes the same step again with ``attempt`` one higher; each
+attempt has its own folder, so a dead attempt's members never mix with a live one's, and the
+commit of a step removes every other attempt of it, and every attempt of an older step no
+index names. ``ws clean`` does the same for a folder at rest.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from weightstore import __version__
+from weightstore.errors import FormatError, PublishError, ShardTimeoutError, WeightStoreError
+from weightstore.formats import format_named
+from weightstore.formats.safetensors import SafetensorsReader
+from weightstore.io.folders import Folder, folder_for
+from weightstore.io.local import OwnedFile
+from weightstore.keys import validate_key
+from weightstore.manifest import from_storage, logical_dtype, to_storage
+from weightstore.shardindex import (
+    MAX_DONE_BYTES,
+    DoneRecord,
+    Member,
+    PieceEntry,
+    ShardIndex,
+    TensorEntry,
+    attempt_folder,
+    block_crcs,
+    block_rows,
+    check_member_bytes,
+    check_tensor,
+    done_name,
+    index_name,
+    member_name,
+    parse_done,
+    row_bytes,
+)
+from weightstore.store import _checked, checked_metadata, write_file
+from weightstore.versions import SHARDED_SUFFIX, Version, _latest, _stage, _versions, commit_version
+
+__all__ = ["Piece", "publish_shard", "commit_shards", "clean_folder"]
+
+#: the member metadata entry that maps each stored name to its global key, start and shape
+SHARD_METADATA = "weightstore-shard"
+_ATTEMPT = re.compile(r"^step-(\d{12})\.attempt-(\d+)$")
+#: how often the coordinator looks for done-records, at most (it backs off from 50 ms)
+_POLL = 0.5
+
+
+@dataclass(frozen=True)
+class Piece:
+    """``array`` sits at index ``start`` of a tensor of global ``shape``."""
+
+    array: Any
+    start: Sequence[int]
+    shape: Sequence[int]
+
+
+@dataclass(frozen=True)
+class _Listed:
+    key: str
+    stored: str
+    dtype: str
+    data: np.ndarray  # in storage form
+    start: tuple[int, ...]
+    shape: tuple[int, ...]
+
+
+def publish_shard(
+    folder: Any,
+    pieces: Mapping[str, Any],
+    *,
+    step: int,
+    rank: int,
+    world: int,
+    attempt: int,
+    format: str = "safetensors",  # noqa: A002
+    storage_options: Mapping[str, Any] | None = None,
+) -> None:
+    """Write what this rank holds of version ``step``; nothing is visible until :func:`commit_shards`.
+
+    Args:
+        folder: the versioned folder (local path or fsspec URL) the version will be part of.
+        pieces: key -> the whole tensor (an array), a :class:`Piece`, or a list of them.
+        step: the version's step; above the step ``LATEST`` names.
+        rank, world: this rank (``0 <= rank < world``) and how many ranks write the version.
+        attempt: which try at this step (a restarted job counts up), so a dead attempt's
+            members never mix with this one's.
+        format: ``"safetensors"``, the one format a member is written in so far.
+        storage_options: for URLs, given to fsspec.
+
+    Raises:
+        PublishError: the step is not above the one ``LATEST`` names.
+        InvalidKeyError, UnsupportedDTypeError, ValueError: a bad key, dtype or piece (nothing written).
+    """
+    _check_ids(step=step, attempt=attempt, world=world)
+    _check_id("rank", rank)
+    if rank >= world:
+        raise ValueError(f"rank {rank} is not below world {world}")
+    if format != "safetensors":
+        raise ValueError(f"a sharded version's members are safetensors files; format={format!r} is not supported")
+    fmt = format_named(format)
+    target = folder_for(folder, storage_options)
+    members = folder_for(target.url(attempt_folder(step, attempt)), storage_options)
+    where = members.url(member_name(rank))
+    listed = _listed(pieces, where)
+    try:
+        current = _latest(target)
+    except FormatError:
+        current = None  # a damaged LATEST: the commit reports it
+    if current is not None and current.step >= step:
+        raise PublishError(f"step {step} is not after step {current.step}, which LATEST names; steps must increase",
+                           path=target.where)
+    record_of = {item.stored: {"key": item.key, "start": list(item.start), "shape": list(item.shape)} for item in listed}
+    metadata = {SHARD_METADATA: {"step": step, "attempt": attempt, "rank": rank, "world": world, "pieces": record_of}}
+    target.create()
+    members.create()
+    with members.commit(member_name(rank), ".safetensors").writing() as local:
+        arrays = {item.stored: from_storage(item.data, item.dtype) for item in listed}
+        write_file(local, fmt, _checked(arrays, where, fmt), metadata, False)
+        tensors = _described(local, listed)
+        size = os.path.getsize(local)
+        _stage("member-temporary")
+    _stage("member-written")
+    record = DoneRecord(step, attempt, rank, world, Member(member_name(rank), size, rank), tensors)
+    with members.commit(done_name(rank)).writing() as local, open(local, "wb") as handle:
+        handle.write(record.to_json())
+    _stage("done-written")
+
+
+def commit_shards(
+    folder: Any,
+    *,
+    step: int,
+    world: int,
+    attempt: int,
+    timeout: float,
+    keep: int | None = 5,
+    metadata: Mapping[str, Any] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Version:
+    """Wait for every rank's done-record, check their pieces, and publish the sharded version.
+
+    Reads only the done-records (never a tensor byte), then commits as :func:`weightstore.publish`
+    does: the index ``step-…wsindex`` is created only if absent, then ``LATEST`` is replaced
+    (compare-and-swap on object storage), then old versions are pruned (``keep``) and dead
+    attempts removed. Steps increase across plain and sharded versions of one folder.
+
+    Raises:
+        ShardTimeoutError: some rank did not finish within ``timeout`` seconds (``.missing``
+            names them); nothing is published.
+        PublishError: pieces that overlap, leave a gap ("cover") or disagree on dtype or shape
+            (naming the key); a step that does not go forward; another coordinator committed
+            this step or a later one first.
+    """
+    _check_ids(step=step, attempt=attempt, world=world)
+    if not world:
+        raise ValueError("world must be at least 1")
+    if keep is not None and keep < 1:
+        raise ValueError(f"keep must be at least 1 (or None to keep all), not {keep!r}")
+    target = folder_for(folder, storage_options)
+    members = folder_for(target.url(attempt_folder(step, attempt)), storage_options)
+    name = index_name(step)
+    metadata = checked_metadata(metadata, target.url(name))
+    records = [parse_done(data, members.url(done_name(rank)))
+               for rank, data in sorted(_wait_for_ranks(members, world, timeout).items())]
+    index = _merged(records, step, attempt, world, metadata, target.url(name))
+    created_index = False
+
+    def write_index(created: str) -> None:
+        nonlocal created_index
+        index.created = created
+        if not target.put_if(name, index.to_json(), create=True):
+            raise PublishError(f"an index for step {step} exists that LATEST does not name: another coordinator is "
+                               "committing this step, or one died after writing it (commit a later step, or run "
+                               "ws clean)", path=target.url(name))
+        created_index = True
+        _stage("index-written")
+
+    try:
+        version = commit_version(target, step, name, write_index, metadata, keep)
+    except PublishError:
+        if created_index:  # ours, and never named: LATEST moved past it
+            target.remove(name)
+        raise
+    clean_attempts(target, keep_step=step, keep_attempt=attempt)
+    return version
+
+
+def clean_attempts(target: Folder, *, keep_step: int, keep_attempt: int) -> list[str]:
+    """After committing ``keep_step``: remove its other attempts, and attempts of older steps no
+    index names (no commit of an older step can succeed any more). Attempts of later steps may
+    be in flight and stay. Returns the names removed."""
+    indexed = {step for step, entry in _versions(target) if entry.name.endswith(SHARDED_SUFFIX)}
+    removed = []
+    for sub, step, attempt in _attempts(target):
+        if (step == keep_step and attempt != keep_attempt) or (step < keep_step and step not in indexed):
+            target.remove_folder(sub)
+            removed.append(sub)
+    return removed
+
+
+def clean_folder(folder: Any, *, storage_options: Mapping[str, Any] | None = None) -> list[str]:
+    """``ws clean``: remove what dead writers and coordinators left in a folder *at rest* (no job
+    publishing to it): indexes above the step ``LATEST`` names (a coordinator killed before
+    ``LATEST``), indexes whose members are gone, and every attempt folder no remaining index
+    names. Returns the names removed."""
+    target = folder_for(folder, storage_options)
+    current = _latest(target)
+    removed, live = [], set()
+    for step, entry in _versions(target):
+        if not entry.name.endswith(SHARDED_SUFFIX):
+            continue
+        index = _read_index(target, entry.name)
+        named = current is not None and step == current.step  # never removed, whatever its state
+        if named or (current is not None and step < current.step and index is not None
+                     and _members_present(target, index, storage_options)):
+            if index is not None:
+                live.add((step, index.attempt))
+        else:
+            target.remove(entry.name)
+            removed.append(entry.name)
+    for sub, step, attempt in _attempts(target):
+        if (step, attempt) not in live:
+            target.remove_folder(sub)
+            removed.append(sub)
+    return removed
+
+
+def _members_present(target: Folder, index: ShardIndex, storage_options: Mapping[str, Any] | None) -> bool:
+    members = folder_for(target.url(attempt_folder(index.step, index.attempt)), storage_options)
+    present = {entry.name: entry.size for entry in members.files()}
+    return all(present.get(member.file.rsplit("/", 1)[-1], -1) >= member.size for member in index.members)
+
+
+def _attempts(target: Folder) -> list[tuple[str, int, int]]:
+    """``(name, step, attempt)`` of every attempt folder in ``target``."""
+    return [(sub, int(match.group(1)), int(match.group(2)))
+            for sub in target.subfolders() if (match := _ATTEMPT.match(sub))]
+
+
+def _read_index(target: Folder, name: str) -> ShardIndex | None:
+    from weightstore.shardindex import MAX_INDEX_BYTES
+
+    data = target.read_small(name, MAX_INDEX_BYTES + 1)
+    try:
+        return None if data is None else ShardIndex.parse(data, target.url(name))
+    except WeightStoreError:
+        return None
+
+
+# -- the rank's side ---------------------------------------------------------------------------
+
+def _listed(pieces: Mapping[str, Any], where: str) -> list[_Listed]:
+    """Every piece, checked (key, dtype, box) and in storage form, with the name it is stored under."""
+    if not isinstance(pieces, Mapping):
+        raise TypeError(f"pieces must map a key to an array, a Piece or a list of them, not {type(pieces).__name__}")
+    found: list[tuple[str, Piece]] = []
+    for key, value in pieces.items():
+        validate_key(key)
+        for piece in value if isinstance(value, (list, tuple)) else [value]:
+            if not isinstance(piece, Piece):
+                array = np.asarray(piece)
+                piece = Piece(array, (0,) * array.ndim, array.shape)
+            found.append((key, piece))
+    counts: dict[str, int] = {}
+    for key, _ in found:
+        counts[key] = counts.get(key, 0) + 1
+    listed = []
+    for key, piece in found:
+        array = np.asarray(piece.array)
+        name, data = to_storage(array, key)
+        data = np.ascontiguousarray(data).reshape(array.shape)
+        start, shape = _box(piece, array.shape, key, where)
+        stored = key if counts[key] == 1 else f"{key}@{','.join(map(str, start))}"
+        listed.append(_Listed(key, stored, name, data, start, shape))
+    stored_names = [item.stored for item in listed]
+    if len(set(stored_names)) != len(stored_names):
+        clashes = {name for name in stored_names if stored_names.count(name) > 1}
+        raise ValueError(f"{where}: pieces of one key start at the same index, or a key looks like a piece's stored "
+                         f"name: {sorted(clashes)[:3]}")
+    return listed
+
+
+def _box(piece: Piece, array_shape: tuple[int, ...], key: str, where: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    start, shape = tuple(int(s) for s in piece.start), tuple(int(s) for s in piece.shape)
+    if len(start) != len(shape) or len(array_shape) != len(shape) or any(s < 0 for s in start + shape) or any(
+            s + n > d for s, n, d in zip(start, array_shape, shape, strict=True)):
+        raise ValueError(f"{where}: piece of {key!r}: an array of shape {list(array_shape)} at {list(start)} does not "
+                         f"fit a tensor of shape {list(shape)}")
+    return start, shape
+
+
+def _described(local: str, listed: list[_Listed]) -> dict[str, TensorEntry]:
+    """The done-record's tensors: where each piece's bytes landed in the member just written, and
+    its blocks' CRC-32s (of the bytes in memory, which the member's own checksum covers too)."""
+    reader = SafetensorsReader(OwnedFile(local))
+    try:
+        by_key: dict[str, list[PieceEntry]] = {}
+        dtypes: dict[str, tuple[str, tuple[int, ...]]] = {}
+        for item in listed:
+            offset, _ = reader.extent(item.stored)
+            itemsize = logical_dtype(item.dtype).itemsize
+            rows = block_rows(item.data.shape, itemsize)
+            raw = item.data.reshape(-1).view(np.uint8)
+            crcs = block_crcs(raw, rows * row_bytes(item.data.shape, itemsize)) if item.data.size else []
+            digest = reader.info(item.stored).digest or ""
+            by_key.setdefault(item.key, []).append(PieceEntry(0, item.start, tuple(item.data.shape), offset, rows,
+                                                              tuple(crcs), digest))
+            dtypes.setdefault(item.key, (item.dtype, item.shape))
+    finally:
+        reader.close()
+    return {key: TensorEntry(dtypes[key][0], dtypes[key][1], tuple(found)) for key, found in by_key.items()}
+
+
+# -- the coordinator's side --------------------------------------------------------------------
+
+def _wait_for_ranks(members: Folder, world: int, timeout: float) -> dict[int, bytes]:
+    """Every rank's done-record, as it appears (one listing per look, each record read once)."""
+    deadline = time.monotonic() + timeout
+    found: dict[int, bytes] = {}
+    wanted = {done_name(rank): rank for rank in range(world)}
+    pause = 0.05
+    while True:
+        for entry in members.files():
+            rank = wanted.get(entry.name)
+            if rank is not None and rank not in found:
+                data = members.read_small(entry.name, MAX_DONE_BYTES + 1)
+                if data is not None:
+                    found[rank] = data
+        if len(found) == world:
+            return found
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            missing = [rank for rank in range(world) if rank not in found]
+            shown = ", ".join(map(str, missing[:20])) + (" …" if len(missing) > 20 else "")
+            raise ShardTimeoutError(f"rank{'s' if len(missing) > 1 else ''} {shown} of {world} did not finish "
+                                    f"within {timeout:g}s; nothing was published", path=members.where, missing=missing)
+        time.sleep(min(pause, remaining))
+        pause = min(pause * 2, _POLL)
+
+
+def _merged(records: list[DoneRecord], step: int, attempt: int, world: int, metadata: dict[str, Any],
+            where: str) -> ShardIndex:
+    """The index of the version the done-records describe; pieces checked key by key."""
+    members = []
+    for rank, record in enumerate(records):
+        if (record.step, record.attempt, record.rank, record.world) != (step, attempt, rank, world):
+            raise PublishError(f"rank {rank}'s done-record is for step {record.step} attempt {record.attempt} rank "
+                               f"{record.rank} of {record.world}, not step {step} attempt {attempt} of {world}",
+                               path=where)
+        members.append(Member(f"{attempt_folder(step, attempt)}/{record.member.file}", record.member.size, rank))
+    tensors: dict[str, TensorEntry] = {}
+    owners: dict[str, int] = {}
+    for rank, record in enumerate(records):
+        for key, entry in record.tensors.items():
+            pieces = tuple(PieceEntry(rank, p.start, p.shape, p.offset, p.rows, p.crcs, p.digest) for p in entry.pieces)
+            known = tensors.get(key)
+            if known is None:
+                tensors[key], owners[key] = TensorEntry(entry.dtype, entry.shape, pieces), rank
+            elif (known.dtype, known.shape) != (entry.dtype, entry.shape):
+                raise PublishError(f"ranks disagree on it: rank {owners[key]} has {known.dtype} {list(known.shape)}, "
+                                   f"rank {rank} {entry.dtype} {list(entry.shape)}", path=where, key=key)
+            else:
+                tensors[key] = TensorEntry(known.dtype, known.shape, known.pieces + pieces)
+    for key, entry in tensors.items():
+        check_tensor(key, entry, members, where, error=PublishError)
+    check_member_bytes(tensors, members, where)
+    return ShardIndex(step, attempt, world, "", members, tensors, metadata, f"weightstore {__version__}")
+
+
+def _check_ids(**ids: int) -> None:
+    for name, value in ids.items():
+        _check_id(name, value)
+
+
+def _check_id(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, not {value!r}")
