@@ -63,14 +63,38 @@ def for_model(model: Any, path: Any, model_keys: Mapping[str, Any]) -> weightsto
         if _is_keras(text) and not isinstance(model, keras.layers.Layer):
             raise AssignmentError(f"a Keras file pairs with the Keras model or layer that saved it, not a "
                                   f"{type(model).__name__}", path=text)
+        note = ""
         if _is_keras(text):
             names = keras_file_names(model, source.keys(), by_variable)
         else:
             names = _checkpoint_names(model, text, source.keys(), by_variable)
+            note = _untracked_note(model, model_keys)
     except BaseException:
         source.close()
         raise
-    return ModelKeyedStore(RenamedReader(source._reader, names), source.path, verify=True)
+    store = ModelKeyedStore(RenamedReader(source._reader, names), source.path, verify=True)
+    store.missing_note = note
+    return store
+
+
+def _untracked_note(model: Any, model_keys: Mapping[str, Any]) -> str:
+    """Why a TF2 checkpoint of ``model`` cannot hold some of its variables, or "".
+
+    TF's object checkpoint saves what TF's trackable walk reaches; a subclassed Keras model
+    that keeps layers in a plain Python list or dict attribute reaches them through Keras's
+    own tracking only, so no TF2 checkpoint of the model has a node for them (Keras's own
+    files do), and their variables are missing from every such checkpoint.
+    """
+    import tensorflow as tf
+
+    reached = {id(obj) for obj in tf.train.TrackableView(model).descendants()}
+    unreached = [key for key, var in model_keys.items() if id(var) not in reached]
+    if not unreached:
+        return ""
+    return (f"{len(unreached)} of the model's variables ({unreached[0]!r}, …) are held where TF's checkpoint walk "
+            "never looks (layers in a plain Python list or dict attribute of a subclassed model: Keras tracks them, "
+            "tf.train.Checkpoint does not), so no TF2 checkpoint of this model has a node for them; save it with "
+            "model.save_weights, whose file holds them, or keep those layers in attributes of their own")
 
 
 def _is_keras(text: str) -> bool:
@@ -286,3 +310,4 @@ class ModelKeyedStore(weightstore.Store):
     """
 
     exact_keys = True
+    missing_note = ""  # why some of the model's variables cannot be in the file (see _untracked_note)

@@ -605,7 +605,7 @@ def plan_laid_out(values: ValueSource, targets: Mapping[str, TargetInfo], option
     return plan, view
 
 
-def convert(weights: Mapping[str, np.ndarray], direction: str, *, where: str,
+def convert(weights: Mapping[str, np.ndarray], direction: str, *,
             kinds: Mapping[str, str] | None = None) -> dict[str, np.ndarray]:
     """``weights`` in the other naming and layout (``direction`` from :data:`DIRECTIONS`); a new dict.
 
@@ -614,7 +614,7 @@ def convert(weights: Mapping[str, np.ndarray], direction: str, *, where: str,
     kernel, a bias-free PyTorch Linear or Embedding), which is otherwise refused.
 
     Raises:
-        LayoutError: naming ``where`` and every tensor no rule converts.
+        LayoutError: naming every tensor no rule converts.
     """
     if direction not in DIRECTIONS:
         raise LayoutError(f"unknown layout {direction!r}; use one of {', '.join(DIRECTIONS)}")
@@ -626,7 +626,7 @@ def convert(weights: Mapping[str, np.ndarray], direction: str, *, where: str,
     else:
         steps, refused = to_keras(LAYOUTS[name], shapes, kinds=given)
     if refused:
-        raise LayoutError(refusal_message(None, refused), path=where)
+        raise LayoutError(refusal_message(None, refused))
     return {new: step.build(weights.__getitem__) for new, step in steps.items()}
 
 

@@ -224,6 +224,7 @@ class Values:
         self._ready: dict[str, np.ndarray] = {}  # read by prefetch, not yet handed out
         self.where = self._store.path if self._store is not None else "the weight dictionary"
         self.exact_keys = self._store is not None and self._store.exact_keys  # keys paired by structure: no hints
+        self.missing_note: str = getattr(self._store, "missing_note", "")  # why a file cannot hold some variables
 
     def keys(self) -> list[str]:
         return self._store.keys() if self._store is not None else list(self._arrays)
@@ -388,7 +389,7 @@ def plan_assign(
     if (options.strict and not report.ok) or not pairs:
         raise AssignmentError(
             _message(report, values.where, chosen, value_keys, pairs, targets, trainable_only=options.trainable_only,
-                     hints=not values.exact_keys),
+                     hints=not values.exact_keys, note=getattr(values, "missing_note", "")),
             missing=report.missing, unexpected=report.unexpected, mismatched=report.mismatched,
         )
     if len(pairs) * 2 < len(chosen):
@@ -422,7 +423,7 @@ def _pair_problem(dtype: np.dtype, shape: tuple[int, ...], target: TargetInfo, c
 
 
 def _message(report: Report, where: str, targets: Mapping[str, Any], values: Mapping[str, str], pairs,
-             every: Mapping[str, Any], *, trainable_only: bool = False, hints: bool = True) -> str:
+             every: Mapping[str, Any], *, trainable_only: bool = False, hints: bool = True, note: str = "") -> str:
     """``targets`` are the selected variables; ``every`` also suggests those a typo left out.
 
     A value whose variable exists but was left out as not trainable says so, rather than
@@ -461,6 +462,8 @@ def _message(report: Report, where: str, targets: Mapping[str, Any], values: Map
             lines.extend(f"    {render(item)}" for item in items[:_LISTED])
             if len(items) > _LISTED:
                 lines.append(f"    … and {len(items) - _LISTED} more")
+            if items is report.missing and note:
+                lines.append(f"  why: {note}")
     return "\n".join(lines)
 
 

@@ -24,6 +24,7 @@ selection then speak the module's names (``conv/weight``, not ``conv/kernel``).
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from typing import Any
 
@@ -213,8 +214,8 @@ def _shared_memory_conflicts(pending: list, found: dict[str, torch.Tensor]) -> d
             groups.setdefault((found[key].device, storage.data_ptr()), []).append((key, array))
     conflicts: dict[str, Mismatch] = {}
     for members in groups.values():
-        if len(members) < 2:
-            continue
+        if len(members) < 2 or not _spans_overlap([found[key] for key, _ in members]):
+            continue  # one flat buffer of many parameters (FSDP): disjoint, nothing to prove
         scratch = torch.empty(found[members[0][0]].untyped_storage().nbytes(), dtype=torch.uint8)
         for key, array in reversed(members):
             _view_in(scratch, found[key]).copy_(_as_tensor(array))
@@ -225,6 +226,17 @@ def _shared_memory_conflicts(pending: list, found: dict[str, torch.Tensor]) -> d
                 conflicts[key] = Mismatch(key, shape, shape, f"the same tensor as {others[0]!r} or a view of it "
                                           "(tied), which gets a different value")
     return conflicts
+
+
+def _spans_overlap(tensors: list[torch.Tensor]) -> bool:
+    """Whether any two of ``tensors`` (over one storage) reach a common byte of it."""
+    spans = []
+    for tensor in tensors:
+        start = tensor.storage_offset() * tensor.element_size()
+        last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+        spans.append((start, start + (last + 1) * tensor.element_size()))
+    spans.sort()
+    return any(next_start < end for (_, end), (next_start, _) in itertools.pairwise(spans))
 
 
 def _view_in(scratch: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:

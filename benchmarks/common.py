@@ -70,6 +70,58 @@ def peak_bytes() -> int:
     return kb * 1024
 
 
+def anon_bytes() -> int:
+    """Anonymous memory resident now (``RssAnon``): what a process holds of its own, not the
+    page cache's pages a map of a file shows in its RSS."""
+    kb = _status_kb("RssAnon")
+    return 0 if kb is None else kb * 1024
+
+
+def anon_during(run: Callable[[], Any]) -> dict[str, float]:
+    """Call ``run`` once: its seconds, the most anonymous memory it held above what the process
+    held before (sampled every millisecond by a thread), and what it still held after it
+    returned and its result was dropped (memory an allocator pool kept, for good)."""
+    import threading
+
+    gc.collect()
+    start = peak = anon_bytes()
+    stop = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not stop.wait(0.001):
+            peak = max(peak, anon_bytes())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    began = time.perf_counter()
+    try:
+        out = run()
+        seconds = time.perf_counter() - began
+    finally:
+        stop.set()
+        sampler.join()
+    peak = max(peak, anon_bytes())
+    del out
+    gc.collect()
+    return {"seconds": seconds, "anon": peak - start, "kept": anon_bytes() - start}
+
+
+def evict(paths: Sequence[str]) -> None:
+    """Drop the page-cache pages of ``paths`` (files, or folders of them) and nothing else: each
+    file is fsynced (dirty pages cannot be dropped) then ``posix_fadvise(DONTNEED)``, so the next
+    read comes from the disk, as on a fresh host, without touching other processes' cache."""
+    for path in paths:
+        files = [path] if os.path.isfile(path) else [os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs]
+        for name in files:
+            fd = os.open(name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 # -- timing -------------------------------------------------------------------------------
 def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
@@ -118,11 +170,13 @@ def measure(
     repeat: int = 5,
     warmup: int = 1,
     cleanup: Callable[[Any], None] | None = None,
+    before: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Time ``run`` ``repeat`` times after ``warmup`` untimed runs.
 
     ``run`` returns whatever it produced (kept alive until after the peak is read, then
-    dropped); ``cleanup`` gets it when something besides dropping must happen.
+    dropped); ``cleanup`` gets it when something besides dropping must happen. ``before`` runs
+    untimed ahead of each timed run (:func:`evict` for a cold read).
     """
     for _ in range(warmup):
         out = run()
@@ -132,6 +186,8 @@ def measure(
         gc.collect()
     times, peaks = [], []
     for _ in range(repeat):
+        if before:
+            before()
         gc.collect()
         before = rss_bytes()
         exact = reset_peak()

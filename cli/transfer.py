@@ -111,7 +111,8 @@ def convert(source: Source, out: str, *, compress: bool | str, layout: str | Non
     plan = torch_keys(source.keys()) if layout == "torch-to-keras" else {k: k for k in source}
     weights = read(source, plan, "converting")
     if layout is not None:
-        weights = layouts.convert(weights, layout, where=source.path, kinds=kinds)
+        with naming(path=source.path):
+            weights = layouts.convert(weights, layout, kinds=kinds)
     with counted(weights, f"writing {out}") as values:
         weightstore.save(out, values, metadata=source.metadata, compress=compress, names=names,
                          max_shard_size=max_shard_size)

@@ -213,6 +213,7 @@ def _many_slices(prefix: Path, count: int, variables: int) -> str:
     return str(prefix)
 
 
+@pytest.mark.slow
 def test_slice_tiling_is_checked_in_n_log_n_not_quadratic_time(tmp_path):
     """Five variables of 4,096 slices (a 1 MB index) took 94 s to open; now about a second,
     here under a 30 s timeout."""
@@ -351,6 +352,7 @@ def test_torch_assign_into_tensors_that_cannot_be_written_in_place_changes_nothi
 
 # -- memory: .keras configs are never used to allocate -----------------------------------------
 
+@pytest.mark.slow
 def test_keras_config_claiming_gigabytes_builds_its_model_in_no_memory(tmp_path):
     """``ws export --model-keys`` of a small archive whose Dense claims a billion units (a
     12 GB kernel) allocated it; the model is now built without initializing its variables.
@@ -510,3 +512,20 @@ def test_safetensors_header_dense_with_arrays_is_refused_before_it_is_parsed(tmp
         address_space=48 << 20)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "REFUSED" in result.stdout and "dense.safetensors" in result.stdout and "JSON objects and arrays" in result.stdout
+
+
+def test_torch_parameters_in_one_flat_buffer_are_assigned_without_a_conflict():
+    """Parameters that are disjoint views of one storage (a flattened model, as FSDP keeps
+    them) share memory but no element: each gets its own value."""
+    torch = pytest.importorskip("torch")
+    from torch import nn
+
+    from weightstore.adapters import torch as torch_adapter
+
+    flat = torch.zeros(10)
+    model = nn.Module()
+    model.register_buffer("a", flat[:4].view(2, 2))
+    model.register_buffer("b", flat[4:])
+    weights = {"a": np.ones((2, 2), np.float32), "b": np.arange(6, dtype=np.float32)}
+    assert sorted(torch_adapter.assign(model, weights).assigned) == ["a", "b"]
+    np.testing.assert_array_equal(flat.numpy(), np.r_[np.ones(4), np.arange(6)])

@@ -404,3 +404,33 @@ def test_a_keras_file_given_to_torch_says_it_needs_its_keras_model(tmp_path, suf
         f"{path}: is a Keras file, whose tensors Keras names by its save walk (layers/<layer>/vars/<i>), not by "
         "layer: key it by its Keras model first, in Python with tf2.assign(model, path) then tf2.export(model), or "
         f"with `ws export {path} -o m.npz --model-keys` (a .keras file; --model m.keras for a .weights.h5)")
+
+
+class ListHeld(keras.Model):
+    """Layers in a plain Python list: Keras tracks them, TF's checkpoint walk does not."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = [keras.layers.Dense(3), keras.layers.Dense(2)]
+        self.head = keras.layers.Dense(1, name="head")
+
+    def call(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_layers_in_a_python_list_are_missing_from_a_tf2_checkpoint_and_the_message_says_why(tmp_path):
+    model = ListHeld()
+    model(X[:1])
+    prefix = tf.train.Checkpoint(model=model).save(str(tmp_path / "ckpt"))
+    fresh = ListHeld()
+    fresh(X[:1])
+    with pytest.raises(ws.AssignmentError) as caught:
+        tf2.assign(fresh, prefix)
+    assert "  4 missing (variables with no value):" in str(caught.value)
+    assert ("  why: 4 of the model's variables ('dense/kernel', …) are held where TF's checkpoint walk never looks "
+            "(layers in a plain Python list or dict attribute of a subclassed model: Keras tracks them, "
+            "tf.train.Checkpoint does not), so no TF2 checkpoint of this model has a node for them; save it with "
+            "model.save_weights, whose file holds them, or keep those layers in attributes of their own"
+            ) in str(caught.value)

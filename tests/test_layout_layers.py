@@ -183,11 +183,11 @@ def test_a_bias_free_torch_weight_in_a_file_is_refused_until_its_kind_is_given()
     shapes = {"embed/weight": np.ones((7, 4), np.float32), "fc/weight": np.ones((3, 4), np.float32),
               "fc/bias": np.ones(3, np.float32)}
     with pytest.raises(LayoutError, match="bias-free Linear's or an Embedding's") as caught:
-        layout.convert(shapes, "torch-to-keras", where="t.npz")
+        layout.convert(shapes, "torch-to-keras")
     assert "embed/weight" in str(caught.value) and "fc/weight" not in str(caught.value)
-    assert layout.convert(shapes, "torch-to-keras", where="t.npz", kinds={"embed": "embedding"})[
+    assert layout.convert(shapes, "torch-to-keras", kinds={"embed": "embedding"})[
         "embed/embeddings"].shape == (7, 4)
-    assert layout.convert(shapes, "torch-to-keras", where="t.npz", kinds={"embed": "dense"})[
+    assert layout.convert(shapes, "torch-to-keras", kinds={"embed": "dense"})[
         "embed/kernel"].shape == (4, 7)
 
 

@@ -348,3 +348,13 @@ def test_read_region_and_load_regions_on_a_plain_store(tmp_path):
     assert ws.load(path, regions={"a": (slice(3, None),)})["a"].tobytes() == a[3:].tobytes()
     with pytest.raises(ws.KeyNotInStoreError):
         ws.load(path, regions={"c": (slice(0, 1),)})
+
+
+def test_a_member_that_is_not_what_its_done_record_says_is_refused(tmp_path):
+    folder = tmp_path / "run"
+    ws.publish_shard(folder, {"w": np.zeros((4, 3), np.float32)}, step=1, rank=0, world=1, attempt=0)
+    member = folder / "step-000000000001.attempt-0" / "rank-00000.safetensors"
+    member.write_bytes(member.read_bytes()[:-8])  # truncated behind the writer's back
+    with pytest.raises(ws.PublishError, match="its done-record says"):
+        shards.commit_shards(folder, step=1, world=1, attempt=0, timeout=5)
+    assert ws.latest(folder) is None

@@ -139,3 +139,50 @@ def test_plain_publishers_racing_on_s3_leave_latest_at_the_winner(server, folder
     won = [o for o in outcomes if isinstance(o, ws.Version)]
     assert len(won) == 1 and sum(isinstance(o, ws.PublishError) for o in outcomes) == 1
     assert ws.latest(folder).step == won[0].step
+
+
+def test_a_later_commit_never_removes_an_index_whose_commit_may_still_win(server, folder):
+    """A's index is written, A's LATEST not yet: B (a later step) must not remove A's index before
+    B's own compare-and-swap, or A's swap could name a removed index. After B's, A's swap fails."""
+    ws.publish(folder, {"w": np.zeros(2)}, step=1)
+    weights = np.arange(64, dtype=np.float32).reshape(8, 8)
+    write(folder, weights, 2, step=6)
+    write(folder, weights + 1, 2, step=7)
+    written, go_on = threading.Event(), threading.Event()
+    saved = shards._stage
+
+    def pause_a(name):
+        if name == "index-written" and threading.current_thread().name == "A":
+            written.set()
+            go_on.wait(30)
+
+    outcome: list = []
+
+    def run_a():
+        try:
+            outcome.append(shards.commit_shards(folder, step=6, world=2, attempt=0, timeout=5))
+        except ws.PublishError as exc:
+            outcome.append(exc)
+
+    shards._stage = pause_a
+    try:
+        a = threading.Thread(target=run_a, name="A")
+        a.start()
+        assert written.wait(30)
+        b = shards.commit_shards(folder, step=7, world=2, attempt=0, timeout=5)
+        go_on.set()
+        a.join(30)
+    finally:
+        shards._stage = saved
+    assert isinstance(outcome[0], ws.PublishError) and "LATEST changed" in str(outcome[0])
+    assert ws.latest(folder).step == 7 == b.step
+    assert ws.load(ws.latest(folder))["w"].tobytes() == (weights + 1).tobytes()
+    assert not any(name.endswith("step-000000000006.wsindex") for name in _names(folder))
+
+
+def _names(folder):
+    import s3fs
+
+    fs = s3fs.S3FileSystem()
+    fs.invalidate_cache()
+    return fs.ls(folder[len("s3://"):])

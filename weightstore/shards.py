@@ -188,8 +188,14 @@ def commit_shards(
     members = folder_for(target.url(attempt_folder(step, attempt)), storage_options)
     name = index_name(step)
     metadata = checked_metadata(metadata, target.url(name))
-    records = [parse_done(data, members.url(done_name(rank)))
-               for rank, data in sorted(_wait_for_ranks(members, world, timeout).items())]
+    found, sizes = _wait_for_ranks(members, world, timeout)
+    records = [parse_done(data, members.url(done_name(rank))) for rank, data in sorted(found.items())]
+    if any(sizes.get(record.member.file) != record.member.size for record in records):
+        sizes = {entry.name: entry.size for entry in members.files()}  # a listing made while one was renamed in
+    for record in records:  # from the listing that found the last done-record: no request more
+        if sizes.get(record.member.file) != record.member.size:
+            raise PublishError(f"rank {record.rank}'s member {record.member.file} is {sizes.get(record.member.file)} "
+                               f"bytes; its done-record says {record.member.size}", path=members.where)
     index = _merged(records, step, attempt, world, metadata, target.url(name))
     created_index = False
 
@@ -341,21 +347,23 @@ def _described(local: str, listed: list[_Listed]) -> dict[str, TensorEntry]:
 
 # -- the coordinator's side --------------------------------------------------------------------
 
-def _wait_for_ranks(members: Folder, world: int, timeout: float) -> dict[int, bytes]:
-    """Every rank's done-record, as it appears (one listing per look, each record read once)."""
+def _wait_for_ranks(members: Folder, world: int, timeout: float) -> tuple[dict[int, bytes], dict[str, int]]:
+    """Every rank's done-record, as it appears (one listing per look, each record read once),
+    and the sizes of the files in the last listing (each member is whole before its record)."""
     deadline = time.monotonic() + timeout
     found: dict[int, bytes] = {}
     wanted = {done_name(rank): rank for rank in range(world)}
     pause = 0.05
     while True:
-        for entry in members.files():
+        listing = members.files()
+        for entry in listing:
             rank = wanted.get(entry.name)
             if rank is not None and rank not in found:
                 data = members.read_small(entry.name, MAX_DONE_BYTES + 1)
                 if data is not None:
                     found[rank] = data
         if len(found) == world:
-            return found
+            return found, {entry.name: entry.size for entry in listing}
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             missing = [rank for rank in range(world) if rank not in found]

@@ -304,7 +304,7 @@ def commit_version(target: Folder, step: int, name: str, write: Callable[[str], 
         _stage("locked")
         state = _FolderState.read(target)
         state.check_step(step)
-        state.clean(step)
+        state.clean()
         _stage("cleaned")
         _write_small(target, INTENT, json.dumps({"step": step, "file": name}).encode())
         created = _now()
@@ -314,6 +314,8 @@ def commit_version(target: Folder, step: int, name: str, write: Callable[[str], 
         _stage("version-written")
         _write_latest(target, state, pointer.encode(), step)
         _stage("latest-written")
+        if not isinstance(target, LocalFolder):
+            state.remove_unpublished(step)  # only now: see _FolderState.remove_unpublished
         target.remove(INTENT)
         _prune(target, step, None if keep is None else max(keep, 2))
         _stage("pruned")
@@ -577,21 +579,27 @@ class _FolderState:
             raise PublishError(f"step {step} is not after step {self.newest}, which is the newest version file "
                                "(LATEST is missing or damaged); steps must increase", path=where)
 
-    def clean(self, step: int) -> None:
-        """Remove what killed publishes left: dead writers' temporaries and never-published versions.
-
-        On object storage, with no lock, a never-published version of ``step`` itself may be
-        another publisher's in flight, so it is left for the compare-and-swap to decide.
-        """
-        local = isinstance(self.folder, LocalFolder)
+    def clean(self) -> None:
+        """Before a publish writes: remove dead writers' temporaries and, in a local folder (whose
+        lock keeps other publishers out), the versions killed publishes wrote but never named."""
         if isinstance(self.folder, LocalFolder):
             for name in self.folder.temporaries():
                 remove_stale_temporaries(self.folder.root / name)
+            self.remove_unpublished()
+            if self.intent is not None:
+                self.folder.remove(INTENT)
+
+    def remove_unpublished(self, step: int | None = None) -> None:
+        """Remove the versions above ``LATEST`` that a killed publish's intent names, but ``step``'s.
+
+        On object storage there is no lock, so such a version may be another publisher's in
+        flight; it is removed only after this publish's compare-and-swap of ``LATEST``
+        succeeded. Its publisher wrote the intent after reading ``LATEST``, so that reading
+        came before this swap, and its own swap now fails: the version is dead.
+        """
         for unpublished, entry in self.unpublished():
-            if local or unpublished != step:
+            if unpublished != step:
                 self.folder.remove(entry.name)  # a sharded one's members: the next commit removes dead attempts
-        if self.intent is not None:
-            self.folder.remove(INTENT)
 
 
 def _steps(steps: list[int]) -> str:

@@ -23,7 +23,7 @@ import struct
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
-from weightstore.errors import FormatError, UnsafeFileError
+from weightstore.errors import FormatError, UnsafeFileError, naming
 
 #: read ``length`` bytes at ``offset`` of the file, or fewer at its end
 ReadAt = Callable[[int, int], bytes]
@@ -45,7 +45,12 @@ def check_vlen_attribute(read_at: ReadAt, file_size: int, base: int, name: str, 
     loop on a damaged one) to describe it. Attributes that are not variable-length strings,
     and a root group without the attribute, are left to HDF5.
     """
-    reader = _Bytes(read_at, file_size, where)
+    with naming(path=where):  # every refusal names the file
+        _check_vlen_attribute(read_at, file_size, base, name, limit)
+
+
+def _check_vlen_attribute(read_at: ReadAt, file_size: int, base: int, name: str, limit: int) -> None:
+    reader = _Bytes(read_at, file_size)
     root = _root_header(reader, base)
     found = None if root is None else _attribute(reader, base, root, name.encode("utf-8"))
     if found is None:
@@ -54,13 +59,13 @@ def check_vlen_attribute(read_at: ReadAt, file_size: int, base: int, name: str, 
     if len(datatype) < 8 or datatype[0] & 0x0F != _VLEN_CLASS or datatype[1] & 0x0F != _VLEN_STRING:
         return
     if len(data) < 16:
-        raise FormatError(f"attribute {name!r} is truncated", path=where)
+        raise FormatError(f"attribute {name!r} is truncated")
     length, heap, index = struct.unpack_from("<IQI", data)
     if length > limit:
-        raise UnsafeFileError(f"{name!r} attribute (manifest) is too large ({length} bytes, limit {limit})", path=where)
+        raise UnsafeFileError(f"{name!r} attribute (manifest) is too large ({length} bytes, limit {limit})")
     stored = _heap_object(reader, base + heap, index, limit)
     if stored != length:
-        raise FormatError(f"attribute {name!r} claims {length} bytes but its heap object holds {stored}", path=where)
+        raise FormatError(f"attribute {name!r} claims {length} bytes but its heap object holds {stored}")
 
 
 #: bytes read at once by :func:`read_ahead`: the headers of about 50 datasets of 1 KB
@@ -89,19 +94,19 @@ def read_ahead(read_at: ReadAt, window: int = _READ_AHEAD) -> ReadAt:
 
 
 class _Bytes:
-    def __init__(self, read_at: ReadAt, size: int, where: str):
-        self._read_at, self.size, self.where = read_at, size, where
+    def __init__(self, read_at: ReadAt, size: int):
+        self._read_at, self.size = read_at, size
         self._budget = _MAX_HEADER_BYTES
 
     def read(self, offset: int, length: int, *, budgeted: bool = True) -> bytes:
         if offset < 0 or length < 0 or offset + length > self.size:
-            raise FormatError(f"HDF5 structure points outside the file ({offset}..{offset + length})", path=self.where)
+            raise FormatError(f"HDF5 structure points outside the file ({offset}..{offset + length})")
         self._budget -= length if budgeted else 0
         if self._budget < 0:
-            raise UnsafeFileError(f"HDF5 object header is larger than {_MAX_HEADER_BYTES} bytes", path=self.where)
+            raise UnsafeFileError(f"HDF5 object header is larger than {_MAX_HEADER_BYTES} bytes")
         data = self._read_at(offset, length)
         if len(data) != length:
-            raise FormatError(f"short read at byte {offset}", path=self.where)
+            raise FormatError(f"short read at byte {offset}")
         return data
 
 
@@ -109,19 +114,19 @@ def _attribute(reader: _Bytes, base: int, header: int, name: bytes) -> tuple[byt
     """``(datatype, data)`` of the compact attribute ``name``; None when the header has no such attribute."""
     for kind, body in _messages(reader, base, header):
         if kind == _ATTRIBUTE:
-            parsed = _parse_attribute(body, reader.where)
+            parsed = _parse_attribute(body)
             if parsed[0] == name:
                 return parsed[1], parsed[2]
     return None  # absent, or in dense storage (never written by weightstore): left to HDF5
 
 
-def _parse_attribute(body: bytes, where: str) -> tuple[bytes, bytes, bytes]:
+def _parse_attribute(body: bytes) -> tuple[bytes, bytes, bytes]:
     """``(name, datatype, data)`` of an attribute message (versions 1 to 3)."""
     if len(body) < 8:
-        raise FormatError("attribute message is truncated", path=where)
+        raise FormatError("attribute message is truncated")
     version, flags, name_size, type_size, space_size = struct.unpack_from("<BBHHH", body)
     if version not in (1, 2, 3):
-        raise FormatError(f"attribute message version {version} is unknown", path=where)
+        raise FormatError(f"attribute message version {version} is unknown")
     position = 9 if version == 3 else 8
     pad = (lambda n: n + (-n % 8)) if version == 1 else (lambda n: n)
     name = body[position : position + name_size].rstrip(b"\0")
@@ -129,7 +134,7 @@ def _parse_attribute(body: bytes, where: str) -> tuple[bytes, bytes, bytes]:
     datatype = body[position : position + type_size]
     position += pad(type_size) + pad(space_size)
     if position > len(body):
-        raise FormatError("attribute message is truncated", path=where)
+        raise FormatError("attribute message is truncated")
     if flags & 0x03:  # a shared datatype or dataspace is a reference, not the thing itself
         datatype = b""
     return name, datatype, body[position:]
@@ -142,7 +147,7 @@ def _messages(reader: _Bytes, base: int, header: int) -> Iterator[tuple[int, byt
         yield from _messages_v2(reader, base, header)
         return
     if prefix[0] != 1:
-        raise FormatError(f"object header version {prefix[0]} is unknown", path=reader.where)
+        raise FormatError(f"object header version {prefix[0]} is unknown")
     blocks = [(base + header + 16, struct.unpack_from("<I", prefix, 8)[0])]
     for _ in range(_MAX_BLOCKS):
         if not blocks:
@@ -154,13 +159,13 @@ def _messages(reader: _Bytes, base: int, header: int) -> Iterator[tuple[int, byt
             kind, size = _V1_MESSAGE.unpack_from(block, position)
             position += 8
             if position + size > end:
-                raise FormatError("object header message overruns its block", path=reader.where)
+                raise FormatError("object header message overruns its block")
             body = block[position : position + size]
             if kind == _CONTINUATION:
-                blocks.append(_continuation(body, base, reader.where))
+                blocks.append(_continuation(body, base))
             yield kind, body
             position += size
-    raise UnsafeFileError(f"object header has more than {_MAX_BLOCKS} continuation blocks", path=reader.where)
+    raise UnsafeFileError(f"object header has more than {_MAX_BLOCKS} continuation blocks")
 
 
 def _messages_v2(reader: _Bytes, base: int, header: int) -> Iterator[tuple[int, bytes]]:
@@ -181,20 +186,20 @@ def _messages_v2(reader: _Bytes, base: int, header: int) -> Iterator[tuple[int, 
             kind, size = struct.unpack_from("<BH", block, position)
             body = block[position + message_header : position + message_header + size]
             if len(body) != size:
-                raise FormatError("object header message overruns its block", path=reader.where)
+                raise FormatError("object header message overruns its block")
             if kind == _CONTINUATION:
-                start, span = _continuation(body, base, reader.where)
+                start, span = _continuation(body, base)
                 if span < 8:
-                    raise FormatError("object header continuation block is too small", path=reader.where)
+                    raise FormatError("object header continuation block is too small")
                 blocks.append((start + 4, span - 8))  # "OCHK" ... checksum
             yield kind, body
             position += message_header + size
-    raise UnsafeFileError(f"object header has more than {_MAX_BLOCKS} continuation blocks", path=reader.where)
+    raise UnsafeFileError(f"object header has more than {_MAX_BLOCKS} continuation blocks")
 
 
-def _continuation(body: bytes, base: int, where: str) -> tuple[int, int]:
+def _continuation(body: bytes, base: int) -> tuple[int, int]:
     if len(body) < 16:
-        raise FormatError("object header continuation message is truncated", path=where)
+        raise FormatError("object header continuation message is truncated")
     offset, length = struct.unpack_from("<QQ", body)
     return base + offset, length
 
@@ -204,12 +209,12 @@ def _heap_object(reader: _Bytes, collection: int, index: int, limit: int) -> int
     every object as HDF5 will and refusing any that does not lie inside the collection."""
     head = reader.read(collection, 16)
     if head[:4] != b"GCOL":
-        raise FormatError(f"no global heap collection at byte {collection}", path=reader.where)
+        raise FormatError(f"no global heap collection at byte {collection}")
     size = struct.unpack_from("<Q", head, 8)[0]
     if size < 16:
-        raise FormatError(f"global heap collection at byte {collection} is too small", path=reader.where)
+        raise FormatError(f"global heap collection at byte {collection} is too small")
     if size > limit + (1 << 20):
-        raise UnsafeFileError(f"global heap collection of {size} bytes (limit {limit})", path=reader.where)
+        raise UnsafeFileError(f"global heap collection of {size} bytes (limit {limit})")
     data = reader.read(collection, size, budgeted=False)
     found = None
     position = 16
@@ -218,7 +223,7 @@ def _heap_object(reader: _Bytes, collection: int, index: int, limit: int) -> int
         step = _OBJECT_HEADER + length + (-length % 8) if number else length
         if step <= 0 or position + step > size:
             raise FormatError(f"global heap object {number} at byte {collection + position} "
-                              "does not lie inside its collection", path=reader.where)
+                              "does not lie inside its collection")
         if number and number == index:
             found = length
         position += step
@@ -247,10 +252,11 @@ def check_root_group(read_at: ReadAt, file_size: int, base: int, where: str) -> 
     """:func:`check_object` for the root group, whose header is found from the superblock; files
     with addresses of other than 8 bytes (never written by weightstore or h5py's defaults) are
     left to HDF5."""
-    reader = _Bytes(read_at, file_size, where)
-    header = _root_header(reader, base)
-    if header is not None:
-        _check_header(reader, base, header)
+    with naming(path=where):
+        reader = _Bytes(read_at, file_size)
+        header = _root_header(reader, base)
+        if header is not None:
+            _check_header(reader, base, header)
 
 
 def check_object(read_at: ReadAt, file_size: int, base: int, header: int, where: str) -> ObjectHeader:
@@ -264,7 +270,8 @@ def check_object(read_at: ReadAt, file_size: int, base: int, header: int, where:
     out of memory. Both are walked here first, each block seen once, each inside the file.
     ``header`` is the object header's address.
     """
-    return _check_header(_Bytes(read_at, file_size, where), base, header)
+    with naming(path=where):
+        return _check_header(_Bytes(read_at, file_size), base, header)
 
 
 def _check_header(reader: _Bytes, base: int, header: int) -> ObjectHeader:
@@ -276,7 +283,7 @@ def _check_header(reader: _Bytes, base: int, header: int) -> ObjectHeader:
             layouts.append(body[2] if body[0] < 3 else body[1])  # versions 1 and 2 keep the class third
         elif kind == _SYMBOL_TABLE:
             if len(body) < 16:
-                raise FormatError("symbol table message is truncated", path=reader.where)
+                raise FormatError("symbol table message is truncated")
             tree, heap = struct.unpack_from("<QQ", body)
             heap_size = _check_local_heap(reader, base + heap)
             _check_tree(reader, base, tree, heap_size)
@@ -293,7 +300,7 @@ def _root_header(reader: _Bytes, base: int) -> int | None:
     of other than 8 bytes (never written by weightstore or h5py's defaults): left to HDF5."""
     superblock = reader.read(base, 72)
     if not superblock.startswith(_SIGNATURE):
-        raise FormatError(f"no HDF5 superblock at byte {base}", path=reader.where)
+        raise FormatError(f"no HDF5 superblock at byte {base}")
     version = superblock[8]
     sizes = superblock[13:15] if version in (0, 1) else superblock[9:11]
     if tuple(sizes) != (8, 8):
@@ -305,19 +312,19 @@ def _check_local_heap(reader: _Bytes, address: int) -> int:
     """The data size of the local heap at ``address``, once its free list is known to end."""
     head = reader.read(address, 32)
     if head[:4] != b"HEAP":
-        raise FormatError(f"no local heap at byte {address}", path=reader.where)
+        raise FormatError(f"no local heap at byte {address}")
     size, free, data = struct.unpack_from("<QQQ", head, 8)
     if data + size > reader.size:
-        raise FormatError(f"local heap at byte {address} lies outside the file", path=reader.where)
+        raise FormatError(f"local heap at byte {address} lies outside the file")
     seen: set[int] = set()
     while free not in (_UNDEFINED, 1):  # HDF5 writes either for "no free block"
         if free in seen or free + 16 > size:
             raise FormatError(f"local heap at byte {address} has a free list that loops or "
-                              "leaves the heap", path=reader.where)
+                              "leaves the heap")
         seen.add(free)
         free, length = struct.unpack_from("<QQ", reader.read(data + free, 16))
         if length < 16:
-            raise FormatError(f"local heap at byte {address} has a free block of {length} bytes", path=reader.where)
+            raise FormatError(f"local heap at byte {address} has a free block of {length} bytes")
     return size
 
 
@@ -328,14 +335,14 @@ def _check_tree(reader: _Bytes, base: int, root: int, heap_size: int) -> None:
     while pending:
         address, level_above = pending.pop()
         if address in seen:
-            raise FormatError(f"group B-tree node at byte {base + address} is reached twice", path=reader.where)
+            raise FormatError(f"group B-tree node at byte {base + address} is reached twice")
         seen.add(address)
         head = reader.read(base + address, 24, budgeted=False)
         if head[:4] != b"TREE" or head[4] != 0:
-            raise FormatError(f"no group B-tree node at byte {base + address}", path=reader.where)
+            raise FormatError(f"no group B-tree node at byte {base + address}")
         level, entries = head[5], struct.unpack_from("<H", head, 6)[0]
         if level_above is not None and level != level_above - 1:
-            raise FormatError(f"group B-tree node at byte {base + address} is at the wrong level", path=reader.where)
+            raise FormatError(f"group B-tree node at byte {base + address} is at the wrong level")
         body = reader.read(base + address + 24, 8 + 16 * entries, budgeted=False)
         children = [struct.unpack_from("<Q", body, 8 + 16 * i)[0] for i in range(entries)]
         if level:
@@ -348,9 +355,9 @@ def _check_tree(reader: _Bytes, base: int, root: int, heap_size: int) -> None:
 def _check_symbols(reader: _Bytes, address: int, heap_size: int) -> None:
     head = reader.read(address, 8, budgeted=False)
     if head[:4] != b"SNOD":
-        raise FormatError(f"no symbol table node at byte {address}", path=reader.where)
+        raise FormatError(f"no symbol table node at byte {address}")
     count = struct.unpack_from("<H", head, 6)[0]
     entries = reader.read(address + 8, 40 * count, budgeted=False)
     for i in range(count):
         if struct.unpack_from("<Q", entries, 40 * i)[0] >= heap_size:
-            raise FormatError(f"symbol table node at byte {address} names a link outside its heap", path=reader.where)
+            raise FormatError(f"symbol table node at byte {address} names a link outside its heap")

@@ -88,7 +88,7 @@ _HOLD_BYTES = 64 << 20
 #: room left for the header beyond twice the estimate, once streaming (spaces: cheap to write and parse)
 _HEADER_SLACK = 64 << 10
 _MOVE_CHUNK = 16 << 20
-#: tensors at least this big are announced to the kernel (madvise) before they are read
+#: tensors at least this big are announced to the source (it reads ahead of them) before they are read
 _PREFETCH_BYTES = 1 << 20
 _JUST_INT = {int}
 #: a tensor's entry is an object and two arrays in 50 bytes or more: a header may hold at most one

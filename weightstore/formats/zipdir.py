@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from weightstore.errors import FormatError, UnsafeFileError
+from weightstore.errors import FormatError, UnsafeFileError, naming
 
 EOCD = struct.Struct("<4s4H2IH")
 EOCD64 = struct.Struct("<4sQ2H2I4Q")
@@ -200,48 +200,54 @@ def parse(directory: bytes, count: int, cd_offset: int, where: str) -> Directory
     """Every entry of ``directory`` (``count`` of them, ending where the directory ends).
 
     The rule for reading a directory; :func:`parse_expected` is its fast twin for the layout
-    this project writes (see there for the differential test binding them)."""
-    positions = _entry_positions(directory, count, where)
+    this project writes (see there for the differential test binding them). Its errors name
+    ``where``, the file, attached once here."""
+    with naming(path=where):
+        return _parse(directory, count, cd_offset)
+
+
+def _parse(directory: bytes, count: int, cd_offset: int) -> Directory:
+    positions = _entry_positions(directory, count)
     records = np.frombuffer(directory, np.uint8)[
         np.asarray(positions, dtype=np.int64)[:, None] + np.arange(CENTRAL_SIZE)
     ].view(CENTRAL_RECORD)[:, 0] if count else np.zeros(0, CENTRAL_RECORD)
     bad = np.flatnonzero(records["sig"] != CENTRAL_SIG)
     if bad.size:
-        raise FormatError(f"zip directory entry {bad[0]} is corrupt", path=where)
+        raise FormatError(f"zip directory entry {bad[0]} is corrupt")
     name_lens = records["name_len"].tolist()
     raw_names = [directory[p + CENTRAL_SIZE : p + CENTRAL_SIZE + n] for p, n in zip(positions, name_lens, strict=True)]
     flags = records["flags"]
-    names = _names(raw_names, flags, where)
+    names = _names(raw_names, flags)
     encrypted = np.flatnonzero(flags & ENCRYPTED_FLAG)
     if encrypted.size:
-        raise UnsafeFileError(f"member {names[encrypted[0]]!r} is encrypted", path=where)
+        raise UnsafeFileError(f"member {names[encrypted[0]]!r} is encrypted")
     methods = records["method"]
     odd = np.flatnonzero((methods != STORED) & (methods != DEFLATED))
     if odd.size:
         raise UnsafeFileError(f"member {names[odd[0]]!r} uses compression method {methods[odd[0]]}; "
-                              "only stored and deflate are read", path=where)
+                              "only stored and deflate are read")
     columns = {field: records[field].tolist() for field in ("crc", "compressed", "size", "offset", "method")}
     for i in np.flatnonzero((records["extra_len"] > 0) | (records["size"] == ZIP64_LIMIT)
                             | (records["compressed"] == ZIP64_LIMIT) | (records["offset"] == ZIP64_LIMIT)).tolist():
         start = positions[i] + CENTRAL_SIZE + name_lens[i]
         extra = directory[start : start + int(records["extra_len"][i])]
         size, compressed, offset = _apply_zip64(
-            extra, columns["size"][i], columns["compressed"][i], columns["offset"][i], where, names[i])
+            extra, columns["size"][i], columns["compressed"][i], columns["offset"][i], names[i])
         # the column checks below add these in int64: values past the file cannot be true anyway
         if offset >= cd_offset or compressed > cd_offset or size > _MOST_BYTES:
-            raise UnsafeFileError(f"member {names[i]!r} has ZIP64 sizes or offset past the file's end", path=where)
+            raise UnsafeFileError(f"member {names[i]!r} has ZIP64 sizes or offset past the file's end")
         columns["size"][i], columns["compressed"][i], columns["offset"][i] = size, compressed, offset
     if len(set(names)) != len(names):
         seen: set[str] = set()
         for name in names:
             if name in seen:
-                raise UnsafeFileError(f"member {name!r} appears twice", path=where)
+                raise UnsafeFileError(f"member {name!r} appears twice")
             seen.add(name)
-    columns["limit"] = _limits(names, name_lens, columns, cd_offset, where)
+    columns["limit"] = _limits(names, name_lens, columns, cd_offset)
     return Directory(names, b"".join(raw_names), np.cumsum(records["name_len"], dtype=np.int64).tolist(), columns)
 
 
-def _entry_positions(directory: bytes, count: int, where: str) -> list[int]:
+def _entry_positions(directory: bytes, count: int) -> list[int]:
     """Where each entry starts: found by its signature, then proved by each entry's lengths
     leading exactly to the next (a name holding the signature's bytes spoils the guess; the
     loop below then walks entry by entry, the one sequential step)."""
@@ -258,16 +264,16 @@ def _entry_positions(directory: bytes, count: int, where: str) -> list[int]:
     lengths = _LENGTHS.unpack_from
     for _ in range(count):
         if position + CENTRAL_SIZE > end:
-            raise FormatError("zip directory is truncated", path=where)
+            raise FormatError("zip directory is truncated")
         positions.append(position)
         name, extra, comment = lengths(directory, position + 28)
         position += CENTRAL_SIZE + name + extra + comment
     if position != end:  # else a count that lies small hides members (the manifest among them)
-        raise FormatError(f"zip directory holds more than the {count} entries its end record counts", path=where)
+        raise FormatError(f"zip directory holds more than the {count} entries its end record counts")
     return positions
 
 
-def _names(raw_names: list[bytes], flags: np.ndarray, where: str) -> list[str]:
+def _names(raw_names: list[bytes], flags: np.ndarray) -> list[str]:
     """Decoded and checked names: the joined text is scanned once, each name only if it finds something."""
     try:
         if np.all(flags & UTF8_FLAG):
@@ -276,13 +282,13 @@ def _names(raw_names: list[bytes], flags: np.ndarray, where: str) -> list[str]:
             names = [raw.decode("utf-8" if flag & UTF8_FLAG else "cp437")
                      for raw, flag in zip(raw_names, flags.tolist(), strict=True)]
     except UnicodeDecodeError:
-        raise FormatError("a member name is not valid UTF-8", path=where) from None
+        raise FormatError("a member name is not valid UTF-8") from None
     joined = "\0".join(names)
     if (joined.count("\0") != max(len(names) - 1, 0) or joined.startswith("/") or joined.endswith("..")
             or any(unsafe in joined for unsafe in _UNSAFE_IN_JOINED)):
         for name in names:
             if _unsafe_name(name):
-                raise UnsafeFileError(f"unsafe member name {name!r}", path=where)
+                raise UnsafeFileError(f"unsafe member name {name!r}")
     return names
 
 
@@ -290,8 +296,7 @@ def _unsafe_name(name: str) -> bool:
     return "\0" in name or "\\" in name or name.startswith("/") or (".." in name and ".." in name.split("/"))
 
 
-def _limits(names: list[str], name_lens: list[int], columns: dict[str, list[int]], cd_offset: int,
-            where: str) -> list[int]:
+def _limits(names: list[str], name_lens: list[int], columns: dict[str, list[int]], cd_offset: int) -> list[int]:
     """Where each member must end (the next member by offset, or the directory), checking that
     none overlaps the next or claims more than its bytes can hold."""
     offsets = np.asarray(columns["offset"], dtype=np.int64)
@@ -304,17 +309,17 @@ def _limits(names: list[str], name_lens: list[int], columns: dict[str, list[int]
     overlapping = offsets + LOCAL.size + np.asarray(name_lens, dtype=np.int64) + compressed > limits
     # in file order, so the first member reported is the first that overlaps
     for i in order[overlapping[order]][:1].tolist():
-        raise UnsafeFileError(f"member {names[i]!r} overlaps the next one (zip bomb?)", path=where)
+        raise UnsafeFileError(f"member {names[i]!r} overlaps the next one (zip bomb?)")
     bombs = np.flatnonzero((methods == DEFLATED) & (sizes > compressed * MAX_DEFLATE_RATIO + 1024))
     if bombs.size:
-        raise UnsafeFileError(f"member {names[bombs[0]]!r} claims an impossible compression ratio", path=where)
+        raise UnsafeFileError(f"member {names[bombs[0]]!r} claims an impossible compression ratio")
     inconsistent = np.flatnonzero((methods == STORED) & (sizes != compressed))
     if inconsistent.size:
-        raise FormatError(f"stored member {names[inconsistent[0]]!r} has inconsistent sizes", path=where)
+        raise FormatError(f"stored member {names[inconsistent[0]]!r} has inconsistent sizes")
     return limits.tolist()
 
 
-def _apply_zip64(extra: bytes, size: int, compressed: int, offset: int, where: str, name: str) -> tuple[int, int, int]:
+def _apply_zip64(extra: bytes, size: int, compressed: int, offset: int, name: str) -> tuple[int, int, int]:
     position = 0
     while position + 4 <= len(extra):
         tag, length = struct.unpack_from("<HH", extra, position)
@@ -329,11 +334,11 @@ def _apply_zip64(extra: bytes, size: int, compressed: int, offset: int, where: s
                 if offset == ZIP64_LIMIT:
                     offset = values.pop(0)
             except IndexError:
-                raise FormatError(f"ZIP64 field of {name!r} is truncated", path=where) from None
+                raise FormatError(f"ZIP64 field of {name!r} is truncated") from None
             return size, compressed, offset
         position += 4 + length
     if ZIP64_LIMIT in (size, compressed, offset):
-        raise FormatError(f"member {name!r} lacks its ZIP64 sizes", path=where)
+        raise FormatError(f"member {name!r} lacks its ZIP64 sizes")
     return size, compressed, offset
 
 

@@ -4,6 +4,13 @@ Each opens its file through :func:`~weightstore.io.files.open_regular`, so a FIF
 refused at open instead of blocking. Each refuses a range outside the file before reading it,
 so no reader needs to trust a length it was given.
 
+**Reading ahead.** A reader calls ``prefetch(offset, length)`` before it reads a range. A local
+source then asks the kernel (``posix_fadvise(WILLNEED)``, from one background thread) to fetch
+that range and the :data:`READ_AHEAD` bytes after it, once per byte: a cold file streams from
+the disk in large requests while the reader verifies and copies what came before, instead of
+faulting a map in page by page. Pages already cached make the advice a cheap lookup, so views of
+a cached file stay zero-copy and cost nothing more.
+
 **The size guard.** Writers replace files by rename, never in place, so a map stays valid for as
 long as any array made from it lives. A file truncated or rewritten *in place* by another tool
 (``cp``, ``rsync --inplace``) is another matter: touching a page of a map that now lies past the
@@ -19,13 +26,35 @@ import contextlib
 import mmap
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
 
 from weightstore.errors import FormatError, StoreClosedError
 from weightstore.io.buffer import aligned_buffer
 from weightstore.io.files import open_regular
 
-__all__ = ["SizeGuard", "MappedFile", "OwnedFile", "StreamFile", "check_range"]
+__all__ = ["READ_AHEAD", "SizeGuard", "MappedFile", "OwnedFile", "StreamFile", "check_range"]
+
+#: how far past a range being read the kernel is asked to fetch a local file
+READ_AHEAD = 64 << 20
+_advisor: ThreadPoolExecutor | None = None  # one thread: the advice queues, the disk reads in order
+_advisor_lock = threading.Lock()
+_CAN_ADVISE = hasattr(os, "posix_fadvise")  # not on macOS, whose own readahead must do
+
+
+def _advise(fileno: int, offset: int, length: int) -> None:
+    """``posix_fadvise(WILLNEED)`` on a background thread: the call itself allocates the pages
+    and queues the reads, which a reader should not wait for."""
+    global _advisor
+    with _advisor_lock:
+        if _advisor is None:
+            _advisor = ThreadPoolExecutor(1, thread_name_prefix="weightstore-readahead")
+    _advisor.submit(_fadvise, fileno, offset, length)
+
+
+def _fadvise(fileno: int, offset: int, length: int) -> None:
+    with contextlib.suppress(OSError):  # closed meanwhile (the number may even be reused: advice is harmless)
+        os.posix_fadvise(fileno, offset, length, os.POSIX_FADV_WILLNEED)
 
 
 def check_range(offset: int, length: int, size: int, name: str) -> None:
@@ -74,6 +103,7 @@ class _LocalFile:
             self._handle.close()
             raise
         self.size = self._guard.size
+        self._advised = 0  # bytes before this offset were already announced to the kernel
 
     def read_into(self, offset: int, buffer: memoryview) -> None:
         """Copy bytes from the file into ``buffer`` without mapping them into this process."""
@@ -92,7 +122,13 @@ class _LocalFile:
         self._guard.check(what)
 
     def prefetch(self, offset: int, length: int) -> None:
-        pass
+        """Have the kernel fetch ``offset..offset+length`` and :data:`READ_AHEAD` bytes more
+        (see the module docstring); what was announced before is not announced again."""
+        start = max(offset, self._advised)
+        end = min(self.size, offset + length + READ_AHEAD)
+        if end > start and not self._closed and _CAN_ADVISE:
+            _advise(self._handle.fileno(), start, end - start)
+            self._advised = max(self._advised, end)
 
     def release(self, offset: int, length: int) -> None:
         pass
@@ -133,11 +169,6 @@ class MappedFile(_LocalFile):
         if self._map is None:
             return memoryview(b"")
         return memoryview(self._map)[offset : offset + length]
-
-    def prefetch(self, offset: int, length: int) -> None:
-        if self._map is not None and length > 1 << 20:
-            start = offset - offset % mmap.PAGESIZE
-            self._map.madvise(mmap.MADV_WILLNEED, start, offset + length - start)
 
     def release(self, offset: int, length: int) -> None:
         """Unmap a range read once and never handed out (compressed bytes): it leaves this
