@@ -189,12 +189,12 @@ def measure(
         if before:
             before()
         gc.collect()
-        before = rss_bytes()
+        baseline = rss_bytes()
         exact = reset_peak()
         start = time.perf_counter()
         out = run()
         elapsed = time.perf_counter() - start
-        peaks.append(peak_bytes() - before if exact else float("nan"))
+        peaks.append(peak_bytes() - baseline if exact else float("nan"))
         times.append(elapsed)
         if cleanup:
             cleanup(out)

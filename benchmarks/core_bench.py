@@ -14,6 +14,7 @@ gets a ``+fsync`` row.
 
     python -m benchmarks.core_bench                 # 1 GB, 5 repetitions
     python -m benchmarks.core_bench --size-mb 128   # quick
+    python -m benchmarks.core_bench --saves --size-mb 256   # durable saves: each format vs its peer
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -102,7 +104,7 @@ def read_weights(folder: str) -> dict[str, np.ndarray]:
 # -- the cases ------------------------------------------------------------------------------
 FILES = {  # product -> file name
     "ws-npz": "ws.npz", "ws-h5": "ws.h5", "ws-npz-c": "ws-c.npz", "ws-npz-s": "ws-s.npz", "np": "savez.npz",
-    "safetensors": "st.safetensors", "h5py": "h5py.h5", "raw": "raw.bin",
+    "safetensors": "st.safetensors", "h5py": "h5py.h5", "raw": "raw.bin", "ws-st": "ws.safetensors",
 }
 
 
@@ -126,7 +128,7 @@ def _save_fn(case: str):
     product, _, durable = case.partition("+")
     if product == "ws-npz":
         return lambda p, w: ws.save(p, w)
-    if product == "ws-h5":
+    if product in ("ws-h5", "ws-st"):
         return lambda p, w: ws.save(p, w)
     if product == "ws-npz-c":
         return lambda p, w: ws.save(p, w, compress=True)
@@ -304,6 +306,52 @@ def compression_case(folder: str, case: str, repeat: int) -> dict:
     return result | {"bytes": nbytes, "file_bytes": file_bytes, "save": saved, "cpu": cpu}
 
 
+# -- durable saves, each format against its own peer (issue 22) ---------------------------------
+DURABLE = [("ws-npz", "np+fsync"), ("ws-st", "safetensors+fsync"), ("ws-h5", "h5py+fsync")]
+DURABLE_LABELS = {"ws-npz": "weightstore npz", "np+fsync": "np.savez + fsync", "ws-st": "weightstore safetensors",
+                  "safetensors+fsync": "safetensors save_file + fsync", "ws-h5": "weightstore HDF5",
+                  "h5py+fsync": "h5py + fsync", "raw+fsync": "floor: raw write + fsync"}
+
+
+def save_bench(size_mb: float, repeat: int, rounds: int = 3, out=sys.stdout) -> dict:
+    """Every format's durable save against its own peer's and the raw write+fsync floor: one
+    process per case, the cases taking turns for ``rounds`` rounds (load from others falls on
+    all alike), medians over every timed run of a case."""
+    say = lambda *a: print(*a, file=out, flush=True)  # noqa: E731
+    folder = tempfile.mkdtemp(prefix="ws-saves-", dir=os.environ.get("WS_BENCH_DIR"))
+    try:
+        facts = prepare(folder, size_mb)
+        say(f"Durable saves of {facts['bytes'] / MB:,.0f} MB ({facts['arrays']} float32 arrays): {rounds} rounds of "
+            f"one process per case, {repeat} saves each, medians; {machine_line()}")
+        cases = [c for pair in DURABLE for c in pair] + ["raw+fsync"]
+        times: dict[str, list[float]] = {c: [] for c in cases}
+        for _ in range(rounds):
+            for name in cases:
+                res = run_case(MODULE, f"save:{name}", ["--dir", folder, "--repeat", str(repeat)])
+                times[name] += res["times"]
+                os.unlink(os.path.join(folder, FILES[name.partition("+")[0]]))  # one large file at a time
+        m = {c: statistics.median(v) for c, v in times.items()}
+        floor = m["raw+fsync"]
+        rows, checks = [], []
+        for own, peer in DURABLE:
+            for name in (own, peer):
+                rows.append([DURABLE_LABELS[name], fmt_seconds(m[name]), fmt_ratio(m[name] / m[peer]),
+                             fmt_ratio(m[name] / floor), f"{facts['bytes'] / MB / m[name]:,.0f}"])
+            checks += [(f"{DURABLE_LABELS[own]} <= 1.05x {DURABLE_LABELS[peer]}", m[own] <= 1.05 * m[peer],
+                        f"{m[own] / m[peer]:.2f}x"),
+                       (f"{DURABLE_LABELS[own]} <= 1.2x raw write + fsync", m[own] <= 1.2 * floor,
+                        f"{m[own] / floor:.2f}x")]
+        rows.append([DURABLE_LABELS["raw+fsync"], fmt_seconds(floor), "-", "1.00x",
+                     f"{facts['bytes'] / MB / floor:,.0f}"])
+        say(table(["durable save", "median s", "x its peer", "x floor", "MB/s"], rows))
+        say("")
+        say("Targets (issue 22)")
+        say(table(["target", "holds", "measured"], [[c, "yes" if ok else "NO", v] for c, ok, v in checks]))
+        return {"facts": facts, "medians": m}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 # -- the run --------------------------------------------------------------------------------
 SAVE_PEERS = ["np", "safetensors", "h5py"]
 LOAD_PEERS = ["np", "safetensors", "h5py"]
@@ -472,10 +520,14 @@ def main(argv=None) -> None:
     parser.add_argument("--repeat", type=int, default=5, help="timed runs per case (default 5)")
     parser.add_argument("--dir", help="folder for the files (default: a temporary folder)")
     parser.add_argument("--keep", action="store_true", help="keep the folder")
+    parser.add_argument("--saves", action="store_true", help="only the durable saves, each format against its peer")
+    parser.add_argument("--rounds", type=int, default=3, help="--saves: rounds of one process per case (default 3)")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.case:
         case_main(args)
+    elif args.saves:
+        save_bench(args.size_mb, args.repeat, args.rounds)
     else:
         bench(args.size_mb, args.repeat, args.dir, args.keep)
 

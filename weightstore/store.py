@@ -32,7 +32,16 @@ from weightstore.errors import (
     attach,
     naming,
 )
-from weightstore.formats import Format, Reader, format_for_suffix, format_named, hf_sharded, known_suffixes, sniff
+from weightstore.formats import (
+    Format,
+    Reader,
+    RegionReader,
+    format_for_suffix,
+    format_named,
+    hf_sharded,
+    known_suffixes,
+    sniff,
+)
 from weightstore.formats.foreign import HEAD_BYTES, open_foreign, refuse_pickle
 from weightstore.formats.renamed import RenamedReader, names_by_key
 from weightstore.gcpause import paused_gc
@@ -40,6 +49,7 @@ from weightstore.io.commit import commit_for
 from weightstore.io.files import open_regular
 from weightstore.io.location import filesystem, is_url, location_of, uncached
 from weightstore.io.remote import RemoteFile
+from weightstore.io.writeback import Writeback
 from weightstore.keys import MappingRules, Patterns, plan_outward, validate_keys
 from weightstore.manifest import TensorInfo, build_manifest, content_digest, dtype_name, logical_dtype, to_storage
 from weightstore.names import (
@@ -149,14 +159,13 @@ class Store(Mapping):
         of its members that hold the region; any other store reads the tensor and copies the part.
         Slices have no step; fewer slices than axes leave the remaining axes whole.
         """
-        read_region = getattr(self._reader, "read_region", None)
-        if read_region is None:
+        if not isinstance(self._reader, RegionReader):
             from weightstore.formats.sharded import normalized_region
 
             bounds = normalized_region(region, self.info(key).shape, key, self.path)
             return np.array(self[key][tuple(slice(lo, hi) for lo, hi in bounds)])
         try:
-            return read_region(key, region, verify=self.verify)
+            return self._reader.read_region(key, region, verify=self.verify)
         except WeightStoreError as exc:
             attach(exc, path=self.path)
             raise
@@ -678,6 +687,7 @@ def write_file(path: str, fmt: Format, arrays: _Checked, metadata: Mapping[str, 
     mark_torch_names = getattr(writer, "mark_torch_names", None)
     if stored_names and mark_torch_names is not None:
         mark_torch_names()
+    writeback = Writeback(path)  # the disk starts on what is written while the rest is (see its module)
     try:
         tensors, digests = [], []
         for key, name, data in arrays.stored():  # read/converted now: one tensor in memory at a time
@@ -688,9 +698,12 @@ def write_file(path: str, fmt: Format, arrays: _Checked, metadata: Mapping[str, 
             tensors.append((key if located else stored, name, data.shape, writer.add(stored, name, data)))
             digests.append(content_digest(data) if hashing is None else hashing.result())
             del data
+            writeback.advance()
         locations = {**writer.locations, **located}
         writer.commit(build_manifest(tensors, metadata, f"weightstore {__version__}", locations, writer.codecs,
                                      digests))
     except BaseException:
         writer.abort()
         raise
+    finally:
+        writeback.close()

@@ -14,7 +14,9 @@ one responsibility a module:
   argument (rename, upload, index last; pointer last is composed of them in versions).
 * :mod:`~weightstore.io.buffer`: the one allocator of aligned memory for bytes read.
 * :mod:`~weightstore.io.local`: local byte sources (mapped, ``pread`` into owned memory, a
-  stream) and the size guard before each read of a mapped file.
+  stream), their readahead, and the size guard before each read of a mapped file.
+* :mod:`~weightstore.io.writeback`: a file being written starts reaching the disk as it is
+  written, so a durable save's fsync waits only for the last stretch.
 * :mod:`~weightstore.io.remote`: a file on object storage read by ranged requests, over a
   table of backends (:mod:`~weightstore.io.s3`, the generic :mod:`~weightstore.io.fsspec_objects`);
   what a backend provides is :mod:`~weightstore.io.objects`, and a new one is one module added

@@ -1,0 +1,84 @@
+"""The disk kept busy ahead of the code: readahead of local sources, writeback during saves,
+and the copies TF1 feeds (which TF must copy into its own allocator, not adopt)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import weightstore as ws
+from weightstore.adapters.skeleton import private_copy
+from weightstore.io import local, writeback
+from weightstore.io.local import MappedFile, OwnedFile
+
+
+@pytest.fixture
+def small_steps(monkeypatch):
+    """Readahead and writeback in steps of 64 KiB, so a small file takes many of them."""
+    monkeypatch.setattr(local, "READ_AHEAD", 1 << 16)
+    monkeypatch.setattr(writeback, "WRITEBACK_BYTES", 1 << 16)
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".safetensors", ".h5"])
+def test_save_written_back_while_written_reads_back_exactly(tmp_path, small_steps, suffix):
+    weights = {f"layer_{i}/w": np.random.default_rng(i).standard_normal(50_000, dtype=np.float32) for i in range(8)}
+    path = tmp_path / f"w{suffix}"
+    ws.save(path, weights)
+    for key, value in ws.load(path).items():
+        np.testing.assert_array_equal(value, weights[key])
+
+
+def test_writeback_of_a_growing_file_waits_for_its_requests(tmp_path, small_steps):
+    path = tmp_path / "grown.bin"
+    with open(path, "wb") as out:
+        started = writeback.Writeback(str(path))
+        for _ in range(4):
+            out.write(os.urandom(1 << 17))
+            out.flush()
+            started.advance()
+        started.close()
+        started.close()  # twice is harmless
+    assert path.stat().st_size == 4 << 17
+
+
+def test_writeback_of_a_missing_file_does_nothing(tmp_path):
+    missing = writeback.Writeback(str(tmp_path / "none"))
+    missing.advance()
+    missing.close()
+
+
+@pytest.mark.parametrize("source", [MappedFile, OwnedFile])
+def test_readahead_stays_inside_the_file_and_ignores_a_closed_one(tmp_path, small_steps, source):
+    data = os.urandom(300_000)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    opened = source(str(path))
+    opened.prefetch(0, 1000)
+    opened.prefetch(250_000, 50_000)  # the window reaches past the end: clamped
+    assert bytes(opened.read_at(250_000, 50_000)) == data[250_000:]
+    opened.close()
+    opened.prefetch(0, 1000)
+
+
+def test_readahead_serves_a_cold_npz_restore(tmp_path, small_steps):
+    weights = {f"w{i}": np.full(40_000, i, np.float32) for i in range(6)}
+    path = tmp_path / "w.npz"
+    ws.save(path, weights)
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    with ws.open(path) as store:
+        for key, value in weights.items():
+            np.testing.assert_array_equal(store[key], value)
+
+
+def test_an_unadoptable_copy_lies_off_tfs_alignment_and_an_adoptable_one_on_it():
+    array = np.arange(1 << 16, dtype=np.float32).reshape(256, 256)
+    for adoptable, check in ((True, lambda a: a % 64 == 0), (False, lambda a: a % 16 != 0 and a % 8 == 0)):
+        copy = private_copy(array, np.float32, adoptable=adoptable)
+        assert check(copy.ctypes.data)
+        assert copy.flags.aligned and copy.flags.c_contiguous
+        np.testing.assert_array_equal(copy, array)
+        assert not np.shares_memory(copy, array)
