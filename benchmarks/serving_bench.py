@@ -157,8 +157,9 @@ def bench(sizes: list[float], stores: list[str], tensors: int, versions: int, ou
                 for store in stores:
                     folder = (os.path.join(scratch, f"{store}-{size:g}") if store == "local"
                               else f"s3://{BUCKET}/{uuid.uuid4().hex}")
-                    # long enough between publishes for a swap to finish: the S3 server moves ~100 MB/s
-                    interval = max(0.3, size / (50 if store == "s3" else 400))
+                    # long enough between publishes for the upload and the swap to be over before the
+                    # next: the S3 server (a Python process on the same cores) moves 50-100 MB/s
+                    interval = max(0.5, size / (25 if store == "s3" else 400))
                     result = serve(folder, size, tensors, versions, interval)
                     stalls = result["stalls"]
                     assert isinstance(stalls, list)

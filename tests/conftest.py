@@ -17,3 +17,35 @@ def made(tmp_path_factory):
     import tf_files
 
     return tf_files.make_all(tmp_path_factory.mktemp("made"))
+
+
+@pytest.fixture(scope="module")
+def server(request):
+    """A counting S3 server on a loopback port (``benchmarks.s3_server.CountingS3``) that this
+    process's S3 clients use for plain ``s3://`` URLs, with the test module's ``BUCKET`` made."""
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
+    import s3fs
+
+    from benchmarks.s3_server import CountingS3, restore_environment, use_environment
+
+    server = CountingS3().start()
+    saved = use_environment(server)
+    s3fs.S3FileSystem.clear_instance_cache()
+    s3fs.S3FileSystem().mkdir(request.module.BUCKET)
+    try:
+        yield server
+    finally:
+        server.intercept = None
+        server.stop()
+        s3fs.S3FileSystem.clear_instance_cache()
+        restore_environment(saved)
+
+
+@pytest.fixture
+def s3(server):
+    """The :func:`server` with its record cleared and no request intercepted, for one test."""
+    server.intercept = None
+    server.reset()
+    yield server
+    server.intercept = None

@@ -37,3 +37,11 @@ def test_readme_lines_fit_100_columns():
     long = [(number, len(line)) for number, line in enumerate((ROOT / "README.md").read_text().splitlines(), 1)
             if len(line) > 100]
     assert long == [], f"README.md lines over 100 columns (line, width): {long}"
+
+
+def test_user_facing_text_has_no_internal_wording():
+    """Issue numbers and development rounds mean nothing to a user reading the docs or a message."""
+    internal = re.compile(r"\bissue \d+|\bissue #\d+|\b(this|last|previous) round\b|\ba seed needs\b", re.IGNORECASE)
+    for path in [*DOCS, *ROOT.glob("weightstore/**/*.py"), *ROOT.glob("adapters/*.py"), *ROOT.glob("cli/*.py")]:
+        found = internal.search(path.read_text())
+        assert found is None, f"{path.relative_to(ROOT)}: {found.group(0)!r}"

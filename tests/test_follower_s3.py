@@ -18,35 +18,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import keras  # noqa: E402
 
 import weightstore as ws  # noqa: E402
-from benchmarks.s3_server import CountingS3, restore_environment, use_environment  # noqa: E402
 from weightstore.adapters.follower import Follower  # noqa: E402
 
 BUCKET = "weightstore-follower"
-
-
-@pytest.fixture(scope="module")
-def server():
-    import s3fs
-
-    server = CountingS3().start()
-    saved = use_environment(server)
-    s3fs.S3FileSystem.clear_instance_cache()
-    s3fs.S3FileSystem().mkdir(BUCKET)
-    try:
-        yield server
-    finally:
-        server.intercept = None
-        server.stop()
-        s3fs.S3FileSystem.clear_instance_cache()
-        restore_environment(saved)
-
-
-@pytest.fixture
-def s3(server):
-    server.intercept = None
-    server.reset()
-    yield server
-    server.intercept = None
 
 
 @pytest.fixture

@@ -15,38 +15,12 @@ from weightstore.io import commit, objects
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
-from benchmarks.s3_server import CountingS3, restore_environment, use_environment  # noqa: E402
 
 BUCKET = "weightstore-transfer"
 FORMATS = [".npz", ".safetensors"]
 #: 4 scopes of 4 tensors of 128 KB: one scope is 512 KB, the file 2 MB
 WEIGHTS = {f"block_{s}/w{t}": np.random.default_rng(4 * s + t).standard_normal((128, 256)).astype(np.float32)
            for s in range(4) for t in range(4)}
-
-
-@pytest.fixture(scope="module")
-def server():
-    import s3fs
-
-    server = CountingS3().start()
-    saved = use_environment(server)
-    s3fs.S3FileSystem.clear_instance_cache()
-    s3fs.S3FileSystem().mkdir(BUCKET)
-    try:
-        yield server
-    finally:
-        server.intercept = None
-        server.stop()
-        s3fs.S3FileSystem.clear_instance_cache()
-        restore_environment(saved)
-
-
-@pytest.fixture
-def s3(server):
-    server.intercept = None
-    server.reset()
-    yield server
-    server.intercept = None
 
 
 def url(suffix: str) -> str:

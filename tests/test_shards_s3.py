@@ -14,7 +14,6 @@ pytest.importorskip("moto.server")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import weightstore as ws  # noqa: E402
-from benchmarks.s3_server import CountingS3, restore_environment, use_environment  # noqa: E402
 from weightstore import shards, versions  # noqa: E402
 
 BUCKET = "weightstore-shards"
@@ -22,22 +21,6 @@ BUCKET = "weightstore-shards"
 #: ends inside blocks (16 rows) of the pieces, so it fetches up to two partial 256 KiB blocks
 #: beyond its 7.8 MiB share, under 10% of it
 ROWS, COLS = 1500, 4096
-
-
-@pytest.fixture(scope="module")
-def server():
-    import s3fs
-
-    server = CountingS3().start()
-    saved = use_environment(server)
-    s3fs.S3FileSystem.clear_instance_cache()
-    s3fs.S3FileSystem().mkdir(BUCKET)
-    try:
-        yield server
-    finally:
-        server.stop()
-        s3fs.S3FileSystem.clear_instance_cache()
-        restore_environment(saved)
 
 
 @pytest.fixture

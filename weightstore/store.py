@@ -29,7 +29,7 @@ from weightstore.errors import (
     attach,
     naming,
 )
-from weightstore.formats import Format, Reader, format_for_suffix, format_named, known_suffixes, sniff
+from weightstore.formats import Format, Reader, RegionReader, format_for_suffix, format_named, known_suffixes, sniff
 from weightstore.formats.foreign import open_foreign
 from weightstore.gcpause import paused_gc
 from weightstore.io.commit import commit_for
@@ -132,14 +132,13 @@ class Store(Mapping):
         of its members that hold the region; any other store reads the tensor and copies the part.
         Slices have no step; fewer slices than axes leave the remaining axes whole.
         """
-        read_region = getattr(self._reader, "read_region", None)
-        if read_region is None:
+        if not isinstance(self._reader, RegionReader):
             from weightstore.formats.sharded import normalized_region
 
             bounds = normalized_region(region, self.info(key).shape, key, self.path)
             return np.array(self[key][tuple(slice(lo, hi) for lo, hi in bounds)])
         try:
-            return read_region(key, region, verify=self.verify)
+            return self._reader.read_region(key, region, verify=self.verify)
         except WeightStoreError as exc:
             attach(exc, path=self.path)
             raise

@@ -12,7 +12,7 @@ import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import PurePosixPath
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -26,7 +26,8 @@ class Reader(Protocol):
 
     The rest of weightstore calls every member below and never asks ``hasattr``; a reader
     inherits :class:`ReaderDefaults` for the optional ones it does not provide (``kind``,
-    ``skipped``, ``meta_graph``, ``read_into``, ``read_many``, ``prefetch``). Readers treat the
+    ``skipped``, ``meta_graph``, ``read_into``, ``read_many``, ``prefetch``). Reading part of a
+    tensor is the one capability a reader declares by having it: :class:`RegionReader`. Readers treat the
     file as hostile (see the module docstring) and read bytes only through
     :mod:`weightstore.io.source`.
     """
@@ -65,6 +66,15 @@ class Reader(Protocol):
         """Warn that ``keys`` are read next, so a remote file fetches their bytes at once."""
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class RegionReader(Protocol):
+    """The optional capability of a reader that reads part of a tensor without the rest (a
+    sharded version: only the blocks that hold the region); :meth:`Store.read_region` reads the
+    whole tensor and copies the part from any other."""
+
+    def read_region(self, key: str, region: Any, *, verify: bool) -> np.ndarray: ...
 
 
 class ReaderDefaults:
