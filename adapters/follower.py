@@ -48,9 +48,10 @@ from typing_extensions import Unpack
 import weightstore
 from weightstore.adapters.plan import AssignOptions, AssignWords, Report, reload_digest, wants_skip
 from weightstore.errors import VersionGoneError
+from weightstore.formats import ReaderDefaults
 from weightstore.io.folders import folder_for
 from weightstore.manifest import TensorInfo
-from weightstore.store import Store, StoreView
+from weightstore.store import Store
 from weightstore.versions import PointerWatch, Version
 
 __all__ = ["Follower"]
@@ -275,7 +276,7 @@ class Follower:
                 self.error, self._following_failed = None, False
 
 
-class _Staged(StoreView):
+class _Staged(ReaderDefaults):
     """A version's reader with some tensors already read and verified: a swap writes from memory.
 
     Tensors not staged (the unchanged ones a swap expects to skip) are read from the version's
@@ -284,8 +285,21 @@ class _Staged(StoreView):
     """
 
     def __init__(self, store: Store, arrays: dict[str, np.ndarray]):
-        super().__init__(store)
+        self._store = store
         self._arrays = arrays
+        self.name = store.path
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return self._store.metadata
+
+    @property
+    def created(self) -> str:
+        return self._store.created
+
+    @property
+    def has_checksums(self) -> bool:
+        return self._store.has_checksums
 
     def keys(self) -> list[str]:
         return self._store.keys()
