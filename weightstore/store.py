@@ -311,13 +311,8 @@ def _open_remote(location: str, verify: bool, format: str | None) -> Store:  # n
     """A URL: ranged GETs of what is read (npz, safetensors), so opening costs one request for
     an index of up to a few hundred tensors; HDF5 goes through an fsspec file object for h5py."""
     fs, remote = filesystem(location)
-    if format is None and (location.endswith(hf_sharded.INDEX_SUFFIX)
-                           or format_for_suffix(location) is None and fs.isdir(remote)):
-        index = hf_sharded.index_location(remote, is_dir=lambda _: True, exists=fs.exists)
-        if index is None:
-            raise StoreNotFoundError("is a folder holding no model.safetensors.index.json", path=location)
-        url = location if location.endswith(hf_sharded.INDEX_SUFFIX) else location.rstrip("/") + "/" + hf_sharded.INDEX_NAME
-        return Store(hf_sharded.open_remote(fs, index, url), url, verify, hf_sharded.FORMAT_NAME)
+    if format is None and location.endswith(hf_sharded.INDEX_SUFFIX):
+        return _open_remote_sharded(fs, remote, location, verify)
     source = RemoteFile(fs, remote, location)
     try:
         fmt = format_named(format) if format else format_for_suffix(location)
@@ -335,10 +330,22 @@ def _open_remote(location: str, verify: bool, format: str | None) -> Store:  # n
                 raise
         return Store(fmt.open_reader(source, location), location, verify, fmt.name)
     except FileNotFoundError:
+        # a folder is asked about only now, so opening a file of an unknown suffix stays one request
+        if format is None and format_for_suffix(location) is None and fs.isdir(remote):
+            return _open_remote_sharded(fs, remote, location, verify)
         raise StoreNotFoundError("no such file", path=location) from None
     except BaseException:
         source.close()
         raise
+
+
+def _open_remote_sharded(fs: Any, remote: str, location: str, verify: bool) -> Store:
+    """A Hugging Face sharded model on object storage: its index file, or a folder holding one."""
+    index = hf_sharded.index_location(remote, is_dir=lambda _: True, exists=fs.exists)
+    if index is None:
+        raise StoreNotFoundError("is a folder holding no model.safetensors.index.json", path=location)
+    url = location if location.endswith(hf_sharded.INDEX_SUFFIX) else location.rstrip("/") + "/" + hf_sharded.INDEX_NAME
+    return Store(hf_sharded.open_remote(fs, index, url), url, verify, hf_sharded.FORMAT_NAME)
 
 
 def load(
