@@ -31,13 +31,10 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import numpy as np
-
 import weightstore
-from weightstore.errors import AssignmentError, FormatError, KeyNotInStoreError, WeightStoreError
-from weightstore.formats import ReaderDefaults
+from weightstore.errors import AssignmentError, FormatError, WeightStoreError
+from weightstore.formats.renamed import RenamedReader
 from weightstore.formats.tf_checkpoint import CheckpointReader, saved_model_prefix
-from weightstore.manifest import TensorInfo
 
 __all__ = ["ModelKeyedStore", "open_artifact", "is_model_file", "for_model", "keras_file_names"]
 
@@ -75,7 +72,7 @@ def for_model(model: Any, path: Any, model_keys: Mapping[str, Any]) -> weightsto
     except BaseException:
         source.close()
         raise
-    store = ModelKeyedStore(_Renamed(source, names), source.path, verify=True)
+    store = ModelKeyedStore(RenamedReader(source._reader, names), source.path, verify=True)
     store.missing_note = note
     return store
 
@@ -314,43 +311,3 @@ class ModelKeyedStore(weightstore.Store):
 
     exact_keys = True
     missing_note = ""  # why some of the model's variables cannot be in the file (see _untracked_note)
-
-
-class _Renamed(ReaderDefaults):
-    """A store's reader seen through new key names."""
-
-    def __init__(self, store: weightstore.Store, names: dict[str, str]):
-        self._store = store
-        self._names = names  # new key -> the store's key
-        self.name = store.path
-
-    @property
-    def metadata(self) -> dict[str, Any]:
-        return self._store.metadata
-
-    @property
-    def created(self) -> str:
-        return self._store.created
-
-    @property
-    def has_checksums(self) -> bool:
-        return self._store.has_checksums
-
-    def keys(self) -> list[str]:
-        return list(self._names)
-
-    def _old(self, key: str) -> str:
-        try:
-            return self._names[key]
-        except KeyError:
-            raise KeyNotInStoreError("no such tensor", path=self._store.path, key=key) from None
-
-    def info(self, key: str) -> TensorInfo:
-        info = self._store.info(self._old(key))
-        return info._replace(key=key)
-
-    def read(self, key: str, *, verify: bool) -> np.ndarray:
-        return self._store[self._old(key)]
-
-    def close(self) -> None:
-        self._store.close()

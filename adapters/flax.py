@@ -92,7 +92,7 @@ def export(
         None if sites is None else {key: sites.get(old, layouts.Site(None)) for key, old in chosen.items()})
     if refused:
         raise LayoutError(layouts.refusal_message(f"exporting {_describe(obj)}", refused))
-    return {new: step.apply(weights[step.source]) for new, step in steps.items()}
+    return {new: step.build(weights.__getitem__) for new, step in steps.items()}
 
 
 def assign(
@@ -224,6 +224,8 @@ def _site(module: nnx.Module) -> layouts.Site:
             return layouts.Site(layouts.DEPTHWISE, module.feature_group_count)
     if isinstance(module, (nnx.BatchNorm, nnx.LayerNorm, nnx.GroupNorm)):
         return layouts.Site(layouts.NORM)
+    if isinstance(module, nnx.Embed):
+        return layouts.Site(layouts.EMBEDDING)
     return layouts.Site(type(module).__name__)
 
 

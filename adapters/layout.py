@@ -18,13 +18,22 @@ guessed:
   ``groups == in_channels`` is ``depthwise``); a file records no modules, so
   :func:`kinds_from_names` derives the kind from a scope's tensors (see there), and never
   finds ``depthwise``: a depthwise layer's kernel is only converted where its module is at hand.
+  A transposed convolution's kernel (``[*spatial, out, in]`` in Keras, ``[in, out, *spatial]``
+  in PyTorch) converts as a convolution's, by the same reversal of axes.
 
 Keras 3 calls a depthwise kernel ``kernel``, as it calls a convolution's (Keras 2 and TF1 say
 ``depthwise_kernel``), and the two have the same rank. On the way in, the shape of the
-variable a tensor goes into decides (a depthwise kernel only fits a grouped convolution);
-converting a *file* has no such variable, so ``ws convert --layout keras-to-torch`` reads a
-Keras 3 ``kernel`` as a convolution's. On the way out, depthwise kernels are written as Keras
-3 names them.
+variable a tensor goes into decides (a depthwise kernel only fits a grouped convolution).
+Converting a *file* has no such variable: a Keras 3 ``kernel`` that may be depthwise (its last
+axis 1, or a scope named ``depthwise``) is refused until ``kinds=`` (``ws convert --kind
+SCOPE=depthwise``) says which it is; a PyTorch file's rank-2 ``weight`` without a ``bias``
+(a bias-free Linear, or an Embedding) likewise. On the way out, depthwise kernels are written
+as Keras 3 names them. A value whose layer has no place for it (a convolution's bias into a
+PyTorch layer built with ``bias=False``) is refused naming :func:`fold_bias_into_norm`.
+
+Layers whose tensors convert only together (LSTM, GRU, multi-head attention) are
+:class:`~weightstore.adapters.layer_rules.LayerRule` s in ``Layout.layers``, tried first, by the
+whole set of names a layer's scope holds (see :mod:`weightstore.adapters.layer_rules`).
 
 A tensor no rule covers is refused (listed in the adapter's ``Report``/error, or in a
 :class:`~weightstore.errors.LayoutError`), never passed through unconverted. Tensors a
@@ -47,12 +56,13 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from weightstore.adapters import layer_rules
+from weightstore.adapters.layer_rules import LayerRule
 from weightstore.adapters.plan import (
     AssignOptions,
     Mismatch,
     Plan,
     TargetInfo,
-    Values,
     ValueSource,
     describe,
     plan_assign,
@@ -61,10 +71,13 @@ from weightstore.errors import AssignmentError, LayoutError
 from weightstore.formats import keras_file
 from weightstore.keys import MappingRules, Patterns, join_scope, map_key, normalize_scope, parse_mapping, passes
 
-__all__ = ["Rule", "Layout", "convert"]
+__all__ = ["Rule", "Layout", "convert", "fold_bias_into_norm"]
 
-DENSE, CONV, DEPTHWISE, NORM = "dense", "conv", "depthwise", "norm"
+DENSE, CONV, DEPTHWISE, NORM, EMBEDDING = "dense", "conv", "depthwise", "norm", "embedding"
+#: the kinds a user may give a layer a file cannot tell (``kinds=``, ``ws convert --kind``)
+KINDS = (DENSE, CONV, DEPTHWISE, NORM, EMBEDDING)
 _WEIGHTED = (DENSE, CONV, DEPTHWISE)
+_EXTEND = " (add a Rule with Layout.extended)"
 
 
 @dataclass(frozen=True)
@@ -154,14 +167,21 @@ class Layout:
     rules: tuple[Rule, ...]
     kernel: str
     dropped: tuple[str, ...] = ()
+    #: layers whose tensors convert together (LSTM, GRU, attention), tried before ``rules``
+    layers: tuple[LayerRule, ...] = ()
 
     def extended(self, *rules: Rule) -> Layout:
         """This layout with ``rules`` tried first (the first matching rule wins)."""
         return replace(self, rules=(*rules, *self.rules))
 
-    def rule_from_keras(self, leaf: str, shape: tuple[int, ...], target: tuple[int, ...] | None = None) -> Rule | None:
-        """The first rule for this Keras leaf and rank; given the variable's shape, the first that fits it."""
-        candidates = [r for r in self.rules if r.keras == leaf and r.rank in (None, len(shape))]
+    def rule_from_keras(self, leaf: str, shape: tuple[int, ...], target: tuple[int, ...] | None = None,
+                        kind: str | None = None) -> Rule | None:
+        """The first rule for this Keras leaf and rank (and ``kind``, when the caller knows it);
+        given the variable's shape, the first that fits it."""
+        candidates = [r for r in self.rules if r.keras == leaf and r.rank in (None, len(shape))
+                      and (kind is None or kind in r.kinds)]
+        if kind is not None:
+            return candidates[0] if candidates else None
         if target is not None:
             fitting = next((r for r in candidates if r.to_other_shape(shape) == tuple(target)), None)
             if fitting is not None:
@@ -192,9 +212,11 @@ KERAS_TO_TORCH = Layout(
         Rule((NORM,), "beta", "bias"),
         Rule((NORM,), "moving_mean", "running_mean"),
         Rule((NORM,), "moving_variance", "running_var"),
+        Rule((EMBEDDING,), "embeddings", "weight", 2),
     ),
     kernel="weight",
     dropped=("num_batches_tracked",),
+    layers=layer_rules.TORCH_LAYERS,
 )
 
 #: Keras/TF ↔ Flax: kernels keep Keras's layout; a depthwise kernel is Flax's grouped
@@ -212,8 +234,10 @@ KERAS_TO_FLAX = Layout(
         Rule((NORM,), "beta", "bias"),
         Rule((NORM,), "moving_mean", "mean"),
         Rule((NORM,), "moving_variance", "var"),
+        Rule((EMBEDDING,), "embeddings", "embedding", 2),
     ),
     kernel="kernel",
+    layers=layer_rules.FLAX_LAYERS,
 )
 
 LAYOUTS = {"torch": KERAS_TO_TORCH, "flax": KERAS_TO_FLAX}
@@ -243,6 +267,35 @@ class Step:
     def apply(self, value: np.ndarray) -> np.ndarray:
         return self.rule.to_keras(value, self.groups) if self.to_keras else self.rule.to_other(value)
 
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return (self.source,)
+
+    def build(self, read: Callable[[str], np.ndarray]) -> np.ndarray:
+        """The converted tensor, reading what it comes from with ``read(key)``."""
+        return self.apply(np.asarray(read(self.source)))
+
+
+@dataclass(frozen=True)
+class LayerStep:
+    """One tensor of a layer converted as a set (:class:`LayerRule`): made from all of ``sources``."""
+
+    source: str  # the first of sources: whose dtype the tensor has
+    sources: tuple[str, ...]
+    rule: LayerRule
+    output: str  # the tensor's key relative to the layer's scope
+    shape: tuple[int, ...]
+    to_keras: bool
+    heads: int = 0
+
+    def build(self, read: Callable[[str], np.ndarray]) -> np.ndarray:
+        inputs = self.rule.other if self.to_keras else self.rule.keras
+        arrays = {rel: np.asarray(read(source)) for rel, source in zip(inputs, self.sources, strict=True)}
+        return self.rule.convert(arrays, not self.to_keras, self.heads)[self.output]
+
+
+AnyStep = Step | LayerStep
+
 
 def resolve(name: str | Layout, default: str) -> Layout:
     """A layout from its name (``"keras"`` means the adapter's own table) or as given."""
@@ -255,46 +308,131 @@ def resolve(name: str | Layout, default: str) -> Layout:
 
 def from_keras(layout: Layout, shapes: Mapping[str, tuple[int, ...]],
                target_shape: Callable[[str], tuple[int, ...] | None] | None = None,
-               ) -> tuple[dict[str, Step], dict[str, str]]:
-    """Plan converting Keras-named tensors: new key -> :class:`Step`, and refused key -> why.
+               kinds: Mapping[str, str] | None = None,
+               ) -> tuple[dict[str, AnyStep], dict[str, str]]:
+    """Plan converting Keras-named tensors: new key -> step, and refused key -> why.
 
     ``target_shape(new key)`` is the shape of the variable a tensor would go into (``None``
-    where there is none), which decides between rules a name and rank leave open.
+    where there is none), which decides between rules a name and rank leave open. Without
+    it (a file), a Keras 3 ``kernel`` that may be a depthwise layer's (its last axis 1, or a
+    scope named ``depthwise``) is refused unless ``kinds`` (key -> kind) says which it is.
     """
-    steps: dict[str, list[Step]] = {}
-    refused: dict[str, str] = {}
+    layer_steps, refused, used = _plan_layers(layout, shapes, True)
+    steps: dict[str, list[AnyStep]] = {new: [step] for new, step in layer_steps.items()}
     for key, shape in shapes.items():
+        if key in used:
+            continue
         scope, _, leaf = key.rpartition("/")
+        kind = (kinds or {}).get(key)
         names = dict.fromkeys(r.other for r in layout.rules if r.keras == leaf)
-        shapes_there = (target_shape(join_scope(scope, name)) for name in names) if target_shape else ()
-        rule = layout.rule_from_keras(leaf, tuple(shape), next(filter(None, shapes_there), None))
+        there = {name: target_shape(join_scope(scope, name)) for name in names} if target_shape else {}
+        rule = layout.rule_from_keras(leaf, tuple(shape), next(filter(None, there.values()), None), kind)
         if rule is None:
-            refused[key] = f"no {layout.name} layout rule for a rank-{len(shape)} {leaf!r}"
+            refused[key] = f"no {layout.name} layout rule for a rank-{len(shape)} {leaf!r}" + (
+                f" in a {kind!r} layer" if kind else "") + _EXTEND
+            continue
+        why = _undecided(layout, key, tuple(shape), rule, kind) if target_shape is None else ""
+        if target_shape is not None and there.get(rule.other, ()) is None:
+            why = _no_target_why(layout, scope, leaf, target_shape)
+        if why:
+            refused[key] = why
         else:
             step = Step(key, rule, rule.to_other_shape(shape), False)
             steps.setdefault(join_scope(scope, rule.other), []).append(step)
     return _unique(steps, refused), refused
 
 
+def _undecided(layout: Layout, key: str, shape: tuple[int, ...], rule: Rule, kind: str | None) -> str:
+    """Why a file's Keras 3 ``kernel`` cannot be converted without knowing its layer's kind."""
+    if kind is not None or DEPTHWISE in rule.kinds or key.rpartition("/")[2] != "kernel":
+        return ""
+    if not any(r.by_shape and r.rank == len(shape) for r in layout.rules):
+        return ""
+    scope = key.rpartition("/")[0]
+    if shape[-1] == 1 and shape[-2] > 1 or "depthwise" in scope.rpartition("/")[2].lower():
+        return (f"a Keras 3 kernel {list(shape)} may be a DepthwiseConv's or a Conv's, which a file does not "
+                f"tell apart; say which: kinds={{{scope!r}: 'depthwise'}} (ws convert --kind '{scope}=depthwise' "
+                "or =conv), or assign into the module, whose shapes decide")
+    return ""
+
+
+def _no_target_why(layout: Layout, scope: str, leaf: str, target_shape: Callable[[str], tuple[int, ...] | None]) -> str:
+    """Why a value whose layer is there but has no variable for it (a conv bias into ``bias=False``) is refused."""
+    if leaf != "bias" or target_shape(join_scope(scope, layout.kernel)) is None:
+        return ""
+    return (f"the {layout.name} layer {scope!r} has no bias (bias=False); fold this bias into the batch norm "
+            "that follows (layout.fold_bias_into_norm), or build the layer with a bias")
+
+
+def _plan_layers(layout: Layout, shapes: Mapping[str, tuple[int, ...]], from_keras: bool,
+                 sites: Mapping[str, Site] | None = None) -> tuple[dict[str, LayerStep], dict[str, str], set[str]]:
+    """The layers ``layout.layers`` convert as sets: new key -> step, refused key -> why, and
+    every key they took (converted or refused), which the per-tensor rules then leave alone.
+
+    A scope holding a rule's whole set is tried against each such rule in order (a PyTorch
+    LSTM's and GRU's names are alike; their shapes tell them apart); if none converts it, it
+    is refused with the first rule's reason. ``sites`` give a module's head count.
+    """
+    steps: dict[str, LayerStep] = {}
+    used: set[str] = set()
+    problems: dict[str, tuple[list[str], str]] = {}
+    for rule in layout.layers:
+        inputs = rule.keras if from_keras else rule.other
+        for key in shapes:
+            if key in used or not (key == inputs[0] or key.endswith("/" + inputs[0])):
+                continue
+            scope = key[: len(key) - len(inputs[0])].rstrip("/")
+            sources = [join_scope(scope, rel) for rel in inputs]
+            if any(source not in shapes or source in used for source in sources):
+                continue
+            local = {rel: tuple(shapes[source]) for rel, source in zip(inputs, sources, strict=True)}
+            heads = sites[key].groups if sites is not None and key in sites else 0
+            why = rule.problem(local, from_keras, heads)
+            if why:
+                problems.setdefault(scope, (sources, why))
+                continue
+            problems.pop(scope, None)
+            used.update(sources)
+            for rel, shape in rule.shapes(local, from_keras, heads).items():
+                steps[join_scope(scope, rel)] = LayerStep(sources[0], tuple(sources), rule, rel, shape,
+                                                          not from_keras, heads)
+    refused: dict[str, str] = {}
+    for sources, why in problems.values():
+        if not used.intersection(sources):
+            refused.update({source: why for source in sources})
+            used.update(sources)
+    return steps, refused, used
+
+
 def to_keras(layout: Layout, shapes: Mapping[str, tuple[int, ...]],
-             sites: Mapping[str, Site] | None = None) -> tuple[dict[str, Step], dict[str, str]]:
+             sites: Mapping[str, Site] | None = None,
+             kinds: Mapping[str, str] | None = None) -> tuple[dict[str, AnyStep], dict[str, str]]:
     """Plan converting tensors named the other framework's way into Keras's names and layouts.
 
     ``sites`` gives each key's layer kind (from its module); without it the kinds come from
-    the names (:func:`kinds_from_names`). Keys whose leaf is in ``layout.dropped`` are left out.
+    the names (:func:`kinds_from_names`), and ``kinds`` (key -> kind) decides what names leave
+    open. Keys whose leaf is in ``layout.dropped`` are left out.
     """
-    kinds = {key: Site(kind) for key, kind in kinds_from_names(layout, shapes).items()} if sites is None else sites
-    steps: dict[str, list[Step]] = {}
-    refused: dict[str, str] = {}
-    for key, shape in shapes.items():
+    layer_steps, refused, used = _plan_layers(layout, shapes, False, sites)
+    rest = {key: shape for key, shape in shapes.items() if key not in used}
+    if sites is None:
+        found = kinds_from_names(layout, rest)
+        found.update(kinds or {})
+        sites = {key: Site(kind) for key, kind in found.items()}
+    steps: dict[str, list[AnyStep]] = {new: [step] for new, step in layer_steps.items()}
+    for key, shape in rest.items():
         scope, _, leaf = key.rpartition("/")
         if leaf in layout.dropped:
             continue
-        site = kinds.get(key, Site(None))
+        site = sites.get(key, Site(None))
         rule = layout.rule_to_keras(leaf, len(shape), site.kind)
         if rule is None:
             of = f"in a {site.kind!r} layer" if site.kind else "in a layer of unknown kind"
-            refused[key] = f"no {layout.name} layout rule for a rank-{len(shape)} {leaf!r} {of}"
+            refused[key] = f"no {layout.name} layout rule for a rank-{len(shape)} {leaf!r} {of}{_EXTEND}"
+            if site.kind is None and leaf == layout.kernel and len(shape) == 2:
+                refused[key] = (f"a rank-2 {leaf!r} with no 'bias' beside it is a bias-free Linear's or an "
+                                f"Embedding's, which a file does not tell apart; say which: kinds={{{scope!r}: "
+                                f"'dense'}} (ws convert --kind '{scope}=dense' or =embedding), or export the module")
         elif rule.fold_problem(shape, site.groups):
             refused[key] = rule.fold_problem(shape, site.groups)
         else:
@@ -303,7 +441,7 @@ def to_keras(layout: Layout, shapes: Mapping[str, tuple[int, ...]],
     return _unique(steps, refused), refused
 
 
-def _unique(steps: dict[str, list[Step]], refused: dict[str, str]) -> dict[str, Step]:
+def _unique(steps: dict[str, list[AnyStep]], refused: dict[str, str]) -> dict[str, AnyStep]:
     """The steps whose new key is theirs alone; tensors that would share one are all refused."""
     for new, clashing in steps.items():
         if len(clashing) > 1:
@@ -332,11 +470,51 @@ def kinds_from_names(layout: Layout, shapes: Mapping[str, tuple[int, ...]]) -> d
         kind: str | None
         if norm_only & leaves.keys() or kernel_rank == 1:
             kind = NORM
+        elif kernel_rank == 2 and "bias" not in leaves and _embedding_named_like_kernel(layout):
+            kind = None  # a bias-free Linear's or an Embedding's: the file does not say
         else:
             kind = {2: DENSE, 3: CONV, 4: CONV, 5: CONV}.get(kernel_rank or 0)
         if kind:
             kinds.update({join_scope(scope, leaf): kind for leaf in leaves})
     return kinds
+
+
+def _embedding_named_like_kernel(layout: Layout) -> bool:
+    return any(EMBEDDING in r.kinds and r.other == layout.kernel for r in layout.rules)
+
+
+def kinds_by_pattern(shapes: Mapping[str, tuple[int, ...]], patterns: Mapping[str, str] | None) -> dict[str, str]:
+    """Key -> kind for every key whose layer scope (the key without its leaf) matches a pattern
+    (a scope or glob) of ``patterns`` (pattern -> kind); the first matching pattern wins."""
+    if not patterns:
+        return {}
+    for kind in patterns.values():
+        if kind not in KINDS:
+            raise LayoutError(f"unknown layer kind {kind!r}; use one of {', '.join(KINDS)}")
+    kinds = {}
+    for key in shapes:
+        scope = key.rpartition("/")[0]
+        given = next((kind for pattern, kind in patterns.items() if passes(scope, include=pattern)), None)
+        if given is not None:
+            kinds[key] = given
+    return kinds
+
+
+def fold_bias_into_norm(weights: Mapping[str, np.ndarray], layer: str, norm: str) -> dict[str, np.ndarray]:
+    """Keras-named ``weights`` with ``layer``'s bias folded into the batch norm ``norm`` that
+    follows it: a new dict without ``layer/bias`` and with ``norm/moving_mean`` lowered by it.
+
+    ``norm(conv(x) + b)`` is ``norm'(conv(x))`` when the norm's mean is ``mean - b``: how a
+    Keras convolution with a bias (``keras.applications.ResNet50``'s) becomes a PyTorch one
+    built with ``bias=False`` (torchvision's). Exact but for one rounding per channel.
+    """
+    bias_key, mean_key = join_scope(layer, "bias"), join_scope(norm, "moving_mean")
+    for key in (bias_key, mean_key):
+        if key not in weights:
+            raise LayoutError(f"fold_bias_into_norm: no tensor {key!r}")
+    folded = {key: value for key, value in weights.items() if key != bias_key}
+    folded[mean_key] = np.asarray(weights[mean_key]) - np.asarray(weights[bias_key])
+    return folded
 
 
 def selected_refusals(refused: Mapping[str, str], *, scope: str | None, mapping: MappingRules,
@@ -370,7 +548,7 @@ def _refuse_keras_file(where: str) -> None:
 class LaidOutValues:
     """A view of assign's values (``plan.Values``) under their converted names, shapes and contents."""
 
-    def __init__(self, values: ValueSource, steps: Mapping[str, Step]):
+    def __init__(self, values: ValueSource, steps: Mapping[str, AnyStep]):
         self._values = values
         self._steps = steps
         self.where = values.where
@@ -386,18 +564,20 @@ class LaidOutValues:
         return self._steps[key].shape
 
     def checksum(self, key: str) -> str | None:
-        digest = self._values.checksum(self._steps[key].source)
-        return None if digest is None else f"{digest}@{self._steps[key].rule}"
+        step = self._steps[key]
+        digests = [self._values.checksum(source) for source in step.sources]
+        if None in digests:
+            return None
+        return f"{'+'.join(map(str, digests))}@{step.rule}" + (f":{step.output}" if isinstance(step, LayerStep) else "")
 
     def read(self, key: str) -> np.ndarray:
-        step = self._steps[key]
-        return step.apply(np.asarray(self._values.read(step.source)))
+        return self._steps[key].build(self._values.read)
 
     def prefetch(self, keys: list[str]) -> None:
         """Nothing: converted values are read one by one, as each is converted."""
 
 
-def plan_laid_out(values: Values, targets: Mapping[str, TargetInfo], options: AssignOptions, *,
+def plan_laid_out(values: ValueSource, targets: Mapping[str, TargetInfo], options: AssignOptions, *,
                   layout: Layout | None, optional: Callable[[str], bool] | None = None,
                   ) -> tuple[Plan, ValueSource]:
     """``plan_assign`` over Keras-named ``values`` converted by ``layout`` (as they are when ``None``).
@@ -425,8 +605,13 @@ def plan_laid_out(values: Values, targets: Mapping[str, TargetInfo], options: As
     return plan, view
 
 
-def convert(weights: Mapping[str, np.ndarray], direction: str) -> dict[str, np.ndarray]:
+def convert(weights: Mapping[str, np.ndarray], direction: str, *,
+            kinds: Mapping[str, str] | None = None) -> dict[str, np.ndarray]:
     """``weights`` in the other naming and layout (``direction`` from :data:`DIRECTIONS`); a new dict.
+
+    ``kinds`` (a layer scope or glob -> ``dense``, ``conv``, ``depthwise``, ``norm`` or
+    ``embedding``) decides what a file's names and shapes leave open (a Keras 3 depthwise
+    kernel, a bias-free PyTorch Linear or Embedding), which is otherwise refused.
 
     Raises:
         LayoutError: naming every tensor no rule converts.
@@ -435,15 +620,19 @@ def convert(weights: Mapping[str, np.ndarray], direction: str) -> dict[str, np.n
         raise LayoutError(f"unknown layout {direction!r}; use one of {', '.join(DIRECTIONS)}")
     name, from_keras_names = DIRECTIONS[direction]
     shapes = {key: np.shape(value) for key, value in weights.items()}
-    steps, refused = (from_keras if from_keras_names else to_keras)(LAYOUTS[name], shapes)
+    given = kinds_by_pattern(shapes, kinds)
+    if from_keras_names:
+        steps, refused = from_keras(LAYOUTS[name], shapes, kinds=given)
+    else:
+        steps, refused = to_keras(LAYOUTS[name], shapes, kinds=given)
     if refused:
         raise LayoutError(refusal_message(None, refused))
-    return {new: step.apply(np.asarray(weights[step.source])) for new, step in steps.items()}
+    return {new: step.build(weights.__getitem__) for new, step in steps.items()}
 
 
 def refusal_message(where: str | None, refused: Mapping[str, str], listed: int = 20) -> str:
     plural = "s" if len(refused) != 1 else ""
-    head = f"{len(refused)} tensor{plural} no layout rule converts (add a Rule with Layout.extended):"
+    head = f"{len(refused)} tensor{plural} the layout cannot convert exactly:"
     lines = [f"{where}: {head}" if where else head]
     lines += [f"  {key}: {why}" for key, why in list(refused.items())[:listed]]
     if len(refused) > listed:

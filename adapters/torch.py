@@ -1,8 +1,12 @@
 """PyTorch in and out: an ``nn.Module``'s parameters and buffers as a weight dictionary.
 
 Keys are ``state_dict`` names with ``.`` read as ``/`` (``features.0.weight`` is
-``features/0/weight``), so persistent buffers (batch norm's ``running_mean``/``running_var``)
-are included and non-persistent ones are not. Trainable means ``requires_grad``; buffers never are.
+``features/0/weight``, :mod:`weightstore.names`), so persistent buffers (batch norm's
+``running_mean``/``running_var``) are included and non-persistent ones are not. Trainable
+means ``requires_grad``; buffers never are. ``export(..., names="torch")`` returns the
+``state_dict`` names themselves, and ``assign`` takes weights keyed either way: a
+``safetensors.torch.save_file`` file, a Hugging Face ``model.safetensors``, or the dict
+``safetensors.torch.load_file`` returns goes into the module that wrote it as it is.
 
 ``num_batches_tracked`` (batch norm's step counter) is exported like any buffer, but on assign
 it is *optional*: written when the weights hold it, never reported missing when they do not
@@ -40,6 +44,7 @@ from weightstore.adapters.plan import (
     AssignOptions,
     AssignWords,
     Mismatch,
+    RenamedValues,
     Report,
     Selection,
     SelectionWords,
@@ -47,8 +52,9 @@ from weightstore.adapters.plan import (
     describe,
 )
 from weightstore.adapters.skeleton import Target, run_assign
-from weightstore.errors import AssignmentError, LayoutError, SelectionError, UnsupportedDTypeError
-from weightstore.keys import plan_outward, validate_key
+from weightstore.errors import AssignmentError, InvalidKeyError, LayoutError, SelectionError, UnsupportedDTypeError
+from weightstore.keys import plan_outward
+from weightstore.names import TORCH, WRITE_NAMINGS, check_naming, key_of_torch_name, torch_keys, torch_name_of_key
 
 __all__ = ["export", "assign", "tensors", "forget"]
 
@@ -67,13 +73,17 @@ def tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     """Key -> the module's own tensor (parameter or persistent buffer), as ``export`` and ``assign`` see them."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"expected a torch.nn.Module, not {type(module).__name__}")
-    return {validate_key(name.replace(".", "/")): tensor for name, tensor in module.state_dict(keep_vars=True).items()}
+    try:
+        return {key_of_torch_name(name): tensor for name, tensor in module.state_dict(keep_vars=True).items()}
+    except InvalidKeyError as exc:
+        raise InvalidKeyError(f"{_describe(module)}: {exc}") from None
 
 
 def export(
     module: nn.Module,
     *,
     layout: str | layouts.Layout | None = None,
+    names: str | None = None,
     **selection: Unpack[SelectionWords],
 ) -> dict[str, np.ndarray]:
     """A new weight dictionary of ``module``'s tensors under ``scope`` (keys relative to it).
@@ -81,8 +91,14 @@ def export(
     ``trainable_only`` keeps the parameters that require grad, plus the tensors whose key
     matches ``also`` (``also="*/running_*"`` adds batch norm's statistics, which are buffers).
     With ``layout``, keys and arrays come out in Keras's names and layouts; a tensor no rule
-    converts raises :class:`~weightstore.errors.LayoutError` listing every such key.
+    converts raises :class:`~weightstore.errors.LayoutError` listing every such key. With
+    ``names="torch"`` the keys are ``state_dict`` names (``features.0.weight``), so
+    ``safetensors.numpy.save_file`` or ``ws.save`` of the result is a file that
+    ``load_state_dict(safetensors.torch.load_file(f))`` takes as is (``ws.save(f, export(m),
+    names="torch")`` writes the same file and keeps weightstore's keys).
     """
+    if check_naming(names, WRITE_NAMINGS) == TORCH and layout is not None:
+        raise ValueError("names='torch' and layout= do not combine: a layout writes Keras's names")
     chosen_by = Selection(**selection)
     found = tensors(module)
     plan = plan_outward(found, scope=chosen_by.scope, include=chosen_by.include, exclude=chosen_by.exclude,
@@ -92,6 +108,8 @@ def export(
         why = "no tensors" if not found else "no tensor passing the selection"
         raise SelectionError(f"{_describe(module)} has {why}")
     weights = {key: _read(found[old], key) for key, old in chosen.items()}
+    if names == TORCH:
+        return {torch_name_of_key(key): value for key, value in weights.items()}
     if layout is None:
         return weights
     sites = _sites(module)
@@ -99,7 +117,7 @@ def export(
                                       {key: sites.get(old, layouts.Site(None)) for key, old in chosen.items()})
     if refused:
         raise LayoutError(layouts.refusal_message(f"exporting {_describe(module)}", refused))
-    return {new: step.apply(weights[step.source]) for new, step in steps.items()}
+    return {new: step.build(weights.__getitem__) for new, step in steps.items()}
 
 
 def assign(
@@ -110,6 +128,10 @@ def assign(
     **words: Unpack[AssignWords],
 ) -> Report:
     """Write ``weights`` (a dict, path, open Store or Version) into ``module``'s tensors, in place.
+
+    Keys may be keys (``features/0/weight``) or ``state_dict`` names (``features.0.weight``):
+    a value key with ``.`` and no ``/`` is read as a torch name (no module key holds ``.``,
+    so nothing that would have matched is lost), unless a ``layout`` makes them Keras's.
 
     Plans first, as the TF adapters do: a strict failure raises ``AssignmentError`` naming
     every missing, unexpected and mismatched key (with a layout, also every value no rule
@@ -136,9 +158,17 @@ def assign(
         return [key for key, _ in batch]
 
     def plan(values: Any, options: AssignOptions) -> tuple[Any, Any]:
+        if chosen_layout is None:
+            values = _keyed(values)
         return layouts.plan_laid_out(values, targets, options, layout=chosen_layout, optional=_optional)
 
     return run_assign(Target(targets, write, owner=lambda key: found[key], plan=plan), weights, options)
+
+
+def _keyed(values: Any) -> Any:
+    """``values`` with each ``state_dict`` name read as its key (:func:`~weightstore.names.torch_keys`)."""
+    renames = {name: key for key, name in torch_keys(values.keys()).items() if key != name}
+    return RenamedValues(values, renames) if renames else values
 
 
 def _refuse_unwritable(pending: list, found: dict[str, torch.Tensor], report: Report, *, strict: bool,
@@ -278,13 +308,17 @@ def _sites(module: nn.Module) -> dict[str, layouts.Site]:
 def _site(module: nn.Module) -> layouts.Site:
     if isinstance(module, nn.Linear):
         return layouts.Site(layouts.DENSE)
-    if isinstance(module, nn.modules.conv._ConvNd) and not module.transposed:
-        if module.groups == 1:
+    if isinstance(module, nn.modules.conv._ConvNd):
+        if module.groups == 1:  # a transposed one too: [in, out, *spatial] is Keras's [*spatial, out, in] reversed
             return layouts.Site(layouts.CONV)
-        if module.groups == module.in_channels:
+        if module.groups == module.in_channels and not module.transposed:
             return layouts.Site(layouts.DEPTHWISE, module.groups)
     if isinstance(module, (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)):
         return layouts.Site(layouts.NORM)
+    if isinstance(module, nn.Embedding):
+        return layouts.Site(layouts.EMBEDDING)
+    if isinstance(module, nn.MultiheadAttention):  # the head count splits in_proj_weight for Keras
+        return layouts.Site(type(module).__name__, module.num_heads)
     return layouts.Site(type(module).__name__)
 
 

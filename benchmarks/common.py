@@ -77,34 +77,46 @@ def anon_bytes() -> int:
     return 0 if kb is None else kb * 1024
 
 
+class AnonPeak:
+    """The most anonymous memory (:func:`anon_bytes`) resident during a ``with`` block, in
+    :attr:`peak`: sampled by a thread every ``every`` seconds, and on entering and leaving."""
+
+    def __init__(self, every: float = 0.001):
+        import threading
+
+        self.peak = 0
+        self._every = every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self._every):
+            self.peak = max(self.peak, anon_bytes())
+
+    def __enter__(self) -> AnonPeak:
+        self.peak = anon_bytes()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, anon_bytes())
+
+
 def anon_during(run: Callable[[], Any]) -> dict[str, float]:
     """Call ``run`` once: its seconds, the most anonymous memory it held above what the process
     held before (sampled every millisecond by a thread), and what it still held after it
     returned and its result was dropped (memory an allocator pool kept, for good)."""
-    import threading
-
     gc.collect()
-    start = peak = anon_bytes()
-    stop = threading.Event()
-
-    def sample() -> None:
-        nonlocal peak
-        while not stop.wait(0.001):
-            peak = max(peak, anon_bytes())
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    began = time.perf_counter()
-    try:
+    start = anon_bytes()
+    with AnonPeak() as memory:
+        began = time.perf_counter()
         out = run()
         seconds = time.perf_counter() - began
-    finally:
-        stop.set()
-        sampler.join()
-    peak = max(peak, anon_bytes())
     del out
     gc.collect()
-    return {"seconds": seconds, "anon": peak - start, "kept": anon_bytes() - start}
+    return {"seconds": seconds, "anon": memory.peak - start, "kept": anon_bytes() - start}
 
 
 def evict(paths: Sequence[str]) -> None:

@@ -20,7 +20,6 @@ the publisher's own requests (measured alone first) are left out.
 from __future__ import annotations
 
 import argparse
-import os
 import threading
 import time
 import uuid
@@ -29,7 +28,7 @@ import numpy as np
 
 import weightstore as ws
 from benchmarks.common import table
-from benchmarks.s3_server import ServerProcess
+from benchmarks.s3_server import ServerProcess, restore_environment, use_environment
 from weightstore import versions
 
 BUCKET = "weightstore-follow-cost"
@@ -97,8 +96,7 @@ def measure(server: ServerProcess, mode: str, followers: int, poll: float, max_p
 
 def bench(followers: list[int], poll: float, max_poll: float, idle: float, count: int, size_kb: float) -> None:
     server = ServerProcess()
-    saved = {key: os.environ.get(key) for key in server.environment()}
-    os.environ.update(server.environment())
+    saved = use_environment(server)
     try:
         import s3fs
 
@@ -119,11 +117,7 @@ def bench(followers: list[int], poll: float, max_poll: float, idle: float, count
                              f"{r['version_requests']:.1f}", f"{r['version_bytes'] / 1024:.1f}"])
     finally:
         server.stop()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        restore_environment(saved)
     print(f"follow cost on loopback S3: poll {poll:g} s, max poll {max_poll:g} s, {idle:g} s idle, "
           f"{count} versions of {size_kb:g} KB")
     print(table(["looks", "followers", "idle requests/follower-hour", "idle KB/follower-hour",

@@ -33,10 +33,9 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 
-from benchmarks.common import MB, emit, fmt_mb, fmt_ratio, fmt_seconds, machine_line, median, run_case, table
+from benchmarks.common import MB, AnonPeak, emit, fmt_mb, fmt_ratio, fmt_seconds, machine_line, median, run_case, table
 
 MODULE = "benchmarks.publish_bench"
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "3"}
@@ -85,38 +84,6 @@ def report(results: dict, size_mb: float, repeat: int, every: int, publishes: in
 
 
 # -- one mode, in its own process -----------------------------------------------------------------
-class AnonSampler:
-    """The peak of RssAnon while running (sampled every 2 ms on a thread)."""
-
-    def __init__(self):
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    @staticmethod
-    def now() -> int:
-        with open("/proc/self/status") as handle:
-            for line in handle:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-        return 0
-
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.now())
-            time.sleep(0.002)
-
-    def __enter__(self) -> AnonSampler:
-        self.peak = self.now()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.now())
-
-
 def build_model(size_mb: float):
     import keras
 
@@ -196,7 +163,7 @@ def run_mode(mode: str, size_mb: float, repeat: int, every: int, publishes: int,
 
     def fit(callbacks):
         clock = Clock()
-        with AnonSampler() as memory:
+        with AnonPeak(every=0.002) as memory:
             model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False, callbacks=[*callbacks, clock])
         return clock.end - clock.start, memory.peak
 

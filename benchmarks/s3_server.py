@@ -110,7 +110,7 @@ class CountingS3:
         return iter(chunks)
 
 
-def use_environment(server: CountingS3) -> dict[str, str | None]:
+def use_environment(server: CountingS3 | ServerProcess) -> dict[str, str | None]:
     """Point this process's S3 clients at ``server``; returns what to restore."""
     saved = {key: os.environ.get(key) for key in server.environment()}
     os.environ.update(server.environment())

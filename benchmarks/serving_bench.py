@@ -32,7 +32,7 @@ import uuid
 import numpy as np
 
 import weightstore as ws
-from benchmarks.common import MB, fmt_mb, fmt_ratio, fmt_seconds, machine_line, table
+from benchmarks.common import MB, AnonPeak, anon_bytes, fmt_mb, fmt_ratio, fmt_seconds, machine_line, table
 from benchmarks.sync_bench import Target, bump, make_weights
 
 MODULE = "benchmarks.serving_bench"
@@ -70,27 +70,6 @@ def assign_from_memory(size_mb: float, tensors: int, repeat: int) -> list[float]
     return times
 
 
-class _AnonPeak(threading.Thread):
-    """Samples ``RssAnon`` every 5 ms; :attr:`peak` is the largest seen, in bytes."""
-
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.peak = 0
-        self.done = threading.Event()
-
-    @staticmethod
-    def now() -> int:
-        with open("/proc/self/status") as handle:
-            for line in handle:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-        return 0
-
-    def run(self) -> None:
-        while not self.done.wait(0.005):
-            self.peak = max(self.peak, self.now())
-
-
 def serve(folder: str, size_mb: float, tensors: int, versions: int, interval: float) -> dict[str, object]:
     """Follow ``folder`` while a publisher process publishes; the stalls per swap, in seconds."""
     from weightstore.adapters.follower import Follower
@@ -100,8 +79,7 @@ def serve(folder: str, size_mb: float, tensors: int, versions: int, interval: fl
     del weights
     waits: dict[int, list[float]] = {}
     stop = threading.Event()
-    anon = _AnonPeak()
-    before = anon.now()
+    before = anon_bytes()
 
     def probe() -> None:
         while not stop.is_set():
@@ -118,16 +96,14 @@ def serve(folder: str, size_mb: float, tensors: int, versions: int, interval: fl
         with Follower(target.obj, folder, poll=0.01) as follower:
             if follower.wait(1, timeout=600) is None:
                 raise RuntimeError(f"no first version: {follower.error}")
-            anon.start()
-            prober = threading.Thread(target=probe, daemon=True)
-            prober.start()
-            if follower.wait(versions + 1, timeout=600) is None:
-                raise RuntimeError(f"the follower never reached step {versions + 1}: {follower.error}")
-            time.sleep(0.05)  # let probes held back by the last swap enter
-            stop.set()
-            prober.join()
-            anon.done.set()
-            anon.join()
+            with AnonPeak(every=0.005) as anon:
+                prober = threading.Thread(target=probe, daemon=True)
+                prober.start()
+                if follower.wait(versions + 1, timeout=600) is None:
+                    raise RuntimeError(f"the follower never reached step {versions + 1}: {follower.error}")
+                time.sleep(0.05)  # let probes held back by the last swap enter
+                stop.set()
+                prober.join()
     finally:
         publisher.wait(600)
     stalls = [max(found) for step, found in waits.items() if step > 1]
@@ -136,16 +112,15 @@ def serve(folder: str, size_mb: float, tensors: int, versions: int, interval: fl
 
 
 def bench(sizes: list[float], stores: list[str], tensors: int, versions: int, out=sys.stdout) -> list[dict]:
-    from benchmarks.s3_server import ServerProcess
+    from benchmarks.s3_server import ServerProcess, restore_environment, use_environment
 
     rows, results = [], []
     server = ServerProcess() if "s3" in stores else None
-    saved = {key: os.environ.get(key) for key in server.environment()} if server else {}
+    saved = use_environment(server) if server else {}
     try:
         if server is not None:
             import s3fs
 
-            os.environ.update(server.environment())
             s3fs.S3FileSystem.clear_instance_cache()
             s3fs.S3FileSystem().mkdir(BUCKET)
         with tempfile.TemporaryDirectory(prefix="weightstore-serving-bench-") as scratch:
@@ -173,11 +148,7 @@ def bench(sizes: list[float], stores: list[str], tensors: int, versions: int, ou
     finally:
         if server is not None:
             server.stop()
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+            restore_environment(saved)
     print(f"serving stall: {tensors} float32 tensors, {versions} versions each; {machine_line()}", file=out)
     print(table(["case", "median", "p99", "x assign", "swaps", "probe p99", "+anon"], rows), file=out)
     return results

@@ -18,6 +18,7 @@ from weightstore.adapters.plan import Selection
 from weightstore.cli import compare, render, sync, transfer
 from weightstore.cli.guard import GuardedGroup
 from weightstore.cli.render import count, human_bytes, note, settings
+from weightstore.names import WRITE_NAMINGS, check_naming
 
 
 class _Group(GuardedGroup):
@@ -77,6 +78,17 @@ def _check_rules(rules: list[str] | None) -> list[str] | None:
     return rules
 
 
+def _kinds(rules: list[str] | None) -> dict[str, str] | None:
+    return None if not rules else dict(rule.rsplit("=", 1) for rule in rules)
+
+
+def _check_names(names: str | None) -> str | None:
+    try:
+        return check_naming(names, WRITE_NAMINGS)
+    except ValueError:
+        raise typer.BadParameter(f"{names!r}; use torch or keys") from None
+
+
 Compress = Annotated[bool, typer.Option("--compress", help="Deflate the tensors (smaller, not memory-mappable).")]
 Shuffle = Annotated[bool, typer.Option("--shuffle", help="Compress npz tensors with byte shuffle + zstd: smaller and "
                                                          "faster to load than --compress, but np.load cannot read them.")]
@@ -84,6 +96,9 @@ Shuffle = Annotated[bool, typer.Option("--shuffle", help="Compress npz tensors w
 
 def _compression(compress: bool, shuffle: bool) -> bool | str:
     return "shuffle" if shuffle else compress
+Names = Annotated[str | None, typer.Option(
+    "--names", metavar="torch|keys", callback=_check_names, help="Name the written tensors as PyTorch's state_dict does (torch: "
+                                          "features.0.weight) or by their keys (keys: features/0/weight).")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print the result as one JSON object (see the README).")]
 Mapping = Annotated[list[str] | None, typer.Option("--map", "-m", metavar="FROM=TO", callback=_check_rules,
                                                       help="Rename scope FROM to TO (repeatable; first match wins; "
@@ -135,6 +150,7 @@ def export(
     model: Annotated[str | None, typer.Option(
         "--model", metavar="FILE.keras", help="Key a Keras file or TF2 checkpoint SOURCE like the model of this "
                                               ".keras file (implies --model-keys).")] = None,
+    names: Names = None,
     as_json: AsJson = False,
 ) -> None:
     """Write the weights of SOURCE, or the selected part of them, to a weight store.
@@ -161,7 +177,7 @@ def export(
     with opening as opened:
         selection = Selection(scope=scope, include=include, exclude=exclude, trainable_only=trainable_only, also=also)
         written = transfer.export(opened, output, selection=selection, mapping=mapping,
-                                  compress=_compression(compress, shuffle))
+                                  compress=_compression(compress, shuffle), names=names)
     keyed = f", keyed like the model of {opened.keyed_like}" if opened.keyed_like else ""
     _report("export", written, opened, f"wrote {count(written.count, 'tensor')} ({human_bytes(written.nbytes)}) "
                                        f"from {opened.kind} {opened.path} to {written.path}{keyed}")
@@ -293,17 +309,32 @@ def convert(
     layout: Annotated[str | None, typer.Option(
         "--layout", help="Convert names and layouts: keras-to-torch, torch-to-keras, keras-to-flax, flax-to-keras.",
     )] = None,
+    names: Annotated[str | None, typer.Option(
+        "--names", metavar="torch|keys", callback=_check_names, help="Name the written tensors as PyTorch's state_dict does (torch: "
+                                              "features.0.weight; the default with --layout keras-to-torch) or by "
+                                              "their keys (keys: features/0/weight).")] = None,
+    kind: Annotated[list[str] | None, typer.Option(
+        "--kind", metavar="SCOPE=KIND", callback=_check_rules,
+        help="With --layout: the kind (dense, conv, depthwise, norm, embedding) of the layers under SCOPE (a scope "
+             "or glob), where the file's names and shapes do not tell (repeatable).")] = None,
+    max_shard_size: Annotated[str | None, typer.Option(
+        "--max-shard-size", metavar="SIZE", help="Write B as a Hugging Face sharded folder: safetensors shards of at "
+                                                 "most SIZE bytes (5GB, 500MiB) and model.safetensors.index.json.",
+    )] = None,
 ) -> None:
     """Rewrite A as B: npz to HDF5 or back, or recompressed; metadata is kept.
 
     \b
     Example:
       ws convert model.npz model.h5
-      ws convert keras.weights.h5 torch.npz --layout keras-to-torch
+      ws convert keras.weights.h5 torch.safetensors --layout keras-to-torch
+      ws convert torch.safetensors keras.npz --layout torch-to-keras
+      ws convert model.npz hf-folder/ --max-shard-size 5GB
     """
     _json(as_json)
     with checkpoints.open_source(a) as opened:
-        written = transfer.convert(opened, b, compress=_compression(compress, shuffle), layout=layout)
+        written = transfer.convert(opened, b, compress=_compression(compress, shuffle), layout=layout, names=names,
+                                     max_shard_size=max_shard_size, kinds=_kinds(kind))
     _report("convert", written, opened, f"wrote {count(written.count, 'tensor')} ({human_bytes(written.nbytes)}) "
                                         f"to {written.path}")
 

@@ -32,6 +32,7 @@ from weightstore.errors import (
 from weightstore.formats import format_for_suffix, sniff
 from weightstore.io.location import is_url
 from weightstore.keys import MappingRules, Patterns, plan_inward, plan_outward, require_matches, validate_key
+from weightstore.names import TORCH, WRITE_NAMINGS, check_naming, torch_keys
 from weightstore.store import output_format
 
 _SHOWN = 5  # colliding keys named in an error; the rest are counted
@@ -61,11 +62,13 @@ def read(source: Source, plan: Mapping[str, str], description: str) -> dict[str,
     return {new: source[plan[new]] for new in track(items, description, total)}
 
 
-def export(source: Source, out: str, *, selection: Selection, mapping: MappingRules, compress: bool | str) -> Written:
+def export(source: Source, out: str, *, selection: Selection, mapping: MappingRules, compress: bool | str,
+           names: str | None = None) -> Written:
     """The tensors ``selection`` keeps, as an adapter's export keeps them; ``also`` matches the
     keys after scope and mapping (``--also '*/bn/moving_*'``: batch-norm statistics beside the
-    trainable weights)."""
+    trainable weights). ``names`` is :func:`weightstore.save`'s."""
     output_format(out)
+    check_naming(names, WRITE_NAMINGS)
     plan = plan_outward(source.keys(), scope=selection.scope, mapping=mapping, include=selection.include,
                         exclude=selection.exclude, where=source.path)
     if selection.also:
@@ -78,22 +81,41 @@ def export(source: Source, out: str, *, selection: Selection, mapping: MappingRu
     if not plan:
         raise SelectionError("selects no tensor", path=source.path)
     weights = read(source, plan, "reading")
-    metadata = source.metadata if source.has_checksums else {"source": source.path, "source_kind": source.kind}
     with counted(weights, f"writing {out}") as values:
-        weightstore.save(out, values, metadata=metadata, compress=compress)
+        weightstore.save(out, values, metadata=provenance(source), compress=compress, names=names)
     return Written(out, "store", len(weights), sum(a.nbytes for a in weights.values()))
 
 
-def convert(source: Source, out: str, *, compress: bool | str, layout: str | None = None) -> Written:
+def provenance(source: Source) -> dict:
+    """The metadata a store written from ``source`` carries: a store's own; for a foreign file,
+    where it came from, and its own metadata (a safetensors ``__metadata__``) under its own names."""
+    if source.has_checksums:
+        return source.metadata
+    return {"source": source.path, "source_kind": source.kind, **source.metadata}
+
+
+def convert(source: Source, out: str, *, compress: bool | str, layout: str | None = None,
+            names: str | None = None, max_shard_size: str | None = None,
+            kinds: Mapping[str, str] | None = None) -> Written:
+    """``source`` rewritten as ``out``; with ``layout``, in the other framework's names and
+    layouts, named (``names``, :func:`weightstore.save`'s) as ``load_state_dict`` takes them
+    when the other framework is PyTorch. A torch-to-keras source may be keyed by torch names.
+    ``max_shard_size`` writes a Hugging Face sharded folder at ``out``; ``kinds`` (scope or glob
+    -> layer kind) decides what the file's names leave open (:func:`layouts.convert`)."""
     if layout is not None and layout not in layouts.DIRECTIONS:
         raise LayoutError(f"unknown layout {layout!r}; use one of {', '.join(layouts.DIRECTIONS)}")
-    output_format(out)
-    weights = read(source, {k: k for k in source}, "converting")
+    if check_naming(names, WRITE_NAMINGS) is None and layout == "keras-to-torch":
+        names = TORCH
+    if max_shard_size is None:
+        output_format(out)
+    plan = torch_keys(source.keys()) if layout == "torch-to-keras" else {k: k for k in source}
+    weights = read(source, plan, "converting")
     if layout is not None:
         with naming(path=source.path):
-            weights = layouts.convert(weights, layout)
+            weights = layouts.convert(weights, layout, kinds=kinds)
     with counted(weights, f"writing {out}") as values:
-        weightstore.save(out, values, metadata=source.metadata, compress=compress)
+        weightstore.save(out, values, metadata=source.metadata, compress=compress, names=names,
+                         max_shard_size=max_shard_size)
     return Written(out, "store", len(weights), sum(a.nbytes for a in weights.values()))
 
 
@@ -138,9 +160,8 @@ def import_(source: Source, target: str, *, scope: str | None, mapping: MappingR
         old = weightstore.open(target)
     except StoreNotFoundError:
         weights = read(source, plan, "importing")
-        metadata = source.metadata if source.has_checksums else {"source": source.path, "source_kind": source.kind}
         with counted(weights, f"writing {target}") as values:
-            weightstore.save(target, values, metadata=metadata)
+            weightstore.save(target, values, metadata=provenance(source))
         return Written(target, "store", len(weights), sum(a.nbytes for a in weights.values()))
     with old:
         _refuse_clashes(target, old.keys(), plan, overwrite)

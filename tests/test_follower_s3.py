@@ -124,8 +124,8 @@ def notified(s3, monkeypatch):
     return f"s3://{bucket}/run", queue
 
 
-def test_a_notification_wakes_a_follower_long_before_its_next_look(notified):
-    folder, queue = notified
+def assert_woken_by_the_queue(folder: str, queue: str) -> None:
+    """A follower polling every 30 s sees a publish within 15 s: the queue's event woke it."""
     ws.publish(folder, {"w": np.zeros(4, np.float32)}, step=1)
     following = ws.follow(folder, poll=30, max_poll=30, timeout=60, notifications=queue)
     try:
@@ -135,8 +135,13 @@ def test_a_notification_wakes_a_follower_long_before_its_next_look(notified):
         publisher.start()
         assert next(following).step == 2
         assert time.monotonic() - start < 15  # polling alone would look again only after 30 s
+        publisher.join()
     finally:
         following.close()
+
+
+def test_a_notification_wakes_a_follower_long_before_its_next_look(notified):
+    assert_woken_by_the_queue(*notified)
 
 
 def test_a_failing_queue_falls_back_to_polling(notified, caplog):
@@ -150,3 +155,16 @@ def test_a_failing_queue_falls_back_to_polling(notified, caplog):
     finally:
         following.close()
     assert "polling only" in caplog.text
+
+
+def test_a_queue_refusing_deletes_still_wakes_the_follower(notified, s3, caplog):
+    folder, queue = notified
+
+    def refuse_deletes(environ):
+        if environ.get("HTTP_X_AMZ_TARGET", "").endswith(".DeleteMessageBatch"):
+            return 400, b'{"__type": "AccessDenied", "message": "not allowed to delete"}'
+        return None
+
+    s3.intercept = refuse_deletes
+    assert_woken_by_the_queue(folder, queue)  # the undeleted message only comes back later
+    assert "not allowed to delete" in caplog.text

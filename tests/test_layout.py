@@ -174,12 +174,29 @@ def test_custom_rule_extends_the_table_for_a_custom_module():
     assert module.scale.alpha.tolist() == [0.0, 1.0, 2.0]
 
 
-def test_transposed_and_grouped_convolutions_are_refused_not_guessed():
-    module = nn.Sequential(nn.ConvTranspose2d(2, 4, 3), nn.Conv2d(4, 4, 3, groups=2))
+def test_grouped_convolutions_are_refused_not_guessed():
+    module = nn.Sequential(nn.Conv2d(4, 4, 3, groups=2))
     with pytest.raises(LayoutError) as info:
         torch_adapter.export(module, layout="keras")
-    message = str(info.value)
-    assert "0/weight" in message and "'ConvTranspose2d'" in message and "1/weight" in message
+    assert "0/weight" in str(info.value) and "'Conv2d'" in str(info.value)
+
+
+@pytest.mark.parametrize("rank", [1, 2])
+def test_transposed_convolutions_convert_both_ways(rank):
+    """Keras's ``[*spatial, out, in]`` kernel is PyTorch's ``[in, out, *spatial]`` reversed, as a
+    convolution's is; both frameworks define the transposed convolution as the convolution's adjoint."""
+    layer = (keras.layers.Conv1DTranspose if rank == 1 else keras.layers.Conv2DTranspose)(4, 3, strides=2)
+    shape = (2, 5, 3) if rank == 1 else (2, 5, 4, 3)
+    images = np.random.default_rng(0).normal(size=shape).astype("float32")
+    layer.build(shape)
+    for var in layer.weights:
+        var.assign(np.random.default_rng(1).normal(size=var.shape).astype("float32"))
+    module = (nn.ConvTranspose1d if rank == 1 else nn.ConvTranspose2d)(3, 4, 3, stride=2)
+    assert torch_adapter.assign(module, tf2.export(layer), layout="keras").ok
+    np.testing.assert_allclose(torch_call(module, images), np.asarray(layer(images)), atol=1e-5)
+    back = torch_adapter.export(module, layout="keras")
+    for key, value in tf2.export(layer).items():
+        np.testing.assert_array_equal(back[key], value)
 
 
 def test_torch_export_leaves_num_batches_tracked_out_with_a_layout():
@@ -206,10 +223,10 @@ def test_cli_convert_with_a_layout_round_trips(tmp_path):
     result = runner.invoke(app, ["convert", str(tmp_path / "keras.npz"), str(tmp_path / "torch.npz"),
                                  "--layout", "keras-to-torch"])
     assert result.exit_code == 0, result.output
-    torch_weights = ws.load(tmp_path / "torch.npz")
-    assert sorted(torch_weights) == ["bn/bias", "bn/running_mean", "bn/running_var", "bn/weight", "conv/weight",
-                                     "fc/bias", "fc/weight"]
-    assert torch_weights["conv/weight"].shape == (5, 2, 3, 3) and torch_weights["fc/weight"].shape == (4, 3)
+    torch_weights = ws.load(tmp_path / "torch.npz")  # named as load_state_dict takes them
+    assert sorted(torch_weights) == ["bn.bias", "bn.running_mean", "bn.running_var", "bn.weight", "conv.weight",
+                                     "fc.bias", "fc.weight"]
+    assert torch_weights["conv.weight"].shape == (5, 2, 3, 3) and torch_weights["fc.weight"].shape == (4, 3)
     result = runner.invoke(app, ["convert", str(tmp_path / "torch.npz"), str(tmp_path / "back.h5"),
                                  "--layout", "torch-to-keras"])
     assert result.exit_code == 0, result.output

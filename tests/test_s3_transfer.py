@@ -275,3 +275,13 @@ def test_a_remote_hdf5_file_warns_that_it_moves_more_than_it_reads(s3, tmp_path)
         remote_npz = url(".npz")
         ws.save(remote_npz, {"w": WEIGHTS["block_0/w0"]})
         ws.load(remote_npz)
+
+
+def test_a_sharded_folder_on_s3_opens_by_its_folder_url(s3):
+    folder = f"s3://{BUCKET}/{uuid.uuid4().hex}/model"
+    ws.save(folder, WEIGHTS, max_shard_size=1 << 20)
+    with ws.open(folder) as store:
+        assert sorted(store.keys()) == sorted(WEIGHTS)
+        assert np.array_equal(store["block_2/w1"], WEIGHTS["block_2/w1"])
+    with pytest.raises(ws.StoreNotFoundError, match="no such file"):
+        ws.open(f"s3://{BUCKET}/{uuid.uuid4().hex}/nothing")

@@ -21,8 +21,9 @@ from weightstore import versions
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
 
+from benchmarks.s3_server import CREDENTIALS, restore_environment  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 BUCKET = "weightstore-tests"
 
 
@@ -45,11 +46,7 @@ def s3():
         yield options
     finally:
         server.stop()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        restore_environment(saved)
 
 
 @pytest.fixture

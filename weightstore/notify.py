@@ -38,6 +38,7 @@ class QueueWake:
         self.key = key
         self._client: Any = botocore.session.get_session().create_client("sqs")
         self._failing = False
+        self._deletes_failing = False
 
     def wait(self, seconds: float) -> bool:
         """Up to ``seconds`` (at most a second at a time); True as soon as ``key`` was written."""
@@ -55,8 +56,15 @@ class QueueWake:
         self._failing = False
         messages = answer.get("Messages", [])
         if messages:
-            self._client.delete_message_batch(QueueUrl=self.queue_url, Entries=[
-                {"Id": str(i), "ReceiptHandle": message["ReceiptHandle"]} for i, message in enumerate(messages)])
+            try:
+                self._client.delete_message_batch(QueueUrl=self.queue_url, Entries=[
+                    {"Id": str(i), "ReceiptHandle": message["ReceiptHandle"]} for i, message in enumerate(messages)])
+            except Exception as exc:  # undeleted, they come back after the queue's visibility timeout: a look more
+                if not self._deletes_failing:
+                    _log.warning("weightstore: deleting messages from %s failed (%s)", self.queue_url, exc)
+                self._deletes_failing = True
+            else:
+                self._deletes_failing = False
         if any(self.key in _keys(message.get("Body", "")) for message in messages):
             return True
         time.sleep(max(0.0, waited - (time.monotonic() - started)))  # a sub-second wait is a short poll

@@ -7,8 +7,11 @@ input, picks the format and streams tensors into the file the commit protocol ha
 
 from __future__ import annotations
 
+import builtins
+import copy
 import functools
 import json
+import math
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Protocol, TypeVar, runtime_checkable
@@ -29,16 +32,38 @@ from weightstore.errors import (
     attach,
     naming,
 )
-from weightstore.formats import Format, Reader, RegionReader, format_for_suffix, format_named, known_suffixes, sniff
-from weightstore.formats.foreign import open_foreign
+from weightstore.formats import (
+    Format,
+    Reader,
+    RegionReader,
+    format_for_suffix,
+    format_named,
+    hf_sharded,
+    known_suffixes,
+    sniff,
+)
+from weightstore.formats.foreign import HEAD_BYTES, open_foreign, refuse_pickle
+from weightstore.formats.renamed import RenamedReader, names_by_key
 from weightstore.gcpause import paused_gc
 from weightstore.io.commit import commit_for
 from weightstore.io.files import open_regular
-from weightstore.io.location import filesystem, location_of, uncached
+from weightstore.io.location import filesystem, is_url, location_of, uncached
 from weightstore.io.remote import RemoteFile
 from weightstore.io.writeback import Writeback
 from weightstore.keys import MappingRules, Patterns, plan_outward, validate_keys
 from weightstore.manifest import TensorInfo, build_manifest, content_digest, dtype_name, logical_dtype, to_storage
+from weightstore.names import (
+    FILE,
+    KEYS,
+    READ_NAMINGS,
+    TORCH,
+    TORCH_FORMATS,
+    WRITE_NAMINGS,
+    check_naming,
+    key_of_torch_name,
+    reads_as_torch,
+    torch_name_of_key,
+)
 
 _S = TypeVar("_S", bound="Store")
 #: tensors of at least this many bytes are hashed beside their write (see :func:`write_file`)
@@ -68,12 +93,14 @@ class Store(Mapping):
     #: "did you mean" hints between keys that merely look alike
     exact_keys = False
 
-    def __init__(self, reader: Reader, path: str, verify: bool):
+    def __init__(self, reader: Reader, path: str, verify: bool, format: str = ""):  # noqa: A002
         self._reader = reader
         self._keys = reader.keys()
         self._key_set = frozenset(self._keys)
         self.path = path
         self.verify = verify
+        #: the registered format's name (``"safetensors"``); empty for TF checkpoints and Keras archives
+        self.format = format
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -207,7 +234,8 @@ def check_budget(store: Store, keys: Iterable[str], max_bytes: int | None) -> No
         raise SizeLimitError(f"reading {len(keys)} tensors needs {total} bytes, over max_bytes={max_bytes}", path=store.path)
 
 
-def open(path: Any, *, verify: bool = True, format: str | None = None, mmap: bool = True) -> Store:  # noqa: A001
+def open(path: Any, *, verify: bool = True, format: str | None = None, mmap: bool = True,  # noqa: A001
+         names: str | None = None) -> Store:
     """Open a weight file lazily: only its index is read until a tensor is asked for.
 
     Args:
@@ -218,6 +246,11 @@ def open(path: Any, *, verify: bool = True, format: str | None = None, mmap: boo
             64-byte aligned; small tensors read together share one buffer) instead of returning
             views of the mapped file, which a file truncated or rewritten in place by another
             tool would change, or (SIGBUS) make fatal to touch.
+        names: how a foreign file's tensor names become keys (:mod:`weightstore.names`).
+            ``None``: as the file says: a safetensors file written by PyTorch or Hugging Face
+            (names with ``.``, none with ``/``) reads ``features.0.weight`` as
+            ``features/0/weight``; other names are keys as written. ``"torch"``: read every
+            name as PyTorch's (an ``np.savez`` of a ``state_dict``); ``"file"``: as written.
 
     Returns:
         A :class:`Store`: a read-only mapping of key -> array; use it as a context manager.
@@ -232,7 +265,28 @@ def open(path: Any, *, verify: bool = True, format: str | None = None, mmap: boo
     if isinstance(path, OpensItself):  # a Version: its pinned file, or a clear "version gone" if pruned
         return path._weightstore_open(verify=verify)
     with paused_gc():  # an index of 50,000 tensors is some 300,000 containers (weightstore.gcpause)
-        return _open(path, verify=verify, format=format, mmap=mmap)
+        store = _open(path, verify=verify, format=format, mmap=mmap)
+    return _named(store, check_naming(names, READ_NAMINGS))
+
+
+def _named(store: Store, names: str | None) -> Store:
+    """``store`` with its keys formed from its file's names as ``names`` says (see :func:`open`)."""
+    if names == FILE or names is None and not _torch_named(store):
+        return store
+    reader = store._reader
+    try:
+        renamed = RenamedReader(reader, names_by_key(reader, key_of_torch_name))
+    except BaseException:
+        store.close()
+        raise
+    return Store(renamed, store.path, store.verify, store.format)
+
+
+def _torch_named(store: Store) -> bool:
+    """Whether what wrote the file named its tensors PyTorch's way: a safetensors file without
+    a manifest, or a sharded folder (weightstore names shards so too), whose names read so."""
+    written_by_torch = not store.has_checksums or store.format == hf_sharded.FORMAT_NAME
+    return store.format in TORCH_FORMATS and written_by_torch and reads_as_torch(store.keys())
 
 
 def _open(path: Any, *, verify: bool, format: str | None, mmap: bool) -> Store:  # noqa: A002
@@ -241,47 +295,64 @@ def _open(path: Any, *, verify: bool, format: str | None, mmap: bool) -> Store: 
     if where.remote:
         return _open_remote(location, verify, format)
     if format is None:  # TF checkpoints (prefix, file or folder) and .keras archives
-        foreign = open_foreign(location)
+        foreign = open_foreign(location, mmap=mmap)
         if foreign is not None:
-            return Store(foreign, foreign.name, verify)
+            return Store(foreign, foreign.name, verify, getattr(foreign, "format", ""))
     if os.path.isdir(location):
         raise StoreNotFoundError("is a folder, not a weight file", path=location)
     try:
         with open_regular(location) as handle:
-            head = handle.read(8)
+            head = handle.read(HEAD_BYTES)
     except FileNotFoundError:
         raise StoreNotFoundError("no such file", path=location) from None
+    refuse_pickle(head, location)
     fmt = format_named(format) if format else format_for_suffix(location)
     if fmt is None:
         with naming(path=location):
             fmt = sniff(head)
-    return Store(fmt.open_reader(location, location, mmap=mmap), location, verify)
+    return Store(fmt.open_reader(location, location, mmap=mmap), location, verify, fmt.name)
 
 
 def _open_remote(location: str, verify: bool, format: str | None) -> Store:  # noqa: A002
     """A URL: ranged GETs of what is read (npz, safetensors), so opening costs one request for
     an index of up to a few hundred tensors; HDF5 goes through an fsspec file object for h5py."""
     fs, remote = filesystem(location)
+    if format is None and location.endswith(hf_sharded.INDEX_SUFFIX):
+        return _open_remote_sharded(fs, remote, location, verify)
     source = RemoteFile(fs, remote, location)
     try:
         fmt = format_named(format) if format else format_for_suffix(location)
-        if fmt is None:
+        if fmt is None:  # only then: an npz's index lies at the end, and its first request fetches it
+            head = bytes(source.read_at(0, min(HEAD_BYTES, source.size)))
+            refuse_pickle(head, location)
             with naming(path=location):
-                fmt = sniff(bytes(source.read_at(0, min(8, source.size))))
+                fmt = sniff(head)
         if fmt.name == "hdf5":
             source.close()
             handle = fs.open(uncached(fs, remote), "rb")
             try:
-                return Store(fmt.open_reader(handle, location), location, verify)
+                return Store(fmt.open_reader(handle, location), location, verify, fmt.name)
             except BaseException:
                 handle.close()
                 raise
-        return Store(fmt.open_reader(source, location), location, verify)
+        return Store(fmt.open_reader(source, location), location, verify, fmt.name)
     except FileNotFoundError:
+        # a folder is asked about only now, so opening a file of an unknown suffix stays one request
+        if format is None and format_for_suffix(location) is None and fs.isdir(remote):
+            return _open_remote_sharded(fs, remote, location, verify)
         raise StoreNotFoundError("no such file", path=location) from None
     except BaseException:
         source.close()
         raise
+
+
+def _open_remote_sharded(fs: Any, remote: str, location: str, verify: bool) -> Store:
+    """A Hugging Face sharded model on object storage: its index file, or a folder holding one."""
+    index = hf_sharded.index_location(remote, is_dir=lambda _: True, exists=fs.exists)
+    if index is None:
+        raise StoreNotFoundError("is a folder holding no model.safetensors.index.json", path=location)
+    url = location if location.endswith(hf_sharded.INDEX_SUFFIX) else location.rstrip("/") + "/" + hf_sharded.INDEX_NAME
+    return Store(hf_sharded.open_remote(fs, index, url), url, verify, hf_sharded.FORMAT_NAME)
 
 
 def load(
@@ -294,6 +365,7 @@ def load(
     verify: bool = True,
     max_bytes: int | None = None,
     mmap: bool = True,
+    names: str | None = None,
     regions: Mapping[str, Any] | None = None,
 ) -> dict[str, np.ndarray]:
     """Read a weight file into a dict, reading only the selected tensors' bytes.
@@ -307,6 +379,7 @@ def load(
         verify: check each tensor's checksum as it is read.
         max_bytes: refuse, before reading, a selection larger than this.
         mmap: ``False`` for arrays that own their memory (see :func:`open`).
+        names: how a foreign file's names become keys (see :func:`open`).
         regions: key (as the file names it) -> tuple of slices: only that part of the tensor
             is read (see :meth:`Store.read_region`; a sharded version fetches only its blocks).
 
@@ -322,7 +395,7 @@ def load(
     Example:
         >>> head = ws.load("model.npz", scope="head", exclude="*/Adam*")
     """
-    with open(path, verify=verify, mmap=mmap) as store:
+    with open(path, verify=verify, mmap=mmap, names=names) as store:
         plan = plan_outward(store.keys(), scope=scope, mapping=mapping, include=include, exclude=exclude, where=store.path)
         if regions:
             for key in regions:
@@ -345,6 +418,8 @@ def save(
     compress: bool | str = False,
     overwrite: bool = True,
     format: str | None = None,
+    names: str | None = None,
+    max_shard_size: int | str | None = None,
 ) -> None:
     """Write ``weights`` atomically; the suffix (or ``format``) picks npz, HDF5 or safetensors.
 
@@ -365,6 +440,17 @@ def save(
             1.13x / 1.30x and h5py still reads it. safetensors files are never compressed.
         overwrite: with ``False``, an existing file is an error.
         format: ``"npz"``, ``"hdf5"`` or ``"safetensors"``, whatever the suffix says.
+        names: ``"torch"`` names each tensor in the file as PyTorch does (key
+            ``features/0/weight`` is ``features.0.weight``), so ``safetensors.torch.load_file``
+            (or ``np.load``) gives a ``state_dict`` that ``load_state_dict`` takes as is. A
+            safetensors file remembers the keys, so weightstore reads them back; in npz and
+            HDF5 the torch names are the keys. A key with ``.`` inside a segment is refused.
+            ``None`` or ``"keys"``: tensors are named by their keys.
+        max_shard_size: write a Hugging Face sharded folder at ``path`` (a folder, or its
+            ``model.safetensors.index.json``) instead: ``model-0000N-of-0000M.safetensors``
+            shards of at most this many bytes (or ``"5GB"``, ``"500MiB"``; a larger tensor gets
+            a shard of its own) and the index, written last. Tensors are named PyTorch's way
+            unless ``names="keys"``, so ``transformers`` and ``safetensors`` load the folder.
 
     Raises:
         InvalidKeyError, UnsupportedDTypeError: a key or dtype that cannot be stored (nothing written).
@@ -377,6 +463,11 @@ def save(
     """
     where = location_of(path)
     location = where.text
+    if max_shard_size is not None:
+        if format not in (None, "safetensors") or compress:
+            raise TargetError("a sharded folder holds uncompressed safetensors shards", path=location)
+        _save_sharded(location, weights, metadata, max_shard_size, names, overwrite)
+        return
     fmt = output_format(location, format)
     if not isinstance(compress, (bool, np.bool_)) and not (isinstance(compress, str) and compress == "shuffle"):
         raise TargetError(f"compress={compress!r}; use False, True or \"shuffle\"", path=location)
@@ -384,11 +475,55 @@ def save(
         raise FormatError(f"{fmt.name} files are never compressed; save without compress", path=location)
     metadata = checked_metadata(metadata, location)
     arrays = _checked(weights, location, fmt)
+    stored_names = file_names(arrays, check_naming(names, WRITE_NAMINGS), fmt, location)
     commit = commit_for(where, suffix=fmt.suffixes[0])
     if not overwrite and commit.exists():
         raise StoreExistsError("file exists (pass overwrite=True to replace it)", path=location)
     with commit.writing() as local:
-        write_file(local, fmt, arrays, metadata, compress)
+        write_file(local, fmt, arrays, metadata, compress, stored_names)
+
+
+def _save_sharded(location: str, weights: Mapping[str, Any], metadata: Mapping[str, Any] | None,
+                  max_shard_size: int | str, names: str | None, overwrite: bool) -> None:
+    """A Hugging Face sharded folder (see :func:`save`): every key, dtype and name checked first;
+    each shard written atomically, then the index, which is what readers go by."""
+    from weightstore.formats import safetensors
+
+    index = location if location.endswith(hf_sharded.INDEX_SUFFIX) else location.rstrip("/") + "/" + hf_sharded.INDEX_NAME
+    folder = index.rpartition("/")[0] or "."
+    limit = hf_sharded.parse_size(max_shard_size, location)
+    metadata = checked_metadata(metadata, location)
+    if "total_size" in metadata:
+        raise TargetError("metadata 'total_size' is the index's own (the shards' bytes); rename it", path=location)
+    arrays = _checked(weights, location, safetensors.FORMAT)
+    stored_names = file_names(arrays, check_naming(names, WRITE_NAMINGS) or TORCH, safetensors.FORMAT, location)
+    index_commit = commit_for(location_of(index), suffix=".json")
+    if not overwrite and index_commit.exists():
+        raise StoreExistsError("sharded folder exists (pass overwrite=True to replace it)", path=index)
+    if not is_url(folder):
+        os.makedirs(folder, exist_ok=True)
+    sizes = {key: arrays.nbytes(key) for key in arrays}
+    plan = hf_sharded.plan_shards(sizes, limit)
+    shards = dict(zip(hf_sharded.shard_names(len(plan)), plan, strict=True))
+    for shard, keys in shards.items():
+        with commit_for(location_of(f"{folder}/{shard}"), suffix=".safetensors").writing() as local:
+            write_file(local, safetensors.FORMAT, arrays.only(keys), metadata, False,
+                       {key: stored_names[key] for key in keys if key in stored_names})
+    document = hf_sharded.index_document({shard: [stored_names.get(k, k) for k in keys] for shard, keys in shards.items()},
+                                         sum(sizes.values()), metadata, {"producer": f"weightstore {__version__}"})
+    with index_commit.writing() as local, builtins.open(local, "wb") as handle:
+        handle.write(document)
+
+
+def file_names(keys: Iterable[str], names: str | None, fmt: Format, where: str) -> dict[str, str]:
+    """Key -> the tensor's name in the file, where ``names`` makes it differ from the key.
+
+    Checked before anything is written: a key no torch name reads back as is refused.
+    """
+    if names in (None, KEYS):
+        return {}
+    with naming(path=where):
+        return {key: torch_name_of_key(key) for key in keys}
 
 
 def output_format(location: str, format: str | None = None) -> Format:  # noqa: A002
@@ -454,6 +589,7 @@ class _Checked(Mapping):
             for name in dict.fromkeys(names):  # a file holds a handful of dtypes: each checked once, in order
                 self._check_dtype(name, keys[names.index(name)], fmt, stored=store is not None)
             self._values = dict(zip(keys, values, strict=True))
+            self._dtype_names = dict(zip(keys, names, strict=True))
         if fmt is not None:
             self._refuse_reserved(fmt)
 
@@ -483,6 +619,21 @@ class _Checked(Mapping):
         if fmt is not None and fmt.dtypes is not None and name not in fmt.dtypes:
             raise UnsupportedDTypeError(f"has dtype {name}, which {fmt.name} cannot hold; save it as .npz or .h5",
                                         key=key)
+
+    def nbytes(self, key: str) -> int:
+        """The bytes ``key`` will take in the file, from its index or shape; nothing is read."""
+        value = self._values[key]
+        if value is None:  # a store's tensor, read when written
+            assert isinstance(self._weights, Store)
+            return self._weights.info(key).nbytes
+        shape = value.shape if hasattr(value, "shape") else np.shape(value)
+        return math.prod(int(d) for d in shape) * logical_dtype(self._dtype_names[key]).itemsize
+
+    def only(self, keys: Iterable[str]) -> _Checked:
+        """These checked tensors, in this order (one shard of a sharded save)."""
+        part = copy.copy(self)
+        part._values = {key: self._values[key] for key in keys}
+        return part
 
     def __getitem__(self, key: str) -> tuple[str, np.ndarray]:
         return self._stored_form(key, self._values[key])
@@ -535,11 +686,21 @@ def _checked(weights: Mapping[str, Any], where: str = "", fmt: Format | None = N
     return _Checked(weights, where, fmt)
 
 
-def write_file(path: str, fmt: Format, arrays: _Checked,
-               metadata: Mapping[str, Any] | None, compress: bool | str) -> None:
-    """Write a file tensor by tensor; the caller makes it atomic and durable."""
+def write_file(path: str, fmt: Format, arrays: _Checked, metadata: Mapping[str, Any] | None,
+               compress: bool | str, stored_names: Mapping[str, str] | None = None) -> None:
+    """Write a file tensor by tensor; the caller makes it atomic and durable.
+
+    ``stored_names`` (from :func:`file_names`) names tensors in the file other than by their
+    keys: where the format can (:attr:`Format.torch_names`), the manifest records each such
+    name as the tensor's location, so the keys read back; elsewhere the name is the key.
+    """
     metadata = checked_metadata(metadata, path)  # before the file exists (callers check earlier, naming theirs)
+    stored_names = stored_names or {}
+    located = stored_names if fmt.torch_names else {}
     writer = fmt.open_writer(path, compress)
+    mark_torch_names = getattr(writer, "mark_torch_names", None)
+    if stored_names and mark_torch_names is not None:
+        mark_torch_names()
     writeback = Writeback(path)  # the disk starts on what is written while the rest is (see its module)
     try:
         tensors, digests = [], []
@@ -547,11 +708,13 @@ def write_file(path: str, fmt: Format, arrays: _Checked,
             # a large tensor is hashed on the helper thread while the writer writes it (both release
             # the GIL); a small one after, still in cache, as a hand-off costs more than its hash
             hashing = parallel.beside(functools.partial(content_digest, data)) if data.nbytes >= _HASH_BESIDE else None
-            tensors.append((key, name, data.shape, writer.add(key, name, data)))
+            stored = stored_names.get(key, key)
+            tensors.append((key if located else stored, name, data.shape, writer.add(stored, name, data)))
             digests.append(content_digest(data) if hashing is None else hashing.result())
             del data
             writeback.advance()
-        writer.commit(build_manifest(tensors, metadata, f"weightstore {__version__}", writer.locations, writer.codecs,
+        locations = {**writer.locations, **located}
+        writer.commit(build_manifest(tensors, metadata, f"weightstore {__version__}", locations, writer.codecs,
                                      digests))
     except BaseException:
         writer.abort()

@@ -97,7 +97,6 @@ from weightstore.errors import (
 from weightstore.formats import format_for_suffix, format_named
 from weightstore.io.files import remove_stale_temporaries
 from weightstore.io.folders import Folder, LocalFolder, folder_for
-from weightstore.io.location import location_of
 from weightstore.store import Store, _checked, checked_metadata, write_file
 
 __all__ = ["Version", "VersionEntry", "PublishOptions", "PointerWatch", "publish", "latest", "follow", "list_versions"]
@@ -721,7 +720,3 @@ def _parse_pointer(data: bytes) -> dict[str, Any]:
     ):
         raise FormatError("LATEST is not a weightstore version pointer; publish again to repair it")
     return pointer
-
-
-def _folder_of(path: str) -> Folder:
-    return folder_for(location_of(path).text)

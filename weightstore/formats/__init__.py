@@ -120,6 +120,8 @@ class Format:
     #: the logical dtypes the format can hold; ``None``: every dtype weightstore stores
     dtypes: frozenset[str] | None = None
     compresses: bool = True
+    #: whether tensors can be named in the file other than by their keys (``names="torch"``)
+    torch_names: bool = False
     #: names the format keeps for itself (safetensors' ``__metadata__``): refused as keys before writing
     reserved_keys: frozenset[str] = frozenset()
     #: False for a format only weightstore's own machinery writes (a sharded version's index)

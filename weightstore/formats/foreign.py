@@ -1,21 +1,63 @@
-"""Files other tools wrote that need more than a suffix to recognise: TF checkpoints and ``.keras`` archives.
+"""Files other tools wrote that need more than a suffix to recognise: TF checkpoints and ``.keras``
+archives, which are read, and pickles (``torch.save``), which are refused.
 
 :func:`open_foreign` is the one place :func:`weightstore.open` asks "is this a checkpoint or a
 Keras archive?", so the API and the ``ws`` command accept the same paths. Keras
 ``.weights.h5`` files and plain ``np.savez``/h5py files need nothing here: the HDF5 and npz
 readers read them as files without a manifest.
+
+:func:`refuse_pickle` is asked, from a file's first bytes, before any reader sees it: a
+``torch.save`` file (``.pt``, ``.pth``, Hugging Face's ``pytorch_model.bin``) is a zip whose
+first member is ``<name>/data.pkl``, or, from PyTorch before 1.6, a bare pickle; unpickling
+runs whatever code the file names, so weightstore never does, and says how to convert it.
 """
 
 from __future__ import annotations
 
 import os
+import struct
 
+from weightstore.errors import FormatError
 from weightstore.formats import Reader, format_for_suffix
 
+#: how many first bytes :func:`refuse_pickle` needs: a zip's first local header and its name
+HEAD_BYTES = 512
+_ZIP_LOCAL = b"PK\x03\x04"
+_NAME_LENGTH = struct.Struct("<H")
+#: legacy ``torch.save``: protocol 2, then the pickled magic number 0x1950a86a20f9469cfc6c
+_LEGACY_TORCH = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"
+CONVERT_HINT = ("weightstore never unpickles (unpickling runs code the file chooses) and did not unpickle this "
+                "one. Where you trust the file, convert it once with PyTorch: "
+                "safetensors.torch.save_file(torch.load(f, weights_only=True), 'model.safetensors') "
+                "(for a whole saved module, save its .state_dict())")
 
-def open_foreign(location: str) -> Reader | None:
-    """A reader for the TF checkpoint (prefix, one of its files, or its folder) or ``.keras``
-    archive at the local path ``location``; ``None`` when it is neither.
+
+def refuse_pickle(head: bytes, where: str) -> None:
+    """Raise :class:`FormatError` if ``head`` (a file's first :data:`HEAD_BYTES`) starts a
+    ``torch.save`` file or another pickle; nothing is unpickled to tell."""
+    what = _pickle_kind(head)
+    if what:
+        raise FormatError(f"is {what}; {CONVERT_HINT}", path=where)
+
+
+def _pickle_kind(head: bytes) -> str:
+    if head.startswith(_ZIP_LOCAL) and len(head) >= 30:
+        (length,) = _NAME_LENGTH.unpack_from(head, 26)
+        first = head[30:30 + length]
+        if first == b"data.pkl" or first.endswith(b"/data.pkl"):
+            return "a PyTorch torch.save file (a zip holding the pickle data.pkl)"
+        return ""
+    if head.startswith(_LEGACY_TORCH):
+        return "a PyTorch torch.save file in the legacy format (a bare pickle)"
+    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
+        return f"a Python pickle (protocol {head[1]})"
+    return ""
+
+
+def open_foreign(location: str, *, mmap: bool = True) -> Reader | None:
+    """A reader for the Hugging Face sharded folder (or its index), TF checkpoint (prefix, one
+    of its files, or its folder) or ``.keras`` archive at the local path ``location``; ``None``
+    when it is none of them.
 
     The reader's ``name`` is what it read (the checkpoint prefix a folder resolved to). A file
     whose suffix names a store format is answered without importing the checkpoint reader, so
@@ -23,6 +65,11 @@ def open_foreign(location: str) -> Reader | None:
     """
     if format_for_suffix(location) is not None and os.path.isfile(location):
         return None
+    from weightstore.formats import hf_sharded
+
+    index = hf_sharded.index_location(location, is_dir=os.path.isdir, exists=os.path.isfile)
+    if index is not None:
+        return hf_sharded.open_local(index, mmap=mmap)
     from weightstore.formats.keras_file import KerasArchiveReader, is_keras_archive
     from weightstore.formats.tf_checkpoint import CheckpointReader, resolve_prefix
 

@@ -141,6 +141,12 @@ class SafetensorsWriter:
         self._written = 0  # bytes of the data buffer written so far
         self.locations: dict[str, str] = {}
         self.codecs: dict[str, str] = {}
+        self._header_metadata: dict[str, str] = {}
+
+    def mark_torch_names(self) -> None:
+        """Tell readers the names are PyTorch's: ``__metadata__["format"] = "pt"``, which
+        ``transformers`` requires of every safetensors file it loads."""
+        self._header_metadata["format"] = "pt"
 
     def add(self, key: str, dtype_name: str, data: np.ndarray) -> int:
         """Write or hold a tensor; its CRC-32 comes from the write when written now, else from a
@@ -222,7 +228,7 @@ class SafetensorsWriter:
 
     def _header(self, manifest_text: str) -> bytes:
         sealed = f'{manifest_text[:-1]}, "checksum": "{checksum(manifest_text.encode("utf-8"))}"}}'
-        document: dict[str, Any] = {METADATA_KEY: {MANIFEST_KEY: sealed}}
+        document: dict[str, Any] = {METADATA_KEY: {**self._header_metadata, MANIFEST_KEY: sealed}}
         for t in self._tensors:  # json writes tuples as arrays
             document[t.key] = {"dtype": t.code, "shape": t.shape, "data_offsets": (t.begin, t.begin + t.size)}
         return json.dumps(document, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
@@ -312,7 +318,7 @@ class SafetensorsReader(ReaderDefaults):
             self.created = ""
         else:
             self._check_manifest(manifest)
-            self._by_key = {key: self._tensors[key] for key in manifest.tensors}
+            self._by_key = {key: self._tensors[manifest.locations.get(key, key)] for key in manifest.tensors}
             self._infos = manifest.tensors
             self.metadata = manifest.metadata
             self.created = manifest.created
@@ -429,12 +435,15 @@ class SafetensorsReader(ReaderDefaults):
         return f"has invalid data_offsets {_clip(offsets)}"
 
     def _check_manifest(self, manifest: Manifest) -> None:
-        listed, present = set(manifest.tensors), set(self._tensors)
-        if listed != present:
+        """The manifest lists each tensor of the header once: by its key, or by the name its
+        location gives (a file written with ``names="torch"`` names ``a/b`` ``a.b``)."""
+        named = {key: manifest.locations.get(key, key) for key in manifest.tensors}
+        listed, present = set(named.values()), set(self._tensors)
+        if listed != present or len(listed) != len(named):
             raise FormatError(f"manifest and header disagree (listed but absent: {sorted(listed - present)[:3]}, "
                               f"present but unlisted: {sorted(present - listed)[:3]})", path=self.name)
         for key, info in manifest.tensors.items():
-            tensor = self._tensors[key]
+            tensor = self._tensors[named[key]]
             if _CODES.get(info.dtype) != _CODE_OF_DTYPE[tensor.dtype]:
                 raise FormatError(f"is stored as {_CODE_OF_DTYPE[tensor.dtype]} but the manifest says {info.dtype}",
                                   path=self.name, key=key)
@@ -478,6 +487,10 @@ class SafetensorsReader(ReaderDefaults):
         if not array.flags.aligned:  # a foreign writer's layout: views of it would trip up consumers
             array = array.copy()
         return array if array.dtype.isnative else array.astype(array.dtype.newbyteorder("="))
+
+    def keys_by_name(self) -> dict[str, str]:
+        """Each tensor's name in the header -> its key (they differ in a file written with ``names="torch"``)."""
+        return {tensor.name: key for key, tensor in self._by_key.items()}
 
     def prefetch(self, keys: list[str]) -> None:
         """Announce the tensors read next, so a remote source fetches them at once."""
@@ -550,5 +563,6 @@ FORMAT = Format(
     open_writer=lambda path, compress: SafetensorsWriter(path),
     dtypes=DTYPES,
     compresses=False,
+    torch_names=True,
     reserved_keys=frozenset({METADATA_KEY}),
 )

@@ -70,7 +70,10 @@ class Folder(abc.ABC):
     def tag(self, name: str) -> object | None:
         """What names the current content of file ``name`` without reading it (a remote
         object's ETag: one HEAD, no body); equal tags, equal content. ``None`` when there is
-        no such file; a new object each time where the storage cannot tell (then read it)."""
+        no such file; a new object each time where the storage cannot tell (then read it).
+
+        Not :meth:`read_tagged`: a poll wants the tag without the body, and on any storage
+        fsspec reaches; :meth:`read_tagged` wants body and tag from one GET, for :meth:`put_if`."""
 
     @abc.abstractmethod
     def commit(self, name: str, suffix: str = "") -> Commit:
@@ -89,7 +92,8 @@ class Folder(abc.ABC):
 
     def read_tagged(self, name: str, limit: int) -> tuple[bytes | None, str | None]:
         """:meth:`read_small` and a tag that :meth:`put_if` can require is unchanged (an ETag);
-        ``None`` where the storage has none (a local folder, whose writers take :meth:`lock`)."""
+        ``None`` where the storage has none (a local folder, whose writers take :meth:`lock`).
+        Both from one GET, so the tag is the read content's (a :meth:`tag` HEAD could be newer)."""
         return self.read_small(name, limit), None
 
     @abc.abstractmethod
@@ -266,13 +270,17 @@ class RemoteFolder(Folder):
             self.fs.invalidate_cache(self.root)
             return bool(self.fs.exists(self.root)) or bool(self.files())
 
-    def files(self) -> list[FileEntry]:
+    def _listing(self) -> list[dict[str, Any]]:
+        """The folder's entries as the store lists them now (not from fsspec's cache); none if absent."""
         with self._service():
             self.fs.invalidate_cache(self.root)
             try:
-                listing = self.fs.ls(self.root, detail=True)
+                return list(self.fs.ls(self.root, detail=True))
             except FileNotFoundError:
                 return []
+
+    def files(self) -> list[FileEntry]:
+        listing = self._listing()
         return [FileEntry(info["name"].rstrip("/").rsplit("/", 1)[-1], int(info.get("size") or 0), _modified(info))
                 for info in listing if info.get("type") != "directory"]
 
@@ -321,12 +329,7 @@ class RemoteFolder(Folder):
         return True
 
     def subfolders(self) -> list[str]:
-        with self._service():
-            self.fs.invalidate_cache(self.root)
-            try:
-                listing = self.fs.ls(self.root, detail=True)
-            except FileNotFoundError:
-                return []
+        listing = self._listing()
         return sorted(info["name"].rstrip("/").rsplit("/", 1)[-1] for info in listing
                       if info.get("type") == "directory")
 

@@ -1,0 +1,185 @@
+"""Hugging Face sharded folders: read as one lazy store, written as transformers and safetensors load them."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import safetensors.numpy
+from safetensors import safe_open
+from typer.testing import CliRunner
+
+import weightstore as ws
+from weightstore.cli.main import app
+from weightstore.errors import FormatError, KeyNotInStoreError, StoreExistsError, UnsafeFileError
+
+INDEX = "model.safetensors.index.json"
+SHARDS = {
+    "model-00001-of-00002.safetensors": {"model.embed.weight": np.arange(12, dtype=np.float32).reshape(4, 3),
+                                         "model.layers.0.weight": np.ones((3, 3), np.float32)},
+    "model-00002-of-00002.safetensors": {"model.layers.1.weight": np.full((3, 3), 2, np.float32),
+                                         "lm_head.weight": np.zeros((4, 3), np.float32)},
+}
+
+
+def hf_folder(folder, shards=SHARDS, weight_map=None):
+    """A folder as transformers' save_pretrained writes it, made with the safetensors library."""
+    folder.mkdir(exist_ok=True)
+    for shard, tensors in shards.items():
+        safetensors.numpy.save_file(tensors, str(folder / shard), metadata={"format": "pt"})
+    if weight_map is None:
+        weight_map = {name: shard for shard, tensors in shards.items() for name in tensors}
+    total = sum(t.nbytes for tensors in shards.values() for t in tensors.values())
+    (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    return folder
+
+
+def run(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+@pytest.mark.parametrize("which", ["folder", "index"])
+def test_a_sharded_folder_or_its_index_opens_as_one_store(tmp_path, which):
+    folder = hf_folder(tmp_path / "hf")
+    with ws.open(folder if which == "folder" else folder / INDEX) as store:
+        assert store.keys() == ["model/embed/weight", "model/layers/0/weight", "model/layers/1/weight",
+                                "lm_head/weight"]
+        assert store.info("lm_head/weight").shape == (4, 3) and store.metadata == {}
+        assert np.array_equal(store["model/embed/weight"], SHARDS["model-00001-of-00002.safetensors"]
+                              ["model.embed.weight"])
+    assert list(ws.load(folder, scope="model/layers")) == ["0/weight", "1/weight"]
+
+
+def test_only_the_shards_holding_what_is_asked_for_are_opened(tmp_path):
+    folder = hf_folder(tmp_path / "hf")
+    (folder / "model-00002-of-00002.safetensors").write_bytes(b"not a safetensors file at all")
+    loaded = ws.load(folder, include=["model/embed/*", "model/layers/0/*"])
+    assert list(loaded) == ["model/embed/weight", "model/layers/0/weight"]
+    with pytest.raises(FormatError) as caught:
+        ws.load(folder, scope="lm_head")
+    assert "model-00002-of-00002.safetensors" in str(caught.value)
+
+
+@pytest.mark.parametrize("problem, error, says", [
+    ("missing tensor", FormatError, "in the index only: ['lm_head.weight']"),
+    ("unlisted tensor", FormatError, "in the shard only: ['extra']"),
+    ("missing shard", FormatError, "which is missing"),
+    ("escaping shard", UnsafeFileError, "not a .safetensors file beside the index"),
+])
+def test_each_shard_is_checked_against_the_index(tmp_path, problem, error, says):
+    shards = {name: dict(tensors) for name, tensors in SHARDS.items()}
+    weight_map = {name: shard for shard, tensors in shards.items() for name in tensors}
+    second = "model-00002-of-00002.safetensors"
+    if problem == "missing tensor":
+        del shards[second]["lm_head.weight"]
+    elif problem == "unlisted tensor":
+        shards[second]["extra"] = np.ones(1, np.float32)
+    elif problem == "missing shard":
+        weight_map["lm_head.weight"] = "model-00003-of-00003.safetensors"
+    else:
+        weight_map["lm_head.weight"] = "../elsewhere.safetensors"
+    folder = hf_folder(tmp_path / "hf", shards, weight_map)
+    with pytest.raises(error) as caught:
+        ws.load(folder, scope="lm_head")
+    assert says in str(caught.value) and caught.value.path == str(folder / INDEX)
+
+
+def test_a_damaged_index_is_refused_naming_it(tmp_path):
+    folder = hf_folder(tmp_path / "hf")
+    (folder / INDEX).write_text('{"metadata": {}}')
+    with pytest.raises(FormatError, match="no weight_map") as caught:
+        ws.open(folder)
+    assert caught.value.path == str(folder / INDEX)
+    (folder / INDEX).write_text("{not json")
+    with pytest.raises(FormatError, match="not JSON"):
+        ws.open(folder / INDEX)
+
+
+def weights() -> dict[str, np.ndarray]:
+    return {f"model/layers/{i}/weight": np.full((10, 10), i, np.float32) for i in range(5)}
+
+
+def transformers_style_load(folder) -> dict[str, np.ndarray]:
+    """What transformers' sharded loading does: the index's weight_map, each shard with safe_open,
+    refusing a shard whose metadata does not say format 'pt'."""
+    index = json.loads((folder / INDEX).read_text())
+    state = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        with safe_open(str(folder / shard), framework="numpy") as handle:
+            assert handle.metadata()["format"] == "pt"
+            state.update({name: handle.get_tensor(name) for name in handle.keys()})  # noqa: SIM118
+    assert sorted(state) == sorted(index["weight_map"])
+    assert index["metadata"]["total_size"] == sum(v.nbytes for v in state.values())
+    return state
+
+
+def test_save_writes_a_sharded_folder_transformers_and_safetensors_load(tmp_path):
+    folder = tmp_path / "out"
+    ws.save(folder, weights(), max_shard_size=900, metadata={"step": 3})
+    assert sorted(p.name for p in folder.iterdir()) == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)] + [
+        INDEX]
+    state = transformers_style_load(folder)
+    assert list(state) == [f"model.layers.{i}.weight" for i in range(5)]
+    assert all(np.array_equal(state[f"model.layers.{i}.weight"], v) for i, v in enumerate(weights().values()))
+    with ws.open(folder) as store:
+        assert store.keys() == list(weights()) and store.metadata == {"step": 3} and store.has_checksums
+    with pytest.raises(StoreExistsError):
+        ws.save(folder, weights(), max_shard_size="1MB", overwrite=False)
+
+
+def test_a_corrupt_shard_weightstore_wrote_fails_its_checksum(tmp_path):
+    folder = tmp_path / "out"
+    ws.save(folder, weights(), max_shard_size="1KB")
+    shard = folder / "model-00001-of-00003.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ws.ChecksumError) as caught:
+        ws.load(folder)
+    assert caught.value.path == str(shard)
+
+
+def test_max_shard_size_is_checked_before_anything_is_written(tmp_path):
+    for bad in (0, -1, "lots", True):
+        with pytest.raises(FormatError, match="max_shard_size"):
+            ws.save(tmp_path / "out", weights(), max_shard_size=bad)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_remote_sharded_folder_reads_shards_only_for_the_keys_asked(tmp_path):
+    import fsspec
+
+    url = f"memory://hf-{tmp_path.name}/model"
+    ws.save(url, weights(), max_shard_size=900)
+    fs = fsspec.filesystem("memory")
+    assert fs.exists(f"/hf-{tmp_path.name}/model/{INDEX}")
+    fs.pipe(f"/hf-{tmp_path.name}/model/model-00003-of-00003.safetensors", b"damaged")
+    assert list(ws.load(url, scope="model/layers/0")) == ["weight"]
+    with ws.open(f"{url}/{INDEX}") as store:
+        assert np.array_equal(store["model/layers/3/weight"], weights()["model/layers/3/weight"])
+        with pytest.raises(KeyNotInStoreError):
+            store["nope"]
+
+
+def test_ws_convert_writes_and_ws_ls_reads_a_sharded_folder(tmp_path):
+    source = tmp_path / "m.npz"
+    ws.save(source, weights())
+    result = run("convert", source, tmp_path / "out", "--max-shard-size", "900")
+    assert result.exit_code == 0, result.output
+    transformers_style_load(tmp_path / "out")
+    listing = run("ls", tmp_path / "out")
+    assert listing.exit_code == 0 and "model/layers/4/weight" in listing.output
+
+
+def test_torch_assign_takes_a_sharded_folder(tmp_path):
+    torch = pytest.importorskip("torch")
+    from weightstore.adapters import torch as torch_adapter
+
+    torch.manual_seed(0)
+    source = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    ws.save(tmp_path / "out", torch_adapter.export(source), max_shard_size=100)
+    target = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    assert torch_adapter.assign(target, tmp_path / "out").ok
+    for (name, a), b in zip(source.state_dict().items(), target.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name

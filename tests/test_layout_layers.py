@@ -1,0 +1,211 @@
+"""Layers whose tensors convert together (LSTM, GRU, attention), Embedding, and what a file cannot say.
+
+Each conversion is checked against what the frameworks compute: a Keras layer with random
+weights goes into the PyTorch (or Flax) layer with ``layout="keras"`` and both must give the
+same output; the module's export with the layout must give the layer back.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+keras = pytest.importorskip("keras")
+torch = pytest.importorskip("torch")
+nnx = pytest.importorskip("flax.nnx")
+
+from typer.testing import CliRunner  # noqa: E402
+
+import weightstore as ws  # noqa: E402
+from weightstore.adapters import flax as flax_adapter  # noqa: E402
+from weightstore.adapters import layout, tf2  # noqa: E402
+from weightstore.adapters import torch as torch_adapter  # noqa: E402
+from weightstore.cli.main import app  # noqa: E402
+from weightstore.errors import AssignmentError, LayoutError  # noqa: E402
+
+nn = torch.nn
+TOLERANCE = 1e-5
+
+
+def randomized(layer, shape, seed=0):
+    """``layer`` built for ``shape`` with random weights, an input, and its output."""
+    rng = np.random.default_rng(seed)
+    inputs = rng.normal(size=shape).astype("float32")
+    if isinstance(layer, keras.layers.MultiHeadAttention):
+        layer(inputs, inputs)
+    elif isinstance(layer, keras.layers.Embedding):
+        inputs = rng.integers(0, layer.input_dim, size=shape).astype("int32")
+        layer(inputs)
+    else:
+        layer(inputs)
+    for var in layer.weights:
+        var.assign(rng.normal(size=var.shape).astype("float32") * 0.5)
+    output = layer(inputs, inputs) if isinstance(layer, keras.layers.MultiHeadAttention) else layer(inputs)
+    return inputs, np.asarray(output)
+
+
+class Attention(nn.Module):
+    def __init__(self, model: int, heads: int, bias: bool = True):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(model, heads, batch_first=True, bias=bias)
+
+    def forward(self, x):
+        return self.attention(x, x, x, need_weights=False)[0]
+
+
+class Recurrent(nn.Module):
+    def __init__(self, cell: type, features: int, units: int, bias: bool = True):
+        super().__init__()
+        self.rnn = cell(features, units, batch_first=True, bias=bias)
+
+    def forward(self, x):
+        return self.rnn(x)[0]
+
+
+# name: (Keras layer, input shape, PyTorch module, how Keras's keys sit under the module's scope)
+LAYERS = {
+    "lstm": (lambda: keras.layers.LSTM(5, return_sequences=True), (2, 4, 3),
+             lambda: Recurrent(nn.LSTM, 3, 5), "rnn"),
+    "lstm_without_bias": (lambda: keras.layers.LSTM(5, return_sequences=True, use_bias=False), (2, 4, 3),
+                          lambda: Recurrent(nn.LSTM, 3, 5, bias=False), "rnn"),
+    "gru": (lambda: keras.layers.GRU(5, return_sequences=True), (2, 4, 3), lambda: Recurrent(nn.GRU, 3, 5), "rnn"),
+    "attention": (lambda: keras.layers.MultiHeadAttention(num_heads=2, key_dim=3), (2, 4, 6),
+                  lambda: Attention(6, 2), "attention"),
+    "attention_without_bias": (lambda: keras.layers.MultiHeadAttention(num_heads=3, key_dim=2, use_bias=False),
+                               (2, 4, 6), lambda: Attention(6, 3, bias=False), "attention"),
+    "embedding": (lambda: keras.layers.Embedding(7, 4), (2, 5), lambda: nn.Sequential(nn.Embedding(7, 4)), "0"),
+}
+
+
+def torch_output(module, inputs):
+    with torch.no_grad():
+        return module.eval()(torch.from_numpy(inputs)).numpy()
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_keras_layer_into_torch_computes_the_same_and_exports_back(name):
+    make, shape, make_module, scope = LAYERS[name]
+    layer = make()
+    inputs, expected = randomized(layer, shape)
+    weights = tf2.export(layer)
+    module = make_module()
+    report = torch_adapter.assign(module, weights, layout="keras", scope=scope)
+    assert report.ok
+    np.testing.assert_allclose(torch_output(module, inputs), expected, atol=TOLERANCE)
+    back = torch_adapter.export(module, layout="keras", scope=scope)
+    assert sorted(back) == sorted(weights)
+    for key, value in weights.items():
+        np.testing.assert_allclose(back[key], value, atol=1e-7, err_msg=key)
+
+
+@pytest.mark.parametrize("gates", [nn.LSTM, nn.GRU])
+def test_torch_recurrent_layers_into_keras_and_back_compute_the_same(gates):
+    torch.manual_seed(0)
+    module = Recurrent(gates, 3, 4)
+    for parameter in module.parameters():  # PyTorch's biases random too: LSTM's two are summed for Keras
+        nn.init.normal_(parameter)
+    inputs = np.random.default_rng(1).normal(size=(2, 5, 3)).astype("float32")
+    expected = torch_output(module, inputs)
+    weights = torch_adapter.export(module, layout="keras", scope="rnn")
+    keras_layer = (keras.layers.LSTM if gates is nn.LSTM else keras.layers.GRU)(4, return_sequences=True)
+    keras_layer(inputs)
+    assert tf2.assign(keras_layer, weights).ok
+    np.testing.assert_allclose(np.asarray(keras_layer(inputs)), expected, atol=TOLERANCE)
+    again = Recurrent(gates, 3, 4)
+    torch_adapter.assign(again, tf2.export(keras_layer), layout="keras", scope="rnn")
+    np.testing.assert_allclose(torch_output(again, inputs), expected, atol=TOLERANCE)
+
+
+def test_a_gru_with_reset_before_is_refused_naming_the_fix():
+    layer = keras.layers.GRU(4, reset_after=False)
+    layer(np.zeros((1, 2, 3), np.float32))
+    with pytest.raises(AssignmentError, match="reset_after=False") as caught:
+        torch_adapter.assign(Recurrent(nn.GRU, 3, 4), tf2.export(layer), layout="keras", scope="rnn")
+    assert "gru_cell/bias" in str(caught.value)
+
+
+def test_attention_from_a_file_needs_the_module_for_its_head_count(tmp_path):
+    exported = torch_adapter.export(Attention(6, 2), layout="keras")
+    assert exported["attention/query/kernel"].shape == (6, 2, 3)
+    ws.save(tmp_path / "t.npz", torch_adapter.export(Attention(6, 2)))
+    result = CliRunner().invoke(app, ["convert", str(tmp_path / "t.npz"), str(tmp_path / "k.npz"),
+                                      "--layout", "torch-to-keras"])
+    assert result.exit_code == 1 and "head count" in result.output and "in_proj_weight" in result.output
+    assert not (tmp_path / "k.npz").exists()
+
+
+def test_keras_attention_into_flax_computes_the_same():
+    layer = keras.layers.MultiHeadAttention(num_heads=2, key_dim=3)
+    inputs, expected = randomized(layer, (2, 4, 6))
+    module = nnx.MultiHeadAttention(num_heads=2, in_features=6, qkv_features=6, out_features=6, decode=False,
+                                    rngs=nnx.Rngs(0))
+    assert flax_adapter.assign(module, tf2.export(layer), layout="keras").ok
+    np.testing.assert_allclose(np.asarray(module(inputs)), expected, atol=TOLERANCE)
+    back = flax_adapter.export(module, layout="keras")
+    assert sorted(back) == sorted(tf2.export(layer))
+
+
+def test_keras_embedding_into_flax_and_back():
+    layer = keras.layers.Embedding(7, 4)
+    inputs, expected = randomized(layer, (2, 5))
+    module = nnx.Embed(7, 4, rngs=nnx.Rngs(0))
+    assert flax_adapter.assign(module, tf2.export(layer), layout="keras").ok
+    np.testing.assert_allclose(np.asarray(module(inputs)), expected, atol=0)
+    assert list(flax_adapter.export(module, layout="keras")) == ["embeddings"]
+
+
+# -- what a file cannot say ----------------------------------------------------------------------
+
+def run(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def test_a_keras_3_depthwise_kernel_in_a_file_is_refused_until_its_kind_is_given(tmp_path):
+    layer = keras.layers.DepthwiseConv2D(3)
+    inputs, expected = randomized(layer, (1, 6, 6, 4))
+    ws.save(tmp_path / "k.npz", {f"dw/{key}": value for key, value in tf2.export(layer).items()})
+    out = tmp_path / "t.safetensors"
+    result = run("convert", tmp_path / "k.npz", out, "--layout", "keras-to-torch")
+    assert result.exit_code == 1 and not out.exists()
+    assert "dw/kernel:" in result.output and "--kind 'dw=depthwise'" in result.output
+    result = run("convert", tmp_path / "k.npz", out, "--layout", "keras-to-torch", "--kind", "dw=depthwise")
+    assert result.exit_code == 0, result.output
+    module = nn.ModuleDict({"dw": nn.Conv2d(4, 4, 3, groups=4)})
+    assert torch_adapter.assign(module, out).ok
+    with torch.no_grad():
+        got = module["dw"](torch.from_numpy(inputs).movedim(-1, 1)).movedim(1, -1).numpy()
+    np.testing.assert_allclose(got, expected, atol=TOLERANCE)
+    result = run("convert", tmp_path / "k.npz", out, "--layout", "keras-to-torch", "--kind", "dw=pooling")
+    assert result.exit_code == 1 and "unknown layer kind 'pooling'" in result.output
+
+
+def test_a_bias_free_torch_weight_in_a_file_is_refused_until_its_kind_is_given():
+    shapes = {"embed/weight": np.ones((7, 4), np.float32), "fc/weight": np.ones((3, 4), np.float32),
+              "fc/bias": np.ones(3, np.float32)}
+    with pytest.raises(LayoutError, match="bias-free Linear's or an Embedding's") as caught:
+        layout.convert(shapes, "torch-to-keras")
+    assert "embed/weight" in str(caught.value) and "fc/weight" not in str(caught.value)
+    assert layout.convert(shapes, "torch-to-keras", kinds={"embed": "embedding"})[
+        "embed/embeddings"].shape == (7, 4)
+    assert layout.convert(shapes, "torch-to-keras", kinds={"embed": "dense"})[
+        "embed/kernel"].shape == (4, 7)
+
+
+def test_a_conv_bias_with_no_target_is_refused_naming_the_fold():
+    weights = {"conv/kernel": np.ones((3, 3, 2, 4), np.float32), "conv/bias": np.arange(4, dtype=np.float32),
+               "bn/gamma": np.ones(4, np.float32), "bn/beta": np.zeros(4, np.float32),
+               "bn/moving_mean": np.full(4, 10, np.float32), "bn/moving_variance": np.ones(4, np.float32)}
+    module = nn.ModuleDict({"conv": nn.Conv2d(2, 4, 3, bias=False), "bn": nn.BatchNorm2d(4)})
+    with pytest.raises(AssignmentError, match="fold_bias_into_norm") as caught:
+        torch_adapter.assign(module, weights, layout="keras")
+    assert "conv/bias" in str(caught.value)
+    folded = layout.fold_bias_into_norm(weights, "conv", "bn")
+    assert "conv/bias" not in folded and folded["bn/moving_mean"].tolist() == [10, 9, 8, 7]
+    assert torch_adapter.assign(module, folded, layout="keras").ok
+    x = np.random.default_rng(0).normal(size=(1, 2, 5, 5)).astype("float32")
+    with_bias = nn.ModuleDict({"conv": nn.Conv2d(2, 4, 3), "bn": nn.BatchNorm2d(4)})
+    torch_adapter.assign(with_bias, weights, layout="keras")
+    with torch.no_grad():
+        a = module.eval()["bn"](module["conv"](torch.from_numpy(x)))
+        b = with_bias.eval()["bn"](with_bias["conv"](torch.from_numpy(x)))
+    np.testing.assert_allclose(a.numpy(), b.numpy(), atol=TOLERANCE)

@@ -1,0 +1,211 @@
+"""The files PyTorch users have: state_dict names in safetensors, npz and our own files, both ways."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+from typer.testing import CliRunner  # noqa: E402
+
+import weightstore as ws  # noqa: E402
+from weightstore.adapters import torch as torch_adapter  # noqa: E402
+from weightstore.cli.main import app  # noqa: E402
+from weightstore.errors import FormatError, InvalidKeyError  # noqa: E402
+from weightstore.names import key_of_torch_name, torch_name_of_key  # noqa: E402
+
+nn = torch.nn
+
+
+def net(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4, 2))
+
+
+def assert_same_state(a: nn.Module, b: nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), key
+
+
+def run(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def test_torch_names_and_keys_map_exactly_both_ways():
+    assert key_of_torch_name("features.0.weight") == "features/0/weight"
+    assert torch_name_of_key("features/0/weight") == "features.0.weight"
+    with pytest.raises(InvalidKeyError, match="'a/b.c' holds '/'"):
+        key_of_torch_name("a/b.c")
+    with pytest.raises(InvalidKeyError, match="'dense.1/kernel' has a '.' inside a segment"):
+        torch_name_of_key("dense.1/kernel")
+    with pytest.raises(InvalidKeyError, match="no key"):
+        key_of_torch_name("a..b")
+
+
+def test_a_file_safetensors_torch_wrote_goes_back_into_its_module(tmp_path):
+    source, target = net(0), net(1)
+    path = tmp_path / "model.safetensors"
+    safetensors_torch.save_file(source.state_dict(), str(path))
+    with ws.open(path) as store:
+        assert "0/weight" in store and "1/running_mean" in store and not store.has_checksums
+    report = torch_adapter.assign(target, path)
+    assert report.ok and len(report.assigned) == len(source.state_dict())
+    assert_same_state(source, target)
+
+
+def test_a_hugging_face_file_keeps_its_metadata_and_names(tmp_path):
+    path = tmp_path / "model.safetensors"
+    weights = {"model.embed_tokens.weight": np.ones((5, 2), np.float32), "lm_head.weight": np.zeros((5, 2), np.float32)}
+    import safetensors.numpy
+
+    safetensors.numpy.save_file(weights, str(path), metadata={"format": "pt"})
+    with ws.open(path) as store:
+        assert sorted(store) == ["lm_head/weight", "model/embed_tokens/weight"]
+        assert store.metadata == {"format": "pt"}
+    assert list(ws.load(path, names="file")) == sorted(weights)
+
+
+def test_state_dicts_and_dotted_keys_assign_as_they_are(tmp_path):
+    source, target = net(0), net(1)
+    assert torch_adapter.assign(target, safetensors_torch.load_file(_saved(source, tmp_path))).ok
+    assert_same_state(source, target)
+    dotted = torch_adapter.export(source, names="torch")
+    assert list(dotted)[:2] == ["0.weight", "0.bias"]
+    ws.save(tmp_path / "dotted.npz", dotted)
+    other = net(2)
+    assert torch_adapter.assign(other, tmp_path / "dotted.npz").ok
+    assert_same_state(source, other)
+
+
+def _saved(module: nn.Module, folder) -> str:
+    path = str(folder / "sd.safetensors")
+    safetensors_torch.save_file(module.state_dict(), path)
+    return path
+
+
+@pytest.mark.parametrize("how", ["save", "export"])
+def test_files_written_with_torch_names_load_into_load_state_dict(tmp_path, how):
+    source, target = net(0), net(1)
+    path = tmp_path / "m.safetensors"
+    if how == "save":
+        ws.save(path, torch_adapter.export(source), names="torch")
+    else:
+        ws.save(path, torch_adapter.export(source, names="torch"))
+    target.load_state_dict(safetensors_torch.load_file(str(path)))
+    assert_same_state(source, target)
+    with ws.open(path) as store:  # ws.save(names="torch") keeps the keys; the export's keys are the names
+        assert store.has_checksums and ("0/weight" in store) == (how == "save")
+    again = net(3)
+    assert torch_adapter.assign(again, path).ok
+    assert_same_state(source, again)
+
+
+def test_torch_names_are_refused_where_no_key_reads_back(tmp_path):
+    with pytest.raises(InvalidKeyError, match=r"m\.safetensors.*'dense\.1/kernel'"):
+        ws.save(tmp_path / "m.safetensors", {"dense.1/kernel": np.ones(2)}, names="torch")
+    assert not (tmp_path / "m.safetensors").exists()
+    with pytest.raises(ValueError, match="names='tf'"):
+        ws.save(tmp_path / "m.safetensors", {"a": np.ones(2)}, names="tf")
+    module = nn.Module()
+    module.register_buffer("a/b", torch.ones(2))
+    with pytest.raises(InvalidKeyError, match="'a/b' holds '/'"):
+        torch_adapter.export(module)
+
+
+def test_names_torch_reads_an_npz_of_a_state_dict(tmp_path):
+    source = net(0)
+    np.savez(tmp_path / "sd.npz", **{k: v.numpy() for k, v in source.state_dict().items()})
+    with ws.open(tmp_path / "sd.npz", names="torch") as store:
+        assert "0/weight" in store and "1/num_batches_tracked" in store
+    np.savez(tmp_path / "bad.npz", **{"a/b.c": np.ones(1)})
+    with pytest.raises(FormatError, match="holds '/'") as caught:
+        ws.open(tmp_path / "bad.npz", names="torch")
+    assert caught.value.path == str(tmp_path / "bad.npz")
+
+
+def test_ws_convert_round_trips_through_keras_names_to_load_state_dict(tmp_path):
+    source, target = net(0), net(1)
+    path = _saved(source, tmp_path)
+    keras = tmp_path / "keras.npz"
+    assert run("convert", path, keras, "--layout", "torch-to-keras").exit_code == 0
+    assert {"0/kernel", "1/gamma", "1/moving_variance", "3/kernel"} <= set(ws.load(keras))
+    back = tmp_path / "back.safetensors"
+    assert run("convert", keras, back, "--layout", "keras-to-torch").exit_code == 0
+    state = safetensors_torch.load_file(str(back))
+    target.load_state_dict(state)  # strict: batch norm's step counter, which Keras lacks, may be absent
+    for key, value in state.items():
+        assert torch.equal(value, source.state_dict()[key]), key
+    keys = tmp_path / "keys.safetensors"
+    assert run("convert", keras, keys, "--layout", "keras-to-torch", "--names", "keys").exit_code == 0
+    assert "0/weight" in safetensors_torch.load_file(str(keys))
+
+
+def test_ws_export_keeps_a_foreign_files_metadata_under_its_own_names(tmp_path):
+    path = tmp_path / "lib.safetensors"
+    import safetensors.numpy
+
+    safetensors.numpy.save_file({"a.w": np.ones(2, np.float32)}, str(path), metadata={"format": "pt", "n": "1"})
+    out = tmp_path / "out.npz"
+    result = run("export", path, "-o", out, "--names", "torch")
+    assert result.exit_code == 0, result.output
+    with ws.open(out) as store:
+        assert store.metadata == {"source": str(path), "source_kind": "file without a weightstore manifest", "format": "pt", "n": "1"}
+        assert store.keys() == ["a.w"]
+
+
+# -- torch.save files: recognised, never unpickled ----------------------------------------------
+
+class _MakesAFile:
+    """Unpickling this opens (creates) the file at ``path``."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _evil_pickle(path) -> bytes:
+    import pickle
+
+    return pickle.dumps({"w": _MakesAFile(str(path))}, protocol=2)
+
+
+def _torch_zip(path, pickled: bytes) -> None:
+    """What torch.save writes, with ``pickled`` as its data.pkl."""
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("archive/data.pkl", pickled)
+        archive.writestr("archive/version", "3\n")
+
+
+@pytest.mark.parametrize("kind", ["zip", "legacy", "hostile zip", "hostile pickle"])
+def test_torch_save_files_are_refused_saying_what_they_are_and_how_to_convert(tmp_path, kind):
+    made = tmp_path / "made-by-unpickling"
+    path = tmp_path / ("pytorch_model.bin" if kind.startswith("hostile") else "model.pt")
+    if kind == "zip":
+        torch.save(net().state_dict(), path)
+    elif kind == "legacy":
+        torch.save(net().state_dict(), path, _use_new_zipfile_serialization=False)
+    elif kind == "hostile zip":
+        _torch_zip(path, _evil_pickle(made))
+    else:
+        path.write_bytes(_evil_pickle(made))
+    what = {"zip": "PyTorch torch.save file", "legacy": "legacy format", "hostile zip": "PyTorch torch.save file",
+            "hostile pickle": "a Python pickle"}[kind]
+    with pytest.raises(FormatError, match=what) as caught:
+        ws.open(path)
+    message = str(caught.value)
+    assert caught.value.path == str(path)
+    assert "never unpickles" in message and "did not unpickle this one" in message
+    assert "torch.load(f, weights_only=True)" in message and "safetensors.torch.save_file" in message
+    with pytest.raises(FormatError, match="never unpickles"):
+        torch_adapter.assign(net(), path)
+    result = run("ls", path)
+    assert result.exit_code == 1 and "never unpickles" in result.output
+    assert not made.exists()

@@ -1,0 +1,239 @@
+"""Hugging Face sharded safetensors: ``model-0000N-of-0000M.safetensors`` files and the
+``model.safetensors.index.json`` that maps each tensor name to its shard.
+
+Read as one store, lazily: opening reads only the index; a shard's header is read the first
+time one of its tensors (or its :meth:`~ShardedReader.info`) is asked for, so a selective
+load opens only the shards holding what it selects. Each shard is checked against the index
+when opened: it must hold exactly the tensors the index maps to it, no more and no fewer. A
+shard name must be a plain file name beside the index (no folder, no ``..``), so a hostile
+index cannot send reads elsewhere. Shards are safetensors files, read by the safetensors
+reader over the same byte sources (mapped, owned, or ranged GETs for a URL); a shard
+weightstore wrote carries its manifest, so its tensors are verified by checksum as usual.
+
+Writing (:func:`plan_shards`, :func:`index_document`) splits tensors in order into shards
+of at most ``max_shard_size`` bytes (a larger tensor gets a shard of its own), as
+``transformers``' ``save_pretrained`` does, and names them PyTorch's way by default, with
+``__metadata__ {"format": "pt"}``, so ``transformers`` and ``safetensors`` load the folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from weightstore.errors import FormatError, KeyNotInStoreError, UnsafeFileError
+from weightstore.formats import ReaderDefaults, safetensors
+from weightstore.io.files import open_regular
+from weightstore.io.remote import RemoteFile
+from weightstore.manifest import TensorInfo
+
+INDEX_NAME = "model.safetensors.index.json"
+INDEX_SUFFIX = ".safetensors.index.json"
+FORMAT_NAME = "hf-sharded"
+#: an index larger than this is refused before it is read (a 1e6-tensor index is some 80 MB)
+MAX_INDEX_BYTES = 256 << 20
+#: a key in the index that marks a folder weightstore wrote (``transformers`` ignores it)
+PRODUCER_KEY = "weightstore"
+_SHARD_NAME = re.compile(r"[^/\\\x00]+\.safetensors")
+
+
+def index_location(location: str, *, is_dir: Callable[[str], bool], exists: Callable[[str], bool]) -> str | None:
+    """The index of the sharded folder at ``location`` (the folder, or its index file); ``None`` if it is none."""
+    if location.endswith(INDEX_SUFFIX):
+        return location
+    if is_dir(location):
+        candidate = location.rstrip("/") + "/" + INDEX_NAME
+        return candidate if exists(candidate) else None
+    return None
+
+
+class ShardedReader(ReaderDefaults):
+    """The index read at open; each shard's reader made when first needed, and checked against the index.
+
+    ``open_shard(file name)`` returns a safetensors reader for a shard beside the index.
+    """
+
+    format = FORMAT_NAME
+
+    def __init__(self, index_text: bytes, name: str, open_shard: Callable[[str], Any]):
+        self.name = name
+        self._open_shard = open_shard
+        document = _parse_index(index_text, name)
+        weight_map = document["weight_map"]
+        self._shard_of: dict[str, str] = {}
+        self._names_in: dict[str, set[str]] = {}
+        for tensor, shard in weight_map.items():
+            if not isinstance(shard, str) or not _SHARD_NAME.fullmatch(shard) or shard.startswith(".."):
+                raise UnsafeFileError(f"maps {tensor!r} to {_clip(shard)}, which is not a .safetensors file "
+                                      "beside the index", path=name)
+            self._shard_of[tensor] = shard
+            self._names_in.setdefault(shard, set()).add(tensor)
+        metadata = document.get("metadata") or {}
+        if not isinstance(metadata, dict):
+            raise FormatError("index metadata is not an object", path=name)
+        self.metadata: dict[str, Any] = {k: v for k, v in metadata.items() if k != "total_size"}
+        self.has_checksums = isinstance(document.get(PRODUCER_KEY), dict)
+        self.created = str(document[PRODUCER_KEY].get("created", "")) if self.has_checksums else ""
+        self._shards: dict[str, Any] = {}
+        self._key_in_shard: dict[str, str] = {}
+
+    def _shard(self, tensor: str) -> Any:
+        shard = self._shard_of.get(tensor)
+        if shard is None:
+            raise KeyNotInStoreError("no such tensor", path=self.name, key=tensor)
+        reader = self._shards.get(shard)
+        if reader is None:
+            reader = self._open_shard(shard)
+            try:
+                self._check_shard(shard, reader)
+            except BaseException:
+                reader.close()
+                raise
+            self._shards[shard] = reader
+        return reader
+
+    def _check_shard(self, shard: str, reader: Any) -> None:
+        """The shard holds exactly what the index maps to it, named as the index names them."""
+        keys_by_name = reader.keys_by_name()
+        held, listed = set(keys_by_name), self._names_in[shard]
+        if held != listed:
+            absent, extra = sorted(listed - held)[:3], sorted(held - listed)[:3]
+            raise FormatError(f"shard {shard!r} does not hold what the index maps to it (in the index only: "
+                              f"{absent}; in the shard only: {extra})", path=self.name)
+        self._key_in_shard.update({name: keys_by_name[name] for name in listed})
+
+    # -- the Reader protocol --------------------------------------------------------------------
+    def keys(self) -> list[str]:
+        return list(self._shard_of)
+
+    def info(self, key: str) -> TensorInfo:
+        reader = self._shard(key)
+        return reader.info(self._key_in_shard[key])._replace(key=key)
+
+    def read(self, key: str, *, verify: bool) -> np.ndarray:
+        reader = self._shard(key)
+        return reader.read(self._key_in_shard[key], verify=verify)
+
+    def read_into(self, key: str, out: np.ndarray, *, verify: bool) -> bool:
+        reader = self._shard(key)
+        return reader.read_into(self._key_in_shard[key], out, verify=verify)
+
+    def prefetch(self, keys: list[str]) -> None:
+        """Each shard's selected tensors announced to it together (a remote shard fetches them at once)."""
+        by_shard: dict[str, list[str]] = {}
+        for key in keys:
+            by_shard.setdefault(self._shard_of.get(key, ""), []).append(key)
+        for wanted in by_shard.values():
+            reader = self._shard(wanted[0])
+            reader.prefetch([self._key_in_shard[key] for key in wanted])
+
+    def close(self) -> None:
+        shards, self._shards = self._shards, {}
+        for reader in shards.values():
+            reader.close()
+
+
+def open_local(index: str, *, mmap: bool = True) -> ShardedReader:
+    """The sharded folder whose index is the local file ``index``."""
+    with open_regular(index) as handle:
+        text = handle.read(MAX_INDEX_BYTES + 1)
+    if len(text) > MAX_INDEX_BYTES:
+        raise UnsafeFileError(f"sharded index of over {MAX_INDEX_BYTES} bytes", path=index)
+    folder = os.path.dirname(index)
+
+    def open_shard(shard: str) -> Any:
+        path = os.path.join(folder, shard)
+        try:
+            return safetensors.FORMAT.open_reader(path, path, mmap=mmap)
+        except FileNotFoundError:
+            raise FormatError(f"the index maps tensors to shard {shard!r}, which is missing", path=index) from None
+
+    return ShardedReader(text, index, open_shard)
+
+
+def open_remote(fs: Any, remote_index: str, url: str) -> ShardedReader:
+    """The sharded folder whose index is at ``url`` (``remote_index`` on ``fs``); each shard
+    is read with ranged GETs as any remote safetensors file."""
+    source = RemoteFile(fs, remote_index, url)
+    try:
+        if source.size > MAX_INDEX_BYTES:
+            raise UnsafeFileError(f"sharded index of {source.size} bytes (limit {MAX_INDEX_BYTES})", path=url)
+        text = bytes(source.read_at(0, source.size))
+    finally:
+        source.close()
+    folder, base = posixpath.dirname(remote_index), posixpath.dirname(url)
+
+    def open_shard(shard: str) -> Any:
+        shard_url = f"{base}/{shard}"
+        try:
+            return safetensors.FORMAT.open_reader(RemoteFile(fs, f"{folder}/{shard}", shard_url), shard_url)
+        except FileNotFoundError:
+            raise FormatError(f"the index maps tensors to shard {shard!r}, which is missing", path=url) from None
+
+    return ShardedReader(text, url, open_shard)
+
+
+def _parse_index(text: bytes, name: str) -> dict[str, Any]:
+    try:
+        document = json.loads(text.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise FormatError(f"sharded index is not JSON ({exc})", path=name) from None
+    if not isinstance(document, dict) or not isinstance(document.get("weight_map"), dict):
+        raise FormatError("sharded index has no weight_map object", path=name)
+    return document
+
+
+def _clip(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+# -- writing ---------------------------------------------------------------------------------------
+
+_UNITS = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: int | str, where: str) -> int:
+    """``max_shard_size`` in bytes: an int, or ``"5GB"``, ``"500MB"``, ``"2GiB"`` as ``transformers`` takes it."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        count = size
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B)?\s*", size, re.IGNORECASE) if isinstance(size, str) else None
+        count = int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()]) if match else 0
+    if count <= 0:
+        raise FormatError(f"max_shard_size={size!r}; give a positive number of bytes or a size such as '5GB'",
+                          path=where)
+    return count
+
+
+def plan_shards(sizes: Mapping[str, int], max_bytes: int) -> list[list[str]]:
+    """Keys in order, cut into shards of at most ``max_bytes`` (a larger tensor: a shard of its own)."""
+    shards: list[list[str]] = [[]]
+    held = 0
+    for key, size in sizes.items():
+        if shards[-1] and held + size > max_bytes:
+            shards.append([])
+            held = 0
+        shards[-1].append(key)
+        held += size
+    return shards
+
+
+def shard_names(count: int) -> list[str]:
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def index_document(shards: Mapping[str, list[str]], total_size: int, metadata: Mapping[str, Any],
+                   producer: Mapping[str, str]) -> bytes:
+    """The index of ``shards`` (file name -> tensor names), as ``save_pretrained`` writes it."""
+    weight_map = {name: shard for shard, names in shards.items() for name in names}
+    document = {"metadata": {"total_size": total_size, **metadata}, "weight_map": weight_map,
+                PRODUCER_KEY: dict(producer)}
+    return json.dumps(document, indent=2, ensure_ascii=False).encode("utf-8")

@@ -1,0 +1,93 @@
+"""A reader whose keys are another naming of its file's names (PyTorch's ``a.b.c`` as ``a/b/c``).
+
+Wrapping rather than teaching every reader a naming keeps the naming in one place
+(:mod:`weightstore.names`): npz, HDF5, safetensors and sharded readers all answer to the
+file's own names, and this maps keys onto them and back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from weightstore.errors import FormatError, InvalidKeyError, KeyNotInStoreError
+from weightstore.formats import Reader
+from weightstore.manifest import TensorInfo
+
+
+def names_by_key(reader: Reader, key_of: Callable[[str], str]) -> dict[str, str]:
+    """Key -> ``reader``'s name, each name ``n`` read as ``key_of(n)``; refused with a
+    :class:`FormatError` naming the file if a name makes no key or two make one."""
+    name_of: dict[str, str] = {}
+    names = reader.keys()
+    for name in names:
+        try:
+            key = key_of(name)
+        except InvalidKeyError as exc:
+            raise FormatError(str(exc), path=reader.name) from None
+        if key in name_of:
+            raise FormatError(f"tensors {name_of[key]!r} and {name!r} both read as key {key!r}", path=reader.name)
+        name_of[key] = name
+    return name_of
+
+
+class RenamedReader:
+    """``reader`` seen through new keys: ``names`` maps each key to the reader's own name."""
+
+    def __init__(self, reader: Reader, names: Mapping[str, str]):
+        self._reader = reader
+        self.name = reader.name
+        self._name_of = dict(names)
+
+    def _name(self, key: str) -> str:
+        name = self._name_of.get(key)
+        if name is None:
+            raise KeyNotInStoreError("no such tensor", path=self.name, key=key)
+        return name
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return self._reader.metadata
+
+    @property
+    def kind(self) -> str | None:
+        return self._reader.kind
+
+    @property
+    def skipped(self) -> list[str]:
+        return self._reader.skipped
+
+    @property
+    def meta_graph(self) -> str | None:
+        return self._reader.meta_graph
+
+    @property
+    def created(self) -> str:
+        return self._reader.created
+
+    @property
+    def has_checksums(self) -> bool:
+        return self._reader.has_checksums
+
+    def keys(self) -> list[str]:
+        return list(self._name_of)
+
+    def info(self, key: str) -> TensorInfo:
+        return self._reader.info(self._name(key))._replace(key=key)
+
+    def read(self, key: str, *, verify: bool) -> np.ndarray:
+        return self._reader.read(self._name(key), verify=verify)
+
+    def read_into(self, key: str, out: np.ndarray, *, verify: bool) -> bool:
+        return self._reader.read_into(self._name(key), out, verify=verify)
+
+    def read_many(self, keys: list[str], *, verify: bool) -> list[np.ndarray]:
+        return self._reader.read_many([self._name(key) for key in keys], verify=verify)
+
+    def prefetch(self, keys: list[str]) -> None:
+        self._reader.prefetch([self._name(key) for key in keys])
+
+    def close(self) -> None:
+        self._reader.close()
