@@ -28,6 +28,7 @@ from weightstore.errors import (
     UnsafeFileError,
     WeightStoreError,
     WriteError,
+    naming,
 )
 from weightstore.formats import Format, ReaderDefaults, foreign_keys
 from weightstore.formats.hdf5_bytes import ReadAt, check_object, check_root_group, check_vlen_attribute, read_ahead
@@ -357,7 +358,8 @@ class Hdf5Reader(ReaderDefaults):
         bytes first, and the text's length is checked again before parsing.
         """
         read_at, size, base = self._raw  # first: HDF5 walks the root header to find any attribute
-        check_vlen_attribute(read_at, size, base, MANIFEST_ATTRIBUTE, MAX_MANIFEST_BYTES, self.name)
+        with naming(path=self.name):
+            check_vlen_attribute(read_at, size, base, MANIFEST_ATTRIBUTE, MAX_MANIFEST_BYTES)
         if MANIFEST_ATTRIBUTE not in self._file.attrs:
             return None
         attribute = self._file.attrs.get_id(MANIFEST_ATTRIBUTE)
@@ -391,10 +393,14 @@ class Hdf5Reader(ReaderDefaults):
         it. That check also says what each object is, which HDF5 would otherwise work out by
         walking the header again (a third of the time to open a file of 50,000 small tensors).
         """
+        with naming(path=self.name):  # once around the walk, not once per object: the byte checks name no file
+            return self._walk_tree()
+
+    def _walk_tree(self) -> dict[str, bool]:
         read_at, size, base = self._raw
         found: dict[str, bool] = {}
         seen: set = set()
-        check_root_group(read_at, size, base, self.name)
+        check_root_group(read_at, size, base)
         pending: list[tuple[h5py.h5g.GroupID, str, int]] = [(self._file.id, "", 0)]
         while pending:
             group, prefix, depth = pending.pop()
@@ -409,7 +415,7 @@ class Hdf5Reader(ReaderDefaults):
                 if address in seen:
                     raise UnsafeFileError(f"{path!r} links to an object seen before", path=self.name)
                 seen.add(address)
-                header = check_object(read_at, size, base, address, self.name)
+                header = check_object(read_at, size, base, address)
                 if header.is_dataset:
                     found[path] = header.stored_plain
                 elif not header.is_group:

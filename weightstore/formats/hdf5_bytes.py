@@ -23,7 +23,7 @@ import struct
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
-from weightstore.errors import FormatError, UnsafeFileError, naming
+from weightstore.errors import FormatError, UnsafeFileError
 
 #: read ``length`` bytes at ``offset`` of the file, or fewer at its end
 ReadAt = Callable[[int, int], bytes]
@@ -37,19 +37,15 @@ _MAX_BLOCKS = 64  # object header chunks followed before giving up
 _MAX_HEADER_BYTES = 16 << 20
 
 
-def check_vlen_attribute(read_at: ReadAt, file_size: int, base: int, name: str, limit: int, where: str) -> None:
+def check_vlen_attribute(read_at: ReadAt, file_size: int, base: int, name: str, limit: int) -> None:
     """Refuse, before HDF5 reads it, a root-group string attribute whose reference lies about its heap object.
 
     ``base`` is where the superblock lies (after any user block). The root group's object
     header is found from the superblock, not from HDF5, which walks the whole header (and can
     loop on a damaged one) to describe it. Attributes that are not variable-length strings,
-    and a root group without the attribute, are left to HDF5.
+    and a root group without the attribute, are left to HDF5. Refusals name no file: the
+    reader names it (:func:`~weightstore.errors.naming`), as for the checks below.
     """
-    with naming(path=where):  # every refusal names the file
-        _check_vlen_attribute(read_at, file_size, base, name, limit)
-
-
-def _check_vlen_attribute(read_at: ReadAt, file_size: int, base: int, name: str, limit: int) -> None:
     reader = _Bytes(read_at, file_size)
     root = _root_header(reader, base)
     found = None if root is None else _attribute(reader, base, root, name.encode("utf-8"))
@@ -248,18 +244,17 @@ class ObjectHeader(NamedTuple):
     stored_plain: bool
 
 
-def check_root_group(read_at: ReadAt, file_size: int, base: int, where: str) -> None:
+def check_root_group(read_at: ReadAt, file_size: int, base: int) -> None:
     """:func:`check_object` for the root group, whose header is found from the superblock; files
     with addresses of other than 8 bytes (never written by weightstore or h5py's defaults) are
     left to HDF5."""
-    with naming(path=where):
-        reader = _Bytes(read_at, file_size)
-        header = _root_header(reader, base)
-        if header is not None:
-            _check_header(reader, base, header)
+    reader = _Bytes(read_at, file_size)
+    header = _root_header(reader, base)
+    if header is not None:
+        _check_header(reader, base, header)
 
 
-def check_object(read_at: ReadAt, file_size: int, base: int, header: int, where: str) -> ObjectHeader:
+def check_object(read_at: ReadAt, file_size: int, base: int, header: int) -> ObjectHeader:
     """Refuse an object whose header, or whose group symbol table, HDF5 would loop over, before
     HDF5 opens or lists it, and say what the object is.
 
@@ -270,8 +265,7 @@ def check_object(read_at: ReadAt, file_size: int, base: int, header: int, where:
     out of memory. Both are walked here first, each block seen once, each inside the file.
     ``header`` is the object header's address.
     """
-    with naming(path=where):
-        return _check_header(_Bytes(read_at, file_size), base, header)
+    return _check_header(_Bytes(read_at, file_size), base, header)
 
 
 def _check_header(reader: _Bytes, base: int, header: int) -> ObjectHeader:
