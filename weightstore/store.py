@@ -475,7 +475,9 @@ def save(
         raise FormatError(f"{fmt.name} files are never compressed; save without compress", path=location)
     metadata = checked_metadata(metadata, location)
     arrays = _checked(weights, location, fmt)
-    stored_names = file_names(arrays, check_naming(names, WRITE_NAMINGS), fmt, location)
+    naming_rule = check_naming(names, WRITE_NAMINGS)
+    with naming(path=location):
+        stored_names = file_names(arrays, naming_rule, fmt)
     commit = commit_for(where, suffix=fmt.suffixes[0])
     if not overwrite and commit.exists():
         raise StoreExistsError("file exists (pass overwrite=True to replace it)", path=location)
@@ -496,7 +498,9 @@ def _save_sharded(location: str, weights: Mapping[str, Any], metadata: Mapping[s
     if "total_size" in metadata:
         raise TargetError("metadata 'total_size' is the index's own (the shards' bytes); rename it", path=location)
     arrays = _checked(weights, location, safetensors.FORMAT)
-    stored_names = file_names(arrays, check_naming(names, WRITE_NAMINGS) or TORCH, safetensors.FORMAT, location)
+    naming_rule = check_naming(names, WRITE_NAMINGS) or TORCH
+    with naming(path=location):
+        stored_names = file_names(arrays, naming_rule, safetensors.FORMAT)
     index_commit = commit_for(location_of(index), suffix=".json")
     if not overwrite and index_commit.exists():
         raise StoreExistsError("sharded folder exists (pass overwrite=True to replace it)", path=index)
@@ -515,15 +519,15 @@ def _save_sharded(location: str, weights: Mapping[str, Any], metadata: Mapping[s
         handle.write(document)
 
 
-def file_names(keys: Iterable[str], names: str | None, fmt: Format, where: str) -> dict[str, str]:
+def file_names(keys: Iterable[str], names: str | None, fmt: Format) -> dict[str, str]:
     """Key -> the tensor's name in the file, where ``names`` makes it differ from the key.
 
-    Checked before anything is written: a key no torch name reads back as is refused.
+    Checked before anything is written: a key no torch name reads back as is refused (naming
+    the key; the caller names the file).
     """
     if names in (None, KEYS):
         return {}
-    with naming(path=where):
-        return {key: torch_name_of_key(key) for key in keys}
+    return {key: torch_name_of_key(key) for key in keys}
 
 
 def output_format(location: str, format: str | None = None) -> Format:  # noqa: A002
