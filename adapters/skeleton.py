@@ -47,15 +47,11 @@ _PIECE_BYTES = 16 << 20  # larger copies are split across threads: faulting in f
 _COPIERS = max(1, min(4, os.cpu_count() or 1))
 _copier_pool: ThreadPoolExecutor | None = None
 
-# A batch holds at most max(BATCH_MIN_BYTES, the assign's bytes / BATCH_SHARE): 1/32 of a large
-# model, so its extra memory (the batch's copies, twice where TF copies a feed again) stays near a
-# tenth of it even with a tensor over the budget (such a tensor is a batch of its own), and few
-# enough runs (one ``session.run`` costs a millisecond or two) that their fixed cost vanishes.
-BATCH_MIN_BYTES = 16 << 20
-BATCH_SHARE = 32
-#: where an unadoptable copy starts modulo 64: off every alignment TF adopts (16, 32, 64 bytes),
-#: on the 8 bytes numpy needs to call an 8-byte dtype aligned
-_UNADOPTABLE_OFFSET = 8
+# A batch holds at most max(BATCH_MIN_BYTES, the assign's bytes / BATCH_SHARE): 1/16 of a large
+# model, so its extra memory stays well under a quarter of it even with a tensor or two over
+# the budget (such a tensor is a batch of its own), and few enough runs that their fixed cost vanishes.
+BATCH_MIN_BYTES = 64 << 20
+BATCH_SHARE = 16
 
 
 @dataclass
@@ -201,14 +197,8 @@ def _read_as_target(infos: Mapping[str, TargetInfo]) -> Callable[[ValueSource, s
     return lambda source, key, value_key: np.asarray(source.read(value_key), dtype=infos[key].dtype)
 
 
-def private_copy(array: np.ndarray, dtype: np.dtype, *, adoptable: bool = True) -> np.ndarray:
+def private_copy(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """``array`` as ``dtype`` in fresh 64-byte-aligned memory that only the framework will hold.
-
-    With ``adoptable=False`` the copy starts just off TF's alignment, so TF copies it once more
-    into its own allocator instead of adopting it. That is what a TF1 feed needs (see
-    :func:`weightstore.adapters.tf1.assign`): x86 TensorFlow allocates through oneDNN's pool, which
-    never gives memory back, and a variable that adopted fed memory hands its old buffer to that
-    pool, where it stays: the first assign in a process would hold the model twice, for good.
 
     TensorFlow adopts aligned fed memory as a resource variable's buffer instead of copying it
     (as its own restore adopts what it read), so this is the one copy an assign needs. Handing
@@ -221,7 +211,7 @@ def private_copy(array: np.ndarray, dtype: np.dtype, *, adoptable: bool = True) 
     size = math.prod(array.shape) * dtype.itemsize
     if size < _ALIGNED_FROM:  # the framework's own copy of a small array costs less than aligning it
         return np.array(array, dtype, order="C")
-    out = aligned_array(size, 0 if adoptable else _UNADOPTABLE_OFFSET).view(dtype).reshape(array.shape)
+    out = aligned_array(size).view(dtype).reshape(array.shape)
     _copy(out, array)
     return out
 

@@ -24,13 +24,6 @@ reload until the process runs out of memory. Every value is read and verified fi
 values go in batches of bounded bytes, one ``session.run`` each, so a restore holds a small part
 of the model in extra memory rather than a second copy of it (see
 :func:`weightstore.adapters.skeleton.run_assign` for what a failure in a later batch means).
-
-Fed values are copies TF cannot adopt (:func:`~weightstore.adapters.skeleton.private_copy` with
-``adoptable=False``): TF copies each into its own allocator and the variable's buffer stays
-there. A variable that adopted fed memory would free its old buffer into oneDNN's allocator
-pool (x86 TensorFlow's default), which never shrinks: measured on a fresh process, the first
-assign then held the model twice for good (1.0x extra, as ``Saver.restore``'s first call does),
-where an unadoptable feed holds about two batches (0.2x at 256 MB, most of it the largest tensor).
 """
 
 from __future__ import annotations
@@ -181,7 +174,7 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
             for part in target.parts:
                 op, tensor = _writer(graph, part.variable)
                 fetches.append(op)
-                feeds[tensor] = private_copy(array[part.index] if part.index else array, target.dtype, adoptable=False)
+                feeds[tensor] = private_copy(array[part.index] if part.index else array, target.dtype)
         sess.run(fetches, feed_dict=feeds)
         return [key for key, _ in batch]
 

@@ -35,17 +35,15 @@ Distributed variables are one key each: a ``MirroredVariable`` exports its value
 assign reaches every replica; a ``ShardedVariable`` exports as one whole tensor and is
 assigned back across its shards.
 
-A plain resource variable gets each value through ``AssignVariableOp`` on a private copy TF
-cannot adopt (:func:`~weightstore.adapters.skeleton.private_copy` with ``adoptable=False``):
-TF copies it into its own allocator and the variable's buffer stays there. An adopted copy
-would free the variable's old buffer into oneDNN's allocator pool (x86 TensorFlow's default),
-which never shrinks: measured on a fresh process at 256 MB, the first assign then held 0.96x
-the model for good, as ``Checkpoint.read``'s first call does; unadoptable, 0.28x. The copy is
-never skipped: an adopted read-only map of the file would crash the next in-place update, an
-adopted caller's array would change with it. Values under 64 KiB go in groups of one dtype
-and shape instead: stacked into one new array, converted once and split by one ``Unpack``
-into tensors TF owns (per-op overhead, not bytes, is what a small tensor costs). Distributed
-variables, and subclasses with an ``assign`` of their own, get ``assign``.
+A plain resource variable gets each value the way ``tf.train.Checkpoint`` restores it: one
+copy into fresh aligned memory, which ``AssignVariableOp`` adopts as the variable's buffer (the
+old one is freed), rather than ``variable.assign(ndarray)``, which copies the value into a
+temporary tensor and that into the variable. The copy is never skipped: an adopted read-only
+map of the file would crash the next in-place update, an adopted caller's array would change
+with it. Values under 64 KiB go in groups of one dtype and shape instead: stacked into one new
+array, converted once and split by one ``Unpack`` into tensors TF owns (per-op overhead, not
+bytes, is what a small tensor costs). Distributed variables, and subclasses with an ``assign``
+of their own, get ``assign``.
 """
 
 from __future__ import annotations
@@ -598,7 +596,7 @@ def _write_batch(pairs: list[tuple[Variable, np.ndarray]]) -> None:
             group = members[start:start + _GROUP]
             if len(group) == 1:
                 resource, array = group[0]
-                tf.raw_ops.AssignVariableOp(resource=resource.handle, value=private_copy(array, array.dtype, adoptable=False))
+                tf.raw_ops.AssignVariableOp(resource=resource.handle, value=private_copy(array, array.dtype))
                 continue
             parts = tf.raw_ops.Unpack(value=np.stack([array for _, array in group]), num=len(group), axis=0)
             for (resource, _), part in zip(group, parts, strict=True):
@@ -608,7 +606,7 @@ def _write_batch(pairs: list[tuple[Variable, np.ndarray]]) -> None:
 def _write(var: Variable, array: np.ndarray) -> None:
     resource = _plain_resource(var)
     if resource is not None:
-        tf.raw_ops.AssignVariableOp(resource=resource.handle, value=private_copy(array, array.dtype, adoptable=False))
+        tf.raw_ops.AssignVariableOp(resource=resource.handle, value=private_copy(array, array.dtype))
     elif isinstance(var, _SHARDED):
         start = 0
         for shard in var.variables:

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 import weightstore as ws
-from weightstore.adapters.skeleton import private_copy
 from weightstore.io import local, writeback
 from weightstore.io.local import MappedFile, OwnedFile
 
@@ -72,13 +71,3 @@ def test_readahead_serves_a_cold_npz_restore(tmp_path, small_steps):
     with ws.open(path) as store:
         for key, value in weights.items():
             np.testing.assert_array_equal(store[key], value)
-
-
-def test_an_unadoptable_copy_lies_off_tfs_alignment_and_an_adoptable_one_on_it():
-    array = np.arange(1 << 16, dtype=np.float32).reshape(256, 256)
-    for adoptable, check in ((True, lambda a: a % 64 == 0), (False, lambda a: a % 16 != 0 and a % 8 == 0)):
-        copy = private_copy(array, np.float32, adoptable=adoptable)
-        assert check(copy.ctypes.data)
-        assert copy.flags.aligned and copy.flags.c_contiguous
-        np.testing.assert_array_equal(copy, array)
-        assert not np.shares_memory(copy, array)
