@@ -12,7 +12,7 @@ from weightstore.adapters.plan import AssignOptions, AssignWords, Selection, Sel
 
 ADAPTERS = ("tf1", "tf2", "torch", "flax")
 #: words one framework has and others lack; every other word must be a shared one
-OWN_WORDS = {"layout", "optimizer"}
+OWN_WORDS = {"layout", "optimizer", "names"}  # layout and names: how a framework lays tensors out and names them
 SELECTION = {field.name for field in dataclasses.fields(Selection)}
 ASSIGN = {field.name for field in dataclasses.fields(AssignOptions)}
 
