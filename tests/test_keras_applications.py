@@ -152,12 +152,14 @@ def images():
 
 @pytest.fixture(scope="module")
 def keras_resnet50():
+    keras.utils.set_random_seed(0)  # Keras's own initial kernels: the same model every run
     return calibrated(keras.applications.ResNet50(weights=None, input_shape=(SIZE, SIZE, 3),
                                                               classifier_activation=None))
 
 
 @pytest.fixture(scope="module")
 def keras_mobilenet_v2():
+    keras.utils.set_random_seed(0)
     return calibrated(keras.applications.MobileNetV2(weights=None, input_shape=(SIZE, SIZE, 3),
                                                                  classifier_activation=None))
 
