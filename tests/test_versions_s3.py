@@ -105,6 +105,20 @@ def test_damaged_latest_on_s3(s3, folder, content):
         ws.latest(folder, storage_options=s3)
 
 
+def test_a_huge_latest_on_s3_is_refused_and_read_only_up_to_the_pointer_limit(s3, folder):
+    import s3fs
+
+    from weightstore.io.folders import folder_for
+
+    ws.publish(folder, weights_at(1), step=1, storage_options=s3)
+    s3fs.S3FileSystem(**s3).pipe_file(f"{folder}/LATEST", b" " * (8 << 20))
+    with pytest.raises(ws.FormatError, match="LATEST is"):
+        ws.latest(folder, storage_options=s3)
+    remote = folder_for(folder, s3)
+    assert remote.read_small("LATEST", 1000) == b" " * 1000
+    assert remote.read_tagged("LATEST", 1000)[0] == b" " * 1000
+
+
 def test_latest_naming_a_missing_object(s3, folder):
     import s3fs
 

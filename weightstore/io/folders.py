@@ -286,8 +286,10 @@ class RemoteFolder(Folder):
 
     def read_small(self, name: str, limit: int) -> bytes | None:
         with self._service():
-            try:
-                data = self.fs.cat_file(uncached(self.fs, self._path(name)))  # no range: S3 refuses one on an empty object
+            if s3.serves(self.fs):
+                return s3.get_tagged(self.fs, self._path(name), limit)[0]
+            try:  # other backends: no range either, as S3 refuses one on an empty object
+                data = self.fs.cat_file(uncached(self.fs, self._path(name)))
             except FileNotFoundError:
                 return None
         return data[:limit]
@@ -316,8 +318,7 @@ class RemoteFolder(Folder):
         if not s3.serves(self.fs):
             return super().read_tagged(name, limit)
         with self._service():
-            data, tag = s3.get_tagged(self.fs, self._path(name))
-        return (None if data is None else data[:limit]), tag
+            return s3.get_tagged(self.fs, self._path(name), limit)
 
     def put_if(self, name: str, data: bytes, *, create: bool = False, expect: str | None = None) -> bool:
         with self._service():

@@ -138,8 +138,11 @@ def _s3_code(exc: BaseException) -> str | None:
 
 # -- conditional writes: what commits on object storage rest on --------------------------------
 
-def get_tagged(fs: Any, path: str) -> tuple[bytes | None, str | None]:
-    """The whole of a small object and its ETag; ``(None, None)`` when there is none."""
+def get_tagged(fs: Any, path: str, limit: int) -> tuple[bytes | None, str | None]:
+    """At most ``limit`` bytes of an object and its ETag; ``(None, None)`` when there is none.
+
+    One GET without a range (S3 refuses a range on an empty object), of which no more than
+    ``limit`` bytes are taken off the wire: a hostile object of gigabytes allocates nothing more."""
     from fsspec.asyn import sync
 
     bucket, key, _ = fs.split_path(path)
@@ -148,7 +151,7 @@ def get_tagged(fs: Any, path: str) -> tuple[bytes | None, str | None]:
         response = await fs._call_s3("get_object", Bucket=bucket, Key=key)
         body = response["Body"]
         try:
-            return await body.read(), str(response.get("ETag", ""))
+            return await body.read(limit), str(response.get("ETag", ""))
         finally:
             body.close()
 
