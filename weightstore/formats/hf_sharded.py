@@ -31,6 +31,7 @@ from weightstore.errors import FormatError, KeyNotInStoreError, UnsafeFileError
 from weightstore.formats import ReaderDefaults, safetensors
 from weightstore.io.files import open_regular
 from weightstore.io.remote import RemoteFile
+from weightstore.io.source import read_whole
 from weightstore.manifest import TensorInfo
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -160,13 +161,7 @@ def open_local(index: str, *, mmap: bool = True) -> ShardedReader:
 def open_remote(fs: Any, remote_index: str, url: str) -> ShardedReader:
     """The sharded folder whose index is at ``url`` (``remote_index`` on ``fs``); each shard
     is read with ranged GETs as any remote safetensors file."""
-    source = RemoteFile(fs, remote_index, url)
-    try:
-        if source.size > MAX_INDEX_BYTES:
-            raise UnsafeFileError(f"sharded index of {source.size} bytes (limit {MAX_INDEX_BYTES})", path=url)
-        text = bytes(source.read_at(0, source.size))
-    finally:
-        source.close()
+    text = read_whole(RemoteFile(fs, remote_index, url), MAX_INDEX_BYTES, "sharded index")
     folder, base = posixpath.dirname(remote_index), posixpath.dirname(url)
 
     def open_shard(shard: str) -> Any:

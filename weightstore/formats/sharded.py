@@ -23,7 +23,7 @@ from weightstore.formats import Format, ReaderDefaults
 from weightstore.io.buffer import aligned_array
 from weightstore.io.location import location_of
 from weightstore.io.ranges import RangedFile
-from weightstore.io.source import byte_source
+from weightstore.io.source import byte_source, read_whole
 from weightstore.manifest import crc32, from_storage, storage_dtype
 from weightstore.shardindex import MAX_INDEX_BYTES, PieceEntry, ShardIndex, TensorEntry, row_bytes, rows_of
 from weightstore.tensortable import TensorInfo
@@ -203,13 +203,7 @@ def _digest(entry: TensorEntry) -> str:
 
 def _open_reader(location: Any, name: str, *, mmap: bool = True) -> ShardedReader:
     fs = getattr(location, "fs", None)
-    source = byte_source(location, name)
-    try:
-        if source.size > MAX_INDEX_BYTES:
-            raise TargetError(f"a sharded index of {source.size} bytes is over {MAX_INDEX_BYTES}", path=name)
-        data = bytes(source.read_at(0, source.size))
-    finally:
-        source.close()
+    data = read_whole(byte_source(location, name), MAX_INDEX_BYTES, "sharded index")
     with naming(path=name):
         index = ShardIndex.parse(data)
     return ShardedReader(index, name, fs)

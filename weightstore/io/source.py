@@ -12,10 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+from weightstore.errors import UnsafeFileError
 from weightstore.io.local import MappedFile, OwnedFile, StreamFile
 from weightstore.io.remote import RemoteFile
 
-__all__ = ["ByteSource", "RangedSource", "byte_source", "open_source", "prefetch_ranges"]
+__all__ = ["ByteSource", "RangedSource", "byte_source", "open_source", "prefetch_ranges", "read_whole"]
 
 R = TypeVar("R")
 
@@ -52,6 +53,17 @@ def byte_source(location: Any, name: str, *, mmap: bool = True) -> ByteSource:
     if isinstance(location, RemoteFile):
         return location
     return RemoteFile.from_handle(location, name) or StreamFile(location, name)
+
+
+def read_whole(source: ByteSource, limit: int, what: str) -> bytes:
+    """All of a small file parsed whole before anything else is read (a sharded index), then
+    ``source`` closed; one larger than ``limit`` is refused before a byte of it is read."""
+    try:
+        if source.size > limit:
+            raise UnsafeFileError(f"{what} of {source.size} bytes (limit {limit})", path=source.name)
+        return bytes(source.read_at(0, source.size))
+    finally:
+        source.close()
 
 
 def open_source(location: Any, name: str, read_index: Callable[[ByteSource], R], *, index_at_end: bool,
