@@ -253,13 +253,6 @@ class Values:
         ready = self._ready.pop(key, None)
         return self._store[key] if ready is None else ready
 
-    def read_into(self, key: str, out: np.ndarray) -> np.ndarray:
-        """The value converted into ``out``, straight from the file where the store can."""
-        if self._store is not None:
-            return self._store.read_into(key, out)
-        np.copyto(out, self._arrays[key], casting="unsafe")
-        return out
-
     def close(self) -> None:
         if self._owned and self._store is not None:
             self._store.close()
@@ -293,9 +286,6 @@ class RenamedValues:
 
     def read(self, key: str) -> np.ndarray:
         return self._values.read(self._old[key])
-
-    def read_into(self, key: str, out: np.ndarray) -> np.ndarray:
-        return self._values.read_into(self._old[key], out)
 
 
 @contextlib.contextmanager
