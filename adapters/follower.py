@@ -159,7 +159,10 @@ class Follower:
         self.stop()
 
     def reading(self) -> contextlib.AbstractContextManager:
-        """Hold around one inference call: no swap happens while any such block runs."""
+        """Hold around one inference call: no swap happens while any such block runs.
+
+        Not reentrant: a waiting swap holds back new blocks (so serving cannot starve it), so a
+        block opened inside another in the same thread would wait for a swap that waits for it."""
         return self._lock.reading()
 
     def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
