@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from weightstore import __version__
+from weightstore import __version__, cluster
 from weightstore.errors import FormatError, PublishError, ShardTimeoutError, WeightStoreError, naming
 from weightstore.formats import format_named
 from weightstore.formats.safetensors import SafetensorsReader
@@ -97,9 +97,9 @@ def publish_shard(
     pieces: Mapping[str, Any],
     *,
     step: int,
-    rank: int,
-    world: int,
-    attempt: int,
+    rank: int | None = None,
+    world: int | None = None,
+    attempt: int | None = None,
     format: str = "safetensors",  # noqa: A002
     storage_options: Mapping[str, Any] | None = None,
 ) -> None:
@@ -109,16 +109,20 @@ def publish_shard(
         folder: the versioned folder (local path or fsspec URL) the version will be part of.
         pieces: key -> the whole tensor (an array), a :class:`Piece`, or a list of them.
         step: the version's step; above the step ``LATEST`` names.
-        rank, world: this rank (``0 <= rank < world``) and how many ranks write the version.
+        rank, world: this rank (``0 <= rank < world``) and how many ranks write the version;
+            by default from the job's cluster (:mod:`weightstore.cluster`: ``torch.distributed``,
+            ``jax.distributed``, ``TF_CONFIG``).
         attempt: which try at this step (a restarted job counts up), so a dead attempt's
-            members never mix with this one's.
+            members never mix with this one's; by default ``torchrun``'s restart count.
         format: ``"safetensors"``, the one format a member is written in so far.
         storage_options: for URLs, given to fsspec.
 
     Raises:
         PublishError: the step is not above the one ``LATEST`` names.
         InvalidKeyError, UnsupportedDTypeError, ValueError: a bad key, dtype or piece (nothing written).
+        WeightStoreError: ``rank``, ``world`` or ``attempt`` not given and the cluster does not say it.
     """
+    rank, world, attempt = cluster.filled(rank=rank, world=world, attempt=attempt)
     _check_ids(step=step, attempt=attempt, world=world)
     _check_id("rank", rank)
     if rank >= world:
@@ -158,8 +162,8 @@ def commit_shards(
     folder: Any,
     *,
     step: int,
-    world: int,
-    attempt: int,
+    world: int | None = None,
+    attempt: int | None = None,
     timeout: float,
     keep: int | None = 5,
     metadata: Mapping[str, Any] | None = None,
@@ -171,6 +175,7 @@ def commit_shards(
     does: the index ``step-…wsindex`` is created only if absent, then ``LATEST`` is replaced
     (compare-and-swap on object storage), then old versions are pruned (``keep``) and dead
     attempts removed. Steps increase across plain and sharded versions of one folder.
+    ``world`` and ``attempt`` default as in :func:`publish_shard`.
 
     Raises:
         ShardTimeoutError: some rank did not finish within ``timeout`` seconds (``.missing``
@@ -178,7 +183,9 @@ def commit_shards(
         PublishError: pieces that overlap, leave a gap ("cover") or disagree on dtype or shape
             (naming the key); a step that does not go forward; another coordinator committed
             this step or a later one first.
+        WeightStoreError: ``world`` or ``attempt`` not given and the cluster does not say it.
     """
+    _, world, attempt = cluster.filled(rank=0, world=world, attempt=attempt)
     _check_ids(step=step, attempt=attempt, world=world)
     if not world:
         raise ValueError("world must be at least 1")
