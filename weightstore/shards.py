@@ -64,7 +64,7 @@ from weightstore.shardindex import (
 from weightstore.store import _checked, checked_metadata, write_file
 from weightstore.versions import SHARDED_SUFFIX, Version, _latest, _stage, _versions, commit_version
 
-__all__ = ["Piece", "publish_shard", "commit_shards", "clean_folder"]
+__all__ = ["Piece", "publish_shard", "commit_shards", "next_attempt", "clean_folder"]
 
 #: the member metadata entry that maps each stored name to its global key, start and shape
 SHARD_METADATA = "weightstore-shard"
@@ -228,6 +228,16 @@ def commit_shards(
         raise
     clean_attempts(target, keep_step=step, keep_attempt=attempt)
     return version
+
+
+def next_attempt(folder: Any, step: int, *, storage_options: Mapping[str, Any] | None = None) -> int:
+    """The attempt after every one ``folder`` holds of ``step`` (0 if none): what a coordinator
+    that announces the attempt to its ranks (``tf2.publish_sharded``) hands out, so a retry never
+    writes into a dead try's folder. A try whose ranks wrote nothing leaves no folder on object
+    storage; reusing its number is harmless, as nothing of it exists."""
+    _check_ids(step=step)
+    return 1 + max((attempt for _, held, attempt in _attempts(folder_for(folder, storage_options)) if held == step),
+                   default=-1)
 
 
 def clean_attempts(target: Folder, *, keep_step: int, keep_attempt: int) -> list[str]:
