@@ -41,10 +41,11 @@ exec(MODEL, namespace)  # noqa: S102 - the same model text the workers run
 build, data = namespace["build"], namespace["data"]
 
 #: one worker: a few steps of a custom training loop (Keras 3's fit is broken under this
-#: strategy upstream, keras#20585), a sharded publish of step 1, then a publish of step 2 that
-#: rank 1 does not live through (SIGKILLed as it starts writing)
+#: strategy upstream, keras#20585), a sharded publish of step 1 from a background thread while
+#: the main thread all-reduces, then a publish of step 2 that rank 1 does not live through
+#: (SIGKILLed as it starts writing)
 WORKER = MODEL + textwrap.dedent("""
-    import json, os, sys
+    import json, os, sys, threading
     import tensorflow as tf
     import weightstore as ws
     from weightstore import shards
@@ -68,7 +69,15 @@ WORKER = MODEL + textwrap.dedent("""
 
     for _ in range(3):
         train_step()
-    version = tf2.publish_sharded(folder, model, step=1, strategy=strategy, timeout=60, metadata={"loss": 0.5})
+    published = []  # from a background thread, while the main thread runs collectives
+    publisher = threading.Thread(target=lambda: published.append(
+        tf2.publish_sharded(folder, model, step=1, strategy=strategy, timeout=60, metadata={"loss": 0.5})))
+    publisher.start()
+    count = tf.function(lambda: tf.constant(1.0))
+    sums = [float(strategy.reduce("SUM", strategy.run(count), axis=None)) for _ in range(5)]
+    publisher.join()
+    assert sums == [2.0] * 5, sums
+    version = published[0]
     ws.save(f"{out}/weights-{rank}.safetensors", {**tf2.export(model), "predictions": model(x).numpy()})
     result = {"path": version.path, "step": version.step, "metadata": version.metadata}
     if rank == 1:
