@@ -47,6 +47,7 @@ from weightstore.errors import PublishError, ShardTimeoutError, WeightStoreError
 from weightstore.io.folders import Folder, folder_for
 from weightstore.shardindex import BLOCK_BYTES
 from weightstore.shards import Piece, commit_shards, next_attempt, publish_shard
+from weightstore.store import checked_metadata
 from weightstore.versions import Version
 
 __all__ = ["publish_sharded", "plan", "Segment"]
@@ -144,6 +145,7 @@ def publish_sharded(
     from weightstore.adapters import tf2  # here: tf2 re-exports this module's function
 
     variables = tf2.selected(model, optimizer=optimizer, **selection)
+    metadata = checked_metadata(metadata)  # on every worker, so that all of them refuse it alike
     rank, world = _place(strategy)
     sources = _segments(variables)
     pieces: dict[str, list[Piece]] = {}

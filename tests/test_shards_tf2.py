@@ -42,8 +42,8 @@ build, data = namespace["build"], namespace["data"]
 
 #: one worker: a few steps of a custom training loop (Keras 3's fit is broken under this
 #: strategy upstream, keras#20585), a sharded publish of step 1 from a background thread while
-#: the main thread all-reduces, then a publish of step 2 that rank 1 does not live through
-#: (SIGKILLed as it starts writing)
+#: the main thread all-reduces, a publish of step 2 the chief fails, and its retry, which rank 1
+#: does not live through (SIGKILLed as it starts writing)
 WORKER = MODEL + textwrap.dedent("""
     import json, os, sys, threading
     import tensorflow as tf
@@ -80,6 +80,17 @@ WORKER = MODEL + textwrap.dedent("""
     version = published[0]
     ws.save(f"{out}/weights-{rank}.safetensors", {**tf2.export(model), "predictions": model(x).numpy()})
     result = {"path": version.path, "step": version.step, "metadata": version.metadata}
+
+    def outage(name):
+        if name == "done-written":
+            raise ws.StorageError("injected outage")
+    shards._stage = outage if rank == 0 else shards._stage  # the chief fails after writing its own member
+    try:
+        tf2.publish_sharded(folder, model, step=2, strategy=strategy, timeout=60)
+    except ws.WeightStoreError as exc:
+        with open(f"{out}/failed-{rank}.json", "w") as handle:
+            json.dump({"type": type(exc).__name__, "message": str(exc)}, handle)
+    shards._stage = lambda name: None
     if rank == 1:
         shards._stage = lambda name: os.kill(os.getpid(), 9) if name == "member-temporary" else None
     try:
@@ -154,6 +165,16 @@ def test_a_worker_killed_before_writing_times_out_on_the_chief_and_latest_stays(
     assert ws.latest(folder).step == 1
     assert not (folder / "step-000000000002.wsindex").exists()
     assert not (out / "result-1.json").exists()  # rank 1 never got past its write
+    assert "step-000000000002.attempt-1: rank 1 of 2" in chief["timeout"]["message"]  # the retry's own attempt
+
+
+@pytest.mark.slow
+def test_a_chief_that_fails_tells_the_workers_and_nothing_is_published(cluster_run):
+    folder, out = cluster_run
+    assert json.loads((out / "failed-0.json").read_text()) == {"type": "StorageError", "message": "injected outage"}
+    heard = json.loads((out / "failed-1.json").read_text())
+    assert heard["type"] == "PublishError" and heard["message"].endswith("the chief: injected outage"), heard
+    assert not (folder / "step-000000000002.wsindex").exists() and ws.latest(folder).step == 1
 
 
 def test_the_plan_splits_the_bytes_evenly_and_covers_every_row_once():
@@ -205,3 +226,14 @@ def test_a_sharded_variable_is_written_shard_by_shard_in_one_process(tmp_path):
     version = tf2.publish_sharded(tmp_path / "run", written, step=2, strategy=tf.distribute.get_strategy(),
                                   include="table")
     assert json.loads(Path(version.path).read_text())["attempt"] == 1 and sorted(ws.load(version)) == ["table"]
+
+
+def test_what_would_need_a_collective_or_is_not_json_is_refused_before_anything_is_written(tmp_path):
+    total = tf.Variable(0.0, synchronization=tf.VariableSynchronization.ON_READ,
+                        aggregation=tf.VariableAggregation.SUM)
+    with pytest.raises(ws.WeightStoreError, match="'total' is synchronized on read.*exclude="):
+        tf2.publish_sharded(tmp_path / "run", {"total": total}, step=1, strategy=tf.distribute.get_strategy())
+    with pytest.raises(TypeError, match="metadata must be JSON-serializable"):
+        tf2.publish_sharded(tmp_path / "run", {"w": tf.Variable(1.0)}, step=1, strategy=tf.distribute.get_strategy(),
+                            metadata={"when": object()})
+    assert not (tmp_path / "run").exists()
