@@ -152,13 +152,7 @@ def publish_sharded(
     for segment, first, end in plan(list(sources), world)[rank]:
         pieces.setdefault(segment.key, []).append(_piece(sources[segment], segment, first, end))
     target = folder_for(folder, storage_options)
-    if world == 1:
-        attempt = next_attempt(target.where, step, storage_options=storage_options)
-        publish_shard(target.where, pieces, step=step, rank=0, world=1, attempt=attempt,
-                      storage_options=storage_options)
-        return commit_shards(target.where, step=step, world=1, attempt=attempt, timeout=timeout, keep=keep,
-                             metadata=metadata, storage_options=storage_options)
-    channel = _Channel(target, step)
+    channel = _Channel(target, step, world)
     if rank == 0:
         return _as_chief(channel, target, pieces, world, timeout, keep, metadata, storage_options)
     return _as_worker(channel, target, pieces, rank, world, timeout, storage_options)
@@ -181,7 +175,7 @@ def _as_chief(channel: _Channel, target: Folder, pieces: dict[str, list[Piece]],
         publish_shard(target.where, pieces, step=step, rank=0, world=world, attempt=attempt,
                       storage_options=storage_options)
         version = commit_shards(target.where, step=step, world=world, attempt=attempt, keep=keep, metadata=metadata,
-                                timeout=max(0.0, timeout - (time.monotonic() - announced)),
+                                timeout=round(max(0.0, timeout - (time.monotonic() - announced)), 1),
                                 storage_options=storage_options)
     except ShardTimeoutError as exc:
         channel.tell("committed", {"error": str(exc), "missing": exc.missing})
@@ -209,10 +203,12 @@ def _as_worker(channel: _Channel, target: Folder, pieces: dict[str, list[Piece]]
 
 
 class _Channel:
-    """The keys one call's workers meet at in TF's coordination service."""
+    """The keys one call's workers meet at in TF's coordination service (one worker alone
+    tells no one, and needs no service)."""
 
-    def __init__(self, target: Folder, step: int) -> None:
-        if context.context().coordination_service is None:
+    def __init__(self, target: Folder, step: int, world: int) -> None:
+        self.alone = world == 1
+        if not self.alone and context.context().coordination_service is None:
             raise WeightStoreError("the strategy's cluster runs no coordination service, which publish_sharded "
                                    "meets the other workers through (MultiWorkerMirroredStrategy starts one)")
         self.step, self.where = step, target.where
@@ -223,7 +219,8 @@ class _Channel:
         self.prefix = f"weightstore/{digest}/step-{step}/call-{call}"
 
     def tell(self, what: str, news: Mapping[str, Any]) -> None:
-        context.context().set_config_key_value(f"{self.prefix}/{what}", json.dumps(news))
+        if not self.alone:
+            context.context().set_config_key_value(f"{self.prefix}/{what}", json.dumps(news))
 
     def hear(self, what: str, timeout: float, waited_for: str) -> dict[str, Any]:
         """The chief's news; its failure raised here as this worker's."""
