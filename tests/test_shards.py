@@ -358,3 +358,40 @@ def test_a_member_that_is_not_what_its_done_record_says_is_refused(tmp_path):
     with pytest.raises(ws.PublishError, match="its done-record says"):
         shards.commit_shards(folder, step=1, world=1, attempt=0, timeout=5)
     assert ws.latest(folder) is None
+
+
+@pytest.mark.parametrize("fmt, suffix", [("npz", ".npz"), ("hdf5", ".h5"), ("safetensors", ".safetensors")])
+def test_members_in_each_format_read_back_bit_exact(tmp_path, fmt, suffix):
+    folder = tmp_path / "run"
+    for rank in range(4):
+        ws.publish_shard(folder, pieces_of(rank), step=2, rank=rank, world=4, attempt=0, format=fmt)
+    version = shards.commit_shards(folder, step=2, world=4, attempt=0, timeout=5)
+    expected = model()
+    with ws.open(version) as store:
+        for key, value in expected.items():
+            assert store[key].dtype == value.dtype and store[key].tobytes() == value.tobytes(), key
+        for part in range(3):  # a reader by thirds of a version four ranks wrote
+            rows = slice(part * 32, (part + 1) * 32)
+            assert store.read_region("dense/kernel", (rows, slice(100, 1100))).tobytes() == (
+                expected["dense/kernel"][rows, 100:1100].tobytes())
+        assert store.read_region("two", (slice(5, 35),)).tobytes() == expected["two"][5:35].tobytes()
+    member = folder / "step-000000000002.attempt-0" / f"rank-00001{suffix}"
+    with ws.open(member) as alone:  # an ordinary file of its format, under the global keys
+        assert sorted(alone) == ["dense/kernel", "emb", "two@0,0", "two@20,0"]
+        assert alone["two@20,0"].tobytes() == expected["two"][20:30].tobytes()
+        assert alone.info("emb").dtype == "bfloat16"
+    if fmt == "npz":
+        with np.load(member) as plain:
+            assert plain["dense/kernel"].tobytes() == expected["dense/kernel"][24:48].tobytes()
+
+
+def test_a_member_format_that_cannot_be_read_by_ranges_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="safetensors, npz or hdf5"):
+        ws.publish_shard(tmp_path / "run", {"w": np.zeros(2)}, step=1, rank=0, world=1, attempt=0, format="sharded")
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").rglob("rank-*"))
+    # what a member's byte ranges come from refuses bytes that are not the tensor's as in memory
+    for name in ("deflated.npz", "deflated.h5"):
+        ws.save(tmp_path / name, {"w": np.arange(50_000, dtype=np.float32)}, compress=True)
+        with ws.open(tmp_path / name) as store, pytest.raises(ws.FormatError, match="compressed") as caught:
+            store._reader.extent("w")
+        assert caught.value.key == "w" and caught.value.path == str(tmp_path / name)

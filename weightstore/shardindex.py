@@ -31,7 +31,7 @@ from weightstore.keys import validate_key
 from weightstore.manifest import crc32, logical_dtype
 from weightstore.tensortable import MAX_NDIM
 
-__all__ = ["index_name", "attempt_folder", "member_name", "done_name", "BLOCK_BYTES", "INDEX_FORMAT", "DONE_FORMAT", "MAX_INDEX_BYTES", "MAX_DONE_BYTES", "MAX_PIECES_PER_KEY",
+__all__ = ["index_name", "attempt_folder", "member_name", "MEMBER_SUFFIXES", "done_name", "BLOCK_BYTES", "INDEX_FORMAT", "DONE_FORMAT", "MAX_INDEX_BYTES", "MAX_DONE_BYTES", "MAX_PIECES_PER_KEY",
            "PieceEntry", "TensorEntry", "Member", "ShardIndex", "DoneRecord", "parse_done", "check_tensor",
            "check_member_bytes", "seal",
            "block_rows", "block_crcs", "row_bytes", "rows_of"]
@@ -57,8 +57,17 @@ def attempt_folder(step: int, attempt: int) -> str:
     return f"step-{step:012d}.attempt-{attempt}"
 
 
-def member_name(rank: int) -> str:
-    return f"rank-{rank:05d}.safetensors"
+#: the suffixes a member may have: one per format a member is written in
+MEMBER_SUFFIXES = (".safetensors", ".npz", ".h5")
+
+
+def member_name(rank: int, suffix: str = ".safetensors") -> str:
+    return f"rank-{rank:05d}{suffix}"
+
+
+def _member_names(rank: int, folder: str = "") -> set[str]:
+    """The names rank ``rank``'s member may have (in ``folder``), one per member format."""
+    return {folder + member_name(rank, suffix) for suffix in MEMBER_SUFFIXES}
 
 
 def done_name(rank: int) -> str:
@@ -161,8 +170,9 @@ class ShardIndex:
             if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) or entry.get("rank") != rank:
                 raise FormatError(f"member {rank} is not a file entry of rank {rank}")
             expected = f"{attempt_folder(step, attempt)}/{member_name(rank)}"
-            if entry["file"] != expected:
-                raise FormatError(f"member {rank} must be {expected!r}, not {entry['file'][:200]!r}")
+            if entry["file"] not in _member_names(rank, f"{attempt_folder(step, attempt)}/"):
+                raise FormatError(f"member {rank} must be {expected!r} (or another member format's suffix), "
+                                  f"not {entry['file'][:200]!r}")
             members.append(Member(entry["file"], _count(entry.get("size"), f"member {rank} size"), rank))
         metadata = raw.get("metadata", {})
         if not isinstance(metadata, dict):
@@ -199,8 +209,8 @@ def parse_done(data: bytes) -> DoneRecord:
     member_raw = raw.get("member")
     if not isinstance(member_raw, dict) or not isinstance(member_raw.get("file"), str):
         raise FormatError("member is not a file entry")
-    if member_raw["file"] != member_name(rank):
-        raise FormatError(f"member must be {member_name(rank)!r}")
+    if member_raw["file"] not in _member_names(rank):
+        raise FormatError(f"member must be {member_name(rank)!r} (or another member format's suffix)")
     member = Member(member_raw["file"], _count(member_raw.get("size"), "member size"), rank)
     return DoneRecord(step, attempt, rank, world, member, _tensors(raw.get("tensors"), [member], own=True))
 

@@ -37,14 +37,13 @@ import numpy as np
 
 from weightstore import __version__, cluster
 from weightstore.errors import FormatError, PublishError, ShardTimeoutError, WeightStoreError, naming
-from weightstore.formats import format_named
-from weightstore.formats.safetensors import SafetensorsReader
+from weightstore.formats import Format, format_named
 from weightstore.io.folders import Folder, folder_for
-from weightstore.io.local import OwnedFile
 from weightstore.keys import validate_key
 from weightstore.manifest import from_storage, logical_dtype, to_storage
 from weightstore.shardindex import (
     MAX_DONE_BYTES,
+    MEMBER_SUFFIXES,
     DoneRecord,
     Member,
     PieceEntry,
@@ -114,7 +113,8 @@ def publish_shard(
             ``jax.distributed``, ``TF_CONFIG``).
         attempt: which try at this step (a restarted job counts up), so a dead attempt's
             members never mix with this one's; by default ``torchrun``'s restart count.
-        format: ``"safetensors"``, the one format a member is written in so far.
+        format: the member's format: ``"safetensors"`` (default), ``"npz"`` or ``"hdf5"``,
+            each an ordinary file of that format (uncompressed: readers fetch byte ranges of it).
         storage_options: for URLs, given to fsspec.
 
     Raises:
@@ -127,12 +127,14 @@ def publish_shard(
     _check_id("rank", rank)
     if rank >= world:
         raise ValueError(f"rank {rank} is not below world {world}")
-    if format != "safetensors":
-        raise ValueError(f"a sharded version's members are safetensors files; format={format!r} is not supported")
     fmt = format_named(format)
+    suffix = fmt.suffixes[0]
+    if suffix not in MEMBER_SUFFIXES:
+        raise ValueError(f"a sharded version's members are safetensors, npz or hdf5 files; format={format!r} is not "
+                         "supported")
     target = folder_for(folder, storage_options)
     members = folder_for(target.url(attempt_folder(step, attempt)), storage_options)
-    where = members.url(member_name(rank))
+    where = members.url(member_name(rank, suffix))
     listed = _listed(pieces, where)
     try:
         current = _latest(target)
@@ -145,14 +147,14 @@ def publish_shard(
     metadata = {SHARD_METADATA: {"step": step, "attempt": attempt, "rank": rank, "world": world, "pieces": record_of}}
     target.create()
     members.create()
-    with members.commit(member_name(rank), ".safetensors").writing() as local:
+    with members.commit(member_name(rank, suffix), suffix).writing() as local:
         arrays = {item.stored: from_storage(item.data, item.dtype) for item in listed}
         write_file(local, fmt, _checked(arrays, where, fmt), metadata, False)
-        tensors = _described(local, listed)
+        tensors = _described(local, fmt, listed)
         size = os.path.getsize(local)
         _stage("member-temporary")
     _stage("member-written")
-    record = DoneRecord(step, attempt, rank, world, Member(member_name(rank), size, rank), tensors)
+    record = DoneRecord(step, attempt, rank, world, Member(member_name(rank, suffix), size, rank), tensors)
     with members.commit(done_name(rank)).writing() as local, open(local, "wb") as handle:
         handle.write(record.to_json())
     _stage("done-written")
@@ -344,15 +346,19 @@ def _box(piece: Piece, array_shape: tuple[int, ...], key: str, where: str) -> tu
     return start, shape
 
 
-def _described(local: str, listed: list[_Listed]) -> dict[str, TensorEntry]:
+def _described(local: str, fmt: Format, listed: list[_Listed]) -> dict[str, TensorEntry]:
     """The done-record's tensors: where each piece's bytes landed in the member just written, and
-    its blocks' CRC-32s (of the bytes in memory, which the member's own checksum covers too)."""
-    reader = SafetensorsReader(OwnedFile(local))
+    its blocks' CRC-32s (of the bytes in memory, which the member's own checksum covers too).
+    Where a format other than safetensors put them is checked against the file, byte for byte:
+    readers will take that range for the piece."""
+    reader: Any = fmt.open_reader(local, local, mmap=False)
     try:
         by_key: dict[str, list[PieceEntry]] = {}
         dtypes: dict[str, tuple[str, tuple[int, ...]]] = {}
         for item in listed:
             offset, _ = reader.extent(item.stored)
+            if fmt.name != "safetensors":
+                _check_placed(local, offset, item)
             itemsize = logical_dtype(item.dtype).itemsize
             rows = block_rows(item.data.shape, itemsize)
             raw = item.data.reshape(-1).view(np.uint8)
@@ -364,6 +370,16 @@ def _described(local: str, listed: list[_Listed]) -> dict[str, TensorEntry]:
     finally:
         reader.close()
     return {key: TensorEntry(dtypes[key][0], dtypes[key][1], tuple(found)) for key, found in by_key.items()}
+
+
+def _check_placed(local: str, offset: int, item: _Listed) -> None:
+    raw = item.data.reshape(-1).view(np.uint8)
+    with open(local, "rb") as handle:
+        handle.seek(offset)
+        placed = handle.read(raw.size)
+    if placed != raw.tobytes():
+        raise WeightStoreError(f"{local}: the bytes of {item.stored!r} are not where the format says, as they are in "
+                               "memory; this member format cannot hold it", key=item.key)
 
 
 # -- the coordinator's side --------------------------------------------------------------------

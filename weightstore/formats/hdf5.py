@@ -454,6 +454,18 @@ class Hdf5Reader(ReaderDefaults):
             self._infos[key] = info
         return info
 
+    def extent(self, key: str) -> tuple[int, int]:
+        """``(offset, length)`` of a tensor's bytes in the file (a sharded version's index records
+        it, and readers of a region fetch byte ranges of it): only a contiguous dataset, neither
+        chunked nor compressed, has its bytes as they are in memory; an empty one is ``(0, 0)``."""
+        with _as_format_error(self.name, key=key):
+            dataset, _ = self._open_dataset(key)
+            offset, size = dataset.get_offset(), dataset.get_storage_size()
+        if offset is None and size:
+            raise FormatError("is chunked or compressed; its bytes are not a plain range of the file",
+                              path=self.name, key=key)
+        return offset or 0, size
+
     def read(self, key: str, *, verify: bool) -> np.ndarray:
         try:  # not _as_format_error: a generator context per read cost a tenth of reading 1 KB
             return self._read(key, verify)

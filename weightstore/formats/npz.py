@@ -655,6 +655,17 @@ class NpzReader(ReaderDefaults):
                 f"({info.shape} {info.dtype}) implies", path=self.name, key=key
             )
 
+    def extent(self, key: str) -> tuple[int, int]:
+        """``(offset, length)`` of a tensor's bytes in the file, after its npy header (a sharded
+        version's index records it, and readers of a region fetch byte ranges of it): only a
+        plain stored member of a file with a manifest has its bytes as they are in memory."""
+        member = self._member(key)
+        if self._manifest is None or member.method != STORED or self._codecs.get(key):
+            raise FormatError("is compressed or has no manifest entry; its bytes are not a plain range of the file",
+                              path=self.name, key=key)
+        info, layout = self._listed(key, member)
+        return self._data_offset(member) + len(layout.header), info.nbytes
+
     def read(self, key: str, *, verify: bool) -> np.ndarray:
         return self._read_one(key, verify)
 
