@@ -101,8 +101,17 @@ def test_two_coordinators_racing_one_step_exactly_one_wins(server, folder):
     write(folder, weights, 2, step=3)
     outcomes = race(2, lambda i: shards.commit_shards(folder, step=3, world=2, attempt=0, timeout=5))
     assert sorted(type(o).__name__ for o in outcomes) == ["PublishError", "Version"]
-    assert "another coordinator" in str(next(o for o in outcomes if isinstance(o, ws.PublishError)))
+    # one index for both (the second finds its twin), then one compare-and-swap of LATEST wins; the
+    # loser, whichever wrote the index, leaves it in place: LATEST names it
+    assert "another publisher committed first" in str(next(o for o in outcomes if isinstance(o, ws.PublishError)))
     assert ws.latest(folder).step == 3 and ws.load(ws.latest(folder))["w"].tobytes() == weights.tobytes()
+    write(folder, weights, 2, step=4)
+    outcomes = race(2, lambda i: shards.commit_shards(folder, step=4, world=2, attempt=0, timeout=5,
+                                                      metadata={"coordinator": i}))
+    assert sorted(type(o).__name__ for o in outcomes) == ["PublishError", "Version"]
+    assert "another coordinator" in str(next(o for o in outcomes if isinstance(o, ws.PublishError)))
+    won = next(o for o in outcomes if isinstance(o, ws.Version))
+    assert ws.latest(folder).metadata == won.metadata == ws.open(ws.latest(folder)).metadata
 
 
 def test_coordinators_of_two_steps_racing_never_move_latest_back(server, folder):
@@ -169,3 +178,46 @@ def _names(folder):
     fs = s3fs.S3FileSystem()
     fs.invalidate_cache()
     return fs.ls(folder[len("s3://"):])
+
+
+def kill_coordinator_after_index(folder, *, step, world, attempt):
+    """A coordinator process SIGKILLed between its index and LATEST."""
+    import os
+    import subprocess
+
+    script = ("import os, sys; from weightstore import shards, versions\n"
+              "versions._stage = shards._stage = lambda s: s == 'index-written' and os.kill(os.getpid(), 9)\n"
+              f"shards.commit_shards({folder!r}, step={step}, world={world}, attempt={attempt}, timeout=10)\n")
+    root = str(Path(__file__).resolve().parents[1])
+    proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": root}, timeout=120)
+    assert proc.returncode == -9
+
+
+def test_a_retry_of_the_step_a_killed_coordinator_left_commits(server, folder):
+    ws.publish(folder, {"w": np.zeros(2)}, step=1)
+    weights = np.arange(64, dtype=np.float32).reshape(8, 8)
+    write(folder, weights, 2, step=2)
+    kill_coordinator_after_index(folder, step=2, world=2, attempt=0)
+    assert any(name.endswith("step-000000000002.wsindex") for name in _names(folder))
+    assert ws.latest(folder).step == 1  # the index no reader reaches
+    with pytest.raises(ws.PublishError, match="not this commit's"):  # other metadata: another commit's index
+        shards.commit_shards(folder, step=2, world=2, attempt=0, timeout=5, metadata={"other": 1})
+    with pytest.raises(ws.PublishError, match="not this commit's"):  # another attempt's members
+        write(folder, weights + 1, 2, step=2, attempt=1)
+        shards.commit_shards(folder, step=2, world=2, attempt=1, timeout=5)
+    assert ws.latest(folder).step == 1
+    version = shards.commit_shards(folder, step=2, world=2, attempt=0, timeout=5)  # the same commit, retried
+    assert ws.latest(folder).step == 2 == version.step
+    assert ws.load(ws.latest(folder))["w"].tobytes() == weights.tobytes()
+    assert not any(".attempt-1" in name for name in _names(folder))  # the other attempt, removed
+
+
+def test_a_killed_coordinators_index_is_removed_by_a_later_commit(server, folder):
+    ws.publish(folder, {"w": np.zeros(2)}, step=1)
+    weights = np.arange(64, dtype=np.float32).reshape(8, 8)
+    write(folder, weights, 2, step=2)
+    kill_coordinator_after_index(folder, step=2, world=2, attempt=0)
+    write(folder, weights * 2, 2, step=3)
+    shards.commit_shards(folder, step=3, world=2, attempt=0, timeout=5)
+    assert ws.load(ws.latest(folder))["w"].tobytes() == (weights * 2).tobytes()
+    assert not any("step-000000000002" in name for name in _names(folder))  # its index and its members

@@ -26,6 +26,7 @@ index names. ``ws clean`` does the same for a folder at rest.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import time
@@ -210,26 +211,51 @@ def commit_shards(
                                f"bytes; its done-record says {record.member.size}", path=members.where)
     with naming(path=target.url(name)):
         index = _merged(records, step, attempt, world, metadata)
-    created_index = False
+    written: list[bytes] = []  # the index, if this commit created it
+    adopted: list[bytes] = []  # the index, if an identical one was there
 
     def write_index(created: str) -> None:
-        nonlocal created_index
         index.created = created
-        if not target.put_if(name, index.to_json(), create=True):
-            raise PublishError(f"an index for step {step} exists that LATEST does not name: another coordinator is "
+        data = index.to_json()
+        if target.put_if(name, data, create=True):
+            written.append(data)
+        elif _same_index(target, name, index):
+            adopted.append(data)
+        else:
+            raise PublishError(f"an index for step {step} exists that LATEST does not name and that is not this "
+                               f"commit's (attempt {attempt}, these members and metadata): another coordinator is "
                                "committing this step, or one died after writing it (commit a later step, or run "
                                "ws clean)", path=target.url(name))
-        created_index = True
         _stage("index-written")
 
     try:
         version = commit_version(target, step, name, write_index, metadata, keep)
     except PublishError:
-        if created_index:  # ours, and never named: LATEST moved past it
+        if written and _past(target, step):  # ours, never named, and no commit of this step can succeed any more
             target.remove(name)
         raise
+    if adopted and target.read_small(name, 1) is None:  # removed as dead between the look and the swap
+        target.put_if(name, adopted[0], create=True)
     clean_attempts(target, keep_step=step, keep_attempt=attempt)
     return version
+
+
+def _same_index(target: Folder, name: str, index: ShardIndex) -> bool:
+    """Whether the index at ``name`` is the one this commit would write (but for its time): one a
+    coordinator of this step and attempt wrote before it died between the index and ``LATEST``,
+    or one racing this commit. Either way committing it is committing these very members."""
+    found = _read_index(target, name)
+    return found is not None and dataclasses.replace(found, created=index.created) == index
+
+
+def _past(target: Folder, step: int) -> bool:
+    """Whether ``LATEST`` names a step above ``step``: it never goes back, so no commit of
+    ``step`` can succeed any more and its index is dead."""
+    try:
+        current = _latest(target)
+    except FormatError:
+        return False
+    return current is not None and current.step > step
 
 
 def next_attempt(folder: Any, step: int, *, storage_options: Mapping[str, Any] | None = None) -> int:
