@@ -136,7 +136,8 @@ def test_a_killed_writer_times_out_and_a_retry_commits(tmp_path):
     assert sorted(p.name for p in folder.iterdir() if p.is_dir()) == ["step-000000000002.attempt-1"]
 
 
-def test_a_killed_coordinator_leaves_nothing_visible_and_the_retry_commits(tmp_path):
+@pytest.mark.parametrize("retry", [0, 1])  # the coordinator alone, or the job with the next attempt
+def test_a_killed_coordinator_leaves_nothing_visible_and_the_retry_commits(tmp_path, retry):
     folder = tmp_path / "run"
     ws.publish(folder, {"a": np.zeros(1)}, step=1)
     for rank in range(4):
@@ -147,8 +148,11 @@ def test_a_killed_coordinator_leaves_nothing_visible_and_the_retry_commits(tmp_p
     proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
     assert proc.returncode == -9
     assert (folder / "step-000000000002.wsindex").exists() and ws.latest(folder).step == 1
-    version = shards.commit_shards(folder, step=2, world=4, attempt=0, timeout=5)
+    for rank in range(4 if retry else 0):
+        ws.publish_shard(folder, pieces_of(rank), step=2, rank=rank, world=4, attempt=retry)
+    version = shards.commit_shards(folder, step=2, world=4, attempt=retry, timeout=5)
     assert ws.latest(folder).step == 2 and ws.load(version)["step"] == 7
+    assert sorted(p.name for p in folder.iterdir() if p.is_dir()) == [f"step-000000000002.attempt-{retry}"]
 
 
 def test_two_coordinators_racing_one_step_locally(tmp_path):

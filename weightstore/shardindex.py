@@ -1,7 +1,7 @@
 """What a sharded version says about itself: the index, each rank's done-record, and their checks.
 
 A sharded version is one index file (``step-000000000042.wsindex``) naming member files (one
-per rank, each an ordinary safetensors file) and, for every global key, the pieces that tile
+per rank, each an ordinary safetensors, npz or HDF5 file) and, for every global key, the pieces that tile
 it: where each sits in the global tensor (``start``, ``shape``), where its bytes lie in its
 member (``offset``), and a CRC-32 for each *block* of it (``rows`` rows along its first axis,
 about :data:`BLOCK_BYTES`), so a reader of a region fetches and verifies only the blocks that

@@ -2,7 +2,7 @@
 
 Every rank calls :func:`publish_shard` with the pieces it holds; it writes one member file
 (``step-000000000042.attempt-1/rank-00003.safetensors``, an ordinary safetensors file that
-``ws.open`` and ``safetensors.numpy.load_file`` read alone) and then, last, a small
+``ws.open`` and ``safetensors.numpy.load_file`` read alone; or an npz or HDF5 file) and then, last, a small
 done-record beside it (``rank-00003.done``) saying what the member holds: for every piece its
 global key, its box in the global tensor, its bytes' offset in the member and a CRC-32 per
 block. Nothing a reader sees changes. One coordinator calls :func:`commit_shards`: it waits
@@ -178,7 +178,9 @@ def commit_shards(
     does: the index ``step-…wsindex`` is created only if absent, then ``LATEST`` is replaced
     (compare-and-swap on object storage), then old versions are pruned (``keep``) and dead
     attempts removed. Steps increase across plain and sharded versions of one folder.
-    ``world`` and ``attempt`` default as in :func:`publish_shard`.
+    ``world`` and ``attempt`` default as in :func:`publish_shard`. Run again with the same
+    step and attempt after a coordinator died between the index and ``LATEST``, it finds that
+    index to be the one it would write and finishes the commit (see ``docs/sharded.md``).
 
     Raises:
         ShardTimeoutError: some rank did not finish within ``timeout`` seconds (``.missing``
