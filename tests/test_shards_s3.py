@@ -29,16 +29,18 @@ def folder(server):
     return f"s3://{BUCKET}/{uuid.uuid4().hex}"
 
 
-def write(folder, weights, world, *, step, attempt=0):
+def write(folder, weights, world, *, step, attempt=0, format="safetensors"):  # noqa: A002
     rows = weights.shape[0] // world
     for rank in range(world):
         ws.publish_shard(folder, {"w": ws.Piece(weights[rank * rows:(rank + 1) * rows], (rank * rows, 0),
-                                                weights.shape)}, step=step, rank=rank, world=world, attempt=attempt)
+                                                weights.shape)}, step=step, rank=rank, world=world, attempt=attempt,
+                         format=format)
 
 
-def test_readers_fetch_only_their_share(server, folder):
+@pytest.mark.parametrize("fmt", ["safetensors", "npz", "hdf5"])
+def test_readers_fetch_only_their_share(server, folder, fmt):
     weights = np.random.default_rng(0).standard_normal((ROWS, COLS)).astype(np.float32)
-    write(folder, weights, 4, step=1)
+    write(folder, weights, 4, step=1, format=fmt)
     server.reset()
     version = shards.commit_shards(folder, step=1, world=4, attempt=0, timeout=10)
     commit_get = sum(r.sent for r in server.requests if r.method == "GET" and "rank-" in r.path and ".done" not in r.path)
