@@ -399,3 +399,19 @@ def test_a_member_format_that_cannot_be_read_by_ranges_is_refused(tmp_path):
         with ws.open(tmp_path / name) as store, pytest.raises(ws.FormatError, match="compressed") as caught:
             store._reader.extent("w")
         assert caught.value.key == "w" and caught.value.path == str(tmp_path / name)
+
+
+def test_a_member_whose_bytes_are_not_where_its_format_says_is_refused(tmp_path, monkeypatch):
+    """The guard against a format that would place a piece's bytes other than as they are in
+    memory: an extent off by a few bytes (as a format's bug would give) is refused at write
+    time, naming the key, and no done-record is written."""
+    from weightstore.formats.npz import NpzReader
+
+    extent = NpzReader.extent
+    monkeypatch.setattr(NpzReader, "extent", lambda self, key: (extent(self, key)[0] - 8, extent(self, key)[1]))
+    folder = tmp_path / "run"
+    with pytest.raises(ws.WeightStoreError, match="not where the format says") as caught:
+        ws.publish_shard(folder, {"w": np.arange(20, dtype=np.float32)}, step=1, rank=0, world=1, attempt=0,
+                         format="npz")
+    assert caught.value.key == "w"
+    assert not list(folder.rglob("*.done")) and not list(folder.rglob("*.npz"))
