@@ -550,6 +550,11 @@ def _shard_size_of_nothing(tmp_path) -> tuple[list[str], str, str | None]:
     return ["convert", _two_keys(tmp_path), target, "--max-shard-size", "0"], target, None
 
 
+def _key_no_torch_name_reads_back(tmp_path) -> tuple[list[str], str, str | None]:
+    target = str(tmp_path / "out.safetensors")
+    return ["export", _two_keys(tmp_path), "-o", target, "--names", "torch", "--map", "dense=a.b"], target, "a.b/w"
+
+
 def _tensor_no_layout_rule_converts(tmp_path) -> tuple[list[str], str, str | None]:
     source = str(tmp_path / "odd.npz")
     ws.save(source, {"fc/kernel": np.ones((2, 3)), "fc/alpha": np.ones(3)})
@@ -562,10 +567,10 @@ def _tensor_no_layout_rule_converts(tmp_path) -> tuple[list[str], str, str | Non
                                      _include_that_matches_nothing, _also_that_matches_nothing,
                                      _import_selection_that_keeps_nothing, _mapping_that_merges_two_keys,
                                      _corrupt_tensor_converted, _pickle_given_as_weights, _shard_size_of_nothing,
-                                     _tensor_no_layout_rule_converts],
+                                     _key_no_torch_name_reads_back, _tensor_no_layout_rule_converts],
                          ids=["ls", "verify", "convert", "versions", "save-key", "save-dtype", "save-suffix",
                               "include", "also", "import-selection", "mapping", "corrupt-tensor", "pickle",
-                              "shard-size", "layout"])
+                              "shard-size", "torch-name", "layout"])
 def test_json_errors_carry_the_file_and_the_key(tmp_path, damaged):
     """Scripts filter failures by ``error.path``/``error.key``; the message still names both,
     the file once, at its head."""

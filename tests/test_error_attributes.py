@@ -149,3 +149,12 @@ def test_npz_shuffled_member_not_shuffle_zstd_names_file_and_tensor(tmp_path):
     with ws.open(path) as store:
         exc = refusal(errors.FormatError, lambda: store["dense/kernel"], path, "dense/kernel")
     assert "shuffle-zstd" in exc.message
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".h5", ".safetensors"])
+def test_a_missing_tensor_names_file_and_tensor(tmp_path, suffix):
+    path = good_file(tmp_path, suffix)
+    with ws.open(path) as store:
+        refusal(errors.KeyNotInStoreError, lambda: store["dense/kernl"], path, "dense/kernl")
+        refusal(errors.KeyNotInStoreError, lambda: store.read(["dense/bias", "dense/kernl"]), path, "dense/kernl")
+        refusal(errors.KeyNotInStoreError, lambda: store.info("dense/kernl"), path, "dense/kernl")

@@ -178,7 +178,7 @@ class Store(Mapping):
         wanted = self.keys() if keys is None else list(keys)
         for key in wanted:
             if key not in self:
-                raise KeyNotInStoreError(f"no tensor {key!r}", path=self.path)
+                raise KeyNotInStoreError("no such tensor", path=self.path, key=key)
         check_budget(self, wanted, max_bytes)
         return dict(zip(wanted, self._read_many(wanted), strict=True))
 

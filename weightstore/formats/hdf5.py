@@ -434,7 +434,7 @@ class Hdf5Reader(ReaderDefaults):
         ``Dataset`` wrappers cost more than HDF5's own work on a small tensor), and its shape."""
         path = self._paths.get(key)
         if path is None:
-            raise KeyNotInStoreError(f"no tensor {key!r}", path=self.name)
+            raise KeyNotInStoreError("no such tensor", path=self.name, key=key)
         if not self._file.id.valid:
             raise StoreClosedError(f"store is closed; cannot read tensor {key!r}", path=self.name)
         dataset = h5py.h5d.open(self._file.id, path.encode("utf-8"))

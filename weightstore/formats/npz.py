@@ -600,13 +600,13 @@ class NpzReader(ReaderDefaults):
     def _member(self, key: str) -> zipdir.Member:
         name = self._member_of.get(key)
         if name is None:
-            raise KeyNotInStoreError(f"no tensor {key!r}", path=self.name)
+            raise KeyNotInStoreError("no such tensor", path=self.name, key=key)
         return self._members[name]
 
     def info(self, key: str) -> TensorInfo:
         if self._table is not None:
             if key not in self._table:
-                raise KeyNotInStoreError(f"no tensor {key!r}", path=self.name)
+                raise KeyNotInStoreError("no such tensor", path=self.name, key=key)
             return self._table[key]
         info = self._infos.get(key)
         if info is None:
