@@ -331,7 +331,8 @@ class Hdf5Reader(ReaderDefaults):
         Without a manifest each path is its key, so a weightstore file whose manifest attribute
         is damaged (its ``VALUE`` datasets then name no key) is refused, not read unverified."""
         if self._manifest is None:
-            return foreign_keys(((path, path) for path in sorted(found)), self.name, "dataset")
+            with naming(path=self.name):
+                return foreign_keys(((path, path) for path in sorted(found)), "dataset")
         paths = {}
         for key in self._manifest.tensors:
             path = self._manifest.locations.get(key, key)

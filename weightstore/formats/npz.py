@@ -375,7 +375,8 @@ class NpzReader(ReaderDefaults):
         are keys), for a directory :meth:`_as_written` did not prove."""
         member_keys = self._keys_of_members(shuffled=self._manifest is not None)
         if self._table is None:
-            self._member_of = foreign_keys(member_keys.items(), self.name, "member")
+            with naming(path=self.name):
+                self._member_of = foreign_keys(member_keys.items(), "member")
             return
         self._member_of = member_keys
         if not _same_keys(self._table.key_list(), member_keys):
