@@ -233,6 +233,11 @@ def test_a_corrupt_block_is_refused_naming_the_key(tmp_path):
     ws.publish_shard(folder, {"w": a}, step=1, rank=0, world=1, attempt=0)
     shards.commit_shards(folder, step=1, world=1, attempt=0, timeout=5)
     member = folder / "step-000000000001.attempt-0" / "rank-00000.safetensors"
+    from safetensors.numpy import load_file
+
+    strips = load_file(str(member))  # rows of 2,400 bytes: stored as strips of 64 columns, read alone too
+    assert sorted(strips) == sorted(f"w@0,{at}" for at in range(0, 600, 64))
+    assert strips["w@0,576"].tobytes() == a[:, 576:].tobytes()
     data = bytearray(member.read_bytes())
     data[-10] ^= 0xFF  # the last block
     member.write_bytes(bytes(data))

@@ -18,8 +18,9 @@ from weightstore import shards, versions  # noqa: E402
 
 BUCKET = "weightstore-shards"
 #: 23 MiB in rows of 16 KiB, 375 rows a writer and 500 a reader: a reader's region starts and
-#: ends inside blocks (16 rows) of the pieces, so it fetches up to two partial 256 KiB blocks
-#: beyond its 7.8 MiB share, under 10% of it
+#: ends inside blocks (16 rows) of the pieces, so it fetches up to two partial blocks of rows
+#: beyond its 7.8 MiB share, under 10% of it; a reader of a third of the columns starts and
+#: ends inside column strips (64 columns), and fetches up to two partial strips more
 ROWS, COLS = 1500, 4096
 
 
@@ -54,6 +55,14 @@ def test_readers_fetch_only_their_share(server, folder):
         member_bytes = sum(r.sent for r in server.requests if "rank-" in r.path)
         assert share < member_bytes <= 1.1 * share, (part, member_bytes / share)
         assert server.bytes_sent() == index_bytes + member_bytes
+    for columns in (slice(0, COLS // 2), slice(COLS // 2, COLS), *(slice(i * COLS // 3, (i + 1) * COLS // 3)
+                                                                  for i in range(3))):
+        server.reset()  # written by rows, read by columns: each piece is stored as column strips
+        with ws.open(version) as store:
+            got = store.read_region("w", (slice(None), columns))
+        assert got.tobytes() == weights[:, columns].tobytes()
+        member_bytes = sum(r.sent for r in server.requests if "rank-" in r.path)
+        assert got.nbytes <= member_bytes <= 1.1 * got.nbytes, (columns, member_bytes / got.nbytes)
     server.reset()
     assert ws.load(version)["w"].tobytes() == weights.tobytes()  # whole, from S3
     assert sum(r.sent for r in server.requests if "rank-" in r.path) == weights.nbytes

@@ -45,6 +45,7 @@ from weightstore.keys import validate_key
 from weightstore.manifest import from_storage, logical_dtype, to_storage
 from weightstore.shardindex import (
     MAX_DONE_BYTES,
+    STRIP_BLOCKS,
     DoneRecord,
     Member,
     PieceEntry,
@@ -60,6 +61,7 @@ from weightstore.shardindex import (
     member_name,
     parse_done,
     row_bytes,
+    strip_columns,
 )
 from weightstore.store import _checked, checked_metadata, write_file
 from weightstore.versions import SHARDED_SUFFIX, Version, _latest, _stage, _versions, commit_version
@@ -90,6 +92,7 @@ class _Listed:
     data: np.ndarray  # in storage form
     start: tuple[int, ...]
     shape: tuple[int, ...]
+    rows: int  # rows per checksummed block
 
 
 def publish_shard(
@@ -299,23 +302,42 @@ def _listed(pieces: Mapping[str, Any], where: str) -> list[_Listed]:
                 array = np.asarray(piece)
                 piece = Piece(array, (0,) * array.ndim, array.shape)
             found.append((key, piece))
-    counts: dict[str, int] = {}
-    for key, _ in found:
-        counts[key] = counts.get(key, 0) + 1
-    listed = []
+    boxes: list[tuple[str, str, np.ndarray, tuple[int, ...], tuple[int, ...], int]] = []
     for key, piece in found:
         array = np.asarray(piece.array)
         name, data = to_storage(array, key)
         data = np.ascontiguousarray(data).reshape(array.shape)
         start, shape = _box(piece, array.shape, key, where)
+        boxes.extend((key, name, part, at, shape, rows) for part, at, rows in _strips(data, start, name))
+    counts: dict[str, int] = {}
+    for key, *_ in boxes:
+        counts[key] = counts.get(key, 0) + 1
+    listed = []
+    for key, name, data, start, shape, rows in boxes:
         stored = key if counts[key] == 1 else f"{key}@{','.join(map(str, start))}"
-        listed.append(_Listed(key, stored, name, data, start, shape))
+        listed.append(_Listed(key, stored, name, data, start, shape, rows))
     stored_names = [item.stored for item in listed]
     if len(set(stored_names)) != len(stored_names):
         clashes = {name for name in stored_names if stored_names.count(name) > 1}
         raise ValueError(f"{where}: pieces of one key start at the same index, or a key looks like a piece's stored "
                          f"name: {sorted(clashes)[:3]}")
     return listed
+
+
+def _strips(data: np.ndarray, start: tuple[int, ...], dtype: str) -> list[tuple[np.ndarray, tuple[int, ...], int]]:
+    """A piece as it is stored: ``(data, start, rows per block)`` of each of its column strips
+    (:func:`~weightstore.shardindex.strip_columns`), or of the piece whole. A strip's blocks
+    hold as many rows as the whole piece's would (so a reader of a row range fetches no more
+    rows from the strips than from the whole piece), or more, so that a strip has at most
+    ``STRIP_BLOCKS`` blocks."""
+    itemsize = logical_dtype(dtype).itemsize
+    rows = block_rows(data.shape, itemsize)
+    columns = strip_columns(data.shape, itemsize)
+    if columns is None:
+        return [(data, start, rows)]
+    rows = max(rows, -(-data.shape[0] // STRIP_BLOCKS))
+    return [(np.ascontiguousarray(data[:, at : at + columns]), (start[0], start[1] + at, *start[2:]), rows)
+            for at in range(0, data.shape[1], columns)]
 
 
 def _box(piece: Piece, array_shape: tuple[int, ...], key: str, where: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -337,11 +359,10 @@ def _described(local: str, listed: list[_Listed]) -> dict[str, TensorEntry]:
         for item in listed:
             offset, _ = reader.extent(item.stored)
             itemsize = logical_dtype(item.dtype).itemsize
-            rows = block_rows(item.data.shape, itemsize)
             raw = item.data.reshape(-1).view(np.uint8)
-            crcs = block_crcs(raw, rows * row_bytes(item.data.shape, itemsize)) if item.data.size else []
+            crcs = block_crcs(raw, item.rows * row_bytes(item.data.shape, itemsize)) if item.data.size else []
             digest = reader.info(item.stored).digest or ""
-            by_key.setdefault(item.key, []).append(PieceEntry(0, item.start, tuple(item.data.shape), offset, rows,
+            by_key.setdefault(item.key, []).append(PieceEntry(0, item.start, tuple(item.data.shape), offset, item.rows,
                                                               tuple(crcs), digest))
             dtypes.setdefault(item.key, (item.dtype, item.shape))
     finally:
