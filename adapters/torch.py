@@ -56,7 +56,7 @@ from weightstore.adapters.skeleton import Target, run_assign
 from weightstore.errors import AssignmentError, InvalidKeyError, LayoutError, SelectionError, UnsupportedDTypeError
 from weightstore.keys import plan_outward
 from weightstore.names import TORCH, WRITE_NAMINGS, check_naming, key_of_torch_name, torch_keys, torch_name_of_key
-from weightstore.shards import Piece
+from weightstore.shards import Piece, split_rows
 
 __all__ = ["export", "export_pieces", "assign", "tensors", "forget"]
 
@@ -142,7 +142,7 @@ def export_pieces(module: nn.Module, *, rank: int | None = None, world: int | No
                 continue
             array = _read(torch_shards.local_tensor(tensor), key)
         else:
-            region = torch_shards.split_rows(shape, rank, world)
+            region = split_rows(shape, rank, world)
             if region is None:
                 continue
             array = _read(tensor[region], key)

@@ -6,13 +6,12 @@ FSDP2's ``fully_shard`` make of parameters) holds on each rank one box of its gl
 and global offset of its placements on its mesh). Publishing writes each box once: of ranks
 holding the same box (a placement ``Replicate`` on some mesh axis), only the one at coordinate
 0 of those axes writes it (:func:`writes_local`). A plain tensor that every rank holds whole
-is split by rows between the ranks (:func:`split_rows`), so each writes a share and none
+is split by rows between the ranks (:func:`weightstore.shards.split_rows`), so each writes a share and none
 sends a byte to another. Assigning reads for a DTensor only its local box.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from weightstore.extras import needs
@@ -20,7 +19,7 @@ from weightstore.extras import needs
 with needs("torch", __name__):
     import torch
 
-__all__ = ["is_sharded", "local_region", "local_tensor", "writes_local", "split_rows"]
+__all__ = ["is_sharded", "local_region", "local_tensor", "writes_local"]
 
 Region = tuple[slice, ...]
 
@@ -70,12 +69,3 @@ def writes_local(tensor: Any) -> bool:
         return False
     return all(at == 0 for at, placement in zip(coordinate, tensor.placements, strict=True)
                if placement.is_replicate())
-
-
-def split_rows(shape: tuple[int, ...], rank: int, world: int) -> Region | None:
-    """The rows of a tensor every rank holds whole that ``rank`` of ``world`` writes (None: none);
-    a scalar or an empty tensor is rank 0's."""
-    if not shape or not math.prod(shape):
-        return tuple(slice(0, size) for size in shape) if rank == 0 else None
-    start, stop = shape[0] * rank // world, shape[0] * (rank + 1) // world
-    return (slice(start, stop),) if stop > start else None
