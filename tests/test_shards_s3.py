@@ -68,6 +68,14 @@ def test_readers_fetch_only_their_share(server, folder):
     assert sum(r.sent for r in server.requests if "rank-" in r.path) == weights.nbytes
 
 
+def test_done_records_and_indexes_larger_than_a_network_chunk_are_read_whole(server, folder):
+    weights = {f"layer_{i}/bias": np.full(3, i, np.float32) for i in range(1500)}  # a done-record of ~200 KiB
+    ws.publish_shard(folder, weights, step=1, rank=0, world=1, attempt=0)
+    version = shards.commit_shards(folder, step=1, world=1, attempt=0, timeout=30)
+    with ws.open(version) as store:
+        assert len(store) == 1500 and store["layer_1499/bias"].tolist() == [1499] * 3
+
+
 def test_a_missing_rank_on_s3_times_out_and_nothing_is_published(server, folder):
     ws.publish(folder, {"w": np.zeros(2)}, step=1)
     weights = np.zeros((8, 4), np.float32)
