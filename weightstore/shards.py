@@ -13,8 +13,9 @@ does (:func:`weightstore.versions.commit_version`). No collective, no barrier: t
 the coordinator meet only in the folder. The crash argument is in ``docs/sharded.md``.
 
 **How a member holds its pieces.** A key the rank holds one piece of is stored under the key
-itself. A key it holds several pieces of is stored once per piece, as ``KEY@i,j`` (the piece's
-start); the member's metadata (``weightstore-shard``) maps every stored name to its key, start
+itself. A key it holds several pieces of, or a piece of long rows stored as column strips
+(:func:`~weightstore.shardindex.strip_columns`, so that readers of columns fetch only theirs),
+is stored once per piece or strip, as ``KEY@i,j`` (its start); the member's metadata (``weightstore-shard``) maps every stored name to its key, start
 and shape, and is what decides: a global key that happens to look like ``KEY@i,j`` is refused
 rather than misread.
 
