@@ -100,12 +100,11 @@ def export_pieces(obj: Any, **selection: Unpack[SelectionWords]) -> dict[str, li
         value = values[old]
         shape = tuple(np.shape(value))
         if isinstance(value, jax.Array):
-            found = [Piece(np.asarray(shard.data), [part.start for part in _bounds(shard.index, shape)], shape)
+            found = [Piece(np.asarray(shard.data), tuple(part.start for part in _bounds(shard.index, shape)), shape)
                      for shard in value.addressable_shards if shard.replica_id == 0]
         else:
             region = split_rows(shape, jax.process_index(), jax.process_count())
-            found = [] if region is None else [Piece(np.array(value[region]), [part.start for part in region]
-                                                     + [0] * (len(shape) - len(region)), shape)]
+            found = [] if region is None else [Piece(np.array(value[region]), tuple(part.start for part in region), shape)]
         if found:
             pieces[key] = found
     return pieces

@@ -136,17 +136,12 @@ def export_pieces(module: nn.Module, *, rank: int | None = None, world: int | No
     for key, old in chosen.items():
         tensor = found[old]
         shape = tuple(tensor.shape)
-        if torch_shards.is_sharded(tensor):
-            region = torch_shards.local_region(tensor)
-            if not torch_shards.writes_local(tensor) or (tensor.numel() and not torch_shards.local_tensor(tensor).numel()):
-                continue
-            array = _read(torch_shards.local_tensor(tensor), key)
-        else:
-            region = split_rows(shape, rank, world)
-            if region is None:
-                continue
-            array = _read(tensor[region], key)
-        pieces[key] = [Piece(array, tuple(part.start for part in region) if region else (0,) * len(shape), shape)]
+        sharded = torch_shards.is_sharded(tensor)
+        region = torch_shards.local_region(tensor) if sharded else split_rows(shape, rank, world)
+        if region is None or (sharded and not torch_shards.writes_local(tensor)):
+            continue
+        array = _read(torch_shards.local_tensor(tensor) if sharded else tensor[region], key)
+        pieces[key] = [Piece(array, tuple(part.start for part in region), shape)]
     return pieces
 
 

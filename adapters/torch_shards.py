@@ -63,9 +63,10 @@ def local_tensor(tensor: Any) -> torch.Tensor:
 
 def writes_local(tensor: Any) -> bool:
     """Whether this rank writes its shard of a DTensor: among the ranks holding the same box
-    (those differing only along mesh axes where it is replicated), the one at coordinate 0."""
+    (those differing only along mesh axes where it is replicated), the one at coordinate 0;
+    and only a shard that holds elements, unless the whole tensor is empty."""
     coordinate = tensor.device_mesh.get_coordinate()
-    if coordinate is None:  # this rank is not on the tensor's mesh
+    if coordinate is None or (tensor.numel() and not tensor.to_local().numel()):  # not on the mesh, or no rows left
         return False
     return all(at == 0 for at, placement in zip(coordinate, tensor.placements, strict=True)
                if placement.is_replicate())

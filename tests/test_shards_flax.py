@@ -156,3 +156,22 @@ def test_a_tf1_version_restores_into_jax_sharded_2x2_and_torch_dtensors(server, 
     for rank, shards in enumerate(ranks):
         assert shards["kernel"].tobytes() == np.ascontiguousarray(kernel[:, rank * 384:(rank + 1) * 384]).tobytes()
         assert shards["bias"].tobytes() == bias.tobytes()
+
+
+def test_export_pieces_of_one_process_and_restore_from_a_local_version(tmp_path):
+    import jax
+    import jax.numpy as jnp
+
+    from weightstore.adapters import flax as wf
+
+    tree = {"dense": {"kernel": jnp.arange(12.0).reshape(3, 4), "bias": np.arange(4, dtype=np.float32)}}
+    pieces = wf.export_pieces(tree)  # one process: every array whole, at the origin
+    assert {key: [p.start for p in found] for key, found in pieces.items()} == {"dense/kernel": [(0, 0)],
+                                                                                 "dense/bias": [(0,)]}
+    ws.publish_shard(tmp_path, pieces, step=1, rank=0, world=1, attempt=0)
+    version = ws.commit_shards(tmp_path, step=1, world=1, attempt=0, timeout=10)
+    zeros = jax.tree_util.tree_map(lambda leaf: leaf * 0, tree)
+    restored = wf.restore(zeros, version)
+    assert isinstance(restored["dense"]["kernel"], jax.Array) and isinstance(restored["dense"]["bias"], np.ndarray)
+    assert np.asarray(restored["dense"]["kernel"]).tobytes() == np.asarray(tree["dense"]["kernel"]).tobytes()
+    assert restored["dense"]["bias"].tobytes() == tree["dense"]["bias"].tobytes()

@@ -59,6 +59,10 @@ RANK = textwrap.dedent("""
     reader = parallelize_module(model(2), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     report = wt.assign(reader, ws.latest(folder))
     held = {key: wt._read(wt.torch_shards.local_tensor(tensor), key) for key, tensor in wt.tensors(reader).items()}
+    again = parallelize_module(model(3), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    wt.assign(again, ws.load(ws.latest(folder)))  # from a dict of whole tensors: each rank cuts its shard
+    for key, tensor in wt.tensors(again).items():
+        assert wt._read(wt.torch_shards.local_tensor(tensor), key).tobytes() == held[key].tobytes(), key
     held["pieces"] = np.array(sorted(pieces))
     held["assigned"] = np.array(sorted(report.assigned))
     np.savez(out, **{key.replace("/", "|"): value for key, value in held.items()})
@@ -106,7 +110,23 @@ def test_fsdp2_shards_published_by_two_ranks_read_back_tensor_parallel(server, t
         assert held[rank]["2/weight"].tobytes() == expected["2/weight"][:, cols].tobytes()
         assert held[rank]["2/bias"].tobytes() == expected["2/bias"].tobytes()  # replicated: each rank whole
         assert held[rank]["3/running_var"].tobytes() == expected["3/running_var"].tobytes()
-    # the two readers together fetched each sharded byte once: their shards, not the whole model twice
+    # the two readers together fetched each sharded byte once: their shards, not the whole model
+    # twice (then each loaded the version whole, for the assign from a dict: the model's bytes)
+    fetched -= 2 * sum(value.nbytes for value in expected.values())
     sharded = sum(expected[key].nbytes for key in ("0/weight", "0/bias", "2/weight"))
     replicated = sum(value.nbytes for key, value in expected.items() if key not in ("0/weight", "0/bias", "2/weight"))
     assert sharded <= fetched <= 1.1 * sharded + 2 * replicated, fetched / sharded
+
+
+def test_export_pieces_of_plain_tensors_splits_rows_between_ranks():
+    model = torch.nn.Linear(6, 5)
+    whole = {key.replace(".", "/"): value.detach().numpy() for key, value in model.state_dict().items()}
+    from weightstore.adapters import torch as wt
+
+    alone = wt.export_pieces(model)  # no process group: one rank holds and writes everything
+    assert {key: [(p.start, np.asarray(p.array).tobytes()) for p in pieces] for key, pieces in alone.items()} == {
+        key: [((0,) * value.ndim, value.tobytes())] for key, value in whole.items()}
+    halves = [wt.export_pieces(model, rank=rank, world=2) for rank in range(2)]
+    assert [[p.start for p in part["weight"]] for part in halves] == [[(0, 0)], [(2, 0)]]
+    assert np.concatenate([part["weight"][0].array for part in halves]).tobytes() == whole["weight"].tobytes()
+    assert [part["bias"][0].shape for part in halves] == [(5,), (5,)]

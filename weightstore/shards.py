@@ -229,14 +229,14 @@ def commit_shards(
 
 
 def split_rows(shape: Sequence[int], rank: int, world: int) -> tuple[slice, ...] | None:
-    """The rows of a tensor every rank holds whole that ``rank`` of ``world`` writes, so the
-    ranks share the writing and none sends a byte to another (None: this rank writes none of
-    it); a scalar or an empty tensor is rank 0's. The framework feeds use it for replicated
-    tensors."""
+    """The box (a slice per axis: a range of its rows) of a tensor every rank holds whole that
+    ``rank`` of ``world`` writes, so the ranks share the writing and none sends a byte to
+    another (None: this rank writes none of it); a scalar or an empty tensor is rank 0's. The
+    framework feeds use it for replicated tensors."""
     if not shape or not math.prod(shape):
         return tuple(slice(0, size) for size in shape) if rank == 0 else None
     start, stop = shape[0] * rank // world, shape[0] * (rank + 1) // world
-    return (slice(start, stop),) if stop > start else None
+    return (slice(start, stop), *(slice(0, size) for size in shape[1:])) if stop > start else None
 
 
 def clean_attempts(target: Folder, *, keep_step: int, keep_attempt: int) -> list[str]:
