@@ -137,7 +137,7 @@ def export_pieces(module: nn.Module, *, rank: int | None = None, world: int | No
         tensor = found[old]
         shape = tuple(tensor.shape)
         sharded = torch_shards.is_sharded(tensor)
-        region = torch_shards.local_region(tensor) if sharded else split_rows(shape, rank, world)
+        region = torch_shards.local_region(tensor, key) if sharded else split_rows(shape, rank, world)
         if region is None or (sharded and not torch_shards.writes_local(tensor)):
             continue
         array = _read(torch_shards.local_tensor(tensor) if sharded else tensor[region], key)
@@ -174,7 +174,7 @@ def assign(
                for key, tensor in found.items()}
     options = AssignOptions(**words)
     chosen_layout = None if layout is None else layouts.resolve(layout, "torch")
-    regions = {key: region for key, tensor in found.items() if (region := torch_shards.local_region(tensor))}
+    regions = {key: region for key, tensor in found.items() if (region := torch_shards.local_region(tensor, key))}
     local = {key: torch_shards.local_tensor(tensor) for key, tensor in found.items()}
 
     def prepare(source: Any, key: str, value_key: str) -> np.ndarray:

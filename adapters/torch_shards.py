@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from weightstore.errors import TargetError
 from weightstore.extras import needs
 
 with needs("torch", __name__):
@@ -38,17 +39,18 @@ def is_sharded(tensor: Any) -> bool:
     return kind is not None and isinstance(tensor, kind)
 
 
-def local_region(tensor: Any) -> Region | None:
-    """The box of the global tensor this rank's local shard of ``tensor`` holds (None: a plain tensor).
+def local_region(tensor: Any, key: str) -> Region | None:
+    """The box of the global tensor this rank's local shard of ``tensor`` (at ``key``) holds
+    (None: a plain tensor).
 
     Raises:
-        ValueError: a ``Partial`` placement: the local tensor is a summand, not a part of the value.
+        TargetError: a ``Partial`` placement: the local tensor is a summand, not a part of the value.
     """
     if not is_sharded(tensor):
         return None
     if any(placement.is_partial() for placement in tensor.placements):
-        raise ValueError(f"a DTensor with placements {tensor.placements} holds partial sums, not a part of its "
-                         "value; redistribute it to Shard or Replicate placements first")
+        raise TargetError(f"is a DTensor with placements {tensor.placements}: it holds partial sums, not a part of "
+                          "its value; redistribute it to Shard or Replicate placements first", key=key)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)

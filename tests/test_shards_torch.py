@@ -65,6 +65,16 @@ RANK = textwrap.dedent("""
         assert wt._read(wt.torch_shards.local_tensor(tensor), key).tobytes() == held[key].tobytes(), key
     held["pieces"] = np.array(sorted(pieces))
     held["assigned"] = np.array(sorted(report.assigned))
+    from torch.distributed.tensor import DTensor, Partial
+
+    summed = nn.Module()  # a DTensor of partial sums: no part of its value, refused naming the key
+    summed.w = nn.Parameter(DTensor.from_local(torch.ones(2, 2), mesh, [Partial()]))
+    try:
+        wt.export_pieces(summed)
+    except ws.TargetError as exc:
+        assert exc.key == "w" and "partial sums" in str(exc), exc
+    else:
+        raise AssertionError("a Partial DTensor was exported")
     np.savez(out, **{key.replace("/", "|"): value for key, value in held.items()})
     dist.destroy_process_group()
 """)
