@@ -90,7 +90,7 @@ def block_rows(shape: Sequence[int], itemsize: int) -> int:
     return max(1, BLOCK_BYTES // max(1, row_bytes(shape, itemsize)))
 
 
-def strip_columns(shape: Sequence[int], itemsize: int) -> int | None:
+def strip_columns(shape: Sequence[int], itemsize: int, world: int = 1) -> int | None:
     """Columns (along the second axis) of the strips a piece of ``shape`` is stored as, or None
     to store it whole.
 
@@ -98,7 +98,9 @@ def strip_columns(shape: Sequence[int], itemsize: int) -> int | None:
     columns would fetch whole rows: half the columns cost twice their bytes. A piece of at
     least :data:`STRIPED_FROM` bytes whose rows hold four strips or more is therefore stored
     as full-height strips of a power-of-two number of columns, each about
-    :data:`STRIP_ROW_BYTES` a row (at most :data:`MAX_STRIPS` of them), each its own member
+    :data:`STRIP_ROW_BYTES` a row (at most :data:`MAX_STRIPS` of them, fewer when ``world``
+    ranks each holding a piece of the tensor would take it past :data:`MAX_PIECES_PER_KEY`),
+    each its own member
     entry and piece: a reader of a column range fetches the strips it touches, and a reader
     of a row range the rows it needs from each strip. Power-of-two widths make the usual
     halves and quarters fetch exactly their bytes; any other column range fetches at most one
@@ -108,7 +110,8 @@ def strip_columns(shape: Sequence[int], itemsize: int) -> int | None:
         return None
     cell = math.prod(shape[2:]) * itemsize  # bytes of one (row, column)
     columns = 1 << (max(1, STRIP_ROW_BYTES // max(1, cell)).bit_length() - 1)
-    while -(-shape[1] // columns) > MAX_STRIPS:
+    most = min(MAX_STRIPS, MAX_PIECES_PER_KEY // (2 * max(1, world)))  # room for a second piece per rank
+    while -(-shape[1] // columns) > most and columns < shape[1]:
         columns *= 2
     return columns if columns * 4 <= shape[1] else None
 

@@ -134,7 +134,7 @@ def publish_shard(
     target = folder_for(folder, storage_options)
     members = folder_for(target.url(attempt_folder(step, attempt)), storage_options)
     where = members.url(member_name(rank))
-    listed = _listed(pieces, where)
+    listed = _listed(pieces, where, world)
     try:
         current = _latest(target)
     except FormatError:
@@ -303,7 +303,7 @@ def _read_index(target: Folder, name: str) -> ShardIndex | None:
 
 # -- the rank's side ---------------------------------------------------------------------------
 
-def _listed(pieces: Mapping[str, Any], where: str) -> list[_Listed]:
+def _listed(pieces: Mapping[str, Any], where: str, world: int) -> list[_Listed]:
     """Every piece, checked (key, dtype, box) and in storage form, with the name it is stored under."""
     if not isinstance(pieces, Mapping):
         raise TypeError(f"pieces must map a key to an array, a Piece or a list of them, not {type(pieces).__name__}")
@@ -321,7 +321,7 @@ def _listed(pieces: Mapping[str, Any], where: str) -> list[_Listed]:
         name, data = to_storage(array, key)
         data = np.ascontiguousarray(data).reshape(array.shape)
         start, shape = _box(piece, array.shape, key, where)
-        boxes.extend((key, name, part, at, shape, rows) for part, at, rows in _strips(data, start, name))
+        boxes.extend((key, name, part, at, shape, rows) for part, at, rows in _strips(data, start, name, world))
     counts: dict[str, int] = {}
     for key, *_ in boxes:
         counts[key] = counts.get(key, 0) + 1
@@ -337,7 +337,8 @@ def _listed(pieces: Mapping[str, Any], where: str) -> list[_Listed]:
     return listed
 
 
-def _strips(data: np.ndarray, start: tuple[int, ...], dtype: str) -> list[tuple[np.ndarray, tuple[int, ...], int]]:
+def _strips(data: np.ndarray, start: tuple[int, ...], dtype: str,
+            world: int) -> list[tuple[np.ndarray, tuple[int, ...], int]]:
     """A piece as it is stored: ``(data, start, rows per block)`` of each of its column strips
     (:func:`~weightstore.shardindex.strip_columns`), or of the piece whole. A strip's blocks
     hold as many rows as the whole piece's would (so a reader of a row range fetches no more
@@ -345,7 +346,7 @@ def _strips(data: np.ndarray, start: tuple[int, ...], dtype: str) -> list[tuple[
     ``STRIP_BLOCKS`` blocks."""
     itemsize = logical_dtype(dtype).itemsize
     rows = block_rows(data.shape, itemsize)
-    columns = strip_columns(data.shape, itemsize)
+    columns = strip_columns(data.shape, itemsize, world)
     if columns is None:
         return [(data, start, rows)]
     rows = max(rows, -(-data.shape[0] // STRIP_BLOCKS))
