@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from weightstore import __version__
+from weightstore import __version__, cluster
 from weightstore.errors import FormatError, PublishError, ShardTimeoutError, WeightStoreError, naming
 from weightstore.formats import format_named
 from weightstore.formats.safetensors import SafetensorsReader
@@ -68,7 +68,7 @@ from weightstore.shardindex import (
 from weightstore.store import _checked, checked_metadata, write_file
 from weightstore.versions import SHARDED_SUFFIX, Version, _latest, _stage, _versions, commit_version
 
-__all__ = ["Piece", "publish_shard", "commit_shards", "clean_folder"]
+__all__ = ["Piece", "publish_shard", "commit_shards", "next_attempt", "clean_folder"]
 
 #: the member metadata entry that maps each stored name to its global key, start and shape
 SHARD_METADATA = "weightstore-shard"
@@ -102,9 +102,9 @@ def publish_shard(
     pieces: Mapping[str, Any],
     *,
     step: int,
-    rank: int,
-    world: int,
-    attempt: int,
+    rank: int | None = None,
+    world: int | None = None,
+    attempt: int | None = None,
     format: str = "safetensors",  # noqa: A002
     storage_options: Mapping[str, Any] | None = None,
 ) -> None:
@@ -114,16 +114,20 @@ def publish_shard(
         folder: the versioned folder (local path or fsspec URL) the version will be part of.
         pieces: key -> the whole tensor (an array), a :class:`Piece`, or a list of them.
         step: the version's step; above the step ``LATEST`` names.
-        rank, world: this rank (``0 <= rank < world``) and how many ranks write the version.
+        rank, world: this rank (``0 <= rank < world``) and how many ranks write the version;
+            by default from the job's cluster (:mod:`weightstore.cluster`: ``torch.distributed``,
+            ``jax.distributed``, ``TF_CONFIG``).
         attempt: which try at this step (a restarted job counts up), so a dead attempt's
-            members never mix with this one's.
+            members never mix with this one's; by default ``torchrun``'s restart count.
         format: ``"safetensors"``, the one format a member is written in so far.
         storage_options: for URLs, given to fsspec.
 
     Raises:
         PublishError: the step is not above the one ``LATEST`` names.
         InvalidKeyError, UnsupportedDTypeError, ValueError: a bad key, dtype or piece (nothing written).
+        WeightStoreError: ``rank``, ``world`` or ``attempt`` not given and the cluster does not say it.
     """
+    rank, world, attempt = cluster.filled(rank=rank, world=world, attempt=attempt)
     _check_ids(step=step, attempt=attempt, world=world)
     _check_id("rank", rank)
     if rank >= world:
@@ -163,8 +167,8 @@ def commit_shards(
     folder: Any,
     *,
     step: int,
-    world: int,
-    attempt: int,
+    world: int | None = None,
+    attempt: int | None = None,
     timeout: float,
     keep: int | None = 5,
     metadata: Mapping[str, Any] | None = None,
@@ -176,6 +180,7 @@ def commit_shards(
     does: the index ``step-…wsindex`` is created only if absent, then ``LATEST`` is replaced
     (compare-and-swap on object storage), then old versions are pruned (``keep``) and dead
     attempts removed. Steps increase across plain and sharded versions of one folder.
+    ``world`` and ``attempt`` default as in :func:`publish_shard`.
 
     Raises:
         ShardTimeoutError: some rank did not finish within ``timeout`` seconds (``.missing``
@@ -183,7 +188,9 @@ def commit_shards(
         PublishError: pieces that overlap, leave a gap ("cover") or disagree on dtype or shape
             (naming the key); a step that does not go forward; another coordinator committed
             this step or a later one first.
+        WeightStoreError: ``world`` or ``attempt`` not given and the cluster does not say it.
     """
+    _, world, attempt = cluster.filled(rank=0, world=world, attempt=attempt)
     _check_ids(step=step, attempt=attempt, world=world)
     if not world:
         raise ValueError("world must be at least 1")
@@ -237,6 +244,16 @@ def split_rows(shape: Sequence[int], rank: int, world: int) -> tuple[slice, ...]
         return tuple(slice(0, size) for size in shape) if rank == 0 else None
     start, stop = shape[0] * rank // world, shape[0] * (rank + 1) // world
     return (slice(start, stop), *(slice(0, size) for size in shape[1:])) if stop > start else None
+
+
+def next_attempt(folder: Any, step: int, *, storage_options: Mapping[str, Any] | None = None) -> int:
+    """The attempt after every one ``folder`` holds of ``step`` (0 if none): what a coordinator
+    that announces the attempt to its ranks (``tf2.publish_sharded``) hands out, so a retry never
+    writes into a dead try's folder. A try whose ranks wrote nothing leaves no folder on object
+    storage; reusing its number is harmless, as nothing of it exists."""
+    _check_ids(step=step)
+    return 1 + max((attempt for _, held, attempt in _attempts(folder_for(folder, storage_options)) if held == step),
+                   default=-1)
 
 
 def clean_attempts(target: Folder, *, keep_step: int, keep_attempt: int) -> list[str]:
