@@ -174,12 +174,11 @@ def assign(
                for key, tensor in found.items()}
     options = AssignOptions(**words)
     chosen_layout = None if layout is None else layouts.resolve(layout, "torch")
-    regions = {key: region for key, tensor in found.items() if (region := torch_shards.local_region(tensor, key))}
     local = {key: torch_shards.local_tensor(tensor) for key, tensor in found.items()}
 
     def prepare(source: Any, key: str, value_key: str) -> np.ndarray:
         """The value, or of a DTensor only its local shard's region (all a sharded version fetches)."""
-        region = regions.get(key)
+        region = torch_shards.local_region(found[key], key)
         value = source.read(value_key) if region is None else source.read_region(value_key, region)
         return np.asarray(value, dtype=targets[key].dtype)
 
