@@ -130,11 +130,13 @@ def torch_logits(net, inputs):
 
 
 def assert_same_predictions(expected, got):
-    """Softmax probabilities within 1e-5 and the same classes; the logits as close as float32
-    arithmetic through some fifty layers leaves them (1e-4 of their scale)."""
+    """Softmax probabilities within 1e-4 and the same classes; the logits as close as float32
+    arithmetic through some fifty layers leaves them (1e-4 of their scale). The probabilities'
+    gap moves with the thread count's summation order (0.7e-5 to 1.4e-5 measured at 64x64), so
+    it is held to the order float32 leaves, not to one machine's figure."""
     probabilities = [np.exp(x - x.max(-1, keepdims=True)) for x in (expected, got)]
     probabilities = [p / p.sum(-1, keepdims=True) for p in probabilities]
-    assert np.abs(probabilities[0] - probabilities[1]).max() <= 1e-5
+    assert np.abs(probabilities[0] - probabilities[1]).max() <= 1e-4
     assert (got.argmax(-1) == expected.argmax(-1)).all()
     scale = float(np.abs(expected).max())
     assert np.abs(got - expected).max() <= 1e-4 * scale, (np.abs(got - expected).max(), scale)
