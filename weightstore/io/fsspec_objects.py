@@ -13,9 +13,13 @@ from typing import Any
 from weightstore.errors import FormatError
 from weightstore.io.buffer import aligned_buffer
 from weightstore.io.location import service, uncached
-from weightstore.io.objects import split_parts, window
+from weightstore.io.objects import requests_for, scatter, window
 
 __all__ = ["FsspecObject"]
+
+#: requests handed to ``cat_ranges`` at once: it returns whole bodies, so this bounds the bytes
+#: held twice (body and view) to this many parts
+BATCH = 8
 
 
 class FsspecObject:
@@ -39,20 +43,19 @@ class FsspecObject:
         return size, start, data
 
     def fill(self, ranges: list[tuple[int, memoryview]], opening: bool = False) -> None:
-        parts = split_parts(ranges)
-        if not parts:
-            return
-        try:
-            with service(self.name):
-                found = self._fs.cat_ranges([self._path] * len(parts), [at for at, _ in parts],
-                                            [at + len(view) for at, view in parts], on_error="raise")
-        except FileNotFoundError:
-            if opening:
-                raise
-            raise FormatError("the file was removed while it was open", path=self.name) from None
-        for (at, view), data in zip(parts, found, strict=True):
-            if len(data) != len(view):
-                raise FormatError(f"got {len(data)} bytes at byte {at}, not {len(view)}: "
-                                  f"the file is shorter than when it was opened (replaced while open?)", path=self.name)
-            view[:] = data
-
+        requests = requests_for(ranges)
+        for first in range(0, len(requests), BATCH):
+            batch = requests[first : first + BATCH]
+            try:
+                with service(self.name):
+                    found = self._fs.cat_ranges([self._path] * len(batch), [request.start for request in batch],
+                                                [request.end for request in batch], on_error="raise")
+            except FileNotFoundError:
+                if opening:
+                    raise
+                raise FormatError("the file was removed while it was open", path=self.name) from None
+            for request, data in zip(batch, found, strict=True):
+                if len(data) != request.end - request.start:
+                    raise FormatError(f"got {len(data)} bytes at byte {request.start}, not {request.end - request.start}: "
+                                      f"the file is shorter than when it was opened (replaced while open?)", path=self.name)
+                scatter(request.targets, request.start, memoryview(data))
