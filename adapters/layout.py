@@ -553,6 +553,7 @@ class LaidOutValues:
         self._steps = steps
         self.where = values.where
         self.exact_keys = values.exact_keys
+        self.regional = False  # a converted value is built whole from what it comes from
 
     def keys(self) -> list[str]:
         return list(self._steps)
@@ -572,6 +573,9 @@ class LaidOutValues:
 
     def read(self, key: str) -> np.ndarray:
         return self._steps[key].build(self._values.read)
+
+    def read_region(self, key: str, region: tuple[slice, ...]) -> np.ndarray:
+        return np.array(self.read(key)[region])
 
     def prefetch(self, keys: list[str]) -> None:
         """Nothing: converted values are read one by one, as each is converted."""

@@ -193,11 +193,17 @@ class ValueSource(Protocol):
     #: keys were paired with the model by structure: an error suggests no look-alike keys
     exact_keys: bool
 
+    #: :meth:`read_region` fetches only the region (a sharded version); else it reads the value whole
+    regional: bool
+
     def keys(self) -> list[str]: ...
     def dtype(self, key: str) -> np.dtype: ...
     def shape(self, key: str) -> tuple[int, ...]: ...
     def checksum(self, key: str) -> str | None: ...
     def read(self, key: str) -> np.ndarray: ...
+
+    def read_region(self, key: str, region: tuple[slice, ...]) -> np.ndarray:
+        """The part of a value that ``region`` names, as a new array."""
 
     def prefetch(self, keys: list[str]) -> None:
         """Read ``keys`` together now, for the :meth:`read` of each that follows (or do nothing)."""
@@ -225,6 +231,7 @@ class Values:
         self.where = self._store.path if self._store is not None else "the weight dictionary"
         self.exact_keys = self._store is not None and self._store.exact_keys  # keys paired by structure: no hints
         self.missing_note: str = getattr(self._store, "missing_note", "")  # why a file cannot hold some variables
+        self.regional = self._store is not None and self._store.reads_regions
 
     def keys(self) -> list[str]:
         return self._store.keys() if self._store is not None else list(self._arrays)
@@ -244,7 +251,7 @@ class Values:
     def prefetch(self, keys: list[str]) -> None:
         """Read ``keys`` from the store together (an npz checks and maps many small tensors in
         one pass, a remote file fetches them at once); :meth:`read` hands each out once."""
-        if self._store is not None and len(keys) > 1:
+        if self._store is not None and len(keys) > 1 and not self.regional:  # regions are read each alone
             self._ready.update(self._store.read(keys))
 
     def read(self, key: str) -> np.ndarray:
@@ -252,6 +259,11 @@ class Values:
             return self._arrays[key]
         ready = self._ready.pop(key, None)
         return self._store[key] if ready is None else ready
+
+    def read_region(self, key: str, region: tuple[slice, ...]) -> np.ndarray:
+        if self._store is None:
+            return np.array(self._arrays[key][region])
+        return self._store.read_region(key, region)
 
     def close(self) -> None:
         if self._owned and self._store is not None:
@@ -268,6 +280,7 @@ class RenamedValues:
         self._old = {renames.get(key, key): key for key in names if keep is None or key in keep}
         self.where = values.where
         self.exact_keys = values.exact_keys
+        self.regional = values.regional
 
     def keys(self) -> list[str]:
         return list(self._old)
@@ -286,6 +299,9 @@ class RenamedValues:
 
     def read(self, key: str) -> np.ndarray:
         return self._values.read(self._old[key])
+
+    def read_region(self, key: str, region: tuple[slice, ...]) -> np.ndarray:
+        return self._values.read_region(self._old[key], region)
 
 
 @contextlib.contextmanager

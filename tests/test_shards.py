@@ -233,6 +233,11 @@ def test_a_corrupt_block_is_refused_naming_the_key(tmp_path):
     ws.publish_shard(folder, {"w": a}, step=1, rank=0, world=1, attempt=0)
     shards.commit_shards(folder, step=1, world=1, attempt=0, timeout=5)
     member = folder / "step-000000000001.attempt-0" / "rank-00000.safetensors"
+    from safetensors.numpy import load_file
+
+    strips = load_file(str(member))  # rows of 2,400 bytes: stored as strips of 64 columns, read alone too
+    assert sorted(strips) == sorted(f"w@0,{at}" for at in range(0, 600, 64))
+    assert strips["w@0,576"].tobytes() == a[:, 576:].tobytes()
     data = bytearray(member.read_bytes())
     data[-10] ^= 0xFF  # the last block
     member.write_bytes(bytes(data))
@@ -358,3 +363,19 @@ def test_a_member_that_is_not_what_its_done_record_says_is_refused(tmp_path):
     with pytest.raises(ws.PublishError, match="its done-record says"):
         shards.commit_shards(folder, step=1, world=1, attempt=0, timeout=5)
     assert ws.latest(folder) is None
+
+
+@pytest.mark.parametrize("shape, itemsize, world, columns", [
+    ((768, 4096), 4, 4, 64),        # 256-byte strip rows: 64 float32 columns
+    ((768, 4096), 2, 4, 128),       # or 128 bfloat16 ones
+    ((100, 512), 4, 1, None),       # under 256 KiB: kept whole
+    ((4096, 200), 4, 1, None),      # rows of 800 bytes: fewer than four strips, kept whole
+    ((32, 32000), 4, 128, 512),     # 128 ranks: 63 strips each, so the key keeps under 16,384 pieces
+    ((32, 32000), 4, 4096, None),   # 4,096 ranks: no room for strips at all
+])
+def test_strips_are_power_of_two_columns_and_keep_a_key_under_its_piece_limit(shape, itemsize, world, columns):
+    from weightstore.shardindex import MAX_PIECES_PER_KEY, strip_columns
+
+    assert strip_columns(shape, itemsize, world) == columns
+    if columns:
+        assert world * -(-shape[1] // columns) <= MAX_PIECES_PER_KEY // 2

@@ -18,8 +18,9 @@ from weightstore import shards, versions  # noqa: E402
 
 BUCKET = "weightstore-shards"
 #: 23 MiB in rows of 16 KiB, 375 rows a writer and 500 a reader: a reader's region starts and
-#: ends inside blocks (16 rows) of the pieces, so it fetches up to two partial 256 KiB blocks
-#: beyond its 7.8 MiB share, under 10% of it
+#: ends inside blocks (16 rows) of the pieces, so it fetches up to two partial blocks of rows
+#: beyond its 7.8 MiB share, under 10% of it; a reader of a third of the columns starts and
+#: ends inside column strips (64 columns), and fetches up to two partial strips more
 ROWS, COLS = 1500, 4096
 
 
@@ -54,9 +55,25 @@ def test_readers_fetch_only_their_share(server, folder):
         member_bytes = sum(r.sent for r in server.requests if "rank-" in r.path)
         assert share < member_bytes <= 1.1 * share, (part, member_bytes / share)
         assert server.bytes_sent() == index_bytes + member_bytes
+    for columns in (slice(0, COLS // 2), slice(COLS // 2, COLS), *(slice(i * COLS // 3, (i + 1) * COLS // 3)
+                                                                  for i in range(3))):
+        server.reset()  # written by rows, read by columns: each piece is stored as column strips
+        with ws.open(version) as store:
+            got = store.read_region("w", (slice(None), columns))
+        assert got.tobytes() == weights[:, columns].tobytes()
+        member_bytes = sum(r.sent for r in server.requests if "rank-" in r.path)
+        assert got.nbytes <= member_bytes <= 1.1 * got.nbytes, (columns, member_bytes / got.nbytes)
     server.reset()
     assert ws.load(version)["w"].tobytes() == weights.tobytes()  # whole, from S3
     assert sum(r.sent for r in server.requests if "rank-" in r.path) == weights.nbytes
+
+
+def test_done_records_and_indexes_larger_than_a_network_chunk_are_read_whole(server, folder):
+    weights = {f"layer_{i}/bias": np.full(3, i, np.float32) for i in range(1500)}  # a done-record of ~200 KiB
+    ws.publish_shard(folder, weights, step=1, rank=0, world=1, attempt=0)
+    version = shards.commit_shards(folder, step=1, world=1, attempt=0, timeout=30)
+    with ws.open(version) as store:
+        assert len(store) == 1500 and store["layer_1499/bias"].tolist() == [1499] * 3
 
 
 def test_a_missing_rank_on_s3_times_out_and_nothing_is_published(server, folder):

@@ -13,8 +13,9 @@ does (:func:`weightstore.versions.commit_version`). No collective, no barrier: t
 the coordinator meet only in the folder. The crash argument is in ``docs/sharded.md``.
 
 **How a member holds its pieces.** A key the rank holds one piece of is stored under the key
-itself. A key it holds several pieces of is stored once per piece, as ``KEY@i,j`` (the piece's
-start); the member's metadata (``weightstore-shard``) maps every stored name to its key, start
+itself. A key it holds several pieces of, or a piece of long rows stored as column strips
+(:func:`~weightstore.shardindex.strip_columns`, so that readers of columns fetch only theirs),
+is stored once per piece or strip, as ``KEY@i,j`` (its start); the member's metadata (``weightstore-shard``) maps every stored name to its key, start
 and shape, and is what decides: a global key that happens to look like ``KEY@i,j`` is refused
 rather than misread.
 
@@ -26,6 +27,7 @@ index names. ``ws clean`` does the same for a folder at rest.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import time
@@ -35,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from weightstore import __version__
+from weightstore import __version__, cluster
 from weightstore.errors import FormatError, PublishError, ShardTimeoutError, WeightStoreError, naming
 from weightstore.formats import format_named
 from weightstore.formats.safetensors import SafetensorsReader
@@ -45,6 +47,7 @@ from weightstore.keys import validate_key
 from weightstore.manifest import from_storage, logical_dtype, to_storage
 from weightstore.shardindex import (
     MAX_DONE_BYTES,
+    STRIP_BLOCKS,
     DoneRecord,
     Member,
     PieceEntry,
@@ -60,11 +63,12 @@ from weightstore.shardindex import (
     member_name,
     parse_done,
     row_bytes,
+    strip_columns,
 )
 from weightstore.store import _checked, checked_metadata, write_file
 from weightstore.versions import SHARDED_SUFFIX, Version, _latest, _stage, _versions, commit_version
 
-__all__ = ["Piece", "publish_shard", "commit_shards", "clean_folder"]
+__all__ = ["Piece", "publish_shard", "commit_shards", "next_attempt", "clean_folder"]
 
 #: the member metadata entry that maps each stored name to its global key, start and shape
 SHARD_METADATA = "weightstore-shard"
@@ -90,6 +94,7 @@ class _Listed:
     data: np.ndarray  # in storage form
     start: tuple[int, ...]
     shape: tuple[int, ...]
+    rows: int  # rows per checksummed block
 
 
 def publish_shard(
@@ -97,9 +102,9 @@ def publish_shard(
     pieces: Mapping[str, Any],
     *,
     step: int,
-    rank: int,
-    world: int,
-    attempt: int,
+    rank: int | None = None,
+    world: int | None = None,
+    attempt: int | None = None,
     format: str = "safetensors",  # noqa: A002
     storage_options: Mapping[str, Any] | None = None,
 ) -> None:
@@ -109,16 +114,20 @@ def publish_shard(
         folder: the versioned folder (local path or fsspec URL) the version will be part of.
         pieces: key -> the whole tensor (an array), a :class:`Piece`, or a list of them.
         step: the version's step; above the step ``LATEST`` names.
-        rank, world: this rank (``0 <= rank < world``) and how many ranks write the version.
+        rank, world: this rank (``0 <= rank < world``) and how many ranks write the version;
+            by default from the job's cluster (:mod:`weightstore.cluster`: ``torch.distributed``,
+            ``jax.distributed``, ``TF_CONFIG``).
         attempt: which try at this step (a restarted job counts up), so a dead attempt's
-            members never mix with this one's.
+            members never mix with this one's; by default ``torchrun``'s restart count.
         format: ``"safetensors"``, the one format a member is written in so far.
         storage_options: for URLs, given to fsspec.
 
     Raises:
         PublishError: the step is not above the one ``LATEST`` names.
         InvalidKeyError, UnsupportedDTypeError, ValueError: a bad key, dtype or piece (nothing written).
+        WeightStoreError: ``rank``, ``world`` or ``attempt`` not given and the cluster does not say it.
     """
+    rank, world, attempt = cluster.filled(rank=rank, world=world, attempt=attempt)
     _check_ids(step=step, attempt=attempt, world=world)
     _check_id("rank", rank)
     if rank >= world:
@@ -129,7 +138,7 @@ def publish_shard(
     target = folder_for(folder, storage_options)
     members = folder_for(target.url(attempt_folder(step, attempt)), storage_options)
     where = members.url(member_name(rank))
-    listed = _listed(pieces, where)
+    listed = _listed(pieces, where, world)
     try:
         current = _latest(target)
     except FormatError:
@@ -158,8 +167,8 @@ def commit_shards(
     folder: Any,
     *,
     step: int,
-    world: int,
-    attempt: int,
+    world: int | None = None,
+    attempt: int | None = None,
     timeout: float,
     keep: int | None = 5,
     metadata: Mapping[str, Any] | None = None,
@@ -171,6 +180,7 @@ def commit_shards(
     does: the index ``step-…wsindex`` is created only if absent, then ``LATEST`` is replaced
     (compare-and-swap on object storage), then old versions are pruned (``keep``) and dead
     attempts removed. Steps increase across plain and sharded versions of one folder.
+    ``world`` and ``attempt`` default as in :func:`publish_shard`.
 
     Raises:
         ShardTimeoutError: some rank did not finish within ``timeout`` seconds (``.missing``
@@ -178,7 +188,9 @@ def commit_shards(
         PublishError: pieces that overlap, leave a gap ("cover") or disagree on dtype or shape
             (naming the key); a step that does not go forward; another coordinator committed
             this step or a later one first.
+        WeightStoreError: ``world`` or ``attempt`` not given and the cluster does not say it.
     """
+    _, world, attempt = cluster.filled(rank=0, world=world, attempt=attempt)
     _check_ids(step=step, attempt=attempt, world=world)
     if not world:
         raise ValueError("world must be at least 1")
@@ -221,6 +233,27 @@ def commit_shards(
         raise
     clean_attempts(target, keep_step=step, keep_attempt=attempt)
     return version
+
+
+def split_rows(shape: Sequence[int], rank: int, world: int) -> tuple[slice, ...] | None:
+    """The box (a slice per axis: a range of its rows) of a tensor every rank holds whole that
+    ``rank`` of ``world`` writes, so the ranks share the writing and none sends a byte to
+    another (None: this rank writes none of it); a scalar or an empty tensor is rank 0's. The
+    framework feeds use it for replicated tensors."""
+    if not shape or not math.prod(shape):
+        return tuple(slice(0, size) for size in shape) if rank == 0 else None
+    start, stop = shape[0] * rank // world, shape[0] * (rank + 1) // world
+    return (slice(start, stop), *(slice(0, size) for size in shape[1:])) if stop > start else None
+
+
+def next_attempt(folder: Any, step: int, *, storage_options: Mapping[str, Any] | None = None) -> int:
+    """The attempt after every one ``folder`` holds of ``step`` (0 if none): what a coordinator
+    that announces the attempt to its ranks (``tf2.publish_sharded``) hands out, so a retry never
+    writes into a dead try's folder. A try whose ranks wrote nothing leaves no folder on object
+    storage; reusing its number is harmless, as nothing of it exists."""
+    _check_ids(step=step)
+    return 1 + max((attempt for _, held, attempt in _attempts(folder_for(folder, storage_options)) if held == step),
+                   default=-1)
 
 
 def clean_attempts(target: Folder, *, keep_step: int, keep_attempt: int) -> list[str]:
@@ -287,7 +320,7 @@ def _read_index(target: Folder, name: str) -> ShardIndex | None:
 
 # -- the rank's side ---------------------------------------------------------------------------
 
-def _listed(pieces: Mapping[str, Any], where: str) -> list[_Listed]:
+def _listed(pieces: Mapping[str, Any], where: str, world: int) -> list[_Listed]:
     """Every piece, checked (key, dtype, box) and in storage form, with the name it is stored under."""
     if not isinstance(pieces, Mapping):
         raise TypeError(f"pieces must map a key to an array, a Piece or a list of them, not {type(pieces).__name__}")
@@ -299,23 +332,43 @@ def _listed(pieces: Mapping[str, Any], where: str) -> list[_Listed]:
                 array = np.asarray(piece)
                 piece = Piece(array, (0,) * array.ndim, array.shape)
             found.append((key, piece))
-    counts: dict[str, int] = {}
-    for key, _ in found:
-        counts[key] = counts.get(key, 0) + 1
-    listed = []
+    boxes: list[tuple[str, str, np.ndarray, tuple[int, ...], tuple[int, ...], int]] = []
     for key, piece in found:
         array = np.asarray(piece.array)
         name, data = to_storage(array, key)
         data = np.ascontiguousarray(data).reshape(array.shape)
         start, shape = _box(piece, array.shape, key, where)
+        boxes.extend((key, name, part, at, shape, rows) for part, at, rows in _strips(data, start, name, world))
+    counts: dict[str, int] = {}
+    for key, *_ in boxes:
+        counts[key] = counts.get(key, 0) + 1
+    listed = []
+    for key, name, data, start, shape, rows in boxes:
         stored = key if counts[key] == 1 else f"{key}@{','.join(map(str, start))}"
-        listed.append(_Listed(key, stored, name, data, start, shape))
+        listed.append(_Listed(key, stored, name, data, start, shape, rows))
     stored_names = [item.stored for item in listed]
     if len(set(stored_names)) != len(stored_names):
         clashes = {name for name in stored_names if stored_names.count(name) > 1}
         raise ValueError(f"{where}: pieces of one key start at the same index, or a key looks like a piece's stored "
                          f"name: {sorted(clashes)[:3]}")
     return listed
+
+
+def _strips(data: np.ndarray, start: tuple[int, ...], dtype: str,
+            world: int) -> list[tuple[np.ndarray, tuple[int, ...], int]]:
+    """A piece as it is stored: ``(data, start, rows per block)`` of each of its column strips
+    (:func:`~weightstore.shardindex.strip_columns`), or of the piece whole. A strip's blocks
+    hold as many rows as the whole piece's would (so a reader of a row range fetches no more
+    rows from the strips than from the whole piece), or more, so that a strip has at most
+    ``STRIP_BLOCKS`` blocks."""
+    itemsize = logical_dtype(dtype).itemsize
+    rows = block_rows(data.shape, itemsize)
+    columns = strip_columns(data.shape, itemsize, world)
+    if columns is None:
+        return [(data, start, rows)]
+    rows = max(rows, -(-data.shape[0] // STRIP_BLOCKS))
+    return [(np.ascontiguousarray(data[:, at : at + columns]), (start[0], start[1] + at, *start[2:]), rows)
+            for at in range(0, data.shape[1], columns)]
 
 
 def _box(piece: Piece, array_shape: tuple[int, ...], key: str, where: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -337,11 +390,10 @@ def _described(local: str, listed: list[_Listed]) -> dict[str, TensorEntry]:
         for item in listed:
             offset, _ = reader.extent(item.stored)
             itemsize = logical_dtype(item.dtype).itemsize
-            rows = block_rows(item.data.shape, itemsize)
             raw = item.data.reshape(-1).view(np.uint8)
-            crcs = block_crcs(raw, rows * row_bytes(item.data.shape, itemsize)) if item.data.size else []
+            crcs = block_crcs(raw, item.rows * row_bytes(item.data.shape, itemsize)) if item.data.size else []
             digest = reader.info(item.stored).digest or ""
-            by_key.setdefault(item.key, []).append(PieceEntry(0, item.start, tuple(item.data.shape), offset, rows,
+            by_key.setdefault(item.key, []).append(PieceEntry(0, item.start, tuple(item.data.shape), offset, item.rows,
                                                               tuple(crcs), digest))
             dtypes.setdefault(item.key, (item.dtype, item.shape))
     finally:

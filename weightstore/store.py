@@ -154,6 +154,12 @@ class Store(Mapping):
             np.copyto(out, self[key], casting="unsafe")
         return out
 
+    @property
+    def reads_regions(self) -> bool:
+        """Whether :meth:`read_region` fetches only the region's bytes (a sharded version), so a
+        caller that needs several parts of a tensor reads each part rather than the whole once."""
+        return isinstance(self._reader, RegionReader)
+
     def read_region(self, key: str, region: Any) -> np.ndarray:
         """The part of ``key`` a tuple of slices names (``(slice(0, 128), slice(None))``), as a new array.
 
