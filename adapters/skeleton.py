@@ -207,7 +207,8 @@ def handed_over(arrays: Iterable[np.ndarray]) -> Iterator[None]:
     For arrays read into memory of their own that nothing else holds or will write (a
     follower's staged version): an assign from them then needs no second copy of the model.
     Only an aligned array already of the target's dtype that is nearly all of the allocation
-    behind it is given: keeping a view of a larger buffer would keep all of that buffer alive.
+    behind it is given (keeping a view of a larger buffer would keep all of that buffer alive),
+    and only once.
     """
     given = {array.ctypes.data: array for array in arrays if isinstance(array, np.ndarray) and array.nbytes}
     _handed_over.update(given)
@@ -236,7 +237,11 @@ def _given(array: np.ndarray, dtype: np.dtype) -> bool:
             base = base.obj
         else:
             break
-    return isinstance(base, np.ndarray) and base.nbytes <= array.nbytes + _ALIGNED_FROM
+    if not isinstance(base, np.ndarray) or base.nbytes > array.nbytes + _ALIGNED_FROM:
+        return False
+    # given once: two variables fed the same value must not share a buffer, or an in-place
+    # write into one (TF copies into a buffer it holds alone) would change the other
+    return _handed_over.pop(array.ctypes.data, None) is not None
 
 
 def private_copy(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
