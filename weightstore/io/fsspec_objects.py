@@ -13,13 +13,13 @@ from typing import Any
 from weightstore.errors import FormatError
 from weightstore.io.buffer import aligned_buffer
 from weightstore.io.location import service, uncached
-from weightstore.io.objects import requests_for, scatter, window
+from weightstore.io.objects import Request, requests_for, scatter, window
 
 __all__ = ["FsspecObject"]
 
-#: requests handed to ``cat_ranges`` at once: it returns whole bodies, so this bounds the bytes
-#: held twice (body and view) to this many parts
-BATCH = 8
+#: bytes of requests handed to ``cat_ranges`` at once: it returns whole bodies, so this bounds
+#: what is held twice (body and view) while many small requests still go together
+BATCH_BYTES = 64 << 20
 
 
 class FsspecObject:
@@ -43,9 +43,7 @@ class FsspecObject:
         return size, start, data
 
     def fill(self, ranges: list[tuple[int, memoryview]], opening: bool = False) -> None:
-        requests = requests_for(ranges)
-        for first in range(0, len(requests), BATCH):
-            batch = requests[first : first + BATCH]
+        for batch in _batches(requests_for(ranges)):
             try:
                 with service(self.name):
                     found = self._fs.cat_ranges([self._path] * len(batch), [request.start for request in batch],
@@ -59,3 +57,17 @@ class FsspecObject:
                     raise FormatError(f"got {len(data)} bytes at byte {request.start}, not {request.end - request.start}: "
                                       f"the file is shorter than when it was opened (replaced while open?)", path=self.name)
                 scatter(request.targets, request.start, memoryview(data))
+
+
+def _batches(requests: list[Request]) -> list[list[Request]]:
+    """``requests`` in order, in runs of at most :data:`BATCH_BYTES` (a larger request alone)."""
+    batches: list[list[Request]] = []
+    filled = 0
+    for request in requests:
+        size = request.end - request.start
+        if not batches or filled + size > BATCH_BYTES:
+            batches.append([])
+            filled = 0
+        batches[-1].append(request)
+        filled += size
+    return batches
