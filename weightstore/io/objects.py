@@ -60,7 +60,7 @@ def requests_for(ranges: list[tuple[int, memoryview]]) -> list[Request]:
     into one request of at most :data:`PART_BYTES` (a scope's tensors lie side by side, each in
     its own buffer)."""
     parts = sorted(((offset + at, view[at : at + PART_BYTES])
-                    for offset, view in ranges for at in range(0, len(view), PART_BYTES) if len(view)),
+                    for offset, view in ranges for at in range(0, len(view), PART_BYTES)),
                    key=lambda part: part[0])
     requests: list[Request] = []
     for at, view in parts:

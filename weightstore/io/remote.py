@@ -16,9 +16,9 @@ from weightstore.io import s3
 from weightstore.io.buffer import aligned_buffer
 from weightstore.io.fsspec_objects import FsspecObject
 from weightstore.io.local import check_range
-from weightstore.io.objects import MERGE_GAP, RemoteObject
+from weightstore.io.objects import RemoteObject
 
-__all__ = ["INDEX_WINDOW", "MERGE_GAP", "BACKENDS", "RemoteFile", "object_for"]
+__all__ = ["INDEX_WINDOW", "BACKENDS", "RemoteFile", "object_for"]
 
 #: the backends, by ``(does it serve this fsspec file system?, make its object (fs, path, name))``;
 #: the first that serves a file system reads its files. A new backend is one module and one
