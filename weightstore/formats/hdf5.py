@@ -331,7 +331,8 @@ class Hdf5Reader(ReaderDefaults):
         Without a manifest each path is its key, so a weightstore file whose manifest attribute
         is damaged (its ``VALUE`` datasets then name no key) is refused, not read unverified."""
         if self._manifest is None:
-            return foreign_keys(((path, path) for path in sorted(found)), self.name, "dataset")
+            with naming(path=self.name):
+                return foreign_keys(((path, path) for path in sorted(found)), "dataset")
         paths = {}
         for key in self._manifest.tensors:
             path = self._manifest.locations.get(key, key)
@@ -434,7 +435,7 @@ class Hdf5Reader(ReaderDefaults):
         ``Dataset`` wrappers cost more than HDF5's own work on a small tensor), and its shape."""
         path = self._paths.get(key)
         if path is None:
-            raise KeyNotInStoreError(f"no tensor {key!r}", path=self.name)
+            raise KeyNotInStoreError("no such tensor", path=self.name, key=key)
         if not self._file.id.valid:
             raise StoreClosedError(f"store is closed; cannot read tensor {key!r}", path=self.name)
         dataset = h5py.h5d.open(self._file.id, path.encode("utf-8"))

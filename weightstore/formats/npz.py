@@ -375,7 +375,8 @@ class NpzReader(ReaderDefaults):
         are keys), for a directory :meth:`_as_written` did not prove."""
         member_keys = self._keys_of_members(shuffled=self._manifest is not None)
         if self._table is None:
-            self._member_of = foreign_keys(member_keys.items(), self.name, "member")
+            with naming(path=self.name):
+                self._member_of = foreign_keys(member_keys.items(), "member")
             return
         self._member_of = member_keys
         if not _same_keys(self._table.key_list(), member_keys):
@@ -600,13 +601,13 @@ class NpzReader(ReaderDefaults):
     def _member(self, key: str) -> zipdir.Member:
         name = self._member_of.get(key)
         if name is None:
-            raise KeyNotInStoreError(f"no tensor {key!r}", path=self.name)
+            raise KeyNotInStoreError("no such tensor", path=self.name, key=key)
         return self._members[name]
 
     def info(self, key: str) -> TensorInfo:
         if self._table is not None:
             if key not in self._table:
-                raise KeyNotInStoreError(f"no tensor {key!r}", path=self.name)
+                raise KeyNotInStoreError("no such tensor", path=self.name, key=key)
             return self._table[key]
         info = self._infos.get(key)
         if info is None:
