@@ -38,9 +38,10 @@ assigned back across its shards.
 A plain resource variable gets each value the way ``tf.train.Checkpoint`` restores it: one
 copy into fresh aligned memory, which ``AssignVariableOp`` adopts as the variable's buffer (the
 old one is freed), rather than ``variable.assign(ndarray)``, which copies the value into a
-temporary tensor and that into the variable. The copy is never skipped: an adopted read-only
-map of the file would crash the next in-place update, an adopted caller's array would change
-with it. Values under 64 KiB go in groups of one dtype and shape instead: stacked into one new
+temporary tensor and that into the variable. The copy is skipped only for arrays nothing
+else holds (a follower's staged version, :func:`~weightstore.adapters.skeleton.handed_over`):
+an adopted read-only map of the file would crash the next in-place update, an adopted
+caller's array would change with it. Values under 64 KiB go in groups of one dtype and shape instead: stacked into one new
 array, converted once and split by one ``Unpack`` into tensors TF owns (per-op overhead, not
 bytes, is what a small tensor costs). Distributed variables, and subclasses with an ``assign``
 of their own, get ``assign``.
