@@ -212,11 +212,11 @@ def private_copy(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
     if size < _ALIGNED_FROM:  # the framework's own copy of a small array costs less than aligning it
         return np.array(array, dtype, order="C")
     out = aligned_array(size).view(dtype).reshape(array.shape)
-    _copy(out, array)
+    copy_into(out, array)
     return out
 
 
-def _copy(out: np.ndarray, array: np.ndarray) -> None:
+def copy_into(out: np.ndarray, array: np.ndarray) -> None:
     """``np.copyto`` in pieces along the first axis on several threads (numpy releases the GIL)."""
     global _copier_pool
     pieces = min(_COPIERS, out.nbytes // _PIECE_BYTES, out.shape[0] if out.ndim else 1)
