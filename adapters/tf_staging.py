@@ -1,20 +1,23 @@
-"""A value's copy for an eager variable, made in memory TensorFlow's own allocator handed out.
+"""A value's copy for an eager TensorFlow variable, made in memory TensorFlow's own allocator handed out.
 
-An eager ``AssignVariableOp`` makes the variable share the tensor it is given and frees the
-variable's old buffer. On x86 that buffer came from TensorFlow's CPU allocator (oneDNN's
-pool), which keeps freed memory for its next allocations and never returns it to the system.
-A value copied into numpy's memory (:func:`~weightstore.adapters.skeleton.private_copy`) is
-taken over as it is, so the old buffers all stay in the pool, unused: the first assign in a
-process left it holding the model twice, for good (``Checkpoint.read`` does the same).
+``AssignVariableOp`` makes the variable share the tensor it is given and frees the variable's
+old buffer. On x86 that buffer came from TensorFlow's CPU allocator (oneDNN's pool), which
+keeps freed memory for its next allocations and never returns it to the system. A value
+copied into numpy's memory (:func:`~weightstore.adapters.skeleton.private_copy`) is taken over
+as it is, so the old buffers all stay in the pool, unused: the first assign in a process left
+it holding the model twice, for good (``Checkpoint.read`` does the same).
 
 :func:`staged_copy` copies the value into an uninitialized tensor of TensorFlow's ``Empty`` op
 instead, filled through a numpy view before anything else sees it. The variable takes over
 that tensor, and the buffer it frees is what the next value's ``Empty`` reuses: the pool grows
-by about one value, on the first assign and every later one, and it is still one copy per
-value (into memory already faulted in, after the first).
+by about one batch of values, on the first assign and every later one, and it is still one
+copy per value (into memory already faulted in, after the first).
 
-Session feeds (``tf1``) do not go this way: a session draws its buffers from an allocator the
-eager ``Empty`` does not reuse, measured (see docs/benchmarks.md).
+Session feeds (``tf1``) keep numpy copies. A session's ops draw from an allocator of the
+session's own, which the eager ``Empty`` does not share, so a variable set by an in-graph
+initializer frees its first buffer where a staged copy cannot reuse it (the first assign still
+grows the process by the model, as ``Saver.restore``'s does), and the staged feed cost about
+12% more CPU time per repeated assign than the numpy copy (docs/benchmarks.md).
 """
 
 from __future__ import annotations
