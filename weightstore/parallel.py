@@ -98,8 +98,20 @@ class Beside(Generic[R]):
     """
 
     def __init__(self, job: Callable[[], R]):
-        self._job = job
-        self._future: Future[R] = _pool().submit(job)
+        self._job: Callable[[], R] | None = job
+        self._future: Future[R] = _pool().submit(self._run)
+
+    def _run(self) -> R:
+        assert self._job is not None  # cleared only once the job ran or was cancelled
+        return self._job()
 
     def result(self) -> R:
-        return self._job() if self._future.cancel() else self._future.result()
+        """The job's result. Afterwards nothing here holds the job (or the tensor it hashed),
+        not even a cancelled entry still queued for a busy helper."""
+        try:
+            if self._future.cancel():
+                assert self._job is not None
+                return self._job()
+            return self._future.result()
+        finally:
+            self._job = None
