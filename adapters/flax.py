@@ -38,13 +38,15 @@ from weightstore.adapters.plan import (
     Selection,
     SelectionWords,
     TargetInfo,
+    ValueSource,
     open_values,
 )
 from weightstore.adapters.skeleton import Target, run_assign
 from weightstore.errors import InvalidKeyError, LayoutError, SelectionError
 from weightstore.keys import MappingRules, Patterns, plan_outward, validate_key
+from weightstore.shards import Piece, split_rows
 
-__all__ = ["export", "assign", "restore", "variables", "forget"]
+__all__ = ["export", "export_pieces", "assign", "restore", "variables", "forget"]
 
 _STATE = (nnx.Param, nnx.BatchStat)
 
@@ -69,21 +71,8 @@ def export(
     as trainable. With ``layout``, keys and arrays come out in Keras's names and layouts; a
     tensor no rule converts raises :class:`~weightstore.errors.LayoutError` listing every such key.
     """
-    chosen_by = Selection(**selection)
-    if isinstance(obj, nnx.Module):
-        found = variables(obj)
-        values = {key: var.get_value() for key, var in found.items()}
-        trainable = {key: isinstance(var, nnx.Param) for key, var in found.items()}
-        sites = _sites(obj)
-    else:
-        values = _leaves(obj)
-        trainable = dict.fromkeys(values, True)
-        sites = None
-    plan = plan_outward(values, scope=chosen_by.scope, include=chosen_by.include, exclude=chosen_by.exclude,
-                        where=_describe(obj))
-    chosen = {new: old for new, old in plan.items() if chosen_by.keeps(new, trainable[old])}
-    if not chosen:
-        raise SelectionError(f"{_describe(obj)} has {'no arrays' if not values else 'no array passing the selection'}")
+    values, chosen = _selected(obj, Selection(**selection))
+    sites = _sites(obj) if isinstance(obj, nnx.Module) else None
     weights = {key: np.array(jax.device_get(values[old]), copy=True) for key, old in chosen.items()}
     if layout is None:
         return weights
@@ -93,6 +82,32 @@ def export(
     if refused:
         raise LayoutError(layouts.refusal_message(f"exporting {_describe(obj)}", refused))
     return {new: step.build(weights.__getitem__) for new, step in steps.items()}
+
+
+def export_pieces(obj: Any, **selection: Unpack[SelectionWords]) -> dict[str, list[Piece]]:
+    """What this process writes of an NNX module or pytree to a sharded version: key -> its
+    :class:`~weightstore.Piece` s, for :func:`weightstore.publish_shard`.
+
+    A JAX array gives the shards on this process's devices (``addressable_shards``), each at the
+    offset its ``index`` names, and of shards holding the same part (a replicated axis) only the
+    one JAX numbers replica 0, so each part is written once across the job; a numpy leaf, which
+    every process holds whole, is split by rows between ``jax.process_count()`` processes.
+    Nothing crosses the network. Keys and selection are :func:`export`'s.
+    """
+    values, chosen = _selected(obj, Selection(**selection))
+    pieces: dict[str, list[Piece]] = {}
+    for key, old in chosen.items():
+        value = values[old]
+        shape = tuple(np.shape(value))
+        if isinstance(value, jax.Array):
+            found = [Piece(np.asarray(shard.data), tuple(part.start for part in _bounds(shard.index, shape)), shape)
+                     for shard in value.addressable_shards if shard.replica_id == 0]
+        else:
+            region = split_rows(shape, jax.process_index(), jax.process_count())
+            found = [] if region is None else [Piece(np.array(value[region]), tuple(part.start for part in region), shape)]
+        if found:
+            pieces[key] = found
+    return pieces
 
 
 def assign(
@@ -123,7 +138,7 @@ def assign(
         return layouts.plan_laid_out(values, targets, options, layout=chosen_layout)
 
     def prepare(source: Any, key: str, value_key: str) -> Any:
-        return _placed(source.read(value_key), current[key])
+        return _placed(source, value_key, current[key])
 
     return run_assign(Target(targets, write, owner=lambda key: module, prepare=prepare, plan=plan), weights, options)
 
@@ -151,7 +166,7 @@ def restore(
         options = AssignOptions(scope=scope, mapping=mapping, include=include, exclude=exclude, strict=strict,
                                 cast=cast)
         plan, source = layouts.plan_laid_out(values, targets, options, layout=_resolved(layout))
-        new = {key: _placed(source.read(value_key), leaves[key]) for key, value_key in plan.pairs.items()}
+        new = {key: _placed(source, value_key, leaves[key]) for key, value_key in plan.pairs.items()}
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     return jax.tree_util.tree_unflatten(treedef, [new.get(_key(path), leaf) if _is_array(leaf) else leaf
                                                   for path, leaf in flat])
@@ -166,12 +181,52 @@ def _resolved(layout: str | layouts.Layout | None) -> layouts.Layout | None:
     return None if layout is None else layouts.resolve(layout, "flax")
 
 
-def _placed(value: np.ndarray, old: Any) -> Any:
-    """``value`` as the kind of array ``old`` is: same dtype, and for JAX the same sharding."""
-    array = np.asarray(value, dtype=old.dtype)
+def _selected(obj: Any, chosen_by: Selection) -> tuple[dict[str, Any], dict[str, str]]:
+    """An NNX module's variable values or a pytree's array leaves by key, and the selected
+    ones: output key -> key."""
+    if isinstance(obj, nnx.Module):
+        found = variables(obj)
+        values = {key: var.get_value() for key, var in found.items()}
+        trainable = {key: isinstance(var, nnx.Param) for key, var in found.items()}
+    else:
+        values = _leaves(obj)
+        trainable = dict.fromkeys(values, True)
+    plan = plan_outward(values, scope=chosen_by.scope, include=chosen_by.include, exclude=chosen_by.exclude,
+                        where=_describe(obj))
+    chosen = {new: old for new, old in plan.items() if chosen_by.keeps(new, trainable[old])}
+    if not chosen:
+        raise SelectionError(f"{_describe(obj)} has {'no arrays' if not values else 'no array passing the selection'}")
+    return values, chosen
+
+
+def _placed(source: ValueSource, value_key: str, old: Any) -> Any:
+    """The value as the kind of array ``old`` is: same dtype, and for JAX the same sharding.
+
+    From a sharded version each of this process's devices gets only its part, read by region
+    (``jax.make_array_from_callback`` asks only for the parts this process holds, each part
+    read once however many devices replicate it); from anything else the value is read whole.
+    """
+    if isinstance(old, jax.Array) and source.regional:
+        parts: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
+
+        def part(index: tuple[slice, ...] | None) -> np.ndarray:
+            region = _bounds(index or (), old.shape)
+            box = tuple((bound.start, bound.stop) for bound in region)
+            if box not in parts:
+                parts[box] = np.asarray(source.read_region(value_key, region), dtype=old.dtype)
+            return parts[box]
+
+        return jax.make_array_from_callback(old.shape, old.sharding, part)
+    array = np.asarray(source.read(value_key), dtype=old.dtype)
     if isinstance(old, jax.Array):
         return jax.device_put(array, old.sharding)
     return np.array(array, copy=True)
+
+
+def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+    """A shard's ``index`` (slices that may be open) as explicit ``start:stop`` slices on every axis."""
+    return tuple(slice(*(index[axis] if axis < len(index) else slice(None)).indices(size)[:2])
+                 for axis, size in enumerate(shape))
 
 
 def _leaves(tree: Any) -> dict[str, Any]:

@@ -534,15 +534,15 @@ def selected_refusals(refused: Mapping[str, str], *, scope: str | None, mapping:
     return kept
 
 
-def _refuse_keras_file(where: str) -> None:
+def _refuse_keras_file(path: str | None) -> None:
     """A Keras file names tensors by Keras's save walk (``layers/dense/vars/0``): no layout rule
     can say which is which without the Keras model that wrote it, so say how to key it by that model."""
-    if not where.endswith((keras_file.KERAS_SUFFIX, keras_file.WEIGHTS_SUFFIX)):
+    if path is None or not path.endswith((keras_file.KERAS_SUFFIX, keras_file.WEIGHTS_SUFFIX)):
         return
     raise AssignmentError(
         "is a Keras file, whose tensors Keras names by its save walk (layers/<layer>/vars/<i>), not by layer: "
         "key it by its Keras model first, in Python with tf2.assign(model, path) then tf2.export(model), or with "
-        f"`ws export {where} -o m.npz --model-keys` (a .keras file; --model m.keras for a .weights.h5)", path=where)
+        f"`ws export {path} -o m.npz --model-keys` (a .keras file; --model m.keras for a .weights.h5)", path=path)
 
 
 class LaidOutValues:
@@ -551,8 +551,10 @@ class LaidOutValues:
     def __init__(self, values: ValueSource, steps: Mapping[str, AnyStep]):
         self._values = values
         self._steps = steps
+        self.path = values.path
         self.where = values.where
         self.exact_keys = values.exact_keys
+        self.regional = False  # a converted value is built whole from what it comes from
 
     def keys(self) -> list[str]:
         return list(self._steps)
@@ -573,6 +575,9 @@ class LaidOutValues:
     def read(self, key: str) -> np.ndarray:
         return self._steps[key].build(self._values.read)
 
+    def read_region(self, key: str, region: tuple[slice, ...]) -> np.ndarray:
+        return np.array(self.read(key)[region])
+
     def prefetch(self, keys: list[str]) -> None:
         """Nothing: converted values are read one by one, as each is converted."""
 
@@ -585,7 +590,7 @@ def plan_laid_out(values: ValueSource, targets: Mapping[str, TargetInfo], option
     Returns the plan and the values to read its pairs from. Values no rule converts are
     reported as mismatched, so a strict assign refuses them and changes nothing.
     """
-    _refuse_keras_file(values.where)
+    _refuse_keras_file(values.path)
     refused: list[Mismatch] = []
     view: ValueSource = values
     scope, mapping = options.scope, options.mapping

@@ -188,16 +188,24 @@ class ValueSource(Protocol):
     """What a plan pairs and an assign reads values through: :class:`Values`, or a view of it
     under other names (:class:`~weightstore.adapters.layout.LaidOutValues`)."""
 
-    #: the file (or "the weight dictionary") errors and reports name
+    #: the file the values come from, set as the ``path`` of the errors about them; None for a dict
+    path: str | None
+    #: what warnings and reports call the values: the file, or "the weight dictionary"
     where: str
     #: keys were paired with the model by structure: an error suggests no look-alike keys
     exact_keys: bool
+
+    #: :meth:`read_region` fetches only the region (a sharded version); else it reads the value whole
+    regional: bool
 
     def keys(self) -> list[str]: ...
     def dtype(self, key: str) -> np.dtype: ...
     def shape(self, key: str) -> tuple[int, ...]: ...
     def checksum(self, key: str) -> str | None: ...
     def read(self, key: str) -> np.ndarray: ...
+
+    def read_region(self, key: str, region: tuple[slice, ...]) -> np.ndarray:
+        """The part of a value that ``region`` names, as a new array."""
 
     def prefetch(self, keys: list[str]) -> None:
         """Read ``keys`` together now, for the :meth:`read` of each that follows (or do nothing)."""
@@ -222,16 +230,18 @@ class Values:
         else:
             raise TypeError(f"weights must be a dict, a path, a Store or a Version, not {type(weights).__name__}")
         self._ready: dict[str, np.ndarray] = {}  # read by prefetch, not yet handed out
-        self.where = self._store.path if self._store is not None else "the weight dictionary"
+        self.path = self._store.path if self._store is not None else None
+        self.where = self.path or "the weight dictionary"
         self.exact_keys = self._store is not None and self._store.exact_keys  # keys paired by structure: no hints
         self.missing_note: str = getattr(self._store, "missing_note", "")  # why a file cannot hold some variables
+        self.regional = self._store is not None and self._store.reads_regions
 
     def keys(self) -> list[str]:
         return self._store.keys() if self._store is not None else list(self._arrays)
 
     def dtype(self, key: str) -> np.dtype:
         if self._store is not None:
-            with naming(path=self.where):
+            with naming(path=self.path):
                 return logical_dtype(self._store.info(key).dtype)
         return self._arrays[key].dtype
 
@@ -244,7 +254,7 @@ class Values:
     def prefetch(self, keys: list[str]) -> None:
         """Read ``keys`` from the store together (an npz checks and maps many small tensors in
         one pass, a remote file fetches them at once); :meth:`read` hands each out once."""
-        if self._store is not None and len(keys) > 1:
+        if self._store is not None and len(keys) > 1 and not self.regional:  # regions are read each alone
             self._ready.update(self._store.read(keys))
 
     def read(self, key: str) -> np.ndarray:
@@ -252,6 +262,11 @@ class Values:
             return self._arrays[key]
         ready = self._ready.pop(key, None)
         return self._store[key] if ready is None else ready
+
+    def read_region(self, key: str, region: tuple[slice, ...]) -> np.ndarray:
+        if self._store is None:
+            return np.array(self._arrays[key][region])
+        return self._store.read_region(key, region)
 
     def close(self) -> None:
         if self._owned and self._store is not None:
@@ -266,8 +281,10 @@ class RenamedValues:
         self._values = values
         names = values.keys()  # a Values, not a dict: it has no __iter__
         self._old = {renames.get(key, key): key for key in names if keep is None or key in keep}
+        self.path = values.path
         self.where = values.where
         self.exact_keys = values.exact_keys
+        self.regional = values.regional
 
     def keys(self) -> list[str]:
         return list(self._old)
@@ -286,6 +303,9 @@ class RenamedValues:
 
     def read(self, key: str) -> np.ndarray:
         return self._values.read(self._old[key])
+
+    def read_region(self, key: str, region: tuple[slice, ...]) -> np.ndarray:
+        return self._values.read_region(self._old[key], region)
 
 
 @contextlib.contextmanager
@@ -350,8 +370,11 @@ def plan_assign(
     norm_scope = normalize_scope(options.scope)
     include, exclude, cast = options.include, options.exclude, options.cast
     every_key = values.keys()
-    value_keys = plan_inward([key for key in every_key if key not in left_out] if left_out else every_key, scope=norm_scope, mapping=options.mapping, include=include,
-                             exclude=exclude, where=values.where)
+    described = "" if values.path else values.where  # a file is the errors' path, not in their text
+    with naming(path=values.path):
+        value_keys = plan_inward([key for key in every_key if key not in left_out] if left_out else every_key,
+                                 scope=norm_scope, mapping=options.mapping, include=include, exclude=exclude,
+                                 where=described)
     selectable = {
         strip_scope(key, norm_scope): info
         for key, info in targets.items()
@@ -379,9 +402,9 @@ def plan_assign(
             pairs[key] = source
     if (options.strict and not report.ok) or not pairs:
         raise AssignmentError(
-            _message(report, values.where, chosen, value_keys, pairs, targets, trainable_only=options.trainable_only,
+            _message(report, described, chosen, value_keys, pairs, targets, trainable_only=options.trainable_only,
                      hints=not values.exact_keys, note=getattr(values, "missing_note", "")),
-            missing=report.missing, unexpected=report.unexpected, mismatched=report.mismatched,
+            missing=report.missing, unexpected=report.unexpected, mismatched=report.mismatched, path=values.path,
         )
     if len(pairs) * 2 < len(chosen):
         warnings.warn(_few_assigned(values.where, len(pairs), chosen, value_keys), AssignWarning, stacklevel=5)
@@ -435,7 +458,7 @@ def _message(report: Report, where: str, targets: Mapping[str, Any], values: Map
             return f"{key!r} is a variable but not trainable (trainable_only=True)"
         return f"no variable {key!r}{suggest(key, free_targets) or suggest(key, free_every)}"
 
-    lines = [f"cannot assign {where}: nothing was changed"]
+    lines = [f"cannot assign{f' {where}' if where else ''}: nothing was changed"]
     common = sum(1 for key in values if key in every)
     if min(len(targets), len(values)) >= 2 and common * 2 < min(len(targets), len(values)):
         lines.append(f"  the weights and the model look like different architectures: {common} of {len(values)} "

@@ -154,8 +154,8 @@ def _write_batches(target: Target, source: ValueSource, prepare: Callable[[Value
             for key, _ in chunk:  # the variables of this batch may hold anything now
                 MEMORY.remember(target.owner(key), key, None)
             raise AssignmentError(
-                f"cannot assign {source.where}: failed after {len(report.assigned)} of {len(todo)} variables "
-                f"were written, which keep their new values ({exc})"
+                f"cannot assign{'' if source.path else ' ' + source.where}: failed after {len(report.assigned)} "
+                f"of {len(todo)} variables were written, which keep their new values ({exc})", path=source.path,
             ) from exc
         _remember(target, written, digests, report)
         written_before = True

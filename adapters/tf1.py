@@ -3,7 +3,8 @@
 Keys are variable names without ``:0``. Variables are found in every collection of the
 session's graph (global, local, model, custom), of both kinds (ref and resource).
 Partitioned variables (``w/part_0``, ``w/part_1``…) appear as one whole tensor ``w``, cut
-and stitched along the slices TF records for its ``Saver``.
+and stitched along the slices TF records for its ``Saver``; from a sharded version each part
+reads only its own region (:meth:`weightstore.Store.read_region`), never the whole tensor.
 
 Only variables are ever read or written: objects in collections that merely subclass
 ``tf.Variable`` (the ``_UnreadVariable`` that ``resource_var.assign(...)`` returns, which
@@ -158,23 +159,34 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
     targets = _targets(graph)
     options = AssignOptions(**words)
 
-    def prepare(values: Any, key: str, value_key: str) -> np.ndarray:
-        """The verified value as the file holds it (a view of a mapped npz costs no memory);
-        the writers are found now too, so one that cannot exist fails before any batch runs."""
-        for part in targets[key].parts:
+    def prepare(values: Any, key: str, value_key: str) -> np.ndarray | list[np.ndarray]:
+        """The verified value as the file holds it (a view of a mapped npz costs no memory); of a
+        partitioned variable in a sharded version, each part's region alone, so no part reads
+        bytes of another. The writers are found now too, so one that cannot exist fails before
+        any batch runs."""
+        parts = targets[key].parts
+        for part in parts:
             _writer(graph, part.variable)
+        if parts[0].index and values.regional:
+            return [values.read_region(value_key, part.index) for part in parts]
         return np.asarray(values.read(value_key))
 
-    def write(batch: list[tuple[str, np.ndarray]], report: Report) -> list[str]:
+    def cut(value: np.ndarray | list[np.ndarray], parts: list[_Part]) -> list[np.ndarray]:
+        """Each part's array: the regions read, or the whole value cut along the parts' slices."""
+        if isinstance(value, list):
+            return value
+        return [value[part.index] if part.index else value for part in parts]
+
+    def write(batch: list[tuple[str, np.ndarray | list[np.ndarray]]], report: Report) -> list[str]:
         """One batch in one ``session.run``, through ops the graph already has."""
         fetches: list[tf.Operation] = []
         feeds: dict[tf.Tensor, np.ndarray] = {}
-        for key, array in batch:
+        for key, value in batch:
             target = targets[key]
-            for part in target.parts:
+            for part, array in zip(target.parts, cut(value, target.parts), strict=True):
                 op, tensor = _writer(graph, part.variable)
                 fetches.append(op)
-                feeds[tensor] = private_copy(array[part.index] if part.index else array, target.dtype)
+                feeds[tensor] = private_copy(array, target.dtype)
         sess.run(fetches, feed_dict=feeds)
         return [key for key, _ in batch]
 

@@ -96,7 +96,7 @@ from weightstore.keys import (
     validate_key,
 )
 
-__all__ = ["export", "assign", "load", "keys", "variables", "forget"]
+__all__ = ["export", "assign", "load", "keys", "variables", "forget", "publish_sharded"]
 
 Variable = Union[tf.Variable, keras.Variable, "tf.__internal__.distribute.ShardedVariable"]
 _SHARDED = tf.__internal__.distribute.ShardedVariable
@@ -642,3 +642,4 @@ def _plain_resource(var: Variable) -> BaseResourceVariable | None:
 def _describe(obj: Any) -> str:
     name = getattr(obj, "name", None)
     return f"{type(obj).__name__} {name!r}" if isinstance(name, str) else type(obj).__name__
+from weightstore.adapters.tf2_sharded import publish_sharded  # noqa: E402 - its own module: a feed for clusters

@@ -39,6 +39,7 @@ with needs("torch", __name__):
     from torch import nn
 
 from weightstore.adapters import layout as layouts
+from weightstore.adapters import torch_shards
 from weightstore.adapters.plan import (
     MEMORY,
     AssignOptions,
@@ -55,8 +56,9 @@ from weightstore.adapters.skeleton import Target, run_assign
 from weightstore.errors import AssignmentError, InvalidKeyError, LayoutError, SelectionError, UnsupportedDTypeError
 from weightstore.keys import plan_outward
 from weightstore.names import TORCH, WRITE_NAMINGS, check_naming, key_of_torch_name, torch_keys, torch_name_of_key
+from weightstore.shards import Piece, split_rows
 
-__all__ = ["export", "assign", "tensors", "forget"]
+__all__ = ["export", "export_pieces", "assign", "tensors", "forget"]
 
 OPTIONAL_LEAF = "num_batches_tracked"
 #: torch dtypes numpy lacks -> (their ml_dtypes kind, a torch integer of the same width):
@@ -99,14 +101,7 @@ def export(
     """
     if check_naming(names, WRITE_NAMINGS) == TORCH and layout is not None:
         raise ValueError("names='torch' and layout= do not combine: a layout writes Keras's names")
-    chosen_by = Selection(**selection)
-    found = tensors(module)
-    plan = plan_outward(found, scope=chosen_by.scope, include=chosen_by.include, exclude=chosen_by.exclude,
-                        where=_describe(module))
-    chosen = {new: old for new, old in plan.items() if chosen_by.keeps(new, found[old].requires_grad)}
-    if not chosen:
-        why = "no tensors" if not found else "no tensor passing the selection"
-        raise SelectionError(f"{_describe(module)} has {why}")
+    found, chosen = _selected(module, Selection(**selection))
     weights = {key: _read(found[old], key) for key, old in chosen.items()}
     if names == TORCH:
         return {torch_name_of_key(key): value for key, value in weights.items()}
@@ -118,6 +113,36 @@ def export(
     if refused:
         raise LayoutError(layouts.refusal_message(f"exporting {_describe(module)}", refused))
     return {new: step.build(weights.__getitem__) for new, step in steps.items()}
+
+
+def export_pieces(module: nn.Module, *, rank: int | None = None, world: int | None = None,
+                  **selection: Unpack[SelectionWords]) -> dict[str, list[Piece]]:
+    """What this rank writes of ``module`` to a sharded version: key -> its
+    :class:`~weightstore.Piece` s, for :func:`weightstore.publish_shard`.
+
+    A ``DTensor`` (FSDP2's ``fully_shard`` parameters, tensor-parallel plans, ``distribute_tensor``)
+    gives its local shard at its global offset, written once (of ranks holding the same shard,
+    the first); a plain tensor, which every rank holds whole, is split by rows between the
+    ranks. No tensor crosses the network. ``rank`` and ``world`` (for plain tensors) default to
+    ``torch.distributed``'s. Keys and selection are :func:`export`'s; a rank may hold no piece
+    of some keys, which other ranks write.
+    """
+    found, chosen = _selected(module, Selection(**selection))
+    if rank is None or world is None:
+        grouped = torch.distributed.is_available() and torch.distributed.is_initialized()
+        rank = (torch.distributed.get_rank() if grouped else 0) if rank is None else rank
+        world = (torch.distributed.get_world_size() if grouped else 1) if world is None else world
+    pieces: dict[str, list[Piece]] = {}
+    for key, old in chosen.items():
+        tensor = found[old]
+        shape = tuple(tensor.shape)
+        sharded = torch_shards.is_sharded(tensor)
+        region = torch_shards.local_region(tensor, key) if sharded else split_rows(shape, rank, world)
+        if region is None or (sharded and not torch_shards.writes_local(tensor)):
+            continue
+        array = _read(torch_shards.local_tensor(tensor) if sharded else tensor[region], key)
+        pieces[key] = [Piece(array, tuple(part.start for part in region), shape)]
+    return pieces
 
 
 def assign(
@@ -149,12 +174,19 @@ def assign(
                for key, tensor in found.items()}
     options = AssignOptions(**words)
     chosen_layout = None if layout is None else layouts.resolve(layout, "torch")
+    local = {key: torch_shards.local_tensor(tensor) for key, tensor in found.items()}
+
+    def prepare(source: Any, key: str, value_key: str) -> np.ndarray:
+        """The value, or of a DTensor only its local shard's region (all a sharded version fetches)."""
+        region = torch_shards.local_region(found[key], key)
+        value = source.read(value_key) if region is None else source.read_region(value_key, region)
+        return np.asarray(value, dtype=targets[key].dtype)
 
     def write(batch: list[tuple[str, np.ndarray]], report: Report) -> list[str]:
-        batch = _refuse_unwritable(batch, found, report, strict=options.strict, where=_describe(module))
+        batch = _refuse_unwritable(batch, local, report, strict=options.strict, where=_describe(module))
         with torch.no_grad():
             for key, array in batch:
-                found[key].copy_(_as_tensor(array))
+                local[key].copy_(_as_tensor(array))
         return [key for key, _ in batch]
 
     def plan(values: Any, options: AssignOptions) -> tuple[Any, Any]:
@@ -162,7 +194,20 @@ def assign(
             values = _keyed(values)
         return layouts.plan_laid_out(values, targets, options, layout=chosen_layout, optional=_optional)
 
-    return run_assign(Target(targets, write, owner=lambda key: found[key], plan=plan), weights, options)
+    return run_assign(Target(targets, write, owner=lambda key: found[key], prepare=prepare, plan=plan), weights,
+                      options)
+
+
+def _selected(module: nn.Module, chosen_by: Selection) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The module's tensors by key, and the selected ones: output key -> key."""
+    found = tensors(module)
+    plan = plan_outward(found, scope=chosen_by.scope, include=chosen_by.include, exclude=chosen_by.exclude,
+                        where=_describe(module))
+    chosen = {new: old for new, old in plan.items() if chosen_by.keeps(new, found[old].requires_grad)}
+    if not chosen:
+        why = "no tensors" if not found else "no tensor passing the selection"
+        raise SelectionError(f"{_describe(module)} has {why}")
+    return found, chosen
 
 
 def _keyed(values: Any) -> Any:

@@ -7,8 +7,8 @@ Three tables, one run:
    all of ``--size-mb``. The coordinator reads only the done-records, so its bytes grow with
    the number of blocks (one CRC per 256 KiB), not with the tensor bytes.
 2. *Bytes each reader fetches vs its share* (same server): a version written by 4 ranks by
-   rows, read by 3 readers by rows, 2 by columns, and 1 whole; member bytes fetched over the
-   bytes of the region, plus the index.
+   rows, read by 3 readers by rows, by 2 and by 3 by columns, a quarter (a 2x2 grid's cell)
+   and whole; member bytes fetched over the bytes of the region, plus the index.
 3. *Write throughput for 1, 2, 4 writers* (local folder, forked processes started together):
    the model's bytes over the time from the first writer's start to the last one's end.
    Each writer is CPU-bound (conversion, CRC-32 per block, BLAKE3 per piece, the write); on a
@@ -85,6 +85,8 @@ def reader_bytes(server: CountingS3, size_mb: float) -> str:
     readers: list[tuple[str, tuple[slice, ...]]] = [
         *((f"rows {i + 1}/3", (slice(i * total_rows // 3, (i + 1) * total_rows // 3),)) for i in range(3)),
         *((f"columns {i + 1}/2", (slice(None), slice(i * COLS // 2, (i + 1) * COLS // 2))) for i in range(2)),
+        *((f"columns {i + 1}/3", (slice(None), slice(i * COLS // 3, (i + 1) * COLS // 3))) for i in range(3)),
+        ("rows 1/2, columns 2/2", (slice(0, total_rows // 2), slice(COLS // 2, COLS))),
         ("whole", ()),
     ]
     rows = []

@@ -69,10 +69,11 @@ def export(source: Source, out: str, *, selection: Selection, mapping: MappingRu
     trainable weights). ``names`` is :func:`weightstore.save`'s."""
     output_format(out)
     check_naming(names, WRITE_NAMINGS)
-    plan = plan_outward(source.keys(), scope=selection.scope, mapping=mapping, include=selection.include,
-                        exclude=selection.exclude, where=source.path)
-    if selection.also:
-        require_matches(plan.keys(), selection.also, "--also", path=source.path)
+    with naming(path=source.path):
+        plan = plan_outward(source.keys(), scope=selection.scope, mapping=mapping, include=selection.include,
+                            exclude=selection.exclude)
+        if selection.also:
+            require_matches(plan.keys(), selection.also, "--also")
     if selection.trainable_only:
         trainable = source.trainable_keys()
         plan = {new: old for new, old in plan.items() if selection.keeps(new, old in trainable)}
@@ -146,7 +147,8 @@ def is_checkpoint_target(target: str) -> bool:
 
 def import_(source: Source, target: str, *, scope: str | None, mapping: MappingRules, include: Patterns,
             exclude: Patterns, overwrite: bool) -> Written:
-    plan = plan_inward(source.keys(), scope=scope, mapping=mapping, include=include, exclude=exclude, where=source.path)
+    with naming(path=source.path):
+        plan = plan_inward(source.keys(), scope=scope, mapping=mapping, include=include, exclude=exclude)
     if not plan:
         raise SelectionError("holds no tensor to import", path=source.path)
     with naming(path=target):  # keys the scope made, refused as the target's

@@ -21,6 +21,7 @@ MODULES = [
     "weightstore",
     "weightstore.versions",
     "weightstore.shards",
+    "weightstore.cluster",
     "weightstore.background",
     "weightstore.adapters.tf1",
     "weightstore.adapters.tf2",

@@ -11,6 +11,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -507,17 +508,114 @@ def _suffix_that_names_no_format(tmp_path) -> tuple[list[str], str, str | None]:
     return ["export", str(source), "-o", target], target, None
 
 
+def _two_keys(tmp_path) -> str:
+    source = str(tmp_path / "m.npz")
+    ws.save(source, {"dense/w": np.ones((2, 3), np.float32), "dense/b": np.ones(3, np.float32)})
+    return source
+
+
+def _include_that_matches_nothing(tmp_path) -> tuple[list[str], str, str | None]:
+    source = _two_keys(tmp_path)
+    return ["export", source, "-o", str(tmp_path / "out.npz"), "--include", "dense/kernel"], source, None
+
+
+def _also_that_matches_nothing(tmp_path) -> tuple[list[str], str, str | None]:
+    source = _two_keys(tmp_path)
+    return ["export", source, "-o", str(tmp_path / "out.npz"), "--trainable-only", "--also", "*/moving_*"], source, None
+
+
+def _import_selection_that_keeps_nothing(tmp_path) -> tuple[list[str], str, str | None]:
+    source = _two_keys(tmp_path)
+    return ["import", source, "--into", str(tmp_path / "out.npz"), "--exclude", "dense/*"], source, None
+
+
+def _mapping_that_merges_two_keys(tmp_path) -> tuple[list[str], str, str | None]:
+    source = _two_keys(tmp_path)
+    return ["import", source, "--into", str(tmp_path / "out.npz"), "--map", "dense/w=x", "--map", "dense/b=x"], source, None
+
+
+def _corrupt_tensor_converted(tmp_path) -> tuple[list[str], str, str | None]:
+    args, path, _ = _corrupt_npz(tmp_path)
+    return ["convert", path, str(tmp_path / "out.h5")], path, "w"  # one tensor read, and it is corrupt
+
+
+def _pickle_given_as_weights(tmp_path) -> tuple[list[str], str, str | None]:
+    path = tmp_path / "model.bin"
+    path.write_bytes(b"\x80\x04\x95" + bytes(64))  # a pickle's first bytes: refused, never unpickled
+    return ["ls", str(path)], str(path), None
+
+
+def _shard_size_of_nothing(tmp_path) -> tuple[list[str], str, str | None]:
+    target = str(tmp_path / "hf")
+    return ["convert", _two_keys(tmp_path), target, "--max-shard-size", "0"], target, None
+
+
+def _key_no_torch_name_reads_back(tmp_path) -> tuple[list[str], str, str | None]:
+    target = str(tmp_path / "out.safetensors")
+    return ["export", _two_keys(tmp_path), "-o", target, "--names", "torch", "--map", "dense=a.b"], target, "a.b/w"
+
+
+def _tensor_no_layout_rule_converts(tmp_path) -> tuple[list[str], str, str | None]:
+    source = str(tmp_path / "odd.npz")
+    ws.save(source, {"fc/kernel": np.ones((2, 3)), "fc/alpha": np.ones(3)})
+    return ["convert", source, str(tmp_path / "out.npz"), "--layout", "keras-to-torch"], source, None
+
+
 @pytest.mark.parametrize("damaged", [_truncated_safetensors, _corrupt_npz, _checkpoint_without_its_data,
                                      _folder_with_a_damaged_latest, _key_too_long_for_the_target,
-                                     _dtype_the_target_cannot_hold, _suffix_that_names_no_format],
-                         ids=["ls", "verify", "convert", "versions", "save-key", "save-dtype", "save-suffix"])
+                                     _dtype_the_target_cannot_hold, _suffix_that_names_no_format,
+                                     _include_that_matches_nothing, _also_that_matches_nothing,
+                                     _import_selection_that_keeps_nothing, _mapping_that_merges_two_keys,
+                                     _corrupt_tensor_converted, _pickle_given_as_weights, _shard_size_of_nothing,
+                                     _key_no_torch_name_reads_back, _tensor_no_layout_rule_converts],
+                         ids=["ls", "verify", "convert", "versions", "save-key", "save-dtype", "save-suffix",
+                              "include", "also", "import-selection", "mapping", "corrupt-tensor", "pickle",
+                              "shard-size", "torch-name", "layout"])
 def test_json_errors_carry_the_file_and_the_key(tmp_path, damaged):
-    """Scripts filter failures by ``error.path``/``error.key``; the message still names both."""
+    """Scripts filter failures by ``error.path``/``error.key``; the message still names both,
+    the file once, at its head."""
     args, path, key = damaged(tmp_path)
     result = run(*args, "--json")
     error = json.loads(result.stdout)["error"]
     assert (error["path"], error["key"]) == (path, key)
-    one_error_line(result, path, *([f"tensor {key!r}"] if key else []))
+    line = one_error_line(result, path, *([f"tensor {key!r}"] if key else []))
+    assert line.startswith(f"error: {path}: ") and line.count(path) == 1, line
+
+
+def _keras_file_given_a_key_it_lacks(made, tmp_path) -> tuple[list[str], str, str | None]:
+    target = str(tmp_path / "model.keras")
+    shutil.copy(made["root"] / "model.keras", target)
+    ws.save(tmp_path / "w.npz", {"d1/kernel": np.ones((3, 4), np.float32)})
+    return ["import", str(tmp_path / "w.npz"), "--into", target, "--overwrite"], target, "d1/kernel"
+
+
+def _keras_file_given_a_wrong_shape(made, tmp_path) -> tuple[list[str], str, str | None]:
+    target = str(tmp_path / "model.weights.h5")
+    shutil.copy(made["root"] / "model.weights.h5", target)
+    with ws.open(target) as opened:
+        key = opened.keys()[0]
+        shape = opened.info(key).shape
+    ws.save(tmp_path / "w.npz", {key: np.ones((*shape, 2), np.float32)})
+    return ["import", str(tmp_path / "w.npz"), "--into", target, "--overwrite"], target, key
+
+
+def _object_checkpoint_given_a_wrong_shape(made, tmp_path) -> tuple[list[str], str, str | None]:
+    target = copy_checkpoint(made["module"], tmp_path)
+    ws.save(tmp_path / "w.npz", {"net/w": np.ones((3, 3), np.float32)})
+    return ["import", str(tmp_path / "w.npz"), "--into", target], target, "net/w"
+
+
+@pytest.mark.parametrize("refused", [_keras_file_given_a_key_it_lacks, _keras_file_given_a_wrong_shape,
+                                     _object_checkpoint_given_a_wrong_shape],
+                         ids=["keras-key", "keras-shape", "checkpoint-shape"])
+def test_json_errors_of_an_import_carry_the_target_and_the_key(made, tmp_path, refused):
+    args, path, key = refused(made, tmp_path)
+    before = {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)}
+    result = run(*args, "--json")
+    error = json.loads(result.stdout)["error"]
+    assert (error["path"], error["key"]) == (path, key)
+    one_error_line(result, f"{path}: tensor {key!r}: ")
+    assert {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)} == before  # nothing written
 
 
 @pytest.mark.parametrize("name", ["out.safetensors.bak", "out.xyz"])

@@ -149,3 +149,36 @@ def test_npz_shuffled_member_not_shuffle_zstd_names_file_and_tensor(tmp_path):
     with ws.open(path) as store:
         exc = refusal(errors.FormatError, lambda: store["dense/kernel"], path, "dense/kernel")
     assert "shuffle-zstd" in exc.message
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".h5", ".safetensors"])
+def test_a_missing_tensor_names_file_and_tensor(tmp_path, suffix):
+    path = good_file(tmp_path, suffix)
+    with ws.open(path) as store:
+        refusal(errors.KeyNotInStoreError, lambda: store["dense/kernl"], path, "dense/kernl")
+        refusal(errors.KeyNotInStoreError, lambda: store.read(["dense/bias", "dense/kernl"]), path, "dense/kernl")
+        refusal(errors.KeyNotInStoreError, lambda: store.info("dense/kernl"), path, "dense/kernl")
+
+
+class _DtypeThatChanges:
+    """States float32 (checked before the write starts) and turns out an object array when
+    converted, as the write converts each value: the late refusal still names file and tensor."""
+
+    dtype = np.dtype("float32")
+    shape = (2,)
+
+    def __array__(self, dtype=None, copy=None):
+        return np.array(["a", "b"], dtype=object)
+
+
+def test_save_names_file_and_tensor_when_a_value_is_converted(tmp_path):
+    path = tmp_path / "late.npz"
+    refusal(errors.UnsupportedDTypeError, lambda: ws.save(path, {"ok": np.ones(2), "w": _DtypeThatChanges()}),
+            path, "w")
+    assert not path.exists()
+
+
+def test_save_names_file_and_tensor_of_a_key_the_format_keeps(tmp_path):
+    path = tmp_path / "reserved.safetensors"
+    refusal(errors.InvalidKeyError, lambda: ws.save(path, {"__metadata__": np.ones(2)}), path, "__metadata__")
+    assert not path.exists()

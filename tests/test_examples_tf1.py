@@ -1,19 +1,16 @@
-"""The TF1 examples run as the README shows them, and show what they claim."""
+"""The TF1 examples run as the README shows them, and show what they claim.
+
+``python -m examples.tf1_ensemble`` is run in ``test_examples_keras``, in the one fresh
+interpreter that also runs the Keras ensemble (TensorFlow imported once for both).
+"""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("tensorflow")
 
 from examples import tf1_ensemble, tf1_selective, tf1_sync  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
@@ -50,10 +47,3 @@ def test_selective_restore_gives_identical_predictions(tmp_path):
     assert all(key.endswith("/Adagrad") for key in result["left_out"] if key != "global_step")
     assert {"conv_1/bn/moving_mean", "conv_2/bn/moving_variance"}.isdisjoint(result["left_out"])
 
-
-@pytest.mark.slow
-def test_examples_run_as_modules():
-    done = subprocess.run([sys.executable, "-m", "examples.tf1_ensemble"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
-    assert done.returncode == 0, done.stderr
-    assert "x = 10 -> 11, 12, 13" in done.stdout

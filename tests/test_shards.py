@@ -136,7 +136,8 @@ def test_a_killed_writer_times_out_and_a_retry_commits(tmp_path):
     assert sorted(p.name for p in folder.iterdir() if p.is_dir()) == ["step-000000000002.attempt-1"]
 
 
-def test_a_killed_coordinator_leaves_nothing_visible_and_the_retry_commits(tmp_path):
+@pytest.mark.parametrize("retry", [0, 1])  # the coordinator alone, or the job with the next attempt
+def test_a_killed_coordinator_leaves_nothing_visible_and_the_retry_commits(tmp_path, retry):
     folder = tmp_path / "run"
     ws.publish(folder, {"a": np.zeros(1)}, step=1)
     for rank in range(4):
@@ -147,8 +148,11 @@ def test_a_killed_coordinator_leaves_nothing_visible_and_the_retry_commits(tmp_p
     proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
     assert proc.returncode == -9
     assert (folder / "step-000000000002.wsindex").exists() and ws.latest(folder).step == 1
-    version = shards.commit_shards(folder, step=2, world=4, attempt=0, timeout=5)
+    for rank in range(4 if retry else 0):
+        ws.publish_shard(folder, pieces_of(rank), step=2, rank=rank, world=4, attempt=retry)
+    version = shards.commit_shards(folder, step=2, world=4, attempt=retry, timeout=5)
     assert ws.latest(folder).step == 2 and ws.load(version)["step"] == 7
+    assert sorted(p.name for p in folder.iterdir() if p.is_dir()) == [f"step-000000000002.attempt-{retry}"]
 
 
 def test_two_coordinators_racing_one_step_locally(tmp_path):
@@ -233,6 +237,11 @@ def test_a_corrupt_block_is_refused_naming_the_key(tmp_path):
     ws.publish_shard(folder, {"w": a}, step=1, rank=0, world=1, attempt=0)
     shards.commit_shards(folder, step=1, world=1, attempt=0, timeout=5)
     member = folder / "step-000000000001.attempt-0" / "rank-00000.safetensors"
+    from safetensors.numpy import load_file
+
+    strips = load_file(str(member))  # rows of 2,400 bytes: stored as strips of 64 columns, read alone too
+    assert sorted(strips) == sorted(f"w@0,{at}" for at in range(0, 600, 64))
+    assert strips["w@0,576"].tobytes() == a[:, 576:].tobytes()
     data = bytearray(member.read_bytes())
     data[-10] ^= 0xFF  # the last block
     member.write_bytes(bytes(data))
@@ -358,3 +367,72 @@ def test_a_member_that_is_not_what_its_done_record_says_is_refused(tmp_path):
     with pytest.raises(ws.PublishError, match="its done-record says"):
         shards.commit_shards(folder, step=1, world=1, attempt=0, timeout=5)
     assert ws.latest(folder) is None
+
+
+@pytest.mark.parametrize("fmt, suffix", [("npz", ".npz"), ("hdf5", ".h5"), ("safetensors", ".safetensors")])
+def test_members_in_each_format_read_back_bit_exact(tmp_path, fmt, suffix):
+    folder = tmp_path / "run"
+    for rank in range(4):
+        ws.publish_shard(folder, pieces_of(rank), step=2, rank=rank, world=4, attempt=0, format=fmt)
+    version = shards.commit_shards(folder, step=2, world=4, attempt=0, timeout=5)
+    expected = model()
+    with ws.open(version) as store:
+        for key, value in expected.items():
+            assert store[key].dtype == value.dtype and store[key].tobytes() == value.tobytes(), key
+        for part in range(3):  # a reader by thirds of a version four ranks wrote
+            rows = slice(part * 32, (part + 1) * 32)
+            assert store.read_region("dense/kernel", (rows, slice(100, 1100))).tobytes() == (
+                expected["dense/kernel"][rows, 100:1100].tobytes())
+        assert store.read_region("two", (slice(5, 35),)).tobytes() == expected["two"][5:35].tobytes()
+    member = folder / "step-000000000002.attempt-0" / f"rank-00001{suffix}"
+    with ws.open(member) as alone:  # an ordinary file of its format, under the global keys
+        assert sorted(alone) == ["dense/kernel", "emb", "two@0,0", "two@20,0"]
+        assert alone["two@20,0"].tobytes() == expected["two"][20:30].tobytes()
+        assert alone.info("emb").dtype == "bfloat16"
+    if fmt == "npz":
+        with np.load(member) as plain:
+            assert plain["dense/kernel"].tobytes() == expected["dense/kernel"][24:48].tobytes()
+
+
+def test_a_member_format_that_cannot_be_read_by_ranges_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="safetensors, npz or hdf5"):
+        ws.publish_shard(tmp_path / "run", {"w": np.zeros(2)}, step=1, rank=0, world=1, attempt=0, format="sharded")
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").rglob("rank-*"))
+    # what a member's byte ranges come from refuses bytes that are not the tensor's as in memory
+    for name in ("deflated.npz", "deflated.h5"):
+        ws.save(tmp_path / name, {"w": np.arange(50_000, dtype=np.float32)}, compress=True)
+        with ws.open(tmp_path / name) as store, pytest.raises(ws.FormatError, match="compressed") as caught:
+            store._reader.extent("w")
+        assert caught.value.key == "w" and caught.value.path == str(tmp_path / name)
+
+
+def test_a_member_whose_bytes_are_not_where_its_format_says_is_refused(tmp_path, monkeypatch):
+    """The guard against a format that would place a piece's bytes other than as they are in
+    memory: an extent off by a few bytes (as a format's bug would give) is refused at write
+    time, naming the key, and no done-record is written."""
+    from weightstore.formats.npz import NpzReader
+
+    extent = NpzReader.extent
+    monkeypatch.setattr(NpzReader, "extent", lambda self, key: (extent(self, key)[0] - 8, extent(self, key)[1]))
+    folder = tmp_path / "run"
+    with pytest.raises(ws.WeightStoreError, match="not where the format says") as caught:
+        ws.publish_shard(folder, {"w": np.arange(20, dtype=np.float32)}, step=1, rank=0, world=1, attempt=0,
+                         format="npz")
+    assert caught.value.key == "w"
+    assert not list(folder.rglob("*.done")) and not list(folder.rglob("*.npz"))
+
+
+@pytest.mark.parametrize("shape, itemsize, world, columns", [
+    ((768, 4096), 4, 4, 64),        # 256-byte strip rows: 64 float32 columns
+    ((768, 4096), 2, 4, 128),       # or 128 bfloat16 ones
+    ((100, 512), 4, 1, None),       # under 256 KiB: kept whole
+    ((4096, 200), 4, 1, None),      # rows of 800 bytes: fewer than four strips, kept whole
+    ((32, 32000), 4, 128, 512),     # 128 ranks: 63 strips each, so the key keeps under 16,384 pieces
+    ((32, 32000), 4, 4096, None),   # 4,096 ranks: no room for strips at all
+])
+def test_strips_are_power_of_two_columns_and_keep_a_key_under_its_piece_limit(shape, itemsize, world, columns):
+    from weightstore.shardindex import MAX_PIECES_PER_KEY, strip_columns
+
+    assert strip_columns(shape, itemsize, world) == columns
+    if columns:
+        assert world * -(-shape[1] // columns) <= MAX_PIECES_PER_KEY // 2

@@ -18,8 +18,9 @@ from weightstore import shards, versions  # noqa: E402
 
 BUCKET = "weightstore-shards"
 #: 23 MiB in rows of 16 KiB, 375 rows a writer and 500 a reader: a reader's region starts and
-#: ends inside blocks (16 rows) of the pieces, so it fetches up to two partial 256 KiB blocks
-#: beyond its 7.8 MiB share, under 10% of it
+#: ends inside blocks (16 rows) of the pieces, so it fetches up to two partial blocks of rows
+#: beyond its 7.8 MiB share, under 10% of it; a reader of a third of the columns starts and
+#: ends inside column strips (64 columns), and fetches up to two partial strips more
 ROWS, COLS = 1500, 4096
 
 
@@ -29,16 +30,18 @@ def folder(server):
     return f"s3://{BUCKET}/{uuid.uuid4().hex}"
 
 
-def write(folder, weights, world, *, step, attempt=0):
+def write(folder, weights, world, *, step, attempt=0, format="safetensors"):  # noqa: A002
     rows = weights.shape[0] // world
     for rank in range(world):
         ws.publish_shard(folder, {"w": ws.Piece(weights[rank * rows:(rank + 1) * rows], (rank * rows, 0),
-                                                weights.shape)}, step=step, rank=rank, world=world, attempt=attempt)
+                                                weights.shape)}, step=step, rank=rank, world=world, attempt=attempt,
+                         format=format)
 
 
-def test_readers_fetch_only_their_share(server, folder):
+@pytest.mark.parametrize("fmt", ["safetensors", "npz", "hdf5"])
+def test_readers_fetch_only_their_share(server, folder, fmt):
     weights = np.random.default_rng(0).standard_normal((ROWS, COLS)).astype(np.float32)
-    write(folder, weights, 4, step=1)
+    write(folder, weights, 4, step=1, format=fmt)
     server.reset()
     version = shards.commit_shards(folder, step=1, world=4, attempt=0, timeout=10)
     commit_get = sum(r.sent for r in server.requests if r.method == "GET" and "rank-" in r.path and ".done" not in r.path)
@@ -54,9 +57,25 @@ def test_readers_fetch_only_their_share(server, folder):
         member_bytes = sum(r.sent for r in server.requests if "rank-" in r.path)
         assert share < member_bytes <= 1.1 * share, (part, member_bytes / share)
         assert server.bytes_sent() == index_bytes + member_bytes
+    for columns in (slice(0, COLS // 2), slice(COLS // 2, COLS), *(slice(i * COLS // 3, (i + 1) * COLS // 3)
+                                                                  for i in range(3))):
+        server.reset()  # written by rows, read by columns: each piece is stored as column strips
+        with ws.open(version) as store:
+            got = store.read_region("w", (slice(None), columns))
+        assert got.tobytes() == weights[:, columns].tobytes()
+        member_bytes = sum(r.sent for r in server.requests if "rank-" in r.path)
+        assert got.nbytes <= member_bytes <= 1.1 * got.nbytes, (columns, member_bytes / got.nbytes)
     server.reset()
     assert ws.load(version)["w"].tobytes() == weights.tobytes()  # whole, from S3
     assert sum(r.sent for r in server.requests if "rank-" in r.path) == weights.nbytes
+
+
+def test_done_records_and_indexes_larger_than_a_network_chunk_are_read_whole(server, folder):
+    weights = {f"layer_{i}/bias": np.full(3, i, np.float32) for i in range(1500)}  # a done-record of ~200 KiB
+    ws.publish_shard(folder, weights, step=1, rank=0, world=1, attempt=0)
+    version = shards.commit_shards(folder, step=1, world=1, attempt=0, timeout=30)
+    with ws.open(version) as store:
+        assert len(store) == 1500 and store["layer_1499/bias"].tolist() == [1499] * 3
 
 
 def test_a_missing_rank_on_s3_times_out_and_nothing_is_published(server, folder):
@@ -101,8 +120,17 @@ def test_two_coordinators_racing_one_step_exactly_one_wins(server, folder):
     write(folder, weights, 2, step=3)
     outcomes = race(2, lambda i: shards.commit_shards(folder, step=3, world=2, attempt=0, timeout=5))
     assert sorted(type(o).__name__ for o in outcomes) == ["PublishError", "Version"]
-    assert "another coordinator" in str(next(o for o in outcomes if isinstance(o, ws.PublishError)))
+    # one index for both (the second finds its twin), then one compare-and-swap of LATEST wins; the
+    # loser, whichever wrote the index, leaves it in place: LATEST names it
+    assert "another publisher committed first" in str(next(o for o in outcomes if isinstance(o, ws.PublishError)))
     assert ws.latest(folder).step == 3 and ws.load(ws.latest(folder))["w"].tobytes() == weights.tobytes()
+    write(folder, weights, 2, step=4)
+    outcomes = race(2, lambda i: shards.commit_shards(folder, step=4, world=2, attempt=0, timeout=5,
+                                                      metadata={"coordinator": i}))
+    assert sorted(type(o).__name__ for o in outcomes) == ["PublishError", "Version"]
+    assert "another coordinator" in str(next(o for o in outcomes if isinstance(o, ws.PublishError)))
+    won = next(o for o in outcomes if isinstance(o, ws.Version))
+    assert ws.latest(folder).metadata == won.metadata == ws.open(ws.latest(folder)).metadata
 
 
 def test_coordinators_of_two_steps_racing_never_move_latest_back(server, folder):
@@ -169,3 +197,46 @@ def _names(folder):
     fs = s3fs.S3FileSystem()
     fs.invalidate_cache()
     return fs.ls(folder[len("s3://"):])
+
+
+def kill_coordinator_after_index(folder, *, step, world, attempt):
+    """A coordinator process SIGKILLed between its index and LATEST."""
+    import os
+    import subprocess
+
+    script = ("import os, sys; from weightstore import shards, versions\n"
+              "versions._stage = shards._stage = lambda s: s == 'index-written' and os.kill(os.getpid(), 9)\n"
+              f"shards.commit_shards({folder!r}, step={step}, world={world}, attempt={attempt}, timeout=10)\n")
+    root = str(Path(__file__).resolve().parents[1])
+    proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": root}, timeout=120)
+    assert proc.returncode == -9
+
+
+def test_a_retry_of_the_step_a_killed_coordinator_left_commits(server, folder):
+    ws.publish(folder, {"w": np.zeros(2)}, step=1)
+    weights = np.arange(64, dtype=np.float32).reshape(8, 8)
+    write(folder, weights, 2, step=2)
+    kill_coordinator_after_index(folder, step=2, world=2, attempt=0)
+    assert any(name.endswith("step-000000000002.wsindex") for name in _names(folder))
+    assert ws.latest(folder).step == 1  # the index no reader reaches
+    with pytest.raises(ws.PublishError, match="not this commit's"):  # other metadata: another commit's index
+        shards.commit_shards(folder, step=2, world=2, attempt=0, timeout=5, metadata={"other": 1})
+    with pytest.raises(ws.PublishError, match="not this commit's"):  # another attempt's members
+        write(folder, weights + 1, 2, step=2, attempt=1)
+        shards.commit_shards(folder, step=2, world=2, attempt=1, timeout=5)
+    assert ws.latest(folder).step == 1
+    version = shards.commit_shards(folder, step=2, world=2, attempt=0, timeout=5)  # the same commit, retried
+    assert ws.latest(folder).step == 2 == version.step
+    assert ws.load(ws.latest(folder))["w"].tobytes() == weights.tobytes()
+    assert not any(".attempt-1" in name for name in _names(folder))  # the other attempt, removed
+
+
+def test_a_killed_coordinators_index_is_removed_by_a_later_commit(server, folder):
+    ws.publish(folder, {"w": np.zeros(2)}, step=1)
+    weights = np.arange(64, dtype=np.float32).reshape(8, 8)
+    write(folder, weights, 2, step=2)
+    kill_coordinator_after_index(folder, step=2, world=2, attempt=0)
+    write(folder, weights * 2, 2, step=3)
+    shards.commit_shards(folder, step=3, world=2, attempt=0, timeout=5)
+    assert ws.load(ws.latest(folder))["w"].tobytes() == (weights * 2).tobytes()
+    assert not any("step-000000000002" in name for name in _names(folder))  # its index and its members

@@ -45,3 +45,68 @@ def test_partitioned_four_ways_restores_into_a_finalized_graph_partitioned_three
     for key, value in expected.items():
         assert restored[key].tobytes() == value.tobytes(), key
     assert sorted(tf1.assign(reader, version).skipped) == sorted(expected)  # hot reload: nothing changed
+
+
+BUCKET = "weightstore-shards-tf1"
+#: 9.4 MiB in rows of 16 KiB: 150 rows a writer's part, 200 a reader's, so every reader's part
+#: starts or ends inside a writer's part
+ROWS, COLS = 600, 4096
+
+
+def build_wide(parts: int, seed: int):
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(seed)
+        v1.get_variable("wide", [ROWS, COLS], partitioner=v1.fixed_size_partitioner(parts, axis=0))
+        init = v1.global_variables_initializer()
+    sess = v1.Session(graph=graph)
+    sess.run(init)
+    return graph, sess
+
+
+def fetched_rows(server, index, member_of_path):
+    """The global rows (first, last) of each ranged GET of a member, from the index's pieces."""
+    import re
+
+    spans = []
+    for request in server.requests:
+        if request.method != "GET" or "rank-" not in request.path or not request.range:
+            continue
+        first, last = map(int, re.match(r"bytes=(\d+)-(\d+)", request.range).groups())
+        member = member_of_path(request.path)
+        rows = []
+        for at in (first, last):
+            entry = next(p for p in index.tensors["wide"].pieces
+                         if p.member == member and p.offset <= at < p.offset + 4 * p.shape[0] * p.shape[1])
+            rows.append(entry.start[0] + (at - entry.offset) // (4 * entry.shape[1]))
+        spans.append(tuple(rows))
+    return spans
+
+
+def test_each_part_of_a_finalized_graph_reads_only_its_region_from_s3(server):
+    import uuid
+
+    import s3fs
+
+    from weightstore.shardindex import ShardIndex
+
+    folder = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    _, writer = build_wide(4, seed=3)
+    expected = tf1.export(writer)["wide"]
+    for rank, piece in enumerate(tf1.export_pieces(writer)["wide"]):
+        ws.publish_shard(folder, {"wide": [piece]}, step=1, rank=rank, world=4, attempt=0)
+    version = ws.commit_shards(folder, step=1, world=4, attempt=0, timeout=30)
+    index = ShardIndex.parse(s3fs.S3FileSystem().cat(version.path))
+    graph, reader = build_wide(3, seed=4)
+    graph.finalize()
+    server.reset()
+    tf1.assign(reader, version)
+    assert tf1.export(reader)["wide"].tobytes() == expected.tobytes()
+    member_bytes = sum(r.sent for r in server.requests if "rank-" in r.path)
+    assert expected.nbytes <= member_bytes <= 1.1 * expected.nbytes
+    rows_per_block = max(p.rows for p in index.tensors["wide"].pieces)
+    parts = [(lo - rows_per_block, hi + rows_per_block) for lo, hi in ((0, 200), (200, 400), (400, 600))]
+    spans = fetched_rows(server, index, lambda path: int(path.rsplit("rank-", 1)[1][:5]))
+    assert spans
+    for first, last in spans:  # each read lies within one part's region, widened by a block
+        assert any(lo <= first and last < hi for lo, hi in parts), (first, last)

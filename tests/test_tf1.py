@@ -538,9 +538,10 @@ def test_a_file_rewritten_in_place_between_batches_says_what_was_written(tmp_pat
     with tf.Graph().as_default() as graph, CountingSession(graph=graph, after_feed=rewrite_after_first_batch) as sess:
         variables = six_variables()
         sess.run(v1.global_variables_initializer())
-        with pytest.raises(AssignmentError, match=r"w\.h5: failed after 4 of 6 variables were written") as caught:
+        with pytest.raises(AssignmentError, match=r"w\.h5: cannot assign: failed after 4 of 6 variables were written"
+                           ) as caught:
             tf1.assign(sess, path)
-        assert isinstance(caught.value.__cause__, ChecksumError)
+        assert isinstance(caught.value.__cause__, ChecksumError) and caught.value.path == str(path)
         got = values(sess, variables)
         for i in range(6):
             np.testing.assert_array_equal(got[i], np.full(FLOATS, i + 1 if i < 4 else 0, np.float32))

@@ -118,6 +118,26 @@ def test_strict_failure_changes_nothing_and_lists_every_problem():
     assert torch.equal(net[0].weight, before["0.weight"] + 1) and torch.equal(net[3].weight, before["3.weight"])
 
 
+def test_a_file_that_does_not_fit_is_the_errors_path(tmp_path):
+    """Assigning a file: its refusals carry it as ``path`` (named once, at the head), a dict's do not."""
+    net = small_net()
+    before = state(net)
+    weights = torch_adapter.export(net)
+    path = tmp_path / "m.npz"
+    ws.save(path, {**weights, "3/weight": np.ones((3, 4), np.float32)})
+    with pytest.raises(AssignmentError) as info:
+        torch_adapter.assign(net, path)
+    assert info.value.path == str(path) and str(info.value).startswith(f"{path}: cannot assign: nothing was changed")
+    with pytest.raises(SelectionError) as selected:
+        torch_adapter.assign(net, path, include="3/wieght")
+    assert selected.value.path == str(path)
+    assert str(selected.value).startswith(f"{path}: include '3/wieght' matches no key; did you mean '3/weight'?")
+    with pytest.raises(AssignmentError) as info:
+        torch_adapter.assign(net, {**weights, "3/weight": np.ones((3, 4), np.float32)})
+    assert info.value.path is None and str(info.value).startswith("cannot assign the weight dictionary: nothing")
+    assert_unchanged(net, before)
+
+
 def test_tied_parameters_must_get_one_value():
     net = nn.Sequential(nn.Embedding(4, 2), nn.Linear(2, 4, bias=False))
     net[1].weight = net[0].weight  # one tensor, two keys

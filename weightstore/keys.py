@@ -263,18 +263,18 @@ def closest(pattern: str, keys: Iterable[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-def require_matches(keys: Collection[str], patterns: Patterns, word: str, where: str = "", *,
-                    path: str | None = None) -> None:
+def require_matches(keys: Collection[str], patterns: Patterns, word: str, where: str = "") -> None:
     """Raise :class:`SelectionError` for the first of ``patterns`` that matches none of ``keys``.
 
     A word that matches nothing is nearly always a typo or a wrong guess at a name, and
     ignoring it loses exactly what it was written to keep (``also="*/bn/moving_*"``: the
     batch-norm statistics). ``word`` names the option in the message (``also``, ``include``);
-    ``where`` describes what was searched, or ``path`` names the file it is.
+    ``where`` describes what was searched when it is no file (``"the graph"``); a file is
+    named by the caller, which wraps the call in :func:`weightstore.errors.naming`.
     """
     for pattern in _as_list(patterns):
         if not any(matches(key, pattern) for key in keys):
-            raise SelectionError(f"{word} {pattern!r} matches no key{_where(where)}{closest(pattern, keys)}", path=path)
+            raise SelectionError(f"{word} {pattern!r} matches no key{_where(where)}{closest(pattern, keys)}")
 
 
 def plan_outward(
@@ -288,7 +288,8 @@ def plan_outward(
 ) -> dict[str, str]:
     """New key -> source key for reading out: keep under ``scope`` and strip it, map, select.
 
-    A key equal to the scope itself has no name relative to it and is left out.
+    A key equal to the scope itself has no name relative to it and is left out. ``where`` is as
+    for :func:`require_matches`: a description of what is not a file (``"Sequential 'net'"``).
     """
     norm_scope = normalize_scope(scope)
     rules = parse_mapping(mapping)

@@ -403,7 +403,7 @@ def _parse_entries(raw: dict[str, Any], locations: dict[str, str],
     return tensors
 
 
-def refuse_dense_json(text: str, min_bytes: int, what: str, where: str | None = None) -> None:
+def refuse_dense_json(text: str, min_bytes: int, what: str) -> None:
     """Refuse, before parsing, JSON text holding more than one object or array per ``min_bytes``
     (plus a few): Python spends 56-64 bytes on each however short its text (``[]``: 2 bytes), so
     this bounds what the parse allocates to a few times the text. Brackets inside strings count
@@ -411,7 +411,7 @@ def refuse_dense_json(text: str, min_bytes: int, what: str, where: str | None = 
     containers = text.count("{") + text.count("[")
     if containers > len(text) // min_bytes + 1024:
         raise UnsafeFileError(f"{what} is not JSON weightstore parses: it holds {containers} JSON objects and arrays "
-                              f"in {len(text)} bytes (at most one per {min_bytes} bytes)", path=where)
+                              f"in {len(text)} bytes (at most one per {min_bytes} bytes)")
 
 
 def _parse_json(text: str) -> Any:

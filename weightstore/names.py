@@ -57,8 +57,8 @@ def torch_name_of_key(key: str) -> str:
     segments hold ``.`` (``dense.1/kernel`` would read back as ``dense/1/kernel``)."""
     validate_key(key)
     if "." in key:
-        raise InvalidKeyError(f"key {key!r} has a '.' inside a segment; torch names join segments with '.', so "
-                              "it would read back as another key; save without names='torch', or rename it")
+        raise InvalidKeyError("has a '.' inside a segment; torch names join segments with '.', so it would "
+                              "read back as another key; save without names='torch', or rename it", key=key)
     return key.replace("/", ".")
 
 

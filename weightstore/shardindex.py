@@ -1,7 +1,7 @@
 """What a sharded version says about itself: the index, each rank's done-record, and their checks.
 
 A sharded version is one index file (``step-000000000042.wsindex``) naming member files (one
-per rank, each an ordinary safetensors file) and, for every global key, the pieces that tile
+per rank, each an ordinary safetensors, npz or HDF5 file) and, for every global key, the pieces that tile
 it: where each sits in the global tensor (``start``, ``shape``), where its bytes lie in its
 member (``offset``), and a CRC-32 for each *block* of it (``rows`` rows along its first axis,
 about :data:`BLOCK_BYTES`), so a reader of a region fetches and verifies only the blocks that
@@ -31,16 +31,26 @@ from weightstore.keys import validate_key
 from weightstore.manifest import crc32, logical_dtype
 from weightstore.tensortable import MAX_NDIM
 
-__all__ = ["index_name", "attempt_folder", "member_name", "done_name", "BLOCK_BYTES", "INDEX_FORMAT", "DONE_FORMAT", "MAX_INDEX_BYTES", "MAX_DONE_BYTES", "MAX_PIECES_PER_KEY",
+__all__ = ["index_name", "attempt_folder", "member_name", "MEMBER_SUFFIXES", "done_name", "BLOCK_BYTES", "INDEX_FORMAT", "DONE_FORMAT", "MAX_INDEX_BYTES", "MAX_DONE_BYTES", "MAX_PIECES_PER_KEY",
            "PieceEntry", "TensorEntry", "Member", "ShardIndex", "DoneRecord", "parse_done", "check_tensor",
            "check_member_bytes", "seal",
-           "block_rows", "block_crcs", "row_bytes", "rows_of"]
+           "block_rows", "block_crcs", "row_bytes", "rows_of", "strip_columns", "STRIPED_FROM", "STRIP_ROW_BYTES",
+           "MAX_STRIPS", "STRIP_BLOCKS"]
 
 INDEX_FORMAT = "weightstore-sharded"
 DONE_FORMAT = "weightstore-shard-done"
 #: bytes a checksummed block holds, about: a reader of a region fetches at most one block more
 #: than it needs at each end of each piece it touches
 BLOCK_BYTES = 256 << 10
+#: pieces at least this large whose rows are long are stored as column strips (:func:`strip_columns`)
+STRIPED_FROM = 256 << 10
+#: a strip's bytes per row, about: a reader of a column range fetches at most this much more per row
+STRIP_ROW_BYTES = 256
+#: strips one piece is cut into, at most
+MAX_STRIPS = 256
+#: checksummed blocks a strip has, at most, so the index of a large piece stays a small
+#: fraction of it (one CRC-32, about 11 bytes of JSON, per block)
+STRIP_BLOCKS = 64
 MAX_INDEX_BYTES = 256 << 20
 MAX_DONE_BYTES = 64 << 20
 #: pieces one key may have; the overlap check compares each piece with the ones beside it
@@ -57,8 +67,17 @@ def attempt_folder(step: int, attempt: int) -> str:
     return f"step-{step:012d}.attempt-{attempt}"
 
 
-def member_name(rank: int) -> str:
-    return f"rank-{rank:05d}.safetensors"
+#: the suffixes a member may have: one per format a member is written in
+MEMBER_SUFFIXES = (".safetensors", ".npz", ".h5")
+
+
+def member_name(rank: int, suffix: str = ".safetensors") -> str:
+    return f"rank-{rank:05d}{suffix}"
+
+
+def _member_names(rank: int, folder: str = "") -> set[str]:
+    """The names rank ``rank``'s member may have (in ``folder``), one per member format."""
+    return {folder + member_name(rank, suffix) for suffix in MEMBER_SUFFIXES}
 
 
 def done_name(rank: int) -> str:
@@ -78,6 +97,32 @@ def row_bytes(shape: Sequence[int], itemsize: int) -> int:
 def block_rows(shape: Sequence[int], itemsize: int) -> int:
     """Rows a block of a piece of ``shape`` holds: about :data:`BLOCK_BYTES`, at least one row."""
     return max(1, BLOCK_BYTES // max(1, row_bytes(shape, itemsize)))
+
+
+def strip_columns(shape: Sequence[int], itemsize: int, world: int = 1) -> int | None:
+    """Columns (along the second axis) of the strips a piece of ``shape`` is stored as, or None
+    to store it whole.
+
+    A piece is stored in C order, so its rows are contiguous and a reader of some of its
+    columns would fetch whole rows: half the columns cost twice their bytes. A piece of at
+    least :data:`STRIPED_FROM` bytes whose rows hold four strips or more is therefore stored
+    as full-height strips of a power-of-two number of columns, each about
+    :data:`STRIP_ROW_BYTES` a row (at most :data:`MAX_STRIPS` of them, fewer when ``world``
+    ranks each holding a piece of the tensor would take it past :data:`MAX_PIECES_PER_KEY`),
+    each its own member
+    entry and piece: a reader of a column range fetches the strips it touches, and a reader
+    of a row range the rows it needs from each strip. Power-of-two widths make the usual
+    halves and quarters fetch exactly their bytes; any other column range fetches at most one
+    partial strip at each end.
+    """
+    if len(shape) < 2 or math.prod(shape) * itemsize < STRIPED_FROM:
+        return None
+    cell = math.prod(shape[2:]) * itemsize  # bytes of one (row, column)
+    columns = 1 << (max(1, STRIP_ROW_BYTES // max(1, cell)).bit_length() - 1)
+    most = min(MAX_STRIPS, MAX_PIECES_PER_KEY // (2 * max(1, world)))  # room for a second piece per rank
+    while -(-shape[1] // columns) > most and columns < shape[1]:
+        columns *= 2
+    return columns if columns * 4 <= shape[1] else None
 
 
 def block_crcs(data: np.ndarray, block_bytes: int) -> list[int]:
@@ -161,8 +206,9 @@ class ShardIndex:
             if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) or entry.get("rank") != rank:
                 raise FormatError(f"member {rank} is not a file entry of rank {rank}")
             expected = f"{attempt_folder(step, attempt)}/{member_name(rank)}"
-            if entry["file"] != expected:
-                raise FormatError(f"member {rank} must be {expected!r}, not {entry['file'][:200]!r}")
+            if entry["file"] not in _member_names(rank, f"{attempt_folder(step, attempt)}/"):
+                raise FormatError(f"member {rank} must be {expected!r} (or another member format's suffix), "
+                                  f"not {entry['file'][:200]!r}")
             members.append(Member(entry["file"], _count(entry.get("size"), f"member {rank} size"), rank))
         metadata = raw.get("metadata", {})
         if not isinstance(metadata, dict):
@@ -199,8 +245,8 @@ def parse_done(data: bytes) -> DoneRecord:
     member_raw = raw.get("member")
     if not isinstance(member_raw, dict) or not isinstance(member_raw.get("file"), str):
         raise FormatError("member is not a file entry")
-    if member_raw["file"] != member_name(rank):
-        raise FormatError(f"member must be {member_name(rank)!r}")
+    if member_raw["file"] not in _member_names(rank):
+        raise FormatError(f"member must be {member_name(rank)!r} (or another member format's suffix)")
     member = Member(member_raw["file"], _count(member_raw.get("size"), "member size"), rank)
     return DoneRecord(step, attempt, rank, world, member, _tensors(raw.get("tensors"), [member], own=True))
 

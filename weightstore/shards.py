@@ -2,7 +2,7 @@
 
 Every rank calls :func:`publish_shard` with the pieces it holds; it writes one member file
 (``step-000000000042.attempt-1/rank-00003.safetensors``, an ordinary safetensors file that
-``ws.open`` and ``safetensors.numpy.load_file`` read alone) and then, last, a small
+``ws.open`` and ``safetensors.numpy.load_file`` read alone; or an npz or HDF5 file) and then, last, a small
 done-record beside it (``rank-00003.done``) saying what the member holds: for every piece its
 global key, its box in the global tensor, its bytes' offset in the member and a CRC-32 per
 block. Nothing a reader sees changes. One coordinator calls :func:`commit_shards`: it waits
@@ -13,8 +13,9 @@ does (:func:`weightstore.versions.commit_version`). No collective, no barrier: t
 the coordinator meet only in the folder. The crash argument is in ``docs/sharded.md``.
 
 **How a member holds its pieces.** A key the rank holds one piece of is stored under the key
-itself. A key it holds several pieces of is stored once per piece, as ``KEY@i,j`` (the piece's
-start); the member's metadata (``weightstore-shard``) maps every stored name to its key, start
+itself. A key it holds several pieces of, or a piece of long rows stored as column strips
+(:func:`~weightstore.shardindex.strip_columns`, so that readers of columns fetch only theirs),
+is stored once per piece or strip, as ``KEY@i,j`` (its start); the member's metadata (``weightstore-shard``) maps every stored name to its key, start
 and shape, and is what decides: a global key that happens to look like ``KEY@i,j`` is refused
 rather than misread.
 
@@ -26,6 +27,8 @@ index names. ``ws clean`` does the same for a folder at rest.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import re
 import time
@@ -35,16 +38,16 @@ from typing import Any
 
 import numpy as np
 
-from weightstore import __version__
+from weightstore import __version__, cluster
 from weightstore.errors import FormatError, PublishError, ShardTimeoutError, WeightStoreError, naming
-from weightstore.formats import format_named
-from weightstore.formats.safetensors import SafetensorsReader
+from weightstore.formats import Format, format_named
 from weightstore.io.folders import Folder, folder_for
-from weightstore.io.local import OwnedFile
 from weightstore.keys import validate_key
 from weightstore.manifest import from_storage, logical_dtype, to_storage
 from weightstore.shardindex import (
     MAX_DONE_BYTES,
+    MEMBER_SUFFIXES,
+    STRIP_BLOCKS,
     DoneRecord,
     Member,
     PieceEntry,
@@ -60,17 +63,20 @@ from weightstore.shardindex import (
     member_name,
     parse_done,
     row_bytes,
+    strip_columns,
 )
 from weightstore.store import _checked, checked_metadata, write_file
 from weightstore.versions import SHARDED_SUFFIX, Version, _latest, _stage, _versions, commit_version
 
-__all__ = ["Piece", "publish_shard", "commit_shards", "clean_folder"]
+__all__ = ["Piece", "publish_shard", "commit_shards", "next_attempt", "clean_folder"]
 
 #: the member metadata entry that maps each stored name to its global key, start and shape
 SHARD_METADATA = "weightstore-shard"
 _ATTEMPT = re.compile(r"^step-(\d{12})\.attempt-(\d+)$")
 #: how often the coordinator looks for done-records, at most (it backs off from 50 ms)
 _POLL = 0.5
+#: bytes at each end of a piece compared with memory, in a member format other than safetensors
+_CHECK_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,7 @@ class _Listed:
     data: np.ndarray  # in storage form
     start: tuple[int, ...]
     shape: tuple[int, ...]
+    rows: int  # rows per checksummed block
 
 
 def publish_shard(
@@ -97,9 +104,9 @@ def publish_shard(
     pieces: Mapping[str, Any],
     *,
     step: int,
-    rank: int,
-    world: int,
-    attempt: int,
+    rank: int | None = None,
+    world: int | None = None,
+    attempt: int | None = None,
     format: str = "safetensors",  # noqa: A002
     storage_options: Mapping[str, Any] | None = None,
 ) -> None:
@@ -109,27 +116,34 @@ def publish_shard(
         folder: the versioned folder (local path or fsspec URL) the version will be part of.
         pieces: key -> the whole tensor (an array), a :class:`Piece`, or a list of them.
         step: the version's step; above the step ``LATEST`` names.
-        rank, world: this rank (``0 <= rank < world``) and how many ranks write the version.
+        rank, world: this rank (``0 <= rank < world``) and how many ranks write the version;
+            by default from the job's cluster (:mod:`weightstore.cluster`: ``torch.distributed``,
+            ``jax.distributed``, ``TF_CONFIG``).
         attempt: which try at this step (a restarted job counts up), so a dead attempt's
-            members never mix with this one's.
-        format: ``"safetensors"``, the one format a member is written in so far.
+            members never mix with this one's; by default ``torchrun``'s restart count.
+        format: the member's format: ``"safetensors"`` (default), ``"npz"`` or ``"hdf5"``,
+            each an ordinary file of that format (uncompressed: readers fetch byte ranges of it).
         storage_options: for URLs, given to fsspec.
 
     Raises:
         PublishError: the step is not above the one ``LATEST`` names.
         InvalidKeyError, UnsupportedDTypeError, ValueError: a bad key, dtype or piece (nothing written).
+        WeightStoreError: ``rank``, ``world`` or ``attempt`` not given and the cluster does not say it.
     """
+    rank, world, attempt = cluster.filled(rank=rank, world=world, attempt=attempt)
     _check_ids(step=step, attempt=attempt, world=world)
     _check_id("rank", rank)
     if rank >= world:
         raise ValueError(f"rank {rank} is not below world {world}")
-    if format != "safetensors":
-        raise ValueError(f"a sharded version's members are safetensors files; format={format!r} is not supported")
     fmt = format_named(format)
+    suffix = fmt.suffixes[0]
+    if suffix not in MEMBER_SUFFIXES:
+        raise ValueError(f"a sharded version's members are safetensors, npz or hdf5 files; format={format!r} is not "
+                         "supported")
     target = folder_for(folder, storage_options)
     members = folder_for(target.url(attempt_folder(step, attempt)), storage_options)
-    where = members.url(member_name(rank))
-    listed = _listed(pieces, where)
+    where = members.url(member_name(rank, suffix))
+    listed = _listed(pieces, where, world)
     try:
         current = _latest(target)
     except FormatError:
@@ -141,14 +155,14 @@ def publish_shard(
     metadata = {SHARD_METADATA: {"step": step, "attempt": attempt, "rank": rank, "world": world, "pieces": record_of}}
     target.create()
     members.create()
-    with members.commit(member_name(rank), ".safetensors").writing() as local:
+    with members.commit(member_name(rank, suffix), suffix).writing() as local:
         arrays = {item.stored: from_storage(item.data, item.dtype) for item in listed}
         write_file(local, fmt, _checked(arrays, where, fmt), metadata, False)
-        tensors = _described(local, listed)
+        tensors = _described(local, fmt, listed)
         size = os.path.getsize(local)
         _stage("member-temporary")
     _stage("member-written")
-    record = DoneRecord(step, attempt, rank, world, Member(member_name(rank), size, rank), tensors)
+    record = DoneRecord(step, attempt, rank, world, Member(member_name(rank, suffix), size, rank), tensors)
     with members.commit(done_name(rank)).writing() as local, open(local, "wb") as handle:
         handle.write(record.to_json())
     _stage("done-written")
@@ -158,8 +172,8 @@ def commit_shards(
     folder: Any,
     *,
     step: int,
-    world: int,
-    attempt: int,
+    world: int | None = None,
+    attempt: int | None = None,
     timeout: float,
     keep: int | None = 5,
     metadata: Mapping[str, Any] | None = None,
@@ -171,6 +185,9 @@ def commit_shards(
     does: the index ``step-…wsindex`` is created only if absent, then ``LATEST`` is replaced
     (compare-and-swap on object storage), then old versions are pruned (``keep``) and dead
     attempts removed. Steps increase across plain and sharded versions of one folder.
+    ``world`` and ``attempt`` default as in :func:`publish_shard`. Run again with the same
+    step and attempt after a coordinator died between the index and ``LATEST``, it finds that
+    index to be the one it would write and finishes the commit (see ``docs/sharded.md``).
 
     Raises:
         ShardTimeoutError: some rank did not finish within ``timeout`` seconds (``.missing``
@@ -178,7 +195,9 @@ def commit_shards(
         PublishError: pieces that overlap, leave a gap ("cover") or disagree on dtype or shape
             (naming the key); a step that does not go forward; another coordinator committed
             this step or a later one first.
+        WeightStoreError: ``world`` or ``attempt`` not given and the cluster does not say it.
     """
+    _, world, attempt = cluster.filled(rank=0, world=world, attempt=attempt)
     _check_ids(step=step, attempt=attempt, world=world)
     if not world:
         raise ValueError("world must be at least 1")
@@ -201,26 +220,72 @@ def commit_shards(
                                f"bytes; its done-record says {record.member.size}", path=members.where)
     with naming(path=target.url(name)):
         index = _merged(records, step, attempt, world, metadata)
-    created_index = False
+    written: list[bytes] = []  # the index, if this commit created it
+    adopted: list[bytes] = []  # the index, if an identical one was there
 
     def write_index(created: str) -> None:
-        nonlocal created_index
         index.created = created
-        if not target.put_if(name, index.to_json(), create=True):
-            raise PublishError(f"an index for step {step} exists that LATEST does not name: another coordinator is "
+        data = index.to_json()
+        if target.put_if(name, data, create=True):
+            written.append(data)
+        elif _same_index(target, name, index):
+            adopted.append(data)
+        else:
+            raise PublishError(f"an index for step {step} exists that LATEST does not name and that is not this "
+                               f"commit's (attempt {attempt}, these members and metadata): another coordinator is "
                                "committing this step, or one died after writing it (commit a later step, or run "
                                "ws clean)", path=target.url(name))
-        created_index = True
         _stage("index-written")
 
     try:
         version = commit_version(target, step, name, write_index, metadata, keep)
     except PublishError:
-        if created_index:  # ours, and never named: LATEST moved past it
+        if written and _past(target, step):  # ours, never named, and no commit of this step can succeed any more
             target.remove(name)
         raise
+    if adopted and target.read_small(name, 1) is None:  # removed as dead between the look and the swap
+        target.put_if(name, adopted[0], create=True)
     clean_attempts(target, keep_step=step, keep_attempt=attempt)
     return version
+
+
+def split_rows(shape: Sequence[int], rank: int, world: int) -> tuple[slice, ...] | None:
+    """The box (a slice per axis: a range of its rows) of a tensor every rank holds whole that
+    ``rank`` of ``world`` writes, so the ranks share the writing and none sends a byte to
+    another (None: this rank writes none of it); a scalar or an empty tensor is rank 0's. The
+    framework feeds use it for replicated tensors."""
+    if not shape or not math.prod(shape):
+        return tuple(slice(0, size) for size in shape) if rank == 0 else None
+    start, stop = shape[0] * rank // world, shape[0] * (rank + 1) // world
+    return (slice(start, stop), *(slice(0, size) for size in shape[1:])) if stop > start else None
+
+
+def _same_index(target: Folder, name: str, index: ShardIndex) -> bool:
+    """Whether the index at ``name`` is the one this commit would write (but for its time): one a
+    coordinator of this step and attempt wrote before it died between the index and ``LATEST``,
+    or one racing this commit. Either way committing it is committing these very members."""
+    found = _read_index(target, name)
+    return found is not None and dataclasses.replace(found, created=index.created) == index
+
+
+def _past(target: Folder, step: int) -> bool:
+    """Whether ``LATEST`` names a step above ``step``: it never goes back, so no commit of
+    ``step`` can succeed any more and its index is dead."""
+    try:
+        current = _latest(target)
+    except FormatError:
+        return False
+    return current is not None and current.step > step
+
+
+def next_attempt(folder: Any, step: int, *, storage_options: Mapping[str, Any] | None = None) -> int:
+    """The attempt after every one ``folder`` holds of ``step`` (0 if none): what a coordinator
+    that announces the attempt to its ranks (``tf2.publish_sharded``) hands out, so a retry never
+    writes into a dead try's folder. A try whose ranks wrote nothing leaves no folder on object
+    storage; reusing its number is harmless, as nothing of it exists."""
+    _check_ids(step=step)
+    return 1 + max((attempt for _, held, attempt in _attempts(folder_for(folder, storage_options)) if held == step),
+                   default=-1)
 
 
 def clean_attempts(target: Folder, *, keep_step: int, keep_attempt: int) -> list[str]:
@@ -287,7 +352,7 @@ def _read_index(target: Folder, name: str) -> ShardIndex | None:
 
 # -- the rank's side ---------------------------------------------------------------------------
 
-def _listed(pieces: Mapping[str, Any], where: str) -> list[_Listed]:
+def _listed(pieces: Mapping[str, Any], where: str, world: int) -> list[_Listed]:
     """Every piece, checked (key, dtype, box) and in storage form, with the name it is stored under."""
     if not isinstance(pieces, Mapping):
         raise TypeError(f"pieces must map a key to an array, a Piece or a list of them, not {type(pieces).__name__}")
@@ -299,23 +364,43 @@ def _listed(pieces: Mapping[str, Any], where: str) -> list[_Listed]:
                 array = np.asarray(piece)
                 piece = Piece(array, (0,) * array.ndim, array.shape)
             found.append((key, piece))
-    counts: dict[str, int] = {}
-    for key, _ in found:
-        counts[key] = counts.get(key, 0) + 1
-    listed = []
+    boxes: list[tuple[str, str, np.ndarray, tuple[int, ...], tuple[int, ...], int]] = []
     for key, piece in found:
         array = np.asarray(piece.array)
         name, data = to_storage(array, key)
         data = np.ascontiguousarray(data).reshape(array.shape)
         start, shape = _box(piece, array.shape, key, where)
+        boxes.extend((key, name, part, at, shape, rows) for part, at, rows in _strips(data, start, name, world))
+    counts: dict[str, int] = {}
+    for key, *_ in boxes:
+        counts[key] = counts.get(key, 0) + 1
+    listed = []
+    for key, name, data, start, shape, rows in boxes:
         stored = key if counts[key] == 1 else f"{key}@{','.join(map(str, start))}"
-        listed.append(_Listed(key, stored, name, data, start, shape))
+        listed.append(_Listed(key, stored, name, data, start, shape, rows))
     stored_names = [item.stored for item in listed]
     if len(set(stored_names)) != len(stored_names):
         clashes = {name for name in stored_names if stored_names.count(name) > 1}
         raise ValueError(f"{where}: pieces of one key start at the same index, or a key looks like a piece's stored "
                          f"name: {sorted(clashes)[:3]}")
     return listed
+
+
+def _strips(data: np.ndarray, start: tuple[int, ...], dtype: str,
+            world: int) -> list[tuple[np.ndarray, tuple[int, ...], int]]:
+    """A piece as it is stored: ``(data, start, rows per block)`` of each of its column strips
+    (:func:`~weightstore.shardindex.strip_columns`), or of the piece whole. A strip's blocks
+    hold as many rows as the whole piece's would (so a reader of a row range fetches no more
+    rows from the strips than from the whole piece), or more, so that a strip has at most
+    ``STRIP_BLOCKS`` blocks."""
+    itemsize = logical_dtype(dtype).itemsize
+    rows = block_rows(data.shape, itemsize)
+    columns = strip_columns(data.shape, itemsize, world)
+    if columns is None:
+        return [(data, start, rows)]
+    rows = max(rows, -(-data.shape[0] // STRIP_BLOCKS))
+    return [(np.ascontiguousarray(data[:, at : at + columns]), (start[0], start[1] + at, *start[2:]), rows)
+            for at in range(0, data.shape[1], columns)]
 
 
 def _box(piece: Piece, array_shape: tuple[int, ...], key: str, where: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -327,26 +412,44 @@ def _box(piece: Piece, array_shape: tuple[int, ...], key: str, where: str) -> tu
     return start, shape
 
 
-def _described(local: str, listed: list[_Listed]) -> dict[str, TensorEntry]:
+def _described(local: str, fmt: Format, listed: list[_Listed]) -> dict[str, TensorEntry]:
     """The done-record's tensors: where each piece's bytes landed in the member just written, and
-    its blocks' CRC-32s (of the bytes in memory, which the member's own checksum covers too)."""
-    reader = SafetensorsReader(OwnedFile(local))
+    its blocks' CRC-32s (of the bytes in memory, which the member's own checksum covers too).
+    Where a format other than safetensors put them is checked against the file, byte for byte:
+    readers will take that range for the piece."""
+    reader: Any = fmt.open_reader(local, local, mmap=False)
     try:
         by_key: dict[str, list[PieceEntry]] = {}
         dtypes: dict[str, tuple[str, tuple[int, ...]]] = {}
         for item in listed:
             offset, _ = reader.extent(item.stored)
+            if fmt.name != "safetensors":
+                _check_placed(local, offset, item)
             itemsize = logical_dtype(item.dtype).itemsize
-            rows = block_rows(item.data.shape, itemsize)
             raw = item.data.reshape(-1).view(np.uint8)
-            crcs = block_crcs(raw, rows * row_bytes(item.data.shape, itemsize)) if item.data.size else []
+            crcs = block_crcs(raw, item.rows * row_bytes(item.data.shape, itemsize)) if item.data.size else []
             digest = reader.info(item.stored).digest or ""
-            by_key.setdefault(item.key, []).append(PieceEntry(0, item.start, tuple(item.data.shape), offset, rows,
+            by_key.setdefault(item.key, []).append(PieceEntry(0, item.start, tuple(item.data.shape), offset, item.rows,
                                                               tuple(crcs), digest))
             dtypes.setdefault(item.key, (item.dtype, item.shape))
     finally:
         reader.close()
     return {key: TensorEntry(dtypes[key][0], dtypes[key][1], tuple(found)) for key, found in by_key.items()}
+
+
+def _check_placed(local: str, offset: int, item: _Listed) -> None:
+    """That the member holds the piece's bytes at ``offset`` as they are in memory, judged by
+    its first and last :data:`_CHECK_BYTES`: what goes wrong there is the whole layout (a
+    format that converts the bytes, an extent off by a header), and the block CRC-32s, taken of
+    the bytes in memory, catch any other difference when the piece is read."""
+    raw = item.data.reshape(-1).view(np.uint8)
+    with open(local, "rb") as handle:
+        for at in sorted({0, max(0, raw.size - _CHECK_BYTES)}):
+            handle.seek(offset + at)
+            if not np.array_equal(np.frombuffer(handle.read(_CHECK_BYTES), np.uint8)[: raw.size - at],
+                                  raw[at : at + _CHECK_BYTES]):
+                raise WeightStoreError(f"{local}: the bytes of {item.stored!r} are not where the format says, as they "
+                                       "are in memory; this member format cannot hold it", key=item.key)
 
 
 # -- the coordinator's side --------------------------------------------------------------------

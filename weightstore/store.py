@@ -154,6 +154,12 @@ class Store(Mapping):
             np.copyto(out, self[key], casting="unsafe")
         return out
 
+    @property
+    def reads_regions(self) -> bool:
+        """Whether :meth:`read_region` fetches only the region's bytes (a sharded version), so a
+        caller that needs several parts of a tensor reads each part rather than the whole once."""
+        return isinstance(self._reader, RegionReader)
+
     def read_region(self, key: str, region: Any) -> np.ndarray:
         """The part of ``key`` a tuple of slices names (``(slice(0, 128), slice(None))``), as a new array.
 
@@ -178,7 +184,7 @@ class Store(Mapping):
         wanted = self.keys() if keys is None else list(keys)
         for key in wanted:
             if key not in self:
-                raise KeyNotInStoreError(f"no tensor {key!r}", path=self.path)
+                raise KeyNotInStoreError("no such tensor", path=self.path, key=key)
         check_budget(self, wanted, max_bytes)
         return dict(zip(wanted, self._read_many(wanted), strict=True))
 
@@ -305,7 +311,8 @@ def _open(path: Any, *, verify: bool, format: str | None, mmap: bool) -> Store: 
             head = handle.read(HEAD_BYTES)
     except FileNotFoundError:
         raise StoreNotFoundError("no such file", path=location) from None
-    refuse_pickle(head, location)
+    with naming(path=location):
+        refuse_pickle(head)
     fmt = format_named(format) if format else format_for_suffix(location)
     if fmt is None:
         with naming(path=location):
@@ -324,8 +331,8 @@ def _open_remote(location: str, verify: bool, format: str | None) -> Store:  # n
         fmt = format_named(format) if format else format_for_suffix(location)
         if fmt is None:  # only then: an npz's index lies at the end, and its first request fetches it
             head = bytes(source.read_at(0, min(HEAD_BYTES, source.size)))
-            refuse_pickle(head, location)
             with naming(path=location):
+                refuse_pickle(head)
                 fmt = sniff(head)
         if fmt.name == "hdf5":
             source.close()
@@ -396,7 +403,8 @@ def load(
         >>> head = ws.load("model.npz", scope="head", exclude="*/Adam*")
     """
     with open(path, verify=verify, mmap=mmap, names=names) as store:
-        plan = plan_outward(store.keys(), scope=scope, mapping=mapping, include=include, exclude=exclude, where=store.path)
+        with naming(path=store.path):
+            plan = plan_outward(store.keys(), scope=scope, mapping=mapping, include=include, exclude=exclude)
         if regions:
             for key in regions:
                 if key not in store:
@@ -493,7 +501,8 @@ def _save_sharded(location: str, weights: Mapping[str, Any], metadata: Mapping[s
 
     index = location if location.endswith(hf_sharded.INDEX_SUFFIX) else location.rstrip("/") + "/" + hf_sharded.INDEX_NAME
     folder = index.rpartition("/")[0] or "."
-    limit = hf_sharded.parse_size(max_shard_size, location)
+    with naming(path=location):
+        limit = hf_sharded.parse_size(max_shard_size)
     metadata = checked_metadata(metadata, location)
     if "total_size" in metadata:
         raise TargetError("metadata 'total_size' is the index's own (the shards' bytes); rename it", path=location)

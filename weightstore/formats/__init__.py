@@ -179,14 +179,15 @@ def sniff(head: bytes) -> Format:
     raise FormatError("not a weightstore file (not npz, HDF5 or safetensors)")
 
 
-def foreign_keys(names: Iterable[tuple[str, str]], where: str, what: str) -> dict[str, str]:
+def foreign_keys(names: Iterable[tuple[str, str]], what: str) -> dict[str, str]:
     """Key -> member (npz member, HDF5 dataset path) of a file without a manifest.
 
     Such names were chosen by whatever wrote the file, so each must become a valid key: a
     trailing TensorFlow output suffix is dropped (old tf.keras HDF5 files name datasets
     ``dense/kernel:0``); any other name that is not a valid key (``c//d``, ``a/./b``, a
     control character, a reserved ``__weightstore`` segment) refuses the file with a
-    :class:`FormatError` naming it, as do two names that drop to the same key.
+    :class:`FormatError` naming it, as do two names that drop to the same key (the reader
+    names the file, with :func:`weightstore.errors.naming`).
     """
     keys: dict[str, str] = {}
     for name, member in names:
@@ -194,8 +195,8 @@ def foreign_keys(names: Iterable[tuple[str, str]], where: str, what: str) -> dic
         try:
             validate_key(key)
         except InvalidKeyError as exc:
-            raise FormatError(f"{what} {member!r} does not name a valid key ({exc.message})", path=where) from None
+            raise FormatError(f"{what} {member!r} does not name a valid key ({exc.message})") from None
         if key in keys:
-            raise FormatError(f"{what}s {keys[key]!r} and {member!r} both read as key {key!r}", path=where)
+            raise FormatError(f"{what}s {keys[key]!r} and {member!r} both read as key {key!r}")
         keys[key] = member
     return keys

@@ -32,12 +32,12 @@ CONVERT_HINT = ("weightstore never unpickles (unpickling runs code the file choo
                 "(for a whole saved module, save its .state_dict())")
 
 
-def refuse_pickle(head: bytes, where: str) -> None:
+def refuse_pickle(head: bytes) -> None:
     """Raise :class:`FormatError` if ``head`` (a file's first :data:`HEAD_BYTES`) starts a
     ``torch.save`` file or another pickle; nothing is unpickled to tell."""
     what = _pickle_kind(head)
     if what:
-        raise FormatError(f"is {what}; {CONVERT_HINT}", path=where)
+        raise FormatError(f"is {what}; {CONVERT_HINT}")
 
 
 def _pickle_kind(head: bytes) -> str:

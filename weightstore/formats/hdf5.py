@@ -331,7 +331,8 @@ class Hdf5Reader(ReaderDefaults):
         Without a manifest each path is its key, so a weightstore file whose manifest attribute
         is damaged (its ``VALUE`` datasets then name no key) is refused, not read unverified."""
         if self._manifest is None:
-            return foreign_keys(((path, path) for path in sorted(found)), self.name, "dataset")
+            with naming(path=self.name):
+                return foreign_keys(((path, path) for path in sorted(found)), "dataset")
         paths = {}
         for key in self._manifest.tensors:
             path = self._manifest.locations.get(key, key)
@@ -434,7 +435,7 @@ class Hdf5Reader(ReaderDefaults):
         ``Dataset`` wrappers cost more than HDF5's own work on a small tensor), and its shape."""
         path = self._paths.get(key)
         if path is None:
-            raise KeyNotInStoreError(f"no tensor {key!r}", path=self.name)
+            raise KeyNotInStoreError("no such tensor", path=self.name, key=key)
         if not self._file.id.valid:
             raise StoreClosedError(f"store is closed; cannot read tensor {key!r}", path=self.name)
         dataset = h5py.h5d.open(self._file.id, path.encode("utf-8"))
@@ -453,6 +454,18 @@ class Hdf5Reader(ReaderDefaults):
             info = TensorInfo(key, name, shape, shape_nbytes(shape, dtype.itemsize))
             self._infos[key] = info
         return info
+
+    def extent(self, key: str) -> tuple[int, int]:
+        """``(offset, length)`` of a tensor's bytes in the file (a sharded version's index records
+        it, and readers of a region fetch byte ranges of it): only a contiguous dataset, neither
+        chunked nor compressed, has its bytes as they are in memory; an empty one is ``(0, 0)``."""
+        with _as_format_error(self.name, key=key):
+            dataset, _ = self._open_dataset(key)
+            offset, size = dataset.get_offset(), dataset.get_storage_size()
+        if offset is None and size:
+            raise FormatError("is chunked or compressed; its bytes are not a plain range of the file",
+                              path=self.name, key=key)
+        return offset or 0, size
 
     def read(self, key: str, *, verify: bool) -> np.ndarray:
         try:  # not _as_format_error: a generator context per read cost a tenth of reading 1 KB

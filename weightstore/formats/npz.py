@@ -375,7 +375,8 @@ class NpzReader(ReaderDefaults):
         are keys), for a directory :meth:`_as_written` did not prove."""
         member_keys = self._keys_of_members(shuffled=self._manifest is not None)
         if self._table is None:
-            self._member_of = foreign_keys(member_keys.items(), self.name, "member")
+            with naming(path=self.name):
+                self._member_of = foreign_keys(member_keys.items(), "member")
             return
         self._member_of = member_keys
         if not _same_keys(self._table.key_list(), member_keys):
@@ -600,13 +601,13 @@ class NpzReader(ReaderDefaults):
     def _member(self, key: str) -> zipdir.Member:
         name = self._member_of.get(key)
         if name is None:
-            raise KeyNotInStoreError(f"no tensor {key!r}", path=self.name)
+            raise KeyNotInStoreError("no such tensor", path=self.name, key=key)
         return self._members[name]
 
     def info(self, key: str) -> TensorInfo:
         if self._table is not None:
             if key not in self._table:
-                raise KeyNotInStoreError(f"no tensor {key!r}", path=self.name)
+                raise KeyNotInStoreError("no such tensor", path=self.name, key=key)
             return self._table[key]
         info = self._infos.get(key)
         if info is None:
@@ -654,6 +655,17 @@ class NpzReader(ReaderDefaults):
                 f"has npy header {found[:96]!r}, not the one its manifest entry "
                 f"({info.shape} {info.dtype}) implies", path=self.name, key=key
             )
+
+    def extent(self, key: str) -> tuple[int, int]:
+        """``(offset, length)`` of a tensor's bytes in the file, after its npy header (a sharded
+        version's index records it, and readers of a region fetch byte ranges of it): only a
+        plain stored member of a file with a manifest has its bytes as they are in memory."""
+        member = self._member(key)
+        if self._manifest is None or member.method != STORED or self._codecs.get(key):
+            raise FormatError("is compressed or has no manifest entry; its bytes are not a plain range of the file",
+                              path=self.name, key=key)
+        info, layout = self._listed(key, member)
+        return self._data_offset(member) + len(layout.header), info.nbytes
 
     def read(self, key: str, *, verify: bool) -> np.ndarray:
         return self._read_one(key, verify)

@@ -56,7 +56,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from weightstore.errors import ChecksumError, FormatError, KeyNotInStoreError, UnsafeFileError, UnsupportedDTypeError
+from weightstore.errors import (
+    ChecksumError,
+    FormatError,
+    KeyNotInStoreError,
+    UnsafeFileError,
+    UnsupportedDTypeError,
+    naming,
+)
 from weightstore.formats import Format, ReaderDefaults, foreign_keys
 from weightstore.formats.sstable import crc32c, unmask_crc
 from weightstore.io.source import ByteSource, open_source, prefetch_ranges
@@ -308,7 +315,8 @@ class SafetensorsReader(ReaderDefaults):
         manifest = self._parse_manifest(manifest_text) if manifest_text is not None else None
         self.has_checksums = manifest is not None
         if manifest is None:
-            names = foreign_keys(((name, name) for name in sorted(self._tensors)), self.name, "tensor")
+            with naming(path=self.name):
+                names = foreign_keys(((name, name) for name in sorted(self._tensors)), "tensor")
             self._by_key = {key: self._tensors[name] for key, name in names.items()}
             self._infos: Mapping[str, TensorInfo] = {
                 key: TensorInfo(key, _NAME_OF_CODE_BY_DTYPE[t.dtype], t.shape, t.end - t.begin, None)
@@ -344,7 +352,8 @@ class SafetensorsReader(ReaderDefaults):
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise FormatError(f"safetensors header is not UTF-8 (byte {exc.start})", path=self.name) from None
-        refuse_dense_json(text, _HEADER_BYTES_PER_CONTAINER, "safetensors header", self.name)
+        with naming(path=self.name):
+            refuse_dense_json(text, _HEADER_BYTES_PER_CONTAINER, "safetensors header")
         try:
             document = json.loads(text, object_pairs_hook=_unique_object, parse_constant=_refuse_constant)
         except _DuplicateName as exc:

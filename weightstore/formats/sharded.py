@@ -127,8 +127,10 @@ class ShardedReader(ReaderDefaults):
         by_member: dict[int, list[_PieceRead]] = {}
         for read in reads:
             by_member.setdefault(read.piece.member, []).append(read)
+        runs = {position: _runs(found) for position, found in by_member.items()}
+
         def fill(position: int) -> None:
-            self._member(position).fill([(read.offset, read.buffer.data.cast("B")) for read in by_member[position]])
+            self._member(position).fill([(offset, buffer.data.cast("B")) for offset, buffer in runs[position]])
 
         try:
             if self._remote and len(by_member) > 1:  # members fetched at once: each is a round trip
@@ -162,7 +164,8 @@ class _PieceRead:
         self.block_bytes = piece.rows * self.row_bytes
         self.rows = min(last * piece.rows, rows_of(piece.shape)) - first * piece.rows
         self.offset = piece.offset + first * self.block_bytes
-        self.buffer = aligned_array(self.rows * self.row_bytes, self.offset)
+        self.nbytes = self.rows * self.row_bytes
+        self.buffer = np.empty(0, np.uint8)  # a part of its run's buffer (_runs)
 
     @classmethod
     def of(cls, piece: PieceEntry, entry: TensorEntry, bounds: list[tuple[int, int]]) -> _PieceRead | None:
@@ -189,6 +192,26 @@ class _PieceRead:
                        for axis, ((lo, hi), s) in enumerate(zip(self.box, self.piece.start, strict=True)))
         target = tuple(slice(lo - b, hi - b) for (lo, hi), (b, _) in zip(self.box, bounds, strict=True))
         out[target] = data[source]
+
+
+def _runs(reads: list[_PieceRead]) -> list[tuple[int, np.ndarray]]:
+    """``(offset, buffer)`` of each run of byte ranges that follow one another in a member
+    (the column strips of a piece lie side by side), one read each; every read's buffer
+    becomes its part of its run's."""
+    reads = sorted(reads, key=lambda read: read.offset)
+    runs: list[list[_PieceRead]] = []
+    for read in reads:
+        if runs and runs[-1][-1].offset + runs[-1][-1].nbytes == read.offset:
+            runs[-1].append(read)
+        else:
+            runs.append([read])
+    filled = []
+    for run in runs:
+        buffer = aligned_array(sum(read.nbytes for read in run), run[0].offset)
+        for read in run:
+            read.buffer = buffer[read.offset - run[0].offset : read.offset - run[0].offset + read.nbytes]
+        filled.append((run[0].offset, buffer))
+    return filled
 
 
 def _digest(entry: TensorEntry) -> str:

@@ -150,8 +150,15 @@ def get_tagged(fs: Any, path: str, limit: int) -> tuple[bytes | None, str | None
     async def get() -> tuple[bytes, str]:
         response = await fs._call_s3("get_object", Bucket=bucket, Key=key)
         body = response["Body"]
+        chunks, left = [], limit
         try:
-            return await body.read(limit), str(response.get("ETag", ""))
+            while left > 0:  # a read returns what has arrived, up to its size: one network chunk, say
+                chunk = await body.read(left)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                left -= len(chunk)
+            return b"".join(chunks), str(response.get("ETag", ""))
         finally:
             body.close()
 

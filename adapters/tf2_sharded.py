@@ -1,0 +1,279 @@
+"""A model published as one sharded version by every worker of a ``MultiWorkerMirroredStrategy``.
+
+Every worker calls :func:`publish_sharded` alike (same folder, step and selection; ``tf2``
+re-exports it). Under ``MultiWorkerMirroredStrategy`` every worker holds the same value of
+each mirrored variable, so no tensor needs to cross the network: each worker writes only its
+share, cut by :func:`plan`, which every worker computes alike from the variables' keys, shapes
+and dtypes. The plan lays the selected tensors end to end in key order (a ``ShardedVariable``
+as its shards, each its own stretch, never concatenated) and cuts that line into ``world``
+equal stretches of bytes: a tensor under one block (256 KiB) goes whole to the worker holding
+its middle byte, a larger one is cut between rows (its first axis) where the stretches end.
+So each member holds ``1/world`` of the bytes, give or take half a small tensor or one row at
+each cut. Each worker reads only the rows it writes, from its own replica.
+
+The workers agree on two things through TensorFlow's own coordination service (its key-value
+store, which ``MultiWorkerMirroredStrategy`` starts), not through collectives, so a publish
+never waits in line behind the training step's all-reduces and may run in a background
+thread: rank 0 (the chief, else worker 0) announces the attempt (one after every attempt
+the folder holds of this step, :func:`weightstore.shards.next_attempt`), then, after
+:func:`weightstore.commit_shards`, the committed version or what went wrong. Keys are
+``weightstore/<folder digest>/step-<n>/call-<i>/…``, where ``i`` counts this process's calls
+for that folder and step, as every worker does alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from typing_extensions import Unpack
+
+from weightstore.extras import needs
+
+with needs("tf", __name__):
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+from weightstore import cluster
+from weightstore.adapters.plan import SelectionWords
+from weightstore.errors import PublishError, ShardTimeoutError, WeightStoreError
+from weightstore.io.folders import Folder, folder_for
+from weightstore.shardindex import BLOCK_BYTES
+from weightstore.shards import Piece, commit_shards, next_attempt, publish_shard
+from weightstore.store import checked_metadata
+from weightstore.versions import Version
+
+__all__ = ["publish_sharded", "plan", "Segment"]
+
+#: how much longer than ``timeout`` a worker waits for the chief's news: the commit's own work
+#: (the index, ``LATEST``, pruning) comes after the chief's wait for the members
+_NEWS_GRACE = 60.0
+_SHARDED = tf.__internal__.distribute.ShardedVariable
+#: per (folder, step): how many calls this process made (naming each call's keys), and the last
+#: attempt its chief handed out (a retry goes above it even if that try left nothing yet)
+_calls: dict[tuple[str, int], int] = {}
+_handed_out: dict[tuple[str, int], int] = {}
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One stretch of the plan's line: a whole variable, or one shard of a ``ShardedVariable``,
+    lying at ``start`` of the tensor ``key`` of shape ``whole``."""
+
+    key: str
+    shape: tuple[int, ...]
+    itemsize: int
+    start: tuple[int, ...]
+    whole: tuple[int, ...]
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.shape[1:]) * self.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+
+def plan(segments: list[Segment], world: int) -> list[list[tuple[Segment, int, int]]]:
+    """Per rank, ``(segment, first row, end row)`` of what it writes (a 0-d tensor: ``0, 1``).
+
+    Deterministic in ``segments`` (their order, shapes and dtypes) and ``world`` alone, so that
+    every worker computes the same plan; together the ranks cover every segment exactly once.
+    """
+    total = sum(segment.nbytes for segment in segments)
+    cuts = [rank * total // world for rank in range(world + 1)]
+
+    def owner(byte: int) -> int:  # the rank whose stretch holds ``byte``
+        return min(world - 1, max(rank for rank in range(world) if cuts[rank] <= byte))
+
+    shares: list[list[tuple[Segment, int, int]]] = [[] for _ in range(world)]
+    offset = 0
+    for segment in segments:
+        rows = segment.shape[0] if segment.shape else 1
+        if segment.nbytes < BLOCK_BYTES or not segment.shape:
+            shares[owner(offset + segment.nbytes // 2)].append((segment, 0, rows))
+        else:  # row i goes to the rank whose stretch holds its first byte
+            firsts = [min(rows, max(0, -(-(cut - offset) // segment.row_bytes))) for cut in cuts[:-1]] + [rows]
+            for rank in range(world):
+                if firsts[rank] < firsts[rank + 1]:
+                    shares[rank].append((segment, firsts[rank], firsts[rank + 1]))
+        offset += segment.nbytes
+    return shares
+
+
+def publish_sharded(
+    folder: Any,
+    model: Any,
+    *,
+    step: int,
+    strategy: Any,
+    timeout: float = 600.0,
+    keep: int | None = 5,
+    metadata: Mapping[str, Any] | None = None,
+    optimizer: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+    **selection: Unpack[SelectionWords],
+) -> Version:
+    """Publish ``model``'s variables as one sharded version, each worker writing its share.
+
+    Call it on every worker of ``strategy``'s cluster with the same arguments; each returns the
+    same :class:`~weightstore.Version`. ``model`` and the selection words are those of
+    ``tf2.export``; the keys are the same. Values are read when each worker reaches the call,
+    so call it between training steps (from a background thread: while no step runs).
+    A strategy without a cluster (one process) writes everything as rank 0 of 1.
+
+    ``timeout`` bounds the wait for the slowest worker, counted from the chief's announcing the
+    attempt; a worker waits that long and a minute more for the chief's news.
+
+    Raises:
+        ShardTimeoutError: a worker did not write its share within ``timeout`` (``.missing``
+            names it), or a worker heard nothing from the chief; nothing is published.
+        PublishError: the step does not go forward, another coordinator committed it, or the
+            chief failed (its message is given).
+        WeightStoreError: the strategy is not one whose workers all run this call, or its
+            cluster has no coordination service.
+    """
+    from weightstore.adapters import tf2  # here: tf2 re-exports this module's function
+
+    variables = tf2.selected(model, optimizer=optimizer, **selection)
+    metadata = checked_metadata(metadata)  # on every worker, so that all of them refuse it alike
+    rank, world = _place(strategy)
+    sources = _segments(variables)
+    pieces: dict[str, list[Piece]] = {}
+    for segment, first, end in plan(list(sources), world)[rank]:
+        pieces.setdefault(segment.key, []).append(_piece(sources[segment], segment, first, end))
+    target = folder_for(folder, storage_options)
+    channel = _Channel(target, step, world)
+    if rank == 0:
+        return _as_chief(channel, target, pieces, world, timeout, keep, metadata, storage_options)
+    return _as_worker(channel, target, pieces, rank, world, timeout, storage_options)
+
+
+def _as_chief(channel: _Channel, target: Folder, pieces: dict[str, list[Piece]], world: int, timeout: float,
+              keep: int | None, metadata: Mapping[str, Any] | None,
+              storage_options: Mapping[str, Any] | None) -> Version:
+    step = channel.step
+    try:
+        attempt = max(next_attempt(target.where, step, storage_options=storage_options),
+                      _handed_out.get(channel.place, -1) + 1)
+    except Exception as exc:
+        channel.tell("attempt", {"error": str(exc)})
+        raise
+    channel.tell("attempt", {"attempt": attempt, "world": world})
+    _handed_out[channel.place] = attempt
+    announced = time.monotonic()
+    try:
+        publish_shard(target.where, pieces, step=step, rank=0, world=world, attempt=attempt,
+                      storage_options=storage_options)
+        version = commit_shards(target.where, step=step, world=world, attempt=attempt, keep=keep, metadata=metadata,
+                                timeout=round(max(0.0, timeout - (time.monotonic() - announced)), 1),
+                                storage_options=storage_options)
+    except ShardTimeoutError as exc:
+        channel.tell("committed", {"error": str(exc), "missing": exc.missing})
+        raise
+    except Exception as exc:
+        channel.tell("committed", {"error": str(exc)})
+        raise
+    channel.tell("committed", {"step": version.step, "file": version.path.rsplit("/", 1)[-1],
+                               "created": version.created, "metadata": version.metadata})
+    return version
+
+
+def _as_worker(channel: _Channel, target: Folder, pieces: dict[str, list[Piece]], rank: int, world: int,
+               timeout: float, storage_options: Mapping[str, Any] | None) -> Version:
+    news = channel.hear("attempt", timeout, "the attempt")
+    heard = time.monotonic()
+    if news.get("world") != world:
+        raise PublishError(f"the chief writes for {news.get('world')} ranks, this worker for {world}",
+                           path=target.where)
+    publish_shard(target.where, pieces, step=channel.step, rank=rank, world=world, attempt=int(news["attempt"]),
+                  storage_options=storage_options)
+    news = channel.hear("committed", timeout - (time.monotonic() - heard) + _NEWS_GRACE, "the commit")
+    return Version(int(news["step"]), target.url(str(news["file"])), str(news["created"]), dict(news["metadata"]),
+                   target)
+
+
+class _Channel:
+    """The keys one call's workers meet at in TF's coordination service (one worker alone
+    tells no one, and needs no service)."""
+
+    def __init__(self, target: Folder, step: int, world: int) -> None:
+        self.alone = world == 1
+        if not self.alone and context.context().coordination_service is None:
+            raise WeightStoreError("the strategy's cluster runs no coordination service, which publish_sharded "
+                                   "meets the other workers through (MultiWorkerMirroredStrategy starts one)")
+        self.step, self.where = step, target.where
+        self.place = (target.where, step)
+        with _lock:
+            call = _calls[self.place] = _calls.get(self.place, -1) + 1
+        digest = hashlib.sha256(target.where.encode()).hexdigest()[:16]
+        self.prefix = f"weightstore/{digest}/step-{step}/call-{call}"
+
+    def tell(self, what: str, news: Mapping[str, Any]) -> None:
+        if not self.alone:
+            context.context().set_config_key_value(f"{self.prefix}/{what}", json.dumps(news))
+
+    def hear(self, what: str, timeout: float, waited_for: str) -> dict[str, Any]:
+        """The chief's news; its failure raised here as this worker's."""
+        try:
+            text = context.context().get_config_key_value(f"{self.prefix}/{what}", max(1, int(timeout * 1000)))
+        except tf.errors.DeadlineExceededError:
+            raise ShardTimeoutError(f"no word of {waited_for} from the chief (rank 0) within {timeout:g}s; "
+                                    "nothing was published", path=self.where, missing=[0]) from None
+        except tf.errors.OpError as exc:
+            raise PublishError(f"lost TensorFlow's coordination service waiting for {waited_for}: {exc.message}",
+                               path=self.where) from None
+        news = json.loads(text)
+        if "error" not in news:
+            return dict(news)
+        if "missing" in news:
+            raise ShardTimeoutError(f"the chief: {news['error']}", path=self.where, missing=news["missing"])
+        raise PublishError(f"the chief: {news['error']}", path=self.where)
+
+
+def _place(strategy: Any) -> tuple[int, int]:
+    """``(rank, world)`` of this worker in ``strategy``'s cluster; ``(0, 1)`` without one."""
+    if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+        raise WeightStoreError("under ParameterServerStrategy only the coordinator runs the program; publish from "
+                               "it with tf2.export and weightstore.publish")
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None or not resolver.cluster_spec().as_dict():
+        return 0, 1
+    return cluster.rank_in_tf_cluster(resolver.cluster_spec().as_dict(), resolver.task_type, int(resolver.task_id))
+
+
+def _segments(variables: Mapping[str, Any]) -> dict[Segment, Any]:
+    """The plan's line in key order, each segment with the variable its rows are read from."""
+    sources = {}
+    for key in sorted(variables):
+        var = variables[key]
+        # a Keras variable says "on_read", a TF one VariableSynchronization.ON_READ
+        if str(getattr(var, "synchronization", "")).lower().endswith("on_read"):
+            raise WeightStoreError(f"{key!r} is synchronized on read (a metric's total, say): each replica holds its "
+                                   "own part and reading the sum is a collective; leave it out (exclude=)")
+        whole, itemsize = tuple(var.shape), np.dtype(tf.as_dtype(var.dtype).as_numpy_dtype).itemsize
+        row = 0
+        for shard in var.variables if isinstance(var, _SHARDED) else [var]:
+            shape = tuple(shard.shape)
+            sources[Segment(key, shape, itemsize, (row,) + (0,) * (len(whole) - 1) if whole else (), whole)] = shard
+            row += shape[0] if shape else 0
+    return sources
+
+
+def _piece(var: Any, segment: Segment, first: int, end: int) -> Piece:
+    """Rows ``first:end`` of ``var`` (this replica's copy), at their place in the whole tensor."""
+    value = tf.convert_to_tensor(var)
+    if not segment.shape:
+        return Piece(np.asarray(value.numpy()), (), ())
+    start = (segment.start[0] + first, *segment.start[1:])
+    rows = value if (first, end) == (0, segment.shape[0]) else value[first:end]
+    return Piece(np.asarray(rows.numpy()), start, segment.whole)

@@ -1,0 +1,147 @@
+"""The processes of the random-kill test (``test_shards_kills.py``): writers, a coordinator and
+a follower of one versioned folder, forked by a launcher that imported all this once (run as a
+script: ``launch`` reads what to start from its standard input). A fork starts in milliseconds;
+an interpreter importing weightstore takes a second and more on a loaded machine.
+
+What every step holds is derived from the step number, so the follower can check any version
+it sees, bit for bit, knowing only its step. Each step is written in a member format of its
+own (safetensors, npz, HDF5 in turn).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+import ml_dtypes
+import numpy as np
+
+import weightstore as ws
+from weightstore import shards, versions
+
+WORLD = 4
+ROWS, COLS = 256, 1024
+FORMATS = ("safetensors", "npz", "hdf5")
+#: where a writer or the coordinator may be told to SIGKILL itself, in the order they pass them
+WRITER_STAGES = ("member-temporary", "member-written", "done-written")
+COORDINATOR_STAGES = ("locked", "cleaned", "index-written", "version-written", "latest-temporary",
+                      "latest-written", "pruning", "pruned")
+#: exit codes of a coordinator that failed cleanly
+TIMED_OUT, REFUSED = 3, 4
+
+
+def expected(step: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(step)
+    return {"w": rng.standard_normal((ROWS, COLS)).astype(np.float32),
+            "e": rng.standard_normal((32, 64)).astype(ml_dtypes.bfloat16),
+            "n": np.array(step, np.int64)}
+
+
+def pieces(step: int, rank: int) -> dict[str, object]:
+    model, rows = expected(step), ROWS // WORLD
+    held: dict[str, object] = {
+        "w": ws.Piece(model["w"][rank * rows:(rank + 1) * rows], (rank * rows, 0), (ROWS, COLS)),
+        "e": ws.Piece(model["e"][:, rank * 16:(rank + 1) * 16], (0, rank * 16), (32, 64)),
+    }
+    if rank == 0:
+        held["n"] = model["n"]
+    return held
+
+
+def _kill_at(stage: str) -> None:
+    def hook(name: str) -> None:
+        if name == stage:
+            os.kill(os.getpid(), 9)
+
+    shards._stage = versions._stage = hook
+
+
+def writer(folder: str, step: int, rank: int, attempt: int, stage: str) -> None:
+    _kill_at(stage)
+    ws.publish_shard(folder, pieces(step, rank), step=step, rank=rank, world=WORLD, attempt=attempt,
+                     format=FORMATS[step % len(FORMATS)])
+
+
+def coordinator(folder: str, step: int, attempt: int, stage: str) -> None:
+    _kill_at(stage)
+    try:
+        shards.commit_shards(folder, step=step, world=WORLD, attempt=attempt, timeout=60, keep=3,
+                             metadata={"step": step})
+    except ws.ShardTimeoutError:
+        os._exit(TIMED_OUT)
+    except ws.PublishError as exc:
+        print(f"coordinator of step {step} attempt {attempt}: {exc}", file=sys.stderr, flush=True)
+        os._exit(REFUSED)
+
+
+def follower(folder: str, log: str, stop: str) -> None:
+    """Follows the folder until the file ``stop`` exists, checking every version it sees; writes
+    each step seen to ``log``, or the first thing wrong."""
+    last = None
+    with open(log, "a") as out:
+        try:
+            while not os.path.exists(stop):
+                for version in ws.follow(folder, poll=0.02, max_poll=0.05, timeout=0.3, after=last):
+                    if last is not None and version.step <= last:
+                        raise AssertionError(f"step {version.step} after step {last}")
+                    check(folder, version)
+                    last = version.step
+                    out.write(json.dumps(["seen", version.step]) + "\n")
+                    out.flush()
+        except BaseException:
+            out.write(json.dumps(["error", traceback.format_exc()]) + "\n")
+            raise
+
+
+def check(folder: str, version: ws.Version) -> None:
+    """The version whole and by thirds of rows (a reader partitioned unlike the four writers) is
+    exactly what its step holds; a version pruned while read (only ever an older one) is let go."""
+    model = expected(version.step)
+    try:
+        if version.metadata != {"step": version.step}:
+            raise AssertionError(f"step {version.step}: LATEST's metadata is {version.metadata}")
+        with ws.open(version) as store:
+            if sorted(store) != sorted(model):
+                raise AssertionError(f"step {version.step} holds {sorted(store)}")
+            for key, value in model.items():
+                got = store[key]
+                if got.dtype != value.dtype or got.tobytes() != value.tobytes():
+                    raise AssertionError(f"step {version.step}: {key} is not what was written")
+            for part in range(3):
+                rows = slice(part * ROWS // 3, (part + 1) * ROWS // 3)
+                if store.read_region("w", (rows,)).tobytes() != model["w"][rows].tobytes():
+                    raise AssertionError(f"step {version.step}: rows {rows} of w are not what was written")
+    except ws.VersionGoneError:
+        newest = ws.latest(folder)
+        if newest is None or newest.step <= version.step:
+            raise
+
+
+def launch() -> None:
+    """Start what each line of standard input names (``["writer", args…]``, printing the child's
+    pid) or wait for a child (``["wait", pid]``, printing its exit code, ``-9`` for SIGKILL)."""
+    roles = {"writer": writer, "coordinator": coordinator, "follower": follower}
+    for line in sys.stdin:
+        command, *args = json.loads(line)
+        if command == "wait":
+            _, status = os.waitpid(args[0], 0)
+            print(os.waitstatus_to_exitcode(status), flush=True)
+            continue
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                roles[command](*args)
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            finally:
+                sys.stderr.flush()
+                os._exit(code)
+        print(pid, flush=True)
+
+
+if __name__ == "__main__":
+    launch()

@@ -1,0 +1,136 @@
+"""Rank, world and attempt of a sharded version's writers, taken from the cluster the job runs."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import weightstore as ws
+from weightstore import cluster
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tf_config(task_type, index, *, chief=1, workers=2):
+    return json.dumps({"cluster": {"chief": [f"127.0.0.1:{2000 + i}" for i in range(chief)],
+                                   "worker": [f"127.0.0.1:{3000 + i}" for i in range(workers)],
+                                   "ps": ["127.0.0.1:4000"], "evaluator": ["127.0.0.1:5000"]},
+                       "task": {"type": task_type, "index": index}})
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def rows_of(rank, world, tensor):
+    """The rows rank ``rank`` of ``world`` writes, as a piece."""
+    size = tensor.shape[0] // world
+    return ws.Piece(tensor[rank * size:(rank + 1) * size], (rank * size, 0), tensor.shape)
+
+
+def test_tf_config_ranks_the_chief_then_the_workers_and_a_version_commits(tmp_path, monkeypatch):
+    kernel = np.arange(3 * 4 * 5, dtype=np.float32).reshape(12, 5)
+    folder = tmp_path / "run"
+    for task_type, index, rank in [("worker", 1, 2), ("chief", 0, 0), ("worker", 0, 1)]:
+        monkeypatch.setenv("TF_CONFIG", tf_config(task_type, index))
+        assert cluster.membership() == cluster.Membership(rank, 3, None, "TF_CONFIG")
+        ws.publish_shard(folder, {"k": rows_of(rank, 3, kernel)}, step=1, attempt=4)  # rank and world from TF_CONFIG
+    version = ws.commit_shards(folder, step=1, attempt=4, timeout=5)  # world from TF_CONFIG too
+    assert ws.load(version)["k"].tobytes() == kernel.tobytes()
+    members = sorted(p.name for p in (folder / "step-000000000001.attempt-4").glob("*.safetensors"))
+    assert members == ["rank-00000.safetensors", "rank-00001.safetensors", "rank-00002.safetensors"]
+    # with no chief, worker 0 is rank 0; "master" is an older launcher's chief
+    monkeypatch.setenv("TF_CONFIG", tf_config("worker", 0, chief=0))
+    assert (cluster.membership().rank, cluster.membership().world) == (0, 2)
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"master": ["a:1"], "worker": ["b:1"]},
+                                                "task": {"type": "worker", "index": 0}}))
+    assert (cluster.membership().rank, cluster.membership().world) == (1, 2)
+
+
+@pytest.mark.parametrize("config, message", [
+    (tf_config("ps", 0), "task 'ps' 0 writes no member"),
+    (tf_config("evaluator", 0), "task 'evaluator' 0 writes no member"),
+    (tf_config("worker", 2), "task 'worker' 2 is not in the cluster, which has 2"),
+    ("{not json", "TF_CONFIG is not a cluster and task"),
+    (json.dumps({"cluster": {"worker": ["a:1"]}}), "TF_CONFIG is not a cluster and task"),
+    (json.dumps({"cluster": ["a:1"], "task": {"type": "worker", "index": 0}}), "cluster is not a mapping"),
+])
+def test_a_bad_tf_config_is_refused_and_nothing_is_written(tmp_path, monkeypatch, config, message):
+    monkeypatch.setenv("TF_CONFIG", config)
+    with pytest.raises(ws.WeightStoreError, match=message):
+        ws.publish_shard(tmp_path / "run", {"k": np.zeros(2)}, step=1, attempt=0)
+    assert not (tmp_path / "run").exists()
+
+
+def test_without_an_attempt_or_a_cluster_the_error_says_what_to_pass(tmp_path, monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", tf_config("chief", 0))
+    with pytest.raises(ws.WeightStoreError, match="attempt was not given and TF_CONFIG does not count restarts"):
+        ws.publish_shard(tmp_path / "run", {"k": np.zeros(2)}, step=1)
+    with pytest.raises(ws.WeightStoreError, match="attempt was not given"):
+        ws.commit_shards(tmp_path / "run", step=1, timeout=1)
+    monkeypatch.delenv("TF_CONFIG")
+    with pytest.raises(ws.WeightStoreError, match="nothing says them.*pass rank=, world= and attempt="):
+        ws.publish_shard(tmp_path / "run", {"k": np.zeros(2)}, step=1, attempt=0)
+    ws.publish_shard(tmp_path / "run", {"k": np.zeros(2)}, step=1, rank=0, world=1, attempt=0)  # all given: no look
+    assert ws.load(ws.commit_shards(tmp_path / "run", step=1, world=1, attempt=0, timeout=1))["k"].shape == (2,)
+    assert not (tmp_path / "run" / "step-000000000001.attempt-1").exists()
+
+
+#: one rank of a job: joins its framework's cluster, writes its half of "k"; rank 0 commits
+RANK = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import weightstore as ws
+    folder, framework = sys.argv[1], sys.argv[2]
+    if framework == "torch":
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method="env://")
+        attempt = None  # torchrun's restart count
+    else:
+        import os, jax
+        jax.distributed.initialize(os.environ["COORDINATOR"], num_processes=2, process_id=int(os.environ["RANK"]))
+        try:
+            ws.publish_shard(folder, {"k": np.zeros(1)}, step=5)
+        except ws.WeightStoreError as exc:
+            assert "jax.distributed does not count restarts" in str(exc), exc
+        else:
+            raise AssertionError("no attempt, yet no error")
+        attempt = 2
+    rank = ws.cluster.membership().rank
+    kernel = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
+    ws.publish_shard(folder, {"k": ws.Piece(kernel[rank * 4:rank * 4 + 4], (rank * 4, 0), (8, 3))}, step=5,
+                     attempt=attempt)
+    if rank == 0:
+        print(ws.commit_shards(folder, step=5, attempt=attempt, timeout=60).path)
+    if framework == "torch":
+        dist.destroy_process_group()
+    else:
+        jax.distributed.shutdown()
+""")
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_a_torch_or_jax_cluster_gives_rank_and_world_and_torchrun_the_attempt(tmp_path, framework):
+    folder = tmp_path / "run"
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "COORDINATOR": f"127.0.0.1:{port}", "WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "2",
+           "JAX_PLATFORMS": "cpu"}
+    env.pop("TF_CONFIG", None)
+    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(folder), framework], env={**env, "RANK": str(rank)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    outputs = [proc.communicate(timeout=120) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], [err for _, err in outputs]
+    assert Path(outputs[0][0].strip()).name == "step-000000000005.wsindex"
+    assert ws.latest(folder).step == 5
+    assert ws.load(ws.latest(folder))["k"].tobytes() == np.arange(24, dtype=np.float32).tobytes()
+    assert sorted(p.name for p in (folder / "step-000000000005.attempt-2").iterdir()) == [
+        "rank-00000.done", "rank-00000.safetensors", "rank-00001.done", "rank-00001.safetensors"]

@@ -1,0 +1,190 @@
+"""Random SIGKILLs of the writers and the coordinator of sharded versions, with a follower
+checking every version it sees (real processes, a local folder and the loopback S3 server).
+
+Each round publishes one step: four writer processes and a coordinator, some of them SIGKILLed
+at a seeded random point (a stage of the publish, or a random moment). A round that did not
+commit is retried as a job launcher would: the coordinator alone with the same attempt when
+every rank's done-record is there, else every rank with the next attempt. Meanwhile a
+``ws.follow`` process checks that every version it sees holds exactly what its step should,
+whole and read by thirds, and that steps never go back. At the end a step left dead (a
+coordinator killed between its index and ``LATEST``, and a try missing a rank) is removed by
+``ws clean``, and the folder holds only the versions ``LATEST`` reaches and their members.
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import shard_kills  # noqa: E402
+
+import weightstore as ws  # noqa: E402
+from weightstore.io.folders import folder_for  # noqa: E402
+from weightstore.shardindex import attempt_folder, done_name  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+BUCKET = "weightstore-kills"
+#: the most random kills a run makes, and the most tries one step gets
+KILLS, TRIES = 12, 8
+
+pytestmark = pytest.mark.slow
+
+
+class Launcher:
+    """The launcher of ``shard_kills.py``: a process that imported weightstore once and forks each
+    writer, coordinator and follower on request, so each starts in milliseconds. The test SIGKILLs
+    them by pid itself; a child is reaped only when waited for, so its pid is never reused before."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("shard_kills.py"))],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+    def _ask(self, *command):
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        return int(self.proc.stdout.readline())
+
+    def start(self, role, *args):
+        return self._ask(role, *args)
+
+    def wait(self, pid):
+        return self._ask("wait", pid)
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait(60)
+
+
+@pytest.fixture
+def launcher():
+    started = Launcher()
+    yield started
+    started.close()
+
+
+def _done(folder, step, attempt):
+    """Whether every rank of this try wrote its done-record (each after its whole member)."""
+    names = {entry.name for entry in folder_for(f"{folder}/{attempt_folder(step, attempt)}").files()}
+    return all(done_name(rank) in names for rank in range(shard_kills.WORLD))
+
+
+def _plan(rng, kills, roles):
+    """Who to kill in this try and where: ``{role: stage or seconds}``, at most one victim."""
+    if kills <= 0 or rng.random() < 0.3:
+        return {}
+    role = "coordinator" if rng.random() < 0.5 else rng.choice(roles[:-1] or roles)
+    stages = shard_kills.COORDINATOR_STAGES if role == "coordinator" else shard_kills.WRITER_STAGES
+    return {role: rng.choice(stages) if rng.random() < 0.6 else rng.uniform(0.0, 0.3)}
+
+
+def _try(launcher, folder, step, attempt, *, writers, plan):
+    """One try at ``step``: the writers (if any) and a coordinator, killed per ``plan``. A
+    coordinator left waiting for a writer that died is stopped, as the job's launcher tearing the
+    try down would."""
+    def stage_of(role):
+        return plan.get(role) if isinstance(plan.get(role), str) else ""
+
+    pids = {f"writer-{rank}": launcher.start("writer", folder, step, rank, attempt, stage_of(f"writer-{rank}"))
+            for rank in range(writers)}
+    pids["coordinator"] = launcher.start("coordinator", folder, step, attempt, stage_of("coordinator"))
+    timed = next(((role, at) for role, at in plan.items() if isinstance(at, float)), None)
+    if timed is not None:
+        time.sleep(timed[1])
+        os.kill(pids[timed[0]], signal.SIGKILL)  # not reaped yet: the pid is still this child's
+    for role, pid in pids.items():
+        if role != "coordinator":
+            assert launcher.wait(pid) in (0, -9), role
+    if writers and not _done(folder, step, attempt):
+        time.sleep(0.2)
+        os.kill(pids["coordinator"], signal.SIGKILL)
+    assert launcher.wait(pids["coordinator"]) in (0, -9, shard_kills.TIMED_OUT)
+
+
+def _published(folder, step):
+    latest = ws.latest(folder)
+    return latest is not None and latest.step == step
+
+
+def run_rounds(launcher, folder, *, steps, seed, tmp_path):
+    rng = random.Random(seed)
+    log, stop = tmp_path / "seen.jsonl", tmp_path / "stop"
+    ws.publish(folder, shard_kills.expected(1), step=1, metadata={"step": 1})
+    follower = launcher.start("follower", folder, str(log), str(stop))
+    kills = KILLS
+    try:
+        for step in range(2, 2 + steps):
+            attempt, writers = 0, shard_kills.WORLD
+            for _ in range(TRIES):
+                roles = [f"writer-{rank}" for rank in range(writers)] + ["coordinator"]
+                # the first try always loses its coordinator between the index and LATEST
+                first = step == 2 and attempt == 0 and writers == shard_kills.WORLD
+                plan = {"coordinator": "index-written"} if first else _plan(rng, kills, roles)
+                _try(launcher, folder, step, attempt, writers=writers, plan=plan)
+                kills -= bool(plan)
+                if _published(folder, step):
+                    break
+                if _done(folder, step, attempt):
+                    writers = 0  # the coordinator alone, with the same attempt
+                else:
+                    attempt, writers = attempt + 1, shard_kills.WORLD
+            else:
+                pytest.fail(f"step {step} was not published in {TRIES} tries")
+        final = 1 + steps
+        # a step left dead: a coordinator killed between its index and LATEST, and a try missing rank 3
+        dead = final + 1
+        _try(launcher, folder, dead, 0, writers=shard_kills.WORLD, plan={"coordinator": "index-written"})
+        _try(launcher, folder, dead, 1, writers=3, plan={"coordinator": 0.0})
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (log.exists() and f'["seen", {final}]' in log.read_text()):
+            time.sleep(0.1)
+    finally:
+        stop.touch()
+        code = launcher.wait(follower)
+    reports = [json.loads(line) for line in log.read_text().splitlines()]
+    errors = [value for kind, value in reports if kind == "error"]
+    assert not errors, errors[0]
+    assert code == 0
+    seen = [value for kind, value in reports if kind == "seen"]
+    assert seen == sorted(set(seen)) and seen[-1] == final and len(seen) >= 2, seen
+    assert kills < KILLS  # the seed made kills
+    return final, dead
+
+
+def check_clean(folder, final, dead):
+    listed = folder_for(folder)
+    before = set(listed.subfolders()) | {entry.name for entry in listed.files()}
+    assert f"step-{dead:012d}.wsindex" in before and f"{attempt_folder(dead, 1)}" in before
+    cleaned = subprocess.run([sys.executable, "-m", "weightstore", "clean", folder], capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert cleaned.returncode == 0, cleaned.stderr
+    after = set(listed.subfolders()) | {entry.name for entry in listed.files()}
+    indexes = sorted(name for name in after if name.endswith(".wsindex"))
+    members = sorted(name for name in after if ".attempt-" in name)
+    assert f"step-{dead:012d}.wsindex" not in after and not any(f"step-{dead:012d}" in name for name in after)
+    assert [name.split(".")[0] for name in indexes] == [name.split(".")[0] for name in members]  # one try each
+    assert indexes[-1] == f"step-{final:012d}.wsindex" and len(indexes) <= 3  # keep=3
+    version = ws.latest(folder)
+    assert version.step == final
+    shard_kills.check(folder, version)
+
+
+def test_random_kills_of_writers_and_coordinator_in_a_local_folder(launcher, tmp_path):
+    folder = str(tmp_path / "run")
+    final, dead = run_rounds(launcher, folder, steps=8, seed=23, tmp_path=tmp_path)
+    check_clean(folder, final, dead)
+
+
+def test_random_kills_of_writers_and_coordinator_on_s3(server, launcher, tmp_path):
+    folder = f"s3://{BUCKET}/{uuid.uuid4().hex}"  # the launcher's children reach the server by the environment
+    final, dead = run_rounds(launcher, folder, steps=4, seed=5, tmp_path=tmp_path)
+    check_clean(folder, final, dead)

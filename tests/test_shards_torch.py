@@ -1,0 +1,142 @@
+"""PyTorch DTensor feeds: a 2-process gloo group on 127.0.0.1 publishes FSDP2-sharded parameters
+and reads them back in a tensor-parallel sharding, each rank fetching only its shards (S3)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torch.distributed.tensor")
+pytest.importorskip("s3fs")
+
+import weightstore as ws  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+BUCKET = "weightstore-shards-torch"
+
+#: one rank: builds the model (same seed on both), shards it with FSDP2 and publishes its
+#: shards; rank 0 commits. Then both read the version into the same model laid out for tensor
+#: parallelism (first Linear by output rows, second by input columns, its bias replicated),
+#: and save what each holds, for the test to check against the model whole.
+RANK = textwrap.dedent("""
+    import sys
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import weightstore as ws
+    from weightstore.adapters import torch as wt
+
+    folder, rank, port, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+
+    def model(seed):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(1024, 768), nn.ReLU(), nn.Linear(768, 1024), nn.BatchNorm1d(1024))
+
+    writer = model(1)
+    fully_shard(writer, mesh=mesh)
+    pieces = wt.export_pieces(writer)
+    ws.publish_shard(folder, pieces, step=1, rank=rank, world=2, attempt=0)
+    if rank == 0:
+        ws.commit_shards(folder, step=1, world=2, attempt=0, timeout=60)
+    dist.barrier()
+    reader = parallelize_module(model(2), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    report = wt.assign(reader, ws.latest(folder))
+    held = {key: wt._read(wt.torch_shards.local_tensor(tensor), key) for key, tensor in wt.tensors(reader).items()}
+    again = parallelize_module(model(3), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    wt.assign(again, ws.load(ws.latest(folder)))  # from a dict of whole tensors: each rank cuts its shard
+    for key, tensor in wt.tensors(again).items():
+        assert wt._read(wt.torch_shards.local_tensor(tensor), key).tobytes() == held[key].tobytes(), key
+    held["pieces"] = np.array(sorted(pieces))
+    held["assigned"] = np.array(sorted(report.assigned))
+    from torch.distributed.tensor import DTensor, Partial
+
+    summed = nn.Module()  # a DTensor of partial sums: no part of its value, refused naming the key
+    summed.w = nn.Parameter(DTensor.from_local(torch.ones(2, 2), mesh, [Partial()]))
+    try:
+        wt.export_pieces(summed)
+    except ws.TargetError as exc:
+        assert exc.key == "w" and "partial sums" in str(exc), exc
+    else:
+        raise AssertionError("a Partial DTensor was exported")
+    np.savez(out, **{key.replace("/", "|"): value for key, value in held.items()})
+    dist.destroy_process_group()
+""")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_ranks(folder, server, tmp_path):
+    port = free_port()
+    env = {**os.environ, **server.environment(), "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-c", RANK, folder, str(rank), str(port), str(tmp_path / f"{rank}.npz")],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in range(2)]
+    for proc in procs:
+        out, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, out.decode()[-3000:]
+    return [{key.replace("|", "/"): value for key, value in np.load(tmp_path / f"{rank}.npz").items()} for rank in range(2)]
+
+
+def test_fsdp2_shards_published_by_two_ranks_read_back_tensor_parallel(server, tmp_path):
+    folder = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    server.reset()
+    held = run_ranks(folder, server, tmp_path)
+    fetched = sum(r.sent for r in server.requests if r.method == "GET" and r.path.endswith(".safetensors"))
+    with ws.open(ws.latest(folder)) as store:
+        whole = {key: store[key] for key in store}
+    torch.manual_seed(1)  # the writers' model, whole
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 768), torch.nn.ReLU(), torch.nn.Linear(768, 1024),
+                                torch.nn.BatchNorm1d(1024))
+    expected = {key.replace(".", "/"): value.detach().numpy() for key, value in model.state_dict().items()}
+    assert sorted(whole) == sorted(expected)
+    for key, value in expected.items():
+        assert whole[key].tobytes() == value.tobytes(), key
+    for rank in range(2):
+        assert sorted(held[rank]["assigned"]) == sorted(expected)
+        assert set(held[rank]["pieces"]) >= {"0/weight", "0/bias", "2/weight", "2/bias"}  # FSDP2: every rank a shard
+        rows, cols = slice(rank * 384, rank * 384 + 384), slice(rank * 384, rank * 384 + 384)
+        assert held[rank]["0/weight"].tobytes() == expected["0/weight"][rows].tobytes()
+        assert held[rank]["0/bias"].tobytes() == expected["0/bias"][rows].tobytes()
+        assert held[rank]["2/weight"].tobytes() == expected["2/weight"][:, cols].tobytes()
+        assert held[rank]["2/bias"].tobytes() == expected["2/bias"].tobytes()  # replicated: each rank whole
+        assert held[rank]["3/running_var"].tobytes() == expected["3/running_var"].tobytes()
+    # the two readers together fetched each sharded byte once: their shards, not the whole model
+    # twice (then each loaded the version whole, for the assign from a dict: the model's bytes)
+    fetched -= 2 * sum(value.nbytes for value in expected.values())
+    sharded = sum(expected[key].nbytes for key in ("0/weight", "0/bias", "2/weight"))
+    replicated = sum(value.nbytes for key, value in expected.items() if key not in ("0/weight", "0/bias", "2/weight"))
+    assert sharded <= fetched <= 1.1 * sharded + 2 * replicated, fetched / sharded
+
+
+def test_export_pieces_of_plain_tensors_splits_rows_between_ranks():
+    model = torch.nn.Linear(6, 5)
+    whole = {key.replace(".", "/"): value.detach().numpy() for key, value in model.state_dict().items()}
+    from weightstore.adapters import torch as wt
+
+    alone = wt.export_pieces(model)  # no process group: one rank holds and writes everything
+    assert {key: [(p.start, np.asarray(p.array).tobytes()) for p in pieces] for key, pieces in alone.items()} == {
+        key: [((0,) * value.ndim, value.tobytes())] for key, value in whole.items()}
+    halves = [wt.export_pieces(model, rank=rank, world=2) for rank in range(2)]
+    assert [[p.start for p in part["weight"]] for part in halves] == [[(0, 0)], [(2, 0)]]
+    assert np.concatenate([part["weight"][0].array for part in halves]).tobytes() == whole["weight"].tobytes()
+    assert [part["bias"][0].shape for part in halves] == [(5,), (5,)]

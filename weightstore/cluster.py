@@ -1,0 +1,133 @@
+"""Which rank of how many this process is, and which try at a step, from the cluster the job runs.
+
+:func:`~weightstore.publish_shard` and :func:`~weightstore.commit_shards` fill the ``rank``,
+``world`` and ``attempt`` they were not given from here, so that a job launched by
+``torchrun``, ``jax.distributed`` or a ``TF_CONFIG`` launcher need not repeat what its
+launcher already said. The first source that answers wins:
+
+1. ``torch.distributed``, if this process initialized a process group: ``get_rank()`` of
+   ``get_world_size()``; the attempt is ``TORCHELASTIC_RESTART_COUNT``, which ``torchrun``
+   counts up each time it restarts the group.
+2. ``jax.distributed``, if initialized: ``jax.process_index()`` of ``jax.process_count()``.
+3. ``TF_CONFIG``: the chief (or, in older launchers, ``master``) is rank 0, then the workers
+   in index order, the numbering ``MultiWorkerMirroredStrategy`` gives its workers; other task
+   types (``ps``, ``evaluator``) write no member and are refused.
+
+A framework is consulted only if the job already imported it (it is in ``sys.modules``), so
+the core never imports one. Only ``torchrun`` counts restarts: elsewhere the attempt must be
+passed (``tf2.publish_sharded`` agrees one through TensorFlow's coordination service). A
+default of 0 would be unsafe: a job restarted at the same step would write attempt 0 again,
+and a commit could pair the live run's members with done-records the dead run left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from weightstore.errors import WeightStoreError
+
+__all__ = ["Membership", "membership", "rank_in_tf_cluster"]
+
+#: the TF_CONFIG task types that write members, in rank order
+_WRITING_TASKS = ("chief", "master", "worker")
+
+
+@dataclass(frozen=True)
+class Membership:
+    """This process's place in its job: ``rank`` of ``world``, the ``attempt`` if the cluster
+    counts restarts (else ``None``), and ``source``, which names where it came from."""
+
+    rank: int
+    world: int
+    attempt: int | None
+    source: str
+
+
+def membership() -> Membership:
+    """This process's place, from the first source above that answers.
+
+    Raises:
+        WeightStoreError: no source answers, or one is malformed (a ``TF_CONFIG`` that is not
+            JSON, a task type that writes no member); the message says what to pass instead.
+    """
+    for source in (_torch, _jax, _tf_config):
+        found = source()
+        if found is not None:
+            return found
+    raise WeightStoreError("rank and world were not given and nothing says them: no initialized torch.distributed "
+                           "process group, no initialized jax.distributed, no TF_CONFIG; pass rank=, world= and "
+                           "attempt=")
+
+
+def filled(*, rank: int | None, world: int | None, attempt: int | None) -> tuple[int, int, int]:
+    """``rank``, ``world`` and ``attempt``, each one not given taken from :func:`membership`
+    (a coordinator, which has no rank, passes ``rank=0``)."""
+    if rank is not None and world is not None and attempt is not None:
+        return rank, world, attempt
+    found = membership()
+    attempt = found.attempt if attempt is None else attempt
+    if attempt is None:
+        raise WeightStoreError(f"attempt was not given and {found.source} does not count restarts; pass attempt= "
+                               "(one higher each time the job retries a step, so a dead try's members never mix "
+                               "with a live one's)")
+    return found.rank if rank is None else rank, found.world if world is None else world, attempt
+
+
+def rank_in_tf_cluster(cluster: Mapping[str, Any], task_type: str, task_index: int) -> tuple[int, int]:
+    """``(rank, world)`` of task ``task_type``/``task_index`` in a TF cluster spec (job name ->
+    addresses): the chief first, then the workers in index order.
+
+    Raises:
+        WeightStoreError: the task is not a chief or a worker, or not in the cluster.
+    """
+    counts = {job: len(cluster.get(job) or ()) for job in _WRITING_TASKS}
+    if task_type not in _WRITING_TASKS:
+        raise WeightStoreError(f"task {task_type!r} {task_index} writes no member of a sharded version: only the "
+                               f"chief and the workers do (ranks: chief, then workers by index)")
+    if not 0 <= task_index < counts[task_type]:
+        raise WeightStoreError(f"task {task_type!r} {task_index} is not in the cluster, which has "
+                               f"{counts[task_type]} {task_type!r} task(s)")
+    before = sum(counts[job] for job in _WRITING_TASKS[:_WRITING_TASKS.index(task_type)])
+    return before + task_index, sum(counts.values())
+
+
+def _torch() -> Membership | None:
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    try:
+        attempt = None if count is None else int(count)
+    except ValueError:
+        raise WeightStoreError(f"TORCHELASTIC_RESTART_COUNT is {count!r}, not a count") from None
+    return Membership(dist.get_rank(), dist.get_world_size(), attempt, "torch.distributed")
+
+
+def _jax() -> Membership | None:
+    jax = sys.modules.get("jax")
+    if jax is None or not jax.distributed.is_initialized():
+        return None
+    return Membership(jax.process_index(), jax.process_count(), None, "jax.distributed")
+
+
+def _tf_config() -> Membership | None:
+    text = os.environ.get("TF_CONFIG")
+    if not text:
+        return None
+    try:
+        config = json.loads(text)
+        cluster, task = config["cluster"], config["task"]
+        task_type, task_index = str(task["type"]), int(task["index"])
+    except (ValueError, TypeError, KeyError) as exc:
+        raise WeightStoreError(f"TF_CONFIG is not a cluster and task ({type(exc).__name__}: {exc}); "
+                               "expected {\"cluster\": {\"chief\": [...], \"worker\": [...]}, "
+                               "\"task\": {\"type\": \"worker\", \"index\": 0}}") from None
+    if not isinstance(cluster, Mapping):
+        raise WeightStoreError("TF_CONFIG's cluster is not a mapping of task type to addresses")
+    rank, world = rank_in_tf_cluster(cluster, task_type, task_index)
+    return Membership(rank, world, None, "TF_CONFIG")
