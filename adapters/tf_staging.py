@@ -35,8 +35,10 @@ from weightstore.adapters.skeleton import copy_into, private_copy
 
 __all__ = ["staged_copy"]
 
-#: smaller values are left to :func:`private_copy` (tf2 writes them in groups, not one op each)
-STAGED_FROM = 1 << 16
+#: smaller values keep a :func:`private_copy`: the ``Empty`` op's fixed cost (about 35 us) is more
+#: than a copy of them into heap memory numpy reuses (docs/benchmarks.md), and their share of a
+#: model's memory is small
+STAGED_FROM = 1 << 20
 _unstageable: set[np.dtype] = set()  # dtypes TensorFlow has no CPU ``Empty`` kernel (or no type) for
 
 
@@ -47,15 +49,14 @@ def staged_copy(array: np.ndarray, dtype: np.dtype) -> Any:
     dtype = np.dtype(dtype)
     if array.nbytes < STAGED_FROM or dtype in _unstageable:
         return private_copy(array, dtype)
-    with tf.init_scope():
-        if not tf.executing_eagerly():
-            return private_copy(array, dtype)
-        try:
-            with tf.device("/CPU:0"):
-                tensor = tf.raw_ops.Empty(shape=array.shape, dtype=tf.as_dtype(dtype), init=False)
-        except (TypeError, tf.errors.NotFoundError, tf.errors.InvalidArgumentError):
-            _unstageable.add(dtype)
-            return private_copy(array, dtype)
+    if not tf.executing_eagerly():  # in a graph (a tf.function): the op would join it (init_scope costs 50 us)
+        return private_copy(array, dtype)
+    try:
+        with tf.device("/CPU:0"):
+            tensor = tf.raw_ops.Empty(shape=array.shape, dtype=tf.as_dtype(dtype), init=False)
+    except (TypeError, tf.errors.NotFoundError, tf.errors.InvalidArgumentError):
+        _unstageable.add(dtype)
+        return private_copy(array, dtype)
     copy_into(np.asarray(_Writable(tensor)).view(dtype).reshape(array.shape), array)
     return tensor
 
