@@ -11,9 +11,14 @@ every tensor that changed since the last swap is fetched (an object store's rang
 checksum verified, into memory or, for a local file, as views of its mapping. Only then does
 it take the lock, and inside it only writes variables from what was staged, so the longest
 wait to enter ``reading()`` is the time to assign the model from memory, not to download
-it. The serving process holds the model plus at most the one version being staged; the
-staged arrays are dropped as soon as the swap is done. A bad version (a checksum that does
-not match, a file pruned mid-read) fails while staging, before serving is held at all.
+it. A bad version (a checksum that does not match, a file pruned mid-read) fails while
+staging, before serving is held at all.
+
+**Memory: the model plus the version being staged.** A remote version is read straight into
+one buffer per tensor, and those buffers become the variables' own (the framework adopts them
+instead of copying: nothing else holds them); a local one is staged as views of its mapped
+file and copied in batches. After each swap the old variables' memory goes back to the system,
+so the process does not keep a freed version's pages around (see :mod:`weightstore.heap`).
 
 ::
 
@@ -47,8 +52,10 @@ from typing_extensions import Unpack
 
 import weightstore
 from weightstore.adapters.plan import AssignOptions, AssignWords, Report, reload_digest, wants_skip
+from weightstore.adapters.skeleton import handed_over
 from weightstore.errors import VersionGoneError
 from weightstore.formats import ReaderDefaults
+from weightstore.heap import give_back
 from weightstore.io.folders import folder_for
 from weightstore.manifest import TensorInfo
 from weightstore.store import Store
@@ -228,7 +235,8 @@ class Follower:
         skip = wants_skip(held, self.options.skip_unchanged)
         try:
             staged = self._stage(held, skip)
-            with staged, self._lock.writing():
+            # the staged arrays are the follower's alone: the variables may keep them as they are
+            with staged, handed_over(staged.arrays), self._lock.writing():
                 report = self._assign(self.target, staged,
                                       **dataclasses.replace(self.options, skip_unchanged=skip).assign_words())
                 # still inside the swap: a reader never sees new weights under the old version
@@ -244,6 +252,7 @@ class Follower:
         # the swap is done and serving runs again: what follows a swap goes here
         if previous is not None:
             previous.release()
+        give_back()  # the old variables' buffers, freed as the new ones replaced them
         with self._swapped:
             self._swapped.notify_all()
         return True
@@ -338,7 +347,12 @@ class _StagedStore(Store):
 
     def __init__(self, store: Store, arrays: dict[str, np.ndarray], digests: dict[str, str | None]):
         super().__init__(_Staged(store, arrays), store.path, verify=False)  # staging verified what it read
+        self.arrays = list(arrays.values())
         self.digests = digests
+
+    def close(self) -> None:
+        self.arrays = []
+        super().close()
 
 
 def _assigner(target: Any) -> Callable[..., Report]:

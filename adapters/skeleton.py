@@ -14,10 +14,11 @@ and each batch hands the framework at most that budget of new arrays.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -38,14 +39,15 @@ from weightstore.adapters.plan import (
 )
 from weightstore.errors import AssignmentError
 from weightstore.gcpause import paused_gc
-from weightstore.io.buffer import aligned_array  # frameworks adopt 64-byte-aligned memory (TF: EIGEN_MAX_ALIGN_BYTES)
+from weightstore.io.buffer import ALIGNMENT, aligned_array  # TF adopts aligned memory (EIGEN_MAX_ALIGN_BYTES)
 
-__all__ = ["Target", "ValueSource", "private_copy", "run_assign"]
+__all__ = ["Target", "ValueSource", "handed_over", "private_copy", "run_assign"]
 
 _ALIGNED_FROM = 1 << 16  # smaller arrays are copied plainly: aligning them costs more than TF's copy
 _PIECE_BYTES = 16 << 20  # larger copies are split across threads: faulting in fresh pages is most of their cost
 _COPIERS = max(1, min(4, os.cpu_count() or 1))
 _copier_pool: ThreadPoolExecutor | None = None
+_handed_over: dict[int, np.ndarray] = {}  # address -> array, for the arrays of every handed_over block now open
 
 # A batch holds at most max(BATCH_MIN_BYTES, the assign's bytes / BATCH_SHARE): 1/16 of a large
 # model, so its extra memory stays well under a quarter of it even with a tensor or two over
@@ -197,8 +199,60 @@ def _read_as_target(infos: Mapping[str, TargetInfo]) -> Callable[[ValueSource, s
     return lambda source, key, value_key: np.asarray(source.read(value_key), dtype=infos[key].dtype)
 
 
+@contextlib.contextmanager
+def handed_over(arrays: Iterable[np.ndarray]) -> Iterator[None]:
+    """Inside the block, :func:`private_copy` gives the framework ``arrays`` (or views of them)
+    themselves, to keep as its variables' buffers, instead of copying them.
+
+    For arrays read into memory of their own that nothing else holds or will write (a
+    follower's staged version): an assign from them then needs no second copy of the model.
+    Only an aligned array already of the target's dtype that is nearly all of the allocation
+    behind it is given (keeping a view of a larger buffer would keep all of that buffer alive),
+    and only once.
+    """
+    given = {array.ctypes.data: array for array in arrays if isinstance(array, np.ndarray) and array.nbytes}
+    _handed_over.update(given)
+    try:
+        yield
+    finally:
+        for address in given:
+            _handed_over.pop(address, None)
+
+
+def is_handed_over(array: np.ndarray) -> bool:
+    """Whether ``array`` lies where an array of an open :func:`handed_over` block does, so
+    :func:`private_copy` decides whether to give it instead of copying it."""
+    return bool(_handed_over) and array.ctypes.data in _handed_over
+
+
+def _given(array: np.ndarray, dtype: np.dtype) -> bool:
+    """Whether :func:`private_copy` may hand the framework ``array`` itself (see :func:`handed_over`).
+
+    An array is known by its address: conversions make new views of a handed-over array (numpy
+    links a view to the memory's owner, not to the array it was made from), and while that
+    array lives no other memory can lie at its address."""
+    handed = _handed_over.get(array.ctypes.data) if _handed_over else None
+    if (handed is None or array.dtype != dtype or array.nbytes < _ALIGNED_FROM or array.nbytes > handed.nbytes
+            or not array.flags.c_contiguous or array.ctypes.data % ALIGNMENT):
+        return False
+    base: Any = array
+    while True:
+        if isinstance(base, np.ndarray) and base.base is not None:
+            base = base.base
+        elif isinstance(base, memoryview):
+            base = base.obj
+        else:
+            break
+    if not isinstance(base, np.ndarray) or base.nbytes > array.nbytes + _ALIGNED_FROM:
+        return False
+    # given once: two variables fed the same value must not share a buffer, or an in-place
+    # write into one (TF copies into a buffer it holds alone) would change the other
+    return _handed_over.pop(array.ctypes.data, None) is not None
+
+
 def private_copy(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """``array`` as ``dtype`` in fresh 64-byte-aligned memory that only the framework will hold.
+    """``array`` as ``dtype`` in fresh 64-byte-aligned memory that only the framework will hold
+    (or ``array`` itself, inside :func:`handed_over` for it).
 
     TensorFlow adopts aligned fed memory as a resource variable's buffer instead of copying it
     (as its own restore adopts what it read), so this is the one copy an assign needs. Handing
@@ -208,6 +262,8 @@ def private_copy(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
     without aligning it: TF may copy it again, which costs less than aligning it did.
     """
     dtype = np.dtype(dtype)
+    if _given(array, dtype):
+        return array
     size = math.prod(array.shape) * dtype.itemsize
     if size < _ALIGNED_FROM:  # the framework's own copy of a small array costs less than aligning it
         return np.array(array, dtype, order="C")

@@ -41,9 +41,11 @@ one is freed), rather than ``variable.assign(ndarray)``, which copies the value 
 temporary tensor and that into the variable. The fresh tensor comes from TensorFlow's own
 allocator (:mod:`weightstore.adapters.tf_staging`), so the freed buffers are reused for the
 next values instead of staying in its pool: the process does not end up holding the model
-twice (values of 1 MiB or more; smaller ones are copied into numpy memory, which costs less for
-them). The copy is never skipped: an adopted read-only map of the file would crash the next
-in-place update, an adopted caller's array would change with it. Values under 64 KiB go in groups of one dtype and shape instead: stacked into one new
+twice (values of 1 MiB or more; smaller ones are copied into fresh aligned numpy memory, which
+costs less for them). The copy is skipped only for arrays nothing else holds (a follower's
+staged version, :func:`~weightstore.adapters.skeleton.handed_over`): an adopted read-only map
+of the file would crash the next in-place update, an adopted caller's array would change with
+it. Values under 64 KiB go in groups of one dtype and shape instead: stacked into one new
 array, converted once and split by one ``Unpack`` into tensors TF owns (per-op overhead, not
 bytes, is what a small tensor costs). Distributed variables, and subclasses with an ``assign``
 of their own, get ``assign``.

@@ -31,7 +31,7 @@ from weightstore.extras import needs
 with needs("tf", __name__):
     import tensorflow as tf
 
-from weightstore.adapters.skeleton import copy_into, private_copy
+from weightstore.adapters.skeleton import copy_into, is_handed_over, private_copy
 
 __all__ = ["staged_copy"]
 
@@ -45,10 +45,10 @@ _unstageable: set[np.dtype] = set()  # dtypes TensorFlow has no CPU ``Empty`` ke
 def staged_copy(array: np.ndarray, dtype: np.dtype) -> Any:
     """``array`` as ``dtype`` in a new CPU tensor from TensorFlow's allocator, for an eager
     ``AssignVariableOp`` to take over; a :func:`private_copy` where that cannot be made (a small
-    value, eager execution off, a dtype without an ``Empty`` kernel)."""
+    value, eager execution off, a dtype without an ``Empty`` kernel, an array handed over)."""
     dtype = np.dtype(dtype)
-    if array.nbytes < STAGED_FROM or dtype in _unstageable:
-        return private_copy(array, dtype)
+    if array.nbytes < STAGED_FROM or dtype in _unstageable or is_handed_over(array):
+        return private_copy(array, dtype)  # which gives a handed-over array itself: no copy at all
     if not tf.executing_eagerly():  # in a graph (a tf.function): the op would join it (init_scope costs 50 us)
         return private_copy(array, dtype)
     try:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +26,7 @@ import weightstore as ws  # noqa: E402
 from weightstore.adapters.follower import Follower  # noqa: E402
 
 BUCKET = "weightstore-follower"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -168,3 +174,56 @@ def test_a_queue_refusing_deletes_still_wakes_the_follower(notified, s3, caplog)
     s3.intercept = refuse_deletes
     assert_woken_by_the_queue(folder, queue)  # the undeleted message only comes back later
     assert "not allowed to delete" in caplog.text
+
+
+SERVING_PROCESS = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import tensorflow as tf
+    from benchmarks.common import AnonPeak, anon_bytes
+    from weightstore.adapters.follower import Follower
+    folder, tensors, floats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    variables = {f"layer_{i}/w": tf.Variable(np.full(floats, -1.0, np.float32)) for i in range(tensors)}
+    with Follower(variables, folder, poll=0.01) as follower:
+        print("ready", flush=True)
+        anon = before = None
+        for line in sys.stdin:  # the step just published
+            step = int(line)
+            assert follower.wait(step, timeout=120).step == step, follower.error
+            assert all(np.all(var.numpy() == step + i) for i, var in enumerate(variables.values()))
+            if anon is None:  # serving its first version: measure from here
+                before, anon = anon_bytes(), AnonPeak(every=0.002).__enter__()
+            print(step, flush=True)
+    anon.__exit__()
+    print(json.dumps({"extra": anon.peak - before}))
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RssAnon from /proc")
+@pytest.mark.parametrize("where", ["s3", "local"])
+def test_a_serving_process_holds_the_model_and_one_version_at_most(s3, folder, tmp_path, where):
+    """Once serving, a process following 5 more versions of a 32 MB model (2 MB tensors) grows by
+    at most about the version being staged: it once grew by twice the model on S3 (the staged
+    version, the assign's copy of it, and the client's buffers of the body)."""
+    target = folder if where == "s3" else str(tmp_path / "run")  # the child reaches the server as this process does
+    tensors, floats = 16, (2 << 20) // 4
+    model_bytes = tensors * floats * 4
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3")
+    serving = subprocess.Popen([sys.executable, "-c", SERVING_PROCESS, target, str(tensors), str(floats)], env=env,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert serving.stdout.readline().strip() == "ready"
+        for step in range(1, 7):
+            ws.publish(target, {f"layer_{i}/w": np.full(floats, step + i, np.float32) for i in range(tensors)},
+                       step=step, keep=2)
+            serving.stdin.write(f"{step}\n")
+            serving.stdin.flush()
+            assert serving.stdout.readline().strip() == str(step)
+        serving.stdin.close()
+        extra = json.loads(serving.stdout.readline())["extra"]
+    finally:
+        if serving.poll() is None:
+            serving.kill()
+        serving.wait(60)
+    assert extra < 1.6 * model_bytes, f"{extra / model_bytes:.2f}x the model"

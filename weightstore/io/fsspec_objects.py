@@ -13,9 +13,13 @@ from typing import Any
 from weightstore.errors import FormatError
 from weightstore.io.buffer import aligned_buffer
 from weightstore.io.location import service, uncached
-from weightstore.io.objects import split_parts, window
+from weightstore.io.objects import Request, requests_for, scatter, window
 
 __all__ = ["FsspecObject"]
+
+#: bytes of requests handed to ``cat_ranges`` at once: it returns whole bodies, so this bounds
+#: what is held twice (body and view) while many small requests still go together
+BATCH_BYTES = 64 << 20
 
 
 class FsspecObject:
@@ -39,20 +43,31 @@ class FsspecObject:
         return size, start, data
 
     def fill(self, ranges: list[tuple[int, memoryview]], opening: bool = False) -> None:
-        parts = split_parts(ranges)
-        if not parts:
-            return
-        try:
-            with service(self.name):
-                found = self._fs.cat_ranges([self._path] * len(parts), [at for at, _ in parts],
-                                            [at + len(view) for at, view in parts], on_error="raise")
-        except FileNotFoundError:
-            if opening:
-                raise
-            raise FormatError("the file was removed while it was open", path=self.name) from None
-        for (at, view), data in zip(parts, found, strict=True):
-            if len(data) != len(view):
-                raise FormatError(f"got {len(data)} bytes at byte {at}, not {len(view)}: "
-                                  f"the file is shorter than when it was opened (replaced while open?)", path=self.name)
-            view[:] = data
+        for batch in _batches(requests_for(ranges)):
+            try:
+                with service(self.name):
+                    found = self._fs.cat_ranges([self._path] * len(batch), [request.start for request in batch],
+                                                [request.end for request in batch], on_error="raise")
+            except FileNotFoundError:
+                if opening:
+                    raise
+                raise FormatError("the file was removed while it was open", path=self.name) from None
+            for request, data in zip(batch, found, strict=True):
+                if len(data) != request.end - request.start:
+                    raise FormatError(f"got {len(data)} bytes at byte {request.start}, not {request.end - request.start}: "
+                                      f"the file is shorter than when it was opened (replaced while open?)", path=self.name)
+                scatter(request.targets, request.start, memoryview(data))
 
+
+def _batches(requests: list[Request]) -> list[list[Request]]:
+    """``requests`` in order, in runs of at most :data:`BATCH_BYTES` (a larger request alone)."""
+    batches: list[list[Request]] = []
+    filled = 0
+    for request in requests:
+        size = request.end - request.start
+        if not batches or filled + size > BATCH_BYTES:
+            batches.append([])
+            filled = 0
+        batches[-1].append(request)
+        filled += size
+    return batches

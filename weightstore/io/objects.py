@@ -12,13 +12,19 @@ s3fs's client (:mod:`weightstore.io.s3`, with ETag pinning) before the generic f
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-__all__ = ["PART_BYTES", "RemoteObject", "split_parts", "window"]
+__all__ = ["MERGE_GAP", "PART_BYTES", "READ_CHUNK", "RemoteObject", "Request", "requests_for", "scatter", "window"]
 
 #: a remote read larger than this is fetched as parts of this size, at once (S3 serves each
 #: connection at a fraction of its total bandwidth)
 PART_BYTES = 8 << 20
+#: views at most this far apart in the object are filled by one request (the padding between tensors)
+MERGE_GAP = 4096
+#: the most of a response body taken off the wire at once: bodies are copied into the caller's
+#: views as they arrive, never held whole (a version's worth of them would be a second copy of it)
+READ_CHUNK = 1 << 20
 
 
 class RemoteObject(Protocol):
@@ -35,13 +41,53 @@ class RemoteObject(Protocol):
         ``size`` and ``details`` (an fsspec info dict) when the caller already knows them."""
 
     def fill(self, ranges: list[tuple[int, memoryview]], opening: bool = False) -> None:
-        """Fill each view with the object's bytes from its offset (split by :func:`split_parts`)."""
+        """Fill each view with the object's bytes from its offset (requested as :func:`requests_for` says)."""
 
 
-def split_parts(ranges: list[tuple[int, memoryview]]) -> list[tuple[int, memoryview]]:
-    """Each range as parts of at most :data:`PART_BYTES`, requested concurrently by a backend."""
-    return [(offset + at, view[at : at + PART_BYTES])
-            for offset, view in ranges for at in range(0, len(view), PART_BYTES)]
+@dataclass
+class Request:
+    """One ranged request: the object's bytes ``start`` to ``end`` and the views they fill (``targets``,
+    by object offset, in order); bytes between targets are read and dropped."""
+
+    start: int
+    end: int
+    targets: list[tuple[int, memoryview]]
+
+
+def requests_for(ranges: list[tuple[int, memoryview]]) -> list[Request]:
+    """The requests that fill ``ranges``, made concurrently by a backend: a view larger than
+    :data:`PART_BYTES` in parts of that size, and views at most :data:`MERGE_GAP` apart joined
+    into one request of at most :data:`PART_BYTES` (a scope's tensors lie side by side, each in
+    its own buffer)."""
+    parts = sorted(((offset + at, view[at : at + PART_BYTES])
+                    for offset, view in ranges for at in range(0, len(view), PART_BYTES)),
+                   key=lambda part: part[0])
+    requests: list[Request] = []
+    for at, view in parts:
+        end = at + len(view)
+        last = requests[-1] if requests else None
+        if last is not None and at <= last.end + MERGE_GAP and max(end, last.end) - last.start <= PART_BYTES:
+            last.end = max(last.end, end)
+            last.targets.append((at, view))
+        else:
+            requests.append(Request(at, end, [(at, view)]))
+    return requests
+
+
+def scatter(targets: list[tuple[int, memoryview]], at: int, chunk: memoryview, first: int = 0) -> int:
+    """Copy ``chunk`` (the object's bytes from offset ``at``) into the parts of ``targets`` it
+    covers; returns the index of the first target not yet filled, to pass as ``first`` with
+    the next chunk (chunks arrive in order, so a stream of them costs one pass over the targets)."""
+    end = at + len(chunk)
+    for offset, view in targets[first:]:
+        if offset >= end:
+            break
+        low, high = max(at, offset), min(end, offset + len(view))
+        if low < high:
+            view[low - offset : high - offset] = chunk[low - at : high - at]
+    while first < len(targets) and targets[first][0] + len(targets[first][1]) <= end:
+        first += 1
+    return first
 
 
 def window(index_at_end: bool, size: int, length: int) -> tuple[int, int]:

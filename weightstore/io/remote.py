@@ -18,7 +18,7 @@ from weightstore.io.fsspec_objects import FsspecObject
 from weightstore.io.local import check_range
 from weightstore.io.objects import RemoteObject
 
-__all__ = ["INDEX_WINDOW", "MERGE_GAP", "BACKENDS", "RemoteFile", "object_for"]
+__all__ = ["INDEX_WINDOW", "BACKENDS", "RemoteFile", "object_for"]
 
 #: the backends, by ``(does it serve this fsspec file system?, make its object (fs, path, name))``;
 #: the first that serves a file system reads its files. A new backend is one module and one
@@ -37,9 +37,6 @@ def object_for(fs: Any, path: str, name: str) -> RemoteObject:
 #: bytes the first request of a remote open asks for: the tail that holds an npz's zip directory
 #: and manifest, or the head that holds a safetensors header (one request for up to ~350 tensors)
 INDEX_WINDOW = 256 << 10
-#: prefetched ranges at most this far apart are fetched as one (the padding between tensors)
-MERGE_GAP = 4096
-
 
 class RemoteFile:
     """A file on object storage read with ranged GETs of exactly the bytes a reader asks for.
@@ -48,8 +45,11 @@ class RemoteFile:
     object's size and ETag; every later request carries ``If-Match`` with that ETag (S3), so an
     object replaced while open is a :class:`FormatError`, never a mix of two files. Nothing is
     read ahead: a tensor costs its own bytes. :meth:`prefetch_ranges` fetches the ranges of
-    many tensors at once: neighbours joined into one range (a scope's tensors lie side by side),
-    each range split into parts of :data:`~weightstore.io.objects.PART_BYTES`, the parts requested concurrently (s3fs's
+    many tensors at once, each into a buffer of its own (so an array made from one holds only
+    its own tensor's memory, and a framework may keep it as a variable's buffer); the backend
+    joins neighbours into one request (:data:`~weightstore.io.objects.MERGE_GAP`: a scope's
+    tensors lie side by side) and splits large ones into parts of
+    :data:`~weightstore.io.objects.PART_BYTES`, requested concurrently (s3fs's
     ``max_concurrency`` storage option, default 10). A prefetched range is dropped once every
     tensor in it has been read, so its bytes live on only in the arrays made from them.
     """
@@ -175,7 +175,7 @@ class RemoteFile:
                     self._grow_index(offset, length)
                 return
             self._ahead = []
-        wanted = [_Span(start, aligned_buffer(end - start, start), ends) for start, end, ends in _coalesce(missing)]
+        wanted = [_Span(start, aligned_buffer(end - start, start), ends) for start, end, ends in _overlapping(missing)]
         self._object.fill([(span.start, span.data) for span in wanted])
         with self._lock:
             self._ahead = wanted
@@ -218,12 +218,13 @@ class _Span:
         return self.data[offset - self.start : offset - self.start + length].toreadonly()
 
 
-def _coalesce(ranges: list[tuple[int, int]]) -> list[tuple[int, int, set[int]]]:
-    """``(start, end, ends of the ranges inside)`` with ranges at most :data:`MERGE_GAP` apart joined."""
+def _overlapping(ranges: list[tuple[int, int]]) -> list[tuple[int, int, set[int]]]:
+    """``(start, end, ends of the ranges inside)`` with overlapping ranges joined (a read must lie
+    in one buffer); ranges that merely touch keep buffers of their own."""
     merged: list[tuple[int, int, set[int]]] = []
     for offset, length in sorted(ranges):
         end = offset + length
-        if merged and offset <= merged[-1][1] + MERGE_GAP:
+        if merged and offset < merged[-1][1]:
             start, last, ends = merged[-1]
             merged[-1] = (start, max(last, end), ends | {end})
         else:

@@ -16,7 +16,7 @@ from typing import Any
 from weightstore.errors import FormatError, WeightStoreError
 from weightstore.io.buffer import aligned_buffer
 from weightstore.io.location import protocols, storage_error
-from weightstore.io.objects import split_parts, window
+from weightstore.io.objects import READ_CHUNK, Request, requests_for, scatter, window
 
 __all__ = ["S3Object", "serves"]
 
@@ -68,24 +68,35 @@ class S3Object:
             self._pinned["IfMatch"] = str(etag)
 
     def fill(self, ranges: list[tuple[int, memoryview]], opening: bool = False) -> None:
-        parts = split_parts(ranges)
-        if parts:
-            self._run(self._fill, parts, opening=opening)
+        requests = requests_for(ranges)
+        if requests:
+            self._run(self._fill, requests, opening=opening)
 
-    async def _fill(self, parts: list[tuple[int, memoryview]]) -> None:
+    async def _fill(self, requests: list[Request]) -> None:
         gate = asyncio.Semaphore(self.concurrency)
 
-        async def one(at: int, view: memoryview) -> None:
+        async def one(request: Request) -> None:
             async with gate:
-                _, data = await self._get(f"bytes={at}-{at + len(view) - 1}")
-            if len(data) != len(view):
-                raise FormatError(f"got {len(data)} bytes at byte {at}, not {len(view)}: "
-                                  f"the object is shorter than its index says", path=self.name)
-            view[:] = data
+                _, body = await self._request(f"bytes={request.start}-{request.end - 1}")
+                try:  # straight into the targets as it arrives: no copy of the body is ever whole
+                    at, first = request.start, 0
+                    while at < request.end:
+                        chunk = await body.read(min(READ_CHUNK, request.end - at))
+                        if not chunk:
+                            break
+                        first = scatter(request.targets, at, memoryview(chunk), first)
+                        at += len(chunk)
+                finally:
+                    body.close()
+            if at != request.end:
+                raise FormatError(f"got {at - request.start} bytes at byte {request.start}, not "
+                                  f"{request.end - request.start}: the object is shorter than its index says",
+                                  path=self.name)
 
-        await asyncio.gather(*(one(at, view) for at, view in parts))
+        await asyncio.gather(*(one(request) for request in requests))
 
-    async def _get(self, wanted: str, empty_is_ok: bool = False) -> tuple[Mapping[str, Any], bytes]:
+    async def _request(self, wanted: str, empty_is_ok: bool = False) -> tuple[Mapping[str, Any], Any]:
+        """The response to a ranged GET, and its body still to be read (the caller closes it)."""
         try:
             response = await self._fs._call_s3("get_object", Bucket=self._bucket, Key=self._key,
                                                Range=wanted, **self._pinned)
@@ -94,7 +105,10 @@ class S3Object:
             if empty_is_ok and code in ("InvalidRange", "416"):
                 raise _EmptyObject() from None
             raise
-        body = response["Body"]
+        return response, response["Body"]
+
+    async def _get(self, wanted: str, empty_is_ok: bool = False) -> tuple[Mapping[str, Any], bytes]:
+        response, body = await self._request(wanted, empty_is_ok)
         try:
             return response, await body.read()
         finally:

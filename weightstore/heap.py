@@ -1,0 +1,36 @@
+"""Handing memory the C heap holds free back to the system, after a large exchange of buffers.
+
+A follower replaces a model's buffers every version: the new ones are read (or adopted by the
+framework) while the old ones are still held, then the old ones are freed. glibc keeps what
+is freed for reuse, and reuses it only for allocations that fit where it lies; a version read
+into fresh memory while the last one's pages sit free leaves the process holding both for
+good, so its resident memory creeps towards two models plus the one being staged.
+:func:`give_back` returns those pages after each swap, so what the process holds is what it
+uses. It costs a few milliseconds (5-14 ms measured with TensorFlow loaded, on a loaded 2-core
+machine), outside the serving lock; meanwhile another thread's allocation from the arena being
+trimmed waits. Elsewhere (macOS, musl) it does nothing: those allocators return large blocks
+on free.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable
+
+__all__ = ["give_back"]
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):  # not glibc
+        return None
+
+
+def give_back() -> None:
+    """Return the C heap's free pages to the system (glibc's ``malloc_trim``); a no-op elsewhere."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
