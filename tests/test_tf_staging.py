@@ -16,6 +16,8 @@ tf = pytest.importorskip("tensorflow")
 
 import weightstore as ws  # noqa: E402
 from weightstore.adapters import tf2, tf_staging  # noqa: E402
+from weightstore.adapters.skeleton import handed_over  # noqa: E402
+from weightstore.io.buffer import aligned_array  # noqa: E402
 
 DTYPES = ["float16", "float32", "float64", "bfloat16", "int8", "int32", "int64", "uint8", "uint16", "complex64", "bool"]
 ROWS = tf_staging.STAGED_FROM // 8 + 3  # every dtype's value is at least STAGED_FROM bytes
@@ -68,6 +70,17 @@ def test_a_caller_array_is_copied_not_shared():
     tf2.assign({"w": variable}, {"w": source})
     source[:] = 7
     np.testing.assert_array_equal(variable.numpy(), values(np.dtype("float32"), 4))
+
+
+def test_a_large_array_handed_over_becomes_the_buffer_without_a_copy():
+    """A follower's staged version is given to TF as it is, staged or not by size."""
+    variable = tf.Variable(tf.zeros((ROWS, 8), tf.float32))
+    given = aligned_array(ROWS * 8 * 4).view(np.float32).reshape(ROWS, 8)
+    given[:] = 1.0
+    with handed_over([given]):
+        tf2.assign({"w": variable}, {"w": given})
+    given[:] = 9.0  # seen through the variable only if it kept this memory as its buffer
+    np.testing.assert_array_equal(variable.numpy(), np.full((ROWS, 8), 9.0, np.float32))
 
 
 FIRST_ASSIGN = textwrap.dedent("""
