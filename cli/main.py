@@ -8,6 +8,7 @@ turned into one line and exit status 1 by :class:`guard.GuardedGroup`.
 
 from __future__ import annotations
 
+import inspect
 from typing import Annotated
 
 import typer
@@ -22,7 +23,8 @@ from weightstore.names import WRITE_NAMINGS, check_naming
 
 
 class _Group(GuardedGroup):
-    """The ``ws`` group: its help, and every command's, names values in words and shows flags as flags.
+    """The ``ws`` group: its help, and every command's, names values in words, shows flags as flags
+    and rewraps each paragraph to the terminal.
 
     typer labels a value by its Python type (``--include <list[str]>``, ``--scope <str>``)
     and every bool option ``<bool>`` (``--quiet <bool>``), which reads as if it took a value.
@@ -38,6 +40,7 @@ class _Group(GuardedGroup):
         command = super().get_command(ctx, cmd_name)
         if command is not None:
             _metavars_in_words(command.get_params(ctx))
+            command.help = _unwrapped(command.help)
         return command
 
 
@@ -52,6 +55,19 @@ def _metavars_in_words(params: list) -> list:
 
 def _no_type(ctx: object) -> None:
     return None
+
+
+def _unwrapped(text: str | None) -> str | None:
+    """A docstring's paragraphs each on one line, so help rewraps them to the terminal.
+
+    In rich markup mode typer keeps every line break of a paragraph after the first (and of
+    the first in ``ws --help``'s command list), so a docstring wrapped at 100 columns shows as
+    ragged half-lines. Paragraphs that start with ``\\b`` (the examples) keep their lines.
+    """
+    if text is None:
+        return None
+    paragraphs = inspect.cleandoc(text).split("\n\n")
+    return "\n\n".join(p if p.startswith("\b") else " ".join(p.split("\n")) for p in paragraphs)
 
 
 app = typer.Typer(

@@ -71,6 +71,17 @@ def test_every_command_has_help(command):
         assert f"ws {command} " in result.stdout  # the example
 
 
+@pytest.mark.parametrize("args, sentence", [
+    (["follow", "--help"], "a mistyped path would otherwise wait forever. Pass --wait when it is only not there yet"),
+    (["--help"], "attempt folders of sharded versions that no index names, and indexes LATEST never reached."),
+])
+def test_help_shows_each_paragraph_whole_not_as_the_docstring_wrapped_it(args, sentence):
+    """A docstring is wrapped at 100 columns in the source; on a wide terminal its paragraph is one line."""
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "300"})
+    assert result.exit_code == 0
+    assert sentence in result.stdout, result.stdout
+
+
 @pytest.mark.parametrize("command", [[], *([c] for c in COMMANDS)])
 def test_help_names_values_in_words_not_python_types(command):
     result = run(*command, "--help")
