@@ -147,6 +147,18 @@ def test_max_shard_size_is_checked_before_anything_is_written(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_max_shard_size_in_bytes_may_say_B(tmp_path):
+    """"give a positive number of bytes" is what a refusal says: "900B" is one, as "900" is."""
+    source = tmp_path / "m.npz"
+    ws.save(source, weights())
+    result = run("convert", source, tmp_path / "out", "--max-shard-size", "900B")
+    assert result.exit_code == 0, result.output
+    ws.save(tmp_path / "plain", weights(), max_shard_size=900)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(p.name for p in (tmp_path / "plain").iterdir())
+    assert len(list((tmp_path / "out").glob("*.safetensors"))) > 1
+    transformers_style_load(tmp_path / "out")
+
+
 def test_a_remote_sharded_folder_reads_shards_only_for_the_keys_asked(tmp_path):
     import fsspec
 

@@ -191,16 +191,17 @@ def _clip(value: Any) -> str:
 
 # -- writing ---------------------------------------------------------------------------------------
 
-_UNITS = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
 def parse_size(size: int | str) -> int:
-    """``max_shard_size`` in bytes: an int, or ``"5GB"``, ``"500MB"``, ``"2GiB"`` as ``transformers`` takes it."""
+    """``max_shard_size`` in bytes: an int, or ``"5GB"``, ``"500MB"``, ``"2GiB"`` as ``transformers`` takes it
+    (and ``"100B"``, which the refusal's "a positive number of bytes" invites)."""
     if isinstance(size, int) and not isinstance(size, bool):
         count = size
     else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B)?\s*", size, re.IGNORECASE) if isinstance(size, str) else None
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*((?:[KMGT]I?)?B)?\s*", size, re.IGNORECASE) if isinstance(size, str) else None
         count = int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()]) if match else 0
     if count <= 0:
         raise FormatError(f"max_shard_size={size!r}; give a positive number of bytes or a size such as '5GB'")
