@@ -340,6 +340,20 @@ def test_missing_and_junk_files(tmp_path):
     one_error_line(run("export", tmp_path / "junk", "-o", tmp_path / "o.npz"), "junk: not a weightstore file")
 
 
+def test_a_folder_of_versions_given_as_a_file_names_its_latest_version(store, tmp_path):
+    """``ws versions run`` then ``ws ls run``: the refusal says what the folder is and which file to give."""
+    run_folder = tmp_path / "run"
+    for step in (1, 2):
+        ws.publish(run_folder, ws.load(store), step=step)
+    latest = ws.latest(run_folder).path
+    for args in (["ls", run_folder], ["verify", run_folder], ["export", run_folder, "-o", tmp_path / "o.npz"]):
+        one_error_line(run(*args), "run: is a folder of ws.publish versions", f"such as LATEST's {latest}")
+    assert not (tmp_path / "o.npz").exists()
+    with pytest.raises(ws.StoreNotFoundError, match="folder of ws.publish versions"):
+        ws.load(run_folder)
+    assert run("ls", latest).exit_code == 0
+
+
 def test_a_keras_zip_bomb_is_one_error_line(tmp_path):
     bomb = hostile_keras(tmp_path / "bomb.keras", b"\0" * (1 << 20), declared=0xF000_0000)
     one_error_line(run("ls", bomb), "bomb.keras: model.weights.h5 declares 4026531840 bytes", "zip bomb")

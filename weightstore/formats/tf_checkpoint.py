@@ -74,6 +74,7 @@ from weightstore.errors import (
     KeyNotInStoreError,
     StoreNotFoundError,
     UnsafeFileError,
+    WeightStoreError,
 )
 from weightstore.formats import ReaderDefaults
 from weightstore.formats.sstable import Table, crc32c, read_varint, unmask_crc
@@ -167,11 +168,28 @@ def _prefix_in_folder(folder: str) -> str:
         raise StoreNotFoundError(f"is a TF Serving model base (SavedModel versions {', '.join(map(str, versions))}), "
                                  f"not one model; name a version's folder, such as {os.path.join(folder, str(versions[-1]))}",
                                  path=folder)
+    if not candidates and not versions:
+        _refuse_published_folder(folder)
     if not candidates:
         raise StoreNotFoundError(f"is a folder, not a weight file, and holds no TF checkpoint (no '{STATE_FILE}' "
                                  "state file, no .index file)", path=folder)
     raise StoreNotFoundError(f"holds {len(candidates)} checkpoints and no '{STATE_FILE}' state file saying which to "
                              f"read; name one of: {', '.join(candidates)}", path=folder)
+
+
+def _refuse_published_folder(folder: str) -> None:
+    """A folder ``ws.publish`` writes holds versions, not one file: name one, rather than "no TF checkpoint"."""
+    from weightstore import versions  # it imports the formats
+
+    if not os.path.isfile(os.path.join(folder, versions.LATEST)):
+        return
+    try:
+        latest = versions.latest(folder)
+    except WeightStoreError:  # a damaged LATEST: the folder is still one of versions
+        latest = None
+    example = f"such as LATEST's {latest.path}" if latest else "one of its step-* files"
+    raise StoreNotFoundError(f"is a folder of ws.publish versions, not one weight file; name a version, {example} "
+                             f"(ws versions {folder} lists them; in Python: ws.load(ws.latest(folder)))", path=folder)
 
 
 def saved_model_prefix(folder: str) -> str | None:
