@@ -69,13 +69,14 @@ def export(source: Source, out: str, *, selection: Selection, mapping: MappingRu
     trainable weights). ``names`` is :func:`weightstore.save`'s."""
     output_format(out)
     check_naming(names, WRITE_NAMINGS)
+    # first: a source that cannot say what is trainable is the error, not an --also that misses its keys
+    trainable = source.trainable_keys() if selection.trainable_only else set()
     with naming(path=source.path):
         plan = plan_outward(source.keys(), scope=selection.scope, mapping=mapping, include=selection.include,
                             exclude=selection.exclude)
         if selection.also:
             require_matches(plan.keys(), selection.also, "--also")
     if selection.trainable_only:
-        trainable = source.trainable_keys()
         plan = {new: old for new, old in plan.items() if selection.keeps(new, old in trainable)}
         if not plan:
             raise SelectionError("no trainable variable is selected", path=source.path)

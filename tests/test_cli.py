@@ -445,6 +445,9 @@ def test_export_trainable_only_also_keeps_chosen_statistics(made, tmp_path):
     result = run("export", made["tf1"], "-o", tmp_path / "y.npz", "--trainable-only", "--also", "*/bn/moving_*")
     assert result.exit_code != 0 and not os.path.exists(tmp_path / "y.npz")
     assert "--also '*/bn/moving_*' matches no key; did you mean" in result.output
+    # a source that does not record trainability says so first, whatever --also names
+    one_error_line(run("export", made["tf1_nometa"], "-o", tmp_path / "z.npz", "--trainable-only", "--also",
+                       "*/bn/moving_*"), "--trainable-only needs the graph file")
 
 
 @pytest.mark.parametrize("flag", ["-q", "--quiet", "--debug"])
