@@ -649,7 +649,8 @@ def test_json_errors_of_an_import_carry_the_target_and_the_key(made, tmp_path, r
 @pytest.mark.parametrize("name", ["out.safetensors.bak", "out.xyz"])
 def test_unknown_output_suffix_is_refused_before_anything_is_read(store, tmp_path, name):
     result = run("export", store, "-o", tmp_path / name)
-    one_error_line(result, "cannot tell which format to write from the file name")
+    # ws has no --format: the Python-only way out is said to be that
+    one_error_line(result, "cannot tell which format to write from the file name", "(in Python, or pass format=)")
     assert not (tmp_path / name).exists()
     one_error_line(run("convert", store, tmp_path / name), "cannot tell which format")
 

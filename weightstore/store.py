@@ -550,7 +550,7 @@ def output_format(location: str, format: str | None = None) -> Format:  # noqa: 
     fmt = format_for_suffix(location)
     if fmt is None:
         raise TargetError(f"cannot tell which format to write from the file name; use one of "
-                          f"{', '.join(known_suffixes())}, or pass format=", path=location)
+                          f"{', '.join(known_suffixes())} (in Python, or pass format=)", path=location)
     return fmt
 
 
