@@ -56,15 +56,14 @@ def silence_tensorflow() -> None:
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
 
 
-def _tf():
+def _tf(needed_for: str, path: str):
+    """TensorFlow, or the error saying what ``needed_for`` it (the core reads TF checkpoints without it)."""
     try:
         with _quietly():
             import tensorflow as tf
         return tf
     except ImportError:
-        raise MissingDependencyError(
-            f"writing TensorFlow checkpoints and reading .meta graphs need TensorFlow: {install_hint('tf')}"
-        ) from None
+        raise MissingDependencyError(f"{needed_for} needs TensorFlow: {install_hint('tf')}", path=path) from None
 
 
 @contextlib.contextmanager
@@ -138,7 +137,7 @@ def open_keyed_like_model(path: str | os.PathLike, model_file: str | os.PathLike
     if prefix is None and not text.endswith((".keras", keras_file.WEIGHTS_SUFFIX)):
         raise FormatError(f"is a {kind}; only Keras files and TF2 object-based checkpoints can be keyed like a model",
                           path=text)
-    _tf()
+    _tf("keying weights like a model (--model-keys, --model: Keras builds it from the .keras config)", model_text)
     with _quietly():
         from weightstore.adapters import artifacts, keras_config, tf2
     model = keras_config.model_from_archive(model_text)
@@ -161,7 +160,7 @@ def _trainable_from_meta(meta_path: str) -> set[str]:
     A partitioned variable lists each part (``w/part_0:0``); the checkpoint holds it whole
     under ``save_slice_info_def.full_name``.
     """
-    _tf()
+    _tf("--trainable-only (reading the .meta graph)", meta_path)
     from tensorflow.core.framework import variable_pb2
     from tensorflow.core.protobuf import meta_graph_pb2
 
@@ -207,7 +206,7 @@ def write_checkpoint(prefix: str, weights: Mapping[str, np.ndarray]) -> None:
     the single commit point. A reader that opened the old ``.index`` just before the swap may
     find its data file gone: TensorFlow opens data files lazily.
     """
-    tf = _tf()
+    tf = _tf("writing a TensorFlow checkpoint", prefix)
     tensors: dict[str, Any] = {}
     if os.path.exists(prefix + ".index"):
         checkpoint_names(prefix)  # refuses object-based checkpoints
@@ -230,7 +229,7 @@ def replace_in_object_checkpoint(prefix: str, weights: Mapping[str, np.ndarray])
     Everything is checked before anything is written; the write is :func:`write_checkpoint`'s
     crash-safe commit.
     """
-    tf = _tf()
+    tf = _tf("writing a TensorFlow checkpoint", prefix)
     reader = CheckpointReader(prefix)
     reader.close()  # only the index is needed
     if not reader.object_based:

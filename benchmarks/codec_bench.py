@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import blosc2
     except ImportError:
-        sys.exit("this benchmark needs blosc2: pip install 'weightstore[bench]'")
+        sys.exit("this benchmark needs blosc2: pip install '.[bench]' in your weightstore clone")
     print(machine_line() + f", blosc2 {blosc2.__version__}")
     print(f"\n{args.size_mb:g} MB trained-like tensor, median of {args.rounds} rounds\n")
     print(table(["codec", "ratio", "load GB/s (decode + CRC-32)", "GB per CPU-second"],

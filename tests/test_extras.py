@@ -8,9 +8,13 @@ interpreter for all of them: starting one costs seconds).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
+import numpy as np
+
+import weightstore
 from weightstore.extras import install_hint
 
 OPTIONAL = ["tensorflow", "keras", "torch", "jax", "flax", "s3fs"]
@@ -60,3 +64,21 @@ def test_ws_prints_the_missing_extra_as_its_one_error_line():
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == [f"error: s3://bucket/m.npz: s3:// URLs need s3fs, which is not "
                                                 f"installed: {install_hint('s3')}"]
+
+
+def test_the_hint_installs_from_the_clone_since_weightstore_is_not_on_pypi():
+    for extra in ("tf", "torch", "flax", "s3"):
+        hint = install_hint(extra)
+        assert f'pip install ".[{extra}]"' in hint and "weightstore[" not in hint
+
+
+def test_ws_says_which_of_its_steps_needs_tensorflow(tmp_path):
+    """The core reads TF checkpoints without TensorFlow; writing one is what needs it, and the line says so."""
+    source, target = tmp_path / "m.npz", tmp_path / "new.ckpt"
+    weightstore.save(source, {"w": np.ones(3, np.float32)})
+    done = run_without_extras(f"import runpy\nsys.argv = ['ws', 'import', {str(source)!r}, '--into', {str(target)!r}]\n"
+                              "runpy.run_module('weightstore', run_name='__main__')")
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [f"error: {target}: writing a TensorFlow checkpoint needs TensorFlow: "
+                                                f"{install_hint('tf')}"]
+    assert not os.path.exists(f"{target}.index")

@@ -17,8 +17,8 @@ __all__ = ["install_hint", "needs"]
 
 
 def install_hint(extra: str) -> str:
-    """How to install ``extra``, from PyPI and from a clone of the repository."""
-    return f'pip install "weightstore[{extra}]" (in a clone: pip install -e ".[{extra}]")'
+    """How to install ``extra``: from the clone weightstore was installed from (it is not on PyPI)."""
+    return f'in your weightstore clone, pip install ".[{extra}]" (-e ".[{extra}]" for an editable install)'
 
 
 @contextlib.contextmanager
