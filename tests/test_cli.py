@@ -365,6 +365,15 @@ def test_debug_shows_the_exception(tmp_path):
     assert isinstance(result.exception, ws.StoreNotFoundError)
 
 
+def test_folder_commands_refuse_a_missing_folder_or_a_file(store, tmp_path):
+    """A typo is not a clean folder ("removed 0", exit 0), and a store is not a folder of versions."""
+    for command in ("versions", "follow", "clean"):
+        one_error_line(run(command, tmp_path / "typo"), "typo: no such folder")
+        one_error_line(run(command, store, "--timeout", "1") if command == "follow" else run(command, store),
+                       "m.npz: is a file, not a folder of versions")
+    assert not (tmp_path / "typo").exists()
+
+
 def test_guard_covers_commands_from_other_modules(tmp_path):
     one_error_line(run("versions", tmp_path / "no-such-folder"), "no such folder")
     import typer

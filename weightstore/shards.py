@@ -66,7 +66,7 @@ from weightstore.shardindex import (
     strip_columns,
 )
 from weightstore.store import _checked, checked_metadata, write_file
-from weightstore.versions import SHARDED_SUFFIX, Version, _latest, _stage, _versions, commit_version
+from weightstore.versions import SHARDED_SUFFIX, Version, _latest, _stage, _versions, commit_version, require_folder
 
 __all__ = ["Piece", "publish_shard", "commit_shards", "next_attempt", "clean_folder"]
 
@@ -305,8 +305,8 @@ def clean_folder(folder: Any, *, storage_options: Mapping[str, Any] | None = Non
     """``ws clean``: remove what dead writers and coordinators left in a folder *at rest* (no job
     publishing to it): indexes above the step ``LATEST`` names (a coordinator killed before
     ``LATEST``), indexes whose members are gone, and every attempt folder no remaining index
-    names. Returns the names removed."""
-    target = folder_for(folder, storage_options)
+    names. Returns the names removed; a folder that does not exist (a typo) is refused."""
+    target = require_folder(folder, storage_options=storage_options)
     current = _latest(target)
     removed, live = [], set()
     for step, entry in _versions(target):

@@ -76,6 +76,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import os
 import re
 import threading
 import time
@@ -493,6 +494,8 @@ def require_folder(folder: Any, *, storage_options: Mapping[str, Any] | None = N
     """``folder`` opened, or :class:`StoreNotFoundError` naming it when it does not exist."""
     source = folder_for(folder, storage_options)
     if not source.exists():
+        if os.path.isfile(source.where):  # local: ws ls reads it, nothing will turn it into a folder
+            raise StoreNotFoundError("is a file, not a folder of versions", path=source.where)
         raise StoreNotFoundError("no such folder" + (f"; {hint}" if hint else ""), path=source.where)
     return source
 
