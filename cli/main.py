@@ -76,7 +76,7 @@ app = typer.Typer(
     no_args_is_help=True,
     rich_markup_mode="rich",
     pretty_exceptions_show_locals=False,
-    help="Move model weights between TensorFlow checkpoints, Keras files and npz/HDF5 weight stores.",
+    help="Move model weights between TensorFlow checkpoints, Keras files and npz, HDF5 or safetensors stores.",
 )
 
 Scope = Annotated[str | None, typer.Option("--scope", "-s", help="Scope: on export keep keys under it and strip it; "
@@ -135,7 +135,7 @@ def options(
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks and TensorFlow's own logs.")] = False,
     as_json: AsJson = False,
 ) -> None:
-    """Move model weights between TensorFlow checkpoints, Keras files and npz/HDF5 weight stores.
+    """Move model weights between TensorFlow checkpoints, Keras files and npz, HDF5 or safetensors stores.
 
     Global flags may also follow the command: ws ls m.npz -q.
     """
@@ -202,7 +202,7 @@ def export(
 @app.command("import")
 def import_(
     store: Annotated[str, typer.Argument(help="The weights to import: a store, TF checkpoint or Keras file.")],
-    into: Annotated[str, typer.Option("--into", help="Target: a store (.npz/.h5; created or merged into), a TF1 "
+    into: Annotated[str, typer.Option("--into", help="Target: a store (.npz, .h5, .safetensors; created or merged into), a TF1 "
                                                      "checkpoint prefix (created or merged into; a new one is "
                                                      "recorded in its folder's 'checkpoint' file) or a TF2 "
                                                      "object-based checkpoint (its variables replaced in place, "
@@ -338,7 +338,7 @@ def convert(
                                                  "most SIZE bytes (5GB, 500MiB) and model.safetensors.index.json.",
     )] = None,
 ) -> None:
-    """Rewrite A as B: npz to HDF5 or back, or recompressed; metadata is kept.
+    """Rewrite A as B in another format (npz, HDF5, safetensors), compression or layout; metadata is kept.
 
     \b
     Example:
