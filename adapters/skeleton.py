@@ -20,7 +20,7 @@ import mmap
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -70,6 +70,11 @@ class Target:
     layout plans over converted values and returns the view to read them through.
     ``batched``: ``write`` is called once per batch of bounded bytes instead (see the module
     docstring), so it must copy what it keeps; values come as :attr:`prepare` read them.
+    ``regions``: the regions a key's variable is written in, part by part (a TF1 partitioned
+    variable's parts, a DTensor's local shard), or None for a key written whole. From a source
+    that reads regions (a sharded version) hot reload then compares each part's digest: a key
+    all of whose parts are unchanged is skipped, and ``kept`` (filled by :func:`run_assign`)
+    holds the parts of the others that ``prepare`` and ``write`` may leave as they are.
     """
 
     infos: Mapping[str, TargetInfo]
@@ -78,6 +83,8 @@ class Target:
     prepare: Callable[[ValueSource, str, str], Any] | None = None
     plan: Callable[[Values, AssignOptions], tuple[Plan, ValueSource]] | None = None
     batched: bool = False
+    regions: Callable[[str], list[tuple[slice, ...]] | None] | None = None
+    kept: dict[str, frozenset[int]] = field(default_factory=dict)
 
 
 def run_assign(target: Target, weights: Any, options: AssignOptions, *, skip_for: Any = None) -> Report:
@@ -104,10 +111,19 @@ def run_assign(target: Target, weights: Any, options: AssignOptions, *, skip_for
         report = plan.report
         todo: list[tuple[str, str]] = []
         digests: dict[str, str | None] = {}
+        target.kept.clear()
         for key, value_key in plan.pairs.items():
-            digest = source.checksum(value_key)
-            if skip and MEMORY.unchanged(target.owner(key), key, digest):
+            owner = target.owner(key)
+            regions = target.regions(key) if target.regions is not None and source.regional else None
+            if regions is None:
+                digest = source.checksum(value_key)
+            else:
+                digest, kept = _part_digests(source, value_key, regions, MEMORY.recall(owner, key) if skip else None)
+                if kept:
+                    target.kept[key] = kept
+            if skip and MEMORY.unchanged(owner, key, digest):
                 report.skipped.append(key)
+                target.kept.pop(key, None)
                 continue
             todo.append((key, value_key))
             digests[key] = digest
@@ -118,6 +134,17 @@ def run_assign(target: Target, weights: Any, options: AssignOptions, *, skip_for
             batch = [(key, prepare(source, key, value_key)) for key, value_key in todo]
             _remember(target, target.write(batch, report) if batch else [], digests, report)
     return report
+
+
+def _part_digests(source: ValueSource, value_key: str, regions: list[tuple[slice, ...]],
+                  remembered: str | None) -> tuple[str | None, frozenset[int]]:
+    """A key's digest from its parts' (None if any is unknown), and which parts have the
+    digest they had in ``remembered`` (what the key last received, made the same way)."""
+    parts = [source.checksum(value_key, region) for region in regions]
+    before = remembered.split("|") if remembered is not None else []
+    kept = frozenset(i for i, (now, then) in enumerate(zip(parts, before, strict=False))
+                     if now is not None and now == then and len(before) == len(parts))
+    return (None if None in parts else "|".join(p for p in parts if p is not None)), kept
 
 
 def _remember(target: Target, written: list[str], digests: Mapping[str, str | None], report: Report) -> None:

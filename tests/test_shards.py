@@ -269,7 +269,12 @@ def hostile_index(tmp_path, edit):
 @pytest.mark.parametrize("edit, words", [
     (lambda raw: raw["tensors"]["w"]["pieces"][1].update(offset=10 ** 9), "past the end of member"),
     (lambda raw: raw["tensors"]["w"]["pieces"][1].update(start=[2, 0]), "overlap"),
-    (lambda raw: raw["tensors"]["w"]["pieces"][1]["crcs"].append(1), "block checksums"),
+    (lambda raw: raw["tensors"]["w"]["pieces"][1].update(crcs=[1, 2]), "block checksums"),
+    (lambda raw: raw["tensors"]["w"]["pieces"][1].update(blake3=[]), "0 block digests for 1 blocks"),
+    (lambda raw: raw["tensors"]["w"]["pieces"][1]["blake3"].append("0" * 64), "hex digests, one per block"),
+    (lambda raw: raw["tensors"]["w"]["pieces"][1]["blake3"].__setitem__(0, "0" * 63), "hex digests"),
+    (lambda raw: raw["tensors"]["w"]["pieces"][1]["blake3"].__setitem__(0, "A" * 64), "hex digests"),
+    (lambda raw: raw["tensors"]["w"]["pieces"][1].update(blake3="0" * 64), "hex digests"),
     (lambda raw: raw["tensors"]["w"].update(shape=[7, 4]), "do not cover"),
     (lambda raw: raw["tensors"]["w"]["pieces"][1].update(member=5), "member 5"),
     (lambda raw: raw["tensors"]["w"]["pieces"][1].update(member=0), "overlap another's in member"),

@@ -3,9 +3,10 @@
 A sharded version is one index file (``step-000000000042.wsindex``) naming member files (one
 per rank, each an ordinary safetensors, npz or HDF5 file) and, for every global key, the pieces that tile
 it: where each sits in the global tensor (``start``, ``shape``), where its bytes lie in its
-member (``offset``), and a CRC-32 for each *block* of it (``rows`` rows along its first axis,
-about :data:`BLOCK_BYTES`), so a reader of a region fetches and verifies only the blocks that
-hold it. Each rank's done-record says the same of its own member; the coordinator merges the
+member (``offset``), and a CRC-32 and a BLAKE3 digest for each *block* of it (``rows`` rows
+along its first axis, about :data:`BLOCK_BYTES`), so a reader of a region fetches and verifies
+only the blocks that hold it, and a follower skips a region whose blocks' digests did not change
+(the CRC-32 finds damage; only the digest, which cannot be forged, says "unchanged"). Each rank's done-record says the same of its own member; the coordinator merges the
 done-records into the index without reading a tensor byte.
 
 Both files are read as hostile input: :meth:`ShardIndex.parse` and :func:`parse_done` check
@@ -28,13 +29,13 @@ import orjson
 
 from weightstore.errors import FormatError, InvalidKeyError, WeightStoreError
 from weightstore.keys import validate_key
-from weightstore.manifest import crc32, logical_dtype
+from weightstore.manifest import content_digest, crc32, logical_dtype
 from weightstore.tensortable import MAX_NDIM
 
 __all__ = ["index_name", "attempt_folder", "member_name", "MEMBER_SUFFIXES", "done_name", "BLOCK_BYTES", "INDEX_FORMAT", "DONE_FORMAT", "MAX_INDEX_BYTES", "MAX_DONE_BYTES", "MAX_PIECES_PER_KEY",
            "PieceEntry", "TensorEntry", "Member", "ShardIndex", "DoneRecord", "parse_done", "check_tensor",
            "check_member_bytes", "seal",
-           "block_rows", "block_crcs", "row_bytes", "rows_of", "strip_columns", "STRIPED_FROM", "STRIP_ROW_BYTES",
+           "block_rows", "block_crcs", "block_digests", "DIGEST_HEX", "row_bytes", "rows_of", "strip_columns", "STRIPED_FROM", "STRIP_ROW_BYTES",
            "MAX_STRIPS", "STRIP_BLOCKS"]
 
 INDEX_FORMAT = "weightstore-sharded"
@@ -51,6 +52,9 @@ MAX_STRIPS = 256
 #: checksummed blocks a strip has, at most, so the index of a large piece stays a small
 #: fraction of it (one CRC-32, about 11 bytes of JSON, per block)
 STRIP_BLOCKS = 64
+#: hex digits of a block's BLAKE3 digest (all 256 bits: a shorter one could be made to collide)
+DIGEST_HEX = 64
+_HEX_DIGEST = re.compile(rf"[0-9a-f]{{{DIGEST_HEX}}}")
 MAX_INDEX_BYTES = 256 << 20
 MAX_DONE_BYTES = 64 << 20
 #: pieces one key may have; the overlap check compares each piece with the ones beside it
@@ -130,9 +134,16 @@ def block_crcs(data: np.ndarray, block_bytes: int) -> list[int]:
     return [crc32(data[at : at + block_bytes]) for at in range(0, data.size, block_bytes)] if block_bytes else []
 
 
+def block_digests(data: np.ndarray, block_bytes: int) -> list[str]:
+    """The BLAKE3 digest (hex) of each block of a piece's stored bytes, as :func:`block_crcs` cuts them."""
+    return [content_digest(data[at : at + block_bytes]).hex() for at in range(0, data.size, block_bytes)] \
+        if block_bytes else []
+
+
 @dataclass(frozen=True)
 class PieceEntry:
-    """One piece of a global tensor: its box in the tensor, its bytes in its member, its blocks' CRCs."""
+    """One piece of a global tensor: its box in the tensor, its bytes in its member, its blocks'
+    CRC-32s and BLAKE3 digests (``blocks``: None in an index written before they were recorded)."""
 
     member: int
     start: tuple[int, ...]
@@ -141,10 +152,12 @@ class PieceEntry:
     rows: int
     crcs: tuple[int, ...]
     digest: str
+    blocks: tuple[str, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"member": self.member, "start": list(self.start), "shape": list(self.shape), "offset": self.offset,
-                "rows": self.rows, "crcs": list(self.crcs), "digest": self.digest}
+        found = {"member": self.member, "start": list(self.start), "shape": list(self.shape), "offset": self.offset,
+                 "rows": self.rows, "crcs": list(self.crcs), "digest": self.digest}
+        return found if self.blocks is None else found | {"blake3": list(self.blocks)}
 
 
 @dataclass(frozen=True)
@@ -334,10 +347,16 @@ def _piece(raw: Any, key: str, ndim: int, members: int, own: bool) -> PieceEntry
     digest = raw.get("digest")
     if not isinstance(digest, str) or len(digest) > 80:
         raise FormatError("has a piece without a digest", key=key)
+    blocks = raw.get("blake3")
+    if blocks is not None and (not isinstance(blocks, list) or len(blocks) > len(crcs) or not all(
+            isinstance(b, str) and _HEX_DIGEST.fullmatch(b) for b in blocks)):
+        raise FormatError(f"has a piece whose blake3 is not a list of {DIGEST_HEX}-digit hex digests, one per "
+                          "block", key=key)
     rows = _count(raw.get("rows"), "a piece's rows", key)
     return PieceEntry(member, _counts(raw.get("start"), "a piece's start", key, ndim),
                       _counts(raw.get("shape"), "a piece's shape", key, ndim),
-                      _count(raw.get("offset"), "a piece's offset", key), rows, tuple(crcs), digest)
+                      _count(raw.get("offset"), "a piece's offset", key), rows, tuple(crcs), digest,
+                      None if blocks is None else tuple(blocks))
 
 
 def check_tensor(key: str, entry: TensorEntry, members: Sequence[Member],
@@ -355,6 +374,8 @@ def check_tensor(key: str, entry: TensorEntry, members: Sequence[Member],
         blocks = -(-rows_of(piece.shape) // piece.rows) if piece.rows and nbytes else 0
         if (nbytes and not piece.rows) or len(piece.crcs) != blocks:
             raise error(f"has a piece with {len(piece.crcs)} block checksums for {blocks} blocks", key=key)
+        if piece.blocks is not None and len(piece.blocks) != blocks:
+            raise error(f"has a piece with {len(piece.blocks)} block digests for {blocks} blocks", key=key)
     _check_no_overlap(key, entry, error)
     covered = sum(math.prod(p.shape) for p in entry.pieces)
     if covered != math.prod(entry.shape):

@@ -55,6 +55,7 @@ from weightstore.shardindex import (
     TensorEntry,
     attempt_folder,
     block_crcs,
+    block_digests,
     block_rows,
     check_member_bytes,
     check_tensor,
@@ -414,7 +415,8 @@ def _box(piece: Piece, array_shape: tuple[int, ...], key: str, where: str) -> tu
 
 def _described(local: str, fmt: Format, listed: list[_Listed]) -> dict[str, TensorEntry]:
     """The done-record's tensors: where each piece's bytes landed in the member just written, and
-    its blocks' CRC-32s (of the bytes in memory, which the member's own checksum covers too).
+    its blocks' CRC-32s and BLAKE3 digests (of the bytes in memory, which the member's own
+    checksum covers too).
     Where a format other than safetensors put them is checked against the file, byte for byte:
     readers will take that range for the piece."""
     reader: Any = fmt.open_reader(local, local, mmap=False)
@@ -427,10 +429,11 @@ def _described(local: str, fmt: Format, listed: list[_Listed]) -> dict[str, Tens
                 _check_placed(local, offset, item)
             itemsize = logical_dtype(item.dtype).itemsize
             raw = item.data.reshape(-1).view(np.uint8)
-            crcs = block_crcs(raw, item.rows * row_bytes(item.data.shape, itemsize)) if item.data.size else []
+            block_bytes = item.rows * row_bytes(item.data.shape, itemsize) if item.data.size else 0
             digest = reader.info(item.stored).digest or ""
-            by_key.setdefault(item.key, []).append(PieceEntry(0, item.start, tuple(item.data.shape), offset, item.rows,
-                                                              tuple(crcs), digest))
+            by_key.setdefault(item.key, []).append(PieceEntry(
+                0, item.start, tuple(item.data.shape), offset, item.rows, tuple(block_crcs(raw, block_bytes)), digest,
+                tuple(block_digests(raw, block_bytes))))
             dtypes.setdefault(item.key, (item.dtype, item.shape))
     finally:
         reader.close()
@@ -493,7 +496,7 @@ def _merged(records: list[DoneRecord], step: int, attempt: int, world: int, meta
     owners: dict[str, int] = {}
     for rank, record in enumerate(records):
         for key, entry in record.tensors.items():
-            pieces = tuple(PieceEntry(rank, p.start, p.shape, p.offset, p.rows, p.crcs, p.digest) for p in entry.pieces)
+            pieces = tuple(dataclasses.replace(p, member=rank) for p in entry.pieces)
             known = tensors.get(key)
             if known is None:
                 tensors[key], owners[key] = TensorEntry(entry.dtype, entry.shape, pieces), rank
