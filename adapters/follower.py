@@ -1,4 +1,4 @@
-"""Keep a TF1 session or a TF2 model at the newest version of a folder while it serves.
+"""Keep a TF1 session, a TF2 model or a torch module at the newest version of a folder while it serves.
 
 A background thread follows the folder and assigns each new version in place; the caller
 wraps each inference in ``with follower.reading():`` (or calls ``follower.run(fn, ...)``) and
@@ -11,7 +11,8 @@ every tensor that changed since the last swap is fetched (an object store's rang
 checksum verified, into memory or, for a local file, as views of its mapping. Only then does
 it take the lock, and inside it only writes variables from what was staged, so the longest
 wait to enter ``reading()`` is the time to assign the model from memory, not to download
-it. A bad version (a checksum that does not match, a file pruned mid-read) fails while
+it. (The exception: a sharded version followed into a TF1 session or a torch module, whose
+assign reads only the regions of the parts that changed, during the swap.) A bad version (a checksum that does not match, a file pruned mid-read) fails while
 staging, before serving is held at all.
 
 **Memory: the model plus the version being staged.** A remote version is read straight into
@@ -110,8 +111,9 @@ class _ReadWriteLock:
 class Follower:
     """Follow ``folder`` in a background thread, assigning each new version into ``target``.
 
-    ``target`` is a ``tf.compat.v1.Session`` (assigned with ``tf1.assign``) or a Keras model,
-    module or variables (``tf2.assign``); the assign options mean what they mean there.
+    ``target`` is a ``tf.compat.v1.Session`` (assigned with ``tf1.assign``), a ``torch.nn.Module``
+    (``torch.assign``) or a Keras model, module or variables (``tf2.assign``); the assign
+    options mean what they mean there.
     ``version`` and ``report`` describe the last swap; ``error`` holds the last failure (a
     version that does not fit the target is logged, recorded and passed over, not retried)
     until the next swap succeeds, and makes :meth:`wait` raise. ``poll`` and ``max_poll`` pace

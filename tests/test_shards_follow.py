@@ -159,3 +159,17 @@ def test_a_torch_module_skips_unchanged_tensors_and_reloads_everything_without_d
     for path in bare:  # so every tensor is read again, both times
         report = torch_adapter.assign(module, path, skip_unchanged=True)
         assert sorted(report.assigned) == sorted(model(2)) and not report.skipped
+
+
+def test_a_follower_keeps_a_torch_module_at_the_latest_sharded_version(torch_versions):
+    torch = pytest.importorskip("torch")
+    from weightstore.adapters.follower import Follower
+
+    versions, _ = torch_versions
+    module = torch.nn.ParameterDict({key: torch.nn.Parameter(torch.zeros(value.shape))
+                                     for key, value in model(2).items()})
+    with Follower(module, Path(versions[1].path).parent, poll=0.05) as follower:
+        assert follower.wait(timeout=60).step == 2
+    assert sorted(follower.report.assigned) == sorted(model(2))
+    for key, value in model(2).items():
+        assert module[key].detach().numpy().tobytes() == value.tobytes(), key
