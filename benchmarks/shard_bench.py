@@ -1,6 +1,6 @@
 """Sharded versions (issue 23): what a commit costs, what each reader fetches, how writers scale.
 
-Three tables, one run:
+Four tables, one run:
 
 1. *Commit cost vs model size* (moto S3 on 127.0.0.1, counted at the server): the requests and
    bytes of ``commit_shards`` alone, after four ranks have written, for models of 1/4, 1/2 and
@@ -14,7 +14,7 @@ Three tables, one run:
    in the index say which tensors are unchanged, so it fetches the changed tensor and the index.
 4. *Write throughput for 1, 2, 4 writers* (local folder, forked processes started together):
    the model's bytes over the time from the first writer's start to the last one's end.
-   Each writer is CPU-bound (conversion, CRC-32 per block, BLAKE3 per piece, the write); on a
+   Each writer is CPU-bound (conversion, CRC-32 and BLAKE3 per block, BLAKE3 per piece, the write); on a
    2-core machine 4 writers share 2 cores, so aggregate throughput stops growing at 2 writers.
    The per-writer figure is what scales with hosts: each host writes its own member, and the
    coordinator's work does not grow with the tensor bytes.
