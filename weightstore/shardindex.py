@@ -30,7 +30,7 @@ import orjson
 
 from weightstore.errors import FormatError, InvalidKeyError, WeightStoreError
 from weightstore.keys import validate_key
-from weightstore.manifest import crc32, logical_dtype
+from weightstore.manifest import crc32, logical_dtype, raw_bytes
 from weightstore.tensortable import MAX_NDIM
 
 __all__ = ["index_name", "attempt_folder", "member_name", "MEMBER_SUFFIXES", "done_name", "BLOCK_BYTES", "INDEX_FORMAT", "DONE_FORMAT", "MAX_INDEX_BYTES", "MAX_DONE_BYTES", "MAX_PIECES_PER_KEY",
@@ -139,7 +139,7 @@ def block_digests(data: np.ndarray, block_bytes: int) -> list[str]:
     """The BLAKE3 digest (hex) of each block of a piece's stored bytes, as :func:`block_crcs`
     cuts them (slices of a memoryview: a strip's blocks are a few KiB, and an array slice per
     block cost half again as much as hashing it)."""
-    view = memoryview(data.reshape(-1).view(np.uint8))
+    view = raw_bytes(data)
     return [blake3.blake3(view[at : at + block_bytes]).hexdigest() for at in range(0, data.size, block_bytes)] \
         if block_bytes else []
 
