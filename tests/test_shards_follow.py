@@ -173,3 +173,18 @@ def test_a_follower_keeps_a_torch_module_at_the_latest_sharded_version(torch_ver
     assert sorted(follower.report.assigned) == sorted(model(2))
     for key, value in model(2).items():
         assert module[key].detach().numpy().tobytes() == value.tobytes(), key
+
+
+def test_a_tf2_follower_skips_the_tensors_whose_blocks_did_not_change(torch_versions):
+    tf = pytest.importorskip("tensorflow")
+    from weightstore.adapters import tf2
+    from weightstore.adapters.follower import Follower
+
+    versions, _ = torch_versions
+    variables = {key: tf.Variable(tf.zeros(value.shape)) for key, value in model(1).items()}
+    assert sorted(tf2.assign(variables, versions[0]).assigned) == sorted(model(1))
+    with Follower(variables, Path(versions[1].path).parent, after=1, poll=0.05) as follower:
+        assert follower.wait(timeout=60).step == 2
+    assert sorted(follower.report.assigned) == ["bias", "big"] and sorted(follower.report.skipped) == ["emb", "small"]
+    for key, value in model(2).items():
+        assert variables[key].numpy().tobytes() == value.tobytes(), key
