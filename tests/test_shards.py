@@ -436,3 +436,22 @@ def test_strips_are_power_of_two_columns_and_keep_a_key_under_its_piece_limit(sh
     assert strip_columns(shape, itemsize, world) == columns
     if columns:
         assert world * -(-shape[1] // columns) <= MAX_PIECES_PER_KEY // 2
+
+
+def test_a_key_whose_ranks_together_pass_its_piece_limit_is_not_committed(tmp_path, monkeypatch):
+    """Each done-record is under the limit, their sum is not: the coordinator refuses it, as
+    every reader would refuse the index, and LATEST stays where it was."""
+    from weightstore import shardindex
+
+    monkeypatch.setattr(shardindex, "MAX_PIECES_PER_KEY", 4)
+    folder = tmp_path / "run"
+    ws.publish(folder, {"a": np.zeros(1)}, step=1)
+    a = np.arange(12, dtype=np.float32).reshape(6, 2)
+    for rank in range(2):
+        rows = range(3 * rank, 3 * rank + 3)
+        ws.publish_shard(folder, {"w": [ws.Piece(a[row : row + 1], (row, 0), (6, 2)) for row in rows]},
+                         step=2, rank=rank, world=2, attempt=0)
+    with pytest.raises(ws.PublishError, match="6 pieces, over 4") as caught:
+        shards.commit_shards(folder, step=2, world=2, attempt=0, timeout=5)
+    assert caught.value.key == "w" and caught.value.path.endswith("step-000000000002.wsindex")
+    assert ws.latest(folder).step == 1 and not (folder / "step-000000000002.wsindex").exists()

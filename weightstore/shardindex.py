@@ -342,7 +342,12 @@ def _piece(raw: Any, key: str, ndim: int, members: int, own: bool) -> PieceEntry
 
 def check_tensor(key: str, entry: TensorEntry, members: Sequence[Member],
                  error: type[WeightStoreError] = FormatError) -> None:
-    """That the pieces of ``key`` lie in the tensor and their members, never overlap, and cover it."""
+    """That ``key`` has at most :data:`MAX_PIECES_PER_KEY` pieces (a coordinator merging every
+    rank's pieces checks the sum, which no done-record alone bounds: an index over it would be
+    committed and then refused by every reader), that they lie in the tensor and their members,
+    never overlap, and cover it."""
+    if len(entry.pieces) > MAX_PIECES_PER_KEY:
+        raise error(f"has {len(entry.pieces)} pieces, over {MAX_PIECES_PER_KEY}", key=key)
     itemsize = entry.itemsize
     for piece in entry.pieces:
         if any(s + n > d for s, n, d in zip(piece.start, piece.shape, entry.shape, strict=True)):
