@@ -455,3 +455,27 @@ def test_a_key_whose_ranks_together_pass_its_piece_limit_is_not_committed(tmp_pa
         shards.commit_shards(folder, step=2, world=2, attempt=0, timeout=5)
     assert caught.value.key == "w" and caught.value.path.endswith("step-000000000002.wsindex")
     assert ws.latest(folder).step == 1 and not (folder / "step-000000000002.wsindex").exists()
+
+
+def test_an_index_or_done_record_dense_with_json_containers_is_refused_before_parsing(tmp_path):
+    """Empty lists cost Python 56 bytes for 3 bytes of text: 63 MB of them parsed into 2 GB.
+    Readers refuse such a file unparsed; a coordinator whose metadata would make its index one
+    refuses it before committing, so no reader ever meets an index it cannot open."""
+    from weightstore.shardindex import parse_done
+
+    dense = {"format": "weightstore-shard-done", "version": 1, "pad": [[] for _ in range(20_000)]}
+    with pytest.raises(ws.UnsafeFileError, match="JSON objects and arrays"):
+        parse_done(seal(dense))
+    with pytest.raises(ws.UnsafeFileError, match="JSON objects and arrays"):
+        ShardIndex.parse(seal({**dense, "format": "weightstore-sharded"}))
+    path = hostile_index(tmp_path, lambda raw: raw["metadata"].update(pad=[[] for _ in range(20_000)]))
+    with pytest.raises(ws.UnsafeFileError) as caught:
+        ws.open(path)
+    assert caught.value.path == path
+    folder = tmp_path / "dense"
+    ws.publish(folder, {"a": np.zeros(1)}, step=1)
+    ws.publish_shard(folder, {"w": np.zeros(3)}, step=2, rank=0, world=1, attempt=0)
+    with pytest.raises(ws.PublishError, match="JSON objects and arrays") as refused:
+        shards.commit_shards(folder, step=2, world=1, attempt=0, timeout=5, metadata={"pad": [[]] * 20_000})
+    assert refused.value.path.endswith("step-000000000002.wsindex")
+    assert ws.latest(folder).step == 1 and not (folder / "step-000000000002.wsindex").exists()

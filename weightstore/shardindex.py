@@ -26,13 +26,13 @@ from typing import Any
 import numpy as np
 import orjson
 
-from weightstore.errors import FormatError, InvalidKeyError, WeightStoreError
+from weightstore.errors import FormatError, InvalidKeyError, UnsafeFileError, WeightStoreError
 from weightstore.keys import validate_key
-from weightstore.manifest import crc32, logical_dtype
+from weightstore.manifest import crc32, logical_dtype, refuse_dense_json
 from weightstore.tensortable import MAX_NDIM
 
-__all__ = ["index_name", "attempt_folder", "member_name", "MEMBER_SUFFIXES", "done_name", "BLOCK_BYTES", "INDEX_FORMAT", "DONE_FORMAT", "MAX_INDEX_BYTES", "MAX_DONE_BYTES", "MAX_PIECES_PER_KEY",
-           "PieceEntry", "TensorEntry", "Member", "ShardIndex", "DoneRecord", "parse_done", "check_tensor",
+__all__ = ["index_name", "attempt_folder", "member_name", "MEMBER_SUFFIXES", "done_name", "BLOCK_BYTES", "INDEX_FORMAT", "DONE_FORMAT", "MAX_INDEX_BYTES", "MAX_DONE_BYTES", "BYTES_PER_CONTAINER", "MAX_PIECES_PER_KEY",
+           "PieceEntry", "TensorEntry", "Member", "ShardIndex", "DoneRecord", "parse_done", "check_parsable", "check_tensor",
            "check_member_bytes", "seal",
            "block_rows", "block_crcs", "row_bytes", "rows_of", "strip_columns", "STRIPED_FROM", "STRIP_ROW_BYTES",
            "MAX_STRIPS", "STRIP_BLOCKS"]
@@ -53,6 +53,10 @@ MAX_STRIPS = 256
 STRIP_BLOCKS = 64
 MAX_INDEX_BYTES = 256 << 20
 MAX_DONE_BYTES = 64 << 20
+#: a JSON object or array costs Python 56-64 bytes however short its text, so an index or a
+#: done-record may hold at most one per this many bytes: a piece's entry takes 14 or more, and
+#: 63 MB of empty lists parsed into 2 GB before this bound
+BYTES_PER_CONTAINER = 8
 #: pieces one key may have; the overlap check compares each piece with the ones beside it
 MAX_PIECES_PER_KEY = 1 << 14
 
@@ -263,9 +267,22 @@ def seal(document: dict[str, Any]) -> bytes:
     return body + b',"crc32":%d}' % crc32(np.frombuffer(body, np.uint8))
 
 
-def _document(data: bytes, kind: str, limit: int) -> dict[str, Any]:
+def check_parsable(data: bytes, kind: str, limit: int, error: type[WeightStoreError] = FormatError) -> None:
+    """That a reader will parse ``data``: at most ``limit`` bytes, and at most one JSON object
+    or array per :data:`BYTES_PER_CONTAINER` (so what its parse allocates stays a few times
+    its size). A coordinator checks its index with it before committing it."""
     if len(data) > limit:
-        raise FormatError(f"is over {limit} bytes; not a {kind} file")
+        raise error(f"is over {limit} bytes; not a {kind} file")
+    try:
+        refuse_dense_json(data, BYTES_PER_CONTAINER, kind)
+    except UnsafeFileError as exc:
+        if issubclass(UnsafeFileError, error):
+            raise
+        raise error(exc.message) from None
+
+
+def _document(data: bytes, kind: str, limit: int) -> dict[str, Any]:
+    check_parsable(data, kind, limit)
     trailer = _SEAL.search(data[-32:])
     if trailer is None:
         raise FormatError(f"is not a {kind} file (no checksum at its end)")

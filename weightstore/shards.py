@@ -45,7 +45,9 @@ from weightstore.io.folders import Folder, folder_for
 from weightstore.keys import validate_key
 from weightstore.manifest import from_storage, logical_dtype, to_storage
 from weightstore.shardindex import (
+    INDEX_FORMAT,
     MAX_DONE_BYTES,
+    MAX_INDEX_BYTES,
     MEMBER_SUFFIXES,
     STRIP_BLOCKS,
     DoneRecord,
@@ -57,6 +59,7 @@ from weightstore.shardindex import (
     block_crcs,
     block_rows,
     check_member_bytes,
+    check_parsable,
     check_tensor,
     done_name,
     index_name,
@@ -226,6 +229,8 @@ def commit_shards(
     def write_index(created: str) -> None:
         index.created = created
         data = index.to_json()
+        with naming(path=target.url(name)):  # what every reader would refuse is never committed
+            check_parsable(data, INDEX_FORMAT, MAX_INDEX_BYTES, PublishError)
         if target.put_if(name, data, create=True):
             written.append(data)
         elif _same_index(target, name, index):
@@ -341,8 +346,6 @@ def _attempts(target: Folder) -> list[tuple[str, int, int]]:
 
 
 def _read_index(target: Folder, name: str) -> ShardIndex | None:
-    from weightstore.shardindex import MAX_INDEX_BYTES
-
     data = target.read_small(name, MAX_INDEX_BYTES + 1)
     try:
         return None if data is None else ShardIndex.parse(data)
