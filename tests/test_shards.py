@@ -418,8 +418,9 @@ def test_a_member_whose_bytes_are_not_where_its_format_says_is_refused(tmp_path,
     with pytest.raises(ws.WeightStoreError, match="not where the format says") as caught:
         ws.publish_shard(folder, {"w": np.arange(20, dtype=np.float32)}, step=1, rank=0, world=1, attempt=0,
                          format="npz")
-    assert caught.value.key == "w"
+    assert caught.value.key == "w" and caught.value.path == str(folder / "step-000000000001.attempt-0" / "rank-00000.npz")
     assert not list(folder.rglob("*.done")) and not list(folder.rglob("*.npz"))
+    assert not [path for path in folder.rglob("*") if path.is_file()]  # no temporary left either
 
 
 @pytest.mark.parametrize("shape, itemsize, world, columns", [

@@ -27,6 +27,7 @@ index names. ``ws clean`` does the same for a folder at rest.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -34,7 +35,7 @@ import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -161,7 +162,7 @@ def publish_shard(
     with members.commit(member_name(rank, suffix), suffix).writing() as local:
         arrays = {item.stored: from_storage(item.data, item.dtype) for item in listed}
         write_file(local, fmt, _checked(arrays, where, fmt), metadata, False)
-        tensors = _described(local, fmt, listed)
+        tensors = _described(local, where, fmt, listed)
         size = os.path.getsize(local)
         _stage("member-temporary")
     _stage("member-written")
@@ -415,19 +416,21 @@ def _box(piece: Piece, array_shape: tuple[int, ...], key: str, where: str) -> tu
     return start, shape
 
 
-def _described(local: str, fmt: Format, listed: list[_Listed]) -> dict[str, TensorEntry]:
-    """The done-record's tensors: where each piece's bytes landed in the member just written, and
-    its blocks' CRC-32s (of the bytes in memory, which the member's own checksum covers too).
-    Where a format other than safetensors put them is checked against the file, byte for byte:
-    readers will take that range for the piece."""
-    reader: Any = fmt.open_reader(local, local, mmap=False)
-    try:
+def _described(local: str, where: str, fmt: Format, listed: list[_Listed]) -> dict[str, TensorEntry]:
+    """The done-record's tensors: where each piece's bytes landed in the member just written
+    (``local``, published as ``where``, which errors name), and its blocks' CRC-32s (of the
+    bytes in memory, which the member's own checksum covers too). Where a format other than
+    safetensors put them is checked against the file: readers will take that range for the piece."""
+    with contextlib.ExitStack() as stack:
+        reader: Any = fmt.open_reader(local, where, mmap=False)
+        stack.callback(reader.close)
+        member = None if fmt.name == "safetensors" else stack.enter_context(open(local, "rb"))
         by_key: dict[str, list[PieceEntry]] = {}
         dtypes: dict[str, tuple[str, tuple[int, ...]]] = {}
         for item in listed:
             offset, _ = reader.extent(item.stored)
-            if fmt.name != "safetensors":
-                _check_placed(local, offset, item)
+            if member is not None:
+                _check_placed(member, where, offset, item)
             itemsize = logical_dtype(item.dtype).itemsize
             raw = item.data.reshape(-1).view(np.uint8)
             crcs = block_crcs(raw, item.rows * row_bytes(item.data.shape, itemsize)) if item.data.size else []
@@ -435,24 +438,21 @@ def _described(local: str, fmt: Format, listed: list[_Listed]) -> dict[str, Tens
             by_key.setdefault(item.key, []).append(PieceEntry(0, item.start, tuple(item.data.shape), offset, item.rows,
                                                               tuple(crcs), digest))
             dtypes.setdefault(item.key, (item.dtype, item.shape))
-    finally:
-        reader.close()
     return {key: TensorEntry(dtypes[key][0], dtypes[key][1], tuple(found)) for key, found in by_key.items()}
 
 
-def _check_placed(local: str, offset: int, item: _Listed) -> None:
+def _check_placed(member: BinaryIO, where: str, offset: int, item: _Listed) -> None:
     """That the member holds the piece's bytes at ``offset`` as they are in memory, judged by
     its first and last :data:`_CHECK_BYTES`: what goes wrong there is the whole layout (a
     format that converts the bytes, an extent off by a header), and the block CRC-32s, taken of
     the bytes in memory, catch any other difference when the piece is read."""
     raw = item.data.reshape(-1).view(np.uint8)
-    with open(local, "rb") as handle:
-        for at in sorted({0, max(0, raw.size - _CHECK_BYTES)}):
-            handle.seek(offset + at)
-            if not np.array_equal(np.frombuffer(handle.read(_CHECK_BYTES), np.uint8)[: raw.size - at],
-                                  raw[at : at + _CHECK_BYTES]):
-                raise WeightStoreError(f"{local}: the bytes of {item.stored!r} are not where the format says, as they "
-                                       "are in memory; this member format cannot hold it", key=item.key)
+    for at in sorted({0, max(0, raw.size - _CHECK_BYTES)}):
+        member.seek(offset + at)
+        if not np.array_equal(np.frombuffer(member.read(_CHECK_BYTES), np.uint8)[: raw.size - at],
+                              raw[at : at + _CHECK_BYTES]):
+            raise WeightStoreError(f"the bytes of {item.stored!r} are not where the format says, as they are in "
+                                   "memory; this member format cannot hold it", path=where, key=item.key)
 
 
 # -- the coordinator's side --------------------------------------------------------------------
