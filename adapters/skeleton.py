@@ -39,7 +39,11 @@ from weightstore.adapters.plan import (
 )
 from weightstore.errors import AssignmentError
 from weightstore.gcpause import paused_gc
-from weightstore.io.buffer import ALIGNMENT, aligned_array  # TF adopts aligned memory (EIGEN_MAX_ALIGN_BYTES)
+from weightstore.io.buffer import (  # TF adopts aligned memory (EIGEN_MAX_ALIGN_BYTES)
+    ALIGNMENT,
+    aligned_array,
+    memory_owner,
+)
 
 __all__ = ["Target", "ValueSource", "handed_over", "private_copy", "run_assign"]
 
@@ -229,15 +233,8 @@ def _given(array: np.ndarray, dtype: np.dtype) -> bool:
     if (handed is None or array.dtype != dtype or array.nbytes < _ALIGNED_FROM or array.nbytes > handed.nbytes
             or not array.flags.c_contiguous or array.ctypes.data % ALIGNMENT):
         return False
-    base: Any = array
-    while True:
-        if isinstance(base, np.ndarray) and base.base is not None:
-            base = base.base
-        elif isinstance(base, memoryview):
-            base = base.obj
-        else:
-            break
-    if not isinstance(base, np.ndarray) or base.nbytes > array.nbytes + _ALIGNED_FROM:
+    owner = memory_owner(array)
+    if not isinstance(owner, np.ndarray) or owner.nbytes > array.nbytes + _ALIGNED_FROM:
         return False
     # given once: two variables fed the same value must not share a buffer, or an in-place
     # write into one (TF copies into a buffer it holds alone) would change the other
