@@ -213,6 +213,15 @@ def handed_over(arrays: Iterable[np.ndarray]) -> Iterator[None]:
     Only an aligned array already of the target's dtype that is nearly all of the allocation
     behind it is given (keeping a view of a larger buffer would keep all of that buffer alive),
     and only once.
+
+    Once given, the variable is the memory's only user, so training it in place changes no one
+    else's data. That rests on the follower: its staged store is its own (opened for the swap,
+    closed when the block ends, dropping every reference to the arrays); a remote read gives
+    each tensor a buffer of its own; a local file's tensors are views of a read-only map, whose
+    owner is no array, so they are never given but copied; ``ws.load(follower.version)`` opens
+    the file anew and reads fresh memory. The table of handed-over addresses is process-wide,
+    but an assign on another thread meets one of its addresses only with a view of one of
+    these arrays, which only the follower holds.
     """
     given = {array.ctypes.data: array for array in arrays if isinstance(array, np.ndarray) and array.nbytes}
     _handed_over.update(given)
