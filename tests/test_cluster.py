@@ -72,6 +72,12 @@ def test_without_an_attempt_or_a_cluster_the_error_says_what_to_pass(tmp_path, m
     monkeypatch.delenv("TF_CONFIG")
     with pytest.raises(ws.WeightStoreError, match="nothing says them.*pass rank=, world= and attempt="):
         ws.publish_shard(tmp_path / "run", {"k": np.zeros(2)}, step=1, attempt=0)
+    with pytest.raises(ws.WeightStoreError, match="attempt was not given and no torchrun counts restarts; pass "
+                                                  "attempt=") as caught:  # rank and world given: only the attempt
+        ws.publish_shard(tmp_path / "run", {"k": np.zeros(2)}, step=1, rank=0, world=1)
+    assert "rank and world were not given" not in str(caught.value)
+    with pytest.raises(ws.WeightStoreError, match="attempt was not given and no torchrun"):
+        ws.commit_shards(tmp_path / "run", step=1, world=1, timeout=1)
     ws.publish_shard(tmp_path / "run", {"k": np.zeros(2)}, step=1, rank=0, world=1, attempt=0)  # all given: no look
     assert ws.load(ws.commit_shards(tmp_path / "run", step=1, world=1, attempt=0, timeout=1))["k"].shape == (2,)
     assert not (tmp_path / "run" / "step-000000000001.attempt-1").exists()
