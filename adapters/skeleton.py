@@ -187,12 +187,7 @@ def _nbytes(info: TargetInfo) -> int:
 
 def _costs_memory(value: Any) -> bool:
     """Whether keeping ``value`` holds memory of its own, rather than a view of a mapped file."""
-    base = value
-    while isinstance(base, np.ndarray) and base.base is not None:
-        base = base.base
-    if isinstance(base, memoryview):
-        base = base.obj
-    return not isinstance(base, mmap.mmap)
+    return not isinstance(memory_owner(value), mmap.mmap)
 
 
 def _plain_plan(infos: Mapping[str, TargetInfo]) -> Callable[[Values, AssignOptions], tuple[Plan, ValueSource]]:
