@@ -454,6 +454,10 @@ def test_a_key_whose_ranks_together_pass_its_piece_limit_is_not_committed(tmp_pa
                          step=2, rank=rank, world=2, attempt=0)
     with pytest.raises(ws.PublishError, match="6 pieces, over 4") as caught:
         shards.commit_shards(folder, step=2, world=2, attempt=0, timeout=5)
+    with pytest.raises(ValueError, match="'w' has 5 pieces"):  # one rank alone: refused before writing
+        ws.publish_shard(folder, {"w": [ws.Piece(a[row : row + 1], (row, 0), (6, 2)) for row in range(5)]},
+                         step=3, rank=0, world=1, attempt=0)
+    assert not (folder / "step-000000000003.attempt-0").exists()
     assert caught.value.key == "w" and caught.value.path.endswith("step-000000000002.wsindex")
     assert ws.latest(folder).step == 1 and not (folder / "step-000000000002.wsindex").exists()
 

@@ -39,7 +39,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from weightstore import __version__, cluster
+from weightstore import __version__, cluster, shardindex
 from weightstore.errors import FormatError, PublishError, ShardTimeoutError, WeightStoreError, naming
 from weightstore.formats import Format, format_named
 from weightstore.io.folders import Folder, folder_for
@@ -371,17 +371,21 @@ def _listed(pieces: Mapping[str, Any], where: str, world: int) -> list[_Listed]:
     boxes: list[tuple[str, str, np.ndarray, tuple[int, ...], tuple[int, ...], int]] = []
     for key, piece in found:
         array = np.asarray(piece.array)
-        name, data = to_storage(array, key)
+        dtype, data = to_storage(array, key)
         data = np.ascontiguousarray(data).reshape(array.shape)
         start, shape = _box(piece, array.shape, key, where)
-        boxes.extend((key, name, part, at, shape, rows) for part, at, rows in _strips(data, start, name, world))
+        boxes.extend((key, dtype, part, at, shape, rows) for part, at, rows in _strips(data, start, dtype, world))
     counts: dict[str, int] = {}
     for key, *_ in boxes:
         counts[key] = counts.get(key, 0) + 1
+    for key, count in counts.items():
+        if count > shardindex.MAX_PIECES_PER_KEY:  # a done-record readers would refuse: refused before writing
+            raise ValueError(f"{where}: {key!r} has {count} pieces (column strips included), over "
+                             f"{shardindex.MAX_PIECES_PER_KEY}")
     listed = []
-    for key, name, data, start, shape, rows in boxes:
+    for key, dtype, data, start, shape, rows in boxes:
         stored = key if counts[key] == 1 else f"{key}@{','.join(map(str, start))}"
-        listed.append(_Listed(key, stored, name, data, start, shape, rows))
+        listed.append(_Listed(key, stored, dtype, data, start, shape, rows))
     stored_names = [item.stored for item in listed]
     if len(set(stored_names)) != len(stored_names):
         clashes = {name for name in stored_names if stored_names.count(name) > 1}
