@@ -269,9 +269,11 @@ def split_rows(shape: Sequence[int], rank: int, world: int) -> tuple[slice, ...]
 def _same_index(target: Folder, name: str, index: ShardIndex) -> bool:
     """Whether the index at ``name`` is the one this commit would write (but for its time): one a
     coordinator of this step and attempt wrote before it died between the index and ``LATEST``,
-    or one racing this commit. Either way committing it is committing these very members."""
+    or one racing this commit. Either way committing it is committing these very members.
+    Compared as written, not as objects: metadata read back holds lists where the caller's had
+    tuples."""
     found = _read_index(target, name)
-    return found is not None and dataclasses.replace(found, created=index.created) == index
+    return found is not None and dataclasses.replace(found, created=index.created).to_json() == index.to_json()
 
 
 def _past(target: Folder, step: int) -> bool:
