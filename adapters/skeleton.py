@@ -227,6 +227,12 @@ def handed_over(arrays: Iterable[np.ndarray]) -> Iterator[None]:
             _handed_over.pop(address, None)
 
 
+def is_handed_over(array: np.ndarray) -> bool:
+    """Whether ``array`` lies where an array of an open :func:`handed_over` block does, so
+    :func:`private_copy` decides whether to give it instead of copying it."""
+    return bool(_handed_over) and array.ctypes.data in _handed_over
+
+
 def _given(array: np.ndarray, dtype: np.dtype) -> bool:
     """Whether :func:`private_copy` may hand the framework ``array`` itself (see :func:`handed_over`).
 
@@ -263,11 +269,11 @@ def private_copy(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
     if size < _ALIGNED_FROM:  # the framework's own copy of a small array costs less than aligning it
         return np.array(array, dtype, order="C")
     out = aligned_array(size).view(dtype).reshape(array.shape)
-    _copy(out, array)
+    copy_into(out, array)
     return out
 
 
-def _copy(out: np.ndarray, array: np.ndarray) -> None:
+def copy_into(out: np.ndarray, array: np.ndarray) -> None:
     """``np.copyto`` in pieces along the first axis on several threads (numpy releases the GIL)."""
     global _copier_pool
     pieces = min(_COPIERS, out.nbytes // _PIECE_BYTES, out.shape[0] if out.ndim else 1)

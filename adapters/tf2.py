@@ -36,12 +36,16 @@ assign reaches every replica; a ``ShardedVariable`` exports as one whole tensor 
 assigned back across its shards.
 
 A plain resource variable gets each value the way ``tf.train.Checkpoint`` restores it: one
-copy into fresh aligned memory, which ``AssignVariableOp`` adopts as the variable's buffer (the
-old one is freed), rather than ``variable.assign(ndarray)``, which copies the value into a
-temporary tensor and that into the variable. The copy is skipped only for arrays nothing
-else holds (a follower's staged version, :func:`~weightstore.adapters.skeleton.handed_over`):
-an adopted read-only map of the file would crash the next in-place update, an adopted
-caller's array would change with it. Values under 64 KiB go in groups of one dtype and shape instead: stacked into one new
+copy into a fresh tensor, which ``AssignVariableOp`` adopts as the variable's buffer (the old
+one is freed), rather than ``variable.assign(ndarray)``, which copies the value into a
+temporary tensor and that into the variable. The fresh tensor comes from TensorFlow's own
+allocator (:mod:`weightstore.adapters.tf_staging`), so the freed buffers are reused for the
+next values instead of staying in its pool: the process does not end up holding the model
+twice (values of 1 MiB or more; smaller ones are copied into fresh aligned numpy memory, which
+costs less for them). The copy is skipped only for arrays nothing else holds (a follower's
+staged version, :func:`~weightstore.adapters.skeleton.handed_over`): an adopted read-only map
+of the file would crash the next in-place update, an adopted caller's array would change with
+it. Values under 64 KiB go in groups of one dtype and shape instead: stacked into one new
 array, converted once and split by one ``Unpack`` into tensors TF owns (per-op overhead, not
 bytes, is what a small tensor costs). Distributed variables, and subclasses with an ``assign``
 of their own, get ``assign``.
@@ -80,6 +84,7 @@ from weightstore.adapters.plan import (
     plan_assign,
 )
 from weightstore.adapters.skeleton import Target, private_copy, run_assign
+from weightstore.adapters.tf_staging import staged_copy
 from weightstore.errors import AssignmentError, InvalidKeyError, SelectionError
 from weightstore.keys import (
     OUTPUT_SUFFIX,
@@ -606,8 +611,8 @@ def _write_batch(pairs: list[tuple[Variable, np.ndarray]]) -> None:
 
 def _write(var: Variable, array: np.ndarray) -> None:
     resource = _plain_resource(var)
-    if resource is not None:
-        tf.raw_ops.AssignVariableOp(resource=resource.handle, value=private_copy(array, array.dtype))
+    if resource is not None:  # in TF's own memory: the old buffer it frees is reused, not kept (see tf_staging)
+        tf.raw_ops.AssignVariableOp(resource=resource.handle, value=staged_copy(array, array.dtype))
     elif isinstance(var, _SHARDED):
         start = 0
         for shard in var.variables:

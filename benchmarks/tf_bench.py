@@ -31,6 +31,7 @@ executors then) and then the repeated ones, which a follower re-assigning a mode
     python -m benchmarks.tf_bench --only-hold     # only the hold rows
     python -m benchmarks.tf_bench --restore --cold --size-mb 256   # npz/safetensors vs TF, page cache evicted
     python -m benchmarks.tf_bench --only-hold --hold-rows small --small 50000 --repeat 3   # small tensors
+    python -m benchmarks.tf_bench --export-memory --size-mb 256   # tf2.export / snapshot memory
 """
 
 from __future__ import annotations
@@ -168,6 +169,9 @@ def case_main(args) -> None:
 
     folder = args.dir
     kind, product = args.case.split(":", 1)
+    if kind == "exportmem":
+        emit(_export_memory(folder, product))
+        return
     product, _, durable = product.partition("+")
     scoped = product.endswith("-scope")
     product = product.removesuffix("-scope")
@@ -283,6 +287,50 @@ def case_main(args) -> None:
     if kind == "save" and target:
         result["file_bytes"] = _size(os.path.dirname(target) if "/" in PRODUCTS[product][0] else target)
     emit(result)
+
+
+def _export_memory(folder: str, product: str) -> dict:
+    """Extra anonymous memory of ``tf2.export`` (``product`` "export") or ``snapshot`` of the
+    variables, first call in the process then a repeated one, and how much of it is the arrays
+    the call returned (numpy arrays of their own; a snapshot's tensors share TF's buffers)."""
+    from weightstore.adapters import snapshot, tf2
+
+    variables = build_tf2(folder).vars
+    call = tf2.export if product == "export" else snapshot.snapshot
+    result: dict = {"largest": max(v.numpy().nbytes for v in variables.values())}
+    returned: list[int] = []
+
+    def run() -> dict:
+        out = call(variables)
+        returned.append(sum(v.nbytes for v in out.values() if isinstance(v, np.ndarray)))
+        return out
+
+    for when in ("first", "repeated"):
+        memory = anon_during(run)
+        result[when] = {"anon": memory["anon"], "returned": returned[-1], "beyond": memory["anon"] - returned[-1]}
+    return result
+
+
+def export_memory_bench(size_mb: float, out=sys.stdout) -> dict:
+    """``tf2.export`` against the background ``snapshot``: each in a fresh process."""
+    say = lambda *a: print(*a, file=out, flush=True)  # noqa: E731
+    folder = tempfile.mkdtemp(prefix="ws-export-", dir=os.environ.get("WS_BENCH_DIR"))
+    try:
+        facts = prepare(folder, size_mb)
+        model = facts["bytes"]
+        say(f"Export {model / MB:,.0f} MB of TF2 variables ({facts['arrays']}): extra anonymous memory, one fresh "
+            f"process per call kind; {machine_line()}")
+        rows, r = [], {}
+        for product, label in (("export", "tf2.export"), ("snapshot", "snapshot")):
+            r[product] = res = run_case(MODULE, f"exportmem:{product}", ["--dir", folder], env=QUIET)
+            for when in ("first", "repeated"):
+                m = res[when]
+                rows.append([label, when, f"{fmt_mb(m['anon'])} ({m['anon'] / model:.2f}x)", fmt_mb(m["returned"]),
+                             f"{fmt_mb(m['beyond'])} ({m['beyond'] / res['largest']:.1f} largest tensors)"])
+        say(table(["call", "call in process", "extra anon MB", "returned arrays MB", "beyond them MB"], rows))
+        return r
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _size(path: str) -> int:
@@ -577,10 +625,15 @@ def main(argv=None) -> None:
                         help="evict each restore's own files from the page cache before every timed read")
     parser.add_argument("--restore", action="store_true",
                         help="only the restore comparison (npz and safetensors into TF2 and TF1, memory columns)")
+    parser.add_argument("--export-memory", action="store_true",
+                        help="only the memory of tf2.export and of a snapshot, each in a fresh process")
     args = parser.parse_args(argv)
     if args.case:
         os.environ.update(QUIET)
         case_main(args)
+        return
+    if args.export_memory:
+        export_memory_bench(args.size_mb)
         return
     if args.restore:
         restore_bench(args.size_mb, args.repeat, cold=args.cold, rounds=args.rounds)

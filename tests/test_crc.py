@@ -168,6 +168,27 @@ def test_nested_sharing_does_not_deadlock():
     assert inner == [1] * 8
 
 
+def test_a_job_beside_runs_once_on_the_caller_while_the_helper_is_busy():
+    release, busy = threading.Event(), threading.Event()
+    hold = parallel.beside(lambda: (busy.set(), release.wait(10)))  # occupies the one helper
+    busy.wait(10)
+    runs: list[str] = []
+    job = parallel.beside(lambda: runs.append(threading.current_thread().name) or len(runs))
+    assert job.result() == 1  # not started by the busy helper: the caller ran it, without waiting
+    assert runs == [threading.current_thread().name]
+    release.set()
+    hold.result()
+    assert runs == [threading.current_thread().name]  # the helper never ran it too
+
+
+def test_a_job_beside_that_fails_raises_from_result():
+    def fail() -> None:
+        raise ValueError("broken hash")
+
+    with pytest.raises(ValueError, match="broken hash"):
+        parallel.beside(fail).result()
+
+
 @pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
 def test_shuffled_blocks_decode_in_parallel_exactly(itemsize):
     plain = random_bytes(3 * (1 << 20) + 24, seed=itemsize)  # three whole blocks and a short one

@@ -67,7 +67,12 @@ def test_readers_fetch_only_their_share(server, folder, fmt):
         assert got.nbytes <= member_bytes <= 1.1 * got.nbytes, (columns, member_bytes / got.nbytes)
     server.reset()
     assert ws.load(version)["w"].tobytes() == weights.tobytes()  # whole, from S3
-    assert sum(r.sent for r in server.requests if "rank-" in r.path) == weights.nbytes
+    # each byte once; npz and HDF5 members hold headers between the pieces' strips, and a gap
+    # under MERGE_GAP is read rather than paid for with another request
+    whole = sum(r.sent for r in server.requests if "rank-" in r.path)
+    assert weights.nbytes <= whole <= weights.nbytes * 1.01, whole / weights.nbytes
+    if fmt == "safetensors":  # tensors end to end: nothing between them
+        assert whole == weights.nbytes
 
 
 def test_done_records_and_indexes_larger_than_a_network_chunk_are_read_whole(server, folder):

@@ -1,0 +1,115 @@
+"""tf2.assign copies each large value into a tensor of TensorFlow's own allocator: exact values for
+every dtype, variables that stay independent of the file and of earlier reads, and a first assign
+in a process that does not leave it holding the model twice."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+import weightstore as ws  # noqa: E402
+from weightstore.adapters import tf2, tf_staging  # noqa: E402
+from weightstore.adapters.skeleton import handed_over  # noqa: E402
+from weightstore.io.buffer import aligned_array  # noqa: E402
+
+DTYPES = ["float16", "float32", "float64", "bfloat16", "int8", "int32", "int64", "uint8", "uint16", "complex64", "bool"]
+ROWS = tf_staging.STAGED_FROM // 8 + 3  # every dtype's value is at least STAGED_FROM bytes
+
+
+def values(dtype: np.dtype, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if dtype.kind == "b":
+        return rng.integers(0, 2, (ROWS, 8)).astype(bool)
+    if dtype.kind in "iu":
+        return rng.integers(0, 100, (ROWS, 8)).astype(dtype)
+    if dtype.kind == "c":
+        return (rng.standard_normal((ROWS, 8)) + 1j * rng.standard_normal((ROWS, 8))).astype(dtype)
+    out = rng.standard_normal((ROWS, 8)).astype(dtype)
+    out.reshape(-1)[:3] = np.array([np.nan, -0.0, np.inf]).astype(dtype)  # kept bit for bit
+    return out
+
+
+@pytest.mark.parametrize("name", DTYPES)
+def test_every_dtype_is_assigned_bit_for_bit_from_a_file(tmp_path, name):
+    dtype = np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+    variable = tf.Variable(tf.zeros((ROWS, 8), dtype=tf.as_dtype(dtype)))
+    expected = values(dtype, 1)
+    ws.save(tmp_path / "w.safetensors", {"w": expected})
+    tf2.assign({"w": variable}, tmp_path / "w.safetensors")
+    got = variable.numpy()
+    assert got.dtype == dtype
+    assert got.tobytes() == expected.tobytes()
+
+
+def test_assigned_variables_update_in_place_and_earlier_reads_keep_their_values(tmp_path):
+    variable = tf.Variable(tf.zeros((ROWS, 8), tf.float32))
+    before = variable.read_value()  # shares the variable's buffer, as a background snapshot does
+    first, second = values(np.dtype("float32"), 2), values(np.dtype("float32"), 3)
+    ws.save(tmp_path / "a.npz", {"w": first})
+    ws.save(tmp_path / "b.npz", {"w": second})
+    tf2.assign({"w": variable}, tmp_path / "a.npz")
+    after_first = variable.read_value()
+    variable.assign_add(tf.ones_like(variable))  # an optimizer step on the assigned buffer
+    np.testing.assert_array_equal(variable.numpy(), first + 1)
+    tf2.assign({"w": variable}, tmp_path / "b.npz")
+    np.testing.assert_array_equal(before.numpy(), np.zeros((ROWS, 8), np.float32))
+    np.testing.assert_array_equal(after_first.numpy(), first)
+    np.testing.assert_array_equal(variable.numpy(), second)
+
+
+def test_a_caller_array_is_copied_not_shared():
+    variable = tf.Variable(tf.zeros((ROWS, 8), tf.float32))
+    source = values(np.dtype("float32"), 4)
+    tf2.assign({"w": variable}, {"w": source})
+    source[:] = 7
+    np.testing.assert_array_equal(variable.numpy(), values(np.dtype("float32"), 4))
+
+
+def test_a_large_array_handed_over_becomes_the_buffer_without_a_copy():
+    """A follower's staged version is given to TF as it is, staged or not by size."""
+    variable = tf.Variable(tf.zeros((ROWS, 8), tf.float32))
+    given = aligned_array(ROWS * 8 * 4).view(np.float32).reshape(ROWS, 8)
+    given[:] = 1.0
+    with handed_over([given]):
+        tf2.assign({"w": variable}, {"w": given})
+    given[:] = 9.0  # seen through the variable only if it kept this memory as its buffer
+    np.testing.assert_array_equal(variable.numpy(), np.full((ROWS, 8), 9.0, np.float32))
+
+
+FIRST_ASSIGN = textwrap.dedent("""
+    import gc, json, sys
+    import numpy as np, tensorflow as tf
+    import weightstore as ws
+    from weightstore.adapters import tf2
+
+    def anon():
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon"))
+
+    model = {f"w{i}": tf.Variable(tf.random.normal([1 << 20])) for i in range(16)}  # 64 MB, TF's memory
+    ws.save(sys.argv[1], {key: np.full(1 << 20, i, np.float32) for i, key in enumerate(model)})
+    gc.collect()
+    before = anon()
+    tf2.assign(model, sys.argv[1])
+    gc.collect()
+    right = all((model[f"w{i}"].numpy() == i).all() for i in range(16))
+    print(json.dumps({"kept": anon() - before, "model": 64 << 20, "right": right}))
+""")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RssAnon from /proc")
+def test_the_first_assign_in_a_process_does_not_keep_a_second_model(tmp_path):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="1")  # x86 TF's default (conftest: off)
+    done = subprocess.run([sys.executable, "-c", FIRST_ASSIGN, str(tmp_path / "m.npz")], capture_output=True,
+                          text=True, timeout=180, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["right"]
+    assert out["kept"] < 0.25 * out["model"], out  # numpy copies, adopted, left 1.0x in TF's pool
