@@ -284,6 +284,16 @@ def test_a_hostile_index_is_refused_naming_file_and_key(tmp_path, edit, words):
     assert caught.value.path == path and caught.value.key == "w"
 
 
+def test_a_hostile_index_naming_an_empty_tensor_no_array_can_have_is_refused_at_open(tmp_path):
+    """(0, 2**61) holds nothing, so no piece need cover it, yet numpy refuses to make it: the
+    read would raise numpy's ValueError, not an error naming the file and the key."""
+    path = hostile_index(tmp_path, lambda raw: raw["tensors"].update(
+        e={"dtype": "float32", "shape": [0, 2 ** 61], "pieces": []}))
+    with pytest.raises(ws.FormatError, match="too large for any array") as caught:
+        ws.open(path)
+    assert caught.value.path == path and caught.value.key == "e"
+
+
 def test_a_hostile_index_cannot_name_files_outside_its_attempt(tmp_path):
     path = hostile_index(tmp_path, lambda raw: raw["members"][0].update(file="../../etc/passwd"))
     with pytest.raises(ws.FormatError, match="member 0 must be") as caught:

@@ -29,7 +29,7 @@ import orjson
 from weightstore.errors import FormatError, InvalidKeyError, UnsafeFileError, WeightStoreError
 from weightstore.keys import validate_key
 from weightstore.manifest import crc32, logical_dtype, refuse_dense_json
-from weightstore.tensortable import MAX_NDIM
+from weightstore.tensortable import MAX_NDIM, fits_an_array
 
 __all__ = ["index_name", "attempt_folder", "member_name", "MEMBER_SUFFIXES", "done_name", "BLOCK_BYTES", "INDEX_FORMAT", "DONE_FORMAT", "MAX_INDEX_BYTES", "MAX_DONE_BYTES", "BYTES_PER_CONTAINER", "MAX_PIECES_PER_KEY",
            "PieceEntry", "TensorEntry", "Member", "ShardIndex", "DoneRecord", "parse_done", "check_parsable", "check_tensor",
@@ -329,6 +329,8 @@ def _tensors(raw: Any, members: list[Member], *, own: bool = False) -> dict[str,
         except WeightStoreError:
             raise FormatError(f"has unknown dtype {str(entry.get('dtype'))[:40]!r}", key=key) from None
         shape = _counts(entry.get("shape"), "shape", key)
+        if not fits_an_array(shape, logical_dtype(entry["dtype"]).itemsize):  # (0, 2**61): nothing, yet no array
+            raise FormatError(f"has a shape {list(shape)} too large for any array", key=key)
         if len(entry["pieces"]) > MAX_PIECES_PER_KEY:
             raise FormatError(f"has {len(entry['pieces'])} pieces, over {MAX_PIECES_PER_KEY}", key=key)
         pieces = tuple(_piece(p, key, len(shape), len(members), own) for p in entry["pieces"])
