@@ -39,7 +39,11 @@ from weightstore.adapters.plan import (
 )
 from weightstore.errors import AssignmentError
 from weightstore.gcpause import paused_gc
-from weightstore.io.buffer import ALIGNMENT, aligned_array  # TF adopts aligned memory (EIGEN_MAX_ALIGN_BYTES)
+from weightstore.io.buffer import (  # TF adopts aligned memory (EIGEN_MAX_ALIGN_BYTES)
+    ALIGNMENT,
+    aligned_array,
+    memory_owner,
+)
 
 __all__ = ["Target", "ValueSource", "handed_over", "private_copy", "run_assign"]
 
@@ -210,12 +214,7 @@ def _nbytes(info: TargetInfo) -> int:
 
 def _costs_memory(value: Any) -> bool:
     """Whether keeping ``value`` holds memory of its own, rather than a view of a mapped file."""
-    base = value
-    while isinstance(base, np.ndarray) and base.base is not None:
-        base = base.base
-    if isinstance(base, memoryview):
-        base = base.obj
-    return not isinstance(base, mmap.mmap)
+    return not isinstance(memory_owner(value), mmap.mmap)
 
 
 def _plain_plan(infos: Mapping[str, TargetInfo]) -> Callable[[Values, AssignOptions], tuple[Plan, ValueSource]]:
@@ -236,6 +235,15 @@ def handed_over(arrays: Iterable[np.ndarray]) -> Iterator[None]:
     Only an aligned array already of the target's dtype that is nearly all of the allocation
     behind it is given (keeping a view of a larger buffer would keep all of that buffer alive),
     and only once.
+
+    Once given, the variable is the memory's only user, so training it in place changes no one
+    else's data. That rests on the follower: its staged store is its own (opened for the swap,
+    closed when the block ends, dropping every reference to the arrays); a remote read gives
+    each tensor a buffer of its own; a local file's tensors are views of a read-only map, whose
+    owner is no array, so they are never given but copied; ``ws.load(follower.version)`` opens
+    the file anew and reads fresh memory. The table of handed-over addresses is process-wide,
+    but an assign on another thread meets one of its addresses only with a view of one of
+    these arrays, which only the follower holds.
     """
     given = {array.ctypes.data: array for array in arrays if isinstance(array, np.ndarray) and array.nbytes}
     _handed_over.update(given)
@@ -262,15 +270,8 @@ def _given(array: np.ndarray, dtype: np.dtype) -> bool:
     if (handed is None or array.dtype != dtype or array.nbytes < _ALIGNED_FROM or array.nbytes > handed.nbytes
             or not array.flags.c_contiguous or array.ctypes.data % ALIGNMENT):
         return False
-    base: Any = array
-    while True:
-        if isinstance(base, np.ndarray) and base.base is not None:
-            base = base.base
-        elif isinstance(base, memoryview):
-            base = base.obj
-        else:
-            break
-    if not isinstance(base, np.ndarray) or base.nbytes > array.nbytes + _ALIGNED_FROM:
+    owner = memory_owner(array)
+    if not isinstance(owner, np.ndarray) or owner.nbytes > array.nbytes + _ALIGNED_FROM:
         return False
     # given once: two variables fed the same value must not share a buffer, or an in-place
     # write into one (TF copies into a buffer it holds alone) would change the other

@@ -28,13 +28,13 @@ import blake3
 import numpy as np
 import orjson
 
-from weightstore.errors import FormatError, InvalidKeyError, WeightStoreError
+from weightstore.errors import FormatError, InvalidKeyError, UnsafeFileError, WeightStoreError
 from weightstore.keys import validate_key
-from weightstore.manifest import crc32, logical_dtype, raw_bytes
-from weightstore.tensortable import MAX_NDIM
+from weightstore.manifest import crc32, logical_dtype, raw_bytes, refuse_dense_json
+from weightstore.tensortable import MAX_NDIM, fits_an_array
 
-__all__ = ["index_name", "attempt_folder", "member_name", "MEMBER_SUFFIXES", "done_name", "BLOCK_BYTES", "INDEX_FORMAT", "DONE_FORMAT", "MAX_INDEX_BYTES", "MAX_DONE_BYTES", "MAX_PIECES_PER_KEY",
-           "PieceEntry", "TensorEntry", "Member", "ShardIndex", "DoneRecord", "parse_done", "check_tensor",
+__all__ = ["index_name", "attempt_folder", "member_name", "MEMBER_SUFFIXES", "done_name", "BLOCK_BYTES", "INDEX_FORMAT", "DONE_FORMAT", "MAX_INDEX_BYTES", "MAX_DONE_BYTES", "BYTES_PER_CONTAINER", "MAX_PIECES_PER_KEY",
+           "PieceEntry", "TensorEntry", "Member", "ShardIndex", "DoneRecord", "parse_done", "check_parsable", "check_tensor",
            "check_member_bytes", "seal",
            "block_rows", "block_crcs", "block_digests", "DIGEST_HEX", "row_bytes", "rows_of", "strip_columns", "STRIPED_FROM", "STRIP_ROW_BYTES",
            "MAX_STRIPS", "STRIP_BLOCKS"]
@@ -58,6 +58,10 @@ DIGEST_HEX = 64
 _HEX_DIGEST = re.compile(rf"[0-9a-f]{{{DIGEST_HEX}}}")
 MAX_INDEX_BYTES = 256 << 20
 MAX_DONE_BYTES = 64 << 20
+#: a JSON object or array costs Python 56-64 bytes however short its text, so an index or a
+#: done-record may hold at most one per this many bytes: a piece's entry takes 14 or more, and
+#: 63 MB of empty lists parsed into 2 GB before this bound
+BYTES_PER_CONTAINER = 8
 #: pieces one key may have; the overlap check compares each piece with the ones beside it
 MAX_PIECES_PER_KEY = 1 << 14
 
@@ -280,9 +284,22 @@ def seal(document: dict[str, Any]) -> bytes:
     return body + b',"crc32":%d}' % crc32(np.frombuffer(body, np.uint8))
 
 
-def _document(data: bytes, kind: str, limit: int) -> dict[str, Any]:
+def check_parsable(data: bytes, kind: str, limit: int, error: type[WeightStoreError] = FormatError) -> None:
+    """That a reader will parse ``data``: at most ``limit`` bytes, and at most one JSON object
+    or array per :data:`BYTES_PER_CONTAINER` (so what its parse allocates stays a few times
+    its size). A coordinator checks its index with it before committing it."""
     if len(data) > limit:
-        raise FormatError(f"is over {limit} bytes; not a {kind} file")
+        raise error(f"is over {limit} bytes; not a {kind} file")
+    try:
+        refuse_dense_json(data, BYTES_PER_CONTAINER, kind)
+    except UnsafeFileError as exc:
+        if issubclass(UnsafeFileError, error):
+            raise
+        raise error(exc.message) from None
+
+
+def _document(data: bytes, kind: str, limit: int) -> dict[str, Any]:
+    check_parsable(data, kind, limit)
     trailer = _SEAL.search(data[-32:])
     if trailer is None:
         raise FormatError(f"is not a {kind} file (no checksum at its end)")
@@ -329,6 +346,8 @@ def _tensors(raw: Any, members: list[Member], *, own: bool = False) -> dict[str,
         except WeightStoreError:
             raise FormatError(f"has unknown dtype {str(entry.get('dtype'))[:40]!r}", key=key) from None
         shape = _counts(entry.get("shape"), "shape", key)
+        if not fits_an_array(shape, logical_dtype(entry["dtype"]).itemsize):  # (0, 2**61): nothing, yet no array
+            raise FormatError(f"has a shape {list(shape)} too large for any array", key=key)
         if len(entry["pieces"]) > MAX_PIECES_PER_KEY:
             raise FormatError(f"has {len(entry['pieces'])} pieces, over {MAX_PIECES_PER_KEY}", key=key)
         pieces = tuple(_piece(p, key, len(shape), len(members), own) for p in entry["pieces"])
@@ -365,7 +384,12 @@ def _piece(raw: Any, key: str, ndim: int, members: int, own: bool) -> PieceEntry
 
 def check_tensor(key: str, entry: TensorEntry, members: Sequence[Member],
                  error: type[WeightStoreError] = FormatError) -> None:
-    """That the pieces of ``key`` lie in the tensor and their members, never overlap, and cover it."""
+    """That ``key`` has at most :data:`MAX_PIECES_PER_KEY` pieces (a coordinator merging every
+    rank's pieces checks the sum, which no done-record alone bounds: an index over it would be
+    committed and then refused by every reader), that they lie in the tensor and their members,
+    never overlap, and cover it."""
+    if len(entry.pieces) > MAX_PIECES_PER_KEY:
+        raise error(f"has {len(entry.pieces)} pieces, over {MAX_PIECES_PER_KEY}", key=key)
     itemsize = entry.itemsize
     for piece in entry.pieces:
         if any(s + n > d for s, n, d in zip(piece.start, piece.shape, entry.shape, strict=True)):
