@@ -1,4 +1,4 @@
-"""Keep a TF1 session or a TF2 model at the newest version of a folder while it serves.
+"""Keep a TF1 session, a TF2 model or a torch module at the newest version of a folder while it serves.
 
 A background thread follows the folder and assigns each new version in place; the caller
 wraps each inference in ``with follower.reading():`` (or calls ``follower.run(fn, ...)``) and
@@ -11,7 +11,8 @@ every tensor that changed since the last swap is fetched (an object store's rang
 checksum verified, into memory or, for a local file, as views of its mapping. Only then does
 it take the lock, and inside it only writes variables from what was staged, so the longest
 wait to enter ``reading()`` is the time to assign the model from memory, not to download
-it. A bad version (a checksum that does not match, a file pruned mid-read) fails while
+it. (The exception: a sharded version followed into a TF1 session or a torch module, whose
+assign reads only the regions of the parts that changed, during the swap.) A bad version (a checksum that does not match, a file pruned mid-read) fails while
 staging, before serving is held at all.
 
 **Memory: the model plus the version being staged.** A remote version is read straight into
@@ -43,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
@@ -109,8 +111,9 @@ class _ReadWriteLock:
 class Follower:
     """Follow ``folder`` in a background thread, assigning each new version into ``target``.
 
-    ``target`` is a ``tf.compat.v1.Session`` (assigned with ``tf1.assign``) or a Keras model,
-    module or variables (``tf2.assign``); the assign options mean what they mean there.
+    ``target`` is a ``tf.compat.v1.Session`` (assigned with ``tf1.assign``), a ``torch.nn.Module``
+    (``torch.assign``) or a Keras model, module or variables (``tf2.assign``); the assign
+    options mean what they mean there.
     ``version`` and ``report`` describe the last swap; ``error`` holds the last failure (a
     version that does not fit the target is logged, recorded and passed over, not retried)
     until the next swap succeeds, and makes :meth:`wait` raise. ``poll`` and ``max_poll`` pace
@@ -142,7 +145,7 @@ class Follower:
         self._swapped = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._assign: Callable[..., Report] = _assigner(target)
+        self._assign, self._reads_parts = _assigner(target)
         self._digests: dict[str, str | None] = {}  # key -> content digest, as the last swap staged it
 
     def start(self) -> Follower:
@@ -262,13 +265,16 @@ class Follower:
 
         With ``skip``, a tensor whose content digest equals the one the last swap staged is
         left unread: the assign skips it, as the target already holds those bytes (should the
-        target have forgotten them, the assign reads it from the pinned file instead).
+        target have forgotten them, the assign reads it from the pinned file instead). A
+        sharded version followed into a target that writes parts of tensors (a TF1 session's
+        partitioned variables, a torch module's DTensors) is staged empty: the assign reads,
+        during the swap, only the regions its parts hold whose blocks changed.
         """
         store = weightstore.open(version)
         try:
             digests = {key: reload_digest(store.info(key)) for key in store}
-            changed = [key for key, digest in digests.items()
-                       if not skip or digest is None or self._digests.get(key) != digest]
+            changed = [] if self._reads_parts and store.reads_regions else [
+                key for key, digest in digests.items() if not skip or digest is None or self._digests.get(key) != digest]
             return _StagedStore(store, store.read(changed), digests)
         except BaseException:
             store.close()
@@ -341,12 +347,23 @@ class _Staged(ReaderDefaults):
         self._store.close()
 
 
+class _StagedRegions(_Staged):
+    """A staged sharded version: its regions are read (only their blocks) from its own store."""
+
+    def read_region(self, key: str, region: Any, *, verify: bool) -> np.ndarray:
+        return self._store.read_region(key, region)
+
+    def region_digest(self, key: str, region: Any) -> str | None:
+        return self._store.region_digest(key, region)
+
+
 class _StagedStore(Store):
     """What a swap assigns from: a :class:`Store` over :class:`_Staged`, with the content digests
     of the version's tensors (the follower's memory of what the target holds once it is in)."""
 
     def __init__(self, store: Store, arrays: dict[str, np.ndarray], digests: dict[str, str | None]):
-        super().__init__(_Staged(store, arrays), store.path, verify=False)  # staging verified what it read
+        staged = (_StagedRegions if store.reads_regions else _Staged)(store, arrays)
+        super().__init__(staged, store.path, verify=False)  # staging verified what it read
         self.arrays = list(arrays.values())
         self.digests = digests
 
@@ -355,12 +372,18 @@ class _StagedStore(Store):
         super().close()
 
 
-def _assigner(target: Any) -> Callable[..., Report]:
-    """``tf1.assign`` for sessions (anything with ``graph`` and ``run``), ``tf2.assign`` otherwise."""
+def _assigner(target: Any) -> tuple[Callable[..., Report], bool]:
+    """``tf1.assign`` for sessions (anything with ``graph`` and ``run``), ``torch.assign`` for
+    torch modules, ``tf2.assign`` otherwise; and whether that assign reads parts of tensors."""
     if hasattr(target, "graph") and hasattr(target, "run"):
         from weightstore.adapters import tf1
 
-        return tf1.assign
+        return tf1.assign, True
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(target, torch.nn.Module):
+        from weightstore.adapters import torch as torch_adapter
+
+        return torch_adapter.assign, True
     from weightstore.adapters import tf2
 
-    return tf2.assign
+    return tf2.assign, False

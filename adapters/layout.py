@@ -565,8 +565,8 @@ class LaidOutValues:
     def shape(self, key: str) -> tuple[int, ...]:
         return self._steps[key].shape
 
-    def checksum(self, key: str) -> str | None:
-        step = self._steps[key]
+    def checksum(self, key: str, region: tuple[slice, ...] | None = None) -> str | None:
+        step = self._steps[key]  # read whole (not regional): the value's digest, whatever the region
         digests = [self._values.checksum(source) for source in step.sources]
         if None in digests:
             return None

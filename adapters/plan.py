@@ -201,7 +201,10 @@ class ValueSource(Protocol):
     def keys(self) -> list[str]: ...
     def dtype(self, key: str) -> np.dtype: ...
     def shape(self, key: str) -> tuple[int, ...]: ...
-    def checksum(self, key: str) -> str | None: ...
+    def checksum(self, key: str, region: tuple[slice, ...] | None = None) -> str | None:
+        """What hot reload compares (:func:`reload_digest`): of the value, or of the part of it
+        ``region`` names (a sharded version knows it for each part from its block digests)."""
+
     def read(self, key: str) -> np.ndarray: ...
 
     def read_region(self, key: str, region: tuple[slice, ...]) -> np.ndarray:
@@ -248,8 +251,13 @@ class Values:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._store.info(key).shape) if self._store is not None else self._arrays[key].shape
 
-    def checksum(self, key: str) -> str | None:
-        return reload_digest(self._store.info(key)) if self._store is not None else None
+    def checksum(self, key: str, region: tuple[slice, ...] | None = None) -> str | None:
+        if self._store is None:
+            return None
+        info = self._store.info(key)
+        if region is None:
+            return reload_digest(info)
+        return reload_digest(info._replace(digest=self._store.region_digest(key, region)))
 
     def prefetch(self, keys: list[str]) -> None:
         """Read ``keys`` from the store together (an npz checks and maps many small tensors in
@@ -295,8 +303,8 @@ class RenamedValues:
     def shape(self, key: str) -> tuple[int, ...]:
         return self._values.shape(self._old[key])
 
-    def checksum(self, key: str) -> str | None:
-        return self._values.checksum(self._old[key])
+    def checksum(self, key: str, region: tuple[slice, ...] | None = None) -> str | None:
+        return self._values.checksum(self._old[key], region)
 
     def prefetch(self, keys: list[str]) -> None:
         self._values.prefetch([self._old[key] for key in keys])
@@ -504,7 +512,11 @@ class ChecksumMemory:
         return held[1] if held is not None and held[0]() is owner else None
 
     def unchanged(self, owner: object, key: str, digest: str | None) -> bool:
-        return digest is not None and (self._entries(owner) or {}).get(key) == digest
+        return digest is not None and self.recall(owner, key) == digest
+
+    def recall(self, owner: object, key: str) -> str | None:
+        """The digest ``owner``'s ``key`` last received, if known."""
+        return (self._entries(owner) or {}).get(key)
 
     def remember(self, owner: object, key: str, digest: str | None) -> None:
         entries = self._entries(owner)

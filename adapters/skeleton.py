@@ -20,7 +20,7 @@ import mmap
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -39,7 +39,11 @@ from weightstore.adapters.plan import (
 )
 from weightstore.errors import AssignmentError
 from weightstore.gcpause import paused_gc
-from weightstore.io.buffer import ALIGNMENT, aligned_array  # TF adopts aligned memory (EIGEN_MAX_ALIGN_BYTES)
+from weightstore.io.buffer import (  # TF adopts aligned memory (EIGEN_MAX_ALIGN_BYTES)
+    ALIGNMENT,
+    aligned_array,
+    memory_owner,
+)
 
 __all__ = ["Target", "ValueSource", "handed_over", "private_copy", "run_assign"]
 
@@ -70,6 +74,11 @@ class Target:
     layout plans over converted values and returns the view to read them through.
     ``batched``: ``write`` is called once per batch of bounded bytes instead (see the module
     docstring), so it must copy what it keeps; values come as :attr:`prepare` read them.
+    ``regions``: the regions a key's variable is written in, part by part (a TF1 partitioned
+    variable's parts, a DTensor's local shard), or None for a key written whole. From a source
+    that reads regions (a sharded version) hot reload then compares each part's digest: a key
+    all of whose parts are unchanged is skipped, and ``kept`` (filled by :func:`run_assign`)
+    holds the parts of the others that ``prepare`` and ``write`` may leave as they are.
     """
 
     infos: Mapping[str, TargetInfo]
@@ -78,6 +87,8 @@ class Target:
     prepare: Callable[[ValueSource, str, str], Any] | None = None
     plan: Callable[[Values, AssignOptions], tuple[Plan, ValueSource]] | None = None
     batched: bool = False
+    regions: Callable[[str], list[tuple[slice, ...]] | None] | None = None
+    kept: dict[str, frozenset[int]] = field(default_factory=dict)
 
 
 def run_assign(target: Target, weights: Any, options: AssignOptions, *, skip_for: Any = None) -> Report:
@@ -104,10 +115,19 @@ def run_assign(target: Target, weights: Any, options: AssignOptions, *, skip_for
         report = plan.report
         todo: list[tuple[str, str]] = []
         digests: dict[str, str | None] = {}
+        target.kept.clear()
         for key, value_key in plan.pairs.items():
-            digest = source.checksum(value_key)
-            if skip and MEMORY.unchanged(target.owner(key), key, digest):
+            owner = target.owner(key)
+            regions = target.regions(key) if target.regions is not None and source.regional else None
+            if regions is None:
+                digest = source.checksum(value_key)
+            else:
+                digest, kept = _part_digests(source, value_key, regions, MEMORY.recall(owner, key) if skip else None)
+                if kept:
+                    target.kept[key] = kept
+            if skip and MEMORY.unchanged(owner, key, digest):
                 report.skipped.append(key)
+                target.kept.pop(key, None)
                 continue
             todo.append((key, value_key))
             digests[key] = digest
@@ -118,6 +138,17 @@ def run_assign(target: Target, weights: Any, options: AssignOptions, *, skip_for
             batch = [(key, prepare(source, key, value_key)) for key, value_key in todo]
             _remember(target, target.write(batch, report) if batch else [], digests, report)
     return report
+
+
+def _part_digests(source: ValueSource, value_key: str, regions: list[tuple[slice, ...]],
+                  remembered: str | None) -> tuple[str | None, frozenset[int]]:
+    """A key's digest from its parts' (None if any is unknown), and which parts have the
+    digest they had in ``remembered`` (what the key last received, made the same way)."""
+    parts = [source.checksum(value_key, region) for region in regions]
+    before = remembered.split("|") if remembered is not None else []
+    kept = frozenset(i for i, (now, then) in enumerate(zip(parts, before, strict=False))
+                     if now is not None and now == then and len(before) == len(parts))
+    return (None if None in parts else "|".join(p for p in parts if p is not None)), kept
 
 
 def _remember(target: Target, written: list[str], digests: Mapping[str, str | None], report: Report) -> None:
@@ -183,12 +214,7 @@ def _nbytes(info: TargetInfo) -> int:
 
 def _costs_memory(value: Any) -> bool:
     """Whether keeping ``value`` holds memory of its own, rather than a view of a mapped file."""
-    base = value
-    while isinstance(base, np.ndarray) and base.base is not None:
-        base = base.base
-    if isinstance(base, memoryview):
-        base = base.obj
-    return not isinstance(base, mmap.mmap)
+    return not isinstance(memory_owner(value), mmap.mmap)
 
 
 def _plain_plan(infos: Mapping[str, TargetInfo]) -> Callable[[Values, AssignOptions], tuple[Plan, ValueSource]]:
@@ -209,6 +235,15 @@ def handed_over(arrays: Iterable[np.ndarray]) -> Iterator[None]:
     Only an aligned array already of the target's dtype that is nearly all of the allocation
     behind it is given (keeping a view of a larger buffer would keep all of that buffer alive),
     and only once.
+
+    Once given, the variable is the memory's only user, so training it in place changes no one
+    else's data. That rests on the follower: its staged store is its own (opened for the swap,
+    closed when the block ends, dropping every reference to the arrays); a remote read gives
+    each tensor a buffer of its own; a local file's tensors are views of a read-only map, whose
+    owner is no array, so they are never given but copied; ``ws.load(follower.version)`` opens
+    the file anew and reads fresh memory. The table of handed-over addresses is process-wide,
+    but an assign on another thread meets one of its addresses only with a view of one of
+    these arrays, which only the follower holds.
     """
     given = {array.ctypes.data: array for array in arrays if isinstance(array, np.ndarray) and array.nbytes}
     _handed_over.update(given)
@@ -235,15 +270,8 @@ def _given(array: np.ndarray, dtype: np.dtype) -> bool:
     if (handed is None or array.dtype != dtype or array.nbytes < _ALIGNED_FROM or array.nbytes > handed.nbytes
             or not array.flags.c_contiguous or array.ctypes.data % ALIGNMENT):
         return False
-    base: Any = array
-    while True:
-        if isinstance(base, np.ndarray) and base.base is not None:
-            base = base.base
-        elif isinstance(base, memoryview):
-            base = base.obj
-        else:
-            break
-    if not isinstance(base, np.ndarray) or base.nbytes > array.nbytes + _ALIGNED_FROM:
+    owner = memory_owner(array)
+    if not isinstance(owner, np.ndarray) or owner.nbytes > array.nbytes + _ALIGNED_FROM:
         return False
     # given once: two variables fed the same value must not share a buffer, or an in-place
     # write into one (TF copies into a buffer it holds alone) would change the other

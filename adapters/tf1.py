@@ -159,7 +159,7 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
     targets = _targets(graph)
     options = AssignOptions(**words)
 
-    def prepare(values: Any, key: str, value_key: str) -> np.ndarray | list[np.ndarray]:
+    def prepare(values: Any, key: str, value_key: str) -> np.ndarray | list[np.ndarray | None]:
         """The verified value as the file holds it (a view of a mapped npz costs no memory); of a
         partitioned variable in a sharded version, each part's region alone, so no part reads
         bytes of another. The writers are found now too, so one that cannot exist fails before
@@ -167,23 +167,26 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
         parts = targets[key].parts
         for part in parts:
             _writer(graph, part.variable)
-        if parts[0].index and values.regional:
-            return [values.read_region(value_key, part.index) for part in parts]
+        if parts[0].index and values.regional:  # None: a part hot reload found unchanged, left as it is
+            kept = job.kept.get(key, frozenset())
+            return [None if i in kept else values.read_region(value_key, part.index) for i, part in enumerate(parts)]
         return np.asarray(values.read(value_key))
 
-    def cut(value: np.ndarray | list[np.ndarray], parts: list[_Part]) -> list[np.ndarray]:
+    def cut(value: np.ndarray | list[np.ndarray | None], parts: list[_Part]) -> list[np.ndarray | None]:
         """Each part's array: the regions read, or the whole value cut along the parts' slices."""
         if isinstance(value, list):
             return value
         return [value[part.index] if part.index else value for part in parts]
 
-    def write(batch: list[tuple[str, np.ndarray | list[np.ndarray]]], report: Report) -> list[str]:
+    def write(batch: list[tuple[str, np.ndarray | list[np.ndarray | None]]], report: Report) -> list[str]:
         """One batch in one ``session.run``, through ops the graph already has."""
         fetches: list[tf.Operation] = []
         feeds: dict[tf.Tensor, np.ndarray] = {}
         for key, value in batch:
             target = targets[key]
             for part, array in zip(target.parts, cut(value, target.parts), strict=True):
+                if array is None:
+                    continue
                 op, tensor = _writer(graph, part.variable)
                 fetches.append(op)
                 feeds[tensor] = private_copy(array, target.dtype)
@@ -197,8 +200,9 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
         left_out = () if optimizer else tf1_training.in_checkpoint(values.where, values.keys())
         return plan_assign(values, model, options, left_out=left_out), values
 
-    target = Target(infos, write, owner=lambda key: sess, prepare=prepare, plan=plan, batched=True)
-    return run_assign(target, weights, options)
+    job = Target(infos, write, owner=lambda key: sess, prepare=prepare, plan=plan, batched=True,
+                 regions=lambda key: [part.index for part in targets[key].parts] if targets[key].parts[0].index else None)
+    return run_assign(job, weights, options)
 
 
 def forget(sess: Any) -> None:

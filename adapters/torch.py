@@ -194,8 +194,13 @@ def assign(
             values = _keyed(values)
         return layouts.plan_laid_out(values, targets, options, layout=chosen_layout, optional=_optional)
 
-    return run_assign(Target(targets, write, owner=lambda key: found[key], prepare=prepare, plan=plan), weights,
-                      options)
+    def regions(key: str) -> list[tuple[slice, ...]] | None:
+        """A DTensor's local shard: hot reload compares the digest of its region alone."""
+        region = torch_shards.local_region(found[key], key)
+        return None if region is None else [region]
+
+    return run_assign(Target(targets, write, owner=lambda key: found[key], prepare=prepare, plan=plan,
+                             regions=regions), weights, options)
 
 
 def _selected(module: nn.Module, chosen_by: Selection) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -1,6 +1,6 @@
 """Sharded versions (issue 23): what a commit costs, what each reader fetches, how writers scale.
 
-Three tables, one run:
+Four tables, one run:
 
 1. *Commit cost vs model size* (moto S3 on 127.0.0.1, counted at the server): the requests and
    bytes of ``commit_shards`` alone, after four ranks have written, for models of 1/4, 1/2 and
@@ -9,9 +9,12 @@ Three tables, one run:
 2. *Bytes each reader fetches vs its share* (same server): a version written by 4 ranks by
    rows, read by 3 readers by rows, by 2 and by 3 by columns, a quarter (a 2x2 grid's cell)
    and whole; member bytes fetched over the bytes of the region, plus the index.
-3. *Write throughput for 1, 2, 4 writers* (local folder, forked processes started together):
+3. *Bytes a follower fetches per version* (same server): a torch module following versions
+   written by 4 ranks, when one of ten tensors (10% of the model) changed; the block digests
+   in the index say which tensors are unchanged, so it fetches the changed tensor and the index.
+4. *Write throughput for 1, 2, 4 writers* (local folder, forked processes started together):
    the model's bytes over the time from the first writer's start to the last one's end.
-   Each writer is CPU-bound (conversion, CRC-32 per block, BLAKE3 per piece, the write); on a
+   Each writer is CPU-bound (conversion, CRC-32 and BLAKE3 per block, BLAKE3 per piece, the write); on a
    2-core machine 4 writers share 2 cores, so aggregate throughput stops growing at 2 writers.
    The per-writer figure is what scales with hosts: each host writes its own member, and the
    coordinator's work does not grow with the tensor bytes.
@@ -105,6 +108,32 @@ def reader_bytes(server: CountingS3, size_mb: float) -> str:
     return table(["reader", "its share", "member bytes fetched", "fetched/share", "index", "requests"], rows)
 
 
+def follower_bytes(server: CountingS3, size_mb: float) -> str:
+    import torch
+
+    from weightstore.adapters import torch as torch_adapter
+
+    rows = max(4, int(size_mb * MB / 4 / COLS / 10) // 4 * 4)
+    rng = np.random.default_rng(1)
+    model = {f"layer_{i}": rng.standard_normal((rows, COLS), dtype=np.float32) for i in range(10)}
+    module = torch.nn.ParameterDict({key: torch.nn.Parameter(torch.zeros(value.shape)) for key, value in model.items()})
+    folder = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    nbytes = sum(v.nbytes for v in model.values())
+    table_rows = []
+    for step in (1, 2, 3):
+        if step > 1:
+            model[f"layer_{step}"] = model[f"layer_{step}"] + 1  # one tensor of ten changes
+        _write(folder, model, 4, step=step)
+        version = ws.commit_shards(folder, step=step, world=4, attempt=0, timeout=60)
+        server.reset()
+        report = torch_adapter.assign(module, version)
+        members = sum(r.sent for r in server.requests if "rank-" in r.path)
+        index = sum(r.sent for r in server.requests if r.path.endswith(".wsindex"))
+        table_rows.append([str(step), f"{len(report.assigned)} of 10", f"{members / MB:,.1f} MB",
+                           fmt_ratio(members / nbytes), f"{index / 1024:,.1f} KiB"])
+    return table(["version", "tensors read", "member bytes fetched", "of the model", "index"], table_rows)
+
+
 def _writer(folder: str, size_mb: float, rank: int, world: int, start: object, out: object) -> None:
     model = _model(size_mb)
     start.wait()  # type: ignore[attr-defined]
@@ -148,6 +177,9 @@ def bench(size_mb: float) -> None:
         print(commit_cost(server, size_mb), "\n")
         print("Bytes each reader fetches from a version written by 4 ranks by rows (S3):\n")
         print(reader_bytes(server, size_mb), "\n")
+        print("Bytes a torch module following the folder fetches per version; from version 2 on, one "
+              "tensor of ten changed (S3):\n")
+        print(follower_bytes(server, size_mb), "\n")
     finally:
         server.stop()
         s3fs.S3FileSystem.clear_instance_cache()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import traceback
 
 import ml_dtypes
@@ -119,9 +120,24 @@ def check(folder: str, version: ws.Version) -> None:
             raise
 
 
+def threads() -> int:
+    """The threads this process runs, native ones (a BLAS pool) included."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except FileNotFoundError:  # no procfs: the threads Python knows of
+        return threading.active_count()
+
+
 def launch() -> None:
     """Start what each line of standard input names (``["writer", args…]``, printing the child's
-    pid) or wait for a child (``["wait", pid]``, printing its exit code, ``-9`` for SIGKILL)."""
+    pid) or wait for a child (``["wait", pid]``, printing its exit code, ``-9`` for SIGKILL).
+
+    Forking is safe here because this process runs one thread: a child forked while another
+    thread held a lock (the allocator's, the import lock, a logging handler's) would wait for
+    it forever. weightstore starts no thread on import (its readahead, write-back and worker
+    pools start on first use, which this process never makes: only the children read and
+    write), and numpy's OpenBLAS, which starts a pool on import, is told to run none
+    (``OPENBLAS_NUM_THREADS=1``, set by ``test_shards_kills.py``). Each fork checks it still is so."""
     roles = {"writer": writer, "coordinator": coordinator, "follower": follower}
     for line in sys.stdin:
         command, *args = json.loads(line)
@@ -129,6 +145,9 @@ def launch() -> None:
             _, status = os.waitpid(args[0], 0)
             print(os.waitstatus_to_exitcode(status), flush=True)
             continue
+        if threads() != 1:
+            raise RuntimeError(f"the launcher runs {threads()} threads: a forked child could hang on a lock one of "
+                               "them held (set OPENBLAS_NUM_THREADS=1; start no thread before forking)")
         pid = os.fork()
         if pid == 0:
             code = 0

@@ -2,14 +2,13 @@
 
 import json
 import os
-import socket
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
+from processes import free_port, run_together
 
 import weightstore as ws
 from weightstore import cluster
@@ -22,12 +21,6 @@ def tf_config(task_type, index, *, chief=1, workers=2):
                                    "worker": [f"127.0.0.1:{3000 + i}" for i in range(workers)],
                                    "ps": ["127.0.0.1:4000"], "evaluator": ["127.0.0.1:5000"]},
                        "task": {"type": task_type, "index": index}})
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def rows_of(rank, world, tensor):
@@ -79,6 +72,12 @@ def test_without_an_attempt_or_a_cluster_the_error_says_what_to_pass(tmp_path, m
     monkeypatch.delenv("TF_CONFIG")
     with pytest.raises(ws.WeightStoreError, match="nothing says them.*pass rank=, world= and attempt="):
         ws.publish_shard(tmp_path / "run", {"k": np.zeros(2)}, step=1, attempt=0)
+    with pytest.raises(ws.WeightStoreError, match="attempt was not given and no torchrun counts restarts; pass "
+                                                  "attempt=") as caught:  # rank and world given: only the attempt
+        ws.publish_shard(tmp_path / "run", {"k": np.zeros(2)}, step=1, rank=0, world=1)
+    assert "rank and world were not given" not in str(caught.value)
+    with pytest.raises(ws.WeightStoreError, match="attempt was not given and no torchrun"):
+        ws.commit_shards(tmp_path / "run", step=1, world=1, timeout=1)
     ws.publish_shard(tmp_path / "run", {"k": np.zeros(2)}, step=1, rank=0, world=1, attempt=0)  # all given: no look
     assert ws.load(ws.commit_shards(tmp_path / "run", step=1, world=1, attempt=0, timeout=1))["k"].shape == (2,)
     assert not (tmp_path / "run" / "step-000000000001.attempt-1").exists()
@@ -125,11 +124,10 @@ def test_a_torch_or_jax_cluster_gives_rank_and_world_and_torchrun_the_attempt(tm
            "COORDINATOR": f"127.0.0.1:{port}", "WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "2",
            "JAX_PLATFORMS": "cpu"}
     env.pop("TF_CONFIG", None)
-    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(folder), framework], env={**env, "RANK": str(rank)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
-    outputs = [proc.communicate(timeout=120) for proc in procs]
-    assert [proc.returncode for proc in procs] == [0, 0], [err for _, err in outputs]
-    assert Path(outputs[0][0].strip()).name == "step-000000000005.wsindex"
+    ranks = run_together([[sys.executable, "-c", RANK, str(folder), framework]] * 2,
+                         [{**env, "RANK": str(rank)} for rank in range(2)], timeout=120)
+    assert [rank.returncode for rank in ranks] == [0, 0], [rank.stderr[-3000:] for rank in ranks]
+    assert Path(ranks[0].stdout.strip()).name == "step-000000000005.wsindex"
     assert ws.latest(folder).step == 5
     assert ws.load(ws.latest(folder))["k"].tobytes() == np.arange(24, dtype=np.float32).tobytes()
     assert sorted(p.name for p in (folder / "step-000000000005.attempt-2").iterdir()) == [

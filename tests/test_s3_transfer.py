@@ -11,6 +11,7 @@ import pytest
 
 import weightstore as ws
 from weightstore.io import commit, objects
+from weightstore.io.buffer import memory_owner
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
@@ -113,18 +114,6 @@ def test_full_load_is_exact_verified_and_concurrent(s3, suffix, monkeypatch):
     assert s3.bytes_sent() <= 1.1 * sum(a.nbytes for a in WEIGHTS.values())
 
 
-def owner(array: np.ndarray) -> object:
-    """The object that owns an array's memory, past every view and buffer export."""
-    base: object = array
-    while True:
-        if isinstance(base, np.ndarray) and base.base is not None:
-            base = base.base
-        elif isinstance(base, memoryview):
-            base = base.obj
-        else:
-            return base
-
-
 def test_neighbours_come_in_one_request_each_into_memory_of_its_own(s3):
     """Tensors a few bytes apart are fetched by one request whose body is split between them as it
     arrives: each array owns its memory (a follower hands it to the framework to keep), none is a
@@ -137,7 +126,7 @@ def test_neighbours_come_in_one_request_each_into_memory_of_its_own(s3):
         got = store.read(["small/0", "small/2"])
     assert s3.count("GET") == 1 and s3.bytes_sent() < 4096  # small/1, between them, fetched and dropped
     assert same(got, {key: small[key] for key in ("small/0", "small/2")})
-    assert owner(got["small/0"]) is not owner(got["small/2"])
+    assert memory_owner(got["small/0"]) is not memory_owner(got["small/2"])
 
 
 def test_a_large_tensor_is_fetched_in_concurrent_parts(s3, monkeypatch):

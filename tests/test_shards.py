@@ -269,7 +269,12 @@ def hostile_index(tmp_path, edit):
 @pytest.mark.parametrize("edit, words", [
     (lambda raw: raw["tensors"]["w"]["pieces"][1].update(offset=10 ** 9), "past the end of member"),
     (lambda raw: raw["tensors"]["w"]["pieces"][1].update(start=[2, 0]), "overlap"),
-    (lambda raw: raw["tensors"]["w"]["pieces"][1]["crcs"].append(1), "block checksums"),
+    (lambda raw: raw["tensors"]["w"]["pieces"][1].update(crcs=[1, 2]), "block checksums"),
+    (lambda raw: raw["tensors"]["w"]["pieces"][1].update(blake3=[]), "0 block digests for 1 blocks"),
+    (lambda raw: raw["tensors"]["w"]["pieces"][1]["blake3"].append("0" * 64), "hex digests, one per block"),
+    (lambda raw: raw["tensors"]["w"]["pieces"][1]["blake3"].__setitem__(0, "0" * 63), "hex digests"),
+    (lambda raw: raw["tensors"]["w"]["pieces"][1]["blake3"].__setitem__(0, "A" * 64), "hex digests"),
+    (lambda raw: raw["tensors"]["w"]["pieces"][1].update(blake3="0" * 64), "hex digests"),
     (lambda raw: raw["tensors"]["w"].update(shape=[7, 4]), "do not cover"),
     (lambda raw: raw["tensors"]["w"]["pieces"][1].update(member=5), "member 5"),
     (lambda raw: raw["tensors"]["w"]["pieces"][1].update(member=0), "overlap another's in member"),
@@ -282,6 +287,16 @@ def test_a_hostile_index_is_refused_naming_file_and_key(tmp_path, edit, words):
     with pytest.raises(ws.FormatError, match=words) as caught:
         ws.open(path)
     assert caught.value.path == path and caught.value.key == "w"
+
+
+def test_a_hostile_index_naming_an_empty_tensor_no_array_can_have_is_refused_at_open(tmp_path):
+    """(0, 2**61) holds nothing, so no piece need cover it, yet numpy refuses to make it: the
+    read would raise numpy's ValueError, not an error naming the file and the key."""
+    path = hostile_index(tmp_path, lambda raw: raw["tensors"].update(
+        e={"dtype": "float32", "shape": [0, 2 ** 61], "pieces": []}))
+    with pytest.raises(ws.FormatError, match="too large for any array") as caught:
+        ws.open(path)
+    assert caught.value.path == path and caught.value.key == "e"
 
 
 def test_a_hostile_index_cannot_name_files_outside_its_attempt(tmp_path):
@@ -418,8 +433,9 @@ def test_a_member_whose_bytes_are_not_where_its_format_says_is_refused(tmp_path,
     with pytest.raises(ws.WeightStoreError, match="not where the format says") as caught:
         ws.publish_shard(folder, {"w": np.arange(20, dtype=np.float32)}, step=1, rank=0, world=1, attempt=0,
                          format="npz")
-    assert caught.value.key == "w"
+    assert caught.value.key == "w" and caught.value.path == str(folder / "step-000000000001.attempt-0" / "rank-00000.npz")
     assert not list(folder.rglob("*.done")) and not list(folder.rglob("*.npz"))
+    assert not [path for path in folder.rglob("*") if path.is_file()]  # no temporary left either
 
 
 @pytest.mark.parametrize("shape, itemsize, world, columns", [
@@ -436,3 +452,50 @@ def test_strips_are_power_of_two_columns_and_keep_a_key_under_its_piece_limit(sh
     assert strip_columns(shape, itemsize, world) == columns
     if columns:
         assert world * -(-shape[1] // columns) <= MAX_PIECES_PER_KEY // 2
+
+
+def test_a_key_whose_ranks_together_pass_its_piece_limit_is_not_committed(tmp_path, monkeypatch):
+    """Each done-record is under the limit, their sum is not: the coordinator refuses it, as
+    every reader would refuse the index, and LATEST stays where it was."""
+    from weightstore import shardindex
+
+    monkeypatch.setattr(shardindex, "MAX_PIECES_PER_KEY", 4)
+    folder = tmp_path / "run"
+    ws.publish(folder, {"a": np.zeros(1)}, step=1)
+    a = np.arange(12, dtype=np.float32).reshape(6, 2)
+    for rank in range(2):
+        rows = range(3 * rank, 3 * rank + 3)
+        ws.publish_shard(folder, {"w": [ws.Piece(a[row : row + 1], (row, 0), (6, 2)) for row in rows]},
+                         step=2, rank=rank, world=2, attempt=0)
+    with pytest.raises(ws.PublishError, match="6 pieces, over 4") as caught:
+        shards.commit_shards(folder, step=2, world=2, attempt=0, timeout=5)
+    with pytest.raises(ValueError, match="'w' has 5 pieces"):  # one rank alone: refused before writing
+        ws.publish_shard(folder, {"w": [ws.Piece(a[row : row + 1], (row, 0), (6, 2)) for row in range(5)]},
+                         step=3, rank=0, world=1, attempt=0)
+    assert not (folder / "step-000000000003.attempt-0").exists()
+    assert caught.value.key == "w" and caught.value.path.endswith("step-000000000002.wsindex")
+    assert ws.latest(folder).step == 1 and not (folder / "step-000000000002.wsindex").exists()
+
+
+def test_an_index_or_done_record_dense_with_json_containers_is_refused_before_parsing(tmp_path):
+    """Empty lists cost Python 56 bytes for 3 bytes of text: 63 MB of them parsed into 2 GB.
+    Readers refuse such a file unparsed; a coordinator whose metadata would make its index one
+    refuses it before committing, so no reader ever meets an index it cannot open."""
+    from weightstore.shardindex import parse_done
+
+    dense = {"format": "weightstore-shard-done", "version": 1, "pad": [[] for _ in range(20_000)]}
+    with pytest.raises(ws.UnsafeFileError, match="JSON objects and arrays"):
+        parse_done(seal(dense))
+    with pytest.raises(ws.UnsafeFileError, match="JSON objects and arrays"):
+        ShardIndex.parse(seal({**dense, "format": "weightstore-sharded"}))
+    path = hostile_index(tmp_path, lambda raw: raw["metadata"].update(pad=[[] for _ in range(20_000)]))
+    with pytest.raises(ws.UnsafeFileError) as caught:
+        ws.open(path)
+    assert caught.value.path == path
+    folder = tmp_path / "dense"
+    ws.publish(folder, {"a": np.zeros(1)}, step=1)
+    ws.publish_shard(folder, {"w": np.zeros(3)}, step=2, rank=0, world=1, attempt=0)
+    with pytest.raises(ws.PublishError, match="JSON objects and arrays") as refused:
+        shards.commit_shards(folder, step=2, world=1, attempt=0, timeout=5, metadata={"pad": [[]] * 20_000})
+    assert refused.value.path.endswith("step-000000000002.wsindex")
+    assert ws.latest(folder).step == 1 and not (folder / "step-000000000002.wsindex").exists()

@@ -5,8 +5,6 @@ a PyTorch job of 2 ranks in its own sharding; and JAX's own shards published and
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
 import textwrap
 import uuid
@@ -18,6 +16,8 @@ import pytest
 pytest.importorskip("jax")
 pytest.importorskip("flax")
 pytest.importorskip("s3fs")
+
+from processes import free_port, run_together  # noqa: E402
 
 import weightstore as ws  # noqa: E402
 
@@ -88,20 +88,12 @@ TORCH_RANK = textwrap.dedent("""
 """)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def run_job(script, server, tmp_path, name, *extra):
     port, env = free_port(), {**os.environ, **server.environment(), "PYTHONPATH": str(ROOT)}
-    procs = [subprocess.Popen([sys.executable, "-c", script, extra[0], str(rank), str(port),
-                               str(tmp_path / f"{name}{rank}.npz"), *extra[1:]],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in range(2)]
-    for proc in procs:
-        out, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0, out.decode()[-3000:]
+    ranks = run_together([[sys.executable, "-c", script, extra[0], str(rank), str(port), str(tmp_path / f"{name}{rank}.npz"),
+                           *extra[1:]] for rank in range(2)], [env] * 2, timeout=300)
+    for rank in ranks:
+        assert rank.returncode == 0, (rank.stdout + rank.stderr)[-3000:]
     return [dict(np.load(tmp_path / f"{name}{rank}.npz")) for rank in range(2)]
 
 

@@ -11,6 +11,7 @@ coordinator killed between its index and ``LATEST``, and a try missing a rank) i
 ``ws clean``, and the folder holds only the versions ``LATEST`` reaches and their members.
 """
 
+import contextlib
 import json
 import os
 import random
@@ -28,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shard_kills  # noqa: E402
 
 import weightstore as ws  # noqa: E402
+from polling import wait_until  # noqa: E402
 from weightstore.io.folders import folder_for  # noqa: E402
 from weightstore.shardindex import attempt_folder, done_name  # noqa: E402
 
@@ -45,9 +47,11 @@ class Launcher:
     them by pid itself; a child is reaped only when waited for, so its pid is never reused before."""
 
     def __init__(self):
+        # one thread, so that forking is safe (see shard_kills.launch); a session of its own, so
+        # that whatever a failed test leaves running is stopped with it
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("shard_kills.py"))],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONPATH": str(ROOT)})
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
+                                     env={**os.environ, "PYTHONPATH": str(ROOT), "OPENBLAS_NUM_THREADS": "1"})
 
     def _ask(self, *command):
         self.proc.stdin.write(json.dumps(command) + "\n")
@@ -62,7 +66,11 @@ class Launcher:
 
     def close(self):
         self.proc.stdin.close()
-        self.proc.wait(60)
+        try:
+            self.proc.wait(60)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # every child already gone: nothing to stop
+                os.killpg(self.proc.pid, signal.SIGKILL)
 
 
 @pytest.fixture
@@ -144,9 +152,8 @@ def run_rounds(launcher, folder, *, steps, seed, tmp_path):
         dead = final + 1
         _try(launcher, folder, dead, 0, writers=shard_kills.WORLD, plan={"coordinator": "index-written"})
         _try(launcher, folder, dead, 1, writers=3, plan={"coordinator": 0.0})
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not (log.exists() and f'["seen", {final}]' in log.read_text()):
-            time.sleep(0.1)
+        wait_until(lambda: log.exists() and f'["seen", {final}]' in log.read_text(),
+                   what=f"the follower seeing step {final}", every=0.1)
     finally:
         stop.touch()
         code = launcher.wait(follower)

@@ -204,14 +204,15 @@ def _names(folder):
     return fs.ls(folder[len("s3://"):])
 
 
-def kill_coordinator_after_index(folder, *, step, world, attempt):
+def kill_coordinator_after_index(folder, *, step, world, attempt, metadata=None):
     """A coordinator process SIGKILLed between its index and LATEST."""
     import os
     import subprocess
 
     script = ("import os, sys; from weightstore import shards, versions\n"
               "versions._stage = shards._stage = lambda s: s == 'index-written' and os.kill(os.getpid(), 9)\n"
-              f"shards.commit_shards({folder!r}, step={step}, world={world}, attempt={attempt}, timeout=10)\n")
+              f"shards.commit_shards({folder!r}, step={step}, world={world}, attempt={attempt}, timeout=10, "
+              f"metadata={metadata!r})\n")
     root = str(Path(__file__).resolve().parents[1])
     proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": root}, timeout=120)
     assert proc.returncode == -9
@@ -221,7 +222,8 @@ def test_a_retry_of_the_step_a_killed_coordinator_left_commits(server, folder):
     ws.publish(folder, {"w": np.zeros(2)}, step=1)
     weights = np.arange(64, dtype=np.float32).reshape(8, 8)
     write(folder, weights, 2, step=2)
-    kill_coordinator_after_index(folder, step=2, world=2, attempt=0)
+    metadata = {"shape": (8, 8), "lr": 0.1}  # a tuple: the index holds it as a list
+    kill_coordinator_after_index(folder, step=2, world=2, attempt=0, metadata=metadata)
     assert any(name.endswith("step-000000000002.wsindex") for name in _names(folder))
     assert ws.latest(folder).step == 1  # the index no reader reaches
     with pytest.raises(ws.PublishError, match="not this commit's"):  # other metadata: another commit's index
@@ -230,8 +232,8 @@ def test_a_retry_of_the_step_a_killed_coordinator_left_commits(server, folder):
         write(folder, weights + 1, 2, step=2, attempt=1)
         shards.commit_shards(folder, step=2, world=2, attempt=1, timeout=5)
     assert ws.latest(folder).step == 1
-    version = shards.commit_shards(folder, step=2, world=2, attempt=0, timeout=5)  # the same commit, retried
-    assert ws.latest(folder).step == 2 == version.step
+    version = shards.commit_shards(folder, step=2, world=2, attempt=0, timeout=5, metadata=metadata)  # retried
+    assert ws.latest(folder).step == 2 == version.step and ws.latest(folder).metadata == {"shape": [8, 8], "lr": 0.1}
     assert ws.load(ws.latest(folder))["w"].tobytes() == weights.tobytes()
     assert not any(".attempt-1" in name for name in _names(folder))  # the other attempt, removed
 

@@ -2,8 +2,6 @@
 
 import json
 import os
-import socket
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -16,6 +14,8 @@ from weightstore.shardindex import BLOCK_BYTES
 
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
+from processes import free_port, run_together  # noqa: E402
+
 from weightstore.adapters import tf2  # noqa: E402
 from weightstore.adapters.tf2_sharded import Segment, plan  # noqa: E402
 
@@ -103,12 +103,6 @@ WORKER = MODEL + textwrap.dedent("""
 """)
 
 
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def cluster_run(tmp_path_factory):
     """Two workers on 127.0.0.1, each its own process with its own TF_CONFIG."""
@@ -116,15 +110,12 @@ def cluster_run(tmp_path_factory):
     folder, out = tmp / "run", tmp / "out"
     out.mkdir()
     workers = [f"127.0.0.1:{free_port()}" for _ in range(2)]
-    procs = []
-    for index in range(2):
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2",
-               "TF_CONFIG": json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})}
-        procs.append(subprocess.Popen([sys.executable, "-c", WORKER, str(folder), str(out)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outputs = [proc.communicate(timeout=240) for proc in procs]
-    assert procs[0].returncode == 0, outputs[0][1][-3000:]
-    assert procs[1].returncode == -9, outputs[1][1][-3000:]
+    envs = [{**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2",
+             "TF_CONFIG": json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})}
+            for index in range(2)]
+    chief, worker = run_together([[sys.executable, "-c", WORKER, str(folder), str(out)]] * 2, envs, timeout=240)
+    assert chief.returncode == 0, chief.stderr[-3000:]
+    assert worker.returncode == -9, worker.stderr[-3000:]  # it killed itself, as planned
     return folder, out
 
 

@@ -4,8 +4,6 @@ and reads them back in a tensor-parallel sharding, each rank fetching only its s
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
 import textwrap
 import uuid
@@ -17,6 +15,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed.tensor")
 pytest.importorskip("s3fs")
+
+from processes import free_port, run_together  # noqa: E402
 
 import weightstore as ws  # noqa: E402
 
@@ -80,20 +80,13 @@ RANK = textwrap.dedent("""
 """)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def run_ranks(folder, server, tmp_path):
     port = free_port()
     env = {**os.environ, **server.environment(), "PYTHONPATH": str(ROOT)}
-    procs = [subprocess.Popen([sys.executable, "-c", RANK, folder, str(rank), str(port), str(tmp_path / f"{rank}.npz")],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in range(2)]
-    for proc in procs:
-        out, _ = proc.communicate(timeout=240)
-        assert proc.returncode == 0, out.decode()[-3000:]
+    ranks = run_together([[sys.executable, "-c", RANK, folder, str(rank), str(port), str(tmp_path / f"{rank}.npz")]
+                          for rank in range(2)], [env] * 2, timeout=240)
+    for rank in ranks:
+        assert rank.returncode == 0, (rank.stdout + rank.stderr)[-3000:]
     return [{key.replace("|", "/"): value for key, value in np.load(tmp_path / f"{rank}.npz").items()} for rank in range(2)]
 
 

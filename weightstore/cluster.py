@@ -35,6 +35,8 @@ __all__ = ["Membership", "membership", "rank_in_tf_cluster"]
 
 #: the TF_CONFIG task types that write members, in rank order
 _WRITING_TASKS = ("chief", "master", "worker")
+_PASS_ATTEMPT = ("pass attempt= (one higher each time the job retries a step, so a dead try's members never mix "
+                 "with a live one's)")
 
 
 @dataclass(frozen=True)
@@ -69,12 +71,16 @@ def filled(*, rank: int | None, world: int | None, attempt: int | None) -> tuple
     (a coordinator, which has no rank, passes ``rank=0``)."""
     if rank is not None and world is not None and attempt is not None:
         return rank, world, attempt
-    found = membership()
+    try:
+        found = membership()
+    except WeightStoreError:
+        if rank is None or world is None:
+            raise
+        # rank and world were given: what is missing is the attempt, which no cluster gave
+        raise WeightStoreError(f"attempt was not given and no torchrun counts restarts; {_PASS_ATTEMPT}") from None
     attempt = found.attempt if attempt is None else attempt
     if attempt is None:
-        raise WeightStoreError(f"attempt was not given and {found.source} does not count restarts; pass attempt= "
-                               "(one higher each time the job retries a step, so a dead try's members never mix "
-                               "with a live one's)")
+        raise WeightStoreError(f"attempt was not given and {found.source} does not count restarts; {_PASS_ATTEMPT}")
     return found.rank if rank is None else rank, found.world if world is None else world, attempt
 
 

@@ -403,12 +403,14 @@ def _parse_entries(raw: dict[str, Any], locations: dict[str, str],
     return tensors
 
 
-def refuse_dense_json(text: str, min_bytes: int, what: str) -> None:
+def refuse_dense_json(text: str | bytes, min_bytes: int, what: str) -> None:
     """Refuse, before parsing, JSON text holding more than one object or array per ``min_bytes``
     (plus a few): Python spends 56-64 bytes on each however short its text (``[]``: 2 bytes), so
     this bounds what the parse allocates to a few times the text. Brackets inside strings count
-    too (counted in C, cheaper than any parse); text that dense is no real manifest or header."""
-    containers = text.count("{") + text.count("[")
+    too (counted in C, cheaper than any parse); text that dense is no real manifest or header.
+    ``text`` may be the encoded bytes, counted without decoding them."""
+    containers = (text.count(b"{") + text.count(b"[") if isinstance(text, bytes)
+                  else text.count("{") + text.count("["))
     if containers > len(text) // min_bytes + 1024:
         raise UnsafeFileError(f"{what} is not JSON weightstore parses: it holds {containers} JSON objects and arrays "
                               f"in {len(text)} bytes (at most one per {min_bytes} bytes)")

@@ -3,9 +3,10 @@
 A sharded version is one index file (``step-000000000042.wsindex``) naming member files (one
 per rank, each an ordinary safetensors, npz or HDF5 file) and, for every global key, the pieces that tile
 it: where each sits in the global tensor (``start``, ``shape``), where its bytes lie in its
-member (``offset``), and a CRC-32 for each *block* of it (``rows`` rows along its first axis,
-about :data:`BLOCK_BYTES`), so a reader of a region fetches and verifies only the blocks that
-hold it. Each rank's done-record says the same of its own member; the coordinator merges the
+member (``offset``), and a CRC-32 and a BLAKE3 digest for each *block* of it (``rows`` rows
+along its first axis, about :data:`BLOCK_BYTES`), so a reader of a region fetches and verifies
+only the blocks that hold it, and a follower skips a region whose blocks' digests did not change
+(the CRC-32 finds damage; only the digest, which cannot be forged, says "unchanged"). Each rank's done-record says the same of its own member; the coordinator merges the
 done-records into the index without reading a tensor byte.
 
 Both files are read as hostile input: :meth:`ShardIndex.parse` and :func:`parse_done` check
@@ -23,18 +24,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import blake3
 import numpy as np
 import orjson
 
-from weightstore.errors import FormatError, InvalidKeyError, WeightStoreError
+from weightstore.errors import FormatError, InvalidKeyError, UnsafeFileError, WeightStoreError
 from weightstore.keys import validate_key
-from weightstore.manifest import crc32, logical_dtype
-from weightstore.tensortable import MAX_NDIM
+from weightstore.manifest import crc32, logical_dtype, raw_bytes, refuse_dense_json
+from weightstore.tensortable import MAX_NDIM, fits_an_array
 
-__all__ = ["index_name", "attempt_folder", "member_name", "MEMBER_SUFFIXES", "done_name", "BLOCK_BYTES", "INDEX_FORMAT", "DONE_FORMAT", "MAX_INDEX_BYTES", "MAX_DONE_BYTES", "MAX_PIECES_PER_KEY",
-           "PieceEntry", "TensorEntry", "Member", "ShardIndex", "DoneRecord", "parse_done", "check_tensor",
+__all__ = ["index_name", "attempt_folder", "member_name", "MEMBER_SUFFIXES", "done_name", "BLOCK_BYTES", "INDEX_FORMAT", "DONE_FORMAT", "MAX_INDEX_BYTES", "MAX_DONE_BYTES", "BYTES_PER_CONTAINER", "MAX_PIECES_PER_KEY",
+           "PieceEntry", "TensorEntry", "Member", "ShardIndex", "DoneRecord", "parse_done", "check_parsable", "check_tensor",
            "check_member_bytes", "seal",
-           "block_rows", "block_crcs", "row_bytes", "rows_of", "strip_columns", "STRIPED_FROM", "STRIP_ROW_BYTES",
+           "block_rows", "block_crcs", "block_digests", "DIGEST_HEX", "row_bytes", "rows_of", "strip_columns", "STRIPED_FROM", "STRIP_ROW_BYTES",
            "MAX_STRIPS", "STRIP_BLOCKS"]
 
 INDEX_FORMAT = "weightstore-sharded"
@@ -51,8 +53,15 @@ MAX_STRIPS = 256
 #: checksummed blocks a strip has, at most, so the index of a large piece stays a small
 #: fraction of it (one CRC-32, about 11 bytes of JSON, per block)
 STRIP_BLOCKS = 64
+#: hex digits of a block's BLAKE3 digest (all 256 bits: a shorter one could be made to collide)
+DIGEST_HEX = 64
+_HEX_DIGEST = re.compile(rf"[0-9a-f]{{{DIGEST_HEX}}}")
 MAX_INDEX_BYTES = 256 << 20
 MAX_DONE_BYTES = 64 << 20
+#: a JSON object or array costs Python 56-64 bytes however short its text, so an index or a
+#: done-record may hold at most one per this many bytes: a piece's entry takes 14 or more, and
+#: 63 MB of empty lists parsed into 2 GB before this bound
+BYTES_PER_CONTAINER = 8
 #: pieces one key may have; the overlap check compares each piece with the ones beside it
 MAX_PIECES_PER_KEY = 1 << 14
 
@@ -130,9 +139,19 @@ def block_crcs(data: np.ndarray, block_bytes: int) -> list[int]:
     return [crc32(data[at : at + block_bytes]) for at in range(0, data.size, block_bytes)] if block_bytes else []
 
 
+def block_digests(data: np.ndarray, block_bytes: int) -> list[str]:
+    """The BLAKE3 digest (hex) of each block of a piece's stored bytes, as :func:`block_crcs`
+    cuts them (slices of a memoryview: a strip's blocks are a few KiB, and an array slice per
+    block cost half again as much as hashing it)."""
+    view = raw_bytes(data)
+    return [blake3.blake3(view[at : at + block_bytes]).hexdigest() for at in range(0, data.size, block_bytes)] \
+        if block_bytes else []
+
+
 @dataclass(frozen=True)
 class PieceEntry:
-    """One piece of a global tensor: its box in the tensor, its bytes in its member, its blocks' CRCs."""
+    """One piece of a global tensor: its box in the tensor, its bytes in its member, its blocks'
+    CRC-32s and BLAKE3 digests (``blocks``: None in an index written before they were recorded)."""
 
     member: int
     start: tuple[int, ...]
@@ -141,10 +160,12 @@ class PieceEntry:
     rows: int
     crcs: tuple[int, ...]
     digest: str
+    blocks: tuple[str, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"member": self.member, "start": list(self.start), "shape": list(self.shape), "offset": self.offset,
-                "rows": self.rows, "crcs": list(self.crcs), "digest": self.digest}
+        found = {"member": self.member, "start": list(self.start), "shape": list(self.shape), "offset": self.offset,
+                 "rows": self.rows, "crcs": list(self.crcs), "digest": self.digest}
+        return found if self.blocks is None else found | {"blake3": list(self.blocks)}
 
 
 @dataclass(frozen=True)
@@ -263,9 +284,22 @@ def seal(document: dict[str, Any]) -> bytes:
     return body + b',"crc32":%d}' % crc32(np.frombuffer(body, np.uint8))
 
 
-def _document(data: bytes, kind: str, limit: int) -> dict[str, Any]:
+def check_parsable(data: bytes, kind: str, limit: int, error: type[WeightStoreError] = FormatError) -> None:
+    """That a reader will parse ``data``: at most ``limit`` bytes, and at most one JSON object
+    or array per :data:`BYTES_PER_CONTAINER` (so what its parse allocates stays a few times
+    its size). A coordinator checks its index with it before committing it."""
     if len(data) > limit:
-        raise FormatError(f"is over {limit} bytes; not a {kind} file")
+        raise error(f"is over {limit} bytes; not a {kind} file")
+    try:
+        refuse_dense_json(data, BYTES_PER_CONTAINER, kind)
+    except UnsafeFileError as exc:
+        if issubclass(UnsafeFileError, error):
+            raise
+        raise error(exc.message) from None
+
+
+def _document(data: bytes, kind: str, limit: int) -> dict[str, Any]:
+    check_parsable(data, kind, limit)
     trailer = _SEAL.search(data[-32:])
     if trailer is None:
         raise FormatError(f"is not a {kind} file (no checksum at its end)")
@@ -312,6 +346,8 @@ def _tensors(raw: Any, members: list[Member], *, own: bool = False) -> dict[str,
         except WeightStoreError:
             raise FormatError(f"has unknown dtype {str(entry.get('dtype'))[:40]!r}", key=key) from None
         shape = _counts(entry.get("shape"), "shape", key)
+        if not fits_an_array(shape, logical_dtype(entry["dtype"]).itemsize):  # (0, 2**61): nothing, yet no array
+            raise FormatError(f"has a shape {list(shape)} too large for any array", key=key)
         if len(entry["pieces"]) > MAX_PIECES_PER_KEY:
             raise FormatError(f"has {len(entry['pieces'])} pieces, over {MAX_PIECES_PER_KEY}", key=key)
         pieces = tuple(_piece(p, key, len(shape), len(members), own) for p in entry["pieces"])
@@ -334,15 +370,26 @@ def _piece(raw: Any, key: str, ndim: int, members: int, own: bool) -> PieceEntry
     digest = raw.get("digest")
     if not isinstance(digest, str) or len(digest) > 80:
         raise FormatError("has a piece without a digest", key=key)
+    blocks = raw.get("blake3")
+    if blocks is not None and (not isinstance(blocks, list) or len(blocks) > len(crcs) or not all(
+            isinstance(b, str) and _HEX_DIGEST.fullmatch(b) for b in blocks)):
+        raise FormatError(f"has a piece whose blake3 is not a list of {DIGEST_HEX}-digit hex digests, one per "
+                          "block", key=key)
     rows = _count(raw.get("rows"), "a piece's rows", key)
     return PieceEntry(member, _counts(raw.get("start"), "a piece's start", key, ndim),
                       _counts(raw.get("shape"), "a piece's shape", key, ndim),
-                      _count(raw.get("offset"), "a piece's offset", key), rows, tuple(crcs), digest)
+                      _count(raw.get("offset"), "a piece's offset", key), rows, tuple(crcs), digest,
+                      None if blocks is None else tuple(blocks))
 
 
 def check_tensor(key: str, entry: TensorEntry, members: Sequence[Member],
                  error: type[WeightStoreError] = FormatError) -> None:
-    """That the pieces of ``key`` lie in the tensor and their members, never overlap, and cover it."""
+    """That ``key`` has at most :data:`MAX_PIECES_PER_KEY` pieces (a coordinator merging every
+    rank's pieces checks the sum, which no done-record alone bounds: an index over it would be
+    committed and then refused by every reader), that they lie in the tensor and their members,
+    never overlap, and cover it."""
+    if len(entry.pieces) > MAX_PIECES_PER_KEY:
+        raise error(f"has {len(entry.pieces)} pieces, over {MAX_PIECES_PER_KEY}", key=key)
     itemsize = entry.itemsize
     for piece in entry.pieces:
         if any(s + n > d for s, n, d in zip(piece.start, piece.shape, entry.shape, strict=True)):
@@ -355,6 +402,8 @@ def check_tensor(key: str, entry: TensorEntry, members: Sequence[Member],
         blocks = -(-rows_of(piece.shape) // piece.rows) if piece.rows and nbytes else 0
         if (nbytes and not piece.rows) or len(piece.crcs) != blocks:
             raise error(f"has a piece with {len(piece.crcs)} block checksums for {blocks} blocks", key=key)
+        if piece.blocks is not None and len(piece.blocks) != blocks:
+            raise error(f"has a piece with {len(piece.blocks)} block digests for {blocks} blocks", key=key)
     _check_no_overlap(key, entry, error)
     covered = sum(math.prod(p.shape) for p in entry.pieces)
     if covered != math.prod(entry.shape):

@@ -27,6 +27,7 @@ index names. ``ws clean`` does the same for a folder at rest.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -34,18 +35,20 @@ import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
-from weightstore import __version__, cluster
+from weightstore import __version__, cluster, shardindex
 from weightstore.errors import FormatError, PublishError, ShardTimeoutError, WeightStoreError, naming
 from weightstore.formats import Format, format_named
 from weightstore.io.folders import Folder, folder_for
 from weightstore.keys import validate_key
 from weightstore.manifest import from_storage, logical_dtype, to_storage
 from weightstore.shardindex import (
+    INDEX_FORMAT,
     MAX_DONE_BYTES,
+    MAX_INDEX_BYTES,
     MEMBER_SUFFIXES,
     STRIP_BLOCKS,
     DoneRecord,
@@ -55,8 +58,10 @@ from weightstore.shardindex import (
     TensorEntry,
     attempt_folder,
     block_crcs,
+    block_digests,
     block_rows,
     check_member_bytes,
+    check_parsable,
     check_tensor,
     done_name,
     index_name,
@@ -158,7 +163,7 @@ def publish_shard(
     with members.commit(member_name(rank, suffix), suffix).writing() as local:
         arrays = {item.stored: from_storage(item.data, item.dtype) for item in listed}
         write_file(local, fmt, _checked(arrays, where, fmt), metadata, False)
-        tensors = _described(local, fmt, listed)
+        tensors = _described(local, where, fmt, listed)
         size = os.path.getsize(local)
         _stage("member-temporary")
     _stage("member-written")
@@ -226,6 +231,8 @@ def commit_shards(
     def write_index(created: str) -> None:
         index.created = created
         data = index.to_json()
+        with naming(path=target.url(name)):  # what every reader would refuse is never committed
+            check_parsable(data, INDEX_FORMAT, MAX_INDEX_BYTES, PublishError)
         if target.put_if(name, data, create=True):
             written.append(data)
         elif _same_index(target, name, index):
@@ -263,9 +270,11 @@ def split_rows(shape: Sequence[int], rank: int, world: int) -> tuple[slice, ...]
 def _same_index(target: Folder, name: str, index: ShardIndex) -> bool:
     """Whether the index at ``name`` is the one this commit would write (but for its time): one a
     coordinator of this step and attempt wrote before it died between the index and ``LATEST``,
-    or one racing this commit. Either way committing it is committing these very members."""
+    or one racing this commit. Either way committing it is committing these very members.
+    Compared as written, not as objects: metadata read back holds lists where the caller's had
+    tuples."""
     found = _read_index(target, name)
-    return found is not None and dataclasses.replace(found, created=index.created) == index
+    return found is not None and dataclasses.replace(found, created=index.created).to_json() == index.to_json()
 
 
 def _past(target: Folder, step: int) -> bool:
@@ -341,8 +350,6 @@ def _attempts(target: Folder) -> list[tuple[str, int, int]]:
 
 
 def _read_index(target: Folder, name: str) -> ShardIndex | None:
-    from weightstore.shardindex import MAX_INDEX_BYTES
-
     data = target.read_small(name, MAX_INDEX_BYTES + 1)
     try:
         return None if data is None else ShardIndex.parse(data)
@@ -367,17 +374,21 @@ def _listed(pieces: Mapping[str, Any], where: str, world: int) -> list[_Listed]:
     boxes: list[tuple[str, str, np.ndarray, tuple[int, ...], tuple[int, ...], int]] = []
     for key, piece in found:
         array = np.asarray(piece.array)
-        name, data = to_storage(array, key)
+        dtype, data = to_storage(array, key)
         data = np.ascontiguousarray(data).reshape(array.shape)
         start, shape = _box(piece, array.shape, key, where)
-        boxes.extend((key, name, part, at, shape, rows) for part, at, rows in _strips(data, start, name, world))
+        boxes.extend((key, dtype, part, at, shape, rows) for part, at, rows in _strips(data, start, dtype, world))
     counts: dict[str, int] = {}
     for key, *_ in boxes:
         counts[key] = counts.get(key, 0) + 1
+    for key, count in counts.items():
+        if count > shardindex.MAX_PIECES_PER_KEY:  # a done-record readers would refuse: refused before writing
+            raise ValueError(f"{where}: {key!r} has {count} pieces (column strips included), over "
+                             f"{shardindex.MAX_PIECES_PER_KEY}")
     listed = []
-    for key, name, data, start, shape, rows in boxes:
+    for key, dtype, data, start, shape, rows in boxes:
         stored = key if counts[key] == 1 else f"{key}@{','.join(map(str, start))}"
-        listed.append(_Listed(key, stored, name, data, start, shape, rows))
+        listed.append(_Listed(key, stored, dtype, data, start, shape, rows))
     stored_names = [item.stored for item in listed]
     if len(set(stored_names)) != len(stored_names):
         clashes = {name for name in stored_names if stored_names.count(name) > 1}
@@ -412,44 +423,44 @@ def _box(piece: Piece, array_shape: tuple[int, ...], key: str, where: str) -> tu
     return start, shape
 
 
-def _described(local: str, fmt: Format, listed: list[_Listed]) -> dict[str, TensorEntry]:
-    """The done-record's tensors: where each piece's bytes landed in the member just written, and
-    its blocks' CRC-32s (of the bytes in memory, which the member's own checksum covers too).
-    Where a format other than safetensors put them is checked against the file, byte for byte:
-    readers will take that range for the piece."""
-    reader: Any = fmt.open_reader(local, local, mmap=False)
-    try:
+def _described(local: str, where: str, fmt: Format, listed: list[_Listed]) -> dict[str, TensorEntry]:
+    """The done-record's tensors: where each piece's bytes landed in the member just written
+    (``local``, published as ``where``, which errors name), and its blocks' CRC-32s and BLAKE3
+    digests (of the bytes in memory, which the member's own checksum covers too). Where a format other than
+    safetensors put them is checked against the file: readers will take that range for the piece."""
+    with contextlib.ExitStack() as stack:
+        reader: Any = fmt.open_reader(local, where, mmap=False)
+        stack.callback(reader.close)
+        member = None if fmt.name == "safetensors" else stack.enter_context(open(local, "rb"))
         by_key: dict[str, list[PieceEntry]] = {}
         dtypes: dict[str, tuple[str, tuple[int, ...]]] = {}
         for item in listed:
             offset, _ = reader.extent(item.stored)
-            if fmt.name != "safetensors":
-                _check_placed(local, offset, item)
+            if member is not None:
+                _check_placed(member, where, offset, item)
             itemsize = logical_dtype(item.dtype).itemsize
             raw = item.data.reshape(-1).view(np.uint8)
-            crcs = block_crcs(raw, item.rows * row_bytes(item.data.shape, itemsize)) if item.data.size else []
+            block_bytes = item.rows * row_bytes(item.data.shape, itemsize) if item.data.size else 0
             digest = reader.info(item.stored).digest or ""
-            by_key.setdefault(item.key, []).append(PieceEntry(0, item.start, tuple(item.data.shape), offset, item.rows,
-                                                              tuple(crcs), digest))
+            by_key.setdefault(item.key, []).append(PieceEntry(
+                0, item.start, tuple(item.data.shape), offset, item.rows, tuple(block_crcs(raw, block_bytes)), digest,
+                tuple(block_digests(raw, block_bytes))))
             dtypes.setdefault(item.key, (item.dtype, item.shape))
-    finally:
-        reader.close()
     return {key: TensorEntry(dtypes[key][0], dtypes[key][1], tuple(found)) for key, found in by_key.items()}
 
 
-def _check_placed(local: str, offset: int, item: _Listed) -> None:
+def _check_placed(member: BinaryIO, where: str, offset: int, item: _Listed) -> None:
     """That the member holds the piece's bytes at ``offset`` as they are in memory, judged by
     its first and last :data:`_CHECK_BYTES`: what goes wrong there is the whole layout (a
     format that converts the bytes, an extent off by a header), and the block CRC-32s, taken of
     the bytes in memory, catch any other difference when the piece is read."""
     raw = item.data.reshape(-1).view(np.uint8)
-    with open(local, "rb") as handle:
-        for at in sorted({0, max(0, raw.size - _CHECK_BYTES)}):
-            handle.seek(offset + at)
-            if not np.array_equal(np.frombuffer(handle.read(_CHECK_BYTES), np.uint8)[: raw.size - at],
-                                  raw[at : at + _CHECK_BYTES]):
-                raise WeightStoreError(f"{local}: the bytes of {item.stored!r} are not where the format says, as they "
-                                       "are in memory; this member format cannot hold it", key=item.key)
+    for at in sorted({0, max(0, raw.size - _CHECK_BYTES)}):
+        member.seek(offset + at)
+        if not np.array_equal(np.frombuffer(member.read(_CHECK_BYTES), np.uint8)[: raw.size - at],
+                              raw[at : at + _CHECK_BYTES]):
+            raise WeightStoreError(f"the bytes of {item.stored!r} are not where the format says, as they are in "
+                                   "memory; this member format cannot hold it", path=where, key=item.key)
 
 
 # -- the coordinator's side --------------------------------------------------------------------
@@ -493,7 +504,7 @@ def _merged(records: list[DoneRecord], step: int, attempt: int, world: int, meta
     owners: dict[str, int] = {}
     for rank, record in enumerate(records):
         for key, entry in record.tensors.items():
-            pieces = tuple(PieceEntry(rank, p.start, p.shape, p.offset, p.rows, p.crcs, p.digest) for p in entry.pieces)
+            pieces = tuple(dataclasses.replace(p, member=rank) for p in entry.pieces)
             known = tensors.get(key)
             if known is None:
                 tensors[key], owners[key] = TensorEntry(entry.dtype, entry.shape, pieces), rank

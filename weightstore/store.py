@@ -179,6 +179,22 @@ class Store(Mapping):
             attach(exc, path=self.path)
             raise
 
+    def region_digest(self, key: str, region: Any) -> str | None:
+        """A digest that stays equal while the bytes :meth:`read_region` would return for
+        ``region`` do, known without reading them (None: not known, so assume they changed).
+
+        A sharded version hashes the BLAKE3 digests its index holds for the blocks that hold the
+        region, so a follower skips a part of a tensor whose blocks did not change; any other
+        store gives the whole tensor's digest (a region is unchanged when its tensor is).
+        """
+        if not isinstance(self._reader, RegionReader):
+            return self.info(key).digest
+        try:
+            return self._reader.region_digest(key, region)
+        except WeightStoreError as exc:
+            attach(exc, path=self.path)
+            raise
+
     def read(self, keys: Iterable[str] | None = None, *, max_bytes: int | None = None) -> dict[str, np.ndarray]:
         """Several tensors at once, refusing before reading if they exceed ``max_bytes``."""
         wanted = self.keys() if keys is None else list(keys)

@@ -76,6 +76,9 @@ class RegionReader(Protocol):
 
     def read_region(self, key: str, region: Any, *, verify: bool) -> np.ndarray: ...
 
+    def region_digest(self, key: str, region: Any) -> str | None:
+        """The content digest of the region (from the index: no read), or None when unknown."""
+
 
 class ReaderDefaults:
     """The optional capabilities of :class:`Reader`, as a reader has them that does not override them."""

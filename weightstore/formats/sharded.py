@@ -5,7 +5,8 @@ one) gives a :class:`~weightstore.store.Store` like any other: ``store[key]`` as
 tensor from its pieces, ``store.read_region(key, region)`` only the part a tuple of slices
 names. Either way the reader fetches, from each member that holds part of it, only the blocks
 (:mod:`weightstore.shardindex`) that intersect what is asked, in one ranged read per piece,
-and verifies each block's CRC-32 before a byte of it is used. Members are never opened as
+and verifies each block's CRC-32 before a byte of it is used. :meth:`ShardedReader.region_digest`
+says, from the index alone, whether a region's blocks changed between two versions. Members are never opened as
 stores: the index already says where everything is, so their headers are never fetched.
 """
 
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import blake3
 import numpy as np
 
 from weightstore.errors import ChecksumError, KeyNotInStoreError, TargetError, WeightStoreError, naming
@@ -61,6 +63,7 @@ class ShardedReader(ReaderDefaults):
         self._files: list[RangedFile | None] = [None] * len(index.members)
         self._base, self._fs = base, fs
         self._remote = location_of(name).remote
+        self._digests: dict[str, str | None] = {}  # key -> its whole tensor's region_digest
         if not self._remote:  # opened now, so a version pruned while read keeps its members
             try:
                 for position in range(len(index.members)):
@@ -96,7 +99,30 @@ class ShardedReader(ReaderDefaults):
 
     def info(self, key: str) -> TensorInfo:
         entry = self._entry(key)
-        return TensorInfo(key, entry.dtype, entry.shape, entry.nbytes, None, _digest(entry))
+        digest = self._digests.get(key, "")
+        if digest == "":
+            digest = self._digests[key] = self.region_digest(key, ())
+        return TensorInfo(key, entry.dtype, entry.shape, entry.nbytes, None, digest)
+
+    def region_digest(self, key: str, region: Any) -> str | None:
+        """The content digest of the part of ``key`` that ``region`` names, for hot reload:
+        BLAKE3 over the BLAKE3 digests and boxes of the blocks that hold it, so it is equal
+        while those blocks' bytes are, and costs no read. None from an index written without
+        block digests: such a region is always read again, never trusted to a CRC-32."""
+        with naming(path=self.name):
+            entry = self._entry(key)
+            bounds = normalized_region(region, entry.shape, key)
+        hasher = blake3.blake3(f"sharded|{entry.dtype}{list(entry.shape)}{bounds}".encode())
+        for piece in sorted(entry.pieces, key=lambda piece: piece.start):
+            read = _PieceRead.of(piece, entry, bounds)
+            if read is None:
+                continue
+            if piece.blocks is None:
+                return None
+            blocks = piece.blocks[read.first : read.first + -(-read.rows // piece.rows)]
+            hasher.update(f"|{list(piece.start)}{list(piece.shape)}{piece.rows}@{read.first}:".encode())
+            hasher.update(",".join(blocks).encode())
+        return "blake3:" + hasher.hexdigest()
 
     def member_path(self, position: int) -> str:
         return f"{self._base}/{self._index.members[position].file}"
@@ -212,16 +238,6 @@ def _runs(reads: list[_PieceRead]) -> list[tuple[int, np.ndarray]]:
             read.buffer = buffer[read.offset - run[0].offset : read.offset - run[0].offset + read.nbytes]
         filled.append((run[0].offset, buffer))
     return filled
-
-
-def _digest(entry: TensorEntry) -> str:
-    """The tensor's content digest for hot reload: BLAKE3 over its pieces' digests and boxes, so
-    it is equal for equal bytes written in the same partitioning (another partitioning only
-    costs a reload)."""
-    import blake3
-
-    text = "|".join(f"{p.start}{p.shape}{p.digest}" for p in sorted(entry.pieces, key=lambda p: p.start))
-    return "blake3:" + blake3.blake3(("sharded|" + text).encode()).hexdigest()
 
 
 def _open_reader(location: Any, name: str, *, mmap: bool = True) -> ShardedReader:

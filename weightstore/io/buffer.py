@@ -8,9 +8,11 @@ asks :func:`aligned_array` for it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-__all__ = ["ALIGNMENT", "aligned_array", "aligned_buffer"]
+__all__ = ["ALIGNMENT", "aligned_array", "aligned_buffer", "memory_owner"]
 
 #: the boundary tensor data is aligned to, in the file and in memory read from it
 ALIGNMENT = 64
@@ -30,3 +32,16 @@ def aligned_array(length: int, offset: int = 0) -> np.ndarray:
 def aligned_buffer(length: int, offset: int = 0) -> memoryview:
     """:func:`aligned_array` as a writable byte view, for ``readinto``-style fills."""
     return aligned_array(length, offset).data.cast("B")
+
+
+def memory_owner(array: np.ndarray) -> Any:
+    """The object that owns ``array``'s memory, past every view and buffer export: whoever keeps
+    it keeps all of that memory alive (a buffer this module allocated, a file's map)."""
+    owner: Any = array
+    while True:
+        if isinstance(owner, np.ndarray) and owner.base is not None:
+            owner = owner.base
+        elif isinstance(owner, memoryview):
+            owner = owner.obj
+        else:
+            return owner

@@ -1,0 +1,190 @@
+"""Followers of sharded versions read only what changed: each block's BLAKE3 digest in the index
+decides, never its CRC-32. Four ranks publish each step (to the loopback S3 server, which
+counts the bytes a follower fetches, or as writer processes into a local folder)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+
+import weightstore as ws
+from weightstore.shardindex import ShardIndex, seal
+
+ROOT = Path(__file__).resolve().parents[1]
+BUCKET = "weightstore-shards-follow"
+
+#: the model of each step, as the writer processes and the test build it: step 2 changes
+#: ``bias`` and ten rows of ``big``; step 3 changes ``small`` to bytes with the same CRC-32
+MODEL = textwrap.dedent("""
+    import numpy as np
+    import weightstore as ws
+    from crc_forge import forge_crc32_collision
+
+    def model(step):
+        rng = np.random.default_rng(23)
+        m = {"big": rng.standard_normal((512, 1024)).astype(np.float32),
+             "bias": rng.standard_normal(1024).astype(np.float32),
+             "emb": rng.standard_normal((64, 256)).astype(np.float32),
+             "small": rng.standard_normal((16, 16)).astype(np.float32)}
+        if step >= 2:
+            m["bias"] += 1
+            m["big"][:10] += 1
+        if step >= 3:
+            m["small"] = forge_crc32_collision(m["small"], 5.0)
+        return m
+
+    def pieces_of(step, rank):
+        m = model(step)
+        held = {"big": ws.Piece(m["big"][rank * 128:(rank + 1) * 128], (rank * 128, 0), (512, 1024))}
+        held |= {key: m[key] for key in [["bias"], ["emb"], ["small"], []][rank]}
+        return held
+""")
+namespace: dict = {}
+exec(MODEL, namespace)  # noqa: S102 - the same model text the writer processes run
+model = namespace["model"]
+pieces_of = namespace["pieces_of"]
+
+WRITER = MODEL + textwrap.dedent("""
+    import sys
+    folder, step, rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    ws.publish_shard(folder, pieces_of(step, rank), step=step, rank=rank, world=4, attempt=0)
+""")
+
+
+def publish(folder, step, *, processes=True):
+    """Four writer processes at once (or, on the S3 server this process runs, whose Python work
+    writer processes would queue behind, four ranks here), then the commit."""
+    if not processes:
+        for rank in range(4):
+            ws.publish_shard(folder, pieces_of(step, rank), step=step, rank=rank, world=4, attempt=0)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(folder), str(step), str(rank)], env=env,
+                              stderr=subprocess.PIPE) for rank in range(4 if processes else 0)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err.decode()
+    return ws.commit_shards(folder, step=step, world=4, attempt=0, timeout=30)
+
+
+def member_bytes(server):
+    """Bytes of members (not done-records or indexes) the server sent since its last reset."""
+    return sum(r.sent for r in server.requests if r.method == "GET" and "rank-" in r.path
+               and r.path.endswith(".safetensors"))
+
+
+def test_a_tf1_follower_fetches_only_the_parts_whose_blocks_changed(s3):
+    tf = pytest.importorskip("tensorflow")
+    import s3fs
+
+    from weightstore.adapters import tf1
+    from weightstore.adapters.follower import Follower
+
+    v1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():  # partitioned 3 ways; the writers held "big" 4 ways
+        v1.get_variable("big", [512, 1024], partitioner=v1.fixed_size_partitioner(3, axis=0))
+        for key, shape in (("bias", [1024]), ("emb", [64, 256]), ("small", [16, 16])):
+            v1.get_variable(key, shape)
+        init = v1.global_variables_initializer()
+    sess = v1.Session(graph=graph)
+    sess.run(init)
+    graph.finalize()
+    folder = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    indexes = {}
+
+    with Follower(sess, folder, poll=0.5) as follower:
+        for step in (1, 2, 3):
+            s3.reset()
+            version = publish(folder, step, processes=False)
+            assert follower.wait(step=step, timeout=60).step == step
+            fetched = member_bytes(s3)
+            exported = tf1.export(sess)
+            for key, value in model(step).items():  # bit for bit the step's model
+                assert exported[key].tobytes() == value.tobytes(), (step, key)
+            indexes[step] = ShardIndex.parse(s3fs.S3FileSystem().cat(version.path))
+            report = follower.report
+            if step == 1:  # everything; each part of big fetches whole blocks (64 rows) at its edges
+                whole = sum(v.nbytes for v in model(1).values())
+                assert whole <= fetched <= whole + 4 * 32 * 1024 * 4
+            elif step == 2:  # bias, and the one part of big (rows 0-170) that holds rows 0-9
+                assert sorted(report.assigned) == ["bias", "big"] and sorted(report.skipped) == ["emb", "small"]
+                part = 171 * 1024 * 4 + 1024 * 4
+                assert part <= fetched <= 1.2 * part, fetched / part
+            else:  # a CRC-32 collision is a change: fetched, never skipped
+                assert report.assigned == ["small"] and fetched == 16 * 16 * 4
+    before, after = (indexes[step].tensors["small"].pieces[0] for step in (2, 3))
+    assert before.crcs == after.crcs and before.blocks != after.blocks
+
+
+@pytest.fixture(scope="module")
+def torch_versions(tmp_path_factory):
+    """Steps 1 and 2 published by four writer processes each into a local folder, and copies of
+    both indexes with their block digests removed, as an index written before they existed."""
+    folder = tmp_path_factory.mktemp("run")
+    versions = [publish(folder, step) for step in (1, 2)]
+    bare = []
+    for version in versions:
+        raw = json.loads(Path(version.path).read_text())
+        raw.pop("crc32")
+        for entry in raw["tensors"].values():
+            for piece in entry["pieces"]:
+                piece.pop("blake3")
+        path = Path(version.path).with_name(f"bare-{version.step}.wsindex")
+        path.write_bytes(seal(raw))
+        bare.append(str(path))
+    return versions, bare
+
+
+def test_a_torch_module_skips_unchanged_tensors_and_reloads_everything_without_digests(torch_versions):
+    torch = pytest.importorskip("torch")
+    from weightstore.adapters import torch as torch_adapter
+
+    versions, bare = torch_versions
+    module = torch.nn.ParameterDict({key: torch.nn.Parameter(torch.zeros(value.shape))
+                                     for key, value in model(1).items()})
+    assert sorted(torch_adapter.assign(module, versions[0]).assigned) == sorted(model(1))
+    report = torch_adapter.assign(module, versions[1])
+    assert sorted(report.assigned) == ["bias", "big"] and sorted(report.skipped) == ["emb", "small"]
+    for key, value in model(2).items():
+        assert module[key].detach().numpy().tobytes() == value.tobytes(), key
+    with ws.open(bare[1]) as store:  # an index without block digests reads, but says nothing is unchanged
+        assert store.info("emb").digest is None and store["big"].tobytes() == model(2)["big"].tobytes()
+    for path in bare:  # so every tensor is read again, both times
+        report = torch_adapter.assign(module, path, skip_unchanged=True)
+        assert sorted(report.assigned) == sorted(model(2)) and not report.skipped
+
+
+def test_a_follower_keeps_a_torch_module_at_the_latest_sharded_version(torch_versions):
+    torch = pytest.importorskip("torch")
+    from weightstore.adapters.follower import Follower
+
+    versions, _ = torch_versions
+    module = torch.nn.ParameterDict({key: torch.nn.Parameter(torch.zeros(value.shape))
+                                     for key, value in model(2).items()})
+    with Follower(module, Path(versions[1].path).parent, poll=0.05) as follower:
+        assert follower.wait(timeout=60).step == 2
+    assert sorted(follower.report.assigned) == sorted(model(2))
+    for key, value in model(2).items():
+        assert module[key].detach().numpy().tobytes() == value.tobytes(), key
+
+
+def test_a_tf2_follower_skips_the_tensors_whose_blocks_did_not_change(torch_versions):
+    tf = pytest.importorskip("tensorflow")
+    from weightstore.adapters import tf2
+    from weightstore.adapters.follower import Follower
+
+    versions, _ = torch_versions
+    variables = {key: tf.Variable(tf.zeros(value.shape)) for key, value in model(1).items()}
+    assert sorted(tf2.assign(variables, versions[0]).assigned) == sorted(model(1))
+    with Follower(variables, Path(versions[1].path).parent, after=1, poll=0.05) as follower:
+        assert follower.wait(timeout=60).step == 2
+    assert sorted(follower.report.assigned) == ["bias", "big"] and sorted(follower.report.skipped) == ["emb", "small"]
+    for key, value in model(2).items():
+        assert variables[key].numpy().tobytes() == value.tobytes(), key
