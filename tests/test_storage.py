@@ -87,6 +87,20 @@ def test_unknown_output_suffix_is_refused_before_writing(tmp_path, name):
     np.testing.assert_array_equal(ws.load(tmp_path / name)["dense/kernel"], WEIGHTS["dense/kernel"])
 
 
+def test_an_unknown_format_word_is_a_weightstore_error_naming_the_file_and_the_word_meant(tmp_path):
+    """``format="h5"`` is what a user of ``.h5`` files types: refused as one of ours, naming "hdf5"."""
+    ws.save(tmp_path / "m.npz", WEIGHTS)
+    for call in (lambda: ws.save(tmp_path / "m.weights", WEIGHTS, format="h5"),
+                 lambda: ws.open(tmp_path / "m.npz", format="h5"),
+                 lambda: ws.publish_shard(tmp_path / "run", WEIGHTS, step=1, rank=0, world=1, attempt=0, format="h5")):
+        with pytest.raises(ws.FormatError, match="unknown format 'h5'; known: npz, hdf5.*; did you mean 'hdf5'"):
+            call()
+    assert names(tmp_path) == ["m.npz"]
+    with pytest.raises(ws.FormatError) as caught:
+        ws.save(tmp_path / "m.weights", WEIGHTS, format="pickle")
+    assert caught.value.path == str(tmp_path / "m.weights") and "did you mean" not in str(caught.value)
+
+
 # -- a LATEST that went back --------------------------------------------------------------------
 
 def test_rolled_back_latest_never_costs_newer_versions(tmp_path):

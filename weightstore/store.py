@@ -329,9 +329,9 @@ def _open(path: Any, *, verify: bool, format: str | None, mmap: bool) -> Store: 
         raise StoreNotFoundError("no such file", path=location) from None
     with naming(path=location):
         refuse_pickle(head)
-    fmt = format_named(format) if format else format_for_suffix(location)
-    if fmt is None:
-        with naming(path=location):
+    with naming(path=location):
+        fmt = format_named(format) if format else format_for_suffix(location)
+        if fmt is None:
             fmt = sniff(head)
     return Store(fmt.open_reader(location, location, mmap=mmap), location, verify, fmt.name)
 
@@ -562,7 +562,8 @@ def output_format(location: str, format: str | None = None) -> Format:  # noqa: 
     would be a file that its own name misdescribes to every other tool.
     """
     if format:
-        return format_named(format)
+        with naming(path=location):
+            return format_named(format)
     fmt = format_for_suffix(location)
     if fmt is None:
         raise TargetError(f"cannot tell which format to write from the file name; use one of "

@@ -154,7 +154,9 @@ def format_named(name: str) -> Format:
     for fmt in _registry():
         if fmt.name == name:
             return fmt
-    raise ValueError(f"unknown format {name!r}; known: {', '.join(f.name for f in _registry())}")
+    by_suffix = [fmt.name for fmt in _registry() if f".{str(name).lower()}" in fmt.suffixes]  # "h5" for "hdf5"
+    hint = f"; did you mean {by_suffix[0]!r}?" if by_suffix else ""
+    raise FormatError(f"unknown format {name!r}; known: {', '.join(f.name for f in _registry())}{hint}")
 
 
 def format_for_suffix(path: str) -> Format | None:
