@@ -11,15 +11,19 @@ every tensor that changed since the last swap is fetched (an object store's rang
 checksum verified, into memory or, for a local file, as views of its mapping. Only then does
 it take the lock, and inside it only writes variables from what was staged, so the longest
 wait to enter ``reading()`` is the time to assign the model from memory, not to download
-it. (The exception: a sharded version followed into a TF1 session or a torch module, whose
-assign reads only the regions of the parts that changed, during the swap.) A bad version (a checksum that does not match, a file pruned mid-read) fails while
-staging, before serving is held at all.
+it. A sharded version followed into a TF1 session or a torch module, whose assign reads only
+the regions of the parts that changed (a partitioned variable's parts, a DTensor's shard), is
+staged region by region: a rehearsal of the assign (:func:`~weightstore.adapters.skeleton.rehearsal`)
+reads nothing but says which regions and tensors it will read, and only those are fetched
+(a version that does not fit the target fails there too). A bad version (a checksum that does
+not match, a file pruned mid-read) fails while staging, before serving is held at all.
 
-**Memory: the model plus the version being staged.** A remote version is read straight into
-one buffer per tensor, and those buffers become the variables' own (the framework adopts them
-instead of copying: nothing else holds them); a local one is staged as views of its mapped
-file and copied in batches. After each swap the old variables' memory goes back to the system,
-so the process does not keep a freed version's pages around (see :mod:`weightstore.heap`).
+**Memory: the model plus the version being staged** (of a sharded version, its changed
+regions). A remote version is read straight into one buffer per tensor or region, and those
+buffers become the variables' own (the framework adopts them instead of copying: nothing else
+holds them); a local one is staged as views of its mapped file and copied in batches. After
+each swap the old variables' memory goes back to the system, so the process does not keep a
+freed version's pages around (see :mod:`weightstore.heap`).
 
 ::
 
@@ -54,12 +58,13 @@ from typing_extensions import Unpack
 
 import weightstore
 from weightstore.adapters.plan import AssignOptions, AssignWords, Report, reload_digest, wants_skip
-from weightstore.adapters.skeleton import handed_over
-from weightstore.errors import VersionGoneError
+from weightstore.adapters.skeleton import handed_over, rehearsal
+from weightstore.errors import VersionGoneError, naming
 from weightstore.formats import ReaderDefaults
+from weightstore.formats.sharded import normalized_region
 from weightstore.heap import give_back
 from weightstore.io.folders import folder_for
-from weightstore.manifest import TensorInfo
+from weightstore.manifest import TensorInfo, logical_dtype
 from weightstore.store import Store
 from weightstore.versions import PointerWatch, Version
 
@@ -67,6 +72,7 @@ __all__ = ["Follower"]
 
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
+_Bounds = tuple[tuple[int, int], ...]  # a region as (start, stop) along each axis
 
 
 class _ReadWriteLock:
@@ -236,12 +242,12 @@ class Follower:
         """
         held = version.held()
         skip = wants_skip(held, self.options.skip_unchanged)
+        words = dataclasses.replace(self.options, skip_unchanged=skip).assign_words()
         try:
-            staged = self._stage(held, skip)
+            staged = self._stage(held, skip, words)
             # the staged arrays are the follower's alone: the variables may keep them as they are
             with staged, handed_over(staged.arrays), self._lock.writing():
-                report = self._assign(self.target, staged,
-                                      **dataclasses.replace(self.options, skip_unchanged=skip).assign_words())
+                report = self._assign(self.target, staged, **words)
                 # still inside the swap: a reader never sees new weights under the old version
                 previous, self.version, self.report, self.error = self.version, held, report, None
         except VersionGoneError:
@@ -260,21 +266,28 @@ class Follower:
             self._swapped.notify_all()
         return True
 
-    def _stage(self, version: Version, skip: bool) -> _StagedStore:
+    def _stage(self, version: Version, skip: bool, words: AssignWords) -> _StagedStore:
         """``version`` opened with every tensor that changed since the last swap read and verified.
 
         With ``skip``, a tensor whose content digest equals the one the last swap staged is
         left unread: the assign skips it, as the target already holds those bytes (should the
         target have forgotten them, the assign reads it from the pinned file instead). A
         sharded version followed into a target that writes parts of tensors (a TF1 session's
-        partitioned variables, a torch module's DTensors) is staged empty: the assign reads,
-        during the swap, only the regions its parts hold whose blocks changed.
+        partitioned variables, a torch module's DTensors) stages what a rehearsal of the assign
+        (:func:`~weightstore.adapters.skeleton.rehearsal`, no byte read) asks for: the regions
+        of the parts whose blocks changed, and the tensors it writes whole.
         """
         store = weightstore.open(version)
         try:
             digests = {key: reload_digest(store.info(key)) for key in store}
-            changed = [] if self._reads_parts and store.reads_regions else [
-                key for key, digest in digests.items() if not skip or digest is None or self._digests.get(key) != digest]
+            if self._reads_parts and store.reads_regions:
+                recorder = _Rehearsal(store)
+                with rehearsal():
+                    self._assign(self.target, Store(recorder, store.path, verify=False), **words)
+                parts = {part: store.read_region(part[0], region) for part, region in recorder.regions.items()}
+                return _StagedStore(store, store.read(list(recorder.wanted)), digests, parts)
+            changed = [key for key, digest in digests.items()
+                       if not skip or digest is None or self._digests.get(key) != digest]
             return _StagedStore(store, store.read(changed), digests)
         except BaseException:
             store.close()
@@ -348,23 +361,72 @@ class _Staged(ReaderDefaults):
 
 
 class _StagedRegions(_Staged):
-    """A staged sharded version: its regions are read (only their blocks) from its own store."""
+    """A staged sharded version: also the regions staged of its tensors (by key and bounds);
+    a region not staged is read (only its blocks) from the version's own store."""
+
+    def __init__(self, store: Store, arrays: dict[str, np.ndarray], parts: dict[tuple[str, _Bounds], np.ndarray]):
+        super().__init__(store, arrays)
+        self._parts = parts
 
     def read_region(self, key: str, region: Any, *, verify: bool) -> np.ndarray:
-        return self._store.read_region(key, region)
+        staged = self._parts.get((key, self._bounds(key, region)))
+        return self._store.read_region(key, region) if staged is None else staged
 
     def region_digest(self, key: str, region: Any) -> str | None:
         return self._store.region_digest(key, region)
+
+    def _bounds(self, key: str, region: Any) -> _Bounds:
+        with naming(path=self.name):
+            return tuple(normalized_region(region, self._store.info(key).shape, key))
+
+    def close(self) -> None:
+        self._parts = {}
+        super().close()
+
+
+class _Rehearsal(_StagedRegions):
+    """What a rehearsed assign (:func:`~weightstore.adapters.skeleton.rehearsal`) reads from:
+    it records the tensors and regions asked for and answers with read-only placeholders of
+    their shape that hold no memory, so working out what to stage reads no byte of the version."""
+
+    def __init__(self, store: Store):
+        super().__init__(store, {}, {})
+        self.wanted: dict[str, None] = {}  # tensors read whole, in the order asked
+        self.regions: dict[tuple[str, _Bounds], Any] = {}  # (key, bounds) -> the region as asked
+
+    def read(self, key: str, *, verify: bool) -> np.ndarray:
+        self.wanted[key] = None
+        return self._placeholder(key)
+
+    def read_many(self, keys: list[str], *, verify: bool) -> list[np.ndarray]:
+        return [self.read(key, verify=verify) for key in keys]
+
+    def read_into(self, key: str, out: np.ndarray, *, verify: bool) -> bool:
+        self.wanted[key] = None
+        return True
+
+    def read_region(self, key: str, region: Any, *, verify: bool) -> np.ndarray:
+        self.regions.setdefault((key, self._bounds(key, region)), region)
+        return self._placeholder(key)[region]
+
+    def _placeholder(self, key: str) -> np.ndarray:
+        info = self._store.info(key)
+        with naming(path=self.name, key=key):
+            return np.broadcast_to(np.zeros((), logical_dtype(info.dtype)), tuple(info.shape))
+
+    def close(self) -> None:
+        """The version's store is the stage's, which goes on to read what was recorded."""
 
 
 class _StagedStore(Store):
     """What a swap assigns from: a :class:`Store` over :class:`_Staged`, with the content digests
     of the version's tensors (the follower's memory of what the target holds once it is in)."""
 
-    def __init__(self, store: Store, arrays: dict[str, np.ndarray], digests: dict[str, str | None]):
-        staged = (_StagedRegions if store.reads_regions else _Staged)(store, arrays)
+    def __init__(self, store: Store, arrays: dict[str, np.ndarray], digests: dict[str, str | None],
+                 parts: dict[tuple[str, _Bounds], np.ndarray] | None = None):
+        staged = _StagedRegions(store, arrays, parts or {}) if store.reads_regions else _Staged(store, arrays)
         super().__init__(staged, store.path, verify=False)  # staging verified what it read
-        self.arrays = list(arrays.values())
+        self.arrays = [*arrays.values(), *(parts or {}).values()]
         self.digests = digests
 
     def close(self) -> None:

@@ -15,6 +15,7 @@ and each batch hands the framework at most that budget of new arrays.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import mmap
 import os
@@ -45,13 +46,14 @@ from weightstore.io.buffer import (  # TF adopts aligned memory (EIGEN_MAX_ALIGN
     memory_owner,
 )
 
-__all__ = ["Target", "ValueSource", "handed_over", "private_copy", "run_assign"]
+__all__ = ["Target", "ValueSource", "handed_over", "private_copy", "rehearsal", "run_assign"]
 
 _ALIGNED_FROM = 1 << 16  # smaller arrays are copied plainly: aligning them costs more than TF's copy
 _PIECE_BYTES = 16 << 20  # larger copies are split across threads: faulting in fresh pages is most of their cost
 _COPIERS = max(1, min(4, os.cpu_count() or 1))
 _copier_pool: ThreadPoolExecutor | None = None
 _handed_over: dict[int, np.ndarray] = {}  # address -> array, for the arrays of every handed_over block now open
+_rehearsing: contextvars.ContextVar[bool] = contextvars.ContextVar("weightstore_rehearsing", default=False)
 
 # A batch holds at most max(BATCH_MIN_BYTES, the assign's bytes / BATCH_SHARE): 1/16 of a large
 # model, so its extra memory stays well under a quarter of it even with a tensor or two over
@@ -131,7 +133,10 @@ def run_assign(target: Target, weights: Any, options: AssignOptions, *, skip_for
                 continue
             todo.append((key, value_key))
             digests[key] = digest
-        if target.batched:
+        if _rehearsing.get():  # the source sees each read the assign would make; nothing is written
+            for key, value_key in todo:
+                prepare(source, key, value_key)
+        elif target.batched:
             _write_batches(target, source, prepare, todo, digests, report)
         else:  # every value is held until the write anyway: read them together
             source.prefetch([value_key for _, value_key in todo])
@@ -223,6 +228,22 @@ def _plain_plan(infos: Mapping[str, TargetInfo]) -> Callable[[Values, AssignOpti
 
 def _read_as_target(infos: Mapping[str, TargetInfo]) -> Callable[[ValueSource, str, str], np.ndarray]:
     return lambda source, key, value_key: np.asarray(source.read(value_key), dtype=infos[key].dtype)
+
+
+@contextlib.contextmanager
+def rehearsal() -> Iterator[None]:
+    """Inside the block (in this thread), an assign plans, decides what hot reload skips and
+    prepares each value it would write, but writes nothing and remembers nothing.
+
+    So a source that records what it is asked for learns exactly which values, and which
+    regions of them, the real assign will read: a follower fetches those with no lock held,
+    then assigns from memory (see :mod:`weightstore.adapters.follower`).
+    """
+    token = _rehearsing.set(True)
+    try:
+        yield
+    finally:
+        _rehearsing.reset(token)
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import uuid
 from pathlib import Path
 
@@ -79,16 +80,13 @@ def member_bytes(server):
                and r.path.endswith(".safetensors"))
 
 
-def test_a_tf1_follower_fetches_only_the_parts_whose_blocks_changed(s3):
+def partitioned_session():
+    """A TF1 session holding the model's variables, ``big`` partitioned 3 ways (the writers
+    held it 4 ways), so its assign reads regions."""
     tf = pytest.importorskip("tensorflow")
-    import s3fs
-
-    from weightstore.adapters import tf1
-    from weightstore.adapters.follower import Follower
-
     v1 = tf.compat.v1
     graph = tf.Graph()
-    with graph.as_default():  # partitioned 3 ways; the writers held "big" 4 ways
+    with graph.as_default():
         v1.get_variable("big", [512, 1024], partitioner=v1.fixed_size_partitioner(3, axis=0))
         for key, shape in (("bias", [1024]), ("emb", [64, 256]), ("small", [16, 16])):
             v1.get_variable(key, shape)
@@ -96,6 +94,17 @@ def test_a_tf1_follower_fetches_only_the_parts_whose_blocks_changed(s3):
     sess = v1.Session(graph=graph)
     sess.run(init)
     graph.finalize()
+    return sess
+
+
+def test_a_tf1_follower_fetches_only_the_parts_whose_blocks_changed(s3):
+    pytest.importorskip("tensorflow")
+    import s3fs
+
+    from weightstore.adapters import tf1
+    from weightstore.adapters.follower import Follower
+
+    sess = partitioned_session()
     folder = f"s3://{BUCKET}/{uuid.uuid4().hex}"
     indexes = {}
 
@@ -188,3 +197,52 @@ def test_a_tf2_follower_skips_the_tensors_whose_blocks_did_not_change(torch_vers
     assert sorted(follower.report.assigned) == ["bias", "big"] and sorted(follower.report.skipped) == ["emb", "small"]
     for key, value in model(2).items():
         assert variables[key].numpy().tobytes() == value.tobytes(), key
+
+
+@pytest.mark.parametrize("framework", ["tf1", "torch"])
+def test_serving_goes_on_while_a_follower_fetches_a_sharded_version(tmp_path, monkeypatch, framework):
+    """Every fetch of the second version (regions of a partitioned TF1 variable, whole tensors of
+    a torch module) lets a ``reading()`` block opened meanwhile by another thread run to its end
+    before the fetch does: the follower holds no lock while it reads the network or the disk."""
+    from weightstore.adapters.follower import Follower
+    from weightstore.formats.sharded import ShardedReader
+
+    if framework == "tf1":
+        from weightstore.adapters import tf1
+
+        target = partitioned_session()
+        exported = lambda: tf1.export(target)  # noqa: E731
+    else:
+        torch = pytest.importorskip("torch")
+        target = torch.nn.ParameterDict({key: torch.nn.Parameter(torch.zeros(value.shape))
+                                         for key, value in model(1).items()})
+        exported = lambda: {key: value.detach().numpy() for key, value in target.items()}  # noqa: E731
+    folder = tmp_path / "run"
+    publish(folder, 1, processes=False)
+    served: list[bool] = []  # per fetch of step 2: whether a reading() block ran to its end meanwhile
+    armed = threading.Event()
+    fetch = ShardedReader._read_region
+
+    def fetching(reader, key, region, *, verify):
+        if armed.is_set() and threading.current_thread().name.startswith("weightstore-follower"):
+            done = threading.Event()
+
+            def serve():
+                with follower.reading():
+                    pass
+                done.set()
+
+            threading.Thread(target=serve, daemon=True).start()
+            served.append(done.wait(timeout=30))  # not a timing: a lock held would keep it out until the swap
+        return fetch(reader, key, region, verify=verify)
+
+    monkeypatch.setattr(ShardedReader, "_read_region", fetching)
+    with Follower(target, folder, poll=0.05) as follower:
+        assert follower.wait(step=1, timeout=60).step == 1
+        armed.set()
+        publish(folder, 2, processes=False)
+        assert follower.wait(step=2, timeout=120).step == 2
+    assert sorted(follower.report.assigned) == ["bias", "big"] and sorted(follower.report.skipped) == ["emb", "small"]
+    assert served and all(served), served
+    for key, value in model(2).items():
+        assert exported()[key].tobytes() == value.tobytes(), key
