@@ -15,6 +15,7 @@ import typer
 
 from weightstore import __version__
 from weightstore.adapters import checkpoints
+from weightstore.adapters.layout import DIRECTIONS
 from weightstore.adapters.plan import Selection
 from weightstore.cli import compare, render, sync, transfer
 from weightstore.cli.guard import GuardedGroup
@@ -103,6 +104,14 @@ def _check_names(names: str | None) -> str | None:
         return check_naming(names, WRITE_NAMINGS)
     except ValueError:
         raise typer.BadParameter(f"{names!r}; use torch or keys") from None
+
+
+def _check_layout(layout: str | None) -> str | None:
+    """An unknown ``--layout`` word is a usage error (exit 2) before any file is opened, like
+    any other bad option value."""
+    if layout is not None and layout not in DIRECTIONS:
+        raise typer.BadParameter(f"{layout!r}; use one of {', '.join(DIRECTIONS)}")
+    return layout
 
 
 Compress = Annotated[bool, typer.Option("--compress", help="Deflate the tensors (smaller, not memory-mappable).")]
@@ -323,7 +332,7 @@ def convert(
     shuffle: Shuffle = False,
     as_json: AsJson = False,
     layout: Annotated[str | None, typer.Option(
-        "--layout", help="Convert names and layouts: keras-to-torch, torch-to-keras, keras-to-flax, flax-to-keras.",
+        "--layout", callback=_check_layout, help="Convert names and layouts: keras-to-torch, torch-to-keras, keras-to-flax, flax-to-keras.",
     )] = None,
     names: Annotated[str | None, typer.Option(
         "--names", metavar="torch|keys", callback=_check_names, help="Name the written tensors as PyTorch's state_dict does (torch: "

@@ -23,7 +23,6 @@ from weightstore.adapters.plan import Selection
 from weightstore.cli.render import counted, track, working
 from weightstore.errors import (
     FormatError,
-    LayoutError,
     SelectionError,
     StoreExistsError,
     StoreNotFoundError,
@@ -104,8 +103,6 @@ def convert(source: Source, out: str, *, compress: bool | str, layout: str | Non
     when the other framework is PyTorch. A torch-to-keras source may be keyed by torch names.
     ``max_shard_size`` writes a Hugging Face sharded folder at ``out``; ``kinds`` (scope or glob
     -> layer kind) decides what the file's names leave open (:func:`layouts.convert`)."""
-    if layout is not None and layout not in layouts.DIRECTIONS:
-        raise LayoutError(f"unknown layout {layout!r}; use one of {', '.join(layouts.DIRECTIONS)}")
     if check_naming(names, WRITE_NAMINGS) is None and layout == "keras-to-torch":
         names = TORCH
     if max_shard_size is None:

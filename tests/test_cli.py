@@ -114,6 +114,16 @@ def test_no_arguments_shows_help_and_usage_errors_exit_2(store, tmp_path):
     assert run("nonsense").exit_code == 2
 
 
+def test_unknown_layout_is_a_usage_error_naming_the_choices(store, tmp_path):
+    """Like every other bad option value: exit 2, typer's usage message, nothing opened or written."""
+    result = CliRunner().invoke(app, ["convert", str(store), str(tmp_path / "out.npz"), "--layout", "keras-to-mxnet"],
+                                env={"COLUMNS": "300"})
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for '--layout'" in result.stderr and "'keras-to-mxnet'" in result.stderr
+    assert "keras-to-torch, torch-to-keras, keras-to-flax, flax-to-keras" in result.stderr
+    assert not (tmp_path / "out.npz").exists()
+
+
 # -- export --------------------------------------------------------------------------------
 
 def test_export_tf1_folder_takes_the_latest_checkpoint(made, tmp_path):

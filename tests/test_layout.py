@@ -246,4 +246,4 @@ def test_cli_convert_names_the_file_and_the_tensor_no_rule_covers(tmp_path):
     assert not (tmp_path / "out.npz").exists()
     result = CliRunner().invoke(app, ["convert", str(tmp_path / "odd.npz"), str(tmp_path / "out.npz"),
                                       "--layout", "keras-to-mxnet"])
-    assert result.exit_code == 1 and "keras-to-mxnet" in result.output and not (tmp_path / "out.npz").exists()
+    assert result.exit_code == 2 and "keras-to-mxnet" in result.output and not (tmp_path / "out.npz").exists()
