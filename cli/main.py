@@ -271,15 +271,18 @@ def ls(
 
 
 def _under_scope(opened: checkpoints.Source, scope: str | None) -> list[str]:
-    """The keys ``ls`` lists: the scope itself (TF1's ``w`` beside its slot ``w/Adagrad``) and those under it."""
-    from weightstore.errors import SelectionError
-    from weightstore.keys import in_scope, normalize_scope, scopes_of, suggest
+    """The keys ``ls`` lists: the scope itself (TF1's ``w`` beside its slot ``w/Adagrad``) and those under it.
 
-    norm = normalize_scope(scope)
-    keys = [key for key in opened if in_scope(key, norm)]
-    if not keys and opened.keys():
-        raise SelectionError(f"scope {norm!r} matches no key{suggest(norm, scopes_of(opened.keys()))}",
-                             path=opened.path)
+    A scope that is invalid or matches nothing fails as ``ws export``'s does: naming the file,
+    with the same hint."""
+    from weightstore.errors import naming
+    from weightstore.keys import in_scope, normalize_scope, unmatched_scope
+
+    with naming(path=opened.path):
+        norm = normalize_scope(scope)
+        keys = [key for key in opened if in_scope(key, norm)]
+        if not keys and opened.keys():
+            raise unmatched_scope(norm, opened.keys())
     return keys
 
 

@@ -237,6 +237,17 @@ def test_ls_scope_lists_the_key_equal_to_the_scope(tmp_path):
     one_error_line(run("ls", path, "--scope", "w/Adgrad"), "scope 'w/Adgrad' matches no key", "did you mean 'w/Adagrad'?")
 
 
+@pytest.mark.parametrize("scope", ["dens", "nope", "/dense", "dense//w"])
+def test_ls_refuses_a_scope_as_export_does(store, tmp_path, scope):
+    """The same error, naming the file, with the same closest-key hint, whichever command is asked."""
+    listed = run("ls", store, "--scope", scope, "--json")
+    exported = run("export", store, "-o", tmp_path / "o.npz", "--scope", scope, "--json")
+    line = one_error_line(listed, f"error: {store}: ", *(["did you mean 'dense'?"] if scope == "dens" else []))
+    assert line == one_error_line(exported)
+    error = json.loads(listed.stdout)["error"]
+    assert error == json.loads(exported.stdout)["error"] and error["path"] == str(store)
+
+
 def test_ls_reads_checkpoints_too(made):
     result = run("ls", made["tf1"], "--json")
     assert result.exit_code == 0

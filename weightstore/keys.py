@@ -296,11 +296,7 @@ def plan_outward(
     source_keys = list(keys)
     under = [k for k in source_keys if not norm_scope or k.startswith(norm_scope + "/")]
     if norm_scope and not under and source_keys:
-        if norm_scope in source_keys:
-            hint = f"; {norm_scope!r} is a tensor, not a scope: select it with include={norm_scope!r}"
-        else:
-            hint = suggest(norm_scope, scopes_of(source_keys))
-        raise SelectionError(f"scope {norm_scope!r} matches no key{_where(where)}{hint}")
+        raise unmatched_scope(norm_scope, source_keys, where)
     if rules:
         renamed = {map_key(strip_scope(k, norm_scope), rules): k for k in under}
     else:  # the common case, without a call per key: 50,000 keys
@@ -308,6 +304,16 @@ def plan_outward(
         renamed = {k[cut:]: k for k in under} if cut else dict(zip(under, under, strict=True))
     _refuse_collisions(renamed, under, norm_scope, rules, where)
     return _select_or_fail(renamed, include, exclude, where)
+
+
+def unmatched_scope(scope: str, keys: Collection[str], where: str = "") -> SelectionError:
+    """The error for a (normalized) ``scope`` that no key lies under, hinting at the closest key
+    or scope, or at ``include`` when the scope names a tensor: one wording for every command."""
+    if scope in keys:
+        hint = f"; {scope!r} is a tensor, not a scope: select it with include={scope!r}"
+    else:
+        hint = suggest(scope, scopes_of(keys))
+    return SelectionError(f"scope {scope!r} matches no key{_where(where)}{hint}")
 
 
 def plan_inward(
