@@ -248,6 +248,21 @@ def test_ls_refuses_a_scope_as_export_does(store, tmp_path, scope):
     assert error == json.loads(exported.stdout)["error"] and error["path"] == str(store)
 
 
+def test_a_trailing_slash_names_the_same_scope_and_a_leading_one_is_refused(store, tmp_path):
+    """Users type ``dense/``; every command reads it as ``dense``. ``/dense`` is refused alike with the fix."""
+    for scope in ("dense", "dense/"):
+        listed = json.loads(run("ls", store, "--json", "--scope", scope).stdout)
+        assert [t["key"] for t in listed["tensors"]] == ["dense/w", "dense/b"], scope
+        out, into = tmp_path / f"e{len(scope)}.npz", tmp_path / f"i{len(scope)}.npz"
+        assert run("export", store, "-o", out, "--scope", scope).exit_code == 0
+        assert sorted(ws.load(out)) == ["b", "w"]
+        assert run("import", store, "--into", into, "--scope", scope).exit_code == 0
+        assert sorted(ws.load(into)) == ["dense/dense/b", "dense/dense/w", "dense/head/w"]
+    for args in (["ls", store], ["export", store, "-o", tmp_path / "x.npz"], ["import", store, "--into", tmp_path / "y.npz"]):
+        one_error_line(run(*args, "--scope", "/dense"), "invalid scope '/dense': it starts with '/'", "write 'dense'")
+    assert not (tmp_path / "x.npz").exists() and not (tmp_path / "y.npz").exists()
+
+
 def test_ls_reads_checkpoints_too(made):
     result = run("ls", made["tf1"], "--json")
     assert result.exit_code == 0

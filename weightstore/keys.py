@@ -148,12 +148,21 @@ def _unicode_problem(key: str) -> str | None:
 
 @functools.lru_cache(maxsize=1024)  # patterns are normalized once per key they are matched against
 def normalize_scope(scope: str | None) -> str:
-    """A scope as users type it (``model_002/`` or ``None``) in canonical form."""
+    """A scope as users type it (``model_002/`` or ``None``) in canonical form.
+
+    One trailing ``/`` is how people write a folder-like name, so ``dense/`` is ``dense``; a
+    leading one would read as a root that keys do not have, so it is refused with the fix.
+    """
     if scope is None:
         return ""
     if not isinstance(scope, str):
         raise InvalidKeyError(f"scope {scope!r} is not a string")
     trimmed = scope[:-1] if scope.endswith("/") else scope
+    if trimmed.startswith("/") or trimmed.endswith("/"):
+        reason = "it starts with '/'" if trimmed.startswith("/") else "it ends with '//'"
+        fixed = trimmed.strip("/")
+        raise InvalidKeyError(f"invalid scope {scope!r}: {reason} (one trailing '/' is allowed, a leading one is not)"
+                              + (f"; write {fixed!r}" if fixed and not _key_problem(fixed) else ""))
     if trimmed:
         problem = _key_problem(trimmed)
         if problem:
