@@ -135,8 +135,16 @@ def difference(x: np.ndarray, y: np.ndarray, *, chunk: int = _CHUNK) -> tuple[fl
     return max_abs, (max_abs / scale if scale and np.isfinite(scale) else float("inf"))
 
 
-def verify(store: Store) -> list[str]:
-    """Read every tensor with its checksum checked; one line per problem, empty when sound."""
+@dataclass
+class Problem:
+    """A tensor that failed to read back whole: its key, and what is wrong without the file or key."""
+
+    key: str
+    message: str
+
+
+def verify(store: Store) -> list[Problem]:
+    """Read every tensor with its checksum checked; one problem per failing tensor, empty when sound."""
     problems = []
     keys = store.keys()
     total = sum(store.info(k).nbytes for k in keys)
@@ -144,5 +152,6 @@ def verify(store: Store) -> list[str]:
         try:
             store[key]
         except FormatError as exc:
-            problems.append(str(exc).removeprefix(f"{store.path}: "))
+            message = str(exc).removeprefix(f"{store.path}: ").removeprefix(f"tensor {key!r}: ")
+            problems.append(Problem(key, message))
     return problems

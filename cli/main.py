@@ -385,9 +385,13 @@ def verify(store: Annotated[str, typer.Argument(help="The weight store to check.
     if settings.json and not problems:
         render.emit("verify", {"path": store, "count": total, "checksums": has_checksums, "problems": []})
         return
+    if len(problems) == 1:
+        raise ChecksumError(f"{problems[0].message} (1 of {count(total, 'tensor')} corrupt)", path=store,
+                            key=problems[0].key)
     if problems:
-        raise ChecksumError(f"{len(problems)} of {count(total, 'tensor')} corrupt: {'; '.join(problems)}",
-                            path=store)
+        listed = "; ".join(f"tensor {problem.key!r}: {problem.message}" for problem in problems)
+        raise ChecksumError(f"{len(problems)} of {count(total, 'tensor')} corrupt: {listed}", path=store,
+                            keys=[problem.key for problem in problems])
     if has_checksums:
         note(f"{store}: ok, {count(total, 'tensor')}, checksums match")
     else:

@@ -23,6 +23,7 @@ from rich import progress as rich_progress
 from rich.console import Console
 from rich.table import Table
 
+from weightstore.errors import ChecksumError
 from weightstore.manifest import TensorInfo
 
 T = TypeVar("T")
@@ -194,14 +195,19 @@ def emit(command: str, document: dict[str, Any]) -> None:
 
     Every command prints exactly one such object on stdout (``ws follow`` one per version, on
     one line each, since it streams); a failure prints ``{"command": …, "ok": false, "error":
-    {"type", "message", "path", "key"}}`` instead, as :func:`error_document` builds it.
+    {"type", "message", "path", "key", "keys"}}`` instead, as :func:`error_document` builds it.
     """
     print_json({"command": command, "ok": True, **document})
 
 
 def error_document(command: str | None, exc: BaseException, message: str) -> dict[str, Any]:
+    """The ``--json`` failure: ``key`` names the tensor when exactly one is at fault, ``keys``
+    every tensor at fault (all the corrupt ones ``ws verify`` found), so scripts need not parse
+    the message."""
+    key = getattr(exc, "key", None) if isinstance(getattr(exc, "key", None), str) else None
+    several = exc.keys if isinstance(exc, ChecksumError) else []
     return {"command": command, "ok": False, "error": {
         "type": type(exc).__name__, "message": message,
         "path": getattr(exc, "path", None) if isinstance(getattr(exc, "path", None), str) else None,
-        "key": getattr(exc, "key", None) if isinstance(getattr(exc, "key", None), str) else None,
+        "key": key, "keys": several or ([key] if key is not None else []),
     }}

@@ -355,15 +355,32 @@ def test_convert_keeps_metadata_and_values(store, tmp_path):
         assert run("diff", store, path).exit_code == 0
 
 
+def _corrupt_members(store: Path, *keys: str) -> None:
+    """Flip the first data byte of each of these tensors of an npz store."""
+    data = bytearray(store.read_bytes())
+    for key in keys:
+        member = data.index(f"{key}.npy".encode())
+        data[data.index(b"\n", data.index(b"\x93NUMPY", member)) + 1] ^= 0xFF
+    store.write_bytes(bytes(data))
+
+
 def test_verify_names_the_corrupt_tensor(store, tmp_path):
     result = run("verify", store)
     assert result.exit_code == 0 and "ok, 3 tensors" in result.stderr
-    data = bytearray(store.read_bytes())
-    member = data.index(b"dense/b.npy")
-    offset = data.index(b"\n", data.index(b"\x93NUMPY", member)) + 1  # first byte of dense/b's data
-    data[offset] ^= 0xFF
-    store.write_bytes(bytes(data))
-    one_error_line(run("verify", store), "1 of 3 tensors corrupt", "'dense/b'")
+    _corrupt_members(store, "dense/b")
+    one_error_line(run("verify", store), f"{store}: tensor 'dense/b': is corrupt", "(1 of 3 tensors corrupt)")
+    error = json.loads(run("verify", store, "--json").stdout)["error"]
+    assert (error["type"], error["path"], error["key"], error["keys"]) == ("ChecksumError", str(store), "dense/b",
+                                                                           ["dense/b"])
+
+
+def test_verify_json_lists_every_corrupt_tensor(store):
+    """Scripts read the corrupt keys from ``error.keys``; ``key`` stays null when several are at fault."""
+    _corrupt_members(store, "dense/b", "head/w")
+    result = run("verify", store, "--json")
+    error = json.loads(result.stdout)["error"]
+    assert (error["path"], error["key"], error["keys"]) == (str(store), None, ["dense/b", "head/w"])
+    one_error_line(result, "2 of 3 tensors corrupt: tensor 'dense/b': is corrupt", "; tensor 'head/w': is corrupt")
 
 
 # -- errors --------------------------------------------------------------------------------
@@ -547,7 +564,7 @@ def _corrupt_npz(tmp_path) -> tuple[list[str], str, str | None]:
     raw = bytearray(path.read_bytes())
     raw[raw.index(np.ones(8, np.float32).tobytes())] ^= 0x01
     path.write_bytes(bytes(raw))
-    return ["verify", str(path)], str(path), None  # one error for every corrupt tensor: no single key
+    return ["verify", str(path)], str(path), "w"  # the one corrupt tensor
 
 
 def _checkpoint_without_its_data(tmp_path) -> tuple[list[str], str, str | None]:
@@ -650,7 +667,7 @@ def test_json_errors_carry_the_file_and_the_key(tmp_path, damaged):
     args, path, key = damaged(tmp_path)
     result = run(*args, "--json")
     error = json.loads(result.stdout)["error"]
-    assert (error["path"], error["key"]) == (path, key)
+    assert (error["path"], error["key"], error["keys"]) == (path, key, [key] if key else [])
     line = one_error_line(result, path, *([f"tensor {key!r}"] if key else []))
     assert line.startswith(f"error: {path}: ") and line.count(path) == 1, line
 

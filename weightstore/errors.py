@@ -112,7 +112,13 @@ class FormatError(WeightStoreError, ValueError):
 
 
 class ChecksumError(FormatError):
-    pass
+    """Bytes that do not match their checksum. Where one check found several corrupt tensors
+    (``ws verify``) ``keys`` lists them all and ``key`` is ``None``; otherwise it is empty."""
+
+    def __init__(self, message: str = "", *, path: str | None = None, key: str | None = None,
+                 keys: Iterable[str] = ()) -> None:
+        super().__init__(message, path=path, key=key)
+        self.keys = list(keys)
 
 
 class UnsafeFileError(FormatError):
