@@ -151,9 +151,11 @@ def _part_digests(source: ValueSource, value_key: str, regions: list[tuple[slice
     digest they had in ``remembered`` (what the key last received, made the same way)."""
     parts = [source.checksum(value_key, region) for region in regions]
     before = remembered.split("|") if remembered is not None else []
-    kept = frozenset(i for i, (now, then) in enumerate(zip(parts, before, strict=False))
-                     if now is not None and now == then and len(before) == len(parts))
-    return (None if None in parts else "|".join(p for p in parts if p is not None)), kept
+    if len(before) != len(parts):  # parted otherwise when last received: no part is known
+        before = []
+    kept = frozenset(i for i, (now, then) in enumerate(zip(parts, before, strict=False)) if now is not None and now == then)
+    known = [part for part in parts if part is not None]
+    return ("|".join(known) if len(known) == len(parts) else None), kept
 
 
 def _remember(target: Target, written: list[str], digests: Mapping[str, str | None], report: Report) -> None:
