@@ -56,8 +56,10 @@ _handed_over: dict[int, np.ndarray] = {}  # address -> array, for the arrays of 
 _rehearsing: contextvars.ContextVar[bool] = contextvars.ContextVar("weightstore_rehearsing", default=False)
 
 # A batch holds at most max(BATCH_MIN_BYTES, the assign's bytes / BATCH_SHARE): 1/16 of a large
-# model, so its extra memory stays well under a quarter of it even with a tensor or two over
-# the budget (such a tensor is a batch of its own), and few enough runs that their fixed cost vanishes.
+# model, so its extra memory stays near a tenth of it even with a tensor over the budget (such a
+# tensor is a batch of its own). Not smaller: each batch is a new executor for a TF1 session on
+# its first call (13 ms for a 2,000-op graph, mostly Grappler); batches of 16 MB made the first
+# tf1.assign of 256 MB 2.2x Saver.restore's time, against 0.9x with 64 MB (docs/benchmarks.md).
 BATCH_MIN_BYTES = 64 << 20
 BATCH_SHARE = 16
 

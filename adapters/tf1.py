@@ -24,7 +24,11 @@ those ops already exist, so repeated assigns never grow the graph and work on a 
 reload until the process runs out of memory. Every value is read and verified first, then the
 values go in batches of bounded bytes, one ``session.run`` each, so a restore holds a small part
 of the model in extra memory rather than a second copy of it (see
-:func:`weightstore.adapters.skeleton.run_assign` for what a failure in a later batch means).
+:func:`weightstore.adapters.skeleton.run_assign` for what a failure in a later batch means). A
+variable takes over the buffer it is fed, so large values are fed from TensorFlow's own memory
+(:func:`weightstore.adapters.tf_staging.staged_feeds`): the buffers the variables free go back
+to TensorFlow's pool and the next batch reuses them, where numpy copies left the old ones in the
+pool for good (the first assign in a process then held the model twice, as ``Saver.restore`` does).
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ from weightstore.adapters.plan import (
     TargetInfo,
     plan_assign,
 )
-from weightstore.adapters.skeleton import Target, private_copy, run_assign
+from weightstore.adapters.skeleton import Target, run_assign
+from weightstore.adapters.tf_staging import staged_feeds
 from weightstore.errors import AssignmentError, FormatError, InvalidKeyError, SelectionError
 from weightstore.keys import from_tf_name, plan_outward, require_matches
 from weightstore.manifest import ML_DTYPES
@@ -181,7 +186,8 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
     def write(batch: list[tuple[str, np.ndarray | list[np.ndarray | None]]], report: Report) -> list[str]:
         """One batch in one ``session.run``, through ops the graph already has."""
         fetches: list[tf.Operation] = []
-        feeds: dict[tf.Tensor, np.ndarray] = {}
+        tensors: list[tf.Tensor] = []
+        values: list[tuple[np.ndarray, np.dtype]] = []
         for key, value in batch:
             target = targets[key]
             for part, array in zip(target.parts, cut(value, target.parts), strict=True):
@@ -189,8 +195,9 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
                     continue
                 op, tensor = _writer(graph, part.variable)
                 fetches.append(op)
-                feeds[tensor] = private_copy(array, target.dtype)
-        sess.run(fetches, feed_dict=feeds)
+                tensors.append(tensor)
+                values.append((array, target.dtype))
+        sess.run(fetches, feed_dict=dict(zip(tensors, staged_feeds(values), strict=True)))
         return [key for key, _ in batch]
 
     infos = {key: target.info for key, target in targets.items()}

@@ -1,4 +1,4 @@
-"""A value's copy for an eager TensorFlow variable, made in memory TensorFlow's own allocator handed out.
+"""A value's copy for a TensorFlow variable (eager, or fed to a TF1 session), made in memory TensorFlow's own allocator handed out.
 
 ``AssignVariableOp`` makes the variable share the tensor it is given and frees the variable's
 old buffer. On x86 that buffer came from TensorFlow's CPU allocator (oneDNN's pool), which
@@ -13,15 +13,18 @@ that tensor, and the buffer it frees is what the next value's ``Empty`` reuses: 
 by about one batch of values, on the first assign and every later one, and it is still one
 copy per value (into memory already faulted in, after the first).
 
-Session feeds (``tf1``) keep numpy copies. A session's ops draw from an allocator of the
-session's own, which the eager ``Empty`` does not share, so a variable set by an in-graph
-initializer frees its first buffer where a staged copy cannot reuse it (the first assign still
-grows the process by the model, as ``Saver.restore``'s does), and the staged feed cost about
-12% more CPU time per repeated assign than the numpy copy (docs/benchmarks.md).
+A TF1 session feed (:func:`staged_feeds`) gets the same from a graph and CPU-only session of
+weightstore's own, one per dtype, whose ``Empty`` ops run once per batch: every session in a
+process allocates from the one CPU allocator, so the buffers the user's variables free are
+what the next batch's ``Empty`` reuses. The fetched tensor comes back as a writable numpy view
+of TensorFlow's memory (its only owner), and fed back, aligned, it is what the variable takes
+over. A session, not eager ops, because TF1 programs usually turn eager execution off.
 """
 
 from __future__ import annotations
 
+import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -33,13 +36,14 @@ with needs("tf", __name__):
 
 from weightstore.adapters.skeleton import copy_into, is_handed_over, private_copy
 
-__all__ = ["staged_copy"]
+__all__ = ["staged_copy", "staged_feeds"]
 
 #: smaller values keep a :func:`private_copy`: the ``Empty`` op's fixed cost (about 35 us) is more
 #: than a copy of them into heap memory numpy reuses (docs/benchmarks.md), and their share of a
 #: model's memory is small
 STAGED_FROM = 1 << 20
 _unstageable: set[np.dtype] = set()  # dtypes TensorFlow has no CPU ``Empty`` kernel (or no type) for
+_DIMENSION_LIMIT = 1 << 31  # ``Empty`` takes its shape as int32
 
 
 def staged_copy(array: np.ndarray, dtype: np.dtype) -> Any:
@@ -59,6 +63,74 @@ def staged_copy(array: np.ndarray, dtype: np.dtype) -> Any:
         return private_copy(array, dtype)
     copy_into(np.asarray(_Writable(tensor)).view(dtype).reshape(array.shape), array)
     return tensor
+
+
+def staged_feeds(values: list[tuple[np.ndarray, np.dtype]]) -> list[np.ndarray]:
+    """Each ``(array, dtype)`` as a feed for a TF1 session's variable to take over: the large ones
+    copied into ``Empty`` tensors of one ``session.run`` per dtype, the rest (and any whose dtype
+    has no ``Empty`` kernel) :func:`private_copy` made (a handed-over array: itself)."""
+    feeds: dict[int, np.ndarray] = {}
+    staged: dict[np.dtype, list[int]] = {}
+    for i, (array, dtype) in enumerate(values):
+        dtype = np.dtype(dtype)
+        if (math.prod(array.shape) * dtype.itemsize < STAGED_FROM or dtype in _unstageable or is_handed_over(array)
+                or any(size >= _DIMENSION_LIMIT for size in array.shape)):
+            feeds[i] = private_copy(array, dtype)
+        else:
+            staged.setdefault(dtype, []).append(i)
+    for dtype, chosen in staged.items():
+        buffers = _empty(dtype, [values[i][0].shape for i in chosen])
+        for n, i in enumerate(chosen):
+            if buffers is None:
+                feeds[i] = private_copy(values[i][0], dtype)
+            else:
+                copy_into(buffers[n], values[i][0])
+                feeds[i] = buffers[n]
+    return [feeds[i] for i in range(len(values))]
+
+
+def _empty(dtype: np.dtype, shapes: list[tuple[int, ...]]) -> list[np.ndarray] | None:
+    """Writable uninitialized arrays in TensorFlow's memory, or ``None`` (the dtype remembered as
+    unstageable) where TensorFlow has no such dtype or no CPU ``Empty`` kernel for it."""
+    try:
+        with _stagers_lock:
+            stager = _stagers.get(dtype) or _stagers.setdefault(dtype, _Stager(dtype))
+        buffers = stager.empty(shapes)
+    except (TypeError, tf.errors.OpError):
+        _unstageable.add(dtype)
+        return None
+    if not all(buffer.flags.writeable and buffer.dtype == dtype for buffer in buffers):
+        return None  # TensorFlow copied instead of handing its tensor over: nothing gained
+    return buffers
+
+
+class _Stager:
+    """``Empty`` ops of one dtype in a graph and CPU-only session of their own: one op per value
+    of a batch, made as batches need them (a graph of a few dozen ops at most, made once). A
+    dtype of its own graph, since one op without a kernel fails every run of its graph."""
+
+    def __init__(self, dtype: np.dtype):
+        self._dtype = tf.as_dtype(dtype)
+        self._graph = tf.Graph()
+        self._session = tf.compat.v1.Session(graph=self._graph,
+                                             config=tf.compat.v1.ConfigProto(device_count={"GPU": 0}))
+        self._ops: list[tuple[Any, Any]] = []  # (shape placeholder, Empty's output)
+        self._lock = threading.Lock()
+
+    def empty(self, shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
+        """Uninitialized arrays of these shapes in TensorFlow's memory."""
+        with self._lock:
+            while len(self._ops) < len(shapes):
+                with self._graph.as_default(), tf.device("/CPU:0"):
+                    shape = tf.compat.v1.placeholder(tf.int32, [None])
+                    self._ops.append((shape, tf.raw_ops.Empty(shape=shape, dtype=self._dtype, init=False)))
+            ops = self._ops[:len(shapes)]
+            return self._session.run([output for _, output in ops],
+                                     {placeholder: shape for (placeholder, _), shape in zip(ops, shapes, strict=True)})
+
+
+_stagers: dict[np.dtype, _Stager] = {}
+_stagers_lock = threading.Lock()
 
 
 class _Writable:

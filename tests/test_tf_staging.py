@@ -1,6 +1,7 @@
-"""tf2.assign copies each large value into a tensor of TensorFlow's own allocator: exact values for
-every dtype, variables that stay independent of the file and of earlier reads, and a first assign
-in a process that does not leave it holding the model twice."""
+"""tf2.assign and tf1.assign copy each large value into a tensor of TensorFlow's own allocator:
+exact values for every dtype, variables that stay independent of the file, of the caller's
+arrays and of earlier reads, and a first assign in a process that does not leave it holding the
+model twice."""
 
 import json
 import os
@@ -15,7 +16,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 import weightstore as ws  # noqa: E402
-from weightstore.adapters import tf2, tf_staging  # noqa: E402
+from weightstore.adapters import tf1, tf2, tf_staging  # noqa: E402
 from weightstore.adapters.skeleton import handed_over  # noqa: E402
 from weightstore.io.buffer import aligned_array  # noqa: E402
 
@@ -46,6 +47,37 @@ def test_every_dtype_is_assigned_bit_for_bit_from_a_file(tmp_path, name):
     got = variable.numpy()
     assert got.dtype == dtype
     assert got.tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("name", DTYPES)
+def test_every_dtype_is_fed_bit_for_bit_into_tf1_resource_and_ref_variables(tmp_path, name):
+    dtype = np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+    expected = {"resource": values(dtype, 5), "ref": values(dtype, 6)}
+    ws.save(tmp_path / "w.npz", expected)
+    graph = tf.Graph()
+    with graph.as_default(), tf.compat.v1.Session(graph=graph) as sess:
+        made = [tf.compat.v1.get_variable(key, (ROWS, 8), tf.as_dtype(dtype), tf.compat.v1.zeros_initializer(),
+                                          use_resource=key == "resource") for key in expected]
+        sess.run(tf.compat.v1.global_variables_initializer())
+        tf1.assign(sess, tmp_path / "w.npz")
+        for variable, got in zip(made, sess.run(made), strict=True):
+            assert got.dtype == dtype
+            assert got.tobytes() == expected[variable.op.name].tobytes()
+
+
+def test_tf1_variables_share_nothing_with_the_caller_or_each_other_and_train_in_place():
+    graph = tf.Graph()
+    with graph.as_default(), tf.compat.v1.Session(graph=graph) as sess:
+        a = tf.compat.v1.get_variable("a", (ROWS, 8), tf.float32, tf.compat.v1.zeros_initializer())
+        b = tf.compat.v1.get_variable("b", (ROWS, 8), tf.float32, tf.compat.v1.zeros_initializer())
+        step = a.assign_add(tf.ones_like(a))
+        sess.run(tf.compat.v1.global_variables_initializer())
+        source = values(np.dtype("float32"), 7)
+        tf1.assign(sess, {"a": source, "b": source})
+        source[:] = 7
+        sess.run(step)
+        np.testing.assert_array_equal(sess.run(a), values(np.dtype("float32"), 7) + 1)
+        np.testing.assert_array_equal(sess.run(b), values(np.dtype("float32"), 7))
 
 
 def test_assigned_variables_update_in_place_and_earlier_reads_keep_their_values(tmp_path):
@@ -104,10 +136,41 @@ FIRST_ASSIGN = textwrap.dedent("""
 """)
 
 
+FIRST_ASSIGN_TF1 = textwrap.dedent("""
+    import gc, json, sys
+    import numpy as np, tensorflow as tf
+    import weightstore as ws
+    from weightstore.adapters import skeleton, tf1
+
+    tf.compat.v1.disable_eager_execution()  # as TF1 programs run
+    skeleton.BATCH_MIN_BYTES = 16 << 20  # batches of an eighth: what is kept is about one batch
+
+    def anon():
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon"))
+
+    graph = tf.Graph()
+    with graph.as_default():  # 128 MB set by the graph's own initializers: TF's memory
+        model = [tf.compat.v1.get_variable(f"w{i}", [1 << 20]) for i in range(32)]
+        init = tf.compat.v1.global_variables_initializer()
+    sess = tf.compat.v1.Session(graph=graph)
+    sess.run(init)
+    graph.finalize()
+    ws.save(sys.argv[1], {f"w{i}": np.full(1 << 20, i, np.float32) for i in range(32)})
+    gc.collect()
+    before = anon()
+    tf1.assign(sess, sys.argv[1])
+    gc.collect()
+    right = all((value == i).all() for i, value in enumerate(sess.run(model)))
+    print(json.dumps({"kept": anon() - before, "model": 128 << 20, "right": right}))
+""")
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RssAnon from /proc")
-def test_the_first_assign_in_a_process_does_not_keep_a_second_model(tmp_path):
+@pytest.mark.parametrize("script", [FIRST_ASSIGN, FIRST_ASSIGN_TF1], ids=["tf2", "tf1"])
+def test_the_first_assign_in_a_process_does_not_keep_a_second_model(tmp_path, script):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="1")  # x86 TF's default (conftest: off)
-    done = subprocess.run([sys.executable, "-c", FIRST_ASSIGN, str(tmp_path / "m.npz")], capture_output=True,
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "m.npz")], capture_output=True,
                           text=True, timeout=180, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
