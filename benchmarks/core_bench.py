@@ -15,6 +15,7 @@ gets a ``+fsync`` row.
     python -m benchmarks.core_bench                 # 1 GB, 5 repetitions
     python -m benchmarks.core_bench --size-mb 128   # quick
     python -m benchmarks.core_bench --saves --size-mb 256   # durable saves: each format vs its peer
+    python -m benchmarks.core_bench --scale         # save and load cost, 64 MB to 4 GB, 100 to 100,000 tensors
 """
 
 from __future__ import annotations
@@ -86,6 +87,17 @@ def prepare(folder: str, size_mb: float) -> dict:
     nbytes = sum(4 * math.prod(s) for _, s in spec)
     return {"arrays": len(spec), "bytes": nbytes,
             "scope_bytes": sum(4 * math.prod(s) for k, s in spec if k.startswith(SCOPE + "/"))}
+
+
+def prepare_small(folder: str, count: int, floats: int = 256) -> dict:
+    """``count`` float32 tensors of ``floats`` values, written as :func:`prepare` writes its layout."""
+    spec = [(f"layer_{i // 4:05d}/w{i % 4}", [floats]) for i in range(count)]
+    values = np.random.default_rng(0).standard_normal(count * floats, dtype=np.float32)
+    with open(os.path.join(folder, "weights.raw"), "wb") as out:
+        out.write(values.data)
+    with open(os.path.join(folder, "spec.json"), "w") as handle:
+        json.dump(spec, handle)
+    return {"arrays": count, "bytes": values.nbytes, "scope_bytes": 0}
 
 
 def read_weights(folder: str) -> dict[str, np.ndarray]:
@@ -352,6 +364,46 @@ def save_bench(size_mb: float, repeat: int, rounds: int = 3, out=sys.stdout) -> 
         shutil.rmtree(folder, ignore_errors=True)
 
 
+# -- scale: cost against bytes and against tensor count (issue 22) ------------------------------
+SCALE_SIZES_MB = (64, 256, 1024, 4096)
+SCALE_COUNTS = (100, 1_000, 10_000, 100_000)
+SCALE_CASES = {"save:ws-npz": "durable npz save", "load:ws-npz": "verified npz load + sum",
+               "save:raw+fsync": "raw write + fsync"}
+
+
+def scale_bench(sizes_mb: tuple[float, ...], counts: tuple[int, ...], repeat: int, out=sys.stdout) -> dict:
+    """Each case at every size of the transformer layout, then at every count of 1 KB tensors,
+    one fresh process per case and point, medians of ``repeat``. A row's growth is how much the
+    cost grew from the row above divided by how much the work grew: 1.00x is linear."""
+    say = lambda *a: print(*a, file=out, flush=True)  # noqa: E731
+    say(f"Scale: {', '.join(SCALE_CASES.values())}; one process per case and point, {repeat} runs each, "
+        f"medians; {machine_line()}")
+    results: dict[str, dict] = {}
+    for axis, points, build, unit in (("bytes", sizes_mb, prepare, " MB"), ("tensors", counts, prepare_small, "")):
+        rows, above = [], None
+        for point in points:
+            folder = tempfile.mkdtemp(prefix="ws-scale-", dir=os.environ.get("WS_BENCH_DIR"))
+            try:
+                facts = build(folder, point)
+                m = {case: run_case(MODULE, case, ["--dir", folder, "--repeat", str(repeat)])["median"]
+                     for case in SCALE_CASES}
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+            work = facts["bytes"] if axis == "bytes" else facts["arrays"]
+            grown = ["-" if above is None else fmt_ratio((m[case] / above[1][case]) / (work / above[0]))
+                     for case in SCALE_CASES]
+            rows.append([f"{point:,g}{unit}", f"{facts['arrays']:,}", f"{facts['bytes'] / MB:,.1f}",
+                         *(x for case, g in zip(SCALE_CASES, grown, strict=True) for x in (fmt_seconds(m[case]), g))])
+            say(f"  {axis} {point:,g}: " + ", ".join(f"{c} {fmt_seconds(v)} s" for c, v in m.items()))
+            above = (work, m)
+            results[f"{axis}:{point}"] = {"facts": facts, "medians": m}
+        say("")
+        say(table(["model" if axis == "bytes" else "tensors of 1 KB", "tensors", "MB", *(x for label in SCALE_CASES.values() for x in (f"{label} s", "growth"))],
+                  rows))
+        say("")
+    return results
+
+
 # -- the run --------------------------------------------------------------------------------
 SAVE_PEERS = ["np", "safetensors", "h5py"]
 LOAD_PEERS = ["np", "safetensors", "h5py"]
@@ -522,10 +574,19 @@ def main(argv=None) -> None:
     parser.add_argument("--keep", action="store_true", help="keep the folder")
     parser.add_argument("--saves", action="store_true", help="only the durable saves, each format against its peer")
     parser.add_argument("--rounds", type=int, default=3, help="--saves: rounds of one process per case (default 3)")
+    parser.add_argument("--scale", action="store_true",
+                        help="only the scale rows: npz save and load from 64 MB to 4 GB and 100 to 100,000 tensors")
+    parser.add_argument("--sizes-mb", default=",".join(map(str, SCALE_SIZES_MB)),
+                        help="--scale: the sizes, comma-separated (default 64,256,1024,4096)")
+    parser.add_argument("--counts", default=",".join(map(str, SCALE_COUNTS)),
+                        help="--scale: the tensor counts, comma-separated (default 100,1000,10000,100000)")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.case:
         case_main(args)
+    elif args.scale:
+        scale_bench(tuple(float(x) for x in args.sizes_mb.split(",")), tuple(int(x) for x in args.counts.split(",")),
+                    args.repeat)
     elif args.saves:
         save_bench(args.size_mb, args.repeat, args.rounds)
     else:

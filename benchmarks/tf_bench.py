@@ -37,7 +37,6 @@ executors then) and then the repeated ones, which a follower re-assigning a mode
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -61,7 +60,7 @@ from benchmarks.common import (
     run_case,
     table,
 )
-from benchmarks.core_bench import SCOPE, prepare, read_weights
+from benchmarks.core_bench import SCOPE, prepare, prepare_small, read_weights
 
 MODULE = "benchmarks.tf_bench"
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "3"}
@@ -86,17 +85,6 @@ def _spec(folder):
 
     with open(os.path.join(folder, "spec.json")) as handle:
         return [(k, tuple(s)) for k, s in json.load(handle)]
-
-
-def prepare_small(folder: str, count: int, floats: int = 256) -> dict:
-    """``count`` float32 tensors of ``floats`` values, written as :func:`prepare` writes its layout."""
-    spec = [(f"layer_{i // 4:05d}/w{i % 4}", [floats]) for i in range(count)]
-    values = np.random.default_rng(0).standard_normal(count * floats, dtype=np.float32)
-    with open(os.path.join(folder, "weights.raw"), "wb") as out:
-        out.write(values.data)
-    with open(os.path.join(folder, "spec.json"), "w") as handle:
-        json.dump(spec, handle)
-    return {"arrays": count, "bytes": values.nbytes, "scope_bytes": 0}
 
 
 def _arrays(folder):
