@@ -79,6 +79,13 @@ _MAX_ARRAY_BYTES = (1 << 63) - 1
 _CENTRAL = struct.Struct("<4s6H3I5H2I")
 #: below this many tensors, reading one by one costs less than setting up column checks
 _FEW = 16
+#: tensors are checked together this many bytes at a time (a larger one alone), in the keys'
+#: order. A cold mapped file is read as its pages are first touched, and the column checks touch
+#: every member's local header first: spread through the file, one synchronous read each, then
+#: the data after them. A megabyte at a time touches the file in order, which the kernel's
+#: read-ahead streams: a cold 256 MB read_many took 0.115 s instead of 0.27-0.29 s (0.106 s for a
+#: plain sequential read; 32 MB stretches: 0.27 s), and a warm one 3.5 ms more (14 ms)
+_TOGETHER_BYTES = 1 << 20
 #: members start past here only in files near 4 GB: left to the path that writes ZIP64 fields
 _SMALL_MEMBERS_END = 0xF0000000
 #: small members are gathered up to this many bytes per write
@@ -686,18 +693,32 @@ class NpzReader(ReaderDefaults):
         if isinstance(self._source, MappedFile):
             buffer: Any = self._source.mapping
             base = 0
+            self._source.prefetch(*self._span(positions))
         else:  # owned memory: one read of the span the small members lie in, if they fill most of it
             positions[self._members.column("sizes")[np.maximum(positions, 0)] > CRC_CHUNK] = -1
             found = positions[positions >= 0]
             if not found.size:
                 return [self._read_one(key, verify) for key in keys]
-            base = int(self._members.column("offsets")[found].min())
-            span = int(self._members.column("limits")[found].max()) - base
+            base, span = self._span(positions)
             if span > 2 * int(self._members.column("sizes")[found].sum()) + CRC_CHUNK:
                 return [self._read_one(key, verify) for key in keys]
             buffer = self._source.read_at(base, span)
+        ends = np.cumsum(np.where(positions >= 0, self._members.column("sizes")[np.maximum(positions, 0)], 0))
+        cuts = [0, *np.searchsorted(ends, np.arange(_TOGETHER_BYTES, int(ends[-1]), _TOGETHER_BYTES), "right").tolist(),
+                len(keys)]
+        arrays: list[np.ndarray] = []
         with paused_gc():  # an array per tensor, each tracked by the collector: 50,000 of them
-            return self._read_together(keys, positions, buffer, base, verify)
+            for lo, hi in itertools.pairwise(dict.fromkeys(cuts)):
+                arrays += self._read_together(keys[lo:hi], positions[lo:hi], buffer, base, verify)
+        return arrays
+
+    def _span(self, positions: np.ndarray) -> tuple[int, int]:
+        """``(offset, length)`` of the file's stretch that holds the members at ``positions`` (-1s skipped)."""
+        found = positions[positions >= 0]
+        if not found.size:
+            return 0, 0
+        start = int(self._members.column("offsets")[found].min())
+        return start, int(self._members.column("limits")[found].max()) - start
 
     def _plain_positions_of(self, keys: list[str]) -> np.ndarray:
         """Each key's directory position if its member is a plain stored ``.npy``, else -1."""
