@@ -16,6 +16,7 @@ gets a ``+fsync`` row.
     python -m benchmarks.core_bench --size-mb 128   # quick
     python -m benchmarks.core_bench --saves --size-mb 256   # durable saves: each format vs its peer
     python -m benchmarks.core_bench --scale         # save and load cost, 64 MB to 4 GB, 100 to 100,000 tensors
+    python -m benchmarks.core_bench --cold-loads --size-mb 256   # loads from the disk, each against its peer
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import numpy as np
 from benchmarks.common import (
     MB,
     emit,
+    evict,
     fmt_mb,
     fmt_ratio,
     fmt_seconds,
@@ -198,6 +200,8 @@ def _load_fn(case: str, folder: str):
         return lambda: ws.load(path("ws-h5"), scope=SCOPE)
     if case == "ws-npz-c":
         return lambda: ws.load(path("ws-npz-c"))
+    if case == "ws-st":
+        return lambda: ws.load(path("ws-st"))
     if case == "ws-npz-s":
         return lambda: ws.load(path("ws-npz-s"))
     if case == "np":
@@ -213,6 +217,7 @@ def _load_fn(case: str, folder: str):
 
 def case_main(args) -> None:
     folder, kind, case = args.dir, *args.case.split(":", 1)
+    cold = (lambda: evict([folder])) if args.cold else None  # loads and the read floor: from the disk
     if kind == "save":
         weights = read_weights(folder)
         target = os.path.join(folder, FILES[case.partition("+")[0]])
@@ -221,7 +226,7 @@ def case_main(args) -> None:
         result["file_bytes"] = os.path.getsize(target)
     elif kind == "load":
         load = _load_fn(case, folder)
-        result = measure(lambda: (lambda d: (touch(d), d))(load()), repeat=args.repeat)
+        result = measure(lambda: (lambda d: (touch(d), d))(load()), repeat=args.repeat, before=cold)
     elif kind == "open":
         import weightstore as ws
 
@@ -246,7 +251,7 @@ def case_main(args) -> None:
                         raw.readinto(view.data.cast("B"))
                 touch(views)
 
-            result = measure(read, repeat=args.repeat)
+            result = measure(read, repeat=args.repeat, before=cold)
         elif case == "copy":
             targets = [np.ones_like(v) for v in weights.values()]
             pairs = list(zip(targets, weights.values(), strict=True))
@@ -402,6 +407,48 @@ def scale_bench(sizes_mb: tuple[float, ...], counts: tuple[int, ...], repeat: in
                   rows))
         say("")
     return results
+
+
+# -- cold loads: every format from the disk, against its peer and a plain read (issue 22) ---------
+COLD_LOADS = [("ws-npz", "np"), ("ws-st", "safetensors"), ("ws-h5", "h5py")]
+COLD_LABELS = {"ws-npz": "weightstore npz", "np": "np.load", "ws-st": "weightstore safetensors",
+               "safetensors": "safetensors load_file", "ws-h5": "weightstore HDF5", "h5py": "h5py",
+               "read": "floor: plain sequential read"}
+
+
+def cold_load_bench(size_mb: float, repeat: int, rounds: int = 3, out=sys.stdout) -> dict:
+    """Each format's verified load (every byte touched) with its files evicted from the page
+    cache before every timed run, against its own library's load and a plain sequential read of
+    the same bytes: one process per case, the cases in turn for ``rounds``, medians."""
+    say = lambda *a: print(*a, file=out, flush=True)  # noqa: E731
+    folder = tempfile.mkdtemp(prefix="ws-cold-", dir=os.environ.get("WS_BENCH_DIR"))
+    try:
+        facts = prepare(folder, size_mb)
+        say(f"Cold loads of {facts['bytes'] / MB:,.0f} MB ({facts['arrays']} float32 arrays): {rounds} rounds of one "
+            f"process per case, {repeat} loads each, medians; {machine_line()}")
+        for product in ("raw", *(p for pair in COLD_LOADS for p in pair)):
+            run_case(MODULE, f"save:{product}", ["--dir", folder, "--repeat", "1"])
+        cases = ["floor:read", *(f"load:{p}" for pair in COLD_LOADS for p in pair)]
+        times: dict[str, list[float]] = {c: [] for c in cases}
+        for _ in range(rounds):
+            for name in cases:
+                times[name] += run_case(MODULE, name, ["--dir", folder, "--repeat", str(repeat), "--cold"])["times"]
+        m = {c.partition(":")[2]: statistics.median(v) for c, v in times.items()}
+        floor = m["read"]
+        rows = [[COLD_LABELS[name], fmt_seconds(m[name]), fmt_ratio(m[name] / m[peer]), fmt_ratio(m[name] / floor)]
+                for own, peer in COLD_LOADS for name in (own, peer)]
+        rows.append([COLD_LABELS["read"], fmt_seconds(floor), "-", "1.00x"])
+        say(table(["cold load", "median s", "x its peer", "x plain read"], rows))
+        say("")
+        say("Targets (issue 22)")
+        say(table(["target", "holds", "measured"],
+                  [[f"{COLD_LABELS[own]} <= 1.0x {COLD_LABELS[peer]}", "yes" if m[own] <= m[peer] else "NO",
+                    f"{m[own] / m[peer]:.2f}x"] for own, peer in COLD_LOADS]
+                  + [[f"{COLD_LABELS[own]} <= 1.2x plain read", "yes" if m[own] <= 1.2 * floor else "NO",
+                      f"{m[own] / floor:.2f}x"] for own, _ in COLD_LOADS]))
+        return {"facts": facts, "medians": m}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 # -- the run --------------------------------------------------------------------------------
@@ -573,17 +620,22 @@ def main(argv=None) -> None:
     parser.add_argument("--dir", help="folder for the files (default: a temporary folder)")
     parser.add_argument("--keep", action="store_true", help="keep the folder")
     parser.add_argument("--saves", action="store_true", help="only the durable saves, each format against its peer")
-    parser.add_argument("--rounds", type=int, default=3, help="--saves: rounds of one process per case (default 3)")
+    parser.add_argument("--rounds", type=int, default=3, help="--saves, --cold-loads: rounds of one process per case (default 3)")
     parser.add_argument("--scale", action="store_true",
                         help="only the scale rows: npz save and load from 64 MB to 4 GB and 100 to 100,000 tensors")
     parser.add_argument("--sizes-mb", default=",".join(map(str, SCALE_SIZES_MB)),
                         help="--scale: the sizes, comma-separated (default 64,256,1024,4096)")
     parser.add_argument("--counts", default=",".join(map(str, SCALE_COUNTS)),
                         help="--scale: the tensor counts, comma-separated (default 100,1000,10000,100000)")
+    parser.add_argument("--cold-loads", action="store_true",
+                        help="only cold loads: each format from the disk against its peer and a plain read")
+    parser.add_argument("--cold", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--case", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.case:
         case_main(args)
+    elif args.cold_loads:
+        cold_load_bench(args.size_mb, args.repeat, args.rounds)
     elif args.scale:
         scale_bench(tuple(float(x) for x in args.sizes_mb.split(",")), tuple(int(x) for x in args.counts.split(",")),
                     args.repeat)
