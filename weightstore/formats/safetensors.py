@@ -506,15 +506,13 @@ class SafetensorsReader(ReaderDefaults):
         """Announce the tensors read next: a remote source fetches them at once, a local one
         has the kernel read the stretch they span in one request (read tensor by tensor, a cold
         256 MB file took 0.15-0.18 s; announced at once, 0.09 s)."""
-        def extents() -> list[tuple[int, int]]:
-            tensors = [self._tensor(key) for key in keys]
-            return [(self._data_start + t.begin, t.end - t.begin) for t in tensors]
-
-        if isinstance(self._source, (MappedFile, OwnedFile)) and keys:
-            tensors = [self._tensor(key) for key in keys]
-            start = min(t.begin for t in tensors)
-            self._source.prefetch(self._data_start + start, max(t.end for t in tensors) - start)
-        prefetch_ranges(self._source, extents)
+        tensors = [self._tensor(key) for key in keys]
+        if isinstance(self._source, (MappedFile, OwnedFile)):
+            if tensors:
+                start = min(t.begin for t in tensors)
+                self._source.prefetch(self._data_start + start, max(t.end for t in tensors) - start)
+            return
+        prefetch_ranges(self._source, lambda: [(self._data_start + t.begin, t.end - t.begin) for t in tensors])
 
     def read_into(self, key: str, out: np.ndarray, *, verify: bool) -> bool:
         """Read a tensor straight into ``out``; False when the file has no checksum to verify it by."""
