@@ -51,7 +51,7 @@ def staged_copy(array: np.ndarray, dtype: np.dtype) -> Any:
     ``AssignVariableOp`` to take over; a :func:`private_copy` where that cannot be made (a small
     value, eager execution off, a dtype without an ``Empty`` kernel, an array handed over)."""
     dtype = np.dtype(dtype)
-    if array.nbytes < STAGED_FROM or dtype in _unstageable or is_handed_over(array):
+    if not _stages(array, dtype):
         return private_copy(array, dtype)  # which gives a handed-over array itself: no copy at all
     if not tf.executing_eagerly():  # in a graph (a tf.function): the op would join it (init_scope costs 50 us)
         return private_copy(array, dtype)
@@ -65,6 +65,14 @@ def staged_copy(array: np.ndarray, dtype: np.dtype) -> Any:
     return tensor
 
 
+def _stages(array: np.ndarray, dtype: np.dtype) -> bool:
+    """Whether ``array``, as ``dtype``, is worth an ``Empty`` tensor and can have one: large
+    enough, of a dtype with a kernel, each dimension within ``Empty``'s int32 shape, and not
+    an array handed over (which :func:`private_copy` gives as it is)."""
+    return (math.prod(array.shape) * dtype.itemsize >= STAGED_FROM and dtype not in _unstageable
+            and all(size < _DIMENSION_LIMIT for size in array.shape) and not is_handed_over(array))
+
+
 def staged_feeds(values: list[tuple[np.ndarray, np.dtype]]) -> list[np.ndarray]:
     """Each ``(array, dtype)`` as a feed for a TF1 session's variable to take over: the large ones
     copied into ``Empty`` tensors of one ``session.run`` per dtype, the rest (and any whose dtype
@@ -73,8 +81,7 @@ def staged_feeds(values: list[tuple[np.ndarray, np.dtype]]) -> list[np.ndarray]:
     staged: dict[np.dtype, list[int]] = {}
     for i, (array, dtype) in enumerate(values):
         dtype = np.dtype(dtype)
-        if (math.prod(array.shape) * dtype.itemsize < STAGED_FROM or dtype in _unstageable or is_handed_over(array)
-                or any(size >= _DIMENSION_LIMIT for size in array.shape)):
+        if not _stages(array, dtype):
             feeds[i] = private_copy(array, dtype)
         else:
             staged.setdefault(dtype, []).append(i)

@@ -30,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -335,6 +336,20 @@ DURABLE_LABELS = {"ws-npz": "weightstore npz", "np+fsync": "np.savez + fsync", "
                   "h5py+fsync": "h5py + fsync", "raw+fsync": "floor: raw write + fsync"}
 
 
+def _in_turns(cases: list[str], rounds: int, args: list[str],
+              after: Callable[[str], object] | None = None) -> dict[str, float]:
+    """Each case in a process of its own, the cases taking turns for ``rounds`` rounds (load from
+    other work falls on all alike); ``after(case)`` runs after each. The median of every timed
+    run of a case, by its name without the kind (``save:ws-npz`` -> ``ws-npz``)."""
+    times: dict[str, list[float]] = {c: [] for c in cases}
+    for _ in range(rounds):
+        for case in cases:
+            times[case] += run_case(MODULE, case, args)["times"]
+            if after is not None:
+                after(case)
+    return {c.partition(":")[2]: statistics.median(v) for c, v in times.items()}
+
+
 def save_bench(size_mb: float, repeat: int, rounds: int = 3, out=sys.stdout) -> dict:
     """Every format's durable save against its own peer's and the raw write+fsync floor: one
     process per case, the cases taking turns for ``rounds`` rounds (load from others falls on
@@ -345,14 +360,9 @@ def save_bench(size_mb: float, repeat: int, rounds: int = 3, out=sys.stdout) -> 
         facts = prepare(folder, size_mb)
         say(f"Durable saves of {facts['bytes'] / MB:,.0f} MB ({facts['arrays']} float32 arrays): {rounds} rounds of "
             f"one process per case, {repeat} saves each, medians; {machine_line()}")
-        cases = [c for pair in DURABLE for c in pair] + ["raw+fsync"]
-        times: dict[str, list[float]] = {c: [] for c in cases}
-        for _ in range(rounds):
-            for name in cases:
-                res = run_case(MODULE, f"save:{name}", ["--dir", folder, "--repeat", str(repeat)])
-                times[name] += res["times"]
-                os.unlink(os.path.join(folder, FILES[name.partition("+")[0]]))  # one large file at a time
-        m = {c: statistics.median(v) for c, v in times.items()}
+        cases = [f"save:{c}" for pair in DURABLE for c in pair] + ["save:raw+fsync"]
+        m = _in_turns(cases, rounds, ["--dir", folder, "--repeat", str(repeat)],  # one large file at a time:
+                      after=lambda case: os.unlink(os.path.join(folder, FILES[case[5:].partition("+")[0]])))
         floor = m["raw+fsync"]
         rows, checks = [], []
         for own, peer in DURABLE:
@@ -434,11 +444,7 @@ def cold_load_bench(size_mb: float, repeat: int, rounds: int = 3, out=sys.stdout
         for product in ("raw", *(p for pair in COLD_LOADS for p in pair)):
             run_case(MODULE, f"save:{product}", ["--dir", folder, "--repeat", "1"])
         cases = ["floor:read", *(f"load:{p}" for pair in COLD_LOADS for p in pair)]
-        times: dict[str, list[float]] = {c: [] for c in cases}
-        for _ in range(rounds):
-            for name in cases:
-                times[name] += run_case(MODULE, name, ["--dir", folder, "--repeat", str(repeat), "--cold"])["times"]
-        m = {c.partition(":")[2]: statistics.median(v) for c, v in times.items()}
+        m = _in_turns(cases, rounds, ["--dir", folder, "--repeat", str(repeat), "--cold"])
         floor = m["read"]
         rows = [[COLD_LABELS[name], fmt_seconds(m[name]), fmt_ratio(m[name] / m[peer]), fmt_ratio(m[name] / floor)]
                 for own, peer in COLD_LOADS for name in (own, peer)]
