@@ -83,6 +83,8 @@ class Target:
     that reads regions (a sharded version) hot reload then compares each part's digest: a key
     all of whose parts are unchanged is skipped, and ``kept`` (filled by :func:`run_assign`)
     holds the parts of the others that ``prepare`` and ``write`` may leave as they are.
+    ``ahead``: of a batched target, called with each batch's keys before the verify pass, to get
+    ready to write them while the values are read (a TF1 session compiles each batch meanwhile).
     """
 
     infos: Mapping[str, TargetInfo]
@@ -93,6 +95,7 @@ class Target:
     batched: bool = False
     regions: Callable[[str], list[tuple[slice, ...]] | None] | None = None
     kept: dict[str, frozenset[int]] = field(default_factory=dict)
+    ahead: Callable[[list[list[str]]], None] | None = None
 
 
 def run_assign(target: Target, weights: Any, options: AssignOptions, *, skip_for: Any = None) -> Report:
@@ -171,9 +174,12 @@ def _write_batches(target: Target, source: ValueSource, prepare: Callable[[Value
     """Verify every value, then write them batch by batch; see :func:`run_assign` for failures."""
     sizes = {key: _nbytes(target.infos[key]) for key, _ in todo}
     budget = max(BATCH_MIN_BYTES, sum(sizes.values()) // BATCH_SHARE)
+    chunks = list(_chunks(todo, sizes, budget))
+    if target.ahead is not None:
+        target.ahead([[key for key, _ in chunk] for chunk in chunks])
     kept: dict[str, Any] = {}
     held = 0
-    for chunk in _chunks(todo, sizes, budget):  # the verify pass: any bad value raises here, before any write
+    for chunk in chunks:  # the verify pass: any bad value raises here, before any write
         source.prefetch([value_key for _, value_key in chunk])  # a budget's worth, as the write batches will hold
         for key, value_key in chunk:
             value = prepare(source, key, value_key)
@@ -184,7 +190,7 @@ def _write_batches(target: Target, source: ValueSource, prepare: Callable[[Value
                 held += sizes[key]
             del value  # one not kept is read again in its batch
     written_before = False
-    for chunk in _chunks(todo, sizes, budget):
+    for chunk in chunks:
         try:
             batch = [(key, kept.pop(key) if key in kept else prepare(source, key, value_key))
                      for key, value_key in chunk]

@@ -45,7 +45,7 @@ from weightstore.extras import needs
 with needs("tf", __name__):
     import tensorflow as tf
 
-from weightstore.adapters import tf1_training
+from weightstore.adapters import tf1_callables, tf1_training
 from weightstore.adapters.plan import (
     MEMORY,
     AssignOptions,
@@ -163,6 +163,10 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
     graph = sess.graph
     targets = _targets(graph)
     options = AssignOptions(**words)
+    # The parts hot reload keeps, filled by run_assign for the Target below. The closures hold this
+    # dict, not the Target: a Target whose closures hold it is a cycle, which kept a dropped session
+    # (and its variables) alive until the next garbage collection.
+    kept: dict[str, frozenset[int]] = {}
 
     def prepare(values: Any, key: str, value_key: str) -> np.ndarray | list[np.ndarray | None]:
         """The verified value as the file holds it (a view of a mapped npz costs no memory); of a
@@ -173,8 +177,8 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
         for part in parts:
             _writer(graph, part.variable)
         if parts[0].index and values.regional:  # None: a part hot reload found unchanged, left as it is
-            kept = job.kept.get(key, frozenset())
-            return [None if i in kept else values.read_region(value_key, part.index) for i, part in enumerate(parts)]
+            unchanged = kept.get(key, frozenset())
+            return [None if i in unchanged else values.read_region(value_key, part.index) for i, part in enumerate(parts)]
         return np.asarray(values.read(value_key))
 
     def cut(value: np.ndarray | list[np.ndarray | None], parts: list[_Part]) -> list[np.ndarray | None]:
@@ -184,21 +188,23 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
         return [value[part.index] if part.index else value for part in parts]
 
     def write(batch: list[tuple[str, np.ndarray | list[np.ndarray | None]]], report: Report) -> list[str]:
-        """One batch in one ``session.run``, through ops the graph already has."""
-        fetches: list[tf.Operation] = []
-        tensors: list[tf.Tensor] = []
+        """One batch in one run of the session, through ops the graph already has."""
+        writers: tf1_callables.Writers = []
         values: list[tuple[np.ndarray, np.dtype]] = []
         for key, value in batch:
             target = targets[key]
             for part, array in zip(target.parts, cut(value, target.parts), strict=True):
-                if array is None:
-                    continue
-                op, tensor = _writer(graph, part.variable)
-                fetches.append(op)
-                tensors.append(tensor)
-                values.append((array, target.dtype))
-        sess.run(fetches, feed_dict=dict(zip(tensors, staged_feeds(values), strict=True)))
+                if array is not None:
+                    writers.append(_writer(graph, part.variable))
+                    values.append((array, target.dtype))
+        tf1_callables.run(sess, writers, staged_feeds(values))
         return [key for key, _ in batch]
+
+    def ahead(batches: list[list[str]]) -> None:
+        """Each batch's writers, as :func:`write` will run them (the parts hot reload keeps left out)."""
+        tf1_callables.compile_ahead(sess, [[_writer(graph, part.variable) for key in keys
+                                            for i, part in enumerate(targets[key].parts)
+                                            if i not in kept.get(key, ())] for keys in batches])
 
     infos = {key: target.info for key, target in targets.items()}
     model = infos if optimizer else {key: info for key, info in infos.items() if not targets[key].training}
@@ -207,7 +213,7 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
         left_out = () if optimizer else tf1_training.in_checkpoint(values.where, values.keys())
         return plan_assign(values, model, options, left_out=left_out), values
 
-    job = Target(infos, write, owner=lambda key: sess, prepare=prepare, plan=plan, batched=True,
+    job = Target(infos, write, owner=lambda key: sess, prepare=prepare, plan=plan, batched=True, ahead=ahead, kept=kept,
                  regions=lambda key: [part.index for part in targets[key].parts] if targets[key].parts[0].index else None)
     return run_assign(job, weights, options)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 
 import ml_dtypes
 import numpy as np
@@ -16,9 +17,10 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 import weightstore as ws  # noqa: E402
-from weightstore.adapters import skeleton, tf1  # noqa: E402
+from weightstore.adapters import skeleton, tf1, tf1_callables  # noqa: E402
 from weightstore.adapters.plan import AssignWarning  # noqa: E402
 from weightstore.errors import AssignmentError, ChecksumError, FormatError, SelectionError  # noqa: E402
+from weightstore.gcpause import paused_gc  # noqa: E402
 from weightstore.versions import Version  # noqa: E402
 
 v1 = tf.compat.v1
@@ -451,20 +453,28 @@ FLOATS = 32768  # 128 KiB a tensor: over HDF5's 64 KiB sieve buffer, so a tensor
 
 
 class CountingSession(v1.Session):
-    """A real session that counts the runs that feed values (an assign's batches) and can act after one."""
+    """A real session that counts an assign's batches run in it, and can act after one (``after_feed``);
+    counted by the ``batches_counted`` fixture."""
 
     def __init__(self, *args, after_feed=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.feeding_runs = 0
         self.after_feed = after_feed
 
-    def run(self, fetches, feed_dict=None, **kwargs):
-        result = super().run(fetches, feed_dict=feed_dict, **kwargs)
-        if feed_dict:
-            self.feeding_runs += 1
-            if self.after_feed:
-                self.after_feed(self.feeding_runs)
-        return result
+
+@pytest.fixture
+def batches_counted(monkeypatch):
+    """Every batch a TF1 assign runs (as a callable or through ``session.run``) counted on its CountingSession."""
+    run = tf1_callables.run
+
+    def counted(sess, writers, feeds):
+        run(sess, writers, feeds)
+        if isinstance(sess, CountingSession):
+            sess.feeding_runs += 1
+            if sess.after_feed:
+                sess.after_feed(sess.feeding_runs)
+
+    monkeypatch.setattr(tf1_callables, "run", counted)
 
 
 @pytest.fixture
@@ -483,7 +493,7 @@ def six_variables():
 
 
 @pytest.mark.parametrize("route", ["dict", "npz", "h5"])
-def test_batched_assign_equals_one_shot_and_runs_once_per_batch(tmp_path, monkeypatch, route):
+def test_batched_assign_equals_one_shot_and_runs_once_per_batch(tmp_path, monkeypatch, batches_counted, route):
     weights = six_values()
     source = weights if route == "dict" else tmp_path / f"w.{route}"
     if route != "dict":
@@ -504,8 +514,34 @@ def test_batched_assign_equals_one_shot_and_runs_once_per_batch(tmp_path, monkey
         np.testing.assert_array_equal(got_batched, expected)
 
 
+def test_a_session_keeps_its_latest_batches_compiled_and_is_freed_when_dropped(two_per_batch, monkeypatch):
+    """Each batch runs as a callable the session compiled once; assigns of ever other subsets (hot
+    reloads) keep only the latest KEPT of them, values right throughout, and nothing weightstore
+    holds keeps a dropped session (and its variables) alive until a garbage collection."""
+    monkeypatch.setattr(tf1_callables, "KEPT", 2)
+    weights = six_values()
+    graph = tf.Graph()
+    with graph.as_default():
+        variables = six_variables()
+        init = v1.global_variables_initializer()
+    sess = v1.Session(graph=graph)
+    sess.run(init)
+    for _ in range(2):  # three batches of two: the third forgets the first's callable
+        tf1.assign(sess, weights)
+    tenfold = {key: value * 10 for key, value in weights.items()}
+    for i in range(6):
+        assert tf1.assign(sess, tenfold, include=f"layer_{i}/w").assigned == [f"layer_{i}/w"]
+    assert len(sess._weightstore_callables._entries) == 2
+    for i, got in enumerate(values(sess, variables)):
+        np.testing.assert_array_equal(got, weights[f"layer_{i}/w"] * 10)
+    dropped = weakref.ref(sess)
+    with paused_gc():
+        del sess
+        assert dropped() is None
+
+
 @pytest.mark.parametrize("fmt", ["npz", "h5"])
-def test_a_bad_value_in_a_later_batch_changes_nothing(tmp_path, two_per_batch, fmt):
+def test_a_bad_value_in_a_later_batch_changes_nothing(tmp_path, two_per_batch, batches_counted, fmt):
     weights = six_values()
     path = tmp_path / f"w.{fmt}"
     ws.save(path, weights)
@@ -521,7 +557,7 @@ def test_a_bad_value_in_a_later_batch_changes_nothing(tmp_path, two_per_batch, f
         assert not any(got.any() for got in values(sess, variables))
 
 
-def test_a_file_rewritten_in_place_between_batches_says_what_was_written(tmp_path, two_per_batch):
+def test_a_file_rewritten_in_place_between_batches_says_what_was_written(tmp_path, two_per_batch, batches_counted):
     """What the verify pass cannot see: an HDF5 value read again after the file changed under it."""
     weights = six_values()
     path = tmp_path / "w.h5"
@@ -553,7 +589,7 @@ def test_a_file_rewritten_in_place_between_batches_says_what_was_written(tmp_pat
         np.testing.assert_array_equal(values(sess, variables)[5], weights["layer_5/w"])
 
 
-def test_partitioned_variables_and_shared_initial_values_in_batches(tmp_path, two_per_batch):
+def test_partitioned_variables_and_shared_initial_values_in_batches(tmp_path, two_per_batch, batches_counted):
     """A key's parts travel in one batch; writers that cannot exist fail before the first batch."""
     weights = {"p": np.arange(4 * FLOATS, dtype=np.float32).reshape(4, FLOATS), **six_values()}
     with tf.Graph().as_default() as graph, CountingSession(graph=graph) as sess:

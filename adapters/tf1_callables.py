@@ -1,0 +1,146 @@
+"""A TF1 assign's batches run as session callables, compiled on the helper thread while the values are verified.
+
+A TF1 session compiles every new set of feeds and fetches into an executor the first time it
+runs it (35-50 ms for a graph of 2,000 ops, most of it Grappler over the whole graph), and an
+assign of a 256 MB model runs four such batches: on the first call that took longer than
+reading the file. The C API's callables (``MakeCallable``) compile a set without running it,
+with the GIL released, so :func:`compile_ahead` has every batch compiled while the verify pass
+reads and checks the file, and each batch runs as soon as its turn comes.
+
+A session keeps its callables for the last :data:`KEPT` sets it ran. ``session.run`` keeps an
+executor for every set it ever saw, and a follower's hot reloads write another subset of the
+variables each time, so that cache only grows.
+
+The handles are the session's own (the C API's integers), held in a table on the session, so
+nothing here keeps a session alive: TF's Python wrapper for callables holds its session, and a
+table of those on the session would make a cycle that frees a dropped session, and all its
+variables, only at the next garbage collection. A session whose graph cannot be compiled this
+way, or a session of another kind (a ``MonitoredSession``, which runs hooks), gets
+``session.run``, which also reports any error.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from weightstore.extras import needs
+from weightstore.parallel import beside
+
+with needs("tf", __name__):
+    import tensorflow as tf
+    from tensorflow.core.protobuf import config_pb2
+    from tensorflow.python.client import pywrap_tf_session as c_api
+    from tensorflow.python.client.session import BaseSession
+
+__all__ = ["KEPT", "compile_ahead", "run"]
+
+#: sets of feeds and fetches a session keeps compiled: a whole assign is at most a few dozen batches
+KEPT = 64
+
+Writers = list[tuple[tf.Operation, tf.Tensor]]  # (the op to run, the tensor it is fed through)
+_Signature = tuple[tuple[str, ...], tuple[str, ...]]  # (fed tensor names, op names)
+
+
+def compile_ahead(sess: Any, batches: list[Writers]) -> None:
+    """Start compiling each batch not yet compiled, one after the other on the shared helper."""
+    table = _table(sess)
+    if table is not None:
+        for writers in batches:
+            table.start(sess, _signature(writers))
+
+
+def run(sess: Any, writers: Writers, feeds: list[np.ndarray]) -> None:
+    """Run one batch: each op with its tensor fed the value at the same place in ``feeds``."""
+    table = _table(sess)
+    handle = table.handle(sess, _signature(writers)) if table is not None else None
+    if handle is None or sess._closed:  # session.run raises what is wrong
+        sess.run([op for op, _ in writers], feed_dict={tensor: feed for (_, tensor), feed in zip(writers, feeds, strict=True)})
+    else:
+        c_api.TF_SessionRunCallable(sess._session, handle, feeds, None)
+
+
+def _signature(writers: Writers) -> _Signature:
+    return tuple(tensor.name for _, tensor in writers), tuple(op.name for op, _ in writers)
+
+
+class _Table:
+    """One session's callables by signature, most recently used last."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[_Signature, _Compiled] = OrderedDict()
+
+    def start(self, sess: BaseSession, signature: _Signature) -> None:
+        self._entry(sess, signature, ahead=True)
+
+    def handle(self, sess: BaseSession, signature: _Signature) -> int | None:
+        return self._entry(sess, signature, ahead=False).handle()
+
+    def _entry(self, sess: BaseSession, signature: _Signature, *, ahead: bool) -> _Compiled:
+        with self._lock:
+            entry = self._entries.get(signature)
+            if entry is None:
+                session = weakref.ref(sess)  # a job never keeps the session alive
+                entry = self._entries[signature] = _Compiled(lambda: _compile(session(), signature), ahead=ahead)
+            self._entries.move_to_end(signature)
+            forgotten = [self._entries.popitem(last=False)[1] for _ in range(len(self._entries) - KEPT)]
+        for old in forgotten:
+            old.release(sess)
+        return entry
+
+
+class _Compiled:
+    """One set's callable: compiled on the helper (``ahead``) or by the first thread asking for it."""
+
+    def __init__(self, make: Callable[[], int | None], *, ahead: bool):
+        self._lock = threading.Lock()
+        self._make: Callable[[], int | None] | None = make
+        self._job = beside(make) if ahead else None
+        self._handle: int | None = None
+
+    def handle(self) -> int | None:
+        """The handle (``None``: run the set with ``session.run``); compiled here if no helper has started it."""
+        with self._lock:
+            if self._make is not None:
+                self._handle = self._job.result() if self._job is not None else self._make()
+                self._make = self._job = None
+            return self._handle
+
+    def release(self, sess: BaseSession) -> None:
+        handle = self.handle()
+        if handle is not None and not sess._closed:
+            c_api.TF_SessionReleaseCallable(sess._session, handle)
+
+
+def _table(sess: Any) -> _Table | None:
+    if not isinstance(sess, BaseSession):
+        return None
+    with _tables_lock:
+        table = getattr(sess, "_weightstore_callables", None)
+        if table is None:
+            table = sess._weightstore_callables = _Table()
+    return table
+
+
+_tables_lock = threading.Lock()
+
+
+def _compile(sess: BaseSession | None, signature: _Signature) -> int | None:
+    """A callable handle for the set, or ``None`` where the session cannot make one (or is gone)."""
+    if sess is None or sess._closed:
+        return None
+    fed, ops = signature
+    options = c_api.TF_NewBufferFromString(config_pb2.CallableOptions(feed=fed, target=ops).SerializeToString())
+    try:
+        sess._extend_graph()
+        return c_api.TF_SessionMakeCallable(sess._session, options)
+    except (tf.errors.OpError, ValueError, TypeError):
+        return None
+    finally:
+        c_api.TF_DeleteBuffer(options)
