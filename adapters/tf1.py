@@ -22,13 +22,16 @@ Assigning writes by feeding each variable's initializer input and running its in
 those ops already exist, so repeated assigns never grow the graph and work on a graph that
 ``MonitoredTrainingSession`` has finalized. A naive ``sess.run(v.assign(x))`` adds ops on every
 reload until the process runs out of memory. Every value is read and verified first, then the
-values go in batches of bounded bytes, one ``session.run`` each, so a restore holds a small part
-of the model in extra memory rather than a second copy of it (see
+values go in batches of bounded bytes, one run each, so a restore holds a small part of the
+model in extra memory rather than a second copy of it (see
 :func:`weightstore.adapters.skeleton.run_assign` for what a failure in a later batch means). A
 variable takes over the buffer it is fed, so large values are fed from TensorFlow's own memory
 (:func:`weightstore.adapters.tf_staging.staged_feeds`): the buffers the variables free go back
 to TensorFlow's pool and the next batch reuses them, where numpy copies left the old ones in the
 pool for good (the first assign in a process then held the model twice, as ``Saver.restore`` does).
+Each batch runs as a callable the session compiles while the values are verified
+(:mod:`weightstore.adapters.tf1_callables`), so the first assign does not wait for TF to compile
+its batches one by one.
 """
 
 from __future__ import annotations
