@@ -57,10 +57,12 @@ _rehearsing: contextvars.ContextVar[bool] = contextvars.ContextVar("weightstore_
 
 # A batch holds at most max(BATCH_MIN_BYTES, the assign's bytes / BATCH_SHARE): 1/16 of a large
 # model, so its extra memory stays near a tenth of it even with a tensor over the budget (such a
-# tensor is a batch of its own). Not smaller: each batch is a new executor for a TF1 session on
-# its first call (13 ms for a 2,000-op graph, mostly Grappler); batches of 16 MB made the first
-# tf1.assign of 256 MB 2.2x Saver.restore's time, against 0.9x with 64 MB (docs/benchmarks.md).
-BATCH_MIN_BYTES = 64 << 20
+# tensor is a batch of its own). Not smaller: a TF1 session compiles each batch on its first call
+# (8 ms and 0.5 ms a variable in a 2,000-op graph), on the helper thread during the verify pass,
+# and the more batches the less of that hides. The first tf1.assign of 256 MB, warm, x Saver.restore
+# and extra memory: 64 MB batches 0.74x, 0.31-0.38x; 32 MB 0.81x, 0.25-0.28x; 16 MB 1.1-1.2x,
+# 0.16-0.20x (docs/benchmarks.md).
+BATCH_MIN_BYTES = 32 << 20
 BATCH_SHARE = 16
 
 

@@ -502,7 +502,7 @@ def test_batched_assign_equals_one_shot_and_runs_once_per_batch(tmp_path, monkey
         variables = six_variables()
         sess.run(v1.global_variables_initializer())
         assert tf1.assign(sess, source).assigned == list(weights)
-        assert sess.feeding_runs == 1  # 768 KiB: one batch of the 64 MB minimum
+        assert sess.feeding_runs == 1  # 768 KiB: one batch of the 32 MB minimum
         one_shot = values(sess, variables)
         sess.run(v1.global_variables_initializer())
         monkeypatch.setattr(skeleton, "BATCH_MIN_BYTES", 2 * FLOATS * 4)
