@@ -2,10 +2,10 @@
 
 A TF1 session compiles every new set of feeds and fetches into an executor the first time it
 runs it (in the benchmark's graph of 2,000 ops, 8 ms and half a millisecond a variable: 38 ms
-for a batch of 64), and an assign of a 256 MB model runs four such batches: on the first call,
-0.16 s of 0.32, more than reading the file. The C API's callables (``MakeCallable``) compile a set without running it,
-with the GIL released, so :func:`compile_ahead` has every batch compiled while the verify pass
-reads and checks the file, and each batch runs as soon as its turn comes.
+for a batch of 64), and an assign of a 256 MB model in four batches spent 0.16 s of its first
+call's 0.32 s so, more than reading the file. The C API's callables (``MakeCallable``) compile a
+set without running it, with the GIL released, so :func:`compile_ahead` has every batch compiled
+while the verify pass reads and checks the file, and each batch runs as soon as its turn comes.
 
 A session keeps its callables for the last :data:`KEPT` sets it ran. ``session.run`` keeps an
 executor for every set it ever saw, and a follower's hot reloads write another subset of the

@@ -515,8 +515,8 @@ def test_batched_assign_equals_one_shot_and_runs_once_per_batch(tmp_path, monkey
 
 
 def test_a_session_keeps_its_latest_batches_compiled_and_is_freed_when_dropped(two_per_batch, monkeypatch):
-    """Each batch runs as a callable the session compiled once; assigns of ever other subsets (hot
-    reloads) keep only the latest KEPT of them, values right throughout, and nothing weightstore
+    """Each batch runs as a callable the session compiled once; assigns of one subset after another
+    (hot reloads) leave the latest KEPT of them, values right throughout, and nothing weightstore
     holds keeps a dropped session (and its variables) alive until a garbage collection."""
     monkeypatch.setattr(tf1_callables, "KEPT", 2)
     weights = six_values()
