@@ -3,7 +3,11 @@ and the copies TF1 feeds (which TF must copy into its own allocator, not adopt).
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -71,3 +75,50 @@ def test_readahead_serves_a_cold_npz_restore(tmp_path, small_steps):
     with ws.open(path) as store:
         for key, value in weights.items():
             np.testing.assert_array_equal(store[key], value)
+
+
+
+def _resident(path, offset: int, length: int) -> bool:
+    """Whether the page cache holds all of these bytes (``mincore`` on a map of the file, which
+    touches nothing; a read told not to wait, ``RWF_NOWAIT``, starts the kernel's read-ahead)."""
+    page = mmap.PAGESIZE
+    start = offset - offset % page
+    pages = (offset + length - start + page - 1) // page
+    found = (ctypes.c_ubyte * pages)()
+    with open(path, "rb") as handle:
+        mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)  # writable, so ctypes can take its address
+        anchor = ctypes.c_char.from_buffer(mapping)
+        try:
+            failed = _libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor) + start),
+                                   ctypes.c_size_t(offset + length - start), found)
+        finally:
+            del anchor
+            mapping.close()
+    assert not failed, os.strerror(ctypes.get_errno())
+    return all(flag & 1 for flag in found)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="mincore and posix_fadvise as Linux has them")
+def test_reading_an_npz_reads_ahead_though_its_index_was_read_at_the_end(tmp_path, monkeypatch):
+    """Opening an npz reads its directory and manifest at the end of the file; the first tensor
+    read must still have the kernel fetch the bytes after it (it once counted the end as announced)."""
+    monkeypatch.setattr(local, "READ_AHEAD", 24 << 20)
+    monkeypatch.setattr(local, "_advice_piece", lambda fileno: 1 << 20)  # read whole, whatever the device's setting
+    weights = {"a": np.ones(1 << 14, np.float32), "b": np.zeros(8 << 20, np.float32)}  # 64 KiB, then 32 MB
+    path = tmp_path / "w.npz"
+    ws.save(path, weights)
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    far = 16 << 20  # past what the kernel reads around a fault by itself (8 MB on the machine measured)
+    if _resident(path, far, 1 << 20):
+        pytest.skip("this file system keeps the file cached (tmpfs?)")
+    with ws.open(path) as store:
+        np.testing.assert_array_equal(store["a"], weights["a"])
+        deadline = time.monotonic() + 10
+        while not _resident(path, far, 1 << 20) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _resident(path, far, 1 << 20)
