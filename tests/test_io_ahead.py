@@ -106,7 +106,7 @@ def test_reading_an_npz_reads_ahead_though_its_index_was_read_at_the_end(tmp_pat
     """Opening an npz reads its directory and manifest at the end of the file; the first tensor
     read must still have the kernel fetch the bytes after it (it once counted the end as announced)."""
     monkeypatch.setattr(local, "READ_AHEAD", 24 << 20)
-    monkeypatch.setattr(local, "_advice_piece", lambda fileno: 1 << 20)  # read whole, whatever the device's setting
+    monkeypatch.setattr(local, "_advice_piece", lambda device: 1 << 20)  # read whole, whatever the device's setting
     weights = {"a": np.ones(1 << 14, np.float32), "b": np.zeros(8 << 20, np.float32)}  # 64 KiB, then 32 MB
     path = tmp_path / "w.npz"
     ws.save(path, weights)

@@ -66,7 +66,7 @@ from weightstore.errors import (
 )
 from weightstore.formats import Format, ReaderDefaults, foreign_keys
 from weightstore.formats.sstable import crc32c, unmask_crc
-from weightstore.io.local import MappedFile, OwnedFile
+from weightstore.io.local import MappedFile
 from weightstore.io.source import ByteSource, open_source, prefetch_ranges
 from weightstore.manifest import (
     MAX_NDIM,
@@ -507,7 +507,7 @@ class SafetensorsReader(ReaderDefaults):
         has the kernel read the stretch they span in one request (read tensor by tensor, a cold
         256 MB file took 0.15-0.18 s; announced at once, 0.09 s)."""
         tensors = [self._tensor(key) for key in keys]
-        if isinstance(self._source, (MappedFile, OwnedFile)):
+        if isinstance(self._source, MappedFile):
             if tensors:
                 start = min(t.begin for t in tensors)
                 self._source.prefetch(self._data_start + start, max(t.end for t in tensors) - start)

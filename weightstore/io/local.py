@@ -30,6 +30,7 @@ file itself holds a guard made at open (``SizeGuard.of(handle, path)``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import os
 import threading
@@ -71,10 +72,12 @@ _STREAMS_BY_ITSELF = 4 << 20
 _ADVICE_PIECE = 1 << 20  # within what the kernel reads of one advice on any device
 
 
-def _advice_piece(fileno: int) -> int | None:
+@functools.cache
+def _advice_piece(device: int) -> int | None:
     """The pieces to advise a file's ranges in: 1 MB, each read whole, where the kernel's own
-    read-ahead for the file's device is small; ``None`` (one advice, of which the kernel reads
-    the head) where it is large. Unknown (no sysfs entry, not Linux): small.
+    read-ahead for the file's device (``st_dev``) is small; ``None`` (one advice, of which the
+    kernel reads the head) where it is large. Unknown (no sysfs entry): small. Read from sysfs
+    once per device.
 
     The kernel reads at most ``max(read_ahead_kb, max_sectors_kb)`` of one advice. A cold 256 MB
     load, interleaved in one process (seven rounds, medians, x a plain sequential read): with the
@@ -83,7 +86,6 @@ def _advice_piece(fileno: int) -> int | None:
     queued deep with reads not needed yet while the kernel's read-ahead on the map's faults,
     carrying on from each advice's head, kept pace by itself.
     """
-    device = os.fstat(fileno).st_dev
     name = f"{os.major(device)}:{os.minor(device)}"
     for where in (f"/sys/class/bdi/{name}/read_ahead_kb", f"/sys/dev/block/{name}/queue/read_ahead_kb",
                   f"/sys/dev/block/{name}/../queue/read_ahead_kb"):  # a partition's disk
@@ -139,7 +141,6 @@ class _LocalFile:
             raise
         self.size = self._guard.size
         self._ahead = (0, 0)  # the stretch last announced to the kernel, where reading ahead goes on
-        self._advice_piece = _advice_piece(self._handle.fileno()) if _CAN_ADVISE else None
 
     def read_into(self, offset: int, buffer: memoryview) -> None:
         """Copy bytes from the file into ``buffer`` without mapping them into this process."""
@@ -175,7 +176,7 @@ class _LocalFile:
         start = last if first <= offset <= last else offset  # the stretch goes on, or a new one begins
         end = min(self.size, offset + length + READ_AHEAD)
         if end > start and not self._closed and _CAN_ADVISE:
-            _advise(self._handle.fileno(), start, end - start, self._advice_piece)
+            _advise(self._handle.fileno(), start, end - start, _advice_piece(os.fstat(self._handle.fileno()).st_dev))
             self._ahead = (first if start == last else start, end)
 
     def release(self, offset: int, length: int) -> None:
