@@ -22,7 +22,9 @@ is never assigned into a model by accident; file keys under the model's part of 
 the walk never reached, other than optimizer state (anything under an ``optimizer`` edge,
 which a model built without its optimizer never reaches), keep their names, so an assign
 reports them as unexpected (a different architecture) instead of pairing them with some
-look-alike.
+look-alike. Where the caller asked for the optimizer state too, the file's optimizer entries
+the model's optimizer does not reach keep their names as well: an optimizer of another kind
+(or fewer slots) is then reported, not left with half of its state.
 """
 
 from __future__ import annotations
@@ -52,8 +54,9 @@ def is_model_file(path: Any) -> bool:
     return isinstance(path, (str, os.PathLike)) and (_is_keras(os.fspath(path)) or _object_graph(path) is not None)
 
 
-def for_model(model: Any, path: Any, model_keys: Mapping[str, Any]) -> weightstore.Store:
-    """The file at ``path`` as a store keyed like ``model_keys`` (key -> variable of ``model``)."""
+def for_model(model: Any, path: Any, model_keys: Mapping[str, Any], *, optimizer: bool = False) -> weightstore.Store:
+    """The file at ``path`` as a store keyed like ``model_keys`` (key -> variable of ``model``);
+    ``optimizer``: whether ``model_keys`` hold the model's optimizer state, which the file's must then match."""
     import keras
 
     text = os.fspath(path)
@@ -65,9 +68,9 @@ def for_model(model: Any, path: Any, model_keys: Mapping[str, Any]) -> weightsto
                                   f"{type(model).__name__}", path=text)
         note = ""
         if _is_keras(text):
-            names = keras_file_names(model, source.keys(), by_variable)
+            names = keras_file_names(model, source.keys(), by_variable, optimizer=optimizer)
         else:
-            names = _checkpoint_names(model, text, source.keys(), by_variable)
+            names = _checkpoint_names(model, text, source.keys(), by_variable, optimizer=optimizer)
             note = _untracked_note(model, model_keys)
     except BaseException:
         source.close()
@@ -101,14 +104,15 @@ def _is_keras(text: str) -> bool:
     return text.endswith(_KERAS_SUFFIXES)
 
 
-def keras_file_names(model: Any, file_keys: list[str], by_variable: Mapping[int, str]) -> dict[str, str]:
+def keras_file_names(model: Any, file_keys: list[str], by_variable: Mapping[int, str], *,
+                     optimizer: bool = False) -> dict[str, str]:
     """Model key -> file key, from Keras's own save walk over ``model``.
 
     A file key the walk reaches through a variable of the model that is not a target (state
     ``tf2`` does not export, such as a metric's) is left out, like the optimizer's entries;
     Keras's optimizer saves copies (``variable.numpy()``), not its variables, so its
     ``optimizer/vars/<i>`` pair by key, which is how the TF2 adapter keys optimizer state.
-    Anything else keeps its file key.
+    Anything else keeps its file key (optimizer state too, with ``optimizer``).
     """
     import keras
 
@@ -121,7 +125,7 @@ def keras_file_names(model: Any, file_keys: list[str], by_variable: Mapping[int,
             names[by_variable[id(recorded)]] = file_key
         elif file_key in model_keys:
             names.setdefault(file_key, file_key)
-        elif not isinstance(recorded, keras.Variable) and not _optimizer_state(file_key):
+        elif not isinstance(recorded, keras.Variable) and (optimizer or not _optimizer_state(file_key)):
             names.setdefault(file_key, file_key)  # a tensor this model does not have: reported as unexpected
     return names
 
@@ -181,7 +185,8 @@ def _prefix(text: str) -> str:
     return text
 
 
-def _checkpoint_names(model: Any, path: str, file_keys: list[str], by_variable: Mapping[int, str]) -> dict[str, str]:
+def _checkpoint_names(model: Any, path: str, file_keys: list[str], by_variable: Mapping[int, str], *,
+                      optimizer: bool = False) -> dict[str, str]:
     """Model key -> file key, walking ``model``'s trackable children in step with the object graph."""
     graph = _object_graph(path)
     if graph is None:
@@ -208,7 +213,8 @@ def _checkpoint_names(model: Any, path: str, file_keys: list[str], by_variable: 
         variable = found.get(leaf) if leaf is not None else None
         if variable is not None and id(variable) in by_variable:
             names[by_variable[id(variable)]] = file_key
-        elif leaf is not None and leaf in below_home and leaf not in reached and not _optimizer_state(file_key):
+        elif (leaf is not None and leaf in below_home and leaf not in reached
+              and (optimizer or not _optimizer_state(file_key))):
             names.setdefault(file_key, file_key)  # the model has nothing here: reported as unexpected
     return names
 

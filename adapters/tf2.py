@@ -106,6 +106,7 @@ _SHARDED = tf.__internal__.distribute.ShardedVariable
 _VARIABLE_TYPES = (tf.Variable, keras.Variable, _SHARDED)
 _TRACKABLE = tf.__internal__.tracking.AutoTrackable
 _KERAS_LAYOUT = re.compile(r"(?:.+/)?vars/[^/]+")  # Keras's file names: layers/dense/vars/0, optimizer/vars/3
+_OPTIMIZER_KEY = re.compile(r"optimizer/vars/\d+")  # a model's optimizer state, as export(optimizer=True) keys it
 _PART_SUFFIX = re.compile(r"/part_\d+$")
 _GROUPED_BELOW = 1 << 16  # values under this many bytes are written in groups (see _write_batch)
 _GROUP = 64  # most values per group: as fast per variable as larger groups, and a cheap kernel to build
@@ -126,7 +127,9 @@ def keys(obj: Any, *, optimizer: bool = False) -> list[str]:
 
 
 def export(obj: Any, *, optimizer: bool = False, **selection: Unpack[SelectionWords]) -> dict[str, np.ndarray]:
-    """A new weight dictionary of ``obj``'s variables under ``scope`` (keys relative to it).
+    """A new weight dictionary of ``obj``'s variables under ``scope`` (keys relative to it, as
+    the layer or module there keys its own: ``export(ensemble, scope="member_2")`` is
+    ``export(member_2)``, whose automatic names are numbered from itself).
 
     With ``trainable_only``, keeps the trainable variables plus those whose key matches
     ``also`` (``also="*/bn/moving_*"`` adds batch-norm statistics). With ``optimizer``, a
@@ -140,6 +143,9 @@ def selected(obj: Any, *, optimizer: bool = False, **selection: Unpack[Selection
     """Key -> variable for exactly what :func:`export` reads with the same words (for snapshots)."""
     chosen_by = Selection(**selection)
     found = _collect(obj, optimizer)
+    if chosen_by.scope:  # a part's own keys, as tf2.export(part) gives them: what assigns into any instance of it
+        own = {key: own for own, key in _part_keys(obj, normalize_scope(chosen_by.scope), found).items()}
+        found = {own.get(key, key): value for key, value in found.items()}
     plan = plan_outward(found, scope=chosen_by.scope, include=chosen_by.include, exclude=chosen_by.exclude,
                         where=_describe(obj))
     if chosen_by.also:
@@ -194,15 +200,18 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
     aliases.update(_part_keys(obj, at, found))
 
     def plan(values: Any, options: AssignOptions) -> tuple[Plan, Any]:
-        view = _keras_layout_renamed(values, obj, found, options) or _old_keys_renamed(values, aliases, targets, options)
-        return plan_assign(view, targets, options), view
+        view = (_keras_layout_renamed(values, obj, found, options, optimizer)
+                or _old_keys_renamed(values, aliases, targets, options))
+        value_keys = view.keys()  # a ValueSource: it has keys(), not iteration
+        left_out = () if optimizer else [key for key in value_keys if _OPTIMIZER_KEY.fullmatch(key)]
+        return plan_assign(view, targets, options, left_out=left_out), view
 
     target = Target(targets, write, owner=lambda key: found[key][0], plan=plan, batched=True)
     try:
         if not _structured(obj, weights):
             return run_assign(target, weights, options)
         with for_model(_part_at(obj, at), weights, {strip_scope(key, at): var for key, (var, _) in found.items()
-                                                     if in_scope(key, at) and key != at}) as paired:
+                                                     if in_scope(key, at) and key != at}, optimizer=optimizer) as paired:
             return run_assign(target, paired, options, skip_for=weights)
     finally:  # after a partial failure too: the layers hold what their variables now hold
         _finalize(obj, written)
@@ -218,7 +227,7 @@ def load(obj: Any, path: Any, *, include: Patterns = None, exclude: Patterns = N
     """
     if not _structured(obj, path):
         return weightstore.load(path, include=include, exclude=exclude)
-    with for_model(obj, path, variables(obj, optimizer=optimizer)) as store:
+    with for_model(obj, path, variables(obj, optimizer=optimizer), optimizer=optimizer) as store:
         return {key: np.array(store[key]) for key in store if passes(key, include, exclude)}
 
 
@@ -274,17 +283,19 @@ def _part_keys(obj: Any, scope: str, found: Mapping[str, tuple[Variable, bool]])
 
 
 def _keras_layout_renamed(values: Any, obj: Any, found: Mapping[str, tuple[Variable, bool]],
-                          options: AssignOptions) -> Any:
+                          options: AssignOptions, optimizer: bool) -> Any:
     """``values`` keyed as a Keras file keys its tensors (``layers/dense/vars/0``: what ``ws export
     x.weights.h5`` writes without a model), renamed to the model's keys by Keras's own save walk
     over the model (or its part at ``scope``), as the Keras file itself would be; None for other keys.
 
     Keys the walk does not reach keep their names, so a store of another architecture is
-    reported as such rather than paired by position.
+    reported as such rather than paired by position; optimizer state is left out, as from the
+    file, unless ``optimizer`` (see :func:`~weightstore.adapters.artifacts.keras_file_names`).
     """
     keys = values.keys()
     if (not isinstance(obj, keras.layers.Layer) or options.mapping or not keys
-            or not all(_KERAS_LAYOUT.fullmatch(key) for key in keys) or any(key in found for key in keys)):
+            or not all(_KERAS_LAYOUT.fullmatch(key) for key in keys)
+            or any(key in found and not _OPTIMIZER_KEY.fullmatch(key) for key in keys)):
         return None
     at = normalize_scope(options.scope)
     try:
@@ -292,9 +303,9 @@ def _keras_layout_renamed(values: Any, obj: Any, found: Mapping[str, tuple[Varia
     except SelectionError:
         return None
     by_variable = {id(var): strip_scope(key, at) for key, (var, _) in found.items() if in_scope(key, at) and key != at}
-    names = keras_file_names(part, keys, by_variable)  # model key -> file key
+    names = keras_file_names(part, keys, by_variable, optimizer=optimizer)  # model key -> file key
     renames = {file_key: model_key for model_key, file_key in names.items() if model_key != file_key}
-    return RenamedValues(values, renames, keep=set(names.values()))  # optimizer state left out, as from the file
+    return RenamedValues(values, renames, keep=set(names.values()))
 
 
 def _old_keys_renamed(values: Any, aliases: Mapping[str, str], targets: Mapping[str, TargetInfo],
@@ -355,9 +366,10 @@ def _keras_layers(obj: Any) -> list[keras.layers.Layer]:
 
 def _optimizer_variables(obj: Any) -> list[Variable]:
     """A compiled Keras model's optimizer variables, in the order Keras saves them (``optimizer/vars/<i>``)."""
-    variables = list(getattr(getattr(obj, "optimizer", None), "variables", None) or [])
-    if not variables:
-        raise SelectionError(f"{_describe(obj)} has no optimizer state: compile it and build its optimizer "
+    optimizer = getattr(obj, "optimizer", None)
+    variables = list(getattr(optimizer, "variables", None) or [])
+    if not variables or not getattr(optimizer, "built", True):  # unbuilt: its step and rate, none of its slots
+        raise SelectionError(f"{_describe(obj)} has no built optimizer: compile it and build its optimizer "
                              "(model.optimizer.build(model.trainable_variables)) before asking for optimizer=True")
     return variables
 

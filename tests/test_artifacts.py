@@ -282,9 +282,43 @@ def test_optimizer_state_is_assigned_when_asked_for(tmp_path):
         assert report.ok and sorted(report.assigned) == sorted(expected)
         got = tf2.export(fresh, optimizer=True)
         assert all(np.array_equal(got[key], value) for key, value in expected.items())
-    with pytest.raises(ws.errors.SelectionError, match=r"has no optimizer state: compile it and build its optimizer "
+    with pytest.raises(ws.errors.SelectionError, match=r"has no built optimizer: compile it and build its optimizer "
                                                        r"\(model.optimizer.build\(model.trainable_variables\)\)"):
         tf2.assign(small_net(), prefix, optimizer=True)
+
+
+def test_optimizer_state_into_an_unbuilt_or_other_optimizer_changes_nothing(tmp_path):
+    """An unbuilt Adam holds its step and rate but no slots, an SGD fewer variables than an Adam:
+    asked for the optimizer state, an assign of either must not write half of it."""
+    model = trained_with_optimizer()
+    prefix = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(str(tmp_path / "ckpt" / "ckpt"))
+    model.save_weights(tmp_path / "m.weights.h5")
+    ws.save(tmp_path / "m.npz", tf2.export(model, optimizer=True))
+    for path in (prefix, tmp_path / "m.weights.h5", tmp_path / "m.npz"):
+        unbuilt = small_net()
+        unbuilt.compile(keras.optimizers.Adam(0.1), "mse")
+        with pytest.raises(ws.errors.SelectionError, match=r"has no built optimizer"):
+            tf2.assign(unbuilt, path, optimizer=True)
+        other = small_net()
+        other.compile(keras.optimizers.SGD(0.1), "mse")
+        other.optimizer.build(other.trainable_variables)
+        before = tf2.export(other, optimizer=True)
+        with pytest.raises(AssignmentError, match=r"nothing was changed[\s\S]*unexpected[\s\S]*no variable 'optimizer/"):
+            tf2.assign(other, path, optimizer=True)
+        after = tf2.export(other, optimizer=True)
+        assert all(np.array_equal(after[key], value) for key, value in before.items())
+
+
+def test_optimizer_state_in_a_store_is_left_out_unless_asked_for(tmp_path):
+    model = trained_with_optimizer()
+    ws.save(tmp_path / "m.npz", tf2.export(model, optimizer=True))
+    fresh = small_net()
+    report = tf2.assign(fresh, tmp_path / "m.npz")
+    assert report.ok and sorted(report.assigned) == sorted(tf2.export(model))
+    assert report.left_out and all(key.startswith("optimizer/vars/") for key in report.left_out)
+    assert "optimizer=True assigns them" in str(report)
+    x = np.random.default_rng(2).random((3, 4)).astype("float32")
+    np.testing.assert_array_equal(np.asarray(fresh(x)), np.asarray(model(x)))
 
 
 def test_a_file_of_one_member_assigns_under_its_scope_in_an_ensemble(tmp_path):
@@ -352,7 +386,7 @@ def test_report_reads_as_one_short_paragraph():
     report = Report(assigned=[f"layer_{i}/kernel" for i in range(500)], missing=["a", "b", "c", "d"],
                     skipped=["s"])
     assert str(report) == ("assigned 500 variables; 1 skipped as unchanged: s; "
-                           "4 missing (no value): a, b, c, ….")
+                           "4 missing (no value): a, b, c, …")
     assert repr(report) == "Report(assigned=500, missing=4, unexpected=0, mismatched=0, skipped=1, left_out=0)"
 
 

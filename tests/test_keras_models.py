@@ -284,6 +284,24 @@ def test_one_member_of_an_ensemble_assigns_into_another_by_scope():
         np.testing.assert_array_equal(value, tf2.export(members[0])[key] + 1)
 
 
+def test_one_member_exported_by_scope_has_its_own_keys_and_assigns_into_a_lone_instance():
+    inputs = keras.Input((3,))
+    members = [holding_a_model() for _ in range(2)]
+    for i, member in enumerate(members):
+        member.name = f"member_{i}"
+    ensemble = keras.Model(inputs, [member(inputs) for member in members])
+    for member in members:
+        for var in member.weights:
+            var.assign(RNG.normal(size=var.shape).astype("float32"))
+    part = tf2.export(ensemble, scope="member_1")
+    assert list(part) == list(tf2.export(members[1])) == tf2.keys(holding_a_model())
+    assert tf2.export(ensemble, scope="member_1", include="dense_2/*").keys() == {"dense_2/kernel", "dense_2/bias"}
+    lone = holding_a_model()
+    assert tf2.assign(lone, part).ok
+    x = RNG.normal(size=(4, 3)).astype("float32")
+    np.testing.assert_array_equal(np.asarray(lone(x)), np.asarray(ensemble(x)[1]))
+
+
 # --- ws import into a Keras file: the values Keras reads, or a refusal saying what to do -----
 
 def ws_command(*args):
