@@ -155,6 +155,16 @@ def test_mapping_collisions_and_bad_rules():
         ws.remap({"w": 1}, mapping=["w=../up"])
 
 
+def test_a_mapping_rule_that_matches_no_key_is_refused_naming_the_closest(tmp_path):
+    """A typo in FROM would leave the keys it was written to rename as they were."""
+    with pytest.raises(ws.SelectionError, match=r"mapping dnse=foo matches no key; did you mean 'dense'\?"):
+        ws.remap({"dense/kernel": 1, "head/w": 2}, mapping=["dnse=foo"])
+    ws.save(tmp_path / "m.npz", {"dense/kernel": np.ones(2), "head/w": np.ones(1)})
+    with pytest.raises(ws.SelectionError, match=r"m\.npz: mapping dnse=foo matches no key; did you mean 'dense'\?"):
+        ws.load(tmp_path / "m.npz", mapping="dnse=foo")
+    assert ws.load(tmp_path / "m.npz", mapping=["dense=foo", "=all"]).keys() == {"foo/kernel", "all/head/w"}
+
+
 # -- the order rules, through real files ----------------------------------------------------------
 
 @pytest.fixture(params=[".npz", ".h5"])

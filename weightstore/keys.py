@@ -307,6 +307,7 @@ def plan_outward(
     if norm_scope and not under and source_keys:
         raise unmatched_scope(norm_scope, source_keys, where)
     if rules:
+        _require_rules_match([strip_scope(k, norm_scope) for k in under], rules, where)
         renamed = {map_key(strip_scope(k, norm_scope), rules): k for k in under}
     else:  # the common case, without a call per key: 50,000 keys
         cut = len(norm_scope) + 1 if norm_scope else 0
@@ -338,10 +339,20 @@ def plan_inward(
     norm_scope = normalize_scope(scope)
     rules = parse_mapping(mapping)
     source_keys = list(keys)
+    _require_rules_match(source_keys, rules, where)
     renamed = {map_key(k, rules): k for k in source_keys}
     _refuse_collisions(renamed, source_keys, "", rules, where)
     selected = _select_or_fail(renamed, include, exclude, where)
     return {join_scope(norm_scope, k): v for k, v in selected.items()}
+
+
+def _require_rules_match(keys: list[str], rules: Sequence[tuple[str, str]], where: str) -> None:
+    """Refuse a mapping rule whose FROM scope no key lies in: a typo there would leave the keys
+    it was written to rename as they were, and the mistake would surface later, elsewhere."""
+    for source, target in rules:
+        if keys and not any(in_scope(key, source) for key in keys):
+            raise SelectionError(f"mapping {source}={target} matches no key{_where(where)}"
+                                 f"{suggest(source, scopes_of(keys))}")
 
 
 def _refuse_collisions(renamed: dict[str, str], sources: list[str], scope: str, rules, where: str) -> None:
