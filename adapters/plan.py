@@ -160,7 +160,8 @@ class Report:
             if items:
                 shown = ", ".join(items[:_SHOWN]) + (", …" if len(items) > _SHOWN else "")
                 parts.append(f"{len(items)} {title}: {shown}")
-        return "; ".join(parts) + "."
+        text = "; ".join(parts)
+        return text if text.endswith("…") else text + "."
 
     def __repr__(self) -> str:
         counts = ", ".join(f"{name}={len(getattr(self, name))}"

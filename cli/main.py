@@ -215,7 +215,8 @@ def import_(
                                                      "checkpoint prefix (created or merged into; a new one is "
                                                      "recorded in its folder's 'checkpoint' file) or a TF2 "
                                                      "object-based checkpoint (its variables replaced in place, "
-                                                     "keyed as ws ls lists them).")],
+                                                     "keyed as ws ls lists them) or a Keras .weights.h5 or .keras "
+                                                     "file (its tensors replaced in place; needs --overwrite).")],
     scope: Scope = None,
     mapping: Mapping = None,
     include: Include = None,
@@ -228,7 +229,9 @@ def import_(
     \b
     Example:
       ws import m2.npz --into ensemble.ckpt --scope model_002
-      ws import fixed.npz --into ckpt/ckpt-3 --scope model --include '_operations/1/*'
+      ws export ckpt/ckpt-3 -o fixed.npz    # keyed as ws ls lists them: model/_operations/1/_kernel, ...
+      ws import fixed.npz --into ckpt/ckpt-3 --include 'model/_operations/1/*'
+      ws import fix.npz --into m.weights.h5 --overwrite
     """
     _json(as_json)
     with checkpoints.open_source(store) as opened:

@@ -43,10 +43,16 @@ class Settings:
 
 
 settings = Settings()
+_PIPED_WIDTH = 1 << 12  # columns for output that is not a terminal: only a key longer than this folds
 
 
 def stdout() -> Console:
-    return Console(highlight=False, markup=False)
+    """Standard output; piped or redirected, as wide as its lines need, so no key is folded
+    across lines where ``grep`` or a copy would miss it (a terminal folds at its own width)."""
+    console = Console(highlight=False, markup=False)
+    if not console.is_terminal:
+        console.width = _PIPED_WIDTH
+    return console
 
 
 def stderr() -> Console:

@@ -80,7 +80,7 @@ def test_resave_keeps_the_files_permissions(tmp_path):
 
 @pytest.mark.parametrize("name", ["model.safetensors.bak", "model.xyz", "model"])
 def test_unknown_output_suffix_is_refused_before_writing(tmp_path, name):
-    with pytest.raises(ws.TargetError, match=r"cannot tell which format to write from the file name; use one of \.npz"):
+    with pytest.raises(ws.TargetError, match=r"cannot tell which format to write from the file name; name it with one of \.npz"):
         ws.save(tmp_path / name, WEIGHTS)
     assert names(tmp_path) == []
     ws.save(tmp_path / name, WEIGHTS, format="npz")  # an explicit format is always honoured

@@ -566,8 +566,9 @@ def output_format(location: str, format: str | None = None) -> Format:  # noqa: 
             return format_named(format)
     fmt = format_for_suffix(location)
     if fmt is None:
-        raise TargetError(f"cannot tell which format to write from the file name; use one of "
-                          f"{', '.join(known_suffixes())} (in Python, or pass format=)", path=location)
+        raise TargetError(f"cannot tell which format to write from the file name; name it with one of "
+                          f"{', '.join(known_suffixes())} (or, from Python, pass format= to write any name)",
+                          path=location)
     return fmt
 
 
