@@ -514,6 +514,69 @@ def test_safetensors_header_dense_with_arrays_is_refused_before_it_is_parsed(tmp
     assert "REFUSED" in result.stdout and "dense.safetensors" in result.stdout and "JSON objects and arrays" in result.stdout
 
 
+def _hf_folder(folder: Path, index: str) -> Path:
+    folder.mkdir()
+    ws.save(folder / "s1.safetensors", {"m.w": np.ones(2, np.float32)})
+    (folder / "model.safetensors.index.json").write_text(index)
+    return folder
+
+
+def test_hugging_face_index_dense_with_arrays_is_refused_before_it_is_parsed(tmp_path):
+    """8 MB of empty lists in an index's metadata made 220 MB of lists (27x the file)."""
+    metadata = "[" + ",".join(["[]"] * 2_800_000) + "]"
+    folder = _hf_folder(tmp_path / "dense", '{"weight_map": {"m.w": "s1.safetensors"}, "metadata": {"x": '
+                        + metadata + "}}")
+    result = hostile.run_isolated(
+        f"try:\n    ws.open({str(folder)!r})\nexcept ws.UnsafeFileError as exc:\n    print('REFUSED', exc)\n",
+        address_space=160 << 20)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "REFUSED" in result.stdout and "model.safetensors.index.json" in result.stdout
+
+
+@pytest.mark.parametrize(("index", "refusal", "error"), [
+    ('{"weight_map": {"m.w": "s1.safetensors"}, "metadata": {"total_size": NaN}}', "NaN is not JSON", errors.FormatError),
+    ('{"weight_map": {"m.w": "s1.safetensors", "m.w": "s2.safetensors"}}', "names 'm.w' twice", errors.UnsafeFileError),
+    ('{"weight_map": {"m.w": "' + "x" * 300 + '.safetensors"}}', "which cannot be opened", errors.FormatError),
+], ids=["nan", "duplicate-name", "name-too-long"])
+def test_hugging_face_index_that_no_writer_makes_is_refused_naming_it(tmp_path, index, refusal, error):
+    """NaN in the metadata reached ``ws ls --json`` as invalid JSON; a name twice was taken
+    last-wins; a shard name the file system refuses leaked ``OSError``."""
+    folder = _hf_folder(tmp_path / "hf", index)
+    with raises_naming(error, folder / "model.safetensors.index.json", refusal):
+        _read_all(folder)
+
+
+def test_symlink_loop_and_overlong_names_are_storage_errors_naming_the_file(tmp_path):
+    loop = tmp_path / "loop.npz"
+    loop.symlink_to(loop)
+    overlong = tmp_path / ("y" * 300 + ".npz")
+    for path, why in ((loop, "Too many levels of symbolic links"), (overlong, "File name too long")):
+        with raises_naming(errors.StorageError, path, f"cannot be opened ({why})"):
+            ws.load(path)
+    shard_loop = _hf_folder(tmp_path / "hf", '{"weight_map": {"m.w": "x.safetensors"}}') / "x.safetensors"
+    shard_loop.symlink_to(shard_loop)
+    with raises_naming(errors.FormatError, shard_loop.parent / "model.safetensors.index.json",
+                       "shard 'x.safetensors', which cannot be opened"):
+        _read_all(shard_loop.parent)
+
+
+def test_keras_config_dense_with_arrays_is_refused_before_it_is_parsed(tmp_path):
+    """16 MB of empty lists deflate into a 17 KB archive, and parsed made 490 MB of lists."""
+    import zipfile
+
+    path = tmp_path / "dense.keras"
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("config.json", '{"class_name": "Sequential", "config": {"x": [' + "[]," * 5_000_000 + "[]]}}")
+        archive.writestr("metadata.json", "{}")
+    assert path.stat().st_size < 64 << 10
+    result = hostile.run_isolated(
+        "from weightstore.formats import keras_file\n"
+        f"try:\n    keras_file.read_config({str(path)!r})\nexcept ws.UnsafeFileError as exc:\n    print('REFUSED', exc)\n",
+        address_space=200 << 20)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "REFUSED" in result.stdout and "dense.keras" in result.stdout and "config.json" in result.stdout
+
+
 def test_torch_parameters_in_one_flat_buffer_are_assigned_without_a_conflict():
     """Parameters that are disjoint views of one storage (a flattened model, as FSDP keeps
     them) share memory but no element: each gets its own value."""

@@ -405,8 +405,17 @@ def test_keras_config_is_read_as_bounded_json(keras_files, tmp_path):
     assert (caught.value.path, caught.value.key) == (str(odd), None)
     with zipfile.ZipFile(odd, "w") as archive:
         archive.writestr("config.json", "{" * 100_000)
-    with pytest.raises(FormatError, match=r"config\.json is not JSON text"):
+    with pytest.raises(UnsafeFileError, match=r"config\.json is not JSON weightstore parses: it holds 100000 JSON"):
         keras_file.read_config(odd)
+    for text, refusal in (('{"a": [' * 2_000 + "1" + "]}" * 2_000, r"config\.json is not JSON \(maximum recursion"),
+                          ('{"a": 1, "a": 2}', r"config\.json names 'a' twice")):
+        with zipfile.ZipFile(odd, "w") as archive:
+            archive.writestr("config.json", text + " " * 16_000)
+        with pytest.raises(FormatError, match=refusal):
+            keras_file.read_config(odd)
+    with zipfile.ZipFile(odd, "w") as archive:  # Keras writes with Python's json: NaN and Infinity are read
+        archive.writestr("config.json", '{"class_name": "X", "config": {"max_value": Infinity, "p": NaN}}')
+    assert keras_file.read_config(odd)["config"]["max_value"] == float("inf")
     with pytest.raises(FormatError, match="holds no config.json"):
         keras_file.read_config(_weights_only(tmp_path))
 

@@ -25,7 +25,8 @@ import orjson
 from isal import isal_zlib
 
 from weightstore import crc as _crc
-from weightstore.errors import FormatError, InvalidKeyError, UnsafeFileError, UnsupportedDTypeError, naming
+from weightstore.errors import FormatError, InvalidKeyError, UnsupportedDTypeError, naming
+from weightstore.jsontext import refuse_dense
 from weightstore.keys import validate_keys
 from weightstore.tensortable import (
     CHECKSUM_ALGORITHM,
@@ -271,7 +272,7 @@ def parse_manifest(text: str, where: str) -> Manifest:
 def _parsed_manifest(text: str) -> Manifest:
     if len(text) > MAX_MANIFEST_BYTES:
         raise FormatError(f"manifest is larger than {MAX_MANIFEST_BYTES} bytes")
-    refuse_dense_json(text, MIN_BYTES_PER_CONTAINER, "manifest")
+    refuse_dense(text, MIN_BYTES_PER_CONTAINER, "manifest")
     try:
         document = _parse_json(text)
     except _NonFiniteNumber as exc:
@@ -401,19 +402,6 @@ def _parse_entries(raw: dict[str, Any], locations: dict[str, str],
         dims = tuple(shape)
         tensors[key] = _new_info(TensorInfo, (key, name, dims, math.prod(dims) * itemsize, digest, None))
     return tensors
-
-
-def refuse_dense_json(text: str | bytes, min_bytes: int, what: str) -> None:
-    """Refuse, before parsing, JSON text holding more than one object or array per ``min_bytes``
-    (plus a few): Python spends 56-64 bytes on each however short its text (``[]``: 2 bytes), so
-    this bounds what the parse allocates to a few times the text. Brackets inside strings count
-    too (counted in C, cheaper than any parse); text that dense is no real manifest or header.
-    ``text`` may be the encoded bytes, counted without decoding them."""
-    containers = (text.count(b"{") + text.count(b"[") if isinstance(text, bytes)
-                  else text.count("{") + text.count("["))
-    if containers > len(text) // min_bytes + 1024:
-        raise UnsafeFileError(f"{what} is not JSON weightstore parses: it holds {containers} JSON objects and arrays "
-                              f"in {len(text)} bytes (at most one per {min_bytes} bytes)")
 
 
 def _parse_json(text: str) -> Any:

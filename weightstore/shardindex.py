@@ -29,8 +29,9 @@ import numpy as np
 import orjson
 
 from weightstore.errors import FormatError, InvalidKeyError, UnsafeFileError, WeightStoreError
+from weightstore.jsontext import refuse_dense
 from weightstore.keys import validate_key
-from weightstore.manifest import crc32, logical_dtype, raw_bytes, refuse_dense_json
+from weightstore.manifest import crc32, logical_dtype, raw_bytes
 from weightstore.tensortable import MAX_NDIM, fits_an_array
 
 __all__ = ["index_name", "attempt_folder", "member_name", "MEMBER_SUFFIXES", "done_name", "BLOCK_BYTES", "INDEX_FORMAT", "DONE_FORMAT", "MAX_INDEX_BYTES", "MAX_DONE_BYTES", "BYTES_PER_CONTAINER", "MAX_PIECES_PER_KEY",
@@ -291,7 +292,7 @@ def check_parsable(data: bytes, kind: str, limit: int, error: type[WeightStoreEr
     if len(data) > limit:
         raise error(f"is over {limit} bytes; not a {kind} file")
     try:
-        refuse_dense_json(data, BYTES_PER_CONTAINER, kind)
+        refuse_dense(data, BYTES_PER_CONTAINER, kind)
     except UnsafeFileError as exc:
         if issubclass(UnsafeFileError, error):
             raise

@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from weightstore.errors import FormatError, KeyNotInStoreError, UnsafeFileError
+from weightstore import jsontext
+from weightstore.errors import FormatError, KeyNotInStoreError, StorageError, UnsafeFileError, naming
 from weightstore.formats import ReaderDefaults, safetensors
 from weightstore.io.files import open_regular
 from weightstore.io.remote import RemoteFile
@@ -39,6 +40,8 @@ INDEX_SUFFIX = ".safetensors.index.json"
 FORMAT_NAME = "hf-sharded"
 #: an index larger than this is refused before it is read (a 1e6-tensor index is some 80 MB)
 MAX_INDEX_BYTES = 256 << 20
+#: an index is one flat name -> shard map; only its metadata may nest, so a denser text is no index
+_INDEX_BYTES_PER_CONTAINER = 256
 #: a key in the index that marks a folder weightstore wrote (``transformers`` ignores it)
 PRODUCER_KEY = "weightstore"
 _SHARD_NAME = re.compile(r"[^/\\\x00]+\.safetensors")
@@ -143,9 +146,10 @@ class ShardedReader(ReaderDefaults):
 def open_local(index: str, *, mmap: bool = True) -> ShardedReader:
     """The sharded folder whose index is the local file ``index``."""
     with open_regular(index) as handle:
-        text = handle.read(MAX_INDEX_BYTES + 1)
-    if len(text) > MAX_INDEX_BYTES:
-        raise UnsafeFileError(f"sharded index of over {MAX_INDEX_BYTES} bytes", path=index)
+        size = os.fstat(handle.fileno()).st_size  # read(limit) would allocate the whole limit first
+        if size > MAX_INDEX_BYTES:
+            raise UnsafeFileError(f"sharded index of over {MAX_INDEX_BYTES} bytes", path=index)
+        text = handle.read(size)
     folder = os.path.dirname(index)
 
     def open_shard(shard: str) -> Any:
@@ -154,6 +158,9 @@ def open_local(index: str, *, mmap: bool = True) -> ShardedReader:
             return safetensors.FORMAT.open_reader(path, path, mmap=mmap)
         except FileNotFoundError:
             raise FormatError(f"the index maps tensors to shard {shard!r}, which is missing", path=index) from None
+        except StorageError as exc:  # a name too long for the file system, a symlink loop
+            raise FormatError(f"the index maps tensors to shard {_clip(shard)}, which {exc.message}",
+                              path=index) from None
 
     return ShardedReader(text, index, open_shard)
 
@@ -175,10 +182,8 @@ def open_remote(fs: Any, remote_index: str, url: str) -> ShardedReader:
 
 
 def _parse_index(text: bytes, name: str) -> dict[str, Any]:
-    try:
-        document = json.loads(text.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise FormatError(f"sharded index is not JSON ({exc})", path=name) from None
+    with naming(path=name):
+        document = jsontext.loads(text, what="sharded index", min_bytes=_INDEX_BYTES_PER_CONTAINER)
     if not isinstance(document, dict) or not isinstance(document.get("weight_map"), dict):
         raise FormatError("sharded index has no weight_map object", path=name)
     return document

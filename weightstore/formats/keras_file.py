@@ -11,7 +11,6 @@ nothing in the file is ever executed.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import struct
@@ -22,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from weightstore.errors import FormatError, StoreNotFoundError, UnsafeFileError, WeightStoreError
+from weightstore import jsontext
+from weightstore.errors import FormatError, StoreNotFoundError, UnsafeFileError, WeightStoreError, naming
 from weightstore.formats import ReaderDefaults, format_for_suffix, format_named, zipdir
 from weightstore.formats.zipdir import MAX_DEFLATE_RATIO
 from weightstore.io.files import refuse_special_file
@@ -35,6 +35,8 @@ CONFIG_MEMBER = "config.json"
 KIND = "Keras weights file"
 #: a model config is a few hundred KB even for large architectures
 MAX_CONFIG_BYTES = 16 << 20
+#: Keras's configs hold one JSON object or array per 50-odd bytes (ResNet50, MobileNetV2: 53, 55)
+_CONFIG_BYTES_PER_CONTAINER = 8
 #: an archive holds its config, metadata, weights and a few assets; ``zipfile`` makes an object
 #: of about 500 bytes for each entry of 46, so hundreds of thousands took 9x the file
 MAX_MEMBERS = 4096
@@ -120,10 +122,8 @@ def read_config(path: str | os.PathLike, *, max_bytes: int = MAX_CONFIG_BYTES) -
             raise UnsafeFileError(f"{CONFIG_MEMBER} declares {info.file_size} bytes, over the {max_bytes}-byte limit",
                                   path=text)
         raw = b"".join(_member_chunks(text, archive, CONFIG_MEMBER))
-    try:
-        config = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise FormatError(f"{CONFIG_MEMBER} is not JSON text ({type(exc).__name__})", path=text) from None
+    with naming(path=text):  # Keras writes with Python's json, which writes NaN and Infinity
+        config = jsontext.loads(raw, what=CONFIG_MEMBER, min_bytes=_CONFIG_BYTES_PER_CONTAINER, nonfinite=True)
     if not isinstance(config, dict):
         raise FormatError(f"{CONFIG_MEMBER} holds a JSON {type(config).__name__}, not an object", path=text)
     return config

@@ -56,6 +56,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from weightstore import jsontext
 from weightstore.errors import (
     ChecksumError,
     FormatError,
@@ -78,7 +79,6 @@ from weightstore.manifest import (
     logical_dtype,
     parse_manifest,
     raw_bytes,
-    refuse_dense_json,
     write_checksummed,
 )
 
@@ -283,26 +283,6 @@ class _Tensor(NamedTuple):
     end: int
 
 
-class _DuplicateName(Exception):
-    pass
-
-
-def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """``object_pairs_hook`` that refuses a JSON object naming one key twice (the spec forbids it)."""
-    document = dict(pairs)
-    if len(document) != len(pairs):
-        seen: set[str] = set()
-        for name, _ in pairs:
-            if name in seen:
-                raise _DuplicateName(name)
-            seen.add(name)
-    return document
-
-
-def _refuse_constant(name: str) -> None:
-    raise ValueError(f"{name} is not JSON")
-
-
 class SafetensorsReader(ReaderDefaults):
     """Reads and checks the whole header at open; each tensor's bytes only when asked."""
 
@@ -354,13 +334,7 @@ class SafetensorsReader(ReaderDefaults):
         except UnicodeDecodeError as exc:
             raise FormatError(f"safetensors header is not UTF-8 (byte {exc.start})", path=self.name) from None
         with naming(path=self.name):
-            refuse_dense_json(text, _HEADER_BYTES_PER_CONTAINER, "safetensors header")
-        try:
-            document = json.loads(text, object_pairs_hook=_unique_object, parse_constant=_refuse_constant)
-        except _DuplicateName as exc:
-            raise UnsafeFileError(f"safetensors header names {exc.args[0]!r} twice", path=self.name) from None
-        except (ValueError, RecursionError) as exc:
-            raise FormatError(f"safetensors header is not JSON ({exc})", path=self.name) from None
+            document = jsontext.loads(text, what="safetensors header", min_bytes=_HEADER_BYTES_PER_CONTAINER)
         if not isinstance(document, dict):
             raise FormatError("safetensors header is not a JSON object", path=self.name)
         return document

@@ -1,0 +1,81 @@
+"""JSON a file brings, bounded before it is parsed and strict when it is.
+
+Every JSON text weightstore reads from a file (a manifest, a safetensors header, a shard
+index, a Hugging Face index, a ``.keras`` config) is first held to :func:`refuse_dense`, which
+bounds what parsing it can make Python allocate. :func:`loads` parses the texts with no faster
+parser of their own: an object naming one key twice is refused (which of the two a reader
+takes is the reader's whim, and the spec forbids it), as are NaN and Infinity, which no strict
+JSON writer can write back (``ws ls --json``, a converted file's metadata).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from weightstore.errors import FormatError, UnsafeFileError
+
+__all__ = ["refuse_dense", "loads"]
+
+
+def refuse_dense(text: str | bytes, min_bytes: int, what: str) -> None:
+    """Refuse, before parsing, JSON text holding more than one object or array per ``min_bytes``
+    (plus a few): Python spends 56-64 bytes on each however short its text (``[]``: 2 bytes), so
+    this bounds what the parse allocates to a few times the text. Brackets inside strings count
+    too (counted in C, cheaper than any parse); text that dense is no real manifest or header.
+    ``text`` may be the encoded bytes, counted without decoding them."""
+    containers = (text.count(b"{") + text.count(b"[") if isinstance(text, bytes)
+                  else text.count("{") + text.count("["))
+    if containers > len(text) // min_bytes + 1024:
+        raise UnsafeFileError(f"{what} is not JSON weightstore parses: it holds {containers} JSON objects and arrays "
+                              f"in {len(text)} bytes (at most one per {min_bytes} bytes)")
+
+
+def loads(text: str | bytes, *, what: str, min_bytes: int, nonfinite: bool = False) -> Any:
+    """The document ``text`` holds, after :func:`refuse_dense` with ``min_bytes``; refused with
+    a :class:`FormatError` (:class:`UnsafeFileError` for a key named twice) that calls the text
+    ``what``. ``nonfinite`` accepts NaN and Infinity, for texts their writers make with Python's
+    ``json`` (a Keras config)."""
+    refuse_dense(text, min_bytes, what)
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise FormatError(f"{what} is not UTF-8 (byte {exc.start})") from None
+    try:
+        return json.loads(text, object_pairs_hook=_unique_object,
+                          parse_constant=_accept_constant if nonfinite else _refuse_constant)
+    except _DuplicateName as exc:
+        raise UnsafeFileError(f"{what} names {_short(exc.args[0])} twice") from None
+    except (ValueError, RecursionError) as exc:
+        raise FormatError(f"{what} is not JSON ({_short(exc)})") from None
+
+
+class _DuplicateName(Exception):
+    pass
+
+
+def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook`` that refuses a JSON object naming one key twice."""
+    document = dict(pairs)
+    if len(document) != len(pairs):
+        seen: set[str] = set()
+        for name, _ in pairs:
+            if name in seen:
+                raise _DuplicateName(name)
+            seen.add(name)
+    return document
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _accept_constant(name: str) -> float:
+    return float(name)
+
+
+def _short(value: Any) -> str:
+    """A name or parser message as an error shows it: at most 80 characters of its ``repr``."""
+    text = repr(value) if isinstance(value, str) else str(value)
+    return text if len(text) <= 80 else text[:77] + "..."
