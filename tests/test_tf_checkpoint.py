@@ -194,9 +194,16 @@ def test_a_folder_names_its_checkpoint_or_lists_the_candidates(made, tmp_path):
     (folder / "checkpoint").write_text('model_checkpoint_path: "/elsewhere/old/model.ckpt-10"\n')  # a moved folder
     assert resolve_prefix(str(folder)) == str(folder / "model.ckpt-10")
     (folder / "checkpoint").write_text('model_checkpoint_path: "model.ckpt-11"\n')
-    with pytest.raises(StoreNotFoundError, match=r"names checkpoint 'model\.ckpt-11', which does not exist; "
+    with pytest.raises(StoreNotFoundError, match=r"names checkpoint 'model\.ckpt-11', which is not in the folder; "
                                                  r"the folder holds: model\.ckpt-9, model\.ckpt-10"):
         ws.load(folder)
+    elsewhere = copy_checkpoint(made["tf1"], tmp_path / "other", "secret")  # there, but outside the folder
+    for named in (elsewhere, "../other/secret"):
+        (folder / "checkpoint").write_text(f'model_checkpoint_path: "{named}"\n')
+        with pytest.raises(StoreNotFoundError, match=r"names checkpoint '.*secret', which is not in the folder"):
+            ws.load(folder)
+    copy_checkpoint(made["tf1"], folder, "secret")  # the folder's own file of that name is what is read
+    assert resolve_prefix(str(folder)) == str(folder / "secret")
     (folder / "checkpoint").write_bytes(b"\xff\xfe")
     with pytest.raises(FormatError, match="checkpoint state file is not UTF-8 text"):
         ws.open(folder)

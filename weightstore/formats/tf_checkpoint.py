@@ -131,7 +131,9 @@ def resolve_prefix(path: str) -> str | None:
 
     Accepts the prefix itself, one of its ``.index``/``.data-…``/``.meta`` files (what shell
     completion offers), or a folder: a SavedModel's variables (:func:`saved_model_prefix`), the
-    checkpoint its ``checkpoint`` state file names, or the only one in it. A folder that holds several but no state file is refused with the
+    checkpoint its ``checkpoint`` state file names (in the folder: a name elsewhere is taken as
+    the folder's own file of that name, as a moved folder needs, and nothing outside is read),
+    or the only one in it. A folder that holds several but no state file is refused with the
     candidates listed, as is one whose state file names a checkpoint that is not there.
     """
     if os.path.isdir(path):
@@ -145,6 +147,11 @@ def resolve_prefix(path: str) -> str | None:
     return path if os.path.exists(path + ".index") else None
 
 
+def _inside(path: str, folder: str) -> bool:
+    """Whether ``path``, symlinks resolved, lies in ``folder``."""
+    return os.path.realpath(path).startswith(os.path.join(os.path.realpath(folder), ""))
+
+
 def _prefix_in_folder(folder: str) -> str:
     saved_model = saved_model_prefix(folder)
     if saved_model is not None:
@@ -152,13 +159,13 @@ def _prefix_in_folder(folder: str) -> str:
     state = os.path.join(folder, STATE_FILE)
     if os.path.isfile(state):
         named = read_state_file(state)
-        prefix = named if os.path.isabs(named) else os.path.join(folder, named)
-        if not os.path.exists(prefix + ".index"):
-            moved = os.path.join(folder, os.path.basename(named))  # the folder was moved or copied
-            if not os.path.exists(moved + ".index"):
-                raise StoreNotFoundError(f"its '{STATE_FILE}' state file names checkpoint {named!r}, which does not "
-                                         f"exist{_candidates_hint(folder)}", path=folder)
-            prefix = moved
+        prefix = os.path.join(folder, named)  # an absolute name stays as it is
+        if not _inside(prefix, folder) or not os.path.exists(prefix + ".index"):
+            # the folder was moved or copied, or the file names one elsewhere: only this folder's is read
+            prefix = os.path.join(folder, os.path.basename(named))
+            if not os.path.exists(prefix + ".index"):
+                raise StoreNotFoundError(f"its '{STATE_FILE}' state file names checkpoint {named!r}, which is not "
+                                         f"in the folder{_candidates_hint(folder)}", path=folder)
         return prefix
     candidates = checkpoints_in(folder)
     if len(candidates) == 1:
