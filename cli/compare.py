@@ -3,9 +3,12 @@
 Both read one tensor at a time and ``diff`` compares a pair in slices, so memory holds about
 two tensors whatever the file size.
 ``diff`` skips reading a pair whose content digests (BLAKE3, manifest version 3) agree: equal
-bytes are equal values. CRC-32s never decide it (a collision is four chosen bytes away), so
-pairs without digests are read and compared, and at ``atol=0`` equal values whose bytes
-differ (``-0.0`` and ``0.0``, NaNs of other payloads) are a change too.
+bytes are equal values. The digests are what the writers recorded, so a copy damaged since
+reads as unchanged; those pairs are counted apart (``by_digest``), and ``read=True`` reads
+them too (each read checks the tensor's checksum, which a damaged copy fails). CRC-32s never
+decide it (a collision is four chosen bytes away), so pairs without digests are read and
+compared, and at ``atol=0`` equal values whose bytes differ (``-0.0`` and ``0.0``, NaNs of
+other payloads) are a change too.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import numpy as np
 
 from weightstore.cli.render import tensor_type, track
 from weightstore.errors import FormatError
+from weightstore.manifest import TensorInfo
 from weightstore.store import Store
 
 _CHUNK = 2 << 20  # elements: 16 MB of float64
@@ -37,6 +41,7 @@ class Diff:
     removed: list[str] = field(default_factory=list)  # only in A
     changed: list[Change] = field(default_factory=list)
     unchanged: int = 0
+    by_digest: int = 0  # of the unchanged: by the digests the writers recorded, not read
     metadata_equal: bool = True
 
     @property
@@ -51,6 +56,7 @@ class Diff:
             "removed": self.removed,
             "changed": [{k: _finite(v) for k, v in asdict(c).items()} for c in self.changed],
             "unchanged": self.unchanged,
+            "unchanged_by_digest": self.by_digest,
             "metadata_equal": self.metadata_equal,
         }
 
@@ -62,7 +68,7 @@ def _finite(value):
     return value
 
 
-def diff(a: Store, b: Store, *, atol: float = 0.0) -> Diff:
+def diff(a: Store, b: Store, *, atol: float = 0.0, read: bool = False) -> Diff:
     a_keys, b_keys = a.keys(), b.keys()
     b_set, a_set = set(b_keys), set(a_keys)
     result = Diff(
@@ -73,6 +79,10 @@ def diff(a: Store, b: Store, *, atol: float = 0.0) -> Diff:
     common = [k for k in a_keys if k in b_set]
     total = sum(a.info(k).nbytes for k in common)
     for key in track(((k, a.info(k).nbytes) for k in common), "comparing", total):
+        if not read and _same_digest(a.info(key), b.info(key)):
+            result.unchanged += 1
+            result.by_digest += 1
+            continue
         change = _compare(a, b, key, atol)
         if change is None:
             result.unchanged += 1
@@ -81,14 +91,17 @@ def diff(a: Store, b: Store, *, atol: float = 0.0) -> Diff:
     return result
 
 
+def _same_digest(left: TensorInfo, right: TensorInfo) -> bool:
+    return (left.digest is not None and left.digest == right.digest
+            and left.dtype == right.dtype and left.shape == right.shape)
+
+
 def _compare(a: Store, b: Store, key: str, atol: float) -> Change | None:
     left, right = a.info(key), b.info(key)
     if left.dtype != right.dtype:
         return Change(key, "dtype", tensor_type(left), tensor_type(right))
     if left.shape != right.shape:
         return Change(key, "shape", tensor_type(left), tensor_type(right))
-    if left.digest is not None and left.digest == right.digest:
-        return None
     x, y = a[key], b[key]
     max_abs, max_rel = difference(x, y)
     if max_abs > atol:

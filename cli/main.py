@@ -270,7 +270,7 @@ def ls(
         console = render.stdout()
         console.print(render.listing_table(infos, f"{opened.path} ({opened.kind})"))
         for name, value in opened.metadata.items():
-            console.print(f"{name}: {value}", soft_wrap=True)
+            console.print(render.printable(f"{name}: {value}"), soft_wrap=True)
 
 
 def _under_scope(opened: checkpoints.Source, scope: str | None) -> list[str]:
@@ -294,11 +294,15 @@ def diff(
     a: Annotated[str, typer.Argument(help="A store, TF checkpoint or Keras file.")],
     b: Annotated[str, typer.Argument(help="Another one, compared key by key.")],
     atol: Annotated[float, typer.Option(min=0.0, help="Values differing by at most this count as equal.")] = 0.0,
+    read: Annotated[bool, typer.Option("--read", help="Read every pair, also those whose recorded content digests "
+                                                      "agree (and check each tensor's checksum as it is read).")] = False,
     as_json: AsJson = False,
 ) -> None:
     """Compare the tensors of A and B: added, removed, changed and unchanged.
 
     Exit status 0 when the tensors are equal, 1 when they differ (metadata is shown, not judged).
+    Pairs whose content digests, as their writers recorded them, agree are not read: a copy
+    damaged since reads as unchanged unless --read (ws verify checks a file alone).
 
     \b
     Example:
@@ -306,7 +310,7 @@ def diff(
     """
     _json(as_json)
     with checkpoints.open_source(a) as left, checkpoints.open_source(b) as right:
-        result = compare.diff(left, right, atol=atol)
+        result = compare.diff(left, right, atol=atol, read=read)
     if settings.json:
         render.emit("diff", {"a": a, "b": b, "atol": atol, **result.to_json()})
     else:
@@ -326,8 +330,9 @@ def _print_diff(a: str, b: str, result: compare.Diff) -> None:
             echo(f"~ {change.key}  max abs {change.max_abs:.6g}  max rel {change.max_rel:.6g}")
         else:
             echo(f"~ {change.key}  {change.reason}: {change.a} -> {change.b}")
+    by_digest = f" ({result.by_digest} by their recorded digests, not read; --read reads them)" if result.by_digest else ""
     echo(f"{a} vs {b}: {len(result.added)} added, {len(result.removed)} removed, {len(result.changed)} changed, "
-         f"{result.unchanged} unchanged" + ("" if result.metadata_equal else "; metadata differs"))
+         f"{result.unchanged} unchanged{by_digest}" + ("" if result.metadata_equal else "; metadata differs"))
 
 
 @app.command()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -28,6 +29,9 @@ from weightstore.manifest import TensorInfo
 
 T = TypeVar("T")
 PROGRESS_DELAY_S = 0.5
+#: what a terminal would act on or draw misleadingly: C0 and C1 controls (ESC starts its
+#: commands), bidi overrides and other format characters, line and paragraph separators
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u00ad\u061c\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff]")
 
 
 @dataclass
@@ -178,6 +182,12 @@ def working(description: str) -> Iterator[None]:
         timer.cancel()
         timer.join()
         status.stop()
+
+
+def printable(text: str) -> str:
+    """``text`` with every character a terminal would act on escaped (``\\x1b``): keys can hold
+    none of them, but a file's metadata can, and ``ws ls`` must show it, not run it."""
+    return _UNPRINTABLE.sub(lambda found: found.group().encode("unicode_escape").decode("ascii"), text)
 
 
 def listing_table(infos: list[TensorInfo], title: str) -> Table:

@@ -229,6 +229,20 @@ def test_ls_table_json_and_scope(store):
     one_error_line(run("ls", store, "--scope", "dens"), "did you mean 'dense'?")
 
 
+def test_ls_shows_metadata_a_terminal_would_act_on_escaped_and_keys_unfolded_when_piped(tmp_path):
+    """A file's metadata reached the terminal with its escape sequences (clear screen, a
+    window title); and piped, long keys folded at 80 columns, where grep missed them."""
+    from safetensors.numpy import save_file
+
+    path = tmp_path / "m.safetensors"
+    key = "model/_functional/_operations/1/batch_normalization/moving_variance"
+    save_file({key: np.ones(2, np.float32)}, str(path), metadata={"note\x1b[2J": "hi\x1b]0;TITLE\x07 \u202eevil"})
+    result = run("ls", path)
+    assert result.exit_code == 0 and "\x1b" not in result.stdout and "\u202e" not in result.stdout
+    assert "note\\x1b[2J: hi\\x1b]0;TITLE\\x07 \\u202eevil" in result.stdout
+    assert key in result.stdout
+
+
 def test_ls_scope_lists_the_key_equal_to_the_scope(tmp_path):
     path = tmp_path / "slots.npz"
     ws.save(path, {"w": np.ones(2, np.float32), "w/Adagrad": np.ones(2, np.float32), "wx": np.ones(1, np.float32)})
@@ -289,6 +303,22 @@ def test_diff_exit_status_and_report(store, tmp_path):
     text = run("diff", store, other, "--atol", "1")
     assert text.exit_code == 1 and "~ head/w  shape: float32[3, 1] -> float32[1, 3]" in text.stdout
     assert "1 added, 1 removed, 1 changed, 1 unchanged; metadata differs" in text.stdout  # dense/w within atol
+
+
+def test_diff_says_which_pairs_only_their_recorded_digests_called_equal_and_reads_them_when_asked(tmp_path):
+    """A copy damaged after it was written still carries the digest of what was written: diff
+    must not present that as having compared the bytes."""
+    weights = {"k": np.arange(1000, dtype=np.float32), "j": np.ones(4, np.float32)}
+    ws.save(tmp_path / "a.npz", weights)
+    ws.save(tmp_path / "b.npz", weights)
+    raw = bytearray((tmp_path / "b.npz").read_bytes())
+    at = raw.index(np.arange(1000, dtype=np.float32).tobytes())
+    raw[at + 2000:at + 2004] = np.float32(-1e30).tobytes()
+    (tmp_path / "b.npz").write_bytes(bytes(raw))
+    quick = run("diff", tmp_path / "a.npz", tmp_path / "b.npz")
+    assert quick.exit_code == 0 and "2 unchanged (2 by their recorded digests, not read; --read reads them)" in quick.stdout
+    assert json.loads(run("diff", tmp_path / "a.npz", tmp_path / "b.npz", "--json").stdout)["unchanged_by_digest"] == 2
+    one_error_line(run("diff", tmp_path / "a.npz", tmp_path / "b.npz", "--read"), "b.npz", "'k'", "checksum")
 
 
 def test_diff_values_nan_and_infinity_rules():
