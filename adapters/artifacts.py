@@ -75,6 +75,8 @@ def for_model(model: Any, path: Any, model_keys: Mapping[str, Any], *, optimizer
     except BaseException:
         source.close()
         raise
+    walk_order = {key: i for i, key in enumerate(model_keys)}  # the model's order, as tf2.export gives it
+    names = dict(sorted(names.items(), key=lambda item: walk_order.get(item[0], len(walk_order))))
     store = ModelKeyedStore(RenamedReader(source._reader, names), source.path, verify=True)
     store.missing_note = note
     return store
