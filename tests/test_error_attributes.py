@@ -160,6 +160,18 @@ def test_a_missing_tensor_names_file_and_tensor(tmp_path, suffix):
         refusal(errors.KeyNotInStoreError, lambda: store.info("dense/kernl"), path, "dense/kernl")
 
 
+def test_a_key_of_tens_of_kilobytes_is_shown_by_its_ends_and_kept_whole_on_the_error(tmp_path):
+    """A valid key may be 65,531 bytes: a message quoting it whole was a 70 KB line."""
+    key = "block/" + "k" * 60_000 + "/kernel"
+    path = tmp_path / "long.npz"
+    ws.save(path, {key: np.ones(2, np.float32)})
+    with ws.open(path) as store, pytest.raises(errors.KeyNotInStoreError) as caught:
+        store[key[:-1]]
+    assert caught.value.key == key[:-1] and caught.value.path == str(path)
+    shown = str(caught.value)
+    assert len(shown) < 400 and shown.startswith(f"{path}: tensor 'block/kkk") and "(60012 characters)" in shown
+
+
 class _DtypeThatChanges:
     """States float32 (checked before the write starts) and turns out an object array when
     converted, as the write converts each value: the late refusal still names file and tensor."""

@@ -56,6 +56,7 @@ __all__ = [
 ]
 
 _E = TypeVar("_E", bound="WeightStoreError")
+_SHOWN_KEY_CHARS = 200
 
 
 class WeightStoreError(Exception):
@@ -75,8 +76,16 @@ class WeightStoreError(Exception):
     def __str__(self) -> str:
         parts = [self.path] if self.path else []
         if self.key is not None:
-            parts.append(f"tensor {self.key!r}")
+            parts.append(f"tensor {_shown(self.key)}")
         return ": ".join([*parts, self.message]) if parts else self.message
+
+
+def _shown(key: str) -> str:
+    """``key`` as a message shows it: whole up to a line's worth, else its ends and its length
+    (a key may be 65,531 bytes long; ``error.key`` keeps it whole)."""
+    if len(key) <= _SHOWN_KEY_CHARS:
+        return repr(key)
+    return f"{key[:_SHOWN_KEY_CHARS - 40]!r}…{key[-32:]!r} ({len(key)} characters)"
 
 
 class InvalidKeyError(WeightStoreError, ValueError):
