@@ -113,7 +113,7 @@ class Source(Store):
 def open_source(path: str | os.PathLike) -> Source:
     """Open anything :func:`weightstore.open` reads, labelled with its kind for the CLI's messages."""
     text = os.fspath(path)
-    if not is_url(text) and not os.path.exists(text) and resolve_prefix(text) is None:
+    if not is_url(text) and not os.path.lexists(text) and resolve_prefix(text) is None:
         raise StoreNotFoundError("no such file or checkpoint", path=text)
     return Source(weightstore.open(text))
 

@@ -243,6 +243,12 @@ def test_ls_shows_metadata_a_terminal_would_act_on_escaped_and_keys_unfolded_whe
     assert key in result.stdout
 
 
+def test_a_symlink_loop_is_named_as_such_not_as_a_missing_file(tmp_path):
+    loop = tmp_path / "loop.npz"
+    loop.symlink_to(loop)
+    one_error_line(run("ls", loop), "loop.npz: cannot be opened (Too many levels of symbolic links)")
+
+
 def test_ls_scope_lists_the_key_equal_to_the_scope(tmp_path):
     path = tmp_path / "slots.npz"
     ws.save(path, {"w": np.ones(2, np.float32), "w/Adagrad": np.ones(2, np.float32), "wx": np.ones(1, np.float32)})
