@@ -24,7 +24,9 @@ guessed:
 Keras 3 calls a depthwise kernel ``kernel``, as it calls a convolution's (Keras 2 and TF1 say
 ``depthwise_kernel``), and the two have the same rank. On the way in, the shape of the
 variable a tensor goes into decides (a depthwise kernel only fits a grouped convolution).
-Converting a *file* has no such variable: a Keras 3 ``kernel`` that may be depthwise (its last
+Converting a *file* has no such variable: its layer's bias decides where it can (a Conv's
+has one value per output channel, a DepthwiseConv's one per input channel and multiplier);
+elsewhere, a Keras 3 ``kernel`` that may be depthwise (its last
 axis 1, or a scope named ``depthwise``) is refused until ``kinds=`` (``ws convert --kind
 SCOPE=depthwise``) says which it is; a PyTorch file's rank-2 ``weight`` without a ``bias``
 (a bias-free Linear, or an Embedding) likewise. On the way out, depthwise kernels are written
@@ -51,6 +53,7 @@ the first matching rule wins. An adapter names a module's kind by the table in t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
@@ -324,6 +327,8 @@ def from_keras(layout: Layout, shapes: Mapping[str, tuple[int, ...]],
             continue
         scope, _, leaf = key.rpartition("/")
         kind = (kinds or {}).get(key)
+        if kind is None and target_shape is None:  # a file: the layer's bias may tell what its shape does not
+            kind = _kind_by_bias(leaf, tuple(shape), shapes.get(join_scope(scope, "bias")))
         names = dict.fromkeys(r.other for r in layout.rules if r.keras == leaf)
         there = {name: target_shape(join_scope(scope, name)) for name in names} if target_shape else {}
         rule = layout.rule_from_keras(leaf, tuple(shape), next(filter(None, there.values()), None), kind)
@@ -340,6 +345,18 @@ def from_keras(layout: Layout, shapes: Mapping[str, tuple[int, ...]],
             step = Step(key, rule, rule.to_other_shape(shape), False)
             steps.setdefault(join_scope(scope, rule.other), []).append(step)
     return _unique(steps, refused), refused
+
+
+def _kind_by_bias(leaf: str, shape: tuple[int, ...], bias: tuple[int, ...] | None) -> str | None:
+    """``depthwise`` for a Keras 3 ``kernel`` whose layer's bias says so, else ``None``: a Conv's
+    bias has one value per output channel (the kernel's last axis), a ConvTranspose's too (its
+    second last), a DepthwiseConv's one per input channel and multiplier (its last two), so a
+    ``[3, 3, 3, 2]`` kernel with a bias of 6 is depthwise, though its shape alone would pass for
+    a Conv's. With either of the last two axes 1 the bias tells nothing apart, and the kernel is
+    left to :func:`_undecided`."""
+    if leaf != "kernel" or bias is None or len(bias) != 1 or len(shape) < 3 or shape[-2] == 1 or shape[-1] == 1:
+        return None  # an EinsumDense's bias may have more axes: nothing here is a depthwise layer's
+    return DEPTHWISE if math.prod(bias) == shape[-2] * shape[-1] else None
 
 
 def _undecided(layout: Layout, key: str, shape: tuple[int, ...], rule: Rule, kind: str | None) -> str:

@@ -161,7 +161,7 @@ def run(*args):
 
 
 def test_a_keras_3_depthwise_kernel_in_a_file_is_refused_until_its_kind_is_given(tmp_path):
-    layer = keras.layers.DepthwiseConv2D(3)
+    layer = keras.layers.DepthwiseConv2D(3)  # a multiplier of 1: its bias passes for a Conv's too
     inputs, expected = randomized(layer, (1, 6, 6, 4))
     ws.save(tmp_path / "k.npz", {f"dw/{key}": value for key, value in tf2.export(layer).items()})
     out = tmp_path / "t.safetensors"
@@ -177,6 +177,29 @@ def test_a_keras_3_depthwise_kernel_in_a_file_is_refused_until_its_kind_is_given
     np.testing.assert_allclose(got, expected, atol=TOLERANCE)
     result = run("convert", tmp_path / "k.npz", out, "--layout", "keras-to-torch", "--kind", "dw=pooling")
     assert result.exit_code == 1 and "unknown layer kind 'pooling'" in result.output
+
+
+def test_a_depthwise_kernel_is_told_by_its_bias_in_a_file(tmp_path):
+    """A [3, 3, 4, 2] kernel passes for a Conv's; its bias of 8 (4 channels x 2) is a
+    DepthwiseConv's, and a file converted as a Conv's made a state dict no module loads."""
+    layer = keras.layers.DepthwiseConv2D(3, depth_multiplier=2)
+    inputs, expected = randomized(layer, (1, 6, 6, 4))
+    ws.save(tmp_path / "k.npz", {f"dw/{key}": value for key, value in tf2.export(layer).items()})
+    out = tmp_path / "t.safetensors"
+    result = run("convert", tmp_path / "k.npz", out, "--layout", "keras-to-torch")
+    assert result.exit_code == 0, result.output
+    module = nn.ModuleDict({"dw": nn.Conv2d(4, 8, 3, groups=4)})
+    assert torch_adapter.assign(module, out).ok
+    with torch.no_grad():
+        got = module["dw"](torch.from_numpy(inputs).movedim(-1, 1)).movedim(1, -1).numpy()
+    np.testing.assert_allclose(got, expected, atol=TOLERANCE)
+    conv = {"c/kernel": np.ones((3, 3, 4, 2), np.float32), "c/bias": np.ones(2, np.float32)}
+    assert layout.convert(conv, "keras-to-torch")["c/weight"].shape == (2, 4, 3, 3)  # a Conv's bias: a Conv
+    einsum = {"e/kernel": np.ones((16, 2, 8), np.float32), "e/bias": np.ones((2, 8), np.float32)}
+    assert layout.convert(einsum, "keras-to-flax")["e/kernel"].shape == (16, 2, 8)  # a bias of two axes: no depthwise
+    upsampling = {"up/kernel": np.ones((3, 3, 4, 1), np.float32), "up/bias": np.ones(4, np.float32)}
+    with pytest.raises(LayoutError, match="may be a DepthwiseConv's or a Conv's"):  # a ConvTranspose's bias too
+        layout.convert(upsampling, "keras-to-torch")
 
 
 def test_a_bias_free_torch_weight_in_a_file_is_refused_until_its_kind_is_given():
