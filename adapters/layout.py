@@ -601,7 +601,7 @@ class LaidOutValues:
 
 def plan_laid_out(values: ValueSource, targets: Mapping[str, TargetInfo], options: AssignOptions, *,
                   layout: Layout | None, optional: Callable[[str], bool] | None = None,
-                  ) -> tuple[Plan, ValueSource]:
+                  tied: Mapping[str, str] | None = None) -> tuple[Plan, ValueSource]:
     """``plan_assign`` over Keras-named ``values`` converted by ``layout`` (as they are when ``None``).
 
     Returns the plan and the values to read its pairs from. Values no rule converts are
@@ -623,7 +623,7 @@ def plan_laid_out(values: ValueSource, targets: Mapping[str, TargetInfo], option
         for key, source, why in selected_refusals(refusals, scope=scope, mapping=mapping, include=options.include,
                                                   exclude=options.exclude):
             refused.append(Mismatch(key, "", describe(values.dtype(source), values.shape(source)), why))
-    plan = plan_assign(view, targets, options, optional=optional, refused=refused)
+    plan = plan_assign(view, targets, options, optional=optional, refused=refused, tied=tied)
     return plan, view
 
 

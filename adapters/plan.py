@@ -21,6 +21,7 @@ import numpy as np
 
 import weightstore
 from weightstore.adapters.artifacts import open_artifact
+from weightstore.arrays import as_numpy
 from weightstore.errors import AssignmentError, naming
 from weightstore.keys import (
     MappingRules,
@@ -224,7 +225,7 @@ class Values:
         if isinstance(weights, weightstore.Store):  # before Mapping: a Store is one, but lazy
             self._store = weights
         elif isinstance(weights, Mapping):
-            self._arrays = {k: np.asarray(v) for k, v in weights.items()}
+            self._arrays = {k: as_numpy(v, k) for k, v in weights.items()}
         elif isinstance(weights, (str, os.PathLike)):
             self._store = open_artifact(weights)
             self._owned = True
@@ -361,6 +362,7 @@ def plan_assign(
     optional: Callable[[str], bool] | None = None,
     refused: Sequence[Mismatch] = (),
     left_out: Collection[str] = (),
+    tied: Mapping[str, str] | None = None,
 ) -> Plan:
     """Pair values with variables by key and check every pair; raise before writing if strict.
 
@@ -374,7 +376,10 @@ def plan_assign(
     ``refused`` are values the adapter could not offer at all (no layout rule converts them);
     they count as mismatched. ``left_out`` are value keys (as the values name them) that are
     training state the caller did not ask for (a TF1 checkpoint's optimizer slots): never
-    paired, listed in ``report.left_out``.
+    paired, listed in ``report.left_out``. ``tied`` maps a target to the first of the targets
+    that are one tensor with it (PyTorch's tied weights): a value for any of them is a value
+    for all, so a file that holds one of them (as ``safetensors.torch.save_model`` and Hugging
+    Face write tied weights) leaves none missing.
     """
     norm_scope = normalize_scope(options.scope)
     include, exclude, cast = options.include, options.exclude, options.cast
@@ -394,7 +399,10 @@ def plan_assign(
     chosen = {join_scope(norm_scope, relative): info for relative, info in selectable.items()
               if keeps(relative, info.trainable, options.trainable_only, options.also)}
     report = Report(left_out=[key for key in every_key if key in left_out] if left_out else [])
-    report.missing = [k for k in chosen if k not in value_keys and not (optional and optional(k))]
+    tied = tied or {}
+    valued_groups = {tied.get(key, key) for key in value_keys if key in chosen}
+    report.missing = [k for k in chosen if k not in value_keys and not (optional and optional(k))
+                      and tied.get(k, k) not in valued_groups]
     report.unexpected = [k for k in value_keys if k not in chosen and not (optional and optional(k))]
     report.mismatched.extend(refused)
     pairs: dict[str, str] = {}

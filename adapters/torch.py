@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import ml_dtypes
@@ -58,7 +59,7 @@ from weightstore.keys import plan_outward
 from weightstore.names import TORCH, WRITE_NAMINGS, check_naming, key_of_torch_name, torch_keys, torch_name_of_key
 from weightstore.shards import Piece, split_rows
 
-__all__ = ["export", "export_pieces", "assign", "tensors", "forget"]
+__all__ = ["export", "export_pieces", "assign", "tensors", "forget", "to_numpy"]
 
 OPTIONAL_LEAF = "num_batches_tracked"
 #: torch dtypes numpy lacks -> (their ml_dtypes kind, a torch integer of the same width):
@@ -102,7 +103,7 @@ def export(
     if check_naming(names, WRITE_NAMINGS) == TORCH and layout is not None:
         raise ValueError("names='torch' and layout= do not combine: a layout writes Keras's names")
     found, chosen = _selected(module, Selection(**selection))
-    weights = {key: _read(found[old], key) for key, old in chosen.items()}
+    weights = {key: to_numpy(found[old], key) for key, old in chosen.items()}
     if names == TORCH:
         return {torch_name_of_key(key): value for key, value in weights.items()}
     if layout is None:
@@ -140,7 +141,7 @@ def export_pieces(module: nn.Module, *, rank: int | None = None, world: int | No
         region = torch_shards.local_region(tensor, key) if sharded else split_rows(shape, rank, world)
         if region is None or (sharded and not torch_shards.writes_local(tensor)):
             continue
-        array = _read(torch_shards.local_tensor(tensor) if sharded else tensor[region], key)
+        array = to_numpy(torch_shards.local_tensor(tensor) if sharded else tensor[region], key)
         pieces[key] = [Piece(array, tuple(part.start for part in region), shape)]
     return pieces
 
@@ -192,7 +193,8 @@ def assign(
     def plan(values: Any, options: AssignOptions) -> tuple[Any, Any]:
         if chosen_layout is None:
             values = _keyed(values)
-        return layouts.plan_laid_out(values, targets, options, layout=chosen_layout, optional=_optional)
+        return layouts.plan_laid_out(values, targets, options, layout=chosen_layout, optional=_optional,
+                                     tied=_tied(local))
 
     def regions(key: str) -> list[tuple[slice, ...]] | None:
         """A DTensor's local shard: hot reload compares the digest of its region alone."""
@@ -201,6 +203,24 @@ def assign(
 
     return run_assign(Target(targets, write, owner=lambda key: found[key], prepare=prepare, plan=plan,
                              regions=regions), weights, options)
+
+
+def _tied(found: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """Key -> the first key that is the very same tensor (one storage, offset, shape, strides and
+    dtype: tied weights), for each key that has such an earlier one; ``found`` holds plain
+    tensors (a DTensor's local shard: a DTensor has no storage of its own)."""
+    first: dict[tuple[Any, ...], str] = {}
+    tied = {}
+    for key, tensor in found.items():
+        if tensor.is_meta or not tensor.untyped_storage().nbytes():
+            continue
+        identity = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
+                    tuple(tensor.shape), tensor.stride(), tensor.dtype)
+        if identity in first:
+            tied[key] = first[identity]
+        else:
+            first[identity] = key
+    return tied
 
 
 def _selected(module: nn.Module, chosen_by: Selection) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -318,11 +338,11 @@ def _optional(key: str) -> bool:
     return key.rpartition("/")[2] == OPTIONAL_LEAF
 
 
-def _read(tensor: torch.Tensor, key: str) -> np.ndarray:
-    """A new array, whatever device the tensor lives on."""
+def to_numpy(tensor: torch.Tensor, key: str) -> np.ndarray:
+    """A new array of ``tensor``'s values, whatever device it lives on and whether it requires grad."""
     dtype = numpy_dtype(tensor, key)
     if tensor.is_meta:
-        raise SelectionError("is on the meta device and holds no data to export", key=key)
+        raise SelectionError("is on the meta device and holds no values", key=key)
     copy = tensor.detach().to("cpu", copy=True)
     if tensor.dtype in _VIEWED:
         return copy.view(_VIEWED[tensor.dtype][1]).numpy().view(dtype)

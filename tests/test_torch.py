@@ -149,6 +149,32 @@ def test_tied_parameters_must_get_one_value():
     assert torch.all(net[0].weight == 1) and before.keys() == state(net).keys()
 
 
+def test_a_file_holding_one_of_tied_weights_assigns_both_as_torch_loads_it(tmp_path):
+    """safetensors.torch.save_model and Hugging Face write a tied tensor once: the other key
+    was reported missing, and a strict assign refused a file torch's own loader takes."""
+    from safetensors.torch import load_model, save_model
+
+    net = nn.Sequential(nn.Embedding(4, 2), nn.Linear(2, 4, bias=False))
+    net[1].weight = net[0].weight
+    save_model(net, str(tmp_path / "tied.safetensors"))
+    assert ws.open(tmp_path / "tied.safetensors").keys() == ["0/weight"]  # the alias left out
+    expected = nn.Sequential(nn.Embedding(4, 2), nn.Linear(2, 4, bias=False))
+    expected[1].weight = expected[0].weight
+    load_model(expected, str(tmp_path / "tied.safetensors"))
+    for kept in ("0/weight", "1/weight"):  # whichever of the two a file holds
+        ws.save(tmp_path / "one.npz", {kept: net[0].weight})
+        fresh = nn.Sequential(nn.Embedding(4, 2), nn.Linear(2, 4, bias=False))
+        fresh[1].weight = fresh[0].weight
+        for path in (tmp_path / "tied.safetensors", tmp_path / "one.npz"):
+            report = torch_adapter.assign(fresh, path)
+            assert report.ok and not report.missing
+            tokens = torch.tensor([[0, 3]])
+            assert torch.equal(fresh(tokens), expected(tokens))
+    untied = nn.Sequential(nn.Embedding(4, 2), nn.Linear(2, 4, bias=False))  # two tensors: each needs its value
+    with pytest.raises(AssignmentError, match="no value for variable '1/weight'"):
+        torch_adapter.assign(untied, tmp_path / "tied.safetensors")
+
+
 def test_dtype_that_does_not_widen_needs_cast():
     net = nn.Linear(2, 2)
     before = state(net)
@@ -177,6 +203,26 @@ def test_bfloat16_round_trips_through_a_store(tmp_path):
     fresh = nn.Linear(3, 2).to(torch.bfloat16)
     torch_adapter.assign(fresh, tmp_path / "bf16.npz")
     assert torch.equal(fresh.weight, net.weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_state_dict_or_parameters_passed_as_they_are_save_and_assign(tmp_path, dtype):
+    """np.asarray refuses a tensor that requires grad and has no bfloat16: a state_dict() or
+    named_parameters() passed straight in leaked torch's own TypeError and RuntimeError."""
+    net = small_net().to(dtype)
+    for given in (net.state_dict(), dict(net.named_parameters())):
+        ws.save(tmp_path / "m.safetensors", given)
+        loaded = ws.load(tmp_path / "m.safetensors")
+        assert loaded.keys() == given.keys()
+        fresh = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4, 2)).to(dtype)
+        assert torch_adapter.assign(fresh, given, strict=False).assigned
+        for key, value in given.items():
+            assert torch.equal(fresh.state_dict()[key], value), key
+    with torch.device("meta"):
+        hollow = nn.Linear(2, 2)
+    with pytest.raises(SelectionError, match=r"m\.npz: tensor 'weight': is on the meta device and holds no values"):
+        ws.save(tmp_path / "m.npz", hollow.state_dict())
+    assert not (tmp_path / "m.npz").exists()
 
 
 def test_assign_takes_a_path_a_store_and_a_version_and_skips_unchanged_versions(tmp_path):

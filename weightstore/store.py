@@ -19,6 +19,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 import numpy as np
 
 from weightstore import __version__, parallel
+from weightstore.arrays import as_numpy
 from weightstore.errors import (
     FormatError,
     InvalidKeyError,
@@ -614,7 +615,7 @@ class _Checked(Mapping):
                 for i in [i for i, dtype in enumerate(dtypes) if dtype is None]:
                     dtypes[i] = _declared_dtype(values[i])
                     if dtypes[i] is None:
-                        values[i] = np.asarray(values[i])
+                        values[i] = as_numpy(values[i], keys[i])
                         dtypes[i] = values[i].dtype
                 names = self._names_of(keys, dtypes)
             for name in dict.fromkeys(names):  # a file holds a handful of dtypes: each checked once, in order
@@ -679,7 +680,7 @@ class _Checked(Mapping):
         if value is None:
             value = self._weights[key]
         try:  # not naming(): a context manager per tensor costs more than a small tensor's write
-            return to_storage(value if type(value) is np.ndarray else np.asarray(value), key)
+            return to_storage(as_numpy(value, key), key)
         except UnsupportedDTypeError as exc:  # a value whose dtype changed since it was checked
             raise attach(exc, path=self._where, key=key) from None
 
