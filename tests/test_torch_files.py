@@ -204,9 +204,22 @@ def test_torch_save_files_are_refused_saying_what_they_are_and_how_to_convert(tm
     message = str(caught.value)
     assert caught.value.path == str(path)
     assert "never unpickles" in message and "did not unpickle this one" in message
-    assert "torch.load(f, weights_only=True)" in message and "safetensors.torch.save_file" in message
+    assert "ws.save('model.safetensors', torch.load(f, weights_only=True))" in message
     with pytest.raises(FormatError, match="never unpickles"):
         torch_adapter.assign(net(), path)
     result = run("ls", path)
     assert result.exit_code == 1 and "never unpickles" in result.output
     assert not made.exists()
+
+
+def test_the_conversion_the_refusal_suggests_works_for_tied_and_bfloat16_state_dicts(tmp_path):
+    """``safetensors.torch.save_file`` refuses tensors that share memory (tied weights): the hint
+    now names ``ws.save``, which takes such a state dict as it is."""
+    model = nn.Sequential(nn.Embedding(4, 2), nn.Linear(2, 4, bias=False)).to(torch.bfloat16)
+    model[1].weight = model[0].weight
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    ws.save(tmp_path / "model.safetensors", torch.load(tmp_path / "model.pt", weights_only=True))
+    fresh = nn.Sequential(nn.Embedding(4, 2), nn.Linear(2, 4, bias=False)).to(torch.bfloat16)
+    fresh[1].weight = fresh[0].weight
+    assert torch_adapter.assign(fresh, tmp_path / "model.safetensors").ok
+    assert_same_state(fresh, model)

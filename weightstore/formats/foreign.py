@@ -28,8 +28,9 @@ _NAME_LENGTH = struct.Struct("<H")
 _LEGACY_TORCH = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"
 CONVERT_HINT = ("weightstore never unpickles (unpickling runs code the file chooses) and did not unpickle this "
                 "one. Where you trust the file, convert it once with PyTorch: "
-                "safetensors.torch.save_file(torch.load(f, weights_only=True), 'model.safetensors') "
-                "(for a whole saved module, save its .state_dict())")
+                "ws.save('model.safetensors', torch.load(f, weights_only=True)) "
+                "(of a training checkpoint, its state dict entry, such as ['model']; of a whole saved module, "
+                "its .state_dict())")
 
 
 def refuse_pickle(head: bytes) -> None:
