@@ -230,19 +230,32 @@ def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ..
 
 
 def _leaves(tree: Any) -> dict[str, Any]:
+    """Key -> array leaf, but for an ``nnx.Rngs`` stream's state: its typed key and the count
+    beside it (``dropout/rngs/key``, ``dropout/rngs/count``), which ``export`` of the module
+    leaves out too."""
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     leaves = {}
+    streams = {_key(path).rpartition("/")[0] for path, leaf in flat if _is_key(leaf)}
     for path, leaf in flat:
         if _is_array(leaf):
             key = _key(path)
             if key in leaves:
                 raise InvalidKeyError("two leaves of the tree both have this key", key=key)
-            leaves[key] = leaf
+            scope, _, name = key.rpartition("/")
+            if name != "count" or scope not in streams:
+                leaves[key] = leaf
     return leaves
 
 
 def _is_array(leaf: Any) -> bool:
-    return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+    """Whether ``leaf`` may hold weights: a JAX or numpy array, but no typed PRNG key (an array of
+    JAX's own key dtype, which no file holds: left alone, as leaves that are no arrays are)."""
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic)) and not _is_key(leaf)
+
+
+def _is_key(leaf: Any) -> bool:
+    """Whether ``leaf`` is a typed PRNG key (``jax.random.key``; an ``nnx.Rngs`` stream's)."""
+    return isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
 
 
 def _key(path: tuple) -> str:

@@ -125,6 +125,21 @@ def test_restore_returns_a_new_tree_and_never_touches_the_old_one():
     assert float(tree["batch_stats"]["BatchNorm_0"]["var"][0]) == 1  # the input is unchanged
 
 
+def test_restore_of_a_pure_dict_leaves_rng_state_alone():
+    """``nnx.to_pure_dict(nnx.state(model))`` of a model holding an ``nnx.Rngs`` has a typed PRNG
+    key leaf, which made numpy raise TypeError, and a count beside it, which no export holds."""
+    net = Net()
+    pure = nnx.to_pure_dict(nnx.state(net))
+    weights = random_weights()
+    new = flax_adapter.restore(pure, weights)
+    assert np.array_equal(new["layers"][0]["kernel"], weights["layers/0/kernel"])
+    assert new["dropout"]["rngs"]["key"] is pure["dropout"]["rngs"]["key"]
+    assert new["dropout"]["rngs"]["count"] is pure["dropout"]["rngs"]["count"]
+    assert sorted(flax_adapter.export(pure)) == sorted(weights)
+    nnx.update(net, new)
+    assert np.array_equal(np.asarray(net.layers[0].kernel.get_value()), weights["layers/0/kernel"])
+
+
 def test_restore_strict_failure_names_the_key():
     tree = linen_tree()
     with pytest.raises(AssignmentError, match="params/Dense_0/kernl"):
