@@ -195,3 +195,37 @@ def test_torch_assign_takes_a_sharded_folder(tmp_path):
     assert torch_adapter.assign(target, tmp_path / "out").ok
     for (name, a), b in zip(source.state_dict().items(), target.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_a_model_folder_of_one_safetensors_file_opens_as_from_pretrained_reads_it(tmp_path):
+    """transformers' save_pretrained writes one model.safetensors beside config.json below its
+    shard size: the folder was refused as holding no TF checkpoint."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    from weightstore.adapters import torch as torch_adapter
+
+    torch.manual_seed(0)
+    source = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    (tmp_path / "model").mkdir()
+    save_file(source.state_dict(), str(tmp_path / "model" / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "toy"}')
+    assert ws.load(tmp_path / "model").keys() == source.state_dict().keys()
+    target = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    assert torch_adapter.assign(target, tmp_path / "model").ok
+    x = torch.ones(3, 4)
+    assert torch.equal(target(x), source(x))
+    assert "0.weight" in CliRunner().invoke(app, ["ls", str(tmp_path / "model")]).output
+
+
+def test_a_model_folder_of_torch_save_pickles_is_refused_naming_the_file(tmp_path):
+    torch = pytest.importorskip("torch")
+    (tmp_path / "model").mkdir()
+    torch.save({"w": torch.ones(2)}, tmp_path / "model" / "pytorch_model.bin")
+    with pytest.raises(FormatError, match=r"model: holds its weights as PyTorch torch.save pickles "
+                                          r"\(pytorch_model\.bin\); weightstore never unpickles"):
+        ws.load(tmp_path / "model")
+    index = tmp_path / "model" / "pytorch_model.bin.index.json"
+    index.write_text(json.dumps({"weight_map": {"w": "pytorch_model-00001-of-00001.bin"}}))
+    with pytest.raises(FormatError, match=r"index\.json: is the index of PyTorch torch\.save shards \(pickles\)"):
+        ws.load(index)

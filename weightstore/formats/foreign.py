@@ -24,6 +24,10 @@ from weightstore.formats import Reader, format_for_suffix
 HEAD_BYTES = 512
 _ZIP_LOCAL = b"PK\x03\x04"
 _NAME_LENGTH = struct.Struct("<H")
+#: a Hugging Face model folder's weights in one file, and the torch.save files it may hold instead
+HF_SINGLE_FILE = "model.safetensors"
+_TORCH_INDEX_SUFFIX = ".bin.index.json"
+_TORCH_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 #: legacy ``torch.save``: protocol 2, then the pickled magic number 0x1950a86a20f9469cfc6c
 _LEGACY_TORCH = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"
 CONVERT_HINT = ("weightstore never unpickles (unpickling runs code the file chooses) and did not unpickle this "
@@ -55,10 +59,23 @@ def _pickle_kind(head: bytes) -> str:
     return ""
 
 
+def _hugging_face_weights(folder: str) -> str | None:
+    """The one weights file of a Hugging Face model folder (``model.safetensors``, what
+    ``from_pretrained`` reads), or ``None`` where there is none; a folder whose weights are
+    only ``torch.save`` pickles is refused naming the file."""
+    single = os.path.join(folder, HF_SINGLE_FILE)
+    if os.path.isfile(single):
+        return single
+    for name in _TORCH_WEIGHTS:
+        if os.path.isfile(os.path.join(folder, name)):
+            raise FormatError(f"holds its weights as PyTorch torch.save pickles ({name}); {CONVERT_HINT}", path=folder)
+    return None
+
+
 def open_foreign(location: str, *, mmap: bool = True) -> Reader | None:
-    """A reader for the Hugging Face sharded folder (or its index), TF checkpoint (prefix, one
-    of its files, or its folder) or ``.keras`` archive at the local path ``location``; ``None``
-    when it is none of them.
+    """A reader for the Hugging Face folder (sharded, with its index, or one ``model.safetensors``)
+    or sharded index, TF checkpoint (prefix, one of its files, or its folder) or ``.keras``
+    archive at the local path ``location``; ``None`` when it is none of them.
 
     The reader's ``name`` is what it read (the checkpoint prefix a folder resolved to). A file
     whose suffix names a store format is answered without importing the checkpoint reader, so
@@ -71,6 +88,13 @@ def open_foreign(location: str, *, mmap: bool = True) -> Reader | None:
     index = hf_sharded.index_location(location, is_dir=os.path.isdir, exists=os.path.isfile)
     if index is not None:
         return hf_sharded.open_local(index, mmap=mmap)
+    if location.endswith(_TORCH_INDEX_SUFFIX):
+        raise FormatError(f"is the index of PyTorch torch.save shards (pickles); {CONVERT_HINT}", path=location)
+    weights = _hugging_face_weights(location) if os.path.isdir(location) else None
+    if weights is not None:
+        from weightstore.formats import safetensors
+
+        return safetensors.FORMAT.open_reader(weights, weights, mmap=mmap)
     from weightstore.formats.keras_file import KerasArchiveReader, is_keras_archive
     from weightstore.formats.tf_checkpoint import CheckpointReader, resolve_prefix
 
