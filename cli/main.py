@@ -357,18 +357,30 @@ def convert(
         "--max-shard-size", metavar="SIZE", help="Write B as a Hugging Face sharded folder: safetensors shards of at "
                                                  "most SIZE bytes (5GB, 500MiB) and model.safetensors.index.json.",
     )] = None,
+    model: Annotated[str | None, typer.Option(
+        "--model", metavar="FILE.keras", help="Key a Keras file or TF2 checkpoint A like the model of this .keras "
+                                              "file first (a .keras A with --layout is keyed by its own model).")] = None,
 ) -> None:
     """Rewrite A as B in another format (npz, HDF5, safetensors), compression or layout; metadata is kept.
 
     \b
     Example:
       ws convert model.npz model.h5
-      ws convert keras.weights.h5 torch.safetensors --layout keras-to-torch
+      ws convert model.keras torch.safetensors --layout keras-to-torch
+      ws convert model.weights.h5 torch.safetensors --layout keras-to-torch --model model.keras
       ws convert torch.safetensors keras.npz --layout torch-to-keras
       ws convert model.npz hf-folder/ --max-shard-size 5GB
     """
     _json(as_json)
-    with checkpoints.open_source(a) as opened:
+    keyed_by = model or (a if layout and layout.startswith("keras-to-") and a.endswith(".keras") else None)
+    if keyed_by is None and layout and layout.startswith("keras-to-") and a.endswith(".weights.h5"):
+        from weightstore.errors import FormatError
+
+        raise FormatError("names its tensors as Keras's save walk does (layers/dense/vars/0), which says no layer's kind "
+                          "or variable; a layout needs them: give the model it was saved from, --model model.keras "
+                          "(or convert that .keras file itself)", path=a)
+    opening = checkpoints.open_source(a) if keyed_by is None else checkpoints.open_keyed_like_model(a, keyed_by)
+    with opening as opened:
         written = transfer.convert(opened, b, compress=_compression(compress, shuffle), layout=layout, names=names,
                                      max_shard_size=max_shard_size, kinds=_kinds(kind))
     _report("convert", written, opened, f"wrote {count(written.count, 'tensor')} ({human_bytes(written.nbytes)}) "

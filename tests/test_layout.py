@@ -236,6 +236,32 @@ def test_cli_convert_with_a_layout_round_trips(tmp_path):
         np.testing.assert_array_equal(back[key], value)
 
 
+def test_cli_convert_of_a_keras_file_with_a_layout_keys_it_by_its_model(tmp_path):
+    """Keras's files name tensors by its save walk (layers/dense/vars/0), which no layout rule
+    reads: ws convert --help's own example failed naming every tensor."""
+    from safetensors.torch import load_file
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, name="hidden"), keras.layers.Dense(2, name="out")])
+    x = np.random.default_rng(0).random((5, 3)).astype("float32")
+    model.save(tmp_path / "m.keras")
+    model.save_weights(tmp_path / "m.weights.h5")
+    module = torch.nn.ModuleDict({"hidden": torch.nn.Linear(3, 4), "out": torch.nn.Linear(4, 2)})
+    runner = CliRunner()
+    for args in (["m.keras"], ["m.weights.h5", "--model", "m.keras"]):
+        result = runner.invoke(app, ["convert", str(tmp_path / args[0]), str(tmp_path / "t.safetensors"),
+                                     "--layout", "keras-to-torch", *[str(tmp_path / a) if a.endswith(".keras") else a
+                                                                     for a in args[1:]]])
+        assert result.exit_code == 0, result.output
+        module.load_state_dict(load_file(tmp_path / "t.safetensors"))
+        with torch.no_grad():
+            got = module["out"](module["hidden"](torch.from_numpy(x))).numpy()
+        np.testing.assert_allclose(got, np.asarray(model(x)), atol=1e-6)
+    result = runner.invoke(app, ["convert", str(tmp_path / "m.weights.h5"), str(tmp_path / "u.safetensors"),
+                                 "--layout", "keras-to-torch"])
+    assert result.exit_code == 1 and "--model model.keras" in result.output
+    assert not (tmp_path / "u.safetensors").exists()
+
+
 def test_cli_convert_names_the_file_and_the_tensor_no_rule_covers(tmp_path):
     ws.save(tmp_path / "odd.npz", {"fc/kernel": np.ones((2, 3)), "fc/alpha": np.ones(3)})
     result = CliRunner().invoke(app, ["convert", str(tmp_path / "odd.npz"), str(tmp_path / "out.npz"),
