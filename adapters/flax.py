@@ -259,7 +259,11 @@ def _is_key(leaf: Any) -> bool:
 
 
 def _key(path: tuple) -> str:
-    """``('params', 'Dense_0', 'kernel')`` or JAX's path entries, joined with ``/``."""
+    """``('params', 'Dense_0', 'kernel')`` or JAX's path entries, joined with ``/``; an NNX
+    variable's own ``.value`` entry (a leaf of ``nnx.state(model)``) is not a segment, so a
+    ``State`` and its pure dict key their leaves alike (``l/kernel``)."""
+    if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
+        path = path[:-1]
     return validate_key("/".join(str(_entry(part)) for part in path))
 
 

@@ -140,6 +140,20 @@ def test_restore_of_a_pure_dict_leaves_rng_state_alone():
     assert np.array_equal(np.asarray(net.layers[0].kernel.get_value()), weights["layers/0/kernel"])
 
 
+def test_restore_of_an_nnx_state_keys_its_variables_as_the_module_does():
+    """``nnx.state(model, nnx.Param)`` holds each variable's value under a ``.value`` entry, which
+    made keys like ``conv/kernel/value`` that matched no file."""
+    net = Net()
+    weights = random_weights()
+    params = flax_adapter.restore(nnx.state(net, nnx.Param), weights, strict=False)
+    everything = flax_adapter.restore(nnx.state(net), weights)
+    assert sorted(flax_adapter.export(nnx.state(net))) == sorted(weights)
+    for state in (params, everything):
+        fresh = Net()
+        nnx.update(fresh, state)
+        assert np.array_equal(np.asarray(fresh.conv.kernel.get_value()), weights["conv/kernel"])
+
+
 def test_restore_strict_failure_names_the_key():
     tree = linen_tree()
     with pytest.raises(AssignmentError, match="params/Dense_0/kernl"):
