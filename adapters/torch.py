@@ -338,15 +338,17 @@ def _optional(key: str) -> bool:
     return key.rpartition("/")[2] == OPTIONAL_LEAF
 
 
-def to_numpy(tensor: torch.Tensor, key: str) -> np.ndarray:
-    """A new array of ``tensor``'s values, whatever device it lives on and whether it requires grad."""
+def to_numpy(tensor: torch.Tensor, key: str, *, copy: bool = True) -> np.ndarray:
+    """An array of ``tensor``'s values, whatever device it lives on and whether it requires grad:
+    a new one, or with ``copy=False`` a view of a CPU tensor's own memory (for a save, which only
+    reads it)."""
     dtype = numpy_dtype(tensor, key)
     if tensor.is_meta:
         raise SelectionError("is on the meta device and holds no values", key=key)
-    copy = tensor.detach().to("cpu", copy=True)
+    values = tensor.detach().to("cpu", copy=copy)
     if tensor.dtype in _VIEWED:
-        return copy.view(_VIEWED[tensor.dtype][1]).numpy().view(dtype)
-    return copy.numpy()
+        return values.view(_VIEWED[tensor.dtype][1]).numpy().view(dtype)
+    return values.numpy()
 
 
 def _as_tensor(array: np.ndarray) -> torch.Tensor:

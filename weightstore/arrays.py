@@ -1,10 +1,12 @@
 """A value given to a save or an assign, as the numpy array it is written from.
 
 Anything ``np.asarray`` takes is taken so; a PyTorch tensor (a ``state_dict()`` passed as
-it is) goes through the PyTorch adapter's own reading, which ``np.asarray`` lacks: it detaches
-a tensor that requires grad, copies one off its device, carries bfloat16 and float8 over as
-their ml_dtypes kinds, and refuses a meta tensor, which holds no values. The adapter is
-imported only for such a value, when PyTorch is already loaded, so the core imports no framework.
+it is) goes through the PyTorch adapter, which ``np.asarray`` lacks: it detaches a tensor that
+requires grad, copies one off its device, carries bfloat16 and float8 over as their ml_dtypes
+kinds, and refuses a meta tensor, which holds no values. A CPU tensor's array shares its
+memory, as ``np.asarray`` shares a numpy array's, so a save converts one tensor at a time and
+holds no copy of the model. The adapter is imported only for such a value, when PyTorch is
+already loaded, so the core imports no framework.
 """
 
 from __future__ import annotations
@@ -13,15 +15,41 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["as_numpy"]
+__all__ = ["as_numpy", "declared_dtype"]
 
 
 def as_numpy(value: Any, key: str = "") -> np.ndarray:
     """``value`` as a numpy array (itself, where it is one); ``key`` names it in a refusal."""
     if type(value) is np.ndarray:
         return value
-    if type(value).__module__.partition(".")[0] == "torch" and hasattr(value, "detach"):
+    if _is_torch(value):
         from weightstore.adapters.torch import to_numpy
 
-        return to_numpy(value, key)
+        return to_numpy(value, key, copy=False)
     return np.asarray(value)
+
+
+def declared_dtype(value: Any) -> np.dtype | None:
+    """The numpy dtype an array-like states without being converted, or ``None``.
+
+    A TF tensor (``dtype.as_numpy_dtype``), a PyTorch tensor (through its adapter) or any
+    ``__array__`` object with a numpy ``dtype`` is checked now and converted only when written,
+    one at a time: a trainer's snapshot or state dict is not copied to numpy all at once.
+    """
+    if isinstance(value, np.ndarray):
+        return value.dtype
+    if _is_torch(value):
+        from weightstore.adapters.torch import numpy_dtype
+
+        return numpy_dtype(value, "")
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or not hasattr(value, "__array__"):
+        return None
+    try:
+        return np.dtype(getattr(dtype, "as_numpy_dtype", dtype))
+    except (TypeError, ValueError):
+        return None
+
+
+def _is_torch(value: Any) -> bool:
+    return type(value).__module__.partition(".")[0] == "torch" and hasattr(value, "detach")

@@ -19,7 +19,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 import numpy as np
 
 from weightstore import __version__, parallel
-from weightstore.arrays import as_numpy
+from weightstore.arrays import as_numpy, declared_dtype
 from weightstore.errors import (
     FormatError,
     InvalidKeyError,
@@ -613,7 +613,7 @@ class _Checked(Mapping):
                 values = [weights[key] for key in keys]
                 dtypes = [value.dtype if type(value) is np.ndarray else None for value in values]
                 for i in [i for i, dtype in enumerate(dtypes) if dtype is None]:
-                    dtypes[i] = _declared_dtype(values[i])
+                    dtypes[i] = declared_dtype(values[i])
                     if dtypes[i] is None:
                         values[i] = as_numpy(values[i], keys[i])
                         dtypes[i] = values[i].dtype
@@ -681,7 +681,7 @@ class _Checked(Mapping):
             value = self._weights[key]
         try:  # not naming(): a context manager per tensor costs more than a small tensor's write
             return to_storage(as_numpy(value, key), key)
-        except UnsupportedDTypeError as exc:  # a value whose dtype changed since it was checked
+        except WeightStoreError as exc:  # a value whose dtype changed since it was checked, a meta tensor
             raise attach(exc, path=self._where, key=key) from None
 
     def __iter__(self) -> Iterator[str]:
@@ -689,24 +689,6 @@ class _Checked(Mapping):
 
     def __len__(self) -> int:
         return len(self._values)
-
-
-def _declared_dtype(value: Any) -> np.dtype | None:
-    """The numpy dtype an array-like states without being converted, or ``None``.
-
-    A TF tensor (``dtype.as_numpy_dtype``) or any ``__array__`` object with a numpy ``dtype``
-    is checked now and converted only when written, on whatever thread writes it: a trainer's
-    snapshot is not copied to numpy all at once (see ``weightstore.background``).
-    """
-    if isinstance(value, np.ndarray):
-        return value.dtype
-    dtype = getattr(value, "dtype", None)
-    if dtype is None or not hasattr(value, "__array__"):
-        return None
-    try:
-        return np.dtype(getattr(dtype, "as_numpy_dtype", dtype))
-    except (TypeError, ValueError):
-        return None
 
 
 def _checked(weights: Mapping[str, Any], where: str = "", fmt: Format | None = None) -> _Checked:
