@@ -616,7 +616,7 @@ def test_every_error_is_a_weightstore_error_and_its_builtin():
         "ChecksumError": ValueError, "UnsafeFileError": ValueError, "SizeLimitError": ValueError,
         "StoreClosedError": ValueError, "WriteError": OSError,
         "AssignmentError": ValueError, "PublishError": RuntimeError, "MissingDependencyError": ImportError,
-        "TargetError": ValueError, "StorageError": OSError, "LayoutError": ValueError,
+        "TargetError": ValueError, "StorageError": OSError, "FileAccessError": OSError, "LayoutError": ValueError,
         "ShardTimeoutError": TimeoutError,
     }
     assert set(errors.__all__) == set(refines) | {"WeightStoreError"}
@@ -627,6 +627,7 @@ def test_every_error_is_a_weightstore_error_and_its_builtin():
     assert issubclass(errors.ChecksumError, errors.FormatError)
     assert issubclass(errors.UnsafeFileError, errors.FormatError)
     assert issubclass(errors.VersionGoneError, errors.StoreNotFoundError)
+    assert not issubclass(errors.FileAccessError, errors.StorageError)  # a follower retries only the latter
 
 
 def test_key_not_in_store_message_is_not_quoted(tmp_path):

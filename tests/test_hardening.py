@@ -546,13 +546,14 @@ def test_hugging_face_index_that_no_writer_makes_is_refused_naming_it(tmp_path, 
         _read_all(folder)
 
 
-def test_symlink_loop_and_overlong_names_are_storage_errors_naming_the_file(tmp_path):
+def test_symlink_loop_and_overlong_names_are_file_access_errors_naming_the_file(tmp_path):
     loop = tmp_path / "loop.npz"
     loop.symlink_to(loop)
     overlong = tmp_path / ("y" * 300 + ".npz")
     for path, why in ((loop, "Too many levels of symbolic links"), (overlong, "File name too long")):
-        with raises_naming(errors.StorageError, path, f"cannot be opened ({why})"):
+        with raises_naming(errors.FileAccessError, path, f"cannot be opened ({why})") as caught:
             ws.load(path)
+        assert isinstance(caught.value, OSError) and not isinstance(caught.value, errors.StorageError)  # no retry
     shard_loop = _hf_folder(tmp_path / "hf", '{"weight_map": {"m.w": "x.safetensors"}}') / "x.safetensors"
     shard_loop.symlink_to(shard_loop)
     with raises_naming(errors.FormatError, shard_loop.parent / "model.safetensors.index.json",

@@ -17,6 +17,7 @@ weightstore class or the builtin they already handle::
     ├── TargetError(ValueError)            a write target that must not be replaced (folder, FIFO, device)
     ├── StorageError(OSError)              the storage failed (an outage, credentials); retry later
     │   └── WriteError                     the file system refused a write (disk full, size limit)
+    ├── FileAccessError(OSError)           the system will not open a file (permission, symlink loop)
     ├── SizeLimitError(ValueError)         a read would exceed ``max_bytes``
     ├── StoreClosedError(ValueError)       a tensor asked of a store after ``close()``
     ├── AssignmentError(ValueError)        assign found missing/unexpected/mismatched keys
@@ -45,6 +46,7 @@ __all__ = [
     "UnsafeFileError",
     "TargetError",
     "StorageError",
+    "FileAccessError",
     "SizeLimitError",
     "StoreClosedError",
     "WriteError",
@@ -140,6 +142,16 @@ class TargetError(WeightStoreError, ValueError):
 
 class StorageError(WeightStoreError, OSError):
     """The storage failed (an object store outage, refused credentials), not the file: retrying may help."""
+
+    __str__ = WeightStoreError.__str__
+
+
+class FileAccessError(WeightStoreError, OSError):
+    """The system refuses to open a local file (no permission, a symlink loop, a name too long).
+
+    Not a :class:`StorageError`: the file, not the storage, is at fault, and a retry (a
+    follower's, say) would meet the same refusal.
+    """
 
     __str__ = WeightStoreError.__str__
 

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from weightstore import jsontext
-from weightstore.errors import FormatError, KeyNotInStoreError, StorageError, UnsafeFileError, naming
+from weightstore.errors import FileAccessError, FormatError, KeyNotInStoreError, UnsafeFileError, naming
 from weightstore.formats import ReaderDefaults, safetensors
 from weightstore.io.files import open_regular
 from weightstore.io.remote import RemoteFile
@@ -158,7 +158,7 @@ def open_local(index: str, *, mmap: bool = True) -> ShardedReader:
             return safetensors.FORMAT.open_reader(path, path, mmap=mmap)
         except FileNotFoundError:
             raise FormatError(f"the index maps tensors to shard {shard!r}, which is missing", path=index) from None
-        except StorageError as exc:  # a name too long for the file system, a symlink loop
+        except FileAccessError as exc:  # a name too long for the file system, a symlink loop
             raise FormatError(f"the index maps tensors to shard {_clip(shard)}, which {exc.message}",
                               path=index) from None
 

@@ -132,7 +132,8 @@ def resolve_prefix(path: str) -> str | None:
     Accepts the prefix itself, one of its ``.index``/``.data-…``/``.meta`` files (what shell
     completion offers), or a folder: a SavedModel's variables (:func:`saved_model_prefix`), the
     checkpoint its ``checkpoint`` state file names (in the folder: a name elsewhere is taken as
-    the folder's own file of that name, as a moved folder needs, and nothing outside is read),
+    the folder's own file of that name, as a moved folder needs, so the file sends no read
+    outside the folder),
     or the only one in it. A folder that holds several but no state file is refused with the
     candidates listed, as is one whose state file names a checkpoint that is not there.
     """
@@ -161,7 +162,7 @@ def _prefix_in_folder(folder: str) -> str:
         named = read_state_file(state)
         prefix = os.path.join(folder, named)  # an absolute name stays as it is
         if not _inside(prefix, folder) or not os.path.exists(prefix + ".index"):
-            # the folder was moved or copied, or the file names one elsewhere: only this folder's is read
+            # the folder was moved or copied, or the file names one elsewhere: this folder's is read
             prefix = os.path.join(folder, os.path.basename(named))
             if not os.path.exists(prefix + ".index"):
                 raise StoreNotFoundError(f"its '{STATE_FILE}' state file names checkpoint {named!r}, which is not "

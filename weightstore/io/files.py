@@ -22,7 +22,7 @@ import stat
 from pathlib import Path
 from typing import BinaryIO
 
-from weightstore.errors import FormatError, StorageError, StoreNotFoundError, TargetError
+from weightstore.errors import FileAccessError, FormatError, StoreNotFoundError, TargetError
 
 __all__ = [
     "TEMP_MARK", "kind_of", "open_regular", "refuse_special_file", "check_writable_target",
@@ -55,14 +55,14 @@ def open_regular(path: str) -> BinaryIO:
     device) is refused at once with a :class:`FormatError` naming it instead of waiting for a
     writer, and nothing can be swapped in between the check and the read. A missing file raises
     ``FileNotFoundError``, as :func:`open` would; any other refusal of the system's (no
-    permission, a symlink loop, a name too long) a :class:`StorageError` naming the file.
+    permission, a symlink loop, a name too long) a :class:`FileAccessError` naming the file.
     """
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         raise
     except OSError as exc:
-        raise StorageError(f"cannot be opened ({exc.strerror or exc})", path=path) from None
+        raise FileAccessError(f"cannot be opened ({exc.strerror or exc})", path=path) from None
     try:
         kind = kind_of(os.fstat(fd).st_mode)
         if kind is not None:
