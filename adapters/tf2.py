@@ -106,7 +106,8 @@ _SHARDED = tf.__internal__.distribute.ShardedVariable
 _VARIABLE_TYPES = (tf.Variable, keras.Variable, _SHARDED)
 _TRACKABLE = tf.__internal__.tracking.AutoTrackable
 _KERAS_LAYOUT = re.compile(r"(?:.+/)?vars/[^/]+")  # Keras's file names: layers/dense/vars/0, optimizer/vars/3
-_OPTIMIZER_KEY = re.compile(r"optimizer/vars/\d+")  # a model's optimizer state, as export(optimizer=True) keys it
+_OPTIMIZER_SCOPE = "optimizer/vars"  # a model's optimizer state, as export(optimizer=True) keys it: Keras's names
+_OPTIMIZER_KEY = re.compile(re.escape(_OPTIMIZER_SCOPE) + r"/\d+")
 _PART_SUFFIX = re.compile(r"/part_\d+$")
 _GROUPED_BELOW = 1 << 16  # values under this many bytes are written in groups (see _write_batch)
 _GROUP = 64  # most values per group: as fast per variable as larger groups, and a cheap kernel to build
@@ -203,7 +204,8 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
         view = (_keras_layout_renamed(values, obj, found, options, optimizer)
                 or _old_keys_renamed(values, aliases, targets, options))
         value_keys = view.keys()  # a ValueSource: it has keys(), not iteration
-        left_out = () if optimizer else [key for key in value_keys if _OPTIMIZER_KEY.fullmatch(key)]
+        left_out = () if optimizer else [key for key in value_keys if _OPTIMIZER_KEY.fullmatch(key)
+                                         and join_scope(normalize_scope(options.scope), key) not in targets]
         return plan_assign(view, targets, options, left_out=left_out), view
 
     target = Target(targets, write, owner=lambda key: found[key][0], plan=plan, batched=True)
@@ -289,8 +291,8 @@ def _keras_layout_renamed(values: Any, obj: Any, found: Mapping[str, tuple[Varia
     over the model (or its part at ``scope``), as the Keras file itself would be; None for other keys.
 
     Keys the walk does not reach keep their names, so a store of another architecture is
-    reported as such rather than paired by position; optimizer state is left out, as from the
-    file, unless ``optimizer`` (see :func:`~weightstore.adapters.artifacts.keras_file_names`).
+    reported as such rather than paired by position; optimizer state is listed as left out
+    unless ``optimizer`` (see :func:`~weightstore.adapters.artifacts.keras_file_names`).
     """
     keys = values.keys()
     if (not isinstance(obj, keras.layers.Layer) or options.mapping or not keys
@@ -305,7 +307,8 @@ def _keras_layout_renamed(values: Any, obj: Any, found: Mapping[str, tuple[Varia
     by_variable = {id(var): strip_scope(key, at) for key, (var, _) in found.items() if in_scope(key, at) and key != at}
     names = keras_file_names(part, keys, by_variable, optimizer=optimizer)  # model key -> file key
     renames = {file_key: model_key for model_key, file_key in names.items() if model_key != file_key}
-    return RenamedValues(values, renames, keep=set(names.values()))
+    state = {key for key in keys if _OPTIMIZER_KEY.fullmatch(key)}  # kept, for the plan to list as left out
+    return RenamedValues(values, renames, keep=set(names.values()) | state)
 
 
 def _old_keys_renamed(values: Any, aliases: Mapping[str, str], targets: Mapping[str, TargetInfo],
@@ -400,7 +403,7 @@ def _collect_with_aliases(obj: Any, optimizer: bool = False) -> tuple[dict[str, 
         )
     if optimizer:
         for i, var in enumerate(_optimizer_variables(obj)):
-            _add(found, f"optimizer/vars/{i}", var, set(), trainable=False)
+            _add(found, f"{_OPTIMIZER_SCOPE}/{i}", var, set(), trainable=False)
     return found, aliases
 
 
