@@ -229,3 +229,12 @@ def test_a_model_folder_of_torch_save_pickles_is_refused_naming_the_file(tmp_pat
     index.write_text(json.dumps({"weight_map": {"w": "pytorch_model-00001-of-00001.bin"}}))
     with pytest.raises(FormatError, match=r"index\.json: is the index of PyTorch torch\.save shards \(pickles\)"):
         ws.load(index)
+
+
+def test_a_folder_holding_a_tf_checkpoint_too_opens_as_the_checkpoint_as_before(tmp_path):
+    import tf_forge
+
+    tf_forge.write(tmp_path / "ckpt", {"tf/w": np.ones(2, np.float32)})
+    safetensors.numpy.save_file({"hf.w": np.zeros(2, np.float32)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"never read")
+    assert list(ws.load(tmp_path)) == ["tf/w"]

@@ -28,6 +28,7 @@ _NAME_LENGTH = struct.Struct("<H")
 HF_SINGLE_FILE = "model.safetensors"
 _TORCH_INDEX_SUFFIX = ".bin.index.json"
 _TORCH_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+_TF_NAMES = {"checkpoint", "saved_model.pb", "saved_model.pbtxt", "variables"}  # a TF checkpoint's or SavedModel's
 #: legacy ``torch.save``: protocol 2, then the pickled magic number 0x1950a86a20f9469cfc6c
 _LEGACY_TORCH = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"
 CONVERT_HINT = ("weightstore never unpickles (unpickling runs code the file chooses) and did not unpickle this "
@@ -62,7 +63,11 @@ def _pickle_kind(head: bytes) -> str:
 def _hugging_face_weights(folder: str) -> str | None:
     """The one weights file of a Hugging Face model folder (``model.safetensors``, what
     ``from_pretrained`` reads), or ``None`` where there is none; a folder whose weights are
-    only ``torch.save`` pickles is refused naming the file."""
+    only ``torch.save`` pickles is refused naming the file. A folder that also holds a TF
+    checkpoint or SavedModel is left to their reader, as before there was this one."""
+    names = set(os.listdir(folder))
+    if names & _TF_NAMES or any(name.endswith(".index") for name in names):
+        return None
     single = os.path.join(folder, HF_SINGLE_FILE)
     if os.path.isfile(single):
         return single
