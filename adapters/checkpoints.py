@@ -137,7 +137,7 @@ def open_keyed_like_model(path: str | os.PathLike, model_file: str | os.PathLike
     if prefix is None and not text.endswith((".keras", keras_file.WEIGHTS_SUFFIX)):
         raise FormatError(f"is a {kind}; only Keras files and TF2 object-based checkpoints can be keyed like a model",
                           path=text)
-    _tf("keying weights like a model (--model-keys, --model: Keras builds it from the .keras config)", model_text)
+    _tf("keying weights like a model (Keras builds it from the .keras config)", model_text)
     with _quietly():
         from weightstore.adapters import artifacts, keras_config, tf2
     model = keras_config.model_from_archive(model_text)

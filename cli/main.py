@@ -359,7 +359,8 @@ def convert(
     )] = None,
     model: Annotated[str | None, typer.Option(
         "--model", metavar="FILE.keras", help="Key a Keras file or TF2 checkpoint A like the model of this .keras "
-                                              "file first (a .keras A with --layout is keyed by its own model).")] = None,
+                                              "file first (without it, a .keras A with a keras-to-* layout is keyed "
+                                              "by its own model).")] = None,
 ) -> None:
     """Rewrite A as B in another format (npz, HDF5, safetensors), compression or layout; metadata is kept.
 
@@ -372,8 +373,12 @@ def convert(
       ws convert model.npz hf-folder/ --max-shard-size 5GB
     """
     _json(as_json)
-    keyed_by = model or (a if layout and layout.startswith("keras-to-") and a.endswith(".keras") else None)
-    if keyed_by is None and layout and layout.startswith("keras-to-") and a.endswith(".weights.h5"):
+    from_keras = bool(layout and layout.startswith("keras-to-"))
+    if model and layout and not from_keras:
+        raise typer.BadParameter(f"keys A like a Keras model, which --layout {layout} does not read; leave it out",
+                                 param_hint="--model")
+    keyed_by = model or (a if from_keras and a.endswith(".keras") else None)
+    if keyed_by is None and from_keras and a.endswith(".weights.h5"):
         from weightstore.errors import FormatError
 
         raise FormatError("names its tensors as Keras's save walk does (layers/dense/vars/0), which says no layer's kind "

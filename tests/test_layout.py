@@ -259,7 +259,10 @@ def test_cli_convert_of_a_keras_file_with_a_layout_keys_it_by_its_model(tmp_path
     result = runner.invoke(app, ["convert", str(tmp_path / "m.weights.h5"), str(tmp_path / "u.safetensors"),
                                  "--layout", "keras-to-torch"])
     assert result.exit_code == 1 and "--model model.keras" in result.output
-    assert not (tmp_path / "u.safetensors").exists()
+    result = runner.invoke(app, ["convert", str(tmp_path / "t.safetensors"), str(tmp_path / "u.npz"),
+                                 "--layout", "torch-to-keras", "--model", str(tmp_path / "m.keras")])
+    assert result.exit_code == 2 and "torch-to-keras does not read" in " ".join(result.output.replace("│", "").split())
+    assert not (tmp_path / "u.safetensors").exists() and not (tmp_path / "u.npz").exists()
 
 
 def test_cli_convert_names_the_file_and_the_tensor_no_rule_covers(tmp_path):
