@@ -268,7 +268,8 @@ def ls(
             return
         _note_skipped(opened)
         console = render.stdout()
-        console.print(render.listing_table(infos, f"{opened.path} ({opened.kind})"))
+        console.print(render.printable(f"{opened.path} ({opened.kind})"), soft_wrap=True)  # a line of its own: never folded
+        console.print(render.listing_table(infos))
         for name, value in opened.metadata.items():
             console.print(render.printable(f"{name}: {value}"), soft_wrap=True)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import re
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -25,13 +24,11 @@ from rich.console import Console
 from rich.table import Table
 
 from weightstore.errors import ChecksumError
+from weightstore.keys import misprints
 from weightstore.manifest import TensorInfo
 
 T = TypeVar("T")
 PROGRESS_DELAY_S = 0.5
-#: what a terminal would act on or draw misleadingly: C0 and C1 controls (ESC starts its
-#: commands), bidi overrides and other format characters, line and paragraph separators
-_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u00ad\u061c\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff]")
 
 
 @dataclass
@@ -185,13 +182,16 @@ def working(description: str) -> Iterator[None]:
 
 
 def printable(text: str) -> str:
-    """``text`` with every character a terminal would act on escaped (``\\x1b``): keys can hold
-    none of them, but a file's metadata can, and ``ws ls`` must show it, not run it."""
-    return _UNPRINTABLE.sub(lambda found: found.group().encode("unicode_escape").decode("ascii"), text)
+    """``text`` with every character a terminal would act on or misprint escaped (``\\x1b``,
+    :func:`~weightstore.keys.misprints`): keys can hold none of them, but a file's metadata and
+    a path can, and ``ws ls`` must show them, not run them."""
+    if text.isascii() and text.isprintable():
+        return text
+    return "".join(char.encode("unicode_escape").decode("ascii") if misprints(char) else char for char in text)
 
 
-def listing_table(infos: list[TensorInfo], title: str) -> Table:
-    table = Table(title=title, title_justify="left", show_footer=True, expand=False)
+def listing_table(infos: list[TensorInfo]) -> Table:
+    table = Table(show_footer=True, expand=False)
     total = sum(info.nbytes for info in infos)
     table.add_column("key", footer=count(len(infos), "tensor"), overflow="fold", ratio=1)
     table.add_column("dtype", no_wrap=True)

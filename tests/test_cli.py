@@ -241,6 +241,10 @@ def test_ls_shows_metadata_a_terminal_would_act_on_escaped_and_keys_unfolded_whe
     assert result.exit_code == 0 and "\x1b" not in result.stdout and "\u202e" not in result.stdout
     assert "note\\x1b[2J: hi\\x1b]0;TITLE\\x07 \\u202eevil" in result.stdout
     assert key in result.stdout
+    named = tmp_path / "m\x1b[2J.safetensors"  # a path is text from the file system, shown the same way
+    path.rename(named)
+    result = run("ls", named)
+    assert result.exit_code == 0 and "\x1b" not in result.stdout and "m\\x1b[2J.safetensors" in result.stdout
 
 
 def test_a_symlink_loop_is_named_as_such_not_as_a_missing_file(tmp_path):

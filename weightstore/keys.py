@@ -28,6 +28,7 @@ _GLOB_CHARS = frozenset("*?[")
 MAX_KEY_BYTES = 0xFFFF - len(".npy")
 #: C0, DEL and C1 controls (U+0080-U+009F), which terminals interpret rather than print
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+_MISPRINTING = frozenset({"Cc", "Cf", "Zl", "Zp"})  # Unicode categories: see misprints()
 #: TensorFlow's output suffix ending a tensor name (``dense/kernel:0``); never part of a key
 OUTPUT_SUFFIX = re.compile(r":\d+$")
 #: C0 controls but NUL (the separator) and DEL, as bytes for ``bytes.translate`` to strike out
@@ -126,6 +127,14 @@ def _key_problem(key: str) -> str | None:
         if segment.startswith(RESERVED_PREFIX):
             return f"segments starting with {RESERVED_PREFIX!r} are reserved"
     return None
+
+
+def misprints(char: str) -> bool:
+    """Whether a terminal would act on ``char`` or show it as something else: a control
+    character (C0, C1: ESC starts a terminal's commands), a format character (bidi overrides,
+    zero-width joiners, a BOM: a key holding one prints as another key), a line or paragraph
+    separator. Keys hold none of them (:func:`validate_key`); text from a file may."""
+    return unicodedata.category(char) in _MISPRINTING
 
 
 def _unicode_problem(key: str) -> str | None:
