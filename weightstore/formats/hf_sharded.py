@@ -40,8 +40,8 @@ INDEX_SUFFIX = ".safetensors.index.json"
 FORMAT_NAME = "hf-sharded"
 #: an index larger than this is refused before it is read (a 1e6-tensor index is some 80 MB)
 MAX_INDEX_BYTES = 256 << 20
-#: an index is one flat name -> shard map; only its metadata may nest, so a denser text is no index
-_INDEX_BYTES_PER_CONTAINER = 256
+#: an index is one flat name -> shard map (brackets in its names count too); only its metadata nests
+_INDEX_BYTES_PER_CONTAINER = 32
 #: a key in the index that marks a folder weightstore wrote (``transformers`` ignores it)
 PRODUCER_KEY = "weightstore"
 _SHARD_NAME = re.compile(r"[^/\\\x00]+\.safetensors")
