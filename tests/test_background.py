@@ -128,6 +128,26 @@ def test_a_failed_publish_raises_on_the_next_publish_once(tmp_path):
     assert publisher.close().step == 11
 
 
+def test_a_bad_step_is_refused_at_the_call_and_costs_no_later_publish(tmp_path):
+    """Checked on the thread, a bad step failed the future and then made the next, good
+    publish raise it instead of publishing."""
+    publisher = ws.BackgroundPublisher(tmp_path)
+    for bad in (-1, 2.5, True, "3"):
+        with pytest.raises(ValueError, match="step must be a non-negative int"):
+            publisher.publish(weights(1), step=bad)
+    assert publisher.publish(weights(4), step=np.int64(4)).result().step == 4  # optimizer.iterations.numpy()
+    assert publisher.close().step == 4
+
+
+@pytest.mark.parametrize("keep", [0, 1.5, True, "2"])
+def test_keep_must_be_an_int_of_at_least_one(tmp_path, keep):
+    with pytest.raises(ValueError, match="keep must be an int of at least 1"):
+        ws.publish(tmp_path, weights(1), step=1, keep=keep)
+    with pytest.raises(ValueError, match="keep must be an int of at least 1"):
+        ws.BackgroundPublisher(tmp_path, keep=keep)
+    assert ws.latest(tmp_path) is None
+
+
 def test_a_failed_publish_raises_on_close_and_wait(tmp_path):
     ws.publish(tmp_path, weights(10), step=10)
     publisher = ws.BackgroundPublisher(tmp_path)

@@ -43,7 +43,7 @@ import numpy as np
 from weightstore.errors import PublishError
 from weightstore.formats import format_named
 from weightstore.store import checked_metadata
-from weightstore.versions import PublishOptions, Version, publish
+from weightstore.versions import PublishOptions, Version, checked_count, checked_keep, publish
 
 __all__ = ["BackgroundPublisher", "PublishFuture"]
 
@@ -90,8 +90,7 @@ class BackgroundPublisher:
         format: str = "npz",  # noqa: A002
         storage_options: Mapping[str, Any] | None = None,
     ):
-        if keep is not None and keep < 1:
-            raise ValueError(f"keep must be at least 1 (or None to keep all), not {keep!r}")
+        keep = checked_keep(keep)
         format_named(format)  # an unknown format fails here, not on the first background publish
         self.folder = folder
         self.metadata = checked_metadata(metadata, str(folder))
@@ -115,6 +114,7 @@ class BackgroundPublisher:
         """
         if self._closed:
             raise PublishError("this BackgroundPublisher is closed", path=str(self.folder))
+        step = checked_count("step", step)  # here, not on the thread: a bad step must not cost the next publish
         self.wait()
         future = PublishFuture()
         future.set_running_or_notify_cancel()

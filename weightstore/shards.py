@@ -71,7 +71,17 @@ from weightstore.shardindex import (
     strip_columns,
 )
 from weightstore.store import _checked, checked_metadata, write_file
-from weightstore.versions import SHARDED_SUFFIX, Version, _latest, _stage, _versions, commit_version, require_folder
+from weightstore.versions import (
+    SHARDED_SUFFIX,
+    Version,
+    _latest,
+    _stage,
+    _versions,
+    checked_count,
+    checked_keep,
+    commit_version,
+    require_folder,
+)
 
 __all__ = ["Piece", "publish_shard", "commit_shards", "next_attempt", "clean_folder"]
 
@@ -206,8 +216,7 @@ def commit_shards(
     _check_ids(step=step, attempt=attempt, world=world)
     if not world:
         raise ValueError("world must be at least 1")
-    if keep is not None and keep < 1:
-        raise ValueError(f"keep must be at least 1 (or None to keep all), not {keep!r}")
+    keep = checked_keep(keep)
     target = folder_for(folder, storage_options)
     members = folder_for(target.url(attempt_folder(step, attempt)), storage_options)
     name = index_name(step)
@@ -525,5 +534,4 @@ def _check_ids(**ids: int) -> None:
 
 
 def _check_id(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int, not {value!r}")
+    checked_count(name, value)

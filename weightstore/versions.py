@@ -76,6 +76,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import operator
 import os
 import re
 import threading
@@ -85,6 +86,8 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
+
+import numpy as np
 
 from weightstore.errors import (
     FormatError,
@@ -272,10 +275,7 @@ def publish(
     Example:
         >>> ws.publish("runs/a", weights, step=1200, keep=5, metadata={"loss": 0.31})
     """
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be a non-negative int, not {step!r}")
-    if keep is not None and keep < 1:
-        raise ValueError(f"keep must be at least 1 (or None to keep all), not {keep!r}")
+    step, keep = checked_count("step", step), checked_keep(keep)
     fmt = format_named(format)
     target = folder_for(folder, storage_options)
     name = f"step-{step:012d}{fmt.suffixes[0]}"
@@ -289,6 +289,26 @@ def publish(
             _stage("version-temporary")
 
     return commit_version(target, step, name, write_version, metadata, keep)
+
+
+def checked_count(name: str, value: Any) -> int:
+    """``value`` as the non-negative int a step (rank, world, attempt) must be: of any integer
+    type (numpy's ``int64``, what ``optimizer.iterations.numpy()`` gives), never a bool or a float."""
+    if isinstance(value, (bool, np.bool_)) or not hasattr(type(value), "__index__"):
+        raise ValueError(f"{name} must be a non-negative int, not {value!r}")
+    number = operator.index(value)
+    if number < 0:
+        raise ValueError(f"{name} must be a non-negative int, not {value!r}")
+    return number
+
+
+def checked_keep(keep: Any) -> int | None:
+    """``keep`` (how many versions a publish leaves) as an int of at least 1, or ``None`` (all)."""
+    if keep is None:
+        return None
+    if isinstance(keep, (bool, np.bool_)) or not hasattr(type(keep), "__index__") or operator.index(keep) < 1:
+        raise ValueError(f"keep must be an int of at least 1 (or None to keep all), not {keep!r}")
+    return operator.index(keep)
 
 
 def commit_version(target: Folder, step: int, name: str, write: Callable[[str], None],
@@ -344,7 +364,7 @@ def latest(folder: Any, *, storage_options: Mapping[str, Any] | None = None) -> 
     Raises :class:`FormatError` when ``LATEST`` is empty, not a pointer, or not a file. The
     file itself is opened only when read; see :class:`Version`.
     """
-    return _latest(folder_for(folder, storage_options))
+    return _latest(versions_folder(folder, storage_options))
 
 
 def follow(
@@ -359,8 +379,9 @@ def follow(
 ) -> Iterator[Version]:
     """Yield each new version of ``folder``, pinned, in increasing step order.
 
-    Starts from the latest version (or the first above ``after``); versions published while
-    the caller was busy are skipped in favour of the newest. Stops after ``timeout`` seconds
+    Starts from the latest version (with ``after``, once the latest is above it: older versions
+    still kept are not yielded); versions published while the caller was busy are skipped in
+    favour of the newest. Stops after ``timeout`` seconds
     without a new version (``None``: never). A version pruned between reading ``LATEST`` and
     opening it is retried at once; ``LATEST`` naming a file that stays missing raises
     :class:`StoreNotFoundError`. A storage outage is waited out (see the module docstring).
@@ -372,7 +393,7 @@ def follow(
     With ``notifications`` (an SQS queue URL the bucket's event notifications feed), an event
     naming ``LATEST`` ends the wait at once (:mod:`weightstore.notify`); polling goes on too.
     """
-    watch = PointerWatch(folder_for(folder, storage_options), poll, max_poll, notifications)
+    watch = PointerWatch(versions_folder(folder, storage_options), poll, max_poll, notifications)
     last = after
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
@@ -490,12 +511,20 @@ def list_versions(folder: Any, *, storage_options: Mapping[str, Any] | None = No
             for step, entry in _versions(source)]
 
 
+def versions_folder(folder: Any, storage_options: Mapping[str, Any] | None = None) -> Folder:
+    """``folder`` opened for reading versions, which may not exist yet (a follower waits for it),
+    but is refused when it is a local file: nothing will turn that into a folder, and a
+    follower would wait for good."""
+    source = folder_for(folder, storage_options)
+    if os.path.isfile(source.where):
+        raise StoreNotFoundError("is a file, not a folder of versions", path=source.where)
+    return source
+
+
 def require_folder(folder: Any, *, storage_options: Mapping[str, Any] | None = None, hint: str = "") -> Folder:
     """``folder`` opened, or :class:`StoreNotFoundError` naming it when it does not exist."""
-    source = folder_for(folder, storage_options)
+    source = versions_folder(folder, storage_options)
     if not source.exists():
-        if os.path.isfile(source.where):  # local: ws ls reads it, nothing will turn it into a folder
-            raise StoreNotFoundError("is a file, not a folder of versions", path=source.where)
         raise StoreNotFoundError("no such folder" + (f"; {hint}" if hint else ""), path=source.where)
     return source
 
