@@ -63,10 +63,9 @@ from weightstore.errors import VersionGoneError, naming
 from weightstore.formats import ReaderDefaults
 from weightstore.formats.sharded import normalized_region
 from weightstore.heap import give_back
-from weightstore.io.folders import folder_for
 from weightstore.manifest import TensorInfo, logical_dtype
 from weightstore.store import Store
-from weightstore.versions import PointerWatch, Version
+from weightstore.versions import PointerWatch, Version, versions_folder
 
 __all__ = ["Follower"]
 
@@ -155,9 +154,13 @@ class Follower:
         self._digests: dict[str, str | None] = {}  # key -> content digest, as the last swap staged it
 
     def start(self) -> Follower:
+        """Start following (``with Follower(...)`` does); a folder that is a file is refused here."""
         if self._thread is None:
+            watch = PointerWatch(versions_folder(self.folder, self.storage_options), self.poll, self.max_poll,
+                                 self.notifications)
             self._stop.clear()
-            self._thread = threading.Thread(target=self._loop, name=f"weightstore-follower {self.folder}", daemon=True)
+            self._thread = threading.Thread(target=self._loop, args=(watch,), name=f"weightstore-follower {self.folder}",
+                                            daemon=True)
             self._thread.start()
         return self
 
@@ -199,6 +202,9 @@ class Follower:
         def arrived() -> bool:
             return self.version is not None and (step is None or self.version.step >= step)
 
+        if self._thread is None and not arrived():  # nothing would ever arrive
+            raise RuntimeError("this Follower is not following: start it (with Follower(...) as f, or f.start()) "
+                               "before waiting")
         with self._swapped:
             self._swapped.wait_for(lambda: arrived() or self.error is not None, timeout)
             if arrived():
@@ -207,9 +213,8 @@ class Follower:
                 raise self.error
             return None
 
-    def _loop(self) -> None:
+    def _loop(self, watch: PointerWatch) -> None:
         last = self._after
-        watch = PointerWatch(folder_for(self.folder, self.storage_options), self.poll, self.max_poll, self.notifications)
         while not self._stop.is_set():
             try:
                 version = watch.newer(last)

@@ -60,7 +60,7 @@ def follow(
     folder: Folder,
     timeout: Annotated[float | None, typer.Option("--timeout", help="Stop after this many seconds without a "
                                                                        "new version.")] = None,
-    after: Annotated[int | None, typer.Option("--after", help="Only versions with a step above this one.")] = None,
+    after: Annotated[int | None, typer.Option("--after", help="Only versions with a step above this one (starting from the latest, as always).")] = None,
     poll: Annotated[float, typer.Option("--poll", min=0.0, help="Seconds between looks at LATEST (at first, "
                                                                "and again after each new version).")] = 1.0,
     max_poll: Annotated[float | None, typer.Option("--max-poll", min=0.0, help="Back off to this many seconds "

@@ -295,6 +295,23 @@ def test_follower_records_a_version_that_does_not_fit(tmp_path):
         assert follower.wait(2, timeout=30).step == 2 and follower.error is None
 
 
+def test_a_follower_refuses_a_file_for_a_folder_and_a_wait_before_it_follows(tmp_path):
+    """Both waited for good: a file never becomes a folder of versions, and an unstarted
+    follower never assigns."""
+    model = small_model()
+    ws.publish(tmp_path / "run", step_weights(model, 1), step=1)
+    idle = Follower(model, tmp_path / "run")
+    with pytest.raises(RuntimeError, match="not following: start it"):
+        idle.wait(timeout=30)
+    (tmp_path / "a-file").write_bytes(b"")
+    with pytest.raises(ws.StoreNotFoundError, match="is a file, not a folder of versions"):
+        Follower(model, tmp_path / "a-file").start()
+    with pytest.raises(ws.StoreNotFoundError, match="is a file, not a folder of versions"):
+        next(iter(ws.follow(tmp_path / "a-file")))
+    with pytest.raises(ws.StoreNotFoundError, match="is a file, not a folder of versions"):
+        ws.latest(tmp_path / "a-file")
+
+
 def test_wants_skip_by_type_not_by_name():
     from weightstore.adapters.plan import wants_skip
 
