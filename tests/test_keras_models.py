@@ -268,12 +268,17 @@ def test_keys_of_earlier_releases_still_assign():
         np.testing.assert_array_equal(value, values[key])
 
 
-def test_one_member_of_an_ensemble_assigns_into_another_by_scope():
+def ensemble_of_two() -> tuple:
+    """Two members of one architecture side by side, ``member_0`` and ``member_1``."""
     inputs = keras.Input((3,))
     members = [holding_a_model() for _ in range(2)]
     for i, member in enumerate(members):
         member.name = f"member_{i}"
-    ensemble = keras.Model(inputs, [member(inputs) for member in members])
+    return keras.Model(inputs, [member(inputs) for member in members]), members
+
+
+def test_one_member_of_an_ensemble_assigns_into_another_by_scope():
+    ensemble, members = ensemble_of_two()
     keys = tf2.keys(ensemble)
     assert "member_1/sequential_1/dense_3/kernel" in keys  # numbered from the root, as Keras shows them
     part = tf2.export(members[0])  # a member on its own: numbered from itself, like any model
@@ -285,11 +290,7 @@ def test_one_member_of_an_ensemble_assigns_into_another_by_scope():
 
 
 def test_one_member_exported_by_scope_has_its_own_keys_and_assigns_into_a_lone_instance():
-    inputs = keras.Input((3,))
-    members = [holding_a_model() for _ in range(2)]
-    for i, member in enumerate(members):
-        member.name = f"member_{i}"
-    ensemble = keras.Model(inputs, [member(inputs) for member in members])
+    ensemble, members = ensemble_of_two()
     for member in members:
         for var in member.weights:
             var.assign(RNG.normal(size=var.shape).astype("float32"))

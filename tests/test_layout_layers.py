@@ -160,10 +160,22 @@ def run(*args):
     return CliRunner().invoke(app, [str(a) for a in args])
 
 
+def saved_under_dw(path, layer):
+    """``layer``'s weights saved to ``path`` under the scope ``dw``; a batch and its outputs."""
+    inputs, expected = randomized(layer, (1, 6, 6, 4))
+    ws.save(path, {f"dw/{key}": value for key, value in tf2.export(layer).items()})
+    return inputs, expected
+
+
+def channels_last(conv, inputs):
+    """A PyTorch convolution's outputs for channels-last ``inputs``, channels last (Keras's order)."""
+    with torch.no_grad():
+        return conv(torch.from_numpy(inputs).movedim(-1, 1)).movedim(1, -1).numpy()
+
+
 def test_a_keras_3_depthwise_kernel_in_a_file_is_refused_until_its_kind_is_given(tmp_path):
     layer = keras.layers.DepthwiseConv2D(3)  # a multiplier of 1: its bias passes for a Conv's too
-    inputs, expected = randomized(layer, (1, 6, 6, 4))
-    ws.save(tmp_path / "k.npz", {f"dw/{key}": value for key, value in tf2.export(layer).items()})
+    inputs, expected = saved_under_dw(tmp_path / "k.npz", layer)
     out = tmp_path / "t.safetensors"
     result = run("convert", tmp_path / "k.npz", out, "--layout", "keras-to-torch")
     assert result.exit_code == 1 and not out.exists()
@@ -172,9 +184,7 @@ def test_a_keras_3_depthwise_kernel_in_a_file_is_refused_until_its_kind_is_given
     assert result.exit_code == 0, result.output
     module = nn.ModuleDict({"dw": nn.Conv2d(4, 4, 3, groups=4)})
     assert torch_adapter.assign(module, out).ok
-    with torch.no_grad():
-        got = module["dw"](torch.from_numpy(inputs).movedim(-1, 1)).movedim(1, -1).numpy()
-    np.testing.assert_allclose(got, expected, atol=TOLERANCE)
+    np.testing.assert_allclose(channels_last(module["dw"], inputs), expected, atol=TOLERANCE)
     result = run("convert", tmp_path / "k.npz", out, "--layout", "keras-to-torch", "--kind", "dw=pooling")
     assert result.exit_code == 1 and "unknown layer kind 'pooling'" in result.output
 
@@ -183,16 +193,13 @@ def test_a_depthwise_kernel_is_told_by_its_bias_in_a_file(tmp_path):
     """A [3, 3, 4, 2] kernel passes for a Conv's; its bias of 8 (4 channels x 2) is a
     DepthwiseConv's, and a file converted as a Conv's made a state dict no module loads."""
     layer = keras.layers.DepthwiseConv2D(3, depth_multiplier=2)
-    inputs, expected = randomized(layer, (1, 6, 6, 4))
-    ws.save(tmp_path / "k.npz", {f"dw/{key}": value for key, value in tf2.export(layer).items()})
+    inputs, expected = saved_under_dw(tmp_path / "k.npz", layer)
     out = tmp_path / "t.safetensors"
     result = run("convert", tmp_path / "k.npz", out, "--layout", "keras-to-torch")
     assert result.exit_code == 0, result.output
     module = nn.ModuleDict({"dw": nn.Conv2d(4, 8, 3, groups=4)})
     assert torch_adapter.assign(module, out).ok
-    with torch.no_grad():
-        got = module["dw"](torch.from_numpy(inputs).movedim(-1, 1)).movedim(1, -1).numpy()
-    np.testing.assert_allclose(got, expected, atol=TOLERANCE)
+    np.testing.assert_allclose(channels_last(module["dw"], inputs), expected, atol=TOLERANCE)
     conv = {"c/kernel": np.ones((3, 3, 4, 2), np.float32), "c/bias": np.ones(2, np.float32)}
     assert layout.convert(conv, "keras-to-torch")["c/weight"].shape == (2, 4, 3, 3)  # a Conv's bias: a Conv
     einsum = {"e/kernel": np.ones((16, 2, 8), np.float32), "e/bias": np.ones((2, 8), np.float32)}
