@@ -147,7 +147,7 @@ def publish_shard(
     """
     rank, world, attempt = cluster.filled(rank=rank, world=world, attempt=attempt)
     _check_ids(step=step, attempt=attempt, world=world)
-    _check_id("rank", rank)
+    checked_count("rank", rank)
     if rank >= world:
         raise ValueError(f"rank {rank} is not below world {world}")
     fmt = format_named(format)
@@ -530,8 +530,4 @@ def _merged(records: list[DoneRecord], step: int, attempt: int, world: int, meta
 
 def _check_ids(**ids: int) -> None:
     for name, value in ids.items():
-        _check_id(name, value)
-
-
-def _check_id(name: str, value: Any) -> None:
-    checked_count(name, value)
+        checked_count(name, value)
