@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 __all__ = ["by_naming", "in_checkpoint", "in_graph"]
 
@@ -31,6 +32,7 @@ _READS = frozenset({"Identity", "ReadVariableOp", "Enter", "Switch"})  # ops a v
 _SLOT = re.compile(r"[A-Z]\w*")
 _NON_SLOT_NAMES = frozenset({"beta1_power", "beta2_power", "global_step"})
 _GLOBAL_STEP = "global_step"  # tf.compat.v1.GraphKeys.GLOBAL_STEP
+_VARIABLE_COLLECTIONS = ("variables", "local_variables")  # GraphKeys.GLOBAL_VARIABLES, LOCAL_VARIABLES: VariableDefs
 
 
 def in_graph(nodes: Mapping[str, tuple[str, list[str]]], global_steps: Iterable[str]) -> set[str]:
@@ -105,7 +107,29 @@ def _from_meta(path: str) -> set[str] | None:
             except DecodeError:
                 continue
             steps.append(_node_name(variable.variable_name))
-    return in_graph(nodes, steps)
+    whole = _whole_names(meta)
+    return {whole.get(name, name) for name in in_graph(nodes, steps)}
+
+
+def _whole_names(meta: Any) -> dict[str, str]:
+    """Variable node -> the name its checkpoint entry has, where they differ: a part of a
+    partitioned variable (``w/part_0/Adam``) is saved as a slice of the whole (``w/Adam``), as
+    its ``VariableDef``'s ``save_slice_info_def`` records."""
+    from google.protobuf.message import DecodeError
+    from tensorflow.core.framework import variable_pb2
+
+    whole = {}
+    for collection_name in _VARIABLE_COLLECTIONS:
+        collection = meta.collection_def.get(collection_name)
+        for raw in collection.bytes_list.value if collection is not None else ():
+            variable = variable_pb2.VariableDef()
+            try:
+                variable.ParseFromString(raw)
+            except DecodeError:
+                continue
+            if variable.save_slice_info_def.full_name:
+                whole[_node_name(variable.variable_name)] = variable.save_slice_info_def.full_name
+    return whole
 
 
 def _node_name(tensor: str) -> str:
