@@ -45,15 +45,14 @@ def in_graph(nodes: Mapping[str, tuple[str, list[str]]], global_steps: Iterable[
 
 
 def in_checkpoint(prefix: str, keys: Iterable[str]) -> set[str]:
-    """The keys of the TF1 checkpoint at ``prefix`` that are training state: from its ``.meta``
-    when it has one, else by TF's naming (see the module docstring)."""
+    """The keys of the TF1 checkpoint at ``prefix`` that are training state: those its ``.meta``
+    shows as such, when it has one, and those TF's naming marks (see the module docstring).
+    Both, so that a ``.meta`` never makes a checkpoint fail where naming alone would pass: an
+    ``ExponentialMovingAverage`` shadow is no training op's input, but named as a slot is."""
     keys = list(keys)
     meta = prefix + ".meta"
-    if prefix and os.path.isfile(meta):
-        state = _from_meta(meta)
-        if state is not None:
-            return {key for key in keys if key in state}
-    return by_naming(keys)
+    state = _from_meta(meta) if prefix and os.path.isfile(meta) else None
+    return by_naming(keys) | ({key for key in keys if key in state} if state is not None else set())
 
 
 def by_naming(keys: Iterable[str]) -> set[str]:

@@ -123,7 +123,8 @@ def test_into_the_training_graph_optimizer_state_moves_only_when_asked(train_dir
 
 def test_a_partitioned_model_s_training_checkpoint_leaves_its_slots_out_from_the_meta_too(tmp_path):
     """The .meta names a part's slot w/part_0/Adam, the checkpoint the whole w/Adam: the slots
-    were reported unexpected, so the .meta made a strict assign fail where naming passed."""
+    were reported unexpected, so the .meta made a strict assign fail where naming passed; so did
+    an ExponentialMovingAverage shadow, which is no training op's input."""
     def partitioned(x):
         weight = v1.get_variable("w", (4, 2), partitioner=v1.fixed_size_partitioner(2))
         return tf.matmul(x, weight)
@@ -133,6 +134,8 @@ def test_a_partitioned_model_s_training_checkpoint_leaves_its_slots_out_from_the
         x = v1.placeholder(tf.float32, (None, 4))
         y = partitioned(x)
         train = v1.train.AdamOptimizer(0.1).minimize(tf.reduce_mean(y ** 2))
+        with tf.control_dependencies([train]):  # an average of the weights, as many trainers keep
+            train = v1.train.ExponentialMovingAverage(0.99).apply(v1.trainable_variables())
         sess.run(v1.global_variables_initializer())
         sess.run(train, {x: batch})
         prefix = v1.train.Saver().save(sess, str(tmp_path / "model.ckpt"))
@@ -143,5 +146,6 @@ def test_a_partitioned_model_s_training_checkpoint_leaves_its_slots_out_from_the
         y = partitioned(x)
         graph.finalize()
         report = tf1.assign(sess, prefix)
-        assert report.ok and sorted(report.left_out) == ["beta1_power", "beta2_power", "w/Adam", "w/Adam_1"]
+        assert report.ok and sorted(report.left_out) == ["beta1_power", "beta2_power", "w/Adam", "w/Adam_1",
+                                                         "w/ExponentialMovingAverage"]
         np.testing.assert_array_equal(sess.run(y, {x: batch}), expected)
