@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -200,6 +201,32 @@ def test_keras_files_assign_into_a_separately_built_instance(keras_files, name):
         np.testing.assert_array_equal(np.asarray(model(x)), expected)
     for path in files.values():  # in the model's own order, as tf2.export gives it, whatever the file's
         assert list(tf2.load(model, path)) == list(tf2.export(model))
+
+
+def test_a_bfloat16_keras_file_assigns_as_load_weights_reads_it(tmp_path):
+    """Keras stores bfloat16 as raw two-byte values labelled dtype="bfloat16"; they were
+    refused as 'unknown dtype V2'. A label that does not fit the bytes is no label."""
+    import h5py
+
+    def build():
+        return keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, dtype="bfloat16")])
+
+    model = build()
+    scramble(model)
+    model.save_weights(tmp_path / "bf.weights.h5")
+    model.save(tmp_path / "bf.keras")
+    x = np.random.default_rng(5).random((2, 3)).astype("float32")
+    for path in (tmp_path / "bf.weights.h5", tmp_path / "bf.keras"):
+        fresh, by_keras = build(), build()
+        assert tf2.assign(fresh, path).ok
+        by_keras.load_weights(path)
+        np.testing.assert_array_equal(np.asarray(fresh(x)), np.asarray(by_keras(x)))
+    assert ws.load(tmp_path / "bf.weights.h5")["layers/dense/vars/0"].dtype == ml_dtypes.bfloat16
+    with h5py.File(tmp_path / "odd.h5", "w") as handle:
+        handle["w"] = np.zeros(3, ml_dtypes.bfloat16)
+        handle["w"].attrs["dtype"] = "float32"  # four bytes a value: not these two
+    with pytest.raises(FormatError, match="is raw bytes"):
+        ws.load(tmp_path / "odd.h5")
 
 
 def keras_pair():

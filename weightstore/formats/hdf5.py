@@ -35,6 +35,7 @@ from weightstore.formats.hdf5_bytes import ReadAt, check_object, check_root_grou
 from weightstore.keys import RESERVED_PREFIX, join_scope
 from weightstore.manifest import (
     MAX_MANIFEST_BYTES,
+    ML_DTYPES,
     Manifest,
     TensorInfo,
     checksum,
@@ -48,6 +49,8 @@ from weightstore.manifest import (
 )
 
 MANIFEST_ATTRIBUTE = "weightstore"
+_KERAS_DTYPE_ATTRIBUTE = b"dtype"  # Keras's label of the raw bytes it stores bfloat16 as
+_LABEL_BYTES = 64  # longer than any dtype's name: such an attribute is no label
 VALUE = RESERVED_PREFIX + "_value__"
 #: where a dataset waits while its name becomes a group; reserved, so no key segment can clash
 _MOVING = RESERVED_PREFIX + "_moving__"
@@ -152,6 +155,21 @@ def _write_rows(dataset: h5py.Dataset, data: np.ndarray) -> int:
         crc = isal_zlib.crc32(raw_bytes(block), crc)
         dataset[start : start + rows] = block
     return crc & 0xFFFFFFFF
+
+
+def _keras_labelled(dataset: h5py.h5d.DatasetID, stored: np.dtype) -> np.dtype | None:
+    """The ml_dtypes kind of raw bytes a Keras file labels (Keras stores bfloat16 as opaque
+    ``V2`` with an attribute ``dtype="bfloat16"``, and reads it back by that label), or ``None``.
+    The label is read only when it is a short attribute and names a kind of the bytes' width."""
+    if not h5py.h5a.exists(dataset, _KERAS_DTYPE_ATTRIBUTE):
+        return None
+    attribute = h5py.h5a.open(dataset, _KERAS_DTYPE_ATTRIBUTE)
+    if attribute.get_storage_size() > _LABEL_BYTES:
+        return None
+    label = h5py.AttributeManager(h5py.Dataset(dataset)).get("dtype")
+    label = label.decode("utf-8", "replace") if isinstance(label, bytes) else label
+    kind = ML_DTYPES.get(label) if isinstance(label, str) else None
+    return kind if kind is not None and kind.itemsize == stored.itemsize else None
 
 
 def _check_stored_size(dataset: h5py.h5d.DatasetID, path: str, key: str, nbytes: int) -> None:
@@ -450,7 +468,11 @@ class Hdf5Reader(ReaderDefaults):
             with _as_format_error(self.name, key=key):
                 dataset, shape = self._open_dataset(key)
                 dtype = dataset.dtype
-            name = dtype_name(dtype, key) if dtype.kind != "V" else f"V{dtype.itemsize}"
+            if dtype.kind == "V":
+                labelled = _keras_labelled(dataset, dtype)
+                name = dtype_name(labelled, key) if labelled is not None else f"V{dtype.itemsize}"
+            else:
+                name = dtype_name(dtype, key)
             info = TensorInfo(key, name, shape, shape_nbytes(shape, dtype.itemsize))
             self._infos[key] = info
         return info
@@ -499,7 +521,10 @@ class Hdf5Reader(ReaderDefaults):
         if dtype.hasobject or dtype.fields is not None or dtype.kind not in "biufcV":
             raise UnsafeFileError(f"has dtype {dtype}; only numeric arrays are read", path=self.name, key=key)
         if dtype.kind == "V":
-            raise FormatError(f"is raw bytes ({dtype}) and no manifest says what they are", path=self.name, key=key)
+            labelled = _keras_labelled(dataset, dtype)
+            if labelled is None:
+                raise FormatError(f"is raw bytes ({dtype}) and no manifest says what they are", path=self.name, key=key)
+            return self._read_stored(key, dataset, shape, dtype, dataset.get_type()).view(labelled)
         dtype = dtype.newbyteorder("<")
         memory_type = self._memory_types.get(dtype)
         if memory_type is None:
