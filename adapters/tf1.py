@@ -37,6 +37,8 @@ its batches one by one.
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,7 +109,7 @@ def export(sess: Any, **selection: Unpack[SelectionWords]) -> dict[str, np.ndarr
     needs feeding, and the graph gains no op.
     """
     plan, chosen = _chosen(sess, Selection(**selection))
-    fetched = iter(sess.run([_read_tensor(part.variable) for target in chosen for part in target.parts]))
+    fetched = _fetched(sess, chosen)
     return {key: _stitch(target, fetched) for key, target in zip(plan, chosen, strict=True)}
 
 
@@ -120,10 +122,25 @@ def export_pieces(sess: Any, **selection: Unpack[SelectionWords]) -> dict[str, l
     parameter server's parts, say), and the committed version reads back in any partitioning.
     """
     plan, chosen = _chosen(sess, Selection(**selection))
-    fetched = iter(sess.run([_read_tensor(part.variable) for target in chosen for part in target.parts]))
+    fetched = _fetched(sess, chosen)
     return {key: [Piece(np.asarray(next(fetched)), tuple(s.start for s in part.index) if part.index
                         else (0,) * len(target.shape), target.shape) for part in target.parts]
             for key, target in zip(plan, chosen, strict=True)}
+
+
+#: how TF reports a variable that holds no value: a resource one, and a ref one
+_UNINITIALIZED = re.compile(r"(?:Could not find variable|Attempting to use uninitialized value) ([^\s.]+)")
+
+
+def _fetched(sess: Any, chosen: list[_Target]) -> Iterator[Any]:
+    """The values of every part of ``chosen``, in order, from one ``session.run``."""
+    try:
+        return iter(sess.run([_read_tensor(part.variable) for target in chosen for part in target.parts]))
+    except tf.errors.FailedPreconditionError as exc:
+        named = _UNINITIALIZED.search(exc.message)  # TF names the variable in its message
+        which = f"variable {named.group(1)!r}" if named else "a variable"
+        raise SelectionError(f"{which} of the graph holds no value yet; initialize or restore it before exporting"
+                             ) from None
 
 
 def _chosen(sess: Any, chosen_by: Selection) -> tuple[dict[str, str], list[_Target]]:

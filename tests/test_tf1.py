@@ -612,3 +612,15 @@ def test_partitioned_variables_and_shared_initial_values_in_batches(tmp_path, tw
                               "shared_b": np.ones(FLOATS, np.float32)})
         assert sess.feeding_runs == 0
         assert not any(got.any() for got in values(sess, variables))
+
+
+@pytest.mark.parametrize("use_resource", [True, False], ids=["resource", "ref"])
+def test_export_of_a_variable_with_no_value_yet_names_it(use_resource):
+    """TF's FailedPreconditionError leaked as it was."""
+    with tf.Graph().as_default(), v1.Session() as sess:
+        ready = v1.get_variable("ready", (2,), use_resource=use_resource, initializer=v1.zeros_initializer())
+        v1.get_variable("never_run", (2,), use_resource=use_resource)
+        sess.run(ready.initializer)
+        with pytest.raises(SelectionError, match="variable 'never_run' of the graph holds no value yet; initialize"):
+            tf1.export(sess)
+        assert tf1.export(sess, include="ready")["ready"].tolist() == [0.0, 0.0]
