@@ -145,6 +145,7 @@ class Follower:
         self.report: Report | None = None
         self.error: BaseException | None = None
         self._following_failed = False  # whether ``error`` came from reading the folder, not assigning
+        self._failed_step: int | None = None  # the step whose assign failed, when ``error`` is such a failure
         self._after = after
         self._lock = _ReadWriteLock()
         self._swapped = threading.Condition()
@@ -194,23 +195,27 @@ class Follower:
 
         Raises the follower's :attr:`error` at once if there is one (already, or while waiting)
         and the wanted version is not in: a first version that does not fit the target, or a
-        damaged folder, ends the wait instead of blocking it forever. The follower keeps
-        following; an assign failure clears when a later version is assigned (so to wait past
-        one, wait again once the trainer has published a version that fits), a failure to read
-        the folder as soon as the folder reads cleanly again.
+        damaged folder, ends the wait instead of blocking it forever; a version that did not fit
+        but is below ``step`` does not end a wait for ``step`` (publish a version that fits, then
+        wait for its step). The follower keeps following; an assign failure clears when a later
+        version is assigned, a failure to read the folder as soon as the folder reads cleanly again.
         """
         def arrived() -> bool:
             return self.version is not None and (step is None or self.version.step >= step)
+
+        def failed() -> bool:  # a version below ``step`` that did not fit says nothing of ``step`` itself
+            return self.error is not None and not (step is not None and self._failed_step is not None
+                                                   and self._failed_step < step)
 
         if self._thread is None and not arrived():  # nothing would ever arrive
             raise RuntimeError("this Follower is not following: start it (with Follower(...) as f, or f.start()) "
                                "before waiting")
         with self._swapped:
-            self._swapped.wait_for(lambda: arrived() or self.error is not None, timeout)
+            self._swapped.wait_for(lambda: arrived() or failed(), timeout)
             if arrived():
                 return self.version
-            if self.error is not None:
-                raise self.error
+            if failed():
+                raise self.error  # type: ignore[misc]  # failed() saw it set
             return None
 
     def _loop(self, watch: PointerWatch) -> None:
@@ -260,7 +265,7 @@ class Follower:
             return False
         except Exception as exc:
             held.release()
-            self._failed(exc, f"assigning step {version.step}")
+            self._failed(exc, f"assigning step {version.step}", step=version.step)
             return True
         self._digests = staged.digests
         # the swap is done and serving runs again: what follows a swap goes here
@@ -298,10 +303,10 @@ class Follower:
             store.close()
             raise
 
-    def _failed(self, exc: BaseException, doing: str) -> None:
+    def _failed(self, exc: BaseException, doing: str, *, step: int | None = None) -> None:
         _log.warning("weightstore follower of %s: %s failed: %s", self.folder, doing, exc)
         with self._swapped:
-            self.error = exc
+            self.error, self._failed_step = exc, step
             self._following_failed = doing == "following"
             self._swapped.notify_all()
 
