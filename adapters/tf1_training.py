@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 __all__ = ["by_naming", "in_checkpoint", "in_graph"]
@@ -84,7 +84,6 @@ def _variable(nodes: Mapping[str, tuple[str, list[str]]], name: str) -> str | No
 def _from_meta(path: str) -> set[str] | None:
     """The training-state variable names a MetaGraph file records, or None when it does not parse."""
     from google.protobuf.message import DecodeError
-    from tensorflow.core.framework import variable_pb2
     from tensorflow.core.protobuf import meta_graph_pb2
 
     meta = meta_graph_pb2.MetaGraphDef()
@@ -95,40 +94,29 @@ def _from_meta(path: str) -> set[str] | None:
         return None
     nodes = {node.name: (node.op, [_node_name(i) for i in node.input if not i.startswith("^")])
              for node in meta.graph_def.node}
-    steps: list[str] = []
     collection = meta.collection_def.get(_GLOBAL_STEP)
-    if collection is not None:
-        steps.extend(_node_name(name) for name in collection.node_list.value)
-        for raw in collection.bytes_list.value:
-            variable = variable_pb2.VariableDef()
-            try:
-                variable.ParseFromString(raw)
-            except DecodeError:
-                continue
-            steps.append(_node_name(variable.variable_name))
-    whole = _whole_names(meta)
+    steps = [_node_name(name) for name in collection.node_list.value] if collection is not None else []
+    steps += [_node_name(variable.variable_name) for variable in _variable_defs(meta, _GLOBAL_STEP)]
+    whole = {_node_name(variable.variable_name): variable.save_slice_info_def.full_name
+             for name in _VARIABLE_COLLECTIONS for variable in _variable_defs(meta, name)
+             if variable.save_slice_info_def.full_name}
+    # a part of a partitioned variable (w/part_0/Adam) is saved as a slice of the whole (w/Adam)
     return {whole.get(name, name) for name in in_graph(nodes, steps)}
 
 
-def _whole_names(meta: Any) -> dict[str, str]:
-    """Variable node -> the name its checkpoint entry has, where they differ: a part of a
-    partitioned variable (``w/part_0/Adam``) is saved as a slice of the whole (``w/Adam``), as
-    its ``VariableDef``'s ``save_slice_info_def`` records."""
+def _variable_defs(meta: Any, collection_name: str) -> Iterator[Any]:
+    """The ``VariableDef``s a MetaGraph's collection holds, those that parse."""
     from google.protobuf.message import DecodeError
     from tensorflow.core.framework import variable_pb2
 
-    whole = {}
-    for collection_name in _VARIABLE_COLLECTIONS:
-        collection = meta.collection_def.get(collection_name)
-        for raw in collection.bytes_list.value if collection is not None else ():
-            variable = variable_pb2.VariableDef()
-            try:
-                variable.ParseFromString(raw)
-            except DecodeError:
-                continue
-            if variable.save_slice_info_def.full_name:
-                whole[_node_name(variable.variable_name)] = variable.save_slice_info_def.full_name
-    return whole
+    collection = meta.collection_def.get(collection_name)
+    for raw in collection.bytes_list.value if collection is not None else ():
+        variable = variable_pb2.VariableDef()
+        try:
+            variable.ParseFromString(raw)
+        except DecodeError:
+            continue
+        yield variable
 
 
 def _node_name(tensor: str) -> str:

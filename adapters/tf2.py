@@ -203,9 +203,9 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
     def plan(values: Any, options: AssignOptions) -> tuple[Plan, Any]:
         view = (_keras_layout_renamed(values, obj, found, options, optimizer)
                 or _old_keys_renamed(values, aliases, targets, options))
-        value_keys = view.keys()  # a ValueSource: it has keys(), not iteration
+        value_keys, scope = view.keys(), normalize_scope(options.scope)  # a ValueSource: keys(), not iteration
         left_out = () if optimizer else [key for key in value_keys if _OPTIMIZER_KEY.fullmatch(key)
-                                         and join_scope(normalize_scope(options.scope), key) not in targets]
+                                         and join_scope(scope, key) not in targets]
         return plan_assign(view, targets, options, left_out=left_out), view
 
     target = Target(targets, write, owner=lambda key: found[key][0], plan=plan, batched=True)

@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 from weightstore.errors import FormatError, UnsafeFileError
+from weightstore.tensortable import short_repr
 
 __all__ = ["refuse_dense", "loads"]
 
@@ -46,9 +47,9 @@ def loads(text: str | bytes, *, what: str, min_bytes: int, nonfinite: bool = Fal
         return json.loads(text, object_pairs_hook=_unique_object,
                           parse_constant=_accept_constant if nonfinite else _refuse_constant)
     except _DuplicateName as exc:
-        raise UnsafeFileError(f"{what} names {_short(exc.args[0])} twice") from None
-    except (ValueError, RecursionError) as exc:
-        raise FormatError(f"{what} is not JSON ({_short(exc)})") from None
+        raise UnsafeFileError(f"{what} names {short_repr(exc.args[0])} twice") from None
+    except (ValueError, RecursionError) as exc:  # the parser's own messages are one short line
+        raise FormatError(f"{what} is not JSON ({exc})") from None
 
 
 class _DuplicateName(Exception):
@@ -73,9 +74,3 @@ def _refuse_constant(name: str) -> None:
 
 def _accept_constant(name: str) -> float:
     return float(name)
-
-
-def _short(value: Any) -> str:
-    """A name or parser message as an error shows it: at most 80 characters of its ``repr``."""
-    text = repr(value) if isinstance(value, str) else str(value)
-    return text if len(text) <= 80 else text[:77] + "..."

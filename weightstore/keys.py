@@ -316,8 +316,9 @@ def plan_outward(
     if norm_scope and not under and source_keys:
         raise unmatched_scope(norm_scope, source_keys, where)
     if rules:
-        _require_rules_match([strip_scope(k, norm_scope) for k in under], rules, where)
-        renamed = {map_key(strip_scope(k, norm_scope), rules): k for k in under}
+        relative = [strip_scope(k, norm_scope) for k in under]
+        _require_rules_match(relative, rules, where)
+        renamed = {map_key(k, rules): source for k, source in zip(relative, under, strict=True)}
     else:  # the common case, without a call per key: 50,000 keys
         cut = len(norm_scope) + 1 if norm_scope else 0
         renamed = {k[cut:]: k for k in under} if cut else dict(zip(under, under, strict=True))

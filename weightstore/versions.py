@@ -294,10 +294,8 @@ def publish(
 def checked_count(name: str, value: Any) -> int:
     """``value`` as the non-negative int a step (rank, world, attempt) must be: of any integer
     type (numpy's ``int64``, what ``optimizer.iterations.numpy()`` gives), never a bool or a float."""
-    if isinstance(value, (bool, np.bool_)) or not hasattr(type(value), "__index__"):
-        raise ValueError(f"{name} must be a non-negative int, not {value!r}")
-    number = operator.index(value)
-    if number < 0:
+    number = _integer(value)
+    if number is None or number < 0:
         raise ValueError(f"{name} must be a non-negative int, not {value!r}")
     return number
 
@@ -306,9 +304,17 @@ def checked_keep(keep: Any) -> int | None:
     """``keep`` (how many versions a publish leaves) as an int of at least 1, or ``None`` (all)."""
     if keep is None:
         return None
-    if isinstance(keep, (bool, np.bool_)) or not hasattr(type(keep), "__index__") or operator.index(keep) < 1:
+    number = _integer(keep)
+    if number is None or number < 1:
         raise ValueError(f"keep must be an int of at least 1 (or None to keep all), not {keep!r}")
-    return operator.index(keep)
+    return number
+
+
+def _integer(value: Any) -> int | None:
+    """``value`` as an int where it is of an integer type (not a bool), else ``None``."""
+    if isinstance(value, (bool, np.bool_)) or not hasattr(type(value), "__index__"):
+        return None
+    return operator.index(value)
 
 
 def commit_version(target: Folder, step: int, name: str, write: Callable[[str], None],
