@@ -25,7 +25,9 @@ How keys are formed (the object you pass is the root; its own name is never part
 
 - **Optimizer state** (``optimizer=True`` on ``export``/``assign``/``load``): a compiled
   model's optimizer variables as ``optimizer/vars/<i>``, in ``optimizer.variables`` order,
-  the names Keras's own files give them. Left out otherwise.
+  the names Keras's own files give them (a mixed-precision model's ``LossScaleOptimizer``
+  also has the optimizer it wraps as ``optimizer/inner_optimizer/vars/<i>``, as Keras saves
+  it). Left out otherwise.
 
 Keras files and TF2 object checkpoints given to ``assign`` or :func:`load` are paired with the
 model by its own structure, not by names (:mod:`weightstore.adapters.artifacts`), and come
@@ -55,7 +57,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Union
 
 import numpy as np
@@ -106,8 +108,9 @@ _SHARDED = tf.__internal__.distribute.ShardedVariable
 _VARIABLE_TYPES = (tf.Variable, keras.Variable, _SHARDED)
 _TRACKABLE = tf.__internal__.tracking.AutoTrackable
 _KERAS_LAYOUT = re.compile(r"(?:.+/)?vars/[^/]+")  # Keras's file names: layers/dense/vars/0, optimizer/vars/3
-_OPTIMIZER_SCOPE = "optimizer/vars"  # a model's optimizer state, as export(optimizer=True) keys it: Keras's names
-_OPTIMIZER_KEY = re.compile(re.escape(_OPTIMIZER_SCOPE) + r"/\d+")
+_OPTIMIZER_SCOPE = "optimizer"  # a model's optimizer state, as export(optimizer=True) keys it: Keras's names
+_INNER_OPTIMIZER = "inner_optimizer"  # the optimizer a LossScaleOptimizer wraps (mixed precision), saved again below it
+_OPTIMIZER_KEY = re.compile(rf"{_OPTIMIZER_SCOPE}/(?:{_INNER_OPTIMIZER}/)?vars/\d+")
 _PART_SUFFIX = re.compile(r"/part_\d+$")
 _GROUPED_BELOW = 1 << 16  # values under this many bytes are written in groups (see _write_batch)
 _GROUP = 64  # most values per group: as fast per variable as larger groups, and a cheap kernel to build
@@ -135,7 +138,7 @@ def export(obj: Any, *, optimizer: bool = False, **selection: Unpack[SelectionWo
     With ``trainable_only``, keeps the trainable variables plus those whose key matches
     ``also`` (``also="*/bn/moving_*"`` adds batch-norm statistics). With ``optimizer``, a
     Keras model's optimizer state comes too, as ``optimizer/vars/<i>`` (the order and names
-    Keras's own files use).
+    Keras's own files use, ``optimizer/inner_optimizer/vars/<i>`` included for mixed precision).
     """
     return {key: _read(var) for key, var in selected(obj, optimizer=optimizer, **selection).items()}
 
@@ -367,14 +370,25 @@ def _keras_layers(obj: Any) -> list[keras.layers.Layer]:
     return []
 
 
-def _optimizer_variables(obj: Any) -> list[Variable]:
-    """A compiled Keras model's optimizer variables, in the order Keras saves them (``optimizer/vars/<i>``)."""
+def _optimizer_variables(obj: Any) -> Iterator[tuple[str, Variable]]:
+    """A compiled Keras model's optimizer variables under the keys Keras's own files give them.
+
+    Keras saves an optimizer's ``variables`` as ``optimizer/vars/<i>``, then each optimizer it
+    wraps again below its own edge: a ``LossScaleOptimizer`` (mixed precision) lists the inner
+    optimizer's slots among its own and saves them a second time as
+    ``optimizer/inner_optimizer/vars/<i>``. Both keys name the same variable, so a Keras file
+    pairs whole and a store exported here reads back into Keras's layout.
+    """
     optimizer = getattr(obj, "optimizer", None)
     variables = list(getattr(optimizer, "variables", None) or [])
     if not variables or not getattr(optimizer, "built", True):  # unbuilt: its step and rate, none of its slots
         raise SelectionError(f"{_describe(obj)} has no built optimizer: compile it and build its optimizer "
                              "(model.optimizer.build(model.trainable_variables)) before asking for optimizer=True")
-    return variables
+    for i, var in enumerate(variables):
+        yield f"{_OPTIMIZER_SCOPE}/vars/{i}", var
+    inner = getattr(optimizer, _INNER_OPTIMIZER, None)
+    for i, var in enumerate(getattr(inner, "variables", None) or []):
+        yield f"{_OPTIMIZER_SCOPE}/{_INNER_OPTIMIZER}/vars/{i}", var
 
 
 def _collect(obj: Any, optimizer: bool = False) -> dict[str, tuple[Variable, bool]]:
@@ -402,8 +416,8 @@ def _collect_with_aliases(obj: Any, optimizer: bool = False) -> tuple[dict[str, 
             f"not {type(obj).__name__}"
         )
     if optimizer:
-        for i, var in enumerate(_optimizer_variables(obj)):
-            _add(found, f"{_OPTIMIZER_SCOPE}/{i}", var, set(), trainable=False)
+        for key, var in _optimizer_variables(obj):
+            _add(found, key, var, set(), trainable=False)
     return found, aliases
 
 

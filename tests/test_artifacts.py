@@ -353,6 +353,44 @@ def test_optimizer_state_in_a_store_is_left_out_unless_asked_for(tmp_path):
         np.testing.assert_array_equal(np.asarray(fresh(x)), np.asarray(model(x)))
 
 
+@pytest.fixture
+def mixed_precision():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def test_a_mixed_precision_models_optimizer_state_resumes_training(tmp_path, mixed_precision):
+    """Keras wraps a mixed-precision model's optimizer in a LossScaleOptimizer and saves the
+    wrapped optimizer's slots twice (``optimizer/vars/<i>`` and
+    ``optimizer/inner_optimizer/vars/<i>``); a strict assign must take the whole file, and
+    training resumed from it must go on as from Keras's own loader."""
+    x, y = np.random.default_rng(0).random((16, 4)).astype("float32"), np.ones((16, 2), "float32")
+
+    def compiled():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(2, dtype="float32")])
+        model.compile(keras.optimizers.Adam(0.1), "mse")
+        model.optimizer.build(model.trainable_variables)
+        return model
+
+    model = compiled()
+    model.fit(x, y, epochs=2, verbose=0)
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    model.save(tmp_path / "m.keras")
+    ws.save(tmp_path / "m.npz", tf2.export(model, optimizer=True))
+    reference = keras.models.load_model(tmp_path / "m.keras")
+    reference.fit(x, y, epochs=1, verbose=0)
+    for path in (tmp_path / "m.keras", tmp_path / "m.npz"):
+        fresh = compiled()
+        report = tf2.assign(fresh, path, optimizer=True)
+        assert report.ok and not report.unexpected and not report.left_out
+        fresh.fit(x, y, epochs=1, verbose=0)
+        np.testing.assert_array_equal(np.asarray(fresh(x)), np.asarray(reference(x)))
+    without = tf2.assign(compiled(), tmp_path / "m.npz")  # the state a store holds is listed, not assigned
+    assert without.ok and len(without.left_out) == len(model.optimizer.variables) + len(
+        model.optimizer.inner_optimizer.variables)
+
+
 def test_a_model_variable_keyed_like_optimizer_state_is_assigned_as_any_other():
     class Holder(tf.Module):
         def __init__(self):
