@@ -62,7 +62,9 @@ def for_model(model: Any, path: Any, model_keys: Mapping[str, Any], *, optimizer
     text = os.fspath(path)
     source = open_artifact(text)
     try:
-        by_variable = {id(var): key for key, var in model_keys.items()}
+        by_variable: dict[int, str] = {}
+        for key, var in model_keys.items():
+            by_variable.setdefault(id(var), key)  # a variable under two keys pairs by its first
         if _is_keras(text) and not isinstance(model, keras.layers.Layer):
             raise AssignmentError(f"a Keras file pairs with the Keras model or layer that saved it, not a "
                                   f"{type(model).__name__}", path=text)
@@ -75,6 +77,10 @@ def for_model(model: Any, path: Any, model_keys: Mapping[str, Any], *, optimizer
     except BaseException:
         source.close()
         raise
+    for key, var in model_keys.items():  # its other keys read what its first was paired with
+        first = by_variable[id(var)]
+        if key != first and key not in names and first in names:
+            names[key] = names[first]
     walk_order = {key: i for i, key in enumerate(model_keys)}  # the model's order, as tf2.export gives it
     names = dict(sorted(names.items(), key=lambda item: walk_order.get(item[0], len(walk_order))))
     store = ModelKeyedStore(RenamedReader(source._reader, names), source.path, verify=True)

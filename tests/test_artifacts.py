@@ -363,8 +363,8 @@ def mixed_precision():
 def test_a_mixed_precision_models_optimizer_state_resumes_training(tmp_path, mixed_precision):
     """Keras wraps a mixed-precision model's optimizer in a LossScaleOptimizer and saves the
     wrapped optimizer's slots twice (``optimizer/vars/<i>`` and
-    ``optimizer/inner_optimizer/vars/<i>``); a strict assign must take the whole file, and
-    training resumed from it must go on as from Keras's own loader."""
+    ``optimizer/inner_optimizer/vars/<i>``), a TF checkpoint once; a strict assign must take
+    the whole file, and training resumed from it must go on as from Keras's own loader."""
     x, y = np.random.default_rng(0).random((16, 4)).astype("float32"), np.ones((16, 2), "float32")
 
     def compiled():
@@ -378,9 +378,10 @@ def test_a_mixed_precision_models_optimizer_state_resumes_training(tmp_path, mix
     assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
     model.save(tmp_path / "m.keras")
     ws.save(tmp_path / "m.npz", tf2.export(model, optimizer=True))
+    prefix = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(str(tmp_path / "ckpt" / "ckpt"))
     reference = keras.models.load_model(tmp_path / "m.keras")
     reference.fit(x, y, epochs=1, verbose=0)
-    for path in (tmp_path / "m.keras", tmp_path / "m.npz"):
+    for path in (tmp_path / "m.keras", tmp_path / "m.npz", prefix):
         fresh = compiled()
         report = tf2.assign(fresh, path, optimizer=True)
         assert report.ok and not report.unexpected and not report.left_out
