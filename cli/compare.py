@@ -165,6 +165,6 @@ def verify(store: Store) -> list[Problem]:
         try:
             store[key]
         except FormatError as exc:
-            message = str(exc).removeprefix(f"{store.path}: ").removeprefix(f"tensor {key!r}: ")
-            problems.append(Problem(key, message))
+            elsewhere = exc.path if exc.path != store.path else None  # a sharded version's member
+            problems.append(Problem(key, f"{elsewhere}: {exc.message}" if elsewhere else exc.message))
     return problems

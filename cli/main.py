@@ -402,7 +402,7 @@ def verify(store: Annotated[str, typer.Argument(help="The weight store to check.
       ws verify model.npz
     """
     import weightstore
-    from weightstore.errors import ChecksumError
+    from weightstore.errors import ChecksumError, shown_key
 
     _json(as_json)
     with weightstore.open(store) as opened:
@@ -415,7 +415,7 @@ def verify(store: Annotated[str, typer.Argument(help="The weight store to check.
         raise ChecksumError(f"{problems[0].message} (1 of {count(total, 'tensor')} corrupt)", path=store,
                             key=problems[0].key)
     if problems:
-        listed = "; ".join(f"tensor {problem.key!r}: {problem.message}" for problem in problems)
+        listed = "; ".join(f"tensor {shown_key(problem.key)}: {problem.message}" for problem in problems)
         raise ChecksumError(f"{len(problems)} of {count(total, 'tensor')} corrupt: {listed}", path=store,
                             keys=[problem.key for problem in problems])
     if has_checksums:

@@ -424,6 +424,17 @@ def test_verify_json_lists_every_corrupt_tensor(store):
     one_error_line(result, "2 of 3 tensors corrupt: tensor 'dense/b': is corrupt", "; tensor 'head/w': is corrupt")
 
 
+def test_verify_shows_a_long_key_once_by_its_ends(tmp_path):
+    """A key of hundreds of characters is shown shortened, once, in the list of corrupt tensors."""
+    long_key = "k" * 250
+    path = tmp_path / "v.npz"
+    ws.save(path, {long_key: np.arange(64, dtype=np.float32), "short": np.arange(64, dtype=np.float32)})
+    _corrupt_members(path, long_key, "short")
+    line = one_error_line(run("verify", path), "2 of 2 tensors corrupt: tensor 'kkk", "(250 characters): is corrupt",
+                          "; tensor 'short': is corrupt")
+    assert long_key not in line and line.count("(250 characters)") == 1
+
+
 # -- errors --------------------------------------------------------------------------------
 
 def test_missing_and_junk_files(tmp_path):

@@ -23,6 +23,7 @@ weightstore class or the builtin they already handle::
     ├── AssignmentError(ValueError)        assign found missing/unexpected/mismatched keys
     ├── LayoutError(ValueError)            a tensor no layout rule converts (Keras <-> PyTorch/Flax)
     ├── PublishError(RuntimeError)         a second publisher, or steps that go back
+    ├── ShardTimeoutError(TimeoutError)    a rank of a sharded version never finished its part
     └── MissingDependencyError(ImportError) an optional extra is not installed
 """
 
@@ -78,11 +79,11 @@ class WeightStoreError(Exception):
     def __str__(self) -> str:
         parts = [self.path] if self.path else []
         if self.key is not None:
-            parts.append(f"tensor {_shown(self.key)}")
+            parts.append(f"tensor {shown_key(self.key)}")
         return ": ".join([*parts, self.message]) if parts else self.message
 
 
-def _shown(key: str) -> str:
+def shown_key(key: str) -> str:
     """``key`` as a message shows it: whole up to a line's worth, else its ends and its length
     (a key may be 65,531 bytes long; ``error.key`` keeps it whole)."""
     if len(key) <= _SHOWN_KEY_CHARS:
