@@ -12,10 +12,8 @@ for ``--trainable-only`` (:meth:`Source.trainable_keys`). TensorFlow is imported
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import os
-import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -32,13 +30,19 @@ from weightstore.errors import (
 )
 from weightstore.extras import install_hint
 from weightstore.formats import keras_file
-from weightstore.formats.tf_checkpoint import KIND_TF2, STATE_FILE, CheckpointReader, read_state_file, resolve_prefix
+from weightstore.formats.tf_checkpoint import (
+    KIND_TF2,
+    STATE_FILE,
+    CheckpointReader,
+    CheckpointState,
+    read_state_file,
+    resolve_prefix,
+)
 from weightstore.io.commit import IndexLastCommit, RenameCommit
 from weightstore.io.location import is_url
 from weightstore.keys import OUTPUT_SUFFIX
 from weightstore.store import Store
 
-_LISTED = re.compile(r'^\s*all_model_checkpoint_paths\s*:\s*"((?:[^"\\\n]|\\.)*)"\s*$', re.MULTILINE)
 _SHOWN = 5  # keys named in an error; the rest are counted
 _silent = False
 
@@ -272,26 +276,17 @@ def state_file_text(prefix: str) -> str:
     """
     folder, name = os.path.split(prefix)
     state = os.path.join(folder or ".", STATE_FILE)
-    listed: list[str] = []
-    if os.path.exists(state):
-        read_state_file(state)  # refuses oversized, non-UTF-8 or malformed files
-        text = Path(state).read_text(encoding="utf-8")
-        listed = [codecs.escape_decode(found.encode("utf-8"))[0].decode("utf-8")
-                  for found in _LISTED.findall(text)]
-    listed = [path for path in listed if path not in (name, prefix)] + [name]
-    lines = [f'model_checkpoint_path: "{_quoted(name)}"']
-    lines += [f'all_model_checkpoint_paths: "{_quoted(path)}"' for path in listed]
-    return "\n".join(lines) + "\n"
+    listed: tuple[str, ...] = ()
+    if os.path.exists(state):  # refused here if oversized, not text, malformed or not a regular file
+        listed = read_state_file(state).listed
+    kept = [path for path in listed if path not in (name, prefix)]
+    return CheckpointState(name, (*kept, name)).text()
 
 
 def write_state_file(prefix: str, text: str) -> None:
     """Replace the ``checkpoint`` state file beside ``prefix`` with ``text``, atomically."""
     with RenameCommit(Path(os.path.dirname(prefix) or ".") / STATE_FILE).writing() as temporary:
         Path(temporary).write_text(text, encoding="utf-8")
-
-
-def _quoted(text: str) -> str:
-    return text.replace("\\", "\\\\").replace('"', '\\"')
 
 
 def _old_entries(tf: Any, prefix: str, keep: Callable[[str], bool]) -> dict[str, Any]:

@@ -837,10 +837,18 @@ def test_import_of_a_new_prefix_makes_its_folder_state_file_and_says_restore_ign
     assert tf.train.latest_checkpoint(str(folder)) == str(folder / "model.ckpt-2")
 
 
-def test_import_refuses_a_bad_state_file_before_writing(store, tmp_path):
-    (tmp_path / "checkpoint").write_text("garbage\n")
-    one_error_line(run("import", store, "--into", tmp_path / "m.ckpt"),
-                   "checkpoint state file names no model_checkpoint_path")
+@pytest.mark.parametrize("state, message", [
+    ("garbage\n", "checkpoint state file names no model_checkpoint_path"),
+    ('model_checkpoint_path: "old"\nall_model_checkpoint_paths: "a\\x"\n',
+     "checkpoint state file has an empty or malformed all_model_checkpoint_paths"),
+    (None, "is not a regular file (a FIFO)"),  # opened blocking, it would wait for a writer forever
+])
+def test_import_refuses_a_bad_state_file_before_writing(store, tmp_path, state, message):
+    if state is None:
+        os.mkfifo(tmp_path / "checkpoint")
+    else:
+        (tmp_path / "checkpoint").write_text(state)
+    one_error_line(run("import", store, "--into", tmp_path / "m.ckpt"), "checkpoint", message)
     assert sorted(os.listdir(tmp_path)) == ["checkpoint", "m.npz"]
 
 

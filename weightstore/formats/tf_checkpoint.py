@@ -69,6 +69,7 @@ from google.protobuf.message import DecodeError
 
 from weightstore.errors import (
     ChecksumError,
+    FileAccessError,
     FormatError,
     InvalidKeyError,
     KeyNotInStoreError,
@@ -159,7 +160,7 @@ def _prefix_in_folder(folder: str) -> str:
         return saved_model
     state = os.path.join(folder, STATE_FILE)
     if os.path.isfile(state):
-        named = read_state_file(state)
+        named = read_state_file(state).latest
         prefix = os.path.join(folder, named)  # an absolute name stays as it is
         if not _inside(prefix, folder) or not os.path.exists(prefix + ".index"):
             # the folder was moved or copied, or the file names one elsewhere: this folder's is read
@@ -237,32 +238,61 @@ def _candidates_hint(folder: str) -> str:
     return f"; the folder holds: {', '.join(candidates)}" if candidates else ""
 
 
-def read_state_file(path: str) -> str:
-    """``model_checkpoint_path`` of a ``checkpoint`` state file (a ``CheckpointState`` text proto).
+@dataclass(frozen=True)
+class CheckpointState:
+    """A ``checkpoint`` state file: the latest checkpoint's path, and every path it lists."""
 
-    Read as text, never through TensorFlow; its size is bounded first.
-    """
+    latest: str
+    listed: tuple[str, ...]
+
+    def text(self) -> str:
+        """The file as TensorFlow writes it (``CheckpointState`` text proto), paths escaped."""
+        lines = [f'model_checkpoint_path: "{_escaped(self.latest)}"']
+        lines += [f'all_model_checkpoint_paths: "{_escaped(path)}"' for path in self.listed]
+        return "\n".join(lines) + "\n"
+
+
+_STATE_FIELD = r'^\s*{}\s*:\s*"((?:[^"\\\n]|\\.)*)"\s*$'
+_LATEST = re.compile(_STATE_FIELD.format("model_checkpoint_path"), re.MULTILINE)
+_LISTED = re.compile(_STATE_FIELD.format("all_model_checkpoint_paths"), re.MULTILINE)
+
+
+def read_state_file(path: str) -> CheckpointState:
+    """A ``checkpoint`` state file, read as text (never through TensorFlow), its size bounded
+    first and every path in it checked, so a hostile one is refused before anything uses it."""
     try:
-        with open(path, "rb") as handle:
+        with open_regular(path) as handle:
             raw = handle.read(MAX_STATE_FILE_BYTES + 1)
+    except FileAccessError:
+        raise
     except OSError as exc:
-        raise FormatError(f"unreadable checkpoint state file ({exc.strerror})", path=path) from None
+        raise FormatError(f"unreadable checkpoint state file ({exc.strerror or exc})", path=path) from None
     if len(raw) > MAX_STATE_FILE_BYTES:
         raise UnsafeFileError(f"checkpoint state file is over {MAX_STATE_FILE_BYTES} bytes", path=path)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise FormatError("checkpoint state file is not UTF-8 text", path=path) from None
-    match = re.search(r'^\s*model_checkpoint_path\s*:\s*"((?:[^"\\\n]|\\.)*)"\s*$', text, re.MULTILINE)
+    match = _LATEST.search(text)
     if match is None:
         raise FormatError("checkpoint state file names no model_checkpoint_path", path=path)
+    latest = _unescaped(match.group(1), "model_checkpoint_path", path)
+    listed = tuple(_unescaped(found, "all_model_checkpoint_paths", path) for found in _LISTED.findall(text))
+    return CheckpointState(latest, listed)
+
+
+def _unescaped(quoted: str, name: str, path: str) -> str:
     try:
-        named = codecs.escape_decode(match.group(1).encode("utf-8"))[0].decode("utf-8")
+        named = codecs.escape_decode(quoted.encode("utf-8"))[0].decode("utf-8")
     except (ValueError, UnicodeDecodeError):
-        raise FormatError("checkpoint state file has a malformed model_checkpoint_path", path=path) from None
+        named = ""
     if not named or "\0" in named:
-        raise FormatError("checkpoint state file has an empty or malformed model_checkpoint_path", path=path)
+        raise FormatError(f"checkpoint state file has an empty or malformed {name}", path=path)
     return named
+
+
+def _escaped(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', '\\"')
 
 
 _DIGIT_RUNS = re.compile(r"([0-9]+)")
