@@ -23,8 +23,6 @@ one publisher per folder is the rule :mod:`weightstore.versions` enforces.
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -39,27 +37,21 @@ with needs("tf", __name__):
 
 from weightstore.adapters.plan import Selection, SelectionWords
 from weightstore.background import BackgroundPublisher
+from weightstore.cluster import is_tf_chief, tf_config_task
 from weightstore.versions import PublishOptions, Version
 
 __all__ = ["PublishCallback", "PublishHook", "is_chief"]
 
 
 def is_chief(strategy: Any = None) -> bool:
-    """Whether this task publishes: ``chief``, or worker 0 of a cluster without one, or no cluster."""
+    """Whether this task publishes: the one :func:`weightstore.cluster.is_tf_chief` names (the
+    chief, else the master, else worker 0), as the strategy's cluster or ``TF_CONFIG`` says;
+    with no cluster, the single process does."""
     resolver = getattr(strategy, "cluster_resolver", None)
     if resolver is not None and resolver.task_type is not None:
-        return _chief(resolver.task_type, resolver.task_id, resolver.cluster_spec().as_dict())
-    config = json.loads(os.environ.get("TF_CONFIG") or "{}")
-    task = config.get("task") or {}
-    if not task.get("type"):
-        return True
-    return _chief(task["type"], int(task.get("index", 0)), config.get("cluster") or {})
-
-
-def _chief(task_type: str, task_id: int | None, cluster: Mapping[str, Any]) -> bool:
-    if task_type == "chief":
-        return True
-    return task_type == "worker" and not task_id and "chief" not in cluster
+        return is_tf_chief(resolver.cluster_spec().as_dict(), resolver.task_type, int(resolver.task_id or 0))
+    found = tf_config_task()
+    return found is None or is_tf_chief(*found)
 
 
 class _Publisher:

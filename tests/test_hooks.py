@@ -62,10 +62,22 @@ def test_keras_callback_publishes_on_the_chief_only(tmp_path, monkeypatch):
     ({"cluster": {"chief": ["c"], "worker": ["a"]}, "task": {"type": "worker", "index": 0}}, False),
     ({"cluster": {"chief": ["c"], "worker": ["a"]}, "task": {"type": "chief", "index": 0}}, True),
     ({"cluster": {"ps": ["p"], "worker": ["a"]}, "task": {"type": "ps", "index": 0}}, False),
+    ({"cluster": {"master": ["m"], "worker": ["a"]}, "task": {"type": "master", "index": 0}}, True),
+    ({"cluster": {"master": ["m"], "worker": ["a"]}, "task": {"type": "worker", "index": 0}}, False),
+    ({"cluster": {"chief": ["c"], "worker": ["a"], "evaluator": ["e"]}, "task": {"type": "evaluator"}}, False),
 ])
 def test_is_chief_from_tf_config(monkeypatch, config, chief):
+    """The task that publishes is rank 0 of the numbering sharded versions use: one rule for both."""
     monkeypatch.setenv("TF_CONFIG", json.dumps(config))
     assert is_chief() is chief
+    if chief and config:
+        assert ws.cluster.membership().rank == 0
+
+
+def test_a_malformed_tf_config_is_named(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", "{not json")
+    with pytest.raises(ws.errors.WeightStoreError, match="TF_CONFIG is not a cluster and task"):
+        is_chief()
 
 
 def test_keras_callback_rejects_bad_intervals(tmp_path):

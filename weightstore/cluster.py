@@ -31,10 +31,11 @@ from typing import Any
 
 from weightstore.errors import WeightStoreError
 
-__all__ = ["Membership", "membership", "rank_in_tf_cluster"]
+__all__ = ["Membership", "membership", "rank_in_tf_cluster", "is_tf_chief", "tf_config_task"]
 
 #: the TF_CONFIG task types that write members, in rank order
 _WRITING_TASKS = ("chief", "master", "worker")
+_TF_CONFIG_FORM = 'expected {"cluster": {"chief": [...], "worker": [...]}, "task": {"type": "worker", "index": 0}}'
 _PASS_ATTEMPT = ("pass attempt= (one higher each time the job retries a step, so a dead try's members never mix "
                  "with a live one's)")
 
@@ -102,6 +103,35 @@ def rank_in_tf_cluster(cluster: Mapping[str, Any], task_type: str, task_index: i
     return before + task_index, sum(counts.values())
 
 
+def is_tf_chief(cluster: Mapping[str, Any], task_type: str, task_index: int) -> bool:
+    """Whether a TF task is the one that publishes for its whole job: rank 0 of
+    :func:`rank_in_tf_cluster` (the chief, else the master, else worker 0); a parameter server
+    or an evaluator never is."""
+    return task_type in _WRITING_TASKS and rank_in_tf_cluster(cluster, task_type, task_index)[0] == 0
+
+
+def tf_config_task() -> tuple[Mapping[str, Any], str, int] | None:
+    """``TF_CONFIG``'s cluster, this task's type and index; ``None`` where it is unset or names
+    no task (a single process).
+
+    Raises:
+        WeightStoreError: ``TF_CONFIG`` is set but is no cluster and task.
+    """
+    text = os.environ.get("TF_CONFIG")
+    try:
+        config = json.loads(text) if text else {}
+        task = config.get("task") or {}
+        if not task.get("type"):
+            return None
+        cluster, task_type, task_index = config["cluster"], str(task["type"]), int(task.get("index", 0))
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise WeightStoreError(f"TF_CONFIG is not a cluster and task ({type(exc).__name__}: {exc}); "
+                               f"{_TF_CONFIG_FORM}") from None
+    if not isinstance(cluster, Mapping):
+        raise WeightStoreError("TF_CONFIG's cluster is not a mapping of task type to addresses")
+    return cluster, task_type, task_index
+
+
 def _torch() -> Membership | None:
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
@@ -122,18 +152,10 @@ def _jax() -> Membership | None:
 
 
 def _tf_config() -> Membership | None:
-    text = os.environ.get("TF_CONFIG")
-    if not text:
+    found = tf_config_task()
+    if found is None:
+        if os.environ.get("TF_CONFIG"):  # set, so meant to place this process, yet no task in it
+            raise WeightStoreError(f"TF_CONFIG is not a cluster and task (it names no task); {_TF_CONFIG_FORM}")
         return None
-    try:
-        config = json.loads(text)
-        cluster, task = config["cluster"], config["task"]
-        task_type, task_index = str(task["type"]), int(task["index"])
-    except (ValueError, TypeError, KeyError) as exc:
-        raise WeightStoreError(f"TF_CONFIG is not a cluster and task ({type(exc).__name__}: {exc}); "
-                               "expected {\"cluster\": {\"chief\": [...], \"worker\": [...]}, "
-                               "\"task\": {\"type\": \"worker\", \"index\": 0}}") from None
-    if not isinstance(cluster, Mapping):
-        raise WeightStoreError("TF_CONFIG's cluster is not a mapping of task type to addresses")
-    rank, world = rank_in_tf_cluster(cluster, task_type, task_index)
+    rank, world = rank_in_tf_cluster(*found)
     return Membership(rank, world, None, "TF_CONFIG")
