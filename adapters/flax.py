@@ -43,7 +43,7 @@ from weightstore.adapters.plan import (
 )
 from weightstore.adapters.skeleton import Target, run_assign
 from weightstore.errors import InvalidKeyError, LayoutError, SelectionError
-from weightstore.keys import MappingRules, Patterns, plan_outward, validate_key
+from weightstore.keys import MappingRules, Patterns, validate_key
 from weightstore.shards import Piece, split_rows
 
 __all__ = ["export", "export_pieces", "assign", "restore", "variables", "forget"]
@@ -191,9 +191,7 @@ def _selected(obj: Any, chosen_by: Selection) -> tuple[dict[str, Any], dict[str,
     else:
         values = _leaves(obj)
         trainable = dict.fromkeys(values, True)
-    plan = plan_outward(values, scope=chosen_by.scope, include=chosen_by.include, exclude=chosen_by.exclude,
-                        where=_describe(obj))
-    chosen = {new: old for new, old in plan.items() if chosen_by.keeps(new, trainable[old])}
+    chosen = chosen_by.choose(values, trainable.__getitem__, _describe(obj))
     if not chosen:
         raise SelectionError(f"{_describe(obj)} has {'no arrays' if not values else 'no array passing the selection'}")
     return values, chosen

@@ -13,7 +13,7 @@ import difflib
 import os
 import warnings
 import weakref
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypedDict
 
@@ -22,7 +22,7 @@ import numpy as np
 import weightstore
 from weightstore.adapters.artifacts import open_artifact
 from weightstore.arrays import as_numpy
-from weightstore.errors import AssignmentError, naming
+from weightstore.errors import AssignmentError, SelectionError, naming
 from weightstore.keys import (
     MappingRules,
     Patterns,
@@ -31,6 +31,7 @@ from weightstore.keys import (
     normalize_scope,
     passes,
     plan_inward,
+    plan_outward,
     require_matches,
     strip_scope,
 )
@@ -90,6 +91,30 @@ class Selection:
     def keeps(self, key: str, trainable: bool) -> bool:
         """The ``trainable_only`` rule for a variable with scope-relative ``key``."""
         return keeps(key, trainable, self.trainable_only, self.also)
+
+    def choose(self, keys: Iterable[str], trainable: Callable[[str], bool], where: str = "", *,
+               mapping: MappingRules = None, command_line: bool = False) -> dict[str, str]:
+        """Output key -> key of what these words keep of ``keys``, the one rule every export follows.
+
+        ``scope``, ``mapping``, ``include`` and ``exclude`` first (:func:`plan_outward`), then
+        ``trainable_only`` with ``also`` on the output keys (``trainable`` is asked of a key of
+        ``keys``). Each word must do something: an ``also`` that matches no key is refused, as
+        is a ``trainable_only`` that keeps nothing of what the other words kept. ``where``
+        describes what is not a file (``"the graph"``); ``command_line`` names the words as the
+        ``ws`` command spells them (``--also``).
+        """
+        plan = plan_outward(keys, scope=self.scope, mapping=mapping, include=self.include, exclude=self.exclude,
+                            where=where)
+        if self.also:
+            require_matches(plan.keys(), self.also, "--also" if command_line else "also", where)
+        if not self.trainable_only:
+            return plan
+        chosen = {new: old for new, old in plan.items() if self.keeps(new, trainable(old))}
+        if plan and not chosen:
+            word = "--trainable-only" if command_line else "trainable_only"
+            raise SelectionError(f"{word} keeps nothing{' of ' + where if where else ''}: "
+                                 "every selected variable is non-trainable")
+        return chosen
 
     def words(self) -> SelectionWords:
         """These options as the keyword arguments that make them, to pass on to an export."""

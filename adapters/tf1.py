@@ -65,7 +65,7 @@ from weightstore.adapters.plan import (
 from weightstore.adapters.skeleton import Target, run_assign
 from weightstore.adapters.tf_staging import staged_feeds
 from weightstore.errors import AssignmentError, FormatError, InvalidKeyError, SelectionError
-from weightstore.keys import from_tf_name, plan_outward, require_matches
+from weightstore.keys import from_tf_name
 from weightstore.manifest import ML_DTYPES
 from weightstore.shards import Piece
 
@@ -146,15 +146,7 @@ def _fetched(sess: Any, chosen: list[_Target]) -> Iterator[Any]:
 def _chosen(sess: Any, chosen_by: Selection) -> tuple[dict[str, str], list[_Target]]:
     """The selected variables of ``sess``'s graph: output key -> graph key, and their targets."""
     targets = _targets(sess.graph)
-    plan = plan_outward(targets, scope=chosen_by.scope, include=chosen_by.include, exclude=chosen_by.exclude,
-                        where="the graph")
-    if chosen_by.also:
-        require_matches(plan.keys(), chosen_by.also, "also", "the graph")
-    if chosen_by.trainable_only:
-        kept = {key: source for key, source in plan.items() if chosen_by.keeps(key, targets[source].trainable)}
-        if plan and not kept:
-            raise SelectionError("trainable_only keeps no variable: the selected variables are all non-trainable")
-        plan = kept
+    plan = chosen_by.choose(targets, lambda key: targets[key].trainable, "the graph")
     return plan, [targets[source] for source in plan.values()]
 
 

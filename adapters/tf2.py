@@ -95,8 +95,6 @@ from weightstore.keys import (
     join_scope,
     normalize_scope,
     passes,
-    plan_outward,
-    require_matches,
     strip_scope,
     validate_key,
 )
@@ -150,11 +148,8 @@ def selected(obj: Any, *, optimizer: bool = False, **selection: Unpack[Selection
     if chosen_by.scope:  # a part's own keys, as tf2.export(part) gives them: what assigns into any instance of it
         own = {key: own for own, key in _part_keys(obj, normalize_scope(chosen_by.scope), found).items()}
         found = {own.get(key, key): value for key, value in found.items()}
-    plan = plan_outward(found, scope=chosen_by.scope, include=chosen_by.include, exclude=chosen_by.exclude,
-                        where=_describe(obj))
-    if chosen_by.also:
-        require_matches(plan.keys(), chosen_by.also, "also", _describe(obj))
-    chosen = {new: found[old][0] for new, old in plan.items() if chosen_by.keeps(new, found[old][1])}
+    plan = chosen_by.choose(found, lambda key: found[key][1], _describe(obj))
+    chosen = {new: found[old][0] for new, old in plan.items()}
     if not chosen:
         why = "no variables (build a Keras model before exporting it)" if not found else "no variable passes the selection"
         raise SelectionError(f"{_describe(obj)} has {why}")

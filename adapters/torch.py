@@ -55,7 +55,6 @@ from weightstore.adapters.plan import (
 )
 from weightstore.adapters.skeleton import Target, run_assign
 from weightstore.errors import AssignmentError, InvalidKeyError, LayoutError, SelectionError, UnsupportedDTypeError
-from weightstore.keys import plan_outward
 from weightstore.names import TORCH, WRITE_NAMINGS, check_naming, key_of_torch_name, torch_keys, torch_name_of_key
 from weightstore.shards import Piece, split_rows
 
@@ -226,9 +225,7 @@ def _tied(found: Mapping[str, torch.Tensor]) -> dict[str, str]:
 def _selected(module: nn.Module, chosen_by: Selection) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The module's tensors by key, and the selected ones: output key -> key."""
     found = tensors(module)
-    plan = plan_outward(found, scope=chosen_by.scope, include=chosen_by.include, exclude=chosen_by.exclude,
-                        where=_describe(module))
-    chosen = {new: old for new, old in plan.items() if chosen_by.keeps(new, found[old].requires_grad)}
+    chosen = chosen_by.choose(found, lambda key: found[key].requires_grad, _describe(module))
     if not chosen:
         why = "no tensors" if not found else "no tensor passing the selection"
         raise SelectionError(f"{_describe(module)} has {why}")

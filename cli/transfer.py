@@ -30,7 +30,7 @@ from weightstore.errors import (
 )
 from weightstore.formats import format_for_suffix, sniff
 from weightstore.io.location import is_url
-from weightstore.keys import MappingRules, Patterns, plan_inward, plan_outward, require_matches, validate_key
+from weightstore.keys import MappingRules, Patterns, plan_inward, validate_key
 from weightstore.names import TORCH, WRITE_NAMINGS, check_naming, torch_keys
 from weightstore.store import output_format
 
@@ -71,14 +71,7 @@ def export(source: Source, out: str, *, selection: Selection, mapping: MappingRu
     # first: a source that cannot say what is trainable is the error, not an --also that misses its keys
     trainable = source.trainable_keys() if selection.trainable_only else set()
     with naming(path=source.path):
-        plan = plan_outward(source.keys(), scope=selection.scope, mapping=mapping, include=selection.include,
-                            exclude=selection.exclude)
-        if selection.also:
-            require_matches(plan.keys(), selection.also, "--also")
-    if selection.trainable_only:
-        plan = {new: old for new, old in plan.items() if selection.keeps(new, old in trainable)}
-        if not plan:
-            raise SelectionError("no trainable variable is selected", path=source.path)
+        plan = selection.choose(source.keys(), trainable.__contains__, mapping=mapping, command_line=True)
     if not plan:
         raise SelectionError("selects no tensor", path=source.path)
     weights = read(source, plan, "reading")

@@ -50,3 +50,70 @@ def test_the_follower_hooks_and_cli_take_the_same_words():
     assert words(follower.Follower) >= ASSIGN
     assert words(hooks.PublishCallback) >= SELECTION and words(hooks.PublishHook) >= SELECTION
     assert SELECTION | {"mapping"} <= set(inspect.signature(main.export).parameters)
+
+
+def _exporter(name: str) -> typing.Callable[..., dict]:
+    """``export`` of one adapter over a small model of its framework: a trainable weight and a
+    statistic that is not (``net/w``, ``net/stat``), with the words passed through."""
+    if name == "tf2":
+        tf = pytest.importorskip("tensorflow")
+        from weightstore.adapters import tf2
+
+        module = tf.Module(name="net")
+        module.w, module.stat = tf.Variable(tf.ones(2)), tf.Variable(tf.zeros(2), trainable=False)
+        return lambda **words: tf2.export({"net/w": module.w, "net/stat": module.stat}, **words)
+    if name == "tf1":
+        tf = pytest.importorskip("tensorflow")
+        from weightstore.adapters import tf1
+
+        graph = tf.Graph()
+        with graph.as_default(), tf.compat.v1.variable_scope("net"):
+            tf.compat.v1.get_variable("w", [2])
+            tf.compat.v1.get_variable("stat", [2], trainable=False)
+            init = tf.compat.v1.global_variables_initializer()
+        session = tf.compat.v1.Session(graph=graph)
+        session.run(init)
+        return lambda **words: tf1.export(session, **words)
+    if name == "torch":
+        torch = pytest.importorskip("torch")
+        from weightstore.adapters import torch as torch_adapter
+
+        net = torch.nn.Module()
+        net.w = torch.nn.Parameter(torch.ones(2))
+        net.register_buffer("stat", torch.zeros(2))
+        holder = torch.nn.Module()
+        holder.net = net
+        return lambda **words: torch_adapter.export(holder, **words)
+    pytest.importorskip("flax")
+    import numpy as np
+    from flax import nnx
+
+    from weightstore.adapters import flax as flax_adapter
+
+    class Net(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(np.ones(2, np.float32))
+            self.stat = nnx.BatchStat(np.zeros(2, np.float32))
+
+    class Holder(nnx.Module):
+        def __init__(self):
+            self.net = Net()
+
+    holder = Holder()
+    return lambda **words: flax_adapter.export(holder, **words)
+
+
+@pytest.mark.parametrize("name", ADAPTERS)
+def test_every_adapter_applies_the_selection_words_alike(name):
+    """The same words keep the same keys in every framework, and each refuses the same mistakes."""
+    from weightstore.errors import SelectionError
+
+    export = _exporter(name)
+    assert sorted(export()) == ["net/stat", "net/w"]
+    assert sorted(export(trainable_only=True)) == ["net/w"]
+    assert sorted(export(trainable_only=True, also="*/stat")) == ["net/stat", "net/w"]
+    assert sorted(export(scope="net", exclude="w")) == ["stat"]
+    with pytest.raises(SelectionError, match=r"also '\*/no_such' matches no key"):
+        export(trainable_only=True, also="*/no_such")
+    with pytest.raises(SelectionError, match="trainable_only keeps nothing"):
+        export(include="*/stat", trainable_only=True)
