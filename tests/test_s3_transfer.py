@@ -219,6 +219,21 @@ def test_server_errors_are_storage_errors(s3, when):
     assert caught.value.path == target
 
 
+@pytest.mark.parametrize("kind", ["hdf5", "folder", "hf-index"])
+def test_an_outage_while_opening_any_kind_of_url_is_a_storage_error(s3, kind):
+    """HDF5 opens through an fsspec file object, a URL without a suffix may be a folder, a
+    Hugging Face index asks whether its shards exist: each request is the storage's, and its
+    failure a StorageError a follower waits out, never the client library's own exception."""
+    target = {"hdf5": url(".h5"), "folder": url(""), "hf-index": url("") + "/model.safetensors.index.json"}[kind]
+    if kind == "hdf5":
+        ws.save(target, WEIGHTS)
+    failing = (500, b"<Error><Code>InternalError</Code><Message>down</Message></Error>")
+    s3.intercept = lambda environ: failing
+    with pytest.raises(ws.StorageError) as caught:
+        ws.open(target)
+    assert caught.value.path == target
+
+
 def test_missing_and_empty_objects(s3):
     with pytest.raises(ws.StoreNotFoundError, match="no such file"):
         ws.open(url(".npz"))

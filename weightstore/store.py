@@ -48,7 +48,7 @@ from weightstore.formats.renamed import RenamedReader, names_by_key
 from weightstore.gcpause import paused_gc
 from weightstore.io.commit import commit_for
 from weightstore.io.files import open_regular
-from weightstore.io.location import filesystem, is_url, location_of, uncached
+from weightstore.io.location import filesystem, is_url, location_of, service, uncached
 from weightstore.io.remote import RemoteFile
 from weightstore.io.writeback import Writeback
 from weightstore.keys import MappingRules, Patterns, plan_outward, validate_keys
@@ -353,7 +353,8 @@ def _open_remote(location: str, verify: bool, format: str | None) -> Store:  # n
                 fmt = sniff(head)
         if fmt.name == "hdf5":
             source.close()
-            handle = fs.open(uncached(fs, remote), "rb")
+            with service(location):
+                handle = fs.open(uncached(fs, remote), "rb")
             try:
                 return Store(fmt.open_reader(handle, location), location, verify, fmt.name)
             except BaseException:
@@ -362,8 +363,11 @@ def _open_remote(location: str, verify: bool, format: str | None) -> Store:  # n
         return Store(fmt.open_reader(source, location), location, verify, fmt.name)
     except FileNotFoundError:
         # a folder is asked about only now, so opening a file of an unknown suffix stays one request
-        if format is None and format_for_suffix(location) is None and fs.isdir(remote):
-            return _open_remote_sharded(fs, remote, location, verify)
+        if format is None and format_for_suffix(location) is None:
+            with service(location):
+                folder = fs.isdir(remote)
+            if folder:
+                return _open_remote_sharded(fs, remote, location, verify)
         raise StoreNotFoundError("no such file", path=location) from None
     except BaseException:
         source.close()
@@ -372,7 +376,8 @@ def _open_remote(location: str, verify: bool, format: str | None) -> Store:  # n
 
 def _open_remote_sharded(fs: Any, remote: str, location: str, verify: bool) -> Store:
     """A Hugging Face sharded model on object storage: its index file, or a folder holding one."""
-    index = hf_sharded.index_location(remote, is_dir=lambda _: True, exists=fs.exists)
+    with service(location):
+        index = hf_sharded.index_location(remote, is_dir=lambda _: True, exists=fs.exists)
     if index is None:
         raise StoreNotFoundError("is a folder holding no model.safetensors.index.json", path=location)
     url = location if location.endswith(hf_sharded.INDEX_SUFFIX) else location.rstrip("/") + "/" + hf_sharded.INDEX_NAME
