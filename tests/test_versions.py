@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -403,3 +404,11 @@ def test_cli_versions_sizes_read_like_the_other_commands(tmp_path, cli):
     entry = versions.list_versions(tmp_path)[0]
     result = CliRunner().invoke(cli, ["versions", str(tmp_path)])
     assert human_bytes(entry.size) in result.output
+
+
+def test_a_version_and_its_file_record_one_created_time(tmp_path):
+    """``ws follow --json`` shows the version's time, ``ws ls --json`` the file's: the same instant, in one form."""
+    version = ws.publish(tmp_path / "run", {"w": np.ones(2, np.float32)}, step=1)
+    with ws.open(version.path) as store:
+        assert store.created == version.created == ws.latest(tmp_path / "run").created
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", version.created)

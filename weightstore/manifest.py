@@ -238,19 +238,25 @@ def shape_nbytes(shape: tuple[int, ...], itemsize: int) -> int:
     return math.prod(shape) * itemsize
 
 
+def utc_now() -> str:
+    """Now, in UTC to the millisecond (``2026-12-02T16:50:16.791Z``): the one form of the
+    ``created`` time that files, versions and indexes record, so a version and its file agree."""
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
 def build_manifest(
     tensors: Sequence[TensorRow], metadata: Mapping[str, Any] | None, producer: str,
     locations: Mapping[str, str] | None = None, codecs: Mapping[str, str] | None = None,
-    digests: Sequence[bytes] | None = None,
+    digests: Sequence[bytes] | None = None, created: str | None = None,
 ) -> str:
     """The manifest's JSON text: the document's fields, then the tensors (``(key, dtype name,
     shape, CRC-32)`` each, as a writer learns them, and their :func:`content_digest` in the
-    same order) as columns."""
+    same order) as columns. ``created``: the time the file's version records, else now."""
     document = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
         "producer": producer,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "created": created or utc_now(),
         "metadata": dict(metadata or {}),
     }
     try:

@@ -52,7 +52,15 @@ from weightstore.io.location import filesystem, is_url, location_of, service, un
 from weightstore.io.remote import RemoteFile
 from weightstore.io.writeback import Writeback
 from weightstore.keys import MappingRules, Patterns, plan_outward, validate_keys
-from weightstore.manifest import TensorInfo, build_manifest, content_digest, dtype_name, logical_dtype, to_storage
+from weightstore.manifest import (
+    TensorInfo,
+    build_manifest,
+    content_digest,
+    dtype_name,
+    logical_dtype,
+    to_storage,
+    utc_now,
+)
 from weightstore.names import (
     FILE,
     KEYS,
@@ -540,12 +548,14 @@ def _save_sharded(location: str, weights: Mapping[str, Any], metadata: Mapping[s
     sizes = {key: arrays.nbytes(key) for key in arrays}
     plan = hf_sharded.plan_shards(sizes, limit)
     shards = dict(zip(hf_sharded.shard_names(len(plan)), plan, strict=True))
+    created = utc_now()  # one time for the index and its shards, as for a version and its file
     for shard, keys in shards.items():
         with commit_for(location_of(f"{folder}/{shard}"), suffix=".safetensors").writing() as local:
             write_file(local, safetensors.FORMAT, arrays.only(keys), metadata, False,
-                       {key: stored_names[key] for key in keys if key in stored_names})
+                       {key: stored_names[key] for key in keys if key in stored_names}, created)
     document = hf_sharded.index_document({shard: [stored_names.get(k, k) for k in keys] for shard, keys in shards.items()},
-                                         sum(sizes.values()), metadata, {"producer": f"weightstore {__version__}"})
+                                         sum(sizes.values()), metadata,
+                                         {"producer": f"weightstore {__version__}", "created": created})
     with index_commit.writing() as local, builtins.open(local, "wb") as handle:
         handle.write(document)
 
@@ -706,12 +716,13 @@ def _checked(weights: Mapping[str, Any], where: str = "", fmt: Format | None = N
 
 
 def write_file(path: str, fmt: Format, arrays: _Checked, metadata: Mapping[str, Any] | None,
-               compress: bool | str, stored_names: Mapping[str, str] | None = None) -> None:
+               compress: bool | str, stored_names: Mapping[str, str] | None = None, created: str | None = None) -> None:
     """Write a file tensor by tensor; the caller makes it atomic and durable.
 
     ``stored_names`` (from :func:`file_names`) names tensors in the file other than by their
     keys: where the format can (:attr:`Format.torch_names`), the manifest records each such
     name as the tensor's location, so the keys read back; elsewhere the name is the key.
+    ``created``: the time of the version the file is (its manifest records it), else now.
     """
     metadata = checked_metadata(metadata, path)  # before the file exists (callers check earlier, naming theirs)
     stored_names = stored_names or {}
@@ -734,7 +745,7 @@ def write_file(path: str, fmt: Format, arrays: _Checked, metadata: Mapping[str, 
             writeback.advance()
         locations = {**writer.locations, **located}
         writer.commit(build_manifest(tensors, metadata, f"weightstore {__version__}", locations, writer.codecs,
-                                     digests))
+                                     digests, created))
     except BaseException:
         writer.abort()
         raise

@@ -73,7 +73,6 @@ after it.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import logging
 import operator
@@ -101,6 +100,7 @@ from weightstore.errors import (
 from weightstore.formats import format_for_suffix, format_named
 from weightstore.io.files import remove_stale_temporaries
 from weightstore.io.folders import Folder, LocalFolder, folder_for
+from weightstore.manifest import utc_now
 from weightstore.store import Store, _checked, checked_metadata, write_file
 
 __all__ = ["Version", "VersionEntry", "PublishOptions", "PointerWatch", "publish", "latest", "follow", "list_versions"]
@@ -285,7 +285,7 @@ def publish(
 
     def write_version(created: str) -> None:
         with target.commit(name, fmt.suffixes[0]).writing() as local:
-            write_file(local, fmt, arrays, metadata, False)
+            write_file(local, fmt, arrays, metadata, False, created=created)
             _stage("version-temporary")
 
     return commit_version(target, step, name, write_version, metadata, keep)
@@ -334,7 +334,7 @@ def commit_version(target: Folder, step: int, name: str, write: Callable[[str], 
         state.clean()
         _stage("cleaned")
         _write_small(target, INTENT, json.dumps({"step": step, "file": name}).encode())
-        created = _now()
+        created = utc_now()
         pointer = json.dumps({"format": POINTER_FORMAT, "version": 1, "step": step, "file": name,
                               "created": created, "metadata": dict(metadata or {})}, sort_keys=True)
         write(created)
@@ -737,8 +737,6 @@ def _gone(version: Version) -> VersionGoneError:
                             path=version.path)
 
 
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def _parse_pointer(data: bytes) -> dict[str, Any]:
