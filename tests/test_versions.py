@@ -412,3 +412,14 @@ def test_a_version_and_its_file_record_one_created_time(tmp_path):
     with ws.open(version.path) as store:
         assert store.created == version.created == ws.latest(tmp_path / "run").created
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", version.created)
+
+
+def test_a_pointer_naming_a_field_twice_is_refused(tmp_path):
+    """Which ``step`` a JSON reader takes of two is its whim: a LATEST naming one twice is refused, not read either way."""
+    run = tmp_path / "run"
+    ws.publish(run, {"w": np.ones(2, np.float32)}, step=1)
+    text = (run / "LATEST").read_text()
+    (run / "LATEST").write_text(text.rstrip().removesuffix("}") + ', "step": 7}')
+    with pytest.raises(ws.errors.UnsafeFileError, match="LATEST names 'step' twice") as caught:
+        ws.latest(run)
+    assert caught.value.path == str(run)

@@ -1,11 +1,14 @@
 """JSON a file brings, bounded before it is parsed and strict when it is.
 
-Every JSON text weightstore reads from a file (a manifest, a safetensors header, a shard
-index, a Hugging Face index, a ``.keras`` config) is first held to :func:`refuse_dense`, which
-bounds what parsing it can make Python allocate. :func:`loads` parses the texts with no faster
-parser of their own: an object naming one key twice is refused (which of the two a reader
-takes is the reader's whim, and the spec forbids it), as are NaN and Infinity, which no strict
-JSON writer can write back (``ws ls --json``, a converted file's metadata).
+Every JSON text weightstore reads from a file is first held to :func:`refuse_dense`, which
+bounds what parsing it can make Python allocate. :func:`loads` parses those with no faster
+parser of their own (a safetensors header, a Hugging Face index, a ``.keras`` config, a
+version folder's ``LATEST`` and intent record): an object naming one key twice is refused
+(which of the two a reader takes is the reader's whim, and the spec forbids it), as are NaN
+and Infinity, which no strict JSON writer can write back (``ws ls --json``, a converted file's
+metadata). A manifest and a shard index, which only weightstore writes and reads and which may
+list 100,000 tensors, are parsed by orjson after :func:`refuse_dense`: a key named twice there
+takes its last value (docs/security.md).
 """
 
 from __future__ import annotations

@@ -88,12 +88,14 @@ from typing import Any, TypedDict
 
 import numpy as np
 
+from weightstore import jsontext
 from weightstore.errors import (
     FormatError,
     PublishError,
     StorageError,
     StoreNotFoundError,
     TargetError,
+    UnsafeFileError,
     VersionGoneError,
     naming,
 )
@@ -114,6 +116,7 @@ POINTER_FORMAT = "weightstore-latest"
 #: (it refuses over 4,300); a file system names none longer than 255 bytes anyway
 _NAME = re.compile(r"^step-([0-9]{1,1000})(\.[A-Za-z0-9]+)$")
 _MAX_POINTER_BYTES = 1 << 20
+_POINTER_BYTES_PER_CONTAINER = 16  # LATEST holds one object of a few fields; its metadata a little more
 _log = logging.getLogger(__name__)
 
 
@@ -661,8 +664,8 @@ def _read_intent(folder: Folder) -> int | None:
     except TargetError:
         return None
     try:
-        step = json.loads(data)["step"] if data else None
-    except (ValueError, TypeError, KeyError, RecursionError):
+        step = jsontext.loads(data, what=INTENT, min_bytes=_POINTER_BYTES_PER_CONTAINER)["step"] if data else None
+    except (FormatError, TypeError, KeyError):
         return None
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
@@ -743,8 +746,10 @@ def _parse_pointer(data: bytes) -> dict[str, Any]:
     if not data.strip():
         raise FormatError("LATEST is empty; publish again to repair it")
     try:
-        pointer = json.loads(data)
-    except (UnicodeDecodeError, ValueError, RecursionError):
+        pointer = jsontext.loads(data, what="LATEST", min_bytes=_POINTER_BYTES_PER_CONTAINER)
+    except UnsafeFileError:
+        raise
+    except FormatError:
         pointer = None
     if not isinstance(pointer, dict):
         pointer = {}
