@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import logging
 import sys
 import threading
@@ -59,7 +60,7 @@ from typing_extensions import Unpack
 import weightstore
 from weightstore.adapters.plan import AssignOptions, AssignWords, Report, reload_digest, wants_skip
 from weightstore.adapters.skeleton import handed_over, rehearsal
-from weightstore.errors import VersionGoneError, naming
+from weightstore.errors import StorageError, VersionGoneError, naming
 from weightstore.formats import ReaderDefaults
 from weightstore.formats.sharded import normalized_region
 from weightstore.heap import give_back
@@ -72,6 +73,14 @@ __all__ = ["Follower"]
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
 _Bounds = tuple[tuple[int, int], ...]  # a region as (start, stop) along each axis
+
+
+class _Outcome(enum.Enum):
+    """What a swap left to do."""
+
+    DONE = "done"  # assigned, or passed over as not fitting the target
+    AGAIN_NOW = "again now"  # pruned mid-read: the newest version is another
+    AGAIN_LATER = "again later"  # the storage failed: the same version, once it answers
 
 
 class _ReadWriteLock:
@@ -120,8 +129,9 @@ class Follower:
     (``torch.assign``) or a Keras model, module or variables (``tf2.assign``); the assign
     options mean what they mean there.
     ``version`` and ``report`` describe the last swap; ``error`` holds the last failure (a
-    version that does not fit the target is logged, recorded and passed over, not retried)
-    until the next swap succeeds, and makes :meth:`wait` raise. ``poll`` and ``max_poll`` pace
+    version that does not fit the target is logged, recorded and passed over, not retried; one
+    whose download the storage failed is fetched again every ``poll`` until it is in) until the
+    next swap succeeds, and makes :meth:`wait` raise. ``poll`` and ``max_poll`` pace
     the looks at ``LATEST`` as in :func:`~weightstore.versions.follow` (conditional on an object
     store's ETag, backing off from ``poll`` to ``max_poll`` while nothing is published), and
     ``notifications`` (an SQS queue URL) wakes it when ``LATEST`` is written.
@@ -230,18 +240,22 @@ class Follower:
                 self._folder_healthy()
             if version is not None:
                 try:
-                    swapped = self._swap(version)
+                    outcome = self._swap(version)
                 finally:
                     version.release()
-                if swapped:
+                if outcome is _Outcome.DONE:
                     last = version.step
-                else:  # pruned while staged: read LATEST again, whatever its tag
-                    watch.forget()
-                continue  # look again at once: a newer version may have landed meanwhile
+                    continue  # look again at once: a newer version may have landed meanwhile
+                watch.forget()  # read LATEST again, whatever its tag: this version, or a newer one
+                if outcome is _Outcome.AGAIN_NOW:
+                    continue
             watch.sleep(watch.interval, self._stop)
 
-    def _swap(self, version: Version) -> bool:
-        """Stage ``version``, then assign it; False when it should be looked for again (pruned mid-read).
+    def _swap(self, version: Version) -> _Outcome:
+        """Stage ``version``, then assign it; whether that is done (or the version passed over as
+        not fitting), or ``LATEST`` is to be read again: at once when the version was pruned
+        mid-read, after a pause when the storage failed (an outage retried as ``follow``
+        retries one, never a reason to stay at the old weights).
 
         Staging (:meth:`_stage`) runs with no lock held; the lock covers only the writes into
         the target and the bookkeeping readers see. The follower keeps its own share of the
@@ -262,11 +276,15 @@ class Follower:
                 previous, self.version, self.report, self.error = self.version, held, report, None
         except VersionGoneError:
             held.release()
-            return False
+            return _Outcome.AGAIN_NOW
+        except StorageError as exc:
+            held.release()
+            self._failed(exc, "following")  # cleared, like a failed look at LATEST, once the storage answers
+            return _Outcome.AGAIN_LATER
         except Exception as exc:
             held.release()
             self._failed(exc, f"assigning step {version.step}", step=version.step)
-            return True
+            return _Outcome.DONE
         self._digests = staged.digests
         # the swap is done and serving runs again: what follows a swap goes here
         if previous is not None:
@@ -274,7 +292,7 @@ class Follower:
         give_back()  # the old variables' buffers, freed as the new ones replaced them
         with self._swapped:
             self._swapped.notify_all()
-        return True
+        return _Outcome.DONE
 
     def _stage(self, version: Version, skip: bool, words: AssignWords) -> _StagedStore:
         """``version`` opened with every tensor that changed since the last swap read and verified.

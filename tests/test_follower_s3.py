@@ -89,6 +89,32 @@ def pointer_requests(s3, folder: str) -> list:
     return [r for r in s3.requests if r.path.endswith(key)]
 
 
+def test_a_version_whose_download_failed_is_fetched_again(s3, folder, model):
+    """An outage while a version's tensors download is the storage's, not the version's: the
+    follower retries that version until it is in, with no publish needed to unstick it."""
+    ws.publish(folder, weights_at(model, 1), step=1)
+    failures = []
+
+    def fail_step_2_reads(environ):
+        """Fail the first reads of step 2's tensors, after its index (at its end) was read and pinned."""
+        if (environ["REQUEST_METHOD"] == "GET" and "step-000000000002" in environ.get("PATH_INFO", "")
+                and environ.get("HTTP_RANGE", "").startswith("bytes=0-") and len(failures) < 3):
+            failures.append(environ.get("HTTP_RANGE"))
+            return 500, b"<Error><Code>InternalError</Code><Message>down</Message></Error>"
+        return None
+
+    with Follower(model, folder, poll=0.01) as follower:
+        assert follower.wait(1, timeout=30).step == 1
+        s3.intercept = fail_step_2_reads
+        ws.publish(folder, weights_at(model, 2), step=2)
+        deadline = time.monotonic() + 30
+        while (follower.version.step != 2 or follower.error is not None) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert failures, "the outage never hit the download"
+        assert follower.version.step == 2 and follower.error is None
+        assert np.all(model.get_layer("hidden").kernel.numpy() == 2)
+
+
 def test_an_idle_follower_asks_for_the_pointer_without_moving_it(s3, folder):
     """Each look is a HEAD (ETag unchanged: no body); LATEST's body moves only when it changed."""
     from weightstore import versions
