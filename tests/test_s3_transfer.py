@@ -198,7 +198,7 @@ def test_object_removed_while_open(s3):
     ws.save(target, WEIGHTS)
     with ws.open(target) as store:
         s3fs.S3FileSystem().rm_file(target[len("s3://"):])
-        with pytest.raises(ws.FormatError, match="removed while it was open"):
+        with pytest.raises(ws.StoreNotFoundError, match="removed while it was open"):
             store["block_2/w0"]  # outside the index window, so read after the change
 
 

@@ -95,6 +95,20 @@ def test_pruned_version_on_s3_says_retry(s3, folder):
         ws.load(stale)
 
 
+@pytest.mark.parametrize("suffix", [".npz", ".safetensors"])
+def test_a_version_pruned_while_it_is_read_on_s3_says_retry(s3, folder, suffix):
+    """An object store cannot pin an open version: a reader that lags more than ``keep``
+    publishes loses it mid-read, and must get the error that says to read LATEST again."""
+    big = {"w": np.arange(1 << 20, dtype=np.float32), "v": np.arange(1 << 20, dtype=np.float32)}  # past the index
+    ws.publish(folder, big, step=1, keep=2, format=suffix.lstrip("."), storage_options=s3)
+    with ws.open(ws.latest(folder, storage_options=s3)) as store:
+        for step in (2, 3):
+            ws.publish(folder, weights_at(step), step=step, keep=2, format=suffix.lstrip("."), storage_options=s3)
+        with pytest.raises(ws.VersionGoneError, match="version 1 is gone .*read LATEST again") as caught:
+            store["w"]
+    assert caught.value.path == f"{folder}/step-000000000001{suffix}"
+
+
 @pytest.mark.parametrize("content", [b"", b"not json", b'{"format": "weightstore-latest"}'])
 def test_damaged_latest_on_s3(s3, folder, content):
     import s3fs

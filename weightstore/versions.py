@@ -84,7 +84,7 @@ import urllib.parse
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import Any, TypedDict, cast
 
 import numpy as np
 
@@ -95,11 +95,10 @@ from weightstore.errors import (
     StorageError,
     StoreNotFoundError,
     TargetError,
-    UnsafeFileError,
     VersionGoneError,
     naming,
 )
-from weightstore.formats import format_for_suffix, format_named
+from weightstore.formats import Reader, format_for_suffix, format_named
 from weightstore.io.files import remove_stale_temporaries
 from weightstore.io.folders import Folder, LocalFolder, folder_for
 from weightstore.manifest import utc_now
@@ -726,13 +725,38 @@ def _open_version(folder: Folder, version: Version, verify: bool) -> Store:
             raise _gone(version) from None
     try:
         fmt = format_for_suffix(name) or format_named("npz")
-        return Store(fmt.open_reader(handle, version.path), version.path, verify)
+        reader = _RemovedIsGone(fmt.open_reader(handle, version.path), version)
+        return Store(cast(Reader, reader), version.path, verify)
     except FileNotFoundError:
         handle.close()
         raise _gone(version) from None
     except BaseException:
         handle.close()
         raise
+
+
+class _RemovedIsGone:
+    """A remote version's reader: its file removed mid-read (pruned under a reader that lagged
+    more than ``keep`` publishes; an object store cannot pin it) raises :class:`VersionGoneError`,
+    the error that tells a reader to read ``LATEST`` again, not the plain file's
+    :class:`StoreNotFoundError`."""
+
+    def __init__(self, reader: Reader, version: Version):
+        self._reader, self._version = reader, version
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._reader, name)
+        if not callable(attribute):
+            return attribute
+
+        def gone_when_removed(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return attribute(*args, **kwargs)
+            except VersionGoneError:
+                raise
+            except StoreNotFoundError:
+                raise _gone(self._version) from None
+        return gone_when_removed
 
 
 def _gone(version: Version) -> VersionGoneError:
@@ -747,9 +771,7 @@ def _parse_pointer(data: bytes) -> dict[str, Any]:
         raise FormatError("LATEST is empty; publish again to repair it")
     try:
         pointer = jsontext.loads(data, what="LATEST", min_bytes=_POINTER_BYTES_PER_CONTAINER)
-    except UnsafeFileError:
-        raise
-    except FormatError:
+    except FormatError:  # a name given twice too: no reading of it is the writer's
         pointer = None
     if not isinstance(pointer, dict):
         pointer = {}

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from weightstore.errors import FormatError
+from weightstore.errors import FormatError, StoreNotFoundError
 from weightstore.io.buffer import aligned_buffer
 from weightstore.io.location import service, uncached
 from weightstore.io.objects import Request, requests_for, scatter, window
@@ -51,7 +51,7 @@ class FsspecObject:
             except FileNotFoundError:
                 if opening:
                     raise
-                raise FormatError("the file was removed while it was open", path=self.name) from None
+                raise StoreNotFoundError("the file was removed while it was open", path=self.name) from None
             for request, data in zip(batch, found, strict=True):
                 if len(data) != request.end - request.start:
                     raise FormatError(f"got {len(data)} bytes at byte {request.start}, not {request.end - request.start}: "

@@ -29,8 +29,8 @@ READ_CHUNK = 1 << 20
 
 class RemoteObject(Protocol):
     """One object on a storage service, as a backend reads it. Errors: a missing object is
-    ``FileNotFoundError`` when ``opening`` (else a :class:`~weightstore.errors.FormatError`: it was
-    removed while open); an object shorter than asked for, or replaced while open, is a
+    ``FileNotFoundError`` when ``opening`` (else a :class:`~weightstore.errors.StoreNotFoundError`:
+    it was removed while open); an object shorter than asked for, or replaced while open, is a
     ``FormatError``; a failure of the service is :func:`~weightstore.io.location.storage_error`."""
 
     name: str

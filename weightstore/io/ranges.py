@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from weightstore.errors import FormatError
+from weightstore.errors import StoreNotFoundError
 from weightstore.io.local import OwnedFile, check_range
 from weightstore.io.location import location_of, service, uncached
 from weightstore.io.objects import RemoteObject
@@ -66,7 +66,7 @@ class RangedFile:
         try:
             self._object.fill([(offset, view) for offset, view in ranges if len(view)])
         except FileNotFoundError:
-            raise FormatError("the member was removed while it was read", path=self.name) from None
+            raise StoreNotFoundError("the member was removed while it was read", path=self.name) from None
 
     def close(self) -> None:
         if self._local is not None:

@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from weightstore.errors import FormatError, WeightStoreError
+from weightstore.errors import FormatError, StoreNotFoundError, WeightStoreError
 from weightstore.io.buffer import aligned_buffer
 from weightstore.io.location import protocols, storage_error
 from weightstore.io.objects import READ_CHUNK, Request, requests_for, scatter, window
@@ -124,7 +124,7 @@ class S3Object:
         except FileNotFoundError:
             if opening:
                 raise
-            raise FormatError("the object was removed while it was open", path=self.name) from None
+            raise StoreNotFoundError("the object was removed while it was open", path=self.name) from None
         except Exception as exc:
             if _s3_code(exc) in ("PreconditionFailed", "412"):
                 raise FormatError("the object changed while it was open (its ETag no longer matches); open it again",
