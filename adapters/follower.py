@@ -91,16 +91,26 @@ class _ReadWriteLock:
         self._readers = 0
         self._writing = False
         self._writers_waiting = 0
+        self._here = threading.local()  # whether this thread is inside reading()
+
+    def held_here(self) -> bool:
+        """Whether the calling thread is inside :meth:`reading`."""
+        return getattr(self._here, "reading", False)
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[None]:
+        if self.held_here():
+            raise RuntimeError("reading() inside reading() in one thread would wait for a swap that waits for the "
+                               "outer block to end: enter it once per inference call")
         with self._condition:
             while self._writing or self._writers_waiting:
                 self._condition.wait()
             self._readers += 1
+        self._here.reading = True
         try:
             yield
         finally:
+            self._here.reading = False
             with self._condition:
                 self._readers -= 1
                 if not self._readers:
@@ -159,7 +169,7 @@ class Follower:
         self._after = after
         self._lock = _ReadWriteLock()
         self._swapped = threading.Condition()
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # the running loop's own: a loop stop() gave up waiting for never restarts
         self._thread: threading.Thread | None = None
         self._assign, self._reads_parts = _assigner(target)
         self._digests: dict[str, str | None] = {}  # key -> content digest, as the last swap staged it
@@ -169,14 +179,18 @@ class Follower:
         if self._thread is None:
             watch = PointerWatch(versions_folder(self.folder, self.storage_options), self.poll, self.max_poll,
                                  self.notifications)
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._loop, args=(watch,), name=f"weightstore-follower {self.folder}",
-                                            daemon=True)
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._loop, args=(watch, self._stop),
+                                            name=f"weightstore-follower {self.folder}", daemon=True)
             self._thread.start()
         return self
 
     def stop(self, timeout: float | None = None) -> None:
-        """Stop following; the current version stays readable until the follower is garbage."""
+        """Stop following; the current version stays readable until the follower is garbage.
+
+        With ``timeout``, a loop still inside a download when it passes ends on its own once
+        the download returns, assigning nothing more; a later :meth:`start` runs a new one."""
+        self._refuse_inside_reading("stop()")
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -192,7 +206,8 @@ class Follower:
         """Hold around one inference call: no swap happens while any such block runs.
 
         Not reentrant: a waiting swap holds back new blocks (so serving cannot starve it), so a
-        block opened inside another in the same thread would wait for a swap that waits for it."""
+        block opened inside another in the same thread would wait for a swap that waits for it;
+        that, and :meth:`wait` or :meth:`stop` inside a block, raise ``RuntimeError`` instead."""
         return self._lock.reading()
 
     def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -217,6 +232,7 @@ class Follower:
             return self.error is not None and not (step is not None and self._failed_step is not None
                                                    and self._failed_step < step)
 
+        self._refuse_inside_reading("wait()")
         if self._thread is None and not arrived():  # nothing would ever arrive
             raise RuntimeError("this Follower is not following: start it (with Follower(...) as f, or f.start()) "
                                "before waiting")
@@ -228,9 +244,14 @@ class Follower:
                 raise self.error  # type: ignore[misc]  # failed() saw it set
             return None
 
-    def _loop(self, watch: PointerWatch) -> None:
+    def _refuse_inside_reading(self, call: str) -> None:
+        if self._lock.held_here():  # a swap may be waiting for this very block to end
+            raise RuntimeError(f"{call} inside reading() would wait for a swap that waits for the block to end: "
+                               f"call it outside the block")
+
+    def _loop(self, watch: PointerWatch, stop: threading.Event) -> None:
         last = self._after
-        while not self._stop.is_set():
+        while not stop.is_set():
             try:
                 version = watch.newer(last)
             except Exception as exc:  # a damaged folder: keep serving the current weights, look again
@@ -240,7 +261,7 @@ class Follower:
                 self._folder_healthy()
             if version is not None:
                 try:
-                    outcome = self._swap(version)
+                    outcome = self._swap(version, stop)
                 finally:
                     version.release()
                 if outcome is _Outcome.DONE:
@@ -249,9 +270,9 @@ class Follower:
                 watch.forget()  # read LATEST again, whatever its tag: this version, or a newer one
                 if outcome is _Outcome.AGAIN_NOW:
                     continue
-            watch.sleep(watch.interval, self._stop)
+            watch.sleep(watch.interval, stop)
 
-    def _swap(self, version: Version) -> _Outcome:
+    def _swap(self, version: Version, stop: threading.Event) -> _Outcome:
         """Stage ``version``, then assign it; whether that is done (or the version passed over as
         not fitting), or ``LATEST`` is to be read again: at once when the version was pruned
         mid-read, after a pause when the storage failed (an outage retried as ``follow``
@@ -269,6 +290,10 @@ class Follower:
         words = dataclasses.replace(self.options, skip_unchanged=skip).assign_words()
         try:
             staged = self._stage(held, skip, words)
+            if stop.is_set():  # stopped while it downloaded: a loop started since may be assigning
+                staged.close()
+                held.release()
+                return _Outcome.AGAIN_NOW
             # the staged arrays are the follower's alone: the variables may keep them as they are
             with staged, handed_over(staged.arrays), self._lock.writing():
                 report = self._assign(self.target, staged, **words)

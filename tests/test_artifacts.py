@@ -8,6 +8,7 @@ optimizer state, and a TF1 ``Saver`` checkpoint.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import ml_dtypes
@@ -498,6 +499,42 @@ def test_follower_version_stays_readable_while_held_then_is_gone(tmp_path):
         store.close()
         with pytest.raises(VersionGoneError, match="version 1 is gone"):
             ws.load(first)  # pruned once released
+
+
+def test_follower_calls_that_would_deadlock_inside_reading_raise(tmp_path):
+    """wait(), stop() or a second reading() inside a reading() block would wait for a swap that
+    waits for the block: each raises at once, and the follower goes on."""
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2, name="d")])
+    ws.publish(tmp_path, {"d/kernel": np.ones((2, 2), np.float32), "d/bias": np.zeros(2, np.float32)}, step=1)
+    with Follower(model, tmp_path, poll=0.005) as follower:
+        follower.wait(1, timeout=30)
+        with follower.reading():
+            for call in (lambda: follower.wait(2, timeout=1), follower.stop, follower.reading().__enter__):
+                with pytest.raises(RuntimeError, match="inside reading()"):
+                    call()
+        ws.publish(tmp_path, {"d/kernel": np.full((2, 2), 2, np.float32), "d/bias": np.zeros(2, np.float32)}, step=2)
+        assert follower.wait(2, timeout=30).step == 2
+
+
+def test_a_follower_stopped_and_started_again_runs_one_loop(tmp_path):
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2, name="d")])
+    ws.publish(tmp_path, {"d/kernel": np.ones((2, 2), np.float32), "d/bias": np.zeros(2, np.float32)}, step=1)
+    follower = Follower(model, tmp_path, poll=0.005).start()
+    follower.wait(1, timeout=30)
+    follower.stop(timeout=0)  # the loop may still be running: it must end on its own
+    follower.start()
+    ws.publish(tmp_path, {"d/kernel": np.full((2, 2), 2, np.float32), "d/bias": np.zeros(2, np.float32)}, step=2)
+    assert follower.wait(2, timeout=30).step == 2
+    time.sleep(0.1)
+    loops = [t for t in threading.enumerate() if t.name == f"weightstore-follower {tmp_path}"]
+    follower.stop()
+    assert len(loops) == 1
+
+
+@pytest.mark.parametrize("poll", [float("nan"), float("inf"), -1.0, 1e12])
+def test_a_follower_refuses_a_poll_no_thread_can_wait(tmp_path, poll):
+    with pytest.raises(ValueError, match="poll and max_poll must be seconds"):
+        Follower(keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)]), tmp_path, poll=poll).start()
 
 
 def test_tf1_checkpoint_with_empty_name_segments_assigns_strictly(tmp_path):

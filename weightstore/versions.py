@@ -439,8 +439,9 @@ class PointerWatch:
     """
 
     def __init__(self, source: Folder, poll: float, max_poll: float | None = None, notifications: str | None = None):
-        if poll < 0 or (max_poll is not None and max_poll < 0):
-            raise ValueError(f"poll and max_poll must not be negative, not {poll!r} and {max_poll!r}")
+        if not all(_seconds(value) for value in (poll, max_poll) if value is not None):
+            raise ValueError(f"poll and max_poll must be seconds from 0 to {threading.TIMEOUT_MAX:.0f}, not {poll!r} "
+                             f"and {max_poll!r}")
         self.source = source
         self.poll = poll
         self.max_poll = max(poll, 4 * poll if max_poll is None else max_poll)
@@ -490,6 +491,12 @@ class PointerWatch:
 
     def _idle(self) -> None:
         self.interval = min(self.max_poll, self.interval * 2 or self.max_poll)
+
+
+def _seconds(value: Any) -> bool:
+    """Whether ``value`` is a wait a thread can make: a number of seconds, neither negative, NaN
+    (which no comparison refuses, and would poll without pause) nor past what a wait takes."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= threading.TIMEOUT_MAX
 
 
 def _newer_pinned(source: Folder, last: int | None) -> Version | None:
