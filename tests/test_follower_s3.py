@@ -139,6 +139,17 @@ def test_an_idle_follower_asks_for_the_pointer_without_moving_it(s3, folder):
     assert watch.newer(1).step == 2 and watch.interval == 0.01  # a new version resets it
 
 
+def test_opening_a_version_costs_one_request(s3, folder):
+    """A version opens as a URL does (docs/object-storage.md): one ranged GET fetches its index,
+    no HEAD first. Every reload of every follower pays it."""
+    ws.publish(folder, {"w": np.zeros((256, 256), np.float32)}, step=1)
+    version = ws.latest(folder)
+    s3.reset()
+    with ws.open(version) as store:
+        assert store.keys() == ["w"]
+    assert [r.method for r in s3.requests] == ["GET"]
+
+
 @pytest.fixture
 def notified(s3, monkeypatch):
     """A bucket whose writes S3 announces to an SQS queue of the same loopback server: (folder, queue URL)."""

@@ -359,7 +359,7 @@ def _open_remote(location: str, verify: bool, format: str | None) -> Store:  # n
             with naming(path=location):
                 refuse_pickle(head)
                 fmt = sniff(head)
-        if fmt.name == "hdf5":
+        if fmt.remote_file_object:
             source.close()
             with service(location):
                 handle = fs.open(uncached(fs, remote), "rb")

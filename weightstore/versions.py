@@ -719,8 +719,9 @@ def _pointer_version(folder: Folder, data: bytes | None) -> Version | None:
 
 def _open_version(folder: Folder, version: Version, verify: bool) -> Store:
     name = version.path.rsplit("/", 1)[-1]
+    fmt = format_for_suffix(name) or format_named("npz")
     try:
-        handle = folder.open_binary(name)
+        handle = folder.open_binary(name, file_object=fmt.remote_file_object)
     except FileNotFoundError:
         raise _gone(version) from None
     if isinstance(handle, str):
@@ -731,7 +732,6 @@ def _open_version(folder: Folder, version: Version, verify: bool) -> Store:
         except FileNotFoundError:  # pruned between the look and the map
             raise _gone(version) from None
     try:
-        fmt = format_for_suffix(name) or format_named("npz")
         reader = _RemovedIsGone(fmt.open_reader(handle, version.path), version)
         return Store(cast(Reader, reader), version.path, verify)
     except FileNotFoundError:

@@ -129,6 +129,9 @@ class Format:
     reserved_keys: frozenset[str] = frozenset()
     #: False for a format only weightstore's own machinery writes (a sharded version's index)
     writes: bool = True
+    #: whether a remote file is read through an fsspec file object (h5py's reads) instead of a
+    #: :class:`~weightstore.io.remote.RemoteFile`'s ranged reads, which open with one request
+    remote_file_object: bool = False
 
 
 #: The one table of store formats, in the order suffixes and magic bytes are tried: each entry

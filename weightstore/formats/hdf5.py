@@ -565,4 +565,5 @@ FORMAT = Format(
     magic=lambda head: head.startswith(_MAGIC),
     open_reader=lambda location, name, mmap=True: Hdf5Reader(location, name),  # reads always own their memory
     open_writer=lambda path, compress: Hdf5Writer(path, compress),
+    remote_file_object=True,
 )

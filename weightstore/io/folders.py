@@ -24,6 +24,7 @@ from weightstore.io import s3
 from weightstore.io.commit import Commit, RenameCommit, UploadCommit
 from weightstore.io.files import TEMP_MARK, fsync_folder, fsync_path, kind_of, temporary_beside
 from weightstore.io.location import filesystem, location_of, service, uncached
+from weightstore.io.remote import RemoteFile
 
 __all__ = ["FileEntry", "Folder", "LocalFolder", "RemoteFolder", "folder_for"]
 
@@ -83,8 +84,10 @@ class Folder(abc.ABC):
     def remove(self, name: str) -> None: ...
 
     @abc.abstractmethod
-    def open_binary(self, name: str) -> BinaryIO | str:
-        """A local path, or an open binary handle for a remote file; FileNotFoundError if absent."""
+    def open_binary(self, name: str, *, file_object: bool = False) -> str | BinaryIO | RemoteFile:
+        """A local path, or for a remote file its ranged reads (the first request fetches the
+        index, as :func:`weightstore.open` of a URL does) or, with ``file_object``, an fsspec
+        file object (h5py's reads); FileNotFoundError if absent, on the first read remotely."""
 
     def lock(self) -> contextlib.AbstractContextManager[None]:
         """Exclusive access for one writer, where the storage offers it (object stores do not)."""
@@ -218,7 +221,7 @@ class LocalFolder(Folder):
     def remove_folder(self, name: str) -> None:
         shutil.rmtree(self.root / name, ignore_errors=True)
 
-    def open_binary(self, name: str) -> str:
+    def open_binary(self, name: str, *, file_object: bool = False) -> str:
         path = self.root / name
         if not path.is_file():
             raise FileNotFoundError(str(path))
@@ -310,7 +313,9 @@ class RemoteFolder(Folder):
         with self._service(), contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self._path(name))
 
-    def open_binary(self, name: str) -> BinaryIO:
+    def open_binary(self, name: str, *, file_object: bool = False) -> BinaryIO | RemoteFile:
+        if not file_object:
+            return RemoteFile(self.fs, self._path(name), self.url(name))
         with self._service():
             return self.fs.open(uncached(self.fs, self._path(name)), "rb")
 
