@@ -51,7 +51,9 @@ import enum
 import logging
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
@@ -81,6 +83,28 @@ class _Outcome(enum.Enum):
     DONE = "done"  # assigned, or passed over as not fitting the target
     AGAIN_NOW = "again now"  # pruned mid-read: the newest version is another
     AGAIN_LATER = "again later"  # the storage failed: the same version, once it answers
+
+
+@dataclass
+class _Loop:
+    """One run of a follower's loop: its thread, its own stop event (a loop that :meth:`Follower.stop`
+    did not wait for never runs on beside a later one), and where it is, for ``stop``."""
+
+    thread: threading.Thread = field(init=False)
+    stop: threading.Event = field(default_factory=threading.Event)
+    on_storage: bool = False  # waiting on a request: ends by itself, touching nothing, once it returns
+    assigning: bool = False  # inside a swap's writes: waited for
+
+    @contextlib.contextmanager
+    def storage(self) -> Iterator[None]:
+        self.on_storage = True
+        try:
+            yield
+        finally:
+            self.on_storage = False
+
+
+_STOP_LOOK = 0.02  # how often stop() looks whether the loop ended or went to wait on the storage
 
 
 class _ReadWriteLock:
@@ -169,32 +193,40 @@ class Follower:
         self._after = after
         self._lock = _ReadWriteLock()
         self._swapped = threading.Condition()
-        self._stop = threading.Event()  # the running loop's own: a loop stop() gave up waiting for never restarts
-        self._thread: threading.Thread | None = None
+        self._loop_now: _Loop | None = None
         self._assign, self._reads_parts = _assigner(target)
         self._digests: dict[str, str | None] = {}  # key -> content digest, as the last swap staged it
 
     def start(self) -> Follower:
         """Start following (``with Follower(...)`` does); a folder that is a file is refused here."""
-        if self._thread is None:
+        if self._loop_now is None:
             watch = PointerWatch(versions_folder(self.folder, self.storage_options), self.poll, self.max_poll,
                                  self.notifications)
-            self._stop = threading.Event()
-            self._thread = threading.Thread(target=self._loop, args=(watch, self._stop),
-                                            name=f"weightstore-follower {self.folder}", daemon=True)
-            self._thread.start()
+            loop = _Loop()
+            loop.thread = threading.Thread(target=self._loop, args=(watch, loop),
+                                           name=f"weightstore-follower {self.folder}", daemon=True)
+            self._loop_now = loop
+            loop.thread.start()
         return self
 
     def stop(self, timeout: float | None = None) -> None:
         """Stop following; the current version stays readable until the follower is garbage.
 
-        With ``timeout``, a loop still inside a download when it passes ends on its own once
-        the download returns, assigning nothing more; a later :meth:`start` runs a new one."""
+        Returns once the loop has ended, or is waiting on the storage (a download an outage
+        stalls may take minutes to fail): such a loop ends when the storage answers, assigning
+        nothing more. A swap under way is waited for, never cut off (up to ``timeout``)."""
         self._refuse_inside_reading("stop()")
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
+        loop, self._loop_now = self._loop_now, None
+        if loop is None:
+            return
+        with self._swapped:
+            loop.stop.set()  # under the lock a swap checks it with: none starts after this
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while loop.thread.is_alive() and not (loop.on_storage and not loop.assigning):
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            loop.thread.join(_STOP_LOOK if left is None else min(_STOP_LOOK, left))
 
     def __enter__(self) -> Follower:
         return self.start()
@@ -233,7 +265,7 @@ class Follower:
                                                    and self._failed_step < step)
 
         self._refuse_inside_reading("wait()")
-        if self._thread is None and not arrived():  # nothing would ever arrive
+        if self._loop_now is None and not arrived():  # nothing would ever arrive
             raise RuntimeError("this Follower is not following: start it (with Follower(...) as f, or f.start()) "
                                "before waiting")
         with self._swapped:
@@ -249,11 +281,12 @@ class Follower:
             raise RuntimeError(f"{call} inside reading() would wait for a swap that waits for the block to end: "
                                f"call it outside the block")
 
-    def _loop(self, watch: PointerWatch, stop: threading.Event) -> None:
+    def _loop(self, watch: PointerWatch, loop: _Loop) -> None:
         last = self._after
-        while not stop.is_set():
+        while not loop.stop.is_set():
             try:
-                version = watch.newer(last)
+                with loop.storage():
+                    version = watch.newer(last)
             except Exception as exc:  # a damaged folder: keep serving the current weights, look again
                 self._failed(exc, "following")
                 version = None
@@ -261,7 +294,7 @@ class Follower:
                 self._folder_healthy()
             if version is not None:
                 try:
-                    outcome = self._swap(version, stop)
+                    outcome = self._swap(version, loop)
                 finally:
                     version.release()
                 if outcome is _Outcome.DONE:
@@ -270,9 +303,9 @@ class Follower:
                 watch.forget()  # read LATEST again, whatever its tag: this version, or a newer one
                 if outcome is _Outcome.AGAIN_NOW:
                     continue
-            watch.sleep(watch.interval, stop)
+            watch.sleep(watch.interval, loop.stop)
 
-    def _swap(self, version: Version, stop: threading.Event) -> _Outcome:
+    def _swap(self, version: Version, loop: _Loop) -> _Outcome:
         """Stage ``version``, then assign it; whether that is done (or the version passed over as
         not fitting), or ``LATEST`` is to be read again: at once when the version was pruned
         mid-read, after a pause when the storage failed (an outage retried as ``follow``
@@ -289,16 +322,22 @@ class Follower:
         skip = wants_skip(held, self.options.skip_unchanged)
         words = dataclasses.replace(self.options, skip_unchanged=skip).assign_words()
         try:
-            staged = self._stage(held, skip, words)
-            if stop.is_set():  # stopped while it downloaded: a loop started since may be assigning
-                staged.close()
-                held.release()
-                return _Outcome.AGAIN_NOW
+            with loop.storage():
+                staged = self._stage(held, skip, words)
+            with self._swapped:
+                if loop.stop.is_set():  # stopped while it downloaded: a loop started since may be assigning
+                    staged.close()
+                    held.release()
+                    return _Outcome.AGAIN_NOW
+                loop.assigning = True
             # the staged arrays are the follower's alone: the variables may keep them as they are
-            with staged, handed_over(staged.arrays), self._lock.writing():
-                report = self._assign(self.target, staged, **words)
-                # still inside the swap: a reader never sees new weights under the old version
-                previous, self.version, self.report, self.error = self.version, held, report, None
+            try:
+                with staged, handed_over(staged.arrays), self._lock.writing():
+                    report = self._assign(self.target, staged, **words)
+                    # still inside the swap: a reader never sees new weights under the old version
+                    previous, self.version, self.report, self.error = self.version, held, report, None
+            finally:
+                loop.assigning = False
         except VersionGoneError:
             held.release()
             return _Outcome.AGAIN_NOW

@@ -89,6 +89,37 @@ def pointer_requests(s3, folder: str) -> list:
     return [r for r in s3.requests if r.path.endswith(key)]
 
 
+def test_stop_does_not_wait_for_a_stalled_download_and_nothing_is_assigned_after_it(s3, folder, model):
+    """A download an outage stalls can take minutes to fail (the client's read timeout, its
+    retries): stop() returns at once, and the loop it left ends without touching the model."""
+    ws.publish(folder, weights_at(model, 1), step=1)
+    fetching, gate = threading.Event(), threading.Event()
+
+    def hold_the_tensor_data(environ):
+        if (environ["REQUEST_METHOD"] == "GET" and "step-000000000002" in environ.get("PATH_INFO", "")
+                and environ.get("HTTP_RANGE", "").startswith("bytes=0-")):
+            fetching.set()
+            gate.wait(30)
+        return None
+
+    follower = Follower(model, folder, poll=0.01).start()
+    try:
+        assert follower.wait(1, timeout=30).step == 1
+        s3.intercept = hold_the_tensor_data
+        ws.publish(folder, weights_at(model, 2), step=2)
+        assert fetching.wait(30), "the follower never fetched step 2"
+        start = time.monotonic()
+        follower.stop()
+        assert time.monotonic() - start < 5
+    finally:
+        gate.set()
+    loops = [t for t in threading.enumerate() if t.name == f"weightstore-follower {folder}"]
+    for loop in loops:
+        loop.join(30)
+    assert not any(loop.is_alive() for loop in loops)
+    assert follower.version.step == 1 and np.all(model.get_layer("hidden").kernel.numpy() == 1)
+
+
 def test_a_version_whose_download_failed_is_fetched_again(s3, folder, model):
     """An outage while a version's tensors download is the storage's, not the version's: the
     follower retries that version until it is in, with no publish needed to unstick it."""
