@@ -361,6 +361,26 @@ def test_the_cli_lists_verifies_exports_and_cleans_a_sharded_version(tmp_path):
     assert (folder / "step-000000000002.wsindex").exists() and (folder / "step-000000000002.attempt-0").is_dir()
 
 
+@pytest.mark.parametrize("step", [2, 1_733_150_000_000])  # a millisecond timestamp: a step of 13 digits
+def test_clean_keeps_every_committed_version_when_latest_is_missing(tmp_path, step):
+    """A folder whose LATEST was deleted: the newest version counts as current, as for the next
+    publish, so clean removes dead attempts only, never committed versions and their members."""
+    folder = tmp_path / "run"
+    ws.publish(folder, {"w": np.ones(2, np.float32)}, step=1)
+    for offset in (0, 1):
+        for rank in range(4):
+            ws.publish_shard(folder, pieces_of(rank), step=step + offset, rank=rank, world=4, attempt=1)
+        shards.commit_shards(folder, step=step + offset, world=4, attempt=1, timeout=5)
+    (folder / "LATEST").unlink()
+    dead = folder / f"step-{step + 1:012d}.attempt-0"
+    dead.mkdir()  # an attempt of the newest step that never committed
+    assert shards.next_attempt(folder, step + 1) == 2
+    assert shards.clean_folder(folder) == [dead.name]
+    for committed in (step, step + 1):
+        assert ws.load(folder / f"step-{committed:012d}.wsindex")["dense/kernel"].tobytes() == \
+            model()["dense/kernel"].tobytes()
+
+
 def test_read_region_and_load_regions_on_a_plain_store(tmp_path):
     path = tmp_path / "m.npz"
     a = np.arange(24, dtype=np.float32).reshape(4, 6)

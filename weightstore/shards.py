@@ -87,7 +87,7 @@ __all__ = ["Piece", "publish_shard", "commit_shards", "next_attempt", "clean_fol
 
 #: the member metadata entry that maps each stored name to its global key, start and shape
 SHARD_METADATA = "weightstore-shard"
-_ATTEMPT = re.compile(r"^step-(\d{12})\.attempt-(\d+)$")
+_ATTEMPT = re.compile(r"^step-(\d{12,})\.attempt-(\d+)$")  # a step past 12 digits (a timestamp) is longer
 #: how often the coordinator looks for done-records, at most (it backs off from 50 ms)
 _POLL = 0.5
 #: bytes at each end of a piece compared with memory, in a member format other than safetensors
@@ -323,16 +323,21 @@ def clean_folder(folder: Any, *, storage_options: Mapping[str, Any] | None = Non
     """``ws clean``: remove what dead writers and coordinators left in a folder *at rest* (no job
     publishing to it): indexes above the step ``LATEST`` names (a coordinator killed before
     ``LATEST``), indexes whose members are gone, and every attempt folder no remaining index
-    names. Returns the names removed; a folder that does not exist (a typo) is refused."""
+    names. Returns the names removed; a folder that does not exist (a typo) is refused.
+
+    With ``LATEST`` missing (deleted, or lost with a backup), the newest version counts as
+    current, as it does for the next publish: nothing committed is taken for a dead attempt."""
     target = require_folder(folder, storage_options=storage_options)
-    current = _latest(target)
+    found = _versions(target)
+    latest = _latest(target)
+    current = latest.step if latest is not None else max((step for step, _ in found), default=None)
     removed, live = [], set()
-    for step, entry in _versions(target):
+    for step, entry in found:
         if not entry.name.endswith(SHARDED_SUFFIX):
             continue
         index = _read_index(target, entry.name)
-        named = current is not None and step == current.step  # never removed, whatever its state
-        if named or (current is not None and step < current.step and index is not None
+        named = step == current  # never removed, whatever its state
+        if named or (current is not None and step < current and index is not None
                      and _members_present(target, index, storage_options)):
             if index is not None:
                 live.add((step, index.attempt))
