@@ -381,6 +381,19 @@ def test_clean_keeps_every_committed_version_when_latest_is_missing(tmp_path, st
             model()["dense/kernel"].tobytes()
 
 
+def test_a_missing_member_is_named_and_is_no_pruned_version(tmp_path):
+    folder = tmp_path / "run"
+    for rank in range(4):
+        ws.publish_shard(folder, pieces_of(rank), step=2, rank=rank, world=4, attempt=0)
+    version = shards.commit_shards(folder, step=2, world=4, attempt=0, timeout=5)
+    (folder / "step-000000000002.attempt-0" / "rank-00001.safetensors").unlink()
+    for opening in (lambda: ws.open(version.path), lambda: ws.load(ws.latest(folder))):
+        with pytest.raises(ws.StoreNotFoundError, match="member step-000000000002.attempt-0/rank-00001.safetensors "
+                                                        "that the index names is missing") as caught:
+            opening()
+        assert caught.value.path == version.path and not isinstance(caught.value, ws.VersionGoneError)
+
+
 def test_read_region_and_load_regions_on_a_plain_store(tmp_path):
     path = tmp_path / "m.npz"
     a = np.arange(24, dtype=np.float32).reshape(4, 6)

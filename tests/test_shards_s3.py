@@ -247,3 +247,26 @@ def test_a_killed_coordinators_index_is_removed_by_a_later_commit(server, folder
     shards.commit_shards(folder, step=3, world=2, attempt=0, timeout=5)
     assert ws.load(ws.latest(folder))["w"].tobytes() == (weights * 2).tobytes()
     assert not any("step-000000000002" in name for name in _names(folder))  # its index and its members
+
+
+def test_a_member_lost_under_a_reader_says_gone_or_missing(server, folder):
+    """A sharded version pruned under a reader that pinned it (an object store cannot keep its
+    members) is VersionGoneError: read LATEST again; a member lost from the version LATEST
+    still names is no such thing, and the error names that member."""
+    import s3fs
+
+    weights = np.arange(400 * 300, dtype=np.float32).reshape(400, 300)
+    for step in (1,):
+        write(folder, weights + step, 4, step=step)
+        shards.commit_shards(folder, step=step, world=4, attempt=0, timeout=10, keep=2)
+    pinned = next(iter(ws.follow(folder, timeout=1)))
+    for step in (2, 3, 4):
+        write(folder, weights + step, 4, step=step)
+        shards.commit_shards(folder, step=step, world=4, attempt=0, timeout=10, keep=2)
+    with pytest.raises(ws.VersionGoneError, match="version 1 is gone"):
+        ws.load(pinned)
+    s3fs.S3FileSystem().rm(f"{folder}/step-000000000004.attempt-0/rank-00002.safetensors")
+    with pytest.raises(ws.StoreNotFoundError, match="member step-000000000004.attempt-0/rank-00002.safetensors "
+                                                    "that the index names is missing") as caught:
+        ws.load(ws.latest(folder))
+    assert not isinstance(caught.value, ws.VersionGoneError)

@@ -96,6 +96,7 @@ from weightstore.errors import (
     StoreNotFoundError,
     TargetError,
     VersionGoneError,
+    WeightStoreError,
     naming,
 )
 from weightstore.formats import Reader, format_for_suffix, format_named
@@ -729,27 +730,38 @@ def _open_version(folder: Folder, version: Version, verify: bool) -> Store:
 
         try:
             return open_store(handle, verify=verify)
-        except FileNotFoundError:  # pruned between the look and the map
-            raise _gone(version) from None
+        except FileNotFoundError as exc:  # pruned between the look and the map, or a sharded version's member lost
+            raise _gone_or(exc, folder, version) from None
     try:
-        reader = _RemovedIsGone(fmt.open_reader(handle, version.path), version)
+        reader = _RemovedIsGone(fmt.open_reader(handle, version.path), folder, version)
         return Store(cast(Reader, reader), version.path, verify)
-    except FileNotFoundError:
+    except FileNotFoundError as exc:
         handle.close()
-        raise _gone(version) from None
+        raise _gone_or(exc, folder, version) from None
     except BaseException:
         handle.close()
         raise
 
 
-class _RemovedIsGone:
-    """A remote version's reader: its file removed mid-read (pruned under a reader that lagged
-    more than ``keep`` publishes; an object store cannot pin it) raises :class:`VersionGoneError`,
-    the error that tells a reader to read ``LATEST`` again, not the plain file's
-    :class:`StoreNotFoundError`."""
+def _gone_or(missing: FileNotFoundError, folder: Folder, version: Version) -> Exception:
+    """What a file found missing while ``version`` is read means: the version was pruned (its
+    file is gone: :class:`VersionGoneError`, read ``LATEST`` again), or, its file still there,
+    a part of it is lost (a sharded version's member), which no retry mends: ``missing``
+    itself, named."""
+    if folder.tag(version.path.rsplit("/", 1)[-1]) is None:
+        return _gone(version)
+    if isinstance(missing, WeightStoreError):
+        return missing
+    return StoreNotFoundError(f"a file it needs is missing ({missing.filename or missing})", path=version.path)
 
-    def __init__(self, reader: Reader, version: Version):
-        self._reader, self._version = reader, version
+
+class _RemovedIsGone:
+    """A remote version's reader: a file removed mid-read (pruned under a reader that lagged
+    more than ``keep`` publishes; an object store cannot pin it) raises :class:`VersionGoneError`,
+    the error that tells a reader to read ``LATEST`` again (see :func:`_gone_or`)."""
+
+    def __init__(self, reader: Reader, folder: Folder, version: Version):
+        self._reader, self._folder, self._version = reader, folder, version
 
     def __getattr__(self, name: str) -> Any:
         attribute = getattr(self._reader, name)
@@ -761,8 +773,8 @@ class _RemovedIsGone:
                 return attribute(*args, **kwargs)
             except VersionGoneError:
                 raise
-            except StoreNotFoundError:
-                raise _gone(self._version) from None
+            except FileNotFoundError as exc:
+                raise _gone_or(exc, self._folder, self._version) from None
         return gone_when_removed
 
 

@@ -20,7 +20,14 @@ from typing import Any
 import blake3
 import numpy as np
 
-from weightstore.errors import ChecksumError, KeyNotInStoreError, TargetError, WeightStoreError, naming
+from weightstore.errors import (
+    ChecksumError,
+    KeyNotInStoreError,
+    StoreNotFoundError,
+    TargetError,
+    WeightStoreError,
+    naming,
+)
 from weightstore.formats import Format, ReaderDefaults
 from weightstore.io.buffer import aligned_array
 from weightstore.io.location import location_of
@@ -130,8 +137,14 @@ class ShardedReader(ReaderDefaults):
     def _member(self, position: int) -> RangedFile:
         found = self._files[position]
         if found is None:
-            found = self._files[position] = RangedFile(self.member_path(position), fs=self._fs)
-            if found.size < self._index.members[position].size:
+            try:
+                found = RangedFile(self.member_path(position), fs=self._fs)
+                size = found.size
+            except FileNotFoundError:
+                raise StoreNotFoundError(f"member {self._index.members[position].file} that the index names is "
+                                         "missing", path=self.name) from None
+            self._files[position] = found
+            if size < self._index.members[position].size:
                 raise ChecksumError(f"member {self._index.members[position].file} has {found.size} bytes; the index "
                                     f"says {self._index.members[position].size}", path=self.name)
         return found
