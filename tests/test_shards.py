@@ -289,6 +289,28 @@ def test_a_hostile_index_is_refused_naming_file_and_key(tmp_path, edit, words):
     assert caught.value.path == path and caught.value.key == "w"
 
 
+def test_the_overlap_check_of_an_index_does_bounded_work(tmp_path, monkeypatch):
+    """Pieces are compared along the axis that separates them best, so 16,384 pieces sharing
+    their rows are no 134 million comparisons; a layout interleaving on every axis beyond the
+    bound is refused, not worked through for minutes."""
+    from weightstore import shardindex
+
+    n = shardindex.MAX_PIECES_PER_KEY
+    strips = hostile_index(tmp_path / "strips", lambda raw: raw["tensors"].update(s={
+        "dtype": "float32", "shape": [1, n], "pieces": [
+            {**raw["tensors"]["w"]["pieces"][0], "start": [0, i], "shape": [1, 1], "offset": 0, "rows": 1,
+             "crcs": [0], "blake3": ["0" * 64]} for i in range(n)]}))
+    with pytest.raises(ws.FormatError, match="overlap another's in member") as caught:  # all at offset 0, but no
+        ws.open(strips)                                                                  # pieces overlap in the tensor
+    assert caught.value.key == "s"
+    monkeypatch.setattr(shardindex, "_OVERLAP_PAIRS", 1)
+    grid = hostile_index(tmp_path / "grid", lambda raw: raw["tensors"]["w"].update(pieces=[
+        {**raw["tensors"]["w"]["pieces"][0], "start": [r, c], "shape": [3, 2]} for r in (0, 3) for c in (0, 2)]))
+    with pytest.raises(ws.FormatError, match="interleave along every axis") as caught:
+        ws.open(grid)
+    assert caught.value.key == "w"
+
+
 def test_a_hostile_index_naming_an_empty_tensor_no_array_can_have_is_refused_at_open(tmp_path):
     """(0, 2**61) holds nothing, so no piece need cover it, yet numpy refuses to make it: the
     read would raise numpy's ValueError, not an error naming the file and the key."""
