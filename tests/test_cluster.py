@@ -55,6 +55,8 @@ def test_tf_config_ranks_the_chief_then_the_workers_and_a_version_commits(tmp_pa
     ("{not json", "TF_CONFIG is not a cluster and task"),
     (json.dumps({"cluster": {"worker": ["a:1"]}}), "TF_CONFIG is not a cluster and task"),
     (json.dumps({"cluster": ["a:1"], "task": {"type": "worker", "index": 0}}), "cluster is not a mapping"),
+    (json.dumps({"cluster": {"worker": 3}, "task": {"type": "worker", "index": 0}}), "to a list of addresses"),
+    (json.dumps({"cluster": {"worker": ["a", "b"]}, "task": {"type": "worker", "index": 1.7}}), "index 1.7 is no int"),
 ])
 def test_a_bad_tf_config_is_refused_and_nothing_is_written(tmp_path, monkeypatch, config, message):
     monkeypatch.setenv("TF_CONFIG", config)

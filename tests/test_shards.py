@@ -210,6 +210,14 @@ def test_bad_pieces_are_refused_before_anything_is_written(tmp_path):
         ws.publish_shard(folder, {"w": np.array(["x"], object)}, step=1, rank=0, world=1, attempt=0)
     with pytest.raises(ValueError, match="rank 2 is not below world 2"):
         ws.publish_shard(folder, {"w": np.zeros(2)}, step=1, rank=2, world=2, attempt=0)
+    with pytest.raises(ValueError, match="a start of piece of 'w' must be a non-negative int, not 0.9"):
+        ws.publish_shard(folder, {"w": ws.Piece(np.zeros((3, 2)), (0.9, 0), (6, 2))}, step=1, rank=0, world=1,
+                         attempt=0)
+    with pytest.raises(TypeError, match="a list holds Pieces only"):
+        ws.publish_shard(folder, {"w": [ws.Piece(np.zeros((3, 2)), (0, 0), (6, 2)), np.zeros((3, 2))]}, step=1,
+                         rank=0, world=1, attempt=0)
+    with pytest.raises(ValueError, match="timeout must be seconds"):
+        shards.commit_shards(folder, step=1, world=1, attempt=0, timeout=float("nan"))
     assert not folder.exists() or not any(folder.rglob("*.safetensors"))
     ws.publish(folder, {"a": np.zeros(1)}, step=5)
     with pytest.raises(ws.PublishError, match="not after step 5"):
@@ -434,9 +442,19 @@ def test_a_member_that_is_not_what_its_done_record_says_is_refused(tmp_path):
     ws.publish_shard(folder, {"w": np.zeros((4, 3), np.float32)}, step=1, rank=0, world=1, attempt=0)
     member = folder / "step-000000000001.attempt-0" / "rank-00000.safetensors"
     member.write_bytes(member.read_bytes()[:-8])  # truncated behind the writer's back
-    with pytest.raises(ws.PublishError, match="its done-record says"):
+    with pytest.raises(ws.PublishError, match=r"rank-00000.safetensors is \d+ bytes; its done-record says"):
+        shards.commit_shards(folder, step=1, world=1, attempt=0, timeout=5)
+    member.unlink()
+    with pytest.raises(ws.PublishError, match="rank-00000.safetensors is missing; its done-record says"):
         shards.commit_shards(folder, step=1, world=1, attempt=0, timeout=5)
     assert ws.latest(folder) is None
+
+
+def test_a_list_of_numbers_is_an_array_not_a_list_of_pieces(tmp_path):
+    folder = tmp_path / "run"
+    ws.publish_shard(folder, {"w": [1.0, 2.0, 3.0]}, step=1, rank=0, world=1, attempt=0)
+    version = shards.commit_shards(folder, step=1, world=1, attempt=0, timeout=5)
+    np.testing.assert_array_equal(ws.load(version)["w"], [1.0, 2.0, 3.0])
 
 
 @pytest.mark.parametrize("fmt, suffix", [("npz", ".npz"), ("hdf5", ".h5"), ("safetensors", ".safetensors")])

@@ -123,12 +123,14 @@ def tf_config_task() -> tuple[Mapping[str, Any], str, int] | None:
         task = config.get("task") or {}
         if not task.get("type"):
             return None
-        cluster, task_type, task_index = config["cluster"], str(task["type"]), int(task.get("index", 0))
+        cluster, task_type, task_index = config["cluster"], str(task["type"]), task.get("index", 0)
+        if isinstance(task_index, bool) or not isinstance(task_index, int):
+            raise TypeError(f"task index {task_index!r} is no int")
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise WeightStoreError(f"TF_CONFIG is not a cluster and task ({type(exc).__name__}: {exc}); "
                                f"{_TF_CONFIG_FORM}") from None
-    if not isinstance(cluster, Mapping):
-        raise WeightStoreError("TF_CONFIG's cluster is not a mapping of task type to addresses")
+    if not isinstance(cluster, Mapping) or not all(isinstance(tasks, list) for tasks in cluster.values()):
+        raise WeightStoreError("TF_CONFIG's cluster is not a mapping of task type to a list of addresses")
     return cluster, task_type, task_index
 
 

@@ -79,6 +79,7 @@ from weightstore.versions import (
     _versions,
     checked_count,
     checked_keep,
+    checked_seconds,
     commit_version,
     require_folder,
 )
@@ -212,6 +213,7 @@ def commit_shards(
             this step or a later one first.
         WeightStoreError: ``world`` or ``attempt`` not given and the cluster does not say it.
     """
+    timeout = checked_seconds("timeout", timeout)
     _, world, attempt = cluster.filled(rank=0, world=world, attempt=attempt)
     _check_ids(step=step, attempt=attempt, world=world)
     if not world:
@@ -229,9 +231,11 @@ def commit_shards(
     if any(sizes.get(record.member.file) != record.member.size for record in records):
         sizes = {entry.name: entry.size for entry in members.files()}  # a listing made while one was renamed in
     for record in records:  # from the listing that found the last done-record: no request more
-        if sizes.get(record.member.file) != record.member.size:
-            raise PublishError(f"rank {record.rank}'s member {record.member.file} is {sizes.get(record.member.file)} "
-                               f"bytes; its done-record says {record.member.size}", path=members.where)
+        size = sizes.get(record.member.file)
+        if size != record.member.size:
+            state = "is missing" if size is None else f"is {size} bytes"
+            raise PublishError(f"rank {record.rank}'s member {record.member.file} {state}; its done-record says "
+                               f"{record.member.size} bytes", path=members.where)
     with naming(path=target.url(name)):
         index = _merged(records, step, attempt, world, metadata)
     written: list[bytes] = []  # the index, if this commit created it
@@ -380,7 +384,7 @@ def _listed(pieces: Mapping[str, Any], where: str, world: int) -> list[_Listed]:
     found: list[tuple[str, Piece]] = []
     for key, value in pieces.items():
         validate_key(key)
-        for piece in value if isinstance(value, (list, tuple)) else [value]:
+        for piece in _pieces_of(key, value):
             if not isinstance(piece, Piece):
                 array = np.asarray(piece)
                 piece = Piece(array, (0,) * array.ndim, array.shape)
@@ -428,8 +432,24 @@ def _strips(data: np.ndarray, start: tuple[int, ...], dtype: str,
             for at in range(0, data.shape[1], columns)]
 
 
+def _pieces_of(key: str, value: Any) -> list[Any]:
+    """A key's value as a list of pieces: a list or tuple of :class:`Piece` is one, anything else
+    one array (``[1.0, 2.0]`` too, as everywhere else in weightstore)."""
+    if isinstance(value, (list, tuple)) and value and any(isinstance(item, Piece) for item in value):
+        if not all(isinstance(item, Piece) for item in value):
+            raise TypeError(f"pieces of {key!r}: a list holds Pieces only, not Pieces and arrays (an array is the "
+                            "whole tensor: pass it alone)")
+        return list(value)
+    return [value]
+
+
 def _box(piece: Piece, array_shape: tuple[int, ...], key: str, where: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    start, shape = tuple(int(s) for s in piece.start), tuple(int(s) for s in piece.shape)
+    try:
+        start = tuple(checked_count(f"a start of piece of {key!r}", s) for s in piece.start)
+        shape = tuple(checked_count(f"a dimension of the shape of {key!r}", s) for s in piece.shape)
+    except TypeError:
+        raise TypeError(f"{where}: piece of {key!r}: start and shape must be sequences of ints, not "
+                        f"{piece.start!r} and {piece.shape!r}") from None
     if len(start) != len(shape) or len(array_shape) != len(shape) or any(s < 0 for s in start + shape) or any(
             s + n > d for s, n, d in zip(start, array_shape, shape, strict=True)):
         raise ValueError(f"{where}: piece of {key!r}: an array of shape {list(array_shape)} at {list(start)} does not "

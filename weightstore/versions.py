@@ -313,6 +313,15 @@ def checked_keep(keep: Any) -> int | None:
     return number
 
 
+def checked_seconds(name: str, value: Any) -> float:
+    """``value`` as a wait a thread can make: seconds, neither negative, NaN (which no comparison
+    refuses: a loop on it would never end, or never pause) nor past ``threading.TIMEOUT_MAX``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)) or not (
+            0 <= value <= threading.TIMEOUT_MAX):
+        raise ValueError(f"{name} must be seconds from 0 to {threading.TIMEOUT_MAX:.0f}, not {value!r}")
+    return float(value)
+
+
 def _integer(value: Any) -> int | None:
     """``value`` as an int where it is of an integer type (not a bool), else ``None``."""
     if isinstance(value, (bool, np.bool_)) or not hasattr(type(value), "__index__"):
@@ -440,9 +449,8 @@ class PointerWatch:
     """
 
     def __init__(self, source: Folder, poll: float, max_poll: float | None = None, notifications: str | None = None):
-        if not all(_seconds(value) for value in (poll, max_poll) if value is not None):
-            raise ValueError(f"poll and max_poll must be seconds from 0 to {threading.TIMEOUT_MAX:.0f}, not {poll!r} "
-                             f"and {max_poll!r}")
+        poll = checked_seconds("poll", poll)
+        max_poll = None if max_poll is None else checked_seconds("max_poll", max_poll)
         self.source = source
         self.poll = poll
         self.max_poll = max(poll, 4 * poll if max_poll is None else max_poll)
@@ -492,12 +500,6 @@ class PointerWatch:
 
     def _idle(self) -> None:
         self.interval = min(self.max_poll, self.interval * 2 or self.max_poll)
-
-
-def _seconds(value: Any) -> bool:
-    """Whether ``value`` is a wait a thread can make: a number of seconds, neither negative, NaN
-    (which no comparison refuses, and would poll without pause) nor past what a wait takes."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= threading.TIMEOUT_MAX
 
 
 def _newer_pinned(source: Folder, last: int | None) -> Version | None:
