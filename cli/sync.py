@@ -1,4 +1,4 @@
-"""``ws versions`` and ``ws follow``: the sync verbs, for shell scripts and people.
+"""``ws versions``, ``ws follow`` and ``ws clean``: the sync verbs, for shell scripts and people.
 
 ``cli/main.py`` owns the app and calls :func:`register`; errors raised here are weightstore
 errors, which its wrapper turns into one-line exit-1 messages.

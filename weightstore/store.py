@@ -515,7 +515,7 @@ def save(
     arrays = _checked(weights, location, fmt)
     naming_rule = check_naming(names, WRITE_NAMINGS)
     with naming(path=location):
-        stored_names = file_names(arrays, naming_rule, fmt)
+        stored_names = file_names(arrays, naming_rule)
     commit = commit_for(where, suffix=fmt.suffixes[0])
     if not overwrite and commit.exists():
         raise StoreExistsError("file exists (pass overwrite=True to replace it)", path=location)
@@ -539,7 +539,7 @@ def _save_sharded(location: str, weights: Mapping[str, Any], metadata: Mapping[s
     arrays = _checked(weights, location, safetensors.FORMAT)
     naming_rule = check_naming(names, WRITE_NAMINGS) or TORCH
     with naming(path=location):
-        stored_names = file_names(arrays, naming_rule, safetensors.FORMAT)
+        stored_names = file_names(arrays, naming_rule)
     index_commit = commit_for(location_of(index), suffix=".json")
     if not overwrite and index_commit.exists():
         raise StoreExistsError("sharded folder exists (pass overwrite=True to replace it)", path=index)
@@ -560,7 +560,7 @@ def _save_sharded(location: str, weights: Mapping[str, Any], metadata: Mapping[s
         handle.write(document)
 
 
-def file_names(keys: Iterable[str], names: str | None, fmt: Format) -> dict[str, str]:
+def file_names(keys: Iterable[str], names: str | None) -> dict[str, str]:
     """Key -> the tensor's name in the file, where ``names`` makes it differ from the key.
 
     Checked before anything is written: a key no torch name reads back as is refused (naming

@@ -227,10 +227,6 @@ class LocalFolder(Folder):
             raise FileNotFoundError(str(path))
         return str(path)
 
-    def rename(self, name: str, new_name: str) -> None:
-        os.replace(self.root / name, self.root / new_name)
-        fsync_folder(self.root)
-
     def temporaries(self) -> list[str]:
         """Names of the targets that have temporaries beside them (``.NAME.wstmp-…``)."""
         with contextlib.suppress(FileNotFoundError):
