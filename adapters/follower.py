@@ -68,7 +68,7 @@ from weightstore.formats.sharded import normalized_region
 from weightstore.heap import give_back
 from weightstore.manifest import TensorInfo, logical_dtype
 from weightstore.store import Store
-from weightstore.versions import PointerWatch, Version, versions_folder
+from weightstore.versions import DEFAULT_POLL, PointerWatch, Version, versions_folder
 
 __all__ = ["Follower"]
 
@@ -175,7 +175,7 @@ class Follower:
     is, pass ``skip_unchanged=False`` (see the module docstring).
     """
 
-    def __init__(self, target: Any, folder: Any, *, poll: float = 1.0, after: int | None = None,
+    def __init__(self, target: Any, folder: Any, *, poll: float = DEFAULT_POLL, after: int | None = None,
                  storage_options: Mapping[str, Any] | None = None, max_poll: float | None = None,
                  notifications: str | None = None, **words: Unpack[AssignWords]):
         self.target = target

@@ -38,7 +38,7 @@ with needs("tf", __name__):
 from weightstore.adapters.plan import Selection, SelectionWords
 from weightstore.background import BackgroundPublisher
 from weightstore.cluster import is_tf_chief, tf_config_task
-from weightstore.versions import PublishOptions, Version
+from weightstore.versions import DEFAULT_FORMAT, DEFAULT_KEEP, PublishOptions, Version
 
 __all__ = ["PublishCallback", "PublishHook", "is_chief"]
 
@@ -103,7 +103,8 @@ class PublishCallback(keras.callbacks.Callback):
     """
 
     def __init__(self, folder: Any, *, every_n_batches: int | None = None, every_n_epochs: int | None = None,
-                 keep: int | None = 5, metadata: Mapping[str, Any] | None = None, format: str = "npz",  # noqa: A002
+                 keep: int | None = DEFAULT_KEEP, metadata: Mapping[str, Any] | None = None,
+                 format: str = DEFAULT_FORMAT,  # noqa: A002
                  storage_options: Mapping[str, Any] | None = None, background: bool = True,
                  **selection: Unpack[SelectionWords]):
         super().__init__()
@@ -171,7 +172,8 @@ class PublishHook(tf.compat.v1.train.SessionRunHook):
     """
 
     def __init__(self, folder: Any, *, every_n_steps: int | None = None, every_n_secs: float | None = None,
-                 keep: int | None = 5, metadata: Mapping[str, Any] | None = None, format: str = "npz",  # noqa: A002
+                 keep: int | None = DEFAULT_KEEP, metadata: Mapping[str, Any] | None = None,
+                 format: str = DEFAULT_FORMAT,  # noqa: A002
                  storage_options: Mapping[str, Any] | None = None, is_chief: bool | None = None,
                  background: bool = True, **selection: Unpack[SelectionWords]):
         if (every_n_steps is None) == (every_n_secs is None):

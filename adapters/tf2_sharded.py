@@ -48,7 +48,7 @@ from weightstore.io.folders import Folder, folder_for
 from weightstore.shardindex import BLOCK_BYTES
 from weightstore.shards import Piece, commit_shards, next_attempt, publish_shard
 from weightstore.store import checked_metadata
-from weightstore.versions import Version
+from weightstore.versions import DEFAULT_KEEP, Version
 
 __all__ = ["publish_sharded", "plan", "Segment"]
 
@@ -117,7 +117,7 @@ def publish_sharded(
     step: int,
     strategy: Any,
     timeout: float = 600.0,
-    keep: int | None = 5,
+    keep: int | None = DEFAULT_KEEP,
     metadata: Mapping[str, Any] | None = None,
     optimizer: bool = False,
     storage_options: Mapping[str, Any] | None = None,

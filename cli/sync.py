@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 
 from weightstore.cli.render import emit, human_bytes, settings
+from weightstore.versions import DEFAULT_POLL
 
 
 def register(app: typer.Typer) -> None:
@@ -62,7 +63,7 @@ def follow(
                                                                        "new version.")] = None,
     after: Annotated[int | None, typer.Option("--after", help="Only versions with a step above this one (starting from the latest, as always).")] = None,
     poll: Annotated[float, typer.Option("--poll", min=0.0, help="Seconds between looks at LATEST (at first, "
-                                                               "and again after each new version).")] = 1.0,
+                                                               "and again after each new version).")] = DEFAULT_POLL,
     max_poll: Annotated[float | None, typer.Option("--max-poll", min=0.0, help="Back off to this many seconds "
                                                    "between looks while nothing is published (default 4x --poll; "
                                                    "equal to --poll for a fixed interval).")] = None,

@@ -117,3 +117,23 @@ def test_every_adapter_applies_the_selection_words_alike(name):
         export(trainable_only=True, also="*/no_such")
     with pytest.raises(SelectionError, match="trainable_only keeps nothing"):
         export(include="*/stat", trainable_only=True)
+
+
+def test_every_publisher_and_follower_shares_one_set_of_defaults():
+    """keep, format and poll are declared once (weightstore.versions), and every entry point has them."""
+    pytest.importorskip("tensorflow")
+    import weightstore as ws
+    from weightstore import background, shards, versions
+    from weightstore.adapters import follower, hooks, tf2
+    from weightstore.cli import sync
+
+    def default(function: typing.Callable, name: str) -> object:
+        return inspect.signature(function).parameters[name].default
+
+    for publisher in (ws.publish, background.BackgroundPublisher, hooks.PublishCallback, hooks.PublishHook,
+                      shards.commit_shards, tf2.publish_sharded):
+        assert default(publisher, "keep") == versions.DEFAULT_KEEP, publisher
+    for publisher in (ws.publish, background.BackgroundPublisher, hooks.PublishCallback, hooks.PublishHook):
+        assert default(publisher, "format") == versions.DEFAULT_FORMAT, publisher
+    for looker in (ws.follow, follower.Follower, sync.follow):
+        assert default(looker, "poll") == versions.DEFAULT_POLL, looker

@@ -43,7 +43,15 @@ import numpy as np
 from weightstore.errors import PublishError
 from weightstore.formats import format_named
 from weightstore.store import checked_metadata
-from weightstore.versions import PublishOptions, Version, checked_count, checked_keep, publish
+from weightstore.versions import (
+    DEFAULT_FORMAT,
+    DEFAULT_KEEP,
+    PublishOptions,
+    Version,
+    checked_count,
+    checked_keep,
+    publish,
+)
 
 __all__ = ["BackgroundPublisher", "PublishFuture"]
 
@@ -85,9 +93,9 @@ class BackgroundPublisher:
         self,
         folder: Any,
         *,
-        keep: int | None = 5,
+        keep: int | None = DEFAULT_KEEP,
         metadata: Mapping[str, Any] | None = None,
-        format: str = "npz",  # noqa: A002
+        format: str = DEFAULT_FORMAT,  # noqa: A002
         storage_options: Mapping[str, Any] | None = None,
     ):
         keep = checked_keep(keep)

@@ -72,6 +72,7 @@ from weightstore.shardindex import (
 )
 from weightstore.store import _checked, checked_metadata, write_file
 from weightstore.versions import (
+    DEFAULT_KEEP,
     SHARDED_SUFFIX,
     Version,
     _latest,
@@ -191,7 +192,7 @@ def commit_shards(
     world: int | None = None,
     attempt: int | None = None,
     timeout: float,
-    keep: int | None = 5,
+    keep: int | None = DEFAULT_KEEP,
     metadata: Mapping[str, Any] | None = None,
     storage_options: Mapping[str, Any] | None = None,
 ) -> Version:

@@ -107,6 +107,13 @@ from weightstore.store import Store, _checked, checked_metadata, write_file
 
 __all__ = ["Version", "VersionEntry", "PublishOptions", "PointerWatch", "publish", "latest", "follow", "list_versions"]
 
+#: what a publish keeps and writes, and how often a follower looks, unless told: the one
+#: default of every publisher (publish, BackgroundPublisher, the hooks, sharded commits) and
+#: every follower (follow, Follower, ws follow)
+DEFAULT_KEEP = 5
+DEFAULT_FORMAT = "npz"
+DEFAULT_POLL = 1.0
+
 LATEST = "LATEST"
 #: the suffix of a sharded version's index (:mod:`weightstore.shards`)
 SHARDED_SUFFIX = ".wsindex"
@@ -251,9 +258,9 @@ def publish(
     weights: Mapping[str, Any],
     *,
     step: int,
-    keep: int | None = 5,
+    keep: int | None = DEFAULT_KEEP,
     metadata: Mapping[str, Any] | None = None,
-    format: str = "npz",  # noqa: A002
+    format: str = DEFAULT_FORMAT,  # noqa: A002
     storage_options: Mapping[str, Any] | None = None,
 ) -> Version:
     """Write ``weights`` as version ``step`` of ``folder``, point ``LATEST`` at it, prune.
@@ -388,7 +395,7 @@ def latest(folder: Any, *, storage_options: Mapping[str, Any] | None = None) -> 
 def follow(
     folder: Any,
     *,
-    poll: float = 1.0,
+    poll: float = DEFAULT_POLL,
     timeout: float | None = None,
     after: int | None = None,
     storage_options: Mapping[str, Any] | None = None,
