@@ -32,6 +32,7 @@ from weightstore.errors import (
 )
 from weightstore.formats import Format, ReaderDefaults, foreign_keys
 from weightstore.formats.hdf5_bytes import ReadAt, check_object, check_root_group, check_vlen_attribute, read_ahead
+from weightstore.io.files import open_regular
 from weightstore.keys import RESERVED_PREFIX, join_scope
 from weightstore.manifest import (
     MAX_MANIFEST_BYTES,
@@ -74,7 +75,7 @@ def _raw_bytes(location) -> Iterator[tuple[ReadAt, int]]:
     together); a file object (a URL) keeps its own buffering, which decides what is fetched.
     """
     if isinstance(location, str):
-        with open(location, "rb") as handle:
+        with open_regular(location) as handle:
             descriptor = handle.fileno()
             yield read_ahead(lambda offset, length: os.pread(descriptor, length, offset)), os.fstat(descriptor).st_size
         return

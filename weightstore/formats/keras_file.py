@@ -25,7 +25,7 @@ from weightstore import jsontext
 from weightstore.errors import FormatError, StoreNotFoundError, UnsafeFileError, WeightStoreError, naming
 from weightstore.formats import ReaderDefaults, format_for_suffix, format_named, zipdir
 from weightstore.formats.zipdir import MAX_DEFLATE_RATIO
-from weightstore.io.files import refuse_special_file
+from weightstore.io.files import open_regular, refuse_special_file
 from weightstore.manifest import TensorInfo
 
 KERAS_SUFFIX = ".keras"
@@ -152,7 +152,7 @@ def _refuse_crowded(path: str) -> None:
     """Refuse, from the end record alone, a directory of more than :data:`MAX_MEMBERS` entries,
     before ``zipfile`` makes an object of each. A file without a readable end record is left
     to ``zipfile`` to refuse in its own words."""
-    with open(path, "rb") as handle:
+    with open_regular(path) as handle:
         size = os.fstat(handle.fileno()).st_size
         tail_start = max(0, size - (zipdir.EOCD.size + 0xFFFF))
         handle.seek(tail_start)
