@@ -300,8 +300,11 @@ def test_a_remote_hdf5_file_warns_that_it_moves_more_than_it_reads(s3, tmp_path)
         assert same({"w": store["block_0/w0"]}, {"w": WEIGHTS["block_0/w0"]})
     assert target in str(caught[0].message)
     ws.save(tmp_path / "local.h5", {"w": WEIGHTS["block_0/w0"]})
+    second = target.rsplit("/", 1)[0] + "/second.h5"  # the same folder: a follower's next version
+    ws.save(second, {"block_0/w0": WEIGHTS["block_0/w0"]})
     with warnings.catch_warnings():
-        warnings.simplefilter("error", RemoteHDF5Warning)  # a local HDF5 file is read as it should be
+        warnings.simplefilter("error", RemoteHDF5Warning)  # once a folder, and never for a local HDF5 file
+        ws.load(second)
         ws.load(tmp_path / "local.h5")
         remote_npz = url(".npz")
         ws.save(remote_npz, {"w": WEIGHTS["block_0/w0"]})

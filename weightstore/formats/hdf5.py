@@ -309,6 +309,9 @@ class RemoteHDF5Warning(UserWarning):
     """An HDF5 file read from an object store: h5py's small reads move many times what is asked."""
 
 
+_WARNED: set[str] = set()  # folders of object storage whose HDF5 files have been warned about
+
+
 class Hdf5Reader(ReaderDefaults):
     """Reads the manifest and the tree of datasets at open; each tensor only when asked.
 
@@ -320,7 +323,9 @@ class Hdf5Reader(ReaderDefaults):
 
     def __init__(self, location, name: str):
         self.name = name
-        if getattr(location, "fs", None) is not None:  # an fsspec file: an object store, not a local file
+        folder = name.rsplit("/", 1)[0]
+        if getattr(location, "fs", None) is not None and folder not in _WARNED:  # an object store, not a local file
+            _WARNED.add(folder)  # once a folder: a follower opens one file of it each version
             warnings.warn(RemoteHDF5Warning(
                 f"{name}: HDF5 from an object store moves many times the bytes it reads (h5py reads in "
                 "small pieces: a one-scope load moved 51x its bytes); keep remote weights as npz or "
