@@ -46,17 +46,27 @@ def weights_at(model: keras.Model, step: int) -> dict[str, np.ndarray]:
     return {key: np.full(value.shape, step, value.dtype) for key, value in tf2.export(model).items()}
 
 
-def test_serving_is_not_held_while_a_version_downloads(s3, folder, model):
-    ws.publish(folder, weights_at(model, 1), step=1)
-    fetching, gate = threading.Event(), threading.Event()
+def reads_tensor_data(environ, step: int) -> bool:
+    """Whether a request reads version ``step``'s tensors: from its first bytes (its index, which
+    opening the version reads at once, is at its end)."""
+    return (environ["REQUEST_METHOD"] == "GET" and f"step-{step:012d}" in environ.get("PATH_INFO", "")
+            and environ.get("HTTP_RANGE", "").startswith("bytes=0-"))
 
-    def hold_the_tensor_data(environ):
-        """Hold every read of step 2's tensors: from its first bytes (the index, read at once, is at its end)."""
-        if (environ["REQUEST_METHOD"] == "GET" and "step-000000000002" in environ.get("PATH_INFO", "")
-                and environ.get("HTTP_RANGE", "").startswith("bytes=0-")):
+
+def held_until(gate: threading.Event, fetching: threading.Event, step: int = 2):
+    """A server intercept holding every read of version ``step``'s tensors until ``gate`` opens."""
+    def hold(environ):
+        if reads_tensor_data(environ, step):
             fetching.set()
             gate.wait(30)
         return None
+    return hold
+
+
+def test_serving_is_not_held_while_a_version_downloads(s3, folder, model):
+    ws.publish(folder, weights_at(model, 1), step=1)
+    fetching, gate = threading.Event(), threading.Event()
+    hold_the_tensor_data = held_until(gate, fetching)
 
     with Follower(model, folder, poll=0.01) as follower:
         assert follower.wait(1, timeout=30).step == 1
@@ -94,13 +104,7 @@ def test_stop_does_not_wait_for_a_stalled_download_and_nothing_is_assigned_after
     retries): stop() returns at once, and the loop it left ends without touching the model."""
     ws.publish(folder, weights_at(model, 1), step=1)
     fetching, gate = threading.Event(), threading.Event()
-
-    def hold_the_tensor_data(environ):
-        if (environ["REQUEST_METHOD"] == "GET" and "step-000000000002" in environ.get("PATH_INFO", "")
-                and environ.get("HTTP_RANGE", "").startswith("bytes=0-")):
-            fetching.set()
-            gate.wait(30)
-        return None
+    hold_the_tensor_data = held_until(gate, fetching)
 
     follower = Follower(model, folder, poll=0.01).start()
     try:
@@ -128,8 +132,7 @@ def test_a_version_whose_download_failed_is_fetched_again(s3, folder, model):
 
     def fail_step_2_reads(environ):
         """Fail the first reads of step 2's tensors, after its index (at its end) was read and pinned."""
-        if (environ["REQUEST_METHOD"] == "GET" and "step-000000000002" in environ.get("PATH_INFO", "")
-                and environ.get("HTTP_RANGE", "").startswith("bytes=0-") and len(failures) < 3):
+        if reads_tensor_data(environ, 2) and len(failures) < 3:
             failures.append(environ.get("HTTP_RANGE"))
             return 500, b"<Error><Code>InternalError</Code><Message>down</Message></Error>"
         return None
