@@ -372,7 +372,7 @@ def _piece(raw: Any, key: str, ndim: int, members: int, own: bool) -> PieceEntry
     if not isinstance(digest, str) or len(digest) > 80:
         raise FormatError("has a piece without a digest", key=key)
     blocks = raw.get("blake3")
-    if blocks is not None and (not isinstance(blocks, list) or len(blocks) > len(crcs) or not all(
+    if blocks is not None and (not isinstance(blocks, list) or not all(  # counts: checked against the blocks
             isinstance(b, str) and _HEX_DIGEST.fullmatch(b) for b in blocks)):
         raise FormatError(f"has a piece whose blake3 is not a list of {DIGEST_HEX}-digit hex digests, one per "
                           "block", key=key)
