@@ -325,3 +325,16 @@ def test_follow_sees_what_another_process_published_after_this_one_listed(s3, fo
     finally:
         following.close()
     assert_whole(ws.load(ws.latest(folder, storage_options=s3)), 3)
+
+
+def test_a_sharded_version_reads_its_members_with_the_folders_storage_options(s3, folder):
+    """The endpoint is given in storage_options only (not the environment): the members of a
+    sharded version are read through the same options as its index."""
+    weights = np.arange(64, dtype=np.float32).reshape(8, 8)
+    for rank in range(2):
+        ws.publish_shard(folder, {"w": ws.Piece(weights[4 * rank:4 * rank + 4], (4 * rank, 0), (8, 8))}, step=1,
+                         rank=rank, world=2, attempt=0, storage_options=s3)
+    ws.commit_shards(folder, step=1, world=2, attempt=0, timeout=10, storage_options=s3)
+    version = ws.latest(folder, storage_options=s3)
+    assert version.path.endswith(".wsindex")
+    np.testing.assert_array_equal(ws.load(version)["w"], weights)

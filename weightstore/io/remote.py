@@ -57,6 +57,7 @@ class RemoteFile:
     def __init__(self, fs: Any, path: str, name: str, *,
                  size: int | None = None, details: Mapping[str, Any] | None = None):
         self.name = name
+        self.fs = fs  # what a sharded index's members are read through: the same storage options
         self._object = object_for(fs, path, name)
         self._known = (size, details)
         self._size: int | None = None
