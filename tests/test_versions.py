@@ -425,3 +425,10 @@ def test_a_pointer_naming_a_field_twice_is_refused(tmp_path):
     assert caught.value.path == str(run)
     ws.publish(run, {"w": np.ones(2, np.float32)}, step=2)  # which a publish repairs
     assert ws.latest(run).step == 2
+
+
+def test_metadata_as_dense_as_json_allows_reads_back_from_latest(tmp_path):
+    """What publish writes into LATEST, every reader reads: dense metadata (a list of shapes) too."""
+    shapes = [[i] for i in range(3000)]
+    ws.publish(tmp_path / "run", {"w": np.ones(2, np.float32)}, step=1, metadata={"layer_shapes": shapes})
+    assert ws.latest(tmp_path / "run").metadata["layer_shapes"] == shapes

@@ -123,7 +123,9 @@ POINTER_FORMAT = "weightstore-latest"
 #: (it refuses over 4,300); a file system names none longer than 255 bytes anyway
 _NAME = re.compile(r"^step-([0-9]{1,1000})(\.[A-Za-z0-9]+)$")
 _MAX_POINTER_BYTES = 1 << 20
-_POINTER_BYTES_PER_CONTAINER = 16  # LATEST holds one object of a few fields; its metadata a little more
+#: no density bound beyond JSON's own (2 bytes a container): LATEST carries the user's metadata, as dense as
+#: they made it, and its size limit already bounds what a parse allocates (about 32 MB for 1 MB of ``[[[``)
+_POINTER_BYTES_PER_CONTAINER = 2
 _log = logging.getLogger(__name__)
 
 
