@@ -25,9 +25,10 @@ How keys are formed (the object you pass is the root; its own name is never part
 
 - **Optimizer state** (``optimizer=True`` on ``export``/``assign``/``load``): a compiled
   model's optimizer variables as ``optimizer/vars/<i>``, in ``optimizer.variables`` order,
-  the names Keras's own files give them (a mixed-precision model's ``LossScaleOptimizer``
-  also has the optimizer it wraps as ``optimizer/inner_optimizer/vars/<i>``, as Keras saves
-  it). Left out otherwise.
+  the names Keras's own files give them. A mixed-precision model's ``LossScaleOptimizer``
+  lists the slots of the optimizer it wraps among its own, and Keras saves them again as
+  ``optimizer/inner_optimizer/vars/<i>``: an assign takes either key (or both) as the
+  variable's value, an export writes each variable once. Left out otherwise.
 
 Keras files and TF2 object checkpoints given to ``assign`` or :func:`load` are paired with the
 model by its own structure, not by names (:mod:`weightstore.adapters.artifacts`), and come
@@ -136,7 +137,7 @@ def export(obj: Any, *, optimizer: bool = False, **selection: Unpack[SelectionWo
     With ``trainable_only``, keeps the trainable variables plus those whose key matches
     ``also`` (``also="*/bn/moving_*"`` adds batch-norm statistics). With ``optimizer``, a
     Keras model's optimizer state comes too, as ``optimizer/vars/<i>`` (the order and names
-    Keras's own files use, ``optimizer/inner_optimizer/vars/<i>`` included for mixed precision).
+    Keras's own files use).
     """
     return {key: _read(var) for key, var in selected(obj, optimizer=optimizer, **selection).items()}
 
@@ -149,7 +150,8 @@ def selected(obj: Any, *, optimizer: bool = False, **selection: Unpack[Selection
         own = {key: own for own, key in _part_keys(obj, normalize_scope(chosen_by.scope), found).items()}
         found = {own.get(key, key): value for key, value in found.items()}
     plan = chosen_by.choose(found, lambda key: found[key][1], _describe(obj))
-    chosen = {new: found[old][0] for new, old in plan.items()}
+    once = _tied(found)  # a variable under two keys (a wrapped optimizer's slots) is exported under its first
+    chosen = {new: found[old][0] for new, old in plan.items() if old not in once}
     if not chosen:
         why = "no variables (build a Keras model before exporting it)" if not found else "no variable passes the selection"
         raise SelectionError(f"{_describe(obj)} has {why}")
@@ -197,6 +199,7 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
 
     at = normalize_scope(options.scope)
     aliases.update(_part_keys(obj, at, found))
+    tied = _tied(found)  # a value under either key of a variable is its value: a file may hold one or both
 
     def plan(values: Any, options: AssignOptions) -> tuple[Plan, Any]:
         view = (_keras_layout_renamed(values, obj, found, options, optimizer)
@@ -204,7 +207,7 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
         value_keys, scope = view.keys(), normalize_scope(options.scope)  # a ValueSource: keys(), not iteration
         left_out = () if optimizer else [key for key in value_keys if _OPTIMIZER_KEY.fullmatch(key)
                                          and join_scope(scope, key) not in targets]
-        return plan_assign(view, targets, options, left_out=left_out), view
+        return plan_assign(view, targets, options, left_out=left_out, tied=tied), view
 
     target = Target(targets, write, owner=lambda key: found[key][0], plan=plan, batched=True)
     try:
@@ -414,6 +417,14 @@ def _collect_with_aliases(obj: Any, optimizer: bool = False) -> tuple[dict[str, 
         for key, var in _optimizer_variables(obj):
             _add(found, key, var, set(), trainable=False)
     return found, aliases
+
+
+def _tied(found: Mapping[str, tuple[Variable, bool]]) -> dict[str, str]:
+    """Key -> the first key of the same variable, for each key that has such an earlier one: a
+    mixed-precision model's inner optimizer slots, which Keras's files name twice
+    (``optimizer/vars/<i>`` and ``optimizer/inner_optimizer/vars/<j>``)."""
+    first: dict[int, str] = {}
+    return {key: first[id(var)] for key, (var, _) in found.items() if first.setdefault(id(var), key) != key}
 
 
 def _walk_trackable(root: Any, found: dict[str, tuple[Variable, bool]]) -> None:

@@ -381,16 +381,20 @@ def test_a_mixed_precision_models_optimizer_state_resumes_training(tmp_path, mix
     ws.save(tmp_path / "m.npz", tf2.export(model, optimizer=True))
     prefix = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(str(tmp_path / "ckpt" / "ckpt"))
     reference = keras.models.load_model(tmp_path / "m.keras")
+    loaded = tf2.export(reference, optimizer=True)
     reference.fit(x, y, epochs=1, verbose=0)
     for path in (tmp_path / "m.keras", tmp_path / "m.npz", prefix):
         fresh = compiled()
         report = tf2.assign(fresh, path, optimizer=True)
         assert report.ok and not report.unexpected and not report.left_out
-        fresh.fit(x, y, epochs=1, verbose=0)
-        np.testing.assert_array_equal(np.asarray(fresh(x)), np.asarray(reference(x)))
+        assigned = tf2.export(fresh, optimizer=True)  # every weight and slot as Keras's own loader left them
+        assert assigned.keys() == loaded.keys() and all(np.array_equal(assigned[k], loaded[k]) for k in loaded)
+        fresh.fit(x, y, epochs=1, verbose=0)  # two traced training steps may round a last bit apart under load
+        np.testing.assert_allclose(np.asarray(fresh(x)), np.asarray(reference(x)), rtol=1e-5)
+    exported = tf2.export(model, optimizer=True)  # each variable once: the inner slots under their first key
+    assert not any(key.startswith("optimizer/inner_optimizer/") for key in exported)
     without = tf2.assign(compiled(), tmp_path / "m.npz")  # the state a store holds is listed, not assigned
-    assert without.ok and len(without.left_out) == len(model.optimizer.variables) + len(
-        model.optimizer.inner_optimizer.variables)
+    assert without.ok and len(without.left_out) == len(model.optimizer.variables)
 
 
 def test_a_model_variable_keyed_like_optimizer_state_is_assigned_as_any_other():
