@@ -92,7 +92,7 @@ class _Loop:
 
     thread: threading.Thread = field(init=False)
     stop: threading.Event = field(default_factory=threading.Event)
-    on_storage: bool = False  # waiting on a request: ends by itself, touching nothing, once it returns
+    on_storage: bool = False  # waiting on a request: once it returns, the loop ends, assigning and recording nothing
     assigning: bool = False  # inside a swap's writes: waited for
 
     @contextlib.contextmanager
@@ -288,10 +288,13 @@ class Follower:
                 with loop.storage():
                     version = watch.newer(last)
             except Exception as exc:  # a damaged folder: keep serving the current weights, look again
-                self._failed(exc, "following")
+                self._failed(loop, exc, "following")
                 version = None
             else:
-                self._folder_healthy()
+                self._folder_healthy(loop)
+            if version is not None and loop.stop.is_set():  # stopped during the look: fetch nothing more
+                version.release()
+                break
             if version is not None:
                 try:
                     outcome = self._swap(version, loop)
@@ -343,11 +346,11 @@ class Follower:
             return _Outcome.AGAIN_NOW
         except StorageError as exc:
             held.release()
-            self._failed(exc, "following")  # cleared, like a failed look at LATEST, once the storage answers
+            self._failed(loop, exc, "following")  # cleared, like a failed look at LATEST, once the storage answers
             return _Outcome.AGAIN_LATER
         except Exception as exc:
             held.release()
-            self._failed(exc, f"assigning step {version.step}", step=version.step)
+            self._failed(loop, exc, f"assigning step {version.step}", step=version.step)
             return _Outcome.DONE
         self._digests = staged.digests
         # the swap is done and serving runs again: what follows a swap goes here
@@ -385,18 +388,22 @@ class Follower:
             store.close()
             raise
 
-    def _failed(self, exc: BaseException, doing: str, *, step: int | None = None) -> None:
-        _log.warning("weightstore follower of %s: %s failed: %s", self.folder, doing, exc)
+    def _failed(self, loop: _Loop, exc: BaseException, doing: str, *, step: int | None = None) -> None:
+        """Record a failure, unless ``loop`` was stopped meanwhile (its news is no longer the follower's)."""
         with self._swapped:
+            if loop.stop.is_set():
+                return
+            _log.warning("weightstore follower of %s: %s failed: %s", self.folder, doing, exc)
             self.error, self._failed_step = exc, step
             self._following_failed = doing == "following"
             self._swapped.notify_all()
 
-    def _folder_healthy(self) -> None:
+    def _folder_healthy(self, loop: _Loop) -> None:
         """A look at the folder went through: a failure to read it earlier is over."""
         if self._following_failed:
             with self._swapped:
-                self.error, self._following_failed = None, False
+                if not loop.stop.is_set():
+                    self.error, self._following_failed = None, False
 
 
 class _Staged(ReaderDefaults):

@@ -53,12 +53,15 @@ def reads_tensor_data(environ, step: int) -> bool:
             and environ.get("HTTP_RANGE", "").startswith("bytes=0-"))
 
 
-def held_until(gate: threading.Event, fetching: threading.Event, step: int = 2):
-    """A server intercept holding every read of version ``step``'s tensors until ``gate`` opens."""
+def held_until(gate: threading.Event, fetching: threading.Event, step: int = 2, *, then_fail: bool = False):
+    """A server intercept holding every read of version ``step``'s tensors until ``gate`` opens,
+    then answering it (or, ``then_fail``, failing it with a 500)."""
     def hold(environ):
         if reads_tensor_data(environ, step):
             fetching.set()
             gate.wait(30)
+            if then_fail:
+                return 500, b"<Error><Code>InternalError</Code><Message>down</Message></Error>"
         return None
     return hold
 
@@ -101,10 +104,11 @@ def pointer_requests(s3, folder: str) -> list:
 
 def test_stop_does_not_wait_for_a_stalled_download_and_nothing_is_assigned_after_it(s3, folder, model):
     """A download an outage stalls can take minutes to fail (the client's read timeout, its
-    retries): stop() returns at once, and the loop it left ends without touching the model."""
+    retries): stop() returns at once, and the loop it left ends without touching the model or
+    recording the failure that ends it."""
     ws.publish(folder, weights_at(model, 1), step=1)
     fetching, gate = threading.Event(), threading.Event()
-    hold_the_tensor_data = held_until(gate, fetching)
+    hold_the_tensor_data = held_until(gate, fetching, then_fail=True)
 
     follower = Follower(model, folder, poll=0.01).start()
     try:
@@ -122,6 +126,7 @@ def test_stop_does_not_wait_for_a_stalled_download_and_nothing_is_assigned_after
         loop.join(30)
     assert not any(loop.is_alive() for loop in loops)
     assert follower.version.step == 1 and np.all(model.get_layer("hidden").kernel.numpy() == 1)
+    assert follower.error is None  # the download failed after the stop: no news of the follower's
 
 
 def test_a_version_whose_download_failed_is_fetched_again(s3, folder, model):
