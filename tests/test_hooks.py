@@ -65,12 +65,14 @@ def test_keras_callback_publishes_on_the_chief_only(tmp_path, monkeypatch):
     ({"cluster": {"master": ["m"], "worker": ["a"]}, "task": {"type": "master", "index": 0}}, True),
     ({"cluster": {"master": ["m"], "worker": ["a"]}, "task": {"type": "worker", "index": 0}}, False),
     ({"cluster": {"chief": ["c"], "worker": ["a"], "evaluator": ["e"]}, "task": {"type": "evaluator"}}, False),
+    ({"task": {"type": "chief", "index": 0}}, True),  # no cluster: the chief still publishes
+    ({"cluster": {"worker": ["a", "b"]}, "task": {"type": "worker", "index": "0"}}, True),  # as TF reads an index
 ])
 def test_is_chief_from_tf_config(monkeypatch, config, chief):
     """The task that publishes is rank 0 of the numbering sharded versions use: one rule for both."""
     monkeypatch.setenv("TF_CONFIG", json.dumps(config))
     assert is_chief() is chief
-    if chief and config:
+    if chief and config.get("cluster"):  # where the cluster lists the task, it is rank 0 of a sharded version
         assert ws.cluster.membership().rank == 0
 
 

@@ -107,7 +107,8 @@ def is_tf_chief(cluster: Mapping[str, Any], task_type: str, task_index: int) -> 
     """Whether a TF task is the one that publishes for its whole job: rank 0 of
     :func:`rank_in_tf_cluster` (the chief, else the master, else worker 0); a parameter server
     or an evaluator never is."""
-    return task_type in _WRITING_TASKS and rank_in_tf_cluster(cluster, task_type, task_index)[0] == 0
+    first = next((job for job in _WRITING_TASKS if job == task_type or cluster.get(job)), None)
+    return task_type == first and task_index == 0  # never raises: a hook asks it of any TF_CONFIG
 
 
 def tf_config_task() -> tuple[Mapping[str, Any], str, int] | None:
@@ -123,7 +124,9 @@ def tf_config_task() -> tuple[Mapping[str, Any], str, int] | None:
         task = config.get("task") or {}
         if not task.get("type"):
             return None
-        cluster, task_type, task_index = config["cluster"], str(task["type"]), task.get("index", 0)
+        cluster, task_type, task_index = config.get("cluster") or {}, str(task["type"]), task.get("index", 0)
+        if isinstance(task_index, str) and task_index.isascii() and task_index.isdigit():
+            task_index = int(task_index)  # as TF's own resolver takes it
         if isinstance(task_index, bool) or not isinstance(task_index, int):
             raise TypeError(f"task index {task_index!r} is no int")
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
