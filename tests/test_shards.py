@@ -300,8 +300,9 @@ def test_a_hostile_index_is_refused_naming_file_and_key(tmp_path, edit, words):
 
 def test_the_overlap_check_of_an_index_does_bounded_work(tmp_path, monkeypatch):
     """Pieces are compared along the axis that separates them best, so 16,384 pieces sharing
-    their rows are no 134 million comparisons; a layout interleaving on every axis beyond the
-    bound is refused, not worked through for minutes."""
+    their rows are no 134 million comparisons; and one index may ask a bounded number of
+    comparisons in all, more than any one valid tensor needs, so a hostile index repeating an
+    expensive layout is refused instead of worked through for minutes."""
     from weightstore import shardindex
 
     n = shardindex.MAX_PIECES_PER_KEY
@@ -312,12 +313,19 @@ def test_the_overlap_check_of_an_index_does_bounded_work(tmp_path, monkeypatch):
     with pytest.raises(ws.FormatError, match="overlap another's in member") as caught:  # all at offset 0, but no
         ws.open(strips)                                                                  # pieces overlap in the tensor
     assert caught.value.key == "s"
-    monkeypatch.setattr(shardindex, "_OVERLAP_PAIRS", 1)
-    grid = hostile_index(tmp_path / "grid", lambda raw: raw["tensors"]["w"].update(pieces=[
-        {**raw["tensors"]["w"]["pieces"][0], "start": [r, c], "shape": [3, 2]} for r in (0, 3) for c in (0, 2)]))
-    with pytest.raises(ws.FormatError, match="interleave along every axis") as caught:
-        ws.open(grid)
-    assert caught.value.key == "w"
+
+    def grid(raw, keys):  # each key a 2 x 2 grid of parts: 2 pairs to compare along either axis
+        first = raw["tensors"]["w"]["pieces"][0]
+        raw["tensors"]["w"]["pieces"] = [{**first, "start": [r, c], "shape": [3, 2]} for r in (0, 3) for c in (0, 2)]
+        for key in keys:
+            raw["tensors"][key] = raw["tensors"]["w"]
+
+    monkeypatch.setattr(shardindex, "OVERLAP_PAIRS", 3)
+    with pytest.raises(ws.FormatError, match="overlap another's in member"):  # one grid: within the budget
+        ws.open(hostile_index(tmp_path / "one", lambda raw: grid(raw, [])))
+    with pytest.raises(ws.FormatError, match="interleave along every axis") as caught:  # two: past it
+        ws.open(hostile_index(tmp_path / "two", lambda raw: grid(raw, ["v"])))
+    assert caught.value.key in ("v", "w")
 
 
 def test_a_hostile_index_naming_an_empty_tensor_no_array_can_have_is_refused_at_open(tmp_path):

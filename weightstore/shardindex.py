@@ -335,6 +335,7 @@ def _tensors(raw: Any, members: list[Member], *, own: bool = False) -> dict[str,
     if not isinstance(raw, dict):
         raise FormatError("tensors is not an object")
     tensors = {}
+    budget = OverlapBudget()
     for key, entry in raw.items():
         try:
             validate_key(key)
@@ -354,7 +355,7 @@ def _tensors(raw: Any, members: list[Member], *, own: bool = False) -> dict[str,
         pieces = tuple(_piece(p, key, len(shape), len(members), own) for p in entry["pieces"])
         tensors[key] = TensorEntry(entry["dtype"], shape, pieces)
         if not own:
-            check_tensor(key, tensors[key], members)
+            check_tensor(key, tensors[key], members, budget=budget)
     return tensors
 
 
@@ -384,11 +385,11 @@ def _piece(raw: Any, key: str, ndim: int, members: int, own: bool) -> PieceEntry
 
 
 def check_tensor(key: str, entry: TensorEntry, members: Sequence[Member],
-                 error: type[WeightStoreError] = FormatError) -> None:
+                 error: type[WeightStoreError] = FormatError, budget: OverlapBudget | None = None) -> None:
     """That ``key`` has at most :data:`MAX_PIECES_PER_KEY` pieces (a coordinator merging every
     rank's pieces checks the sum, which no done-record alone bounds: an index over it would be
     committed and then refused by every reader), that they lie in the tensor and their members,
-    never overlap, and cover it."""
+    never overlap, and cover it. ``budget``: the comparisons the whole index may still make."""
     if len(entry.pieces) > MAX_PIECES_PER_KEY:
         raise error(f"has {len(entry.pieces)} pieces, over {MAX_PIECES_PER_KEY}", key=key)
     itemsize = entry.itemsize
@@ -405,20 +406,35 @@ def check_tensor(key: str, entry: TensorEntry, members: Sequence[Member],
             raise error(f"has a piece with {len(piece.crcs)} block checksums for {blocks} blocks", key=key)
         if piece.blocks is not None and len(piece.blocks) != blocks:
             raise error(f"has a piece with {len(piece.blocks)} block digests for {blocks} blocks", key=key)
-    _check_no_overlap(key, entry, error)
+    _check_no_overlap(key, entry, error, OverlapBudget() if budget is None else budget)
     covered = sum(math.prod(p.shape) for p in entry.pieces)
     if covered != math.prod(entry.shape):
         raise error(f"its pieces do not cover it: they hold {covered} of its {math.prod(entry.shape)} elements "
                     f"(shape {list(entry.shape)}); a rank left a gap", key=key)
 
 
-#: pairs of pieces of one tensor compared for overlap, at most: a grid of 300 x 300 parts
-#: compares 13.5 million; a hostile index listing 16,384 pieces that all share their first rows
-#: asked 134 million (24 s for 12 MB of index) before this bound
-_OVERLAP_PAIRS = 1 << 24
+#: pairs of pieces compared for overlap in one index, at most: more than the worst one key of
+#: :data:`MAX_PIECES_PER_KEY` pieces can ask (134 million, 1-3 s), so no valid tensor is ever
+#: refused, while a hostile index repeating such a key (24 s for 12 MB, minutes at the size
+#: limit) is, after a few seconds
+OVERLAP_PAIRS = 1 << 28
 
 
-def _check_no_overlap(key: str, entry: TensorEntry, error: type[WeightStoreError]) -> None:
+class OverlapBudget:
+    """The pairs of pieces one index (or one commit) may still compare for overlap."""
+
+    def __init__(self) -> None:
+        self.left = OVERLAP_PAIRS
+
+    def spend(self, pairs: int, key: str, error: type[WeightStoreError]) -> None:
+        self.left -= pairs
+        if self.left < 0:
+            raise error(f"has pieces whose extents interleave along every axis: checking them against each other "
+                        f"would take over {OVERLAP_PAIRS} comparisons in this index; no layout of writers' parts "
+                        "looks so", key=key)
+
+
+def _check_no_overlap(key: str, entry: TensorEntry, error: type[WeightStoreError], budget: OverlapBudget) -> None:
     pieces = [p for p in entry.pieces if math.prod(p.shape)]
     if len(pieces) < 2:
         return
@@ -429,9 +445,7 @@ def _check_no_overlap(key: str, entry: TensorEntry, error: type[WeightStoreError
     # axis: along the axis where that is fewest (column strips: the columns, not the rows)
     order, lasts, pairs = min((_sweep(starts, ends, axis) for axis in range(ndim)), key=lambda sweep: sweep[2].sum())
     starts, ends = starts[order], ends[order]
-    if int(pairs.sum()) > _OVERLAP_PAIRS:
-        raise error(f"has {len(pieces)} pieces whose extents interleave along every axis ({int(pairs.sum())} pairs "
-                    f"to compare, over {_OVERLAP_PAIRS}): no layout of writers' parts looks so", key=key)
+    budget.spend(int(pairs.sum()), key, error)
     for i in np.flatnonzero(pairs):
         last = int(lasts[i])
         hits = np.all((starts[i + 1 : last] < ends[i]) & (ends[i + 1 : last] > starts[i]), axis=1)

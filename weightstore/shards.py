@@ -53,6 +53,7 @@ from weightstore.shardindex import (
     STRIP_BLOCKS,
     DoneRecord,
     Member,
+    OverlapBudget,
     PieceEntry,
     ShardIndex,
     TensorEntry,
@@ -548,8 +549,9 @@ def _merged(records: list[DoneRecord], step: int, attempt: int, world: int, meta
                                    f"rank {rank} {entry.dtype} {list(entry.shape)}", key=key)
             else:
                 tensors[key] = TensorEntry(known.dtype, known.shape, known.pieces + pieces)
+    budget = OverlapBudget()
     for key, entry in tensors.items():
-        check_tensor(key, entry, members, error=PublishError)
+        check_tensor(key, entry, members, error=PublishError, budget=budget)
     check_member_bytes(tensors, members)
     return ShardIndex(step, attempt, world, "", members, tensors, metadata, f"weightstore {__version__}")
 
