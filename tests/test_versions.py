@@ -367,6 +367,10 @@ def test_cli_follow(tmp_path, cli):
     assert result.exit_code == 0 and result.output == ""
     for args in (["versions", "--help"], ["follow", "--help"]):
         assert CliRunner().invoke(cli, args).exit_code == 0
+    for poll in ("1e12", "nan"):  # no wait a thread can make: a usage error, not an internal one
+        assert CliRunner().invoke(cli, ["follow", str(tmp_path), "--poll", poll]).exit_code == 2
+    watch = versions.PointerWatch(versions.folder_for(tmp_path), poll=3e9)  # 4x would be past what a wait takes
+    assert watch.max_poll <= threading.TIMEOUT_MAX
 
 
 def test_ws_follow_of_a_missing_folder_says_so_unless_told_to_wait(tmp_path):

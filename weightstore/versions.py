@@ -192,9 +192,11 @@ class _Borrowed:
 class Version:
     """One published version. ``ws.open``, ``ws.load`` and the adapters' ``assign`` accept it.
 
-    A version yielded by :func:`follow` is *pinned*: its file is already open, so it stays
-    readable (even if pruned meanwhile) until the iteration moves on; a store opened from it
-    with ``ws.open`` stays readable until that store is closed. One from :func:`latest` is
+    A version yielded by :func:`follow` is *pinned*: its file is already open, so a local one
+    stays readable (even if pruned meanwhile) until the iteration moves on, and a store opened
+    from it with ``ws.open`` until that store is closed; on object storage, whose open objects
+    are read in ranges, a version pruned mid-read raises :class:`VersionGoneError` (see the
+    module's Pinning). One from :func:`latest` is
     opened when first read; if it was pruned by then, that read raises
     :class:`VersionGoneError` — call ``latest`` again and retry. Assigning a Version skips
     tensors whose content digest equals what the same target last received (hot reload).
@@ -462,7 +464,7 @@ class PointerWatch:
         max_poll = None if max_poll is None else checked_seconds("max_poll", max_poll)
         self.source = source
         self.poll = poll
-        self.max_poll = max(poll, 4 * poll if max_poll is None else max_poll)
+        self.max_poll = min(threading.TIMEOUT_MAX, max(poll, 4 * poll if max_poll is None else max_poll))
         self.interval = poll
         self._read: object | None = None  # the tag of the pointer last read through; never matches at first
         self._fresh = True
