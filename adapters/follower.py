@@ -239,7 +239,8 @@ class Follower:
 
         Not reentrant: a waiting swap holds back new blocks (so serving cannot starve it), so a
         block opened inside another in the same thread would wait for a swap that waits for it;
-        that, and :meth:`wait` or :meth:`stop` inside a block, raise ``RuntimeError`` instead."""
+        that, and :meth:`wait` or :meth:`stop` inside a block, raise ``RuntimeError`` instead.
+        In asyncio, coroutines share a thread: do not ``await`` inside a block."""
         return self._lock.reading()
 
     def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
