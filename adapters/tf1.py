@@ -145,7 +145,7 @@ def _fetched(sess: Any, chosen: list[_Target]) -> Iterator[Any]:
 
 def _chosen(sess: Any, chosen_by: Selection) -> tuple[dict[str, str], list[_Target]]:
     """The selected variables of ``sess``'s graph: output key -> graph key, and their targets."""
-    targets = _targets(sess.graph)
+    targets = _targets(_open_session(sess).graph)
     plan = chosen_by.choose(targets, lambda key: targets[key].trainable, "the graph")
     return plan, [targets[source] for source in plan.values()]
 
@@ -172,7 +172,7 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
     ``skip_unchanged=False``), or a version with the old bytes is skipped and the variable keeps
     the other value.
     """
-    graph = sess.graph
+    graph = _open_session(sess).graph
     targets = _targets(graph)
     options = AssignOptions(**words)
     # The parts hot reload keeps, filled by run_assign for the Target below. The closures hold this
@@ -228,6 +228,17 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
     job = Target(infos, write, owner=lambda key: sess, prepare=prepare, plan=plan, batched=True, ahead=ahead, kept=kept,
                  regions=lambda key: [part.index for part in targets[key].parts] if targets[key].parts[0].index else None)
     return run_assign(job, weights, options)
+
+
+def _open_session(sess: Any) -> Any:
+    """``sess``, checked before anything is planned: a session (or a wrapper of one, such as a
+    ``MonitoredSession``), and not closed, which TensorFlow would say only at the first write."""
+    if not (hasattr(sess, "graph") and callable(getattr(sess, "run", None))):
+        raise TypeError(f"expected a tf.compat.v1.Session (or a session wrapper with .graph and .run), "
+                        f"not {type(sess).__name__}")
+    if getattr(sess, "_closed", False):
+        raise ValueError("the session is closed: pass an open one (the graph's variables live in a session)")
+    return sess
 
 
 def forget(sess: Any) -> None:

@@ -624,3 +624,16 @@ def test_export_of_a_variable_with_no_value_yet_names_it(use_resource):
         with pytest.raises(SelectionError, match="variable 'never_run' of the graph holds no value yet; initialize"):
             tf1.export(sess)
         assert tf1.export(sess, include="ready")["ready"].tolist() == [0.0, 0.0]
+
+
+def test_a_closed_session_or_no_session_is_refused_before_anything_is_planned(tmp_path):
+    with graph_session() as (graph, sess):
+        v1.get_variable("w", [2], initializer=v1.zeros_initializer())
+        sess.run(v1.global_variables_initializer())
+        ws.save(tmp_path / "w.npz", tf1.export(sess))
+    for call in (lambda: tf1.export(sess), lambda: tf1.assign(sess, tmp_path / "w.npz")):  # closed by now
+        with pytest.raises(ValueError, match="the session is closed"):
+            call()
+    for wrong in (None, tf.keras.Sequential()):
+        with pytest.raises(TypeError, match="expected a tf.compat.v1.Session"):
+            tf1.assign(wrong, tmp_path / "w.npz")
