@@ -132,7 +132,8 @@ def test_mapping_rules():
 def test_first_matching_rule_wins():
     weights = {"a/b/c": 1, "a/x": 2}
     assert ws.remap(weights, mapping=["a/b=first", "a=second"]) == {"first/c": 1, "second/x": 2}
-    assert ws.remap(weights, mapping=["a=second", "a/b=first"]) == {"second/b/c": 1, "second/x": 2}
+    with pytest.raises(ws.SelectionError, match="never applies"):  # a/b=first could rename nothing
+        ws.remap(weights, mapping=["a=second", "a/b=first"])
 
 
 def test_mapping_then_scope():
@@ -153,6 +154,9 @@ def test_mapping_collisions_and_bad_rules():
         ws.remap({"w": 1}, mapping=["w="])  # would leave an empty key
     with pytest.raises(ws.InvalidKeyError):
         ws.remap({"w": 1}, mapping=["w=../up"])
+    with pytest.raises(ws.SelectionError, match="mapping a/b=q never applies: the earlier rule a=p renames"):
+        ws.remap({"a/b/w": 1, "a/c": 2}, mapping=["a=p", "a/b=q"])  # a shadowed rule is a mistake, not ignored
+    assert ws.remap({"a/b/w": 1, "a/c": 2}, mapping=["a/b=q", "a=p"]) == {"q/w": 1, "p/c": 2}
 
 
 def test_a_mapping_rule_that_matches_no_key_is_refused_naming_the_closest(tmp_path):

@@ -239,7 +239,14 @@ def parse_mapping(mapping: MappingRules) -> list[tuple[str, str]]:
                 raise InvalidKeyError(f"mapping rule {rule!r} is not of the form FROM=TO")
             source, target = rule.split("=", 1)
             pairs.append((source, target))
-    return [(normalize_scope(s), normalize_scope(t)) for s, t in pairs]
+    rules = [(normalize_scope(s), normalize_scope(t)) for s, t in pairs]
+    for i, (source, target) in enumerate(rules):  # the first rule whose scope holds a key renames it
+        for earlier, earlier_target in rules[:i]:
+            if in_scope(source, earlier):
+                raise SelectionError(f"mapping {source}={target} never applies: the earlier rule "
+                                     f"{earlier}={earlier_target} renames every key under {earlier!r} first; "
+                                     "put the narrower rule first")
+    return rules
 
 
 def map_key(key: str, rules: Sequence[tuple[str, str]]) -> str:
