@@ -77,10 +77,6 @@ def for_model(model: Any, path: Any, model_keys: Mapping[str, Any], *, optimizer
     except BaseException:
         source.close()
         raise
-    for key, var in model_keys.items():  # its other keys read what its first was paired with
-        first = by_variable[id(var)]
-        if key != first and key not in names and first in names:
-            names[key] = names[first]
     walk_order = {key: i for i, key in enumerate(model_keys)}  # the model's order, as tf2.export gives it
     names = dict(sorted(names.items(), key=lambda item: walk_order.get(item[0], len(walk_order))))
     store = ModelKeyedStore(RenamedReader(source._reader, names), source.path, verify=True)

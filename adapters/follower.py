@@ -117,15 +117,15 @@ class _ReadWriteLock:
         self._writers_waiting = 0
         self._here = threading.local()  # whether this thread is inside reading()
 
-    def held_here(self) -> bool:
-        """Whether the calling thread is inside :meth:`reading`."""
-        return getattr(self._here, "reading", False)
+    def refuse_inside_reading(self, call: str) -> None:
+        """Raise for ``call`` in a thread inside :meth:`reading`: a swap may be waiting for that very block to end."""
+        if getattr(self._here, "reading", False):
+            raise RuntimeError(f"{call} inside reading() would wait for a swap that waits for the block to end: "
+                               f"call it outside the block")
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[None]:
-        if self.held_here():
-            raise RuntimeError("reading() inside reading() in one thread would wait for a swap that waits for the "
-                               "outer block to end: enter it once per inference call")
+        self.refuse_inside_reading("reading()")
         with self._condition:
             while self._writing or self._writers_waiting:
                 self._condition.wait()
@@ -215,7 +215,7 @@ class Follower:
         Returns once the loop has ended, or is waiting on the storage (a download an outage
         stalls may take minutes to fail): such a loop ends when the storage answers, assigning
         nothing more. A swap under way is waited for, never cut off (up to ``timeout``)."""
-        self._refuse_inside_reading("stop()")
+        self._lock.refuse_inside_reading("stop()")
         loop, self._loop_now = self._loop_now, None
         if loop is None:
             return
@@ -265,7 +265,7 @@ class Follower:
             return self.error is not None and not (step is not None and self._failed_step is not None
                                                    and self._failed_step < step)
 
-        self._refuse_inside_reading("wait()")
+        self._lock.refuse_inside_reading("wait()")
         if self._loop_now is None and not arrived():  # nothing would ever arrive
             raise RuntimeError("this Follower is not following: start it (with Follower(...) as f, or f.start()) "
                                "before waiting")
@@ -276,11 +276,6 @@ class Follower:
             if failed():
                 raise self.error  # type: ignore[misc]  # failed() saw it set
             return None
-
-    def _refuse_inside_reading(self, call: str) -> None:
-        if self._lock.held_here():  # a swap may be waiting for this very block to end
-            raise RuntimeError(f"{call} inside reading() would wait for a swap that waits for the block to end: "
-                               f"call it outside the block")
 
     def _loop(self, watch: PointerWatch, loop: _Loop) -> None:
         last = self._after

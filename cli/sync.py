@@ -63,9 +63,11 @@ def follow(
     timeout: Annotated[float | None, typer.Option("--timeout", help="Stop after this many seconds without a "
                                                                        "new version.")] = None,
     after: Annotated[int | None, typer.Option("--after", help="Only versions with a step above this one (starting from the latest, as always).")] = None,
-    poll: Annotated[float, typer.Option("--poll", min=0.0, max=threading.TIMEOUT_MAX, help="Seconds between looks at LATEST (at first, "
-                                                               "and again after each new version).")] = DEFAULT_POLL,
-    max_poll: Annotated[float | None, typer.Option("--max-poll", min=0.0, max=threading.TIMEOUT_MAX, help="Back off to this many seconds "
+    poll: Annotated[float, typer.Option("--poll", min=0.0, max=threading.TIMEOUT_MAX,
+                                        help="Seconds between looks at LATEST (at first, "
+                                             "and again after each new version).")] = DEFAULT_POLL,
+    max_poll: Annotated[float | None, typer.Option("--max-poll", min=0.0, max=threading.TIMEOUT_MAX,
+                                                   help="Back off to this many seconds "
                                                    "between looks while nothing is published (default 4x --poll; "
                                                    "equal to --poll for a fixed interval).")] = None,
     notifications: Annotated[str | None, typer.Option("--notifications", help="An SQS queue URL the bucket's "

@@ -796,8 +796,6 @@ def _gone(version: Version) -> VersionGoneError:
                             path=version.path)
 
 
-
-
 def _parse_pointer(data: bytes) -> dict[str, Any]:
     if not data.strip():
         raise FormatError("LATEST is empty; publish again to repair it")

@@ -12,7 +12,7 @@ import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import PurePosixPath
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -68,7 +68,6 @@ class Reader(Protocol):
     def close(self) -> None: ...
 
 
-@runtime_checkable
 class RegionReader(Protocol):
     """The optional capability of a reader that reads part of a tensor without the rest (a
     sharded version: only the blocks that hold the region); :meth:`Store.read_region` reads the
