@@ -25,10 +25,13 @@ reload until the process runs out of memory. Every value is read and verified fi
 values go in batches of bounded bytes, one run each, so a restore holds a small part of the
 model in extra memory rather than a second copy of it (see
 :func:`weightstore.adapters.skeleton.run_assign` for what a failure in a later batch means). A
-variable takes over the buffer it is fed, so large values are fed from TensorFlow's own memory
-(:func:`weightstore.adapters.tf_staging.staged_feeds`): the buffers the variables free go back
-to TensorFlow's pool and the next batch reuses them, where numpy copies left the old ones in the
-pool for good (the first assign in a process then held the model twice, as ``Saver.restore`` does).
+resource variable takes over the buffer it is fed, so large values are fed from TensorFlow's own
+memory (:func:`weightstore.adapters.tf_staging.staged_feeds`), where numpy copies left the old
+buffers in TensorFlow's pool for good (the first assign in a process then held the model twice,
+as ``Saver.restore`` does). Where a value is a view of the mapped file, the variable first takes
+over the file's pages, so the staged copy reuses the very buffer that frees (:func:`_run_batch`):
+an assign, the first in a process or a later one, grows the pool by a few MB rather than by a
+batch. A ref variable copies into its own buffer, so it is fed the value as it is.
 Each batch runs as a callable the session compiles while the values are verified
 (:mod:`weightstore.adapters.tf1_callables`), so the first assign does not wait for TF to compile
 its batches one by one.
@@ -63,7 +66,7 @@ from weightstore.adapters.plan import (
     plan_assign,
 )
 from weightstore.adapters.skeleton import Target, run_assign
-from weightstore.adapters.tf_staging import staged_feeds
+from weightstore.adapters.tf_staging import shares_mapped, staged_feeds
 from weightstore.errors import AssignmentError, FormatError, InvalidKeyError, SelectionError
 from weightstore.keys import from_tf_name
 from weightstore.manifest import ML_DTYPES
@@ -203,13 +206,15 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
         """One batch in one run of the session, through ops the graph already has."""
         writers: tf1_callables.Writers = []
         values: list[tuple[np.ndarray, np.dtype]] = []
+        on_cpu: list[bool] = []
         for key, value in batch:
             target = targets[key]
             for part, array in zip(target.parts, cut(value, target.parts), strict=True):
                 if array is not None:
                     writers.append(_writer(graph, part.variable))
                     values.append((array, target.dtype))
-        tf1_callables.run(sess, writers, staged_feeds(values))
+                    on_cpu.append(_on_cpu(sess, part.variable))
+        _run_batch(sess, writers, values, on_cpu)
         return [key for key, _ in batch]
 
     def ahead(batches: list[list[str]]) -> None:
@@ -228,6 +233,57 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
     job = Target(infos, write, owner=lambda key: sess, prepare=prepare, plan=plan, batched=True, ahead=ahead, kept=kept,
                  regions=lambda key: [part.index for part in targets[key].parts] if targets[key].parts[0].index else None)
     return run_assign(job, weights, options)
+
+
+def _run_batch(sess: Any, writers: tf1_callables.Writers, values: list[tuple[np.ndarray, np.dtype]],
+               on_cpu: list[bool]) -> None:
+    """One batch through its writers, in as little new memory as its values allow.
+
+    A ref variable's ``Assign`` copies into the buffer the variable has, so it is fed the value
+    as it is. A resource variable's ``AssignVariableOp`` takes over the tensor it is fed and only
+    then frees its old buffer, so a new value must exist before the old one goes: staged in
+    TensorFlow's memory (:func:`staged_feeds`), the batch grows the pool by its own size. Where a
+    value is a view of a mapped file that TensorFlow takes over as it is
+    (:func:`~weightstore.adapters.tf_staging.shares_mapped`) and the variable lives in host
+    memory, the batch runs twice instead: the variables first take over the file's pages (the
+    right values, in no memory of the process's own), which frees their old buffers; the staged
+    copies, made only then, reuse those very buffers, and the second run hands them over and lets
+    the file go. Both runs feed the same tensors to the same ops, so one compiled callable serves
+    both. A device variable gets the staged copies alone: its old buffer is not host memory.
+    """
+    in_place = [op.type == "Assign" and array.dtype == dtype and array.flags.c_contiguous
+                for (op, _), (array, dtype) in zip(writers, values, strict=True)]
+    mapped = [not copies and cpu and op.type == "AssignVariableOp" and shares_mapped(array, dtype)
+              for (op, _), (array, dtype), copies, cpu in zip(writers, values, in_place, on_cpu, strict=True)]
+    feeds = [array for array, _ in values]
+    later = [i for i, copies in enumerate(in_place) if not copies and not mapped[i]]
+    for i, feed in zip(later, staged_feeds([values[i] for i in later]), strict=True):
+        feeds[i] = feed
+    if any(mapped):
+        tf1_callables.run(sess, writers, feeds)
+        first = [i for i, shared in enumerate(mapped) if shared]
+        for i, feed in zip(first, staged_feeds([values[i] for i in first]), strict=True):
+            feeds[i] = feed
+    tf1_callables.run(sess, writers, feeds)
+
+
+def _on_cpu(sess: Any, variable: tf.Variable) -> bool:
+    """Whether ``variable`` surely lives in host memory: placed on a CPU, or unplaced in a session
+    whose only devices are CPUs (a session wrapper that cannot say: no)."""
+    try:
+        placed = tf.DeviceSpec.from_string(variable.op.device or "").device_type
+    except ValueError:
+        return False
+    if placed:
+        return placed.upper() == "CPU"
+    host_only = getattr(sess, "_weightstore_host_only", None)
+    if host_only is None:
+        try:
+            host_only = all(device.device_type.upper() == "CPU" for device in sess.list_devices())
+        except (AttributeError, tf.errors.OpError):
+            return False
+        sess._weightstore_host_only = host_only
+    return bool(host_only)
 
 
 def _open_session(sess: Any) -> Any:

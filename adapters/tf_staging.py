@@ -19,11 +19,19 @@ process allocates from the one CPU allocator, so the buffers the user's variable
 what the next batch's ``Empty`` reuses. The fetched tensor comes back as a writable numpy view
 of TensorFlow's memory (its only owner), and fed back, aligned, it is what the variable takes
 over. A session, not eager ops, because TF1 programs usually turn eager execution off.
+The ``Empty`` ops run one after another, largest first, so each takes the freed buffer that
+fits it best: run side by side, a small one could split the buffer a large one needed, and the
+pool grew by a large buffer on a later assign (0.18x a 1 GB model on the second call).
+
+:func:`shares_mapped` names the values TensorFlow can take over for nothing: views of a mapped
+file that it wraps rather than copies (:mod:`weightstore.adapters.tf1` feeds them first, so the
+variables' old buffers are free before the ``Empty`` ops ask for new ones).
 """
 
 from __future__ import annotations
 
 import math
+import mmap
 import threading
 from typing import Any
 
@@ -35,8 +43,9 @@ with needs("tf", __name__):
     import tensorflow as tf
 
 from weightstore.adapters.skeleton import copy_into, is_handed_over, private_copy
+from weightstore.io.buffer import ALIGNMENT, memory_owner
 
-__all__ = ["staged_copy", "staged_feeds"]
+__all__ = ["shares_mapped", "staged_copy", "staged_feeds"]
 
 #: smaller values keep a :func:`private_copy`: the ``Empty`` op's fixed cost (about 35 us) is more
 #: than a copy of them into heap memory numpy reuses (docs/benchmarks.md), and their share of a
@@ -86,6 +95,7 @@ def staged_feeds(values: list[tuple[np.ndarray, np.dtype]]) -> list[np.ndarray]:
         else:
             staged.setdefault(dtype, []).append(i)
     for dtype, chosen in staged.items():
+        chosen.sort(key=lambda i: -math.prod(values[i][0].shape))  # largest first: see the module's docstring
         buffers = _empty(dtype, [values[i][0].shape for i in chosen])
         for n, i in enumerate(chosen):
             if buffers is None:
@@ -94,6 +104,16 @@ def staged_feeds(values: list[tuple[np.ndarray, np.dtype]]) -> list[np.ndarray]:
                 copy_into(buffers[n], values[i][0])
                 feeds[i] = buffers[n]
     return [feeds[i] for i in range(len(values))]
+
+
+def shares_mapped(array: np.ndarray, dtype: np.dtype) -> bool:
+    """Whether ``array`` is a large view of a mapped file that a TF1 feed of ``dtype`` wraps as
+    it is: TensorFlow shares fed memory that is C-contiguous, of the fed dtype and aligned to
+    Eigen's 64 bytes (and copies anything else). Such a tensor does not own its memory, so
+    TensorFlow copies it before any in-place write, and its pages are the file's: taking it over
+    costs a variable no memory of the process's own."""
+    return (isinstance(memory_owner(array), mmap.mmap) and array.dtype == np.dtype(dtype)
+            and array.nbytes >= STAGED_FROM and array.flags.c_contiguous and array.ctypes.data % ALIGNMENT == 0)
 
 
 def _empty(dtype: np.dtype, shapes: list[tuple[int, ...]]) -> list[np.ndarray] | None:
@@ -113,8 +133,9 @@ def _empty(dtype: np.dtype, shapes: list[tuple[int, ...]]) -> list[np.ndarray] |
 
 class _Stager:
     """``Empty`` ops of one dtype in a graph and CPU-only session of their own: one op per value
-    of a batch, made as batches need them (a graph of a few dozen ops at most, made once). A
-    dtype of its own graph, since one op without a kernel fails every run of its graph."""
+    of a batch, each run after the one before, made as batches need them (a graph of a few dozen
+    ops at most). A dtype of its own graph, since one op without a kernel fails every run of its
+    graph."""
 
     def __init__(self, dtype: np.dtype):
         self._dtype = tf.as_dtype(dtype)
@@ -125,15 +146,24 @@ class _Stager:
         self._lock = threading.Lock()
 
     def empty(self, shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
-        """Uninitialized arrays of these shapes in TensorFlow's memory."""
+        """Uninitialized arrays of these shapes in TensorFlow's memory, allocated in this order."""
         with self._lock:
-            while len(self._ops) < len(shapes):
-                with self._graph.as_default(), tf.device("/CPU:0"):
-                    shape = tf.compat.v1.placeholder(tf.int32, [None])
-                    self._ops.append((shape, tf.raw_ops.Empty(shape=shape, dtype=self._dtype, init=False)))
+            if len(self._ops) < len(shapes):
+                self._ops = self._chain(max(len(shapes), 2 * len(self._ops)))
             ops = self._ops[:len(shapes)]
             return self._session.run([output for _, output in ops],
                                      {placeholder: shape for (placeholder, _), shape in zip(ops, shapes, strict=True)})
+
+    def _chain(self, count: int) -> list[tuple[Any, Any]]:
+        """A new chain of ``count`` ops: an op that has run may not become a control input (TF
+        marks the op, which a session that ran it refuses), so a longer chain is all new."""
+        ops: list[tuple[Any, Any]] = []
+        with self._graph.as_default(), tf.device("/CPU:0"):
+            for _ in range(count):
+                shape = tf.compat.v1.placeholder(tf.int32, [None])
+                with tf.control_dependencies([ops[-1][1]] if ops else []):
+                    ops.append((shape, tf.raw_ops.Empty(shape=shape, dtype=self._dtype, init=False)))
+        return ops
 
 
 _stagers: dict[np.dtype, _Stager] = {}

@@ -80,6 +80,48 @@ def test_tf1_variables_share_nothing_with_the_caller_or_each_other_and_train_in_
         np.testing.assert_array_equal(sess.run(b), values(np.dtype("float32"), 7))
 
 
+@pytest.mark.parametrize("use_resource", [True, False], ids=["resource", "ref"])
+def test_tf1_variables_fed_from_a_mapped_file_keep_nothing_of_it(tmp_path, use_resource):
+    """A resource variable first takes over the file's pages, then a copy of them in TF's memory;
+    a ref variable copies into its own buffer. Either way, once the assign is done, a file
+    rewritten in place (as no weightstore writer does) changes no variable, and training updates
+    the variable's own buffer."""
+    expected = {"a": values(np.dtype("float32"), 8), "b": values(np.dtype("float32"), 9)}
+    path = tmp_path / "w.npz"
+    ws.save(path, expected)
+    with ws.open(path) as store:
+        assert all(tf_staging.shares_mapped(store[key], np.dtype("float32")) for key in expected)
+    graph = tf.Graph()
+    with graph.as_default(), tf.compat.v1.Session(graph=graph) as sess:
+        made = {key: tf.compat.v1.get_variable(key, (ROWS, 8), tf.float32, tf.compat.v1.zeros_initializer(),
+                                               use_resource=use_resource) for key in expected}
+        step = made["a"].assign_add(tf.ones_like(made["a"]))
+        sess.run(tf.compat.v1.global_variables_initializer())
+        assert tf1.assign(sess, path).assigned == ["a", "b"]
+        with open(path, "r+b") as handle:  # every byte of both values, in place
+            data = bytearray(handle.read())
+            for value in expected.values():
+                at = data.find(value.tobytes())
+                data[at:at + value.nbytes] = b"\x00" * value.nbytes
+            handle.seek(0)
+            handle.write(data)
+        np.testing.assert_array_equal(sess.run(made["b"]), expected["b"])
+        sess.run(step)
+        np.testing.assert_array_equal(sess.run(made["a"]), expected["a"] + 1)
+
+
+def test_staged_buffers_of_growing_batches_are_distinct_and_shaped_as_asked():
+    """The ``Empty`` ops run one after another; a batch larger than any before makes a longer chain."""
+    for count in (1, 3, 2, 7):
+        shapes = [(ROWS + i, 8) for i in range(count)]
+        arrays = [values(np.dtype("float32"), i)[:1].repeat(ROWS + i, axis=0) for i in range(count)]
+        feeds = tf_staging.staged_feeds([(array, np.dtype("float32")) for array in arrays])
+        assert [feed.shape for feed in feeds] == shapes
+        assert len({feed.ctypes.data for feed in feeds}) == count
+        for feed, array in zip(feeds, arrays, strict=True):
+            np.testing.assert_array_equal(feed, array)
+
+
 def test_assigned_variables_update_in_place_and_earlier_reads_keep_their_values(tmp_path):
     variable = tf.Variable(tf.zeros((ROWS, 8), tf.float32))
     before = variable.read_value()  # shares the variable's buffer, as a background snapshot does
