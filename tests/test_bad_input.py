@@ -493,6 +493,15 @@ def test_max_bytes_refuses_before_reading(tmp_path, suffix):
     assert ws.load(path, include="b", max_bytes=80, verify=False)["b"].shape == (10,)
 
 
+def test_read_given_one_key_as_a_string_says_how_to_read_it(tmp_path):
+    """A string is iterable: read("embedding") would have asked for tensors "e", "m", ..."""
+    ws.save(tmp_path / "w.npz", {"embedding": np.arange(4, dtype=np.float32)})
+    with ws.open(tmp_path / "w.npz") as store:
+        with pytest.raises(TypeError, match=r"store\.read\(\['embedding'\]\), or store\['embedding'\]"):
+            store.read("embedding")
+        assert list(store.read(["embedding"])) == ["embedding"]
+
+
 def _corrupt_every_tensor(path, suffix, weights):
     if suffix == ".npz":
         for key in weights:

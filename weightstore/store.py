@@ -209,6 +209,8 @@ class Store(Mapping):
 
     def read(self, keys: Iterable[str] | None = None, *, max_bytes: int | None = None) -> dict[str, np.ndarray]:
         """Several tensors at once, refusing before reading if they exceed ``max_bytes``."""
+        if isinstance(keys, str):  # iterated, it would name one tensor per character
+            raise TypeError(f"read() takes a list of keys, not one key: store.read([{keys!r}]), or store[{keys!r}]")
         wanted = self.keys() if keys is None else list(keys)
         for key in wanted:
             if key not in self:
