@@ -128,22 +128,31 @@ def build_keras(folder):
     return model
 
 
-def build_tf1(folder):
-    """A graph with one resource variable per key (zeros initializers), filled by feeding."""
+def build_tf1(folder, init="fed"):
+    """A graph with one resource variable per key. ``init`` "fed": each filled by feeding the
+    file's values (TF keeps a fed array that happens to be aligned as the variable's buffer:
+    numpy's memory, which the C heap keeps once the first assign frees it; the worst case);
+    "initializers": set by random initializers the session runs (TF's memory, as a training or
+    serving graph starts)."""
     import tensorflow as tf
 
     graph = tf.Graph()
     with graph.as_default():
         variables = {}
+        initializer = tf.compat.v1.zeros_initializer() if init == "fed" else tf.compat.v1.random_normal_initializer()
         for key, shape in _spec(folder):
-            variables[key] = tf.compat.v1.get_variable(key, shape, tf.float32, tf.compat.v1.zeros_initializer())
+            variables[key] = tf.compat.v1.get_variable(key, shape, tf.float32, initializer)
         saver = tf.compat.v1.train.Saver(variables, write_version=tf.compat.v1.train.SaverDef.V2)
         scoped = {k: v for k, v in variables.items() if k.startswith(SCOPE + "/")}
         scoped_saver = tf.compat.v1.train.Saver(scoped) if scoped else None  # the small layout has no scope
+        run_initializers = tf.compat.v1.global_variables_initializer()
     sess = tf.compat.v1.Session(graph=graph)
-    for key, value in _arrays(folder):
-        variable = variables[key]
-        sess.run(variable.initializer, feed_dict={variable.initializer.inputs[1]: value})
+    if init == "fed":
+        for key, value in _arrays(folder):
+            variable = variables[key]
+            sess.run(variable.initializer, feed_dict={variable.initializer.inputs[1]: value})
+    else:
+        sess.run(run_initializers)
     graph.finalize()
     return sess, variables, saver, scoped_saver
 
@@ -229,7 +238,7 @@ def case_main(args) -> None:
         else:
             run = lambda: model.load_weights(target)  # noqa: E731
     elif product in ("ws-tf1", "tf1-saver", "tf1-floor"):
-        sess, variables, saver, scoped_saver = build_tf1(folder)
+        sess, variables, saver, scoped_saver = build_tf1(folder, args.tf1_init)
         if product == "ws-tf1":
             if kind == "save":
                 run = lambda: ws.save(target, tf1.export(sess))  # noqa: E731
@@ -460,25 +469,28 @@ def report(r: dict, facts: dict, say) -> None:
 RESTORES = [("ws-tf2", "tf2-ckpt"), ("ws-tf2-st", "tf2-ckpt"), ("ws-tf1", "tf1-saver"), ("ws-tf1-st", "tf1-saver")]
 
 
-def restore_bench(size_mb: float, repeat: int, *, cold: bool = False, rounds: int = 3, out=sys.stdout) -> dict:
+def restore_bench(size_mb: float, repeat: int, *, cold: bool = False, rounds: int = 3, tf1_init: str = "fed",
+                  out=sys.stdout) -> dict:
     """npz and safetensors files into TF2 variables and a TF1 graph, against ``Checkpoint.read``
     and ``Saver.restore``: every case in its own process, the cases taking turns for ``rounds``
     rounds (load from other processes falls on all alike), medians over the rounds. With
     ``cold``, each case evicts its own files from the page cache before every read (first and
     repeated). Memory: the extra anonymous memory of the first call in the process (what a user
-    sees: an allocator pool keeps what it grew to) and of a repeated one."""
+    sees: an allocator pool keeps what it grew to) and of a repeated one. ``tf1_init``: how the
+    TF1 graph's variables were set before (:func:`build_tf1`)."""
     say = lambda *a: print(*a, file=out, flush=True)  # noqa: E731
     folder = tempfile.mkdtemp(prefix="ws-restore-", dir=os.environ.get("WS_BENCH_DIR"))
     try:
         facts = prepare(folder, size_mb)
         model = facts["bytes"]
         state = "cold (each side's files evicted before every read)" if cold else "warm (files in the page cache)"
-        say(f"Restore {model / MB:,.0f} MB ({facts['arrays']} float32 tensors), {state}: {rounds} rounds of one "
-            f"process per case, {repeat} reads each; {machine_line()}")
+        say(f"Restore {model / MB:,.0f} MB ({facts['arrays']} float32 tensors), {state}, TF1 variables set by "
+            f"{'feeds' if tf1_init == 'fed' else 'initializers'}: {rounds} rounds of one process per case, {repeat} "
+            f"reads each; {machine_line()}")
         products = list(dict.fromkeys(p for pair in RESTORES for p in pair))
         for product in products:
             run_case(MODULE, f"save:{product}", ["--dir", folder, "--repeat", "1"], env=QUIET)
-        args = ["--dir", folder, "--repeat", str(repeat), "--anon", *(["--cold"] if cold else [])]
+        args = ["--dir", folder, "--repeat", str(repeat), "--anon", "--tf1-init", tf1_init, *(["--cold"] if cold else [])]
         runs: dict[str, list[dict]] = {p: [] for p in products}
         for _ in range(rounds):
             for product in products:
@@ -611,6 +623,9 @@ def main(argv=None) -> None:
     parser.add_argument("--anon", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cold", action="store_true",
                         help="evict each restore's own files from the page cache before every timed read")
+    parser.add_argument("--tf1-init", choices=["fed", "initializers"], default="fed",
+                        help="--restore: TF1 variables set before by feeds (numpy's memory: the worst case, "
+                             "the default) or by random initializers (TF's memory)")
     parser.add_argument("--restore", action="store_true",
                         help="only the restore comparison (npz and safetensors into TF2 and TF1, memory columns)")
     parser.add_argument("--export-memory", action="store_true",
@@ -624,7 +639,7 @@ def main(argv=None) -> None:
         export_memory_bench(args.size_mb)
         return
     if args.restore:
-        restore_bench(args.size_mb, args.repeat, cold=args.cold, rounds=args.rounds)
+        restore_bench(args.size_mb, args.repeat, cold=args.cold, rounds=args.rounds, tf1_init=args.tf1_init)
         return
     if not args.only_hold:
         bench(args.size_mb, args.repeat, args.dir, args.keep)
