@@ -9,6 +9,7 @@ they were.
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,9 +27,10 @@ from weightstore.errors import (
     SelectionError,
     StoreExistsError,
     StoreNotFoundError,
+    TargetError,
     naming,
 )
-from weightstore.formats import format_for_suffix, sniff
+from weightstore.formats import format_for_suffix, known_suffixes, sniff
 from weightstore.io.location import is_url
 from weightstore.keys import MappingRules, Patterns, plan_inward, validate_key
 from weightstore.names import TORCH, WRITE_NAMINGS, check_naming, torch_keys
@@ -133,7 +135,19 @@ def is_checkpoint_target(target: str) -> bool:
         with open(target, "rb") as handle, naming(path=target):
             sniff(handle.read(8))  # refuses files that are neither npz nor HDF5
         return False
+    _refuse_near_store_suffix(target)
     return True
+
+
+def _refuse_near_store_suffix(target: str) -> None:
+    """A new name whose suffix is a store's misspelt (``w.npzz``, ``w.safetensor``) would become
+    a TF checkpoint prefix without a word; it is refused, naming the store suffix meant."""
+    stem, suffix = os.path.splitext(target)
+    near = difflib.get_close_matches(suffix.lower(), known_suffixes(), n=1, cutoff=0.75) if suffix else []
+    if near:
+        raise TargetError(f"{suffix!r} is no store suffix, and a new name without one would become a TF "
+                          f"checkpoint prefix; did you mean {stem + near[0]!r}? (for a new checkpoint, name "
+                          "it like model.ckpt)", path=target)
 
 
 def import_(source: Source, target: str, *, scope: str | None, mapping: MappingRules, include: Patterns,

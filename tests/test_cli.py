@@ -199,6 +199,15 @@ def test_import_into_stores_creates_merges_and_refuses_collisions(store, tmp_pat
     assert len(ws.load(target)) == 5
 
 
+@pytest.mark.parametrize("name, meant", [("w.npzz", "w.npz"), ("w.safetensor", "w.safetensors"),
+                                         ("w.npy", "w.npz"), ("w.H55", "w.h5")])
+def test_import_into_a_misspelt_store_suffix_is_refused_not_made_a_checkpoint(store, tmp_path, name, meant):
+    before = sorted(tmp_path.iterdir())
+    result = run("import", store, "--into", tmp_path / name)
+    one_error_line(result, "is no store suffix", f"did you mean '{tmp_path / meant}'", "model.ckpt")
+    assert sorted(tmp_path.iterdir()) == before
+
+
 def test_import_into_a_tf_checkpoint_restored_by_saver(store, tmp_path):
     prefix = str(tmp_path / "ens.ckpt")
     assert run("import", store, "--into", prefix, "--scope", "model_001").exit_code == 0
