@@ -206,15 +206,15 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
         """One batch in one run of the session, through ops the graph already has."""
         writers: tf1_callables.Writers = []
         values: list[tuple[np.ndarray, np.dtype]] = []
-        on_cpu: list[bool] = []
+        variables: list[tf.Variable] = []
         for key, value in batch:
             target = targets[key]
             for part, array in zip(target.parts, cut(value, target.parts), strict=True):
                 if array is not None:
                     writers.append(_writer(graph, part.variable))
                     values.append((array, target.dtype))
-                    on_cpu.append(_on_cpu(sess, part.variable))
-        _run_batch(sess, writers, values, on_cpu)
+                    variables.append(part.variable)
+        _run_batch(sess, writers, values, variables)
         return [key for key, _ in batch]
 
     def ahead(batches: list[list[str]]) -> None:
@@ -236,7 +236,7 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
 
 
 def _run_batch(sess: Any, writers: tf1_callables.Writers, values: list[tuple[np.ndarray, np.dtype]],
-               on_cpu: list[bool]) -> None:
+               variables: list[tf.Variable]) -> None:
     """One batch through its writers, in as little new memory as its values allow.
 
     A ref variable's ``Assign`` copies into the buffer the variable has, so it is fed the value
@@ -253,17 +253,18 @@ def _run_batch(sess: Any, writers: tf1_callables.Writers, values: list[tuple[np.
     """
     in_place = [op.type == "Assign" and array.dtype == dtype and array.flags.c_contiguous
                 for (op, _), (array, dtype) in zip(writers, values, strict=True)]
-    mapped = [not copies and cpu and op.type == "AssignVariableOp" and shares_mapped(array, dtype)
-              for (op, _), (array, dtype), copies, cpu in zip(writers, values, in_place, on_cpu, strict=True)]
-    feeds = [array for array, _ in values]
-    later = [i for i, copies in enumerate(in_place) if not copies and not mapped[i]]
-    for i, feed in zip(later, staged_feeds([values[i] for i in later]), strict=True):
-        feeds[i] = feed
+    mapped = [op.type == "AssignVariableOp" and shares_mapped(array, dtype) and _on_cpu(sess, variable)
+              for (op, _), (array, dtype), variable in zip(writers, values, variables, strict=True)]
+    feeds = [array for array, _ in values]  # as they are: for in-place copies and the first run
+
+    def stage(chosen: list[int]) -> None:
+        for i, feed in zip(chosen, staged_feeds([values[i] for i in chosen]), strict=True):
+            feeds[i] = feed
+
+    stage([i for i in range(len(values)) if not in_place[i] and not mapped[i]])
     if any(mapped):
         tf1_callables.run(sess, writers, feeds)
-        first = [i for i, shared in enumerate(mapped) if shared]
-        for i, feed in zip(first, staged_feeds([values[i] for i in first]), strict=True):
-            feeds[i] = feed
+        stage([i for i in range(len(values)) if mapped[i]])
     tf1_callables.run(sess, writers, feeds)
 
 

@@ -21,7 +21,8 @@ of TensorFlow's memory (its only owner), and fed back, aligned, it is what the v
 over. A session, not eager ops, because TF1 programs usually turn eager execution off.
 The ``Empty`` ops run one after another, largest first, so each takes the freed buffer that
 fits it best: run side by side, a small one could split the buffer a large one needed, and the
-pool grew by a large buffer on a later assign (0.18x a 1 GB model on the second call).
+pool grew on every later assign (a second ``tf1.assign`` of 1 GB: 0.08x side by side, 0.01x in
+order).
 
 :func:`shares_mapped` names the values TensorFlow can take over for nothing: views of a mapped
 file that it wraps rather than copies (:mod:`weightstore.adapters.tf1` feeds them first, so the
