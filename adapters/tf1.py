@@ -66,7 +66,7 @@ from weightstore.adapters.plan import (
     plan_assign,
 )
 from weightstore.adapters.skeleton import Target, run_assign
-from weightstore.adapters.tf_staging import shares_mapped, staged_feeds
+from weightstore.adapters.tf_staging import return_freed_heap, shares_mapped, staged_feeds
 from weightstore.errors import AssignmentError, FormatError, InvalidKeyError, SelectionError
 from weightstore.keys import from_tf_name
 from weightstore.manifest import ML_DTYPES
@@ -249,7 +249,9 @@ def _run_batch(sess: Any, writers: tf1_callables.Writers, values: list[tuple[np.
     right values, in no memory of the process's own), which frees their old buffers; the staged
     copies, made only then, reuse those very buffers, and the second run hands them over and lets
     the file go. Both runs feed the same tensors to the same ops, so one compiled callable serves
-    both. A device variable gets the staged copies alone: its old buffer is not host memory.
+    both. Old buffers that were numpy's go back to the C heap, which keeps them unless asked
+    (:func:`~weightstore.adapters.tf_staging.return_freed_heap`). A device variable gets the
+    staged copies alone: its old buffer is not host memory.
     """
     in_place = [op.type == "Assign" and array.dtype == dtype and array.flags.c_contiguous
                 for (op, _), (array, dtype) in zip(writers, values, strict=True)]
@@ -264,6 +266,7 @@ def _run_batch(sess: Any, writers: tf1_callables.Writers, values: list[tuple[np.
     stage([i for i in range(len(values)) if not in_place[i] and not mapped[i]])
     if any(mapped):
         tf1_callables.run(sess, writers, feeds)
+        return_freed_heap()
         stage([i for i in range(len(values)) if mapped[i]])
     tf1_callables.run(sess, writers, feeds)
 

@@ -3,6 +3,7 @@ exact values for every dtype, variables that stay independent of the file, of th
 arrays and of earlier reads, and a first assign in a process that does not leave it holding the
 model twice."""
 
+import ctypes
 import json
 import os
 import subprocess
@@ -208,8 +209,53 @@ FIRST_ASSIGN_TF1 = textwrap.dedent("""
 """)
 
 
+FIRST_ASSIGN_TF1_FED = textwrap.dedent("""
+    import ctypes, gc, json, sys
+    ctypes.CDLL(None).mallopt(-3, 256 << 20)  # M_MMAP_THRESHOLD: numpy's arrays come from the C heap
+    import numpy as np, tensorflow as tf
+    import weightstore as ws
+    from weightstore.adapters import skeleton, tf1
+    from weightstore.io.buffer import aligned_array
+
+    tf.compat.v1.disable_eager_execution()
+    skeleton.BATCH_MIN_BYTES = 16 << 20
+
+    def anon():
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon"))
+
+    graph = tf.Graph()
+    with graph.as_default():
+        model = [tf.compat.v1.get_variable(f"w{i}", [1 << 20]) for i in range(32)]
+    sess = tf.compat.v1.Session(graph=graph)
+    for variable in model:  # aligned: each variable keeps the fed array, heap memory, as its buffer
+        value = aligned_array(4 << 20).view(np.float32)
+        value[:] = -1
+        sess.run(variable.initializer, {variable.initializer.inputs[1]: value})
+    del value
+    graph.finalize()
+    ws.save(sys.argv[1], {f"w{i}": np.full(1 << 20, i, np.float32) for i in range(32)})
+    gc.collect()
+    before = anon()
+    tf1.assign(sess, sys.argv[1])
+    gc.collect()
+    right = all((value == i).all() for i, value in enumerate(sess.run(model)))
+    print(json.dumps({"kept": anon() - before, "model": 128 << 20, "right": right}))
+""")
+
+
+def _glibc() -> bool:
+    try:
+        return hasattr(ctypes.CDLL(None), "malloc_trim") and hasattr(ctypes.CDLL(None), "mallopt")
+    except OSError:
+        return False
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RssAnon from /proc")
-@pytest.mark.parametrize("script", [FIRST_ASSIGN, FIRST_ASSIGN_TF1], ids=["tf2", "tf1"])
+@pytest.mark.parametrize("script", [
+    FIRST_ASSIGN, FIRST_ASSIGN_TF1,
+    pytest.param(FIRST_ASSIGN_TF1_FED, marks=pytest.mark.skipif(not _glibc(), reason="glibc's heap")),
+], ids=["tf2", "tf1", "tf1-fed-heap-arrays"])
 def test_the_first_assign_in_a_process_does_not_keep_a_second_model(tmp_path, script):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="1")  # x86 TF's default (conftest: off)
     done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "m.npz")], capture_output=True,
