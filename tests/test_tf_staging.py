@@ -180,10 +180,14 @@ FIRST_ASSIGN = textwrap.dedent("""
 
 
 FIRST_ASSIGN_TF1 = textwrap.dedent("""
-    import gc, json, sys
+    import ctypes, gc, json, sys
+    fed = sys.argv[2] == "fed"
+    if fed:
+        ctypes.CDLL(None).mallopt(-3, 256 << 20)  # M_MMAP_THRESHOLD: numpy's arrays come from the C heap
     import numpy as np, tensorflow as tf
     import weightstore as ws
     from weightstore.adapters import skeleton, tf1
+    from weightstore.io.buffer import aligned_array
 
     tf.compat.v1.disable_eager_execution()  # as TF1 programs run
     skeleton.BATCH_MIN_BYTES = 16 << 20  # batches of an eighth: what is kept is about one batch
@@ -193,46 +197,18 @@ FIRST_ASSIGN_TF1 = textwrap.dedent("""
             return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon"))
 
     graph = tf.Graph()
-    with graph.as_default():  # 128 MB set by the graph's own initializers: TF's memory
+    with graph.as_default():  # 128 MB
         model = [tf.compat.v1.get_variable(f"w{i}", [1 << 20]) for i in range(32)]
         init = tf.compat.v1.global_variables_initializer()
     sess = tf.compat.v1.Session(graph=graph)
-    sess.run(init)
-    graph.finalize()
-    ws.save(sys.argv[1], {f"w{i}": np.full(1 << 20, i, np.float32) for i in range(32)})
-    gc.collect()
-    before = anon()
-    tf1.assign(sess, sys.argv[1])
-    gc.collect()
-    right = all((value == i).all() for i, value in enumerate(sess.run(model)))
-    print(json.dumps({"kept": anon() - before, "model": 128 << 20, "right": right}))
-""")
-
-
-FIRST_ASSIGN_TF1_FED = textwrap.dedent("""
-    import ctypes, gc, json, sys
-    ctypes.CDLL(None).mallopt(-3, 256 << 20)  # M_MMAP_THRESHOLD: numpy's arrays come from the C heap
-    import numpy as np, tensorflow as tf
-    import weightstore as ws
-    from weightstore.adapters import skeleton, tf1
-    from weightstore.io.buffer import aligned_array
-
-    tf.compat.v1.disable_eager_execution()
-    skeleton.BATCH_MIN_BYTES = 16 << 20
-
-    def anon():
-        with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon"))
-
-    graph = tf.Graph()
-    with graph.as_default():
-        model = [tf.compat.v1.get_variable(f"w{i}", [1 << 20]) for i in range(32)]
-    sess = tf.compat.v1.Session(graph=graph)
-    for variable in model:  # aligned: each variable keeps the fed array, heap memory, as its buffer
-        value = aligned_array(4 << 20).view(np.float32)
-        value[:] = -1
-        sess.run(variable.initializer, {variable.initializer.inputs[1]: value})
-    del value
+    if fed:  # aligned: each variable keeps the fed array, heap memory, as its buffer
+        for variable in model:
+            value = aligned_array(4 << 20).view(np.float32)
+            value[:] = -1
+            sess.run(variable.initializer, {variable.initializer.inputs[1]: value})
+        del value
+    else:  # set by the graph's own initializers: TF's memory
+        sess.run(init)
     graph.finalize()
     ws.save(sys.argv[1], {f"w{i}": np.full(1 << 20, i, np.float32) for i in range(32)})
     gc.collect()
@@ -252,13 +228,13 @@ def _glibc() -> bool:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RssAnon from /proc")
-@pytest.mark.parametrize("script", [
-    FIRST_ASSIGN, FIRST_ASSIGN_TF1,
-    pytest.param(FIRST_ASSIGN_TF1_FED, marks=pytest.mark.skipif(not _glibc(), reason="glibc's heap")),
+@pytest.mark.parametrize("script, start", [
+    (FIRST_ASSIGN, ""), (FIRST_ASSIGN_TF1, "initializers"),
+    pytest.param(FIRST_ASSIGN_TF1, "fed", marks=pytest.mark.skipif(not _glibc(), reason="glibc's heap")),
 ], ids=["tf2", "tf1", "tf1-fed-heap-arrays"])
-def test_the_first_assign_in_a_process_does_not_keep_a_second_model(tmp_path, script):
+def test_the_first_assign_in_a_process_does_not_keep_a_second_model(tmp_path, script, start):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="1")  # x86 TF's default (conftest: off)
-    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "m.npz")], capture_output=True,
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "m.npz"), start], capture_output=True,
                           text=True, timeout=180, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
