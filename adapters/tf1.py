@@ -66,8 +66,9 @@ from weightstore.adapters.plan import (
     plan_assign,
 )
 from weightstore.adapters.skeleton import Target, run_assign
-from weightstore.adapters.tf_staging import return_freed_heap, shares_mapped, staged_feeds
+from weightstore.adapters.tf_staging import shares_mapped, staged_feeds
 from weightstore.errors import AssignmentError, FormatError, InvalidKeyError, SelectionError
+from weightstore.heap import give_back
 from weightstore.keys import from_tf_name
 from weightstore.manifest import ML_DTYPES
 from weightstore.shards import Piece
@@ -249,9 +250,10 @@ def _run_batch(sess: Any, writers: tf1_callables.Writers, values: list[tuple[np.
     right values, in no memory of the process's own), which frees their old buffers; the staged
     copies, made only then, reuse those very buffers, and the second run hands them over and lets
     the file go. Both runs feed the same tensors to the same ops, so one compiled callable serves
-    both. Old buffers that were numpy's go back to the C heap, which keeps them unless asked
-    (:func:`~weightstore.adapters.tf_staging.return_freed_heap`). A device variable gets the
-    staged copies alone: its old buffer is not host memory.
+    both. An old buffer that was a fed numpy array (a variable keeps an aligned one as it is) goes
+    back to the C heap, which keeps its pages for allocations TensorFlow's pool never makes, so
+    they are handed back (:func:`weightstore.heap.give_back`) before the copies are made. A
+    device variable gets the staged copies alone: its old buffer is not host memory.
     """
     in_place = [op.type == "Assign" and array.dtype == dtype and array.flags.c_contiguous
                 for (op, _), (array, dtype) in zip(writers, values, strict=True)]
@@ -266,7 +268,7 @@ def _run_batch(sess: Any, writers: tf1_callables.Writers, values: list[tuple[np.
     stage([i for i in range(len(values)) if not in_place[i] and not mapped[i]])
     if any(mapped):
         tf1_callables.run(sess, writers, feeds)
-        return_freed_heap()
+        give_back()
         stage([i for i in range(len(values)) if mapped[i]])
     tf1_callables.run(sess, writers, feeds)
 

@@ -26,14 +26,11 @@ order).
 
 :func:`shares_mapped` names the values TensorFlow can take over for nothing: views of a mapped
 file that it wraps rather than copies (:mod:`weightstore.adapters.tf1` feeds them first, so the
-variables' old buffers are free before the ``Empty`` ops ask for new ones). A variable that was
-fed an aligned numpy array kept that array as its buffer, in the C heap, where glibc keeps it
-once freed: :func:`return_freed_heap` hands such pages back.
+variables' old buffers are free before the ``Empty`` ops ask for new ones).
 """
 
 from __future__ import annotations
 
-import ctypes
 import math
 import mmap
 import threading
@@ -49,7 +46,7 @@ with needs("tf", __name__):
 from weightstore.adapters.skeleton import copy_into, is_handed_over, private_copy
 from weightstore.io.buffer import ALIGNMENT, memory_owner
 
-__all__ = ["return_freed_heap", "shares_mapped", "staged_copy", "staged_feeds"]
+__all__ = ["shares_mapped", "staged_copy", "staged_feeds"]
 
 #: smaller values keep a :func:`private_copy`: the ``Empty`` op's fixed cost (about 35 us) is more
 #: than a copy of them into heap memory numpy reuses (docs/benchmarks.md), and their share of a
@@ -118,31 +115,6 @@ def shares_mapped(array: np.ndarray, dtype: np.dtype) -> bool:
     costs a variable no memory of the process's own."""
     return (isinstance(memory_owner(array), mmap.mmap) and array.dtype == np.dtype(dtype)
             and array.nbytes >= STAGED_FROM and array.flags.c_contiguous and array.ctypes.data % ALIGNMENT == 0)
-
-
-def return_freed_heap() -> None:
-    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``; elsewhere nothing).
-
-    Variables once fed aligned numpy arrays took them over as their buffers, in the C heap;
-    freed by an assign, their pages stay with glibc for allocations TensorFlow's pool never
-    makes. The first ``tf1.assign`` into such variables held 0.08-0.17x a 256 MB model more
-    without this, 0.04-0.07x with it (docs/benchmarks.md). It only releases free memory; a
-    call took 0.3-3 ms here, holding each heap's lock while it runs.
-    """
-    if _malloc_trim is not None:
-        _malloc_trim(0)
-
-
-def _find_malloc_trim() -> Any:
-    try:
-        trim = ctypes.CDLL(None).malloc_trim  # the process's own C library
-    except (OSError, AttributeError):  # not glibc
-        return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
-
-
-_malloc_trim = _find_malloc_trim()
 
 
 def _empty(dtype: np.dtype, shapes: list[tuple[int, ...]]) -> list[np.ndarray] | None:
