@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import math
 import os
 import warnings
 import weakref
@@ -17,6 +18,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, S
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypedDict
 
+import ml_dtypes
 import numpy as np
 
 import weightstore
@@ -127,8 +129,8 @@ class AssignOptions(Selection):
     """A :class:`Selection` plus how values become variables' contents.
 
     ``mapping`` renames the dictionary's keys before pairing; ``strict`` refuses any missing,
-    unexpected or mismatched key without changing a variable; ``cast`` allows lossy dtype
-    conversions; ``skip_unchanged`` (``None``: only for versions) leaves alone variables that
+    unexpected or mismatched key without changing a variable; ``cast`` allows dtype
+    conversions that round, never one out of the target's range (:func:`out_of_range`); ``skip_unchanged`` (``None``: only for versions) leaves alone variables that
     last received the very same bytes.
     """
 
@@ -373,6 +375,51 @@ def _castable(source: np.dtype, target: np.dtype) -> bool:
         return np.can_cast(source, target, "unsafe") and source.kind in "biufcV" and target.kind in "biufcV"
     except TypeError:
         return False
+
+
+def out_of_range(array: np.ndarray, dtype: np.dtype) -> str:
+    """What of ``array`` a cast to ``dtype`` cannot hold ("" if nothing).
+
+    ``cast=True`` accepts rounding (float64 to float32, float to int), but numpy's cast turns
+    a value beyond the target's range into inf, or wraps an integer around, without a word: the
+    variable would silently hold other numbers than the file. A complex value may lose its
+    imaginary part only where that is zero.
+    """
+    target = np.dtype(dtype)
+    if array.size == 0 or target.kind == "b" or widens(array.dtype, target):
+        return ""
+    if array.dtype.kind == "c":
+        if target.kind != "c":
+            return (f"holds complex values with an imaginary part, which {target.name} cannot hold"
+                    if np.any(array.imag) else out_of_range(array.real, target))
+        return out_of_range(array.view(array.real.dtype), np.dtype(f"f{target.itemsize // 2}"))  # both parts
+    if array.dtype.kind == "V":  # an ml_dtypes type (bfloat16, float8, int4), reduced as a numpy one
+        array = array.astype(np.int64 if _is_integer(array.dtype) else np.float64)
+    integer = _is_integer(target)
+    smallest, largest = np.min(array).item(), np.max(array).item()  # NaN, if any, comes out as NaN
+    if array.dtype.kind == "f" and not (math.isfinite(smallest) and math.isfinite(largest)):
+        finite = np.isfinite(array)
+        if integer:
+            return f"holds {'NaN' if np.isnan(array).any() else 'inf'}, which {target.name} cannot hold"
+        if not finite.any():
+            return ""
+        smallest = np.min(array, where=finite, initial=np.inf).item()
+        largest = np.max(array, where=finite, initial=-np.inf).item()
+    for extreme in (smallest, largest):
+        if integer:  # a cast to an integer truncates toward zero
+            limits = ml_dtypes.iinfo(target)  # numpy's types too
+            fits = int(limits.min) <= math.trunc(extreme) <= int(limits.max)
+        else:  # rounds to nearest: past the largest value by half a step it becomes inf (float8: NaN)
+            with np.errstate(over="ignore", invalid="ignore"):
+                fits = bool(np.isfinite(np.array(extreme, array.dtype).astype(target).astype(np.float64)))
+        if not fits:
+            shown = f"{extreme:g}" if isinstance(extreme, float) else str(extreme)
+            return f"holds {shown}, beyond {target.name}'s range (cast=True rounds values, it does not clip them)"
+    return ""
+
+
+def _is_integer(dtype: np.dtype) -> bool:
+    return dtype.kind in "iu" or (dtype.kind == "V" and not dtype.name.startswith(("float", "bfloat")))
 
 
 def describe(dtype: np.dtype, shape: tuple[int, ...]) -> str:

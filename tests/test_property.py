@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import weightstore as ws
 from weightstore import keys as K
+from weightstore.adapters.plan import out_of_range
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -127,3 +128,26 @@ def test_bulk_key_check_agrees_with_the_one_key_check(keys):
     else:
         assert K.validate_keys(keys) == keys
 
+
+
+_NUMERIC = st.sampled_from([np.dtype(name) for name in ("int8", "uint8", "int16", "int32", "int64", "uint64",
+                                                      "float16", "float32", "float64")])
+
+
+@SETTINGS
+@given(data=st.data(), source=_NUMERIC, target=_NUMERIC)
+def test_cast_range_check_agrees_with_numpy(data, source, target):
+    """``out_of_range`` refuses exactly the arrays whose cast leaves the target's range: an
+    integer that comes back as another number, a finite float that comes back as inf, or a
+    NaN or inf cast to an integer."""
+    array = data.draw(hnp.arrays(source, st.integers(1, 6), elements=hnp.from_dtype(source, allow_subnormal=False)))
+    with np.errstate(all="ignore"):
+        cast = array.astype(target)
+    if target.kind == "f":
+        changed = np.isfinite(array) & ~np.isfinite(cast)
+    elif source.kind == "f":
+        changed = ~np.isfinite(array) | (np.trunc(array, where=np.isfinite(array), out=np.zeros_like(array))
+                                         != cast.astype(np.float64))
+    else:
+        changed = cast.astype(object) != array.astype(object)  # exact for every integer pair
+    assert bool(out_of_range(array, target)) == bool(np.any(changed)), (array, target)

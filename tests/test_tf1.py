@@ -187,6 +187,27 @@ def test_cast_rules():
 
 
 @pytest.mark.parametrize("resource", [True, False], ids=["resource", "ref"])
+def test_cast_refuses_values_out_of_the_variables_range(tmp_path, resource):
+    """cast=True rounds; a value the dtype cannot hold (inf after the cast, an int wrapped
+    around) is refused in the verify pass, from a file, and no variable changes."""
+    with graph_session() as (_, sess):
+        with v1.variable_scope("", use_resource=resource):
+            a = v1.get_variable("a", [2], dtype=tf.float32, initializer=v1.zeros_initializer())
+            small = v1.get_variable("small", [2], dtype=tf.int8, initializer=v1.zeros_initializer())
+        sess.run([a.initializer, small.initializer])
+        for bad, match in (({"a": np.array([1.0, 1e300]), "small": np.array([1, 2])}, r"'a'.*1e\+300, beyond float32"),
+                           ({"a": np.array([1.0, 2.0]), "small": np.array([1, 300])}, "'small'.*300, beyond int8")):
+            path = tmp_path / "bad.npz"
+            ws.save(path, bad)
+            with pytest.raises(AssignmentError, match=match) as caught:
+                tf1.assign(sess, path, cast=True)
+            assert caught.value.path == str(path)
+            assert [v.tolist() for v in values(sess, [a, small])] == [[0, 0], [0, 0]]
+        tf1.assign(sess, {"a": np.array([1.0, 1e-300]), "small": np.array([-128, 127])}, cast=True)  # rounding is fine
+        assert [v.tolist() for v in values(sess, [a, small])] == [[1, 0], [-128, 127]]
+
+
+@pytest.mark.parametrize("resource", [True, False], ids=["resource", "ref"])
 @pytest.mark.parametrize("axis", [0, 1])
 def test_partitioned_variables_are_whole_tensors(tmp_path, resource, axis):
     whole = np.arange(7 * 5, dtype=np.float32).reshape(7, 5)

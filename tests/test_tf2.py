@@ -228,6 +228,27 @@ def test_cast_rules():
     assert tf2.assign(holder, bf16, include="f32").assigned == ["f32"]  # bfloat16 widens into float32
 
 
+@pytest.mark.parametrize("target, value, match", [
+    ("kernel", np.array([1.0, 1e39]), r"1e\+39, beyond float32's range"),
+    ("counter", np.array([1.0, np.nan]), "NaN, which int32 cannot hold"),
+    ("counter", np.array([1, 2**40]), "1099511627776, beyond int32's range"),
+    ("kernel", np.array([1 + 2j, 0]), "imaginary part"),
+], ids=["overflow", "nan-to-int", "wraparound", "complex"])
+def test_cast_refuses_values_out_of_range(tmp_path, target, value, match):
+    """A Keras model keeps its weights when cast=True would have turned a value into another."""
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)])
+    before = [w.copy() for w in model.get_weights()]
+    counter = tf.Variable(tf.zeros(2, tf.int32))
+    holder = {"kernel": model.layers[0].kernel, "counter": counter}
+    weights = {"kernel": np.ones((2, 2)), "counter": np.array([1, 2])}
+    weights[target] = np.resize(value, holder[target].shape)
+    ws.save(tmp_path / "w.npz", weights)
+    with pytest.raises(AssignmentError, match=match):
+        tf2.assign(holder, tmp_path / "w.npz", cast=True)
+    assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), before, strict=True))
+    assert counter.numpy().tolist() == [0, 0]
+
+
 # --- trainable_only, optimizer -----------------------------------------------------------
 
 def test_trainable_only_leaves_batch_norm_statistics_and_frozen_layers_alone():

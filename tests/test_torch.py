@@ -188,6 +188,15 @@ def test_dtype_that_does_not_widen_needs_cast():
     assert torch.all(net.bias == 1)
 
 
+def test_cast_refuses_a_value_out_of_the_parameters_range(tmp_path):
+    net = nn.Linear(2, 2).to(torch.float16)
+    before = state(net)
+    ws.save(tmp_path / "w.npz", {"weight": np.full((2, 2), 70000.0, np.float32), "bias": np.zeros(2, np.float32)})
+    with pytest.raises(AssignmentError, match="'weight'.*70000, beyond float16's range"):
+        torch_adapter.assign(net, tmp_path / "w.npz", cast=True)
+    assert_unchanged(net, before)
+
+
 def test_strided_and_reversed_arrays_are_assigned_as_they_read():
     net = nn.Linear(3, 2)
     weight = np.arange(6, dtype=np.float32).reshape(3, 2)
