@@ -10,6 +10,7 @@ import struct
 import sys
 from pathlib import Path
 
+import h5py
 import numpy as np
 import pytest
 
@@ -67,6 +68,29 @@ def test_file_truncated_in_place_under_an_open_store_is_refused_not_sigbus(tmp_p
     )
     assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
     assert result.stdout.count("REFUSED") == 2 and data_file in result.stdout and "'b'" in result.stdout
+
+
+def test_hdf5_data_truncated_in_place_under_an_open_store_is_refused_not_sigbus(tmp_path):
+    """HDF5 datasets are views of the mapped file too: cut inside ``b``'s data, with every
+    header intact, the read of ``b`` would touch pages past the new end."""
+    path = str(tmp_path / "m.h5")
+    ws.save(path, {"a": np.arange(1 << 14, dtype=np.float32), "b": np.ones(1 << 16, np.float32)})
+    with h5py.File(path, "r") as file:
+        cut = file["b"].id.get_offset() + 4096
+    result = hostile.run_isolated(
+        f"store = ws.open({path!r})\n"
+        "a = store['a']\n"
+        f"with open({path!r}, 'r+b') as f:\n"
+        f"    f.truncate({cut})\n"
+        "try:\n"
+        "    print(float(store['b'].sum()))\n"
+        "except ws.FormatError as exc:\n"
+        "    print('REFUSED', exc)\n"
+        "print(float(a.sum()))\n"
+    )
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    assert "REFUSED" in result.stdout and path in result.stdout and "'b'" in result.stdout
+    assert result.stdout.strip().endswith(str(float(np.arange(1 << 14, dtype=np.float32).sum())))
 
 
 # -- library exceptions that leaked ------------------------------------------------------------

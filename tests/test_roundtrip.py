@@ -309,6 +309,32 @@ def test_uncompressed_npz_loads_are_read_only_maps(tmp_path):
     assert not _reaches_mmap(ws.load(path)["big"])
 
 
+def test_hdf5_datasets_stored_plain_load_as_read_only_maps(tmp_path):
+    """A contiguous dataset that needs no conversion is a view of the mapped file, as an npz
+    tensor is; a filtered or big-endian one, and any with ``mmap=False``, is libhdf5's own copy."""
+    weights = {"big": np.arange(1 << 16, dtype=np.float32), "bf": np.ones(64, ml_dtypes.bfloat16),
+               "scalar": np.array(3, np.int16), "empty": np.zeros((0, 3), np.float32)}
+    path = tmp_path / "w.h5"
+    ws.save(path, weights)
+    with ws.open(path) as store:
+        opened = {key: store[key] for key in store}
+    for source in (ws.load(path), opened):  # a view outlives its closed store
+        for key, value in weights.items():
+            assert source[key].dtype == value.dtype and np.array_equal(source[key], value), key
+            if value.size:
+                assert _reaches_mmap(source[key]) and not source[key].flags.writeable, key
+    owned = ws.load(path, mmap=False)["big"]
+    assert not _reaches_mmap(owned) and owned.flags.writeable
+    ws.save(path, weights, compress=True)
+    assert not _reaches_mmap(ws.load(path)["big"]) and np.array_equal(ws.load(path)["big"], weights["big"])
+    with h5py.File(tmp_path / "plain.h5", "w") as file:  # no manifest, as h5py and Keras write
+        file["little"] = np.arange(8, dtype="<f4")
+        file["big_endian"] = np.arange(8, dtype=">f4")
+    loaded = ws.load(tmp_path / "plain.h5")
+    assert _reaches_mmap(loaded["little"]) and not _reaches_mmap(loaded["big_endian"])
+    assert loaded["big_endian"].dtype == np.float32 and np.array_equal(loaded["big_endian"], np.arange(8))
+
+
 def test_maps_stay_valid_after_the_file_is_replaced(tmp_path):
     path = tmp_path / "w.npz"
     ws.save(path, {"w": np.arange(1000, dtype=np.float32)})
