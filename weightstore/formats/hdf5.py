@@ -10,10 +10,11 @@ datasets, unknown filters, and sizes the stored bytes cannot back.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import h5py
@@ -31,7 +32,14 @@ from weightstore.errors import (
     naming,
 )
 from weightstore.formats import Format, ReaderDefaults, foreign_keys
-from weightstore.formats.hdf5_bytes import ReadAt, check_object, check_root_group, check_vlen_attribute, read_ahead
+from weightstore.formats.hdf5_bytes import (
+    READ_AHEAD_WINDOW,
+    ReadAt,
+    check_object,
+    check_root_group,
+    check_vlen_attribute,
+    read_ahead,
+)
 from weightstore.io.files import open_regular
 from weightstore.io.local import MappedFile
 from weightstore.keys import RESERVED_PREFIX, join_scope
@@ -71,16 +79,21 @@ _H5PY_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError, IndexErr
 
 
 @contextlib.contextmanager
-def _raw_bytes(location) -> Iterator[tuple[ReadAt, int]]:
-    """``(read_at, size)`` over the file's bytes, beside h5py's own access to it.
+def _raw_bytes(location) -> Iterator[tuple[ReadAt, int, Callable[[list[int]], None]]]:
+    """``(read_at, size, queue)`` over the file's bytes, beside h5py's own access to it.
 
     A local file is read 64 KB at a time (:func:`read_ahead`: its structures lie close
-    together); a file object (a URL) keeps its own buffering, which decides what is fetched.
+    together), and ``queue(offsets)`` has the kernel read the windows holding those offsets
+    all at once: in a cold file of large datasets each header lies beside its data, and checked
+    one after another each was a wait for the disk (256 headers: 0.08-0.10 s to open 256 MB).
+    A file object (a URL) keeps its own buffering, which decides what is fetched.
     """
     if isinstance(location, str):
         with open_regular(location) as handle:
             descriptor = handle.fileno()
-            yield read_ahead(lambda offset, length: os.pread(descriptor, length, offset)), os.fstat(descriptor).st_size
+            size = os.fstat(descriptor).st_size
+            yield (read_ahead(lambda offset, length: os.pread(descriptor, length, offset)), size,
+                   functools.partial(_queue_windows, descriptor, size))
         return
     position = location.tell()
     size = location.seek(0, os.SEEK_END)
@@ -90,9 +103,23 @@ def _raw_bytes(location) -> Iterator[tuple[ReadAt, int]]:
         return location.read(length)
 
     try:
-        yield read_at, size
+        yield read_at, size, lambda offsets: None
     finally:
         location.seek(position)
+
+
+def _queue_windows(descriptor: int, size: int, offsets: list[int]) -> None:
+    """``posix_fadvise(WILLNEED)`` of each :func:`read_ahead` window that holds one of ``offsets``,
+    each window once (the headers of small datasets share one). Only advice: an offset a hostile
+    file puts past its end (or past what ``off_t`` holds) is left to the checks that read it."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    end = -1
+    for offset in sorted(offset for offset in offsets if 0 <= offset < size):
+        if offset >= end:
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(descriptor, offset, READ_AHEAD_WINDOW, os.POSIX_FADV_WILLNEED)
+            end = offset + READ_AHEAD_WINDOW
 
 
 def _links(group: h5py.h5g.GroupID) -> list[tuple[bytes, int, int]]:
@@ -341,8 +368,9 @@ class Hdf5Reader(ReaderDefaults):
         with _as_format_error(name, "not a readable HDF5 file"):
             self._file = h5py.File(location, "r")
         try:
-            with _as_format_error(name), _raw_bytes(location) as (read_at, size):
+            with _as_format_error(name), _raw_bytes(location) as (read_at, size, queue):
                 self._raw = read_at, size, self._file.userblock_size
+                self._queue = queue
                 self._manifest = self._read_manifest()
                 self._stored_plain = self._walk()
             self._paths = self._keyed(set(self._stored_plain))
@@ -438,7 +466,9 @@ class Hdf5Reader(ReaderDefaults):
         pending: list[tuple[h5py.h5g.GroupID, str, int]] = [(self._file.id, "", 0)]
         while pending:
             group, prefix, depth = pending.pop()
-            for raw, kind, address in _links(group):
+            links = _links(group)
+            self._queue([base + address for _, kind, address in links if kind == h5py.h5l.TYPE_HARD])
+            for raw, kind, address in links:
                 try:
                     path = join_scope(prefix, raw.decode("utf-8"))
                 except UnicodeDecodeError:

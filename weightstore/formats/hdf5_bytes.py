@@ -65,10 +65,10 @@ def check_vlen_attribute(read_at: ReadAt, file_size: int, base: int, name: str, 
 
 
 #: bytes read at once by :func:`read_ahead`: the headers of about 50 datasets of 1 KB
-_READ_AHEAD = 64 << 10
+READ_AHEAD_WINDOW = 64 << 10
 
 
-def read_ahead(read_at: ReadAt, window: int = _READ_AHEAD) -> ReadAt:
+def read_ahead(read_at: ReadAt, window: int = READ_AHEAD_WINDOW) -> ReadAt:
     """``read_at`` that reads ``window`` bytes at a time and serves the small reads that
     follow from them.
 
