@@ -27,6 +27,7 @@ from weightstore.errors import (
     SelectionError,
     StoreNotFoundError,
     UnsupportedDTypeError,
+    named,
 )
 from weightstore.extras import install_hint
 from weightstore.formats import keras_file
@@ -241,9 +242,7 @@ def replace_in_object_checkpoint(prefix: str, weights: Mapping[str, np.ndarray])
     present = set(reader.keys())
     unknown = [key for key in weights if key not in present]
     if unknown:
-        more = f" and {len(unknown) - _SHOWN} more" if len(unknown) > _SHOWN else ""
-        named = ", ".join(repr(k) for k in unknown[:_SHOWN]) + more
-        raise SelectionError(f"the TF2 object-based checkpoint has no variable {named}; "
+        raise SelectionError(f"the TF2 object-based checkpoint has no variable {named(unknown, shown=_SHOWN)}; "
                              "tf.train.Checkpoint.restore ignores entries its object graph does not name, "
                              "so ws only replaces existing ones (see ws ls)", path=prefix)
     replaced: dict[str, np.ndarray] = {}

@@ -24,7 +24,7 @@ import numpy as np
 import weightstore
 from weightstore.adapters.artifacts import open_artifact
 from weightstore.arrays import as_numpy
-from weightstore.errors import AssignmentError, SelectionError, naming
+from weightstore.errors import AssignmentError, SelectionError, named, naming
 from weightstore.keys import (
     MappingRules,
     Patterns,
@@ -186,10 +186,8 @@ class Report:
                              ("unexpected (no variable)", self.unexpected),
                              ("mismatched", [m.key for m in self.mismatched])):
             if items:
-                shown = ", ".join(items[:_SHOWN]) + (", …" if len(items) > _SHOWN else "")
-                parts.append(f"{len(items)} {title}: {shown}")
-        text = "; ".join(parts)
-        return text if text.endswith("…") else text + "."
+                parts.append(f"{len(items)} {title}: {named(items, shown=_SHOWN)}")
+        return "; ".join(parts) + "."
 
     def __repr__(self) -> str:
         counts = ", ".join(f"{name}={len(getattr(self, name))}"

@@ -20,6 +20,7 @@ from weightstore.adapters.plan import Selection
 from weightstore.cli import compare, render, sync, transfer
 from weightstore.cli.guard import GuardedGroup
 from weightstore.cli.render import count, human_bytes, note, settings
+from weightstore.errors import named
 from weightstore.names import WRITE_NAMINGS, check_naming
 
 
@@ -445,8 +446,8 @@ def _report(command: str, written: transfer.Written, source: checkpoints.Source,
 
 def _note_skipped(source: checkpoints.Source) -> None:
     if source.skipped:
-        shown = ", ".join(source.skipped[:5]) + (" …" if len(source.skipped) > 5 else "")
-        note(f"skipped {len(source.skipped)} non-numeric entr{'y' if len(source.skipped) == 1 else 'ies'}: {shown}")
+        note(f"skipped {len(source.skipped)} non-numeric entr{'y' if len(source.skipped) == 1 else 'ies'}: "
+             f"{named(source.skipped, shown=5)}")
 
 
 sync.register(app)

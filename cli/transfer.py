@@ -28,6 +28,7 @@ from weightstore.errors import (
     StoreExistsError,
     StoreNotFoundError,
     TargetError,
+    named,
     naming,
 )
 from weightstore.formats import format_for_suffix, known_suffixes, sniff
@@ -219,7 +220,5 @@ def _refuse_clashes(target: str, existing: list[str], plan: Mapping[str, str], o
     present = set(existing)
     clash = [key for key in plan if key in present]
     if clash:
-        more = f" and {len(clash) - _SHOWN} more" if len(clash) > _SHOWN else ""
-        named = ", ".join(repr(k) for k in clash[:_SHOWN]) + more
-        raise StoreExistsError(f"already holds {len(clash)} of the imported keys ({named}); pass --overwrite to "
+        raise StoreExistsError(f"already holds {len(clash)} of the imported keys ({named(clash, shown=_SHOWN)}); pass --overwrite to "
                                "replace them, or --scope to import beside them", path=target)

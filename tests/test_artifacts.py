@@ -479,8 +479,8 @@ def test_also_keeps_batch_norm_statistics_with_trainable_only():
 def test_report_reads_as_one_short_paragraph():
     report = Report(assigned=[f"layer_{i}/kernel" for i in range(500)], missing=["a", "b", "c", "d"],
                     skipped=["s"])
-    assert str(report) == ("assigned 500 variables; 1 skipped as unchanged: s; "
-                           "4 missing (no value): a, b, c, …")
+    assert str(report) == ("assigned 500 variables; 1 skipped as unchanged: 's'; "
+                           "4 missing (no value): 'a', 'b', 'c' and 1 more.")
     assert repr(report) == "Report(assigned=500, missing=4, unexpected=0, mismatched=0, skipped=1, left_out=0)"
 
 

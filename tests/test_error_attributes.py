@@ -194,3 +194,14 @@ def test_save_names_file_and_tensor_of_a_key_the_format_keeps(tmp_path):
     path = tmp_path / "reserved.safetensors"
     refusal(errors.InvalidKeyError, lambda: ws.save(path, {"__metadata__": np.ones(2)}), path, "__metadata__")
     assert not path.exists()
+
+
+def test_messages_name_a_few_things_and_count_the_rest():
+    """One form for every message that names several keys, each bounded: a hostile file may
+    list thousands of keys 65 KB long, and the message stays a line or two."""
+    named = errors.named
+    assert named([]) == "none"
+    assert named(["a", "b"]) == "'a', 'b'"
+    assert named(["a", "b", "c", "d", "e"]) == "'a', 'b', 'c' and 2 more"
+    assert named([3, 4, 5, 6], shown=2) == "3, 4 and 2 more"
+    assert len(named(["k" * 65_000] * 5_000)) < 1_000

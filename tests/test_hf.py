@@ -62,8 +62,8 @@ def test_only_the_shards_holding_what_is_asked_for_are_opened(tmp_path):
 
 
 @pytest.mark.parametrize("problem, error, says", [
-    ("missing tensor", FormatError, "in the index only: ['lm_head.weight']"),
-    ("unlisted tensor", FormatError, "in the shard only: ['extra']"),
+    ("missing tensor", FormatError, "in the index only: 'lm_head.weight'; in the shard only: none"),
+    ("unlisted tensor", FormatError, "in the shard only: 'extra'"),
     ("missing shard", FormatError, "which is missing"),
     ("escaping shard", UnsafeFileError, "not a .safetensors file beside the index"),
 ])

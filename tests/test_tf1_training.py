@@ -89,7 +89,7 @@ def test_training_checkpoint_assigns_into_an_inference_graph(train_dir, tmp_path
         for key, value in scoped_values(sess).items():
             np.testing.assert_array_equal(value, saved[key])
     assert str(report) == ("assigned 4 variables; 9 left out as training state (optimizer=True assigns them): "
-                           "beta1_power, beta2_power, global_step, …")
+                           "'beta1_power', 'beta2_power', 'global_step' and 6 more.")
 
 
 def test_the_model_dir_itself_assigns_its_latest_checkpoint(train_dir):

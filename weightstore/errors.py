@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 __all__ = [
     "WeightStoreError",
@@ -89,6 +89,16 @@ def shown_key(key: str) -> str:
     if len(key) <= _SHOWN_KEY_CHARS:
         return repr(key)
     return f"{key[:_SHOWN_KEY_CHARS - 40]!r}…{key[-32:]!r} ({len(key)} characters)"
+
+
+def named(items: Iterable[Any], *, shown: int = 3) -> str:
+    """The first ``shown`` of ``items`` as a message names them, and how many more there are:
+    ``'a', 'b', 'c' and 4 more`` (``none`` if empty). Every message that names several things says
+    it this way, each key bounded as :func:`shown_key` bounds it (a hostile file may list
+    thousands, each 65 KB long)."""
+    items = list(items)
+    text = ", ".join(shown_key(item) if isinstance(item, str) else str(item) for item in items[:shown]) or "none"
+    return text + (f" and {len(items) - shown} more" if len(items) > shown else "")
 
 
 class InvalidKeyError(WeightStoreError, ValueError):

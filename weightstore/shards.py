@@ -40,7 +40,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from weightstore import __version__, cluster, shardindex
-from weightstore.errors import FormatError, PublishError, ShardTimeoutError, WeightStoreError, naming
+from weightstore.errors import FormatError, PublishError, ShardTimeoutError, WeightStoreError, named, naming
 from weightstore.formats import Format, format_named
 from weightstore.io.folders import Folder, folder_for
 from weightstore.keys import validate_key
@@ -413,7 +413,7 @@ def _listed(pieces: Mapping[str, Any], where: str, world: int) -> list[_Listed]:
     if len(set(stored_names)) != len(stored_names):
         clashes = {name for name in stored_names if stored_names.count(name) > 1}
         raise ValueError(f"{where}: pieces of one key start at the same index, or a key looks like a piece's stored "
-                         f"name: {sorted(clashes)[:3]}")
+                         f"name: {named(sorted(clashes))}")
     return listed
 
 

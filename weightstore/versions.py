@@ -97,6 +97,7 @@ from weightstore.errors import (
     TargetError,
     VersionGoneError,
     WeightStoreError,
+    named,
     naming,
 )
 from weightstore.formats import Reader, format_for_suffix, format_named
@@ -664,8 +665,7 @@ class _FolderState:
 
 
 def _steps(steps: list[int]) -> str:
-    return f"step {steps[0]}" if len(steps) == 1 else f"steps {', '.join(map(str, steps[:5]))}" + (
-        " …" if len(steps) > 5 else "")
+    return f"step {steps[0]}" if len(steps) == 1 else f"steps {named(steps, shown=5)}"
 
 
 def _versions(folder: Folder) -> list[tuple[int, Any]]:

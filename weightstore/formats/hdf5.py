@@ -29,6 +29,7 @@ from weightstore.errors import (
     UnsafeFileError,
     WeightStoreError,
     WriteError,
+    named,
     naming,
 )
 from weightstore.formats import Format, ReaderDefaults, foreign_keys
@@ -404,8 +405,8 @@ class Hdf5Reader(ReaderDefaults):
         unlisted = sorted(found - set(paths.values()))
         if unknown or unlisted:
             raise FormatError(
-                f"manifest and datasets disagree (listed but absent: {unknown[:3]}, "
-                f"present but unlisted: {unlisted[:3]})", path=self.name
+                f"manifest and datasets disagree (listed but absent: {named(unknown)}; "
+                f"present but unlisted: {named(unlisted)})", path=self.name
             )
         return paths
 

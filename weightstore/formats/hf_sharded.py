@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from weightstore import jsontext
-from weightstore.errors import FileAccessError, FormatError, KeyNotInStoreError, UnsafeFileError, naming
+from weightstore.errors import FileAccessError, FormatError, KeyNotInStoreError, UnsafeFileError, named, naming
 from weightstore.formats import ReaderDefaults, safetensors
 from weightstore.io.files import open_regular
 from weightstore.io.remote import RemoteFile
@@ -107,9 +107,9 @@ class ShardedReader(ReaderDefaults):
         keys_by_name = reader.keys_by_name()
         held, listed = set(keys_by_name), self._names_in[shard]
         if held != listed:
-            absent, extra = sorted(listed - held)[:3], sorted(held - listed)[:3]
             raise FormatError(f"shard {shard!r} does not hold what the index maps to it (in the index only: "
-                              f"{absent}; in the shard only: {extra})", path=self.name)
+                              f"{named(sorted(listed - held))}; in the shard only: {named(sorted(held - listed))})",
+                              path=self.name)
         self._key_in_shard.update({name: keys_by_name[name] for name in listed})
 
     # -- the Reader protocol --------------------------------------------------------------------

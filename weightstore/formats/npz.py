@@ -24,7 +24,7 @@ import numpy as np
 from isal import isal_zlib
 
 from weightstore import crc as _crc
-from weightstore.errors import ChecksumError, FormatError, KeyNotInStoreError, UnsafeFileError, naming
+from weightstore.errors import ChecksumError, FormatError, KeyNotInStoreError, UnsafeFileError, named, naming
 from weightstore.formats import Format, ReaderDefaults, foreign_keys, shuffle_zstd, zipdir
 from weightstore.formats.zipdir import (
     CENTRAL_SIG,
@@ -388,10 +388,8 @@ class NpzReader(ReaderDefaults):
         self._member_of = member_keys
         if not _same_keys(self._table.key_list(), member_keys):
             listed, present = set(self._table), set(member_keys)
-            missing = sorted(listed - present)[:3]
-            extra = sorted(present - listed)[:3]
-            raise FormatError(f"manifest and members disagree (listed but absent: {missing}, "
-                              f"present but unlisted: {extra})", path=self.name)
+            raise FormatError(f"manifest and members disagree (listed but absent: {named(sorted(listed - present))}; "
+                              f"present but unlisted: {named(sorted(present - listed))})", path=self.name)
         if len(member_keys) != len(self._members):
             raise FormatError(f"two members hold the same tensor (.npy and {shuffle_zstd.MEMBER_SUFFIX})", path=self.name)
 

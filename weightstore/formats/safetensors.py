@@ -63,6 +63,7 @@ from weightstore.errors import (
     KeyNotInStoreError,
     UnsafeFileError,
     UnsupportedDTypeError,
+    named,
     naming,
 )
 from weightstore.formats import Format, ReaderDefaults, foreign_keys
@@ -421,13 +422,13 @@ class SafetensorsReader(ReaderDefaults):
     def _check_manifest(self, manifest: Manifest) -> None:
         """The manifest lists each tensor of the header once: by its key, or by the name its
         location gives (a file written with ``names="torch"`` names ``a/b`` ``a.b``)."""
-        named = {key: manifest.locations.get(key, key) for key in manifest.tensors}
-        listed, present = set(named.values()), set(self._tensors)
-        if listed != present or len(listed) != len(named):
-            raise FormatError(f"manifest and header disagree (listed but absent: {sorted(listed - present)[:3]}, "
-                              f"present but unlisted: {sorted(present - listed)[:3]})", path=self.name)
+        stored_as = {key: manifest.locations.get(key, key) for key in manifest.tensors}
+        listed, present = set(stored_as.values()), set(self._tensors)
+        if listed != present or len(listed) != len(stored_as):
+            raise FormatError(f"manifest and header disagree (listed but absent: {named(sorted(listed - present))}; "
+                              f"present but unlisted: {named(sorted(present - listed))})", path=self.name)
         for key, info in manifest.tensors.items():
-            tensor = self._tensors[named[key]]
+            tensor = self._tensors[stored_as[key]]
             if _CODES.get(info.dtype) != _CODE_OF_DTYPE[tensor.dtype]:
                 raise FormatError(f"is stored as {_CODE_OF_DTYPE[tensor.dtype]} but the manifest says {info.dtype}",
                                   path=self.name, key=key)
