@@ -489,8 +489,9 @@ def plan_assign(
             pairs[key] = source
     if (options.strict and not report.ok) or not pairs:
         raise AssignmentError(
-            _message(report, described, chosen, value_keys, pairs, targets, trainable_only=options.trainable_only,
-                     hints=not values.exact_keys, note=getattr(values, "missing_note", "")),
+            _message(report, described, chosen, value_keys, pairs, targets, lambda key: values.shape(value_keys[key]),
+                     trainable_only=options.trainable_only, hints=not values.exact_keys,
+                     note=getattr(values, "missing_note", "")),
             missing=report.missing, unexpected=report.unexpected, mismatched=report.mismatched, path=values.path,
         )
     if len(pairs) * 2 < len(chosen):
@@ -524,17 +525,26 @@ def _pair_problem(dtype: np.dtype, shape: tuple[int, ...], target: TargetInfo, c
 
 
 def _message(report: Report, where: str, targets: Mapping[str, Any], values: Mapping[str, str], pairs,
-             every: Mapping[str, Any], *, trainable_only: bool = False, hints: bool = True, note: str = "") -> str:
+             every: Mapping[str, Any], value_shape: Callable[[str], tuple[int, ...]], *, trainable_only: bool = False,
+             hints: bool = True, note: str = "") -> str:
     """``targets`` are the selected variables; ``every`` also suggests those a typo left out.
 
     A value whose variable exists but was left out as not trainable says so, rather than
     suggesting a trainable neighbour (``did you mean 'model_10/w'?`` for ``model_10/b``).
     A name already paired is never suggested: it has its value (``w/Adam`` is not ``w``).
-    Without ``hints`` (keys paired by structure) nothing is suggested.
+    A suggestion of the key's own shape comes first: ``layer_10/kernel`` is nearer ``layer_1/kernel``
+    in spelling, but only ``layer_2/kernel`` could be its value. Without ``hints`` (keys paired by
+    structure) nothing is suggested.
     """
 
-    def suggest(key: str, candidates: Any) -> str:
-        return keys_suggest(key, [c for c in candidates if _same_leaf(key, c)]) if hints else ""
+    def suggest(key: str, shape: tuple[int, ...], candidates: Any, shape_of: Callable[[str], tuple[int, ...]]) -> str:
+        if not hints:
+            return ""
+        named = [c for c in candidates if _same_leaf(key, c)]
+        return keys_suggest(key, [c for c in named if tuple(shape_of(c)) == tuple(shape)]) or keys_suggest(key, named)
+
+    def target_shape(key: str) -> tuple[int, ...]:
+        return every[key].shape
 
     free_targets = [key for key in targets if key not in pairs]  # a paired variable already has its value
     free_every = [key for key in every if key not in pairs]
@@ -543,7 +553,9 @@ def _message(report: Report, where: str, targets: Mapping[str, Any], values: Map
     def unexpected(key: str) -> str:
         if trainable_only and key in every and not every[key].trainable:
             return f"{key!r} is a variable but not trainable (trainable_only=True)"
-        return f"no variable {key!r}{suggest(key, free_targets) or suggest(key, free_every)}"
+        shape = value_shape(key)
+        return (f"no variable {key!r}"
+                f"{suggest(key, shape, free_targets, target_shape) or suggest(key, shape, free_every, target_shape)}")
 
     lines = [f"cannot assign{f' {where}' if where else ''}: nothing was changed"]
     common = sum(1 for key in values if key in every)
@@ -553,7 +565,8 @@ def _message(report: Report, where: str, targets: Mapping[str, Any], values: Map
     if not pairs and report.ok:
         lines.append("  no value pairs with a variable" + (" (no variables selected)" if not targets else ""))
     sections: list[tuple[str, list[Any], Callable[[Any], str]]] = [
-        ("missing (variables with no value)", report.missing, lambda k: f"no value for variable {k!r}{suggest(k, free_values)}"),
+        ("missing (variables with no value)", report.missing,
+         lambda k: f"no value for variable {k!r}{suggest(k, every[k].shape, free_values, value_shape)}"),
         ("unexpected (values with no variable)", report.unexpected, unexpected),
         ("mismatched", report.mismatched, str),
     ]

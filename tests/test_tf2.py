@@ -206,6 +206,20 @@ def test_strict_failure_lists_everything_and_changes_nothing():
     assert all(np.array_equal(before[k], v) for k, v in values_of(ensemble).items())
 
 
+def test_suggestions_prefer_a_key_of_the_variables_shape(tmp_path):
+    """``layer_10/kernel`` is spelt nearer ``layer_1/kernel``, but only ``layer_2/kernel`` could be its value."""
+    holder = {"layer_1/kernel": tf.Variable(tf.zeros((4, 4))), "layer_9/kernel": tf.Variable(tf.zeros((8, 8)))}
+    ws.save(tmp_path / "w.npz", {"layer_10/kernel": np.ones((8, 8), np.float32),
+                                 "layer_2/kernel": np.ones((4, 4), np.float32)})
+    with pytest.raises(AssignmentError) as caught:
+        tf2.assign(holder, tmp_path / "w.npz")
+    message = str(caught.value)
+    assert "no value for variable 'layer_1/kernel'; did you mean 'layer_2/kernel'?" in message
+    assert "no value for variable 'layer_9/kernel'; did you mean 'layer_10/kernel'?" in message
+    assert "no variable 'layer_10/kernel'; did you mean 'layer_9/kernel'?" in message
+    assert "no variable 'layer_2/kernel'; did you mean 'layer_1/kernel'?" in message
+
+
 def test_non_strict_assigns_what_fits_and_reports_the_rest():
     ensemble = Ensemble(["m"])
     weights = {"m/w": np.ones(2, np.float32), "m/b": np.ones(3, np.float32), "extra": np.ones(1)}
