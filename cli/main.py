@@ -17,7 +17,7 @@ from weightstore import __version__
 from weightstore.adapters import checkpoints
 from weightstore.adapters.layout import DIRECTIONS
 from weightstore.adapters.plan import Selection
-from weightstore.cli import compare, render, sync, transfer
+from weightstore.cli import compare, render, sources, sync, transfer
 from weightstore.cli.guard import GuardedGroup
 from weightstore.cli.render import count, human_bytes, note, settings
 from weightstore.errors import named
@@ -198,7 +198,7 @@ def export(
         raise FormatError("has no model config to key it by (--model-keys); name a .keras file with --model",
                           path=source)
     keyed_by = model or (source if model_keys else None)
-    opening = checkpoints.open_source(source) if keyed_by is None else checkpoints.open_keyed_like_model(source,
+    opening = sources.open_source(source) if keyed_by is None else sources.open_keyed_like_model(source,
                                                                                                          keyed_by)
     with opening as opened:
         selection = Selection(scope=scope, include=include, exclude=exclude, trainable_only=trainable_only, also=also)
@@ -235,7 +235,7 @@ def import_(
       ws import fix.npz --into m.weights.h5 --overwrite
     """
     _json(as_json)
-    with checkpoints.open_source(store) as opened:
+    with sources.open_source(store) as opened:
         written = transfer.import_(opened, into, scope=scope, mapping=mapping, include=include, exclude=exclude,
                                    overwrite=overwrite)
     _report("import", written, opened, f"wrote {count(written.count, 'tensor')} ({human_bytes(written.nbytes)}) "
@@ -255,7 +255,7 @@ def ls(
       ws ls model.npz --scope model_002
     """
     _json(as_json)
-    with checkpoints.open_source(store) as opened:
+    with sources.open_source(store) as opened:
         keys = _under_scope(opened, scope)
         infos = [opened.info(k) for k in keys]
         if settings.json:
@@ -275,7 +275,7 @@ def ls(
             console.print(render.printable(f"{name}: {value}"), soft_wrap=True)
 
 
-def _under_scope(opened: checkpoints.Source, scope: str | None) -> list[str]:
+def _under_scope(opened: sources.Source, scope: str | None) -> list[str]:
     """The keys ``ls`` lists: the scope itself (TF1's ``w`` beside its slot ``w/Adagrad``) and those under it.
 
     A scope that is invalid or matches nothing fails as ``ws export``'s does: naming the file,
@@ -311,7 +311,7 @@ def diff(
       ws diff before.npz after.npz --atol 1e-6
     """
     _json(as_json)
-    with checkpoints.open_source(a) as left, checkpoints.open_source(b) as right:
+    with sources.open_source(a) as left, sources.open_source(b) as right:
         result = compare.diff(left, right, atol=atol, read=read)
     if settings.json:
         render.emit("diff", {"a": a, "b": b, "atol": atol, **result.to_json()})
@@ -386,7 +386,7 @@ def convert(
         raise FormatError("names its tensors as Keras's save walk does (layers/dense/vars/0), which says no layer's kind "
                           "or variable; a layout needs them: give the model it was saved from, --model model.keras "
                           "(or convert that .keras file itself)", path=a)
-    opening = checkpoints.open_source(a) if keyed_by is None else checkpoints.open_keyed_like_model(a, keyed_by)
+    opening = sources.open_source(a) if keyed_by is None else sources.open_keyed_like_model(a, keyed_by)
     with opening as opened:
         written = transfer.convert(opened, b, compress=_compression(compress, shuffle), layout=layout, names=names,
                                      max_shard_size=max_shard_size, kinds=_kinds(kind))
@@ -430,7 +430,7 @@ def _json(as_json: bool) -> None:
     settings.json = settings.json or as_json
 
 
-def _report(command: str, written: transfer.Written, source: checkpoints.Source, line: str) -> None:
+def _report(command: str, written: transfer.Written, source: sources.Source, line: str) -> None:
     """What a writing command did: one JSON object with ``--json``, else a note on stderr."""
     if settings.json:
         render.emit(command, {"source": source.path, "source_kind": source.kind, "path": written.path,
@@ -444,7 +444,7 @@ def _report(command: str, written: transfer.Written, source: checkpoints.Source,
     _note_skipped(source)
 
 
-def _note_skipped(source: checkpoints.Source) -> None:
+def _note_skipped(source: sources.Source) -> None:
     if source.skipped:
         note(f"skipped {len(source.skipped)} non-numeric entr{'y' if len(source.skipped) == 1 else 'ies'}: "
              f"{named(source.skipped, shown=5)}")

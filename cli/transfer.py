@@ -1,6 +1,6 @@
 """``ws export``, ``ws import`` and ``ws convert``: move tensors between sources and targets.
 
-Every source opens through :func:`weightstore.adapters.checkpoints.open_source`, so each
+Every source opens through :func:`weightstore.cli.sources.open_source`, so each
 command accepts a store, a TF checkpoint or a Keras file alike. Selection follows
 the README everywhere: scope and mapping first, then include/exclude on the resulting keys.
 Targets are written whole and atomically: a failed or interrupted command leaves them as
@@ -19,9 +19,9 @@ import numpy as np
 import weightstore
 from weightstore.adapters import checkpoints, keras_import
 from weightstore.adapters import layout as layouts
-from weightstore.adapters.checkpoints import Source
 from weightstore.adapters.plan import Selection
 from weightstore.cli.render import counted, track, working
+from weightstore.cli.sources import Source
 from weightstore.errors import (
     FormatError,
     SelectionError,

@@ -25,6 +25,7 @@ tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 from tf_files import Net, copy_checkpoint, restore_with_saver, same_architecture  # noqa: E402
 from weightstore.adapters import checkpoints  # noqa: E402
+from weightstore.cli import sources  # noqa: E402
 
 
 def raw(prefix):
@@ -34,7 +35,7 @@ def raw(prefix):
 
 def test_tf1_keys_are_variable_names_and_values_match(made):
     expected = raw(made["tf1"])
-    with checkpoints.open_source(made["tf1"]) as source:
+    with sources.open_source(made["tf1"]) as source:
         assert source.kind == "TF1 checkpoint"
         assert source.skipped == ["tag"]
         assert set(source.keys()) == set(expected) - {"tag"}
@@ -53,21 +54,21 @@ def test_a_checkpoint_is_found_by_prefix_file_or_folder(made, spelling):
 
 
 def test_trainable_keys_come_from_the_meta_graph(made):
-    with checkpoints.open_source(made["tf1"]) as source:
+    with sources.open_source(made["tf1"]) as source:
         assert source.trainable_keys() == {"model/dense/w", "model/dense/b", "model/emb"}
 
 
 def test_trainable_keys_without_meta_is_a_clear_error(made):
-    with (checkpoints.open_source(made["tf1_nometa"]) as source,
+    with (sources.open_source(made["tf1_nometa"]) as source,
           pytest.raises(FormatError, match=r"needs the graph file .*model\.ckpt-1\.meta, which is missing")):
         source.trainable_keys()
-    with (checkpoints.open_source(made["module"]) as source,
+    with (sources.open_source(made["module"]) as source,
           pytest.raises(FormatError, match="does not record which variables are trainable")):
         source.trainable_keys()
 
 
 def test_tf2_keys_drop_attributes_bookkeeping_and_name_slots(made):
-    with checkpoints.open_source(made["module"]) as source:
+    with sources.open_source(made["module"]) as source:
         assert source.kind == "TF2 object-based checkpoint"
         assert sorted(source.keys()) == [
             "net/b", "net/b/.OPTIMIZER_SLOT/opt/m", "net/b/.OPTIMIZER_SLOT/opt/v",
@@ -80,7 +81,7 @@ def test_tf2_keys_drop_attributes_bookkeeping_and_name_slots(made):
 def test_tf2_keras_checkpoint_keeps_only_variables(made, tmp_path):
     expected = raw(made["keras_ckpt"])
     alone = tf.train.Checkpoint(model=made["model"]).write(str(tmp_path / "alone"))  # no optimizer
-    with checkpoints.open_source(made["keras_ckpt"]) as source, checkpoints.open_source(alone) as model_only:
+    with sources.open_source(made["keras_ckpt"]) as source, sources.open_source(alone) as model_only:
         keys = source.keys()
         assert len(keys) == len(expected) - 1  # the object graph is left out
         assert not any(".ATTRIBUTES" in k or k.startswith("_CHECKPOINTABLE") for k in keys)
@@ -125,11 +126,11 @@ def test_tf2_keras_weights_stay_under_model_when_saved_with_adam(tmp_path):
         assert len(match) == 1, weight.path
         del unused[match[0]]
     # the same keys as a checkpoint of the model alone
-    with checkpoints.open_source(tf.train.Checkpoint(model=model).write(str(tmp_path / "alone"))) as alone:
+    with sources.open_source(tf.train.Checkpoint(model=model).write(str(tmp_path / "alone"))) as alone:
         assert sorted(exported) == sorted(k for k in alone if not k.startswith("model/optimizer/"))
     kernel = model.layers[0].kernel.numpy()
     np.testing.assert_array_equal(exported["model/_functional/_operations/1/_kernel"], kernel)
-    with checkpoints.open_source(prefix) as source:  # the optimizer's own state stays under optimizer/
+    with sources.open_source(prefix) as source:  # the optimizer's own state stays under optimizer/
         optimizer_keys = [k for k in source if k.startswith("optimizer/")]
         assert optimizer_keys == ["optimizer/_iterations", "optimizer/_learning_rate",
                                   *[f"optimizer/_momentums/{i}" for i in range(6)],
@@ -145,7 +146,7 @@ def test_tf2_keys_are_equal_for_two_models_of_one_architecture(tmp_path):
     first, first_prefix = make_adam_checkpoint(tmp_path / "a")
     second, second_prefix = make_adam_checkpoint(tmp_path / "b")
     assert [layer.name for layer in first.layers] != [layer.name for layer in second.layers]  # dense vs dense_2
-    with checkpoints.open_source(first_prefix) as a, checkpoints.open_source(second_prefix) as b:
+    with sources.open_source(first_prefix) as a, sources.open_source(second_prefix) as b:
         assert a.keys() == b.keys()
         assert len(a.keys()) == len(raw(first_prefix)) - 1
 
@@ -166,7 +167,7 @@ def test_tf2_module_keys_are_attribute_paths(tmp_path):
         loss = sum(tf.reduce_sum(v * v) for v in variables)
     opt.apply_gradients(zip(tape.gradient(loss, variables), variables, strict=True))
     prefix = tf.train.Checkpoint(tower=tower, optimizer=opt).write(str(tmp_path / "ckpt"))
-    with checkpoints.open_source(prefix) as source:
+    with sources.open_source(prefix) as source:
         assert source.keys() == [
             "tower/alias/b", "tower/alias/b/.OPTIMIZER_SLOT/optimizer/momentum", "tower/alias/w",
             "tower/blocks/0/b", "tower/blocks/0/w", "tower/blocks/0/w/.OPTIMIZER_SLOT/optimizer/momentum",
@@ -179,7 +180,7 @@ def test_tf2_module_keys_are_attribute_paths(tmp_path):
 @pytest.mark.parametrize("name", ["model.weights.h5", "model.keras"])
 def test_keras_files_read_as_their_hdf5_layout(made, name):
     model = made["model"]
-    with checkpoints.open_source(made["root"] / name) as source:
+    with sources.open_source(made["root"] / name) as source:
         assert source.kind == "Keras weights file"
         np.testing.assert_array_equal(source["layers/dense/vars/0"], model.get_layer("d1").kernel.numpy())
         np.testing.assert_array_equal(source["layers/batch_normalization/vars/3"],
@@ -195,7 +196,7 @@ def test_keras_archive_config_is_never_read(made, tmp_path):
     renamed = tmp_path / "weights_without_suffix"
     renamed.write_bytes(archive.read_bytes())
     for path in (archive, renamed):
-        with checkpoints.open_source(path) as source:
+        with sources.open_source(path) as source:
             assert "layers/dense/vars/0" in source
 
 
@@ -211,13 +212,13 @@ def test_keras_archive_bombs_are_refused_before_inflating(tmp_path, monkeypatch)
     payload = b"\0" * (1 << 20)  # deflates about 1000 to 1
     bomb = hostile_keras(tmp_path / "bomb.keras", payload, declared=0xF000_0000)  # claims 3.75 GiB
     with pytest.raises(UnsafeFileError, match="declares 4026531840 bytes .* a zip bomb"):
-        checkpoints.open_source(bomb)
+        sources.open_source(bomb)
     short = hostile_keras(tmp_path / "short.keras", payload, declared=1000)  # inflates past what it declares
     with pytest.raises(FormatError, match="corrupt .keras archive"):
-        checkpoints.open_source(short)
+        sources.open_source(short)
     lying = hostile_keras(tmp_path / "lying.keras", payload, declared=1000, crc=zlib.crc32(payload[:1000]))
     with pytest.raises(FormatError):  # only the declared 1000 bytes come out: not an HDF5 file
-        checkpoints.open_source(lying)
+        sources.open_source(lying)
     assert list(scratch.iterdir()) == []  # the unpacking folder is gone
 
 
@@ -226,20 +227,20 @@ def test_legacy_output_suffixes_are_dropped(tmp_path):
 
     with h5py.File(tmp_path / "legacy.h5", "w") as handle:
         handle["dense/dense/kernel:0"] = np.ones((2, 2), np.float32)
-    with checkpoints.open_source(tmp_path / "legacy.h5") as source:
+    with sources.open_source(tmp_path / "legacy.h5") as source:
         assert source.keys() == ["dense/dense/kernel"]
 
 
 def test_missing_and_junk_sources(tmp_path):
     with pytest.raises(StoreNotFoundError, match="absent.ckpt: no such file or checkpoint"):
-        checkpoints.open_source(tmp_path / "absent.ckpt")
+        sources.open_source(tmp_path / "absent.ckpt")
     (tmp_path / "junk.ckpt.index").write_bytes(b"not a table")
     with pytest.raises(FormatError, match=r"junk\.ckpt\.index: not a TensorFlow checkpoint index"):
-        checkpoints.open_source(tmp_path / "junk.ckpt")
+        sources.open_source(tmp_path / "junk.ckpt")
     (tmp_path / "empty").mkdir()
     with pytest.raises(StoreNotFoundError, match=r"empty: is a folder, not a weight file, and holds no TF checkpoint "
                                                  r"\(no 'checkpoint' state file, no \.index file\)"):
-        checkpoints.open_source(tmp_path / "empty")
+        sources.open_source(tmp_path / "empty")
 
 
 def test_write_checkpoint_is_read_by_saver_and_load_checkpoint(tmp_path):
@@ -336,7 +337,7 @@ def test_a_mixed_single_entry_checkpoint_is_refused_on_read(tmp_path):
     assert data_files(tmp_path) == ["one.ckpt.data-00000-of-00001"]
     (tmp_path / "one.ckpt.index").write_bytes(old_index)  # the state a crash between the renames leaves
     corrupt = r"data-00000-of-00001: tensor 'a': is corrupt \(CRC-32C"
-    with checkpoints.open_source(prefix) as source, pytest.raises(ChecksumError, match=corrupt):
+    with sources.open_source(prefix) as source, pytest.raises(ChecksumError, match=corrupt):
         source["a"]
 
 
@@ -347,7 +348,7 @@ def test_write_checkpoint_refuses_object_based_targets(made):
 
 def test_stores_keep_their_kind_and_metadata(tmp_path):
     ws.save(tmp_path / "m.npz", {"w": np.ones(2)}, metadata={"run": 3})
-    with checkpoints.open_source(tmp_path / "m.npz") as source:
+    with sources.open_source(tmp_path / "m.npz") as source:
         assert source.kind == "weightstore file"
         assert source.metadata == {"run": 3}
 

@@ -1,0 +1,118 @@
+"""Every source the ``ws`` command reads, opened once, with what its messages say about it.
+
+:func:`open_source` opens anything :func:`weightstore.open` reads and labels its kind (a TF1
+checkpoint, a Keras file, a weightstore file); :func:`open_keyed_like_model` keys a Keras file or
+TF2 checkpoint as ``tf2.export`` keys the model of a ``.keras`` archive; a TF1 checkpoint's
+``.meta`` graph says which variables are trainable for ``--trainable-only``
+(:meth:`Source.trainable_keys`). TensorFlow is imported only for those last two.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import weightstore
+from weightstore.adapters import checkpoints
+from weightstore.errors import FormatError, StoreNotFoundError
+from weightstore.formats import keras_file
+from weightstore.formats.tf_checkpoint import KIND_TF2, resolve_prefix
+from weightstore.io.location import is_url
+from weightstore.keys import OUTPUT_SUFFIX
+from weightstore.store import Store
+
+__all__ = ["Source", "open_keyed_like_model", "open_source"]
+
+
+class Source(Store):
+    """A :class:`Store` over any weight source, with what the CLI needs to know about it."""
+
+    def __init__(self, store: Store):
+        super().__init__(store._reader, store.path, verify=store.verify)
+        reader = store._reader
+        self.kind: str = reader.kind or _store_kind(store)
+        #: entries that are not numeric tensors (string variables), left out of the keys
+        self.skipped: list[str] = list(reader.skipped)
+        self._meta_graph: str | None = reader.meta_graph
+        #: the .keras file whose model gave the keys (:func:`open_keyed_like_model`), else None
+        self.keyed_like: str | None = None
+
+    def trainable_keys(self) -> set[str]:
+        """Keys of the trainable variables, from a TF1 checkpoint's ``.meta`` graph.
+
+        Only that graph records trainability: TF2 checkpoints, Keras files and stores do not.
+        """
+        if self._meta_graph is None:
+            raise FormatError(f"--trainable-only needs a TF1 checkpoint with its .meta graph; a {self.kind} does not "
+                              "record which variables are trainable", path=self.path)
+        if not os.path.exists(self._meta_graph):
+            raise FormatError(f"--trainable-only needs the graph file {self._meta_graph}, which is missing "
+                              "(save with Saver(write_meta_graph=True))", path=self.path)
+        return _trainable_from_meta(self._meta_graph)
+
+
+def open_source(path: str | os.PathLike) -> Source:
+    """Open anything :func:`weightstore.open` reads, labelled with its kind for the CLI's messages."""
+    text = os.fspath(path)
+    if not is_url(text) and not os.path.lexists(text) and resolve_prefix(text) is None:
+        raise StoreNotFoundError("no such file or checkpoint", path=text)
+    return Source(weightstore.open(text))
+
+
+def open_keyed_like_model(path: str | os.PathLike, model_file: str | os.PathLike) -> Source:
+    """A Keras file or TF2 object checkpoint keyed as ``tf2.export`` keys the model of ``model_file``.
+
+    ``model_file`` is a ``.keras`` archive (``path`` itself, or another one whose architecture
+    the weights fit); its model is rebuilt from its config in Keras's safe mode
+    (:mod:`weightstore.adapters.keras_config`) and paired with ``path`` as ``tf2.load(model,
+    path)`` pairs them: tensors the model has no variable for keep their file keys, optimizer
+    state is left out.
+    """
+    text, model_text = os.fspath(path), os.fspath(model_file)
+    if not model_text.endswith(".keras"):
+        raise FormatError("is not a .keras file; the model's architecture comes from the config.json of one",
+                          path=model_text)
+    with open_source(text) as plain:
+        kind = plain.kind
+    prefix = resolve_prefix(text) if kind == KIND_TF2 else None
+    if prefix is None and not text.endswith((".keras", keras_file.WEIGHTS_SUFFIX)):
+        raise FormatError(f"is a {kind}; only Keras files and TF2 object-based checkpoints can be keyed like a model",
+                          path=text)
+    checkpoints.tensorflow("keying weights like a model (Keras builds it from the .keras config)", model_text)
+    with checkpoints.quietly():
+        from weightstore.adapters import artifacts, keras_config, tf2
+    model = keras_config.model_from_archive(model_text)
+    keyed = Source(artifacts.for_model(model, prefix or text, tf2.variables(model)))
+    keyed.kind, keyed.keyed_like = kind, model_text
+    return keyed
+
+
+def _store_kind(store: Store) -> str:
+    if store.has_checksums:
+        return "weightstore file"
+    if store.path.endswith(keras_file.WEIGHTS_SUFFIX):
+        return keras_file.KIND
+    return "file without a weightstore manifest"
+
+
+def _trainable_from_meta(meta_path: str) -> set[str]:
+    """Checkpoint names of the variables in a MetaGraphDef's trainable collection.
+
+    A partitioned variable lists each part (``w/part_0:0``); the checkpoint holds it whole
+    under ``save_slice_info_def.full_name``.
+    """
+    checkpoints.tensorflow("--trainable-only (reading the .meta graph)", meta_path)
+    from tensorflow.core.framework import variable_pb2
+    from tensorflow.core.protobuf import meta_graph_pb2
+
+    graph = meta_graph_pb2.MetaGraphDef()
+    try:
+        graph.ParseFromString(Path(meta_path).read_bytes())
+    except Exception as exc:  # protobuf's DecodeError has no stable import path
+        raise FormatError(f"not a readable MetaGraphDef ({exc})", path=meta_path) from None
+    names = set()
+    for raw in graph.collection_def["trainable_variables"].bytes_list.value:
+        variable = variable_pb2.VariableDef.FromString(raw)
+        full = variable.save_slice_info_def.full_name
+        names.add(full or OUTPUT_SUFFIX.sub("", variable.variable_name))
+    return names
