@@ -129,9 +129,9 @@ class AssignOptions(Selection):
     """A :class:`Selection` plus how values become variables' contents.
 
     ``mapping`` renames the dictionary's keys before pairing; ``strict`` refuses any missing,
-    unexpected or mismatched key without changing a variable; ``cast`` allows dtype
-    conversions that round, never one out of the target's range (:func:`out_of_range`); ``skip_unchanged`` (``None``: only for versions) leaves alone variables that
-    last received the very same bytes.
+    unexpected or mismatched key without changing a variable; ``cast`` allows dtype conversions
+    that round, never one out of the target's range (:func:`out_of_range`); ``skip_unchanged``
+    (``None``: only for versions) leaves alone variables that last received the very same bytes.
     """
 
     mapping: MappingRules = None
@@ -396,16 +396,16 @@ def out_of_range(array: np.ndarray, dtype: np.dtype) -> str:
     integer = _is_integer(target)
     smallest, largest = np.min(array).item(), np.max(array).item()  # NaN, if any, comes out as NaN
     if array.dtype.kind == "f" and not (math.isfinite(smallest) and math.isfinite(largest)):
-        finite = np.isfinite(array)
         if integer:
             return f"holds {'NaN' if np.isnan(array).any() else 'inf'}, which {target.name} cannot hold"
+        finite = np.isfinite(array)
         if not finite.any():
             return ""
         smallest = np.min(array, where=finite, initial=np.inf).item()
         largest = np.max(array, where=finite, initial=-np.inf).item()
+    limits = ml_dtypes.iinfo(target) if integer else None  # numpy's types too
     for extreme in (smallest, largest):
-        if integer:  # a cast to an integer truncates toward zero
-            limits = ml_dtypes.iinfo(target)  # numpy's types too
+        if limits is not None:  # a cast to an integer truncates toward zero
             fits = int(limits.min) <= math.trunc(extreme) <= int(limits.max)
         else:  # rounds to nearest: past the largest value by half a step it becomes inf (float8: NaN)
             with np.errstate(over="ignore", invalid="ignore"):
@@ -540,8 +540,8 @@ def _message(report: Report, where: str, targets: Mapping[str, Any], values: Map
     def suggest(key: str, shape: tuple[int, ...], candidates: Any, shape_of: Callable[[str], tuple[int, ...]]) -> str:
         if not hints:
             return ""
-        named = [c for c in candidates if _same_leaf(key, c)]
-        return keys_suggest(key, [c for c in named if tuple(shape_of(c)) == tuple(shape)]) or keys_suggest(key, named)
+        alike = [c for c in candidates if _same_leaf(key, c)]
+        return keys_suggest(key, [c for c in alike if tuple(shape_of(c)) == tuple(shape)]) or keys_suggest(key, alike)
 
     def target_shape(key: str) -> tuple[int, ...]:
         return every[key].shape

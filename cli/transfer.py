@@ -220,5 +220,5 @@ def _refuse_clashes(target: str, existing: list[str], plan: Mapping[str, str], o
     present = set(existing)
     clash = [key for key in plan if key in present]
     if clash:
-        raise StoreExistsError(f"already holds {len(clash)} of the imported keys ({named(clash, shown=_SHOWN)}); pass --overwrite to "
-                               "replace them, or --scope to import beside them", path=target)
+        raise StoreExistsError(f"already holds {len(clash)} of the imported keys ({named(clash, shown=_SHOWN)}); "
+                               "pass --overwrite to replace them, or --scope to import beside them", path=target)

@@ -8,8 +8,8 @@ good, so its resident memory creeps towards two models plus the one being staged
 :func:`give_back` returns those pages after each swap, so what the process holds is what it
 uses. ``tf1.assign`` calls it too, once a batch's variables have let go of buffers that were fed
 numpy arrays (a TF1 variable keeps an aligned one as its buffer), before TensorFlow's pool is
-asked for their replacements. It costs a few milliseconds (5-14 ms measured with TensorFlow loaded, on a loaded 2-core
-machine), outside the serving lock; meanwhile another thread's allocation from the arena being
+asked for their replacements. It costs a few milliseconds (5-14 ms measured with TensorFlow
+loaded, on a loaded 2-core machine), outside the serving lock; meanwhile another thread's allocation from the arena being
 trimmed waits. Elsewhere (macOS, musl) it does nothing: those allocators return large blocks
 on free.
 """

@@ -371,9 +371,8 @@ class Hdf5Reader(ReaderDefaults):
         try:
             with _as_format_error(name), _raw_bytes(location) as (read_at, size, queue):
                 self._raw = read_at, size, self._file.userblock_size
-                self._queue = queue
                 self._manifest = self._read_manifest()
-                self._stored_plain = self._walk()
+                self._stored_plain = self._walk(queue)
             self._paths = self._keyed(set(self._stored_plain))
             self._map = MappedFile(location) if mapped and isinstance(location, str) else None
         except BaseException:
@@ -445,7 +444,7 @@ class Hdf5Reader(ReaderDefaults):
             text = text.decode("utf-8", "replace")
         return parse_manifest(text, self.name)
 
-    def _walk(self) -> dict[str, bool]:
+    def _walk(self, queue: Callable[[list[int]], None]) -> dict[str, bool]:
         """The path of every dataset, and whether its bytes lie plainly in the file, refusing
         links that leave the tree.
 
@@ -457,9 +456,9 @@ class Hdf5Reader(ReaderDefaults):
         walking the header again (a third of the time to open a file of 50,000 small tensors).
         """
         with naming(path=self.name):  # once around the walk, not once per object: the byte checks name no file
-            return self._walk_tree()
+            return self._walk_tree(queue)
 
-    def _walk_tree(self) -> dict[str, bool]:
+    def _walk_tree(self, queue: Callable[[list[int]], None]) -> dict[str, bool]:
         read_at, size, base = self._raw
         found: dict[str, bool] = {}
         seen: set = set()
@@ -468,7 +467,7 @@ class Hdf5Reader(ReaderDefaults):
         while pending:
             group, prefix, depth = pending.pop()
             links = _links(group)
-            self._queue([base + address for _, kind, address in links if kind == h5py.h5l.TYPE_HARD])
+            queue([base + address for _, kind, address in links if kind == h5py.h5l.TYPE_HARD])
             for raw, kind, address in links:
                 try:
                     path = join_scope(prefix, raw.decode("utf-8"))
@@ -583,19 +582,30 @@ class Hdf5Reader(ReaderDefaults):
         nbytes = math.prod(shape) * dtype.itemsize
         if self._stored_plain[self._paths[key]]:
             _check_stored_size(dataset, self.name, key, nbytes)
-            if self._map is not None and nbytes and dataset.dtype == dtype:
-                offset = dataset.get_offset()  # None: never written, and HDF5 gives its fill value
-                if offset is not None:
-                    self._map.check_unchanged(f"tensor {key!r}")  # a map past a truncated end: SIGBUS
-                    if nbytes >= _ANNOUNCED_FROM:
-                        self._map.prefetch(offset, nbytes)  # a cold file streams rather than faults in
-                    return np.frombuffer(self._map.read_at(offset, nbytes), dtype).reshape(shape)
+            view = self._mapped(key, dataset, shape, dtype, nbytes)
+            if view is not None:
+                return view
         else:
             _check_storage(dataset, self.name, key, nbytes)
         out = np.empty(shape, dtype=dtype)
         if out.size:
             dataset.read(h5py.h5s.ALL, h5py.h5s.ALL, out, memory_type)
         return out
+
+    def _mapped(self, key: str, dataset: h5py.h5d.DatasetID, shape: tuple[int, ...], dtype: np.dtype,
+                nbytes: int) -> np.ndarray | None:
+        """The contiguous dataset as a view of the mapped file, or None where libhdf5 must read
+        it: no map (``mmap=False``, a URL), nothing stored, a stored type HDF5 converts (another
+        byte order), or never written (HDF5 gives its fill value)."""
+        if self._map is None or not nbytes or dataset.dtype != dtype:
+            return None
+        offset = dataset.get_offset()
+        if offset is None:
+            return None
+        self._map.check_unchanged(f"tensor {key!r}")  # a map past a truncated end: SIGBUS
+        if nbytes >= _ANNOUNCED_FROM:
+            self._map.prefetch(offset, nbytes)  # a cold file streams rather than faults in
+        return np.frombuffer(self._map.read_at(offset, nbytes), dtype).reshape(shape)
 
     def _reading(self, name: str) -> _Reading:
         stored = storage_dtype(name)
@@ -605,7 +615,8 @@ class Hdf5Reader(ReaderDefaults):
         return reading
 
     def read_into(self, key: str, out: np.ndarray, *, verify: bool) -> bool:
-        """HDF5 reads into fresh memory already; :meth:`read` is the direct path here."""
+        """False: the store copies what :meth:`read` returns, a view of the mapped file (one copy)
+        or libhdf5's own read (``mmap=False``, a converted dataset)."""
         return False
 
     def close(self) -> None:
