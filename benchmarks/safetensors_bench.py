@@ -35,8 +35,8 @@ import safetensors.numpy
 
 import weightstore
 from benchmarks.common import MB, fmt_ratio, fmt_seconds, fsync_path, machine_line, median, table, touch
-from weightstore.store import fsync_folder
-from weightstore.store import fsync_path as fsync_file
+from weightstore.io.files import fsync_folder
+from weightstore.io.files import fsync_path as fsync_file
 
 BIG_TENSORS = 50
 SMALL_TENSORS, SMALL_FLOATS = 50_000, 256

@@ -45,3 +45,15 @@ def test_user_facing_text_has_no_internal_wording():
     for path in [*DOCS, *ROOT.glob("weightstore/**/*.py"), *ROOT.glob("adapters/*.py"), *ROOT.glob("cli/*.py")]:
         found = internal.search(path.read_text())
         assert found is None, f"{path.relative_to(ROOT)}: {found.group(0)!r}"
+
+
+def test_every_benchmark_the_docs_give_imports():
+    """A benchmark that no longer imports is a figure in the docs nobody can reproduce."""
+    commands = set()
+    for path in [*DOCS, *ROOT.glob("benchmarks/*.py")]:
+        commands.update(re.findall(r"python -m (benchmarks\.\w+)", path.read_text()))
+    code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
+    result = subprocess.run([sys.executable, "-c", code, *sorted(commands)], capture_output=True, text=True,
+                            timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert len(commands) >= 10, sorted(commands)
