@@ -262,6 +262,41 @@ def test_open_reads_only_the_header_and_reads_verify(tmp_path):
             store.read_into("drop/w", out)
 
 
+def many_read(path, keys, *, one_by_one: bool, verify: bool = True) -> tuple:
+    """What reading ``keys`` gives, all at once (the reader's ``read_many``) or key by key
+    (``read``, the rule): the arrays, or the error's kind, key and message."""
+    try:
+        with ws.open(path, verify=verify) as store:
+            arrays = [store[key] for key in keys] if one_by_one else list(store.read(keys).values())
+            assert all(reaches_mmap(a) for a in arrays if a.nbytes)  # views of the map either way
+            return "read", [(a.dtype, a.shape, a.tobytes()) for a in arrays]
+    except ws.WeightStoreError as exc:
+        return type(exc).__name__, exc.key, str(exc)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_many_tensors_read_alike_on_either_path(tmp_path, seed):
+    """Every dtype, empty and 0-d tensors, one large enough for the parallel CRC, in any order:
+    reading many at once gives what reading each alone gives, and with tensors damaged refuses
+    with the same error, naming the first damaged key asked for."""
+    rng = random.Random(seed)
+    weights = {f"t/{i}": sample(dtype, rng.choice([(), (0,), (3,), (2, 5)]), i) for i, dtype in enumerate(SUPPORTED)}
+    weights.update({f"u/{i}": sample(np.float32, (rng.randrange(1, 9),), i) for i in range(20)})
+    weights["big"] = sample(np.float32, (70_000,), 99)
+    path = tmp_path / "m.safetensors"
+    ws.save(path, weights)
+    keys = rng.sample(list(weights), len(weights) - 3)
+    good = many_read(path, keys, one_by_one=True)
+    assert good[0] == "read" and many_read(path, keys, one_by_one=False) == good
+    assert all(same(np.frombuffer(b, d).reshape(s), weights[k]) for k, (d, s, b) in zip(keys, good[1], strict=True))
+    for name in rng.sample([k for k in keys if weights[k].nbytes], 2):
+        corrupt_first_byte(path, name)
+    refused = many_read(path, keys, one_by_one=True)
+    assert refused[0] == "ChecksumError" and refused[1] in keys
+    assert many_read(path, keys, one_by_one=False) == refused
+    assert many_read(path, keys, one_by_one=False, verify=False) == many_read(path, keys, one_by_one=True, verify=False)
+
+
 def test_remote_reads_are_ranged(tmp_path, monkeypatch):
     import fsspec
 

@@ -746,8 +746,8 @@ def write_file(path: str, fmt: Format, arrays: _Checked, metadata: Mapping[str, 
             stored = stored_names.get(key, key)
             tensors.append((key if located else stored, name, data.shape, writer.add(stored, name, data)))
             digests.append(content_digest(data) if hashing is None else hashing.result())
+            writeback.advance(data.nbytes)
             del data
-            writeback.advance()
         locations = {**writer.locations, **located}
         writer.commit(build_manifest(tensors, metadata, f"weightstore {__version__}", locations, writer.codecs,
                                      digests, created))

@@ -45,16 +45,16 @@ room, it moves the data up once.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
+import orjson
 
 from weightstore import jsontext
 from weightstore.errors import (
@@ -68,6 +68,7 @@ from weightstore.errors import (
 )
 from weightstore.formats import Format, ReaderDefaults, foreign_keys
 from weightstore.formats.sstable import crc32c, unmask_crc
+from weightstore.gcpause import paused_gc
 from weightstore.io.local import MappedFile
 from weightstore.io.source import ByteSource, open_source, prefetch_ranges
 from weightstore.manifest import (
@@ -82,6 +83,7 @@ from weightstore.manifest import (
     raw_bytes,
     write_checksummed,
 )
+from weightstore.tensortable import NO_CRC, TensorTable
 
 #: the reference library refuses larger headers (``MAX_HEADER_SIZE``), so we neither write nor read them
 MAX_HEADER_BYTES = 100_000_000
@@ -99,6 +101,8 @@ _HEADER_SLACK = 64 << 10
 _MOVE_CHUNK = 16 << 20
 #: tensors at least this big are announced to the source (it reads ahead of them) before they are read
 _PREFETCH_BYTES = 1 << 20
+#: fewer tensors than this are read one by one: the shared set-up of reading many costs more
+_FEW = 16
 _JUST_INT = {int}
 #: a tensor's entry is an object and two arrays in 50 bytes or more: a header may hold at most one
 #: object or array per this many bytes (``[[],[],…]`` made 27x its size in lists before it was refused)
@@ -170,11 +174,11 @@ class SafetensorsWriter:
             if self._held_bytes + size <= _HOLD_BYTES:
                 self._held.append(tensor)
                 self._held_bytes += size
-                return crc32(tensor.payload)
+                return crc32(data)  # the array, not its byte view: cheaper for a small one
             self._start_streaming()  # writes what is held; this tensor follows, as if it had been held
         if size % _KEEPS_ALIGNED:
             self._held.append(tensor)  # would misalign what follows: laid out at the end instead
-            return crc32(tensor.payload)
+            return crc32(data)
         return self._write_checksummed(tensor)
 
     def _lay_out_held(self) -> None:
@@ -240,7 +244,7 @@ class SafetensorsWriter:
         document: dict[str, Any] = {METADATA_KEY: {**self._header_metadata, MANIFEST_KEY: sealed}}
         for t in self._tensors:  # json writes tuples as arrays
             document[t.key] = {"dtype": t.code, "shape": t.shape, "data_offsets": (t.begin, t.begin + t.size)}
-        return json.dumps(document, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        return orjson.dumps(document)  # compact UTF-8, as json.dumps(ensure_ascii=False) but 10x faster
 
     def _move_data(self, old: int, new: int) -> None:
         """Move the data buffer up from ``old`` to ``new`` in place, last chunk first."""
@@ -427,13 +431,14 @@ class SafetensorsReader(ReaderDefaults):
         if listed != present or len(listed) != len(stored_as):
             raise FormatError(f"manifest and header disagree (listed but absent: {named(sorted(listed - present))}; "
                               f"present but unlisted: {named(sorted(present - listed))})", path=self.name)
-        for key, info in manifest.tensors.items():
+        dtype_names, shapes, _, _ = manifest.tensors.rows()  # by row: no TensorInfo made per tensor
+        for key, dtype_name, shape in zip(manifest.tensors, dtype_names, shapes, strict=True):
             tensor = self._tensors[stored_as[key]]
-            if _CODES.get(info.dtype) != _CODE_OF_DTYPE[tensor.dtype]:
-                raise FormatError(f"is stored as {_CODE_OF_DTYPE[tensor.dtype]} but the manifest says {info.dtype}",
+            if _CODES.get(dtype_name) != _CODE_OF_DTYPE[tensor.dtype]:
+                raise FormatError(f"is stored as {_CODE_OF_DTYPE[tensor.dtype]} but the manifest says {dtype_name}",
                                   path=self.name, key=key)
-            if tensor.shape != info.shape:
-                raise FormatError(f"has shape {tensor.shape} but the manifest says {info.shape}",
+            if tensor.shape != shape:
+                raise FormatError(f"has shape {tensor.shape} but the manifest says {shape}",
                                   path=self.name, key=key)
 
     # -- the Reader protocol ------------------------------------------------------------------
@@ -472,6 +477,37 @@ class SafetensorsReader(ReaderDefaults):
         if not array.flags.aligned:  # a foreign writer's layout: views of it would trip up consumers
             array = array.copy()
         return array if array.dtype.isnative else array.astype(array.dtype.newbyteorder("="))
+
+    def read_many(self, keys: list[str], *, verify: bool) -> list[np.ndarray]:
+        """Tensors in ``keys``' order: what :meth:`read` returns for each, for microseconds a
+        tensor where a file holds 50,000 small ones. From a map with a manifest (the usual case),
+        each aligned little-endian tensor is viewed through one array over the whole map and its
+        CRC-32 compared as the integer the manifest holds; any other tensor, or one whose CRC
+        differs, goes to :meth:`read`, the rule, which reads it or raises the precise error
+        (``tests/test_safetensors.py::test_many_tensors_read_alike_on_either_path``)."""
+        mapping = self._source.mapping if isinstance(self._source, MappedFile) else None
+        if len(keys) < _FEW or mapping is None or not self.has_checksums:
+            return [self.read(key, verify=verify) for key in keys]
+        self._source.check_unchanged(f"{len(keys)} tensors")
+        tensors = [self._tensor(key) for key in keys]  # announced to the kernel by the store (prefetch)
+        table = cast(TensorTable, self._infos)
+        crcs = table.rows()[3]
+        rows = table.positions(keys).tolist()
+        # every array is a view of this one, which holds the map's one export (see npz's reader)
+        whole = np.frombuffer(mapping, np.uint8)
+        arrays: list[np.ndarray] = []
+        with paused_gc():  # an array per tensor, each tracked by the collector
+            for key, tensor, row in zip(keys, tensors, rows, strict=True):
+                offset, size, dtype = self._data_start + tensor.begin, tensor.end - tensor.begin, tensor.dtype
+                if not size or offset % dtype.alignment or not dtype.isnative:
+                    arrays.append(self.read(key, verify=verify))
+                    continue
+                array = np.ndarray(tensor.shape, dtype, whole, offset)
+                if verify and crcs[row] != NO_CRC and crcs[row] != crc32(array):
+                    arrays.append(self.read(key, verify=verify))
+                    continue
+                arrays.append(array)
+        return arrays
 
     def keys_by_name(self) -> dict[str, str]:
         """Each tensor's name in the header -> its key (they differ in a file written with ``names="torch"``)."""
