@@ -45,9 +45,9 @@ from weightstore import cluster
 from weightstore.adapters.plan import SelectionWords
 from weightstore.errors import PublishError, ShardTimeoutError, WeightStoreError
 from weightstore.io.folders import Folder, folder_for
+from weightstore.saving import checked_metadata
 from weightstore.shardindex import BLOCK_BYTES
 from weightstore.shards import Piece, commit_shards, next_attempt, publish_shard
-from weightstore.store import checked_metadata
 from weightstore.versions import DEFAULT_KEEP, Version
 
 __all__ = ["publish_sharded", "plan", "Segment"]

@@ -35,7 +35,7 @@ from weightstore.formats import format_for_suffix, known_suffixes, sniff
 from weightstore.io.location import is_url
 from weightstore.keys import MappingRules, Patterns, plan_inward, validate_key
 from weightstore.names import TORCH, WRITE_NAMINGS, check_naming, torch_keys
-from weightstore.store import output_format
+from weightstore.saving import output_format
 
 _SHOWN = 5  # colliding keys named in an error; the rest are counted
 NAME_BASED_CAUTION = (

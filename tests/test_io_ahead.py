@@ -40,7 +40,7 @@ def test_writeback_of_a_growing_file_waits_for_its_requests(tmp_path, small_step
         for _ in range(4):
             out.write(os.urandom(1 << 17))
             out.flush()
-            started.advance()
+            started.advance(1 << 17)
         started.close()
         started.close()  # twice is harmless
     assert path.stat().st_size == 4 << 17
@@ -48,7 +48,7 @@ def test_writeback_of_a_growing_file_waits_for_its_requests(tmp_path, small_step
 
 def test_writeback_of_a_missing_file_does_nothing(tmp_path):
     missing = writeback.Writeback(str(tmp_path / "none"))
-    missing.advance()
+    missing.advance(1 << 30)
     missing.close()
 
 

@@ -10,8 +10,9 @@ from weightstore.background import BackgroundPublisher  # noqa: E402
 from weightstore.errors import *  # noqa: E402,F401,F403
 from weightstore.keys import remap, select  # noqa: E402
 from weightstore.manifest import TensorInfo  # noqa: E402
+from weightstore.saving import save  # noqa: E402
 from weightstore.shards import Piece, commit_shards, publish_shard  # noqa: E402
-from weightstore.store import Store, load, open, save  # noqa: E402,A004
+from weightstore.store import Store, load, open  # noqa: E402,A004
 from weightstore.versions import Version, follow, latest, publish  # noqa: E402
 
 __all__ = ["__version__", "load", "open", "remap", "save", "select", "Store", "TensorInfo",

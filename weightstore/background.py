@@ -42,7 +42,7 @@ import numpy as np
 
 from weightstore.errors import PublishError
 from weightstore.formats import format_named
-from weightstore.store import checked_metadata
+from weightstore.saving import checked_metadata
 from weightstore.versions import (
     DEFAULT_FORMAT,
     DEFAULT_KEEP,
@@ -201,7 +201,7 @@ class _Once:
 
     def __init__(self, value: Any):
         self._value = value
-        self.dtype = value.dtype  # checked before the write without converting (see store._Checked)
+        self.dtype = value.dtype  # checked before the write without converting (see saving.CheckedWeights)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         value, self._value = self._value, None

@@ -45,6 +45,7 @@ from weightstore.formats import Format, format_named
 from weightstore.io.folders import Folder, folder_for
 from weightstore.keys import validate_key
 from weightstore.manifest import from_storage, logical_dtype, to_storage
+from weightstore.saving import CheckedWeights, checked_metadata, write_file
 from weightstore.shardindex import (
     INDEX_FORMAT,
     MAX_DONE_BYTES,
@@ -71,7 +72,6 @@ from weightstore.shardindex import (
     row_bytes,
     strip_columns,
 )
-from weightstore.store import _checked, checked_metadata, write_file
 from weightstore.versions import (
     DEFAULT_KEEP,
     SHARDED_SUFFIX,
@@ -175,7 +175,7 @@ def publish_shard(
     members.create()
     with members.commit(member_name(rank, suffix), suffix).writing() as local:
         arrays = {item.stored: from_storage(item.data, item.dtype) for item in listed}
-        write_file(local, fmt, _checked(arrays, where, fmt), metadata, False)
+        write_file(local, fmt, CheckedWeights(arrays, where, fmt), metadata, False)
         tensors = _described(local, where, fmt, listed)
         size = os.path.getsize(local)
         _stage("member-temporary")

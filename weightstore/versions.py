@@ -104,7 +104,8 @@ from weightstore.formats import Reader, format_for_suffix, format_named
 from weightstore.io.files import remove_stale_temporaries
 from weightstore.io.folders import Folder, LocalFolder, folder_for
 from weightstore.manifest import utc_now
-from weightstore.store import Store, _checked, checked_metadata, write_file
+from weightstore.saving import CheckedWeights, checked_metadata, write_file
+from weightstore.store import Store
 
 __all__ = ["Version", "VersionEntry", "PublishOptions", "PointerWatch", "publish", "latest", "follow", "list_versions"]
 
@@ -294,7 +295,7 @@ def publish(
     fmt = format_named(format)
     target = folder_for(folder, storage_options)
     name = f"step-{step:012d}{fmt.suffixes[0]}"
-    arrays = _checked(weights, target.url(name), fmt)
+    arrays = CheckedWeights(weights, target.url(name), fmt)
     metadata = checked_metadata(metadata, target.url(name))
     target.create()
 
