@@ -101,6 +101,19 @@ def test_an_unknown_format_word_is_a_weightstore_error_naming_the_file_and_the_w
     assert caught.value.path == str(tmp_path / "m.weights") and "did you mean" not in str(caught.value)
 
 
+def test_a_url_of_unknown_storage_is_a_weightstore_error_from_python_and_the_command(tmp_path):
+    """fsspec's own ``ValueError("Protocol not known")`` was what a typo in a URL gave."""
+    for call in (lambda: ws.load("foo://bucket/m.npz"), lambda: ws.save("foo://bucket/m.npz", WEIGHTS),
+                 lambda: ws.latest("foo://runs"), lambda: ws.publish("foo://runs", WEIGHTS, step=1)):
+        with pytest.raises(ws.StoreNotFoundError, match=r"foo://.*: foo:// is no storage weightstore knows") as caught:
+            call()
+        assert caught.value.path.startswith("foo://")
+    result = subprocess.run([sys.executable, "-m", "weightstore", "ls", "foo://bucket/m.npz"], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 1 and result.stderr.startswith("error: foo://bucket/m.npz: foo:// is no storage")
+    assert "internal error" not in result.stderr
+
+
 # -- a LATEST that went back --------------------------------------------------------------------
 
 def test_rolled_back_latest_never_costs_newer_versions(tmp_path):

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from weightstore.errors import MissingDependencyError, StorageError, WeightStoreError
+from weightstore.errors import MissingDependencyError, StorageError, StoreNotFoundError, WeightStoreError
 from weightstore.extras import install_hint
 
 __all__ = ["Location", "location_of", "is_url", "filesystem", "protocols", "storage_error", "service"]
@@ -60,6 +60,12 @@ def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tu
             raise MissingDependencyError(f"{protocol}:// URLs need s3fs, which is not installed: {install_hint('s3')}",
                                          path=url) from None
         raise MissingDependencyError(f"{protocol}:// URLs need the fsspec file system for them: {exc}", path=url) from None
+    except ValueError as exc:
+        if not str(exc).startswith("Protocol not known"):
+            raise
+        protocol = str(exc).rpartition(":")[2].strip()
+        raise StoreNotFoundError(f"{protocol}:// is no storage weightstore knows: use a local path or a URL "
+                                 "fsspec reads (s3://, gs://, az://, http(s)://, memory://, ...)", path=url) from None
 
 
 def uncached(fs: Any, path: str) -> str:
