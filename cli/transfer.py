@@ -137,6 +137,7 @@ def is_checkpoint_target(target: str) -> bool:
             sniff(handle.read(8))  # refuses files that are neither npz nor HDF5
         return False
     _refuse_near_store_suffix(target)
+    _refuse_unusable_prefix(target)
     return True
 
 
@@ -149,6 +150,31 @@ def _refuse_near_store_suffix(target: str) -> None:
         raise TargetError(f"{suffix!r} is no store suffix, and a new name without one would become a TF "
                           f"checkpoint prefix; did you mean {stem + near[0]!r}? (for a new checkpoint, name "
                           "it like model.ckpt)", path=target)
+
+
+#: suffixes of files that are not TF checkpoints: a new name ending in one is a mistake, not a prefix
+_OTHER_FILE_SUFFIXES = frozenset({
+    ".pt", ".pth", ".bin", ".pkl", ".pickle", ".joblib", ".onnx", ".pb", ".tflite", ".gguf", ".msgpack",
+    ".npy", ".json", ".yaml", ".yml", ".txt", ".csv", ".zip", ".tar", ".gz", ".index", ".meta",
+})
+
+
+def _refuse_unusable_prefix(target: str) -> None:
+    """A new checkpoint prefix names the files ``PREFIX.index`` and ``PREFIX.data-*`` in an
+    existing folder, as ``Saver.save`` requires: a name ending in ``/`` would make hidden files
+    ``.index`` and ``.data-*`` that nothing reads back, and a suffix of another kind of file
+    (``.pt``, ``.txt``) is a mistake that would otherwise become a checkpoint without a word."""
+    folder, name = os.path.split(target)
+    if not name:
+        raise TargetError(f"ends in {target[-1]!r}, so it names no checkpoint; give a prefix such as "
+                          f"{os.path.join(target, 'model.ckpt')}", path=target)
+    if folder and not os.path.isdir(folder):
+        raise StoreNotFoundError(f"folder {folder!r} does not exist", path=target)
+    suffix = os.path.splitext(name)[1].lower()
+    if suffix in _OTHER_FILE_SUFFIXES:
+        raise TargetError(f"ws import writes stores ({', '.join(known_suffixes())}), Keras files and TF "
+                          f"checkpoints, not {suffix} files; a new checkpoint is named like model.ckpt",
+                          path=target)
 
 
 def import_(source: Source, target: str, *, scope: str | None, mapping: MappingRules, include: Patterns,
@@ -194,8 +220,6 @@ def _import_into_checkpoint(source: Source, target: str, plan: Mapping[str, str]
     state = checkpoints.state_file_text(target) if new else None
     weights = read(source, plan, "importing")
     with working(f"writing {target}"):
-        if state is not None:
-            os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
         checkpoints.write_checkpoint(target, weights)
         if state is not None:
             checkpoints.write_state_file(target, state)

@@ -208,6 +208,21 @@ def test_import_into_a_misspelt_store_suffix_is_refused_not_made_a_checkpoint(st
     assert sorted(tmp_path.iterdir()) == before
 
 
+@pytest.mark.parametrize("name, says", [("new/", "ends in '/', so it names no checkpoint"),
+                                        ("gone/m.ckpt", "folder"), ("w.pt", "not .pt files"),
+                                        ("notes.txt", "not .txt files")])
+def test_import_into_a_name_no_checkpoint_can_have_is_refused_before_writing(store, tmp_path, name, says):
+    """A new name that is neither a store nor a usable checkpoint prefix: a trailing slash would
+    make hidden ``.index``/``.data-*`` files nothing reads back (and a state file naming ""), a
+    missing folder is refused as ``ws export`` and ``Saver.save`` refuse it, and another kind of
+    file's suffix is a mistake. Nothing is written, not even the folder's state file."""
+    (tmp_path / "checkpoint").write_text('model_checkpoint_path: "trained.ckpt"\n')
+    before = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
+    one_error_line(run("import", store, "--into", f"{tmp_path}/{name}"), says)
+    assert {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in before)
+
+
 def test_import_into_a_tf_checkpoint_restored_by_saver(store, tmp_path):
     prefix = str(tmp_path / "ens.ckpt")
     assert run("import", store, "--into", prefix, "--scope", "model_001").exit_code == 0
