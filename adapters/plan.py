@@ -12,7 +12,6 @@ import contextlib
 import difflib
 import math
 import os
-import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -209,6 +208,9 @@ class TargetInfo:
 class Plan:
     pairs: dict[str, str]  # target key -> value (source) key
     report: Report
+    #: why most variables stay as they were (``strict=False``): warned once the assign has
+    #: succeeded, not before an error that changes nothing
+    warning: str = ""
 
 
 class ValueSource(Protocol):
@@ -494,9 +496,8 @@ def plan_assign(
                      note=getattr(values, "missing_note", "")),
             missing=report.missing, unexpected=report.unexpected, mismatched=report.mismatched, path=values.path,
         )
-    if len(pairs) * 2 < len(chosen):
-        warnings.warn(_few_assigned(values.where, len(pairs), chosen, value_keys), AssignWarning, stacklevel=5)
-    return Plan(pairs, report)
+    warning = _few_assigned(values.where, len(pairs), chosen, value_keys) if len(pairs) * 2 < len(chosen) else ""
+    return Plan(pairs, report, warning)
 
 
 def keeps(key: str, trainable: bool, trainable_only: bool, also: Patterns) -> bool:
@@ -510,8 +511,45 @@ def _few_assigned(where: str, paired: int, targets: Mapping[str, TargetInfo], va
     text = (f"assigning {where} (strict=False) left {len(targets) - paired} of {len(targets)} variables as they "
             f"were; {paired} of {len(values)} values fit a variable ({common} share a key with one)")
     if paired * 2 < min(len(targets), len(values)):
-        text += ": the weights and the model look like different architectures (or need scope= or mapping=)"
+        text += f": {_apart(values, targets)}"
     return text
+
+
+def _apart(values: Iterable[str], targets: Iterable[str]) -> str:
+    """Why few keys pair: one scope between them, or a different architecture."""
+    fix = _scope_fix(values, targets)
+    return (f"the keys differ by a scope: {fix}" if fix else
+            "the weights and the model look like different architectures (or differ by a scope: scope= puts "
+            "the values under one, mapping={'FROM': 'TO'} renames one)")
+
+
+def _scope_fix(values: Iterable[str], targets: Iterable[str]) -> str:
+    """What would pair the keys when one scope is all that keeps them apart: values saved
+    under ``model_002/`` going into unscoped variables need that scope taken off (``mapping``),
+    unscoped values going into variables under it need it put on (``scope``); "" when no one
+    scope explains most of the keys."""
+    value_set, target_set = set(values), set(targets)
+    extra = _extra_scope(value_set - target_set, target_set)
+    if extra:
+        return f"the values are under {extra!r} and the variables are not: pass mapping={{{extra!r}: ''}}"
+    missing = _extra_scope(target_set - value_set, value_set)
+    if missing:
+        return f"the variables are under {missing!r} and the values are not: pass scope={missing!r}"
+    return ""
+
+
+def _extra_scope(keys: Collection[str], others: Collection[str]) -> str:
+    """The scope (up to three segments) that, taken off, turns at least half of ``keys`` into
+    keys of ``others``; "" if none does."""
+    counts: dict[str, int] = {}
+    for key in keys:
+        parts = key.split("/")
+        for depth in range(1, min(len(parts), 4)):
+            if "/".join(parts[depth:]) in others:
+                scope = "/".join(parts[:depth])
+                counts[scope] = counts.get(scope, 0) + 1
+    best = max(counts, key=counts.__getitem__, default="")
+    return best if best and counts[best] * 2 >= len(keys) else ""
 
 
 def _pair_problem(dtype: np.dtype, shape: tuple[int, ...], target: TargetInfo, cast: bool) -> str:
@@ -560,8 +598,8 @@ def _message(report: Report, where: str, targets: Mapping[str, Any], values: Map
     lines = [f"cannot assign{f' {where}' if where else ''}: nothing was changed"]
     common = sum(1 for key in values if key in every)
     if min(len(targets), len(values)) >= 2 and common * 2 < min(len(targets), len(values)):
-        lines.append(f"  the weights and the model look like different architectures: {common} of {len(values)} "
-                     f"values share a key with one of {len(targets)} variables (or they need scope= or mapping=)")
+        lines.append(f"  {common} of {len(values)} values share a key with one of {len(targets)} variables: "
+                     f"{_apart(values, every)}")
     if not pairs and report.ok:
         lines.append("  no value pairs with a variable" + (" (no variables selected)" if not targets else ""))
     sections: list[tuple[str, list[Any], Callable[[Any], str]]] = [

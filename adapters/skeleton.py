@@ -19,9 +19,12 @@ import contextvars
 import math
 import mmap
 import os
+import sys
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any, cast
 
 import numpy as np
@@ -29,6 +32,7 @@ import numpy as np
 from weightstore.adapters.plan import (
     MEMORY,
     AssignOptions,
+    AssignWarning,
     Plan,
     Report,
     TargetInfo,
@@ -152,7 +156,19 @@ def run_assign(target: Target, weights: Any, options: AssignOptions, *, skip_for
             source.prefetch([value_key for _, value_key in todo])
             batch = [(key, prepare(source, key, value_key)) for key, value_key in todo]
             _remember(target, target.write(batch, report) if batch else [], digests, report)
+    if plan.warning:
+        warnings.warn(plan.warning, AssignWarning, stacklevel=_callers_level())
     return report
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` of the first frame outside weightstore: the user's call of ``assign``,
+    however many adapter frames lie between."""
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("weightstore."):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _part_digests(source: ValueSource, value_key: str, regions: list[tuple[slice, ...]],
@@ -277,8 +293,9 @@ class _RangeChecked:
     def _checked(self, value_key: str, value: np.ndarray) -> np.ndarray:
         problem = out_of_range(np.asarray(value), self._dtype)
         if problem:
-            raise AssignmentError(f"cannot assign {value_key!r} to {self._key!r} as {self._dtype.name}: the value "
-                                  f"{problem}", path=self._source.path)
+            into = "" if value_key == self._key else f" to {self._key!r}"
+            raise AssignmentError(f"cannot assign {value_key!r}{into} as {self._dtype.name}: the value {problem}",
+                                  path=self._source.path)
         return value
 
 

@@ -395,7 +395,8 @@ def test_keras_layout_keys_of_another_architecture_say_so_and_pair_no_look_alike
     with pytest.raises(ws.AssignmentError) as caught:
         tf2.assign(bn_model(), ws.load(path))
     lines = str(caught.value).splitlines()
-    assert lines[1].startswith("  the weights and the model look like different architectures: ")
+    assert lines[1].endswith("variables: the weights and the model look like different architectures (or differ by a "
+                             "scope: scope= puts the values under one, mapping={'FROM': 'TO'} renames one)")
     assert "did you mean" not in str(caught.value)
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import warnings
 import weakref
 
 import ml_dtypes
@@ -164,12 +166,38 @@ def test_strict_lists_every_problem_and_changes_nothing():
             tf1.assign(sess, {"w": np.ones(3, np.float32)}, scope="model_01")
 
         with pytest.warns(AssignWarning, match=r"the weight dictionary \(strict=False\) left 2 of 3 variables as "
-                                               r"they were; 1 of 3 values fit a variable \(2 share a key with one\)"):
+                                               r"they were; 1 of 3 values fit a variable \(2 share a key with one\)") as warned:
             report = tf1.assign(sess, weights, strict=False)
+        assert [w.filename for w in warned] == [__file__]  # pointing at the call, not inside weightstore
         assert report.assigned == ["model_001/b"]
         assert report.missing == ["model_001/w"] and report.unexpected == ["model_02/w"]
         assert [m.key for m in report.mismatched] == ["model_001/k"]
         np.testing.assert_array_equal(values(sess, [w, b]), [[0, 0, 0], [1, 1, 1]])
+
+
+@pytest.mark.parametrize("saved_under, graph_under", [("model_002/tower_0", ""), ("", "model_002")])
+def test_keys_one_scope_apart_name_the_scope_or_mapping_that_pairs_them(tmp_path, saved_under, graph_under):
+    """Saved under one scope and assigned unscoped (or the reverse): the error names the exact
+    ``mapping=`` or ``scope=`` to pass, and passing it assigns every variable."""
+    def under(scope: str, key: str) -> str:
+        return f"{scope}/{key}" if scope else key
+
+    names = ["dense/kernel", "dense/bias", "head/kernel"]
+    ws.save(tmp_path / "m.npz", {under(saved_under, k): np.full(3, i, np.float32) for i, k in enumerate(names)})
+    with graph_session() as (_, sess):
+        variables = [v1.get_variable(under(graph_under, k), [3], initializer=v1.zeros_initializer()) for k in names]
+        sess.run(v1.global_variables_initializer())
+        fix = ({"mapping": {saved_under: ""}} if saved_under else {"scope": graph_under})
+        said = (f"pass mapping={{{saved_under!r}: ''}}" if saved_under else f"pass scope={graph_under!r}")
+        with pytest.raises(AssignmentError, match="the keys differ by a scope: ") as caught:
+            tf1.assign(sess, tmp_path / "m.npz")
+        assert said in str(caught.value) and "different architectures" not in str(caught.value)
+        with pytest.warns(AssignWarning, match=re.escape(said)):
+            tf1.assign(sess, {**ws.load(tmp_path / "m.npz"), under(graph_under, "head/kernel"): np.ones(3, np.float32)},
+                       strict=False)
+        report = tf1.assign(sess, tmp_path / "m.npz", **fix)
+        assert sorted(report.assigned) == sorted(under(graph_under, k) for k in names)
+        np.testing.assert_array_equal(values(sess, variables), [[0] * 3, [1] * 3, [2] * 3])
 
 
 def test_cast_rules():
@@ -205,6 +233,11 @@ def test_cast_refuses_values_out_of_the_variables_range(tmp_path, resource):
             assert [v.tolist() for v in values(sess, [a, small])] == [[0, 0], [0, 0]]
         tf1.assign(sess, {"a": np.array([1.0, 1e-300]), "small": np.array([-128, 127])}, cast=True)  # rounding is fine
         assert [v.tolist() for v in values(sess, [a, small])] == [[1, 0], [-128, 127]]
+        with warnings.catch_warnings(record=True) as caught_warnings:  # refused: no "left 1 of 2 as they were"
+            warnings.simplefilter("always")
+            with pytest.raises(AssignmentError, match=r"cannot assign 'a' as float32: the value holds 1e\+300"):
+                tf1.assign(sess, {"a": np.array([1e300, 0.0])}, cast=True, strict=False)
+        assert caught_warnings == []
 
 
 @pytest.mark.parametrize("resource", [True, False], ids=["resource", "ref"])
