@@ -107,6 +107,7 @@ class Selection:
         plan = plan_outward(keys, scope=self.scope, mapping=mapping, include=self.include, exclude=self.exclude,
                             where=where)
         if self.also:
+            require_also_use(self.trainable_only)
             require_matches(plan.keys(), self.also, "--also" if command_line else "also", where)
         if not self.trainable_only:
             return plan
@@ -467,6 +468,7 @@ def plan_assign(
         if in_scope(key, norm_scope) and key != norm_scope and passes(strip_scope(key, norm_scope), include, exclude)
     }
     if options.also:
+        require_also_use(options.trainable_only)
         require_matches(selectable.keys(), options.also, "also", "the model's variables")
     chosen = {join_scope(norm_scope, relative): info for relative, info in selectable.items()
               if keeps(relative, info.trainable, options.trainable_only, options.also)}
@@ -498,6 +500,15 @@ def plan_assign(
         )
     warning = _few_assigned(values.where, len(pairs), chosen, value_keys) if len(pairs) * 2 < len(chosen) else ""
     return Plan(pairs, report, warning)
+
+
+def require_also_use(trainable_only: bool) -> None:
+    """``also`` adds to what ``trainable_only`` keeps; without it every variable is kept, and an
+    ``also`` that does nothing would hide a forgotten ``trainable_only`` (the ``ws`` command
+    refuses ``--also`` alone as a usage error before this)."""
+    if not trainable_only:
+        raise SelectionError("also= adds non-trainable variables to what trainable_only=True keeps; pass "
+                             "trainable_only=True too (without it every variable is kept already)")
 
 
 def keeps(key: str, trainable: bool, trainable_only: bool, also: Patterns) -> bool:

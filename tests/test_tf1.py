@@ -312,6 +312,11 @@ def test_also_adds_chosen_non_trainable_variables_to_trainable_only():
             tf1.export(sess, trainable_only=True, also="*/bn/moving_variance")
         assert str(caught.value) == ("also '*/bn/moving_variance' matches no key in the graph; "
                                      "did you mean 'net/bn/moving_mean'?")
+        for call in (lambda: tf1.export(sess, also="*/moving_*"),  # trainable_only forgotten: not silently all
+                     lambda: tf1.assign(sess, {"net/bn/gamma": np.zeros(2, np.float32)}, also="*/moving_*")):
+            with pytest.raises(SelectionError, match=r"also= adds .* to what trainable_only=True keeps; pass"):
+                call()
+        np.testing.assert_array_equal(values(sess, [w, mean]), [[1, 1], [1, 1]])
 
 
 def test_optimizer_slots_under_their_variable_round_trip(tmp_path):
