@@ -54,6 +54,7 @@ the first matching rule wins. An adapter names a module's kind by the table in t
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
@@ -659,4 +660,11 @@ def refusal_message(where: str | None, refused: Mapping[str, str], listed: int =
     lines += [f"  {key}: {why}" for key, why in list(refused.items())[:listed]]
     if len(refused) > listed:
         lines.append(f"  … and {len(refused) - listed} more")
+    if any(_KERAS_FILE_NAME.search(key) for key in refused):
+        lines.append("  (names like layers/dense/vars/0 are a Keras file's own: read the file keyed like its "
+                     "model first, with ws export FILE --model-keys, or --model MODEL.keras for a .weights.h5)")
     return "\n".join(lines)
+
+
+#: how a Keras 3 file names a variable: by its layer's path and its place in the layer
+_KERAS_FILE_NAME = re.compile(r"(^|/)vars/\d+$")

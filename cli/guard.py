@@ -32,7 +32,17 @@ def describe(exc: BaseException) -> str:
         text = str(exc)
     else:
         text = f"internal error ({type(exc).__name__}: {exc}); run with --debug for the traceback"
-    return " ".join(text.split()) or type(exc).__name__
+    return one_line(text) or type(exc).__name__
+
+
+def one_line(text: str) -> str:
+    """A multi-line message (an assign's sections, a layout's refusals) on one line, its lines
+    kept apart by "; " (after a line ending in ":", by a space) rather than run together."""
+    joined = ""
+    for line in (line.strip() for line in text.splitlines()):
+        if line:
+            joined = line if not joined else f"{joined}{' ' if joined.endswith(':') else '; '}{line}"
+    return " ".join(joined.split())
 
 
 def hoist_global_flags(args: list[str]) -> list[str]:

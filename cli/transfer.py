@@ -160,16 +160,14 @@ _OTHER_FILE_SUFFIXES = frozenset({
 
 
 def _refuse_unusable_prefix(target: str) -> None:
-    """A new checkpoint prefix names the files ``PREFIX.index`` and ``PREFIX.data-*`` in an
-    existing folder, as ``Saver.save`` requires: a name ending in ``/`` would make hidden files
-    ``.index`` and ``.data-*`` that nothing reads back, and a suffix of another kind of file
-    (``.pt``, ``.txt``) is a mistake that would otherwise become a checkpoint without a word."""
-    folder, name = os.path.split(target)
+    """A new checkpoint prefix names the files ``PREFIX.index`` and ``PREFIX.data-*``: a name
+    ending in ``/`` would make hidden files ``.index`` and ``.data-*`` that nothing reads back,
+    and a suffix of another kind of file (``.pt``, ``.txt``) is a mistake that would otherwise
+    become a checkpoint without a word."""
+    name = os.path.basename(target)
     if not name:
         raise TargetError(f"ends in {target[-1]!r}, so it names no checkpoint; give a prefix such as "
                           f"{os.path.join(target, 'model.ckpt')}", path=target)
-    if folder and not os.path.isdir(folder):
-        raise StoreNotFoundError(f"folder {folder!r} does not exist", path=target)
     suffix = os.path.splitext(name)[1].lower()
     if suffix in _OTHER_FILE_SUFFIXES:
         raise TargetError(f"ws import writes stores ({', '.join(known_suffixes())}), Keras files and TF "
@@ -220,6 +218,8 @@ def _import_into_checkpoint(source: Source, target: str, plan: Mapping[str, str]
     state = checkpoints.state_file_text(target) if new else None
     weights = read(source, plan, "importing")
     with working(f"writing {target}"):
+        if state is not None:
+            os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
         checkpoints.write_checkpoint(target, weights)
         if state is not None:
             checkpoints.write_state_file(target, state)

@@ -209,13 +209,11 @@ def test_import_into_a_misspelt_store_suffix_is_refused_not_made_a_checkpoint(st
 
 
 @pytest.mark.parametrize("name, says", [("new/", "ends in '/', so it names no checkpoint"),
-                                        ("gone/m.ckpt", "folder"), ("w.pt", "not .pt files"),
-                                        ("notes.txt", "not .txt files")])
+                                        ("w.pt", "not .pt files"), ("notes.txt", "not .txt files")])
 def test_import_into_a_name_no_checkpoint_can_have_is_refused_before_writing(store, tmp_path, name, says):
     """A new name that is neither a store nor a usable checkpoint prefix: a trailing slash would
-    make hidden ``.index``/``.data-*`` files nothing reads back (and a state file naming ""), a
-    missing folder is refused as ``ws export`` and ``Saver.save`` refuse it, and another kind of
-    file's suffix is a mistake. Nothing is written, not even the folder's state file."""
+    make hidden ``.index``/``.data-*`` files nothing reads back (and a state file naming ""), and
+    another kind of file's suffix is a mistake. Nothing is written, not even the state file."""
     (tmp_path / "checkpoint").write_text('model_checkpoint_path: "trained.ckpt"\n')
     before = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
     one_error_line(run("import", store, "--into", f"{tmp_path}/{name}"), says)
@@ -950,3 +948,18 @@ def test_shuffle_compression_from_the_command_line(tmp_path):
     assert out.stat().st_size < source.stat().st_size
     with np.load(out) as plain:  # shuffled members are never offered to numpy as arrays
         assert "dense/kernel" not in plain.files
+
+
+def test_a_many_line_refusal_prints_as_one_line_its_parts_kept_apart(tmp_path):
+    """A layout's refusals (or an assign's sections) are lines in Python; on the command line
+    they are one line, each part set off by "; ", never run together. Names of a Keras file
+    say what to read instead."""
+    ws.save(tmp_path / "names.npz", {"layers/dense/vars/0": np.ones((3, 4), np.float32),
+                                     "layers/dense/vars/1": np.ones(4, np.float32)})
+    line = one_error_line(run("convert", tmp_path / "names.npz", tmp_path / "x.safetensors", "--layout",
+                              "keras-to-torch"))
+    assert "2 tensors the layout cannot convert exactly: layers/dense/vars/0: no torch layout rule" in line
+    assert "(add a Rule with Layout.extended); layers/dense/vars/1: no torch layout rule" in line
+    assert line.endswith("; (names like layers/dense/vars/0 are a Keras file's own: read the file keyed like its "
+                         "model first, with ws export FILE --model-keys, or --model MODEL.keras for a .weights.h5)")
+    assert not (tmp_path / "x.safetensors").exists()
