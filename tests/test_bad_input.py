@@ -933,8 +933,15 @@ def test_npy_header_under_a_manifest_must_be_the_one_the_writer_writes(tmp_path)
     raw[at : at + 22] = b"'fortran_order': True "
     path.write_bytes(bytes(raw))
     for verify in (True, False):
-        with raises_naming(errors.FormatError, path, "dense/kernel", "npy header"):
+        with raises_naming(errors.FormatError, path, "dense/kernel", "npy header") as caught:
             ws.load(path, verify=verify)
+        assert str(caught.value).endswith(  # the two dictionaries as text, not the header's raw bytes
+            "has npy header {'descr': '<f4', 'fortran_order': True , 'shape': (8, 8), }, where its manifest entry "
+            "((8, 8) float32) implies {'descr': '<f4', 'fortran_order': False, 'shape': (8, 8), }")
+    raw[at - 12 : at] = b"\x00" * 12  # the dictionary itself unreadable: said, not echoed
+    path.write_bytes(bytes(raw))
+    with raises_naming(errors.FormatError, path, "dense/kernel", "has a damaged npy header, where its manifest"):
+        ws.load(path)
         with ws.open(path, verify=verify) as store, raises_naming(errors.FormatError, path, "dense/kernel"):
             store.read_into("dense/kernel", np.empty((8, 8), np.float32))
 

@@ -97,6 +97,18 @@ _LOCAL_AND_PAD_ID = LOCAL.size + 4
 _LOCAL_SMALL = LOCAL.pack
 
 
+def _header_text(header: bytes) -> str:
+    """The dictionary an npy header holds, as its text (cut to 100 characters); "" where the
+    header is damaged past reading it (a hostile file's bytes are not echoed raw)."""
+    start, end = header.find(b"{"), header.rfind(b"}")
+    if not header.startswith(b"\x93NUMPY") or start < 0 or end < start:
+        return ""
+    text = header[start : end + 1].decode("latin-1")
+    if not text.isprintable():
+        return ""
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
 def _dos_time() -> tuple[int, int]:
     t = time.localtime()
     return (t.tm_hour << 11) | (t.tm_min << 5) | (t.tm_sec // 2), ((t.tm_year - 1980) << 9) | (t.tm_mon << 5) | t.tm_mday
@@ -656,10 +668,10 @@ class NpzReader(ReaderDefaults):
         the data means, and nothing else checks them (the tensor checksum covers the data only)."""
         found = bytes(head[: len(layout.header)])
         if found != layout.header:
-            raise FormatError(
-                f"has npy header {found[:96]!r}, not the one its manifest entry "
-                f"({info.shape} {info.dtype}) implies", path=self.name, key=key
-            )
+            said, meant = _header_text(found), _header_text(layout.header)
+            what = f"npy header {said}" if said else "a damaged npy header"
+            raise FormatError(f"has {what}, where its manifest entry ({info.shape} {info.dtype}) implies {meant}",
+                              path=self.name, key=key)
 
     def extent(self, key: str) -> tuple[int, int]:
         """``(offset, length)`` of a tensor's bytes in the file, after its npy header (a sharded
