@@ -141,7 +141,9 @@ def replace_in_object_checkpoint(prefix: str, weights: Mapping[str, np.ndarray])
     if unknown:
         raise SelectionError(f"the TF2 object-based checkpoint has no variable {named(unknown, shown=_SHOWN)}; "
                              "tf.train.Checkpoint.restore ignores entries its object graph does not name, "
-                             "so ws only replaces existing ones (see ws ls)", path=prefix)
+                             "so ws only replaces existing ones, under the names ws ls lists; model keys "
+                             "(dense/kernel) go into a live model instead: tf2.assign, then the model's own "
+                             "Checkpoint.write", path=prefix)
     replaced: dict[str, np.ndarray] = {}
     for key, value in weights.items():
         array, info = np.asarray(value), reader.info(key)

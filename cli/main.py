@@ -230,8 +230,8 @@ def import_(
     \b
     Example:
       ws import m2.npz --into ensemble.ckpt --scope model_002
-      ws export ckpt/ckpt-3 -o fixed.npz    # keyed as ws ls lists them: model/_operations/1/_kernel, ...
-      ws import fixed.npz --into ckpt/ckpt-3 --include 'model/_operations/1/*'
+      ws export ckpt/ckpt-3 -o fixed.npz    # keyed as ws ls lists them (model/_operations/1/_kernel, ...)
+      ws import fixed.npz --into ckpt/ckpt-3 --include 'model/_operations/1/*'   # a key ws ls lists
       ws import fix.npz --into m.weights.h5 --overwrite
     """
     _json(as_json)

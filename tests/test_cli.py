@@ -829,7 +829,8 @@ def test_import_into_an_object_checkpoint_refuses_keys_it_lacks(made, store, tmp
     before = index.read_bytes()
     one_error_line(run("import", store, "--into", target),
                    f"{target}: the TF2 object-based checkpoint has no variable 'dense/w', 'dense/b', 'head/w'; "
-                   "tf.train.Checkpoint.restore ignores entries its object graph does not name")
+                   "tf.train.Checkpoint.restore ignores entries its object graph does not name",
+                   "model keys (dense/kernel) go into a live model instead: tf2.assign")
     ws.save(tmp_path / "w.npz", {"net/w": np.ones((3, 3), np.float32)})
     one_error_line(run("import", tmp_path / "w.npz", "--into", target),
                    "tensor 'net/w': is float32 [2, 2] in the checkpoint, the imported tensor is float32 [3, 3]")
