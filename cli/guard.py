@@ -20,6 +20,8 @@ from weightstore.errors import WeightStoreError
 INTERRUPTED = 130
 #: flags of the group that may also be written after the subcommand (``ws ls m.npz -q``)
 GLOBAL_FLAGS = frozenset({"--quiet", "-q", "--debug"})
+#: ``ctx.meta`` key: the command line asked for ``--json``, known before any option is parsed
+_JSON_ASKED = "weightstore.json"
 
 
 def describe(exc: BaseException) -> str:
@@ -60,13 +62,19 @@ class GuardedGroup(TyperGroup):
     """A typer group whose subcommands fail with one line instead of a traceback."""
 
     def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:  # type: ignore[override]
+        end = args.index("--") if "--" in args else len(args)
+        ctx.meta[_JSON_ASKED] = "--json" in args[:end]  # before parsing, which a usage error stops
         return super().parse_args(ctx, hoist_global_flags(list(args)))
 
     def invoke(self, ctx: typer.Context):  # type: ignore[override]
         try:
             return super().invoke(ctx)
-        except (TyperException, Exit, Abort):
-            raise  # usage errors (exit 2) and deliberate exits
+        except TyperException as exc:  # a usage error (exit 2): click prints it; --json still gets its object
+            if ctx.meta.get(_JSON_ASKED) and hasattr(exc, "format_message"):
+                render.print_json(render.error_document(ctx.invoked_subcommand, exc, exc.format_message()))
+            raise
+        except (Exit, Abort):
+            raise  # deliberate exits
         except KeyboardInterrupt:
             typer.echo("interrupted", err=True)
             raise Exit(INTERRUPTED) from None

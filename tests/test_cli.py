@@ -964,3 +964,22 @@ def test_a_many_line_refusal_prints_as_one_line_its_parts_kept_apart(tmp_path):
     assert line.endswith("; (names like layers/dense/vars/0 are a Keras file's own: read the file keyed like its "
                          "model first, with ws export FILE --model-keys, or --model MODEL.keras for a .weights.h5)")
     assert not (tmp_path / "x.safetensors").exists()
+
+
+@pytest.mark.parametrize("args, command, kind, says", [
+    (["--json", "ls", "--scop", "dense", "{store}"], "ls", "NoSuchOption", "No such option: --scop"),
+    (["ls", "{store}", "--json", "--bogus"], "ls", "NoSuchOption", "No such option: --bogus"),
+    (["export", "{store}", "-o", "{out}", "--also", "dense", "--json"], "export", "BadParameter",
+     "--also adds to what --trainable-only keeps"),
+    (["--json", "lss", "{store}"], None, "UsageError", "No such command 'lss'"),
+])
+def test_json_asked_for_gets_its_object_on_a_usage_error_too(store, tmp_path, args, command, kind, says):
+    """Scripts parse stdout: a mistyped option (exit 2) must not leave it empty."""
+    result = run(*(a.format(store=store, out=tmp_path / "o.npz") for a in args))
+    assert result.exit_code == 2
+    document = json.loads(result.stdout)
+    assert document["command"] == command and document["ok"] is False
+    assert document["error"]["type"] == kind and says in document["error"]["message"]
+    assert "Usage:" in result.stderr and not (tmp_path / "o.npz").exists()
+    plain = run(*(a.format(store=store, out=tmp_path / "o.npz") for a in args if a != "--json"))
+    assert plain.exit_code == 2 and plain.stdout == ""  # without --json, nothing on stdout
