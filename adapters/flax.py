@@ -140,7 +140,7 @@ def assign(
     def prepare(source: Any, key: str, value_key: str) -> Any:
         return _placed(source, value_key, current[key])
 
-    return run_assign(Target(targets, write, owner=lambda key: module, prepare=prepare, plan=plan), weights, options)
+    return run_assign(Target(targets, write, slot=lambda key: (module, key), prepare=prepare, plan=plan), weights, options)
 
 
 def restore(

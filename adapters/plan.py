@@ -640,9 +640,10 @@ def _same_leaf(key: str, candidate: str) -> bool:
 class ChecksumMemory:
     """Which bytes each variable last received, so a newer version can skip unchanged tensors.
 
-    Keyed weakly by the owner (a TF1 session, a TF2 variable), so forgetting a session or a
-    model forgets its entries too. Owners are held by identity, not hash: TF2 variables
-    refuse ``hash()``, so a ``WeakKeyDictionary`` cannot hold them.
+    Keyed weakly by an owner and a name in it (a TF1 session and a variable's name; a TF2
+    variable or PyTorch tensor itself, with ""; a Flax module and a path), so forgetting a
+    session or a model forgets its entries too. Owners are held by identity, not hash: TF2
+    variables refuse ``hash()``, so a ``WeakKeyDictionary`` cannot hold them.
     """
 
     def __init__(self) -> None:

@@ -78,8 +78,11 @@ class Target:
     ``infos``: every variable it can write, by key. ``write``: writes a batch of ``(key, array)``
     (arrays as :attr:`prepare` made them) and returns the keys it wrote; it is called once, after
     every value was read and checked, so raising in it still changes nothing, and it may add
-    to the report what it refused to write (``strict=False``). ``owner``: the
-    object whose hot-reload memory a key belongs to (a TF1 session, a variable, a tensor).
+    to the report what it refused to write (``strict=False``). ``slot``: where hot reload
+    remembers what a key's variable last received, as an object held weakly and a name in it:
+    ``(variable, "")`` where the framework has variable objects, so a variable shared by two
+    models (a nested Keras model, tied embeddings) has one memory whichever key wrote it;
+    ``(session, name)`` for TF1, whose variables are names in a session.
     ``prepare`` reads one value for a target, by default read and cast to the target's dtype.
     ``plan`` pairs values with targets, by default :func:`plan_assign`; an adapter with a
     layout plans over converted values and returns the view to read them through.
@@ -96,7 +99,7 @@ class Target:
 
     infos: Mapping[str, TargetInfo]
     write: Callable[[list[tuple[str, Any]], Report], list[str]]
-    owner: Callable[[str], object]
+    slot: Callable[[str], tuple[object, str]]
     prepare: Callable[[ValueSource, str, str], Any] | None = None
     plan: Callable[[Values, AssignOptions], tuple[Plan, ValueSource]] | None = None
     batched: bool = False
@@ -133,15 +136,15 @@ def run_assign(target: Target, weights: Any, options: AssignOptions, *, skip_for
         digests: dict[str, str | None] = {}
         target.kept.clear()
         for key, value_key in plan.pairs.items():
-            owner = target.owner(key)
+            slot = target.slot(key)
             regions = target.regions(key) if target.regions is not None and source.regional else None
             if regions is None:
                 digest = source.checksum(value_key)
             else:
-                digest, kept = _part_digests(source, value_key, regions, MEMORY.recall(owner, key) if skip else None)
+                digest, kept = _part_digests(source, value_key, regions, MEMORY.recall(*slot) if skip else None)
                 if kept:
                     target.kept[key] = kept
-            if skip and MEMORY.unchanged(owner, key, digest):
+            if skip and MEMORY.unchanged(*slot, digest):
                 report.skipped.append(key)
                 target.kept.pop(key, None)
                 continue
@@ -186,7 +189,7 @@ def _part_digests(source: ValueSource, value_key: str, regions: list[tuple[slice
 
 def _remember(target: Target, written: list[str], digests: Mapping[str, str | None], report: Report) -> None:
     for key in written:
-        MEMORY.remember(target.owner(key), key, digests[key])
+        MEMORY.remember(*target.slot(key), digests[key])
         report.assigned.append(key)
 
 
@@ -221,7 +224,7 @@ def _write_batches(target: Target, source: ValueSource, prepare: Callable[[Value
             if not written_before:
                 raise
             for key, _ in chunk:  # the variables of this batch may hold anything now
-                MEMORY.remember(target.owner(key), key, None)
+                MEMORY.remember(*target.slot(key), None)
             raise AssignmentError(
                 f"cannot assign{'' if source.path else ' ' + source.where}: failed after {len(report.assigned)} "
                 f"of {len(todo)} variables were written, which keep their new values ({exc})", path=source.path,

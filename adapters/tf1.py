@@ -231,7 +231,7 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
         left_out = () if optimizer else tf1_training.in_checkpoint(values.where, values.keys())
         return plan_assign(values, model, options, left_out=left_out), values
 
-    job = Target(infos, write, owner=lambda key: sess, prepare=prepare, plan=plan, batched=True, ahead=ahead, kept=kept,
+    job = Target(infos, write, slot=lambda key: (sess, key), prepare=prepare, plan=plan, batched=True, ahead=ahead, kept=kept,
                  regions=lambda key: [part.index for part in targets[key].parts] if targets[key].parts[0].index else None)
     return run_assign(job, weights, options)
 

@@ -209,7 +209,7 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
                                          and join_scope(scope, key) not in targets]
         return plan_assign(view, targets, options, left_out=left_out, tied=tied), view
 
-    target = Target(targets, write, owner=lambda key: found[key][0], plan=plan, batched=True)
+    target = Target(targets, write, slot=lambda key: (found[key][0], ""), plan=plan, batched=True)
     try:
         if not _structured(obj, weights):
             return run_assign(target, weights, options)

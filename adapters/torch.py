@@ -200,7 +200,7 @@ def assign(
         region = torch_shards.local_region(found[key], key)
         return None if region is None else [region]
 
-    return run_assign(Target(targets, write, owner=lambda key: found[key], prepare=prepare, plan=plan,
+    return run_assign(Target(targets, write, slot=lambda key: (found[key], ""), prepare=prepare, plan=plan,
                              regions=regions), weights, options)
 
 

@@ -430,6 +430,29 @@ def test_skip_unchanged_uses_checksums(tmp_path):
     assert not tf2.assign(fresh, path, skip_unchanged=True).skipped  # memory is per variable
 
 
+def test_hot_reload_remembers_a_shared_variable_once_whichever_model_wrote_it(tmp_path):
+    """A backbone nested in a model is one set of variables under two keys (``feat/kernel`` in
+    the backbone, ``backbone/feat/kernel`` in the model): writing it through the backbone must
+    make the model's next version write it again, not skip it as what it last received."""
+    inputs = keras.Input((2,))
+    backbone = keras.Model(inputs, keras.layers.Dense(2, name="feat")(inputs), name="backbone")
+    outer = keras.Input((2,))
+    full = keras.Model(outer, keras.layers.Dense(1, name="head")(backbone(outer)))
+
+    def version(head: float) -> dict[str, np.ndarray]:
+        return {"backbone/feat/kernel": np.eye(2, dtype=np.float32), "backbone/feat/bias": np.zeros(2, np.float32),
+                "head/kernel": np.full((2, 1), head, np.float32), "head/bias": np.zeros(1, np.float32)}
+
+    tf2.assign(full, ws.publish(tmp_path / "run", version(1), step=1))
+    tf2.assign(backbone, {"feat/kernel": np.full((2, 2), 7, np.float32), "feat/bias": np.ones(2, np.float32)})
+    report = tf2.assign(full, ws.publish(tmp_path / "run", version(2), step=2))
+    assert sorted(report.assigned) == ["backbone/feat/bias", "backbone/feat/kernel", "head/kernel"]
+    assert report.skipped == ["head/bias"]
+    np.testing.assert_array_equal(backbone.get_layer("feat").kernel.numpy(), np.eye(2))
+    x = np.ones((1, 2), np.float32)
+    np.testing.assert_array_equal(full(x), x @ np.eye(2) @ np.full((2, 1), 2))
+
+
 # --- distributed variables and devices ---------------------------------------------------
 
 def test_sharded_variable_exports_whole_and_assigns_across_shards(tmp_path):
