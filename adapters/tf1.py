@@ -97,6 +97,9 @@ class _Target:
     trainable: bool
     parts: list[_Part] = field(default_factory=list)
     training: bool = False  # optimizer state or the step counter (tf1_training), not the model
+    #: False for a variable made with ``validate_shape=False``: no static shape (``shape`` is then
+    #: ``()``); it is exported, and assigned, with the shape its value has (see :func:`_as_they_are`)
+    shaped: bool = True
 
     @property
     def info(self) -> TargetInfo:
@@ -127,9 +130,15 @@ def export_pieces(sess: Any, **selection: Unpack[SelectionWords]) -> dict[str, l
     """
     plan, chosen = _chosen(sess, Selection(**selection))
     fetched = _fetched(sess, chosen)
-    return {key: [Piece(np.asarray(next(fetched)), tuple(s.start for s in part.index) if part.index
-                        else (0,) * len(target.shape), target.shape) for part in target.parts]
+    return {key: [_piece(target, part, np.asarray(next(fetched))) for part in target.parts]
             for key, target in zip(plan, chosen, strict=True)}
+
+
+def _piece(target: _Target, part: _Part, value: np.ndarray) -> Piece:
+    """A part at its offset in the whole; a variable of no static shape is as large as its value."""
+    if part.index:
+        return Piece(value, tuple(s.start for s in part.index), target.shape)
+    return Piece(value, (0,) * value.ndim, target.shape if target.shaped else value.shape)
 
 
 #: how TF reports a variable that holds no value: a resource one, and a ref one
@@ -224,7 +233,8 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
                                             for i, part in enumerate(targets[key].parts)
                                             if i not in kept.get(key, ())] for keys in batches])
 
-    infos = {key: target.info for key, target in targets.items()}
+    infos = {key: target.info for key, target in targets.items() if target.shaped}
+    infos.update(_as_they_are(sess, [target for target in targets.values() if not target.shaped]))
     model = infos if optimizer else {key: info for key, info in infos.items() if not targets[key].training}
 
     def plan(values: Any, options: AssignOptions) -> tuple[Plan, Any]:
@@ -345,8 +355,9 @@ def _collect_targets(graph: tf.Graph) -> dict[str, _Target]:
             raise InvalidKeyError(f"variables {named[key]!r} and {whole_name!r} both have key {key!r} "
                                   "(empty name segments are dropped from keys)")
         if slice_info is None:
-            shape = tuple(variable.shape.as_list())
-            targets[key] = _Target(key, dtype, shape, name in trainable, [_Part(variable, ())])
+            shaped = variable.shape.is_fully_defined()
+            shape = tuple(variable.shape.as_list()) if shaped else ()
+            targets[key] = _Target(key, dtype, shape, name in trainable, [_Part(variable, ())], shaped=shaped)
             continue
         whole = targets.setdefault(key, _Target(key, dtype, tuple(slice_info.full_shape), True))
         whole.trainable &= name in trainable
@@ -356,11 +367,28 @@ def _collect_targets(graph: tf.Graph) -> dict[str, _Target]:
                                      [v.op.name for v in graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_STEP)])
     for target in targets.values():
         target.training = any(part.variable.op.name in training for part in target.parts)
+        if not target.parts[0].index:
+            continue
         covered = sum(math.prod(part.variable.shape.as_list()) for part in target.parts)
-        if target.parts[0].index and covered != math.prod(target.shape):
+        if covered != math.prod(target.shape):
             raise FormatError(f"partitioned variable {target.key!r}: its parts in the graph's collections "
                               f"cover {covered} of {math.prod(target.shape)} elements")
     return targets
+
+
+def _as_they_are(sess: Any, unshaped: list[_Target]) -> dict[str, TargetInfo]:
+    """Variables of no static shape (``validate_shape=False``) as their values are now: a value
+    of that shape assigns, another is refused as a mismatch (a shape change is not something an
+    assign should make silently). One that holds no value yet has no shape to pair with; it is
+    left out, as a variable the graph does not have."""
+    infos = {}
+    for target in unshaped:
+        try:
+            shape = np.shape(sess.run(_read_tensor(target.parts[0].variable)))
+        except tf.errors.FailedPreconditionError:
+            continue
+        infos[target.key] = TargetInfo(target.key, target.dtype, shape, target.trainable)
+    return infos
 
 
 def _is_variable(item: Any) -> bool:

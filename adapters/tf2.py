@@ -413,6 +413,8 @@ def _collect_with_aliases(obj: Any, optimizer: bool = False) -> tuple[dict[str, 
             f"expected a Keras model or layer, a tf.Module, a loaded SavedModel, or a list or dict of variables, "
             f"not {type(obj).__name__}"
         )
+    if not isinstance(obj, (Mapping, list, tuple)):  # found by walking: only what holds weights, as in tf1
+        found = {key: entry for key, entry in found.items() if _holds_weights(entry[0])}
     if optimizer:
         for key, var in _optimizer_variables(obj):
             _add(found, key, var, set(), trainable=False)
@@ -592,6 +594,15 @@ def _trainable(var: Variable) -> bool:
     return bool(var.variables[0].trainable if sharded else var.trainable)
 
 
+def _holds_weights(var: Variable) -> bool:
+    """Not a string, variant or resource variable (a module's vocabulary path, a dataset's state):
+    no file format holds those, so an export of them could not be saved."""
+    return tf.as_dtype(var.dtype) not in _NOT_WEIGHTS
+
+
+_NOT_WEIGHTS = frozenset({tf.string, tf.variant, tf.resource})
+
+
 def _numpy_dtype(var: Variable) -> np.dtype:
     return _as_numpy(var.dtype)
 
@@ -603,8 +614,12 @@ def _as_numpy(dtype: Any) -> np.dtype:
 
 
 def _shape(var: Variable) -> tuple[int, ...]:
+    """The variable's shape; one made with unknown dimensions (``tf.Variable(x, shape=[None, 2])``)
+    has its value's, so a value of that shape assigns and another is refused as a mismatch."""
     shape = var.shape
-    return tuple(shape.as_list()) if isinstance(shape, tf.TensorShape) else tuple(int(d) for d in shape)
+    if not isinstance(shape, tf.TensorShape):
+        return tuple(int(d) for d in shape)
+    return tuple(shape.as_list()) if shape.is_fully_defined() else tuple(tf.shape(var).numpy().tolist())
 
 
 def _read(var: Variable) -> np.ndarray:

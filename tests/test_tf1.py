@@ -264,6 +264,30 @@ def test_partitioned_variables_are_whole_tensors(tmp_path, resource, axis):
         np.testing.assert_array_equal(np.concatenate(values(sess, list(part)), axis=axis), whole)
 
 
+@pytest.mark.parametrize("resource", [True, False], ids=["resource", "ref"])
+def test_a_variable_of_no_static_shape_exports_and_assigns_as_its_value_is(tmp_path, resource):
+    """``validate_shape=False`` leaves a variable's shape unknown to the graph: it must not break
+    the export and assign of every other variable; it goes out with its value's shape, and takes
+    a value of that shape back (another shape is refused, changing nothing)."""
+    with graph_session() as (graph, sess):
+        with v1.variable_scope("", use_resource=resource):
+            v1.get_variable("a", [2], initializer=v1.zeros_initializer())
+        fed = v1.placeholder(tf.float32, [None, 3])
+        dyn = v1.Variable(fed, validate_shape=False, name="dyn", use_resource=resource)
+        assert tf1.assign(sess, {"a": np.ones(2, np.float32)}).assigned == ["a"]  # dyn holds no value yet
+        sess.run(dyn.initializer, {fed: np.ones((4, 3), np.float32)})
+        exported = tf1.export(sess)
+        assert {key: value.shape for key, value in exported.items()} == {"a": (2,), "dyn": (4, 3)}
+        ws.save(tmp_path / "m.npz", {"a": np.full(2, 3, np.float32), "dyn": np.full((4, 3), 5, np.float32)})
+        assert sorted(tf1.assign(sess, tmp_path / "m.npz").assigned) == ["a", "dyn"]
+        with pytest.raises(AssignmentError, match=r"dyn: variable is float32\[4, 3\], value is float32\[2, 3\]"):
+            tf1.assign(sess, {"a": np.zeros(2, np.float32), "dyn": np.zeros((2, 3), np.float32)})
+        np.testing.assert_array_equal(tf1.export(sess)["dyn"], np.full((4, 3), 5))
+        np.testing.assert_array_equal(tf1.export(sess)["a"], [3, 3])
+        assert tuple(tf1.export_pieces(sess)["dyn"][0].shape) == (4, 3)
+        assert tf1.assign(sess, {"a": np.ones(2, np.float32)}, exclude="dyn").assigned == ["a"]
+
+
 def test_finalized_graph_and_monitored_training_session(tmp_path):
     ws.save(tmp_path / "w.npz", {"w": np.full(3, 7, np.float32), "global_step": np.int64(40)})
     with tf.Graph().as_default() as graph:

@@ -430,6 +430,24 @@ def test_skip_unchanged_uses_checksums(tmp_path):
     assert not tf2.assign(fresh, path, skip_unchanged=True).skipped  # memory is per variable
 
 
+def test_a_module_with_string_variables_and_unknown_dimensions_round_trips(tmp_path):
+    """A string variable holds no weights (no format stores it): left out of export and assign,
+    as TF1 leaves it. A variable of unknown dimensions goes out, and back in, with its value's
+    shape; another shape is a mismatch that changes nothing."""
+    module = tf.Module()
+    module.w = tf.Variable(np.ones(2, np.float32))
+    module.vocabulary = tf.Variable("vocab.txt")
+    module.rows = tf.Variable(np.ones((3, 2), np.float32), shape=[None, 2])
+    ws.save(tmp_path / "m.npz", {key: value * 4 for key, value in tf2.export(module).items()})
+    assert sorted(ws.load(tmp_path / "m.npz")) == ["rows", "w"]
+    assert sorted(tf2.assign(module, tmp_path / "m.npz").assigned) == ["rows", "w"]
+    np.testing.assert_array_equal(module.rows.numpy(), np.full((3, 2), 4))
+    with pytest.raises(AssignmentError, match=r"rows: variable is float32\[3, 2\], value is float32\[5, 2\]"):
+        tf2.assign(module, {"w": np.zeros(2, np.float32), "rows": np.zeros((5, 2), np.float32)})
+    np.testing.assert_array_equal(module.w.numpy(), [4, 4])
+    assert module.vocabulary.numpy() == b"vocab.txt"
+
+
 def test_hot_reload_remembers_a_shared_variable_once_whichever_model_wrote_it(tmp_path):
     """A backbone nested in a model is one set of variables under two keys (``feat/kernel`` in
     the backbone, ``backbone/feat/kernel`` in the model): writing it through the backbone must
