@@ -278,11 +278,11 @@ class Follower:
             return None
 
     def _loop(self, watch: PointerWatch, loop: _Loop) -> None:
-        last = self._after
+        last, followed = self._after, False
         while not loop.stop.is_set():
             try:
                 with loop.storage():
-                    version = watch.newer(last)
+                    version = watch.newer(last, followed=followed)
             except Exception as exc:  # a damaged folder: keep serving the current weights, look again
                 self._failed(loop, exc, "following")
                 version = None
@@ -297,7 +297,7 @@ class Follower:
                 finally:
                     version.release()
                 if outcome is _Outcome.DONE:
-                    last = version.step
+                    last, followed = version.step, True
                     continue  # look again at once: a newer version may have landed meanwhile
                 watch.forget()  # read LATEST again, whatever its tag: this version, or a newer one
                 if outcome is _Outcome.AGAIN_NOW:

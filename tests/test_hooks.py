@@ -389,3 +389,28 @@ def test_follower_error_from_a_damaged_folder_clears_once_it_reads_cleanly(tmp_p
         wait_until(lambda: follower.error is None, what="the follower's error clearing")
         assert follower.error is None
         assert follower.wait(2, timeout=0.3) is None  # waits for step 2 instead of raising the old error
+
+
+def test_a_folder_made_anew_is_followed_back_down_by_follow_and_the_follower(tmp_path, caplog):
+    """A run that starts over in a deleted folder publishes step 1 after a follower took step
+    20: the pointer went back, and it names what the folder now serves. Both followers take it
+    (with a warning), instead of waiting for a step above 20 that may never come."""
+    import shutil
+
+    model = small_model()
+    folder = tmp_path / "run"
+    ws.publish(folder, step_weights(model, 20), step=20)
+    versions_seen = ws.follow(folder, poll=0.005, timeout=30)
+    assert next(versions_seen).step == 20
+    with Follower(model, folder, poll=0.005) as follower:
+        assert follower.wait(20, timeout=30).step == 20
+        shutil.rmtree(folder)
+        ws.publish(folder, step_weights(model, 1), step=1)
+        with caplog.at_level("WARNING", logger="weightstore.versions"):
+            again = next(versions_seen)
+            assert again.step == 1 and ws.load(again)["out/bias"].tolist() == [1.0]
+            wait_until(lambda: follower.version is not None and follower.version.step == 1,
+                       what="the follower to take the new run's step 1")
+        assert tf2.export(model)["out/bias"].tolist() == [1.0]
+    assert "LATEST went back from step 20 to 1" in caplog.text
+    versions_seen.close()

@@ -412,7 +412,9 @@ def follow(
 
     Starts from the latest version (with ``after``, once the latest is above it: older versions
     still kept are not yielded); versions published while the caller was busy are skipped in
-    favour of the newest. Stops after ``timeout`` seconds
+    favour of the newest. A ``LATEST`` that goes back below the last version yielded (the folder
+    made anew by a run that started over, or restored from a backup) is followed, with a
+    logged warning: it names what the folder now serves. Stops after ``timeout`` seconds
     without a new version (``None``: never). A version pruned between reading ``LATEST`` and
     opening it is retried at once; ``LATEST`` naming a file that stays missing raises
     :class:`StoreNotFoundError`. A storage outage is waited out (see the module docstring).
@@ -425,11 +427,11 @@ def follow(
     naming ``LATEST`` ends the wait at once (:mod:`weightstore.notify`); polling goes on too.
     """
     watch = PointerWatch(versions_folder(folder, storage_options), poll, max_poll, notifications)
-    last = after
+    last, followed = after, False
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         try:
-            version = watch.newer(last)
+            version = watch.newer(last, followed=followed)
         except StorageError as exc:
             if deadline is not None and time.monotonic() >= deadline:
                 raise
@@ -440,7 +442,7 @@ def follow(
                 yield version
             finally:
                 version.release()
-            last = version.step
+            last, followed = version.step, True
             deadline = None if timeout is None else time.monotonic() + timeout
             continue
         remaining = None if deadline is None else deadline - time.monotonic()
@@ -492,14 +494,19 @@ class PointerWatch:
                 self.interval = self.poll
                 return
 
-    def newer(self, last: int | None) -> Version | None:
+    def newer(self, last: int | None, *, followed: bool = False) -> Version | None:
         """The latest version if it is above ``last``, pinned; None when there is none (or the
-        pointer did not change since the last look)."""
+        pointer did not change since the last look).
+
+        ``followed``: ``last`` is the step of a version the caller took (not only a step to start
+        after), so a pointer that went back below it (the folder deleted and a run started over
+        in it, ``LATEST`` restored from a backup) names what the folder now serves: that version
+        is returned too, with a warning, rather than waited past in silence."""
         tag = self.source.tag(LATEST)
         if not self._fresh and tag == self._read:
             self._idle()
             return None
-        version = _newer_pinned(self.source, last)
+        version = _newer_pinned(self.source, last, back=followed)
         self._read, self._fresh = tag, False
         if version is None:
             self._idle()
@@ -515,13 +522,17 @@ class PointerWatch:
         self.interval = min(self.max_poll, self.interval * 2 or self.max_poll)
 
 
-def _newer_pinned(source: Folder, last: int | None) -> Version | None:
-    """The latest version if it is above ``last``, opened; retries while it is pruned away."""
+def _newer_pinned(source: Folder, last: int | None, *, back: bool = False) -> Version | None:
+    """The latest version if it is above ``last`` (with ``back``, below it too), opened;
+    retries while it is pruned away."""
     gone = None
     while True:
         version = _latest(source)
-        if version is None or (last is not None and version.step <= last):
+        if version is None or (last is not None and (version.step == last if back else version.step <= last)):
             return None
+        if last is not None and version.step < last:
+            _log.warning("weightstore: following %s: LATEST went back from step %d to %d (the folder was made "
+                         "anew, or LATEST restored); following it", source.where, last, version.step)
         try:
             version.pin()
             return version
