@@ -215,6 +215,8 @@ def _import_into_checkpoint(source: Source, target: str, plan: Mapping[str, str]
         return Written(target, "TF2 object-based checkpoint", len(weights), sum(a.nbytes for a in weights.values()))
     new = not os.path.exists(target + ".index")
     _refuse_clashes(target, checkpoints.checkpoint_names(target), plan, overwrite)
+    if not new:
+        _refuse_reshaped(source, target, plan)
     state = checkpoints.state_file_text(target) if new else None
     weights = read(source, plan, "importing")
     with working(f"writing {target}"):
@@ -236,6 +238,20 @@ def _import_into_keras(source: Source, target: str, plan: Mapping[str, str], ove
     with working(f"writing {target}"):
         keras_import.replace_in_keras_file(target, weights)
     return Written(target, "Keras file", len(weights), sum(a.nbytes for a in weights.values()))
+
+
+def _refuse_reshaped(source: Source, target: str, plan: Mapping[str, str]) -> None:
+    """An entry of a TF1 checkpoint replaced only by a tensor of its dtype and shape: the graph
+    it was saved from restores nothing else (``Saver.restore`` fails on the whole checkpoint),
+    as TF2 checkpoints and Keras files refuse it too."""
+    with weightstore.open(target) as old:
+        for key, source_key in plan.items():
+            if key in old:
+                was, now = old.info(key), source.info(source_key)
+                if (was.dtype, was.shape) != (now.dtype, now.shape):
+                    raise SelectionError(f"is {was.dtype} {list(was.shape)} in the checkpoint, the imported tensor "
+                                         f"is {now.dtype} {list(now.shape)}; its graph's Saver would restore none "
+                                         "of the checkpoint", path=target, key=key)
 
 
 def _refuse_clashes(target: str, existing: list[str], plan: Mapping[str, str], overwrite: bool) -> None:

@@ -237,6 +237,15 @@ def test_import_into_a_tf_checkpoint_restored_by_saver(store, tmp_path):
     before = Path(prefix + ".index").read_bytes()
     one_error_line(run("import", store, "--into", prefix, "--scope", "model_001"), "ens.ckpt: already holds 3")
     assert Path(prefix + ".index").read_bytes() == before
+    for changed in ({"dense/w": np.zeros((3, 2), np.float32)}, {"dense/w": np.zeros((2, 3), np.float64)}):
+        ws.save(tmp_path / "changed.npz", changed)  # --overwrite replaces values, never an entry's shape or dtype
+        one_error_line(run("import", tmp_path / "changed.npz", "--into", prefix, "--scope", "model_001",
+                           "--overwrite"), "tensor 'model_001/dense/w': is float32 [2, 3] in the checkpoint")
+        assert Path(prefix + ".index").read_bytes() == before
+    ws.save(tmp_path / "changed.npz", {"dense/w": np.full((2, 3), 5, np.float32)})
+    assert run("import", tmp_path / "changed.npz", "--into", prefix, "--scope", "model_001", "--overwrite").exit_code == 0
+    np.testing.assert_array_equal(restore_with_saver(prefix, {"model_001/dense/w": (2, 3)})["model_001/dense/w"],
+                                  np.full((2, 3), 5))
 
 
 # -- ls, diff, convert, verify ----------------------------------------------------------------
