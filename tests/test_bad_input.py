@@ -1073,3 +1073,40 @@ def test_non_nfc_key_message_names_the_nfc_form():
     with pytest.raises(errors.InvalidKeyError) as info:
         ws.remap({"cafe\u0301/w": np.zeros(1)})
     assert "'caf\\xe9/w'" in str(info.value) and "NFC" in str(info.value)
+
+
+# -- what a save is given ---------------------------------------------------------------------
+
+def test_a_value_numpy_cannot_make_an_array_of_is_refused_naming_its_key(tmp_path):
+    for call in (lambda: ws.save(tmp_path / "r.npz", {"ok": np.ones(2), "ragged": [[1], [2, 3]]}),
+                 lambda: ws.publish(tmp_path / "run", {"ragged": [[1], [2, 3]]}, step=1)):
+        with pytest.raises(errors.UnsupportedDTypeError, match="tensor 'ragged': is no array") as caught:
+            call()
+        assert caught.value.key == "ragged"
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.is_dir()) == []
+
+
+@pytest.mark.parametrize("metadata, key", [({1: "a", "1": "b"}, "int 1"), ({"run": [{"lr": {None: 1}}]}, "NoneType None")])
+def test_metadata_keys_json_would_turn_into_strings_are_refused(tmp_path, metadata, key):
+    """JSON writes ``1`` as ``"1"``: ``{1: "a", "1": "b"}`` came back as ``{"1": "b"}``."""
+    with pytest.raises(TypeError, match=f"metadata keys must be strings, not {key}"):
+        ws.save(tmp_path / "m.npz", {"w": np.ones(2)}, metadata=metadata)
+    assert not (tmp_path / "m.npz").exists()
+
+
+def test_an_hdf5_key_nested_deeper_than_readers_go_is_refused_before_writing(tmp_path):
+    deepest = "/".join(["a"] * 256)
+    ws.save(tmp_path / "ok.h5", {deepest: np.ones(1)})
+    assert list(ws.load(tmp_path / "ok.h5")) == [deepest]
+    with pytest.raises(errors.InvalidKeyError, match="has 257 segments; hdf5 files are read only 256 deep"):
+        ws.save(tmp_path / "deep.h5", {"w": np.ones(1), deepest + "/a": np.ones(1)})
+    assert not (tmp_path / "deep.h5").exists()
+    ws.save(tmp_path / "deep.npz", {deepest + "/a": np.ones(1)})  # other formats have no such limit
+    assert list(ws.load(tmp_path / "deep.npz")) == [deepest + "/a"]
+
+
+def test_a_fifo_given_as_a_folder_of_versions_is_refused_not_waited_on(tmp_path):
+    os.mkfifo(tmp_path / "run")
+    for call in (lambda: ws.latest(tmp_path / "run"), lambda: next(ws.follow(tmp_path / "run"))):
+        with pytest.raises(errors.StoreNotFoundError, match="is a file, not a folder of versions"):
+            call()

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from weightstore.errors import UnsupportedDTypeError
+
 __all__ = ["as_numpy", "declared_dtype"]
 
 
@@ -26,7 +28,11 @@ def as_numpy(value: Any, key: str = "") -> np.ndarray:
         from weightstore.adapters.torch import to_numpy
 
         return to_numpy(value, key, copy=False)
-    return np.asarray(value)
+    try:
+        return np.asarray(value)
+    except (ValueError, TypeError) as exc:  # a ragged list, an object numpy cannot make an array of
+        raise UnsupportedDTypeError(f"is no array ({type(value).__name__} numpy cannot convert: {exc})",
+                                    key=key or None) from None
 
 
 def declared_dtype(value: Any) -> np.dtype | None:

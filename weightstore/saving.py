@@ -195,7 +195,29 @@ def checked_metadata(metadata: Mapping[str, Any] | None, where: str = "") -> dic
         json.dumps(dict(metadata), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as exc:
         raise TypeError(f"{prefix}metadata must be JSON-serializable: {exc}") from None
+    try:
+        found = _non_string_key(metadata)
+    except RecursionError:
+        raise TypeError(f"{prefix}metadata must be JSON-serializable: nested too deep") from None
+    if found:  # JSON would write it as a string: {1: "a", "1": "b"} would come back as {"1": "b"}
+        raise TypeError(f"{prefix}metadata keys must be strings, not {type(found[0]).__name__} {found[0]!r}")
     return dict(metadata)
+
+
+def _non_string_key(value: Any) -> tuple[Any, ...]:
+    """``(key,)``: the first key of a mapping in ``value`` (nested in mappings and lists, as JSON
+    nests them) that is not a string; ``()`` when every key is one."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            found = (key,) if not isinstance(key, str) else _non_string_key(item)
+            if found:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            found = _non_string_key(item)
+            if found:
+                return found
+    return ()
 
 
 class CheckedWeights(Mapping):
@@ -235,13 +257,22 @@ class CheckedWeights(Mapping):
             self._values = dict(zip(keys, values, strict=True))
             self._dtype_names = dict(zip(keys, names, strict=True))
         if fmt is not None:
-            self._refuse_reserved(fmt)
+            self._refuse_unreadable(fmt)
 
-    def _refuse_reserved(self, fmt: Format) -> None:
-        """A key the format keeps for itself would make a file no reader opens (not even ours)."""
+    def _refuse_unreadable(self, fmt: Format) -> None:
+        """A key the format keeps for itself, or one nested deeper than its readers go, would
+        make a file no reader opens (not even ours)."""
         for key in sorted(fmt.reserved_keys & self._values.keys()):
             raise InvalidKeyError(f"{fmt.name} keeps this name for itself (no reader could open the file); "
                                   "rename the tensor or save as .npz or .h5", path=self._where or None, key=key)
+        most = fmt.max_key_segments
+        if most is None:
+            return
+        for key in self._values:
+            if key.count("/") >= most:
+                raise InvalidKeyError(f"has {key.count('/') + 1} segments; {fmt.name} files are read only "
+                                      f"{most} deep: save it as .npz or .safetensors", path=self._where or None,
+                                      key=key)
 
     @staticmethod
     def _names_of(keys: list[str], dtypes: list[Any]) -> list[str]:

@@ -555,10 +555,10 @@ def list_versions(folder: Any, *, storage_options: Mapping[str, Any] | None = No
 
 def versions_folder(folder: Any, storage_options: Mapping[str, Any] | None = None) -> Folder:
     """``folder`` opened for reading versions, which may not exist yet (a follower waits for it),
-    but is refused when it is a local file: nothing will turn that into a folder, and a
-    follower would wait for good."""
+    but is refused when it is a local file, FIFO or device: nothing will turn that into a
+    folder, and a follower would wait for good."""
     source = folder_for(folder, storage_options)
-    if os.path.isfile(source.where):
+    if os.path.exists(source.where) and not os.path.isdir(source.where):  # a file, a FIFO, a device
         raise StoreNotFoundError("is a file, not a folder of versions", path=source.where)
     return source
 

@@ -126,6 +126,9 @@ class Format:
     torch_names: bool = False
     #: names the format keeps for itself (safetensors' ``__metadata__``): refused as keys before writing
     reserved_keys: frozenset[str] = frozenset()
+    #: the most ``/``-separated segments a key may have for the format's readers to read it back
+    #: (HDF5: one group per segment, and groups are read only so deep); ``None``: no limit
+    max_key_segments: int | None = None
     #: False for a format only weightstore's own machinery writes (a sharded version's index)
     writes: bool = True
     #: whether a remote file is read through an fsspec file object (h5py's reads) instead of a

@@ -632,4 +632,5 @@ FORMAT = Format(
     open_reader=lambda location, name, mmap=True: Hdf5Reader(location, name, mapped=mmap),
     open_writer=lambda path, compress: Hdf5Writer(path, compress),
     remote_file_object=True,
+    max_key_segments=MAX_DEPTH,
 )
