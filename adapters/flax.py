@@ -167,6 +167,7 @@ def restore(
                                 cast=cast)
         plan, source = layouts.plan_laid_out(values, targets, options, layout=_resolved(layout))
         new = {key: _placed(source, value_key, leaves[key]) for key, value_key in plan.pairs.items()}
+    plan.warn()
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     return jax.tree_util.tree_unflatten(treedef, [new.get(_key(path), leaf) if _is_array(leaf) else leaf
                                                   for path, leaf in flat])

@@ -12,9 +12,12 @@ import contextlib
 import difflib
 import math
 import os
+import sys
+import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any, Protocol, TypedDict
 
 import ml_dtypes
@@ -209,9 +212,24 @@ class TargetInfo:
 class Plan:
     pairs: dict[str, str]  # target key -> value (source) key
     report: Report
-    #: why most variables stay as they were (``strict=False``): warned once the assign has
-    #: succeeded, not before an error that changes nothing
+    #: why most variables stay as they were (``strict=False``): warned by :meth:`warn` once the
+    #: assign has succeeded, not before an error that changes nothing
     warning: str = ""
+
+    def warn(self) -> None:
+        """Issue :attr:`warning`, if any, as an :class:`AssignWarning` at the user's call."""
+        if self.warning:
+            warnings.warn(self.warning, AssignWarning, stacklevel=_callers_level())
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` of the first frame outside weightstore: the user's call of ``assign``,
+    however many adapter frames lie between."""
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("weightstore."):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class ValueSource(Protocol):
@@ -442,8 +460,9 @@ def plan_assign(
     Values are the dictionary's keys after ``mapping`` and ``scope`` that pass
     ``include``/``exclude`` (scope-relative). Targets are the variables under ``scope`` whose
     scope-relative key passes the same selection, and, with ``trainable_only``, are trainable
-    or match ``also``. Not strict, a plan that leaves most targets as they were warns
-    (:class:`AssignWarning`): that is nearly always the wrong file, scope or mapping.
+    or match ``also``. Not strict, a plan that leaves most targets as they were carries a
+    warning (:attr:`Plan.warning`, issued by :meth:`Plan.warn` once the assign succeeded):
+    that is nearly always the wrong file, scope or mapping.
     ``optional`` keys are state one framework keeps and others lack (PyTorch's
     ``num_batches_tracked``): assigned when both sides have them, never missing or unexpected.
     ``refused`` are values the adapter could not offer at all (no layout rule converts them);

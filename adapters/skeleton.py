@@ -19,12 +19,9 @@ import contextvars
 import math
 import mmap
 import os
-import sys
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from types import FrameType
 from typing import Any, cast
 
 import numpy as np
@@ -32,7 +29,6 @@ import numpy as np
 from weightstore.adapters.plan import (
     MEMORY,
     AssignOptions,
-    AssignWarning,
     Plan,
     Report,
     TargetInfo,
@@ -134,22 +130,29 @@ def run_assign(target: Target, weights: Any, options: AssignOptions, *, skip_for
         report = plan.report
         todo: list[tuple[str, str]] = []
         digests: dict[str, str | None] = {}
+        unchanged: dict[str, bool] = {}
+        changed_slots: set[tuple[int, str]] = set()  # a variable under two keys is skipped only if both are
         target.kept.clear()
         for key, value_key in plan.pairs.items():
             slot = target.slot(key)
             regions = target.regions(key) if target.regions is not None and source.regional else None
             if regions is None:
-                digest = source.checksum(value_key)
+                digests[key] = source.checksum(value_key)
             else:
-                digest, kept = _part_digests(source, value_key, regions, MEMORY.recall(*slot) if skip else None)
+                digests[key], kept = _part_digests(source, value_key, regions, MEMORY.recall(*slot) if skip else None)
                 if kept:
                     target.kept[key] = kept
-            if skip and MEMORY.unchanged(*slot, digest):
+            unchanged[key] = skip and MEMORY.unchanged(*slot, digests[key])
+            if not unchanged[key]:
+                changed_slots.add((id(slot[0]), slot[1]))
+        for key, value_key in plan.pairs.items():
+            slot = target.slot(key)
+            if unchanged[key] and (id(slot[0]), slot[1]) not in changed_slots:
                 report.skipped.append(key)
                 target.kept.pop(key, None)
-                continue
-            todo.append((key, value_key))
-            digests[key] = digest
+                del digests[key]
+            else:
+                todo.append((key, value_key))
         if _rehearsing.get():  # the source sees each read the assign would make; nothing is written
             for key, value_key in todo:
                 prepare(source, key, value_key)
@@ -159,19 +162,8 @@ def run_assign(target: Target, weights: Any, options: AssignOptions, *, skip_for
             source.prefetch([value_key for _, value_key in todo])
             batch = [(key, prepare(source, key, value_key)) for key, value_key in todo]
             _remember(target, target.write(batch, report) if batch else [], digests, report)
-    if plan.warning:
-        warnings.warn(plan.warning, AssignWarning, stacklevel=_callers_level())
+    plan.warn()
     return report
-
-
-def _callers_level() -> int:
-    """The ``stacklevel`` of the first frame outside weightstore: the user's call of ``assign``,
-    however many adapter frames lie between."""
-    frame: FrameType | None = sys._getframe(1)
-    level = 1
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("weightstore."):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _part_digests(source: ValueSource, value_key: str, regions: list[tuple[slice, ...]],

@@ -196,7 +196,7 @@ def toy_assign(model: Model, weights, *, strict: bool = True):
             np.copyto(model.variables[key], array)
         return [key for key, _ in batch]
 
-    return run_assign(Target(targets, write, owner=lambda key: model), weights, AssignOptions(strict=strict))
+    return run_assign(Target(targets, write, slot=lambda key: (model, key)), weights, AssignOptions(strict=strict))
 
 
 def test_a_toy_adapter_gets_planning_strictness_and_hot_reload_from_the_skeleton(tmp_path):
@@ -209,3 +209,32 @@ def test_a_toy_adapter_gets_planning_strictness_and_hot_reload_from_the_skeleton
     with pytest.raises(ws.AssignmentError, match="no value for variable 'dense/bias'"):
         toy_assign(model, {"dense/kernel": np.full((3, 4), 7, np.float32)})
     assert same(model.variables["dense/kernel"], np.ones((3, 4), np.float32))  # a strict failure changes nothing
+
+
+def test_hot_reload_writes_a_variable_under_two_keys_unless_both_are_unchanged(tmp_path):
+    """Two keys of one variable (tied weights) share its memory: skipping the one whose bytes
+    match what the variable last received, while writing the other, left the variable holding
+    a value a plain assign of the same file never gives, and flipped it every version."""
+    from weightstore.adapters.plan import AssignOptions, TargetInfo
+    from weightstore.adapters.skeleton import Target, run_assign
+
+    shared = np.zeros(2, np.float32)
+    variables = {"embed": shared, "head": shared}
+
+    def write(batch, report):
+        for key, array in batch:
+            np.copyto(variables[key], array)
+        return [key for key, _ in batch]
+
+    def assign(weights):
+        targets = {key: TargetInfo(key, value.dtype, value.shape) for key, value in variables.items()}
+        return run_assign(Target(targets, write, slot=lambda key: (variables[key], "")), weights, AssignOptions())
+
+    tied = {"embed": np.full(2, 1, np.float32), "head": np.full(2, 2, np.float32)}
+    assert same(shared, np.zeros(2, np.float32))
+    for step in (1, 2, 3):
+        report = assign(ws.publish(tmp_path, tied, step=step))
+        assert shared.tolist() == [2, 2], (step, report)  # as a plain assign of the file leaves it
+        assert sorted(report.assigned) == ["embed", "head"] or sorted(report.skipped) == ["embed", "head"]
+    assign(tied)  # a plain dict: always written
+    assert shared.tolist() == [2, 2]

@@ -12,6 +12,7 @@ from flax.core import FrozenDict  # noqa: E402
 
 import weightstore as ws  # noqa: E402
 from weightstore.adapters import flax as flax_adapter  # noqa: E402
+from weightstore.adapters.plan import AssignWarning  # noqa: E402
 from weightstore.errors import AssignmentError, LayoutError, SelectionError  # noqa: E402
 
 ZEROS = nnx.initializers.zeros_init()  # random initializers compile once per shape: seconds each
@@ -158,7 +159,9 @@ def test_restore_strict_failure_names_the_key():
     tree = linen_tree()
     with pytest.raises(AssignmentError, match="params/Dense_0/kernl"):
         flax_adapter.restore(tree, {"params/Dense_0/kernl": np.zeros((3, 2), np.float32)})
-    partial = flax_adapter.restore(tree, {"params/Dense_0/bias": np.ones(2, np.float32)}, strict=False)
+    with pytest.warns(AssignWarning, match=r"\(strict=False\) left \d+ of \d+ variables as they were") as warned:
+        partial = flax_adapter.restore(tree, {"params/Dense_0/bias": np.ones(2, np.float32)}, strict=False)
+    assert [w.filename for w in warned] == [__file__]
     assert partial["params"]["Dense_0"]["bias"].tolist() == [1.0, 1.0]
 
 
