@@ -514,10 +514,12 @@ def plan_assign(
         raise AssignmentError(
             _message(report, described, chosen, value_keys, pairs, targets, lambda key: values.shape(value_keys[key]),
                      trainable_only=options.trainable_only, hints=not values.exact_keys,
-                     note=getattr(values, "missing_note", "")),
+                     note=getattr(values, "missing_note", ""), renamed=bool(options.scope or options.mapping)),
             missing=report.missing, unexpected=report.unexpected, mismatched=report.mismatched, path=values.path,
         )
-    warning = _few_assigned(values.where, len(pairs), chosen, value_keys) if len(pairs) * 2 < len(chosen) else ""
+    renamed = bool(options.scope or options.mapping)
+    warning = (_few_assigned(values.where, len(pairs), chosen, value_keys, renamed) if len(pairs) * 2 < len(chosen)
+               else "")
     return Plan(pairs, report, warning)
 
 
@@ -535,36 +537,40 @@ def keeps(key: str, trainable: bool, trainable_only: bool, also: Patterns) -> bo
     return trainable or not trainable_only or (bool(also) and passes(key, also))
 
 
-def _few_assigned(where: str, paired: int, targets: Mapping[str, TargetInfo], values: Mapping[str, str]) -> str:
+def _few_assigned(where: str, paired: int, targets: Mapping[str, TargetInfo], values: Mapping[str, str],
+                  renamed: bool) -> str:
     """Why most variables stayed as they were, saying so when file and model barely fit each other."""
     common = sum(1 for key in values if key in targets)
     text = (f"assigning {where} (strict=False) left {len(targets) - paired} of {len(targets)} variables as they "
             f"were; {paired} of {len(values)} values fit a variable ({common} share a key with one)")
     if paired * 2 < min(len(targets), len(values)):
-        text += f": {_apart(values, targets)}"
+        text += f": {_apart(values, targets, renamed)}"
     return text
 
 
-def _apart(values: Iterable[str], targets: Iterable[str]) -> str:
+def _apart(values: Iterable[str], targets: Iterable[str], renamed: bool) -> str:
     """Why few keys pair: one scope between them, or a different architecture."""
-    fix = _scope_fix(values, targets)
+    fix = _scope_fix(values, targets, renamed)
     return (f"the keys differ by a scope: {fix}" if fix else
             "the weights and the model look like different architectures (or differ by a scope: scope= puts "
             "the values under one, mapping={'FROM': 'TO'} renames one)")
 
 
-def _scope_fix(values: Iterable[str], targets: Iterable[str]) -> str:
+def _scope_fix(values: Iterable[str], targets: Iterable[str], renamed: bool) -> str:
     """What would pair the keys when one scope is all that keeps them apart: values saved
     under ``model_002/`` going into unscoped variables need that scope taken off (``mapping``),
     unscoped values going into variables under it need it put on (``scope``); "" when no one
-    scope explains most of the keys."""
+    scope explains most of the keys. ``renamed``: the values' keys are as the caller's
+    ``scope``/``mapping`` made them, so those are what to change."""
     value_set, target_set = set(values), set(targets)
     extra = _extra_scope(value_set - target_set, target_set)
     if extra:
-        return f"the values are under {extra!r} and the variables are not: pass mapping={{{extra!r}: ''}}"
+        fix = "change scope= or mapping=, which put them there" if renamed else f"pass mapping={{{extra!r}: ''}}"
+        return f"the values are under {extra!r} and the variables are not: {fix}"
     missing = _extra_scope(target_set - value_set, value_set)
     if missing:
-        return f"the variables are under {missing!r} and the values are not: pass scope={missing!r}"
+        fix = "put them under it with scope= or mapping=" if renamed else f"pass scope={missing!r}"
+        return f"the variables are under {missing!r} and the values are not: {fix}"
     return ""
 
 
@@ -578,7 +584,7 @@ def _extra_scope(keys: Collection[str], others: Collection[str]) -> str:
             if "/".join(parts[depth:]) in others:
                 scope = "/".join(parts[:depth])
                 counts[scope] = counts.get(scope, 0) + 1
-    best = max(counts, key=counts.__getitem__, default="")
+    best = max(sorted(counts), key=counts.__getitem__, default="")  # ties (an ensemble's members): the first
     return best if best and counts[best] * 2 >= len(keys) else ""
 
 
@@ -594,7 +600,7 @@ def _pair_problem(dtype: np.dtype, shape: tuple[int, ...], target: TargetInfo, c
 
 def _message(report: Report, where: str, targets: Mapping[str, Any], values: Mapping[str, str], pairs,
              every: Mapping[str, Any], value_shape: Callable[[str], tuple[int, ...]], *, trainable_only: bool = False,
-             hints: bool = True, note: str = "") -> str:
+             hints: bool = True, note: str = "", renamed: bool = False) -> str:
     """``targets`` are the selected variables; ``every`` also suggests those a typo left out.
 
     A value whose variable exists but was left out as not trainable says so, rather than
@@ -629,7 +635,7 @@ def _message(report: Report, where: str, targets: Mapping[str, Any], values: Map
     common = sum(1 for key in values if key in every)
     if min(len(targets), len(values)) >= 2 and common * 2 < min(len(targets), len(values)):
         lines.append(f"  {common} of {len(values)} values share a key with one of {len(targets)} variables: "
-                     f"{_apart(values, every)}")
+                     f"{_apart(values, every, renamed)}")
     if not pairs and report.ok:
         lines.append("  no value pairs with a variable" + (" (no variables selected)" if not targets else ""))
     sections: list[tuple[str, list[Any], Callable[[Any], str]]] = [

@@ -200,6 +200,21 @@ def test_keys_one_scope_apart_name_the_scope_or_mapping_that_pairs_them(tmp_path
         np.testing.assert_array_equal(values(sess, variables), [[0] * 3, [1] * 3, [2] * 3])
 
 
+def test_a_wrong_scope_given_is_what_the_message_says_to_change():
+    """Values put under ``model_001/`` by the caller's own ``scope=`` are not fixed by a mapping
+    (it applies before the scope): the message names scope= and mapping= as the thing to change."""
+    with graph_session() as (_, sess):
+        for key in ("dense/kernel", "dense/bias", "model_001/head/kernel", "model_001/head/bias"):
+            v1.get_variable(key, [3], initializer=v1.zeros_initializer())
+        sess.run(v1.global_variables_initializer())
+        values = {"dense/kernel": np.ones(3, np.float32), "dense/bias": np.ones(3, np.float32)}
+        with pytest.raises(AssignmentError) as caught:
+            tf1.assign(sess, values, scope="model_001")
+        assert ("the values are under 'model_001' and the variables are not: change scope= or mapping=, which put "
+                "them there") in str(caught.value)
+        assert "pass mapping" not in str(caught.value)
+
+
 def test_cast_rules():
     with graph_session() as (_, sess):
         w = v1.get_variable("w", [2], dtype=tf.float32, initializer=v1.zeros_initializer())
