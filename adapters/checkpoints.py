@@ -79,6 +79,13 @@ def quietly() -> Iterator[None]:
         os.close(devnull)
 
 
+def entry_changed(prefix: str, key: str, was: tuple[str, Any], now: tuple[str, Any]) -> SelectionError:
+    """The refusal of an import that would change an entry's ``(dtype, shape)``: whatever restores
+    the checkpoint (its graph's ``Saver``, its object graph) expects the old one."""
+    return SelectionError(f"is {was[0]} {list(was[1])} in the checkpoint, the imported tensor is {now[0]} "
+                          f"{list(now[1])}; what restores the checkpoint expects the first", path=prefix, key=key)
+
+
 def checkpoint_names(prefix: str) -> list[str]:
     """The entries of the name-based checkpoint at ``prefix``; empty when there is none.
 
@@ -148,8 +155,7 @@ def replace_in_object_checkpoint(prefix: str, weights: Mapping[str, np.ndarray])
     for key, value in weights.items():
         array, info = np.asarray(value), reader.info(key)
         if tuple(array.shape) != tuple(info.shape) or str(array.dtype) != info.dtype:
-            raise SelectionError(f"is {info.dtype} {list(info.shape)} in the checkpoint, the imported tensor is "
-                                 f"{array.dtype} {list(array.shape)}", path=prefix, key=key)
+            raise entry_changed(prefix, key, (info.dtype, info.shape), (str(array.dtype), array.shape))
         replaced[reader.entry_name(key)] = array
     tensors = _old_entries(tf, prefix, keep=lambda name: name not in replaced)
     for name, array in replaced.items():

@@ -47,6 +47,13 @@ def one_line(text: str) -> str:
     return " ".join(joined.split())
 
 
+def _usage_error_as_json(ctx: typer.Context, exc: TyperException) -> None:
+    """A usage error (exit 2): click prints the usage on stderr, and ``--json`` still gets its
+    object on stdout, so a script parsing it never finds it empty."""
+    if ctx.meta.get(_JSON_ASKED) and hasattr(exc, "format_message"):
+        render.print_json(render.error_document(ctx.invoked_subcommand, exc, exc.format_message()))
+
+
 def hoist_global_flags(args: list[str]) -> list[str]:
     """``args`` with the group's flags moved in front of the subcommand, where click looks for them.
 
@@ -64,14 +71,17 @@ class GuardedGroup(TyperGroup):
     def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:  # type: ignore[override]
         end = args.index("--") if "--" in args else len(args)
         ctx.meta[_JSON_ASKED] = "--json" in args[:end]  # before parsing, which a usage error stops
-        return super().parse_args(ctx, hoist_global_flags(list(args)))
+        try:
+            return super().parse_args(ctx, hoist_global_flags(list(args)))
+        except TyperException as exc:  # a usage error of ``ws`` itself (``ws --bogus ls``)
+            _usage_error_as_json(ctx, exc)
+            raise
 
     def invoke(self, ctx: typer.Context):  # type: ignore[override]
         try:
             return super().invoke(ctx)
-        except TyperException as exc:  # a usage error (exit 2): click prints it; --json still gets its object
-            if ctx.meta.get(_JSON_ASKED) and hasattr(exc, "format_message"):
-                render.print_json(render.error_document(ctx.invoked_subcommand, exc, exc.format_message()))
+        except TyperException as exc:  # a usage error of a command
+            _usage_error_as_json(ctx, exc)
             raise
         except (Exit, Abort):
             raise  # deliberate exits

@@ -249,9 +249,7 @@ def _refuse_reshaped(source: Source, target: str, plan: Mapping[str, str]) -> No
             if key in old:
                 was, now = old.info(key), source.info(source_key)
                 if (was.dtype, was.shape) != (now.dtype, now.shape):
-                    raise SelectionError(f"is {was.dtype} {list(was.shape)} in the checkpoint, the imported tensor "
-                                         f"is {now.dtype} {list(now.shape)}; its graph's Saver would restore none "
-                                         "of the checkpoint", path=target, key=key)
+                    raise checkpoints.entry_changed(target, key, (was.dtype, was.shape), (now.dtype, now.shape))
 
 
 def _refuse_clashes(target: str, existing: list[str], plan: Mapping[str, str], overwrite: bool) -> None:

@@ -981,6 +981,7 @@ def test_a_many_line_refusal_prints_as_one_line_its_parts_kept_apart(tmp_path):
     (["export", "{store}", "-o", "{out}", "--also", "dense", "--json"], "export", "BadParameter",
      "--also adds to what --trainable-only keeps"),
     (["--json", "lss", "{store}"], None, "UsageError", "No such command 'lss'"),
+    (["--json", "--bogus", "ls", "{store}"], None, "NoSuchOption", "No such option: --bogus"),
 ])
 def test_json_asked_for_gets_its_object_on_a_usage_error_too(store, tmp_path, args, command, kind, says):
     """Scripts parse stdout: a mistyped option (exit 2) must not leave it empty."""

@@ -196,28 +196,41 @@ def checked_metadata(metadata: Mapping[str, Any] | None, where: str = "") -> dic
     except (TypeError, ValueError, RecursionError) as exc:
         raise TypeError(f"{prefix}metadata must be JSON-serializable: {exc}") from None
     try:
-        found = _non_string_key(metadata)
+        clash = _colliding_keys(metadata)
     except RecursionError:
         raise TypeError(f"{prefix}metadata must be JSON-serializable: nested too deep") from None
-    if found:  # JSON would write it as a string: {1: "a", "1": "b"} would come back as {"1": "b"}
-        raise TypeError(f"{prefix}metadata keys must be strings, not {type(found[0]).__name__} {found[0]!r}")
+    if clash:  # JSON writes 1 as "1": {1: "a", "1": "b"} would come back as {"1": "b"}
+        raise TypeError(f"{prefix}metadata keys {clash[0]!r} and {clash[1]!r} are both {_json_key(clash[1])!r} "
+                        "in JSON; one would be lost")
     return dict(metadata)
 
 
-def _non_string_key(value: Any) -> tuple[Any, ...]:
-    """``(key,)``: the first key of a mapping in ``value`` (nested in mappings and lists, as JSON
-    nests them) that is not a string; ``()`` when every key is one."""
+def _colliding_keys(value: Any) -> tuple[Any, ...]:
+    """``(first, second)``: two keys of one mapping in ``value`` (nested in mappings and lists,
+    as JSON nests them) that JSON writes alike (``1`` and ``"1"``); ``()`` when there are none.
+    Keys that are not strings but unique (an ``id2label`` map's ints) are kept: JSON makes them
+    strings, as every JSON writer does."""
     if isinstance(value, Mapping):
+        seen: dict[str, Any] = {}
         for key, item in value.items():
-            found = (key,) if not isinstance(key, str) else _non_string_key(item)
+            text = key if isinstance(key, str) else _json_key(key)
+            if text in seen:
+                return seen[text], key
+            seen[text] = key
+            found = _colliding_keys(item)
             if found:
                 return found
     elif isinstance(value, (list, tuple)):
         for item in value:
-            found = _non_string_key(item)
+            found = _colliding_keys(item)
             if found:
                 return found
     return ()
+
+
+def _json_key(key: Any) -> str:
+    """The string JSON writes for a mapping key (``1`` -> ``"1"``, ``None`` -> ``"null"``)."""
+    return key if isinstance(key, str) else next(iter(json.loads(json.dumps({key: 0}))))
 
 
 class CheckedWeights(Mapping):

@@ -408,7 +408,7 @@ def follow(
     max_poll: float | None = None,
     notifications: str | None = None,
 ) -> Iterator[Version]:
-    """Yield each new version of ``folder``, pinned, in increasing step order.
+    """Yield each new version of ``folder``, pinned, in step order.
 
     Starts from the latest version (with ``after``, once the latest is above it: older versions
     still kept are not yielded); versions published while the caller was busy are skipped in
@@ -537,6 +537,10 @@ def _newer_pinned(source: Folder, last: int | None, *, back: bool = False) -> Ve
             version.pin()
             return version
         except VersionGoneError:
+            if gone == version.step and back and last is not None and version.step < last:
+                _log.warning("weightstore: following %s: LATEST went back to %s, which does not exist; keeping "
+                             "step %d", source.where, version.path, last)
+                return None  # a pointer restored to a version pruned since: nothing to follow down to
             if gone == version.step:  # LATEST still names it: not a race, a damaged folder
                 raise StoreNotFoundError(f"LATEST names {version.path}, which does not exist; publish again to repair",
                                          path=source.where) from None

@@ -69,12 +69,12 @@ class Writeback:
         if self._fd < 0:
             return
         self._handed += handed
-        if self._handed < WRITEBACK_BYTES:
-            return
-        self._handed = 0
-        size = os.fstat(self._fd).st_size
-        if size - self._started < WRITEBACK_BYTES or (self._pending is not None and not self._pending.done()):
+        if self._handed < WRITEBACK_BYTES or (self._pending is not None and not self._pending.done()):
             return  # too little yet, or the disk is still busy with the last request: ask later, for more
+        size = os.fstat(self._fd).st_size
+        if size - self._started < WRITEBACK_BYTES:
+            return  # the writer still holds what it was given (buffered, or laid out at the end)
+        self._handed = 0
         global _writer
         with _writer_lock:
             if _writer is None:
