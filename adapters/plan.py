@@ -510,14 +510,14 @@ def plan_assign(
             )
         else:
             pairs[key] = source
+    renamed = bool(options.scope or options.mapping)  # value keys are as the caller's words made them
     if (options.strict and not report.ok) or not pairs:
         raise AssignmentError(
             _message(report, described, chosen, value_keys, pairs, targets, lambda key: values.shape(value_keys[key]),
                      trainable_only=options.trainable_only, hints=not values.exact_keys,
-                     note=getattr(values, "missing_note", ""), renamed=bool(options.scope or options.mapping)),
+                     note=getattr(values, "missing_note", ""), renamed=renamed),
             missing=report.missing, unexpected=report.unexpected, mismatched=report.mismatched, path=values.path,
         )
-    renamed = bool(options.scope or options.mapping)
     warning = (_few_assigned(values.where, len(pairs), chosen, value_keys, renamed) if len(pairs) * 2 < len(chosen)
                else "")
     return Plan(pairs, report, warning)
