@@ -131,10 +131,11 @@ def run_assign(target: Target, weights: Any, options: AssignOptions, *, skip_for
         todo: list[tuple[str, str]] = []
         digests: dict[str, str | None] = {}
         unchanged: dict[str, bool] = {}
+        slots = {key: target.slot(key) for key in plan.pairs}
         changed_slots: set[tuple[int, str]] = set()  # a variable under two keys is skipped only if both are
         target.kept.clear()
         for key, value_key in plan.pairs.items():
-            slot = target.slot(key)
+            slot = slots[key]
             regions = target.regions(key) if target.regions is not None and source.regional else None
             if regions is None:
                 digests[key] = source.checksum(value_key)
@@ -146,7 +147,7 @@ def run_assign(target: Target, weights: Any, options: AssignOptions, *, skip_for
             if not unchanged[key]:
                 changed_slots.add((id(slot[0]), slot[1]))
         for key, value_key in plan.pairs.items():
-            slot = target.slot(key)
+            slot = slots[key]
             if unchanged[key] and (id(slot[0]), slot[1]) not in changed_slots:
                 report.skipped.append(key)
                 target.kept.pop(key, None)

@@ -60,17 +60,21 @@ def hoist_global_flags(args: list[str]) -> list[str]:
     People type ``ws ls m.npz -q`` as often as ``ws -q ls m.npz``; click only reads group options
     before the subcommand. Nothing after a ``--`` is touched.
     """
-    end = args.index("--") if "--" in args else len(args)
-    flags = [arg for arg in args[:end] if arg in GLOBAL_FLAGS]
-    return flags + [arg for arg in args[:end] if arg not in GLOBAL_FLAGS] + args[end:]
+    options = _before_double_dash(args)
+    flags = [arg for arg in options if arg in GLOBAL_FLAGS]
+    return flags + [arg for arg in options if arg not in GLOBAL_FLAGS] + args[len(options):]
+
+
+def _before_double_dash(args: list[str]) -> list[str]:
+    """The arguments that may be options: those before a ``--``, after which all are operands."""
+    return args[: args.index("--")] if "--" in args else args
 
 
 class GuardedGroup(TyperGroup):
     """A typer group whose subcommands fail with one line instead of a traceback."""
 
     def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:  # type: ignore[override]
-        end = args.index("--") if "--" in args else len(args)
-        ctx.meta[_JSON_ASKED] = "--json" in args[:end]  # before parsing, which a usage error stops
+        ctx.meta[_JSON_ASKED] = "--json" in _before_double_dash(args)  # before parsing, which a usage error stops
         try:
             return super().parse_args(ctx, hoist_global_flags(list(args)))
         except TyperException as exc:  # a usage error of ``ws`` itself (``ws --bogus ls``)

@@ -530,14 +530,11 @@ def _newer_pinned(source: Folder, last: int | None, *, back: bool = False) -> Ve
         version = _latest(source)
         if version is None or (last is not None and (version.step == last if back else version.step <= last)):
             return None
-        if last is not None and version.step < last:
-            _log.warning("weightstore: following %s: LATEST went back from step %d to %d (the folder was made "
-                         "anew, or LATEST restored); following it", source.where, last, version.step)
+        went_back = last is not None and version.step < last  # only asked for with ``back``
         try:
             version.pin()
-            return version
         except VersionGoneError:
-            if gone == version.step and back and last is not None and version.step < last:
+            if gone == version.step and went_back:
                 _log.warning("weightstore: following %s: LATEST went back to %s, which does not exist; keeping "
                              "step %d", source.where, version.path, last)
                 return None  # a pointer restored to a version pruned since: nothing to follow down to
@@ -545,6 +542,11 @@ def _newer_pinned(source: Folder, last: int | None, *, back: bool = False) -> Ve
                 raise StoreNotFoundError(f"LATEST names {version.path}, which does not exist; publish again to repair",
                                          path=source.where) from None
             gone = version.step
+            continue
+        if went_back:
+            _log.warning("weightstore: following %s: LATEST went back from step %d to %d (the folder was made "
+                         "anew, or LATEST restored); following it", source.where, last, version.step)
+        return version
 
 
 def list_versions(folder: Any, *, storage_options: Mapping[str, Any] | None = None) -> list[VersionEntry]:
