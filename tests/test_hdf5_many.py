@@ -61,6 +61,71 @@ def test_many_small_tensors_in_nested_groups_round_trip(tmp_path):
         assert f["layer_0000/w_00"].compression is None
 
 
+def large_weights() -> dict[str, np.ndarray]:
+    """The awkward keys, dtypes and shapes of :func:`many_weights` among tensors large enough
+    (over 256 KiB on average) that the writer makes every header before any data, one of them
+    over the writer's 4 MB block."""
+    small = many_weights()
+    weights = {key: value for key, value in small.items() if not key.startswith("layer_")}
+    weights["big/kernel"] = np.arange(5 << 18, dtype=np.float32).reshape(1280, 1024)  # 5 MB
+    weights["big/bias"] = np.linspace(0, 1, 1024, dtype=np.float32)
+    weights["other/kernel"] = np.arange(1 << 19, dtype=np.int32).reshape(512, 1024)  # 2 MB
+    weights["big"] = np.arange(4, dtype=np.float32)  # a key that is also the scope of keys made before it
+    return weights
+
+
+def _header_and_data_offsets(path) -> tuple[list[int], list[int]]:
+    """Where each object's header lies in the file, and where each dataset's data does."""
+    headers, data = [], []
+
+    def visit(name, thing):
+        headers.append(h5py.h5o.get_info(thing.id).addr)
+        if isinstance(thing, h5py.Dataset) and thing.id.get_offset() is not None:
+            data.append(thing.id.get_offset())
+
+    with h5py.File(path, "r") as f:
+        f.visititems(visit)
+    return headers, data
+
+
+def test_a_file_of_large_tensors_has_every_header_before_any_data_and_reads_back(tmp_path):
+    """Made one by one, headers lie between one tensor's data and the next, and a cold read
+    streams around them; made first, the data lies in one stretch after them."""
+    weights = large_weights()
+    path = tmp_path / "large.h5"
+    ws.save(path, weights)
+    headers, data = _header_and_data_offsets(path)
+    assert len(data) == len(weights) - 1  # all but the empty tensor have data in the file
+    assert max(headers) < min(data)
+    assert_same(ws.load(path), weights)
+    assert_same(ws.load(path, mmap=False), weights)
+    with h5py.File(path, "r") as f:  # plain h5py reads every tensor where its key says
+        assert np.array_equal(f["big/kernel"][()], weights["big/kernel"])
+        assert np.array_equal(f["big/__weightstore_value__"][()], weights["big"])
+        assert np.array_equal(f["slot/__weightstore_value__"][()], weights["slot"])
+    small = tmp_path / "small.h5"  # small tensors: each header where its tensor is, as before
+    ws.save(small, many_weights())
+    headers, data = _header_and_data_offsets(small)
+    assert max(headers) > min(data)
+
+
+def test_a_tensor_unlike_its_planned_header_is_written_as_it_is(tmp_path):
+    """The writer makes headers from what it was told would come; a tensor that comes otherwise
+    (a shape changed between the check and the write) is written as it is, not refused or cut."""
+    from weightstore.formats.hdf5 import Hdf5Writer
+    from weightstore.manifest import TensorInfo
+
+    path = str(tmp_path / "changed.h5")
+    told = [TensorInfo("a", "float32", (1024, 1024), 4 << 20), TensorInfo("b", "float32", (4,), 16)]
+    writer = Hdf5Writer(path, False, lambda: told)
+    writer.add("a", "float32", np.ones((1024, 1024), np.float32))
+    writer.add("b", "float32", np.arange(6, dtype=np.float32))
+    writer.commit("{}")
+    with h5py.File(path, "r") as f:
+        assert np.array_equal(f["a"][()], np.ones((1024, 1024), np.float32))
+        assert np.array_equal(f["b"][()], np.arange(6, dtype=np.float32))
+
+
 def test_many_small_tensors_round_trip_through_a_url(tmp_path):
     """A URL is read through a file object (seek and read), not a descriptor: the structures the
     reader checks come through it too, in whatever reads its own buffering makes."""

@@ -39,6 +39,7 @@ from weightstore.keys import validate_keys
 from weightstore.manifest import build_manifest, content_digest, dtype_name, logical_dtype, to_storage, utc_now
 from weightstore.names import KEYS, TORCH, WRITE_NAMINGS, check_naming, torch_name_of_key
 from weightstore.store import Store
+from weightstore.tensortable import TensorInfo
 
 #: tensors of at least this many bytes are hashed beside their write (see :func:`write_file`)
 _HASH_BESIDE = 1 << 20
@@ -141,7 +142,7 @@ def _save_sharded(location: str, weights: Mapping[str, Any], metadata: Mapping[s
         raise StoreExistsError("sharded folder exists (pass overwrite=True to replace it)", path=index)
     if not is_url(folder):
         os.makedirs(folder, exist_ok=True)
-    sizes = {key: arrays.nbytes(key) for key in arrays}
+    sizes = {key: arrays.info(key).nbytes for key in arrays}
     plan = hf_sharded.plan_shards(sizes, limit)
     shards = dict(zip(hf_sharded.shard_names(len(plan)), plan, strict=True))
     created = utc_now()  # one time for the index and its shards, as for a version and its file
@@ -308,14 +309,23 @@ class CheckedWeights(Mapping):
             raise UnsupportedDTypeError(f"has dtype {name}, which {fmt.name} cannot hold; save it as .npz or .h5",
                                         key=key)
 
-    def nbytes(self, key: str) -> int:
-        """The bytes ``key`` will take in the file, from its index or shape; nothing is read."""
+    def info(self, key: str) -> TensorInfo:
+        """``key`` as the file will describe it (dtype, shape, bytes), from its index or shape;
+        nothing is read, and only a value whose shape is not yet fully known (a TF variable made
+        with ``validate_shape=False``) is converted, here rather than when it is written."""
         value = self._values[key]
+        if type(value) is np.ndarray:
+            return TensorInfo(key, self._dtype_names[key], value.shape, value.nbytes)
         if value is None:  # a store's tensor, read when written
             assert isinstance(self._weights, Store)
-            return self._weights.info(key).nbytes
+            return self._weights.info(key)
         shape = value.shape if hasattr(value, "shape") else np.shape(value)
-        return math.prod(int(d) for d in shape) * logical_dtype(self._dtype_names[key]).itemsize
+        if any(dim is None for dim in shape):
+            value = self._values[key] = as_numpy(value, key)
+            shape = value.shape
+        shape = tuple(int(dim) for dim in shape)
+        name = self._dtype_names[key]
+        return TensorInfo(key, name, shape, math.prod(shape) * logical_dtype(name).itemsize)
 
     def only(self, keys: Iterable[str]) -> CheckedWeights:
         """These checked tensors, in this order (one shard of a sharded save)."""
@@ -359,7 +369,8 @@ def write_file(path: str, fmt: Format, arrays: CheckedWeights, metadata: Mapping
     metadata = checked_metadata(metadata, path)  # before the file exists (callers check earlier, naming theirs)
     stored_names = stored_names or {}
     located = stored_names if fmt.torch_names else {}
-    writer = fmt.open_writer(path, compress)
+    writer = fmt.open_writer(path, compress, lambda: [arrays.info(key)._replace(key=stored_names.get(key, key))
+                                                      for key in arrays])
     mark_torch_names = getattr(writer, "mark_torch_names", None)
     if stored_names and mark_torch_names is not None:
         mark_torch_names()

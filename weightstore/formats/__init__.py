@@ -118,7 +118,9 @@ class Format:
     suffixes: tuple[str, ...]
     magic: Callable[[bytes], bool]
     open_reader: Callable[..., Reader]  # (location, name, *, mmap=True)
-    open_writer: Callable[[str, bool | str], Writer]  # (path, compress: False, True or "shuffle")
+    #: ``(path, compress: False, True or "shuffle", planned)``: ``planned()`` lists the tensors to be
+    #: written, in order, named as stored (worked out only for a writer that asks)
+    open_writer: Callable[[str, bool | str, Callable[[], list[TensorInfo]]], Writer]
     #: the logical dtypes the format can hold; ``None``: every dtype weightstore stores
     dtypes: frozenset[str] | None = None
     compresses: bool = True

@@ -72,6 +72,10 @@ _MAGIC = b"\x89HDF\r\n\x1a\n"
 _MIN_COMPRESSED_BYTES = 4096
 #: mapped tensors at least this big are announced to the kernel before they are read (as safetensors does)
 _ANNOUNCED_FROM = 1 << 20
+#: an uncompressed file whose tensors average at least this has every header made before any
+#: data (:class:`Hdf5Writer`); below it, headers are a large part of the file and the lookups
+#: of datasets made early cost more than the stream they keep whole
+_HEADERS_FIRST_FROM = 256 << 10
 #: deepest group nesting read; deeper files are refused before anything recurses over them
 MAX_DEPTH = 256
 _LINK_KINDS = {h5py.h5l.TYPE_SOFT: "SoftLink", h5py.h5l.TYPE_EXTERNAL: "ExternalLink"}
@@ -239,9 +243,17 @@ class Hdf5Writer:
     write fails (disk full, file size limit). Written through, the failure surfaces in
     :meth:`add`, and closing after it is safe. A failure is a :class:`WriteError` (an
     ``OSError``) naming the file.
+
+    **Headers first.** HDF5 puts each dataset's header where the file ends when it is made,
+    so made one by one, headers and groups lie between the data of one tensor and the next.
+    A cold read then streams the data in pieces around them: 0.17-0.21 s for a 256 MB file
+    against 0.10-0.11 s with every header made first and the data after, in one stretch (the
+    same bytes; 173 reads of the disk to open the file before, 6 after). So an uncompressed file
+    of large tensors (:data:`_HEADERS_FIRST_FROM`) has its groups and datasets made from
+    ``planned`` before any data is written; :meth:`add` opens each again by name.
     """
 
-    def __init__(self, path: str, compress: bool | str):
+    def __init__(self, path: str, compress: bool | str, planned: Callable[[], list[TensorInfo]] | None = None):
         self._path = path
         access = h5py.h5p.create(h5py.h5p.FILE_ACCESS)  # what h5py.File(path, "w", ...) makes, and no sieve buffer
         access.set_libver_bounds(h5py.h5f.LIBVER_EARLIEST, h5py.h5f.LIBVER_V110)
@@ -261,6 +273,22 @@ class Hdf5Writer:
         self._plain_creation = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
         self._plain_creation.set_obj_track_times(False)  # as h5py's create_dataset: files differ only by content
         self._types: dict[np.dtype, tuple[h5py.h5t.TypeID, h5py.h5t.TypeID]] = {}
+        #: the keys whose datasets were made before their data
+        self._made: set[str] = set()
+        if planned is not None and not compress:
+            try:
+                self._make_headers(planned())
+            except BaseException:
+                self.abort()
+                raise
+
+    def _make_headers(self, planned: list[TensorInfo]) -> None:
+        if not planned or sum(info.nbytes for info in planned) < _HEADERS_FIRST_FROM * len(planned):
+            return
+        with _as_write_error(self._path):
+            for info in planned:
+                self._create_plain(*self._place(info.key), info.shape, storage_dtype(info.dtype))
+                self._made.add(info.key)
 
     def add(self, key: str, dtype_name: str, data: np.ndarray) -> int:
         try:  # not _as_write_error: a generator context per tensor cost a tenth of writing 1 KB
@@ -271,38 +299,59 @@ class Hdf5Writer:
             raise _write_error(self._path, exc, key) from None
 
     def _add(self, key: str, data: np.ndarray) -> int:
+        if key in self._made:
+            self._made.discard(key)
+            path = self.locations.get(key, key)  # moved inside its group since, if it became a scope
+            dataset = h5py.h5d.open(self._file.id, path.encode("utf-8"))
+            if dataset.shape == data.shape and dataset.dtype == data.dtype:
+                return self._write_plain(dataset, data)
+            del self._file[path]  # not what was planned: made anew where it was
+            parent_path, _, leaf = path.rpartition("/")
+            parent = self._file[parent_path] if parent_path else self._file
+        else:
+            parent, leaf = self._place(key)
+        compressed = self._compress and data.ndim and data.nbytes >= _MIN_COMPRESSED_BYTES
+        if compressed:  # True and "shuffle" alike: HDF5's own shuffle filter, which h5py reads
+            options = {"compression": "gzip", "compression_opts": 4, "shuffle": data.dtype.itemsize > 1}
+            if data.nbytes > _WRITE_BLOCK:
+                return _write_rows(parent.create_dataset(leaf, shape=data.shape, dtype=data.dtype, **options), data)
+            parent.create_dataset(leaf, data=data, **options)
+            return crc32(data)
+        return self._write_plain(self._create_plain(parent, leaf, data.shape, data.dtype), data)
+
+    def _place(self, key: str) -> tuple[h5py.Group, str]:
+        """The group and name ``key``'s dataset goes in (a key that is already the scope of
+        other keys goes inside its group, as :data:`VALUE`), recorded in :attr:`locations`."""
         parent_key, _, leaf = key.rpartition("/")
         parent = self._group_for(parent_key)
         inside = self._groups.get(key)
         if inside is not None:  # the key is already the scope of other keys: store it inside
-            parent, leaf = inside, VALUE
             self.locations[key] = join_scope(key, VALUE)
-        else:
-            self._at_own_path.add(key)
-        compressed = self._compress and data.ndim and data.nbytes >= _MIN_COMPRESSED_BYTES
-        options = {}
-        if compressed:  # True and "shuffle" alike: HDF5's own shuffle filter, which h5py reads
-            options = {"compression": "gzip", "compression_opts": 4, "shuffle": data.dtype.itemsize > 1}
-        if data.nbytes > _WRITE_BLOCK:
-            return _write_rows(parent.create_dataset(leaf, shape=data.shape, dtype=data.dtype, **options), data)
-        if compressed:
-            parent.create_dataset(leaf, data=data, **options)
-        else:
-            self._write_plain(parent, leaf, data)
-        return crc32(data)
+            return inside, VALUE
+        self._at_own_path.add(key)
+        return parent, leaf
 
-    def _write_plain(self, parent: h5py.Group, name: str, data: np.ndarray) -> None:
-        """An uncompressed tensor that fits one write, through the HDF5 calls h5py's
-        ``create_dataset`` makes (the same file), without its argument handling, which took
-        longer than HDF5's own work on a 1 KB tensor; types are made once per dtype."""
-        types = self._types.get(data.dtype)
+    def _create_plain(self, parent: h5py.Group, name: str, shape: tuple[int, ...], dtype: np.dtype) -> h5py.h5d.DatasetID:
+        """An uncompressed dataset through the HDF5 calls h5py's ``create_dataset`` makes (the
+        same file), without its argument handling, which took longer than HDF5's own work on
+        a 1 KB tensor; types are made once per dtype. Its storage is allocated at the first write."""
+        return h5py.h5d.create(parent.id, name.encode("utf-8"), self._types_of(dtype)[0], h5py.h5s.create_simple(shape),
+                               dcpl=self._plain_creation)
+
+    def _types_of(self, dtype: np.dtype) -> tuple[h5py.h5t.TypeID, h5py.h5t.TypeID]:
+        """``(stored type, memory type)`` of ``dtype``, made once per dtype."""
+        types = self._types.get(dtype)
         if types is None:
-            types = h5py.h5t.py_create(data.dtype, logical=True), h5py.h5t.py_create(data.dtype)
-            self._types[data.dtype] = types
-        stored_type, memory_type = types
-        space = h5py.h5s.create_simple(data.shape)
-        dataset = h5py.h5d.create(parent.id, name.encode("utf-8"), stored_type, space, dcpl=self._plain_creation)
-        dataset.write(h5py.h5s.ALL, h5py.h5s.ALL, data, memory_type)
+            types = h5py.h5t.py_create(dtype, logical=True), h5py.h5t.py_create(dtype)
+            self._types[dtype] = types
+        return types
+
+    def _write_plain(self, dataset: h5py.h5d.DatasetID, data: np.ndarray) -> int:
+        """Write an uncompressed dataset in full; its CRC-32."""
+        if data.nbytes > _WRITE_BLOCK:
+            return _write_rows(h5py.Dataset(dataset), data)
+        dataset.write(h5py.h5s.ALL, h5py.h5s.ALL, data, self._types_of(data.dtype)[1])
+        return crc32(data)
 
     def _group_for(self, scope: str) -> h5py.Group:
         group = self._groups.get(scope)
@@ -630,7 +679,7 @@ FORMAT = Format(
     suffixes=(".h5", ".hdf5"),
     magic=lambda head: head.startswith(_MAGIC),
     open_reader=lambda location, name, mmap=True: Hdf5Reader(location, name, mapped=mmap),
-    open_writer=lambda path, compress: Hdf5Writer(path, compress),
+    open_writer=Hdf5Writer,
     remote_file_object=True,
     max_key_segments=MAX_DEPTH,
 )
