@@ -375,7 +375,8 @@ def write_file(path: str, fmt: Format, arrays: CheckedWeights, metadata: Mapping
     metadata = checked_metadata(metadata, path)  # before the file exists (callers check earlier, naming theirs)
     stored_names = stored_names or {}
     located = stored_names if fmt.torch_names else {}
-    writer = fmt.open_writer(path, compress, functools.partial(arrays.planned, stored_names))
+    writer = (fmt.open_writer(path, compress, functools.partial(arrays.planned, stored_names)) if fmt.planned_writer
+              else fmt.open_writer(path, compress))
     mark_torch_names = getattr(writer, "mark_torch_names", None)
     if stored_names and mark_torch_names is not None:
         mark_torch_names()

@@ -118,9 +118,8 @@ class Format:
     suffixes: tuple[str, ...]
     magic: Callable[[bytes], bool]
     open_reader: Callable[..., Reader]  # (location, name, *, mmap=True)
-    #: ``(path, compress: False, True or "shuffle", planned)``: ``planned()`` lists the tensors to be
-    #: written, in order, named as stored (worked out only for a writer that asks)
-    open_writer: Callable[[str, bool | str, Callable[[], list[TensorInfo]]], Writer]
+    #: ``(path, compress: False, True or "shuffle")``, and ``planned`` where :attr:`planned_writer`
+    open_writer: Callable[..., Writer]
     #: the logical dtypes the format can hold; ``None``: every dtype weightstore stores
     dtypes: frozenset[str] | None = None
     compresses: bool = True
@@ -136,6 +135,10 @@ class Format:
     #: whether a remote file is read through an fsspec file object (h5py's reads) instead of a
     #: :class:`~weightstore.io.remote.RemoteFile`'s ranged reads, which open with one request
     remote_file_object: bool = False
+    #: whether :attr:`open_writer` takes a third argument, ``planned``: ``planned()`` lists the tensors
+    #: to be written, in order, named as stored, for a writer that lays the file out before the data
+    #: comes (HDF5 makes every header first); worked out only when called
+    planned_writer: bool = False
 
 
 #: The one table of store formats, in the order suffixes and magic bytes are tried: each entry

@@ -680,6 +680,7 @@ FORMAT = Format(
     magic=lambda head: head.startswith(_MAGIC),
     open_reader=lambda location, name, mmap=True: Hdf5Reader(location, name, mapped=mmap),
     open_writer=Hdf5Writer,
+    planned_writer=True,
     remote_file_object=True,
     max_key_segments=MAX_DEPTH,
 )

@@ -906,5 +906,5 @@ FORMAT = Format(
     suffixes=(".npz",),
     magic=lambda head: head[:4] in (LOCAL_SIG, EOCD_SIG),
     open_reader=_open_reader,
-    open_writer=lambda path, compress, planned: NpzWriter(path, compress),
+    open_writer=lambda path, compress: NpzWriter(path, compress),
 )

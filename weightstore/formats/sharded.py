@@ -13,7 +13,7 @@ stores: the index already says where everything is, so their headers are never f
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -261,7 +261,7 @@ def _open_reader(location: Any, name: str, *, mmap: bool = True) -> ShardedReade
     return ShardedReader(index, name, fs)
 
 
-def _no_writer(path: str, compress: bool | str, planned: Callable[[], list[TensorInfo]]) -> Any:
+def _no_writer(path: str, compress: bool | str) -> Any:
     raise TargetError("a sharded index is written by ws.commit_shards, not saved", path=path)
 
 
