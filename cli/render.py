@@ -152,7 +152,7 @@ class _Counted:
     """An array that advances a bar when it is converted for writing."""
 
     def __init__(self, array: np.ndarray, bar: ByteBar):
-        self.dtype = array.dtype
+        self.dtype, self.shape = array.dtype, array.shape  # what save plans by, without converting
         self._array = array
         self._bar = bar
 

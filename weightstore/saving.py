@@ -311,17 +311,16 @@ class CheckedWeights(Mapping):
 
     def info(self, key: str) -> TensorInfo:
         """``key`` as the file will describe it (dtype, shape, bytes), from its index or shape;
-        nothing is read, and only a value whose shape is not yet fully known (a TF variable made
-        with ``validate_shape=False``) is converted, here rather than when it is written."""
+        nothing is read, and only a value with no shape of its own (a list) or one not yet fully
+        known (a TF variable made with ``validate_shape=False``) is converted, here rather than
+        when it is written."""
         value = self._values[key]
         if value is None:  # a store's tensor, read when written
             assert isinstance(self._weights, Store)
             return self._weights.info(key)
-        shape = value.shape if hasattr(value, "shape") else np.shape(value)
-        if any(dim is None for dim in shape):
-            value = self._values[key] = as_numpy(value, key)
-            shape = value.shape
-        shape = tuple(int(dim) for dim in shape)
+        if not hasattr(value, "shape") or any(dim is None for dim in value.shape):
+            value = self._values[key] = as_numpy(value, key)  # converted once, here, not again to be written
+        shape = tuple(int(dim) for dim in value.shape)
         name = self._dtype_names[key]
         return TensorInfo(key, name, shape, math.prod(shape) * logical_dtype(name).itemsize)
 
