@@ -65,29 +65,6 @@ def test_readahead_stays_inside_the_file_and_ignores_a_closed_one(tmp_path, smal
     opened.prefetch(0, 1000)
 
 
-@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no advice to give")
-@pytest.mark.parametrize("piece", [None, 1 << 20])
-def test_a_stretch_read_on_is_announced_from_the_reader_where_the_device_streams_by_itself(tmp_path, monkeypatch, piece):
-    """Where the device streams by itself (``piece`` None), the kernel reads only the head of an
-    advice: announced from where the last one ended, it starts a second stream far ahead of the
-    reader. Where advice is read whole, it goes on from there."""
-    monkeypatch.setattr(local, "READ_AHEAD", 1 << 20)
-    monkeypatch.setattr(local, "_advice_piece", lambda device: piece)
-    advised = []
-    monkeypatch.setattr(local, "_advise", lambda fileno, offset, length, piece: advised.append((offset, offset + length)))
-    path = tmp_path / "f.bin"
-    path.write_bytes(bytes(8 << 20))
-    opened = MappedFile(str(path))
-    opened.prefetch(0, 1000)
-    opened.prefetch(300_000, 100_000)  # well inside what was announced: nothing
-    opened.prefetch(800_000, 100_000)  # the stretch goes on, to within half a read-ahead of its end
-    opened.prefetch(5 << 20, 1000)  # a new stretch
-    opened.close()
-    on_to = 900_000 + (1 << 20)
-    assert advised == [(0, 1000 + (1 << 20)), (800_000 if piece is None else 1000 + (1 << 20), on_to),
-                       (5 << 20, (5 << 20) + 1000 + (1 << 20))]
-
-
 def test_readahead_serves_a_cold_npz_restore(tmp_path, small_steps):
     weights = {f"w{i}": np.full(40_000, i, np.float32) for i in range(6)}
     path = tmp_path / "w.npz"

@@ -16,8 +16,7 @@ The kernel reads at most ``max(read_ahead_kb, max_sectors_kb)`` of one advice (L
 where its own read-ahead is small (the common 128 KB) the advice goes in 1 MB pieces, each read
 whole; where it is large (8 MB on the VM measured) one advice starts the disk at the head of the
 range and the kernel's read-ahead on the map's faults carries on, which measured faster there
-than advice read whole; there a stretch that goes on is announced again from the reader's
-own offset (:meth:`_LocalFile.prefetch`).
+than advice read whole.
 
 **The size guard.** Writers replace files by rename, never in place, so a map stays valid for as
 long as any array made from it lives. A file truncated or rewritten *in place* by another tool
@@ -170,30 +169,15 @@ class _LocalFile:
         (``prefetch(keys)``) does. What was announced is the stretch the last announcement
         began, not every byte before its end: reading an npz's index at the end of the file once
         counted the whole file as announced, and no tensor of it was ever read ahead.
-
-        Where the device streams by itself (:func:`_advice_piece` is ``None``), a stretch that
-        goes on is announced again from the reader's own offset, not from where the last
-        announcement ended: the kernel reads only the head of one advice, and a head 32-64 MB
-        ahead of the reader started a second stream that the disk served alternately with the
-        one the reader's faults drove. From the reader's offset the advice reads nothing where
-        that stream keeps pace, and restarts it where it fell behind. Cold 256 MB restores, old
-        and new interleaved in one process (12 rounds, medians, ``python -m benchmarks.tf_bench``'s
-        layout): ``tf1.assign`` 0.206 -> 0.162 s (npz) and 0.159 -> 0.133 s (safetensors);
-        ``tf2.assign`` of safetensors 0.165 -> 0.121 s. Not announcing it at all was as fast in
-        the median but twice as slow in its worst rounds.
         """
         first, last = self._ahead
         if first <= offset and offset + length + READ_AHEAD // 2 <= last:
             return  # well inside what the kernel was asked for already
-        if self._closed or not _CAN_ADVISE:
-            return
-        piece = _advice_piece(os.fstat(self._handle.fileno()).st_dev)
-        goes_on = first < last and first <= offset <= last  # (0, 0): nothing announced yet
-        start = last if goes_on and piece is not None else offset
+        start = last if first <= offset <= last else offset  # the stretch goes on, or a new one begins
         end = min(self.size, offset + length + READ_AHEAD)
-        if end > start:
-            _advise(self._handle.fileno(), start, end - start, piece)
-            self._ahead = (first if goes_on else start, end)
+        if end > start and not self._closed and _CAN_ADVISE:
+            _advise(self._handle.fileno(), start, end - start, _advice_piece(os.fstat(self._handle.fileno()).st_dev))
+            self._ahead = (first if start == last else start, end)
 
     def release(self, offset: int, length: int) -> None:
         pass
