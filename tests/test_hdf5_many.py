@@ -109,6 +109,34 @@ def test_a_file_of_large_tensors_has_every_header_before_any_data_and_reads_back
     assert max(headers) > min(data)
 
 
+@pytest.mark.parametrize("writer", ["weightstore", "h5py-earliest", "h5py-latest"])
+def test_reading_many_tensors_announces_the_stretch_their_bytes_lie_in_once(tmp_path, monkeypatch, writer):
+    """A cold file streams when the kernel is told the whole stretch first; told tensor by
+    tensor, it was told in steps. The stretch comes from the headers the reader checked at open
+    (layout messages), and is exactly where HDF5 says the bytes are."""
+    from weightstore.io.local import MappedFile
+
+    weights = large_weights()
+    path = tmp_path / "large.h5"
+    if writer == "weightstore":
+        ws.save(path, weights)
+    else:
+        with h5py.File(path, "w", libver=writer.split("-")[1]) as f:
+            for key, value in weights.items():
+                if key not in ("slot", "scope", "big", "big_endian", "bf16"):  # keys h5py keeps as groups; dtypes it cannot
+                    f[key] = value
+    with h5py.File(path, "r") as f:
+        spans = []
+        f.visititems(lambda name, thing: spans.append((thing.id.get_offset(), thing.id.get_storage_size()))
+                     if isinstance(thing, h5py.Dataset) and thing.id.get_offset() is not None else None)
+    announced = []
+    monkeypatch.setattr(MappedFile, "prefetch", lambda self, offset, length: announced.append((offset, length)))
+    with ws.open(path) as store:
+        store.read()
+    start = min(offset for offset, _ in spans)
+    assert announced[0] == (start, max(offset + size for offset, size in spans) - start)
+
+
 def test_a_tensor_unlike_its_planned_header_is_written_as_it_is(tmp_path):
     """The writer makes headers from what it was told would come; a tensor that comes otherwise
     (a shape changed between the check and the write) is written as it is, not refused or cut."""

@@ -35,6 +35,7 @@ from weightstore.errors import (
 from weightstore.formats import Format, ReaderDefaults, foreign_keys
 from weightstore.formats.hdf5_bytes import (
     READ_AHEAD_WINDOW,
+    ObjectHeader,
     ReadAt,
     check_object,
     check_root_group,
@@ -421,8 +422,8 @@ class Hdf5Reader(ReaderDefaults):
             with _as_format_error(name), _raw_bytes(location) as (read_at, size, queue):
                 self._raw = read_at, size, self._file.userblock_size
                 self._manifest = self._read_manifest()
-                self._stored_plain = self._walk(queue)
-            self._paths = self._keyed(set(self._stored_plain))
+                self._datasets = self._walk(queue)
+            self._paths = self._keyed(set(self._datasets))
             self._map = MappedFile(location) if mapped and isinstance(location, str) else None
         except BaseException:
             self._file.close()
@@ -493,9 +494,9 @@ class Hdf5Reader(ReaderDefaults):
             text = text.decode("utf-8", "replace")
         return parse_manifest(text, self.name)
 
-    def _walk(self, queue: Callable[[list[int]], None]) -> dict[str, bool]:
-        """The path of every dataset, and whether its bytes lie plainly in the file, refusing
-        links that leave the tree.
+    def _walk(self, queue: Callable[[list[int]], None]) -> dict[str, ObjectHeader]:
+        """The path of every dataset and what its header says (whether its bytes lie plainly in
+        the file, and where), refusing links that leave the tree.
 
         One group at a time with an explicit stack (HDF5's own recursive visit overflows the C
         stack on groups nested 10,000 deep, and takes seconds at 3,000), refusing nesting
@@ -507,9 +508,9 @@ class Hdf5Reader(ReaderDefaults):
         with naming(path=self.name):  # once around the walk, not once per object: the byte checks name no file
             return self._walk_tree(queue)
 
-    def _walk_tree(self, queue: Callable[[list[int]], None]) -> dict[str, bool]:
+    def _walk_tree(self, queue: Callable[[list[int]], None]) -> dict[str, ObjectHeader]:
         read_at, size, base = self._raw
-        found: dict[str, bool] = {}
+        found: dict[str, ObjectHeader] = {}
         seen: set = set()
         check_root_group(read_at, size, base)
         pending: list[tuple[h5py.h5g.GroupID, str, int]] = [(self._file.id, "", 0)]
@@ -530,7 +531,7 @@ class Hdf5Reader(ReaderDefaults):
                 seen.add(address)
                 header = check_object(read_at, size, base, address)
                 if header.is_dataset:
-                    found[path] = header.stored_plain
+                    found[path] = header
                 elif not header.is_group:
                     raise FormatError(f"{path!r} is neither a group nor a dataset", path=self.name)
                 elif depth + 1 >= MAX_DEPTH:
@@ -541,6 +542,19 @@ class Hdf5Reader(ReaderDefaults):
 
     def keys(self) -> list[str]:
         return list(self._infos) if self._manifest else sorted(self._paths)
+
+    def prefetch(self, keys: list[str]) -> None:
+        """Announce the stretch of the mapped file that holds these tensors' bytes, once (as
+        safetensors does), rather than tensor by tensor as each is read: announced in steps, a
+        cold 256 MB load took 0.26 s, announced at once 0.20 s (eleven of each, interleaved).
+        Where their headers said (:func:`check_object`); a remote file is read by h5py."""
+        if self._map is None:
+            return
+        extents = [extent for key in keys if (path := self._paths.get(key)) is not None
+                   and (extent := self._datasets[path].extent) is not None and extent[1]]
+        if extents:
+            start = min(offset for offset, _ in extents)
+            self._map.prefetch(start, max(offset + length for offset, length in extents) - start)
 
     def _open_dataset(self, key: str) -> tuple[h5py.h5d.DatasetID, tuple[int, ...]]:
         """The dataset of ``key`` through HDF5's low-level calls (h5py's ``File[path]`` and
@@ -629,7 +643,7 @@ class Hdf5Reader(ReaderDefaults):
                      memory_type: h5py.h5t.TypeID) -> np.ndarray:
         """The dataset's bytes into a new array, once HDF5's account of them is known to fit the file."""
         nbytes = math.prod(shape) * dtype.itemsize
-        if self._stored_plain[self._paths[key]]:
+        if self._datasets[self._paths[key]].stored_plain:
             _check_stored_size(dataset, self.name, key, nbytes)
             view = self._mapped(key, dataset, shape, dtype, nbytes)
             if view is not None:

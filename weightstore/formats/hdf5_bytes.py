@@ -242,6 +242,10 @@ class ObjectHeader(NamedTuple):
     #: a dataset whose bytes lie in this file as they are: one contiguous or compact layout, and
     #: neither a filter pipeline nor an external file list
     stored_plain: bool
+    #: ``(file offset, length)`` of a contiguous dataset's bytes as its layout message states them
+    #: (versions 3 and 4, what HDF5 has written since 1.6.3), unchecked: only for reading ahead. None
+    #: for any other layout, an older message, or storage not yet allocated.
+    extent: tuple[int, int] | None = None
 
 
 def check_root_group(read_at: ReadAt, file_size: int, base: int) -> None:
@@ -271,10 +275,14 @@ def check_object(read_at: ReadAt, file_size: int, base: int, header: int) -> Obj
 def _check_header(reader: _Bytes, base: int, header: int) -> ObjectHeader:
     kinds: set[int] = set()
     layouts: list[int] = []
+    extent = None
     for kind, body in _messages(reader, base, header):
         kinds.add(kind)
         if kind == _LAYOUT and len(body) >= 3:
             layouts.append(body[2] if body[0] < 3 else body[1])  # versions 1 and 2 keep the class third
+            if body[0] in (3, 4) and body[1] == _CONTIGUOUS and len(body) >= 18:
+                address, length = struct.unpack_from("<QQ", body, 2)
+                extent = (base + address, length) if address != _UNDEFINED else None
         elif kind == _SYMBOL_TABLE:
             if len(body) < 16:
                 raise FormatError("symbol table message is truncated")
@@ -285,7 +293,7 @@ def _check_header(reader: _Bytes, base: int, header: int) -> ObjectHeader:
     is_dataset = not is_group and _DATATYPE in kinds and _DATASPACE in kinds
     plain = (is_dataset and len(layouts) == 1 and layouts[0] in (_COMPACT, _CONTIGUOUS)
              and _FILTERS not in kinds and _EXTERNAL_FILES not in kinds)
-    return ObjectHeader(is_group, is_dataset, plain)
+    return ObjectHeader(is_group, is_dataset, plain, extent if plain else None)
 
 
 def _root_header(reader: _Bytes, base: int) -> int | None:
