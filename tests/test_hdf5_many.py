@@ -88,12 +88,18 @@ def _header_and_data_offsets(path) -> tuple[list[int], list[int]]:
     return headers, data
 
 
-def test_a_file_of_large_tensors_has_every_header_before_any_data_and_reads_back(tmp_path):
+def test_a_file_of_large_tensors_has_every_header_before_any_data_and_reads_back(tmp_path, monkeypatch):
     """Made one by one, headers lie between one tensor's data and the next, and a cold read
     streams around them; made first, the data lies in one stretch after them."""
+    from weightstore.formats.hdf5 import Hdf5Writer
+
+    made = []
+    create = Hdf5Writer._create_plain
+    monkeypatch.setattr(Hdf5Writer, "_create_plain", lambda self, *args: made.append(args[1]) or create(self, *args))
     weights = large_weights()
     path = tmp_path / "large.h5"
     ws.save(path, weights)
+    assert len(made) == len(weights)  # every header made once, as planned: none made again when its tensor came
     headers, data = _header_and_data_offsets(path)
     assert len(data) == len(weights) - 1  # all but the empty tensor have data in the file
     assert max(headers) < min(data)
@@ -144,14 +150,18 @@ def test_a_tensor_unlike_its_planned_header_is_written_as_it_is(tmp_path):
     from weightstore.manifest import TensorInfo
 
     path = str(tmp_path / "changed.h5")
-    told = [TensorInfo("a", "float32", (1024, 1024), 4 << 20), TensorInfo("b", "float32", (4,), 16)]
+    told = [TensorInfo("a", "float32", (1024, 1024), 4 << 20), TensorInfo("b", "float32", (4,), 16),
+            TensorInfo("s", "float32", (2,), 8), TensorInfo("s/x", "float32", (3,), 12)]  # s moves inside its group
+    came = {"a": np.ones((1024, 1024), np.float64), "b": np.arange(6, dtype=np.float32),
+            "s": np.arange(5, dtype=np.int16), "s/x": np.full(3, 7, np.float32)}
     writer = Hdf5Writer(path, False, lambda: told)
-    writer.add("a", "float32", np.ones((1024, 1024), np.float32))
-    writer.add("b", "float32", np.arange(6, dtype=np.float32))
+    for key, value in came.items():
+        writer.add(key, value.dtype.name, value)
     writer.commit("{}")
     with h5py.File(path, "r") as f:
-        assert np.array_equal(f["a"][()], np.ones((1024, 1024), np.float32))
-        assert np.array_equal(f["b"][()], np.arange(6, dtype=np.float32))
+        for key, value in came.items():
+            stored = f["s/__weightstore_value__" if key == "s" else key][()]
+            assert stored.dtype == value.dtype and np.array_equal(stored, value), key
 
 
 def test_many_small_tensors_round_trip_through_a_url(tmp_path):

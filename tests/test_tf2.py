@@ -448,6 +448,23 @@ def test_a_module_with_string_variables_and_unknown_dimensions_round_trips(tmp_p
     assert module.vocabulary.numpy() == b"vocab.txt"
 
 
+@pytest.mark.parametrize("suffix", [".npz", ".h5", ".safetensors"])
+def test_variables_of_unknown_shape_save_as_their_values(tmp_path, suffix):
+    """Variables handed to ``ws.save`` as they are: one of unknown rank (whose ``TensorShape``
+    refuses even to be iterated) and one of unknown dimensions are written with their values'
+    shapes, in every format, whether or not the writer lays the file out first (HDF5 of large
+    tensors does)."""
+    weights = {"unranked": tf.Variable(np.arange(600 * 600, dtype=np.float32).reshape(600, 600),
+                                       shape=tf.TensorShape(None)),
+               "rows": tf.Variable(np.ones((300, 600), np.float32), shape=[None, 600]),
+               "known": tf.Variable(np.full((400, 600), 2, np.float32))}
+    path = tmp_path / f"w{suffix}"
+    ws.save(path, weights)
+    loaded = ws.load(path)
+    for key, variable in weights.items():
+        np.testing.assert_array_equal(loaded[key], variable.numpy())
+
+
 def test_hot_reload_remembers_a_shared_variable_once_whichever_model_wrote_it(tmp_path):
     """A backbone nested in a model is one set of variables under two keys (``feat/kernel`` in
     the backbone, ``backbone/feat/kernel`` in the model): writing it through the backbone must

@@ -197,11 +197,12 @@ class _Once:
     soon as it is written keeps that to the tensors not yet written.
     """
 
-    __slots__ = ("_value", "dtype")
+    __slots__ = ("_value", "dtype", "shape")
 
     def __init__(self, value: Any):
         self._value = value
-        self.dtype = value.dtype  # checked before the write without converting (see saving.CheckedWeights)
+        # checked and planned before the write without converting (see saving.CheckedWeights)
+        self.dtype, self.shape = value.dtype, getattr(value, "shape", None)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         value, self._value = self._value, None

@@ -286,10 +286,12 @@ class Hdf5Writer:
     def _make_headers(self, planned: list[TensorInfo]) -> None:
         if not planned or sum(info.nbytes for info in planned) < _HEADERS_FIRST_FROM * len(planned):
             return
-        with _as_write_error(self._path):
-            for info in planned:
+        for info in planned:
+            try:
                 self._create_plain(*self._place(info.key), info.shape, storage_dtype(info.dtype))
-                self._made.add(info.key)
+            except _H5PY_ERRORS as exc:
+                raise _write_error(self._path, exc, info.key) from None
+            self._made.add(info.key)
 
     def add(self, key: str, dtype_name: str, data: np.ndarray) -> int:
         try:  # not _as_write_error: a generator context per tensor cost a tenth of writing 1 KB
