@@ -69,7 +69,7 @@ from weightstore.adapters.skeleton import Target, run_assign
 from weightstore.adapters.tf_staging import shares_mapped, staged_feeds
 from weightstore.errors import AssignmentError, FormatError, InvalidKeyError, SelectionError
 from weightstore.heap import give_back
-from weightstore.keys import from_tf_name
+from weightstore.keys import from_tf_name, validate_key
 from weightstore.manifest import ML_DTYPES
 from weightstore.shards import Piece
 
@@ -160,6 +160,15 @@ def _chosen(sess: Any, chosen_by: Selection) -> tuple[dict[str, str], list[_Targ
     """The selected variables of ``sess``'s graph: output key -> graph key, and their targets."""
     targets = _targets(_open_session(sess).graph)
     plan = chosen_by.choose(targets, lambda key: targets[key].trainable, "the graph")
+    for key, source in plan.items():
+        try:
+            validate_key(key)
+        except InvalidKeyError as exc:  # a '..' segment: TF allows it, a key cannot hold it
+            name = targets[source].parts[0].variable.op.name
+            why = exc.message.removeprefix("invalid key: ")
+            pattern = "/".join("[.][.]" if segment == ".." else segment for segment in key.split("/"))
+            raise InvalidKeyError(f"variable {name!r} makes no key: {why}; leave it out (exclude={pattern!r}) "
+                                  "or rename its scope") from None
     return plan, [targets[source] for source in plan.values()]
 
 
@@ -353,7 +362,7 @@ def _collect_targets(graph: tf.Graph) -> dict[str, _Target]:
         key = from_tf_name(whole_name)
         if named.setdefault(key, whole_name) != whole_name:
             raise InvalidKeyError(f"variables {named[key]!r} and {whole_name!r} both have key {key!r} "
-                                  "(empty name segments are dropped from keys)")
+                                  "(empty and '.' name segments are dropped from keys)")
         if slice_info is None:
             shaped = variable.shape.is_fully_defined()
             shape = tuple(variable.shape.as_list()) if shaped else ()

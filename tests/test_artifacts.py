@@ -102,6 +102,38 @@ def test_tf1_empty_name_segments_collapse_and_round_trip(tmp_path):
         np.testing.assert_array_equal(sess.run(kernel), np.full((2, 2), 7.0))
 
 
+def test_tf1_dot_segments_read_as_a_path_and_round_trip_through_a_file_and_a_saver_checkpoint(tmp_path):
+    """``variable_scope(".")`` names a variable ``./conv/kernel``; its key is ``conv/kernel``, in
+    the graph and in the graph's Saver checkpoint alike, so each assigns into the other."""
+    def build():
+        with v1.variable_scope("."):
+            return v1.get_variable("conv/kernel", initializer=np.arange(4, dtype=np.float32))
+
+    with tf.Graph().as_default(), v1.Session() as sess:
+        kernel = build()
+        assert kernel.op.name == "./conv/kernel"
+        sess.run(v1.global_variables_initializer())
+        assert list(tf1.export(sess)) == ["conv/kernel"]
+        prefix = v1.train.Saver().save(sess, str(tmp_path / "model.ckpt"))
+        ws.save(tmp_path / "m.npz", {"conv/kernel": np.full(4, 7.0, np.float32)})
+        assert tf1.assign(sess, tmp_path / "m.npz").assigned == ["conv/kernel"]
+        np.testing.assert_array_equal(sess.run(kernel), np.full(4, 7.0))
+        assert tf1.assign(sess, prefix).assigned == ["conv/kernel"]
+        np.testing.assert_array_equal(sess.run(kernel), np.arange(4))
+
+
+def test_tf1_a_dot_dot_segment_makes_no_key_and_export_says_how_to_leave_it_out():
+    with tf.Graph().as_default(), v1.Session() as sess:
+        with v1.variable_scope("block"), v1.variable_scope(".."):
+            v1.get_variable("w", [2])
+        v1.get_variable("b", [2])
+        sess.run(v1.global_variables_initializer())
+        with pytest.raises(InvalidKeyError, match=r"variable 'block/\.\./w' makes no key: it has a '\.\.' segment; "
+                                                  r"leave it out \(exclude='block/\[\.\]\[\.\]/w'\)"):
+            tf1.export(sess)
+        assert list(tf1.export(sess, exclude="block/[.][.]/w")) == ["b"]
+
+
 def test_tf1_names_that_collapse_to_one_key_are_an_error_naming_both():
     with tf.Graph().as_default(), v1.Session() as sess:
         v1.get_variable("a/b", [1])

@@ -41,13 +41,15 @@ _OUTPUT_SUFFIX_BEFORE_SEPARATOR = re.compile(r":\d+(?:\0|$)")
 
 
 def from_tf_name(name: str) -> str:
-    """A TensorFlow variable name as a key: empty segments dropped.
+    """A TensorFlow variable name as a key: empty and ``.`` segments dropped.
 
-    TF allows ``model_001//conv_1/kernel`` (a nested ``variable_scope("")``); a key has no
-    empty segment, so it reads ``model_001/conv_1/kernel``. Two names that collapse to one key
-    are an error wherever both appear (the TF1 adapter, TF1 checkpoints).
+    TF allows ``model_001//conv_1/kernel`` (a nested ``variable_scope("")``) and
+    ``./conv_1/kernel`` (``variable_scope(".")``); a key has neither segment, and each reads as
+    a path would, ``model_001/conv_1/kernel`` and ``conv_1/kernel``. Two names that collapse to
+    one key are an error wherever both appear (the TF1 adapter, TF1 checkpoints). A ``..``
+    segment stays: dropping it would not read as a path does, so such a name makes no key.
     """
-    return "/".join(segment for segment in name.split("/") if segment)
+    return "/".join(segment for segment in name.split("/") if segment and segment != ".")
 
 
 def validate_key(key: object) -> str:

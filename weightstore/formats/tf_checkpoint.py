@@ -511,7 +511,7 @@ class CheckpointReader(ReaderDefaults):
                 continue
             if key in self._tensors_by_key and not self.object_based:  # a//b and a/b
                 raise FormatError(f"variables {self._tensors_by_key[key].name!r} and {name!r} both read as this key "
-                                  "(empty name segments are dropped)", path=prefix, key=key)
+                                  "(empty and '.' name segments are dropped)", path=prefix, key=key)
             if key in self._tensors_by_key:  # only when the object graph disagrees with itself
                 key = name[: -len(VARIABLE_SUFFIX)]
                 if key in self._tensors_by_key:
