@@ -523,6 +523,51 @@ def plan_assign(
     return Plan(pairs, report, warning)
 
 
+def settle_tied(plan: Plan, values: ValueSource, targets: Mapping[str, TargetInfo], tied: Mapping[str, str], *,
+                strict: bool) -> None:
+    """Keys that name one variable (``tied``, as :func:`plan_assign` takes it: a dict naming a
+    variable twice, a wrapped optimizer's slots that Keras files name twice) are written once.
+    Where several of them have a value, the values must be one value, or whichever came last
+    would win for all: equal ones are written under the first key alone, and a different one
+    is mismatched (strict: refused, nothing changed). Equal means the same content digest, or,
+    where a value has none, the same bytes as the target's dtype."""
+    groups: dict[str, list[str]] = {}
+    for key in plan.pairs:
+        groups.setdefault(tied.get(key, key), []).append(key)
+    conflicts = []
+    for first, *others in (keys for keys in groups.values() if len(keys) > 1):
+        for key in others:
+            source = plan.pairs.pop(key)
+            if not _same_value(values, plan.pairs[first], source, targets[key].dtype):
+                shape = describe(values.dtype(source), values.shape(source))
+                conflicts.append(Mismatch(key, describe(targets[key].dtype, targets[key].shape), shape,
+                                          f"the same variable as {first!r}, whose value differs"))
+    refuse_before_write(conflicts, plan.report, strict=strict, where="" if values.path else values.where,
+                        path=values.path)
+
+
+def _same_value(values: ValueSource, one: str, other: str, dtype: np.dtype) -> bool:
+    digests = values.checksum(one), values.checksum(other)
+    if None not in digests:
+        return digests[0] == digests[1]
+    if values.shape(one) != values.shape(other):
+        return False
+    read = [np.ascontiguousarray(values.read(key), dtype) for key in (one, other)]
+    return bool(np.array_equal(read[0].reshape(-1).view(np.uint8), read[1].reshape(-1).view(np.uint8)))
+
+
+def refuse_before_write(conflicts: Sequence[Mismatch], report: Report, *, strict: bool, where: str,
+                        path: str | None = None) -> None:
+    """Mismatches found after planning, before any write: strict, an :class:`AssignmentError`
+    that changes nothing; else listed in ``report.mismatched``, the rest written."""
+    if conflicts and strict:
+        lines = "\n".join(f"    {mismatch}" for mismatch in conflicts)
+        on = f" {where}" if where else ""
+        raise AssignmentError(f"cannot assign{on}: nothing was changed\n  {len(conflicts)} mismatched:\n{lines}",
+                              mismatched=list(conflicts), path=path)
+    report.mismatched.extend(conflicts)
+
+
 def require_also_use(trainable_only: bool) -> None:
     """``also`` adds to what ``trainable_only`` keeps; without it every variable is kept, and an
     ``also`` that does nothing would hide a forgotten ``trainable_only`` (the ``ws`` command

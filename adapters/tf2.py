@@ -85,6 +85,7 @@ from weightstore.adapters.plan import (
     SelectionWords,
     TargetInfo,
     plan_assign,
+    settle_tied,
 )
 from weightstore.adapters.skeleton import Target, private_copy, run_assign
 from weightstore.adapters.tf_staging import staged_copy
@@ -207,7 +208,9 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
         value_keys, scope = view.keys(), normalize_scope(options.scope)  # a ValueSource: keys(), not iteration
         left_out = () if optimizer else [key for key in value_keys if _OPTIMIZER_KEY.fullmatch(key)
                                          and join_scope(scope, key) not in targets]
-        return plan_assign(view, targets, options, left_out=left_out, tied=tied), view
+        planned = plan_assign(view, targets, options, left_out=left_out, tied=tied)
+        settle_tied(planned, view, targets, tied, strict=options.strict)
+        return planned, view
 
     target = Target(targets, write, slot=lambda key: (found[key][0], ""), plan=plan, batched=True)
     try:

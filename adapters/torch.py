@@ -52,6 +52,7 @@ from weightstore.adapters.plan import (
     SelectionWords,
     TargetInfo,
     describe,
+    refuse_before_write,
 )
 from weightstore.adapters.skeleton import Target, run_assign
 from weightstore.errors import AssignmentError, InvalidKeyError, LayoutError, SelectionError, UnsupportedDTypeError
@@ -249,11 +250,7 @@ def _refuse_unwritable(pending: list, found: dict[str, torch.Tensor], report: Re
     conflicts = {key: Mismatch(key, describe(array.dtype, array.shape), describe(array.dtype, array.shape), why)
                  for key, array in pending if (why := _why_not_writable(found[key])) is not None}
     conflicts.update(_shared_memory_conflicts([entry for entry in pending if entry[0] not in conflicts], found))
-    if conflicts and strict:
-        lines = "\n".join(f"    {mismatch}" for mismatch in conflicts.values())
-        raise AssignmentError(f"cannot assign {where}: nothing was changed\n  {len(conflicts)} mismatched:\n{lines}",
-                              mismatched=list(conflicts.values()))
-    report.mismatched.extend(conflicts.values())
+    refuse_before_write(list(conflicts.values()), report, strict=strict, where=where)
     return [entry for entry in pending if entry[0] not in conflicts]
 
 

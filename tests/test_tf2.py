@@ -465,6 +465,34 @@ def test_variables_of_unknown_shape_save_as_their_values(tmp_path, suffix):
         np.testing.assert_array_equal(loaded[key], variable.numpy())
 
 
+@pytest.mark.parametrize("source", ["dict", "npz"])
+def test_a_variable_named_twice_is_written_once_and_two_different_values_for_it_are_refused(tmp_path, source):
+    """A dict naming one variable under two keys: equal values write it once; different ones
+    would leave whichever came last, so strict refuses them (nothing changed) and strict=False
+    writes the first key's value and lists the other as mismatched."""
+    shared, other = tf.Variable(np.zeros(3, np.float32)), tf.Variable(np.zeros(2, np.float32))
+    model = {"a": shared, "b": shared, "c": other}
+
+    def weights(a, b):
+        arrays = {"a": np.full(3, a, np.float32), "b": np.full(3, b, np.float32), "c": np.ones(2, np.float32)}
+        if source == "dict":
+            return arrays
+        ws.save(tmp_path / f"{a}-{b}.npz", arrays)
+        return tmp_path / f"{a}-{b}.npz"
+
+    assert tf2.assign(model, weights(4, 4)).assigned == ["a", "c"]
+    np.testing.assert_array_equal(shared.numpy(), np.full(3, 4.0))
+    other.assign(np.zeros(2, np.float32))
+    with pytest.raises(AssignmentError, match=r"nothing was changed\n  1 mismatched:\n    b: variable is float32\[3\], "
+                                              r"value is float32\[3\] \(the same variable as 'a', whose value differs\)"):
+        tf2.assign(model, weights(5, 6))
+    np.testing.assert_array_equal(shared.numpy(), np.full(3, 4.0))
+    np.testing.assert_array_equal(other.numpy(), np.zeros(2))
+    report = tf2.assign(model, weights(5, 6), strict=False)
+    assert report.assigned == ["a", "c"] and [m.key for m in report.mismatched] == ["b"]
+    np.testing.assert_array_equal(shared.numpy(), np.full(3, 5.0))
+
+
 def test_hot_reload_remembers_a_shared_variable_once_whichever_model_wrote_it(tmp_path):
     """A backbone nested in a model is one set of variables under two keys (``feat/kernel`` in
     the backbone, ``backbone/feat/kernel`` in the model): writing it through the backbone must
