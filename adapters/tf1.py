@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,9 +67,9 @@ from weightstore.adapters.plan import (
 )
 from weightstore.adapters.skeleton import Target, run_assign
 from weightstore.adapters.tf_staging import shares_mapped, staged_feeds
-from weightstore.errors import AssignmentError, FormatError, InvalidKeyError, SelectionError
+from weightstore.errors import AssignmentError, FormatError, InvalidKeyError, SelectionError, WeightStoreError
 from weightstore.heap import give_back
-from weightstore.keys import from_tf_name, validate_key
+from weightstore.keys import from_tf_name, plan_inward, validate_key
 from weightstore.manifest import ML_DTYPES
 from weightstore.shards import Piece
 
@@ -244,10 +244,12 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
 
     infos = {key: target.info for key, target in targets.items() if target.shaped}
     infos.update(_as_they_are(sess, [target for target in targets.values() if not target.shaped]))
-    model = infos if optimizer else {key: info for key, info in infos.items() if not targets[key].training}
+    empty = {key: target for key, target in targets.items() if key not in infos and (optimizer or not target.training)}
 
     def plan(values: Any, options: AssignOptions) -> tuple[Plan, Any]:
         left_out = () if optimizer else tf1_training.in_checkpoint(values.where, values.keys())
+        infos.update(_shaped_as_values(values, options, empty, left_out))  # the Target below reads infos too
+        model = infos if optimizer else {key: info for key, info in infos.items() if not targets[key].training}
         return plan_assign(values, model, options, left_out=left_out), values
 
     job = Target(infos, write, slot=lambda key: (sess, key), prepare=prepare, plan=plan, batched=True, ahead=ahead, kept=kept,
@@ -388,8 +390,9 @@ def _collect_targets(graph: tf.Graph) -> dict[str, _Target]:
 def _as_they_are(sess: Any, unshaped: list[_Target]) -> dict[str, TargetInfo]:
     """Variables of no static shape (``validate_shape=False``) as their values are now: a value
     of that shape assigns, another is refused as a mismatch (a shape change is not something an
-    assign should make silently). One that holds no value yet has no shape to pair with; it is
-    left out, as a variable the graph does not have."""
+    assign should make silently). One that holds no value yet has no shape to pair with: it
+    takes the shape of the value paired with it (:func:`_shaped_as_values`), and without one
+    it is left out, as a variable the graph does not have."""
     infos = {}
     for target in unshaped:
         try:
@@ -398,6 +401,22 @@ def _as_they_are(sess: Any, unshaped: list[_Target]) -> dict[str, TargetInfo]:
             continue
         infos[target.key] = TargetInfo(target.key, target.dtype, shape, target.trainable)
     return infos
+
+
+def _shaped_as_values(values: Any, options: AssignOptions, empty: dict[str, _Target],
+                      left_out: Collection[str]) -> dict[str, TargetInfo]:
+    """Variables of no static shape that hold no value yet, each as the value paired with it
+    would make it: any shape is theirs to take, as ``Saver.restore`` gives them one."""
+    if not empty:
+        return {}
+    keys = values.keys()  # a ValueSource: keys(), not iteration
+    try:
+        paired = plan_inward([key for key in keys if key not in left_out], scope=options.scope,
+                             mapping=options.mapping, include=options.include, exclude=options.exclude)
+    except WeightStoreError:  # words that fit no key: the plan says what is wrong with them
+        return {}
+    return {key: TargetInfo(key, target.dtype, tuple(values.shape(paired[key])), target.trainable)
+            for key, target in empty.items() if key in paired}
 
 
 def _is_variable(item: Any) -> bool:

@@ -303,6 +303,21 @@ def test_a_variable_of_no_static_shape_exports_and_assigns_as_its_value_is(tmp_p
         assert tf1.assign(sess, {"a": np.ones(2, np.float32)}, exclude="dyn").assigned == ["a"]
 
 
+@pytest.mark.parametrize("resource", [True, False], ids=["resource", "ref"])
+def test_a_variable_of_no_static_shape_that_holds_no_value_takes_the_shape_of_its_value(tmp_path, resource):
+    """As ``Saver.restore`` does: its first value may have any shape (under a scope too), and
+    from then on it is a variable of that shape."""
+    with graph_session() as (graph, sess):
+        fed = v1.placeholder(tf.float32, [None, 3])
+        dyn = v1.Variable(fed, validate_shape=False, name="member/dyn", use_resource=resource)
+        ws.save(tmp_path / "m.npz", {"dyn": np.arange(15, dtype=np.float32).reshape(5, 3)})
+        assert tf1.assign(sess, tmp_path / "m.npz", scope="member").assigned == ["member/dyn"]
+        np.testing.assert_array_equal(sess.run(dyn), np.arange(15).reshape(5, 3))
+        with pytest.raises(AssignmentError, match=r"dyn: variable is float32\[5, 3\], value is float32\[2, 3\]"):
+            tf1.assign(sess, {"member/dyn": np.zeros((2, 3), np.float32)})
+        np.testing.assert_array_equal(sess.run(dyn), np.arange(15).reshape(5, 3))
+
+
 def test_finalized_graph_and_monitored_training_session(tmp_path):
     ws.save(tmp_path / "w.npz", {"w": np.full(3, 7, np.float32), "global_step": np.int64(40)})
     with tf.Graph().as_default() as graph:
