@@ -529,8 +529,10 @@ def settle_tied(plan: Plan, values: ValueSource, targets: Mapping[str, TargetInf
     variable twice, a wrapped optimizer's slots that Keras files name twice) are written once.
     Where several of them have a value, the values must be one value, or whichever came last
     would win for all: equal ones are written under the first key alone, and a different one
-    is mismatched (strict: refused, nothing changed). Equal means the same content digest, or,
-    where a value has none, the same bytes as the target's dtype."""
+    is mismatched (strict: refused, nothing changed). Equal means the same bytes once cast to
+    the target's dtype; content digests decide without a read where both values have one."""
+    if not tied:
+        return
     groups: dict[str, list[str]] = {}
     for key in plan.pairs:
         groups.setdefault(tied.get(key, key), []).append(key)
@@ -547,12 +549,13 @@ def settle_tied(plan: Plan, values: ValueSource, targets: Mapping[str, TargetInf
 
 
 def _same_value(values: ValueSource, one: str, other: str, dtype: np.dtype) -> bool:
-    digests = values.checksum(one), values.checksum(other)
-    if None not in digests:
-        return digests[0] == digests[1]
-    if values.shape(one) != values.shape(other):
+    if tuple(values.shape(one)) != tuple(values.shape(other)):
         return False
-    read = [np.ascontiguousarray(values.read(key), dtype) for key in (one, other)]
+    digests = values.checksum(one), values.checksum(other)
+    if None not in digests and (digests[0] == digests[1] or values.dtype(one) == values.dtype(other)):
+        return digests[0] == digests[1]  # else two dtypes: equal once cast, maybe
+    with np.errstate(all="ignore"):  # a value beyond the dtype is refused later, by the range check
+        read = [np.ascontiguousarray(values.read(key), dtype) for key in (one, other)]
     return bool(np.array_equal(read[0].reshape(-1).view(np.uint8), read[1].reshape(-1).view(np.uint8)))
 
 

@@ -427,7 +427,8 @@ def _collect_with_aliases(obj: Any, optimizer: bool = False) -> tuple[dict[str, 
 def _tied(found: Mapping[str, tuple[Variable, bool]]) -> dict[str, str]:
     """Key -> the first key of the same variable, for each key that has such an earlier one: a
     mixed-precision model's inner optimizer slots, which Keras's files name twice
-    (``optimizer/vars/<i>`` and ``optimizer/inner_optimizer/vars/<j>``)."""
+    (``optimizer/vars/<i>`` and ``optimizer/inner_optimizer/vars/<j>``), or a dict naming one
+    variable twice."""
     first: dict[int, str] = {}
     return {key: first[id(var)] for key, (var, _) in found.items() if first.setdefault(id(var), key) != key}
 

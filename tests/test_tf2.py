@@ -493,6 +493,17 @@ def test_a_variable_named_twice_is_written_once_and_two_different_values_for_it_
     np.testing.assert_array_equal(shared.numpy(), np.full(3, 5.0))
 
 
+def test_a_variable_named_twice_takes_values_equal_once_cast_and_checks_their_range_once(tmp_path, recwarn):
+    shared = tf.Variable(np.zeros(3, np.float32))
+    ws.save(tmp_path / "m.npz", {"a": np.arange(3.0), "b": np.arange(3, dtype=np.float32)})
+    assert tf2.assign({"a": shared, "b": shared}, tmp_path / "m.npz", cast=True).assigned == ["a"]
+    np.testing.assert_array_equal(shared.numpy(), [0, 1, 2])
+    with pytest.raises(AssignmentError, match="beyond float32's range"):
+        tf2.assign({"a": shared, "b": shared}, {"a": np.full(3, 1e300), "b": np.full(3, 1e300)}, cast=True)
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]  # no numpy cast warning on the way
+    np.testing.assert_array_equal(shared.numpy(), [0, 1, 2])
+
+
 def test_hot_reload_remembers_a_shared_variable_once_whichever_model_wrote_it(tmp_path):
     """A backbone nested in a model is one set of variables under two keys (``feat/kernel`` in
     the backbone, ``backbone/feat/kernel`` in the model): writing it through the backbone must
