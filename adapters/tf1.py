@@ -142,7 +142,8 @@ def _piece(target: _Target, part: _Part, value: np.ndarray) -> Piece:
 
 
 #: how TF reports a variable that holds no value: a resource one, and a ref one
-_UNINITIALIZED = re.compile(r"(?:Could not find variable|Attempting to use uninitialized value) ([^\s.]+)")
+#: (a name may hold '.', as in ``block/./w``; the resource message ends its sentence with one)
+_UNINITIALIZED = re.compile(r"(?:Could not find variable|Attempting to use uninitialized value) (\S+?)\.?(?=\s|$)")
 
 
 def _fetched(sess: Any, chosen: list[_Target]) -> Iterator[Any]:
@@ -163,8 +164,10 @@ def _chosen(sess: Any, chosen_by: Selection) -> tuple[dict[str, str], list[_Targ
     for key, source in plan.items():
         try:
             validate_key(key)
-        except InvalidKeyError as exc:  # a '..' segment: TF allows it, a key cannot hold it
-            name = targets[source].parts[0].variable.op.name
+        except InvalidKeyError as exc:  # a '..' segment, a reserved or over-long one: TF allows them
+            variable = targets[source].parts[0].variable
+            slice_info = variable._get_save_slice_info()  # a partitioned variable: named as a whole
+            name = variable.op.name if slice_info is None else slice_info.full_name
             why = exc.message.removeprefix("invalid key: ")
             pattern = "/".join("[.][.]" if segment == ".." else segment for segment in key.split("/"))
             raise InvalidKeyError(f"variable {name!r} makes no key: {why}; leave it out (exclude={pattern!r}) "
@@ -415,8 +418,23 @@ def _shaped_as_values(values: Any, options: AssignOptions, empty: dict[str, _Tar
                              mapping=options.mapping, include=options.include, exclude=options.exclude)
     except WeightStoreError:  # words that fit no key: the plan says what is wrong with them
         return {}
-    return {key: TargetInfo(key, target.dtype, tuple(values.shape(paired[key])), target.trainable)
+    return {key: TargetInfo(key, target.dtype, _as_declared(target, paired[key], values), target.trainable)
             for key, target in empty.items() if key in paired}
+
+
+def _as_declared(target: _Target, value_key: str, values: Any) -> tuple[int, ...]:
+    """The shape the value gives a variable declared with a partly known shape (``[None, 3]``):
+    the value's where the declaration leaves it open, the declared one elsewhere, so a value of
+    another width is a mismatch now rather than an error inside TF when the variable is used."""
+    shape = tuple(values.shape(value_key))
+    declared = target.parts[0].variable.shape
+    if declared.rank is None:
+        return shape
+    if declared.rank != len(shape):
+        raise AssignmentError(f"cannot assign {value_key!r} of shape {list(shape)} to variable {target.key!r}, "
+                              f"declared of shape {declared} (it holds no value yet): nothing was changed",
+                              path=values.path)
+    return tuple(value if size is None else size for size, value in zip(declared.as_list(), shape, strict=True))
 
 
 def _is_variable(item: Any) -> bool:

@@ -24,7 +24,13 @@ from weightstore.adapters import tf1, tf2  # noqa: E402
 from weightstore.adapters.follower import Follower  # noqa: E402
 from weightstore.adapters.hooks import PublishHook  # noqa: E402
 from weightstore.adapters.plan import AssignWarning, Report  # noqa: E402
-from weightstore.errors import AssignmentError, FormatError, InvalidKeyError, VersionGoneError  # noqa: E402
+from weightstore.errors import (  # noqa: E402
+    AssignmentError,
+    FormatError,
+    InvalidKeyError,
+    SelectionError,
+    VersionGoneError,
+)
 
 v1 = tf.compat.v1
 
@@ -132,6 +138,21 @@ def test_tf1_a_dot_dot_segment_makes_no_key_and_export_says_how_to_leave_it_out(
                                                   r"leave it out \(exclude='block/\[\.\]\[\.\]/w'\)"):
             tf1.export(sess)
         assert list(tf1.export(sess, exclude="block/[.][.]/w")) == ["b"]
+    with tf.Graph().as_default(), v1.Session() as sess:
+        with v1.variable_scope("block"), v1.variable_scope(".."):
+            v1.get_variable("w", [4, 2], partitioner=v1.fixed_size_partitioner(2))
+        sess.run(v1.global_variables_initializer())
+        with pytest.raises(InvalidKeyError, match=r"^variable 'block/\.\./w' makes no key"):  # named whole, not a part
+            tf1.export(sess)
+
+
+def test_tf1_export_names_an_uninitialized_variable_whose_name_holds_a_dot():
+    for resource in (True, False):
+        with tf.Graph().as_default(), v1.Session() as sess:
+            with v1.variable_scope("block"), v1.variable_scope("."):
+                v1.get_variable("w", [2], use_resource=resource)
+            with pytest.raises(SelectionError, match=r"variable 'block/\./w' of the graph holds no value yet"):
+                tf1.export(sess)
 
 
 def test_tf1_names_that_collapse_to_one_key_are_an_error_naming_both():

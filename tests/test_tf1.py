@@ -318,6 +318,19 @@ def test_a_variable_of_no_static_shape_that_holds_no_value_takes_the_shape_of_it
         np.testing.assert_array_equal(sess.run(dyn), np.arange(15).reshape(5, 3))
 
 
+def test_a_variable_of_partly_known_shape_that_holds_no_value_takes_only_a_value_that_fits_it():
+    with graph_session() as (graph, sess):
+        fed = v1.placeholder(tf.float32, [None, 3])
+        dyn = v1.Variable(fed, validate_shape=False, shape=[None, 3], name="dyn", use_resource=True)
+        with pytest.raises(AssignmentError, match=r"dyn: variable is float32\[5, 3\], value is float32\[5, 4\]"):
+            tf1.assign(sess, {"dyn": np.ones((5, 4), np.float32)})
+        with pytest.raises(AssignmentError, match=r"cannot assign 'dyn' of shape \[5, 3, 1\] to variable 'dyn', "
+                                                  r"declared of shape \(None, 3\) \(it holds no value yet\)"):
+            tf1.assign(sess, {"dyn": np.ones((5, 3, 1), np.float32)})
+        assert tf1.assign(sess, {"dyn": np.ones((5, 3), np.float32)}).assigned == ["dyn"]
+        assert sess.run(dyn).shape == (5, 3)
+
+
 def test_finalized_graph_and_monitored_training_session(tmp_path):
     ws.save(tmp_path / "w.npz", {"w": np.full(3, 7, np.float32), "global_step": np.int64(40)})
     with tf.Graph().as_default() as graph:
