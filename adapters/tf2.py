@@ -147,9 +147,8 @@ def selected(obj: Any, *, optimizer: bool = False, **selection: Unpack[Selection
     """Key -> variable for exactly what :func:`export` reads with the same words (for snapshots)."""
     chosen_by = Selection(**selection)
     found = _collect(obj, optimizer)
-    if chosen_by.scope:  # a part's own keys, as tf2.export(part) gives them: what assigns into any instance of it
-        own = {key: own for own, key in _part_keys(obj, normalize_scope(chosen_by.scope), found).items()}
-        found = {own.get(key, key): value for key, value in found.items()}
+    # under a scope, a part's own keys, as tf2.export(part) gives them: what assigns into any instance of it
+    found, _ = _keyed_as_part(obj, normalize_scope(chosen_by.scope), found, {})
     plan = chosen_by.choose(found, lambda key: found[key][1], _describe(obj))
     once = _tied(found)  # a variable under two keys (a wrapped optimizer's slots) is exported under its first
     chosen = {new: found[old][0] for new, old in plan.items() if old not in once}
@@ -186,10 +185,12 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
     if not found and isinstance(obj, keras.layers.Layer) and not obj.built:
         raise AssignmentError(f"cannot assign into {_describe(obj)}: it is not built, so it has no variables yet; "
                               "build it first (call it on a batch of inputs, or model.build(input_shape))")
+    options = AssignOptions(**words)
+    at = normalize_scope(options.scope)
+    found, aliases = _keyed_as_part(obj, at, found, aliases)
     targets = {
         key: TargetInfo(key, _numpy_dtype(var), _shape(var), trainable) for key, (var, trainable) in found.items()
     }
-    options = AssignOptions(**words)
 
     written: set[int] = set()
 
@@ -198,8 +199,6 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
         written.update(id(found[key][0]) for key, _ in batch)
         return [key for key, _ in batch]
 
-    at = normalize_scope(options.scope)
-    aliases.update(_part_keys(obj, at, found))
     tied = _tied(found)  # a value under either key of a variable is its value: a file may hold one or both
 
     def plan(values: Any, options: AssignOptions) -> tuple[Plan, Any]:
@@ -286,6 +285,21 @@ def _part_keys(obj: Any, scope: str, found: Mapping[str, tuple[Variable, bool]])
     full = {id(var): key for key, (var, _) in found.items()}
     return {join_scope(scope, key): full[id(var)] for key, (var, _) in _collect(part).items()
             if id(var) in full and join_scope(scope, key) != full[id(var)]}
+
+
+def _keyed_as_part(obj: Any, scope: str, found: dict[str, tuple[Variable, bool]],
+                   aliases: dict[str, str]) -> tuple[dict[str, tuple[Variable, bool]], dict[str, str]]:
+    """For an assign under ``scope``: the part's variables keyed as the part keys its own (under
+    the scope), as :func:`export` with ``scope`` keys them, so ``include``, ``exclude`` and
+    ``also`` pick the same variables in both; a value named by the whole model's key (relative
+    to the scope) still pairs, as an alias."""
+    own = _part_keys(obj, scope, found)  # the part's own key -> the whole model's, where they differ
+    if not own:
+        return found, aliases
+    rekey = {whole: part for part, whole in own.items()}
+    aliases = {old: rekey.get(new, new) for old, new in aliases.items()}
+    aliases.update(rekey)
+    return {rekey.get(key, key): entry for key, entry in found.items()}, aliases
 
 
 def _keras_layout_renamed(values: Any, obj: Any, found: Mapping[str, tuple[Variable, bool]],

@@ -289,6 +289,35 @@ def test_one_member_of_an_ensemble_assigns_into_another_by_scope():
         np.testing.assert_array_equal(value, tf2.export(members[0])[key] + 1)
 
 
+@pytest.mark.parametrize("source", ["npz", "weights.h5"])
+def test_selection_words_under_a_scope_name_the_members_own_keys_in_assign_as_in_export(tmp_path, source):
+    """``exclude``, ``include`` and ``also`` under ``scope`` pick the member's variables by the
+    keys ``tf2.export(ensemble, scope=member)`` gives them, whatever the ensemble numbers them."""
+    ensemble, members = ensemble_of_two()
+    path = tmp_path / f"member.{source}"
+    lone = holding_a_model()
+    for var in lone.weights:
+        var.assign(RNG.normal(size=var.shape).astype("float32"))
+    if source == "npz":
+        ws.save(path, tf2.export(lone))
+    else:
+        lone.save_weights(path)
+    own = tf2.export(ensemble, scope="member_1")
+    kept = "dense_2/kernel"
+    assert kept in own and f"member_1/{kept}" not in tf2.keys(ensemble)  # the ensemble numbers it dense_5
+    before = tf2.export(ensemble, scope="member_1")
+    report = tf2.assign(ensemble, path, scope="member_1", exclude=kept)
+    assert report.ok and f"member_1/{kept}" not in report.assigned and len(report.assigned) == len(own) - 1
+    after = tf2.export(ensemble, scope="member_1")
+    np.testing.assert_array_equal(after[kept], before[kept])  # excluded: as it was
+    np.testing.assert_array_equal(after["dense_2/bias"], tf2.export(lone)["dense_2/bias"])
+    assert tf2.assign(ensemble, path, scope="member_1", include=kept).assigned == [f"member_1/{kept}"]
+    np.testing.assert_array_equal(tf2.export(ensemble, scope="member_1")[kept], tf2.export(lone)[kept])
+    assert (sorted(tf2.export(ensemble, scope="member_1", include=kept))
+            == sorted(key.removeprefix("member_1/") for key in tf2.assign(ensemble, path, scope="member_1",
+                                                                         include=kept).assigned))
+
+
 def test_one_member_exported_by_scope_has_its_own_keys_and_assigns_into_a_lone_instance():
     ensemble, members = ensemble_of_two()
     for member in members:
