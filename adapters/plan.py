@@ -402,10 +402,11 @@ def out_of_range(array: np.ndarray, dtype: np.dtype) -> str:
     ``cast=True`` accepts rounding (float64 to float32, float to int), but numpy's cast turns
     a value beyond the target's range into inf, or wraps an integer around, without a word: the
     variable would silently hold other numbers than the file. A complex value may lose its
-    imaginary part only where that is zero.
+    imaginary part only where that is zero. A bool takes 0 and 1 alone: numpy's cast makes any
+    other number True, NaN and 0.3 included.
     """
     target = np.dtype(dtype)
-    if array.size == 0 or target.kind == "b" or widens(array.dtype, target):
+    if array.size == 0 or widens(array.dtype, target):
         return ""
     if array.dtype.kind == "c":
         if target.kind != "c":
@@ -414,6 +415,9 @@ def out_of_range(array: np.ndarray, dtype: np.dtype) -> str:
         return out_of_range(array.view(array.real.dtype), np.dtype(f"f{target.itemsize // 2}"))  # both parts
     if array.dtype.kind == "V":  # an ml_dtypes type (bfloat16, float8, int4), reduced as a numpy one
         array = array.astype(np.int64 if _is_integer(array.dtype) else np.float64)
+    if target.kind == "b":
+        other = array[(array != 0) & (array != 1)]
+        return f"holds {other.flat[0].item():g}, which bool cannot hold (only 0 and 1)" if other.size else ""
     integer = _is_integer(target)
     smallest, largest = np.min(array).item(), np.max(array).item()  # NaN, if any, comes out as NaN
     if array.dtype.kind == "f" and not (math.isfinite(smallest) and math.isfinite(largest)):

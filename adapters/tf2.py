@@ -56,6 +56,7 @@ of their own, get ``assign``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 from collections.abc import Iterable, Iterator, Mapping
@@ -240,9 +241,13 @@ def forget(obj: Any) -> None:
     """Forget what ``obj``'s variables last received, so the next assign writes them all (no skips).
 
     Call it after they were changed outside weightstore (training, ``var.assign``, restores):
-    hot reload would otherwise trust the old checksums. Accepts what :func:`assign` accepts.
+    hot reload would otherwise trust the old checksums. Accepts what :func:`assign` accepts. A
+    Keras model's optimizer state is forgotten too: training changed it with the weights.
     """
-    for var in variables(obj).values():
+    found = variables(obj)
+    with contextlib.suppress(SelectionError):  # no built optimizer: nothing of it was remembered
+        found.update(_optimizer_variables(obj))
+    for var in found.values():
         MEMORY.forget(var)
 
 

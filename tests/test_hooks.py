@@ -376,6 +376,29 @@ def test_tf2_forget_after_the_variables_were_changed(tmp_path):
     assert sorted(report.assigned) == [k for k in keys if k.startswith("out/")]
 
 
+def test_tf2_forget_forgets_the_optimizer_state_training_changed_too(tmp_path):
+    def compiled() -> keras.Model:
+        model = small_model()
+        model.compile(optimizer="adam", loss="mse")
+        model.optimizer.build(model.trainable_variables)
+        return model
+
+    x, y = np.ones((8, 3), np.float32), np.zeros((8, 1), np.float32)
+    source = compiled()
+    source.fit(x, y, verbose=0)
+    version = ws.publish(tmp_path, tf2.export(source, optimizer=True), step=1)
+    model = compiled()
+    tf2.assign(model, version, optimizer=True)
+    model.fit(x, y, verbose=0)  # moves the weights, the step and Adam's slots
+    tf2.forget(model)
+    report = tf2.assign(model, version, optimizer=True)
+    assert report.skipped == [] and len(report.assigned) == len(tf2.keys(model, optimizer=True))
+    assert int(model.optimizer.iterations.numpy()) == int(source.optimizer.iterations.numpy()) == 1
+    exported = tf2.export(model, optimizer=True)
+    for key, value in tf2.export(source, optimizer=True).items():
+        np.testing.assert_array_equal(exported[key], value)
+
+
 def test_follower_error_from_a_damaged_folder_clears_once_it_reads_cleanly(tmp_path):
     model = small_model()
     ws.publish(tmp_path, step_weights(model, 1), step=1)

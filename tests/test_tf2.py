@@ -247,20 +247,26 @@ def test_cast_rules():
     ("counter", np.array([1.0, np.nan]), "NaN, which int32 cannot hold"),
     ("counter", np.array([1, 2**40]), "1099511627776, beyond int32's range"),
     ("kernel", np.array([1 + 2j, 0]), "imaginary part"),
-], ids=["overflow", "nan-to-int", "wraparound", "complex"])
+    ("flag", np.array([0.3, 1.0]), r"holds 0.3, which bool cannot hold \(only 0 and 1\)"),
+    ("flag", np.array([np.nan, 1.0]), "holds nan, which bool cannot hold"),
+    ("flag", np.array([0, 256]), "holds 256, which bool cannot hold"),
+], ids=["overflow", "nan-to-int", "wraparound", "complex", "fraction-to-bool", "nan-to-bool", "int-to-bool"])
 def test_cast_refuses_values_out_of_range(tmp_path, target, value, match):
     """A Keras model keeps its weights when cast=True would have turned a value into another."""
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)])
     before = [w.copy() for w in model.get_weights()]
     counter = tf.Variable(tf.zeros(2, tf.int32))
-    holder = {"kernel": model.layers[0].kernel, "counter": counter}
-    weights = {"kernel": np.ones((2, 2)), "counter": np.array([1, 2])}
+    flag = tf.Variable(tf.zeros(2, tf.bool))
+    holder = {"kernel": model.layers[0].kernel, "counter": counter, "flag": flag}
+    weights = {"kernel": np.ones((2, 2)), "counter": np.array([1, 2]), "flag": np.array([1.0, 0.0])}
     weights[target] = np.resize(value, holder[target].shape)
     ws.save(tmp_path / "w.npz", weights)
     with pytest.raises(AssignmentError, match=match):
         tf2.assign(holder, tmp_path / "w.npz", cast=True)
     assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), before, strict=True))
-    assert counter.numpy().tolist() == [0, 0]
+    assert counter.numpy().tolist() == [0, 0] and flag.numpy().tolist() == [False, False]
+    tf2.assign(holder, {"flag": np.array([1.0, 0.0])}, include="flag", cast=True)  # 0 and 1: truth values
+    assert flag.numpy().tolist() == [True, False]
 
 
 # --- trainable_only, optimizer -----------------------------------------------------------
