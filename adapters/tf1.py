@@ -115,6 +115,7 @@ def export(sess: Any, **selection: Unpack[SelectionWords]) -> dict[str, np.ndarr
     statistics). Only the variables' own read tensors are fetched: no update runs, nothing
     needs feeding, and the graph gains no op.
     """
+    sess = _open_session(sess)
     plan, chosen = _chosen(sess, Selection(**selection))
     fetched = _fetched(sess, chosen)
     return {key: _stitch(target, fetched) for key, target in zip(plan, chosen, strict=True)}
@@ -128,6 +129,7 @@ def export_pieces(sess: Any, **selection: Unpack[SelectionWords]) -> dict[str, l
     What :func:`weightstore.publish_shard` takes: each rank publishes the pieces it holds (a
     parameter server's parts, say), and the committed version reads back in any partitioning.
     """
+    sess = _open_session(sess)
     plan, chosen = _chosen(sess, Selection(**selection))
     fetched = _fetched(sess, chosen)
     return {key: [_piece(target, part, np.asarray(next(fetched))) for part in target.parts]
@@ -158,8 +160,8 @@ def _fetched(sess: Any, chosen: list[_Target]) -> Iterator[Any]:
 
 
 def _chosen(sess: Any, chosen_by: Selection) -> tuple[dict[str, str], list[_Target]]:
-    """The selected variables of ``sess``'s graph: output key -> graph key, and their targets."""
-    targets = _targets(_open_session(sess).graph)
+    """The selected variables of ``sess``'s graph (an open session): output key -> graph key, and their targets."""
+    targets = _targets(sess.graph)
     plan = chosen_by.choose(targets, lambda key: targets[key].trainable, "the graph")
     for key, source in plan.items():
         try:
@@ -197,7 +199,8 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
     ``skip_unchanged=False``), or a version with the old bytes is skipped and the variable keeps
     the other value.
     """
-    graph = _open_session(sess).graph
+    sess = _open_session(sess)
+    graph = sess.graph
     targets = _targets(graph)
     options = AssignOptions(**words)
     # The parts hot reload keeps, filled by run_assign for the Target below. The closures hold this
@@ -317,14 +320,23 @@ def _on_cpu(sess: Any, variable: tf.Variable) -> bool:
 
 
 def _open_session(sess: Any) -> Any:
-    """``sess``, checked before anything is planned: a session (or a wrapper of one, such as a
-    ``MonitoredSession``), and not closed, which TensorFlow would say only at the first write."""
+    """``sess``, checked before anything is planned: a session (or a wrapper of one), and not
+    closed, which TensorFlow would say only at the first write. Of a ``MonitoredSession``, the
+    session it wraps: its own ``run`` runs every hook's fetches too (a ``NanTensorHook``'s loss,
+    which needs the training step's feeds), and reading or writing variables is no step."""
     if not (hasattr(sess, "graph") and callable(getattr(sess, "run", None))):
         raise TypeError(f"expected a tf.compat.v1.Session (or a session wrapper with .graph and .run), "
                         f"not {type(sess).__name__}")
-    if getattr(sess, "_closed", False):
+    if getattr(sess, "_closed", False) or sess.graph is None:  # a closed MonitoredSession has no graph
         raise ValueError("the session is closed: pass an open one (the graph's variables live in a session)")
+    if callable(getattr(sess, "run_step_fn", None)):
+        sess = sess.run_step_fn(_wrapped)
     return sess
+
+
+def _wrapped(step_context: Any) -> Any:
+    """The session a ``MonitoredSession`` wraps (``run_step_fn`` passes it; TF requires the name)."""
+    return step_context.session
 
 
 def forget(sess: Any) -> None:
@@ -333,7 +345,7 @@ def forget(sess: Any) -> None:
     Call it after the session's variables were changed outside weightstore (initializers,
     training, ``Saver.restore``): hot reload would otherwise trust the old checksums.
     """
-    MEMORY.forget(sess)
+    MEMORY.forget(_open_session(sess))
 
 
 def _targets(graph: tf.Graph) -> dict[str, _Target]:

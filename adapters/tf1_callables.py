@@ -15,8 +15,9 @@ The handles are the session's own (the C API's integers), held in a table on the
 nothing here keeps a session alive: TF's Python wrapper for callables holds its session, and a
 table of those on the session would make a cycle that frees a dropped session, and all its
 variables, only at the next garbage collection. A session whose graph cannot be compiled this
-way, or a session of another kind (a ``MonitoredSession``, which runs hooks), gets
-``session.run``, which also reports any error.
+way, or a session of another kind (a wrapper of one, whose run may do more), gets
+``session.run``, which also reports any error. A ``MonitoredSession`` comes unwrapped
+(``tf1._open_session``): its own run would run the hooks too.
 """
 
 from __future__ import annotations

@@ -348,6 +348,32 @@ def test_finalized_graph_and_monitored_training_session(tmp_path):
             np.testing.assert_array_equal(exported["w"], [7, 7, 7])
 
 
+def test_a_monitored_session_with_hooks_exports_and_assigns_without_running_them(tmp_path):
+    """A hook's fetches run on each ``MonitoredSession.run``: a ``NanTensorHook`` on a loss fed by
+    a placeholder would need the training step's feeds, and a counting hook would count reads."""
+    with tf.Graph().as_default():
+        v1.train.create_global_step()
+        x = v1.placeholder(tf.float32, [None, 3])
+        w = v1.get_variable("w", [3, 1])
+        loss = tf.reduce_mean(tf.matmul(x, w) ** 2)
+        train = v1.train.GradientDescentOptimizer(0.1).minimize(loss, global_step=v1.train.get_global_step())
+        hooks = [v1.train.NanTensorHook(loss)]
+        with v1.train.MonitoredTrainingSession(hooks=hooks) as sess:
+            sess.run(train, {x: np.ones((2, 3), np.float32)})
+            exported = tf1.export(sess)
+            assert exported["global_step"] == 1 and exported["w"].shape == (3, 1)
+            ws.save(tmp_path / "w.npz", {"w": np.full((3, 1), 3, np.float32)})
+            assert tf1.assign(sess, tmp_path / "w.npz").assigned == ["w"]
+            assert tf1.assign(sess, ws.publish(tmp_path / "run", {"w": np.full((3, 1), 2, np.float32)}, step=1)
+                              ).assigned == ["w"]
+            assert tf1.assign(sess, ws.latest(tmp_path / "run")).skipped == ["w"]  # remembered across calls
+            tf1.forget(sess)
+            assert tf1.assign(sess, ws.latest(tmp_path / "run")).assigned == ["w"]
+            np.testing.assert_array_equal(tf1.export(sess)["w"], np.full((3, 1), 2))
+        with pytest.raises(ValueError, match="the session is closed"):
+            tf1.export(sess)
+
+
 def test_trainable_only():
     with graph_session() as (_, sess):
         w = v1.get_variable("layer/w", [2], initializer=v1.zeros_initializer())
