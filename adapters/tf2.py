@@ -59,7 +59,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from typing import Any, Union
 
 import numpy as np
@@ -521,9 +521,12 @@ class _Naming:
     """
 
     def __init__(self, root: Any):
+        layers = _keras_layers(root)
+        self._copies = {id(copy) for layer in layers if isinstance(layer, keras.layers.Bidirectional)
+                        for copy in (layer.forward_layer, layer.backward_layer)}
         numbers: dict[str, set[int]] = {}
-        for layer in _keras_layers(root):
-            parsed = _automatic(layer)
+        for layer in layers:
+            parsed = _automatic(layer, self._copies)
             if parsed is not None:
                 numbers.setdefault(parsed[1], set()).add(parsed[2])
         self._rank = {base: {n: i for i, n in enumerate(sorted(found))} for base, found in numbers.items()}
@@ -531,7 +534,7 @@ class _Naming:
     def segments(self, children: list[keras.layers.Layer]) -> list[str]:
         names = []
         for child in children:
-            parsed = _automatic(child)
+            parsed = _automatic(child, self._copies)
             if parsed is None:
                 names.append(child.name)
                 continue
@@ -543,11 +546,13 @@ class _Naming:
         return _segments((name, name) for name in names)  # siblings sharing a name (subclassed models): _1, _2…
 
 
-def _automatic(layer: keras.layers.Layer) -> tuple[str, str, int] | None:
-    """``(prefix, base, n)`` for a name Keras made up (``dense_3``, ``forward_lstm``), else None."""
+def _automatic(layer: keras.layers.Layer, copies: Collection[int]) -> tuple[str, str, int] | None:
+    """``(prefix, base, n)`` for a name Keras made up (``dense_3``; ``forward_lstm`` for one of
+    the ``copies`` a ``Bidirectional`` makes, by ``id``), else None: a ``forward_dense`` of the
+    user's own is a name the user chose."""
     base = _snake_case(type(layer).__name__)
     match = re.fullmatch(rf"(forward_|backward_)?{re.escape(base)}(?:_(\d+))?", layer.name)
-    if match is None:
+    if match is None or (match.group(1) and id(layer) not in copies):
         return None
     return match.group(1) or "", base, int(match.group(2) or 0)
 

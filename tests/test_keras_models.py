@@ -217,6 +217,18 @@ def test_wrappers_key_their_copies_without_instance_numbers():
     assert tf2.keys(time_distributed()) == ["time_distributed/dense/kernel", "time_distributed/dense/bias"]
 
 
+def test_a_chosen_name_that_looks_like_a_wrappers_copy_is_kept_and_numbers_nothing(tmp_path):
+    """``forward_dense`` chosen by the user is no ``Bidirectional`` copy: it must not count as an
+    automatic ``dense``, or every later instance's automatic Dense is keyed ``dense_1``."""
+    def net() -> keras.Model:
+        return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="forward_dense"), keras.layers.Dense(2)])
+
+    first, second = net(), net()
+    assert tf2.keys(first) == tf2.keys(second) == ["forward_dense/kernel", "forward_dense/bias",
+                                                   "dense/kernel", "dense/bias"]
+    assert tf2.assign(first, tf2.export(second)).ok
+
+
 FIRST_IN_PROCESS = """
 import json, keras
 from tests.test_keras_models import ARCHITECTURES
