@@ -522,7 +522,8 @@ def plan_assign(
                      note=getattr(values, "missing_note", ""), renamed=renamed),
             missing=report.missing, unexpected=report.unexpected, mismatched=report.mismatched, path=values.path,
         )
-    warning = (_few_assigned(values.where, len(pairs), chosen, value_keys, renamed) if len(pairs) * 2 < len(chosen)
+    warning = (_few_assigned(values.where, len(pairs), chosen, value_keys, renamed, report.mismatched)
+               if len(pairs) * 2 < len(chosen)
                else "")
     return Plan(pairs, report, warning)
 
@@ -590,13 +591,16 @@ def keeps(key: str, trainable: bool, trainable_only: bool, also: Patterns) -> bo
 
 
 def _few_assigned(where: str, paired: int, targets: Mapping[str, TargetInfo], values: Mapping[str, str],
-                  renamed: bool) -> str:
-    """Why most variables stayed as they were, saying so when file and model barely fit each other."""
+                  renamed: bool, mismatched: Sequence[Mismatch]) -> str:
+    """Why most variables stayed as they were, saying so when file and model barely fit each
+    other: their keys do not pair, or (most of them shapes alike) their dtypes differ."""
     common = sum(1 for key in values if key in targets)
     text = (f"assigning {where} (strict=False) left {len(targets) - paired} of {len(targets)} variables as they "
             f"were; {paired} of {len(values)} values fit a variable ({common} share a key with one)")
     if paired * 2 < min(len(targets), len(values)):
-        text += f": {_apart(values, targets, renamed)}"
+        dtypes_only = sum(1 for mismatch in mismatched if mismatch.target and mismatch.reason != "shapes differ")
+        text += (": most keys pair, but their dtypes differ (report.mismatched lists each; cast=True converts them)"
+                 if dtypes_only * 2 >= min(len(targets), len(values)) else f": {_apart(values, targets, renamed)}")
     return text
 
 

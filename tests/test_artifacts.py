@@ -313,6 +313,16 @@ def test_not_strict_warns_when_file_and_model_look_like_different_architectures(
     assert len(report.assigned) == 2
 
 
+def test_not_strict_says_when_the_keys_pair_and_only_the_dtypes_differ():
+    holder = {name: tf.Variable(np.zeros(3, np.float16)) for name in "abcd"}
+    values = {name: np.ones(3, np.float32) for name in "abcd"}
+    values["a"] = np.ones(3, np.float16)
+    with pytest.warns(AssignWarning, match=r"1 of 4 values fit a variable \(4 share a key with one\): most keys pair, "
+                                           r"but their dtypes differ \(report.mismatched lists each; cast=True"):
+        report = tf2.assign(holder, values, strict=False)
+    assert report.assigned == ["a"] and len(report.mismatched) == 3
+
+
 def test_assigning_into_an_unbuilt_model_says_to_build_it(tmp_path):
     model = Subclassed()
     with pytest.raises(AssignmentError, match=r"not built.*call it on a batch of inputs, or model.build"):
