@@ -24,6 +24,7 @@ from weightstore.cli.render import counted, track, working
 from weightstore.cli.sources import Source
 from weightstore.errors import (
     FormatError,
+    InvalidKeyError,
     SelectionError,
     StoreExistsError,
     StoreNotFoundError,
@@ -34,7 +35,7 @@ from weightstore.errors import (
 from weightstore.formats import format_for_suffix, known_suffixes, sniff
 from weightstore.io.location import is_url
 from weightstore.keys import MappingRules, Patterns, plan_inward, validate_key
-from weightstore.names import TORCH, WRITE_NAMINGS, check_naming, torch_keys
+from weightstore.names import TORCH, WRITE_NAMINGS, check_naming, torch_keys, torch_name_of_key
 from weightstore.saving import output_format
 
 _SHOWN = 5  # colliding keys named in an error; the rest are counted
@@ -197,11 +198,23 @@ def import_(source: Source, target: str, *, scope: str | None, mapping: MappingR
         return Written(target, "store", len(weights), sum(a.nbytes for a in weights.values()))
     with old:
         _refuse_clashes(target, old.keys(), plan, overwrite)
+        names = _naming_of(old)
         merged = {key: old[key] for key in old if key not in plan}
         weights = read(source, plan, "importing")
         with counted({**merged, **weights}, f"writing {target}") as values:
-            weightstore.save(target, values, metadata=old.metadata)
+            weightstore.save(target, values, metadata=old.metadata, names=names)
     return Written(target, "store", len(weights), sum(a.nbytes for a in weights.values()))
+
+
+def _naming_of(store: weightstore.Store) -> str | None:
+    """``torch`` for a store whose file names its tensors as a ``state_dict`` does
+    (``features.0.weight``, read as the key ``features/0/weight``): merged into, it keeps them
+    so, or ``load_state_dict`` would no longer find them."""
+    stored = store.stored_names()
+    try:
+        return TORCH if stored and all(stored.get(key, key) == torch_name_of_key(key) for key in store) else None
+    except InvalidKeyError:  # a key no torch name spells: the file did not name them all so
+        return None
 
 
 def _import_into_checkpoint(source: Source, target: str, plan: Mapping[str, str], overwrite: bool) -> Written:

@@ -199,6 +199,26 @@ def test_import_into_stores_creates_merges_and_refuses_collisions(store, tmp_pat
     assert len(ws.load(target)) == 5
 
 
+@pytest.mark.parametrize("written_by", ["safetensors", "weightstore"])
+def test_import_into_a_safetensors_file_named_as_a_state_dict_keeps_its_names(tmp_path, written_by):
+    """A fix merged into a PyTorch-named file leaves it loadable by ``load_state_dict``: the file's
+    names stay ``features.0.weight``, not the keys ``features/0/weight`` they read as."""
+    from safetensors.numpy import load_file, save_file
+
+    target = tmp_path / "model.safetensors"
+    weights = {"features.0.weight": np.ones((2, 2), np.float32), "features.0.bias": np.zeros(2, np.float32)}
+    if written_by == "safetensors":
+        save_file(weights, str(target))
+    else:
+        ws.save(target, {name.replace(".", "/"): value for name, value in weights.items()}, names="torch")
+    ws.save(tmp_path / "fix.npz", {"features/0/bias": np.full(2, 5, np.float32)})
+    assert run("import", tmp_path / "fix.npz", "--into", target, "--overwrite").exit_code == 0
+    written = load_file(str(target))
+    assert sorted(written) == ["features.0.bias", "features.0.weight"]
+    np.testing.assert_array_equal(written["features.0.bias"], [5, 5])
+    np.testing.assert_array_equal(written["features.0.weight"], np.ones((2, 2)))
+
+
 @pytest.mark.parametrize("name, meant", [("w.npzz", "w.npz"), ("w.safetensor", "w.safetensors"),
                                          ("w.npy", "w.npz"), ("w.H55", "w.h5")])
 def test_import_into_a_misspelt_store_suffix_is_refused_not_made_a_checkpoint(store, tmp_path, name, meant):

@@ -77,6 +77,12 @@ class Store(Mapping):
         """Every key, in the file's order."""
         return list(self._keys)
 
+    def stored_names(self) -> dict[str, str]:
+        """Key -> the name the file stores it under, where the two differ: a safetensors file
+        named as a PyTorch ``state_dict`` is (``features/0/weight`` stored as ``features.0.weight``).
+        Rewriting the file keeps its names with ``save(..., names="torch")``."""
+        return dict(getattr(self._reader, "stored_names", {}))
+
     def info(self, key: str) -> TensorInfo:
         """A tensor's dtype, shape, size and checksum, from the index: no tensor bytes are read."""
         try:

@@ -74,6 +74,12 @@ class RenamedReader:
     def keys(self) -> list[str]:
         return list(self._name_of)
 
+    @property
+    def stored_names(self) -> dict[str, str]:
+        """Key -> the file's name for it, where the two differ."""
+        inner = getattr(self._reader, "stored_names", {})
+        return {key: stored for key, name in self._name_of.items() if (stored := inner.get(name, name)) != key}
+
     def info(self, key: str) -> TensorInfo:
         return self._reader.info(self._name(key))._replace(key=key)
 

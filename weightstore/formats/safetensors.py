@@ -300,6 +300,8 @@ class SafetensorsReader(ReaderDefaults):
         manifest_text = metadata.get(MANIFEST_KEY)
         manifest = self._parse_manifest(manifest_text) if manifest_text is not None else None
         self.has_checksums = manifest is not None
+        #: key -> the header's name for it, where the two differ (a file written with ``names="torch"``)
+        self.stored_names: dict[str, str] = {}
         if manifest is None:
             with naming(path=self.name):
                 names = foreign_keys(((name, name) for name in sorted(self._tensors)), "tensor")
@@ -313,6 +315,7 @@ class SafetensorsReader(ReaderDefaults):
         else:
             self._check_manifest(manifest)
             self._by_key = {key: self._tensors[manifest.locations.get(key, key)] for key in manifest.tensors}
+            self.stored_names = {key: name for key, name in manifest.locations.items() if name != key}
             self._infos = manifest.tensors
             self.metadata = manifest.metadata
             self.created = manifest.created
