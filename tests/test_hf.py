@@ -147,6 +147,13 @@ def test_max_shard_size_is_checked_before_anything_is_written(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("name", ["model.npz", "model.h5", "model.safetensors"])
+def test_max_shard_size_refuses_a_file_name_rather_than_make_a_folder_of_it(tmp_path, name):
+    with pytest.raises(ws.TargetError, match=r"name the folder \(model/\) or its index"):
+        ws.save(tmp_path / name, weights(), max_shard_size="1KB")
+    assert not (tmp_path / name).exists()
+
+
 def test_max_shard_size_in_bytes_may_say_B(tmp_path):
     """"give a positive number of bytes" is what a refusal says: "900B" is one, as "900" is."""
     source = tmp_path / "m.npz"
