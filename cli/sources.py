@@ -14,7 +14,7 @@ from pathlib import Path
 
 import weightstore
 from weightstore.adapters import checkpoints
-from weightstore.errors import FormatError, StoreNotFoundError
+from weightstore.errors import FormatError, StoreNotFoundError, named
 from weightstore.formats import keras_file
 from weightstore.formats.tf_checkpoint import KIND_TF2, resolve_prefix
 from weightstore.io.location import is_url
@@ -82,9 +82,27 @@ def open_keyed_like_model(path: str | os.PathLike, model_file: str | os.PathLike
     with checkpoints.quietly():
         from weightstore.adapters import artifacts, keras_config, tf2
     model = keras_config.model_from_archive(model_text)
-    keyed = Source(artifacts.for_model(model, prefix or text, tf2.variables(model)))
+    variables = tf2.variables(model)
+    keyed = Source(artifacts.for_model(model, prefix or text, variables))
+    try:
+        _refuse_misfit(keyed, {key: tuple(var.shape) for key, var in variables.items()}, model_text)
+    except BaseException:
+        keyed.close()
+        raise
     keyed.kind, keyed.keyed_like = kind, model_text
     return keyed
+
+
+def _refuse_misfit(keyed: Store, shapes: dict[str, tuple[int, ...]], model_text: str) -> None:
+    """Weights of another architecture come out half renamed and of other shapes: what a file
+    keyed like a model holds must be that model's variables, each of its shape (``tf2.assign``
+    refuses the same, naming each key)."""
+    stray = [key for key in keyed if key not in shapes]
+    reshaped = [key for key in keyed if key in shapes and tuple(keyed.info(key).shape) != shapes[key]]
+    if stray or reshaped:
+        problems = ([f"{len(stray)} tensors the model has no variable for ({named(stray)})"] if stray else []) + (
+            [f"{len(reshaped)} of another shape than the model's ({named(reshaped)})"] if reshaped else [])
+        raise FormatError(f"does not fit the model of {model_text}: {'; '.join(problems)}", path=keyed.path)
 
 
 def _store_kind(store: Store) -> str:

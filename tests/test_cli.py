@@ -942,6 +942,14 @@ def test_export_keyed_like_a_model_refuses_what_it_cannot_pair(made, store, tmp_
                    "is a TF1 checkpoint; only Keras files and TF2 object-based checkpoints")
     one_error_line(run("export", made["root"] / "model.weights.h5", "-o", out, "--model", store),
                    f"{store}: is not a .keras file; the model's architecture comes from the config.json of one")
+    other = keras.Sequential([keras.Input((5, 5, 1)), keras.layers.Conv2D(2, 3), keras.layers.Flatten(),
+                              keras.layers.Dense(2)])
+    other.save_weights(tmp_path / "other.weights.h5")
+    for command in (["export", tmp_path / "other.weights.h5", "-o", out],
+                    ["convert", tmp_path / "other.weights.h5", out]):
+        one_error_line(run(*command, "--model", made["root"] / "model.keras"),
+                       f"other.weights.h5: does not fit the model of {made['root'] / 'model.keras'}: 2 tensors the "
+                       "model has no variable for ('layers/conv2d/vars/0', 'layers/conv2d/vars/1')")
     assert not out.exists()
 
 
