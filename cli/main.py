@@ -388,8 +388,10 @@ def convert(
                           "(or convert that .keras file itself)", path=a)
     opening = sources.open_source(a) if keyed_by is None else sources.open_keyed_like_model(a, keyed_by)
     with opening as opened:
+        given = _kinds(kind) or {}  # first: the first pattern matching a layer decides, and the user's say wins
+        kinds = {**given, **{scope: k for scope, k in opened.kinds.items() if scope not in given}}
         written = transfer.convert(opened, b, compress=_compression(compress, shuffle), layout=layout, names=names,
-                                     max_shard_size=max_shard_size, kinds=_kinds(kind))
+                                     max_shard_size=max_shard_size, kinds=kinds)
     _report("convert", written, opened, f"wrote {count(written.count, 'tensor')} ({human_bytes(written.nbytes)}) "
                                         f"to {written.path}")
 

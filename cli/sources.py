@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import weightstore
 from weightstore.adapters import checkpoints
@@ -36,6 +37,9 @@ class Source(Store):
         self._meta_graph: str | None = reader.meta_graph
         #: the .keras file whose model gave the keys (:func:`open_keyed_like_model`), else None
         self.keyed_like: str | None = None
+        #: that model's layer kinds a file's names and shapes leave open (scope -> ``depthwise``
+        #: or ``conv``), for a layout conversion (``ws convert --kind`` says the same by hand)
+        self.kinds: dict[str, str] = {}
 
     def trainable_keys(self) -> set[str]:
         """Keys of the trainable variables, from a TF1 checkpoint's ``.meta`` graph.
@@ -89,8 +93,28 @@ def open_keyed_like_model(path: str | os.PathLike, model_file: str | os.PathLike
     except BaseException:
         keyed.close()
         raise
-    keyed.kind, keyed.keyed_like = kind, model_text
+    keyed.kind, keyed.keyed_like, keyed.kinds = kind, model_text, _conv_kinds(model, variables)
     return keyed
+
+
+def _conv_kinds(model: Any, variables: dict[str, Any]) -> dict[str, str]:
+    """Scope -> ``depthwise`` or ``conv`` for the model's convolutions: Keras 3 names both
+    kernels ``kernel``, of one rank, and a bias-free one's shape passes for either."""
+    import keras
+
+    key_of = {id(var): key for key, var in variables.items()}
+    kinds = {}
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        if isinstance(layer, (keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)):
+            kind = "depthwise"
+        elif type(layer) in (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D):
+            kind = "conv"
+        else:
+            continue
+        for weight in layer.weights:
+            if id(weight) in key_of:
+                kinds[key_of[id(weight)].rpartition("/")[0]] = kind
+    return kinds
 
 
 def _refuse_misfit(keyed: Store, shapes: dict[str, tuple[int, ...]], model_text: str) -> None:
