@@ -366,6 +366,20 @@ def test_diff_exit_status_and_report(store, tmp_path):
     assert "1 added, 1 removed, 1 changed, 1 unchanged; metadata differs" in text.stdout  # dense/w within atol
 
 
+@pytest.mark.parametrize("dtype, left, right", [
+    ("int64", 2**53, 2**53 + 1),  # one number in float64
+    ("uint64", 2**63 + 4, 2**63 + 5),
+    ("int64", -2**63, 2**63 - 1),  # a gap past int64's range
+])
+def test_diff_tells_integers_apart_by_one_however_large(tmp_path, dtype, left, right):
+    ws.save(tmp_path / "a.npz", {"x": np.array([left, 7], dtype)})
+    ws.save(tmp_path / "b.npz", {"x": np.array([right, 7], dtype)})
+    result = run("diff", tmp_path / "a.npz", tmp_path / "b.npz", "--atol", "0.5", "--json")
+    assert result.exit_code == 1, result.output
+    change = json.loads(result.stdout)["changed"][0]
+    assert change["key"] == "x" and change["max_abs"] == float(abs(right - left))
+
+
 def test_diff_says_which_pairs_only_their_recorded_digests_called_equal_and_reads_them_when_asked(tmp_path):
     """A copy damaged after it was written still carries the digest of what was written: diff
     must not present that as having compared the bytes."""
