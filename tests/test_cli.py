@@ -241,6 +241,25 @@ def test_import_into_a_name_no_checkpoint_can_have_is_refused_before_writing(sto
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in before)
 
 
+def test_import_into_tf_checkpoints_keeps_their_files_permissions(store, tmp_path):
+    import stat
+
+    prefix = tmp_path / "ens.ckpt"
+    assert run("import", store, "--into", prefix, "--scope", "model_001").exit_code == 0
+    module = tf.Module()
+    module.w = tf.Variable(tf.zeros([2, 3]))
+    object_based = tf.train.Checkpoint(model=module).write(str(tmp_path / "tf2" / "ckpt-1"))
+    ws.save(tmp_path / "w.npz", {"model/w": np.ones((2, 3), np.float32)})
+    targets = {prefix: [store, "--scope", "model_002"], object_based: [tmp_path / "w.npz", "--overwrite"]}
+    for target, (source, *options) in targets.items():
+        files = [path for path in Path(target).parent.iterdir() if path.name.startswith(Path(target).name + ".")]
+        for path in files:
+            os.chmod(path, 0o600)
+        assert run("import", source, "--into", target, *options).exit_code == 0
+        files = [path for path in Path(target).parent.iterdir() if path.name.startswith(Path(target).name + ".")]
+        assert files and {stat.S_IMODE(os.stat(path).st_mode) for path in files} == {0o600}, target
+
+
 def test_import_into_a_tf_checkpoint_restored_by_saver(store, tmp_path):
     prefix = str(tmp_path / "ens.ckpt")
     assert run("import", store, "--into", prefix, "--scope", "model_001").exit_code == 0

@@ -227,6 +227,10 @@ class IndexLastCommit(Commit):
         if not self._fresh_names:
             self.shards = 1  # the exception of the module docstring: data renamed over the old data
         self._temporary = str(temporary_beside(target))
+        try:  # a checkpoint rewritten keeps the permission bits of the one it replaces (0600 stays 0600)
+            self._mode: int | None = stat.S_IMODE(os.stat(self.target + ".index").st_mode)
+        except FileNotFoundError:
+            self._mode = None
         return self._temporary
 
     def finalize(self) -> None:
@@ -234,6 +238,8 @@ class IndexLastCommit(Commit):
         temporary, prefix = self._temporary, self.target
         written = checkpoint_files(temporary)
         for path in written:
+            if self._mode is not None:
+                os.chmod(path, self._mode)
             fsync_path(path)
         for path in written:
             if not path.endswith(".index"):
