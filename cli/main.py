@@ -21,6 +21,7 @@ from weightstore.cli import compare, render, sources, sync, transfer
 from weightstore.cli.guard import GuardedGroup
 from weightstore.cli.render import count, human_bytes, note, settings
 from weightstore.errors import named
+from weightstore.keys import passes
 from weightstore.names import WRITE_NAMINGS, check_naming
 
 
@@ -376,6 +377,9 @@ def convert(
     """
     _json(as_json)
     from_keras = bool(layout and layout.startswith("keras-to-"))
+    if kind and not layout:
+        raise typer.BadParameter("says how --layout converts a layer's tensors; without --layout nothing is converted",
+                                 param_hint="--kind")
     if model and layout and not from_keras:
         raise typer.BadParameter(f"keys A like a Keras model, which --layout {layout} does not read; leave it out",
                                  param_hint="--model")
@@ -389,6 +393,11 @@ def convert(
     opening = sources.open_source(a) if keyed_by is None else sources.open_keyed_like_model(a, keyed_by)
     with opening as opened:
         given = _kinds(kind) or {}  # first: the first pattern matching a layer decides, and the user's say wins
+        scopes = {key.rpartition("/")[0] for key in opened}
+        unused = [pattern for pattern in given if not any(passes(scope, include=pattern) for scope in scopes)]
+        if unused:  # a typo would leave the layer it was written for to be guessed
+            raise typer.BadParameter(f"{unused[0]!r} matches no layer of {a} (its layers: "
+                                     f"{named(sorted(scopes))})", param_hint="--kind")
         kinds = {**given, **{scope: k for scope, k in opened.kinds.items() if scope not in given}}
         written = transfer.convert(opened, b, compress=_compression(compress, shuffle), layout=layout, names=names,
                                      max_shard_size=max_shard_size, kinds=kinds)

@@ -187,6 +187,10 @@ def test_a_keras_3_depthwise_kernel_in_a_file_is_refused_until_its_kind_is_given
     np.testing.assert_allclose(channels_last(module["dw"], inputs), expected, atol=TOLERANCE)
     result = run("convert", tmp_path / "k.npz", out, "--layout", "keras-to-torch", "--kind", "dw=pooling")
     assert result.exit_code == 1 and "unknown layer kind 'pooling'" in result.output
+    result = run("convert", tmp_path / "k.npz", out, "--layout", "keras-to-torch", "--kind", "wd=depthwise")
+    assert result.exit_code == 2 and "'wd' matches no layer" in result.output and "'dw'" in result.output
+    result = run("convert", tmp_path / "k.npz", out, "--kind", "dw=depthwise")  # no --layout: nothing it could say
+    assert result.exit_code == 2 and "without --layout nothing is converted" in " ".join(result.output.split())
 
 
 def test_a_keras_archive_tells_its_bias_free_depthwise_kernels_by_its_own_model(tmp_path):
