@@ -154,6 +154,17 @@ def test_max_shard_size_refuses_a_file_name_rather_than_make_a_folder_of_it(tmp_
     assert not (tmp_path / name).exists()
 
 
+def test_a_folder_sharded_again_holds_only_the_new_shards(tmp_path):
+    folder = tmp_path / "out"
+    ws.save(folder, weights(), max_shard_size="1KB")
+    (folder / "README.md").write_text("kept: not a shard")
+    assert len(list(folder.glob("model-*.safetensors"))) == 3
+    ws.save(folder, weights(), max_shard_size="1MB")
+    assert sorted(p.name for p in folder.iterdir()) == ["README.md", "model-00001-of-00001.safetensors",
+                                                        "model.safetensors.index.json"]
+    np.testing.assert_equal(ws.load(folder), weights())
+
+
 def test_max_shard_size_in_bytes_may_say_B(tmp_path):
     """"give a positive number of bytes" is what a refusal says: "900B" is one, as "900" is."""
     source = tmp_path / "m.npz"

@@ -9,6 +9,7 @@ input, picks the format and streams tensors into the file.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import copy
 import functools
 import json
@@ -159,6 +160,18 @@ def _save_sharded(location: str, weights: Mapping[str, Any], metadata: Mapping[s
                                          {"producer": f"weightstore {__version__}", "created": created})
     with index_commit.writing() as local, builtins.open(local, "wb") as handle:
         handle.write(document)
+    if not is_url(folder):
+        _remove_stale_shards(folder, set(shards))
+
+
+def _remove_stale_shards(folder: str, kept: set[str]) -> None:
+    """Shards an earlier save of the folder wrote that the new index does not name, named as
+    weightstore names them: left, the folder holds two models' files, whose sizes add up (as
+    ``save_pretrained``, this runs once the new index is in place)."""
+    for name in os.listdir(folder):
+        if hf_sharded.OWN_SHARD.fullmatch(name) and name not in kept:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(folder, name))
 
 
 def file_names(keys: Iterable[str], names: str | None) -> dict[str, str]:

@@ -226,6 +226,10 @@ def plan_shards(sizes: Mapping[str, int], max_bytes: int) -> list[list[str]]:
     return shards
 
 
+#: the shards :func:`shard_names` names, and no other file
+OWN_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
 def shard_names(count: int) -> list[str]:
     return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
