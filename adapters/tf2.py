@@ -149,7 +149,7 @@ def selected(obj: Any, *, optimizer: bool = False, **selection: Unpack[Selection
     chosen_by = Selection(**selection)
     found = _collect(obj, optimizer)
     # under a scope, a part's own keys, as tf2.export(part) gives them: what assigns into any instance of it
-    found, _ = _keyed_as_part(obj, normalize_scope(chosen_by.scope), found, {})
+    found, _, _ = _keyed_as_part(obj, normalize_scope(chosen_by.scope), found, {})
     plan = chosen_by.choose(found, lambda key: found[key][1], _describe(obj))
     once = _tied(found)  # a variable under two keys (a wrapped optimizer's slots) is exported under its first
     chosen = {new: found[old][0] for new, old in plan.items() if old not in once}
@@ -188,7 +188,7 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
                               "build it first (call it on a batch of inputs, or model.build(input_shape))")
     options = AssignOptions(**words)
     at = normalize_scope(options.scope)
-    found, aliases = _keyed_as_part(obj, at, found, aliases)
+    found, aliases, rekey = _keyed_as_part(obj, at, found, aliases)
     targets = {
         key: TargetInfo(key, _numpy_dtype(var), _shape(var), trainable) for key, (var, trainable) in found.items()
     }
@@ -204,6 +204,7 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
 
     def plan(values: Any, options: AssignOptions) -> tuple[Plan, Any]:
         view = (_keras_layout_renamed(values, obj, found, options, optimizer)
+                or _whole_keys_renamed(values, rekey, targets, options)
                 or _old_keys_renamed(values, aliases, targets, options))
         value_keys, scope = view.keys(), normalize_scope(options.scope)  # a ValueSource: keys(), not iteration
         left_out = () if optimizer else [key for key in value_keys if _OPTIMIZER_KEY.fullmatch(key)
@@ -292,19 +293,40 @@ def _part_keys(obj: Any, scope: str, found: Mapping[str, tuple[Variable, bool]])
             if id(var) in full and join_scope(scope, key) != full[id(var)]}
 
 
-def _keyed_as_part(obj: Any, scope: str, found: dict[str, tuple[Variable, bool]],
-                   aliases: dict[str, str]) -> tuple[dict[str, tuple[Variable, bool]], dict[str, str]]:
+def _keyed_as_part(obj: Any, scope: str, found: dict[str, tuple[Variable, bool]], aliases: dict[str, str]
+                   ) -> tuple[dict[str, tuple[Variable, bool]], dict[str, str], dict[str, str]]:
     """For an assign under ``scope``: the part's variables keyed as the part keys its own (under
     the scope), as :func:`export` with ``scope`` keys them, so ``include``, ``exclude`` and
-    ``also`` pick the same variables in both; a value named by the whole model's key (relative
-    to the scope) still pairs, as an alias."""
+    ``also`` pick the same variables in both; the aliases then name the keyed variables; and
+    the whole model's key -> the part's own, where they differ (see :func:`_whole_keys_renamed`)."""
     own = _part_keys(obj, scope, found)  # the part's own key -> the whole model's, where they differ
     if not own:
-        return found, aliases
+        return found, aliases, {}
     rekey = {whole: part for part, whole in own.items()}
     aliases = {old: rekey.get(new, new) for old, new in aliases.items()}
     aliases.update(rekey)
-    return {rekey.get(key, key): entry for key, entry in found.items()}, aliases
+    return {rekey.get(key, key): entry for key, entry in found.items()}, aliases, rekey
+
+
+def _whole_keys_renamed(values: Any, rekey: Mapping[str, str], targets: Mapping[str, TargetInfo],
+                        options: AssignOptions) -> Any:
+    """``values`` named by the whole model's keys (``tf2.export(ensemble)`` with the scope cut
+    off) renamed to the part's own, where more of them pair so than as they are; None otherwise.
+
+    Both namings are one key apart in a member whose layers the ensemble numbers on: the
+    member's own ``dense_1`` is its second Dense, the ensemble's ``dense_1`` its first. A file
+    pairs whole in the one it was written in, and only partly, and with the wrong layers, in
+    the other. Not with ``mapping``, which renames keys on purpose.
+    """
+    if not rekey or options.mapping:
+        return None
+    at = normalize_scope(options.scope)
+    keys = values.keys()  # a ValueSource: keys(), not iteration
+    full = {key: join_scope(at, key) for key in keys}
+    as_they_are = sum(name in targets for name in full.values())
+    renames = {key: strip_scope(rekey[name], at) for key, name in full.items() if name in rekey}
+    as_whole = sum(rekey.get(name, name) in targets for name in full.values())
+    return RenamedValues(values, renames) if as_whole > as_they_are else None
 
 
 def _keras_layout_renamed(values: Any, obj: Any, found: Mapping[str, tuple[Variable, bool]],

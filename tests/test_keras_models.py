@@ -330,6 +330,24 @@ def test_selection_words_under_a_scope_name_the_members_own_keys_in_assign_as_in
                                                                          include=kept).assigned))
 
 
+def test_under_a_scope_keys_of_the_whole_model_pair_with_the_layers_they_name_there():
+    """``member_1``'s own ``dense_1`` is its second Dense; the ensemble's ``dense_1`` its first.
+    Values keyed as ``tf2.export(ensemble)`` keys them, scope cut off, pair in that naming."""
+    inputs = keras.Input((3,))
+    first = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4)], name="member_0")
+    second = keras.Sequential([keras.Input((3,)), keras.layers.Dense(3), keras.layers.Dense(3)], name="member_1")
+    ensemble = keras.Model(inputs, [first(inputs), second(inputs)])
+    whole = {key.removeprefix("member_1/"): RNG.normal(size=np.shape(value)).astype("float32")
+             for key, value in tf2.export(ensemble).items() if key.startswith("member_1/")}
+    assert sorted(whole) == ["dense_1/bias", "dense_1/kernel", "dense_2/bias", "dense_2/kernel"]
+    assert tf2.assign(ensemble, whole, scope="member_1").ok
+    np.testing.assert_array_equal(second.layers[0].kernel.numpy(), whole["dense_1/kernel"])
+    np.testing.assert_array_equal(second.layers[1].kernel.numpy(), whole["dense_2/kernel"])
+    own = tf2.export(second)  # the member's own keys: dense, dense_1
+    assert tf2.assign(ensemble, {key: value + 1 for key, value in own.items()}, scope="member_1").ok
+    np.testing.assert_array_equal(second.layers[1].kernel.numpy(), own["dense_1/kernel"] + 1)
+
+
 def test_one_member_exported_by_scope_has_its_own_keys_and_assigns_into_a_lone_instance():
     ensemble, members = ensemble_of_two()
     for member in members:
