@@ -22,7 +22,7 @@ from weightstore.cli.guard import GuardedGroup
 from weightstore.cli.render import count, human_bytes, note, settings
 from weightstore.errors import named
 from weightstore.keys import passes
-from weightstore.names import WRITE_NAMINGS, check_naming
+from weightstore.names import WRITE_NAMINGS, check_naming, torch_keys
 
 
 class _Group(GuardedGroup):
@@ -393,7 +393,8 @@ def convert(
     opening = sources.open_source(a) if keyed_by is None else sources.open_keyed_like_model(a, keyed_by)
     with opening as opened:
         given = _kinds(kind) or {}  # first: the first pattern matching a layer decides, and the user's say wins
-        scopes = {key.rpartition("/")[0] for key in opened}
+        keys = torch_keys(opened.keys()) if layout == "torch-to-keras" else opened.keys()  # as convert reads them
+        scopes = {key.rpartition("/")[0] for key in keys}
         unused = [pattern for pattern in given if not any(passes(scope, include=pattern) for scope in scopes)]
         if unused:  # a typo would leave the layer it was written for to be guessed
             raise typer.BadParameter(f"{unused[0]!r} matches no layer of {a} (its layers: "

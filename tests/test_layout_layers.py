@@ -215,6 +215,21 @@ def test_a_keras_archive_tells_its_bias_free_depthwise_kernels_by_its_own_model(
         torch_adapter.assign(module, out)
 
 
+def test_kind_patterns_name_the_layers_of_a_state_dict_as_keys(tmp_path):
+    """A state dict saved with ``np.savez`` names its tensors ``fc.weight``; ``--kind`` speaks
+    of the layers as the conversion reads them, ``fc``, as the refusal without it says to."""
+    np.savez(tmp_path / "sd.npz", **{"fc.weight": np.ones((3, 4), np.float32), "head.weight": np.ones((2, 3), np.float32),
+                                     "head.bias": np.zeros(2, np.float32)})
+    out = tmp_path / "k.npz"
+    result = run("convert", tmp_path / "sd.npz", out, "--layout", "torch-to-keras")
+    assert result.exit_code == 1 and "--kind 'fc=dense'" in result.output
+    result = run("convert", tmp_path / "sd.npz", out, "--layout", "torch-to-keras", "--kind", "fc=dense")
+    assert result.exit_code == 0, result.output
+    assert ws.load(out)["fc/kernel"].shape == (4, 3)
+    result = run("convert", tmp_path / "sd.npz", out, "--layout", "torch-to-keras", "--kind", "fc.weight=dense")
+    assert result.exit_code == 2 and "matches no layer" in result.output
+
+
 def test_a_depthwise_kernel_is_told_by_its_bias_in_a_file(tmp_path):
     """A [3, 3, 4, 2] kernel passes for a Conv's; its bias of 8 (4 channels x 2) is a
     DepthwiseConv's, and a file converted as a Conv's made a state dict no module loads."""
