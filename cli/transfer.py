@@ -199,11 +199,25 @@ def import_(source: Source, target: str, *, scope: str | None, mapping: MappingR
     with old:
         _refuse_clashes(target, old.keys(), plan, overwrite)
         names = _naming_of(old)
+        if names == TORCH:
+            _refuse_unnameable(target, plan)
         merged = {key: old[key] for key in old if key not in plan}
         weights = read(source, plan, "importing")
         with counted({**merged, **weights}, f"writing {target}") as values:
             weightstore.save(target, values, metadata=old.metadata, names=names)
     return Written(target, "store", len(weights), sum(a.nbytes for a in weights.values()))
+
+
+def _refuse_unnameable(target: str, plan: Mapping[str, str]) -> None:
+    """Keys a file named as a ``state_dict`` cannot take: one with ``.`` inside a segment would
+    read back as another key (``block.1/w`` as ``block/1/w``)."""
+    for key in plan:
+        try:
+            torch_name_of_key(key)
+        except InvalidKeyError:
+            raise TargetError(f"names its tensors as a PyTorch state_dict does, and the imported key {key!r} has a "
+                              "'.' inside a segment, which no such name keeps apart; rename it with --map "
+                              f"(--map '{key.rpartition('/')[0] or key}=NEW')", path=target) from None
 
 
 def _naming_of(store: weightstore.Store) -> str | None:

@@ -217,6 +217,12 @@ def test_import_into_a_safetensors_file_named_as_a_state_dict_keeps_its_names(tm
     assert sorted(written) == ["features.0.bias", "features.0.weight"]
     np.testing.assert_array_equal(written["features.0.bias"], [5, 5])
     np.testing.assert_array_equal(written["features.0.weight"], np.ones((2, 2)))
+    ws.save(tmp_path / "dotted.npz", {"block.1/weight": np.ones(3, np.float32)})
+    before = target.read_bytes()
+    one_error_line(run("import", tmp_path / "dotted.npz", "--into", target), "names its tensors as a PyTorch "
+                   "state_dict does, and the imported key 'block.1/weight' has a '.' inside a segment",
+                   "--map 'block.1=NEW'")
+    assert target.read_bytes() == before
 
 
 @pytest.mark.parametrize("name, meant", [("w.npzz", "w.npz"), ("w.safetensor", "w.safetensors"),
