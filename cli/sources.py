@@ -107,8 +107,9 @@ def _conv_kinds(model: Any, variables: dict[str, Any]) -> dict[str, str]:
     for layer in model._flatten_layers(include_self=False, recursive=True):
         if isinstance(layer, (keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)):
             kind = "depthwise"
-        elif type(layer) in (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D):
-            kind = "conv"
+        elif isinstance(layer, (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D, keras.layers.Conv1DTranspose,
+                                keras.layers.Conv2DTranspose, keras.layers.Conv3DTranspose)):
+            kind = "conv"  # a transposed one's kernel [*spatial, out, in] moves as a Conv's does
         else:
             continue
         for weight in layer.weights:

@@ -152,6 +152,9 @@ def test_max_shard_size_refuses_a_file_name_rather_than_make_a_folder_of_it(tmp_
     with pytest.raises(ws.TargetError, match=r"name the folder \(model/\) or its index"):
         ws.save(tmp_path / name, weights(), max_shard_size="1KB")
     assert not (tmp_path / name).exists()
+    ws.save(f"{tmp_path / name}/", weights(), max_shard_size="1KB")  # named a folder by its '/': a folder
+    ws.save(tmp_path / name, weights(), max_shard_size="1KB")  # a folder so named already
+    np.testing.assert_equal(ws.load(tmp_path / name), weights())
 
 
 def test_a_folder_sharded_again_holds_only_the_new_shards(tmp_path):

@@ -196,19 +196,22 @@ def test_a_keras_3_depthwise_kernel_in_a_file_is_refused_until_its_kind_is_given
 def test_a_keras_archive_tells_its_bias_free_depthwise_kernels_by_its_own_model(tmp_path):
     """A bias-free ``[3, 3, 3, 2]`` kernel passes for a Conv's and a DepthwiseConv's alike; a
     ``.keras`` archive's config says which each layer is, so ``ws convert`` needs no ``--kind``."""
-    inputs = keras.Input((6, 6, 3))
+    inputs, gray = keras.Input((6, 6, 3)), keras.Input((6, 6, 1))
     depthwise = keras.layers.DepthwiseConv2D(3, depth_multiplier=2, use_bias=False, name="dw")
     conv = keras.layers.Conv2D(2, 3, use_bias=False, name="cv")
-    model = keras.Model(inputs, [depthwise(inputs), conv(inputs)])
+    up = keras.layers.Conv2DTranspose(2, 3, use_bias=False, name="up")  # [3, 3, 2, 1]: a depthwise shape too
+    model = keras.Model([inputs, gray], [depthwise(inputs), conv(inputs), up(gray)])
     model.save(tmp_path / "m.keras")
     out = tmp_path / "t.safetensors"
     result = run("convert", tmp_path / "m.keras", out, "--layout", "keras-to-torch")
     assert result.exit_code == 0, result.output
-    module = nn.ModuleDict({"dw": nn.Conv2d(3, 6, 3, groups=3, bias=False), "cv": nn.Conv2d(3, 2, 3, bias=False)})
+    module = nn.ModuleDict({"dw": nn.Conv2d(3, 6, 3, groups=3, bias=False), "cv": nn.Conv2d(3, 2, 3, bias=False),
+                            "up": nn.ConvTranspose2d(1, 2, 3, bias=False)})
     assert torch_adapter.assign(module, out).ok
-    images = np.random.default_rng(0).random((2, 6, 6, 3)).astype(np.float32)
-    for name, expected in zip(("dw", "cv"), model(images), strict=True):
-        np.testing.assert_allclose(channels_last(module[name], images), np.asarray(expected), atol=TOLERANCE)
+    rng = np.random.default_rng(0)
+    images = [rng.random((2, 6, 6, 3)).astype(np.float32), rng.random((2, 6, 6, 1)).astype(np.float32)]
+    for name, seen, expected in zip(("dw", "cv", "up"), images[:1] * 2 + images[1:], model(images), strict=True):
+        np.testing.assert_allclose(channels_last(module[name], seen), np.asarray(expected), atol=TOLERANCE)
     result = run("convert", tmp_path / "m.keras", out, "--layout", "keras-to-torch", "--kind", "dw=conv")
     assert result.exit_code == 0, result.output  # the user's word wins: a Conv's layout, which a grouped conv refuses
     with pytest.raises(AssignmentError):

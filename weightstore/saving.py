@@ -102,7 +102,8 @@ def save(
     if max_shard_size is not None:
         if format not in (None, "safetensors") or compress:
             raise TargetError("a sharded folder holds uncompressed safetensors shards", path=location)
-        if not location.endswith(hf_sharded.INDEX_SUFFIX) and format_for_suffix(location.rstrip("/")) is not None:
+        if (not location.endswith((hf_sharded.INDEX_SUFFIX, "/")) and format_for_suffix(location) is not None
+                and not os.path.isdir(location)):  # a folder so named already, or named so with its '/', is a folder
             raise TargetError("max_shard_size writes a folder of safetensors shards and its index, and this name "
                               "is a file's; name the folder (model/) or its index (model.safetensors.index.json)",
                               path=location)
