@@ -598,7 +598,7 @@ def _few_assigned(where: str, paired: int, targets: Mapping[str, TargetInfo], va
     text = (f"assigning {where} (strict=False) left {len(targets) - paired} of {len(targets)} variables as they "
             f"were; {paired} of {len(values)} values fit a variable ({common} share a key with one)")
     if paired * 2 < min(len(targets), len(values)):
-        dtypes_only = sum(1 for mismatch in mismatched if mismatch.target and "cast=True" in mismatch.reason)
+        dtypes_only = sum(1 for mismatch in mismatched if "cast=True" in mismatch.reason)
         text += (": most keys pair, but their dtypes differ (report.mismatched lists each; cast=True converts them)"
                  if dtypes_only * 2 >= min(len(targets), len(values)) else f": {_apart(values, targets, renamed)}")
     return text

@@ -92,6 +92,7 @@ class _Target:
     """One key: a variable, or every part of a partitioned variable."""
 
     key: str
+    name: str  # TensorFlow's name for it (a partitioned variable's whole name), which errors give
     dtype: np.dtype
     shape: tuple[int, ...]
     trainable: bool
@@ -167,13 +168,10 @@ def _chosen(sess: Any, chosen_by: Selection) -> tuple[dict[str, str], list[_Targ
         try:
             validate_key(key)
         except InvalidKeyError as exc:  # a '..' segment, a reserved or over-long one: TF allows them
-            variable = targets[source].parts[0].variable
-            slice_info = variable._get_save_slice_info()  # a partitioned variable: named as a whole
-            name = variable.op.name if slice_info is None else slice_info.full_name
             why = exc.message.removeprefix("invalid key: ")
             pattern = "/".join("[.][.]" if segment == ".." else segment for segment in key.split("/"))
-            raise InvalidKeyError(f"variable {name!r} makes no key: {why}; leave it out (exclude={pattern!r}) "
-                                  "or rename its scope") from None
+            raise InvalidKeyError(f"variable {targets[source].name!r} makes no key: {why}; leave it out "
+                                  f"(exclude={pattern!r}) or rename its scope") from None
     return plan, [targets[source] for source in plan.values()]
 
 
@@ -383,9 +381,9 @@ def _collect_targets(graph: tf.Graph) -> dict[str, _Target]:
         if slice_info is None:
             shaped = variable.shape.is_fully_defined()
             shape = tuple(variable.shape.as_list()) if shaped else ()
-            targets[key] = _Target(key, dtype, shape, name in trainable, [_Part(variable, ())], shaped=shaped)
+            targets[key] = _Target(key, name, dtype, shape, name in trainable, [_Part(variable, ())], shaped=shaped)
             continue
-        whole = targets.setdefault(key, _Target(key, dtype, tuple(slice_info.full_shape), True))
+        whole = targets.setdefault(key, _Target(key, whole_name, dtype, tuple(slice_info.full_shape), True))
         whole.trainable &= name in trainable
         index = tuple(slice(o, o + s) for o, s in zip(slice_info.var_offset, slice_info.var_shape, strict=True))
         whole.parts.append(_Part(variable, index))
