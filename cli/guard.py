@@ -47,10 +47,16 @@ def one_line(text: str) -> str:
     return " ".join(joined.split())
 
 
+def json_asked(ctx: typer.Context) -> bool:
+    """Whether the command line holds ``--json``, for what answers before options are parsed
+    (a usage error, ``--version``)."""
+    return bool(ctx.meta.get(_JSON_ASKED))
+
+
 def _usage_error_as_json(ctx: typer.Context, exc: TyperException) -> None:
     """A usage error (exit 2): click prints the usage on stderr, and ``--json`` still gets its
     object on stdout, so a script parsing it never finds it empty."""
-    if ctx.meta.get(_JSON_ASKED) and hasattr(exc, "format_message"):
+    if json_asked(ctx) and hasattr(exc, "format_message"):
         render.print_json(render.error_document(ctx.invoked_subcommand, exc, exc.format_message()))
 
 

@@ -18,7 +18,7 @@ from weightstore.adapters import checkpoints
 from weightstore.adapters.layout import DIRECTIONS
 from weightstore.adapters.plan import Selection
 from weightstore.cli import compare, render, sources, sync, transfer
-from weightstore.cli.guard import GuardedGroup
+from weightstore.cli.guard import GuardedGroup, json_asked
 from weightstore.cli.render import count, human_bytes, note, settings
 from weightstore.errors import named
 from weightstore.keys import passes
@@ -132,9 +132,13 @@ Mapping = Annotated[list[str] | None, typer.Option("--map", "-m", metavar="FROM=
                                                            "applied before --include/--exclude).")]
 
 
-def _print_version(wanted: bool) -> None:
+def _print_version(ctx: typer.Context, wanted: bool) -> None:
+    """Eager, so it answers before ``--json`` is parsed: whether that was given is known from the words."""
     if wanted:
-        typer.echo(f"weightstore {__version__}")
+        if json_asked(ctx):
+            render.emit("version", {"version": __version__})
+        else:
+            typer.echo(f"weightstore {__version__}")
         raise typer.Exit()
 
 

@@ -94,6 +94,13 @@ def test_version():
     assert result.exit_code == 0 and result.stdout == f"weightstore {ws.__version__}\n"
 
 
+@pytest.mark.parametrize("words", [["--json", "--version"], ["--version", "--json"]])
+def test_version_with_json_is_one_object(words):
+    result = run(*words)
+    assert result.exit_code == 0
+    assert json.loads(result.stdout) == {"command": "version", "ok": True, "version": ws.__version__}
+
+
 @pytest.mark.parametrize("command", [[], *([c] for c in COMMANDS)])
 def test_help_shows_flags_as_flags(command):
     result = run(*command, "--help")
