@@ -20,8 +20,9 @@ from weightstore.adapters.plan import Selection
 from weightstore.cli import compare, render, sources, sync, transfer
 from weightstore.cli.guard import GuardedGroup, json_asked
 from weightstore.cli.render import count, human_bytes, note, settings
-from weightstore.errors import named
+from weightstore.errors import UnsupportedDTypeError, named
 from weightstore.keys import passes
+from weightstore.manifest import TensorInfo
 from weightstore.names import WRITE_NAMINGS, check_naming, torch_keys
 
 
@@ -261,8 +262,7 @@ def ls(
     """
     _json(as_json)
     with sources.open_source(store) as opened:
-        keys = _under_scope(opened, scope)
-        infos = [opened.info(k) for k in keys]
+        infos = _listable(opened, _under_scope(opened, scope))
         if settings.json:
             render.emit("ls", {
                 "path": opened.path, "kind": opened.kind, "created": opened.created, "metadata": opened.metadata,
@@ -278,6 +278,19 @@ def ls(
         console.print(render.listing_table(infos))
         for name, value in opened.metadata.items():
             console.print(render.printable(f"{name}: {value}"), soft_wrap=True)
+
+
+def _listable(opened: sources.Source, keys: list[str]) -> list[TensorInfo]:
+    """The infos of ``keys``. An entry of a file without a manifest whose dtype no weight has (a
+    tool's strings or records beside the weights) joins the skipped entries, as a TF
+    checkpoint's string variables do, instead of hiding the rest of the file; it is never read."""
+    infos = []
+    for key in keys:
+        try:
+            infos.append(opened.info(key))
+        except UnsupportedDTypeError:
+            opened.skipped.append(key)
+    return infos
 
 
 def _under_scope(opened: sources.Source, scope: str | None) -> list[str]:

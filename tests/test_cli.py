@@ -330,6 +330,29 @@ def test_ls_shows_metadata_a_terminal_would_act_on_escaped_and_keys_unfolded_whe
     assert result.exit_code == 0 and "\x1b" not in result.stdout and "m\\x1b[2J.safetensors" in result.stdout
 
 
+@pytest.mark.parametrize("suffix", [".npz", ".h5"])
+def test_ls_lists_a_foreign_file_with_strings_beside_its_weights(tmp_path, suffix):
+    """A tool's notes beside the weights (np.savez of a str array, an h5py text dataset) made ws ls
+    refuse the whole file; they are listed as skipped instead, and loading still refuses them."""
+    import h5py
+
+    path = tmp_path / f"foreign{suffix}"
+    if suffix == ".npz":
+        np.savez(path, w=np.ones(3, np.float32), names=np.array(["a", "bc"]))
+    else:
+        with h5py.File(path, "w") as f:
+            f["w"] = np.ones(3, np.float32)
+            f["meta/names"] = np.array([b"a", b"bc"], dtype=h5py.string_dtype())
+    text = "names" if suffix == ".npz" else "meta/names"
+    result = run("ls", path)
+    assert result.exit_code == 0, result.stderr
+    assert "1 tensor" in result.stdout and f"skipped 1 non-numeric entry: '{text}'" in result.stderr
+    document = json.loads(run("ls", path, "--json").stdout)
+    assert [t["key"] for t in document["tensors"]] == ["w"] and document["skipped"] == [text]
+    with pytest.raises((ws.UnsupportedDTypeError, ws.UnsafeFileError), match=text):
+        ws.load(path)
+
+
 def test_a_symlink_loop_is_named_as_such_not_as_a_missing_file(tmp_path):
     loop = tmp_path / "loop.npz"
     loop.symlink_to(loop)
