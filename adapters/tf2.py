@@ -360,17 +360,25 @@ def _old_keys_renamed(values: Any, aliases: Mapping[str, str], targets: Mapping[
                       options: AssignOptions) -> Any:
     """``values`` with the keys earlier releases gave the model's variables renamed to today's.
 
-    A value pairs by its old key only where it names no variable as it is and the variable
-    it names the old way has no value of today's key: a file written with old keys, or
-    exported from one part of a model (a member of an ensemble) and assigned into another
-    with ``scope=``, whose keys the part had when keyed on its own. Not with ``mapping``,
-    which renames keys on purpose.
+    Where more values pair under the old keys than as they are, the file was written with them,
+    and every value with an old key is renamed: a key valid in both namings may name another
+    layer in each (a nested model's old ``dense_1`` is today's ``dense_2``, and today's
+    ``dense_1`` its old ``dense``). Otherwise a value pairs by its old key only where it names
+    no variable as it is and the variable it names the old way has no value of today's key: a
+    file exported from one part of a model (a member of an ensemble) and assigned into
+    another with ``scope=``, whose keys the part had when keyed on its own. Not with
+    ``mapping``, which renames keys on purpose.
     """
     if options.mapping:
         return values
     at = normalize_scope(options.scope)
     keys = values.keys()
     present = {join_scope(at, key) for key in keys}
+    old = {key: new for key in keys if (new := aliases.get(join_scope(at, key))) is not None
+           and in_scope(new, at) and new != at}
+    renamed = [old.get(key, join_scope(at, key)) for key in keys]
+    if len(set(renamed)) == len(renamed) and sum(name in targets for name in renamed) > len(present & targets.keys()):
+        return RenamedValues(values, {key: strip_scope(new, at) for key, new in old.items()})
     renames = {}
     for key in keys:
         full = join_scope(at, key)
