@@ -30,6 +30,7 @@ the model's optimizer does not reach keep their names as well: an optimizer of a
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -141,15 +142,47 @@ def _keras_paths(model: Any) -> dict[str, Any]:
     class Recorder(saving_lib.NpzIOStore):  # ``_save_state`` accepts only Keras's own store types
         def __init__(self) -> None:
             self.entries: dict[str, dict[str, Any]] = {}
+            self.names: dict[str, str] = {}  # path -> the name of the layer saved there
 
         def make(self, path: str, metadata: Any = None) -> dict[str, Any]:
+            if metadata:
+                self.names[path] = metadata.get("name")
             return self.entries.setdefault(path, {})
 
     recorder = Recorder()
     saving_lib._save_state(model, weights_store=recorder, assets_store=None, inner_path="",
                            visited_saveables=set())
-    return {f"{path}/vars/{name}".lstrip("/"): variable
-            for path, entry in recorder.entries.items() for name, variable in entry.items()}
+    paths = {f"{path}/vars/{name}".lstrip("/"): variable
+             for path, entry in recorder.entries.items() for name, variable in entry.items()}
+    # a variable outside the weights is saved as a copy of its value: found again by its layer's
+    # name (which the walk passes along), where that name is the model's only layer of it
+    layers = list(model._flatten_layers(include_self=True, recursive=True))
+    counts = Counter(layer.name for layer in layers)
+    outside = {layer.name: saved for layer in layers if counts[layer.name] == 1
+               and (saved := saved_outside_weights(layer))}
+    for path, name in recorder.names.items():
+        for attribute, variable in outside.get(name, {}).items():
+            paths[f"{path}/vars/{attribute}".lstrip("/")] = variable
+    return paths
+
+
+def saved_outside_weights(layer: Any) -> dict[str, Any]:
+    """The TensorFlow variables ``layer`` holds outside ``layer.weights`` that Keras's files save
+    (``save_own_variables`` records them under their attribute's name), by that name.
+
+    A lookup layer in ``tf_idf`` mode keeps its ``idf_weights`` so: left out, an exported file
+    lacked them and an assign kept the target's own, with other predictions. An attribute Keras
+    does not save (the same layer's ``num_documents``, a count for ``adapt``) is no weight.
+    """
+    import tensorflow as tf
+
+    held = {name: value for name, value in vars(layer).items() if isinstance(value, tf.Variable)}
+    if not held:
+        return {}
+    weights = {id(w) for w in layer.weights}
+    saved: dict[str, Any] = {}
+    layer.save_own_variables(saved)
+    return {name: var for name, var in held.items() if name in saved and id(var) not in weights}
 
 
 def _object_graph(path: Any) -> Any:

@@ -74,7 +74,7 @@ with needs("tf", __name__):
     from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable
 
 import weightstore
-from weightstore.adapters.artifacts import for_model, is_model_file, keras_file_names
+from weightstore.adapters.artifacts import for_model, is_model_file, keras_file_names, saved_outside_weights
 from weightstore.adapters.plan import (
     MEMORY,
     AssignOptions,
@@ -397,16 +397,19 @@ def _finalize(obj: Any, written: set[int]) -> None:
     layer's variables (``saving_lib`` through the layer's own ``load_own_variables``, the
     legacy HDF5 loader for every layer that has the method and received weights), which is
     the rule here: any layer with a ``finalize_state`` one of whose variables was written.
-    Among Keras's own layers that is ``Normalization``; ``Discretization`` keeps its bins and
-    the lookup layers their vocabulary outside their variables (config, assets), so an assign
-    leaves those as the target has them, as ``load_weights`` does. A dict or list of
+    Among Keras's own layers that is ``Normalization``, and a lookup layer in ``tf_idf`` mode,
+    whose ``idf_weights`` (a variable outside its weights that Keras saves) it reads as a
+    constant; ``Discretization`` keeps its bins and the lookup layers their vocabulary outside
+    their variables (config, assets), so an assign leaves those as the target has them, as
+    ``load_weights`` does. A dict or list of
     variables names no layers, so nothing is finalized for it.
     """
     if not written:
         return
     for layer in _keras_layers(obj):
         finalize = getattr(layer, "finalize_state", None)
-        if callable(finalize) and any(id(var) in written for var in layer.weights):
+        if callable(finalize) and any(id(var) in written
+                                      for var in (*layer.weights, *saved_outside_weights(layer).values())):
             finalize()
 
 
@@ -532,6 +535,8 @@ class _Walk:
         below = {id(w) for child in children for w in child.weights}
         own = [w for w in layer.weights if id(w) not in below]
         for var, name in zip(own, _segments((w.name, "variable") for w in own), strict=True):
+            self.walk(var, join_scope(path, name), join_scope(old, name), trainable_ids)
+        for name, var in saved_outside_weights(layer).items():
             self.walk(var, join_scope(path, name), join_scope(old, name), trainable_ids)
         olds = _segments((c.name, _snake_case(type(c).__name__)) for c in children)
         for child, name, old_name in zip(children, self.naming.segments(children), olds, strict=True):
