@@ -69,9 +69,10 @@ def export(source: Source, out: str, *, selection: Selection, mapping: MappingRu
            names: str | None = None) -> Written:
     """The tensors ``selection`` keeps, as an adapter's export keeps them; ``also`` matches the
     keys after scope and mapping (``--also '*/bn/moving_*'``: batch-norm statistics beside the
-    trainable weights). ``names`` is :func:`weightstore.save`'s."""
+    trainable weights). ``names`` is :func:`weightstore.save`'s; by default, as the source names them."""
     output_format(out)
-    check_naming(names, WRITE_NAMINGS)
+    if check_naming(names, WRITE_NAMINGS) is None:  # a state_dict's file exported stays one
+        names = _naming_of(source)
     # first: a source that cannot say what is trainable is the error, not an --also that misses its keys
     trainable = source.trainable_keys() if selection.trainable_only else set()
     with naming(path=source.path):
@@ -97,11 +98,13 @@ def convert(source: Source, out: str, *, compress: bool | str, layout: str | Non
             kinds: Mapping[str, str] | None = None) -> Written:
     """``source`` rewritten as ``out``; with ``layout``, in the other framework's names and
     layouts, named (``names``, :func:`weightstore.save`'s) as ``load_state_dict`` takes them
-    when the other framework is PyTorch. A torch-to-keras source may be keyed by torch names.
+    when the other framework is PyTorch; without, as the source names them. A torch-to-keras source may be keyed by torch names.
     ``max_shard_size`` writes a Hugging Face sharded folder at ``out``; ``kinds`` (scope or glob
     -> layer kind) decides what the file's names leave open (:func:`layouts.convert`)."""
     if check_naming(names, WRITE_NAMINGS) is None and layout == "keras-to-torch":
         names = TORCH
+    elif names is None and layout is None:  # the same tensors in another file: under the same names
+        names = _naming_of(source)
     if max_shard_size is None:
         output_format(out)
     plan = torch_keys(source.keys()) if layout == "torch-to-keras" else {k: k for k in source}

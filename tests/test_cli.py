@@ -353,6 +353,24 @@ def test_ls_lists_a_foreign_file_with_strings_beside_its_weights(tmp_path, suffi
         ws.load(path)
 
 
+@pytest.mark.parametrize("command", ["convert", "export", "convert to npz"])
+def test_a_state_dicts_file_converted_or_exported_keeps_its_names(tmp_path, command):
+    """Merging an HF model.safetensors (or a shard folder) into one file renamed every tensor
+    from features.0.weight to features/0/weight, with exit 0, and load_state_dict failed."""
+    from safetensors.numpy import load_file, save_file
+
+    source = tmp_path / "model.safetensors"
+    state = {"features.0.weight": np.ones((2, 3), np.float32), "features.0.bias": np.zeros(2, np.float32)}
+    save_file(state, str(source), metadata={"format": "pt"})
+    out = tmp_path / ("out.npz" if command == "convert to npz" else "out.safetensors")
+    words = ["export", source, "-o", out] if command == "export" else ["convert", source, out]
+    assert run(*words).exit_code == 0
+    stored = np.load(out).files if out.suffix == ".npz" else list(load_file(str(out)))
+    assert sorted(name for name in stored if not name.startswith("__")) == sorted(state)
+    assert run("convert", source, tmp_path / "keys.safetensors", "--names", "keys").exit_code == 0
+    assert sorted(load_file(str(tmp_path / "keys.safetensors"))) == ["features/0/bias", "features/0/weight"]
+
+
 def test_a_symlink_loop_is_named_as_such_not_as_a_missing_file(tmp_path):
     loop = tmp_path / "loop.npz"
     loop.symlink_to(loop)
