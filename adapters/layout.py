@@ -447,7 +447,15 @@ def to_keras(layout: Layout, shapes: Mapping[str, tuple[int, ...]],
         if rule is None:
             of = f"in a {site.kind!r} layer" if site.kind else "in a layer of unknown kind"
             refused[key] = f"no {layout.name} layout rule for a rank-{len(shape)} {leaf!r} {of}{_EXTEND}"
-            if site.kind is None and leaf == layout.kernel and len(shape) == 2:
+            if site.kind is None and leaf != layout.kernel and _hf_conv1d_named(scope) and join_scope(
+                    scope, layout.kernel) in rest:
+                refused[key] = f"belongs to the layer of {join_scope(scope, layout.kernel)!r}, refused as that is"
+            elif site.kind is None and leaf == layout.kernel and len(shape) == 2 and _hf_conv1d_named(scope):
+                refused[key] = (f"a rank-2 {leaf!r} of a layer named {scope.rpartition('/')[2]!r} is, in GPT-2 and "
+                                "models built on its code, Hugging Face's Conv1D, stored [in, out] where a Linear "
+                                "is [out, in], which a file does not tell apart; this layout converts Linear layers "
+                                f"only: if it is one, say so (ws convert --kind '{scope}=dense')")
+            elif site.kind is None and leaf == layout.kernel and len(shape) == 2:
                 refused[key] = (f"a rank-2 {leaf!r} with no 'bias' beside it is a bias-free Linear's or an "
                                 f"Embedding's, which a file does not tell apart; say which: kinds={{{scope!r}: "
                                 f"'dense'}} (ws convert --kind '{scope}=dense' or =embedding), or export the module")
@@ -474,7 +482,9 @@ def kinds_from_names(layout: Layout, shapes: Mapping[str, tuple[int, ...]]) -> d
     A scope holding a name only normalization layers use (``running_mean``, ``scale``…) is
     ``norm``; otherwise the rank of its ``layout.kernel`` tensor decides: 1 is ``norm``
     (PyTorch's LayerNorm ``weight``), 2 is ``dense``, 3 to 5 is ``conv``. Other scopes get no
-    kind, so their tensors are refused.
+    kind, so their tensors are refused; so do a rank-2 ``weight`` without a bias (a Linear's or
+    an Embedding's) and one of a layer named as GPT-2 names Hugging Face's ``Conv1D`` (whose
+    ``[in, out]`` a Linear's transposing would silently scramble).
     """
     norm_only = {r.other for r in layout.rules if r.kinds == (NORM,)}
     norm_only -= {r.other for r in layout.rules if NORM not in r.kinds}
@@ -490,11 +500,22 @@ def kinds_from_names(layout: Layout, shapes: Mapping[str, tuple[int, ...]]) -> d
             kind = NORM
         elif kernel_rank == 2 and "bias" not in leaves and _embedding_named_like_kernel(layout):
             kind = None  # a bias-free Linear's or an Embedding's: the file does not say
+        elif kernel_rank == 2 and _embedding_named_like_kernel(layout) and _hf_conv1d_named(scope):
+            kind = None  # a Linear's [out, in] or Hugging Face's Conv1D's [in, out]: the file does not say
         else:
             kind = {2: DENSE, 3: CONV, 4: CONV, 5: CONV}.get(kernel_rank or 0)
         if kind:
             kinds.update({join_scope(scope, leaf): kind for leaf in leaves})
     return kinds
+
+
+#: the layer names GPT-2 and the models built on its code give Hugging Face's ``Conv1D``, a
+#: dense layer whose ``weight`` is ``[in, out]`` where a Linear's is ``[out, in]``
+_HF_CONV1D_NAMES = frozenset({"c_attn", "c_proj", "c_fc", "q_attn"})
+
+
+def _hf_conv1d_named(scope: str) -> bool:
+    return scope.rpartition("/")[2] in _HF_CONV1D_NAMES
 
 
 def _embedding_named_like_kernel(layout: Layout) -> bool:

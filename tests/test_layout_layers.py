@@ -233,6 +233,23 @@ def test_kind_patterns_name_the_layers_of_a_state_dict_as_keys(tmp_path):
     assert result.exit_code == 2 and "matches no layer" in result.output
 
 
+def test_gpt2s_conv1d_weights_in_a_file_are_refused_not_transposed(tmp_path):
+    """GPT-2's c_attn/c_proj/c_fc are Hugging Face's Conv1D, whose weight is [in, out] and already
+    a Dense kernel; read as a Linear's, the square c_proj was transposed and exit was 0."""
+    rng = np.random.default_rng(5)
+    weights = {"h.0.attn.c_attn.weight": rng.normal(size=(4, 12)), "h.0.attn.c_attn.bias": rng.normal(size=12),
+               "h.0.attn.c_proj.weight": rng.normal(size=(4, 4)), "h.0.attn.c_proj.bias": rng.normal(size=4),
+               "h.0.ln_1.weight": np.ones(4), "h.0.ln_1.bias": np.zeros(4)}
+    np.savez(tmp_path / "gpt2.npz", **{name: value.astype(np.float32) for name, value in weights.items()})
+    out = tmp_path / "k.npz"
+    result = run("convert", tmp_path / "gpt2.npz", out, "--layout", "torch-to-keras")
+    assert result.exit_code == 1 and "Conv1D" in result.output and not out.exists()
+    assert "--kind 'h/0/attn/c_proj=dense'" in result.output
+    result = run("convert", tmp_path / "gpt2.npz", out, "--layout", "torch-to-keras", "--kind", "h/*/attn/c_*=dense")
+    assert result.exit_code == 0, result.output  # the user's word: Linear layers after all
+    np.testing.assert_array_equal(ws.load(out)["h/0/attn/c_proj/kernel"], weights["h.0.attn.c_proj.weight"].T.astype(np.float32))
+
+
 def test_a_depthwise_kernel_is_told_by_its_bias_in_a_file(tmp_path):
     """A [3, 3, 4, 2] kernel passes for a Conv's; its bias of 8 (4 channels x 2) is a
     DepthwiseConv's, and a file converted as a Conv's made a state dict no module loads."""
