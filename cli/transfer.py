@@ -32,7 +32,8 @@ from weightstore.errors import (
     named,
     naming,
 )
-from weightstore.formats import format_for_suffix, known_suffixes, sniff
+from weightstore.formats import format_for_suffix, hf_sharded, known_suffixes, sniff
+from weightstore.formats.foreign import HF_SINGLE_FILE
 from weightstore.io.location import is_url
 from weightstore.keys import MappingRules, Patterns, plan_inward, validate_key
 from weightstore.names import TORCH, WRITE_NAMINGS, check_naming, torch_keys, torch_name_of_key
@@ -128,6 +129,7 @@ def is_checkpoint_target(target: str) -> bool:
         return False
     if os.path.exists(target + ".index"):
         return True
+    _refuse_hugging_face_folder(target)
     if os.path.isdir(target):
         example = os.path.join(target, "model.ckpt")
         raise FormatError(f"is a folder; give a checkpoint prefix such as {example}", path=target)
@@ -143,6 +145,20 @@ def is_checkpoint_target(target: str) -> bool:
     _refuse_near_store_suffix(target)
     _refuse_unusable_prefix(target)
     return True
+
+
+def _refuse_hugging_face_folder(target: str) -> None:
+    """A ``save_pretrained`` folder (or its index) is refused saying what to do: a checkpoint
+    prefix made inside it, as a plain folder's refusal suggests, is nothing transformers reads."""
+    single = os.path.join(target, HF_SINGLE_FILE)
+    if os.path.isdir(target) and os.path.isfile(single):
+        raise FormatError(f"is a Hugging Face folder; import into its weights file: --into {single}", path=target)
+    index = hf_sharded.index_location(target, is_dir=os.path.isdir, exists=os.path.isfile)
+    if index is not None:
+        folder = os.path.dirname(index) or "."
+        raise FormatError(f"is a sharded Hugging Face folder, which ws import does not rewrite: ws convert {folder} "
+                          "one.safetensors, import into that, then ws convert it back with --max-shard-size",
+                          path=target)
 
 
 def _refuse_near_store_suffix(target: str) -> None:

@@ -371,6 +371,28 @@ def test_a_state_dicts_file_converted_or_exported_keeps_its_names(tmp_path, comm
     assert sorted(load_file(str(tmp_path / "keys.safetensors"))) == ["features/0/bias", "features/0/weight"]
 
 
+def test_import_into_a_hugging_face_folder_says_what_to_do(tmp_path):
+    """The plain folder's advice (a checkpoint prefix inside it) made a TF checkpoint nothing
+    transformers reads; the index's path was called "not a weightstore file"."""
+    from safetensors.numpy import save_file
+
+    patch = tmp_path / "patch.npz"
+    ws.save(patch, {"0/bias": np.zeros(2, np.float32)})
+    single, sharded = tmp_path / "single", tmp_path / "sharded"
+    single.mkdir()
+    save_file({"0.weight": np.ones((2, 3), np.float32), "0.bias": np.ones(2, np.float32)}, str(single / "model.safetensors"),
+              metadata={"format": "pt"})
+    ws.save(sharded, {"0/weight": np.ones((2, 3), np.float32), "0/bias": np.ones(2, np.float32)}, max_shard_size="30B")
+    one_error_line(run("import", patch, "--into", single, "--overwrite"), "Hugging Face folder",
+                   f"--into {single / 'model.safetensors'}")
+    for target in (sharded, sharded / "model.safetensors.index.json"):
+        one_error_line(run("import", patch, "--into", target, "--overwrite"), "sharded Hugging Face folder",
+                       "--max-shard-size")
+    assert sorted(os.listdir(single)) == ["model.safetensors"]
+    assert run("import", patch, "--into", single / "model.safetensors", "--overwrite").exit_code == 0
+    np.testing.assert_array_equal(ws.load(single)["0/bias"], np.zeros(2))
+
+
 def test_a_symlink_loop_is_named_as_such_not_as_a_missing_file(tmp_path):
     loop = tmp_path / "loop.npz"
     loop.symlink_to(loop)
