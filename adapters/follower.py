@@ -68,7 +68,7 @@ from weightstore.formats.sharded import normalized_region
 from weightstore.heap import give_back
 from weightstore.manifest import TensorInfo, logical_dtype
 from weightstore.store import Store
-from weightstore.versions import DEFAULT_POLL, PointerWatch, Version, versions_folder
+from weightstore.versions import DEFAULT_POLL, PointerWatch, Version, checked_count, checked_seconds, versions_folder
 
 __all__ = ["Follower"]
 
@@ -180,8 +180,10 @@ class Follower:
                  notifications: str | None = None, **words: Unpack[AssignWords]):
         self.target = target
         self.folder = folder
-        self.poll = poll
-        self.max_poll = max_poll
+        # checked here, as follow() checks them, not on the thread that start() begins, whose
+        # error would only show at the first wait
+        self.poll = checked_seconds("poll", poll)
+        self.max_poll = None if max_poll is None else checked_seconds("max_poll", max_poll)
         self.notifications = notifications
         self.storage_options = storage_options
         self.options = AssignOptions(**words)
@@ -190,7 +192,7 @@ class Follower:
         self.error: BaseException | None = None
         self._following_failed = False  # whether ``error`` came from reading the folder, not assigning
         self._failed_step: int | None = None  # the step whose assign failed, when ``error`` is such a failure
-        self._after = after
+        self._after = None if after is None else checked_count("after", after)
         self._lock = _ReadWriteLock()
         self._swapped = threading.Condition()
         self._loop_now: _Loop | None = None

@@ -33,19 +33,24 @@ def versions(
 ) -> None:
     """List the versions in FOLDER: step, time, size, and which one LATEST names.
 
+    A damaged LATEST marks none: what is wrong with it goes to stderr (and, with --json, in
+    "latest_error"), and the versions are listed all the same.
+
     \b
     Example:
       ws versions s3://bucket/run --json
     """
-    from weightstore.versions import list_versions
+    from weightstore.versions import version_listing
 
     settings.json = settings.json or as_json  # so a failure is reported as JSON too
-    entries = list_versions(folder)
+    entries, damage = version_listing(folder)
+    if damage is not None:
+        typer.echo(f"warning: {damage}", err=True)
     if settings.json:
         emit("versions", {"folder": folder, "versions": [
             {"step": entry.step, "path": entry.path, "modified": entry.modified, "size": entry.size,
              "latest": entry.latest, "members": entry.members, "member_bytes": entry.member_bytes}
-            for entry in entries]})
+            for entry in entries], "latest_error": None if damage is None else str(damage)})
         return
     if not entries:
         _refuse_serving_base(folder)
@@ -60,9 +65,9 @@ def versions(
 
 def follow(
     folder: Folder,
-    timeout: Annotated[float | None, typer.Option("--timeout", help="Stop after this many seconds without a "
-                                                                       "new version.")] = None,
-    after: Annotated[int | None, typer.Option("--after", help="Only versions with a step above this one (starting from the latest, as always).")] = None,
+    timeout: Annotated[float | None, typer.Option("--timeout", min=0.0, max=threading.TIMEOUT_MAX,
+                                                  help="Stop after this many seconds without a new version.")] = None,
+    after: Annotated[int | None, typer.Option("--after", min=0, help="Only versions with a step above this one (starting from the latest, as always).")] = None,
     poll: Annotated[float, typer.Option("--poll", min=0.0, max=threading.TIMEOUT_MAX,
                                         help="Seconds between looks at LATEST (at first, "
                                              "and again after each new version).")] = DEFAULT_POLL,

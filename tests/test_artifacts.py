@@ -598,10 +598,13 @@ def test_a_follower_stopped_and_started_again_runs_one_loop(tmp_path):
     assert len(loops) == 1
 
 
-@pytest.mark.parametrize("poll", [float("nan"), float("inf"), -1.0, 1e12])
-def test_a_follower_refuses_a_poll_no_thread_can_wait(tmp_path, poll):
-    with pytest.raises(ValueError, match="poll must be seconds from 0"):
-        Follower(keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)]), tmp_path, poll=poll).start()
+@pytest.mark.parametrize("words", [{"poll": float("nan")}, {"poll": float("inf")}, {"poll": -1.0}, {"poll": 1e12},
+                                   {"max_poll": float("nan")}, {"after": "0"}, {"after": -1}, {"after": 1.5}])
+def test_a_follower_refuses_words_no_thread_can_follow_when_made(tmp_path, words):
+    """Refused by the constructor, as follow() refuses them: not on the following thread, whose
+    failure shows only at the first wait."""
+    with pytest.raises(ValueError, match=f"{next(iter(words))} must"):
+        Follower(keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)]), tmp_path, **words)
 
 
 def test_tf1_checkpoint_with_empty_name_segments_assigns_strictly(tmp_path):

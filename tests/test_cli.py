@@ -785,10 +785,8 @@ def _checkpoint_without_its_data(tmp_path) -> tuple[list[str], str, str | None]:
     return ["convert", prefix, str(tmp_path / "out.npz")], prefix + ".data-00000-of-00001", "w"
 
 
-def _folder_with_a_damaged_latest(tmp_path) -> tuple[list[str], str, str | None]:
-    ws.publish(tmp_path, {"w": np.ones(2, np.float32)}, step=1)
-    (tmp_path / "LATEST").write_text("{}")
-    return ["versions", str(tmp_path)], str(tmp_path), None
+def _folder_of_versions_not_there(tmp_path) -> tuple[list[str], str, str | None]:
+    return ["versions", str(tmp_path / "typo")], str(tmp_path / "typo"), None  # (a damaged LATEST is listed past)
 
 
 def _key_too_long_for_the_target(tmp_path) -> tuple[list[str], str, str | None]:
@@ -864,7 +862,7 @@ def _tensor_no_layout_rule_converts(tmp_path) -> tuple[list[str], str, str | Non
 
 
 @pytest.mark.parametrize("damaged", [_truncated_safetensors, _corrupt_npz, _checkpoint_without_its_data,
-                                     _folder_with_a_damaged_latest, _key_too_long_for_the_target,
+                                     _folder_of_versions_not_there, _key_too_long_for_the_target,
                                      _dtype_the_target_cannot_hold, _suffix_that_names_no_format,
                                      _include_that_matches_nothing, _also_that_matches_nothing,
                                      _import_selection_that_keeps_nothing, _mapping_that_merges_two_keys,

@@ -436,3 +436,149 @@ def test_metadata_as_dense_as_json_allows_reads_back_from_latest(tmp_path):
     shapes = [[i] for i in range(3000)]
     ws.publish(tmp_path / "run", {"w": np.ones(2, np.float32)}, step=1, metadata={"layer_shapes": shapes})
     assert ws.latest(tmp_path / "run").metadata["layer_shapes"] == shapes
+
+
+# --- limits and damage a publisher or a follower meets -----------------------------------------
+
+def test_metadata_that_would_make_latest_unreadable_is_refused_before_anything_is_written(tmp_path):
+    """LATEST carries the metadata, JSON-escaped (é is 6 bytes there): past what readers read, the
+    version would be published and never served."""
+    run = tmp_path / "run"
+    ws.publish(run, weights_at(1), step=1)
+    big = {"notes": "é" * 200_000}  # 0.4 MB in the file, 1.2 MB in LATEST
+    limit = rf"{versions._MAX_POINTER_BYTES}"
+    with pytest.raises(TypeError, match=rf"{run}/step-000000000002.npz: .*LATEST \d+ bytes.*{limit}"):
+        ws.publish(run, weights_at(2), step=2, metadata=big)
+    assert files(run) == [".publish.lock", "LATEST", "step-000000000001.npz"]
+    ws.publish_shard(run, weights_at(2), step=2, rank=0, world=1, attempt=0)
+    with pytest.raises(TypeError, match=rf"step-000000000002.wsindex: .*LATEST \d+ bytes.*{limit}"):
+        ws.commit_shards(run, step=2, world=1, attempt=0, timeout=5, metadata=big)
+    assert not [name for name in files(run) if name.endswith(".wsindex") or name == ".publishing"]
+    assert ws.latest(run).step == 1
+    ws.publish(run, weights_at(3), step=3, metadata={"notes": "é" * 1000})
+    assert ws.latest(run).metadata == {"notes": "é" * 1000}
+
+
+def test_a_latest_over_the_size_limit_says_so(tmp_path, cli):
+    ws.publish(tmp_path, weights_at(1), step=1)
+    pointer = (tmp_path / "LATEST").read_bytes()
+    (tmp_path / "LATEST").write_bytes(pointer[:-1] + b" " * versions._MAX_POINTER_BYTES + b"}")
+    larger = f"LATEST is larger than {versions._MAX_POINTER_BYTES} bytes"
+    with pytest.raises(ws.FormatError, match=larger):
+        ws.latest(tmp_path)
+    with pytest.raises(ws.FormatError, match=larger):
+        next(ws.follow(tmp_path, timeout=0))
+    with pytest.warns(UserWarning, match=larger):
+        ws.publish(tmp_path, weights_at(2), step=2)  # which repairs it
+    assert ws.latest(tmp_path).step == 2
+
+
+def test_follow_checks_its_words_when_called(tmp_path, cli):
+    """``follow`` is a generator: a bad word must be refused by the call, not at the first ``next``
+    (or never: a NaN timeout ended no wait)."""
+    ws.publish(tmp_path, weights_at(1), step=1)
+    for words, message in [({"timeout": float("nan")}, "timeout must be seconds"), ({"timeout": -1}, "timeout must"),
+                           ({"after": "0"}, "after must be a non-negative int"), ({"after": 1.5}, "after must"),
+                           ({"after": -1}, "after must"), ({"poll": float("nan")}, "poll must")]:
+        with pytest.raises(ValueError, match=message):
+            ws.follow(tmp_path, **words)
+    assert [v.step for v in ws.follow(tmp_path, after=np.int64(0), timeout=0)] == [1]
+    for words in (["--timeout", "nan"], ["--timeout", "-1"], ["--after", "-1"]):
+        result = CliRunner().invoke(cli, ["follow", str(tmp_path), "--after", "1", "--poll", "0.01", *words])
+        assert result.exit_code == 2, result.output
+
+
+def test_notifications_take_the_region_from_the_queue_url(tmp_path, monkeypatch, cli):
+    for name in ("AWS_DEFAULT_REGION", "AWS_REGION", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    run = tmp_path / "run"
+    ws.publish(run, weights_at(1), step=1)
+    for queue in ("https://sqs.eu-west-1.amazonaws.com/123456789012/follower",
+                  "https://eu-west-1.queue.amazonaws.com/123456789012/follower"):
+        assert next(ws.follow(run, notifications=queue, timeout=0)).step == 1
+    elsewhere = "http://127.0.0.1:9324/123456789012/follower"  # a local SQS: no region in its name
+    with pytest.raises(ws.StorageError, match="set AWS_DEFAULT_REGION") as caught:
+        ws.follow(run, notifications=elsewhere)
+    assert caught.value.path == elsewhere
+    result = CliRunner().invoke(cli, ["follow", str(run), "--timeout", "0", "--notifications", elsewhere])
+    assert result.exit_code == 1 and "set AWS_DEFAULT_REGION" in str(result.exception)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    assert next(ws.follow(run, notifications=elsewhere, timeout=0)).step == 1
+
+
+def test_versions_lists_a_folder_whose_latest_is_damaged(tmp_path, cli):
+    """The listing is what one needs when LATEST is damaged: every version, none marked, and why."""
+    for step in (1, 2, 3):
+        ws.publish(tmp_path, weights_at(step), step=step)
+    (tmp_path / "LATEST").write_bytes(b'{"format": "weightstore-latest", "step": 3, "fi')  # a torn copy
+    damaged = "LATEST is not a weightstore version pointer"
+    with pytest.warns(UserWarning, match=damaged):
+        entries = versions.list_versions(tmp_path)
+    assert [(entry.step, entry.latest) for entry in entries] == [(1, False), (2, False), (3, False)]
+    result = CliRunner().invoke(cli, ["versions", str(tmp_path)])
+    assert result.exit_code == 0 and len(result.stdout.splitlines()) == 3 and "LATEST" not in result.stdout
+    assert damaged in result.stderr
+    result = CliRunner().invoke(cli, ["versions", str(tmp_path), "--json"])
+    document = json.loads(result.stdout)
+    assert result.exit_code == 0 and [row["step"] for row in document["versions"]] == [1, 2, 3]
+    assert damaged in document["latest_error"]
+    with pytest.warns(UserWarning):
+        ws.publish(tmp_path, weights_at(4), step=4)
+    result = CliRunner().invoke(cli, ["versions", str(tmp_path), "--json"])
+    assert json.loads(result.stdout)["latest_error"] is None
+
+
+def test_follow_passes_over_a_damaged_version_and_yields_the_next(tmp_path, caplog, monkeypatch):
+    """One damaged version (a truncated copy) must not end ``for version in ws.follow(...)`` for
+    good: it is logged once and waited past, looking at LATEST every poll, not spinning."""
+    ws.publish(tmp_path, weights_at(1), step=1)
+    following = ws.follow(tmp_path, poll=0.02, timeout=10)
+    assert next(following).step == 1
+    damaged = ws.publish(tmp_path, weights_at(2), step=2)
+    with open(damaged.path, "r+b") as handle:
+        handle.truncate(100)
+    looks = []
+    read_small = versions.LocalFolder.read_small
+
+    def counted(self, name, limit):
+        if name == "LATEST":
+            looks.append(time.monotonic())
+        return read_small(self, name, limit)
+
+    monkeypatch.setattr(versions.LocalFolder, "read_small", counted)
+    threading.Timer(0.5, lambda: ws.publish(tmp_path, weights_at(3), step=3)).start()
+    version = next(following)
+    assert version.step == 3
+    assert_whole(ws.load(version), 3)
+    following.close()
+    assert 3 <= len(looks) < 40, len(looks)
+    passed = [record for record in caplog.records if "step-000000000002.npz" in record.getMessage()]
+    assert len(passed) == 1 and passed[0].levelname == "WARNING", caplog.text
+
+
+def test_publish_refuses_what_no_folder_can_hold_naming_it(tmp_path):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ws.TargetError, match=f"^{tmp_path}/afile/run: "):
+        ws.publish(tmp_path / "afile" / "run", weights_at(1), step=1)
+    huge = tmp_path / "huge"
+    for publish in (lambda: ws.publish(huge, weights_at(1), step=10**300),
+                    lambda: ws.publish_shard(huge, weights_at(1), step=10**300, rank=0, world=1, attempt=0),
+                    lambda: ws.commit_shards(huge, step=10**300, world=1, attempt=0, timeout=1)):
+        with pytest.raises(ValueError, match="step .*too large"):
+            publish()
+    assert not huge.exists()
+    ws.publish(huge, weights_at(1), step=10**200)
+    assert ws.latest(huge).step == 10**200
+
+
+@pytest.mark.parametrize("kind", ["folder", "FIFO"])
+def test_latest_naming_a_folder_or_fifo_says_what_it_is(tmp_path, kind):
+    ws.publish(tmp_path, weights_at(1), step=1)
+    squatter = tmp_path / "step-000000000002.npz"
+    os.mkdir(squatter) if kind == "folder" else os.mkfifo(squatter)
+    (tmp_path / "LATEST").write_text(json.dumps({"format": "weightstore-latest", "version": 1, "step": 2,
+                                                 "file": squatter.name, "created": "", "metadata": {}}))
+    with pytest.raises(ws.FormatError, match=f"^{squatter}: is a {kind}, not a file"):
+        ws.load(ws.latest(tmp_path))

@@ -338,3 +338,42 @@ def test_a_sharded_version_reads_its_members_with_the_folders_storage_options(s3
     version = ws.latest(folder, storage_options=s3)
     assert version.path.endswith(".wsindex")
     np.testing.assert_array_equal(ws.load(version)["w"], weights)
+
+
+def test_the_loser_of_a_publish_race_on_s3_can_publish_its_step_again(s3, folder, monkeypatch):
+    """Of two publishers that read the same LATEST, the one whose swap fails removes its own
+    version file: left above LATEST, no intent naming it, it read as a restored LATEST and
+    refused the loser's retry of its own step."""
+    ws.publish(folder, weights_at(9), step=9, storage_options=s3)
+    both_read, first_done = threading.Barrier(2, timeout=30), threading.Event()
+
+    def stage(name):
+        if name == "cleaned":
+            both_read.wait()  # both have read LATEST, step 9
+        if name == "version-written" and threading.current_thread().name == "second":
+            first_done.wait(30)  # the first swaps LATEST while the second's version is written
+
+    monkeypatch.setattr(versions, "_stage", stage)
+    outcomes = {}
+
+    def publish(step):
+        try:
+            outcomes[step] = ws.publish(folder, weights_at(step), step=step, storage_options=s3).step
+        except ws.PublishError as exc:
+            outcomes[step] = exc
+        finally:
+            if threading.current_thread().name == "first":
+                first_done.set()
+
+    threads = [threading.Thread(target=publish, args=(10,), name="first"),
+               threading.Thread(target=publish, args=(11,), name="second")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    monkeypatch.setattr(versions, "_stage", lambda name: None)
+    assert outcomes[10] == 10
+    assert isinstance(outcomes[11], ws.PublishError) and "publish it again" in str(outcomes[11])
+    assert "step-000000000011.npz" not in names(s3, folder)
+    assert ws.publish(folder, weights_at(11), step=11, storage_options=s3).step == 11
+    assert_whole(ws.load(ws.latest(folder, storage_options=s3)), 11)

@@ -48,8 +48,8 @@ from weightstore.versions import (
     DEFAULT_KEEP,
     PublishOptions,
     Version,
-    checked_count,
     checked_keep,
+    checked_step,
     publish,
 )
 
@@ -122,7 +122,7 @@ class BackgroundPublisher:
         """
         if self._closed:
             raise PublishError("this BackgroundPublisher is closed", path=str(self.folder))
-        step = checked_count("step", step)  # here, not on the thread: a bad step must not cost the next publish
+        step = checked_step(step)  # here, not on the thread: a bad step must not cost the next publish
         self.wait()
         future = PublishFuture()
         future.set_running_or_notify_cancel()

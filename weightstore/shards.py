@@ -45,7 +45,7 @@ from weightstore.formats import Format, format_named
 from weightstore.io.folders import Folder, folder_for
 from weightstore.keys import validate_key
 from weightstore.manifest import from_storage, logical_dtype, to_storage
-from weightstore.saving import CheckedWeights, checked_metadata, write_file
+from weightstore.saving import CheckedWeights, write_file
 from weightstore.shardindex import (
     INDEX_FORMAT,
     MAX_DONE_BYTES,
@@ -81,7 +81,9 @@ from weightstore.versions import (
     _versions,
     checked_count,
     checked_keep,
+    checked_pointer_metadata,
     checked_seconds,
+    checked_step,
     commit_version,
     require_folder,
 )
@@ -224,7 +226,7 @@ def commit_shards(
     target = folder_for(folder, storage_options)
     members = folder_for(target.url(attempt_folder(step, attempt)), storage_options)
     name = index_name(step)
-    metadata = checked_metadata(metadata, target.url(name))
+    metadata = checked_pointer_metadata(metadata, step, name, target.url(name))
     found, sizes = _wait_for_ranks(members, world, timeout)
     records = []
     for rank, data in sorted(found.items()):
@@ -558,4 +560,7 @@ def _merged(records: list[DoneRecord], step: int, attempt: int, world: int, meta
 
 def _check_ids(**ids: int) -> None:
     for name, value in ids.items():
-        checked_count(name, value)
+        if name == "step":
+            checked_step(value)
+        else:
+            checked_count(name, value)

@@ -125,6 +125,8 @@ POINTER_FORMAT = "weightstore-latest"
 #: (it refuses over 4,300); a file system names none longer than 255 bytes anyway
 _NAME = re.compile(r"^step-([0-9]{1,1000})(\.[A-Za-z0-9]+)$")
 _MAX_POINTER_BYTES = 1 << 20
+#: a file name has at most 255 bytes: ``step-``, the digits, and at most 12 more (``.safetensors``, ``.attempt-999``)
+_MAX_STEP_DIGITS = 255 - len("step-") - 12
 #: no density bound beyond JSON's own (2 bytes a container): LATEST carries the user's metadata, as dense as
 #: they made it, and its size limit already bounds what a parse allocates (about 32 MB for 1 MB of ``[[[``)
 _POINTER_BYTES_PER_CONTAINER = 2
@@ -277,7 +279,8 @@ def publish(
         step: above the step ``LATEST`` names and every version file it does not account for.
         keep: how many versions stay (``None``: all); never fewer than two, so the version a
             reader has just found through ``LATEST`` survives the next publish.
-        metadata: JSON-serializable; travels in the file and in ``LATEST``.
+        metadata: JSON-serializable; travels in the file and in ``LATEST``, which readers read
+            up to 1 MiB (a ``TypeError`` refuses more before anything is written).
         format: ``"npz"`` (default), ``"hdf5"`` or ``"safetensors"``.
         storage_options: for URLs, given to fsspec (credentials, ``client_kwargs={"endpoint_url": ...}``).
 
@@ -291,20 +294,38 @@ def publish(
     Example:
         >>> ws.publish("runs/a", weights, step=1200, keep=5, metadata={"loss": 0.31})
     """
-    step, keep = checked_count("step", step), checked_keep(keep)
+    step, keep = checked_step(step), checked_keep(keep)
     fmt = format_named(format)
     target = folder_for(folder, storage_options)
     name = f"step-{step:012d}{fmt.suffixes[0]}"
     arrays = CheckedWeights(weights, target.url(name), fmt)
-    metadata = checked_metadata(metadata, target.url(name))
+    metadata = checked_pointer_metadata(metadata, step, name, target.url(name))
     target.create()
+    written: list[str] = []  # the version file, once this publish wrote it
 
     def write_version(created: str) -> None:
         with target.commit(name, fmt.suffixes[0]).writing() as local:
             write_file(local, fmt, arrays, metadata, False, created=created)
             _stage("version-temporary")
+        written.append(name)
 
-    return commit_version(target, step, name, write_version, metadata, keep)
+    try:
+        return commit_version(target, step, name, write_version, metadata, keep)
+    except PublishError:
+        # a race lost on object storage: left above LATEST with no intent naming it, the file
+        # would read as a restored LATEST's newer version and refuse this very step's retry
+        if written and not _names_step(target, step):
+            target.remove(name)
+        raise
+
+
+def _names_step(target: Folder, step: int) -> bool:
+    """Whether ``LATEST`` names ``step`` now; when it cannot be read, as if it did (keep the file)."""
+    try:
+        current = _latest(target)
+    except WeightStoreError:
+        return True
+    return current is not None and current.step == step
 
 
 def checked_count(name: str, value: Any) -> int:
@@ -314,6 +335,36 @@ def checked_count(name: str, value: Any) -> int:
     if number is None or number < 0:
         raise ValueError(f"{name} must be a non-negative int, not {value!r}")
     return number
+
+
+def checked_step(step: Any) -> int:
+    """``step`` as :func:`checked_count` takes it, and short enough that its files' names fit
+    the 255 bytes a file system allows (``step-…safetensors``, a sharded version's
+    ``step-….attempt-N``): a longer one failed the write after the publish recorded its intent."""
+    number = checked_count("step", step)
+    if len(str(number)) > _MAX_STEP_DIGITS:
+        raise ValueError(f"step must have at most {_MAX_STEP_DIGITS} digits, or its file names would be longer than "
+                         f"the 255 bytes a file system allows; step {str(number)[:20]}… is too large")
+    return number
+
+
+def checked_pointer_metadata(metadata: Mapping[str, Any] | None, step: int, name: str, where: str) -> dict[str, Any]:
+    """``metadata`` as :func:`checked_metadata` takes it, refused as well (with its
+    ``TypeError``) when the ``LATEST`` that carries it would be larger than readers read: the
+    version would be published and never reached. Checked before anything is written, with
+    this moment standing in for the publish's ``created`` (always as long)."""
+    metadata = checked_metadata(metadata, where)
+    size = len(_pointer(step, name, utc_now(), metadata))
+    if size > _MAX_POINTER_BYTES:
+        raise TypeError(f"{where}: metadata makes LATEST {size} bytes, over the {_MAX_POINTER_BYTES} bytes readers "
+                        "read (LATEST writes each non-ASCII character as 6 bytes); make the metadata smaller")
+    return metadata
+
+
+def _pointer(step: int, name: str, created: str, metadata: Mapping[str, Any]) -> bytes:
+    """``LATEST``'s content naming version file ``name``."""
+    return json.dumps({"format": POINTER_FORMAT, "version": 1, "step": step, "file": name, "created": created,
+                       "metadata": dict(metadata)}, sort_keys=True).encode()
 
 
 def checked_keep(keep: Any) -> int | None:
@@ -360,11 +411,10 @@ def commit_version(target: Folder, step: int, name: str, write: Callable[[str], 
         _stage("cleaned")
         _write_small(target, INTENT, json.dumps({"step": step, "file": name}).encode())
         created = utc_now()
-        pointer = json.dumps({"format": POINTER_FORMAT, "version": 1, "step": step, "file": name,
-                              "created": created, "metadata": dict(metadata or {})}, sort_keys=True)
+        pointer = _pointer(step, name, created, metadata or {})
         write(created)
         _stage("version-written")
-        _write_latest(target, state, pointer.encode(), step)
+        _write_latest(target, state, pointer, step)
         _stage("latest-written")
         if not isinstance(target, LocalFolder):
             state.remove_unpublished(step)  # only now: see _FolderState.remove_unpublished
@@ -386,7 +436,8 @@ def _write_latest(target: Folder, state: _FolderState, pointer: bytes, step: int
     _stage("latest-temporary")
     if not target.put_if(LATEST, pointer, create=not state.latest_exists, expect=state.latest_tag):
         raise PublishError(f"LATEST changed while step {step} was being published (another publisher committed "
-                           "first); this version was not published", path=target.where)
+                           "first); this version was not published: publish it again (with a step above the one "
+                           "LATEST names now)", path=target.where)
 
 
 def latest(folder: Any, *, storage_options: Mapping[str, Any] | None = None) -> Version | None:
@@ -417,7 +468,11 @@ def follow(
     logged warning: it names what the folder now serves. Stops after ``timeout`` seconds
     without a new version (``None``: never). A version pruned between reading ``LATEST`` and
     opening it is retried at once; ``LATEST`` naming a file that stays missing raises
-    :class:`StoreNotFoundError`. A storage outage is waited out (see the module docstring).
+    :class:`StoreNotFoundError`. A version whose file is damaged (it does not open: truncated,
+    corrupt) is passed over with a logged warning, not yielded, and the looks go on: one
+    damaged copy must not end the loop that the next good publish would have fed. A storage
+    outage is waited out (see the module docstring). The arguments are checked by the call
+    itself, not at the first ``next``.
 
     Looks at ``LATEST`` every ``poll`` seconds at first; each look that finds nothing new
     doubles the wait, up to ``max_poll`` (default ``4 * poll``; pass ``poll`` for a fixed
@@ -426,8 +481,15 @@ def follow(
     With ``notifications`` (an SQS queue URL the bucket's event notifications feed), an event
     naming ``LATEST`` ends the wait at once (:mod:`weightstore.notify`); polling goes on too.
     """
+    timeout = None if timeout is None else checked_seconds("timeout", timeout)
+    after = None if after is None else checked_count("after", after)
     watch = PointerWatch(versions_folder(folder, storage_options), poll, max_poll, notifications)
-    last, followed = after, False
+    return _follow(watch, timeout, after)
+
+
+def _follow(watch: PointerWatch, timeout: float | None, after: int | None) -> Iterator[Version]:
+    """:func:`follow`'s loop, a generator of its own so that ``follow`` checks its words when called."""
+    last, followed, passed_over = after, False, None
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         try:
@@ -436,6 +498,14 @@ def follow(
             if deadline is not None and time.monotonic() >= deadline:
                 raise
             _log.warning("weightstore: following %s: %s; retrying in %ss", watch.source.where, exc, watch.interval)
+            version = None
+        except FormatError as exc:
+            if watch.unreadable is None:  # LATEST itself: it names nothing to wait past
+                raise
+            if watch.unreadable != passed_over:
+                _log.warning("weightstore: following %s: passing over version %d, which cannot be read (%s); "
+                             "waiting for a later one", watch.source.where, watch.unreadable, exc)
+                passed_over = watch.unreadable
             version = None
         if version is not None:
             try:
@@ -472,6 +542,8 @@ class PointerWatch:
         self.interval = poll
         self._read: object | None = None  # the tag of the pointer last read through; never matches at first
         self._fresh = True
+        #: the step of the version the last look found damaged (its file does not open), if it did
+        self.unreadable: int | None = None
         self.wake = None
         if notifications is not None:
             from weightstore.notify import QueueWake
@@ -506,13 +578,44 @@ class PointerWatch:
         if not self._fresh and tag == self._read:
             self._idle()
             return None
-        version = _newer_pinned(self.source, last, back=followed)
+        self.unreadable = None
+        version = self._newer_pinned(last, back=followed)
         self._read, self._fresh = tag, False
         if version is None:
             self._idle()
         else:
             self.interval = self.poll
         return version
+
+    def _newer_pinned(self, last: int | None, *, back: bool) -> Version | None:
+        """The latest version if it is above ``last`` (with ``back``, below it too), opened;
+        retries while it is pruned away. A version whose file does not open (damaged) is noted in
+        :attr:`unreadable` before its error is raised."""
+        gone = None
+        while True:
+            version = _latest(self.source)
+            if version is None or (last is not None and (version.step == last if back else version.step <= last)):
+                return None
+            went_back = last is not None and version.step < last  # only asked for with ``back``
+            try:
+                version.pin()
+            except FormatError:
+                self.unreadable = version.step
+                raise
+            except VersionGoneError:
+                if gone == version.step and went_back:
+                    _log.warning("weightstore: following %s: LATEST went back to %s, which does not exist; keeping "
+                                 "step %d", self.source.where, version.path, last)
+                    return None  # a pointer restored to a version pruned since: nothing to follow down to
+                if gone == version.step:  # LATEST still names it: not a race, a damaged folder
+                    raise StoreNotFoundError(f"LATEST names {version.path}, which does not exist; publish again to "
+                                             "repair", path=self.source.where) from None
+                gone = version.step
+                continue
+            if went_back:
+                _log.warning("weightstore: following %s: LATEST went back from step %d to %d (the folder was made "
+                             "anew, or LATEST restored); following it", self.source.where, last, version.step)
+            return version
 
     def forget(self) -> None:
         """Read the pointer on the next look even if its tag did not change (its version went away)."""
@@ -522,41 +625,30 @@ class PointerWatch:
         self.interval = min(self.max_poll, self.interval * 2 or self.max_poll)
 
 
-def _newer_pinned(source: Folder, last: int | None, *, back: bool = False) -> Version | None:
-    """The latest version if it is above ``last`` (with ``back``, below it too), opened;
-    retries while it is pruned away."""
-    gone = None
-    while True:
-        version = _latest(source)
-        if version is None or (last is not None and (version.step == last if back else version.step <= last)):
-            return None
-        went_back = last is not None and version.step < last  # only asked for with ``back``
-        try:
-            version.pin()
-        except VersionGoneError:
-            if gone == version.step and went_back:
-                _log.warning("weightstore: following %s: LATEST went back to %s, which does not exist; keeping "
-                             "step %d", source.where, version.path, last)
-                return None  # a pointer restored to a version pruned since: nothing to follow down to
-            if gone == version.step:  # LATEST still names it: not a race, a damaged folder
-                raise StoreNotFoundError(f"LATEST names {version.path}, which does not exist; publish again to repair",
-                                         path=source.where) from None
-            gone = version.step
-            continue
-        if went_back:
-            _log.warning("weightstore: following %s: LATEST went back from step %d to %d (the folder was made "
-                         "anew, or LATEST restored); following it", source.where, last, version.step)
-        return version
-
-
 def list_versions(folder: Any, *, storage_options: Mapping[str, Any] | None = None) -> list[VersionEntry]:
-    """Every version file in ``folder``, oldest first, marking the one ``LATEST`` names."""
+    """Every version file in ``folder``, oldest first, marking the one ``LATEST`` names.
+
+    A damaged ``LATEST`` marks none, with a warning saying what is wrong with it: the listing is
+    what one needs then (which versions are there, which step a repairing publish must pass)."""
+    entries, damage = version_listing(folder, storage_options=storage_options)
+    if damage is not None:
+        warnings.warn(str(damage), stacklevel=2)
+    return entries
+
+
+def version_listing(folder: Any, *, storage_options: Mapping[str, Any] | None = None,
+                    ) -> tuple[list[VersionEntry], FormatError | None]:
+    """:func:`list_versions`, with what is wrong with ``LATEST`` (``None`` when it reads) as a
+    value rather than a warning, for a caller that reports it itself (``ws versions --json``)."""
     source = require_folder(folder, storage_options=storage_options)
-    pointer = _latest(source)
+    try:
+        pointer, damage = _latest(source), None
+    except FormatError as exc:
+        pointer, damage = None, exc
     named = pointer.path.rsplit("/", 1)[-1] if pointer else None
     return [VersionEntry(step, entry.name, source.url(entry.name), entry.size, entry.modified, entry.name == named,
                          *_sharded_sizes(source, entry.name))
-            for step, entry in _versions(source)]
+            for step, entry in _versions(source)], damage
 
 
 def versions_folder(folder: Any, storage_options: Mapping[str, Any] | None = None) -> Folder:
@@ -610,7 +702,7 @@ class _FolderState:
     @classmethod
     def read(cls, folder: Folder) -> _FolderState:
         try:
-            data, tag = folder.read_tagged(LATEST, _MAX_POINTER_BYTES)
+            data, tag = folder.read_tagged(LATEST, _MAX_POINTER_BYTES + 1)
         except TargetError as exc:
             return cls(folder, None, FormatError(f"{exc.message}; the next publish replaces it", path=exc.path),
                        _versions(folder), _read_intent(folder), True)
@@ -734,7 +826,7 @@ def remove_version(folder: Folder, name: str) -> None:
 
 def _latest(folder: Folder) -> Version | None:
     try:
-        data = folder.read_small(LATEST, _MAX_POINTER_BYTES)
+        data = folder.read_small(LATEST, _MAX_POINTER_BYTES + 1)  # one byte past the limit: to tell "too large"
     except TargetError as exc:
         raise FormatError(f"{exc.message}; the next publish replaces it", path=exc.path) from None
     return _pointer_version(folder, data)
@@ -815,6 +907,9 @@ def _gone(version: Version) -> VersionGoneError:
 
 
 def _parse_pointer(data: bytes) -> dict[str, Any]:
+    if len(data) > _MAX_POINTER_BYTES:
+        raise FormatError(f"LATEST is larger than {_MAX_POINTER_BYTES} bytes, more than readers read; publish again "
+                          "to repair it")
     if not data.strip():
         raise FormatError("LATEST is empty; publish again to repair it")
     try:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from weightstore.errors import TargetError
+from weightstore.errors import FileAccessError, FormatError, TargetError, WriteError
 from weightstore.io import s3
 from weightstore.io.commit import Commit, RenameCommit, UploadCommit
 from weightstore.io.files import TEMP_MARK, fsync_folder, fsync_path, kind_of, temporary_beside
@@ -130,6 +130,10 @@ class LocalFolder(Folder):
             self.root.mkdir(parents=True, exist_ok=True)
         except FileExistsError:
             raise TargetError("is not a folder", path=self.where) from None
+        except NotADirectoryError:
+            raise TargetError("cannot be made: a folder above it is a file", path=self.where) from None
+        except OSError as exc:
+            raise WriteError(exc.errno or 0, f"cannot be made ({exc.strerror or exc})", path=self.where) from None
 
     def exists(self) -> bool:
         return self.root.is_dir()
@@ -222,9 +226,17 @@ class LocalFolder(Folder):
         shutil.rmtree(self.root / name, ignore_errors=True)
 
     def open_binary(self, name: str, *, file_object: bool = False) -> str:
+        """The file's path; a folder or FIFO squatting on the name is a :class:`FormatError`
+        saying so, not the missing file that a pruned version is."""
         path = self.root / name
-        if not path.is_file():
-            raise FileNotFoundError(str(path))
+        try:
+            kind = kind_of(os.stat(path).st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            raise FileNotFoundError(str(path)) from None
+        except OSError as exc:
+            raise FileAccessError(f"cannot be opened ({exc.strerror or exc})", path=str(path)) from None
+        if kind is not None:
+            raise FormatError(f"is {kind}, not a file", path=str(path))
         return str(path)
 
     def temporaries(self) -> list[str]:
