@@ -383,10 +383,34 @@ def widens(source: np.dtype, target: np.dtype) -> bool:
             return False
     except TypeError:
         return False
-    if source.kind in "iu" and target.kind in "fc":  # numpy calls int64 -> float64 safe; it is not
-        bits = source.itemsize * 8 - (source.kind == "i")
-        return bits <= np.finfo(target).nmant + 1
-    return True
+    integers = _integer_bits(source)
+    return integers is None or _holds_integers(target, *integers)
+
+
+def _integer_bits(dtype: np.dtype) -> tuple[int, bool] | None:
+    """Magnitude bits and signedness of a bool or integer dtype (numpy's or ml_dtypes', such as
+    int4), ``None`` for any other: numpy calls every integer -> float cast safe."""
+    if dtype.kind == "b":
+        return 1, False
+    try:
+        info = ml_dtypes.iinfo(dtype)
+    except ValueError:
+        return None
+    signed = info.min < 0
+    return info.bits - signed, signed
+
+
+def _holds_integers(target: np.dtype, bits: int, signed: bool) -> bool:
+    """Whether ``target`` holds every integer of ``bits`` magnitude bits: a float needs that many
+    significand bits (int64 does not fit float64, nor int8 float8_e4m3fn), the range for the
+    largest, a sign for negatives and a zero (float8_e8m0fnu has neither). ml_dtypes' floats
+    are numpy kind ``V`` (some ``f``), so ``ml_dtypes.finfo`` tells what a float is."""
+    try:
+        info = ml_dtypes.finfo(target)
+    except ValueError:
+        return True  # an integer: np.can_cast judged its range
+    return (bits <= info.nmant + 1 and bits < info.maxexp and (info.min < 0 or not signed)
+            and target.type(0) == 0)
 
 
 def _castable(source: np.dtype, target: np.dtype) -> bool:

@@ -38,6 +38,7 @@ from weightstore.extras import needs
 with needs("torch", __name__):
     import torch
     from torch import nn
+    from torch.nn.parameter import is_lazy
 
 from weightstore.adapters import layout as layouts
 from weightstore.adapters import torch_shards
@@ -62,22 +63,31 @@ from weightstore.shards import Piece, split_rows
 __all__ = ["export", "export_pieces", "assign", "tensors", "forget", "to_numpy"]
 
 OPTIONAL_LEAF = "num_batches_tracked"
-#: torch dtypes numpy lacks -> (their ml_dtypes kind, a torch integer of the same width):
-#: the bytes cross between the two as that integer
-_VIEWED = {
-    torch.bfloat16: (np.dtype(ml_dtypes.bfloat16), torch.int16),
-    torch.float8_e4m3fn: (np.dtype(ml_dtypes.float8_e4m3fn), torch.uint8),
-    torch.float8_e5m2: (np.dtype(ml_dtypes.float8_e5m2), torch.uint8),
-}
+#: the name PyTorch gives ``get_extra_state()``'s object in a ``state_dict``
+EXTRA_STATE = "_extra_state"
+#: torch dtypes numpy lacks, by the name torch and ml_dtypes share -> a torch integer of the
+#: same width: the bytes cross between the two as that integer
+_VIEWED_NAMES = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8", "float8_e4m3fnuz": "uint8",
+                 "float8_e5m2fnuz": "uint8", "float8_e8m0fnu": "uint8"}
+#: torch dtype -> (its ml_dtypes kind, that integer), for those this torch and ml_dtypes both have
+_VIEWED = {getattr(torch, name): (np.dtype(getattr(ml_dtypes, name)), getattr(torch, integer))
+           for name, integer in _VIEWED_NAMES.items() if hasattr(torch, name) and hasattr(ml_dtypes, name)}
 _FROM_NUMPY = {kind: (dtype, integer) for dtype, (kind, integer) in _VIEWED.items()}
 
 
 def tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Key -> the module's own tensor (parameter or persistent buffer), as ``export`` and ``assign`` see them."""
+    """Key -> the module's own tensor (parameter or persistent buffer), as ``export`` and ``assign`` see them.
+
+    A ``state_dict`` entry that is no tensor (a quantized module's dtype and packed parameters)
+    holds no weight, as a TF checkpoint's string variables hold none, and is left out; so is
+    ``get_extra_state()``'s object even where it is a tensor: only ``set_extra_state`` takes it,
+    so a value written into it would change nothing.
+    """
     if not isinstance(module, nn.Module):
         raise TypeError(f"expected a torch.nn.Module, not {type(module).__name__}")
     try:
-        return {key_of_torch_name(name): tensor for name, tensor in module.state_dict(keep_vars=True).items()}
+        return {key_of_torch_name(name): tensor for name, tensor in module.state_dict(keep_vars=True).items()
+                if isinstance(tensor, torch.Tensor) and name.rpartition(".")[2] != EXTRA_STATE}
     except InvalidKeyError as exc:
         raise InvalidKeyError(f"{_describe(module)}: {exc}") from None
 
@@ -136,6 +146,7 @@ def export_pieces(module: nn.Module, *, rank: int | None = None, world: int | No
     pieces: dict[str, list[Piece]] = {}
     for key, old in chosen.items():
         tensor = found[old]
+        _refuse_without_values(tensor, key)
         shape = tuple(tensor.shape)
         sharded = torch_shards.is_sharded(tensor)
         region = torch_shards.local_region(tensor, key) if sharded else split_rows(shape, rank, world)
@@ -171,6 +182,11 @@ def assign(
         raise AssignmentError(f"cannot assign {_describe(module)}: {len(without_data)} tensors are on the meta device "
                               f"and hold no data (first {without_data[0]!r}); call module.to_empty(device=...) first",
                               missing=without_data)
+    uninitialized = [key for key, tensor in found.items() if is_lazy(tensor)]
+    if uninitialized:
+        raise AssignmentError(f"cannot assign {_describe(module)}: {len(uninitialized)} tensors are a lazy module's "
+                              f"uninitialized parameters and have no shape yet (first {uninitialized[0]!r}); "
+                              "run one forward pass first", missing=uninitialized)
     targets = {key: TargetInfo(key, numpy_dtype(tensor, key), tuple(tensor.shape), tensor.requires_grad)
                for key, tensor in found.items()}
     options = AssignOptions(**words)
@@ -337,12 +353,21 @@ def to_numpy(tensor: torch.Tensor, key: str, *, copy: bool = True) -> np.ndarray
     a new one, or with ``copy=False`` a view of a CPU tensor's own memory (for a save, which only
     reads it)."""
     dtype = numpy_dtype(tensor, key)
-    if tensor.is_meta:
-        raise SelectionError("is on the meta device and holds no values", key=key)
+    _refuse_without_values(tensor, key)
     values = tensor.detach().to("cpu", copy=copy)
     if tensor.dtype in _VIEWED:
         return values.view(_VIEWED[tensor.dtype][1]).numpy().view(dtype)
     return values.numpy()
+
+
+def _refuse_without_values(tensor: torch.Tensor, key: str) -> None:
+    """Raise :class:`SelectionError` where ``tensor`` holds no values to export (torch's own
+    errors for them name neither the key nor the fix)."""
+    if tensor.is_meta:
+        raise SelectionError("is on the meta device and holds no values", key=key)
+    if is_lazy(tensor):
+        raise SelectionError("is a lazy module's uninitialized parameter and holds no values yet; "
+                             "run one forward pass first", key=key)
 
 
 def _as_tensor(array: np.ndarray) -> torch.Tensor:

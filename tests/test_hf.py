@@ -168,6 +168,18 @@ def test_a_folder_sharded_again_holds_only_the_new_shards(tmp_path):
     np.testing.assert_equal(ws.load(folder), weights())
 
 
+def test_a_folder_saved_whole_then_sharded_reads_the_new_shards(tmp_path):
+    """A model.safetensors from an earlier unsharded save is read before any index (as
+    from_pretrained reads it): left beside the new shards, it hid them."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    old = {key: value + 1 for key, value in weights().items()}
+    ws.save(folder / "model.safetensors", old)
+    ws.save(folder, weights(), max_shard_size="1KB")
+    assert not (folder / "model.safetensors").exists()
+    np.testing.assert_equal(ws.load(folder), weights())
+
+
 def test_max_shard_size_in_bytes_may_say_B(tmp_path):
     """"give a positive number of bytes" is what a refusal says: "900B" is one, as "900" is."""
     source = tmp_path / "m.npz"
@@ -231,12 +243,12 @@ def test_a_model_folder_of_one_safetensors_file_opens_as_from_pretrained_reads_i
     (tmp_path / "model").mkdir()
     save_file(source.state_dict(), str(tmp_path / "model" / "model.safetensors"), metadata={"format": "pt"})
     (tmp_path / "model" / "config.json").write_text('{"model_type": "toy"}')
-    assert ws.load(tmp_path / "model").keys() == source.state_dict().keys()
+    assert sorted(ws.load(tmp_path / "model")) == sorted(name.replace(".", "/") for name in source.state_dict())
     target = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     assert torch_adapter.assign(target, tmp_path / "model").ok
     x = torch.ones(3, 4)
     assert torch.equal(target(x), source(x))
-    assert "0.weight" in CliRunner().invoke(app, ["ls", str(tmp_path / "model")]).output
+    assert "0/weight" in CliRunner().invoke(app, ["ls", str(tmp_path / "model")]).output
 
 
 def test_a_model_folder_of_torch_save_pickles_is_refused_naming_the_file(tmp_path):
@@ -259,3 +271,17 @@ def test_a_folder_holding_a_tf_checkpoint_too_opens_as_the_checkpoint_as_before(
     safetensors.numpy.save_file({"hf.w": np.zeros(2, np.float32)}, str(tmp_path / "model.safetensors"))
     (tmp_path / "pytorch_model.bin").write_bytes(b"never read")
     assert list(ws.load(tmp_path)) == ["tf/w"]
+
+
+def test_a_folder_holding_model_safetensors_and_an_index_opens_its_model_safetensors_as_from_pretrained(tmp_path):
+    """transformers' from_pretrained reads model.safetensors before the index (save_pretrained
+    sharding a folder again leaves an earlier model.safetensors): the index was read instead,
+    so a torch.assign of the folder gave other weights than from_pretrained."""
+    folder = hf_folder(tmp_path / "hf")
+    single = {"model.embed.weight": np.full((4, 3), 7, np.float32)}
+    safetensors.numpy.save_file(single, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    loaded = ws.load(folder, names="torch")
+    assert list(loaded) == ["model/embed/weight"]
+    assert np.array_equal(loaded["model/embed/weight"], single["model.embed.weight"])
+    assert list(ws.load(folder / INDEX)) == ["model/embed/weight", "model/layers/0/weight", "model/layers/1/weight",
+                                             "lm_head/weight"]  # the index itself, named, is still the index

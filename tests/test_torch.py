@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import ml_dtypes
@@ -188,6 +189,33 @@ def test_dtype_that_does_not_widen_needs_cast():
     assert torch.all(net.bias == 1)
 
 
+def test_integers_into_float8_need_cast_and_into_bfloat16_only_when_too_wide(tmp_path):
+    """float8_e4m3fn holds 3 mantissa bits: an int8 17 became 16 without cast=True (numpy calls
+    int8 -> any float "safe"); bfloat16's 8 bits hold every int8, not every int16."""
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("scale", torch.zeros(4, dtype=torch.float8_e4m3fn))
+            self.register_buffer("offset", torch.zeros(4, dtype=torch.bfloat16))
+
+    net = Scaled()
+    before = state(net)
+    ws.save(tmp_path / "int8.safetensors", {"scale": np.array([17, 100, -127, 9], np.int8),
+                                            "offset": np.array([127, -128, 3, 0], np.int8)})
+    with pytest.raises(AssignmentError, match="scale: variable is float8_e4m3fn.*pass cast=True"):
+        torch_adapter.assign(net, tmp_path / "int8.safetensors")
+    assert_unchanged(net, before)
+    with pytest.raises(AssignmentError, match="scale: variable is float8_e4m3fn"):
+        torch_adapter.assign(net, {"scale": np.ones(4, np.float16), "offset": np.ones(4, np.int8)})
+    with pytest.raises(AssignmentError, match="offset: variable is bfloat16"):
+        torch_adapter.assign(net, {"scale": np.ones(4, ml_dtypes.float8_e4m3fn), "offset": np.full(4, 257, np.int16)})
+    assert_unchanged(net, before)
+    torch_adapter.assign(net, {"scale": np.ones(4, ml_dtypes.float8_e4m3fn), "offset": np.array([127, -128, 3, 0], np.int8)})
+    assert net.offset.tolist() == [127, -128, 3, 0]
+    torch_adapter.assign(net, tmp_path / "int8.safetensors", cast=True)  # rounding, asked for
+    assert net.scale.float().tolist() == [16, 96, -128, 9]
+
+
 def test_cast_refuses_a_value_out_of_the_parameters_range(tmp_path):
     net = nn.Linear(2, 2).to(torch.float16)
     before = state(net)
@@ -212,6 +240,30 @@ def test_bfloat16_round_trips_through_a_store(tmp_path):
     fresh = nn.Linear(3, 2).to(torch.bfloat16)
     torch_adapter.assign(fresh, tmp_path / "bf16.npz")
     assert torch.equal(fresh.weight, net.weight)
+
+
+@pytest.mark.parametrize("name", ["float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"])
+def test_every_float8_torch_and_ml_dtypes_share_round_trips(tmp_path, name):
+    """These were refused as having no numpy counterpart, though ml_dtypes has each (MX scales
+    saved by safetensors.torch loaded, but went into no module)."""
+    from safetensors.torch import save_file
+
+    dtype = getattr(torch, name)
+
+    class Scales(nn.Module):
+        def __init__(self, values):
+            super().__init__()
+            self.register_buffer("scale", torch.tensor(values).to(dtype))
+
+    source = Scales([0.25, 1.0, 2.0, 64.0])
+    weights = torch_adapter.export(source)
+    assert weights["scale"].dtype == getattr(ml_dtypes, name) and weights["scale"].tolist() == [0.25, 1.0, 2.0, 64.0]
+    ws.save(tmp_path / "ws.safetensors", weights)
+    save_file(source.state_dict(), str(tmp_path / "torch.safetensors"))
+    for path in (tmp_path / "ws.safetensors", tmp_path / "torch.safetensors"):
+        target = Scales([1.0] * 4)
+        assert torch_adapter.assign(target, path).ok
+        assert target.scale.dtype == dtype and torch.equal(target.scale.view(torch.uint8), source.scale.view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -292,6 +344,69 @@ def test_a_module_without_data_is_refused_not_silently_skipped():
     with pytest.raises(SelectionError, match="tensor 'weight': is on the meta device") as caught:
         torch_adapter.export(net)
     assert (caught.value.path, caught.value.key) == (None, "weight")
+
+
+def test_a_lazy_module_before_its_first_forward_pass_is_refused_saying_so(tmp_path):
+    """Lazy modules' parameters have no shape until a forward pass: torch's own ValueError and
+    RuntimeError leaked from export and assign."""
+    net = nn.Sequential(nn.LazyLinear(3))
+    weights = {"0/weight": np.ones((3, 4), np.float32), "0/bias": np.ones(3, np.float32)}
+    with pytest.raises(AssignmentError, match="lazy module.*'0/weight'.*forward pass") as caught:
+        torch_adapter.assign(net, weights)
+    assert caught.value.missing == ["0/weight", "0/bias"]
+    with pytest.raises(SelectionError, match="tensor '0/weight': .*lazy.*forward pass"):
+        torch_adapter.export(net)
+    with pytest.raises(SelectionError, match="tensor '0/weight': .*lazy.*forward pass"):
+        torch_adapter.export_pieces(net, rank=0, world=1)
+    net(torch.ones(2, 4))
+    assert torch_adapter.assign(net, weights).ok
+    assert torch.equal(net[0].weight, torch.ones(3, 4))
+
+
+class WithExtraState(nn.Module):
+    """Keeps state beside its weights as PyTorch allows (TransformerEngine's fp8 metadata):
+    state_dict() holds get_extra_state()'s object under '_extra_state'."""
+
+    def __init__(self, extra):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.extra = extra
+
+    def get_extra_state(self):
+        return self.extra
+
+    def set_extra_state(self, state):
+        self.extra = state
+
+
+@pytest.mark.parametrize("extra", [{"fp8_meta_version": 3}, torch.arange(3, dtype=torch.uint8)])
+def test_extra_state_is_no_weight_and_is_left_out_of_export_and_assign(tmp_path, extra):
+    """export and assign ended in a bare AttributeError ('dict' object has no attribute 'dtype'),
+    with exclude= too; and a tensor there is a copy set_extra_state alone takes, no weight."""
+    source = WithExtraState(extra)
+    assert "_extra_state" in source.state_dict()
+    weights = torch_adapter.export(source)
+    assert list(weights) == ["lin/weight", "lin/bias"]
+    ws.save(tmp_path / "m.safetensors", weights)
+    target = WithExtraState(extra)
+    report = torch_adapter.assign(target, tmp_path / "m.safetensors")
+    assert report.ok and report.assigned == ["lin/weight", "lin/bias"] and not report.missing
+    assert torch.equal(target.lin.weight, source.lin.weight)
+    assert torch_adapter.assign(target, weights, exclude="_extra_state").ok
+
+
+def test_a_dynamically_quantized_modules_non_tensor_entries_are_left_out(tmp_path):
+    """quantize_dynamic's state_dict holds a torch.dtype and a tuple of packed tensors, no
+    tensor of their own: export ended in "'torch.dtype' object has no attribute 'dtype'"."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization is deprecated
+        quantized = torch.ao.quantization.quantize_dynamic(nn.Sequential(nn.Linear(4, 3)), {nn.Linear},
+                                                           dtype=torch.qint8)
+    assert "0._packed_params.dtype" in quantized.state_dict()
+    weights = torch_adapter.export(quantized)
+    assert list(weights) == ["0/scale", "0/zero_point"]
+    ws.save(tmp_path / "q.npz", weights)
+    assert torch_adapter.assign(quantized, tmp_path / "q.npz").ok
 
 
 def test_not_a_module_is_refused():

@@ -223,3 +223,36 @@ def test_the_conversion_the_refusal_suggests_works_for_tied_and_bfloat16_state_d
     fresh[1].weight = fresh[0].weight
     assert torch_adapter.assign(fresh, tmp_path / "model.safetensors").ok
     assert_same_state(fresh, model)
+
+
+def test_a_torchscript_archive_is_refused_as_pytorch_saying_how_to_convert(tmp_path):
+    """torch.jit.save writes its tensors (``m/data/0``) before its pickles: only a zip whose first
+    member is data.pkl was recognised, so this one was read as an npz and refused as "member
+    'm/data/0' is not an .npy array", without a word of PyTorch or of a conversion."""
+    source = net()
+    path = tmp_path / "scripted.pt"
+    torch.jit.save(torch.jit.script(source), path)
+    with pytest.raises(FormatError, match="is a PyTorch TorchScript archive") as caught:
+        ws.open(path)
+    message = str(caught.value)
+    assert caught.value.path == str(path) and "never unpickles" in message
+    assert "ws.save('model.safetensors', torch.jit.load(f).state_dict())" in message
+    result = run("ls", path)
+    assert result.exit_code == 1 and "TorchScript archive" in result.output
+    ws.save(tmp_path / "model.safetensors", torch.jit.load(path).state_dict())  # the conversion it names
+    fresh = net(seed=1)
+    assert torch_adapter.assign(fresh, tmp_path / "model.safetensors").ok
+    assert_same_state(fresh, source)
+
+
+def test_a_torch_zip_whose_pickle_is_not_its_first_member_is_refused_unread(tmp_path):
+    import zipfile
+
+    made = tmp_path / "made-by-unpickling"
+    path = tmp_path / "model.pt"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("archive/version", "3\n")
+        archive.writestr("archive/data.pkl", _evil_pickle(made))
+    with pytest.raises(FormatError, match="is a PyTorch torch.save file.*never unpickles"):
+        ws.open(path)
+    assert not made.exists()

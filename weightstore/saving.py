@@ -33,6 +33,7 @@ from weightstore.errors import (
     naming,
 )
 from weightstore.formats import Format, format_for_suffix, format_named, hf_sharded, known_suffixes
+from weightstore.formats.foreign import HF_SINGLE_FILE
 from weightstore.io.commit import commit_for
 from weightstore.io.location import is_url, location_of
 from weightstore.io.writeback import Writeback
@@ -168,9 +169,11 @@ def _save_sharded(location: str, weights: Mapping[str, Any], metadata: Mapping[s
 def _remove_stale_shards(folder: str, kept: set[str]) -> None:
     """Shards an earlier save of the folder wrote that the new index does not name, named as
     weightstore names them: left, the folder holds two models' files, whose sizes add up (as
-    ``save_pretrained``, this runs once the new index is in place)."""
+    ``save_pretrained``, this runs once the new index is in place). A ``model.safetensors``
+    an earlier unsharded save left goes too: ``from_pretrained`` (and so ``ws.load``) reads it
+    before any index, so the new weights would never be read."""
     for name in os.listdir(folder):
-        if hf_sharded.OWN_SHARD.fullmatch(name) and name not in kept:
+        if (hf_sharded.OWN_SHARD.fullmatch(name) and name not in kept) or name == HF_SINGLE_FILE:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(folder, name))
 

@@ -26,6 +26,7 @@ from isal import isal_zlib
 from weightstore import crc as _crc
 from weightstore.errors import ChecksumError, FormatError, KeyNotInStoreError, UnsafeFileError, named, naming
 from weightstore.formats import Format, ReaderDefaults, foreign_keys, shuffle_zstd, zipdir
+from weightstore.formats.foreign import refuse_torch_archive
 from weightstore.formats.zipdir import (
     CENTRAL_SIG,
     DEFLATED,
@@ -426,6 +427,8 @@ class NpzReader(ReaderDefaults):
             elif name.endswith(shuffle_zstd.MEMBER_SUFFIX) and shuffled:
                 member_keys[name[: -len(shuffle_zstd.MEMBER_SUFFIX)]] = name
             else:
+                with naming(path=self.name):
+                    refuse_torch_archive(names)
                 raise FormatError(f"member {name!r} is not an .npy array", path=self.name)
         return member_keys
 

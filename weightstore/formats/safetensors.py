@@ -288,8 +288,15 @@ class _Tensor(NamedTuple):
     end: int
 
 
+FORMAT_NAME = "safetensors"
+
+
 class SafetensorsReader(ReaderDefaults):
     """Reads and checks the whole header at open; each tensor's bytes only when asked."""
+
+    #: what a store made from this reader without a format of its own (a Hugging Face folder's
+    #: model.safetensors) says it is, so its state_dict names read as keys as the file's own do
+    format = FORMAT_NAME
 
     def __init__(self, source: ByteSource):
         self._source = source
@@ -584,7 +591,7 @@ def _looks_like_safetensors(head: bytes) -> bool:
 
 
 FORMAT = Format(
-    name="safetensors",
+    name=FORMAT_NAME,
     suffixes=(".safetensors",),
     magic=_looks_like_safetensors,
     open_reader=_open_reader,
