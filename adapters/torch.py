@@ -78,16 +78,23 @@ _FROM_NUMPY = {kind: (dtype, integer) for dtype, (kind, integer) in _VIEWED.item
 def tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     """Key -> the module's own tensor (parameter or persistent buffer), as ``export`` and ``assign`` see them.
 
-    A ``state_dict`` entry that is no tensor (a quantized module's dtype and packed parameters)
-    holds no weight, as a TF checkpoint's string variables hold none, and is left out; so is
-    ``get_extra_state()``'s object even where it is a tensor: only ``set_extra_state`` takes it,
-    so a value written into it would change nothing.
+    ``get_extra_state()``'s object is left out even where it is a tensor: only
+    ``set_extra_state`` takes it, so a value written into it would change nothing. Any other
+    entry that is no tensor (a quantized module's dtype and packed parameters) is refused: its
+    weights are inside it, and leaving it out would export a model without them.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"expected a torch.nn.Module, not {type(module).__name__}")
+    state = {name: value for name, value in module.state_dict(keep_vars=True).items()
+             if name.rpartition(".")[2] != EXTRA_STATE}
+    packed = [name for name, value in state.items() if not isinstance(value, torch.Tensor)]
+    if packed:
+        raise UnsupportedDTypeError(f"{_describe(module)}: {len(packed)} state_dict entries are no tensor (first "
+                                    f"{packed[0]!r}, a {type(state[packed[0]]).__name__}): packed parameters, such "
+                                    "as a quantized module keeps its weights in, which weightstore does not read; "
+                                    "export the module before quantizing it")
     try:
-        return {key_of_torch_name(name): tensor for name, tensor in module.state_dict(keep_vars=True).items()
-                if isinstance(tensor, torch.Tensor) and name.rpartition(".")[2] != EXTRA_STATE}
+        return {key_of_torch_name(name): tensor for name, tensor in state.items()}
     except InvalidKeyError as exc:
         raise InvalidKeyError(f"{_describe(module)}: {exc}") from None
 

@@ -395,18 +395,19 @@ def test_extra_state_is_no_weight_and_is_left_out_of_export_and_assign(tmp_path,
     assert torch_adapter.assign(target, weights, exclude="_extra_state").ok
 
 
-def test_a_dynamically_quantized_modules_non_tensor_entries_are_left_out(tmp_path):
-    """quantize_dynamic's state_dict holds a torch.dtype and a tuple of packed tensors, no
-    tensor of their own: export ended in "'torch.dtype' object has no attribute 'dtype'"."""
+def test_a_dynamically_quantized_module_is_refused_not_exported_without_its_weights(tmp_path):
+    """quantize_dynamic's state_dict holds a torch.dtype and a tuple of packed tensors, the
+    weights themselves: export ended in "'torch.dtype' object has no attribute 'dtype'", and
+    leaving them out would write a file of scales alone."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.ao.quantization is deprecated
         quantized = torch.ao.quantization.quantize_dynamic(nn.Sequential(nn.Linear(4, 3)), {nn.Linear},
                                                            dtype=torch.qint8)
     assert "0._packed_params.dtype" in quantized.state_dict()
-    weights = torch_adapter.export(quantized)
-    assert list(weights) == ["0/scale", "0/zero_point"]
-    ws.save(tmp_path / "q.npz", weights)
-    assert torch_adapter.assign(quantized, tmp_path / "q.npz").ok
+    ws.save(tmp_path / "w.npz", {"0/scale": np.ones(()), "0/zero_point": np.zeros((), np.int64)})
+    for attempt in (lambda: torch_adapter.export(quantized), lambda: torch_adapter.assign(quantized, tmp_path / "w.npz")):
+        with pytest.raises(ws.UnsupportedDTypeError, match="'0._packed_params.dtype'.*before quantizing"):
+            attempt()
 
 
 def test_not_a_module_is_refused():
