@@ -207,6 +207,21 @@ def test_a_remote_sharded_folder_reads_shards_only_for_the_keys_asked(tmp_path):
             store["nope"]
 
 
+def test_a_remote_model_folder_reads_its_model_safetensors_first_as_a_local_one(tmp_path):
+    """A remote folder was read only through an index: one model.safetensors (what
+    save_pretrained writes below its shard size) was no model, and beside an index was passed over."""
+    url = f"memory://hf-{tmp_path.name}/model"
+    single = {key: value + 1 for key, value in weights().items()}
+    ws.save(f"{url}/model.safetensors", single)
+    np.testing.assert_equal(ws.load(url), single)
+    import fsspec
+
+    fsspec.filesystem("memory").pipe(f"/hf-{tmp_path.name}/model/{INDEX}", b"{}")  # beside it, an index
+    np.testing.assert_equal(ws.load(url), single)
+    ws.save(url, weights(), max_shard_size=900)  # re-sharded: the model.safetensors that would hide it goes
+    np.testing.assert_equal(ws.load(url), weights())
+
+
 def test_ws_convert_writes_and_ws_ls_reads_a_sharded_folder(tmp_path):
     source = tmp_path / "m.npz"
     ws.save(source, weights())

@@ -9,7 +9,6 @@ input, picks the format and streams tensors into the file.
 from __future__ import annotations
 
 import builtins
-import contextlib
 import copy
 import functools
 import json
@@ -35,6 +34,7 @@ from weightstore.errors import (
 from weightstore.formats import Format, format_for_suffix, format_named, hf_sharded, known_suffixes
 from weightstore.formats.foreign import HF_SINGLE_FILE
 from weightstore.io.commit import commit_for
+from weightstore.io.folders import Folder, folder_for
 from weightstore.io.location import is_url, location_of
 from weightstore.io.writeback import Writeback
 from weightstore.keys import validate_keys
@@ -162,20 +162,18 @@ def _save_sharded(location: str, weights: Mapping[str, Any], metadata: Mapping[s
                                          {"producer": f"weightstore {__version__}", "created": created})
     with index_commit.writing() as local, builtins.open(local, "wb") as handle:
         handle.write(document)
-    if not is_url(folder):
-        _remove_stale_shards(folder, set(shards))
+    _remove_stale_shards(folder_for(folder), set(shards))
 
 
-def _remove_stale_shards(folder: str, kept: set[str]) -> None:
+def _remove_stale_shards(folder: Folder, kept: set[str]) -> None:
     """Shards an earlier save of the folder wrote that the new index does not name, named as
     weightstore names them: left, the folder holds two models' files, whose sizes add up (as
     ``save_pretrained``, this runs once the new index is in place). A ``model.safetensors``
     an earlier unsharded save left goes too: ``from_pretrained`` (and so ``ws.load``) reads it
     before any index, so the new weights would never be read."""
-    for name in os.listdir(folder):
-        if (hf_sharded.OWN_SHARD.fullmatch(name) and name not in kept) or name == HF_SINGLE_FILE:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(folder, name))
+    for entry in folder.files():
+        if (hf_sharded.OWN_SHARD.fullmatch(entry.name) and entry.name not in kept) or entry.name == HF_SINGLE_FILE:
+            folder.remove(entry.name)
 
 
 def file_names(keys: Iterable[str], names: str | None) -> dict[str, str]:

@@ -12,7 +12,7 @@ import numpy as np
 
 from weightstore.errors import KeyNotInStoreError, SizeLimitError, StoreNotFoundError, WeightStoreError, attach, naming
 from weightstore.formats import Reader, RegionReader, format_for_suffix, format_named, hf_sharded, sniff
-from weightstore.formats.foreign import HEAD_BYTES, open_foreign, refuse_pickle
+from weightstore.formats.foreign import HEAD_BYTES, HF_SINGLE_FILE, open_foreign, refuse_pickle
 from weightstore.formats.renamed import RenamedReader, names_by_key
 from weightstore.gcpause import paused_gc
 from weightstore.io.files import open_regular
@@ -332,11 +332,21 @@ def _open_remote(location: str, verify: bool, format: str | None) -> Store:  # n
             with service(location):
                 folder = fs.isdir(remote)
             if folder:
-                return _open_remote_sharded(fs, remote, location, verify)
+                return _open_remote_folder(fs, remote, location, verify)
         raise StoreNotFoundError("no such file", path=location) from None
     except BaseException:
         source.close()
         raise
+
+
+def _open_remote_folder(fs: Any, remote: str, location: str, verify: bool) -> Store:
+    """A Hugging Face model folder on object storage, read as ``from_pretrained`` reads one (and
+    a local folder is read): its ``model.safetensors``, else its sharded index."""
+    with service(location):
+        single = fs.exists(remote.rstrip("/") + "/" + HF_SINGLE_FILE)
+    if single:
+        return _open_remote(location.rstrip("/") + "/" + HF_SINGLE_FILE, verify, None)
+    return _open_remote_sharded(fs, remote, location, verify)
 
 
 def _open_remote_sharded(fs: Any, remote: str, location: str, verify: bool) -> Store:
@@ -344,7 +354,8 @@ def _open_remote_sharded(fs: Any, remote: str, location: str, verify: bool) -> S
     with service(location):
         index = hf_sharded.index_location(remote, is_dir=lambda _: True, exists=fs.exists)
     if index is None:
-        raise StoreNotFoundError("is a folder holding no model.safetensors.index.json", path=location)
+        raise StoreNotFoundError("is a folder holding no model.safetensors or model.safetensors.index.json",
+                                 path=location)
     url = location if location.endswith(hf_sharded.INDEX_SUFFIX) else location.rstrip("/") + "/" + hf_sharded.INDEX_NAME
     return Store(hf_sharded.open_remote(fs, index, url), url, verify, hf_sharded.FORMAT_NAME)
 
