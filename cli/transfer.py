@@ -25,6 +25,7 @@ from weightstore.cli.sources import Source
 from weightstore.errors import (
     FormatError,
     InvalidKeyError,
+    LayoutError,
     SelectionError,
     StoreExistsError,
     StoreNotFoundError,
@@ -112,7 +113,13 @@ def convert(source: Source, out: str, *, compress: bool | str, layout: str | Non
     weights = read(source, plan, "converting")
     if layout is not None:
         with naming(path=source.path):
-            weights = layouts.convert(weights, layout, kinds=kinds)
+            try:
+                weights = layouts.convert(weights, layout, kinds=kinds)
+            except LayoutError as exc:
+                if layout == "keras-to-torch" and _naming_of(source) == TORCH:  # it is PyTorch's already
+                    raise LayoutError(f"{exc.message}\nThe file names its tensors as a PyTorch state_dict does: "
+                                      "to convert it into Keras's layouts, use --layout torch-to-keras") from None
+                raise
     with counted(weights, f"writing {out}") as values:
         weightstore.save(out, values, metadata=source.metadata, compress=compress, names=names,
                          max_shard_size=max_shard_size)

@@ -250,6 +250,17 @@ def test_gpt2s_conv1d_weights_in_a_file_are_refused_not_transposed(tmp_path):
     np.testing.assert_array_equal(ws.load(out)["h/0/attn/c_proj/kernel"], weights["h.0.attn.c_proj.weight"].T.astype(np.float32))
 
 
+def test_a_state_dict_converted_the_wrong_way_is_told_the_way(tmp_path):
+    """--layout keras-to-torch of a file PyTorch wrote listed "no torch layout rule" for every
+    tensor, without a word that the file is PyTorch's already."""
+    from safetensors.numpy import save_file
+
+    save_file({"fc.weight": np.ones((3, 4), np.float32), "fc.bias": np.zeros(3, np.float32)}, str(tmp_path / "sd.safetensors"))
+    result = run("convert", tmp_path / "sd.safetensors", tmp_path / "out.safetensors", "--layout", "keras-to-torch")
+    assert result.exit_code == 1 and "use --layout torch-to-keras" in result.output
+    assert run("convert", tmp_path / "sd.safetensors", tmp_path / "k.npz", "--layout", "torch-to-keras").exit_code == 0
+
+
 def test_a_depthwise_kernel_is_told_by_its_bias_in_a_file(tmp_path):
     """A [3, 3, 4, 2] kernel passes for a Conv's; its bias of 8 (4 channels x 2) is a
     DepthwiseConv's, and a file converted as a Conv's made a state dict no module loads."""
