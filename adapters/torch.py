@@ -407,10 +407,12 @@ def _site(module: nn.Module) -> layouts.Site:
     if isinstance(module, nn.Linear):
         return layouts.Site(layouts.DENSE)
     if isinstance(module, nn.modules.conv._ConvNd):
-        if module.groups == 1:  # a transposed one too: [in, out, *spatial] is Keras's [*spatial, out, in] reversed
-            return layouts.Site(layouts.CONV)
-        if module.groups == module.in_channels and not module.transposed:
+        if module.groups == module.in_channels and module.groups > 1 and not module.transposed:
             return layouts.Site(layouts.DEPTHWISE, module.groups)
+        # a transposed one too: [in, out, *spatial] is Keras's [*spatial, out, in] reversed; and a
+        # grouped one, [out, in/groups, *spatial], Keras's grouped [*spatial, in/groups, out] reversed
+        if module.groups == 1 or not module.transposed:
+            return layouts.Site(layouts.CONV)
     if isinstance(module, (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)):
         return layouts.Site(layouts.NORM)
     if isinstance(module, nn.Embedding):

@@ -174,11 +174,27 @@ def test_custom_rule_extends_the_table_for_a_custom_module():
     assert module.scale.alpha.tolist() == [0.0, 1.0, 2.0]
 
 
-def test_grouped_convolutions_are_refused_not_guessed():
-    module = nn.Sequential(nn.Conv2d(4, 4, 3, groups=2))
+def test_grouped_convolutions_convert_both_ways():
+    """Both frameworks split the channels into groups in order, and keep a grouped kernel as a
+    plain one of in/groups input channels: the convolution's rule converts it (it was refused)."""
+    layer = keras.layers.Conv2D(6, 3, groups=2)
+    images = np.random.default_rng(0).normal(size=(2, 5, 5, 4)).astype("float32")
+    layer.build(images.shape)
+    for var in layer.weights:
+        var.assign(np.random.default_rng(1).normal(size=var.shape).astype("float32"))
+    module = nn.Conv2d(4, 6, 3, groups=2)
+    assert torch_adapter.assign(module, tf2.export(layer), layout="keras").ok
+    np.testing.assert_allclose(torch_call(module, images), np.asarray(layer(images)), atol=1e-5)
+    back = torch_adapter.export(module, layout="keras")
+    for key, value in tf2.export(layer).items():
+        np.testing.assert_array_equal(back[key], value)
+
+
+def test_grouped_transposed_convolutions_are_refused_not_guessed():
+    module = nn.Sequential(nn.ConvTranspose2d(4, 4, 3, groups=2))
     with pytest.raises(LayoutError) as info:
         torch_adapter.export(module, layout="keras")
-    assert "0/weight" in str(info.value) and "'Conv2d'" in str(info.value)
+    assert "0/weight" in str(info.value) and "'ConvTranspose2d'" in str(info.value)
 
 
 @pytest.mark.parametrize("rank", [1, 2])
