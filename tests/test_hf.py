@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -175,8 +176,17 @@ def test_a_folder_saved_whole_then_sharded_reads_the_new_shards(tmp_path):
     folder.mkdir()
     old = {key: value + 1 for key, value in weights().items()}
     ws.save(folder / "model.safetensors", old)
+    with pytest.raises(ws.StoreExistsError):  # a model is there: overwrite=False keeps it
+        ws.save(folder, weights(), max_shard_size="1KB", overwrite=False)
+    ws.save(folder / "other.safetensors.index.json", weights(), max_shard_size="1KB")  # from_pretrained reads no such index
+    assert (folder / "model.safetensors").exists()
     ws.save(folder, weights(), max_shard_size="1KB")
     assert not (folder / "model.safetensors").exists()
+    np.testing.assert_equal(ws.load(folder), weights())
+    (folder / "model.safetensors").symlink_to(tmp_path / "elsewhere.safetensors")  # as in the HF cache
+    ws.save(tmp_path / "elsewhere.safetensors", old)
+    ws.save(folder, weights(), max_shard_size="1KB")
+    assert not os.path.lexists(folder / "model.safetensors") and (tmp_path / "elsewhere.safetensors").exists()
     np.testing.assert_equal(ws.load(folder), weights())
 
 

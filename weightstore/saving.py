@@ -88,6 +88,9 @@ def save(
             shards of at most this many bytes (or ``"5GB"``, ``"500MiB"``; a larger tensor gets
             a shard of its own) and the index, written last. Tensors are named PyTorch's way
             unless ``names="keys"``, so ``transformers`` and ``safetensors`` load the folder.
+            Shards of an earlier save the new index does not name are removed after it, and so
+            is a ``model.safetensors`` beside ``model.safetensors.index.json``, which
+            ``from_pretrained`` (and ``ws.load``) would read instead.
 
     Raises:
         InvalidKeyError, UnsupportedDTypeError: a key or dtype that cannot be stored (nothing written).
@@ -145,7 +148,9 @@ def _save_sharded(location: str, weights: Mapping[str, Any], metadata: Mapping[s
     with naming(path=location):
         stored_names = file_names(arrays, naming_rule)
     index_commit = commit_for(location_of(index), suffix=".json")
-    if not overwrite and index_commit.exists():
+    standard = index.rpartition("/")[2] == hf_sharded.INDEX_NAME  # the index from_pretrained reads
+    target = folder_for(folder)
+    if not overwrite and (index_commit.exists() or standard and target.tag(HF_SINGLE_FILE) is not None):
         raise StoreExistsError("sharded folder exists (pass overwrite=True to replace it)", path=index)
     if not is_url(folder):
         os.makedirs(folder, exist_ok=True)
@@ -162,18 +167,21 @@ def _save_sharded(location: str, weights: Mapping[str, Any], metadata: Mapping[s
                                          {"producer": f"weightstore {__version__}", "created": created})
     with index_commit.writing() as local, builtins.open(local, "wb") as handle:
         handle.write(document)
-    _remove_stale_shards(folder_for(folder), set(shards))
+    _remove_stale_shards(target, set(shards), standard)
 
 
-def _remove_stale_shards(folder: Folder, kept: set[str]) -> None:
+def _remove_stale_shards(folder: Folder, kept: set[str], standard: bool) -> None:
     """Shards an earlier save of the folder wrote that the new index does not name, named as
     weightstore names them: left, the folder holds two models' files, whose sizes add up (as
-    ``save_pretrained``, this runs once the new index is in place). A ``model.safetensors``
-    an earlier unsharded save left goes too: ``from_pretrained`` (and so ``ws.load``) reads it
-    before any index, so the new weights would never be read."""
+    ``save_pretrained``, this runs once the new index is in place). Beside the ``standard``
+    index, a ``model.safetensors`` an earlier unsharded save left goes too (a link to one as
+    well): ``from_pretrained`` (and so ``ws.load``) reads it before that index, so the new
+    weights would never be read."""
     for entry in folder.files():
-        if (hf_sharded.OWN_SHARD.fullmatch(entry.name) and entry.name not in kept) or entry.name == HF_SINGLE_FILE:
+        if hf_sharded.OWN_SHARD.fullmatch(entry.name) and entry.name not in kept:
             folder.remove(entry.name)
+    if standard:
+        folder.remove(HF_SINGLE_FILE)
 
 
 def file_names(keys: Iterable[str], names: str | None) -> dict[str, str]:
