@@ -92,6 +92,7 @@ from weightstore import jsontext
 from weightstore.errors import (
     FormatError,
     PublishError,
+    SizeLimitError,
     StorageError,
     StoreNotFoundError,
     TargetError,
@@ -101,7 +102,7 @@ from weightstore.errors import (
     naming,
 )
 from weightstore.formats import Reader, format_for_suffix, format_named
-from weightstore.io.files import remove_stale_temporaries
+from weightstore.io.files import TEMPORARY_EXTRA, remove_stale_temporaries
 from weightstore.io.folders import Folder, LocalFolder, folder_for
 from weightstore.manifest import utc_now
 from weightstore.saving import CheckedWeights, checked_metadata, write_file
@@ -125,8 +126,9 @@ POINTER_FORMAT = "weightstore-latest"
 #: (it refuses over 4,300); a file system names none longer than 255 bytes anyway
 _NAME = re.compile(r"^step-([0-9]{1,1000})(\.[A-Za-z0-9]+)$")
 _MAX_POINTER_BYTES = 1 << 20
-#: a file name has at most 255 bytes: ``step-``, the digits, and at most 12 more (``.safetensors``, ``.attempt-999``)
-_MAX_STEP_DIGITS = 255 - len("step-") - 12
+#: a file name has at most 255 bytes: ``step-``, the digits, at most 12 more (``.safetensors``,
+#: ``.attempt-999``), and what the temporary it is written as adds
+_MAX_STEP_DIGITS = 255 - TEMPORARY_EXTRA - len("step-") - 12
 #: no density bound beyond JSON's own (2 bytes a container): LATEST carries the user's metadata, as dense as
 #: they made it, and its size limit already bounds what a parse allocates (about 32 MB for 1 MB of ``[[[``)
 _POINTER_BYTES_PER_CONTAINER = 2
@@ -280,7 +282,7 @@ def publish(
         keep: how many versions stay (``None``: all); never fewer than two, so the version a
             reader has just found through ``LATEST`` survives the next publish.
         metadata: JSON-serializable; travels in the file and in ``LATEST``, which readers read
-            up to 1 MiB (a ``TypeError`` refuses more before anything is written).
+            up to 1 MiB (``SizeLimitError`` refuses more before anything is written).
         format: ``"npz"`` (default), ``"hdf5"`` or ``"safetensors"``.
         storage_options: for URLs, given to fsspec (credentials, ``client_kwargs={"endpoint_url": ...}``).
 
@@ -349,15 +351,15 @@ def checked_step(step: Any) -> int:
 
 
 def checked_pointer_metadata(metadata: Mapping[str, Any] | None, step: int, name: str, where: str) -> dict[str, Any]:
-    """``metadata`` as :func:`checked_metadata` takes it, refused as well (with its
-    ``TypeError``) when the ``LATEST`` that carries it would be larger than readers read: the
-    version would be published and never reached. Checked before anything is written, with
+    """``metadata`` as :func:`checked_metadata` takes it, refused as well
+    (:class:`SizeLimitError`) when the ``LATEST`` that carries it would be larger than readers
+    read: the version would be published and never reached. Checked before anything is written, with
     this moment standing in for the publish's ``created`` (always as long)."""
     metadata = checked_metadata(metadata, where)
     size = len(_pointer(step, name, utc_now(), metadata))
     if size > _MAX_POINTER_BYTES:
-        raise TypeError(f"{where}: metadata makes LATEST {size} bytes, over the {_MAX_POINTER_BYTES} bytes readers "
-                        "read (LATEST writes each non-ASCII character as 6 bytes); make the metadata smaller")
+        raise SizeLimitError(f"metadata makes LATEST {size} bytes, over the {_MAX_POINTER_BYTES} bytes readers read "
+                             "(LATEST writes each non-ASCII character as 6 bytes); make the metadata smaller", path=where)
     return metadata
 
 
@@ -489,7 +491,7 @@ def follow(
 
 def _follow(watch: PointerWatch, timeout: float | None, after: int | None) -> Iterator[Version]:
     """:func:`follow`'s loop, a generator of its own so that ``follow`` checks its words when called."""
-    last, followed, passed_over = after, False, None
+    last, followed = after, False
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         try:
@@ -502,10 +504,9 @@ def _follow(watch: PointerWatch, timeout: float | None, after: int | None) -> It
         except FormatError as exc:
             if watch.unreadable is None:  # LATEST itself: it names nothing to wait past
                 raise
-            if watch.unreadable != passed_over:
-                _log.warning("weightstore: following %s: passing over version %d, which cannot be read (%s); "
-                             "waiting for a later one", watch.source.where, watch.unreadable, exc)
-                passed_over = watch.unreadable
+            _log.warning("weightstore: following %s: passing over version %d, which cannot be read (%s); "
+                         "waiting for a later one", watch.source.where, watch.unreadable, exc)
+            last = watch.unreadable  # waited past as a version taken is: not opened again every look
             version = None
         if version is not None:
             try:
@@ -579,7 +580,13 @@ class PointerWatch:
             self._idle()
             return None
         self.unreadable = None
-        version = self._newer_pinned(last, back=followed)
+        try:
+            version = self._newer_pinned(last, back=followed)
+        except FormatError:
+            if self.unreadable is not None:  # read through, and nothing new to take: as a quiet look
+                self._read, self._fresh = tag, False
+                self._idle()
+            raise
         self._read, self._fresh = tag, False
         if version is None:
             self._idle()

@@ -122,6 +122,11 @@ def fsync_folder(folder: str | Path) -> None:
         os.close(fd)
 
 
+#: the most bytes :func:`temporary_beside` adds to a name: a dot, the mark, a pid (at most 7
+#: digits on Linux), a dash and 8 hex digits; a name must leave room for them under 255 bytes
+TEMPORARY_EXTRA = 1 + len(TEMP_MARK) + 7 + 1 + 8
+
+
 def temporary_beside(target: Path) -> Path:
     """A fresh temporary name beside ``target`` that :func:`remove_stale_temporaries` recognises."""
     return target.with_name(f".{target.name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
