@@ -158,12 +158,24 @@ def _keras_paths(model: Any) -> dict[str, Any]:
     # name (which the walk passes along), where that name is the model's only layer of it
     layers = list(model._flatten_layers(include_self=True, recursive=True))
     counts = Counter(layer.name for layer in layers)
-    outside = {layer.name: saved for layer in layers if counts[layer.name] == 1
-               and (saved := saved_outside_weights(layer))}
+    outside = {layer.name: saved for layer in layers if counts[layer.name] == 1 and (saved := _saved_at(layer))}
     for path, name in recorder.names.items():
         for attribute, variable in outside.get(name, {}).items():
-            paths[f"{path}/vars/{attribute}".lstrip("/")] = variable
+            key = f"{path}/vars/{attribute}".lstrip("/")
+            if key in paths:  # where Keras saved one of that name
+                paths[key] = variable
     return paths
+
+
+def _saved_at(layer: Any) -> dict[str, Any]:
+    """:func:`saved_outside_weights` of ``layer``, and of the layers below it under names it
+    has not: a layer may save a sublayer's state as its own too (``TextVectorization`` its
+    lookup layer's ``idf_weights``)."""
+    found = dict(saved_outside_weights(layer))
+    for child in layer._flatten_layers(include_self=False, recursive=False):
+        for name, variable in _saved_at(child).items():
+            found.setdefault(name, variable)
+    return found
 
 
 def saved_outside_weights(layer: Any) -> dict[str, Any]:

@@ -454,7 +454,8 @@ def to_keras(layout: Layout, shapes: Mapping[str, tuple[int, ...]],
                 refused[key] = (f"a rank-2 {leaf!r} of a layer named {scope.rpartition('/')[2]!r} is, in GPT-2 and "
                                 "models built on its code, Hugging Face's Conv1D, stored [in, out] where a Linear "
                                 "is [out, in], which a file does not tell apart; this layout converts Linear layers "
-                                f"only: if it is one, say so (ws convert --kind '{scope}=dense')")
+                                f"only: if it is one, say so (ws convert --kind '{scope}=dense', or for every "
+                                f"block --kind '{_NUMBERS.sub('/*', scope)}=dense')")
             elif site.kind is None and leaf == layout.kernel and len(shape) == 2:
                 refused[key] = (f"a rank-2 {leaf!r} with no 'bias' beside it is a bias-free Linear's or an "
                                 f"Embedding's, which a file does not tell apart; say which: kinds={{{scope!r}: "
@@ -512,6 +513,9 @@ def kinds_from_names(layout: Layout, shapes: Mapping[str, tuple[int, ...]]) -> d
 #: the layer names GPT-2 and the models built on its code give Hugging Face's ``Conv1D``, a
 #: dense layer whose ``weight`` is ``[in, out]`` where a Linear's is ``[out, in]``
 _HF_CONV1D_NAMES = frozenset({"c_attn", "c_proj", "c_fc", "q_attn"})
+
+
+_NUMBERS = re.compile(r"/\d+(?=/|$)")  # a scope's numbered segments (a block's index), for a glob of them all
 
 
 def _hf_conv1d_named(scope: str) -> bool:

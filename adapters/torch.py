@@ -79,14 +79,16 @@ def tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     """Key -> the module's own tensor (parameter or persistent buffer), as ``export`` and ``assign`` see them.
 
     ``get_extra_state()``'s object is left out even where it is a tensor: only
-    ``set_extra_state`` takes it, so a value written into it would change nothing. Any other
+    ``set_extra_state`` takes it, so a value written into it would change nothing (a buffer a
+    module without that method named ``_extra_state`` is a tensor like any other). Any other
     entry that is no tensor (a quantized module's dtype and packed parameters) is refused: its
     weights are inside it, and leaving it out would export a model without them.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"expected a torch.nn.Module, not {type(module).__name__}")
-    state = {name: value for name, value in module.state_dict(keep_vars=True).items()
-             if name.rpartition(".")[2] != EXTRA_STATE}
+    extra = {f"{prefix}.{EXTRA_STATE}".lstrip(".") for prefix, owner in module.named_modules()
+             if type(owner).get_extra_state is not nn.Module.get_extra_state}
+    state = {name: value for name, value in module.state_dict(keep_vars=True).items() if name not in extra}
     packed = [name for name, value in state.items() if not isinstance(value, torch.Tensor)]
     if packed:
         raise UnsupportedDTypeError(f"{_describe(module)}: {len(packed)} state_dict entries are no tensor (first "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,14 +73,15 @@ def export(source: Source, out: str, *, selection: Selection, mapping: MappingRu
     keys after scope and mapping (``--also '*/bn/moving_*'``: batch-norm statistics beside the
     trainable weights). ``names`` is :func:`weightstore.save`'s; by default, as the source names them."""
     output_format(out)
-    if check_naming(names, WRITE_NAMINGS) is None:  # a state_dict's file exported stays one
-        names = _naming_of(source)
+    check_naming(names, WRITE_NAMINGS)
     # first: a source that cannot say what is trainable is the error, not an --also that misses its keys
     trainable = source.trainable_keys() if selection.trainable_only else set()
     with naming(path=source.path):
         plan = selection.choose(source.keys(), trainable.__contains__, mapping=mapping, command_line=True)
     if not plan:
         raise SelectionError("selects no tensor", path=source.path)
+    if names is None and _naming_of(source) == TORCH and _spelled_as_torch(plan):  # a state_dict's file stays one
+        names = TORCH
     weights = read(source, plan, "reading")
     with counted(weights, f"writing {out}") as values:
         weightstore.save(out, values, metadata=provenance(source), compress=compress, names=names)
@@ -244,6 +245,16 @@ def _refuse_unnameable(target: str, plan: Mapping[str, str]) -> None:
             raise TargetError(f"names its tensors as a PyTorch state_dict does, and the imported key {key!r} has a "
                               "'.' inside a segment, which no such name keeps apart; rename it with --map "
                               f"(--map '{key.rpartition('/')[0] or key}=NEW')", path=target) from None
+
+
+def _spelled_as_torch(keys: Iterable[str]) -> bool:
+    """Whether every key has a ``state_dict`` name (a ``--map`` may have put a ``.`` in a segment)."""
+    try:
+        for key in keys:
+            torch_name_of_key(key)
+    except InvalidKeyError:
+        return False
+    return True
 
 
 def _naming_of(store: weightstore.Store) -> str | None:

@@ -369,6 +369,9 @@ def test_a_state_dicts_file_converted_or_exported_keeps_its_names(tmp_path, comm
     assert sorted(name for name in stored if not name.startswith("__")) == sorted(state)
     assert run("convert", source, tmp_path / "keys.safetensors", "--names", "keys").exit_code == 0
     assert sorted(load_file(str(tmp_path / "keys.safetensors"))) == ["features/0/bias", "features/0/weight"]
+    mapped = tmp_path / "mapped.safetensors"  # a key no state_dict name spells: written as a key
+    assert run("export", source, "-o", mapped, "--map", "features=feat.x").exit_code == 0
+    assert sorted(load_file(str(mapped))) == ["feat.x/0/bias", "feat.x/0/weight"]
 
 
 def test_import_into_a_hugging_face_folder_says_what_to_do(tmp_path):

@@ -88,19 +88,26 @@ def tf2_key_of(outer):
     return next(iter(tf2.variables(outer))).split("/")[0]
 
 
-def tf_idf(idf):
-    """An IntegerLookup in tf_idf mode, then Dense: its ``idf_weights`` are a TensorFlow variable
-    outside ``layer.weights``, which Keras's files save and ``load_weights`` restores."""
-    lookup = keras.layers.IntegerLookup(vocabulary=[1, 2, 3], idf_weights=idf, output_mode="tf_idf")
-    inputs = keras.Input((3,), dtype="int64")
+def tf_idf(idf, layer="IntegerLookup"):
+    """A lookup layer in tf_idf mode, then Dense: its ``idf_weights`` are a TensorFlow variable
+    outside ``layer.weights``, which Keras's files save and ``load_weights`` restores
+    (TextVectorization saves its lookup layer's under its own name too)."""
+    if layer == "IntegerLookup":
+        lookup = keras.layers.IntegerLookup(vocabulary=[1, 2, 3], idf_weights=idf, output_mode="tf_idf")
+        inputs = keras.Input((3,), dtype="int64")
+    else:
+        lookup = keras.layers.TextVectorization(vocabulary=["1", "2", "3"], idf_weights=idf, output_mode="tf_idf",
+                                                split=None, standardize=None)
+        inputs = keras.Input((1,), dtype="string")
     return keras.Model(inputs, keras.layers.Dense(2, kernel_initializer="ones")(lookup(inputs)))
 
 
+@pytest.mark.parametrize("layer", ["IntegerLookup", "TextVectorization"])
 @pytest.mark.parametrize("source", ["npz", "keras file", "keras archive"])
-def test_tf_idf_weights_travel_as_load_weights_restores_them(source, tmp_path):
+def test_tf_idf_weights_travel_as_load_weights_restores_them(source, layer, tmp_path):
     """They were left out of an export (a strict assign then kept the target's, and predicted
     otherwise) and refused from a Keras file as "no variable"."""
-    saved = tf_idf([1.0, 2.0, 3.0])
+    saved = tf_idf([1.0, 2.0, 3.0], layer)
     path = str(tmp_path / {"npz": "w.npz", "keras file": "w.weights.h5", "keras archive": "w.keras"}[source])
     if source == "npz":
         ws.save(path, tf2.export(saved))
@@ -108,10 +115,10 @@ def test_tf_idf_weights_travel_as_load_weights_restores_them(source, tmp_path):
         saved.save_weights(path)
     else:
         saved.save(path)
-    model = tf_idf([9.0, 9.0, 9.0])
+    model = tf_idf([9.0, 9.0, 9.0], layer)
     assert tf2.assign(model, path).ok
-    x = np.array([[1, 2, 3], [3, 3, 2]])
-    expected = keras_loaded(lambda: tf_idf([9.0, 9.0, 9.0]), path)(x) if source != "npz" else saved(x)
+    x = np.array([[1, 2, 3], [3, 3, 2]]) if layer == "IntegerLookup" else np.array([["1"], ["3"], ["2"]])
+    expected = keras_loaded(lambda: tf_idf([9.0, 9.0, 9.0], layer), path)(x) if source != "npz" else saved(x)
     np.testing.assert_array_equal(model(x), expected)
     np.testing.assert_array_equal(model(x), saved(x))
 

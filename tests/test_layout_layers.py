@@ -244,7 +244,7 @@ def test_gpt2s_conv1d_weights_in_a_file_are_refused_not_transposed(tmp_path):
     out = tmp_path / "k.npz"
     result = run("convert", tmp_path / "gpt2.npz", out, "--layout", "torch-to-keras")
     assert result.exit_code == 1 and "Conv1D" in result.output and not out.exists()
-    assert "--kind 'h/0/attn/c_proj=dense'" in result.output
+    assert "--kind 'h/0/attn/c_proj=dense'" in result.output and "--kind 'h/*/attn/c_proj=dense'" in result.output
     result = run("convert", tmp_path / "gpt2.npz", out, "--layout", "torch-to-keras", "--kind", "h/*/attn/c_*=dense")
     assert result.exit_code == 0, result.output  # the user's word: Linear layers after all
     np.testing.assert_array_equal(ws.load(out)["h/0/attn/c_proj/kernel"], weights["h.0.attn.c_proj.weight"].T.astype(np.float32))

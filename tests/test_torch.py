@@ -395,6 +395,12 @@ def test_extra_state_is_no_weight_and_is_left_out_of_export_and_assign(tmp_path,
     assert torch_adapter.assign(target, weights, exclude="_extra_state").ok
 
 
+def test_a_buffer_named_extra_state_by_a_module_without_that_method_is_a_weight():
+    module = nn.Module()
+    module.register_buffer("_extra_state", torch.arange(3.0))
+    assert list(torch_adapter.export(module)) == ["_extra_state"]
+
+
 def test_a_dynamically_quantized_module_is_refused_not_exported_without_its_weights(tmp_path):
     """quantize_dynamic's state_dict holds a torch.dtype and a tuple of packed tensors, the
     weights themselves: export ended in "'torch.dtype' object has no attribute 'dtype'", and
