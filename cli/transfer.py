@@ -35,6 +35,7 @@ from weightstore.errors import (
 )
 from weightstore.formats import format_for_suffix, hf_sharded, known_suffixes, sniff
 from weightstore.formats.foreign import HF_SINGLE_FILE
+from weightstore.formats.safetensors import FORMAT as safetensors_format
 from weightstore.io.location import is_url
 from weightstore.keys import MappingRules, Patterns, plan_inward, validate_key
 from weightstore.names import TORCH, WRITE_NAMINGS, check_naming, torch_keys, torch_name_of_key
@@ -72,7 +73,7 @@ def export(source: Source, out: str, *, selection: Selection, mapping: MappingRu
     """The tensors ``selection`` keeps, as an adapter's export keeps them; ``also`` matches the
     keys after scope and mapping (``--also '*/bn/moving_*'``: batch-norm statistics beside the
     trainable weights). ``names`` is :func:`weightstore.save`'s; by default, as the source names them."""
-    output_format(out)
+    written_as = output_format(out).name
     check_naming(names, WRITE_NAMINGS)
     # first: a source that cannot say what is trainable is the error, not an --also that misses its keys
     trainable = source.trainable_keys() if selection.trainable_only else set()
@@ -80,8 +81,8 @@ def export(source: Source, out: str, *, selection: Selection, mapping: MappingRu
         plan = selection.choose(source.keys(), trainable.__contains__, mapping=mapping, command_line=True)
     if not plan:
         raise SelectionError("selects no tensor", path=source.path)
-    if names is None and _naming_of(source) == TORCH and _spelled_as_torch(plan):  # a state_dict's file stays one
-        names = TORCH
+    if names is None:
+        names = _names_kept(source, written_as, plan)
     weights = read(source, plan, "reading")
     with counted(weights, f"writing {out}") as values:
         weightstore.save(out, values, metadata=provenance(source), compress=compress, names=names)
@@ -101,15 +102,14 @@ def convert(source: Source, out: str, *, compress: bool | str, layout: str | Non
             kinds: Mapping[str, str] | None = None) -> Written:
     """``source`` rewritten as ``out``; with ``layout``, in the other framework's names and
     layouts, named (``names``, :func:`weightstore.save`'s) as ``load_state_dict`` takes them
-    when the other framework is PyTorch; without, as the source names them. A torch-to-keras source may be keyed by torch names.
-    ``max_shard_size`` writes a Hugging Face sharded folder at ``out``; ``kinds`` (scope or glob
+    when the other framework is PyTorch; without, as :func:`_names_kept` says. A torch-to-keras
+    source may be keyed by torch names. ``max_shard_size`` writes a Hugging Face sharded folder at ``out``; ``kinds`` (scope or glob
     -> layer kind) decides what the file's names leave open (:func:`layouts.convert`)."""
     if check_naming(names, WRITE_NAMINGS) is None and layout == "keras-to-torch":
         names = TORCH
-    elif names is None and layout is None:  # the same tensors in another file: under the same names
-        names = _naming_of(source)
-    if max_shard_size is None:
-        output_format(out)
+    written_as = output_format(out).name if max_shard_size is None else safetensors_format.name
+    if names is None and layout is None:  # the same tensors in another file
+        names = _names_kept(source, written_as, source.keys())
     plan = torch_keys(source.keys()) if layout == "torch-to-keras" else {k: k for k in source}
     weights = read(source, plan, "converting")
     if layout is not None:
@@ -247,14 +247,19 @@ def _refuse_unnameable(target: str, plan: Mapping[str, str]) -> None:
                               f"(--map '{key.rpartition('/')[0] or key}=NEW')", path=target) from None
 
 
-def _spelled_as_torch(keys: Iterable[str]) -> bool:
-    """Whether every key has a ``state_dict`` name (a ``--map`` may have put a ``.`` in a segment)."""
+def _names_kept(source: Source, written_as: str, keys: Iterable[str]) -> str | None:
+    """``torch`` where a source whose file names its tensors as a ``state_dict`` does is written
+    as safetensors, whose names stand beside its keys, and every key written has such a name (a
+    ``--map`` may have put a ``.`` in a segment); else None, the keys. In npz and HDF5 the names
+    would replace the keys (``features.0.weight``, under no scope), so those keep keys."""
+    if written_as != safetensors_format.name or _naming_of(source) != TORCH:
+        return None
     try:
         for key in keys:
             torch_name_of_key(key)
     except InvalidKeyError:
-        return False
-    return True
+        return None
+    return TORCH
 
 
 def _naming_of(store: weightstore.Store) -> str | None:
