@@ -177,12 +177,16 @@ def test_custom_rule_extends_the_table_for_a_custom_module():
 def test_grouped_convolutions_convert_both_ways():
     """Both frameworks split the channels into groups in order, and keep a grouped kernel as a
     plain one of in/groups input channels: the convolution's rule converts it (it was refused)."""
-    layer = keras.layers.Conv2D(6, 3, groups=2)
-    images = np.random.default_rng(0).normal(size=(2, 5, 5, 4)).astype("float32")
-    layer.build(images.shape)
+    converts_both_ways(keras.layers.Conv2D(6, 3, groups=2), nn.Conv2d(4, 6, 3, groups=2), (2, 5, 5, 4))
+
+
+def converts_both_ways(layer, module, shape) -> None:
+    """``layer`` given random weights, assigned into ``module`` with the Keras layout: both
+    compute the same, and ``module`` exports back what ``layer`` holds."""
+    images = np.random.default_rng(0).normal(size=shape).astype("float32")
+    layer.build(shape)
     for var in layer.weights:
         var.assign(np.random.default_rng(1).normal(size=var.shape).astype("float32"))
-    module = nn.Conv2d(4, 6, 3, groups=2)
     assert torch_adapter.assign(module, tf2.export(layer), layout="keras").ok
     np.testing.assert_allclose(torch_call(module, images), np.asarray(layer(images)), atol=1e-5)
     back = torch_adapter.export(module, layout="keras")
@@ -202,17 +206,8 @@ def test_transposed_convolutions_convert_both_ways(rank):
     """Keras's ``[*spatial, out, in]`` kernel is PyTorch's ``[in, out, *spatial]`` reversed, as a
     convolution's is; both frameworks define the transposed convolution as the convolution's adjoint."""
     layer = (keras.layers.Conv1DTranspose if rank == 1 else keras.layers.Conv2DTranspose)(4, 3, strides=2)
-    shape = (2, 5, 3) if rank == 1 else (2, 5, 4, 3)
-    images = np.random.default_rng(0).normal(size=shape).astype("float32")
-    layer.build(shape)
-    for var in layer.weights:
-        var.assign(np.random.default_rng(1).normal(size=var.shape).astype("float32"))
     module = (nn.ConvTranspose1d if rank == 1 else nn.ConvTranspose2d)(3, 4, 3, stride=2)
-    assert torch_adapter.assign(module, tf2.export(layer), layout="keras").ok
-    np.testing.assert_allclose(torch_call(module, images), np.asarray(layer(images)), atol=1e-5)
-    back = torch_adapter.export(module, layout="keras")
-    for key, value in tf2.export(layer).items():
-        np.testing.assert_array_equal(back[key], value)
+    converts_both_ways(layer, module, (2, 5, 3) if rank == 1 else (2, 5, 4, 3))
 
 
 def test_torch_export_leaves_num_batches_tracked_out_with_a_layout():
