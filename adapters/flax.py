@@ -18,6 +18,8 @@ changes the one it was given, since JAX code treats trees as values.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -41,7 +43,7 @@ from weightstore.adapters.plan import (
     ValueSource,
     open_values,
 )
-from weightstore.adapters.skeleton import Target, run_assign
+from weightstore.adapters.skeleton import Target, private_copy, range_checked, run_assign
 from weightstore.errors import InvalidKeyError, LayoutError, SelectionError
 from weightstore.keys import MappingRules, Patterns, validate_key
 from weightstore.shards import Piece, split_rows
@@ -124,7 +126,7 @@ def assign(
     """
     found = variables(module)
     current = {key: var.get_value() for key, var in found.items()}
-    targets = {key: TargetInfo(key, np.dtype(value.dtype), tuple(value.shape), isinstance(found[key], nnx.Param))
+    targets = {key: TargetInfo(key, _dtype_of(value), tuple(np.shape(value)), isinstance(found[key], nnx.Param))
                for key, value in current.items()}
     options = AssignOptions(**words)
     chosen_layout = _resolved(layout)
@@ -134,8 +136,12 @@ def assign(
             found[key].set_value(array)
         return [key for key, _ in batch]
 
+    sites = _sites(module) if chosen_layout is not None else {}
+
     def plan(values: Any, options: AssignOptions) -> tuple[Any, Any]:
-        return layouts.plan_laid_out(values, targets, options, layout=chosen_layout)
+        return layouts.plan_laid_out(values, targets, options, layout=chosen_layout,
+                                     unconvertible=lambda key: _TRANSPOSED_KERNEL if sites.get(key) == _TRANSPOSED
+                                     and key.rpartition("/")[2] == "kernel" else "")
 
     def prepare(source: Any, key: str, value_key: str) -> Any:
         return _placed(source, value_key, current[key])
@@ -161,12 +167,14 @@ def restore(
     old leaf's type (a JAX array on the same device and sharding, or a numpy array).
     """
     leaves = _leaves(tree)
-    targets = {key: TargetInfo(key, np.dtype(leaf.dtype), tuple(np.shape(leaf))) for key, leaf in leaves.items()}
+    targets = {key: TargetInfo(key, _dtype_of(leaf), tuple(np.shape(leaf))) for key, leaf in leaves.items()}
     with open_values(weights) as values:
         options = AssignOptions(scope=scope, mapping=mapping, include=include, exclude=exclude, strict=strict,
                                 cast=cast)
-        plan, source = layouts.plan_laid_out(values, targets, options, layout=_resolved(layout))
-        new = {key: _placed(source, value_key, leaves[key]) for key, value_key in plan.pairs.items()}
+        plan, source = layouts.plan_laid_out(values, targets, options, layout=_resolved(layout),
+                                             unconvertible=_linen_transposed_kernel)
+        prepare = range_checked(_placed_leaf(leaves), targets) if cast else _placed_leaf(leaves)
+        new = {key: prepare(source, key, value_key) for key, value_key in plan.pairs.items()}
     plan.warn()
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     return jax.tree_util.tree_unflatten(treedef, [new.get(_key(path), leaf) if _is_array(leaf) else leaf
@@ -198,8 +206,27 @@ def _selected(obj: Any, chosen_by: Selection) -> tuple[dict[str, Any], dict[str,
     return values, chosen
 
 
+#: what a Flax ``ConvTranspose`` is, as :func:`_site` names it
+_TRANSPOSED = layouts.Site("ConvTranspose")
+_TRANSPOSED_KERNEL = ("is a Flax ConvTranspose's kernel, [*spatial, in, out] and not flipped, where Keras's is [*spatial, "
+                      "out, in] and flipped: the shapes may pair, but no layout rule converts one into the other")
+_LINEN_TRANSPOSED = re.compile(r"(?:^|/)ConvTranspose_\d+/kernel$")  # Linen names its modules by class and number
+
+
+def _linen_transposed_kernel(key: str) -> str:
+    """Why a Linen tree's ``ConvTranspose_N/kernel`` takes no Keras kernel (a plain pytree names no modules)."""
+    return _TRANSPOSED_KERNEL if _LINEN_TRANSPOSED.search(key) else ""
+
+
+def _placed_leaf(leaves: dict[str, Any]) -> Callable[[ValueSource, str, str], Any]:
+    return lambda source, key, value_key: _placed(source, value_key, leaves[key])
+
+
 def _placed(source: ValueSource, value_key: str, old: Any) -> Any:
-    """The value as the kind of array ``old`` is: same dtype, and for JAX the same sharding.
+    """The value as the kind of array ``old`` is: same dtype, and for JAX the same sharding, in
+    memory of its own (:func:`~weightstore.adapters.skeleton.private_copy`): a view of a mapped
+    file, kept as a variable's buffer, would change when another tool rewrote the file, pin it
+    once pruned, and kill the process (SIGBUS) once truncated.
 
     From a sharded version each of this process's devices gets only its part, read by region
     (``jax.make_array_from_callback`` asks only for the parts this process holds, each part
@@ -212,14 +239,18 @@ def _placed(source: ValueSource, value_key: str, old: Any) -> Any:
             region = _bounds(index or (), old.shape)
             box = tuple((bound.start, bound.stop) for bound in region)
             if box not in parts:
-                parts[box] = np.asarray(source.read_region(value_key, region), dtype=old.dtype)
+                parts[box] = private_copy(np.asarray(source.read_region(value_key, region)), np.dtype(old.dtype))
             return parts[box]
 
         return jax.make_array_from_callback(old.shape, old.sharding, part)
-    array = np.asarray(source.read(value_key), dtype=old.dtype)
-    if isinstance(old, jax.Array):
-        return jax.device_put(array, old.sharding)
-    return np.array(array, copy=True)
+    if isinstance(old, jax.Array):  # a copy first: on the CPU, JAX keeps a host array's memory as its own
+        return jax.device_put(private_copy(np.asarray(source.read(value_key)), np.dtype(old.dtype)), old.sharding)
+    return np.array(source.read(value_key), dtype=_dtype_of(old), copy=True)
+
+
+def _dtype_of(value: Any) -> np.dtype:
+    """An array's dtype, or a Python number's as numpy holds it (``nnx.Param(1.0)``)."""
+    return np.dtype(value.dtype) if hasattr(value, "dtype") else np.asarray(value).dtype
 
 
 def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
@@ -289,10 +320,9 @@ def _site(module: nnx.Module) -> layouts.Site:
     if isinstance(module, nnx.Linear):
         return layouts.Site(layouts.DENSE)
     if type(module) is nnx.Conv:
-        if module.feature_group_count == 1:
-            return layouts.Site(layouts.CONV)
-        if module.feature_group_count == module.in_features:
+        if module.feature_group_count == module.in_features and module.feature_group_count > 1:
             return layouts.Site(layouts.DEPTHWISE, module.feature_group_count)
+        return layouts.Site(layouts.CONV)  # grouped too: [*spatial, in/groups, out], as Keras's grouped kernel
     if isinstance(module, (nnx.BatchNorm, nnx.LayerNorm, nnx.GroupNorm)):
         return layouts.Site(layouts.NORM)
     if isinstance(module, nnx.Embed):

@@ -503,6 +503,8 @@ def kinds_from_names(layout: Layout, shapes: Mapping[str, tuple[int, ...]]) -> d
             kind = None  # a bias-free Linear's or an Embedding's: the file does not say
         elif kernel_rank == 2 and _embedding_named_like_kernel(layout) and _hf_conv1d_named(scope):
             kind = None  # a Linear's [out, in] or Hugging Face's Conv1D's [in, out]: the file does not say
+        elif _LINEN_TRANSPOSED.search(scope):
+            kind = None  # Flax's ConvTranspose: [*spatial, in, out] unflipped, which no rule makes Keras's
         else:
             kind = {2: DENSE, 3: CONV, 4: CONV, 5: CONV}.get(kernel_rank or 0)
         if kind:
@@ -515,6 +517,7 @@ def kinds_from_names(layout: Layout, shapes: Mapping[str, tuple[int, ...]]) -> d
 _HF_CONV1D_NAMES = frozenset({"c_attn", "c_proj", "c_fc", "q_attn"})
 
 
+_LINEN_TRANSPOSED = re.compile(r"(?:^|/)ConvTranspose_\d+$")  # Linen names a module by its class and number
 _NUMBERS = re.compile(r"/\d+(?=/|$)")  # a scope's numbered segments (a block's index), for a glob of them all
 
 
@@ -627,11 +630,15 @@ class LaidOutValues:
 
 def plan_laid_out(values: ValueSource, targets: Mapping[str, TargetInfo], options: AssignOptions, *,
                   layout: Layout | None, optional: Callable[[str], bool] | None = None,
-                  tied: Mapping[str, str] | None = None) -> tuple[Plan, ValueSource]:
+                  tied: Mapping[str, str] | None = None,
+                  unconvertible: Callable[[str], str] | None = None) -> tuple[Plan, ValueSource]:
     """``plan_assign`` over Keras-named ``values`` converted by ``layout`` (as they are when ``None``).
 
     Returns the plan and the values to read its pairs from. Values no rule converts are
-    reported as mismatched, so a strict assign refuses them and changes nothing.
+    reported as mismatched, so a strict assign refuses them and changes nothing; so are those
+    bound for a target for which ``unconvertible(target key)`` says why no rule fits it, though
+    the shapes would pair (a Flax ``ConvTranspose``'s kernel, neither flipped nor swapped as
+    Keras's is).
     """
     _refuse_keras_file(values.path)
     refused: list[Mismatch] = []
@@ -645,6 +652,11 @@ def plan_laid_out(values: ValueSource, targets: Mapping[str, TargetInfo], option
             return None if target is None else target.shape
 
         steps, refusals = from_keras(layout, {key: values.shape(key) for key in list(values.keys())}, target_shape)
+        if unconvertible is not None:
+            for new in list(steps):
+                why = unconvertible(join_scope(norm_scope, map_key(new, rules)))
+                if why:
+                    refusals[steps.pop(new).source] = why
         view = LaidOutValues(values, steps)
         for key, source, why in selected_refusals(refusals, scope=scope, mapping=mapping, include=options.include,
                                                   exclude=options.exclude):

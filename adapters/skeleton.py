@@ -47,7 +47,7 @@ from weightstore.io.buffer import (  # TF adopts aligned memory (EIGEN_MAX_ALIGN
     memory_owner,
 )
 
-__all__ = ["Target", "ValueSource", "handed_over", "private_copy", "rehearsal", "run_assign"]
+__all__ = ["Target", "ValueSource", "handed_over", "private_copy", "range_checked", "rehearsal", "run_assign"]
 
 _ALIGNED_FROM = 1 << 16  # smaller arrays are copied plainly: aligning them costs more than TF's copy
 _PIECE_BYTES = 16 << 20  # larger copies are split across threads: faulting in fresh pages is most of their cost
@@ -121,7 +121,7 @@ def run_assign(target: Target, weights: Any, options: AssignOptions, *, skip_for
     skip = wants_skip(weights if skip_for is None else skip_for, options.skip_unchanged)
     prepare = target.prepare or _read_as_target(target.infos)
     if options.cast:
-        prepare = _in_range(prepare, target.infos)
+        prepare = range_checked(prepare, target.infos)
     # An assign holds a few objects per variable until it ends; with tens of thousands of
     # variables they set off full collections that walk all of TensorFlow's objects (0.2-0.9 s
     # at 20,000 variables, a third of the assign). It makes no reference cycles of its own.
@@ -257,7 +257,7 @@ def _read_as_target(infos: Mapping[str, TargetInfo]) -> Callable[[ValueSource, s
     return lambda source, key, value_key: np.asarray(source.read(value_key), dtype=infos[key].dtype)
 
 
-def _in_range(prepare: Callable[[ValueSource, str, str], Any],
+def range_checked(prepare: Callable[[ValueSource, str, str], Any],
               infos: Mapping[str, TargetInfo]) -> Callable[[ValueSource, str, str], Any]:
     """``prepare``, reading a value to be cast through :class:`_RangeChecked`. It runs in the
     verify pass, so a value out of its variable's range changes no variable."""

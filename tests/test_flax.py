@@ -189,3 +189,72 @@ def test_example_keras_to_flax_gives_the_same_predictions_both_ways(tmp_path, ca
     assert result["to_flax"] < 1e-5 and result["back_to_keras"] < 1e-5
     assert "dw/kernel" in result["assigned"] and "bn2/var" in result["assigned"]
     assert "Keras -> Flax: 14 tensors assigned, max abs difference" in capsys.readouterr().out
+
+
+def test_a_keras_transposed_kernel_is_refused_by_a_flax_conv_transpose_not_paired_by_shape():
+    """Flax's ConvTranspose keeps [*spatial, in, out] unflipped, Keras's [*spatial, out, in]
+    flipped: with equal channels the shapes paired and the outputs came out wrong, silently."""
+    class Up(nnx.Module):
+        def __init__(self):
+            self.up = nnx.ConvTranspose(4, 4, (3, 3), kernel_init=ZEROS, rngs=nnx.Rngs(0))
+
+    module = Up()
+    weights = {"up/kernel": np.ones((3, 3, 4, 4), np.float32), "up/bias": np.ones(4, np.float32)}
+    with pytest.raises(AssignmentError, match="up/kernel.*Flax ConvTranspose's kernel"):
+        flax_adapter.assign(module, weights, layout="keras")
+    assert not np.asarray(module.up.kernel[...]).any()  # nothing changed
+    linen = {"params": {"ConvTranspose_0": {"kernel": np.ones((3, 3, 4, 4), np.float32), "bias": np.ones(4)}}}
+    with pytest.raises(AssignmentError, match="ConvTranspose_0/kernel.*Flax ConvTranspose's kernel"):
+        flax_adapter.restore(linen, {"params/ConvTranspose_0/kernel": np.ones((3, 3, 4, 4), np.float32)},
+                             layout="keras", strict=False)
+    with pytest.raises(LayoutError, match="params/ConvTranspose_0/kernel"):
+        flax_adapter.export(linen, layout="keras")
+
+
+def test_an_assigned_model_holds_its_own_memory_not_the_files(tmp_path):
+    """Values from a local npz are views of the mapped file; JAX kept them as the arrays' memory,
+    so rewriting the file in place changed the model (and truncating it killed the process)."""
+    path = tmp_path / "w.npz"
+    ws.save(path, random_weights())
+    module = Net()
+    flax_adapter.assign(module, path)
+    tree = flax_adapter.restore({"conv": {"kernel": jax.numpy.zeros((3, 3, 2, 3))}}, path, strict=False)
+    before = np.asarray(module.conv.kernel[...]).copy()
+    ws.save(tmp_path / "other.npz", random_weights(seed=2))
+    with open(path, "r+b") as handle:  # what cp other.npz w.npz does: the same file, rewritten in place
+        handle.write((tmp_path / "other.npz").read_bytes())
+    np.testing.assert_array_equal(np.asarray(module.conv.kernel[...]), before)
+    np.testing.assert_array_equal(np.asarray(tree["conv"]["kernel"]), before)
+
+
+def test_restore_with_cast_refuses_values_the_leaf_cannot_hold():
+    """restore skipped the range check assign makes: 1e300 became inf and 300 became 44."""
+    for leaf, value in ((np.zeros(2, np.float32), np.array([1.0, 1e300])), (np.zeros(2, np.int8), np.array([300, 1]))):
+        with pytest.raises(AssignmentError, match="'w'"):
+            flax_adapter.restore({"w": leaf}, {"w": value}, cast=True)
+
+
+def test_a_python_number_param_is_assigned():
+    class Scaled(nnx.Module):
+        def __init__(self):
+            self.t = nnx.Param(1.0)
+
+    module = Scaled()
+    assert flax_adapter.assign(module, {"t": np.array(2.5)}, cast=True).ok
+    assert float(module.t[...]) == 2.5
+
+
+def test_a_grouped_conv_converts_both_ways():
+    keras = pytest.importorskip("keras")
+    layer = keras.layers.Conv2D(6, 3, groups=2)
+    images = np.random.default_rng(0).normal(size=(1, 5, 5, 4)).astype("float32")
+    layer.build(images.shape)
+    for var in layer.weights:
+        var.assign(np.random.default_rng(1).normal(size=var.shape).astype("float32"))
+    from weightstore.adapters import tf2
+
+    module = nnx.Conv(4, 6, (3, 3), feature_group_count=2, padding="VALID", rngs=nnx.Rngs(0))
+    assert flax_adapter.assign(module, tf2.export(layer), layout="keras").ok
+    np.testing.assert_allclose(np.asarray(module(images)), np.asarray(layer(images)), atol=1e-5)
+    for key, value in flax_adapter.export(module, layout="keras").items():
+        np.testing.assert_array_equal(value, tf2.export(layer)[key])
