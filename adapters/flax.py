@@ -232,7 +232,9 @@ def _placed(source: ValueSource, value_key: str, old: Any) -> Any:
     (``jax.make_array_from_callback`` asks only for the parts this process holds, each part
     read once however many devices replicate it); from anything else the value is read whole.
     """
-    if isinstance(old, jax.Array) and source.regional:
+    abstract = isinstance(old, jax.ShapeDtypeStruct)  # nnx.eval_shape's: where the value is to go, and how sharded
+    sharding = getattr(old, "sharding", None) if isinstance(old, jax.Array) or abstract else None
+    if sharding is not None and source.regional:
         parts: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
 
         def part(index: tuple[slice, ...] | None) -> np.ndarray:
@@ -242,9 +244,9 @@ def _placed(source: ValueSource, value_key: str, old: Any) -> Any:
                 parts[box] = private_copy(np.asarray(source.read_region(value_key, region)), np.dtype(old.dtype))
             return parts[box]
 
-        return jax.make_array_from_callback(old.shape, old.sharding, part)
-    if isinstance(old, jax.Array):  # a copy first: on the CPU, JAX keeps a host array's memory as its own
-        return jax.device_put(private_copy(np.asarray(source.read(value_key)), np.dtype(old.dtype)), old.sharding)
+        return jax.make_array_from_callback(old.shape, sharding, part)
+    if sharding is not None or abstract:  # a copy first: on the CPU, JAX keeps a host array's memory as its own
+        return jax.device_put(private_copy(np.asarray(source.read(value_key)), np.dtype(old.dtype)), sharding)
     return np.array(source.read(value_key), dtype=_dtype_of(old), copy=True)
 
 
@@ -278,9 +280,10 @@ def _leaves(tree: Any) -> dict[str, Any]:
 
 
 def _is_array(leaf: Any) -> bool:
-    """Whether ``leaf`` may hold weights: a JAX or numpy array, but no typed PRNG key (an array of
-    JAX's own key dtype, which no file holds: left alone, as leaves that are no arrays are)."""
-    return isinstance(leaf, (jax.Array, np.ndarray, np.generic)) and not _is_key(leaf)
+    """Whether ``leaf`` may hold weights: a JAX or numpy array (or an abstract one, as
+    ``nnx.eval_shape`` leaves them), but no typed PRNG key (an array of JAX's own key dtype,
+    which no file holds: left alone, as leaves that are no arrays are)."""
+    return isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)) and not _is_key(leaf)
 
 
 def _is_key(leaf: Any) -> bool:

@@ -258,3 +258,16 @@ def test_a_grouped_conv_converts_both_ways():
     np.testing.assert_allclose(np.asarray(module(images)), np.asarray(layer(images)), atol=1e-5)
     for key, value in flax_adapter.export(module, layout="keras").items():
         np.testing.assert_array_equal(value, tf2.export(layer)[key])
+
+
+def test_an_abstract_model_is_assigned_and_restored_as_jax_arrays_where_its_shapes_say():
+    """nnx.eval_shape's model holds ShapeDtypeStructs: assign left host numpy arrays (dropping
+    any sharding they named), and restore of its state found no leaves at all."""
+    abstract = nnx.eval_shape(lambda: nnx.Linear(3, 2, rngs=nnx.Rngs(0)))
+    weights = {"kernel": np.arange(6, dtype=np.float32).reshape(3, 2), "bias": np.ones(2, np.float32)}
+    assert flax_adapter.assign(abstract, weights).ok
+    assert isinstance(abstract.kernel[...], jax.Array)
+    np.testing.assert_array_equal(np.asarray(abstract.kernel[...]), weights["kernel"])
+    state = nnx.state(nnx.eval_shape(lambda: nnx.Linear(3, 2, rngs=nnx.Rngs(0))))
+    restored = flax_adapter.restore(state, weights)
+    np.testing.assert_array_equal(np.asarray(restored["kernel"][...]), weights["kernel"])
