@@ -164,7 +164,8 @@ def restore(
     """A new pytree shaped like ``tree`` whose array leaves hold ``weights``; ``tree`` is unchanged.
 
     Leaves without a value keep the old one (with ``strict=False``); each new leaf has the
-    old leaf's type (a JAX array on the same device and sharding, or a numpy array).
+    old leaf's type (a JAX array on the same device and sharding, or a numpy array; for an
+    abstract leaf of ``nnx.eval_shape``, a JAX array on the sharding it names).
     """
     leaves = _leaves(tree)
     targets = {key: TargetInfo(key, _dtype_of(leaf), tuple(np.shape(leaf))) for key, leaf in leaves.items()}
@@ -200,16 +201,21 @@ def _selected(obj: Any, chosen_by: Selection) -> tuple[dict[str, Any], dict[str,
     else:
         values = _leaves(obj)
         trainable = dict.fromkeys(values, True)
+    abstract = next((key for key, value in values.items() if isinstance(value, jax.ShapeDtypeStruct)), None)
+    if abstract is not None:
+        raise SelectionError(f"{_describe(obj)} is abstract (nnx.eval_shape): it has shapes but no values to export",
+                             key=abstract)
     chosen = chosen_by.choose(values, trainable.__getitem__, _describe(obj))
     if not chosen:
         raise SelectionError(f"{_describe(obj)} has {'no arrays' if not values else 'no array passing the selection'}")
     return values, chosen
 
 
-#: what a Flax ``ConvTranspose`` is, as :func:`_site` names it
+#: what a Flax ``ConvTranspose`` without ``transpose_kernel`` is, as :func:`_site` names it
 _TRANSPOSED = layouts.Site("ConvTranspose")
-_TRANSPOSED_KERNEL = ("is a Flax ConvTranspose's kernel, [*spatial, in, out] and not flipped, where Keras's is [*spatial, "
-                      "out, in] and flipped: the shapes may pair, but no layout rule converts one into the other")
+_TRANSPOSED_KERNEL = ("is a Flax ConvTranspose's kernel, [*spatial, in, out] and not flipped (transpose_kernel=False), "
+                      "where Keras's is [*spatial, out, in] and flipped: the shapes may pair, but no layout rule converts "
+                      "one into the other (with transpose_kernel=True the kernel is Keras's as it is)")
 _LINEN_TRANSPOSED = re.compile(r"(?:^|/)ConvTranspose_\d+/kernel$")  # Linen names its modules by class and number
 
 
@@ -288,7 +294,7 @@ def _is_array(leaf: Any) -> bool:
 
 def _is_key(leaf: Any) -> bool:
     """Whether ``leaf`` is a typed PRNG key (``jax.random.key``; an ``nnx.Rngs`` stream's)."""
-    return isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+    return isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
 
 
 def _key(path: tuple) -> str:
@@ -320,6 +326,8 @@ def _sites(module: nnx.Module) -> dict[str, layouts.Site]:
 
 
 def _site(module: nnx.Module) -> layouts.Site:
+    if isinstance(module, nnx.ConvTranspose):  # with transpose_kernel, its kernel is Keras's as it is, as a conv's
+        return layouts.Site(layouts.CONV) if module.transpose_kernel else _TRANSPOSED
     if isinstance(module, nnx.Linear):
         return layouts.Site(layouts.DENSE)
     if type(module) is nnx.Conv:

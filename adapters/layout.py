@@ -484,8 +484,10 @@ def kinds_from_names(layout: Layout, shapes: Mapping[str, tuple[int, ...]]) -> d
     ``norm``; otherwise the rank of its ``layout.kernel`` tensor decides: 1 is ``norm``
     (PyTorch's LayerNorm ``weight``), 2 is ``dense``, 3 to 5 is ``conv``. Other scopes get no
     kind, so their tensors are refused; so do a rank-2 ``weight`` without a bias (a Linear's or
-    an Embedding's) and one of a layer named as GPT-2 names Hugging Face's ``Conv1D`` (whose
-    ``[in, out]`` a Linear's transposing would silently scramble).
+    an Embedding's), one of a layer named as GPT-2 names Hugging Face's ``Conv1D`` (whose
+    ``[in, out]`` a Linear's transposing would silently scramble), and a kernel under a Linen
+    ``ConvTranspose_N`` (unflipped ``[*spatial, in, out]``; a Linen module named otherwise is
+    not told apart).
     """
     norm_only = {r.other for r in layout.rules if r.kinds == (NORM,)}
     norm_only -= {r.other for r in layout.rules if NORM not in r.kinds}

@@ -198,17 +198,40 @@ def test_a_keras_transposed_kernel_is_refused_by_a_flax_conv_transpose_not_paire
         def __init__(self):
             self.up = nnx.ConvTranspose(4, 4, (3, 3), kernel_init=ZEROS, rngs=nnx.Rngs(0))
 
+    class Deconv(nnx.ConvTranspose):  # a subclass is one too
+        pass
+
     module = Up()
     weights = {"up/kernel": np.ones((3, 3, 4, 4), np.float32), "up/bias": np.ones(4, np.float32)}
     with pytest.raises(AssignmentError, match="up/kernel.*Flax ConvTranspose's kernel"):
         flax_adapter.assign(module, weights, layout="keras")
     assert not np.asarray(module.up.kernel[...]).any()  # nothing changed
+    module.up = Deconv(4, 4, (3, 3), kernel_init=ZEROS, rngs=nnx.Rngs(0))
+    with pytest.raises(AssignmentError, match="up/kernel.*Flax ConvTranspose's kernel"):
+        flax_adapter.assign(module, weights, layout="keras")
     linen = {"params": {"ConvTranspose_0": {"kernel": np.ones((3, 3, 4, 4), np.float32), "bias": np.ones(4)}}}
     with pytest.raises(AssignmentError, match="ConvTranspose_0/kernel.*Flax ConvTranspose's kernel"):
         flax_adapter.restore(linen, {"params/ConvTranspose_0/kernel": np.ones((3, 3, 4, 4), np.float32)},
                              layout="keras", strict=False)
     with pytest.raises(LayoutError, match="params/ConvTranspose_0/kernel"):
         flax_adapter.export(linen, layout="keras")
+
+
+def test_a_flax_conv_transpose_with_transpose_kernel_takes_keras_kernels_as_they_are():
+    """With transpose_kernel=True a Flax ConvTranspose keeps Keras's layout, flipped as Keras's is."""
+    keras = pytest.importorskip("keras")
+    from weightstore.adapters import tf2
+
+    layer = keras.layers.Conv2DTranspose(4, 3, padding="same")
+    images = np.random.default_rng(0).normal(size=(1, 5, 5, 6)).astype("float32")
+    layer.build(images.shape)
+    for var in layer.weights:
+        var.assign(np.random.default_rng(1).normal(size=var.shape).astype("float32"))
+    module = nnx.ConvTranspose(6, 4, (3, 3), padding="SAME", transpose_kernel=True, rngs=nnx.Rngs(0))
+    assert flax_adapter.assign(module, tf2.export(layer), layout="keras").ok
+    np.testing.assert_allclose(np.asarray(module(images)), np.asarray(layer(images)), atol=1e-5)
+    for key, value in flax_adapter.export(module, layout="keras").items():
+        np.testing.assert_array_equal(value, tf2.export(layer)[key])
 
 
 def test_an_assigned_model_holds_its_own_memory_not_the_files(tmp_path):
@@ -271,3 +294,7 @@ def test_an_abstract_model_is_assigned_and_restored_as_jax_arrays_where_its_shap
     state = nnx.state(nnx.eval_shape(lambda: nnx.Linear(3, 2, rngs=nnx.Rngs(0))))
     restored = flax_adapter.restore(state, weights)
     np.testing.assert_array_equal(np.asarray(restored["kernel"][...]), weights["kernel"])
+    with_streams = flax_adapter.restore(nnx.state(nnx.eval_shape(Net)), random_weights())  # RNG keys: left alone
+    np.testing.assert_array_equal(np.asarray(with_streams["conv"]["kernel"][...]), random_weights()["conv/kernel"])
+    with pytest.raises(SelectionError, match="abstract"):  # shapes, no values: nothing to write
+        flax_adapter.export(nnx.eval_shape(Net))
