@@ -320,13 +320,22 @@ def _whole_keys_renamed(values: Any, rekey: Mapping[str, str], targets: Mapping[
     """
     if not rekey or options.mapping:
         return None
-    at = normalize_scope(options.scope)
+    return _renamed_where_more_pair(values, normalize_scope(options.scope), rekey, targets)
+
+
+def _renamed_where_more_pair(values: Any, at: str, renames: Mapping[str, str],
+                             targets: Mapping[str, TargetInfo]) -> Any:
+    """``values`` with every key (under ``at``) that ``renames`` names (full key -> full key)
+    renamed, where more of them pair with ``targets`` so than as they are and no two meet;
+    None otherwise: the naming a file was written in is the one it pairs whole in."""
     keys = values.keys()  # a ValueSource: keys(), not iteration
-    full = {key: join_scope(at, key) for key in keys}
-    as_they_are = sum(name in targets for name in full.values())
-    renames = {key: strip_scope(rekey[name], at) for key, name in full.items() if name in rekey}
-    as_whole = sum(rekey.get(name, name) in targets for name in full.values())
-    return RenamedValues(values, renames) if as_whole > as_they_are else None
+    full = [join_scope(at, key) for key in keys]
+    renamed = [renames.get(name, name) for name in full]
+    if len(set(renamed)) < len(renamed) or sum(name in targets for name in renamed) <= sum(
+            name in targets for name in full):
+        return None
+    return RenamedValues(values, {key: strip_scope(renames[name], at) for key, name in zip(keys, full, strict=True)
+                                  if name in renames})
 
 
 def _keras_layout_renamed(values: Any, obj: Any, found: Mapping[str, tuple[Variable, bool]],
@@ -372,13 +381,12 @@ def _old_keys_renamed(values: Any, aliases: Mapping[str, str], targets: Mapping[
     if options.mapping:
         return values
     at = normalize_scope(options.scope)
+    within = {old: new for old, new in aliases.items() if in_scope(new, at) and new != at}
+    whole = _renamed_where_more_pair(values, at, within, targets)
+    if whole is not None:
+        return whole
     keys = values.keys()
     present = {join_scope(at, key) for key in keys}
-    old = {key: new for key in keys if (new := aliases.get(join_scope(at, key))) is not None
-           and in_scope(new, at) and new != at}
-    renamed = [old.get(key, join_scope(at, key)) for key in keys]
-    if len(set(renamed)) == len(renamed) and sum(name in targets for name in renamed) > len(present & targets.keys()):
-        return RenamedValues(values, {key: strip_scope(new, at) for key, new in old.items()})
     renames = {}
     for key in keys:
         full = join_scope(at, key)

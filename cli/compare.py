@@ -127,14 +127,14 @@ def _integer_difference(flat_x: np.ndarray, flat_y: np.ndarray, chunk: int) -> t
     signed = flat_x.dtype.kind == "i"
     max_gap, scale = 0, 0
     for start in range(0, flat_x.size, chunk):
-        pair = [np.asarray(flat[start:start + chunk]) for flat in (flat_x, flat_y)]
+        part_x, part_y = (np.asarray(flat[start:start + chunk]) for flat in (flat_x, flat_y))
+        scale = max(scale, abs(int(part_x.max())), abs(int(part_x.min())))
         if signed:
-            pair = [part.astype(np.int64).view(np.uint64) ^ np.uint64(1 << 63) for part in pair]
+            ordered = [part.astype(np.int64).view(np.uint64) ^ np.uint64(1 << 63) for part in (part_x, part_y)]
         else:
-            pair = [part.astype(np.uint64) for part in pair]
-        gap = np.maximum(pair[0], pair[1]) - np.minimum(pair[0], pair[1])
+            ordered = [part.astype(np.uint64) for part in (part_x, part_y)]
+        gap = np.maximum(*ordered) - np.minimum(*ordered)
         max_gap = max(max_gap, int(gap.max()))
-        scale = max(scale, abs(int(flat_x[start:start + chunk].max())), abs(int(flat_x[start:start + chunk].min())))
     if not max_gap:
         return 0.0, 0.0
     return float(max_gap), (max_gap / scale if scale else float("inf"))

@@ -103,8 +103,9 @@ def convert(source: Source, out: str, *, compress: bool | str, layout: str | Non
     """``source`` rewritten as ``out``; with ``layout``, in the other framework's names and
     layouts, named (``names``, :func:`weightstore.save`'s) as ``load_state_dict`` takes them
     when the other framework is PyTorch; without, as :func:`_names_kept` says. A torch-to-keras
-    source may be keyed by torch names. ``max_shard_size`` writes a Hugging Face sharded folder at ``out``; ``kinds`` (scope or glob
-    -> layer kind) decides what the file's names leave open (:func:`layouts.convert`)."""
+    source may be keyed by torch names. ``max_shard_size`` writes a Hugging Face sharded folder
+    at ``out``; ``kinds`` (scope or glob -> layer kind) decides what the file's names leave open
+    (:func:`layouts.convert`)."""
     if check_naming(names, WRITE_NAMINGS) is None and layout == "keras-to-torch":
         names = TORCH
     written_as = output_format(out).name if max_shard_size is None else safetensors_format.name
@@ -238,13 +239,21 @@ def import_(source: Source, target: str, *, scope: str | None, mapping: MappingR
 def _refuse_unnameable(target: str, plan: Mapping[str, str]) -> None:
     """Keys a file named as a ``state_dict`` cannot take: one with ``.`` inside a segment would
     read back as another key (``block.1/w`` as ``block/1/w``)."""
-    for key in plan:
+    key = _without_torch_name(plan)
+    if key is not None:
+        raise TargetError(f"names its tensors as a PyTorch state_dict does, and the imported key {key!r} has a "
+                          "'.' inside a segment, which no such name keeps apart; rename it with --map "
+                          f"(--map '{key.rpartition('/')[0] or key}=NEW')", path=target)
+
+
+def _without_torch_name(keys: Iterable[str]) -> str | None:
+    """The first of ``keys`` that no ``state_dict`` name spells (a ``.`` inside a segment), if any."""
+    for key in keys:
         try:
             torch_name_of_key(key)
         except InvalidKeyError:
-            raise TargetError(f"names its tensors as a PyTorch state_dict does, and the imported key {key!r} has a "
-                              "'.' inside a segment, which no such name keeps apart; rename it with --map "
-                              f"(--map '{key.rpartition('/')[0] or key}=NEW')", path=target) from None
+            return key
+    return None
 
 
 def _names_kept(source: Source, written_as: str, keys: Iterable[str]) -> str | None:
@@ -252,12 +261,7 @@ def _names_kept(source: Source, written_as: str, keys: Iterable[str]) -> str | N
     as safetensors, whose names stand beside its keys, and every key written has such a name (a
     ``--map`` may have put a ``.`` in a segment); else None, the keys. In npz and HDF5 the names
     would replace the keys (``features.0.weight``, under no scope), so those keep keys."""
-    if written_as != safetensors_format.name or _naming_of(source) != TORCH:
-        return None
-    try:
-        for key in keys:
-            torch_name_of_key(key)
-    except InvalidKeyError:
+    if written_as != safetensors_format.name or _naming_of(source) != TORCH or _without_torch_name(keys) is not None:
         return None
     return TORCH
 
