@@ -452,8 +452,9 @@ def test_a_mixed_precision_models_optimizer_state_resumes_training(tmp_path, mix
         assert report.ok and not report.unexpected and not report.left_out
         assigned = tf2.export(fresh, optimizer=True)  # every weight and slot as Keras's own loader left them
         assert assigned.keys() == loaded.keys() and all(np.array_equal(assigned[k], loaded[k]) for k in loaded)
-        fresh.fit(x, y, epochs=1, verbose=0)  # two traced training steps may round a last bit apart under load
-        np.testing.assert_allclose(np.asarray(fresh(x)), np.asarray(reference(x)), rtol=1e-5)
+        fresh.fit(x, y, epochs=1, verbose=0)  # two traced training steps may round a last bit apart under load,
+        # which relative to an output near zero (0.0025 off by 3e-8 in one run) is more than 1e-5 of it
+        np.testing.assert_allclose(np.asarray(fresh(x)), np.asarray(reference(x)), rtol=1e-5, atol=1e-6)
     exported = tf2.export(model, optimizer=True)  # each variable once: the inner slots under their first key
     assert not any(key.startswith("optimizer/inner_optimizer/") for key in exported)
     without = tf2.assign(compiled(), tmp_path / "m.npz")  # the state a store holds is listed, not assigned
