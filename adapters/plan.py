@@ -461,7 +461,7 @@ def out_of_range(array: np.ndarray, dtype: np.dtype) -> str:
                 fits = bool(np.isfinite(np.array(extreme, array.dtype).astype(target).astype(np.float64)))
         if not fits:
             shown = f"{extreme:g}" if isinstance(extreme, float) else str(extreme)
-            return f"holds {shown}, beyond {target.name}'s range (cast=True rounds values, it does not clip them)"
+            return f"holds {shown}, beyond {target.name}'s range (cast=True converts values as numpy does, it does not clip them)"
     return ""
 
 

@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from weightstore.cli.render import emit, human_bytes, settings
+from weightstore.io.location import location_of
 from weightstore.versions import DEFAULT_POLL
 
 
@@ -96,6 +97,9 @@ def follow(
     from weightstore.versions import require_folder
 
     as_json = settings.json = settings.json or as_json  # so a failure is reported as JSON too
+    if notifications is not None and not location_of(folder).remote:
+        raise typer.BadParameter(f"{folder} is local, and only an object-storage folder (s3://...) sends "
+                                 "notifications; --poll sets how often LATEST is read", param_hint="--notifications")
     _refuse_serving_base(folder)  # numbered SavedModel folders are never ws.publish's
     if not wait:
         require_folder(folder, hint="pass --wait to wait for it to appear")

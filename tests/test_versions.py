@@ -493,7 +493,7 @@ def test_notifications_take_the_region_from_the_queue_url(tmp_path, monkeypatch,
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    run = tmp_path / "run"
+    run = f"memory://weightstore-tests/{tmp_path.name}-notified"  # only object storage sends notifications
     ws.publish(run, weights_at(1), step=1)
     for queue in ("https://sqs.eu-west-1.amazonaws.com/123456789012/follower",
                   "https://eu-west-1.queue.amazonaws.com/123456789012/follower"):
@@ -506,6 +506,21 @@ def test_notifications_take_the_region_from_the_queue_url(tmp_path, monkeypatch,
     assert result.exit_code == 1 and "set AWS_DEFAULT_REGION" in str(result.exception)
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     assert next(ws.follow(run, notifications=elsewhere, timeout=0)).step == 1
+
+
+def test_notifications_for_a_local_folder_are_refused(tmp_path, cli):
+    """No bucket sends events for a local folder: a queue there would never wake the follower,
+    which would poll as if the option had been given in vain."""
+    ws.publish(tmp_path, weights_at(1), step=1)
+    queue = "https://sqs.eu-west-1.amazonaws.com/123456789012/follower"
+    with pytest.raises(ValueError, match="is local"):
+        ws.follow(tmp_path, notifications=queue)
+    from weightstore.adapters.follower import Follower
+
+    with pytest.raises(ValueError, match="is local"):
+        Follower({}, tmp_path, notifications=queue).start()
+    result = CliRunner().invoke(cli, ["follow", str(tmp_path), "--timeout", "0", "--notifications", queue])
+    assert result.exit_code == 2 and "is local" in result.output
 
 
 def test_versions_lists_a_folder_whose_latest_is_damaged(tmp_path, cli):

@@ -482,6 +482,7 @@ def follow(
     the ETag of the last one read is one HEAD request and moves no body (:class:`PointerWatch`).
     With ``notifications`` (an SQS queue URL the bucket's event notifications feed), an event
     naming ``LATEST`` ends the wait at once (:mod:`weightstore.notify`); polling goes on too.
+    A local folder, whose writes no bucket announces, refuses it.
     """
     timeout = None if timeout is None else checked_seconds("timeout", timeout)
     after = None if after is None else checked_count("after", after)
@@ -547,6 +548,9 @@ class PointerWatch:
         self.unreadable: int | None = None
         self.wake = None
         if notifications is not None:
+            if isinstance(source, LocalFolder):  # no bucket sends its events: the queue would stay silent
+                raise ValueError(f"notifications= wakes followers of an object-storage folder (s3://...), and "
+                                 f"{source.where} is local: drop it, and poll= sets how often LATEST is read")
             from weightstore.notify import QueueWake
 
             self.wake = QueueWake(notifications, urllib.parse.urlsplit(source.url(LATEST)).path.lstrip("/"))
