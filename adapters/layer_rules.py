@@ -231,4 +231,6 @@ FLAX_LAYERS = (
     LayerRule(ATTENTION, _MHA_KERAS + _MHA_KERAS_BIASES, _MHA_FLAX + _MHA_FLAX_BIASES,
               _renamed(_KERAS_TO_FLAX_MHA), _renamed({v: k for k, v in _KERAS_TO_FLAX_MHA.items()}),
               _flax_mha_problem),
+    LayerRule(ATTENTION, _MHA_KERAS, _MHA_FLAX, _renamed(_KERAS_TO_FLAX_MHA),
+              _renamed({v: k for k, v in _KERAS_TO_FLAX_MHA.items()}), _flax_mha_problem),
 )

@@ -134,11 +134,12 @@ def test_attention_from_a_file_needs_the_module_for_its_head_count(tmp_path):
     assert not (tmp_path / "k.npz").exists()
 
 
-def test_keras_attention_into_flax_computes_the_same():
-    layer = keras.layers.MultiHeadAttention(num_heads=2, key_dim=3)
+@pytest.mark.parametrize("bias", [True, False])
+def test_keras_attention_into_flax_computes_the_same(bias):
+    layer = keras.layers.MultiHeadAttention(num_heads=2, key_dim=3, use_bias=bias)
     inputs, expected = randomized(layer, (2, 4, 6))
     module = nnx.MultiHeadAttention(num_heads=2, in_features=6, qkv_features=6, out_features=6, decode=False,
-                                    rngs=nnx.Rngs(0))
+                                    use_bias=bias, rngs=nnx.Rngs(0))
     assert flax_adapter.assign(module, tf2.export(layer), layout="keras").ok
     np.testing.assert_allclose(np.asarray(module(inputs)), expected, atol=TOLERANCE)
     back = flax_adapter.export(module, layout="keras")
