@@ -384,7 +384,19 @@ def widens(source: np.dtype, target: np.dtype) -> bool:
     except TypeError:
         return False
     integers = _integer_bits(source)
-    return integers is None or _holds_integers(target, *integers)
+    if integers is not None:
+        return _holds_integers(target, *integers)
+    return not _loses_negative_zero(source, target)
+
+
+def _loses_negative_zero(source: np.dtype, target: np.dtype) -> bool:
+    """Whether ``source`` has a negative zero that ``target`` makes positive (the ``fnuz``
+    float8 types have one zero, so float4_e2m1fn's -0 comes out +0 though numpy calls it safe)."""
+    if source.kind == "c" or _complex_part(source) is not None:
+        return False  # a safe complex cast keeps both parts' types
+    with np.errstate(all="ignore"):
+        negative_zero = np.array(-0.0).astype(source)
+        return bool(np.signbit(negative_zero)) and not np.signbit(negative_zero.astype(target))
 
 
 def _integer_bits(dtype: np.dtype) -> tuple[int, bool] | None:
@@ -432,11 +444,15 @@ def out_of_range(array: np.ndarray, dtype: np.dtype) -> str:
     target = np.dtype(dtype)
     if array.size == 0 or widens(array.dtype, target):
         return ""
-    if array.dtype.kind == "c":
-        if target.kind != "c":
+    if _complex_part(array.dtype) is not None:
+        array = array.astype(np.complex128)  # ml_dtypes' complex32 and bcomplex32 too: a numpy complex
+        part = _complex_part(target)
+        if part is None:
             return (f"holds complex values with an imaginary part, which {target.name} cannot hold"
                     if np.any(array.imag) else out_of_range(array.real, target))
-        return out_of_range(array.view(array.real.dtype), np.dtype(f"f{target.itemsize // 2}"))  # both parts
+        return out_of_range(array.view(np.float64), part)  # both parts
+    if (real_part := _complex_part(target)) is not None:  # a real value becomes the real part
+        return out_of_range(array, real_part)
     if array.dtype.kind == "V":  # an ml_dtypes type (bfloat16, float8, int4), reduced as a numpy one
         array = array.astype(np.int64 if _is_integer(array.dtype) else np.float64)
     if target.kind == "b":
@@ -447,26 +463,65 @@ def out_of_range(array: np.ndarray, dtype: np.dtype) -> str:
     if array.dtype.kind == "f" and not (math.isfinite(smallest) and math.isfinite(largest)):
         if integer:
             return f"holds {'NaN' if np.isnan(array).any() else 'inf'}, which {target.name} cannot hold"
+        special = _special_lost(array, target)
+        if special:
+            return f"holds {special}, which {target.name} cannot hold (a cast would not keep it)"
         finite = np.isfinite(array)
         if not finite.any():
             return ""
         smallest = np.min(array, where=finite, initial=np.inf).item()
         largest = np.max(array, where=finite, initial=-np.inf).item()
     limits = ml_dtypes.iinfo(target) if integer else None  # numpy's types too
+    kept = None if integer else _largest_rounded_in(target)
     for extreme in (smallest, largest):
         if limits is not None:  # a cast to an integer truncates toward zero
             fits = int(limits.min) <= math.trunc(extreme) <= int(limits.max)
-        else:  # rounds to nearest: past the largest value by half a step it becomes inf (float8: NaN)
+        else:  # rounds to nearest: past the largest value by half a step it becomes inf (float8: NaN), or
+            # the largest value itself in a type without inf or NaN (float4_e2m1fn: 1e10 becomes 6)
             with np.errstate(over="ignore", invalid="ignore"):
-                fits = bool(np.isfinite(np.array(extreme, array.dtype).astype(target).astype(np.float64)))
+                cast = np.array(extreme, array.dtype).astype(target).astype(np.float64)
+            fits = bool(np.isfinite(cast)) and abs(extreme) <= (kept or 0.0)
         if not fits:
             shown = f"{extreme:g}" if isinstance(extreme, float) else str(extreme)
             return f"holds {shown}, beyond {target.name}'s range (cast=True converts values as numpy does, it does not clip them)"
     return ""
 
 
+def _largest_rounded_in(target: np.dtype) -> float:
+    """The largest magnitude a cast to the float ``target`` rounds rather than overflows: its
+    largest value and half the step below it."""
+    largest = np.array(ml_dtypes.finfo(target).max, target)
+    below = largest.view(f"u{target.itemsize}") - 1  # the next smaller positive float's bits
+    step = float(largest.astype(np.float64)) - float(below.view(target).astype(np.float64))
+    return float(largest.astype(np.float64)) + step / 2
+
+
+def _special_lost(array: np.ndarray, target: np.dtype) -> str:
+    """The first of NaN, inf and -inf that ``array`` holds and a cast to the float ``target``
+    does not keep ("" if none): float8_e4m3fn has no inf (it becomes NaN), float4_e2m1fn
+    neither NaN nor inf, float8_e8m0fnu no sign."""
+    for value, present in ((math.nan, np.isnan(array).any()), (math.inf, np.isposinf(array).any()),
+                           (-math.inf, np.isneginf(array).any())):
+        if present:
+            with np.errstate(all="ignore"):
+                cast = float(np.array(value).astype(target).astype(np.float64))
+            if not (cast == value or (math.isnan(value) and math.isnan(cast))):
+                return str(value)
+    return ""
+
+
+def _complex_part(dtype: np.dtype) -> np.dtype | None:
+    """The dtype of each part of a complex ``dtype`` (numpy's, or ml_dtypes' ``complex32`` of
+    float16 parts and ``bcomplex32`` of bfloat16 ones); ``None`` for any other."""
+    if dtype.name == "bcomplex32":
+        return np.dtype(ml_dtypes.bfloat16)
+    if dtype.kind == "c":
+        return np.dtype(f"f{dtype.itemsize // 2}")
+    return None
+
+
 def _is_integer(dtype: np.dtype) -> bool:
-    return dtype.kind in "iu" or (dtype.kind == "V" and not dtype.name.startswith(("float", "bfloat")))
+    return dtype.kind in "iu" or (dtype.kind == "V" and not dtype.name.startswith(("float", "bfloat", "bcomplex")))
 
 
 def describe(dtype: np.dtype, shape: tuple[int, ...]) -> str:

@@ -151,3 +151,40 @@ def test_cast_range_check_agrees_with_numpy(data, source, target):
     else:
         changed = cast.astype(object) != array.astype(object)  # exact for every integer pair
     assert bool(out_of_range(array, target)) == bool(np.any(changed)), (array, target)
+
+
+_F4, _F8, _E8M0, _FNUZ = (np.dtype(t) for t in (ml_dtypes.float4_e2m1fn, ml_dtypes.float8_e4m3fn,
+                                                  ml_dtypes.float8_e8m0fnu, ml_dtypes.float8_e4m3fnuz))
+
+
+@pytest.mark.parametrize("values, target, refused", [
+    ([np.inf, 1.0], _F8, "holds inf, which float8_e4m3fn cannot hold"),  # it has no inf: NaN
+    ([-np.inf, 1.0], _FNUZ, "holds -inf"),
+    ([np.nan, 1.0], _F4, "holds nan"),  # neither NaN nor inf: it would become 0
+    ([1e10, 1.0], _F4, "1e+10, beyond float4_e2m1fn's range"),  # saturates to 6, without inf to go to
+    ([7.5, 1.0], _F4, "7.5, beyond"),
+    ([-1.0, 1.0], _E8M0, "-1, beyond"),  # no sign
+    ([1e30 + 2j, 3], np.dtype(ml_dtypes.complex32), "1e+30, beyond float16's range"),  # its parts are float16
+    ([6.9, 1.0], _F4, ""),  # rounds to 6, within half a step of the largest value
+    ([np.nan, np.inf, -np.inf, 1.0], np.dtype(ml_dtypes.bfloat16), ""),
+    ([1e30, 1.0], np.dtype(ml_dtypes.bcomplex32), ""),  # its parts are bfloat16, of float32's range
+])
+def test_cast_range_check_of_ml_dtypes_targets(values, target, refused):
+    """Narrow floats overflow three ways: to inf, to NaN (no inf: float8_e4m3fn), or to their
+    largest value (neither: float4_e2m1fn). Each is a value the cast does not keep."""
+    problem = out_of_range(np.array(values), target)
+    assert (refused in problem) if refused else problem == "", problem
+
+
+@pytest.mark.parametrize("kind", [ml_dtypes.bcomplex32, ml_dtypes.complex32])
+def test_an_imaginary_part_of_ml_dtypes_complex_is_not_dropped(kind):
+    """bcomplex32 (numpy kind V) was taken for an integer and its imaginary part cast away;
+    complex32 (kind c) recursed until Python gave up."""
+    assert "imaginary part" in out_of_range(np.array([1.5 + 2j, 3], kind), np.dtype(np.float32))
+    assert out_of_range(np.array([1.5 + 0j, 3], kind), np.dtype(np.float32)) == ""
+
+
+def test_a_float_whose_negative_zero_a_target_loses_does_not_widen():
+    from weightstore.adapters.plan import widens
+
+    assert widens(_F4, _F8) and not widens(_F4, _FNUZ)  # fnuz types have one zero: -0 comes out +0

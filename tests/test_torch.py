@@ -223,6 +223,11 @@ def test_cast_refuses_a_value_out_of_the_parameters_range(tmp_path):
     with pytest.raises(AssignmentError, match="'weight'.*70000, beyond float16's range"):
         torch_adapter.assign(net, tmp_path / "w.npz", cast=True)
     assert_unchanged(net, before)
+    net = nn.Linear(2, 2).to(torch.float8_e4m3fn)  # no inf: a cast makes one NaN
+    before = state(net)
+    with pytest.raises(AssignmentError, match="'weight'.*holds inf, which float8_e4m3fn cannot hold"):
+        torch_adapter.assign(net, {"weight": np.full((2, 2), np.inf, np.float32), "bias": np.zeros(2)}, cast=True)
+    assert_unchanged(net, before)
 
 
 def test_strided_and_reversed_arrays_are_assigned_as_they_read():
