@@ -363,7 +363,8 @@ def to_numpy(tensor: torch.Tensor, key: str, *, copy: bool = True) -> np.ndarray
     reads it)."""
     dtype = numpy_dtype(tensor, key)
     _refuse_without_values(tensor, key)
-    values = tensor.detach().to("cpu", copy=copy)
+    # a conjugate or negative view is a flag on shared memory, which numpy() will not read
+    values = tensor.detach().to("cpu", copy=copy).resolve_conj().resolve_neg()
     if tensor.dtype in _VIEWED:
         return values.view(_VIEWED[tensor.dtype][1]).numpy().view(dtype)
     return values.numpy()
@@ -374,6 +375,10 @@ def _refuse_without_values(tensor: torch.Tensor, key: str) -> None:
     errors for them name neither the key nor the fix)."""
     if tensor.is_meta:
         raise SelectionError("is on the meta device and holds no values", key=key)
+    if tensor.is_nested or tensor.layout != torch.strided:
+        what, fix = (("a nested tensor", "each of tensor.unbind()") if tensor.is_nested
+                     else (f"a {tensor.layout} tensor", "tensor.to_dense()"))
+        raise UnsupportedDTypeError(f"is {what}, not one dense array; store {fix} instead", key=key)
     if is_lazy(tensor):
         raise SelectionError("is a lazy module's uninitialized parameter and holds no values yet; "
                              "run one forward pass first", key=key)

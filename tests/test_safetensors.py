@@ -25,7 +25,7 @@ SUPPORTED = [np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint
              ml_dtypes.float8_e5m2, ml_dtypes.float8_e4m3fnuz, ml_dtypes.float8_e5m2fnuz, ml_dtypes.float8_e8m0fnu]
 #: what the safetensors library's numpy module can hand back (it has no float8 in numpy)
 LIBRARY_READS = {np.dtype(d) for d in SUPPORTED[:13]} | {np.dtype(ml_dtypes.bfloat16)}
-UNSUPPORTED = [np.complex128, np.longdouble, ml_dtypes.int4, ml_dtypes.uint4, ml_dtypes.float4_e2m1fn,
+UNSUPPORTED = [np.complex128, ml_dtypes.int4, ml_dtypes.uint4, ml_dtypes.float4_e2m1fn,
                ml_dtypes.float8_e4m3b11fnuz, ml_dtypes.float8_e4m3, ml_dtypes.float6_e2m3fn]
 
 

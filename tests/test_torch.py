@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 
 import weightstore as ws  # noqa: E402
 from weightstore.adapters import torch as torch_adapter  # noqa: E402
-from weightstore.errors import AssignmentError, InvalidKeyError, SelectionError  # noqa: E402
+from weightstore.errors import AssignmentError, InvalidKeyError, SelectionError, UnsupportedDTypeError  # noqa: E402
 
 nn = torch.nn
 ROOT = Path(__file__).resolve().parent.parent
@@ -289,6 +289,24 @@ def test_a_state_dict_or_parameters_passed_as_they_are_save_and_assign(tmp_path,
     with pytest.raises(SelectionError, match=r"m\.npz: tensor 'weight': is on the meta device and holds no values"):
         ws.save(tmp_path / "m.npz", hollow.state_dict())
     assert not (tmp_path / "m.npz").exists()
+
+
+def test_conjugate_and_negative_views_are_saved_as_their_values_and_sparse_tensors_refused(tmp_path):
+    """numpy() refuses a view with torch's conjugate or negative bit set, and a sparse or nested
+    tensor is no dense array: each leaked torch's own error, naming no tensor."""
+    values = torch.tensor([1 + 2j, 3 - 4j])
+    given = {"conjugate": values.conj(), "negative": torch._neg_view(torch.tensor([1.5, -2.0]))}
+    ws.save(tmp_path / "views.npz", given)
+    loaded = ws.load(tmp_path / "views.npz")
+    assert loaded["conjugate"].tolist() == [1 - 2j, 3 + 4j] and loaded["negative"].tolist() == [-1.5, 2.0]
+    for key, tensor, fix in (("sparse", torch.eye(2).to_sparse(), "to_dense"),
+                             ("nested", torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "unbind")):
+        with pytest.raises(UnsupportedDTypeError, match=rf"tensor '{key}': .*{fix}"):
+            ws.save(tmp_path / "w.npz", {key: tensor})
+    assert not (tmp_path / "w.npz").exists()
+    with pytest.raises(UnsupportedDTypeError, match="tensor 'w': torch dtype torch.complex32") as caught:
+        ws.save(tmp_path / "w.npz", {"w": torch.zeros(2, dtype=torch.complex32)})
+    assert caught.value.key == "w"
 
 
 def test_saving_a_state_dict_holds_no_copy_of_it(tmp_path):

@@ -28,6 +28,9 @@ def as_numpy(value: Any, key: str = "") -> np.ndarray:
         from weightstore.adapters.torch import to_numpy
 
         return to_numpy(value, key, copy=False)
+    if np.ma.is_masked(value):  # np.asarray would keep the placeholders under the mask as weights
+        raise UnsupportedDTypeError("is a masked array with masked values, which no weight file can mark; "
+                                    "fill them first (value.filled(...))", key=key or None)
     try:
         return np.asarray(value)
     except (ValueError, TypeError) as exc:  # a ragged list, an object numpy cannot make an array of
@@ -35,19 +38,21 @@ def as_numpy(value: Any, key: str = "") -> np.ndarray:
                                     key=key or None) from None
 
 
-def declared_dtype(value: Any) -> np.dtype | None:
+def declared_dtype(value: Any, key: str = "") -> np.dtype | None:
     """The numpy dtype an array-like states without being converted, or ``None``.
 
     A TF tensor (``dtype.as_numpy_dtype``), a PyTorch tensor (through its adapter) or any
     ``__array__`` object with a numpy ``dtype`` is checked now and converted only when written,
     one at a time: a trainer's snapshot or state dict is not copied to numpy all at once.
     """
+    if isinstance(value, np.ma.MaskedArray):
+        return None  # converted at once, so that one with masked values is refused before any write
     if isinstance(value, np.ndarray):
         return value.dtype
     if _is_torch(value):
         from weightstore.adapters.torch import numpy_dtype
 
-        return numpy_dtype(value, "")
+        return numpy_dtype(value, key)
     dtype = getattr(value, "dtype", None)
     if dtype is None or not hasattr(value, "__array__"):
         return None

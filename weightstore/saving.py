@@ -288,7 +288,7 @@ class CheckedWeights(Mapping):
                 values = [weights[key] for key in keys]
                 dtypes = [value.dtype if type(value) is np.ndarray else None for value in values]
                 for i in [i for i, dtype in enumerate(dtypes) if dtype is None]:
-                    dtypes[i] = declared_dtype(values[i])
+                    dtypes[i] = declared_dtype(values[i], keys[i])
                     if dtypes[i] is None:
                         values[i] = as_numpy(values[i], keys[i])
                         dtypes[i] = values[i].dtype

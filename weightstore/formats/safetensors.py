@@ -20,7 +20,7 @@ and ``safe_open`` read our files and we read theirs:
 Dtypes: every weightstore dtype the specification names is stored as that type (``bool``,
 ``int8``..``uint64``, ``float16``/``32``/``64``, ``complex64``, ``bfloat16`` and the float8
 kinds ``e4m3fn``, ``e5m2``, ``e4m3fnuz``, ``e5m2fnuz``, ``e8m0fnu``). Anything else
-(``complex128``, ``longdouble``, ``int4``, ``float4``/``float6`` which ml_dtypes keeps one per
+(``complex128``, ``int4``, ``float4``/``float6`` which ml_dtypes keeps one per
 byte where the specification packs them, other float8 kinds) is refused on save with
 :class:`UnsupportedDTypeError` naming the key, before the file is written: storing it as raw
 bytes under another type would make every other reader see wrong values. Reading refuses the
