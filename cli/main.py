@@ -477,8 +477,8 @@ def _report(command: str, written: transfer.Written, source: sources.Source, lin
 
 def _note_skipped(source: sources.Source) -> None:
     if source.skipped:
-        note(f"skipped {len(source.skipped)} non-numeric entr{'y' if len(source.skipped) == 1 else 'ies'}: "
-             f"{named(source.skipped, shown=5)}")
+        note(f"skipped {len(source.skipped)} entr{'y' if len(source.skipped) == 1 else 'ies'} of no plain array "
+             f"(text, or TF's quantized types): {named(source.skipped, shown=5)}")
 
 
 sync.register(app)

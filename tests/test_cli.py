@@ -138,7 +138,7 @@ def test_export_tf1_folder_takes_the_latest_checkpoint(made, tmp_path):
     out = tmp_path / "out.npz"
     result = run("export", os.path.dirname(made["tf1"]), "-o", out, "--scope", "model", "--exclude", "*/Adam*")
     assert result.exit_code == 0, result.output
-    assert "skipped 1 non-numeric entry: 'tag'" in result.stderr
+    assert "skipped 1 entry of no plain array (text, or TF's quantized types): 'tag'" in result.stderr
     loaded = ws.load(out)
     assert sorted(loaded) == ["dense/b", "dense/w", "emb", "stats"]
     reader = tf.train.load_checkpoint(made["tf1"])
@@ -346,7 +346,7 @@ def test_ls_lists_a_foreign_file_with_strings_beside_its_weights(tmp_path, suffi
     text = "names" if suffix == ".npz" else "meta/names"
     result = run("ls", path)
     assert result.exit_code == 0, result.stderr
-    assert "1 tensor" in result.stdout and f"skipped 1 non-numeric entry: '{text}'" in result.stderr
+    assert "1 tensor" in result.stdout and f"skipped 1 entry of no plain array (text, or TF's quantized types): '{text}'" in result.stderr
     document = json.loads(run("ls", path, "--json").stdout)
     assert [t["key"] for t in document["tensors"]] == ["w"] and document["skipped"] == [text]
     with pytest.raises((ws.UnsupportedDTypeError, ws.UnsafeFileError), match=text):
@@ -700,7 +700,7 @@ def test_installed_ws_exports_a_checkpoint_quietly(made, tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stderr.strip().splitlines() == [  # none of TensorFlow's start-up noise
         f"wrote {len(ws.load(out))} tensors (232 B) from TF1 checkpoint {made['tf1']} to {out}",
-        "skipped 1 non-numeric entry: 'tag'",
+        "skipped 1 entry of no plain array (text, or TF's quantized types): 'tag'",
     ]
     done = subprocess.run([WS, "-q", "ls", str(tmp_path / "absent.npz")], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and done.stderr == f"error: {tmp_path / 'absent.npz'}: no such file or checkpoint\n"

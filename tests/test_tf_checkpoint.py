@@ -17,6 +17,7 @@ import zipfile
 from pathlib import Path
 
 import crc32c
+import ml_dtypes
 import numpy as np
 import pytest
 from typer.testing import CliRunner
@@ -136,6 +137,21 @@ def test_tf1_checkpoint_reads_without_tensorflow_as_tensorflow_reads_it(made, tm
     assert values["model/long"].shape == (20_000, 1) and values["model/hundreds"].shape == (300, 1)
     assert values["model/emb/Adam"].shape == (7, 3)  # slots of a partitioned variable are partitioned too
     assert {f"kinds/{d.name}" for d in DTYPES} <= set(values)
+
+
+def test_int4_and_int2_variables_read_as_tensorflow_reads_them(tmp_path):
+    """TF keeps them one per byte, as ml_dtypes does; the reader skipped them as "non-numeric",
+    so ws.load and ws convert silently lost them."""
+    module = tf.Module()
+    module.kinds = [tf.Variable(tf.constant(np.array([-2, 1, 0, -1][:size], kind)))
+                    for size, kind in ((3, ml_dtypes.int4), (4, ml_dtypes.uint4), (2, ml_dtypes.int2),
+                                       (1, ml_dtypes.uint2))]
+    prefix = tf.train.Checkpoint(m=module).write(str(tmp_path / "ck"))
+    expected = {key: value for key, value in tf_values(prefix).items() if not key.startswith("_")}
+    loaded = ws.load(prefix)
+    assert len(loaded) == len(expected) == 4
+    for (key, value), (tf_key, tf_value) in zip(sorted(loaded.items()), sorted(expected.items()), strict=True):
+        assert tf_key.startswith(key) and value.dtype == tf_value.dtype and same_bits(value, tf_value), key
 
 
 def test_tf2_keras_checkpoint_reads_without_tensorflow(made, tmp_path):

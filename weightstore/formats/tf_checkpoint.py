@@ -106,8 +106,8 @@ _SAVE_COUNTER = "save_counter" + VARIABLE_SUFFIX
 _DATA_FILE = re.compile(r"\.data-\d{5}-of-\d{5}$")
 _DT_STRING = 7
 #: TensorFlow's ``DataType`` numbers (``types.proto``) -> numpy dtype, for every numeric kind
-#: numpy or ml_dtypes can hold byte for byte; the rest (strings, resources, variants,
-#: quantized and 4-bit types) are skipped.
+#: numpy or ml_dtypes can hold byte for byte (TF keeps int4 and int2 one per byte, as ml_dtypes
+#: does); the rest (strings, resources, variants, quantized types) are skipped.
 _DTYPES: dict[int, np.dtype] = {
     number: np.dtype(kind) for number, kind in {
         1: "<f4", 2: "<f8", 3: "<i4", 4: "u1", 5: "<i2", 6: "i1", 8: "<c8", 9: "<i8", 10: "?",
@@ -116,7 +116,7 @@ _DTYPES: dict[int, np.dtype] = {
 }
 _DTYPES.update({number: ML_DTYPES[name] for number, name in {
     14: "bfloat16", 24: "float8_e5m2", 25: "float8_e4m3fn", 26: "float8_e4m3fnuz",
-    27: "float8_e4m3b11fnuz", 28: "float8_e5m2fnuz",
+    27: "float8_e4m3b11fnuz", 28: "float8_e5m2fnuz", 29: "int4", 30: "uint4", 31: "int2", 32: "uint2",
 }.items() if name in ML_DTYPES})
 _LOGICAL = {dtype: dtype_name(dtype) for dtype in _DTYPES.values()}
 
