@@ -75,7 +75,8 @@ def export(
     """
     values, chosen = _selected(obj, Selection(**selection))
     sites = _sites(obj) if isinstance(obj, nnx.Module) else None
-    weights = {key: np.array(jax.device_get(values[old]), copy=True) for key, old in chosen.items()}
+    weights = {key: np.array(jax.device_get(values[old]), dtype=_dtype_of(values[old]), copy=True)
+               for key, old in chosen.items()}  # a Python number as JAX computes with it, as assign takes it
     if layout is None:
         return weights
     steps, refused = layouts.to_keras(
