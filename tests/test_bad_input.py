@@ -1113,6 +1113,19 @@ def test_an_hdf5_key_nested_deeper_than_readers_go_is_refused_before_writing(tmp
     assert list(ws.load(tmp_path / "deep.npz")) == [deepest + "/a"]
 
 
+def test_an_hdf5_tensor_of_more_axes_than_libhdf5_holds_is_refused_before_writing(tmp_path):
+    """libhdf5 failed halfway through the file, naming its temporary name."""
+    most, beyond = np.zeros((1,) * 32, np.float32), np.zeros((1,) * 33, np.float32)
+    ws.save(tmp_path / "ok.h5", {"w": most})
+    assert ws.load(tmp_path / "ok.h5")["w"].shape == most.shape
+    ws.save(tmp_path / "x.npz", {"x": beyond})  # other formats hold 64
+    for source in ({"w": np.ones(2), "x": beyond}, ws.open(tmp_path / "x.npz")):
+        with pytest.raises(errors.UnsupportedDTypeError, match="has 33 axes; hdf5 files hold at most 32") as caught:
+            ws.save(tmp_path / "many.h5", source)
+        assert caught.value.path == str(tmp_path / "many.h5") and caught.value.key == "x"
+    assert sorted(os.listdir(tmp_path)) == ["ok.h5", "x.npz"]
+
+
 def test_a_fifo_given_as_a_folder_of_versions_is_refused_not_waited_on(tmp_path):
     os.mkfifo(tmp_path / "run")
     for call in (lambda: ws.latest(tmp_path / "run"), lambda: next(ws.follow(tmp_path / "run"))):

@@ -299,6 +299,18 @@ class CheckedWeights(Mapping):
             self._dtype_names = dict(zip(keys, names, strict=True))
         if fmt is not None:
             self._refuse_unreadable(fmt)
+            if fmt.max_ndim is not None:
+                self._refuse_too_many_axes(fmt, fmt.max_ndim, store)
+
+    def _refuse_too_many_axes(self, fmt: Format, most: int, store: Store | None) -> None:
+        """A tensor of more axes than the format holds, refused before the file is begun (its
+        library would fail halfway, naming the temporary file)."""
+        for key, value in self._values.items():
+            shape = store.info(key).shape if store is not None else getattr(value, "shape", None)
+            axes = len(shape) if shape is not None else np.ndim(value)
+            if axes > most:
+                raise UnsupportedDTypeError(f"has {axes} axes; {fmt.name} files hold at most {most}: save it as "
+                                            ".npz or .safetensors", path=self._where or None, key=key)
 
     def _refuse_unreadable(self, fmt: Format) -> None:
         """A key the format keeps for itself, or one nested deeper than its readers go, would

@@ -130,6 +130,8 @@ class Format:
     #: the most ``/``-separated segments a key may have for the format's readers to read it back
     #: (HDF5: one group per segment, and groups are read only so deep); ``None``: no limit
     max_key_segments: int | None = None
+    #: the most axes a tensor may have in the format (HDF5: 32); ``None``: weightstore's own limit
+    max_ndim: int | None = None
     #: False for a format only weightstore's own machinery writes (a sharded version's index)
     writes: bool = True
     #: whether a remote file is read through an fsspec file object (h5py's reads) instead of a

@@ -700,4 +700,5 @@ FORMAT = Format(
     planned_writer=True,
     remote_file_object=True,
     max_key_segments=MAX_DEPTH,
+    max_ndim=32,  # libhdf5's H5S_MAX_RANK
 )
