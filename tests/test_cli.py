@@ -979,6 +979,23 @@ def test_import_into_an_object_checkpoint_refuses_keys_it_lacks(made, store, tmp
     assert index.read_bytes() == before
 
 
+def test_import_into_a_folder_names_the_checkpoint_it_holds(made, tmp_path):
+    """A folder holding one checkpoint (``Checkpoint.write``: no state file) is refused naming
+    that prefix, not a new ``model.ckpt`` beside it, which would be a TF1 checkpoint."""
+    (tmp_path / "ck2").mkdir()
+    target = copy_checkpoint(made["keras_ckpt"], tmp_path / "ck2")
+    ws.save(tmp_path / "fixed.npz", ws.load(target, scope="model", exclude="optimizer"))
+    before = sorted(os.listdir(tmp_path / "ck2"))
+    one_error_line(run("import", tmp_path / "fixed.npz", "--into", tmp_path / "ck2", "--scope", "model", "--overwrite"),
+                   f"ck2: is a folder; give the prefix of the checkpoint it holds: --into {target}")
+    assert sorted(os.listdir(tmp_path / "ck2")) == before
+    done = run("import", tmp_path / "fixed.npz", "--into", target, "--scope", "model", "--overwrite")
+    assert done.exit_code == 0, done.output
+    (tmp_path / "empty").mkdir()
+    one_error_line(run("import", tmp_path / "fixed.npz", "--into", tmp_path / "empty"),
+                   f"empty: is a folder; give a checkpoint prefix such as {tmp_path / 'empty' / 'model.ckpt'}")
+
+
 def test_import_of_a_new_prefix_makes_its_folder_state_file_and_says_restore_ignores_it(store, tmp_path):
     folder = tmp_path / "new" / "run"
     prefix = str(folder / "model.ckpt-1")
