@@ -37,7 +37,7 @@ from typing import Any
 import weightstore
 from weightstore.errors import AssignmentError, FormatError, WeightStoreError
 from weightstore.formats.renamed import RenamedReader
-from weightstore.formats.tf_checkpoint import CheckpointReader, saved_model_prefix
+from weightstore.formats.tf_checkpoint import CheckpointReader, resolve_prefix
 
 __all__ = ["ModelKeyedStore", "open_artifact", "is_model_file", "for_model", "keras_file_names"]
 
@@ -201,37 +201,20 @@ def _object_graph(path: Any) -> Any:
     """The object graph of the TF2 checkpoint at ``path``, or None when it is not one.
 
     A damaged checkpoint is None too: :func:`open_artifact` then opens it with its own keys
-    and its reader says what is wrong with which file.
+    and its reader says what is wrong with which file. Which checkpoint a path or folder
+    names is the core's rule (:func:`resolve_prefix`), the one ``ws.open`` follows, so a folder
+    ``Checkpoint.write`` filled (the only checkpoint in it, no ``checkpoint`` state file) pairs
+    with the model as its prefix does.
     """
-    import tensorflow as tf
-
-    text = os.fspath(path)
     try:
-        prefix = _folder_prefix(text) if os.path.isdir(text) else _prefix(text)
-    except (tf.errors.OpError, ValueError):
-        return None
-    if prefix is None or not os.path.exists(prefix + ".index"):
-        return None
-    try:  # the core's parser, as ws.open reads the checkpoint's keys
-        reader = CheckpointReader(prefix)
+        prefix = resolve_prefix(os.fspath(path))
+        if prefix is None:
+            return None
+        reader = CheckpointReader(prefix)  # the core's parser, as ws.open reads the checkpoint's keys
     except WeightStoreError:
         return None
     reader.close()  # only the index is needed
     return reader.object_graph
-
-
-def _folder_prefix(folder: str) -> str | None:
-    """The checkpoint a folder holds: a SavedModel's variables, or the one ``tf.train`` finds."""
-    import tensorflow as tf
-
-    return saved_model_prefix(folder) or tf.train.latest_checkpoint(folder)
-
-
-def _prefix(text: str) -> str:
-    for end in (".index", ".data-"):
-        if end in os.path.basename(text):
-            return text[:text.rindex(end)]
-    return text
 
 
 def _checkpoint_names(model: Any, path: str, file_keys: list[str], by_variable: Mapping[int, str], *,

@@ -19,6 +19,9 @@ How keys are formed (the object you pass is the root; its own name is never part
 - **tf.Module**: the attribute path, as ``tf.train.Checkpoint`` walks it: ``encoder/w``,
   ``layers/0/b``. Keras layers found on the way continue with the Keras rule. A variable
   reachable along several paths gets the first in ``tf.Module``'s traversal order.
+- **A loaded SavedModel** (``tf.saved_model.load``): the keys its folder's variables
+  checkpoint has (``ws ls dir``); a variable both the model and its optimizer hold is keyed
+  by the model (:mod:`weightstore.formats.tf_checkpoint`).
 - **A list of variables**: each variable's own name (``dense/kernel:0`` becomes
   ``dense/kernel``; a Keras variable's ``path``); two with the same name are refused.
   **A dict**: its own keys.
@@ -59,8 +62,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
+import sys
 from collections.abc import Collection, Iterable, Iterator, Mapping
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 import numpy as np
 from typing_extensions import Unpack
@@ -91,6 +95,7 @@ from weightstore.adapters.plan import (
 from weightstore.adapters.skeleton import Target, private_copy, run_assign
 from weightstore.adapters.tf_staging import staged_copy
 from weightstore.errors import AssignmentError, InvalidKeyError, SelectionError
+from weightstore.formats.tf_checkpoint import best_paths
 from weightstore.keys import (
     OUTPUT_SUFFIX,
     Patterns,
@@ -494,22 +499,38 @@ def _tied(found: Mapping[str, tuple[Variable, bool]]) -> dict[str, str]:
 
 
 def _walk_trackable(root: Any, found: dict[str, tuple[Variable, bool]]) -> None:
-    """A trackable that is no ``tf.Module`` (what ``tf.saved_model.load`` returns): the paths of
-    TF's own checkpoint walk, breadth first, so each variable gets the key the SavedModel's
-    variables checkpoint gives it (``ws ls``'s names for the folder)."""
+    """A trackable that is no ``tf.Module`` (what ``tf.saved_model.load`` returns): each variable
+    under the key the SavedModel's variables checkpoint gives it (``ws ls``'s names for the
+    folder), by the core's rule for picking among its paths (:func:`best_paths`). A first-found
+    path would key a compiled model's kernel by its optimizer's list
+    (``optimizer/_trainable_variables/0``), which the folder keys by the model
+    (``_operations/1/_kernel``), and an export of the loaded object would not pair with it."""
     view = tf.train.TrackableView(root)
-    seen: set[int] = {id(root)}
-    queue: list[tuple[str, Any]] = [("", root)]
-    while queue:
-        path, obj = queue.pop(0)
-        for name, child in sorted(view.children(obj).items(), key=lambda item: item[0]):  # TF's saver sorts too
-            if id(child) in seen:
-                continue
-            seen.add(id(child))
-            if isinstance(child, _VARIABLE_TYPES):
-                _add(found, join_scope(path, name), child, set())
-            else:
-                queue.append((join_scope(path, name), child))
+    objects, node_of, nodes = [root], {id(root): 0}, []
+    for obj in objects:  # grows as the walk finds objects: each one's node is its place in the list
+        edges = []
+        if not isinstance(obj, _VARIABLE_TYPES):
+            for name, child in view.children(obj).items():
+                if id(child) not in node_of:
+                    node_of[id(child)] = len(objects)
+                    objects.append(child)
+                edges.append(_Edge(name, node_of[id(child)]))
+        nodes.append(_Node(edges))
+    for node, path in best_paths(nodes, budget=sys.maxsize).items():  # in memory: no hostile file to bound
+        if path and isinstance(objects[node], _VARIABLE_TYPES):
+            _add(found, "/".join(path), objects[node], set())
+
+
+class _Edge(NamedTuple):
+    """An edge of :func:`_walk_trackable`'s graph, spelled as ``best_paths`` reads a checkpoint's."""
+
+    local_name: str
+    node_id: int
+
+
+class _Node(NamedTuple):
+    children: list[_Edge]
+    slot_variables: tuple[()] = ()  # a loaded object lists no slots; its optimizer is found by its edge
 
 
 class _Walk:

@@ -171,7 +171,8 @@ def export(
     include: Include = None,
     exclude: Exclude = None,
     trainable_only: Annotated[bool, typer.Option(
-        "--trainable-only", help="Only trainable variables (needs a TF1 checkpoint's .meta).")] = False,
+        "--trainable-only", help="Only trainable variables (needs a TF1 checkpoint's .meta, or --model or "
+                                 "--model-keys, whose model knows).")] = False,
     also: Annotated[list[str] | None, typer.Option(
         "--also", metavar="PATTERN", help="With --trainable-only, also keep keys under this scope or matching this glob (repeatable).",
     )] = None,
@@ -193,7 +194,7 @@ def export(
       ws export train/ -o model_001.npz --scope tower_0 --exclude '*/Adam*'
       ws export train/ -o small.npz --trainable-only --also '*/bn/moving_*'
       ws export model.keras -o m.npz --model-keys
-      ws export ckpt/ -o m.npz --model model.keras
+      ws export ckpt/ -o m.npz --model model.keras --trainable-only --also '*/bn/moving_*'
     """
     _json(as_json)
     if also and not trainable_only:

@@ -3,8 +3,9 @@
 :func:`open_source` opens anything :func:`weightstore.open` reads and labels its kind (a TF1
 checkpoint, a Keras file, a weightstore file); :func:`open_keyed_like_model` keys a Keras file or
 TF2 checkpoint as ``tf2.export`` keys the model of a ``.keras`` archive; a TF1 checkpoint's
-``.meta`` graph says which variables are trainable for ``--trainable-only``
-(:meth:`Source.trainable_keys`). TensorFlow is imported only for those last two.
+``.meta`` graph, or the model a source is keyed like, says which variables are trainable for
+``--trainable-only`` (:meth:`Source.trainable_keys`). TensorFlow is imported only for those
+last two.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class Source(Store):
         #: entries that are not numeric tensors (string variables), left out of the keys
         self.skipped: list[str] = list(reader.skipped)
         self._meta_graph: str | None = reader.meta_graph
+        #: keys of the trainable variables of the model the keys come from, else None
+        self.model_trainable: set[str] | None = None
         #: the .keras file whose model gave the keys (:func:`open_keyed_like_model`), else None
         self.keyed_like: str | None = None
         #: that model's layer kinds a file's names and shapes leave open (scope -> ``depthwise``
@@ -42,13 +45,20 @@ class Source(Store):
         self.kinds: dict[str, str] = {}
 
     def trainable_keys(self) -> set[str]:
-        """Keys of the trainable variables, from a TF1 checkpoint's ``.meta`` graph.
+        """Keys of the trainable variables: those of the model the source is keyed like, or
+        those a TF1 checkpoint's ``.meta`` graph lists.
 
-        Only that graph records trainability: TF2 checkpoints, Keras files and stores do not.
+        No file records trainability but that graph: TF2 checkpoints, Keras files and stores
+        do not, but a model built to key a TF2 checkpoint or Keras file knows its own.
         """
+        if self.model_trainable is not None:
+            return self.model_trainable
         if self._meta_graph is None:
-            raise FormatError(f"--trainable-only needs a TF1 checkpoint with its .meta graph; a {self.kind} does not "
-                              "record which variables are trainable", path=self.path)
+            fix = ("pass --model model.keras (or --model-keys for a .keras SOURCE), whose model knows, or "
+                   if self.kind in (KIND_TF2, keras_file.KIND) else "")
+            raise FormatError(f"--trainable-only needs a TF1 checkpoint's .meta graph or a model; a {self.kind} does "
+                              f"not record which variables are trainable: {fix}in Python export from the model, "
+                              "tf2.export(model, trainable_only=True)", path=self.path)
         if not os.path.exists(self._meta_graph):
             raise FormatError(f"--trainable-only needs the graph file {self._meta_graph}, which is missing "
                               "(save with Saver(write_meta_graph=True))", path=self.path)
@@ -94,6 +104,7 @@ def open_keyed_like_model(path: str | os.PathLike, model_file: str | os.PathLike
         keyed.close()
         raise
     keyed.kind, keyed.keyed_like, keyed.kinds = kind, model_text, _conv_kinds(model, variables)
+    keyed.model_trainable = set(tf2.selected(model, trainable_only=True))
     return keyed
 
 

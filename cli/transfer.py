@@ -30,12 +30,14 @@ from weightstore.errors import (
     StoreExistsError,
     StoreNotFoundError,
     TargetError,
+    WeightStoreError,
     named,
     naming,
 )
 from weightstore.formats import format_for_suffix, hf_sharded, known_suffixes, sniff
 from weightstore.formats.foreign import HF_SINGLE_FILE
 from weightstore.formats.safetensors import FORMAT as safetensors_format
+from weightstore.formats.tf_checkpoint import resolve_prefix
 from weightstore.io.location import is_url
 from weightstore.keys import MappingRules, Patterns, plan_inward, validate_key
 from weightstore.names import TORCH, WRITE_NAMINGS, check_naming, torch_keys, torch_name_of_key
@@ -141,7 +143,11 @@ def is_checkpoint_target(target: str) -> bool:
     _refuse_hugging_face_folder(target)
     if os.path.isdir(target):
         example = os.path.join(target, "model.ckpt")
-        raise FormatError(f"is a folder; give a checkpoint prefix such as {example}", path=target)
+        try:  # the checkpoint it holds, by the rule every reader follows (a new name would start another)
+            held = resolve_prefix(target)
+        except WeightStoreError:  # none, or several and no state file saying which
+            raise FormatError(f"is a folder; give a checkpoint prefix such as {example}", path=target) from None
+        raise FormatError(f"is a folder; give the prefix of the checkpoint it holds: --into {held}", path=target)
     if target.endswith(".keras") and not os.path.isfile(target):
         raise FormatError("no such .keras archive, and ws does not make new ones (Keras's model.save does); "
                           "import into an existing one, or a .weights.h5 or .npz file", path=target)

@@ -345,12 +345,14 @@ def trained_with_optimizer():
     return model
 
 
+@pytest.mark.parametrize("written", ["save", "write"])  # write: no ``checkpoint`` state file, the folder's only one
 @pytest.mark.parametrize("layout", ["model=", "root"])
-def test_tf2_checkpoint_with_optimizer_state_assigns_the_model_only(tmp_path, layout):
+def test_tf2_checkpoint_with_optimizer_state_assigns_the_model_only(tmp_path, layout, written):
     model = trained_with_optimizer()
     checkpoint = (tf.train.Checkpoint(model=model, optimizer=model.optimizer) if layout == "model="
                   else tf.train.Checkpoint(model))
-    prefix = checkpoint.save(str(tmp_path / "ckpt" / "ckpt"))
+    prefix = (checkpoint.save(str(tmp_path / "ckpt" / "ckpt")) if written == "save"
+              else checkpoint.write(str(tmp_path / "ckpt" / "ckpt-1")))
     x = np.random.default_rng(2).random((3, 4)).astype("float32")
     for path in (prefix, tmp_path / "ckpt"):
         fresh = small_net()  # no optimizer: its state must be left out

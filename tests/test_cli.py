@@ -979,6 +979,23 @@ def test_import_into_an_object_checkpoint_refuses_keys_it_lacks(made, store, tmp
     assert index.read_bytes() == before
 
 
+def test_import_into_a_folder_names_the_checkpoint_it_holds(made, tmp_path):
+    """A folder holding one checkpoint (``Checkpoint.write``: no state file) is refused naming
+    that prefix, not a new ``model.ckpt`` beside it, which would be a TF1 checkpoint."""
+    (tmp_path / "ck2").mkdir()
+    target = copy_checkpoint(made["keras_ckpt"], tmp_path / "ck2")
+    ws.save(tmp_path / "fixed.npz", ws.load(target, scope="model", exclude="optimizer"))
+    before = sorted(os.listdir(tmp_path / "ck2"))
+    one_error_line(run("import", tmp_path / "fixed.npz", "--into", tmp_path / "ck2", "--scope", "model", "--overwrite"),
+                   f"ck2: is a folder; give the prefix of the checkpoint it holds: --into {target}")
+    assert sorted(os.listdir(tmp_path / "ck2")) == before
+    done = run("import", tmp_path / "fixed.npz", "--into", target, "--scope", "model", "--overwrite")
+    assert done.exit_code == 0, done.output
+    (tmp_path / "empty").mkdir()
+    one_error_line(run("import", tmp_path / "fixed.npz", "--into", tmp_path / "empty"),
+                   f"empty: is a folder; give a checkpoint prefix such as {tmp_path / 'empty' / 'model.ckpt'}")
+
+
 def test_import_of_a_new_prefix_makes_its_folder_state_file_and_says_restore_ignores_it(store, tmp_path):
     folder = tmp_path / "new" / "run"
     prefix = str(folder / "model.ckpt-1")
@@ -1017,11 +1034,14 @@ def test_import_refuses_a_bad_state_file_before_writing(store, tmp_path, state, 
     assert sorted(os.listdir(tmp_path)) == ["checkpoint", "m.npz"]
 
 
-@pytest.mark.parametrize("source, options", [
+KEYED_LIKE_THE_MODEL = [
     ("model.keras", ["--model-keys"]),
     ("model.weights.h5", ["--model", "model.keras"]),
     ("tf2", ["--model", "model.keras"]),  # a TF2 checkpoint folder, saved with the optimizer
-])
+]
+
+
+@pytest.mark.parametrize("source, options", KEYED_LIKE_THE_MODEL)
 def test_export_keyed_like_the_model(made, tmp_path, source, options):
     from weightstore.adapters import tf2
 
@@ -1034,6 +1054,33 @@ def test_export_keyed_like_the_model(made, tmp_path, source, options):
     assert sorted(exported) == sorted(expected) and "d1/kernel" in exported  # no optimizer state
     for key, value in expected.items():
         np.testing.assert_array_equal(exported[key], value)
+
+
+@pytest.mark.parametrize("source, options", KEYED_LIKE_THE_MODEL)
+def test_export_trainable_only_asks_the_model_it_is_keyed_like(made, tmp_path, source, options):
+    from weightstore.adapters import tf2
+
+    root = made["root"]
+    options = [root / o if o.endswith(".keras") else o for o in options]
+    for also in (None, "bn/moving_*"):
+        out = tmp_path / f"{also is None}.npz"
+        result = run("export", root / source, "-o", out, *options, "--trainable-only", *(["--also", also] if also else []))
+        assert result.exit_code == 0, result.output
+        exported, expected = ws.load(out), tf2.export(made["model"], trainable_only=True, also=also)
+        assert sorted(exported) == sorted(expected) and ("bn/moving_mean" in exported) == bool(also)
+        for key, value in expected.items():
+            np.testing.assert_array_equal(exported[key], value)
+
+
+def test_export_trainable_only_without_a_model_says_how_to_give_one(made, store, tmp_path):
+    out = tmp_path / "out.npz"
+    for source in (made["root"] / "model.weights.h5", made["root"] / "tf2"):
+        one_error_line(run("export", source, "-o", out, "--trainable-only"),
+                       "does not record which variables are trainable: pass --model model.keras (or --model-keys "
+                       "for a .keras SOURCE)", "tf2.export(model, trainable_only=True)")
+    line = one_error_line(run("export", store, "-o", out, "--trainable-only"), "tf2.export(model, trainable_only=True)")
+    assert "--model" not in line  # a store cannot be keyed like a model
+    assert not out.exists()
 
 
 def test_export_keyed_like_the_model_says_so_and_selects_by_model_keys(made, tmp_path):

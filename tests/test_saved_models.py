@@ -37,12 +37,15 @@ class Affine(tf.Module):
 def saved(tmp_path_factory):
     """name -> (folder, the object saved)."""
     root = tmp_path_factory.mktemp("saved_models")
-    keras_model, exported, module = dense_model(), dense_model(), Affine(1)
+    keras_model, exported, module, compiled = dense_model(), dense_model(), Affine(1), dense_model()
     tf.saved_model.save(keras_model, str(root / "keras"))
     exported.export(str(root / "export"), verbose=False)
     tf.saved_model.save(module, str(root / "module"))
+    compiled.compile(keras.optimizers.Adam(0.1), "mse")  # its optimizer lists the kernels too
+    compiled.fit(X, np.ones((4, 2), "float32"), verbose=0)
+    tf.saved_model.save(compiled, str(root / "compiled"))
     return {"keras": (str(root / "keras"), keras_model), "export": (str(root / "export"), exported),
-            "module": (str(root / "module"), module)}
+            "module": (str(root / "module"), module), "compiled": (str(root / "compiled"), compiled)}
 
 
 @pytest.mark.parametrize("kind", ["keras", "export", "module"])
@@ -85,7 +88,7 @@ def test_a_module_saved_model_assigns_into_a_fresh_module(saved):
     np.testing.assert_array_equal(fresh(X), module(X))
 
 
-@pytest.mark.parametrize("kind", ["keras", "export", "module"])
+@pytest.mark.parametrize("kind", ["keras", "export", "module", "compiled"])
 def test_export_of_a_loaded_saved_model_keys_as_the_folder_does(saved, kind):
     folder, _ = saved[kind]
     loaded = tf.saved_model.load(folder)
@@ -95,6 +98,9 @@ def test_export_of_a_loaded_saved_model_keys_as_the_folder_does(saved, kind):
     for key, value in exported.items():
         np.testing.assert_array_equal(value, on_disk[key])
     assert tf2.assign(loaded, {key: value + 1 for key, value in exported.items()}).ok
+    assert tf2.assign(loaded, folder).ok  # and back from the folder itself: the two pair key by key
+    restored = tf2.export(loaded)
+    assert all(np.array_equal(restored[key], value) for key, value in on_disk.items())
 
 
 def test_a_tf_serving_base_is_said_to_be_one(saved, tmp_path):

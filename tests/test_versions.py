@@ -101,6 +101,16 @@ def test_follow_sees_each_new_version_once_in_order(tmp_path):
     assert seen == sorted(set(seen)) and seen[0] == 0 and seen[-1] == 29
 
 
+def test_follow_skips_versions_published_while_the_caller_was_busy(tmp_path):
+    """What the README promises: not every version, the newest once the caller asks again."""
+    ws.publish(tmp_path, weights_at(1), step=1)
+    following = ws.follow(tmp_path, poll=0.01, timeout=0.5)
+    assert next(following).step == 1
+    for step in (2, 3, 4):  # the caller is busy with step 1
+        ws.publish(tmp_path, weights_at(step), step=step)
+    assert [version.step for version in following] == [4]
+
+
 def test_yielded_version_is_pinned_until_the_iteration_moves_on(tmp_path):
     ws.publish(tmp_path, weights_at(1), step=1, keep=2)
     following = ws.follow(tmp_path, poll=0.01, timeout=0.2)
