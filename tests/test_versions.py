@@ -611,3 +611,18 @@ def test_latest_naming_a_folder_or_fifo_says_what_it_is(tmp_path, kind):
                                                  "file": squatter.name, "created": "", "metadata": {}}))
     with pytest.raises(ws.FormatError, match=f"^{squatter}: is a {kind}, not a file"):
         ws.load(ws.latest(tmp_path))
+
+
+def test_following_a_folder_that_does_not_exist_says_so_once_and_waits(tmp_path, caplog):
+    """A mistyped path waits for good, and the Python API, unlike ws follow, cannot refuse it (a
+    server may start before its trainer's first publish): it says so once, and the first
+    version to land is yielded."""
+    folder = tmp_path / "run"
+    following = ws.follow(folder, poll=0.01, timeout=30)
+    missing = [record for record in caplog.records if "no such folder yet" in record.getMessage()]
+    assert len(missing) == 1 and missing[0].levelname == "WARNING" and str(folder) in missing[0].getMessage()
+    ws.publish(folder, weights_at(1), step=1)
+    assert next(following).step == 1
+    caplog.clear()
+    assert next(ws.follow(folder, timeout=0)).step == 1
+    assert "no such folder" not in caplog.text

@@ -482,7 +482,8 @@ def follow(
     the ETag of the last one read is one HEAD request and moves no body (:class:`PointerWatch`).
     With ``notifications`` (an SQS queue URL the bucket's event notifications feed), an event
     naming ``LATEST`` ends the wait at once (:mod:`weightstore.notify`); polling goes on too.
-    A local folder, whose writes no bucket announces, refuses it.
+    A local folder, whose writes no bucket announces, refuses it. A local folder that does not
+    exist yet is waited for, with one logged warning, since a mistyped path waits for good.
     """
     timeout = None if timeout is None else checked_seconds("timeout", timeout)
     after = None if after is None else checked_count("after", after)
@@ -554,6 +555,10 @@ class PointerWatch:
             from weightstore.notify import QueueWake
 
             self.wake = QueueWake(notifications, urllib.parse.urlsplit(source.url(LATEST)).path.lstrip("/"))
+        # waiting is right before a trainer's first publish, and forever on a typo: said once, for a local
+        # folder (an object store's listing would cost a request, and may wait out an outage first)
+        if isinstance(source, LocalFolder) and not source.exists():
+            _log.warning("weightstore: following %s: no such folder yet; waiting for its first version", source.where)
 
     def sleep(self, seconds: float, stop: threading.Event | None = None) -> None:
         """Wait ``seconds`` before the next look, or less: until ``stop`` is set, or a
