@@ -536,7 +536,7 @@ def test_h5_soft_link(tmp_path):
     with h5py.File(path, "w") as f:
         f["w"] = np.zeros(3)
         f["alias"] = h5py.SoftLink("/w")
-    with raises_naming(errors.UnsafeFileError, path, "alias"):
+    with raises_naming(errors.UnsafeFileError, path, "alias", "is a SoftLink"):
         ws.open(path)
 
 
@@ -548,8 +548,22 @@ def test_h5_external_link(tmp_path):
     with h5py.File(path, "w") as f:
         f["w"] = np.zeros(3)
         f["scope/leak"] = h5py.ExternalLink(str(other), "/secret")
-    with raises_naming(errors.UnsafeFileError, path, "scope/leak"):
+    with raises_naming(errors.UnsafeFileError, path, "scope/leak", "is an ExternalLink"):
         ws.open(path)
+
+
+def test_an_h5_dataset_made_but_never_written_is_called_so(tmp_path):
+    """h5py reads such a dataset as its fill value; the refusal read as a file cut short."""
+    path = tmp_path / "hollow.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("w", shape=(3,), dtype=np.float32, fillvalue=0.5)
+    with raises_naming(errors.FormatError, path, "w", "was made but never written"):
+        ws.load(path)
+
+
+def test_a_key_with_an_output_suffix_is_refused_quoting_that_suffix(tmp_path):
+    with raises_naming(errors.InvalidKeyError, tmp_path / "w.npz", "a/w:1", "(':1')"):
+        ws.save(tmp_path / "w.npz", {"a/w:1": np.zeros(1)})
 
 
 def test_h5_hard_link_twice(tmp_path):

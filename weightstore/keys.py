@@ -119,8 +119,8 @@ def _key_problem(key: str) -> str | None:
             return problem
     elif len(key) > MAX_KEY_BYTES:
         return f"it is {len(key)} bytes of UTF-8; an npz member name holds at most {MAX_KEY_BYTES}"
-    if OUTPUT_SUFFIX.search(key):
-        return "TensorFlow's output suffix (':0') is not part of a key; drop it"
+    if (suffix := OUTPUT_SUFFIX.search(key)) is not None:
+        return f"TensorFlow's output suffix ({suffix.group()!r}) is not part of a key; drop it"
     for segment in key.split("/"):
         if segment == "":
             return "it has an empty segment ('//')"

@@ -79,7 +79,7 @@ _ANNOUNCED_FROM = 1 << 20
 _HEADERS_FIRST_FROM = 256 << 10
 #: deepest group nesting read; deeper files are refused before anything recurses over them
 MAX_DEPTH = 256
-_LINK_KINDS = {h5py.h5l.TYPE_SOFT: "SoftLink", h5py.h5l.TYPE_EXTERNAL: "ExternalLink"}
+_LINK_KINDS = {h5py.h5l.TYPE_SOFT: "a SoftLink", h5py.h5l.TYPE_EXTERNAL: "an ExternalLink"}
 #: what h5py raises for a corrupt file or a failed write, depending on which C call failed
 _H5PY_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError, IndexError, UnicodeDecodeError)
 
@@ -212,6 +212,8 @@ def _keras_labelled(dataset: h5py.h5d.DatasetID, stored: np.dtype) -> np.dtype |
 def _check_stored_size(dataset: h5py.h5d.DatasetID, path: str, key: str, nbytes: int) -> None:
     """For a dataset whose header shows its bytes lie plainly in the file: they must all be there."""
     stored = dataset.get_storage_size()
+    if stored == 0 and nbytes:  # h5py's create_dataset without data: its readers make up the fill value
+        raise FormatError(f"was made but never written: the file holds none of its {nbytes} bytes", path=path, key=key)
     if stored < nbytes:
         raise FormatError(f"declares {nbytes} bytes but the file stores {stored}", path=path, key=key)
 
@@ -526,8 +528,8 @@ class Hdf5Reader(ReaderDefaults):
                 except UnicodeDecodeError:
                     raise FormatError(f"an object name is not valid UTF-8: {raw!r}", path=self.name) from None
                 if kind != h5py.h5l.TYPE_HARD:
-                    what = _LINK_KINDS.get(kind, "user-defined link")
-                    raise UnsafeFileError(f"{path!r} is a {what}; only plain datasets are read", path=self.name)
+                    what = _LINK_KINDS.get(kind, "a user-defined link")
+                    raise UnsafeFileError(f"{path!r} is {what}; only plain datasets are read", path=self.name)
                 if address in seen:
                     raise UnsafeFileError(f"{path!r} links to an object seen before", path=self.name)
                 seen.add(address)
