@@ -16,13 +16,16 @@ store, which ``MultiWorkerMirroredStrategy`` starts), not through collectives, s
 never waits in line behind the training step's all-reduces and may run in a background
 thread: rank 0 (the chief, else worker 0) announces the attempt (one after every attempt
 the folder holds of this step, :func:`weightstore.shards.next_attempt`), then, after
-:func:`weightstore.commit_shards`, the committed version or what went wrong. Keys are
+:func:`weightstore.commit_shards`, the committed version or what went wrong. A worker whose
+own write fails says so (the first to fail is heard), so the chief's commit stops at once
+instead of waiting out ``timeout`` for that member. Keys are
 ``weightstore/<folder digest>/step-<n>/call-<i>/…``, where ``i`` counts this process's calls
 for that folder and step, as every worker does alike.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -148,14 +151,12 @@ def publish_sharded(
     metadata = checked_metadata(metadata)  # on every worker, so that all of them refuse it alike
     rank, world = _place(strategy)
     sources = _segments(variables)
-    pieces: dict[str, list[Piece]] = {}
-    for segment, first, end in plan(list(sources), world)[rank]:
-        pieces.setdefault(segment.key, []).append(_piece(sources[segment], segment, first, end))
+    share = plan(list(sources), world)[rank]
     target = folder_for(folder, storage_options)
     channel = _Channel(target, step, world)
     if rank == 0:
-        return _as_chief(channel, target, pieces, world, timeout, keep, metadata, storage_options)
-    return _as_worker(channel, target, pieces, rank, world, timeout, storage_options)
+        return _as_chief(channel, target, _read(sources, share), world, timeout, keep, metadata, storage_options)
+    return _as_worker(channel, target, sources, share, rank, world, timeout, storage_options)
 
 
 def _as_chief(channel: _Channel, target: Folder, pieces: dict[str, list[Piece]], world: int, timeout: float,
@@ -176,7 +177,7 @@ def _as_chief(channel: _Channel, target: Folder, pieces: dict[str, list[Piece]],
                       storage_options=storage_options)
         version = commit_shards(target.where, step=step, world=world, attempt=attempt, keep=keep, metadata=metadata,
                                 timeout=round(max(0.0, timeout - (time.monotonic() - announced)), 1),
-                                storage_options=storage_options)
+                                storage_options=storage_options, failures=channel.failures)
     except ShardTimeoutError as exc:
         channel.tell("committed", {"error": str(exc), "missing": exc.missing})
         raise
@@ -188,15 +189,19 @@ def _as_chief(channel: _Channel, target: Folder, pieces: dict[str, list[Piece]],
     return version
 
 
-def _as_worker(channel: _Channel, target: Folder, pieces: dict[str, list[Piece]], rank: int, world: int,
-               timeout: float, storage_options: Mapping[str, Any] | None) -> Version:
+def _as_worker(channel: _Channel, target: Folder, sources: dict[Segment, Any], share: list[tuple[Segment, int, int]],
+               rank: int, world: int, timeout: float, storage_options: Mapping[str, Any] | None) -> Version:
     news = channel.hear("attempt", timeout, "the attempt")
     heard = time.monotonic()
     if news.get("world") != world:
         raise PublishError(f"the chief writes for {news.get('world')} ranks, this worker for {world}",
                            path=target.where)
-    publish_shard(target.where, pieces, step=channel.step, rank=rank, world=world, attempt=int(news["attempt"]),
-                  storage_options=storage_options)
+    try:
+        publish_shard(target.where, _read(sources, share), step=channel.step, rank=rank, world=world,
+                      attempt=int(news["attempt"]), storage_options=storage_options)
+    except Exception as exc:  # the chief would otherwise wait out its timeout for this member
+        channel.give_up(rank, f"{type(exc).__name__}: {exc}")
+        raise
     news = channel.hear("committed", timeout - (time.monotonic() - heard) + _NEWS_GRACE, "the commit")
     return Version(int(news["step"]), target.url(str(news["file"])), str(news["created"]), dict(news["metadata"]),
                    target)
@@ -221,6 +226,21 @@ class _Channel:
     def tell(self, what: str, news: Mapping[str, Any]) -> None:
         if not self.alone:
             context.context().set_config_key_value(f"{self.prefix}/{what}", json.dumps(news))
+
+    def give_up(self, rank: int, why: str) -> None:
+        """Tell the chief that ``rank`` writes nothing, and why; the first worker to say so is heard."""
+        with contextlib.suppress(tf.errors.OpError):  # another worker's word is there already
+            context.context().set_config_key_value(f"{self.prefix}/gave-up", json.dumps({"rank": rank, "why": why}))
+
+    def failures(self) -> dict[int, str]:
+        """The worker that gave up, with why (``commit_shards`` asks at each look for members)."""
+        if self.alone:
+            return {}
+        try:
+            news = json.loads(context.context().get_config_key_value(f"{self.prefix}/gave-up", 1))
+        except tf.errors.DeadlineExceededError:
+            return {}
+        return {int(news["rank"]): str(news["why"])}
 
     def hear(self, what: str, timeout: float, waited_for: str) -> dict[str, Any]:
         """The chief's news; its failure raised here as this worker's."""
@@ -267,6 +287,14 @@ def _segments(variables: Mapping[str, Any]) -> dict[Segment, Any]:
             sources[Segment(key, shape, itemsize, (row,) + (0,) * (len(whole) - 1) if whole else (), whole)] = shard
             row += shape[0] if shape else 0
     return sources
+
+
+def _read(sources: dict[Segment, Any], share: list[tuple[Segment, int, int]]) -> dict[str, list[Piece]]:
+    """This worker's pieces: the rows of its share, read from its own replica."""
+    pieces: dict[str, list[Piece]] = {}
+    for segment, first, end in share:
+        pieces.setdefault(segment.key, []).append(_piece(sources[segment], segment, first, end))
+    return pieces
 
 
 def _piece(var: Any, segment: Segment, first: int, end: int) -> Piece:

@@ -45,7 +45,7 @@ build, data = namespace["build"], namespace["data"]
 #: the main thread all-reduces, a publish of step 2 the chief fails, and its retry, which rank 1
 #: does not live through (SIGKILLed as it starts writing)
 WORKER = MODEL + textwrap.dedent("""
-    import json, os, sys, threading
+    import json, os, sys, threading, time
     import tensorflow as tf
     import weightstore as ws
     from weightstore import shards
@@ -80,6 +80,25 @@ WORKER = MODEL + textwrap.dedent("""
     version = published[0]
     ws.save(f"{out}/weights-{rank}.safetensors", {**tf2.export(model), "predictions": model(x).numpy()})
     result = {"path": version.path, "step": version.step, "metadata": version.metadata}
+
+    more, said = f"{out}/more", {}  # calls that must fail alike everywhere, in a folder of their own
+
+    def attempt(name, call):
+        started = time.monotonic()
+        try:
+            said[name] = {"step": call().step}
+        except ws.WeightStoreError as exc:
+            said[name] = {"type": type(exc).__name__, "message": str(exc)}
+        said[name]["seconds"] = time.monotonic() - started
+
+    def disk_full(name):
+        if name == "member-temporary":
+            raise ws.StorageError("injected: disk full")
+    shards._stage = disk_full if rank == 1 else shards._stage
+    attempt("write fails", lambda: tf2.publish_sharded(more, model, step=1, strategy=strategy, timeout=30))
+    shards._stage = lambda name: None
+    with open(f"{out}/more-{rank}.json", "w") as handle:
+        json.dump(said, handle)
 
     def outage(name):
         if name == "done-written":
@@ -166,6 +185,17 @@ def test_a_chief_that_fails_tells_the_workers_and_nothing_is_published(cluster_r
     heard = json.loads((out / "failed-1.json").read_text())
     assert heard["type"] == "PublishError" and heard["message"].endswith("the chief: injected outage"), heard
     assert not (folder / "step-000000000002.wsindex").exists() and ws.latest(folder).step == 1
+
+
+@pytest.mark.slow
+def test_a_worker_whose_write_fails_tells_the_chief_which_stops_at_once_saying_why(cluster_run):
+    _, out = cluster_run
+    chief, worker = (json.loads((out / f"more-{rank}.json").read_text())["write fails"] for rank in range(2))
+    assert (worker["type"], worker["message"]) == ("StorageError", "injected: disk full")
+    assert chief["type"] == "PublishError", chief
+    assert chief["message"].endswith("rank 1 of 2 gave up: StorageError: injected: disk full; nothing was published")
+    assert chief["seconds"] < 15, chief  # not its timeout of 30 s
+    assert not (out / "more" / "LATEST").exists()
 
 
 def test_the_plan_splits_the_bytes_evenly_and_covers_every_row_once():
