@@ -97,6 +97,10 @@ WORKER = MODEL + textwrap.dedent("""
     shards._stage = disk_full if rank == 1 else shards._stage
     attempt("write fails", lambda: tf2.publish_sharded(more, model, step=1, strategy=strategy, timeout=30))
     shards._stage = lambda name: None
+    left_out = {"exclude": "out/bias"} if rank == 1 else {}
+    attempt("keys differ", lambda: tf2.publish_sharded(more, model, step=2, strategy=strategy, timeout=30, **left_out))
+    other = {"w": tf.Variable(np.zeros(9 if rank == 1 else 8, np.float32))}  # rank 1 writes it in either plan
+    attempt("shapes differ", lambda: tf2.publish_sharded(more, other, step=3, strategy=strategy, timeout=30))
     with open(f"{out}/more-{rank}.json", "w") as handle:
         json.dump(said, handle)
 
@@ -195,6 +199,19 @@ def test_a_worker_whose_write_fails_tells_the_chief_which_stops_at_once_saying_w
     assert chief["type"] == "PublishError", chief
     assert chief["message"].endswith("rank 1 of 2 gave up: StorageError: injected: disk full; nothing was published")
     assert chief["seconds"] < 15, chief  # not its timeout of 30 s
+    assert not (out / "more" / "LATEST").exists()
+
+
+@pytest.mark.slow
+def test_workers_that_would_publish_other_keys_or_shapes_than_the_chief_commit_nothing(cluster_run):
+    _, out = cluster_run
+    said = [json.loads((out / f"more-{rank}.json").read_text()) for rank in range(2)]
+    for call, difference in [("keys differ", "'out/bias' (float32 [4]) is in the chief's, not in rank 1's"),
+                             ("shapes differ", "'w' is float32 [8] in the chief's, float32 [9] in rank 1's")]:
+        for rank in range(2):
+            assert said[rank][call]["type"] == "PublishError", (rank, said[rank][call])
+            assert "rank 1 of 2 gave up: its plan differs from the chief's" in said[rank][call]["message"]
+            assert difference in said[rank][call]["message"], (rank, said[rank][call])
     assert not (out / "more" / "LATEST").exists()
 
 
