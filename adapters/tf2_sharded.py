@@ -21,7 +21,9 @@ plan's outline, which a worker that would cut another plan refuses), then, after
 own write fails says so (the first to fail is heard), so the chief's commit stops at once
 instead of waiting out ``timeout`` for that member. Keys are
 ``weightstore/<folder digest>/step-<n>/call-<i>/…``, where ``i`` counts this process's calls
-for that folder and step, as every worker does alike.
+for that folder and step that met the chief, as every worker does alike: a worker's call that
+timed out before the chief's announcement, or that the chief never made, does not count, so
+the next call meets the chief's next one.
 """
 
 from __future__ import annotations
@@ -56,12 +58,14 @@ from weightstore.versions import DEFAULT_KEEP, Version
 
 __all__ = ["publish_sharded", "plan", "Segment"]
 
-#: how much longer than ``timeout`` a worker waits for the chief's news: the commit's own work
+#: how much longer than ``timeout`` a worker waits for the chief's news: for the attempt, as the
+#: chief may reach the call later than the worker; for the commit, as the commit's own work
 #: (the index, ``LATEST``, pruning) comes after the chief's wait for the members
 _NEWS_GRACE = 60.0
 _SHARDED = tf.__internal__.distribute.ShardedVariable
-#: per (folder, step): how many calls this process made (naming each call's keys), and the last
-#: attempt its chief handed out (a retry goes above it even if that try left nothing yet)
+#: per (folder, step): how many of this process's calls met the chief (naming the next call's
+#: keys), and the last attempt its chief handed out (a retry goes above it even if that try left
+#: nothing yet)
 _calls: dict[tuple[str, int], int] = {}
 _handed_out: dict[tuple[str, int], int] = {}
 _lock = threading.Lock()
@@ -197,7 +201,7 @@ def _as_chief(channel: _Channel, target: Folder, pieces: dict[str, list[Piece]],
 def _as_worker(channel: _Channel, target: Folder, sources: dict[Segment, Any], share: list[tuple[Segment, int, int]],
                outline: dict[str, list[Any]], rank: int, world: int, timeout: float,
                storage_options: Mapping[str, Any] | None) -> Version:
-    news = channel.hear("attempt", timeout, "the attempt")
+    news = channel.hear("attempt", timeout + _NEWS_GRACE, "the attempt")
     heard = time.monotonic()
     if news.get("world") != world:
         raise PublishError(f"the chief writes for {news.get('world')} ranks, this worker for {world}",
@@ -230,11 +234,19 @@ class _Channel:
         self.step, self.where = step, target.where
         self.place = (target.where, step)
         with _lock:
-            call = _calls[self.place] = _calls.get(self.place, -1) + 1
+            self.call = _calls.get(self.place, 0)
         digest = hashlib.sha256(target.where.encode()).hexdigest()[:16]
-        self.prefix = f"weightstore/{digest}/step-{step}/call-{call}"
+        self.prefix = f"weightstore/{digest}/step-{step}/call-{self.call}"
+
+    def met(self) -> None:
+        """Count this call as one that met the chief. A worker's call that never heard it (it
+        timed out, or the chief never made that call) is not counted, so its next call waits at
+        the same keys as the chief's next call."""
+        with _lock:
+            _calls[self.place] = max(_calls.get(self.place, 0), self.call + 1)
 
     def tell(self, what: str, news: Mapping[str, Any]) -> None:
+        self.met()
         if not self.alone:
             context.context().set_config_key_value(f"{self.prefix}/{what}", json.dumps(news))
 
@@ -270,6 +282,7 @@ class _Channel:
         except tf.errors.OpError as exc:
             raise PublishError(f"lost TensorFlow's coordination service waiting for {waited_for}: {exc.message}",
                                path=self.where) from None
+        self.met()
         news = json.loads(text)
         if "error" not in news:
             return dict(news)

@@ -49,7 +49,7 @@ WORKER = MODEL + textwrap.dedent("""
     import tensorflow as tf
     import weightstore as ws
     from weightstore import shards
-    from weightstore.adapters import tf2
+    from weightstore.adapters import tf2, tf2_sharded
 
     folder, out = sys.argv[1], sys.argv[2]
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
@@ -101,6 +101,14 @@ WORKER = MODEL + textwrap.dedent("""
     attempt("keys differ", lambda: tf2.publish_sharded(more, model, step=2, strategy=strategy, timeout=30, **left_out))
     other = {"w": tf.Variable(np.zeros(9 if rank == 1 else 8, np.float32))}  # rank 1 writes it in either plan
     attempt("shapes differ", lambda: tf2.publish_sharded(more, other, step=3, strategy=strategy, timeout=30))
+    tf2_sharded._NEWS_GRACE = 0.5
+    if rank == 1:  # a call the chief never makes times out, and must not shift the calls after it
+        attempt("alone", lambda: tf2.publish_sharded(more, model, step=4, strategy=strategy, timeout=0.5))
+    strategy.reduce("SUM", strategy.run(count), axis=None)
+    tf2_sharded._NEWS_GRACE = 8.0
+    if rank == 0:  # the chief comes later than the worker's timeout, within the grace
+        time.sleep(4.5)
+    attempt("after a call alone", lambda: tf2.publish_sharded(more, model, step=4, strategy=strategy, timeout=3))
     with open(f"{out}/more-{rank}.json", "w") as handle:
         json.dump(said, handle)
 
@@ -199,7 +207,7 @@ def test_a_worker_whose_write_fails_tells_the_chief_which_stops_at_once_saying_w
     assert chief["type"] == "PublishError", chief
     assert chief["message"].endswith("rank 1 of 2 gave up: StorageError: injected: disk full; nothing was published")
     assert chief["seconds"] < 15, chief  # not its timeout of 30 s
-    assert not (out / "more" / "LATEST").exists()
+    assert not (out / "more" / "step-000000000001.wsindex").exists()
 
 
 @pytest.mark.slow
@@ -212,7 +220,18 @@ def test_workers_that_would_publish_other_keys_or_shapes_than_the_chief_commit_n
             assert said[rank][call]["type"] == "PublishError", (rank, said[rank][call])
             assert "rank 1 of 2 gave up: its plan differs from the chief's" in said[rank][call]["message"]
             assert difference in said[rank][call]["message"], (rank, said[rank][call])
-    assert not (out / "more" / "LATEST").exists()
+    assert not any((out / "more" / f"step-00000000000{step}.wsindex").exists() for step in (2, 3))
+
+
+@pytest.mark.slow
+def test_a_worker_call_the_chief_never_made_does_not_shift_the_next_and_a_late_chief_is_waited_for(cluster_run):
+    _, out = cluster_run
+    said = [json.loads((out / f"more-{rank}.json").read_text()) for rank in range(2)]
+    assert said[0]["after a call alone"]["step"] == said[1]["after a call alone"]["step"] == 4, said
+    assert said[1]["alone"]["type"] == "ShardTimeoutError" and said[1]["alone"]["seconds"] < 5, said[1]["alone"]
+    assert "no word of the attempt from the chief (rank 0) within 1s" in said[1]["alone"]["message"]
+    assert said[1]["after a call alone"]["seconds"] > 3  # it waited past its timeout for the chief
+    assert ws.latest(out / "more").step == 4
 
 
 def test_the_plan_splits_the_bytes_evenly_and_covers_every_row_once():
