@@ -446,6 +446,21 @@ def test_read_region_and_load_regions_on_a_plain_store(tmp_path):
         ws.load(path, regions={"c": (slice(0, 1),)})
 
 
+def test_every_reader_refuses_a_region_outside_the_tensor_rather_than_clamping_it(tmp_path):
+    a = np.arange(24, dtype=np.float32).reshape(4, 6)
+    ws.save(tmp_path / "m.npz", {"a": a})
+    ws.publish_shard(tmp_path / "run", {"a": a}, step=1, rank=0, world=1, attempt=0)
+    for path in (tmp_path / "m.npz", shards.commit_shards(tmp_path / "run", step=1, world=1, attempt=0, timeout=5)):
+        with ws.open(path) as store:
+            with pytest.raises(ws.TargetError, match=r"tensor 'a': .* reaches outside the tensor's shape \[4, 6\]"):
+                store.read_region("a", (slice(20, 30),))  # not 0 rows, as numpy would give
+            with pytest.raises(ws.TargetError, match=r"reaches outside .* \(axis 1 has 6\)"):
+                store.read_region("a", (slice(None), slice(-7, None)))
+            with pytest.raises(ws.TargetError, match="bounds that are not integers"):
+                store.read_region("a", (slice(0.5, 2),))
+            assert store.read_region("a", (slice(-1, None), slice(0, 0))).shape == (1, 0)  # inside, and empty
+
+
 def test_a_member_that_is_not_what_its_done_record_says_is_refused(tmp_path):
     folder = tmp_path / "run"
     ws.publish_shard(folder, {"w": np.zeros((4, 3), np.float32)}, step=1, rank=0, world=1, attempt=0)
