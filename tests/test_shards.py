@@ -202,6 +202,15 @@ def test_pieces_that_do_not_tile_are_refused_naming_the_key(tmp_path, case, word
     assert ws.latest(folder).step == 1 and not (folder / "step-000000000002.wsindex").exists()
 
 
+def test_the_same_part_written_by_two_ranks_is_refused_as_replicas_naming_both(tmp_path):
+    a = np.arange(12, dtype=np.float32).reshape(6, 2)
+    for rank in range(2):  # each rank holds the tensor whole, and writes it whole
+        ws.publish_shard(tmp_path, {"w": a}, step=1, rank=rank, world=2, attempt=0)
+    with pytest.raises(ws.PublishError, match=r"overlap: at \[0, 0\] \(rank 0\) and \[0, 0\] \(rank 1\); the same "
+                                              "part twice: ranks holding replicas of it each wrote it"):
+        shards.commit_shards(tmp_path, step=1, world=2, attempt=0, timeout=5)
+
+
 def test_bad_pieces_are_refused_before_anything_is_written(tmp_path):
     folder = tmp_path / "run"
     with pytest.raises(ValueError, match="does not fit"):
