@@ -94,20 +94,22 @@ def export_pieces(obj: Any, **selection: Unpack[SelectionWords]) -> dict[str, li
     A JAX array gives the shards on this process's devices (``addressable_shards``), each at the
     offset its ``index`` names, and of shards holding the same part (a replicated axis) only the
     one JAX numbers replica 0, so each part is written once across the job; a numpy leaf, which
-    every process holds whole, is split by rows between ``jax.process_count()`` processes.
-    Nothing crosses the network. Keys and selection are :func:`export`'s.
+    every process holds whole, is split by rows between ``jax.process_count()`` processes, and
+    so is an array on this process's devices alone in a job of several (each process has its
+    own, taken to be equal). Nothing crosses the network. Keys and selection are :func:`export`'s.
     """
     values, chosen = _selected(obj, Selection(**selection))
     pieces: dict[str, list[Piece]] = {}
     for key, old in chosen.items():
         value = values[old]
         shape = tuple(np.shape(value))
-        if isinstance(value, jax.Array):
+        if isinstance(value, jax.Array) and not (value.is_fully_addressable and jax.process_count() > 1):
             found = [Piece(np.asarray(shard.data), tuple(part.start for part in _bounds(shard.index, shape)), shape)
                      for shard in value.addressable_shards if shard.replica_id == 0]
-        else:
+        else:  # every process holds it whole: its replica 0 is on every process
             region = split_rows(shape, jax.process_index(), jax.process_count())
-            found = [] if region is None else [Piece(np.array(value[region]), tuple(part.start for part in region), shape)]
+            found = [] if region is None else [Piece(np.array(np.asarray(value)[region]),
+                                                     tuple(part.start for part in region), shape)]
         if found:
             pieces[key] = found
     return pieces

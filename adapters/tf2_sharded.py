@@ -15,14 +15,20 @@ The workers agree on two things through TensorFlow's own coordination service (i
 store, which ``MultiWorkerMirroredStrategy`` starts), not through collectives, so a publish
 never waits in line behind the training step's all-reduces and may run in a background
 thread: rank 0 (the chief, else worker 0) announces the attempt (one after every attempt
-the folder holds of this step, :func:`weightstore.shards.next_attempt`), then, after
-:func:`weightstore.commit_shards`, the committed version or what went wrong. Keys are
+the folder holds of this step, :func:`weightstore.shards.next_attempt`, with a digest of its
+plan's outline, which a worker that would cut another plan refuses), then, after
+:func:`weightstore.commit_shards`, the committed version or what went wrong. A worker whose
+own write fails says so (the first to fail is heard), so the chief's commit stops at once
+instead of waiting out ``timeout`` for that member. Keys are
 ``weightstore/<folder digest>/step-<n>/call-<i>/…``, where ``i`` counts this process's calls
-for that folder and step, as every worker does alike.
+for that folder and step that met the chief, as every worker does alike: a worker's call that
+timed out before the chief's announcement, or that the chief never made, does not count, so
+the next call meets the chief's next one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -52,12 +58,14 @@ from weightstore.versions import DEFAULT_KEEP, Version
 
 __all__ = ["publish_sharded", "plan", "Segment"]
 
-#: how much longer than ``timeout`` a worker waits for the chief's news: the commit's own work
+#: how much longer than ``timeout`` a worker waits for the chief's news: for the attempt, as the
+#: chief may reach the call later than the worker; for the commit, as the commit's own work
 #: (the index, ``LATEST``, pruning) comes after the chief's wait for the members
 _NEWS_GRACE = 60.0
 _SHARDED = tf.__internal__.distribute.ShardedVariable
-#: per (folder, step): how many calls this process made (naming each call's keys), and the last
-#: attempt its chief handed out (a retry goes above it even if that try left nothing yet)
+#: per (folder, step): how many of this process's calls met the chief (naming the next call's
+#: keys), and the last attempt its chief handed out (a retry goes above it even if that try left
+#: nothing yet)
 _calls: dict[tuple[str, int], int] = {}
 _handed_out: dict[tuple[str, int], int] = {}
 _lock = threading.Lock()
@@ -137,8 +145,9 @@ def publish_sharded(
     Raises:
         ShardTimeoutError: a worker did not write its share within ``timeout`` (``.missing``
             names it), or a worker heard nothing from the chief; nothing is published.
-        PublishError: the step does not go forward, another coordinator committed it, or the
-            chief failed (its message is given).
+        PublishError: the step does not go forward, another coordinator committed it, the
+            chief failed (its message is given), a worker's write failed (naming it and its
+            error), or a worker's plan differs from the chief's (naming the keys that differ).
         WeightStoreError: the strategy is not one whose workers all run this call, or its
             cluster has no coordination service.
     """
@@ -148,18 +157,18 @@ def publish_sharded(
     metadata = checked_metadata(metadata)  # on every worker, so that all of them refuse it alike
     rank, world = _place(strategy)
     sources = _segments(variables)
-    pieces: dict[str, list[Piece]] = {}
-    for segment, first, end in plan(list(sources), world)[rank]:
-        pieces.setdefault(segment.key, []).append(_piece(sources[segment], segment, first, end))
+    share = plan(list(sources), world)[rank]
+    outline = _outline(sources)
     target = folder_for(folder, storage_options)
     channel = _Channel(target, step, world)
     if rank == 0:
-        return _as_chief(channel, target, pieces, world, timeout, keep, metadata, storage_options)
-    return _as_worker(channel, target, pieces, rank, world, timeout, storage_options)
+        return _as_chief(channel, target, _read(sources, share), outline, world, timeout, keep, metadata,
+                         storage_options)
+    return _as_worker(channel, target, sources, share, outline, rank, world, timeout, storage_options)
 
 
-def _as_chief(channel: _Channel, target: Folder, pieces: dict[str, list[Piece]], world: int, timeout: float,
-              keep: int | None, metadata: Mapping[str, Any] | None,
+def _as_chief(channel: _Channel, target: Folder, pieces: dict[str, list[Piece]], outline: dict[str, list[Any]],
+              world: int, timeout: float, keep: int | None, metadata: Mapping[str, Any] | None,
               storage_options: Mapping[str, Any] | None) -> Version:
     step = channel.step
     try:
@@ -168,7 +177,7 @@ def _as_chief(channel: _Channel, target: Folder, pieces: dict[str, list[Piece]],
     except Exception as exc:
         channel.tell("attempt", {"error": str(exc)})
         raise
-    channel.tell("attempt", {"attempt": attempt, "world": world})
+    channel.tell("attempt", {"attempt": attempt, "world": world, "plan": _digest(outline)})
     _handed_out[channel.place] = attempt
     announced = time.monotonic()
     try:
@@ -176,7 +185,8 @@ def _as_chief(channel: _Channel, target: Folder, pieces: dict[str, list[Piece]],
                       storage_options=storage_options)
         version = commit_shards(target.where, step=step, world=world, attempt=attempt, keep=keep, metadata=metadata,
                                 timeout=round(max(0.0, timeout - (time.monotonic() - announced)), 1),
-                                storage_options=storage_options)
+                                storage_options=storage_options,
+                                failures=lambda: channel.failures(outline))
     except ShardTimeoutError as exc:
         channel.tell("committed", {"error": str(exc), "missing": exc.missing})
         raise
@@ -188,15 +198,25 @@ def _as_chief(channel: _Channel, target: Folder, pieces: dict[str, list[Piece]],
     return version
 
 
-def _as_worker(channel: _Channel, target: Folder, pieces: dict[str, list[Piece]], rank: int, world: int,
-               timeout: float, storage_options: Mapping[str, Any] | None) -> Version:
-    news = channel.hear("attempt", timeout, "the attempt")
+def _as_worker(channel: _Channel, target: Folder, sources: dict[Segment, Any], share: list[tuple[Segment, int, int]],
+               outline: dict[str, list[Any]], rank: int, world: int, timeout: float,
+               storage_options: Mapping[str, Any] | None) -> Version:
+    news = channel.hear("attempt", timeout + _NEWS_GRACE, "the attempt")
     heard = time.monotonic()
     if news.get("world") != world:
         raise PublishError(f"the chief writes for {news.get('world')} ranks, this worker for {world}",
                            path=target.where)
-    publish_shard(target.where, pieces, step=channel.step, rank=rank, world=world, attempt=int(news["attempt"]),
-                  storage_options=storage_options)
+    if news.get("plan") != _digest(outline):  # its share would not be the one the chief counts on
+        channel.give_up(rank, "its plan differs from the chief's", outline)
+        channel.hear("committed", timeout - (time.monotonic() - heard) + _NEWS_GRACE, "the commit")  # names the keys
+        raise PublishError("this worker's plan (the keys, dtypes and shapes it publishes) differs from the chief's",
+                           path=target.where)
+    try:
+        publish_shard(target.where, _read(sources, share), step=channel.step, rank=rank, world=world,
+                      attempt=int(news["attempt"]), storage_options=storage_options)
+    except Exception as exc:  # the chief would otherwise wait out its timeout for this member
+        channel.give_up(rank, f"{type(exc).__name__}: {exc}")
+        raise
     news = channel.hear("committed", timeout - (time.monotonic() - heard) + _NEWS_GRACE, "the commit")
     return Version(int(news["step"]), target.url(str(news["file"])), str(news["created"]), dict(news["metadata"]),
                    target)
@@ -214,13 +234,43 @@ class _Channel:
         self.step, self.where = step, target.where
         self.place = (target.where, step)
         with _lock:
-            call = _calls[self.place] = _calls.get(self.place, -1) + 1
+            self.call = _calls.get(self.place, 0)
         digest = hashlib.sha256(target.where.encode()).hexdigest()[:16]
-        self.prefix = f"weightstore/{digest}/step-{step}/call-{call}"
+        self.prefix = f"weightstore/{digest}/step-{step}/call-{self.call}"
+
+    def met(self) -> None:
+        """Count this call as one that met the chief. A worker's call that never heard it (it
+        timed out, or the chief never made that call) is not counted, so its next call waits at
+        the same keys as the chief's next call."""
+        with _lock:
+            _calls[self.place] = max(_calls.get(self.place, 0), self.call + 1)
 
     def tell(self, what: str, news: Mapping[str, Any]) -> None:
+        self.met()
         if not self.alone:
             context.context().set_config_key_value(f"{self.prefix}/{what}", json.dumps(news))
+
+    def give_up(self, rank: int, why: str, outline: dict[str, list[Any]] | None = None) -> None:
+        """Tell the chief that ``rank`` writes nothing, and why (with its plan's outline, if that
+        is why); the first worker to say so is heard."""
+        news = {"rank": rank, "why": why, **({} if outline is None else {"outline": outline})}
+        with contextlib.suppress(tf.errors.OpError):  # another worker's word is there already
+            context.context().set_config_key_value(f"{self.prefix}/gave-up", json.dumps(news))
+
+    def failures(self, outline: dict[str, list[Any]]) -> dict[int, str]:
+        """The worker that gave up, with why (``commit_shards`` asks at each look for members); a
+        plan that differs from the chief's ``outline`` is told key by key."""
+        if self.alone:
+            return {}
+        try:
+            news = json.loads(context.context().get_config_key_value(f"{self.prefix}/gave-up", 1))
+        except tf.errors.DeadlineExceededError:
+            return {}
+        rank = int(news["rank"])
+        if "outline" in news:
+            return {rank: f"its plan differs from the chief's (every worker passes the same model and selection): "
+                          f"{_differences(outline, news['outline'], rank)}"}
+        return {rank: str(news["why"])}
 
     def hear(self, what: str, timeout: float, waited_for: str) -> dict[str, Any]:
         """The chief's news; its failure raised here as this worker's."""
@@ -232,6 +282,7 @@ class _Channel:
         except tf.errors.OpError as exc:
             raise PublishError(f"lost TensorFlow's coordination service waiting for {waited_for}: {exc.message}",
                                path=self.where) from None
+        self.met()
         news = json.loads(text)
         if "error" not in news:
             return dict(news)
@@ -267,6 +318,46 @@ def _segments(variables: Mapping[str, Any]) -> dict[Segment, Any]:
             sources[Segment(key, shape, itemsize, (row,) + (0,) * (len(whole) - 1) if whole else (), whole)] = shard
             row += shape[0] if shape else 0
     return sources
+
+
+def _outline(sources: Mapping[Segment, Any]) -> dict[str, list[Any]]:
+    """What the plan is cut from, key by key: ``[dtype, shape, rows of each shard]`` (one shard
+    but for a ``ShardedVariable``). Workers whose outlines agree compute the same plan."""
+    outline: dict[str, list[Any]] = {}
+    for segment, var in sources.items():
+        entry = outline.setdefault(segment.key, [tf.as_dtype(var.dtype).name, list(segment.whole), []])
+        entry[2].append(segment.shape[0] if segment.shape else 1)
+    return outline
+
+
+def _digest(outline: dict[str, list[Any]]) -> str:
+    return hashlib.sha256(json.dumps(outline).encode()).hexdigest()
+
+
+def _differences(chief: dict[str, list[Any]], worker: dict[str, list[Any]], rank: int) -> str:
+    """Where ``rank``'s outline departs from the chief's, the first few keys."""
+    def shown(entry: list[Any]) -> str:
+        dtype, shape, shards = entry
+        return f"{dtype} {shape}" + (f" in shards of {shards} rows" if len(shards) > 1 else "")
+
+    found = []
+    for key in sorted(chief.keys() | worker.keys()):
+        ours, theirs = chief.get(key), worker.get(key)
+        if theirs is None:
+            found.append(f"{key!r} ({shown(chief[key])}) is in the chief's, not in rank {rank}'s")
+        elif ours is None:
+            found.append(f"{key!r} ({shown(theirs)}) is in rank {rank}'s, not in the chief's")
+        elif ours != theirs:
+            found.append(f"{key!r} is {shown(ours)} in the chief's, {shown(theirs)} in rank {rank}'s")
+    return "; ".join(found[:5]) + (f"; and {len(found) - 5} more" if len(found) > 5 else "")
+
+
+def _read(sources: dict[Segment, Any], share: list[tuple[Segment, int, int]]) -> dict[str, list[Piece]]:
+    """This worker's pieces: the rows of its share, read from its own replica."""
+    pieces: dict[str, list[Piece]] = {}
+    for segment, first, end in share:
+        pieces.setdefault(segment.key, []).append(_piece(sources[segment], segment, first, end))
+    return pieces
 
 
 def _piece(var: Any, segment: Segment, first: int, end: int) -> Piece:

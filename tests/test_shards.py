@@ -202,6 +202,15 @@ def test_pieces_that_do_not_tile_are_refused_naming_the_key(tmp_path, case, word
     assert ws.latest(folder).step == 1 and not (folder / "step-000000000002.wsindex").exists()
 
 
+def test_the_same_part_written_by_two_ranks_is_refused_as_replicas_naming_both(tmp_path):
+    a = np.arange(12, dtype=np.float32).reshape(6, 2)
+    for rank in range(2):  # each rank holds the tensor whole, and writes it whole
+        ws.publish_shard(tmp_path, {"w": a}, step=1, rank=rank, world=2, attempt=0)
+    with pytest.raises(ws.PublishError, match=r"overlap: at \[0, 0\] \(rank 0\) and \[0, 0\] \(rank 1\); the same "
+                                              "part twice: ranks holding replicas of it each wrote it"):
+        shards.commit_shards(tmp_path, step=1, world=2, attempt=0, timeout=5)
+
+
 def test_bad_pieces_are_refused_before_anything_is_written(tmp_path):
     folder = tmp_path / "run"
     with pytest.raises(ValueError, match="does not fit"):
@@ -444,6 +453,21 @@ def test_read_region_and_load_regions_on_a_plain_store(tmp_path):
     assert ws.load(path, regions={"a": (slice(3, None),)})["a"].tobytes() == a[3:].tobytes()
     with pytest.raises(ws.KeyNotInStoreError):
         ws.load(path, regions={"c": (slice(0, 1),)})
+
+
+def test_every_reader_refuses_a_region_outside_the_tensor_rather_than_clamping_it(tmp_path):
+    a = np.arange(24, dtype=np.float32).reshape(4, 6)
+    ws.save(tmp_path / "m.npz", {"a": a})
+    ws.publish_shard(tmp_path / "run", {"a": a}, step=1, rank=0, world=1, attempt=0)
+    for path in (tmp_path / "m.npz", shards.commit_shards(tmp_path / "run", step=1, world=1, attempt=0, timeout=5)):
+        with ws.open(path) as store:
+            with pytest.raises(ws.TargetError, match=r"tensor 'a': .* reaches outside the tensor's shape \[4, 6\]"):
+                store.read_region("a", (slice(20, 30),))  # not 0 rows, as numpy would give
+            with pytest.raises(ws.TargetError, match=r"reaches outside .* \(axis 1 has 6\)"):
+                store.read_region("a", (slice(None), slice(-7, None)))
+            with pytest.raises(ws.TargetError, match="bounds that are not integers"):
+                store.read_region("a", (slice(0.5, 2),))
+            assert store.read_region("a", (slice(-1, None), slice(0, 0))).shape == (1, 0)  # inside, and empty
 
 
 def test_a_member_that_is_not_what_its_done_record_says_is_refused(tmp_path):

@@ -55,8 +55,10 @@ JAX_PROCESS = textwrap.dedent("""
         for shard in array.addressable_shards:
             box = "_".join(f"{s.start or 0}-{s.stop if s.stop is not None else -1}" for s in shard.index)
             held[f"{key}|{box}"] = np.asarray(shard.data)
+    pieces = wf.export_pieces({**restored, "steps": jax.numpy.arange(12.0).reshape(4, 3)})  # local to each process
+    held["steps-rows"] = np.array([(piece.start[0], len(piece.array)) for piece in pieces["steps"]])
     np.savez(out, **held)
-    ws.publish_shard(folder, wf.export_pieces(restored), step=2, rank=process, world=2, attempt=0)
+    ws.publish_shard(folder, pieces, step=2, rank=process, world=2, attempt=0)
     if process == 0:
         ws.commit_shards(folder, step=2, world=2, attempt=0, timeout=60)
 """)
@@ -139,11 +141,13 @@ def test_a_tf1_version_restores_into_jax_sharded_2x2_and_torch_dtensors(server, 
             if name.startswith("bias|"):
                 (c0, c1), = (map(int, span.split("-")) for span in name.split("|")[1].split("_"))
                 assert value.tobytes() == bias[c0:c1].tobytes()
+        assert shards["steps-rows"].tolist() == [[process * 2, 2]]  # each writes half of a process-local array
     # each process fetched its half of the kernel: together about the kernel once, not twice
     assert kernel.nbytes <= fetched <= 1.1 * kernel.nbytes + 2 * bias.nbytes, fetched / kernel.nbytes
     with ws.open(ws.latest(folder)) as store:  # the JAX job's own shards, published and committed
         assert ws.latest(folder).step == 2
         assert store["dense/kernel"].tobytes() == kernel.tobytes() and store["dense/bias"].tobytes() == bias.tobytes()
+        assert store["steps"].tobytes() == np.arange(12.0, dtype=np.float32).reshape(4, 3).tobytes()
     ranks = run_job(TORCH_RANK, server, tmp_path, "torch", folder, version.path)
     for rank, shards in enumerate(ranks):
         assert shards["kernel"].tobytes() == np.ascontiguousarray(kernel[:, rank * 384:(rank + 1) * 384]).tobytes()

@@ -45,11 +45,11 @@ build, data = namespace["build"], namespace["data"]
 #: the main thread all-reduces, a publish of step 2 the chief fails, and its retry, which rank 1
 #: does not live through (SIGKILLed as it starts writing)
 WORKER = MODEL + textwrap.dedent("""
-    import json, os, sys, threading
+    import json, os, sys, threading, time
     import tensorflow as tf
     import weightstore as ws
     from weightstore import shards
-    from weightstore.adapters import tf2
+    from weightstore.adapters import tf2, tf2_sharded
 
     folder, out = sys.argv[1], sys.argv[2]
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
@@ -80,6 +80,37 @@ WORKER = MODEL + textwrap.dedent("""
     version = published[0]
     ws.save(f"{out}/weights-{rank}.safetensors", {**tf2.export(model), "predictions": model(x).numpy()})
     result = {"path": version.path, "step": version.step, "metadata": version.metadata}
+
+    more, said = f"{out}/more", {}  # calls that must fail alike everywhere, in a folder of their own
+
+    def attempt(name, call):
+        started = time.monotonic()
+        try:
+            said[name] = {"step": call().step}
+        except ws.WeightStoreError as exc:
+            said[name] = {"type": type(exc).__name__, "message": str(exc)}
+        said[name]["seconds"] = time.monotonic() - started
+
+    def disk_full(name):
+        if name == "member-temporary":
+            raise ws.StorageError("injected: disk full")
+    shards._stage = disk_full if rank == 1 else shards._stage
+    attempt("write fails", lambda: tf2.publish_sharded(more, model, step=1, strategy=strategy, timeout=30))
+    shards._stage = lambda name: None
+    left_out = {"exclude": "out/bias"} if rank == 1 else {}
+    attempt("keys differ", lambda: tf2.publish_sharded(more, model, step=2, strategy=strategy, timeout=30, **left_out))
+    other = {"w": tf.Variable(np.zeros(9 if rank == 1 else 8, np.float32))}  # rank 1 writes it in either plan
+    attempt("shapes differ", lambda: tf2.publish_sharded(more, other, step=3, strategy=strategy, timeout=30))
+    tf2_sharded._NEWS_GRACE = 0.5
+    if rank == 1:  # a call the chief never makes times out, and must not shift the calls after it
+        attempt("alone", lambda: tf2.publish_sharded(more, model, step=4, strategy=strategy, timeout=0.5))
+    strategy.reduce("SUM", strategy.run(count), axis=None)
+    tf2_sharded._NEWS_GRACE = 8.0
+    if rank == 0:  # the chief comes later than the worker's timeout, within the grace
+        time.sleep(4.5)
+    attempt("after a call alone", lambda: tf2.publish_sharded(more, model, step=4, strategy=strategy, timeout=3))
+    with open(f"{out}/more-{rank}.json", "w") as handle:
+        json.dump(said, handle)
 
     def outage(name):
         if name == "done-written":
@@ -166,6 +197,41 @@ def test_a_chief_that_fails_tells_the_workers_and_nothing_is_published(cluster_r
     heard = json.loads((out / "failed-1.json").read_text())
     assert heard["type"] == "PublishError" and heard["message"].endswith("the chief: injected outage"), heard
     assert not (folder / "step-000000000002.wsindex").exists() and ws.latest(folder).step == 1
+
+
+@pytest.mark.slow
+def test_a_worker_whose_write_fails_tells_the_chief_which_stops_at_once_saying_why(cluster_run):
+    _, out = cluster_run
+    chief, worker = (json.loads((out / f"more-{rank}.json").read_text())["write fails"] for rank in range(2))
+    assert (worker["type"], worker["message"]) == ("StorageError", "injected: disk full")
+    assert chief["type"] == "PublishError", chief
+    assert chief["message"].endswith("rank 1 of 2 gave up: StorageError: injected: disk full; nothing was published")
+    assert chief["seconds"] < 15, chief  # not its timeout of 30 s
+    assert not (out / "more" / "step-000000000001.wsindex").exists()
+
+
+@pytest.mark.slow
+def test_workers_that_would_publish_other_keys_or_shapes_than_the_chief_commit_nothing(cluster_run):
+    _, out = cluster_run
+    said = [json.loads((out / f"more-{rank}.json").read_text()) for rank in range(2)]
+    for call, difference in [("keys differ", "'out/bias' (float32 [4]) is in the chief's, not in rank 1's"),
+                             ("shapes differ", "'w' is float32 [8] in the chief's, float32 [9] in rank 1's")]:
+        for rank in range(2):
+            assert said[rank][call]["type"] == "PublishError", (rank, said[rank][call])
+            assert "rank 1 of 2 gave up: its plan differs from the chief's" in said[rank][call]["message"]
+            assert difference in said[rank][call]["message"], (rank, said[rank][call])
+    assert not any((out / "more" / f"step-00000000000{step}.wsindex").exists() for step in (2, 3))
+
+
+@pytest.mark.slow
+def test_a_worker_call_the_chief_never_made_does_not_shift_the_next_and_a_late_chief_is_waited_for(cluster_run):
+    _, out = cluster_run
+    said = [json.loads((out / f"more-{rank}.json").read_text()) for rank in range(2)]
+    assert said[0]["after a call alone"]["step"] == said[1]["after a call alone"]["step"] == 4, said
+    assert said[1]["alone"]["type"] == "ShardTimeoutError" and said[1]["alone"]["seconds"] < 5, said[1]["alone"]
+    assert "no word of the attempt from the chief (rank 0) within 1s" in said[1]["alone"]["message"]
+    assert said[1]["after a call alone"]["seconds"] > 3  # it waited past its timeout for the chief
+    assert ws.latest(out / "more").step == 4
 
 
 def test_the_plan_splits_the_bytes_evenly_and_covers_every_row_once():

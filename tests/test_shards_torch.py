@@ -133,3 +133,46 @@ def test_export_pieces_of_plain_tensors_splits_rows_between_ranks():
     assert [[p.start for p in part["weight"]] for part in halves] == [[(0, 0)], [(2, 0)]]
     assert np.concatenate([part["weight"][0].array for part in halves]).tobytes() == whole["weight"].tobytes()
     assert [part["bias"][0].shape for part in halves] == [(5,), (5,)]
+
+
+#: one of two ranks on a (dp=1, tp=2) mesh: the first Linear tensor parallel over "tp", the
+#: second, outside the plan, sharded by FSDP2 over "dp" alone, so both tp ranks hold its shard
+TWO_D = textwrap.dedent("""
+    import sys
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    import weightstore as ws
+    from weightstore.adapters import torch as wt
+
+    folder, rank, port = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(1)
+    model = parallelize_module(nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 4)), mesh["tp"], {"0": ColwiseParallel()})
+    fully_shard(model[1], mesh=mesh["dp"])
+    ws.publish_shard(folder, wt.export_pieces(model), step=1, attempt=0)
+    dist.barrier()
+    if rank == 0:
+        ws.commit_shards(folder, step=1, attempt=0, timeout=30)
+    dist.destroy_process_group()
+""")
+
+
+def test_a_dtensor_on_a_submesh_is_written_once_across_the_root_mesh_axes_it_leaves_out(tmp_path):
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    ranks = run_together([[sys.executable, "-c", TWO_D, str(tmp_path / "run"), str(rank), str(port)]
+                          for rank in range(2)], [env] * 2, timeout=120)
+    for rank in ranks:
+        assert rank.returncode == 0, (rank.stdout + rank.stderr)[-3000:]
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 4))
+    loaded = ws.load(ws.latest(tmp_path / "run"))
+    assert {key: value.tobytes() for key, value in loaded.items()} == {
+        key.replace(".", "/"): value.detach().numpy().tobytes() for key, value in model.state_dict().items()}

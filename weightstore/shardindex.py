@@ -406,7 +406,7 @@ def check_tensor(key: str, entry: TensorEntry, members: Sequence[Member],
             raise error(f"has a piece with {len(piece.crcs)} block checksums for {blocks} blocks", key=key)
         if piece.blocks is not None and len(piece.blocks) != blocks:
             raise error(f"has a piece with {len(piece.blocks)} block digests for {blocks} blocks", key=key)
-    _check_no_overlap(key, entry, error, OverlapBudget() if budget is None else budget)
+    _check_no_overlap(key, entry, members, error, OverlapBudget() if budget is None else budget)
     covered = sum(math.prod(p.shape) for p in entry.pieces)
     if covered != math.prod(entry.shape):
         raise error(f"its pieces do not cover it: they hold {covered} of its {math.prod(entry.shape)} elements "
@@ -434,7 +434,8 @@ class OverlapBudget:
                         "looks so", key=key)
 
 
-def _check_no_overlap(key: str, entry: TensorEntry, error: type[WeightStoreError], budget: OverlapBudget) -> None:
+def _check_no_overlap(key: str, entry: TensorEntry, members: Sequence[Member], error: type[WeightStoreError],
+                      budget: OverlapBudget) -> None:
     pieces = [p for p in entry.pieces if math.prod(p.shape)]
     if len(pieces) < 2:
         return
@@ -451,8 +452,11 @@ def _check_no_overlap(key: str, entry: TensorEntry, error: type[WeightStoreError
         hits = np.all((starts[i + 1 : last] < ends[i]) & (ends[i + 1 : last] > starts[i]), axis=1)
         if hits.any():
             j = i + 1 + int(np.argmax(hits))
-            raise error(f"has pieces that overlap: at {starts[i].tolist()} and {starts[j].tolist()}",
-                        key=key)
+            ranks = [members[pieces[order[at]].member].rank for at in (i, j)]
+            same = np.array_equal(starts[i], starts[j]) and np.array_equal(ends[i], ends[j])
+            raise error(f"has pieces that overlap: at {starts[i].tolist()} (rank {ranks[0]}) and {starts[j].tolist()} "
+                        f"(rank {ranks[1]})" + ("; the same part twice: ranks holding replicas of it each wrote it, "
+                                                "where one of them must" if same else ""), key=key)
 
 
 def _sweep(starts: np.ndarray, ends: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -33,7 +33,7 @@ import math
 import os
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -198,6 +198,7 @@ def commit_shards(
     keep: int | None = DEFAULT_KEEP,
     metadata: Mapping[str, Any] | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    failures: Callable[[], Mapping[int, str]] | None = None,
 ) -> Version:
     """Wait for every rank's done-record, check their pieces, and publish the sharded version.
 
@@ -209,10 +210,16 @@ def commit_shards(
     step and attempt after a coordinator died between the index and ``LATEST``, it finds that
     index to be the one it would write and finishes the commit (see ``docs/sharded.md``).
 
+    ``failures``, if given, is asked at each look for done-records which ranks gave up and why,
+    through whatever channel the job has besides the folder (``tf2.publish_sharded`` passes
+    TensorFlow's coordination service): a rank that will never write its member then ends the
+    wait at once instead of at ``timeout``, and the error says why.
+
     Raises:
         ShardTimeoutError: some rank did not finish within ``timeout`` seconds (``.missing``
             names them); nothing is published.
-        PublishError: pieces that overlap, leave a gap ("cover") or disagree on dtype or shape
+        PublishError: a rank without a done-record gave up (``failures``: naming the rank and
+            its reason); pieces that overlap, leave a gap ("cover") or disagree on dtype or shape
             (naming the key); a step that does not go forward; another coordinator committed
             this step or a later one first.
         WeightStoreError: ``world`` or ``attempt`` not given and the cluster does not say it.
@@ -227,7 +234,7 @@ def commit_shards(
     members = folder_for(target.url(attempt_folder(step, attempt)), storage_options)
     name = index_name(step)
     metadata = checked_pointer_metadata(metadata, step, name, target.url(name))
-    found, sizes = _wait_for_ranks(members, world, timeout)
+    found, sizes = _wait_for_ranks(members, world, timeout, failures)
     records = []
     for rank, data in sorted(found.items()):
         with naming(path=members.url(done_name(rank))):
@@ -503,9 +510,11 @@ def _check_placed(member: BinaryIO, where: str, offset: int, item: _Listed) -> N
 
 # -- the coordinator's side --------------------------------------------------------------------
 
-def _wait_for_ranks(members: Folder, world: int, timeout: float) -> tuple[dict[int, bytes], dict[str, int]]:
+def _wait_for_ranks(members: Folder, world: int, timeout: float, failures: Callable[[], Mapping[int, str]] | None,
+                    ) -> tuple[dict[int, bytes], dict[str, int]]:
     """Every rank's done-record, as it appears (one listing per look, each record read once),
-    and the sizes of the files in the last listing (each member is whole before its record)."""
+    and the sizes of the files in the last listing (each member is whole before its record).
+    A rank's done-record outweighs its word that it gave up: its member is whole."""
     deadline = time.monotonic() + timeout
     found: dict[int, bytes] = {}
     wanted = {done_name(rank): rank for rank in range(world)}
@@ -520,6 +529,10 @@ def _wait_for_ranks(members: Folder, world: int, timeout: float) -> tuple[dict[i
                     found[rank] = data
         if len(found) == world:
             return found, {entry.name: entry.size for entry in listing}
+        for rank, why in sorted((failures() if failures is not None else {}).items()):
+            if rank not in found:
+                raise PublishError(f"rank {rank} of {world} gave up: {why}; nothing was published",
+                                   path=members.where)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             missing = [rank for rank in range(world) if rank not in found]

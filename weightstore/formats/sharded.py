@@ -45,7 +45,11 @@ _MEMBERS_AT_ONCE = 8
 
 
 def normalized_region(region: Any, shape: Sequence[int], key: str) -> list[tuple[int, int]]:
-    """``(start, stop)`` along each axis for a tuple of slices (fewer than the axes: the rest whole)."""
+    """``(start, stop)`` along each axis for a tuple of slices (fewer than the axes: the rest whole).
+
+    Every region reader goes through here, so all refuse alike what numpy would quietly clamp: a
+    bound past the tensor's edge (``slice(20, 30)`` of 8 rows is a caller's mistake, not 0 rows).
+    """
     if isinstance(region, slice):
         region = (region,)
     if not isinstance(region, tuple) or len(region) > len(shape) or not all(isinstance(s, slice) for s in region):
@@ -53,9 +57,15 @@ def normalized_region(region: Any, shape: Sequence[int], key: str) -> list[tuple
     bounds = []
     for axis, size in enumerate(shape):
         part = region[axis] if axis < len(region) else slice(None)
-        start, stop, step = part.indices(size)
+        try:
+            start, stop, step = part.indices(size)
+        except TypeError:
+            raise TargetError(f"region {region!r} has bounds that are not integers", key=key) from None
         if step != 1:
             raise TargetError(f"region {region!r} has a step; regions are contiguous", key=key)
+        if any(bound is not None and not -size <= bound <= size for bound in (part.start, part.stop)):
+            raise TargetError(f"region {region!r} reaches outside the tensor's shape {list(shape)} (axis {axis} has "
+                              f"{size})", key=key)
         bounds.append((start, max(start, stop)))
     return bounds
 
