@@ -307,10 +307,9 @@ class CheckedWeights(Mapping):
         library would fail halfway, naming the temporary file)."""
         for key, value in self._values.items():
             shape = store.info(key).shape if store is not None else getattr(value, "shape", None)
-            axes = len(shape) if shape is not None else np.ndim(value)
-            if axes > most:
-                raise UnsupportedDTypeError(f"has {axes} axes; {fmt.name} files hold at most {most}: save it as "
-                                            ".npz or .safetensors", path=self._where or None, key=key)
+            if shape is not None and len(shape) > most:  # unknown before converting: the writer's check
+                raise UnsupportedDTypeError(f"has {len(shape)} axes; {fmt.name} files hold at most {most}: save it "
+                                            "as .npz or .safetensors", path=self._where or None, key=key)
 
     def _refuse_unreadable(self, fmt: Format) -> None:
         """A key the format keeps for itself, or one nested deeper than its readers go, would
