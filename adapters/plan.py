@@ -595,10 +595,12 @@ def plan_assign(
             pairs[key] = source
     renamed = bool(options.scope or options.mapping)  # value keys are as the caller's words made them
     if (options.strict and not report.ok) or not pairs:
+        empty = norm_scope and not any(in_scope(key, norm_scope) and key != norm_scope for key in targets)
         raise AssignmentError(
             _message(report, described, chosen, value_keys, pairs, targets, lambda key: values.shape(value_keys[key]),
                      trainable_only=options.trainable_only, hints=not values.exact_keys,
-                     note=getattr(values, "missing_note", ""), renamed=renamed),
+                     note=getattr(values, "missing_note", ""), renamed=renamed,
+                     scope_problem=_no_such_scope(norm_scope, targets) if empty else ""),
             missing=report.missing, unexpected=report.unexpected, mismatched=report.mismatched, path=values.path,
         )
     warning = (_few_assigned(values.where, len(pairs), chosen, value_keys, renamed, report.mismatched)
@@ -691,6 +693,16 @@ def _apart(values: Iterable[str], targets: Iterable[str], renamed: bool) -> str:
             "the values under one, mapping={'FROM': 'TO'} renames one)")
 
 
+def _no_such_scope(scope: str, targets: Iterable[str]) -> str:
+    """What to say of a ``scope`` no variable is under: the model's scopes at its depth, the
+    nearest first (``model_02`` for ``model_002``)."""
+    depth = scope.count("/") + 1
+    scopes = sorted({"/".join(key.split("/")[:depth]) for key in targets if key.count("/") >= depth})
+    near = keys_suggest(scope, scopes)
+    shown = f" (the model's: {', '.join(map(repr, scopes[:5]))}{', …' if len(scopes) > 5 else ''})" if scopes else ""
+    return f"no variable is under scope {scope!r}{near or shown}"
+
+
 def _scope_fix(values: Iterable[str], targets: Iterable[str], renamed: bool) -> str:
     """What would pair the keys when one scope is all that keeps them apart: values saved
     under ``model_002/`` going into unscoped variables need that scope taken off (``mapping``),
@@ -735,7 +747,7 @@ def _pair_problem(dtype: np.dtype, shape: tuple[int, ...], target: TargetInfo, c
 
 def _message(report: Report, where: str, targets: Mapping[str, Any], values: Mapping[str, str], pairs,
              every: Mapping[str, Any], value_shape: Callable[[str], tuple[int, ...]], *, trainable_only: bool = False,
-             hints: bool = True, note: str = "", renamed: bool = False) -> str:
+             hints: bool = True, note: str = "", renamed: bool = False, scope_problem: str = "") -> str:
     """``targets`` are the selected variables; ``every`` also suggests those a typo left out.
 
     A value whose variable exists but was left out as not trainable says so, rather than
@@ -767,6 +779,8 @@ def _message(report: Report, where: str, targets: Mapping[str, Any], values: Map
                 f"{suggest(key, shape, free_targets, target_shape) or suggest(key, shape, free_every, target_shape)}")
 
     lines = [f"cannot assign{f' {where}' if where else ''}: nothing was changed"]
+    if scope_problem:
+        lines.append(f"  {scope_problem}")
     common = sum(1 for key in values if key in every)
     if min(len(targets), len(values)) >= 2 and common * 2 < min(len(targets), len(values)):
         lines.append(f"  {common} of {len(values)} values share a key with one of {len(targets)} variables: "
@@ -787,6 +801,9 @@ def _message(report: Report, where: str, targets: Mapping[str, Any], values: Map
                 lines.append(f"    … and {len(items) - _LISTED} more")
             if items is report.missing and note:
                 lines.append(f"  why: {note}")
+    if report.missing and pairs and not report.unexpected and not report.mismatched:  # a selective save, likely
+        lines.append("  every value paired; if the file holds part of the model on purpose, strict=False assigns it "
+                     "and the variables it lacks keep theirs (or select as its export did: trainable_only=, also=)")
     return "\n".join(lines)
 
 

@@ -283,6 +283,33 @@ def test_trainable_only_leaves_batch_norm_statistics_and_frozen_layers_alone():
     assert "hidden/kernel" not in tf2.export(model, trainable_only=True)
 
 
+def test_a_strict_assign_of_part_of_a_model_says_how_to_assign_it():
+    """A selective save assigned strictly lists the variables it lacks; with every value paired
+    the message says what to do about them, and the model keeps its weights."""
+    model = mlp(named=True)
+    before = values_of(model)
+    part = {key: np.ones_like(value) for key, value in tf2.export(model, trainable_only=True).items()}
+    with pytest.raises(AssignmentError, match="strict=False assigns it") as caught:
+        tf2.assign(model, part)
+    assert "moving_mean" in str(caught.value) and values_of(model).keys() == before.keys()
+    assert all(np.array_equal(values_of(model)[key], value) for key, value in before.items())
+    assert tf2.assign(model, part, strict=False).missing == ["batch_normalization/moving_mean",
+                                                              "batch_normalization/moving_variance"]
+
+
+def test_a_scope_no_variable_is_under_is_named_with_the_nearest_one():
+    inputs = keras.Input((3,))
+    members = [keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="d")], name=f"model_00{i}")
+               for i in (1, 2)]
+    ensemble = keras.Model(inputs, [member(inputs) for member in members])
+    weights = tf2.export(members[0])  # unscoped: d/kernel, d/bias
+    with pytest.raises(AssignmentError, match="no variable is under scope 'model_02'; did you mean 'model_002'"):
+        tf2.assign(ensemble, weights, scope="model_02")
+    with pytest.raises(AssignmentError, match=r"under scope 'zzz' \(the model's: 'model_001', 'model_002'\)"):
+        tf2.assign(ensemble, weights, scope="zzz")
+    assert tf2.assign(ensemble, weights, scope="model_002").ok
+
+
 def test_export_holds_model_weights_not_optimizer_state():
     model = mlp()
     model.compile(keras.optimizers.Adagrad(0.1), "mse")
