@@ -530,7 +530,7 @@ def test_notifications_for_a_local_folder_are_refused(tmp_path, cli):
     with pytest.raises(ValueError, match="is local"):
         Follower({}, tmp_path, notifications=queue).start()
     result = CliRunner().invoke(cli, ["follow", str(tmp_path), "--timeout", "0", "--notifications", queue])
-    assert result.exit_code == 2 and "is local" in result.output
+    assert result.exit_code == 2 and "is local" in re.sub(r"[│\s]+", " ", result.output)  # however rich wraps it
 
 
 def test_versions_lists_a_folder_whose_latest_is_damaged(tmp_path, cli):

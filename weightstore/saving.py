@@ -261,6 +261,15 @@ def _json_key(key: Any) -> str:
     return key if isinstance(key, str) else next(iter(json.loads(json.dumps({key: 0}))))
 
 
+def _axes(shape: Any) -> int | None:
+    """How many axes a stated shape has; ``None`` where it says none (no shape, or a TF
+    variable's of unknown rank, whose ``len`` raises)."""
+    try:
+        return len(shape)
+    except (TypeError, ValueError):
+        return None
+
+
 class CheckedWeights(Mapping):
     """Key -> ``(logical dtype name, array in storage form)``, produced when asked for.
 
@@ -306,9 +315,9 @@ class CheckedWeights(Mapping):
         """A tensor of more axes than the format holds, refused before the file is begun (its
         library would fail halfway, naming the temporary file)."""
         for key, value in self._values.items():
-            shape = store.info(key).shape if store is not None else getattr(value, "shape", None)
-            if shape is not None and len(shape) > most:  # unknown before converting: the writer's check
-                raise UnsupportedDTypeError(f"has {len(shape)} axes; {fmt.name} files hold at most {most}: save it "
+            axes = _axes(store.info(key).shape if store is not None else getattr(value, "shape", None))
+            if axes is not None and axes > most:  # unknown before converting: the writer's check
+                raise UnsupportedDTypeError(f"has {axes} axes; {fmt.name} files hold at most {most}: save it "
                                             "as .npz or .safetensors", path=self._where or None, key=key)
 
     def _refuse_unreadable(self, fmt: Format) -> None:
