@@ -57,6 +57,7 @@ def versions(
         _refuse_serving_base(folder)
         typer.echo(f"{folder}: no versions")
         return
+    typer.echo(f"{'step':>12}  {'written':<20}  {'size':>9}  file")
     for entry in entries:
         mark = "  <- LATEST" if entry.latest else ""
         size = entry.size if entry.member_bytes is None else entry.size + entry.member_bytes

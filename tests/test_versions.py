@@ -356,7 +356,8 @@ def test_cli_versions(tmp_path, cli):
         ws.publish(tmp_path, weights_at(step), step=step, keep=2)
     result = CliRunner().invoke(cli, ["versions", str(tmp_path)])
     assert result.exit_code == 0, result.output
-    lines = result.output.splitlines()
+    header, *lines = result.output.splitlines()
+    assert header.split() == ["step", "written", "size", "file"]
     assert len(lines) == 2 and "step-000000000008.npz" in lines[0]
     assert lines[1].endswith("<- LATEST") and lines[1].split()[0] == "9"
     result = CliRunner().invoke(cli, ["versions", str(tmp_path), "--json"])
@@ -543,7 +544,7 @@ def test_versions_lists_a_folder_whose_latest_is_damaged(tmp_path, cli):
         entries = versions.list_versions(tmp_path)
     assert [(entry.step, entry.latest) for entry in entries] == [(1, False), (2, False), (3, False)]
     result = CliRunner().invoke(cli, ["versions", str(tmp_path)])
-    assert result.exit_code == 0 and len(result.stdout.splitlines()) == 3 and "LATEST" not in result.stdout
+    assert result.exit_code == 0 and len(result.stdout.splitlines()) == 1 + 3 and "LATEST" not in result.stdout
     assert damaged in result.stderr
     result = CliRunner().invoke(cli, ["versions", str(tmp_path), "--json"])
     document = json.loads(result.stdout)
