@@ -392,8 +392,9 @@ def widens(source: np.dtype, target: np.dtype) -> bool:
 def _loses_negative_zero(source: np.dtype, target: np.dtype) -> bool:
     """Whether ``source`` has a negative zero that ``target`` makes positive (the ``fnuz``
     float8 types have one zero, so float4_e2m1fn's -0 comes out +0 though numpy calls it safe)."""
-    if source.kind == "c" or _complex_part(source) is not None:
+    if _complex_part(source) is not None:
         return False  # a safe complex cast keeps both parts' types
+    target = _complex_part(target) or target  # a real value becomes the real part
     with np.errstate(all="ignore"):
         negative_zero = np.array(-0.0).astype(source)
         return bool(np.signbit(negative_zero)) and not np.signbit(negative_zero.astype(target))
@@ -445,7 +446,7 @@ def out_of_range(array: np.ndarray, dtype: np.dtype) -> str:
     if array.size == 0 or widens(array.dtype, target):
         return ""
     if _complex_part(array.dtype) is not None:
-        array = array.astype(np.complex128)  # ml_dtypes' complex32 and bcomplex32 too: a numpy complex
+        array = np.ascontiguousarray(array, np.complex128)  # ml_dtypes' complex32, bcomplex32 too; viewed below
         part = _complex_part(target)
         if part is None:
             return (f"holds complex values with an imaginary part, which {target.name} cannot hold"

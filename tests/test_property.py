@@ -188,3 +188,12 @@ def test_a_float_whose_negative_zero_a_target_loses_does_not_widen():
     from weightstore.adapters.plan import widens
 
     assert widens(_F4, _F8) and not widens(_F4, _FNUZ)  # fnuz types have one zero: -0 comes out +0
+    for real in (np.float16, np.float32, ml_dtypes.bfloat16, _F8, _F4):  # the sign goes to the real part
+        assert widens(np.dtype(real), np.dtype(np.complex64)) and widens(np.dtype(real), np.dtype(np.complex128))
+    assert not widens(np.dtype(np.float64), np.dtype(np.complex64))
+
+
+def test_a_transposed_complex_value_is_range_checked():
+    values = np.full((2, 3), 1e300 + 0j).T  # not contiguous: its parts are not one view away
+    assert "1e+300, beyond float32's range" in out_of_range(values, np.dtype(np.complex64))
+    assert out_of_range(np.ones((2, 3), np.complex128).T, np.dtype(np.complex64)) == ""
