@@ -225,6 +225,19 @@ def test_non_numeric_arrays_refused_on_write(tmp_path, suffix, value):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_long_double_file_written_elsewhere_still_reads(tmp_path):
+    """Saves refuse long doubles; a file numpy or h5py wrote with them reads as they hold them."""
+    values = np.linspace(0, 1, 3).astype(np.longdouble)
+    np.savez(tmp_path / "a.npz", a=values)
+    with h5py.File(tmp_path / "a.h5", "w") as f:
+        f["a"] = values
+    for path in (tmp_path / "a.npz", tmp_path / "a.h5"):
+        assert np.array_equal(ws.load(path)["a"], values) and ws.open(path).info("a").shape == (3,)
+    if np.dtype(np.longdouble).itemsize > 8:
+        with raises_naming(errors.UnsupportedDTypeError, tmp_path / "b.npz", "a"):
+            ws.save(tmp_path / "b.npz", ws.open(tmp_path / "a.h5"))  # converting one is a write
+
+
 def test_object_array_in_npz_refused_on_read_never_unpickled(tmp_path):
     marker = tmp_path / "pwned"
     path = tmp_path / "evil.npz"

@@ -112,10 +112,6 @@ def _storable_name(dtype: np.dtype, key: str) -> str:
             "only numeric, bool and ml_dtypes arrays are weights"
         )
         raise UnsupportedDTypeError(f"has dtype {dtype}: {what}", key=key or None)
-    if dtype.kind in "fc" and dtype.itemsize > (8 if dtype.kind == "f" else 16):
-        raise UnsupportedDTypeError(
-            f"has dtype {dtype.name}, the platform's long double: its bits differ between machines and its padding "
-            "is uninitialised memory; convert it to float64 (complex128) first", key=key or None)
     return dtype.newbyteorder("=").name
 
 

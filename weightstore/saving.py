@@ -261,6 +261,11 @@ def _json_key(key: Any) -> str:
     return key if isinstance(key, str) else next(iter(json.loads(json.dumps({key: 0}))))
 
 
+#: x86's 80-bit long double in 16 bytes (elsewhere another format of that name; where it is
+#: float64 it is named so)
+_LONG_DOUBLES = frozenset({"float96", "float128", "complex192", "complex256"})
+
+
 def _axes(shape: Any) -> int | None:
     """How many axes a stated shape has; ``None`` where it says none (no shape, or a TF
     variable's of unknown rank, whose ``len`` raises)."""
@@ -352,6 +357,10 @@ class CheckedWeights(Mapping):
                 raise UnsupportedDTypeError(
                     f"has dtype {name}: only numeric, bool and ml_dtypes arrays are weights", key=key
                 ) from None
+        if name in _LONG_DOUBLES:  # read where a file holds them, never written
+            raise UnsupportedDTypeError(
+                f"has dtype {name}, the platform's long double: its bits differ between machines and its padding "
+                "is uninitialised memory; convert it to float64 (complex128) first", key=key)
         if fmt is not None and fmt.dtypes is not None and name not in fmt.dtypes:
             raise UnsupportedDTypeError(f"has dtype {name}, which {fmt.name} cannot hold; save it as .npz or .h5",
                                         key=key)
