@@ -75,8 +75,7 @@ def export(
     """
     values, chosen = _selected(obj, Selection(**selection))
     sites = _sites(obj) if isinstance(obj, nnx.Module) else None
-    weights = {key: np.array(jax.device_get(values[old]), dtype=_dtype_of(values[old]), copy=True)
-               for key, old in chosen.items()}  # a Python number as JAX computes with it, as assign takes it
+    weights = {key: np.array(jax.device_get(values[old]), copy=True) for key, old in chosen.items()}
     if layout is None:
         return weights
     steps, refused = layouts.to_keras(
@@ -260,11 +259,8 @@ def _placed(source: ValueSource, value_key: str, old: Any) -> Any:
 
 
 def _dtype_of(value: Any) -> np.dtype:
-    """An array's dtype, or a Python number's as JAX computes with it (``nnx.Param(1.0)``:
-    float32 unless ``jax_enable_x64``), so a cast's range is checked against what it becomes."""
-    if hasattr(value, "dtype"):
-        return np.dtype(value.dtype)
-    return np.dtype(jax.dtypes.canonicalize_dtype(np.asarray(value).dtype))
+    """An array's dtype, or a Python number's as numpy holds it (``nnx.Param(1.0)``)."""
+    return np.dtype(value.dtype) if hasattr(value, "dtype") else np.asarray(value).dtype
 
 
 def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
