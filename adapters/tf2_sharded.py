@@ -23,7 +23,8 @@ instead of waiting out ``timeout`` for that member. Keys are
 ``weightstore/<folder digest>/step-<n>/call-<i>/…``, where ``i`` counts this process's calls
 for that folder and step that met the chief, as every worker does alike: a worker's call that
 timed out before the chief's announcement, or that the chief never made, does not count, so
-the next call meets the chief's next one.
+the next call meets the chief's next one. (A chief that makes that call later still leaves its
+news: the worker's next call reads it and fails once more, and the two are in step after.)
 """
 
 from __future__ import annotations
@@ -157,14 +158,20 @@ def publish_sharded(
     metadata = checked_metadata(metadata)  # on every worker, so that all of them refuse it alike
     rank, world = _place(strategy)
     sources = _segments(variables)
-    share = plan(list(sources), world)[rank]
     outline = _outline(sources)
     target = folder_for(folder, storage_options)
     channel = _Channel(target, step, world)
+    try:  # now, where the caller put the call (between training steps), not once the chief is heard
+        pieces = _read(sources, plan(list(sources), world)[rank])
+    except Exception as exc:  # the others would wait out their timeouts for this rank
+        if rank == 0:
+            channel.tell("attempt", {"error": f"{type(exc).__name__}: {exc}"})
+        else:
+            channel.give_up(rank, f"{type(exc).__name__}: {exc}")
+        raise
     if rank == 0:
-        return _as_chief(channel, target, _read(sources, share), outline, world, timeout, keep, metadata,
-                         storage_options)
-    return _as_worker(channel, target, sources, share, outline, rank, world, timeout, storage_options)
+        return _as_chief(channel, target, pieces, outline, world, timeout, keep, metadata, storage_options)
+    return _as_worker(channel, target, pieces, outline, rank, world, timeout, storage_options)
 
 
 def _as_chief(channel: _Channel, target: Folder, pieces: dict[str, list[Piece]], outline: dict[str, list[Any]],
@@ -198,12 +205,12 @@ def _as_chief(channel: _Channel, target: Folder, pieces: dict[str, list[Piece]],
     return version
 
 
-def _as_worker(channel: _Channel, target: Folder, sources: dict[Segment, Any], share: list[tuple[Segment, int, int]],
-               outline: dict[str, list[Any]], rank: int, world: int, timeout: float,
-               storage_options: Mapping[str, Any] | None) -> Version:
+def _as_worker(channel: _Channel, target: Folder, pieces: dict[str, list[Piece]], outline: dict[str, list[Any]],
+               rank: int, world: int, timeout: float, storage_options: Mapping[str, Any] | None) -> Version:
     news = channel.hear("attempt", timeout + _NEWS_GRACE, "the attempt")
     heard = time.monotonic()
     if news.get("world") != world:
+        channel.give_up(rank, f"it writes for {world} ranks, the chief for {news.get('world')}")
         raise PublishError(f"the chief writes for {news.get('world')} ranks, this worker for {world}",
                            path=target.where)
     if news.get("plan") != _digest(outline):  # its share would not be the one the chief counts on
@@ -212,7 +219,7 @@ def _as_worker(channel: _Channel, target: Folder, sources: dict[Segment, Any], s
         raise PublishError("this worker's plan (the keys, dtypes and shapes it publishes) differs from the chief's",
                            path=target.where)
     try:
-        publish_shard(target.where, _read(sources, share), step=channel.step, rank=rank, world=world,
+        publish_shard(target.where, pieces, step=channel.step, rank=rank, world=world,
                       attempt=int(news["attempt"]), storage_options=storage_options)
     except Exception as exc:  # the chief would otherwise wait out its timeout for this member
         channel.give_up(rank, f"{type(exc).__name__}: {exc}")
@@ -247,12 +254,22 @@ class _Channel:
 
     def tell(self, what: str, news: Mapping[str, Any]) -> None:
         self.met()
-        if not self.alone:
+        if self.alone:
+            return
+        try:
             context.context().set_config_key_value(f"{self.prefix}/{what}", json.dumps(news))
+        except tf.errors.AlreadyExistsError:
+            raise PublishError(f"another publish_sharded of step {self.step} to this folder is running in this "
+                               "process; publish each step once, from one thread", path=self.where) from None
+        except tf.errors.OpError as exc:
+            raise PublishError(f"lost TensorFlow's coordination service telling the workers: {exc.message}",
+                               path=self.where) from None
 
     def give_up(self, rank: int, why: str, outline: dict[str, list[Any]] | None = None) -> None:
         """Tell the chief that ``rank`` writes nothing, and why (with its plan's outline, if that
-        is why); the first worker to say so is heard."""
+        is why); the first worker to say so is heard. The chief makes this call, so it counts as
+        one that met it."""
+        self.met()
         news = {"rank": rank, "why": why, **({} if outline is None else {"outline": outline})}
         with contextlib.suppress(tf.errors.OpError):  # another worker's word is there already
             context.context().set_config_key_value(f"{self.prefix}/gave-up", json.dumps(news))
@@ -262,9 +279,9 @@ class _Channel:
         plan that differs from the chief's ``outline`` is told key by key."""
         if self.alone:
             return {}
-        try:
+        try:  # a look of a millisecond: a word missed now is read at the next look
             news = json.loads(context.context().get_config_key_value(f"{self.prefix}/gave-up", 1))
-        except tf.errors.DeadlineExceededError:
+        except tf.errors.OpError:  # none yet, or the service is failing: the members' timeout decides
             return {}
         rank = int(news["rank"])
         if "outline" in news:
