@@ -5,8 +5,11 @@ FSDP2's ``fully_shard`` make of parameters) holds on each rank one box of its gl
 :func:`local_region` says which, as PyTorch's own checkpointing computes it (the local shape
 and global offset of its placements on its mesh). Publishing writes each box once: of ranks
 holding the same box (a placement ``Replicate`` on some mesh axis), only the one at coordinate
-0 of those axes writes it (:func:`writes_local`), and of copies of a submesh along the root
-mesh's other axes, the one at coordinate 0. A plain tensor that every rank holds whole
+0 of those axes writes it (:func:`writes_local`). A DTensor on a submesh (FSDP2 over
+``mesh["dp"]`` of a (dp, tp) mesh, on a layer tensor parallelism leaves alone) cannot tell its
+copies along the root mesh's other axes from pipeline stages holding other layers, so each copy
+writes its shard, and the commit keeps one of a part written alike (refusing copies that
+differ). A plain tensor that every rank holds whole
 is split by rows between the ranks (:func:`weightstore.shards.split_rows`), so each writes a share and none
 sends a byte to another. Assigning reads for a DTensor only its local box.
 """
@@ -67,16 +70,9 @@ def local_tensor(tensor: Any) -> torch.Tensor:
 def writes_local(tensor: Any) -> bool:
     """Whether this rank writes its shard of a DTensor: among the ranks holding the same box
     (those differing only along mesh axes where it is replicated), the one at coordinate 0;
-    and only a shard that holds elements, unless the whole tensor is empty.
-
-    A DTensor on a submesh (``mesh["dp"]`` of a (dp, tp) mesh: FSDP2 over a layer that tensor
-    parallelism leaves alone) is held alike by every copy of that submesh along the root
-    mesh's other axes; only the copy at coordinate 0 on those axes writes, the one holding the
-    root mesh's first rank, as PyTorch's checkpointing keeps one of them."""
-    mesh = tensor.device_mesh
-    coordinate = mesh.get_coordinate()
+    and only a shard that holds elements, unless the whole tensor is empty."""
+    coordinate = tensor.device_mesh.get_coordinate()
     if coordinate is None or (tensor.numel() and not tensor.to_local().numel()):  # not on the mesh, or no rows left
         return False
-    root = mesh._get_root_mesh()
-    return bool((mesh.mesh == root.mesh.reshape(-1)[0]).any()) and all(
-        at == 0 for at, placement in zip(coordinate, tensor.placements, strict=True) if placement.is_replicate())
+    return all(at == 0 for at, placement in zip(coordinate, tensor.placements, strict=True)
+               if placement.is_replicate())

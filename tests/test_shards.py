@@ -202,13 +202,26 @@ def test_pieces_that_do_not_tile_are_refused_naming_the_key(tmp_path, case, word
     assert ws.latest(folder).step == 1 and not (folder / "step-000000000002.wsindex").exists()
 
 
-def test_the_same_part_written_by_two_ranks_is_refused_as_replicas_naming_both(tmp_path):
+def test_the_same_part_written_by_two_ranks_is_kept_once_and_diverged_replicas_refused(tmp_path):
+    """Replicas that cannot tell which of them writes each write the part (FSDP2 over a layer
+    tensor parallelism leaves alone); the index keeps one. The same part with other values is
+    refused naming both ranks, and a part that overlaps another without being it names them too."""
     a = np.arange(12, dtype=np.float32).reshape(6, 2)
     for rank in range(2):  # each rank holds the tensor whole, and writes it whole
-        ws.publish_shard(tmp_path, {"w": a}, step=1, rank=rank, world=2, attempt=0)
-    with pytest.raises(ws.PublishError, match=r"overlap: at \[0, 0\] \(rank 0\) and \[0, 0\] \(rank 1\); the same "
-                                              "part twice: ranks holding replicas of it each wrote it"):
-        shards.commit_shards(tmp_path, step=1, world=2, attempt=0, timeout=5)
+        ws.publish_shard(tmp_path / "same", {"w": a, "b": np.ones(2)}, step=1, rank=rank, world=2, attempt=0)
+    version = shards.commit_shards(tmp_path / "same", step=1, world=2, attempt=0, timeout=5)
+    assert np.array_equal(ws.load(version)["w"], a)
+    with ws.open(version) as store:
+        assert store.read_region("w", (slice(2, 4),)).tolist() == a[2:4].tolist()
+    for rank, value in enumerate((a, a + 1)):
+        ws.publish_shard(tmp_path / "diverged", {"w": value}, step=1, rank=rank, world=2, attempt=0)
+    with pytest.raises(ws.PublishError, match=r"ranks 0 and 1 wrote the part at \[0, 0\] with different values"):
+        shards.commit_shards(tmp_path / "diverged", step=1, world=2, attempt=0, timeout=5)
+    for rank, start in enumerate((0, 2)):
+        ws.publish_shard(tmp_path / "overlap", {"w": ws.Piece(a[start:start + 4], (start, 0), a.shape)}, step=1,
+                         rank=rank, world=2, attempt=0)
+    with pytest.raises(ws.PublishError, match=r"overlap: at \[0, 0\] \(rank 0\) and \[2, 0\] \(rank 1\)"):
+        shards.commit_shards(tmp_path / "overlap", step=1, world=2, attempt=0, timeout=5)
 
 
 def test_bad_pieces_are_refused_before_anything_is_written(tmp_path):

@@ -135,8 +135,10 @@ def test_export_pieces_of_plain_tensors_splits_rows_between_ranks():
     assert [part["bias"][0].shape for part in halves] == [(5,), (5,)]
 
 
-#: one of two ranks on a (dp=1, tp=2) mesh: the first Linear tensor parallel over "tp", the
-#: second, outside the plan, sharded by FSDP2 over "dp" alone, so both tp ranks hold its shard
+#: one of two ranks. "tp": a (dp=1, tp=2) mesh, the first Linear tensor parallel over "tp", the
+#: second, outside the plan, sharded by FSDP2 over "dp" alone, so both tp ranks hold its shard.
+#: "pp": a (pp=2, dp=1) mesh, each rank a pipeline stage of one Linear, sharded over its "dp":
+#: the same kind of DTensor, holding another layer on each rank.
 TWO_D = textwrap.dedent("""
     import sys
 
@@ -150,12 +152,18 @@ TWO_D = textwrap.dedent("""
     import weightstore as ws
     from weightstore.adapters import torch as wt
 
-    folder, rank, port = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    folder, rank, port, layout = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(1)
-    model = parallelize_module(nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 4)), mesh["tp"], {"0": ColwiseParallel()})
-    fully_shard(model[1], mesh=mesh["dp"])
+    model = nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 4))
+    if layout == "tp":
+        mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+        model = parallelize_module(model, mesh["tp"], {"0": ColwiseParallel()})
+        fully_shard(model[1], mesh=mesh["dp"])
+    else:
+        mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("pp", "dp"))
+        model[1 - rank] = nn.Identity()  # this rank's stage keeps its layer's name
+        fully_shard(model[rank], mesh=mesh["dp"])
     ws.publish_shard(folder, wt.export_pieces(model), step=1, attempt=0)
     dist.barrier()
     if rank == 0:
@@ -164,10 +172,14 @@ TWO_D = textwrap.dedent("""
 """)
 
 
-def test_a_dtensor_on_a_submesh_is_written_once_across_the_root_mesh_axes_it_leaves_out(tmp_path):
+@pytest.mark.parametrize("layout", ["tp", "pp"])
+def test_a_dtensor_on_a_submesh_is_published_whole_once(tmp_path, layout):
+    """Tensor parallelism's copies of a submesh hold one shard alike (written by each, kept once);
+    pipeline stages on one hold other layers (each must be written: a rule keeping one copy of
+    the submesh left every stage but the first out of the version)."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    ranks = run_together([[sys.executable, "-c", TWO_D, str(tmp_path / "run"), str(rank), str(port)]
+    ranks = run_together([[sys.executable, "-c", TWO_D, str(tmp_path / "run"), str(rank), str(port), layout]
                           for rank in range(2)], [env] * 2, timeout=120)
     for rank in ranks:
         assert rank.returncode == 0, (rank.stdout + rank.stderr)[-3000:]

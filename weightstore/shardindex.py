@@ -453,10 +453,8 @@ def _check_no_overlap(key: str, entry: TensorEntry, members: Sequence[Member], e
         if hits.any():
             j = i + 1 + int(np.argmax(hits))
             ranks = [members[pieces[order[at]].member].rank for at in (i, j)]
-            same = np.array_equal(starts[i], starts[j]) and np.array_equal(ends[i], ends[j])
             raise error(f"has pieces that overlap: at {starts[i].tolist()} (rank {ranks[0]}) and {starts[j].tolist()} "
-                        f"(rank {ranks[1]})" + ("; the same part twice: ranks holding replicas of it each wrote it, "
-                                                "where one of them must" if same else ""), key=key)
+                        f"(rank {ranks[1]})", key=key)
 
 
 def _sweep(starts: np.ndarray, ends: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

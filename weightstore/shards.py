@@ -543,6 +543,26 @@ def _wait_for_ranks(members: Folder, world: int, timeout: float, failures: Calla
         pause = min(pause * 2, _POLL)
 
 
+def _once(key: str, piece: PieceEntry, boxes: dict[tuple[str, tuple[int, ...], tuple[int, ...]], PieceEntry]
+          ) -> PieceEntry | None:
+    """``piece``, or ``None`` where a rank before wrote the same part with the same bytes.
+
+    Replicas that cannot tell which of them writes (a DTensor on a submesh, held alike by each
+    copy of it along the mesh's other axes: FSDP2 over a layer tensor parallelism leaves
+    alone) each write it; the index keeps the first. The same part with other bytes is a
+    replica that diverged, refused rather than either copy taken.
+    """
+    box = (key, piece.start, piece.shape)
+    first = boxes.setdefault(box, piece)
+    if first is piece:
+        return piece
+    if first.digest != piece.digest:
+        raise PublishError(f"ranks {first.member} and {piece.member} wrote the part at {list(piece.start)} with "
+                           "different values: replicas of it diverged (a buffer DDP does not broadcast, a value "
+                           "set on one rank)", key=key)
+    return None
+
+
 def _merged(records: list[DoneRecord], step: int, attempt: int, world: int, metadata: dict[str, Any]) -> ShardIndex:
     """The index of the version the done-records describe; pieces checked key by key."""
     members = []
@@ -553,9 +573,11 @@ def _merged(records: list[DoneRecord], step: int, attempt: int, world: int, meta
         members.append(Member(f"{attempt_folder(step, attempt)}/{record.member.file}", record.member.size, rank))
     tensors: dict[str, TensorEntry] = {}
     owners: dict[str, int] = {}
+    boxes: dict[tuple[str, tuple[int, ...], tuple[int, ...]], PieceEntry] = {}
     for rank, record in enumerate(records):
         for key, entry in record.tensors.items():
-            pieces = tuple(dataclasses.replace(p, member=rank) for p in entry.pieces)
+            pieces = tuple(piece for p in entry.pieces
+                           if (piece := _once(key, dataclasses.replace(p, member=rank), boxes)) is not None)
             known = tensors.get(key)
             if known is None:
                 tensors[key], owners[key] = TensorEntry(entry.dtype, entry.shape, pieces), rank
