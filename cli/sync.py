@@ -13,7 +13,6 @@ from typing import Annotated
 import typer
 
 from weightstore.cli.render import emit, human_bytes, settings
-from weightstore.io.location import location_of
 from weightstore.versions import DEFAULT_POLL
 
 
@@ -94,13 +93,14 @@ def follow(
     Example:
       ws follow s3://bucket/run --after 1000 --timeout 600
     """
+    from weightstore.versions import check_notifications, require_folder, versions_folder
     from weightstore.versions import follow as follow_versions
-    from weightstore.versions import require_folder
 
     as_json = settings.json = settings.json or as_json  # so a failure is reported as JSON too
-    if notifications is not None and not location_of(folder).remote:
-        raise typer.BadParameter(f"{folder} is local, and only an object-storage folder (s3://...) sends "
-                                 "notifications; --poll sets how often LATEST is read", param_hint="--notifications")
+    try:
+        check_notifications(versions_folder(folder), notifications)
+    except ValueError as exc:  # a usage error, as --poll's range is
+        raise typer.BadParameter(str(exc), param_hint="--notifications") from None
     _refuse_serving_base(folder)  # numbered SavedModel folders are never ws.publish's
     if not wait:
         require_folder(folder, hint="pass --wait to wait for it to appear")

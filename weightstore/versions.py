@@ -548,10 +548,8 @@ class PointerWatch:
         #: the step of the version the last look found damaged (its file does not open), if it did
         self.unreadable: int | None = None
         self.wake = None
+        check_notifications(source, notifications)
         if notifications is not None:
-            if isinstance(source, LocalFolder):  # no bucket sends its events: the queue would stay silent
-                raise ValueError(f"notifications= wakes followers of an object-storage folder (s3://...), and "
-                                 f"{source.where} is local: drop it, and poll= sets how often LATEST is read")
             from weightstore.notify import QueueWake
 
             self.wake = QueueWake(notifications, urllib.parse.urlsplit(source.url(LATEST)).path.lstrip("/"))
@@ -665,6 +663,14 @@ def version_listing(folder: Any, *, storage_options: Mapping[str, Any] | None = 
     return [VersionEntry(step, entry.name, source.url(entry.name), entry.size, entry.modified, entry.name == named,
                          *_sharded_sizes(source, entry.name))
             for step, entry in _versions(source)], damage
+
+
+def check_notifications(source: Folder, notifications: str | None) -> None:
+    """Refuse ``notifications`` for a local folder: no bucket sends its events, so the queue
+    would stay silent while the option seemed to work."""
+    if notifications is not None and isinstance(source, LocalFolder):
+        raise ValueError(f"notifications= wakes followers of an object-storage folder (s3://...), and "
+                         f"{source.where} is local: drop it, and poll= sets how often LATEST is read")
 
 
 def versions_folder(folder: Any, storage_options: Mapping[str, Any] | None = None) -> Folder:
