@@ -39,7 +39,8 @@ from weightstore.errors import AssignmentError, FormatError, WeightStoreError
 from weightstore.formats.renamed import RenamedReader
 from weightstore.formats.tf_checkpoint import CheckpointReader, resolve_prefix
 
-__all__ = ["ModelKeyedStore", "open_artifact", "is_model_file", "for_model", "keras_file_names"]
+__all__ = ["ModelKeyedStore", "open_artifact", "is_model_file", "for_model", "keras_file_names", "is_keras_file",
+           "lora_factors"]
 
 _KERAS_SUFFIXES = (".keras", ".weights.h5")
 _NEAR_ROOT = 2  # edges from the checkpoint's root within which the model's own node is looked for
@@ -52,7 +53,12 @@ def open_artifact(path: Any) -> weightstore.Store:
 
 def is_model_file(path: Any) -> bool:
     """Whether ``path`` is a Keras file or a TF2 object checkpoint, whose keys need the model's structure."""
-    return isinstance(path, (str, os.PathLike)) and (_is_keras(os.fspath(path)) or _object_graph(path) is not None)
+    return is_keras_file(path) or (isinstance(path, (str, os.PathLike)) and _object_graph(path) is not None)
+
+
+def is_keras_file(path: Any) -> bool:
+    """Whether ``path`` names a Keras file (``.keras``, ``.weights.h5``)."""
+    return isinstance(path, (str, os.PathLike)) and _is_keras(os.fspath(path))
 
 
 def for_model(model: Any, path: Any, model_keys: Mapping[str, Any], *, optimizer: bool = False) -> weightstore.Store:
@@ -137,6 +143,7 @@ def keras_file_names(model: Any, file_keys: list[str], by_variable: Mapping[int,
 
 def _keras_paths(model: Any) -> dict[str, Any]:
     """File key -> variable for what ``model.save_weights`` would write, without writing anything."""
+    import keras
     from keras.src.saving import saving_lib
 
     class Recorder(saving_lib.NpzIOStore):  # ``_save_state`` accepts only Keras's own store types
@@ -164,7 +171,40 @@ def _keras_paths(model: Any) -> dict[str, Any]:
             key = f"{path}/vars/{attribute}".lstrip("/")
             if key in paths:  # where Keras saved one of that name
                 paths[key] = variable
+    # a LoRA layer saves its merged kernel, a tensor computed at save time, where its kernel goes:
+    # Keras's loader writes it into the base kernel (and zeroes the factors: lora_factors)
+    merged = {layer.name: base for layer in layers
+              if counts[layer.name] == 1 and (base := _lora_base(layer)) is not None}
+    for path, name in recorder.names.items():
+        base = merged.get(name)
+        for key in [key for key, value in paths.items() if base is not None and key.rpartition("/vars/")[0] == path
+                    and not isinstance(value, keras.Variable) and tuple(value.shape) == tuple(base.shape)]:
+            paths[key] = base
     return paths
+
+
+def _lora_base(layer: Any) -> Any:
+    """The variable a LoRA-enabled layer's factors add to (Dense's, EinsumDense's and a
+    convolution's ``_kernel``, Embedding's ``_embeddings``), or None."""
+    if not getattr(layer, "lora_enabled", False):
+        return None
+    base = getattr(layer, "_kernel", None)
+    return base if base is not None else getattr(layer, "_embeddings", None)
+
+
+def lora_factors(model: Any) -> dict[int, Any]:
+    """id of each LoRA factor variable of ``model``'s LoRA-enabled layers -> the base variable
+    it adds to. A Keras file holds the merged kernel and no factors; loading it, Keras writes the
+    kernel and zeroes the factors, so the model computes what the file holds."""
+    import keras
+
+    factors = {}
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        base = _lora_base(layer)
+        if base is not None:
+            factors.update({id(value): base for name, value in vars(layer).items()
+                            if name.startswith("lora_") and isinstance(value, keras.Variable)})
+    return factors
 
 
 def _saved_at(layer: Any) -> dict[str, Any]:

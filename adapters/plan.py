@@ -604,8 +604,9 @@ def plan_assign(
                      scope_problem=_no_such_scope(norm_scope, targets) if empty else ""),
             missing=report.missing, unexpected=report.unexpected, mismatched=report.mismatched, path=values.path,
         )
-    warning = (_few_assigned(values.where, len(pairs), chosen, value_keys, renamed, report.mismatched)
-               if len(pairs) * 2 < len(chosen)
+    required = {key: info for key, info in chosen.items() if not (optional and optional(key) and key not in pairs)}
+    warning = (_few_assigned(values.where, len(pairs), required, value_keys, renamed, report.mismatched)
+               if len(pairs) * 2 < len(required)
                else "")
     return Plan(pairs, report, warning)
 

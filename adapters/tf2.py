@@ -78,7 +78,14 @@ with needs("tf", __name__):
     from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable
 
 import weightstore
-from weightstore.adapters.artifacts import for_model, is_model_file, keras_file_names, saved_outside_weights
+from weightstore.adapters.artifacts import (
+    for_model,
+    is_keras_file,
+    is_model_file,
+    keras_file_names,
+    lora_factors,
+    saved_outside_weights,
+)
 from weightstore.adapters.plan import (
     MEMORY,
     AssignOptions,
@@ -206,6 +213,8 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
         return [key for key, _ in batch]
 
     tied = _tied(found)  # a value under either key of a variable is its value: a file may hold one or both
+    # a Keras file holds a LoRA layer's merged kernel and no factors, which its loader zeroes
+    lora = _lora_keys(obj, found) if is_keras_file(weights) else {}
 
     def plan(values: Any, options: AssignOptions) -> tuple[Plan, Any]:
         view = (_keras_layout_renamed(values, obj, found, options, optimizer)
@@ -214,7 +223,7 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
         value_keys, scope = view.keys(), normalize_scope(options.scope)  # a ValueSource: keys(), not iteration
         left_out = () if optimizer else [key for key in value_keys if _OPTIMIZER_KEY.fullmatch(key)
                                          and join_scope(scope, key) not in targets]
-        planned = plan_assign(view, targets, options, left_out=left_out, tied=tied)
+        planned = plan_assign(view, targets, options, left_out=left_out, tied=tied, optional=lora.__contains__)
         settle_tied(planned, view, targets, tied, strict=options.strict)
         return planned, view
 
@@ -224,7 +233,9 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
             return run_assign(target, weights, options)
         with for_model(_part_at(obj, at), weights, {strip_scope(key, at): var for key, (var, _) in found.items()
                                                      if in_scope(key, at) and key != at}, optimizer=optimizer) as paired:
-            return run_assign(target, paired, options, skip_for=weights)
+            report = run_assign(target, paired, options, skip_for=weights)
+        _zero_lora_factors(lora, found, written)
+        return report
     finally:  # after a partial failure too: the layers hold what their variables now hold
         _finalize(obj, written)
 
@@ -399,6 +410,25 @@ def _old_keys_renamed(values: Any, aliases: Mapping[str, str], targets: Mapping[
         if full not in targets and new is not None and new not in present and in_scope(new, at) and new != at:
             renames[key] = strip_scope(new, at)
     return RenamedValues(values, renames) if renames else values
+
+
+def _lora_keys(obj: Any, found: Mapping[str, tuple[Variable, bool]]) -> dict[str, Variable]:
+    """Key of each LoRA factor among ``found`` -> the base variable it adds to."""
+    if not isinstance(obj, keras.layers.Layer):
+        return {}
+    factors = lora_factors(obj)
+    return {key: factors[id(var)] for key, (var, _) in found.items() if id(var) in factors}
+
+
+def _zero_lora_factors(lora: Mapping[str, Variable], found: Mapping[str, tuple[Variable, bool]],
+                       written: set[int]) -> None:
+    """Zero the LoRA factors a Keras file left without values where it wrote their base kernel,
+    as Keras's loader does: the kernel it wrote is the merged one, so the factors must add nothing."""
+    for key, base in lora.items():
+        factor = found[key][0]
+        if id(base) in written and id(factor) not in written:
+            factor.assign(tf.zeros(factor.shape, factor.dtype))
+            written.add(id(factor))
 
 
 def _finalize(obj: Any, written: set[int]) -> None:

@@ -568,3 +568,44 @@ def test_layers_in_a_python_list_are_missing_from_a_tf2_checkpoint_and_the_messa
             "tf.train.Checkpoint does not), so no TF2 checkpoint of this model has a node for them; save it with "
             "model.save_weights, whose file holds them, or keep those layers in attributes of their own"
             ) in str(caught.value)
+
+
+# --- LoRA: a Keras file holds the merged kernel, its loader zeroes the factors ---------------
+
+def lora_model(enabled: bool = True):
+    inputs = keras.Input((4,), dtype="int32")
+    x = keras.layers.Embedding(10, 6, name="embed")(inputs)
+    x = keras.layers.Conv1D(5, 2, name="conv")(x)
+    x = keras.layers.EinsumDense("abc,cd->abd", output_shape=(3, 3), name="einsum")(x)
+    model = keras.Model(inputs, keras.layers.Dense(2, name="head")(keras.layers.Flatten()(x)))
+    if enabled:
+        for name in ("embed", "conv", "einsum", "head"):
+            model.get_layer(name).enable_lora(2)
+    return model
+
+
+@pytest.mark.filterwarnings("error::weightstore.adapters.plan.AssignWarning")  # the factors are no file's
+@pytest.mark.parametrize("suffix", [".weights.h5", ".keras"])
+def test_a_lora_models_keras_file_assigns_as_load_weights_restores_it(suffix, tmp_path):
+    """The file holds each LoRA layer's merged kernel (a tensor computed when saved) and no
+    factors: it was refused as 'unexpected' and 'missing'. Keras's loader writes the merged
+    kernel and zeroes the factors; so does an assign, and the predictions are the same."""
+    tokens = np.random.default_rng(0).integers(0, 10, (3, 4))
+    saved = lora_model()
+    for var in saved.weights:  # factors that add something, as after fine-tuning
+        var.assign(np.random.default_rng(len(var.path)).normal(size=var.shape).astype("float32"))
+    path = str(tmp_path / f"m{suffix}")
+    saved.save(path) if suffix == ".keras" else saved.save_weights(path)
+    expected = keras_loaded(lora_model, path)
+    for target in (lora_model(), lora_model(enabled=False)):
+        assert tf2.assign(target, path).ok
+        np.testing.assert_allclose(target(tokens), saved(tokens), rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(target(tokens), expected(tokens))
+    assigned = lora_model()
+    tf2.assign(assigned, path)
+    factors = {key: value for key, value in tf2.export(assigned).items() if "/lora_" in key}
+    assert len(factors) == 8 and not any(value.any() for value in factors.values())  # as load_weights leaves them
+    ws.save(tmp_path / "m.npz", tf2.export(saved))  # an export holds the factors: they travel as they are
+    via_npz = lora_model()
+    tf2.assign(via_npz, tmp_path / "m.npz")
+    np.testing.assert_array_equal(via_npz(tokens), saved(tokens))
