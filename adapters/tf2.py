@@ -213,28 +213,36 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
         return [key for key, _ in batch]
 
     tied = _tied(found)  # a value under either key of a variable is its value: a file may hold one or both
-    # a Keras file holds a LoRA layer's merged kernel and no factors, which its loader zeroes
-    lora = _lora_keys(obj, found) if is_keras_file(weights) else {}
+    # a Keras file (or a store keyed as one) holds a LoRA layer's merged kernel and no factors,
+    # which its loader zeroes
+    lora = _lora_keys(obj, found)
+    keras_keyed = [is_keras_file(weights)]  # or found so by the plan
 
     def plan(values: Any, options: AssignOptions) -> tuple[Plan, Any]:
-        view = (_keras_layout_renamed(values, obj, found, options, optimizer)
+        keras_view = _keras_layout_renamed(values, obj, found, options, optimizer)
+        keras_keyed[0] = keras_keyed[0] or keras_view is not None
+        view = (keras_view
                 or _whole_keys_renamed(values, rekey, targets, options)
                 or _old_keys_renamed(values, aliases, targets, options))
         value_keys, scope = view.keys(), normalize_scope(options.scope)  # a ValueSource: keys(), not iteration
         left_out = () if optimizer else [key for key in value_keys if _OPTIMIZER_KEY.fullmatch(key)
                                          and join_scope(scope, key) not in targets]
-        planned = plan_assign(view, targets, options, left_out=left_out, tied=tied, optional=lora.__contains__)
+        planned = plan_assign(view, targets, options, left_out=left_out, tied=tied,
+                              optional=lora.__contains__ if keras_keyed[0] else None)
         settle_tied(planned, view, targets, tied, strict=options.strict)
         return planned, view
 
     target = Target(targets, write, slot=lambda key: (found[key][0], ""), plan=plan, batched=True)
     try:
         if not _structured(obj, weights):
-            return run_assign(target, weights, options)
-        with for_model(_part_at(obj, at), weights, {strip_scope(key, at): var for key, (var, _) in found.items()
-                                                     if in_scope(key, at) and key != at}, optimizer=optimizer) as paired:
-            report = run_assign(target, paired, options, skip_for=weights)
-        _zero_lora_factors(lora, found, written)
+            report = run_assign(target, weights, options)
+        else:
+            with for_model(_part_at(obj, at), weights, {strip_scope(key, at): var for key, (var, _) in found.items()
+                                                         if in_scope(key, at) and key != at},
+                           optimizer=optimizer) as paired:
+                report = run_assign(target, paired, options, skip_for=weights)
+        if keras_keyed[0]:
+            _zero_lora_factors(lora, found, written)
         return report
     finally:  # after a partial failure too: the layers hold what their variables now hold
         _finalize(obj, written)

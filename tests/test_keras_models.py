@@ -605,6 +605,11 @@ def test_a_lora_models_keras_file_assigns_as_load_weights_restores_it(suffix, tm
     tf2.assign(assigned, path)
     factors = {key: value for key, value in tf2.export(assigned).items() if "/lora_" in key}
     assert len(factors) == 8 and not any(value.any() for value in factors.values())  # as load_weights leaves them
+    keyed_as_the_file = tmp_path / "keyed.npz"  # what `ws export m.weights.h5` writes without a model
+    ws.save(keyed_as_the_file, ws.load(path))
+    from_keyed = lora_model()
+    assert tf2.assign(from_keyed, keyed_as_the_file).ok
+    np.testing.assert_array_equal(from_keyed(tokens), expected(tokens))
     ws.save(tmp_path / "m.npz", tf2.export(saved))  # an export holds the factors: they travel as they are
     via_npz = lora_model()
     tf2.assign(via_npz, tmp_path / "m.npz")
