@@ -29,6 +29,7 @@ the model's optimizer does not reach keep their names as well: an optimizer of a
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import Counter
 from collections.abc import Iterator, Mapping
@@ -143,7 +144,6 @@ def keras_file_names(model: Any, file_keys: list[str], by_variable: Mapping[int,
 
 def _keras_paths(model: Any) -> dict[str, Any]:
     """File key -> variable for what ``model.save_weights`` would write, without writing anything."""
-    import keras
     from keras.src.saving import saving_lib
 
     class Recorder(saving_lib.NpzIOStore):  # ``_save_state`` accepts only Keras's own store types
@@ -157,13 +157,19 @@ def _keras_paths(model: Any) -> dict[str, Any]:
             return self.entries.setdefault(path, {})
 
     recorder = Recorder()
-    saving_lib._save_state(model, weights_store=recorder, assets_store=None, inner_path="",
-                           visited_saveables=set())
+    layers = list(model._flatten_layers(include_self=True, recursive=True))
+    with _noting_lora_layers(layers) as lora_at:  # id of a store -> the LoRA layer that filled it
+        saving_lib._save_state(model, weights_store=recorder, assets_store=None, inner_path="",
+                               visited_saveables=set())
     paths = {f"{path}/vars/{name}".lstrip("/"): variable
              for path, entry in recorder.entries.items() for name, variable in entry.items()}
+    for path, entry in recorder.entries.items():
+        layer = lora_at.get(id(entry))
+        if layer is not None:
+            paths.update({f"{path}/vars/{name}".lstrip("/"): variable
+                          for name, variable in _merged_into(layer, entry).items()})
     # a variable outside the weights is saved as a copy of its value: found again by its layer's
     # name (which the walk passes along), where that name is the model's only layer of it
-    layers = list(model._flatten_layers(include_self=True, recursive=True))
     counts = Counter(layer.name for layer in layers)
     outside = {layer.name: saved for layer in layers if counts[layer.name] == 1 and (saved := _saved_at(layer))}
     for path, name in recorder.names.items():
@@ -171,16 +177,49 @@ def _keras_paths(model: Any) -> dict[str, Any]:
             key = f"{path}/vars/{attribute}".lstrip("/")
             if key in paths:  # where Keras saved one of that name
                 paths[key] = variable
-    # a LoRA layer saves its merged kernel, a tensor computed at save time, where its kernel goes:
-    # Keras's loader writes it into the base kernel (and zeroes the factors: lora_factors)
-    merged = {layer.name: base for layer in layers
-              if counts[layer.name] == 1 and (base := _lora_base(layer)) is not None}
-    for path, name in recorder.names.items():
-        base = merged.get(name)
-        for key in [key for key, value in paths.items() if base is not None and key.rpartition("/vars/")[0] == path
-                    and not isinstance(value, keras.Variable) and tuple(value.shape) == tuple(base.shape)]:
-            paths[key] = base
     return paths
+
+
+@contextlib.contextmanager
+def _noting_lora_layers(layers: list[Any]) -> Iterator[dict[int, Any]]:
+    """While Keras's save walk runs, which store each LoRA-enabled layer of ``layers`` fills (by
+    the store's id): the walk names a store by path only, and names repeat across an ensemble."""
+    filled: dict[int, Any] = {}
+    noted = [layer for layer in layers if _lora_base(layer) is not None]
+    for layer in noted:
+        def save_own_variables(store: Any, layer: Any = layer, own: Any = layer.save_own_variables) -> None:
+            own(store)
+            filled[id(store)] = layer
+
+        object.__setattr__(layer, "save_own_variables", save_own_variables)  # past Keras's attribute tracking
+    try:
+        yield filled
+    finally:
+        for layer in noted:
+            object.__delattr__(layer, "save_own_variables")
+
+
+def _merged_into(layer: Any, saved: dict[str, Any]) -> dict[str, Any]:
+    """The variables a LoRA layer's saved tensors go into, by the tensors' names.
+
+    A LoRA layer saves its merged kernel (and a quantized one its merged scale), tensors
+    computed at save time, where those variables go; Keras's loader writes them there (and
+    zeroes the factors: :func:`lora_factors`). Each is the one variable of its shape and dtype
+    that the layer saves no other way.
+    """
+    import keras
+
+    factors = lora_factors(layer)
+    saved_ids = {id(value) for value in saved.values()}
+    free = [var for var in layer.weights if id(var) not in factors and id(var) not in saved_ids]
+    merged = {}
+    for name, value in saved.items():
+        if isinstance(value, keras.Variable):
+            continue
+        alike = [var for var in free if tuple(var.shape) == tuple(value.shape) and var.dtype == value.dtype]
+        if len(alike) == 1:
+            merged[name] = alike[0]
+    return merged
 
 
 def _lora_base(layer: Any) -> Any:

@@ -242,7 +242,7 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
                            optimizer=optimizer) as paired:
                 report = run_assign(target, paired, options, skip_for=weights)
         if keras_keyed[0]:
-            _zero_lora_factors(lora, found, written)
+            _zero_lora_factors(lora, found, written, report, options)
         return report
     finally:  # after a partial failure too: the layers hold what their variables now hold
         _finalize(obj, written)
@@ -429,14 +429,22 @@ def _lora_keys(obj: Any, found: Mapping[str, tuple[Variable, bool]]) -> dict[str
 
 
 def _zero_lora_factors(lora: Mapping[str, Variable], found: Mapping[str, tuple[Variable, bool]],
-                       written: set[int]) -> None:
-    """Zero the LoRA factors a Keras file left without values where it wrote their base kernel,
-    as Keras's loader does: the kernel it wrote is the merged one, so the factors must add nothing."""
+                       written: set[int], report: Report, options: AssignOptions) -> None:
+    """Zero the LoRA factors a Keras file left without values, where it paired their base kernel,
+    as Keras's loader does: the kernel it holds is the merged one, so the factors must add
+    nothing. Only factors the assign selected (``exclude="*/lora_*"`` keeps an adapter's); each
+    is listed as assigned, and hot reload's memory of it forgotten."""
+    at = normalize_scope(options.scope)
+    key_of = {id(var): key for key, (var, _) in found.items()}
+    paired = {*report.assigned, *report.skipped}
     for key, base in lora.items():
-        factor = found[key][0]
-        if id(base) in written and id(factor) not in written:
+        selected = in_scope(key, at) and passes(strip_scope(key, at), options.include, options.exclude)
+        if selected and key_of.get(id(base)) in paired and key not in paired:
+            factor = found[key][0]
             factor.assign(tf.zeros(factor.shape, factor.dtype))
+            MEMORY.forget(factor)
             written.add(id(factor))
+            report.assigned.append(key)
 
 
 def _finalize(obj: Any, written: set[int]) -> None:

@@ -614,3 +614,53 @@ def test_a_lora_models_keras_file_assigns_as_load_weights_restores_it(suffix, tm
     via_npz = lora_model()
     tf2.assign(via_npz, tmp_path / "m.npz")
     np.testing.assert_array_equal(via_npz(tokens), saved(tokens))
+
+
+def lora_member(name: str, quantized: bool = False):
+    member = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, name="d")], name=name)
+    if quantized:
+        member.quantize("int8")
+    member.get_layer("d").enable_lora(2)
+    return member
+
+
+def randomized(model):
+    for var in model.weights:
+        if var.dtype.startswith("float"):
+            var.assign(np.random.default_rng(len(var.path)).normal(size=var.shape).astype(var.dtype))
+    return model
+
+
+@pytest.mark.filterwarnings("ignore:Layer InputLayer does not have a `quantize` method")  # Keras's own
+def test_lora_keras_files_of_ensembles_and_quantized_layers_and_what_an_assign_keeps(tmp_path):
+    """Layers named alike in each member of an ensemble (the merged kernel was paired by layer
+    name), a quantized layer's merged scale, factors an assign leaves out, and hot reload's
+    memory of factors the Keras file zeroed."""
+    x = np.random.default_rng(0).normal(size=(2, 8)).astype("float32")
+
+    def ensemble():
+        inputs = keras.Input((8,))
+        return keras.Model(inputs, [lora_member(f"model_00{i}")(inputs) for i in (1, 2)])
+
+    for build in (ensemble, lambda: lora_member("q", quantized=True)):
+        path = str(tmp_path / "m.weights.h5")
+        randomized(build()).save_weights(path)
+        expected, assigned = keras_loaded(build, path), build()
+        assert tf2.assign(assigned, path).ok
+        for got, want in zip(keras.tree.flatten(assigned(x)), keras.tree.flatten(expected(x)), strict=True):
+            np.testing.assert_array_equal(got, want)
+    path = str(tmp_path / "plain.weights.h5")  # a base model's file, into an adapter-tuned model
+    keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, name="d")], name="m").save_weights(path)
+    tuned = randomized(lora_member("m"))
+    kept = {key: value for key, value in tf2.export(tuned).items() if "lora_" in key}
+    report = tf2.assign(tuned, path, exclude="d/lora_*")
+    assert sorted(report.assigned) == ["d/bias", "d/kernel"]  # the adapter's factors left as they are
+    assert all(np.array_equal(tf2.export(tuned)[key], value) for key, value in kept.items())
+    ws.publish(tmp_path / "run", tf2.export(randomized(lora_member("m"))), step=1)
+    follower_side = lora_member("m")
+    version = ws.latest(tmp_path / "run")
+    tf2.assign(follower_side, version)
+    assert "d/lora_kernel_a" in tf2.assign(follower_side, path).assigned  # zeroed, as load_weights does
+    again = tf2.assign(follower_side, version)  # the factors' memory was forgotten: written again
+    assert {"d/lora_kernel_a", "d/lora_kernel_b"} <= set(again.assigned)
+    np.testing.assert_array_equal(follower_side(x), randomized(lora_member("m"))(x))
