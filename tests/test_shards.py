@@ -217,6 +217,10 @@ def test_the_same_part_written_by_two_ranks_is_kept_once_and_diverged_replicas_r
         ws.publish_shard(tmp_path / "diverged", {"w": value}, step=1, rank=rank, world=2, attempt=0)
     with pytest.raises(ws.PublishError, match=r"ranks 0 and 1 wrote the part at \[0, 0\] with different values"):
         shards.commit_shards(tmp_path / "diverged", step=1, world=2, attempt=0, timeout=5)
+    for rank, dtype in enumerate((np.float32, np.float64)):  # not replicas: told as a disagreement
+        ws.publish_shard(tmp_path / "dtypes", {"w": a.astype(dtype)}, step=1, rank=rank, world=2, attempt=0)
+    with pytest.raises(ws.PublishError, match="ranks disagree on it: rank 0 has float32"):
+        shards.commit_shards(tmp_path / "dtypes", step=1, world=2, attempt=0, timeout=5)
     for rank, start in enumerate((0, 2)):
         ws.publish_shard(tmp_path / "overlap", {"w": ws.Piece(a[start:start + 4], (start, 0), a.shape)}, step=1,
                          rank=rank, world=2, attempt=0)

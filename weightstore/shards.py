@@ -220,8 +220,9 @@ def commit_shards(
             names them); nothing is published.
         PublishError: a rank without a done-record gave up (``failures``: naming the rank and
             its reason); pieces that overlap, leave a gap ("cover") or disagree on dtype or shape
-            (naming the key); a step that does not go forward; another coordinator committed
-            this step or a later one first.
+            (naming the key); two ranks' pieces of one part whose bytes differ (replicas that
+            diverged: one of a part written alike is kept); a step that does not go forward;
+            another coordinator committed this step or a later one first.
         WeightStoreError: ``world`` or ``attempt`` not given and the cluster does not say it.
     """
     timeout = checked_seconds("timeout", timeout)
@@ -554,7 +555,7 @@ def _once(key: str, piece: PieceEntry, boxes: dict[tuple[str, tuple[int, ...], t
     """
     box = (key, piece.start, piece.shape)
     first = boxes.setdefault(box, piece)
-    if first is piece:
+    if first is piece or not (first.digest and piece.digest):  # no digest to tell: the overlap check refuses it
         return piece
     if first.digest != piece.digest:
         raise PublishError(f"ranks {first.member} and {piece.member} wrote the part at {list(piece.start)} with "
@@ -576,14 +577,14 @@ def _merged(records: list[DoneRecord], step: int, attempt: int, world: int, meta
     boxes: dict[tuple[str, tuple[int, ...], tuple[int, ...]], PieceEntry] = {}
     for rank, record in enumerate(records):
         for key, entry in record.tensors.items():
-            pieces = tuple(piece for p in entry.pieces
-                           if (piece := _once(key, dataclasses.replace(p, member=rank), boxes)) is not None)
             known = tensors.get(key)
-            if known is None:
-                tensors[key], owners[key] = TensorEntry(entry.dtype, entry.shape, pieces), rank
-            elif (known.dtype, known.shape) != (entry.dtype, entry.shape):
+            if known is not None and (known.dtype, known.shape) != (entry.dtype, entry.shape):
                 raise PublishError(f"ranks disagree on it: rank {owners[key]} has {known.dtype} {list(known.shape)}, "
                                    f"rank {rank} {entry.dtype} {list(entry.shape)}", key=key)
+            pieces = tuple(piece for p in entry.pieces
+                           if (piece := _once(key, dataclasses.replace(p, member=rank), boxes)) is not None)
+            if known is None:
+                tensors[key], owners[key] = TensorEntry(entry.dtype, entry.shape, pieces), rank
             else:
                 tensors[key] = TensorEntry(known.dtype, known.shape, known.pieces + pieces)
     budget = OverlapBudget()
