@@ -24,7 +24,8 @@ instead of waiting out ``timeout`` for that member. Keys are
 for that folder and step that met the chief, as every worker does alike: a worker's call that
 timed out before the chief's announcement, or that the chief never made, does not count, so
 the next call meets the chief's next one. (A chief that makes that call later still leaves its
-news: the worker's next call reads it and fails once more, and the two are in step after.)
+news: the worker's next call reads it and fails once more, and the two are in step after. A
+worker that gives up counts its call, which the chief is taken to make.)
 """
 
 from __future__ import annotations

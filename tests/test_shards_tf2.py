@@ -109,6 +109,13 @@ WORKER = MODEL + textwrap.dedent("""
     if rank == 0:  # the chief comes later than the worker's timeout, within the grace
         time.sleep(4.5)
     attempt("after a call alone", lambda: tf2.publish_sharded(more, model, step=4, strategy=strategy, timeout=3))
+    reads = tf2_sharded._read
+
+    def unreadable(sources, share):
+        raise ws.StorageError("injected: unreadable")
+    tf2_sharded._read = unreadable if rank == 1 else reads  # read at the call, before the chief is heard
+    attempt("read fails", lambda: tf2.publish_sharded(more, model, step=5, strategy=strategy, timeout=30))
+    tf2_sharded._read = reads
     with open(f"{out}/more-{rank}.json", "w") as handle:
         json.dump(said, handle)
 
@@ -208,6 +215,15 @@ def test_a_worker_whose_write_fails_tells_the_chief_which_stops_at_once_saying_w
     assert chief["message"].endswith("rank 1 of 2 gave up: StorageError: injected: disk full; nothing was published")
     assert chief["seconds"] < 15, chief  # not its timeout of 30 s
     assert not (out / "more" / "step-000000000001.wsindex").exists()
+
+
+@pytest.mark.slow
+def test_a_worker_whose_read_fails_tells_the_chief_too(cluster_run):
+    _, out = cluster_run
+    chief, worker = (json.loads((out / f"more-{rank}.json").read_text())["read fails"] for rank in range(2))
+    assert (worker["type"], worker["message"]) == ("StorageError", "injected: unreadable")
+    assert chief["message"].endswith("rank 1 of 2 gave up: StorageError: injected: unreadable; nothing was published")
+    assert chief["seconds"] < 15, chief  # not its timeout of 30 s
 
 
 @pytest.mark.slow

@@ -5,8 +5,8 @@ weightstore class or the builtin they already handle::
 
     WeightStoreError
     ├── InvalidKeyError(ValueError)        a key breaks the key rules
-    ├── UnsupportedDTypeError(TypeError)   a value no weight file holds (text, objects, a long
-    │                                      double, masked values, a sparse tensor, too many axes)
+    ├── UnsupportedDTypeError(TypeError)   a value weightstore does not write (text, objects, a
+    │                                      long double, masked values, a sparse tensor, too many axes)
     ├── SelectionError(ValueError)         a scope/include/exclude that keeps nothing
     ├── StoreNotFoundError(FileNotFoundError)
     │   └── VersionGoneError               a version pruned under a reader; retry

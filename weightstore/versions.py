@@ -669,8 +669,8 @@ def check_notifications(source: Folder, notifications: str | None) -> None:
     """Refuse ``notifications`` for a local folder: no bucket sends its events, so the queue
     would stay silent while the option seemed to work."""
     if notifications is not None and isinstance(source, LocalFolder):
-        raise ValueError(f"notifications= wakes followers of an object-storage folder (s3://...), and "
-                         f"{source.where} is local: drop it, and poll= sets how often LATEST is read")
+        raise ValueError(f"notifications wake followers of an object-storage folder (s3://...), and "
+                         f"{source.where} is local: drop them; the poll interval sets how often LATEST is read")
 
 
 def versions_folder(folder: Any, storage_options: Mapping[str, Any] | None = None) -> Folder:
