@@ -216,11 +216,12 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
     # a Keras file (or a store keyed as one) holds a LoRA layer's merged kernel and no factors,
     # which its loader zeroes
     lora = _lora_keys(obj, found)
-    keras_keyed = [is_keras_file(weights)]  # or found so by the plan
+    keras_keyed = is_keras_file(weights)  # or found so by the plan
 
     def plan(values: Any, options: AssignOptions) -> tuple[Plan, Any]:
+        nonlocal keras_keyed
         keras_view = _keras_layout_renamed(values, obj, found, options, optimizer)
-        keras_keyed[0] = keras_keyed[0] or keras_view is not None
+        keras_keyed = keras_keyed or keras_view is not None
         view = (keras_view
                 or _whole_keys_renamed(values, rekey, targets, options)
                 or _old_keys_renamed(values, aliases, targets, options))
@@ -228,7 +229,7 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
         left_out = () if optimizer else [key for key in value_keys if _OPTIMIZER_KEY.fullmatch(key)
                                          and join_scope(scope, key) not in targets]
         planned = plan_assign(view, targets, options, left_out=left_out, tied=tied,
-                              optional=lora.__contains__ if keras_keyed[0] else None)
+                              optional=lora.__contains__ if keras_keyed else None)
         settle_tied(planned, view, targets, tied, strict=options.strict)
         return planned, view
 
@@ -241,7 +242,7 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
                                                          if in_scope(key, at) and key != at},
                            optimizer=optimizer) as paired:
                 report = run_assign(target, paired, options, skip_for=weights)
-        if keras_keyed[0]:
+        if keras_keyed:
             _zero_lora_factors(lora, found, written, report, options)
         return report
     finally:  # after a partial failure too: the layers hold what their variables now hold
