@@ -161,13 +161,9 @@ def _keras_paths(model: Any) -> dict[str, Any]:
     with _noting_lora_layers(layers) as lora_at:  # id of a store -> the LoRA layer that filled it
         saving_lib._save_state(model, weights_store=recorder, assets_store=None, inner_path="",
                                visited_saveables=set())
-    paths = {f"{path}/vars/{name}".lstrip("/"): variable
-             for path, entry in recorder.entries.items() for name, variable in entry.items()}
-    for path, entry in recorder.entries.items():
-        layer = lora_at.get(id(entry))
-        if layer is not None:
-            paths.update({f"{path}/vars/{name}".lstrip("/"): variable
-                          for name, variable in _merged_into(layer, entry).items()})
+    paths = {f"{path}/vars/{name}".lstrip("/"): variable for path, entry in recorder.entries.items()
+             for name, variable in (entry | _merged_into(lora_at[id(entry)], entry) if id(entry) in lora_at
+                                    else entry).items()}
     # a variable outside the weights is saved as a copy of its value: found again by its layer's
     # name (which the walk passes along), where that name is the model's only layer of it
     counts = Counter(layer.name for layer in layers)
@@ -209,7 +205,7 @@ def _merged_into(layer: Any, saved: dict[str, Any]) -> dict[str, Any]:
     """
     import keras
 
-    factors = lora_factors(layer)
+    factors = _own_lora_factors(layer)
     saved_ids = {id(value) for value in saved.values()}
     free = [var for var in layer.weights if id(var) not in factors and id(var) not in saved_ids]
     merged = {}
@@ -235,15 +231,21 @@ def lora_factors(model: Any) -> dict[int, Any]:
     """id of each LoRA factor variable of ``model``'s LoRA-enabled layers -> the base variable
     it adds to. A Keras file holds the merged kernel and no factors; loading it, Keras writes the
     kernel and zeroes the factors, so the model computes what the file holds."""
-    import keras
-
     factors = {}
     for layer in model._flatten_layers(include_self=True, recursive=True):
-        base = _lora_base(layer)
-        if base is not None:
-            factors.update({id(value): base for name, value in vars(layer).items()
-                            if name.startswith("lora_") and isinstance(value, keras.Variable)})
+        factors.update(_own_lora_factors(layer))
     return factors
+
+
+def _own_lora_factors(layer: Any) -> dict[int, Any]:
+    """:func:`lora_factors` of ``layer`` itself, not the layers below it."""
+    import keras
+
+    base = _lora_base(layer)
+    if base is None:
+        return {}
+    return {id(value): base for name, value in vars(layer).items()
+            if name.startswith("lora_") and isinstance(value, keras.Variable)}
 
 
 def _saved_at(layer: Any) -> dict[str, Any]:

@@ -18,7 +18,6 @@ changes the one it was given, since JAX code treats trees as values.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -218,12 +217,12 @@ _TRANSPOSED = layouts.Site("ConvTranspose")
 _TRANSPOSED_KERNEL = ("is a Flax ConvTranspose's kernel, [*spatial, in, out] and not flipped (transpose_kernel=False), "
                       "where Keras's is [*spatial, out, in] and flipped: the shapes may pair, but no layout rule converts "
                       "one into the other (with transpose_kernel=True the kernel is Keras's as it is)")
-_LINEN_TRANSPOSED = re.compile(r"(?:^|/)ConvTranspose_\d+/kernel$")  # Linen names its modules by class and number
 
 
 def _linen_transposed_kernel(key: str) -> str:
     """Why a Linen tree's ``ConvTranspose_N/kernel`` takes no Keras kernel (a plain pytree names no modules)."""
-    return _TRANSPOSED_KERNEL if _LINEN_TRANSPOSED.search(key) else ""
+    scope, _, leaf = key.rpartition("/")
+    return _TRANSPOSED_KERNEL if leaf == "kernel" and layouts.is_linen_transposed(scope) else ""
 
 
 def _placed_leaf(leaves: dict[str, Any]) -> Callable[[ValueSource, str, str], Any]:

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -447,19 +447,8 @@ def to_keras(layout: Layout, shapes: Mapping[str, tuple[int, ...]],
         if rule is None:
             of = f"in a {site.kind!r} layer" if site.kind else "in a layer of unknown kind"
             refused[key] = f"no {layout.name} layout rule for a rank-{len(shape)} {leaf!r} {of}{_EXTEND}"
-            if site.kind is None and leaf != layout.kernel and _hf_conv1d_named(scope) and join_scope(
-                    scope, layout.kernel) in rest:
-                refused[key] = f"belongs to the layer of {join_scope(scope, layout.kernel)!r}, refused as that is"
-            elif site.kind is None and leaf == layout.kernel and len(shape) == 2 and _hf_conv1d_named(scope):
-                refused[key] = (f"a rank-2 {leaf!r} of a layer named {scope.rpartition('/')[2]!r} is, in GPT-2 and "
-                                "models built on its code, Hugging Face's Conv1D, stored [in, out] where a Linear "
-                                "is [out, in], which a file does not tell apart; this layout converts Linear layers "
-                                f"only: if it is one, say so (ws convert --kind '{scope}=dense', or for every "
-                                f"block --kind '{_NUMBERS.sub('/*', scope)}=dense')")
-            elif site.kind is None and leaf == layout.kernel and len(shape) == 2:
-                refused[key] = (f"a rank-2 {leaf!r} with no 'bias' beside it is a bias-free Linear's or an "
-                                f"Embedding's, which a file does not tell apart; say which: kinds={{{scope!r}: "
-                                f"'dense'}} (ws convert --kind '{scope}=dense' or =embedding), or export the module")
+            if site.kind is None:
+                refused[key] = _kind_unsaid(layout, scope, leaf, shape, rest) or refused[key]
         elif rule.fold_problem(shape, site.groups):
             refused[key] = rule.fold_problem(shape, site.groups)
         else:
@@ -505,7 +494,7 @@ def kinds_from_names(layout: Layout, shapes: Mapping[str, tuple[int, ...]]) -> d
             kind = None  # a bias-free Linear's or an Embedding's: the file does not say
         elif kernel_rank == 2 and _embedding_named_like_kernel(layout) and _hf_conv1d_named(scope):
             kind = None  # a Linear's [out, in] or Hugging Face's Conv1D's [in, out]: the file does not say
-        elif _LINEN_TRANSPOSED.search(scope):
+        elif is_linen_transposed(scope):
             kind = None  # Flax's ConvTranspose: [*spatial, in, out] unflipped, which no rule makes Keras's
         else:
             kind = {2: DENSE, 3: CONV, 4: CONV, 5: CONV}.get(kernel_rank or 0)
@@ -514,12 +503,36 @@ def kinds_from_names(layout: Layout, shapes: Mapping[str, tuple[int, ...]]) -> d
     return kinds
 
 
+def _kind_unsaid(layout: Layout, scope: str, leaf: str, shape: tuple[int, ...], rest: Collection[str]) -> str:
+    """Why a tensor of a layer whose kind the file leaves open converts by no rule, where more
+    can be said than that: which kinds it could be, and how to say which ("" where nothing)."""
+    conv1d = _hf_conv1d_named(scope)
+    if leaf != layout.kernel:
+        return (f"belongs to the layer of {join_scope(scope, layout.kernel)!r}, refused as that is"
+                if conv1d and join_scope(scope, layout.kernel) in rest else "")
+    if len(shape) != 2:
+        return ""
+    if conv1d:
+        return (f"a rank-2 {leaf!r} of a layer named {scope.rpartition('/')[2]!r} is, in GPT-2 and models built on "
+                "its code, Hugging Face's Conv1D, stored [in, out] where a Linear is [out, in], which a file does not "
+                "tell apart; this layout converts Linear layers only: if it is one, say so (ws convert --kind "
+                f"'{scope}=dense', or for every block --kind '{_NUMBERS.sub('/*', scope)}=dense')")
+    return (f"a rank-2 {leaf!r} with no 'bias' beside it is a bias-free Linear's or an Embedding's, which a file "
+            f"does not tell apart; say which: kinds={{{scope!r}: 'dense'}} (ws convert --kind '{scope}=dense' or "
+            "=embedding), or export the module")
+
+
 #: the layer names GPT-2 and the models built on its code give Hugging Face's ``Conv1D``, a
 #: dense layer whose ``weight`` is ``[in, out]`` where a Linear's is ``[out, in]``
 _HF_CONV1D_NAMES = frozenset({"c_attn", "c_proj", "c_fc", "q_attn"})
 
 
 _LINEN_TRANSPOSED = re.compile(r"(?:^|/)ConvTranspose_\d+$")  # Linen names a module by its class and number
+
+
+def is_linen_transposed(scope: str) -> bool:
+    """Whether ``scope`` is a Flax Linen ``ConvTranspose``'s, by the name Linen gives it."""
+    return _LINEN_TRANSPOSED.search(scope) is not None
 _NUMBERS = re.compile(r"/\d+(?=/|$)")  # a scope's numbered segments (a block's index), for a glob of them all
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import math
 import os
 import sys
@@ -376,8 +377,11 @@ def open_values(weights: Any) -> Iterator[Values]:
 def widens(source: np.dtype, target: np.dtype) -> bool:
     """Whether every value of ``source`` is exactly representable in ``target``."""
     source, target = np.dtype(source), np.dtype(target)
-    if source == target:
-        return True
+    return source == target or _widens(source, target)
+
+
+@functools.lru_cache(maxsize=1024)  # asked once per tensor of a plan; a model has a handful of dtype pairs
+def _widens(source: np.dtype, target: np.dtype) -> bool:
     try:
         if not np.can_cast(source, target, "safe"):
             return False
@@ -488,6 +492,7 @@ def out_of_range(array: np.ndarray, dtype: np.dtype) -> str:
     return ""
 
 
+@functools.lru_cache(maxsize=256)
 def _largest_rounded_in(target: np.dtype) -> float:
     """The largest magnitude a cast to the float ``target`` rounds rather than overflows: its
     largest value and half the step below it."""

@@ -415,8 +415,8 @@ def _old_keys_renamed(values: Any, aliases: Mapping[str, str], targets: Mapping[
     renames = {}
     for key in keys:
         full = join_scope(at, key)
-        new = aliases.get(full)
-        if full not in targets and new is not None and new not in present and in_scope(new, at) and new != at:
+        new = within.get(full)
+        if full not in targets and new is not None and new not in present:
             renames[key] = strip_scope(new, at)
     return RenamedValues(values, renames) if renames else values
 

@@ -594,9 +594,7 @@ def _merged(records: list[DoneRecord], step: int, attempt: int, world: int, meta
     return ShardIndex(step, attempt, world, "", members, tensors, metadata, f"weightstore {__version__}")
 
 
-def _check_ids(**ids: int) -> None:
-    for name, value in ids.items():
-        if name == "step":
-            checked_step(value)
-        else:
-            checked_count(name, value)
+def _check_ids(step: int, **counts: int) -> None:
+    checked_step(step)
+    for name, value in counts.items():
+        checked_count(name, value)
