@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from weightstore.core._extras import install_hint
 from weightstore.errors import (
     FormatError,
     MissingDependencyError,
@@ -26,7 +27,6 @@ from weightstore.errors import (
     UnsupportedDTypeError,
     named,
 )
-from weightstore.extras import install_hint
 from weightstore.formats.tf_checkpoint import (
     STATE_FILE,
     CheckpointReader,

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from typing_extensions import Unpack
 
-from weightstore.extras import needs
+from weightstore.core._extras import needs
 
 with needs("flax", __name__):
     import jax
@@ -43,9 +43,9 @@ from weightstore.adapters.plan import (
     open_values,
 )
 from weightstore.adapters.skeleton import Target, private_copy, range_checked, run_assign
+from weightstore.core.keys import MappingRules, Patterns, validate_key
 from weightstore.errors import InvalidKeyError, LayoutError, SelectionError
-from weightstore.keys import MappingRules, Patterns, validate_key
-from weightstore.shards import Piece, split_rows
+from weightstore.sharded._shards import Piece, split_rows
 
 __all__ = ["export", "export_pieces", "assign", "restore", "variables", "forget"]
 

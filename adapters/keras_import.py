@@ -22,11 +22,11 @@ import numpy as np
 
 import weightstore
 from weightstore.adapters.plan import describe, widens
+from weightstore.core.keys import suggest
+from weightstore.core.manifest import logical_dtype
 from weightstore.errors import FormatError, KeyNotInStoreError, naming
 from weightstore.formats import keras_file
 from weightstore.io.commit import RenameCommit
-from weightstore.keys import suggest
-from weightstore.manifest import logical_dtype
 
 __all__ = ["is_keras_target", "replace_in_keras_file"]
 

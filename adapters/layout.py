@@ -71,9 +71,9 @@ from weightstore.adapters.plan import (
     describe,
     plan_assign,
 )
+from weightstore.core.keys import MappingRules, Patterns, join_scope, map_key, normalize_scope, parse_mapping, passes
 from weightstore.errors import AssignmentError, LayoutError
 from weightstore.formats import keras_file
-from weightstore.keys import MappingRules, Patterns, join_scope, map_key, normalize_scope, parse_mapping, passes
 
 __all__ = ["Rule", "Layout", "convert", "fold_bias_into_norm"]
 

@@ -26,9 +26,8 @@ import numpy as np
 
 import weightstore
 from weightstore.adapters.artifacts import open_artifact
-from weightstore.arrays import as_numpy
-from weightstore.errors import AssignmentError, SelectionError, named, naming
-from weightstore.keys import (
+from weightstore.core._arrays import as_numpy
+from weightstore.core.keys import (
     MappingRules,
     Patterns,
     in_scope,
@@ -40,8 +39,9 @@ from weightstore.keys import (
     require_matches,
     strip_scope,
 )
-from weightstore.keys import suggest as keys_suggest
-from weightstore.manifest import TensorInfo, logical_dtype
+from weightstore.core.keys import suggest as keys_suggest
+from weightstore.core.manifest import TensorInfo, logical_dtype
+from weightstore.errors import AssignmentError, SelectionError, named, naming
 
 __all__ = ["Report", "SelectionWords", "AssignWords", "Selection", "AssignOptions", "AssignWarning"]
 
@@ -878,4 +878,4 @@ def wants_skip(weights: Any, skip_unchanged: bool | None) -> bool:
     """
     if skip_unchanged is not None:
         return skip_unchanged
-    return isinstance(weights, weightstore.versions.Version)
+    return isinstance(weights, weightstore.sync._versions.Version)

@@ -39,8 +39,8 @@ from weightstore.adapters.plan import (
     plan_assign,
     wants_skip,
 )
+from weightstore.core._gcpause import paused_gc
 from weightstore.errors import AssignmentError
-from weightstore.gcpause import paused_gc
 from weightstore.io.buffer import (  # TF adopts aligned memory (EIGEN_MAX_ALIGN_BYTES)
     ALIGNMENT,
     aligned_array,
@@ -302,7 +302,7 @@ def rehearsal() -> Iterator[None]:
 
     So a source that records what it is asked for learns exactly which values, and which
     regions of them, the real assign will read: a follower fetches those with no lock held,
-    then assigns from memory (see :mod:`weightstore.adapters.follower`).
+    then assigns from memory (see :mod:`weightstore.adapters.serving.follower`).
     """
     token = _rehearsing.set(True)
     try:

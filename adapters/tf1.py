@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 from typing_extensions import Unpack
 
-from weightstore.extras import needs
+from weightstore.core._extras import needs
 
 with needs("tf", __name__):
     import tensorflow as tf
@@ -67,11 +67,11 @@ from weightstore.adapters.plan import (
 )
 from weightstore.adapters.skeleton import Target, run_assign
 from weightstore.adapters.tf_staging import shares_mapped, staged_feeds
+from weightstore.core._heap import give_back
+from weightstore.core.keys import from_tf_name, plan_inward, validate_key
+from weightstore.core.manifest import ML_DTYPES
 from weightstore.errors import AssignmentError, FormatError, InvalidKeyError, SelectionError, WeightStoreError
-from weightstore.heap import give_back
-from weightstore.keys import from_tf_name, plan_inward, validate_key
-from weightstore.manifest import ML_DTYPES
-from weightstore.shards import Piece
+from weightstore.sharded._shards import Piece
 
 __all__ = ["export", "export_pieces", "assign", "forget"]
 
@@ -277,7 +277,7 @@ def _run_batch(sess: Any, writers: tf1_callables.Writers, values: list[tuple[np.
     the file go. Both runs feed the same tensors to the same ops, so one compiled callable serves
     both. An old buffer that was a fed numpy array (a variable keeps an aligned one as it is) goes
     back to the C heap, which keeps its pages for allocations TensorFlow's pool never makes, so
-    they are handed back (:func:`weightstore.heap.give_back`) before the copies are made. A
+    they are handed back (:func:`weightstore.core._heap.give_back`) before the copies are made. A
     device variable gets the staged copies alone: its old buffer is not host memory.
     """
     in_place = [op.type == "Assign" and array.dtype == dtype and array.flags.c_contiguous

@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from weightstore.extras import needs
-from weightstore.parallel import beside
+from weightstore.core._extras import needs
+from weightstore.core._parallel import beside
 
 with needs("tf", __name__):
     import tensorflow as tf

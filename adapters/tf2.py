@@ -69,7 +69,7 @@ from typing import Any, NamedTuple, Union
 import numpy as np
 from typing_extensions import Unpack
 
-from weightstore.extras import needs
+from weightstore.core._extras import needs
 
 with needs("tf", __name__):
     import keras
@@ -101,9 +101,7 @@ from weightstore.adapters.plan import (
 )
 from weightstore.adapters.skeleton import Target, private_copy, run_assign
 from weightstore.adapters.tf_staging import staged_copy
-from weightstore.errors import AssignmentError, InvalidKeyError, SelectionError
-from weightstore.formats.tf_checkpoint import best_paths
-from weightstore.keys import (
+from weightstore.core.keys import (
     OUTPUT_SUFFIX,
     Patterns,
     in_scope,
@@ -113,6 +111,8 @@ from weightstore.keys import (
     strip_scope,
     validate_key,
 )
+from weightstore.errors import AssignmentError, InvalidKeyError, SelectionError
+from weightstore.formats.tf_checkpoint import best_paths
 
 __all__ = ["export", "assign", "load", "keys", "variables", "forget", "publish_sharded"]
 

@@ -15,7 +15,7 @@ The workers agree on two things through TensorFlow's own coordination service (i
 store, which ``MultiWorkerMirroredStrategy`` starts), not through collectives, so a publish
 never waits in line behind the training step's all-reduces and may run in a background
 thread: rank 0 (the chief, else worker 0) announces the attempt (one after every attempt
-the folder holds of this step, :func:`weightstore.shards.next_attempt`, with a digest of its
+the folder holds of this step, :func:`weightstore.sharded._shards.next_attempt`, with a digest of its
 plan's outline, which a worker that would cut another plan refuses), then, after
 :func:`weightstore.commit_shards`, the committed version or what went wrong. A worker whose
 own write fails says so (the first to fail is heard), so the chief's commit stops at once
@@ -43,20 +43,20 @@ from typing import Any
 import numpy as np
 from typing_extensions import Unpack
 
-from weightstore.extras import needs
+from weightstore.core._extras import needs
 
 with needs("tf", __name__):
     import tensorflow as tf
     from tensorflow.python.eager import context
 
-from weightstore import cluster
 from weightstore.adapters.plan import SelectionWords
 from weightstore.errors import PublishError, ShardTimeoutError, WeightStoreError
+from weightstore.formats._sharded_index import BLOCK_BYTES
 from weightstore.io.folders import Folder, folder_for
-from weightstore.saving import checked_metadata
-from weightstore.shardindex import BLOCK_BYTES
-from weightstore.shards import Piece, commit_shards, next_attempt, publish_shard
-from weightstore.versions import DEFAULT_KEEP, Version
+from weightstore.sharded import _cluster as cluster
+from weightstore.sharded._shards import Piece, commit_shards, next_attempt, publish_shard
+from weightstore.store._save import checked_metadata
+from weightstore.sync._versions import DEFAULT_KEEP, Version
 
 __all__ = ["publish_sharded", "plan", "Segment"]
 

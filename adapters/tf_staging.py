@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from weightstore.extras import needs
+from weightstore.core._extras import needs
 
 with needs("tf", __name__):
     import tensorflow as tf

@@ -1,7 +1,7 @@
 """PyTorch in and out: an ``nn.Module``'s parameters and buffers as a weight dictionary.
 
 Keys are ``state_dict`` names with ``.`` read as ``/`` (``features.0.weight`` is
-``features/0/weight``, :mod:`weightstore.names`), so persistent buffers (batch norm's
+``features/0/weight``, :mod:`weightstore.core.names`), so persistent buffers (batch norm's
 ``running_mean``/``running_var``) are included and non-persistent ones are not. Trainable
 means ``requires_grad``; buffers never are. ``export(..., names="torch")`` returns the
 ``state_dict`` names themselves, and ``assign`` takes weights keyed either way: a
@@ -33,7 +33,7 @@ import ml_dtypes
 import numpy as np
 from typing_extensions import Unpack
 
-from weightstore.extras import needs
+from weightstore.core._extras import needs
 
 with needs("torch", __name__):
     import torch
@@ -56,9 +56,9 @@ from weightstore.adapters.plan import (
     refuse_before_write,
 )
 from weightstore.adapters.skeleton import Target, run_assign
+from weightstore.core.names import TORCH, WRITE_NAMINGS, check_naming, key_of_torch_name, torch_keys, torch_name_of_key
 from weightstore.errors import AssignmentError, InvalidKeyError, LayoutError, SelectionError, UnsupportedDTypeError
-from weightstore.names import TORCH, WRITE_NAMINGS, check_naming, key_of_torch_name, torch_keys, torch_name_of_key
-from weightstore.shards import Piece, split_rows
+from weightstore.sharded._shards import Piece, split_rows
 
 __all__ = ["export", "export_pieces", "assign", "tensors", "forget", "to_numpy"]
 
@@ -259,7 +259,7 @@ def _selected(module: nn.Module, chosen_by: Selection) -> tuple[dict[str, torch.
 
 
 def _keyed(values: Any) -> Any:
-    """``values`` with each ``state_dict`` name read as its key (:func:`~weightstore.names.torch_keys`)."""
+    """``values`` with each ``state_dict`` name read as its key (:func:`~weightstore.core.names.torch_keys`)."""
     renames = {name: key for key, name in torch_keys(values.keys()).items() if key != name}
     return RenamedValues(values, renames) if renames else values
 

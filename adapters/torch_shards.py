@@ -10,7 +10,7 @@ holding the same box (a placement ``Replicate`` on some mesh axis), only the one
 copies along the root mesh's other axes from pipeline stages holding other layers, so each copy
 writes its shard, and the commit keeps one of a part written alike (refusing copies that
 differ). A plain tensor that every rank holds whole
-is split by rows between the ranks (:func:`weightstore.shards.split_rows`), so each writes a share and none
+is split by rows between the ranks (:func:`weightstore.sharded._shards.split_rows`), so each writes a share and none
 sends a byte to another. Assigning reads for a DTensor only its local box.
 """
 
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from weightstore.core._extras import needs
 from weightstore.errors import TargetError
-from weightstore.extras import needs
 
 with needs("torch", __name__):
     import torch

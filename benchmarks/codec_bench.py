@@ -51,7 +51,7 @@ def codecs(threads: int) -> dict[str, tuple[Callable[[np.ndarray], bytes], Calla
     """name -> (encode array, decode blob for that array and take the plain CRC-32)."""
     import blosc2
 
-    from weightstore import crc
+    from weightstore.core import checksums as crc
     from weightstore.formats import shuffle_zstd
 
     def ours_encode(array: np.ndarray) -> bytes:
@@ -126,7 +126,7 @@ def hostile(cases: int) -> list[list[str]]:
 
     import blosc2
 
-    from weightstore import crc
+    from weightstore.core import checksums as crc
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     array = trained(0.25, "float32")

@@ -189,7 +189,7 @@ def _load_fn(case: str, folder: str):
     if case == "ws-npz-noverify":
         return lambda: ws.load(path("ws-npz"), verify=False)
     if case in ("ws-npz-1thread", "ws-npz-s-1thread"):  # what checksums and decoding cost on one core
-        from weightstore import parallel
+        from weightstore.core import _parallel as parallel
 
         parallel.THREADS = 1
         return lambda: ws.load(path(case.removesuffix("-1thread")))

@@ -29,7 +29,7 @@ import numpy as np
 import weightstore as ws
 from benchmarks.common import table
 from benchmarks.s3_server import ServerProcess, restore_environment, use_environment
-from weightstore import versions
+from weightstore.sync import _versions as versions
 
 BUCKET = "weightstore-follow-cost"
 HOUR = 3600.0

@@ -102,7 +102,7 @@ def saving_callback(mode: str, model, folder: str, every: int):
 
     import weightstore as ws
     from weightstore.adapters import tf2
-    from weightstore.adapters.hooks import PublishCallback
+    from weightstore.adapters.serving.hooks import PublishCallback
 
     if mode in ("ws-background", "ws-sync"):
         return PublishCallback(folder, every_n_batches=every, keep=2, background=mode == "ws-background")

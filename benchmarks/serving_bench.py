@@ -1,7 +1,7 @@
 """Serving stall benchmark: how long a swap holds ``Follower.reading()`` out.
 
 A serving process keeps TF2 variables of ``size_mb`` (``--tensors`` float32 tensors) current
-with a :class:`~weightstore.adapters.follower.Follower`, while a prober thread enters
+with a :class:`~weightstore.adapters.serving.follower.Follower`, while a prober thread enters
 ``reading()`` over and over (holding it 0.5 ms, an inference call) and records how long each
 entry waited. A publisher in another process publishes ``--versions`` versions, every tensor
 changed each time, from a local folder or through moto's S3 server on 127.0.0.1 (itself a
@@ -73,7 +73,7 @@ def assign_from_memory(size_mb: float, tensors: int, repeat: int) -> list[float]
 
 def serve(folder: str, size_mb: float, tensors: int, versions: int, interval: float) -> dict[str, object]:
     """Follow ``folder`` while a publisher process publishes; the stalls per swap, in seconds."""
-    from weightstore.adapters.follower import Follower
+    from weightstore.adapters.serving.follower import Follower
 
     weights = make_weights(size_mb, tensors)
     target = Target("tf2", weights)

@@ -57,7 +57,7 @@ def round_robin(variants: dict[str, Callable[[], object]], rounds: int) -> dict[
 
 def _load(path: str, *, verify: bool, threads: int, as_words: bool = False) -> Callable[[], object]:
     import weightstore as ws
-    from weightstore import parallel
+    from weightstore.core import _parallel as parallel
 
     def run() -> None:
         parallel.THREADS = threads

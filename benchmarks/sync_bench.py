@@ -2,7 +2,7 @@
 
 ``python -m benchmarks.sync_bench [--size-mb 1024] [--small-mb 4] [--repeat 5] [--poll 0.01]``
 
-- *Latency*: a :class:`~weightstore.adapters.follower.Follower` keeps TF2 variables (and a TF1
+- *Latency*: a :class:`~weightstore.adapters.serving.follower.Follower` keeps TF2 variables (and a TF1
   session) current in this process; we time from ``publish`` returning to the follower having
   assigned that version. Every tensor changes each time, so this is a full reload; it includes
   up to one ``--poll`` interval of waiting.
@@ -71,7 +71,7 @@ def median_ms(values: list[float]) -> float:
 
 
 def latency(kind: str, size_mb: float, tensors: int, repeat: int, poll: float, scratch: str) -> dict[str, float]:
-    from weightstore.adapters.follower import Follower
+    from weightstore.adapters.serving.follower import Follower
 
     folder = tempfile.mkdtemp(prefix=f"latency-{kind}-", dir=scratch)
     weights = make_weights(size_mb, tensors)

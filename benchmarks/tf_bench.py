@@ -290,7 +290,8 @@ def _export_memory(folder: str, product: str) -> dict:
     """Extra anonymous memory of ``tf2.export`` (``product`` "export") or ``snapshot`` of the
     variables, first call in the process then a repeated one, and how much of it is the arrays
     the call returned (numpy arrays of their own; a snapshot's tensors share TF's buffers)."""
-    from weightstore.adapters import snapshot, tf2
+    from weightstore.adapters import tf2
+    from weightstore.adapters.serving import snapshot
 
     variables = build_tf2(folder).vars
     call = tf2.export if product == "export" else snapshot.snapshot

@@ -18,9 +18,9 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from weightstore.cli.render import tensor_type, track
+from weightstore.core.manifest import TensorInfo
 from weightstore.errors import FormatError
-from weightstore.manifest import TensorInfo
-from weightstore.store import Store
+from weightstore.store._open import Store
 
 _CHUNK = 2 << 20  # elements: 16 MB of float64
 

@@ -13,17 +13,17 @@ from typing import Annotated
 
 import typer
 
-from weightstore import __version__
+from weightstore._version import __version__
 from weightstore.adapters import checkpoints
 from weightstore.adapters.layout import DIRECTIONS
 from weightstore.adapters.plan import Selection
 from weightstore.cli import compare, render, sources, sync, transfer
 from weightstore.cli.guard import GuardedGroup, json_asked
 from weightstore.cli.render import count, human_bytes, note, settings
+from weightstore.core.keys import passes
+from weightstore.core.manifest import TensorInfo
+from weightstore.core.names import WRITE_NAMINGS, check_naming, torch_keys
 from weightstore.errors import UnsupportedDTypeError, named
-from weightstore.keys import passes
-from weightstore.manifest import TensorInfo
-from weightstore.names import WRITE_NAMINGS, check_naming, torch_keys
 
 
 class _Group(GuardedGroup):
@@ -300,8 +300,8 @@ def _under_scope(opened: sources.Source, scope: str | None) -> list[str]:
 
     A scope that is invalid or matches nothing fails as ``ws export``'s does: naming the file,
     with the same hint."""
+    from weightstore.core.keys import in_scope, normalize_scope, unmatched_scope
     from weightstore.errors import naming
-    from weightstore.keys import in_scope, normalize_scope, unmatched_scope
 
     with naming(path=opened.path):
         norm = normalize_scope(scope)

@@ -23,9 +23,9 @@ from rich import progress as rich_progress
 from rich.console import Console
 from rich.table import Table
 
+from weightstore.core.keys import misprints
+from weightstore.core.manifest import TensorInfo
 from weightstore.errors import ChecksumError
-from weightstore.keys import misprints
-from weightstore.manifest import TensorInfo
 
 T = TypeVar("T")
 PROGRESS_DELAY_S = 0.5
@@ -183,7 +183,7 @@ def working(description: str) -> Iterator[None]:
 
 def printable(text: str) -> str:
     """``text`` with every character a terminal would act on or misprint escaped (``\\x1b``,
-    :func:`~weightstore.keys.misprints`): keys can hold none of them, but a file's metadata and
+    :func:`~weightstore.core.keys.misprints`): keys can hold none of them, but a file's metadata and
     a path can, and ``ws ls`` must show them, not run them."""
     if text.isascii() and text.isprintable():
         return text

@@ -16,12 +16,12 @@ from typing import Any
 
 import weightstore
 from weightstore.adapters import checkpoints
+from weightstore.core.keys import OUTPUT_SUFFIX
 from weightstore.errors import FormatError, StoreNotFoundError, named
 from weightstore.formats import keras_file
 from weightstore.formats.tf_checkpoint import KIND_TF2, resolve_prefix
 from weightstore.io.location import is_url
-from weightstore.keys import OUTPUT_SUFFIX
-from weightstore.store import Store
+from weightstore.store._open import Store
 
 __all__ = ["Source", "open_keyed_like_model", "open_source"]
 

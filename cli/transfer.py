@@ -22,6 +22,8 @@ from weightstore.adapters import layout as layouts
 from weightstore.adapters.plan import Selection
 from weightstore.cli.render import counted, track, working
 from weightstore.cli.sources import Source
+from weightstore.core.keys import MappingRules, Patterns, plan_inward, validate_key
+from weightstore.core.names import TORCH, WRITE_NAMINGS, check_naming, torch_keys, torch_name_of_key
 from weightstore.errors import (
     FormatError,
     InvalidKeyError,
@@ -39,9 +41,7 @@ from weightstore.formats.foreign import HF_SINGLE_FILE
 from weightstore.formats.safetensors import FORMAT as safetensors_format
 from weightstore.formats.tf_checkpoint import resolve_prefix
 from weightstore.io.location import is_url
-from weightstore.keys import MappingRules, Patterns, plan_inward, validate_key
-from weightstore.names import TORCH, WRITE_NAMINGS, check_naming, torch_keys, torch_name_of_key
-from weightstore.saving import output_format
+from weightstore.store._save import output_format
 
 _SHOWN = 5  # colliding keys named in an error; the rest are counted
 NAME_BASED_CAUTION = (

@@ -39,7 +39,7 @@ def build_model():
 def serve(folder: str, last_step: int) -> None:
     """The inference process: serve calls in a loop while a Follower swaps versions in, until ``last_step``."""
     from weightstore.adapters import tf2
-    from weightstore.adapters.follower import Follower
+    from weightstore.adapters.serving.follower import Follower
 
     build_model()  # an earlier model in this process, so this one's automatic names differ
     model = build_model()
@@ -70,7 +70,7 @@ def main(folder: str | None = None, *, steps: int = 12, every: int = 4) -> list[
     import keras
 
     from weightstore.adapters import tf2
-    from weightstore.adapters.hooks import PublishCallback
+    from weightstore.adapters.serving.hooks import PublishCallback
 
     with tempfile.TemporaryDirectory() as scratch:
         folder = str(Path(folder or scratch) / "versions")

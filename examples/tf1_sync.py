@@ -77,7 +77,7 @@ def main(folder: str | None = None, *, steps: int = 60, every: int = 20) -> list
     """Train ``steps`` steps publishing every ``every``; return what the inference process saw."""
     import tensorflow as tf
 
-    from weightstore.adapters.hooks import PublishHook
+    from weightstore.adapters.serving.hooks import PublishHook
 
     v1 = tf.compat.v1
     with tempfile.TemporaryDirectory() as scratch:

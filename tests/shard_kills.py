@@ -20,7 +20,8 @@ import ml_dtypes
 import numpy as np
 
 import weightstore as ws
-from weightstore import shards, versions
+from weightstore.sharded import _shards as shards
+from weightstore.sync import _versions as versions
 
 WORLD = 4
 ROWS, COLS = 256, 1024

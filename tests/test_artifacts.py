@@ -19,11 +19,10 @@ tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
 import weightstore as ws  # noqa: E402
-from weightstore import versions  # noqa: E402
 from weightstore.adapters import tf1, tf2  # noqa: E402
-from weightstore.adapters.follower import Follower  # noqa: E402
-from weightstore.adapters.hooks import PublishHook  # noqa: E402
 from weightstore.adapters.plan import AssignWarning, Report  # noqa: E402
+from weightstore.adapters.serving.follower import Follower  # noqa: E402
+from weightstore.adapters.serving.hooks import PublishHook  # noqa: E402
 from weightstore.errors import (  # noqa: E402
     AssignmentError,
     FormatError,
@@ -31,6 +30,7 @@ from weightstore.errors import (  # noqa: E402
     SelectionError,
     VersionGoneError,
 )
+from weightstore.sync import _versions as versions  # noqa: E402
 
 v1 = tf.compat.v1
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import weightstore as ws
-from weightstore import versions
+from weightstore.sync import _versions as versions
 
 
 def weights(step: int) -> dict:

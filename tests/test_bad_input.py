@@ -836,7 +836,7 @@ def _h5_with_manifest_attribute(path, value):
 
 def test_h5_manifest_over_the_size_limit_refused_before_parsing(tmp_path):
     """A variable-length string (16 bytes of storage, whatever its length) of 64 MB + 1."""
-    from weightstore.manifest import MAX_MANIFEST_BYTES
+    from weightstore.core.manifest import MAX_MANIFEST_BYTES
 
     path = _h5_with_manifest_attribute(tmp_path / "huge.h5", "[" * (MAX_MANIFEST_BYTES + 1))
     with raises_naming(errors.UnsafeFileError, path, "manifest", "too large"):
@@ -845,7 +845,7 @@ def test_h5_manifest_over_the_size_limit_refused_before_parsing(tmp_path):
 
 def test_h5_manifest_over_the_size_limit_in_utf8_bytes(tmp_path):
     """Fewer characters than the limit, more bytes: the limit is on the bytes."""
-    from weightstore.manifest import MAX_MANIFEST_BYTES
+    from weightstore.core.manifest import MAX_MANIFEST_BYTES
 
     path = _h5_with_manifest_attribute(tmp_path / "wide.h5", "模" * (MAX_MANIFEST_BYTES // 3 + 1))
     with raises_naming(errors.UnsafeFileError, path, "manifest", "too large"):

@@ -11,7 +11,7 @@ import pytest
 from processes import free_port, run_together
 
 import weightstore as ws
-from weightstore import cluster
+from weightstore.sharded import _cluster as cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,7 +105,7 @@ RANK = textwrap.dedent("""
         else:
             raise AssertionError("no attempt, yet no error")
         attempt = 2
-    rank = ws.cluster.membership().rank
+    rank = ws.sharded.membership().rank
     kernel = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
     ws.publish_shard(folder, {"k": ws.Piece(kernel[rank * 4:rank * 4 + 4], (rank * 4, 0), (8, 3))}, step=5,
                      attempt=attempt)

@@ -15,11 +15,11 @@ import zstandard
 
 import hostile
 import weightstore as ws
+from weightstore.core.manifest import build_manifest, checksum, parse_manifest
 from weightstore.errors import ChecksumError, FormatError, TargetError
 from weightstore.formats import npz as npz_format
 from weightstore.formats import safetensors as safetensors_format
 from weightstore.formats import shuffle_zstd
-from weightstore.manifest import build_manifest, checksum, parse_manifest
 
 SUFFIX = shuffle_zstd.MEMBER_SUFFIX
 

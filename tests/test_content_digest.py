@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 import weightstore as ws
 from weightstore.cli.main import app
-from weightstore.manifest import content_digest
+from weightstore.core.manifest import content_digest
 
 DATA = Path(__file__).resolve().parent / "data"
 

@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 
 import weightstore as ws
-from weightstore import crc, parallel
+from weightstore.core import _parallel as parallel
+from weightstore.core import checksums as crc
+from weightstore.core.manifest import checksum, crc32
 from weightstore.errors import ChecksumError, FormatError
 from weightstore.formats import shuffle_zstd
-from weightstore.manifest import checksum, crc32
 
 DATA = Path(__file__).resolve().parent / "data"
 GOLDEN = [f"golden_v{version}{suffix}" for version in (1, 2)
@@ -215,7 +216,8 @@ def _encode(plain: np.ndarray, itemsize: int) -> memoryview:
 
 FORKED_CHILD = """
 import os, threading, zlib
-from weightstore import crc, parallel
+from weightstore.core import checksums as crc
+from weightstore.core import _parallel as parallel
 
 parallel.for_each(2, lambda index: None)  # the parent's pool and its thread exist before the fork
 pid = os.fork()

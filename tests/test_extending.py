@@ -29,7 +29,7 @@ TOY_FORMAT = textwrap.dedent('''
     from weightstore.errors import ChecksumError, FormatError, KeyNotInStoreError
     from weightstore.formats import Format, ReaderDefaults
     from weightstore.io.source import open_source
-    from weightstore.manifest import checksum, crc32, from_storage, parse_manifest, storage_dtype
+    from weightstore.core.manifest import checksum, crc32, from_storage, parse_manifest, storage_dtype
 
     MAGIC = b"TOYWS\\0\\0\\0"
 

@@ -15,13 +15,13 @@ import sys
 import numpy as np
 
 import weightstore
-from weightstore.extras import install_hint
+from weightstore.core._extras import install_hint
 
 OPTIONAL = ["tensorflow", "keras", "torch", "jax", "flax", "s3fs"]
 #: adapter -> (the modules it may name first, its extra)
 ADAPTERS = {"torch": (["torch"], "torch"), "flax": (["jax", "flax"], "flax"), "tf1": (["tensorflow"], "tf"),
-            "tf2": (["keras", "tensorflow"], "tf"), "hooks": (["keras", "tensorflow"], "tf"),
-            "snapshot": (["keras", "tensorflow"], "tf")}
+            "tf2": (["keras", "tensorflow"], "tf"), "serving.hooks": (["keras", "tensorflow"], "tf"),
+            "serving.snapshot": (["keras", "tensorflow"], "tf")}
 ATTEMPTS = f"""
 import importlib, json
 import weightstore

@@ -13,8 +13,9 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from weightstore import errors, manifest
-from weightstore import keys as K
+from weightstore import errors
+from weightstore.core import keys as K
+from weightstore.core import manifest
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

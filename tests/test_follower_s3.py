@@ -23,7 +23,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import keras  # noqa: E402
 
 import weightstore as ws  # noqa: E402
-from weightstore.adapters.follower import Follower  # noqa: E402
+from weightstore.adapters.serving.follower import Follower  # noqa: E402
 
 BUCKET = "weightstore-follower"
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,7 +156,7 @@ def test_a_version_whose_download_failed_is_fetched_again(s3, folder, model):
 
 def test_an_idle_follower_asks_for_the_pointer_without_moving_it(s3, folder):
     """Each look is a HEAD (ETag unchanged: no body); LATEST's body moves only when it changed."""
-    from weightstore import versions
+    from weightstore.sync import _versions as versions
 
     ws.publish(folder, {"w": np.zeros(4, np.float32)}, step=1)
     s3.reset()
@@ -257,7 +257,7 @@ SERVING_PROCESS = textwrap.dedent("""
     import numpy as np
     import tensorflow as tf
     from benchmarks.common import AnonPeak, anon_bytes
-    from weightstore.adapters.follower import Follower
+    from weightstore.adapters.serving.follower import Follower
     folder, tensors, floats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     variables = {f"layer_{i}/w": tf.Variable(np.full(floats, -1.0, np.float32)) for i in range(tensors)}
     with Follower(variables, folder, poll=0.01) as follower:

@@ -19,7 +19,7 @@ import pytest
 
 import hostile
 import weightstore as ws
-from weightstore.manifest import checksum
+from weightstore.core.manifest import checksum
 
 DATA = Path(__file__).resolve().parent / "data"
 GOLDEN = [f"golden_v{version}{suffix}" for version in (1, 2)

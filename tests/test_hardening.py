@@ -523,7 +523,7 @@ def test_deflated_manifest_of_nested_objects_is_refused_before_it_is_inflated(tm
         address_space=160 << 20)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "REFUSED" in result.stdout and "manifest" in result.stdout and "nested.npz" in result.stdout
-    from weightstore.manifest import parse_manifest
+    from weightstore.core.manifest import parse_manifest
 
     with raises_naming(errors.UnsafeFileError, "m.npz", "JSON objects and arrays"):
         parse_manifest('{"format": "weightstore", "version": 1, "tensors": {}, "metadata": [' + "[]," * 10_000 + "0]}",

@@ -146,8 +146,8 @@ def test_reading_many_tensors_announces_the_stretch_their_bytes_lie_in_once(tmp_
 def test_a_tensor_unlike_its_planned_header_is_written_as_it_is(tmp_path):
     """The writer makes headers from what it was told would come; a tensor that comes otherwise
     (a shape changed between the check and the write) is written as it is, not refused or cut."""
+    from weightstore.core.manifest import TensorInfo
     from weightstore.formats.hdf5 import Hdf5Writer
-    from weightstore.manifest import TensorInfo
 
     path = str(tmp_path / "changed.h5")
     told = [TensorInfo("a", "float32", (1024, 1024), 4 << 20), TensorInfo("b", "float32", (4,), 16),

@@ -12,10 +12,10 @@ keras = pytest.importorskip("keras")
 
 import weightstore as ws  # noqa: E402
 from polling import wait_until  # noqa: E402
-from weightstore import versions  # noqa: E402
 from weightstore.adapters import tf1, tf2  # noqa: E402
-from weightstore.adapters.follower import Follower  # noqa: E402
-from weightstore.adapters.hooks import PublishCallback, PublishHook, is_chief  # noqa: E402
+from weightstore.adapters.serving.follower import Follower  # noqa: E402
+from weightstore.adapters.serving.hooks import PublishCallback, PublishHook, is_chief  # noqa: E402
+from weightstore.sync import _versions as versions  # noqa: E402
 
 
 def small_model(seed: int = 0) -> keras.Model:
@@ -73,7 +73,7 @@ def test_is_chief_from_tf_config(monkeypatch, config, chief):
     monkeypatch.setenv("TF_CONFIG", json.dumps(config))
     assert is_chief() is chief
     if chief and config.get("cluster"):  # where the cluster lists the task, it is rank 0 of a sharded version
-        assert ws.cluster.membership().rank == 0
+        assert ws.sharded.membership().rank == 0
 
 
 def test_a_malformed_tf_config_is_named(monkeypatch):
@@ -429,7 +429,7 @@ def test_a_folder_made_anew_is_followed_back_down_by_follow_and_the_follower(tmp
         assert follower.wait(20, timeout=30).step == 20
         shutil.rmtree(folder)
         ws.publish(folder, step_weights(model, 1), step=1)
-        with caplog.at_level("WARNING", logger="weightstore.versions"):
+        with caplog.at_level("WARNING", logger="weightstore.sync._versions"):
             again = next(versions_seen)
             assert again.step == 1 and ws.load(again)["out/bias"].tolist() == [1.0]
             wait_until(lambda: follower.version is not None and follower.version.step == 1,

@@ -12,7 +12,7 @@ keras = pytest.importorskip("keras")
 
 import weightstore as ws  # noqa: E402
 from weightstore.adapters import tf2  # noqa: E402
-from weightstore.adapters.follower import Follower  # noqa: E402
+from weightstore.adapters.serving.follower import Follower  # noqa: E402
 
 RNG = np.random.default_rng(19)
 X = RNG.normal(5, 3, (8, 3)).astype("float32")

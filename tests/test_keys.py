@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import weightstore as ws
-from weightstore import keys as K
+from weightstore.core import keys as K
 
 # -- key rules ------------------------------------------------------------------------------------
 

@@ -22,8 +22,8 @@ import pytest
 import hostile
 import weightstore as ws
 from weightstore import errors
+from weightstore.core.manifest import build_manifest
 from weightstore.formats import npz, zipdir
-from weightstore.manifest import build_manifest
 
 _LOCAL = struct.Struct("<4s5H3I2H")
 _CENTRAL = struct.Struct("<4s6H3I5H2I")

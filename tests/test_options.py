@@ -44,7 +44,7 @@ def test_every_adapter_export_and_assign_take_the_same_words():
 
 def test_the_follower_hooks_and_cli_take_the_same_words():
     pytest.importorskip("tensorflow")
-    from weightstore.adapters import follower, hooks
+    from weightstore.adapters.serving import follower, hooks
     from weightstore.cli import main
 
     assert words(follower.Follower) >= ASSIGN
@@ -120,12 +120,15 @@ def test_every_adapter_applies_the_selection_words_alike(name):
 
 
 def test_every_publisher_and_follower_shares_one_set_of_defaults():
-    """keep, format and poll are declared once (weightstore.versions), and every entry point has them."""
+    """keep, format and poll are declared once (weightstore.sync._versions), and every entry point has them."""
     pytest.importorskip("tensorflow")
     import weightstore as ws
-    from weightstore import background, shards, versions
-    from weightstore.adapters import follower, hooks, tf2
+    from weightstore.adapters import tf2
+    from weightstore.adapters.serving import follower, hooks
     from weightstore.cli import sync
+    from weightstore.sharded import _shards as shards
+    from weightstore.sync import _background as background
+    from weightstore.sync import _versions as versions
 
     def default(function: typing.Callable, name: str) -> object:
         return inspect.signature(function).parameters[name].default

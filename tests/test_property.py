@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import weightstore as ws
-from weightstore import keys as K
 from weightstore.adapters.plan import out_of_range
+from weightstore.core import keys as K
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

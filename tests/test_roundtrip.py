@@ -14,7 +14,7 @@ import pytest
 
 import hostile
 import weightstore as ws
-from weightstore.manifest import logical_dtype
+from weightstore.core.manifest import logical_dtype
 
 FORMATS = [
     pytest.param(".npz", False, id="npz"),

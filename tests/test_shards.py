@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 import weightstore as ws
-from weightstore import shards, versions
-from weightstore.shardindex import ShardIndex, seal
+from weightstore.formats._sharded_index import ShardIndex, seal
+from weightstore.sharded import _shards as shards
+from weightstore.sync import _versions as versions
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,7 +54,8 @@ model, pieces_of = namespace["model"], namespace["pieces_of"]
 
 WRITER = MODEL + textwrap.dedent("""
     import os, sys
-    from weightstore import shards, versions
+    from weightstore.sharded import _shards as shards
+    from weightstore.sync import _versions as versions
     folder, rank, attempt, kill_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     def stage(name):
         if name == kill_at:
@@ -329,7 +331,7 @@ def test_the_overlap_check_of_an_index_does_bounded_work(tmp_path, monkeypatch):
     their rows are no 134 million comparisons; and one index may ask a bounded number of
     comparisons in all, more than any one valid tensor needs, so a hostile index repeating an
     expensive layout is refused instead of worked through for minutes."""
-    from weightstore import shardindex
+    from weightstore.formats import _sharded_index as shardindex
 
     n = shardindex.MAX_PIECES_PER_KEY
     strips = hostile_index(tmp_path / "strips", lambda raw: raw["tensors"].update(s={
@@ -570,7 +572,7 @@ def test_a_member_whose_bytes_are_not_where_its_format_says_is_refused(tmp_path,
     ((32, 32000), 4, 4096, None),   # 4,096 ranks: no room for strips at all
 ])
 def test_strips_are_power_of_two_columns_and_keep_a_key_under_its_piece_limit(shape, itemsize, world, columns):
-    from weightstore.shardindex import MAX_PIECES_PER_KEY, strip_columns
+    from weightstore.formats._sharded_index import MAX_PIECES_PER_KEY, strip_columns
 
     assert strip_columns(shape, itemsize, world) == columns
     if columns:
@@ -580,7 +582,7 @@ def test_strips_are_power_of_two_columns_and_keep_a_key_under_its_piece_limit(sh
 def test_a_key_whose_ranks_together_pass_its_piece_limit_is_not_committed(tmp_path, monkeypatch):
     """Each done-record is under the limit, their sum is not: the coordinator refuses it, as
     every reader would refuse the index, and LATEST stays where it was."""
-    from weightstore import shardindex
+    from weightstore.formats import _sharded_index as shardindex
 
     monkeypatch.setattr(shardindex, "MAX_PIECES_PER_KEY", 4)
     folder = tmp_path / "run"
@@ -604,7 +606,7 @@ def test_an_index_or_done_record_dense_with_json_containers_is_refused_before_pa
     """Empty lists cost Python 56 bytes for 3 bytes of text: 63 MB of them parsed into 2 GB.
     Readers refuse such a file unparsed; a coordinator whose metadata would make its index one
     refuses it before committing, so no reader ever meets an index it cannot open."""
-    from weightstore.shardindex import parse_done
+    from weightstore.formats._sharded_index import parse_done
 
     dense = {"format": "weightstore-shard-done", "version": 1, "pad": [[] for _ in range(20_000)]}
     with pytest.raises(ws.UnsafeFileError, match="JSON objects and arrays"):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import weightstore as ws
-from weightstore.shardindex import ShardIndex, seal
+from weightstore.formats._sharded_index import ShardIndex, seal
 
 ROOT = Path(__file__).resolve().parents[1]
 BUCKET = "weightstore-shards-follow"
@@ -102,7 +102,7 @@ def test_a_tf1_follower_fetches_only_the_parts_whose_blocks_changed(s3):
     import s3fs
 
     from weightstore.adapters import tf1
-    from weightstore.adapters.follower import Follower
+    from weightstore.adapters.serving.follower import Follower
 
     sess = partitioned_session()
     folder = f"s3://{BUCKET}/{uuid.uuid4().hex}"
@@ -172,7 +172,7 @@ def test_a_torch_module_skips_unchanged_tensors_and_reloads_everything_without_d
 
 def test_a_follower_keeps_a_torch_module_at_the_latest_sharded_version(torch_versions):
     torch = pytest.importorskip("torch")
-    from weightstore.adapters.follower import Follower
+    from weightstore.adapters.serving.follower import Follower
 
     versions, _ = torch_versions
     module = torch.nn.ParameterDict({key: torch.nn.Parameter(torch.zeros(value.shape))
@@ -187,7 +187,7 @@ def test_a_follower_keeps_a_torch_module_at_the_latest_sharded_version(torch_ver
 def test_a_tf2_follower_skips_the_tensors_whose_blocks_did_not_change(torch_versions):
     tf = pytest.importorskip("tensorflow")
     from weightstore.adapters import tf2
-    from weightstore.adapters.follower import Follower
+    from weightstore.adapters.serving.follower import Follower
 
     versions, _ = torch_versions
     variables = {key: tf.Variable(tf.zeros(value.shape)) for key, value in model(1).items()}
@@ -204,7 +204,7 @@ def test_serving_goes_on_while_a_follower_fetches_a_sharded_version(tmp_path, mo
     """Every fetch of the second version (regions of a partitioned TF1 variable, whole tensors of
     a torch module) lets a ``reading()`` block opened meanwhile by another thread run to its end
     before the fetch does: the follower holds no lock while it reads the network or the disk."""
-    from weightstore.adapters.follower import Follower
+    from weightstore.adapters.serving.follower import Follower
     from weightstore.formats.sharded import ShardedReader
 
     if framework == "tf1":

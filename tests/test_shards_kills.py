@@ -30,8 +30,8 @@ import shard_kills  # noqa: E402
 
 import weightstore as ws  # noqa: E402
 from polling import wait_until  # noqa: E402
+from weightstore.formats._sharded_index import attempt_folder, done_name  # noqa: E402
 from weightstore.io.folders import folder_for  # noqa: E402
-from weightstore.shardindex import attempt_folder, done_name  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BUCKET = "weightstore-kills"

@@ -14,7 +14,8 @@ pytest.importorskip("moto.server")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import weightstore as ws  # noqa: E402
-from weightstore import shards, versions  # noqa: E402
+from weightstore.sharded import _shards as shards
+from weightstore.sync import _versions as versions
 
 BUCKET = "weightstore-shards"
 #: 23 MiB in rows of 16 KiB, 375 rows a writer and 500 a reader: a reader's region starts and

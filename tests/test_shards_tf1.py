@@ -88,7 +88,7 @@ def test_each_part_of_a_finalized_graph_reads_only_its_region_from_s3(server):
 
     import s3fs
 
-    from weightstore.shardindex import ShardIndex
+    from weightstore.formats._sharded_index import ShardIndex
 
     folder = f"s3://{BUCKET}/{uuid.uuid4().hex}"
     _, writer = build_wide(4, seed=3)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import weightstore as ws
-from weightstore.shardindex import BLOCK_BYTES
+from weightstore.formats._sharded_index import BLOCK_BYTES
 
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
@@ -48,7 +48,7 @@ WORKER = MODEL + textwrap.dedent("""
     import json, os, sys, threading, time
     import tensorflow as tf
     import weightstore as ws
-    from weightstore import shards
+    from weightstore.sharded import _shards as shards
     from weightstore.adapters import tf2, tf2_sharded
 
     folder, out = sys.argv[1], sys.argv[2]

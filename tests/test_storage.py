@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import weightstore as ws
-from weightstore import versions
+from weightstore.sync import _versions as versions
 
 WEIGHTS = {"dense/kernel": np.arange(12, dtype=np.float32).reshape(3, 4)}
 

@@ -22,7 +22,7 @@ import hostile
 import weightstore as ws
 from hostile import raises_naming
 from weightstore import errors
-from weightstore.manifest import build_manifest, parse_manifest
+from weightstore.core.manifest import build_manifest, parse_manifest
 
 
 def columns(**changes) -> dict:

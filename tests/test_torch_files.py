@@ -13,8 +13,8 @@ from typer.testing import CliRunner  # noqa: E402
 import weightstore as ws  # noqa: E402
 from weightstore.adapters import torch as torch_adapter  # noqa: E402
 from weightstore.cli.main import app  # noqa: E402
+from weightstore.core.names import key_of_torch_name, torch_name_of_key  # noqa: E402
 from weightstore.errors import FormatError, InvalidKeyError  # noqa: E402
-from weightstore.names import key_of_torch_name, torch_name_of_key  # noqa: E402
 
 nn = torch.nn
 

@@ -17,8 +17,8 @@ import typer
 from typer.testing import CliRunner
 
 import weightstore as ws
-from weightstore import versions
 from weightstore.cli import sync as sync_cli
+from weightstore.sync import _versions as versions
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -180,7 +180,7 @@ KILLED_PUBLISHER = textwrap.dedent("""
     import os, signal, sys
     import numpy as np
     import weightstore as ws
-    from weightstore import versions
+    from weightstore.sync import _versions as versions
     folder, stage = sys.argv[1], sys.argv[2]
     def weights(step):
         return {f"layer_{i}/w": np.full((4,), step, np.float32) for i in range(3)}
@@ -457,7 +457,7 @@ def test_metadata_that_would_make_latest_unreadable_is_refused_before_anything_i
     run = tmp_path / "run"
     ws.publish(run, weights_at(1), step=1)
     big = {"notes": "é" * 200_000}  # 0.4 MB in the file, 1.2 MB in LATEST
-    limit = rf"{versions._MAX_POINTER_BYTES}"
+    limit = rf"{versions.MAX_POINTER_BYTES}"
     with pytest.raises(ws.SizeLimitError, match=rf"{run}/step-000000000002.npz: .*LATEST \d+ bytes.*{limit}"):
         ws.publish(run, weights_at(2), step=2, metadata=big)
     assert files(run) == [".publish.lock", "LATEST", "step-000000000001.npz"]
@@ -473,8 +473,8 @@ def test_metadata_that_would_make_latest_unreadable_is_refused_before_anything_i
 def test_a_latest_over_the_size_limit_says_so(tmp_path, cli):
     ws.publish(tmp_path, weights_at(1), step=1)
     pointer = (tmp_path / "LATEST").read_bytes()
-    (tmp_path / "LATEST").write_bytes(pointer[:-1] + b" " * versions._MAX_POINTER_BYTES + b"}")
-    larger = f"LATEST is larger than {versions._MAX_POINTER_BYTES} bytes"
+    (tmp_path / "LATEST").write_bytes(pointer[:-1] + b" " * versions.MAX_POINTER_BYTES + b"}")
+    larger = f"LATEST is larger than {versions.MAX_POINTER_BYTES} bytes"
     with pytest.raises(ws.FormatError, match=larger):
         ws.latest(tmp_path)
     with pytest.raises(ws.FormatError, match=larger):
@@ -526,7 +526,7 @@ def test_notifications_for_a_local_folder_are_refused(tmp_path, cli):
     queue = "https://sqs.eu-west-1.amazonaws.com/123456789012/follower"
     with pytest.raises(ValueError, match="is local"):
         ws.follow(tmp_path, notifications=queue)
-    from weightstore.adapters.follower import Follower
+    from weightstore.adapters.serving.follower import Follower
 
     with pytest.raises(ValueError, match="is local"):
         Follower({}, tmp_path, notifications=queue).start()
@@ -594,7 +594,7 @@ def test_publish_refuses_what_no_folder_can_hold_naming_it(tmp_path):
         with pytest.raises(ValueError, match="step .*too large"):
             publish()
     assert not huge.exists()
-    from weightstore.versions import _MAX_STEP_DIGITS
+    from weightstore.sync._versions import _MAX_STEP_DIGITS
 
     longest = 10**_MAX_STEP_DIGITS - 1  # its name, written as a temporary first, fits the file system
     ws.publish(huge, weights_at(1), step=longest, format="safetensors")

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import weightstore as ws
-from weightstore import versions
+from weightstore.sync import _versions as versions
 
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
@@ -159,7 +159,7 @@ KILLED_PUBLISHER = textwrap.dedent("""
     import json, os, signal, sys
     import numpy as np
     import weightstore as ws
-    from weightstore import versions
+    from weightstore.sync import _versions as versions
     folder, stage, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     def weights(step):
         return {f"layer_{i}/w": np.full((4,), step, np.float32) for i in range(3)}

@@ -1,19 +1,26 @@
 """weightstore: model weights in files any framework can read, moved under any scope.
 
-The core never imports TensorFlow; ``weightstore.adapters`` does, on demand.
+The core never imports TensorFlow; ``weightstore.adapters`` does, on demand. The layers, lowest
+first: ``errors``; ``core`` (keys, manifest, checksums); ``io``; ``formats``; ``store`` (one
+file); ``sync`` (versions of a model, job 1) and ``sharded`` (many writers, one version);
+``adapters`` (frameworks); ``cli`` (the ``ws`` command).
 """
 
-__version__ = "0.1.0"
+from weightstore import _moved, errors
+from weightstore._version import __version__
+from weightstore.core.keys import remap, select
+from weightstore.core.manifest import TensorInfo
+from weightstore.errors import *  # noqa: F401,F403
+from weightstore.sharded import Piece, commit_shards, publish_shard
+from weightstore.store import Store, load, open, save  # noqa: A004
+from weightstore.sync import BackgroundPublisher, Version, follow, latest, publish
 
-from weightstore import errors  # noqa: E402
-from weightstore.background import BackgroundPublisher  # noqa: E402
-from weightstore.errors import *  # noqa: E402,F401,F403
-from weightstore.keys import remap, select  # noqa: E402
-from weightstore.manifest import TensorInfo  # noqa: E402
-from weightstore.saving import save  # noqa: E402
-from weightstore.shards import Piece, commit_shards, publish_shard  # noqa: E402
-from weightstore.store import Store, load, open  # noqa: E402,A004
-from weightstore.versions import Version, follow, latest, publish  # noqa: E402
+_moved.install()
+
+
+def __getattr__(name: str) -> object:
+    return _moved.attribute(__name__, name)
+
 
 __all__ = ["__version__", "load", "open", "remap", "save", "select", "Store", "TensorInfo",
            "publish", "latest", "follow", "Version",

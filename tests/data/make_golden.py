@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 
 import weightstore as ws
-from weightstore.manifest import FORMAT_VERSION
+from weightstore.core.manifest import FORMAT_VERSION
 
 HERE = Path(__file__).resolve().parent
 METADATA = {"step": 1000, "note": "golden v1 ✓", "nested": {"lr": 0.001, "list": [1, 2.5, None, True]}}

@@ -16,9 +16,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from weightstore.core.keys import OUTPUT_SUFFIX, validate_key
+from weightstore.core.manifest import TensorInfo
 from weightstore.errors import FormatError, InvalidKeyError
-from weightstore.keys import OUTPUT_SUFFIX, validate_key
-from weightstore.manifest import TensorInfo
 
 
 class Reader(Protocol):

@@ -21,6 +21,21 @@ import h5py
 import numpy as np
 from isal import isal_zlib
 
+from weightstore.core.keys import RESERVED_PREFIX, join_scope
+from weightstore.core.manifest import (
+    MAX_MANIFEST_BYTES,
+    ML_DTYPES,
+    Manifest,
+    TensorInfo,
+    checksum,
+    crc32,
+    dtype_name,
+    from_storage,
+    parse_manifest,
+    raw_bytes,
+    shape_nbytes,
+    storage_dtype,
+)
 from weightstore.errors import (
     ChecksumError,
     FormatError,
@@ -44,21 +59,6 @@ from weightstore.formats.hdf5_bytes import (
 )
 from weightstore.io.files import open_regular
 from weightstore.io.local import MappedFile
-from weightstore.keys import RESERVED_PREFIX, join_scope
-from weightstore.manifest import (
-    MAX_MANIFEST_BYTES,
-    ML_DTYPES,
-    Manifest,
-    TensorInfo,
-    checksum,
-    crc32,
-    dtype_name,
-    from_storage,
-    parse_manifest,
-    raw_bytes,
-    shape_nbytes,
-    storage_dtype,
-)
 
 MANIFEST_ATTRIBUTE = "weightstore"
 _KERAS_DTYPE_ATTRIBUTE = b"dtype"  # Keras's label of the raw bytes it stores bfloat16 as

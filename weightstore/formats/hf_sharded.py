@@ -27,13 +27,13 @@ from typing import Any
 
 import numpy as np
 
-from weightstore import jsontext
+from weightstore.core import _jsontext as jsontext
+from weightstore.core.manifest import TensorInfo
 from weightstore.errors import FileAccessError, FormatError, KeyNotInStoreError, UnsafeFileError, named, naming
 from weightstore.formats import ReaderDefaults, safetensors
 from weightstore.io.files import open_regular
 from weightstore.io.remote import RemoteFile
 from weightstore.io.source import read_whole
-from weightstore.manifest import TensorInfo
 
 INDEX_NAME = "model.safetensors.index.json"
 INDEX_SUFFIX = ".safetensors.index.json"

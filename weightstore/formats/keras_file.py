@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from weightstore import jsontext
+from weightstore.core import _jsontext as jsontext
+from weightstore.core.manifest import TensorInfo
 from weightstore.errors import FormatError, StoreNotFoundError, UnsafeFileError, WeightStoreError, naming
 from weightstore.formats import ReaderDefaults, format_for_suffix, format_named, zipdir
 from weightstore.formats.zipdir import MAX_DEFLATE_RATIO
 from weightstore.io.files import open_regular, refuse_special_file
-from weightstore.manifest import TensorInfo
 
 KERAS_SUFFIX = ".keras"
 WEIGHTS_SUFFIX = ".weights.h5"

@@ -23,7 +23,25 @@ from typing import Any, BinaryIO
 import numpy as np
 from isal import isal_zlib
 
-from weightstore import crc as _crc
+from weightstore.core import checksums as _crc
+from weightstore.core._gcpause import paused_gc
+from weightstore.core._tensortable import NO_CRC
+from weightstore.core.manifest import (
+    CRC_CHUNK,
+    MAX_MANIFEST_BYTES,
+    MAX_NDIM,
+    Manifest,
+    TensorInfo,
+    checksum,
+    checksum_text,
+    crc32,
+    dtype_name,
+    from_storage,
+    parse_manifest,
+    raw_bytes,
+    storage_dtype,
+    write_checksummed,
+)
 from weightstore.errors import ChecksumError, FormatError, KeyNotInStoreError, UnsafeFileError, named, naming
 from weightstore.formats import Format, ReaderDefaults, foreign_keys, shuffle_zstd, zipdir
 from weightstore.formats.foreign import refuse_torch_archive
@@ -43,27 +61,9 @@ from weightstore.formats.zipdir import (
     UTF8_FLAG,
     ZIP64_LIMIT,
 )
-from weightstore.gcpause import paused_gc
 from weightstore.io.buffer import ALIGNMENT
 from weightstore.io.local import MappedFile, OwnedFile
 from weightstore.io.source import ByteSource, open_source, prefetch_ranges
-from weightstore.manifest import (
-    CRC_CHUNK,
-    MAX_MANIFEST_BYTES,
-    MAX_NDIM,
-    Manifest,
-    TensorInfo,
-    checksum,
-    checksum_text,
-    crc32,
-    dtype_name,
-    from_storage,
-    parse_manifest,
-    raw_bytes,
-    storage_dtype,
-    write_checksummed,
-)
-from weightstore.tensortable import NO_CRC
 
 MANIFEST_MEMBER = "__weightstore__.npy"
 #: how far a deflated manifest member may inflate (UTF-32 JSON text deflates 10-30x)

@@ -1,7 +1,7 @@
 """A reader whose keys are another naming of its file's names (PyTorch's ``a.b.c`` as ``a/b/c``).
 
 Wrapping rather than teaching every reader a naming keeps the naming in one place
-(:mod:`weightstore.names`): npz, HDF5, safetensors and sharded readers all answer to the
+(:mod:`weightstore.core.names`): npz, HDF5, safetensors and sharded readers all answer to the
 file's own names, and this maps keys onto them and back.
 """
 
@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
+from weightstore.core.manifest import TensorInfo
 from weightstore.errors import FormatError, InvalidKeyError, KeyNotInStoreError
 from weightstore.formats import Reader
-from weightstore.manifest import TensorInfo
 
 
 def names_by_key(reader: Reader, key_of: Callable[[str], str]) -> dict[str, str]:

@@ -56,22 +56,10 @@ from typing import Any, NamedTuple, cast
 import numpy as np
 import orjson
 
-from weightstore import jsontext
-from weightstore.errors import (
-    ChecksumError,
-    FormatError,
-    KeyNotInStoreError,
-    UnsafeFileError,
-    UnsupportedDTypeError,
-    named,
-    naming,
-)
-from weightstore.formats import Format, ReaderDefaults, foreign_keys
-from weightstore.formats.sstable import crc32c, unmask_crc
-from weightstore.gcpause import paused_gc
-from weightstore.io.local import MappedFile
-from weightstore.io.source import ByteSource, open_source, prefetch_ranges
-from weightstore.manifest import (
+from weightstore.core import _jsontext as jsontext
+from weightstore.core._gcpause import paused_gc
+from weightstore.core._tensortable import NO_CRC, TensorTable
+from weightstore.core.manifest import (
     MAX_NDIM,
     ML_DTYPES,
     Manifest,
@@ -83,7 +71,19 @@ from weightstore.manifest import (
     raw_bytes,
     write_checksummed,
 )
-from weightstore.tensortable import NO_CRC, TensorTable
+from weightstore.errors import (
+    ChecksumError,
+    FormatError,
+    KeyNotInStoreError,
+    UnsafeFileError,
+    UnsupportedDTypeError,
+    named,
+    naming,
+)
+from weightstore.formats import Format, ReaderDefaults, foreign_keys
+from weightstore.formats.sstable import crc32c, unmask_crc
+from weightstore.io.local import MappedFile
+from weightstore.io.source import ByteSource, open_source, prefetch_ranges
 
 #: the reference library refuses larger headers (``MAX_HEADER_SIZE``), so we neither write nor read them
 MAX_HEADER_BYTES = 100_000_000

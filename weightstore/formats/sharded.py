@@ -1,10 +1,10 @@
 """Reading a sharded version: its index opened as a store of global keys and global shapes.
 
-``ws.open("step-000000000042.wsindex")`` (or a :class:`~weightstore.versions.Version` naming
-one) gives a :class:`~weightstore.store.Store` like any other: ``store[key]`` assembles the whole
+``ws.open("step-000000000042.wsindex")`` (or a :class:`~weightstore.sync._versions.Version` naming
+one) gives a :class:`~weightstore.store._open.Store` like any other: ``store[key]`` assembles the whole
 tensor from its pieces, ``store.read_region(key, region)`` only the part a tuple of slices
 names. Either way the reader fetches, from each member that holds part of it, only the blocks
-(:mod:`weightstore.shardindex`) that intersect what is asked, in one ranged read per piece,
+(:mod:`weightstore.formats._sharded_index`) that intersect what is asked, in one ranged read per piece,
 and verifies each block's CRC-32 before a byte of it is used. :meth:`ShardedReader.region_digest`
 says, from the index alone, whether a region's blocks changed between two versions. Members are never opened as
 stores: the index already says where everything is, so their headers are never fetched.
@@ -20,6 +20,8 @@ from typing import Any
 import blake3
 import numpy as np
 
+from weightstore.core._tensortable import TensorInfo
+from weightstore.core.manifest import crc32, from_storage, storage_dtype
 from weightstore.errors import (
     ChecksumError,
     KeyNotInStoreError,
@@ -29,13 +31,11 @@ from weightstore.errors import (
     naming,
 )
 from weightstore.formats import Format, ReaderDefaults
+from weightstore.formats._sharded_index import MAX_INDEX_BYTES, PieceEntry, ShardIndex, TensorEntry, row_bytes, rows_of
 from weightstore.io.buffer import aligned_array
 from weightstore.io.location import location_of
 from weightstore.io.ranges import RangedFile
 from weightstore.io.source import byte_source, read_whole
-from weightstore.manifest import crc32, from_storage, storage_dtype
-from weightstore.shardindex import MAX_INDEX_BYTES, PieceEntry, ShardIndex, TensorEntry, row_bytes, rows_of
-from weightstore.tensortable import TensorInfo
 
 __all__ = ["FORMAT", "ShardedReader", "normalized_region"]
 

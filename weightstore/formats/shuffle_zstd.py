@@ -26,7 +26,8 @@ import numpy as np
 import zstandard
 from isal import isal_zlib
 
-from weightstore import crc, parallel
+from weightstore.core import _parallel as parallel
+from weightstore.core import checksums as crc
 from weightstore.errors import FormatError
 
 CODEC = "shuffle-zstd"

@@ -67,6 +67,9 @@ from typing import Any
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from weightstore.core._tensortable import fits_an_array, short_repr
+from weightstore.core.keys import from_tf_name, validate_key
+from weightstore.core.manifest import MAX_NDIM, ML_DTYPES, TensorInfo, dtype_name
 from weightstore.errors import (
     ChecksumError,
     FileAccessError,
@@ -75,16 +78,13 @@ from weightstore.errors import (
     KeyNotInStoreError,
     StoreNotFoundError,
     UnsafeFileError,
-    WeightStoreError,
 )
 from weightstore.formats import ReaderDefaults
+from weightstore.formats._pointer import LATEST, local_latest_name
 from weightstore.formats.sstable import Table, crc32c, read_varint, unmask_crc
 from weightstore.formats.tf_protos import BundleEntryProto, BundleHeaderProto, TrackableObjectGraph
 from weightstore.io.files import open_regular
 from weightstore.io.local import MappedFile
-from weightstore.keys import from_tf_name, validate_key
-from weightstore.manifest import MAX_NDIM, ML_DTYPES, TensorInfo, dtype_name
-from weightstore.tensortable import fits_an_array, short_repr
 
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 VARIABLE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
@@ -188,15 +188,10 @@ def _prefix_in_folder(folder: str) -> str:
 
 def _refuse_published_folder(folder: str) -> None:
     """A folder ``ws.publish`` writes holds versions, not one file: name one, rather than "no TF checkpoint"."""
-    from weightstore import versions  # it imports the formats
-
-    if not os.path.isfile(os.path.join(folder, versions.LATEST)):
+    if not os.path.isfile(os.path.join(folder, LATEST)):
         return
-    try:
-        latest = versions.latest(folder)
-    except WeightStoreError:  # a damaged LATEST: the folder is still one of versions
-        latest = None
-    example = f"such as LATEST's {latest.path}" if latest else "one of its step-* files"
+    latest = local_latest_name(folder)  # None for a damaged LATEST: the folder is still one of versions
+    example = f"such as LATEST's {os.path.join(folder, latest)}" if latest else "one of its step-* files"
     raise StoreNotFoundError(f"is a folder of ws.publish versions, not one weight file; name a version, {example} "
                              f"(ws versions {folder} lists them; in Python: ws.load(ws.latest(folder)))", path=folder)
 

@@ -3,7 +3,7 @@
 Errors of the storage service (outages, credentials) come out as
 :class:`~weightstore.errors.StorageError`, so callers can tell "try again later" from "this
 folder is damaged". Each file is written by its commit protocol (:mod:`weightstore.io.commit`);
-:mod:`weightstore.versions` orders them (pointer last).
+:mod:`weightstore.sync._versions` orders them (pointer last).
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from weightstore.core._extras import install_hint
 from weightstore.errors import MissingDependencyError, StorageError, StoreNotFoundError, WeightStoreError
-from weightstore.extras import install_hint
 
 __all__ = ["Location", "location_of", "is_url", "filesystem", "protocols", "storage_error", "service"]
 

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from typing_extensions import Unpack
 
-from weightstore.extras import needs
+from weightstore.core._extras import needs
 
 with needs("tf", __name__):
     import keras

@@ -28,11 +28,11 @@ import blake3
 import numpy as np
 import orjson
 
+from weightstore.core._jsontext import refuse_dense
+from weightstore.core._tensortable import MAX_NDIM, fits_an_array
+from weightstore.core.keys import validate_key
+from weightstore.core.manifest import crc32, logical_dtype, raw_bytes
 from weightstore.errors import FormatError, InvalidKeyError, UnsafeFileError, WeightStoreError
-from weightstore.jsontext import refuse_dense
-from weightstore.keys import validate_key
-from weightstore.manifest import crc32, logical_dtype, raw_bytes
-from weightstore.tensortable import MAX_NDIM, fits_an_array
 
 __all__ = ["index_name", "attempt_folder", "member_name", "MEMBER_SUFFIXES", "done_name", "BLOCK_BYTES", "INDEX_FORMAT", "DONE_FORMAT", "MAX_INDEX_BYTES", "MAX_DONE_BYTES", "BYTES_PER_CONTAINER", "MAX_PIECES_PER_KEY",
            "PieceEntry", "TensorEntry", "Member", "ShardIndex", "DoneRecord", "parse_done", "check_parsable", "check_tensor",

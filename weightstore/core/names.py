@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
+from weightstore.core.keys import validate_key
 from weightstore.errors import InvalidKeyError
-from weightstore.keys import validate_key
 
 TORCH = "torch"
 FILE = "file"

@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from weightstore.core._tensortable import short_repr
 from weightstore.errors import FormatError, UnsafeFileError
-from weightstore.tensortable import short_repr
 
 __all__ = ["refuse_dense", "loads"]
 

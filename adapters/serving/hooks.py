@@ -9,7 +9,7 @@ counting where it left off and the "steps must increase" rule holds across resta
 Both publish in the background by default (``background=False`` writes on the training
 thread instead). The training thread is held only for a snapshot: the Keras callback reads
 each variable as an eager tensor that shares the variable's buffer, which TensorFlow copies on
-the next write to it (see :mod:`weightstore.adapters.snapshot`); the TF1 hook fetches the
+the next write to it (see :mod:`weightstore.adapters.serving.snapshot`); the TF1 hook fetches the
 values in one ``session.run``. A :class:`weightstore.BackgroundPublisher` then writes them:
 at most one publish in flight (the next one waits for it), and a failed publish raises on the
 next publish, at the end of training, or from ``wait()``/``close()``. The end of training
@@ -18,7 +18,7 @@ next publish, at the end of training, or from ``wait()``/``close()``. The end of
 
 Under tf.distribute (or a ``TF_CONFIG`` cluster) only the chief publishes: the task of type
 ``chief``, or worker 0 when the cluster has no chief. Every worker holds the same weights, and
-one publisher per folder is the rule :mod:`weightstore.versions` enforces.
+one publisher per folder is the rule :mod:`weightstore.sync._versions` enforces.
 """
 
 from __future__ import annotations
@@ -29,22 +29,22 @@ from typing import Any
 from typing_extensions import Unpack
 
 import weightstore
-from weightstore.extras import needs
+from weightstore.core._extras import needs
 
 with needs("tf", __name__):
     import keras
     import tensorflow as tf
 
 from weightstore.adapters.plan import Selection, SelectionWords
-from weightstore.background import BackgroundPublisher
-from weightstore.cluster import is_tf_chief, tf_config_task
-from weightstore.versions import DEFAULT_FORMAT, DEFAULT_KEEP, PublishOptions, Version
+from weightstore.sharded._cluster import is_tf_chief, tf_config_task
+from weightstore.sync._background import BackgroundPublisher
+from weightstore.sync._versions import DEFAULT_FORMAT, DEFAULT_KEEP, PublishOptions, Version
 
 __all__ = ["PublishCallback", "PublishHook", "is_chief"]
 
 
 def is_chief(strategy: Any = None) -> bool:
-    """Whether this task publishes: the one :func:`weightstore.cluster.is_tf_chief` names (the
+    """Whether this task publishes: the one :func:`weightstore.sharded._cluster.is_tf_chief` names (the
     chief, else the master, else worker 0), as the strategy's cluster or ``TF_CONFIG`` says;
     with no cluster, the single process does."""
     resolver = getattr(strategy, "cluster_resolver", None)
@@ -150,7 +150,7 @@ class PublishCallback(keras.callbacks.Callback):
     def _publish(self) -> None:
         if not is_chief(getattr(self.model, "distribute_strategy", None)):
             return
-        from weightstore.adapters.snapshot import snapshot
+        from weightstore.adapters.serving.snapshot import snapshot
 
         optimizer = getattr(self.model, "optimizer", None)
         step = int(optimizer.iterations.numpy()) if optimizer is not None else self._batches

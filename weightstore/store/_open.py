@@ -1,6 +1,6 @@
 """``open`` and ``load`` over local paths and fsspec URLs: the :class:`Store` over a file's
 reader, whatever wrote the file (weightstore, a TF checkpoint, Keras, safetensors, a Hugging
-Face sharded folder); :mod:`weightstore.saving` writes."""
+Face sharded folder); :mod:`weightstore.store._save` writes."""
 
 from __future__ import annotations
 
@@ -10,17 +10,17 @@ from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 import numpy as np
 
+from weightstore.core._gcpause import paused_gc
+from weightstore.core.keys import MappingRules, Patterns, plan_outward
+from weightstore.core.manifest import TensorInfo, logical_dtype
+from weightstore.core.names import FILE, READ_NAMINGS, TORCH_FORMATS, check_naming, key_of_torch_name, reads_as_torch
 from weightstore.errors import KeyNotInStoreError, SizeLimitError, StoreNotFoundError, WeightStoreError, attach, naming
 from weightstore.formats import Reader, RegionReader, format_for_suffix, format_named, hf_sharded, sniff
 from weightstore.formats.foreign import HEAD_BYTES, HF_SINGLE_FILE, open_foreign, refuse_pickle
 from weightstore.formats.renamed import RenamedReader, names_by_key
-from weightstore.gcpause import paused_gc
 from weightstore.io.files import open_regular
 from weightstore.io.location import filesystem, location_of, service, uncached
 from weightstore.io.remote import RemoteFile
-from weightstore.keys import MappingRules, Patterns, plan_outward
-from weightstore.manifest import TensorInfo, logical_dtype
-from weightstore.names import FILE, READ_NAMINGS, TORCH_FORMATS, check_naming, key_of_torch_name, reads_as_torch
 
 _S = TypeVar("_S", bound="Store")
 
@@ -234,7 +234,7 @@ def open(path: Any, *, verify: bool = True, format: str | None = None, mmap: boo
             64-byte aligned; small tensors read together share one buffer) instead of returning
             views of the mapped file, which a file truncated or rewritten in place by another
             tool would change, or (SIGBUS) make fatal to touch.
-        names: how a foreign file's tensor names become keys (:mod:`weightstore.names`).
+        names: how a foreign file's tensor names become keys (:mod:`weightstore.core.names`).
             ``None``: as the file says: a safetensors file written by PyTorch or Hugging Face
             (names with ``.``, none with ``/``) reads ``features.0.weight`` as
             ``features/0/weight``; other names are keys as written. ``"torch"``: read every
@@ -252,7 +252,7 @@ def open(path: Any, *, verify: bool = True, format: str | None = None, mmap: boo
     """
     if isinstance(path, OpensItself):  # a Version: its pinned file, or a clear "version gone" if pruned
         return path._weightstore_open(verify=verify)
-    with paused_gc():  # an index of 50,000 tensors is some 300,000 containers (weightstore.gcpause)
+    with paused_gc():  # an index of 50,000 tensors is some 300,000 containers (weightstore.core._gcpause)
         store = _open(path, verify=verify, format=format, mmap=mmap)
     return _named(store, check_naming(names, READ_NAMINGS))
 
@@ -377,7 +377,7 @@ def load(
 
     Args:
         path: a store, TF checkpoint (prefix, file or folder), Keras file, plain npz/HDF5/
-            safetensors file (local or URL), or a :class:`~weightstore.versions.Version`.
+            safetensors file (local or URL), or a :class:`~weightstore.sync._versions.Version`.
         scope: keep only keys under it, made relative to it.
         mapping: ``FROM=TO`` rules (a dict or list of strings) applied after ``scope``.
         include, exclude: patterns (scopes or globs) on the resulting keys.

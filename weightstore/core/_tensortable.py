@@ -36,8 +36,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import orjson
 
+from weightstore.core.keys import validate_keys
 from weightstore.errors import FormatError, InvalidKeyError
-from weightstore.keys import validate_keys
 
 CHECKSUM_ALGORITHM = "crc32"
 CHECKSUM_PREFIX = CHECKSUM_ALGORITHM + ":"

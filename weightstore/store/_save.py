@@ -19,8 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from weightstore import __version__, parallel
-from weightstore.arrays import as_numpy, declared_dtype
+from weightstore._version import __version__
+from weightstore.core import _parallel as parallel
+from weightstore.core._arrays import as_numpy, declared_dtype
+from weightstore.core._tensortable import TensorInfo
+from weightstore.core.keys import validate_keys
+from weightstore.core.manifest import build_manifest, content_digest, dtype_name, logical_dtype, to_storage, utc_now
+from weightstore.core.names import KEYS, TORCH, WRITE_NAMINGS, check_naming, torch_name_of_key
 from weightstore.errors import (
     FormatError,
     InvalidKeyError,
@@ -37,11 +42,7 @@ from weightstore.io.commit import commit_for
 from weightstore.io.folders import Folder, folder_for
 from weightstore.io.location import is_url, location_of
 from weightstore.io.writeback import Writeback
-from weightstore.keys import validate_keys
-from weightstore.manifest import build_manifest, content_digest, dtype_name, logical_dtype, to_storage, utc_now
-from weightstore.names import KEYS, TORCH, WRITE_NAMINGS, check_naming, torch_name_of_key
-from weightstore.store import Store
-from weightstore.tensortable import TensorInfo
+from weightstore.store._open import Store
 
 #: tensors of at least this many bytes are hashed beside their write (see :func:`write_file`)
 _HASH_BESIDE = 1 << 20

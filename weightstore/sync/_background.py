@@ -3,7 +3,7 @@
 :class:`BackgroundPublisher` hands each publish to a thread and returns at once, so the
 training thread is held only for as long as it takes to give it the weights. The weights may
 be numpy arrays, or framework tensors that are converted to numpy on the publishing thread,
-one at a time as each is written (``weightstore.adapters.snapshot`` takes such tensors from a
+one at a time as each is written (``weightstore.adapters.serving.snapshot`` takes such tensors from a
 TF model without copying them).
 
 **At most one publish in flight.** A publish while the previous one is still writing first
@@ -42,8 +42,8 @@ import numpy as np
 
 from weightstore.errors import PublishError
 from weightstore.formats import format_named
-from weightstore.saving import checked_metadata
-from weightstore.versions import (
+from weightstore.store._save import checked_metadata
+from weightstore.sync._versions import (
     DEFAULT_FORMAT,
     DEFAULT_KEEP,
     PublishOptions,

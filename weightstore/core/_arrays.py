@@ -1,33 +1,40 @@
 """A value given to a save or an assign, as the numpy array it is written from.
 
-Anything ``np.asarray`` takes is taken so; a PyTorch tensor (a ``state_dict()`` passed as
-it is) goes through the PyTorch adapter, which ``np.asarray`` lacks: it detaches a tensor that
-requires grad, copies one off its device, carries bfloat16 and float8 over as their ml_dtypes
-kinds, and refuses a meta tensor, which holds no values. A CPU tensor's array shares its
-memory, as ``np.asarray`` shares a numpy array's, so a save converts one tensor at a time and
-holds no copy of the model. The adapter is imported only for such a value, when PyTorch is
-already loaded, so the core imports no framework.
+Anything ``np.asarray`` takes is taken so; a framework's tensor that needs more than
+``np.asarray`` (a PyTorch ``state_dict()`` passed as it is) goes through the adapter of its
+framework, named in :data:`CONVERTERS`: PyTorch's detaches a tensor that requires grad, copies
+one off its device, carries bfloat16 and float8 over as their ml_dtypes kinds, and refuses a
+meta tensor, which holds no values. A CPU tensor's array shares its memory, as ``np.asarray``
+shares a numpy array's, so a save converts one tensor at a time and holds no copy of the model.
+
+The table is the core's one extension point towards the adapters: the core names no adapter
+in an import, and loads the one a value needs only when such a value arrives (its framework
+is then loaded already).
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import numpy as np
 
 from weightstore.errors import UnsupportedDTypeError
 
-__all__ = ["as_numpy", "declared_dtype"]
+__all__ = ["as_numpy", "declared_dtype", "CONVERTERS"]
+
+#: a framework's top-level module -> the module converting its tensors, which provides
+#: ``to_numpy(value, key, copy=)`` and ``numpy_dtype(value, key)``
+CONVERTERS = {"torch": "weightstore.adapters.torch"}
 
 
 def as_numpy(value: Any, key: str = "") -> np.ndarray:
     """``value`` as a numpy array (itself, where it is one); ``key`` names it in a refusal."""
     if type(value) is np.ndarray:
         return value
-    if _is_torch(value):
-        from weightstore.adapters.torch import to_numpy
-
-        return to_numpy(value, key, copy=False)
+    converter = _converter(value)
+    if converter is not None:
+        return converter.to_numpy(value, key, copy=False)
     if np.ma.is_masked(value):  # np.asarray would keep the placeholders under the mask as weights
         raise UnsupportedDTypeError("is a masked array with masked values, which no weight file can mark; "
                                     "fill them first (value.filled(...))", key=key or None)
@@ -49,10 +56,9 @@ def declared_dtype(value: Any, key: str = "") -> np.dtype | None:
         return None  # converted at once, so that one with masked values is refused before any write
     if isinstance(value, np.ndarray):
         return value.dtype
-    if _is_torch(value):
-        from weightstore.adapters.torch import numpy_dtype
-
-        return numpy_dtype(value, key)
+    converter = _converter(value)
+    if converter is not None:
+        return converter.numpy_dtype(value, key)
     dtype = getattr(value, "dtype", None)
     if dtype is None or not hasattr(value, "__array__"):
         return None
@@ -62,5 +68,9 @@ def declared_dtype(value: Any, key: str = "") -> np.dtype | None:
         return None
 
 
-def _is_torch(value: Any) -> bool:
-    return type(value).__module__.partition(".")[0] == "torch" and hasattr(value, "detach")
+def _converter(value: Any) -> Any:
+    """The module converting ``value``'s framework's tensors, or ``None`` for anything else."""
+    framework = type(value).__module__.partition(".")[0]
+    if framework in CONVERTERS and hasattr(value, "detach"):
+        return importlib.import_module(CONVERTERS[framework])
+    return None

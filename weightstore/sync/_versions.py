@@ -77,7 +77,6 @@ import json
 import logging
 import operator
 import os
-import re
 import threading
 import time
 import urllib.parse
@@ -88,7 +87,8 @@ from typing import Any, TypedDict, cast
 
 import numpy as np
 
-from weightstore import jsontext
+from weightstore.core import _jsontext as jsontext
+from weightstore.core.manifest import utc_now
 from weightstore.errors import (
     FormatError,
     PublishError,
@@ -102,11 +102,18 @@ from weightstore.errors import (
     naming,
 )
 from weightstore.formats import Reader, format_for_suffix, format_named
+from weightstore.formats._pointer import (
+    LATEST,
+    MAX_POINTER_BYTES,
+    MIN_BYTES_PER_CONTAINER,
+    VERSION_NAME,
+    parse_pointer,
+    pointer_bytes,
+)
 from weightstore.io.files import TEMPORARY_EXTRA, remove_stale_temporaries
 from weightstore.io.folders import Folder, LocalFolder, folder_for
-from weightstore.manifest import utc_now
-from weightstore.saving import CheckedWeights, checked_metadata, write_file
-from weightstore.store import Store
+from weightstore.store._open import Store
+from weightstore.store._save import CheckedWeights, checked_metadata, write_file
 
 __all__ = ["Version", "VersionEntry", "PublishOptions", "PointerWatch", "publish", "latest", "follow", "list_versions"]
 
@@ -117,21 +124,12 @@ DEFAULT_KEEP = 5
 DEFAULT_FORMAT = "npz"
 DEFAULT_POLL = 1.0
 
-LATEST = "LATEST"
-#: the suffix of a sharded version's index (:mod:`weightstore.shards`)
+#: the suffix of a sharded version's index (:mod:`weightstore.sharded._shards`)
 SHARDED_SUFFIX = ".wsindex"
 INTENT = ".publishing"
-POINTER_FORMAT = "weightstore-latest"
-#: a version's file name: ASCII digits only (``\d`` takes ``٣``), and few enough that ``int`` reads them
-#: (it refuses over 4,300); a file system names none longer than 255 bytes anyway
-_NAME = re.compile(r"^step-([0-9]{1,1000})(\.[A-Za-z0-9]+)$")
-_MAX_POINTER_BYTES = 1 << 20
 #: a file name has at most 255 bytes: ``step-``, the digits, at most 12 more (``.safetensors``,
 #: ``.attempt-999``), and what the temporary it is written as adds
 _MAX_STEP_DIGITS = 255 - TEMPORARY_EXTRA - len("step-") - 12
-#: no density bound beyond JSON's own (2 bytes a container): LATEST carries the user's metadata, as dense as
-#: they made it, and its size limit already bounds what a parse allocates (about 32 MB for 1 MB of ``[[[``)
-_POINTER_BYTES_PER_CONTAINER = 2
 _log = logging.getLogger(__name__)
 
 
@@ -356,17 +354,11 @@ def checked_pointer_metadata(metadata: Mapping[str, Any] | None, step: int, name
     read: the version would be published and never reached. Checked before anything is written, with
     this moment standing in for the publish's ``created`` (always as long)."""
     metadata = checked_metadata(metadata, where)
-    size = len(_pointer(step, name, utc_now(), metadata))
-    if size > _MAX_POINTER_BYTES:
-        raise SizeLimitError(f"metadata makes LATEST {size} bytes, over the {_MAX_POINTER_BYTES} bytes readers read "
+    size = len(pointer_bytes(step, name, utc_now(), metadata))
+    if size > MAX_POINTER_BYTES:
+        raise SizeLimitError(f"metadata makes LATEST {size} bytes, over the {MAX_POINTER_BYTES} bytes readers read "
                              "(LATEST writes each non-ASCII character as 6 bytes); make the metadata smaller", path=where)
     return metadata
-
-
-def _pointer(step: int, name: str, created: str, metadata: Mapping[str, Any]) -> bytes:
-    """``LATEST``'s content naming version file ``name``."""
-    return json.dumps({"format": POINTER_FORMAT, "version": 1, "step": step, "file": name, "created": created,
-                       "metadata": dict(metadata)}, sort_keys=True).encode()
 
 
 def checked_keep(keep: Any) -> int | None:
@@ -400,7 +392,7 @@ def commit_version(target: Folder, step: int, name: str, write: Callable[[str], 
     """The publish protocol around one version file: check the step, clean what killed publishes
     left, record the intent, ``write(created)`` the file ``name``, replace ``LATEST``, prune.
 
-    :func:`publish` writes a plain version file; :func:`weightstore.shards.commit_shards` a
+    :func:`publish` writes a plain version file; :func:`weightstore.sharded._shards.commit_shards` a
     sharded version's index. On object storage ``LATEST`` is replaced by compare-and-swap on the
     ETag read at the start (``If-Match``; ``If-None-Match: *`` when there was none), so a
     publisher that lost a race gets :class:`PublishError` and ``LATEST`` never goes backwards.
@@ -413,7 +405,7 @@ def commit_version(target: Folder, step: int, name: str, write: Callable[[str], 
         _stage("cleaned")
         _write_small(target, INTENT, json.dumps({"step": step, "file": name}).encode())
         created = utc_now()
-        pointer = _pointer(step, name, created, metadata or {})
+        pointer = pointer_bytes(step, name, created, metadata or {})
         write(created)
         _stage("version-written")
         _write_latest(target, state, pointer, step)
@@ -481,7 +473,7 @@ def follow(
     interval), and a new version resets it. On an object store a look whose ``LATEST`` has
     the ETag of the last one read is one HEAD request and moves no body (:class:`PointerWatch`).
     With ``notifications`` (an SQS queue URL the bucket's event notifications feed), an event
-    naming ``LATEST`` ends the wait at once (:mod:`weightstore.notify`); polling goes on too.
+    naming ``LATEST`` ends the wait at once (:mod:`weightstore.sync._notify`); polling goes on too.
     A local folder, whose writes no bucket announces, refuses it. A local folder that does not
     exist yet is waited for, with one logged warning, since a mistyped path waits for good.
     """
@@ -532,7 +524,7 @@ class PointerWatch:
     published, and nothing more is read. :attr:`interval`, the wait before the next look,
     doubles with each look that finds nothing new, up to ``max_poll``, and is back at ``poll``
     once one does; :meth:`sleep` ends early when ``notifications`` (an SQS queue URL, see
-    :mod:`weightstore.notify`) says ``LATEST`` was written. :func:`follow` and ``Follower``
+    :mod:`weightstore.sync._notify`) says ``LATEST`` was written. :func:`follow` and ``Follower``
     poll through it.
     """
 
@@ -550,7 +542,7 @@ class PointerWatch:
         self.wake = None
         check_notifications(source, notifications)
         if notifications is not None:
-            from weightstore.notify import QueueWake
+            from weightstore.sync._notify import QueueWake
 
             self.wake = QueueWake(notifications, urllib.parse.urlsplit(source.url(LATEST)).path.lstrip("/"))
         # waiting is right before a trainer's first publish, and forever on a typo: said once, for a local
@@ -696,7 +688,7 @@ def _sharded_sizes(folder: Folder, name: str) -> tuple[int | None, int | None]:
     for a plain version or an index that does not parse."""
     if not name.endswith(SHARDED_SUFFIX):
         return None, None
-    from weightstore.shardindex import MAX_INDEX_BYTES, ShardIndex
+    from weightstore.formats._sharded_index import MAX_INDEX_BYTES, ShardIndex
 
     data = folder.read_small(name, MAX_INDEX_BYTES + 1)
     try:
@@ -724,7 +716,7 @@ class _FolderState:
     @classmethod
     def read(cls, folder: Folder) -> _FolderState:
         try:
-            data, tag = folder.read_tagged(LATEST, _MAX_POINTER_BYTES + 1)
+            data, tag = folder.read_tagged(LATEST, MAX_POINTER_BYTES + 1)
         except TargetError as exc:
             return cls(folder, None, FormatError(f"{exc.message}; the next publish replaces it", path=exc.path),
                        _versions(folder), _read_intent(folder), True)
@@ -803,7 +795,7 @@ def _steps(steps: list[int]) -> str:
 def _versions(folder: Folder) -> list[tuple[int, Any]]:
     found = []
     for entry in folder.files():
-        match = _NAME.match(entry.name)
+        match = VERSION_NAME.match(entry.name)
         if match:
             found.append((int(match.group(1)), entry))
     return sorted(found, key=lambda item: item[0])
@@ -816,7 +808,7 @@ def _read_intent(folder: Folder) -> int | None:
     except TargetError:
         return None
     try:
-        step = jsontext.loads(data, what=INTENT, min_bytes=_POINTER_BYTES_PER_CONTAINER)["step"] if data else None
+        step = jsontext.loads(data, what=INTENT, min_bytes=MIN_BYTES_PER_CONTAINER)["step"] if data else None
     except (FormatError, TypeError, KeyError):
         return None
     return step if isinstance(step, int) and not isinstance(step, bool) else None
@@ -848,7 +840,7 @@ def remove_version(folder: Folder, name: str) -> None:
 
 def _latest(folder: Folder) -> Version | None:
     try:
-        data = folder.read_small(LATEST, _MAX_POINTER_BYTES + 1)  # one byte past the limit: to tell "too large"
+        data = folder.read_small(LATEST, MAX_POINTER_BYTES + 1)  # one byte past the limit: to tell "too large"
     except TargetError as exc:
         raise FormatError(f"{exc.message}; the next publish replaces it", path=exc.path) from None
     return _pointer_version(folder, data)
@@ -858,7 +850,7 @@ def _pointer_version(folder: Folder, data: bytes | None) -> Version | None:
     if data is None:
         return None
     with naming(path=folder.where):
-        pointer = _parse_pointer(data)
+        pointer = parse_pointer(data)
     metadata: dict[str, Any] = pointer["metadata"] if isinstance(pointer.get("metadata"), dict) else {}
     return Version(pointer["step"], folder.url(pointer["file"]), str(pointer.get("created", "")), metadata, folder)
 
@@ -871,7 +863,7 @@ def _open_version(folder: Folder, version: Version, verify: bool) -> Store:
     except FileNotFoundError:
         raise _gone(version) from None
     if isinstance(handle, str):
-        from weightstore.store import open as open_store
+        from weightstore.store._open import open as open_store
 
         try:
             return open_store(handle, verify=verify)
@@ -926,25 +918,3 @@ class _RemovedIsGone:
 def _gone(version: Version) -> VersionGoneError:
     return VersionGoneError(f"version {version.step} is gone (pruned); read LATEST again and retry",
                             path=version.path)
-
-
-def _parse_pointer(data: bytes) -> dict[str, Any]:
-    if len(data) > _MAX_POINTER_BYTES:
-        raise FormatError(f"LATEST is larger than {_MAX_POINTER_BYTES} bytes, more than readers read; publish again "
-                          "to repair it")
-    if not data.strip():
-        raise FormatError("LATEST is empty; publish again to repair it")
-    try:
-        pointer = jsontext.loads(data, what="LATEST", min_bytes=_POINTER_BYTES_PER_CONTAINER)
-    except FormatError:  # a name given twice too: no reading of it is the writer's
-        pointer = None
-    if not isinstance(pointer, dict):
-        pointer = {}
-    file_match = _NAME.match(pointer["file"]) if isinstance(pointer.get("file"), str) else None
-    step = pointer.get("step")
-    if (
-        pointer.get("format") != POINTER_FORMAT or file_match is None
-        or not isinstance(step, int) or isinstance(step, bool) or int(file_match.group(1)) != step
-    ):
-        raise FormatError("LATEST is not a weightstore version pointer; publish again to repair it")
-    return pointer

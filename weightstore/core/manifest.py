@@ -24,11 +24,9 @@ import numpy as np
 import orjson
 from isal import isal_zlib
 
-from weightstore import crc as _crc
-from weightstore.errors import FormatError, InvalidKeyError, UnsupportedDTypeError, naming
-from weightstore.jsontext import refuse_dense
-from weightstore.keys import validate_keys
-from weightstore.tensortable import (
+from weightstore.core import checksums as _crc
+from weightstore.core._jsontext import refuse_dense
+from weightstore.core._tensortable import (
     CHECKSUM_ALGORITHM,
     CHECKSUM_PREFIX,
     MAX_NDIM,
@@ -40,10 +38,12 @@ from weightstore.tensortable import (
     parse_columns,
     short_repr,
 )
+from weightstore.core.keys import validate_keys
+from weightstore.errors import FormatError, InvalidKeyError, UnsupportedDTypeError, naming
 
 FORMAT_NAME = "weightstore"
 #: 3: a BLAKE3 digest per tensor (the ``blake3`` column); 2: tensors as columns
-#: (:mod:`weightstore.tensortable`); 1: an object per tensor. All three are read. A reader of
+#: (:mod:`weightstore.core._tensortable`); 1: an object per tensor. All three are read. A reader of
 #: version 2 refuses any column it does not know (a damaged name must not read as one left
 #: out), so the digest came with a new version: such a reader then says the file is newer
 #: than it reads, rather than that its columns are wrong.
@@ -189,7 +189,7 @@ def raw_bytes(buffer) -> memoryview:
 
 
 def crc32(buffer) -> int:
-    """CRC-32 of a tensor's stored bytes, by ISA-L; a large tensor on two cores (see :mod:`weightstore.crc`).
+    """CRC-32 of a tensor's stored bytes, by ISA-L; a large tensor on two cores (see :mod:`weightstore.core.checksums`).
 
     A small C-contiguous array goes to ISA-L as it is: making a byte view of it first costs
     more than checksumming its kilobyte, and files hold 50,000 such tensors.

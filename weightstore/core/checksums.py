@@ -3,7 +3,7 @@
 One core cannot checksum a tensor as fast as memory delivers it (ISA-L reads a tensor
 fresh from the page cache at about 20 GB/s here, page faults included). So a buffer of at
 least :data:`PARALLEL_BYTES` is cut into :data:`CHUNK_BYTES` chunks checksummed by the
-caller and a helper thread (:func:`weightstore.parallel.for_each`), and the chunk CRCs are
+caller and a helper thread (:func:`weightstore.core._parallel.for_each`), and the chunk CRCs are
 joined with ``crc32_combine``: the same CRC-32 as one pass, only the work is split.
 
 The chunks go through ISA-L's ``crc32_gzip_refl``, from the library the isal package has
@@ -22,7 +22,7 @@ from collections.abc import Callable
 import numpy as np
 from isal import isal_zlib
 
-from weightstore import parallel
+from weightstore.core import _parallel as parallel
 
 #: below this a buffer is checksummed by ``isal_zlib.crc32``: the ctypes call and the
 #: address lookup cost more than the GIL held for this long (about 3 us)

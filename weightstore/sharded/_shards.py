@@ -9,12 +9,12 @@ block. Nothing a reader sees changes. One coordinator calls :func:`commit_shards
 for every rank's done-record (reading them alone, never a tensor byte), checks that the pieces
 of every key agree on dtype and shape, never overlap and cover it, writes the index
 ``step-000000000042.wsindex`` create-only and then replaces ``LATEST`` as a plain publish
-does (:func:`weightstore.versions.commit_version`). No collective, no barrier: the ranks and
+does (:func:`weightstore.sync._versions.commit_version`). No collective, no barrier: the ranks and
 the coordinator meet only in the folder. The crash argument is in ``docs/sharded.md``.
 
 **How a member holds its pieces.** A key the rank holds one piece of is stored under the key
 itself. A key it holds several pieces of, or a piece of long rows stored as column strips
-(:func:`~weightstore.shardindex.strip_columns`, so that readers of columns fetch only theirs),
+(:func:`~weightstore.formats._sharded_index.strip_columns`, so that readers of columns fetch only theirs),
 is stored once per piece or strip, as ``KEY@i,j`` (its start); the member's metadata (``weightstore-shard``) maps every stored name to its key, start
 and shape, and is what decides: a global key that happens to look like ``KEY@i,j`` is refused
 rather than misread.
@@ -39,14 +39,13 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from weightstore import __version__, cluster, shardindex
+from weightstore._version import __version__
+from weightstore.core.keys import validate_key
+from weightstore.core.manifest import from_storage, logical_dtype, to_storage
 from weightstore.errors import FormatError, PublishError, ShardTimeoutError, WeightStoreError, named, naming
 from weightstore.formats import Format, format_named
-from weightstore.io.folders import Folder, folder_for
-from weightstore.keys import validate_key
-from weightstore.manifest import from_storage, logical_dtype, to_storage
-from weightstore.saving import CheckedWeights, write_file
-from weightstore.shardindex import (
+from weightstore.formats import _sharded_index as shardindex
+from weightstore.formats._sharded_index import (
     INDEX_FORMAT,
     MAX_DONE_BYTES,
     MAX_INDEX_BYTES,
@@ -72,7 +71,10 @@ from weightstore.shardindex import (
     row_bytes,
     strip_columns,
 )
-from weightstore.versions import (
+from weightstore.io.folders import Folder, folder_for
+from weightstore.sharded import _cluster as cluster
+from weightstore.store._save import CheckedWeights, write_file
+from weightstore.sync._versions import (
     DEFAULT_KEEP,
     SHARDED_SUFFIX,
     Version,
@@ -137,7 +139,7 @@ def publish_shard(
         pieces: key -> the whole tensor (an array), a :class:`Piece`, or a list of them.
         step: the version's step; above the step ``LATEST`` names.
         rank, world: this rank (``0 <= rank < world``) and how many ranks write the version;
-            by default from the job's cluster (:mod:`weightstore.cluster`: ``torch.distributed``,
+            by default from the job's cluster (:mod:`weightstore.sharded._cluster`: ``torch.distributed``,
             ``jax.distributed``, ``TF_CONFIG``).
         attempt: which try at this step (a restarted job counts up), so a dead attempt's
             members never mix with this one's; by default ``torchrun``'s restart count.
@@ -430,7 +432,7 @@ def _listed(pieces: Mapping[str, Any], where: str, world: int) -> list[_Listed]:
 def _strips(data: np.ndarray, start: tuple[int, ...], dtype: str,
             world: int) -> list[tuple[np.ndarray, tuple[int, ...], int]]:
     """A piece as it is stored: ``(data, start, rows per block)`` of each of its column strips
-    (:func:`~weightstore.shardindex.strip_columns`), or of the piece whole. A strip's blocks
+    (:func:`~weightstore.formats._sharded_index.strip_columns`), or of the piece whole. A strip's blocks
     hold as many rows as the whole piece's would (so a reader of a row range fetches no more
     rows from the strips than from the whole piece), or more, so that a strip has at most
     ``STRIP_BLOCKS`` blocks."""

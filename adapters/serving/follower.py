@@ -23,7 +23,7 @@ regions). A remote version is read straight into one buffer per tensor or region
 buffers become the variables' own (the framework adopts them instead of copying: nothing else
 holds them); a local one is staged as views of its mapped file and copied in batches. After
 each swap the old variables' memory goes back to the system, so the process does not keep a
-freed version's pages around (see :mod:`weightstore.heap`).
+freed version's pages around (see :mod:`weightstore.core._heap`).
 
 ::
 
@@ -62,13 +62,20 @@ from typing_extensions import Unpack
 import weightstore
 from weightstore.adapters.plan import AssignOptions, AssignWords, Report, reload_digest, wants_skip
 from weightstore.adapters.skeleton import handed_over, rehearsal
+from weightstore.core._heap import give_back
+from weightstore.core.manifest import TensorInfo, logical_dtype
 from weightstore.errors import StorageError, VersionGoneError, naming
 from weightstore.formats import ReaderDefaults
 from weightstore.formats.sharded import normalized_region
-from weightstore.heap import give_back
-from weightstore.manifest import TensorInfo, logical_dtype
-from weightstore.store import Store
-from weightstore.versions import DEFAULT_POLL, PointerWatch, Version, checked_count, checked_seconds, versions_folder
+from weightstore.store._open import Store
+from weightstore.sync._versions import (
+    DEFAULT_POLL,
+    PointerWatch,
+    Version,
+    checked_count,
+    checked_seconds,
+    versions_folder,
+)
 
 __all__ = ["Follower"]
 
@@ -166,7 +173,7 @@ class Follower:
     version that does not fit the target is logged, recorded and passed over, not retried; one
     whose download the storage failed is fetched again every ``poll`` until it is in) until the
     next swap succeeds, and makes :meth:`wait` raise. ``poll`` and ``max_poll`` pace
-    the looks at ``LATEST`` as in :func:`~weightstore.versions.follow` (conditional on an object
+    the looks at ``LATEST`` as in :func:`~weightstore.sync._versions.follow` (conditional on an object
     store's ETag, backing off from ``poll`` to ``max_poll`` while nothing is published), and
     ``notifications`` (an SQS queue URL) wakes it when ``LATEST`` is written.
 

@@ -1,0 +1,81 @@
+"""The import paths of modules this release moved, kept working for one release.
+
+The tree was reorganised into layers (``core/``, ``store/``, ``sync/``, ``sharded/``,
+``adapters/serving/``). A program that imports an old path, such as ``weightstore.versions`` or
+``weightstore.adapters.hooks``, gets the module that now holds that code (the same module
+object, so its names and their state are shared) and a ``DeprecationWarning`` naming the new
+path. One table, one finder: no file is left behind at the old places.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import warnings
+from types import ModuleType
+
+#: old module path -> the module that holds its code now
+MOVED = {
+    "weightstore.keys": "weightstore.core.keys",
+    "weightstore.manifest": "weightstore.core.manifest",
+    "weightstore.names": "weightstore.core.names",
+    "weightstore.crc": "weightstore.core.checksums",
+    "weightstore.heap": "weightstore.core._heap",
+    "weightstore.extras": "weightstore.core._extras",
+    "weightstore.saving": "weightstore.store._save",
+    "weightstore.versions": "weightstore.sync._versions",
+    "weightstore.notify": "weightstore.sync._notify",
+    "weightstore.background": "weightstore.sync._background",
+    "weightstore.shards": "weightstore.sharded._shards",
+    "weightstore.cluster": "weightstore.sharded._cluster",
+    "weightstore.shardindex": "weightstore.formats._sharded_index",
+    "weightstore.adapters.follower": "weightstore.adapters.serving.follower",
+    "weightstore.adapters.hooks": "weightstore.adapters.serving.hooks",
+    "weightstore.adapters.snapshot": "weightstore.adapters.serving.snapshot",
+}
+
+
+class _Alias(importlib.abc.Loader):
+    """Loads an old path as the module now at the new one."""
+
+    def __init__(self, new: str):
+        self.new = new
+        self.spec: importlib.machinery.ModuleSpec | None = None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        home = self.new.rpartition("._")[0] or self.new  # a private module's names are its package's
+        warnings.warn(f"{spec.name} moved: import from {home}; the old path goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+        module = importlib.import_module(self.new)
+        self.spec = module.__spec__
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        """Nothing to run (the module was imported at its own path): its own spec is put back,
+        which the import system replaced with the old path's."""
+        module.__spec__ = self.spec
+
+
+class _MovedFinder(importlib.abc.MetaPathFinder):
+    """Finds the old paths of :data:`MOVED`, after every real module has been looked for."""
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
+        new = MOVED.get(fullname)
+        return None if new is None else importlib.util.spec_from_loader(fullname, _Alias(new))
+
+
+def attribute(package: str, name: str) -> ModuleType:
+    """``package.name`` where it is a moved module (``ws.cluster`` after ``import weightstore``),
+    imported through its old path so that it warns the same way."""
+    if f"{package}.{name}" not in MOVED:
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+    return importlib.import_module(f"{package}.{name}")
+
+
+def install() -> None:
+    """Adds the finder once (at the end of ``sys.meta_path``: real modules win)."""
+    if not any(isinstance(finder, _MovedFinder) for finder in sys.meta_path):
+        sys.meta_path.append(_MovedFinder())

@@ -1,0 +1,9 @@
+"""The vocabulary every layer above speaks, with no I/O and no framework.
+
+* :mod:`~weightstore.core.keys`: keys (validation, scopes, selection, mapping);
+* :mod:`~weightstore.core.names`: PyTorch and Hugging Face spellings of keys;
+* :mod:`~weightstore.core.manifest`: the manifest a store carries, and :class:`TensorInfo`;
+* :mod:`~weightstore.core.checksums`: CRC-32C checksums and content digests;
+* private helpers: array conversion, optional imports, JSON text, the tensor table, thread
+  pools, pausing the garbage collector, giving freed heap back.
+"""

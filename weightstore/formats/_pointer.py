@@ -1,0 +1,68 @@
+"""``LATEST``: the small JSON file that names a versioned folder's current version.
+
+Its format is here, below the layers that use it: the sync job writes and follows it
+(:mod:`weightstore.sync`), and a reader given a versioned folder where a file was expected names
+the version to read instead of saying "no TF checkpoint". Version files are named by step
+(``step-000000000042.npz``): :data:`VERSION_NAME`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from weightstore.core import _jsontext as jsontext
+from weightstore.errors import FormatError
+
+LATEST = "LATEST"
+POINTER_FORMAT = "weightstore-latest"
+#: a version's file name: ASCII digits only (``\d`` takes ``٣``), and few enough that ``int`` reads them
+#: (it refuses over 4,300); a file system names none longer than 255 bytes anyway
+VERSION_NAME = re.compile(r"^step-([0-9]{1,1000})(\.[A-Za-z0-9]+)$")
+MAX_POINTER_BYTES = 1 << 20
+#: no density bound beyond JSON's own (2 bytes a container): LATEST carries the user's metadata, as dense as
+#: they made it, and its size limit already bounds what a parse allocates (about 32 MB for 1 MB of ``[[[``)
+MIN_BYTES_PER_CONTAINER = 2
+
+
+def pointer_bytes(step: int, name: str, created: str, metadata: Mapping[str, Any]) -> bytes:
+    """``LATEST``'s content naming version file ``name``."""
+    return json.dumps({"format": POINTER_FORMAT, "version": 1, "step": step, "file": name, "created": created,
+                       "metadata": dict(metadata)}, sort_keys=True).encode()
+
+
+def parse_pointer(data: bytes) -> dict[str, Any]:
+    """``LATEST``'s fields, checked: a version file name whose step is the pointer's step.
+
+    Raises :class:`FormatError` (naming no file: the caller names the folder) for anything else.
+    """
+    if len(data) > MAX_POINTER_BYTES:
+        raise FormatError(f"LATEST is larger than {MAX_POINTER_BYTES} bytes, more than readers read; publish again "
+                          "to repair it")
+    if not data.strip():
+        raise FormatError("LATEST is empty; publish again to repair it")
+    try:
+        pointer = jsontext.loads(data, what="LATEST", min_bytes=MIN_BYTES_PER_CONTAINER)
+    except FormatError:  # a name given twice too: no reading of it is the writer's
+        pointer = None
+    if not isinstance(pointer, dict):
+        pointer = {}
+    file_match = VERSION_NAME.match(pointer["file"]) if isinstance(pointer.get("file"), str) else None
+    step = pointer.get("step")
+    if (
+        pointer.get("format") != POINTER_FORMAT or file_match is None
+        or not isinstance(step, int) or isinstance(step, bool) or int(file_match.group(1)) != step
+    ):
+        raise FormatError("LATEST is not a weightstore version pointer; publish again to repair it")
+    return pointer
+
+
+def local_latest_name(folder: str) -> str | None:
+    """The version file a local folder's ``LATEST`` names; ``None`` where it has no readable one."""
+    try:
+        with open(f"{folder}/{LATEST}", "rb") as file:
+            return str(parse_pointer(file.read(MAX_POINTER_BYTES + 1))["file"])
+    except (OSError, FormatError):
+        return None

@@ -1,0 +1,25 @@
+"""Job 1, sync: a trainer publishes versions of its weights; followers pick up each one.
+
+A versioned folder (local or on object storage) holds one file per version and a ``LATEST``
+pointer written after the version is complete. Here: the pointer and the publish protocol
+(:func:`publish`), reading and following it (:func:`latest`, :func:`follow`, pinning a
+version while it is read), listings (:func:`list_versions`), change notifications, and the
+background publisher trainers use so that a write never blocks a step
+(:class:`BackgroundPublisher`). Applying a version to a model is the adapters' job
+(``weightstore.adapters.serving``).
+"""
+
+from weightstore.sync._background import BackgroundPublisher, PublishFuture
+from weightstore.sync._versions import (
+    PointerWatch,
+    PublishOptions,
+    Version,
+    VersionEntry,
+    follow,
+    latest,
+    list_versions,
+    publish,
+)
+
+__all__ = ["Version", "VersionEntry", "PublishOptions", "PointerWatch", "publish", "latest", "follow",
+           "list_versions", "BackgroundPublisher", "PublishFuture"]
