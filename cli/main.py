@@ -128,7 +128,7 @@ Names = Annotated[str | None, typer.Option(
     "--names", metavar="torch|keys", callback=_check_names, help="Name the written tensors as PyTorch's state_dict does (torch: "
                                           "features.0.weight; into safetensors, the default for a source named so) or by their keys "
                                           "(keys: features/0/weight).")]
-AsJson = Annotated[bool, typer.Option("--json", help="Print the result as one JSON object (see the README).")]
+AsJson = Annotated[bool, typer.Option("--json", help="Print the result as one JSON object (see docs/cli.md).")]
 Mapping = Annotated[list[str] | None, typer.Option("--map", "-m", metavar="FROM=TO", callback=_check_rules,
                                                       help="Rename scope FROM to TO (repeatable; first match wins; "
                                                            "applied before --include/--exclude).")]

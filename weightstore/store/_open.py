@@ -390,7 +390,7 @@ def load(
 
     Returns:
         A new dict of key -> array, in the file's order. Uncompressed local npz and
-        safetensors tensors are read-only views of the mapped file (see the README).
+        safetensors tensors are read-only views of the mapped file (see docs/formats.md).
 
     Raises:
         StoreNotFoundError: no such file. SelectionError: the selection keeps nothing.
