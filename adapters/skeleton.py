@@ -62,7 +62,7 @@ _rehearsing: contextvars.ContextVar[bool] = contextvars.ContextVar("weightstore_
 # (8 ms and 0.5 ms a variable in a 2,000-op graph), on the helper thread during the verify pass,
 # and the more batches the less of that hides. The first tf1.assign of 256 MB, warm, x Saver.restore
 # and extra memory: 64 MB batches 0.74x, 0.31-0.38x; 32 MB 0.81x, 0.25-0.28x; 16 MB 1.1-1.2x,
-# 0.16-0.20x (docs/benchmarks.md).
+# 0.16-0.20x (measured in docs/benchmarks.md's git history).
 BATCH_MIN_BYTES = 32 << 20
 BATCH_SHARE = 16
 

@@ -49,7 +49,7 @@ from weightstore.io.buffer import ALIGNMENT, memory_owner
 __all__ = ["shares_mapped", "staged_copy", "staged_feeds"]
 
 #: smaller values keep a :func:`private_copy`: the ``Empty`` op's fixed cost (about 35 us) is more
-#: than a copy of them into heap memory numpy reuses (docs/benchmarks.md), and their share of a
+#: than a copy of them into heap memory numpy reuses (docs/benchmarks.md's git history), and their share of a
 #: model's memory is small
 STAGED_FROM = 1 << 20
 _unstageable: set[np.dtype] = set()  # dtypes TensorFlow has no CPU ``Empty`` kernel (or no type) for

@@ -26,6 +26,11 @@ def test_readme_is_at_most_12_kb_and_holds_programs():
     assert len(PROGRAMS) >= 2 and any("s3://" in program for program in PROGRAMS)
 
 
+def test_benchmarks_page_is_at_most_15_kb():
+    size = (ROOT / "docs" / "benchmarks.md").stat().st_size
+    assert size <= 15 * 1024, f"docs/benchmarks.md is {size} bytes: current figures only, history lives in git"
+
+
 def test_readme_keeps_the_test_command_ci_reads():
     assert "./tasks test    # the whole test suite" in README.read_text()
 
