@@ -27,6 +27,29 @@ def test_every_relative_link_resolves_inside_the_repository():
             assert ROOT in resolved.parents or resolved == ROOT, f"{document.name} links outside the repository"
 
 
+def _anchors(document: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces as ``-``."""
+    text = re.sub(r"^```.*?^```", "", document.read_text(), flags=re.MULTILINE | re.DOTALL)
+    headings = re.findall(r"^#+ +(.+?) *$", text, re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
+def test_every_anchor_names_a_heading():
+    for document in DOCS:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", document.read_text()):
+            page = (document.parent / target).resolve() if target else document
+            if "://" in target or page.suffix != ".md":
+                continue
+            assert anchor in _anchors(page), f"{document.name} links to {target}#{anchor}, which no heading makes"
+
+
+def test_the_readme_links_every_docs_page():
+    """The README is the front door: every page in docs/ is one link away from it."""
+    linked = {Path(target).name for target in re.findall(r"\]\(docs/([^)#\s]+)", (ROOT / "README.md").read_text())}
+    pages = {path.name for path in (ROOT / "docs").glob("*.md")}
+    assert pages <= linked, f"docs pages the README does not link: {sorted(pages - linked)}"
+
+
 def test_nothing_points_outside_the_repository():
     for path in [*DOCS, *ROOT.glob("weightstore/**/*.py"), *ROOT.glob("adapters/*.py"), *ROOT.glob("cli/*.py")]:
         text = path.read_text()
