@@ -34,10 +34,47 @@ def test_keras_callback_publishes_every_n_batches(tmp_path):
     model = small_model()
     callback = PublishCallback(tmp_path, every_n_batches=3, keep=None, metadata={"run": "a"})
     fit(model, callback)
-    assert [e.step for e in versions.list_versions(tmp_path)] == [3, 6]
+    assert [e.step for e in versions.list_versions(tmp_path)] == [3, 6, 8]  # and the end of fit
     latest = ws.latest(tmp_path)
-    assert latest.metadata == {"run": "a", "epoch": 1} and callback.last.step == 6
-    assert sorted(ws.load(latest)) == sorted(tf2.export(model))
+    assert latest.metadata == {"run": "a", "epoch": 1} and callback.last.step == 8
+    for key, value in tf2.export(model).items():
+        np.testing.assert_array_equal(ws.load(latest)[key], value)  # exactly the trained weights
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_keras_callback_ends_on_the_trained_weights_when_the_interval_does_not_divide_the_run(tmp_path, background):
+    model = small_model()
+    x = np.random.default_rng(0).normal(size=(384, 3)).astype(np.float32)
+    callback = PublishCallback(tmp_path, every_n_batches=25, keep=None, background=background)
+    model.fit(x, x[:, :1], batch_size=1, epochs=1, verbose=0, callbacks=[callback])
+    steps = [e.step for e in versions.list_versions(tmp_path)]
+    if background:  # a snapshot waiting while another is written gives way to a newer one
+        assert steps[-1] == 384 and all(step % 25 == 0 for step in steps[:-1]) and steps == sorted(steps)
+    else:
+        assert steps == [*range(25, 376, 25), 384]
+    for key, value in tf2.export(model).items():
+        np.testing.assert_array_equal(ws.load(ws.latest(tmp_path))[key], value)
+
+
+def test_keras_callback_counts_batches_as_model_checkpoint_does_under_steps_per_execution(tmp_path):
+    model = small_model()
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=8)
+    x = np.random.default_rng(0).normal(size=(96, 3)).astype(np.float32)
+    callback = PublishCallback(tmp_path, every_n_batches=20, keep=None, at_end=False)
+    checkpoint = keras.callbacks.ModelCheckpoint(str(tmp_path / "ckpt-{epoch}-{batch}.weights.h5"), save_freq=20,
+                                                 save_weights_only=True)
+    model.fit(x, x[:, :1], batch_size=2, epochs=2, verbose=0, callbacks=[callback, checkpoint])  # 48 steps an epoch
+    steps = [e.step for e in versions.list_versions(tmp_path)]
+    assert steps and len(steps) == len(list(tmp_path.glob("ckpt-*.weights.h5")))  # as many as Keras's own
+    assert all(step % 8 == 0 for step in steps)  # at the ends of executions, where Keras reports
+
+
+@pytest.mark.parametrize(("options", "what"), [({"every_n_epochs": 5}, "only the end of fit publishes"),
+                                               ({"every_n_batches": 100, "at_end": False}, "nothing is published")])
+def test_keras_callback_says_when_its_interval_never_triggers(tmp_path, options, what):
+    with pytest.warns(UserWarning, match=f"never triggers in a fit of 2 epochs of 4 steps: {what}"):
+        fit(small_model(), PublishCallback(tmp_path, keep=None, **options))
+    assert [e.step for e in versions.list_versions(tmp_path)] == ([8] if "end" in what else [])
 
 
 def test_keras_callback_every_epoch_by_default_and_final_weights(tmp_path):
@@ -104,7 +141,8 @@ def tf1_training(folder, hook_options: dict, steps: int = 10):
 def test_session_run_hook_publishes_every_n_steps_and_at_the_end(tmp_path):
     hook = tf1_training(tmp_path, {"every_n_steps": 4, "keep": None, "include": "model"})
     steps = [e.step for e in versions.list_versions(tmp_path)]
-    assert steps[-1] == 10 and steps == sorted(steps) and len(steps) >= 3
+    # a snapshot that waits while another is written is replaced by a newer one: the newest wins
+    assert steps[0] == 1 and steps[-1] == 10 and steps == sorted(steps)
     loaded = ws.load(ws.latest(tmp_path))
     assert list(loaded) == ["model/w"] and np.all(loaded["model/w"] == 10)
     for entry in versions.list_versions(tmp_path):
@@ -190,18 +228,15 @@ def test_keras_callback_without_background_publishes_before_the_step_returns(tmp
     assert seen == [(2, 2), (4, 4)] and callback.last.step == 4
 
 
-def test_keras_callback_raises_a_failed_publish_on_the_next_one(tmp_path):
+@pytest.mark.parametrize("background", [True, False])
+def test_a_failed_publish_never_reaches_fit_and_is_counted(tmp_path, background, caplog):
     ws.publish(tmp_path, {"other": np.zeros(1, np.float32)}, step=100)  # another trainer's folder
-    callback = PublishCallback(tmp_path, every_n_batches=2)
-    with pytest.raises(ws.PublishError, match="step 2 is not after step 100"):
-        fit(small_model(), callback, epochs=1)
-    assert ws.latest(tmp_path).step == 100
-
-
-def test_keras_callback_raises_a_failed_last_publish_when_fit_ends(tmp_path):
-    ws.publish(tmp_path, {"other": np.zeros(1, np.float32)}, step=100)
-    with pytest.raises(ws.PublishError, match="step 4 is not after step 100"):
-        fit(small_model(), PublishCallback(tmp_path), epochs=1)  # one publish, at the end of the epoch
+    callback = PublishCallback(tmp_path, every_n_batches=2, background=background)
+    fit(small_model(), callback, epochs=1)  # returns: publishes of steps 2 and 4 fail
+    assert callback.failures >= 1 and isinstance(callback.last_error, ws.PublishError)
+    assert "is not after step 100" in str(callback.last_error)
+    assert ws.latest(tmp_path).step == 100 and callback.last is None
+    assert any("the last version published is none" in record.getMessage() for record in caplog.records)
 
 
 def test_session_run_hook_writes_in_the_background_while_training_goes_on(tmp_path, gate):
@@ -222,10 +257,11 @@ def test_session_run_hook_writes_in_the_background_while_training_goes_on(tmp_pa
         assert np.all(ws.load(entry.path)["w"] == entry.step)
 
 
-def test_session_run_hook_raises_a_failed_publish_when_the_session_closes(tmp_path):
+def test_session_run_hook_never_raises_a_failed_publish_into_the_session(tmp_path):
     ws.publish(tmp_path, {"other": np.zeros(1, np.float32)}, step=100)
-    with pytest.raises(ws.PublishError, match="steps must increase"):
-        tf1_training(tmp_path, {"every_n_steps": 100})
+    hook = tf1_training(tmp_path, {"every_n_steps": 100})
+    assert hook.failures >= 1 and "steps must increase" in str(hook.last_error)
+    assert ws.latest(tmp_path).step == 100
 
 
 # --- the inference side -----------------------------------------------------------------------

@@ -624,3 +624,69 @@ def test_an_index_or_done_record_dense_with_json_containers_is_refused_before_pa
         shards.commit_shards(folder, step=2, world=1, attempt=0, timeout=5, metadata={"pad": [[]] * 20_000})
     assert refused.value.path.endswith("step-000000000002.wsindex")
     assert ws.latest(folder).step == 1 and not (folder / "step-000000000002.wsindex").exists()
+
+
+@pytest.mark.parametrize("damage", ["newer", "flipped"])
+def test_clean_keeps_a_committed_version_whose_index_it_cannot_read(tmp_path, damage):
+    """An index a newer weightstore wrote, or with one byte flipped, below LATEST with its
+    members intact: nothing proves it dead, so clean reports it and keeps it and its members."""
+    folder = tmp_path / "run"
+    for step in (2, 3):
+        for rank in range(4):
+            ws.publish_shard(folder, pieces_of(rank), step=step, rank=rank, world=4, attempt=0)
+        shards.commit_shards(folder, step=step, world=4, attempt=0, timeout=5, keep=None)
+    index = folder / "step-000000000002.wsindex"
+    data = index.read_bytes()
+    if damage == "newer":
+        data = data.replace(b'"version": 1', b'"version": 2', 1).replace(b'"version":1', b'"version":2', 1)
+    else:
+        data = data[:40] + bytes([data[40] ^ 0x01]) + data[41:]
+    index.write_bytes(data)
+    with pytest.warns(UserWarning, match=r"step-000000000002.wsindex: kept: it cannot be read"):
+        assert shards.clean_folder(folder) == []
+    assert index.read_bytes() == data and (folder / "step-000000000002.attempt-0").is_dir()
+
+
+def test_a_coordinator_that_lost_the_latest_race_removes_its_index_and_its_retry_is_accepted(tmp_path, monkeypatch):
+    """Another publisher moves LATEST between this commit's index and its swap of LATEST (here, a
+    lower step: LATEST does not name ours and never will)."""
+    folder = tmp_path / "run"
+    ws.publish(folder, {"w": np.ones(2, np.float32)}, step=1)
+    for rank in range(4):
+        ws.publish_shard(folder, pieces_of(rank), step=6, rank=rank, world=4, attempt=0)
+    real_latest = versions._write_latest
+
+    def another_publisher_first(target, state, pointer, step):
+        monkeypatch.setattr(versions, "_write_latest", real_latest)
+        versions._write_latest(target, state, pointer.replace(b"step-000000000006.wsindex", b"step-000000000005.npz")
+                               .replace(b'"step": 6', b'"step": 5'), 5)
+        (folder / "step-000000000005.npz").write_bytes((folder / "step-000000000001.npz").read_bytes())
+        raise ws.PublishError("LATEST changed while step 6 was being published", path=str(folder))
+
+    monkeypatch.setattr(versions, "_write_latest", another_publisher_first)
+    with pytest.raises(ws.PublishError, match="LATEST changed"):
+        shards.commit_shards(folder, step=6, world=4, attempt=0, timeout=5)
+    assert not (folder / "step-000000000006.wsindex").exists() and ws.latest(folder).step == 5
+    for rank in range(4):  # the retry the error recommends
+        ws.publish_shard(folder, pieces_of(rank), step=7, rank=rank, world=4, attempt=0)
+    assert shards.commit_shards(folder, step=7, world=4, attempt=0, timeout=5, keep=2).step == 7
+    assert [entry.step for entry in versions.list_versions(folder)] == [5, 7]
+
+
+@pytest.mark.parametrize("planted", ["LATEST", ".publishing", "step-000000000002.npz",
+                                     "step-000000000003.attempt-0/rank-00000.safetensors",
+                                     "step-000000000003.attempt-0/rank-00001.done"])
+def test_no_publish_writes_through_a_planted_symlink(tmp_path, planted):
+    folder, outside = tmp_path / "run", tmp_path / "outside"
+    outside.write_bytes(b"not yours")
+    ws.publish(folder, {"w": np.ones(2, np.float32)}, step=1)
+    (folder / planted).parent.mkdir(exist_ok=True)
+    (folder / planted).unlink(missing_ok=True)
+    (folder / planted).symlink_to(outside)
+    with pytest.raises(ws.WeightStoreError, match="symbolic link"):
+        if "attempt" in planted:
+            for rank in range(4):
+                ws.publish_shard(folder, pieces_of(rank), step=3, rank=rank, world=4, attempt=0)
+        else:
+            ws.publish(folder, {"w": np.zeros(2, np.float32)}, step=2)
+    assert outside.read_bytes() == b"not yours"

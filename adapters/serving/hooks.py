@@ -11,10 +11,14 @@ thread instead). The training thread is held only for a snapshot: the Keras call
 each variable as an eager tensor that shares the variable's buffer, which TensorFlow copies on
 the next write to it (see :mod:`weightstore.adapters.serving.snapshot`); the TF1 hook fetches the
 values in one ``session.run``. A :class:`weightstore.BackgroundPublisher` then writes them:
-at most one publish in flight (the next one waits for it), and a failed publish raises on the
-next publish, at the end of training, or from ``wait()``/``close()``. The end of training
-(Keras ``on_train_end``, the hook's ``end``) waits, so the last version is complete when
-``fit`` returns or the session closes.
+one at a time, a newer snapshot replacing one still waiting.
+
+**A publish never costs the run.** No publish's failure is raised into the training loop, in
+the background or not: storage failures are retried with backoff (in the background), every
+failure is logged and counted (``failures``, ``last_error``). The end of training (Keras
+``on_train_end``, the hook's ``end``) publishes the final weights, unless the last publish
+already holds them, and waits for them at most ``end_timeout`` seconds; then it logs which
+version is the last published, and a publish still retrying goes on in the background.
 
 Under tf.distribute (or a ``TF_CONFIG`` cluster) only the chief publishes: the task of type
 ``chief``, or worker 0 when the cluster has no chief. Every worker holds the same weights, and
@@ -23,6 +27,8 @@ one publisher per folder is the rule :mod:`weightstore.sync._versions` enforces.
 
 from __future__ import annotations
 
+import logging
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -38,9 +44,13 @@ with needs("tf", __name__):
 from weightstore.adapters.plan import Selection, SelectionWords
 from weightstore.sharded._cluster import is_tf_chief, tf_config_task
 from weightstore.sync._background import BackgroundPublisher
-from weightstore.sync._versions import DEFAULT_FORMAT, DEFAULT_KEEP, PublishOptions, Version
+from weightstore.sync._versions import DEFAULT_FORMAT, DEFAULT_KEEP, PublishOptions, Version, checked_seconds
 
 __all__ = ["PublishCallback", "PublishHook", "is_chief"]
+
+#: how long the end of training waits for its final publish before it lets training return
+DEFAULT_END_TIMEOUT = 60.0
+_log = logging.getLogger("weightstore")
 
 
 def is_chief(strategy: Any = None) -> bool:
@@ -58,94 +68,160 @@ class _Publisher:
     """What both hooks share: the folder, the publish options, the export selection, the thread."""
 
     def __init__(self, folder: Any, *, keep: int | None, metadata: Mapping[str, Any] | None, format: str,
-                 selection: Selection, storage_options: Mapping[str, Any] | None, background: bool):
+                 selection: Selection, storage_options: Mapping[str, Any] | None, background: bool,
+                 end_timeout: float):
         self.folder = folder
         self.selection = selection
         self.options = PublishOptions(keep=keep, format=format, storage_options=storage_options)
         self.metadata = dict(metadata or {})
+        self.end_timeout = checked_seconds("end_timeout", end_timeout)
         self.background = BackgroundPublisher(folder, **self.options, metadata=metadata) if background else None
         self._last: Version | None = None
+        self._failures = 0
+        self._error: BaseException | None = None
         self._step: int | None = None  # the last step handed over, finished or not
 
     @property
     def last(self) -> Version | None:
         return self._last if self.background is None else self.background.last
 
+    @property
+    def failures(self) -> int:
+        return self._failures if self.background is None else self.background.failures
+
+    @property
+    def last_error(self) -> BaseException | None:
+        return self._error if self.background is None else self.background.last_error
+
     def publish(self, read: Callable[[], Mapping[str, Any]], step: int, extra: Mapping[str, Any]) -> None:
-        """Publish what ``read()`` returns as ``step``; in the background, after the one in flight."""
+        """Publish what ``read()`` returns as ``step`` (in the background: handed over); never raises."""
         if self._step is not None and step <= self._step:
             return  # this step is out already (e.g. a batch and an epoch trigger at once)
-        if self.background is None:
+        self._step = step
+        if self.background is not None:
+            self.background.publish(read(), step=step, metadata=extra)
+            return
+        try:
             self._last = weightstore.publish(self.folder, read(), step=step, metadata={**self.metadata, **extra},
                                              **self.options)
-        else:
-            self.background.wait()  # before the snapshot: its error first, and never two snapshots held
-            self.background.publish(read(), step=step, metadata=extra)
-        self._step = step
+        except Exception as error:  # a copy of the weights must not end the training it copies
+            self._failures += 1
+            self._error = error
+            _log.error("publishing step %d to %s failed: %s; the last version published is %s", step,
+                       self.folder, error, self._last.step if self._last else "none")
 
-    def wait(self) -> Version | None:
-        return self.last if self.background is None else self.background.wait()
+    def wait(self, timeout: float | None = None) -> Version | None:
+        return self.last if self.background is None else self.background.wait(timeout)
 
-    def close(self) -> Version | None:
-        return self.last if self.background is None else self.background.close()
+    def close(self, timeout: float | None = None) -> Version | None:
+        return self.last if self.background is None else self.background.close(timeout)
+
+    def end(self) -> None:
+        """At the end of training: wait for the final publish a bounded time, and say where it stands."""
+        last = self.wait(self.end_timeout)
+        if self._step is not None and (last is None or last.step != self._step):
+            _log.warning("training ended: the final weights (step %d) are not published to %s yet; the last version "
+                         "published is %s", self._step, self.folder, last.step if last else "none")
 
 
 class PublishCallback(keras.callbacks.Callback):
-    """Publish the model's weights to ``folder`` every ``every_n_batches`` and/or ``every_n_epochs``.
+    """Publish the model's weights to ``folder`` every ``every_n_batches`` and/or ``every_n_epochs``,
+    and at the end of ``fit``.
 
-    With neither given, publishes after every epoch. The step is ``model.optimizer.iterations``;
-    the metadata gets ``{"epoch": ...}`` on top of ``metadata``. ``last`` is the last Version
-    completed. ``scope``/``include``/``exclude``/``trainable_only``/``also`` select as in ``tf2.export``.
+    With neither given, publishes after every epoch. Batches are counted as Keras's own
+    ``ModelCheckpoint(save_freq=N)`` counts them: under ``compile(steps_per_execution=K)`` Keras
+    reports every K-th batch, and the callback publishes at the first report at or past N
+    batches since its last publish. The end of ``fit`` publishes the final weights
+    (``at_end=False``: not), so a follower of a finished run ends on exactly the trained
+    model. The step is ``model.optimizer.iterations``; the metadata gets ``{"epoch": ...}`` on
+    top of ``metadata``. ``scope``/``include``/``exclude``/``trainable_only``/``also`` select as
+    in ``tf2.export``.
 
-    With ``background`` (the default) each publish is written while training goes on; the end
-    of ``fit`` waits for the last one and raises its error. Outside ``fit``, :meth:`wait`
-    and :meth:`close` do the same.
+    No publish's failure reaches ``fit`` (see the module): ``failures`` counts them,
+    ``last_error`` holds the last, ``last`` is the last version completed. The end of ``fit``
+    waits at most ``end_timeout`` seconds for the final publish. Outside ``fit``, :meth:`wait`
+    and :meth:`close` wait for what was handed over.
     """
 
     def __init__(self, folder: Any, *, every_n_batches: int | None = None, every_n_epochs: int | None = None,
-                 keep: int | None = DEFAULT_KEEP, metadata: Mapping[str, Any] | None = None,
+                 at_end: bool = True, keep: int | None = DEFAULT_KEEP, metadata: Mapping[str, Any] | None = None,
                  format: str = DEFAULT_FORMAT,  # noqa: A002
                  storage_options: Mapping[str, Any] | None = None, background: bool = True,
-                 **selection: Unpack[SelectionWords]):
+                 end_timeout: float = DEFAULT_END_TIMEOUT, **selection: Unpack[SelectionWords]):
         super().__init__()
         if every_n_batches is None and every_n_epochs is None:
             every_n_epochs = 1
         for name, value in (("every_n_batches", every_n_batches), ("every_n_epochs", every_n_epochs)):
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be at least 1, not {value!r}")
-        self.every_n_batches, self.every_n_epochs = every_n_batches, every_n_epochs
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an int of at least 1, not {value!r}")
+        self.every_n_batches, self.every_n_epochs, self.at_end = every_n_batches, every_n_epochs, at_end
         self._publisher = _Publisher(folder, keep=keep, metadata=metadata, format=format,
-                                     selection=Selection(**selection),
-                                     storage_options=storage_options, background=background)
-        self._batches = 0
+                                     selection=Selection(**selection), storage_options=storage_options,
+                                     background=background, end_timeout=end_timeout)
+        self._batches_since = 0  # batches since the last publish, as ModelCheckpoint counts them
+        self._last_batch: int | None = None
         self._epoch = 0
 
     @property
     def last(self) -> Version | None:
         return self._publisher.last
 
-    def wait(self) -> Version | None:
-        """Wait for the publish in flight; return the last version or raise its error."""
-        return self._publisher.wait()
+    @property
+    def failures(self) -> int:
+        """How many publish attempts failed; none of them reached ``fit``."""
+        return self._publisher.failures
 
-    def close(self) -> Version | None:
+    @property
+    def last_error(self) -> BaseException | None:
+        """The error of the last failed publish attempt, or ``None``."""
+        return self._publisher.last_error
+
+    def wait(self, timeout: float | None = None) -> Version | None:
+        """Wait (at most ``timeout`` seconds) for what was handed over; return the last version published."""
+        return self._publisher.wait(timeout)
+
+    def close(self, timeout: float | None = None) -> Version | None:
         """Wait like :meth:`wait`, then refuse further publishes."""
-        return self._publisher.close()
+        return self._publisher.close(timeout)
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        self._warn_when_only_the_end_publishes(self.params or {})
 
     def on_train_end(self, logs: Any = None) -> None:
-        self._publisher.wait()
+        if self.at_end:
+            self._publish()
+        self._publisher.end()
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         self._epoch = epoch
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        self._batches += 1
-        if self.every_n_batches and self._batches % self.every_n_batches == 0:
+        if not self.every_n_batches:
+            return
+        # Keras reports the last batch of each execution: count the batches it stands for
+        seen = batch + 1 if self._last_batch is None or batch <= self._last_batch else batch - self._last_batch
+        self._last_batch = batch
+        self._batches_since += seen
+        if self._batches_since >= self.every_n_batches:
+            self._batches_since = 0
             self._publish()
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         if self.every_n_epochs and (epoch + 1) % self.every_n_epochs == 0:
             self._publish()
+
+    def _warn_when_only_the_end_publishes(self, params: Mapping[str, Any]) -> None:
+        """Say so when no interval can trigger within this ``fit``: only its end publishes, or,
+        with ``at_end=False``, nothing does."""
+        epochs, steps = params.get("epochs"), params.get("steps")
+        by_epoch = self.every_n_epochs is not None and epochs is not None and self.every_n_epochs > epochs
+        by_batch = self.every_n_batches is not None and epochs is not None and steps is not None and \
+            self.every_n_batches > epochs * steps
+        if (by_epoch or self.every_n_epochs is None) and (by_batch or self.every_n_batches is None):
+            what = "only the end of fit publishes" if self.at_end else "nothing is published (at_end=False)"
+            warnings.warn(f"PublishCallback(every_n_batches={self.every_n_batches}, every_n_epochs="
+                          f"{self.every_n_epochs}) never triggers in a fit of {epochs} epochs of {steps} steps: "
+                          f"{what}", UserWarning, stacklevel=2)
 
     def _publish(self) -> None:
         if not is_chief(getattr(self.model, "distribute_strategy", None)):
@@ -153,7 +229,7 @@ class PublishCallback(keras.callbacks.Callback):
         from weightstore.adapters.serving.snapshot import snapshot
 
         optimizer = getattr(self.model, "optimizer", None)
-        step = int(optimizer.iterations.numpy()) if optimizer is not None else self._batches
+        step = int(optimizer.iterations.numpy()) if optimizer is not None else self._epoch
         selection = self._publisher.selection.words()
         self._publisher.publish(lambda: snapshot(self.model, **selection), step, {"epoch": self._epoch})
 
@@ -168,20 +244,22 @@ class PublishHook(tf.compat.v1.train.SessionRunHook):
 
     With ``background`` (the default) the values are fetched on the training thread and
     written while training goes on; ``end`` (when the session closes) publishes the final step
-    and waits for it, raising a publish's error. :meth:`wait` and :meth:`close` do the same.
+    and waits for it at most ``end_timeout`` seconds. No publish's failure reaches the session
+    (see the module): ``failures`` counts them and ``last_error`` holds the last.
     """
 
     def __init__(self, folder: Any, *, every_n_steps: int | None = None, every_n_secs: float | None = None,
                  keep: int | None = DEFAULT_KEEP, metadata: Mapping[str, Any] | None = None,
                  format: str = DEFAULT_FORMAT,  # noqa: A002
                  storage_options: Mapping[str, Any] | None = None, is_chief: bool | None = None,
-                 background: bool = True, **selection: Unpack[SelectionWords]):
+                 background: bool = True, end_timeout: float = DEFAULT_END_TIMEOUT,
+                 **selection: Unpack[SelectionWords]):
         if (every_n_steps is None) == (every_n_secs is None):
             raise ValueError("pass exactly one of every_n_steps and every_n_secs")
         self._timer = tf.compat.v1.train.SecondOrStepTimer(every_secs=every_n_secs, every_steps=every_n_steps)
         self._publisher = _Publisher(folder, keep=keep, metadata=metadata, format=format,
-                                     selection=Selection(**selection),
-                                     storage_options=storage_options, background=background)
+                                     selection=Selection(**selection), storage_options=storage_options,
+                                     background=background, end_timeout=end_timeout)
         self._is_chief = is_chief
         self._global_step: tf.Tensor | None = None
 
@@ -189,13 +267,23 @@ class PublishHook(tf.compat.v1.train.SessionRunHook):
     def last(self) -> Version | None:
         return self._publisher.last
 
-    def wait(self) -> Version | None:
-        """Wait for the publish in flight; return the last version or raise its error."""
-        return self._publisher.wait()
+    @property
+    def failures(self) -> int:
+        """How many publish attempts failed; none of them reached the session."""
+        return self._publisher.failures
 
-    def close(self) -> Version | None:
+    @property
+    def last_error(self) -> BaseException | None:
+        """The error of the last failed publish attempt, or ``None``."""
+        return self._publisher.last_error
+
+    def wait(self, timeout: float | None = None) -> Version | None:
+        """Wait (at most ``timeout`` seconds) for what was handed over; return the last version published."""
+        return self._publisher.wait(timeout)
+
+    def close(self, timeout: float | None = None) -> Version | None:
         """Wait like :meth:`wait`, then refuse further publishes."""
-        return self._publisher.close()
+        return self._publisher.close(timeout)
 
     def begin(self) -> None:
         self._global_step = tf.compat.v1.train.get_global_step()
@@ -213,7 +301,7 @@ class PublishHook(tf.compat.v1.train.SessionRunHook):
     def end(self, session: Any) -> None:
         if self._is_chief:
             self._publish(session)
-            self._publisher.wait()
+            self._publisher.end()
 
     def _publish(self, session: Any) -> None:
         from weightstore.adapters import tf1

@@ -123,13 +123,14 @@ class Commit(abc.ABC):
 class RenameCommit(Commit):
     """Protocol 1: a temporary beside the target, fsync, rename over it, fsync the folder."""
 
-    def __init__(self, target: str | Path):
+    def __init__(self, target: str | Path, *, follow_symlinks: bool = True):
         self.target = str(target)
         self._final = Path(target)
         self._temporary: Path | None = None
+        self._follow_symlinks = follow_symlinks
 
     def begin(self) -> str:
-        self._final = check_writable_target(Path(self.target))
+        self._final = check_writable_target(Path(self.target), follow_symlinks=self._follow_symlinks)
         remove_stale_temporaries(self._final)
         self._temporary = temporary_beside(self._final)
         return str(self._temporary)

@@ -84,12 +84,18 @@ def refuse_special_file(path: str) -> None:
         raise _not_regular(kind, path)
 
 
-def check_writable_target(target: Path) -> Path:
+def check_writable_target(target: Path, *, follow_symlinks: bool = True) -> Path:
     """The regular file a write to ``target`` replaces: ``target``, or the file a symlink names.
 
     Refuses, with :class:`TargetError` and before a byte is written, a target that is a folder,
-    FIFO, socket or device, and a missing folder with :class:`StoreNotFoundError`.
+    FIFO, socket or device, and a missing folder with :class:`StoreNotFoundError`. Without
+    ``follow_symlinks`` a symlink at ``target`` is refused too: a versioned folder's own files
+    (``LATEST``, a version, a member, a done-record) are never written through a link someone
+    planted in a shared folder, which would overwrite a file outside it.
     """
+    if target.is_symlink() and not follow_symlinks:
+        raise TargetError(f"is a symbolic link (to {os.readlink(target)}); a versioned folder's files are never "
+                          "written through links: remove it", path=str(target))
     resolved = Path(os.path.realpath(target)) if target.is_symlink() else target
     try:
         mode = os.stat(resolved).st_mode

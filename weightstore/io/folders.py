@@ -22,7 +22,7 @@ from typing import Any, BinaryIO
 from weightstore.errors import FileAccessError, FormatError, TargetError, WriteError
 from weightstore.io import s3
 from weightstore.io.commit import Commit, RenameCommit, UploadCommit
-from weightstore.io.files import TEMP_MARK, fsync_folder, fsync_path, kind_of, temporary_beside
+from weightstore.io.files import TEMP_MARK, check_writable_target, fsync_folder, fsync_path, kind_of, temporary_beside
 from weightstore.io.location import filesystem, location_of, service, uncached
 from weightstore.io.remote import RemoteFile
 
@@ -167,7 +167,7 @@ class LocalFolder(Folder):
         return object() if os.path.lexists(self.root / name) else None
 
     def commit(self, name: str, suffix: str = "") -> Commit:
-        return RenameCommit(self.root / name)
+        return RenameCommit(self.root / name, follow_symlinks=False)
 
     def remove(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -199,6 +199,7 @@ class LocalFolder(Folder):
         target = self.root / name
         if create and os.path.lexists(target):
             return False
+        check_writable_target(target, follow_symlinks=False)
         temporary = temporary_beside(target)
         try:
             with open(temporary, "wb") as handle:

@@ -33,6 +33,7 @@ import math
 import os
 import re
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -87,6 +88,7 @@ from weightstore.sync._versions import (
     checked_seconds,
     checked_step,
     commit_version,
+    names_step,
     require_folder,
 )
 
@@ -274,7 +276,7 @@ def commit_shards(
     try:
         version = commit_version(target, step, name, write_index, metadata, keep)
     except PublishError:
-        if written and _past(target, step):  # ours, never named, and no commit of this step can succeed any more
+        if written and not names_step(target, step):  # ours, and LATEST names another: never published
             target.remove(name)
         raise
     if adopted and target.read_small(name, 1) is None:  # removed as dead between the look and the swap
@@ -300,18 +302,8 @@ def _same_index(target: Folder, name: str, index: ShardIndex) -> bool:
     or one racing this commit. Either way committing it is committing these very members.
     Compared as written, not as objects: metadata read back holds lists where the caller's had
     tuples."""
-    found = _read_index(target, name)
+    found, _ = _read_index(target, name)
     return found is not None and dataclasses.replace(found, created=index.created).to_json() == index.to_json()
-
-
-def _past(target: Folder, step: int) -> bool:
-    """Whether ``LATEST`` names a step above ``step``: it never goes back, so no commit of
-    ``step`` can succeed any more and its index is dead."""
-    try:
-        current = _latest(target)
-    except FormatError:
-        return False
-    return current is not None and current.step > step
 
 
 def next_attempt(folder: Any, step: int, *, storage_options: Mapping[str, Any] | None = None) -> int:
@@ -349,11 +341,17 @@ def clean_folder(folder: Any, *, storage_options: Mapping[str, Any] | None = Non
     found = _versions(target)
     latest = _latest(target)
     current = latest.step if latest is not None else max((step for step, _ in found), default=None)
-    removed, live = [], set()
+    removed: list[str] = []
+    live: set[tuple[int, int | None]] = set()
     for step, entry in found:
         if not entry.name.endswith(SHARDED_SUFFIX):
             continue
-        index = _read_index(target, entry.name)
+        index, error = _read_index(target, entry.name)
+        if error is not None:  # a newer weightstore's, or damaged: nothing proves it dead
+            warnings.warn(f"{target.url(entry.name)}: kept: it cannot be read ({error}), so nothing proves it dead",
+                          UserWarning, stacklevel=2)
+            live.add((step, None))
+            continue
         named = step == current  # never removed, whatever its state
         if named or (current is not None and step < current and index is not None
                      and _members_present(target, index, storage_options)):
@@ -363,7 +361,7 @@ def clean_folder(folder: Any, *, storage_options: Mapping[str, Any] | None = Non
             target.remove(entry.name)
             removed.append(entry.name)
     for sub, step, attempt in _attempts(target):
-        if (step, attempt) not in live:
+        if (step, attempt) not in live and (step, None) not in live:  # an unreadable index may name any attempt
             target.remove_folder(sub)
             removed.append(sub)
     return removed
@@ -381,12 +379,13 @@ def _attempts(target: Folder) -> list[tuple[str, int, int]]:
             for sub in target.subfolders() if (match := _ATTEMPT.match(sub))]
 
 
-def _read_index(target: Folder, name: str) -> ShardIndex | None:
+def _read_index(target: Folder, name: str) -> tuple[ShardIndex | None, WeightStoreError | None]:
+    """The index ``name`` (``None`` when it is gone), or why it cannot be read."""
     data = target.read_small(name, MAX_INDEX_BYTES + 1)
     try:
-        return None if data is None else ShardIndex.parse(data)
-    except WeightStoreError:
-        return None
+        return (None if data is None else ShardIndex.parse(data)), None
+    except WeightStoreError as error:
+        return None, error
 
 
 # -- the rank's side ---------------------------------------------------------------------------

@@ -1,24 +1,31 @@
-"""Publish from a training loop without waiting for the write.
+"""Publish from a training loop without waiting for the write, and without ever failing it.
 
-:class:`BackgroundPublisher` hands each publish to a thread and returns at once, so the
-training thread is held only for as long as it takes to give it the weights. The weights may
-be numpy arrays, or framework tensors that are converted to numpy on the publishing thread,
-one at a time as each is written (``weightstore.adapters.serving.snapshot`` takes such tensors from a
-TF model without copying them).
+:class:`BackgroundPublisher` hands each publish to one thread of its own and returns at once,
+so the training thread is held only for as long as it takes to give it the weights (numpy
+arrays, or framework tensors converted on the publishing thread as each is written:
+``weightstore.adapters.serving.snapshot`` takes such tensors from a TF model without copying).
 
-**At most one publish in flight.** A publish while the previous one is still writing first
-waits for it, as TensorFlow's async checkpoint does: queueing more would hold one more copy of
-the model per queued publish, and dropping one would lose a version the caller asked for. So a
-trainer that publishes faster than the folder takes them is slowed down to the folder's pace.
+**At most one publish pending.** One publish is written at a time; a publish asked for while
+one is being written waits as the *pending* one, and a newer publish replaces a pending one
+(its future is cancelled): what a follower wants is the newest weights, and the memory held is
+bounded by two snapshots however slow the folder is. ``publish`` never waits for the write.
 
-**Errors are never lost.** A failed publish raises its exception, once, from the first of: the
-next :meth:`~BackgroundPublisher.publish`, :meth:`~BackgroundPublisher.wait` or
-:meth:`~BackgroundPublisher.close`; unless the caller already saw it through the future's
-``result()`` or ``exception()``. The version files stay as crash-safe as :func:`weightstore.publish`
-makes them, since each publish is exactly one call to it: a process that exits normally first
-waits for the publish in flight (the thread is not a daemon), and one killed mid-write leaves
-the folder as a killed ``publish`` does, with the previous version intact. Only ``close()``
-(or leaving a ``with`` block) can still hand the last publish's error to you.
+**A copy of the weights never costs the run it copies.** A publish that fails is never raised
+into the caller. A storage failure (:class:`StorageError`, an ``OSError``: an outage, a full
+disk) is retried with exponential backoff (``retry_backoff`` seconds, doubling up to
+``max_backoff``) for up to ``retry_for`` seconds; a newer snapshot arriving meanwhile is
+written instead. Any other failure (a step that does not go forward, weights no format takes)
+is not retried. Every failure is logged (the ``weightstore`` logger) and counted
+(:attr:`~BackgroundPublisher.failures`, :attr:`~BackgroundPublisher.last_error`); its future
+raises it for a caller who asks (``future.result()``). The snapshot being retried is held
+until it is written or given up, so a retry writes the same weights.
+
+**The end.** :meth:`~BackgroundPublisher.wait` and :meth:`~BackgroundPublisher.close` wait (at
+most ``timeout`` seconds) for everything asked for, then return the last version published and
+log what is still pending. The publishing thread is not a daemon: a process that exits while a
+publish is still retrying (a trainer that finished during an outage) lets it finish first,
+``retry_for`` at most, so the final weights still arrive once storage is back. A process killed
+mid-write leaves the folder as a killed :func:`weightstore.publish` does.
 
 Example::
 
@@ -27,20 +34,20 @@ Example::
             train_step()
             if step % 100 == 0:
                 publisher.publish(weights(), step=step)
-    # every publish is complete here, or ``with`` raised the first unreported error
+    print(publisher.last, publisher.failures)  # the last version published, and how many failed
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
-import warnings
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from weightstore.errors import PublishError
+from weightstore.errors import PublishError, StorageError, WeightStoreError
 from weightstore.formats import format_named
 from weightstore.store._save import checked_metadata
 from weightstore.sync._versions import (
@@ -49,44 +56,42 @@ from weightstore.sync._versions import (
     PublishOptions,
     Version,
     checked_keep,
+    checked_seconds,
     checked_step,
     publish,
 )
 
 __all__ = ["BackgroundPublisher", "PublishFuture"]
 
+#: how long a failing snapshot is retried, and the first and longest pause between attempts
+DEFAULT_RETRY_FOR = 600.0
+DEFAULT_RETRY_BACKOFF = 0.5
+DEFAULT_MAX_BACKOFF = 30.0
+_log = logging.getLogger("weightstore")
+
 
 class PublishFuture(concurrent.futures.Future):
-    """One background publish: ``result()`` waits for it and returns its :class:`Version`, or raises.
+    """One background publish: ``result()`` waits for it and returns its :class:`Version`, or
+    raises its error; cancelled where a newer publish replaced it before it was written."""
 
-    An error the caller saw here (through ``result()`` or ``exception()``) is not raised again
-    by the publisher.
-    """
 
-    _seen = False
+@dataclass
+class _Job:
+    """A snapshot to publish: what the caller handed over, and the future it was given."""
 
-    def result(self, timeout: float | None = None) -> Version:
-        try:
-            return super().result(timeout)
-        except concurrent.futures.TimeoutError:
-            raise
-        except BaseException:
-            self._seen = True
-            raise
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        error = super().exception(timeout)
-        if error is not None:
-            self._seen = True
-        return error
+    weights: Mapping[str, Any]
+    step: int
+    metadata: dict[str, Any]
+    future: PublishFuture
 
 
 class BackgroundPublisher:
-    """Publish versions of ``folder`` on a background thread, at most one at a time.
+    """Publish versions of ``folder`` on a background thread: one written, one pending at most.
 
     The options are those of :func:`weightstore.publish`; ``metadata`` is merged under each
-    publish's own. A context manager: leaving the block waits for the last publish and
-    raises an error no one has seen yet. Call it from one thread (the training loop).
+    publish's own. ``retry_for``, ``retry_backoff`` and ``max_backoff`` bound the retries of a
+    storage failure (see the module). A context manager: leaving the block waits like
+    :meth:`close`. Call it from one thread (the training loop).
     """
 
     def __init__(
@@ -97,115 +102,147 @@ class BackgroundPublisher:
         metadata: Mapping[str, Any] | None = None,
         format: str = DEFAULT_FORMAT,  # noqa: A002
         storage_options: Mapping[str, Any] | None = None,
+        retry_for: float = DEFAULT_RETRY_FOR,
+        retry_backoff: float = DEFAULT_RETRY_BACKOFF,
+        max_backoff: float = DEFAULT_MAX_BACKOFF,
     ):
         keep = checked_keep(keep)
         format_named(format)  # an unknown format fails here, not on the first background publish
         self.folder = folder
         self.metadata = checked_metadata(metadata, str(folder))
+        self.retry_for = checked_seconds("retry_for", retry_for)
+        self.retry_backoff = max(checked_seconds("retry_backoff", retry_backoff), 0.001)
+        self.max_backoff = max(checked_seconds("max_backoff", max_backoff), self.retry_backoff)
         self._options = PublishOptions(keep=keep, format=format, storage_options=storage_options)
-        self._pending: PublishFuture | None = None
+        self._changed = threading.Condition()
+        self._pending: _Job | None = None
+        self._writing: _Job | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
         self.last: Version | None = None
         """The last version this publisher completed."""
+        self.failures = 0
+        """How many publish attempts failed (each retry counts)."""
+        self.last_error: BaseException | None = None
+        """The error of the last failed attempt, or ``None``."""
 
     def publish(self, weights: Mapping[str, Any], *, step: int,
                 metadata: Mapping[str, Any] | None = None) -> PublishFuture:
-        """Start publishing ``weights`` as version ``step`` and return at once.
+        """Hand ``weights`` over as version ``step`` and return at once; never raises a publish's failure.
 
-        Waits first for a publish still in flight, and raises its error if it failed and
-        nobody saw it (then ``weights`` are not published). ``weights`` must not change until
-        the returned future is done: the caller hands over arrays it will not write to, or
-        tensors whose framework copies on write (a TF snapshot). From a plain ``dict`` the
-        publisher lets go of each value as soon as it is written, so a snapshot nobody else
-        holds is freed tensor by tensor rather than at the end.
+        ``weights`` must not change until the returned future is done: the caller hands over
+        arrays it will not write to, or tensors whose framework copies on write (a TF snapshot).
+        Raises only for the call itself: a closed publisher, a step that is no int.
         """
         if self._closed:
             raise PublishError("this BackgroundPublisher is closed", path=str(self.folder))
         step = checked_step(step)  # here, not on the thread: a bad step must not cost the next publish
-        self.wait()
         future = PublishFuture()
-        future.set_running_or_notify_cancel()
-        merged = {**self.metadata, **dict(metadata or {})}
-        self._pending = future
-        handed = _handed_over(weights) if type(weights) is dict else weights
-        self._thread = threading.Thread(target=self._run, args=(future, handed, step, merged),
-                                        name=f"weightstore-publish-{step}")
-        self._thread.start()
+        job = _Job(weights, step, {**self.metadata, **dict(metadata or {})}, future)
+        with self._changed:
+            replaced, self._pending = self._pending, job
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name=f"weightstore-publish-{self.folder}")
+                self._thread.start()
+            self._changed.notify_all()
+        if replaced is not None:
+            replaced.future.cancel()
         return future
-
-    def _run(self, future: PublishFuture, weights: Mapping[str, Any], step: int, metadata: dict[str, Any]) -> None:
-        try:
-            version = publish(self.folder, weights, step=step, metadata=metadata, **self._options)
-        except BaseException as exc:  # handed to whoever waits next, never lost in this thread
-            future.set_exception(exc)
-        else:
-            self.last = version
-            future.set_result(version)
 
     @property
     def busy(self) -> bool:
-        """Whether a publish is in flight now."""
-        return self._pending is not None and not self._pending.done()
+        """Whether a publish is being written or waits to be."""
+        with self._changed:
+            return self._writing is not None or self._pending is not None
 
-    def wait(self) -> Version | None:
-        """Wait for the publish in flight; return the last version, or raise its unseen error."""
-        pending, thread = self._pending, self._thread
-        if pending is None:
+    def wait(self, timeout: float | None = None) -> Version | None:
+        """Wait up to ``timeout`` seconds (``None``: until done) for every publish asked for;
+        return the last version published. Logs what is still pending when time runs out."""
+        deadline = None if timeout is None else time.monotonic() + checked_seconds("timeout", timeout)
+        with self._changed:
+            while self._writing is not None or self._pending is not None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    self._log_unfinished()
+                    break
+                self._changed.wait(left)
             return self.last
-        error = pending.exception() if not pending._seen else None  # waits; marks the error seen
-        if thread is not None:
-            thread.join()  # the thread has let go of the weights too
-        self._pending = self._thread = None
-        if error is not None:
-            raise error
-        return self.last
 
-    def close(self) -> Version | None:
-        """Wait for the last publish and refuse further ones; raises an error nobody has seen."""
+    def close(self, timeout: float | None = None) -> Version | None:
+        """Refuse further publishes, then :meth:`wait`."""
         self._closed = True
-        return self.wait()
+        return self.wait(timeout)
 
     def __enter__(self) -> BackgroundPublisher:
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, traceback: object) -> None:
-        self._closed = True
-        try:
-            self.wait()
-        except Exception as error:
-            if exc is None:
-                raise
-            note = f"and a background publish to {self.folder} failed too: {error!r}"
-            if hasattr(exc, "add_note"):  # Python 3.11+
-                exc.add_note(note)
-            else:  # pragma: no cover - Python 3.10
-                warnings.warn(note, RuntimeWarning, stacklevel=2)
+        self.close()
+
+    def _run(self) -> None:
+        """The publishing thread: write the pending job, retrying storage failures; exit when idle."""
+        while True:
+            with self._changed:
+                job, self._pending = self._pending, None
+                self._writing = job
+                if job is None:
+                    self._thread = None
+                    self._changed.notify_all()
+                    return
+            if job.future.set_running_or_notify_cancel():
+                self._write(job)
+            with self._changed:
+                self._writing = None
+                self._changed.notify_all()
+
+    def _write(self, job: _Job) -> None:
+        """Publish ``job``, retrying while storage fails, until done, given up or replaced."""
+        started, pause = time.monotonic(), self.retry_backoff
+        while True:
+            try:
+                version = publish(self.folder, job.weights, step=job.step, metadata=job.metadata, **self._options)
+            except BaseException as error:  # counted and handed to the future, never to the trainer
+                retry = self._failed(job, error, time.monotonic() - started)
+                if not retry or self._replaced_within(pause):
+                    job.future.set_exception(error)
+                    return
+                pause = min(pause * 2, self.max_backoff)
+                continue
+            self.last = version
+            job.future.set_result(version)
+            return
+
+    def _failed(self, job: _Job, error: BaseException, spent: float) -> bool:
+        """Count and log a failed attempt; whether to try again."""
+        self.failures += 1
+        self.last_error = error
+        retry = _retryable(error) and spent < self.retry_for
+        if retry:
+            _log.warning("publishing step %d to %s failed (%s); retrying", job.step, self.folder, error)
+        else:
+            _log.error("publishing step %d to %s failed%s: %s; the last version published is %s", job.step,
+                       self.folder, " for good" if not _retryable(error) else f" for {spent:.0f} s, given up",
+                       error, self.last.step if self.last else "none")
+        return retry
+
+    def _replaced_within(self, seconds: float) -> bool:
+        """Sleep ``seconds``, or less where a newer snapshot arrives (or a close asks): whether one did."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._pending is not None, seconds)
+            return self._pending is not None
+
+    def _log_unfinished(self) -> None:
+        newest = self._pending or self._writing
+        if newest is not None:
+            _log.warning("step %d is not published to %s yet (%s); the last version published is %s; it goes on "
+                         "in the background for up to %.0f s", newest.step, self.folder,
+                         self.last_error or "still writing", self.last.step if self.last else "none", self.retry_for)
 
 
-def _handed_over(weights: dict[str, Any]) -> dict[str, Any]:
-    """``weights`` with each array-like value wrapped so that the writer drops it once written."""
-    return {key: _Once(value) if hasattr(value, "__array__") and hasattr(value, "dtype") else value
-            for key, value in weights.items()}
+def _retryable(error: BaseException) -> bool:
+    """A failure of the storage, which may pass: not one of the publish itself (a step not
+    forward, a folder that is a file, weights no format takes)."""
+    if isinstance(error, StorageError):
+        return True
+    return isinstance(error, OSError) and not isinstance(error, WeightStoreError)
 
-
-class _Once:
-    """An array-like the writer converts exactly once, after which this holds no reference to it.
-
-    While training goes on, every tensor of a snapshot that is still referenced costs a copy
-    (TF copies a variable's buffer on write while a snapshot shares it); dropping each one as
-    soon as it is written keeps that to the tensors not yet written.
-    """
-
-    __slots__ = ("_value", "dtype", "shape")
-
-    def __init__(self, value: Any):
-        self._value = value
-        # checked and planned before the write without converting (see saving.CheckedWeights)
-        self.dtype, self.shape = value.dtype, getattr(value, "shape", None)
-
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        value, self._value = self._value, None
-        if value is None:
-            raise RuntimeError("a snapshot value was converted twice; the publisher hands each one over once")
-        return np.asarray(value) if dtype is None else np.asarray(value, dtype=dtype)

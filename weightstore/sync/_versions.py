@@ -314,12 +314,12 @@ def publish(
     except PublishError:
         # a race lost on object storage: left above LATEST with no intent naming it, the file
         # would read as a restored LATEST's newer version and refuse this very step's retry
-        if written and not _names_step(target, step):
+        if written and not names_step(target, step):
             target.remove(name)
         raise
 
 
-def _names_step(target: Folder, step: int) -> bool:
+def names_step(target: Folder, step: int) -> bool:
     """Whether ``LATEST`` names ``step`` now; when it cannot be read, as if it did (keep the file)."""
     try:
         current = _latest(target)

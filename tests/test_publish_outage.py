@@ -1,0 +1,77 @@
+"""A storage outage during training: the run goes on, and the final weights arrive once storage is back.
+
+Against the loopback S3 server, which answers every request 503 while the outage lasts.
+"""
+
+import threading
+
+import numpy as np
+import pytest
+
+import weightstore as ws
+
+BUCKET = "weightstore-outage"
+DOWN = (503, b"<Error><Code>SlowDown</Code><Message>down</Message></Error>")
+
+
+def weights(step: int) -> dict:
+    return {"dense/kernel": np.full((3, 2), step, np.float32)}
+
+
+@pytest.fixture
+def outage(s3):
+    """Starts and ends the outage; ends it in any case after 120 s, so a test cannot hang on it."""
+
+    class Outage:
+        def start(self):
+            s3.intercept = lambda environ: DOWN
+
+        def end(self):
+            s3.intercept = None
+
+    outage = Outage()
+    safety = threading.Timer(120, outage.end)
+    safety.start()
+    yield outage
+    safety.cancel()
+    outage.end()
+
+
+def test_a_background_publish_rides_out_an_outage(s3, outage):
+    folder = f"s3://{BUCKET}/background"
+    publisher = ws.BackgroundPublisher(folder, retry_backoff=0.1, max_backoff=0.5)
+    assert publisher.publish(weights(1), step=1).result(60).step == 1
+    outage.start()
+    future = publisher.publish(weights(2), step=2)  # returns at once: nothing waits on storage
+    while publisher.failures < 1:
+        future.exception(0.05) if future.done() else threading.Event().wait(0.05)
+    assert isinstance(publisher.last_error, ws.StorageError) and not future.done()
+    outage.end()
+    assert future.result(60).step == 2 and publisher.close().step == 2
+    np.testing.assert_array_equal(ws.load(ws.latest(folder))["dense/kernel"], weights(2)["dense/kernel"])
+
+
+def test_fit_goes_on_through_an_outage_and_the_folder_ends_on_the_trained_weights(s3, outage):
+    keras = pytest.importorskip("keras")
+    from weightstore.adapters import tf2
+    from weightstore.adapters.serving.hooks import PublishCallback
+
+    folder = f"s3://{BUCKET}/fit"
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+
+    class StartOutage(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 5:
+                outage.start()
+
+    callback = PublishCallback(folder, every_n_batches=2, end_timeout=0.5)
+    x = np.random.default_rng(0).normal(size=(64, 3)).astype(np.float32)
+    model.fit(x, x[:, :1], batch_size=4, epochs=2, verbose=0, callbacks=[StartOutage(), callback])
+    # fit returned while storage is still down: no exception, and the final weights still pending
+    assert callback.last is None or callback.last.step < 32
+    outage.end()
+    assert callback.wait(60).step == 32
+    for key, value in tf2.export(model).items():
+        np.testing.assert_array_equal(ws.load(ws.latest(folder))[key], value)
