@@ -1,14 +1,16 @@
 """What docs/design.md's "Adding a format, an adapter or a backend" says, done once each.
 
 A toy format is registered through the one table and round-trips through ``ws.save`` and
-``ws.open`` (locally and on a URL); a toy backend (one module, registered in the table of
-backends) serves every byte a remote open reads and the compare-and-swap a publish needs. If the
-steps the document gives stop being enough, these fail.
+``ws.open`` (locally and on a URL); a toy folder format (one module, registered in the same
+table) is found and read in a local folder and on a URL alike; a toy backend (one module,
+registered in the table of backends) serves every byte a remote open reads and the
+compare-and-swap a publish needs. If the steps the document gives stop being enough, these fail.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import sys
 import textwrap
 import threading
@@ -146,6 +148,108 @@ def test_a_registered_format_reads_on_a_url_and_refuses_damage(tmp_path, toy_for
     with ws.open(path) as store, pytest.raises(ws.ChecksumError) as caught:
         store["dense/kernel"]
     assert (caught.value.path, caught.value.key) == (str(path), "dense/kernel")
+
+
+TOY_FOLDER_FORMAT = textwrap.dedent('''
+    """A toy folder format: a folder of ``.npy`` files, one per tensor, and ``tensors.json``
+    mapping each key to its file. Recognised by where it lies (``find``), local or remote alike."""
+
+    import io
+    import json
+
+    import numpy as np
+
+    from weightstore.core.manifest import TensorInfo
+    from weightstore.errors import KeyNotInStoreError, UnsafeFileError
+    from weightstore.formats import Format, ReaderDefaults, foreign_keys
+    from weightstore.io.source import beside, byte_source, read_whole
+
+    LISTING = "tensors.json"
+
+
+    def plain(file):
+        """A ``.npy`` file beside the listing: no folder, no way out of it."""
+        return (isinstance(file, str) and file.endswith(".npy") and not file.startswith(".")
+                and not any(mark in file for mark in ("/", "\\\\", "\\0")))
+
+
+    def find(place):
+        """The folder's listing, if it holds one; asked of a local folder and a URL alike."""
+        if place.is_dir() and LISTING in place.names():
+            return place.child(LISTING)
+        return None
+
+
+    class NpyFolderReader(ReaderDefaults):
+        def __init__(self, location, name, mmap=True):
+            self.name, self._location = name, location
+            listing = json.loads(read_whole(byte_source(location, name, mmap=mmap), 1 << 20, "tensor listing"))
+            for file in listing.values():
+                if not plain(file):
+                    raise UnsafeFileError(f"names {file!r}, which is not a .npy file beside it", path=name)
+            self._file_of = foreign_keys(listing.items(), "tensor")
+            self.metadata, self.created, self.has_checksums = {}, "", False
+
+        def keys(self):
+            return list(self._file_of)
+
+        def info(self, key):
+            array = self.read(key, verify=False)  # a toy: the header is the whole file
+            return TensorInfo(key, array.dtype.name, array.shape, array.nbytes)
+
+        def read(self, key, *, verify):
+            if key not in self._file_of:
+                raise KeyNotInStoreError("no such tensor", path=self.name, key=key)
+            location, name = beside(self._location, self.name, self._file_of[key])
+            data = read_whole(byte_source(location, name), 1 << 30, "tensor file")
+            return np.load(io.BytesIO(data), allow_pickle=False)
+
+        def close(self):
+            pass
+
+
+    def refuse_writing(path, compress):
+        raise ValueError("the toy folder format is only read")
+
+
+    FORMAT = Format(name="npy-folder", suffixes=(), magic=lambda head: False, open_reader=NpyFolderReader,
+                    open_writer=refuse_writing, writes=False, find=find)
+''')
+
+
+@pytest.fixture
+def toy_folder_format(tmp_path, monkeypatch):
+    module = f"toy_folder_format_{uuid.uuid4().hex}"
+    (tmp_path / f"{module}.py").write_text(TOY_FOLDER_FORMAT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(formats, "FORMAT_MODULES", list(formats.FORMAT_MODULES))
+    formats.register(module)
+    yield module
+    sys.modules.pop(module, None)
+
+
+def test_a_registered_folder_format_reads_a_local_folder_and_a_url_through_one_entry(tmp_path, toy_folder_format):
+    import fsspec
+
+    folder = tmp_path / "npy-model"
+    folder.mkdir()
+    listing = {key: key.replace("/", "-") + ".npy" for key in WEIGHTS}
+    for key, file in listing.items():
+        np.save(folder / file, WEIGHTS[key])
+    (folder / "tensors.json").write_text(json.dumps(listing))
+    url = f"memory://folder-format-{tmp_path.name}/npy-model"
+    memory = fsspec.filesystem("memory")
+    for entry in folder.iterdir():
+        memory.pipe_file(f"{url[len('memory://'):]}/{entry.name}", entry.read_bytes())
+    for where in (folder, url):
+        with ws.open(where) as store:
+            assert store.format == "npy-folder" and store.path == f"{where}/tensors.json"
+            assert store.keys() == list(WEIGHTS)
+            assert all(same(store[key], value) for key, value in WEIGHTS.items())
+        assert same(ws.load(where, scope="dense")["kernel"], WEIGHTS["dense/kernel"])
+    (folder / "tensors.json").write_text(json.dumps({"w": "../elsewhere.npy"}))
+    with pytest.raises(ws.UnsafeFileError, match="not a .npy file beside it"):
+        ws.open(folder)
 
 
 TOY_BACKEND = textwrap.dedent('''

@@ -42,6 +42,7 @@ class RemoteFile:
                  size: int | None = None, details: Mapping[str, Any] | None = None):
         self.name = name
         self.fs = fs  # what a sharded index's members are read through: the same storage options
+        self.path = path  # where on ``fs``: a file beside this one is read through the same (:func:`~weightstore.io.source.beside`)
         self._object = backend_for(fs).object(fs, path, name)
         self._known = (size, details)
         self._size: int | None = None
