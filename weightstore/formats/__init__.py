@@ -139,7 +139,8 @@ class Format:
     max_key_segments: int | None = None
     #: the most axes a tensor may have in the format (HDF5: 32); ``None``: weightstore's own limit
     max_ndim: int | None = None
-    #: False for a format only weightstore's own machinery writes (a sharded version's index)
+    #: False for a format ``ws.save`` does not write (a sharded version's index, a TF checkpoint):
+    #: its :attr:`open_writer` raises, saying what writes it, and a save is refused with that
     writes: bool = True
     #: whether a remote file is read through an fsspec file object (h5py's reads) instead of a
     #: :class:`~weightstore.io.remote.RemoteFile`'s ranged reads, which open with one request

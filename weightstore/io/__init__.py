@@ -30,4 +30,6 @@ folder; a TF checkpoint's bundle files) open it by path; the rest read their byt
 * :mod:`~weightstore.io.source`: the :class:`~weightstore.io.source.ByteSource` protocol every
   reader reads through, and the choice of source for what a reader is given.
 * :mod:`~weightstore.io.folders`: the few operations a versioned folder needs, local or remote.
+* :mod:`~weightstore.io.places`: the questions a format recognised by where it lies (a model
+  folder) asks of a local path or a URL, answered alike.
 """
