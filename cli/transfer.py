@@ -136,11 +136,13 @@ def is_checkpoint_target(target: str) -> bool:
     A store suffix (``.npz``, ``.h5``) or an existing store file means a store; an existing
     checkpoint at the prefix, or any other new name (``model.ckpt``), means a checkpoint.
     """
-    if format_for_suffix(target) is not None or is_url(target):
+    if is_url(target):
+        return False
+    _refuse_hugging_face_folder(target)  # before the suffix: its index's name ends as a format's does
+    if format_for_suffix(target) is not None:
         return False
     if os.path.exists(target + ".index"):
         return True
-    _refuse_hugging_face_folder(target)
     if os.path.isdir(target):
         example = os.path.join(target, "model.ckpt")
         try:  # the checkpoint it holds, by the rule every reader follows (a new name would start another)

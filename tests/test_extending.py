@@ -1,15 +1,19 @@
 """What docs/design.md's "Adding a format, an adapter or a backend" says, done once each.
 
 A toy format is registered through the one table and round-trips through ``ws.save`` and
-``ws.open`` (locally and on a URL); a toy backend is put in the table of remote backends and
-serves every byte a remote open reads. If the steps the document gives stop being enough,
-these fail.
+``ws.open`` (locally and on a URL); a toy folder format (one module, registered in the same
+table) is found and read in a local folder and on a URL alike; a toy backend (one module,
+registered in the table of backends) serves every byte a remote open reads and the
+compare-and-swap a publish needs. If the steps the document gives stop being enough, these fail.
 """
 
 from __future__ import annotations
 
+import importlib
+import json
 import sys
 import textwrap
+import threading
 import uuid
 
 import numpy as np
@@ -17,7 +21,7 @@ import pytest
 
 import weightstore as ws
 from weightstore import formats
-from weightstore.io import remote
+from weightstore.io import backends
 
 TOY_FORMAT = textwrap.dedent('''
     """A toy format: magic, the tensors' bytes one after another, the manifest, its length."""
@@ -146,35 +150,231 @@ def test_a_registered_format_reads_on_a_url_and_refuses_damage(tmp_path, toy_for
     assert (caught.value.path, caught.value.key) == (str(path), "dense/kernel")
 
 
-class CatFileObject:
-    """A toy backend: any fsspec file system read with one ``cat_file`` per range."""
+TOY_FOLDER_FORMAT = textwrap.dedent('''
+    """A toy folder format: a folder of ``.npy`` files, one per tensor, and ``tensors.json``
+    mapping each key to its file. Recognised by where it lies (``find``), local or remote alike."""
 
-    served: list[tuple[int, int]] = []
+    import io
+    import json
 
-    def __init__(self, fs, path, name):
-        self._fs, self._path, self.name = fs, path, name
+    import numpy as np
 
-    def first(self, index_at_end, window, size, details):
-        size = int(self._fs.info(self._path)["size"]) if size is None else size
-        start = max(0, size - window) if index_at_end else 0
-        data = memoryview(bytearray(min(size, window)))
-        self.fill([(start, data)], opening=True)
-        return size, start, data
+    from weightstore.core.manifest import TensorInfo
+    from weightstore.errors import KeyNotInStoreError, UnsafeFileError
+    from weightstore.formats import Format, ReaderDefaults, foreign_keys
+    from weightstore.io.source import beside, byte_source, read_whole
 
-    def fill(self, ranges, opening=False):
-        for at, view in ranges:
-            view[:] = self._fs.cat_file(self._path, at, at + len(view))
-            self.served.append((at, len(view)))
+    LISTING = "tensors.json"
 
 
-def test_a_backend_in_the_table_serves_every_remote_read(tmp_path, monkeypatch):
-    monkeypatch.setattr(remote, "BACKENDS", [(lambda fs: "memory" in fs.protocol, CatFileObject), *remote.BACKENDS])
-    monkeypatch.setattr(CatFileObject, "served", [])
+    def plain(file):
+        """A ``.npy`` file beside the listing: no folder, no way out of it."""
+        return (isinstance(file, str) and file.endswith(".npy") and not file.startswith(".")
+                and not any(mark in file for mark in ("/", "\\\\", "\\0")))
+
+
+    def find(place):
+        """The folder's listing, if it holds one; asked of a local folder and a URL alike."""
+        if place.is_dir() and LISTING in place.names():
+            return place.child(LISTING)
+        return None
+
+
+    class NpyFolderReader(ReaderDefaults):
+        def __init__(self, location, name, mmap=True):
+            self.name, self._location = name, location
+            listing = json.loads(read_whole(byte_source(location, name, mmap=mmap), 1 << 20, "tensor listing"))
+            for file in listing.values():
+                if not plain(file):
+                    raise UnsafeFileError(f"names {file!r}, which is not a .npy file beside it", path=name)
+            self._file_of = foreign_keys(listing.items(), "tensor")
+            self.metadata, self.created, self.has_checksums = {}, "", False
+
+        def keys(self):
+            return list(self._file_of)
+
+        def info(self, key):
+            array = self.read(key, verify=False)  # a toy: the header is the whole file
+            return TensorInfo(key, array.dtype.name, array.shape, array.nbytes)
+
+        def read(self, key, *, verify):
+            if key not in self._file_of:
+                raise KeyNotInStoreError("no such tensor", path=self.name, key=key)
+            location, name = beside(self._location, self.name, self._file_of[key])
+            data = read_whole(byte_source(location, name), 1 << 30, "tensor file")
+            return np.load(io.BytesIO(data), allow_pickle=False)
+
+        def close(self):
+            pass
+
+
+    def refuse_writing(path, compress):
+        raise ValueError("the toy folder format is only read")
+
+
+    FORMAT = Format(name="npy-folder", suffixes=(), magic=lambda head: False, open_reader=NpyFolderReader,
+                    open_writer=refuse_writing, writes=False, find=find)
+''')
+
+
+@pytest.fixture
+def toy_folder_format(tmp_path, monkeypatch):
+    module = f"toy_folder_format_{uuid.uuid4().hex}"
+    (tmp_path / f"{module}.py").write_text(TOY_FOLDER_FORMAT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(formats, "FORMAT_MODULES", list(formats.FORMAT_MODULES))
+    formats.register(module)
+    yield module
+    sys.modules.pop(module, None)
+
+
+def test_a_registered_folder_format_reads_a_local_folder_and_a_url_through_one_entry(tmp_path, toy_folder_format):
+    import fsspec
+
+    folder = tmp_path / "npy-model"
+    folder.mkdir()
+    listing = {key: key.replace("/", "-") + ".npy" for key in WEIGHTS}
+    for key, file in listing.items():
+        np.save(folder / file, WEIGHTS[key])
+    (folder / "tensors.json").write_text(json.dumps(listing))
+    url = f"memory://folder-format-{tmp_path.name}/npy-model"
+    memory = fsspec.filesystem("memory")
+    for entry in folder.iterdir():
+        memory.pipe_file(f"{url[len('memory://'):]}/{entry.name}", entry.read_bytes())
+    for where in (folder, url):
+        with ws.open(where) as store:
+            assert store.format == "npy-folder" and store.path == f"{where}/tensors.json"
+            assert store.keys() == list(WEIGHTS)
+            assert all(same(store[key], value) for key, value in WEIGHTS.items())
+        assert same(ws.load(where, scope="dense")["kernel"], WEIGHTS["dense/kernel"])
+    (folder / "tensors.json").write_text(json.dumps({"w": "../elsewhere.npy"}))
+    with pytest.raises(ws.UnsafeFileError, match="not a .npy file beside it"):
+        ws.open(folder)
+
+
+TOY_BACKEND = textwrap.dedent('''
+    """A toy backend for memory://: ranged reads by one ``cat_file`` each, and compare-and-swap.
+
+    fsspec's memory file system lives in this process, so one lock around "look, then write"
+    makes a conditional write atomic for every writer there is; a tag is the content's digest.
+    """
+
+    import hashlib
+    import threading
+
+    from weightstore.io.objects import Backend
+
+    SERVED = []  # (offset, length) of every ranged read, for the test to see
+
+
+    class CatFileObject:
+        def __init__(self, fs, path, name):
+            self._fs, self._path, self.name = fs, path, name
+
+        def first(self, index_at_end, window, size, details):
+            size = int(self._fs.info(self._path)["size"]) if size is None else size
+            start = max(0, size - window) if index_at_end else 0
+            data = memoryview(bytearray(min(size, window)))
+            self.fill([(start, data)], opening=True)
+            return size, start, data
+
+        def fill(self, ranges, opening=False):
+            for at, view in ranges:
+                view[:] = self._fs.cat_file(self._path, at, at + len(view))
+                SERVED.append((at, len(view)))
+
+
+    class MemoryBackend(Backend):
+        def __init__(self):
+            self._lock = threading.Lock()
+
+        def serves(self, fs):
+            return "memory" in fs.protocol
+
+        def object(self, fs, path, name):
+            return CatFileObject(fs, path, name)
+
+        def read_tagged(self, fs, path, limit):
+            with self._lock:
+                data = fs.cat_file(path) if fs.exists(path) else None
+            return (None, None) if data is None else (data[:limit], hashlib.sha256(data).hexdigest())
+
+        def put_if(self, fs, path, data, *, create, expect):
+            with self._lock:
+                current = fs.cat_file(path) if fs.exists(path) else None
+                if create and current is not None:
+                    return False
+                if expect is not None and (current is None or hashlib.sha256(current).hexdigest() != expect):
+                    return False
+                fs.pipe_file(path, data)
+            return True
+
+
+    BACKEND = MemoryBackend()
+''')
+
+
+@pytest.fixture
+def toy_backend(tmp_path, monkeypatch):
+    module = f"toy_backend_{uuid.uuid4().hex}"
+    (tmp_path / f"{module}.py").write_text(TOY_BACKEND)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(backends, "BACKEND_MODULES", list(backends.BACKEND_MODULES))
+    backends.register(module)
+    yield importlib.import_module(module)
+    sys.modules.pop(module, None)
+
+
+def test_a_registered_backend_serves_every_remote_read(tmp_path, toy_backend):
     url = f"memory://backend-{tmp_path.name}/model.npz"
     ws.save(url, WEIGHTS)
     with ws.open(url) as store:
         assert all(same(store[key], value) for key, value in WEIGHTS.items())
-    assert CatFileObject.served, "the toy backend read the file"
+    assert toy_backend.SERVED, "the toy backend read the file"
+
+
+def test_a_registered_backend_with_conditional_writes_lets_one_of_two_publishers_win(tmp_path, toy_backend,
+                                                                                     monkeypatch):
+    """Without the toy, memory:// has no compare-and-swap and a publish there is refused
+    (tests/test_versions.py); with it, publishing needs no promise of one writer, and of two
+    publishers that read the same LATEST exactly one moves it."""
+    from weightstore.sync import _versions as versions
+
+    folder = f"memory://backend-{tmp_path.name}/run"
+    ws.publish(folder, WEIGHTS, step=1)
+    both_read, first_done = threading.Barrier(2, timeout=30), threading.Event()
+
+    def stage(name):
+        if name == "cleaned":
+            both_read.wait()  # both have read LATEST, step 1
+        if name == "version-written" and threading.current_thread().name == "second":
+            first_done.wait(30)  # the first swaps LATEST while the second's version is written
+
+    monkeypatch.setattr(versions, "_stage", stage)
+    outcomes = {}
+
+    def publish(step):
+        try:
+            outcomes[step] = ws.publish(folder, WEIGHTS, step=step).step
+        except ws.PublishError as exc:
+            outcomes[step] = exc
+        finally:
+            if threading.current_thread().name == "first":
+                first_done.set()
+
+    threads = [threading.Thread(target=publish, args=(2,), name="first"),
+               threading.Thread(target=publish, args=(3,), name="second")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    monkeypatch.setattr(versions, "_stage", lambda name: None)
+    assert outcomes[2] == 2
+    assert isinstance(outcomes[3], ws.PublishError) and "LATEST changed" in str(outcomes[3])
+    assert ws.latest(folder).step == 2
+    assert same(ws.load(ws.latest(folder))["dense/kernel"], WEIGHTS["dense/kernel"])
+    assert toy_backend.SERVED  # the version was read through the toy too
+    assert ws.publish(folder, WEIGHTS, step=3).step == 3
 
 
 class Model:

@@ -255,6 +255,24 @@ def test_unknown_suffix_is_sniffed_in_the_same_request(s3):
         assert s3.count() == 1 and store.keys() == list(WEIGHTS)
 
 
+def test_a_model_folder_on_s3_is_found_and_read_as_a_local_one(s3, tmp_path):
+    """The folder format's ``find`` asks S3 what a local folder is asked (a folder? which files?),
+    and only once no file answers the name: its shards are then read with ranged GETs."""
+    folder = f"s3://{BUCKET}/{uuid.uuid4().hex}/model"
+    ws.save(folder, WEIGHTS, max_shard_size=512 << 10)
+    local = tmp_path / "model"
+    ws.save(local, WEIGHTS, max_shard_size=512 << 10)
+    for where in (folder, local):
+        with ws.open(where) as store:
+            assert store.format == "hf-sharded" and store.path == f"{where}/model.safetensors.index.json"
+            assert store.keys() == list(WEIGHTS)
+        assert same(ws.load(where), WEIGHTS)
+    s3.reset()
+    with pytest.raises(ws.StoreNotFoundError, match="no such file"):
+        ws.open(f"{folder}/absent.npz")  # a name a format's suffix claims: no folder is looked for
+    assert s3.count() == 1, s3.requests
+
+
 def test_version_opens_in_two_requests(s3):
     folder = f"s3://{BUCKET}/{uuid.uuid4().hex}"
     ws.publish(folder, WEIGHTS, step=1)

@@ -163,12 +163,31 @@ def test_latest_naming_a_missing_file(tmp_path):
 def test_memory_urls(tmp_path):
     folder = f"memory://weightstore-tests/{tmp_path.name}"
     for step in range(1, 5):
-        ws.publish(folder, weights_at(step), step=step, keep=2)
+        ws.publish(folder, weights_at(step), step=step, keep=2, storage_options={"one_writer": True})
     version = ws.latest(folder)
     assert version.path == f"{folder}/step-000000000004.npz"
     assert_whole(ws.load(version), 4)
     assert [e.step for e in versions.list_versions(folder)] == [3, 4]
     assert [v.step for v in ws.follow(folder, poll=0.01, timeout=0.05, after=2)] == [4]
+
+
+def test_a_storage_without_compare_and_swap_refuses_to_publish_before_writing(tmp_path):
+    """memory:// (as gs://, az://) has no backend with conditional writes: a plain write of
+    LATEST would let a publisher that lost a race move it backwards unseen, so a publish there
+    is refused, before any upload, unless its caller vouches to be the folder's one writer."""
+    import fsspec
+
+    from weightstore.sharded import publish_shard
+
+    folder = f"memory://weightstore-tests/{tmp_path.name}-no-cas"
+    with pytest.raises(ws.PublishError, match=r"replacing LATEST needs a compare-and-swap.*'one_writer': True") as caught:
+        ws.publish(folder, weights_at(1), step=1)
+    assert caught.value.path == folder
+    with pytest.raises(ws.PublishError, match="committing step 1 needs a compare-and-swap"):
+        publish_shard(folder, weights_at(1), step=1, rank=0, world=1, attempt=0)
+    assert not fsspec.filesystem("memory").exists(folder[len("memory://"):])  # not a byte written
+    ws.publish(folder, weights_at(1), step=1, storage_options={"one_writer": True})
+    assert ws.latest(folder).step == 1  # the option never reaches fsspec, and reading needs none
 
 
 # --- a publisher killed at every stage -------------------------------------------------------
@@ -505,7 +524,7 @@ def test_notifications_take_the_region_from_the_queue_url(tmp_path, monkeypatch,
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     run = f"memory://weightstore-tests/{tmp_path.name}-notified"  # only object storage sends notifications
-    ws.publish(run, weights_at(1), step=1)
+    ws.publish(run, weights_at(1), step=1, storage_options={"one_writer": True})
     for queue in ("https://sqs.eu-west-1.amazonaws.com/123456789012/follower",
                   "https://eu-west-1.queue.amazonaws.com/123456789012/follower"):
         assert next(ws.follow(run, notifications=queue, timeout=0)).step == 1

@@ -1,9 +1,13 @@
-"""One small reader/writer protocol for every file format, registered by suffix.
+"""One small reader/writer protocol for every format, file or folder, in one table.
 
 The rest of weightstore never branches on the format: it asks :func:`format_named`,
-:func:`format_for_suffix` or :func:`sniff` for the :class:`Format` (all three read the one table,
-:data:`FORMAT_MODULES`) and speaks :class:`Reader` and :class:`Writer`. Readers treat the file as hostile:
-every size is checked against the bytes that really exist before anything is allocated.
+:func:`format_for_suffix`, :func:`sniff` or :func:`finders` for the :class:`Format` (all read the
+one table, :data:`FORMAT_MODULES`) and speaks :class:`Reader` and :class:`Writer`. A file format
+is recognised by its suffix or first bytes; a format recognised by where it lies (a Hugging Face
+model folder, a TF checkpoint prefix, a ``.keras`` archive) declares how in :attr:`Format.find`,
+asked of a local path and a URL alike (:class:`~weightstore.io.places.Place`). Readers treat the
+file as hostile: every size is checked against the bytes that really exist before anything is
+allocated.
 """
 
 from __future__ import annotations
@@ -12,13 +16,16 @@ import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import PurePosixPath
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from weightstore.core.keys import OUTPUT_SUFFIX, validate_key
 from weightstore.core.manifest import TensorInfo
 from weightstore.errors import FormatError, InvalidKeyError
+
+if TYPE_CHECKING:
+    from weightstore.io.places import Place
 
 
 class Reader(Protocol):
@@ -132,7 +139,8 @@ class Format:
     max_key_segments: int | None = None
     #: the most axes a tensor may have in the format (HDF5: 32); ``None``: weightstore's own limit
     max_ndim: int | None = None
-    #: False for a format only weightstore's own machinery writes (a sharded version's index)
+    #: False for a format ``ws.save`` does not write (a sharded version's index, a TF checkpoint):
+    #: its :attr:`open_writer` raises, saying what writes it, and a save is refused with that
     writes: bool = True
     #: whether a remote file is read through an fsspec file object (h5py's reads) instead of a
     #: :class:`~weightstore.io.remote.RemoteFile`'s ranged reads, which open with one request
@@ -141,21 +149,33 @@ class Format:
     #: to be written, in order, named as stored, for a writer that lays the file out before the data
     #: comes (HDF5 makes every header first); worked out only when called
     planned_writer: bool = False
+    #: for a format recognised by where it lies rather than by a file's suffix or first bytes (a
+    #: folder, a checkpoint prefix): ``find(place)`` is the place :attr:`open_reader` is given
+    #: for what lies at ``place`` (the place itself, a file in the folder, a checkpoint's prefix),
+    #: or ``None`` when it is none of this format's; asked in table order before a local file is
+    #: read, and of a URL only once no file is there (so opening a remote file stays one request)
+    find: Callable[[Place], Place | None] | None = None
 
 
-#: The one table of store formats, in the order suffixes and magic bytes are tried: each entry
-#: names a module that defines ``FORMAT``, imported when a file of its kind is first met (so
-#: ``import weightstore`` does not load h5py). A format of the package is added here; one from
-#: elsewhere (a plugin, a test) with :func:`register`.
+#: The one table of formats, file and folder, in the order suffixes, magic bytes and
+#: :attr:`Format.find` are tried: each entry names a module that defines ``FORMAT``, imported
+#: when a file is first opened or saved (so ``import weightstore`` does not load h5py). A format
+#: of the package is added here; one from elsewhere (a plugin, a test) with :func:`register`.
+#: The TF checkpoint stays last: its ``find`` refuses a folder that no format before it reads,
+#: saying what a checkpoint folder would hold.
 FORMAT_MODULES: list[str] = ["weightstore.formats.npz", "weightstore.formats.hdf5", "weightstore.formats.safetensors",
-                             "weightstore.formats.sharded"]
+                             "weightstore.formats.sharded", "weightstore.formats.hf_sharded",
+                             "weightstore.formats.keras_file", "weightstore.formats.tf_checkpoint"]
+_LAST = "weightstore.formats.tf_checkpoint"
 
 
 def register(module: str) -> None:
     """Add the format that module ``module`` defines as ``FORMAT`` to :data:`FORMAT_MODULES`,
-    after those already there (a format of the same name or suffix already there wins)."""
+    after those already there (a format of the same name or suffix already there wins) and
+    before the TF checkpoint's (whose ``find`` would refuse a folder the new format reads)."""
     if module not in FORMAT_MODULES:
-        FORMAT_MODULES.append(module)
+        at = FORMAT_MODULES.index(_LAST) if _LAST in FORMAT_MODULES else len(FORMAT_MODULES)
+        FORMAT_MODULES.insert(at, module)
 
 
 def _registry() -> list[Format]:
@@ -172,12 +192,18 @@ def format_named(name: str) -> Format:
 
 
 def format_for_suffix(path: str) -> Format | None:
-    """The format a file name asks for, by suffix; ``None`` when the suffix says nothing."""
-    suffix = PurePosixPath(str(path)).suffix.lower()
+    """The format a file name asks for, by how it ends (``.npz``, ``.safetensors.index.json``);
+    ``None`` when its ending says nothing."""
+    name = PurePosixPath(str(path)).name.lower()
     for fmt in _registry():
-        if suffix in fmt.suffixes:
+        if any(name.endswith(suffix) and len(name) > len(suffix) for suffix in fmt.suffixes):
             return fmt
     return None
+
+
+def finders() -> list[Format]:
+    """The formats recognised by where they lie (:attr:`Format.find`), in table order."""
+    return [fmt for fmt in _registry() if fmt.find is not None]
 
 
 def known_suffixes() -> list[str]:

@@ -1,7 +1,9 @@
 """Hugging Face sharded safetensors: ``model-0000N-of-0000M.safetensors`` files and the
 ``model.safetensors.index.json`` that maps each tensor name to its shard.
 
-Read as one store, lazily: opening reads only the index; a shard's header is read the first
+Recognised by where it lies (:data:`FORMAT`'s ``find``): a model folder, local or remote, is
+read as ``from_pretrained`` reads it (its ``model.safetensors``, else its sharded index), and
+the index file itself names one. Read as one store, lazily: opening reads only the index; a shard's header is read the first
 time one of its tensors (or its :meth:`~ShardedReader.info`) is asked for, so a selective
 load opens only the shards holding what it selects. Each shard is checked against the index
 when opened: it must hold exactly the tensors the index maps to it, no more and no fewer. A
@@ -19,8 +21,6 @@ of at most ``max_shard_size`` bytes (a larger tensor gets a shard of its own), a
 from __future__ import annotations
 
 import json
-import os
-import posixpath
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -29,11 +29,19 @@ import numpy as np
 
 from weightstore.core import _jsontext as jsontext
 from weightstore.core.manifest import TensorInfo
-from weightstore.errors import FileAccessError, FormatError, KeyNotInStoreError, UnsafeFileError, named, naming
-from weightstore.formats import ReaderDefaults, safetensors
-from weightstore.io.files import open_regular
-from weightstore.io.remote import RemoteFile
-from weightstore.io.source import read_whole
+from weightstore.errors import (
+    FileAccessError,
+    FormatError,
+    KeyNotInStoreError,
+    TargetError,
+    UnsafeFileError,
+    named,
+    naming,
+)
+from weightstore.formats import Format, Reader, ReaderDefaults, safetensors
+from weightstore.formats.foreign import CONVERT_HINT, HF_SINGLE_FILE
+from weightstore.io.places import Place
+from weightstore.io.source import beside, byte_source, read_whole
 
 INDEX_NAME = "model.safetensors.index.json"
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -45,6 +53,36 @@ _INDEX_BYTES_PER_CONTAINER = 32
 #: a key in the index that marks a folder weightstore wrote (``transformers`` ignores it)
 PRODUCER_KEY = "weightstore"
 _SHARD_NAME = re.compile(r"[^/\\\x00]+\.safetensors")
+#: the torch.save files a model folder may hold instead, and their sharded index's ending
+_TORCH_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+_TORCH_INDEX_SUFFIX = ".bin.index.json"
+#: what marks a TF checkpoint's or SavedModel's folder
+_TF_NAMES = {"checkpoint", "saved_model.pb", "saved_model.pbtxt", "variables"}
+
+
+def find(place: Place) -> Place | None:
+    """What a model folder at ``place`` is read from, in ``from_pretrained``'s order (so a folder
+    holding both reads as transformers reads it): its ``model.safetensors``, else its index; an
+    index file is itself. A folder holding a TF checkpoint or SavedModel is left to their reader
+    even where it also holds a ``model.safetensors`` or pickles, as before weightstore read
+    those (its sharded index is still read); one whose weights are only ``torch.save`` pickles
+    is refused naming the file."""
+    if place.text.endswith(_TORCH_INDEX_SUFFIX):
+        raise FormatError(f"is the index of PyTorch torch.save shards (pickles); {CONVERT_HINT}", path=place.text)
+    if place.text.endswith(INDEX_SUFFIX):
+        return place
+    if not place.is_dir():
+        return None
+    names = set(place.names())
+    checkpoint = bool(names & _TF_NAMES) or any(name.endswith(".index") for name in names)
+    for name in (INDEX_NAME,) if checkpoint else (HF_SINGLE_FILE, INDEX_NAME):
+        if name in names and place.child(name).is_file():
+            return place.child(name)
+    for name in () if checkpoint else _TORCH_WEIGHTS:
+        if name in names:
+            raise FormatError(f"holds its weights as PyTorch torch.save pickles ({name}); {CONVERT_HINT}",
+                              path=place.text)
+    return None
 
 
 def index_location(location: str, *, is_dir: Callable[[str], bool], exists: Callable[[str], bool]) -> str | None:
@@ -143,42 +181,29 @@ class ShardedReader(ReaderDefaults):
             reader.close()
 
 
-def open_local(index: str, *, mmap: bool = True) -> ShardedReader:
-    """The sharded folder whose index is the local file ``index``."""
-    with open_regular(index) as handle:
-        size = os.fstat(handle.fileno()).st_size  # read(limit) would allocate the whole limit first
-        if size > MAX_INDEX_BYTES:
-            raise UnsafeFileError(f"sharded index of over {MAX_INDEX_BYTES} bytes", path=index)
-        text = handle.read(size)
-    folder = os.path.dirname(index)
+def open_reader(location: Any, name: str, *, mmap: bool = True) -> Reader:
+    """The reader of what :func:`find` found: a model folder's ``model.safetensors`` (a
+    safetensors file), or a sharded index whose shards lie beside it, read through the same
+    byte sources (mapped or owned locally, ranged GETs for a URL)."""
+    if not name.endswith(INDEX_SUFFIX):
+        return safetensors.FORMAT.open_reader(location, name, mmap=mmap)
+    text = read_whole(byte_source(location, name, mmap=mmap), MAX_INDEX_BYTES, "sharded index")
 
     def open_shard(shard: str) -> Any:
-        path = os.path.join(folder, shard)
         try:
-            return safetensors.FORMAT.open_reader(path, path, mmap=mmap)
+            return safetensors.FORMAT.open_reader(*beside(location, name, shard), mmap=mmap)
         except FileNotFoundError:
-            raise FormatError(f"the index maps tensors to shard {shard!r}, which is missing", path=index) from None
+            raise FormatError(f"the index maps tensors to shard {shard!r}, which is missing", path=name) from None
         except FileAccessError as exc:  # a name too long for the file system, a symlink loop
             raise FormatError(f"the index maps tensors to shard {_clip(shard)}, which {exc.message}",
-                              path=index) from None
+                              path=name) from None
 
-    return ShardedReader(text, index, open_shard)
+    return ShardedReader(text, name, open_shard)
 
 
-def open_remote(fs: Any, remote_index: str, url: str) -> ShardedReader:
-    """The sharded folder whose index is at ``url`` (``remote_index`` on ``fs``); each shard
-    is read with ranged GETs as any remote safetensors file."""
-    text = read_whole(RemoteFile(fs, remote_index, url), MAX_INDEX_BYTES, "sharded index")
-    folder, base = posixpath.dirname(remote_index), posixpath.dirname(url)
-
-    def open_shard(shard: str) -> Any:
-        shard_url = f"{base}/{shard}"
-        try:
-            return safetensors.FORMAT.open_reader(RemoteFile(fs, f"{folder}/{shard}", shard_url), shard_url)
-        except FileNotFoundError:
-            raise FormatError(f"the index maps tensors to shard {shard!r}, which is missing", path=url) from None
-
-    return ShardedReader(text, url, open_shard)
+def _no_writer(path: str, compress: bool | str) -> Any:
+    raise TargetError("a Hugging Face sharded folder is written by ws.save(folder, weights, max_shard_size=...)",
+                      path=path)
 
 
 def _parse_index(text: bytes, name: str) -> dict[str, Any]:
@@ -192,6 +217,10 @@ def _parse_index(text: bytes, name: str) -> dict[str, Any]:
 def _clip(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+FORMAT = Format(name=FORMAT_NAME, suffixes=(INDEX_SUFFIX,), magic=lambda head: False, open_reader=open_reader,
+                open_writer=_no_writer, compresses=False, writes=False, find=find)
 
 
 # -- writing ---------------------------------------------------------------------------------------

@@ -23,10 +23,11 @@ import numpy as np
 
 from weightstore.core import _jsontext as jsontext
 from weightstore.core.manifest import TensorInfo
-from weightstore.errors import FormatError, StoreNotFoundError, UnsafeFileError, WeightStoreError, naming
-from weightstore.formats import ReaderDefaults, format_for_suffix, format_named, zipdir
+from weightstore.errors import FormatError, StoreNotFoundError, TargetError, UnsafeFileError, WeightStoreError, naming
+from weightstore.formats import Format, ReaderDefaults, format_for_suffix, format_named, zipdir
 from weightstore.formats.zipdir import MAX_DEFLATE_RATIO
 from weightstore.io.files import open_regular, refuse_special_file
+from weightstore.io.places import Place
 
 KERAS_SUFFIX = ".keras"
 WEIGHTS_SUFFIX = ".weights.h5"
@@ -222,3 +223,19 @@ def refuse_bomb(path: str, info: zipfile.ZipInfo, archive_size: int) -> None:
     if info.file_size > MAX_DEFLATE_RATIO * min(info.compress_size, archive_size):
         raise UnsafeFileError(f"{member} declares {info.file_size} bytes from {info.compress_size} compressed, "
                               f"more than deflate can expand ({MAX_DEFLATE_RATIO}x): a zip bomb", path=path)
+
+
+def _find(place: Place) -> Place | None:
+    """The archive itself (:func:`is_keras_archive`); local only: its weights are unpacked from a local zip."""
+    return place if not place.remote and is_keras_archive(place.text) else None
+
+
+def _no_writer(path: str, compress: bool | str) -> Any:
+    raise TargetError("a .keras archive is written by Keras's model.save; ws import --into it replaces its weights",
+                      path=path)
+
+
+#: a ``.keras`` archive: recognised by its suffix or, under another name, by the members it holds
+FORMAT = Format(name="keras", suffixes=(), magic=lambda head: False,
+                open_reader=lambda location, name, *, mmap=True: KerasArchiveReader(location),
+                open_writer=_no_writer, compresses=False, writes=False, find=_find)

@@ -65,7 +65,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from google.protobuf.message import DecodeError
 
 from weightstore.core._tensortable import fits_an_array, short_repr
 from weightstore.core.keys import from_tf_name, validate_key
@@ -77,14 +76,15 @@ from weightstore.errors import (
     InvalidKeyError,
     KeyNotInStoreError,
     StoreNotFoundError,
+    TargetError,
     UnsafeFileError,
 )
-from weightstore.formats import ReaderDefaults
+from weightstore.formats import Format, ReaderDefaults
 from weightstore.formats._pointer import LATEST, local_latest_name
 from weightstore.formats.sstable import Table, crc32c, read_varint, unmask_crc
-from weightstore.formats.tf_protos import BundleEntryProto, BundleHeaderProto, TrackableObjectGraph
 from weightstore.io.files import open_regular
 from weightstore.io.local import MappedFile
+from weightstore.io.places import Place
 
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 VARIABLE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
@@ -370,6 +370,10 @@ class _GraphTooLarge(Exception):
 
 def parse_object_graph(serialized: bytes) -> Any:
     """The ``TrackableObjectGraph`` message in ``serialized``; ``None`` when it cannot be read."""
+    from google.protobuf.message import DecodeError  # here, as every protobuf import: see _parse
+
+    from weightstore.formats.tf_protos import TrackableObjectGraph
+
     graph = TrackableObjectGraph()
     try:
         graph.ParseFromString(serialized)
@@ -531,6 +535,10 @@ class CheckpointReader(ReaderDefaults):
             raise StoreNotFoundError(f"no such checkpoint ({path} is missing)", path=self.prefix) from None
 
     def _parse(self, table: Table) -> tuple[Any, dict[str, Any], dict[bytes, Any]]:
+        # protobuf is imported only once a checkpoint is read: this module is in the format
+        # table, which every open consults, and opening an npz need not build TF's messages
+        from weightstore.formats.tf_protos import BundleEntryProto, BundleHeaderProto
+
         index_path = table.path
         header = None
         entries: dict[str, Any] = {}
@@ -773,6 +781,8 @@ def _is_key(name: str) -> bool:
 
 
 def _parse_proto(message: Any, value: bytes, path: str, what: str) -> None:
+    from google.protobuf.message import DecodeError
+
     try:
         message.ParseFromString(value)
     except (DecodeError, RecursionError):
@@ -820,3 +830,20 @@ def _check_tiling(path: str, name: str, shape: tuple[int, ...], pieces: list) ->
         region[...] = True
     if not covered.all():
         raise FormatError(f"its slices do not cover its shape {short_repr(shape)}", path=path, key=name)
+
+
+def _find(place: Place) -> Place | None:
+    """The checkpoint ``place`` names (:func:`resolve_prefix`); local only: the bundle's files are
+    opened by path (so a checkpoint on object storage is copied down first: ``ws convert``)."""
+    prefix = None if place.remote else resolve_prefix(place.text)
+    return None if prefix is None else Place(prefix, remote=False)
+
+
+def _no_writer(path: str, compress: bool | str) -> Any:
+    raise TargetError("a TF checkpoint is written by ws import --into PREFIX, not saved", path=path)
+
+
+#: a TF checkpoint: recognised by its prefix, one of its files or its folder, never by a suffix
+FORMAT = Format(name="tf-checkpoint", suffixes=(), magic=lambda head: False,
+                open_reader=lambda location, name, *, mmap=True: CheckpointReader(location),
+                open_writer=_no_writer, compresses=False, writes=False, find=_find)

@@ -20,11 +20,16 @@ folder; a TF checkpoint's bundle files) open it by path; the rest read their byt
   stream), their readahead, and the size guard before each read of a mapped file.
 * :mod:`~weightstore.io.writeback`: a file being written starts reaching the disk as it is
   written, so a durable save's fsync waits only for the last stretch.
-* :mod:`~weightstore.io.remote`: a file on object storage read by ranged requests, over a
-  table of backends (:mod:`~weightstore.io.s3`, the generic :mod:`~weightstore.io.fsspec_objects`);
-  what a backend provides is :mod:`~weightstore.io.objects`, and a new one is one module added
-  to that table.
+* :mod:`~weightstore.io.backends`: the one table of storage backends, one module per service
+  doing its ranged reads *and* its conditional writes (:mod:`~weightstore.io.s3`; the generic
+  :mod:`~weightstore.io.fsspec_objects`, which has no compare-and-swap and says so); what a
+  backend provides is :mod:`~weightstore.io.objects`, and a new one is one module added to
+  that table.
+* :mod:`~weightstore.io.remote`: a file on object storage read by ranged requests through its
+  backend.
 * :mod:`~weightstore.io.source`: the :class:`~weightstore.io.source.ByteSource` protocol every
   reader reads through, and the choice of source for what a reader is given.
 * :mod:`~weightstore.io.folders`: the few operations a versioned folder needs, local or remote.
+* :mod:`~weightstore.io.places`: the questions a format recognised by where it lies (a model
+  folder) asks of a local path or a URL, answered alike.
 """

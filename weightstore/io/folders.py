@@ -3,7 +3,10 @@
 Errors of the storage service (outages, credentials) come out as
 :class:`~weightstore.errors.StorageError`, so callers can tell "try again later" from "this
 folder is damaged". Each file is written by its commit protocol (:mod:`weightstore.io.commit`);
-:mod:`weightstore.sync._versions` orders them (pointer last).
+:mod:`weightstore.sync._versions` orders them (pointer last). A remote folder's pointer is
+replaced by its storage backend's compare-and-swap (:mod:`weightstore.io.backends`); where the
+backend has none, a publish is refused unless the caller vouches to be the one writer
+(:data:`ONE_WRITER`).
 """
 
 from __future__ import annotations
@@ -19,15 +22,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from weightstore.errors import FileAccessError, FormatError, TargetError, WriteError
-from weightstore.io import s3
+from weightstore.errors import FileAccessError, FormatError, PublishError, TargetError, WriteError
+from weightstore.io.backends import backend_for
 from weightstore.io.commit import Commit, RenameCommit, UploadCommit
 from weightstore.io.files import TEMP_MARK, check_writable_target, fsync_folder, fsync_path, kind_of, temporary_beside
 from weightstore.io.location import filesystem, location_of, service, uncached
 from weightstore.io.remote import RemoteFile
 
-__all__ = ["FileEntry", "Folder", "LocalFolder", "RemoteFolder", "folder_for"]
+__all__ = ["ONE_WRITER", "FileEntry", "Folder", "LocalFolder", "RemoteFolder", "folder_for"]
 
+#: the storage option (``storage_options={"one_writer": True}``) by which a caller vouches that
+#: only one process ever publishes to a remote folder whose backend has no compare-and-swap, so
+#: that plain writes may replace its pointer; taken out before the options reach fsspec
+ONE_WRITER = "one_writer"
 
 
 @dataclass(frozen=True)
@@ -99,16 +106,21 @@ class Folder(abc.ABC):
         Both from one GET, so the tag is the read content's (a :meth:`tag` HEAD could be newer)."""
         return self.read_small(name, limit), None
 
+    def require_compare_and_swap(self, what: str) -> None:  # noqa: B027 - only remote folders refuse
+        """Refuse, before anything is written, a commit whose ``what`` (its pointer or index
+        write) :meth:`put_if` could not make conditional here. Locally nothing is refused:
+        writers take :meth:`lock`, and creation is exclusive."""
+
     @abc.abstractmethod
     def put_if(self, name: str, data: bytes, *, create: bool = False, expect: str | None = None) -> bool:
         """Write small file ``name`` only if it does not exist (``create``), or only if it is
         unchanged since it was read with tag ``expect``; False (nothing written) otherwise.
 
         Locally ``expect`` is not checked (writers hold :meth:`lock`), but creation is exclusive:
-        the file is linked into place, which fails if the name exists. On S3 both are the
-        service's own conditional writes (``If-None-Match: *``, ``If-Match``); on a file system
-        offering neither, creation is checked first and the write is plain (one writer per
-        folder there).
+        the file is linked into place, which fails if the name exists. Remotely both are the
+        storage backend's conditional writes (S3: ``If-None-Match: *``, ``If-Match``); a backend
+        without them checks and then writes plainly, which only a folder whose caller vouched to
+        be its one writer gets this far with (:meth:`require_compare_and_swap`).
         """
 
     @abc.abstractmethod
@@ -267,9 +279,12 @@ class RemoteFolder(Folder):
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None):
         self.where = url.rstrip("/")
-        self._storage_options = storage_options
-        self.fs, root = filesystem(url, storage_options)
+        options = dict(storage_options or {})
+        self._one_writer = bool(options.pop(ONE_WRITER, False))
+        self._storage_options = options
+        self.fs, root = filesystem(url, options)
         self.root = root.rstrip("/")
+        self.backend = backend_for(self.fs)
 
     def _path(self, name: str) -> str:
         return f"{self.root}/{name}"
@@ -297,14 +312,7 @@ class RemoteFolder(Folder):
                 for info in listing if info.get("type") != "directory"]
 
     def read_small(self, name: str, limit: int) -> bytes | None:
-        with self._service():
-            if s3.serves(self.fs):
-                return s3.get_tagged(self.fs, self._path(name), limit)[0]
-            try:  # other backends: no range either, as S3 refuses one on an empty object
-                data = self.fs.cat_file(uncached(self.fs, self._path(name)))
-            except FileNotFoundError:
-                return None
-        return data[:limit]
+        return self.read_tagged(name, limit)[0]
 
     def tag(self, name: str) -> object | None:
         with self._service():
@@ -329,19 +337,23 @@ class RemoteFolder(Folder):
             return self.fs.open(uncached(self.fs, self._path(name)), "rb")
 
     def read_tagged(self, name: str, limit: int) -> tuple[bytes | None, str | None]:
-        if not s3.serves(self.fs):
-            return super().read_tagged(name, limit)
         with self._service():
-            return s3.get_tagged(self.fs, self._path(name), limit)
+            return self.backend.read_tagged(self.fs, self._path(name), limit)
+
+    def require_compare_and_swap(self, what: str) -> None:  # noqa: B027 - only remote folders refuse
+        if self.backend.compare_and_swap or self._one_writer:
+            return
+        protocol = self.where.partition("://")[0]
+        raise PublishError(f"{what} needs a compare-and-swap, and weightstore has no backend with conditional writes "
+                           f"for {protocol}://: a plain write would let two writers overwrite each other unseen. "
+                           "Use S3 or a local folder, add a backend for this storage (docs/design.md), or, if no "
+                           f"other process ever publishes to this folder, pass storage_options={{{ONE_WRITER!r}: True}}",
+                           path=self.where)
 
     def put_if(self, name: str, data: bytes, *, create: bool = False, expect: str | None = None) -> bool:
+        self.require_compare_and_swap(f"writing {name}")
         with self._service():
-            if s3.serves(self.fs):
-                return s3.put_if(self.fs, self._path(name), data, create=create, expect=expect)
-            if create and self.fs.exists(self._path(name)):
-                return False
-            self.fs.pipe_file(self._path(name), data)
-        return True
+            return self.backend.put_if(self.fs, self._path(name), data, create=create, expect=expect)
 
     def subfolders(self) -> list[str]:
         listing = self._listing()

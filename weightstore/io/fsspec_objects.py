@@ -1,8 +1,11 @@
 """The generic backend: any fsspec file system, read with ``info`` and ``cat_ranges``.
 
 Without an ETag to pin, an object replaced while open shows only as a changed length: a short
-read is a :class:`FormatError`. Serves every file system no other backend claims, so it is the
-last entry of :data:`weightstore.io.remote.BACKENDS`.
+read is a :class:`FormatError`. Without a conditional write, a pointer is replaced by a check
+and then a plain write, which two writers can interleave: this backend says so
+(``compare_and_swap = False``), and a versioned folder refuses to publish through it unless its
+caller vouches that it is the one writer. Serves every file system no other backend claims, so
+it is the last entry of :data:`weightstore.io.backends.BACKEND_MODULES`.
 """
 
 from __future__ import annotations
@@ -13,9 +16,9 @@ from typing import Any
 from weightstore.errors import FormatError, StoreNotFoundError
 from weightstore.io.buffer import aligned_buffer
 from weightstore.io.location import service, uncached
-from weightstore.io.objects import Request, requests_for, scatter, window
+from weightstore.io.objects import Backend, Request, requests_for, scatter, window
 
-__all__ = ["FsspecObject"]
+__all__ = ["BACKEND", "FsspecBackend", "FsspecObject"]
 
 #: bytes of requests handed to ``cat_ranges`` at once: it returns whole bodies, so this bounds
 #: what is held twice (body and view) while many small requests still go together
@@ -71,3 +74,35 @@ def _batches(requests: list[Request]) -> list[list[Request]]:
         batches[-1].append(request)
         filled += size
     return batches
+
+
+class FsspecBackend(Backend):
+    """Any fsspec file system: :class:`FsspecObject` reads; writes that check, then write plainly."""
+
+    compare_and_swap = False
+
+    def serves(self, fs: Any) -> bool:
+        return True
+
+    def object(self, fs: Any, path: str, name: str) -> FsspecObject:
+        return FsspecObject(fs, path, name)
+
+    def read_tagged(self, fs: Any, path: str, limit: int) -> tuple[bytes | None, str | None]:
+        """The whole object, cut to ``limit`` (no range: S3-like services refuse one on an empty
+        object), and no tag: nothing here could require it unchanged."""
+        try:
+            data = fs.cat_file(uncached(fs, path))
+        except FileNotFoundError:
+            return None, None
+        return bytes(data[:limit]), None
+
+    def put_if(self, fs: Any, path: str, data: bytes, *, create: bool, expect: str | None) -> bool:
+        """Creation is checked first, ``expect`` not at all; then a plain write (see the module
+        docstring: only for a folder whose caller vouched to be its one writer)."""
+        if create and fs.exists(uncached(fs, path)):
+            return False
+        fs.pipe_file(path, data)
+        return True
+
+
+BACKEND = FsspecBackend()

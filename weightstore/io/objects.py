@@ -1,21 +1,36 @@
-"""What a backend for files on object storage provides: :class:`RemoteObject`, and the table of them.
+"""What a backend for object storage provides: :class:`Backend`, ranged reads and conditional writes.
 
-:class:`~weightstore.io.remote.RemoteFile` does the caching, coalescing and bookkeeping every
-remote file needs and asks its backend only two things: the first window of the object (which
-also tells the object's size, and lets the backend pin the object so a replaced one is noticed)
-and filling byte ranges. A backend is one module with one class implementing
-:class:`RemoteObject`, named in the table :data:`weightstore.io.remote.BACKENDS`: S3 through
-s3fs's client (:mod:`weightstore.io.s3`, with ETag pinning) before the generic fsspec one
-(:mod:`weightstore.io.fsspec_objects`), which serves every other file system.
+A backend is one module per storage service, defining ``BACKEND``, an instance of
+:class:`Backend`, and named in the one table :data:`weightstore.io.backends.BACKEND_MODULES`. It
+does both things weightstore asks of a service:
+
+* reads: :class:`~weightstore.io.remote.RemoteFile` does the caching, coalescing and
+  bookkeeping every remote file needs and asks the backend's :class:`RemoteObject` only two
+  things: the first window of the object (which also tells the object's size, and lets the
+  backend pin the object so a replaced one is noticed) and filling byte ranges;
+* conditional writes: a versioned folder's ``LATEST`` (and a sharded version's index) is
+  replaced by compare-and-swap (:meth:`Backend.read_tagged`, :meth:`Backend.put_if`), so of two
+  publishers exactly one wins. A backend whose service offers no such write says so
+  (:attr:`Backend.compare_and_swap` is False), and a publish there is refused unless its
+  caller vouches that it is the folder's one writer
+  (:meth:`weightstore.io.folders.Folder.require_compare_and_swap`): a plain write would let a
+  lost race move ``LATEST`` backwards unseen.
+
+S3 through s3fs's client (:mod:`weightstore.io.s3`: ETag pinning, ``If-Match`` and
+``If-None-Match`` writes) comes before the generic fsspec one
+(:mod:`weightstore.io.fsspec_objects`), which serves every other file system and has no
+compare-and-swap.
 """
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-__all__ = ["MERGE_GAP", "PART_BYTES", "READ_CHUNK", "RemoteObject", "Request", "requests_for", "scatter", "window"]
+__all__ = ["MERGE_GAP", "PART_BYTES", "READ_CHUNK", "Backend", "RemoteObject", "Request", "requests_for", "scatter",
+           "window"]
 
 #: a remote read larger than this is fetched as parts of this size, at once (S3 serves each
 #: connection at a fraction of its total bandwidth)
@@ -42,6 +57,37 @@ class RemoteObject(Protocol):
 
     def fill(self, ranges: list[tuple[int, memoryview]], opening: bool = False) -> None:
         """Fill each view with the object's bytes from its offset (requested as :func:`requests_for` says)."""
+
+
+class Backend(abc.ABC):
+    """One storage service, as weightstore reads and conditionally writes it (see the module docstring).
+
+    Every method takes the fsspec file system (``fs``) and the path on it: the backend holds no
+    state, so one instance serves every file system it :meth:`serves`.
+    """
+
+    #: whether :meth:`put_if` is the service's own atomic conditional write; False: it checks,
+    #: then writes, and two writers in between overwrite each other unseen
+    compare_and_swap: bool = True
+
+    @abc.abstractmethod
+    def serves(self, fs: Any) -> bool:
+        """Whether this backend reads and writes the files of ``fs`` (the first in the table that does, does)."""
+
+    @abc.abstractmethod
+    def object(self, fs: Any, path: str, name: str) -> RemoteObject:
+        """The object at ``path``, for ranged reads; ``name`` is the URL errors give as their path."""
+
+    @abc.abstractmethod
+    def read_tagged(self, fs: Any, path: str, limit: int) -> tuple[bytes | None, str | None]:
+        """At most ``limit`` bytes of a small object and the tag :meth:`put_if` can require is
+        unchanged (an ETag), from one request, so the tag is the read content's; ``(None, None)``
+        when there is no object, a ``None`` tag where the service has none."""
+
+    @abc.abstractmethod
+    def put_if(self, fs: Any, path: str, data: bytes, *, create: bool, expect: str | None) -> bool:
+        """Write small object ``path`` only if there is none (``create``), or only if the one
+        there still has tag ``expect``; False (nothing written) when the condition failed."""
 
 
 @dataclass

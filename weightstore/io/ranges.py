@@ -4,7 +4,7 @@ A plain store reads its own header first; a member of a sharded version never ne
 the version's index says where each piece's bytes lie and what their CRC-32s are. So a reader
 of a region fetches exactly the blocks it asks for: locally by ``preadv``
 (:class:`~weightstore.io.local.OwnedFile`), on object storage by ranged GETs through the
-backend table of :mod:`weightstore.io.remote`, with no index window and no ``If-Match`` (the
+backend table of :mod:`weightstore.io.backends`, with no index window and no ``If-Match`` (the
 CRCs in the index pin the bytes: a member replaced under the index fails its checksums).
 """
 
@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 from weightstore.errors import StoreNotFoundError
+from weightstore.io.backends import backend_for
 from weightstore.io.local import OwnedFile, check_range
 from weightstore.io.location import location_of, service, uncached
 from weightstore.io.objects import RemoteObject
-from weightstore.io.remote import object_for
 
 __all__ = ["RangedFile"]
 
@@ -62,7 +62,7 @@ class RangedFile:
                 self._local.read_into(offset, view)
             return
         if self._object is None:
-            self._object = object_for(self._fs, self._path, self.name)
+            self._object = backend_for(self._fs).object(self._fs, self._path, self.name)
         try:
             self._object.fill([(offset, view) for offset, view in ranges if len(view)])
         except FileNotFoundError:

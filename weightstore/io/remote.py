@@ -2,37 +2,21 @@
 
 :class:`RemoteFile` is the :class:`~weightstore.io.source.ByteSource` of every URL; what it asks
 of the storage service goes through a backend (:class:`~weightstore.io.objects.RemoteObject`)
-chosen by :data:`BACKENDS`.
+chosen by :func:`~weightstore.io.backends.backend_for`.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from weightstore.errors import StoreClosedError
-from weightstore.io import s3
+from weightstore.io.backends import backend_for
 from weightstore.io.buffer import aligned_buffer
-from weightstore.io.fsspec_objects import FsspecObject
 from weightstore.io.local import check_range
-from weightstore.io.objects import RemoteObject
 
-__all__ = ["INDEX_WINDOW", "BACKENDS", "RemoteFile", "object_for"]
-
-#: the backends, by ``(does it serve this fsspec file system?, make its object (fs, path, name))``;
-#: the first that serves a file system reads its files. A new backend is one module and one
-#: entry here, before the generic fsspec one, which serves every file system.
-BACKENDS: list[tuple[Callable[[Any], bool], Callable[[Any, str, str], RemoteObject]]] = [
-    (s3.serves, s3.S3Object),
-    (lambda fs: True, FsspecObject),
-]
-
-
-def object_for(fs: Any, path: str, name: str) -> RemoteObject:
-    """The object at ``path`` on ``fs``, read by the first backend in :data:`BACKENDS` that serves ``fs``."""
-    return next(make for serves, make in BACKENDS if serves(fs))(fs, path, name)
-
+__all__ = ["INDEX_WINDOW", "RemoteFile"]
 
 #: bytes the first request of a remote open asks for: the tail that holds an npz's zip directory
 #: and manifest, or the head that holds a safetensors header (one request for up to ~350 tensors)
@@ -58,7 +42,8 @@ class RemoteFile:
                  size: int | None = None, details: Mapping[str, Any] | None = None):
         self.name = name
         self.fs = fs  # what a sharded index's members are read through: the same storage options
-        self._object = object_for(fs, path, name)
+        self.path = path  # where on ``fs``: a file beside this one is read through the same (:func:`~weightstore.io.source.beside`)
+        self._object = backend_for(fs).object(fs, path, name)
         self._known = (size, details)
         self._size: int | None = None
         self._index: list[_Span] = []  # fetched while the reader reads its index; kept until close

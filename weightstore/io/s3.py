@@ -1,4 +1,5 @@
-"""The S3 backend: ranged GETs through s3fs's client, pinned to the object first read.
+"""The S3 backend: ranged GETs through s3fs's client, pinned to the object first read, and
+conditional PUTs (``If-None-Match: *``, ``If-Match``) for the compare-and-swap commits rest on.
 
 The first request is a suffix range (``bytes=-N``) whose ``Content-Range`` gives the size, so
 opening costs one request; it also gives the object's ETag, and every later request carries
@@ -16,17 +17,12 @@ from typing import Any
 from weightstore.errors import FormatError, StoreNotFoundError, WeightStoreError
 from weightstore.io.buffer import aligned_buffer
 from weightstore.io.location import protocols, storage_error
-from weightstore.io.objects import READ_CHUNK, Request, requests_for, scatter, window
+from weightstore.io.objects import READ_CHUNK, Backend, Request, requests_for, scatter, window
 
-__all__ = ["S3Object", "serves"]
+__all__ = ["BACKEND", "S3Backend", "S3Object"]
 
 #: concurrent requests per file when the file system names none (s3fs: ``max_concurrency``)
 DEFAULT_CONCURRENCY = 8
-
-
-def serves(fs: Any) -> bool:
-    """Whether ``fs`` is s3fs's file system (its client is what this backend calls)."""
-    return "s3" in protocols(fs) and hasattr(fs, "_call_s3")
 
 
 class S3Object:
@@ -150,53 +146,60 @@ def _s3_code(exc: BaseException) -> str | None:
     return None
 
 
-# -- conditional writes: what commits on object storage rest on --------------------------------
+class S3Backend(Backend):
+    """S3 through s3fs's client: :class:`S3Object` reads, and S3's own conditional writes."""
 
-def get_tagged(fs: Any, path: str, limit: int) -> tuple[bytes | None, str | None]:
-    """At most ``limit`` bytes of an object and its ETag; ``(None, None)`` when there is none.
+    def serves(self, fs: Any) -> bool:
+        """Whether ``fs`` is s3fs's file system (its client is what this backend calls)."""
+        return "s3" in protocols(fs) and hasattr(fs, "_call_s3")
 
-    One GET without a range (S3 refuses a range on an empty object), of which no more than
-    ``limit`` bytes are taken off the wire: a hostile object of gigabytes allocates nothing more."""
-    from fsspec.asyn import sync
+    def object(self, fs: Any, path: str, name: str) -> S3Object:
+        return S3Object(fs, path, name)
 
-    bucket, key, _ = fs.split_path(path)
+    def read_tagged(self, fs: Any, path: str, limit: int) -> tuple[bytes | None, str | None]:
+        """One GET without a range (S3 refuses a range on an empty object), of which no more than
+        ``limit`` bytes are taken off the wire: a hostile object of gigabytes allocates nothing more."""
+        from fsspec.asyn import sync
 
-    async def get() -> tuple[bytes, str]:
-        response = await fs._call_s3("get_object", Bucket=bucket, Key=key)
-        body = response["Body"]
-        chunks, left = [], limit
+        bucket, key, _ = fs.split_path(path)
+
+        async def get() -> tuple[bytes, str]:
+            response = await fs._call_s3("get_object", Bucket=bucket, Key=key)
+            body = response["Body"]
+            chunks, left = [], limit
+            try:
+                while left > 0:  # a read returns what has arrived, up to its size: one network chunk, say
+                    chunk = await body.read(left)
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    left -= len(chunk)
+                return b"".join(chunks), str(response.get("ETag", ""))
+            finally:
+                body.close()
+
         try:
-            while left > 0:  # a read returns what has arrived, up to its size: one network chunk, say
-                chunk = await body.read(left)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                left -= len(chunk)
-            return b"".join(chunks), str(response.get("ETag", ""))
+            return sync(fs.loop, get)
+        except FileNotFoundError:
+            return None, None
+
+    def put_if(self, fs: Any, path: str, data: bytes, *, create: bool, expect: str | None) -> bool:
+        """``create``: ``If-None-Match: *``; else ``If-Match`` with ETag ``expect``. A refused
+        condition (``PreconditionFailed``, or ``ConditionalRequestConflict`` for two at once) is False."""
+        from fsspec.asyn import sync
+
+        bucket, key, _ = fs.split_path(path)
+        condition = {"IfNoneMatch": "*"} if create else {"IfMatch": expect} if expect else {}
+        try:
+            sync(fs.loop, fs._call_s3, "put_object", Bucket=bucket, Key=key, Body=data, **condition)
+        except Exception as exc:
+            if isinstance(exc, FileExistsError) or _s3_code(exc) in ("PreconditionFailed", "412",
+                                                                    "ConditionalRequestConflict", "409"):
+                return False
+            raise
         finally:
-            body.close()
-
-    try:
-        return sync(fs.loop, get)
-    except FileNotFoundError:
-        return None, None
+            fs.invalidate_cache(path)
+        return True
 
 
-def put_if(fs: Any, path: str, data: bytes, *, create: bool, expect: str | None) -> bool:
-    """Write ``data`` at ``path`` only if there is no object there (``create``: ``If-None-Match: *``)
-    or the one there is still the one read (its ETag is ``expect``: ``If-Match``). False when
-    the condition failed (another writer got there first); nothing is written then."""
-    from fsspec.asyn import sync
-
-    bucket, key, _ = fs.split_path(path)
-    condition = {"IfNoneMatch": "*"} if create else {"IfMatch": expect} if expect else {}
-    try:
-        sync(fs.loop, fs._call_s3, "put_object", Bucket=bucket, Key=key, Body=data, **condition)
-    except Exception as exc:
-        if isinstance(exc, FileExistsError) or _s3_code(exc) in ("PreconditionFailed", "412", "ConditionalRequestConflict",
-                                                                "409"):
-            return False
-        raise
-    finally:
-        fs.invalidate_cache(path)
-    return True
+BACKEND = S3Backend()

@@ -9,6 +9,8 @@ trust a length it is given.
 
 from __future__ import annotations
 
+import os
+import posixpath
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -16,7 +18,7 @@ from weightstore.errors import UnsafeFileError
 from weightstore.io.local import MappedFile, OwnedFile, StreamFile
 from weightstore.io.remote import RemoteFile
 
-__all__ = ["ByteSource", "RangedSource", "byte_source", "open_source", "prefetch_ranges", "read_whole"]
+__all__ = ["ByteSource", "RangedSource", "beside", "byte_source", "open_source", "prefetch_ranges", "read_whole"]
 
 R = TypeVar("R")
 
@@ -53,6 +55,18 @@ def byte_source(location: Any, name: str, *, mmap: bool = True) -> ByteSource:
     if isinstance(location, RemoteFile):
         return location
     return RemoteFile.from_handle(location, name) or StreamFile(location, name)
+
+
+def beside(location: Any, name: str, file: str) -> tuple[Any, str]:
+    """``(location, name)`` of ``file`` in the folder of the file a reader was given as
+    ``location``/``name`` (a local path, or a remote file: then read through the same file
+    system), so a reader of several files (an index and its shards) opens them local or remote alike.
+    ``file`` is a plain name the caller has checked (no folder, no ``..``)."""
+    if isinstance(location, RemoteFile):
+        url = posixpath.join(posixpath.dirname(name), file)
+        return RemoteFile(location.fs, posixpath.join(posixpath.dirname(location.path), file), url), url
+    path = os.path.join(os.path.dirname(location), file)
+    return path, path
 
 
 def read_whole(source: ByteSource, limit: int, what: str) -> bytes:

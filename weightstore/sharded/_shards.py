@@ -165,6 +165,7 @@ def publish_shard(
         raise ValueError(f"a sharded version's members are safetensors, npz or hdf5 files; format={format!r} is not "
                          "supported")
     target = folder_for(folder, storage_options)
+    target.require_compare_and_swap(f"committing step {step}")  # refused by every rank, before its upload
     members = folder_for(target.url(attempt_folder(step, attempt)), storage_options)
     where = members.url(member_name(rank, suffix))
     listed = _listed(pieces, where, world)

@@ -15,11 +15,21 @@ from weightstore.core.keys import MappingRules, Patterns, plan_outward
 from weightstore.core.manifest import TensorInfo, logical_dtype
 from weightstore.core.names import FILE, READ_NAMINGS, TORCH_FORMATS, check_naming, key_of_torch_name, reads_as_torch
 from weightstore.errors import KeyNotInStoreError, SizeLimitError, StoreNotFoundError, WeightStoreError, attach, naming
-from weightstore.formats import Reader, RegionReader, format_for_suffix, format_named, hf_sharded, sniff
-from weightstore.formats.foreign import HEAD_BYTES, HF_SINGLE_FILE, open_foreign, refuse_pickle
+from weightstore.formats import (
+    Format,
+    Reader,
+    RegionReader,
+    finders,
+    format_for_suffix,
+    format_named,
+    hf_sharded,
+    sniff,
+)
+from weightstore.formats.foreign import HEAD_BYTES, refuse_pickle
 from weightstore.formats.renamed import RenamedReader, names_by_key
 from weightstore.io.files import open_regular
-from weightstore.io.location import filesystem, location_of, service, uncached
+from weightstore.io.location import service
+from weightstore.io.places import Place, place_of
 from weightstore.io.remote import RemoteFile
 
 _S = TypeVar("_S", bound="Store")
@@ -54,7 +64,7 @@ class Store(Mapping):
         self._key_set = frozenset(self._keys)
         self.path = path
         self.verify = verify
-        #: the registered format's name (``"safetensors"``); empty for TF checkpoints and Keras archives
+        #: the name of the format in the table that read it (``"safetensors"``, ``"tf-checkpoint"``)
         self.format = format
 
     @property
@@ -278,86 +288,93 @@ def _torch_named(store: Store) -> bool:
 
 
 def _open(path: Any, *, verify: bool, format: str | None, mmap: bool) -> Store:  # noqa: A002
-    where = location_of(path)
-    location = where.text
-    if where.remote:
-        return _open_remote(location, verify, format)
-    if format is None:  # TF checkpoints (prefix, file or folder) and .keras archives
-        foreign = open_foreign(location, mmap=mmap)
-        if foreign is not None:
-            return Store(foreign, foreign.name, verify, getattr(foreign, "format", ""))
-    if os.path.isdir(location):
+    """The one dispatch over the format table, for a local path and a URL alike.
+
+    A format recognised by where it lies (:attr:`~weightstore.formats.Format.find`: a model
+    folder, a checkpoint prefix, an archive a sniff would call a zip) is asked first locally,
+    where asking costs a ``stat``; of a URL only once no file is there, so opening a remote file
+    stays one request. Anything else is a file, of the format asked for, its suffix's, or its
+    first bytes'.
+    """
+    place = place_of(path)
+    with naming(path=place.text):
+        asked = format_named(format) if format else None
+    named = asked or format_for_suffix(place.text)
+    if named is not None and named.find is not None:  # asked for, or named by suffix (an index file)
+        found = _open_found(place, [named], verify, mmap)
+        if found is None:
+            raise StoreNotFoundError(f"holds nothing the {named.name} format reads", path=place.text)
+        return found
+    if asked is None and not place.remote and not (named is not None and place.is_file()):
+        found = _open_found(place, finders(), verify, mmap)  # a store file never asks: nor loads their readers
+        if found is not None:
+            return found
+    try:
+        return _open_file(place, asked, verify, mmap)
+    except FileNotFoundError as exc:
+        if isinstance(exc, WeightStoreError):  # a reader's own word on what is missing
+            raise
+        if named is None and place.remote:
+            found = _open_found(place, finders(), verify, mmap)
+            if found is not None:
+                return found
+            if place.is_dir():
+                raise StoreNotFoundError("is a folder that no format reads", path=place.text) from None
+        raise StoreNotFoundError("no such file", path=place.text) from None
+
+
+def _open_found(place: Place, formats: list[Format], verify: bool, mmap: bool) -> Store | None:
+    """The first of ``formats`` that finds something at ``place``, opened; ``None`` if none does."""
+    for fmt in formats:
+        assert fmt.find is not None
+        target = fmt.find(place)
+        if target is not None:
+            try:
+                reader = fmt.open_reader(target.source(), target.text, mmap=mmap)
+            except FileNotFoundError as exc:
+                if isinstance(exc, WeightStoreError):
+                    raise
+                raise StoreNotFoundError("no such file", path=target.text) from None
+            return Store(reader, reader.name, verify, getattr(reader, "format", fmt.name))
+    return None
+
+
+def _open_file(place: Place, fmt: Format | None, verify: bool, mmap: bool) -> Store:
+    """A file of format ``fmt``, else of its suffix's, else of its first bytes' (sniffed from
+    the first request of a URL: an npz's index lies at the end, so that costs one more)."""
+    location = place.text
+    if not place.remote and os.path.isdir(location):
         raise StoreNotFoundError("is a folder, not a weight file", path=location)
+    source = place.source()
     try:
-        with open_regular(location) as handle:
-            head = handle.read(HEAD_BYTES)
-    except FileNotFoundError:
-        raise StoreNotFoundError("no such file", path=location) from None
-    with naming(path=location):
-        refuse_pickle(head)
-    with naming(path=location):
-        fmt = format_named(format) if format else format_for_suffix(location)
-        if fmt is None:
-            fmt = sniff(head)
-    return Store(fmt.open_reader(location, location, mmap=mmap), location, verify, fmt.name)
-
-
-def _open_remote(location: str, verify: bool, format: str | None) -> Store:  # noqa: A002
-    """A URL: ranged GETs of what is read (npz, safetensors), so opening costs one request for
-    an index of up to a few hundred tensors; HDF5 goes through an fsspec file object for h5py."""
-    fs, remote = filesystem(location)
-    if format is None and location.endswith(hf_sharded.INDEX_SUFFIX):
-        return _open_remote_sharded(fs, remote, location, verify)
-    source = RemoteFile(fs, remote, location)
-    try:
-        fmt = format_named(format) if format else format_for_suffix(location)
-        if fmt is None:  # only then: an npz's index lies at the end, and its first request fetches it
-            head = bytes(source.read_at(0, min(HEAD_BYTES, source.size)))
+        fmt = fmt or format_for_suffix(location)
+        if fmt is None or not place.remote:
+            head = _head(source, location)
             with naming(path=location):
                 refuse_pickle(head)
-                fmt = sniff(head)
-        if fmt.remote_file_object:
+                fmt = fmt or sniff(head)
+        if isinstance(source, RemoteFile) and fmt.remote_file_object:  # h5py's reads, through an fsspec file
             source.close()
             with service(location):
-                handle = fs.open(uncached(fs, remote), "rb")
+                handle = place.open_file()
             try:
                 return Store(fmt.open_reader(handle, location), location, verify, fmt.name)
             except BaseException:
                 handle.close()
                 raise
-        return Store(fmt.open_reader(source, location), location, verify, fmt.name)
-    except FileNotFoundError:
-        # a folder is asked about only now, so opening a file of an unknown suffix stays one request
-        if format is None and format_for_suffix(location) is None:
-            with service(location):
-                folder = fs.isdir(remote)
-            if folder:
-                return _open_remote_folder(fs, remote, location, verify)
-        raise StoreNotFoundError("no such file", path=location) from None
+        return Store(fmt.open_reader(source, location, mmap=mmap), location, verify, fmt.name)
     except BaseException:
-        source.close()
+        if isinstance(source, RemoteFile):
+            source.close()
         raise
 
 
-def _open_remote_folder(fs: Any, remote: str, location: str, verify: bool) -> Store:
-    """A Hugging Face model folder on object storage, read as ``from_pretrained`` reads one (and
-    a local folder is read): its ``model.safetensors``, else its sharded index."""
-    with service(location):
-        single = fs.exists(remote.rstrip("/") + "/" + HF_SINGLE_FILE)
-    if single:
-        return _open_remote(location.rstrip("/") + "/" + HF_SINGLE_FILE, verify, None)
-    return _open_remote_sharded(fs, remote, location, verify)
-
-
-def _open_remote_sharded(fs: Any, remote: str, location: str, verify: bool) -> Store:
-    """A Hugging Face sharded model on object storage: its index file, or a folder holding one."""
-    with service(location):
-        index = hf_sharded.index_location(remote, is_dir=lambda _: True, exists=fs.exists)
-    if index is None:
-        raise StoreNotFoundError("is a folder holding no model.safetensors or model.safetensors.index.json",
-                                 path=location)
-    url = location if location.endswith(hf_sharded.INDEX_SUFFIX) else location.rstrip("/") + "/" + hf_sharded.INDEX_NAME
-    return Store(hf_sharded.open_remote(fs, index, url), url, verify, hf_sharded.FORMAT_NAME)
+def _head(source: str | RemoteFile, location: str) -> bytes:
+    """The first :data:`HEAD_BYTES` of the file, for the pickle check and a sniff."""
+    if isinstance(source, RemoteFile):
+        return bytes(source.read_at(0, min(HEAD_BYTES, source.size)))
+    with open_regular(source) as handle:
+        return handle.read(HEAD_BYTES)
 
 
 def load(

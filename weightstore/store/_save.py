@@ -204,12 +204,17 @@ def output_format(location: str, format: str | None = None) -> Format:  # noqa: 
     """
     if format:
         with naming(path=location):
-            return format_named(format)
-    fmt = format_for_suffix(location)
-    if fmt is None:
-        raise TargetError(f"cannot tell which format to write from the file name; name it with one of "
-                          f"{', '.join(known_suffixes())} (or, from Python, pass format= to write any name)",
-                          path=location)
+            fmt = format_named(format)
+    else:
+        found = format_for_suffix(location)
+        if found is None:
+            raise TargetError(f"cannot tell which format to write from the file name; name it with one of "
+                              f"{', '.join(known_suffixes())} (or, from Python, pass format= to write any name)",
+                              path=location)
+        fmt = found
+    if not fmt.writes:  # a format only read (a sharded index, a checkpoint) refuses in its own words what writes it
+        fmt.open_writer(location, False)
+        raise TargetError(f"{fmt.name} files are not written by ws.save", path=location)
     return fmt
 
 

@@ -282,13 +282,18 @@ def publish(
         metadata: JSON-serializable; travels in the file and in ``LATEST``, which readers read
             up to 1 MiB (``SizeLimitError`` refuses more before anything is written).
         format: ``"npz"`` (default), ``"hdf5"`` or ``"safetensors"``.
-        storage_options: for URLs, given to fsspec (credentials, ``client_kwargs={"endpoint_url": ...}``).
+        storage_options: for URLs, given to fsspec (credentials, ``client_kwargs={"endpoint_url": ...}``),
+            except ``"one_writer": True``: where the storage has no compare-and-swap (not S3),
+            a promise that no other process publishes to ``folder``, without which the publish
+            is refused.
 
     Returns:
         The published :class:`Version`.
 
     Raises:
-        PublishError: the step does not go forward (another publisher, or a restored ``LATEST``).
+        PublishError: the step does not go forward (another publisher, or a restored ``LATEST``);
+            or the storage has no compare-and-swap for ``LATEST`` (a URL not on S3) and
+            ``storage_options`` does not say ``{"one_writer": True}``.
         StorageError: the storage service failed; nothing a reader sees has changed.
 
     Example:
@@ -395,8 +400,11 @@ def commit_version(target: Folder, step: int, name: str, write: Callable[[str], 
     :func:`publish` writes a plain version file; :func:`weightstore.sharded._shards.commit_shards` a
     sharded version's index. On object storage ``LATEST`` is replaced by compare-and-swap on the
     ETag read at the start (``If-Match``; ``If-None-Match: *`` when there was none), so a
-    publisher that lost a race gets :class:`PublishError` and ``LATEST`` never goes backwards.
+    publisher that lost a race gets :class:`PublishError` and ``LATEST`` never goes backwards;
+    where the folder's backend has no compare-and-swap, the publish is refused before anything is
+    written (:meth:`Folder.require_compare_and_swap`).
     """
+    target.require_compare_and_swap(f"replacing {LATEST}")
     with target.lock():
         _stage("locked")
         state = _FolderState.read(target)
