@@ -298,3 +298,12 @@ def test_an_abstract_model_is_assigned_and_restored_as_jax_arrays_where_its_shap
     np.testing.assert_array_equal(np.asarray(with_streams["conv"]["kernel"][...]), random_weights()["conv/kernel"])
     with pytest.raises(SelectionError, match="abstract"):  # shapes, no values: nothing to write
         flax_adapter.export(nnx.eval_shape(Net))
+
+
+def test_variables_are_what_export_reads_and_what_assign_writes():
+    net = Net()
+    found = flax_adapter.variables(net)
+    assert sorted(found) == sorted(flax_adapter.export(net)) and found["bn/mean"] is net.bn.mean
+    assert sorted(flax_adapter.variables(net, scope="bn", trainable_only=True)) == ["bias", "scale"]
+    with pytest.raises(TypeError, match="pytree holds values"):
+        flax_adapter.variables({"w": np.ones(2)})
