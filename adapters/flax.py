@@ -52,6 +52,10 @@ __all__ = ["export", "export_pieces", "assign", "restore", "variables", "forget"
 _STATE = (nnx.Param, nnx.BatchStat)
 
 
+#: a sharded version's JAX arrays are read shard by shard (see :func:`_placed`)
+ASSIGN_READS_REGIONS = True
+
+
 def variables(module: nnx.Module, **selection: Unpack[SelectionWords]) -> dict[str, nnx.Variable]:
     """Key -> variable for the parameters and batch statistics :func:`export` reads under that
     key with the same words, and :func:`assign` writes in place; without words, every one.

@@ -79,6 +79,8 @@ _WEIGHT_KINDS = frozenset("biufc")
 _ASSIGN_TYPES = frozenset({"Assign", "AssignVariableOp"})
 _VARIABLE_OPS = frozenset({"VarHandleOp", "VariableV2", "Variable"})
 _ML_TYPES = frozenset(dtype.type for dtype in ML_DTYPES.values())
+#: a sharded version's partitioned variables are read part by part (see the module docstring)
+ASSIGN_READS_REGIONS = True
 
 
 @dataclass

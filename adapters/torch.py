@@ -75,6 +75,10 @@ _VIEWED = {getattr(torch, name): (np.dtype(getattr(ml_dtypes, name)), getattr(to
 _FROM_NUMPY = {kind: (dtype, integer) for dtype, (kind, integer) in _VIEWED.items()}
 
 
+#: a DTensor is read by the region of its local shard (see :func:`assign`)
+ASSIGN_READS_REGIONS = True
+
+
 def variables(module: nn.Module, **selection: Unpack[SelectionWords]) -> dict[str, torch.Tensor]:
     """Key -> the module's own tensor (parameter or persistent buffer) that :func:`export` reads
     under that key with the same words, and :func:`assign` writes in place; without words,

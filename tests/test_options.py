@@ -163,6 +163,47 @@ def test_every_adapter_variables_are_what_its_export_reads_and_its_pieces_hold(n
         assert piece.start == (0,) and np.asarray(piece.array).tobytes() == exported[key].tobytes(), key
 
 
+@pytest.mark.parametrize("name", ADAPTERS)
+def test_adapter_for_finds_each_framework_s_adapter(name):
+    from weightstore.adapters import adapter_for
+
+    adapter, model, _ = _model(name)
+    assert adapter_for(model) is adapter
+
+
+def test_adapter_for_decides_by_the_type_s_bases_and_a_container_s_first_leaf(tmp_path):
+    """A subclass defined outside its framework is its framework's; TF's sessions (wrapped or not,
+    by a wrapper TF defines elsewhere) are TF1's, TF's other objects TF2's; a Flax Linen tree (a
+    FrozenDict, or a dict of JAX arrays) is Flax's."""
+    tf = pytest.importorskip("tensorflow")
+    keras = pytest.importorskip("keras")
+    pytest.importorskip("flax")
+    import jax.numpy as jnp
+    from flax.core import FrozenDict
+    from tensorflow.python import debug as tf_debug
+
+    from weightstore.adapters import adapter_for, flax, tf1, tf2
+
+    class Model(keras.Model):  # defined here, in a test module: its bases say Keras
+        pass
+
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.get_variable("w", [2])
+        monitored = tf.compat.v1.train.MonitoredSession()
+    try:
+        session = tf.compat.v1.Session(graph=graph)
+        assert adapter_for(monitored) is tf1 and adapter_for(session) is tf1
+        assert adapter_for(tf_debug.DumpingDebugWrapperSession(session, str(tmp_path))) is tf1
+    finally:
+        monitored.close()
+    assert adapter_for(Model()) is tf2 and adapter_for(tf.Module()) is tf2 and adapter_for([tf.Variable(1.0)]) is tf2
+    sharded = tf.__internal__.distribute.ShardedVariable([tf.Variable([1.0]), tf.Variable([2.0])])
+    assert adapter_for({"table": sharded}) is tf2
+    assert adapter_for(FrozenDict({"params": {"w": jnp.ones(2)}})) is flax
+    assert adapter_for({"params": {"Dense_0": {"kernel": jnp.ones(2)}}}) is flax
+
+
 def test_every_publisher_and_follower_shares_one_set_of_defaults():
     """keep, format and poll are declared once (weightstore.sync._versions), and every entry point has them."""
     pytest.importorskip("tensorflow")
