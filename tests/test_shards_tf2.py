@@ -314,6 +314,11 @@ def test_export_pieces_publish_with_publish_shard_and_read_back_as_export(tmp_pa
     assert {key: value.tobytes() for key, value in ws.load(version).items()} == {
         key: value.tobytes() for key, value in tf2.export(written).items()}
 
+    with tf.distribute.MirroredStrategy().scope():
+        mirrored = tf.Variable(np.arange(6.0).reshape(2, 3))
+    ((piece,),) = tf2.export_pieces({"m": mirrored}).values()  # this replica's value, whole
+    assert piece.start == (0, 0) and piece.array.tobytes() == np.arange(6.0).reshape(2, 3).tobytes()
+
     model = build()
     shares = [tf2.export_pieces(model, rank=rank, world=2) for rank in (0, 1)]
     (first,), (second,) = shares[0]["wide/kernel"], shares[1]["wide/kernel"]  # cut between rows, read from the replica
