@@ -52,10 +52,26 @@ __all__ = ["export", "export_pieces", "assign", "restore", "variables", "forget"
 _STATE = (nnx.Param, nnx.BatchStat)
 
 
-def variables(module: nnx.Module) -> dict[str, nnx.Variable]:
-    """Key -> variable for the parameters and batch statistics ``export`` and ``assign`` see."""
+#: a sharded version's JAX arrays are read shard by shard (see :func:`_placed`)
+ASSIGN_READS_REGIONS = True
+
+
+def variables(module: nnx.Module, **selection: Unpack[SelectionWords]) -> dict[str, nnx.Variable]:
+    """Key -> variable for the parameters and batch statistics :func:`export` reads under that
+    key with the same words, and :func:`assign` writes in place; without words, every one.
+
+    Only an NNX module has variables: a pytree's leaves are values, which :func:`restore` puts
+    into a new tree (a ``TypeError`` says so).
+    """
     if not isinstance(module, nnx.Module):
-        raise TypeError(f"expected a flax.nnx.Module, not {type(module).__name__} (for a pytree, use restore)")
+        raise TypeError(f"expected a flax.nnx.Module, not {type(module).__name__} (a pytree holds values, not "
+                        "variables: flax.restore makes a new one)")
+    found = _variables(module)
+    chosen = Selection(**selection).choose(found, lambda key: isinstance(found[key], nnx.Param), _describe(module))
+    return {key: found[old] for key, old in chosen.items()}
+
+
+def _variables(module: nnx.Module) -> dict[str, nnx.Variable]:
     return {_key(path): node for path, node in nnx.iter_graph(module) if isinstance(node, _STATE)}
 
 
@@ -125,7 +141,7 @@ def assign(
     Plans first: a strict failure raises ``AssignmentError`` naming every missing,
     unexpected, mismatched or unconvertible key and changes nothing.
     """
-    found = variables(module)
+    found = variables(module)  # refuses a pytree, which restore takes
     current = {key: var.get_value() for key, var in found.items()}
     targets = {key: TargetInfo(key, _dtype_of(value), tuple(np.shape(value)), isinstance(found[key], nnx.Param))
                for key, value in current.items()}
@@ -196,7 +212,7 @@ def _selected(obj: Any, chosen_by: Selection) -> tuple[dict[str, Any], dict[str,
     """An NNX module's variable values or a pytree's array leaves by key, and the selected
     ones: output key -> key."""
     if isinstance(obj, nnx.Module):
-        found = variables(obj)
+        found = _variables(obj)
         values = {key: var.get_value() for key, var in found.items()}
         trainable = {key: isinstance(var, nnx.Param) for key, var in found.items()}
     else:

@@ -73,12 +73,14 @@ from weightstore.core.manifest import ML_DTYPES
 from weightstore.errors import AssignmentError, FormatError, InvalidKeyError, SelectionError, WeightStoreError
 from weightstore.sharded._shards import Piece
 
-__all__ = ["export", "export_pieces", "assign", "forget"]
+__all__ = ["export", "export_pieces", "assign", "variables", "forget"]
 
 _WEIGHT_KINDS = frozenset("biufc")
 _ASSIGN_TYPES = frozenset({"Assign", "AssignVariableOp"})
 _VARIABLE_OPS = frozenset({"VarHandleOp", "VariableV2", "Variable"})
 _ML_TYPES = frozenset(dtype.type for dtype in ML_DTYPES.values())
+#: a sharded version's partitioned variables are read part by part (see the module docstring)
+ASSIGN_READS_REGIONS = True
 
 
 @dataclass
@@ -134,6 +136,19 @@ def export_pieces(sess: Any, **selection: Unpack[SelectionWords]) -> dict[str, l
     plan, chosen = _chosen(sess, Selection(**selection))
     fetched = _fetched(sess, chosen)
     return {key: [_piece(target, part, np.asarray(next(fetched))) for part in target.parts]
+            for key, target in zip(plan, chosen, strict=True)}
+
+
+def variables(sess: Any, **selection: Unpack[SelectionWords]) -> dict[str, tf.Variable | list[tf.Variable]]:
+    """Key -> the variable of ``sess``'s graph that :func:`export` reads under that key with the
+    same words, and :func:`assign` writes: a partitioned variable as the list of its parts
+    (``w/part_0``, ``w/part_1``…, each knowing its place through ``_get_save_slice_info``).
+    Reads no value, so the variables may hold none yet. Training state (optimizer slots,
+    ``global_step``) is among them, as in :func:`export`; :func:`assign` writes it only with
+    ``optimizer=True``.
+    """
+    plan, chosen = _chosen(_open_session(sess), Selection(**selection))
+    return {key: [part.variable for part in target.parts] if target.parts[0].index else target.parts[0].variable
             for key, target in zip(plan, chosen, strict=True)}
 
 

@@ -113,8 +113,9 @@ from weightstore.core.keys import (
 )
 from weightstore.errors import AssignmentError, InvalidKeyError, SelectionError
 from weightstore.formats.tf_checkpoint import best_paths
+from weightstore.sharded._shards import Piece
 
-__all__ = ["export", "assign", "load", "keys", "variables", "forget", "publish_sharded"]
+__all__ = ["export", "export_pieces", "assign", "load", "keys", "variables", "forget", "publish_sharded"]
 
 Variable = Union[tf.Variable, keras.Variable, "tf.__internal__.distribute.ShardedVariable"]
 _SHARDED = tf.__internal__.distribute.ShardedVariable
@@ -129,9 +130,16 @@ _GROUPED_BELOW = 1 << 16  # values under this many bytes are written in groups (
 _GROUP = 64  # most values per group: as fast per variable as larger groups, and a cheap kernel to build
 
 
-def variables(obj: Any, *, optimizer: bool = False) -> dict[str, Variable]:
-    """Key -> variable for everything ``export`` and ``assign`` see in ``obj``."""
-    return {key: var for key, (var, _) in _collect(obj, optimizer).items()}
+def variables(obj: Any, *, optimizer: bool = False, **selection: Unpack[SelectionWords]) -> dict[str, Variable]:
+    """Key -> variable for what :func:`export` and :func:`assign` see in ``obj`` under the same
+    words (keys relative to ``scope``); without words, every variable.
+
+    A variable under two keys (a ``LossScaleOptimizer``'s slots, as its inner optimizer's too)
+    is here under both, as :func:`assign` takes a value under either; :func:`export` writes it
+    under the first. An unbuilt Keras model has none yet (an empty dict).
+    """
+    found, plan = _chosen(obj, optimizer, Selection(**selection))
+    return {new: found[old][0] for new, old in plan.items()}
 
 
 def keys(obj: Any, *, optimizer: bool = False) -> list[str]:
@@ -156,19 +164,44 @@ def export(obj: Any, *, optimizer: bool = False, **selection: Unpack[SelectionWo
     return {key: _read(var) for key, var in selected(obj, optimizer=optimizer, **selection).items()}
 
 
+def export_pieces(obj: Any, *, rank: int = 0, world: int = 1, optimizer: bool = False,
+                  **selection: Unpack[SelectionWords]) -> dict[str, list[Piece]]:
+    """What this worker writes of ``obj`` to a sharded version: key -> its
+    :class:`~weightstore.Piece` s, for :func:`weightstore.publish_shard`. Keys and words are
+    :func:`export`'s.
+
+    Alone (``rank=0, world=1``, the default) every variable is one piece holding all of it, but
+    a ``ShardedVariable`` (``ParameterServerStrategy``'s), which comes shard by shard, each at
+    its offset, never joined; a ``MirroredVariable`` is read from this replica. Under
+    ``MultiWorkerMirroredStrategy``, where every worker holds every value, pass the worker's
+    ``rank`` and ``world``: each gets the share :func:`~weightstore.adapters.tf2_sharded.plan`
+    cuts for it (about ``1/world`` of the bytes), read from its own replica, so no tensor
+    crosses the network. :func:`publish_sharded` does all of that on every worker, agreeing
+    the attempt through TensorFlow's coordination service too.
+    """
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not one of world {world}'s ranks (0 to {world - 1})")
+    return share(selected(obj, optimizer=optimizer, **selection), rank, world)
+
+
 def selected(obj: Any, *, optimizer: bool = False, **selection: Unpack[SelectionWords]) -> dict[str, Variable]:
     """Key -> variable for exactly what :func:`export` reads with the same words (for snapshots)."""
-    chosen_by = Selection(**selection)
-    found = _collect(obj, optimizer)
-    # under a scope, a part's own keys, as tf2.export(part) gives them: what assigns into any instance of it
-    found, _, _ = _keyed_as_part(obj, normalize_scope(chosen_by.scope), found, {})
-    plan = chosen_by.choose(found, lambda key: found[key][1], _describe(obj))
+    found, plan = _chosen(obj, optimizer, Selection(**selection))
     once = _tied(found)  # a variable under two keys (a wrapped optimizer's slots) is exported under its first
     chosen = {new: found[old][0] for new, old in plan.items() if old not in once}
     if not chosen:
         why = "no variables (build a Keras model before exporting it)" if not found else "no variable passes the selection"
         raise SelectionError(f"{_describe(obj)} has {why}")
     return chosen
+
+
+def _chosen(obj: Any, optimizer: bool, chosen_by: Selection) -> tuple[dict[str, tuple[Variable, bool]], dict[str, str]]:
+    """``obj``'s variables by key (under a scope, keyed as that part keys its own: what
+    ``tf2.export(part)`` gives, and what assigns into any instance of it) and what ``chosen_by``
+    keeps of them: output key -> key."""
+    found = _collect(obj, optimizer)
+    found, _, _ = _keyed_as_part(obj, normalize_scope(chosen_by.scope), found, {})
+    return found, chosen_by.choose(found, lambda key: found[key][1], _describe(obj))
 
 
 def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[AssignWords]) -> Report:
@@ -834,4 +867,4 @@ def _plain_resource(var: Variable) -> BaseResourceVariable | None:
 def _describe(obj: Any) -> str:
     name = getattr(obj, "name", None)
     return f"{type(obj).__name__} {name!r}" if isinstance(name, str) else type(obj).__name__
-from weightstore.adapters.tf2_sharded import publish_sharded  # noqa: E402 - its own module: a feed for clusters
+from weightstore.adapters.tf2_sharded import publish_sharded, share  # noqa: E402 - its own module: a feed for clusters

@@ -58,7 +58,7 @@ from weightstore.sharded._shards import Piece, commit_shards, next_attempt, publ
 from weightstore.store._save import checked_metadata
 from weightstore.sync._versions import DEFAULT_KEEP, Version
 
-__all__ = ["publish_sharded", "plan", "Segment"]
+__all__ = ["publish_sharded", "share", "plan", "Segment"]
 
 #: how much longer than ``timeout`` a worker waits for the chief's news: for the attempt, as the
 #: chief may reach the call later than the worker; for the commit, as the commit's own work
@@ -120,6 +120,14 @@ def plan(segments: list[Segment], world: int) -> list[list[tuple[Segment, int, i
     return shares
 
 
+def share(variables: Mapping[str, Any], rank: int, world: int) -> dict[str, list[Piece]]:
+    """Rank ``rank``'s pieces of ``variables`` (key -> variable) of a version ``world`` workers
+    write alike: the rows :func:`plan` gives it, read from its own replica. Each worker calls it
+    with the same variables (the same keys, shapes and dtypes), or the shares do not tile."""
+    sources = _segments(variables)
+    return _read(sources, plan(list(sources), world)[rank])
+
+
 def publish_sharded(
     folder: Any,
     model: Any,
@@ -158,12 +166,11 @@ def publish_sharded(
     variables = tf2.selected(model, optimizer=optimizer, **selection)
     metadata = checked_metadata(metadata)  # on every worker, so that all of them refuse it alike
     rank, world = _place(strategy)
-    sources = _segments(variables)
-    outline = _outline(sources)
+    outline = _outline(_segments(variables))
     target = folder_for(folder, storage_options)
     channel = _Channel(target, step, world)
     try:  # now, where the caller put the call (between training steps), not once the chief is heard
-        pieces = _read(sources, plan(list(sources), world)[rank])
+        pieces = share(variables, rank, world)
     except Exception as exc:  # the others would wait out their timeouts for this rank
         if rank == 0:
             channel.tell("attempt", {"error": f"{type(exc).__name__}: {exc}"})

@@ -60,7 +60,7 @@ from weightstore.core.names import TORCH, WRITE_NAMINGS, check_naming, key_of_to
 from weightstore.errors import AssignmentError, InvalidKeyError, LayoutError, SelectionError, UnsupportedDTypeError
 from weightstore.sharded._shards import Piece, split_rows
 
-__all__ = ["export", "export_pieces", "assign", "tensors", "forget", "to_numpy"]
+__all__ = ["export", "export_pieces", "assign", "variables", "tensors", "forget", "to_numpy"]
 
 OPTIONAL_LEAF = "num_batches_tracked"
 #: the name PyTorch gives ``get_extra_state()``'s object in a ``state_dict``
@@ -75,8 +75,15 @@ _VIEWED = {getattr(torch, name): (np.dtype(getattr(ml_dtypes, name)), getattr(to
 _FROM_NUMPY = {kind: (dtype, integer) for dtype, (kind, integer) in _VIEWED.items()}
 
 
-def tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Key -> the module's own tensor (parameter or persistent buffer), as ``export`` and ``assign`` see them.
+#: a DTensor is read by the region of its local shard (see :func:`assign`)
+ASSIGN_READS_REGIONS = True
+
+
+def variables(module: nn.Module, **selection: Unpack[SelectionWords]) -> dict[str, torch.Tensor]:
+    """Key -> the module's own tensor (parameter or persistent buffer) that :func:`export` reads
+    under that key with the same words, and :func:`assign` writes in place; without words,
+    every one. Tied weights (one tensor under two names) are here under both keys, as in
+    ``state_dict``.
 
     ``get_extra_state()``'s object is left out even where it is a tensor: only
     ``set_extra_state`` takes it, so a value written into it would change nothing (a buffer a
@@ -84,6 +91,19 @@ def tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     entry that is no tensor (a quantized module's dtype and packed parameters) is refused: its
     weights are inside it, and leaving it out would export a model without them.
     """
+    found, chosen = _chosen(module, Selection(**selection))
+    return {key: found[old] for key, old in chosen.items()}
+
+
+def tensors(module: nn.Module, **selection: Unpack[SelectionWords]) -> dict[str, torch.Tensor]:
+    """Alias of :func:`variables`, the name earlier releases gave it (the verb is ``variables``
+    in every adapter)."""
+    return variables(module, **selection)
+
+
+def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Key -> every tensor of ``module``'s ``state_dict`` but ``get_extra_state()``'s, packed
+    parameters refused: what :func:`variables` selects from (its docstring says why)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"expected a torch.nn.Module, not {type(module).__name__}")
     extra = {f"{prefix}.{EXTRA_STATE}".lstrip(".") for prefix, owner in module.named_modules()
@@ -185,7 +205,7 @@ def assign(
     the first tensor changes. ``skip_unchanged`` works as in ``tf2.assign``; call
     :func:`forget` after the module's tensors changed outside weightstore.
     """
-    found = tensors(module)
+    found = _tensors(module)
     without_data = [key for key, tensor in found.items() if tensor.is_meta]
     if without_data:
         raise AssignmentError(f"cannot assign {_describe(module)}: {len(without_data)} tensors are on the meta device "
@@ -249,13 +269,19 @@ def _tied(found: Mapping[str, torch.Tensor]) -> dict[str, str]:
 
 
 def _selected(module: nn.Module, chosen_by: Selection) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The module's tensors by key, and the selected ones: output key -> key."""
-    found = tensors(module)
-    chosen = chosen_by.choose(found, lambda key: found[key].requires_grad, _describe(module))
+    """The module's tensors by key, and the selected ones (output key -> key), of which an
+    export needs at least one."""
+    found, chosen = _chosen(module, chosen_by)
     if not chosen:
         why = "no tensors" if not found else "no tensor passing the selection"
         raise SelectionError(f"{_describe(module)} has {why}")
     return found, chosen
+
+
+def _chosen(module: nn.Module, chosen_by: Selection) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The module's tensors by key, and what ``chosen_by`` keeps of them: output key -> key."""
+    found = _tensors(module)
+    return found, chosen_by.choose(found, lambda key: found[key].requires_grad, _describe(module))
 
 
 def _keyed(values: Any) -> Any:
@@ -340,7 +366,7 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
 
 def forget(module: nn.Module) -> None:
     """Forget what ``module``'s tensors last received, so the next assign writes them all."""
-    for tensor in tensors(module).values():
+    for tensor in _tensors(module).values():
         MEMORY.forget(tensor)
 
 

@@ -21,6 +21,7 @@ MODULES = [
     "weightstore",
     "weightstore.sync",
     "weightstore.sharded",
+    "weightstore.adapters",
     "weightstore.adapters.tf1",
     "weightstore.adapters.tf2",
     "weightstore.adapters.torch",

@@ -4,7 +4,9 @@ A toy format is registered through the one table and round-trips through ``ws.sa
 ``ws.open`` (locally and on a URL); a toy folder format (one module, registered in the same
 table) is found and read in a local folder and on a URL alike; a toy backend (one module,
 registered in the table of backends) serves every byte a remote open reads and the
-compare-and-swap a publish needs. If the steps the document gives stop being enough, these fail.
+compare-and-swap a publish needs; a toy framework's adapter, one module and one
+``adapters.register`` line, gets planning and hot reload from the skeleton and is followed by a
+``Follower``. If the steps the document gives stop being enough, these fail.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import numpy as np
 import pytest
 
 import weightstore as ws
-from weightstore import formats
+from weightstore import adapters, formats
+from weightstore.adapters import _registry
 from weightstore.io import backends
 
 TOY_FORMAT = textwrap.dedent('''
@@ -377,38 +380,100 @@ def test_a_registered_backend_with_conditional_writes_lets_one_of_two_publishers
     assert ws.publish(folder, WEIGHTS, step=3).step == 3
 
 
-class Model:
-    """A toy framework: its variables are numpy arrays in a dict."""
+TOY_FRAMEWORK = textwrap.dedent('''
+    """A toy framework: a model's variables are numpy arrays in a dict."""
 
-    def __init__(self):
-        self.variables = {"dense/kernel": np.zeros((3, 4), np.float32), "dense/bias": np.zeros(4, np.int64)}
+    import numpy as np
 
 
-def toy_assign(model: Model, weights, *, strict: bool = True):
-    """The toy adapter's ``assign``: list the targets, write the arrays, and nothing else."""
-    from weightstore.adapters.plan import AssignOptions, TargetInfo
+    class Model:
+        def __init__(self):
+            self.variables = {"dense/kernel": np.zeros((3, 4), np.float32), "dense/bias": np.zeros(4, np.int64)}
+''')
+
+TOY_ADAPTER = textwrap.dedent('''
+    """The toy framework's adapter: list the targets, write the arrays, and nothing else."""
+
+    import numpy as np
+
+    from weightstore.adapters.plan import AssignOptions, Selection, TargetInfo
     from weightstore.adapters.skeleton import Target, run_assign
 
-    targets = {key: TargetInfo(key, value.dtype, value.shape) for key, value in model.variables.items()}
 
-    def write(batch, report):
-        for key, array in batch:
-            np.copyto(model.variables[key], array)
-        return [key for key, _ in batch]
-
-    return run_assign(Target(targets, write, slot=lambda key: (model, key)), weights, AssignOptions(strict=strict))
+    def variables(model, **selection):
+        return {key: model.variables[old] for key, old in Selection(**selection).choose(
+            model.variables, lambda key: True).items()}
 
 
-def test_a_toy_adapter_gets_planning_strictness_and_hot_reload_from_the_skeleton(tmp_path):
-    model = Model()
+    def assign(model, weights, **words):
+        targets = {key: TargetInfo(key, value.dtype, value.shape) for key, value in model.variables.items()}
+
+        def write(batch, report):
+            for key, array in batch:
+                np.copyto(model.variables[key], array)
+            return [key for key, _ in batch]
+
+        return run_assign(Target(targets, write, slot=lambda key: (model, key)), weights, AssignOptions(**words))
+''')
+
+
+@pytest.fixture
+def toy_adapter(tmp_path, monkeypatch):
+    """The toy framework and its adapter, registered (one line) for the framework's objects."""
+    framework, adapter = f"toy_framework_{uuid.uuid4().hex}", f"toy_adapter_{uuid.uuid4().hex}"
+    (tmp_path / f"{framework}.py").write_text(TOY_FRAMEWORK)
+    (tmp_path / f"{adapter}.py").write_text(TOY_ADAPTER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(_registry, "ADAPTERS", dict(_registry.ADAPTERS))
+    adapters.register(framework, adapter)
+    yield importlib.import_module(framework), importlib.import_module(adapter)
+    sys.modules.pop(framework, None)
+    sys.modules.pop(adapter, None)
+
+
+def test_a_toy_adapter_gets_planning_strictness_and_hot_reload_from_the_skeleton(tmp_path, toy_adapter):
+    framework, toy = toy_adapter
+    model = framework.Model()
     ws.publish(tmp_path, {"dense/kernel": np.ones((3, 4), np.float32), "dense/bias": np.arange(4)}, step=1)
-    report = toy_assign(model, ws.latest(tmp_path))
+    report = toy.assign(model, ws.latest(tmp_path))
     assert sorted(report.assigned) == ["dense/bias", "dense/kernel"]
     assert same(model.variables["dense/bias"], np.arange(4))
-    assert toy_assign(model, ws.latest(tmp_path)).skipped  # the same version again: nothing to write
+    assert toy.assign(model, ws.latest(tmp_path)).skipped  # the same version again: nothing to write
     with pytest.raises(ws.AssignmentError, match="no value for variable 'dense/bias'"):
-        toy_assign(model, {"dense/kernel": np.full((3, 4), 7, np.float32)})
+        toy.assign(model, {"dense/kernel": np.full((3, 4), 7, np.float32)})
     assert same(model.variables["dense/kernel"], np.ones((3, 4), np.float32))  # a strict failure changes nothing
+
+
+def test_a_registered_adapter_is_found_for_its_framework_and_followed(tmp_path, toy_adapter):
+    from weightstore.adapters.serving.follower import Follower
+
+    framework, toy = toy_adapter
+    model = framework.Model()
+    assert adapters.adapter_for(model) is toy
+    assert adapters.adapter_for([model]) is toy  # a container: its first leaf's framework
+    with Follower(model, tmp_path / "run", poll=0.005, exclude="dense/bias") as follower:
+        for step in (1, 2):
+            ws.publish(tmp_path / "run", {"dense/kernel": np.full((3, 4), step, np.float32)}, step=step)
+            assert follower.wait(step, timeout=30).step == step, follower.error
+            with follower.reading():
+                assert same(model.variables["dense/kernel"], np.full((3, 4), step, np.float32))
+    assert follower.report.assigned == ["dense/kernel"]
+
+
+class NoFramework:
+    """An object of this test module's own: no framework's."""
+
+
+def test_an_object_of_no_registered_framework_is_refused_naming_its_type(tmp_path):
+    from weightstore.adapters.serving.follower import Follower
+
+    with pytest.raises(ws.UnsupportedTargetError, match=r"no adapter takes an object of type "
+                                                         r"test_extending\.NoFramework.*adapters\.register"):
+        adapters.adapter_for(NoFramework())
+    with pytest.raises(ws.UnsupportedTargetError, match=r"type dict \(holding numpy\.ndarray\)"):
+        Follower(WEIGHTS, tmp_path)  # weights are no model
+    with pytest.raises(ws.UnsupportedTargetError, match="an empty list holds no variables"):
+        adapters.adapter_for([])
 
 
 def test_hot_reload_writes_a_variable_under_two_keys_unless_both_are_unchanged(tmp_path):

@@ -298,3 +298,57 @@ def test_an_abstract_model_is_assigned_and_restored_as_jax_arrays_where_its_shap
     np.testing.assert_array_equal(np.asarray(with_streams["conv"]["kernel"][...]), random_weights()["conv/kernel"])
     with pytest.raises(SelectionError, match="abstract"):  # shapes, no values: nothing to write
         flax_adapter.export(nnx.eval_shape(Net))
+
+
+class Mlp(nnx.Module):
+    """Random weights (unlike :class:`Net`): a follower that left one untouched would show."""
+
+    def __init__(self, seed: int):
+        rngs = nnx.Rngs(seed)
+        self.hidden = nnx.Linear(4, 8, rngs=rngs)
+        self.out = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(jax.nn.relu(self.hidden(x)))
+
+
+def test_a_follower_keeps_an_nnx_module_at_each_version_plain_or_sharded(tmp_path):
+    """The follower finds the module's adapter in the registry: each version is assigned, and the
+    model predicts as the trainer's own module does (a sharded one staged by region)."""
+    from weightstore.adapters.serving.follower import Follower
+
+    x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    served = Mlp(seed=0)
+    with Follower(served, tmp_path, poll=0.005) as follower:
+        for step, seed in ((1, 1), (2, 2)):
+            trainer = Mlp(seed=seed)
+            ws.publish(tmp_path, flax_adapter.export(trainer), step=step)
+            assert follower.wait(step, timeout=60).step == step, follower.error
+            with follower.reading():
+                np.testing.assert_array_equal(np.asarray(served(x)), np.asarray(trainer(x)))
+        trainer = Mlp(seed=3)
+        ws.publish_shard(tmp_path, flax_adapter.export_pieces(trainer), step=3, rank=0, world=1, attempt=0)
+        ws.commit_shards(tmp_path, step=3, world=1, attempt=0, timeout=10)
+        assert follower.wait(3, timeout=60).step == 3, follower.error
+        with follower.reading():
+            np.testing.assert_array_equal(np.asarray(served(x)), np.asarray(trainer(x)))
+    assert sorted(follower.report.assigned) == sorted(flax_adapter.export(trainer))
+
+
+def test_a_follower_refuses_a_parameter_tree_it_could_only_replace(tmp_path):
+    """A Linen tree's leaves are values (``restore`` makes a new tree), so no version could be
+    written into it: refused at construction, not failed at every version."""
+    from weightstore.adapters.serving.follower import Follower
+
+    tree = {"params": {"Dense_0": {"kernel": jax.numpy.ones((2, 2))}}}
+    with pytest.raises(ws.UnsupportedTargetError, match=r"in place.*flax\.assign cannot do for a dict.*restore"):
+        Follower(tree, tmp_path)
+
+
+def test_variables_are_what_export_reads_and_what_assign_writes():
+    net = Net()
+    found = flax_adapter.variables(net)
+    assert sorted(found) == sorted(flax_adapter.export(net)) and found["bn/mean"] is net.bn.mean
+    assert sorted(flax_adapter.variables(net, scope="bn", trainable_only=True)) == ["bias", "scale"]
+    with pytest.raises(TypeError, match="pytree holds values"):
+        flax_adapter.variables({"w": np.ones(2)})

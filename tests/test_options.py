@@ -1,4 +1,5 @@
-"""The selection and assign words are one list, taken alike by every adapter, the follower, the hooks and the CLI."""
+"""The selection and assign words are one list, taken alike by every adapter, the follower, the hooks and the CLI;
+and every adapter offers the same verbs."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from weightstore.adapters.plan import AssignOptions, AssignWords, Selection, Sel
 ADAPTERS = ("tf1", "tf2", "torch", "flax")
 #: words one framework has and others lack; every other word must be a shared one
 OWN_WORDS = {"layout", "optimizer", "names"}  # layout and names: how a framework lays tensors out and names them
+#: which share of a sharded version this process writes, where the framework does not say itself
+PIECE_WORDS = {"rank", "world"}
+VERBS = ("export", "export_pieces", "assign", "variables", "forget")
 SELECTION = {field.name for field in dataclasses.fields(Selection)}
 ASSIGN = {field.name for field in dataclasses.fields(AssignOptions)}
 
@@ -42,6 +46,20 @@ def test_every_adapter_export_and_assign_take_the_same_words():
         assert assigned >= ASSIGN and assigned - ASSIGN <= OWN_WORDS, name
 
 
+def test_every_adapter_has_every_verb_with_the_shared_selection_words():
+    """``export``, ``export_pieces``, ``assign``, ``variables`` and ``forget`` in each framework
+    module, reading ``**selection`` (or ``**words``) alike; framework-only extras are beside them."""
+    modules = {name: pytest.importorskip(f"weightstore.adapters.{name}") for name in ADAPTERS}
+    for name, module in modules.items():
+        assert set(VERBS) <= set(module.__all__), name
+        for verb in ("export", "export_pieces", "variables"):
+            taken = words(getattr(module, verb))
+            assert taken >= SELECTION and taken - SELECTION <= OWN_WORDS | PIECE_WORDS, (name, verb)
+        assert words(module.assign) >= ASSIGN, name
+        assert len(inspect.signature(module.forget).parameters) == 1, name
+    assert words(modules["torch"].tensors) == words(modules["torch"].variables)  # the name earlier releases used
+
+
 def test_the_follower_hooks_and_cli_take_the_same_words():
     pytest.importorskip("tensorflow")
     from weightstore.adapters.serving import follower, hooks
@@ -52,28 +70,28 @@ def test_the_follower_hooks_and_cli_take_the_same_words():
     assert SELECTION | {"mapping"} <= set(inspect.signature(main.export).parameters)
 
 
-def _exporter(name: str) -> typing.Callable[..., dict]:
-    """``export`` of one adapter over a small model of its framework: a trainable weight and a
-    statistic that is not (``net/w``, ``net/stat``), with the words passed through."""
+def _model(name: str) -> tuple[typing.Any, typing.Any, typing.Any]:
+    """One adapter, a small model of its framework with a trainable weight and a statistic that
+    is not (``net/w``, ``net/stat``), and the framework's own object holding ``net/w``."""
     if name == "tf2":
         tf = pytest.importorskip("tensorflow")
         from weightstore.adapters import tf2
 
         module = tf.Module(name="net")
         module.w, module.stat = tf.Variable(tf.ones(2)), tf.Variable(tf.zeros(2), trainable=False)
-        return lambda **words: tf2.export({"net/w": module.w, "net/stat": module.stat}, **words)
+        return tf2, {"net/w": module.w, "net/stat": module.stat}, module.w
     if name == "tf1":
         tf = pytest.importorskip("tensorflow")
         from weightstore.adapters import tf1
 
         graph = tf.Graph()
         with graph.as_default(), tf.compat.v1.variable_scope("net"):
-            tf.compat.v1.get_variable("w", [2])
+            w = tf.compat.v1.get_variable("w", [2])
             tf.compat.v1.get_variable("stat", [2], trainable=False)
             init = tf.compat.v1.global_variables_initializer()
         session = tf.compat.v1.Session(graph=graph)
         session.run(init)
-        return lambda **words: tf1.export(session, **words)
+        return tf1, session, w
     if name == "torch":
         torch = pytest.importorskip("torch")
         from weightstore.adapters import torch as torch_adapter
@@ -83,7 +101,7 @@ def _exporter(name: str) -> typing.Callable[..., dict]:
         net.register_buffer("stat", torch.zeros(2))
         holder = torch.nn.Module()
         holder.net = net
-        return lambda **words: torch_adapter.export(holder, **words)
+        return torch_adapter, holder, net.w
     pytest.importorskip("flax")
     import numpy as np
     from flax import nnx
@@ -100,7 +118,13 @@ def _exporter(name: str) -> typing.Callable[..., dict]:
             self.net = Net()
 
     holder = Holder()
-    return lambda **words: flax_adapter.export(holder, **words)
+    return flax_adapter, holder, holder.net.w
+
+
+def _exporter(name: str) -> typing.Callable[..., dict]:
+    """``export`` of one adapter over :func:`_model`'s model, with the words passed through."""
+    adapter, model, _ = _model(name)
+    return lambda **words: adapter.export(model, **words)
 
 
 @pytest.mark.parametrize("name", ADAPTERS)
@@ -117,6 +141,67 @@ def test_every_adapter_applies_the_selection_words_alike(name):
         export(trainable_only=True, also="*/no_such")
     with pytest.raises(SelectionError, match="trainable_only keeps nothing"):
         export(include="*/stat", trainable_only=True)
+
+
+@pytest.mark.parametrize("name", ADAPTERS)
+def test_every_adapter_variables_are_what_its_export_reads_and_its_pieces_hold(name):
+    """``variables`` keys what ``export`` keys under the same words, each the framework's own
+    object; ``export_pieces`` of one process holds every exported tensor, whole."""
+    import numpy as np
+
+    adapter, model, w = _model(name)
+    for chosen_by in ({}, {"trainable_only": True}, {"trainable_only": True, "also": "*/stat"},
+                      {"scope": "net", "exclude": "w"}, {"include": "net/w"}):
+        assert sorted(adapter.variables(model, **chosen_by)) == sorted(adapter.export(model, **chosen_by)), chosen_by
+    assert adapter.variables(model)["net/w"] is w
+    if name == "torch":  # the alias keeps the name earlier releases used
+        assert {key: id(t) for key, t in adapter.tensors(model).items()} == {
+            key: id(t) for key, t in adapter.variables(model).items()}
+    exported, pieces = adapter.export(model), adapter.export_pieces(model)
+    assert sorted(pieces) == sorted(exported)
+    for key, (piece,) in pieces.items():
+        assert piece.start == (0,) and np.asarray(piece.array).tobytes() == exported[key].tobytes(), key
+
+
+@pytest.mark.parametrize("name", ADAPTERS)
+def test_adapter_for_finds_each_framework_s_adapter(name):
+    from weightstore.adapters import adapter_for
+
+    adapter, model, _ = _model(name)
+    assert adapter_for(model) is adapter
+
+
+def test_adapter_for_decides_by_the_type_s_bases_and_a_container_s_first_leaf(tmp_path):
+    """A subclass defined outside its framework is its framework's; TF's sessions (wrapped or not,
+    by a wrapper TF defines elsewhere) are TF1's, TF's other objects TF2's; a Flax Linen tree (a
+    FrozenDict, or a dict of JAX arrays) is Flax's."""
+    tf = pytest.importorskip("tensorflow")
+    keras = pytest.importorskip("keras")
+    pytest.importorskip("flax")
+    import jax.numpy as jnp
+    from flax.core import FrozenDict
+    from tensorflow.python import debug as tf_debug
+
+    from weightstore.adapters import adapter_for, flax, tf1, tf2
+
+    class Model(keras.Model):  # defined here, in a test module: its bases say Keras
+        pass
+
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.get_variable("w", [2])
+        monitored = tf.compat.v1.train.MonitoredSession()
+    try:
+        session = tf.compat.v1.Session(graph=graph)
+        assert adapter_for(monitored) is tf1 and adapter_for(session) is tf1
+        assert adapter_for(tf_debug.DumpingDebugWrapperSession(session, str(tmp_path))) is tf1
+    finally:
+        monitored.close()
+    assert adapter_for(Model()) is tf2 and adapter_for(tf.Module()) is tf2 and adapter_for([tf.Variable(1.0)]) is tf2
+    sharded = tf.__internal__.distribute.ShardedVariable([tf.Variable([1.0]), tf.Variable([2.0])])
+    assert adapter_for({"table": sharded}) is tf2
+    assert adapter_for(FrozenDict({"params": {"w": jnp.ones(2)}})) is flax
+    assert adapter_for({"params": {"Dense_0": {"kernel": jnp.ones(2)}}}) is flax
 
 
 def test_every_publisher_and_follower_shares_one_set_of_defaults():

@@ -47,6 +47,22 @@ def test_partitioned_four_ways_restores_into_a_finalized_graph_partitioned_three
     assert sorted(tf1.assign(reader, version).skipped) == sorted(expected)  # hot reload: nothing changed
 
 
+def test_variables_key_what_export_reads_a_partitioned_one_as_its_parts():
+    graph, sess = build(3, seed=1)
+    with graph.as_default():
+        step = v1.Variable(0, name="step", trainable=False)
+    assert tf1.variables(sess)["step"] is step  # reads no value: one that holds none yet is listed too
+    sess.run(step.initializer)
+    found = tf1.variables(sess)
+    assert sorted(found) == sorted(tf1.export(sess)) == ["net/bias", "net/emb", "net/kernel", "step"]
+    parts = found["net/kernel"]
+    assert [part.op.name for part in parts] == [f"net/kernel/part_{i}" for i in range(3)]
+    assert sess.run(found["net/bias"]).tobytes() == tf1.export(sess)["net/bias"].tobytes()
+    assert sorted(tf1.variables(sess, scope="net", trainable_only=True, exclude="emb")) == ["bias", "kernel"]
+    with pytest.raises(ws.SelectionError, match="'nett'"):
+        tf1.variables(sess, scope="nett")
+
+
 BUCKET = "weightstore-shards-tf1"
 #: 9.4 MiB in rows of 16 KiB: 150 rows a writer's part, 200 a reader's, so every reader's part
 #: starts or ends inside a writer's part

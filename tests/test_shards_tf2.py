@@ -274,14 +274,15 @@ def test_the_plan_splits_the_bytes_evenly_and_covers_every_row_once():
         assert max(abs(h - total / world) for h in held) <= largest, (world, held)
 
 
-def test_a_sharded_variable_is_written_shard_by_shard_in_one_process(tmp_path):
-    class Holder(tf.Module):
-        def __init__(self, base):
-            super().__init__()
-            self.table = tf.__internal__.distribute.ShardedVariable(
-                [tf.Variable(np.arange(12.0).reshape(3, 4) + base), tf.Variable(np.arange(8.0).reshape(2, 4) - base)])
-            self.scale = tf.Variable(np.float32(base))
+class Holder(tf.Module):
+    def __init__(self, base):
+        super().__init__()
+        self.table = tf.__internal__.distribute.ShardedVariable(
+            [tf.Variable(np.arange(12.0).reshape(3, 4) + base), tf.Variable(np.arange(8.0).reshape(2, 4) - base)])
+        self.scale = tf.Variable(np.float32(base))
 
+
+def test_a_sharded_variable_is_written_shard_by_shard_in_one_process(tmp_path):
     written = Holder(100)
     version = tf2.publish_sharded(tmp_path / "run", written, step=1, strategy=tf.distribute.get_strategy())
     index = json.loads(Path(version.path).read_text())
@@ -299,6 +300,50 @@ def test_a_sharded_variable_is_written_shard_by_shard_in_one_process(tmp_path):
     version = tf2.publish_sharded(tmp_path / "run", written, step=2, strategy=tf.distribute.get_strategy(),
                                   include="table")
     assert json.loads(Path(version.path).read_text())["attempt"] == 1 and sorted(ws.load(version)) == ["table"]
+
+
+def test_export_pieces_publish_with_publish_shard_and_read_back_as_export(tmp_path):
+    """Alone, a ShardedVariable comes shard by shard and the rest whole; two workers' shares
+    (the plan publish_sharded cuts) tile the model, and the version predicts as the model does."""
+    written = Holder(100)
+    pieces = tf2.export_pieces(written)
+    assert {key: [piece.start for piece in found] for key, found in pieces.items()} == {
+        "table": [(0, 0), (3, 0)], "scale": [()]}
+    ws.publish_shard(tmp_path / "alone", pieces, step=1, rank=0, world=1, attempt=0)
+    version = ws.commit_shards(tmp_path / "alone", step=1, world=1, attempt=0, timeout=10)
+    assert {key: value.tobytes() for key, value in ws.load(version).items()} == {
+        key: value.tobytes() for key, value in tf2.export(written).items()}
+
+    with tf.distribute.MirroredStrategy().scope():
+        mirrored = tf.Variable(np.arange(6.0).reshape(2, 3))
+    ((piece,),) = tf2.export_pieces({"m": mirrored}).values()  # this replica's value, whole
+    assert piece.start == (0, 0) and piece.array.tobytes() == np.arange(6.0).reshape(2, 3).tobytes()
+
+    model = build()
+    shares = [tf2.export_pieces(model, rank=rank, world=2) for rank in (0, 1)]
+    (first,), (second,) = shares[0]["wide/kernel"], shares[1]["wide/kernel"]  # cut between rows, read from the replica
+    assert first.start == (0, 0) and second.start == (first.array.shape[0], 0) and 0 < second.start[0] < 512
+    for rank, share in enumerate(shares):
+        ws.publish_shard(tmp_path / "two", share, step=1, rank=rank, world=2, attempt=0)
+    version = ws.commit_shards(tmp_path / "two", step=1, world=2, attempt=0, timeout=10)
+    exported = tf2.export(model)
+    assert {key: value.tobytes() for key, value in ws.load(version).items()} == {
+        key: value.tobytes() for key, value in exported.items()}
+    served = build(seed=5)
+    tf2.assign(served, version)
+    x, _ = data()
+    np.testing.assert_array_equal(served(x, training=False).numpy(), model(x, training=False).numpy())
+    with pytest.raises(ValueError, match="rank 2 is not one of world 2's ranks"):
+        tf2.export_pieces(model, rank=2, world=2)
+
+
+def test_variables_under_words_key_what_export_reads():
+    model = build()
+    assert list(tf2.variables(model)) == tf2.keys(model) == list(tf2.export(model))
+    assert tf2.variables(model)["hidden/kernel"] is model.get_layer("hidden").kernel
+    assert sorted(tf2.variables(model, scope="bn", trainable_only=True)) == ["beta", "gamma"]
+    assert sorted(tf2.variables(model, include="*/kernel")) == sorted(tf2.export(model, include="*/kernel"))
+    assert tf2.variables(keras.Sequential([keras.layers.Dense(2)])) == {}  # not built: nothing yet, no error
 
 
 def test_what_would_need_a_collective_or_is_not_json_is_refused_before_anything_is_written(tmp_path):

@@ -545,10 +545,11 @@ def test_notifications_for_a_local_folder_are_refused(tmp_path, cli):
     queue = "https://sqs.eu-west-1.amazonaws.com/123456789012/follower"
     with pytest.raises(ValueError, match="is local"):
         ws.follow(tmp_path, notifications=queue)
+    torch = pytest.importorskip("torch")
     from weightstore.adapters.serving.follower import Follower
 
     with pytest.raises(ValueError, match="is local"):
-        Follower({}, tmp_path, notifications=queue).start()
+        Follower(torch.nn.Linear(1, 1), tmp_path, notifications=queue).start()
     result = CliRunner().invoke(cli, ["follow", str(tmp_path), "--timeout", "0", "--notifications", queue])
     assert result.exit_code == 2 and "is local" in re.sub(r"[│\s]+", " ", result.output)  # however rich wraps it
 

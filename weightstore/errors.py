@@ -25,6 +25,7 @@ weightstore class or the builtin they already handle::
     ├── LayoutError(ValueError)            a tensor no layout rule converts (Keras <-> PyTorch/Flax)
     ├── PublishError(RuntimeError)         a second publisher, or steps that go back
     ├── ShardTimeoutError(TimeoutError)    a rank of a sharded version never finished its part
+    ├── UnsupportedTargetError(TypeError)  an object no adapter takes, or that a follower cannot assign into
     └── MissingDependencyError(ImportError) an optional extra is not installed
 """
 
@@ -56,6 +57,7 @@ __all__ = [
     "LayoutError",
     "PublishError",
     "ShardTimeoutError",
+    "UnsupportedTargetError",
     "MissingDependencyError",
 ]
 
@@ -216,6 +218,11 @@ class ShardTimeoutError(WeightStoreError, TimeoutError):
     def __init__(self, message: str = "", *, path: str | None = None, missing: Iterable[int] = ()) -> None:
         super().__init__(message, path=path)
         self.missing = list(missing)
+
+
+class UnsupportedTargetError(WeightStoreError, TypeError):
+    """An object of no framework an adapter is registered for (``weightstore.adapters.adapter_for``),
+    or one its adapter cannot assign into in place, which a follower needs (a Flax parameter tree)."""
 
 
 class MissingDependencyError(WeightStoreError, ImportError):

@@ -1,4 +1,4 @@
-"""Keep a TF1 session, a TF2 model or a torch module at the newest version of a folder while it serves.
+"""Keep a model (a TF1 session, a TF2 model, a torch or Flax NNX module) at the newest version of a folder while it serves.
 
 A background thread follows the folder and assigns each new version in place; the caller
 wraps each inference in ``with follower.reading():`` (or calls ``follower.run(fn, ...)``) and
@@ -11,11 +11,12 @@ every tensor that changed since the last swap is fetched (an object store's rang
 checksum verified, into memory or, for a local file, as views of its mapping. Only then does
 it take the lock, and inside it only writes variables from what was staged, so the longest
 wait to enter ``reading()`` is the time to assign the model from memory, not to download
-it. A sharded version followed into a TF1 session or a torch module, whose assign reads only
-the regions of the parts that changed (a partitioned variable's parts, a DTensor's shard), is
-staged region by region: a rehearsal of the assign (:func:`~weightstore.adapters.skeleton.rehearsal`)
-reads nothing but says which regions and tensors it will read, and only those are fetched
-(a version that does not fit the target fails there too). A bad version (a checksum that does
+it. A sharded version followed into a target whose adapter reads only the regions of the
+parts that changed (``ASSIGN_READS_REGIONS``: a TF1 partitioned variable's parts, a DTensor's
+shard, a JAX array's shards) is staged region by region: a rehearsal of the assign
+(:func:`~weightstore.adapters.skeleton.rehearsal`) reads nothing but says which regions and
+tensors it will read, and only those are fetched (a version that does not fit the target
+fails there too). A bad version (a checksum that does
 not match, a file pruned mid-read) fails while staging, before serving is held at all.
 
 **Memory: the model plus the version being staged** (of a sharded version, its changed
@@ -49,22 +50,23 @@ import contextlib
 import dataclasses
 import enum
 import logging
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any, TypeVar
 
 import numpy as np
 from typing_extensions import Unpack
 
 import weightstore
+from weightstore.adapters._registry import adapter_for
 from weightstore.adapters.plan import AssignOptions, AssignWords, Report, reload_digest, wants_skip
 from weightstore.adapters.skeleton import handed_over, rehearsal
 from weightstore.core._heap import give_back
 from weightstore.core.manifest import TensorInfo, logical_dtype
-from weightstore.errors import StorageError, VersionGoneError, naming
+from weightstore.errors import StorageError, UnsupportedTargetError, VersionGoneError, naming
 from weightstore.formats import ReaderDefaults
 from weightstore.formats.sharded import normalized_region
 from weightstore.store._open import Store
@@ -166,9 +168,13 @@ class _ReadWriteLock:
 class Follower:
     """Follow ``folder`` in a background thread, assigning each new version into ``target``.
 
-    ``target`` is a ``tf.compat.v1.Session`` (assigned with ``tf1.assign``), a ``torch.nn.Module``
-    (``torch.assign``) or a Keras model, module or variables (``tf2.assign``); the assign
-    options mean what they mean there.
+    ``target`` is anything whose adapter (:func:`~weightstore.adapters.adapter_for`) assigns
+    into it in place: a ``tf.compat.v1.Session`` (``tf1.assign``), a Keras model, ``tf.Module``
+    or TF variables (``tf2.assign``), a ``torch.nn.Module`` (``torch.assign``), a Flax NNX
+    module (``flax.assign``); the assign options mean what they mean there. Anything else is
+    refused here with :class:`~weightstore.errors.UnsupportedTargetError`: an object of no
+    known framework, or a Flax parameter tree, a value that ``flax.restore`` makes anew rather
+    than a model a version can be written into (follow it with ``ws.follow`` and ``restore``).
     ``version`` and ``report`` describe the last swap; ``error`` holds the last failure (a
     version that does not fit the target is logged, recorded and passed over, not retried; one
     whose download the storage failed is fetched again every ``poll`` until it is in) until the
@@ -203,7 +209,9 @@ class Follower:
         self._lock = _ReadWriteLock()
         self._swapped = threading.Condition()
         self._loop_now: _Loop | None = None
-        self._assign, self._reads_parts = _assigner(target)
+        adapter = _adapter(target, self.options)
+        self._assign: Callable[..., Report] = adapter.assign
+        self._reads_parts: bool = getattr(adapter, "ASSIGN_READS_REGIONS", False)
         self._digests: dict[str, str | None] = {}  # key -> content digest, as the last swap staged it
 
     def start(self) -> Follower:
@@ -538,18 +546,15 @@ class _StagedStore(Store):
         super().close()
 
 
-def _assigner(target: Any) -> tuple[Callable[..., Report], bool]:
-    """``tf1.assign`` for sessions (anything with ``graph`` and ``run``), ``torch.assign`` for
-    torch modules, ``tf2.assign`` otherwise; and whether that assign reads parts of tensors."""
-    if hasattr(target, "graph") and hasattr(target, "run"):
-        from weightstore.adapters import tf1
-
-        return tf1.assign, True
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(target, torch.nn.Module):
-        from weightstore.adapters import torch as torch_adapter
-
-        return torch_adapter.assign, True
-    from weightstore.adapters import tf2
-
-    return tf2.assign, False
+def _adapter(target: Any, options: AssignOptions) -> ModuleType:
+    """The adapter of ``target``, once its ``variables`` (with the follower's selection) found
+    what ``assign`` writes into: on a target it cannot write (a pytree's leaves are values), or
+    with words that keep nothing, every version would fail."""
+    adapter = adapter_for(target)
+    try:
+        adapter.variables(target, **options.words())
+    except TypeError as exc:
+        raise UnsupportedTargetError(f"a Follower assigns each version into its target in place, which "
+                                     f"{adapter.__name__}.assign cannot do for a {type(target).__name__}: {exc}"
+                                     ) from None
+    return adapter
