@@ -878,4 +878,4 @@ def wants_skip(weights: Any, skip_unchanged: bool | None) -> bool:
     """
     if skip_unchanged is not None:
         return skip_unchanged
-    return isinstance(weights, weightstore.sync._versions.Version)
+    return isinstance(weights, weightstore.sync.Version)

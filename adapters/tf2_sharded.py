@@ -56,7 +56,8 @@ from weightstore.io.folders import Folder, folder_for
 from weightstore.sharded import _cluster as cluster
 from weightstore.sharded._shards import Piece, commit_shards, next_attempt, publish_shard
 from weightstore.store._save import checked_metadata
-from weightstore.sync._versions import DEFAULT_KEEP, Version
+from weightstore.sync._checks import DEFAULT_KEEP
+from weightstore.sync._pinning import Version
 
 __all__ = ["publish_sharded", "share", "plan", "Segment"]
 

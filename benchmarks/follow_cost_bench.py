@@ -29,7 +29,8 @@ import numpy as np
 import weightstore as ws
 from benchmarks.common import table
 from benchmarks.s3_server import ServerProcess, restore_environment, use_environment
-from weightstore.sync import _versions as versions
+from weightstore import sync as versions
+from weightstore.io.folders import folder_for
 
 BUCKET = "weightstore-follow-cost"
 HOUR = 3600.0
@@ -45,7 +46,7 @@ def _follow(folder: str, mode: str, poll: float, max_poll: float, stop: threadin
                 version.release()
             stop.wait(poll)
         return
-    watch = versions.PointerWatch(versions.folder_for(folder), poll, max_poll)
+    watch = versions.PointerWatch(folder_for(folder), poll, max_poll)
     while not stop.is_set():
         version = watch.newer(seen[-1] if seen else None)
         if version is not None:

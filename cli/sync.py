@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from weightstore.cli.render import emit, human_bytes, settings
-from weightstore.sync._versions import DEFAULT_POLL
+from weightstore.sync._checks import DEFAULT_POLL
 
 
 def register(app: typer.Typer) -> None:
@@ -40,7 +40,7 @@ def versions(
     Example:
       ws versions s3://bucket/run --json
     """
-    from weightstore.sync._versions import version_listing
+    from weightstore.sync._listing import version_listing
 
     settings.json = settings.json or as_json  # so a failure is reported as JSON too
     entries, damage = version_listing(folder)
@@ -93,8 +93,8 @@ def follow(
     Example:
       ws follow s3://bucket/run --after 1000 --timeout 600
     """
-    from weightstore.sync._versions import check_notifications, require_folder, versions_folder
-    from weightstore.sync._versions import follow as follow_versions
+    from weightstore.sync._folder import check_notifications, require_folder, versions_folder
+    from weightstore.sync._follow import follow as follow_versions
 
     as_json = settings.json = settings.json or as_json  # so a failure is reported as JSON too
     try:

@@ -21,7 +21,7 @@ import numpy as np
 
 import weightstore as ws
 from weightstore.sharded import _shards as shards
-from weightstore.sync import _versions as versions
+from weightstore.sync import _stages as stages
 
 WORLD = 4
 ROWS, COLS = 256, 1024
@@ -57,7 +57,7 @@ def _kill_at(stage: str) -> None:
         if name == stage:
             os.kill(os.getpid(), 9)
 
-    shards._stage = versions._stage = hook
+    stages.hook = hook
 
 
 def writer(folder: str, step: int, rank: int, attempt: int, stage: str) -> None:

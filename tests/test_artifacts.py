@@ -19,6 +19,7 @@ tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
 import weightstore as ws  # noqa: E402
+from weightstore import sync as versions  # noqa: E402
 from weightstore.adapters import tf1, tf2  # noqa: E402
 from weightstore.adapters.plan import AssignWarning, Report  # noqa: E402
 from weightstore.adapters.serving.follower import Follower  # noqa: E402
@@ -30,7 +31,6 @@ from weightstore.errors import (  # noqa: E402
     SelectionError,
     VersionGoneError,
 )
-from weightstore.sync import _versions as versions  # noqa: E402
 
 v1 = tf.compat.v1
 

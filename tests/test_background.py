@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import weightstore as ws
-from weightstore.sync import _versions as versions
+from weightstore import sync as versions
+from weightstore.sync import _stages as stages
 
 
 def weights(step: int) -> dict:
@@ -28,7 +29,7 @@ def gate(monkeypatch):
             held.append(threading.current_thread())
             opened.wait(60)
 
-    monkeypatch.setattr(versions, "_stage", stage)
+    monkeypatch.setattr(stages, "hook", stage)
     opened.held = held
     yield opened
     opened.set()

@@ -25,6 +25,7 @@ import weightstore as ws
 from weightstore import adapters, formats
 from weightstore.adapters import _registry
 from weightstore.io import backends
+from weightstore.sync import _stages as stages
 
 TOY_FORMAT = textwrap.dedent('''
     """A toy format: magic, the tensors' bytes one after another, the manifest, its length."""
@@ -341,7 +342,6 @@ def test_a_registered_backend_with_conditional_writes_lets_one_of_two_publishers
     """Without the toy, memory:// has no compare-and-swap and a publish there is refused
     (tests/test_versions.py); with it, publishing needs no promise of one writer, and of two
     publishers that read the same LATEST exactly one moves it."""
-    from weightstore.sync import _versions as versions
 
     folder = f"memory://backend-{tmp_path.name}/run"
     ws.publish(folder, WEIGHTS, step=1)
@@ -353,7 +353,7 @@ def test_a_registered_backend_with_conditional_writes_lets_one_of_two_publishers
         if name == "version-written" and threading.current_thread().name == "second":
             first_done.wait(30)  # the first swaps LATEST while the second's version is written
 
-    monkeypatch.setattr(versions, "_stage", stage)
+    monkeypatch.setattr(stages, "hook", stage)
     outcomes = {}
 
     def publish(step):
@@ -371,7 +371,7 @@ def test_a_registered_backend_with_conditional_writes_lets_one_of_two_publishers
         thread.start()
     for thread in threads:
         thread.join(60)
-    monkeypatch.setattr(versions, "_stage", lambda name: None)
+    monkeypatch.setattr(stages, "hook", lambda name: None)
     assert outcomes[2] == 2
     assert isinstance(outcomes[3], ws.PublishError) and "LATEST changed" in str(outcomes[3])
     assert ws.latest(folder).step == 2

@@ -156,7 +156,8 @@ def test_a_version_whose_download_failed_is_fetched_again(s3, folder, model):
 
 def test_an_idle_follower_asks_for_the_pointer_without_moving_it(s3, folder):
     """Each look is a HEAD (ETag unchanged: no body); LATEST's body moves only when it changed."""
-    from weightstore.sync import _versions as versions
+    from weightstore import sync as versions
+    from weightstore.io.folders import folder_for
 
     ws.publish(folder, {"w": np.zeros(4, np.float32)}, step=1)
     s3.reset()
@@ -167,7 +168,7 @@ def test_an_idle_follower_asks_for_the_pointer_without_moving_it(s3, folder):
     assert looks.count("GET") == 1 and len(looks) > 5
     after_the_read = pointer_requests(s3, folder)[looks.index("GET") + 1:]
     assert after_the_read and all(r.method == "HEAD" and r.sent == 0 for r in after_the_read)
-    watch = versions.PointerWatch(versions.folder_for(folder), poll=0.01, max_poll=0.08)
+    watch = versions.PointerWatch(folder_for(folder), poll=0.01, max_poll=0.08)
     assert watch.newer(None).step == 1
     intervals = []
     for _ in range(5):

@@ -12,10 +12,11 @@ keras = pytest.importorskip("keras")
 
 import weightstore as ws  # noqa: E402
 from polling import wait_until  # noqa: E402
+from weightstore import sync as versions  # noqa: E402
 from weightstore.adapters import tf1, tf2  # noqa: E402
 from weightstore.adapters.serving.follower import Follower  # noqa: E402
 from weightstore.adapters.serving.hooks import PublishCallback, PublishHook, is_chief  # noqa: E402
-from weightstore.sync import _versions as versions  # noqa: E402
+from weightstore.sync import _stages as stages  # noqa: E402
 
 
 def small_model(seed: int = 0) -> keras.Model:
@@ -172,7 +173,7 @@ def gate(monkeypatch):
         if name == "locked" and not released:
             released.append(opened.wait(60))  # False: nobody opened it, the trainer was blocked
 
-    monkeypatch.setattr(versions, "_stage", stage)
+    monkeypatch.setattr(stages, "hook", stage)
     opened.released = released
     yield opened
     opened.set()
@@ -465,7 +466,7 @@ def test_a_folder_made_anew_is_followed_back_down_by_follow_and_the_follower(tmp
         assert follower.wait(20, timeout=30).step == 20
         shutil.rmtree(folder)
         ws.publish(folder, step_weights(model, 1), step=1)
-        with caplog.at_level("WARNING", logger="weightstore.sync._versions"):
+        with caplog.at_level("WARNING", logger="weightstore.sync._follow"):
             again = next(versions_seen)
             assert again.step == 1 and ws.load(again)["out/bias"].tolist() == [1.0]
             wait_until(lambda: follower.version is not None and follower.version.step == 1,

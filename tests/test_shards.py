@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 import weightstore as ws
+from weightstore import sync as versions
 from weightstore.formats._sharded_index import ShardIndex, seal
 from weightstore.sharded import _shards as shards
-from weightstore.sync import _versions as versions
+from weightstore.sync import _publish
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,13 +55,12 @@ model, pieces_of = namespace["model"], namespace["pieces_of"]
 
 WRITER = MODEL + textwrap.dedent("""
     import os, sys
-    from weightstore.sharded import _shards as shards
-    from weightstore.sync import _versions as versions
+    from weightstore.sync import _stages as stages
     folder, rank, attempt, kill_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     def stage(name):
         if name == kill_at:
             os.kill(os.getpid(), 9)
-    shards._stage = versions._stage = stage
+    stages.hook = stage
     ws.publish_shard(folder, pieces_of(rank), step=int(sys.argv[5]), rank=rank, world=4, attempt=attempt)
 """)
 
@@ -144,8 +144,8 @@ def test_a_killed_coordinator_leaves_nothing_visible_and_the_retry_commits(tmp_p
     ws.publish(folder, {"a": np.zeros(1)}, step=1)
     for rank in range(4):
         ws.publish_shard(folder, pieces_of(rank), step=2, rank=rank, world=4, attempt=0)
-    script = ("import sys; from weightstore import shards, versions; import os\n"
-              "versions._stage = shards._stage = lambda s: s == 'index-written' and os.kill(os.getpid(), 9)\n"
+    script = ("import sys; from weightstore.sharded import _shards as shards; from weightstore.sync import _stages as stages; import os\n"
+              "stages.hook = lambda s: s == 'index-written' and os.kill(os.getpid(), 9)\n"
               f"shards.commit_shards({str(folder)!r}, step=2, world=4, attempt=0, timeout=5)\n")
     proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
     assert proc.returncode == -9
@@ -654,11 +654,11 @@ def test_a_coordinator_that_lost_the_latest_race_removes_its_index_and_its_retry
     ws.publish(folder, {"w": np.ones(2, np.float32)}, step=1)
     for rank in range(4):
         ws.publish_shard(folder, pieces_of(rank), step=6, rank=rank, world=4, attempt=0)
-    real_latest = versions._write_latest
+    real_latest = _publish._write_latest
 
     def another_publisher_first(target, state, pointer, step):
         monkeypatch.setattr(versions, "_write_latest", real_latest)
-        versions._write_latest(target, state, pointer.replace(b"step-000000000006.wsindex", b"step-000000000005.npz")
+        _publish._write_latest(target, state, pointer.replace(b"step-000000000006.wsindex", b"step-000000000005.npz")
                                .replace(b'"step": 6', b'"step": 5'), 5)
         (folder / "step-000000000005.npz").write_bytes((folder / "step-000000000001.npz").read_bytes())
         raise ws.PublishError("LATEST changed while step 6 was being published", path=str(folder))

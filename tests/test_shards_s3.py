@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import weightstore as ws  # noqa: E402
 from weightstore.sharded import _shards as shards
-from weightstore.sync import _versions as versions
+from weightstore.sync import _stages as stages
 
 BUCKET = "weightstore-shards"
 #: 23 MiB in rows of 16 KiB, 375 rows a writer and 500 a reader: a reader's region starts and
@@ -96,7 +96,7 @@ def test_a_missing_rank_on_s3_times_out_and_nothing_is_published(server, folder)
 def race(count, commit):
     """``count`` commits that all read the folder's state before any of them writes."""
     barrier = threading.Barrier(count)
-    saved = versions._stage
+    saved = stages.hook
     outcomes: list = [None] * count
 
     def hold(name):
@@ -109,7 +109,7 @@ def race(count, commit):
         except ws.PublishError as exc:
             outcomes[i] = exc
 
-    versions._stage = hold
+    stages.hook = hold
     try:
         threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
         for thread in threads:
@@ -117,7 +117,7 @@ def race(count, commit):
         for thread in threads:
             thread.join(60)
     finally:
-        versions._stage = saved
+        stages.hook = saved
     return outcomes
 
 
@@ -166,7 +166,7 @@ def test_a_later_commit_never_removes_an_index_whose_commit_may_still_win(server
     write(folder, weights, 2, step=6)
     write(folder, weights + 1, 2, step=7)
     written, go_on = threading.Event(), threading.Event()
-    saved = shards._stage
+    saved = stages.hook
 
     def pause_a(name):
         if name == "index-written" and threading.current_thread().name == "A":
@@ -181,7 +181,7 @@ def test_a_later_commit_never_removes_an_index_whose_commit_may_still_win(server
         except ws.PublishError as exc:
             outcome.append(exc)
 
-    shards._stage = pause_a
+    stages.hook = pause_a
     try:
         a = threading.Thread(target=run_a, name="A")
         a.start()
@@ -190,7 +190,7 @@ def test_a_later_commit_never_removes_an_index_whose_commit_may_still_win(server
         go_on.set()
         a.join(30)
     finally:
-        shards._stage = saved
+        stages.hook = saved
     assert isinstance(outcome[0], ws.PublishError) and "LATEST changed" in str(outcome[0])
     assert ws.latest(folder).step == 7 == b.step
     assert ws.load(ws.latest(folder))["w"].tobytes() == (weights + 1).tobytes()
@@ -210,8 +210,8 @@ def kill_coordinator_after_index(folder, *, step, world, attempt, metadata=None)
     import os
     import subprocess
 
-    script = ("import os, sys; from weightstore import shards, versions\n"
-              "versions._stage = shards._stage = lambda s: s == 'index-written' and os.kill(os.getpid(), 9)\n"
+    script = ("import os, sys; from weightstore.sharded import _shards as shards; from weightstore.sync import _stages as stages\n"
+              "stages.hook = lambda s: s == 'index-written' and os.kill(os.getpid(), 9)\n"
               f"shards.commit_shards({folder!r}, step={step}, world={world}, attempt={attempt}, timeout=10, "
               f"metadata={metadata!r})\n")
     root = str(Path(__file__).resolve().parents[1])

@@ -48,7 +48,7 @@ WORKER = MODEL + textwrap.dedent("""
     import json, os, sys, threading, time
     import tensorflow as tf
     import weightstore as ws
-    from weightstore.sharded import _shards as shards
+    from weightstore.sync import _stages as stages
     from weightstore.adapters import tf2, tf2_sharded
 
     folder, out = sys.argv[1], sys.argv[2]
@@ -94,9 +94,9 @@ WORKER = MODEL + textwrap.dedent("""
     def disk_full(name):
         if name == "member-temporary":
             raise ws.StorageError("injected: disk full")
-    shards._stage = disk_full if rank == 1 else shards._stage
+    stages.hook = disk_full if rank == 1 else stages.hook
     attempt("write fails", lambda: tf2.publish_sharded(more, model, step=1, strategy=strategy, timeout=30))
-    shards._stage = lambda name: None
+    stages.hook = lambda name: None
     left_out = {"exclude": "out/bias"} if rank == 1 else {}
     attempt("keys differ", lambda: tf2.publish_sharded(more, model, step=2, strategy=strategy, timeout=30, **left_out))
     other = {"w": tf.Variable(np.zeros(9 if rank == 1 else 8, np.float32))}  # rank 1 writes it in either plan
@@ -122,15 +122,15 @@ WORKER = MODEL + textwrap.dedent("""
     def outage(name):
         if name == "done-written":
             raise ws.StorageError("injected outage")
-    shards._stage = outage if rank == 0 else shards._stage  # the chief fails after writing its own member
+    stages.hook = outage if rank == 0 else stages.hook  # the chief fails after writing its own member
     try:
         tf2.publish_sharded(folder, model, step=2, strategy=strategy, timeout=60)
     except ws.WeightStoreError as exc:
         with open(f"{out}/failed-{rank}.json", "w") as handle:
             json.dump({"type": type(exc).__name__, "message": str(exc)}, handle)
-    shards._stage = lambda name: None
+    stages.hook = lambda name: None
     if rank == 1:
-        shards._stage = lambda name: os.kill(os.getpid(), 9) if name == "member-temporary" else None
+        stages.hook = lambda name: os.kill(os.getpid(), 9) if name == "member-temporary" else None
     try:
         tf2.publish_sharded(folder, model, step=2, strategy=strategy, timeout=8)
     except ws.ShardTimeoutError as exc:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import weightstore as ws
-from weightstore.sync import _versions as versions
+from weightstore import sync as versions
 
 WEIGHTS = {"dense/kernel": np.arange(12, dtype=np.float32).reshape(3, 4)}
 

@@ -23,7 +23,7 @@ from weightstore.adapters import skeleton, tf1, tf1_callables  # noqa: E402
 from weightstore.adapters.plan import AssignWarning  # noqa: E402
 from weightstore.core._gcpause import paused_gc  # noqa: E402
 from weightstore.errors import AssignmentError, ChecksumError, FormatError, SelectionError  # noqa: E402
-from weightstore.sync._versions import Version  # noqa: E402
+from weightstore.sync import Version  # noqa: E402
 
 v1 = tf.compat.v1
 DTYPES = ["float16", "float32", "float64", "bfloat16", "int8", "int16", "int32", "int64", "uint8", "bool",

@@ -17,8 +17,10 @@ import typer
 from typer.testing import CliRunner
 
 import weightstore as ws
+from weightstore import sync as versions
 from weightstore.cli import sync as sync_cli
-from weightstore.sync import _versions as versions
+from weightstore.formats._pointer import MAX_POINTER_BYTES
+from weightstore.io.folders import folder_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -199,7 +201,7 @@ KILLED_PUBLISHER = textwrap.dedent("""
     import os, signal, sys
     import numpy as np
     import weightstore as ws
-    from weightstore.sync import _versions as versions
+    from weightstore.sync import _stages as stages
     folder, stage = sys.argv[1], sys.argv[2]
     def weights(step):
         return {f"layer_{i}/w": np.full((4,), step, np.float32) for i in range(3)}
@@ -208,7 +210,7 @@ KILLED_PUBLISHER = textwrap.dedent("""
     def hook(name):
         if name == stage:
             os.kill(os.getpid(), signal.SIGKILL)
-    versions._stage = hook  # the no-op each stage of a publish calls
+    stages.hook = hook  # the no-op each stage of a publish calls
     ws.publish(folder, weights(4), step=4, keep=2)
     sys.exit(3)  # the stage was never reached
 """)
@@ -399,7 +401,7 @@ def test_cli_follow(tmp_path, cli):
         assert CliRunner().invoke(cli, args).exit_code == 0
     for poll in ("1e12", "nan"):  # no wait a thread can make: a usage error, not an internal one
         assert CliRunner().invoke(cli, ["follow", str(tmp_path), "--poll", poll]).exit_code == 2
-    watch = versions.PointerWatch(versions.folder_for(tmp_path), poll=3e9)  # 4x would be past what a wait takes
+    watch = versions.PointerWatch(folder_for(tmp_path), poll=3e9)  # 4x would be past what a wait takes
     assert watch.max_poll <= threading.TIMEOUT_MAX
 
 
@@ -476,7 +478,7 @@ def test_metadata_that_would_make_latest_unreadable_is_refused_before_anything_i
     run = tmp_path / "run"
     ws.publish(run, weights_at(1), step=1)
     big = {"notes": "é" * 200_000}  # 0.4 MB in the file, 1.2 MB in LATEST
-    limit = rf"{versions.MAX_POINTER_BYTES}"
+    limit = rf"{MAX_POINTER_BYTES}"
     with pytest.raises(ws.SizeLimitError, match=rf"{run}/step-000000000002.npz: .*LATEST \d+ bytes.*{limit}"):
         ws.publish(run, weights_at(2), step=2, metadata=big)
     assert files(run) == [".publish.lock", "LATEST", "step-000000000001.npz"]
@@ -492,8 +494,8 @@ def test_metadata_that_would_make_latest_unreadable_is_refused_before_anything_i
 def test_a_latest_over_the_size_limit_says_so(tmp_path, cli):
     ws.publish(tmp_path, weights_at(1), step=1)
     pointer = (tmp_path / "LATEST").read_bytes()
-    (tmp_path / "LATEST").write_bytes(pointer[:-1] + b" " * versions.MAX_POINTER_BYTES + b"}")
-    larger = f"LATEST is larger than {versions.MAX_POINTER_BYTES} bytes"
+    (tmp_path / "LATEST").write_bytes(pointer[:-1] + b" " * MAX_POINTER_BYTES + b"}")
+    larger = f"LATEST is larger than {MAX_POINTER_BYTES} bytes"
     with pytest.raises(ws.FormatError, match=larger):
         ws.latest(tmp_path)
     with pytest.raises(ws.FormatError, match=larger):
@@ -614,7 +616,7 @@ def test_publish_refuses_what_no_folder_can_hold_naming_it(tmp_path):
         with pytest.raises(ValueError, match="step .*too large"):
             publish()
     assert not huge.exists()
-    from weightstore.sync._versions import _MAX_STEP_DIGITS
+    from weightstore.sync._checks import _MAX_STEP_DIGITS
 
     longest = 10**_MAX_STEP_DIGITS - 1  # its name, written as a temporary first, fits the file system
     ws.publish(huge, weights_at(1), step=longest, format="safetensors")

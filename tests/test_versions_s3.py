@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import weightstore as ws
-from weightstore.sync import _versions as versions
+from weightstore import sync as versions
+from weightstore.sync import _stages as stages
 
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
@@ -159,7 +160,7 @@ KILLED_PUBLISHER = textwrap.dedent("""
     import json, os, signal, sys
     import numpy as np
     import weightstore as ws
-    from weightstore.sync import _versions as versions
+    from weightstore.sync import _stages as stages
     folder, stage, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     def weights(step):
         return {f"layer_{i}/w": np.full((4,), step, np.float32) for i in range(3)}
@@ -168,7 +169,7 @@ KILLED_PUBLISHER = textwrap.dedent("""
     def hook(name):
         if name == stage:
             os.kill(os.getpid(), signal.SIGKILL)
-    versions._stage = hook  # the no-op each stage of a publish calls
+    stages.hook = hook  # the no-op each stage of a publish calls
     ws.publish(folder, weights(4), step=4, keep=2, storage_options=options)
     sys.exit(3)
 """)
@@ -353,7 +354,7 @@ def test_the_loser_of_a_publish_race_on_s3_can_publish_its_step_again(s3, folder
         if name == "version-written" and threading.current_thread().name == "second":
             first_done.wait(30)  # the first swaps LATEST while the second's version is written
 
-    monkeypatch.setattr(versions, "_stage", stage)
+    monkeypatch.setattr(stages, "hook", stage)
     outcomes = {}
 
     def publish(step):
@@ -371,7 +372,7 @@ def test_the_loser_of_a_publish_race_on_s3_can_publish_its_step_again(s3, folder
         thread.start()
     for thread in threads:
         thread.join(60)
-    monkeypatch.setattr(versions, "_stage", lambda name: None)
+    monkeypatch.setattr(stages, "hook", lambda name: None)
     assert outcomes[10] == 10
     assert isinstance(outcomes[11], ws.PublishError) and "publish it again" in str(outcomes[11])
     assert "step-000000000011.npz" not in names(s3, folder)

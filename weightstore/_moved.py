@@ -26,7 +26,7 @@ MOVED = {
     "weightstore.heap": "weightstore.core._heap",
     "weightstore.extras": "weightstore.core._extras",
     "weightstore.saving": "weightstore.store._save",
-    "weightstore.versions": "weightstore.sync._versions",
+    "weightstore.versions": "weightstore.sync",
     "weightstore.notify": "weightstore.sync._notify",
     "weightstore.background": "weightstore.sync._background",
     "weightstore.shards": "weightstore.sharded._shards",

@@ -70,14 +70,10 @@ from weightstore.errors import StorageError, UnsupportedTargetError, VersionGone
 from weightstore.formats import ReaderDefaults
 from weightstore.formats.sharded import normalized_region
 from weightstore.store._open import Store
-from weightstore.sync._versions import (
-    DEFAULT_POLL,
-    PointerWatch,
-    Version,
-    checked_count,
-    checked_seconds,
-    versions_folder,
-)
+from weightstore.sync._checks import DEFAULT_POLL, checked_count, checked_seconds
+from weightstore.sync._folder import versions_folder
+from weightstore.sync._follow import PointerWatch
+from weightstore.sync._pinning import Version
 
 __all__ = ["Follower"]
 
@@ -179,7 +175,7 @@ class Follower:
     version that does not fit the target is logged, recorded and passed over, not retried; one
     whose download the storage failed is fetched again every ``poll`` until it is in) until the
     next swap succeeds, and makes :meth:`wait` raise. ``poll`` and ``max_poll`` pace
-    the looks at ``LATEST`` as in :func:`~weightstore.sync._versions.follow` (conditional on an object
+    the looks at ``LATEST`` as in :func:`~weightstore.sync.follow` (conditional on an object
     store's ETag, backing off from ``poll`` to ``max_poll`` while nothing is published), and
     ``notifications`` (an SQS queue URL) wakes it when ``LATEST`` is written.
 

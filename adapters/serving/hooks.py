@@ -22,7 +22,7 @@ version is the last published, and a publish still retrying goes on in the backg
 
 Under tf.distribute (or a ``TF_CONFIG`` cluster) only the chief publishes: the task of type
 ``chief``, or worker 0 when the cluster has no chief. Every worker holds the same weights, and
-one publisher per folder is the rule :mod:`weightstore.sync._versions` enforces.
+one publisher per folder is the rule :mod:`weightstore.sync._publish` enforces.
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ with needs("tf", __name__):
 from weightstore.adapters.plan import Selection, SelectionWords
 from weightstore.sharded._cluster import is_tf_chief, tf_config_task
 from weightstore.sync._background import BackgroundPublisher
-from weightstore.sync._versions import DEFAULT_FORMAT, DEFAULT_KEEP, PublishOptions, Version, checked_seconds
+from weightstore.sync._checks import DEFAULT_FORMAT, DEFAULT_KEEP, checked_seconds
+from weightstore.sync._pinning import Version
+from weightstore.sync._publish import PublishOptions
 
 __all__ = ["PublishCallback", "PublishHook", "is_chief"]
 

@@ -1,6 +1,6 @@
 """Reading a sharded version: its index opened as a store of global keys and global shapes.
 
-``ws.open("step-000000000042.wsindex")`` (or a :class:`~weightstore.sync._versions.Version` naming
+``ws.open("step-000000000042.wsindex")`` (or a :class:`~weightstore.sync.Version` naming
 one) gives a :class:`~weightstore.store._open.Store` like any other: ``store[key]`` assembles the whole
 tensor from its pieces, ``store.read_region(key, region)`` only the part a tuple of slices
 names. Either way the reader fetches, from each member that holds part of it, only the blocks

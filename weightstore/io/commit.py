@@ -22,7 +22,7 @@ documented composition of them:
    concurrently (s3fs's ``max_concurrency`` storage option, default 10), and the object appears
    only at CompleteMultipartUpload. A crash leaves the old object; an unfinished multipart
    upload is invisible (s3fs aborts it when a part fails).
-3. *Pointer last* (versioned folders, :mod:`weightstore.sync._versions`). Each version file is
+3. *Pointer last* (versioned folders, :mod:`weightstore.sync._publish`). Each version file is
    committed by 1 or 2, and only then the small ``LATEST`` pointer, by the same protocol.
    Readers reach versions only through ``LATEST``, so a crash between the two leaves a version
    file no reader sees; the publisher's intent record says which file that is (see versions).

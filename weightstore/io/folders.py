@@ -3,7 +3,7 @@
 Errors of the storage service (outages, credentials) come out as
 :class:`~weightstore.errors.StorageError`, so callers can tell "try again later" from "this
 folder is damaged". Each file is written by its commit protocol (:mod:`weightstore.io.commit`);
-:mod:`weightstore.sync._versions` orders them (pointer last). A remote folder's pointer is
+:mod:`weightstore.sync._publish` orders them (pointer last). A remote folder's pointer is
 replaced by its storage backend's compare-and-swap (:mod:`weightstore.io.backends`); where the
 backend has none, a publish is refused unless the caller vouches to be the one writer
 (:data:`ONE_WRITER`).

@@ -9,7 +9,7 @@ block. Nothing a reader sees changes. One coordinator calls :func:`commit_shards
 for every rank's done-record (reading them alone, never a tensor byte), checks that the pieces
 of every key agree on dtype and shape, never overlap and cover it, writes the index
 ``step-000000000042.wsindex`` create-only and then replaces ``LATEST`` as a plain publish
-does (:func:`weightstore.sync._versions.commit_version`). No collective, no barrier: the ranks and
+does (:func:`weightstore.sync._publish.commit_version`). No collective, no barrier: the ranks and
 the coordinator meet only in the folder. The crash argument is in ``docs/sharded.md``.
 
 **How a member holds its pieces.** A key the rank holds one piece of is stored under the key
@@ -75,22 +75,18 @@ from weightstore.formats._sharded_index import (
 from weightstore.io.folders import Folder, folder_for
 from weightstore.sharded import _cluster as cluster
 from weightstore.store._save import CheckedWeights, write_file
-from weightstore.sync._versions import (
+from weightstore.sync import _stages as stages
+from weightstore.sync._checks import (
     DEFAULT_KEEP,
-    SHARDED_SUFFIX,
-    Version,
-    _latest,
-    _stage,
-    _versions,
     checked_count,
     checked_keep,
     checked_pointer_metadata,
     checked_seconds,
     checked_step,
-    commit_version,
-    names_step,
-    require_folder,
 )
+from weightstore.sync._folder import SHARDED_SUFFIX, names_step, require_folder, version_files
+from weightstore.sync._pinning import Version, read_latest
+from weightstore.sync._publish import commit_version
 
 __all__ = ["Piece", "publish_shard", "commit_shards", "next_attempt", "clean_folder"]
 
@@ -170,7 +166,7 @@ def publish_shard(
     where = members.url(member_name(rank, suffix))
     listed = _listed(pieces, where, world)
     try:
-        current = _latest(target)
+        current = read_latest(target)
     except FormatError:
         current = None  # a damaged LATEST: the commit reports it
     if current is not None and current.step >= step:
@@ -185,12 +181,12 @@ def publish_shard(
         write_file(local, fmt, CheckedWeights(arrays, where, fmt), metadata, False)
         tensors = _described(local, where, fmt, listed)
         size = os.path.getsize(local)
-        _stage("member-temporary")
-    _stage("member-written")
+        stages.reached("member-temporary")
+    stages.reached("member-written")
     record = DoneRecord(step, attempt, rank, world, Member(member_name(rank, suffix), size, rank), tensors)
     with members.commit(done_name(rank)).writing() as local, open(local, "wb") as handle:
         handle.write(record.to_json())
-    _stage("done-written")
+    stages.reached("done-written")
 
 
 def commit_shards(
@@ -272,7 +268,7 @@ def commit_shards(
                                f"commit's (attempt {attempt}, these members and metadata): another coordinator is "
                                "committing this step, or one died after writing it (commit a later step, or run "
                                "ws clean)", path=target.url(name))
-        _stage("index-written")
+        stages.reached("index-written")
 
     try:
         version = commit_version(target, step, name, write_index, metadata, keep)
@@ -321,7 +317,7 @@ def clean_attempts(target: Folder, *, keep_step: int, keep_attempt: int) -> list
     """After committing ``keep_step``: remove its other attempts, and attempts of older steps no
     index names (no commit of an older step can succeed any more). Attempts of later steps may
     be in flight and stay. Returns the names removed."""
-    indexed = {step for step, entry in _versions(target) if entry.name.endswith(SHARDED_SUFFIX)}
+    indexed = {step for step, entry in version_files(target) if entry.name.endswith(SHARDED_SUFFIX)}
     removed = []
     for sub, step, attempt in _attempts(target):
         if (step == keep_step and attempt != keep_attempt) or (step < keep_step and step not in indexed):
@@ -339,8 +335,8 @@ def clean_folder(folder: Any, *, storage_options: Mapping[str, Any] | None = Non
     With ``LATEST`` missing (deleted, or lost with a backup), the newest version counts as
     current, as it does for the next publish: nothing committed is taken for a dead attempt."""
     target = require_folder(folder, storage_options=storage_options)
-    found = _versions(target)
-    latest = _latest(target)
+    found = version_files(target)
+    latest = read_latest(target)
     current = latest.step if latest is not None else max((step for step, _ in found), default=None)
     removed: list[str] = []
     live: set[tuple[int, int | None]] = set()

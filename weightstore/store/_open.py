@@ -394,7 +394,7 @@ def load(
 
     Args:
         path: a store, TF checkpoint (prefix, file or folder), Keras file, plain npz/HDF5/
-            safetensors file (local or URL), or a :class:`~weightstore.sync._versions.Version`.
+            safetensors file (local or URL), or a :class:`~weightstore.sync.Version`.
         scope: keep only keys under it, made relative to it.
         mapping: ``FROM=TO`` rules (a dict or list of strings) applied after ``scope``.
         include, exclude: patterns (scopes or globs) on the resulting keys.

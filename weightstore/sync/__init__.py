@@ -10,16 +10,10 @@ background publisher trainers use so that a write never blocks a step
 """
 
 from weightstore.sync._background import BackgroundPublisher, PublishFuture
-from weightstore.sync._versions import (
-    PointerWatch,
-    PublishOptions,
-    Version,
-    VersionEntry,
-    follow,
-    latest,
-    list_versions,
-    publish,
-)
+from weightstore.sync._follow import PointerWatch, follow, latest
+from weightstore.sync._listing import VersionEntry, list_versions
+from weightstore.sync._pinning import Version
+from weightstore.sync._publish import PublishOptions, publish
 
 __all__ = ["Version", "VersionEntry", "PublishOptions", "PointerWatch", "publish", "latest", "follow",
            "list_versions", "BackgroundPublisher", "PublishFuture"]

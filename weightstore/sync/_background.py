@@ -50,16 +50,9 @@ from typing import Any
 from weightstore.errors import PublishError, StorageError, WeightStoreError
 from weightstore.formats import format_named
 from weightstore.store._save import checked_metadata
-from weightstore.sync._versions import (
-    DEFAULT_FORMAT,
-    DEFAULT_KEEP,
-    PublishOptions,
-    Version,
-    checked_keep,
-    checked_seconds,
-    checked_step,
-    publish,
-)
+from weightstore.sync._checks import DEFAULT_FORMAT, DEFAULT_KEEP, checked_keep, checked_seconds, checked_step
+from weightstore.sync._pinning import Version
+from weightstore.sync._publish import PublishOptions, publish
 
 __all__ = ["BackgroundPublisher", "PublishFuture"]
 

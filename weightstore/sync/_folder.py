@@ -1,0 +1,213 @@
+"""A versioned folder as a publish sees it: its version files, ``LATEST``, a killed publish's intent.
+
+What a publish must know before it writes (:class:`FolderState`: which step it must pass,
+what dead writers left), how retention prunes, and the checks that a folder can be read or
+followed. The protocol that uses them is :mod:`weightstore.sync._publish`'s.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from weightstore.core import _jsontext as jsontext
+from weightstore.errors import (
+    FormatError,
+    PublishError,
+    StoreNotFoundError,
+    TargetError,
+    WeightStoreError,
+    named,
+)
+from weightstore.formats._pointer import (
+    LATEST,
+    MAX_POINTER_BYTES,
+    MIN_BYTES_PER_CONTAINER,
+    VERSION_NAME,
+)
+from weightstore.io.files import remove_stale_temporaries
+from weightstore.io.folders import Folder, LocalFolder, folder_for
+from weightstore.sync import _stages as stages
+from weightstore.sync._pinning import Version, pointer_version, read_latest
+
+#: the suffix of a sharded version's index (:mod:`weightstore.sharded._shards`)
+SHARDED_SUFFIX = ".wsindex"
+
+
+INTENT = ".publishing"
+
+
+@dataclass
+class FolderState:
+    """What a publish must know before writing: LATEST, the version files, a killed publish's intent."""
+
+    folder: Folder
+    pointer: Version | None
+    pointer_error: FormatError | None
+    versions: list[tuple[int, Any]]
+    intent: int | None
+    #: whether a LATEST was there, and its ETag (object storage), for the compare-and-swap
+    latest_exists: bool = False
+    latest_tag: str | None = None
+
+    @classmethod
+    def read(cls, folder: Folder) -> FolderState:
+        try:
+            data, tag = folder.read_tagged(LATEST, MAX_POINTER_BYTES + 1)
+        except TargetError as exc:
+            return cls(folder, None, FormatError(f"{exc.message}; the next publish replaces it", path=exc.path),
+                       version_files(folder), _read_intent(folder), True)
+        try:
+            pointer, error = pointer_version(folder, data), None
+        except FormatError as exc:
+            pointer, error = None, exc
+        return cls(folder, pointer, error, version_files(folder), _read_intent(folder), data is not None, tag)
+
+    @property
+    def newest(self) -> int | None:
+        return self.versions[-1][0] if self.versions else None
+
+    def unpublished(self) -> list[tuple[int, Any]]:
+        """Version files above the one LATEST names that a killed publish's intent accounts for."""
+        if self.pointer is None:
+            return []
+        return [(step, entry) for step, entry in self.versions if step > self.pointer.step and step == self.intent]
+
+    def above_latest(self) -> list[int]:
+        """Steps above LATEST's that no intent accounts for: a LATEST that was rolled back."""
+        if self.pointer is None:
+            return []
+        return [step for step, _ in self.versions if step > self.pointer.step and step != self.intent]
+
+    def check_step(self, step: int) -> None:
+        """Refuse a step that does not go forward; warn about a damaged or missing LATEST."""
+        where = self.folder.where
+        if self.pointer_error is not None:
+            warnings.warn(f"{self.pointer_error}; the next publish replaces it", stacklevel=4)
+        elif self.pointer is None and self.newest is not None:
+            warnings.warn(f"{where}: LATEST is missing but version files exist; the newest, step {self.newest}, "
+                          "counts as current and the next publish names its own version", stacklevel=4)
+        if self.pointer is not None and step <= self.pointer.step:
+            raise PublishError(f"step {step} is not after step {self.pointer.step}, which LATEST names; steps must "
+                               "increase (is another trainer publishing to this folder?)", path=where)
+        rolled_back = self.above_latest()
+        if self.pointer is not None and rolled_back and step <= rolled_back[-1]:
+            raise PublishError(
+                f"step {step} is not after step {rolled_back[-1]}: LATEST names step {self.pointer.step}, "
+                f"but {_steps(rolled_back)} above it {'were' if len(rolled_back) > 1 else 'was'} published before "
+                "(was LATEST restored from an older copy?); publish a later step, or move those files away",
+                path=where,
+            )
+        if self.pointer is None and self.newest is not None and step <= self.newest:
+            raise PublishError(f"step {step} is not after step {self.newest}, which is the newest version file "
+                               "(LATEST is missing or damaged); steps must increase", path=where)
+
+    def clean(self) -> None:
+        """Before a publish writes: remove dead writers' temporaries and, in a local folder (whose
+        lock keeps other publishers out), the versions killed publishes wrote but never named."""
+        if isinstance(self.folder, LocalFolder):
+            for name in self.folder.temporaries():
+                remove_stale_temporaries(self.folder.root / name)
+            self.remove_unpublished()
+            if self.intent is not None:
+                self.folder.remove(INTENT)
+
+    def remove_unpublished(self, step: int | None = None) -> None:
+        """Remove the versions above ``LATEST`` that a killed publish's intent names, but ``step``'s.
+
+        On object storage there is no lock, so such a version may be another publisher's in
+        flight; it is removed only after this publish's compare-and-swap of ``LATEST``
+        succeeded. Its publisher wrote the intent after reading ``LATEST``, so that reading
+        came before this swap, and its own swap now fails: the version is dead.
+        """
+        for unpublished, entry in self.unpublished():
+            if unpublished != step:
+                self.folder.remove(entry.name)  # a sharded one's members: the next commit removes dead attempts
+
+
+def _steps(steps: list[int]) -> str:
+    return f"step {steps[0]}" if len(steps) == 1 else f"steps {named(steps, shown=5)}"
+
+
+def version_files(folder: Folder) -> list[tuple[int, Any]]:
+    found = []
+    for entry in folder.files():
+        match = VERSION_NAME.match(entry.name)
+        if match:
+            found.append((int(match.group(1)), entry))
+    return sorted(found, key=lambda item: item[0])
+
+
+def _read_intent(folder: Folder) -> int | None:
+    """The step a killed publish was writing, from its intent record; ``None`` when there is none."""
+    try:
+        data = folder.read_small(INTENT, 4096)
+    except TargetError:
+        return None
+    try:
+        step = jsontext.loads(data, what=INTENT, min_bytes=MIN_BYTES_PER_CONTAINER)["step"] if data else None
+    except (FormatError, TypeError, KeyError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def write_small(folder: Folder, name: str, data: bytes) -> None:
+    with folder.commit(name).writing() as local, open(local, "wb") as handle:
+        handle.write(data)
+
+
+def prune(folder: Folder, newest: int, keep: int | None) -> None:
+    if keep is None:
+        return
+    entries = [entry for step, entry in version_files(folder) if step <= newest]
+    for entry in entries[:-keep]:
+        remove_version(folder, entry.name)
+        stages.reached("pruning")
+
+
+def remove_version(folder: Folder, name: str) -> None:
+    """Remove a version file; a sharded version's index first, then every attempt folder of its step."""
+    folder.remove(name)
+    if name.endswith(SHARDED_SUFFIX):
+        prefix = name[: -len(SHARDED_SUFFIX)] + ".attempt-"
+        for sub in folder.subfolders():
+            if sub.startswith(prefix):
+                folder.remove_folder(sub)
+
+
+def names_step(target: Folder, step: int) -> bool:
+    """Whether ``LATEST`` names ``step`` now; when it cannot be read, as if it did (keep the file)."""
+    try:
+        current = read_latest(target)
+    except WeightStoreError:
+        return True
+    return current is not None and current.step == step
+
+
+def versions_folder(folder: Any, storage_options: Mapping[str, Any] | None = None) -> Folder:
+    """``folder`` opened for reading versions, which may not exist yet (a follower waits for it),
+    but is refused when it is a local file, FIFO or device: nothing will turn that into a
+    folder, and a follower would wait for good."""
+    source = folder_for(folder, storage_options)
+    if os.path.exists(source.where) and not os.path.isdir(source.where):  # a file, a FIFO, a device
+        raise StoreNotFoundError("is a file, not a folder of versions", path=source.where)
+    return source
+
+
+def require_folder(folder: Any, *, storage_options: Mapping[str, Any] | None = None, hint: str = "") -> Folder:
+    """``folder`` opened, or :class:`StoreNotFoundError` naming it when it does not exist."""
+    source = versions_folder(folder, storage_options)
+    if not source.exists():
+        raise StoreNotFoundError("no such folder" + (f"; {hint}" if hint else ""), path=source.where)
+    return source
+
+
+def check_notifications(source: Folder, notifications: str | None) -> None:
+    """Refuse ``notifications`` for a local folder: no bucket sends its events, so the queue
+    would stay silent while the option seemed to work."""
+    if notifications is not None and isinstance(source, LocalFolder):
+        raise ValueError(f"notifications wake followers of an object-storage folder (s3://...), and "
+                         f"{source.where} is local: drop them; the poll interval sets how often LATEST is read")

@@ -1,0 +1,71 @@
+"""``ws versions``: every version file of a folder, with the one ``LATEST`` names marked."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from weightstore.errors import (
+    FormatError,
+)
+from weightstore.io.folders import Folder
+from weightstore.sync._folder import SHARDED_SUFFIX, require_folder, version_files
+from weightstore.sync._pinning import read_latest
+
+
+@dataclass(frozen=True)
+class VersionEntry:
+    """A version file as ``ws versions`` lists it."""
+
+    step: int
+    name: str
+    path: str
+    size: int
+    modified: str
+    latest: bool
+    #: a sharded version's member files and their bytes (``None`` for a plain version)
+    members: int | None = None
+    member_bytes: int | None = None
+
+
+def list_versions(folder: Any, *, storage_options: Mapping[str, Any] | None = None) -> list[VersionEntry]:
+    """Every version file in ``folder``, oldest first, marking the one ``LATEST`` names.
+
+    A damaged ``LATEST`` marks none, with a warning saying what is wrong with it: the listing is
+    what one needs then (which versions are there, which step a repairing publish must pass)."""
+    entries, damage = version_listing(folder, storage_options=storage_options)
+    if damage is not None:
+        warnings.warn(str(damage), stacklevel=2)
+    return entries
+
+
+def version_listing(folder: Any, *, storage_options: Mapping[str, Any] | None = None,
+                    ) -> tuple[list[VersionEntry], FormatError | None]:
+    """:func:`list_versions`, with what is wrong with ``LATEST`` (``None`` when it reads) as a
+    value rather than a warning, for a caller that reports it itself (``ws versions --json``)."""
+    source = require_folder(folder, storage_options=storage_options)
+    try:
+        pointer, damage = read_latest(source), None
+    except FormatError as exc:
+        pointer, damage = None, exc
+    named = pointer.path.rsplit("/", 1)[-1] if pointer else None
+    return [VersionEntry(step, entry.name, source.url(entry.name), entry.size, entry.modified, entry.name == named,
+                         *_sharded_sizes(source, entry.name))
+            for step, entry in version_files(source)], damage
+
+
+def _sharded_sizes(folder: Folder, name: str) -> tuple[int | None, int | None]:
+    """How many members a sharded version has and their bytes, from its index; ``(None, None)``
+    for a plain version or an index that does not parse."""
+    if not name.endswith(SHARDED_SUFFIX):
+        return None, None
+    from weightstore.formats._sharded_index import MAX_INDEX_BYTES, ShardIndex
+
+    data = folder.read_small(name, MAX_INDEX_BYTES + 1)
+    try:
+        index = ShardIndex.parse(data or b"")
+    except FormatError:
+        return None, None
+    return len(index.members), sum(member.size for member in index.members)

@@ -1,0 +1,224 @@
+"""A published version as readers hold it: :class:`Version`, opened and pinned.
+
+**Pinning.** :func:`follow` opens each version before yielding it. A local file is memory-
+mapped, and a mapping survives the file's removal, so a slow reader keeps its version. An
+object store has no such thing: the open object's bytes are fetched in ranges as they are read,
+so a reader that lags more than one publish behind can still lose a large version; it then gets
+:class:`VersionGoneError` and should move to the newest (``Follower`` does). A store opened
+from a pinned version (``ws.open(version)``) shares the pin and keeps the file open until it
+is closed itself, even after the iteration moved on.
+
+**Hot reload.** ``tf1.assign``/``tf2.assign`` given a :class:`Version` skip every tensor whose
+content digest (BLAKE3 of its bytes, with its dtype and shape; never the CRC-32, which a
+changed tensor can match) equals what the same target last received (``skip_unchanged=None``
+means "only for versions"; pass ``True``/``False`` to force it), and list them in
+``report.skipped``. Unchanged tensors are not even read. A file written before digests
+(manifest version 2) has every tensor written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from weightstore.errors import (
+    FormatError,
+    StoreNotFoundError,
+    TargetError,
+    VersionGoneError,
+    WeightStoreError,
+    naming,
+)
+from weightstore.formats import Reader, format_for_suffix, format_named
+from weightstore.formats._pointer import (
+    LATEST,
+    MAX_POINTER_BYTES,
+    parse_pointer,
+)
+from weightstore.io.folders import Folder, folder_for
+from weightstore.store._open import Store
+
+
+class _SharedReader:
+    """One open reader shared by a pin and the stores opened from it; closed when the last lets go.
+
+    A store the user opened from a pinned version must stay readable while they hold it, even
+    after the iteration released the pin: closing it under them turned reads into a raw
+    ``ValueError: mmap closed``.
+    """
+
+    def __init__(self, reader: Any):
+        self._reader = reader
+        self._holders = 1
+        self._lock = threading.Lock()
+
+    def acquire(self) -> bool:
+        """Take one more share; False when the last holder already closed the reader."""
+        with self._lock:
+            if not self._holders:
+                return False
+            self._holders += 1
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            last = not self._holders
+        if last:
+            self._reader.close()
+
+
+class _Borrowed:
+    """A shared reader as one holder sees it: ``close`` lets go of this holder's share only."""
+
+    def __init__(self, shared: _SharedReader):
+        self._shared: _SharedReader | None = shared
+
+    def __getattr__(self, name: str) -> Any:
+        shared = self.__dict__.get("_shared")
+        if shared is None:
+            raise AttributeError(name)
+        return getattr(shared._reader, name)
+
+    def close(self) -> None:
+        shared, self._shared = self._shared, None
+        if shared is not None:
+            shared.release()
+
+
+@dataclass
+class Version:
+    """One published version. ``ws.open``, ``ws.load`` and the adapters' ``assign`` accept it.
+
+    A version yielded by :func:`follow` is *pinned*: its file is already open, so a local one
+    stays readable (even if pruned meanwhile) until the iteration moves on, and a store opened
+    from it with ``ws.open`` until that store is closed; on object storage, whose open objects
+    are read in ranges, a version pruned mid-read raises :class:`VersionGoneError` (see the
+    module's Pinning). One from :func:`latest` is
+    opened when first read; if it was pruned by then, that read raises
+    :class:`VersionGoneError` — call ``latest`` again and retry. Assigning a Version skips
+    tensors whose content digest equals what the same target last received (hot reload).
+    """
+
+    step: int
+    path: str
+    created: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+    _folder: Folder | None = field(default=None, repr=False, compare=False)
+    _pinned: _SharedReader | None = field(default=None, repr=False, compare=False)
+
+    def _weightstore_open(self, *, verify: bool = True) -> Store:
+        """What ``ws.open(version)`` returns: a share of the pinned file, or the file opened now."""
+        pinned = self._pinned
+        if pinned is not None and pinned.acquire():
+            return Store(_Borrowed(pinned), self.path, verify)
+        return _open_version(self._folder or folder_for(self.path.rsplit("/", 1)[0] if "/" in self.path else "."),
+                             self, verify)
+
+    def pin(self) -> None:
+        """Open the file now so that pruning cannot take it away; :meth:`release` lets go."""
+        if self._pinned is None:
+            self._pinned = _SharedReader(self._weightstore_open(verify=True)._reader)
+
+    def release(self) -> None:
+        pinned, self._pinned = self._pinned, None
+        if pinned is not None:
+            pinned.release()
+
+    def held(self) -> Version:
+        """A copy of this version with its own share of the pin (pinned now if this one is not).
+
+        For whoever keeps a version past the iteration that yielded it (``Follower`` keeps the
+        current one): each copy's :meth:`release` lets go of its own share only.
+        """
+        copy = dataclasses.replace(self, _pinned=None)
+        pinned = self._pinned
+        if pinned is not None and pinned.acquire():
+            copy._pinned = pinned
+        else:
+            copy.pin()
+        return copy
+
+
+def read_latest(folder: Folder) -> Version | None:
+    try:
+        data = folder.read_small(LATEST, MAX_POINTER_BYTES + 1)  # one byte past the limit: to tell "too large"
+    except TargetError as exc:
+        raise FormatError(f"{exc.message}; the next publish replaces it", path=exc.path) from None
+    return pointer_version(folder, data)
+
+
+def pointer_version(folder: Folder, data: bytes | None) -> Version | None:
+    if data is None:
+        return None
+    with naming(path=folder.where):
+        pointer = parse_pointer(data)
+    metadata: dict[str, Any] = pointer["metadata"] if isinstance(pointer.get("metadata"), dict) else {}
+    return Version(pointer["step"], folder.url(pointer["file"]), str(pointer.get("created", "")), metadata, folder)
+
+
+def _open_version(folder: Folder, version: Version, verify: bool) -> Store:
+    name = version.path.rsplit("/", 1)[-1]
+    fmt = format_for_suffix(name) or format_named("npz")
+    try:
+        handle = folder.open_binary(name, file_object=fmt.remote_file_object)
+    except FileNotFoundError:
+        raise _gone(version) from None
+    if isinstance(handle, str):
+        from weightstore.store._open import open as open_store
+
+        try:
+            return open_store(handle, verify=verify)
+        except FileNotFoundError as exc:  # pruned between the look and the map, or a sharded version's member lost
+            raise _gone_or(exc, folder, version) from None
+    try:
+        reader = _RemovedIsGone(fmt.open_reader(handle, version.path), folder, version)
+        return Store(cast(Reader, reader), version.path, verify)
+    except FileNotFoundError as exc:
+        handle.close()
+        raise _gone_or(exc, folder, version) from None
+    except BaseException:
+        handle.close()
+        raise
+
+
+def _gone_or(missing: FileNotFoundError, folder: Folder, version: Version) -> Exception:
+    """What a file found missing while ``version`` is read means: the version was pruned (its
+    file is gone: :class:`VersionGoneError`, read ``LATEST`` again), or, its file still there,
+    a part of it is lost (a sharded version's member), which no retry mends: ``missing``
+    itself, named."""
+    if folder.tag(version.path.rsplit("/", 1)[-1]) is None:
+        return _gone(version)
+    if isinstance(missing, WeightStoreError):
+        return missing
+    return StoreNotFoundError(f"a file it needs is missing ({missing.filename or missing})", path=version.path)
+
+
+class _RemovedIsGone:
+    """A remote version's reader: a file removed mid-read (pruned under a reader that lagged
+    more than ``keep`` publishes; an object store cannot pin it) raises :class:`VersionGoneError`,
+    the error that tells a reader to read ``LATEST`` again (see :func:`_gone_or`)."""
+
+    def __init__(self, reader: Reader, folder: Folder, version: Version):
+        self._reader, self._folder, self._version = reader, folder, version
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._reader, name)
+        if not callable(attribute):
+            return attribute
+
+        def gone_when_removed(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return attribute(*args, **kwargs)
+            except VersionGoneError:
+                raise
+            except FileNotFoundError as exc:
+                raise _gone_or(exc, self._folder, self._version) from None
+        return gone_when_removed
+
+
+def _gone(version: Version) -> VersionGoneError:
+    return VersionGoneError(f"version {version.step} is gone (pruned); read LATEST again and retry",
+                            path=version.path)

@@ -1,0 +1,189 @@
+"""Versioned folders: a trainer ``publish``es, readers take ``latest`` or ``follow``.
+
+A folder (local path or fsspec URL) holds version files named by step
+(``step-000000000042.npz``) and a small JSON pointer, ``LATEST``, naming one of them. The
+order of a publish is what makes readers safe without talking to the writer:
+
+1. the version file is written completely (locally: temporary file, fsync, rename; on object
+   stores: one upload, which becomes visible all at once);
+2. only then is ``LATEST`` replaced (locally by rename; on object stores by one small PUT,
+   the last object written);
+3. then versions past ``keep`` are pruned, never the one ``LATEST`` names nor the one before
+   it, so a reader that has just read ``LATEST`` has a whole publish to open its file.
+
+Readers only ever reach a version through ``LATEST``, so leftovers of a killed publish (a
+temporary file, or a complete version ``LATEST`` never named) are invisible to them; the next
+publish removes them. It knows which complete file is a leftover because every publish first
+records its intent (``.publishing``, naming its step) and removes that record once ``LATEST``
+names the new version: a version above ``LATEST`` that the intent names was never published.
+
+**A version above ``LATEST`` that no intent names is never removed.** That is a ``LATEST``
+rolled back (restored from a backup, copied from another folder): the newer versions are real,
+so a publish whose step is not above the newest of them is refused with :class:`PublishError`
+naming them, and one above them keeps them all.
+
+**A missing or damaged ``LATEST``** (deleted by hand, or a first publish killed between its
+version file and its pointer) never costs versions: the newest version file's step then counts
+as current, so the next publish must be above it (with a warning), and that publish removes
+nothing but temporaries of dead writers. A complete version file a killed *first* publish left
+is therefore kept: it holds real weights of that step, readers never saw it, and retention
+prunes it like any older version.
+
+**A ``LATEST`` that is not a file** (a FIFO, a folder) is reported as damaged and never opened
+for reading (a FIFO would block the reader forever); the next publish replaces a FIFO, socket
+or empty folder there, and refuses a folder holding files.
+
+**One publisher per folder.** Steps must strictly increase: a publish whose step is not
+above the step ``LATEST`` names (or, without a readable ``LATEST``, the newest version file's)
+is refused with :class:`PublishError`. On a local folder,
+publishes serialise on an advisory lock (``.publish.lock``), so two processes cannot
+interleave the check and the write; on object stores there is no lock, but ``LATEST`` is
+replaced by compare-and-swap on the ETag read before the check (S3 ``If-Match``; see
+:func:`commit_version`), so of two publishers racing there exactly one moves ``LATEST`` and
+the other gets :class:`PublishError`; ``LATEST`` never goes backwards. (Their version files
+are still plain uploads: two publishers of the *same* step share one name, so run one
+publisher per folder there all the same.)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from typing import Any, TypedDict
+
+from weightstore.core.manifest import utc_now
+from weightstore.errors import (
+    PublishError,
+)
+from weightstore.formats import format_named
+from weightstore.formats._pointer import (
+    LATEST,
+    pointer_bytes,
+)
+from weightstore.io.folders import Folder, LocalFolder, folder_for
+from weightstore.store._save import CheckedWeights, write_file
+from weightstore.sync import _stages as stages
+from weightstore.sync._checks import DEFAULT_FORMAT, DEFAULT_KEEP, checked_keep, checked_pointer_metadata, checked_step
+from weightstore.sync._folder import INTENT, FolderState, names_step, prune, write_small
+from weightstore.sync._pinning import Version
+
+
+class PublishOptions(TypedDict):
+    """How :func:`publish` writes each version; what a trainer's publisher passes on every time."""
+
+    keep: int | None
+    format: str
+    storage_options: Mapping[str, Any] | None
+
+
+def publish(
+    folder: Any,
+    weights: Mapping[str, Any],
+    *,
+    step: int,
+    keep: int | None = DEFAULT_KEEP,
+    metadata: Mapping[str, Any] | None = None,
+    format: str = DEFAULT_FORMAT,  # noqa: A002
+    storage_options: Mapping[str, Any] | None = None,
+) -> Version:
+    """Write ``weights`` as version ``step`` of ``folder``, point ``LATEST`` at it, prune.
+
+    Args:
+        folder: a local folder (created if missing) or an fsspec URL.
+        weights: key -> array, or an open store.
+        step: above the step ``LATEST`` names and every version file it does not account for.
+        keep: how many versions stay (``None``: all); never fewer than two, so the version a
+            reader has just found through ``LATEST`` survives the next publish.
+        metadata: JSON-serializable; travels in the file and in ``LATEST``, which readers read
+            up to 1 MiB (``SizeLimitError`` refuses more before anything is written).
+        format: ``"npz"`` (default), ``"hdf5"`` or ``"safetensors"``.
+        storage_options: for URLs, given to fsspec (credentials, ``client_kwargs={"endpoint_url": ...}``),
+            except ``"one_writer": True``: where the storage has no compare-and-swap (not S3),
+            a promise that no other process publishes to ``folder``, without which the publish
+            is refused.
+
+    Returns:
+        The published :class:`Version`.
+
+    Raises:
+        PublishError: the step does not go forward (another publisher, or a restored ``LATEST``);
+            or the storage has no compare-and-swap for ``LATEST`` (a URL not on S3) and
+            ``storage_options`` does not say ``{"one_writer": True}``.
+        StorageError: the storage service failed; nothing a reader sees has changed.
+
+    Example:
+        >>> ws.publish("runs/a", weights, step=1200, keep=5, metadata={"loss": 0.31})
+    """
+    step, keep = checked_step(step), checked_keep(keep)
+    fmt = format_named(format)
+    target = folder_for(folder, storage_options)
+    name = f"step-{step:012d}{fmt.suffixes[0]}"
+    arrays = CheckedWeights(weights, target.url(name), fmt)
+    metadata = checked_pointer_metadata(metadata, step, name, target.url(name))
+    target.create()
+    written: list[str] = []  # the version file, once this publish wrote it
+
+    def write_version(created: str) -> None:
+        with target.commit(name, fmt.suffixes[0]).writing() as local:
+            write_file(local, fmt, arrays, metadata, False, created=created)
+            stages.reached("version-temporary")
+        written.append(name)
+
+    try:
+        return commit_version(target, step, name, write_version, metadata, keep)
+    except PublishError:
+        # a race lost on object storage: left above LATEST with no intent naming it, the file
+        # would read as a restored LATEST's newer version and refuse this very step's retry
+        if written and not names_step(target, step):
+            target.remove(name)
+        raise
+
+
+def commit_version(target: Folder, step: int, name: str, write: Callable[[str], None],
+                   metadata: Mapping[str, Any] | None, keep: int | None) -> Version:
+    """The publish protocol around one version file: check the step, clean what killed publishes
+    left, record the intent, ``write(created)`` the file ``name``, replace ``LATEST``, prune.
+
+    :func:`publish` writes a plain version file; :func:`weightstore.sharded._shards.commit_shards` a
+    sharded version's index. On object storage ``LATEST`` is replaced by compare-and-swap on the
+    ETag read at the start (``If-Match``; ``If-None-Match: *`` when there was none), so a
+    publisher that lost a race gets :class:`PublishError` and ``LATEST`` never goes backwards;
+    where the folder's backend has no compare-and-swap, the publish is refused before anything is
+    written (:meth:`Folder.require_compare_and_swap`).
+    """
+    target.require_compare_and_swap(f"replacing {LATEST}")
+    with target.lock():
+        stages.reached("locked")
+        state = FolderState.read(target)
+        state.check_step(step)
+        state.clean()
+        stages.reached("cleaned")
+        write_small(target, INTENT, json.dumps({"step": step, "file": name}).encode())
+        created = utc_now()
+        pointer = pointer_bytes(step, name, created, metadata or {})
+        write(created)
+        stages.reached("version-written")
+        _write_latest(target, state, pointer, step)
+        stages.reached("latest-written")
+        if not isinstance(target, LocalFolder):
+            state.remove_unpublished(step)  # only now: see FolderState.remove_unpublished
+        target.remove(INTENT)
+        prune(target, step, None if keep is None else max(keep, 2))
+        stages.reached("pruned")
+    return Version(step, target.url(name), created, dict(metadata or {}), target)
+
+
+def _write_latest(target: Folder, state: FolderState, pointer: bytes, step: int) -> None:
+    """Replace ``LATEST``: by rename under the folder's lock locally, by compare-and-swap remotely."""
+    if isinstance(target, LocalFolder):
+        target.replace_special(LATEST)
+        with target.commit(LATEST).writing() as local:
+            with open(local, "wb") as handle:
+                handle.write(pointer)
+            stages.reached("latest-temporary")
+        return
+    stages.reached("latest-temporary")
+    if not target.put_if(LATEST, pointer, create=not state.latest_exists, expect=state.latest_tag):
+        raise PublishError(f"LATEST changed while step {step} was being published (another publisher committed "
+                           "first); this version was not published: publish it again (with a step above the one "
+                           "LATEST names now)", path=target.where)
