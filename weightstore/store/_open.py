@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 import numpy as np
@@ -15,7 +16,7 @@ from weightstore.core.keys import MappingRules, Patterns, plan_outward
 from weightstore.core.manifest import TensorInfo, logical_dtype
 from weightstore.core.names import FILE, READ_NAMINGS, TORCH_FORMATS, check_naming, key_of_torch_name, reads_as_torch
 from weightstore.errors import KeyNotInStoreError, SizeLimitError, StoreNotFoundError, WeightStoreError, attach, naming
-from weightstore.formats import Reader, RegionReader, format_for_suffix, format_named, hf_sharded, sniff
+from weightstore.formats import Format, Reader, RegionReader, format_for_suffix, format_named, hf_sharded, sniff
 from weightstore.formats.foreign import HEAD_BYTES, HF_SINGLE_FILE, open_foreign, refuse_pickle
 from weightstore.formats.renamed import RenamedReader, names_by_key
 from weightstore.io.files import open_regular
@@ -294,12 +295,35 @@ def _open(path: Any, *, verify: bool, format: str | None, mmap: bool) -> Store: 
     except FileNotFoundError:
         raise StoreNotFoundError("no such file", path=location) from None
     with naming(path=location):
+        fmt = format_named(format) if format else format_for_suffix(location) or _sniffed(head)
+    with _pickle_named(head, location):
+        reader = fmt.open_reader(location, location, mmap=mmap)
+    return Store(reader, location, verify, fmt.name)
+
+
+def _sniffed(head: bytes) -> Format:
+    """The format whose magic ``head`` matches, for a name whose suffix says nothing; a pickle
+    no format's magic matches is refused as one (:func:`refuse_pickle`)."""
+    try:
+        return sniff(head)
+    except WeightStoreError:
         refuse_pickle(head)
-    with naming(path=location):
-        fmt = format_named(format) if format else format_for_suffix(location)
-        if fmt is None:
-            fmt = sniff(head)
-    return Store(fmt.open_reader(location, location, mmap=mmap), location, verify, fmt.name)
+        raise
+
+
+@contextmanager
+def _pickle_named(head: bytes, location: str) -> Iterator[None]:
+    """Format detection never overrides a file's own valid structure: the reader of the format the
+    name (or the magic) chose reads the file first, and only a file it refuses is refused as a
+    pickle where its first bytes start one, which says more than the reader's refusal. (A valid
+    safetensors file whose header is 640, 896, 1,152 or 1,408 bytes long starts with pickle's
+    magic: its length's first two bytes are ``80 02`` to ``80 05``.)"""
+    try:
+        yield
+    except WeightStoreError:
+        with naming(path=location):
+            refuse_pickle(head)
+        raise
 
 
 def _open_remote(location: str, verify: bool, format: str | None) -> Store:  # noqa: A002
@@ -311,21 +335,23 @@ def _open_remote(location: str, verify: bool, format: str | None) -> Store:  # n
     source = RemoteFile(fs, remote, location)
     try:
         fmt = format_named(format) if format else format_for_suffix(location)
+        head = b""  # the pickle check needs no request where the name says the format
         if fmt is None:  # only then: an npz's index lies at the end, and its first request fetches it
             head = bytes(source.read_at(0, min(HEAD_BYTES, source.size)))
             with naming(path=location):
-                refuse_pickle(head)
-                fmt = sniff(head)
+                fmt = _sniffed(head)
         if fmt.remote_file_object:
             source.close()
             with service(location):
                 handle = fs.open(uncached(fs, remote), "rb")
             try:
-                return Store(fmt.open_reader(handle, location), location, verify, fmt.name)
+                with _pickle_named(head, location):
+                    return Store(fmt.open_reader(handle, location), location, verify, fmt.name)
             except BaseException:
                 handle.close()
                 raise
-        return Store(fmt.open_reader(source, location), location, verify, fmt.name)
+        with _pickle_named(head, location):
+            return Store(fmt.open_reader(source, location), location, verify, fmt.name)
     except FileNotFoundError:
         # a folder is asked about only now, so opening a file of an unknown suffix stays one request
         if format is None and format_for_suffix(location) is None:
