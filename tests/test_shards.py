@@ -624,3 +624,31 @@ def test_an_index_or_done_record_dense_with_json_containers_is_refused_before_pa
         shards.commit_shards(folder, step=2, world=1, attempt=0, timeout=5, metadata={"pad": [[]] * 20_000})
     assert refused.value.path.endswith("step-000000000002.wsindex")
     assert ws.latest(folder).step == 1 and not (folder / "step-000000000002.wsindex").exists()
+
+
+def _sealed_text(body: bytes) -> bytes:
+    """A document's text sealed as :func:`seal` seals it, for text orjson will not write (nested past 255)."""
+    from weightstore.core.manifest import crc32
+
+    body = body[:-1]
+    return body + b',"crc32":%d}' % crc32(np.frombuffer(body, np.uint8))
+
+
+@pytest.mark.parametrize("field, depth", [("created", 1020), ("producer", 1020), ("created", 150),
+                                          ("metadata", 1000), ("metadata", 101)])
+def test_an_index_nesting_a_field_deep_is_refused_naming_the_file(tmp_path, field, depth):
+    """A 2 KB index whose ``created`` nests 1,020 deep (orjson parses 1,024) leaked RecursionError
+    from ``str()`` at open; metadata as deep leaked one wherever it was shown."""
+    path = hostile_index(tmp_path, lambda raw: raw.update(metadata={}))
+    raw = json.loads(Path(path).read_text())
+    raw.pop("crc32")
+    raw[field] = "HERE" if field != "metadata" else {"note": "HERE"}
+    text = json.dumps(raw, separators=(",", ":")).replace('"HERE"', "[" * depth + "1" + "]" * depth)
+    Path(path).write_bytes(_sealed_text(text.encode()))
+    assert Path(path).stat().st_size < 3000
+    with pytest.raises(ws.FormatError, match=field) as caught:
+        ws.open(path)
+    assert caught.value.path == path
+    result = subprocess.run([sys.executable, "-m", "weightstore", "ls", "--json", path], capture_output=True,
+                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert result.returncode == 1 and '"type": "FormatError"' in result.stdout, result.stdout + result.stderr

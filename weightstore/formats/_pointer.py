@@ -54,6 +54,7 @@ def parse_pointer(data: bytes) -> dict[str, Any]:
     if (
         pointer.get("format") != POINTER_FORMAT or file_match is None
         or not isinstance(step, int) or isinstance(step, bool) or int(file_match.group(1)) != step
+        or not isinstance(pointer.get("created", ""), str) or jsontext.too_deep(pointer.get("metadata"))
     ):
         raise FormatError("LATEST is not a weightstore version pointer; publish again to repair it")
     return pointer

@@ -28,7 +28,7 @@ import blake3
 import numpy as np
 import orjson
 
-from weightstore.core._jsontext import refuse_dense
+from weightstore.core._jsontext import refuse_deep, refuse_dense, text_field
 from weightstore.core._tensortable import MAX_NDIM, fits_an_array
 from weightstore.core.keys import validate_key
 from weightstore.core.manifest import crc32, logical_dtype, raw_bytes
@@ -235,10 +235,11 @@ class ShardIndex:
         metadata = raw.get("metadata", {})
         if not isinstance(metadata, dict):
             raise FormatError("metadata is not an object")
+        refuse_deep(metadata, "metadata")
+        created, producer = text_field(raw, "created", "the index's"), text_field(raw, "producer", "the index's")
         tensors = _tensors(raw.get("tensors"), members)
         check_member_bytes(tensors, members)
-        return cls(step, attempt, world, str(raw.get("created", "")), members, tensors, metadata,
-                   str(raw.get("producer", "")))
+        return cls(step, attempt, world, created, members, tensors, metadata, producer)
 
 
 @dataclass(frozen=True)
