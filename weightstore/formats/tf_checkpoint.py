@@ -209,10 +209,15 @@ def saved_model_prefix(folder: str) -> str | None:
     return None
 
 
+#: a TF Serving version folder's name: ASCII digits that fit its int64 version numbers (``str.isdigit``
+#: takes ``²``, which ``int`` refuses, and ``int`` refuses names past 4,300 digits); others it skips, as here
+_SERVING_VERSION = re.compile(r"[0-9]{1,18}")
+
+
 def serving_versions(folder: str) -> list[int]:
     """The versions of a TF Serving model base (``base/1/``, ``base/2/``: numbered SavedModel folders), oldest first."""
     try:
-        entries = [entry for entry in os.scandir(folder) if entry.is_dir() and entry.name.isdigit()]
+        entries = [entry for entry in os.scandir(folder) if _SERVING_VERSION.fullmatch(entry.name) and entry.is_dir()]
     except OSError:
         return []
     return sorted(int(entry.name) for entry in entries if saved_model_prefix(entry.path) is not None)
