@@ -652,3 +652,63 @@ def test_an_index_nesting_a_field_deep_is_refused_naming_the_file(tmp_path, fiel
     result = subprocess.run([sys.executable, "-m", "weightstore", "ls", "--json", path], capture_output=True,
                             text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
     assert result.returncode == 1 and '"type": "FormatError"' in result.stdout, result.stdout + result.stderr
+
+
+#: opens a sharded version under a soft limit of 256 open files and reads it whole and in parts,
+#: counting this process's open descriptors as it goes
+UNDER_FILE_LIMIT = textwrap.dedent("""
+    import os, resource, sys
+    import numpy as np
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    import weightstore as ws
+    from weightstore.formats.sharded import open_members_limit
+    path, world = sys.argv[1], int(sys.argv[2])
+    expected = np.arange(world * 2 * 3, dtype=np.float32).reshape(world * 2, 3)
+    most = 0
+    with ws.open(path) as store:
+        assert np.array_equal(store["w"], expected)
+        most = max(most, len(os.listdir("/proc/self/fd")))
+        for rank in (0, world - 1, world // 2, 7, world - 1):
+            part = store.read_region("w", (slice(2 * rank, 2 * rank + 2),))
+            assert np.array_equal(part, expected[2 * rank:2 * rank + 2]), rank
+            most = max(most, len(os.listdir("/proc/self/fd")))
+        gone = path.replace(".wsindex", ".attempt-0") + "/rank-00003.safetensors"
+        os.unlink(gone)  # long closed to make room: refused naming the member, never read as zeros
+        try:
+            store.read_region("w", (slice(6, 8),))
+        except ws.StoreNotFoundError as exc:
+            assert exc.path == path and "rank-00003.safetensors" in str(exc), exc
+        else:
+            raise AssertionError("a removed member was read")
+    print(open_members_limit(), most)
+""")
+
+
+def test_a_version_of_more_members_than_open_files_allow_reads_with_bounded_descriptors(tmp_path):
+    """Every member was opened at open: 1,100 ranks failed under the default 1,024 open files
+    ("Too many open files"). Here 300 ranks under 256: members open as read, at most a quarter
+    of the limit at once."""
+    folder, world = tmp_path / "run", 300
+    full = np.arange(world * 2 * 3, dtype=np.float32).reshape(world * 2, 3)
+    for rank in range(world):
+        ws.publish_shard(folder, {"w": ws.Piece(full[2 * rank:2 * rank + 2], (2 * rank, 0), full.shape)},
+                         step=1, rank=rank, world=world, attempt=0)
+    version = ws.commit_shards(folder, step=1, world=world, attempt=0, timeout=60)
+    result = subprocess.run([sys.executable, "-c", UNDER_FILE_LIMIT, version.path, str(world)], capture_output=True,
+                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    limit, most = map(int, result.stdout.split())
+    assert limit == 64 and most < 256 - 64, result.stdout  # a quarter of 256; the rest left to the process
+
+
+def test_a_version_of_few_members_stays_readable_when_pruned_while_open(tmp_path):
+    """At most open_members_limit() members: all opened at open, so a member removed under an
+    open reader (a pruned version) is still read."""
+    folder = tmp_path / "run"
+    for rank in range(4):
+        ws.publish_shard(folder, pieces_of(rank), step=2, rank=rank, world=4, attempt=0)
+    version = shards.commit_shards(folder, step=2, world=4, attempt=0, timeout=5)
+    with ws.open(version.path) as store:
+        for member in (folder / "step-000000000002.attempt-0").glob("*.safetensors"):
+            member.unlink()
+        assert store["dense/kernel"].tobytes() == model()["dense/kernel"].tobytes()
