@@ -80,7 +80,7 @@ from weightstore.errors import (
     UnsafeFileError,
 )
 from weightstore.formats import ReaderDefaults
-from weightstore.formats._pointer import LATEST, local_latest_name
+from weightstore.formats._pointer import LATEST, local_latest_name, published_folder_message
 from weightstore.formats.sstable import Table, crc32c, read_varint, unmask_crc
 from weightstore.formats.tf_protos import BundleEntryProto, BundleHeaderProto, TrackableObjectGraph
 from weightstore.io.files import open_regular
@@ -191,9 +191,7 @@ def _refuse_published_folder(folder: str) -> None:
     if not os.path.isfile(os.path.join(folder, LATEST)):
         return
     latest = local_latest_name(folder)  # None for a damaged LATEST: the folder is still one of versions
-    example = f"such as LATEST's {os.path.join(folder, latest)}" if latest else "one of its step-* files"
-    raise StoreNotFoundError(f"is a folder of ws.publish versions, not one weight file; name a version, {example} "
-                             f"(ws versions {folder} lists them; in Python: ws.load(ws.latest(folder)))", path=folder)
+    raise StoreNotFoundError(published_folder_message(folder, latest), path=folder)
 
 
 def saved_model_prefix(folder: str) -> str | None:

@@ -17,6 +17,7 @@ from weightstore.core.manifest import TensorInfo, logical_dtype
 from weightstore.core.names import FILE, READ_NAMINGS, TORCH_FORMATS, check_naming, key_of_torch_name, reads_as_torch
 from weightstore.errors import KeyNotInStoreError, SizeLimitError, StoreNotFoundError, WeightStoreError, attach, naming
 from weightstore.formats import Format, Reader, RegionReader, format_for_suffix, format_named, hf_sharded, sniff
+from weightstore.formats._pointer import LATEST, MAX_POINTER_BYTES, latest_name, published_folder_message
 from weightstore.formats.foreign import HEAD_BYTES, HF_SINGLE_FILE, open_foreign, refuse_pickle
 from weightstore.formats.renamed import RenamedReader, names_by_key
 from weightstore.io.files import open_regular
@@ -380,10 +381,24 @@ def _open_remote_sharded(fs: Any, remote: str, location: str, verify: bool) -> S
     with service(location):
         index = hf_sharded.index_location(remote, is_dir=lambda _: True, exists=fs.exists)
     if index is None:
+        _refuse_published_folder(fs, remote, location)
         raise StoreNotFoundError("is a folder holding no model.safetensors or model.safetensors.index.json",
                                  path=location)
     url = location if location.endswith(hf_sharded.INDEX_SUFFIX) else location.rstrip("/") + "/" + hf_sharded.INDEX_NAME
     return Store(hf_sharded.open_remote(fs, index, url), url, verify, hf_sharded.FORMAT_NAME)
+
+
+def _refuse_published_folder(fs: Any, remote: str, location: str) -> None:
+    """A folder of ``ws.publish`` versions on object storage is refused as a local one is
+    (:func:`~weightstore.formats.tf_checkpoint.resolve_prefix`): naming the version its ``LATEST``
+    names, rather than "no model.safetensors". Asked only once the folder is known to be no
+    model, so opening a file costs no request more."""
+    try:
+        with service(location):
+            data = fs.cat_file(f"{remote.rstrip('/')}/{LATEST}", start=0, end=MAX_POINTER_BYTES + 1)
+    except FileNotFoundError:
+        return
+    raise StoreNotFoundError(published_folder_message(location, latest_name(data)), path=location)
 
 
 def load(
