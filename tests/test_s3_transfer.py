@@ -372,3 +372,23 @@ def test_requests_of_an_open_and_a_one_scope_load_are_the_figures_the_docs_give(
         assert sorted(loaded) == [f"w{t}" for t in range(8)] and np.all(loaded["w5"] == 29)
         assert s3.count() == load_requests, (suffix, s3.requests)
         assert 8 << 20 < s3.bytes_sent() < (8 << 20) + (300 << 10), s3.bytes_sent()
+
+
+def test_a_safetensors_file_whose_header_length_starts_like_a_pickle_reads_from_s3(s3, tmp_path):
+    """A header of 640 bytes begins ``80 02``, pickle's magic: read as the safetensors file it is,
+    named so or sniffed, from object storage as locally."""
+    import struct
+
+    import safetensors.numpy
+
+    path = tmp_path / "m.safetensors"
+    weights = {"w": np.arange(6, dtype=np.float32)}
+    for pad in range(700):
+        safetensors.numpy.save_file(weights, str(path), metadata={"pad": "x" * pad})
+        if struct.unpack("<Q", path.read_bytes()[:8])[0] == 640:
+            break
+    assert path.read_bytes()[:2] == b"\x80\x02"
+    for suffix in (".safetensors", ".weights"):
+        target = url(suffix)
+        put(target, path.read_bytes())
+        assert np.array_equal(ws.load(target)["w"], weights["w"])
