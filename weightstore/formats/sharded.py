@@ -229,9 +229,10 @@ class ShardedReader(ReaderDefaults):
         finally:
             with self._lock:
                 self._users[position] -= 1
-                idle = [at for at in self._files if not self._users.get(at)]
-                for at in idle[: max(0, len(self._files) - self._most_open)]:
-                    self._files.pop(at).close()
+                if len(self._files) > self._most_open:  # least recently read first
+                    idle = [at for at in self._files if not self._users.get(at)]
+                    for at in idle[: len(self._files) - self._most_open]:
+                        self._files.pop(at).close()
 
     def read(self, key: str, *, verify: bool) -> np.ndarray:
         return self.read_region(key, (), verify=verify)
