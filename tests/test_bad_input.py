@@ -7,12 +7,15 @@ real, under ``tmp_path``; the zips are made by hand in :mod:`hostile`.
 from __future__ import annotations
 
 import errno
+import io
+import json
 import os
 import pathlib
 import pickle
 import re
 import subprocess
 import sys
+import zipfile
 import zlib
 
 import h5py
@@ -1158,3 +1161,49 @@ def test_a_fifo_given_as_a_folder_of_versions_is_refused_not_waited_on(tmp_path)
     for call in (lambda: ws.latest(tmp_path / "run"), lambda: next(ws.follow(tmp_path / "run"))):
         with pytest.raises(errors.StoreNotFoundError, match="is a file, not a folder of versions"):
             call()
+
+
+# -- JSON nested past what repr and json.dumps can show ---------------------------------------
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "1" + "]" * depth
+
+
+@pytest.mark.parametrize("field, depth", [("created", 1020), ("producer", 1020), ("created", 200),
+                                          ("metadata", 990), ("metadata", 101)])
+def test_a_manifest_nesting_a_field_deep_is_refused_naming_the_file(tmp_path, field, depth):
+    """orjson parses 1,024 levels; ``str()`` of ``created`` raised RecursionError at open, and
+    metadata as deep raised one from ``ws ls --json`` (a leak, not an error naming the file)."""
+    from typer.testing import CliRunner
+
+    from weightstore.cli.main import app
+
+    path = good_npz(tmp_path, metadata={"note": "HERE"})
+    with zipfile.ZipFile(path) as archive:
+        members = {name: archive.read(name) for name in archive.namelist()}
+    document = json.loads(str(np.load(io.BytesIO(members["__weightstore__.npy"]))))
+    document["metadata"] = {}
+    document[field] = "HERE" if field != "metadata" else {"note": "HERE"}
+    text = np.array(json.dumps(document).replace('"HERE"', _nested(depth)))
+    members["__weightstore__.npy"] = hostile.npy_raw(text.dtype.str, (), text.tobytes())
+    path.write_bytes(hostile.zip_bytes([hostile.Member(name, data) for name, data in members.items()]))
+    with raises_naming(errors.FormatError, path, field):
+        ws.open(path)
+    result = CliRunner().invoke(app, ["ls", "--json", str(path)])
+    assert result.exit_code == 1 and '"type": "FormatError"' in result.output, result.output[-500:]
+
+
+def test_metadata_is_written_only_as_deep_as_it_is_read(tmp_path):
+    from weightstore.core._jsontext import MAX_DEPTH
+
+    def deep(levels):
+        value: object = 1
+        for _ in range(levels - 1):
+            value = [value]
+        return {"deep": value}  # the metadata object is the first level
+
+    ws.save(tmp_path / "ok.npz", {"w": np.zeros(1)}, metadata=deep(MAX_DEPTH))
+    assert ws.open(tmp_path / "ok.npz").metadata == deep(MAX_DEPTH)
+    with pytest.raises(TypeError, match=f"at most {MAX_DEPTH} levels deep"):
+        ws.save(tmp_path / "deep.npz", {"w": np.zeros(1)}, metadata=deep(MAX_DEPTH + 1))
+    assert not (tmp_path / "deep.npz").exists()

@@ -2,6 +2,7 @@
 
 import json
 import os
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -57,6 +58,14 @@ def test_tf_config_ranks_the_chief_then_the_workers_and_a_version_commits(tmp_pa
     (json.dumps({"cluster": ["a:1"], "task": {"type": "worker", "index": 0}}), "cluster is not a mapping"),
     (json.dumps({"cluster": {"worker": 3}, "task": {"type": "worker", "index": 0}}), "to a list of addresses"),
     (json.dumps({"cluster": {"worker": ["a", "b"]}, "task": {"type": "worker", "index": 1.7}}), "index 1.7 is no int"),
+    # nested past what the stdlib parser, or repr() of what it parsed, can take: RecursionError leaked
+    ("[" * 5000 + "]" * 5000, "TF_CONFIG is not a cluster and task .*more than 100 levels deep"),
+    ('{"cluster": {"worker": ["a"]}, "task": {"type": %s, "index": 0}}' % ("[" * 990 + "]" * 990),
+     "TF_CONFIG is not a cluster and task .*more than 100 levels deep"),
+    ('{"cluster": {"worker": ["a"]}, "task": {"type": "worker", "index": %s}}' % ("[" * 500 + "]" * 500),
+     "TF_CONFIG is not a cluster and task .*more than 100 levels deep"),
+    ('{"cluster": {"worker": ["a"]}, "task": {"type": [1], "index": 0}}', "task type \\[1\\] is no string"),
+    ('{"cluster": {"worker": ["a"]}, "task": {"type": "worker", "index": "\\u00b2"}}', "index '²' is no int"),
 ])
 def test_a_bad_tf_config_is_refused_and_nothing_is_written(tmp_path, monkeypatch, config, message):
     monkeypatch.setenv("TF_CONFIG", config)
@@ -134,3 +143,41 @@ def test_a_torch_or_jax_cluster_gives_rank_and_world_and_torchrun_the_attempt(tm
     assert ws.load(ws.latest(folder))["k"].tobytes() == np.arange(24, dtype=np.float32).tobytes()
     assert sorted(p.name for p in (folder / "step-000000000005.attempt-2").iterdir()) == [
         "rank-00000.done", "rank-00000.safetensors", "rank-00001.done", "rank-00001.safetensors"]
+
+
+#: one process of a torch.distributed group of one, asking its attempt with TORCHELASTIC_RESTART_COUNT as given
+RESTART_COUNT = textwrap.dedent("""
+    import os, sys
+    import numpy as np
+    import torch.distributed as dist
+    import weightstore as ws
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+    for count in sys.argv[3:]:
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = count
+        try:
+            ws.publish_shard(sys.argv[1], {"k": np.zeros(2)}, step=1)
+        except ws.WeightStoreError as exc:
+            print(repr(count), "refused:", exc)
+        else:
+            print(repr(count), "published")
+    dist.destroy_process_group()
+""")
+
+
+def test_a_restart_count_that_is_not_a_count_is_refused_naming_the_variable(tmp_path):
+    """``int()`` takes "-1" (an attempt folder ``attempt--1`` and a ValueError later), " 2",
+    "1_0" and "٣"; only ASCII digits are torchrun's count."""
+    pytest.importorskip("torch.distributed")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("TF_CONFIG", None)
+    bad = ["-1", " 2", "1_0", "\u0663", "", "9" * 30]
+    result = subprocess.run([sys.executable, "-c", RESTART_COUNT, str(tmp_path / "run"), str(tmp_path / "store"),
+                             *bad, "3"], env=env, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert len(lines) == len(bad) + 1, result.stdout + result.stderr[-2000:]
+    for count, line in zip(bad, lines, strict=False):
+        assert line.startswith(f"{count!r} refused: TORCHELASTIC_RESTART_COUNT is {count!r}, not a count"), line
+    assert lines[-1] == "'3' published"
+    assert (tmp_path / "run" / "step-000000000001.attempt-3" / "rank-00000.done").exists()
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step-000000000001.attempt-3"]

@@ -310,3 +310,18 @@ def test_a_folder_holding_model_safetensors_and_an_index_opens_its_model_safeten
     assert np.array_equal(loaded["model/embed/weight"], single["model.embed.weight"])
     assert list(ws.load(folder / INDEX)) == ["model/embed/weight", "model/layers/0/weight", "model/layers/1/weight",
                                              "lm_head/weight"]  # the index itself, named, is still the index
+
+
+@pytest.mark.parametrize("depth", [101, 900])
+def test_index_metadata_nested_past_what_repr_can_show_is_refused_naming_the_index(tmp_path, depth):
+    """The stdlib parses some 1,000 levels; ``json.dumps`` of such metadata (``ws ls --json``)
+    raises RecursionError a little deeper in the stack, so metadata nests at most 100 levels."""
+    safetensors.numpy.save_file({"w": np.zeros(2, np.float32)}, str(tmp_path / "model-00001-of-00001.safetensors"))
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text('{"metadata": {"total_size": 8, "x": %s}, "weight_map": {"w": "model-00001-of-00001.safetensors"}}'
+                     % ("[" * depth + "]" * depth))
+    with pytest.raises(FormatError, match="index metadata nests objects and arrays more than 100 levels") as caught:
+        ws.open(tmp_path)
+    assert caught.value.path == str(index)
+    result = CliRunner().invoke(app, ["ls", "--json", str(tmp_path)])
+    assert result.exit_code == 1 and '"type": "FormatError"' in result.output

@@ -337,3 +337,76 @@ def test_a_sharded_folder_on_s3_opens_by_its_folder_url(s3):
         assert np.array_equal(store["block_2/w1"], WEIGHTS["block_2/w1"])
     with pytest.raises(ws.StoreNotFoundError, match="no such file"):
         ws.open(f"s3://{BUCKET}/{uuid.uuid4().hex}/nothing")
+
+
+# -- a folder of versions given where a file was expected ----------------------------------------
+
+def test_ls_of_a_folder_of_versions_on_s3_names_latest_version_as_locally(s3, tmp_path):
+    """Locally, ``ws ls run`` says the folder holds ws.publish versions and names LATEST's; on S3 it
+    said the folder held no model.safetensors, as if it were a Hugging Face folder."""
+    from typer.testing import CliRunner
+
+    from weightstore.cli.main import app
+
+    small = {"w": np.arange(4, dtype=np.float32)}
+    remote, local = f"s3://{BUCKET}/{uuid.uuid4().hex}/run", str(tmp_path / "run")
+    for folder in (remote, local):
+        for step in (1, 2):
+            ws.publish(folder, small, step=step)
+    outputs = {}
+    for folder in (remote, local):
+        latest = ws.latest(folder).path
+        result = CliRunner().invoke(app, ["ls", folder])
+        assert result.exit_code == 1, result.output
+        outputs[folder] = " ".join(result.output.split())
+        assert f"{folder}: is a folder of ws.publish versions, not one weight file; name a version, such as " \
+               f"LATEST's {latest} (ws versions {folder} lists them" in outputs[folder], outputs[folder]
+        with pytest.raises(ws.StoreNotFoundError, match="folder of ws.publish versions") as caught:
+            ws.load(folder)
+        assert caught.value.path == folder and not isinstance(caught.value, ws.VersionGoneError)
+    assert outputs[remote].replace(remote, "FOLDER") == outputs[local].replace(local, "FOLDER")
+    put(f"{remote}/LATEST", b"garbage")  # a damaged LATEST: still a folder of versions
+    with pytest.raises(ws.StoreNotFoundError, match="name a version, one of its step-\\* files"):
+        ws.load(remote)
+    empty = f"s3://{BUCKET}/{uuid.uuid4().hex}/model"
+    put(f"{empty}/notes.txt", b"no weights")
+    with pytest.raises(ws.StoreNotFoundError, match="holding no model.safetensors"):  # no LATEST: as before
+        ws.load(empty)
+
+
+def test_requests_of_an_open_and_a_one_scope_load_are_the_figures_the_docs_give(s3):
+    """docs/object-storage.md: opening costs 1 request (the last or first 256 KB); loading one
+    8 MB scope of a 64 MB file 3 (npz: the index, then the scope in two parts of at most 8 MB)
+    or 2 (safetensors: its scope lies in one part), 8.25 MiB in all."""
+    weights = {f"scope_{s}/w{t}": np.full((256, 1024), 8 * s + t, np.float32) for s in range(8) for t in range(8)}
+    for suffix, load_requests in ((".npz", 3), (".safetensors", 2)):
+        target = url(suffix)
+        ws.save(target, weights)
+        s3.reset()
+        with ws.open(target):
+            assert s3.count() == 1, s3.requests
+        s3.reset()
+        loaded = ws.load(target, scope="scope_3")
+        assert sorted(loaded) == [f"w{t}" for t in range(8)] and np.all(loaded["w5"] == 29)
+        assert s3.count() == load_requests, (suffix, s3.requests)
+        assert 8 << 20 < s3.bytes_sent() < (8 << 20) + (300 << 10), s3.bytes_sent()
+
+
+def test_a_safetensors_file_whose_header_length_starts_like_a_pickle_reads_from_s3(s3, tmp_path):
+    """A header of 640 bytes begins ``80 02``, pickle's magic: read as the safetensors file it is,
+    named so or sniffed, from object storage as locally."""
+    import struct
+
+    import safetensors.numpy
+
+    path = tmp_path / "m.safetensors"
+    weights = {"w": np.arange(6, dtype=np.float32)}
+    for pad in range(700):
+        safetensors.numpy.save_file(weights, str(path), metadata={"pad": "x" * pad})
+        if struct.unpack("<Q", path.read_bytes()[:8])[0] == 640:
+            break
+    assert path.read_bytes()[:2] == b"\x80\x02"
+    for suffix in (".safetensors", ".weights"):
+        target = url(suffix)
+        put(target, path.read_bytes())
+        assert np.array_equal(ws.load(target)["w"], weights["w"])

@@ -535,3 +535,70 @@ def test_an_empty_dictionary_is_a_valid_file(tmp_path):
     assert ws.load(path) == {} and safetensors.numpy.load_file(path) == {}
     with ws.open(path) as store:
         assert store.metadata == {"k": "v"}
+
+
+# -- a header length that starts like a pickle -------------------------------------------------
+
+#: header lengths whose first two bytes (little-endian) are pickle's magic, ``80 02`` to ``80 05``
+PICKLE_LIKE_LENGTHS = [640, 896, 1152, 1408, 65536 + 640, 65536 + 1408]
+
+
+def header_length(path) -> int:
+    with open(path, "rb") as handle:
+        return struct.unpack("<Q", handle.read(8))[0]
+
+
+def saved_with_header_of(path, weights: dict, length: int) -> None:
+    """``weights`` as the safetensors library saves them, padded with metadata to a header of
+    exactly ``length`` bytes (the library pads headers to a multiple of 8, as these are)."""
+    safetensors.numpy.save_file(weights, str(path), metadata={"pad": ""})
+    least = header_length(path) - 8  # each character of padding adds one byte before the multiple of 8
+    for pad in range(max(0, length - least - 8), length - least + 1):
+        safetensors.numpy.save_file(weights, str(path), metadata={"pad": "x" * pad})
+        if header_length(path) == length:
+            return
+    raise AssertionError(f"no padding gives a header of {length} bytes")
+
+
+@pytest.mark.parametrize("length", PICKLE_LIKE_LENGTHS)
+def test_a_valid_file_whose_header_length_starts_like_a_pickle_is_read_as_safetensors(tmp_path, length):
+    """Such a file was refused as "a Python pickle (protocol 2)": the pickle check looked at the
+    first bytes before the safetensors reader could read the file its suffix names."""
+    weights = {"conv/weight": sample(np.float32, (4, 3, 3, 3)), "bn/running_mean": sample(np.float32, (4,), 1)}
+    path = tmp_path / "model.safetensors"
+    saved_with_header_of(path, weights, length)
+    with open(path, "rb") as handle:
+        assert handle.read(2) in (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
+    loaded = ws.load(path)
+    assert sorted(loaded) == sorted(weights) and all(same(loaded[k], v) for k, v in weights.items())
+    with ws.open(path) as store:
+        assert same(store["conv/weight"], weights["conv/weight"])
+    result = run("ls", path)
+    assert result.exit_code == 0, result.output
+    assert "conv/weight" in result.output and "pickle" not in result.output
+    unnamed = tmp_path / "model.weights"  # no suffix to go by: the magic says safetensors, and so does the file
+    unnamed.write_bytes(path.read_bytes())
+    assert same(ws.load(unnamed)["bn/running_mean"], weights["bn/running_mean"])
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "model.weights"])
+def test_a_pickle_named_or_shaped_as_safetensors_is_still_refused_as_a_pickle_unread(tmp_path, name):
+    """The safetensors reader reads first now; a pickle it refuses is still named as a pickle,
+    and never unpickled."""
+    import pickle
+
+    made = tmp_path / "made-by-unpickling"
+
+    class MakesAFile:
+        def __reduce__(self):
+            return (open, (str(made), "w"))
+
+    for protocol in (2, 3, 4, 5):
+        path = tmp_path / name
+        path.write_bytes(pickle.dumps({"w": MakesAFile()}, protocol=protocol))
+        with pytest.raises(ws.FormatError, match=rf"is a Python pickle \(protocol {protocol}\).*never unpickles") as caught:
+            ws.load(path)
+        assert caught.value.path == str(path)
+        result = run("ls", path)
+        assert result.exit_code == 1 and "never unpickles" in result.output
+    assert not made.exists()

@@ -111,6 +111,10 @@ def test_a_tf_serving_base_is_said_to_be_one(saved, tmp_path):
     base = tmp_path / "base"
     for version in (1, 2):
         shutil.copytree(saved["keras"][0], base / str(version))
+    # names TF Serving does not take as versions: str.isdigit() takes "²" (int() raised ValueError)
+    # and int() takes "١" (Arabic-Indic one); like TF Serving, they are no versions
+    for name in ("²", "\u0661", "1" * 200):
+        shutil.copytree(saved["keras"][0], base / name)
     expected = (f"{base}: is a TF Serving model base (SavedModel versions 1, 2), not one model; name a version's "
                 f"folder, such as {base / '2'}")
     with pytest.raises(ws.StoreNotFoundError) as caught:

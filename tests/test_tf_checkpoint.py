@@ -431,6 +431,8 @@ def test_keras_config_is_read_as_bounded_json(keras_files, tmp_path):
     with pytest.raises(UnsafeFileError, match=r"config\.json is not JSON weightstore parses: it holds 100000 JSON"):
         keras_file.read_config(odd)
     for text, refusal in (('{"a": [' * 2_000 + "1" + "]}" * 2_000, r"config\.json is not JSON \(maximum recursion"),
+                          # parsed, yet a walk of it or its repr would raise RecursionError deeper in a stack
+                          ('{"a": ' + "[" * 400 + "]" * 400 + "}", r"config\.json nests objects and arrays more than 100"),
                           ('{"a": 1, "a": 2}', r"config\.json names 'a' twice")):
         with zipfile.ZipFile(odd, "w") as archive:
             archive.writestr("config.json", text + " " * 16_000)

@@ -256,3 +256,25 @@ def test_a_torch_zip_whose_pickle_is_not_its_first_member_is_refused_unread(tmp_
     with pytest.raises(FormatError, match="is a PyTorch torch.save file.*never unpickles"):
         ws.open(path)
     assert not made.exists()
+
+
+def test_a_conv_bn_linear_model_saved_by_safetensors_torch_reads_whatever_its_header_length(tmp_path):
+    """``safetensors.torch.save_file`` of this Conv/BN/Linear model writes a header of 600 bytes;
+    a little metadata takes it to 640, whose length starts with pickle's magic (``80 02``), and the
+    file was refused as "a Python pickle". It is read as the safetensors file its name says."""
+    import struct
+
+    source = net()
+    path = tmp_path / "model.safetensors"
+    for pad in range(64):
+        safetensors_torch.save_file(source.state_dict(), str(path), metadata={"note": "x" * pad})
+        with open(path, "rb") as handle:
+            if struct.unpack("<Q", handle.read(8))[0] == 640:
+                break
+    else:
+        raise AssertionError("no padding gives a header of 640 bytes")
+    fresh = net(seed=1)
+    assert torch_adapter.assign(fresh, path).ok
+    assert_same_state(fresh, source)
+    result = run("ls", path)
+    assert result.exit_code == 0 and "0/weight" in result.output, result.output

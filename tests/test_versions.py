@@ -136,7 +136,18 @@ def test_unpinned_version_pruned_away_says_retry(tmp_path):
         ws.open(stale)
 
 
-@pytest.mark.parametrize("content", [b"", b"  \n", b"garbage\x00\xff", b'{"step": 3}', b"[1, 2]"])
+def _pointer_nesting(field: str, depth: int) -> bytes:
+    """A LATEST naming step 3 whose ``field`` nests ``depth`` deep: parsed, yet ``str()`` or
+    ``json.dumps`` of it (``ws versions --json``) would raise RecursionError."""
+    fields = {"format": "weightstore-latest", "version": 1, "step": 3, "file": "step-000000000003.npz",
+              "created": "HERE" if field == "created" else "2026-01-01T00:00:00.000Z",
+              "metadata": {"note": "HERE"} if field == "metadata" else {}}
+    return json.dumps(fields).replace('"HERE"', "[" * depth + "]" * depth).encode()
+
+
+@pytest.mark.parametrize("content", [b"", b"  \n", b"garbage\x00\xff", b'{"step": 3}', b"[1, 2]",
+                                     _pointer_nesting("created", 500), _pointer_nesting("metadata", 500),
+                                     _pointer_nesting("metadata", 101)])
 def test_damaged_latest_is_a_clear_error_and_publish_repairs_it(tmp_path, content):
     ws.publish(tmp_path, weights_at(3), step=3)
     (tmp_path / "LATEST").write_bytes(content)

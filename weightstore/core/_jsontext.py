@@ -19,7 +19,14 @@ from typing import Any
 from weightstore.core._tensortable import short_repr
 from weightstore.errors import FormatError, UnsafeFileError
 
-__all__ = ["refuse_dense", "loads"]
+__all__ = ["refuse_dense", "loads", "MAX_DEPTH", "too_deep", "refuse_deep", "text_field"]
+
+#: how deep a JSON value from a file may nest objects and arrays. orjson parses 1,024 levels and
+#: the stdlib nearly 1,000, but Python's ``repr``, ``str`` and ``json.dumps`` recurse once a level
+#: and raise RecursionError past its recursion limit (1,000): a 2 KB index whose ``created`` was
+#: nested 1,020 deep leaked one at open, and metadata as deep leaked one from ``ws ls --json``.
+#: Writers refuse metadata deeper than this too, so every file written is one readers read.
+MAX_DEPTH = 100
 
 
 def refuse_dense(text: str | bytes, min_bytes: int, what: str) -> None:
@@ -77,3 +84,38 @@ def _refuse_constant(name: str) -> None:
 
 def _accept_constant(name: str) -> float:
     return float(name)
+
+
+def too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
+    """Whether ``value`` nests mappings, lists and tuples (JSON's objects and arrays, as parsed
+    or as a caller built them) more than ``limit`` levels deep. Not recursive, and linear in the
+    containers it holds."""
+    pending = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        pending.extend((child, depth + 1) for child in children if isinstance(child, (dict, list, tuple)))
+    return False
+
+
+def refuse_deep(value: Any, what: str) -> None:
+    """Refuse with a :class:`FormatError` a parsed value nested deeper than :data:`MAX_DEPTH`."""
+    if too_deep(value):
+        raise FormatError(f"{what} nests objects and arrays more than {MAX_DEPTH} levels deep")
+
+
+def text_field(document: dict[str, Any], name: str, what: str) -> str:
+    """A string field of a parsed document (``created``, ``producer``), ``""`` where absent;
+    anything else is refused with a :class:`FormatError` rather than shown with ``str()``, which
+    a value nested 1,000 deep makes raise RecursionError."""
+    value = document.get(name, "")
+    if not isinstance(value, str):
+        raise FormatError(f"{what} {name!r} is not a string but {type(value).__name__}")
+    return value

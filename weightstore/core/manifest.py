@@ -25,7 +25,7 @@ import orjson
 from isal import isal_zlib
 
 from weightstore.core import checksums as _crc
-from weightstore.core._jsontext import refuse_dense
+from weightstore.core._jsontext import refuse_deep, refuse_dense, text_field
 from weightstore.core._tensortable import (
     CHECKSUM_ALGORITHM,
     CHECKSUM_PREFIX,
@@ -297,6 +297,7 @@ def _parsed_manifest(text: str) -> Manifest:
     metadata = document.get("metadata", {})
     if not isinstance(raw_tensors, dict) or not isinstance(metadata, dict):
         raise FormatError("manifest 'tensors' and 'metadata' must be objects")
+    refuse_deep(metadata, "manifest metadata")
     locations: dict[str, str] = {}
     codecs: dict[str, str] = {}
     if version >= 2:
@@ -312,8 +313,8 @@ def _parsed_manifest(text: str) -> Manifest:
     return Manifest(
         tensors=tensors,
         metadata=metadata,
-        created=str(document.get("created", "")),
-        producer=str(document.get("producer", "")),
+        created=text_field(document, "created", "manifest"),
+        producer=text_field(document, "producer", "manifest"),
         locations=locations,
         codecs=codecs,
     )

@@ -54,15 +54,33 @@ def parse_pointer(data: bytes) -> dict[str, Any]:
     if (
         pointer.get("format") != POINTER_FORMAT or file_match is None
         or not isinstance(step, int) or isinstance(step, bool) or int(file_match.group(1)) != step
+        or not isinstance(pointer.get("created", ""), str) or jsontext.too_deep(pointer.get("metadata"))
     ):
         raise FormatError("LATEST is not a weightstore version pointer; publish again to repair it")
     return pointer
+
+
+def published_folder_message(folder: str, latest: str | None) -> str:
+    """What a reader given the versioned folder ``folder`` (a path or URL) where a file was
+    expected says: what it is, and which file to give (``latest``: the file ``LATEST`` names,
+    ``None`` where it names none readable); the same words locally and on object storage."""
+    example = f"such as LATEST's {folder.rstrip('/')}/{latest}" if latest else "one of its step-* files"
+    return (f"is a folder of ws.publish versions, not one weight file; name a version, {example} "
+            f"(ws versions {folder} lists them; in Python: ws.load(ws.latest(folder)))")
+
+
+def latest_name(data: bytes) -> str | None:
+    """The version file a ``LATEST``'s bytes name; ``None`` where they name none readable."""
+    try:
+        return str(parse_pointer(data)["file"])
+    except FormatError:
+        return None
 
 
 def local_latest_name(folder: str) -> str | None:
     """The version file a local folder's ``LATEST`` names; ``None`` where it has no readable one."""
     try:
         with open(f"{folder}/{LATEST}", "rb") as file:
-            return str(parse_pointer(file.read(MAX_POINTER_BYTES + 1))["file"])
-    except (OSError, FormatError):
+            return latest_name(file.read(MAX_POINTER_BYTES + 1))
+    except OSError:
         return None

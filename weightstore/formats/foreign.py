@@ -5,7 +5,9 @@ TF checkpoints, ``.keras`` archives and Hugging Face model folders are formats o
 ``.weights.h5`` files and plain ``np.savez``/h5py files are read by the HDF5 and npz readers as
 files without a manifest.
 
-:func:`refuse_pickle` is asked, from a file's first bytes, before any reader sees it: a
+:func:`refuse_pickle` is asked, from a file's first bytes, when no format's magic matches them, or
+when the reader the name or the magic picked refused the file (detection never overrides a
+file's own valid structure: a safetensors header of 640 bytes starts with pickle's magic): a
 ``torch.save`` file (``.pt``, ``.pth``, Hugging Face's ``pytorch_model.bin``) is a zip whose
 first member is ``<name>/data.pkl``, or, from PyTorch before 1.6, a bare pickle; unpickling
 runs whatever code the file names, so weightstore never does, and says how to convert it. A zip

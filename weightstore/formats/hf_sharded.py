@@ -119,6 +119,8 @@ class ShardedReader(ReaderDefaults):
         metadata = document.get("metadata") or {}
         if not isinstance(metadata, dict):
             raise FormatError("index metadata is not an object", path=name)
+        with naming(path=name):
+            jsontext.refuse_deep(metadata, "index metadata")
         self.metadata: dict[str, Any] = {k: v for k, v in metadata.items() if k != "total_size"}
         self.has_checksums = isinstance(document.get(PRODUCER_KEY), dict)
         self.created = str(document[PRODUCER_KEY].get("created", "")) if self.has_checksums else ""

@@ -127,6 +127,8 @@ def read_config(path: str | os.PathLike, *, max_bytes: int = MAX_CONFIG_BYTES) -
         config = jsontext.loads(raw, what=CONFIG_MEMBER, min_bytes=_CONFIG_BYTES_PER_CONTAINER, nonfinite=True)
     if not isinstance(config, dict):
         raise FormatError(f"{CONFIG_MEMBER} holds a JSON {type(config).__name__}, not an object", path=text)
+    with naming(path=text):  # the stdlib parses some 1,000 levels: past what a walk of it (or repr) survives
+        jsontext.refuse_deep(config, CONFIG_MEMBER)
     return config
 
 

@@ -8,13 +8,24 @@ names. Either way the reader fetches, from each member that holds part of it, on
 and verifies each block's CRC-32 before a byte of it is used. :meth:`ShardedReader.region_digest`
 says, from the index alone, whether a region's blocks changed between two versions. Members are never opened as
 stores: the index already says where everything is, so their headers are never fetched.
+
+A local version holds its members open as files, at most :func:`open_members_limit` at once (a
+quarter of the soft limit on open files): one of that many members or fewer is opened whole when
+it is opened, so pruning cannot pull it away from its reader; a larger one (1,100 ranks under the
+default limit of 1,024 files) is checked member by member at open (each exists, as large as the
+index says) and its members are opened as they are read, the least recently read closed to make
+room, so a member pruned before it is read again is refused as removed, as on object storage.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 import blake3
@@ -37,11 +48,28 @@ from weightstore.io.location import location_of
 from weightstore.io.ranges import RangedFile
 from weightstore.io.source import byte_source, read_whole
 
-__all__ = ["FORMAT", "ShardedReader", "normalized_region"]
+__all__ = ["FORMAT", "ShardedReader", "normalized_region", "open_members_limit"]
 
 Region = tuple[slice, ...]
 #: remote members read at once for one region (each request of a member's ranges is itself concurrent)
 _MEMBERS_AT_ONCE = 8
+#: member files one reader holds open at most, whatever the limit on open files allows
+_MOST_OPEN_MEMBERS = 1024
+
+
+def open_members_limit() -> int:
+    """The member files one local sharded reader holds open at once: a quarter of this process's
+    soft limit on open files (``RLIMIT_NOFILE``; 1,024 by default, so 256), leaving the rest to
+    the process and to other readers, at least 4 and at most 1,024."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):  # no such limit to ask (Windows)
+        return 256
+    if soft == resource.RLIM_INFINITY or soft < 0:
+        return _MOST_OPEN_MEMBERS
+    return max(4, min(_MOST_OPEN_MEMBERS, soft // 4))
 
 
 def normalized_region(region: Any, shape: Sequence[int], key: str) -> list[tuple[int, int]]:
@@ -77,17 +105,26 @@ class ShardedReader(ReaderDefaults):
         self.name = name
         self._index = index
         base = name.rsplit("/", 1)[0] if "/" in name else "."
-        self._files: list[RangedFile | None] = [None] * len(index.members)
         self._base, self._fs = base, fs
         self._remote = location_of(name).remote
         self._digests: dict[str, str | None] = {}  # key -> its whole tensor's region_digest
-        if not self._remote:  # opened now, so a version pruned while read keeps its members
-            try:
+        # open members, least recently read first, and how many reads use each (never closed while used)
+        self._files: OrderedDict[int, RangedFile] = OrderedDict()
+        self._users: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._most_open = len(index.members) if self._remote else open_members_limit()
+        if self._remote:  # a remote member holds no file open: described now, asked its size when read
+            return
+        try:
+            if len(index.members) <= self._most_open:  # opened now: a version pruned while read keeps them
                 for position in range(len(index.members)):
-                    self._member(position)
-            except BaseException:
-                self.close()
-                raise
+                    self._files[position] = self._opened(position)
+            else:
+                for position in range(len(index.members)):
+                    self._check_size(position, self._stat_size(position))
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def index(self) -> ShardIndex:
@@ -144,20 +181,58 @@ class ShardedReader(ReaderDefaults):
     def member_path(self, position: int) -> str:
         return f"{self._base}/{self._index.members[position].file}"
 
-    def _member(self, position: int) -> RangedFile:
-        found = self._files[position]
-        if found is None:
-            try:
-                found = RangedFile(self.member_path(position), fs=self._fs)
-                size = found.size
-            except FileNotFoundError:
-                raise StoreNotFoundError(f"member {self._index.members[position].file} that the index names is "
-                                         "missing", path=self.name) from None
-            self._files[position] = found
-            if size < self._index.members[position].size:
-                raise ChecksumError(f"member {self._index.members[position].file} has {found.size} bytes; the index "
-                                    f"says {self._index.members[position].size}", path=self.name)
+    def _missing(self, position: int) -> StoreNotFoundError:
+        return StoreNotFoundError(f"member {self._index.members[position].file} that the index names is missing",
+                                  path=self.name)
+
+    def _check_size(self, position: int, size: int) -> None:
+        if size < self._index.members[position].size:
+            raise ChecksumError(f"member {self._index.members[position].file} has {size} bytes; the index "
+                                f"says {self._index.members[position].size}", path=self.name)
+
+    def _stat_size(self, position: int) -> int:
+        """A local member's size, asked without opening it (a version of more members than may be open)."""
+        try:
+            return os.stat(self.member_path(position)).st_size
+        except FileNotFoundError:
+            raise self._missing(position) from None
+        except OSError as exc:
+            raise StoreNotFoundError(f"member {self._index.members[position].file} cannot be read "
+                                     f"({exc.strerror or exc})", path=self.name) from None
+
+    def _opened(self, position: int) -> RangedFile:
+        try:
+            found = RangedFile(self.member_path(position), fs=self._fs)
+            size = found.size
+        except FileNotFoundError:
+            raise self._missing(position) from None
+        try:
+            self._check_size(position, size)
+        except BaseException:
+            found.close()
+            raise
         return found
+
+    @contextmanager
+    def _member(self, position: int) -> Iterator[RangedFile]:
+        """Member ``position``, open while the block is read: opened if it is not, and, where that
+        makes more open than :func:`open_members_limit` allows, the least recently read one no
+        read is using closed."""
+        with self._lock:
+            found = self._files.get(position)
+            if found is None:
+                found = self._files[position] = self._opened(position)
+            self._files.move_to_end(position)
+            self._users[position] = self._users.get(position, 0) + 1
+        try:
+            yield found
+        finally:
+            with self._lock:
+                self._users[position] -= 1
+                if len(self._files) > self._most_open:  # least recently read first
+                    idle = [at for at in self._files if not self._users.get(at)]
+                    for at in idle[: len(self._files) - self._most_open]:
+                        self._files.pop(at).close()
 
     def read(self, key: str, *, verify: bool) -> np.ndarray:
         return self.read_region(key, (), verify=verify)
@@ -179,7 +254,8 @@ class ShardedReader(ReaderDefaults):
         runs = {position: _runs(found) for position, found in by_member.items()}
 
         def fill(position: int) -> None:
-            self._member(position).fill([(offset, buffer.data.cast("B")) for offset, buffer in runs[position]])
+            with self._member(position) as member:
+                member.fill([(offset, buffer.data.cast("B")) for offset, buffer in runs[position]])
 
         try:
             if self._remote and len(by_member) > 1:  # members fetched at once: each is a round trip
@@ -198,10 +274,10 @@ class ShardedReader(ReaderDefaults):
         return from_storage(out, entry.dtype)
 
     def close(self) -> None:
-        for found in self._files:
-            if found is not None:
+        with self._lock:
+            for found in self._files.values():
                 found.close()
-        self._files = [None] * len(self._files)
+            self._files.clear()
 
 
 class _PieceRead:

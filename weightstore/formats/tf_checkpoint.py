@@ -80,7 +80,7 @@ from weightstore.errors import (
     UnsafeFileError,
 )
 from weightstore.formats import Format, ReaderDefaults
-from weightstore.formats._pointer import LATEST, local_latest_name
+from weightstore.formats._pointer import LATEST, local_latest_name, published_folder_message
 from weightstore.formats.sstable import Table, crc32c, read_varint, unmask_crc
 from weightstore.io.files import open_regular
 from weightstore.io.local import MappedFile
@@ -191,9 +191,7 @@ def _refuse_published_folder(folder: str) -> None:
     if not os.path.isfile(os.path.join(folder, LATEST)):
         return
     latest = local_latest_name(folder)  # None for a damaged LATEST: the folder is still one of versions
-    example = f"such as LATEST's {os.path.join(folder, latest)}" if latest else "one of its step-* files"
-    raise StoreNotFoundError(f"is a folder of ws.publish versions, not one weight file; name a version, {example} "
-                             f"(ws versions {folder} lists them; in Python: ws.load(ws.latest(folder)))", path=folder)
+    raise StoreNotFoundError(published_folder_message(folder, latest), path=folder)
 
 
 def saved_model_prefix(folder: str) -> str | None:
@@ -209,10 +207,15 @@ def saved_model_prefix(folder: str) -> str | None:
     return None
 
 
+#: a TF Serving version folder's name: ASCII digits that fit its int64 version numbers (``str.isdigit``
+#: takes ``²``, which ``int`` refuses, and ``int`` refuses names past 4,300 digits); others it skips, as here
+_SERVING_VERSION = re.compile(r"[0-9]{1,18}")
+
+
 def serving_versions(folder: str) -> list[int]:
     """The versions of a TF Serving model base (``base/1/``, ``base/2/``: numbered SavedModel folders), oldest first."""
     try:
-        entries = [entry for entry in os.scandir(folder) if entry.is_dir() and entry.name.isdigit()]
+        entries = [entry for entry in os.scandir(folder) if _SERVING_VERSION.fullmatch(entry.name) and entry.is_dir()]
     except OSError:
         return []
     return sorted(int(entry.name) for entry in entries if saved_model_prefix(entry.path) is not None)

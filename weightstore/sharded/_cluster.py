@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from weightstore.core._jsontext import MAX_DEPTH, too_deep
+from weightstore.core._tensortable import short_repr
 from weightstore.errors import WeightStoreError
 
 __all__ = ["Membership", "membership", "rank_in_tf_cluster", "is_tf_chief", "tf_config_task"]
@@ -36,6 +39,8 @@ __all__ = ["Membership", "membership", "rank_in_tf_cluster", "is_tf_chief", "tf_
 #: the TF_CONFIG task types that write members, in rank order
 _WRITING_TASKS = ("chief", "master", "worker")
 _TF_CONFIG_FORM = 'expected {"cluster": {"chief": [...], "worker": [...]}, "task": {"type": "worker", "index": 0}}'
+#: a restart count as torchrun writes it: ASCII digits, few enough for an attempt (below 2**62)
+_COUNT = re.compile(r"[0-9]{1,18}")
 _PASS_ATTEMPT = ("pass attempt= (one higher each time the job retries a step, so a dead try's members never mix "
                  "with a live one's)")
 
@@ -121,14 +126,21 @@ def tf_config_task() -> tuple[Mapping[str, Any], str, int] | None:
     text = os.environ.get("TF_CONFIG")
     try:
         config = json.loads(text) if text else {}
+        if too_deep(config):  # parsed, yet repr() or str() of it would raise RecursionError
+            raise ValueError(f"it nests objects and arrays more than {MAX_DEPTH} levels deep")
         task = config.get("task") or {}
         if not task.get("type"):
             return None
-        cluster, task_type, task_index = config.get("cluster") or {}, str(task["type"]), task.get("index", 0)
+        cluster, task_type, task_index = config.get("cluster") or {}, task["type"], task.get("index", 0)
+        if not isinstance(task_type, str):
+            raise TypeError(f"task type {short_repr(task_type)} is no string")
         if isinstance(task_index, str) and task_index.isascii() and task_index.isdigit():
             task_index = int(task_index)  # as TF's own resolver takes it
         if isinstance(task_index, bool) or not isinstance(task_index, int):
-            raise TypeError(f"task index {task_index!r} is no int")
+            raise TypeError(f"task index {short_repr(task_index)} is no int")
+    except RecursionError:  # the stdlib parser's own limit, below orjson's: JSON nested some 1,000 deep
+        raise WeightStoreError(f"TF_CONFIG is not a cluster and task (it nests objects and arrays more than "
+                               f"{MAX_DEPTH} levels deep); {_TF_CONFIG_FORM}") from None
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise WeightStoreError(f"TF_CONFIG is not a cluster and task ({type(exc).__name__}: {exc}); "
                                f"{_TF_CONFIG_FORM}") from None
@@ -142,10 +154,9 @@ def _torch() -> Membership | None:
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return None
     count = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    try:
-        attempt = None if count is None else int(count)
-    except ValueError:
-        raise WeightStoreError(f"TORCHELASTIC_RESTART_COUNT is {count!r}, not a count") from None
+    if count is not None and not _COUNT.fullmatch(count):  # int() takes "-1", " 2", "1_0" and "٣"
+        raise WeightStoreError(f"TORCHELASTIC_RESTART_COUNT is {count[:40]!r}, not a count of restarts (0, 1, 2...)")
+    attempt = None if count is None else int(count)
     return Membership(dist.get_rank(), dist.get_world_size(), attempt, "torch.distributed")
 
 

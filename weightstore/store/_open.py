@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 import numpy as np
@@ -25,6 +26,7 @@ from weightstore.formats import (
     hf_sharded,
     sniff,
 )
+from weightstore.formats._pointer import LATEST, MAX_POINTER_BYTES, latest_name, published_folder_message
 from weightstore.formats.foreign import HEAD_BYTES, refuse_pickle
 from weightstore.formats.renamed import RenamedReader, names_by_key
 from weightstore.io.files import open_regular
@@ -319,6 +321,7 @@ def _open(path: Any, *, verify: bool, format: str | None, mmap: bool) -> Store: 
             if found is not None:
                 return found
             if place.is_dir():
+                _refuse_published_folder(place)
                 raise StoreNotFoundError("is a folder that no format reads", path=place.text) from None
         raise StoreNotFoundError("no such file", path=place.text) from None
 
@@ -348,25 +351,70 @@ def _open_file(place: Place, fmt: Format | None, verify: bool, mmap: bool) -> St
     source = place.source()
     try:
         fmt = fmt or format_for_suffix(location)
+        head = b""  # of a URL whose name says the format, the pickle check costs no request
         if fmt is None or not place.remote:
             head = _head(source, location)
+        if fmt is None:
             with naming(path=location):
-                refuse_pickle(head)
-                fmt = fmt or sniff(head)
+                fmt = _sniffed(head)
         if isinstance(source, RemoteFile) and fmt.remote_file_object:  # h5py's reads, through an fsspec file
             source.close()
             with service(location):
                 handle = place.open_file()
             try:
-                return Store(fmt.open_reader(handle, location), location, verify, fmt.name)
+                with _pickle_named(head, location):
+                    return Store(fmt.open_reader(handle, location), location, verify, fmt.name)
             except BaseException:
                 handle.close()
                 raise
-        return Store(fmt.open_reader(source, location, mmap=mmap), location, verify, fmt.name)
+        with _pickle_named(head, location):
+            return Store(fmt.open_reader(source, location, mmap=mmap), location, verify, fmt.name)
     except BaseException:
         if isinstance(source, RemoteFile):
             source.close()
         raise
+
+
+def _sniffed(head: bytes) -> Format:
+    """The format whose magic ``head`` matches, for a name whose suffix says nothing; a pickle
+    no format's magic matches is refused as one (:func:`refuse_pickle`)."""
+    try:
+        return sniff(head)
+    except WeightStoreError:
+        refuse_pickle(head)
+        raise
+
+
+@contextmanager
+def _pickle_named(head: bytes, location: str) -> Iterator[None]:
+    """Format detection never overrides a file's own valid structure: the reader of the format the
+    name (or the magic) chose reads the file first, and only a file it refuses is refused as a
+    pickle where its first bytes start one, which says more than the reader's refusal. (A valid
+    safetensors file whose header is 640, 896, 1,152 or 1,408 bytes long starts with pickle's
+    magic: its length's first two bytes are ``80 02`` to ``80 05``.)"""
+    try:
+        yield
+    except WeightStoreError:
+        with naming(path=location):
+            refuse_pickle(head)
+        raise
+
+
+def _refuse_published_folder(place: Place) -> None:
+    """A folder of ``ws.publish`` versions on object storage is refused as a local one is
+    (:func:`~weightstore.formats.tf_checkpoint.resolve_prefix`): naming the version its ``LATEST``
+    names, rather than "no format reads it". Asked only once the folder is known to be no
+    model, so opening a file costs no request more."""
+    pointer = place.child(LATEST)
+    if not pointer.is_file():
+        return
+    source = pointer.source()
+    assert isinstance(source, RemoteFile)
+    try:
+        data = bytes(source.read_at(0, min(source.size, MAX_POINTER_BYTES + 1)))
+    finally:
+        source.close()
+    raise StoreNotFoundError(published_folder_message(place.text, latest_name(data)), path=place.text)
 
 
 def _head(source: str | RemoteFile, location: str) -> bytes:

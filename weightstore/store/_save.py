@@ -22,6 +22,7 @@ import numpy as np
 from weightstore._version import __version__
 from weightstore.core import _parallel as parallel
 from weightstore.core._arrays import as_numpy, declared_dtype
+from weightstore.core._jsontext import MAX_DEPTH, too_deep
 from weightstore.core._tensortable import TensorInfo
 from weightstore.core.keys import validate_keys
 from weightstore.core.manifest import build_manifest, content_digest, dtype_name, logical_dtype, to_storage, utc_now
@@ -229,6 +230,8 @@ def checked_metadata(metadata: Mapping[str, Any] | None, where: str = "") -> dic
         json.dumps(dict(metadata), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as exc:
         raise TypeError(f"{prefix}metadata must be JSON-serializable: {exc}") from None
+    if too_deep(metadata):
+        raise TypeError(f"{prefix}metadata must nest at most {MAX_DEPTH} levels deep, as readers read it")
     try:
         clash = _colliding_keys(metadata)
     except RecursionError:

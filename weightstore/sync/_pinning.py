@@ -156,7 +156,7 @@ def pointer_version(folder: Folder, data: bytes | None) -> Version | None:
     with naming(path=folder.where):
         pointer = parse_pointer(data)
     metadata: dict[str, Any] = pointer["metadata"] if isinstance(pointer.get("metadata"), dict) else {}
-    return Version(pointer["step"], folder.url(pointer["file"]), str(pointer.get("created", "")), metadata, folder)
+    return Version(pointer["step"], folder.url(pointer["file"]), pointer.get("created", ""), metadata, folder)
 
 
 def _open_version(folder: Folder, version: Version, verify: bool) -> Store:
