@@ -660,7 +660,7 @@ def test_every_error_is_a_weightstore_error_and_its_builtin():
         "StoreClosedError": ValueError, "WriteError": OSError,
         "AssignmentError": ValueError, "PublishError": RuntimeError, "MissingDependencyError": ImportError,
         "TargetError": ValueError, "StorageError": OSError, "FileAccessError": OSError, "LayoutError": ValueError,
-        "ShardTimeoutError": TimeoutError,
+        "ShardTimeoutError": TimeoutError, "UnsupportedTargetError": TypeError,
     }
     assert set(errors.__all__) == set(refines) | {"WeightStoreError"}
     for name, builtin in refines.items():
