@@ -117,36 +117,6 @@ def test_a_failed_publish_is_counted_and_logged_never_raised_and_not_retried(tmp
     assert publisher.close().step == 11 and ws.latest(tmp_path).step == 11
 
 
-def test_a_storage_failure_is_retried_with_backoff_until_the_storage_is_back(tmp_path):
-    """A full or failing disk (an OSError) passes: the snapshot is written once it does, the
-    caller never waiting and never seeing the error."""
-    folder = tmp_path / "run"
-    folder.write_bytes(b"")  # makes every publish fail with an OSError until it is a folder again
-    publisher = ws.BackgroundPublisher(folder / "inner", retry_backoff=0.05, max_backoff=0.2)
-    began = time.monotonic()
-    future = publisher.publish(weights(7), step=7)
-    assert time.monotonic() - began < 5 and not future.done()
-    while publisher.failures < 3:
-        time.sleep(0.05)
-    folder.unlink()
-    folder.mkdir()  # the storage is back
-    assert future.result(60).step == 7 and publisher.close().step == 7
-    np.testing.assert_array_equal(ws.load(ws.latest(folder / "inner"))["dense/kernel"], weights(7)["dense/kernel"])
-
-
-def test_a_storage_failure_is_given_up_after_retry_for_and_the_next_snapshot_is_written(tmp_path):
-    folder = tmp_path / "run"
-    folder.write_bytes(b"")
-    publisher = ws.BackgroundPublisher(folder / "inner", retry_for=0.3, retry_backoff=0.05)
-    given_up = publisher.publish(weights(1), step=1)
-    with pytest.raises(OSError):
-        given_up.result(60)
-    assert publisher.failures >= 2 and publisher.wait() is None
-    folder.unlink()
-    folder.mkdir()
-    assert publisher.publish(weights(2), step=2).result(60).step == 2
-
-
 def test_a_bad_step_is_refused_at_the_call_and_costs_no_later_publish(tmp_path):
     """Checked on the thread, a bad step failed the future and then made the next, good
     publish raise it instead of publishing."""

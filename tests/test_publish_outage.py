@@ -51,6 +51,18 @@ def test_a_background_publish_rides_out_an_outage(s3, outage):
     np.testing.assert_array_equal(ws.load(ws.latest(folder))["dense/kernel"], weights(2)["dense/kernel"])
 
 
+def test_a_snapshot_is_given_up_after_retry_for_and_the_next_one_is_written(s3, outage):
+    folder = f"s3://{BUCKET}/given-up"
+    publisher = ws.BackgroundPublisher(folder, retry_for=0.5, retry_backoff=0.1)
+    outage.start()
+    given_up = publisher.publish(weights(1), step=1)
+    with pytest.raises(ws.StorageError):
+        given_up.result(60)
+    assert publisher.failures >= 1 and publisher.wait() is None
+    outage.end()
+    assert publisher.publish(weights(2), step=2).result(60).step == 2
+
+
 def test_fit_goes_on_through_an_outage_and_the_folder_ends_on_the_trained_weights(s3, outage):
     keras = pytest.importorskip("keras")
     from weightstore.adapters import tf2

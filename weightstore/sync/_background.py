@@ -40,6 +40,7 @@ Example::
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import logging
 import threading
 import time
@@ -47,7 +48,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from weightstore.errors import PublishError, StorageError, WeightStoreError
+from weightstore.errors import PublishError, StorageError, WeightStoreError, WriteError
 from weightstore.formats import format_named
 from weightstore.store._save import checked_metadata
 from weightstore.sync._checks import DEFAULT_FORMAT, DEFAULT_KEEP, checked_keep, checked_seconds, checked_step
@@ -61,6 +62,9 @@ DEFAULT_RETRY_FOR = 600.0
 DEFAULT_RETRY_BACKOFF = 0.5
 DEFAULT_MAX_BACKOFF = 30.0
 _log = logging.getLogger("weightstore")
+#: the errors of a write that may pass: space or quota freed, a device or service back
+_PASSING_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EAGAIN, errno.EBUSY, errno.EINTR,
+                             errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED, None})
 
 
 class PublishFuture(concurrent.futures.Future):
@@ -233,9 +237,12 @@ class BackgroundPublisher:
 
 
 def _retryable(error: BaseException) -> bool:
-    """A failure of the storage, which may pass: not one of the publish itself (a step not
-    forward, a folder that is a file, weights no format takes)."""
+    """A failure of the storage, which may pass (an outage, a full disk): not one of the publish
+    itself (a step not forward, a folder that is a file, weights no format takes), nor a write
+    the file system will refuse again (a file over its size limit, a read-only file system)."""
+    if isinstance(error, WriteError):
+        return error.errno in _PASSING_ERRNOS
     if isinstance(error, StorageError):
         return True
-    return isinstance(error, OSError) and not isinstance(error, WeightStoreError)
+    return isinstance(error, OSError) and not isinstance(error, WeightStoreError) and error.errno in _PASSING_ERRNOS
 
