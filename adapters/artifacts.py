@@ -43,7 +43,7 @@ from weightstore.formats.tf_checkpoint import CheckpointReader, resolve_prefix
 __all__ = ["ModelKeyedStore", "open_artifact", "is_model_file", "for_model", "keras_file_names", "is_keras_file",
            "lora_factors"]
 
-_KERAS_SUFFIXES = (".keras", ".weights.h5")
+_KERAS_SUFFIXES = (".keras", ".weights.h5", ".weights.json")
 _NEAR_ROOT = 2  # edges from the checkpoint's root within which the model's own node is looked for
 
 
@@ -58,7 +58,7 @@ def is_model_file(path: Any) -> bool:
 
 
 def is_keras_file(path: Any) -> bool:
-    """Whether ``path`` names a Keras file (``.keras``, ``.weights.h5``)."""
+    """Whether ``path`` names a Keras file (``.keras``, ``.weights.h5``, a sharded ``.weights.json``)."""
     return isinstance(path, (str, os.PathLike)) and _is_keras(os.fspath(path))
 
 

@@ -73,7 +73,7 @@ from weightstore.adapters.plan import (
 )
 from weightstore.core.keys import MappingRules, Patterns, join_scope, map_key, normalize_scope, parse_mapping, passes
 from weightstore.errors import AssignmentError, LayoutError
-from weightstore.formats import keras_file
+from weightstore.formats import keras_file, keras_sharded
 
 __all__ = ["Rule", "Layout", "convert", "fold_bias_into_norm"]
 
@@ -598,7 +598,7 @@ def selected_refusals(refused: Mapping[str, str], *, scope: str | None, mapping:
 def _refuse_keras_file(path: str | None) -> None:
     """A Keras file names tensors by Keras's save walk (``layers/dense/vars/0``): no layout rule
     can say which is which without the Keras model that wrote it, so say how to key it by that model."""
-    if path is None or not path.endswith((keras_file.KERAS_SUFFIX, keras_file.WEIGHTS_SUFFIX)):
+    if path is None or not path.endswith((keras_file.KERAS_SUFFIX, keras_file.WEIGHTS_SUFFIX, keras_sharded.SUFFIX)):
         return
     raise AssignmentError(
         "is a Keras file, whose tensors Keras names by its save walk (layers/<layer>/vars/<i>), not by layer: "

@@ -18,7 +18,7 @@ import weightstore
 from weightstore.adapters import checkpoints
 from weightstore.core.keys import OUTPUT_SUFFIX
 from weightstore.errors import FormatError, StoreNotFoundError, named
-from weightstore.formats import keras_file
+from weightstore.formats import keras_file, keras_sharded
 from weightstore.formats.tf_checkpoint import KIND_TF2, resolve_prefix
 from weightstore.io.location import is_url
 from weightstore.store._open import Store
@@ -89,7 +89,7 @@ def open_keyed_like_model(path: str | os.PathLike, model_file: str | os.PathLike
     with open_source(text) as plain:
         kind = plain.kind
     prefix = resolve_prefix(text) if kind == KIND_TF2 else None
-    if prefix is None and not text.endswith((".keras", keras_file.WEIGHTS_SUFFIX)):
+    if prefix is None and not text.endswith((".keras", keras_file.WEIGHTS_SUFFIX, keras_sharded.SUFFIX)):
         raise FormatError(f"is a {kind}; only Keras files and TF2 object-based checkpoints can be keyed like a model",
                           path=text)
     checkpoints.tensorflow("keying weights like a model (Keras builds it from the .keras config)", model_text)
@@ -146,6 +146,8 @@ def _store_kind(store: Store) -> str:
         return "weightstore file"
     if store.path.endswith(keras_file.WEIGHTS_SUFFIX):
         return keras_file.KIND
+    if store.path.endswith(keras_sharded.SUFFIX):
+        return keras_sharded.KIND
     return "file without a weightstore manifest"
 
 

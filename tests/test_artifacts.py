@@ -630,3 +630,60 @@ def test_tf1_checkpoint_with_empty_name_segments_assigns_strictly(tmp_path):
         report = tf1.assign(sess, prefix)
         assert report.assigned == ["model_001/conv_1/kernel"]
         np.testing.assert_array_equal(sess.run(kernel), np.arange(6, dtype=np.float32))
+
+
+# -- Keras sharded weights (save_weights(..., max_shard_size=...)) ------------------------------
+
+def _sharded_weights(tmp_path):
+    """A model and the sharded weights Keras wrote of it: the map and several shards."""
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(256), keras.layers.BatchNormalization(),
+                              keras.layers.Dense(64), keras.layers.Dense(3)])
+    model(np.zeros((1, 8), np.float32))
+    path = tmp_path / "m.weights.json"
+    model.save_weights(str(path), max_shard_size=0.00007)  # 70 KB: the 64 KB kernel alone in a shard
+    return model, path
+
+
+def test_keras_sharded_weights_assign_as_load_weights_restores_them(tmp_path):
+    model, path = _sharded_weights(tmp_path)
+    assert len(list(tmp_path.glob("m_*.weights.h5"))) >= 2
+    fresh, theirs = (keras.models.clone_model(model) for _ in range(2))
+    theirs.load_weights(str(path))
+    report = tf2.assign(fresh, path)
+    assert not report.missing and not report.unexpected
+    x = np.random.default_rng(0).normal(size=(5, 8)).astype(np.float32)
+    np.testing.assert_array_equal(fresh.predict(x, verbose=0), theirs.predict(x, verbose=0))
+    np.testing.assert_array_equal(fresh.predict(x, verbose=0), model.predict(x, verbose=0))
+    with ws.open(path) as store:  # one store with the keys the unsharded file would have
+        assert "layers/dense/vars/0" in store and store["layers/dense/vars/0"].shape == (8, 256)
+
+
+@pytest.mark.parametrize(("edit", "words"), [
+    (lambda m: {**m, "weight_map": {"/layers/dense/vars": ["../elsewhere.weights.h5"]}}, "not a shard in its folder"),
+    (lambda m: {**m, "weight_map": {"/layers/dense/vars": "gone_00009.weights.h5"}}, "which is not in its folder"),
+    (lambda m: {"metadata": {}}, "holds no weight_map"),
+    (lambda m: [m], "holds no weight_map"),
+])
+def test_a_hostile_keras_sharded_map_is_refused_naming_it(tmp_path, edit, words):
+    import json
+
+    _, path = _sharded_weights(tmp_path)
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+    with pytest.raises(ws.FormatError, match=words) as caught:
+        ws.load(path)
+    assert caught.value.path == str(path)
+
+
+def test_a_tensor_in_two_keras_shards_is_refused(tmp_path):
+    import json
+    import shutil
+
+    _, path = _sharded_weights(tmp_path)
+    weight_map = json.loads(path.read_text())
+    first = sorted(tmp_path.glob("m_*.weights.h5"))[0]
+    shutil.copy(first, tmp_path / "m_09999.weights.h5")
+    weight_map["weight_map"]["/copy"] = ["m_09999.weights.h5"]
+    path.write_text(json.dumps(weight_map))
+    with pytest.raises(ws.FormatError, match="both hold this tensor"):
+        ws.load(path)
