@@ -31,17 +31,10 @@ with needs("flax", __name__):
     from flax import nnx
 
 from weightstore.adapters import layout as layouts
-from weightstore.adapters.plan import (
-    MEMORY,
-    AssignOptions,
-    AssignWords,
-    Report,
-    Selection,
-    SelectionWords,
-    TargetInfo,
-    ValueSource,
-    open_values,
-)
+from weightstore.adapters._reload import MEMORY
+from weightstore.adapters._report import TargetInfo
+from weightstore.adapters._values import ValueSource, open_values
+from weightstore.adapters.plan import AssignOptions, AssignWords, Report, Selection, SelectionWords
 from weightstore.adapters.skeleton import Target, private_copy, range_checked, run_assign
 from weightstore.core.keys import MappingRules, Patterns, validate_key
 from weightstore.errors import InvalidKeyError, LayoutError, SelectionError

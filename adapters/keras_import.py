@@ -21,7 +21,7 @@ from collections.abc import Iterator, Mapping
 import numpy as np
 
 import weightstore
-from weightstore.adapters.plan import describe, widens
+from weightstore.adapters._casts import describe, widens
 from weightstore.core.keys import suggest
 from weightstore.core.manifest import logical_dtype
 from weightstore.errors import FormatError, KeyNotInStoreError, naming

@@ -61,16 +61,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from weightstore.adapters import layer_rules
+from weightstore.adapters._casts import describe
+from weightstore.adapters._report import Mismatch, Plan, TargetInfo
+from weightstore.adapters._values import ValueSource
 from weightstore.adapters.layer_rules import LayerRule
-from weightstore.adapters.plan import (
-    AssignOptions,
-    Mismatch,
-    Plan,
-    TargetInfo,
-    ValueSource,
-    describe,
-    plan_assign,
-)
+from weightstore.adapters.plan import AssignOptions, plan_assign
 from weightstore.core.keys import MappingRules, Patterns, join_scope, map_key, normalize_scope, parse_mapping, passes
 from weightstore.errors import AssignmentError, LayoutError
 from weightstore.formats import keras_file, keras_sharded

@@ -26,19 +26,11 @@ from typing import Any, cast
 
 import numpy as np
 
-from weightstore.adapters.plan import (
-    MEMORY,
-    AssignOptions,
-    Plan,
-    Report,
-    TargetInfo,
-    Values,
-    ValueSource,
-    open_values,
-    out_of_range,
-    plan_assign,
-    wants_skip,
-)
+from weightstore.adapters._casts import out_of_range
+from weightstore.adapters._reload import MEMORY, wants_skip
+from weightstore.adapters._report import Plan, TargetInfo
+from weightstore.adapters._values import Values, ValueSource, open_values
+from weightstore.adapters.plan import AssignOptions, Report, plan_assign
 from weightstore.core._gcpause import paused_gc
 from weightstore.errors import AssignmentError
 from weightstore.io.buffer import (  # TF adopts aligned memory (EIGEN_MAX_ALIGN_BYTES)
@@ -271,7 +263,7 @@ def range_checked(prepare: Callable[[ValueSource, str, str], Any],
 
 class _RangeChecked:
     """A value source whose reads refuse a value that a cast to ``dtype`` would turn into other
-    numbers (:func:`~weightstore.adapters.plan.out_of_range`): each read an adapter makes (the
+    numbers (:func:`~weightstore.adapters._casts.out_of_range`): each read an adapter makes (the
     whole value, or only the region a variable's part holds) is checked as the file holds it."""
 
     def __init__(self, source: ValueSource, key: str, dtype: np.dtype):

@@ -54,17 +54,9 @@ with needs("tf", __name__):
     import tensorflow as tf
 
 from weightstore.adapters import tf1_callables, tf1_training
-from weightstore.adapters.plan import (
-    MEMORY,
-    AssignOptions,
-    AssignWords,
-    Plan,
-    Report,
-    Selection,
-    SelectionWords,
-    TargetInfo,
-    plan_assign,
-)
+from weightstore.adapters._reload import MEMORY
+from weightstore.adapters._report import Plan, TargetInfo
+from weightstore.adapters.plan import AssignOptions, AssignWords, Report, Selection, SelectionWords, plan_assign
 from weightstore.adapters.skeleton import Target, run_assign
 from weightstore.adapters.tf_staging import shares_mapped, staged_feeds
 from weightstore.core._heap import give_back

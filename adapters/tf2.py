@@ -78,6 +78,9 @@ with needs("tf", __name__):
     from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable
 
 import weightstore
+from weightstore.adapters._reload import MEMORY
+from weightstore.adapters._report import Plan, TargetInfo
+from weightstore.adapters._values import RenamedValues
 from weightstore.adapters.artifacts import (
     for_model,
     is_keras_file,
@@ -87,15 +90,11 @@ from weightstore.adapters.artifacts import (
     saved_outside_weights,
 )
 from weightstore.adapters.plan import (
-    MEMORY,
     AssignOptions,
     AssignWords,
-    Plan,
-    RenamedValues,
     Report,
     Selection,
     SelectionWords,
-    TargetInfo,
     plan_assign,
     settle_tied,
 )

@@ -42,19 +42,11 @@ with needs("torch", __name__):
 
 from weightstore.adapters import layout as layouts
 from weightstore.adapters import torch_shards
-from weightstore.adapters.plan import (
-    MEMORY,
-    AssignOptions,
-    AssignWords,
-    Mismatch,
-    RenamedValues,
-    Report,
-    Selection,
-    SelectionWords,
-    TargetInfo,
-    describe,
-    refuse_before_write,
-)
+from weightstore.adapters._casts import describe
+from weightstore.adapters._reload import MEMORY
+from weightstore.adapters._report import Mismatch, TargetInfo
+from weightstore.adapters._values import RenamedValues
+from weightstore.adapters.plan import AssignOptions, AssignWords, Report, Selection, SelectionWords, refuse_before_write
 from weightstore.adapters.skeleton import Target, run_assign
 from weightstore.core.names import TORCH, WRITE_NAMINGS, check_naming, key_of_torch_name, torch_keys, torch_name_of_key
 from weightstore.errors import AssignmentError, InvalidKeyError, LayoutError, SelectionError, UnsupportedDTypeError

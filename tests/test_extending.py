@@ -396,7 +396,9 @@ TOY_ADAPTER = textwrap.dedent('''
 
     import numpy as np
 
-    from weightstore.adapters.plan import AssignOptions, Selection, TargetInfo
+    from weightstore.adapters.plan import AssignOptions, Selection
+
+    from weightstore.adapters._report import TargetInfo
     from weightstore.adapters.skeleton import Target, run_assign
 
 
@@ -480,7 +482,8 @@ def test_hot_reload_writes_a_variable_under_two_keys_unless_both_are_unchanged(t
     """Two keys of one variable (tied weights) share its memory: skipping the one whose bytes
     match what the variable last received, while writing the other, left the variable holding
     a value a plain assign of the same file never gives, and flipped it every version."""
-    from weightstore.adapters.plan import AssignOptions, TargetInfo
+    from weightstore.adapters._report import TargetInfo
+    from weightstore.adapters.plan import AssignOptions
     from weightstore.adapters.skeleton import Target, run_assign
 
     shared = np.zeros(2, np.float32)

@@ -363,7 +363,7 @@ def test_a_follower_refuses_a_file_for_a_folder_and_a_wait_before_it_follows(tmp
 
 
 def test_wants_skip_by_type_not_by_name():
-    from weightstore.adapters.plan import wants_skip
+    from weightstore.adapters._reload import wants_skip
 
     class Subclassed(ws.Version):
         pass

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import weightstore as ws
-from weightstore.adapters.plan import out_of_range
+from weightstore.adapters._casts import out_of_range
 from weightstore.core import keys as K
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -185,7 +185,7 @@ def test_an_imaginary_part_of_ml_dtypes_complex_is_not_dropped(kind):
 
 
 def test_a_float_whose_negative_zero_a_target_loses_does_not_widen():
-    from weightstore.adapters.plan import widens
+    from weightstore.adapters._casts import widens
 
     assert widens(_F4, _F8) and not widens(_F4, _FNUZ)  # fnuz types have one zero: -0 comes out +0
     for real in (np.float16, np.float32, ml_dtypes.bfloat16, _F8, _F4):  # the sign goes to the real part

@@ -62,7 +62,8 @@ from typing_extensions import Unpack
 
 import weightstore
 from weightstore.adapters._registry import adapter_for
-from weightstore.adapters.plan import AssignOptions, AssignWords, Report, reload_digest, wants_skip
+from weightstore.adapters._reload import reload_digest, wants_skip
+from weightstore.adapters.plan import AssignOptions, AssignWords, Report
 from weightstore.adapters.skeleton import handed_over, rehearsal
 from weightstore.core._heap import give_back
 from weightstore.core.manifest import TensorInfo, logical_dtype

@@ -1,0 +1,157 @@
+"""What a refused assign says: every missing, unexpected and mismatched key, with close
+matches offered and the scope that would have paired them."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from weightstore.adapters._casts import castable, widens
+from weightstore.adapters._report import LISTED, TYPO, Mismatch, Report, TargetInfo
+from weightstore.core.keys import suggest as keys_suggest
+
+
+def few_assigned(where: str, paired: int, targets: Mapping[str, TargetInfo], values: Mapping[str, str],
+                  renamed: bool, mismatched: Sequence[Mismatch]) -> str:
+    """Why most variables stayed as they were, saying so when file and model barely fit each
+    other: their keys do not pair, or (most of them shapes alike) their dtypes differ."""
+    common = sum(1 for key in values if key in targets)
+    text = (f"assigning {where} (strict=False) left {len(targets) - paired} of {len(targets)} variables as they "
+            f"were; {paired} of {len(values)} values fit a variable ({common} share a key with one)")
+    if paired * 2 < min(len(targets), len(values)):
+        dtypes_only = sum(1 for mismatch in mismatched if "cast=True" in mismatch.reason)
+        text += (": most keys pair, but their dtypes differ (report.mismatched lists each; cast=True converts them)"
+                 if dtypes_only * 2 >= min(len(targets), len(values)) else f": {_apart(values, targets, renamed)}")
+    return text
+
+
+def _apart(values: Iterable[str], targets: Iterable[str], renamed: bool) -> str:
+    """Why few keys pair: one scope between them, or a different architecture."""
+    fix = _scope_fix(values, targets, renamed)
+    return (f"the keys differ by a scope: {fix}" if fix else
+            "the weights and the model look like different architectures (or differ by a scope: scope= puts "
+            "the values under one, mapping={'FROM': 'TO'} renames one)")
+
+
+def no_such_scope(scope: str, targets: Iterable[str]) -> str:
+    """What to say of a ``scope`` no variable is under: the model's scopes at its depth, the
+    nearest first (``model_02`` for ``model_002``)."""
+    depth = scope.count("/") + 1
+    scopes = sorted({"/".join(key.split("/")[:depth]) for key in targets if key.count("/") >= depth})
+    near = keys_suggest(scope, scopes)
+    shown = f" (the model's: {', '.join(map(repr, scopes[:5]))}{', …' if len(scopes) > 5 else ''})" if scopes else ""
+    return f"no variable is under scope {scope!r}{near or shown}"
+
+
+def _scope_fix(values: Iterable[str], targets: Iterable[str], renamed: bool) -> str:
+    """What would pair the keys when one scope is all that keeps them apart: values saved
+    under ``model_002/`` going into unscoped variables need that scope taken off (``mapping``),
+    unscoped values going into variables under it need it put on (``scope``); "" when no one
+    scope explains most of the keys. ``renamed``: the values' keys are as the caller's
+    ``scope``/``mapping`` made them, so those are what to change."""
+    value_set, target_set = set(values), set(targets)
+    extra = _extra_scope(value_set - target_set, target_set)
+    if extra:
+        fix = "change scope= or mapping=, which put them there" if renamed else f"pass mapping={{{extra!r}: ''}}"
+        return f"the values are under {extra!r} and the variables are not: {fix}"
+    missing = _extra_scope(target_set - value_set, value_set)
+    if missing:
+        fix = "put them under it with scope= or mapping=" if renamed else f"pass scope={missing!r}"
+        return f"the variables are under {missing!r} and the values are not: {fix}"
+    return ""
+
+
+def _extra_scope(keys: Collection[str], others: Collection[str]) -> str:
+    """The scope (up to three segments) that, taken off, turns at least half of ``keys`` into
+    keys of ``others``; "" if none does."""
+    counts: dict[str, int] = {}
+    for key in keys:
+        parts = key.split("/")
+        for depth in range(1, min(len(parts), 4)):
+            if "/".join(parts[depth:]) in others:
+                scope = "/".join(parts[:depth])
+                counts[scope] = counts.get(scope, 0) + 1
+    best = max(sorted(counts), key=counts.__getitem__, default="")  # ties (an ensemble's members): the first
+    return best if best and counts[best] * 2 >= len(keys) else ""
+
+
+def pair_problem(dtype: np.dtype, shape: tuple[int, ...], target: TargetInfo, cast: bool) -> str:
+    if tuple(shape) != tuple(target.shape):
+        return "shapes differ"
+    if widens(dtype, target.dtype):
+        return ""
+    if cast and castable(dtype, target.dtype):
+        return ""
+    return "dtype does not widen losslessly; pass cast=True to convert" if castable(dtype, target.dtype) else "dtypes are incompatible"
+
+
+def assign_message(report: Report, where: str, targets: Mapping[str, Any], values: Mapping[str, str], pairs,
+             every: Mapping[str, Any], value_shape: Callable[[str], tuple[int, ...]], *, trainable_only: bool = False,
+             hints: bool = True, note: str = "", renamed: bool = False, scope_problem: str = "") -> str:
+    """``targets`` are the selected variables; ``every`` also suggests those a typo left out.
+
+    A value whose variable exists but was left out as not trainable says so, rather than
+    suggesting a trainable neighbour (``did you mean 'model_10/w'?`` for ``model_10/b``).
+    A name already paired is never suggested: it has its value (``w/Adam`` is not ``w``).
+    A suggestion of the key's own shape comes first: ``layer_10/kernel`` is nearer ``layer_1/kernel``
+    in spelling, but only ``layer_2/kernel`` could be its value. Without ``hints`` (keys paired by
+    structure) nothing is suggested.
+    """
+
+    def suggest(key: str, shape: tuple[int, ...], candidates: Any, shape_of: Callable[[str], tuple[int, ...]]) -> str:
+        if not hints:
+            return ""
+        alike = [c for c in candidates if _same_leaf(key, c)]
+        return keys_suggest(key, [c for c in alike if tuple(shape_of(c)) == tuple(shape)]) or keys_suggest(key, alike)
+
+    def target_shape(key: str) -> tuple[int, ...]:
+        return every[key].shape
+
+    free_targets = [key for key in targets if key not in pairs]  # a paired variable already has its value
+    free_every = [key for key in every if key not in pairs]
+    free_values = [key for key in values if key not in pairs]
+
+    def unexpected(key: str) -> str:
+        if trainable_only and key in every and not every[key].trainable:
+            return f"{key!r} is a variable but not trainable (trainable_only=True)"
+        shape = value_shape(key)
+        return (f"no variable {key!r}"
+                f"{suggest(key, shape, free_targets, target_shape) or suggest(key, shape, free_every, target_shape)}")
+
+    lines = [f"cannot assign{f' {where}' if where else ''}: nothing was changed"]
+    if scope_problem:
+        lines.append(f"  {scope_problem}")
+    common = sum(1 for key in values if key in every)
+    if min(len(targets), len(values)) >= 2 and common * 2 < min(len(targets), len(values)):
+        lines.append(f"  {common} of {len(values)} values share a key with one of {len(targets)} variables: "
+                     f"{_apart(values, every, renamed)}")
+    if not pairs and report.ok:
+        lines.append("  no value pairs with a variable" + (" (no variables selected)" if not targets else ""))
+    sections: list[tuple[str, list[Any], Callable[[Any], str]]] = [
+        ("missing (variables with no value)", report.missing,
+         lambda k: f"no value for variable {k!r}{suggest(k, every[k].shape, free_values, value_shape)}"),
+        ("unexpected (values with no variable)", report.unexpected, unexpected),
+        ("mismatched", report.mismatched, str),
+    ]
+    for title, items, render in sections:
+        if items:
+            lines.append(f"  {len(items)} {title}:")
+            lines.extend(f"    {render(item)}" for item in items[:LISTED])
+            if len(items) > LISTED:
+                lines.append(f"    … and {len(items) - LISTED} more")
+            if items is report.missing and note:
+                lines.append(f"  why: {note}")
+    if report.missing and pairs and not report.unexpected and not report.mismatched:  # a selective save, likely
+        lines.append("  every value paired; if the file holds part of the model on purpose, strict=False assigns it "
+                     "and the variables it lacks keep theirs (or select as its export did: trainable_only=, also=)")
+    return "\n".join(lines)
+
+
+def _same_leaf(key: str, candidate: str) -> bool:
+    """Whether ``candidate`` could be ``key`` misspelt: the same variable name, or one a typo away
+    (``kernal``), never another variable of the same layer (``gamma`` for ``beta``, ``b`` for ``w``)."""
+    leaf, other = key.rsplit("/", 1)[-1], candidate.rsplit("/", 1)[-1]
+    return leaf == other or difflib.SequenceMatcher(None, leaf, other).ratio() >= TYPO
