@@ -2,12 +2,15 @@
 
 Every case runs in a fresh Python process so that its peak memory is its own. Inside that
 process, :func:`measure` warms up, resets the kernel's peak-RSS mark before each repetition
-(``/proc/self/clear_refs``, falling back to ``ru_maxrss``) and reports the median time and
-the largest peak above the RSS the process held just before the repetition began.
+(``/proc/self/clear_refs``, falling back to ``ru_maxrss``) and reports the median time, the
+median CPU seconds the process spent (every thread's: what survives a machine whose other core
+is busy) and the largest peak above the RSS the process held just before the repetition began.
+:func:`busy_neighbour` runs a CPU-bound process beside the cases, for a bench's ``--busy`` rows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -16,7 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -196,23 +199,41 @@ def measure(
             cleanup(out)
         del out
         gc.collect()
-    times, peaks = [], []
+    times, cpus, peaks = [], [], []
     for _ in range(repeat):
         if before:
             before()
         gc.collect()
         baseline = rss_bytes()
         exact = reset_peak()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         out = run()
-        elapsed = time.perf_counter() - start
+        elapsed, spent = time.perf_counter() - start, time.process_time() - cpu
         peaks.append(peak_bytes() - baseline if exact else float("nan"))
         times.append(elapsed)
+        cpus.append(spent)
         if cleanup:
             cleanup(out)
         del out
     gc.collect()
-    return {"median": median(times), "times": times, "peak": max(peaks) if peaks else float("nan")}
+    return {"median": median(times), "times": times, "cpu": median(cpus), "cpus": cpus,
+            "peak": max(peaks) if peaks else float("nan")}
+
+
+@contextlib.contextmanager
+def busy_neighbour(busy: bool = True) -> Iterator[None]:
+    """While the block runs, a CPU-bound process spins beside it (one core's worth: the other
+    core of a 2-core machine), as another job on a shared machine would; nothing when not
+    ``busy``. Figures taken under it are the ``--busy`` rows of a bench."""
+    if not busy:
+        yield
+        return
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()
 
 
 # -- subprocess cases -----------------------------------------------------------------------
