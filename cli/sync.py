@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import warnings
 from typing import Annotated
 
 import typer
@@ -143,8 +144,12 @@ def clean(
     from weightstore.sharded._shards import clean_folder
 
     settings.json = settings.json or as_json
-    removed = clean_folder(folder)
+    with warnings.catch_warnings(record=True) as said:  # what clean keeps, and why: reported below
+        warnings.simplefilter("always")
+        removed = clean_folder(folder)
+    kept = [str(warning.message) for warning in said]
     if settings.json:
-        emit("clean", {"folder": folder, "removed": removed})
+        emit("clean", {"folder": folder, "removed": removed, "kept": kept})
         return
-    typer.echo(f"{folder}: removed {len(removed)}" + "".join(f"\n  {name}" for name in removed))
+    typer.echo(f"{folder}: removed {len(removed)}" + "".join(f"\n  {name}" for name in removed)
+               + "".join(f"\nkept {line}" for line in kept))

@@ -186,3 +186,42 @@ def test_bad_options_fail_at_once(tmp_path):
         ws.BackgroundPublisher(tmp_path, metadata={"when": object()})
     with pytest.raises(ValueError, match="retry_for"):
         ws.BackgroundPublisher(tmp_path, retry_for=-1)
+
+
+def test_a_failure_after_latest_moved_is_no_failed_publish(tmp_path, monkeypatch, caplog):
+    """Tidying the folder after the swap (the intent, pruning) failed: the version is published,
+    and the publisher says so rather than retrying into "step 7 is not after step 7"."""
+    def failing_tidy(name):
+        if name == "latest-written":
+            raise OSError(5, "EIO while tidying")
+
+    monkeypatch.setattr(stages, "hook", failing_tidy)
+    with ws.BackgroundPublisher(tmp_path, retry_backoff=0.01) as publisher:
+        assert publisher.publish(weights(7), step=7).result(60).step == 7
+    assert publisher.last.step == 7 and publisher.failures == 0 and ws.latest(tmp_path).step == 7
+    assert any("tidying the folder after it failed" in record.getMessage() for record in caplog.records)
+
+
+def test_a_done_callback_may_wait_on_the_publisher(tmp_path):
+    publisher = ws.BackgroundPublisher(tmp_path)
+    waited = []
+    future = publisher.publish(weights(1), step=1)
+    future.add_done_callback(lambda done: waited.append(publisher.wait(timeout=30)))
+    assert future.result(60).step == 1
+    publisher.close(timeout=60)
+    assert waited and waited[0].step == 1
+
+
+def test_the_publishing_thread_is_no_daemon_whoever_asks(tmp_path, gate):
+    threads = []
+
+    def from_a_daemon():
+        publisher = ws.BackgroundPublisher(tmp_path)
+        publisher.publish(weights(1), step=1)
+        threads.append(publisher._thread)
+
+    caller = threading.Thread(target=from_a_daemon, daemon=True)
+    caller.start()
+    caller.join(30)
+    assert threads and threads[0] is not None and not threads[0].daemon
+    gate.set()

@@ -474,3 +474,10 @@ def test_a_folder_made_anew_is_followed_back_down_by_follow_and_the_follower(tmp
         assert tf2.export(model)["out/bias"].tolist() == [1.0]
     assert "LATEST went back from step 20 to 1" in caplog.text
     versions_seen.close()
+
+
+def test_a_snapshot_that_fails_never_reaches_fit_in_the_background_either(tmp_path):
+    callback = PublishCallback(tmp_path, every_n_batches=2, include="no_such_scope")
+    fit(small_model(), callback, epochs=1)  # returns: the export refuses the selection each time
+    assert callback.failures >= 1 and isinstance(callback.last_error, ws.SelectionError)
+    assert ws.latest(tmp_path) is None

@@ -811,3 +811,38 @@ def test_the_sweep_finds_exactly_the_overlaps_that_comparing_every_pair_finds():
         if found is not None:
             i, j = found
             assert i != j and np.all((starts[i] < ends[j]) & (starts[j] < ends[i]))
+
+
+@pytest.mark.parametrize("planted", ["step-000000000003.attempt-0", ".publish.lock"])
+def test_no_publish_writes_through_a_planted_folder_or_lock_link(tmp_path, planted):
+    folder, outside = tmp_path / "run", tmp_path / "outside"
+    outside.mkdir()
+    ws.publish(folder, {"w": np.ones(2, np.float32)}, step=1)
+    (folder / planted).unlink(missing_ok=True)
+    (folder / planted).symlink_to(outside / "target" if planted.endswith("lock") else outside)
+    with pytest.raises(ws.TargetError, match="symbolic link"):
+        if "attempt" in planted:
+            ws.publish_shard(folder, pieces_of(0), step=3, rank=0, world=4, attempt=0)
+        else:
+            ws.publish(folder, {"w": np.zeros(2, np.float32)}, step=2)
+    assert list(outside.iterdir()) == []
+
+
+def test_clean_reports_what_it_keeps_in_text_and_json(tmp_path):
+    folder = tmp_path / "run"
+    for step in (2, 3):
+        for rank in range(4):
+            ws.publish_shard(folder, pieces_of(rank), step=step, rank=rank, world=4, attempt=0)
+        shards.commit_shards(folder, step=step, world=4, attempt=0, timeout=5, keep=None)
+    (folder / "step-000000000002.wsindex").write_bytes(b"{not an index")
+    from typer.testing import CliRunner
+
+    from weightstore.cli.main import app
+
+    def run(*args):
+        return CliRunner().invoke(app, [str(arg) for arg in args])
+
+    text = run("clean", folder)
+    assert text.exit_code == 0 and "kept " in text.output and "step-000000000002.wsindex" in text.output
+    report = json.loads(run("clean", folder, "--json").output)
+    assert report["removed"] == [] and len(report["kept"]) == 1 and "cannot be read" in report["kept"][0]

@@ -1,10 +1,13 @@
 """The import paths of modules this release moved, kept working for one release.
 
 The tree was reorganised into layers (``core/``, ``store/``, ``sync/``, ``sharded/``,
-``adapters/serving/``). A program that imports an old path, such as ``weightstore.versions`` or
+``adapters/serving/``). A program that imports an old path, such as ``weightstore.keys`` or
 ``weightstore.adapters.hooks``, gets the module that now holds that code (the same module
-object, so its names and their state are shared) and a ``DeprecationWarning`` naming the new
-path. One table, one finder: no file is left behind at the old places.
+object, so its names and their state are shared) and a ``DeprecationWarning`` naming it. One
+table, one finder: no file is left behind at the old places. What this keeps is the documented
+names: a module that was split (``weightstore.versions`` is now several modules of
+``weightstore.sync``) maps to the package whose ``__init__`` lists its public names, not to
+its private helpers, which moved to the split modules.
 """
 
 from __future__ import annotations
@@ -46,8 +49,7 @@ class _Alias(importlib.abc.Loader):
         self.spec: importlib.machinery.ModuleSpec | None = None
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        home = self.new.rpartition("._")[0] or self.new  # a private module's names are its package's
-        warnings.warn(f"{spec.name} moved: import from {home}; the old path goes in the next release",
+        warnings.warn(f"{spec.name} moved to {self.new}; the old path goes in the next release",
                       DeprecationWarning, stacklevel=2)
         module = importlib.import_module(self.new)
         self.spec = module.__spec__
@@ -70,9 +72,14 @@ class _MovedFinder(importlib.abc.MetaPathFinder):
 def attribute(package: str, name: str) -> ModuleType:
     """``package.name`` where it is a moved module (``ws.cluster`` after ``import weightstore``),
     imported through its old path so that it warns the same way."""
-    if f"{package}.{name}" not in MOVED:
+    old = f"{package}.{name}"
+    if old not in MOVED:
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
-    return importlib.import_module(f"{package}.{name}")
+    warnings.warn(f"{old} moved to {MOVED[old]}; the old path goes in the next release", DeprecationWarning,
+                  stacklevel=3)  # the caller of the package's __getattr__
+    with warnings.catch_warnings():  # said once, at the caller's line
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return importlib.import_module(old)
 
 
 def install() -> None:

@@ -89,28 +89,34 @@ class _Publisher:
 
     @property
     def failures(self) -> int:
-        return self._failures if self.background is None else self.background.failures
+        return self._failures + (self.background.failures if self.background is not None else 0)
 
     @property
     def last_error(self) -> BaseException | None:
-        return self._error if self.background is None else self.background.last_error
+        background = self.background.last_error if self.background is not None else None
+        return background or self._error
 
     def publish(self, read: Callable[[], Mapping[str, Any]], step: int, extra: Mapping[str, Any]) -> None:
-        """Publish what ``read()`` returns as ``step`` (in the background: handed over); never raises."""
+        """Publish what ``read()`` returns as ``step`` (in the background: handed over); never raises,
+        the snapshot's own failure included."""
         if self._step is not None and step <= self._step:
-            return  # this step is out already (e.g. a batch and an epoch trigger at once)
-        self._step = step
-        if self.background is not None:
-            self.background.publish(read(), step=step, metadata=extra)
-            return
+            if step < self._step:  # a recompiled optimizer counts from 0 again: nothing is published
+                _log.warning("not publishing step %d to %s: step %d was published before, and steps must increase "
+                             "(the optimizer's iterations started over?)", step, self.folder, self._step)
+            return  # equal: this step is out already (a batch and an epoch trigger at once)
         try:
-            self._last = weightstore.publish(self.folder, read(), step=step, metadata={**self.metadata, **extra},
-                                             **self.options)
+            if self.background is not None:
+                self.background.publish(read(), step=step, metadata=extra)
+            else:
+                self._last = weightstore.publish(self.folder, read(), step=step,
+                                                 metadata={**self.metadata, **extra}, **self.options)
         except Exception as error:  # a copy of the weights must not end the training it copies
             self._failures += 1
             self._error = error
             _log.error("publishing step %d to %s failed: %s; the last version published is %s", step,
-                       self.folder, error, self._last.step if self._last else "none")
+                       self.folder, error, self.last.step if self.last else "none")
+            return
+        self._step = step
 
     def wait(self, timeout: float | None = None) -> Version | None:
         return self.last if self.background is None else self.background.wait(timeout)

@@ -13,8 +13,9 @@ documented composition of them:
    it, the new file. The temporary of a killed writer is removed by the next write to that
    target once its PID is dead. Only regular files are replaced: a folder, FIFO, socket or
    device at the target is refused before anything is written, a symlink is written *through*
-   (its target file is replaced, the link stays), and the new file keeps the permission bits
-   of the one it replaces.
+   (its target file is replaced, the link stays) by ``ws.save``, but refused in a versioned
+   folder (``follow_symlinks=False``: a link planted in a shared folder must not overwrite a
+   file outside it), and the new file keeps the permission bits of the one it replaces.
 2. *Upload* (:class:`UploadCommit`; URLs). Object stores have no rename, but make an object
    visible all at once when its upload completes (S3 PutObject / CompleteMultipartUpload), so
    the file is written to a local scratch folder and sent in one ``put``: on S3, a file of at
@@ -25,7 +26,7 @@ documented composition of them:
 3. *Pointer last* (versioned folders, :mod:`weightstore.sync._publish`). Each version file is
    committed by 1 or 2, and only then the small ``LATEST`` pointer, by the same protocol.
    Readers reach versions only through ``LATEST``, so a crash between the two leaves a version
-   file no reader sees; the publisher's intent record says which file that is (see versions).
+   file no reader sees; the publisher's intent record says which file that is.
 4. *Index last* (:class:`IndexLastCommit`; TF checkpoints written by ``ws import``). A
    checkpoint is ``PREFIX.index`` plus ``PREFIX.data-NNNNN-of-MMMMM`` files whose names
    TensorFlow fixes (``MMMMM`` is the shard count the index records). The new checkpoint is

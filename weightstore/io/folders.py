@@ -14,6 +14,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import datetime
+import errno
 import os
 import shutil
 import stat
@@ -56,8 +57,10 @@ class Folder(abc.ABC):
     def url(self, name: str) -> str:
         return f"{self.where.rstrip('/')}/{name}"
 
-    def create(self) -> None:  # noqa: B027 - a hook only some backends need; object stores have no folders
-        """Make the folder if this kind of folder needs making (object stores do not)."""
+    def create(self, *, inner: bool = False) -> None:  # noqa: B027 - a hook only some backends need
+        """Make the folder if this kind of folder needs making (object stores do not). ``inner``:
+        a folder weightstore makes inside a versioned folder (a sharded version's attempt), which
+        must be a real folder there: a link planted in its place would take the writes elsewhere."""
 
     @abc.abstractmethod
     def exists(self) -> bool: ...
@@ -137,7 +140,10 @@ class LocalFolder(Folder):
         self.root = Path(path)
         self.where = str(path)
 
-    def create(self) -> None:
+    def create(self, *, inner: bool = False) -> None:
+        if inner and self.root.is_symlink():
+            raise TargetError(f"is a symbolic link (to {os.readlink(self.root)}); a versioned folder's files are never "
+                              "written through links: remove it", path=self.where)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except FileExistsError:
@@ -266,7 +272,13 @@ class LocalFolder(Folder):
         except ImportError:  # pragma: no cover - Windows: no advisory lock
             yield
             return
-        fd = os.open(self.root / ".publish.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # never through a link planted at the name: it would create a file wherever it points
+            fd = os.open(self.root / ".publish.lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            raise TargetError("holds .publish.lock as a symbolic link; a versioned folder's files are never written "
+                              "through links: remove it", path=self.where) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield

@@ -175,7 +175,7 @@ def publish_shard(
     record_of = {item.stored: {"key": item.key, "start": list(item.start), "shape": list(item.shape)} for item in listed}
     metadata = {SHARD_METADATA: {"step": step, "attempt": attempt, "rank": rank, "world": world, "pieces": record_of}}
     target.create()
-    members.create()
+    members.create(inner=True)
     with members.commit(member_name(rank, suffix), suffix).writing() as local:
         arrays = {item.stored: from_storage(item.data, item.dtype) for item in listed}
         write_file(local, fmt, CheckedWeights(arrays, where, fmt), metadata, False)

@@ -52,6 +52,7 @@ from weightstore.errors import PublishError, StorageError, WeightStoreError, Wri
 from weightstore.formats import format_named
 from weightstore.store._save import checked_metadata
 from weightstore.sync._checks import DEFAULT_FORMAT, DEFAULT_KEEP, checked_keep, checked_seconds, checked_step
+from weightstore.sync._follow import latest
 from weightstore.sync._pinning import Version
 from weightstore.sync._publish import PublishOptions, publish
 
@@ -139,7 +140,9 @@ class BackgroundPublisher:
         with self._changed:
             replaced, self._pending = self._pending, job
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name=f"weightstore-publish-{self.folder}")
+                # never a daemon, whichever thread asked: a process exiting mid-retry lets it finish
+                self._thread = threading.Thread(target=self._run, name=f"weightstore-publish-{self.folder}",
+                                                daemon=False)
                 self._thread.start()
             self._changed.notify_all()
         if replaced is not None:
@@ -177,7 +180,10 @@ class BackgroundPublisher:
         self.close()
 
     def _run(self) -> None:
-        """The publishing thread: write the pending job, retrying storage failures; exit when idle."""
+        """The publishing thread: write the pending job, retrying storage failures; exit when idle.
+
+        A job's future is resolved once the job is no longer the one being written, so a
+        callback on it (run on this thread) may call :meth:`wait` without waiting for itself."""
         while True:
             with self._changed:
                 job, self._pending = self._pending, None
@@ -186,28 +192,52 @@ class BackgroundPublisher:
                     self._thread = None
                     self._changed.notify_all()
                     return
-            if job.future.set_running_or_notify_cancel():
-                self._write(job)
-            with self._changed:
-                self._writing = None
-                self._changed.notify_all()
+            outcome: Version | BaseException | None = None
+            try:
+                if job.future.set_running_or_notify_cancel():
+                    outcome = self._write(job)
+            except BaseException as error:  # never a thread that dies holding _writing
+                outcome = error
+            finally:
+                with self._changed:
+                    self._writing = None
+                    self._changed.notify_all()
+            if isinstance(outcome, BaseException):
+                job.future.set_exception(outcome)
+            elif outcome is not None:
+                job.future.set_result(outcome)
 
-    def _write(self, job: _Job) -> None:
-        """Publish ``job``, retrying while storage fails, until done, given up or replaced."""
-        started, pause = time.monotonic(), self.retry_backoff
+    def _write(self, job: _Job) -> Version | BaseException:
+        """Publish ``job``, retrying while storage fails, until done, given up or replaced: the
+        version published, or the error that ended it. A retry first asks whether the attempt
+        that failed published all the same (its error came after ``LATEST`` moved, or a timed-out
+        swap that the storage had applied): then that version is the outcome."""
+        failing_since: float | None = None
+        pause = self.retry_backoff
         while True:
             try:
                 version = publish(self.folder, job.weights, step=job.step, metadata=job.metadata, **self._options)
             except BaseException as error:  # counted and handed to the future, never to the trainer
-                retry = self._failed(job, error, time.monotonic() - started)
+                failing_since = time.monotonic() if failing_since is None else failing_since
+                published = self._published_anyway(job)
+                if published is not None:
+                    self.last = published
+                    return published
+                retry = self._failed(job, error, time.monotonic() - failing_since)
                 if not retry or self._replaced_within(pause):
-                    job.future.set_exception(error)
-                    return
+                    return error
                 pause = min(pause * 2, self.max_backoff)
                 continue
             self.last = version
-            job.future.set_result(version)
-            return
+            return version
+
+    def _published_anyway(self, job: _Job) -> Version | None:
+        """The version ``LATEST`` names, where it is ``job``'s step (a failure after the swap)."""
+        try:
+            current = latest(self.folder, storage_options=self._options["storage_options"])
+        except (WeightStoreError, OSError):
+            return None
+        return current if current is not None and current.step == job.step else None
 
     def _failed(self, job: _Job, error: BaseException, spent: float) -> bool:
         """Count and log a failed attempt; whether to try again."""
@@ -223,7 +253,7 @@ class BackgroundPublisher:
         return retry
 
     def _replaced_within(self, seconds: float) -> bool:
-        """Sleep ``seconds``, or less where a newer snapshot arrives (or a close asks): whether one did."""
+        """Sleep ``seconds``, or less where a newer snapshot arrives: whether one did."""
         with self._changed:
             self._changed.wait_for(lambda: self._pending is not None, seconds)
             return self._pending is not None
@@ -236,13 +266,17 @@ class BackgroundPublisher:
                          self.last_error or "still writing", self.last.step if self.last else "none", self.retry_for)
 
 
+def _errno_passes(error: OSError) -> bool:
+    return isinstance(error.errno, (int, type(None))) and error.errno in _PASSING_ERRNOS
+
+
 def _retryable(error: BaseException) -> bool:
     """A failure of the storage, which may pass (an outage, a full disk): not one of the publish
     itself (a step not forward, a folder that is a file, weights no format takes), nor a write
     the file system will refuse again (a file over its size limit, a read-only file system)."""
     if isinstance(error, WriteError):
-        return error.errno in _PASSING_ERRNOS
+        return _errno_passes(error)
     if isinstance(error, StorageError):
         return True
-    return isinstance(error, OSError) and not isinstance(error, WeightStoreError) and error.errno in _PASSING_ERRNOS
+    return isinstance(error, OSError) and not isinstance(error, WeightStoreError) and _errno_passes(error)
 

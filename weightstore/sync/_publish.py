@@ -48,13 +48,12 @@ publisher per folder there all the same.)
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any, TypedDict
 
 from weightstore.core.manifest import utc_now
-from weightstore.errors import (
-    PublishError,
-)
+from weightstore.errors import PublishError, WeightStoreError
 from weightstore.formats import format_named
 from weightstore.formats._pointer import (
     LATEST,
@@ -66,6 +65,8 @@ from weightstore.sync import _stages as stages
 from weightstore.sync._checks import DEFAULT_FORMAT, DEFAULT_KEEP, checked_keep, checked_pointer_metadata, checked_step
 from weightstore.sync._folder import INTENT, FolderState, names_step, prune, write_small
 from weightstore.sync._pinning import Version
+
+_log = logging.getLogger(__name__)
 
 
 class PublishOptions(TypedDict):
@@ -164,12 +165,16 @@ def commit_version(target: Folder, step: int, name: str, write: Callable[[str], 
         write(created)
         stages.reached("version-written")
         _write_latest(target, state, pointer, step)
-        stages.reached("latest-written")
-        if not isinstance(target, LocalFolder):
-            state.remove_unpublished(step)  # only now: see FolderState.remove_unpublished
-        target.remove(INTENT)
-        prune(target, step, None if keep is None else max(keep, 2))
-        stages.reached("pruned")
+        try:  # published: what follows tidies the folder, and its failure unpublishes nothing
+            stages.reached("latest-written")
+            if not isinstance(target, LocalFolder):
+                state.remove_unpublished(step)  # only now: see FolderState.remove_unpublished
+            target.remove(INTENT)
+            prune(target, step, None if keep is None else max(keep, 2))
+            stages.reached("pruned")
+        except (WeightStoreError, OSError) as error:
+            _log.warning("published step %d to %s; tidying the folder after it failed (%s); the next publish "
+                         "tidies it", step, target.where, error)
     return Version(step, target.url(name), created, dict(metadata or {}), target)
 
 
