@@ -38,7 +38,7 @@ from typing import Any
 import weightstore
 from weightstore.errors import AssignmentError, FormatError, WeightStoreError
 from weightstore.formats.renamed import RenamedReader
-from weightstore.formats.tf_checkpoint import CheckpointReader, resolve_prefix
+from weightstore.formats.tf_checkpoint import CheckpointReader, resolve_prefix, saved_model_prefix
 
 __all__ = ["ModelKeyedStore", "open_artifact", "is_model_file", "for_model", "keras_file_names", "is_keras_file",
            "lora_factors"]
@@ -81,7 +81,7 @@ def for_model(model: Any, path: Any, model_keys: Mapping[str, Any], *, optimizer
             names = keras_file_names(model, source.keys(), by_variable, optimizer=optimizer)
         else:
             names = _checkpoint_names(model, text, source.keys(), by_variable, optimizer=optimizer)
-            note = _untracked_note(model, model_keys)
+            note = "" if _is_saved_model(text) else _untracked_note(model, model_keys)
     except BaseException:
         source.close()
         raise
@@ -305,9 +305,10 @@ def _checkpoint_names(model: Any, path: str, file_keys: list[str], by_variable: 
     if graph is None:
         raise FormatError("not a TF2 object checkpoint (no object graph)", path=path)
     children = [{child.local_name: child.node_id for child in node.children} for node in graph.nodes]
+    saved_model = _is_saved_model(path)
     best: tuple[int, int, dict[int, Any], set[int]] | None = None
     for node in _near_root(children):
-        found, reached = _match(model, node, children)
+        found, reached = _match(model, node, children, saved_model=saved_model)
         score = _score(found, by_variable)
         if best is None or score > best[0]:
             best = (score, node, found, reached)
@@ -377,8 +378,16 @@ def _near_root(children: list[dict[str, int]]) -> Iterator[int]:
         frontier = following
 
 
-def _match(model: Any, home: int, children: list[dict[str, int]]) -> tuple[dict[int, Any], set[int]]:
-    """Node -> variable for every variable reached walking ``model`` and the graph together from ``home``."""
+def _is_saved_model(path: str) -> bool:
+    """Whether ``path`` names a SavedModel's folder (its checkpoint is ``variables/variables``)."""
+    return os.path.isdir(path) and saved_model_prefix(path) is not None
+
+
+def _match(model: Any, home: int, children: list[dict[str, int]], *,
+           saved_model: bool = False) -> tuple[dict[int, Any], set[int]]:
+    """Node -> variable for every variable reached walking ``model`` and the graph together from
+    ``home``; ``saved_model``: the graph is a SavedModel's, whose writer also walks the layers
+    Keras holds in Python lists and dicts (:func:`_trackable_children`)."""
     import keras
     import tensorflow as tf
 
@@ -393,13 +402,37 @@ def _match(model: Any, home: int, children: list[dict[str, int]]) -> tuple[dict[
             continue
         seen.add(id(obj))
         reached.add(node)
-        edges = view.children(obj)
+        edges = _trackable_children(view, obj, saved_model=saved_model)
         if isinstance(obj, (tf.Variable, keras.Variable, tf.__internal__.distribute.ShardedVariable)):
             found[node] = obj  # a ShardedVariable is one node holding the whole tensor, restored across its shards
         for name, child in edges.items():
             if name in children[node]:
                 stack.append((child, children[node][name]))
     return found, reached
+
+
+def _trackable_children(view: Any, obj: Any, *, saved_model: bool) -> dict[str, Any]:
+    """The children TF's writer walks from ``obj``: a checkpoint's, or a SavedModel's.
+
+    Keras 3 turns TF's attribute tracking off, so a layer's layers held in a Python list or
+    dict (``self.blocks = [Dense(4), Dense(2)]``) are no checkpoint children of it.
+    ``tf.saved_model.save`` asks for its children with ``save_type="savedmodel"``, and Keras's
+    layer then adds those collections as plain lists and dicts (``_convert_tracked_collections``),
+    which TF wraps as trackable lists (edges ``blocks/0``, ``blocks/1``). The same conversion is
+    run here, without the rest of that call, which traces every ``tf.function`` of the model
+    (functions hold no variables of their own).
+    """
+    import tensorflow as tf
+
+    edges = dict(view.children(obj))
+    convert = getattr(obj, "_convert_tracked_collections", None) if saved_model else None
+    if convert is not None:
+        collections: dict[str, Any] = {}
+        convert(collections)
+        for name, value in collections.items():
+            if name not in edges:
+                edges[name] = tf.__internal__.tracking.wrap(value)
+    return edges
 
 
 def _descendants(home: int, children: list[dict[str, int]]) -> set[int]:
