@@ -31,19 +31,26 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import weightstore
 from weightstore.errors import AssignmentError, FormatError, WeightStoreError
+from weightstore.formats.keras_preset import is_preset_folder
 from weightstore.formats.renamed import RenamedReader
 from weightstore.formats.tf_checkpoint import CheckpointReader, resolve_prefix, saved_model_prefix
+from weightstore.io.places import place_of
 
 __all__ = ["ModelKeyedStore", "open_artifact", "is_model_file", "for_model", "keras_file_names", "is_keras_file",
-           "lora_factors"]
+           "lora_factors", "is_lora_file", "lora_file_names"]
 
 _KERAS_SUFFIXES = (".keras", ".weights.h5", ".weights.json")
+#: what keras-hub's ``save_lora_weights`` requires a file's name to end with
+LORA_SUFFIX = ".lora.h5"
+_LORA_KEY = re.compile(r"lora/([0-9]{1,9})/vars/(lora_kernel_a|lora_kernel_b)")
+_LORA_RANK_KEY = "lora/vars/rank"
 _NEAR_ROOT = 2  # edges from the checkpoint's root within which the model's own node is looked for
 
 
@@ -53,13 +60,20 @@ def open_artifact(path: Any) -> weightstore.Store:
 
 
 def is_model_file(path: Any) -> bool:
-    """Whether ``path`` is a Keras file or a TF2 object checkpoint, whose keys need the model's structure."""
-    return is_keras_file(path) or (isinstance(path, (str, os.PathLike)) and _object_graph(path) is not None)
+    """Whether ``path`` is a Keras file, a keras-hub LoRA file or a TF2 object checkpoint, whose
+    keys need the model's structure."""
+    return is_keras_file(path) or is_lora_file(path) or (isinstance(path, (str, os.PathLike)) and _object_graph(path) is not None)
 
 
 def is_keras_file(path: Any) -> bool:
-    """Whether ``path`` names a Keras file (``.keras``, ``.weights.h5``, a sharded ``.weights.json``)."""
+    """Whether ``path`` names a Keras file (``.keras``, ``.weights.h5``, a sharded ``.weights.json``,
+    a keras-hub preset folder, whose weights are one of those)."""
     return isinstance(path, (str, os.PathLike)) and _is_keras(os.fspath(path))
+
+
+def is_lora_file(path: Any) -> bool:
+    """Whether ``path`` names a keras-hub LoRA file (``backbone.save_lora_weights``: ``.lora.h5``)."""
+    return isinstance(path, (str, os.PathLike)) and os.fspath(path).endswith(LORA_SUFFIX)
 
 
 def for_model(model: Any, path: Any, model_keys: Mapping[str, Any], *, optimizer: bool = False) -> weightstore.Store:
@@ -77,7 +91,12 @@ def for_model(model: Any, path: Any, model_keys: Mapping[str, Any], *, optimizer
             raise AssignmentError(f"a Keras file pairs with the Keras model or layer that saved it, not a "
                                   f"{type(model).__name__}", path=text)
         note = ""
-        if _is_keras(text):
+        if is_lora_file(text):
+            if not isinstance(model, keras.layers.Layer):
+                raise AssignmentError(f"a keras-hub LoRA file pairs with a keras-hub backbone, not a "
+                                      f"{type(model).__name__}", path=text)
+            names = lora_file_names(model, text, source, by_variable)
+        elif _is_keras(text):
             names = keras_file_names(model, source.keys(), by_variable, optimizer=optimizer)
         else:
             names = _checkpoint_names(model, text, source.keys(), by_variable, optimizer=optimizer)
@@ -113,7 +132,53 @@ def _untracked_note(model: Any, model_keys: Mapping[str, Any]) -> str:
 
 
 def _is_keras(text: str) -> bool:
-    return text.endswith(_KERAS_SUFFIXES)
+    if text.endswith(_KERAS_SUFFIXES):
+        return True
+    return os.path.isdir(text) and is_preset_folder(place_of(text))
+
+
+def lora_file_names(model: Any, path: str, source: weightstore.Store, by_variable: Mapping[int, str]) -> dict[str, str]:
+    """Model key -> file key for a keras-hub LoRA file, as ``load_lora_weights`` pairs them.
+
+    ``save_lora_weights`` writes the rank (``lora/vars/rank``) and, for the ``i``-th layer with
+    weights of the backbone's layers (``_flatten_layers``, the model left out), its factors
+    ``lora/<i>/vars/lora_kernel_a`` and ``lora_kernel_b``: names repeat across a backbone, so
+    layers go by that index. The model must have LoRA enabled at the file's rank (an assign
+    changes no model's structure; ``load_lora_weights`` enables it where it is off). A factor
+    for a layer with no LoRA keeps its file key, so the assign reports it as unexpected.
+    """
+    if _LORA_RANK_KEY not in source:
+        raise FormatError(f"holds no {_LORA_RANK_KEY}: not a LoRA file keras-hub's save_lora_weights wrote",
+                          path=path)
+    rank_value = source[_LORA_RANK_KEY]
+    if getattr(rank_value, "size", 0) != 1 or rank_value.dtype.kind not in "iu":
+        raise FormatError(f"its LoRA rank is not one integer ({rank_value.dtype}, shape {rank_value.shape})",
+                          path=path, key=_LORA_RANK_KEY)
+    rank = int(rank_value.reshape(()))
+    layers = [layer for layer in model._flatten_layers(include_self=False) if layer.weights]
+    enabled = [layer for layer in layers if getattr(layer, "lora_enabled", False)]
+    if not enabled:
+        raise AssignmentError(f"holds LoRA factors of rank {rank}, and {type(model).__name__} has no LoRA-enabled "
+                              f"layer to take them: call its enable_lora({rank}) first (load_lora_weights does)",
+                              path=path)
+    ranks = sorted({layer.lora_rank for layer in enabled})
+    if ranks != [rank]:
+        raise AssignmentError(f"holds LoRA factors of rank {rank}, and {type(model).__name__}'s LoRA is of rank "
+                              f"{', '.join(map(str, ranks))}: call its enable_lora({rank}) on a fresh instance",
+                              path=path)
+    names: dict[str, str] = {}
+    for file_key in source:
+        if file_key == _LORA_RANK_KEY:
+            continue
+        hit = _LORA_KEY.fullmatch(file_key)
+        index = int(hit.group(1)) if hit else len(layers)
+        layer = layers[index] if index < len(layers) else None
+        variable = getattr(layer, hit.group(2), None) if hit and getattr(layer, "lora_enabled", False) else None
+        if variable is not None and id(variable) in by_variable:
+            names[by_variable[id(variable)]] = file_key
+        else:
+            names.setdefault(file_key, file_key)  # a factor this model has no place for: reported as unexpected
+    return names
 
 
 def keras_file_names(model: Any, file_keys: list[str], by_variable: Mapping[int, str], *,
