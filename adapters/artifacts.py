@@ -38,7 +38,7 @@ from typing import Any
 
 import weightstore
 from weightstore.errors import AssignmentError, FormatError, WeightStoreError
-from weightstore.formats.keras_preset import is_preset_folder
+from weightstore.formats.keras_preset import TASK_PREFIX, WithTaskReader, is_preset_folder, task_weights
 from weightstore.formats.renamed import RenamedReader
 from weightstore.formats.tf_checkpoint import CheckpointReader, resolve_prefix, saved_model_prefix
 from weightstore.io.places import place_of
@@ -96,6 +96,8 @@ def for_model(model: Any, path: Any, model_keys: Mapping[str, Any], *, optimizer
                 raise AssignmentError(f"a keras-hub LoRA file pairs with a keras-hub backbone, not a "
                                       f"{type(model).__name__}", path=text)
             names = lora_file_names(model, text, source, by_variable)
+        elif _is_keras(text) and (backbone := _task_backbone(model, text)) is not None:
+            source, names = _task_preset_names(model, backbone, text, source, by_variable, optimizer=optimizer)
         elif _is_keras(text):
             names = keras_file_names(model, source.keys(), by_variable, optimizer=optimizer)
         else:
@@ -109,6 +111,42 @@ def for_model(model: Any, path: Any, model_keys: Mapping[str, Any], *, optimizer
     store = ModelKeyedStore(RenamedReader(source._reader, names), source.path, verify=True)
     store.missing_note = note
     return store
+
+
+def _task_backbone(model: Any, folder: str) -> Any:
+    """The backbone of a keras-hub task ``model`` when ``folder`` is a preset, else None: a
+    preset's ``model.weights.h5`` is its backbone's, which ``from_preset`` loads into the backbone."""
+    import keras
+
+    backbone = getattr(model, "backbone", None)
+    if backbone is model or not isinstance(backbone, keras.layers.Layer) or not os.path.isdir(folder):
+        return None
+    return backbone if is_preset_folder(place_of(folder)) else None
+
+
+def _task_preset_names(model: Any, backbone: Any, folder: str, source: weightstore.Store,
+                       by_variable: Mapping[int, str], *, optimizer: bool) -> tuple[weightstore.Store, dict[str, str]]:
+    """A task's preset as ``Task.from_preset`` loads it: the backbone's file paired by the
+    backbone's save walk, and the task's own file (when there is one, under ``task/``) by the
+    task's walk with the backbone's layers skipped (``load_task_weights``'s ``objects_to_skip``)."""
+    names = keras_file_names(backbone, source.keys(), by_variable, optimizer=optimizer)
+    task_file = task_weights(place_of(folder))
+    if task_file is None:
+        return source, names
+    task = open_artifact(task_file.text)
+    try:
+        skip = {id(layer) for layer in backbone._flatten_layers()}
+        own = keras_file_names(model, task.keys(), by_variable, optimizer=optimizer, skip=skip)
+        joined = weightstore.Store(WithTaskReader(folder, source._reader, task._reader), folder, True)
+    except BaseException:
+        task.close()
+        raise
+    model_keys = set(by_variable.values())
+    for model_key, file_key in own.items():
+        # a tensor the task has no variable for keeps its (now task/) file key: reported as unexpected
+        key = TASK_PREFIX + model_key if model_key == file_key and model_key not in model_keys else model_key
+        names.setdefault(key, TASK_PREFIX + file_key)
+    return joined, names
 
 
 def _untracked_note(model: Any, model_keys: Mapping[str, Any]) -> str:
@@ -182,18 +220,19 @@ def lora_file_names(model: Any, path: str, source: weightstore.Store, by_variabl
 
 
 def keras_file_names(model: Any, file_keys: list[str], by_variable: Mapping[int, str], *,
-                     optimizer: bool = False) -> dict[str, str]:
+                     optimizer: bool = False, skip: set[int] | None = None) -> dict[str, str]:
     """Model key -> file key, from Keras's own save walk over ``model``.
 
     A file key the walk reaches through a variable of the model that is not a target (state
     ``tf2`` does not export, such as a metric's) is left out, like the optimizer's entries;
     Keras's optimizer saves copies (``variable.numpy()``), not its variables, so its
     ``optimizer/vars/<i>`` pair by key, which is how the TF2 adapter keys optimizer state.
-    Anything else keeps its file key (optimizer state too, with ``optimizer``).
+    Anything else keeps its file key (optimizer state too, with ``optimizer``). ``skip``: ids of
+    objects the walk passes over, as Keras's ``objects_to_skip`` does.
     """
     import keras
 
-    paths = _keras_paths(model)
+    paths = _keras_paths(model, skip)
     model_keys = set(by_variable.values())
     names: dict[str, str] = {}
     for file_key in file_keys:
@@ -207,7 +246,7 @@ def keras_file_names(model: Any, file_keys: list[str], by_variable: Mapping[int,
     return names
 
 
-def _keras_paths(model: Any) -> dict[str, Any]:
+def _keras_paths(model: Any, skip: set[int] | None = None) -> dict[str, Any]:
     """File key -> variable for what ``model.save_weights`` would write, without writing anything."""
     from keras.src.saving import saving_lib
 
@@ -225,7 +264,7 @@ def _keras_paths(model: Any) -> dict[str, Any]:
     layers = list(model._flatten_layers(include_self=True, recursive=True))
     with _noting_lora_layers(layers) as lora_at:  # id of a store -> the LoRA layer that filled it
         saving_lib._save_state(model, weights_store=recorder, assets_store=None, inner_path="",
-                               visited_saveables=set())
+                               visited_saveables=set(skip or ()))
     paths = {f"{path}/vars/{name}".lstrip("/"): variable for path, entry in recorder.entries.items()
              for name, variable in (entry | _merged_into(lora_at[id(entry)], entry) if id(entry) in lora_at
                                     else entry).items()}

@@ -1,5 +1,6 @@
 """keras-hub's files, written here by keras-hub itself from small configs (random weights, no
-download): ``save_to_preset`` folders, one file or sharded, and ``save_lora_weights`` files,
+download): ``save_to_preset`` folders of backbones (one file or sharded) and of tasks (with
+and without weights of their own), and ``save_lora_weights`` files,
 assigned with one call and compared with what keras-hub's own loaders make of them."""
 
 from __future__ import annotations
@@ -51,6 +52,45 @@ def test_a_preset_folder_assigns_as_from_preset_loads_it(presets, kind):
     loaded = outputs(keras_hub.models.Backbone.from_preset(folder))
     for name, value in outputs(fresh).items():
         np.testing.assert_array_equal(value, loaded[name])
+
+
+def classifier():
+    return keras_hub.models.BertTextClassifier(backbone=bert(), num_classes=3, preprocessor=None)
+
+
+def causal_lm():
+    backbone = keras_hub.models.GPT2Backbone(vocabulary_size=50, num_layers=2, num_heads=2, hidden_dim=8,
+                                             intermediate_dim=16, max_sequence_length=16)
+    return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+
+
+@pytest.mark.parametrize(("make", "loader", "inputs", "task_file"), [
+    (classifier, "TextClassifier", INPUTS, True),  # a head of its own: task.weights.h5
+    (causal_lm, "CausalLM", {"token_ids": INPUTS["token_ids"], "padding_mask": INPUTS["padding_mask"]}, False),
+])
+def test_a_task_preset_assigns_as_task_from_preset_loads_it(tmp_path, make, loader, inputs, task_file):
+    folder = str(tmp_path / "task")
+    make().save_to_preset(folder)
+    assert (tmp_path / "task" / "task.weights.h5").exists() == task_file
+    fresh = make()
+    report = tf2.assign(fresh, folder)
+    assert report.ok and len(report.assigned) == len(fresh.weights)
+    loaded = getattr(keras_hub.models, loader).from_preset(folder)
+    np.testing.assert_array_equal(np.asarray(fresh(inputs)), np.asarray(loaded(inputs)))
+    backbone_only = make().backbone
+    assert tf2.assign(backbone_only, folder).ok  # ws.open(folder) is the backbone's weights
+    with ws.open(folder) as store:
+        assert len(store) == len(backbone_only.weights)
+
+
+def test_a_task_preset_into_a_task_with_another_head_is_refused_naming_the_folder(tmp_path):
+    folder = str(tmp_path / "task")
+    classifier().save_to_preset(folder)
+    other = keras_hub.models.BertTextClassifier(backbone=bert(), num_classes=5, preprocessor=None)
+    with pytest.raises(ws.AssignmentError) as caught:
+        tf2.assign(other, folder)
+    assert str(caught.value).startswith(f"{folder}: cannot assign: nothing was changed")
+    assert "logits/kernel: variable is float32[8, 5], value is float32[8, 3] (shapes differ)" in str(caught.value)
 
 
 def test_a_preset_folder_lists_and_loads_with_its_weights_keys(presets):
