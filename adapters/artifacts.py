@@ -31,19 +31,26 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import weightstore
 from weightstore.errors import AssignmentError, FormatError, WeightStoreError
+from weightstore.formats.keras_preset import TASK_PREFIX, WithTaskReader, is_preset_folder, task_weights
 from weightstore.formats.renamed import RenamedReader
-from weightstore.formats.tf_checkpoint import CheckpointReader, resolve_prefix
+from weightstore.formats.tf_checkpoint import CheckpointReader, resolve_prefix, saved_model_prefix
+from weightstore.io.places import place_of
 
 __all__ = ["ModelKeyedStore", "open_artifact", "is_model_file", "for_model", "keras_file_names", "is_keras_file",
-           "lora_factors"]
+           "lora_factors", "is_lora_file", "lora_file_names"]
 
 _KERAS_SUFFIXES = (".keras", ".weights.h5", ".weights.json")
+#: what keras-hub's ``save_lora_weights`` requires a file's name to end with
+LORA_SUFFIX = ".lora.h5"
+_LORA_KEY = re.compile(r"lora/([0-9]{1,9})/vars/(lora_kernel_a|lora_kernel_b)")
+_LORA_RANK_KEY = "lora/vars/rank"
 _NEAR_ROOT = 2  # edges from the checkpoint's root within which the model's own node is looked for
 
 
@@ -53,13 +60,20 @@ def open_artifact(path: Any) -> weightstore.Store:
 
 
 def is_model_file(path: Any) -> bool:
-    """Whether ``path`` is a Keras file or a TF2 object checkpoint, whose keys need the model's structure."""
-    return is_keras_file(path) or (isinstance(path, (str, os.PathLike)) and _object_graph(path) is not None)
+    """Whether ``path`` is a Keras file, a keras-hub LoRA file or a TF2 object checkpoint, whose
+    keys need the model's structure."""
+    return is_keras_file(path) or is_lora_file(path) or (isinstance(path, (str, os.PathLike)) and _object_graph(path) is not None)
 
 
 def is_keras_file(path: Any) -> bool:
-    """Whether ``path`` names a Keras file (``.keras``, ``.weights.h5``, a sharded ``.weights.json``)."""
+    """Whether ``path`` names a Keras file (``.keras``, ``.weights.h5``, a sharded ``.weights.json``,
+    a keras-hub preset folder, whose weights are one of those)."""
     return isinstance(path, (str, os.PathLike)) and _is_keras(os.fspath(path))
+
+
+def is_lora_file(path: Any) -> bool:
+    """Whether ``path`` names a keras-hub LoRA file (``backbone.save_lora_weights``: ``.lora.h5``)."""
+    return isinstance(path, (str, os.PathLike)) and os.fspath(path).endswith(LORA_SUFFIX)
 
 
 def for_model(model: Any, path: Any, model_keys: Mapping[str, Any], *, optimizer: bool = False) -> weightstore.Store:
@@ -77,11 +91,18 @@ def for_model(model: Any, path: Any, model_keys: Mapping[str, Any], *, optimizer
             raise AssignmentError(f"a Keras file pairs with the Keras model or layer that saved it, not a "
                                   f"{type(model).__name__}", path=text)
         note = ""
-        if _is_keras(text):
+        if is_lora_file(text):
+            if not isinstance(model, keras.layers.Layer):
+                raise AssignmentError(f"a keras-hub LoRA file pairs with a keras-hub backbone, not a "
+                                      f"{type(model).__name__}", path=text)
+            names = lora_file_names(model, text, source, by_variable)
+        elif _is_keras(text) and (backbone := _task_backbone(model, text)) is not None:
+            source, names = _task_preset_names(model, backbone, text, source, by_variable, optimizer=optimizer)
+        elif _is_keras(text):
             names = keras_file_names(model, source.keys(), by_variable, optimizer=optimizer)
         else:
             names = _checkpoint_names(model, text, source.keys(), by_variable, optimizer=optimizer)
-            note = _untracked_note(model, model_keys)
+            note = "" if _is_saved_model(text) else _untracked_note(model, model_keys)
     except BaseException:
         source.close()
         raise
@@ -90,6 +111,42 @@ def for_model(model: Any, path: Any, model_keys: Mapping[str, Any], *, optimizer
     store = ModelKeyedStore(RenamedReader(source._reader, names), source.path, verify=True)
     store.missing_note = note
     return store
+
+
+def _task_backbone(model: Any, folder: str) -> Any:
+    """The backbone of a keras-hub task ``model`` when ``folder`` is a preset, else None: a
+    preset's ``model.weights.h5`` is its backbone's, which ``from_preset`` loads into the backbone."""
+    import keras
+
+    backbone = getattr(model, "backbone", None)
+    if backbone is model or not isinstance(backbone, keras.layers.Layer) or not os.path.isdir(folder):
+        return None
+    return backbone if is_preset_folder(place_of(folder)) else None
+
+
+def _task_preset_names(model: Any, backbone: Any, folder: str, source: weightstore.Store,
+                       by_variable: Mapping[int, str], *, optimizer: bool) -> tuple[weightstore.Store, dict[str, str]]:
+    """A task's preset as ``Task.from_preset`` loads it: the backbone's file paired by the
+    backbone's save walk, and the task's own file (when there is one, under ``task/``) by the
+    task's walk with the backbone's layers skipped (``load_task_weights``'s ``objects_to_skip``)."""
+    names = keras_file_names(backbone, source.keys(), by_variable, optimizer=optimizer)
+    task_file = task_weights(place_of(folder))
+    if task_file is None:
+        return source, names
+    task = open_artifact(task_file.text)
+    try:
+        skip = {id(layer) for layer in backbone._flatten_layers()}
+        own = keras_file_names(model, task.keys(), by_variable, optimizer=optimizer, skip=skip)
+        joined = weightstore.Store(WithTaskReader(folder, source._reader, task._reader), folder, True)
+    except BaseException:
+        task.close()
+        raise
+    model_keys = set(by_variable.values())
+    for model_key, file_key in own.items():
+        # a tensor the task has no variable for keeps its (now task/) file key: reported as unexpected
+        key = TASK_PREFIX + model_key if model_key == file_key and model_key not in model_keys else model_key
+        names.setdefault(key, TASK_PREFIX + file_key)
+    return joined, names
 
 
 def _untracked_note(model: Any, model_keys: Mapping[str, Any]) -> str:
@@ -113,22 +170,69 @@ def _untracked_note(model: Any, model_keys: Mapping[str, Any]) -> str:
 
 
 def _is_keras(text: str) -> bool:
-    return text.endswith(_KERAS_SUFFIXES)
+    if text.endswith(_KERAS_SUFFIXES):
+        return True
+    return os.path.isdir(text) and is_preset_folder(place_of(text))
+
+
+def lora_file_names(model: Any, path: str, source: weightstore.Store, by_variable: Mapping[int, str]) -> dict[str, str]:
+    """Model key -> file key for a keras-hub LoRA file, as ``load_lora_weights`` pairs them.
+
+    ``save_lora_weights`` writes the rank (``lora/vars/rank``) and, for the ``i``-th layer with
+    weights of the backbone's layers (``_flatten_layers``, the model left out), its factors
+    ``lora/<i>/vars/lora_kernel_a`` and ``lora_kernel_b``: names repeat across a backbone, so
+    layers go by that index. The model must have LoRA enabled at the file's rank (an assign
+    changes no model's structure; ``load_lora_weights`` enables it where it is off). A factor
+    for a layer with no LoRA keeps its file key, so the assign reports it as unexpected.
+    """
+    if _LORA_RANK_KEY not in source:
+        raise FormatError(f"holds no {_LORA_RANK_KEY}: not a LoRA file keras-hub's save_lora_weights wrote",
+                          path=path)
+    rank_value = source[_LORA_RANK_KEY]
+    if getattr(rank_value, "size", 0) != 1 or rank_value.dtype.kind not in "iu":
+        raise FormatError(f"its LoRA rank is not one integer ({rank_value.dtype}, shape {rank_value.shape})",
+                          path=path, key=_LORA_RANK_KEY)
+    rank = int(rank_value.reshape(()))
+    layers = [layer for layer in model._flatten_layers(include_self=False) if layer.weights]
+    enabled = [layer for layer in layers if getattr(layer, "lora_enabled", False)]
+    if not enabled:
+        raise AssignmentError(f"holds LoRA factors of rank {rank}, and {type(model).__name__} has no LoRA-enabled "
+                              f"layer to take them: call its enable_lora({rank}) first (load_lora_weights does)",
+                              path=path)
+    ranks = sorted({layer.lora_rank for layer in enabled})
+    if ranks != [rank]:
+        raise AssignmentError(f"holds LoRA factors of rank {rank}, and {type(model).__name__}'s LoRA is of rank "
+                              f"{', '.join(map(str, ranks))}: call its enable_lora({rank}) on a fresh instance",
+                              path=path)
+    names: dict[str, str] = {}
+    for file_key in source:
+        if file_key == _LORA_RANK_KEY:
+            continue
+        hit = _LORA_KEY.fullmatch(file_key)
+        index = int(hit.group(1)) if hit else len(layers)
+        layer = layers[index] if index < len(layers) else None
+        variable = getattr(layer, hit.group(2), None) if hit and getattr(layer, "lora_enabled", False) else None
+        if variable is not None and id(variable) in by_variable:
+            names[by_variable[id(variable)]] = file_key
+        else:
+            names.setdefault(file_key, file_key)  # a factor this model has no place for: reported as unexpected
+    return names
 
 
 def keras_file_names(model: Any, file_keys: list[str], by_variable: Mapping[int, str], *,
-                     optimizer: bool = False) -> dict[str, str]:
+                     optimizer: bool = False, skip: set[int] | None = None) -> dict[str, str]:
     """Model key -> file key, from Keras's own save walk over ``model``.
 
     A file key the walk reaches through a variable of the model that is not a target (state
     ``tf2`` does not export, such as a metric's) is left out, like the optimizer's entries;
     Keras's optimizer saves copies (``variable.numpy()``), not its variables, so its
     ``optimizer/vars/<i>`` pair by key, which is how the TF2 adapter keys optimizer state.
-    Anything else keeps its file key (optimizer state too, with ``optimizer``).
+    Anything else keeps its file key (optimizer state too, with ``optimizer``). ``skip``: ids of
+    objects the walk passes over, as Keras's ``objects_to_skip`` does.
     """
     import keras
 
-    paths = _keras_paths(model)
+    paths = _keras_paths(model, skip)
     model_keys = set(by_variable.values())
     names: dict[str, str] = {}
     for file_key in file_keys:
@@ -142,7 +246,7 @@ def keras_file_names(model: Any, file_keys: list[str], by_variable: Mapping[int,
     return names
 
 
-def _keras_paths(model: Any) -> dict[str, Any]:
+def _keras_paths(model: Any, skip: set[int] | None = None) -> dict[str, Any]:
     """File key -> variable for what ``model.save_weights`` would write, without writing anything."""
     from keras.src.saving import saving_lib
 
@@ -160,7 +264,7 @@ def _keras_paths(model: Any) -> dict[str, Any]:
     layers = list(model._flatten_layers(include_self=True, recursive=True))
     with _noting_lora_layers(layers) as lora_at:  # id of a store -> the LoRA layer that filled it
         saving_lib._save_state(model, weights_store=recorder, assets_store=None, inner_path="",
-                               visited_saveables=set())
+                               visited_saveables=set(skip or ()))
     paths = {f"{path}/vars/{name}".lstrip("/"): variable for path, entry in recorder.entries.items()
              for name, variable in (entry | _merged_into(lora_at[id(entry)], entry) if id(entry) in lora_at
                                     else entry).items()}
@@ -305,9 +409,10 @@ def _checkpoint_names(model: Any, path: str, file_keys: list[str], by_variable: 
     if graph is None:
         raise FormatError("not a TF2 object checkpoint (no object graph)", path=path)
     children = [{child.local_name: child.node_id for child in node.children} for node in graph.nodes]
+    saved_model = _is_saved_model(path)
     best: tuple[int, int, dict[int, Any], set[int]] | None = None
     for node in _near_root(children):
-        found, reached = _match(model, node, children)
+        found, reached = _match(model, node, children, saved_model=saved_model)
         score = _score(found, by_variable)
         if best is None or score > best[0]:
             best = (score, node, found, reached)
@@ -377,8 +482,16 @@ def _near_root(children: list[dict[str, int]]) -> Iterator[int]:
         frontier = following
 
 
-def _match(model: Any, home: int, children: list[dict[str, int]]) -> tuple[dict[int, Any], set[int]]:
-    """Node -> variable for every variable reached walking ``model`` and the graph together from ``home``."""
+def _is_saved_model(path: str) -> bool:
+    """Whether ``path`` names a SavedModel's folder (its checkpoint is ``variables/variables``)."""
+    return os.path.isdir(path) and saved_model_prefix(path) is not None
+
+
+def _match(model: Any, home: int, children: list[dict[str, int]], *,
+           saved_model: bool = False) -> tuple[dict[int, Any], set[int]]:
+    """Node -> variable for every variable reached walking ``model`` and the graph together from
+    ``home``; ``saved_model``: the graph is a SavedModel's, whose writer also walks the layers
+    Keras holds in Python lists and dicts (:func:`_trackable_children`)."""
     import keras
     import tensorflow as tf
 
@@ -393,13 +506,37 @@ def _match(model: Any, home: int, children: list[dict[str, int]]) -> tuple[dict[
             continue
         seen.add(id(obj))
         reached.add(node)
-        edges = view.children(obj)
+        edges = _trackable_children(view, obj, saved_model=saved_model)
         if isinstance(obj, (tf.Variable, keras.Variable, tf.__internal__.distribute.ShardedVariable)):
             found[node] = obj  # a ShardedVariable is one node holding the whole tensor, restored across its shards
         for name, child in edges.items():
             if name in children[node]:
                 stack.append((child, children[node][name]))
     return found, reached
+
+
+def _trackable_children(view: Any, obj: Any, *, saved_model: bool) -> dict[str, Any]:
+    """The children TF's writer walks from ``obj``: a checkpoint's, or a SavedModel's.
+
+    Keras 3 turns TF's attribute tracking off, so a layer's layers held in a Python list or
+    dict (``self.blocks = [Dense(4), Dense(2)]``) are no checkpoint children of it.
+    ``tf.saved_model.save`` asks for its children with ``save_type="savedmodel"``, and Keras's
+    layer then adds those collections as plain lists and dicts (``_convert_tracked_collections``),
+    which TF wraps as trackable lists (edges ``blocks/0``, ``blocks/1``). The same conversion is
+    run here, without the rest of that call, which traces every ``tf.function`` of the model
+    (functions hold no variables of their own).
+    """
+    import tensorflow as tf
+
+    edges = dict(view.children(obj))
+    convert = getattr(obj, "_convert_tracked_collections", None) if saved_model else None
+    if convert is not None:
+        collections: dict[str, Any] = {}
+        convert(collections)
+        for name, value in collections.items():
+            if name not in edges:
+                edges[name] = tf.__internal__.tracking.wrap(value)
+    return edges
 
 
 def _descendants(home: int, children: list[dict[str, int]]) -> set[int]:

@@ -84,6 +84,7 @@ from weightstore.adapters._values import RenamedValues
 from weightstore.adapters.artifacts import (
     for_model,
     is_keras_file,
+    is_lora_file,
     is_model_file,
     keras_file_names,
     lora_factors,
@@ -249,6 +250,8 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
     # which its loader zeroes
     lora = _lora_keys(obj, found)
     keras_keyed = is_keras_file(weights)  # or found so by the plan
+    # a keras-hub LoRA file holds the LoRA factors alone: the model's other variables keep theirs
+    adapter_only = is_lora_file(weights)
 
     def plan(values: Any, options: AssignOptions) -> tuple[Plan, Any]:
         nonlocal keras_keyed
@@ -261,7 +264,8 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
         left_out = () if optimizer else [key for key in value_keys if _OPTIMIZER_KEY.fullmatch(key)
                                          and join_scope(scope, key) not in targets]
         planned = plan_assign(view, targets, options, left_out=left_out, tied=tied,
-                              optional=lora.__contains__ if keras_keyed else None)
+                              optional=(lambda key: key not in lora) if adapter_only
+                              else lora.__contains__ if keras_keyed else None)
         settle_tied(planned, view, targets, tied, strict=options.strict)
         return planned, view
 

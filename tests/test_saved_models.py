@@ -155,3 +155,44 @@ def test_a_sharded_variable_assigns_from_a_tf2_checkpoint_across_other_shards(tm
     target = holder(np.zeros_like(value), [1, 2])
     assert tf2.assign(target, prefix).assigned == ["w"]
     np.testing.assert_array_equal(np.concatenate([shard.numpy() for shard in target.w.variables]), value)
+
+
+class Pair(keras.layers.Layer):
+    """Layers in a dict attribute, below a list."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.parts = {"a": keras.layers.Dense(3), "b": keras.layers.Dense(3)}
+
+    def call(self, x):
+        return self.parts["b"](self.parts["a"](x))
+
+
+class ListHeld(keras.Model):
+    """Layers in a plain Python list: Keras 3 tracks them, TF's checkpoint walk does not, and
+    ``tf.saved_model.save`` saves them (under ``blocks/0``, ``blocks/1/parts/a``...)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = [keras.layers.Dense(4), Pair()]
+        self.head = keras.layers.Dense(2)
+
+    def call(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_a_saved_model_of_layers_held_in_python_lists_assigns_as_tf_loads_it(tmp_path):
+    model = ListHeld()
+    expected = model(X)
+    folder = str(tmp_path / "listed")
+    tf.saved_model.save(model, folder)
+    assert any(key.startswith("blocks/1/parts/a/") for key in ws.load(folder))
+    fresh = ListHeld()
+    fresh(X)
+    report = tf2.assign(fresh, folder)
+    assert report.ok and len(report.assigned) == 8
+    served = tf.saved_model.load(folder).signatures["serving_default"](inputs=tf.constant(X))["output_0"]
+    np.testing.assert_array_equal(fresh(X), served)
+    np.testing.assert_array_equal(fresh(X), expected)

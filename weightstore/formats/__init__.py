@@ -165,7 +165,8 @@ class Format:
 #: saying what a checkpoint folder would hold.
 FORMAT_MODULES: list[str] = ["weightstore.formats.npz", "weightstore.formats.hdf5", "weightstore.formats.safetensors",
                              "weightstore.formats.sharded", "weightstore.formats.hf_sharded",
-                             "weightstore.formats.keras_sharded", "weightstore.formats.keras_file",
+                             "weightstore.formats.keras_sharded", "weightstore.formats.keras_preset",
+                             "weightstore.formats.keras_file",
                              "weightstore.formats.tf_checkpoint"]
 _LAST = "weightstore.formats.tf_checkpoint"
 
