@@ -39,9 +39,10 @@ from typing import Any
 
 from weightstore import errors
 from weightstore.errors import PublishError, ShardTimeoutError, WeightStoreError
+from weightstore.sharded import _cluster as cluster
 from weightstore.sharded._cluster import Channel
 
-__all__ = ["incarnation", "Meeting", "handed_out", "news_of", "told", "AGREE_TIMEOUT"]
+__all__ = ["job_incarnation", "incarnation", "Meeting", "handed_out", "news_of", "told", "AGREE_TIMEOUT"]
 
 #: how long a rank waits for the others when it learns the incarnation, and for rank 0's
 #: attempt, unless the caller bounds it
@@ -110,6 +111,21 @@ def _join(channel: Channel, rank: int, timeout: float) -> str:
                                 f"{channel.source}); nothing was published", missing=[0])
     channel.set(f"weightstore/joined/{drawn}/{rank}", "1")
     return drawn
+
+
+def job_incarnation(timeout: float = AGREE_TIMEOUT) -> str:
+    """This launch's incarnation, as every rank of it has it: agreed through the job's store the
+    first time (every rank must call this, or publish, for any to return); ``""`` in a process
+    with no job store (no ``torch.distributed`` process group, no ``jax.distributed``).
+
+    Raises:
+        ShardTimeoutError: a rank did not take part within ``timeout`` seconds.
+    """
+    channel = cluster.channel()
+    if channel is None:
+        return ""
+    found = cluster.membership()
+    return incarnation(channel, found.rank, found.world, timeout)
 
 
 def handed_out(where: str, step: int) -> Meeting | None:

@@ -27,11 +27,13 @@ index names. ``ws clean`` does the same for a folder at rest.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import math
 import os
 import re
+import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -89,7 +91,8 @@ from weightstore.sync._folder import SHARDED_SUFFIX, names_step, require_folder,
 from weightstore.sync._pinning import Version, read_latest
 from weightstore.sync._publish import commit_version
 
-__all__ = ["Piece", "publish_shard", "commit_shards", "next_attempt", "clean_folder"]
+__all__ = ["Piece", "publish_shard", "commit_shards", "publish_together", "in_background", "next_attempt",
+           "clean_folder"]
 
 #: the member metadata entry that maps each stored name to its global key, start and shape
 SHARD_METADATA = "weightstore-shard"
@@ -98,6 +101,7 @@ _ATTEMPT = re.compile(r"^step-(\d{12,})\.attempt-(\d+)$")  # a step past 12 digi
 _POLL = 0.5
 #: how often a waiting coordinator reads ``LATEST`` to see whether its commit can still succeed
 _DOOMED_EVERY = 2.0
+_background_lock = threading.Lock()
 #: bytes at each end of a piece compared with memory, in a member format other than safetensors
 _CHECK_BYTES = 64 << 10
 
@@ -346,6 +350,105 @@ def commit_shards(
         target.put_if(name, adopted[0], create=True)
     clean_attempts(target, keep_step=step, keep_attempt=attempt)
     return version
+
+
+#: how much longer than ``timeout`` a rank waits for rank 0's news: for the attempt, as rank 0
+#: may reach the call later; for the commit, as its own work (the index, ``LATEST``, pruning)
+#: comes after its wait for the members
+NEWS_GRACE = 60.0
+
+
+def publish_together(
+    folder: Any,
+    pieces: Mapping[str, Any],
+    *,
+    step: int,
+    rank: int | None = None,
+    world: int | None = None,
+    timeout: float = 600.0,
+    keep: int | None = DEFAULT_KEEP,
+    metadata: Mapping[str, Any] | None = None,
+    format: str = "safetensors",  # noqa: A002
+    storage_options: Mapping[str, Any] | None = None,
+) -> Version:
+    """One call on every rank of a job: write this rank's ``pieces``, rank 0 commits, and every
+    rank returns the committed :class:`~weightstore.Version` or raises the same error.
+
+    What the adapters' ``publish_sharded`` (``torch``, ``flax``) run once they have this rank's
+    pieces. The ranks meet only through the job's store (:mod:`weightstore.sharded._agree`),
+    never in a collective, so a call may run in a background thread while the training step's
+    collectives go on: rank 0 hands out the attempt; every rank writes its member; a rank whose
+    write fails tells rank 0, whose commit then stops at once; rank 0 tells the committed
+    version, or its error, which every rank raises (the same class, message and path). A job of
+    one process needs no store.
+
+    ``timeout`` bounds rank 0's wait for the members, counted from its handing out the attempt;
+    the other ranks wait that long and :data:`NEWS_GRACE` more for rank 0's news.
+
+    Raises:
+        ShardTimeoutError: a rank did not write within ``timeout`` (``.missing``), or rank 0
+            said nothing; nothing is published.
+        PublishError: as :func:`commit_shards` (a step not above ``LATEST``, a rank that gave
+            up, pieces that do not tile, two job incarnations), or a rank's own write failed.
+        WeightStoreError: a job of several ranks with no store (no ``torch.distributed`` process
+            group, no ``jax.distributed``).
+    """
+    timeout = checked_seconds("timeout", timeout)
+    rank, world = cluster.place(rank=rank, world=world)
+    _check_ids(step=step, world=world)
+    checked_count("rank", rank)
+    if rank >= world:
+        raise ValueError(f"rank {rank} is not below world {world}")
+    fmt = format_named(format)
+    target = folder_for(folder, storage_options)
+    channel = cluster.channel()
+    if channel is None and world > 1:
+        raise WeightStoreError(f"rank {rank} of {world}: the ranks meet through the job's store, and there is none "
+                               "(initialize torch.distributed's process group or jax.distributed first)",
+                               path=target.where)
+    incarnation = "" if channel is None else agree.incarnation(channel, rank, world, timeout + NEWS_GRACE)
+    meeting = agree.Meeting(channel, incarnation, target.where, step, rank, world)
+    attempt = meeting.attempt(lambda: next_attempt(target.where, step, storage_options=storage_options),
+                              timeout + NEWS_GRACE)
+    started = time.monotonic()
+    if rank == 0:
+        try:
+            _write_shard(target, pieces, step=step, rank=0, world=world, attempt=attempt, fmt=fmt,
+                         incarnation=incarnation, storage_options=storage_options)
+            version = commit_shards(target.where, step=step, world=world, attempt=attempt, incarnation=incarnation,
+                                    timeout=round(max(0.0, timeout - (time.monotonic() - started)), 1), keep=keep,
+                                    metadata=metadata, storage_options=storage_options, failures=meeting.failures)
+        except Exception as exc:
+            meeting.tell("committed", agree.news_of(exc))
+            raise
+        meeting.tell("committed", {"step": version.step, "file": version.path.rsplit("/", 1)[-1],
+                                   "created": version.created, "metadata": version.metadata})
+        return version
+    try:
+        _write_shard(target, pieces, step=step, rank=rank, world=world, attempt=attempt, fmt=fmt,
+                     incarnation=incarnation, storage_options=storage_options)
+    except Exception as exc:  # rank 0's commit would otherwise wait out its timeout for this member
+        meeting.give_up(f"{type(exc).__name__}: {exc}")
+        raise
+    news = meeting.hear("committed", timeout - (time.monotonic() - started) + NEWS_GRACE, "the commit")
+    return Version(int(news["step"]), target.url(str(news["file"])), str(news["created"]), dict(news["metadata"]),
+                   target)
+
+
+
+_background: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def in_background(call: Callable[[], Version]) -> concurrent.futures.Future[Version]:
+    """Run ``call`` (a :func:`publish_together` of a snapshot already taken) in this process's one
+    publishing thread, after the calls before it: so every rank makes its calls in the order it
+    made them, and the step goes on while the members are written. The future holds the
+    committed version, or the error every rank raises."""
+    global _background
+    with _background_lock:
+        if _background is None:
+            _background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightstore-sharded")
+        return _background.submit(call)
 
 
 def split_rows(shape: Sequence[int], rank: int, world: int) -> tuple[slice, ...] | None:
