@@ -16,7 +16,9 @@ store, which ``MultiWorkerMirroredStrategy`` starts), not through collectives, s
 never waits in line behind the training step's all-reduces and may run in a background
 thread: rank 0 (the chief, else worker 0) announces the attempt (one after every attempt
 the folder holds of this step, :func:`weightstore.sharded._shards.next_attempt`, with a digest of its
-plan's outline, which a worker that would cut another plan refuses), then, after
+plan's outline, which a worker that would cut another plan refuses, and the launch's
+incarnation, drawn once by the chief's process and recorded in every done-record, so a
+commit refuses members another launch wrote), then, after
 :func:`weightstore.commit_shards`, the committed version or what went wrong. A worker whose
 own write fails says so (the first to fail is heard), so the chief's commit stops at once
 instead of waiting out ``timeout`` for that member. Keys are
@@ -34,6 +36,7 @@ import contextlib
 import hashlib
 import json
 import math
+import secrets
 import threading
 import time
 from collections.abc import Mapping
@@ -72,6 +75,8 @@ _SHARDED = tf.__internal__.distribute.ShardedVariable
 _calls: dict[tuple[str, int], int] = {}
 _handed_out: dict[tuple[str, int], int] = {}
 _lock = threading.Lock()
+#: the chief's incarnation (:func:`_incarnation`), announced with each attempt
+_drawn: str | None = None
 
 
 @dataclass(frozen=True)
@@ -193,15 +198,16 @@ def _as_chief(channel: _Channel, target: Folder, pieces: dict[str, list[Piece]],
     except Exception as exc:
         channel.tell("attempt", {"error": str(exc)})
         raise
-    channel.tell("attempt", {"attempt": attempt, "world": world, "plan": _digest(outline)})
+    channel.tell("attempt", {"attempt": attempt, "world": world, "plan": _digest(outline),
+                             "incarnation": _incarnation()})
     _handed_out[channel.place] = attempt
     announced = time.monotonic()
     try:
         publish_shard(target.where, pieces, step=step, rank=0, world=world, attempt=attempt,
-                      storage_options=storage_options)
+                      storage_options=storage_options, incarnation=_incarnation())
         version = commit_shards(target.where, step=step, world=world, attempt=attempt, keep=keep, metadata=metadata,
                                 timeout=round(max(0.0, timeout - (time.monotonic() - announced)), 1),
-                                storage_options=storage_options,
+                                storage_options=storage_options, incarnation=_incarnation(),
                                 failures=lambda: channel.failures(outline))
     except ShardTimeoutError as exc:
         channel.tell("committed", {"error": str(exc), "missing": exc.missing})
@@ -229,13 +235,24 @@ def _as_worker(channel: _Channel, target: Folder, pieces: dict[str, list[Piece]]
                            path=target.where)
     try:
         publish_shard(target.where, pieces, step=channel.step, rank=rank, world=world,
-                      attempt=int(news["attempt"]), storage_options=storage_options)
+                      attempt=int(news["attempt"]), storage_options=storage_options,
+                      incarnation=str(news.get("incarnation", "")))
     except Exception as exc:  # the chief would otherwise wait out its timeout for this member
         channel.give_up(rank, f"{type(exc).__name__}: {exc}")
         raise
     news = channel.hear("committed", timeout - (time.monotonic() - heard) + _NEWS_GRACE, "the commit")
     return Version(int(news["step"]), target.url(str(news["file"])), str(news["created"]), dict(news["metadata"]),
                    target)
+
+
+def _incarnation() -> str:
+    """This chief process's incarnation, drawn the first time: the coordination service is the
+    chief's (a new launch starts a new one), so what it announces is this launch's."""
+    global _drawn
+    with _lock:
+        if _drawn is None:
+            _drawn = secrets.token_hex(8)
+        return _drawn
 
 
 class _Channel:

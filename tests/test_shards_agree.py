@@ -275,3 +275,38 @@ def test_torchrun_two_nodes_a_killed_rank_and_a_restart_end_in_one_version_every
     torch.manual_seed(3)
     model = torch.nn.Linear(32, 16)
     assert np.array_equal(ws.load(ws.latest(folder))["weight"], model.weight.detach().numpy())
+
+
+#: a rank of one launch whose job store is a TCPStore that outlives it, as torchrun's agent's
+#: does: it learns the launch's incarnation through that store (``sys.argv``: port, rank, delay)
+STORE_RANK = textwrap.dedent("""
+    import datetime, sys, time
+    import torch.distributed as dist
+    from weightstore.sharded import _agree, _cluster
+
+    port, rank, delay = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+    time.sleep(delay)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+    channel = object.__new__(_cluster._TorchChannel)
+    channel.store, channel.owner, channel.timeout_error = store, store, dist.DistStoreError
+    print("incarnation:", _agree.incarnation(channel, rank, 2, timeout=60))
+""")
+
+
+def test_a_store_that_outlives_a_launch_never_gives_the_next_launch_the_old_incarnation(tmp_path):
+    """torchrun's agent keeps its TCPStore across the launches it restarts, with the keys the
+    dead launch's ranks left. The next launch's rank 1 starts well before its rank 0,
+    and still learn the new incarnation, never the one the store holds."""
+    server = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+    def launch(delays):
+        ranks = run_together([[sys.executable, "-c", STORE_RANK, str(server.port), str(rank), str(delay)]
+                              for rank, delay in enumerate(delays)], [job_env()] * 2, timeout=120)
+        assert [rank.returncode for rank in ranks] == [0] * 2, [rank.stderr[-3000:] for rank in ranks]
+        drawn = {rank.stdout.split("incarnation: ")[1].split()[0] for rank in ranks}
+        assert len(drawn) == 1, drawn
+        return drawn.pop()
+
+    first = launch([0, 0])
+    second = launch([2, 0])  # rank 1 reads the store while it holds only the first launch's keys
+    assert second != first
