@@ -48,8 +48,10 @@ __all__ = ["job_incarnation", "incarnation", "Meeting", "handed_out", "news_of",
 #: attempt, unless the caller bounds it
 AGREE_TIMEOUT = 600.0
 _POLL = 0.5
-#: per job store (its owner's id): the owner (kept, so its id is not reused) and the incarnation
-_incarnations: dict[int, tuple[Any, str]] = {}
+#: per job store (its owner's id) and world: the owner (kept, so its id is not reused) and the incarnation
+_incarnations: dict[tuple[int, int], tuple[Any, str]] = {}
+#: the incarnation of this process's versions of one rank
+_alone: str | None = None
 #: per (incarnation, folder, step): calls this process made
 _calls: dict[tuple[str, str, int], int] = {}
 #: per (folder, step): the last meeting at which this process handed out an attempt as rank 0
@@ -65,12 +67,16 @@ def incarnation(channel: Channel, rank: int, world: int, timeout: float = AGREE_
         ShardTimeoutError: a rank (``.missing``) did not take part within ``timeout`` seconds.
         WeightStoreError: the store was lost.
     """
+    global _alone
     with _lock:
-        known = _incarnations.get(id(channel.owner))
+        if world == 1:  # a rank that writes a version alone meets no one: its own, drawn once
+            _alone = _alone or secrets.token_hex(8)
+            return _alone
+        known = _incarnations.get((id(channel.owner), world))
         if known is not None and known[0] is channel.owner:
             return known[1]
         found = _lead(channel, world, timeout) if rank == 0 else _join(channel, rank, timeout)
-        _incarnations[id(channel.owner)] = (channel.owner, found)
+        _incarnations[(id(channel.owner), world)] = (channel.owner, found)
         return found
 
 

@@ -176,6 +176,8 @@ def publish_shard(
     if suffix not in MEMBER_SUFFIXES:
         raise ValueError(f"a sharded version's members are safetensors, npz or hdf5 files; format={format!r} is not "
                          "supported")
+    if attempt is not None:
+        _check_ids(step=step, attempt=attempt)  # before meeting anyone
     target = folder_for(folder, storage_options)
     meeting = None
     if attempt is None or incarnation is None:
