@@ -32,7 +32,9 @@ worker that gives up counts its call, which the chief is taken to make.)
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -57,7 +59,7 @@ from weightstore.errors import PublishError, ShardTimeoutError, WeightStoreError
 from weightstore.formats._sharded_index import BLOCK_BYTES
 from weightstore.io.folders import Folder, folder_for
 from weightstore.sharded import _cluster as cluster
-from weightstore.sharded._shards import Piece, commit_shards, next_attempt, publish_shard
+from weightstore.sharded._shards import Piece, commit_shards, in_background, next_attempt, publish_shard
 from weightstore.store._save import checked_metadata
 from weightstore.sync._checks import DEFAULT_KEEP
 from weightstore.sync._pinning import Version
@@ -144,9 +146,10 @@ def publish_sharded(
     keep: int | None = DEFAULT_KEEP,
     metadata: Mapping[str, Any] | None = None,
     optimizer: bool = False,
+    background: bool = False,
     storage_options: Mapping[str, Any] | None = None,
     **selection: Unpack[SelectionWords],
-) -> Version:
+) -> Version | concurrent.futures.Future[Version]:
     """Publish ``model``'s variables as one sharded version, each worker writing its share.
 
     Call it on every worker of ``strategy``'s cluster with the same arguments; each returns the
@@ -154,6 +157,11 @@ def publish_sharded(
     ``tf2.export``; the keys are the same. Values are read when each worker reaches the call,
     so call it between training steps (from a background thread: while no step runs).
     A strategy without a cluster (one process) writes everything as rank 0 of 1.
+
+    With ``background=True`` each worker reads its share now (into host memory) and the call
+    returns a ``concurrent.futures.Future`` of the version at once; meeting the chief, writing
+    and committing run in one publishing thread per process, in the order of the calls
+    (:func:`weightstore.sharded._shards.in_background`).
 
     ``timeout`` bounds the wait for the slowest worker, counted from the chief's announcing the
     attempt; a worker waits that long and a minute more for the chief's news.
@@ -184,8 +192,11 @@ def publish_sharded(
             channel.give_up(rank, f"{type(exc).__name__}: {exc}")
         raise
     if rank == 0:
-        return _as_chief(channel, target, pieces, outline, world, timeout, keep, metadata, storage_options)
-    return _as_worker(channel, target, pieces, outline, rank, world, timeout, storage_options)
+        call = functools.partial(_as_chief, channel, target, pieces, outline, world, timeout, keep, metadata,
+                                 storage_options)
+    else:
+        call = functools.partial(_as_worker, channel, target, pieces, outline, rank, world, timeout, storage_options)
+    return in_background(call) if background else call()
 
 
 def _as_chief(channel: _Channel, target: Folder, pieces: dict[str, list[Piece]], outline: dict[str, list[Any]],
