@@ -15,10 +15,10 @@ The workers agree on two things through TensorFlow's own coordination service (i
 store, which ``MultiWorkerMirroredStrategy`` starts), not through collectives, so a publish
 never waits in line behind the training step's all-reduces and may run in a background
 thread: rank 0 (the chief, else worker 0) announces the attempt (one after every attempt
-the folder holds of this step, :func:`weightstore.sharded._shards.next_attempt`, with a digest of its
-plan's outline, which a worker that would cut another plan refuses, and the launch's
-incarnation, drawn once by the chief's process and recorded in every done-record, so a
-commit refuses members another launch wrote), then, after
+the folder holds of this step, which it claims: :func:`weightstore.sharded._shards.claimed_attempt`),
+with a digest of its plan's outline, which a worker that would cut another plan refuses, and
+the launch's incarnation, drawn once by the chief's process and recorded in every
+done-record, so a commit refuses members another launch wrote; then, after
 :func:`weightstore.commit_shards`, the committed version or what went wrong. A worker whose
 own write fails says so (the first to fail is heard), so the chief's commit stops at once
 instead of waiting out ``timeout`` for that member. Keys are
@@ -59,7 +59,7 @@ from weightstore.errors import PublishError, ShardTimeoutError, WeightStoreError
 from weightstore.formats._sharded_index import BLOCK_BYTES
 from weightstore.io.folders import Folder, folder_for
 from weightstore.sharded import _cluster as cluster
-from weightstore.sharded._shards import Piece, commit_shards, in_background, next_attempt, publish_shard
+from weightstore.sharded._shards import Piece, claimed_attempt, commit_shards, in_background, publish_shard
 from weightstore.store._save import checked_metadata
 from weightstore.sync._checks import DEFAULT_KEEP
 from weightstore.sync._pinning import Version
@@ -204,8 +204,8 @@ def _as_chief(channel: _Channel, target: Folder, pieces: dict[str, list[Piece]],
               storage_options: Mapping[str, Any] | None) -> Version:
     step = channel.step
     try:
-        attempt = max(next_attempt(target.where, step, storage_options=storage_options),
-                      _handed_out.get(channel.place, -1) + 1)
+        attempt = claimed_attempt(target, step, _incarnation(), _handed_out.get(channel.place, -1) + 1,
+                                  storage_options=storage_options)
     except Exception as exc:
         channel.tell("attempt", {"error": str(exc)})
         raise

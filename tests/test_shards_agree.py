@@ -310,3 +310,19 @@ def test_a_store_that_outlives_a_launch_never_gives_the_next_launch_the_old_inca
     first = launch([0, 0])
     second = launch([2, 0])  # rank 1 reads the store while it holds only the first launch's keys
     assert second != first
+
+
+def test_two_launches_whose_rank_0s_read_the_folder_at_once_claim_different_attempts(tmp_path, monkeypatch):
+    """Both read the folder before either wrote (next_attempt says 0 to both): the create-only
+    claim gives the first attempt 0 and the second attempt 1, so neither's members mix."""
+    from weightstore.io.folders import folder_for
+    from weightstore.sharded import _shards as shards
+
+    target = folder_for(tmp_path / "run")
+    monkeypatch.setattr(shards, "next_attempt", lambda *args, **kwargs: 0)  # the moment both read it
+    assert shards.claimed_attempt(target, 5, "zombie0001") == 0
+    assert shards.claimed_attempt(target, 5, "replacement") == 1
+    assert (tmp_path / "run" / "step-000000000005.attempt-0" / "claimed-by").read_text() == "zombie0001"
+    assert (tmp_path / "run" / "step-000000000005.attempt-1" / "claimed-by").read_text() == "replacement"
+    monkeypatch.undo()
+    assert shards.claimed_attempt(target, 5, "replacement", least=1) == 2  # a retry: above what the folder holds

@@ -19,7 +19,8 @@ commit refuses members of another (a preempted job's zombie and its replacement 
 one step).
 
 **The attempt** of each publish is handed out by rank 0 (one above every attempt the folder
-holds of the step, and above any it handed out before) at keys unique to the incarnation,
+holds of the step, and above any it handed out before, that it claims: see
+:func:`weightstore.sharded._shards.claimed_attempt`) at keys unique to the incarnation,
 the folder, the step and the call (each process counts its calls of a folder and step, as
 every rank makes them alike): ``weightstore/<incarnation>/<folder digest>/step-<n>/call-<i>/…``.
 The same keys carry a rank's word that it gave up (so rank 0's commit stops at once) and rank
@@ -156,9 +157,10 @@ class Meeting:
         digest = hashlib.sha256(where.encode()).hexdigest()[:16]
         self.prefix = f"weightstore/{incarnation}/{digest}/step-{step}/call-{call}"
 
-    def attempt(self, next_attempt: Callable[[], int], timeout: float) -> int:
-        """Rank 0 hands out the attempt (``next_attempt()``, and above any it handed out of this
-        step before); the others wait for it up to ``timeout`` seconds.
+    def attempt(self, claim: Callable[[int], int], timeout: float) -> int:
+        """Rank 0 hands out the attempt (``claim(least)``: the first this launch claims at or
+        above ``least``, which is above any it handed out of this step before); the others wait
+        for it up to ``timeout`` seconds.
 
         Raises:
             ShardTimeoutError: rank 0 said nothing in time.
@@ -167,7 +169,7 @@ class Meeting:
         if self.rank == 0:
             try:
                 before = handed_out(self.where, self.step)
-                chosen = max(next_attempt(), -1 if before is None or before.chosen is None else before.chosen + 1)
+                chosen = claim(0 if before is None or before.chosen is None else before.chosen + 1)
             except Exception as exc:
                 self.tell("attempt", news_of(exc))
                 raise

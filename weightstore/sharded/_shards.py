@@ -92,13 +92,18 @@ from weightstore.sync._pinning import Version, read_latest
 from weightstore.sync._publish import commit_version
 
 __all__ = ["Piece", "publish_shard", "commit_shards", "publish_together", "in_background", "next_attempt",
-           "clean_folder"]
+           "claimed_attempt", "clean_folder"]
 
 #: the member metadata entry that maps each stored name to its global key, start and shape
 SHARD_METADATA = "weightstore-shard"
 _ATTEMPT = re.compile(r"^step-(\d{12,})\.attempt-(\d+)$")  # a step past 12 digits (a timestamp) is longer
 #: how often the coordinator looks for done-records, at most (it backs off from 50 ms)
 _POLL = 0.5
+#: the file rank 0 creates, create-only, in each attempt folder it hands out, naming its launch
+#: (:func:`claimed_attempt`); readers and cleaning ignore it
+CLAIM = "claimed-by"
+#: attempts :func:`claimed_attempt` tries before giving up
+_MAX_CLAIMS = 64
 #: how often a waiting coordinator reads ``LATEST`` to see whether its commit can still succeed
 _DOOMED_EVERY = 2.0
 _background_lock = threading.Lock()
@@ -186,7 +191,8 @@ def publish_shard(
             incarnation = agree.incarnation(channel, rank, world) if incarnation is None else incarnation
             if attempt is None:
                 meeting = agree.Meeting(channel, incarnation, target.where, step, rank, world)
-                attempt = meeting.attempt(lambda: next_attempt(target.where, step, storage_options=storage_options),
+                attempt = meeting.attempt(lambda least: claimed_attempt(target, step, incarnation, least,
+                                                                        storage_options=storage_options),
                                           agree.AGREE_TIMEOUT)
     _, _, attempt = cluster.filled(rank=rank, world=world, attempt=attempt)
     try:
@@ -410,8 +416,8 @@ def publish_together(
                                path=target.where)
     incarnation = "" if channel is None else agree.incarnation(channel, rank, world, timeout + NEWS_GRACE)
     meeting = agree.Meeting(channel, incarnation, target.where, step, rank, world)
-    attempt = meeting.attempt(lambda: next_attempt(target.where, step, storage_options=storage_options),
-                              timeout + NEWS_GRACE)
+    attempt = meeting.attempt(lambda least: claimed_attempt(target, step, incarnation, least,
+                                                            storage_options=storage_options), timeout + NEWS_GRACE)
     started = time.monotonic()
     if rank == 0:
         try:
@@ -472,6 +478,31 @@ def _same_index(target: Folder, name: str, index: ShardIndex) -> bool:
     tuples."""
     found, _ = _read_index(target, name)
     return found is not None and dataclasses.replace(found, created=index.created).to_json() == index.to_json()
+
+
+def claimed_attempt(target: Folder, step: int, incarnation: str, least: int = 0, *,
+                    storage_options: Mapping[str, Any] | None = None) -> int:
+    """The attempt rank 0 of a job hands out: the first at or above ``least`` and above every
+    attempt ``target`` holds of ``step`` (:func:`next_attempt`) whose folder this launch claims,
+    by creating its :data:`CLAIM` file (create-only, holding ``incarnation``). Two launches whose
+    rank 0s read the folder at the same moment (a preempted job's zombie and its replacement)
+    so never hand out the same attempt: the second's creation fails and it takes the next.
+
+    Raises:
+        PublishError: storage without conditional writes (as :func:`publish_shard`), or
+            :data:`_MAX_CLAIMS` attempts in a row claimed by others.
+    """
+    target.require_compare_and_swap(f"claiming an attempt of step {step}")
+    attempt = max(least, next_attempt(target.where, step, storage_options=storage_options))
+    for _ in range(_MAX_CLAIMS):
+        members = folder_for(target.url(attempt_folder(step, attempt)), storage_options)
+        target.create()
+        members.create()
+        if members.put_if(CLAIM, (incarnation or "none").encode(), create=True):
+            return attempt
+        attempt += 1
+    raise PublishError(f"{_MAX_CLAIMS} attempts of step {step} in a row were claimed by other launches of the job",
+                       path=target.where)
 
 
 def next_attempt(folder: Any, step: int, *, storage_options: Mapping[str, Any] | None = None) -> int:
