@@ -18,7 +18,9 @@ changes the one it was given, since JAX code treats trees as values.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import concurrent.futures
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -38,9 +40,11 @@ from weightstore.adapters.plan import AssignOptions, AssignWords, Report, Select
 from weightstore.adapters.skeleton import Target, private_copy, range_checked, run_assign
 from weightstore.core.keys import MappingRules, Patterns, validate_key
 from weightstore.errors import InvalidKeyError, LayoutError, SelectionError
-from weightstore.sharded._shards import Piece, split_rows
+from weightstore.sharded._shards import Piece, in_background, publish_together, split_rows
+from weightstore.sync._checks import DEFAULT_KEEP
+from weightstore.sync._pinning import Version
 
-__all__ = ["export", "export_pieces", "assign", "restore", "variables", "forget"]
+__all__ = ["export", "export_pieces", "publish_sharded", "assign", "restore", "variables", "forget"]
 
 _STATE = (nnx.Param, nnx.BatchStat)
 
@@ -120,6 +124,45 @@ def export_pieces(obj: Any, **selection: Unpack[SelectionWords]) -> dict[str, li
         if found:
             pieces[key] = found
     return pieces
+
+
+
+def publish_sharded(
+    folder: Any,
+    obj: Any,
+    *,
+    step: int,
+    timeout: float = 600.0,
+    keep: int | None = DEFAULT_KEEP,
+    metadata: Mapping[str, Any] | None = None,
+    background: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+    **selection: Unpack[SelectionWords],
+) -> Version | concurrent.futures.Future[Version]:
+    """Publish an NNX module or pytree as one sharded version, every process of the
+    ``jax.distributed`` job writing what it holds (:func:`export_pieces`); call it alike on every
+    process. Process 0 hands out the attempt through ``jax.distributed``'s key-value store, every
+    process writes its member, process 0 commits, and every process returns the same committed
+    :class:`~weightstore.Version` or raises the same error
+    (:func:`weightstore.sharded._shards.publish_together`); no collective runs. A single
+    process publishes everything as rank 0 of 1.
+
+    With ``background=True`` this process's pieces are copied to host memory now and a
+    ``concurrent.futures.Future`` of the version is returned at once; the writing and the commit
+    run in a background thread, one publish after another.
+
+    Raises:
+        ShardTimeoutError, PublishError: see ``publish_together`` (through the future with
+            ``background=True``).
+    """
+    pieces = export_pieces(obj, **selection)
+    if background:  # a CPU shard's numpy view shares the device buffer, which a donating step reuses
+        pieces = {key: [Piece(np.array(piece.array), piece.start, piece.shape) for piece in found]
+                  for key, found in pieces.items()}
+    call = functools.partial(publish_together, folder, pieces, step=step, rank=jax.process_index(),
+                             world=jax.process_count(), timeout=timeout, keep=keep, metadata=metadata,
+                             storage_options=storage_options)
+    return in_background(call) if background else call()
 
 
 def assign(

@@ -15,8 +15,10 @@ The workers agree on two things through TensorFlow's own coordination service (i
 store, which ``MultiWorkerMirroredStrategy`` starts), not through collectives, so a publish
 never waits in line behind the training step's all-reduces and may run in a background
 thread: rank 0 (the chief, else worker 0) announces the attempt (one after every attempt
-the folder holds of this step, :func:`weightstore.sharded._shards.next_attempt`, with a digest of its
-plan's outline, which a worker that would cut another plan refuses), then, after
+the folder holds of this step, which it claims: :func:`weightstore.sharded._shards.claimed_attempt`),
+with a digest of its plan's outline, which a worker that would cut another plan refuses, and
+the launch's incarnation, drawn once by the chief's process and recorded in every
+done-record, so a commit refuses members another launch wrote; then, after
 :func:`weightstore.commit_shards`, the committed version or what went wrong. A worker whose
 own write fails says so (the first to fail is heard), so the chief's commit stops at once
 instead of waiting out ``timeout`` for that member. Keys are
@@ -30,10 +32,13 @@ worker that gives up counts its call, which the chief is taken to make.)
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import functools
 import hashlib
 import json
 import math
+import secrets
 import threading
 import time
 from collections.abc import Mapping
@@ -54,7 +59,7 @@ from weightstore.errors import PublishError, ShardTimeoutError, WeightStoreError
 from weightstore.formats._sharded_index import BLOCK_BYTES
 from weightstore.io.folders import Folder, folder_for
 from weightstore.sharded import _cluster as cluster
-from weightstore.sharded._shards import Piece, commit_shards, next_attempt, publish_shard
+from weightstore.sharded._shards import Piece, claimed_attempt, commit_shards, in_background, publish_shard
 from weightstore.store._save import checked_metadata
 from weightstore.sync._checks import DEFAULT_KEEP
 from weightstore.sync._pinning import Version
@@ -72,6 +77,8 @@ _SHARDED = tf.__internal__.distribute.ShardedVariable
 _calls: dict[tuple[str, int], int] = {}
 _handed_out: dict[tuple[str, int], int] = {}
 _lock = threading.Lock()
+#: the chief's incarnation (:func:`_incarnation`), announced with each attempt
+_drawn: str | None = None
 
 
 @dataclass(frozen=True)
@@ -139,9 +146,10 @@ def publish_sharded(
     keep: int | None = DEFAULT_KEEP,
     metadata: Mapping[str, Any] | None = None,
     optimizer: bool = False,
+    background: bool = False,
     storage_options: Mapping[str, Any] | None = None,
     **selection: Unpack[SelectionWords],
-) -> Version:
+) -> Version | concurrent.futures.Future[Version]:
     """Publish ``model``'s variables as one sharded version, each worker writing its share.
 
     Call it on every worker of ``strategy``'s cluster with the same arguments; each returns the
@@ -149,6 +157,11 @@ def publish_sharded(
     ``tf2.export``; the keys are the same. Values are read when each worker reaches the call,
     so call it between training steps (from a background thread: while no step runs).
     A strategy without a cluster (one process) writes everything as rank 0 of 1.
+
+    With ``background=True`` each worker reads its share now (into host memory) and the call
+    returns a ``concurrent.futures.Future`` of the version at once; meeting the chief, writing
+    and committing run in one publishing thread per process, in the order of the calls
+    (:func:`weightstore.sharded._shards.in_background`).
 
     ``timeout`` bounds the wait for the slowest worker, counted from the chief's announcing the
     attempt; a worker waits that long and a minute more for the chief's news.
@@ -179,8 +192,11 @@ def publish_sharded(
             channel.give_up(rank, f"{type(exc).__name__}: {exc}")
         raise
     if rank == 0:
-        return _as_chief(channel, target, pieces, outline, world, timeout, keep, metadata, storage_options)
-    return _as_worker(channel, target, pieces, outline, rank, world, timeout, storage_options)
+        call = functools.partial(_as_chief, channel, target, pieces, outline, world, timeout, keep, metadata,
+                                 storage_options)
+    else:
+        call = functools.partial(_as_worker, channel, target, pieces, outline, rank, world, timeout, storage_options)
+    return in_background(call) if background else call()
 
 
 def _as_chief(channel: _Channel, target: Folder, pieces: dict[str, list[Piece]], outline: dict[str, list[Any]],
@@ -188,20 +204,21 @@ def _as_chief(channel: _Channel, target: Folder, pieces: dict[str, list[Piece]],
               storage_options: Mapping[str, Any] | None) -> Version:
     step = channel.step
     try:
-        attempt = max(next_attempt(target.where, step, storage_options=storage_options),
-                      _handed_out.get(channel.place, -1) + 1)
+        attempt = claimed_attempt(target, step, _incarnation(), _handed_out.get(channel.place, -1) + 1,
+                                  storage_options=storage_options)
     except Exception as exc:
         channel.tell("attempt", {"error": str(exc)})
         raise
-    channel.tell("attempt", {"attempt": attempt, "world": world, "plan": _digest(outline)})
+    channel.tell("attempt", {"attempt": attempt, "world": world, "plan": _digest(outline),
+                             "incarnation": _incarnation()})
     _handed_out[channel.place] = attempt
     announced = time.monotonic()
     try:
         publish_shard(target.where, pieces, step=step, rank=0, world=world, attempt=attempt,
-                      storage_options=storage_options)
+                      storage_options=storage_options, incarnation=_incarnation())
         version = commit_shards(target.where, step=step, world=world, attempt=attempt, keep=keep, metadata=metadata,
                                 timeout=round(max(0.0, timeout - (time.monotonic() - announced)), 1),
-                                storage_options=storage_options,
+                                storage_options=storage_options, incarnation=_incarnation(),
                                 failures=lambda: channel.failures(outline))
     except ShardTimeoutError as exc:
         channel.tell("committed", {"error": str(exc), "missing": exc.missing})
@@ -229,13 +246,24 @@ def _as_worker(channel: _Channel, target: Folder, pieces: dict[str, list[Piece]]
                            path=target.where)
     try:
         publish_shard(target.where, pieces, step=channel.step, rank=rank, world=world,
-                      attempt=int(news["attempt"]), storage_options=storage_options)
+                      attempt=int(news["attempt"]), storage_options=storage_options,
+                      incarnation=str(news.get("incarnation", "")))
     except Exception as exc:  # the chief would otherwise wait out its timeout for this member
         channel.give_up(rank, f"{type(exc).__name__}: {exc}")
         raise
     news = channel.hear("committed", timeout - (time.monotonic() - heard) + _NEWS_GRACE, "the commit")
     return Version(int(news["step"]), target.url(str(news["file"])), str(news["created"]), dict(news["metadata"]),
                    target)
+
+
+def _incarnation() -> str:
+    """This chief process's incarnation, drawn the first time: the coordination service is the
+    chief's (a new launch starts a new one), so what it announces is this launch's."""
+    global _drawn
+    with _lock:
+        if _drawn is None:
+            _drawn = secrets.token_hex(8)
+        return _drawn
 
 
 class _Channel:

@@ -24,6 +24,8 @@ selection then speak the module's names (``conv/weight``, not ``conv/kernel``).
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import itertools
 import warnings
 from collections.abc import Mapping
@@ -50,9 +52,11 @@ from weightstore.adapters.plan import AssignOptions, AssignWords, Report, Select
 from weightstore.adapters.skeleton import Target, run_assign
 from weightstore.core.names import TORCH, WRITE_NAMINGS, check_naming, key_of_torch_name, torch_keys, torch_name_of_key
 from weightstore.errors import AssignmentError, InvalidKeyError, LayoutError, SelectionError, UnsupportedDTypeError
-from weightstore.sharded._shards import Piece, split_rows
+from weightstore.sharded._shards import Piece, in_background, publish_together, split_rows
+from weightstore.sync._checks import DEFAULT_KEEP
+from weightstore.sync._pinning import Version
 
-__all__ = ["export", "export_pieces", "assign", "variables", "tensors", "forget", "to_numpy"]
+__all__ = ["export", "export_pieces", "publish_sharded", "assign", "variables", "tensors", "forget", "to_numpy"]
 
 OPTIONAL_LEAF = "num_batches_tracked"
 #: the name PyTorch gives ``get_extra_state()``'s object in a ``state_dict``
@@ -176,6 +180,45 @@ def export_pieces(module: nn.Module, *, rank: int | None = None, world: int | No
         array = to_numpy(torch_shards.local_tensor(tensor) if sharded else tensor[region], key)
         pieces[key] = [Piece(array, tuple(part.start for part in region), shape)]
     return pieces
+
+
+def publish_sharded(
+    folder: Any,
+    module: nn.Module,
+    *,
+    step: int,
+    timeout: float = 600.0,
+    keep: int | None = DEFAULT_KEEP,
+    metadata: Mapping[str, Any] | None = None,
+    background: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+    **selection: Unpack[SelectionWords],
+) -> Version | concurrent.futures.Future[Version]:
+    """Publish ``module`` as one sharded version, every rank of the ``torch.distributed`` job
+    writing what it holds (:func:`export_pieces`); call it alike on every rank.
+
+    Rank 0 hands out the attempt through the process group's c10d store, every rank writes its
+    member, rank 0 commits, and every rank returns the same committed
+    :class:`~weightstore.Version` or raises the same error
+    (:func:`weightstore.sharded._shards.publish_together`). No collective runs: the ranks meet
+    in the store, so the training step's collectives are never queued behind a publish. Without
+    a process group the module is published whole as rank 0 of 1.
+
+    With ``background=True`` the values are copied now (this rank's pieces, into host memory)
+    and the call returns a ``concurrent.futures.Future`` of the version at once; the members
+    are written and committed in a background thread, one publish after another in the order
+    they were made, while the step goes on.
+
+    Raises:
+        ShardTimeoutError, PublishError: see ``publish_together`` (through the future with
+            ``background=True``).
+    """
+    pieces = export_pieces(module, **selection)  # the snapshot: copies in host memory
+    grouped = torch.distributed.is_available() and torch.distributed.is_initialized()
+    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if grouped else (0, 1)
+    call = functools.partial(publish_together, folder, pieces, step=step, rank=rank, world=world, timeout=timeout,
+                             keep=keep, metadata=metadata, storage_options=storage_options)
+    return in_background(call) if background else call()
 
 
 def assign(

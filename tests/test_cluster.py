@@ -2,7 +2,6 @@
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -12,6 +11,7 @@ import pytest
 from processes import free_port, run_together
 
 import weightstore as ws
+from weightstore.formats._sharded_index import parse_done
 from weightstore.sharded import _cluster as cluster
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,18 +76,18 @@ def test_a_bad_tf_config_is_refused_and_nothing_is_written(tmp_path, monkeypatch
 
 def test_without_an_attempt_or_a_cluster_the_error_says_what_to_pass(tmp_path, monkeypatch):
     monkeypatch.setenv("TF_CONFIG", tf_config("chief", 0))
-    with pytest.raises(ws.WeightStoreError, match="attempt was not given and TF_CONFIG does not count restarts"):
+    with pytest.raises(ws.WeightStoreError, match="attempt was not given and TF_CONFIG has no store to agree one through"):
         ws.publish_shard(tmp_path / "run", {"k": np.zeros(2)}, step=1)
     with pytest.raises(ws.WeightStoreError, match="attempt was not given"):
         ws.commit_shards(tmp_path / "run", step=1, timeout=1)
     monkeypatch.delenv("TF_CONFIG")
     with pytest.raises(ws.WeightStoreError, match="nothing says them.*pass rank=, world= and attempt="):
         ws.publish_shard(tmp_path / "run", {"k": np.zeros(2)}, step=1, attempt=0)
-    with pytest.raises(ws.WeightStoreError, match="attempt was not given and no torchrun counts restarts; pass "
+    with pytest.raises(ws.WeightStoreError, match="attempt was not given and no job store agrees one; pass "
                                                   "attempt=") as caught:  # rank and world given: only the attempt
         ws.publish_shard(tmp_path / "run", {"k": np.zeros(2)}, step=1, rank=0, world=1)
     assert "rank and world were not given" not in str(caught.value)
-    with pytest.raises(ws.WeightStoreError, match="attempt was not given and no torchrun"):
+    with pytest.raises(ws.WeightStoreError, match="attempt was not given and no job store"):
         ws.commit_shards(tmp_path / "run", step=1, world=1, timeout=1)
     ws.publish_shard(tmp_path / "run", {"k": np.zeros(2)}, step=1, rank=0, world=1, attempt=0)  # all given: no look
     assert ws.load(ws.commit_shards(tmp_path / "run", step=1, world=1, attempt=0, timeout=1))["k"].shape == (2,)
@@ -103,23 +103,15 @@ RANK = textwrap.dedent("""
     if framework == "torch":
         import torch.distributed as dist
         dist.init_process_group("gloo", init_method="env://")
-        attempt = None  # torchrun's restart count
     else:
         import os, jax
         jax.distributed.initialize(os.environ["COORDINATOR"], num_processes=2, process_id=int(os.environ["RANK"]))
-        try:
-            ws.publish_shard(folder, {"k": np.zeros(1)}, step=5)
-        except ws.WeightStoreError as exc:
-            assert "jax.distributed does not count restarts" in str(exc), exc
-        else:
-            raise AssertionError("no attempt, yet no error")
-        attempt = 2
     rank = ws.sharded.membership().rank
     kernel = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
-    ws.publish_shard(folder, {"k": ws.Piece(kernel[rank * 4:rank * 4 + 4], (rank * 4, 0), (8, 3))}, step=5,
-                     attempt=attempt)
-    if rank == 0:
-        print(ws.commit_shards(folder, step=5, attempt=attempt, timeout=60).path)
+    for step in (5, 6):  # the attempt and the incarnation agreed through the job's store, never from its environment
+        ws.publish_shard(folder, {"k": ws.Piece(kernel[rank * 4:rank * 4 + 4], (rank * 4, 0), (8, 3))}, step=step)
+        if rank == 0:
+            print(ws.commit_shards(folder, step=step, timeout=60).path)
     if framework == "torch":
         dist.destroy_process_group()
     else:
@@ -128,7 +120,7 @@ RANK = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("framework", ["torch", "jax"])
-def test_a_torch_or_jax_cluster_gives_rank_and_world_and_torchrun_the_attempt(tmp_path, framework):
+def test_a_torch_or_jax_cluster_gives_rank_and_world_and_its_store_agrees_the_attempt(tmp_path, framework):
     folder = tmp_path / "run"
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
@@ -138,46 +130,13 @@ def test_a_torch_or_jax_cluster_gives_rank_and_world_and_torchrun_the_attempt(tm
     ranks = run_together([[sys.executable, "-c", RANK, str(folder), framework]] * 2,
                          [{**env, "RANK": str(rank)} for rank in range(2)], timeout=120)
     assert [rank.returncode for rank in ranks] == [0, 0], [rank.stderr[-3000:] for rank in ranks]
-    assert Path(ranks[0].stdout.strip()).name == "step-000000000005.wsindex"
-    assert ws.latest(folder).step == 5
+    assert [Path(line).name for line in ranks[0].stdout.split()] == ["step-000000000005.wsindex",
+                                                                      "step-000000000006.wsindex"]
+    assert ws.latest(folder).step == 6
     assert ws.load(ws.latest(folder))["k"].tobytes() == np.arange(24, dtype=np.float32).tobytes()
-    assert sorted(p.name for p in (folder / "step-000000000005.attempt-2").iterdir()) == [
-        "rank-00000.done", "rank-00000.safetensors", "rank-00001.done", "rank-00001.safetensors"]
-
-
-#: one process of a torch.distributed group of one, asking its attempt with TORCHELASTIC_RESTART_COUNT as given
-RESTART_COUNT = textwrap.dedent("""
-    import os, sys
-    import numpy as np
-    import torch.distributed as dist
-    import weightstore as ws
-    dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
-    for count in sys.argv[3:]:
-        os.environ["TORCHELASTIC_RESTART_COUNT"] = count
-        try:
-            ws.publish_shard(sys.argv[1], {"k": np.zeros(2)}, step=1)
-        except ws.WeightStoreError as exc:
-            print(repr(count), "refused:", exc)
-        else:
-            print(repr(count), "published")
-    dist.destroy_process_group()
-""")
-
-
-def test_a_restart_count_that_is_not_a_count_is_refused_naming_the_variable(tmp_path):
-    """``int()`` takes "-1" (an attempt folder ``attempt--1`` and a ValueError later), " 2",
-    "1_0" and "٣"; only ASCII digits are torchrun's count."""
-    pytest.importorskip("torch.distributed")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("TF_CONFIG", None)
-    bad = ["-1", " 2", "1_0", "\u0663", "", "9" * 30]
-    result = subprocess.run([sys.executable, "-c", RESTART_COUNT, str(tmp_path / "run"), str(tmp_path / "store"),
-                             *bad, "3"], env=env, capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = result.stdout.splitlines()
-    assert len(lines) == len(bad) + 1, result.stdout + result.stderr[-2000:]
-    for count, line in zip(bad, lines, strict=False):
-        assert line.startswith(f"{count!r} refused: TORCHELASTIC_RESTART_COUNT is {count!r}, not a count"), line
-    assert lines[-1] == "'3' published"
-    assert (tmp_path / "run" / "step-000000000001.attempt-3" / "rank-00000.done").exists()
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step-000000000001.attempt-3"]
+    # TORCHELASTIC_RESTART_COUNT=2 is not the attempt: the store agreed 0, the folder's first
+    attempt = folder / "step-000000000006.attempt-0"
+    assert sorted(p.name for p in attempt.iterdir()) == [
+        "claimed-by", "rank-00000.done", "rank-00000.safetensors", "rank-00001.done", "rank-00001.safetensors"]
+    records = [parse_done((attempt / f"rank-0000{rank}.done").read_bytes()) for rank in range(2)]
+    assert records[0].incarnation and records[0].incarnation == records[1].incarnation

@@ -846,3 +846,16 @@ def test_clean_reports_what_it_keeps_in_text_and_json(tmp_path):
     assert text.exit_code == 0 and "kept " in text.output and "step-000000000002.wsindex" in text.output
     report = json.loads(run("clean", folder, "--json").output)
     assert report["removed"] == [] and len(report["kept"]) == 1 and "cannot be read" in report["kept"][0]
+
+
+def test_a_done_record_carries_its_job_incarnation_and_older_records_read_without_one():
+    from weightstore.formats._sharded_index import DoneRecord, Member, parse_done
+
+    record = DoneRecord(3, 1, 0, 2, Member("rank-00000.safetensors", 10, 0), {}, "job-7f3a")
+    assert parse_done(record.to_json()).incarnation == "job-7f3a"
+    older = DoneRecord(3, 1, 0, 2, Member("rank-00000.safetensors", 10, 0), {})
+    assert b"incarnation" not in older.to_json() and parse_done(older.to_json()).incarnation == ""
+    for bad in ("a b", "x" * 65, 7):
+        raw = json.loads(record.to_json()[: record.to_json().rindex(b',"crc32"')] + b"}")
+        with pytest.raises(ws.FormatError, match="incarnation is not a job incarnation"):
+            parse_done(seal({**raw, "incarnation": bad}))

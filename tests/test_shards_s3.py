@@ -271,3 +271,15 @@ def test_a_member_lost_under_a_reader_says_gone_or_missing(server, folder):
                                                     "that the index names is missing") as caught:
         ws.load(ws.latest(folder))
     assert not isinstance(caught.value, ws.VersionGoneError)
+
+
+def test_attempts_are_claimed_create_only_and_one_rank_publishes_in_one_call(server, folder, monkeypatch):
+    from weightstore.io.folders import folder_for
+
+    target = folder_for(folder)
+    assert shards.claimed_attempt(target, 3, "launch-a") == 0
+    monkeypatch.setattr(shards, "next_attempt", lambda *args, **kwargs: 0)  # a listing made before either claim
+    assert shards.claimed_attempt(target, 3, "launch-b") == 1  # If-None-Match: * refused attempt 0's claim
+    monkeypatch.undo()
+    version = shards.publish_together(folder, {"w": np.arange(6.0)}, step=4, rank=0, world=1, timeout=30)
+    assert version.step == 4 and ws.load(ws.latest(folder))["w"].tolist() == list(np.arange(6.0))

@@ -116,6 +116,8 @@ WORKER = MODEL + textwrap.dedent("""
     tf2_sharded._read = unreadable if rank == 1 else reads  # read at the call, before the chief is heard
     attempt("read fails", lambda: tf2.publish_sharded(more, model, step=5, strategy=strategy, timeout=30))
     tf2_sharded._read = reads
+    attempt("background", lambda: tf2.publish_sharded(more, model, step=6, strategy=strategy, timeout=30,
+                                                       background=True).result())
     with open(f"{out}/more-{rank}.json", "w") as handle:
         json.dump(said, handle)
 
@@ -247,7 +249,20 @@ def test_a_worker_call_the_chief_never_made_does_not_shift_the_next_and_a_late_c
     assert said[1]["alone"]["type"] == "ShardTimeoutError" and said[1]["alone"]["seconds"] < 5, said[1]["alone"]
     assert "no word of the attempt from the chief (rank 0) within 1s" in said[1]["alone"]["message"]
     assert said[1]["after a call alone"]["seconds"] > 3  # it waited past its timeout for the chief
-    assert ws.latest(out / "more").step == 4
+    assert (out / "more" / "step-000000000004.wsindex").exists()
+
+
+@pytest.mark.slow
+def test_a_background_publish_gives_every_worker_the_version_and_the_chief_s_incarnation(cluster_run):
+    _, out = cluster_run
+    said = [json.loads((out / f"more-{rank}.json").read_text())["background"] for rank in range(2)]
+    assert said[0]["step"] == said[1]["step"] == 6, said
+    assert ws.latest(out / "more").step == 6
+    from weightstore.formats._sharded_index import parse_done
+
+    attempt = out / "more" / "step-000000000006.attempt-0"
+    drawn = {parse_done((attempt / f"rank-0000{rank}.done").read_bytes()).incarnation for rank in range(2)}
+    assert len(drawn) == 1 and drawn.pop()
 
 
 def test_the_plan_splits_the_bytes_evenly_and_covers_every_row_once():

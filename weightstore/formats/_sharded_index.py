@@ -36,7 +36,7 @@ from weightstore.core.keys import validate_key
 from weightstore.core.manifest import crc32, logical_dtype, raw_bytes
 from weightstore.errors import FormatError, InvalidKeyError, UnsafeFileError, WeightStoreError
 
-__all__ = ["index_name", "attempt_folder", "member_name", "MEMBER_SUFFIXES", "done_name", "BLOCK_BYTES", "INDEX_FORMAT", "DONE_FORMAT", "MAX_INDEX_BYTES", "MAX_DONE_BYTES", "BYTES_PER_CONTAINER", "MAX_PIECES_PER_KEY",
+__all__ = ["index_name", "attempt_folder", "member_name", "MEMBER_SUFFIXES", "done_name", "BLOCK_BYTES", "INDEX_FORMAT", "DONE_FORMAT", "MAX_INDEX_BYTES", "MAX_DONE_BYTES", "BYTES_PER_CONTAINER", "MAX_PIECES_PER_KEY", "INCARNATION",
            "PieceEntry", "TensorEntry", "Member", "ShardIndex", "DoneRecord", "parse_done", "check_parsable", "check_tensor",
            "check_member_bytes", "seal",
            "block_rows", "block_crcs", "block_digests", "DIGEST_HEX", "row_bytes", "rows_of", "strip_columns", "STRIPED_FROM", "STRIP_ROW_BYTES",
@@ -67,6 +67,9 @@ MAX_DONE_BYTES = 64 << 20
 BYTES_PER_CONTAINER = 8
 #: pieces one key may have; the overlap check compares each piece with the ones beside it
 MAX_PIECES_PER_KEY = 1 << 14
+#: a job incarnation's identity in a done-record: drawn once per launch of a job, so that two
+#: launches writing one step and attempt (a preempted job's zombie and its replacement) are told apart
+INCARNATION = re.compile(r"[0-9A-Za-z._:-]{1,64}")
 
 
 def index_name(step: int) -> str:
@@ -254,11 +257,15 @@ class DoneRecord:
     world: int
     member: Member
     tensors: dict[str, TensorEntry]
+    #: which launch of the job wrote it (:data:`INCARNATION`); "" in records of a weightstore
+    #: before incarnations, or of a rank that ran outside any cluster
+    incarnation: str = ""
 
     def to_json(self) -> bytes:
         return seal({
             "format": DONE_FORMAT, "version": 1, "step": self.step, "attempt": self.attempt, "rank": self.rank,
             "world": self.world, "member": {"file": self.member.file, "size": self.member.size},
+            **({"incarnation": self.incarnation} if self.incarnation else {}),
             "tensors": {key: entry.to_json() for key, entry in self.tensors.items()},
         })
 
@@ -273,7 +280,11 @@ def parse_done(data: bytes) -> DoneRecord:
     if member_raw["file"] not in _member_names(rank):
         raise FormatError(f"member must be {member_name(rank)!r} (or another member format's suffix)")
     member = Member(member_raw["file"], _count(member_raw.get("size"), "member size"), rank)
-    return DoneRecord(step, attempt, rank, world, member, _tensors(raw.get("tensors"), [member], own=True))
+    incarnation = raw.get("incarnation", "")
+    if not isinstance(incarnation, str) or (incarnation and not INCARNATION.fullmatch(incarnation)):
+        raise FormatError(f"incarnation is not a job incarnation ({INCARNATION.pattern})")
+    return DoneRecord(step, attempt, rank, world, member, _tensors(raw.get("tensors"), [member], own=True),
+                      incarnation)
 
 
 #: how a sealed document ends: its CRC-32, of every byte before this trailer

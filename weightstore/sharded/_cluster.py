@@ -6,25 +6,28 @@
 launcher already said. The first source that answers wins:
 
 1. ``torch.distributed``, if this process initialized a process group: ``get_rank()`` of
-   ``get_world_size()``; the attempt is ``TORCHELASTIC_RESTART_COUNT``, which ``torchrun``
-   counts up each time it restarts the group.
+   ``get_world_size()``.
 2. ``jax.distributed``, if initialized: ``jax.process_index()`` of ``jax.process_count()``.
 3. ``TF_CONFIG``: the chief (or, in older launchers, ``master``) is rank 0, then the workers
    in index order, the numbering ``MultiWorkerMirroredStrategy`` gives its workers; other task
    types (``ps``, ``evaluator``) write no member and are refused.
 
 A framework is consulted only if the job already imported it (it is in ``sys.modules``), so
-the core never imports one. Only ``torchrun`` counts restarts: elsewhere the attempt must be
-passed (``tf2.publish_sharded`` agrees one through TensorFlow's coordination service). A
-default of 0 would be unsafe: a job restarted at the same step would write attempt 0 again,
-and a commit could pair the live run's members with done-records the dead run left.
+the core never imports one.
+
+The attempt and the job's incarnation are never read from a node's environment: ``torchrun``
+counts restarts per node (``TORCHELASTIC_RESTART_COUNT``), so after one node restarts its
+workers the ranks would disagree. They are *agreed* through the job's own key-value store,
+which :func:`channel` opens: ``torch.distributed``'s c10d store (the one its process group
+rendezvoused through) or ``jax.distributed``'s coordination service
+(:mod:`weightstore.sharded._agree`; ``tf2.publish_sharded`` uses TensorFlow's).
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
-import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -34,21 +37,21 @@ from weightstore.core._jsontext import MAX_DEPTH, too_deep
 from weightstore.core._tensortable import short_repr
 from weightstore.errors import WeightStoreError
 
-__all__ = ["Membership", "membership", "rank_in_tf_cluster", "is_tf_chief", "tf_config_task"]
+__all__ = ["Membership", "membership", "rank_in_tf_cluster", "is_tf_chief", "tf_config_task", "Channel",
+           "channel"]
 
 #: the TF_CONFIG task types that write members, in rank order
 _WRITING_TASKS = ("chief", "master", "worker")
 _TF_CONFIG_FORM = 'expected {"cluster": {"chief": [...], "worker": [...]}, "task": {"type": "worker", "index": 0}}'
-#: a restart count as torchrun writes it: ASCII digits, few enough for an attempt (below 2**62)
-_COUNT = re.compile(r"[0-9]{1,18}")
 _PASS_ATTEMPT = ("pass attempt= (one higher each time the job retries a step, so a dead try's members never mix "
                  "with a live one's)")
 
 
 @dataclass(frozen=True)
 class Membership:
-    """This process's place in its job: ``rank`` of ``world``, the ``attempt`` if the cluster
-    counts restarts (else ``None``), and ``source``, which names where it came from."""
+    """This process's place in its job: ``rank`` of ``world``, and ``source``, which names where
+    it came from. ``attempt`` is always ``None``: no cluster says it alike on every rank (it is
+    agreed through :func:`channel` instead); the field stays for callers that read it."""
 
     rank: int
     world: int
@@ -83,11 +86,19 @@ def filled(*, rank: int | None, world: int | None, attempt: int | None) -> tuple
         if rank is None or world is None:
             raise
         # rank and world were given: what is missing is the attempt, which no cluster gave
-        raise WeightStoreError(f"attempt was not given and no torchrun counts restarts; {_PASS_ATTEMPT}") from None
-    attempt = found.attempt if attempt is None else attempt
+        raise WeightStoreError(f"attempt was not given and no job store agrees one; {_PASS_ATTEMPT}") from None
     if attempt is None:
-        raise WeightStoreError(f"attempt was not given and {found.source} does not count restarts; {_PASS_ATTEMPT}")
+        raise WeightStoreError(f"attempt was not given and {found.source} has no store to agree one through; "
+                               f"{_PASS_ATTEMPT}")
     return found.rank if rank is None else rank, found.world if world is None else world, attempt
+
+
+def place(*, rank: int | None, world: int | None) -> tuple[int, int]:
+    """``rank`` and ``world``, each one not given taken from :func:`membership`."""
+    if rank is not None and world is not None:
+        return rank, world
+    found = membership()
+    return found.rank if rank is None else rank, found.world if world is None else world
 
 
 def rank_in_tf_cluster(cluster: Mapping[str, Any], task_type: str, task_index: int) -> tuple[int, int]:
@@ -150,14 +161,24 @@ def tf_config_task() -> tuple[Mapping[str, Any], str, int] | None:
 
 
 def _torch() -> Membership | None:
+    dist = _torch_distributed()
+    if dist is None:
+        return None
+    return Membership(dist.get_rank(), dist.get_world_size(), None, "torch.distributed")
+
+
+def _torch_distributed() -> Any:
+    """``torch.distributed`` if the job imported it and initialized a process group, else None."""
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return None
-    count = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if count is not None and not _COUNT.fullmatch(count):  # int() takes "-1", " 2", "1_0" and "٣"
-        raise WeightStoreError(f"TORCHELASTIC_RESTART_COUNT is {count[:40]!r}, not a count of restarts (0, 1, 2...)")
-    attempt = None if count is None else int(count)
-    return Membership(dist.get_rank(), dist.get_world_size(), attempt, "torch.distributed")
+    return dist
+
+
+def _jax_client() -> Any:
+    """``jax.distributed``'s client if the job imported jax and initialized it, else None."""
+    state = sys.modules.get("jax._src.distributed")
+    return None if state is None else state.global_state.client
 
 
 def _jax() -> Membership | None:
@@ -175,3 +196,125 @@ def _tf_config() -> Membership | None:
         return None
     rank, world = rank_in_tf_cluster(*found)
     return Membership(rank, world, None, "TF_CONFIG")
+
+
+class Channel:
+    """A job's own key-value store, which every rank of the job reaches: the keys the sharded
+    protocol meets at (:mod:`weightstore.sharded._agree`). ``owner`` is the object whose life is
+    the store's (a process group, a client): a new one is a new launch."""
+
+    source: str = ""
+    owner: Any = None
+
+    def set(self, key: str, value: str) -> None:
+        """Set ``key`` to ``value``, replacing what is there."""
+        raise NotImplementedError
+
+    def offer(self, key: str, value: str) -> None:
+        """Set ``key`` to ``value`` unless it is set: the first offer stands."""
+        raise NotImplementedError
+
+    def peek(self, key: str) -> str | None:
+        """``key``'s value now, or ``None``; never waits."""
+        raise NotImplementedError
+
+    def get(self, key: str, timeout: float) -> str | None:
+        """``key``'s value once it is set, or ``None`` after ``timeout`` seconds."""
+        raise NotImplementedError
+
+    def lost(self, exc: BaseException) -> WeightStoreError:
+        return WeightStoreError(f"lost the job's store ({self.source}): {type(exc).__name__}: {exc}")
+
+
+class _TorchChannel(Channel):
+    """The c10d store ``init_process_group`` rendezvoused through (a ``TCPStore`` under
+    ``torchrun``, behind the process group's ``PrefixStore``)."""
+
+    source = "torch.distributed's c10d store"
+
+    def __init__(self, dist: Any) -> None:
+        c10d = dist.distributed_c10d
+        self.owner = c10d._get_default_group()
+        self.store = c10d._get_default_store()
+        self.timeout_error = dist.DistStoreError
+
+    def set(self, key: str, value: str) -> None:
+        try:
+            self.store.set(key, value)
+        except RuntimeError as exc:
+            raise self.lost(exc) from None
+
+    def offer(self, key: str, value: str) -> None:
+        try:
+            self.store.compare_set(key, "", value)  # sets it only where it is absent
+        except RuntimeError as exc:
+            raise self.lost(exc) from None
+
+    def peek(self, key: str) -> str | None:
+        try:
+            return bytes(self.store.get(key)).decode() if self.store.check([key]) else None
+        except RuntimeError as exc:
+            raise self.lost(exc) from None
+
+    def get(self, key: str, timeout: float) -> str | None:
+        try:
+            self.store.wait([key], datetime.timedelta(seconds=max(timeout, 0.001)))
+            return bytes(self.store.get(key)).decode()
+        except self.timeout_error as exc:
+            if "timeout" in str(exc).lower():
+                return None
+            raise self.lost(exc) from None
+        except RuntimeError as exc:
+            raise self.lost(exc) from None
+
+
+class _JaxChannel(Channel):
+    """``jax.distributed``'s coordination service (its key-value store), which process 0 runs."""
+
+    source = "jax.distributed's key-value store"
+
+    def __init__(self, client: Any) -> None:
+        self.owner = self.client = client
+
+    def set(self, key: str, value: str) -> None:
+        try:
+            self.client.key_value_set(key, value, allow_overwrite=True)
+        except RuntimeError as exc:
+            raise self.lost(exc) from None
+
+    def offer(self, key: str, value: str) -> None:
+        try:
+            self.client.key_value_set(key, value)
+        except RuntimeError as exc:
+            if "ALREADY_EXISTS" not in str(exc):
+                raise self.lost(exc) from None
+
+    def peek(self, key: str) -> str | None:
+        try:
+            return str(self.client.key_value_try_get(key))
+        except RuntimeError as exc:
+            if "NOT_FOUND" in str(exc):
+                return None
+            raise self.lost(exc) from None
+
+    def get(self, key: str, timeout: float) -> str | None:
+        try:
+            return str(self.client.blocking_key_value_get(key, max(1, int(timeout * 1000))))
+        except RuntimeError as exc:
+            if "DEADLINE_EXCEEDED" in str(exc):
+                return None
+            raise self.lost(exc) from None
+
+
+def channel() -> Channel | None:
+    """The job's own key-value store, from the first source of :func:`membership` that has one
+    (``torch.distributed``'s c10d store, ``jax.distributed``'s coordination service); ``None``
+    where the job runs neither (``TF_CONFIG`` alone: ``tf2.publish_sharded`` agrees through
+    TensorFlow's coordination service itself)."""
+    dist = _torch_distributed()
+    if dist is not None:
+        return _TorchChannel(dist)
+    client = _jax_client()
+    if client is not None:
+        return _JaxChannel(client)
+    return None

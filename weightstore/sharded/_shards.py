@@ -27,11 +27,13 @@ index names. ``ws clean`` does the same for a folder at rest.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import math
 import os
 import re
+import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -73,6 +75,7 @@ from weightstore.formats._sharded_index import (
     strip_columns,
 )
 from weightstore.io.folders import Folder, folder_for
+from weightstore.sharded import _agree as agree
 from weightstore.sharded import _cluster as cluster
 from weightstore.store._save import CheckedWeights, write_file
 from weightstore.sync import _stages as stages
@@ -88,13 +91,22 @@ from weightstore.sync._folder import SHARDED_SUFFIX, names_step, require_folder,
 from weightstore.sync._pinning import Version, read_latest
 from weightstore.sync._publish import commit_version
 
-__all__ = ["Piece", "publish_shard", "commit_shards", "next_attempt", "clean_folder"]
+__all__ = ["Piece", "publish_shard", "commit_shards", "publish_together", "in_background", "next_attempt",
+           "claimed_attempt", "clean_folder"]
 
 #: the member metadata entry that maps each stored name to its global key, start and shape
 SHARD_METADATA = "weightstore-shard"
 _ATTEMPT = re.compile(r"^step-(\d{12,})\.attempt-(\d+)$")  # a step past 12 digits (a timestamp) is longer
 #: how often the coordinator looks for done-records, at most (it backs off from 50 ms)
 _POLL = 0.5
+#: the file rank 0 creates, create-only, in each attempt folder it hands out, naming its launch
+#: (:func:`claimed_attempt`); readers and cleaning ignore it
+CLAIM = "claimed-by"
+#: attempts :func:`claimed_attempt` tries before giving up
+_MAX_CLAIMS = 64
+#: how often a waiting coordinator reads ``LATEST`` to see whether its commit can still succeed
+_DOOMED_EVERY = 2.0
+_background_lock = threading.Lock()
 #: bytes at each end of a piece compared with memory, in a member format other than safetensors
 _CHECK_BYTES = 64 << 10
 
@@ -129,6 +141,7 @@ def publish_shard(
     attempt: int | None = None,
     format: str = "safetensors",  # noqa: A002
     storage_options: Mapping[str, Any] | None = None,
+    incarnation: str | None = None,
 ) -> None:
     """Write what this rank holds of version ``step``; nothing is visible until :func:`commit_shards`.
 
@@ -139,19 +152,27 @@ def publish_shard(
         rank, world: this rank (``0 <= rank < world``) and how many ranks write the version;
             by default from the job's cluster (:mod:`weightstore.sharded._cluster`: ``torch.distributed``,
             ``jax.distributed``, ``TF_CONFIG``).
-        attempt: which try at this step (a restarted job counts up), so a dead attempt's
-            members never mix with this one's; by default ``torchrun``'s restart count.
+        attempt: which try at this step, so a dead attempt's members never mix with this one's;
+            by default agreed through the job's store (``torch.distributed``'s c10d store,
+            ``jax.distributed``'s key-value store): rank 0 hands out one above every attempt the
+            folder holds of the step, and every rank waits for it. Elsewhere it must be given.
         format: the member's format: ``"safetensors"`` (default), ``"npz"`` or ``"hdf5"``,
             each an ordinary file of that format (uncompressed: readers fetch byte ranges of it).
         storage_options: for URLs, given to fsspec.
+        incarnation: which launch of the job writes (recorded in the done-record; a commit
+            refuses members of two); by default drawn once per launch by rank 0 and agreed
+            through the job's store, the first time a rank publishes (every rank's first publish
+            waits for the others'). Outside a job with a store, none.
 
     Raises:
         PublishError: the step is not above the one ``LATEST`` names.
         InvalidKeyError, UnsupportedDTypeError, ValueError: a bad key, dtype or piece (nothing written).
         WeightStoreError: ``rank``, ``world`` or ``attempt`` not given and the cluster does not say it.
+        ShardTimeoutError: agreeing the attempt or the incarnation, rank 0 or another rank did not
+            take part within :data:`~weightstore.sharded._agree.AGREE_TIMEOUT` seconds.
     """
-    rank, world, attempt = cluster.filled(rank=rank, world=world, attempt=attempt)
-    _check_ids(step=step, attempt=attempt, world=world)
+    rank, world = cluster.place(rank=rank, world=world)
+    _check_ids(step=step, world=world)
     checked_count("rank", rank)
     if rank >= world:
         raise ValueError(f"rank {rank} is not below world {world}")
@@ -160,7 +181,35 @@ def publish_shard(
     if suffix not in MEMBER_SUFFIXES:
         raise ValueError(f"a sharded version's members are safetensors, npz or hdf5 files; format={format!r} is not "
                          "supported")
+    if attempt is not None:
+        _check_ids(step=step, attempt=attempt)  # before meeting anyone
     target = folder_for(folder, storage_options)
+    meeting = None
+    if attempt is None or incarnation is None:
+        channel = cluster.channel()
+        if channel is not None:
+            incarnation = agree.incarnation(channel, rank, world) if incarnation is None else incarnation
+            if attempt is None:
+                meeting = agree.Meeting(channel, incarnation, target.where, step, rank, world)
+                attempt = meeting.attempt(lambda least: claimed_attempt(target, step, incarnation, least,
+                                                                        storage_options=storage_options),
+                                          agree.AGREE_TIMEOUT)
+    _, _, attempt = cluster.filled(rank=rank, world=world, attempt=attempt)
+    try:
+        _write_shard(target, pieces, step=step, rank=rank, world=world, attempt=attempt, fmt=fmt,
+                     incarnation=incarnation or "", storage_options=storage_options)
+    except Exception as exc:  # rank 0's commit would otherwise wait out its timeout for this member
+        if meeting is not None and rank:
+            meeting.give_up(f"{type(exc).__name__}: {exc}")
+        raise
+
+
+def _write_shard(target: Folder, pieces: Mapping[str, Any], *, step: int, rank: int, world: int, attempt: int,
+                 fmt: Format, incarnation: str, storage_options: Mapping[str, Any] | None) -> None:
+    _check_ids(step=step, attempt=attempt)
+    if incarnation and not shardindex.INCARNATION.fullmatch(incarnation):
+        raise ValueError(f"incarnation {incarnation!r} is not a job incarnation ({shardindex.INCARNATION.pattern})")
+    suffix = fmt.suffixes[0]
     target.require_compare_and_swap(f"committing step {step}")  # refused by every rank, before its upload
     members = folder_for(target.url(attempt_folder(step, attempt)), storage_options)
     where = members.url(member_name(rank, suffix))
@@ -183,7 +232,8 @@ def publish_shard(
         size = os.path.getsize(local)
         stages.reached("member-temporary")
     stages.reached("member-written")
-    record = DoneRecord(step, attempt, rank, world, Member(member_name(rank, suffix), size, rank), tensors)
+    record = DoneRecord(step, attempt, rank, world, Member(member_name(rank, suffix), size, rank), tensors,
+                        incarnation)
     with members.commit(done_name(rank)).writing() as local, open(local, "wb") as handle:
         handle.write(record.to_json())
     stages.reached("done-written")
@@ -200,6 +250,7 @@ def commit_shards(
     metadata: Mapping[str, Any] | None = None,
     storage_options: Mapping[str, Any] | None = None,
     failures: Callable[[], Mapping[int, str]] | None = None,
+    incarnation: str | None = None,
 ) -> Version:
     """Wait for every rank's done-record, check their pieces, and publish the sharded version.
 
@@ -207,36 +258,63 @@ def commit_shards(
     does: the index ``step-…wsindex`` is created only if absent, then ``LATEST`` is replaced
     (compare-and-swap on object storage), then old versions are pruned (``keep``) and dead
     attempts removed. Steps increase across plain and sharded versions of one folder.
-    ``world`` and ``attempt`` default as in :func:`publish_shard`. Run again with the same
+    ``world`` defaults as in :func:`publish_shard`; ``attempt`` and ``incarnation`` to those
+    this process handed out as rank 0 of the job (its :func:`publish_shard` of this step agreed
+    them through the job's store), so rank 0 of a ``torchrun`` or ``jax.distributed`` job
+    commits with no more words. Every done-record must be of one job incarnation (``incarnation``
+    where given): members two launches of the job wrote (a preempted job's zombie and its
+    replacement, each at attempt 0) are refused, naming both. A commit that cannot succeed
+    fails at once: its step is not above ``LATEST``'s (checked first, and again while it
+    waits), or a rank gave up. Run again with the same
     step and attempt after a coordinator died between the index and ``LATEST``, it finds that
     index to be the one it would write and finishes the commit (see ``docs/sharded.md``).
 
     ``failures``, if given, is asked at each look for done-records which ranks gave up and why,
     through whatever channel the job has besides the folder (``tf2.publish_sharded`` passes
     TensorFlow's coordination service): a rank that will never write its member then ends the
-    wait at once instead of at ``timeout``, and the error says why.
+    wait at once instead of at ``timeout``, and the error says why. By default, rank 0's
+    commit hears the ranks of its job through the job's store.
 
     Raises:
         ShardTimeoutError: some rank did not finish within ``timeout`` seconds (``.missing``
             names them); nothing is published.
-        PublishError: a rank without a done-record gave up (``failures``: naming the rank and
-            its reason); pieces that overlap, leave a gap ("cover") or disagree on dtype or shape
+        PublishError: the step is not above the one ``LATEST`` names (at once); a rank without
+            a done-record gave up (``failures``: naming the rank and its reason); done-records of
+            two job incarnations (naming both); pieces that overlap, leave a gap ("cover") or disagree on dtype or shape
             (naming the key); two ranks' pieces of one part whose bytes differ (replicas that
             diverged: one of a part written alike is kept); a step that does not go forward;
             another coordinator committed this step or a later one first.
         WeightStoreError: ``world`` or ``attempt`` not given and the cluster does not say it.
     """
     timeout = checked_seconds("timeout", timeout)
+    _check_ids(step=step)
+    target = folder_for(folder, storage_options)
+    meeting = agree.handed_out(target.where, step)
+    if meeting is not None and attempt in (None, meeting.chosen) and incarnation in (None, meeting.incarnation):
+        attempt, incarnation = meeting.chosen, meeting.incarnation
+        failures = meeting.failures if failures is None else failures
     _, world, attempt = cluster.filled(rank=0, world=world, attempt=attempt)
     _check_ids(step=step, attempt=attempt, world=world)
     if not world:
         raise ValueError("world must be at least 1")
     keep = checked_keep(keep)
-    target = folder_for(folder, storage_options)
     members = folder_for(target.url(attempt_folder(step, attempt)), storage_options)
     name = index_name(step)
     metadata = checked_pointer_metadata(metadata, step, name, target.url(name))
-    found, sizes = _wait_for_ranks(members, world, timeout, failures)
+
+    def doomed() -> None:
+        """Raise now if the commit cannot succeed: ``LATEST`` already names this step or a later one."""
+        try:
+            current = read_latest(target)
+        except FormatError:
+            return  # a damaged LATEST: the commit reports it
+        if current is not None and current.step >= step:
+            raise PublishError(f"step {step} is not after step {current.step}, which LATEST names; steps must "
+                               "increase (another launch of the job, or another coordinator, committed it); nothing "
+                               "was published", path=target.where)
+
+    doomed()
+    found, sizes = _wait_for_ranks(members, world, timeout, failures, doomed)
     records = []
     for rank, data in sorted(found.items()):
         with naming(path=members.url(done_name(rank))):
@@ -250,7 +328,7 @@ def commit_shards(
             raise PublishError(f"rank {record.rank}'s member {record.member.file} {state}; its done-record says "
                                f"{record.member.size} bytes", path=members.where)
     with naming(path=target.url(name)):
-        index = _merged(records, step, attempt, world, metadata)
+        index = _merged(records, step, attempt, world, metadata, incarnation)
     written: list[bytes] = []  # the index, if this commit created it
     adopted: list[bytes] = []  # the index, if an identical one was there
 
@@ -282,6 +360,105 @@ def commit_shards(
     return version
 
 
+#: how much longer than ``timeout`` a rank waits for rank 0's news: for the attempt, as rank 0
+#: may reach the call later; for the commit, as its own work (the index, ``LATEST``, pruning)
+#: comes after its wait for the members
+NEWS_GRACE = 60.0
+
+
+def publish_together(
+    folder: Any,
+    pieces: Mapping[str, Any],
+    *,
+    step: int,
+    rank: int | None = None,
+    world: int | None = None,
+    timeout: float = 600.0,
+    keep: int | None = DEFAULT_KEEP,
+    metadata: Mapping[str, Any] | None = None,
+    format: str = "safetensors",  # noqa: A002
+    storage_options: Mapping[str, Any] | None = None,
+) -> Version:
+    """One call on every rank of a job: write this rank's ``pieces``, rank 0 commits, and every
+    rank returns the committed :class:`~weightstore.Version` or raises the same error.
+
+    What the adapters' ``publish_sharded`` (``torch``, ``flax``) run once they have this rank's
+    pieces. The ranks meet only through the job's store (:mod:`weightstore.sharded._agree`),
+    never in a collective, so a call may run in a background thread while the training step's
+    collectives go on: rank 0 hands out the attempt; every rank writes its member; a rank whose
+    write fails tells rank 0, whose commit then stops at once; rank 0 tells the committed
+    version, or its error, which every rank raises (the same class, message and path). A job of
+    one process needs no store.
+
+    ``timeout`` bounds rank 0's wait for the members, counted from its handing out the attempt;
+    the other ranks wait that long and :data:`NEWS_GRACE` more for rank 0's news.
+
+    Raises:
+        ShardTimeoutError: a rank did not write within ``timeout`` (``.missing``), or rank 0
+            said nothing; nothing is published.
+        PublishError: as :func:`commit_shards` (a step not above ``LATEST``, a rank that gave
+            up, pieces that do not tile, two job incarnations), or a rank's own write failed.
+        WeightStoreError: a job of several ranks with no store (no ``torch.distributed`` process
+            group, no ``jax.distributed``).
+    """
+    timeout = checked_seconds("timeout", timeout)
+    rank, world = cluster.place(rank=rank, world=world)
+    _check_ids(step=step, world=world)
+    checked_count("rank", rank)
+    if rank >= world:
+        raise ValueError(f"rank {rank} is not below world {world}")
+    fmt = format_named(format)
+    target = folder_for(folder, storage_options)
+    channel = cluster.channel()
+    if channel is None and world > 1:
+        raise WeightStoreError(f"rank {rank} of {world}: the ranks meet through the job's store, and there is none "
+                               "(initialize torch.distributed's process group or jax.distributed first)",
+                               path=target.where)
+    incarnation = "" if channel is None else agree.incarnation(channel, rank, world, timeout + NEWS_GRACE)
+    meeting = agree.Meeting(channel, incarnation, target.where, step, rank, world)
+    attempt = meeting.attempt(lambda least: claimed_attempt(target, step, incarnation, least,
+                                                            storage_options=storage_options), timeout + NEWS_GRACE)
+    started = time.monotonic()
+    if rank == 0:
+        try:
+            _write_shard(target, pieces, step=step, rank=0, world=world, attempt=attempt, fmt=fmt,
+                         incarnation=incarnation, storage_options=storage_options)
+            version = commit_shards(target.where, step=step, world=world, attempt=attempt, incarnation=incarnation,
+                                    timeout=round(max(0.0, timeout - (time.monotonic() - started)), 1), keep=keep,
+                                    metadata=metadata, storage_options=storage_options, failures=meeting.failures)
+        except Exception as exc:
+            meeting.tell("committed", agree.news_of(exc))
+            raise
+        meeting.tell("committed", {"step": version.step, "file": version.path.rsplit("/", 1)[-1],
+                                   "created": version.created, "metadata": version.metadata})
+        return version
+    try:
+        _write_shard(target, pieces, step=step, rank=rank, world=world, attempt=attempt, fmt=fmt,
+                     incarnation=incarnation, storage_options=storage_options)
+    except Exception as exc:  # rank 0's commit would otherwise wait out its timeout for this member
+        meeting.give_up(f"{type(exc).__name__}: {exc}")
+        raise
+    news = meeting.hear("committed", timeout - (time.monotonic() - started) + NEWS_GRACE, "the commit")
+    return Version(int(news["step"]), target.url(str(news["file"])), str(news["created"]), dict(news["metadata"]),
+                   target)
+
+
+
+_background: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def in_background(call: Callable[[], Version]) -> concurrent.futures.Future[Version]:
+    """Run ``call`` (a :func:`publish_together` of a snapshot already taken) in this process's one
+    publishing thread, after the calls before it: so every rank makes its calls in the order it
+    made them, and the step goes on while the members are written. The future holds the
+    committed version, or the error every rank raises."""
+    global _background
+    with _background_lock:
+        if _background is None:
+            _background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightstore-sharded")
+        return _background.submit(call)
+
+
 def split_rows(shape: Sequence[int], rank: int, world: int) -> tuple[slice, ...] | None:
     """The box (a slice per axis: a range of its rows) of a tensor every rank holds whole that
     ``rank`` of ``world`` writes, so the ranks share the writing and none sends a byte to
@@ -301,6 +478,31 @@ def _same_index(target: Folder, name: str, index: ShardIndex) -> bool:
     tuples."""
     found, _ = _read_index(target, name)
     return found is not None and dataclasses.replace(found, created=index.created).to_json() == index.to_json()
+
+
+def claimed_attempt(target: Folder, step: int, incarnation: str, least: int = 0, *,
+                    storage_options: Mapping[str, Any] | None = None) -> int:
+    """The attempt rank 0 of a job hands out: the first at or above ``least`` and above every
+    attempt ``target`` holds of ``step`` (:func:`next_attempt`) whose folder this launch claims,
+    by creating its :data:`CLAIM` file (create-only, holding ``incarnation``). Two launches whose
+    rank 0s read the folder at the same moment (a preempted job's zombie and its replacement)
+    so never hand out the same attempt: the second's creation fails and it takes the next.
+
+    Raises:
+        PublishError: storage without conditional writes (as :func:`publish_shard`), or
+            :data:`_MAX_CLAIMS` attempts in a row claimed by others.
+    """
+    target.require_compare_and_swap(f"claiming an attempt of step {step}")
+    attempt = max(least, next_attempt(target.where, step, storage_options=storage_options))
+    for _ in range(_MAX_CLAIMS):
+        members = folder_for(target.url(attempt_folder(step, attempt)), storage_options)
+        target.create()
+        members.create()
+        if members.put_if(CLAIM, (incarnation or "none").encode(), create=True):
+            return attempt
+        attempt += 1
+    raise PublishError(f"{_MAX_CLAIMS} attempts of step {step} in a row were claimed by other launches of the job",
+                       path=target.where)
 
 
 def next_attempt(folder: Any, step: int, *, storage_options: Mapping[str, Any] | None = None) -> int:
@@ -510,11 +712,13 @@ def _check_placed(member: BinaryIO, where: str, offset: int, item: _Listed) -> N
 # -- the coordinator's side --------------------------------------------------------------------
 
 def _wait_for_ranks(members: Folder, world: int, timeout: float, failures: Callable[[], Mapping[int, str]] | None,
-                    ) -> tuple[dict[int, bytes], dict[str, int]]:
+                    doomed: Callable[[], None] = lambda: None) -> tuple[dict[int, bytes], dict[str, int]]:
     """Every rank's done-record, as it appears (one listing per look, each record read once),
     and the sizes of the files in the last listing (each member is whole before its record).
-    A rank's done-record outweighs its word that it gave up: its member is whole."""
+    A rank's done-record outweighs its word that it gave up: its member is whole. ``doomed``
+    is asked every :data:`_DOOMED_EVERY` seconds whether the commit can still succeed (it raises if not)."""
     deadline = time.monotonic() + timeout
+    asked = time.monotonic()
     found: dict[int, bytes] = {}
     wanted = {done_name(rank): rank for rank in range(world)}
     pause = 0.05
@@ -532,6 +736,9 @@ def _wait_for_ranks(members: Folder, world: int, timeout: float, failures: Calla
             if rank not in found:
                 raise PublishError(f"rank {rank} of {world} gave up: {why}; nothing was published",
                                    path=members.where)
+        if time.monotonic() - asked >= _DOOMED_EVERY:
+            doomed()
+            asked = time.monotonic()
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             missing = [rank for rank in range(world) if rank not in found]
@@ -562,8 +769,18 @@ def _once(key: str, piece: PieceEntry, boxes: dict[tuple[str, tuple[int, ...], t
     return None
 
 
-def _merged(records: list[DoneRecord], step: int, attempt: int, world: int, metadata: dict[str, Any]) -> ShardIndex:
-    """The index of the version the done-records describe; pieces checked key by key."""
+def _merged(records: list[DoneRecord], step: int, attempt: int, world: int, metadata: dict[str, Any],
+            incarnation: str | None = None) -> ShardIndex:
+    """The index of the version the done-records describe; pieces checked key by key, and every
+    record of one job incarnation (``incarnation``, or rank 0's record's)."""
+    expected = records[0].incarnation if incarnation is None else incarnation
+    whose = "rank 0's" if incarnation is None else "this commit's"
+    for rank, record in enumerate(records):
+        if record.incarnation != expected:
+            raise PublishError(f"rank {rank}'s done-record is of job incarnation {record.incarnation or '(none)'}, "
+                               f"{whose} of {expected or '(none)'}: two launches of the job (a preempted job's "
+                               f"zombie and its replacement?) wrote step {step} attempt {attempt}; nothing was "
+                               "published (commit a later step)")
     members = []
     for rank, record in enumerate(records):
         if (record.step, record.attempt, record.rank, record.world) != (step, attempt, rank, world):

@@ -1,0 +1,328 @@
+"""What a job's ranks agree on through its own store: the attempt, the launch (incarnation), and
+the committed version every rank returns; with real processes on 127.0.0.1 (gloo, torchrun,
+jax.distributed)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from processes import free_port, run_together
+
+import weightstore as ws
+from weightstore.formats._sharded_index import parse_done
+
+torch = pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", **extra}
+    env.pop("TF_CONFIG", None)
+    return env
+
+
+#: one rank of a 2-rank gloo job (``sys.argv``: folder, rank, port, what to do)
+ONE_CALL = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    import weightstore as ws
+    from weightstore.adapters import torch as wt
+    from weightstore.sharded import _shards
+
+    folder, rank, port = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 8))
+
+    def outcome(call):
+        try:
+            found = call()
+            return f"{found.step} {found.path.rsplit('/', 1)[-1]}"
+        except ws.WeightStoreError as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+    print("one call:", outcome(lambda: wt.publish_sharded(folder, model, step=1, timeout=30)))
+    with torch.no_grad():
+        model[0].weight.add_(1)
+    future = wt.publish_sharded(folder, model, step=2, timeout=30, background=True)
+    with torch.no_grad():
+        model[0].weight.add_(1)  # after the snapshot: the version holds the values at the call
+    print("background:", outcome(future.result))
+    pieces = {"w": np.ones(3)} if rank == 0 else {"not a key/": np.ones(3)}
+    print("refused:", outcome(lambda: _shards.publish_together(folder, pieces, step=3, timeout=600)))
+    print("behind:", outcome(lambda: wt.publish_sharded(folder, model, step=2, timeout=600)))
+    dist.destroy_process_group()
+""")
+
+
+def test_one_call_on_every_torch_rank_returns_the_committed_version_or_the_same_error(tmp_path):
+    folder, port = tmp_path / "run", free_port()
+    ranks = run_together([[sys.executable, "-c", ONE_CALL, str(folder), str(rank), str(port)] for rank in range(2)],
+                         [job_env()] * 2, timeout=120)
+    assert [rank.returncode for rank in ranks] == [0, 0], [rank.stderr[-3000:] for rank in ranks]
+    said = [dict(line.split(": ", 1) for line in rank.stdout.splitlines() if ": " in line) for rank in ranks]
+    assert said[0]["one call"] == said[1]["one call"] == "1 step-000000000001.wsindex"
+    assert said[0]["background"] == said[1]["background"] == "2 step-000000000002.wsindex"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(48, 8))
+    assert np.array_equal(ws.load(ws.latest(folder))["0/weight"], model[0].weight.detach().numpy() + 1)  # the snapshot
+    # a rank whose write is refused tells rank 0, whose commit stops at once, naming it
+    assert said[0]["refused"].startswith("PublishError: ") and "rank 1 of 2 gave up: InvalidKeyError" in said[0]["refused"]
+    assert said[1]["refused"].startswith("InvalidKeyError")
+    # a step LATEST already passed: refused on every rank alike, at once (timeout=600 was not waited)
+    assert said[0]["behind"] == said[1]["behind"]
+    assert said[0]["behind"].startswith("PublishError: ") and "is not after step 2, which LATEST names" in said[0]["behind"]
+    assert ws.latest(folder).step == 2
+
+
+#: one process of a 2-process jax.distributed job
+JAX_CALL = textwrap.dedent("""
+    import os, sys
+    import jax
+    import numpy as np
+    import weightstore as ws
+    from weightstore.adapters import flax as wf
+
+    folder = sys.argv[1]
+    jax.distributed.initialize(os.environ["COORDINATOR"], num_processes=2, process_id=int(sys.argv[2]))
+    tree = {"dense": {"kernel": np.arange(40 * 6, dtype=np.float32).reshape(40, 6), "bias": np.ones(6, np.float32)}}
+    for step in (1, 2):
+        version = wf.publish_sharded(folder, tree, step=step, timeout=30, background=step == 2)
+        version = version if step == 1 else version.result()
+        print("version:", version.step, version.path.rsplit("/", 1)[-1])
+    jax.distributed.shutdown()
+""")
+
+
+def test_one_call_on_every_jax_process_returns_the_committed_version(tmp_path):
+    folder, port = tmp_path / "run", free_port()
+    procs = run_together([[sys.executable, "-c", JAX_CALL, str(folder), str(rank)] for rank in range(2)],
+                         [job_env(COORDINATOR=f"127.0.0.1:{port}")] * 2, timeout=120)
+    assert [proc.returncode for proc in procs] == [0, 0], [proc.stderr[-3000:] for proc in procs]
+    lines = [[line for line in proc.stdout.splitlines() if line.startswith("version:")] for proc in procs]
+    assert lines[0] == lines[1] == ["version: 1 step-000000000001.wsindex", "version: 2 step-000000000002.wsindex"]
+    loaded = ws.load(ws.latest(folder))
+    assert loaded["dense/kernel"].tobytes() == np.arange(240, dtype=np.float32).tobytes()
+    attempt = folder / "step-000000000002.attempt-0"
+    records = [parse_done((attempt / f"rank-0000{rank}.done").read_bytes()) for rank in range(2)]
+    assert records[0].incarnation and records[0].incarnation == records[1].incarnation
+
+
+#: a rank of one launch of a 2-rank job (``sys.argv``: folder, rank, port, role)
+LAUNCH = textwrap.dedent("""
+    import os, sys, time
+    import numpy as np
+    import torch.distributed as dist
+    import weightstore as ws
+
+    folder, rank, port, role = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    kernel = np.arange(8 * 3, dtype=np.float32).reshape(8, 3) + (100 if role == "zombie" else 0)
+    mine = {"k": ws.Piece(kernel[rank * 4:rank * 4 + 4], (rank * 4, 0), (8, 3))}
+    print("incarnation:", ws.sharded.job_incarnation())
+    if role == "zombie":
+        ws.publish_shard(folder, mine, step=4, attempt=0)
+        if rank == 0:
+            ws.commit_shards(folder, step=4, attempt=0, timeout=60)
+        dist.barrier()
+        if rank == 1:  # rank 0 is preempted before step 5; this one still writes it, as the README once said
+            ws.publish_shard(folder, mine, step=5, attempt=0)
+        sys.exit(0)
+    flag = os.path.join(os.path.dirname(folder), "refused")
+    if rank == 0:  # the replacement, also at attempt 0 of step 5: rank 1's member is the zombie's
+        ws.publish_shard(folder, mine, step=5, attempt=0)
+        try:
+            ws.commit_shards(folder, step=5, attempt=0, timeout=60)
+        except ws.PublishError as exc:
+            print("refused:", exc)
+        open(flag, "w").close()
+    else:
+        while not os.path.exists(flag):
+            time.sleep(0.05)
+    ws.publish_shard(folder, mine, step=5)  # agreed: above every attempt the folder holds
+    if rank == 0:
+        print("committed:", ws.commit_shards(folder, step=5, timeout=60).path)
+""")
+
+
+def test_a_zombie_and_its_replacement_writing_one_step_are_refused_naming_both_launches(tmp_path):
+    folder = tmp_path / "run"
+
+    def launch(role):
+        port = free_port()
+        ranks = run_together([[sys.executable, "-c", LAUNCH, str(folder), str(rank), str(port), role]
+                              for rank in range(2)], [job_env()] * 2, timeout=120)
+        assert [rank.returncode for rank in ranks] == [0, 0], [rank.stderr[-3000:] for rank in ranks]
+        drawn = {rank.stdout.split("incarnation: ")[1].split()[0] for rank in ranks}
+        assert len(drawn) == 1  # every rank of a launch has its incarnation
+        return ranks, drawn.pop()
+
+    _, theirs = launch("zombie")
+    assert parse_done((folder / "step-000000000005.attempt-0" / "rank-00001.done").read_bytes()).incarnation == theirs
+    replacement, ours = launch("replacement")
+    assert ours != theirs
+    refusal = replacement[0].stdout.split("refused: ")[1].splitlines()[0]
+    assert f"rank 1's done-record is of job incarnation {theirs}, rank 0's of {ours}" in refusal, refusal
+    assert "step 5 attempt 0" in refusal
+    # the retry the error asks for: the store agrees attempt 1, whose members are all the replacement's
+    assert replacement[0].stdout.split("committed: ")[1].split()[0].endswith("step-000000000005.wsindex")
+    assert ws.latest(folder).step == 5
+    assert ws.load(ws.latest(folder))["k"].tobytes() == np.arange(24, dtype=np.float32).tobytes()
+    attempt = folder / "step-000000000005.attempt-1"
+    assert [parse_done((attempt / f"rank-0000{rank}.done").read_bytes()).incarnation for rank in range(2)] == [ours] * 2
+    assert not (folder / "step-000000000005.attempt-0").exists()
+
+
+def test_a_commit_whose_step_latest_passed_fails_at_once_naming_it(tmp_path):
+    folder = tmp_path / "run"
+    ws.publish(folder, {"k": np.zeros(4)}, step=1)
+    ws.publish_shard(folder, {"k": ws.Piece(np.zeros(2), (0,), (4,))}, step=3, rank=0, world=2, attempt=0)
+    ws.publish(folder, {"k": np.ones(4)}, step=7)  # another launch moved on while rank 1 is still to write
+    started = time.monotonic()
+    with pytest.raises(ws.PublishError, match="step 3 is not after step 7, which LATEST names"):
+        ws.commit_shards(folder, step=3, world=2, attempt=0, timeout=600)
+    # and while it waits for a rank: LATEST passes it, and the wait ends, not at its timeout
+    ws.publish_shard(folder, {"k": ws.Piece(np.zeros(2), (0,), (4,))}, step=9, rank=0, world=2, attempt=0)
+    failed: list[BaseException] = []
+    waiting = threading.Thread(target=lambda: failed.extend(_raised(folder)))
+    waiting.start()
+    time.sleep(0.5)
+    ws.publish(folder, {"k": np.ones(4)}, step=10)
+    waiting.join(120)
+    assert not waiting.is_alive() and time.monotonic() - started < 120
+    assert len(failed) == 1 and "step 9 is not after step 10, which LATEST names" in str(failed[0])
+    assert ws.latest(folder).step == 10
+
+
+def _raised(folder: Path) -> list[BaseException]:
+    try:
+        ws.commit_shards(folder, step=9, world=2, attempt=0, timeout=600)
+    except ws.PublishError as exc:
+        return [exc]
+    return []
+
+
+#: one rank under torchrun: publishes steps until LATEST reaches 3 (resuming after LATEST on a
+#: restart); in the first launch, rank 3 is SIGKILLed just before its step-2 publish
+TORCHRUN = textwrap.dedent("""
+    import os, signal, sys
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    import weightstore as ws
+    from weightstore.adapters import torch as wt
+
+    folder, flag = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    latest = ws.latest(folder)
+    for step in range((latest.step if latest else 0) + 1, 4):
+        torch.manual_seed(step)
+        model = nn.Linear(32, 16)
+        if step == 2 and rank == 3 and not os.path.exists(flag):
+            open(flag, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        version = wt.publish_sharded(folder, model, step=step, timeout=40)
+        print(f"rank {rank} restart {os.environ['TORCHELASTIC_RESTART_COUNT']} step {step}: {version.path}",
+              flush=True)
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.slow
+def test_torchrun_two_nodes_a_killed_rank_and_a_restart_end_in_one_version_every_rank_agrees_on(tmp_path):
+    """Two torchrun agents (2 nodes x 2 ranks) on 127.0.0.1. After rank 3 is killed, its node's
+    agent restarts its workers with TORCHELASTIC_RESTART_COUNT 1, the other node's with 0 (it
+    did not fail): the attempt comes from the store, so they agree. The c10d rendezvous gives
+    each launch a fresh TCPStore (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): gloo itself cannot
+    rendezvous again through the agent's shared store, which keeps the dead launch's keys."""
+    folder, flag, port = tmp_path / "run", tmp_path / "killed", free_port()
+    script = tmp_path / "rank.py"
+    script.write_text(TORCHRUN)
+    env = job_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
+    nodes = run_together([[sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
+                           "--nproc-per-node=2", "--max-restarts=2", "--rdzv-backend=c10d",
+                           f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=agree", "--monitor-interval=0.5",
+                           str(script), str(folder), str(flag)] for node in range(2)], [env] * 2, timeout=150)
+    assert [node.returncode for node in nodes] == [0, 0], [node.stderr[-4000:] for node in nodes]
+    assert flag.exists()
+    said = [line for node in nodes for line in node.stdout.splitlines() if line.startswith("rank ")]
+    final = {}
+    for line in said:
+        head, path = line.split(": ")
+        _, rank, _, restart, _, step = head.split()
+        final.setdefault(int(step), {})[int(rank)] = (int(restart), path)
+    assert sorted(final[3]) == [0, 1, 2, 3], said  # every rank of the last launch returned step 3
+    assert len({path for _, path in final[3].values()}) == 1 and ws.latest(folder).step == 3
+    restarts = {rank: restart for rank, (restart, _) in final[3].items()}
+    # the killed rank's node counted a restart, the other did not: TORCHELASTIC_RESTART_COUNT disagrees
+    assert (restarts[0], restarts[1], restarts[2], restarts[3]) == (0, 0, 1, 1), said
+    assert {path for _, path in final[2].values()} == {str(folder / "step-000000000002.wsindex")}
+    # one attempt folder a step: the dead try's, if it left one, went with the commit of its step
+    assert sorted(p.name.split(".")[0] for p in folder.iterdir() if ".attempt-" in p.name) == [
+        f"step-{step:012d}" for step in (1, 2, 3)]
+    torch.manual_seed(3)
+    model = torch.nn.Linear(32, 16)
+    assert np.array_equal(ws.load(ws.latest(folder))["weight"], model.weight.detach().numpy())
+
+
+#: a rank of one launch whose job store is a TCPStore that outlives it, as torchrun's agent's
+#: does: it learns the launch's incarnation through that store (``sys.argv``: port, rank, delay)
+STORE_RANK = textwrap.dedent("""
+    import datetime, sys, time
+    import torch.distributed as dist
+    from weightstore.sharded import _agree, _cluster
+
+    port, rank, delay = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+    time.sleep(delay)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+    channel = object.__new__(_cluster._TorchChannel)
+    channel.store, channel.owner, channel.timeout_error = store, store, dist.DistStoreError
+    print("incarnation:", _agree.incarnation(channel, rank, 2, timeout=60))
+""")
+
+
+def test_a_store_that_outlives_a_launch_never_gives_the_next_launch_the_old_incarnation(tmp_path):
+    """torchrun's agent keeps its TCPStore across the launches it restarts, with the keys the
+    dead launch's ranks left. The next launch's rank 1 starts well before its rank 0,
+    and still learn the new incarnation, never the one the store holds."""
+    server = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+    def launch(delays):
+        ranks = run_together([[sys.executable, "-c", STORE_RANK, str(server.port), str(rank), str(delay)]
+                              for rank, delay in enumerate(delays)], [job_env()] * 2, timeout=120)
+        assert [rank.returncode for rank in ranks] == [0] * 2, [rank.stderr[-3000:] for rank in ranks]
+        drawn = {rank.stdout.split("incarnation: ")[1].split()[0] for rank in ranks}
+        assert len(drawn) == 1, drawn
+        return drawn.pop()
+
+    first = launch([0, 0])
+    second = launch([2, 0])  # rank 1 reads the store while it holds only the first launch's keys
+    assert second != first
+
+
+def test_two_launches_whose_rank_0s_read_the_folder_at_once_claim_different_attempts(tmp_path, monkeypatch):
+    """Both read the folder before either wrote (next_attempt says 0 to both): the create-only
+    claim gives the first attempt 0 and the second attempt 1, so neither's members mix."""
+    from weightstore.io.folders import folder_for
+    from weightstore.sharded import _shards as shards
+
+    target = folder_for(tmp_path / "run")
+    monkeypatch.setattr(shards, "next_attempt", lambda *args, **kwargs: 0)  # the moment both read it
+    assert shards.claimed_attempt(target, 5, "zombie0001") == 0
+    assert shards.claimed_attempt(target, 5, "replacement") == 1
+    assert (tmp_path / "run" / "step-000000000005.attempt-0" / "claimed-by").read_text() == "zombie0001"
+    assert (tmp_path / "run" / "step-000000000005.attempt-1" / "claimed-by").read_text() == "replacement"
+    monkeypatch.undo()
+    assert shards.claimed_attempt(target, 5, "replacement", least=1) == 2  # a retry: above what the folder holds
