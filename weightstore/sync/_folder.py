@@ -22,6 +22,7 @@ from weightstore.errors import (
     WeightStoreError,
     named,
 )
+from weightstore.formats import delta as delta_format
 from weightstore.formats._pointer import (
     LATEST,
     MAX_POINTER_BYTES,
@@ -160,12 +161,34 @@ def write_small(folder: Folder, name: str, data: bytes) -> None:
 
 
 def prune(folder: Folder, newest: int, keep: int | None) -> None:
+    """Remove the versions past the newest ``keep`` (up to step ``newest``), but never a base a
+    kept delta version needs (its head lists its chain, down to its anchor); the newest first,
+    so a delta is never left without its base. A kept delta whose head cannot be read stops the
+    pruning of anything older this time (its chain is unknown), with a warning."""
     if keep is None:
         return
     entries = [entry for step, entry in version_files(folder) if step <= newest]
-    for entry in entries[:-keep]:
-        remove_version(folder, entry.name)
-        stages.reached("pruning")
+    needed = needed_bases(folder, [entry.name for entry in entries[-keep:]])
+    for entry in reversed(entries[:-keep]):
+        if needed is None:
+            return
+        if entry.name not in needed:
+            remove_version(folder, entry.name)
+            stages.reached("pruning")
+
+
+def needed_bases(folder: Folder, names: list[str]) -> set[str] | None:
+    """Every file the delta versions among ``names`` build on; ``None`` when a head does not read."""
+    needed: set[str] = set()
+    for name in names:
+        if name.endswith(delta_format.SUFFIX):
+            try:
+                needed.update(delta_format.read_head(folder.open_binary(name), folder.url(name)).chain)
+            except (WeightStoreError, FileNotFoundError) as exc:
+                warnings.warn(f"{folder.url(name)}: its head cannot be read ({exc}), so the bases it needs are "
+                              "unknown: nothing older is pruned this time", stacklevel=3)
+                return None
+    return needed
 
 
 def remove_version(folder: Folder, name: str) -> None:
