@@ -41,6 +41,7 @@ and ends (no cycle), at most :data:`MAX_CHAIN` deep. A missing or unreadable bas
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 import threading
@@ -317,11 +318,12 @@ def read_head(location: Any, name: str) -> Head:
 
 class DeltaReader(ReaderDefaults):
     """A delta version as a store: each tensor rebuilt from its base's, then checked against
-    the digest the publisher recorded (``verify``). The whole chain is opened when this is, so
-    a local chain is pinned (mapped) with it."""
+    the digest the publisher recorded (``verify``). A local chain is opened whole when this is,
+    so it is pinned (mapped) with it; a remote base is opened when first read, so a reader that
+    rebuilds onto a version it holds (:meth:`read_from`) never fetches the anchor's index."""
 
     def __init__(self, source: ByteSource, name: str, open_base: Callable[[str, int], Reader], depth: int,
-                 expect_step: int | None):
+                 expect_step: int | None, *, eager: bool = True):
         self._source = source
         self.name = name
         head_bytes, entries_bytes, manifest_bytes = _prefix(source)
@@ -341,7 +343,17 @@ class DeltaReader(ReaderDefaults):
             raise FormatError("has a manifest that is not UTF-8", path=name) from None
         self._payload_start = at + manifest_bytes
         self._entries = self._parse_entries(entries)
-        self._base = open_base(self.head.base, depth + 1)
+        self._open_base = functools.partial(open_base, self.head.base, depth + 1)
+        self._opened: Reader | None = None
+        if eager:
+            self._opened = self._open_base()
+
+    @property
+    def _base(self) -> Reader:
+        """The base's reader, opened when first needed (at once where ``eager``)."""
+        if self._opened is None:
+            self._opened = self._open_base()
+        return self._opened
 
     def _parse_entries(self, data: bytes) -> dict[str, tuple[str, int, int]]:
         with naming(path=self.name):
@@ -410,19 +422,73 @@ class DeltaReader(ReaderDefaults):
 
     def rebuilt(self, key: str) -> np.ndarray:
         """``key``'s stored bytes rebuilt (uint8, a new writable array), not yet verified."""
+        codec = self._entries[key][0]
+        out = None if codec == RAW else self._base_bytes(key, self._manifest.tensors[key])
+        return self._apply_own(key, out)
+
+    def _apply_own(self, key: str, out: np.ndarray | None) -> np.ndarray:
+        """This version's change of ``key`` applied to ``out`` (its base's bytes, writable; not
+        needed for ``raw``), in place where it can be."""
         info = self._manifest.tensors[key]
         codec, offset, length = self._entries[key]
         payload = memoryview(self._source.read_at(self._payload_start + offset, length))
         if codec == RAW:
             return np.frombuffer(payload, np.uint8).copy()
-        out = self._base_bytes(key, info)
-        itemsize = storage_dtype(info.dtype).itemsize
+        assert out is not None
+        if len(out) != info.nbytes:
+            raise FormatError(f"its base holds {len(out)} bytes, not the {info.nbytes} it changes", path=self.name,
+                              key=key)
         with naming(path=self.name, key=key):
             if codec == XOR_ZSTD:
                 _apply_xor(payload, out, self.head.block)
             elif codec == SPARSE:
-                _apply_sparse(payload, out, itemsize)
+                _apply_sparse(payload, out, storage_dtype(info.dtype).itemsize)
         return out
+
+    def levels(self, held: str) -> list[DeltaReader] | None:
+        """The deltas from this version down to the one whose base is ``held`` (a file name),
+        this one first; ``None`` when ``held`` is not in this version's chain."""
+        found: list[DeltaReader] = []
+        level: Any = self
+        while isinstance(level, DeltaReader):
+            found.append(level)
+            if level.head.base == held:
+                return found
+            level = level._base
+        return None
+
+    def chain_payload(self, keys: list[str], held: str) -> int | None:
+        """Bytes a reader holding version ``held`` fetches to rebuild ``keys`` here (the payloads
+        of the deltas after it); ``None`` when ``held`` is not in this version's chain."""
+        levels = self.levels(held)
+        if levels is None:
+            return None
+        return sum(level._entries[key][2] for level in levels for key in keys if key in level._entries)
+
+    def read_from(self, key: str, held: str, data: np.ndarray, *, verify: bool) -> np.ndarray | None:
+        """``key`` rebuilt onto ``data``, the bytes of ``key`` in version ``held`` (a file name in
+        this version's chain), reading only the deltas after it, and verified against the
+        recorded digest; ``None`` when ``held`` is not in the chain, or a tensor on the way is
+        not a change of the one before (then read it whole: :meth:`read`)."""
+        levels = self.levels(held)
+        if levels is None or any(key not in level._entries for level in levels):
+            return None
+        for level in levels:  # every payload at once, for a remote chain
+            _, offset, length = level._entries[key]
+            if length:
+                prefetch_ranges(level._source, functools.partial(list, [(level._payload_start + offset, length)]))
+        out: np.ndarray | None = np.array(data, np.uint8).reshape(-1)
+        try:
+            for level in reversed(levels):
+                out = level._apply_own(key, out)
+        except WeightStoreError as exc:
+            raise _named_here(exc, self.name, key) from None
+        info = self._manifest.tensors[key]
+        assert out is not None
+        if verify and DIGEST_PREFIX + content_digest(out).hex() != info.digest:
+            raise ChecksumError(f"rebuilding it onto {held} does not give the digest its publisher recorded",
+                                path=self.name, key=key)
+        return from_storage(out.view(storage_dtype(info.dtype)).reshape(info.shape), info.dtype)
 
     def _base_bytes(self, key: str, info: TensorInfo) -> np.ndarray:
         base = self._base
@@ -457,7 +523,8 @@ class DeltaReader(ReaderDefaults):
         try:
             self._source.close()
         finally:
-            self._base.close()
+            if self._opened is not None:
+                self._opened.close()
 
 
 def _named_here(error: WeightStoreError, name: str, key: str | None) -> WeightStoreError:
@@ -554,7 +621,7 @@ def _open(location: Any, name: str, mmap: bool, depth: int) -> DeltaReader:
     try:
         if isinstance(source, RemoteFile):
             source.start(index_at_end=False)
-        reader = DeltaReader(source, name, open_base, depth, _step_of(own))
+        reader = DeltaReader(source, name, open_base, depth, _step_of(own), eager=not isinstance(source, RemoteFile))
     except BaseException:
         source.close()
         raise

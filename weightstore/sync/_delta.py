@@ -65,6 +65,8 @@ class _Held:
     name: str
     created: str
     tensors: dict[str, Stored]
+    #: its head, when it is a delta (so the next plan need not read it back)
+    head: delta_format.Head | None = None
 
 
 @dataclass
@@ -131,9 +133,15 @@ class Delta:
         base = pointer.path.rsplit("/", 1)[-1]
         if base.endswith(SHARDED_SUFFIX) or not VERSION_NAME.match(base):
             return None
+        held = self._held
         try:
-            if base.endswith(delta_format.SUFFIX):
+            if not base.endswith(delta_format.SUFFIX):
+                head = None
+            elif held is not None and held.head is not None and self._holds(held, target, pointer, base):
+                head = held.head
+            else:
                 head = delta_format.read_head(target.open_binary(base), target.url(base))
+            if head is not None:
                 depth, chain_bytes, chain = head.depth, head.chain_bytes, [base, *head.chain]
             else:
                 depth, chain_bytes, chain = 0, 0, [base]
@@ -149,8 +157,7 @@ class Delta:
                 tensors: dict[str, Stored]) -> Plan | None:
         full_bytes = sum(len(item.data) for item in tensors.values())
         held = self._held
-        if held is not None and (held.where, held.step, held.name, held.created) == (
-                target.where, pointer.step, base, pointer.created):
+        if held is not None and self._holds(held, target, pointer, base):
             def remembered(key: str, item: Stored) -> np.ndarray | None:
                 return _same_kind(held.tensors.get(key), item)
 
@@ -167,11 +174,17 @@ class Delta:
 
             return _plan(step, base, chain, chain_bytes, full_bytes, tensors, read_back)
 
-    def published(self, target: Folder, version: Version, tensors: dict[str, Stored], kind: str) -> None:
-        """Remember ``version``, just published with ``tensors``, as the next delta's base."""
-        self.last_kind = kind
+    @staticmethod
+    def _holds(held: _Held, target: Folder, pointer: Version, base: str) -> bool:
+        """Whether the remembered version is the one ``LATEST`` names (same folder, step, file, time)."""
+        return (held.where, held.step, held.name, held.created) == (target.where, pointer.step, base, pointer.created)
+
+    def published(self, target: Folder, version: Version, tensors: dict[str, Stored], plan: Plan | None) -> None:
+        """Remember ``version``, just published with ``tensors`` (as ``plan``, or full), as the next delta's base."""
+        self.last_kind = "full" if plan is None else "delta"
         if self.remember:
-            self._held = _Held(target.where, version.step, version.path.rsplit("/", 1)[-1], version.created, tensors)
+            self._held = _Held(target.where, version.step, version.path.rsplit("/", 1)[-1], version.created, tensors,
+                               None if plan is None else plan.head)
 
     def forget(self) -> None:
         """Let go of the remembered version (its memory); the next delta reads its base back."""

@@ -162,33 +162,37 @@ def write_small(folder: Folder, name: str, data: bytes) -> None:
 
 def prune(folder: Folder, newest: int, keep: int | None) -> None:
     """Remove the versions past the newest ``keep`` (up to step ``newest``), but never a base a
-    kept delta version needs (its head lists its chain, down to its anchor); the newest first,
-    so a delta is never left without its base. A kept delta whose head cannot be read stops the
-    pruning of anything older this time (its chain is unknown), with a warning."""
+    kept delta version needs; the newest first, so a delta is never left without its base.
+
+    The oldest kept version's chain is all that is needed: a kept delta's chain runs from its
+    anchor to itself, and where that anchor is older than the oldest kept version, so is the
+    oldest's own (no anchor lies between them). So one head is read per prune. A head that
+    cannot be read stops the pruning of anything older this time (its chain is unknown), with a
+    warning."""
     if keep is None:
         return
     entries = [entry for step, entry in version_files(folder) if step <= newest]
-    needed = needed_bases(folder, [entry.name for entry in entries[-keep:]])
+    if len(entries) <= keep:
+        return
+    needed = needed_bases(folder, entries[-keep].name)
+    if needed is None:
+        return
     for entry in reversed(entries[:-keep]):
-        if needed is None:
-            return
         if entry.name not in needed:
             remove_version(folder, entry.name)
             stages.reached("pruning")
 
 
-def needed_bases(folder: Folder, names: list[str]) -> set[str] | None:
-    """Every file the delta versions among ``names`` build on; ``None`` when a head does not read."""
-    needed: set[str] = set()
-    for name in names:
-        if name.endswith(delta_format.SUFFIX):
-            try:
-                needed.update(delta_format.read_head(folder.open_binary(name), folder.url(name)).chain)
-            except (WeightStoreError, FileNotFoundError) as exc:
-                warnings.warn(f"{folder.url(name)}: its head cannot be read ({exc}), so the bases it needs are "
-                              "unknown: nothing older is pruned this time", stacklevel=3)
-                return None
-    return needed
+def needed_bases(folder: Folder, name: str) -> set[str] | None:
+    """Every file version ``name`` builds on (none for a full version); ``None`` when its head does not read."""
+    if not name.endswith(delta_format.SUFFIX):
+        return set()
+    try:
+        return set(delta_format.read_head(folder.open_binary(name), folder.url(name)).chain)
+    except (WeightStoreError, FileNotFoundError) as exc:
+        warnings.warn(f"{folder.url(name)}: its head cannot be read ({exc}), so the bases it needs are unknown: "
+                      "nothing older is pruned this time", stacklevel=3)
+        return None
 
 
 def remove_version(folder: Folder, name: str) -> None:

@@ -152,7 +152,7 @@ def publish(
     try:
         version = commit_version(target, step, name, write_version, metadata, keep)
         if planner is not None and tensors is not None:
-            planner.published(target, version, tensors, "full" if plan is None else "delta")
+            planner.published(target, version, tensors, plan)
         return version
     except PublishError:
         # a race lost on object storage: left above LATEST with no intent naming it, the file
