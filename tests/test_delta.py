@@ -352,3 +352,25 @@ def test_a_delta_of_a_tensor_the_base_lacks_is_refused(based):
 def test_a_delta_version_is_not_written_by_save(tmp_path):
     with pytest.raises(ws.TargetError):
         ws.save(tmp_path / "x.wsdelta", {"w": np.zeros(3)})
+
+
+def test_diff_gives_each_tensors_fraction_of_changed_elements(tmp_path):
+    rng = np.random.default_rng(7)
+    weights = model(7)
+    delta = ws.Delta()
+    ws.publish(tmp_path, weights, step=1, delta=delta)
+    moved = step_of(weights, rng, fraction=0.02)
+    ws.publish(tmp_path, moved, step=2, delta=delta)
+    result = CliRunner().invoke(app, ["diff", str(tmp_path / "step-000000000001.npz"),
+                                      str(tmp_path / "step-000000000002.wsdelta"), "--json"])
+    assert result.exit_code == 1, result.output
+    changes = {c["key"]: c for c in json.loads(result.stdout)["changed"]}
+    assert set(changes) == {"dense/kernel", "dense/bias"}
+    kernel = moved["dense/kernel"].view(np.uint16) != weights["dense/kernel"].view(np.uint16)
+    assert changes["dense/kernel"]["changed_fraction"] == pytest.approx(kernel.mean())
+    assert 0.015 < changes["dense/kernel"]["changed_fraction"] < 0.025
+    assert changes["dense/bias"]["changed_fraction"] == pytest.approx(
+        np.mean(moved["dense/bias"] != weights["dense/bias"]))
+    text = CliRunner().invoke(app, ["diff", str(tmp_path / "step-000000000001.npz"),
+                                    str(tmp_path / "step-000000000002.wsdelta")], env={"COLUMNS": "200"}).output
+    assert "of elements changed" in text
