@@ -9,9 +9,9 @@ process, counting every body byte): one with full versions, one with ``delta=ws.
 - ``synthetic``: ``--synthetic-mb`` of bf16 in which 2% of the elements move one step per version.
 
 A ``Follower`` per folder (into ``tf.Variable``\\ s) follows the first ``--followed`` versions one by
-one (bytes the server sent per version from the third on, the publisher's own reads included:
-the second is the first delta, read from the anchor since a follower keeps a copy of what it
-holds only once it has seen a delta), then stops while
+one (bytes the server sent per version after the first, the publisher's own reads included; the
+delta folder's follower is made with ``deltas=True``, so it keeps a copy of what it holds from
+the first version on), then stops while
 ``--skipped`` more are published and catches up at once (the bytes of that catch-up). Publish
 CPU (all threads, ``time.process_time``) and wall time per GB are measured apart, publishing the
 same steps to two local folders. Ratios are of the full version's bytes.
@@ -112,7 +112,8 @@ def scenario(server: ServerProcess, name: str, steps: list[dict[str, np.ndarray]
     keep = skipped + 2  # the version a follower holds stays while it catches up
     delta = ws.Delta(anchor_every=anchor_every)
     targets = {folder: follower_target(steps[0]) for folder in (full_folder, delta_folder)}
-    followers = {folder: Follower(targets[folder], folder, poll=0.02) for folder in targets}
+    followers = {folder: Follower(targets[folder], folder, poll=0.02, deltas=folder == delta_folder or None)
+                 for folder in targets}
     fetched: dict[str, list[int]] = {full_folder: [], delta_folder: []}
     try:
         for follower in followers.values():
@@ -148,10 +149,8 @@ def scenario(server: ServerProcess, name: str, steps: list[dict[str, np.ndarray]
         "model": sum(value.nbytes for value in steps[0].values()), "full": full_bytes,
         "delta_per_version": float(np.mean(deltas)) / full_bytes if deltas else None,
         "anchors": sum(entry.kind == "full" for entry in listed.values()), "versions": len(listed),
-        # from the third version: the second is the first delta, which a follower reads from the
-        # anchor (it keeps a copy of what it holds only once it has seen a delta)
-        "follow_full": float(np.mean(fetched[full_folder][2:])) / full_bytes,
-        "follow_delta": float(np.mean(fetched[delta_folder][2:])) / full_bytes,
+        "follow_full": float(np.mean(fetched[full_folder][1:])) / full_bytes,
+        "follow_delta": float(np.mean(fetched[delta_folder][1:])) / full_bytes,
         "skip_full": caught_up[full_folder] / full_bytes, "skip_delta": caught_up[delta_folder] / full_bytes,
     }
 

@@ -374,3 +374,48 @@ def test_diff_gives_each_tensors_fraction_of_changed_elements(tmp_path):
     text = CliRunner().invoke(app, ["diff", str(tmp_path / "step-000000000001.npz"),
                                     str(tmp_path / "step-000000000002.wsdelta")], env={"COLUMNS": "200"}).output
     assert "of elements changed" in text
+
+
+KILLED_DELTA_PUBLISHER = """
+import os, signal, sys
+import numpy as np
+import weightstore as ws
+from weightstore.sync import _stages as stages
+folder, stage = sys.argv[1], sys.argv[2]
+def weights(step):
+    w = np.arange(20000, dtype=np.float32)
+    w[:step] += 1
+    return {"w": w}
+delta = ws.Delta()
+for step in (1, 2, 3):
+    ws.publish(folder, weights(step), step=step, keep=2, delta=delta)
+def hook(name):
+    if name == stage:
+        os.kill(os.getpid(), signal.SIGKILL)
+stages.hook = hook
+ws.publish(folder, weights(4), step=4, keep=2, delta=delta)
+sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("stage", ["version-temporary", "version-written", "latest-written", "pruned"])
+def test_a_delta_publisher_killed_at_each_stage_leaves_a_whole_folder(tmp_path, stage):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", KILLED_DELTA_PUBLISHER, str(tmp_path), stage],
+                            env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=120)
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    version = ws.latest(tmp_path)
+    expected = 4 if stage in ("latest-written", "pruned") else 3
+    assert version.step == expected
+    want = np.arange(20000, dtype=np.float32)
+    want[:expected] += 1
+    same_bytes(ws.load(version), {"w": want})
+    want[:5] = np.arange(5, dtype=np.float32) + 1
+    ws.publish(tmp_path, {"w": want}, step=5, keep=2, delta=True)  # a restarted trainer: its base read back
+    same_bytes(ws.load(ws.latest(tmp_path)), {"w": want})
+    assert ws.latest(tmp_path).path.endswith(".wsdelta")

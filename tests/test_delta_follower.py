@@ -59,9 +59,9 @@ def test_a_follower_on_s3_fetches_only_the_new_delta(s3):
     target, rng, delta = module(), np.random.default_rng(0), ws.Delta(anchor_every=20)
     weights = {key: np.array(value) for key, value in torch_adapter.export(module()).items()}
     full = sum(value.nbytes for value in weights.values())
-    with Follower(target, folder, poll=0.05) as follower:
-        weights = run(folder, target, [1, 2], weights, rng, delta, follower)
-        for step in (3, 4):
+    with Follower(target, folder, poll=0.05, deltas=True) as follower:  # a copy from the first version on
+        weights = run(folder, target, [1], weights, rng, delta, follower)
+        for step in (2, 3, 4):
             s3.reset()
             weights = run(folder, target, [step], weights, rng, delta, follower)
             fetched = s3.bytes_sent()

@@ -187,6 +187,11 @@ class Follower:
     store's ETag, backing off from ``poll`` to ``max_poll`` while nothing is published), and
     ``notifications`` (an SQS queue URL) wakes it when ``LATEST`` is written.
 
+    ``deltas``: of delta versions, apply each onto a copy of the version held, which costs 1x
+    the model's memory (see the module). ``None`` (the default) keeps the copy once a delta
+    version arrives (that first one is read from its anchor); ``True`` from the first version;
+    ``False`` never (each delta version is read from its anchor and chain).
+
     Hot reload skips tensors whose bytes equal what this follower last assigned, so the target
     must not be changed in place by anything else (training, initializers, restores); if it
     is, pass ``skip_unchanged=False`` (see the module docstring).
@@ -194,7 +199,7 @@ class Follower:
 
     def __init__(self, target: Any, folder: Any, *, poll: float = DEFAULT_POLL, after: int | None = None,
                  storage_options: Mapping[str, Any] | None = None, max_poll: float | None = None,
-                 notifications: str | None = None, **words: Unpack[AssignWords]):
+                 notifications: str | None = None, deltas: bool | None = None, **words: Unpack[AssignWords]):
         self.target = target
         self.folder = folder
         # checked here, as follow() checks them, not on the thread that start() begins, whose
@@ -220,6 +225,7 @@ class Follower:
         #: key -> (digest, bytes) of the version held, kept once a delta version came: the next
         #: delta is applied onto them (see :meth:`_onto_held`)
         self._held: dict[str, tuple[str | None, np.ndarray]] = {}
+        self.deltas = deltas
 
     def start(self) -> Follower:
         """Start following (``with Follower(...)`` does); a folder that is a file is refused here."""
@@ -408,7 +414,7 @@ class Follower:
             arrays = self._onto_held(store, changed, version) if skip else {}
             arrays.update(store.read([key for key in changed if key not in arrays]))
             staged = _StagedStore(store, arrays, digests)
-            if self._held or version.path.endswith(DELTA_SUFFIX):  # copies of what the target will hold
+            if self.deltas or (self.deltas is None and (self._held or version.path.endswith(DELTA_SUFFIX))):
                 staged.copies = {key: (digests[key], np.ascontiguousarray(array).reshape(-1).view(np.uint8).copy())
                                  for key, array in arrays.items()}
             return staged
@@ -422,7 +428,8 @@ class Follower:
         that moves fewer bytes than reading them from the newest anchor: the version's own
         bytes of them, at least); ``{}`` otherwise. A chain that fails (corrupt, missing, not
         the recorded digest) is logged, and what it did not give is read from the anchor."""
-        if self.version is None or not self._held or not version.path.endswith(DELTA_SUFFIX):
+        if (self.version is None or not self._held or self.deltas is False
+                or not version.path.endswith(DELTA_SUFFIX)):
             return {}
         held = self.version.path.rsplit("/", 1)[-1]
         keys = [key for key in changed if key in self._held and self._held[key][0] == self._digests.get(key)]
