@@ -419,3 +419,21 @@ def test_a_delta_publisher_killed_at_each_stage_leaves_a_whole_folder(tmp_path, 
     ws.publish(tmp_path, {"w": want}, step=5, keep=2, delta=True)  # a restarted trainer: its base read back
     same_bytes(ws.load(ws.latest(tmp_path)), {"w": want})
     assert ws.latest(tmp_path).path.endswith(".wsdelta")
+
+
+def test_tensors_added_removed_or_reshaped_between_versions(tmp_path):
+    delta = ws.Delta()
+    weights = model(8)
+    ws.publish(tmp_path, weights, step=1, delta=delta)
+    changed = {key: value for key, value in weights.items() if key != "embed"}  # removed
+    changed["head/new"] = np.arange(12, dtype=np.int32)  # added
+    changed["dense/bias"] = changed["dense/bias"].astype(np.float64)  # another dtype
+    changed["mask"] = np.ones((4, 10), bool)  # another shape
+    version = ws.publish(tmp_path, changed, step=2, delta=delta)
+    assert version.path.endswith(".wsdelta")  # the kernel, unchanged, makes it small
+    same_bytes(ws.load(version), changed)
+    with ws.open(version.path) as store:
+        assert isinstance(store._reader, delta_format.DeltaReader)
+        codecs = {key: store._reader.codec(key) for key in store}
+    assert codecs["head/new"] == codecs["dense/bias"] == codecs["mask"] == "raw"
+    assert codecs["dense/kernel"] == "same"
