@@ -33,6 +33,8 @@ class Change:
     b: str
     max_abs: float | None = None
     max_rel: float | None = None
+    #: of the elements, the fraction whose bytes differ (what a delta version stores)
+    changed_fraction: float | None = None
 
 
 @dataclass
@@ -105,10 +107,23 @@ def _compare(a: Store, b: Store, key: str, atol: float) -> Change | None:
     x, y = a[key], b[key]
     max_abs, max_rel = difference(x, y)
     if max_abs > atol:
-        return Change(key, "values", tensor_type(left), tensor_type(right), max_abs, max_rel)
+        return Change(key, "values", tensor_type(left), tensor_type(right), max_abs, max_rel, changed_fraction(x, y))
     if atol == 0 and not _same_bytes(x, y):
-        return Change(key, "bytes", tensor_type(left), tensor_type(right), 0.0, 0.0)
+        return Change(key, "bytes", tensor_type(left), tensor_type(right), 0.0, 0.0, changed_fraction(x, y))
     return None
+
+
+def changed_fraction(x: np.ndarray, y: np.ndarray, *, chunk: int = _CHUNK) -> float:
+    """Of the elements of two arrays of one dtype and shape, the fraction whose bytes differ, a slice at a time."""
+    if not x.size:
+        return 0.0
+    itemsize = x.dtype.itemsize
+    flat_x = np.ascontiguousarray(x).reshape(-1).view(np.uint8).reshape(-1, itemsize)
+    flat_y = np.ascontiguousarray(y).reshape(-1).view(np.uint8).reshape(-1, itemsize)
+    changed = 0
+    for start in range(0, len(flat_x), chunk):
+        changed += int(np.count_nonzero((flat_x[start:start + chunk] != flat_y[start:start + chunk]).any(axis=1)))
+    return changed / len(flat_x)
 
 
 def _same_bytes(x: np.ndarray, y: np.ndarray, *, chunk: int = _CHUNK) -> bool:

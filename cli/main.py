@@ -320,7 +320,7 @@ def diff(
                                                       "agree (and check each tensor's checksum as it is read).")] = False,
     as_json: AsJson = False,
 ) -> None:
-    """Compare the tensors of A and B: added, removed, changed and unchanged.
+    """Compare the tensors of A and B: added, removed, changed (with the fraction of elements changed) and unchanged.
 
     Exit status 0 when the tensors are equal, 1 when they differ (metadata is shown, not judged).
     Pairs whose content digests, as their writers recorded them, agree are not read: a copy
@@ -341,6 +341,10 @@ def diff(
         raise typer.Exit(1)
 
 
+def _percent(fraction: float | None) -> str:
+    return "?" if fraction is None else f"{100 * fraction:.3g}%"
+
+
 def _print_diff(a: str, b: str, result: compare.Diff) -> None:
     echo = typer.echo
     for key in result.removed:
@@ -349,7 +353,8 @@ def _print_diff(a: str, b: str, result: compare.Diff) -> None:
         echo(f"+ {key}")
     for change in result.changed:
         if change.reason == "values":
-            echo(f"~ {change.key}  max abs {change.max_abs:.6g}  max rel {change.max_rel:.6g}")
+            echo(f"~ {change.key}  max abs {change.max_abs:.6g}  max rel {change.max_rel:.6g}  "
+                 f"{_percent(change.changed_fraction)} of elements changed")
         else:
             echo(f"~ {change.key}  {change.reason}: {change.a} -> {change.b}")
     by_digest = f" ({result.by_digest} by their recorded digests, not read; --read reads them)" if result.by_digest else ""

@@ -32,7 +32,7 @@ def versions(
     as_json: Annotated[bool, typer.Option("--json", help="Print the versions as one JSON object, oldest first.")
                        ] = False,
 ) -> None:
-    """List the versions in FOLDER: step, time, size, and which one LATEST names.
+    """List the versions in FOLDER: step, time, size, full or delta (and its base), and which one LATEST names.
 
     A damaged LATEST marks none: what is wrong with it goes to stderr (and, with --json, in
     "latest_error"), and the versions are listed all the same.
@@ -50,19 +50,22 @@ def versions(
     if settings.json:
         emit("versions", {"folder": folder, "versions": [
             {"step": entry.step, "path": entry.path, "modified": entry.modified, "size": entry.size,
-             "latest": entry.latest, "members": entry.members, "member_bytes": entry.member_bytes}
+             "latest": entry.latest, "members": entry.members, "member_bytes": entry.member_bytes,
+             "kind": entry.kind, "base": entry.base}
             for entry in entries], "latest_error": None if damage is None else str(damage)})
         return
     if not entries:
         _refuse_serving_base(folder)
         typer.echo(f"{folder}: no versions")
         return
-    typer.echo(f"{'step':>12}  {'written':<20}  {'size':>9}  file")
+    typer.echo(f"{'step':>12}  {'written':<20}  {'size':>9}  {'kind':<7}  file")
     for entry in entries:
         mark = "  <- LATEST" if entry.latest else ""
         size = entry.size if entry.member_bytes is None else entry.size + entry.member_bytes
         shards = "" if entry.members is None else f"  ({entry.members} members, index {human_bytes(entry.size)})"
-        typer.echo(f"{entry.step:>12}  {entry.modified}  {human_bytes(size):>9}  {entry.name}{shards}{mark}")
+        base = f"  (base {entry.base})" if entry.base else ""
+        typer.echo(f"{entry.step:>12}  {entry.modified}  {human_bytes(size):>9}  {entry.kind:<7}  "
+                   f"{entry.name}{shards}{base}{mark}")
 
 
 def follow(

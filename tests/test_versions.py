@@ -389,7 +389,7 @@ def test_cli_versions(tmp_path, cli):
     result = CliRunner().invoke(cli, ["versions", str(tmp_path)])
     assert result.exit_code == 0, result.output
     header, *lines = result.output.splitlines()
-    assert header.split() == ["step", "written", "size", "file"]
+    assert header.split() == ["step", "written", "size", "kind", "file"]
     assert len(lines) == 2 and "step-000000000008.npz" in lines[0]
     assert lines[1].endswith("<- LATEST") and lines[1].split()[0] == "9"
     result = CliRunner().invoke(cli, ["versions", str(tmp_path), "--json"])

@@ -13,7 +13,7 @@ from weightstore.core.manifest import TensorInfo
 from weightstore.errors import *  # noqa: F401,F403
 from weightstore.sharded import Piece, commit_shards, publish_shard
 from weightstore.store import Store, load, open, save  # noqa: A004
-from weightstore.sync import BackgroundPublisher, Version, follow, latest, publish
+from weightstore.sync import BackgroundPublisher, Delta, Version, follow, latest, publish
 
 _moved.install()
 
@@ -24,4 +24,4 @@ def __getattr__(name: str) -> object:
 
 __all__ = ["__version__", "load", "open", "remap", "save", "select", "Store", "TensorInfo",
            "publish", "latest", "follow", "Version",
-           "Piece", "publish_shard", "commit_shards", "BackgroundPublisher", *errors.__all__]
+           "Piece", "publish_shard", "commit_shards", "BackgroundPublisher", "Delta", *errors.__all__]

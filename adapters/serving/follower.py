@@ -19,6 +19,13 @@ tensors it will read, and only those are fetched (a version that does not fit th
 fails there too). A bad version (a checksum that does
 not match, a file pruned mid-read) fails while staging, before serving is held at all.
 
+**Delta versions** (:class:`weightstore.Delta`) are staged by applying each delta onto a copy
+of the bytes of the version the follower holds, so only the deltas published since are fetched,
+verified against the digests their publisher recorded; when that would move more bytes than the
+version's own tensors, or the held version is not in the new one's chain (it missed an anchor),
+or the chain fails, the tensors are read from the newest anchor and its chain. Once a delta
+version comes, the follower keeps that copy: **1x the model's bytes more**.
+
 **Memory: the model plus the version being staged** (of a sharded version, its changed
 regions). A remote version is read straight into one buffer per tensor or region, and those
 buffers become the variables' own (the framework adopts them instead of copying: nothing else
@@ -67,8 +74,9 @@ from weightstore.adapters.plan import AssignOptions, AssignWords, Report
 from weightstore.adapters.skeleton import handed_over, rehearsal
 from weightstore.core._heap import give_back
 from weightstore.core.manifest import TensorInfo, logical_dtype
-from weightstore.errors import StorageError, UnsupportedTargetError, VersionGoneError, naming
+from weightstore.errors import StorageError, UnsupportedTargetError, VersionGoneError, WeightStoreError, naming
 from weightstore.formats import ReaderDefaults
+from weightstore.formats.delta import SUFFIX as DELTA_SUFFIX
 from weightstore.formats.sharded import normalized_region
 from weightstore.store._open import Store
 from weightstore.sync._checks import DEFAULT_POLL, checked_count, checked_seconds
@@ -180,6 +188,11 @@ class Follower:
     store's ETag, backing off from ``poll`` to ``max_poll`` while nothing is published), and
     ``notifications`` (an SQS queue URL) wakes it when ``LATEST`` is written.
 
+    ``deltas``: of delta versions, apply each onto a copy of the version held, which costs 1x
+    the model's memory (see the module). ``None`` (the default) keeps the copy once a delta
+    version arrives (that first one is read from its anchor); ``True`` from the first version;
+    ``False`` never (each delta version is read from its anchor and chain).
+
     Hot reload skips tensors whose bytes equal what this follower last assigned, so the target
     must not be changed in place by anything else (training, initializers, restores); if it
     is, pass ``skip_unchanged=False`` (see the module docstring).
@@ -187,7 +200,7 @@ class Follower:
 
     def __init__(self, target: Any, folder: Any, *, poll: float = DEFAULT_POLL, after: int | None = None,
                  storage_options: Mapping[str, Any] | None = None, max_poll: float | None = None,
-                 notifications: str | None = None, **words: Unpack[AssignWords]):
+                 notifications: str | None = None, deltas: bool | None = None, **words: Unpack[AssignWords]):
         self.target = target
         self.folder = folder
         # checked here, as follow() checks them, not on the thread that start() begins, whose
@@ -210,6 +223,10 @@ class Follower:
         self._assign: Callable[..., Report] = adapter.assign
         self._reads_parts: bool = getattr(adapter, "ASSIGN_READS_REGIONS", False)
         self._digests: dict[str, str | None] = {}  # key -> content digest, as the last swap staged it
+        #: key -> (digest, bytes) of the version held, kept once a delta version came: the next
+        #: delta is applied onto them (see :meth:`_onto_held`)
+        self._held: dict[str, tuple[str | None, np.ndarray]] = {}
+        self.deltas = deltas
 
     def start(self) -> Follower:
         """Start following (``with Follower(...)`` does); a folder that is a file is refused here."""
@@ -363,6 +380,8 @@ class Follower:
             self._failed(loop, exc, f"assigning step {version.step}", step=version.step)
             return _Outcome.DONE
         self._digests = staged.digests
+        if staged.copies is not None:
+            self._held = {key: found for key, found in {**self._held, **staged.copies}.items() if key in staged.digests}
         # the swap is done and serving runs again: what follows a swap goes here
         if previous is not None:
             previous.release()
@@ -393,10 +412,42 @@ class Follower:
                 return _StagedStore(store, store.read(list(recorder.wanted)), digests, parts)
             changed = [key for key, digest in digests.items()
                        if not skip or digest is None or self._digests.get(key) != digest]
-            return _StagedStore(store, store.read(changed), digests)
+            arrays = self._onto_held(store, changed, version) if skip else {}
+            arrays.update(store.read([key for key in changed if key not in arrays]))
+            staged = _StagedStore(store, arrays, digests)
+            if self.deltas or (self.deltas is None and (self._held or version.path.endswith(DELTA_SUFFIX))):
+                staged.copies = {key: (digests[key], np.ascontiguousarray(array).reshape(-1).view(np.uint8).copy())
+                                 for key, array in arrays.items()}
+            return staged
         except BaseException:
             store.close()
             raise
+
+    def _onto_held(self, store: Store, changed: list[str], version: Version) -> dict[str, np.ndarray]:
+        """The tensors of ``changed`` rebuilt onto the copies of the version held, reading only the
+        deltas published since (when ``version`` is a delta whose chain passes through it, and
+        that moves fewer bytes than reading them from the newest anchor: the version's own
+        bytes of them, at least); ``{}`` otherwise. A chain that fails (corrupt, missing, not
+        the recorded digest) is logged, and what it did not give is read from the anchor."""
+        if (self.version is None or not self._held or self.deltas is False
+                or not version.path.endswith(DELTA_SUFFIX)):
+            return {}
+        held = self.version.path.rsplit("/", 1)[-1]
+        keys = [key for key in changed if key in self._held and self._held[key][0] == self._digests.get(key)]
+        chain = store.chain_payload(keys, held)
+        if chain is None or chain >= sum(store.info(key).nbytes for key in keys):
+            return {}
+        arrays: dict[str, np.ndarray] = {}
+        for key in keys:
+            try:
+                found = store.read_from(key, held, self._held[key][1])
+            except WeightStoreError as exc:
+                _log.warning("weightstore follower of %s: applying step %d onto step %d failed (%s); reading the rest "
+                             "from its anchor", self.folder, version.step, self.version.step, exc)
+                break
+            if found is not None:
+                arrays[key] = found
+        return arrays
 
     def _failed(self, loop: _Loop, exc: BaseException, doing: str, *, step: int | None = None) -> None:
         """Record a failure, unless ``loop`` was stopped meanwhile (its news is no longer the follower's)."""
@@ -537,6 +588,8 @@ class _StagedStore(Store):
         super().__init__(staged, store.path, verify=False)  # staging verified what it read
         self.arrays = [*arrays.values(), *(parts or {}).values()]
         self.digests = digests
+        #: copies of the staged tensors' bytes, kept as the next delta's base once the swap is done
+        self.copies: dict[str, tuple[str | None, np.ndarray]] | None = None
 
     def close(self) -> None:
         self.arrays = []

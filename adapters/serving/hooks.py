@@ -45,6 +45,7 @@ from weightstore.adapters.plan import Selection, SelectionWords
 from weightstore.sharded._cluster import is_tf_chief, tf_config_task
 from weightstore.sync._background import BackgroundPublisher
 from weightstore.sync._checks import DEFAULT_FORMAT, DEFAULT_KEEP, checked_seconds
+from weightstore.sync._delta import Delta
 from weightstore.sync._pinning import Version
 from weightstore.sync._publish import PublishOptions
 
@@ -71,13 +72,16 @@ class _Publisher:
 
     def __init__(self, folder: Any, *, keep: int | None, metadata: Mapping[str, Any] | None, format: str,
                  selection: Selection, storage_options: Mapping[str, Any] | None, background: bool,
-                 end_timeout: float):
+                 end_timeout: float, delta: bool | Delta = False):
         self.folder = folder
         self.selection = selection
         self.options = PublishOptions(keep=keep, format=format, storage_options=storage_options)
         self.metadata = dict(metadata or {})
         self.end_timeout = checked_seconds("end_timeout", end_timeout)
-        self.background = BackgroundPublisher(folder, **self.options, metadata=metadata) if background else None
+        #: one for the hook's life, kept by the background publisher when there is one
+        self.delta: Delta | None = None if background or not delta else (Delta() if delta is True else delta)
+        self.background = (BackgroundPublisher(folder, **self.options, metadata=metadata, delta=delta)
+                           if background else None)
         self._last: Version | None = None
         self._failures = 0
         self._error: BaseException | None = None
@@ -108,8 +112,8 @@ class _Publisher:
             if self.background is not None:
                 self.background.publish(read(), step=step, metadata=extra)
             else:
-                self._last = weightstore.publish(self.folder, read(), step=step,
-                                                 metadata={**self.metadata, **extra}, **self.options)
+                self._last = weightstore.publish(self.folder, read(), step=step, metadata={**self.metadata, **extra},
+                                                 delta=self.delta or False, **self.options)
         except Exception as error:  # a copy of the weights must not end the training it copies
             self._failures += 1
             self._error = error
@@ -148,14 +152,16 @@ class PublishCallback(keras.callbacks.Callback):
     No publish's failure reaches ``fit`` (see the module): ``failures`` counts them,
     ``last_error`` holds the last, ``last`` is the last version completed. The end of ``fit``
     waits at most ``end_timeout`` seconds for the final publish. Outside ``fit``, :meth:`wait`
-    and :meth:`close` wait for what was handed over.
+    and :meth:`close` wait for what was handed over. ``delta=True`` publishes delta versions
+    (see :class:`weightstore.Delta`: a copy of the last version is kept, 1x the model's memory).
     """
 
     def __init__(self, folder: Any, *, every_n_batches: int | None = None, every_n_epochs: int | None = None,
                  at_end: bool = True, keep: int | None = DEFAULT_KEEP, metadata: Mapping[str, Any] | None = None,
                  format: str = DEFAULT_FORMAT,  # noqa: A002
                  storage_options: Mapping[str, Any] | None = None, background: bool = True,
-                 end_timeout: float = DEFAULT_END_TIMEOUT, **selection: Unpack[SelectionWords]):
+                 end_timeout: float = DEFAULT_END_TIMEOUT, delta: bool | Delta = False,
+                 **selection: Unpack[SelectionWords]):
         super().__init__()
         if every_n_batches is None and every_n_epochs is None:
             every_n_epochs = 1
@@ -165,7 +171,7 @@ class PublishCallback(keras.callbacks.Callback):
         self.every_n_batches, self.every_n_epochs, self.at_end = every_n_batches, every_n_epochs, at_end
         self._publisher = _Publisher(folder, keep=keep, metadata=metadata, format=format,
                                      selection=Selection(**selection), storage_options=storage_options,
-                                     background=background, end_timeout=end_timeout)
+                                     background=background, end_timeout=end_timeout, delta=delta)
         self._batches_since = 0  # batches since the last publish, as ModelCheckpoint counts them
         self._last_batch: int | None = None
         self._epoch = 0
@@ -253,7 +259,9 @@ class PublishHook(tf.compat.v1.train.SessionRunHook):
     With ``background`` (the default) the values are fetched on the training thread and
     written while training goes on; ``end`` (when the session closes) publishes the final step
     and waits for it at most ``end_timeout`` seconds. No publish's failure reaches the session
-    (see the module): ``failures`` counts them and ``last_error`` holds the last.
+    (see the module): ``failures`` counts them and ``last_error`` holds the last. ``delta=True``
+    publishes delta versions (see :class:`weightstore.Delta`: a copy of the last version is
+    kept, 1x the model's memory).
     """
 
     def __init__(self, folder: Any, *, every_n_steps: int | None = None, every_n_secs: float | None = None,
@@ -261,13 +269,13 @@ class PublishHook(tf.compat.v1.train.SessionRunHook):
                  format: str = DEFAULT_FORMAT,  # noqa: A002
                  storage_options: Mapping[str, Any] | None = None, is_chief: bool | None = None,
                  background: bool = True, end_timeout: float = DEFAULT_END_TIMEOUT,
-                 **selection: Unpack[SelectionWords]):
+                 delta: bool | Delta = False, **selection: Unpack[SelectionWords]):
         if (every_n_steps is None) == (every_n_secs is None):
             raise ValueError("pass exactly one of every_n_steps and every_n_secs")
         self._timer = tf.compat.v1.train.SecondOrStepTimer(every_secs=every_n_secs, every_steps=every_n_steps)
         self._publisher = _Publisher(folder, keep=keep, metadata=metadata, format=format,
                                      selection=Selection(**selection), storage_options=storage_options,
-                                     background=background, end_timeout=end_timeout)
+                                     background=background, end_timeout=end_timeout, delta=delta)
         self._is_chief = is_chief
         self._global_step: tf.Tensor | None = None
 

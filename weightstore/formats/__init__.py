@@ -164,7 +164,8 @@ class Format:
 #: The TF checkpoint stays last: its ``find`` refuses a folder that no format before it reads,
 #: saying what a checkpoint folder would hold.
 FORMAT_MODULES: list[str] = ["weightstore.formats.npz", "weightstore.formats.hdf5", "weightstore.formats.safetensors",
-                             "weightstore.formats.sharded", "weightstore.formats.hf_sharded",
+                             "weightstore.formats.delta", "weightstore.formats.sharded",
+                             "weightstore.formats.hf_sharded",
                              "weightstore.formats.keras_sharded", "weightstore.formats.keras_preset",
                              "weightstore.formats.keras_file",
                              "weightstore.formats.tf_checkpoint"]

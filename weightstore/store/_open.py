@@ -171,6 +171,25 @@ class Store(Mapping):
             attach(exc, path=self.path)
             raise
 
+    def read_from(self, key: str, held: str, data: np.ndarray) -> np.ndarray | None:
+        """``key`` rebuilt onto ``data`` (its bytes in version file ``held``, which the caller
+        holds), reading only what changed since: a delta version whose chain passes through
+        ``held`` (see :mod:`weightstore.formats.delta`). ``None`` where this store cannot (any
+        other format, or ``held`` not in the chain): read ``key`` as usual then."""
+        method = getattr(self._reader, "read_from", None)
+        if not callable(method):
+            return None
+        try:
+            return cast("np.ndarray | None", method(key, held, data, verify=self.verify))
+        except WeightStoreError as exc:
+            attach(exc, path=self.path)
+            raise
+
+    def chain_payload(self, keys: list[str], held: str) -> int | None:
+        """Bytes :meth:`read_from` fetches for ``keys`` from version file ``held``; ``None`` where it cannot."""
+        method = getattr(self._reader, "chain_payload", None)
+        return cast("int | None", method(keys, held)) if callable(method) else None
+
     def read(self, keys: Iterable[str] | None = None, *, max_bytes: int | None = None) -> dict[str, np.ndarray]:
         """Several tensors at once, refusing before reading if they exceed ``max_bytes``."""
         if isinstance(keys, str):  # iterated, it would name one tensor per character

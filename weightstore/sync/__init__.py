@@ -5,15 +5,17 @@ pointer written after the version is complete. Here: the pointer and the publish
 (:func:`publish`), reading and following it (:func:`latest`, :func:`follow`, pinning a
 version while it is read), listings (:func:`list_versions`), change notifications, and the
 background publisher trainers use so that a write never blocks a step
-(:class:`BackgroundPublisher`). Applying a version to a model is the adapters' job
+(:class:`BackgroundPublisher`), and delta versions, which store what changed since the version
+before (:class:`Delta`). Applying a version to a model is the adapters' job
 (``weightstore.adapters.serving``).
 """
 
 from weightstore.sync._background import BackgroundPublisher, PublishFuture
+from weightstore.sync._delta import Delta
 from weightstore.sync._follow import PointerWatch, follow, latest
 from weightstore.sync._listing import VersionEntry, list_versions
 from weightstore.sync._pinning import Version
 from weightstore.sync._publish import PublishOptions, publish
 
-__all__ = ["Version", "VersionEntry", "PublishOptions", "PointerWatch", "publish", "latest", "follow",
+__all__ = ["Delta", "Version", "VersionEntry", "PublishOptions", "PointerWatch", "publish", "latest", "follow",
            "list_versions", "BackgroundPublisher", "PublishFuture"]

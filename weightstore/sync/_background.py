@@ -52,6 +52,7 @@ from weightstore.errors import PublishError, StorageError, WeightStoreError, Wri
 from weightstore.formats import format_named
 from weightstore.store._save import checked_metadata
 from weightstore.sync._checks import DEFAULT_FORMAT, DEFAULT_KEEP, checked_keep, checked_seconds, checked_step
+from weightstore.sync._delta import Delta, as_delta
 from weightstore.sync._follow import latest
 from weightstore.sync._pinning import Version
 from weightstore.sync._publish import PublishOptions, publish
@@ -88,7 +89,9 @@ class BackgroundPublisher:
 
     The options are those of :func:`weightstore.publish`; ``metadata`` is merged under each
     publish's own. ``retry_for``, ``retry_backoff`` and ``max_backoff`` bound the retries of a
-    storage failure (see the module). A context manager: leaving the block waits like
+    storage failure (see the module). ``delta=True`` writes delta versions through one
+    :class:`~weightstore.Delta` kept for the publisher's life, which holds a copy of the last
+    version published (1x the model's memory, on the publishing thread). A context manager: leaving the block waits like
     :meth:`close`. Call it from one thread (the training loop).
     """
 
@@ -103,6 +106,7 @@ class BackgroundPublisher:
         retry_for: float = DEFAULT_RETRY_FOR,
         retry_backoff: float = DEFAULT_RETRY_BACKOFF,
         max_backoff: float = DEFAULT_MAX_BACKOFF,
+        delta: bool | Delta = False,
     ):
         keep = checked_keep(keep)
         format_named(format)  # an unknown format fails here, not on the first background publish
@@ -112,6 +116,8 @@ class BackgroundPublisher:
         self.retry_backoff = max(checked_seconds("retry_backoff", retry_backoff), 0.001)
         self.max_backoff = max(checked_seconds("max_backoff", max_backoff), self.retry_backoff)
         self._options = PublishOptions(keep=keep, format=format, storage_options=storage_options)
+        #: one for the publisher's life: it keeps the last version published, the next delta's base
+        self._delta: Delta | None = Delta() if delta is True else as_delta(delta)
         self._changed = threading.Condition()
         self._pending: _Job | None = None
         self._writing: _Job | None = None
@@ -216,7 +222,8 @@ class BackgroundPublisher:
         pause = self.retry_backoff
         while True:
             try:
-                version = publish(self.folder, job.weights, step=job.step, metadata=job.metadata, **self._options)
+                version = publish(self.folder, job.weights, step=job.step, metadata=job.metadata,
+                                  delta=self._delta or False, **self._options)
             except BaseException as error:  # counted and handed to the future, never to the trainer
                 failing_since = time.monotonic() if failing_since is None else failing_since
                 published = self._published_anyway(job)

@@ -22,6 +22,7 @@ from weightstore.errors import (
     WeightStoreError,
     named,
 )
+from weightstore.formats import delta as delta_format
 from weightstore.formats._pointer import (
     LATEST,
     MAX_POINTER_BYTES,
@@ -160,12 +161,38 @@ def write_small(folder: Folder, name: str, data: bytes) -> None:
 
 
 def prune(folder: Folder, newest: int, keep: int | None) -> None:
+    """Remove the versions past the newest ``keep`` (up to step ``newest``), but never a base a
+    kept delta version needs; the newest first, so a delta is never left without its base.
+
+    The oldest kept version's chain is all that is needed: a kept delta's chain runs from its
+    anchor to itself, and where that anchor is older than the oldest kept version, so is the
+    oldest's own (no anchor lies between them). So one head is read per prune. A head that
+    cannot be read stops the pruning of anything older this time (its chain is unknown), with a
+    warning."""
     if keep is None:
         return
     entries = [entry for step, entry in version_files(folder) if step <= newest]
-    for entry in entries[:-keep]:
-        remove_version(folder, entry.name)
-        stages.reached("pruning")
+    if len(entries) <= keep:
+        return
+    needed = needed_bases(folder, entries[-keep].name)
+    if needed is None:
+        return
+    for entry in reversed(entries[:-keep]):
+        if entry.name not in needed:
+            remove_version(folder, entry.name)
+            stages.reached("pruning")
+
+
+def needed_bases(folder: Folder, name: str) -> set[str] | None:
+    """Every file version ``name`` builds on (none for a full version); ``None`` when its head does not read."""
+    if not name.endswith(delta_format.SUFFIX):
+        return set()
+    try:
+        return set(delta_format.read_head(folder.open_binary(name), folder.url(name)).chain)
+    except (WeightStoreError, FileNotFoundError) as exc:
+        warnings.warn(f"{folder.url(name)}: its head cannot be read ({exc}), so the bases it needs are unknown: "
+                      "nothing older is pruned this time", stacklevel=3)
+        return None
 
 
 def remove_version(folder: Folder, name: str) -> None:

@@ -9,7 +9,9 @@ from typing import Any
 
 from weightstore.errors import (
     FormatError,
+    WeightStoreError,
 )
+from weightstore.formats import delta as delta_format
 from weightstore.io.folders import Folder
 from weightstore.sync._folder import SHARDED_SUFFIX, require_folder, version_files
 from weightstore.sync._pinning import read_latest
@@ -28,6 +30,10 @@ class VersionEntry:
     #: a sharded version's member files and their bytes (``None`` for a plain version)
     members: int | None = None
     member_bytes: int | None = None
+    #: ``"full"``, ``"delta"`` (stored as a change of ``base``) or ``"sharded"``
+    kind: str = "full"
+    #: a delta version's base file (``None`` for the others, and for a delta whose head does not read)
+    base: str | None = None
 
 
 def list_versions(folder: Any, *, storage_options: Mapping[str, Any] | None = None) -> list[VersionEntry]:
@@ -52,8 +58,20 @@ def version_listing(folder: Any, *, storage_options: Mapping[str, Any] | None = 
         pointer, damage = None, exc
     named = pointer.path.rsplit("/", 1)[-1] if pointer else None
     return [VersionEntry(step, entry.name, source.url(entry.name), entry.size, entry.modified, entry.name == named,
-                         *_sharded_sizes(source, entry.name))
+                         *_sharded_sizes(source, entry.name), *_kind(source, entry.name))
             for step, entry in version_files(source)], damage
+
+
+def _kind(folder: Folder, name: str) -> tuple[str, str | None]:
+    """How a version is stored, and a delta's base (from its head; ``None`` where it does not read)."""
+    if name.endswith(SHARDED_SUFFIX):
+        return "sharded", None
+    if not name.endswith(delta_format.SUFFIX):
+        return "full", None
+    try:
+        return "delta", delta_format.read_head(folder.open_binary(name), folder.url(name)).base
+    except (WeightStoreError, FileNotFoundError):
+        return "delta", None
 
 
 def _sharded_sizes(folder: Folder, name: str) -> tuple[int | None, int | None]:

@@ -52,8 +52,10 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any, TypedDict
 
+from weightstore._version import __version__
 from weightstore.core.manifest import utc_now
 from weightstore.errors import PublishError, WeightStoreError
+from weightstore.formats import delta as delta_format
 from weightstore.formats import format_named
 from weightstore.formats._pointer import (
     LATEST,
@@ -63,6 +65,7 @@ from weightstore.io.folders import Folder, LocalFolder, folder_for
 from weightstore.store._save import CheckedWeights, write_file
 from weightstore.sync import _stages as stages
 from weightstore.sync._checks import DEFAULT_FORMAT, DEFAULT_KEEP, checked_keep, checked_pointer_metadata, checked_step
+from weightstore.sync._delta import Delta, as_delta, full_weights
 from weightstore.sync._folder import INTENT, FolderState, names_step, prune, write_small
 from weightstore.sync._pinning import Version
 
@@ -86,6 +89,7 @@ def publish(
     metadata: Mapping[str, Any] | None = None,
     format: str = DEFAULT_FORMAT,  # noqa: A002
     storage_options: Mapping[str, Any] | None = None,
+    delta: bool | Delta = False,
 ) -> Version:
     """Write ``weights`` as version ``step`` of ``folder``, point ``LATEST`` at it, prune.
 
@@ -102,6 +106,11 @@ def publish(
             except ``"one_writer": True``: where the storage has no compare-and-swap (not S3),
             a promise that no other process publishes to ``folder``, without which the publish
             is refused.
+        delta: ``True``, or a :class:`Delta` given to every publish of one trainer: write a delta
+            version (``step-….wsdelta``: what changed since the version ``LATEST`` names) when
+            it is smaller than a full one and no anchor is due (see :class:`Delta`); readers
+            see a version like any other. A :class:`Delta` keeps a copy of the last version
+            (1x the model's memory); ``True`` reads the base back from the folder instead.
 
     Returns:
         The published :class:`Version`.
@@ -115,7 +124,7 @@ def publish(
     Example:
         >>> ws.publish("runs/a", weights, step=1200, keep=5, metadata={"loss": 0.31})
     """
-    step, keep = checked_step(step), checked_keep(keep)
+    step, keep, planner = checked_step(step), checked_keep(keep), as_delta(delta)
     fmt = format_named(format)
     target = folder_for(folder, storage_options)
     name = f"step-{step:012d}{fmt.suffixes[0]}"
@@ -123,15 +132,29 @@ def publish(
     metadata = checked_pointer_metadata(metadata, step, name, target.url(name))
     target.create()
     written: list[str] = []  # the version file, once this publish wrote it
+    tensors = planner.stored(arrays) if planner is not None else None
+    plan = planner.plan(target, step, tensors) if planner is not None and tensors is not None else None
+    if tensors is not None and plan is None:
+        arrays = CheckedWeights(full_weights(tensors), target.url(name), fmt)
+    if plan is not None:
+        name = f"step-{step:012d}{delta_format.SUFFIX}"
 
     def write_version(created: str) -> None:
-        with target.commit(name, fmt.suffixes[0]).writing() as local:
-            write_file(local, fmt, arrays, metadata, False, created=created)
+        with target.commit(name, fmt.suffixes[0] if plan is None else delta_format.SUFFIX).writing() as local:
+            if plan is None:
+                write_file(local, fmt, arrays, metadata, False, created=created)
+            else:
+                with open(local, "wb") as handle:
+                    delta_format.write(handle, plan.head, plan.rows, plan.digests, plan.encoded, metadata,
+                                       f"weightstore {__version__}", created)
             stages.reached("version-temporary")
         written.append(name)
 
     try:
-        return commit_version(target, step, name, write_version, metadata, keep)
+        version = commit_version(target, step, name, write_version, metadata, keep)
+        if planner is not None and tensors is not None:
+            planner.published(target, version, tensors, plan)
+        return version
     except PublishError:
         # a race lost on object storage: left above LATEST with no intent naming it, the file
         # would read as a restored LATEST's newer version and refuse this very step's retry

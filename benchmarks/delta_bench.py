@@ -1,0 +1,211 @@
+"""Delta versions (issue 41): bytes per version, bytes a follower fetches, publish CPU, against full versions.
+
+Three trainers publish every step to two folders on moto's S3 server on 127.0.0.1 (its own
+process, counting every body byte): one with full versions, one with ``delta=ws.Delta(...)``.
+
+- ``bf16-adam``: a small Keras transformer (built from its config, random init) trained with
+  Adam at 3e-6 on synthetic tokens; its bf16 copy is published every step;
+- ``fp32-adam``: the same model in fp32 at 1e-3;
+- ``synthetic``: ``--synthetic-mb`` of bf16 in which 2% of the elements move one step per version.
+
+A ``Follower`` per folder (into ``tf.Variable``\\ s) follows the first ``--followed`` versions one by
+one (bytes the server sent per version after the first, the publisher's own reads included; the
+delta folder's follower is made with ``deltas=True``, so it keeps a copy of what it holds from
+the first version on), then stops while
+``--skipped`` more are published and catches up at once (the bytes of that catch-up). Publish
+CPU (all threads, ``time.process_time``) and wall time per GB are measured apart, publishing the
+same steps to two local folders. Ratios are of the full version's bytes.
+
+    python -m benchmarks.delta_bench                       # 96 MB synthetic, the default model
+    python -m benchmarks.delta_bench --synthetic-mb 16 --width 128 --layers 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+import weightstore as ws
+from benchmarks.common import machine_line, table
+from benchmarks.s3_server import ServerProcess, restore_environment, use_environment
+
+BUCKET = "weightstore-delta-bench"
+
+
+def keras_steps(count: int, *, bf16: bool, lr: float, layers: int, width: int, seq: int = 32, vocab: int = 2000,
+                batch: int = 8) -> Iterator[dict[str, np.ndarray]]:
+    """The weights after each of ``count`` Adam steps of a small transformer on random tokens."""
+    import keras
+
+    from weightstore.adapters import tf2
+
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((seq,), dtype="int32")
+    hidden = keras.layers.Embedding(vocab, width)(tokens)
+    for _ in range(layers):
+        attended = keras.layers.MultiHeadAttention(4, width // 4)(hidden, hidden)
+        hidden = keras.layers.LayerNormalization()(hidden + attended)
+        fed = keras.layers.Dense(width, name=None)(keras.layers.Dense(4 * width, activation="gelu")(hidden))
+        hidden = keras.layers.LayerNormalization()(hidden + fed)
+    built = keras.Model(tokens, keras.layers.Dense(vocab)(hidden))
+    model = keras.Model.from_config(built.get_config())  # from its config, freshly initialised
+    model.compile(optimizer=keras.optimizers.Adam(lr), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, vocab, (batch, seq)), rng.integers(0, vocab, (batch, seq))
+    for _ in range(count):
+        model.train_on_batch(x, y)
+        weights = {key: np.asarray(value) for key, value in tf2.export(model).items()}
+        yield {key: value.astype(ml_dtypes.bfloat16) for key, value in weights.items()} if bf16 else weights
+
+
+def synthetic_steps(count: int, size_mb: float, fraction: float = 0.02) -> Iterator[dict[str, np.ndarray]]:
+    """``size_mb`` of bf16 in 16 tensors; each step moves ``fraction`` of the elements by one ulp."""
+    rng = np.random.default_rng(0)
+    per = int(size_mb * (1 << 20) / 2 / 16)
+    bits = [rng.standard_normal(per).astype(ml_dtypes.bfloat16).view(np.uint16) for _ in range(16)]
+    for _ in range(count):
+        for tensor in bits:
+            tensor[rng.integers(0, per, int(per * fraction))] += 1
+        yield {f"layer_{i:02d}/kernel": tensor.view(ml_dtypes.bfloat16).copy() for i, tensor in enumerate(bits)}
+
+
+def follower_target(weights: dict[str, np.ndarray]) -> dict[str, Any]:
+    import tensorflow as tf
+
+    return {key: tf.Variable(tf.zeros(value.shape, tf.bfloat16 if value.dtype == ml_dtypes.bfloat16 else value.dtype))
+            for key, value in weights.items()}
+
+
+def publish_cpu(steps: list[dict[str, np.ndarray]], anchor_every: int) -> dict[str, float]:
+    """CPU and wall seconds per GB of publishing ``steps`` to a local folder, full and delta
+    (each the median of the steps after the first, which is a full version either way)."""
+    found: dict[str, float] = {}
+    for mode in ("full", "delta"):
+        delta = ws.Delta(anchor_every=anchor_every) if mode == "delta" else False
+        with tempfile.TemporaryDirectory(dir=os.environ.get("WS_BENCH_DIR")) as folder:
+            cpu, wall = [], []
+            for step, weights in enumerate(steps, 1):
+                started, used = time.perf_counter(), time.process_time()
+                ws.publish(folder, weights, step=step, keep=3, delta=delta)
+                if step > 1:
+                    cpu.append(time.process_time() - used)
+                    wall.append(time.perf_counter() - started)
+        gb = sum(value.nbytes for value in steps[0].values()) / 1e9
+        found[f"{mode}_cpu"] = float(np.median(cpu)) / gb
+        found[f"{mode}_wall"] = float(np.median(wall)) / gb
+    return found
+
+
+def scenario(server: ServerProcess, name: str, steps: list[dict[str, np.ndarray]], followed: int, skipped: int,
+             anchor_every: int) -> dict[str, Any]:
+    from weightstore.adapters.serving.follower import Follower
+
+    full_folder, delta_folder = (f"s3://{BUCKET}/{name}-{kind}-{uuid.uuid4().hex[:8]}" for kind in ("full", "delta"))
+    keep = skipped + 2  # the version a follower holds stays while it catches up
+    delta = ws.Delta(anchor_every=anchor_every)
+    targets = {folder: follower_target(steps[0]) for folder in (full_folder, delta_folder)}
+    followers = {folder: Follower(targets[folder], folder, poll=0.02, deltas=folder == delta_folder or None)
+                 for folder in targets}
+    fetched: dict[str, list[int]] = {full_folder: [], delta_folder: []}
+    try:
+        for follower in followers.values():
+            follower.start()
+        for step, weights in enumerate(steps[:followed], 1):
+            for folder in (full_folder, delta_folder):
+                server.reset()
+                ws.publish(folder, weights, step=step, keep=keep, delta=delta if folder == delta_folder else False)
+                followers[folder].wait(step, timeout=600)
+                fetched[folder].append(server.counts()["sent"])
+        for follower in followers.values():
+            follower.stop()
+        for step, weights in enumerate(steps[followed:], followed + 1):
+            ws.publish(full_folder, weights, step=step, keep=keep)
+            ws.publish(delta_folder, weights, step=step, keep=keep, delta=delta)
+        caught_up = {}
+        for folder, follower in followers.items():
+            server.reset()
+            follower.start()
+            follower.wait(len(steps), timeout=600)
+            caught_up[folder] = server.counts()["sent"]
+            assert follower.error is None, follower.error
+        last = steps[-1]
+        for key, variable in targets[delta_folder].items():  # the follower holds the trainer's last bytes
+            assert np.asarray(variable.numpy()).tobytes() == last[key].tobytes(), key
+    finally:
+        for follower in followers.values():
+            follower.stop()
+    listed = {entry.step: entry for entry in ws.sync.list_versions(delta_folder)}
+    full_bytes = next(entry.size for entry in ws.sync.list_versions(full_folder))
+    deltas = [entry.size for entry in listed.values() if entry.kind == "delta"]
+    return {
+        "model": sum(value.nbytes for value in steps[0].values()), "full": full_bytes,
+        "delta_per_version": float(np.mean(deltas)) / full_bytes if deltas else None,
+        "anchors": sum(entry.kind == "full" for entry in listed.values()), "versions": len(listed),
+        "follow_full": float(np.mean(fetched[full_folder][1:])) / full_bytes,
+        "follow_delta": float(np.mean(fetched[delta_folder][1:])) / full_bytes,
+        "skip_full": caught_up[full_folder] / full_bytes, "skip_delta": caught_up[delta_folder] / full_bytes,
+    }
+
+
+def bench(*, synthetic_mb: float, layers: int, width: int, followed: int, skipped: int, anchor_every: int,
+          only: list[str] | None = None) -> None:
+    count = followed + skipped
+    makers = {
+        "bf16-adam": lambda: list(keras_steps(count, bf16=True, lr=3e-6, layers=layers, width=width)),
+        "fp32-adam": lambda: list(keras_steps(count, bf16=False, lr=1e-3, layers=layers, width=width)),
+        "synthetic": lambda: list(synthetic_steps(count, synthetic_mb)),
+    }
+    server = ServerProcess()
+    saved = use_environment(server)
+    rows, cpu_rows = [], []
+    try:
+        import s3fs
+
+        s3fs.S3FileSystem.clear_instance_cache()
+        s3fs.S3FileSystem().mkdir(BUCKET)
+        for name, make in makers.items():
+            if only and name not in only:
+                continue
+            steps = make()
+            r = scenario(server, name, steps, followed, skipped, anchor_every)
+            rows.append([name, f"{r['model'] / 1e6:.1f} MB", f"{r['delta_per_version']:.3f}x",
+                         f"{r['anchors']}/{r['versions']}", f"{r['follow_full']:.3f}x", f"{r['follow_delta']:.3f}x",
+                         f"{r['skip_full']:.3f}x", f"{r['skip_delta']:.3f}x"])
+            c = publish_cpu(steps[: min(len(steps), 8)], anchor_every)
+            cpu_rows.append([name, f"{c['full_cpu']:.2f}", f"{c['delta_cpu']:.2f}", f"{c['delta_cpu'] / c['full_cpu']:.2f}x",
+                             f"{c['full_wall']:.2f}", f"{c['delta_wall']:.2f}", f"{c['delta_wall'] / c['full_wall']:.2f}x"])
+    finally:
+        server.stop()
+        restore_environment(saved)
+    print(machine_line())
+    print(f"delta versions: {followed} versions followed one by one, then {skipped} skipped; anchor_every="
+          f"{anchor_every}; ratios of a full version's bytes")
+    print(table(["case", "model", "delta file / version", "anchors/versions", "follower fetch / version (full)",
+                 "(delta)", f"catch-up after {skipped} (full)", "(delta)"], rows))
+    print(table(["case", "publish CPU s/GB full", "delta", "ratio", "wall s/GB full", "delta", "ratio"], cpu_rows))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--synthetic-mb", type=float, default=96)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--followed", type=int, default=6)
+    parser.add_argument("--skipped", type=int, default=10)
+    parser.add_argument("--anchor-every", type=int, default=20)
+    parser.add_argument("--only", nargs="*", choices=["bf16-adam", "fp32-adam", "synthetic"])
+    args = parser.parse_args()
+    bench(synthetic_mb=args.synthetic_mb, layers=args.layers, width=args.width, followed=args.followed,
+          skipped=args.skipped, anchor_every=args.anchor_every, only=args.only)
+
+
+if __name__ == "__main__":
+    main()

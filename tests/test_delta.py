@@ -1,0 +1,439 @@
+"""Delta versions: written when smaller, read as a version like any other, kept with their bases,
+and every hostile or broken chain refused with the version and the tensor named."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import weightstore as ws
+from weightstore.cli.main import app
+from weightstore.core.manifest import content_digest, crc32
+from weightstore.formats import delta as delta_format
+
+BUCKET = "weightstore-delta-tests"
+
+
+def model(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "dense/kernel": rng.standard_normal((256, 300)).astype(ml_dtypes.bfloat16),
+        "dense/bias": rng.standard_normal(300).astype(np.float32),
+        "embed": rng.standard_normal((100, 64)).astype(np.float32),
+        "count": np.array(7, np.int64),
+        "mask": rng.random(40) < 0.5,
+        "empty": np.zeros((0, 3), np.float16),
+        "wide": rng.standard_normal(8).astype(np.complex128),
+    }
+
+
+def step_of(weights: dict[str, np.ndarray], rng: np.random.Generator, fraction: float = 0.02) -> dict[str, np.ndarray]:
+    """The next optimizer step: ``fraction`` of the bf16 kernel's elements move one ulp, the
+    bias moves a little everywhere, the rest stays."""
+    kernel = weights["dense/kernel"].view(np.uint16).copy()
+    where = rng.choice(kernel.size, max(1, int(kernel.size * fraction)), replace=False)
+    kernel.reshape(-1)[where] += 1
+    bias = (weights["dense/bias"] * np.float32(1.001)).astype(np.float32)
+    return {**weights, "dense/kernel": kernel.view(ml_dtypes.bfloat16), "dense/bias": bias}
+
+
+def same_bytes(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert list(got) == list(want)
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype and got[key].shape == value.shape, key
+        assert np.ascontiguousarray(got[key]).tobytes() == np.ascontiguousarray(value).tobytes(), key
+
+
+def files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("step-"))
+
+
+def publish_steps(folder, steps: int, *, delta, keep=None, seed=0):
+    rng = np.random.default_rng(seed)
+    weights, published = model(seed), {}
+    for step in range(1, steps + 1):
+        weights = step_of(weights, rng)
+        ws.publish(folder, weights, step=step, keep=keep, delta=delta)
+        published[step] = {k: np.array(v) for k, v in weights.items()}
+    return published
+
+
+def test_every_version_reads_bit_exact_and_deltas_are_small(tmp_path):
+    delta = ws.Delta(anchor_every=4)
+    published = publish_steps(tmp_path, 9, delta=delta)
+    names = files(tmp_path)
+    assert [n.rsplit(".", 1)[1] for n in names] == ["npz", "wsdelta", "wsdelta", "wsdelta"] * 2 + ["npz"]
+    full = (tmp_path / names[0]).stat().st_size
+    for name in names:
+        if name.endswith(".wsdelta"):
+            assert (tmp_path / name).stat().st_size < 0.1 * full
+    for step, name in zip(range(1, 10), names, strict=True):
+        same_bytes(ws.load(tmp_path / name), published[step])
+    latest = ws.latest(tmp_path)
+    same_bytes(ws.load(latest), published[9])
+    with ws.open(tmp_path / names[3]) as store:  # a delta three from its anchor
+        info = store.info("dense/kernel")
+        assert info.digest == "blake3:" + content_digest(published[4]["dense/kernel"].view(np.uint8)).hex()
+        assert store.metadata == {}
+
+
+def test_a_step_that_moves_every_element_is_still_exact(tmp_path):
+    rng = np.random.default_rng(1)
+    weights = {"w": rng.standard_normal(20000).astype(np.float32)}
+    delta = ws.Delta()
+    ws.publish(tmp_path, weights, step=1, delta=delta)
+    moved = {"w": (weights["w"] * np.float32(1 + 1e-3)).astype(np.float32)}
+    version = ws.publish(tmp_path, moved, step=2, delta=delta)
+    assert version.path.endswith(".wsdelta")  # XOR of close floats: the high bytes cancel
+    assert Path(version.path).stat().st_size < 0.9 * moved["w"].nbytes
+    same_bytes(ws.load(version), moved)
+    replaced = {"w": rng.standard_normal(20000).astype(np.float32)}  # no delta is smaller: a full one
+    version = ws.publish(tmp_path, replaced, step=3, delta=delta)
+    assert version.path.endswith(".npz") and delta.last_kind == "full"
+    same_bytes(ws.load(version), replaced)
+
+
+def test_codecs_each_rebuild_their_tensor():
+    rng = np.random.default_rng(2)
+    base = rng.standard_normal(300000).astype(np.float32)
+    cases = {"same": base.copy(), "sparse": base.copy(), "xor-zstd": base.copy(), "raw": rng.integers(0, 2**32, 300000, dtype=np.uint32).view(np.float32)}
+    cases["sparse"][[5, 70000, 299999]] = 1.0
+    cases["xor-zstd"][::3] = np.nextafter(cases["xor-zstd"][::3], np.float32(9))
+    for codec, new in cases.items():
+        raw = new.view(np.uint8)
+        encoded = delta_format.encode(raw, base.view(np.uint8), 4)
+        assert encoded.codec == codec
+        out = base.view(np.uint8).copy()
+        payload = memoryview(b"".join(bytes(memoryview(part)) for part in encoded.parts))
+        if codec == "xor-zstd":
+            delta_format._apply_xor(payload, out, delta_format.BLOCK)
+        elif codec == "sparse":
+            delta_format._apply_sparse(payload, out, 4)
+        elif codec == "raw":
+            out[:] = np.frombuffer(payload, np.uint8)
+        assert out.tobytes() == raw.tobytes(), codec
+
+
+def test_anchor_once_the_chain_adds_up_to_a_full_version(tmp_path):
+    rng = np.random.default_rng(3)
+    weights = {"w": rng.standard_normal(10000).astype(np.float32)}
+    delta = ws.Delta(anchor_every=100)
+    kinds = []
+    for step in range(1, 8):
+        weights = {"w": (weights["w"] * np.float32(1.01)).astype(np.float32)}  # each delta ~half a version
+        ws.publish(tmp_path, weights, step=step, delta=delta)
+        kinds.append(delta.last_kind)
+    assert kinds[0] == "full" and "delta" in kinds
+    chain = 0
+    for name in files(tmp_path):
+        if name.endswith(".wsdelta"):
+            head = delta_format.read_head(str(tmp_path / name), name)
+            assert head.chain_bytes < head.full_bytes
+            chain += 1
+    assert kinds.count("full") >= 2
+
+
+def test_a_restarted_trainer_reads_its_base_back(tmp_path):
+    rng = np.random.default_rng(4)
+    weights = model(4)
+    ws.publish(tmp_path, weights, step=1, delta=ws.Delta())
+    for step in (2, 3):
+        weights = step_of(weights, rng)
+        version = ws.publish(tmp_path, weights, step=step, delta=True)  # no memory: the base read back
+        assert version.path.endswith(".wsdelta")
+        same_bytes(ws.load(version), weights)
+
+
+def test_the_remembered_copy_is_not_the_callers_array(tmp_path):
+    weights = model(5)
+    delta = ws.Delta()
+    ws.publish(tmp_path, weights, step=1, delta=delta)
+    weights["embed"][0, 0] += 1  # changed in place after the publish returned
+    version = ws.publish(tmp_path, weights, step=2, delta=delta)
+    same_bytes(ws.load(version), weights)
+
+
+def test_retention_keeps_every_base_a_kept_version_needs(tmp_path):
+    published = publish_steps(tmp_path, 7, delta=ws.Delta(anchor_every=10), keep=2)
+    assert files(tmp_path) == [f"step-{s:012d}.{'npz' if s == 1 else 'wsdelta'}" for s in range(1, 8)]
+    same_bytes(ws.load(ws.latest(tmp_path)), published[7])
+    published = publish_steps(tmp_path / "b", 12, delta=ws.Delta(anchor_every=5), keep=2)
+    # anchors at 1, 6, 11: the chain of 11..12 needs nothing older
+    assert files(tmp_path / "b") == ["step-000000000011.npz", "step-000000000012.wsdelta"]
+    same_bytes(ws.load(ws.latest(tmp_path / "b")), published[12])
+
+
+def test_follow_yields_delta_versions_whole(tmp_path):
+    published = publish_steps(tmp_path, 3, delta=ws.Delta())
+    for version in ws.follow(tmp_path, timeout=0):
+        assert version.step == 3 and version.path.endswith(".wsdelta")
+        same_bytes(ws.load(version), published[3])
+        break
+
+
+def test_background_publisher_writes_deltas(tmp_path):
+    rng = np.random.default_rng(6)
+    weights = model(6)
+    with ws.BackgroundPublisher(tmp_path, delta=True) as publisher:
+        for step in range(1, 5):
+            weights = step_of(weights, rng)
+            publisher.publish(weights, step=step).result()
+    assert publisher.failures == 0
+    assert sum(name.endswith(".wsdelta") for name in files(tmp_path)) == 3
+    same_bytes(ws.load(ws.latest(tmp_path)), weights)
+
+
+def test_cli_reads_and_lists_delta_versions(tmp_path):
+    published = publish_steps(tmp_path / "run", 3, delta=ws.Delta())
+    runner = CliRunner()
+    name = tmp_path / "run" / "step-000000000003.wsdelta"
+    result = runner.invoke(app, ["verify", str(name)])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["export", str(name), "-o", str(tmp_path / "out.h5")])
+    assert result.exit_code == 0, result.output
+    same_bytes(ws.load(tmp_path / "out.h5"), published[3])
+    result = runner.invoke(app, ["versions", str(tmp_path / "run"), "--json"])
+    assert result.exit_code == 0, result.output
+    listed = json.loads(result.output)["versions"]
+    assert [(v["kind"], v["base"]) for v in listed] == [
+        ("full", None), ("delta", "step-000000000001.npz"), ("delta", "step-000000000002.wsdelta")]
+    result = CliRunner().invoke(app, ["versions", str(tmp_path / "run")], env={"COLUMNS": "200"})
+    assert "delta" in result.output and "(base step-000000000002.wsdelta)" in result.output
+
+
+def test_a_delta_on_s3_reads_and_follows(s3):
+    folder = f"s3://{BUCKET}/run"
+    published = publish_steps(folder, 4, delta=ws.Delta(), keep=2)
+    version = ws.latest(folder)
+    assert version.path.endswith(".wsdelta")
+    same_bytes(ws.load(version), published[4])
+    listed = ws.sync.list_versions(folder)
+    assert [entry.kind for entry in listed] == ["full", "delta", "delta", "delta"]
+
+
+# -- hostile and broken input ------------------------------------------------------------------------
+
+def write_delta(path: Path, base: str, tensors: dict[str, tuple[str, list[bytes], np.ndarray]], *, step=None,
+                chain=None, block=delta_format.BLOCK) -> None:
+    """A delta file of our own making: ``tensors`` maps key -> (codec, payload parts, resulting array)."""
+    rows, digests, encoded = [], [], []
+    for key, (codec, parts, result) in tensors.items():
+        raw = np.ascontiguousarray(result).reshape(-1).view(np.uint8)
+        rows.append((key, ws.core.manifest.dtype_name(result.dtype), result.shape, crc32(raw)))
+        digests.append(content_digest(raw))
+        encoded.append(delta_format.Encoded(codec, parts))
+    own = int(path.name[5:17]) if step is None else step
+    head = delta_format.Head(own, base, chain or [base], 1, 10**9, block)
+    buffer = io.BytesIO()
+    delta_format.write(buffer, head, rows, digests, encoded, {}, "test", "2026-01-01T00:00:00.000Z")
+    path.write_bytes(buffer.getvalue())
+
+
+@pytest.fixture
+def based(tmp_path):
+    base = {"w": np.arange(1000, dtype=np.float32)}
+    ws.save(tmp_path / "step-000000000001.npz", base)
+    return tmp_path, base["w"]
+
+
+def refused(path: Path, key: str | None = "w", error=ws.FormatError) -> ws.WeightStoreError:
+    with pytest.raises(error) as caught:
+        ws.load(path)
+    assert caught.value.path is not None and path.name in str(caught.value.path)
+    if key is not None:
+        assert caught.value.key == key
+    return caught.value
+
+
+def test_a_frame_claiming_more_than_its_tensor_is_refused(based):
+    folder, w = based
+    import zstandard
+
+    frame = zstandard.ZstdCompressor(write_content_size=True).compress(bytes(w.nbytes * 1000))
+    table = struct.pack("<II", 1, len(frame))
+    write_delta(folder / "step-000000000002.wsdelta", "step-000000000001.npz", {"w": ("xor-zstd", [table, frame], w)})
+    assert "declare" in str(refused(folder / "step-000000000002.wsdelta"))
+
+
+def test_a_frame_lying_about_its_size_is_refused(based):
+    folder, w = based
+    import zstandard
+
+    frame = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(w.nbytes * 50))
+    table = struct.pack("<II", 1, len(frame))
+    write_delta(folder / "step-000000000002.wsdelta", "step-000000000001.npz", {"w": ("xor-zstd", [table, frame], w)})
+    refused(folder / "step-000000000002.wsdelta")
+
+
+@pytest.mark.parametrize("positions", [[3, 1000], [5, 5], [9, 2], [2**32 - 1]])
+def test_sparse_positions_out_of_range_or_not_increasing_are_refused(based, positions):
+    folder, w = based
+    parts = [struct.pack("<Q", len(positions)), np.array(positions, "<u4").tobytes(), bytes(4 * len(positions))]
+    write_delta(folder / "step-000000000002.wsdelta", "step-000000000001.npz", {"w": ("sparse", parts, w)})
+    refused(folder / "step-000000000002.wsdelta")
+
+
+def test_a_sparse_count_past_the_tensor_is_refused(based):
+    folder, w = based
+    parts = [struct.pack("<Q", 2**40)]
+    write_delta(folder / "step-000000000002.wsdelta", "step-000000000001.npz", {"w": ("sparse", parts, w)})
+    refused(folder / "step-000000000002.wsdelta")
+
+
+@pytest.mark.parametrize("base", ["step-000000000002.wsdelta", "step-000000000003.wsdelta", "../x/step-000000000001.npz",
+                                  "LATEST", "step-000000000001.wsindex"])
+def test_a_base_that_is_not_an_earlier_version_beside_it_is_refused(based, base):
+    folder, w = based
+    write_delta(folder / "step-000000000002.wsdelta", base, {"w": ("same", [], w)})
+    refused(folder / "step-000000000002.wsdelta", key=None)
+
+
+def test_a_cycle_of_bases_is_refused(based):
+    folder, w = based
+    # each names the other; one of them must claim a step above its own name's, which is refused
+    write_delta(folder / "step-000000000002.wsdelta", "step-000000000003.wsdelta", {"w": ("same", [], w)}, step=4)
+    write_delta(folder / "step-000000000003.wsdelta", "step-000000000002.wsdelta", {"w": ("same", [], w)})
+    refused(folder / "step-000000000003.wsdelta", key=None)
+    refused(folder / "step-000000000002.wsdelta", key=None)
+
+
+def test_a_missing_base_is_refused_naming_it(based):
+    folder, w = based
+    write_delta(folder / "step-000000000005.wsdelta", "step-000000000004.npz", {"w": ("same", [], w)})
+    error = refused(folder / "step-000000000005.wsdelta", key=None)
+    assert "step-000000000004.npz" in str(error) and "missing" in str(error)
+
+
+def test_a_chain_that_does_not_rebuild_the_digest_is_refused(based):
+    folder, w = based
+    wrong = w.copy()
+    wrong[10] = -1  # the digest of what the delta claims to give, but the base gives the rest
+    write_delta(folder / "step-000000000002.wsdelta", "step-000000000001.npz", {"w": ("same", [], wrong)})
+    error = refused(folder / "step-000000000002.wsdelta", error=ws.ChecksumError)
+    assert "digest" in str(error)
+
+
+def test_a_corrupt_base_in_the_chain_is_refused(tmp_path):
+    published = publish_steps(tmp_path, 3, delta=ws.Delta())
+    middle = tmp_path / "step-000000000002.wsdelta"
+    data = bytearray(middle.read_bytes())
+    data[-5] ^= 0xFF  # inside the last payload: the middle delta's last tensor
+    middle.write_bytes(bytes(data))
+    with pytest.raises(ws.WeightStoreError) as caught:
+        ws.load(tmp_path / "step-000000000003.wsdelta")
+    assert caught.value.key is not None and "step-000000000003" in str(caught.value.path)
+    assert published  # the anchor still reads
+    ws.load(tmp_path / "step-000000000001.npz")
+
+
+@pytest.mark.parametrize("cut", [3, 30, -1])
+def test_a_truncated_delta_is_refused(tmp_path, cut):
+    publish_steps(tmp_path, 2, delta=ws.Delta())
+    path = tmp_path / "step-000000000002.wsdelta"
+    data = path.read_bytes()
+    path.write_bytes(data[:cut])
+    with pytest.raises(ws.FormatError):
+        ws.load(path)
+
+
+def test_a_delta_of_a_tensor_the_base_lacks_is_refused(based):
+    folder, w = based
+    write_delta(folder / "step-000000000002.wsdelta", "step-000000000001.npz", {"v": ("same", [], w)})
+    refused(folder / "step-000000000002.wsdelta", key="v")
+
+
+def test_a_delta_version_is_not_written_by_save(tmp_path):
+    with pytest.raises(ws.TargetError):
+        ws.save(tmp_path / "x.wsdelta", {"w": np.zeros(3)})
+
+
+def test_diff_gives_each_tensors_fraction_of_changed_elements(tmp_path):
+    rng = np.random.default_rng(7)
+    weights = model(7)
+    delta = ws.Delta()
+    ws.publish(tmp_path, weights, step=1, delta=delta)
+    moved = step_of(weights, rng, fraction=0.02)
+    ws.publish(tmp_path, moved, step=2, delta=delta)
+    result = CliRunner().invoke(app, ["diff", str(tmp_path / "step-000000000001.npz"),
+                                      str(tmp_path / "step-000000000002.wsdelta"), "--json"])
+    assert result.exit_code == 1, result.output
+    changes = {c["key"]: c for c in json.loads(result.stdout)["changed"]}
+    assert set(changes) == {"dense/kernel", "dense/bias"}
+    kernel = moved["dense/kernel"].view(np.uint16) != weights["dense/kernel"].view(np.uint16)
+    assert changes["dense/kernel"]["changed_fraction"] == pytest.approx(kernel.mean())
+    assert 0.015 < changes["dense/kernel"]["changed_fraction"] < 0.025
+    assert changes["dense/bias"]["changed_fraction"] == pytest.approx(
+        np.mean(moved["dense/bias"] != weights["dense/bias"]))
+    text = CliRunner().invoke(app, ["diff", str(tmp_path / "step-000000000001.npz"),
+                                    str(tmp_path / "step-000000000002.wsdelta")], env={"COLUMNS": "200"}).output
+    assert "of elements changed" in text
+
+
+KILLED_DELTA_PUBLISHER = """
+import os, signal, sys
+import numpy as np
+import weightstore as ws
+from weightstore.sync import _stages as stages
+folder, stage = sys.argv[1], sys.argv[2]
+def weights(step):
+    w = np.arange(20000, dtype=np.float32)
+    w[:step] += 1
+    return {"w": w}
+delta = ws.Delta()
+for step in (1, 2, 3):
+    ws.publish(folder, weights(step), step=step, keep=2, delta=delta)
+def hook(name):
+    if name == stage:
+        os.kill(os.getpid(), signal.SIGKILL)
+stages.hook = hook
+ws.publish(folder, weights(4), step=4, keep=2, delta=delta)
+sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("stage", ["version-temporary", "version-written", "latest-written", "pruned"])
+def test_a_delta_publisher_killed_at_each_stage_leaves_a_whole_folder(tmp_path, stage):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", KILLED_DELTA_PUBLISHER, str(tmp_path), stage],
+                            env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=120)
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    version = ws.latest(tmp_path)
+    expected = 4 if stage in ("latest-written", "pruned") else 3
+    assert version.step == expected
+    want = np.arange(20000, dtype=np.float32)
+    want[:expected] += 1
+    same_bytes(ws.load(version), {"w": want})
+    want[:5] = np.arange(5, dtype=np.float32) + 1
+    ws.publish(tmp_path, {"w": want}, step=5, keep=2, delta=True)  # a restarted trainer: its base read back
+    same_bytes(ws.load(ws.latest(tmp_path)), {"w": want})
+    assert ws.latest(tmp_path).path.endswith(".wsdelta")
+
+
+def test_tensors_added_removed_or_reshaped_between_versions(tmp_path):
+    delta = ws.Delta()
+    weights = model(8)
+    ws.publish(tmp_path, weights, step=1, delta=delta)
+    changed = {key: value for key, value in weights.items() if key != "embed"}  # removed
+    changed["head/new"] = np.arange(12, dtype=np.int32)  # added
+    changed["dense/bias"] = changed["dense/bias"].astype(np.float64)  # another dtype
+    changed["mask"] = np.ones((4, 10), bool)  # another shape
+    version = ws.publish(tmp_path, changed, step=2, delta=delta)
+    assert version.path.endswith(".wsdelta")  # the kernel, unchanged, makes it small
+    same_bytes(ws.load(version), changed)
+    with ws.open(version.path) as store:
+        assert isinstance(store._reader, delta_format.DeltaReader)
+        codecs = {key: store._reader.codec(key) for key in store}
+    assert codecs["head/new"] == codecs["dense/bias"] == codecs["mask"] == "raw"
+    assert codecs["dense/kernel"] == "same"

@@ -1,0 +1,115 @@
+"""A Follower of delta versions: each delta applied onto the copy of the version it holds, only
+the new deltas fetched (counted on the loopback S3 server), the newest anchor read when the held
+version is not in the chain or the chain fails, and never wrong weights."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import weightstore as ws
+
+torch = pytest.importorskip("torch")
+from weightstore.adapters import torch as torch_adapter  # noqa: E402
+from weightstore.adapters.serving.follower import Follower  # noqa: E402
+
+BUCKET = "weightstore-delta-follower"
+
+
+def module() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(512, 256), torch.nn.Linear(256, 64))
+
+
+def step_of(weights: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """2% of every tensor's elements move one ulp."""
+    moved = {}
+    for key, value in weights.items():
+        bits = value.view(np.uint32).copy()
+        where = rng.choice(bits.size, max(1, bits.size // 50), replace=False)
+        bits.reshape(-1)[where] += 1
+        moved[key] = bits.view(np.float32)
+    return moved
+
+
+def held_by(target: torch.nn.Module) -> dict[str, np.ndarray]:
+    return {key: np.array(value) for key, value in torch_adapter.export(target).items()}
+
+
+def same(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert got.keys() == want.keys()
+    for key in want:
+        assert got[key].tobytes() == want[key].tobytes(), key
+
+
+def run(folder, target, steps, weights, rng, delta, follower, **publish):
+    for step in steps:
+        weights = step_of(weights, rng)
+        ws.publish(folder, weights, step=step, delta=delta, **publish)
+        assert follower.wait(step, timeout=60) is not None and follower.version.step == step
+        same(held_by(target), weights)
+    return weights
+
+
+def test_a_follower_on_s3_fetches_only_the_new_delta(s3):
+    folder = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    target, rng, delta = module(), np.random.default_rng(0), ws.Delta(anchor_every=20)
+    weights = {key: np.array(value) for key, value in torch_adapter.export(module()).items()}
+    full = sum(value.nbytes for value in weights.values())
+    with Follower(target, folder, poll=0.05, deltas=True) as follower:  # a copy from the first version on
+        weights = run(folder, target, [1], weights, rng, delta, follower)
+        for step in (2, 3, 4):
+            s3.reset()
+            weights = run(folder, target, [step], weights, rng, delta, follower)
+            fetched = s3.bytes_sent()
+            delta_file = next(e.size for e in ws.sync.list_versions(folder) if e.step == step)
+            assert fetched < 0.15 * full, (fetched, full)
+            assert fetched < 2 * delta_file + 64 * 1024, (fetched, delta_file)
+        assert follower.error is None
+
+
+def test_a_follower_that_missed_an_anchor_reads_the_newest_one(tmp_path):
+    target, rng, delta = module(), np.random.default_rng(1), ws.Delta(anchor_every=3)
+    weights = {key: np.array(value) for key, value in torch_adapter.export(module()).items()}
+    with Follower(target, tmp_path, poll=0.05) as follower:
+        weights = run(tmp_path, target, [1, 2], weights, rng, delta, follower)
+        follower.stop()
+        for step in (3, 4, 5):  # 4 is an anchor: step 2 is not in 5's chain
+            weights = step_of(weights, rng)
+            ws.publish(tmp_path, weights, step=step, delta=delta)
+        follower.start()
+        assert follower.wait(5, timeout=60) is not None
+        same(held_by(target), weights)
+        assert follower.error is None
+
+
+def test_a_held_copy_that_does_not_rebuild_falls_back_to_the_anchor(tmp_path, caplog):
+    target, rng, delta = module(), np.random.default_rng(2), ws.Delta()
+    weights = {key: np.array(value) for key, value in torch_adapter.export(module()).items()}
+    with Follower(target, tmp_path, poll=0.05) as follower:
+        weights = run(tmp_path, target, [1, 2], weights, rng, delta, follower)
+        for _, data in follower._held.values():  # what the chain is applied onto, damaged
+            data[:8] ^= 0xFF
+        weights = run(tmp_path, target, [3], weights, rng, delta, follower)
+        assert "reading the rest from its anchor" in caplog.text
+        weights = run(tmp_path, target, [4], weights, rng, delta, follower)  # the copies are whole again
+        assert follower.error is None
+
+
+def test_a_corrupt_delta_is_passed_over_and_the_weights_stay(tmp_path):
+    target, rng, delta = module(), np.random.default_rng(3), ws.Delta()
+    weights = {key: np.array(value) for key, value in torch_adapter.export(module()).items()}
+    with Follower(target, tmp_path, poll=0.05) as follower:
+        weights = run(tmp_path, target, [1, 2], weights, rng, delta, follower)
+        bad = step_of(weights, rng)
+        version = ws.publish(tmp_path, bad, step=3, delta=delta)
+        path = Path(version.path)
+        data = bytearray(path.read_bytes())
+        data[-3] ^= 0xFF
+        path.write_bytes(bytes(data))
+        with pytest.raises(ws.WeightStoreError):
+            follower.wait(3, timeout=30)
+        same(held_by(target), weights)  # still step 2's, whole

@@ -1,0 +1,638 @@
+"""Delta versions: a version file that holds what changed since the version before it.
+
+A trainer that publishes every optimizer step changes a small part of each tensor's bytes
+(about 2% of a bf16 model's elements per RL step), but a full version moves all of them. A
+delta version (``step-000000000043.wsdelta``) names its *base* (the previous version's file,
+beside it) and stores each tensor as one of:
+
+- ``same``: the base's bytes, unchanged (no payload);
+- ``xor-zstd``: the XOR of the new and the base's raw little-endian bytes, in blocks of
+  :data:`BLOCK` bytes, each a zstd frame (level 1) that declares its size;
+- ``sparse``: the positions (``<u4``, or ``<u8`` past 2**32 elements) of the elements that
+  changed and their new values;
+- ``raw``: the new bytes as they are (a tensor the base lacks, or one that changed whole).
+
+whichever is smallest. The manifest is weightstore's own (:mod:`weightstore.core.manifest`) and
+describes the *resulting* tensors: dtype, shape, CRC-32 and BLAKE3 digest of the bytes a reader
+rebuilds, so a reader proves that anchor + chain rebuilt exactly what the trainer had. The base
+may itself be a delta; the chain ends at a full version (an *anchor*: npz, HDF5 or safetensors).
+
+Layout, all integers little-endian::
+
+    magic "\\x93WSDELTA" | u64 head bytes | u64 entries bytes | u64 manifest bytes
+    head JSON     {"format": "weightstore-delta", "version": 1, "step", "base", "chain",
+                   "chain_bytes", "full_bytes", "block"}
+    entries JSON  {"codec": [...], "offset": [...], "length": [...]}  (manifest key order)
+    manifest JSON (weightstore's manifest of the resulting tensors, user metadata)
+    payloads      (offsets relative to here)
+
+``chain`` lists the base, its base, ... down to the anchor (what retention must keep);
+``chain_bytes`` adds up the payload bytes of the deltas since the anchor, this one included
+(what decides the next anchor).
+
+**Hostile input.** Every size is checked against the file's own before anything is allocated:
+a zstd frame must declare exactly its block's bytes and is decoded with that as its bound;
+positions must be strictly increasing and inside the tensor; the base must be a plain version
+name (no folder), of a lower step than the delta's own, so a chain of bases always goes down
+and ends (no cycle), at most :data:`MAX_CHAIN` deep. A missing or unreadable base is a
+:class:`FormatError` naming the version; a chain that does not rebuild the recorded digest a
+:class:`ChecksumError` naming the version and the tensor.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import struct
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import numpy as np
+import zstandard
+
+from weightstore.core import _jsontext as jsontext
+from weightstore.core import _parallel as parallel
+from weightstore.core._tensortable import DIGEST_PREFIX, TensorInfo, TensorRow
+from weightstore.core.manifest import (
+    Manifest,
+    build_manifest,
+    content_digest,
+    from_storage,
+    parse_manifest,
+    storage_dtype,
+    to_storage,
+)
+from weightstore.errors import (
+    ChecksumError,
+    FileAccessError,
+    FormatError,
+    StoreClosedError,
+    TargetError,
+    UnsafeFileError,
+    WeightStoreError,
+    naming,
+)
+from weightstore.formats import Format, Reader, ReaderDefaults, format_for_suffix
+from weightstore.formats._pointer import VERSION_NAME
+from weightstore.io.remote import RemoteFile
+from weightstore.io.source import ByteSource, beside, byte_source, prefetch_ranges
+
+FORMAT_NAME = "weightstore-delta"
+SUFFIX = ".wsdelta"
+MAGIC = b"\x93WSDELTA"
+VERSION = 1
+_PREFIX = struct.Struct("<8sQQQ")
+
+SAME, RAW, XOR_ZSTD, SPARSE = "same", "raw", "xor-zstd", "sparse"
+CODECS = (SAME, RAW, XOR_ZSTD, SPARSE)
+
+#: bytes XOR-ed and compressed at a time: a block stays in cache between the XOR and zstd, both
+#: cores take blocks, and each frame's size is known (and bounded) before it is decoded
+BLOCK = 4 << 20
+#: the largest block a reader accepts: what one frame may make it allocate
+MAX_BLOCK = 64 << 20
+#: the deepest chain of bases a reader follows: a bound on the files one read opens. Publishers
+#: anchor far sooner (``anchor_every`` at most this)
+MAX_CHAIN = 1000
+#: the head lists the chain's names: 1,000 names of at most 255 bytes fit
+MAX_HEAD_BYTES = 1 << 20
+#: the entries are three numbers or names per tensor, like the manifest's columns
+MAX_ENTRIES_BYTES = 64 << 20
+#: the most bytes of JSON text per object or array (see :func:`weightstore.core._jsontext.refuse_dense`)
+_MIN_BYTES_PER_CONTAINER = 16
+_LEVEL = 1
+
+
+# -- encoding (the publisher's side) -------------------------------------------------------------
+
+_local = threading.local()
+
+
+def _compressor() -> zstandard.ZstdCompressor:
+    found = getattr(_local, "compressor", None)
+    if found is None:
+        found = _local.compressor = zstandard.ZstdCompressor(level=_LEVEL, write_content_size=True)
+    return found
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    found = getattr(_local, "decompressor", None)
+    if found is None:
+        found = _local.decompressor = zstandard.ZstdDecompressor()
+    return found
+
+
+_UINTS: dict[int, np.dtype] = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+
+
+def _changed_elements(xor: np.ndarray, itemsize: int) -> int:
+    """How many elements of ``itemsize`` bytes the XOR block ``xor`` (uint8) says changed."""
+    word = _UINTS.get(itemsize)
+    if word is not None:
+        return int(np.count_nonzero(xor.view(word)))
+    return int(np.count_nonzero(xor.reshape(-1, itemsize).any(axis=1)))
+
+
+def _changed_mask(new: np.ndarray, base: np.ndarray, itemsize: int) -> np.ndarray:
+    word = _UINTS.get(itemsize)
+    if word is not None:
+        return np.asarray(new.view(word) != base.view(word))
+    return np.asarray((new.reshape(-1, itemsize) != base.reshape(-1, itemsize)).any(axis=1))
+
+
+def _position_dtype(elements: int) -> np.dtype:
+    return np.dtype("<u4") if elements <= 1 << 32 else np.dtype("<u8")
+
+
+@dataclass
+class Encoded:
+    """One tensor as a delta stores it: its codec and payload (a list of byte buffers)."""
+
+    codec: str
+    parts: list[Any]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(memoryview(part).nbytes for part in self.parts)
+
+
+def encode(new: np.ndarray, base: np.ndarray | None, itemsize: int) -> Encoded:
+    """``new`` (a tensor's stored bytes, uint8, C-contiguous) against ``base`` (the base
+    version's bytes of the same tensor, same dtype and shape; ``None`` when it has none): the
+    smallest of :data:`SAME`, :data:`XOR_ZSTD`, :data:`SPARSE` and :data:`RAW`.
+
+    XOR and zstd run block by block on both cores (numpy and zstd release the GIL); the XOR is
+    never held whole. The sparse form is built only when it is the smallest, from the count of
+    changed elements the XOR pass took.
+    """
+    nbytes = len(new)
+    if base is None:
+        return Encoded(RAW, [new])
+    count = -(-nbytes // BLOCK)
+    frames: list[bytes] = [b""] * count
+    changed = [0] * count
+
+    def block(index: int) -> None:
+        start = index * BLOCK
+        xor = np.bitwise_xor(new[start : start + BLOCK], base[start : start + BLOCK])
+        changed[index] = _changed_elements(xor, itemsize)
+        if changed[index]:
+            frames[index] = _compressor().compress(xor)
+
+    parallel.for_each(count, block)
+    elements = nbytes // itemsize if itemsize else 0
+    total = sum(changed)
+    if not total:
+        return Encoded(SAME, [])
+    # an unchanged block's frame is compressed only now, when the tensor changed somewhere
+    empty = None
+    for index, frame in enumerate(frames):
+        if not frame:
+            if empty is None or len(empty[1]) != min(BLOCK, nbytes - index * BLOCK):
+                length = min(BLOCK, nbytes - index * BLOCK)
+                empty = (length, _compressor().compress(bytes(length)))
+            frames[index] = empty[1]
+    xor_bytes = 4 + 4 * count + sum(map(len, frames))
+    positions = _position_dtype(elements)
+    sparse_bytes = 8 + total * (positions.itemsize + itemsize)
+    if min(xor_bytes, sparse_bytes) >= nbytes:
+        return Encoded(RAW, [new])
+    if sparse_bytes < xor_bytes:
+        where = np.flatnonzero(_changed_mask(new, base, itemsize)).astype(positions)
+        values = new.reshape(-1, itemsize)[where.astype(np.intp)]
+        return Encoded(SPARSE, [struct.pack("<Q", len(where)), where.tobytes(), values.tobytes()])
+    table = struct.pack(f"<I{count}I", count, *map(len, frames))
+    return Encoded(XOR_ZSTD, [table, *frames])
+
+
+@dataclass
+class Head:
+    """What a delta version says of itself before its tensors: its step, its base and chain."""
+
+    step: int
+    base: str
+    #: the base, its base, ... the anchor: every file this version needs
+    chain: list[str]
+    #: payload bytes of the deltas since the anchor, this one's included
+    chain_bytes: int
+    #: bytes of the tensors this version rebuilds
+    full_bytes: int
+    block: int = BLOCK
+
+    @property
+    def depth(self) -> int:
+        """How many deltas lie between the anchor and this version, this one included."""
+        return len(self.chain)
+
+    def document(self) -> dict[str, Any]:
+        return {"format": FORMAT_NAME, "version": VERSION, "step": self.step, "base": self.base,
+                "chain": self.chain, "chain_bytes": self.chain_bytes, "full_bytes": self.full_bytes,
+                "block": self.block}
+
+
+def write(file: BinaryIO, head: Head, rows: Sequence[TensorRow], digests: Sequence[bytes],
+          encoded: Sequence[Encoded], metadata: dict[str, Any], producer: str, created: str) -> int:
+    """Write a delta version to ``file`` (the caller's commit makes it atomic); return its bytes."""
+    offsets, lengths, at = [], [], 0
+    for item in encoded:
+        offsets.append(at)
+        lengths.append(item.nbytes)
+        at += item.nbytes
+    head_text = json.dumps(head.document()).encode()
+    entries_text = json.dumps({"codec": [item.codec for item in encoded], "offset": offsets,
+                               "length": lengths}).encode()
+    manifest_text = build_manifest(rows, metadata, producer, digests=digests, created=created).encode("utf-8",
+                                                                                                   "surrogatepass")
+    file.write(_PREFIX.pack(MAGIC, len(head_text), len(entries_text), len(manifest_text)))
+    file.write(head_text)
+    file.write(entries_text)
+    file.write(manifest_text)
+    for item in encoded:
+        for part in item.parts:
+            file.write(part)
+    return _PREFIX.size + len(head_text) + len(entries_text) + len(manifest_text) + at
+
+
+# -- reading -------------------------------------------------------------------------------------
+
+def _prefix(source: ByteSource) -> tuple[int, int, int]:
+    if source.size < _PREFIX.size:
+        raise FormatError("is not a delta version (shorter than its header)", path=source.name)
+    magic, head, entries, manifest = _PREFIX.unpack(bytes(source.read_at(0, _PREFIX.size)))
+    if magic != MAGIC:
+        raise FormatError("is not a delta version (wrong magic bytes)", path=source.name)
+    if head > MAX_HEAD_BYTES or entries > MAX_ENTRIES_BYTES or manifest > MAX_ENTRIES_BYTES or (
+            _PREFIX.size + head + entries + manifest > source.size):
+        raise FormatError(f"has a corrupt header (sections of {head}, {entries} and {manifest} bytes in a file of "
+                          f"{source.size})", path=source.name)
+    return head, entries, manifest
+
+
+def _step_of(name: str) -> int | None:
+    match = VERSION_NAME.match(name)
+    return int(match.group(1)) if match else None
+
+
+def parse_head(data: bytes, where: str) -> Head:
+    """The head's fields, checked: a plain version name of a lower step as the base, a chain
+    that starts with it and goes down, sizes that are counts."""
+    with naming(path=where):
+        document = jsontext.loads(data, what="delta head", min_bytes=_MIN_BYTES_PER_CONTAINER)
+    if not isinstance(document, dict) or document.get("format") != FORMAT_NAME:
+        raise FormatError("is not a delta version (its head is not a weightstore-delta head)", path=where)
+    if document.get("version") != VERSION:
+        raise FormatError(f"is a delta version of format version {str(document.get('version'))[:20]}, which this "
+                          "weightstore does not read", path=where)
+    step, base, chain = document.get("step"), document.get("base"), document.get("chain")
+    numbers = [document.get(field) for field in ("chain_bytes", "full_bytes", "block")]
+    if not (_count(step) and all(map(_count, numbers)) and isinstance(base, str) and isinstance(chain, list)
+            and chain and len(chain) <= MAX_CHAIN and chain[0] == base and all(isinstance(n, str) for n in chain)):
+        raise FormatError("has a corrupt delta head (step, base, chain or sizes)", path=where)
+    steps = [_step_of(name) for name in chain]
+    if None in steps or any(b >= a for a, b in zip([step, *steps], steps, strict=False)):  # type: ignore[operator]
+        raise FormatError(f"names base {base[:80]!r} (chain {len(chain)} deep), which is not a version file of a "
+                          f"lower step beside it, each lower than the one before", path=where)
+    if not 0 < numbers[2] <= MAX_BLOCK:  # type: ignore[operator]
+        raise FormatError(f"has a corrupt delta head (blocks of {numbers[2]} bytes)", path=where)
+    return Head(step, base, list(chain), *numbers)  # type: ignore[arg-type]
+
+
+def _count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def read_head(location: Any, name: str) -> Head:
+    """Only the head of the delta version at ``location`` (a path or remote file): what
+    retention and ``ws versions`` need, without its tensors' entries."""
+    source = byte_source(location, name)
+    try:
+        if isinstance(source, RemoteFile):
+            source.start(index_at_end=False)
+        head, _, _ = _prefix(source)
+        return parse_head(bytes(source.read_at(_PREFIX.size, head)), name)
+    finally:
+        source.close()
+
+
+class DeltaReader(ReaderDefaults):
+    """A delta version as a store: each tensor rebuilt from its base's, then checked against
+    the digest the publisher recorded (``verify``). A local chain is opened whole when this is,
+    so it is pinned (mapped) with it; a remote base is opened when first read, so a reader that
+    rebuilds onto a version it holds (:meth:`read_from`) never fetches the anchor's index."""
+
+    def __init__(self, source: ByteSource, name: str, open_base: Callable[[str, int], Reader], depth: int,
+                 expect_step: int | None, *, eager: bool = True):
+        self._source = source
+        self.name = name
+        head_bytes, entries_bytes, manifest_bytes = _prefix(source)
+        at = _PREFIX.size
+        self.head = parse_head(bytes(source.read_at(at, head_bytes)), name)
+        if expect_step is not None and self.head.step != expect_step:
+            raise FormatError(f"says it is step {self.head.step}, but is named as step {expect_step}", path=name)
+        if depth + len(self.head.chain) > MAX_CHAIN + 1:
+            raise FormatError(f"is more than {MAX_CHAIN} deltas from its anchor", path=name)
+        at += head_bytes
+        entries = bytes(source.read_at(at, entries_bytes))
+        at += entries_bytes
+        text = bytes(source.read_at(at, manifest_bytes))
+        try:
+            self._manifest: Manifest = parse_manifest(text.decode("utf-8", "surrogatepass"), name)
+        except UnicodeDecodeError:
+            raise FormatError("has a manifest that is not UTF-8", path=name) from None
+        self._payload_start = at + manifest_bytes
+        self._entries = self._parse_entries(entries)
+        self._open_base = functools.partial(open_base, self.head.base, depth + 1)
+        self._opened: Reader | None = None
+        if eager:
+            self._opened = self._open_base()
+
+    @property
+    def _base(self) -> Reader:
+        """The base's reader, opened when first needed (at once where ``eager``)."""
+        if self._opened is None:
+            self._opened = self._open_base()
+        return self._opened
+
+    def _parse_entries(self, data: bytes) -> dict[str, tuple[str, int, int]]:
+        with naming(path=self.name):
+            document = jsontext.loads(data, what="delta entries", min_bytes=_MIN_BYTES_PER_CONTAINER)
+        keys = list(self._manifest.tensors)
+        columns = [document.get(field) if isinstance(document, dict) else None for field in ("codec", "offset", "length")]
+        codecs, offsets, lengths = (column if isinstance(column, list) and len(column) == len(keys) else None
+                                    for column in columns)
+        if codecs is None or offsets is None or lengths is None:
+            raise FormatError("has delta entries that do not list every tensor of its manifest", path=self.name)
+        payload = self._source.size - self._payload_start
+        found: dict[str, tuple[str, int, int]] = {}
+        for key, codec, offset, length in zip(keys, codecs, offsets, lengths, strict=True):
+            info = self._manifest.tensors[key]
+            if codec not in CODECS or not _count(offset) or not _count(length) or offset + length > payload:
+                raise FormatError(f"has a corrupt delta entry ({str(codec)[:20]} at {str(offset)[:20]}, "
+                                  f"{str(length)[:20]} bytes, in {payload} bytes of payload)", path=self.name, key=key)
+            if (codec == SAME and length) or (codec == RAW and length != info.nbytes):
+                raise FormatError(f"has a {codec} entry of {length} bytes for a tensor of {info.nbytes}",
+                                  path=self.name, key=key)
+            if info.digest is None:
+                raise FormatError("records no digest of the tensor it rebuilds", path=self.name, key=key)
+            found[key] = (codec, offset, length)
+        return found
+
+    # -- the Reader protocol ---------------------------------------------------------------------
+    @property
+    def kind(self) -> str | None:  # type: ignore[override]  # a property here, a class attribute in the defaults
+        return f"weightstore delta version (base {self.head.base}, {self.head.depth} from its anchor)"
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return self._manifest.metadata
+
+    @property
+    def created(self) -> str:
+        return self._manifest.created
+
+    @property
+    def has_checksums(self) -> bool:
+        return True
+
+    def keys(self) -> list[str]:
+        return list(self._manifest.tensors)
+
+    def info(self, key: str) -> TensorInfo:
+        return self._manifest.tensors[key]
+
+    def codec(self, key: str) -> str:
+        """How ``key`` is stored here (:data:`CODECS`)."""
+        return self._entries[key][0]
+
+    def payload_bytes(self, key: str) -> int:
+        return self._entries[key][2]
+
+    def read(self, key: str, *, verify: bool) -> np.ndarray:
+        info = self._manifest.tensors[key]
+        try:
+            out = self.rebuilt(key)
+        except WeightStoreError as exc:
+            raise _named_here(exc, self.name, key) from None
+        if verify and DIGEST_PREFIX + content_digest(out).hex() != info.digest:
+            raise ChecksumError(f"rebuilding it from base {self.head.base} (and its chain) does not give the digest "
+                                "its publisher recorded: the base or the delta is corrupt", path=self.name, key=key)
+        return from_storage(out.view(storage_dtype(info.dtype)).reshape(info.shape), info.dtype)
+
+    def rebuilt(self, key: str) -> np.ndarray:
+        """``key``'s stored bytes rebuilt (uint8, a new writable array), not yet verified."""
+        codec = self._entries[key][0]
+        out = None if codec == RAW else self._base_bytes(key, self._manifest.tensors[key])
+        return self._apply_own(key, out)
+
+    def _apply_own(self, key: str, out: np.ndarray | None) -> np.ndarray:
+        """This version's change of ``key`` applied to ``out`` (its base's bytes, writable; not
+        needed for ``raw``), in place where it can be."""
+        info = self._manifest.tensors[key]
+        codec, offset, length = self._entries[key]
+        payload = memoryview(self._source.read_at(self._payload_start + offset, length))
+        if codec == RAW:
+            return np.frombuffer(payload, np.uint8).copy()
+        assert out is not None
+        if len(out) != info.nbytes:
+            raise FormatError(f"its base holds {len(out)} bytes, not the {info.nbytes} it changes", path=self.name,
+                              key=key)
+        with naming(path=self.name, key=key):
+            if codec == XOR_ZSTD:
+                _apply_xor(payload, out, self.head.block)
+            elif codec == SPARSE:
+                _apply_sparse(payload, out, storage_dtype(info.dtype).itemsize)
+        return out
+
+    def levels(self, held: str) -> list[DeltaReader] | None:
+        """The deltas from this version down to the one whose base is ``held`` (a file name),
+        this one first; ``None`` when ``held`` is not in this version's chain."""
+        found: list[DeltaReader] = []
+        level: Any = self
+        while isinstance(level, DeltaReader):
+            found.append(level)
+            if level.head.base == held:
+                return found
+            level = level._base
+        return None
+
+    def chain_payload(self, keys: list[str], held: str) -> int | None:
+        """Bytes a reader holding version ``held`` fetches to rebuild ``keys`` here (the payloads
+        of the deltas after it); ``None`` when ``held`` is not in this version's chain."""
+        levels = self.levels(held)
+        if levels is None:
+            return None
+        return sum(level._entries[key][2] for level in levels for key in keys if key in level._entries)
+
+    def read_from(self, key: str, held: str, data: np.ndarray, *, verify: bool) -> np.ndarray | None:
+        """``key`` rebuilt onto ``data``, the bytes of ``key`` in version ``held`` (a file name in
+        this version's chain), reading only the deltas after it, and verified against the
+        recorded digest; ``None`` when ``held`` is not in the chain, or a tensor on the way is
+        not a change of the one before (then read it whole: :meth:`read`)."""
+        levels = self.levels(held)
+        if levels is None or any(key not in level._entries for level in levels):
+            return None
+        for level in levels:  # every payload at once, for a remote chain
+            _, offset, length = level._entries[key]
+            if length:
+                prefetch_ranges(level._source, functools.partial(list, [(level._payload_start + offset, length)]))
+        out: np.ndarray | None = np.array(data, np.uint8).reshape(-1)
+        try:
+            for level in reversed(levels):
+                out = level._apply_own(key, out)
+        except WeightStoreError as exc:
+            raise _named_here(exc, self.name, key) from None
+        info = self._manifest.tensors[key]
+        assert out is not None
+        if verify and DIGEST_PREFIX + content_digest(out).hex() != info.digest:
+            raise ChecksumError(f"rebuilding it onto {held} does not give the digest its publisher recorded",
+                                path=self.name, key=key)
+        return from_storage(out.view(storage_dtype(info.dtype)).reshape(info.shape), info.dtype)
+
+    def _base_bytes(self, key: str, info: TensorInfo) -> np.ndarray:
+        base = self._base
+        try:
+            held = base.info(key)
+        except KeyError:
+            raise FormatError(f"is stored as a change of base {self.head.base}, which has no such tensor",
+                              path=self.name, key=key) from None
+        if held.dtype != info.dtype or tuple(held.shape) != tuple(info.shape):
+            raise FormatError(f"is stored as a change of base {self.head.base}'s tensor, which is {held.dtype} "
+                              f"{held.shape}, not {info.dtype} {info.shape}", path=self.name, key=key)
+        if isinstance(base, DeltaReader):
+            return base.rebuilt(key)
+        try:
+            array = base.read(key, verify=False)
+        except FileNotFoundError as exc:
+            raise FormatError(f"its base {self.head.base} went missing while it was read ({exc})",
+                              path=self.name, key=key) from None
+        return np.array(to_storage(array, key)[1]).reshape(-1).view(np.uint8)
+
+    def prefetch(self, keys: list[str]) -> None:
+        def ranges() -> list[tuple[int, int]]:
+            return [(self._payload_start + self._entries[key][1], self._entries[key][2]) for key in keys
+                    if key in self._entries and self._entries[key][2]]
+
+        prefetch_ranges(self._source, ranges)
+        needed = [key for key in keys if key in self._entries and self._entries[key][0] not in (RAW,)]
+        if needed:
+            self._base.prefetch([key for key in needed if key in set(self._base.keys())])
+
+    def close(self) -> None:
+        try:
+            self._source.close()
+        finally:
+            if self._opened is not None:
+                self._opened.close()
+
+
+def _named_here(error: WeightStoreError, name: str, key: str | None) -> WeightStoreError:
+    """``error``, raised reading this version's chain, naming this version (and the file of the
+    chain it came from in its message), so that whoever reads a version learns which one failed."""
+    if error.path is None or error.path == name:
+        error.path = name
+        error.key = error.key if error.key is not None else key
+        return error
+    where = error.path.replace("\\", "/").rsplit("/", 1)[-1]
+    named = type(error)(f"in its chain, {where}: {error.message}", path=name,
+                        key=error.key if error.key is not None else key) if type(error) in _SIMPLE else (
+        FormatError(f"in its chain, {where}: {error.message}", path=name, key=error.key if error.key is not None else key))
+    return named
+
+
+_SIMPLE = (FormatError, ChecksumError, UnsafeFileError)
+
+
+def _apply_xor(payload: memoryview, out: np.ndarray, block: int) -> None:
+    """XOR the frames of ``payload`` into ``out``, each frame bounded by its block's size."""
+    nbytes = len(out)
+    count = -(-nbytes // block)
+    if len(payload) < 4 + 4 * count or struct.unpack_from("<I", payload)[0] != count:
+        raise FormatError(f"has a corrupt xor-zstd table (not {count} blocks of {block} bytes)")
+    lengths = struct.unpack_from(f"<{count}I", payload, 4)
+    if 4 + 4 * count + sum(lengths) != len(payload):
+        raise FormatError("has xor-zstd frames that do not add up to its payload (truncated or corrupt)")
+    jobs, at = [], 4 + 4 * count
+    for index, length in enumerate(lengths):
+        jobs.append((payload[at : at + length], index * block, min(block, nbytes - index * block)))
+        at += length
+
+    def one(index: int) -> None:
+        frame, start, size = jobs[index]
+        try:
+            if zstandard.frame_content_size(frame) != size:
+                raise FormatError(f"has an xor-zstd frame at byte {start} that does not declare its {size} bytes")
+            plain = _decompressor().decompress(frame, max_output_size=size)
+        except zstandard.ZstdError as exc:
+            raise FormatError(f"has a corrupt xor-zstd frame at byte {start} ({exc})") from None
+        if len(plain) != size:
+            raise FormatError(f"has an xor-zstd frame at byte {start} that decodes to {len(plain)} bytes, not {size}")
+        target = out[start : start + size]
+        np.bitwise_xor(target, np.frombuffer(plain, np.uint8), out=target)
+
+    parallel.for_each(len(jobs), one)
+
+
+def _apply_sparse(payload: memoryview, out: np.ndarray, itemsize: int) -> None:
+    """Write the changed elements ``payload`` lists into ``out``; positions must rise and stay inside."""
+    elements = len(out) // itemsize if itemsize else 0
+    positions = _position_dtype(elements)
+    if len(payload) < 8:
+        raise FormatError("has a truncated sparse entry")
+    (count,) = struct.unpack_from("<Q", payload)
+    if count > elements or len(payload) != 8 + count * (positions.itemsize + itemsize):
+        raise FormatError(f"has a sparse entry of {count} elements in {len(payload)} bytes, for a tensor of "
+                          f"{elements} elements")
+    where = np.frombuffer(payload, positions, count, 8)
+    if count and (int(where[-1]) >= elements or (count > 1 and not bool(np.all(where[1:] > where[:-1])))):
+        raise FormatError("has sparse positions that are out of range or not increasing")
+    values = np.frombuffer(payload, np.uint8, count * itemsize, 8 + count * positions.itemsize)
+    out.reshape(-1, itemsize)[where.astype(np.intp)] = values.reshape(-1, itemsize)
+
+
+def open_reader(location: Any, name: str, *, mmap: bool = True) -> Reader:
+    """The delta version at ``location``, its chain of bases opened beside it."""
+    return _open(location, name, mmap, 0)
+
+
+def _open(location: Any, name: str, mmap: bool, depth: int) -> DeltaReader:
+    source = byte_source(location, name, mmap=mmap)
+    own = name.replace("\\", "/").rsplit("/", 1)[-1]
+
+    def open_base(base: str, at: int) -> Reader:
+        if at > MAX_CHAIN:
+            raise FormatError(f"is more than {MAX_CHAIN} deltas from its anchor", path=name)
+        fmt = format_for_suffix(base)
+        if fmt is None or not fmt.writes and fmt.name != FORMAT_NAME:
+            raise FormatError(f"names base {base!r}, which is not a version file a delta builds on", path=name)
+        try:
+            if fmt.name == FORMAT_NAME:
+                return _open(*beside(location, name, base), mmap, at)
+            return fmt.open_reader(*beside(location, name, base), mmap=mmap)
+        except (FormatError, StoreClosedError) as exc:  # a damaged base: this version cannot be read
+            raise _named_here(exc, name, None) from None
+        except FileNotFoundError:
+            raise FormatError(f"needs its base {base}, which is missing (pruned by hand, or never copied with it)",
+                              path=name) from None
+        except FileAccessError as exc:
+            raise FormatError(f"needs its base {base}, which {exc.message}", path=name) from None
+
+    try:
+        if isinstance(source, RemoteFile):
+            source.start(index_at_end=False)
+        reader = DeltaReader(source, name, open_base, depth, _step_of(own), eager=not isinstance(source, RemoteFile))
+    except BaseException:
+        source.close()
+        raise
+    if isinstance(source, RemoteFile):
+        source.index_read()
+    return reader
+
+
+def _no_writer(path: str, compress: bool | str) -> Any:
+    raise TargetError("delta versions are written by ws.publish(folder, weights, step=..., delta=True)", path=path)
+
+
+FORMAT = Format(name=FORMAT_NAME, suffixes=(SUFFIX,), magic=lambda head: head.startswith(MAGIC),
+                open_reader=open_reader, open_writer=_no_writer, compresses=False, writes=False)

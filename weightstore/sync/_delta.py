@@ -1,0 +1,248 @@
+"""Delta publishing: a version written as what changed since the one before it, when that is smaller.
+
+:func:`weightstore.publish` with ``delta=`` asks a :class:`Delta` for a plan before it writes: the
+base is the version ``LATEST`` names; each tensor is encoded against the base's
+(:func:`weightstore.formats.delta.encode`), and the version is written as a delta
+(``step-….wsdelta``, :mod:`weightstore.formats.delta`) unless a full one is due:
+
+- nothing was published yet, or ``LATEST`` names a sharded version or cannot be read;
+- the base is ``anchor_every - 1`` deltas from its anchor already (so any version is one
+  anchor and at most ``anchor_every - 1`` deltas away);
+- the deltas since the anchor, this one included, add up to a full version's bytes (a chain
+  longer than that costs a fresh reader more than an anchor would);
+- or the delta is no smaller than the full version.
+
+**Memory.** A :class:`Delta` keeps a copy of the last version it published (``remember=True``,
+the default): 1x the model's bytes between publishes, and 2x during one (the new copy is made
+before the old one is let go). Without that copy (a restarted trainer, or ``delta=True`` given
+to single ``publish`` calls) the base is read back from the folder, anchor and chain, verified.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from weightstore.core.manifest import content_digest, crc32, from_storage, storage_dtype
+from weightstore.errors import WeightStoreError
+from weightstore.formats import delta as delta_format
+from weightstore.formats._pointer import VERSION_NAME
+from weightstore.io.folders import Folder
+from weightstore.store._save import CheckedWeights
+from weightstore.sync._folder import SHARDED_SUFFIX
+from weightstore.sync._pinning import Version, read_latest
+
+_log = logging.getLogger("weightstore")
+
+#: a full version at least every this many versions: a fresh reader reads one anchor and at most
+#: nine deltas, and retention keeps at most one chain more than ``keep`` asks
+DEFAULT_ANCHOR_EVERY = 10
+
+
+@dataclass
+class Stored:
+    """One tensor as a publisher holds it: logical dtype, shape, and its bytes (uint8, owned)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+    def array(self) -> np.ndarray:
+        """The tensor in its logical dtype (a view of :attr:`data`)."""
+        return from_storage(self.data.view(storage_dtype(self.dtype)).reshape(self.shape), self.dtype)
+
+
+@dataclass
+class _Held:
+    """The version a :class:`Delta` published last: where, which, and its tensors."""
+
+    where: str
+    step: int
+    name: str
+    created: str
+    tensors: dict[str, Stored]
+    #: its head, when it is a delta (so the next plan need not read it back)
+    head: delta_format.Head | None = None
+
+
+@dataclass
+class Plan:
+    """What a delta publish writes: the head and each tensor's encoding, digest and checksum."""
+
+    head: delta_format.Head
+    encoded: list[delta_format.Encoded]
+    rows: list[tuple[str, str, tuple[int, ...], int]]
+    digests: list[bytes]
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(item.nbytes for item in self.encoded)
+
+
+class Delta:
+    """How a publisher writes delta versions, and its memory of the last version it published.
+
+    Give one object to every publish of one trainer (``ws.publish(..., delta=d)``); ``delta=True``
+    makes a fresh one per call (which then reads its base back from the folder), and
+    :class:`~weightstore.BackgroundPublisher` makes one for its whole life.
+
+    Args:
+        anchor_every: a full version at least every this many versions (1: always full);
+            one is written sooner once the deltas since the last add up to a full version.
+        remember: keep a copy of the last published version's tensors (1x the model's memory;
+            2x during a publish), so the next delta needs no read of the folder.
+
+    Example:
+        >>> d = ws.Delta(anchor_every=20)
+        >>> for step in range(1, 101):
+        ...     ws.publish("runs/a", weights(), step=step, delta=d)
+    """
+
+    def __init__(self, *, anchor_every: int = DEFAULT_ANCHOR_EVERY, remember: bool = True):
+        if isinstance(anchor_every, bool) or not isinstance(anchor_every, int) or not (
+                1 <= anchor_every <= delta_format.MAX_CHAIN + 1):
+            raise ValueError(f"anchor_every must be an int from 1 to {delta_format.MAX_CHAIN + 1}, not {anchor_every!r}")
+        self.anchor_every = anchor_every
+        self.remember = remember
+        self._held: _Held | None = None
+        self.last_kind: str | None = None
+        """``"delta"`` or ``"full"``: how the last version this object planned was written."""
+
+    def stored(self, arrays: CheckedWeights) -> dict[str, Stored]:
+        """Every tensor's bytes, converted once (views of the caller's arrays where they are
+        already in storage form: :meth:`published` copies what it remembers)."""
+        tensors = {}
+        for key, name, data in arrays.stored():
+            flat = data.reshape(-1).view(np.uint8) if data.size else np.empty(0, np.uint8)
+            tensors[key] = Stored(name, tuple(data.shape), flat)
+        return tensors
+
+    def plan(self, target: Folder, step: int, tensors: dict[str, Stored]) -> Plan | None:
+        """A delta against the version ``LATEST`` names, or ``None`` when a full version is due
+        (see the module); a base that cannot be read back is logged and costs a full version."""
+        try:
+            pointer = read_latest(target)
+        except WeightStoreError:
+            return None
+        if pointer is None or pointer.step >= step or self.anchor_every <= 1:
+            return None
+        base = pointer.path.rsplit("/", 1)[-1]
+        if base.endswith(SHARDED_SUFFIX) or not VERSION_NAME.match(base):
+            return None
+        held = self._held
+        try:
+            if not base.endswith(delta_format.SUFFIX):
+                head = None
+            elif held is not None and held.head is not None and self._holds(held, target, pointer, base):
+                head = held.head
+            else:
+                head = delta_format.read_head(target.open_binary(base), target.url(base))
+            if head is not None:
+                depth, chain_bytes, chain = head.depth, head.chain_bytes, [base, *head.chain]
+            else:
+                depth, chain_bytes, chain = 0, 0, [base]
+            if depth + 1 >= self.anchor_every or len(chain) > delta_format.MAX_CHAIN:
+                return None
+            return self._encode(target, pointer, base, chain, chain_bytes, step, tensors)
+        except (WeightStoreError, FileNotFoundError) as exc:
+            _log.warning("weightstore: publishing step %d to %s: base %s cannot be read back (%s); writing a full "
+                         "version", step, target.where, base, exc)
+            return None
+
+    def _encode(self, target: Folder, pointer: Version, base: str, chain: list[str], chain_bytes: int, step: int,
+                tensors: dict[str, Stored]) -> Plan | None:
+        full_bytes = sum(len(item.data) for item in tensors.values())
+        held = self._held
+        if held is not None and self._holds(held, target, pointer, base):
+            def remembered(key: str, item: Stored) -> np.ndarray | None:
+                return _same_kind(held.tensors.get(key), item)
+
+            return _plan(step, base, chain, chain_bytes, full_bytes, tensors, remembered)
+        with pointer._weightstore_open(verify=True) as store:  # read back: anchor and chain, verified
+            def read_back(key: str, item: Stored) -> np.ndarray | None:
+                if key not in store:
+                    return None
+                info = store.info(key)
+                if info.dtype != item.dtype or tuple(info.shape) != item.shape:
+                    return None
+                array = np.ascontiguousarray(store[key])
+                return array.reshape(-1).view(np.uint8) if array.size else np.empty(0, np.uint8)
+
+            return _plan(step, base, chain, chain_bytes, full_bytes, tensors, read_back)
+
+    @staticmethod
+    def _holds(held: _Held, target: Folder, pointer: Version, base: str) -> bool:
+        """Whether the remembered version is the one ``LATEST`` names (same folder, step, file, time)."""
+        return (held.where, held.step, held.name, held.created) == (target.where, pointer.step, base, pointer.created)
+
+    def published(self, target: Folder, version: Version, tensors: dict[str, Stored], plan: Plan | None) -> None:
+        """Remember ``version``, just published with ``tensors`` (as ``plan``, or full), as the next delta's base."""
+        self.last_kind = "full" if plan is None else "delta"
+        if self.remember:
+            self._held = _Held(target.where, version.step, version.path.rsplit("/", 1)[-1], version.created,
+                               self._copies(tensors), None if plan is None else plan.head)
+
+    def _copies(self, tensors: dict[str, Stored]) -> dict[str, Stored]:
+        """Copies of ``tensors`` to remember (the caller may change its arrays once the publish
+        returns), written into the buffers of the version remembered before where they fit: the
+        same memory each time, so no fresh pages to fault in (a copy into new memory cost as
+        much CPU as the XOR and zstd together)."""
+        old = self._held.tensors if self._held is not None else {}
+        self._held = None
+        copies = {}
+        for key, item in tensors.items():
+            reuse = old.get(key)
+            if reuse is not None and len(reuse.data) == len(item.data):
+                np.copyto(reuse.data, item.data)
+                copies[key] = Stored(item.dtype, item.shape, reuse.data)
+            else:
+                copies[key] = Stored(item.dtype, item.shape, item.data.copy())
+        return copies
+
+    def forget(self) -> None:
+        """Let go of the remembered version (its memory); the next delta reads its base back."""
+        self._held = None
+
+
+def _same_kind(held: Stored | None, item: Stored) -> np.ndarray | None:
+    if held is None or held.dtype != item.dtype or held.shape != item.shape:
+        return None
+    return held.data
+
+
+def _plan(step: int, base: str, chain: list[str], chain_bytes: int, full_bytes: int, tensors: dict[str, Stored],
+          base_of: Callable[[str, Stored], np.ndarray | None]) -> Plan | None:
+    """Encode every tensor against ``base_of``'s bytes; ``None`` once the delta (or the chain
+    with it) is no smaller than a full version."""
+    encoded, rows, digests, total = [], [], [], 0
+    for key, item in tensors.items():
+        itemsize = storage_dtype(item.dtype).itemsize
+        one = delta_format.encode(item.data, base_of(key, item), itemsize)
+        total += one.nbytes
+        if total >= full_bytes or chain_bytes + total >= full_bytes:
+            return None
+        encoded.append(one)
+        rows.append((key, item.dtype, item.shape, crc32(item.data)))
+        digests.append(content_digest(item.data))
+    head = delta_format.Head(step, base, chain, chain_bytes + total, full_bytes)
+    return Plan(head, encoded, rows, digests)
+
+
+def as_delta(delta: Any) -> Delta | None:
+    """``publish``'s ``delta=``: ``False``/``None`` none, ``True`` a fresh :class:`Delta`, or the one given."""
+    if delta is None or delta is False:
+        return None
+    if delta is True:
+        return Delta(remember=False)
+    if isinstance(delta, Delta):
+        return delta
+    raise TypeError(f"delta must be True, False or a ws.Delta, not {type(delta).__name__}")
+
+
+def full_weights(tensors: Mapping[str, Stored]) -> dict[str, np.ndarray]:
+    """The tensors as a weight dictionary, for writing a full version."""
+    return {key: item.array() for key, item in tensors.items()}
