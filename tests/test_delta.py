@@ -104,8 +104,8 @@ def test_codecs_each_rebuild_their_tensor():
     rng = np.random.default_rng(2)
     base = rng.standard_normal(300000).astype(np.float32)
     cases = {"same": base.copy(), "sparse": base.copy(), "xor-zstd": base.copy(), "raw": rng.integers(0, 2**32, 300000, dtype=np.uint32).view(np.float32)}
-    cases["sparse"][[5, 70000, 299999]] = 1.0
-    cases["xor-zstd"][::3] = np.nextafter(cases["xor-zstd"][::3], np.float32(9))
+    cases["sparse"][[0, 5, 70000, 299999]] = 1.0
+    cases["xor-zstd"][:] = (cases["xor-zstd"] * np.float32(1.001)).astype(np.float32)  # every element: dense
     for codec, new in cases.items():
         raw = new.view(np.uint8)
         encoded = delta_format.encode(raw, base.view(np.uint8), 4)
@@ -272,18 +272,35 @@ def test_a_frame_lying_about_its_size_is_refused(based):
     refused(folder / "step-000000000002.wsdelta")
 
 
-@pytest.mark.parametrize("positions", [[3, 1000], [5, 5], [9, 2], [2**32 - 1]])
-def test_sparse_positions_out_of_range_or_not_increasing_are_refused(based, positions):
+def sparse_parts(gaps, *, count=None, values=None, declared=True) -> list[bytes]:
+    """A sparse payload of our own making: ``gaps`` as the positions' gaps, zero XORs as values."""
+    import zstandard
+
+    compressor = zstandard.ZstdCompressor(write_content_size=declared)
+    gaps = np.asarray(gaps, "<u4")
+    gap_frame = compressor.compress(delta_format._planes(gaps, 4))
+    value_frame = compressor.compress(bytes(4 * len(gaps)) if values is None else values)
+    return [struct.pack("<QQQ", len(gaps) if count is None else count, len(gap_frame), len(value_frame)), gap_frame,
+            value_frame]
+
+
+@pytest.mark.parametrize("gaps", [[4, 997], [6, 0], [1001], [2**32 - 1, 5], [2**31, 2**31, 2**31]])
+def test_sparse_positions_out_of_range_or_not_increasing_are_refused(based, gaps):
     folder, w = based
-    parts = [struct.pack("<Q", len(positions)), np.array(positions, "<u4").tobytes(), bytes(4 * len(positions))]
-    write_delta(folder / "step-000000000002.wsdelta", "step-000000000001.npz", {"w": ("sparse", parts, w)})
+    write_delta(folder / "step-000000000002.wsdelta", "step-000000000001.npz", {"w": ("sparse", sparse_parts(gaps), w)})
     refused(folder / "step-000000000002.wsdelta")
 
 
-def test_a_sparse_count_past_the_tensor_is_refused(based):
+@pytest.mark.parametrize("parts", [
+    lambda: sparse_parts([1, 1], count=2**40),  # a count past the tensor
+    lambda: sparse_parts([1, 1], count=3),  # frames that hold fewer items than the count
+    lambda: sparse_parts([1, 1], values=bytes(8 * 1000)),  # a value frame larger than the count says
+    lambda: sparse_parts([1, 1], declared=False),  # frames that do not declare their size
+    lambda: sparse_parts([1, 1])[:1] + [b"junk"],  # lengths that do not add up
+])
+def test_a_sparse_entry_that_lies_about_its_sizes_is_refused(based, parts):
     folder, w = based
-    parts = [struct.pack("<Q", 2**40)]
-    write_delta(folder / "step-000000000002.wsdelta", "step-000000000001.npz", {"w": ("sparse", parts, w)})
+    write_delta(folder / "step-000000000002.wsdelta", "step-000000000001.npz", {"w": ("sparse", parts(), w)})
     refused(folder / "step-000000000002.wsdelta")
 
 
