@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -288,18 +289,39 @@ def test_a_corrupt_block_is_refused_naming_the_key(tmp_path):
         assert caught.value.key == "w" and caught.value.path.endswith(".wsindex")
 
 
+V1 = ROOT / "tests" / "data" / "sharded_v1"  # a version committed by weightstore before block tables
+
+
 def hostile_index(tmp_path, edit):
+    """An index of version 1 (the committed one in tests/data), edited and resealed."""
     folder = tmp_path / "run"
-    a = np.arange(24, dtype=np.float32).reshape(6, 4)
-    for rank in range(2):
-        ws.publish_shard(folder, {"w": ws.Piece(a[3 * rank:3 * rank + 3], (3 * rank, 0), (6, 4))},
-                         step=1, rank=rank, world=2, attempt=0)
-    version = shards.commit_shards(folder, step=1, world=2, attempt=0, timeout=5)
-    raw = json.loads(Path(version.path).read_text())
+    shutil.copytree(V1, folder)
+    path = folder / "step-000000000001.wsindex"
+    raw = json.loads(path.read_text())
     raw.pop("crc32")
     edit(raw)
-    Path(version.path).write_bytes(seal(raw))  # a hostile writer seals what it wrote
-    return version.path
+    path.write_bytes(seal(raw))  # a hostile writer seals what it wrote
+    return str(path)
+
+
+def test_an_index_of_version_1_still_reads(tmp_path):
+    folder = tmp_path / "run"
+    shutil.copytree(V1, folder)
+    w = np.arange(24, dtype=np.float32).reshape(6, 4)
+    s = (np.arange(256 * 512) % 251).astype(np.float16).reshape(256, 512)
+    version = ws.latest(folder)
+    assert version.metadata == {"made": "weightstore sharded index v1"}
+    with ws.open(version) as store:
+        assert store["w"].tobytes() == w.tobytes() and store["s"].tobytes() == s.tobytes()
+        assert store.read_region("s", (slice(10, 200), slice(100, 300))).tobytes() == s[10:200, 100:300].tobytes()
+        assert store.region_digest("s", (slice(0, 8),)) == store.region_digest("s", (slice(0, 8),)) is not None
+    assert [entry.step for entry in versions.list_versions(folder)] == [1]
+    for rank in range(2):  # a version 2 after it in the same folder
+        ws.publish_shard(folder, {"w": ws.Piece(w[3 * rank:3 * rank + 3] + 1, (3 * rank, 0), (6, 4))},
+                         step=2, rank=rank, world=2, attempt=0)
+    shards.commit_shards(folder, step=2, world=2, attempt=0, timeout=5, keep=None)
+    assert ws.load(ws.latest(folder))["w"].tobytes() == (w + 1).tobytes()
+    assert ws.load(version)["s"].tobytes() == s.tobytes()
 
 
 @pytest.mark.parametrize("edit, words", [
@@ -314,7 +336,7 @@ def hostile_index(tmp_path, edit):
     (lambda raw: raw["tensors"]["w"]["pieces"][1].update(blake3="0" * 64), "hex digests"),
     (lambda raw: raw["tensors"]["w"].update(shape=[7, 4]), "do not cover"),
     (lambda raw: raw["tensors"]["w"]["pieces"][1].update(member=5), "member 5"),
-    (lambda raw: raw["tensors"]["w"]["pieces"][1].update(member=0), "overlap another's in member"),
+    (lambda raw: raw["tensors"]["w"]["pieces"][1].update(member=0, offset=1700), "overlap another's in member"),
     (lambda raw: raw["tensors"]["w"]["pieces"].extend([raw["tensors"]["w"]["pieces"][0]] * 20000), "pieces, over"),
     (lambda raw: raw["tensors"]["w"].update(dtype="object"), "unknown dtype"),
     (lambda raw: raw["tensors"]["w"]["pieces"][1].update(start=[2 ** 63, 0]), "below 2\\*\\*62"),
@@ -602,6 +624,120 @@ def test_a_key_whose_ranks_together_pass_its_piece_limit_is_not_committed(tmp_pa
     assert ws.latest(folder).step == 1 and not (folder / "step-000000000002.wsindex").exists()
 
 
+def hostile_v2(tmp_path, edit=None, table=None):
+    """A version 2 index of two ranks (``w``, 6 x 4, by rows) whose index (``edit``) or rank 1's
+    block table header (``table``) a hostile writer edited and sealed again, the index giving the
+    table's new size and BLAKE3."""
+    import blake3
+
+    folder = tmp_path / "run"
+    a = np.arange(24, dtype=np.float32).reshape(6, 4)
+    for rank in range(2):
+        ws.publish_shard(folder, {"w": ws.Piece(a[3 * rank:3 * rank + 3], (3 * rank, 0), (6, 4))},
+                         step=1, rank=rank, world=2, attempt=0)
+    path = Path(shards.commit_shards(folder, step=1, world=2, attempt=0, timeout=5).path)
+    raw = json.loads(path.read_text())
+    raw.pop("crc32")
+    if table is not None:
+        blocks = folder / "step-000000000001.attempt-0" / "rank-00001.blocks"
+        data = blocks.read_bytes()
+        length = int.from_bytes(data[8:16], "little")
+        header = json.loads(data[16:16 + length])
+        header.pop("crc32")
+        crcs = data[16 + length: raw["members"]["heads"][1]]
+        crcs = table(header, crcs) or crcs
+        sealed = seal(header)
+        head = data[:8] + len(sealed).to_bytes(8, "little") + sealed + crcs
+        blocks.write_bytes(head + data[raw["members"]["heads"][1]:])
+        raw["members"]["heads"][1], raw["members"]["blake3"][1] = len(head), blake3.blake3(head).hexdigest()
+        if isinstance(header.get("blocks"), int):
+            raw["members"]["digests"][1] = 32 * header["blocks"]
+    if edit is not None:
+        edit(raw)
+    path.write_bytes(seal(raw))
+    return str(path)
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda raw: raw["layouts"][0].__setitem__(1 + 5, 5), "member 5, of 2"),
+    (lambda raw: raw["layouts"][0].__setitem__(1 + 5 + 1, 2), "overlap"),
+    (lambda raw: raw["tensors"]["w"].__setitem__(1, [7, 4]), "do not cover"),
+    (lambda raw: raw["tensors"]["w"].__setitem__(1, [6, 4, 1]), "layout of 2-dimensional pieces"),
+    (lambda raw: raw["tensors"]["w"].__setitem__(2, 3), "one of 1 layouts"),
+    (lambda raw: raw["tensors"]["w"].__setitem__(0, "object"), "unknown dtype"),
+    (lambda raw: raw["layouts"][0].__setitem__(2, 2 ** 63), "below 2\\*\\*62"),
+    (lambda raw: raw["layouts"][0].extend(raw["layouts"][0][1:6] * 20000), "pieces, over"),
+    (lambda raw: raw["layouts"][0].append(1), "not 2-dimensional boxes"),
+])
+def test_a_hostile_version_2_index_is_refused_naming_file_and_key(tmp_path, edit, words):
+    path = hostile_v2(tmp_path, edit)
+    with pytest.raises(ws.FormatError, match=words) as caught:
+        ws.open(path)
+    assert caught.value.path == path and caught.value.key in ("w", None)
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda raw: raw["members"]["files"].__setitem__(0, "../../etc/passwd"), "member 0 must be"),
+    (lambda raw: raw["members"]["blake3"].__setitem__(0, "0" * 63), "block table digest"),
+    (lambda raw: raw["members"]["sizes"].pop(), "one per rank"),
+    (lambda raw: raw["members"]["digests"].__setitem__(0, 7), "not of a size a table has"),
+])
+def test_a_hostile_version_2_index_cannot_name_other_files_or_tables(tmp_path, edit, words):
+    path = hostile_v2(tmp_path, edit)
+    with pytest.raises(ws.FormatError, match=words) as caught:
+        ws.open(path)
+    assert caught.value.path == path
+
+
+def _piece_field(at):
+    """An edit of rank 1's one piece record, ``[key, dtype, ndim, start.., shape.., columns, rows,
+    first, strips, offsets..]``, at field ``at`` from the end of its axes."""
+    def edit(value):
+        return lambda header, crcs: header["pieces"][0].__setitem__(3 + 2 * 2 + at, value)
+    return edit
+
+
+@pytest.mark.parametrize("table, words", [
+    (_piece_field(4)(10 ** 9), "past the end of member"),
+    (_piece_field(1)(0), "blocks are not the next"),
+    (_piece_field(2)(1), "blocks are not the next"),
+    (_piece_field(0)(1), "strip offsets"),
+    (lambda header, crcs: header.update(blocks=2), "says 2 blocks and holds 1"),
+    (lambda header, crcs: header.update(size=1), "is not the table of"),
+    (lambda header, crcs: (header.update(blocks=2), header["pieces"].append(
+        header["pieces"][0][:3] + [0, 0, 3, 4, 0, 1024, 1, 1, header["pieces"][0][-1]]))[0] or crcs * 2,
+     "overlap another"),
+    (lambda header, crcs: header["pieces"][0].__setitem__(0, "v"), "has no float32 piece at \\[3, 0\\]"),
+    (lambda header, crcs: header["pieces"][0].__setitem__(1, "float16"), "has no float32 piece"),
+    (lambda header, crcs: header["pieces"][0].__setitem__(2, 40), "too short for its axes"),
+])
+def test_a_hostile_block_table_is_refused_naming_it_and_the_key(tmp_path, table, words):
+    path = hostile_v2(tmp_path, table=table)
+    with ws.open(path) as store:
+        assert store.read_region("w", (slice(0, 3),)).tolist() == np.arange(12).reshape(3, 4).tolist()  # rank 0's
+        with pytest.raises(ws.FormatError, match=words) as caught:
+            store.read_region("w", (slice(3, 6),))
+    assert caught.value.key == "w" and caught.value.path.endswith(("rank-00001.blocks", ".wsindex"))
+
+
+def test_a_block_table_not_the_one_the_index_names_fails_its_checksum(tmp_path):
+    path = hostile_v2(tmp_path)
+    blocks = Path(path).parent / "step-000000000001.attempt-0" / "rank-00001.blocks"
+    data = bytearray(blocks.read_bytes())
+    data[20] ^= 1
+    blocks.write_bytes(bytes(data))
+    with ws.open(path) as store, pytest.raises(ws.ChecksumError, match="not the block table the index names") as caught:
+        store["w"]
+    assert caught.value.path.endswith("rank-00001.blocks") and caught.value.key == "w"
+    data[20] ^= 1
+    data[-1] ^= 1  # a block digest: a reader never fetches them; a follower's region digest is refused
+    blocks.write_bytes(bytes(data))
+    with ws.open(path) as store:
+        assert store["w"].shape == (6, 4)
+        with pytest.raises(ws.ChecksumError, match="block digests do not match"):
+            store.region_digest("w", (slice(3, 6),))
+
+
 def test_an_index_or_done_record_dense_with_json_containers_is_refused_before_parsing(tmp_path):
     """Empty lists cost Python 56 bytes for 3 bytes of text: 63 MB of them parsed into 2 GB.
     Readers refuse such a file unparsed; a coordinator whose metadata would make its index one
@@ -638,7 +774,7 @@ def test_clean_keeps_a_committed_version_whose_index_it_cannot_read(tmp_path, da
     index = folder / "step-000000000002.wsindex"
     data = index.read_bytes()
     if damage == "newer":
-        data = data.replace(b'"version": 1', b'"version": 2', 1).replace(b'"version":1', b'"version":2', 1)
+        data = data.replace(b'"version":2', b'"version":3', 1)
     else:
         data = data[:40] + bytes([data[40] ^ 0x01]) + data[41:]
     index.write_bytes(data)
