@@ -738,6 +738,30 @@ def test_a_block_table_not_the_one_the_index_names_fails_its_checksum(tmp_path):
             store.region_digest("w", (slice(3, 6),))
 
 
+def test_a_rank_whose_share_would_take_the_index_past_its_bound_is_refused_before_writing(tmp_path, monkeypatch):
+    """Each rank checks its share of the index (docs/sharded.md, Bounds) before it writes a
+    byte: the index of any version whose ranks all pass stays under MAX_INDEX_BYTES."""
+    from weightstore.formats import _sharded_index as shardindex
+
+    folder = tmp_path / "run"
+    share = (shardindex.MAX_INDEX_BYTES - shardindex.KEY_BYTES - shardindex.RESERVED_BYTES) // 200_000  # 230 bytes
+    pieces = {f"w{i}": ws.Piece(np.zeros((1, 4), np.float32), (i, 0), (200_000, 4)) for i in range(8)}
+    with pytest.raises(ws.SizeLimitError, match=f"over the {share} bytes each of 200000 ranks") as caught:
+        ws.publish_shard(folder, pieces, step=1, rank=7, world=200_000, attempt=0)
+    assert caught.value.path.endswith("rank-00007.safetensors") and not folder.exists()
+    ws.publish_shard(folder, dict(list(pieces.items())[:2]), step=1, rank=7, world=200_000, attempt=0)  # within it
+    monkeypatch.setattr(shardindex, "KEY_BYTES", 60)  # keys: each rank's own, then the union at the commit
+    monkeypatch.setattr(shards, "KEY_BYTES", 60)
+    with pytest.raises(ws.SizeLimitError, match=r"keys \(1\) would take 62 bytes of the version's index, over the 60"):
+        ws.publish_shard(folder, {"a" * 40: np.zeros(2)}, step=2, rank=0, world=2, attempt=0)
+    assert not (folder / "step-000000000002.attempt-0").exists()
+    for rank in range(2):
+        ws.publish_shard(folder, {f"k{rank}" * 10: np.zeros(2)}, step=2, rank=rank, world=2, attempt=0)
+    with pytest.raises(ws.PublishError, match="2 keys would take .* over the 60"):
+        shards.commit_shards(folder, step=2, world=2, attempt=0, timeout=5)
+    assert not (folder / "step-000000000002.wsindex").exists()
+
+
 def test_an_index_or_done_record_dense_with_json_containers_is_refused_before_parsing(tmp_path):
     """Empty lists cost Python 56 bytes for 3 bytes of text: 63 MB of them parsed into 2 GB.
     Readers refuse such a file unparsed; a coordinator whose metadata would make its index one

@@ -364,7 +364,7 @@ def check_share(*, world: int, keys: Mapping[str, tuple[str, tuple[int, ...]]], 
     keyed = sum(key_entry_bytes(key, dtype, shape, 10 ** (layout_digits - 1)) + 1
                 for key, (dtype, shape) in keys.items())
     if keyed > KEY_BYTES:
-        raise SizeLimitError(f"the entries of this rank's {len(keys)} keys would take {keyed} bytes of the version's "
+        raise SizeLimitError(f"the entries of this rank's keys ({len(keys)}) would take {keyed} bytes of the version's "
                              f"index, over the {KEY_BYTES} its keys may take (docs/sharded.md, Bounds); publish fewer "
                              "keys per version", path=where)
     share = (MAX_INDEX_BYTES - KEY_BYTES - RESERVED_BYTES) // max(1, world)
