@@ -56,13 +56,13 @@ from weightstore.errors import (
 )
 
 __all__ = ["index_name", "attempt_folder", "member_name", "MEMBER_SUFFIXES", "done_name", "table_name", "BLOCK_BYTES",
-           "MIN_BLOCK_BYTES", "PIECE_BLOCKS", "INDEX_FORMAT", "DONE_FORMAT", "BLOCKS_FORMAT", "MAX_INDEX_BYTES",
+           "MIN_BLOCK_BYTES", "PIECE_BLOCKS", "TILE_BYTES", "INDEX_FORMAT", "DONE_FORMAT", "BLOCKS_FORMAT", "MAX_INDEX_BYTES",
            "MAX_V1_INDEX_BYTES", "MAX_DONE_BYTES", "KEY_BYTES", "RESERVED_BYTES", "MAX_TABLE_HEADER_BYTES",
            "MAX_TABLE_BLOCKS", "BYTES_PER_CONTAINER", "MAX_PIECES_PER_KEY",
            "PieceEntry", "TensorEntry", "Member", "TableRef", "Layout", "Box", "Placed", "BlockTable", "ShardIndex",
            "DoneRecord", "DoneTensor", "parse_done", "check_parsable", "check_tensor", "check_boxes", "check_share",
            "share_bytes", "key_entry_bytes", "member_entry_bytes", "check_member_bytes", "seal",
-           "block_rows", "piece_block_rows", "block_crcs", "block_digests", "DIGEST_HEX", "row_bytes", "rows_of",
+           "block_rows", "piece_block_rows", "piece_cut", "block_crcs", "block_digests", "DIGEST_HEX", "row_bytes", "rows_of",
            "strip_columns", "STRIPED_FROM", "STRIP_ROW_BYTES", "MAX_STRIPS", "STRIP_BLOCKS"]
 
 INDEX_FORMAT = "weightstore-sharded"
@@ -70,8 +70,11 @@ DONE_FORMAT = "weightstore-shard-done"
 #: bytes a checksummed block holds, about: a reader of a region fetches at most one block more
 #: than it needs at each end of each piece it touches
 BLOCK_BYTES = 256 << 10
-#: pieces at least this large whose rows are long are stored as column strips (:func:`strip_columns`)
-STRIPED_FROM = 256 << 10
+#: pieces at least this large whose rows are long are stored as column strips (:func:`strip_columns`);
+#: a smaller piece is stored whole, and a reader of some of its columns fetches its rows whole
+#: (at most the piece). At 256 KiB, the strips' tiles (:data:`TILE_BYTES`) of a small model's
+#: pieces cost row readers of another world size up to 1.12x their share
+STRIPED_FROM = 1 << 20
 #: a strip's bytes per row, about: a reader of a column range fetches at most this much more per row
 STRIP_ROW_BYTES = 256
 #: strips one piece is cut into, at most
@@ -109,6 +112,10 @@ MAX_TABLE_BLOCKS = 1 << 24
 #: 7.6 MB LLaMA-shaped model) fetch 1.18-1.45x their share, whole pieces at their regions'
 #: edges; 1 KiB, 1.00-1.02x
 MIN_BLOCK_BYTES = 1 << 10
+#: a block of a column strip (a *tile*) holds at least this many bytes, so a member's table
+#: stays under 4 bytes of CRC-32 per 6 KiB of it, and a 405B model's reader of 1/1,000 fetches
+#: under 1 MB of index (docs/sharded.md, Bounds)
+TILE_BYTES = 6 << 10
 #: a piece is cut into about this many blocks (between :data:`MIN_BLOCK_BYTES` and
 #: :data:`BLOCK_BYTES` each): a reader whose region ends inside a piece fetches at most one
 #: block more at that end, 1/64 of the piece
@@ -201,6 +208,35 @@ def strip_columns(shape: Sequence[int], itemsize: int, world: int = 1) -> int | 
     while -(-shape[1] // columns) > most and columns < shape[1]:
         columns *= 2
     return columns if columns * 4 <= shape[1] else None
+
+
+def piece_cut(shape: Sequence[int], itemsize: int) -> tuple[int, int]:
+    """How a piece of ``shape`` is stored: ``(columns, rows)``, the width of its column strips
+    (0: stored whole) and the rows of each block.
+
+    A piece stored whole has blocks of :func:`piece_block_rows`. A piece of long rows is stored
+    as column strips (:func:`strip_columns`: about :data:`STRIP_ROW_BYTES` a row), whose blocks
+    (a strip's rows, a *tile*) must hold at least :data:`TILE_BYTES`, so that a member's block
+    table stays under 4 bytes of CRC-32 per :data:`TILE_BYTES` of it: the rows of a tile grow
+    first (up to an eighth of the piece: a reader of a row range fetches at most that more at
+    each end), then its columns (a reader of a column range fetches at most a strip more at each
+    end; power-of-two widths cut halves and quarters exactly). Too few strips left: stored whole.
+    """
+    rows = piece_block_rows(shape, itemsize)
+    columns = strip_columns(shape, itemsize)
+    if columns is None:
+        return 0, rows
+    cell = math.prod(shape[2:]) * itemsize
+    rows = min(shape[0], max(rows, -(-shape[0] // STRIP_BLOCKS)))
+    most_rows = max(rows, shape[0] // 8)
+    while rows * columns * cell < TILE_BYTES:
+        if rows < most_rows:
+            rows = min(most_rows, rows * 2)
+        else:
+            columns *= 2
+            if columns * 4 > shape[1]:
+                return 0, piece_block_rows(shape, itemsize)
+    return columns, rows
 
 
 def block_crcs(data: np.ndarray, block_bytes: int) -> list[int]:
@@ -629,8 +665,13 @@ class Placed:
         return -(-rows_of(self.shape) // self.rows) if self.rows and math.prod(self.shape) else 0
 
     def flat(self) -> list[Any]:
+        """As its table's header lists it; strips that follow one another in the member (as a
+        safetensors member holds them) by their first offset alone."""
+        offsets = self.offsets
+        if len(offsets) > 1 and all(offsets[i] + self.strip_bytes(i) == offsets[i + 1] for i in range(len(offsets) - 1)):
+            offsets = offsets[:1]
         return [self.key, self.dtype, len(self.start), *self.start, *self.shape, self.columns, self.rows, self.first,
-                len(self.offsets), *self.offsets]
+                len(self.offsets), *offsets]
 
 
 class BlockTable:
@@ -736,6 +777,14 @@ def _placed(raw: Any, blocks: int, member: Member) -> list[Placed]:
         columns, rows, at, strips = numbers[2 * ndim : 2 * ndim + 4]
         offsets = tuple(numbers[2 * ndim + 4 :])
         piece = Placed(key, dtype, start, shape, columns, rows, at, offsets)
+        if (columns and (ndim < 2 or not shape[1])) or strips != piece.strips or strips > MAX_STRIPS or \
+                len(offsets) not in (1, strips):
+            raise FormatError(f"has a piece of shape {list(shape)} with {len(offsets)} strip offsets for {strips} "
+                              f"strips of {columns} columns", key=key)
+        if len(offsets) < strips:  # strips end to end
+            ends = np.cumsum([offsets[0]] + [piece.strip_bytes(i) for i in range(strips - 1)]).tolist()
+            piece = Placed(key, dtype, start, shape, columns, rows, at, tuple(ends))
+            offsets = piece.offsets
         nbytes = math.prod(shape) * itemsize
         if (columns and (ndim < 2 or not shape[1])) or strips != len(offsets) or strips != piece.strips:
             raise FormatError(f"has a piece of shape {list(shape)} with {len(offsets)} strip offsets for strips of "

@@ -54,7 +54,6 @@ from weightstore.formats._sharded_index import (
     MAX_INDEX_BYTES,
     MAX_V1_INDEX_BYTES,
     MEMBER_SUFFIXES,
-    STRIP_BLOCKS,
     BlockTable,
     Box,
     DoneRecord,
@@ -77,9 +76,8 @@ from weightstore.formats._sharded_index import (
     key_entry_bytes,
     member_name,
     parse_done,
-    piece_block_rows,
+    piece_cut,
     row_bytes,
-    strip_columns,
     table_name,
 )
 from weightstore.io.folders import Folder, folder_for
@@ -457,20 +455,13 @@ def _listed(pieces: Mapping[str, Any], where: str, world: int) -> list[_Listed]:
 
 def _strips(data: np.ndarray, start: tuple[int, ...], dtype: str
             ) -> tuple[int, list[tuple[np.ndarray, tuple[int, ...], int]]]:
-    """A piece as it is stored: the width of its column strips (0: stored whole) and ``(data,
-    start, rows per block)`` of each strip
-    (:func:`~weightstore.formats._sharded_index.strip_columns`), or of the piece whole. A
-    strip's blocks hold as many rows as the whole piece's would
-    (:func:`~weightstore.formats._sharded_index.piece_block_rows`: so a reader of a row range
-    fetches no more rows from the strips than from the whole piece), or more, so that a strip
-    has at most ``STRIP_BLOCKS`` blocks. Strips are no pieces of the index: it names the piece,
-    and its member's block table the strips."""
-    itemsize = logical_dtype(dtype).itemsize
-    rows = piece_block_rows(data.shape, itemsize)
-    columns = strip_columns(data.shape, itemsize)
-    if columns is None:
+    """A piece as it is stored (:func:`~weightstore.formats._sharded_index.piece_cut`): the
+    width of its column strips (0: stored whole) and ``(data, start, rows per block)`` of each
+    strip, or of the piece whole. Strips are no pieces of the index: it names the piece, and its
+    member's block table the strips."""
+    columns, rows = piece_cut(data.shape, logical_dtype(dtype).itemsize)
+    if not columns:
         return 0, [(data, start, rows)]
-    rows = max(rows, -(-data.shape[0] // STRIP_BLOCKS))
     return columns, [(np.ascontiguousarray(data[:, at : at + columns]), (start[0], start[1] + at, *start[2:]), rows)
                      for at in range(0, data.shape[1], columns)]
 
