@@ -70,11 +70,8 @@ DONE_FORMAT = "weightstore-shard-done"
 #: bytes a checksummed block holds, about: a reader of a region fetches at most one block more
 #: than it needs at each end of each piece it touches
 BLOCK_BYTES = 256 << 10
-#: pieces at least this large whose rows are long are stored as column strips (:func:`strip_columns`);
-#: a smaller piece is stored whole, and a reader of some of its columns fetches its rows whole
-#: (at most the piece). At 256 KiB, the strips' tiles (:data:`TILE_BYTES`) of a small model's
-#: pieces cost row readers of another world size up to 1.12x their share
-STRIPED_FROM = 1 << 20
+#: pieces at least this large whose rows are long are stored as column strips (:func:`strip_columns`)
+STRIPED_FROM = 256 << 10
 #: a strip's bytes per row, about: a reader of a column range fetches at most this much more per row
 STRIP_ROW_BYTES = 256
 #: strips one piece is cut into, at most
@@ -112,9 +109,11 @@ MAX_TABLE_BLOCKS = 1 << 24
 #: 7.6 MB LLaMA-shaped model) fetch 1.18-1.45x their share, whole pieces at their regions'
 #: edges; 1 KiB, 1.00-1.02x
 MIN_BLOCK_BYTES = 1 << 10
-#: a block of a column strip (a *tile*) holds at least this many bytes, so a member's table
-#: stays under 4 bytes of CRC-32 per 6 KiB of it, and a 405B model's reader of 1/1,000 fetches
-#: under 1 MB of index (docs/sharded.md, Bounds)
+#: a block of a column strip (a *tile*) holds at least this many bytes, or 1/:data:`PIECE_BLOCKS`
+#: of its piece if less, so a member's table stays under 4 bytes of CRC-32 per 6 KiB of it, and
+#: a 405B model's reader of 1/1,000 fetches under 1 MB of index (docs/sharded.md, Bounds). A
+#: flat 6 KiB gave a small model's 256 KiB pieces tiles of 32 rows, and row readers of another
+#: world size fetched up to 1.12x their share
 TILE_BYTES = 6 << 10
 #: a piece is cut into about this many blocks (between :data:`MIN_BLOCK_BYTES` and
 #: :data:`BLOCK_BYTES` each): a reader whose region ends inside a piece fetches at most one
@@ -216,8 +215,9 @@ def piece_cut(shape: Sequence[int], itemsize: int) -> tuple[int, int]:
 
     A piece stored whole has blocks of :func:`piece_block_rows`. A piece of long rows is stored
     as column strips (:func:`strip_columns`: about :data:`STRIP_ROW_BYTES` a row), whose blocks
-    (a strip's rows, a *tile*) must hold at least :data:`TILE_BYTES`, so that a member's block
-    table stays under 4 bytes of CRC-32 per :data:`TILE_BYTES` of it: the rows of a tile grow
+    (a strip's rows, a *tile*) must hold at least :data:`TILE_BYTES` (or a sixty-fourth of the
+    piece), so that a member's block table stays under 4 bytes of CRC-32 per
+    :data:`TILE_BYTES` of it: the rows of a tile grow
     first (up to an eighth of the piece: a reader of a row range fetches at most that more at
     each end), then its columns (a reader of a column range fetches at most a strip more at each
     end; power-of-two widths cut halves and quarters exactly). Too few strips left: stored whole.
@@ -229,7 +229,8 @@ def piece_cut(shape: Sequence[int], itemsize: int) -> tuple[int, int]:
     cell = math.prod(shape[2:]) * itemsize
     rows = min(shape[0], max(rows, -(-shape[0] // STRIP_BLOCKS)))
     most_rows = max(rows, shape[0] // 8)
-    while rows * columns * cell < TILE_BYTES:
+    tile = min(TILE_BYTES, max(MIN_BLOCK_BYTES, math.prod(shape) * itemsize // PIECE_BLOCKS))
+    while rows * columns * cell < tile:
         if rows < most_rows:
             rows = min(most_rows, rows * 2)
         else:

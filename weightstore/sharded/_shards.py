@@ -2,10 +2,13 @@
 
 Every rank calls :func:`publish_shard` with the pieces it holds; it writes one member file
 (``step-000000000042.attempt-1/rank-00003.safetensors``, an ordinary safetensors file that
-``ws.open`` and ``safetensors.numpy.load_file`` read alone; or an npz or HDF5 file) and then, last, a small
-done-record beside it (``rank-00003.done``) saying what the member holds: for every piece its
-global key, its box in the global tensor, its bytes' offset in the member and a CRC-32 per
-block. Nothing a reader sees changes. One coordinator calls :func:`commit_shards`: it waits
+``ws.open`` and ``safetensors.numpy.load_file`` read alone; or an npz or HDF5 file), then its
+block table (``rank-00003.blocks``: where each piece's bytes lie in the member, a CRC-32 and a
+BLAKE3 digest per block) and, last, a small done-record (``rank-00003.done``) saying what the
+member holds: for every piece its global key and its box in the global tensor, and the size
+and BLAKE3 of the table. Before it writes anything, the rank checks that its share keeps the
+version's index within its bounds (:func:`~weightstore.formats._sharded_index.check_share`).
+Nothing a reader sees changes. One coordinator calls :func:`commit_shards`: it waits
 for every rank's done-record (reading them alone, never a tensor byte), checks that the pieces
 of every key agree on dtype and shape, never overlap and cover it, writes the index
 ``step-000000000042.wsindex`` create-only and then replaces ``LATEST`` as a plain publish
@@ -161,6 +164,8 @@ def publish_shard(
 
     Raises:
         PublishError: the step is not above the one ``LATEST`` names.
+        SizeLimitError: this rank's pieces or keys would take the version's index past its bounds
+            (``docs/sharded.md``, Bounds; nothing written).
         InvalidKeyError, UnsupportedDTypeError, ValueError: a bad key, dtype or piece (nothing written).
         WeightStoreError: ``rank``, ``world`` or ``attempt`` not given and the cluster does not say it.
     """
@@ -224,7 +229,7 @@ def commit_shards(
 ) -> Version:
     """Wait for every rank's done-record, check their pieces, and publish the sharded version.
 
-    Reads only the done-records (never a tensor byte), then commits as :func:`weightstore.publish`
+    Reads only the done-records (never a block table or a tensor byte), then commits as :func:`weightstore.publish`
     does: the index ``step-…wsindex`` is created only if absent, then ``LATEST`` is replaced
     (compare-and-swap on object storage), then old versions are pruned (``keep``) and dead
     attempts removed. Steps increase across plain and sharded versions of one folder.
@@ -244,7 +249,8 @@ def commit_shards(
             its reason); pieces that overlap, leave a gap ("cover") or disagree on dtype or shape
             (naming the key); two ranks' pieces of one part whose bytes differ (replicas that
             diverged: one of a part written alike is kept); a step that does not go forward;
-            another coordinator committed this step or a later one first.
+            another coordinator committed this step or a later one first; the keys of every rank together
+            would take the index past its bounds.
         WeightStoreError: ``world`` or ``attempt`` not given and the cluster does not say it.
     """
     timeout = checked_seconds("timeout", timeout)
