@@ -668,12 +668,13 @@ def hostile_v2(tmp_path, edit=None, table=None):
     (lambda raw: raw["layouts"][0].__setitem__(2, 2 ** 63), "below 2\\*\\*62"),
     (lambda raw: raw["layouts"][0].extend(raw["layouts"][0][1:6] * 20000), "pieces, over"),
     (lambda raw: raw["layouts"][0].append(1), "not 2-dimensional boxes"),
+    (lambda raw: raw["tensors"].update({f"v{i}": ["float32", [6 + i, 4], 0] for i in range(1, 5)}), "tiles shape"),
 ])
 def test_a_hostile_version_2_index_is_refused_naming_file_and_key(tmp_path, edit, words):
     path = hostile_v2(tmp_path, edit)
     with pytest.raises(ws.FormatError, match=words) as caught:
         ws.open(path)
-    assert caught.value.path == path and caught.value.key in ("w", None)
+    assert caught.value.path == path and caught.value.key in ("w", "v1", None)
 
 
 @pytest.mark.parametrize("edit, words", [

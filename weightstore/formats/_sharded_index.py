@@ -523,6 +523,7 @@ def _tensors_v2(raw: Any, layouts: list[Layout], members: list[Member]) -> dict[
         raise FormatError("tensors is not an object")
     tensors = {}
     checked: set[tuple[int, tuple[int, ...]]] = set()
+    shape_of: dict[int, tuple[int, ...]] = {}  # the shape each layout was first checked against
     budget = OverlapBudget()
     for key, entry in raw.items():
         try:
@@ -543,6 +544,10 @@ def _tensors_v2(raw: Any, layouts: list[Layout], members: list[Member]) -> dict[
         if layout.ndim != len(shape):
             raise FormatError(f"has shape {list(shape)} and a layout of {layout.ndim}-dimensional pieces", key=key)
         if (entry[2], shape) not in checked:  # keys of one shape and layout: checked once
+            first = shape_of.setdefault(entry[2], shape)
+            if first != shape and 0 not in shape:  # boxes that tile one shape exactly tile no other
+                raise FormatError(f"its pieces do not cover it: its layout {entry[2]} tiles shape {list(first)}, not "
+                                  f"{list(shape)}", key=key)
             check_boxes(key, shape, layout, members, budget=budget)
             checked.add((entry[2], shape))
         tensors[key] = TensorEntry(entry[0], shape, (), layout)
