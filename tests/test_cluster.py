@@ -137,6 +137,7 @@ def test_a_torch_or_jax_cluster_gives_rank_and_world_and_its_store_agrees_the_at
     # TORCHELASTIC_RESTART_COUNT=2 is not the attempt: the store agreed 0, the folder's first
     attempt = folder / "step-000000000006.attempt-0"
     assert sorted(p.name for p in attempt.iterdir()) == [
-        "claimed-by", "rank-00000.done", "rank-00000.safetensors", "rank-00001.done", "rank-00001.safetensors"]
+        "claimed-by", "rank-00000.blocks", "rank-00000.done", "rank-00000.safetensors", "rank-00001.blocks",
+        "rank-00001.done", "rank-00001.safetensors"]
     records = [parse_done((attempt / f"rank-0000{rank}.done").read_bytes()) for rank in range(2)]
     assert records[0].incarnation and records[0].incarnation == records[1].incarnation

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -288,18 +289,54 @@ def test_a_corrupt_block_is_refused_naming_the_key(tmp_path):
         assert caught.value.key == "w" and caught.value.path.endswith(".wsindex")
 
 
+V1 = ROOT / "tests" / "data" / "sharded_v1"  # a version committed by weightstore before block tables
+
+
 def hostile_index(tmp_path, edit):
+    """An index of version 1 (the committed one in tests/data), edited and resealed."""
+    folder = tmp_path / "run"
+    shutil.copytree(V1, folder)
+    path = folder / "step-000000000001.wsindex"
+    raw = json.loads(path.read_text())
+    raw.pop("crc32")
+    edit(raw)
+    path.write_bytes(seal(raw))  # a hostile writer seals what it wrote
+    return str(path)
+
+
+def hostile_v2_index(tmp_path, edit):
+    """An index of version 2 (one key, two ranks, as this weightstore commits it), edited and resealed."""
     folder = tmp_path / "run"
     a = np.arange(24, dtype=np.float32).reshape(6, 4)
     for rank in range(2):
         ws.publish_shard(folder, {"w": ws.Piece(a[3 * rank:3 * rank + 3], (3 * rank, 0), (6, 4))},
                          step=1, rank=rank, world=2, attempt=0)
-    version = shards.commit_shards(folder, step=1, world=2, attempt=0, timeout=5)
-    raw = json.loads(Path(version.path).read_text())
+    path = Path(shards.commit_shards(folder, step=1, world=2, attempt=0, timeout=5).path)
+    raw = json.loads(path.read_text())
     raw.pop("crc32")
     edit(raw)
-    Path(version.path).write_bytes(seal(raw))  # a hostile writer seals what it wrote
-    return version.path
+    path.write_bytes(seal(raw))
+    return str(path)
+
+
+def test_an_index_of_version_1_still_reads(tmp_path):
+    folder = tmp_path / "run"
+    shutil.copytree(V1, folder)
+    w = np.arange(24, dtype=np.float32).reshape(6, 4)
+    s = (np.arange(256 * 512) % 251).astype(np.float16).reshape(256, 512)
+    version = ws.latest(folder)
+    assert version.metadata == {"made": "weightstore sharded index v1"}
+    with ws.open(version) as store:
+        assert store["w"].tobytes() == w.tobytes() and store["s"].tobytes() == s.tobytes()
+        assert store.read_region("s", (slice(10, 200), slice(100, 300))).tobytes() == s[10:200, 100:300].tobytes()
+        assert store.region_digest("s", (slice(0, 8),)) == store.region_digest("s", (slice(0, 8),)) is not None
+    assert [entry.step for entry in versions.list_versions(folder)] == [1]
+    for rank in range(2):  # a version 2 after it in the same folder
+        ws.publish_shard(folder, {"w": ws.Piece(w[3 * rank:3 * rank + 3] + 1, (3 * rank, 0), (6, 4))},
+                         step=2, rank=rank, world=2, attempt=0)
+    shards.commit_shards(folder, step=2, world=2, attempt=0, timeout=5, keep=None)
+    assert ws.load(ws.latest(folder))["w"].tobytes() == (w + 1).tobytes()
+    assert ws.load(version)["s"].tobytes() == s.tobytes()
 
 
 @pytest.mark.parametrize("edit, words", [
@@ -314,7 +351,7 @@ def hostile_index(tmp_path, edit):
     (lambda raw: raw["tensors"]["w"]["pieces"][1].update(blake3="0" * 64), "hex digests"),
     (lambda raw: raw["tensors"]["w"].update(shape=[7, 4]), "do not cover"),
     (lambda raw: raw["tensors"]["w"]["pieces"][1].update(member=5), "member 5"),
-    (lambda raw: raw["tensors"]["w"]["pieces"][1].update(member=0), "overlap another's in member"),
+    (lambda raw: raw["tensors"]["w"]["pieces"][1].update(member=0, offset=1700), "overlap another's in member"),
     (lambda raw: raw["tensors"]["w"]["pieces"].extend([raw["tensors"]["w"]["pieces"][0]] * 20000), "pieces, over"),
     (lambda raw: raw["tensors"]["w"].update(dtype="object"), "unknown dtype"),
     (lambda raw: raw["tensors"]["w"]["pieces"][1].update(start=[2 ** 63, 0]), "below 2\\*\\*62"),
@@ -358,6 +395,44 @@ def test_the_overlap_check_of_an_index_does_bounded_work(tmp_path, monkeypatch):
     with pytest.raises(ws.FormatError, match="interleave along three axes or more") as caught:  # two: past it
         ws.open(hostile_index(tmp_path / "two", lambda raw: grid(raw, ["g", "h"])))
     assert caught.value.key == "h"
+
+
+def test_a_version_2_layout_is_swept_and_budgeted_as_version_1_pieces_are(tmp_path, monkeypatch):
+    """A version 2 index names boxes in layouts, not pieces: boxes split along at most two axes
+    are swept in n log n (a staircase of 8,192 passes, one overlapping box is found), and boxes
+    split along three are compared within the budget, spent across the index's layouts."""
+    from weightstore.formats import _sharded_index as shardindex
+
+    def layout(boxes):
+        ndim = len(boxes[0][1])
+        return [ndim, *(v for member, start, shape in boxes for v in (member, *start, *shape))]
+
+    def keyed(raw, layouts, shapes):
+        raw["layouts"] = [layout(boxes) for boxes in layouts]
+        raw["tensors"] = {f"k{at}": ["float32", shape, at] for at, shape in enumerate(shapes)}
+
+    n = 8192
+    stairs = [(i % 2, [i, i], [1, n - i]) for i in range(n)] + [(i % 2, [i + 1, i], [n - i - 1, 1])
+                                                               for i in range(n - 1)]
+    monkeypatch.setattr(shardindex, "OVERLAP_PAIRS", 12)  # none spent on two split axes
+    monkeypatch.setattr(shardindex, "OVERLAP_PAIRS_PER_BYTE", 0)
+    path = hostile_v2_index(tmp_path / "stairs", lambda raw: keyed(raw, [stairs], [[n, n]]))
+    index = ShardIndex.parse(Path(path).read_bytes())
+    assert index.version == 2 and len(index.tensors["k0"].layout) == len(stairs)
+    overlapping = [*stairs[:-1], (1, [n - 2, n - 3], [2, 1])]
+    with pytest.raises(ws.FormatError, match="has pieces that overlap") as caught:
+        ShardIndex.parse(Path(hostile_v2_index(tmp_path / "over", lambda raw: keyed(raw, [overlapping],
+                                                                                    [[n, n]]))).read_bytes())
+    assert caught.value.key == "k0"
+
+    grid = [(r, [r, c, z], [1, 1, 1]) for r in (0, 1) for c in (0, 1) for z in (0, 1)]  # 12 pairs
+    ShardIndex.parse(Path(hostile_v2_index(tmp_path / "one", lambda raw: keyed(raw, [grid], [[2, 2, 2]])))
+                     .read_bytes())
+    other = [(1 - member, start, shape) for member, start, shape in grid]  # another layout: checked again
+    with pytest.raises(ws.FormatError, match="interleave along three axes or more") as caught:
+        ShardIndex.parse(Path(hostile_v2_index(tmp_path / "two", lambda raw: keyed(raw, [grid, other],
+                                                                                   [[2, 2, 2]] * 2))).read_bytes())
+    assert caught.value.key == "k1"
 
 
 def test_a_hostile_index_naming_an_empty_tensor_no_array_can_have_is_refused_at_open(tmp_path):
@@ -606,6 +681,145 @@ def test_a_key_whose_ranks_together_pass_its_piece_limit_is_not_committed(tmp_pa
     assert ws.latest(folder).step == 1 and not (folder / "step-000000000002.wsindex").exists()
 
 
+def hostile_v2(tmp_path, edit=None, table=None):
+    """A version 2 index of two ranks (``w``, 6 x 4, by rows) whose index (``edit``) or rank 1's
+    block table header (``table``) a hostile writer edited and sealed again, the index giving the
+    table's new size and BLAKE3."""
+    import blake3
+
+    folder = tmp_path / "run"
+    a = np.arange(24, dtype=np.float32).reshape(6, 4)
+    for rank in range(2):
+        ws.publish_shard(folder, {"w": ws.Piece(a[3 * rank:3 * rank + 3], (3 * rank, 0), (6, 4))},
+                         step=1, rank=rank, world=2, attempt=0)
+    path = Path(shards.commit_shards(folder, step=1, world=2, attempt=0, timeout=5).path)
+    raw = json.loads(path.read_text())
+    raw.pop("crc32")
+    if table is not None:
+        blocks = folder / "step-000000000001.attempt-0" / "rank-00001.blocks"
+        data = blocks.read_bytes()
+        length = int.from_bytes(data[8:16], "little")
+        header = json.loads(data[16:16 + length])
+        header.pop("crc32")
+        crcs = data[16 + length: raw["members"]["heads"][1]]
+        crcs = table(header, crcs) or crcs
+        sealed = seal(header)
+        head = data[:8] + len(sealed).to_bytes(8, "little") + sealed + crcs
+        blocks.write_bytes(head + data[raw["members"]["heads"][1]:])
+        raw["members"]["heads"][1], raw["members"]["blake3"][1] = len(head), blake3.blake3(head).hexdigest()
+        if isinstance(header.get("blocks"), int):
+            raw["members"]["digests"][1] = 32 * header["blocks"]
+    if edit is not None:
+        edit(raw)
+    path.write_bytes(seal(raw))
+    return str(path)
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda raw: raw["layouts"][0].__setitem__(1 + 5, 5), "member 5, of 2"),
+    (lambda raw: raw["layouts"][0].__setitem__(1 + 5 + 1, 2), "overlap"),
+    (lambda raw: raw["tensors"]["w"].__setitem__(1, [7, 4]), "do not cover"),
+    (lambda raw: raw["tensors"]["w"].__setitem__(1, [6, 4, 1]), "layout of 2-dimensional pieces"),
+    (lambda raw: raw["tensors"]["w"].__setitem__(2, 3), "one of 1 layouts"),
+    (lambda raw: raw["tensors"]["w"].__setitem__(0, "object"), "unknown dtype"),
+    (lambda raw: raw["layouts"][0].__setitem__(2, 2 ** 63), "below 2\\*\\*62"),
+    (lambda raw: raw["layouts"][0].extend(raw["layouts"][0][1:6] * 20000), "pieces, over"),
+    (lambda raw: raw["layouts"][0].append(1), "not 2-dimensional boxes"),
+    (lambda raw: raw["tensors"].update({f"v{i}": ["float32", [6 + i, 4], 0] for i in range(1, 5)}), "tiles shape"),
+])
+def test_a_hostile_version_2_index_is_refused_naming_file_and_key(tmp_path, edit, words):
+    path = hostile_v2(tmp_path, edit)
+    with pytest.raises(ws.FormatError, match=words) as caught:
+        ws.open(path)
+    assert caught.value.path == path and caught.value.key in ("w", "v1", None)
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda raw: raw["members"]["files"].__setitem__(0, "../../etc/passwd"), "member 0 must be"),
+    (lambda raw: raw["members"]["blake3"].__setitem__(0, "0" * 63), "block table digest"),
+    (lambda raw: raw["members"]["sizes"].pop(), "one per rank"),
+    (lambda raw: raw["members"]["digests"].__setitem__(0, 7), "not of a size a table has"),
+])
+def test_a_hostile_version_2_index_cannot_name_other_files_or_tables(tmp_path, edit, words):
+    path = hostile_v2(tmp_path, edit)
+    with pytest.raises(ws.FormatError, match=words) as caught:
+        ws.open(path)
+    assert caught.value.path == path
+
+
+def _piece_field(at):
+    """An edit of rank 1's one piece record, ``[key, dtype, ndim, start.., shape.., columns, rows,
+    first, strips, offsets..]``, at field ``at`` from the end of its axes."""
+    def edit(value):
+        return lambda header, crcs: header["pieces"][0].__setitem__(3 + 2 * 2 + at, value)
+    return edit
+
+
+@pytest.mark.parametrize("table, words", [
+    (_piece_field(4)(10 ** 9), "past the end of member"),
+    (_piece_field(1)(0), "blocks are not the next"),
+    (_piece_field(2)(1), "blocks are not the next"),
+    (_piece_field(0)(1), "strip offsets"),
+    (lambda header, crcs: header.update(blocks=2), "says 2 blocks and holds 1"),
+    (lambda header, crcs: header.update(size=1), "is not the table of"),
+    (lambda header, crcs: (header.update(blocks=2), header["pieces"].append(
+        header["pieces"][0][:3] + [0, 0, 3, 4, 0, 1024, 1, 1, header["pieces"][0][-1]]))[0] or crcs * 2,
+     "overlap another"),
+    (lambda header, crcs: header["pieces"][0].__setitem__(0, "v"), "has no float32 piece at \\[3, 0\\]"),
+    (lambda header, crcs: header["pieces"][0].__setitem__(1, "float16"), "has no float32 piece"),
+    (lambda header, crcs: header["pieces"][0].__setitem__(2, 40), "too short for its axes"),
+])
+def test_a_hostile_block_table_is_refused_naming_it_and_the_key(tmp_path, table, words):
+    path = hostile_v2(tmp_path, table=table)
+    with ws.open(path) as store:
+        assert store.read_region("w", (slice(0, 3),)).tolist() == np.arange(12).reshape(3, 4).tolist()  # rank 0's
+        with pytest.raises(ws.FormatError, match=words) as caught:
+            store.read_region("w", (slice(3, 6),))
+    assert caught.value.key == "w" and caught.value.path.endswith(("rank-00001.blocks", ".wsindex"))
+
+
+def test_a_block_table_not_the_one_the_index_names_fails_its_checksum(tmp_path):
+    path = hostile_v2(tmp_path)
+    blocks = Path(path).parent / "step-000000000001.attempt-0" / "rank-00001.blocks"
+    data = bytearray(blocks.read_bytes())
+    data[20] ^= 1
+    blocks.write_bytes(bytes(data))
+    with ws.open(path) as store, pytest.raises(ws.ChecksumError, match="not the block table the index names") as caught:
+        store["w"]
+    assert caught.value.path.endswith("rank-00001.blocks") and caught.value.key == "w"
+    data[20] ^= 1
+    data[-1] ^= 1  # a block digest: a reader never fetches them; a follower's region digest is refused
+    blocks.write_bytes(bytes(data))
+    with ws.open(path) as store:
+        assert store["w"].shape == (6, 4)
+        with pytest.raises(ws.ChecksumError, match="block digests do not match"):
+            store.region_digest("w", (slice(3, 6),))
+
+
+def test_a_rank_whose_share_would_take_the_index_past_its_bound_is_refused_before_writing(tmp_path, monkeypatch):
+    """Each rank checks its share of the index (docs/sharded.md, Bounds) before it writes a
+    byte: the index of any version whose ranks all pass stays under MAX_INDEX_BYTES."""
+    from weightstore.formats import _sharded_index as shardindex
+
+    folder = tmp_path / "run"
+    share = (shardindex.MAX_INDEX_BYTES - shardindex.KEY_BYTES - shardindex.RESERVED_BYTES) // 200_000  # 230 bytes
+    pieces = {f"w{i}": ws.Piece(np.zeros((1, 4), np.float32), (i, 0), (200_000, 4)) for i in range(8)}
+    with pytest.raises(ws.SizeLimitError, match=f"over the {share} bytes each of 200000 ranks") as caught:
+        ws.publish_shard(folder, pieces, step=1, rank=7, world=200_000, attempt=0)
+    assert caught.value.path.endswith("rank-00007.safetensors") and not folder.exists()
+    ws.publish_shard(folder, dict(list(pieces.items())[:2]), step=1, rank=7, world=200_000, attempt=0)  # within it
+    monkeypatch.setattr(shardindex, "KEY_BYTES", 60)  # keys: each rank's own, then the union at the commit
+    monkeypatch.setattr(shards, "KEY_BYTES", 60)
+    with pytest.raises(ws.SizeLimitError, match=r"keys \(1\) would take 62 bytes of the version's index, over the 60"):
+        ws.publish_shard(folder, {"a" * 40: np.zeros(2)}, step=2, rank=0, world=2, attempt=0)
+    assert not (folder / "step-000000000002.attempt-0").exists()
+    for rank in range(2):
+        ws.publish_shard(folder, {f"k{rank}" * 10: np.zeros(2)}, step=2, rank=rank, world=2, attempt=0)
+    with pytest.raises(ws.PublishError, match="2 keys would take .* over the 60"):
+        shards.commit_shards(folder, step=2, world=2, attempt=0, timeout=5)
+    assert not (folder / "step-000000000002.wsindex").exists()
+
+
 def test_an_index_or_done_record_dense_with_json_containers_is_refused_before_parsing(tmp_path):
     """Empty lists cost Python 56 bytes for 3 bytes of text: 63 MB of them parsed into 2 GB.
     Readers refuse such a file unparsed; a coordinator whose metadata would make its index one
@@ -642,7 +856,7 @@ def test_clean_keeps_a_committed_version_whose_index_it_cannot_read(tmp_path, da
     index = folder / "step-000000000002.wsindex"
     data = index.read_bytes()
     if damage == "newer":
-        data = data.replace(b'"version": 1', b'"version": 2', 1).replace(b'"version":1', b'"version":2', 1)
+        data = data.replace(b'"version":2', b'"version":3', 1)
     else:
         data = data[:40] + bytes([data[40] ^ 0x01]) + data[41:]
     index.write_bytes(data)
@@ -704,18 +918,20 @@ def _sealed_text(body: bytes) -> bytes:
     return body + b',"crc32":%d}' % crc32(np.frombuffer(body, np.uint8))
 
 
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("field, depth", [("created", 1020), ("producer", 1020), ("created", 150),
                                           ("metadata", 1000), ("metadata", 101)])
-def test_an_index_nesting_a_field_deep_is_refused_naming_the_file(tmp_path, field, depth):
+def test_an_index_nesting_a_field_deep_is_refused_naming_the_file(tmp_path, field, depth, version):
     """A 2 KB index whose ``created`` nests 1,020 deep (orjson parses 1,024) leaked RecursionError
-    from ``str()`` at open; metadata as deep leaked one wherever it was shown."""
-    path = hostile_index(tmp_path, lambda raw: raw.update(metadata={}))
+    from ``str()`` at open; metadata as deep leaked one wherever it was shown. Either version."""
+    path = (hostile_index if version == 1 else hostile_v2_index)(tmp_path, lambda raw: raw.update(metadata={}))
     raw = json.loads(Path(path).read_text())
     raw.pop("crc32")
+    assert raw["version"] == version
     raw[field] = "HERE" if field != "metadata" else {"note": "HERE"}
     text = json.dumps(raw, separators=(",", ":")).replace('"HERE"', "[" * depth + "1" + "]" * depth)
     Path(path).write_bytes(_sealed_text(text.encode()))
-    assert Path(path).stat().st_size < 3000
+    assert Path(path).stat().st_size < 2 * depth + (2100 if version == 1 else 1000)  # the nesting, and little else
     with pytest.raises(ws.FormatError, match=field) as caught:
         ws.open(path)
     assert caught.value.path == path
@@ -849,11 +1065,13 @@ def test_clean_reports_what_it_keeps_in_text_and_json(tmp_path):
 
 
 def test_a_done_record_carries_its_job_incarnation_and_older_records_read_without_one():
-    from weightstore.formats._sharded_index import DoneRecord, Member, parse_done
+    from weightstore.formats._sharded_index import DoneRecord, Member, TableRef, parse_done
 
-    record = DoneRecord(3, 1, 0, 2, Member("rank-00000.safetensors", 10, 0), {}, "job-7f3a")
-    assert parse_done(record.to_json()).incarnation == "job-7f3a"
-    older = DoneRecord(3, 1, 0, 2, Member("rank-00000.safetensors", 10, 0), {})
+    member = Member("rank-00000.safetensors", 10, 0, TableRef(64, 0, "0" * 64))  # a version 2 record names its table
+    record = DoneRecord(3, 1, 0, 2, member, {}, "job-7f3a")
+    parsed = parse_done(record.to_json())
+    assert parsed.incarnation == "job-7f3a" and parsed.member.table == member.table
+    older = DoneRecord(3, 1, 0, 2, member, {})
     assert b"incarnation" not in older.to_json() and parse_done(older.to_json()).incarnation == ""
     for bad in ("a b", "x" * 65, 7):
         raw = json.loads(record.to_json()[: record.to_json().rindex(b',"crc32"')] + b"}")

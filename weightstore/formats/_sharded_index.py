@@ -1,19 +1,33 @@
-"""What a sharded version says about itself: the index, each rank's done-record, and their checks.
+"""What a sharded version says about itself: the index, each rank's block table and done-record, and their checks.
 
 A sharded version is one index file (``step-000000000042.wsindex``) naming member files (one
-per rank, each an ordinary safetensors, npz or HDF5 file) and, for every global key, the pieces that tile
-it: where each sits in the global tensor (``start``, ``shape``), where its bytes lie in its
-member (``offset``), and a CRC-32 and a BLAKE3 digest for each *block* of it (``rows`` rows
-along its first axis, about :data:`BLOCK_BYTES`), so a reader of a region fetches and verifies
-only the blocks that hold it, and a follower skips a region whose blocks' digests did not change
-(the CRC-32 finds damage; only the digest, which cannot be forged, says "unchanged"). Each rank's done-record says the same of its own member; the coordinator merges the
-done-records into the index without reading a tensor byte.
+per rank, each an ordinary safetensors, npz or HDF5 file) and, for every global key, the boxes
+(pieces) that tile it: which member holds each and where it sits in the global tensor
+(``start``, ``shape``). Everything per *block* lives with its member, in its **block table**
+(``rank-00003.blocks`` beside it, :class:`BlockTable`): where each piece's bytes (or each of its
+column strips) lie in the member, and a CRC-32 and a BLAKE3 digest for each block of it (whole
+rows along its first axis, :func:`piece_block_rows`). So the index grows with pieces, never
+with blocks; keys that share a partitioning share one *layout* (their list of boxes); and a
+reader of a region fetches the index, then the CRC-32 part of the tables of the members that
+hold its region (their sizes and BLAKE3 digests are in the index), and only the blocks that
+hold the region. A follower also fetches the digests of those tables, to skip a region whose
+blocks did not change (the CRC-32 finds damage; only the digest, which cannot be forged, says
+"unchanged"). Each rank's done-record says what its member holds (boxes, no blocks); the
+coordinator merges the done-records into the index without reading a tensor byte.
 
-Both files are read as hostile input: :meth:`ShardIndex.parse` and :func:`parse_done` check
-every field, and :func:`check_tensor` that the pieces of a key lie inside the tensor and inside
-their member, never overlap (in the tensor, or in a member's bytes) and cover the tensor, so
-nothing a reader allocates exceeds what the members hold. Errors name the key; the caller, which
-knows the file, names it with :func:`weightstore.errors.naming`.
+**Bounds** (:data:`MAX_INDEX_BYTES` and what feeds it) are checked by each rank in
+:func:`check_share` before it writes anything, so no index a commit would write is over them:
+see ``docs/sharded.md`` for the figures of a 405B model on 1,000 ranks.
+
+Indexes of version 1 (block checksums and digests inside the index, each strip its own piece)
+still read: :meth:`ShardIndex.parse` takes either, and the reader treats a version 1 piece as
+one already placed.
+
+Every file here is read as hostile input: :meth:`ShardIndex.parse`, :meth:`BlockTable.parse` and
+:func:`parse_done` check every field, and :func:`check_tensor` that the pieces of a key lie inside
+the tensor, never overlap and cover it, and the block table that they lie inside their member
+and never share its bytes, so nothing a reader allocates exceeds what the members hold. Errors
+name the key; the caller, which knows the file, names it with :func:`weightstore.errors.naming`.
 """
 
 from __future__ import annotations
@@ -34,13 +48,24 @@ from weightstore.core._jsontext import refuse_deep, refuse_dense, text_field
 from weightstore.core._tensortable import MAX_NDIM, fits_an_array
 from weightstore.core.keys import validate_key
 from weightstore.core.manifest import crc32, logical_dtype, raw_bytes
-from weightstore.errors import FormatError, InvalidKeyError, UnsafeFileError, WeightStoreError
+from weightstore.errors import (
+    ChecksumError,
+    FormatError,
+    InvalidKeyError,
+    SizeLimitError,
+    UnsafeFileError,
+    WeightStoreError,
+)
 
-__all__ = ["index_name", "attempt_folder", "member_name", "MEMBER_SUFFIXES", "done_name", "BLOCK_BYTES", "INDEX_FORMAT", "DONE_FORMAT", "MAX_INDEX_BYTES", "MAX_DONE_BYTES", "BYTES_PER_CONTAINER", "MAX_PIECES_PER_KEY", "INCARNATION",
-           "PieceEntry", "TensorEntry", "Member", "ShardIndex", "DoneRecord", "parse_done", "check_parsable", "check_tensor",
-           "check_member_bytes", "seal",
-           "block_rows", "block_crcs", "block_digests", "DIGEST_HEX", "row_bytes", "rows_of", "strip_columns", "STRIPED_FROM", "STRIP_ROW_BYTES",
-           "MAX_STRIPS", "STRIP_BLOCKS"]
+__all__ = ["index_name", "attempt_folder", "member_name", "MEMBER_SUFFIXES", "done_name", "table_name", "BLOCK_BYTES",
+           "MIN_BLOCK_BYTES", "PIECE_BLOCKS", "TILE_BYTES", "INDEX_FORMAT", "DONE_FORMAT", "BLOCKS_FORMAT", "MAX_INDEX_BYTES",
+           "MAX_V1_INDEX_BYTES", "MAX_DONE_BYTES", "KEY_BYTES", "RESERVED_BYTES", "MAX_TABLE_HEADER_BYTES",
+           "MAX_TABLE_BLOCKS", "BYTES_PER_CONTAINER", "MAX_PIECES_PER_KEY", "INCARNATION",
+           "PieceEntry", "TensorEntry", "Member", "TableRef", "Layout", "Box", "Placed", "BlockTable", "ShardIndex",
+           "DoneRecord", "DoneTensor", "parse_done", "check_parsable", "check_tensor", "check_boxes", "check_share",
+           "share_bytes", "key_entry_bytes", "member_entry_bytes", "check_member_bytes", "seal",
+           "block_rows", "piece_block_rows", "piece_cut", "block_crcs", "block_digests", "DIGEST_HEX", "row_bytes", "rows_of",
+           "strip_columns", "STRIPED_FROM", "STRIP_ROW_BYTES", "MAX_STRIPS", "STRIP_BLOCKS"]
 
 INDEX_FORMAT = "weightstore-sharded"
 DONE_FORMAT = "weightstore-shard-done"
@@ -59,8 +84,43 @@ STRIP_BLOCKS = 64
 #: hex digits of a block's BLAKE3 digest (all 256 bits: a shorter one could be made to collide)
 DIGEST_HEX = 64
 _HEX_DIGEST = re.compile(rf"[0-9a-f]{{{DIGEST_HEX}}}")
-MAX_INDEX_BYTES = 256 << 20
+BLOCKS_FORMAT = "weightstore-shard-blocks"
+
+# -- bounds: every limit on what a sharded version's index holds, in one place -------------------
+#: an index (version 2) at most: every rank checks its share of it before it writes anything
+#: (:func:`check_share`), so a commit never meets an index over it after the ranks wrote. A
+#: 405B LLaMA-shaped model on 1,000 FSDP ranks: about 0.3 MB (docs/sharded.md)
+MAX_INDEX_BYTES = 64 << 20
+#: an index of version 1 (block tables inside, written before them) is read up to this size
+MAX_V1_INDEX_BYTES = 256 << 20
+#: of :data:`MAX_INDEX_BYTES`, what the key entries (key, dtype, shape, layout) may take: each
+#: rank checks its own keys' entries against it, the commit the union of every rank's
+KEY_BYTES = 16 << 20
+#: of :data:`MAX_INDEX_BYTES`, what the header and the metadata take (metadata is ``LATEST``'s, at
+#: most 1 MiB); the rest is the ranks' shares: a rank's member entry and boxes may take at most
+#: ``(MAX_INDEX_BYTES - KEY_BYTES - RESERVED_BYTES) // world`` bytes of index
+RESERVED_BYTES = 4 << 20
+#: a done-record at most (it grows with the rank's pieces, never with their blocks)
 MAX_DONE_BYTES = 64 << 20
+#: a block table's header (its pieces' placement, JSON) at most
+MAX_TABLE_HEADER_BYTES = 64 << 20
+#: blocks one member's table may have: 64 MiB of CRC-32s, 512 MiB of digests a follower may fetch
+MAX_TABLE_BLOCKS = 1 << 24
+#: a block is cut to hold at least this many bytes (whole rows), so a small piece's table stays
+#: under 4 bytes of CRC-32 per KiB. 16 KiB made readers of 4-16 FSDP ranks' small pieces (a
+#: 7.6 MB LLaMA-shaped model) fetch 1.18-1.45x their share, whole pieces at their regions'
+#: edges; 1 KiB, 1.00-1.02x
+MIN_BLOCK_BYTES = 1 << 10
+#: a block of a column strip (a *tile*) holds at least this many bytes, or 1/:data:`PIECE_BLOCKS`
+#: of its piece if less, so a member's table stays under 4 bytes of CRC-32 per 6 KiB of it, and
+#: a 405B model's reader of 1/1,000 fetches under 1 MB of index (docs/sharded.md, Bounds). A
+#: flat 6 KiB gave a small model's 256 KiB pieces tiles of 32 rows, and row readers of another
+#: world size fetched up to 1.12x their share
+TILE_BYTES = 6 << 10
+#: a piece is cut into about this many blocks (between :data:`MIN_BLOCK_BYTES` and
+#: :data:`BLOCK_BYTES` each): a reader whose region ends inside a piece fetches at most one
+#: block more at that end, 1/64 of the piece
+PIECE_BLOCKS = 64
 #: a JSON object or array costs Python 56-64 bytes however short its text, so an index or a
 #: done-record may hold at most one per this many bytes: a piece's entry takes 14 or more, and
 #: 63 MB of empty lists parsed into 2 GB before this bound
@@ -99,6 +159,11 @@ def done_name(rank: int) -> str:
     return f"rank-{rank:05d}.done"
 
 
+def table_name(rank: int) -> str:
+    """The name of rank ``rank``'s block table, beside its member."""
+    return f"rank-{rank:05d}.blocks"
+
+
 def rows_of(shape: Sequence[int]) -> int:
     """Rows along the first axis (a scalar is one row)."""
     return shape[0] if shape else 1
@@ -110,8 +175,17 @@ def row_bytes(shape: Sequence[int], itemsize: int) -> int:
 
 
 def block_rows(shape: Sequence[int], itemsize: int) -> int:
-    """Rows a block of a piece of ``shape`` holds: about :data:`BLOCK_BYTES`, at least one row."""
+    """Rows a block of a piece of ``shape`` held in an index of version 1: about :data:`BLOCK_BYTES`, at least one row."""
     return max(1, BLOCK_BYTES // max(1, row_bytes(shape, itemsize)))
+
+
+def piece_block_rows(shape: Sequence[int], itemsize: int) -> int:
+    """Rows a block of a piece of ``shape`` holds: about 1/:data:`PIECE_BLOCKS` of the piece,
+    within :data:`MIN_BLOCK_BYTES` and :data:`BLOCK_BYTES`, at least one row. A region that
+    ends inside a piece fetches at most one block more there, so a reader's excess over its
+    share is a sixty-fourth of the pieces it cuts, or 1 KiB of a small one."""
+    each = max(1, row_bytes(shape, itemsize))
+    return max(1, min(BLOCK_BYTES // each, max(MIN_BLOCK_BYTES // each, -(-rows_of(shape) // PIECE_BLOCKS))))
 
 
 def strip_columns(shape: Sequence[int], itemsize: int, world: int = 1) -> int | None:
@@ -140,6 +214,37 @@ def strip_columns(shape: Sequence[int], itemsize: int, world: int = 1) -> int | 
     return columns if columns * 4 <= shape[1] else None
 
 
+def piece_cut(shape: Sequence[int], itemsize: int) -> tuple[int, int]:
+    """How a piece of ``shape`` is stored: ``(columns, rows)``, the width of its column strips
+    (0: stored whole) and the rows of each block.
+
+    A piece stored whole has blocks of :func:`piece_block_rows`. A piece of long rows is stored
+    as column strips (:func:`strip_columns`: about :data:`STRIP_ROW_BYTES` a row), whose blocks
+    (a strip's rows, a *tile*) must hold at least :data:`TILE_BYTES` (or a sixty-fourth of the
+    piece), so that a member's block table stays under 4 bytes of CRC-32 per
+    :data:`TILE_BYTES` of it: the rows of a tile grow
+    first (up to an eighth of the piece: a reader of a row range fetches at most that more at
+    each end), then its columns (a reader of a column range fetches at most a strip more at each
+    end; power-of-two widths cut halves and quarters exactly). Too few strips left: stored whole.
+    """
+    rows = piece_block_rows(shape, itemsize)
+    columns = strip_columns(shape, itemsize)
+    if columns is None:
+        return 0, rows
+    cell = math.prod(shape[2:]) * itemsize
+    rows = min(shape[0], max(rows, -(-shape[0] // STRIP_BLOCKS)))
+    most_rows = max(rows, shape[0] // 8)
+    tile = min(TILE_BYTES, max(MIN_BLOCK_BYTES, math.prod(shape) * itemsize // PIECE_BLOCKS))
+    while rows * columns * cell < tile:
+        if rows < most_rows:
+            rows = min(most_rows, rows * 2)
+        else:
+            columns *= 2
+            if columns * 4 > shape[1]:
+                return 0, piece_block_rows(shape, itemsize)
+    return columns, rows
+
+
 def block_crcs(data: np.ndarray, block_bytes: int) -> list[int]:
     """The CRC-32 of each block of ``block_bytes`` of a piece's stored bytes (``data``: uint8, C order)."""
     return [crc32(data[at : at + block_bytes]) for at in range(0, data.size, block_bytes)] if block_bytes else []
@@ -156,8 +261,10 @@ def block_digests(data: np.ndarray, block_bytes: int) -> list[str]:
 
 @dataclass(frozen=True)
 class PieceEntry:
-    """One piece of a global tensor: its box in the tensor, its bytes in its member, its blocks'
-    CRC-32s and BLAKE3 digests (``blocks``: None in an index written before they were recorded)."""
+    """One stored run of a piece, placed: its box in the tensor, its bytes in its member, its
+    blocks' CRC-32s and BLAKE3 digests (``blocks``: None where they were not recorded, or not
+    fetched). An index of version 1 holds these itself, one per column strip; a version 2 index
+    holds :class:`Box` es, which a reader places through their member's :class:`BlockTable`."""
 
     member: int
     start: tuple[int, ...]
@@ -175,10 +282,59 @@ class PieceEntry:
 
 
 @dataclass(frozen=True)
+class Box:
+    """A piece as a version 2 index names it: which member holds it, where it sits in the tensor."""
+
+    member: int
+    start: tuple[int, ...]
+    shape: tuple[int, ...]
+
+
+class Layout:
+    """The boxes that tile the tensors of one partitioning, as arrays (a reader of a 64 MB index
+    makes no object per box; it picks the boxes a region touches, :meth:`boxes_in`). Keys that
+    are cut alike share one: a version's index grows with the partitionings, not the keys."""
+
+    def __init__(self, members: np.ndarray, starts: np.ndarray, shapes: np.ndarray):
+        self.members, self.starts, self.shapes = members, starts, shapes
+
+    @property
+    def ndim(self) -> int:
+        return int(self.starts.shape[1])
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def boxes_in(self, bounds: Sequence[tuple[int, int]]) -> list[Box]:
+        """The non-empty boxes that hold part of the region ``bounds`` (``(start, stop)`` per axis)."""
+        lo = np.array([b[0] for b in bounds], np.int64).reshape(1, -1)
+        hi = np.array([b[1] for b in bounds], np.int64).reshape(1, -1)
+        ends = self.starts + self.shapes
+        hit = np.all((self.starts < hi) & (ends > lo), axis=1) & np.all(self.shapes > 0, axis=1)
+        return [Box(int(self.members[i]), tuple(self.starts[i].tolist()), tuple(self.shapes[i].tolist()))
+                for i in np.flatnonzero(hit)]
+
+    def to_json(self) -> list[int]:
+        return [self.ndim, *np.concatenate([self.members.reshape(-1, 1), self.starts, self.shapes], axis=1)
+                .reshape(-1).tolist()]
+
+    @classmethod
+    def of(cls, boxes: Sequence[Box], ndim: int) -> Layout:
+        members = np.array([b.member for b in boxes], np.int64)
+        starts = np.array([b.start for b in boxes], np.int64).reshape(len(boxes), ndim)
+        shapes = np.array([b.shape for b in boxes], np.int64).reshape(len(boxes), ndim)
+        return cls(members, starts, shapes)
+
+
+@dataclass(frozen=True)
 class TensorEntry:
+    """A key: its dtype, global shape and pieces (``pieces``: an index of version 1's, placed;
+    ``layout``: a version 2 index's boxes)."""
+
     dtype: str
     shape: tuple[int, ...]
-    pieces: tuple[PieceEntry, ...]
+    pieces: tuple[PieceEntry, ...] = ()
+    layout: Layout | None = None
 
     @property
     def itemsize(self) -> int:
@@ -193,12 +349,72 @@ class TensorEntry:
 
 
 @dataclass(frozen=True)
+class TableRef:
+    """What the index says of a member's block table: ``head`` bytes (its header and CRC-32s,
+    what a reader fetches) whose BLAKE3 is ``blake3``, then ``digests`` bytes of block digests
+    (what a follower fetches too; the header carries their BLAKE3)."""
+
+    head: int
+    digests: int
+    blake3: str
+
+
+@dataclass(frozen=True)
 class Member:
-    """One rank's file: its name relative to the index's folder, and its size in bytes."""
+    """One rank's file: its name relative to the index's folder, its size in bytes, and (version 2) its block table."""
 
     file: str
     size: int
     rank: int
+    table: TableRef | None = None
+
+    def table_file(self) -> str:
+        """The block table's name, relative to the index's folder."""
+        return f"{self.file.rsplit('/', 1)[0]}/{table_name(self.rank)}" if "/" in self.file else table_name(self.rank)
+
+
+def key_entry_bytes(key: str, dtype: str, shape: Sequence[int], layout: int) -> int:
+    """Bytes a key's entry takes in a version 2 index (a layout number as long as ``layout``)."""
+    return len(orjson.dumps({key: [dtype, list(shape), layout]})) - 1
+
+
+def member_entry_bytes(file: str, size: int, table: TableRef) -> int:
+    """Bytes a member's entry takes in a version 2 index, its commas included."""
+    return len(orjson.dumps([file.rsplit("/", 1)[-1], size, table.head, table.digests, table.blake3])) + 1
+
+
+def share_bytes(boxes: Sequence[Box], world: int) -> int:
+    """Bytes ``boxes`` take in a version 2 index as a rank's at most (each box as its member
+    number, start and shape, written out, with commas); identical layouts of several keys are
+    written once, so the index holds less."""
+    rank_digits = len(str(max(0, world - 1)))
+    return sum(rank_digits + 1 + sum(len(str(v)) + 1 for v in b.start) + sum(len(str(v)) + 1 for v in b.shape)
+               for b in boxes)
+
+
+def check_share(*, world: int, keys: Mapping[str, tuple[str, tuple[int, ...]]], boxes: Sequence[Box],
+                member: tuple[str, int, TableRef], where: str) -> None:
+    """That what one rank adds to its version's index keeps the index under :data:`MAX_INDEX_BYTES`,
+    before the rank writes anything: its member entry and boxes within its share
+    (``(MAX_INDEX_BYTES - KEY_BYTES - RESERVED_BYTES) // world``), its keys' entries within
+    :data:`KEY_BYTES` (the commit checks the union of every rank's keys against it too).
+
+    Raises:
+        SizeLimitError: naming ``where`` (the member) and what to change.
+    """
+    layout_digits = len(str(max(1, len(keys))))
+    keyed = sum(key_entry_bytes(key, dtype, shape, 10 ** (layout_digits - 1)) + 1
+                for key, (dtype, shape) in keys.items())
+    if keyed > KEY_BYTES:
+        raise SizeLimitError(f"the entries of this rank's keys ({len(keys)}) would take {keyed} bytes of the version's "
+                             f"index, over the {KEY_BYTES} its keys may take (docs/sharded.md, Bounds); publish fewer "
+                             "keys per version", path=where)
+    share = (MAX_INDEX_BYTES - KEY_BYTES - RESERVED_BYTES) // max(1, world)
+    mine = member_entry_bytes(*member) + share_bytes(boxes, world)
+    if mine > share:
+        raise SizeLimitError(f"this rank's {len(boxes)} pieces would take {mine} bytes of the version's index, over "
+                             f"the {share} bytes each of {world} ranks may add to it (docs/sharded.md, Bounds); "
+                             "hold fewer, larger pieces per rank (column strips do not count)", path=where)
 
 
 @dataclass
@@ -211,20 +427,44 @@ class ShardIndex:
     tensors: dict[str, TensorEntry]
     metadata: dict[str, Any] = field(default_factory=dict)
     producer: str = ""
+    version: int = 2
+    layouts: list[Layout] = field(default_factory=list)
 
     def to_json(self) -> bytes:
-        return seal({
-            "format": INDEX_FORMAT, "version": 1, "step": self.step, "attempt": self.attempt, "world": self.world,
-            "created": self.created, "producer": self.producer, "metadata": self.metadata,
-            "members": [{"file": m.file, "size": m.size, "rank": m.rank} for m in self.members],
-            "tensors": {key: entry.to_json() for key, entry in self.tensors.items()},
+        head = {"format": INDEX_FORMAT, "version": self.version, "step": self.step, "attempt": self.attempt,
+                "world": self.world, "created": self.created, "producer": self.producer, "metadata": self.metadata}
+        if self.version == 1:
+            return seal(head | {
+                "members": [{"file": m.file, "size": m.size, "rank": m.rank} for m in self.members],
+                "tensors": {key: entry.to_json() for key, entry in self.tensors.items()}})
+        numbers = {id(layout): at for at, layout in enumerate(self.layouts)}
+        tables = [m.table or TableRef(0, 0, "") for m in self.members]
+        return seal(head | {
+            "members": {"files": [m.file.rsplit("/", 1)[-1] for m in self.members],
+                        "sizes": [m.size for m in self.members], "heads": [t.head for t in tables],
+                        "digests": [t.digests for t in tables], "blake3": [t.blake3 for t in tables]},
+            "layouts": [layout.to_json() for layout in self.layouts],
+            "tensors": {key: [entry.dtype, list(entry.shape), numbers[id(entry.layout)]]
+                        for key, entry in self.tensors.items()},
         })
 
     @classmethod
     def parse(cls, data: bytes) -> ShardIndex:
-        """An index read from a file, every field checked (see the module docstring)."""
-        raw = _document(data, INDEX_FORMAT, MAX_INDEX_BYTES)
+        """An index read from a file (version 1 or 2), every field checked (see the module docstring)."""
+        raw = _document(data, INDEX_FORMAT, MAX_V1_INDEX_BYTES, (1, 2))
+        if raw["version"] == 2 and len(data) > MAX_INDEX_BYTES:
+            raise FormatError(f"is over {MAX_INDEX_BYTES} bytes; not a {INDEX_FORMAT} file")
         step, attempt, world = (_count(raw.get(name), name) for name in ("step", "attempt", "world"))
+        metadata = raw.get("metadata", {})
+        if not isinstance(metadata, dict):
+            raise FormatError("metadata is not an object")
+        refuse_deep(metadata, "metadata")
+        created, producer = text_field(raw, "created", "the index's"), text_field(raw, "producer", "the index's")
+        if raw["version"] == 2:
+            members = _members_v2(raw.get("members"), step, attempt, world)
+            layouts = _layouts(raw.get("layouts"), world)
+            tensors = _tensors_v2(raw.get("tensors"), layouts, members, nbytes=len(data))
+            return cls(step, attempt, world, created, members, tensors, metadata, producer, 2, layouts)
         members_raw = raw.get("members")
         if not isinstance(members_raw, list) or len(members_raw) != world:
             raise FormatError(f"the index must name {world} members, one per rank")
@@ -237,54 +477,359 @@ class ShardIndex:
                 raise FormatError(f"member {rank} must be {expected!r} (or another member format's suffix), "
                                   f"not {entry['file'][:200]!r}")
             members.append(Member(entry["file"], _count(entry.get("size"), f"member {rank} size"), rank))
-        metadata = raw.get("metadata", {})
-        if not isinstance(metadata, dict):
-            raise FormatError("metadata is not an object")
-        refuse_deep(metadata, "metadata")
-        created, producer = text_field(raw, "created", "the index's"), text_field(raw, "producer", "the index's")
         tensors = _tensors(raw.get("tensors"), members, nbytes=len(data))
         check_member_bytes(tensors, members)
-        return cls(step, attempt, world, created, members, tensors, metadata, producer)
+        return cls(step, attempt, world, created, members, tensors, metadata, producer, 1)
+
+
+def _members_v2(raw: Any, step: int, attempt: int, world: int) -> list[Member]:
+    columns = ("files", "sizes", "heads", "digests", "blake3")
+    if not isinstance(raw, dict) or not all(isinstance(raw.get(name), list) and len(raw[name]) == world
+                                            for name in columns):
+        raise FormatError(f"members is not an object of {', '.join(columns)}: {world} of each, one per rank")
+    folder = f"{attempt_folder(step, attempt)}/"
+    members = []
+    for rank, (file, size, head, digests, digest) in enumerate(zip(*(raw[name] for name in columns), strict=True)):
+        if not isinstance(file, str) or file not in _member_names(rank):
+            raise FormatError(f"member {rank} must be {member_name(rank)!r} (or another member format's suffix), "
+                              f"not {str(file)[:200]!r}")
+        if not isinstance(digest, str) or not _HEX_DIGEST.fullmatch(digest):
+            raise FormatError(f"member {rank}'s block table digest is not {DIGEST_HEX} hex digits")
+        head, digests = _count(head, f"member {rank}'s block table head"), _count(digests, f"member {rank} digests")
+        if head > MAX_TABLE_HEADER_BYTES + 4 * MAX_TABLE_BLOCKS + 16 or digests != 8 * (digests // 8) or \
+                digests > DIGEST_BYTES * MAX_TABLE_BLOCKS:
+            raise FormatError(f"member {rank}'s block table is not of a size a table has ({head} + {digests} bytes)")
+        members.append(Member(folder + file, _count(size, f"member {rank} size"), rank, TableRef(head, digests, digest)))
+    return members
+
+
+def _layouts(raw: Any, world: int) -> list[Layout]:
+    if not isinstance(raw, list):
+        raise FormatError("layouts is not a list")
+    layouts = []
+    for at, flat in enumerate(raw):
+        if not isinstance(flat, list) or not flat or not all(type(v) is int and 0 <= v < 1 << 62 for v in flat):
+            raise FormatError(f"layout {at} is not a list of non-negative integers below 2**62")
+        ndim = flat[0]
+        stride = 1 + 2 * ndim
+        if ndim > MAX_NDIM or (len(flat) - 1) % stride:
+            raise FormatError(f"layout {at} is not {ndim}-dimensional boxes (member, start, shape)")
+        if (len(flat) - 1) // stride > MAX_PIECES_PER_KEY:
+            raise FormatError(f"layout {at} has {(len(flat) - 1) // stride} pieces, over {MAX_PIECES_PER_KEY}")
+        table = np.array(flat[1:], np.int64).reshape(-1, stride)
+        if len(table) and int(table[:, 0].max()) >= world:
+            raise FormatError(f"layout {at} has a piece in member {int(table[:, 0].max())}, of {world}")
+        layouts.append(Layout(table[:, 0].copy(), table[:, 1 : 1 + ndim].copy(), table[:, 1 + ndim :].copy()))
+    return layouts
+
+
+def _tensors_v2(raw: Any, layouts: list[Layout], members: list[Member], *, nbytes: int = 0) -> dict[str, TensorEntry]:
+    if not isinstance(raw, dict):
+        raise FormatError("tensors is not an object")
+    tensors = {}
+    checked: set[tuple[int, tuple[int, ...]]] = set()
+    shape_of: dict[int, tuple[int, ...]] = {}  # the shape each layout was first checked against
+    budget = OverlapBudget(nbytes)
+    for key, entry in raw.items():
+        try:
+            validate_key(key)
+        except InvalidKeyError as exc:
+            raise FormatError(f"names an invalid key ({exc.message})", key=key) from None
+        if not isinstance(entry, list) or len(entry) != 3 or not isinstance(entry[0], str) or \
+                type(entry[2]) is not int or not 0 <= entry[2] < len(layouts):
+            raise FormatError(f"is not a tensor entry [dtype, shape, layout] of one of {len(layouts)} layouts", key=key)
+        try:
+            itemsize = logical_dtype(entry[0]).itemsize
+        except WeightStoreError:
+            raise FormatError(f"has unknown dtype {entry[0][:40]!r}", key=key) from None
+        shape = _counts(entry[1], "shape", key)
+        if not fits_an_array(shape, itemsize):
+            raise FormatError(f"has a shape {list(shape)} too large for any array", key=key)
+        layout = layouts[entry[2]]
+        if layout.ndim != len(shape):
+            raise FormatError(f"has shape {list(shape)} and a layout of {layout.ndim}-dimensional pieces", key=key)
+        if (entry[2], shape) not in checked:  # keys of one shape and layout: checked once
+            first = shape_of.setdefault(entry[2], shape)
+            if first != shape and 0 not in shape:  # boxes that tile one shape exactly tile no other
+                raise FormatError(f"its pieces do not cover it: its layout {entry[2]} tiles shape {list(first)}, not "
+                                  f"{list(shape)}", key=key)
+            check_boxes(key, shape, layout, members, budget=budget)
+            checked.add((entry[2], shape))
+        tensors[key] = TensorEntry(entry[0], shape, (), layout)
+    return tensors
+
+
+@dataclass(frozen=True)
+class DoneTensor:
+    """What a done-record says of one key: dtype, global shape, and each piece's start, shape and
+    BLAKE3 digest of its bytes (replicas written alike are told apart by it at the commit)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    pieces: tuple[tuple[tuple[int, ...], tuple[int, ...], str], ...]
 
 
 @dataclass(frozen=True)
 class DoneRecord:
-    """What one rank says it wrote: its member file (name in the attempt folder, size) and pieces."""
+    """What one rank says it wrote: its member file (name in the attempt folder, size), its block
+    table (:class:`TableRef`) and its pieces' boxes. No block of them: those are in the table."""
 
     step: int
     attempt: int
     rank: int
     world: int
     member: Member
-    tensors: dict[str, TensorEntry]
+    tensors: dict[str, DoneTensor]
     #: which launch of the job wrote it (:data:`INCARNATION`); "" in records of a weightstore
     #: before incarnations, or of a rank that ran outside any cluster
     incarnation: str = ""
 
     def to_json(self) -> bytes:
+        table = self.member.table or TableRef(0, 0, "")
         return seal({
-            "format": DONE_FORMAT, "version": 1, "step": self.step, "attempt": self.attempt, "rank": self.rank,
+            "format": DONE_FORMAT, "version": 2, "step": self.step, "attempt": self.attempt, "rank": self.rank,
             "world": self.world, "member": {"file": self.member.file, "size": self.member.size},
             **({"incarnation": self.incarnation} if self.incarnation else {}),
-            "tensors": {key: entry.to_json() for key, entry in self.tensors.items()},
+            "table": [table.head, table.digests, table.blake3],
+            "tensors": {key: [entry.dtype, list(entry.shape), [[*start, *shape, digest]
+                                                              for start, shape, digest in entry.pieces]]
+                        for key, entry in self.tensors.items()},
         })
 
 
 def parse_done(data: bytes) -> DoneRecord:
-    """A done-record read from a rank's folder, every field checked; pieces name member 0 (its own)."""
-    raw = _document(data, DONE_FORMAT, MAX_DONE_BYTES)
+    """A done-record read from a rank's folder, every field checked."""
+    raw = _document(data, DONE_FORMAT, MAX_DONE_BYTES, (2,))
     step, attempt, rank, world = (_count(raw.get(name), name) for name in ("step", "attempt", "rank", "world"))
-    member_raw = raw.get("member")
+    member_raw, table = raw.get("member"), raw.get("table")
     if not isinstance(member_raw, dict) or not isinstance(member_raw.get("file"), str):
         raise FormatError("member is not a file entry")
     if member_raw["file"] not in _member_names(rank):
         raise FormatError(f"member must be {member_name(rank)!r} (or another member format's suffix)")
-    member = Member(member_raw["file"], _count(member_raw.get("size"), "member size"), rank)
+    if not isinstance(table, list) or len(table) != 3 or not isinstance(table[2], str) or \
+            not _HEX_DIGEST.fullmatch(table[2]):
+        raise FormatError("table is not [head bytes, digest bytes, BLAKE3 of the head]")
+    ref = TableRef(_count(table[0], "table head"), _count(table[1], "table digests"), table[2])
+    member = Member(member_raw["file"], _count(member_raw.get("size"), "member size"), rank, ref)
     incarnation = raw.get("incarnation", "")
     if not isinstance(incarnation, str) or (incarnation and not INCARNATION.fullmatch(incarnation)):
         raise FormatError(f"incarnation is not a job incarnation ({INCARNATION.pattern})")
-    return DoneRecord(step, attempt, rank, world, member, _tensors(raw.get("tensors"), [member], own=True),
-                      incarnation)
+    tensors_raw = raw.get("tensors")
+    if not isinstance(tensors_raw, dict):
+        raise FormatError("tensors is not an object")
+    tensors = {}
+    for key, entry in tensors_raw.items():
+        try:
+            validate_key(key)
+        except InvalidKeyError as exc:
+            raise FormatError(f"names an invalid key ({exc.message})", key=key) from None
+        if not isinstance(entry, list) or len(entry) != 3 or not isinstance(entry[0], str) or \
+                not isinstance(entry[2], list):
+            raise FormatError("is not a tensor entry [dtype, shape, pieces]", key=key)
+        try:
+            logical_dtype(entry[0])
+        except WeightStoreError:
+            raise FormatError(f"has unknown dtype {entry[0][:40]!r}", key=key) from None
+        shape = _counts(entry[1], "shape", key)
+        if len(entry[2]) > MAX_PIECES_PER_KEY:
+            raise FormatError(f"has {len(entry[2])} pieces, over {MAX_PIECES_PER_KEY}", key=key)
+        pieces = []
+        for piece in entry[2]:
+            if not isinstance(piece, list) or len(piece) != 2 * len(shape) + 1 or not isinstance(piece[-1], str) \
+                    or len(piece[-1]) > 80:
+                raise FormatError(f"has a piece that is not [start, shape, digest] of {len(shape)} axes", key=key)
+            numbers = tuple(_count(v, "a piece's start and shape", key) for v in piece[:-1])
+            pieces.append((numbers[: len(shape)], numbers[len(shape) :], piece[-1]))
+        tensors[key] = DoneTensor(entry[0], shape, tuple(pieces))
+    return DoneRecord(step, attempt, rank, world, member, tensors, incarnation)
+
+
+#: bytes of one block's BLAKE3 digest in a block table
+DIGEST_BYTES = 32
+_TABLE_MAGIC = b"WSBLOCKS"
+
+
+@dataclass(frozen=True)
+class Placed:
+    """One piece in its member's block table: its key, dtype and box, the width of its column
+    strips (0: stored whole), rows per block, its first block in the table, and each strip's
+    offset in the member (strips are full height, in column order)."""
+
+    key: str
+    dtype: str
+    start: tuple[int, ...]
+    shape: tuple[int, ...]
+    columns: int
+    rows: int
+    first: int
+    offsets: tuple[int, ...]
+
+    @property
+    def strips(self) -> int:
+        return -(-self.shape[1] // self.columns) if self.columns else 1
+
+    def strip_box(self, strip: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        if not self.columns:
+            return self.start, self.shape
+        at = strip * self.columns
+        return ((self.start[0], self.start[1] + at, *self.start[2:]),
+                (self.shape[0], min(self.columns, self.shape[1] - at), *self.shape[2:]))
+
+    def strip_bytes(self, strip: int) -> int:
+        return math.prod(self.strip_box(strip)[1]) * logical_dtype(self.dtype).itemsize
+
+    @property
+    def blocks_per_strip(self) -> int:
+        return -(-rows_of(self.shape) // self.rows) if self.rows and math.prod(self.shape) else 0
+
+    def flat(self) -> list[Any]:
+        """As its table's header lists it; strips that follow one another in the member (as a
+        safetensors member holds them) by their first offset alone."""
+        offsets = self.offsets
+        if len(offsets) > 1 and all(offsets[i] + self.strip_bytes(i) == offsets[i + 1] for i in range(len(offsets) - 1)):
+            offsets = offsets[:1]
+        return [self.key, self.dtype, len(self.start), *self.start, *self.shape, self.columns, self.rows, self.first,
+                len(self.offsets), *offsets]
+
+
+class BlockTable:
+    """One member's block table (``rank-00003.blocks``): where each of its pieces lies in it and
+    a CRC-32 and BLAKE3 digest per block. The file: ``WSBLOCKS``, the header's length (8 bytes,
+    little-endian), the header (sealed JSON: step, attempt, rank, member, its size, the blocks,
+    the BLAKE3 of the digests, and each piece as :meth:`Placed.flat`), the CRC-32s (4 bytes
+    each, little-endian) and the digests (32 bytes each). The index gives the size and BLAKE3 of
+    all but the digests (what a reader fetches), and the header the BLAKE3 of the digests."""
+
+    def __init__(self, *, step: int, attempt: int, rank: int, member: str, size: int, pieces: list[Placed],
+                 crcs: np.ndarray, digests: bytes | None, digests_blake3: str):
+        self.step, self.attempt, self.rank, self.member, self.size = step, attempt, rank, member, size
+        self.pieces, self.crcs, self.digests, self.digests_blake3 = pieces, crcs, digests, digests_blake3
+        self._by_box = {(p.key, p.start): p for p in pieces}
+
+    def head_bytes(self) -> bytes:
+        header = seal({"format": BLOCKS_FORMAT, "version": 1, "step": self.step, "attempt": self.attempt,
+                       "rank": self.rank, "member": self.member, "size": self.size, "blocks": len(self.crcs),
+                       "blake3": self.digests_blake3, "pieces": [p.flat() for p in self.pieces]})
+        return _TABLE_MAGIC + len(header).to_bytes(8, "little") + header + self.crcs.astype("<u4").tobytes()
+
+    def ref(self) -> TableRef:
+        head = self.head_bytes()
+        return TableRef(len(head), DIGEST_BYTES * len(self.crcs), blake3.blake3(head).hexdigest())
+
+    def find(self, key: str, start: tuple[int, ...]) -> Placed | None:
+        return self._by_box.get((key, start))
+
+    def placed(self, piece: Placed, member: int, digests: bool = False) -> list[PieceEntry]:
+        """``piece`` as the stored runs a reader fetches: one :class:`PieceEntry` a strip, with
+        its blocks' CRC-32s (and digests, once :meth:`take_digests` has them and ``digests``)."""
+        found = []
+        count = piece.blocks_per_strip
+        for strip in range(piece.strips):
+            start, shape = piece.strip_box(strip)
+            first = piece.first + strip * count
+            crcs = tuple(self.crcs[first : first + count].tolist())
+            blocks = None
+            if digests and self.digests is not None:
+                blocks = tuple(self.digests[at * DIGEST_BYTES : (at + 1) * DIGEST_BYTES].hex()
+                               for at in range(first, first + count))
+            found.append(PieceEntry(member, start, shape, piece.offsets[strip], piece.rows, crcs, "", blocks))
+        return found
+
+    def take_digests(self, data: bytes) -> None:
+        """The table's digests, fetched: refused unless their BLAKE3 is the header's."""
+        if len(data) != DIGEST_BYTES * len(self.crcs) or blake3.blake3(data).hexdigest() != self.digests_blake3:
+            raise ChecksumError("its block digests do not match the BLAKE3 its header gives")
+        self.digests = data
+
+    @classmethod
+    def parse_head(cls, data: bytes, ref: TableRef, member: Member, step: int, attempt: int) -> BlockTable:
+        """The head (header and CRC-32s) of ``member``'s table, checked: its BLAKE3 is the index's
+        (``ref``), its header names this member, step and attempt, and its pieces lie inside the
+        member without sharing a byte, their strips and blocks as their shapes say."""
+        if len(data) != ref.head or blake3.blake3(data).hexdigest() != ref.blake3:
+            raise ChecksumError("is not the block table the index names (its size or BLAKE3 differs)")
+        if data[:8] != _TABLE_MAGIC:
+            raise FormatError(f"is not a {BLOCKS_FORMAT} file")
+        length = int.from_bytes(data[8:16], "little")
+        if 16 + length > len(data) or (len(data) - 16 - length) % 4:
+            raise FormatError(f"has a header of {length} bytes that its {len(data)} do not hold with whole CRC-32s")
+        raw = _document(data[16 : 16 + length], BLOCKS_FORMAT, MAX_TABLE_HEADER_BYTES, (1,))
+        crcs = np.frombuffer(data, "<u4", offset=16 + length).astype(np.uint32)
+        blocks = _count(raw.get("blocks"), "blocks")
+        if blocks != len(crcs) or blocks > MAX_TABLE_BLOCKS:
+            raise FormatError(f"says {blocks} blocks and holds {len(crcs)} CRC-32s (at most {MAX_TABLE_BLOCKS})")
+        if (raw.get("step"), raw.get("attempt"), raw.get("rank"), raw.get("member"), raw.get("size")) != (
+                step, attempt, member.rank, member.file.rsplit("/", 1)[-1], member.size):
+            raise FormatError(f"is not the table of {member.file} ({member.size} bytes) of step {step} attempt "
+                              f"{attempt}")
+        digest = raw.get("blake3")
+        if not isinstance(digest, str) or not _HEX_DIGEST.fullmatch(digest) or ref.digests != DIGEST_BYTES * blocks:
+            raise FormatError("has no BLAKE3 of its digests, or the index gives another count of them")
+        pieces = _placed(raw.get("pieces"), blocks, member)
+        return cls(step=step, attempt=attempt, rank=member.rank, member=raw["member"], size=member.size,
+                   pieces=pieces, crcs=crcs, digests=None, digests_blake3=digest)
+
+
+def _placed(raw: Any, blocks: int, member: Member) -> list[Placed]:
+    if not isinstance(raw, list):
+        raise FormatError("pieces is not a list")
+    pieces: list[Placed] = []
+    spans: list[tuple[int, int, str]] = []
+    seen: set[tuple[str, tuple[int, ...]]] = set()
+    first = 0
+    for flat in raw:
+        if not isinstance(flat, list) or len(flat) < 4 or not isinstance(flat[0], str) or \
+                not isinstance(flat[1], str) or type(flat[2]) is not int:
+            raise FormatError("has a piece that is not [key, dtype, ndim, start, shape, columns, rows, first, "
+                              "strips, offsets]")
+        key, dtype, ndim = flat[0], flat[1], flat[2]
+        try:
+            validate_key(key)
+            itemsize = logical_dtype(dtype).itemsize
+        except WeightStoreError as exc:
+            raise FormatError(f"has a piece of an invalid key or dtype ({exc.message})", key=key[:200]) from None
+        if not 0 <= ndim <= MAX_NDIM or len(flat) < 3 + 2 * ndim + 4:
+            raise FormatError("has a piece too short for its axes", key=key)
+        numbers = [_count(v, "a piece's field", key) for v in flat[3:]]
+        start, shape = tuple(numbers[:ndim]), tuple(numbers[ndim : 2 * ndim])
+        columns, rows, at, strips = numbers[2 * ndim : 2 * ndim + 4]
+        offsets = tuple(numbers[2 * ndim + 4 :])
+        piece = Placed(key, dtype, start, shape, columns, rows, at, offsets)
+        if (columns and (ndim < 2 or not shape[1])) or strips != piece.strips or strips > MAX_STRIPS or \
+                len(offsets) not in (1, strips):
+            raise FormatError(f"has a piece of shape {list(shape)} with {len(offsets)} strip offsets for {strips} "
+                              f"strips of {columns} columns", key=key)
+        if len(offsets) < strips:  # strips end to end
+            ends = np.cumsum([offsets[0]] + [piece.strip_bytes(i) for i in range(strips - 1)]).tolist()
+            piece = Placed(key, dtype, start, shape, columns, rows, at, tuple(ends))
+            offsets = piece.offsets
+        nbytes = math.prod(shape) * itemsize
+        if (columns and (ndim < 2 or not shape[1])) or strips != len(offsets) or strips != piece.strips:
+            raise FormatError(f"has a piece of shape {list(shape)} with {len(offsets)} strip offsets for strips of "
+                              f"{columns} columns", key=key)
+        if (nbytes and not rows) or at != first:
+            raise FormatError("has a piece whose blocks are not the next in the table", key=key)
+        first += strips * piece.blocks_per_strip
+        if first > blocks:
+            raise FormatError(f"has pieces whose blocks number over the table's {blocks}", key=key)
+        if (key, start) in seen:
+            raise FormatError(f"has two pieces at {list(start)}", key=key)
+        seen.add((key, start))
+        for strip, offset in enumerate(offsets):
+            length = piece.strip_bytes(strip)
+            if offset + length > member.size:
+                raise FormatError(f"has a piece at byte {offset} of {length} bytes, past the end of member "
+                                  f"{member.file} ({member.size} bytes)", key=key)
+            if length:
+                spans.append((offset, offset + length, key))
+        pieces.append(piece)
+    if first != blocks:
+        raise FormatError(f"has pieces of {first} blocks, and {blocks} CRC-32s")
+    spans.sort()
+    for (_, end, _), (start_at, _, key) in zip(spans, spans[1:], strict=False):
+        if start_at < end:
+            raise FormatError(f"has a piece whose bytes overlap another's in member {member.file}", key=key)
+    return pieces
 
 
 #: how a sealed document ends: its CRC-32, of every byte before this trailer
@@ -313,7 +858,7 @@ def check_parsable(data: bytes, kind: str, limit: int, error: type[WeightStoreEr
         raise error(exc.message) from None
 
 
-def _document(data: bytes, kind: str, limit: int) -> dict[str, Any]:
+def _document(data: bytes, kind: str, limit: int, versions: tuple[int, ...] = (1,)) -> dict[str, Any]:
     check_parsable(data, kind, limit)
     trailer = _SEAL.search(data[-32:])
     if trailer is None:
@@ -327,8 +872,9 @@ def _document(data: bytes, kind: str, limit: int) -> dict[str, Any]:
         raw = None
     if not isinstance(raw, dict) or raw.get("format") != kind:
         raise FormatError(f"is not a {kind} file")
-    if raw.get("version") != 1:
-        raise FormatError(f"is {kind} version {raw.get('version')!r}; this weightstore reads version 1")
+    if raw.get("version") not in versions:
+        raise FormatError(f"is {kind} version {raw.get('version')!r}; this weightstore reads version "
+                          f"{' or '.join(map(str, versions))}")
     return raw
 
 
@@ -400,10 +946,8 @@ def _piece(raw: Any, key: str, ndim: int, members: int, own: bool) -> PieceEntry
 
 def check_tensor(key: str, entry: TensorEntry, members: Sequence[Member],
                  error: type[WeightStoreError] = FormatError, budget: OverlapBudget | None = None) -> None:
-    """That ``key`` has at most :data:`MAX_PIECES_PER_KEY` pieces (a coordinator merging every
-    rank's pieces checks the sum, which no done-record alone bounds: an index over it would be
-    committed and then refused by every reader), that they lie in the tensor and their members,
-    never overlap, and cover it. ``budget``: the comparisons the whole index may still make."""
+    """An index of version 1's key: its pieces as :func:`check_boxes` checks boxes, and each
+    inside its member, its block checksums and digests as many as its blocks."""
     if len(entry.pieces) > MAX_PIECES_PER_KEY:
         raise error(f"has {len(entry.pieces)} pieces, over {MAX_PIECES_PER_KEY}", key=key)
     itemsize = entry.itemsize
@@ -420,11 +964,30 @@ def check_tensor(key: str, entry: TensorEntry, members: Sequence[Member],
             raise error(f"has a piece with {len(piece.crcs)} block checksums for {blocks} blocks", key=key)
         if piece.blocks is not None and len(piece.blocks) != blocks:
             raise error(f"has a piece with {len(piece.blocks)} block digests for {blocks} blocks", key=key)
-    _check_no_overlap(key, entry, members, error, OverlapBudget() if budget is None else budget)
-    covered = sum(math.prod(p.shape) for p in entry.pieces)
-    if covered != math.prod(entry.shape):
-        raise error(f"its pieces do not cover it: they hold {covered} of its {math.prod(entry.shape)} elements "
-                    f"(shape {list(entry.shape)}); a rank left a gap", key=key)
+    check_boxes(key, entry.shape, Layout.of([Box(p.member, p.start, p.shape) for p in entry.pieces], len(entry.shape)),
+                members, error, budget)
+
+
+def check_boxes(key: str, shape: tuple[int, ...], layout: Layout, members: Sequence[Member],
+                error: type[WeightStoreError] = FormatError, budget: OverlapBudget | None = None) -> None:
+    """That ``key`` (of ``shape``) has at most :data:`MAX_PIECES_PER_KEY` pieces (a coordinator
+    merging every rank's pieces checks the sum, which no done-record alone bounds: an index
+    over it would be committed and then refused by every reader), that they lie in the tensor,
+    never overlap, and cover it. ``budget``: the comparisons the whole index may still make."""
+    if len(layout) > MAX_PIECES_PER_KEY:
+        raise error(f"has {len(layout)} pieces, over {MAX_PIECES_PER_KEY}", key=key)
+    ends = layout.starts + layout.shapes
+    outside = np.flatnonzero(np.any(ends > np.array(shape, np.int64).reshape(1, -1), axis=1)) \
+        if len(layout) and layout.ndim else np.zeros(0, np.int64)
+    if len(outside):
+        i = int(outside[0])
+        raise error(f"has a piece at {layout.starts[i].tolist()} of shape {layout.shapes[i].tolist()} outside its "
+                    f"shape {list(shape)}", key=key)
+    _check_no_overlap(key, layout, members, error, OverlapBudget() if budget is None else budget)
+    covered = sum(math.prod(box) for box in layout.shapes.tolist())
+    if covered != math.prod(shape):
+        raise error(f"its pieces do not cover it: they hold {covered} of its {math.prod(shape)} elements "
+                    f"(shape {list(shape)}); a rank left a gap", key=key)
 
 
 #: pairs of pieces an index (or a commit) may compare for overlap, at least: pieces split along
@@ -455,23 +1018,25 @@ class OverlapBudget:
                         "looks so", key=key)
 
 
-def _check_no_overlap(key: str, entry: TensorEntry, members: Sequence[Member], error: type[WeightStoreError],
+def _check_no_overlap(key: str, layout: Layout, members: Sequence[Member], error: type[WeightStoreError],
                       budget: OverlapBudget) -> None:
-    pieces = [p for p in entry.pieces if math.prod(p.shape)]
-    if len(pieces) < 2:
+    full = np.flatnonzero(np.all(layout.shapes > 0, axis=1)) if layout.ndim else np.arange(len(layout))
+    if len(full) < 2:
         return
-    ndim = max(1, len(entry.shape))
-    starts = np.array([p.start or (0,) for p in pieces], np.int64).reshape(len(pieces), ndim)
-    ends = starts + np.array([p.shape or (1,) for p in pieces], np.int64).reshape(len(pieces), ndim)
-    # two pieces overlap where they overlap along every axis; along an axis every piece spans
-    # whole, all do, so only the axes some piece splits decide
-    split = np.flatnonzero((starts > 0).any(axis=0) | (ends < np.array(entry.shape or (1,), np.int64)).any(axis=0))
+    ndim = max(1, layout.ndim)
+    starts = layout.starts[full].reshape(len(full), -1) if layout.ndim else np.zeros((len(full), 1), np.int64)
+    ends = starts + (layout.shapes[full].reshape(len(full), -1) if layout.ndim else 1)
+    starts, ends = starts.reshape(len(full), ndim), ends.reshape(len(full), ndim)
+    # two pieces overlap where they overlap along every axis; along an axis where every piece
+    # spans the same extent (the whole tensor, where it is covered), all do, so only the axes
+    # along which pieces differ decide
+    split = np.flatnonzero((starts != starts[:1]).any(axis=0) | (ends != ends[:1]).any(axis=0))
     if len(split) <= 2:
         found = _sweep_overlap(starts[:, split], ends[:, split])
         if found is not None:
-            one, other = found
-            raise error(f"has pieces that overlap: at {starts[one].tolist()} (rank {members[pieces[one].member].rank}) "
-                        f"and {starts[other].tolist()} (rank {members[pieces[other].member].rank})", key=key)
+            ranks = [members[int(layout.members[full[at]])].rank for at in found]
+            raise error(f"has pieces that overlap: at {starts[found[0]].tolist()} (rank {ranks[0]}) and "
+                        f"{starts[found[1]].tolist()} (rank {ranks[1]})", key=key)
         return
     # a sweep along one axis compares each piece with those starting before it ends along that
     # axis: along the axis where that is fewest (column strips: the columns, not the rows)
@@ -483,7 +1048,7 @@ def _check_no_overlap(key: str, entry: TensorEntry, members: Sequence[Member], e
         hits = np.all((starts[i + 1 : last] < ends[i]) & (ends[i + 1 : last] > starts[i]), axis=1)
         if hits.any():
             j = i + 1 + int(np.argmax(hits))
-            ranks = [members[pieces[order[at]].member].rank for at in (i, j)]
+            ranks = [members[int(layout.members[full[order[at]]])].rank for at in (i, j)]
             raise error(f"has pieces that overlap: at {starts[i].tolist()} (rank {ranks[0]}) and {starts[j].tolist()} "
                         f"(rank {ranks[1]})", key=key)
 

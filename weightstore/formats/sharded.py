@@ -3,11 +3,14 @@
 ``ws.open("step-000000000042.wsindex")`` (or a :class:`~weightstore.sync.Version` naming
 one) gives a :class:`~weightstore.store._open.Store` like any other: ``store[key]`` assembles the whole
 tensor from its pieces, ``store.read_region(key, region)`` only the part a tuple of slices
-names. Either way the reader fetches, from each member that holds part of it, only the blocks
-(:mod:`weightstore.formats._sharded_index`) that intersect what is asked, in one ranged read per piece,
-and verifies each block's CRC-32 before a byte of it is used. :meth:`ShardedReader.region_digest`
-says, from the index alone, whether a region's blocks changed between two versions. Members are never opened as
-stores: the index already says where everything is, so their headers are never fetched.
+names. Either way the reader picks from the index the pieces that hold part of it, fetches the
+block tables of their members (once each: the header and CRC-32s, whose size and BLAKE3 the index
+gives; :mod:`weightstore.formats._sharded_index`), then from each member only the blocks that
+intersect what is asked, in one ranged read per run of them, and verifies each block's CRC-32
+before a byte of it is used. :meth:`ShardedReader.region_digest` says, from the index and the
+block digests of the members that hold a region, whether its blocks changed between two
+versions. Members are never opened as stores: the index and tables say where everything is, so
+their headers are never fetched. An index of version 1 holds its block tables itself.
 
 A local version holds its members open as files, at most :func:`open_members_limit` at once (a
 quarter of the soft limit on open files): one of that many members or fewer is opened whole when
@@ -35,6 +38,7 @@ from weightstore.core._tensortable import TensorInfo
 from weightstore.core.manifest import crc32, from_storage, storage_dtype
 from weightstore.errors import (
     ChecksumError,
+    FormatError,
     KeyNotInStoreError,
     StoreNotFoundError,
     TargetError,
@@ -42,7 +46,15 @@ from weightstore.errors import (
     naming,
 )
 from weightstore.formats import Format, ReaderDefaults
-from weightstore.formats._sharded_index import MAX_INDEX_BYTES, PieceEntry, ShardIndex, TensorEntry, row_bytes, rows_of
+from weightstore.formats._sharded_index import (
+    MAX_V1_INDEX_BYTES,
+    BlockTable,
+    PieceEntry,
+    ShardIndex,
+    TensorEntry,
+    row_bytes,
+    rows_of,
+)
 from weightstore.io.buffer import aligned_array
 from weightstore.io.location import location_of
 from weightstore.io.ranges import RangedFile
@@ -108,6 +120,8 @@ class ShardedReader(ReaderDefaults):
         self._base, self._fs = base, fs
         self._remote = location_of(name).remote
         self._digests: dict[str, str | None] = {}  # key -> its whole tensor's region_digest
+        self._tables: list[BlockTable | None] = [None] * len(index.members)  # fetched once each, as needed
+        self._tables_lock = threading.Lock()
         # open members, least recently read first, and how many reads use each (never closed while used)
         self._files: OrderedDict[int, RangedFile] = OrderedDict()
         self._users: dict[int, int] = {}
@@ -161,13 +175,15 @@ class ShardedReader(ReaderDefaults):
     def region_digest(self, key: str, region: Any) -> str | None:
         """The content digest of the part of ``key`` that ``region`` names, for hot reload:
         BLAKE3 over the BLAKE3 digests and boxes of the blocks that hold it, so it is equal
-        while those blocks' bytes are, and costs no read. None from an index written without
-        block digests: such a region is always read again, never trusted to a CRC-32."""
+        while those blocks' bytes are, and reads no tensor byte (a version 2 index: the block
+        digests of the members that hold the region, once each). None from an index written
+        without block digests: such a region is always read again, never trusted to a CRC-32."""
         with naming(path=self.name):
             entry = self._entry(key)
             bounds = normalized_region(region, entry.shape, key)
+            pieces = self._pieces(key, entry, bounds, digests=True)
         hasher = blake3.blake3(f"sharded|{entry.dtype}{list(entry.shape)}{bounds}".encode())
-        for piece in sorted(entry.pieces, key=lambda piece: piece.start):
+        for piece in sorted(pieces, key=lambda piece: piece.start):
             read = _PieceRead.of(piece, entry, bounds)
             if read is None:
                 continue
@@ -180,6 +196,63 @@ class ShardedReader(ReaderDefaults):
 
     def member_path(self, position: int) -> str:
         return f"{self._base}/{self._index.members[position].file}"
+
+    def placed(self, key: str, region: Any = ()) -> list[PieceEntry]:
+        """The stored runs (pieces, or their column strips) of ``key`` that hold part of
+        ``region``, placed in their members, with their blocks' CRC-32s and BLAKE3 digests."""
+        with naming(path=self.name):
+            entry = self._entry(key)
+            return self._pieces(key, entry, normalized_region(region, entry.shape, key), digests=True)
+
+    def _pieces(self, key: str, entry: TensorEntry, bounds: list[tuple[int, int]], *,
+                digests: bool = False) -> list[PieceEntry]:
+        """The stored runs (pieces, or their column strips) that may hold part of the region
+        ``bounds``, placed: an index of version 1 holds them; a version 2 index names the boxes,
+        and their members' block tables (fetched once, ``digests`` too if asked) place them."""
+        if entry.layout is None:
+            return list(entry.pieces)
+        found = []
+        for box in entry.layout.boxes_in(bounds):
+            with naming(key=key):
+                table = self._table(box.member, digests=digests)
+            placed = table.find(key, box.start)
+            if placed is None or placed.shape != box.shape or placed.dtype != entry.dtype:
+                raise FormatError(f"the block table of {self._index.members[box.member].file} has no {entry.dtype} "
+                                  f"piece at {list(box.start)} of shape {list(box.shape)}, which the index names",
+                                  key=key)
+            found.extend(table.placed(placed, box.member, digests))
+        return found
+
+    def _table(self, position: int, *, digests: bool = False) -> BlockTable:
+        """Member ``position``'s block table: its head fetched once (one ranged read), its
+        digests once asked for (another)."""
+        with self._tables_lock:
+            table = self._tables[position]
+            member = self._index.members[position]
+            ref = member.table
+            assert ref is not None  # a version 2 index's members all have one
+            path = f"{self._base}/{member.table_file()}"
+            if table is None or (digests and table.digests is None):
+                try:
+                    source = RangedFile(path, fs=self._fs)
+                except FileNotFoundError:
+                    raise StoreNotFoundError(f"block table {member.table_file()} that the index names is missing",
+                                             path=self.name) from None
+                try:
+                    with naming(path=path):
+                        if table is None:
+                            head = np.empty(ref.head, np.uint8)
+                            source.fill([(0, head.data.cast("B"))])
+                            table = BlockTable.parse_head(head.tobytes(), ref, member, self._index.step,
+                                                          self._index.attempt)
+                        if digests and table.digests is None:
+                            data = np.empty(ref.digests, np.uint8)
+                            source.fill([(ref.head, data.data.cast("B"))])
+                            table.take_digests(data.tobytes())
+                finally:
+                    source.close()
+                self._tables[position] = table
+            return table
 
     def _missing(self, position: int) -> StoreNotFoundError:
         return StoreNotFoundError(f"member {self._index.members[position].file} that the index names is missing",
@@ -247,7 +320,8 @@ class ShardedReader(ReaderDefaults):
         bounds = normalized_region(region, entry.shape, key)
         stored = storage_dtype(entry.dtype)
         out = np.empty([stop - start for start, stop in bounds], stored)
-        reads = [read for piece in entry.pieces if (read := _PieceRead.of(piece, entry, bounds)) is not None]
+        reads = [read for piece in self._pieces(key, entry, bounds)
+                 if (read := _PieceRead.of(piece, entry, bounds)) is not None]
         by_member: dict[int, list[_PieceRead]] = {}
         for read in reads:
             by_member.setdefault(read.piece.member, []).append(read)
@@ -341,7 +415,7 @@ def _runs(reads: list[_PieceRead]) -> list[tuple[int, np.ndarray]]:
 
 def _open_reader(location: Any, name: str, *, mmap: bool = True) -> ShardedReader:
     fs = getattr(location, "fs", None)
-    data = read_whole(byte_source(location, name), MAX_INDEX_BYTES, "sharded index")
+    data = read_whole(byte_source(location, name), MAX_V1_INDEX_BYTES, "sharded index")
     with naming(path=name):
         index = ShardIndex.parse(data)
     return ShardedReader(index, name, fs)

@@ -2,10 +2,13 @@
 
 Every rank calls :func:`publish_shard` with the pieces it holds; it writes one member file
 (``step-000000000042.attempt-1/rank-00003.safetensors``, an ordinary safetensors file that
-``ws.open`` and ``safetensors.numpy.load_file`` read alone; or an npz or HDF5 file) and then, last, a small
-done-record beside it (``rank-00003.done``) saying what the member holds: for every piece its
-global key, its box in the global tensor, its bytes' offset in the member and a CRC-32 per
-block. Nothing a reader sees changes. One coordinator calls :func:`commit_shards`: it waits
+``ws.open`` and ``safetensors.numpy.load_file`` read alone; or an npz or HDF5 file), then its
+block table (``rank-00003.blocks``: where each piece's bytes lie in the member, a CRC-32 and a
+BLAKE3 digest per block) and, last, a small done-record (``rank-00003.done``) saying what the
+member holds: for every piece its global key and its box in the global tensor, and the size
+and BLAKE3 of the table. Before it writes anything, the rank checks that its share keeps the
+version's index within its bounds (:func:`~weightstore.formats._sharded_index.check_share`).
+Nothing a reader sees changes. One coordinator calls :func:`commit_shards`: it waits
 for every rank's done-record (reading them alone, never a tensor byte), checks that the pieces
 of every key agree on dtype and shape, never overlap and cover it, writes the index
 ``step-000000000042.wsindex`` create-only and then replaces ``LATEST`` as a plain publish
@@ -40,6 +43,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+import blake3
 import numpy as np
 
 from weightstore._version import __version__
@@ -50,29 +54,36 @@ from weightstore.formats import Format, format_named
 from weightstore.formats import _sharded_index as shardindex
 from weightstore.formats._sharded_index import (
     INDEX_FORMAT,
+    KEY_BYTES,
     MAX_DONE_BYTES,
     MAX_INDEX_BYTES,
+    MAX_V1_INDEX_BYTES,
     MEMBER_SUFFIXES,
-    STRIP_BLOCKS,
+    BlockTable,
+    Box,
     DoneRecord,
+    DoneTensor,
+    Layout,
     Member,
     OverlapBudget,
-    PieceEntry,
+    Placed,
     ShardIndex,
+    TableRef,
     TensorEntry,
     attempt_folder,
     block_crcs,
     block_digests,
-    block_rows,
-    check_member_bytes,
+    check_boxes,
     check_parsable,
-    check_tensor,
+    check_share,
     done_name,
     index_name,
+    key_entry_bytes,
     member_name,
     parse_done,
+    piece_cut,
     row_bytes,
-    strip_columns,
+    table_name,
 )
 from weightstore.io.folders import Folder, folder_for
 from weightstore.sharded import _agree as agree
@@ -122,13 +133,19 @@ class Piece:
 
 @dataclass(frozen=True)
 class _Listed:
+    """One stored tensor of a member: a piece, or one column strip of it."""
+
     key: str
     stored: str
     dtype: str
     data: np.ndarray  # in storage form
-    start: tuple[int, ...]
-    shape: tuple[int, ...]
+    start: tuple[int, ...]  # of this strip
+    shape: tuple[int, ...]  # the global tensor's
     rows: int  # rows per checksummed block
+    piece: int  # which piece of the rank's it is (of), in order
+    piece_start: tuple[int, ...]
+    piece_shape: tuple[int, ...]
+    columns: int  # the piece's strip width (0: stored whole)
 
 
 def publish_shard(
@@ -166,6 +183,8 @@ def publish_shard(
 
     Raises:
         PublishError: the step is not above the one ``LATEST`` names.
+        SizeLimitError: this rank's pieces or keys would take the version's index past its bounds
+            (``docs/sharded.md``, Bounds; nothing written).
         InvalidKeyError, UnsupportedDTypeError, ValueError: a bad key, dtype or piece (nothing written).
         WeightStoreError: ``rank``, ``world`` or ``attempt`` not given and the cluster does not say it.
         ShardTimeoutError: agreeing the attempt or the incarnation, rank 0 or another rank did not
@@ -214,6 +233,7 @@ def _write_shard(target: Folder, pieces: Mapping[str, Any], *, step: int, rank: 
     members = folder_for(target.url(attempt_folder(step, attempt)), storage_options)
     where = members.url(member_name(rank, suffix))
     listed = _listed(pieces, where, world)
+    _check_index_share(listed, world, member_name(rank, suffix), where)
     try:
         current = read_latest(target)
     except FormatError:
@@ -228,11 +248,17 @@ def _write_shard(target: Folder, pieces: Mapping[str, Any], *, step: int, rank: 
     with members.commit(member_name(rank, suffix), suffix).writing() as local:
         arrays = {item.stored: from_storage(item.data, item.dtype) for item in listed}
         write_file(local, fmt, CheckedWeights(arrays, where, fmt), metadata, False)
-        tensors = _described(local, where, fmt, listed)
         size = os.path.getsize(local)
+        table, tensors = _described(local, where, fmt, listed, step=step, attempt=attempt, rank=rank,
+                                    member=member_name(rank, suffix), size=size)
         stages.reached("member-temporary")
     stages.reached("member-written")
-    record = DoneRecord(step, attempt, rank, world, Member(member_name(rank, suffix), size, rank), tensors,
+    with members.commit(table_name(rank)).writing() as local, open(local, "wb") as handle:
+        head = table.head_bytes()
+        handle.write(head)
+        handle.write(table.digests or b"")
+    ref = TableRef(len(head), len(table.digests or b""), blake3.blake3(head).hexdigest())
+    record = DoneRecord(step, attempt, rank, world, Member(member_name(rank, suffix), size, rank, ref), tensors,
                         incarnation)
     with members.commit(done_name(rank)).writing() as local, open(local, "wb") as handle:
         handle.write(record.to_json())
@@ -254,7 +280,7 @@ def commit_shards(
 ) -> Version:
     """Wait for every rank's done-record, check their pieces, and publish the sharded version.
 
-    Reads only the done-records (never a tensor byte), then commits as :func:`weightstore.publish`
+    Reads only the done-records (never a block table or a tensor byte), then commits as :func:`weightstore.publish`
     does: the index ``step-…wsindex`` is created only if absent, then ``LATEST`` is replaced
     (compare-and-swap on object storage), then old versions are pruned (``keep``) and dead
     attempts removed. Steps increase across plain and sharded versions of one folder.
@@ -283,7 +309,8 @@ def commit_shards(
             two job incarnations (naming both); pieces that overlap, leave a gap ("cover") or disagree on dtype or shape
             (naming the key); two ranks' pieces of one part whose bytes differ (replicas that
             diverged: one of a part written alike is kept); a step that does not go forward;
-            another coordinator committed this step or a later one first.
+            another coordinator committed this step or a later one first; the keys of every rank together
+            would take the index past its bounds.
         WeightStoreError: ``world`` or ``attempt`` not given and the cluster does not say it.
     """
     timeout = checked_seconds("timeout", timeout)
@@ -569,7 +596,9 @@ def clean_folder(folder: Any, *, storage_options: Mapping[str, Any] | None = Non
 def _members_present(target: Folder, index: ShardIndex, storage_options: Mapping[str, Any] | None) -> bool:
     members = folder_for(target.url(attempt_folder(index.step, index.attempt)), storage_options)
     present = {entry.name: entry.size for entry in members.files()}
-    return all(present.get(member.file.rsplit("/", 1)[-1], -1) >= member.size for member in index.members)
+    return all(present.get(member.file.rsplit("/", 1)[-1], -1) >= member.size and (
+        member.table is None or present.get(table_name(member.rank), -1) >= member.table.head + member.table.digests)
+        for member in index.members)
 
 
 def _attempts(target: Folder) -> list[tuple[str, int, int]]:
@@ -580,7 +609,7 @@ def _attempts(target: Folder) -> list[tuple[str, int, int]]:
 
 def _read_index(target: Folder, name: str) -> tuple[ShardIndex | None, WeightStoreError | None]:
     """The index ``name`` (``None`` when it is gone), or why it cannot be read."""
-    data = target.read_small(name, MAX_INDEX_BYTES + 1)
+    data = target.read_small(name, MAX_V1_INDEX_BYTES + 1)
     try:
         return (None if data is None else ShardIndex.parse(data)), None
     except WeightStoreError as error:
@@ -601,24 +630,29 @@ def _listed(pieces: Mapping[str, Any], where: str, world: int) -> list[_Listed]:
                 array = np.asarray(piece)
                 piece = Piece(array, (0,) * array.ndim, array.shape)
             found.append((key, piece))
-    boxes: list[tuple[str, str, np.ndarray, tuple[int, ...], tuple[int, ...], int]] = []
-    for key, piece in found:
+    boxes: list[tuple[str, str, np.ndarray, tuple[int, ...], tuple[int, ...], int, int, tuple[int, ...],
+                      tuple[int, ...], int]] = []
+    pieces_of: dict[str, int] = {}
+    for number, (key, piece) in enumerate(found):
         array = np.asarray(piece.array)
         dtype, data = to_storage(array, key)
         data = np.ascontiguousarray(data).reshape(array.shape)
         start, shape = _box(piece, array.shape, key, where)
-        boxes.extend((key, dtype, part, at, shape, rows) for part, at, rows in _strips(data, start, dtype, world))
+        pieces_of[key] = pieces_of.get(key, 0) + 1
+        columns, strips = _strips(data, start, dtype)
+        boxes.extend((key, dtype, part, at, shape, rows, number, start, data.shape, columns)
+                     for part, at, rows in strips)
+    for key, count in pieces_of.items():
+        if count > shardindex.MAX_PIECES_PER_KEY:  # a done-record readers would refuse: refused before writing
+            raise ValueError(f"{where}: {key!r} has {count} pieces, over {shardindex.MAX_PIECES_PER_KEY}")
     counts: dict[str, int] = {}
     for key, *_ in boxes:
         counts[key] = counts.get(key, 0) + 1
-    for key, count in counts.items():
-        if count > shardindex.MAX_PIECES_PER_KEY:  # a done-record readers would refuse: refused before writing
-            raise ValueError(f"{where}: {key!r} has {count} pieces (column strips included), over "
-                             f"{shardindex.MAX_PIECES_PER_KEY}")
     listed = []
-    for key, dtype, data, start, shape, rows in boxes:
+    for key, dtype, data, start, shape, rows, number, piece_start, piece_shape, columns in boxes:
         stored = key if counts[key] == 1 else f"{key}@{','.join(map(str, start))}"
-        listed.append(_Listed(key, stored, dtype, data, start, shape, rows))
+        listed.append(_Listed(key, stored, dtype, data, start, shape, rows, number, piece_start, tuple(piece_shape),
+                              columns))
     stored_names = [item.stored for item in listed]
     if len(set(stored_names)) != len(stored_names):
         clashes = {name for name in stored_names if stored_names.count(name) > 1}
@@ -627,21 +661,27 @@ def _listed(pieces: Mapping[str, Any], where: str, world: int) -> list[_Listed]:
     return listed
 
 
-def _strips(data: np.ndarray, start: tuple[int, ...], dtype: str,
-            world: int) -> list[tuple[np.ndarray, tuple[int, ...], int]]:
-    """A piece as it is stored: ``(data, start, rows per block)`` of each of its column strips
-    (:func:`~weightstore.formats._sharded_index.strip_columns`), or of the piece whole. A strip's blocks
-    hold as many rows as the whole piece's would (so a reader of a row range fetches no more
-    rows from the strips than from the whole piece), or more, so that a strip has at most
-    ``STRIP_BLOCKS`` blocks."""
-    itemsize = logical_dtype(dtype).itemsize
-    rows = block_rows(data.shape, itemsize)
-    columns = strip_columns(data.shape, itemsize, world)
-    if columns is None:
-        return [(data, start, rows)]
-    rows = max(rows, -(-data.shape[0] // STRIP_BLOCKS))
-    return [(np.ascontiguousarray(data[:, at : at + columns]), (start[0], start[1] + at, *start[2:]), rows)
-            for at in range(0, data.shape[1], columns)]
+def _strips(data: np.ndarray, start: tuple[int, ...], dtype: str
+            ) -> tuple[int, list[tuple[np.ndarray, tuple[int, ...], int]]]:
+    """A piece as it is stored (:func:`~weightstore.formats._sharded_index.piece_cut`): the
+    width of its column strips (0: stored whole) and ``(data, start, rows per block)`` of each
+    strip, or of the piece whole. Strips are no pieces of the index: it names the piece, and its
+    member's block table the strips."""
+    columns, rows = piece_cut(data.shape, logical_dtype(dtype).itemsize)
+    if not columns:
+        return 0, [(data, start, rows)]
+    return columns, [(np.ascontiguousarray(data[:, at : at + columns]), (start[0], start[1] + at, *start[2:]), rows)
+                     for at in range(0, data.shape[1], columns)]
+
+
+def _check_index_share(listed: list[_Listed], world: int, member: str, where: str) -> None:
+    """That this rank's pieces keep the version's index within its bounds
+    (:func:`~weightstore.formats._sharded_index.check_share`), before anything is written. The
+    member's size and table are not known yet: they count as the longest they can be."""
+    keys = {item.key: (item.dtype, item.shape) for item in listed}
+    boxes = list({item.piece: Box(0, item.piece_start, item.piece_shape) for item in listed}.values())
+    check_share(world=world, keys=keys, boxes=boxes, member=(member, 10 ** 15, TableRef(10 ** 12, 10 ** 12, "0" * 64)),
+                where=where)
 
 
 def _pieces_of(key: str, value: Any) -> list[Any]:
@@ -669,30 +709,49 @@ def _box(piece: Piece, array_shape: tuple[int, ...], key: str, where: str) -> tu
     return start, shape
 
 
-def _described(local: str, where: str, fmt: Format, listed: list[_Listed]) -> dict[str, TensorEntry]:
-    """The done-record's tensors: where each piece's bytes landed in the member just written
-    (``local``, published as ``where``, which errors name), and its blocks' CRC-32s and BLAKE3
-    digests (of the bytes in memory, which the member's own checksum covers too). Where a format other than
-    safetensors put them is checked against the file: readers will take that range for the piece."""
+def _described(local: str, where: str, fmt: Format, listed: list[_Listed], *, step: int, attempt: int, rank: int,
+               member: str, size: int) -> tuple[BlockTable, dict[str, DoneTensor]]:
+    """The member just written (``local``, published as ``where``, which errors name), described:
+    its block table (where each piece's strips landed, and a CRC-32 and BLAKE3 digest of each
+    block, of the bytes in memory, which the member's own checksum covers too) and the
+    done-record's tensors (each piece's box and digest). Where a format other than safetensors
+    put the bytes is checked against the file: readers will take that range for the piece."""
+    placed: list[Placed] = []
+    crcs: list[int] = []
+    digests: list[str] = []
+    done: dict[str, list[tuple[tuple[int, ...], tuple[int, ...], str]]] = {}
+    shapes: dict[str, tuple[str, tuple[int, ...]]] = {}
     with contextlib.ExitStack() as stack:
         reader: Any = fmt.open_reader(local, where, mmap=False)
         stack.callback(reader.close)
-        member = None if fmt.name == "safetensors" else stack.enter_context(open(local, "rb"))
-        by_key: dict[str, list[PieceEntry]] = {}
-        dtypes: dict[str, tuple[str, tuple[int, ...]]] = {}
+        opened = None if fmt.name == "safetensors" else stack.enter_context(open(local, "rb"))
+        by_piece: dict[int, list[_Listed]] = {}
         for item in listed:
-            offset, _ = reader.extent(item.stored)
-            if member is not None:
-                _check_placed(member, where, offset, item)
-            itemsize = logical_dtype(item.dtype).itemsize
-            raw = item.data.reshape(-1).view(np.uint8)
-            block_bytes = item.rows * row_bytes(item.data.shape, itemsize) if item.data.size else 0
-            digest = reader.info(item.stored).digest or ""
-            by_key.setdefault(item.key, []).append(PieceEntry(
-                0, item.start, tuple(item.data.shape), offset, item.rows, tuple(block_crcs(raw, block_bytes)), digest,
-                tuple(block_digests(raw, block_bytes))))
-            dtypes.setdefault(item.key, (item.dtype, item.shape))
-    return {key: TensorEntry(dtypes[key][0], dtypes[key][1], tuple(found)) for key, found in by_key.items()}
+            by_piece.setdefault(item.piece, []).append(item)
+        for strips in by_piece.values():
+            first, offsets, piece_digests = len(crcs), [], []
+            for item in strips:
+                offset, _ = reader.extent(item.stored)
+                if opened is not None:
+                    _check_placed(opened, where, offset, item)
+                itemsize = logical_dtype(item.dtype).itemsize
+                raw = item.data.reshape(-1).view(np.uint8)
+                block_bytes = item.rows * row_bytes(item.data.shape, itemsize) if item.data.size else 0
+                crcs.extend(block_crcs(raw, block_bytes))
+                digests.extend(block_digests(raw, block_bytes))
+                offsets.append(offset)
+                piece_digests.append(reader.info(item.stored).digest or "")
+            head = strips[0]
+            placed.append(Placed(head.key, head.dtype, head.piece_start, head.piece_shape, head.columns, head.rows,
+                                 first, tuple(offsets)))
+            digest = piece_digests[0] if len(piece_digests) == 1 else \
+                "blake3:" + blake3.blake3(",".join(piece_digests).encode()).hexdigest() if all(piece_digests) else ""
+            done.setdefault(head.key, []).append((head.piece_start, head.piece_shape, digest))
+            shapes.setdefault(head.key, (head.dtype, head.shape))
+    joined = b"".join(bytes.fromhex(d) for d in digests)
+    table = BlockTable(step=step, attempt=attempt, rank=rank, member=member, size=size, pieces=placed,
+                       crcs=np.array(crcs, np.uint32), digests=joined, digests_blake3=blake3.blake3(joined).hexdigest())
+    return table, {key: DoneTensor(shapes[key][0], shapes[key][1], tuple(found)) for key, found in done.items()}
 
 
 def _check_placed(member: BinaryIO, where: str, offset: int, item: _Listed) -> None:
@@ -749,30 +808,34 @@ def _wait_for_ranks(members: Folder, world: int, timeout: float, failures: Calla
         pause = min(pause * 2, _POLL)
 
 
-def _once(key: str, piece: PieceEntry, boxes: dict[tuple[str, tuple[int, ...], tuple[int, ...]], PieceEntry]
-          ) -> PieceEntry | None:
-    """``piece``, or ``None`` where a rank before wrote the same part with the same bytes.
+_Part = tuple[int, tuple[int, ...], tuple[int, ...], str]  # member, start, shape, digest
+
+
+def _once(key: str, part: _Part, boxes: dict[tuple[str, tuple[int, ...], tuple[int, ...]], _Part]) -> bool:
+    """Whether ``part`` (member, start, shape, digest) goes into the index: not where a rank
+    before wrote the same part with the same bytes.
 
     Replicas that cannot tell which of them writes (a DTensor on a submesh, held alike by each
     copy of it along the mesh's other axes: FSDP2 over a layer tensor parallelism leaves
     alone) each write it; the index keeps the first. The same part with other bytes is a
     replica that diverged, refused rather than either copy taken.
     """
-    box = (key, piece.start, piece.shape)
-    first = boxes.setdefault(box, piece)
-    if first is piece or not (first.digest and piece.digest):  # no digest to tell: the overlap check refuses it
-        return piece
-    if first.digest != piece.digest:
-        raise PublishError(f"ranks {first.member} and {piece.member} wrote the part at {list(piece.start)} with "
+    box = (key, part[1], part[2])
+    first = boxes.setdefault(box, part)
+    if first is part or not (first[3] and part[3]):  # no digest to tell: the overlap check refuses it
+        return True
+    if first[3] != part[3]:
+        raise PublishError(f"ranks {first[0]} and {part[0]} wrote the part at {list(part[1])} with "
                            "different values: replicas of it diverged (a buffer DDP does not broadcast, a value "
                            "set on one rank)", key=key)
-    return None
+    return False
 
 
 def _merged(records: list[DoneRecord], step: int, attempt: int, world: int, metadata: dict[str, Any],
             incarnation: str | None = None) -> ShardIndex:
     """The index of the version the done-records describe; pieces checked key by key, and every
-    record of one job incarnation (``incarnation``, or rank 0's record's)."""
+    record of one job incarnation (``incarnation``, or rank 0's record's); keys cut alike share
+    one layout."""
     expected = records[0].incarnation if incarnation is None else incarnation
     whose = "rank 0's" if incarnation is None else "this commit's"
     for rank, record in enumerate(records):
@@ -786,27 +849,40 @@ def _merged(records: list[DoneRecord], step: int, attempt: int, world: int, meta
         if (record.step, record.attempt, record.rank, record.world) != (step, attempt, rank, world):
             raise PublishError(f"rank {rank}'s done-record is for step {record.step} attempt {record.attempt} rank "
                                f"{record.rank} of {record.world}, not step {step} attempt {attempt} of {world}")
-        members.append(Member(f"{attempt_folder(step, attempt)}/{record.member.file}", record.member.size, rank))
-    tensors: dict[str, TensorEntry] = {}
+        members.append(Member(f"{attempt_folder(step, attempt)}/{record.member.file}", record.member.size, rank,
+                              record.member.table))
+    shapes: dict[str, tuple[str, tuple[int, ...]]] = {}
+    parts: dict[str, list[Box]] = {}
     owners: dict[str, int] = {}
-    boxes: dict[tuple[str, tuple[int, ...], tuple[int, ...]], PieceEntry] = {}
+    boxes: dict[tuple[str, tuple[int, ...], tuple[int, ...]], _Part] = {}
     for rank, record in enumerate(records):
         for key, entry in record.tensors.items():
-            known = tensors.get(key)
-            if known is not None and (known.dtype, known.shape) != (entry.dtype, entry.shape):
-                raise PublishError(f"ranks disagree on it: rank {owners[key]} has {known.dtype} {list(known.shape)}, "
+            known = shapes.get(key)
+            if known is not None and known != (entry.dtype, entry.shape):
+                raise PublishError(f"ranks disagree on it: rank {owners[key]} has {known[0]} {list(known[1])}, "
                                    f"rank {rank} {entry.dtype} {list(entry.shape)}", key=key)
-            pieces = tuple(piece for p in entry.pieces
-                           if (piece := _once(key, dataclasses.replace(p, member=rank), boxes)) is not None)
             if known is None:
-                tensors[key], owners[key] = TensorEntry(entry.dtype, entry.shape, pieces), rank
-            else:
-                tensors[key] = TensorEntry(known.dtype, known.shape, known.pieces + pieces)
+                shapes[key], owners[key], parts[key] = (entry.dtype, entry.shape), rank, []
+            for start, shape, digest in entry.pieces:
+                if any(len(axes) != len(entry.shape) for axes in (start, shape)):
+                    raise PublishError(f"rank {rank} has a piece of {len(start)} axes of a tensor of "
+                                       f"{len(entry.shape)}", key=key)
+                if _once(key, (rank, start, shape, digest), boxes):
+                    parts[key].append(Box(rank, start, shape))
+    keyed = sum(key_entry_bytes(key, dtype, shape, len(shapes)) + 1 for key, (dtype, shape) in shapes.items())
+    if keyed > KEY_BYTES:
+        raise PublishError(f"the version's {len(shapes)} keys would take {keyed} bytes of its index, over the "
+                           f"{KEY_BYTES} its keys may take (docs/sharded.md, Bounds)")
     budget = OverlapBudget()
-    for key, entry in tensors.items():
-        check_tensor(key, entry, members, error=PublishError, budget=budget)
-    check_member_bytes(tensors, members)
-    return ShardIndex(step, attempt, world, "", members, tensors, metadata, f"weightstore {__version__}")
+    layouts: dict[tuple[int, ...], Layout] = {}
+    tensors: dict[str, TensorEntry] = {}
+    for key, (dtype, shape) in shapes.items():
+        layout = Layout.of(parts[key], len(shape))
+        layout = layouts.setdefault(tuple(layout.to_json()), layout)
+        check_boxes(key, shape, layout, members, error=PublishError, budget=budget)
+        tensors[key] = TensorEntry(dtype, shape, (), layout)
+    return ShardIndex(step, attempt, world, "", members, tensors, metadata, f"weightstore {__version__}", 2,
+                      list(layouts.values()))
 
 
 def _check_ids(step: int, **counts: int) -> None:

@@ -79,9 +79,9 @@ def _sharded_sizes(folder: Folder, name: str) -> tuple[int | None, int | None]:
     for a plain version or an index that does not parse."""
     if not name.endswith(SHARDED_SUFFIX):
         return None, None
-    from weightstore.formats._sharded_index import MAX_INDEX_BYTES, ShardIndex
+    from weightstore.formats._sharded_index import MAX_V1_INDEX_BYTES, ShardIndex
 
-    data = folder.read_small(name, MAX_INDEX_BYTES + 1)
+    data = folder.read_small(name, MAX_V1_INDEX_BYTES + 1)
     try:
         index = ShardIndex.parse(data or b"")
     except FormatError:
