@@ -170,8 +170,8 @@ def _refuse_hugging_face_folder(target: str) -> None:
     single = os.path.join(target, HF_SINGLE_FILE)
     if os.path.isdir(target) and os.path.isfile(single):
         raise FormatError(f"is a Hugging Face folder; import into its weights file: --into {single}", path=target)
-    index = hf_sharded.index_location(target, is_dir=os.path.isdir, exists=os.path.isfile)
-    if index is not None:
+    index = target if target.endswith(hf_sharded.INDEX_SUFFIX) else os.path.join(target, hf_sharded.INDEX_NAME)
+    if index == target or os.path.isfile(index):
         folder = os.path.dirname(index) or "."
         raise FormatError(f"is a sharded Hugging Face folder, which ws import does not rewrite: ws convert {folder} "
                           "one.safetensors, import into that, then ws convert it back with --max-shard-size",

@@ -531,10 +531,7 @@ def _tensors_v2(raw: Any, layouts: list[Layout], members: list[Member], *, nbyte
     shape_of: dict[int, tuple[int, ...]] = {}  # the shape each layout was first checked against
     budget = OverlapBudget(nbytes)
     for key, entry in raw.items():
-        try:
-            validate_key(key)
-        except InvalidKeyError as exc:
-            raise FormatError(f"names an invalid key ({exc.message})", key=key) from None
+        _check_key(key)
         if not isinstance(entry, list) or len(entry) != 3 or not isinstance(entry[0], str) or \
                 type(entry[2]) is not int or not 0 <= entry[2] < len(layouts):
             raise FormatError(f"is not a tensor entry [dtype, shape, layout] of one of {len(layouts)} layouts", key=key)
@@ -619,10 +616,7 @@ def parse_done(data: bytes) -> DoneRecord:
         raise FormatError("tensors is not an object")
     tensors = {}
     for key, entry in tensors_raw.items():
-        try:
-            validate_key(key)
-        except InvalidKeyError as exc:
-            raise FormatError(f"names an invalid key ({exc.message})", key=key) from None
+        _check_key(key)
         if not isinstance(entry, list) or len(entry) != 3 or not isinstance(entry[0], str) or \
                 not isinstance(entry[2], list):
             raise FormatError("is not a tensor entry [dtype, shape, pieces]", key=key)
@@ -897,10 +891,7 @@ def _tensors(raw: Any, members: list[Member], *, own: bool = False, nbytes: int 
     tensors = {}
     budget = OverlapBudget(nbytes)
     for key, entry in raw.items():
-        try:
-            validate_key(key)
-        except InvalidKeyError as exc:
-            raise FormatError(f"names an invalid key ({exc.message})", key=key) from None
+        _check_key(key)
         if not isinstance(entry, dict) or not isinstance(entry.get("pieces"), list):
             raise FormatError("is not a tensor entry with pieces", key=key)
         try:
@@ -1115,3 +1106,11 @@ def check_member_bytes(tensors: Mapping[str, TensorEntry], members: Sequence[Mem
             if start < end:
                 raise FormatError(f"has a piece whose bytes overlap another's in member {member.file}",
                                   key=key)
+
+
+def _check_key(key: str) -> None:
+    """A key an index, table or done-record names, refused as the file's damage when it is no key."""
+    try:
+        validate_key(key)
+    except InvalidKeyError as exc:
+        raise FormatError(f"names an invalid key ({exc.message})", key=key) from None

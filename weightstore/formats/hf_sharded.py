@@ -85,16 +85,6 @@ def find(place: Place) -> Place | None:
     return None
 
 
-def index_location(location: str, *, is_dir: Callable[[str], bool], exists: Callable[[str], bool]) -> str | None:
-    """The index of the sharded folder at ``location`` (the folder, or its index file); ``None`` if it is none."""
-    if location.endswith(INDEX_SUFFIX):
-        return location
-    if is_dir(location):
-        candidate = location.rstrip("/") + "/" + INDEX_NAME
-        return candidate if exists(candidate) else None
-    return None
-
-
 class ShardedReader(ReaderDefaults):
     """The index read at open; each shard's reader made when first needed, and checked against the index.
 
