@@ -23,7 +23,7 @@ import hostile
 import weightstore as ws
 from weightstore import errors
 from weightstore.core.manifest import build_manifest
-from weightstore.formats import _npz_reader, npz, zipdir
+from weightstore.formats import _npz_reader, _zipdir, npz
 
 _LOCAL = struct.Struct("<4s5H3I2H")
 _CENTRAL = struct.Struct("<4s6H3I5H2I")
@@ -193,7 +193,7 @@ def outcome(path, monkeypatch, *, fast: bool) -> tuple:
     """What a verified read of the whole file gives: arrays, or the error's kind."""
     with monkeypatch.context() as patch:
         if not fast:  # the reference: the directory read entry by entry, each tensor alone
-            patch.setattr(zipdir, "last_member", lambda *_: None)
+            patch.setattr(_zipdir, "last_member", lambda *_: None)
             patch.setattr(npz.NpzReader, "read_many", lambda self, keys, verify: [self.read(k, verify=verify) for k in keys])
         try:
             with ws.open(path) as store:

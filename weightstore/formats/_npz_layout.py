@@ -14,7 +14,7 @@ from weightstore.core.manifest import (
     from_storage,
     storage_dtype,
 )
-from weightstore.io.buffer import ALIGNMENT
+from weightstore.io._buffer import ALIGNMENT
 
 MANIFEST_MEMBER = "__weightstore__.npy"
 

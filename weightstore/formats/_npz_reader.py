@@ -32,7 +32,8 @@ from weightstore.core.manifest import (
     raw_bytes,
 )
 from weightstore.errors import ChecksumError, FormatError, KeyNotInStoreError, UnsafeFileError, named, naming
-from weightstore.formats import ReaderDefaults, foreign_keys, shuffle_zstd, zipdir
+from weightstore.formats import ReaderDefaults, _shuffle_zstd, _zipdir, foreign_keys
+from weightstore.formats._foreign import refuse_torch_archive
 from weightstore.formats._npz_layout import (
     MANIFEST_INFLATION,
     MANIFEST_MEMBER,
@@ -41,15 +42,14 @@ from weightstore.formats._npz_layout import (
     header_text,
     layout_of,
 )
-from weightstore.formats.foreign import refuse_torch_archive
-from weightstore.formats.zipdir import (
+from weightstore.formats._zipdir import (
     EOCD,
     LOCAL,
     LOCAL_RECORD,
     LOCAL_SIG,
     STORED,
 )
-from weightstore.io.local import MappedFile, OwnedFile
+from weightstore.io._local import MappedFile, OwnedFile
 from weightstore.io.source import ByteSource, prefetch_ranges
 
 #: inflate input chunk: isal inflates 1 MB pieces faster than 16 MB ones (2.6 vs 2.9 s CPU per GB here)
@@ -89,7 +89,7 @@ class NpzReader(ReaderDefaults):
         directory, count, cd_offset = self._read_directory()
         # The manifest first, where the writer puts it (last), so that the directory can be
         # checked against the names it lists in one pass: see :meth:`_as_written`.
-        manifest_member = zipdir.last_member(directory, cd_offset, MANIFEST_MEMBER)
+        manifest_member = _zipdir.last_member(directory, cd_offset, MANIFEST_MEMBER)
         manifest = None
         if manifest_member is not None:
             try:
@@ -101,7 +101,7 @@ class NpzReader(ReaderDefaults):
         as_written = members is not None
         if members is None:
             with naming(path=self.name):
-                members = zipdir.parse(directory, count, cd_offset)
+                members = _zipdir.parse(directory, count, cd_offset)
             found = members.pop(MANIFEST_MEMBER)
             if found != manifest_member:
                 self._data_offsets.clear()  # where the last entry pointed may be no member's
@@ -117,11 +117,11 @@ class NpzReader(ReaderDefaults):
         if not as_written:
             self._check_members()
 
-    def _as_written(self, directory: bytes, count: int, manifest_member: zipdir.Member,
-                    manifest: Manifest) -> zipdir.Directory | None:
+    def _as_written(self, directory: bytes, count: int, manifest_member: _zipdir.Member,
+                    manifest: Manifest) -> _zipdir.Directory | None:
         """The tensors' members, if the directory is exactly the one the writer writes for
         this manifest: each key's ``.npy`` member in the manifest's order, then the manifest.
-        Proved on whole columns (:func:`zipdir.parse_expected`), so a file of 50,000 tensors
+        Proved on whole columns (:func:`_zipdir.parse_expected`), so a file of 50,000 tensors
         opens without a Python step per member. ``None`` for any other file."""
         keys = manifest.tensors.key_list()
         if manifest.codecs or count != len(keys) + 1:
@@ -129,9 +129,9 @@ class NpzReader(ReaderDefaults):
         joined = ".npy".join(keys) + ".npy" if keys else ""
         if not joined.isascii():
             return None
-        head = directory[: len(directory) - zipdir.CENTRAL_SIZE - len(MANIFEST_MEMBER)]
+        head = directory[: len(directory) - _zipdir.CENTRAL_SIZE - len(MANIFEST_MEMBER)]
         name_lens = np.fromiter(map(len, keys), np.int64, len(keys)) + len(".npy")
-        members = zipdir.parse_expected(head, manifest_member.offset, lambda: [key + ".npy" for key in keys],
+        members = _zipdir.parse_expected(head, manifest_member.offset, lambda: [key + ".npy" for key in keys],
                                         joined.encode("ascii"), name_lens)
         self._only_npy = members is not None
         return members
@@ -150,7 +150,7 @@ class NpzReader(ReaderDefaults):
             raise FormatError(f"manifest and members disagree (listed but absent: {named(sorted(listed - present))}; "
                               f"present but unlisted: {named(sorted(present - listed))})", path=self.name)
         if len(member_keys) != len(self._members):
-            raise FormatError(f"two members hold the same tensor (.npy and {shuffle_zstd.MEMBER_SUFFIX})", path=self.name)
+            raise FormatError(f"two members hold the same tensor (.npy and {_shuffle_zstd.MEMBER_SUFFIX})", path=self.name)
 
     @functools.cached_property
     def _member_of(self) -> dict[str, str]:
@@ -170,8 +170,8 @@ class NpzReader(ReaderDefaults):
         for name in names:
             if name.endswith(".npy"):
                 member_keys[name[:-4]] = name
-            elif name.endswith(shuffle_zstd.MEMBER_SUFFIX) and shuffled:
-                member_keys[name[: -len(shuffle_zstd.MEMBER_SUFFIX)]] = name
+            elif name.endswith(_shuffle_zstd.MEMBER_SUFFIX) and shuffled:
+                member_keys[name[: -len(_shuffle_zstd.MEMBER_SUFFIX)]] = name
             else:
                 with naming(path=self.name):
                     refuse_torch_archive(names)
@@ -187,16 +187,16 @@ class NpzReader(ReaderDefaults):
         tail_start = max(0, size - (EOCD.size + 0xFFFF))
         tail = bytes(self._source.read_at(tail_start, size - tail_start))
         with naming(path=self.name):
-            count, cd_size, cd_offset, eocd_offset = zipdir.locate_zip64(
-                lambda offset, length: bytes(self._source.read_at(offset, length)), zipdir.locate(tail, tail_start))
-        if cd_offset + cd_size > eocd_offset or count * zipdir.CENTRAL_SIZE > cd_size:
+            count, cd_size, cd_offset, eocd_offset = _zipdir.locate_zip64(
+                lambda offset, length: bytes(self._source.read_at(offset, length)), _zipdir.locate(tail, tail_start))
+        if cd_offset + cd_size > eocd_offset or count * _zipdir.CENTRAL_SIZE > cd_size:
             raise FormatError("zip directory points outside the file (truncated?)", path=self.name)
         if cd_offset + cd_size != eocd_offset:  # zipfile would take the gap for a prefix and move every member
             raise FormatError("bytes lie between the zip directory and its end record", path=self.name)
         return bytes(self._source.read_at(cd_offset, cd_size)), count, cd_offset
 
     # -- members ------------------------------------------------------------------------
-    def _data_offset(self, member: zipdir.Member) -> int:
+    def _data_offset(self, member: _zipdir.Member) -> int:
         cached = self._data_offsets.get(member.name)
         if cached is not None:
             return cached
@@ -213,7 +213,7 @@ class NpzReader(ReaderDefaults):
         self._data_offsets[member.name] = start
         return start
 
-    def _member_bytes(self, member: zipdir.Member, budget: int) -> memoryview:
+    def _member_bytes(self, member: _zipdir.Member, budget: int) -> memoryview:
         """A member's bytes: a view into the map when stored, inflated (and bounded) when not."""
         if member.size > budget:
             raise UnsafeFileError(f"member {member.name!r} is larger than allowed ({member.size} > {budget})", path=self.name)
@@ -251,7 +251,7 @@ class NpzReader(ReaderDefaults):
             raise FormatError(f"member {member.name!r} is truncated or corrupt (deflate)", path=self.name)
         return view
 
-    def _extent(self, member: zipdir.Member) -> tuple[int, int]:
+    def _extent(self, member: _zipdir.Member) -> tuple[int, int]:
         """The bytes reading a member touches (local header, name, padding, data), within its limit."""
         most = LOCAL.size + len(member.raw_name) + 0xFFFF + member.compressed
         return member.offset, min(member.limit - member.offset, most)
@@ -270,7 +270,7 @@ class NpzReader(ReaderDefaults):
 
         prefetch_ranges(self._source, extents)
 
-    def _member_head(self, member: zipdir.Member) -> memoryview:
+    def _member_head(self, member: _zipdir.Member) -> memoryview:
         """The first bytes of a member, enough for its npy header, without reading or inflating the rest."""
         start = self._data_offset(member)
         wanted = min(member.size, 12 + MAX_NPY_HEADER)
@@ -289,7 +289,7 @@ class NpzReader(ReaderDefaults):
         return memoryview(head)
 
     def _parse_npy(
-        self, member: zipdir.Member, data: memoryview, size: int | None = None,
+        self, member: _zipdir.Member, data: memoryview, size: int | None = None,
     ) -> tuple[np.dtype, tuple[int, ...], bool, int]:
         """Check a member's npy header; ``size`` is the whole member's when ``data`` is only its head.
 
@@ -342,7 +342,7 @@ class NpzReader(ReaderDefaults):
             )
         return dtype, shape, fortran, start
 
-    def _read_manifest(self, member: zipdir.Member) -> Manifest:
+    def _read_manifest(self, member: _zipdir.Member) -> Manifest:
         """The manifest, always checked against its zip CRC-32: it decides what every tensor is.
 
         Weightstore stores it; a deflated one (an archive zipped again) may inflate at most
@@ -364,7 +364,7 @@ class NpzReader(ReaderDefaults):
     def keys(self) -> list[str]:
         return self._table.key_list() if self._table is not None else sorted(self._member_of)
 
-    def _member(self, key: str) -> zipdir.Member:
+    def _member(self, key: str) -> _zipdir.Member:
         name = self._member_of.get(key)
         if name is None:
             raise KeyNotInStoreError("no such tensor", path=self.name, key=key)
@@ -385,7 +385,7 @@ class NpzReader(ReaderDefaults):
             self._infos[key] = info
         return info
 
-    def _listed(self, key: str, member: zipdir.Member) -> tuple[TensorInfo, Layout]:
+    def _listed(self, key: str, member: _zipdir.Member) -> tuple[TensorInfo, Layout]:
         """A tensor's manifest entry and the exact bytes its member must begin with.
 
         The member must be that npy header followed by exactly the entry's bytes: refused from
@@ -394,12 +394,12 @@ class NpzReader(ReaderDefaults):
         """
         info = self._table[key]  # type: ignore[index]  # only called for files with a manifest
         layout = layout_of(info.dtype, info.shape)
-        shuffled = member.name.endswith(shuffle_zstd.MEMBER_SUFFIX)
-        if shuffled != (self._codecs.get(key) == shuffle_zstd.CODEC):
+        shuffled = member.name.endswith(_shuffle_zstd.MEMBER_SUFFIX)
+        if shuffled != (self._codecs.get(key) == _shuffle_zstd.CODEC):
             raise FormatError(f"is stored as member {member.name!r} but its manifest "
                               f"entry says codec {self._codecs.get(key)!r}", path=self.name, key=key)
         if shuffled:
-            if member.method != STORED or member.size > shuffle_zstd.max_encoded_size(info.nbytes):
+            if member.method != STORED or member.size > _shuffle_zstd.max_encoded_size(info.nbytes):
                 raise UnsafeFileError(f"(member {member.name!r}) holds {member.size} encoded bytes for "
                                       f"{info.nbytes} plain ones; refusing to read it", path=self.name, key=key)
             return info, layout
@@ -555,7 +555,7 @@ class NpzReader(ReaderDefaults):
         good = ((local["sig"] == LOCAL_SIG) & (local["method"] == STORED) & (local["name_len"] == name_lens)
                 & (ends <= members.column("limits")[found] - base))
         # every name's bytes, gathered end to end, against the directory's names end to end
-        differs = zipdir.spans(file_bytes, offsets + LOCAL.size, name_lens) != members.raw_names_of(found)
+        differs = _zipdir.spans(file_bytes, offsets + LOCAL.size, name_lens) != members.raw_names_of(found)
         if differs.any():
             good &= ~np.logical_or.reduceat(differs, np.concatenate(([0], np.cumsum(name_lens)[:-1])))
         all_starts = np.full(len(positions), -1, dtype=np.int64)
@@ -581,10 +581,10 @@ class NpzReader(ReaderDefaults):
         array = np.frombuffer(payload, dtype=layout.storage, count=count) if count else np.empty(0, layout.storage)
         return array.reshape(info.shape).view(layout.logical)
 
-    def _read_shuffled(self, key: str, member: zipdir.Member, info: TensorInfo, layout: Layout, verify: bool) -> np.ndarray:
+    def _read_shuffled(self, key: str, member: _zipdir.Member, info: TensorInfo, layout: Layout, verify: bool) -> np.ndarray:
         """A ``compress="shuffle"`` tensor, decoded into memory it owns and checked against the
         manifest's CRC-32 of the plain bytes (the zip CRC, of the encoded bytes, is not needed)."""
-        plain, crc = shuffle_zstd.decode(self._member_bytes(member, member.size), layout.storage.itemsize,
+        plain, crc = _shuffle_zstd.decode(self._member_bytes(member, member.size), layout.storage.itemsize,
                                          info.nbytes, self.name, key)
         self._source.release(self._data_offset(member), member.size)  # else the encoded pages stay in RSS
         if verify and info.checksum and checksum_text(crc) != info.checksum:
@@ -592,7 +592,7 @@ class NpzReader(ReaderDefaults):
                                 f"manifest {info.checksum})", path=self.name, key=key)
         return plain.view(layout.storage).reshape(info.shape).view(layout.logical)
 
-    def _read_foreign(self, key: str, member: zipdir.Member, verify: bool) -> np.ndarray:
+    def _read_foreign(self, key: str, member: _zipdir.Member, verify: bool) -> np.ndarray:
         """A member of a file without a manifest: its own npy header is all there is to go on."""
         data = self._member_bytes(member, member.size)
         dtype, shape, fortran, start = self._parse_npy(member, data)
@@ -627,7 +627,7 @@ class NpzReader(ReaderDefaults):
             raise ChecksumError(f"is corrupt (checksum {checksum(payload)}, manifest {info.checksum})", path=self.name, key=key)
         return True
 
-    def _verify(self, key: str, member: zipdir.Member, data: memoryview, payload: memoryview, info: TensorInfo | None) -> None:
+    def _verify(self, key: str, member: _zipdir.Member, data: memoryview, payload: memoryview, info: TensorInfo | None) -> None:
         if info is not None and info.checksum:
             actual = checksum(payload)
             if actual != info.checksum:

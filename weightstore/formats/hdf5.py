@@ -48,7 +48,7 @@ from weightstore.errors import (
     naming,
 )
 from weightstore.formats import Format, ReaderDefaults, foreign_keys
-from weightstore.formats.hdf5_bytes import (
+from weightstore.formats._hdf5_bytes import (
     READ_AHEAD_WINDOW,
     ObjectHeader,
     ReadAt,
@@ -57,8 +57,8 @@ from weightstore.formats.hdf5_bytes import (
     check_vlen_attribute,
     read_ahead,
 )
+from weightstore.io._local import MappedFile
 from weightstore.io.files import open_regular
-from weightstore.io.local import MappedFile
 
 MANIFEST_ATTRIBUTE = "weightstore"
 _KERAS_DTYPE_ATTRIBUTE = b"dtype"  # Keras's label of the raw bytes it stores bfloat16 as

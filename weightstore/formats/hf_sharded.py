@@ -39,7 +39,7 @@ from weightstore.errors import (
     naming,
 )
 from weightstore.formats import Format, Reader, ReaderDefaults, safetensors
-from weightstore.formats.foreign import CONVERT_HINT, HF_SINGLE_FILE
+from weightstore.formats._foreign import CONVERT_HINT, HF_SINGLE_FILE
 from weightstore.io.places import Place
 from weightstore.io.source import beside, byte_source, read_whole
 

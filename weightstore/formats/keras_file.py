@@ -24,8 +24,8 @@ import numpy as np
 from weightstore.core import _jsontext as jsontext
 from weightstore.core.manifest import TensorInfo
 from weightstore.errors import FormatError, StoreNotFoundError, TargetError, UnsafeFileError, WeightStoreError, naming
-from weightstore.formats import Format, ReaderDefaults, format_for_suffix, format_named, zipdir
-from weightstore.formats.zipdir import MAX_DEFLATE_RATIO
+from weightstore.formats import Format, ReaderDefaults, _zipdir, format_for_suffix, format_named
+from weightstore.formats._zipdir import MAX_DEFLATE_RATIO
 from weightstore.io.files import open_regular, refuse_special_file
 from weightstore.io.places import Place
 
@@ -157,7 +157,7 @@ def _refuse_crowded(path: str) -> None:
     to ``zipfile`` to refuse in its own words."""
     with open_regular(path) as handle:
         size = os.fstat(handle.fileno()).st_size
-        tail_start = max(0, size - (zipdir.EOCD.size + 0xFFFF))
+        tail_start = max(0, size - (_zipdir.EOCD.size + 0xFFFF))
         handle.seek(tail_start)
         tail = handle.read()
 
@@ -166,7 +166,7 @@ def _refuse_crowded(path: str) -> None:
             return handle.read(length)
 
         try:
-            count = zipdir.locate_zip64(read_at, zipdir.locate(tail, tail_start))[0]
+            count = _zipdir.locate_zip64(read_at, _zipdir.locate(tail, tail_start))[0]
         except FormatError:
             return
     if count > MAX_MEMBERS:

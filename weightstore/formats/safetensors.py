@@ -81,8 +81,8 @@ from weightstore.errors import (
     naming,
 )
 from weightstore.formats import Format, ReaderDefaults, foreign_keys
-from weightstore.formats.sstable import crc32c, unmask_crc
-from weightstore.io.local import MappedFile
+from weightstore.formats._sstable import crc32c, unmask_crc
+from weightstore.io._local import MappedFile
 from weightstore.io.source import ByteSource, open_source, prefetch_ranges
 
 #: the reference library refuses larger headers (``MAX_HEADER_SIZE``), so we neither write nor read them

@@ -55,9 +55,9 @@ from weightstore.formats._sharded_index import (
     row_bytes,
     rows_of,
 )
-from weightstore.io.buffer import aligned_array
+from weightstore.io._buffer import aligned_array
+from weightstore.io._ranges import RangedFile
 from weightstore.io.location import location_of
-from weightstore.io.ranges import RangedFile
 from weightstore.io.source import byte_source, read_whole
 
 __all__ = ["FORMAT", "ShardedReader", "normalized_region", "open_members_limit"]

@@ -1,7 +1,7 @@
 """TensorFlow checkpoints (TF1 ``Saver`` and TF2 object-based) read lazily, without TensorFlow.
 
 A checkpoint is a *tensor bundle* (``tensorflow/core/util/tensor_bundle``): ``PREFIX.index``,
-an SSTable (:mod:`weightstore.formats.sstable`) mapping each tensor name to a
+an SSTable (:mod:`weightstore.formats._sstable`) mapping each tensor name to a
 ``BundleEntryProto`` (dtype, shape, data shard, offset, size, masked CRC-32C of the bytes),
 with a ``BundleHeaderProto`` under the empty name; and ``PREFIX.data-NNNNN-of-MMMMM``, the
 shards holding the raw little-endian bytes. Opening reads and checks the index only; each
@@ -81,9 +81,9 @@ from weightstore.errors import (
 )
 from weightstore.formats import Format, ReaderDefaults
 from weightstore.formats._pointer import LATEST, local_latest_name, published_folder_message
-from weightstore.formats.sstable import Table, crc32c, read_varint, unmask_crc
+from weightstore.formats._sstable import Table, crc32c, read_varint, unmask_crc
+from weightstore.io._local import MappedFile
 from weightstore.io.files import open_regular
-from weightstore.io.local import MappedFile
 from weightstore.io.places import Place
 
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
@@ -375,7 +375,7 @@ def parse_object_graph(serialized: bytes) -> Any:
     """The ``TrackableObjectGraph`` message in ``serialized``; ``None`` when it cannot be read."""
     from google.protobuf.message import DecodeError  # here, as every protobuf import: see _parse
 
-    from weightstore.formats.tf_protos import TrackableObjectGraph
+    from weightstore.formats._tf_protos import TrackableObjectGraph
 
     graph = TrackableObjectGraph()
     try:
@@ -540,7 +540,7 @@ class CheckpointReader(ReaderDefaults):
     def _parse(self, table: Table) -> tuple[Any, dict[str, Any], dict[bytes, Any]]:
         # protobuf is imported only once a checkpoint is read: this module is in the format
         # table, which every open consults, and opening an npz need not build TF's messages
-        from weightstore.formats.tf_protos import BundleEntryProto, BundleHeaderProto
+        from weightstore.formats._tf_protos import BundleEntryProto, BundleHeaderProto
 
         index_path = table.path
         header = None

@@ -26,9 +26,9 @@ from weightstore.formats import (
     hf_sharded,
     sniff,
 )
+from weightstore.formats._foreign import HEAD_BYTES, refuse_pickle
 from weightstore.formats._pointer import LATEST, MAX_POINTER_BYTES, latest_name, published_folder_message
-from weightstore.formats.foreign import HEAD_BYTES, refuse_pickle
-from weightstore.formats.renamed import RenamedReader, names_by_key
+from weightstore.formats._renamed import RenamedReader, names_by_key
 from weightstore.io.files import open_regular
 from weightstore.io.location import service
 from weightstore.io.places import Place, place_of

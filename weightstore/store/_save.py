@@ -38,11 +38,11 @@ from weightstore.errors import (
     naming,
 )
 from weightstore.formats import Format, format_for_suffix, format_named, hf_sharded, known_suffixes
-from weightstore.formats.foreign import HF_SINGLE_FILE
+from weightstore.formats._foreign import HF_SINGLE_FILE
+from weightstore.io._writeback import Writeback
 from weightstore.io.commit import commit_for
 from weightstore.io.folders import Folder, folder_for
 from weightstore.io.location import is_url, location_of
-from weightstore.io.writeback import Writeback
 from weightstore.store._open import Store
 
 #: tensors of at least this many bytes are hashed beside their write (see :func:`write_file`)
