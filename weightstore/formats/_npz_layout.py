@@ -19,13 +19,6 @@ from weightstore.io._buffer import ALIGNMENT
 MANIFEST_MEMBER = "__weightstore__.npy"
 
 
-#: how far a deflated manifest member may inflate (UTF-32 JSON text deflates 10-30x)
-MANIFEST_INFLATION = 32
-
-
-MAX_NPY_HEADER = 10_000
-
-
 def header_text(header: bytes) -> str:
     """The dictionary an npy header holds, as its text (cut to 100 characters); "" where the
     header is damaged past reading it (a hostile file's bytes are not echoed raw)."""

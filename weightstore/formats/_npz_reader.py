@@ -18,10 +18,9 @@ from isal import isal_zlib
 from weightstore.core import checksums as _crc
 from weightstore.core._gcpause import paused_gc
 from weightstore.core._tensortable import NO_CRC
+from weightstore.core.limits import MANIFEST_INFLATION, MAX_ARRAY_BYTES, MAX_MANIFEST_BYTES, MAX_NDIM, MAX_NPY_HEADER
 from weightstore.core.manifest import (
     CRC_CHUNK,
-    MAX_MANIFEST_BYTES,
-    MAX_NDIM,
     Manifest,
     TensorInfo,
     checksum,
@@ -34,14 +33,7 @@ from weightstore.core.manifest import (
 from weightstore.errors import ChecksumError, FormatError, KeyNotInStoreError, UnsafeFileError, named, naming
 from weightstore.formats import ReaderDefaults, _shuffle_zstd, _zipdir, foreign_keys
 from weightstore.formats._foreign import refuse_torch_archive
-from weightstore.formats._npz_layout import (
-    MANIFEST_INFLATION,
-    MANIFEST_MEMBER,
-    MAX_NPY_HEADER,
-    Layout,
-    header_text,
-    layout_of,
-)
+from weightstore.formats._npz_layout import MANIFEST_MEMBER, Layout, header_text, layout_of
 from weightstore.formats._zipdir import (
     EOCD,
     LOCAL,
@@ -58,10 +50,6 @@ _INFLATE_CHUNK = 1 << 20
 
 #: most bytes one inflate call may return: bounds the transient copy beside the output buffer
 _INFLATE_PIECE = 4 << 20
-
-
-#: numpy refuses an array whose size, counting zero dimensions as one, overflows a signed 64-bit count
-_MAX_ARRAY_BYTES = (1 << 63) - 1
 
 
 #: below this many tensors, reading one by one costs less than setting up column checks
@@ -331,7 +319,7 @@ class NpzReader(ReaderDefaults):
             raise UnsafeFileError(f"{what} holds a structured array; only plain numeric arrays are read", path=self.name)
         if dtype.subdtype is not None or dtype.itemsize == 0:
             raise FormatError(f"{what} has dtype {dtype.str!r}; only plain numeric arrays are read", path=self.name)
-        if math.prod(max(d, 1) for d in shape) * dtype.itemsize > _MAX_ARRAY_BYTES:
+        if math.prod(max(d, 1) for d in shape) * dtype.itemsize > MAX_ARRAY_BYTES:
             raise FormatError(f"{what} has a shape {shape} too large for any array", path=self.name)
         expected = math.prod(shape) * dtype.itemsize
         start = prefix + header_len
