@@ -1,26 +1,21 @@
 """Reading an npz as hostile input: the central directory parsed by us (members may not overlap,
-sizes are checked against the file before anything is allocated), tensors viewed in place or
-read together, verified against the manifest's checksums."""
+sizes are checked against the file before anything is allocated), tensors viewed in place,
+verified against the manifest's checksums. Many tensors read together (``read_many``) take the
+batched path of :mod:`weightstore.formats._npz_together`, which falls back to this one."""
 
 from __future__ import annotations
 
 import functools
 import io
-import itertools
 import math
 import struct
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 from isal import isal_zlib
 
-from weightstore.core import checksums as _crc
-from weightstore.core._gcpause import paused_gc
-from weightstore.core._tensortable import NO_CRC
 from weightstore.core.limits import MANIFEST_INFLATION, MAX_ARRAY_BYTES, MAX_MANIFEST_BYTES, MAX_NDIM, MAX_NPY_HEADER
 from weightstore.core.manifest import (
-    CRC_CHUNK,
     Manifest,
     TensorInfo,
     checksum,
@@ -31,17 +26,15 @@ from weightstore.core.manifest import (
     raw_bytes,
 )
 from weightstore.errors import ChecksumError, FormatError, KeyNotInStoreError, UnsafeFileError, named, naming
-from weightstore.formats import ReaderDefaults, _shuffle_zstd, _zipdir, foreign_keys
+from weightstore.formats import ReaderDefaults, _npz_together, _shuffle_zstd, _zipdir, foreign_keys
 from weightstore.formats._foreign import refuse_torch_archive
 from weightstore.formats._npz_layout import MANIFEST_MEMBER, Layout, header_text, layout_of
 from weightstore.formats._zipdir import (
     EOCD,
     LOCAL,
-    LOCAL_RECORD,
     LOCAL_SIG,
     STORED,
 )
-from weightstore.io._local import MappedFile, OwnedFile
 from weightstore.io.source import ByteSource, prefetch_ranges
 
 #: inflate input chunk: isal inflates 1 MB pieces faster than 16 MB ones (2.6 vs 2.9 s CPU per GB here)
@@ -50,19 +43,6 @@ _INFLATE_CHUNK = 1 << 20
 
 #: most bytes one inflate call may return: bounds the transient copy beside the output buffer
 _INFLATE_PIECE = 4 << 20
-
-
-#: below this many tensors, reading one by one costs less than setting up column checks
-_FEW = 16
-
-
-#: tensors are checked together this many bytes at a time (a larger one alone), in the keys'
-#: order. A cold mapped file is read as its pages are first touched, and the column checks touch
-#: every member's local header first: spread through the file, one synchronous read each, then
-#: the data after them. A megabyte at a time touches the file in order, which the kernel's
-#: read-ahead streams: a cold 256 MB read_many took 0.115 s instead of 0.27-0.29 s (0.106 s for a
-#: plain sequential read; 32 MB stretches: 0.27 s), and a warm one 3.5 ms more (14 ms)
-_TOGETHER_BYTES = 1 << 20
 
 
 class NpzReader(ReaderDefaults):
@@ -426,131 +406,8 @@ class NpzReader(ReaderDefaults):
 
     def read_many(self, keys: list[str], *, verify: bool) -> list[np.ndarray]:
         """Tensors in ``keys``' order: what ``read`` returns for each, but a file of 50,000 small
-        tensors costs microseconds per tensor.
-
-        Plain stored members of a local file with a manifest (the usual case) are checked and
-        read together by :meth:`_read_together`, from the map, or with ``mmap=False`` from one
-        read of the span that holds the small ones; any other member by :meth:`_read_one`, the
-        rule (see :meth:`_read_together` for the differential test binding the two).
-        """
-        if len(keys) < _FEW or self._manifest is None or not isinstance(self._source, (MappedFile, OwnedFile)):
-            return [self._read_one(key, verify) for key in keys]
-        self._source.check_unchanged(f"{len(keys)} tensors")
-        positions = self._plain_positions_of(keys)
-        if isinstance(self._source, MappedFile):
-            buffer: Any = self._source.mapping
-            base = 0
-            self._source.prefetch(*self._span(positions))
-        else:  # owned memory: one read of the span the small members lie in, if they fill most of it
-            positions[self._members.column("sizes")[np.maximum(positions, 0)] > CRC_CHUNK] = -1
-            found = positions[positions >= 0]
-            if not found.size:
-                return [self._read_one(key, verify) for key in keys]
-            base, span = self._span(positions)
-            if span > 2 * int(self._members.column("sizes")[found].sum()) + CRC_CHUNK:
-                return [self._read_one(key, verify) for key in keys]
-            buffer = self._source.read_at(base, span)
-        ends = np.cumsum(np.where(positions >= 0, self._members.column("sizes")[np.maximum(positions, 0)], 0))
-        cuts = [0, *np.searchsorted(ends, np.arange(_TOGETHER_BYTES, int(ends[-1]), _TOGETHER_BYTES), "right").tolist(),
-                len(keys)]
-        arrays: list[np.ndarray] = []
-        with paused_gc():  # an array per tensor, each tracked by the collector: 50,000 of them
-            for lo, hi in itertools.pairwise(dict.fromkeys(cuts)):
-                arrays += self._read_together(keys[lo:hi], positions[lo:hi], buffer, base, verify)
-        return arrays
-
-    def _span(self, positions: np.ndarray) -> tuple[int, int]:
-        """``(offset, length)`` of the file's stretch that holds the members at ``positions`` (-1s skipped)."""
-        found = positions[positions >= 0]
-        if not found.size:
-            return 0, 0
-        start = int(self._members.column("offsets")[found].min())
-        return start, int(self._members.column("limits")[found].max()) - start
-
-    def _plain_positions_of(self, keys: list[str]) -> np.ndarray:
-        """Each key's directory position if its member is a plain stored ``.npy``, else -1."""
-        members = self._members
-        if self._plain_positions is None and self._in_table_order:
-            self._plain_positions = self._table.row_index  # type: ignore[union-attr]  # only with a manifest
-        if self._plain_positions is None:
-            index, codecs = members.index, self._codecs
-            self._plain_positions = (
-                {key: index[name] for key, name in self._member_of.items()
-                 if len(name) == len(key) + len(".npy") and key not in codecs}
-                if codecs or not self._only_npy else
-                dict(zip(self._member_of, map(index.__getitem__, self._member_of.values()), strict=True))
-            )
-        positions = np.fromiter(map(self._plain_positions.get, keys, itertools.repeat(-1)), np.int64, len(keys))
-        positions[members.column("methods")[np.maximum(positions, 0)] != STORED] = -1
-        return positions
-
-    def _read_together(self, keys: list[str], positions: np.ndarray, buffer: Any, base: int,
-                       verify: bool) -> list[np.ndarray]:
-        """What :meth:`_read_one` checks, for many members at once, in ``buffer`` (the file's
-        bytes from offset ``base``): local headers and names on whole columns
-        (:meth:`_data_starts`), then per member only what must be: its npy header compared byte
-        for byte as a slice, its data viewed in place and checksummed. A member that fails a
-        check, or is not a plain stored ``.npy`` (position -1), goes to :meth:`_read_one`, which
-        raises the precise error (or reads it).
-
-        Fast twin of :meth:`_read_one`, which is the rule; bound by the differential test
-        ``tests/test_npz_fastpath.py::test_damaged_directories_read_alike_on_either_path``
-        (every tensor read, or refused, alike) and by
-        ``test_npz_fastpath.py::test_keys_compression_and_sources_read_the_same``."""
-        table = self._table
-        names, shapes, nbytes, crcs = table.rows()  # type: ignore[union-attr]  # read_many checked there is one
-        rows = (positions.tolist() if self._in_table_order and positions.min() >= 0
-                else table.positions(keys).tolist())  # type: ignore[union-attr]
-        # Every array is a view of this one, its base: it holds the one export of ``buffer``
-        # that keeps a map open while any array lives. (``frombuffer`` per tensor would make a
-        # memoryview each, 50,000 objects for the cyclic collector to walk once it resumes.)
-        whole = np.frombuffer(buffer, np.uint8)
-        starts, ends = self._data_starts(positions, whole, base)
-        small_crc, released_from = isal_zlib.crc32, _crc.RELEASE_GIL_BYTES  # as crc32() would choose
-        arrays = []
-        for key, row, start, end in zip(keys, rows, starts, ends, strict=True):
-            shape = shapes[row]
-            layout = layout_of(names[row], shape)
-            size = nbytes[row]
-            data = start + len(layout.header)
-            if start < 0 or end != data + size or buffer[start:data] != layout.header:
-                arrays.append(self._read_one(key, verify))
-                continue
-            array = np.ndarray(shape, layout.storage, whole, data) if size else np.empty(shape, layout.storage)
-            if verify and ((small_crc(array) if size < released_from else crc32(array)) != crcs[row]
-                           if crcs[row] != NO_CRC
-                           else crc32(memoryview(buffer)[start:end]) != self._members[self._member_of[key]].crc):
-                arrays.append(self._read_one(key, verify))
-                continue
-            arrays.append(array.view(layout.logical) if layout.viewed else array)
-        return arrays
-
-    def _data_starts(self, positions: np.ndarray, file_bytes: np.ndarray, base: int) -> tuple[list[int], list[int]]:
-        """Where each member's data (npy header first) starts and ends in ``file_bytes``, or -1
-        where the position is -1 or the member's local header does not check out.
-
-        The local headers are read as one record array and checked as columns: the signature,
-        the method, the name (same length and bytes as the directory's), and the data within the
-        member's limit, as :meth:`_data_offset` checks one member.
-        """
-        members = self._members
-        chosen = np.flatnonzero(positions >= 0)
-        found = positions[chosen]
-        offsets, name_lens = members.column("offsets")[found] - base, members.column("name_lens")[found]
-        local = file_bytes[offsets[:, None] + np.arange(LOCAL.size)].view(LOCAL_RECORD)[:, 0]
-        starts = offsets + LOCAL.size + local["name_len"] + local["extra_len"].astype(np.int64)
-        ends = starts + members.column("sizes")[found]
-        good = ((local["sig"] == LOCAL_SIG) & (local["method"] == STORED) & (local["name_len"] == name_lens)
-                & (ends <= members.column("limits")[found] - base))
-        # every name's bytes, gathered end to end, against the directory's names end to end
-        differs = _zipdir.spans(file_bytes, offsets + LOCAL.size, name_lens) != members.raw_names_of(found)
-        if differs.any():
-            good &= ~np.logical_or.reduceat(differs, np.concatenate(([0], np.cumsum(name_lens)[:-1])))
-        all_starts = np.full(len(positions), -1, dtype=np.int64)
-        all_ends = np.full(len(positions), -1, dtype=np.int64)
-        all_starts[chosen] = np.where(good, starts, -1)
-        all_ends[chosen] = ends
-        return all_starts.tolist(), all_ends.tolist()
+        tensors costs microseconds per tensor (:func:`weightstore.formats._npz_together.read_many`)."""
+        return _npz_together.read_many(self, keys, verify=verify)
 
     def _read_one(self, key: str, verify: bool) -> np.ndarray:
         member = self._member(key)
