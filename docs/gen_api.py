@@ -6,7 +6,8 @@ hand, so they cannot drift from the code; tests check that the committed files a
 script writes (``--check``, optionally naming ``api`` or ``security``). What is public is each
 module's ``__all__``; signatures and docstrings are read from the source (``ast``), as written
 there, so no framework is imported, annotations read as their author wrote them, and a class
-lists only what it defines itself (no docstrings inherited from ``Mapping`` or Keras).
+lists what it and its bases in the same module define (no docstrings inherited from
+``Mapping`` or Keras).
 """
 
 from __future__ import annotations
@@ -115,12 +116,24 @@ def _entry(module_name: str, node: _Definition, owner: Module) -> list[str]:
     lines = [f"### `{module_name}.{node.name}`", "", f"```python\n{header}\n```", ""]
     lines += [ast.get_docstring(node) or "(no docstring)", ""]
     if isinstance(node, ast.ClassDef):
-        members = [_member(child) for child in node.body if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef)
-                   and not child.name.startswith("_") and ast.get_docstring(child)]
+        members = [_member(child) for child in _methods(node, owner).values() if ast.get_docstring(child)]
         if _is_typed_dict(node, owner):
             members = [f"- `{field.target.id}: {ast.unparse(field.annotation)}`" for field in _fields(node)]  # type: ignore[union-attr]
         lines += [*members, ""] if members else []
     return lines
+
+
+def _methods(node: ast.ClassDef, owner: Module) -> dict[str, ast.FunctionDef | ast.AsyncFunctionDef]:
+    """The public methods and properties of ``node``, its bases' in the same module first (a
+    shared private base, such as the one both publish hooks inherit, is documented in each
+    class); one it overrides with a docstring of its own shows that one."""
+    found: dict[str, ast.FunctionDef | ast.AsyncFunctionDef] = {}
+    for cls in [*_local_bases(node, owner), node]:
+        for child in cls.body:
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) and not child.name.startswith("_") and (
+                    child.name not in found or ast.get_docstring(child)):
+                found[child.name] = child
+    return found
 
 
 def _member(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
