@@ -91,7 +91,7 @@ class _Target:
     shape: tuple[int, ...]
     trainable: bool
     parts: list[_Part] = field(default_factory=list)
-    training: bool = False  # optimizer state or the step counter (tf1_training), not the model
+    training: bool = False  # optimizer state or the step counter (_tf1_training), not the model
     #: False for a variable made with ``validate_shape=False``: no static shape (``shape`` is then
     #: ``()``); it is exported, and assigned, with the shape its value has (see :func:`_as_they_are`)
     shaped: bool = True

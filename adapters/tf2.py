@@ -836,7 +836,7 @@ def _write_batch(pairs: list[tuple[Variable, np.ndarray]]) -> None:
 
 def _write(var: Variable, array: np.ndarray) -> None:
     resource = _plain_resource(var)
-    if resource is not None:  # in TF's own memory: the old buffer it frees is reused, not kept (see tf_staging)
+    if resource is not None:  # in TF's own memory: the old buffer it frees is reused, not kept (see _tf_staging)
         tf.raw_ops.AssignVariableOp(resource=resource.handle, value=staged_copy(array, array.dtype))
     elif isinstance(var, _SHARDED):
         start = 0
