@@ -256,7 +256,8 @@ def test_write_checkpoint_is_read_by_saver_and_load_checkpoint(tmp_path):
 def test_write_checkpoint_merges_and_keeps_non_numeric_entries(made, tmp_path):
     target = copy_checkpoint(made["tf1"], tmp_path)
     before = raw(target)
-    _checkpoints.write_checkpoint(target, {"extra/v": np.full(2, 7.0, np.float32), "model/dense/b": np.zeros(3, np.float32)})
+    _checkpoints.write_checkpoint(target, {"extra/v": np.full(2, 7.0, np.float32),
+                                           "model/dense/b": np.zeros(3, np.float32)})
     after = raw(target)
     assert set(after) == set(before) | {"extra/v"}
     assert after["tag"] == before["tag"]

@@ -203,7 +203,8 @@ def outcome(path, monkeypatch, *, fast: bool) -> tuple:
             return ("refused",)
 
 
-@pytest.mark.parametrize("stretch", [_npz_together._TOGETHER_BYTES, 40], ids=["one-stretch", "stretches-of-a-few-tensors"])
+@pytest.mark.parametrize("stretch", [_npz_together._TOGETHER_BYTES, 40],
+                         ids=["one-stretch", "stretches-of-a-few-tensors"])
 @pytest.mark.parametrize("seed", range(4))
 def test_damaged_directories_read_alike_on_either_path(tmp_path, monkeypatch, written, seed, stretch):
     """Fields of the central directory and the local headers set to edge values: the fast path

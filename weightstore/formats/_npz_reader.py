@@ -426,7 +426,8 @@ class NpzReader(ReaderDefaults):
         array = np.frombuffer(payload, dtype=layout.storage, count=count) if count else np.empty(0, layout.storage)
         return array.reshape(info.shape).view(layout.logical)
 
-    def _read_shuffled(self, key: str, member: _zipdir.Member, info: TensorInfo, layout: Layout, verify: bool) -> np.ndarray:
+    def _read_shuffled(self, key: str, member: _zipdir.Member, info: TensorInfo, layout: Layout,
+                       verify: bool) -> np.ndarray:
         """A ``compress="shuffle"`` tensor, decoded into memory it owns and checked against the
         manifest's CRC-32 of the plain bytes (the zip CRC, of the encoded bytes, is not needed)."""
         plain, crc = _shuffle_zstd.decode(self._member_bytes(member, member.size), layout.storage.itemsize,
@@ -472,7 +473,8 @@ class NpzReader(ReaderDefaults):
             raise ChecksumError(f"is corrupt (checksum {checksum(payload)}, manifest {info.checksum})", path=self.name, key=key)
         return True
 
-    def _verify(self, key: str, member: _zipdir.Member, data: memoryview, payload: memoryview, info: TensorInfo | None) -> None:
+    def _verify(self, key: str, member: _zipdir.Member, data: memoryview, payload: memoryview,
+                info: TensorInfo | None) -> None:
         if info is not None and info.checksum:
             actual = checksum(payload)
             if actual != info.checksum:

@@ -146,7 +146,8 @@ def _read_together(reader: NpzReader, keys: list[str], positions: np.ndarray, bu
     return arrays
 
 
-def _data_starts(reader: NpzReader, positions: np.ndarray, file_bytes: np.ndarray, base: int) -> tuple[list[int], list[int]]:
+def _data_starts(reader: NpzReader, positions: np.ndarray, file_bytes: np.ndarray,
+                 base: int) -> tuple[list[int], list[int]]:
     """Where each member's data (npy header first) starts and ends in ``file_bytes``, or -1
     where the position is -1 or the member's local header does not check out.
 

@@ -74,7 +74,8 @@ from weightstore.errors import (
 )
 
 __all__ = ["index_name", "attempt_folder", "member_name", "MEMBER_SUFFIXES", "done_name", "table_name", "BLOCK_BYTES",
-           "MIN_BLOCK_BYTES", "PIECE_BLOCKS", "TILE_BYTES", "INDEX_FORMAT", "DONE_FORMAT", "BLOCKS_FORMAT", "INCARNATION",
+           "MIN_BLOCK_BYTES", "PIECE_BLOCKS", "TILE_BYTES", "INDEX_FORMAT", "DONE_FORMAT", "BLOCKS_FORMAT",
+           "INCARNATION",
            "PieceEntry", "TensorEntry", "Member", "TableRef", "Layout", "Box", "Placed", "BlockTable", "ShardIndex",
            "DoneRecord", "DoneTensor", "parse_done", "check_parsable", "check_tensor", "check_boxes", "check_share",
            "share_bytes", "key_entry_bytes", "member_entry_bytes", "check_member_bytes", "seal",
@@ -495,7 +496,8 @@ def _layouts(raw: Any, world: int) -> list[Layout]:
         raise FormatError("layouts is not a list")
     layouts = []
     for at, flat in enumerate(raw):
-        if not isinstance(flat, list) or not flat or not all(type(v) is int and 0 <= v < MAX_INDEX_INTEGER for v in flat):
+        if not isinstance(flat, list) or not flat or not all(type(v) is int and 0 <= v < MAX_INDEX_INTEGER
+                                                             for v in flat):
             raise FormatError(f"layout {at} is not a list of non-negative integers below 2**62")
         ndim = flat[0]
         stride = 1 + 2 * ndim

@@ -313,7 +313,8 @@ def parse_head(data: bytes, where: str) -> Head:
     step, base, chain = document.get("step"), document.get("base"), document.get("chain")
     numbers = [document.get(field) for field in ("chain_bytes", "full_bytes", "block")]
     if not (_count(step) and all(map(_count, numbers)) and isinstance(base, str) and isinstance(chain, list)
-            and chain and len(chain) <= MAX_DELTA_CHAIN and chain[0] == base and all(isinstance(n, str) for n in chain)):
+            and chain and len(chain) <= MAX_DELTA_CHAIN and chain[0] == base
+            and all(isinstance(n, str) for n in chain)):
         raise FormatError("has a corrupt delta head (step, base, chain or sizes)", path=where)
     steps = [_step_of(name) for name in chain]
     if None in steps or any(b >= a for a, b in zip([step, *steps], steps, strict=False)):  # type: ignore[operator]
