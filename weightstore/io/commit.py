@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from weightstore.errors import StoreNotFoundError, WeightStoreError, WriteError
+from weightstore.io._writeback import behind
 from weightstore.io.files import (
     check_writable_target,
     fsync_folder,
@@ -67,7 +68,6 @@ from weightstore.io.files import (
     temporary_beside,
 )
 from weightstore.io.location import Location, filesystem, protocols, service
-from weightstore.io.writeback import behind
 
 __all__ = ["UPLOAD_PART_BYTES", "Commit", "RenameCommit", "UploadCommit", "IndexLastCommit", "commit_for",
            "checkpoint_files"]
@@ -165,7 +165,7 @@ def _hold(path: Path) -> int | None:
     """A descriptor of the file a rename is about to replace, or None (none there, unreadable,
     or not POSIX). Held across the rename, it keeps the old file's blocks from being freed
     inside the rename: on ext4 mounted with ``discard`` that took 4 ms, a third of a durable
-    save of 100 KB. Closed behind (:func:`~weightstore.io.writeback.behind`), the last close
+    save of 100 KB. Closed behind (:func:`~weightstore.io._writeback.behind`), the last close
     frees them while the caller goes on."""
     if os.name != "posix":
         return None
