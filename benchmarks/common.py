@@ -155,16 +155,22 @@ def median_seconds(run: Callable[[], object], repeat: int) -> float:
 
 
 def interleaved_medians(cases: Mapping[str, Callable[[], object]], repeat: int,
-                        clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+                        clock: Callable[[], float] = time.perf_counter,
+                        cpu: dict[str, float] | None = None) -> dict[str, float]:
     """Median seconds per case, the cases taking turns (one warm-up round, then ``repeat``
-    rounds): on a machine whose load drifts, every case sees the same drift."""
+    rounds): on a machine whose load drifts, every case sees the same drift. ``cpu``, when
+    given, receives each case's median CPU seconds of this process as well."""
     times: dict[str, list[float]] = {name: [] for name in cases}
+    cpus: dict[str, list[float]] = {name: [] for name in cases}
     for round_ in range(repeat + 1):
         for name, run in cases.items():
-            start = clock()
+            start, start_cpu = clock(), time.process_time()
             run()
             if round_:
                 times[name].append(clock() - start)
+                cpus[name].append(time.process_time() - start_cpu)
+    if cpu is not None:
+        cpu.update({name: median(values) for name, values in cpus.items()})
     return {name: median(values) for name, values in times.items()}
 
 

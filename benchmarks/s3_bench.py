@@ -17,6 +17,7 @@ Ratios are to the weightstore row of the same format (lower is better for the ot
 
     python -m benchmarks.s3_bench                  # 64 MB, 3 repetitions
     python -m benchmarks.s3_bench --size-mb 256
+    python -m benchmarks.s3_bench --size-mb 64 --repeat 1   # with issue 42's 1/64 selective-load target
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class _Cases:
     def __init__(self, fs: Any, url: str, weights: dict[str, np.ndarray]):
         self.fs, self.url, self.path, self.weights = fs, url, url[len("s3://"):], weights
         self.scope = [k for k in weights if k.startswith("scope_3/")]
+        self.one = "scope_3/tensor_5"  # 1/64 of the bytes
 
     # weightstore
     def ws_save(self) -> None:
@@ -60,6 +62,9 @@ class _Cases:
 
     def ws_scope(self) -> dict:
         return ws.load(self.url, scope="scope_3")
+
+    def ws_one(self) -> dict:
+        return ws.load(self.url, include=[self.one])
 
     def ws_full(self) -> dict:
         return ws.load(self.url)
@@ -132,6 +137,8 @@ def bench(size_mb: float = 64, repeat: int = 3) -> list[tuple[str, str, dict[str
             ("load 1/8", "s3fs + np.load", lambda: plain.np_read(plain.scope)),
             ("load 1/8", "weightstore safetensors", st.ws_scope),
             ("load 1/8", "safetensors bytes", lambda: theirs.st_read(theirs.scope)),
+            ("load 1/64", "weightstore npz", npz.ws_one),
+            ("load 1/64", "weightstore safetensors", st.ws_one),
             ("load all", "weightstore npz", npz.ws_full),
             ("load all", "s3fs + np.load", lambda: plain.np_read(list(weights))),
             ("load all", "weightstore safetensors", st.ws_full),
@@ -144,6 +151,12 @@ def bench(size_mb: float = 64, repeat: int = 3) -> list[tuple[str, str, dict[str
         s3fs.S3FileSystem.clear_instance_cache()
         restore_environment(saved)
     _print(results, size_mb, total, repeat)
+    selected = weights[npz.one].nbytes
+    for operation, engine, r in results:
+        if operation == "load 1/64":
+            ratio = r["down"] / selected
+            print(f"target (issue 42): {engine} load of 1/64 <= 1.1x the selected bytes: {ratio:.3f}x "
+                  f"({'yes' if ratio <= 1.1 else 'NO'}; {r['down'] / MB:.3f} MB down for {selected / MB:.3f} MB)")
     return results
 
 

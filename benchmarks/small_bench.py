@@ -9,6 +9,7 @@ before the rename), so the save row is also compared with ``save_file`` followed
     python -m benchmarks.small_bench                       # 50,000 x 256 float32, 5 runs
     python -m benchmarks.small_bench --tensors 5000 --repeat 3
     python -m benchmarks.small_bench --cpu                 # CPU time, for a machine others load
+    python -m benchmarks.small_bench --tensors 100 --repeat 31   # issue 42's small-work targets
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def bench(tensors: int = 50_000, size: int = 256, repeat: int = 5, clock=time.pe
             "read each via open (weightstore npz)": read_each,
             "load (safetensors load_file)": lambda: safetensors.numpy.load_file(st),
         }
-        results = interleaved_medians(cases, repeat, clock)
+        cpu: dict[str, float] = {}
+        results = interleaved_medians(cases, repeat, clock, cpu)
     peers = {"save": ["save (safetensors save_file)", "save (safetensors save_file + fsync)"],
              "open": ["open + keys (safetensors safe_open)"], "load": ["load (safetensors load_file)"],
              "read": ["load (safetensors load_file)"]}
@@ -77,6 +79,13 @@ def bench(tensors: int = 50_000, size: int = 256, repeat: int = 5, clock=time.pe
         ratios = "" if "safetensors" in name else "  " + ", ".join(
             f"{seconds / results[peer]:5.2f}x {peer.split('(')[1].rstrip(')')}" for peer in peers[name.split()[0]])
         print(f"  {name:40s} {seconds * 1000:9.1f} ms{ratios}")
+    targets = [("durable save", "save (weightstore npz)", "save (safetensors save_file + fsync)", 1.5),
+               ("open + keys", "open + keys (weightstore npz)", "open + keys (safetensors safe_open)", 2.0),
+               ("verified load", "load (weightstore npz)", "load verify=False (weightstore npz)", 1.3)]
+    print("  targets (issue 42): x peer, wall and CPU")
+    for what, own, peer, most in targets:
+        wall, spent = results[own] / results[peer], cpu[own] / cpu[peer]
+        print(f"  {what:14s} <= {most}x {peer:40s} wall {wall:5.2f}x {'yes' if wall <= most else 'NO ':3s}  CPU {spent:5.2f}x")
     results.update(bench_hdf5(weights, repeat, clock))
     return results
 

@@ -31,12 +31,25 @@ def collision() -> tuple[np.ndarray, np.ndarray]:
 
 def test_the_forged_pair_has_one_crc32_and_two_digests(collision, tmp_path):
     a, b = collision
-    ws.save(tmp_path / "a.npz", {"w": a})
-    ws.save(tmp_path / "b.npz", {"w": b})
-    with ws.open(tmp_path / "a.npz") as left, ws.open(tmp_path / "b.npz") as right:
+    first, second = ws.publish(tmp_path, {"w": a}, step=1), ws.publish(tmp_path, {"w": b}, step=2)
+    with ws.open(first) as left, ws.open(second) as right:
         assert left.info("w").checksum == right.info("w").checksum  # the CRC-32 in the manifest agrees
         assert left.info("w").digest != right.info("w").digest
         assert left.info("w").digest == "blake3:" + content_digest(a).hex()
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".h5", ".safetensors"])
+def test_a_plain_save_records_crc32s_but_no_digests(collision, tmp_path, suffix):
+    """A plain save leaves the digest out (only a comparison needs it, and it costs a pass over
+    every byte): its manifest is version 2, which older readers read, and every read still
+    verifies the CRC-32. A version (what followers compare) records digests."""
+    a, _ = collision
+    ws.save(tmp_path / f"a{suffix}", {"w": a})
+    with ws.open(tmp_path / f"a{suffix}") as store:
+        assert store.info("w").digest is None and store.info("w").checksum is not None
+        assert store.has_checksums and np.array_equal(store["w"], a)
+    with ws.open(ws.publish(tmp_path / "versions", {"w": a}, step=1, format={".h5": "hdf5"}.get(suffix, suffix[1:]))) as version:
+        assert version.info("w").digest == "blake3:" + content_digest(a).hex()
 
 
 @pytest.mark.parametrize("suffix", [".npz", ".h5", ".safetensors"])

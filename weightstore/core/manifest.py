@@ -48,6 +48,9 @@ FORMAT_NAME = "weightstore"
 #: out), so the digest came with a new version: such a reader then says the file is newer
 #: than it reads, rather than that its columns are wrong.
 FORMAT_VERSION = 3
+#: the version a manifest without digests is written as: it holds nothing version 2 lacks, so
+#: the readers of version 2 read it (a plain ``ws.save`` records no digests)
+_UNDIGESTED_VERSION = 2
 _FIELDS = frozenset({"format", "version", "producer", "created", "metadata", "tensors"})
 #: a version 1 entry's fields: ``location`` and ``codec`` optional, the others always (``checksum`` may be null)
 _ENTRY_FIELDS = frozenset({"dtype", "shape", "checksum", "location", "codec"})
@@ -246,10 +249,11 @@ def build_manifest(
 ) -> str:
     """The manifest's JSON text: the document's fields, then the tensors (``(key, dtype name,
     shape, CRC-32)`` each, as a writer learns them, and their :func:`content_digest` in the
-    same order) as columns. ``created``: the time the file's version records, else now."""
+    same order, if any: version 3; else version 2, which is the same without them) as columns.
+    ``created``: the time the file's version records, else now."""
     document = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": FORMAT_VERSION if digests is not None else _UNDIGESTED_VERSION,
         "producer": producer,
         "created": created or utc_now(),
         "metadata": dict(metadata or {}),

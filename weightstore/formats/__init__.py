@@ -13,6 +13,7 @@ allocated.
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import PurePosixPath
@@ -182,7 +183,9 @@ def register(module: str) -> None:
 
 
 def _registry() -> list[Format]:
-    return [importlib.import_module(module).FORMAT for module in FORMAT_MODULES]
+    # sys.modules first: import_module of a module already imported still takes the import
+    # lock, and every open asks the registry twice (0.1 ms of a 0.8 ms open of a small file)
+    return [(sys.modules.get(module) or importlib.import_module(module)).FORMAT for module in FORMAT_MODULES]
 
 
 def format_named(name: str) -> Format:

@@ -102,6 +102,12 @@ _HOLD_BYTES = 64 << 20
 #: room left for the header beyond twice the estimate, once streaming (spaces: cheap to write and parse)
 _HEADER_SLACK = 64 << 10
 _MOVE_CHUNK = 16 << 20
+#: payloads at least this big go to the kernel straight from the caller's memory; smaller ones
+#: are gathered first (a write call per 1 KB tensor would cost more than its bytes). Python's
+#: own buffered file copied every chunk of up to its buffer's size into that buffer first:
+#: 0.07 CPU-s/GB of a save that the kernel's copy alone makes 0.3
+_DIRECT_BYTES = 256 << 10
+_GATHER_BYTES = 1 << 20
 #: tensors at least this big are announced to the source (it reads ahead of them) before they are read
 _PREFETCH_BYTES = 1 << 20
 #: fewer tensors than this are read one by one: the shared set-up of reading many costs more
@@ -144,7 +150,8 @@ class SafetensorsWriter:
 
     def __init__(self, path: str):
         self._path = path
-        self._file = open(path, "w+b", buffering=1 << 20)  # noqa: SIM115  # read too: data may move
+        self._file = open(path, "w+b", buffering=0)  # noqa: SIM115  # read too: data may move
+        self._gathered = bytearray()  # small payloads not yet handed to the kernel (see _put)
         self._tensors: list[_Pending] = []
         self._held: list[_Pending] = []
         self._held_bytes = 0
@@ -189,27 +196,43 @@ class SafetensorsWriter:
 
     def _write_held(self) -> None:
         for tensor in self._held:
-            self._file.write(tensor.payload)
+            self._put(tensor.payload)
             tensor.payload = memoryview(b"")  # written: let the caller's array go
         self._held = []
 
     def _write(self, tensor: _Pending) -> None:
         tensor.begin = self._written
-        self._file.write(tensor.payload)
+        self._put(tensor.payload)
         self._written += tensor.size
         tensor.payload = memoryview(b"")
 
     def _write_checksummed(self, tensor: _Pending) -> int:
         tensor.begin = self._written
-        crc = write_checksummed(tensor.payload, self._file.write)
+        crc = write_checksummed(tensor.payload, self._put)
         self._written += tensor.size
         tensor.payload = memoryview(b"")
         return crc
+
+    def _put(self, payload: memoryview) -> None:
+        """Write ``payload`` where the file's position is, small ones gathered (:data:`_DIRECT_BYTES`)."""
+        if len(payload) < _DIRECT_BYTES:
+            self._gathered += payload
+            if len(self._gathered) >= _GATHER_BYTES:
+                self._flush()
+            return
+        self._flush()
+        _write_all(self._file, payload)
+
+    def _flush(self) -> None:
+        if self._gathered:
+            _write_all(self._file, memoryview(self._gathered))
+            self._gathered = bytearray()
 
     def _start_streaming(self) -> None:
         """Reserve room for the header and write what is held, except tensors whose size would
         misalign the ones after them: those wait for :meth:`commit`."""
         self._data_start = _aligned(_LENGTH.size + 2 * _header_estimate(self._tensors) + _HEADER_SLACK)
+        self._flush()
         self._file.seek(self._data_start)
         held, self._held = self._held, []
         for tensor in held:
@@ -229,7 +252,7 @@ class SafetensorsWriter:
             self._data_start = needed
             self._file.seek(needed)
         self._write_held()
-        self._file.flush()
+        self._flush()
         if needed > self._data_start:
             self._move_data(self._data_start, needed)
             self._data_start = needed
@@ -253,6 +276,12 @@ class SafetensorsWriter:
     def abort(self) -> None:
         with contextlib.suppress(Exception):  # closing flushes, and may fail as the write did: report that
             self._file.close()
+
+
+def _write_all(file: Any, view: memoryview) -> None:
+    """All of ``view`` at ``file``'s position (an unbuffered file's write may take only part)."""
+    while view:
+        view = view[file.write(view):]
 
 
 def _write_at(fd: int, data: bytes, offset: int) -> None:

@@ -48,6 +48,10 @@ READ_AHEAD = 64 << 20
 _advisor: ThreadPoolExecutor | None = None  # one thread: the advice queues, the disk reads in order
 _advisor_lock = threading.Lock()
 _CAN_ADVISE = hasattr(os, "posix_fadvise")  # not on macOS, whose own readahead must do
+#: a shorter stretch is left to the kernel's own read-ahead (128 KB by default): handing it to
+#: the advice thread cost the open of a 100 KB file 4 ms of thread hand-off on a busy machine,
+#: five times the rest of the open (``benchmarks/small_bench``)
+_ADVISE_FROM = 256 << 10
 
 
 def _advise(fileno: int, offset: int, length: int, piece: int | None) -> None:
@@ -175,7 +179,7 @@ class _LocalFile:
             return  # well inside what the kernel was asked for already
         start = last if first <= offset <= last else offset  # the stretch goes on, or a new one begins
         end = min(self.size, offset + length + READ_AHEAD)
-        if end > start and not self._closed and _CAN_ADVISE:
+        if end - start >= _ADVISE_FROM and not self._closed and _CAN_ADVISE:
             _advise(self._handle.fileno(), start, end - start, _advice_piece(os.fstat(self._handle.fileno()).st_dev))
             self._ahead = (first if start == last else start, end)
 

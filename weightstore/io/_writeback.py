@@ -8,6 +8,7 @@ the kernel (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, on one background thread
 for the disk's queue) to start writing each :data:`WRITEBACK_BYTES` as soon as they are written,
 so the disk works while the next tensors are converted, hashed and copied, and the fsync at the
 end waits only for the last stretch. Where the call is missing (not Linux) it does nothing.
+Its thread also takes other disk work a save need not wait for (:func:`behind`).
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import ctypes
 import os
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, cast
 
-__all__ = ["WRITEBACK_BYTES", "Writeback"]
+__all__ = ["WRITEBACK_BYTES", "Writeback", "behind"]
 
 #: how many newly written bytes make the next writeback request
 WRITEBACK_BYTES = 32 << 20
@@ -41,6 +44,16 @@ def _sync_file_range() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 
 
 _SYNC = _sync_file_range()
+
+
+def behind(work: Callable[..., object], *args: Any) -> Future[object]:
+    """Run ``work(*args)`` on the writeback thread: disk work the caller need not wait for
+    (the interpreter waits for it at exit)."""
+    global _writer
+    with _writer_lock:
+        if _writer is None:
+            _writer = ThreadPoolExecutor(1, thread_name_prefix="weightstore-writeback")
+    return _writer.submit(work, *args)
 
 
 class Writeback:
@@ -75,11 +88,7 @@ class Writeback:
         if size - self._started < WRITEBACK_BYTES:
             return  # the writer still holds what it was given (buffered, or laid out at the end)
         self._handed = 0
-        global _writer
-        with _writer_lock:
-            if _writer is None:
-                _writer = ThreadPoolExecutor(1, thread_name_prefix="weightstore-writeback")
-        self._pending = _writer.submit(_start, self._fd, self._started, size - self._started)
+        self._pending = cast("Future[None]", behind(_start, self._fd, self._started, size - self._started))
         self._started = size
 
     def close(self) -> None:

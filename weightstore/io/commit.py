@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from weightstore.errors import StoreNotFoundError, WeightStoreError, WriteError
+from weightstore.io._writeback import behind
 from weightstore.io.files import (
     check_writable_target,
     fsync_folder,
@@ -141,9 +142,14 @@ class RenameCommit(Commit):
         fsync_path(self._temporary)
         with contextlib.suppress(FileNotFoundError):
             os.chmod(self._temporary, stat.S_IMODE(os.stat(self._final).st_mode))  # a re-save keeps 0600
-        os.replace(self._temporary, self._final)
-        self._temporary = None
-        fsync_folder(self._final.parent)
+        replaced = _hold(self._final)
+        try:
+            os.replace(self._temporary, self._final)
+            self._temporary = None
+            fsync_folder(self._final.parent)
+        finally:
+            if replaced is not None:
+                behind(os.close, replaced)
 
     def discard(self) -> None:
         if self._temporary is not None:
@@ -153,6 +159,20 @@ class RenameCommit(Commit):
 
     def exists(self) -> bool:
         return os.path.lexists(self.target)
+
+
+def _hold(path: Path) -> int | None:
+    """A descriptor of the file a rename is about to replace, or None (none there, unreadable,
+    or not POSIX). Held across the rename, it keeps the old file's blocks from being freed
+    inside the rename: on ext4 mounted with ``discard`` that took 4 ms, a third of a durable
+    save of 100 KB. Closed behind (:func:`~weightstore.io._writeback.behind`), the last close
+    frees them while the caller goes on."""
+    if os.name != "posix":
+        return None
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return None
 
 
 class UploadCommit(Commit):

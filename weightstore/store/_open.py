@@ -282,7 +282,9 @@ def open(path: Any, *, verify: bool = True, format: str | None = None, mmap: boo
         >>> with ws.open("model.npz") as store:
         ...     kernel = store["dense/kernel"] if "dense/kernel" in store else None
     """
-    if isinstance(path, OpensItself):  # a Version: its pinned file, or a clear "version gone" if pruned
+    # a Version: its pinned file, or a clear "version gone" if pruned (a name is asked first: a
+    # protocol's isinstance costs 0.05 ms, a tenth of opening a small file)
+    if not isinstance(path, (str, os.PathLike)) and isinstance(path, OpensItself):
         return path._weightstore_open(verify=verify)
     with paused_gc():  # an index of 50,000 tensors is some 300,000 containers (weightstore.core._gcpause)
         store = _open(path, verify=verify, format=format, mmap=mmap)

@@ -60,6 +60,7 @@ def save(
     format: str | None = None,
     names: str | None = None,
     max_shard_size: int | str | None = None,
+    digests: bool = False,
 ) -> None:
     """Write ``weights`` atomically; the suffix (or ``format``) picks npz, HDF5 or safetensors.
 
@@ -94,6 +95,12 @@ def save(
             Shards of an earlier save the new index does not name are removed after it, and so
             is a ``model.safetensors`` beside ``model.safetensors.index.json``, which
             ``from_pretrained`` (and ``ws.load``) would read instead.
+        digests: also record each tensor's BLAKE3 content digest, so that ``skip_unchanged=True``
+            (assigning this file again after it was rewritten) and ``ws diff`` tell unchanged
+            tensors without reading them. It costs a second pass over every byte (about 0.24
+            CPU-s/GB, next to 0.3 for the durable write itself), so a plain save leaves it out;
+            versions (:func:`~weightstore.publish`) always record it. Every read verifies the
+            CRC-32 recorded either way.
 
     Raises:
         InvalidKeyError, UnsupportedDTypeError: a key or dtype that cannot be stored (nothing written).
@@ -114,7 +121,7 @@ def save(
             raise TargetError("max_shard_size writes a folder of safetensors shards and its index, and this name "
                               "is a file's; name the folder (model/) or its index (model.safetensors.index.json)",
                               path=location)
-        _save_sharded(location, weights, metadata, max_shard_size, names, overwrite)
+        _save_sharded(location, weights, metadata, max_shard_size, names, overwrite, digests)
         return
     fmt = output_format(location, format)
     if not isinstance(compress, (bool, np.bool_)) and not (isinstance(compress, str) and compress == "shuffle"):
@@ -130,11 +137,11 @@ def save(
     if not overwrite and commit.exists():
         raise StoreExistsError("file exists (pass overwrite=True to replace it)", path=location)
     with commit.writing() as local:
-        write_file(local, fmt, arrays, metadata, compress, stored_names)
+        write_file(local, fmt, arrays, metadata, compress, stored_names, digests=digests)
 
 
 def _save_sharded(location: str, weights: Mapping[str, Any], metadata: Mapping[str, Any] | None,
-                  max_shard_size: int | str, names: str | None, overwrite: bool) -> None:
+                  max_shard_size: int | str, names: str | None, overwrite: bool, digests: bool) -> None:
     """A Hugging Face sharded folder (see :func:`save`): every key, dtype and name checked first;
     each shard written atomically, then the index, which is what readers go by."""
     from weightstore.formats import safetensors
@@ -164,7 +171,7 @@ def _save_sharded(location: str, weights: Mapping[str, Any], metadata: Mapping[s
     for shard, keys in shards.items():
         with commit_for(location_of(f"{folder}/{shard}"), suffix=".safetensors").writing() as local:
             write_file(local, safetensors.FORMAT, arrays.only(keys), metadata, False,
-                       {key: stored_names[key] for key in keys if key in stored_names}, created)
+                       {key: stored_names[key] for key in keys if key in stored_names}, created, digests=digests)
     document = hf_sharded.index_document({shard: [stored_names.get(k, k) for k in keys] for shard, keys in shards.items()},
                                          sum(sizes.values()), metadata,
                                          {"producer": f"weightstore {__version__}", "created": created})
@@ -454,13 +461,20 @@ def _stated_shape(value: Any) -> tuple[int, ...] | None:
 
 
 def write_file(path: str, fmt: Format, arrays: CheckedWeights, metadata: Mapping[str, Any] | None,
-               compress: bool | str, stored_names: Mapping[str, str] | None = None, created: str | None = None) -> None:
+               compress: bool | str, stored_names: Mapping[str, str] | None = None, created: str | None = None,
+               *, digests: bool = True) -> None:
     """Write a file tensor by tensor; the caller makes it atomic and durable.
 
     ``stored_names`` (from :func:`file_names`) names tensors in the file other than by their
     keys: where the format can (:attr:`Format.torch_names`), the manifest records each such
     name as the tensor's location, so the keys read back; elsewhere the name is the key.
     ``created``: the time of the version the file is (its manifest records it), else now.
+    ``digests``: record each tensor's BLAKE3 content digest beside its CRC-32. Versions
+    (published files, which followers and hot reload compare) do; a plain :func:`save` does
+    not, as the digest costs a second pass over every byte (0.24 CPU-s/GB, more than the write
+    itself at 0.3) for an answer only a comparison asks; whoever compares a file without
+    digests reads its bytes (docs/design.md, Content digests). The CRC-32 that every read
+    verifies is recorded either way, from the pass that writes the bytes.
     """
     metadata = checked_metadata(metadata, path)  # before the file exists (callers check earlier, naming theirs)
     stored_names = stored_names or {}
@@ -472,19 +486,21 @@ def write_file(path: str, fmt: Format, arrays: CheckedWeights, metadata: Mapping
         mark_torch_names()
     writeback = Writeback(path)  # the disk starts on what is written while the rest is (see its module)
     try:
-        tensors, digests = [], []
+        tensors, hashed = [], []
         for key, name, data in arrays.stored():  # read/converted now: one tensor in memory at a time
             # a large tensor is hashed on the helper thread while the writer writes it (both release
             # the GIL); a small one after, still in cache, as a hand-off costs more than its hash
-            hashing = parallel.beside(functools.partial(content_digest, data)) if data.nbytes >= _HASH_BESIDE else None
+            hashing = (parallel.beside(functools.partial(content_digest, data))
+                       if digests and data.nbytes >= _HASH_BESIDE else None)
             stored = stored_names.get(key, key)
             tensors.append((key if located else stored, name, data.shape, writer.add(stored, name, data)))
-            digests.append(content_digest(data) if hashing is None else hashing.result())
+            if digests:
+                hashed.append(content_digest(data) if hashing is None else hashing.result())
             writeback.advance(data.nbytes)
             del data
         locations = {**writer.locations, **located}
         writer.commit(build_manifest(tensors, metadata, f"weightstore {__version__}", locations, writer.codecs,
-                                     digests, created))
+                                     hashed if digests else None, created))
     except BaseException:
         writer.abort()
         raise
