@@ -18,8 +18,9 @@ Keys collapse empty name segments: a nested ``variable_scope("")`` makes names l
 that variable. Two variables whose names collapse to one key (``a//b`` and ``a/b``) are an
 error naming both.
 
-Assigning writes by feeding each variable's initializer input and running its initializer:
-those ops already exist, so repeated assigns never grow the graph and work on a graph that
+Assigning writes by feeding each variable's initializer input and running its initializer, or,
+where the graph has a ``Saver``, feeding its restore op for the variable (:func:`_restore_writer`:
+it compiles faster, which is most of the first assign's time): those ops already exist, so repeated assigns never grow the graph and work on a graph that
 ``MonitoredTrainingSession`` has finalized. A naive ``sess.run(v.assign(x))`` adds ops on every
 reload until the process runs out of memory. Every value is read and verified first, then the
 values go in batches of bounded bytes, one run each, so a restore holds a small part of the

@@ -10,6 +10,13 @@ one is being written waits as the *pending* one, and a newer publish replaces a 
 (its future is cancelled): what a follower wants is the newest weights, and the memory held is
 bounded by two snapshots however slow the folder is. ``publish`` never waits for the write.
 
+**Below the trainer's priority.** The publishing thread runs :data:`NICENESS` steps below the
+process (Linux, where a thread has a priority of its own), and its checksums and hashes stay on
+it rather than on the shared helper thread: the trainer's threads get the cores first, and a
+publish in ``fit`` costs training less than the CPU it spends. A thread a publish starts (the
+process's first writeback or S3 thread, when a background publish is the first to need one)
+inherits that priority.
+
 **A copy of the weights never costs the run it copies.** A publish that fails is never raised
 into the caller. A storage failure (:class:`StorageError`, an ``OSError``: an outage, a full
 disk) is retried with exponential backoff (``retry_backoff`` seconds, doubling up to
