@@ -550,7 +550,7 @@ def _restore_writer(graph: tf.Graph, variable: tf.Variable) -> tuple[tf.Operatio
     a session runs Grappler over the fan-in of every fed tensor, which for an initializer is its
     whole initializer (``random_normal``: six ops a variable), and for a restore op one op shared
     by every variable. The first assign in a process compiles each of its batches, so that fan-in
-    was most of its time (issue 42)."""
+    was most of its time."""
     handle = variable.op.outputs[0]
     for op in handle.consumers():
         if op.type not in _ASSIGN_TYPES or op.control_inputs or len(op.inputs) != 2 or op.inputs[0] is not handle:

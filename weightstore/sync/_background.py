@@ -76,7 +76,7 @@ DEFAULT_RETRY_BACKOFF = 0.5
 DEFAULT_MAX_BACKOFF = 30.0
 #: how far below the process the publishing thread runs (nice steps, where threads have their own:
 #: Linux): the trainer's threads get a core first and the publish takes what they leave, so a
-#: background publish costs training less than the CPU it spends (issue 42)
+#: background publish costs training less than the CPU it spends
 NICENESS = 10
 _log = logging.getLogger("weightstore")
 #: the errors of a write that may pass: space or quota freed, a device or service back
