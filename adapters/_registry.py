@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
+from weightstore.core.limits import MAX_TREE_DEPTH
 from weightstore.errors import UnsupportedTargetError
 
 __all__ = ["ADAPTERS", "adapter_for", "register"]
@@ -45,7 +46,6 @@ ADAPTERS: dict[str, str] = {
     "jaxlib": "weightstore.adapters.flax",
 }
 _CONTAINERS = (Mapping, list, tuple)
-_DEEPEST = 64  # containers nested deeper than this are no parameter tree
 _EMPTY = object()
 
 
@@ -75,7 +75,7 @@ def adapter_for(obj: Any) -> ModuleType:
         adapter_for(keras_model).assign(keras_model, "model.npz")
     """
     leaf = obj
-    for _ in range(_DEEPEST):
+    for _ in range(MAX_TREE_DEPTH):
         name = _adapter_of_type(type(leaf))
         if name is not None:
             return importlib.import_module(name)

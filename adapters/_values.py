@@ -11,8 +11,8 @@ from typing import Any, Protocol
 import numpy as np
 
 import weightstore
+from weightstore.adapters._artifacts import open_artifact
 from weightstore.adapters._reload import reload_digest
-from weightstore.adapters.artifacts import open_artifact
 from weightstore.core._arrays import as_numpy
 from weightstore.core.manifest import logical_dtype
 from weightstore.errors import naming

@@ -34,8 +34,8 @@ as Keras 3 names them. A value whose layer has no place for it (a convolution's 
 PyTorch layer built with ``bias=False``) is refused naming :func:`fold_bias_into_norm`.
 
 Layers whose tensors convert only together (LSTM, GRU, multi-head attention) are
-:class:`~weightstore.adapters.layer_rules.LayerRule` s in ``Layout.layers``, tried first, by the
-whole set of names a layer's scope holds (see :mod:`weightstore.adapters.layer_rules`).
+:class:`~weightstore.adapters._layer_rules.LayerRule` s in ``Layout.layers``, tried first, by the
+whole set of names a layer's scope holds (see :mod:`weightstore.adapters._layer_rules`).
 
 A tensor no rule covers is refused (listed in the adapter's ``Report``/error, or in a
 :class:`~weightstore.errors.LayoutError`), never passed through unconverted. Tensors a
@@ -60,11 +60,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from weightstore.adapters import layer_rules
+from weightstore.adapters import _layer_rules
 from weightstore.adapters._casts import describe
+from weightstore.adapters._layer_rules import LayerRule
 from weightstore.adapters._report import Mismatch, Plan, TargetInfo
 from weightstore.adapters._values import ValueSource
-from weightstore.adapters.layer_rules import LayerRule
 from weightstore.adapters.plan import AssignOptions, plan_assign
 from weightstore.core.keys import MappingRules, Patterns, join_scope, map_key, normalize_scope, parse_mapping, passes
 from weightstore.errors import AssignmentError, LayoutError
@@ -215,7 +215,7 @@ KERAS_TO_TORCH = Layout(
     ),
     kernel="weight",
     dropped=("num_batches_tracked",),
-    layers=layer_rules.TORCH_LAYERS,
+    layers=_layer_rules.TORCH_LAYERS,
 )
 
 #: Keras/TF ↔ Flax: kernels keep Keras's layout; a depthwise kernel is Flax's grouped
@@ -236,7 +236,7 @@ KERAS_TO_FLAX = Layout(
         Rule((EMBEDDING,), "embeddings", "embedding", 2),
     ),
     kernel="kernel",
-    layers=layer_rules.FLAX_LAYERS,
+    layers=_layer_rules.FLAX_LAYERS,
 )
 
 LAYOUTS = {"torch": KERAS_TO_TORCH, "flax": KERAS_TO_FLAX}

@@ -27,14 +27,14 @@ values go in batches of bounded bytes, one run each, so a restore holds a small 
 model in extra memory rather than a second copy of it (see
 :func:`weightstore.adapters.skeleton.run_assign` for what a failure in a later batch means). A
 resource variable takes over the buffer it is fed, so large values are fed from TensorFlow's own
-memory (:func:`weightstore.adapters.tf_staging.staged_feeds`), where numpy copies left the old
+memory (:func:`weightstore.adapters._tf_staging.staged_feeds`), where numpy copies left the old
 buffers in TensorFlow's pool for good (the first assign in a process then held the model twice,
 as ``Saver.restore`` does). Where a value is a view of the mapped file, the variable first takes
 over the file's pages, so the staged copy reuses the very buffer that frees (:func:`_run_batch`):
 an assign, the first in a process or a later one, grows the pool by a few MB rather than by a
 batch. A ref variable copies into its own buffer, so it is fed the value as it is.
 Each batch runs as a callable the session compiles while the values are verified
-(:mod:`weightstore.adapters.tf1_callables`), so the first assign does not wait for TF to compile
+(:mod:`weightstore.adapters._tf1_callables`), so the first assign does not wait for TF to compile
 its batches one by one.
 """
 
@@ -54,12 +54,12 @@ from weightstore.core._extras import needs
 with needs("tf", __name__):
     import tensorflow as tf
 
-from weightstore.adapters import tf1_callables, tf1_training
+from weightstore.adapters import _tf1_callables, _tf1_training
 from weightstore.adapters._reload import MEMORY
 from weightstore.adapters._report import Plan, TargetInfo
+from weightstore.adapters._tf_staging import shares_mapped, staged_feeds
 from weightstore.adapters.plan import AssignOptions, AssignWords, Report, Selection, SelectionWords, plan_assign
 from weightstore.adapters.skeleton import Target, run_assign
-from weightstore.adapters.tf_staging import shares_mapped, staged_feeds
 from weightstore.core._heap import give_back
 from weightstore.core.keys import from_tf_name, plan_inward, validate_key
 from weightstore.core.manifest import ML_DTYPES
@@ -92,7 +92,7 @@ class _Target:
     shape: tuple[int, ...]
     trainable: bool
     parts: list[_Part] = field(default_factory=list)
-    training: bool = False  # optimizer state or the step counter (tf1_training), not the model
+    training: bool = False  # optimizer state or the step counter (_tf1_training), not the model
     #: False for a variable made with ``validate_shape=False``: no static shape (``shape`` is then
     #: ``()``); it is exported, and assigned, with the shape its value has (see :func:`_as_they_are`)
     shaped: bool = True
@@ -198,7 +198,7 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
     training ``Saver`` checkpoint assigns into an inference graph, and the values left out are
     listed in ``report.left_out``. Which variables those are comes from the graph (its training
     ops and ``global_step`` collection; for a checkpoint, its ``.meta``) or, for a checkpoint
-    without one, from TF's slot naming (see :mod:`weightstore.adapters.tf1_training`).
+    without one, from TF's slot naming (see :mod:`weightstore.adapters._tf1_training`).
 
     That memory only knows what weightstore assigned: after anything else writes the
     variables (``sess.run(init)``, training, ``Saver.restore``), call :func:`forget` (or pass
@@ -235,7 +235,7 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
 
     def write(batch: list[tuple[str, np.ndarray | list[np.ndarray | None]]], report: Report) -> list[str]:
         """One batch in one run of the session, through ops the graph already has."""
-        writers: tf1_callables.Writers = []
+        writers: _tf1_callables.Writers = []
         values: list[tuple[np.ndarray, np.dtype]] = []
         variables: list[tf.Variable] = []
         for key, value in batch:
@@ -250,7 +250,7 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
 
     def ahead(batches: list[list[str]]) -> None:
         """Each batch's writers, as :func:`write` will run them (the parts hot reload keeps left out)."""
-        tf1_callables.compile_ahead(sess, [[_writer(graph, part.variable) for key in keys
+        _tf1_callables.compile_ahead(sess, [[_writer(graph, part.variable) for key in keys
                                             for i, part in enumerate(targets[key].parts)
                                             if i not in kept.get(key, ())] for keys in batches])
 
@@ -259,7 +259,7 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
     empty = {key: target for key, target in targets.items() if key not in infos and (optimizer or not target.training)}
 
     def plan(values: Any, options: AssignOptions) -> tuple[Plan, Any]:
-        left_out = () if optimizer else tf1_training.in_checkpoint(values.where, values.keys())
+        left_out = () if optimizer else _tf1_training.in_checkpoint(values.where, values.keys())
         infos.update(_shaped_as_values(values, options, empty, left_out))  # the Target below reads infos too
         model = infos if optimizer else {key: info for key, info in infos.items() if not targets[key].training}
         return plan_assign(values, model, options, left_out=left_out), values
@@ -269,7 +269,7 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
     return run_assign(job, weights, options)
 
 
-def _run_batch(sess: Any, writers: tf1_callables.Writers, values: list[tuple[np.ndarray, np.dtype]],
+def _run_batch(sess: Any, writers: _tf1_callables.Writers, values: list[tuple[np.ndarray, np.dtype]],
                variables: list[tf.Variable]) -> None:
     """One batch through its writers, in as little new memory as its values allow.
 
@@ -278,7 +278,7 @@ def _run_batch(sess: Any, writers: tf1_callables.Writers, values: list[tuple[np.
     then frees its old buffer, so a new value must exist before the old one goes: staged in
     TensorFlow's memory (:func:`staged_feeds`), the batch grows the pool by its own size. Where a
     value is a view of a mapped file that TensorFlow takes over as it is
-    (:func:`~weightstore.adapters.tf_staging.shares_mapped`) and the variable lives in host
+    (:func:`~weightstore.adapters._tf_staging.shares_mapped`) and the variable lives in host
     memory, the batch runs twice instead: the variables first take over the file's pages (the
     right values, in no memory of the process's own), which frees their old buffers; the staged
     copies, made only then, reuse those very buffers, and the second run hands them over and lets
@@ -300,10 +300,10 @@ def _run_batch(sess: Any, writers: tf1_callables.Writers, values: list[tuple[np.
 
     stage([i for i in range(len(values)) if not in_place[i] and not mapped[i]])
     if any(mapped):
-        tf1_callables.run(sess, writers, feeds)
+        _tf1_callables.run(sess, writers, feeds)
         give_back()
         stage([i for i in range(len(values)) if mapped[i]])
-    tf1_callables.run(sess, writers, feeds)
+    _tf1_callables.run(sess, writers, feeds)
 
 
 def _on_cpu(sess: Any, variable: tf.Variable) -> bool:
@@ -395,7 +395,7 @@ def _collect_targets(graph: tf.Graph) -> dict[str, _Target]:
         whole.trainable &= name in trainable
         index = tuple(slice(o, o + s) for o, s in zip(slice_info.var_offset, slice_info.var_shape, strict=True))
         whole.parts.append(_Part(variable, index))
-    training = tf1_training.in_graph({op.name: (op.type, [t.op.name for t in op.inputs]) for op in graph.get_operations()},
+    training = _tf1_training.in_graph({op.name: (op.type, [t.op.name for t in op.inputs]) for op in graph.get_operations()},
                                      [v.op.name for v in graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_STEP)])
     for target in targets.values():
         target.training = any(part.variable.op.name in training for part in target.parts)

@@ -34,7 +34,7 @@ How keys are formed (the object you pass is the root; its own name is never part
   variable's value, an export writes each variable once. Left out otherwise.
 
 Keras files and TF2 object checkpoints given to ``assign`` or :func:`load` are paired with the
-model by its own structure, not by names (:mod:`weightstore.adapters.artifacts`), and come
+model by its own structure, not by names (:mod:`weightstore.adapters._artifacts`), and come
 out under these keys.
 
 Distributed variables are one key each: a ``MirroredVariable`` exports its value once and an
@@ -45,7 +45,7 @@ A plain resource variable gets each value the way ``tf.train.Checkpoint`` restor
 copy into a fresh tensor, which ``AssignVariableOp`` adopts as the variable's buffer (the old
 one is freed), rather than ``variable.assign(ndarray)``, which copies the value into a
 temporary tensor and that into the variable. The fresh tensor comes from TensorFlow's own
-allocator (:mod:`weightstore.adapters.tf_staging`), so the freed buffers are reused for the
+allocator (:mod:`weightstore.adapters._tf_staging`), so the freed buffers are reused for the
 next values instead of staying in its pool: the process does not end up holding the model
 twice (values of 1 MiB or more; smaller ones are copied into fresh aligned numpy memory, which
 costs less for them). The copy is skipped only for arrays nothing else holds (a follower's
@@ -78,10 +78,7 @@ with needs("tf", __name__):
     from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable
 
 import weightstore
-from weightstore.adapters._reload import MEMORY
-from weightstore.adapters._report import Plan, TargetInfo
-from weightstore.adapters._values import RenamedValues
-from weightstore.adapters.artifacts import (
+from weightstore.adapters._artifacts import (
     for_model,
     is_keras_file,
     is_lora_file,
@@ -90,6 +87,10 @@ from weightstore.adapters.artifacts import (
     lora_factors,
     saved_outside_weights,
 )
+from weightstore.adapters._reload import MEMORY
+from weightstore.adapters._report import Plan, TargetInfo
+from weightstore.adapters._tf_staging import staged_copy
+from weightstore.adapters._values import RenamedValues
 from weightstore.adapters.plan import (
     AssignOptions,
     AssignWords,
@@ -100,7 +101,6 @@ from weightstore.adapters.plan import (
     settle_tied,
 )
 from weightstore.adapters.skeleton import Target, private_copy, run_assign
-from weightstore.adapters.tf_staging import staged_copy
 from weightstore.core.keys import (
     OUTPUT_SUFFIX,
     Patterns,
@@ -174,7 +174,7 @@ def export_pieces(obj: Any, *, rank: int = 0, world: int = 1, optimizer: bool = 
     a ``ShardedVariable`` (``ParameterServerStrategy``'s), which comes shard by shard, each at
     its offset, never joined; a ``MirroredVariable`` is read from this replica. Under
     ``MultiWorkerMirroredStrategy``, where every worker holds every value, pass the worker's
-    ``rank`` and ``world``: each gets the share :func:`~weightstore.adapters.tf2_sharded.plan`
+    ``rank`` and ``world``: each gets the share :func:`~weightstore.adapters._tf2_sharded.plan`
     cuts for it (about ``1/world`` of the bytes), read from its own replica, so no tensor
     crosses the network. :func:`publish_sharded` does all of that on every worker, agreeing
     the attempt through TensorFlow's coordination service too.
@@ -216,7 +216,7 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
 
     A Keras file (``save_weights``'s ``.weights.h5``, ``model.save``'s ``.keras``) or a TF2
     object checkpoint (``tf.train.Checkpoint``, a prefix or its folder) is paired with
-    ``obj``'s variables by ``obj``'s own structure (see :mod:`weightstore.adapters.artifacts`),
+    ``obj``'s variables by ``obj``'s own structure (see :mod:`weightstore.adapters._artifacts`),
     so it assigns into any instance of the architecture. With ``scope``, the file is one of
     the part of ``obj`` at that scope (one member of an ensemble). Optimizer state in the file
     is left out unless ``optimizer=True`` (then the model's optimizer must be built:
@@ -407,7 +407,7 @@ def _keras_layout_renamed(values: Any, obj: Any, found: Mapping[str, tuple[Varia
 
     Keys the walk does not reach keep their names, so a store of another architecture is
     reported as such rather than paired by position; optimizer state is listed as left out
-    unless ``optimizer`` (see :func:`~weightstore.adapters.artifacts.keras_file_names`).
+    unless ``optimizer`` (see :func:`~weightstore.adapters._artifacts.keras_file_names`).
     """
     keys = values.keys()
     if (not isinstance(obj, keras.layers.Layer) or options.mapping or not keys
@@ -836,7 +836,7 @@ def _write_batch(pairs: list[tuple[Variable, np.ndarray]]) -> None:
 
 def _write(var: Variable, array: np.ndarray) -> None:
     resource = _plain_resource(var)
-    if resource is not None:  # in TF's own memory: the old buffer it frees is reused, not kept (see tf_staging)
+    if resource is not None:  # in TF's own memory: the old buffer it frees is reused, not kept (see _tf_staging)
         tf.raw_ops.AssignVariableOp(resource=resource.handle, value=staged_copy(array, array.dtype))
     elif isinstance(var, _SHARDED):
         start = 0
@@ -870,4 +870,4 @@ def _plain_resource(var: Variable) -> BaseResourceVariable | None:
 def _describe(obj: Any) -> str:
     name = getattr(obj, "name", None)
     return f"{type(obj).__name__} {name!r}" if isinstance(name, str) else type(obj).__name__
-from weightstore.adapters.tf2_sharded import publish_sharded, share  # noqa: E402 - its own module: a feed for clusters
+from weightstore.adapters._tf2_sharded import publish_sharded, share  # noqa: E402 - its own module: a feed for clusters

@@ -42,8 +42,8 @@ with needs("torch", __name__):
     from torch import nn
     from torch.nn.parameter import is_lazy
 
+from weightstore.adapters import _torch_shards
 from weightstore.adapters import layout as layouts
-from weightstore.adapters import torch_shards
 from weightstore.adapters._casts import describe
 from weightstore.adapters._reload import MEMORY
 from weightstore.adapters._report import Mismatch, TargetInfo
@@ -173,11 +173,11 @@ def export_pieces(module: nn.Module, *, rank: int | None = None, world: int | No
         tensor = found[old]
         _refuse_without_values(tensor, key)
         shape = tuple(tensor.shape)
-        sharded = torch_shards.is_sharded(tensor)
-        region = torch_shards.local_region(tensor, key) if sharded else split_rows(shape, rank, world)
-        if region is None or (sharded and not torch_shards.writes_local(tensor)):
+        sharded = _torch_shards.is_sharded(tensor)
+        region = _torch_shards.local_region(tensor, key) if sharded else split_rows(shape, rank, world)
+        if region is None or (sharded and not _torch_shards.writes_local(tensor)):
             continue
-        array = to_numpy(torch_shards.local_tensor(tensor) if sharded else tensor[region], key)
+        array = to_numpy(_torch_shards.local_tensor(tensor) if sharded else tensor[region], key)
         pieces[key] = [Piece(array, tuple(part.start for part in region), shape)]
     return pieces
 
@@ -255,11 +255,11 @@ def assign(
                for key, tensor in found.items()}
     options = AssignOptions(**words)
     chosen_layout = None if layout is None else layouts.resolve(layout, "torch")
-    local = {key: torch_shards.local_tensor(tensor) for key, tensor in found.items()}
+    local = {key: _torch_shards.local_tensor(tensor) for key, tensor in found.items()}
 
     def prepare(source: Any, key: str, value_key: str) -> np.ndarray:
         """The value, or of a DTensor only its local shard's region (all a sharded version fetches)."""
-        region = torch_shards.local_region(found[key], key)
+        region = _torch_shards.local_region(found[key], key)
         value = source.read(value_key) if region is None else source.read_region(value_key, region)
         return np.asarray(value, dtype=targets[key].dtype)
 
@@ -278,7 +278,7 @@ def assign(
 
     def regions(key: str) -> list[tuple[slice, ...]] | None:
         """A DTensor's local shard: hot reload compares the digest of its region alone."""
-        region = torch_shards.local_region(found[key], key)
+        region = _torch_shards.local_region(found[key], key)
         return None if region is None else [region]
 
     return run_assign(Target(targets, write, slot=lambda key: (found[key], ""), prepare=prepare, plan=plan,

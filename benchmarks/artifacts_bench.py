@@ -20,7 +20,7 @@ def bench(repeat: int) -> dict[str, float]:
     import numpy as np
     import tensorflow as tf
 
-    from weightstore.adapters import artifacts, tf2
+    from weightstore.adapters import _artifacts, tf2
 
     model = keras.applications.ResNet50(input_shape=(64, 64, 3), weights=None, classes=10)
     model(np.zeros((1, 64, 64, 3), np.float32))
@@ -31,7 +31,7 @@ def bench(repeat: int) -> dict[str, float]:
         return {
             "keras load_weights": median_seconds(lambda: model.load_weights(weights), repeat),
             "tf2.assign(.weights.h5)": median_seconds(lambda: tf2.assign(model, weights), repeat),
-            "  of which Keras's save walk": median_seconds(lambda: artifacts._keras_paths(model), repeat),
+            "  of which Keras's save walk": median_seconds(lambda: _artifacts._keras_paths(model), repeat),
             "Checkpoint.read": median_seconds(lambda: tf.train.Checkpoint(model=model).read(prefix).assert_consumed(), repeat),
             "tf2.assign(TF2 checkpoint)": median_seconds(lambda: tf2.assign(model, prefix), repeat),
         }

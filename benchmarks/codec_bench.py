@@ -52,15 +52,15 @@ def codecs(threads: int) -> dict[str, tuple[Callable[[np.ndarray], bytes], Calla
     import blosc2
 
     from weightstore.core import checksums as crc
-    from weightstore.formats import shuffle_zstd
+    from weightstore.formats import _shuffle_zstd
 
     def ours_encode(array: np.ndarray) -> bytes:
         out = io.BytesIO()
-        shuffle_zstd.encode(array.view(np.uint8).data, array.dtype.itemsize, out)
+        _shuffle_zstd.encode(array.view(np.uint8).data, array.dtype.itemsize, out)
         return out.getvalue()
 
     def ours_decode(blob: bytes, array: np.ndarray) -> object:
-        return shuffle_zstd.decode(memoryview(blob), array.dtype.itemsize, array.nbytes, "bench", "w")[1]
+        return _shuffle_zstd.decode(memoryview(blob), array.dtype.itemsize, array.nbytes, "bench", "w")[1]
 
     def blosc(codec: blosc2.Codec, blocksize: int) -> tuple[Callable, Callable]:
         def encode(array: np.ndarray) -> bytes:

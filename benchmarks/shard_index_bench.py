@@ -38,6 +38,7 @@ import blake3
 import numpy as np
 
 from benchmarks.common import MB, fmt_ratio, machine_line, table
+from weightstore.core import limits
 from weightstore.formats import _sharded_index as shardindex
 from weightstore.formats._sharded_index import (
     BlockTable,
@@ -188,7 +189,7 @@ def measure(name: str, shape: Shape, world: int, dcp: bool) -> list[str]:
     readers = {shift: read(parsed, parsed_tables, heads, reader, world, shift, wanted, len(data))
                for shift in (0, 1)}
     seconds = time.perf_counter() - started
-    bound = (shardindex.MAX_INDEX_BYTES - shardindex.KEY_BYTES - shardindex.RESERVED_BYTES) // world
+    bound = (limits.MAX_INDEX_BYTES - limits.KEY_BYTES - limits.RESERVED_BYTES) // world
     row = [name, f"{world:,}", f"{nbytes / 1e9:,.0f} GB", f"{len(data) / MB:,.2f} MB", f"{done_bytes / 1024:,.0f} KiB",
            f"{table_bytes / 1024:,.0f} KiB", f"{share_bytes / bound:.0%}", f"{readers[0][3] / MB:,.0f} MB"]
     for shift in (0, 1):
@@ -242,9 +243,9 @@ def main() -> None:
     parser.add_argument("--no-dcp", action="store_true", help="skip DCP's metadata (needs torch)")
     args = parser.parse_args()
     print(f"## Sharded index at scale, simulated ({machine_line()})\n")
-    print(f"Bounds: index <= {shardindex.MAX_INDEX_BYTES / MB:,.0f} MB; each rank's share of it "
-          f"<= ({shardindex.MAX_INDEX_BYTES - shardindex.KEY_BYTES - shardindex.RESERVED_BYTES:,} / world) bytes, "
-          f"its keys <= {shardindex.KEY_BYTES / MB:,.0f} MB.\n")
+    print(f"Bounds: index <= {limits.MAX_INDEX_BYTES / MB:,.0f} MB; each rank's share of it "
+          f"<= ({limits.MAX_INDEX_BYTES - limits.KEY_BYTES - limits.RESERVED_BYTES:,} / world) bytes, "
+          f"its keys <= {limits.KEY_BYTES / MB:,.0f} MB.\n")
     headers = ["model", "ranks", "model bytes", "index", "done-record (max)", "table head (max)",
                "rank share / bound (max)", "reader share",
                "aligned: index fetched", "fetched / share", "shifted: index fetched", "fetched / share"]

@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 
 from weightstore._version import __version__
-from weightstore.adapters import checkpoints
+from weightstore.adapters import _checkpoints
 from weightstore.adapters.layout import DIRECTIONS
 from weightstore.adapters.plan import Selection
 from weightstore.cli import compare, render, sources, sync, transfer
@@ -158,7 +158,7 @@ def options(
     """
     settings.quiet, settings.debug, settings.json = quiet, debug, as_json
     if not debug:
-        checkpoints.silence_tensorflow()
+        _checkpoints.silence_tensorflow()
 
 
 @app.command()

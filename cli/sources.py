@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import weightstore
-from weightstore.adapters import checkpoints
+from weightstore.adapters import _checkpoints
 from weightstore.core.keys import OUTPUT_SUFFIX
 from weightstore.errors import FormatError, StoreNotFoundError, named
 from weightstore.formats import keras_file, keras_sharded
@@ -78,7 +78,7 @@ def open_keyed_like_model(path: str | os.PathLike, model_file: str | os.PathLike
 
     ``model_file`` is a ``.keras`` archive (``path`` itself, or another one whose architecture
     the weights fit); its model is rebuilt from its config in Keras's safe mode
-    (:mod:`weightstore.adapters.keras_config`) and paired with ``path`` as ``tf2.load(model,
+    (:mod:`weightstore.adapters._keras_config`) and paired with ``path`` as ``tf2.load(model,
     path)`` pairs them: tensors the model has no variable for keep their file keys, optimizer
     state is left out.
     """
@@ -92,12 +92,12 @@ def open_keyed_like_model(path: str | os.PathLike, model_file: str | os.PathLike
     if prefix is None and not text.endswith((".keras", keras_file.WEIGHTS_SUFFIX, keras_sharded.SUFFIX)):
         raise FormatError(f"is a {kind}; only Keras files and TF2 object-based checkpoints can be keyed like a model",
                           path=text)
-    checkpoints.tensorflow("keying weights like a model (Keras builds it from the .keras config)", model_text)
-    with checkpoints.quietly():
-        from weightstore.adapters import artifacts, keras_config, tf2
-    model = keras_config.model_from_archive(model_text)
+    _checkpoints.tensorflow("keying weights like a model (Keras builds it from the .keras config)", model_text)
+    with _checkpoints.quietly():
+        from weightstore.adapters import _artifacts, _keras_config, tf2
+    model = _keras_config.model_from_archive(model_text)
     variables = tf2.variables(model)
-    keyed = Source(artifacts.for_model(model, prefix or text, variables))
+    keyed = Source(_artifacts.for_model(model, prefix or text, variables))
     try:
         _refuse_misfit(keyed, {key: tuple(var.shape) for key, var in variables.items()}, model_text)
     except BaseException:
@@ -157,7 +157,7 @@ def _trainable_from_meta(meta_path: str) -> set[str]:
     A partitioned variable lists each part (``w/part_0:0``); the checkpoint holds it whole
     under ``save_slice_info_def.full_name``.
     """
-    checkpoints.tensorflow("--trainable-only (reading the .meta graph)", meta_path)
+    _checkpoints.tensorflow("--trainable-only (reading the .meta graph)", meta_path)
     from tensorflow.core.framework import variable_pb2
     from tensorflow.core.protobuf import meta_graph_pb2
 

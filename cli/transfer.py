@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import weightstore
-from weightstore.adapters import checkpoints, keras_import
+from weightstore.adapters import _checkpoints, _keras_import
 from weightstore.adapters import layout as layouts
 from weightstore.adapters.plan import Selection
 from weightstore.cli.render import counted, track, working
@@ -37,7 +37,7 @@ from weightstore.errors import (
     naming,
 )
 from weightstore.formats import format_for_suffix, hf_sharded, known_suffixes, sniff
-from weightstore.formats.foreign import HF_SINGLE_FILE
+from weightstore.formats._foreign import HF_SINGLE_FILE
 from weightstore.formats.safetensors import FORMAT as safetensors_format
 from weightstore.formats.tf_checkpoint import resolve_prefix
 from weightstore.io.location import is_url
@@ -153,7 +153,7 @@ def is_checkpoint_target(target: str) -> bool:
     if target.endswith(".keras") and not os.path.isfile(target):
         raise FormatError("no such .keras archive, and ws does not make new ones (Keras's model.save does); "
                           "import into an existing one, or a .weights.h5 or .npz file", path=target)
-    if keras_import.is_keras_target(target):
+    if _keras_import.is_keras_target(target):
         return False
     if os.path.isfile(target):
         with open(target, "rb") as handle, naming(path=target):
@@ -223,7 +223,7 @@ def import_(source: Source, target: str, *, scope: str | None, mapping: MappingR
             validate_key(key)
     if is_checkpoint_target(target):
         return _import_into_checkpoint(source, target, plan, overwrite)
-    if keras_import.is_keras_target(target):
+    if _keras_import.is_keras_target(target):
         return _import_into_keras(source, target, plan, overwrite)
     try:
         old = weightstore.open(target)
@@ -289,35 +289,35 @@ def _import_into_checkpoint(source: Source, target: str, plan: Mapping[str, str]
     """An existing TF2 object-based checkpoint has its variables replaced in place (nothing else can be
     restored from it, so no ``--overwrite`` is asked for); an existing name-based one is merged into;
     a new prefix becomes a name-based checkpoint recorded in its folder's state file."""
-    if os.path.exists(target + ".index") and checkpoints.is_object_based(target):
+    if os.path.exists(target + ".index") and _checkpoints.is_object_based(target):
         weights = read(source, plan, "importing")
         with working(f"writing {target}"):
-            checkpoints.replace_in_object_checkpoint(target, weights)
+            _checkpoints.replace_in_object_checkpoint(target, weights)
         return Written(target, "TF2 object-based checkpoint", len(weights), sum(a.nbytes for a in weights.values()))
     new = not os.path.exists(target + ".index")
-    _refuse_clashes(target, checkpoints.checkpoint_names(target), plan, overwrite)
+    _refuse_clashes(target, _checkpoints.checkpoint_names(target), plan, overwrite)
     if not new:
         _refuse_reshaped(source, target, plan)
-    state = checkpoints.state_file_text(target) if new else None
+    state = _checkpoints.state_file_text(target) if new else None
     weights = read(source, plan, "importing")
     with working(f"writing {target}"):
         if state is not None:
             os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
-        checkpoints.write_checkpoint(target, weights)
+        _checkpoints.write_checkpoint(target, weights)
         if state is not None:
-            checkpoints.write_state_file(target, state)
+            _checkpoints.write_state_file(target, state)
     caution = NAME_BASED_CAUTION.format(target=target) if new else None
     return Written(target, "TF checkpoint", len(weights), sum(a.nbytes for a in weights.values()), caution)
 
 
 def _import_into_keras(source: Source, target: str, plan: Mapping[str, str], overwrite: bool) -> Written:
-    """Tensors of a Keras file replaced where Keras reads them (see :mod:`weightstore.adapters.keras_import`)."""
+    """Tensors of a Keras file replaced where Keras reads them (see :mod:`weightstore.adapters._keras_import`)."""
     if not overwrite:
         raise StoreExistsError(f"is a Keras file: an import replaces tensors Keras reads ({len(plan)} of them); "
                                "pass --overwrite to replace them", path=target)
     weights = read(source, plan, "importing")
     with working(f"writing {target}"):
-        keras_import.replace_in_keras_file(target, weights)
+        _keras_import.replace_in_keras_file(target, weights)
     return Written(target, "Keras file", len(weights), sum(a.nbytes for a in weights.values()))
 
 
@@ -330,7 +330,7 @@ def _refuse_reshaped(source: Source, target: str, plan: Mapping[str, str]) -> No
             if key in old:
                 was, now = old.info(key), source.info(source_key)
                 if (was.dtype, was.shape) != (now.dtype, now.shape):
-                    raise checkpoints.entry_changed(target, key, (was.dtype, was.shape), (now.dtype, now.shape))
+                    raise _checkpoints.entry_changed(target, key, (was.dtype, was.shape), (now.dtype, now.shape))
 
 
 def _refuse_clashes(target: str, existing: list[str], plan: Mapping[str, str], overwrite: bool) -> None:

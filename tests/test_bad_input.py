@@ -839,7 +839,7 @@ def _h5_with_manifest_attribute(path, value):
 
 def test_h5_manifest_over_the_size_limit_refused_before_parsing(tmp_path):
     """A variable-length string (16 bytes of storage, whatever its length) of 64 MB + 1."""
-    from weightstore.core.manifest import MAX_MANIFEST_BYTES
+    from weightstore.core.limits import MAX_MANIFEST_BYTES
 
     path = _h5_with_manifest_attribute(tmp_path / "huge.h5", "[" * (MAX_MANIFEST_BYTES + 1))
     with raises_naming(errors.UnsafeFileError, path, "manifest", "too large"):
@@ -848,7 +848,7 @@ def test_h5_manifest_over_the_size_limit_refused_before_parsing(tmp_path):
 
 def test_h5_manifest_over_the_size_limit_in_utf8_bytes(tmp_path):
     """Fewer characters than the limit, more bytes: the limit is on the bytes."""
-    from weightstore.core.manifest import MAX_MANIFEST_BYTES
+    from weightstore.core.limits import MAX_MANIFEST_BYTES
 
     path = _h5_with_manifest_attribute(tmp_path / "wide.h5", "模" * (MAX_MANIFEST_BYTES // 3 + 1))
     with raises_naming(errors.UnsafeFileError, path, "manifest", "too large"):
@@ -1194,7 +1194,7 @@ def test_a_manifest_nesting_a_field_deep_is_refused_naming_the_file(tmp_path, fi
 
 
 def test_metadata_is_written_only_as_deep_as_it_is_read(tmp_path):
-    from weightstore.core._jsontext import MAX_DEPTH
+    from weightstore.core.limits import MAX_JSON_DEPTH
 
     def deep(levels):
         value: object = 1
@@ -1202,8 +1202,8 @@ def test_metadata_is_written_only_as_deep_as_it_is_read(tmp_path):
             value = [value]
         return {"deep": value}  # the metadata object is the first level
 
-    ws.save(tmp_path / "ok.npz", {"w": np.zeros(1)}, metadata=deep(MAX_DEPTH))
-    assert ws.open(tmp_path / "ok.npz").metadata == deep(MAX_DEPTH)
-    with pytest.raises(TypeError, match=f"at most {MAX_DEPTH} levels deep"):
-        ws.save(tmp_path / "deep.npz", {"w": np.zeros(1)}, metadata=deep(MAX_DEPTH + 1))
+    ws.save(tmp_path / "ok.npz", {"w": np.zeros(1)}, metadata=deep(MAX_JSON_DEPTH))
+    assert ws.open(tmp_path / "ok.npz").metadata == deep(MAX_JSON_DEPTH)
+    with pytest.raises(TypeError, match=f"at most {MAX_JSON_DEPTH} levels deep"):
+        ws.save(tmp_path / "deep.npz", {"w": np.zeros(1)}, metadata=deep(MAX_JSON_DEPTH + 1))
     assert not (tmp_path / "deep.npz").exists()

@@ -24,7 +24,7 @@ from weightstore.formats.tf_checkpoint import OBJECT_GRAPH_KEY, CheckpointReader
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 from tf_files import Net, copy_checkpoint, restore_with_saver, same_architecture  # noqa: E402
-from weightstore.adapters import checkpoints  # noqa: E402
+from weightstore.adapters import _checkpoints  # noqa: E402
 from weightstore.cli import sources  # noqa: E402
 
 
@@ -246,7 +246,7 @@ def test_missing_and_junk_sources(tmp_path):
 def test_write_checkpoint_is_read_by_saver_and_load_checkpoint(tmp_path):
     prefix = str(tmp_path / "out.ckpt")
     weights = {"a/w": np.arange(6, dtype=np.float32).reshape(2, 3), "a/b": np.ones(3, np.float32)}
-    checkpoints.write_checkpoint(prefix, weights)
+    _checkpoints.write_checkpoint(prefix, weights)
     restored = restore_with_saver(prefix, {k: v.shape for k, v in weights.items()})
     for key, value in weights.items():
         np.testing.assert_array_equal(restored[key], value)
@@ -256,7 +256,8 @@ def test_write_checkpoint_is_read_by_saver_and_load_checkpoint(tmp_path):
 def test_write_checkpoint_merges_and_keeps_non_numeric_entries(made, tmp_path):
     target = copy_checkpoint(made["tf1"], tmp_path)
     before = raw(target)
-    checkpoints.write_checkpoint(target, {"extra/v": np.full(2, 7.0, np.float32), "model/dense/b": np.zeros(3, np.float32)})
+    _checkpoints.write_checkpoint(target, {"extra/v": np.full(2, 7.0, np.float32),
+                                           "model/dense/b": np.zeros(3, np.float32)})
     after = raw(target)
     assert set(after) == set(before) | {"extra/v"}
     assert after["tag"] == before["tag"]
@@ -266,15 +267,15 @@ def test_write_checkpoint_merges_and_keeps_non_numeric_entries(made, tmp_path):
 
 def test_write_checkpoint_failure_leaves_the_old_one(tmp_path, monkeypatch):
     prefix = str(tmp_path / "keep.ckpt")
-    checkpoints.write_checkpoint(prefix, {"w": np.ones(2, np.float32)})
+    _checkpoints.write_checkpoint(prefix, {"w": np.ones(2, np.float32)})
     before = {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)}
 
     def failing_replace(*args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpoints.os, "replace", failing_replace)
+    monkeypatch.setattr(_checkpoints.os, "replace", failing_replace)
     with pytest.raises(OSError):
-        checkpoints.write_checkpoint(prefix, {"w": np.zeros(2, np.float32)})
+        _checkpoints.write_checkpoint(prefix, {"w": np.zeros(2, np.float32)})
     monkeypatch.undo()
     assert {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)} == before
 
@@ -285,14 +286,14 @@ def data_files(folder):
 
 def test_write_checkpoint_never_overwrites_the_data_the_old_index_reads(tmp_path):
     prefix = str(tmp_path / "m.ckpt")
-    checkpoints.write_checkpoint(prefix, {"a": np.ones(2, np.float32), "b": np.zeros(3, np.float32)})
+    _checkpoints.write_checkpoint(prefix, {"a": np.ones(2, np.float32), "b": np.zeros(3, np.float32)})
     assert data_files(tmp_path) == ["m.ckpt.data-00000-of-00001"]
-    checkpoints.write_checkpoint(prefix, {"a": np.full(2, 5, np.float32)})
+    _checkpoints.write_checkpoint(prefix, {"a": np.full(2, 5, np.float32)})
     assert data_files(tmp_path) == ["m.ckpt.data-00000-of-00002", "m.ckpt.data-00001-of-00002"]
     restored = restore_with_saver(prefix, {"a": (2,), "b": (3,)})
     np.testing.assert_array_equal(restored["a"], [5, 5])
     np.testing.assert_array_equal(restored["b"], [0, 0, 0])
-    checkpoints.write_checkpoint(prefix, {"b": np.full(3, 2, np.float32)})
+    _checkpoints.write_checkpoint(prefix, {"b": np.full(3, 2, np.float32)})
     assert sorted(os.listdir(tmp_path)) == ["m.ckpt.data-00000-of-00001", "m.ckpt.index"]
     assert {k: v.tolist() for k, v in raw(prefix).items()} == {"a": [5, 5], "b": [2, 2, 2]}
 
@@ -300,21 +301,21 @@ def test_write_checkpoint_never_overwrites_the_data_the_old_index_reads(tmp_path
 KILLED_BEFORE_INDEX = """
 import os, signal, sys
 import numpy as np
-from weightstore.adapters import checkpoints
+from weightstore.adapters import _checkpoints
 real = os.replace
 def replace(src, dst):
     if str(dst).endswith(".index"):
         os.kill(os.getpid(), signal.SIGKILL)  # the data files are in place, the index not yet
     real(src, dst)
-checkpoints.os.replace = replace
-checkpoints.write_checkpoint(sys.argv[1], {"a": np.full(2, 9, np.float32), "b": np.full(3, 9, np.float32)})
+_checkpoints.os.replace = replace
+_checkpoints.write_checkpoint(sys.argv[1], {"a": np.full(2, 9, np.float32), "b": np.full(3, 9, np.float32)})
 """
 
 
 def test_a_write_killed_before_the_index_swap_leaves_the_old_checkpoint(tmp_path):
     prefix = str(tmp_path / "m.ckpt")
     old = {"a": np.ones(2, np.float32), "b": np.zeros(3, np.float32)}
-    checkpoints.write_checkpoint(prefix, old)
+    _checkpoints.write_checkpoint(prefix, old)
     done = subprocess.run([sys.executable, "-c", KILLED_BEFORE_INDEX, prefix], capture_output=True, timeout=120)
     assert done.returncode == -signal.SIGKILL, done.stderr
     left = sorted(os.listdir(tmp_path))
@@ -322,7 +323,7 @@ def test_a_write_killed_before_the_index_swap_leaves_the_old_checkpoint(tmp_path
     restored = restore_with_saver(prefix, {"a": (2,), "b": (3,)})  # the old checkpoint, whole
     for key, value in old.items():
         np.testing.assert_array_equal(restored[key], value)
-    checkpoints.write_checkpoint(prefix, {"a": np.full(2, 4, np.float32)})  # cleans up after the dead writer
+    _checkpoints.write_checkpoint(prefix, {"a": np.full(2, 4, np.float32)})  # cleans up after the dead writer
     assert not [name for name in os.listdir(tmp_path) if ".wstmp-" in name]
     assert len(data_files(tmp_path)) == 1
     assert {k: v.tolist() for k, v in raw(prefix).items()} == {"a": [4, 4], "b": [0, 0, 0]}
@@ -331,9 +332,9 @@ def test_a_write_killed_before_the_index_swap_leaves_the_old_checkpoint(tmp_path
 def test_a_mixed_single_entry_checkpoint_is_refused_on_read(tmp_path):
     """The one case that renames data over data: a crash before the index leaves a mix TF refuses."""
     prefix = str(tmp_path / "one.ckpt")
-    checkpoints.write_checkpoint(prefix, {"a": np.ones(2, np.float32)})
+    _checkpoints.write_checkpoint(prefix, {"a": np.ones(2, np.float32)})
     old_index = (tmp_path / "one.ckpt.index").read_bytes()
-    checkpoints.write_checkpoint(prefix, {"a": np.full(2, 3, np.float32)})
+    _checkpoints.write_checkpoint(prefix, {"a": np.full(2, 3, np.float32)})
     assert data_files(tmp_path) == ["one.ckpt.data-00000-of-00001"]
     (tmp_path / "one.ckpt.index").write_bytes(old_index)  # the state a crash between the renames leaves
     corrupt = r"data-00000-of-00001: tensor 'a': is corrupt \(CRC-32C"
@@ -343,7 +344,7 @@ def test_a_mixed_single_entry_checkpoint_is_refused_on_read(tmp_path):
 
 def test_write_checkpoint_refuses_object_based_targets(made):
     with pytest.raises(FormatError, match="TF2 object-based checkpoint"):
-        checkpoints.checkpoint_names(made["module"])
+        _checkpoints.checkpoint_names(made["module"])
 
 
 def test_stores_keep_their_kind_and_metadata(tmp_path):
@@ -364,7 +365,7 @@ def test_values_replaced_in_an_object_checkpoint_are_what_checkpoint_restore_rea
         new = {key: np.full(source.info(key).shape, 7.5, np.float32) for key in (kernel, gamma)}
     entries = {key: CheckpointReader(target).entry_name(key) for key in new}
     assert all(name.endswith("/.ATTRIBUTES/VARIABLE_VALUE") for name in entries.values())
-    checkpoints.replace_in_object_checkpoint(target, new)
+    _checkpoints.replace_in_object_checkpoint(target, new)
     after = raw(target)
     assert set(after) == set(before)  # same entry names, no new ones
     assert after[OBJECT_GRAPH_KEY] == before[OBJECT_GRAPH_KEY]
@@ -388,7 +389,7 @@ def test_object_checkpoint_shape_and_dtype_mismatches_write_nothing(made, tmp_pa
     with ws.open(target) as source:
         kernel = next(k for k in source if k.startswith("model/") and source.info(k).shape == (3, 4))
     with pytest.raises(SelectionError, match=re.escape(f"{target}: tensor {kernel!r}: {message}")) as caught:
-        checkpoints.replace_in_object_checkpoint(target, {kernel: value})
+        _checkpoints.replace_in_object_checkpoint(target, {kernel: value})
     assert (caught.value.path, caught.value.key) == (target, kernel)
     assert {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)} == before
 
@@ -398,21 +399,21 @@ def test_object_checkpoint_refuses_keys_it_does_not_have(made, tmp_path):
     before = (tmp_path / (os.path.basename(target) + ".index")).read_bytes()
     with pytest.raises(SelectionError, match=re.escape(f"{target}: the TF2 object-based checkpoint has no variable "
                                                        "'net/extra'; tf.train.Checkpoint.restore ignores")):
-        checkpoints.replace_in_object_checkpoint(target, {"net/w": np.ones((2, 2), np.float32),
+        _checkpoints.replace_in_object_checkpoint(target, {"net/w": np.ones((2, 2), np.float32),
                                                           "net/extra": np.ones(2, np.float32)})
     assert (tmp_path / (os.path.basename(target) + ".index")).read_bytes() == before
     with pytest.raises(FormatError, match="is a name-based"):
-        checkpoints.replace_in_object_checkpoint(copy_checkpoint(made["tf1"], tmp_path), {})
+        _checkpoints.replace_in_object_checkpoint(copy_checkpoint(made["tf1"], tmp_path), {})
 
 
 def test_state_file_lists_every_recorded_prefix_and_tensorflow_reads_it(tmp_path):
     for name in ("a.ckpt", 'odd "name".ckpt', "a.ckpt"):
         prefix = str(tmp_path / name)
-        checkpoints.write_checkpoint(prefix, {"w": np.ones(2, np.float32)})
-        checkpoints.write_state_file(prefix, checkpoints.state_file_text(prefix))
+        _checkpoints.write_checkpoint(prefix, {"w": np.ones(2, np.float32)})
+        _checkpoints.write_state_file(prefix, _checkpoints.state_file_text(prefix))
     assert tf.train.latest_checkpoint(str(tmp_path)) == str(tmp_path / "a.ckpt")
     state = tf.train.get_checkpoint_state(str(tmp_path))
     assert [os.path.basename(p) for p in state.all_model_checkpoint_paths] == ['odd "name".ckpt', "a.ckpt"]
     (tmp_path / "checkpoint").write_text("not a state file\n")
     with pytest.raises(FormatError, match="checkpoint state file names no model_checkpoint_path"):
-        checkpoints.state_file_text(str(tmp_path / "b.ckpt"))
+        _checkpoints.state_file_text(str(tmp_path / "b.ckpt"))

@@ -17,11 +17,11 @@ import hostile
 import weightstore as ws
 from weightstore.core.manifest import build_manifest, checksum, parse_manifest
 from weightstore.errors import ChecksumError, FormatError, TargetError
+from weightstore.formats import _shuffle_zstd
 from weightstore.formats import npz as npz_format
 from weightstore.formats import safetensors as safetensors_format
-from weightstore.formats import shuffle_zstd
 
-SUFFIX = shuffle_zstd.MEMBER_SUFFIX
+SUFFIX = _shuffle_zstd.MEMBER_SUFFIX
 
 
 def trained_like(shape, seed=0) -> np.ndarray:
@@ -94,7 +94,7 @@ def test_np_load_never_returns_shuffled_bytes_as_an_array(tmp_path):
         with pytest.raises(KeyError):
             archive["dense/kernel"]
         raw = archive["dense/kernel" + SUFFIX]
-        assert not isinstance(raw, np.ndarray) and raw.startswith(shuffle_zstd.MAGIC)
+        assert not isinstance(raw, np.ndarray) and raw.startswith(_shuffle_zstd.MAGIC)
         assert archive["step"] == 7  # tensors left as npy still read
     with zipfile.ZipFile(path) as archive:  # plain zip tools check the stored bytes' CRC
         assert archive.testzip() is None
@@ -167,28 +167,28 @@ def test_damaged_block_table_is_a_format_error(tmp_path):
 
 
 def _blob(itemsize: int, nbytes: int, frames: list[bytes], block: int = 1 << 20) -> memoryview:
-    head = struct.pack("<8sIIQI", shuffle_zstd.MAGIC, itemsize, block, nbytes, len(frames))
+    head = struct.pack("<8sIIQI", _shuffle_zstd.MAGIC, itemsize, block, nbytes, len(frames))
     return memoryview(head + struct.pack(f"<{len(frames)}I", *map(len, frames)) + b"".join(frames))
 
 
 def test_frame_that_inflates_past_its_block_is_refused():
     bomb = zstandard.ZstdCompressor().compress(b"\0" * (8 << 20))  # 8 MB of zeros in a few hundred bytes
     with pytest.raises(FormatError, match="does not declare"):
-        shuffle_zstd.decode(_blob(4, 1 << 20, [bomb]), 4, 1 << 20, "m.npz", "k")
+        _shuffle_zstd.decode(_blob(4, 1 << 20, [bomb]), 4, 1 << 20, "m.npz", "k")
 
 
 def test_frame_without_content_size_is_refused():
     frame = zstandard.ZstdCompressor(write_content_size=False).compress(b"\0" * 1024)
     with pytest.raises(FormatError, match="m.npz: tensor 'k'"):
-        shuffle_zstd.decode(_blob(4, 1024, [frame]), 4, 1024, "m.npz", "k")
+        _shuffle_zstd.decode(_blob(4, 1024, [frame]), 4, 1024, "m.npz", "k")
 
 
 def test_header_disagreeing_with_manifest_is_refused():
     frame = zstandard.ZstdCompressor().compress(b"\0" * 1024)
     with pytest.raises(FormatError, match="manifest entry says"):
-        shuffle_zstd.decode(_blob(4, 1024, [frame]), 4, 2048, "m.npz", "k")
+        _shuffle_zstd.decode(_blob(4, 1024, [frame]), 4, 2048, "m.npz", "k")
     with pytest.raises(FormatError, match="shuffle-zstd header"):
-        shuffle_zstd.decode(_blob(4, 1024, [frame], block=3), 4, 1024, "m.npz", "k")
+        _shuffle_zstd.decode(_blob(4, 1024, [frame], block=3), 4, 1024, "m.npz", "k")
 
 
 @pytest.mark.parametrize("suffix", [".npz", ".h5", ".safetensors"])
@@ -224,7 +224,7 @@ def test_local_headers_patched_after_the_write_agree_with_the_directory(tmp_path
 def test_shuffled_member_without_a_manifest_is_refused(tmp_path):
     path = tmp_path / "m.npz"
     with zipfile.ZipFile(path, "w") as archive:
-        archive.writestr("a" + SUFFIX, shuffle_zstd.MAGIC + b"\0" * 64)
+        archive.writestr("a" + SUFFIX, _shuffle_zstd.MAGIC + b"\0" * 64)
     with pytest.raises(FormatError, match=r"m\.npz.*'a\.shuffled-zstd'"):
         ws.open(path)
 

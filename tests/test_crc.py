@@ -18,7 +18,7 @@ from weightstore.core import _parallel as parallel
 from weightstore.core import checksums as crc
 from weightstore.core.manifest import checksum, crc32
 from weightstore.errors import ChecksumError, FormatError
-from weightstore.formats import shuffle_zstd
+from weightstore.formats import _shuffle_zstd
 
 DATA = Path(__file__).resolve().parent / "data"
 GOLDEN = [f"golden_v{version}{suffix}" for version in (1, 2)
@@ -194,7 +194,7 @@ def test_a_job_beside_that_fails_raises_from_result():
 def test_shuffled_blocks_decode_in_parallel_exactly(itemsize):
     plain = random_bytes(3 * (1 << 20) + 24, seed=itemsize)  # three whole blocks and a short one
     encoded = _encode(plain, itemsize)
-    out, plain_crc = shuffle_zstd.decode(encoded, itemsize, len(plain), "m.npz", "k")
+    out, plain_crc = _shuffle_zstd.decode(encoded, itemsize, len(plain), "m.npz", "k")
     assert out.tobytes() == plain.tobytes()
     assert plain_crc == zlib.crc32(plain)
 
@@ -205,12 +205,12 @@ def test_corrupt_block_decoded_by_a_helper_names_file_and_key():
     last_frame = len(encoded) - struct.unpack_from("<4I", encoded, 28)[-1]
     encoded[last_frame : last_frame + 4] = b"\0\0\0\0"  # no zstd magic: the helper may well be the one to find it
     with pytest.raises(FormatError, match=r"m\.npz: tensor 'k'"):
-        shuffle_zstd.decode(memoryview(encoded), 4, len(plain), "m.npz", "k")
+        _shuffle_zstd.decode(memoryview(encoded), 4, len(plain), "m.npz", "k")
 
 
 def _encode(plain: np.ndarray, itemsize: int) -> memoryview:
     file = io.BytesIO()
-    shuffle_zstd.encode(memoryview(plain), itemsize, file)
+    _shuffle_zstd.encode(memoryview(plain), itemsize, file)
     return file.getbuffer()
 
 

@@ -119,7 +119,7 @@ def test_manifest_dtype_junk_names_file_and_tensor(tmp_path, suffix):
 
 
 def test_h5_oversized_manifest_names_file(tmp_path):
-    from weightstore.core.manifest import MAX_MANIFEST_BYTES
+    from weightstore.core.limits import MAX_MANIFEST_BYTES
 
     path = tmp_path / "huge.h5"
     with h5py.File(path, "w") as f:

@@ -10,7 +10,7 @@ tf = pytest.importorskip("tensorflow")
 
 from weightstore.adapters import tf2  # noqa: E402
 from weightstore.adapters.skeleton import handed_over  # noqa: E402
-from weightstore.io.buffer import aligned_array  # noqa: E402
+from weightstore.io._buffer import aligned_array  # noqa: E402
 
 FLOATS = 1 << 16  # 256 KB: large enough to be kept rather than copied
 

@@ -444,7 +444,7 @@ def test_object_graph_paths_are_bounded_by_the_graph_size(tmp_path):
 
 @pytest.mark.parametrize("edge", ["9" * 5000, "²"])
 def test_object_graph_edges_that_no_int_reads_key_their_variables(tmp_path, edge):
-    from weightstore.formats.tf_protos import TrackableObjectGraph
+    from weightstore.formats._tf_protos import TrackableObjectGraph
 
     graph = TrackableObjectGraph()
     root, layer, variable = graph.nodes.add(), graph.nodes.add(), graph.nodes.add()

@@ -120,7 +120,7 @@ def test_reading_many_tensors_announces_the_stretch_their_bytes_lie_in_once(tmp_
     """A cold file streams when the kernel is told the whole stretch first; told tensor by
     tensor, it was told in steps. The stretch comes from the headers the reader checked at open
     (layout messages), and is exactly where HDF5 says the bytes are."""
-    from weightstore.io.local import MappedFile
+    from weightstore.io._local import MappedFile
 
     weights = large_weights()
     path = tmp_path / "large.h5"

@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 
 import weightstore as ws
-from weightstore.io import local, writeback
-from weightstore.io.local import MappedFile, OwnedFile
+from weightstore.io import _local, _writeback
+from weightstore.io._local import MappedFile, OwnedFile
 
 
 @pytest.fixture
 def small_steps(monkeypatch):
     """Readahead and writeback in steps of 64 KiB, so a small file takes many of them."""
-    monkeypatch.setattr(local, "READ_AHEAD", 1 << 16)
-    monkeypatch.setattr(writeback, "WRITEBACK_BYTES", 1 << 16)
+    monkeypatch.setattr(_local, "READ_AHEAD", 1 << 16)
+    monkeypatch.setattr(_writeback, "WRITEBACK_BYTES", 1 << 16)
 
 
 @pytest.mark.parametrize("suffix", [".npz", ".safetensors", ".h5"])
@@ -36,7 +36,7 @@ def test_save_written_back_while_written_reads_back_exactly(tmp_path, small_step
 def test_writeback_of_a_growing_file_waits_for_its_requests(tmp_path, small_steps):
     path = tmp_path / "grown.bin"
     with open(path, "wb") as out:
-        started = writeback.Writeback(str(path))
+        started = _writeback.Writeback(str(path))
         for _ in range(4):
             out.write(os.urandom(1 << 17))
             out.flush()
@@ -47,7 +47,7 @@ def test_writeback_of_a_growing_file_waits_for_its_requests(tmp_path, small_step
 
 
 def test_writeback_of_a_missing_file_does_nothing(tmp_path):
-    missing = writeback.Writeback(str(tmp_path / "none"))
+    missing = _writeback.Writeback(str(tmp_path / "none"))
     missing.advance(1 << 30)
     missing.close()
 
@@ -105,8 +105,8 @@ _libc = ctypes.CDLL(None, use_errno=True)
 def test_reading_an_npz_reads_ahead_though_its_index_was_read_at_the_end(tmp_path, monkeypatch):
     """Opening an npz reads its directory and manifest at the end of the file; the first tensor
     read must still have the kernel fetch the bytes after it (it once counted the end as announced)."""
-    monkeypatch.setattr(local, "READ_AHEAD", 24 << 20)
-    monkeypatch.setattr(local, "_advice_piece", lambda device: 1 << 20)  # read whole, whatever the device's setting
+    monkeypatch.setattr(_local, "READ_AHEAD", 24 << 20)
+    monkeypatch.setattr(_local, "_advice_piece", lambda device: 1 << 20)  # read whole, whatever the device's setting
     weights = {"a": np.ones(1 << 14, np.float32), "b": np.zeros(8 << 20, np.float32)}  # 64 KiB, then 32 MB
     path = tmp_path / "w.npz"
     ws.save(path, weights)

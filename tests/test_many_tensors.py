@@ -157,12 +157,12 @@ def test_a_bad_key_among_thousands_in_a_manifest_is_named(tmp_path, bad_key):
 
 def test_a_directory_whose_names_hold_its_entry_signature_is_walked_entry_by_entry():
     """Entries are found by their signature first; a name holding those bytes must not fool it."""
-    from weightstore.formats import zipdir
+    from weightstore.formats import _zipdir
 
     names = ["a.npy", "bPK\x01\x02c.npy", "PK\x01\x02.npy", "d.npy"]
     data = hostile.zip_bytes([hostile.Member(name, hostile.npy(np.zeros(2))) for name in names])
-    count, size, offset, _ = zipdir.locate(data, 0)
-    assert list(zipdir.parse(data[offset : offset + size], count, offset)) == names
+    count, size, offset, _ = _zipdir.locate(data, 0)
+    assert list(_zipdir.parse(data[offset : offset + size], count, offset)) == names
 
 
 @pytest.mark.parametrize("zip64", [[16, 16, 2**64 - 1], [2**63, 2**63], [2**63 - 1, 2**63 - 1]])

@@ -23,7 +23,7 @@ import hostile
 import weightstore as ws
 from weightstore import errors
 from weightstore.core.manifest import build_manifest
-from weightstore.formats import _npz_reader, npz, zipdir
+from weightstore.formats import _npz_together, _zipdir, npz
 
 _LOCAL = struct.Struct("<4s5H3I2H")
 _CENTRAL = struct.Struct("<4s6H3I5H2I")
@@ -193,7 +193,7 @@ def outcome(path, monkeypatch, *, fast: bool) -> tuple:
     """What a verified read of the whole file gives: arrays, or the error's kind."""
     with monkeypatch.context() as patch:
         if not fast:  # the reference: the directory read entry by entry, each tensor alone
-            patch.setattr(zipdir, "last_member", lambda *_: None)
+            patch.setattr(_zipdir, "last_member", lambda *_: None)
             patch.setattr(npz.NpzReader, "read_many", lambda self, keys, verify: [self.read(k, verify=verify) for k in keys])
         try:
             with ws.open(path) as store:
@@ -203,14 +203,15 @@ def outcome(path, monkeypatch, *, fast: bool) -> tuple:
             return ("refused",)
 
 
-@pytest.mark.parametrize("stretch", [_npz_reader._TOGETHER_BYTES, 40], ids=["one-stretch", "stretches-of-a-few-tensors"])
+@pytest.mark.parametrize("stretch", [_npz_together._TOGETHER_BYTES, 40],
+                         ids=["one-stretch", "stretches-of-a-few-tensors"])
 @pytest.mark.parametrize("seed", range(4))
 def test_damaged_directories_read_alike_on_either_path(tmp_path, monkeypatch, written, seed, stretch):
     """Fields of the central directory and the local headers set to edge values: the fast path
     reads exactly what the entry-by-entry path reads, or refuses what it refuses, and never
     raises anything but a WeightStoreError; whether it checks the file at once or a stretch at a
     time (as it reads a large file, in order) changes nothing."""
-    monkeypatch.setattr(_npz_reader, "_TOGETHER_BYTES", stretch)
+    monkeypatch.setattr(_npz_together, "_TOGETHER_BYTES", stretch)
     rng = random.Random(seed)
     directory = written.rfind(b"PK\x05\x06") - int.from_bytes(written[-10:-6], "little")
     headers = [m.start() for m in re.finditer(b"PK\x03\x04", written)]

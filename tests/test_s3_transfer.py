@@ -11,7 +11,7 @@ import pytest
 
 import weightstore as ws
 from weightstore.io import commit, objects
-from weightstore.io.buffer import memory_owner
+from weightstore.io._buffer import memory_owner
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")

@@ -15,6 +15,7 @@ import pytest
 
 import weightstore as ws
 from weightstore import sync as versions
+from weightstore.core import limits
 from weightstore.formats._sharded_index import ShardIndex, seal
 from weightstore.sharded import _shards as shards
 from weightstore.sync import _publish
@@ -371,7 +372,7 @@ def test_the_overlap_check_of_an_index_does_bounded_work(tmp_path, monkeypatch):
     refused instead of worked through for minutes."""
     from weightstore.formats import _sharded_index as shardindex
 
-    n = shardindex.MAX_PIECES_PER_KEY
+    n = limits.MAX_PIECES_PER_KEY
     strips = hostile_index(tmp_path / "strips", lambda raw: raw["tensors"].update(s={
         "dtype": "float32", "shape": [1, n], "pieces": [
             {**raw["tensors"]["w"]["pieces"][0], "start": [0, i], "shape": [1, 1], "offset": 0, "rows": 1,
@@ -651,7 +652,8 @@ def test_a_member_whose_bytes_are_not_where_its_format_says_is_refused(tmp_path,
     ((32, 32000), 4, 4096, None),   # 4,096 ranks: no room for strips at all
 ])
 def test_strips_are_power_of_two_columns_and_keep_a_key_under_its_piece_limit(shape, itemsize, world, columns):
-    from weightstore.formats._sharded_index import MAX_PIECES_PER_KEY, strip_columns
+    from weightstore.core.limits import MAX_PIECES_PER_KEY
+    from weightstore.formats._sharded_index import strip_columns
 
     assert strip_columns(shape, itemsize, world) == columns
     if columns:
@@ -663,7 +665,8 @@ def test_a_key_whose_ranks_together_pass_its_piece_limit_is_not_committed(tmp_pa
     every reader would refuse the index, and LATEST stays where it was."""
     from weightstore.formats import _sharded_index as shardindex
 
-    monkeypatch.setattr(shardindex, "MAX_PIECES_PER_KEY", 4)
+    monkeypatch.setattr(shardindex, "MAX_PIECES_PER_KEY", 4)  # the coordinator's check
+    monkeypatch.setattr(shards, "MAX_PIECES_PER_KEY", 4)  # the rank's, before it writes
     folder = tmp_path / "run"
     ws.publish(folder, {"a": np.zeros(1)}, step=1)
     a = np.arange(12, dtype=np.float32).reshape(6, 2)
@@ -802,7 +805,7 @@ def test_a_rank_whose_share_would_take_the_index_past_its_bound_is_refused_befor
     from weightstore.formats import _sharded_index as shardindex
 
     folder = tmp_path / "run"
-    share = (shardindex.MAX_INDEX_BYTES - shardindex.KEY_BYTES - shardindex.RESERVED_BYTES) // 200_000  # 230 bytes
+    share = (limits.MAX_INDEX_BYTES - limits.KEY_BYTES - limits.RESERVED_BYTES) // 200_000  # 230 bytes
     pieces = {f"w{i}": ws.Piece(np.zeros((1, 4), np.float32), (i, 0), (200_000, 4)) for i in range(8)}
     with pytest.raises(ws.SizeLimitError, match=f"over the {share} bytes each of 200000 ranks") as caught:
         ws.publish_shard(folder, pieces, step=1, rank=7, world=200_000, attempt=0)

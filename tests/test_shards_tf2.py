@@ -17,7 +17,7 @@ keras = pytest.importorskip("keras")
 from processes import free_port, run_together  # noqa: E402
 
 from weightstore.adapters import tf2  # noqa: E402
-from weightstore.adapters.tf2_sharded import Segment, plan  # noqa: E402
+from weightstore.adapters._tf2_sharded import Segment, plan  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,7 +49,7 @@ WORKER = MODEL + textwrap.dedent("""
     import tensorflow as tf
     import weightstore as ws
     from weightstore.sync import _stages as stages
-    from weightstore.adapters import tf2, tf2_sharded
+    from weightstore.adapters import tf2, _tf2_sharded
 
     folder, out = sys.argv[1], sys.argv[2]
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
@@ -101,21 +101,21 @@ WORKER = MODEL + textwrap.dedent("""
     attempt("keys differ", lambda: tf2.publish_sharded(more, model, step=2, strategy=strategy, timeout=30, **left_out))
     other = {"w": tf.Variable(np.zeros(9 if rank == 1 else 8, np.float32))}  # rank 1 writes it in either plan
     attempt("shapes differ", lambda: tf2.publish_sharded(more, other, step=3, strategy=strategy, timeout=30))
-    tf2_sharded._NEWS_GRACE = 0.5
+    _tf2_sharded._NEWS_GRACE = 0.5
     if rank == 1:  # a call the chief never makes times out, and must not shift the calls after it
         attempt("alone", lambda: tf2.publish_sharded(more, model, step=4, strategy=strategy, timeout=0.5))
     strategy.reduce("SUM", strategy.run(count), axis=None)
-    tf2_sharded._NEWS_GRACE = 8.0
+    _tf2_sharded._NEWS_GRACE = 8.0
     if rank == 0:  # the chief comes later than the worker's timeout, within the grace
         time.sleep(4.5)
     attempt("after a call alone", lambda: tf2.publish_sharded(more, model, step=4, strategy=strategy, timeout=3))
-    reads = tf2_sharded._read
+    reads = _tf2_sharded._read
 
     def unreadable(sources, share):
         raise ws.StorageError("injected: unreadable")
-    tf2_sharded._read = unreadable if rank == 1 else reads  # read at the call, before the chief is heard
+    _tf2_sharded._read = unreadable if rank == 1 else reads  # read at the call, before the chief is heard
     attempt("read fails", lambda: tf2.publish_sharded(more, model, step=5, strategy=strategy, timeout=30))
-    tf2_sharded._read = reads
+    _tf2_sharded._read = reads
     attempt("background", lambda: tf2.publish_sharded(more, model, step=6, strategy=strategy, timeout=30,
                                                        background=True).result())
     with open(f"{out}/more-{rank}.json", "w") as handle:

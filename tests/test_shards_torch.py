@@ -58,11 +58,11 @@ RANK = textwrap.dedent("""
     dist.barrier()
     reader = parallelize_module(model(2), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     report = wt.assign(reader, ws.latest(folder))
-    held = {key: wt.to_numpy(wt.torch_shards.local_tensor(tensor), key) for key, tensor in wt.tensors(reader).items()}
+    held = {key: wt.to_numpy(wt._torch_shards.local_tensor(tensor), key) for key, tensor in wt.tensors(reader).items()}
     again = parallelize_module(model(3), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     wt.assign(again, ws.load(ws.latest(folder)))  # from a dict of whole tensors: each rank cuts its shard
     for key, tensor in wt.tensors(again).items():
-        assert wt.to_numpy(wt.torch_shards.local_tensor(tensor), key).tobytes() == held[key].tobytes(), key
+        assert wt.to_numpy(wt._torch_shards.local_tensor(tensor), key).tobytes() == held[key].tobytes(), key
     held["pieces"] = np.array(sorted(pieces))
     held["assigned"] = np.array(sorted(report.assigned))
     from torch.distributed.tensor import DTensor, Partial

@@ -19,7 +19,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 import weightstore as ws  # noqa: E402
-from weightstore.adapters import skeleton, tf1, tf1_callables  # noqa: E402
+from weightstore.adapters import _tf1_callables, skeleton, tf1  # noqa: E402
 from weightstore.adapters.plan import AssignWarning  # noqa: E402
 from weightstore.core._gcpause import paused_gc  # noqa: E402
 from weightstore.errors import AssignmentError, ChecksumError, FormatError, SelectionError  # noqa: E402
@@ -646,7 +646,7 @@ class CountingSession(v1.Session):
 @pytest.fixture
 def batches_counted(monkeypatch):
     """Every batch a TF1 assign runs (as a callable or through ``session.run``) counted on its CountingSession."""
-    run = tf1_callables.run
+    run = _tf1_callables.run
 
     def counted(sess, writers, feeds):
         run(sess, writers, feeds)
@@ -655,7 +655,7 @@ def batches_counted(monkeypatch):
             if sess.after_feed:
                 sess.after_feed(sess.feeding_runs)
 
-    monkeypatch.setattr(tf1_callables, "run", counted)
+    monkeypatch.setattr(_tf1_callables, "run", counted)
 
 
 @pytest.fixture
@@ -699,7 +699,7 @@ def test_a_session_keeps_its_latest_batches_compiled_and_is_freed_when_dropped(t
     """Each batch runs as a callable the session compiled once; assigns of one subset after another
     (hot reloads) leave the latest KEPT of them, values right throughout, and nothing weightstore
     holds keeps a dropped session (and its variables) alive until a garbage collection."""
-    monkeypatch.setattr(tf1_callables, "KEPT", 2)
+    monkeypatch.setattr(_tf1_callables, "KEPT", 2)
     weights = six_values()
     graph = tf.Graph()
     with graph.as_default():

@@ -357,7 +357,7 @@ def test_a_huge_index_is_refused_before_reading(tmp_path, monkeypatch):
     from weightstore.formats import tf_checkpoint
 
     prefix = forged(tmp_path)
-    monkeypatch.setattr(tf_checkpoint, "MAX_INDEX_BYTES", 100)
+    monkeypatch.setattr(tf_checkpoint, "MAX_TF_INDEX_BYTES", 100)
     with pytest.raises(UnsafeFileError, match=r"forged\.index: checkpoint index is \d+ bytes, over the 100-byte limit"):
         ws.open(prefix)
 

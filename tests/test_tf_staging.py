@@ -17,12 +17,12 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 import weightstore as ws  # noqa: E402
-from weightstore.adapters import tf1, tf2, tf_staging  # noqa: E402
+from weightstore.adapters import _tf_staging, tf1, tf2  # noqa: E402
 from weightstore.adapters.skeleton import handed_over  # noqa: E402
-from weightstore.io.buffer import aligned_array  # noqa: E402
+from weightstore.io._buffer import aligned_array  # noqa: E402
 
 DTYPES = ["float16", "float32", "float64", "bfloat16", "int8", "int32", "int64", "uint8", "uint16", "complex64", "bool"]
-ROWS = tf_staging.STAGED_FROM // 8 + 3  # every dtype's value is at least STAGED_FROM bytes
+ROWS = _tf_staging.STAGED_FROM // 8 + 3  # every dtype's value is at least STAGED_FROM bytes
 
 
 def values(dtype: np.dtype, seed: int) -> np.ndarray:
@@ -91,7 +91,7 @@ def test_tf1_variables_fed_from_a_mapped_file_keep_nothing_of_it(tmp_path, use_r
     path = tmp_path / "w.npz"
     ws.save(path, expected)
     with ws.open(path) as store:
-        assert all(tf_staging.shares_mapped(store[key], np.dtype("float32")) for key in expected)
+        assert all(_tf_staging.shares_mapped(store[key], np.dtype("float32")) for key in expected)
     graph = tf.Graph()
     with graph.as_default(), tf.compat.v1.Session(graph=graph) as sess:
         made = {key: tf.compat.v1.get_variable(key, (ROWS, 8), tf.float32, tf.compat.v1.zeros_initializer(),
@@ -116,7 +116,7 @@ def test_staged_buffers_of_growing_batches_are_distinct_and_shaped_as_asked():
     for count in (1, 3, 2, 7):
         shapes = [(ROWS + i, 8) for i in range(count)]
         arrays = [values(np.dtype("float32"), i)[:1].repeat(ROWS + i, axis=0) for i in range(count)]
-        feeds = tf_staging.staged_feeds([(array, np.dtype("float32")) for array in arrays])
+        feeds = _tf_staging.staged_feeds([(array, np.dtype("float32")) for array in arrays])
         assert [feed.shape for feed in feeds] == shapes
         assert len({feed.ctypes.data for feed in feeds}) == count
         for feed, array in zip(feeds, arrays, strict=True):
@@ -187,7 +187,7 @@ FIRST_ASSIGN_TF1 = textwrap.dedent("""
     import numpy as np, tensorflow as tf
     import weightstore as ws
     from weightstore.adapters import skeleton, tf1
-    from weightstore.io.buffer import aligned_array
+    from weightstore.io._buffer import aligned_array
 
     tf.compat.v1.disable_eager_execution()  # as TF1 programs run
     skeleton.BATCH_MIN_BYTES = 16 << 20  # batches of an eighth: what is kept is about one batch

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 import weightstore as ws
 from weightstore import sync as versions
 from weightstore.cli import sync as sync_cli
-from weightstore.formats._pointer import MAX_POINTER_BYTES
+from weightstore.core.limits import MAX_POINTER_BYTES
 from weightstore.io.folders import folder_for
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,8 +15,8 @@ from pathlib import Path
 import crc32c
 import numpy as np
 
-from weightstore.formats.sstable import TABLE_MAGIC
-from weightstore.formats.tf_protos import BundleEntryProto, BundleHeaderProto
+from weightstore.formats._sstable import TABLE_MAGIC
+from weightstore.formats._tf_protos import BundleEntryProto, BundleHeaderProto
 
 DT_FLOAT, DT_STRING = 1, 7
 
@@ -142,7 +142,7 @@ def with_object_graph(prefix: Path, graph: bytes, tensors: dict[str, np.ndarray]
 def chain_graph(count: int) -> bytes:
     """A ``TrackableObjectGraph`` of ``count`` nodes in one chain of edges named ``a``: paths
     ``count`` squared over two segments long in all."""
-    from weightstore.formats.tf_protos import TrackableObjectGraph
+    from weightstore.formats._tf_protos import TrackableObjectGraph
 
     graph = TrackableObjectGraph()
     for number in range(count):

@@ -1,13 +1,15 @@
 """The import paths of modules this release moved, kept working for one release.
 
 The tree was reorganised into layers (``core/``, ``store/``, ``sync/``, ``sharded/``,
-``adapters/serving/``). A program that imports an old path, such as ``weightstore.keys`` or
-``weightstore.adapters.hooks``, gets the module that now holds that code (the same module
-object, so its names and their state are shared) and a ``DeprecationWarning`` naming it. One
-table, one finder: no file is left behind at the old places. What this keeps is the documented
-names: a module that was split (``weightstore.versions`` is now several modules of
-``weightstore.sync``) maps to the package whose ``__init__`` lists its public names, not to
-its private helpers, which moved to the split modules.
+``adapters/serving/``), and the internals of ``io/``, ``formats/`` and ``adapters/`` were marked
+private (``weightstore.formats.zipdir`` is now ``weightstore.formats._zipdir``). A program that
+imports an old path, such as ``weightstore.keys`` or ``weightstore.adapters.hooks``, gets the
+module that now holds that code (the same module object, so its names and their state are
+shared) and a ``DeprecationWarning`` naming it. One table, one finder: no file is left behind at
+the old places. What this keeps is the documented names: a module that was split
+(``weightstore.versions`` is now several modules of ``weightstore.sync``) maps to the package
+whose ``__init__`` lists its public names, not to its private helpers, which moved to the split
+modules.
 """
 
 from __future__ import annotations
@@ -38,6 +40,28 @@ MOVED = {
     "weightstore.adapters.follower": "weightstore.adapters.serving.follower",
     "weightstore.adapters.hooks": "weightstore.adapters.serving.hooks",
     "weightstore.adapters.snapshot": "weightstore.adapters.serving.snapshot",
+    # internals marked private (a leading _): the old paths were importable, so they keep working
+    "weightstore.adapters.artifacts": "weightstore.adapters._artifacts",
+    "weightstore.adapters.checkpoints": "weightstore.adapters._checkpoints",
+    "weightstore.adapters.keras_config": "weightstore.adapters._keras_config",
+    "weightstore.adapters.keras_import": "weightstore.adapters._keras_import",
+    "weightstore.adapters.layer_rules": "weightstore.adapters._layer_rules",
+    "weightstore.adapters.tf1_callables": "weightstore.adapters._tf1_callables",
+    "weightstore.adapters.tf1_training": "weightstore.adapters._tf1_training",
+    "weightstore.adapters.tf2_sharded": "weightstore.adapters._tf2_sharded",
+    "weightstore.adapters.tf_staging": "weightstore.adapters._tf_staging",
+    "weightstore.adapters.torch_shards": "weightstore.adapters._torch_shards",
+    "weightstore.formats.foreign": "weightstore.formats._foreign",
+    "weightstore.formats.hdf5_bytes": "weightstore.formats._hdf5_bytes",
+    "weightstore.formats.renamed": "weightstore.formats._renamed",
+    "weightstore.formats.shuffle_zstd": "weightstore.formats._shuffle_zstd",
+    "weightstore.formats.sstable": "weightstore.formats._sstable",
+    "weightstore.formats.tf_protos": "weightstore.formats._tf_protos",
+    "weightstore.formats.zipdir": "weightstore.formats._zipdir",
+    "weightstore.io.buffer": "weightstore.io._buffer",
+    "weightstore.io.local": "weightstore.io._local",
+    "weightstore.io.ranges": "weightstore.io._ranges",
+    "weightstore.io.writeback": "weightstore.io._writeback",
 }
 
 

@@ -136,7 +136,36 @@ class _Publisher:
                          "published is %s", self._step, self.folder, last.step if last else "none")
 
 
-class PublishCallback(keras.callbacks.Callback):
+class _Front:
+    """The members both hooks show their user, answered by the :class:`_Publisher` behind them."""
+
+    _publisher: _Publisher
+
+    @property
+    def last(self) -> Version | None:
+        """The last version published (completed), or ``None``."""
+        return self._publisher.last
+
+    @property
+    def failures(self) -> int:
+        """How many publish attempts failed; none of them reached the training loop."""
+        return self._publisher.failures
+
+    @property
+    def last_error(self) -> BaseException | None:
+        """The error of the last failed publish attempt, or ``None``."""
+        return self._publisher.last_error
+
+    def wait(self, timeout: float | None = None) -> Version | None:
+        """Wait (at most ``timeout`` seconds) for what was handed over; return the last version published."""
+        return self._publisher.wait(timeout)
+
+    def close(self, timeout: float | None = None) -> Version | None:
+        """Wait like :meth:`wait`, then refuse further publishes."""
+        return self._publisher.close(timeout)
+
+
+class PublishCallback(_Front, keras.callbacks.Callback):
     """Publish the model's weights to ``folder`` every ``every_n_batches`` and/or ``every_n_epochs``,
     and at the end of ``fit``.
 
@@ -175,28 +204,6 @@ class PublishCallback(keras.callbacks.Callback):
         self._batches_since = 0  # batches since the last publish, as ModelCheckpoint counts them
         self._last_batch: int | None = None
         self._epoch = 0
-
-    @property
-    def last(self) -> Version | None:
-        return self._publisher.last
-
-    @property
-    def failures(self) -> int:
-        """How many publish attempts failed; none of them reached ``fit``."""
-        return self._publisher.failures
-
-    @property
-    def last_error(self) -> BaseException | None:
-        """The error of the last failed publish attempt, or ``None``."""
-        return self._publisher.last_error
-
-    def wait(self, timeout: float | None = None) -> Version | None:
-        """Wait (at most ``timeout`` seconds) for what was handed over; return the last version published."""
-        return self._publisher.wait(timeout)
-
-    def close(self, timeout: float | None = None) -> Version | None:
-        """Wait like :meth:`wait`, then refuse further publishes."""
-        return self._publisher.close(timeout)
 
     def on_train_begin(self, logs: Any = None) -> None:
         self._warn_when_only_the_end_publishes(self.params or {})
@@ -248,7 +255,7 @@ class PublishCallback(keras.callbacks.Callback):
         self._publisher.publish(lambda: snapshot(self.model, **selection), step, {"epoch": self._epoch})
 
 
-class PublishHook(tf.compat.v1.train.SessionRunHook):
+class PublishHook(_Front, tf.compat.v1.train.SessionRunHook):
     """Publish a TF1 graph's variables to ``folder`` every N steps or seconds, and at the end.
 
     The step is the global step, which must exist (``tf.compat.v1.train.get_or_create_global_step()``).
@@ -278,28 +285,6 @@ class PublishHook(tf.compat.v1.train.SessionRunHook):
                                      background=background, end_timeout=end_timeout, delta=delta)
         self._is_chief = is_chief
         self._global_step: tf.Tensor | None = None
-
-    @property
-    def last(self) -> Version | None:
-        return self._publisher.last
-
-    @property
-    def failures(self) -> int:
-        """How many publish attempts failed; none of them reached the session."""
-        return self._publisher.failures
-
-    @property
-    def last_error(self) -> BaseException | None:
-        """The error of the last failed publish attempt, or ``None``."""
-        return self._publisher.last_error
-
-    def wait(self, timeout: float | None = None) -> Version | None:
-        """Wait (at most ``timeout`` seconds) for what was handed over; return the last version published."""
-        return self._publisher.wait(timeout)
-
-    def close(self, timeout: float | None = None) -> Version | None:
-        """Wait like :meth:`wait`, then refuse further publishes."""
-        return self._publisher.close(timeout)
 
     def begin(self) -> None:
         self._global_step = tf.compat.v1.train.get_global_step()

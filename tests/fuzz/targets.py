@@ -80,7 +80,7 @@ def _save_checkpoint(path: Path) -> None:
 def sample_object_graph() -> bytes:
     """A TF2 object graph as Keras writes one: model -> layer -> kernel and bias, an optimizer
     with a step counter and a slot variable, a variable list."""
-    from weightstore.formats.tf_protos import TrackableObjectGraph
+    from weightstore.formats._tf_protos import TrackableObjectGraph
 
     graph = TrackableObjectGraph()
     nodes = [graph.nodes.add() for _ in range(8)]

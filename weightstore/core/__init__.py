@@ -4,6 +4,7 @@
 * :mod:`~weightstore.core.names`: PyTorch and Hugging Face spellings of keys;
 * :mod:`~weightstore.core.manifest`: the manifest a store carries, and :class:`TensorInfo`;
 * :mod:`~weightstore.core.checksums`: CRC-32C checksums and content digests;
+* :mod:`~weightstore.core.limits`: every size, count and depth bound readers and writers enforce;
 * private helpers: array conversion, optional imports, JSON text, the tensor table, thread
   pools, pausing the garbage collector, giving freed heap back.
 """

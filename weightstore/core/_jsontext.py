@@ -17,16 +17,11 @@ import json
 from typing import Any
 
 from weightstore.core._tensortable import short_repr
+from weightstore.core.limits import MAX_JSON_DEPTH
 from weightstore.errors import FormatError, UnsafeFileError
 
-__all__ = ["refuse_dense", "loads", "MAX_DEPTH", "too_deep", "refuse_deep", "text_field"]
+__all__ = ["refuse_dense", "loads", "too_deep", "refuse_deep", "text_field"]
 
-#: how deep a JSON value from a file may nest objects and arrays. orjson parses 1,024 levels and
-#: the stdlib nearly 1,000, but Python's ``repr``, ``str`` and ``json.dumps`` recurse once a level
-#: and raise RecursionError past its recursion limit (1,000): a 2 KB index whose ``created`` was
-#: nested 1,020 deep leaked one at open, and metadata as deep leaked one from ``ws ls --json``.
-#: Writers refuse metadata deeper than this too, so every file written is one readers read.
-MAX_DEPTH = 100
 
 
 def refuse_dense(text: str | bytes, min_bytes: int, what: str) -> None:
@@ -86,7 +81,7 @@ def _accept_constant(name: str) -> float:
     return float(name)
 
 
-def too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
+def too_deep(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
     """Whether ``value`` nests mappings, lists and tuples (JSON's objects and arrays, as parsed
     or as a caller built them) more than ``limit`` levels deep. Not recursive, and linear in the
     containers it holds."""
@@ -106,9 +101,9 @@ def too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
 
 
 def refuse_deep(value: Any, what: str) -> None:
-    """Refuse with a :class:`FormatError` a parsed value nested deeper than :data:`MAX_DEPTH`."""
+    """Refuse with a :class:`FormatError` a parsed value nested deeper than :data:`MAX_JSON_DEPTH`."""
     if too_deep(value):
-        raise FormatError(f"{what} nests objects and arrays more than {MAX_DEPTH} levels deep")
+        raise FormatError(f"{what} nests objects and arrays more than {MAX_JSON_DEPTH} levels deep")
 
 
 def text_field(document: dict[str, Any], name: str, what: str) -> str:

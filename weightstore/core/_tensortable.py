@@ -37,6 +37,7 @@ import numpy as np
 import orjson
 
 from weightstore.core.keys import validate_keys
+from weightstore.core.limits import MAX_ARRAY_BYTES, MAX_DTYPES, MAX_NDIM
 from weightstore.errors import FormatError, InvalidKeyError
 
 CHECKSUM_ALGORITHM = "crc32"
@@ -50,11 +51,6 @@ DIGEST_HEX = 64
 #: columns a manifest of this version may add to :data:`COLUMNS` (and the version that added them)
 OPTIONAL_COLUMNS = {DIGEST_ALGORITHM: 3}
 _HEX_DIGITS = b"0123456789abcdef"
-MAX_NDIM = 64
-#: more distinct dtypes than any numpy and ml_dtypes together define
-_MAX_DTYPES = 1024
-#: numpy refuses an array whose size, counting zero dimensions as one, overflows a signed 64-bit count
-_MAX_ARRAY_BYTES = (1 << 63) - 1
 #: below this, a float product of dimensions is exact enough to prove a size in bounds
 _SURELY_IN_BOUNDS = float(1 << 52)
 #: "no checksum" in the CRC column (version 1 manifests allowed null)
@@ -204,7 +200,7 @@ def parse_columns(raw: dict[str, Any], itemsize_of: Callable[[object], int | Non
         raise FormatError(f"manifest lists tensor {twice!r} twice")
     names = raw["dtypes"]
     texts = [name for name in names if type(name) is str] if type(names) is list else []  # any other: no dtype, below
-    if type(names) is not list or len(names) > _MAX_DTYPES or len(set(texts)) != len(texts):
+    if type(names) is not list or len(names) > MAX_DTYPES or len(set(texts)) != len(texts):
         raise FormatError("manifest 'dtypes' is not a list of distinct dtype names")
     codes = _int_column(raw, "dtype", count, len(names) - 1)
     itemsizes = []
@@ -217,7 +213,7 @@ def parse_columns(raw: dict[str, Any], itemsize_of: Callable[[object], int | Non
             raise FormatError(f"manifest: unknown dtype {short_repr(name)}")
         itemsizes.append(itemsize)
     ndims = _int_column(raw, "ndim", count, MAX_NDIM)
-    dims = _int_column(raw, "shape", int(ndims.sum()), _MAX_ARRAY_BYTES)
+    dims = _int_column(raw, "shape", int(ndims.sum()), MAX_ARRAY_BYTES)
     crcs = _int_column(raw, "crc32", count, 0xFFFFFFFF)
     nbytes = _sizes(keys, ndims, dims, np.asarray(itemsizes, dtype=np.int64)[codes])
     return TensorTable(keys, names, codes, ndims, dims, nbytes, crcs, _digest_column(raw, count))
@@ -242,7 +238,7 @@ def _is_lower_hex(text: str) -> bool:
 
 def fits_an_array(shape: tuple[int, ...], itemsize: int) -> bool:
     """Whether numpy can make an array of ``shape`` (it counts a zero dimension as one)."""
-    return math.prod(max(size, 1) for size in shape) * itemsize <= _MAX_ARRAY_BYTES
+    return math.prod(max(size, 1) for size in shape) * itemsize <= MAX_ARRAY_BYTES
 
 
 def _int_column(raw: dict[str, Any], field: str, count: int, most: int) -> np.ndarray:

@@ -16,6 +16,7 @@ import unicodedata
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TypeVar
 
+from weightstore.core.limits import MAX_KEY_BYTES
 from weightstore.errors import InvalidKeyError, SelectionError
 
 V = TypeVar("V")
@@ -24,8 +25,6 @@ MappingRules = Mapping[str, str] | Sequence[str] | None
 
 RESERVED_PREFIX = "__weightstore"
 _GLOB_CHARS = frozenset("*?[")
-#: the zip name field is 16-bit: an npz member ``key + ".npy"`` must fit 65,535 UTF-8 bytes
-MAX_KEY_BYTES = 0xFFFF - len(".npy")
 #: C0, DEL and C1 controls (U+0080-U+009F), which terminals interpret rather than print
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 _MISPRINTING = frozenset({"Cc", "Cf", "Zl", "Zp"})  # Unicode categories: see misprints()

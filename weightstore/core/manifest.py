@@ -29,7 +29,6 @@ from weightstore.core._jsontext import refuse_deep, refuse_dense, text_field
 from weightstore.core._tensortable import (
     CHECKSUM_ALGORITHM,
     CHECKSUM_PREFIX,
-    MAX_NDIM,
     TensorInfo,
     TensorRow,
     TensorTable,
@@ -39,6 +38,7 @@ from weightstore.core._tensortable import (
     short_repr,
 )
 from weightstore.core.keys import validate_keys
+from weightstore.core.limits import MANIFEST_BYTES_PER_CONTAINER, MAX_MANIFEST_BYTES, MAX_NDIM
 from weightstore.errors import FormatError, InvalidKeyError, UnsupportedDTypeError, naming
 
 FORMAT_NAME = "weightstore"
@@ -58,11 +58,6 @@ _CHECKSUM_TEXT = re.compile(CHECKSUM_PREFIX + "[0-9a-f]{8}")
 CODECS = frozenset({"shuffle-zstd"})
 #: bytes checksummed and written at a time: small enough to stay in cache between the two
 CRC_CHUNK = 1 << 20
-MAX_MANIFEST_BYTES = 64 * 1024 * 1024
-#: a JSON object or array costs Python 56-64 bytes however short its text (``{}``: 2 bytes), so a
-#: manifest may hold at most one per this many bytes of text: what it parses into stays a few
-#: times its size (a manifest's columns are a handful of arrays; metadata is rarely denser)
-MIN_BYTES_PER_CONTAINER = 4
 
 _NUMERIC_KINDS = frozenset("biufc")
 #: ml_dtypes kinds (bfloat16, float8_*, int4, ...) that npy and HDF5 store as raw void bytes; the
@@ -278,7 +273,7 @@ def parse_manifest(text: str, where: str) -> Manifest:
 def _parsed_manifest(text: str) -> Manifest:
     if len(text) > MAX_MANIFEST_BYTES:
         raise FormatError(f"manifest is larger than {MAX_MANIFEST_BYTES} bytes")
-    refuse_dense(text, MIN_BYTES_PER_CONTAINER, "manifest")
+    refuse_dense(text, MANIFEST_BYTES_PER_CONTAINER, "manifest")
     try:
         document = _parse_json(text)
     except _NonFiniteNumber as exc:

@@ -14,16 +14,9 @@ from weightstore.core.manifest import (
     from_storage,
     storage_dtype,
 )
-from weightstore.io.buffer import ALIGNMENT
+from weightstore.io._buffer import ALIGNMENT
 
 MANIFEST_MEMBER = "__weightstore__.npy"
-
-
-#: how far a deflated manifest member may inflate (UTF-32 JSON text deflates 10-30x)
-MANIFEST_INFLATION = 32
-
-
-MAX_NPY_HEADER = 10_000
 
 
 def header_text(header: bytes) -> str:

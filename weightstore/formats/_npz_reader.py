@@ -1,27 +1,21 @@
 """Reading an npz as hostile input: the central directory parsed by us (members may not overlap,
-sizes are checked against the file before anything is allocated), tensors viewed in place or
-read together, verified against the manifest's checksums."""
+sizes are checked against the file before anything is allocated), tensors viewed in place,
+verified against the manifest's checksums. Many tensors read together (``read_many``) take the
+batched path of :mod:`weightstore.formats._npz_together`, which falls back to this one."""
 
 from __future__ import annotations
 
 import functools
 import io
-import itertools
 import math
 import struct
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 from isal import isal_zlib
 
-from weightstore.core import checksums as _crc
-from weightstore.core._gcpause import paused_gc
-from weightstore.core._tensortable import NO_CRC
+from weightstore.core.limits import MANIFEST_INFLATION, MAX_ARRAY_BYTES, MAX_MANIFEST_BYTES, MAX_NDIM, MAX_NPY_HEADER
 from weightstore.core.manifest import (
-    CRC_CHUNK,
-    MAX_MANIFEST_BYTES,
-    MAX_NDIM,
     Manifest,
     TensorInfo,
     checksum,
@@ -32,24 +26,15 @@ from weightstore.core.manifest import (
     raw_bytes,
 )
 from weightstore.errors import ChecksumError, FormatError, KeyNotInStoreError, UnsafeFileError, named, naming
-from weightstore.formats import ReaderDefaults, foreign_keys, shuffle_zstd, zipdir
-from weightstore.formats._npz_layout import (
-    MANIFEST_INFLATION,
-    MANIFEST_MEMBER,
-    MAX_NPY_HEADER,
-    Layout,
-    header_text,
-    layout_of,
-)
-from weightstore.formats.foreign import refuse_torch_archive
-from weightstore.formats.zipdir import (
+from weightstore.formats import ReaderDefaults, _npz_together, _shuffle_zstd, _zipdir, foreign_keys
+from weightstore.formats._foreign import refuse_torch_archive
+from weightstore.formats._npz_layout import MANIFEST_MEMBER, Layout, header_text, layout_of
+from weightstore.formats._zipdir import (
     EOCD,
     LOCAL,
-    LOCAL_RECORD,
     LOCAL_SIG,
     STORED,
 )
-from weightstore.io.local import MappedFile, OwnedFile
 from weightstore.io.source import ByteSource, prefetch_ranges
 
 #: inflate input chunk: isal inflates 1 MB pieces faster than 16 MB ones (2.6 vs 2.9 s CPU per GB here)
@@ -58,23 +43,6 @@ _INFLATE_CHUNK = 1 << 20
 
 #: most bytes one inflate call may return: bounds the transient copy beside the output buffer
 _INFLATE_PIECE = 4 << 20
-
-
-#: numpy refuses an array whose size, counting zero dimensions as one, overflows a signed 64-bit count
-_MAX_ARRAY_BYTES = (1 << 63) - 1
-
-
-#: below this many tensors, reading one by one costs less than setting up column checks
-_FEW = 16
-
-
-#: tensors are checked together this many bytes at a time (a larger one alone), in the keys'
-#: order. A cold mapped file is read as its pages are first touched, and the column checks touch
-#: every member's local header first: spread through the file, one synchronous read each, then
-#: the data after them. A megabyte at a time touches the file in order, which the kernel's
-#: read-ahead streams: a cold 256 MB read_many took 0.115 s instead of 0.27-0.29 s (0.106 s for a
-#: plain sequential read; 32 MB stretches: 0.27 s), and a warm one 3.5 ms more (14 ms)
-_TOGETHER_BYTES = 1 << 20
 
 
 class NpzReader(ReaderDefaults):
@@ -89,7 +57,7 @@ class NpzReader(ReaderDefaults):
         directory, count, cd_offset = self._read_directory()
         # The manifest first, where the writer puts it (last), so that the directory can be
         # checked against the names it lists in one pass: see :meth:`_as_written`.
-        manifest_member = zipdir.last_member(directory, cd_offset, MANIFEST_MEMBER)
+        manifest_member = _zipdir.last_member(directory, cd_offset, MANIFEST_MEMBER)
         manifest = None
         if manifest_member is not None:
             try:
@@ -101,7 +69,7 @@ class NpzReader(ReaderDefaults):
         as_written = members is not None
         if members is None:
             with naming(path=self.name):
-                members = zipdir.parse(directory, count, cd_offset)
+                members = _zipdir.parse(directory, count, cd_offset)
             found = members.pop(MANIFEST_MEMBER)
             if found != manifest_member:
                 self._data_offsets.clear()  # where the last entry pointed may be no member's
@@ -117,11 +85,11 @@ class NpzReader(ReaderDefaults):
         if not as_written:
             self._check_members()
 
-    def _as_written(self, directory: bytes, count: int, manifest_member: zipdir.Member,
-                    manifest: Manifest) -> zipdir.Directory | None:
+    def _as_written(self, directory: bytes, count: int, manifest_member: _zipdir.Member,
+                    manifest: Manifest) -> _zipdir.Directory | None:
         """The tensors' members, if the directory is exactly the one the writer writes for
         this manifest: each key's ``.npy`` member in the manifest's order, then the manifest.
-        Proved on whole columns (:func:`zipdir.parse_expected`), so a file of 50,000 tensors
+        Proved on whole columns (:func:`_zipdir.parse_expected`), so a file of 50,000 tensors
         opens without a Python step per member. ``None`` for any other file."""
         keys = manifest.tensors.key_list()
         if manifest.codecs or count != len(keys) + 1:
@@ -129,9 +97,9 @@ class NpzReader(ReaderDefaults):
         joined = ".npy".join(keys) + ".npy" if keys else ""
         if not joined.isascii():
             return None
-        head = directory[: len(directory) - zipdir.CENTRAL_SIZE - len(MANIFEST_MEMBER)]
+        head = directory[: len(directory) - _zipdir.CENTRAL_SIZE - len(MANIFEST_MEMBER)]
         name_lens = np.fromiter(map(len, keys), np.int64, len(keys)) + len(".npy")
-        members = zipdir.parse_expected(head, manifest_member.offset, lambda: [key + ".npy" for key in keys],
+        members = _zipdir.parse_expected(head, manifest_member.offset, lambda: [key + ".npy" for key in keys],
                                         joined.encode("ascii"), name_lens)
         self._only_npy = members is not None
         return members
@@ -150,7 +118,7 @@ class NpzReader(ReaderDefaults):
             raise FormatError(f"manifest and members disagree (listed but absent: {named(sorted(listed - present))}; "
                               f"present but unlisted: {named(sorted(present - listed))})", path=self.name)
         if len(member_keys) != len(self._members):
-            raise FormatError(f"two members hold the same tensor (.npy and {shuffle_zstd.MEMBER_SUFFIX})", path=self.name)
+            raise FormatError(f"two members hold the same tensor (.npy and {_shuffle_zstd.MEMBER_SUFFIX})", path=self.name)
 
     @functools.cached_property
     def _member_of(self) -> dict[str, str]:
@@ -170,8 +138,8 @@ class NpzReader(ReaderDefaults):
         for name in names:
             if name.endswith(".npy"):
                 member_keys[name[:-4]] = name
-            elif name.endswith(shuffle_zstd.MEMBER_SUFFIX) and shuffled:
-                member_keys[name[: -len(shuffle_zstd.MEMBER_SUFFIX)]] = name
+            elif name.endswith(_shuffle_zstd.MEMBER_SUFFIX) and shuffled:
+                member_keys[name[: -len(_shuffle_zstd.MEMBER_SUFFIX)]] = name
             else:
                 with naming(path=self.name):
                     refuse_torch_archive(names)
@@ -187,16 +155,16 @@ class NpzReader(ReaderDefaults):
         tail_start = max(0, size - (EOCD.size + 0xFFFF))
         tail = bytes(self._source.read_at(tail_start, size - tail_start))
         with naming(path=self.name):
-            count, cd_size, cd_offset, eocd_offset = zipdir.locate_zip64(
-                lambda offset, length: bytes(self._source.read_at(offset, length)), zipdir.locate(tail, tail_start))
-        if cd_offset + cd_size > eocd_offset or count * zipdir.CENTRAL_SIZE > cd_size:
+            count, cd_size, cd_offset, eocd_offset = _zipdir.locate_zip64(
+                lambda offset, length: bytes(self._source.read_at(offset, length)), _zipdir.locate(tail, tail_start))
+        if cd_offset + cd_size > eocd_offset or count * _zipdir.CENTRAL_SIZE > cd_size:
             raise FormatError("zip directory points outside the file (truncated?)", path=self.name)
         if cd_offset + cd_size != eocd_offset:  # zipfile would take the gap for a prefix and move every member
             raise FormatError("bytes lie between the zip directory and its end record", path=self.name)
         return bytes(self._source.read_at(cd_offset, cd_size)), count, cd_offset
 
     # -- members ------------------------------------------------------------------------
-    def _data_offset(self, member: zipdir.Member) -> int:
+    def _data_offset(self, member: _zipdir.Member) -> int:
         cached = self._data_offsets.get(member.name)
         if cached is not None:
             return cached
@@ -213,7 +181,7 @@ class NpzReader(ReaderDefaults):
         self._data_offsets[member.name] = start
         return start
 
-    def _member_bytes(self, member: zipdir.Member, budget: int) -> memoryview:
+    def _member_bytes(self, member: _zipdir.Member, budget: int) -> memoryview:
         """A member's bytes: a view into the map when stored, inflated (and bounded) when not."""
         if member.size > budget:
             raise UnsafeFileError(f"member {member.name!r} is larger than allowed ({member.size} > {budget})", path=self.name)
@@ -251,7 +219,7 @@ class NpzReader(ReaderDefaults):
             raise FormatError(f"member {member.name!r} is truncated or corrupt (deflate)", path=self.name)
         return view
 
-    def _extent(self, member: zipdir.Member) -> tuple[int, int]:
+    def _extent(self, member: _zipdir.Member) -> tuple[int, int]:
         """The bytes reading a member touches (local header, name, padding, data), within its limit."""
         most = LOCAL.size + len(member.raw_name) + 0xFFFF + member.compressed
         return member.offset, min(member.limit - member.offset, most)
@@ -270,7 +238,7 @@ class NpzReader(ReaderDefaults):
 
         prefetch_ranges(self._source, extents)
 
-    def _member_head(self, member: zipdir.Member) -> memoryview:
+    def _member_head(self, member: _zipdir.Member) -> memoryview:
         """The first bytes of a member, enough for its npy header, without reading or inflating the rest."""
         start = self._data_offset(member)
         wanted = min(member.size, 12 + MAX_NPY_HEADER)
@@ -289,7 +257,7 @@ class NpzReader(ReaderDefaults):
         return memoryview(head)
 
     def _parse_npy(
-        self, member: zipdir.Member, data: memoryview, size: int | None = None,
+        self, member: _zipdir.Member, data: memoryview, size: int | None = None,
     ) -> tuple[np.dtype, tuple[int, ...], bool, int]:
         """Check a member's npy header; ``size`` is the whole member's when ``data`` is only its head.
 
@@ -331,7 +299,7 @@ class NpzReader(ReaderDefaults):
             raise UnsafeFileError(f"{what} holds a structured array; only plain numeric arrays are read", path=self.name)
         if dtype.subdtype is not None or dtype.itemsize == 0:
             raise FormatError(f"{what} has dtype {dtype.str!r}; only plain numeric arrays are read", path=self.name)
-        if math.prod(max(d, 1) for d in shape) * dtype.itemsize > _MAX_ARRAY_BYTES:
+        if math.prod(max(d, 1) for d in shape) * dtype.itemsize > MAX_ARRAY_BYTES:
             raise FormatError(f"{what} has a shape {shape} too large for any array", path=self.name)
         expected = math.prod(shape) * dtype.itemsize
         start = prefix + header_len
@@ -342,7 +310,7 @@ class NpzReader(ReaderDefaults):
             )
         return dtype, shape, fortran, start
 
-    def _read_manifest(self, member: zipdir.Member) -> Manifest:
+    def _read_manifest(self, member: _zipdir.Member) -> Manifest:
         """The manifest, always checked against its zip CRC-32: it decides what every tensor is.
 
         Weightstore stores it; a deflated one (an archive zipped again) may inflate at most
@@ -364,7 +332,7 @@ class NpzReader(ReaderDefaults):
     def keys(self) -> list[str]:
         return self._table.key_list() if self._table is not None else sorted(self._member_of)
 
-    def _member(self, key: str) -> zipdir.Member:
+    def _member(self, key: str) -> _zipdir.Member:
         name = self._member_of.get(key)
         if name is None:
             raise KeyNotInStoreError("no such tensor", path=self.name, key=key)
@@ -385,7 +353,7 @@ class NpzReader(ReaderDefaults):
             self._infos[key] = info
         return info
 
-    def _listed(self, key: str, member: zipdir.Member) -> tuple[TensorInfo, Layout]:
+    def _listed(self, key: str, member: _zipdir.Member) -> tuple[TensorInfo, Layout]:
         """A tensor's manifest entry and the exact bytes its member must begin with.
 
         The member must be that npy header followed by exactly the entry's bytes: refused from
@@ -394,12 +362,12 @@ class NpzReader(ReaderDefaults):
         """
         info = self._table[key]  # type: ignore[index]  # only called for files with a manifest
         layout = layout_of(info.dtype, info.shape)
-        shuffled = member.name.endswith(shuffle_zstd.MEMBER_SUFFIX)
-        if shuffled != (self._codecs.get(key) == shuffle_zstd.CODEC):
+        shuffled = member.name.endswith(_shuffle_zstd.MEMBER_SUFFIX)
+        if shuffled != (self._codecs.get(key) == _shuffle_zstd.CODEC):
             raise FormatError(f"is stored as member {member.name!r} but its manifest "
                               f"entry says codec {self._codecs.get(key)!r}", path=self.name, key=key)
         if shuffled:
-            if member.method != STORED or member.size > shuffle_zstd.max_encoded_size(info.nbytes):
+            if member.method != STORED or member.size > _shuffle_zstd.max_encoded_size(info.nbytes):
                 raise UnsafeFileError(f"(member {member.name!r}) holds {member.size} encoded bytes for "
                                       f"{info.nbytes} plain ones; refusing to read it", path=self.name, key=key)
             return info, layout
@@ -438,131 +406,8 @@ class NpzReader(ReaderDefaults):
 
     def read_many(self, keys: list[str], *, verify: bool) -> list[np.ndarray]:
         """Tensors in ``keys``' order: what ``read`` returns for each, but a file of 50,000 small
-        tensors costs microseconds per tensor.
-
-        Plain stored members of a local file with a manifest (the usual case) are checked and
-        read together by :meth:`_read_together`, from the map, or with ``mmap=False`` from one
-        read of the span that holds the small ones; any other member by :meth:`_read_one`, the
-        rule (see :meth:`_read_together` for the differential test binding the two).
-        """
-        if len(keys) < _FEW or self._manifest is None or not isinstance(self._source, (MappedFile, OwnedFile)):
-            return [self._read_one(key, verify) for key in keys]
-        self._source.check_unchanged(f"{len(keys)} tensors")
-        positions = self._plain_positions_of(keys)
-        if isinstance(self._source, MappedFile):
-            buffer: Any = self._source.mapping
-            base = 0
-            self._source.prefetch(*self._span(positions))
-        else:  # owned memory: one read of the span the small members lie in, if they fill most of it
-            positions[self._members.column("sizes")[np.maximum(positions, 0)] > CRC_CHUNK] = -1
-            found = positions[positions >= 0]
-            if not found.size:
-                return [self._read_one(key, verify) for key in keys]
-            base, span = self._span(positions)
-            if span > 2 * int(self._members.column("sizes")[found].sum()) + CRC_CHUNK:
-                return [self._read_one(key, verify) for key in keys]
-            buffer = self._source.read_at(base, span)
-        ends = np.cumsum(np.where(positions >= 0, self._members.column("sizes")[np.maximum(positions, 0)], 0))
-        cuts = [0, *np.searchsorted(ends, np.arange(_TOGETHER_BYTES, int(ends[-1]), _TOGETHER_BYTES), "right").tolist(),
-                len(keys)]
-        arrays: list[np.ndarray] = []
-        with paused_gc():  # an array per tensor, each tracked by the collector: 50,000 of them
-            for lo, hi in itertools.pairwise(dict.fromkeys(cuts)):
-                arrays += self._read_together(keys[lo:hi], positions[lo:hi], buffer, base, verify)
-        return arrays
-
-    def _span(self, positions: np.ndarray) -> tuple[int, int]:
-        """``(offset, length)`` of the file's stretch that holds the members at ``positions`` (-1s skipped)."""
-        found = positions[positions >= 0]
-        if not found.size:
-            return 0, 0
-        start = int(self._members.column("offsets")[found].min())
-        return start, int(self._members.column("limits")[found].max()) - start
-
-    def _plain_positions_of(self, keys: list[str]) -> np.ndarray:
-        """Each key's directory position if its member is a plain stored ``.npy``, else -1."""
-        members = self._members
-        if self._plain_positions is None and self._in_table_order:
-            self._plain_positions = self._table.row_index  # type: ignore[union-attr]  # only with a manifest
-        if self._plain_positions is None:
-            index, codecs = members.index, self._codecs
-            self._plain_positions = (
-                {key: index[name] for key, name in self._member_of.items()
-                 if len(name) == len(key) + len(".npy") and key not in codecs}
-                if codecs or not self._only_npy else
-                dict(zip(self._member_of, map(index.__getitem__, self._member_of.values()), strict=True))
-            )
-        positions = np.fromiter(map(self._plain_positions.get, keys, itertools.repeat(-1)), np.int64, len(keys))
-        positions[members.column("methods")[np.maximum(positions, 0)] != STORED] = -1
-        return positions
-
-    def _read_together(self, keys: list[str], positions: np.ndarray, buffer: Any, base: int,
-                       verify: bool) -> list[np.ndarray]:
-        """What :meth:`_read_one` checks, for many members at once, in ``buffer`` (the file's
-        bytes from offset ``base``): local headers and names on whole columns
-        (:meth:`_data_starts`), then per member only what must be: its npy header compared byte
-        for byte as a slice, its data viewed in place and checksummed. A member that fails a
-        check, or is not a plain stored ``.npy`` (position -1), goes to :meth:`_read_one`, which
-        raises the precise error (or reads it).
-
-        Fast twin of :meth:`_read_one`, which is the rule; bound by the differential test
-        ``tests/test_npz_fastpath.py::test_damaged_directories_read_alike_on_either_path``
-        (every tensor read, or refused, alike) and by
-        ``test_npz_fastpath.py::test_keys_compression_and_sources_read_the_same``."""
-        table = self._table
-        names, shapes, nbytes, crcs = table.rows()  # type: ignore[union-attr]  # read_many checked there is one
-        rows = (positions.tolist() if self._in_table_order and positions.min() >= 0
-                else table.positions(keys).tolist())  # type: ignore[union-attr]
-        # Every array is a view of this one, its base: it holds the one export of ``buffer``
-        # that keeps a map open while any array lives. (``frombuffer`` per tensor would make a
-        # memoryview each, 50,000 objects for the cyclic collector to walk once it resumes.)
-        whole = np.frombuffer(buffer, np.uint8)
-        starts, ends = self._data_starts(positions, whole, base)
-        small_crc, released_from = isal_zlib.crc32, _crc.RELEASE_GIL_BYTES  # as crc32() would choose
-        arrays = []
-        for key, row, start, end in zip(keys, rows, starts, ends, strict=True):
-            shape = shapes[row]
-            layout = layout_of(names[row], shape)
-            size = nbytes[row]
-            data = start + len(layout.header)
-            if start < 0 or end != data + size or buffer[start:data] != layout.header:
-                arrays.append(self._read_one(key, verify))
-                continue
-            array = np.ndarray(shape, layout.storage, whole, data) if size else np.empty(shape, layout.storage)
-            if verify and ((small_crc(array) if size < released_from else crc32(array)) != crcs[row]
-                           if crcs[row] != NO_CRC
-                           else crc32(memoryview(buffer)[start:end]) != self._members[self._member_of[key]].crc):
-                arrays.append(self._read_one(key, verify))
-                continue
-            arrays.append(array.view(layout.logical) if layout.viewed else array)
-        return arrays
-
-    def _data_starts(self, positions: np.ndarray, file_bytes: np.ndarray, base: int) -> tuple[list[int], list[int]]:
-        """Where each member's data (npy header first) starts and ends in ``file_bytes``, or -1
-        where the position is -1 or the member's local header does not check out.
-
-        The local headers are read as one record array and checked as columns: the signature,
-        the method, the name (same length and bytes as the directory's), and the data within the
-        member's limit, as :meth:`_data_offset` checks one member.
-        """
-        members = self._members
-        chosen = np.flatnonzero(positions >= 0)
-        found = positions[chosen]
-        offsets, name_lens = members.column("offsets")[found] - base, members.column("name_lens")[found]
-        local = file_bytes[offsets[:, None] + np.arange(LOCAL.size)].view(LOCAL_RECORD)[:, 0]
-        starts = offsets + LOCAL.size + local["name_len"] + local["extra_len"].astype(np.int64)
-        ends = starts + members.column("sizes")[found]
-        good = ((local["sig"] == LOCAL_SIG) & (local["method"] == STORED) & (local["name_len"] == name_lens)
-                & (ends <= members.column("limits")[found] - base))
-        # every name's bytes, gathered end to end, against the directory's names end to end
-        differs = zipdir.spans(file_bytes, offsets + LOCAL.size, name_lens) != members.raw_names_of(found)
-        if differs.any():
-            good &= ~np.logical_or.reduceat(differs, np.concatenate(([0], np.cumsum(name_lens)[:-1])))
-        all_starts = np.full(len(positions), -1, dtype=np.int64)
-        all_ends = np.full(len(positions), -1, dtype=np.int64)
-        all_starts[chosen] = np.where(good, starts, -1)
-        all_ends[chosen] = ends
-        return all_starts.tolist(), all_ends.tolist()
+        tensors costs microseconds per tensor (:func:`weightstore.formats._npz_together.read_many`)."""
+        return _npz_together.read_many(self, keys, verify=verify)
 
     def _read_one(self, key: str, verify: bool) -> np.ndarray:
         member = self._member(key)
@@ -581,10 +426,11 @@ class NpzReader(ReaderDefaults):
         array = np.frombuffer(payload, dtype=layout.storage, count=count) if count else np.empty(0, layout.storage)
         return array.reshape(info.shape).view(layout.logical)
 
-    def _read_shuffled(self, key: str, member: zipdir.Member, info: TensorInfo, layout: Layout, verify: bool) -> np.ndarray:
+    def _read_shuffled(self, key: str, member: _zipdir.Member, info: TensorInfo, layout: Layout,
+                       verify: bool) -> np.ndarray:
         """A ``compress="shuffle"`` tensor, decoded into memory it owns and checked against the
         manifest's CRC-32 of the plain bytes (the zip CRC, of the encoded bytes, is not needed)."""
-        plain, crc = shuffle_zstd.decode(self._member_bytes(member, member.size), layout.storage.itemsize,
+        plain, crc = _shuffle_zstd.decode(self._member_bytes(member, member.size), layout.storage.itemsize,
                                          info.nbytes, self.name, key)
         self._source.release(self._data_offset(member), member.size)  # else the encoded pages stay in RSS
         if verify and info.checksum and checksum_text(crc) != info.checksum:
@@ -592,7 +438,7 @@ class NpzReader(ReaderDefaults):
                                 f"manifest {info.checksum})", path=self.name, key=key)
         return plain.view(layout.storage).reshape(info.shape).view(layout.logical)
 
-    def _read_foreign(self, key: str, member: zipdir.Member, verify: bool) -> np.ndarray:
+    def _read_foreign(self, key: str, member: _zipdir.Member, verify: bool) -> np.ndarray:
         """A member of a file without a manifest: its own npy header is all there is to go on."""
         data = self._member_bytes(member, member.size)
         dtype, shape, fortran, start = self._parse_npy(member, data)
@@ -627,7 +473,8 @@ class NpzReader(ReaderDefaults):
             raise ChecksumError(f"is corrupt (checksum {checksum(payload)}, manifest {info.checksum})", path=self.name, key=key)
         return True
 
-    def _verify(self, key: str, member: zipdir.Member, data: memoryview, payload: memoryview, info: TensorInfo | None) -> None:
+    def _verify(self, key: str, member: _zipdir.Member, data: memoryview, payload: memoryview,
+                info: TensorInfo | None) -> None:
         if info is not None and info.checksum:
             actual = checksum(payload)
             if actual != info.checksum:

@@ -18,9 +18,9 @@ from weightstore.core.manifest import (
     raw_bytes,
     write_checksummed,
 )
-from weightstore.formats import shuffle_zstd, zipdir
+from weightstore.formats import _shuffle_zstd, _zipdir
 from weightstore.formats._npz_layout import MANIFEST_MEMBER, npy_header
-from weightstore.formats.zipdir import (
+from weightstore.formats._zipdir import (
     CENTRAL_SIG,
     DEFLATED,
     EOCD,
@@ -35,7 +35,7 @@ from weightstore.formats.zipdir import (
     UTF8_FLAG,
     ZIP64_LIMIT,
 )
-from weightstore.io.buffer import ALIGNMENT
+from weightstore.io._buffer import ALIGNMENT
 
 _COMPRESS_CHUNK = 16 << 20
 
@@ -88,7 +88,7 @@ class NpzWriter:
     """Streams members into a seekable file; :meth:`commit` adds the manifest and directory.
 
     ``compress=True`` deflates npy members (``np.load`` reads them); ``"shuffle"`` stores
-    byte-shuffled zstd members (see :mod:`weightstore.formats.shuffle_zstd`) that only
+    byte-shuffled zstd members (see :mod:`weightstore.formats._shuffle_zstd`) that only
     weightstore decodes: ``np.load`` lists them as raw bytes under their own suffix.
     """
 
@@ -108,8 +108,8 @@ class NpzWriter:
         if self._small and nbytes <= CRC_CHUNK and self._offset < _SMALL_MEMBERS_END:
             return self._add_small((key + ".npy").encode("utf-8"), data, nbytes)
         if self._compress == "shuffle" and data.ndim and nbytes:
-            self.codecs[key] = shuffle_zstd.CODEC
-            return self._add_member(key + shuffle_zstd.MEMBER_SUFFIX, b"", data, shuffle=True)
+            self.codecs[key] = _shuffle_zstd.CODEC
+            return self._add_member(key + _shuffle_zstd.MEMBER_SUFFIX, b"", data, shuffle=True)
         return self._add_member(key + ".npy", _npy_header_and_crc(data.dtype, data.shape)[0], data)
 
     def _flush_pending(self) -> None:
@@ -173,7 +173,7 @@ class NpzWriter:
         if deflate:
             data_crc, compressed = self._deflate(header, payload)
         elif shuffle:
-            data_crc, stored_crc, size = shuffle_zstd.encode(payload, data.dtype.itemsize, self._file)
+            data_crc, stored_crc, size = _shuffle_zstd.encode(payload, data.dtype.itemsize, self._file)
             compressed = size
         elif patched:
             self._file.write(header)
@@ -234,13 +234,13 @@ class NpzWriter:
         if max(max(offsets), max(compressed), max(sizes)) >= ZIP64_LIMIT:
             return b"".join(map(self._central_entry, zip(names, offsets, crcs, compressed, sizes, methods, strict=True)))
         count = len(names)
-        records = np.zeros(count, zipdir.CENTRAL_RECORD)
+        records = np.zeros(count, _zipdir.CENTRAL_RECORD)
         records["sig"], records["made_by"], records["needed"], records["flags"] = CENTRAL_SIG, (3 << 8) | 45, 20, UTF8_FLAG
         records["time"], records["date"], records["external"] = *self._time, 0o100644 << 16
         records["method"], records["crc"], records["compressed"], records["size"] = methods, crcs, compressed, sizes
         records["name_len"] = name_lens = np.fromiter(map(len, names), np.int64, count)
         records["offset"] = offsets
-        fixed = zipdir.fixed_fields(name_lens)
+        fixed = _zipdir.fixed_fields(name_lens)
         directory = np.empty(len(fixed), np.uint8)
         directory[fixed] = records.view(np.uint8)
         directory[~fixed] = np.frombuffer(b"".join(names), np.uint8)

@@ -14,17 +14,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from weightstore.core import _jsontext as jsontext
+from weightstore.core.limits import MAX_POINTER_BYTES, POINTER_BYTES_PER_CONTAINER, VERSION_NAME_DIGITS
 from weightstore.errors import FormatError
 
 LATEST = "LATEST"
 POINTER_FORMAT = "weightstore-latest"
 #: a version's file name: ASCII digits only (``\d`` takes ``٣``), and few enough that ``int`` reads them
 #: (it refuses over 4,300); a file system names none longer than 255 bytes anyway
-VERSION_NAME = re.compile(r"^step-([0-9]{1,1000})(\.[A-Za-z0-9]+)$")
-MAX_POINTER_BYTES = 1 << 20
-#: no density bound beyond JSON's own (2 bytes a container): LATEST carries the user's metadata, as dense as
-#: they made it, and its size limit already bounds what a parse allocates (about 32 MB for 1 MB of ``[[[``)
-MIN_BYTES_PER_CONTAINER = 2
+VERSION_NAME = re.compile(rf"^step-([0-9]{{1,{VERSION_NAME_DIGITS}}})(\.[A-Za-z0-9]+)$")
 
 
 def pointer_bytes(step: int, name: str, created: str, metadata: Mapping[str, Any]) -> bytes:
@@ -44,7 +41,7 @@ def parse_pointer(data: bytes) -> dict[str, Any]:
     if not data.strip():
         raise FormatError("LATEST is empty; publish again to repair it")
     try:
-        pointer = jsontext.loads(data, what="LATEST", min_bytes=MIN_BYTES_PER_CONTAINER)
+        pointer = jsontext.loads(data, what="LATEST", min_bytes=POINTER_BYTES_PER_CONTAINER)
     except FormatError:  # a name given twice too: no reading of it is the writer's
         pointer = None
     if not isinstance(pointer, dict):

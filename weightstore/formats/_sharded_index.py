@@ -45,8 +45,24 @@ import numpy as np
 import orjson
 
 from weightstore.core._jsontext import refuse_deep, refuse_dense, text_field
-from weightstore.core._tensortable import MAX_NDIM, fits_an_array
+from weightstore.core._tensortable import fits_an_array
 from weightstore.core.keys import validate_key
+from weightstore.core.limits import (
+    BYTES_PER_CONTAINER,
+    KEY_BYTES,
+    MAX_DONE_BYTES,
+    MAX_INDEX_BYTES,
+    MAX_INDEX_INTEGER,
+    MAX_NDIM,
+    MAX_PIECES_PER_KEY,
+    MAX_STRIPS,
+    MAX_TABLE_BLOCKS,
+    MAX_TABLE_HEADER_BYTES,
+    MAX_V1_INDEX_BYTES,
+    OVERLAP_PAIRS,
+    OVERLAP_PAIRS_PER_BYTE,
+    RESERVED_BYTES,
+)
 from weightstore.core.manifest import crc32, logical_dtype, raw_bytes
 from weightstore.errors import (
     ChecksumError,
@@ -58,14 +74,13 @@ from weightstore.errors import (
 )
 
 __all__ = ["index_name", "attempt_folder", "member_name", "MEMBER_SUFFIXES", "done_name", "table_name", "BLOCK_BYTES",
-           "MIN_BLOCK_BYTES", "PIECE_BLOCKS", "TILE_BYTES", "INDEX_FORMAT", "DONE_FORMAT", "BLOCKS_FORMAT", "MAX_INDEX_BYTES",
-           "MAX_V1_INDEX_BYTES", "MAX_DONE_BYTES", "KEY_BYTES", "RESERVED_BYTES", "MAX_TABLE_HEADER_BYTES",
-           "MAX_TABLE_BLOCKS", "BYTES_PER_CONTAINER", "MAX_PIECES_PER_KEY", "INCARNATION",
+           "MIN_BLOCK_BYTES", "PIECE_BLOCKS", "TILE_BYTES", "INDEX_FORMAT", "DONE_FORMAT", "BLOCKS_FORMAT",
+           "INCARNATION",
            "PieceEntry", "TensorEntry", "Member", "TableRef", "Layout", "Box", "Placed", "BlockTable", "ShardIndex",
            "DoneRecord", "DoneTensor", "parse_done", "check_parsable", "check_tensor", "check_boxes", "check_share",
            "share_bytes", "key_entry_bytes", "member_entry_bytes", "check_member_bytes", "seal",
            "block_rows", "piece_block_rows", "piece_cut", "block_crcs", "block_digests", "DIGEST_HEX", "row_bytes", "rows_of",
-           "strip_columns", "STRIPED_FROM", "STRIP_ROW_BYTES", "MAX_STRIPS", "STRIP_BLOCKS"]
+           "strip_columns", "STRIPED_FROM", "STRIP_ROW_BYTES", "STRIP_BLOCKS"]
 
 INDEX_FORMAT = "weightstore-sharded"
 DONE_FORMAT = "weightstore-shard-done"
@@ -76,8 +91,6 @@ BLOCK_BYTES = 256 << 10
 STRIPED_FROM = 256 << 10
 #: a strip's bytes per row, about: a reader of a column range fetches at most this much more per row
 STRIP_ROW_BYTES = 256
-#: strips one piece is cut into, at most
-MAX_STRIPS = 256
 #: checksummed blocks a strip has, at most, so the index of a large piece stays a small
 #: fraction of it (one CRC-32, about 11 bytes of JSON, per block)
 STRIP_BLOCKS = 64
@@ -86,26 +99,7 @@ DIGEST_HEX = 64
 _HEX_DIGEST = re.compile(rf"[0-9a-f]{{{DIGEST_HEX}}}")
 BLOCKS_FORMAT = "weightstore-shard-blocks"
 
-# -- bounds: every limit on what a sharded version's index holds, in one place -------------------
-#: an index (version 2) at most: every rank checks its share of it before it writes anything
-#: (:func:`check_share`), so a commit never meets an index over it after the ranks wrote. A
-#: 405B LLaMA-shaped model on 1,000 FSDP ranks: about 0.3 MB (docs/sharded.md)
-MAX_INDEX_BYTES = 64 << 20
-#: an index of version 1 (block tables inside, written before them) is read up to this size
-MAX_V1_INDEX_BYTES = 256 << 20
-#: of :data:`MAX_INDEX_BYTES`, what the key entries (key, dtype, shape, layout) may take: each
-#: rank checks its own keys' entries against it, the commit the union of every rank's
-KEY_BYTES = 16 << 20
-#: of :data:`MAX_INDEX_BYTES`, what the header and the metadata take (metadata is ``LATEST``'s, at
-#: most 1 MiB); the rest is the ranks' shares: a rank's member entry and boxes may take at most
-#: ``(MAX_INDEX_BYTES - KEY_BYTES - RESERVED_BYTES) // world`` bytes of index
-RESERVED_BYTES = 4 << 20
-#: a done-record at most (it grows with the rank's pieces, never with their blocks)
-MAX_DONE_BYTES = 64 << 20
-#: a block table's header (its pieces' placement, JSON) at most
-MAX_TABLE_HEADER_BYTES = 64 << 20
-#: blocks one member's table may have: 64 MiB of CRC-32s, 512 MiB of digests a follower may fetch
-MAX_TABLE_BLOCKS = 1 << 24
+# -- how blocks are cut (the bounds on what an index holds are in weightstore.core.limits) ------
 #: a block is cut to hold at least this many bytes (whole rows), so a small piece's table stays
 #: under 4 bytes of CRC-32 per KiB. 16 KiB made readers of 4-16 FSDP ranks' small pieces (a
 #: 7.6 MB LLaMA-shaped model) fetch 1.18-1.45x their share, whole pieces at their regions'
@@ -121,12 +115,6 @@ TILE_BYTES = 6 << 10
 #: :data:`BLOCK_BYTES` each): a reader whose region ends inside a piece fetches at most one
 #: block more at that end, 1/64 of the piece
 PIECE_BLOCKS = 64
-#: a JSON object or array costs Python 56-64 bytes however short its text, so an index or a
-#: done-record may hold at most one per this many bytes: a piece's entry takes 14 or more, and
-#: 63 MB of empty lists parsed into 2 GB before this bound
-BYTES_PER_CONTAINER = 8
-#: pieces one key may have; the overlap check compares each piece with the ones beside it
-MAX_PIECES_PER_KEY = 1 << 14
 #: a job incarnation's identity in a done-record: drawn once per launch of a job, so that two
 #: launches writing one step and attempt (a preempted job's zombie and its replacement) are told apart
 INCARNATION = re.compile(r"[0-9A-Za-z._:-]{1,64}")
@@ -508,7 +496,8 @@ def _layouts(raw: Any, world: int) -> list[Layout]:
         raise FormatError("layouts is not a list")
     layouts = []
     for at, flat in enumerate(raw):
-        if not isinstance(flat, list) or not flat or not all(type(v) is int and 0 <= v < 1 << 62 for v in flat):
+        if not isinstance(flat, list) or not flat or not all(type(v) is int and 0 <= v < MAX_INDEX_INTEGER
+                                                             for v in flat):
             raise FormatError(f"layout {at} is not a list of non-negative integers below 2**62")
         ndim = flat[0]
         stride = 1 + 2 * ndim
@@ -873,7 +862,7 @@ def _document(data: bytes, kind: str, limit: int, versions: tuple[int, ...] = (1
 
 
 def _count(value: Any, what: str, key: str | None = None) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 62:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < MAX_INDEX_INTEGER:
         raise FormatError(f"{what} is not a non-negative integer below 2**62", key=key)
     return value
 
@@ -979,18 +968,6 @@ def check_boxes(key: str, shape: tuple[int, ...], layout: Layout, members: Seque
     if covered != math.prod(shape):
         raise error(f"its pieces do not cover it: they hold {covered} of its {math.prod(shape)} elements "
                     f"(shape {list(shape)}); a rank left a gap", key=key)
-
-
-#: pairs of pieces an index (or a commit) may compare for overlap, at least: pieces split along
-#: three axes or more are compared pairwise (pieces split along at most two are checked by a sweep
-#: in n log n, whatever their layout), and a 3-D grid of :data:`MAX_PIECES_PER_KEY` pieces asks
-#: some 5 million pairs, about 0.5 s
-OVERLAP_PAIRS = 1 << 24
-#: and per byte of the index: a reader's budget grows with the text it parses, so checking an
-#: index costs a bounded time per byte (about 0.3 microseconds a pair, so at most some 0.6 ms per
-#: KB on top of the parse's 0.1-0.3). Before, a fixed 2**28 pairs let an 11 MB index of
-#: "staircase" tilings, whose pieces interleave along both axes, cost 42 s
-OVERLAP_PAIRS_PER_BYTE = 2
 
 
 class OverlapBudget:

@@ -34,7 +34,7 @@ Layout, all integers little-endian::
 a zstd frame must declare exactly its block's bytes and is decoded with that as its bound;
 positions must be strictly increasing and inside the tensor; the base must be a plain version
 name (no folder), of a lower step than the delta's own, so a chain of bases always goes down
-and ends (no cycle), at most :data:`MAX_CHAIN` deep. A missing or unreadable base is a
+and ends (no cycle), at most :data:`MAX_DELTA_CHAIN` deep. A missing or unreadable base is a
 :class:`FormatError` naming the version; a chain that does not rebuild the recorded digest a
 :class:`ChecksumError` naming the version and the tensor.
 """
@@ -55,6 +55,13 @@ import zstandard
 from weightstore.core import _jsontext as jsontext
 from weightstore.core import _parallel as parallel
 from weightstore.core._tensortable import DIGEST_PREFIX, TensorInfo, TensorRow
+from weightstore.core.limits import (
+    DELTA_BYTES_PER_CONTAINER,
+    MAX_DELTA_BLOCK,
+    MAX_DELTA_CHAIN,
+    MAX_DELTA_ENTRIES_BYTES,
+    MAX_DELTA_HEAD_BYTES,
+)
 from weightstore.core.manifest import (
     Manifest,
     build_manifest,
@@ -91,17 +98,6 @@ CODECS = (SAME, RAW, XOR_ZSTD, SPARSE)
 #: bytes XOR-ed and compressed at a time: a block stays in cache between the XOR and zstd, both
 #: cores take blocks, and each frame's size is known (and bounded) before it is decoded
 BLOCK = 4 << 20
-#: the largest block a reader accepts: what one frame may make it allocate
-MAX_BLOCK = 64 << 20
-#: the deepest chain of bases a reader follows: a bound on the files one read opens. Publishers
-#: anchor far sooner (``anchor_every`` at most this)
-MAX_CHAIN = 1000
-#: the head lists the chain's names: 1,000 names of at most 255 bytes fit
-MAX_HEAD_BYTES = 1 << 20
-#: the entries are three numbers or names per tensor, like the manifest's columns
-MAX_ENTRIES_BYTES = 64 << 20
-#: the most bytes of JSON text per object or array (see :func:`weightstore.core._jsontext.refuse_dense`)
-_MIN_BYTES_PER_CONTAINER = 16
 _LEVEL = 1
 
 
@@ -292,7 +288,7 @@ def _prefix(source: ByteSource) -> tuple[int, int, int]:
     magic, head, entries, manifest = _PREFIX.unpack(bytes(source.read_at(0, _PREFIX.size)))
     if magic != MAGIC:
         raise FormatError("is not a delta version (wrong magic bytes)", path=source.name)
-    if head > MAX_HEAD_BYTES or entries > MAX_ENTRIES_BYTES or manifest > MAX_ENTRIES_BYTES or (
+    if head > MAX_DELTA_HEAD_BYTES or entries > MAX_DELTA_ENTRIES_BYTES or manifest > MAX_DELTA_ENTRIES_BYTES or (
             _PREFIX.size + head + entries + manifest > source.size):
         raise FormatError(f"has a corrupt header (sections of {head}, {entries} and {manifest} bytes in a file of "
                           f"{source.size})", path=source.name)
@@ -308,7 +304,7 @@ def parse_head(data: bytes, where: str) -> Head:
     """The head's fields, checked: a plain version name of a lower step as the base, a chain
     that starts with it and goes down, sizes that are counts."""
     with naming(path=where):
-        document = jsontext.loads(data, what="delta head", min_bytes=_MIN_BYTES_PER_CONTAINER)
+        document = jsontext.loads(data, what="delta head", min_bytes=DELTA_BYTES_PER_CONTAINER)
     if not isinstance(document, dict) or document.get("format") != FORMAT_NAME:
         raise FormatError("is not a delta version (its head is not a weightstore-delta head)", path=where)
     if document.get("version") != VERSION:
@@ -317,13 +313,14 @@ def parse_head(data: bytes, where: str) -> Head:
     step, base, chain = document.get("step"), document.get("base"), document.get("chain")
     numbers = [document.get(field) for field in ("chain_bytes", "full_bytes", "block")]
     if not (_count(step) and all(map(_count, numbers)) and isinstance(base, str) and isinstance(chain, list)
-            and chain and len(chain) <= MAX_CHAIN and chain[0] == base and all(isinstance(n, str) for n in chain)):
+            and chain and len(chain) <= MAX_DELTA_CHAIN and chain[0] == base
+            and all(isinstance(n, str) for n in chain)):
         raise FormatError("has a corrupt delta head (step, base, chain or sizes)", path=where)
     steps = [_step_of(name) for name in chain]
     if None in steps or any(b >= a for a, b in zip([step, *steps], steps, strict=False)):  # type: ignore[operator]
         raise FormatError(f"names base {base[:80]!r} (chain {len(chain)} deep), which is not a version file of a "
                           f"lower step beside it, each lower than the one before", path=where)
-    if not 0 < numbers[2] <= MAX_BLOCK:  # type: ignore[operator]
+    if not 0 < numbers[2] <= MAX_DELTA_BLOCK:  # type: ignore[operator]
         raise FormatError(f"has a corrupt delta head (blocks of {numbers[2]} bytes)", path=where)
     return Head(step, base, list(chain), *numbers)  # type: ignore[arg-type]
 
@@ -360,8 +357,8 @@ class DeltaReader(ReaderDefaults):
         self.head = parse_head(bytes(source.read_at(at, head_bytes)), name)
         if expect_step is not None and self.head.step != expect_step:
             raise FormatError(f"says it is step {self.head.step}, but is named as step {expect_step}", path=name)
-        if depth + len(self.head.chain) > MAX_CHAIN + 1:
-            raise FormatError(f"is more than {MAX_CHAIN} deltas from its anchor", path=name)
+        if depth + len(self.head.chain) > MAX_DELTA_CHAIN + 1:
+            raise FormatError(f"is more than {MAX_DELTA_CHAIN} deltas from its anchor", path=name)
         at += head_bytes
         entries = bytes(source.read_at(at, entries_bytes))
         at += entries_bytes
@@ -386,7 +383,7 @@ class DeltaReader(ReaderDefaults):
 
     def _parse_entries(self, data: bytes) -> dict[str, tuple[str, int, int]]:
         with naming(path=self.name):
-            document = jsontext.loads(data, what="delta entries", min_bytes=_MIN_BYTES_PER_CONTAINER)
+            document = jsontext.loads(data, what="delta entries", min_bytes=DELTA_BYTES_PER_CONTAINER)
         keys = list(self._manifest.tensors)
         columns = [document.get(field) if isinstance(document, dict) else None for field in ("codec", "offset", "length")]
         codecs, offsets, lengths = (column if isinstance(column, list) and len(column) == len(keys) else None
@@ -649,8 +646,8 @@ def _open(location: Any, name: str, mmap: bool, depth: int) -> DeltaReader:
     own = name.replace("\\", "/").rsplit("/", 1)[-1]
 
     def open_base(base: str, at: int) -> Reader:
-        if at > MAX_CHAIN:
-            raise FormatError(f"is more than {MAX_CHAIN} deltas from its anchor", path=name)
+        if at > MAX_DELTA_CHAIN:
+            raise FormatError(f"is more than {MAX_DELTA_CHAIN} deltas from its anchor", path=name)
         fmt = format_for_suffix(base)
         if fmt is None or not fmt.writes and fmt.name != FORMAT_NAME:
             raise FormatError(f"names base {base!r}, which is not a version file a delta builds on", path=name)

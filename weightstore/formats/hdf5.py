@@ -22,8 +22,8 @@ import numpy as np
 from isal import isal_zlib
 
 from weightstore.core.keys import RESERVED_PREFIX, join_scope
+from weightstore.core.limits import HDF5_FILTER_SLACK_BYTES, MAX_HDF5_DEPTH, MAX_HDF5_FILTER_RATIO, MAX_MANIFEST_BYTES
 from weightstore.core.manifest import (
-    MAX_MANIFEST_BYTES,
     ML_DTYPES,
     Manifest,
     TensorInfo,
@@ -48,7 +48,7 @@ from weightstore.errors import (
     naming,
 )
 from weightstore.formats import Format, ReaderDefaults, foreign_keys
-from weightstore.formats.hdf5_bytes import (
+from weightstore.formats._hdf5_bytes import (
     READ_AHEAD_WINDOW,
     ObjectHeader,
     ReadAt,
@@ -57,8 +57,8 @@ from weightstore.formats.hdf5_bytes import (
     check_vlen_attribute,
     read_ahead,
 )
+from weightstore.io._local import MappedFile
 from weightstore.io.files import open_regular
-from weightstore.io.local import MappedFile
 
 MANIFEST_ATTRIBUTE = "weightstore"
 _KERAS_DTYPE_ATTRIBUTE = b"dtype"  # Keras's label of the raw bytes it stores bfloat16 as
@@ -66,8 +66,6 @@ _LABEL_BYTES = 64  # longer than any dtype's name: such an attribute is no label
 VALUE = RESERVED_PREFIX + "_value__"
 #: where a dataset waits while its name becomes a group; reserved, so no key segment can clash
 _MOVING = RESERVED_PREFIX + "_moving__"
-#: no filter h5py ships (deflate, lzf, shuffle) shrinks data by more than this
-MAX_FILTER_RATIO = 1100
 _SAFE_FILTERS = {h5py.h5z.FILTER_DEFLATE, h5py.h5z.FILTER_SHUFFLE, h5py.h5z.FILTER_FLETCHER32, 32000}
 _MAGIC = b"\x89HDF\r\n\x1a\n"
 _MIN_COMPRESSED_BYTES = 4096
@@ -77,8 +75,6 @@ _ANNOUNCED_FROM = 1 << 20
 #: data (:class:`Hdf5Writer`); below it, headers are a large part of the file and the lookups
 #: of datasets made early cost more than the stream they keep whole
 _HEADERS_FIRST_FROM = 256 << 10
-#: deepest group nesting read; deeper files are refused before anything recurses over them
-MAX_DEPTH = 256
 _LINK_KINDS = {h5py.h5l.TYPE_SOFT: "a SoftLink", h5py.h5l.TYPE_EXTERNAL: "an ExternalLink"}
 #: what h5py raises for a corrupt file or a failed write, depending on which C call failed
 _H5PY_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError, IndexError, UnicodeDecodeError)
@@ -232,7 +228,7 @@ def _check_storage(dataset: h5py.h5d.DatasetID, path: str, key: str, nbytes: int
                               path=path, key=key)
     if not filters:
         _check_stored_size(dataset, path, key, nbytes)
-    elif nbytes > dataset.get_storage_size() * MAX_FILTER_RATIO + (1 << 20):
+    elif nbytes > dataset.get_storage_size() * MAX_HDF5_FILTER_RATIO + HDF5_FILTER_SLACK_BYTES:
         raise UnsafeFileError(f"declares {nbytes} bytes from {dataset.get_storage_size()} compressed; "
                               "refusing (bomb?)", path=path, key=key)
 
@@ -504,7 +500,7 @@ class Hdf5Reader(ReaderDefaults):
 
         One group at a time with an explicit stack (HDF5's own recursive visit overflows the C
         stack on groups nested 10,000 deep, and takes seconds at 3,000), refusing nesting
-        deeper than :data:`MAX_DEPTH` before descending into it, and checking each object's
+        deeper than :data:`MAX_HDF5_DEPTH` before descending into it, and checking each object's
         header and each group's symbol table (:func:`check_object`) before HDF5 opens or lists
         it. That check also says what each object is, which HDF5 would otherwise work out by
         walking the header again (a third of the time to open a file of 50,000 small tensors).
@@ -538,8 +534,8 @@ class Hdf5Reader(ReaderDefaults):
                     found[path] = header
                 elif not header.is_group:
                     raise FormatError(f"{path!r} is neither a group nor a dataset", path=self.name)
-                elif depth + 1 >= MAX_DEPTH:
-                    raise UnsafeFileError(f"groups nest deeper than {MAX_DEPTH} levels at {path[:200]!r}", path=self.name)
+                elif depth + 1 >= MAX_HDF5_DEPTH:
+                    raise UnsafeFileError(f"groups nest deeper than {MAX_HDF5_DEPTH} levels at {path[:200]!r}", path=self.name)
                 else:
                     pending.append((h5py.h5g.open(group, raw), path, depth + 1))
         return found
@@ -701,6 +697,6 @@ FORMAT = Format(
     open_writer=Hdf5Writer,
     planned_writer=True,
     remote_file_object=True,
-    max_key_segments=MAX_DEPTH,
+    max_key_segments=MAX_HDF5_DEPTH,
     max_ndim=32,  # libhdf5's H5S_MAX_RANK
 )

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from weightstore.core import _jsontext as jsontext
+from weightstore.core.limits import HF_INDEX_BYTES_PER_CONTAINER, MAX_HF_INDEX_BYTES
 from weightstore.core.manifest import TensorInfo
 from weightstore.errors import (
     FileAccessError,
@@ -39,17 +40,13 @@ from weightstore.errors import (
     naming,
 )
 from weightstore.formats import Format, Reader, ReaderDefaults, safetensors
-from weightstore.formats.foreign import CONVERT_HINT, HF_SINGLE_FILE
+from weightstore.formats._foreign import CONVERT_HINT, HF_SINGLE_FILE
 from weightstore.io.places import Place
 from weightstore.io.source import beside, byte_source, read_whole
 
 INDEX_NAME = "model.safetensors.index.json"
 INDEX_SUFFIX = ".safetensors.index.json"
 FORMAT_NAME = "hf-sharded"
-#: an index larger than this is refused before it is read (a 1e6-tensor index is some 80 MB)
-MAX_INDEX_BYTES = 256 << 20
-#: an index is one flat name -> shard map (brackets in its names count too); only its metadata nests
-_INDEX_BYTES_PER_CONTAINER = 32
 #: a key in the index that marks a folder weightstore wrote (``transformers`` ignores it)
 PRODUCER_KEY = "weightstore"
 _SHARD_NAME = re.compile(r"[^/\\\x00]+\.safetensors")
@@ -179,7 +176,7 @@ def open_reader(location: Any, name: str, *, mmap: bool = True) -> Reader:
     byte sources (mapped or owned locally, ranged GETs for a URL)."""
     if not name.endswith(INDEX_SUFFIX):
         return safetensors.FORMAT.open_reader(location, name, mmap=mmap)
-    text = read_whole(byte_source(location, name, mmap=mmap), MAX_INDEX_BYTES, "sharded index")
+    text = read_whole(byte_source(location, name, mmap=mmap), MAX_HF_INDEX_BYTES, "sharded index")
 
     def open_shard(shard: str) -> Any:
         try:
@@ -200,7 +197,7 @@ def _no_writer(path: str, compress: bool | str) -> Any:
 
 def _parse_index(text: bytes, name: str) -> dict[str, Any]:
     with naming(path=name):
-        document = jsontext.loads(text, what="sharded index", min_bytes=_INDEX_BYTES_PER_CONTAINER)
+        document = jsontext.loads(text, what="sharded index", min_bytes=HF_INDEX_BYTES_PER_CONTAINER)
     if not isinstance(document, dict) or not isinstance(document.get("weight_map"), dict):
         raise FormatError("sharded index has no weight_map object", path=name)
     return document

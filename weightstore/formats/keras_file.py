@@ -22,10 +22,15 @@ from typing import Any
 import numpy as np
 
 from weightstore.core import _jsontext as jsontext
+from weightstore.core.limits import (
+    KERAS_CONFIG_BYTES_PER_CONTAINER,
+    MAX_DEFLATE_RATIO,
+    MAX_KERAS_CONFIG_BYTES,
+    MAX_KERAS_MEMBERS,
+)
 from weightstore.core.manifest import TensorInfo
 from weightstore.errors import FormatError, StoreNotFoundError, TargetError, UnsafeFileError, WeightStoreError, naming
-from weightstore.formats import Format, ReaderDefaults, format_for_suffix, format_named, zipdir
-from weightstore.formats.zipdir import MAX_DEFLATE_RATIO
+from weightstore.formats import Format, ReaderDefaults, _zipdir, format_for_suffix, format_named
 from weightstore.io.files import open_regular, refuse_special_file
 from weightstore.io.places import Place
 
@@ -34,13 +39,6 @@ WEIGHTS_SUFFIX = ".weights.h5"
 WEIGHTS_MEMBER = "model.weights.h5"
 CONFIG_MEMBER = "config.json"
 KIND = "Keras weights file"
-#: a model config is a few hundred KB even for large architectures
-MAX_CONFIG_BYTES = 16 << 20
-#: Keras's configs hold one JSON object or array per 50-odd bytes (ResNet50, MobileNetV2: 53, 55)
-_CONFIG_BYTES_PER_CONTAINER = 8
-#: an archive holds its config, metadata, weights and a few assets; ``zipfile`` makes an object
-#: of about 500 bytes for each entry of 46, so hundreds of thousands took 9x the file
-MAX_MEMBERS = 4096
 _CHUNK = 16 << 20
 #: what :mod:`zipfile` raises on damaged or unusual archives (unsupported features, bad names)
 _ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, zlib.error, struct.error, ValueError,
@@ -103,7 +101,7 @@ class KerasArchiveReader(ReaderDefaults):
             shutil.rmtree(self._scratch, ignore_errors=True)
 
 
-def read_config(path: str | os.PathLike, *, max_bytes: int = MAX_CONFIG_BYTES) -> dict[str, Any]:
+def read_config(path: str | os.PathLike, *, max_bytes: int = MAX_KERAS_CONFIG_BYTES) -> dict[str, Any]:
     """The model config of a ``.keras`` archive, as plain JSON data: never deserialized.
 
     For mapping the archive's weights onto a model's keys (``layers/dense/vars/0`` is layer
@@ -124,7 +122,7 @@ def read_config(path: str | os.PathLike, *, max_bytes: int = MAX_CONFIG_BYTES) -
                                   path=text)
         raw = b"".join(_member_chunks(text, archive, CONFIG_MEMBER))
     with naming(path=text):  # Keras writes with Python's json, which writes NaN and Infinity
-        config = jsontext.loads(raw, what=CONFIG_MEMBER, min_bytes=_CONFIG_BYTES_PER_CONTAINER, nonfinite=True)
+        config = jsontext.loads(raw, what=CONFIG_MEMBER, min_bytes=KERAS_CONFIG_BYTES_PER_CONTAINER, nonfinite=True)
     if not isinstance(config, dict):
         raise FormatError(f"{CONFIG_MEMBER} holds a JSON {type(config).__name__}, not an object", path=text)
     with naming(path=text):  # the stdlib parses some 1,000 levels: past what a walk of it (or repr) survives
@@ -152,12 +150,12 @@ def _open_archive(path: str) -> zipfile.ZipFile:
 
 
 def _refuse_crowded(path: str) -> None:
-    """Refuse, from the end record alone, a directory of more than :data:`MAX_MEMBERS` entries,
+    """Refuse, from the end record alone, a directory of more than :data:`MAX_KERAS_MEMBERS` entries,
     before ``zipfile`` makes an object of each. A file without a readable end record is left
     to ``zipfile`` to refuse in its own words."""
     with open_regular(path) as handle:
         size = os.fstat(handle.fileno()).st_size
-        tail_start = max(0, size - (zipdir.EOCD.size + 0xFFFF))
+        tail_start = max(0, size - (_zipdir.EOCD.size + 0xFFFF))
         handle.seek(tail_start)
         tail = handle.read()
 
@@ -166,11 +164,11 @@ def _refuse_crowded(path: str) -> None:
             return handle.read(length)
 
         try:
-            count = zipdir.locate_zip64(read_at, zipdir.locate(tail, tail_start))[0]
+            count = _zipdir.locate_zip64(read_at, _zipdir.locate(tail, tail_start))[0]
         except FormatError:
             return
-    if count > MAX_MEMBERS:
-        raise UnsafeFileError(f".keras archive lists {count} members (at most {MAX_MEMBERS} are read)", path=path)
+    if count > MAX_KERAS_MEMBERS:
+        raise UnsafeFileError(f".keras archive lists {count} members (at most {MAX_KERAS_MEMBERS} are read)", path=path)
 
 
 def _member(path: str, archive: zipfile.ZipFile, name: str) -> zipfile.ZipInfo:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from weightstore.core import _jsontext as jsontext
+from weightstore.core.limits import KERAS_MAP_BYTES_PER_CONTAINER, MAX_KERAS_MAP_BYTES, MAX_KERAS_SHARDS
 from weightstore.core.manifest import TensorInfo
 from weightstore.errors import FormatError, KeyNotInStoreError, TargetError, naming
 from weightstore.formats import Format, ReaderDefaults, format_named
@@ -24,10 +25,6 @@ from weightstore.io.files import open_regular
 
 SUFFIX = ".weights.json"
 KIND = "Keras sharded weights"
-#: a map names each layer's variable group once: a few hundred bytes per layer
-MAX_MAP_BYTES = 64 << 20
-MAX_SHARDS = 100_000
-_MAP_BYTES_PER_CONTAINER = 16
 #: what Keras names a shard: ``BASE_NNNNN.weights.h5``, a plain name in the map's folder
 _SHARD_NAME = re.compile(r"[^/\\\x00]+\.weights\.h5")
 
@@ -89,11 +86,11 @@ class KerasShardedReader(ReaderDefaults):
 def _shard_names(path: str) -> list[str]:
     """The shard files the map at ``path`` names, in first-named order, each checked."""
     with open_regular(path) as handle:
-        data = handle.read(MAX_MAP_BYTES + 1)
+        data = handle.read(MAX_KERAS_MAP_BYTES + 1)
     with naming(path=path):
-        if len(data) > MAX_MAP_BYTES:
-            raise FormatError(f"is over {MAX_MAP_BYTES} bytes; not a Keras sharded weights map")
-        document = jsontext.loads(data, what="the sharded weights map", min_bytes=_MAP_BYTES_PER_CONTAINER)
+        if len(data) > MAX_KERAS_MAP_BYTES:
+            raise FormatError(f"is over {MAX_KERAS_MAP_BYTES} bytes; not a Keras sharded weights map")
+        document = jsontext.loads(data, what="the sharded weights map", min_bytes=KERAS_MAP_BYTES_PER_CONTAINER)
         weight_map = document.get("weight_map") if isinstance(document, dict) else None
         if not isinstance(weight_map, dict):
             raise FormatError("holds no weight_map; not a Keras sharded weights map")
@@ -104,8 +101,8 @@ def _shard_names(path: str) -> list[str]:
                     raise FormatError(f"weight_map names {name!r} for {group!r}, which is not a shard in its folder "
                                       "(BASE_NNNNN.weights.h5)")
                 names[name] = None
-        if len(names) > MAX_SHARDS:
-            raise FormatError(f"names {len(names)} shards, more than {MAX_SHARDS}")
+        if len(names) > MAX_KERAS_SHARDS:
+            raise FormatError(f"names {len(names)} shards, more than {MAX_KERAS_SHARDS}")
     return list(names)
 
 

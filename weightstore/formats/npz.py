@@ -16,7 +16,7 @@ from __future__ import annotations
 from weightstore.formats import Format
 from weightstore.formats._npz_reader import NpzReader
 from weightstore.formats._npz_writer import NpzWriter
-from weightstore.formats.zipdir import EOCD_SIG, LOCAL_SIG
+from weightstore.formats._zipdir import EOCD_SIG, LOCAL_SIG
 from weightstore.io.source import open_source
 
 __all__ = ["FORMAT", "NpzReader", "NpzWriter"]

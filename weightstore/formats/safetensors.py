@@ -59,8 +59,13 @@ import orjson
 from weightstore.core import _jsontext as jsontext
 from weightstore.core._gcpause import paused_gc
 from weightstore.core._tensortable import NO_CRC, TensorTable
-from weightstore.core.manifest import (
+from weightstore.core.limits import (
+    MAX_ARRAY_BYTES,
     MAX_NDIM,
+    MAX_SAFETENSORS_HEADER_BYTES,
+    SAFETENSORS_BYTES_PER_CONTAINER,
+)
+from weightstore.core.manifest import (
     ML_DTYPES,
     Manifest,
     TensorInfo,
@@ -81,12 +86,10 @@ from weightstore.errors import (
     naming,
 )
 from weightstore.formats import Format, ReaderDefaults, foreign_keys
-from weightstore.formats.sstable import crc32c, unmask_crc
-from weightstore.io.local import MappedFile
+from weightstore.formats._sstable import crc32c, unmask_crc
+from weightstore.io._local import MappedFile
 from weightstore.io.source import ByteSource, open_source, prefetch_ranges
 
-#: the reference library refuses larger headers (``MAX_HEADER_SIZE``), so we neither write nor read them
-MAX_HEADER_BYTES = 100_000_000
 #: the ``__metadata__`` entry that holds our manifest
 MANIFEST_KEY = "weightstore"
 #: the manifest's last field: the CRC-32 of the manifest without it (the text up to it, then ``}``)
@@ -104,11 +107,6 @@ _PREFETCH_BYTES = 1 << 20
 #: fewer tensors than this are read one by one: the shared set-up of reading many costs more
 _FEW = 16
 _JUST_INT = {int}
-#: a tensor's entry is an object and two arrays in 50 bytes or more: a header may hold at most one
-#: object or array per this many bytes (``[[],[],…]`` made 27x its size in lists before it was refused)
-_HEADER_BYTES_PER_CONTAINER = 8
-#: numpy refuses arrays whose size, zero dimensions left out, exceeds this (even empty ones)
-_MAX_ARRAY_BYTES = 2**63 - 1
 #: a tensor whose byte size is a multiple of this leaves the next one aligned for any dtype
 _KEEPS_ALIGNED = 8
 
@@ -223,9 +221,9 @@ class SafetensorsWriter:
     def commit(self, manifest_text: str) -> None:
         self._lay_out_held()
         header = self._header(manifest_text)
-        if len(header) > MAX_HEADER_BYTES:
+        if len(header) > MAX_SAFETENSORS_HEADER_BYTES:
             raise FormatError(f"the safetensors header would be {len(header)} bytes (readers refuse over "
-                              f"{MAX_HEADER_BYTES}); store these tensors as .npz or .h5", path=self._path)
+                              f"{MAX_SAFETENSORS_HEADER_BYTES}); store these tensors as .npz or .h5", path=self._path)
         needed = _aligned(_LENGTH.size + len(header))
         if self._data_start is None:  # nothing written yet: the data follows the exact header
             self._data_start = needed
@@ -336,8 +334,8 @@ class SafetensorsReader(ReaderDefaults):
         if size >= _TFRECORD_HEAD and _is_tfrecord(bytes(self._source.read_at(0, _TFRECORD_HEAD))):
             raise FormatError("is a TFRecord file (a TensorBoard events file, or tf.data records), not weights",
                               path=self.name)
-        if length > MAX_HEADER_BYTES:
-            raise UnsafeFileError(f"safetensors header claims {length} bytes (limit {MAX_HEADER_BYTES})",
+        if length > MAX_SAFETENSORS_HEADER_BYTES:
+            raise UnsafeFileError(f"safetensors header claims {length} bytes (limit {MAX_SAFETENSORS_HEADER_BYTES})",
                                   path=self.name)
         if _LENGTH.size + length > size:
             raise FormatError(f"safetensors header of {length} bytes runs past the end of the file "
@@ -349,7 +347,7 @@ class SafetensorsReader(ReaderDefaults):
         except UnicodeDecodeError as exc:
             raise FormatError(f"safetensors header is not UTF-8 (byte {exc.start})", path=self.name) from None
         with naming(path=self.name):
-            document = jsontext.loads(text, what="safetensors header", min_bytes=_HEADER_BYTES_PER_CONTAINER)
+            document = jsontext.loads(text, what="safetensors header", min_bytes=SAFETENSORS_BYTES_PER_CONTAINER)
         if not isinstance(document, dict):
             raise FormatError("safetensors header is not a JSON object", path=self.name)
         return document
@@ -404,7 +402,7 @@ class SafetensorsReader(ReaderDefaults):
                 raise FormatError(f"ends at byte {end} of a {data_size}-byte data buffer (truncated file?)",
                                   path=self.name, key=name)
             expected = math.prod(shape) * dtype.itemsize
-            if not expected and math.prod(d for d in shape if d) * dtype.itemsize > _MAX_ARRAY_BYTES:
+            if not expected and math.prod(d for d in shape if d) * dtype.itemsize > MAX_ARRAY_BYTES:
                 raise FormatError(f"has a shape {_clip(shape)} no array can have", path=self.name, key=name)
             if end - begin != expected:
                 raise FormatError(f"{code} {_clip(shape)} needs {expected} bytes "
@@ -587,7 +585,7 @@ def _is_tfrecord(head: bytes) -> bool:
 def _looks_like_safetensors(head: bytes) -> bool:
     """Eight bytes are all a sniffer gets: a header length the library would accept (the
     high bytes of any such length are zero); the reader then checks the rest."""
-    return len(head) >= _LENGTH.size and 2 <= _LENGTH.unpack(head[: _LENGTH.size])[0] <= MAX_HEADER_BYTES
+    return len(head) >= _LENGTH.size and 2 <= _LENGTH.unpack(head[: _LENGTH.size])[0] <= MAX_SAFETENSORS_HEADER_BYTES
 
 
 FORMAT = Format(

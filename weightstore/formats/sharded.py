@@ -35,6 +35,7 @@ import blake3
 import numpy as np
 
 from weightstore.core._tensortable import TensorInfo
+from weightstore.core.limits import MAX_OPEN_MEMBERS, MAX_V1_INDEX_BYTES
 from weightstore.core.manifest import crc32, from_storage, storage_dtype
 from weightstore.errors import (
     ChecksumError,
@@ -46,18 +47,10 @@ from weightstore.errors import (
     naming,
 )
 from weightstore.formats import Format, ReaderDefaults
-from weightstore.formats._sharded_index import (
-    MAX_V1_INDEX_BYTES,
-    BlockTable,
-    PieceEntry,
-    ShardIndex,
-    TensorEntry,
-    row_bytes,
-    rows_of,
-)
-from weightstore.io.buffer import aligned_array
+from weightstore.formats._sharded_index import BlockTable, PieceEntry, ShardIndex, TensorEntry, row_bytes, rows_of
+from weightstore.io._buffer import aligned_array
+from weightstore.io._ranges import RangedFile
 from weightstore.io.location import location_of
-from weightstore.io.ranges import RangedFile
 from weightstore.io.source import byte_source, read_whole
 
 __all__ = ["FORMAT", "ShardedReader", "normalized_region", "open_members_limit"]
@@ -65,8 +58,6 @@ __all__ = ["FORMAT", "ShardedReader", "normalized_region", "open_members_limit"]
 Region = tuple[slice, ...]
 #: remote members read at once for one region (each request of a member's ranges is itself concurrent)
 _MEMBERS_AT_ONCE = 8
-#: member files one reader holds open at most, whatever the limit on open files allows
-_MOST_OPEN_MEMBERS = 1024
 
 
 def open_members_limit() -> int:
@@ -80,8 +71,8 @@ def open_members_limit() -> int:
     except (ImportError, OSError, ValueError):  # no such limit to ask (Windows)
         return 256
     if soft == resource.RLIM_INFINITY or soft < 0:
-        return _MOST_OPEN_MEMBERS
-    return max(4, min(_MOST_OPEN_MEMBERS, soft // 4))
+        return MAX_OPEN_MEMBERS
+    return max(4, min(MAX_OPEN_MEMBERS, soft // 4))
 
 
 def normalized_region(region: Any, shape: Sequence[int], key: str) -> list[tuple[int, int]]:

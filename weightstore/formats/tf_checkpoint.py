@@ -1,7 +1,7 @@
 """TensorFlow checkpoints (TF1 ``Saver`` and TF2 object-based) read lazily, without TensorFlow.
 
 A checkpoint is a *tensor bundle* (``tensorflow/core/util/tensor_bundle``): ``PREFIX.index``,
-an SSTable (:mod:`weightstore.formats.sstable`) mapping each tensor name to a
+an SSTable (:mod:`weightstore.formats._sstable`) mapping each tensor name to a
 ``BundleEntryProto`` (dtype, shape, data shard, offset, size, masked CRC-32C of the bytes),
 with a ``BundleHeaderProto`` under the empty name; and ``PREFIX.data-NNNNN-of-MMMMM``, the
 shards holding the raw little-endian bytes. Opening reads and checks the index only; each
@@ -68,7 +68,17 @@ import numpy as np
 
 from weightstore.core._tensortable import fits_an_array, short_repr
 from weightstore.core.keys import from_tf_name, validate_key
-from weightstore.core.manifest import MAX_NDIM, ML_DTYPES, TensorInfo, dtype_name
+from weightstore.core.limits import (
+    MAX_NDIM,
+    MAX_TF_GRID_CELLS_PER_SLICE,
+    MAX_TF_INDEX_BYTES,
+    MAX_TF_SHARDS,
+    MAX_TF_SLICES,
+    MAX_TF_STATE_FILE_BYTES,
+    TF_PATH_UNITS_PER_BYTE,
+    TF_PATH_UNITS_SLACK,
+)
+from weightstore.core.manifest import ML_DTYPES, TensorInfo, dtype_name
 from weightstore.errors import (
     ChecksumError,
     FileAccessError,
@@ -81,9 +91,9 @@ from weightstore.errors import (
 )
 from weightstore.formats import Format, ReaderDefaults
 from weightstore.formats._pointer import LATEST, local_latest_name, published_folder_message
-from weightstore.formats.sstable import Table, crc32c, read_varint, unmask_crc
+from weightstore.formats._sstable import Table, crc32c, read_varint, unmask_crc
+from weightstore.io._local import MappedFile
 from weightstore.io.files import open_regular
-from weightstore.io.local import MappedFile
 from weightstore.io.places import Place
 
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
@@ -91,16 +101,6 @@ VARIABLE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
 STATE_FILE = "checkpoint"
 KIND_TF1 = "TF1 checkpoint"
 KIND_TF2 = "TF2 object-based checkpoint"
-#: an index holds about 100 bytes per tensor; a million tensors stay far below this
-MAX_INDEX_BYTES = 256 << 20
-#: a ``checkpoint`` state file names a few dozen paths
-MAX_STATE_FILE_BYTES = 1 << 20
-#: slices of one partitioned variable (TF partitions into at most a few hundred in practice)
-MAX_SLICES = 4096
-#: the grid the slices' boundaries cut may have this many cells per slice (a partition has one)
-_MAX_GRID_CELLS_PER_SLICE = 4
-#: shards of one checkpoint (one per device that saved; TF numbers them with five digits)
-MAX_SHARDS = 99_999
 
 _SAVE_COUNTER = "save_counter" + VARIABLE_SUFFIX
 _DATA_FILE = re.compile(r"\.data-\d{5}-of-\d{5}$")
@@ -260,13 +260,13 @@ def read_state_file(path: str) -> CheckpointState:
     first and every path in it checked, so a hostile one is refused before anything uses it."""
     try:
         with open_regular(path) as handle:
-            raw = handle.read(MAX_STATE_FILE_BYTES + 1)
+            raw = handle.read(MAX_TF_STATE_FILE_BYTES + 1)
     except FileAccessError:
         raise
     except OSError as exc:
         raise FormatError(f"unreadable checkpoint state file ({exc.strerror or exc})", path=path) from None
-    if len(raw) > MAX_STATE_FILE_BYTES:
-        raise UnsafeFileError(f"checkpoint state file is over {MAX_STATE_FILE_BYTES} bytes", path=path)
+    if len(raw) > MAX_TF_STATE_FILE_BYTES:
+        raise UnsafeFileError(f"checkpoint state file is over {MAX_TF_STATE_FILE_BYTES} bytes", path=path)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -360,11 +360,6 @@ _STEP_COUNTERS = frozenset({"iter", "_iterations"})
 _CATCH_ALL_LISTS = frozenset({"_variables", "variables", "_trainable_variables", "trainable_variables"})
 
 
-#: what the best paths may hold, in segments plus characters, per byte of serialized graph: each
-#: edge takes at least 4 bytes, and real models nest a few levels deep; a chain of 12,000
-#: one-letter edges (120 KB) made paths of 72 million segments (0.7 GB)
-PATH_UNITS_PER_BYTE = 8
-PATH_UNITS_SLACK = 1 << 16
 
 
 class _GraphTooLarge(Exception):
@@ -375,7 +370,7 @@ def parse_object_graph(serialized: bytes) -> Any:
     """The ``TrackableObjectGraph`` message in ``serialized``; ``None`` when it cannot be read."""
     from google.protobuf.message import DecodeError  # here, as every protobuf import: see _parse
 
-    from weightstore.formats.tf_protos import TrackableObjectGraph
+    from weightstore.formats._tf_protos import TrackableObjectGraph
 
     graph = TrackableObjectGraph()
     try:
@@ -389,14 +384,14 @@ def object_graph_keys(graph: Any) -> dict[str, str]:
     """Checkpoint entry name -> key for every variable the object graph names (module docstring).
 
     Empty when there is no readable graph, or when its paths would take more memory than
-    :data:`PATH_UNITS_PER_BYTE` allows (a graph nested far deeper than any model), so the
+    :data:`TF_PATH_UNITS_PER_BYTE` allows (a graph nested far deeper than any model), so the
     caller falls back to the entry names.
     """
     nodes = graph.nodes if graph is not None else []
     if not nodes:
         return {}
     try:
-        best = best_paths(nodes, budget=PATH_UNITS_PER_BYTE * graph.ByteSize() + PATH_UNITS_SLACK)
+        best = best_paths(nodes, budget=TF_PATH_UNITS_PER_BYTE * graph.ByteSize() + TF_PATH_UNITS_SLACK)
     except _GraphTooLarge:
         return {}
     node_keys = {node: "/".join(path) for node, path in best.items() if path}
@@ -530,8 +525,8 @@ class CheckpointReader(ReaderDefaults):
         try:
             with open_regular(path) as handle:
                 size = os.fstat(handle.fileno()).st_size
-                if size > MAX_INDEX_BYTES:
-                    raise UnsafeFileError(f"checkpoint index is {size} bytes, over the {MAX_INDEX_BYTES}-byte limit",
+                if size > MAX_TF_INDEX_BYTES:
+                    raise UnsafeFileError(f"checkpoint index is {size} bytes, over the {MAX_TF_INDEX_BYTES}-byte limit",
                                           path=path)
                 return handle.read(size + 1)  # what the file holds: a buffer of the limit is 256 MB
         except FileNotFoundError:
@@ -540,7 +535,7 @@ class CheckpointReader(ReaderDefaults):
     def _parse(self, table: Table) -> tuple[Any, dict[str, Any], dict[bytes, Any]]:
         # protobuf is imported only once a checkpoint is read: this module is in the format
         # table, which every open consults, and opening an npz need not build TF's messages
-        from weightstore.formats.tf_protos import BundleEntryProto, BundleHeaderProto
+        from weightstore.formats._tf_protos import BundleEntryProto, BundleHeaderProto
 
         index_path = table.path
         header = None
@@ -566,7 +561,7 @@ class CheckpointReader(ReaderDefaults):
             raise FormatError("not a TensorFlow checkpoint index (no bundle header)", path=index_path)
         if header.endianness != 0:
             raise FormatError("big-endian checkpoints are not read", path=index_path)
-        if not 0 < header.num_shards <= MAX_SHARDS:
+        if not 0 < header.num_shards <= MAX_TF_SHARDS:
             raise FormatError(f"bundle header declares {header.num_shards} data shards", path=index_path)
         return header, entries, slice_entries
 
@@ -615,8 +610,8 @@ class CheckpointReader(ReaderDefaults):
                 slice_entries: dict[bytes, Any]) -> list[tuple[tuple[slice, ...], tuple[int, ...], _Stored]]:
         """The slices of a partitioned variable, proved to tile its full shape exactly."""
         index_path = self.prefix + ".index"
-        if len(entry.slices) > MAX_SLICES:
-            raise UnsafeFileError(f"is split into {len(entry.slices)} slices (limit {MAX_SLICES})",
+        if len(entry.slices) > MAX_TF_SLICES:
+            raise UnsafeFileError(f"is split into {len(entry.slices)} slices (limit {MAX_TF_SLICES})",
                                   path=index_path, key=name)
         if entry.size:
             raise FormatError("lists slices and data of its own", path=index_path, key=name)
@@ -821,7 +816,7 @@ def _check_tiling(path: str, name: str, shape: tuple[int, ...], pieces: list) ->
     cuts = [sorted({0, dim, *(box[axis].start for box in boxes), *(box[axis].stop for box in boxes)})
             for axis, dim in enumerate(shape)]
     cells = math.prod(len(axis_cuts) - 1 for axis_cuts in cuts)
-    if cells > _MAX_GRID_CELLS_PER_SLICE * max(len(boxes), 1):
+    if cells > MAX_TF_GRID_CELLS_PER_SLICE * max(len(boxes), 1):
         raise UnsafeFileError(f"its {len(boxes)} slices cut it into a grid of {cells} cells; weightstore reads "
                               "slices that partition it along its axes", path=path, key=name)
     position = [{cut: at for at, cut in enumerate(axis_cuts)} for axis_cuts in cuts]

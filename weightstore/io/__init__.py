@@ -15,10 +15,10 @@ folder; a TF checkpoint's bundle files) open it by path; the rest read their byt
   writer left.
 * :mod:`~weightstore.io.commit`: how a write becomes visible, as named types with their crash
   argument (rename, upload, index last; pointer last is composed of them in versions).
-* :mod:`~weightstore.io.buffer`: the one allocator of aligned memory for bytes read.
-* :mod:`~weightstore.io.local`: local byte sources (mapped, ``pread`` into owned memory, a
+* :mod:`~weightstore.io._buffer`: the one allocator of aligned memory for bytes read.
+* :mod:`~weightstore.io._local`: local byte sources (mapped, ``pread`` into owned memory, a
   stream), their readahead, and the size guard before each read of a mapped file.
-* :mod:`~weightstore.io.writeback`: a file being written starts reaching the disk as it is
+* :mod:`~weightstore.io._writeback`: a file being written starts reaching the disk as it is
   written, so a durable save's fsync waits only for the last stretch.
 * :mod:`~weightstore.io.backends`: the one table of storage backends, one module per service
   doing its ranged reads *and* its conditional writes (:mod:`~weightstore.io.s3`; the generic

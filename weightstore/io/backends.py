@@ -3,7 +3,7 @@
 Each entry names a module that defines ``BACKEND`` (a :class:`~weightstore.io.objects.Backend`),
 imported when a URL is first met (so ``import weightstore`` does not load s3fs's machinery). The
 first backend that :meth:`~weightstore.io.objects.Backend.serves` a file system reads its files
-(:class:`~weightstore.io.remote.RemoteFile`, :class:`~weightstore.io.ranges.RangedFile`) and
+(:class:`~weightstore.io.remote.RemoteFile`, :class:`~weightstore.io._ranges.RangedFile`) and
 writes its versioned folders' pointers (:class:`~weightstore.io.folders.RemoteFolder`): nothing
 else asks which service a URL is on. A backend of the package is added here; one from elsewhere
 (a plugin, a test) with :func:`register`.

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from weightstore.errors import FormatError, StoreNotFoundError
-from weightstore.io.buffer import aligned_buffer
+from weightstore.io._buffer import aligned_buffer
 from weightstore.io.location import service, uncached
 from weightstore.io.objects import Backend, Request, requests_for, scatter, window
 

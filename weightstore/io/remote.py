@@ -12,9 +12,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from weightstore.errors import StoreClosedError
+from weightstore.io._buffer import aligned_buffer
+from weightstore.io._local import check_range
 from weightstore.io.backends import backend_for
-from weightstore.io.buffer import aligned_buffer
-from weightstore.io.local import check_range
 
 __all__ = ["INDEX_WINDOW", "RemoteFile"]
 

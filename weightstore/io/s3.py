@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from weightstore.errors import FormatError, StoreNotFoundError, WeightStoreError
-from weightstore.io.buffer import aligned_buffer
+from weightstore.io._buffer import aligned_buffer
 from weightstore.io.location import protocols, storage_error
 from weightstore.io.objects import READ_CHUNK, Backend, Request, requests_for, scatter, window
 

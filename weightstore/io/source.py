@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from weightstore.errors import UnsafeFileError
-from weightstore.io.local import MappedFile, OwnedFile, StreamFile
+from weightstore.io._local import MappedFile, OwnedFile, StreamFile
 from weightstore.io.remote import RemoteFile
 
 __all__ = ["ByteSource", "RangedSource", "beside", "byte_source", "open_source", "prefetch_ranges", "read_whole"]
@@ -24,7 +24,7 @@ R = TypeVar("R")
 
 
 class ByteSource(Protocol):
-    """Random access to a file's bytes (:mod:`weightstore.io.local`, :mod:`weightstore.io.remote`)."""
+    """Random access to a file's bytes (:mod:`weightstore.io._local`, :mod:`weightstore.io.remote`)."""
 
     name: str
 

@@ -33,8 +33,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from weightstore.core._jsontext import MAX_DEPTH, too_deep
+from weightstore.core._jsontext import too_deep
 from weightstore.core._tensortable import short_repr
+from weightstore.core.limits import MAX_JSON_DEPTH
 from weightstore.errors import WeightStoreError
 
 __all__ = ["Membership", "membership", "rank_in_tf_cluster", "is_tf_chief", "tf_config_task", "Channel",
@@ -138,7 +139,7 @@ def tf_config_task() -> tuple[Mapping[str, Any], str, int] | None:
     try:
         config = json.loads(text) if text else {}
         if too_deep(config):  # parsed, yet repr() or str() of it would raise RecursionError
-            raise ValueError(f"it nests objects and arrays more than {MAX_DEPTH} levels deep")
+            raise ValueError(f"it nests objects and arrays more than {MAX_JSON_DEPTH} levels deep")
         task = config.get("task") or {}
         if not task.get("type"):
             return None
@@ -151,7 +152,7 @@ def tf_config_task() -> tuple[Mapping[str, Any], str, int] | None:
             raise TypeError(f"task index {short_repr(task_index)} is no int")
     except RecursionError:  # the stdlib parser's own limit, below orjson's: JSON nested some 1,000 deep
         raise WeightStoreError(f"TF_CONFIG is not a cluster and task (it nests objects and arrays more than "
-                               f"{MAX_DEPTH} levels deep); {_TF_CONFIG_FORM}") from None
+                               f"{MAX_JSON_DEPTH} levels deep); {_TF_CONFIG_FORM}") from None
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise WeightStoreError(f"TF_CONFIG is not a cluster and task ({type(exc).__name__}: {exc}); "
                                f"{_TF_CONFIG_FORM}") from None

@@ -48,16 +48,20 @@ import numpy as np
 
 from weightstore._version import __version__
 from weightstore.core.keys import validate_key
+from weightstore.core.limits import (
+    KEY_BYTES,
+    MAX_CLAIMS,
+    MAX_DONE_BYTES,
+    MAX_INDEX_BYTES,
+    MAX_PIECES_PER_KEY,
+    MAX_V1_INDEX_BYTES,
+)
 from weightstore.core.manifest import from_storage, logical_dtype, to_storage
 from weightstore.errors import FormatError, PublishError, ShardTimeoutError, WeightStoreError, named, naming
 from weightstore.formats import Format, format_named
 from weightstore.formats import _sharded_index as shardindex
 from weightstore.formats._sharded_index import (
     INDEX_FORMAT,
-    KEY_BYTES,
-    MAX_DONE_BYTES,
-    MAX_INDEX_BYTES,
-    MAX_V1_INDEX_BYTES,
     MEMBER_SUFFIXES,
     BlockTable,
     Box,
@@ -113,8 +117,6 @@ _POLL = 0.5
 #: the file rank 0 creates, create-only, in each attempt folder it hands out, naming its launch
 #: (:func:`claimed_attempt`); readers and cleaning ignore it
 CLAIM = "claimed-by"
-#: attempts :func:`claimed_attempt` tries before giving up
-_MAX_CLAIMS = 64
 #: how often a waiting coordinator reads ``LATEST`` to see whether its commit can still succeed
 _DOOMED_EVERY = 2.0
 _background_lock = threading.Lock()
@@ -517,18 +519,18 @@ def claimed_attempt(target: Folder, step: int, incarnation: str, least: int = 0,
 
     Raises:
         PublishError: storage without conditional writes (as :func:`publish_shard`), or
-            :data:`_MAX_CLAIMS` attempts in a row claimed by others.
+            :data:`MAX_CLAIMS` attempts in a row claimed by others.
     """
     target.require_compare_and_swap(f"claiming an attempt of step {step}")
     attempt = max(least, next_attempt(target.where, step, storage_options=storage_options))
-    for _ in range(_MAX_CLAIMS):
+    for _ in range(MAX_CLAIMS):
         members = folder_for(target.url(attempt_folder(step, attempt)), storage_options)
         target.create()
         members.create()
         if members.put_if(CLAIM, (incarnation or "none").encode(), create=True):
             return attempt
         attempt += 1
-    raise PublishError(f"{_MAX_CLAIMS} attempts of step {step} in a row were claimed by other launches of the job",
+    raise PublishError(f"{MAX_CLAIMS} attempts of step {step} in a row were claimed by other launches of the job",
                        path=target.where)
 
 
@@ -643,8 +645,8 @@ def _listed(pieces: Mapping[str, Any], where: str, world: int) -> list[_Listed]:
         boxes.extend((key, dtype, part, at, shape, rows, number, start, data.shape, columns)
                      for part, at, rows in strips)
     for key, count in pieces_of.items():
-        if count > shardindex.MAX_PIECES_PER_KEY:  # a done-record readers would refuse: refused before writing
-            raise ValueError(f"{where}: {key!r} has {count} pieces, over {shardindex.MAX_PIECES_PER_KEY}")
+        if count > MAX_PIECES_PER_KEY:  # a done-record readers would refuse: refused before writing
+            raise ValueError(f"{where}: {key!r} has {count} pieces, over {MAX_PIECES_PER_KEY}")
     counts: dict[str, int] = {}
     for key, *_ in boxes:
         counts[key] = counts.get(key, 0) + 1

@@ -13,6 +13,7 @@ import numpy as np
 
 from weightstore.core._gcpause import paused_gc
 from weightstore.core.keys import MappingRules, Patterns, plan_outward
+from weightstore.core.limits import MAX_POINTER_BYTES
 from weightstore.core.manifest import TensorInfo, logical_dtype
 from weightstore.core.names import FILE, READ_NAMINGS, TORCH_FORMATS, check_naming, key_of_torch_name, reads_as_torch
 from weightstore.errors import KeyNotInStoreError, SizeLimitError, StoreNotFoundError, WeightStoreError, attach, naming
@@ -26,9 +27,9 @@ from weightstore.formats import (
     hf_sharded,
     sniff,
 )
-from weightstore.formats._pointer import LATEST, MAX_POINTER_BYTES, latest_name, published_folder_message
-from weightstore.formats.foreign import HEAD_BYTES, refuse_pickle
-from weightstore.formats.renamed import RenamedReader, names_by_key
+from weightstore.formats._foreign import HEAD_BYTES, refuse_pickle
+from weightstore.formats._pointer import LATEST, latest_name, published_folder_message
+from weightstore.formats._renamed import RenamedReader, names_by_key
 from weightstore.io.files import open_regular
 from weightstore.io.location import service
 from weightstore.io.places import Place, place_of

@@ -22,9 +22,10 @@ import numpy as np
 from weightstore._version import __version__
 from weightstore.core import _parallel as parallel
 from weightstore.core._arrays import as_numpy, declared_dtype
-from weightstore.core._jsontext import MAX_DEPTH, too_deep
+from weightstore.core._jsontext import too_deep
 from weightstore.core._tensortable import TensorInfo
 from weightstore.core.keys import validate_keys
+from weightstore.core.limits import MAX_JSON_DEPTH
 from weightstore.core.manifest import build_manifest, content_digest, dtype_name, logical_dtype, to_storage, utc_now
 from weightstore.core.names import KEYS, TORCH, WRITE_NAMINGS, check_naming, torch_name_of_key
 from weightstore.errors import (
@@ -38,11 +39,11 @@ from weightstore.errors import (
     naming,
 )
 from weightstore.formats import Format, format_for_suffix, format_named, hf_sharded, known_suffixes
-from weightstore.formats.foreign import HF_SINGLE_FILE
+from weightstore.formats._foreign import HF_SINGLE_FILE
+from weightstore.io._writeback import Writeback
 from weightstore.io.commit import commit_for
 from weightstore.io.folders import Folder, folder_for
 from weightstore.io.location import is_url, location_of
-from weightstore.io.writeback import Writeback
 from weightstore.store._open import Store
 
 #: tensors of at least this many bytes are hashed beside their write (see :func:`write_file`)
@@ -231,7 +232,7 @@ def checked_metadata(metadata: Mapping[str, Any] | None, where: str = "") -> dic
     except (TypeError, ValueError, RecursionError) as exc:
         raise TypeError(f"{prefix}metadata must be JSON-serializable: {exc}") from None
     if too_deep(metadata):
-        raise TypeError(f"{prefix}metadata must nest at most {MAX_DEPTH} levels deep, as readers read it")
+        raise TypeError(f"{prefix}metadata must nest at most {MAX_JSON_DEPTH} levels deep, as readers read it")
     try:
         clash = _colliding_keys(metadata)
     except RecursionError:

@@ -14,14 +14,12 @@ from typing import Any
 
 import numpy as np
 
+from weightstore.core.limits import FILE_NAME_BYTES, MAX_POINTER_BYTES
 from weightstore.core.manifest import utc_now
 from weightstore.errors import (
     SizeLimitError,
 )
-from weightstore.formats._pointer import (
-    MAX_POINTER_BYTES,
-    pointer_bytes,
-)
+from weightstore.formats._pointer import pointer_bytes
 from weightstore.io.files import TEMPORARY_EXTRA
 from weightstore.store._save import checked_metadata
 
@@ -37,9 +35,9 @@ DEFAULT_FORMAT = "npz"
 DEFAULT_POLL = 1.0
 
 
-#: a file name has at most 255 bytes: ``step-``, the digits, at most 12 more (``.safetensors``,
+#: a file name has at most :data:`FILE_NAME_BYTES`: ``step-``, the digits, at most 12 more (``.safetensors``,
 #: ``.attempt-999``), and what the temporary it is written as adds
-_MAX_STEP_DIGITS = 255 - TEMPORARY_EXTRA - len("step-") - 12
+_MAX_STEP_DIGITS = FILE_NAME_BYTES - TEMPORARY_EXTRA - len("step-") - 12
 
 
 def checked_count(name: str, value: Any) -> int:
@@ -58,7 +56,7 @@ def checked_step(step: Any) -> int:
     number = checked_count("step", step)
     if len(str(number)) > _MAX_STEP_DIGITS:
         raise ValueError(f"step must have at most {_MAX_STEP_DIGITS} digits, or its file names would be longer than "
-                         f"the 255 bytes a file system allows; step {str(number)[:20]}… is too large")
+                         f"the {FILE_NAME_BYTES} bytes a file system allows; step {str(number)[:20]}… is too large")
     return number
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from weightstore.core.limits import MAX_DELTA_CHAIN
 from weightstore.core.manifest import content_digest, crc32, from_storage, storage_dtype
 from weightstore.errors import WeightStoreError
 from weightstore.formats import delta as delta_format
@@ -104,8 +105,8 @@ class Delta:
 
     def __init__(self, *, anchor_every: int = DEFAULT_ANCHOR_EVERY, remember: bool = True):
         if isinstance(anchor_every, bool) or not isinstance(anchor_every, int) or not (
-                1 <= anchor_every <= delta_format.MAX_CHAIN + 1):
-            raise ValueError(f"anchor_every must be an int from 1 to {delta_format.MAX_CHAIN + 1}, not {anchor_every!r}")
+                1 <= anchor_every <= MAX_DELTA_CHAIN + 1):
+            raise ValueError(f"anchor_every must be an int from 1 to {MAX_DELTA_CHAIN + 1}, not {anchor_every!r}")
         self.anchor_every = anchor_every
         self.remember = remember
         self._held: _Held | None = None
@@ -145,7 +146,7 @@ class Delta:
                 depth, chain_bytes, chain = head.depth, head.chain_bytes, [base, *head.chain]
             else:
                 depth, chain_bytes, chain = 0, 0, [base]
-            if depth + 1 >= self.anchor_every or len(chain) > delta_format.MAX_CHAIN:
+            if depth + 1 >= self.anchor_every or len(chain) > MAX_DELTA_CHAIN:
                 return None
             return self._encode(target, pointer, base, chain, chain_bytes, step, tensors)
         except (WeightStoreError, FileNotFoundError) as exc:

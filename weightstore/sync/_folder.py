@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightstore.core import _jsontext as jsontext
+from weightstore.core.limits import MAX_POINTER_BYTES, POINTER_BYTES_PER_CONTAINER
 from weightstore.errors import (
     FormatError,
     PublishError,
@@ -23,12 +24,7 @@ from weightstore.errors import (
     named,
 )
 from weightstore.formats import delta as delta_format
-from weightstore.formats._pointer import (
-    LATEST,
-    MAX_POINTER_BYTES,
-    MIN_BYTES_PER_CONTAINER,
-    VERSION_NAME,
-)
+from weightstore.formats._pointer import LATEST, VERSION_NAME
 from weightstore.io.files import remove_stale_temporaries
 from weightstore.io.folders import Folder, LocalFolder, folder_for
 from weightstore.sync import _stages as stages
@@ -149,7 +145,7 @@ def _read_intent(folder: Folder) -> int | None:
     except TargetError:
         return None
     try:
-        step = jsontext.loads(data, what=INTENT, min_bytes=MIN_BYTES_PER_CONTAINER)["step"] if data else None
+        step = jsontext.loads(data, what=INTENT, min_bytes=POINTER_BYTES_PER_CONTAINER)["step"] if data else None
     except (FormatError, TypeError, KeyError):
         return None
     return step if isinstance(step, int) and not isinstance(step, bool) else None

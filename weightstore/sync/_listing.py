@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from weightstore.core.limits import MAX_V1_INDEX_BYTES
 from weightstore.errors import (
     FormatError,
     WeightStoreError,
@@ -79,7 +80,7 @@ def _sharded_sizes(folder: Folder, name: str) -> tuple[int | None, int | None]:
     for a plain version or an index that does not parse."""
     if not name.endswith(SHARDED_SUFFIX):
         return None, None
-    from weightstore.formats._sharded_index import MAX_V1_INDEX_BYTES, ShardIndex
+    from weightstore.formats._sharded_index import ShardIndex
 
     data = folder.read_small(name, MAX_V1_INDEX_BYTES + 1)
     try:

@@ -23,6 +23,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from weightstore.core.limits import MAX_POINTER_BYTES
 from weightstore.errors import (
     FormatError,
     StoreNotFoundError,
@@ -32,11 +33,7 @@ from weightstore.errors import (
     naming,
 )
 from weightstore.formats import Reader, format_for_suffix, format_named
-from weightstore.formats._pointer import (
-    LATEST,
-    MAX_POINTER_BYTES,
-    parse_pointer,
-)
+from weightstore.formats._pointer import LATEST, parse_pointer
 from weightstore.io.folders import Folder, folder_for
 from weightstore.store._open import Store
 

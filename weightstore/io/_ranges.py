@@ -3,7 +3,7 @@
 A plain store reads its own header first; a member of a sharded version never needs to, since
 the version's index says where each piece's bytes lie and what their CRC-32s are. So a reader
 of a region fetches exactly the blocks it asks for: locally by ``preadv``
-(:class:`~weightstore.io.local.OwnedFile`), on object storage by ranged GETs through the
+(:class:`~weightstore.io._local.OwnedFile`), on object storage by ranged GETs through the
 backend table of :mod:`weightstore.io.backends`, with no index window and no ``If-Match`` (the
 CRCs in the index pin the bytes: a member replaced under the index fails its checksums).
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from weightstore.errors import StoreNotFoundError
+from weightstore.io._local import OwnedFile, check_range
 from weightstore.io.backends import backend_for
-from weightstore.io.local import OwnedFile, check_range
 from weightstore.io.location import location_of, service, uncached
 from weightstore.io.objects import RemoteObject
 

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from weightstore.core.limits import DEFLATE_SLACK_BYTES, MAX_DEFLATE_RATIO, MAX_ZIP_MEMBER_BYTES
 from weightstore.errors import FormatError, UnsafeFileError
 
 EOCD = struct.Struct("<4s4H2IH")
@@ -32,10 +33,6 @@ EOCD_SIG, EOCD64_SIG, LOCATOR64_SIG = b"PK\x05\x06", b"PK\x06\x06", b"PK\x06\x07
 STORED, DEFLATED = 0, 8
 UTF8_FLAG, ENCRYPTED_FLAG = 0x800, 0x1
 ZIP64_LIMIT = 0xFFFFFFFF
-#: deflate cannot expand data by more than this factor; a member claiming more is a bomb
-MAX_DEFLATE_RATIO = 1032
-#: no member's size may claim more (the checks on whole columns add sizes in int64)
-_MOST_BYTES = 1 << 62
 
 #: one central directory entry's fixed part, as numpy reads it from the directory's bytes
 CENTRAL_RECORD = np.dtype([
@@ -228,7 +225,7 @@ def parse(directory: bytes, count: int, cd_offset: int) -> Directory:
         size, compressed, offset = _apply_zip64(
             extra, columns["size"][i], columns["compressed"][i], columns["offset"][i], names[i])
         # the column checks below add these in int64: values past the file cannot be true anyway
-        if offset >= cd_offset or compressed > cd_offset or size > _MOST_BYTES:
+        if offset >= cd_offset or compressed > cd_offset or size > MAX_ZIP_MEMBER_BYTES:
             raise UnsafeFileError(f"member {names[i]!r} has ZIP64 sizes or offset past the file's end")
         columns["size"][i], columns["compressed"][i], columns["offset"][i] = size, compressed, offset
     if len(set(names)) != len(names):
@@ -304,7 +301,7 @@ def _limits(names: list[str], name_lens: list[int], columns: dict[str, list[int]
     # in file order, so the first member reported is the first that overlaps
     for i in order[overlapping[order]][:1].tolist():
         raise UnsafeFileError(f"member {names[i]!r} overlaps the next one (zip bomb?)")
-    bombs = np.flatnonzero((methods == DEFLATED) & (sizes > compressed * MAX_DEFLATE_RATIO + 1024))
+    bombs = np.flatnonzero((methods == DEFLATED) & (sizes > compressed * MAX_DEFLATE_RATIO + DEFLATE_SLACK_BYTES))
     if bombs.size:
         raise UnsafeFileError(f"member {names[bombs[0]]!r} claims an impossible compression ratio")
     inconsistent = np.flatnonzero((methods == STORED) & (sizes != compressed))
@@ -350,7 +347,7 @@ def last_member(directory: bytes, cd_offset: int, name: str) -> Member | None:
     if (entry["sig"] != CENTRAL_SIG or entry["name_len"] != len(raw) or entry["extra_len"] or entry["comment_len"]
             or entry["flags"] & ENCRYPTED_FLAG or ZIP64_LIMIT in (compressed, size, offset)
             or not (method == STORED and size == compressed
-                    or method == DEFLATED and size <= compressed * MAX_DEFLATE_RATIO + 1024)
+                    or method == DEFLATED and size <= compressed * MAX_DEFLATE_RATIO + DEFLATE_SLACK_BYTES)
             or offset + LOCAL.size + len(raw) + compressed > cd_offset):
         return None
     return Member(name, offset, int(entry["crc"]), compressed, size, method, cd_offset, raw)
@@ -394,7 +391,7 @@ def parse_expected(directory: bytes, end: int, names: Callable[[], list[str]], n
     if not (np.all(records["sig"] == CENTRAL_SIG) and np.array_equal(records["name_len"], name_lens)
             and not np.any(records["extra_len"] | records["comment_len"] | (records["flags"] & ENCRYPTED_FLAG))
             and np.all(((methods == STORED) & (sizes == compressed))
-                       | ((methods == DEFLATED) & (sizes <= compressed * MAX_DEFLATE_RATIO + 1024)))
+                       | ((methods == DEFLATED) & (sizes <= compressed * MAX_DEFLATE_RATIO + DEFLATE_SLACK_BYTES)))
             and not np.any((offsets == ZIP64_LIMIT) | (compressed == ZIP64_LIMIT) | (sizes == ZIP64_LIMIT))
             and np.all(offsets + LOCAL.size + name_lens + compressed <= limits)):  # in order, none overlapping
         return None

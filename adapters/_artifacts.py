@@ -38,8 +38,8 @@ from typing import Any
 
 import weightstore
 from weightstore.errors import AssignmentError, FormatError, WeightStoreError
+from weightstore.formats._renamed import RenamedReader
 from weightstore.formats.keras_preset import TASK_PREFIX, WithTaskReader, is_preset_folder, task_weights
-from weightstore.formats.renamed import RenamedReader
 from weightstore.formats.tf_checkpoint import CheckpointReader, resolve_prefix, saved_model_prefix
 from weightstore.io.places import place_of
 

@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
 
 from weightstore.errors import FormatError, StoreClosedError
-from weightstore.io.buffer import aligned_buffer
+from weightstore.io._buffer import aligned_buffer
 from weightstore.io.files import open_regular
 
 __all__ = ["READ_AHEAD", "SizeGuard", "MappedFile", "OwnedFile", "StreamFile", "check_range"]
@@ -237,7 +237,7 @@ class OwnedFile(_LocalFile):
     """A local file read with ``preadv`` into fresh memory: arrays own their bytes.
 
     Nothing is mapped, so no later change to the file can reach an array already read. Each
-    buffer starts at the same offset modulo :data:`~weightstore.io.buffer.ALIGNMENT` as its bytes
+    buffer starts at the same offset modulo :data:`~weightstore.io._buffer.ALIGNMENT` as its bytes
     in the file, so a tensor the writer aligned in the file is aligned in memory too.
     """
 

@@ -28,6 +28,7 @@ from isal import isal_zlib
 
 from weightstore.core import _parallel as parallel
 from weightstore.core import checksums as crc
+from weightstore.core.limits import MAX_SHUFFLE_BLOCK
 from weightstore.errors import FormatError
 
 CODEC = "shuffle-zstd"
@@ -36,7 +37,6 @@ MAGIC = b"\x93WSZSTD\x01"  # not npy's b"\x93NUMPY": np.load hands the member ba
 _HEAD = struct.Struct("<8sIIQI")  # magic, item size, block size, data bytes, block count
 _BLOCK = 1 << 20
 _LEVEL = 1
-_MAX_BLOCK = 64 << 20
 _WORDS: dict[int, np.dtype] = {2: np.dtype("<u2"), 4: np.dtype("<u4")}  # little-endian: plane 0 is each word's low byte
 
 
@@ -151,7 +151,7 @@ def decode(blob: memoryview, itemsize: int, nbytes: int, path: str, key: str) ->
     if stored_itemsize != itemsize or stored_nbytes != nbytes:
         raise FormatError(f"holds {stored_nbytes} bytes of {stored_itemsize}-byte items; "
                           f"its manifest entry says {nbytes} bytes of {itemsize}-byte items", path=path, key=key)
-    if not 0 < size <= _MAX_BLOCK or size % itemsize or count != -(-nbytes // size):
+    if not 0 < size <= MAX_SHUFFLE_BLOCK or size % itemsize or count != -(-nbytes // size):
         raise FormatError(f"has a corrupt shuffle-zstd header ({count} blocks of {size} bytes)", path=path, key=key)
     table_end = _HEAD.size + 4 * count
     if table_end > len(blob):

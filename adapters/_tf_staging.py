@@ -44,7 +44,7 @@ with needs("tf", __name__):
     import tensorflow as tf
 
 from weightstore.adapters.skeleton import copy_into, is_handed_over, private_copy
-from weightstore.io.buffer import ALIGNMENT, memory_owner
+from weightstore.io._buffer import ALIGNMENT, memory_owner
 
 __all__ = ["shares_mapped", "staged_copy", "staged_feeds"]
 

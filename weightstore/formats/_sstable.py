@@ -10,8 +10,8 @@ The file is hostile until proved otherwise: every handle, varint, length and res
 checked against the bytes that exist before it is used, every block's checksum is verified,
 and keys must strictly increase (two entries with one name are refused, not shadowed). A key
 shares a prefix with the one before it, so 4 bytes of entry can make a key as long as the
-last plus one: the keys rebuilt may total at most :data:`KEY_BYTES_PER_BYTE` times the table's
-size (plus :data:`KEY_BYTES_SLACK`), checked before each key is made, where 50,000 such
+last plus one: the keys rebuilt may total at most :data:`SSTABLE_KEY_BYTES_PER_BYTE` times the table's
+size (plus :data:`SSTABLE_KEY_BYTES_SLACK`), checked before each key is made, where 50,000 such
 entries (200 KB) made 1.2 GB of keys.
 Compressed blocks are refused: TensorFlow writes none (``TableBuilderOptions`` in
 ``tensor_bundle.cc``), and decompressing snappy would need another dependency.
@@ -24,6 +24,7 @@ from collections.abc import Iterator
 
 import crc32c as _crc32c
 
+from weightstore.core.limits import SSTABLE_KEY_BYTES_PER_BYTE, SSTABLE_KEY_BYTES_SLACK
 from weightstore.errors import FormatError, UnsafeFileError
 
 TABLE_MAGIC = 0xDB4775248B80FB57
@@ -32,10 +33,6 @@ TRAILER_BYTES = 5
 _NO_COMPRESSION = 0
 _SNAPPY = 1
 _MASK_DELTA = 0xA282EAD8
-#: rebuilt keys per byte of table: TensorFlow's entries (20-30 bytes of value, names sharing
-#: their scope) rebuild at most a few bytes of key each
-KEY_BYTES_PER_BYTE = 16
-KEY_BYTES_SLACK = 1 << 20
 
 
 def crc32c(data, value: int = 0) -> int:
@@ -100,7 +97,7 @@ class Table:
         self._check_handle(metaindex, footer, "metaindex block")
         self._check_handle(self._index, footer, "index block")
         self._end = footer
-        self._key_budget = KEY_BYTES_PER_BYTE * len(data) + KEY_BYTES_SLACK
+        self._key_budget = SSTABLE_KEY_BYTES_PER_BYTE * len(data) + SSTABLE_KEY_BYTES_SLACK
 
     def _check_handle(self, handle: tuple[int, int], limit: int, what: str) -> None:
         offset, size = handle
@@ -144,7 +141,7 @@ class Table:
             self._key_budget -= shared + unshared
             if self._key_budget < 0:
                 raise UnsafeFileError(f"{what}: its keys, rebuilt from their shared prefixes, would take more than "
-                                      f"{KEY_BYTES_PER_BYTE} times the table's {len(data)} bytes", path=self.path)
+                                      f"{SSTABLE_KEY_BYTES_PER_BYTE} times the table's {len(data)} bytes", path=self.path)
             key = key[:shared] + data[pos : pos + unshared]
             pos += unshared
             yield key, data[pos : pos + value_size]

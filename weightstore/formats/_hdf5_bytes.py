@@ -23,6 +23,7 @@ import struct
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
+from weightstore.core.limits import HDF5_HEAP_SLACK_BYTES, MAX_HDF5_HEADER_BLOCKS, MAX_HDF5_HEADER_BYTES
 from weightstore.errors import FormatError, UnsafeFileError
 
 #: read ``length`` bytes at ``offset`` of the file, or fewer at its end
@@ -33,8 +34,6 @@ _CONTINUATION, _ATTRIBUTE = 0x10, 0x0C
 _VLEN_CLASS, _VLEN_STRING = 9, 1
 _OBJECT_HEADER = 16  # a heap object's index, reference count, reserved bytes and size
 _V1_MESSAGE = struct.Struct("<HH")  # a version-1 header message's type and size (then flags, reserved)
-_MAX_BLOCKS = 64  # object header chunks followed before giving up
-_MAX_HEADER_BYTES = 16 << 20
 
 
 def check_vlen_attribute(read_at: ReadAt, file_size: int, base: int, name: str, limit: int) -> None:
@@ -92,14 +91,14 @@ def read_ahead(read_at: ReadAt, window: int = READ_AHEAD_WINDOW) -> ReadAt:
 class _Bytes:
     def __init__(self, read_at: ReadAt, size: int):
         self._read_at, self.size = read_at, size
-        self._budget = _MAX_HEADER_BYTES
+        self._budget = MAX_HDF5_HEADER_BYTES
 
     def read(self, offset: int, length: int, *, budgeted: bool = True) -> bytes:
         if offset < 0 or length < 0 or offset + length > self.size:
             raise FormatError(f"HDF5 structure points outside the file ({offset}..{offset + length})")
         self._budget -= length if budgeted else 0
         if self._budget < 0:
-            raise UnsafeFileError(f"HDF5 object header is larger than {_MAX_HEADER_BYTES} bytes")
+            raise UnsafeFileError(f"HDF5 object header is larger than {MAX_HDF5_HEADER_BYTES} bytes")
         data = self._read_at(offset, length)
         if len(data) != length:
             raise FormatError(f"short read at byte {offset}")
@@ -145,7 +144,7 @@ def _messages(reader: _Bytes, base: int, header: int) -> Iterator[tuple[int, byt
     if prefix[0] != 1:
         raise FormatError(f"object header version {prefix[0]} is unknown")
     blocks = [(base + header + 16, struct.unpack_from("<I", prefix, 8)[0])]
-    for _ in range(_MAX_BLOCKS):
+    for _ in range(MAX_HDF5_HEADER_BLOCKS):
         if not blocks:
             return
         offset, length = blocks.pop(0)
@@ -161,7 +160,7 @@ def _messages(reader: _Bytes, base: int, header: int) -> Iterator[tuple[int, byt
                 blocks.append(_continuation(body, base))
             yield kind, body
             position += size
-    raise UnsafeFileError(f"object header has more than {_MAX_BLOCKS} continuation blocks")
+    raise UnsafeFileError(f"object header has more than {MAX_HDF5_HEADER_BLOCKS} continuation blocks")
 
 
 def _messages_v2(reader: _Bytes, base: int, header: int) -> Iterator[tuple[int, bytes]]:
@@ -172,7 +171,7 @@ def _messages_v2(reader: _Bytes, base: int, header: int) -> Iterator[tuple[int, 
     chunk_size = int.from_bytes(reader.read(base + header + position, width), "little")
     blocks = [(base + header + position + width, chunk_size)]
     message_header = 6 if flags & 0x04 else 4
-    for _ in range(_MAX_BLOCKS):
+    for _ in range(MAX_HDF5_HEADER_BLOCKS):
         if not blocks:
             return
         offset, length = blocks.pop(0)
@@ -190,7 +189,7 @@ def _messages_v2(reader: _Bytes, base: int, header: int) -> Iterator[tuple[int, 
                 blocks.append((start + 4, span - 8))  # "OCHK" ... checksum
             yield kind, body
             position += message_header + size
-    raise UnsafeFileError(f"object header has more than {_MAX_BLOCKS} continuation blocks")
+    raise UnsafeFileError(f"object header has more than {MAX_HDF5_HEADER_BLOCKS} continuation blocks")
 
 
 def _continuation(body: bytes, base: int) -> tuple[int, int]:
@@ -209,7 +208,7 @@ def _heap_object(reader: _Bytes, collection: int, index: int, limit: int) -> int
     size = struct.unpack_from("<Q", head, 8)[0]
     if size < 16:
         raise FormatError(f"global heap collection at byte {collection} is too small")
-    if size > limit + (1 << 20):
+    if size > limit + HDF5_HEAP_SLACK_BYTES:
         raise UnsafeFileError(f"global heap collection of {size} bytes (limit {limit})")
     data = reader.read(collection, size, budgeted=False)
     found = None
