@@ -30,6 +30,7 @@ executors then) and then the repeated ones, which a follower re-assigning a mode
     python -m benchmarks.tf_bench --only-hold --hold-rows tf2   # one hold row
     python -m benchmarks.tf_bench --only-hold     # only the hold rows
     python -m benchmarks.tf_bench --restore --cold --size-mb 256   # npz/safetensors vs TF, page cache evicted
+    python -m benchmarks.tf_bench --restore --cold --pairs tf1 --tf1-init initializers --size-mb 256  # issue 42
     python -m benchmarks.tf_bench --only-hold --hold-rows small --small 50000 --repeat 3   # small tensors
     python -m benchmarks.tf_bench --export-memory --size-mb 256   # tf2.export / snapshot memory
 """
@@ -269,14 +270,16 @@ def case_main(args) -> None:
         before()
     # The first call, timed on its own (it builds TF's kernels and executors) and, with --anon,
     # its memory: the worst a user sees, since an allocator pool may keep what it grew to.
+    cpu = time.process_time()
     if args.anon:
         first = anon_during(run)
     else:
         start = time.perf_counter()
         run()
         first = {"seconds": time.perf_counter() - start}
+    first_cpu = time.process_time() - cpu
     result = measure(run, repeat=args.repeat, warmup=0, before=before)
-    result["first"] = first["seconds"]
+    result.update(first=first["seconds"], first_cpu=first_cpu)
     if args.anon:
         if before:
             before()
@@ -471,14 +474,16 @@ RESTORES = [("ws-tf2", "tf2-ckpt"), ("ws-tf2-st", "tf2-ckpt"), ("ws-tf1", "tf1-s
 
 
 def restore_bench(size_mb: float, repeat: int, *, cold: bool = False, rounds: int = 3, tf1_init: str = "fed",
-                  out=sys.stdout) -> dict:
+                  pairs: str = "tf2,tf1", out=sys.stdout) -> dict:
     """npz and safetensors files into TF2 variables and a TF1 graph, against ``Checkpoint.read``
     and ``Saver.restore``: every case in its own process, the cases taking turns for ``rounds``
     rounds (load from other processes falls on all alike), medians over the rounds. With
     ``cold``, each case evicts its own files from the page cache before every read (first and
     repeated). Memory: the extra anonymous memory of the first call in the process (what a user
     sees: an allocator pool keeps what it grew to) and of a repeated one. ``tf1_init``: how the
-    TF1 graph's variables were set before (:func:`build_tf1`)."""
+    TF1 graph's variables were set before (:func:`build_tf1`). ``pairs``: "tf2", "tf1" or both.
+    CPU seconds (of all the process's threads) stand beside wall seconds: a busy machine
+    stretches the wall, CPU is what a neighbour cannot take."""
     say = lambda *a: print(*a, file=out, flush=True)  # noqa: E731
     folder = tempfile.mkdtemp(prefix="ws-restore-", dir=os.environ.get("WS_BENCH_DIR"))
     try:
@@ -488,7 +493,8 @@ def restore_bench(size_mb: float, repeat: int, *, cold: bool = False, rounds: in
         say(f"Restore {model / MB:,.0f} MB ({facts['arrays']} float32 tensors), {state}, TF1 variables set by "
             f"{'feeds' if tf1_init == 'fed' else 'initializers'}: {rounds} rounds of one process per case, {repeat} "
             f"reads each; {machine_line()}")
-        products = list(dict.fromkeys(p for pair in RESTORES for p in pair))
+        chosen = [pair for pair in RESTORES if pair[1].split("-")[0] in pairs.split(",")]
+        products = list(dict.fromkeys(p for pair in chosen for p in pair))
         for product in products:
             run_case(MODULE, f"save:{product}", ["--dir", folder, "--repeat", "1"], env=QUIET)
         args = ["--dir", folder, "--repeat", str(repeat), "--anon", "--tf1-init", tf1_init, *(["--cold"] if cold else [])]
@@ -497,33 +503,40 @@ def restore_bench(size_mb: float, repeat: int, *, cold: bool = False, rounds: in
             for product in products:
                 res = run_case(MODULE, f"restore:{product}", args, env=QUIET)
                 runs[product].append(res)
-                say(f"  restore:{product:10s} first {fmt_seconds(res['first'])} s, repeated "
-                    f"{fmt_seconds(res['median'])} s, extra anon first {fmt_mb(res['first_anon'])} MB")
+                say(f"  restore:{product:10s} first {fmt_seconds(res['first'])} s ({fmt_seconds(res['first_cpu'])} "
+                    f"CPU-s), repeated {fmt_seconds(res['median'])} s ({fmt_seconds(res['cpu'])} CPU-s), extra anon "
+                    f"first {fmt_mb(res['first_anon'])} MB")
         r = {p: {"first": median([x["first"] for x in v]), "median": median([x["median"] for x in v]),
+                 "first_cpu": median([x["first_cpu"] for x in v]), "cpu": median([x["cpu"] for x in v]),
                  "first_anon": max(x["first_anon"] for x in v), "first_kept": max(x["first_kept"] for x in v),
                  "anon": max(x["anon"] for x in v)} for p, v in runs.items()}
         rows, checks = [], []
         for product in products:
             res = r[product]
-            peer = next((b for a, b in RESTORES if a == product), product)
+            peer = next((b for a, b in chosen if a == product), product)
             rows.append([PRODUCTS[product][1], fmt_seconds(res["first"]), fmt_ratio(res["first"] / r[peer]["first"]),
+                         f"{fmt_seconds(res['first_cpu'])} ({res['first_cpu'] / r[peer]['first_cpu']:.2f}x)",
                          fmt_seconds(res["median"]), fmt_ratio(res["median"] / r[peer]["median"]),
+                         f"{fmt_seconds(res['cpu'])} ({res['cpu'] / r[peer]['cpu']:.2f}x)",
                          f"{fmt_mb(res['first_anon'])} ({res['first_anon'] / model:.2f}x)",
                          f"{fmt_mb(res['first_kept'])}", f"{fmt_mb(res['anon'])} ({res['anon'] / model:.2f}x)"])
-        for own, peer in RESTORES:
+        for own, peer in chosen:
             for when in ("first", "median"):
                 ratio = r[own][when] / r[peer][when]
-                checks.append((f"{own} {'first' if when == 'first' else 'repeated'} <= 1.0x {peer}", ratio <= 1.0,
-                               f"{ratio:.2f}x"))
+                # issue 42: a TF1 graph's repeated cold assign within 0.7x Saver.restore
+                limit = 0.7 if when == "median" and cold and own.startswith("ws-tf1") else 1.0
+                checks.append((f"{own} {'first' if when == 'first' else 'repeated'} <= {limit}x {peer}",
+                               ratio <= limit, f"{ratio:.2f}x"))
             limit = 0.1 if own.startswith("ws-tf1") else 0.25
             share = max(r[own]["first_anon"], r[own]["anon"]) / model
             checks.append((f"{own} extra anonymous memory <= {limit}x model (first and repeated)", share <= limit,
                            f"{share:.2f}x"))
         say("")
-        say(table(["restore", "first s", "x peer", "repeated s", "x peer", "extra anon MB, first call",
+        say(table(["restore", "first s", "x peer", "first CPU-s", "repeated s", "x peer", "repeated CPU-s",
+                   "extra anon MB, first call",
                    "kept after first MB", "extra anon MB, repeated"], rows))
         say("")
-        say("Targets (issue 22)")
+        say("Targets (issues 22, 42)")
         say(table(["target", "holds", "measured"], [[c, "yes" if ok else "NO", v] for c, ok, v in checks]))
         return {"facts": facts, **r}
     finally:
@@ -627,6 +640,7 @@ def main(argv=None) -> None:
     parser.add_argument("--tf1-init", choices=["fed", "initializers"], default="fed",
                         help="--restore: TF1 variables set before by feeds (numpy's memory: the worst case, "
                              "the default) or by random initializers (TF's memory)")
+    parser.add_argument("--pairs", default="tf2,tf1", help="--restore: which pairs, tf2 and/or tf1 (default both)")
     parser.add_argument("--restore", action="store_true",
                         help="only the restore comparison (npz and safetensors into TF2 and TF1, memory columns)")
     parser.add_argument("--export-memory", action="store_true",
@@ -640,7 +654,8 @@ def main(argv=None) -> None:
         export_memory_bench(args.size_mb)
         return
     if args.restore:
-        restore_bench(args.size_mb, args.repeat, cold=args.cold, rounds=args.rounds, tf1_init=args.tf1_init)
+        restore_bench(args.size_mb, args.repeat, cold=args.cold, rounds=args.rounds, tf1_init=args.tf1_init,
+                      pairs=args.pairs)
         return
     if not args.only_hold:
         bench(args.size_mb, args.repeat, args.dir, args.keep)

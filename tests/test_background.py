@@ -1,7 +1,9 @@
 """BackgroundPublisher: publish without waiting for the write, one pending at most, failures never raised."""
 
 import logging
+import os
 import shutil
+import sys
 import threading
 import time
 import weakref
@@ -85,6 +87,27 @@ def test_tensors_are_converted_on_the_publishing_thread(tmp_path):
     for value in lazy.values():
         assert len(value.converted_on) == 1 and value.converted_on[0] is not threading.current_thread()
     np.testing.assert_array_equal(ws.load(ws.latest(tmp_path))["dense/kernel"], weights(3)["dense/kernel"])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="threads have a priority of their own on Linux")
+def test_the_publishing_thread_yields_the_cores_to_training(tmp_path, monkeypatch):
+    """It runs below the process's priority, and its hashing stays on it rather than on the
+    shared helper (which runs at the process's priority); the training thread keeps its own."""
+    from weightstore.core import _parallel
+
+    seen = []
+
+    class Priority(Lazy):
+        def __array__(self, dtype=None, copy=None):
+            seen.append((os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), _parallel._alone()))
+            return super().__array__(dtype, copy)
+
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with ws.BackgroundPublisher(tmp_path) as publisher:
+        publisher.publish({key: Priority(value) for key, value in weights(3).items()}, step=3).result(60)
+    assert seen and all(priority > own or priority == 19 for priority, _ in seen)
+    assert all(alone for _, alone in seen)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own and not _parallel._alone()
 
 
 def test_the_snapshot_is_let_go_once_its_publish_is_done(tmp_path, gate):

@@ -331,6 +331,35 @@ def test_a_variable_of_partly_known_shape_that_holds_no_value_takes_only_a_value
         assert sess.run(dyn).shape == (5, 3)
 
 
+@pytest.mark.parametrize("resource", [True, False], ids=["resource", "ref"])
+def test_a_graph_with_a_saver_is_written_through_its_restore_ops_and_the_saver_still_restores(tmp_path, resource):
+    """The variables are fed through the Saver's own restore ops (they compile faster than the
+    initializers): every value lands, partitioned ones too, nothing is added to the graph, and
+    the Saver, run unfed, still restores its checkpoint."""
+    values_in = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "p": np.arange(8, dtype=np.float32).reshape(4, 2),
+                 "b": np.array([3, 4], np.int64)}
+    ws.save(tmp_path / "w.npz", values_in)
+    with graph_session() as (graph, sess):
+        made = [v1.get_variable("a", [2, 3], initializer=v1.random_normal_initializer(), use_resource=resource),
+                *v1.get_variable("p", [4, 2], partitioner=v1.fixed_size_partitioner(2), use_resource=resource),
+                v1.get_variable("b", [2], tf.int64, v1.zeros_initializer(), use_resource=resource)]
+        saver = v1.train.Saver()
+        v1.train.Saver(reshape=True)  # a second Saver whose restore ops reshape: not a writer
+        sess.run(v1.global_variables_initializer())
+        prefix = saver.save(sess, str(tmp_path / "ckpt" / "model"))
+        saved = values(sess, made)
+        graph.finalize()
+        writers = {v.op.name: tf1._writer(graph, v)[0] for v in made}
+        assert all(op.name.startswith("save/") for op in writers.values())
+        tf1.assign(sess, tmp_path / "w.npz")
+        exported = tf1.export(sess)
+        for key, value in values_in.items():
+            np.testing.assert_array_equal(exported[key], value)
+        saver.restore(sess, prefix)
+        for got, want in zip(values(sess, made), saved, strict=True):
+            np.testing.assert_array_equal(got, want)
+
+
 def test_finalized_graph_and_monitored_training_session(tmp_path):
     ws.save(tmp_path / "w.npz", {"w": np.full(3, 7, np.float32), "global_step": np.int64(40)})
     with tf.Graph().as_default() as graph:

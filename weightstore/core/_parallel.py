@@ -14,11 +14,12 @@ faster than one.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Generic, TypeVar
 
@@ -37,6 +38,28 @@ def _pool() -> ThreadPoolExecutor:
 # A forked child (a data-loader worker) inherits the pool but not its threads: it gets its own.
 os.register_at_fork(after_in_child=_pool.cache_clear)
 
+_thread = threading.local()
+
+
+@contextlib.contextmanager
+def alone() -> Iterator[None]:
+    """Within the block, :func:`for_each` and :func:`beside` called on this thread run on it alone.
+
+    For a thread that runs below the process's priority (a background publish yielding the
+    cores to training): handed to the shared helper, which runs at the process's priority,
+    half its work would take a core from training as before.
+    """
+    before = getattr(_thread, "alone", False)
+    _thread.alone = True
+    try:
+        yield
+    finally:
+        _thread.alone = before
+
+
+def _alone() -> bool:
+    return getattr(_thread, "alone", False)
+
 
 def for_each(count: int, job: Callable[[int], object]) -> None:
     """Run ``job(0)`` ... ``job(count - 1)``, each exactly once, across the caller and helpers.
@@ -45,7 +68,7 @@ def for_each(count: int, job: Callable[[int], object]) -> None:
     buffers the jobs read and write may be released at once. The first exception a job
     raises stops the claiming of new jobs and is raised here once running ones finish.
     """
-    if count <= 1 or THREADS == 1:
+    if count <= 1 or THREADS == 1 or _alone():
         for index in range(count):
             job(index)
         return
@@ -99,7 +122,7 @@ class Beside(Generic[R]):
 
     def __init__(self, job: Callable[[], R]):
         self._job: Callable[[], R] | None = job
-        self._future: Future[R] = _pool().submit(self._run)
+        self._future: Future[R] | None = None if _alone() else _pool().submit(self._run)
 
     def _run(self) -> R:
         assert self._job is not None  # cleared only once the job ran or was cancelled
@@ -109,7 +132,7 @@ class Beside(Generic[R]):
         """The job's result. Afterwards nothing here holds the job (or the tensor it hashed),
         not even a cancelled entry still queued for a busy helper."""
         try:
-            if self._future.cancel():
+            if self._future is None or self._future.cancel():
                 assert self._job is not None
                 return self._job()
             return self._future.result()

@@ -10,6 +10,13 @@ one is being written waits as the *pending* one, and a newer publish replaces a 
 (its future is cancelled): what a follower wants is the newest weights, and the memory held is
 bounded by two snapshots however slow the folder is. ``publish`` never waits for the write.
 
+**Below the trainer's priority.** The publishing thread runs :data:`NICENESS` steps below the
+process (Linux, where a thread has a priority of its own), and its checksums and hashes stay on
+it rather than on the shared helper thread: the trainer's threads get the cores first, and a
+publish in ``fit`` costs training less than the CPU it spends. A thread a publish starts (the
+process's first writeback or S3 thread, when a background publish is the first to need one)
+inherits that priority.
+
 **A copy of the weights never costs the run it copies.** A publish that fails is never raised
 into the caller. A storage failure (:class:`StorageError`, an ``OSError``: an outage, a full
 disk) is retried with exponential backoff (``retry_backoff`` seconds, doubling up to
@@ -40,14 +47,18 @@ Example::
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import errno
 import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from weightstore.core import _parallel as parallel
 from weightstore.errors import PublishError, StorageError, WeightStoreError, WriteError
 from weightstore.formats import format_named
 from weightstore.store._save import checked_metadata
@@ -63,6 +74,10 @@ __all__ = ["BackgroundPublisher", "PublishFuture"]
 DEFAULT_RETRY_FOR = 600.0
 DEFAULT_RETRY_BACKOFF = 0.5
 DEFAULT_MAX_BACKOFF = 30.0
+#: how far below the process the publishing thread runs (nice steps, where threads have their own:
+#: Linux): the trainer's threads get a core first and the publish takes what they leave, so a
+#: background publish costs training less than the CPU it spends
+NICENESS = 10
 _log = logging.getLogger("weightstore")
 #: the errors of a write that may pass: space or quota freed, a device or service back
 _PASSING_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EAGAIN, errno.EBUSY, errno.EINTR,
@@ -189,7 +204,14 @@ class BackgroundPublisher:
         """The publishing thread: write the pending job, retrying storage failures; exit when idle.
 
         A job's future is resolved once the job is no longer the one being written, so a
-        callback on it (run on this thread) may call :meth:`wait` without waiting for itself."""
+        callback on it (run on this thread) may call :meth:`wait` without waiting for itself.
+        The thread runs below the process's priority (:func:`_below_training`), and its hashing
+        and checksums stay on it (:func:`weightstore.core._parallel.alone`)."""
+        _below_training()
+        with parallel.alone():
+            self._serve()
+
+    def _serve(self) -> None:
         while True:
             with self._changed:
                 job, self._pending = self._pending, None
@@ -271,6 +293,16 @@ class BackgroundPublisher:
             _log.warning("step %d is not published to %s yet (%s); the last version published is %s; it goes on "
                          "in the background for up to %.0f s", newest.step, self.folder,
                          self.last_error or "still writing", self.last.step if self.last else "none", self.retry_for)
+
+
+def _below_training() -> None:
+    """Lower the calling thread's priority by :data:`NICENESS`, where a thread has its own (Linux:
+    ``setpriority`` of a thread id); elsewhere, or where it is refused, leave it."""
+    if sys.platform != "linux":
+        return
+    thread = threading.get_native_id()
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + NICENESS))
 
 
 def _errno_passes(error: OSError) -> bool:
