@@ -113,7 +113,7 @@ def test_codecs_each_rebuild_their_tensor():
         out = base.view(np.uint8).copy()
         payload = memoryview(b"".join(bytes(memoryview(part)) for part in encoded.parts))
         if codec == "xor-zstd":
-            delta_format._apply_xor(payload, out, delta_format.BLOCK)
+            delta_format._apply_xor(payload, out, delta_format.BLOCK, 4)
         elif codec == "sparse":
             delta_format._apply_sparse(payload, out, 4)
         elif codec == "raw":
