@@ -21,10 +21,11 @@ not match, a file pruned mid-read) fails while staging, before serving is held a
 
 **Delta versions** (:class:`weightstore.Delta`) are staged by applying each delta onto a copy
 of the bytes of the version the follower holds, so only the deltas published since are fetched,
-verified against the digests their publisher recorded; when that would move more bytes than the
-version's own tensors, or the held version is not in the new one's chain (it missed an anchor),
-or the chain fails, the tensors are read from the newest anchor and its chain. Once a delta
-version comes, the follower keeps that copy: **1x the model's bytes more**.
+verified against the digests their publisher recorded; when that would move more bytes than
+reading the newest anchor and the deltas after it (what a fresh reader moves), or the held
+version is not in the new one's chain (it missed an anchor), or the chain fails, the tensors are
+read from the newest anchor and its chain. Once a delta version comes, the follower keeps that
+copy: **1x the model's bytes more**.
 
 **Memory: the model plus the version being staged** (of a sharded version, its changed
 regions). A remote version is read straight into one buffer per tensor or region, and those
@@ -426,8 +427,8 @@ class Follower:
     def _onto_held(self, store: Store, changed: list[str], version: Version) -> dict[str, np.ndarray]:
         """The tensors of ``changed`` rebuilt onto the copies of the version held, reading only the
         deltas published since (when ``version`` is a delta whose chain passes through it, and
-        that moves fewer bytes than reading them from the newest anchor: the version's own
-        bytes of them, at least); ``{}`` otherwise. A chain that fails (corrupt, missing, not
+        that moves fewer bytes than reading them from the newest anchor and the deltas after
+        it); ``{}`` otherwise. A chain that fails (corrupt, missing, not
         the recorded digest) is logged, and what it did not give is read from the anchor."""
         if (self.version is None or not self._held or self.deltas is False
                 or not version.path.endswith(DELTA_SUFFIX)):
@@ -435,7 +436,8 @@ class Follower:
         held = self.version.path.rsplit("/", 1)[-1]
         keys = [key for key in changed if key in self._held and self._held[key][0] == self._digests.get(key)]
         chain = store.chain_payload(keys, held)
-        if chain is None or chain >= sum(store.info(key).nbytes for key in keys):
+        fresh = store.chain_payload(keys, None)  # from the newest anchor, as a reader holding nothing
+        if chain is None or fresh is None or chain >= fresh:
             return {}
         arrays: dict[str, np.ndarray] = {}
         for key in keys:

@@ -556,29 +556,56 @@ class DeltaReader(ReaderDefaults):
             level = level._base
         return None
 
-    def chain_payload(self, keys: list[str], held: str) -> int | None:
-        """Bytes a reader holding version ``held`` fetches to rebuild ``keys`` here (the payloads
-        of the deltas after it); ``None`` when ``held`` is not in this version's chain."""
+    @staticmethod
+    def _needed(key: str, levels: list[DeltaReader]) -> list[DeltaReader] | None:
+        """Of ``levels`` (the newest first), those ``key`` is rebuilt from: down to the first that
+        stores it ``raw`` (nothing older is needed); ``None`` when one lacks it."""
+        for at, level in enumerate(levels):
+            entry = level._entries.get(key)
+            if entry is None:
+                return None
+            if entry[0] == RAW:
+                return levels[: at + 1]
+        return levels
+
+    def chain_payload(self, keys: list[str], held: str | None) -> int | None:
+        """Bytes a reader holding version ``held`` fetches to rebuild ``keys`` here: the payloads
+        of the deltas after it (down to a ``raw`` copy where one is nearer); a tensor the chain
+        cannot rebuild counts whole. ``None`` when ``held`` is not in this version's chain.
+
+        ``held=None``: what a reader that holds nothing fetches, the anchor's bytes of ``keys``
+        and their share of the chain's payloads, told by the head alone (counting it exactly
+        would open every file of the chain, a fetch of each on an object store)."""
+        if held is None:
+            nbytes = sum(self._manifest.tensors[key].nbytes for key in keys)
+            return nbytes + self.head.chain_bytes * nbytes // max(1, self.head.full_bytes)
         levels = self.levels(held)
         if levels is None:
             return None
-        return sum(level._entries[key][2] for level in levels for key in keys if key in level._entries)
+        total = 0
+        for key in keys:
+            needed = self._needed(key, levels)
+            total += self._manifest.tensors[key].nbytes if needed is None else sum(
+                level._entries[key][2] for level in needed)
+        return total
 
     def read_from(self, key: str, held: str, data: np.ndarray, *, verify: bool) -> np.ndarray | None:
         """``key`` rebuilt onto ``data``, the bytes of ``key`` in version ``held`` (a file name in
-        this version's chain), reading only the deltas after it, and verified against the
-        recorded digest; ``None`` when ``held`` is not in the chain, or a tensor on the way is
-        not a change of the one before (then read it whole: :meth:`read`)."""
+        this version's chain), reading only the deltas after it (from the newest that stores it
+        ``raw``), and verified against the recorded digest; ``None`` when ``held`` is not in the
+        chain, or a tensor on the way is not a change of the one before (then read it whole:
+        :meth:`read`)."""
         levels = self.levels(held)
-        if levels is None or any(key not in level._entries for level in levels):
+        needed = None if levels is None else self._needed(key, levels)
+        if needed is None:
             return None
-        for level in levels:  # every payload at once, for a remote chain
+        for level in needed:  # every payload at once, for a remote chain
             _, offset, length = level._entries[key]
             if length:
                 prefetch_ranges(level._source, functools.partial(list, [(level._payload_start + offset, length)]))
-        out: np.ndarray | None = np.array(data, np.uint8).reshape(-1)
+        out: np.ndarray | None = None if needed[-1]._entries[key][0] == RAW else np.array(data, np.uint8).reshape(-1)
         try:
-            for level in reversed(levels):
+            for level in reversed(needed):
                 out = level._apply_own(key, out)
         except WeightStoreError as exc:
             raise _named_here(exc, self.name, key) from None

@@ -185,8 +185,9 @@ class Store(Mapping):
             attach(exc, path=self.path)
             raise
 
-    def chain_payload(self, keys: list[str], held: str) -> int | None:
-        """Bytes :meth:`read_from` fetches for ``keys`` from version file ``held``; ``None`` where it cannot."""
+    def chain_payload(self, keys: list[str], held: str | None) -> int | None:
+        """Bytes :meth:`read_from` fetches for ``keys`` from version file ``held`` (``None``: what
+        reading them from a delta version's anchor fetches); ``None`` where it cannot."""
         method = getattr(self._reader, "chain_payload", None)
         return cast("int | None", method(keys, held)) if callable(method) else None
 
