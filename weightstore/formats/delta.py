@@ -229,8 +229,8 @@ class Estimate:
 
 
 def estimate(new: np.ndarray, base: np.ndarray | None, itemsize: int) -> Estimate:
-    """:func:`encode` of slices spread over the tensor (:data:`SAMPLE_FRACTION` of its bytes, at
-    least one slice), scaled to its size; a small tensor is encoded whole. A publisher asks this
+    """:func:`encode` of slices spread over the tensor (:data:`SAMPLE_FRACTION` of its bytes),
+    scaled to its size; a tensor of at most 32 slices (128 KiB) is encoded whole instead. A publisher asks this
     of every tensor before it encodes any, so a step whose delta will not pay (an fp32 step, its
     chain near a full version's bytes) costs a thirty-second of an encode, not the encode of the
     tensors before the chain overflows (60% of them)."""
@@ -238,7 +238,7 @@ def estimate(new: np.ndarray, base: np.ndarray | None, itemsize: int) -> Estimat
     if base is None or not itemsize:
         return Estimate(nbytes, RAW)
     width = max(itemsize, _SLICE // itemsize * itemsize)
-    if nbytes <= 2 * width:  # small: the whole of it costs as little as a slice
+    if nbytes * SAMPLE_FRACTION <= width:  # its sample would be one slice: encoded whole, no work done twice
         whole = encode(new, base, itemsize)
         return Estimate(whole.nbytes, whole.codec, whole)
     count = max(1, int(nbytes * SAMPLE_FRACTION) // width)
