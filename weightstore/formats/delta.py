@@ -79,6 +79,7 @@ from weightstore.errors import (
 )
 from weightstore.formats import Format, Reader, ReaderDefaults, format_for_suffix
 from weightstore.formats._pointer import VERSION_NAME
+from weightstore.io.buffer import aligned_array
 from weightstore.io.remote import RemoteFile
 from weightstore.io.source import ByteSource, beside, byte_source, prefetch_ranges
 
@@ -532,7 +533,7 @@ class DeltaReader(ReaderDefaults):
         codec, offset, length = self._entries[key]
         payload = memoryview(self._source.read_at(self._payload_start + offset, length))
         if codec == RAW:
-            return np.frombuffer(payload, np.uint8).copy()
+            return _aligned_copy(np.frombuffer(payload, np.uint8))
         assert out is not None
         if len(out) != info.nbytes:
             raise FormatError(f"its base holds {len(out)} bytes, not the {info.nbytes} it changes", path=self.name,
@@ -603,7 +604,7 @@ class DeltaReader(ReaderDefaults):
             _, offset, length = level._entries[key]
             if length:
                 prefetch_ranges(level._source, functools.partial(list, [(level._payload_start + offset, length)]))
-        out: np.ndarray | None = None if needed[-1]._entries[key][0] == RAW else np.array(data, np.uint8).reshape(-1)
+        out = None if needed[-1]._entries[key][0] == RAW else _aligned_copy(np.asarray(data).reshape(-1).view(np.uint8))
         try:
             for level in reversed(needed):
                 out = level._apply_own(key, out)
@@ -633,7 +634,8 @@ class DeltaReader(ReaderDefaults):
         except FileNotFoundError as exc:
             raise FormatError(f"its base {self.head.base} went missing while it was read ({exc})",
                               path=self.name, key=key) from None
-        return np.array(to_storage(array, key)[1]).reshape(-1).view(np.uint8)
+        stored = np.ascontiguousarray(to_storage(array, key)[1])
+        return _aligned_copy(stored.reshape(-1).view(np.uint8) if stored.size else np.empty(0, np.uint8))
 
     def prefetch(self, keys: list[str]) -> None:
         def ranges() -> list[tuple[int, int]]:
@@ -651,6 +653,15 @@ class DeltaReader(ReaderDefaults):
         finally:
             if self._opened is not None:
                 self._opened.close()
+
+
+def _aligned_copy(data: np.ndarray) -> np.ndarray:
+    """A copy of ``data`` (uint8) in 64-byte-aligned memory of its own: what a rebuilt tensor is
+    made in, so that a follower can hand it to the framework as a variable's buffer instead of
+    copying it again while serving waits (:func:`weightstore.adapters.skeleton.handed_over`)."""
+    out = aligned_array(len(data))
+    np.copyto(out, data)
+    return out
 
 
 def _named_here(error: WeightStoreError, name: str, key: str | None) -> WeightStoreError:
