@@ -590,12 +590,14 @@ class DeltaReader(ReaderDefaults):
                 level._entries[key][2] for level in needed)
         return total
 
-    def read_from(self, key: str, held: str, data: np.ndarray, *, verify: bool) -> np.ndarray | None:
+    def read_from(self, key: str, held: str, data: np.ndarray, *, verify: bool,
+                  in_place: bool = False) -> np.ndarray | None:
         """``key`` rebuilt onto ``data``, the bytes of ``key`` in version ``held`` (a file name in
         this version's chain), reading only the deltas after it (from the newest that stores it
         ``raw``), and verified against the recorded digest; ``None`` when ``held`` is not in the
         chain, or a tensor on the way is not a change of the one before (then read it whole:
-        :meth:`read`)."""
+        :meth:`read`). ``in_place``: ``data`` (uint8, writable) is rebuilt where it lies, no
+        copy made (a failure leaves it half changed), and the result is a view of it."""
         levels = self.levels(held)
         needed = None if levels is None else self._needed(key, levels)
         if needed is None:
@@ -604,12 +606,18 @@ class DeltaReader(ReaderDefaults):
             _, offset, length = level._entries[key]
             if length:
                 prefetch_ranges(level._source, functools.partial(list, [(level._payload_start + offset, length)]))
-        out = None if needed[-1]._entries[key][0] == RAW else _aligned_copy(np.asarray(data).reshape(-1).view(np.uint8))
+        if needed[-1]._entries[key][0] == RAW:
+            out = None
+        else:
+            out = data if in_place else _aligned_copy(np.asarray(data).reshape(-1).view(np.uint8))
         try:
             for level in reversed(needed):
                 out = level._apply_own(key, out)
         except WeightStoreError as exc:
             raise _named_here(exc, self.name, key) from None
+        if in_place and out is not data and out is not None and len(out) == len(data):
+            np.copyto(data, out)
+            out = data
         info = self._manifest.tensors[key]
         assert out is not None
         if verify and DIGEST_PREFIX + content_digest(out).hex() != info.digest:

@@ -171,16 +171,17 @@ class Store(Mapping):
             attach(exc, path=self.path)
             raise
 
-    def read_from(self, key: str, held: str, data: np.ndarray) -> np.ndarray | None:
+    def read_from(self, key: str, held: str, data: np.ndarray, *, in_place: bool = False) -> np.ndarray | None:
         """``key`` rebuilt onto ``data`` (its bytes in version file ``held``, which the caller
         holds), reading only what changed since: a delta version whose chain passes through
         ``held`` (see :mod:`weightstore.formats.delta`). ``None`` where this store cannot (any
-        other format, or ``held`` not in the chain): read ``key`` as usual then."""
+        other format, or ``held`` not in the chain): read ``key`` as usual then. ``in_place``:
+        rebuilt where ``data`` (uint8, writable) lies, which a failure leaves half changed."""
         method = getattr(self._reader, "read_from", None)
         if not callable(method):
             return None
         try:
-            return cast("np.ndarray | None", method(key, held, data, verify=self.verify))
+            return cast("np.ndarray | None", method(key, held, data, verify=self.verify, in_place=in_place))
         except WeightStoreError as exc:
             attach(exc, path=self.path)
             raise
