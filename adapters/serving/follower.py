@@ -72,7 +72,7 @@ import weightstore
 from weightstore.adapters._registry import adapter_for
 from weightstore.adapters._reload import reload_digest, wants_skip
 from weightstore.adapters.plan import AssignOptions, AssignWords, Report
-from weightstore.adapters.skeleton import handed_over, rehearsal
+from weightstore.adapters.skeleton import copy_into, handed_over, rehearsal
 from weightstore.core._heap import give_back
 from weightstore.core.manifest import TensorInfo, logical_dtype
 from weightstore.errors import StorageError, UnsupportedTargetError, VersionGoneError, WeightStoreError, naming
@@ -482,7 +482,7 @@ def _own_copy(array: np.ndarray) -> np.ndarray:
     """``array`` copied into 64-byte-aligned memory of its own, which an assign hands to the
     framework as the variable's buffer instead of copying it while serving waits."""
     out = aligned_array(array.nbytes).view(array.dtype).reshape(array.shape)
-    np.copyto(out, array)
+    copy_into(out, array)  # on several threads: the fresh pages' faults are most of its cost
     return out
 
 
