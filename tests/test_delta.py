@@ -480,7 +480,7 @@ def test_a_step_whose_estimate_does_not_pay_is_written_full(tmp_path):
     assert version.path.endswith(".npz") and delta.last_kind == "full"
     same_bytes(ws.load(version), noise)
     moved = {"w": noise["w"].copy(), "b": rng.integers(0, 2**32, 300, dtype=np.uint32).view(np.float32)}
-    moved["w"][:1000] += 1
+    moved["w"].view(np.uint32)[:1000] ^= 1  # random bits hold NaNs: change bits, not values
     version = ws.publish(tmp_path, moved, step=3, delta=delta)  # "b" changed whole: raw inside the delta
     assert version.path.endswith(".wsdelta")
     same_bytes(ws.load(version), moved)
