@@ -14,10 +14,14 @@ delta folder's follower is made with ``deltas=True``, so it keeps a copy of what
 the first version on), then stops while
 ``--skipped`` more are published and catches up at once (the bytes of that catch-up). Publish
 CPU (all threads, ``time.process_time``) and wall time per GB are measured apart, publishing the
-same steps to two local folders. Ratios are of the full version's bytes.
+same steps to two local folders (totals over the steps, three rounds, medians). Ratios are of
+the full version's bytes. ``--follow-mb`` also times a follower of that many MB of bf16 (2%
+changed per version), local and on S3: from ``LATEST`` naming a version to it serving, and the
+serving stall of that swap.
 
     python -m benchmarks.delta_bench                       # 96 MB synthetic, the default model
     python -m benchmarks.delta_bench --synthetic-mb 16 --width 128 --layers 2
+    python -m benchmarks.delta_bench --only none --follow-mb 256   # follower latency and stall only
 """
 
 from __future__ import annotations
@@ -84,24 +88,83 @@ def follower_target(weights: dict[str, np.ndarray]) -> dict[str, Any]:
             for key, value in weights.items()}
 
 
-def publish_cpu(steps: list[dict[str, np.ndarray]], anchor_every: int) -> dict[str, float]:
-    """CPU and wall seconds per GB of publishing ``steps`` to a local folder, full and delta
-    (each the median of the steps after the first, which is a full version either way)."""
-    found: dict[str, float] = {}
-    for mode in ("full", "delta"):
-        delta = ws.Delta(anchor_every=anchor_every) if mode == "delta" else False
-        with tempfile.TemporaryDirectory(dir=os.environ.get("WS_BENCH_DIR")) as folder:
-            cpu, wall = [], []
-            for step, weights in enumerate(steps, 1):
-                started, used = time.perf_counter(), time.process_time()
-                ws.publish(folder, weights, step=step, keep=3, delta=delta)
-                if step > 1:
-                    cpu.append(time.process_time() - used)
-                    wall.append(time.perf_counter() - started)
-        gb = sum(value.nbytes for value in steps[0].values()) / 1e9
-        found[f"{mode}_cpu"] = float(np.median(cpu)) / gb
-        found[f"{mode}_wall"] = float(np.median(wall)) / gb
-    return found
+def publish_cpu(steps: list[dict[str, np.ndarray]], anchor_every: int, rounds: int = 3) -> dict[str, float]:
+    """CPU and wall seconds per GB of publishing ``steps`` to a local folder, full and delta,
+    ``rounds`` times in turn: the medians of each round's total over the steps after the first
+    (a full version either way). Totals, not a median step: a publisher whose deltas alternate
+    with anchors (fp32) pays for both."""
+    found: dict[str, list[float]] = {}
+    gb = sum(value.nbytes for value in steps[0].values()) / 1e9 * (len(steps) - 1)
+    for _ in range(rounds):
+        for mode in ("full", "delta"):
+            delta = ws.Delta(anchor_every=anchor_every) if mode == "delta" else False
+            with tempfile.TemporaryDirectory(dir=os.environ.get("WS_BENCH_DIR")) as folder:
+                cpu = wall = 0.0
+                for step, weights in enumerate(steps, 1):
+                    started, used = time.perf_counter(), time.process_time()
+                    ws.publish(folder, weights, step=step, keep=3, delta=delta)
+                    if step > 1:
+                        cpu += time.process_time() - used
+                        wall += time.perf_counter() - started
+            found.setdefault(f"{mode}_cpu", []).append(cpu / gb)
+            found.setdefault(f"{mode}_wall", []).append(wall / gb)
+    return {name: float(np.median(values)) for name, values in found.items()}
+
+
+def follow_latency(server: ServerProcess, size_mb: float, versions: int, anchor_every: int) -> list[list[str]]:
+    """Per store (local, S3) and mode (full, delta): the time from ``LATEST`` naming a version to
+    the follower serving it, and the serving stall of that swap (the longest wait of a prober
+    entering ``reading()`` meanwhile, holding it 0.5 ms: an inference call), medians over the
+    versions after the first; ``size_mb`` of bf16, 2% of it changed per version."""
+    import threading
+
+    from weightstore.adapters.serving.follower import Follower
+
+    steps = list(synthetic_steps(versions, size_mb))
+    rows = []
+    for store in ("local", "s3"):
+        found: dict[str, tuple[float, float]] = {}
+        for mode in ("full", "delta"):
+            with tempfile.TemporaryDirectory(dir=os.environ.get("WS_BENCH_DIR")) as local:
+                folder = local if store == "local" else f"s3://{BUCKET}/follow-{mode}-{uuid.uuid4().hex[:8]}"
+                delta = ws.Delta(anchor_every=anchor_every) if mode == "delta" else False
+                follower = Follower(follower_target(steps[0]), folder, poll=0.01, deltas=mode == "delta" or None)
+                waits: list[tuple[float, float]] = []
+                stop = threading.Event()
+
+                def probe(follower: Follower = follower, stop: threading.Event = stop,
+                          waits: list[tuple[float, float]] = waits) -> None:
+                    while not stop.is_set():
+                        entered = time.perf_counter()
+                        with follower.reading():
+                            waits.append((entered, time.perf_counter() - entered))
+                            time.sleep(0.0005)
+
+                prober = threading.Thread(target=probe, daemon=True)
+                latency, stall = [], []
+                try:
+                    follower.start()
+                    prober.start()
+                    for step, weights in enumerate(steps, 1):
+                        ws.publish(folder, weights, step=step, keep=3, delta=delta)
+                        named = time.perf_counter()
+                        assert follower.wait(step, timeout=600) is not None
+                        served = time.perf_counter()
+                        if step > 1:
+                            latency.append(served - named)
+                            stall.append(max((waited for entered, waited in list(waits) if named <= entered + waited
+                                              and entered <= served), default=0.0))
+                    assert follower.error is None, follower.error
+                finally:
+                    stop.set()
+                    prober.join()
+                    follower.stop()
+                found[mode] = (float(np.median(latency)), float(np.median(stall)))
+        (full_latency, full_stall), (delta_latency, delta_stall) = found["full"], found["delta"]
+        rows.append([store, f"{size_mb:g} MB", f"{full_latency:.2f} s", f"{delta_latency:.2f} s",
+                     f"{delta_latency / full_latency:.2f}x", f"{full_stall * 1e3:.0f} ms", f"{delta_stall * 1e3:.0f} ms",
+                     f"{delta_stall / max(full_stall, 1e-9):.2f}x"])
+    return rows
 
 
 def scenario(server: ServerProcess, name: str, steps: list[dict[str, np.ndarray]], followed: int, skipped: int,
@@ -156,7 +219,7 @@ def scenario(server: ServerProcess, name: str, steps: list[dict[str, np.ndarray]
 
 
 def bench(*, synthetic_mb: float, layers: int, width: int, followed: int, skipped: int, anchor_every: int,
-          only: list[str] | None = None) -> None:
+          only: list[str] | None = None, follow_mb: float = 0, follow_versions: int = 5) -> None:
     count = followed + skipped
     makers = {
         "bf16-adam": lambda: list(keras_steps(count, bf16=True, lr=3e-6, layers=layers, width=width)),
@@ -179,13 +242,24 @@ def bench(*, synthetic_mb: float, layers: int, width: int, followed: int, skippe
             rows.append([name, f"{r['model'] / 1e6:.1f} MB", f"{r['delta_per_version']:.3f}x",
                          f"{r['anchors']}/{r['versions']}", f"{r['follow_full']:.3f}x", f"{r['follow_delta']:.3f}x",
                          f"{r['skip_full']:.3f}x", f"{r['skip_delta']:.3f}x"])
-            c = publish_cpu(steps[: min(len(steps), 8)], anchor_every)
+            c = publish_cpu(steps[: min(len(steps), 9)], anchor_every)
             cpu_rows.append([name, f"{c['full_cpu']:.2f}", f"{c['delta_cpu']:.2f}", f"{c['delta_cpu'] / c['full_cpu']:.2f}x",
                              f"{c['full_wall']:.2f}", f"{c['delta_wall']:.2f}", f"{c['delta_wall'] / c['full_wall']:.2f}x"])
+        follow_rows = follow_latency(server, follow_mb, follow_versions, anchor_every) if follow_mb else []
     finally:
         server.stop()
         restore_environment(saved)
     print(machine_line())
+    if rows:
+        print_scenarios(rows, cpu_rows, followed, skipped, anchor_every)
+    if follow_rows:
+        print(f"follower: LATEST names a version -> it serves (latency), and the serving stall; medians of "
+              f"{follow_versions - 1} versions")
+        print(table(["store", "model", "latency full", "delta", "ratio", "stall full", "delta", "ratio"], follow_rows))
+
+
+def print_scenarios(rows: list[list[str]], cpu_rows: list[list[str]], followed: int, skipped: int,
+                    anchor_every: int) -> None:
     print(f"delta versions: {followed} versions followed one by one, then {skipped} skipped; anchor_every="
           f"{anchor_every}; ratios of a full version's bytes")
     print(table(["case", "model", "delta file / version", "anchors/versions", "follower fetch / version (full)",
@@ -201,10 +275,13 @@ def main() -> None:
     parser.add_argument("--followed", type=int, default=6)
     parser.add_argument("--skipped", type=int, default=10)
     parser.add_argument("--anchor-every", type=int, default=20)
-    parser.add_argument("--only", nargs="*", choices=["bf16-adam", "fp32-adam", "synthetic"])
+    parser.add_argument("--only", nargs="*", choices=["bf16-adam", "fp32-adam", "synthetic", "none"])
+    parser.add_argument("--follow-mb", type=float, default=0, help="also time a follower of this many MB (0: not)")
+    parser.add_argument("--follow-versions", type=int, default=5)
     args = parser.parse_args()
     bench(synthetic_mb=args.synthetic_mb, layers=args.layers, width=args.width, followed=args.followed,
-          skipped=args.skipped, anchor_every=args.anchor_every, only=args.only)
+          skipped=args.skipped, anchor_every=args.anchor_every, only=args.only, follow_mb=args.follow_mb,
+          follow_versions=args.follow_versions)
 
 
 if __name__ == "__main__":

@@ -21,10 +21,11 @@ not match, a file pruned mid-read) fails while staging, before serving is held a
 
 **Delta versions** (:class:`weightstore.Delta`) are staged by applying each delta onto a copy
 of the bytes of the version the follower holds, so only the deltas published since are fetched,
-verified against the digests their publisher recorded; when that would move more bytes than the
-version's own tensors, or the held version is not in the new one's chain (it missed an anchor),
-or the chain fails, the tensors are read from the newest anchor and its chain. Once a delta
-version comes, the follower keeps that copy: **1x the model's bytes more**.
+verified against the digests their publisher recorded; when that would move more bytes than
+reading the newest anchor and the deltas after it (what a fresh reader moves), or the held
+version is not in the new one's chain (it missed an anchor), or the chain fails, the tensors are
+read from the newest anchor and its chain. Once a delta version comes, the follower keeps that
+copy: **1x the model's bytes more**.
 
 **Memory: the model plus the version being staged** (of a sharded version, its changed
 regions). A remote version is read straight into one buffer per tensor or region, and those
@@ -71,13 +72,14 @@ import weightstore
 from weightstore.adapters._registry import adapter_for
 from weightstore.adapters._reload import reload_digest, wants_skip
 from weightstore.adapters.plan import AssignOptions, AssignWords, Report
-from weightstore.adapters.skeleton import handed_over, rehearsal
+from weightstore.adapters.skeleton import copy_into, handed_over, rehearsal
 from weightstore.core._heap import give_back
 from weightstore.core.manifest import TensorInfo, logical_dtype
 from weightstore.errors import StorageError, UnsupportedTargetError, VersionGoneError, WeightStoreError, naming
 from weightstore.formats import ReaderDefaults
 from weightstore.formats.delta import SUFFIX as DELTA_SUFFIX
 from weightstore.formats.sharded import normalized_region
+from weightstore.io.buffer import aligned_array
 from weightstore.store._open import Store
 from weightstore.sync._checks import DEFAULT_POLL, checked_count, checked_seconds
 from weightstore.sync._folder import versions_folder
@@ -412,11 +414,13 @@ class Follower:
                 return _StagedStore(store, store.read(list(recorder.wanted)), digests, parts)
             changed = [key for key, digest in digests.items()
                        if not skip or digest is None or self._digests.get(key) != digest]
-            arrays = self._onto_held(store, changed, version) if skip else {}
+            rebuilt = self._onto_held(store, changed, version) if skip else {}
+            arrays = {key: _own_copy(array) for key, array in rebuilt.items()}
             arrays.update(store.read([key for key in changed if key not in arrays]))
             staged = _StagedStore(store, arrays, digests)
             if self.deltas or (self.deltas is None and (self._held or version.path.endswith(DELTA_SUFFIX))):
-                staged.copies = {key: (digests[key], np.ascontiguousarray(array).reshape(-1).view(np.uint8).copy())
+                staged.copies = {key: (digests[key], self._held[key][1] if key in rebuilt else
+                                       np.ascontiguousarray(array).reshape(-1).view(np.uint8).copy())
                                  for key, array in arrays.items()}
             return staged
         except BaseException:
@@ -426,21 +430,28 @@ class Follower:
     def _onto_held(self, store: Store, changed: list[str], version: Version) -> dict[str, np.ndarray]:
         """The tensors of ``changed`` rebuilt onto the copies of the version held, reading only the
         deltas published since (when ``version`` is a delta whose chain passes through it, and
-        that moves fewer bytes than reading them from the newest anchor: the version's own
-        bytes of them, at least); ``{}`` otherwise. A chain that fails (corrupt, missing, not
-        the recorded digest) is logged, and what it did not give is read from the anchor."""
+        that moves fewer bytes than reading them from the newest anchor and the deltas after
+        it); ``{}`` otherwise. A chain that fails (corrupt, missing, not
+        the recorded digest) is logged, and what it did not give is read from the anchor.
+
+        Each copy is rebuilt in place (the result is a view of it: one copy per swap, the one
+        handed to the framework, not two), and marked as holding no known version until the
+        swap that stages it is done: a failure on the way leaves it unused, never misread."""
         if (self.version is None or not self._held or self.deltas is False
                 or not version.path.endswith(DELTA_SUFFIX)):
             return {}
         held = self.version.path.rsplit("/", 1)[-1]
         keys = [key for key in changed if key in self._held and self._held[key][0] == self._digests.get(key)]
         chain = store.chain_payload(keys, held)
-        if chain is None or chain >= sum(store.info(key).nbytes for key in keys):
+        fresh = store.chain_payload(keys, None)  # from the newest anchor, as a reader holding nothing
+        if chain is None or fresh is None or chain >= fresh:
             return {}
         arrays: dict[str, np.ndarray] = {}
         for key in keys:
+            buffer = self._held[key][1]
+            self._held[key] = (None, buffer)  # rebuilt in place below: no longer the held version's bytes
             try:
-                found = store.read_from(key, held, self._held[key][1])
+                found = store.read_from(key, held, buffer, in_place=True)
             except WeightStoreError as exc:
                 _log.warning("weightstore follower of %s: applying step %d onto step %d failed (%s); reading the rest "
                              "from its anchor", self.folder, version.step, self.version.step, exc)
@@ -465,6 +476,14 @@ class Follower:
             with self._swapped:
                 if not loop.stop.is_set():
                     self.error, self._following_failed = None, False
+
+
+def _own_copy(array: np.ndarray) -> np.ndarray:
+    """``array`` copied into 64-byte-aligned memory of its own, which an assign hands to the
+    framework as the variable's buffer instead of copying it while serving waits."""
+    out = aligned_array(array.nbytes).view(array.dtype).reshape(array.shape)
+    copy_into(out, array)  # on several threads: the fresh pages' faults are most of its cost
+    return out
 
 
 class _Staged(ReaderDefaults):

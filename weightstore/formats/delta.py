@@ -7,7 +7,10 @@ beside it) and stores each tensor as one of:
 
 - ``same``: the base's bytes, unchanged (no payload);
 - ``xor-zstd``: the XOR of the new and the base's raw little-endian bytes, in blocks of
-  :data:`BLOCK` bytes, each a zstd frame (level 1) that declares its size;
+  :data:`BLOCK` bytes, each byte-planed (byte 0 of every element, then byte 1, ...: the high
+  bytes of the XOR of close values are mostly zeros, the low ones noise that zstd's entropy
+  coder alone handles; 0.55x of an fp32 Adam step where the unplaned XOR took 0.64x) and a zstd
+  frame (level 1) that declares its size;
 - ``sparse``: the positions (``<u4``, or ``<u8`` past 2**32 elements) of the elements that
   changed, as gaps, and the XOR of each with the base's, both byte-planed and zstd-compressed;
 - ``raw``: the new bytes as they are (a tensor the base lacks, or one that changed whole).
@@ -83,6 +86,7 @@ from weightstore.errors import (
 )
 from weightstore.formats import Format, Reader, ReaderDefaults, format_for_suffix
 from weightstore.formats._pointer import VERSION_NAME
+from weightstore.io.buffer import aligned_array
 from weightstore.io.remote import RemoteFile
 from weightstore.io.source import ByteSource, beside, byte_source, prefetch_ranges
 
@@ -117,6 +121,18 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     found = getattr(_local, "decompressor", None)
     if found is None:
         found = _local.decompressor = zstandard.ZstdDecompressor()
+    return found
+
+
+def _scratch(nbytes: int) -> np.ndarray:
+    """A buffer of at least ``nbytes`` kept per thread (at most two blocks): fresh memory for
+    every block's XOR cost as much CPU in page faults as zstd took to compress it."""
+    found = getattr(_local, "scratch", None)
+    if found is not None and len(found) >= nbytes:
+        return found
+    found = np.empty(nbytes, np.uint8)
+    if nbytes <= 2 * BLOCK:
+        _local.scratch = found
     return found
 
 
@@ -156,7 +172,7 @@ class Encoded:
         return sum(memoryview(part).nbytes for part in self.parts)
 
 
-def encode(new: np.ndarray, base: np.ndarray | None, itemsize: int) -> Encoded:
+def encode(new: np.ndarray, base: np.ndarray | None, itemsize: int, *, dense: bool = False) -> Encoded:
     """``new`` (a tensor's stored bytes, uint8, C-contiguous) against ``base`` (the base
     version's bytes of the same tensor, same dtype and shape; ``None`` when it has none): the
     smallest of :data:`SAME`, :data:`XOR_ZSTD`, :data:`SPARSE` and :data:`RAW`.
@@ -166,10 +182,14 @@ def encode(new: np.ndarray, base: np.ndarray | None, itemsize: int) -> Encoded:
     XOR + zstd (block by block, the XOR never held whole) is then tried only where the sparse
     form takes more than two bytes per changed element: XOR + zstd took 2.2-2.4 where the
     sparse form took 1.2 (bf16, 2-3.7% changed), and costs most of a publish's CPU (0.7 s/GB).
+    ``dense`` (an :func:`estimate` found most elements changed) skips the first pass: XOR + zstd.
     """
     nbytes = len(new)
     if base is None:
         return Encoded(RAW, [new])
+    if dense:
+        xor = _xor_zstd(new, base, [1] * -(-nbytes // BLOCK), itemsize)
+        return xor if xor.nbytes < nbytes else Encoded(RAW, [new])
     elements = nbytes // itemsize if itemsize else 0
     mask = _changed_mask(new, base, itemsize)
     total = int(np.count_nonzero(mask))
@@ -179,7 +199,7 @@ def encode(new: np.ndarray, base: np.ndarray | None, itemsize: int) -> Encoded:
     if best is None or best.nbytes > 2 * total:
         per_block = BLOCK // itemsize
         changed = [int(np.count_nonzero(mask[start : start + per_block])) for start in range(0, elements, per_block)]
-        xor = _xor_zstd(new, base, changed)
+        xor = _xor_zstd(new, base, changed, itemsize)
         if best is None or xor.nbytes < best.nbytes:
             best = xor
     return best if best.nbytes < nbytes else Encoded(RAW, [new])
@@ -187,6 +207,43 @@ def encode(new: np.ndarray, base: np.ndarray | None, itemsize: int) -> Encoded:
 
 #: the most changed elements (a fraction) for which the sparse form is tried
 SPARSE_DENSITY = 0.25
+
+#: the share of a tensor's bytes :func:`estimate` encodes, in slices of :data:`_SLICE` bytes spread over it
+SAMPLE_FRACTION = 1 / 32
+_SLICE = 4096
+
+
+@dataclass
+class Estimate:
+    """What :func:`estimate` found of one tensor."""
+
+    #: about how many bytes :func:`encode` makes of it
+    nbytes: int
+    #: the codec the sample took
+    codec: str
+    #: the tensor's encoding itself, when it was small enough to encode whole
+    encoded: Encoded | None = None
+
+
+def estimate(new: np.ndarray, base: np.ndarray | None, itemsize: int) -> Estimate:
+    """:func:`encode` of slices spread over the tensor (:data:`SAMPLE_FRACTION` of its bytes),
+    scaled to its size; a tensor of at most 32 slices (128 KiB) is encoded whole instead. A publisher asks this
+    of every tensor before it encodes any, so a step whose delta will not pay (an fp32 step, its
+    chain near a full version's bytes) costs a thirty-second of an encode, not the encode of the
+    tensors before the chain overflows (60% of them)."""
+    nbytes = len(new)
+    if base is None or not itemsize:
+        return Estimate(nbytes, RAW)
+    width = max(itemsize, _SLICE // itemsize * itemsize)
+    if nbytes * SAMPLE_FRACTION <= width:  # its sample would be one slice: encoded whole, no work done twice
+        whole = encode(new, base, itemsize)
+        return Estimate(whole.nbytes, whole.codec, whole)
+    count = max(1, int(nbytes * SAMPLE_FRACTION) // width)
+    starts = (np.linspace(0, nbytes - width, count) // itemsize).astype(np.int64) * itemsize
+    new_part = np.concatenate([new[start : start + width] for start in starts.tolist()])
+    base_part = np.concatenate([base[start : start + width] for start in starts.tolist()])
+    sample = encode(new_part, base_part, itemsize)
+    return Estimate(min(nbytes, sample.nbytes * nbytes // len(new_part)), sample.codec)
 
 
 def _planes(values: np.ndarray, size: int) -> bytes:
@@ -211,17 +268,31 @@ def _sparse(new: np.ndarray, base: np.ndarray, itemsize: int, elements: int, mas
     return Encoded(SPARSE, [struct.pack("<QQQ", len(where), len(gap_frame), len(value_frame)), gap_frame, value_frame])
 
 
-def _xor_zstd(new: np.ndarray, base: np.ndarray, changed: list[int]) -> Encoded:
-    """The XOR in blocks of :data:`BLOCK` bytes, each a zstd frame (an unchanged block's: one of zeros)."""
-    nbytes, count = len(new), len(changed)
-    frames: list[bytes] = [b""] * count
+def _plane_size(itemsize: int, block: int) -> int:
+    """How many byte planes an xor-zstd block of ``itemsize``-byte elements is split into (1: none)."""
+    return itemsize if 1 < itemsize <= 16 and block % itemsize == 0 else 1
+
+
+def _xor_zstd(new: np.ndarray, base: np.ndarray, changed: list[int], itemsize: int) -> Encoded:
+    """The XOR in blocks of :data:`BLOCK` bytes, each byte-planed and a zstd frame (an unchanged
+    block's: one of zeros)."""
+    nbytes, count, size = len(new), len(changed), _plane_size(itemsize, BLOCK)
 
     def block(index: int) -> None:
         start = index * BLOCK
         if changed[index]:
-            frames[index] = _compressor().compress(np.bitwise_xor(new[start : start + BLOCK],
-                                                                  base[start : start + BLOCK]))
+            length = min(BLOCK, nbytes - start)
+            buffer = _scratch(2 * length)
+            xor, planes = buffer[:length], buffer[length : 2 * length]
+            np.bitwise_xor(new[start : start + length], base[start : start + length], out=xor)
+            if size > 1:  # a plane at a time: faster than copying the transpose at once
+                items, planed = xor.reshape(-1, size), planes.reshape(size, -1)
+                for byte in range(size):
+                    planed[byte] = items[:, byte]
+                xor = planes
+            frames[index] = _compressor().compress(xor.data)
 
+    frames: list[bytes] = [b""] * count
     parallel.for_each(count, block)
     zeros: dict[int, bytes] = {}
     for index, frame in enumerate(frames):
@@ -459,14 +530,14 @@ class DeltaReader(ReaderDefaults):
         codec, offset, length = self._entries[key]
         payload = memoryview(self._source.read_at(self._payload_start + offset, length))
         if codec == RAW:
-            return np.frombuffer(payload, np.uint8).copy()
+            return _aligned_copy(np.frombuffer(payload, np.uint8))
         assert out is not None
         if len(out) != info.nbytes:
             raise FormatError(f"its base holds {len(out)} bytes, not the {info.nbytes} it changes", path=self.name,
                               key=key)
         with naming(path=self.name, key=key):
             if codec == XOR_ZSTD:
-                _apply_xor(payload, out, self.head.block)
+                _apply_xor(payload, out, self.head.block, storage_dtype(info.dtype).itemsize)
             elif codec == SPARSE:
                 _apply_sparse(payload, out, storage_dtype(info.dtype).itemsize)
         return out
@@ -483,32 +554,67 @@ class DeltaReader(ReaderDefaults):
             level = level._base
         return None
 
-    def chain_payload(self, keys: list[str], held: str) -> int | None:
-        """Bytes a reader holding version ``held`` fetches to rebuild ``keys`` here (the payloads
-        of the deltas after it); ``None`` when ``held`` is not in this version's chain."""
+    @staticmethod
+    def _needed(key: str, levels: list[DeltaReader]) -> list[DeltaReader] | None:
+        """Of ``levels`` (the newest first), those ``key`` is rebuilt from: down to the first that
+        stores it ``raw`` (nothing older is needed); ``None`` when one lacks it."""
+        for at, level in enumerate(levels):
+            entry = level._entries.get(key)
+            if entry is None:
+                return None
+            if entry[0] == RAW:
+                return levels[: at + 1]
+        return levels
+
+    def chain_payload(self, keys: list[str], held: str | None) -> int | None:
+        """Bytes a reader holding version ``held`` fetches to rebuild ``keys`` here: the payloads
+        of the deltas after it (down to a ``raw`` copy where one is nearer); a tensor the chain
+        cannot rebuild counts whole. ``None`` when ``held`` is not in this version's chain.
+
+        ``held=None``: what a reader that holds nothing fetches, the anchor's bytes of ``keys``
+        and their share of the chain's payloads, told by the head alone (counting it exactly
+        would open every file of the chain, a fetch of each on an object store)."""
+        if held is None:
+            nbytes = sum(self._manifest.tensors[key].nbytes for key in keys)
+            return nbytes + self.head.chain_bytes * nbytes // max(1, self.head.full_bytes)
         levels = self.levels(held)
         if levels is None:
             return None
-        return sum(level._entries[key][2] for level in levels for key in keys if key in level._entries)
+        total = 0
+        for key in keys:
+            needed = self._needed(key, levels)
+            total += self._manifest.tensors[key].nbytes if needed is None else sum(
+                level._entries[key][2] for level in needed)
+        return total
 
-    def read_from(self, key: str, held: str, data: np.ndarray, *, verify: bool) -> np.ndarray | None:
+    def read_from(self, key: str, held: str, data: np.ndarray, *, verify: bool,
+                  in_place: bool = False) -> np.ndarray | None:
         """``key`` rebuilt onto ``data``, the bytes of ``key`` in version ``held`` (a file name in
-        this version's chain), reading only the deltas after it, and verified against the
-        recorded digest; ``None`` when ``held`` is not in the chain, or a tensor on the way is
-        not a change of the one before (then read it whole: :meth:`read`)."""
+        this version's chain), reading only the deltas after it (from the newest that stores it
+        ``raw``), and verified against the recorded digest; ``None`` when ``held`` is not in the
+        chain, or a tensor on the way is not a change of the one before (then read it whole:
+        :meth:`read`). ``in_place``: ``data`` (uint8, writable) is rebuilt where it lies, no
+        copy made (a failure leaves it half changed), and the result is a view of it."""
         levels = self.levels(held)
-        if levels is None or any(key not in level._entries for level in levels):
+        needed = None if levels is None else self._needed(key, levels)
+        if needed is None:
             return None
-        for level in levels:  # every payload at once, for a remote chain
+        for level in needed:  # every payload at once, for a remote chain
             _, offset, length = level._entries[key]
             if length:
                 prefetch_ranges(level._source, functools.partial(list, [(level._payload_start + offset, length)]))
-        out: np.ndarray | None = np.array(data, np.uint8).reshape(-1)
+        if needed[-1]._entries[key][0] == RAW:
+            out = None
+        else:
+            out = data if in_place else _aligned_copy(np.asarray(data).reshape(-1).view(np.uint8))
         try:
-            for level in reversed(levels):
+            for level in reversed(needed):
                 out = level._apply_own(key, out)
         except WeightStoreError as exc:
             raise _named_here(exc, self.name, key) from None
+        if in_place and out is not data and out is not None and len(out) == len(data):
+            np.copyto(data, out)
+            out = data
         info = self._manifest.tensors[key]
         assert out is not None
         if verify and DIGEST_PREFIX + content_digest(out).hex() != info.digest:
@@ -533,7 +639,8 @@ class DeltaReader(ReaderDefaults):
         except FileNotFoundError as exc:
             raise FormatError(f"its base {self.head.base} went missing while it was read ({exc})",
                               path=self.name, key=key) from None
-        return np.array(to_storage(array, key)[1]).reshape(-1).view(np.uint8)
+        stored = np.ascontiguousarray(to_storage(array, key)[1])
+        return _aligned_copy(stored.reshape(-1).view(np.uint8) if stored.size else np.empty(0, np.uint8))
 
     def prefetch(self, keys: list[str]) -> None:
         def ranges() -> list[tuple[int, int]]:
@@ -553,6 +660,15 @@ class DeltaReader(ReaderDefaults):
                 self._opened.close()
 
 
+def _aligned_copy(data: np.ndarray) -> np.ndarray:
+    """A copy of ``data`` (uint8) in 64-byte-aligned memory of its own: what a rebuilt tensor is
+    made in, so that a follower can hand it to the framework as a variable's buffer instead of
+    copying it again while serving waits (:func:`weightstore.adapters.skeleton.handed_over`)."""
+    out = aligned_array(len(data))
+    np.copyto(out, data)
+    return out
+
+
 def _named_here(error: WeightStoreError, name: str, key: str | None) -> WeightStoreError:
     """``error``, raised reading this version's chain, naming this version (and the file of the
     chain it came from in its message), so that whoever reads a version learns which one failed."""
@@ -570,9 +686,10 @@ def _named_here(error: WeightStoreError, name: str, key: str | None) -> WeightSt
 _SIMPLE = (FormatError, ChecksumError, UnsafeFileError)
 
 
-def _apply_xor(payload: memoryview, out: np.ndarray, block: int) -> None:
-    """XOR the frames of ``payload`` into ``out``, each frame bounded by its block's size."""
-    nbytes = len(out)
+def _apply_xor(payload: memoryview, out: np.ndarray, block: int, itemsize: int) -> None:
+    """XOR the frames of ``payload`` (byte-planed, see :func:`_plane_size`) into ``out``, each
+    frame bounded by its block's size."""
+    nbytes, planes = len(out), _plane_size(itemsize, block)
     count = -(-nbytes // block)
     if len(payload) < 4 + 4 * count or struct.unpack_from("<I", payload)[0] != count:
         raise FormatError(f"has a corrupt xor-zstd table (not {count} blocks of {block} bytes)")
@@ -595,7 +712,12 @@ def _apply_xor(payload: memoryview, out: np.ndarray, block: int) -> None:
         if len(plain) != size:
             raise FormatError(f"has an xor-zstd frame at byte {start} that decodes to {len(plain)} bytes, not {size}")
         target = out[start : start + size]
-        np.bitwise_xor(target, np.frombuffer(plain, np.uint8), out=target)
+        if planes == 1:
+            np.bitwise_xor(target, np.frombuffer(plain, np.uint8), out=target)
+            return
+        items, planed = target.reshape(-1, planes), np.frombuffer(plain, np.uint8).reshape(planes, -1)
+        for byte in range(planes):  # a plane at a time: twice as fast as the transpose at once
+            np.bitwise_xor(items[:, byte], planed[byte], out=items[:, byte])
 
     parallel.for_each(len(jobs), one)
 
@@ -631,8 +753,13 @@ def _apply_sparse(payload: memoryview, out: np.ndarray, itemsize: int) -> None:
     where = np.cumsum(gaps, dtype=np.uint64)  # a wrap past 2**64 shows as a position going down
     if int(gaps.min()) < 1 or int(where[-1]) > elements or (count > 1 and not bool(np.all(where[1:] > where[:-1]))):
         raise FormatError("has sparse positions that are out of range or not increasing")
-    rows = out.reshape(-1, itemsize)
     at = where.astype(np.intp) - 1
+    word = _UINTS.get(itemsize)
+    if word is not None and out.ctypes.data % itemsize == 0:  # as words: a row gather of bytes costs several times more
+        words = out.view(word)
+        words[at] = np.bitwise_xor(words[at], np.ascontiguousarray(values).view(word).reshape(-1))
+        return
+    rows = out.reshape(-1, itemsize)
     rows[at] = np.bitwise_xor(rows[at], values)
 
 

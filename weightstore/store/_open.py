@@ -172,22 +172,24 @@ class Store(Mapping):
             attach(exc, path=self.path)
             raise
 
-    def read_from(self, key: str, held: str, data: np.ndarray) -> np.ndarray | None:
+    def read_from(self, key: str, held: str, data: np.ndarray, *, in_place: bool = False) -> np.ndarray | None:
         """``key`` rebuilt onto ``data`` (its bytes in version file ``held``, which the caller
         holds), reading only what changed since: a delta version whose chain passes through
         ``held`` (see :mod:`weightstore.formats.delta`). ``None`` where this store cannot (any
-        other format, or ``held`` not in the chain): read ``key`` as usual then."""
+        other format, or ``held`` not in the chain): read ``key`` as usual then. ``in_place``:
+        rebuilt where ``data`` (uint8, writable) lies, which a failure leaves half changed."""
         method = getattr(self._reader, "read_from", None)
         if not callable(method):
             return None
         try:
-            return cast("np.ndarray | None", method(key, held, data, verify=self.verify))
+            return cast("np.ndarray | None", method(key, held, data, verify=self.verify, in_place=in_place))
         except WeightStoreError as exc:
             attach(exc, path=self.path)
             raise
 
-    def chain_payload(self, keys: list[str], held: str) -> int | None:
-        """Bytes :meth:`read_from` fetches for ``keys`` from version file ``held``; ``None`` where it cannot."""
+    def chain_payload(self, keys: list[str], held: str | None) -> int | None:
+        """Bytes :meth:`read_from` fetches for ``keys`` from version file ``held`` (``None``: what
+        reading them from a delta version's anchor fetches); ``None`` where it cannot."""
         method = getattr(self._reader, "chain_payload", None)
         return cast("int | None", method(keys, held)) if callable(method) else None
 

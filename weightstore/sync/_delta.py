@@ -110,6 +110,8 @@ class Delta:
         self.anchor_every = anchor_every
         self.remember = remember
         self._held: _Held | None = None
+        #: payload bytes of the last delta this object published (``None``: the last was full)
+        self._last_payload: int | None = None
         self.last_kind: str | None = None
         """``"delta"`` or ``"full"``: how the last version this object planned was written."""
 
@@ -162,7 +164,11 @@ class Delta:
             def remembered(key: str, item: Stored) -> np.ndarray | None:
                 return _same_kind(held.tensors.get(key), item)
 
-            return _plan(step, base, chain, chain_bytes, full_bytes, tensors, remembered)
+            # estimated first only where the step may not pay: after a full version, or when
+            # another delta the size of the last would take the chain near a full version (a
+            # sample's cost per tensor is no gain where deltas stay small: bf16 steps)
+            doubt = self._last_payload is None or chain_bytes + 2 * self._last_payload >= full_bytes
+            return _plan(step, base, chain, chain_bytes, full_bytes, tensors, remembered, doubt)
         with pointer._weightstore_open(verify=True) as store:  # read back: anchor and chain, verified
             def read_back(key: str, item: Stored) -> np.ndarray | None:
                 if key not in store:
@@ -173,7 +179,7 @@ class Delta:
                 array = np.ascontiguousarray(store[key])
                 return array.reshape(-1).view(np.uint8) if array.size else np.empty(0, np.uint8)
 
-            return _plan(step, base, chain, chain_bytes, full_bytes, tensors, read_back)
+            return _plan(step, base, chain, chain_bytes, full_bytes, tensors, read_back, False)
 
     @staticmethod
     def _holds(held: _Held, target: Folder, pointer: Version, base: str) -> bool:
@@ -183,6 +189,7 @@ class Delta:
     def published(self, target: Folder, version: Version, tensors: dict[str, Stored], plan: Plan | None) -> None:
         """Remember ``version``, just published with ``tensors`` (as ``plan``, or full), as the next delta's base."""
         self.last_kind = "full" if plan is None else "delta"
+        self._last_payload = None if plan is None else plan.payload_bytes
         if self.remember:
             self._held = _Held(target.where, version.step, version.path.rsplit("/", 1)[-1], version.created,
                                self._copies(tensors), None if plan is None else plan.head)
@@ -216,13 +223,31 @@ def _same_kind(held: Stored | None, item: Stored) -> np.ndarray | None:
 
 
 def _plan(step: int, base: str, chain: list[str], chain_bytes: int, full_bytes: int, tensors: dict[str, Stored],
-          base_of: Callable[[str, Stored], np.ndarray | None]) -> Plan | None:
+          base_of: Callable[[str, Stored], np.ndarray | None], estimate: bool) -> Plan | None:
     """Encode every tensor against ``base_of``'s bytes; ``None`` once the delta (or the chain
-    with it) is no smaller than a full version."""
+    with it) is no smaller than a full version.
+
+    With ``estimate`` (the base's bytes at hand, nothing to read), every tensor's delta is
+    first estimated (:func:`~weightstore.formats.delta.estimate`, 1/32 of an encode): a step
+    whose estimate overflows is written full without encoding any tensor, a tensor whose delta
+    would not pay is stored ``raw`` without encoding it, and one whose sample changed densely
+    goes straight to XOR + zstd."""
+    estimates: dict[str, delta_format.Estimate] = {}
+    if estimate:
+        for key, item in tensors.items():
+            estimates[key] = delta_format.estimate(item.data, base_of(key, item), storage_dtype(item.dtype).itemsize)
+        if chain_bytes + sum(found.nbytes for found in estimates.values()) >= full_bytes:
+            return None
     encoded, rows, digests, total = [], [], [], 0
     for key, item in tensors.items():
-        itemsize = storage_dtype(item.dtype).itemsize
-        one = delta_format.encode(item.data, base_of(key, item), itemsize)
+        found = estimates.get(key)
+        if found is not None and found.encoded is not None:
+            one = found.encoded
+        elif found is not None and found.nbytes >= len(item.data):
+            one = delta_format.Encoded(delta_format.RAW, [item.data])
+        else:
+            dense = found is not None and found.codec in (delta_format.XOR_ZSTD, delta_format.RAW)
+            one = delta_format.encode(item.data, base_of(key, item), storage_dtype(item.dtype).itemsize, dense=dense)
         total += one.nbytes
         if total >= full_bytes or chain_bytes + total >= full_bytes:
             return None
