@@ -290,6 +290,7 @@ def test_a_corrupt_block_is_refused_naming_the_key(tmp_path):
 
 
 V1 = ROOT / "tests" / "data" / "sharded_v1"  # a version committed by weightstore before block tables
+V2 = ROOT / "tests" / "data" / "sharded_v2"  # and one of index version 2: block tables read whole
 
 
 def hostile_index(tmp_path, edit):
@@ -317,6 +318,27 @@ def hostile_v2_index(tmp_path, edit):
     edit(raw)
     path.write_bytes(seal(raw))
     return str(path)
+
+
+def test_an_index_of_version_2_still_reads(tmp_path):
+    folder = tmp_path / "run"
+    shutil.copytree(V2, folder)
+    w = np.arange(24, dtype=np.float32).reshape(6, 4)
+    s = (np.arange(256 * 512) % 251).astype(np.float16).reshape(256, 512)
+    version = ws.latest(folder)
+    assert version.metadata == {"made": "weightstore sharded index v2"}
+    with ws.open(version) as store:
+        assert store._reader.index.version == 2
+        assert store["w"].tobytes() == w.tobytes() and store["s"].tobytes() == s.tobytes()
+        assert store.read_region("s", (slice(10, 200), slice(100, 300))).tobytes() == s[10:200, 100:300].tobytes()
+        assert store.read_region("w", (slice(2, 5),)).tobytes() == w[2:5].tobytes()
+        assert store.region_digest("s", (slice(0, 8),)) == store.region_digest("s", (slice(0, 8),)) is not None
+    for rank in range(2):  # a version of this weightstore after it in the same folder
+        ws.publish_shard(folder, {"w": ws.Piece(w[3 * rank:3 * rank + 3] + 1, (3 * rank, 0), (6, 4))},
+                         step=2, rank=rank, world=2, attempt=0)
+    shards.commit_shards(folder, step=2, world=2, attempt=0, timeout=5, keep=None)
+    assert ws.load(ws.latest(folder))["w"].tobytes() == (w + 1).tobytes()
+    assert ws.load(version)["s"].tobytes() == s.tobytes()
 
 
 def test_an_index_of_version_1_still_reads(tmp_path):
