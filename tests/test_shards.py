@@ -15,7 +15,7 @@ import pytest
 
 import weightstore as ws
 from weightstore import sync as versions
-from weightstore.formats._sharded_index import ShardIndex, seal
+from weightstore.formats._sharded_index import PAGE_CRCS, ShardIndex, seal
 from weightstore.sharded import _shards as shards
 from weightstore.sync import _publish
 
@@ -440,7 +440,7 @@ def test_a_version_2_layout_is_swept_and_budgeted_as_version_1_pieces_are(tmp_pa
     monkeypatch.setattr(shardindex, "OVERLAP_PAIRS_PER_BYTE", 0)
     path = hostile_v2_index(tmp_path / "stairs", lambda raw: keyed(raw, [stairs], [[n, n]]))
     index = ShardIndex.parse(Path(path).read_bytes())
-    assert index.version == 2 and len(index.tensors["k0"].layout) == len(stairs)
+    assert index.version == 3 and len(index.tensors["k0"].layout) == len(stairs)
     overlapping = [*stairs[:-1], (1, [n - 2, n - 3], [2, 1])]
     with pytest.raises(ws.FormatError, match="has pieces that overlap") as caught:
         ShardIndex.parse(Path(hostile_v2_index(tmp_path / "over", lambda raw: keyed(raw, [overlapping],
@@ -723,11 +723,16 @@ def hostile_v2(tmp_path, edit=None, table=None):
         length = int.from_bytes(data[8:16], "little")
         header = json.loads(data[16:16 + length])
         header.pop("crc32")
-        crcs = data[16 + length: raw["members"]["heads"][1]]
-        crcs = table(header, crcs) or crcs
+        count = raw["members"]["digests"][1] // 32
+        crcs, digests = data[16 + length:16 + length + 4 * count], data[16 + length + 4 * count:]
+        edited = table(header, crcs)
+        if edited is not None:  # the hostile writer hashes its pages of CRC-32s again too
+            crcs = edited
+            header["pages"] = [blake3.blake3(crcs[at:at + 4 * PAGE_CRCS]).hexdigest()
+                               for at in range(0, len(crcs), 4 * PAGE_CRCS)]
         sealed = seal(header)
-        head = data[:8] + len(sealed).to_bytes(8, "little") + sealed + crcs
-        blocks.write_bytes(head + data[raw["members"]["heads"][1]:])
+        head = data[:8] + len(sealed).to_bytes(8, "little") + sealed
+        blocks.write_bytes(head + crcs + digests)
         raw["members"]["heads"][1], raw["members"]["blake3"][1] = len(head), blake3.blake3(head).hexdigest()
         if isinstance(header.get("blocks"), int):
             raw["members"]["digests"][1] = 32 * header["blocks"]
@@ -782,7 +787,8 @@ def _piece_field(at):
     (_piece_field(1)(0), "blocks are not the next"),
     (_piece_field(2)(1), "blocks are not the next"),
     (_piece_field(0)(1), "strip offsets"),
-    (lambda header, crcs: header.update(blocks=2), "says 2 blocks and holds 1"),
+    (lambda header, crcs: header.update(blocks=2), "has pieces of 1 blocks, and 2 CRC-32s"),
+    (lambda header, crcs: header.update(pages=[]), "no BLAKE3 of each page"),
     (lambda header, crcs: header.update(size=1), "is not the table of"),
     (lambda header, crcs: (header.update(blocks=2), header["pieces"].append(
         header["pieces"][0][:3] + [0, 0, 3, 4, 0, 1024, 1, 1, header["pieces"][0][-1]]))[0] or crcs * 2,
@@ -810,6 +816,13 @@ def test_a_block_table_not_the_one_the_index_names_fails_its_checksum(tmp_path):
         store["w"]
     assert caught.value.path.endswith("rank-00001.blocks") and caught.value.key == "w"
     data[20] ^= 1
+    head = json.loads(Path(path).read_bytes()[:-1].rsplit(b',"crc32"', 1)[0] + b"}")["members"]["heads"][1]
+    data[head] ^= 1  # a CRC-32 in its page: the page is refused, naming the table
+    blocks.write_bytes(bytes(data))
+    with ws.open(path) as store, pytest.raises(ws.ChecksumError, match="page 0 of CRC-32s does not match") as caught:
+        store["w"]
+    assert caught.value.path.endswith("rank-00001.blocks") and caught.value.key == "w"
+    data[head] ^= 1
     data[-1] ^= 1  # a block digest: a reader never fetches them; a follower's region digest is refused
     blocks.write_bytes(bytes(data))
     with ws.open(path) as store:
@@ -878,7 +891,7 @@ def test_clean_keeps_a_committed_version_whose_index_it_cannot_read(tmp_path, da
     index = folder / "step-000000000002.wsindex"
     data = index.read_bytes()
     if damage == "newer":
-        data = data.replace(b'"version":2', b'"version":3', 1)
+        data = data.replace(b'"version":3', b'"version":4', 1)
     else:
         data = data[:40] + bytes([data[40] ^ 0x01]) + data[41:]
     index.write_bytes(data)
@@ -940,7 +953,7 @@ def _sealed_text(body: bytes) -> bytes:
     return body + b',"crc32":%d}' % crc32(np.frombuffer(body, np.uint8))
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 3])
 @pytest.mark.parametrize("field, depth", [("created", 1020), ("producer", 1020), ("created", 150),
                                           ("metadata", 1000), ("metadata", 101)])
 def test_an_index_nesting_a_field_deep_is_refused_naming_the_file(tmp_path, field, depth, version):
