@@ -342,6 +342,8 @@ def commit_shards(
 
     doomed()
     found, sizes = _wait_for_ranks(members, world, timeout, failures, doomed)
+    if meeting is not None and meeting.chosen == attempt and meeting.incarnation == incarnation:
+        meeting.sweep()  # every rank wrote its member: none reads this call's attempt, or news before, again
     records = []
     for rank, data in sorted(found.items()):
         with naming(path=members.url(done_name(rank))):
@@ -633,15 +635,15 @@ def _listed(pieces: Mapping[str, Any], where: str, world: int) -> list[_Listed]:
     boxes: list[tuple[str, str, np.ndarray, tuple[int, ...], tuple[int, ...], int, int, tuple[int, ...],
                       tuple[int, ...], int]] = []
     pieces_of: dict[str, int] = {}
-    stored: list[tuple[str, str, np.ndarray, tuple[int, ...], tuple[int, ...]]] = []
+    converted: list[tuple[str, str, np.ndarray, tuple[int, ...], tuple[int, ...]]] = []
     for key, piece in found:
         array = np.asarray(piece.array)
         dtype, data = to_storage(array, key)
         data = np.ascontiguousarray(data).reshape(array.shape)
-        stored.append((key, dtype, data, *_box(piece, array.shape, key, where)))
+        converted.append((key, dtype, data, *_box(piece, array.shape, key, where)))
         pieces_of[key] = pieces_of.get(key, 0) + 1
-    tile = shardindex.tile_bytes(sum(data.nbytes for _, _, data, _, _ in stored))
-    for number, (key, dtype, data, start, shape) in enumerate(stored):
+    tile = shardindex.tile_bytes(sum(data.nbytes for _, _, data, _, _ in converted))
+    for number, (key, dtype, data, start, shape) in enumerate(converted):
         columns, strips = _strips(data, start, dtype, tile)
         boxes.extend((key, dtype, part, at, shape, rows, number, start, data.shape, columns)
                      for part, at, rows in strips)
