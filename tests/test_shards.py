@@ -341,6 +341,25 @@ def test_an_index_of_version_2_still_reads(tmp_path):
     assert ws.load(version)["s"].tobytes() == s.tobytes()
 
 
+def test_an_unfinished_attempt_of_an_older_writer_is_refused_naming_its_done_record_and_then_cleaned(tmp_path):
+    """Done-records of version 1 (before block tables) left in an attempt no index names: its
+    commit is refused naming the record and what to do; the step's next attempt commits and
+    removes it."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    shutil.copytree(V1 / "step-000000000001.attempt-0", folder / "step-000000000001.attempt-0")
+    with pytest.raises(ws.FormatError, match="done-record of version 1.*publish the step again") as caught:
+        shards.commit_shards(folder, step=1, world=2, attempt=0, timeout=5)
+    assert caught.value.path.endswith("step-000000000001.attempt-0/rank-00000.done")
+    w = np.arange(24, dtype=np.float32).reshape(6, 4)
+    for rank in range(2):
+        ws.publish_shard(folder, {"w": ws.Piece(w[3 * rank:3 * rank + 3], (3 * rank, 0), (6, 4))},
+                         step=1, rank=rank, world=2, attempt=1)
+    shards.commit_shards(folder, step=1, world=2, attempt=1, timeout=5)
+    assert ws.load(ws.latest(folder))["w"].tobytes() == w.tobytes()
+    assert not (folder / "step-000000000001.attempt-0").exists()
+
+
 def test_an_index_of_version_1_still_reads(tmp_path):
     folder = tmp_path / "run"
     shutil.copytree(V1, folder)
