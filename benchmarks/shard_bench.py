@@ -105,7 +105,40 @@ def reader_bytes(server: CountingS3, size_mb: float) -> str:
         index = sum(r.sent for r in server.requests if r.path.endswith(".wsindex"))
         rows.append([name, f"{share / MB:,.1f} MB", f"{members / MB:,.1f} MB", fmt_ratio(members / share),
                      f"{index / 1024:,.1f} KiB", str(server.count())])
-    return table(["reader", "its share", "member bytes fetched", "fetched/share", "index", "requests"], rows)
+    return table(["reader", "its share", "member and table bytes fetched", "fetched/share", "index", "requests"], rows)
+
+
+def other_worlds(server: CountingS3, size_mb: float) -> str:
+    """Readers of another partitioning (thirds of the rows, thirds of the columns) of versions
+    written by 2, 4, 8 and 16 ranks by rows: the worst of the three readers' member bytes
+    (members and their tables' pages, counted at the server) over their share."""
+    model = _model(size_mb)
+    total_rows = next(iter(model.values())).shape[0]
+    rows = []
+    for world in (2, 4, 8, 16):
+        folder = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+        _write(folder, model, world, step=1)
+        version = ws.commit_shards(folder, step=1, world=world, attempt=0, timeout=60)
+        row = [str(world)]
+        for cut in ("rows", "columns"):
+            worst, tables = 0.0, 0
+            for i in range(3):
+                size = total_rows if cut == "rows" else COLS
+                part = slice(i * size // 3, (i + 1) * size // 3)
+                region = (part,) if cut == "rows" else (slice(None), part)
+                server.reset()
+                share = 0
+                with ws.open(version) as store:
+                    for key, value in model.items():
+                        found = store.read_region(key, region)
+                        assert found.tobytes() == value[region].tobytes(), (world, cut, i, key)
+                        share += found.nbytes
+                worst = max(worst, sum(r.sent for r in server.requests if "rank-" in r.path) / share)
+                tables = max(tables, sum(r.sent for r in server.requests if r.path.endswith(".blocks")))
+            row += [fmt_ratio(worst), f"{tables / 1024:,.1f} KiB"]
+        rows.append(row)
+    return table(["writers", "rows 1/3..3/3: fetched/share (worst)", "of it tables", "columns 1/3..3/3 (worst)",
+                  "of it tables"], rows)
 
 
 def follower_bytes(server: CountingS3, size_mb: float) -> str:
@@ -177,6 +210,8 @@ def bench(size_mb: float) -> None:
         print(commit_cost(server, size_mb), "\n")
         print("Bytes each reader fetches from a version written by 4 ranks by rows (S3):\n")
         print(reader_bytes(server, size_mb), "\n")
+        print("Readers of thirds of versions written by 2-16 ranks by rows (S3; members and block tables):\n")
+        print(other_worlds(server, size_mb), "\n")
         print("Bytes a torch module following the folder fetches per version; from version 2 on, one "
               "tensor of ten changed (S3):\n")
         print(follower_bytes(server, size_mb), "\n")

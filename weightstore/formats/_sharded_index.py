@@ -76,7 +76,7 @@ DONE_FORMAT = "weightstore-shard-done"
 #: than it needs at each end of each piece it touches
 BLOCK_BYTES = 256 << 10
 #: pieces at least this large whose rows are long are stored as column strips (:func:`strip_columns`)
-STRIPED_FROM = 256 << 10
+STRIPED_FROM = 64 << 10
 #: a strip's bytes per row, about: a reader of a column range fetches at most this much more per row
 STRIP_ROW_BYTES = 256
 #: strips one piece is cut into, at most
@@ -122,7 +122,7 @@ MIN_BLOCK_BYTES = 1 << 10
 #: (docs/sharded.md, Bounds). A flat 6 KiB made readers of thirds of a 24 MB model's 48-row pieces
 #: fetch 1.13x their share (tiles of 6 rows, strips of 256 columns)
 MEMBER_TILES = 1 << 16
-MIN_TILE_BYTES = 512
+MIN_TILE_BYTES = 256
 MAX_TILE_BYTES = 16 << 10
 #: a piece is cut into about this many blocks (between :data:`MIN_BLOCK_BYTES` and
 #: :data:`BLOCK_BYTES` each): a reader whose region ends inside a piece fetches at most one
