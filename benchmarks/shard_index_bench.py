@@ -12,8 +12,9 @@ writes the index and parses it back. Then one reader of ``1/world`` of the model
 partitioning (of every tensor, the rows of one chunk moved by half a chunk, so that it cuts two
 pieces of each) picks its boxes from the parsed index, parses the block tables of the members
 that hold them, and counts the member bytes it would fetch (the reader's own arithmetic,
-:class:`weightstore.formats.sharded._PieceRead`) and the index bytes (the index and those
-tables' heads).
+:class:`weightstore.formats.sharded._PieceRead`) and the index bytes (the index, those
+tables' headers and the pages of CRC-32s of the blocks it reads), and the most memory the
+index, the tables and the reader's picking take at once (``tracemalloc``).
 
 DCP: ``torch.distributed.checkpoint.metadata.Metadata`` for the same tensors and chunks, as
 ``DefaultSavePlanner`` and ``FileSystemWriter`` fill it (one ``ChunkStorageMetadata`` per
@@ -31,6 +32,7 @@ import math
 import pickle
 import sys
 import time
+import tracemalloc
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -187,6 +189,10 @@ def measure(name: str, shape: Shape, world: int, dcp: bool) -> list[str]:
     parsed_tables: dict[int, BlockTable] = {}
     readers = {shift: read(parsed, parsed_tables, heads, reader, world, shift, wanted, len(data))
                for shift in (0, 1)}
+    tracemalloc.start()  # what the shifted reader holds for the index: parsed, with its tables' heads and pages
+    read(ShardIndex.parse(data), {}, heads, reader, world, 1, wanted, len(data))
+    memory = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
     seconds = time.perf_counter() - started
     bound = (shardindex.MAX_INDEX_BYTES - shardindex.KEY_BYTES - shardindex.RESERVED_BYTES) // world
     row = [name, f"{world:,}", f"{nbytes / 1e9:,.0f} GB", f"{len(data) / MB:,.2f} MB", f"{done_bytes / 1024:,.0f} KiB",
@@ -194,6 +200,7 @@ def measure(name: str, shape: Shape, world: int, dcp: bool) -> list[str]:
     for shift in (0, 1):
         fetched, share, index_fetched, _ = readers[shift]
         row += [f"{index_fetched / MB:,.2f} MB", fmt_ratio(fetched / share)]
+    row.append(f"{memory / MB:,.1f} MB")
     if dcp:
         dcp_bytes = dcp_metadata_bytes(shape, world)
         row += [f"{dcp_bytes / MB:,.2f} MB", fmt_ratio(dcp_bytes / len(data)), fmt_ratio(dcp_bytes / readers[1][2])]
@@ -249,7 +256,7 @@ def main() -> None:
           f"its keys <= {shardindex.KEY_BYTES / MB:,.0f} MB.\n")
     headers = ["model", "ranks", "model bytes", "index", "done-record (max)", "table header (max)", "table CRC-32s",
                "rank share / bound (max)", "reader share",
-               "aligned: index fetched", "fetched / share", "shifted: index fetched", "fetched / share"]
+               "aligned: index fetched", "fetched / share", "shifted: index fetched", "fetched / share", "shifted: index memory (peak)"]
     if not args.no_dcp:
         headers += ["DCP .metadata", "DCP / index", "DCP / shifted fetched"]
     rows = [measure(name, MODELS[name], world, not args.no_dcp) for name in args.models for world in args.worlds]
