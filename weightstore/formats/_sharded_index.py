@@ -8,9 +8,9 @@ per rank, each an ordinary safetensors, npz or HDF5 file) and, for every global 
 column strips) lie in the member, and a CRC-32 and a BLAKE3 digest for each block of it (whole
 rows along its first axis, :func:`piece_block_rows`). So the index grows with pieces, never
 with blocks; keys that share a partitioning share one *layout* (their list of boxes); and a
-reader of a region fetches the index, then the CRC-32 part of the tables of the members that
-hold its region (their sizes and BLAKE3 digests are in the index), and only the blocks that
-hold the region. A follower also fetches the digests of those tables, to skip a region whose
+reader of a region fetches the index, then the headers of the tables of the members that hold
+its region (their sizes and BLAKE3 digests are in the index) and the pages of CRC-32s of the
+blocks that hold the region (:class:`BlockTable`), and only those blocks. A follower also fetches the digests of those tables, to skip a region whose
 blocks did not change (the CRC-32 finds damage; only the digest, which cannot be forged, says
 "unchanged"). Each rank's done-record says what its member holds (boxes, no blocks); the
 coordinator merges the done-records into the index without reading a tensor byte.
@@ -20,8 +20,8 @@ coordinator merges the done-records into the index without reading a tensor byte
 see ``docs/sharded.md`` for the figures of a 405B model on 1,000 ranks.
 
 Indexes of version 1 (block checksums and digests inside the index, each strip its own piece)
-still read: :meth:`ShardIndex.parse` takes either, and the reader treats a version 1 piece as
-one already placed.
+and 2 (tables whose CRC-32s are in block order, read whole) still read: :meth:`ShardIndex.parse`
+takes any, and the reader treats a version 1 piece as one already placed.
 
 Every file here is read as hostile input: :meth:`ShardIndex.parse`, :meth:`BlockTable.parse` and
 :func:`parse_done` check every field, and :func:`check_tensor` that the pieces of a key lie inside

@@ -4,8 +4,9 @@
 one) gives a :class:`~weightstore.store._open.Store` like any other: ``store[key]`` assembles the whole
 tensor from its pieces, ``store.read_region(key, region)`` only the part a tuple of slices
 names. Either way the reader picks from the index the pieces that hold part of it, fetches the
-block tables of their members (once each: the header and CRC-32s, whose size and BLAKE3 the index
-gives; :mod:`weightstore.formats._sharded_index`), then from each member only the blocks that
+headers of their members' block tables (once each, whose size and BLAKE3 the index gives) and
+the pages of CRC-32s of the blocks it needs (:mod:`weightstore.formats._sharded_index`), then
+from each member only the blocks that
 intersect what is asked, in one ranged read per run of them, and verifies each block's CRC-32
 before a byte of it is used. :meth:`ShardedReader.region_digest` says, from the index and the
 block digests of the members that hold a region, whether its blocks changed between two
