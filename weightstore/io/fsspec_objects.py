@@ -16,7 +16,7 @@ from typing import Any
 from weightstore.errors import FormatError, StoreNotFoundError
 from weightstore.io._buffer import aligned_buffer
 from weightstore.io.location import service, uncached
-from weightstore.io.objects import Backend, Request, requests_for, scatter, window
+from weightstore.io.objects import MERGE_GAP, Backend, Request, requests_for, scatter, window
 
 __all__ = ["BACKEND", "FsspecBackend", "FsspecObject"]
 
@@ -45,8 +45,8 @@ class FsspecObject:
         self.fill([(start, data)], opening=True)
         return size, start, data
 
-    def fill(self, ranges: list[tuple[int, memoryview]], opening: bool = False) -> None:
-        for batch in _batches(requests_for(ranges)):
+    def fill(self, ranges: list[tuple[int, memoryview]], opening: bool = False, gap: int = MERGE_GAP) -> None:
+        for batch in _batches(requests_for(ranges, gap)):
             try:
                 with service(self.name):
                     found = self._fs.cat_ranges([self._path] * len(batch), [request.start for request in batch],
