@@ -40,6 +40,7 @@ from weightstore.errors import (
     ChecksumError,
     FormatError,
     KeyNotInStoreError,
+    StoreClosedError,
     StoreNotFoundError,
     TargetError,
     WeightStoreError,
@@ -126,6 +127,7 @@ class ShardedReader(ReaderDefaults):
         self._files: OrderedDict[int, RangedFile] = OrderedDict()
         self._users: dict[int, int] = {}
         self._lock = threading.Lock()
+        self._closed = False  # a closed reader opens no member again (a plain reader's file is gone too)
         self._most_open = len(index.members) if self._remote else open_members_limit()
         if self._remote:  # a remote member holds no file open: described now, asked its size when read
             return
@@ -233,6 +235,9 @@ class ShardedReader(ReaderDefaults):
             assert ref is not None  # a version 2 index's members all have one
             path = f"{self._base}/{member.table_file()}"
             if table is None or (digests and table.digests is None):
+                if self._closed:
+                    raise StoreClosedError(f"store is closed; cannot read the block table of {member.file}",
+                                           path=self.name)
                 try:
                     source = RangedFile(path, fs=self._fs)
                 except FileNotFoundError:
@@ -317,6 +322,8 @@ class ShardedReader(ReaderDefaults):
 
     def _read_region(self, key: str, region: Any, *, verify: bool) -> np.ndarray:
         entry = self._entry(key)
+        if self._closed:
+            raise StoreClosedError(f"store is closed; cannot read tensor {key!r}", path=self.name)
         bounds = normalized_region(region, entry.shape, key)
         stored = storage_dtype(entry.dtype)
         out = np.empty([stop - start for start, stop in bounds], stored)
@@ -349,6 +356,7 @@ class ShardedReader(ReaderDefaults):
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             for found in self._files.values():
                 found.close()
             self._files.clear()
