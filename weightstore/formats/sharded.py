@@ -42,6 +42,7 @@ from weightstore.errors import (
     ChecksumError,
     FormatError,
     KeyNotInStoreError,
+    StoreClosedError,
     StoreNotFoundError,
     TargetError,
     WeightStoreError,
@@ -126,6 +127,7 @@ class ShardedReader(ReaderDefaults):
         self._files: OrderedDict[int, RangedFile] = OrderedDict()
         self._users: dict[int, int] = {}
         self._lock = threading.Lock()
+        self._closed = False  # a closed reader opens no member again (a plain reader's file is gone too)
         self._most_open = len(index.members) if self._remote else open_members_limit()
         if self._remote:  # a remote member holds no file open: described now, asked its size when read
             return
@@ -272,6 +274,8 @@ class ShardedReader(ReaderDefaults):
     def _table_file(self, position: int) -> Iterator[RangedFile]:
         """Member ``position``'s block table, open for ranged reads; errors name it."""
         member = self._index.members[position]
+        if self._closed:
+            raise StoreClosedError(f"store is closed; cannot read the block table of {member.file}", path=self.name)
         path = f"{self._base}/{member.table_file()}"
         try:
             source = RangedFile(path, fs=self._fs)
@@ -347,6 +351,8 @@ class ShardedReader(ReaderDefaults):
 
     def _read_region(self, key: str, region: Any, *, verify: bool) -> np.ndarray:
         entry = self._entry(key)
+        if self._closed:
+            raise StoreClosedError(f"store is closed; cannot read tensor {key!r}", path=self.name)
         bounds = normalized_region(region, entry.shape, key)
         stored = storage_dtype(entry.dtype)
         out = np.empty([stop - start for start, stop in bounds], stored)
@@ -379,6 +385,7 @@ class ShardedReader(ReaderDefaults):
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             for found in self._files.values():
                 found.close()
             self._files.clear()
