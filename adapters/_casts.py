@@ -1,5 +1,9 @@
 """Which dtypes go into which: lossless widening (``float16`` into ``float32``), and with
 ``cast=True`` the casts that keep every value (checked per array: range, NaN and inf, -0).
+
+ml_dtypes (whose ``iinfo``/``finfo`` answer for numpy's types too) is imported by the functions
+that use it: importing it costs about a CPU-second, and the CLI imports this module for
+:func:`describe` alone (see :data:`weightstore.core.manifest.ML_DTYPES`).
 """
 
 from __future__ import annotations
@@ -7,8 +11,9 @@ from __future__ import annotations
 import functools
 import math
 
-import ml_dtypes
 import numpy as np
+
+from weightstore.core.manifest import ML_DTYPES
 
 
 def widens(source: np.dtype, target: np.dtype) -> bool:
@@ -46,6 +51,8 @@ def _integer_bits(dtype: np.dtype) -> tuple[int, bool] | None:
     int4), ``None`` for any other: numpy calls every integer -> float cast safe."""
     if dtype.kind == "b":
         return 1, False
+    import ml_dtypes
+
     try:
         info = ml_dtypes.iinfo(dtype)
     except ValueError:
@@ -59,6 +66,8 @@ def _holds_integers(target: np.dtype, bits: int, signed: bool) -> bool:
     significand bits (int64 does not fit float64, nor int8 float8_e4m3fn), the range for the
     largest, a sign for negatives and a zero (float8_e8m0fnu has neither). ml_dtypes' floats
     are numpy kind ``V`` (some ``f``), so ``ml_dtypes.finfo`` tells what a float is."""
+    import ml_dtypes
+
     try:
         info = ml_dtypes.finfo(target)
     except ValueError:
@@ -113,6 +122,8 @@ def out_of_range(array: np.ndarray, dtype: np.dtype) -> str:
             return ""
         smallest = np.min(array, where=finite, initial=np.inf).item()
         largest = np.max(array, where=finite, initial=-np.inf).item()
+    import ml_dtypes
+
     limits = ml_dtypes.iinfo(target) if integer else None  # numpy's types too
     kept = None if integer else _largest_rounded_in(target)
     for extreme in (smallest, largest):
@@ -133,6 +144,8 @@ def out_of_range(array: np.ndarray, dtype: np.dtype) -> str:
 def _largest_rounded_in(target: np.dtype) -> float:
     """The largest magnitude a cast to the float ``target`` rounds rather than overflows: its
     largest value and half the step below it."""
+    import ml_dtypes
+
     largest = np.array(ml_dtypes.finfo(target).max, target)
     below = largest.view(f"u{target.itemsize}") - 1  # the next smaller positive float's bits
     step = float(largest.astype(np.float64)) - float(below.view(target).astype(np.float64))
@@ -156,8 +169,8 @@ def _special_lost(array: np.ndarray, target: np.dtype) -> str:
 def _complex_part(dtype: np.dtype) -> np.dtype | None:
     """The dtype of each part of a complex ``dtype`` (numpy's, or ml_dtypes' ``complex32`` of
     float16 parts and ``bcomplex32`` of bfloat16 ones); ``None`` for any other."""
-    if dtype.name == "bcomplex32":
-        return np.dtype(ml_dtypes.bfloat16)
+    if dtype.name == "bcomplex32":  # an array of it exists: ml_dtypes is imported
+        return ML_DTYPES["bfloat16"]
     if dtype.kind == "c":
         return np.dtype(f"f{dtype.itemsize // 2}")
     return None

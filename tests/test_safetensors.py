@@ -114,7 +114,7 @@ def test_the_data_starts_64_byte_aligned_and_every_tensor_on_its_item_size(tmp_p
     assert (8 + length) % 64 == 0 and length % 8 == 0
     for name, entry in header.items():
         if name != "__metadata__":
-            itemsize = np.dtype(st_format._DTYPE_OF_CODE[entry["dtype"]]).itemsize
+            itemsize = st_format._dtype_of_code(entry["dtype"]).itemsize
             assert entry["data_offsets"][0] % itemsize == 0, name
     for key, value in ws.load(path).items():
         assert value.flags.aligned, key

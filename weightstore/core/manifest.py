@@ -14,12 +14,12 @@ import json
 import math
 import operator
 import re
-from collections.abc import Callable, Mapping, Sequence
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import blake3
-import ml_dtypes
 import numpy as np
 import orjson
 from isal import isal_zlib
@@ -63,14 +63,52 @@ CODECS = frozenset({"shuffle-zstd"})
 CRC_CHUNK = 1 << 20
 
 _NUMERIC_KINDS = frozenset("biufc")
-#: ml_dtypes kinds (bfloat16, float8_*, int4, ...) that npy and HDF5 store as raw void bytes; the
-#: manifest names them. Taken from the installed ml_dtypes, which adds kinds in minor releases.
-ML_DTYPES: dict[str, np.dtype] = {
-    name: np.dtype(kind)
-    for name, kind in sorted(vars(ml_dtypes).items())
-    if not name.startswith("_") and isinstance(kind, type) and issubclass(kind, np.generic)
-}
-_ML_DTYPE_TYPES = {dtype.type: name for name, dtype in ML_DTYPES.items()}
+#: numpy's own names for what weightstore stores: never ml_dtypes kinds, so asked about without it
+_NUMPY_NAMES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+                          "float16", "float32", "float64", "complex64", "complex128",
+                          np.dtype(np.longdouble).name, np.dtype(np.clongdouble).name})
+
+
+class _MlDtypes(Mapping[str, np.dtype]):
+    """ml_dtypes kinds (bfloat16, float8_*, int4, ...) that npy and HDF5 store as raw void bytes;
+    the manifest names them. Taken from the installed ml_dtypes, which adds kinds in minor
+    releases, when first needed: importing ml_dtypes costs about a CPU-second, which a process
+    that only meets numpy's dtypes (most ``ws`` commands) should not pay. Asking about one of
+    numpy's names (:data:`_NUMPY_NAMES`) never imports it."""
+
+    def __getitem__(self, name: str) -> np.dtype:
+        return _ml_table()[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name not in _NUMPY_NAMES and name in _ml_table()
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return default if name in _NUMPY_NAMES else _ml_table().get(name, default)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_ml_table())
+
+    def __len__(self) -> int:
+        return len(_ml_table())
+
+
+@functools.cache
+def _ml_table() -> dict[str, np.dtype]:
+    import ml_dtypes  # here: see _MlDtypes
+
+    return {
+        name: np.dtype(kind)
+        for name, kind in sorted(vars(ml_dtypes).items())
+        if not name.startswith("_") and isinstance(kind, type) and issubclass(kind, np.generic)
+    }
+
+
+@functools.cache
+def _ml_names() -> dict[type, str]:
+    return {dtype.type: name for name, dtype in _ml_table().items()}
+
+
+ML_DTYPES: Mapping[str, np.dtype] = _MlDtypes()
 
 
 @dataclass
@@ -102,7 +140,9 @@ _STORABLE_NAMES: dict[np.dtype, str] = {}
 
 
 def _storable_name(dtype: np.dtype, key: str) -> str:
-    ml_name = _ML_DTYPE_TYPES.get(dtype.type)
+    # An array of an ml_dtypes kind exists only once ml_dtypes is imported (their numpy kinds
+    # vary: ``V``, ``f``, ``c``), so a process that has not imported it is not made to.
+    ml_name = _ml_names().get(dtype.type) if "ml_dtypes" in sys.modules else None
     if ml_name is not None:
         return ml_name
     if dtype.kind not in _NUMERIC_KINDS or dtype.fields is not None or dtype.subdtype is not None:

@@ -45,6 +45,7 @@ room, it moves the data up once.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import re
@@ -123,16 +124,33 @@ _SPEC_CODES = {
     "complex64": "C64", "bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
     "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2fnuz": "F8_E5M2FNUZ", "float8_e8m0fnu": "F8_E8M0",
 }
-#: ... of which the installed ml_dtypes has (older ones lack float8_e8m0fnu)
-_CODES = {
-    name: code for name, code in _SPEC_CODES.items() if name in ML_DTYPES or not name.startswith(("bfloat", "float8"))
-}
-#: the logical dtypes a safetensors file can hold
-DTYPES = frozenset(_CODES)
-_NAME_OF_CODE = {code: name for name, code in _CODES.items()}
-_DTYPE_OF_CODE = {code: logical_dtype(name) for code, name in _NAME_OF_CODE.items()}
+_NAME_OF_CODE = {code: name for name, code in _SPEC_CODES.items()}
+#: the logical dtypes a safetensors file can hold; a kind the installed ml_dtypes lacks (older
+#: ones lack float8_e8m0fnu) names no array and no stored tensor (:func:`logical_dtype` refuses
+#: it first), so it need not be taken out, and ml_dtypes need not be imported to know
+DTYPES = frozenset(_SPEC_CODES)
 #: in the specification but packed below one byte per element: no numpy view exists
 _PACKED_CODES = frozenset({"F4", "F6_E2M3", "F6_E3M2"})
+
+
+@functools.cache
+def _dtype_of_code(code: str) -> np.dtype:
+    """The dtype a code names; ``KeyError`` for one weightstore does not read (an ml_dtypes kind
+    the installed ml_dtypes lacks among them). Imports ml_dtypes only for a code of its kinds."""
+    name = _NAME_OF_CODE[code]
+    if not _installed(name):
+        raise KeyError(code)
+    return logical_dtype(name)
+
+
+def _installed(name: str) -> bool:
+    """Whether numpy or the installed ml_dtypes has the kind (older ml_dtypes lack float8_e8m0fnu)."""
+    return not name.startswith(("bfloat", "float8")) or name in ML_DTYPES
+
+
+def _held_codes() -> dict[str, str]:
+    """Logical dtype -> code, for every dtype this installation reads and writes (for messages)."""
+    return {name: code for name, code in _SPEC_CODES.items() if _installed(name)}
 
 
 @dataclass(slots=True)
@@ -169,7 +187,7 @@ class SafetensorsWriter:
     def add(self, key: str, dtype_name: str, data: np.ndarray) -> int:
         """Write or hold a tensor; its CRC-32 comes from the write when written now, else from a
         pass over it here (held tensors are written at :meth:`commit`, after the manifest is built)."""
-        code = _CODES.get(dtype_name)
+        code = _SPEC_CODES.get(dtype_name)
         if code is None:
             raise UnsupportedDTypeError(_unsupported(dtype_name), path=self._path, key=key)
         size = data.nbytes
@@ -189,7 +207,7 @@ class SafetensorsWriter:
     def _lay_out_held(self) -> None:
         """Give the held tensors their offsets after everything written: largest item size
         first (stable), as the library lays tensors out, so each starts on its item size."""
-        self._held.sort(key=lambda t: -_DTYPE_OF_CODE[t.code].itemsize)
+        self._held.sort(key=lambda t: -_dtype_of_code(t.code).itemsize)
         for tensor in self._held:
             tensor.begin = self._written
             self._written += tensor.size
@@ -304,11 +322,12 @@ def _aligned(offset: int) -> int:
 
 def _unsupported(dtype_name: str) -> str:
     return (f"has dtype {dtype_name}, which safetensors cannot hold "
-            f"(it holds {', '.join(sorted(DTYPES))}); save it as .npz or .h5")
+            f"(it holds {', '.join(sorted(_held_codes()))}); save it as .npz or .h5")
 
 
 class _Tensor(NamedTuple):
     name: str
+    code: str
     dtype: np.dtype
     shape: tuple[int, ...]
     begin: int
@@ -341,7 +360,7 @@ class SafetensorsReader(ReaderDefaults):
                 names = foreign_keys(((name, name) for name in sorted(self._tensors)), "tensor")
             self._by_key = {key: self._tensors[name] for key, name in names.items()}
             self._infos: Mapping[str, TensorInfo] = {
-                key: TensorInfo(key, _NAME_OF_CODE_BY_DTYPE[t.dtype], t.shape, t.end - t.begin, None)
+                key: TensorInfo(key, _NAME_OF_CODE[t.code], t.shape, t.end - t.begin, None)
                 for key, t in self._by_key.items()
             }
             self.metadata: dict[str, Any] = metadata
@@ -419,7 +438,7 @@ class SafetensorsReader(ReaderDefaults):
         for name, entry in document.items():
             try:  # the common, well-formed case first, cheaply; any surprise is diagnosed below
                 code, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-                dtype = _DTYPE_OF_CODE[code]
+                dtype = _dtype_of_code(code)
             except (TypeError, KeyError, ValueError):
                 raise FormatError(self._malformed(entry), path=self.name, key=name) from None
             if (type(shape) is not list or len(shape) > MAX_NDIM
@@ -436,7 +455,7 @@ class SafetensorsReader(ReaderDefaults):
             if end - begin != expected:
                 raise FormatError(f"{code} {_clip(shape)} needs {expected} bytes "
                                   f"but data_offsets give {end - begin}", path=self.name, key=name)
-            tensors[name] = _Tensor(name, dtype, tuple(shape), begin, end)
+            tensors[name] = _Tensor(name, code, dtype, tuple(shape), begin, end)
         covered = 0
         for begin, end, name in sorted((t.begin, t.end, t.name) for t in tensors.values()):
             if begin != covered:
@@ -453,9 +472,9 @@ class SafetensorsReader(ReaderDefaults):
         if not isinstance(entry, dict):
             return "is not described by an object"
         code, offsets = entry.get("dtype"), entry.get("data_offsets")
-        if not isinstance(code, str) or code not in _DTYPE_OF_CODE:  # a list is no name, and unhashable
+        if not isinstance(code, str) or code not in _NAME_OF_CODE or not _installed(_NAME_OF_CODE[code]):  # a list: unhashable
             what = "packed sub-byte dtype" if isinstance(code, str) and code in _PACKED_CODES else "unknown dtype"
-            return f"has {what} {_clip(code)}; weightstore reads {', '.join(sorted(_DTYPE_OF_CODE))}"
+            return f"has {what} {_clip(code)}; weightstore reads {', '.join(sorted(_held_codes().values()))}"
         if "shape" not in entry:
             return "has no shape"
         return f"has invalid data_offsets {_clip(offsets)}"
@@ -471,8 +490,8 @@ class SafetensorsReader(ReaderDefaults):
         dtype_names, shapes, _, _ = manifest.tensors.rows()  # by row: no TensorInfo made per tensor
         for key, dtype_name, shape in zip(manifest.tensors, dtype_names, shapes, strict=True):
             tensor = self._tensors[stored_as[key]]
-            if _CODES.get(dtype_name) != _CODE_OF_DTYPE[tensor.dtype]:
-                raise FormatError(f"is stored as {_CODE_OF_DTYPE[tensor.dtype]} but the manifest says {dtype_name}",
+            if _SPEC_CODES.get(dtype_name) != tensor.code:
+                raise FormatError(f"is stored as {tensor.code} but the manifest says {dtype_name}",
                                   path=self.name, key=key)
             if tensor.shape != shape:
                 raise FormatError(f"has shape {tensor.shape} but the manifest says {shape}",
@@ -584,10 +603,6 @@ class SafetensorsReader(ReaderDefaults):
 
     def close(self) -> None:
         self._source.close()
-
-
-_CODE_OF_DTYPE = {dtype: code for code, dtype in _DTYPE_OF_CODE.items()}
-_NAME_OF_CODE_BY_DTYPE = {dtype: _NAME_OF_CODE[code] for code, dtype in _DTYPE_OF_CODE.items()}
 
 
 def _clip(value: Any) -> str:

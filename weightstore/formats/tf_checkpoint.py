@@ -107,18 +107,27 @@ _DATA_FILE = re.compile(r"\.data-\d{5}-of-\d{5}$")
 _DT_STRING = 7
 #: TensorFlow's ``DataType`` numbers (``types.proto``) -> numpy dtype, for every numeric kind
 #: numpy or ml_dtypes can hold byte for byte (TF keeps int4 and int2 one per byte, as ml_dtypes
-#: does); the rest (strings, resources, variants, quantized types) are skipped.
+#: does); the rest (strings, resources, variants, quantized types) are skipped. See :func:`_dtype_of`.
 _DTYPES: dict[int, np.dtype] = {
     number: np.dtype(kind) for number, kind in {
         1: "<f4", 2: "<f8", 3: "<i4", 4: "u1", 5: "<i2", 6: "i1", 8: "<c8", 9: "<i8", 10: "?",
         17: "<u2", 18: "<c16", 19: "<f2", 22: "<u4", 23: "<u8",
     }.items()
 }
-_DTYPES.update({number: ML_DTYPES[name] for number, name in {
+#: ... and the ml_dtypes kinds', by name: ml_dtypes is imported only for a checkpoint that holds one
+_ML_DTYPE_NAMES = {
     14: "bfloat16", 24: "float8_e5m2", 25: "float8_e4m3fn", 26: "float8_e4m3fnuz",
     27: "float8_e4m3b11fnuz", 28: "float8_e5m2fnuz", 29: "int4", 30: "uint4", 31: "int2", 32: "uint2",
-}.items() if name in ML_DTYPES})
-_LOGICAL = {dtype: dtype_name(dtype) for dtype in _DTYPES.values()}
+}
+
+
+def _dtype_of(number: int) -> np.dtype | None:
+    """The dtype of TF's ``DataType`` number; ``None`` for a kind weightstore skips (or that the
+    installed ml_dtypes lacks)."""
+    dtype = _DTYPES.get(number)
+    if dtype is None and number in _ML_DTYPE_NAMES:
+        return ML_DTYPES.get(_ML_DTYPE_NAMES[number])
+    return dtype
 
 
 # --- finding the checkpoint a path names -------------------------------------------------
@@ -516,7 +525,7 @@ class CheckpointReader(ReaderDefaults):
                                       path=prefix, key=key)
             self._tensors_by_key[key] = tensor
             nbytes = math.prod(tensor.shape) * tensor.dtype.itemsize
-            self._infos[key] = TensorInfo(key, _LOGICAL[tensor.dtype], tensor.shape, nbytes)
+            self._infos[key] = TensorInfo(key, dtype_name(tensor.dtype), tensor.shape, nbytes)
         if self.object_based:  # keys, not entry names, in order: layers/2 before layers/10
             self._infos = {key: self._infos[key] for key in sorted(self._infos, key=natural_order)}
 
@@ -571,7 +580,7 @@ class CheckpointReader(ReaderDefaults):
         tensors: dict[str, _Tensor] = {}
         ranges: list[tuple[int, int, int, str]] = []  # shard, start, end, entry
         for name, entry in entries.items():
-            dtype = _DTYPES.get(entry.dtype)
+            dtype = _dtype_of(entry.dtype)
             if not entry.slices:
                 stored = self._stored(entry, name)
                 ranges.append((stored.shard, stored.offset, stored.offset + stored.size, name))
