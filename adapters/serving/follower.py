@@ -79,7 +79,7 @@ from weightstore.errors import StorageError, UnsupportedTargetError, VersionGone
 from weightstore.formats import ReaderDefaults
 from weightstore.formats.delta import SUFFIX as DELTA_SUFFIX
 from weightstore.formats.sharded import normalized_region
-from weightstore.io.buffer import aligned_array
+from weightstore.io._buffer import aligned_array
 from weightstore.store._open import Store
 from weightstore.sync._checks import DEFAULT_POLL, checked_count, checked_seconds
 from weightstore.sync._folder import versions_folder
