@@ -24,8 +24,10 @@ of the bytes of the version the follower holds, so only the deltas published sin
 verified against the digests their publisher recorded; when that would move more bytes than
 reading the newest anchor and the deltas after it (what a fresh reader moves), or the held
 version is not in the new one's chain (it missed an anchor), or the chain fails, the tensors are
-read from the newest anchor and its chain. Once a delta version comes, the follower keeps that
-copy: **1x the model's bytes more**.
+read from the newest anchor and its chain. The rebuilt tensors are handed to the framework
+(no copy while serving waits); after the swap the next base is copied into the buffer the
+framework let go of. Once a delta version comes, the follower keeps that copy: **1x the model's
+bytes more**, and no more during a swap.
 
 **Memory: the model plus the version being staged** (of a sharded version, its changed
 regions). A remote version is read straight into one buffer per tensor or region, and those
