@@ -397,7 +397,11 @@ class Follower:
         with self._swapped:
             self._swapped.notify_all()
         if copies is not None:
-            self._keep(copies, self._digests)
+            try:
+                self._keep(copies, self._digests)
+            except MemoryError as exc:  # the tensors it kept no copy of are read from the anchor next time
+                _log.warning("weightstore follower of %s: keeping a copy of step %d failed (%s)", self.folder,
+                             version.step, exc)
         return _Outcome.DONE
 
     def _stage(self, version: Version, skip: bool, words: AssignWords) -> _StagedStore:
