@@ -444,12 +444,12 @@ class Follower:
         deltas published since (when ``version`` is a delta whose chain passes through it, and
         that moves fewer bytes than reading them from the newest anchor and the deltas after
         it); ``{}`` otherwise. A chain that fails (corrupt, missing, not
-        the recorded digest) is logged, and what it did not give is read from the anchor.
+        the recorded digest) is logged, and all of ``changed`` is read from the anchor.
 
         Each copy is rebuilt in place, the tensors on all cores at once, and the result (a view
-        of it) is handed to the framework: no copy is made before the swap. It leaves the held
-        copies until the swap is done (:meth:`_keep`): a failure on the way leaves it unused,
-        never misread."""
+        of it) is handed to the framework: no copy is made before the swap. Those copies are no
+        longer held until the swap is done (:meth:`_keep`): a failure on the way leaves them
+        unused, never misread."""
         if (self.version is None or not self._held or self.deltas is False
                 or not version.path.endswith(DELTA_SUFFIX)):
             return {}
