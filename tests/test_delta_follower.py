@@ -113,3 +113,24 @@ def test_a_corrupt_delta_is_passed_over_and_the_weights_stay(tmp_path):
         with pytest.raises(ws.WeightStoreError):
             follower.wait(3, timeout=30)
         same(held_by(target), weights)  # still step 2's, whole
+
+
+def test_a_follower_into_tf_never_writes_memory_a_tensor_still_holds(tmp_path):
+    """TF adopts each rebuilt tensor as its variable's buffer, and the follower reuses the buffer
+    a variable let go of for its next copy: a tensor read from an older version keeps its bytes."""
+    tf = pytest.importorskip("tensorflow")
+    rng, delta = np.random.default_rng(4), ws.Delta()
+    weights = {f"layer_{i}/kernel": rng.standard_normal((256, 128)).astype(np.float32) for i in range(3)}
+    target = {key: tf.Variable(tf.zeros(value.shape)) for key, value in weights.items()}
+    read: list[tuple[dict[str, object], dict[str, np.ndarray]]] = []
+    with Follower(target, tmp_path, poll=0.02, deltas=True) as follower:
+        for step in range(1, 7):
+            weights = step_of(weights, rng)
+            ws.publish(tmp_path, weights, step=step, delta=delta)
+            assert follower.wait(step, timeout=60) is not None
+            if step % 2:  # held on to: the memory of this version's variables stays in use
+                read.append(({key: variable.read_value() for key, variable in target.items()}, weights))
+            same({key: variable.numpy() for key, variable in target.items()}, weights)
+        assert follower.error is None
+    for tensors, want in read:
+        same({key: tensor.numpy() for key, tensor in tensors.items()}, want)

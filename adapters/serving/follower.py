@@ -24,8 +24,10 @@ of the bytes of the version the follower holds, so only the deltas published sin
 verified against the digests their publisher recorded; when that would move more bytes than
 reading the newest anchor and the deltas after it (what a fresh reader moves), or the held
 version is not in the new one's chain (it missed an anchor), or the chain fails, the tensors are
-read from the newest anchor and its chain. Once a delta version comes, the follower keeps that
-copy: **1x the model's bytes more**.
+read from the newest anchor and its chain. The rebuilt tensors are handed to the framework
+(no copy while serving waits); after the swap the next base is copied into the buffer the
+framework let go of. Once a delta version comes, the follower keeps that copy: **1x the model's
+bytes more**, and no more during a swap.
 
 **Memory: the model plus the version being staged** (of a sharded version, its changed
 regions). A remote version is read straight into one buffer per tensor or region, and those
@@ -58,6 +60,7 @@ import contextlib
 import dataclasses
 import enum
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -73,13 +76,14 @@ from weightstore.adapters._registry import adapter_for
 from weightstore.adapters._reload import reload_digest, wants_skip
 from weightstore.adapters.plan import AssignOptions, AssignWords, Report
 from weightstore.adapters.skeleton import copy_into, handed_over, rehearsal
+from weightstore.core import _parallel as parallel
 from weightstore.core._heap import give_back
 from weightstore.core.manifest import TensorInfo, logical_dtype
 from weightstore.errors import StorageError, UnsupportedTargetError, VersionGoneError, WeightStoreError, naming
 from weightstore.formats import ReaderDefaults
 from weightstore.formats.delta import SUFFIX as DELTA_SUFFIX
 from weightstore.formats.sharded import normalized_region
-from weightstore.io.buffer import aligned_array
+from weightstore.io._buffer import aligned_array
 from weightstore.store._open import Store
 from weightstore.sync._checks import DEFAULT_POLL, checked_count, checked_seconds
 from weightstore.sync._folder import versions_folder
@@ -228,6 +232,9 @@ class Follower:
         #: key -> (digest, bytes) of the version held, kept once a delta version came: the next
         #: delta is applied onto them (see :meth:`_onto_held`)
         self._held: dict[str, tuple[str | None, np.ndarray]] = {}
+        #: key -> the buffer handed to the framework at the last swap, the next base copy's once it lets go
+        self._spares: dict[str, np.ndarray] = {}
+        self._keeping = False  # whether swaps keep copies (see ``deltas``)
         self.deltas = deltas
 
     def start(self) -> Follower:
@@ -381,15 +388,20 @@ class Follower:
             held.release()
             self._failed(loop, exc, f"assigning step {version.step}", step=version.step)
             return _Outcome.DONE
-        self._digests = staged.digests
-        if staged.copies is not None:
-            self._held = {key: found for key, found in {**self._held, **staged.copies}.items() if key in staged.digests}
+        self._digests, copies = staged.digests, staged.copies
+        del staged  # its arrays: the framework's now, or ours again (see _keep)
         # the swap is done and serving runs again: what follows a swap goes here
         if previous is not None:
             previous.release()
         give_back()  # the old variables' buffers, freed as the new ones replaced them
         with self._swapped:
             self._swapped.notify_all()
+        if copies is not None:
+            try:
+                self._keep(copies, self._digests)
+            except MemoryError as exc:  # the tensors it kept no copy of are read from the anchor next time
+                _log.warning("weightstore follower of %s: keeping a copy of step %d failed (%s)", self.folder,
+                             version.step, exc)
         return _Outcome.DONE
 
     def _stage(self, version: Version, skip: bool, words: AssignWords) -> _StagedStore:
@@ -415,13 +427,13 @@ class Follower:
             changed = [key for key, digest in digests.items()
                        if not skip or digest is None or self._digests.get(key) != digest]
             rebuilt = self._onto_held(store, changed, version) if skip else {}
-            arrays = {key: _own_copy(array) for key, array in rebuilt.items()}
+            arrays = dict(rebuilt)  # handed to the framework as they are: no copy while serving waits
             arrays.update(store.read([key for key in changed if key not in arrays]))
             staged = _StagedStore(store, arrays, digests)
-            if self.deltas or (self.deltas is None and (self._held or version.path.endswith(DELTA_SUFFIX))):
-                staged.copies = {key: (digests[key], self._held[key][1] if key in rebuilt else
-                                       np.ascontiguousarray(array).reshape(-1).view(np.uint8).copy())
-                                 for key, array in arrays.items()}
+            if self.deltas or (self.deltas is None and (self._keeping or version.path.endswith(DELTA_SUFFIX))):
+                self._keeping = True
+                staged.copies = {key: (digests[key], rebuilt[key].reshape(-1).view(np.uint8) if key in rebuilt else
+                                       _aligned_copy(array)) for key, array in arrays.items()}
             return staged
         except BaseException:
             store.close()
@@ -432,33 +444,63 @@ class Follower:
         deltas published since (when ``version`` is a delta whose chain passes through it, and
         that moves fewer bytes than reading them from the newest anchor and the deltas after
         it); ``{}`` otherwise. A chain that fails (corrupt, missing, not
-        the recorded digest) is logged, and what it did not give is read from the anchor.
+        the recorded digest) is logged, and all of ``changed`` is read from the anchor.
 
-        Each copy is rebuilt in place (the result is a view of it: one copy per swap, the one
-        handed to the framework, not two), and marked as holding no known version until the
-        swap that stages it is done: a failure on the way leaves it unused, never misread."""
+        Each copy is rebuilt in place, the tensors on all cores at once, and the result (a view
+        of it) is handed to the framework: no copy is made before the swap. Those copies are no
+        longer held until the swap is done (:meth:`_keep`): a failure on the way leaves them
+        unused, never misread."""
         if (self.version is None or not self._held or self.deltas is False
                 or not version.path.endswith(DELTA_SUFFIX)):
             return {}
         held = self.version.path.rsplit("/", 1)[-1]
-        keys = [key for key in changed if key in self._held and self._held[key][0] == self._digests.get(key)]
+        keys = [key for key in changed if key in self._held and self._held[key][0] is not None
+                and self._held[key][0] == self._digests.get(key)]
         chain = store.chain_payload(keys, held)
         fresh = store.chain_payload(keys, None)  # from the newest anchor, as a reader holding nothing
         if chain is None or fresh is None or chain >= fresh:
             return {}
-        arrays: dict[str, np.ndarray] = {}
-        for key in keys:
-            buffer = self._held[key][1]
-            self._held[key] = (None, buffer)  # rebuilt in place below: no longer the held version's bytes
-            try:
-                found = store.read_from(key, held, buffer, in_place=True)
-            except WeightStoreError as exc:
-                _log.warning("weightstore follower of %s: applying step %d onto step %d failed (%s); reading the rest "
-                             "from its anchor", self.folder, version.step, self.version.step, exc)
-                break
-            if found is not None:
-                arrays[key] = found
-        return arrays
+        buffers = [self._held.pop(key)[1] for key in keys]  # rebuilt in place: no longer the held version's bytes
+        found: list[np.ndarray | None] = [None] * len(keys)
+        failures: list[WeightStoreError] = []
+
+        def rebuild(index: int) -> None:
+            if not failures:
+                try:
+                    found[index] = store.read_from(keys[index], held, buffers[index], in_place=True)
+                except WeightStoreError as exc:
+                    failures.append(exc)
+
+        parallel.for_each(len(keys), rebuild)
+        if failures:
+            _log.warning("weightstore follower of %s: applying step %d onto step %d failed (%s); reading the rest "
+                         "from its anchor", self.folder, version.step, self.version.step, failures[0])
+            return {}
+        return {key: array for key, array in zip(keys, found, strict=True) if array is not None}
+
+    def _keep(self, copies: dict[str, tuple[str | None, np.ndarray]], digests: dict[str, str | None]) -> None:
+        """Keep ``copies`` (a swap's staged bytes, by key) as the next delta's base.
+
+        A copy the framework adopted as a variable's buffer (a rebuilt tensor, handed over) is
+        the framework's now: the base becomes a copy of it, made into the buffer the framework
+        held before this swap when it has let go of that (double buffering: the two swap roles
+        each version, so no fresh memory faults in), else into fresh memory. A copy the framework
+        did not adopt stays the base itself. Memory: the held bytes (1x the model) beside the
+        framework's own, never more than one buffer of each per tensor."""
+        spares = self._spares
+        self._spares = {key: spare for key, spare in spares.items() if key in digests and key not in copies}
+        kept = {key: found for key, found in self._held.items() if key in digests}
+        for key, (digest, buffer) in copies.items():
+            spare = spares.pop(key, None)
+            if not _shared(buffer):
+                kept[key] = (digest, buffer)
+                continue
+            if spare is None or len(spare) != len(buffer) or _shared(spare):
+                spare = aligned_array(len(buffer))
+            copy_into(spare, buffer)
+            kept[key] = (digest, spare)
+            self._spares[key] = buffer
+        self._held = kept
 
     def _failed(self, loop: _Loop, exc: BaseException, doing: str, *, step: int | None = None) -> None:
         """Record a failure, unless ``loop`` was stopped meanwhile (its news is no longer the follower's)."""
@@ -478,12 +520,22 @@ class Follower:
                     self.error, self._following_failed = None, False
 
 
-def _own_copy(array: np.ndarray) -> np.ndarray:
-    """``array`` copied into 64-byte-aligned memory of its own, which an assign hands to the
-    framework as the variable's buffer instead of copying it while serving waits."""
-    out = aligned_array(array.nbytes).view(array.dtype).reshape(array.shape)
-    copy_into(out, array)  # on several threads: the fresh pages' faults are most of its cost
+def _aligned_copy(array: np.ndarray) -> np.ndarray:
+    """``array``'s bytes (uint8, flat) copied into 64-byte-aligned memory of its own: a base copy
+    that a later delta is rebuilt onto and handed to the framework, which adopts only aligned memory."""
+    out = aligned_array(array.nbytes)
+    copy_into(out, np.ascontiguousarray(array).reshape(-1).view(np.uint8))
     return out
+
+
+def _shared(buffer: np.ndarray) -> bool:
+    """Whether anything but ``buffer`` (a view of an :func:`aligned_array` allocation) keeps its
+    memory alive: a variable that adopted it, a tensor a caller still holds. Whatever uses the
+    memory holds a reference to its owner (or a view of it), or would use freed memory once we
+    let go; so with no other reference, writing into it changes nobody's data."""
+    owner = buffer.base
+    # the references: ``buffer``'s base, ``owner`` here, and getrefcount's argument
+    return not (isinstance(owner, np.ndarray) and owner.base is None and sys.getrefcount(owner) <= 3)
 
 
 class _Staged(ReaderDefaults):
