@@ -26,10 +26,13 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import shutil
+import socket
 import tempfile
 import time
 import uuid
+from typing import Any
 
 import numpy as np
 
@@ -105,7 +108,40 @@ def reader_bytes(server: CountingS3, size_mb: float) -> str:
         index = sum(r.sent for r in server.requests if r.path.endswith(".wsindex"))
         rows.append([name, f"{share / MB:,.1f} MB", f"{members / MB:,.1f} MB", fmt_ratio(members / share),
                      f"{index / 1024:,.1f} KiB", str(server.count())])
-    return table(["reader", "its share", "member bytes fetched", "fetched/share", "index", "requests"], rows)
+    return table(["reader", "its share", "member and table bytes fetched", "fetched/share", "index", "requests"], rows)
+
+
+def other_worlds(server: CountingS3, size_mb: float) -> str:
+    """Readers of another partitioning (thirds of the rows, thirds of the columns) of versions
+    written by 2, 4, 8 and 16 ranks by rows: the worst of the three readers' member bytes
+    (members and their tables' pages, counted at the server) over their share."""
+    model = _model(size_mb)
+    total_rows = next(iter(model.values())).shape[0]
+    rows = []
+    for world in (2, 4, 8, 16):
+        folder = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+        _write(folder, model, world, step=1)
+        version = ws.commit_shards(folder, step=1, world=world, attempt=0, timeout=60)
+        row = [str(world)]
+        for cut in ("rows", "columns"):
+            worst, tables = 0.0, 0
+            for i in range(3):
+                size = total_rows if cut == "rows" else COLS
+                part = slice(i * size // 3, (i + 1) * size // 3)
+                region = (part,) if cut == "rows" else (slice(None), part)
+                server.reset()
+                share = 0
+                with ws.open(version) as store:
+                    for key, value in model.items():
+                        found = store.read_region(key, region)
+                        assert found.tobytes() == value[region].tobytes(), (world, cut, i, key)
+                        share += found.nbytes
+                worst = max(worst, sum(r.sent for r in server.requests if "rank-" in r.path) / share)
+                tables = max(tables, sum(r.sent for r in server.requests if r.path.endswith(".blocks")))
+            row += [fmt_ratio(worst), f"{tables / 1024:,.1f} KiB"]
+        rows.append(row)
+    return table(["writers", "rows 1/3..3/3: fetched/share (worst)", "of it tables", "columns 1/3..3/3 (worst)",
+                  "of it tables"], rows)
 
 
 def follower_bytes(server: CountingS3, size_mb: float) -> str:
@@ -132,6 +168,130 @@ def follower_bytes(server: CountingS3, size_mb: float) -> str:
         table_rows.append([str(step), f"{len(report.assigned)} of 10", f"{members / MB:,.1f} MB",
                            fmt_ratio(members / nbytes), f"{index / 1024:,.1f} KiB"])
     return table(["version", "tensors read", "member bytes fetched", "of the model", "index"], table_rows)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _job(rank: int, world: int, port: int) -> Any:
+    """This process as rank ``rank`` of a gloo job of ``world`` on 127.0.0.1, and its 1-D CPU mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    return init_device_mesh("cpu", (world,))
+
+
+def _dcp_writer(rank: int, world: int, port: int, folder: str, checkpoint: str, size_mb: float) -> None:
+    """Rank ``rank`` of ``world`` writes its rows of every tensor both ways: a DTensor state dict
+    by ``torch.distributed.checkpoint.save``, and its pieces by ``publish_shard`` (rank 0 commits)."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = _job(rank, world, port)
+    model = _model(size_mb)
+    dcp.save({key: DTensor.from_local(torch.from_numpy(piece.array), mesh, [Shard(0)])
+              for key, piece in _pieces(model, rank, world).items()}, checkpoint_id=checkpoint)
+    ws.publish_shard(folder, _pieces(model, rank, world), step=1, rank=rank, world=world, attempt=0)
+    dist.barrier()
+    if rank == 0:
+        ws.commit_shards(folder, step=1, world=world, attempt=0, timeout=60)
+    dist.destroy_process_group()
+
+
+def _dcp_reader(rank: int, world: int, port: int, folder: str, checkpoint: str, size_mb: float, out: Any) -> None:
+    """Rank ``rank`` of ``world`` reads its rows of every tensor (another partitioning than the
+    writers'), by ``torch.distributed.checkpoint.load`` into DTensors and by ``read_region``:
+    wall and CPU seconds and the most anonymous memory held above what it held before, the
+    better of two tries each, taken in turn."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor, Shard
+
+    from benchmarks.common import anon_during
+
+    mesh = _job(rank, world, port)
+    model = _model(size_mb)
+    mine = _pieces(model, rank, world)
+    share = sum(piece.array.nbytes for piece in mine.values())
+
+    def by_dcp() -> dict[str, Any]:
+        state = {key: DTensor.from_local(torch.empty(piece.array.shape), mesh, [Shard(0)])
+                 for key, piece in mine.items()}
+        dcp.load(state, checkpoint_id=checkpoint)
+        return state
+
+    def by_weightstore() -> dict[str, Any]:
+        with ws.open(ws.latest(folder)) as store:
+            return {key: store.read_region(key, (slice(piece.start[0], piece.start[0] + piece.array.shape[0]),))
+                    for key, piece in mine.items()}
+
+    best: dict[str, dict[str, float]] = {}
+    for _ in range(2):
+        for name, read in (("dcp", by_dcp), ("weightstore", by_weightstore)):
+            dist.barrier()
+            cpu = time.process_time()
+            found = anon_during(read)
+            found["cpu"] = time.process_time() - cpu
+            if name not in best or found["seconds"] < best[name]["seconds"]:
+                best[name] = found
+    got = by_weightstore()
+    assert all(got[key].tobytes() == piece.array.tobytes() for key, piece in mine.items())
+    out.put((rank, share, best))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def read_vs_dcp(size_mb: float, writers: int = 4, readers: int = 3) -> str:
+    """Per-rank read time and memory of ``readers`` ranks reading by rows a model ``writers``
+    ranks wrote by rows, weightstore's ``read_region`` beside ``torch.distributed.checkpoint.load``
+    on the same layout (a local folder each, in the page cache: what is compared is the work)."""
+    context = multiprocessing.get_context("spawn")
+    root = tempfile.mkdtemp(prefix="weightstore-shard-dcp-")
+    folder, checkpoint = f"{root}/ws", f"{root}/dcp"
+    try:
+        port = _free_port()
+        procs = [context.Process(target=_dcp_writer, args=(rank, writers, port, folder, checkpoint, size_mb))
+                 for rank in range(writers)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(600)
+        assert all(proc.exitcode == 0 for proc in procs), [proc.exitcode for proc in procs]
+        out, port = context.Queue(), _free_port()
+        procs = [context.Process(target=_dcp_reader, args=(rank, readers, port, folder, checkpoint, size_mb, out))
+                 for rank in range(readers)]
+        # glibc's mmap threshold fixed: large buffers are mapped and unmapped, never kept in the heap
+        # by the one read for the next, so each read's peak is its own
+        saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 << 10)
+        try:
+            for proc in procs:
+                proc.start()
+        finally:
+            if saved is None:
+                os.environ.pop("MALLOC_MMAP_THRESHOLD_")
+            else:
+                os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
+        found = sorted(out.get(timeout=600) for _ in procs)
+        for proc in procs:
+            proc.join(60)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    rows = []
+    for rank, share, best in found:
+        ours, theirs = best["weightstore"], best["dcp"]
+        rows.append([str(rank), f"{share / MB:,.1f} MB", f"{ours['seconds']:.3f} ({ours['cpu']:.3f} CPU)",
+                     f"{theirs['seconds']:.3f} ({theirs['cpu']:.3f} CPU)", fmt_ratio(ours["seconds"] / theirs["seconds"]),
+                     fmt_ratio(ours["anon"] / share), fmt_ratio(theirs["anon"] / share)])
+    return table(["reader rank", "its share", "weightstore s", "DCP s", "weightstore / DCP", "weightstore peak / share",
+                  "DCP peak / share"], rows)
 
 
 def _writer(folder: str, size_mb: float, rank: int, world: int, start: object, out: object) -> None:
@@ -177,6 +337,8 @@ def bench(size_mb: float) -> None:
         print(commit_cost(server, size_mb), "\n")
         print("Bytes each reader fetches from a version written by 4 ranks by rows (S3):\n")
         print(reader_bytes(server, size_mb), "\n")
+        print("Readers of thirds of versions written by 2-16 ranks by rows (S3; members and block tables):\n")
+        print(other_worlds(server, size_mb), "\n")
         print("Bytes a torch module following the folder fetches per version; from version 2 on, one "
               "tensor of ten changed (S3):\n")
         print(follower_bytes(server, size_mb), "\n")
@@ -184,6 +346,9 @@ def bench(size_mb: float) -> None:
         server.stop()
         s3fs.S3FileSystem.clear_instance_cache()
         restore_environment(saved)
+    print("Read per rank against torch.distributed.checkpoint: 3 ranks reading by rows what 4 wrote by rows "
+          "(local folders, gloo on 127.0.0.1; peak: anonymous memory held above the rank's before the read):\n")
+    print(read_vs_dcp(size_mb), "\n")
     print("Write throughput, local folder (CPU-bound: this machine has "
           f"{multiprocessing.cpu_count()} cores; the per-writer figure is what scales with hosts):\n")
     print(write_throughput(size_mb))

@@ -12,8 +12,9 @@ writes the index and parses it back. Then one reader of ``1/world`` of the model
 partitioning (of every tensor, the rows of one chunk moved by half a chunk, so that it cuts two
 pieces of each) picks its boxes from the parsed index, parses the block tables of the members
 that hold them, and counts the member bytes it would fetch (the reader's own arithmetic,
-:class:`weightstore.formats.sharded._PieceRead`) and the index bytes (the index and those
-tables' heads).
+:class:`weightstore.formats.sharded._PieceRead`) and the index bytes (the index, those
+tables' headers and the pages of CRC-32s of the blocks it reads), and the most memory the
+index, the tables and the reader's picking take at once (``tracemalloc``).
 
 DCP: ``torch.distributed.checkpoint.metadata.Metadata`` for the same tensors and chunks, as
 ``DefaultSavePlanner`` and ``FileSystemWriter`` fill it (one ``ChunkStorageMetadata`` per
@@ -31,10 +32,10 @@ import math
 import pickle
 import sys
 import time
+import tracemalloc
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import blake3
 import numpy as np
 
 from benchmarks.common import MB, fmt_ratio, machine_line, table
@@ -48,11 +49,11 @@ from weightstore.formats._sharded_index import (
     Member,
     Placed,
     ShardIndex,
-    TableRef,
     member_name,
     piece_cut,
+    tile_bytes,
 )
-from weightstore.formats.sharded import _PieceRead
+from weightstore.formats.sharded import _PieceRead, blocks_in
 from weightstore.sharded import _shards as shards
 
 
@@ -106,12 +107,13 @@ def rank_files(shape: Shape, rank: int, world: int) -> tuple[DoneRecord, BlockTa
     """What ``rank`` would write: its done-record, its block table (zero checksums), the table's
     head, and the bytes its share of the index may take (what ``publish_shard`` checks)."""
     placed, tensors, blocks, offset = [], {}, 0, HEADER
-    for key, full in shape.tensors():
-        lo, hi = chunk(full[0], rank, world)
+    held = [(key, full, *chunk(full[0], rank, world)) for key, full in shape.tensors()]
+    tile = tile_bytes(sum((hi - lo) * math.prod(full[1:]) * ITEMSIZE for _, full, lo, hi in held))
+    for key, full, lo, hi in held:
         if hi <= lo:
             continue
         start, piece = (lo,) + (0,) * (len(full) - 1), (hi - lo, *full[1:])
-        columns, rows = piece_cut(piece, ITEMSIZE)
+        columns, rows = piece_cut(piece, ITEMSIZE, tile)
         strips = -(-piece[1] // columns) if columns else 1
         entry = Placed(key, DTYPE, start, piece, columns, rows, blocks, ())
         offsets = []
@@ -125,8 +127,7 @@ def rank_files(shape: Shape, rank: int, world: int) -> tuple[DoneRecord, BlockTa
     crcs = np.zeros(blocks, np.uint32)
     table = BlockTable(step=STEP, attempt=ATTEMPT, rank=rank, member=name, size=offset, pieces=placed, crcs=crcs,
                        digests=None, digests_blake3="0" * 64)
-    head = table.head_bytes()
-    ref = TableRef(len(head), shardindex.DIGEST_BYTES * blocks, blake3.blake3(head).hexdigest())
+    head, ref = table.head_bytes(), table.ref()
     boxes = [Box(rank, p.start, p.shape) for p in placed]
     shardindex.check_share(world=world, keys={k: (t.dtype, t.shape) for k, t in tensors.items()}, boxes=boxes,
                            member=(name, offset, ref), where=name)
@@ -168,11 +169,12 @@ def dcp_metadata_bytes(shape: Shape, world: int) -> int:
 
 def measure(name: str, shape: Shape, world: int, dcp: bool) -> list[str]:
     started = time.perf_counter()
-    records, heads, done_bytes, table_bytes, share_bytes = [], {}, 0, 0, 0
+    records, heads, done_bytes, table_bytes, crc_bytes, share_bytes = [], {}, 0, 0, 0, 0
     reader = world // 2
     wanted = set()  # the members the reader's rows may touch: reader's and its neighbours, kept whole
     for rank in range(world):
-        record, _, head, share = rank_files(shape, rank, world)
+        record, table, head, share = rank_files(shape, rank, world)
+        crc_bytes = max(crc_bytes, 4 * len(table.crcs))
         share_bytes = max(share_bytes, share)
         done_bytes = max(done_bytes, len(record.to_json()))
         table_bytes = max(table_bytes, len(head))
@@ -188,13 +190,18 @@ def measure(name: str, shape: Shape, world: int, dcp: bool) -> list[str]:
     parsed_tables: dict[int, BlockTable] = {}
     readers = {shift: read(parsed, parsed_tables, heads, reader, world, shift, wanted, len(data))
                for shift in (0, 1)}
+    tracemalloc.start()  # what the shifted reader holds for the index: parsed, with its tables' heads and pages
+    read(ShardIndex.parse(data), {}, heads, reader, world, 1, wanted, len(data))
+    memory = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
     seconds = time.perf_counter() - started
     bound = (limits.MAX_INDEX_BYTES - limits.KEY_BYTES - limits.RESERVED_BYTES) // world
     row = [name, f"{world:,}", f"{nbytes / 1e9:,.0f} GB", f"{len(data) / MB:,.2f} MB", f"{done_bytes / 1024:,.0f} KiB",
-           f"{table_bytes / 1024:,.0f} KiB", f"{share_bytes / bound:.0%}", f"{readers[0][3] / MB:,.0f} MB"]
+           f"{table_bytes / 1024:,.0f} KiB", f"{crc_bytes / 1024:,.0f} KiB", f"{share_bytes / bound:.0%}", f"{readers[0][3] / MB:,.0f} MB"]
     for shift in (0, 1):
         fetched, share, index_fetched, _ = readers[shift]
         row += [f"{index_fetched / MB:,.2f} MB", fmt_ratio(fetched / share)]
+    row.append(f"{memory / MB:,.1f} MB")
     if dcp:
         dcp_bytes = dcp_metadata_bytes(shape, world)
         row += [f"{dcp_bytes / MB:,.2f} MB", fmt_ratio(dcp_bytes / len(data)), fmt_ratio(dcp_bytes / readers[1][2])]
@@ -208,7 +215,7 @@ def read(parsed: ShardIndex, tables: dict[int, BlockTable], heads: dict[int, byt
     (``shift``: moved by half a chunk, so it cuts two writers' pieces). Returns member bytes
     fetched, its share, index bytes fetched (the index and the heads of the tables it reads) and
     its share again."""
-    fetched, share, touched = 0, 0, set()
+    fetched, share, wanted_blocks = 0, 0, {}
     for key, entry in parsed.tensors.items():
         rows = entry.shape[0]
         size = -(-rows // world)
@@ -221,7 +228,6 @@ def read(parsed: ShardIndex, tables: dict[int, BlockTable], heads: dict[int, byt
         for box in entry.layout.boxes_in(bounds):
             if box.member not in wanted:
                 raise AssertionError(f"{key}: the reader touches member {box.member}, not built")
-            touched.add(box.member)
             table = tables.get(box.member)
             if table is None:
                 member = parsed.members[box.member]
@@ -230,10 +236,13 @@ def read(parsed: ShardIndex, tables: dict[int, BlockTable], heads: dict[int, byt
                                                                    ATTEMPT)
             placed = table.find(key, box.start)
             assert placed is not None
+            wanted_blocks.setdefault(box.member, []).extend(blocks_in(placed, entry, bounds))
             for piece in table.placed(placed, box.member):
                 found = _PieceRead.of(piece, entry, bounds)
                 fetched += found.nbytes if found is not None else 0
-    return fetched, share, index_bytes + sum(len(heads[m]) for m in touched), share
+    pages = sum(tables[m].page_span(first, count, len(heads[m]))[1] for m, blocks in wanted_blocks.items()
+                for first, count in tables[m].pages_of(np.array(blocks, np.int64)))
+    return fetched, share, index_bytes + sum(len(heads[m]) for m in wanted_blocks) + pages, share
 
 
 def main() -> None:
@@ -246,9 +255,9 @@ def main() -> None:
     print(f"Bounds: index <= {limits.MAX_INDEX_BYTES / MB:,.0f} MB; each rank's share of it "
           f"<= ({limits.MAX_INDEX_BYTES - limits.KEY_BYTES - limits.RESERVED_BYTES:,} / world) bytes, "
           f"its keys <= {limits.KEY_BYTES / MB:,.0f} MB.\n")
-    headers = ["model", "ranks", "model bytes", "index", "done-record (max)", "table head (max)",
+    headers = ["model", "ranks", "model bytes", "index", "done-record (max)", "table header (max)", "table CRC-32s",
                "rank share / bound (max)", "reader share",
-               "aligned: index fetched", "fetched / share", "shifted: index fetched", "fetched / share"]
+               "aligned: index fetched", "fetched / share", "shifted: index fetched", "fetched / share", "shifted: index memory (peak)"]
     if not args.no_dcp:
         headers += ["DCP .metadata", "DCP / index", "DCP / shifted fetched"]
     rows = [measure(name, MODELS[name], world, not args.no_dcp) for name in args.models for world in args.worlds]

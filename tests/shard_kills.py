@@ -24,7 +24,7 @@ from weightstore.sharded import _shards as shards
 from weightstore.sync import _stages as stages
 
 WORLD = 4
-ROWS, COLS = 256, 1024
+ROWS, COLS = 256, 256  # a piece per writer of one block or more; the size asserts nothing
 FORMATS = ("safetensors", "npz", "hdf5")
 #: where a writer or the coordinator may be told to SIGKILL itself, in the order they pass them
 WRITER_STAGES = ("member-temporary", "member-written", "done-written")
@@ -85,7 +85,7 @@ def follower(folder: str, log: str, stop: str) -> None:
     with open(log, "a") as out:
         try:
             while not os.path.exists(stop):
-                for version in ws.follow(folder, poll=0.02, max_poll=0.05, timeout=0.3, after=last):
+                for version in ws.follow(folder, poll=0.05, max_poll=0.1, timeout=0.3, after=last):
                     if last is not None and version.step <= last:
                         raise AssertionError(f"step {version.step} after step {last}")
                     check(folder, version)

@@ -1080,6 +1080,43 @@ def test_reading_a_closed_store_raises_store_closed(tmp_path, opener):
         store.read()
 
 
+@pytest.mark.parametrize("form", ["wsindex", "hf-sharded"])
+def test_a_closed_sharded_store_refuses_reads_and_opens_no_member_again(tmp_path, form):
+    """A sharded store holds its members open (or opens its shards as read): closed, or left by
+    its ``with`` block, it refuses as a plain store does instead of opening them again."""
+    weights = {"w": np.arange(4, dtype=np.float32), "v": np.ones(8, np.float32)}
+    if form == "wsindex":
+        ws.publish_shard(tmp_path, weights, step=1, rank=0, world=1, attempt=0)
+        ws.commit_shards(tmp_path, step=1, world=1, attempt=0, timeout=5)
+        path = tmp_path / "step-000000000001.wsindex"
+    else:
+        ws.save(tmp_path / "hf", weights, max_shard_size=16)  # a shard each
+        path = tmp_path / "hf" / "model.safetensors.index.json"
+    with ws.open(path) as store:
+        assert store["w"].tolist() == [0, 1, 2, 3]  # "v" is never read while open
+    with raises_naming(errors.StoreClosedError, "closed", "'w'", path):
+        store["w"]
+    with raises_naming(errors.StoreClosedError, "closed", "'v'", path):
+        store["v"]
+    with pytest.raises(errors.StoreClosedError):
+        store.read_into("v", np.empty(8, np.float32))
+    with pytest.raises(errors.StoreClosedError):
+        store.read()
+
+
+def test_a_bytes_path_is_a_local_path_as_os_takes_it(tmp_path):
+    """``open`` and ``os`` take a path as bytes; so do save, load and open (decoded as
+    ``os.fsdecode`` decodes it), and their errors name it as text."""
+    weights = {"w": np.arange(3, dtype=np.float32)}
+    path = os.fsencode(tmp_path / "m.npz")
+    ws.save(path, weights)
+    assert ws.load(path)["w"].tolist() == [0, 1, 2]
+    with ws.open(path) as store:
+        assert store.path == str(tmp_path / "m.npz")
+    with raises_naming(errors.StoreNotFoundError, tmp_path / "missing.npz"):
+        ws.load(os.fsencode(tmp_path / "missing.npz"))
+
+
 # -- keys that print alike, or cannot be stored --------------------------------------------------
 
 @pytest.mark.parametrize("key", [

@@ -16,7 +16,7 @@ import pytest
 import weightstore as ws
 from weightstore import sync as versions
 from weightstore.core import limits
-from weightstore.formats._sharded_index import ShardIndex, seal
+from weightstore.formats._sharded_index import PAGE_CRCS, ShardIndex, seal
 from weightstore.sharded import _shards as shards
 from weightstore.sync import _publish
 
@@ -54,6 +54,8 @@ MODEL = textwrap.dedent("""
 namespace: dict = {}
 exec(MODEL, namespace)  # noqa: S102 - the same model text the writer processes run
 model, pieces_of = namespace["model"], namespace["pieces_of"]
+#: rank 1's piece of dense/kernel (24 x 2048 float32, 192 KiB) as its member stores it: strips of 64 columns
+KERNEL_STRIPS = [f"dense/kernel@24,{column}" for column in range(0, 2048, 64)]
 
 WRITER = MODEL + textwrap.dedent("""
     import os, sys
@@ -112,7 +114,7 @@ def test_four_writers_read_back_in_any_partitioning(tmp_path):
     from safetensors.numpy import load_file
 
     member = folder / "step-000000000002.attempt-0" / "rank-00001.safetensors"
-    assert sorted(load_file(str(member))) == ["dense/kernel", "emb", "two@0,0", "two@20,0"]
+    assert sorted(load_file(str(member))) == sorted([*KERNEL_STRIPS, "emb", "two@0,0", "two@20,0"])
     with ws.open(member) as alone:
         assert alone.metadata[shards.SHARD_METADATA]["pieces"]["two@20,0"] == {"key": "two", "start": [20, 0],
                                                                               "shape": [40, 8]}
@@ -291,6 +293,7 @@ def test_a_corrupt_block_is_refused_naming_the_key(tmp_path):
 
 
 V1 = ROOT / "tests" / "data" / "sharded_v1"  # a version committed by weightstore before block tables
+V2 = ROOT / "tests" / "data" / "sharded_v2"  # and one of index version 2: block tables read whole
 
 
 def hostile_index(tmp_path, edit):
@@ -318,6 +321,46 @@ def hostile_v2_index(tmp_path, edit):
     edit(raw)
     path.write_bytes(seal(raw))
     return str(path)
+
+
+def test_an_index_of_version_2_still_reads(tmp_path):
+    folder = tmp_path / "run"
+    shutil.copytree(V2, folder)
+    w = np.arange(24, dtype=np.float32).reshape(6, 4)
+    s = (np.arange(256 * 512) % 251).astype(np.float16).reshape(256, 512)
+    version = ws.latest(folder)
+    assert version.metadata == {"made": "weightstore sharded index v2"}
+    with ws.open(version) as store:
+        assert store._reader.index.version == 2
+        assert store["w"].tobytes() == w.tobytes() and store["s"].tobytes() == s.tobytes()
+        assert store.read_region("s", (slice(10, 200), slice(100, 300))).tobytes() == s[10:200, 100:300].tobytes()
+        assert store.read_region("w", (slice(2, 5),)).tobytes() == w[2:5].tobytes()
+        assert store.region_digest("s", (slice(0, 8),)) == store.region_digest("s", (slice(0, 8),)) is not None
+    for rank in range(2):  # a version of this weightstore after it in the same folder
+        ws.publish_shard(folder, {"w": ws.Piece(w[3 * rank:3 * rank + 3] + 1, (3 * rank, 0), (6, 4))},
+                         step=2, rank=rank, world=2, attempt=0)
+    shards.commit_shards(folder, step=2, world=2, attempt=0, timeout=5, keep=None)
+    assert ws.load(ws.latest(folder))["w"].tobytes() == (w + 1).tobytes()
+    assert ws.load(version)["s"].tobytes() == s.tobytes()
+
+
+def test_an_unfinished_attempt_of_an_older_writer_is_refused_naming_its_done_record_and_then_cleaned(tmp_path):
+    """Done-records of version 1 (before block tables) left in an attempt no index names: its
+    commit is refused naming the record and what to do; the step's next attempt commits and
+    removes it."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    shutil.copytree(V1 / "step-000000000001.attempt-0", folder / "step-000000000001.attempt-0")
+    with pytest.raises(ws.FormatError, match="done-record of version 1.*publish the step again") as caught:
+        shards.commit_shards(folder, step=1, world=2, attempt=0, timeout=5)
+    assert caught.value.path.endswith("step-000000000001.attempt-0/rank-00000.done")
+    w = np.arange(24, dtype=np.float32).reshape(6, 4)
+    for rank in range(2):
+        ws.publish_shard(folder, {"w": ws.Piece(w[3 * rank:3 * rank + 3], (3 * rank, 0), (6, 4))},
+                         step=1, rank=rank, world=2, attempt=1)
+    shards.commit_shards(folder, step=1, world=2, attempt=1, timeout=5)
+    assert ws.load(ws.latest(folder))["w"].tobytes() == w.tobytes()
+    assert not (folder / "step-000000000001.attempt-0").exists()
 
 
 def test_an_index_of_version_1_still_reads(tmp_path):
@@ -419,7 +462,7 @@ def test_a_version_2_layout_is_swept_and_budgeted_as_version_1_pieces_are(tmp_pa
     monkeypatch.setattr(shardindex, "OVERLAP_PAIRS_PER_BYTE", 0)
     path = hostile_v2_index(tmp_path / "stairs", lambda raw: keyed(raw, [stairs], [[n, n]]))
     index = ShardIndex.parse(Path(path).read_bytes())
-    assert index.version == 2 and len(index.tensors["k0"].layout) == len(stairs)
+    assert index.version == 3 and len(index.tensors["k0"].layout) == len(stairs)
     overlapping = [*stairs[:-1], (1, [n - 2, n - 3], [2, 1])]
     with pytest.raises(ws.FormatError, match="has pieces that overlap") as caught:
         ShardIndex.parse(Path(hostile_v2_index(tmp_path / "over", lambda raw: keyed(raw, [overlapping],
@@ -606,12 +649,12 @@ def test_members_in_each_format_read_back_bit_exact(tmp_path, fmt, suffix):
         assert store.read_region("two", (slice(5, 35),)).tobytes() == expected["two"][5:35].tobytes()
     member = folder / "step-000000000002.attempt-0" / f"rank-00001{suffix}"
     with ws.open(member) as alone:  # an ordinary file of its format, under the global keys
-        assert sorted(alone) == ["dense/kernel", "emb", "two@0,0", "two@20,0"]
+        assert sorted(alone) == sorted([*KERNEL_STRIPS, "emb", "two@0,0", "two@20,0"])
         assert alone["two@20,0"].tobytes() == expected["two"][20:30].tobytes()
         assert alone.info("emb").dtype == "bfloat16"
     if fmt == "npz":
         with np.load(member) as plain:
-            assert plain["dense/kernel"].tobytes() == expected["dense/kernel"][24:48].tobytes()
+            assert plain["dense/kernel@24,64"].tobytes() == expected["dense/kernel"][24:48, 64:128].tobytes()
 
 
 def test_a_member_format_that_cannot_be_read_by_ranges_is_refused(tmp_path):
@@ -646,7 +689,7 @@ def test_a_member_whose_bytes_are_not_where_its_format_says_is_refused(tmp_path,
 @pytest.mark.parametrize("shape, itemsize, world, columns", [
     ((768, 4096), 4, 4, 64),        # 256-byte strip rows: 64 float32 columns
     ((768, 4096), 2, 4, 128),       # or 128 bfloat16 ones
-    ((100, 512), 4, 1, None),       # under 256 KiB: kept whole
+    ((100, 128), 4, 1, None),       # under 64 KiB: kept whole
     ((4096, 200), 4, 1, None),      # rows of 800 bytes: fewer than four strips, kept whole
     ((32, 32000), 4, 128, 512),     # 128 ranks: 63 strips each, so the key keeps under 16,384 pieces
     ((32, 32000), 4, 4096, None),   # 4,096 ranks: no room for strips at all
@@ -704,11 +747,16 @@ def hostile_v2(tmp_path, edit=None, table=None):
         length = int.from_bytes(data[8:16], "little")
         header = json.loads(data[16:16 + length])
         header.pop("crc32")
-        crcs = data[16 + length: raw["members"]["heads"][1]]
-        crcs = table(header, crcs) or crcs
+        count = raw["members"]["digests"][1] // 32
+        crcs, digests = data[16 + length:16 + length + 4 * count], data[16 + length + 4 * count:]
+        edited = table(header, crcs)
+        if edited is not None:  # the hostile writer hashes its pages of CRC-32s again too
+            crcs = edited
+            header["pages"] = [blake3.blake3(crcs[at:at + 4 * PAGE_CRCS]).hexdigest()
+                               for at in range(0, len(crcs), 4 * PAGE_CRCS)]
         sealed = seal(header)
-        head = data[:8] + len(sealed).to_bytes(8, "little") + sealed + crcs
-        blocks.write_bytes(head + data[raw["members"]["heads"][1]:])
+        head = data[:8] + len(sealed).to_bytes(8, "little") + sealed
+        blocks.write_bytes(head + crcs + digests)
         raw["members"]["heads"][1], raw["members"]["blake3"][1] = len(head), blake3.blake3(head).hexdigest()
         if isinstance(header.get("blocks"), int):
             raw["members"]["digests"][1] = 32 * header["blocks"]
@@ -763,7 +811,8 @@ def _piece_field(at):
     (_piece_field(1)(0), "blocks are not the next"),
     (_piece_field(2)(1), "blocks are not the next"),
     (_piece_field(0)(1), "strip offsets"),
-    (lambda header, crcs: header.update(blocks=2), "says 2 blocks and holds 1"),
+    (lambda header, crcs: header.update(blocks=2), "has pieces of 1 blocks, and 2 CRC-32s"),
+    (lambda header, crcs: header.update(pages=[]), "no BLAKE3 of each page"),
     (lambda header, crcs: header.update(size=1), "is not the table of"),
     (lambda header, crcs: (header.update(blocks=2), header["pieces"].append(
         header["pieces"][0][:3] + [0, 0, 3, 4, 0, 1024, 1, 1, header["pieces"][0][-1]]))[0] or crcs * 2,
@@ -791,6 +840,13 @@ def test_a_block_table_not_the_one_the_index_names_fails_its_checksum(tmp_path):
         store["w"]
     assert caught.value.path.endswith("rank-00001.blocks") and caught.value.key == "w"
     data[20] ^= 1
+    head = json.loads(Path(path).read_bytes()[:-1].rsplit(b',"crc32"', 1)[0] + b"}")["members"]["heads"][1]
+    data[head] ^= 1  # a CRC-32 in its page: the page is refused, naming the table
+    blocks.write_bytes(bytes(data))
+    with ws.open(path) as store, pytest.raises(ws.ChecksumError, match="page 0 of CRC-32s does not match") as caught:
+        store["w"]
+    assert caught.value.path.endswith("rank-00001.blocks") and caught.value.key == "w"
+    data[head] ^= 1
     data[-1] ^= 1  # a block digest: a reader never fetches them; a follower's region digest is refused
     blocks.write_bytes(bytes(data))
     with ws.open(path) as store:
@@ -859,7 +915,7 @@ def test_clean_keeps_a_committed_version_whose_index_it_cannot_read(tmp_path, da
     index = folder / "step-000000000002.wsindex"
     data = index.read_bytes()
     if damage == "newer":
-        data = data.replace(b'"version":2', b'"version":3', 1)
+        data = data.replace(b'"version":3', b'"version":4', 1)
     else:
         data = data[:40] + bytes([data[40] ^ 0x01]) + data[41:]
     index.write_bytes(data)
@@ -921,7 +977,7 @@ def _sealed_text(body: bytes) -> bytes:
     return body + b',"crc32":%d}' % crc32(np.frombuffer(body, np.uint8))
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 3])
 @pytest.mark.parametrize("field, depth", [("created", 1020), ("producer", 1020), ("created", 150),
                                           ("metadata", 1000), ("metadata", 101)])
 def test_an_index_nesting_a_field_deep_is_refused_naming_the_file(tmp_path, field, depth, version):

@@ -97,10 +97,13 @@ JAX_CALL = textwrap.dedent("""
     folder = sys.argv[1]
     jax.distributed.initialize(os.environ["COORDINATOR"], num_processes=2, process_id=int(sys.argv[2]))
     tree = {"dense": {"kernel": np.arange(40 * 6, dtype=np.float32).reshape(40, 6), "bias": np.ones(6, np.float32)}}
-    for step in (1, 2):
+    from jax._src import distributed
+    for step in (1, 2, 3):
         version = wf.publish_sharded(folder, tree, step=step, timeout=30, background=step == 2)
-        version = version if step == 1 else version.result()
+        version = version.result() if step == 2 else version
         print("version:", version.step, version.path.rsplit("/", 1)[-1])
+        if sys.argv[2] == "0":  # the store's keys: those of committed steps deleted
+            print("keys:", len(distributed.global_state.client.key_value_dir_get("weightstore/")), flush=True)
     jax.distributed.shutdown()
 """)
 
@@ -111,10 +114,12 @@ def test_one_call_on_every_jax_process_returns_the_committed_version(tmp_path):
                          [job_env(COORDINATOR=f"127.0.0.1:{port}")] * 2, timeout=120)
     assert [proc.returncode for proc in procs] == [0, 0], [proc.stderr[-3000:] for proc in procs]
     lines = [[line for line in proc.stdout.splitlines() if line.startswith("version:")] for proc in procs]
-    assert lines[0] == lines[1] == ["version: 1 step-000000000001.wsindex", "version: 2 step-000000000002.wsindex"]
+    assert lines[0] == lines[1] == [f"version: {step} step-00000000000{step}.wsindex" for step in (1, 2, 3)]
+    keys = [line for line in procs[0].stdout.splitlines() if line.startswith("keys:")]
+    assert len(keys) == 3 and keys[1] == keys[2] and int(keys[2].split()[-1]) >= 3, keys  # the launch's hellos stay
     loaded = ws.load(ws.latest(folder))
     assert loaded["dense/kernel"].tobytes() == np.arange(240, dtype=np.float32).tobytes()
-    attempt = folder / "step-000000000002.attempt-0"
+    attempt = folder / "step-000000000003.attempt-0"
     records = [parse_done((attempt / f"rank-0000{rank}.done").read_bytes()) for rank in range(2)]
     assert records[0].incarnation and records[0].incarnation == records[1].incarnation
 
@@ -326,3 +331,36 @@ def test_two_launches_whose_rank_0s_read_the_folder_at_once_claim_different_atte
     assert (tmp_path / "run" / "step-000000000005.attempt-1" / "claimed-by").read_text() == "replacement"
     monkeypatch.undo()
     assert shards.claimed_attempt(target, 5, "replacement", least=1) == 2  # a retry: above what the folder holds
+
+
+#: rank ``sys.argv[2]`` of a 2-rank gloo job publishing 6 steps in one call each; rank 0 prints the store's keys
+MANY_STEPS = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import torch.distributed as dist
+    from weightstore.sharded import _shards
+
+    folder, rank, port = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    store = dist.distributed_c10d._get_default_store()
+    kernel = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
+    for step in range(1, 7):
+        piece = {"k": _shards.Piece(kernel[rank * 4:rank * 4 + 4] + step, (rank * 4, 0), (8, 3))}
+        _shards.publish_together(folder, piece, step=step, timeout=60)
+        if rank == 0:
+            print("keys:", store.num_keys(), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+def test_the_keys_of_committed_steps_leave_the_job_store(tmp_path):
+    """Each publish meets at keys of its own in the job's store; rank 0 deletes them once no rank
+    reads them again, so the store of a job of many steps holds one step's keys, not all."""
+    folder, port = tmp_path / "run", free_port()
+    ranks = run_together([[sys.executable, "-c", MANY_STEPS, str(folder), str(rank), str(port)] for rank in range(2)],
+                         [job_env()] * 2, timeout=120)
+    assert [rank.returncode for rank in ranks] == [0, 0], [rank.stderr[-3000:] for rank in ranks]
+    keys = [int(line.split()[-1]) for line in ranks[0].stdout.splitlines() if line.startswith("keys:")]
+    assert len(keys) == 6 and keys[1:] == [keys[1]] * 5, keys  # two keys a step before
+    assert ws.load(ws.latest(folder))["k"].tobytes() == (np.arange(24, dtype=np.float32).reshape(8, 3) + 6).tobytes()

@@ -1,13 +1,10 @@
 """Followers of sharded versions read only what changed: each block's BLAKE3 digest (in its
 member's block table) decides, never its CRC-32. Four ranks publish each step (to the loopback S3 server, which
-counts the bytes a follower fetches, or as writer processes into a local folder)."""
+counts the bytes a follower fetches, or into a local folder)."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 import textwrap
 import threading
 import uuid
@@ -18,7 +15,6 @@ import pytest
 import weightstore as ws
 from weightstore.formats._sharded_index import ShardIndex, TensorEntry
 
-ROOT = Path(__file__).resolve().parents[1]
 BUCKET = "weightstore-shards-follow"
 
 #: the model of each step, as the writer processes and the test build it: step 2 changes
@@ -52,25 +48,12 @@ exec(MODEL, namespace)  # noqa: S102 - the same model text the writer processes 
 model = namespace["model"]
 pieces_of = namespace["pieces_of"]
 
-WRITER = MODEL + textwrap.dedent("""
-    import sys
-    folder, step, rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    ws.publish_shard(folder, pieces_of(step, rank), step=step, rank=rank, world=4, attempt=0)
-""")
-
-
-def publish(folder, step, *, processes=True):
-    """Four writer processes at once (or, on the S3 server this process runs, whose Python work
-    writer processes would queue behind, four ranks here), then the commit."""
-    if not processes:
-        for rank in range(4):
-            ws.publish_shard(folder, pieces_of(step, rank), step=step, rank=rank, world=4, attempt=0)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(folder), str(step), str(rank)], env=env,
-                              stderr=subprocess.PIPE) for rank in range(4 if processes else 0)]
-    for proc in procs:
-        _, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err.decode()
+def publish(folder, step):
+    """The four ranks' shares, published here one after another, then the commit (writers in
+    processes of their own are test_shards.py's and test_shards_kills.py's; a follower reads
+    what they wrote alike)."""
+    for rank in range(4):
+        ws.publish_shard(folder, pieces_of(step, rank), step=step, rank=rank, world=4, attempt=0)
     return ws.commit_shards(folder, step=step, world=4, attempt=0, timeout=30)
 
 
@@ -110,7 +93,7 @@ def test_a_tf1_follower_fetches_only_the_parts_whose_blocks_changed(s3):
     with Follower(sess, folder, poll=0.5) as follower:
         for step in (1, 2, 3):
             s3.reset()
-            version = publish(folder, step, processes=False)
+            version = publish(folder, step)
             assert follower.wait(step=step, timeout=60).step == step
             fetched = member_bytes(s3)
             exported = tf1.export(sess)
@@ -134,7 +117,7 @@ def test_a_tf1_follower_fetches_only_the_parts_whose_blocks_changed(s3):
 
 @pytest.fixture(scope="module")
 def torch_versions(tmp_path_factory):
-    """Steps 1 and 2 published by four writer processes each into a local folder, and copies of
+    """Steps 1 and 2 published by four ranks each into a local folder, and copies of
     both indexes with their block digests removed, as an index written before they existed."""
     folder = tmp_path_factory.mktemp("run")
     versions = [publish(folder, step) for step in (1, 2)]
@@ -220,7 +203,7 @@ def test_serving_goes_on_while_a_follower_fetches_a_sharded_version(tmp_path, mo
                                          for key, value in model(1).items()})
         exported = lambda: {key: value.detach().numpy() for key, value in target.items()}  # noqa: E731
     folder = tmp_path / "run"
-    publish(folder, 1, processes=False)
+    publish(folder, 1)
     served: list[bool] = []  # per fetch of step 2: whether a reading() block ran to its end meanwhile
     armed = threading.Event()
     fetch = ShardedReader._read_region
@@ -242,7 +225,7 @@ def test_serving_goes_on_while_a_follower_fetches_a_sharded_version(tmp_path, mo
     with Follower(target, folder, poll=0.05) as follower:
         assert follower.wait(step=1, timeout=60).step == 1
         armed.set()
-        publish(folder, 2, processes=False)
+        publish(folder, 2)
         assert follower.wait(step=2, timeout=120).step == 2
     assert sorted(follower.report.assigned) == ["bias", "big"] and sorted(follower.report.skipped) == ["emb", "small"]
     assert served and all(served), served

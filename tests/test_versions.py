@@ -516,6 +516,55 @@ def test_a_latest_over_the_size_limit_says_so(tmp_path, cli):
     assert ws.latest(tmp_path).step == 2
 
 
+def test_a_huge_latest_on_a_generic_file_system_is_read_only_up_to_the_pointer_limit(tmp_path):
+    """memory:// (as gs://, az://) goes through the generic fsspec backend: a hostile LATEST of
+    megabytes is refused, and no more of it than the limit is ever read into memory."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from weightstore.io.fsspec_objects import BACKEND
+
+    class Counting(MemoryFileSystem):  # shares memory://'s objects; counts the bytes read of them
+        read = 0
+
+        def cat_file(self, path, start=None, end=None, **kwargs):
+            data = super().cat_file(path, start, end, **kwargs)
+            Counting.read += len(data)
+            return data
+
+        def _open(self, path, mode="rb", **kwargs):
+            handle = super()._open(path, mode, **kwargs)
+            return Counted(handle) if mode == "rb" else handle
+
+    class Counted:
+        def __init__(self, handle):
+            self._handle = handle
+
+        def read(self, size=-1):
+            data = self._handle.read(size)
+            Counting.read += len(data)
+            return data
+
+        def __getattr__(self, name):
+            return getattr(self._handle, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self._handle.close()
+
+    folder = f"memory://weightstore-tests/{tmp_path.name}-huge"
+    ws.publish(folder, weights_at(1), step=1, storage_options={"one_writer": True})
+    fs = Counting(skip_instance_cache=True)
+    fs.pipe_file(f"/weightstore-tests/{tmp_path.name}-huge/LATEST", b" " * (8 << 20))
+    with pytest.raises(ws.FormatError, match=f"LATEST is larger than {MAX_POINTER_BYTES} bytes"):
+        ws.latest(folder)
+    assert BACKEND.read_tagged(fs, f"/weightstore-tests/{tmp_path.name}-huge/LATEST", 1000) == (b" " * 1000, None)
+    assert 0 < Counting.read <= 1000
+    assert BACKEND.read_tagged(fs, f"/weightstore-tests/{tmp_path.name}-huge/none", 1000) == (None, None)
+    fs.rm(f"/weightstore-tests/{tmp_path.name}-huge", recursive=True)
+
+
 def test_follow_checks_its_words_when_called(tmp_path, cli):
     """``follow`` is a generator: a bad word must be refused by the call, not at the first ``next``
     (or never: a NaN timeout ended no wait)."""

@@ -8,9 +8,9 @@ per rank, each an ordinary safetensors, npz or HDF5 file) and, for every global 
 column strips) lie in the member, and a CRC-32 and a BLAKE3 digest for each block of it (whole
 rows along its first axis, :func:`piece_block_rows`). So the index grows with pieces, never
 with blocks; keys that share a partitioning share one *layout* (their list of boxes); and a
-reader of a region fetches the index, then the CRC-32 part of the tables of the members that
-hold its region (their sizes and BLAKE3 digests are in the index), and only the blocks that
-hold the region. A follower also fetches the digests of those tables, to skip a region whose
+reader of a region fetches the index, then the headers of the tables of the members that hold
+its region (their sizes and BLAKE3 digests are in the index) and the pages of CRC-32s of the
+blocks that hold the region (:class:`BlockTable`), and only those blocks. A follower also fetches the digests of those tables, to skip a region whose
 blocks did not change (the CRC-32 finds damage; only the digest, which cannot be forged, says
 "unchanged"). Each rank's done-record says what its member holds (boxes, no blocks); the
 coordinator merges the done-records into the index without reading a tensor byte.
@@ -20,8 +20,8 @@ coordinator merges the done-records into the index without reading a tensor byte
 see ``docs/sharded.md`` for the figures of a 405B model on 1,000 ranks.
 
 Indexes of version 1 (block checksums and digests inside the index, each strip its own piece)
-still read: :meth:`ShardIndex.parse` takes either, and the reader treats a version 1 piece as
-one already placed.
+and 2 (tables whose CRC-32s are in block order, read whole) still read: :meth:`ShardIndex.parse`
+takes any, and the reader treats a version 1 piece as one already placed.
 
 Every file here is read as hostile input: :meth:`ShardIndex.parse`, :meth:`BlockTable.parse` and
 :func:`parse_done` check every field, and :func:`check_tensor` that the pieces of a key lie inside
@@ -74,21 +74,24 @@ from weightstore.errors import (
 )
 
 __all__ = ["index_name", "attempt_folder", "member_name", "MEMBER_SUFFIXES", "done_name", "table_name", "BLOCK_BYTES",
-           "MIN_BLOCK_BYTES", "PIECE_BLOCKS", "TILE_BYTES", "INDEX_FORMAT", "DONE_FORMAT", "BLOCKS_FORMAT",
-           "INCARNATION",
+           "MIN_BLOCK_BYTES", "PIECE_BLOCKS", "MEMBER_TILES", "MIN_TILE_BYTES", "MAX_TILE_BYTES", "PAGE_CRCS",
+           "INDEX_FORMAT", "INDEX_VERSION", "DONE_FORMAT", "BLOCKS_FORMAT", "INCARNATION",
            "PieceEntry", "TensorEntry", "Member", "TableRef", "Layout", "Box", "Placed", "BlockTable", "ShardIndex",
            "DoneRecord", "DoneTensor", "parse_done", "check_parsable", "check_tensor", "check_boxes", "check_share",
            "share_bytes", "key_entry_bytes", "member_entry_bytes", "check_member_bytes", "seal",
-           "block_rows", "piece_block_rows", "piece_cut", "block_crcs", "block_digests", "DIGEST_HEX", "row_bytes", "rows_of",
-           "strip_columns", "STRIPED_FROM", "STRIP_ROW_BYTES", "STRIP_BLOCKS"]
+           "block_rows", "piece_block_rows", "piece_cut", "tile_bytes", "block_crcs", "block_digests", "DIGEST_HEX",
+           "row_bytes", "rows_of", "strip_columns", "STRIPED_FROM", "STRIP_ROW_BYTES", "STRIP_BLOCKS"]
 
 INDEX_FORMAT = "weightstore-sharded"
+#: the version of index this weightstore writes: 3, whose block tables are paged
+#: (:class:`BlockTable`); 2 (tables read whole) and 1 (no tables) still read
+INDEX_VERSION = 3
 DONE_FORMAT = "weightstore-shard-done"
 #: bytes a checksummed block holds, about: a reader of a region fetches at most one block more
 #: than it needs at each end of each piece it touches
 BLOCK_BYTES = 256 << 10
 #: pieces at least this large whose rows are long are stored as column strips (:func:`strip_columns`)
-STRIPED_FROM = 256 << 10
+STRIPED_FROM = 64 << 10
 #: a strip's bytes per row, about: a reader of a column range fetches at most this much more per row
 STRIP_ROW_BYTES = 256
 #: checksummed blocks a strip has, at most, so the index of a large piece stays a small
@@ -105,12 +108,16 @@ BLOCKS_FORMAT = "weightstore-shard-blocks"
 #: 7.6 MB LLaMA-shaped model) fetch 1.18-1.45x their share, whole pieces at their regions'
 #: edges; 1 KiB, 1.00-1.02x
 MIN_BLOCK_BYTES = 1 << 10
-#: a block of a column strip (a *tile*) holds at least this many bytes, or 1/:data:`PIECE_BLOCKS`
-#: of its piece if less, so a member's table stays under 4 bytes of CRC-32 per 6 KiB of it, and
-#: a 405B model's reader of 1/1,000 fetches under 1 MB of index (docs/sharded.md, Bounds). A
-#: flat 6 KiB gave a small model's 256 KiB pieces tiles of 32 rows, and row readers of another
-#: world size fetched up to 1.12x their share
-TILE_BYTES = 6 << 10
+#: a block of a column strip (a *tile*) holds at least :func:`tile_bytes` of its member's size:
+#: a member's table has about :data:`MEMBER_TILES` CRC-32s (256 KiB), or tiles of
+#: :data:`MIN_TILE_BYTES` in a small member. A reader fetches only the CRC-32s of the blocks it
+#: reads (:meth:`BlockTable.pages_of`), so small tiles cost a small member little, while a large
+#: member's table stays bounded: a 405B model's reader of 1/1,000 fetches under 1 MB of index
+#: (docs/sharded.md, Bounds). A flat 6 KiB made readers of thirds of a 24 MB model's 48-row pieces
+#: fetch 1.13x their share (tiles of 6 rows, strips of 256 columns)
+MEMBER_TILES = 1 << 16
+MIN_TILE_BYTES = 256
+MAX_TILE_BYTES = 16 << 10
 #: a piece is cut into about this many blocks (between :data:`MIN_BLOCK_BYTES` and
 #: :data:`BLOCK_BYTES` each): a reader whose region ends inside a piece fetches at most one
 #: block more at that end, 1/64 of the piece
@@ -202,27 +209,32 @@ def strip_columns(shape: Sequence[int], itemsize: int, world: int = 1) -> int | 
     return columns if columns * 4 <= shape[1] else None
 
 
-def piece_cut(shape: Sequence[int], itemsize: int) -> tuple[int, int]:
+def tile_bytes(member_bytes: int) -> int:
+    """The bytes a tile holds at least in a member of ``member_bytes`` (see :data:`MEMBER_TILES`)."""
+    return min(MAX_TILE_BYTES, max(MIN_TILE_BYTES, member_bytes // MEMBER_TILES))
+
+
+def piece_cut(shape: Sequence[int], itemsize: int, tile: int = MAX_TILE_BYTES) -> tuple[int, int]:
     """How a piece of ``shape`` is stored: ``(columns, rows)``, the width of its column strips
     (0: stored whole) and the rows of each block.
 
     A piece stored whole has blocks of :func:`piece_block_rows`. A piece of long rows is stored
     as column strips (:func:`strip_columns`: about :data:`STRIP_ROW_BYTES` a row), whose blocks
-    (a strip's rows, a *tile*) must hold at least :data:`TILE_BYTES` (or a sixty-fourth of the
-    piece), so that a member's block table stays under 4 bytes of CRC-32 per
-    :data:`TILE_BYTES` of it: the rows of a tile grow
+    (a strip's rows, a *tile*) must hold at least ``tile`` bytes (:func:`tile_bytes` of the
+    member) or a sixty-fourth of the piece if less: the rows of a tile, a power of two, double
     first (up to an eighth of the piece: a reader of a row range fetches at most that more at
-    each end), then its columns (a reader of a column range fetches at most a strip more at each
-    end; power-of-two widths cut halves and quarters exactly). Too few strips left: stored whole.
+    each end; the usual cuts of FSDP-style pieces, at multiples of a power of two, fall on tile
+    edges), then its columns (a reader of a column range fetches at most a strip more at each end;
+    power-of-two widths cut halves and quarters exactly). Too few strips left: stored whole.
     """
     rows = piece_block_rows(shape, itemsize)
     columns = strip_columns(shape, itemsize)
     if columns is None:
         return 0, rows
     cell = math.prod(shape[2:]) * itemsize
-    rows = min(shape[0], max(rows, -(-shape[0] // STRIP_BLOCKS)))
-    most_rows = max(rows, shape[0] // 8)
-    tile = min(TILE_BYTES, max(MIN_BLOCK_BYTES, math.prod(shape) * itemsize // PIECE_BLOCKS))
+    rows = min(shape[0], 1 << (max(rows, -(-shape[0] // STRIP_BLOCKS)) - 1).bit_length())
+    most_rows = max(rows, 1 << (max(1, shape[0] // 8).bit_length() - 1))
+    tile = min(tile, max(MIN_TILE_BYTES, math.prod(shape) * itemsize // PIECE_BLOCKS))
     while rows * columns * cell < tile:
         if rows < most_rows:
             rows = min(most_rows, rows * 2)
@@ -338,13 +350,25 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class TableRef:
-    """What the index says of a member's block table: ``head`` bytes (its header and CRC-32s,
-    what a reader fetches) whose BLAKE3 is ``blake3``, then ``digests`` bytes of block digests
-    (what a follower fetches too; the header carries their BLAKE3)."""
+    """What the index says of a member's block table: ``head`` bytes whose BLAKE3 is ``blake3``,
+    and ``digests`` bytes of block digests (what a follower fetches too; the header carries
+    their BLAKE3). A *paged* table (index version 3) has its header alone in its head, then its
+    CRC-32s in pages a reader fetches as it needs them (:meth:`BlockTable.pages_of`), then the
+    digests; an older one has header and CRC-32s in its head, fetched whole."""
 
     head: int
     digests: int
     blake3: str
+    paged: bool = False
+
+    @property
+    def blocks(self) -> int:
+        return self.digests // DIGEST_BYTES
+
+    @property
+    def digests_at(self) -> int:
+        """Where the digests start in the table."""
+        return self.head + (4 * self.blocks if self.paged else 0)
 
 
 @dataclass(frozen=True)
@@ -415,7 +439,7 @@ class ShardIndex:
     tensors: dict[str, TensorEntry]
     metadata: dict[str, Any] = field(default_factory=dict)
     producer: str = ""
-    version: int = 2
+    version: int = 3
     layouts: list[Layout] = field(default_factory=list)
 
     def to_json(self) -> bytes:
@@ -438,9 +462,9 @@ class ShardIndex:
 
     @classmethod
     def parse(cls, data: bytes) -> ShardIndex:
-        """An index read from a file (version 1 or 2), every field checked (see the module docstring)."""
-        raw = _document(data, INDEX_FORMAT, MAX_V1_INDEX_BYTES, (1, 2))
-        if raw["version"] == 2 and len(data) > MAX_INDEX_BYTES:
+        """An index read from a file (version 1, 2 or 3), every field checked (see the module docstring)."""
+        raw = _document(data, INDEX_FORMAT, MAX_V1_INDEX_BYTES, (1, 2, INDEX_VERSION))
+        if raw["version"] != 1 and len(data) > MAX_INDEX_BYTES:
             raise FormatError(f"is over {MAX_INDEX_BYTES} bytes; not a {INDEX_FORMAT} file")
         step, attempt, world = (_count(raw.get(name), name) for name in ("step", "attempt", "world"))
         metadata = raw.get("metadata", {})
@@ -448,11 +472,11 @@ class ShardIndex:
             raise FormatError("metadata is not an object")
         refuse_deep(metadata, "metadata")
         created, producer = text_field(raw, "created", "the index's"), text_field(raw, "producer", "the index's")
-        if raw["version"] == 2:
-            members = _members_v2(raw.get("members"), step, attempt, world)
+        if raw["version"] != 1:
+            members = _members_v2(raw.get("members"), step, attempt, world, paged=raw["version"] == INDEX_VERSION)
             layouts = _layouts(raw.get("layouts"), world)
             tensors = _tensors_v2(raw.get("tensors"), layouts, members, nbytes=len(data))
-            return cls(step, attempt, world, created, members, tensors, metadata, producer, 2, layouts)
+            return cls(step, attempt, world, created, members, tensors, metadata, producer, raw["version"], layouts)
         members_raw = raw.get("members")
         if not isinstance(members_raw, list) or len(members_raw) != world:
             raise FormatError(f"the index must name {world} members, one per rank")
@@ -470,7 +494,7 @@ class ShardIndex:
         return cls(step, attempt, world, created, members, tensors, metadata, producer, 1)
 
 
-def _members_v2(raw: Any, step: int, attempt: int, world: int) -> list[Member]:
+def _members_v2(raw: Any, step: int, attempt: int, world: int, *, paged: bool) -> list[Member]:
     columns = ("files", "sizes", "heads", "digests", "blake3")
     if not isinstance(raw, dict) or not all(isinstance(raw.get(name), list) and len(raw[name]) == world
                                             for name in columns):
@@ -487,7 +511,8 @@ def _members_v2(raw: Any, step: int, attempt: int, world: int) -> list[Member]:
         if head > MAX_TABLE_HEADER_BYTES + 4 * MAX_TABLE_BLOCKS + 16 or digests != 8 * (digests // 8) or \
                 digests > DIGEST_BYTES * MAX_TABLE_BLOCKS:
             raise FormatError(f"member {rank}'s block table is not of a size a table has ({head} + {digests} bytes)")
-        members.append(Member(folder + file, _count(size, f"member {rank} size"), rank, TableRef(head, digests, digest)))
+        members.append(Member(folder + file, _count(size, f"member {rank} size"), rank,
+                              TableRef(head, digests, digest, paged)))
     return members
 
 
@@ -573,7 +598,7 @@ class DoneRecord:
     def to_json(self) -> bytes:
         table = self.member.table or TableRef(0, 0, "")
         return seal({
-            "format": DONE_FORMAT, "version": 2, "step": self.step, "attempt": self.attempt, "rank": self.rank,
+            "format": DONE_FORMAT, "version": 3 if table.paged else 2, "step": self.step, "attempt": self.attempt, "rank": self.rank,
             "world": self.world, "member": {"file": self.member.file, "size": self.member.size},
             **({"incarnation": self.incarnation} if self.incarnation else {}),
             "table": [table.head, table.digests, table.blake3],
@@ -585,7 +610,11 @@ class DoneRecord:
 
 def parse_done(data: bytes) -> DoneRecord:
     """A done-record read from a rank's folder, every field checked."""
-    raw = _document(data, DONE_FORMAT, MAX_DONE_BYTES, (2,))
+    raw = _document(data, DONE_FORMAT, MAX_DONE_BYTES, (1, 2, 3))
+    if raw["version"] == 1:
+        raise FormatError("is a done-record of version 1, written by a weightstore before block tables: this "
+                          "weightstore cannot commit its attempt; publish the step again (every rank, a new attempt) "
+                          "or run ws clean")
     step, attempt, rank, world = (_count(raw.get(name), name) for name in ("step", "attempt", "rank", "world"))
     member_raw, table = raw.get("member"), raw.get("table")
     if not isinstance(member_raw, dict) or not isinstance(member_raw.get("file"), str):
@@ -595,7 +624,7 @@ def parse_done(data: bytes) -> DoneRecord:
     if not isinstance(table, list) or len(table) != 3 or not isinstance(table[2], str) or \
             not _HEX_DIGEST.fullmatch(table[2]):
         raise FormatError("table is not [head bytes, digest bytes, BLAKE3 of the head]")
-    ref = TableRef(_count(table[0], "table head"), _count(table[1], "table digests"), table[2])
+    ref = TableRef(_count(table[0], "table head"), _count(table[1], "table digests"), table[2], raw["version"] == 3)
     member = Member(member_raw["file"], _count(member_raw.get("size"), "member size"), rank, ref)
     incarnation = raw.get("incarnation", "")
     if not isinstance(incarnation, str) or (incarnation and not INCARNATION.fullmatch(incarnation)):
@@ -675,47 +704,125 @@ class Placed:
                 len(self.offsets), *offsets]
 
 
+#: CRC-32s one page of a paged block table holds (8 KiB): a reader fetches the pages that hold
+#: its blocks' CRC-32s, each checked against its BLAKE3 in the table's header
+PAGE_CRCS = 2048
+
+
+def stored_order(pieces: Sequence[Placed], blocks: int) -> np.ndarray:
+    """Where each block's CRC-32 lies in a paged table (``position[block]``): in order of the
+    middle of the rows the block holds, as a fraction of its piece's rows (ties in block order).
+    A reader of the same rows of every piece a member holds (an FSDP rank of another world
+    size: the bottom half of each) needs the CRC-32s of one run of the table, not a few of
+    every piece's, so it fetches the pages of that run and no other."""
+    middles = np.zeros(blocks, np.float64)
+    for piece in pieces:
+        count = piece.blocks_per_strip
+        if count:
+            middles[piece.first : piece.first + count * piece.strips] = np.tile(
+                (2 * np.arange(count) + 1) / (2 * count), piece.strips)
+    order = np.lexsort((np.arange(blocks), middles))
+    position = np.empty(blocks, np.int64)
+    position[order] = np.arange(blocks)
+    return position
+
+
 class BlockTable:
     """One member's block table (``rank-00003.blocks``): where each of its pieces lies in it and
     a CRC-32 and BLAKE3 digest per block. The file: ``WSBLOCKS``, the header's length (8 bytes,
     little-endian), the header (sealed JSON: step, attempt, rank, member, its size, the blocks,
-    the BLAKE3 of the digests, and each piece as :meth:`Placed.flat`), the CRC-32s (4 bytes
-    each, little-endian) and the digests (32 bytes each). The index gives the size and BLAKE3 of
-    all but the digests (what a reader fetches), and the header the BLAKE3 of the digests."""
+    the BLAKE3 of the digests, each piece as :meth:`Placed.flat`, and the BLAKE3 of each page
+    of CRC-32s), the CRC-32s (4 bytes each, little-endian, in :func:`stored_order`, in pages of
+    :data:`PAGE_CRCS`) and the digests (32 bytes each, in block order). The index gives the
+    size and BLAKE3 of the header; a reader fetches it, then the pages of CRC-32s of the blocks
+    it reads. A table of an index of version 2 (header version 1) has its CRC-32s in block order
+    inside its head, which a reader fetches whole."""
 
     def __init__(self, *, step: int, attempt: int, rank: int, member: str, size: int, pieces: list[Placed],
-                 crcs: np.ndarray, digests: bytes | None, digests_blake3: str):
+                 crcs: np.ndarray, digests: bytes | None, digests_blake3: str, pages: list[str] | None = None):
         self.step, self.attempt, self.rank, self.member, self.size = step, attempt, rank, member, size
         self.pieces, self.crcs, self.digests, self.digests_blake3 = pieces, crcs, digests, digests_blake3
         self._by_box = {(p.key, p.start): p for p in pieces}
+        self.position = stored_order(pieces, len(crcs))
+        self.order = np.argsort(self.position)
+        if pages is None:  # written here: every CRC-32 known
+            stored = self.crcs[self.order].astype("<u4").tobytes()
+            pages = [blake3.blake3(stored[at : at + 4 * PAGE_CRCS]).hexdigest()
+                     for at in range(0, len(stored), 4 * PAGE_CRCS)]
+            self.have = np.ones(len(pages), bool)
+        else:
+            self.have = np.zeros(len(pages), bool)
+        self.pages = pages
+        self.paged = True
 
     def head_bytes(self) -> bytes:
-        header = seal({"format": BLOCKS_FORMAT, "version": 1, "step": self.step, "attempt": self.attempt,
+        """The header, as a paged table starts (what the index's head size and BLAKE3 are of)."""
+        header = seal({"format": BLOCKS_FORMAT, "version": 2, "step": self.step, "attempt": self.attempt,
                        "rank": self.rank, "member": self.member, "size": self.size, "blocks": len(self.crcs),
-                       "blake3": self.digests_blake3, "pieces": [p.flat() for p in self.pieces]})
-        return _TABLE_MAGIC + len(header).to_bytes(8, "little") + header + self.crcs.astype("<u4").tobytes()
+                       "blake3": self.digests_blake3, "pieces": [p.flat() for p in self.pieces],
+                       "pages": self.pages})
+        return _TABLE_MAGIC + len(header).to_bytes(8, "little") + header
+
+    def body_bytes(self) -> bytes:
+        """What follows the header: the CRC-32s in :func:`stored_order`, then the digests."""
+        return self.crcs[self.order].astype("<u4").tobytes() + (self.digests or b"")
 
     def ref(self) -> TableRef:
         head = self.head_bytes()
-        return TableRef(len(head), DIGEST_BYTES * len(self.crcs), blake3.blake3(head).hexdigest())
+        return TableRef(len(head), DIGEST_BYTES * len(self.crcs), blake3.blake3(head).hexdigest(), True)
 
     def find(self, key: str, start: tuple[int, ...]) -> Placed | None:
         return self._by_box.get((key, start))
 
+    def pages_of(self, blocks: np.ndarray) -> list[tuple[int, int]]:
+        """The runs ``(first page, pages)`` of CRC-32s not fetched yet that hold those of ``blocks``."""
+        if not self.paged or not len(blocks):
+            return []
+        wanted = np.unique(self.position[blocks] // PAGE_CRCS)
+        wanted = wanted[~self.have[wanted]].tolist()
+        runs: list[list[int]] = []
+        for page in wanted:
+            if runs and runs[-1][0] + runs[-1][1] == page:
+                runs[-1][1] += 1
+            else:
+                runs.append([page, 1])
+        return [(first, count) for first, count in runs]
+
+    def page_span(self, first: int, count: int, head: int) -> tuple[int, int]:
+        """``(offset, bytes)`` in the table file of ``count`` pages from ``first`` (``head``: the header's size)."""
+        stop = min(len(self.crcs), (first + count) * PAGE_CRCS)
+        return head + 4 * first * PAGE_CRCS, 4 * (stop - first * PAGE_CRCS)
+
+    def take_pages(self, first: int, data: bytes) -> None:
+        """Pages of CRC-32s from ``first``, fetched: each refused unless its BLAKE3 is the header's."""
+        for at in range(0, len(data), 4 * PAGE_CRCS):
+            page = first + at // (4 * PAGE_CRCS)
+            chunk = data[at : at + 4 * PAGE_CRCS]
+            if page >= len(self.pages) or blake3.blake3(chunk).hexdigest() != self.pages[page]:
+                raise ChecksumError(f"its page {page} of CRC-32s does not match the BLAKE3 its header gives")
+            stored = page * PAGE_CRCS
+            self.crcs[self.order[stored : stored + len(chunk) // 4]] = np.frombuffer(chunk, "<u4")
+            self.have[page] = True
+
     def placed(self, piece: Placed, member: int, digests: bool = False) -> list[PieceEntry]:
         """``piece`` as the stored runs a reader fetches: one :class:`PieceEntry` a strip, with
-        its blocks' CRC-32s (and digests, once :meth:`take_digests` has them and ``digests``)."""
+        its blocks' CRC-32s (and digests, once :meth:`take_digests` has them and ``digests``).
+        A block whose CRC-32 was not fetched (:meth:`pages_of`) gets 2**32, which no block's
+        CRC-32 is: reading it is refused as damage, never trusted."""
         found = []
         count = piece.blocks_per_strip
         for strip in range(piece.strips):
             start, shape = piece.strip_box(strip)
             first = piece.first + strip * count
-            crcs = tuple(self.crcs[first : first + count].tolist())
+            values = self.crcs[first : first + count].astype(np.int64)
+            if self.paged:
+                values[~self.have[self.position[first : first + count] // PAGE_CRCS]] = 1 << 32
             blocks = None
             if digests and self.digests is not None:
                 blocks = tuple(self.digests[at * DIGEST_BYTES : (at + 1) * DIGEST_BYTES].hex()
                                for at in range(first, first + count))
-            found.append(PieceEntry(member, start, shape, piece.offsets[strip], piece.rows, crcs, "", blocks))
+            found.append(PieceEntry(member, start, shape, piece.offsets[strip], piece.rows, tuple(values.tolist()),
+                                    "", blocks))
         return found
 
     def take_digests(self, data: bytes) -> None:
@@ -726,19 +833,21 @@ class BlockTable:
 
     @classmethod
     def parse_head(cls, data: bytes, ref: TableRef, member: Member, step: int, attempt: int) -> BlockTable:
-        """The head (header and CRC-32s) of ``member``'s table, checked: its BLAKE3 is the index's
-        (``ref``), its header names this member, step and attempt, and its pieces lie inside the
-        member without sharing a byte, their strips and blocks as their shapes say."""
+        """The head of ``member``'s table (a paged table's header; an older one's header and
+        CRC-32s), checked: its BLAKE3 is the index's (``ref``), its header names this member,
+        step and attempt, and its pieces lie inside the member without sharing a byte, their
+        strips and blocks as their shapes say."""
         if len(data) != ref.head or blake3.blake3(data).hexdigest() != ref.blake3:
             raise ChecksumError("is not the block table the index names (its size or BLAKE3 differs)")
         if data[:8] != _TABLE_MAGIC:
             raise FormatError(f"is not a {BLOCKS_FORMAT} file")
         length = int.from_bytes(data[8:16], "little")
-        if 16 + length > len(data) or (len(data) - 16 - length) % 4:
+        if 16 + length > len(data) or (len(data) - 16 - length) % 4 or (ref.paged and 16 + length != len(data)):
             raise FormatError(f"has a header of {length} bytes that its {len(data)} do not hold with whole CRC-32s")
-        raw = _document(data[16 : 16 + length], BLOCKS_FORMAT, MAX_TABLE_HEADER_BYTES, (1,))
-        crcs = np.frombuffer(data, "<u4", offset=16 + length).astype(np.uint32)
+        raw = _document(data[16 : 16 + length], BLOCKS_FORMAT, MAX_TABLE_HEADER_BYTES, (2,) if ref.paged else (1,))
         blocks = _count(raw.get("blocks"), "blocks")
+        crcs = np.zeros(blocks, np.uint32) if ref.paged else np.frombuffer(data, "<u4", offset=16 + length).astype(
+            np.uint32)
         if blocks != len(crcs) or blocks > MAX_TABLE_BLOCKS:
             raise FormatError(f"says {blocks} blocks and holds {len(crcs)} CRC-32s (at most {MAX_TABLE_BLOCKS})")
         if (raw.get("step"), raw.get("attempt"), raw.get("rank"), raw.get("member"), raw.get("size")) != (
@@ -748,9 +857,15 @@ class BlockTable:
         digest = raw.get("blake3")
         if not isinstance(digest, str) or not _HEX_DIGEST.fullmatch(digest) or ref.digests != DIGEST_BYTES * blocks:
             raise FormatError("has no BLAKE3 of its digests, or the index gives another count of them")
+        pages = raw.get("pages") if ref.paged else []
+        if not isinstance(pages, list) or (ref.paged and len(pages) != -(-blocks // PAGE_CRCS)) or not all(
+                isinstance(page, str) and _HEX_DIGEST.fullmatch(page) for page in pages):
+            raise FormatError(f"has no BLAKE3 of each page of {PAGE_CRCS} of its {blocks} CRC-32s")
         pieces = _placed(raw.get("pieces"), blocks, member)
-        return cls(step=step, attempt=attempt, rank=member.rank, member=raw["member"], size=member.size,
-                   pieces=pieces, crcs=crcs, digests=None, digests_blake3=digest)
+        table = cls(step=step, attempt=attempt, rank=member.rank, member=raw["member"], size=member.size,
+                    pieces=pieces, crcs=crcs, digests=None, digests_blake3=digest, pages=pages)
+        table.paged = ref.paged
+        return table
 
 
 def _placed(raw: Any, blocks: int, member: Member) -> list[Placed]:

@@ -34,6 +34,7 @@ from weightstore.errors import (
     FileAccessError,
     FormatError,
     KeyNotInStoreError,
+    StoreClosedError,
     TargetError,
     UnsafeFileError,
     named,
@@ -111,7 +112,8 @@ class ShardedReader(ReaderDefaults):
         self.metadata: dict[str, Any] = {k: v for k, v in metadata.items() if k != "total_size"}
         self.has_checksums = isinstance(document.get(PRODUCER_KEY), dict)
         self.created = str(document[PRODUCER_KEY].get("created", "")) if self.has_checksums else ""
-        self._shards: dict[str, Any] = {}
+        self._shards: dict[str, Any] = {}  # kept once closed: their headers still answer info()
+        self._closed = False
         self._key_in_shard: dict[str, str] = {}
 
     def _shard(self, tensor: str) -> Any:
@@ -120,6 +122,8 @@ class ShardedReader(ReaderDefaults):
             raise KeyNotInStoreError("no such tensor", path=self.name, key=tensor)
         reader = self._shards.get(shard)
         if reader is None:
+            if self._closed:  # a closed store opens no shard again
+                raise StoreClosedError(f"store is closed; cannot read tensor {tensor!r}", path=self.name)
             reader = self._open_shard(shard)
             try:
                 self._check_shard(shard, reader)
@@ -147,12 +151,18 @@ class ShardedReader(ReaderDefaults):
         reader = self._shard(key)
         return reader.info(self._key_in_shard[key])._replace(key=key)
 
+    def _reading(self, key: str) -> Any:
+        """The reader of the shard holding ``key``, refusing as a plain reader does once closed."""
+        if self._closed:
+            raise StoreClosedError(f"store is closed; cannot read tensor {key!r}", path=self.name)
+        return self._shard(key)
+
     def read(self, key: str, *, verify: bool) -> np.ndarray:
-        reader = self._shard(key)
+        reader = self._reading(key)
         return reader.read(self._key_in_shard[key], verify=verify)
 
     def read_into(self, key: str, out: np.ndarray, *, verify: bool) -> bool:
-        reader = self._shard(key)
+        reader = self._reading(key)
         return reader.read_into(self._key_in_shard[key], out, verify=verify)
 
     def prefetch(self, keys: list[str]) -> None:
@@ -161,12 +171,12 @@ class ShardedReader(ReaderDefaults):
         for key in keys:
             by_shard.setdefault(self._shard_of.get(key, ""), []).append(key)
         for wanted in by_shard.values():
-            reader = self._shard(wanted[0])
+            reader = self._reading(wanted[0])
             reader.prefetch([self._key_in_shard[key] for key in wanted])
 
     def close(self) -> None:
-        shards, self._shards = self._shards, {}
-        for reader in shards.values():
+        self._closed = True
+        for reader in self._shards.values():
             reader.close()
 
 

@@ -4,8 +4,9 @@
 one) gives a :class:`~weightstore.store._open.Store` like any other: ``store[key]`` assembles the whole
 tensor from its pieces, ``store.read_region(key, region)`` only the part a tuple of slices
 names. Either way the reader picks from the index the pieces that hold part of it, fetches the
-block tables of their members (once each: the header and CRC-32s, whose size and BLAKE3 the index
-gives; :mod:`weightstore.formats._sharded_index`), then from each member only the blocks that
+headers of their members' block tables (once each, whose size and BLAKE3 the index gives) and
+the pages of CRC-32s of the blocks it needs (:mod:`weightstore.formats._sharded_index`), then
+from each member only the blocks that
 intersect what is asked, in one ranged read per run of them, and verifies each block's CRC-32
 before a byte of it is used. :meth:`ShardedReader.region_digest` says, from the index and the
 block digests of the members that hold a region, whether its blocks changed between two
@@ -41,19 +42,28 @@ from weightstore.errors import (
     ChecksumError,
     FormatError,
     KeyNotInStoreError,
+    StoreClosedError,
     StoreNotFoundError,
     TargetError,
     WeightStoreError,
     naming,
 )
 from weightstore.formats import Format, ReaderDefaults
-from weightstore.formats._sharded_index import BlockTable, PieceEntry, ShardIndex, TensorEntry, row_bytes, rows_of
+from weightstore.formats._sharded_index import (
+    BlockTable,
+    PieceEntry,
+    Placed,
+    ShardIndex,
+    TensorEntry,
+    row_bytes,
+    rows_of,
+)
 from weightstore.io._buffer import aligned_array
 from weightstore.io._ranges import RangedFile
 from weightstore.io.location import location_of
 from weightstore.io.source import byte_source, read_whole
 
-__all__ = ["FORMAT", "ShardedReader", "normalized_region", "open_members_limit"]
+__all__ = ["FORMAT", "ShardedReader", "normalized_region", "open_members_limit", "blocks_in"]
 
 Region = tuple[slice, ...]
 #: remote members read at once for one region (each request of a member's ranges is itself concurrent)
@@ -117,6 +127,7 @@ class ShardedReader(ReaderDefaults):
         self._files: OrderedDict[int, RangedFile] = OrderedDict()
         self._users: dict[int, int] = {}
         self._lock = threading.Lock()
+        self._closed = False  # a closed reader opens no member again (a plain reader's file is gone too)
         self._most_open = len(index.members) if self._remote else open_members_limit()
         if self._remote:  # a remote member holds no file open: described now, asked its size when read
             return
@@ -198,11 +209,13 @@ class ShardedReader(ReaderDefaults):
     def _pieces(self, key: str, entry: TensorEntry, bounds: list[tuple[int, int]], *,
                 digests: bool = False) -> list[PieceEntry]:
         """The stored runs (pieces, or their column strips) that may hold part of the region
-        ``bounds``, placed: an index of version 1 holds them; a version 2 index names the boxes,
-        and their members' block tables (fetched once, ``digests`` too if asked) place them."""
+        ``bounds``, placed: an index of version 1 holds them; a later index names the boxes,
+        and their members' block tables (fetched once, ``digests`` too if asked) place them,
+        with the CRC-32s of the blocks that hold the region (their pages fetched as needed)."""
         if entry.layout is None:
             return list(entry.pieces)
-        found = []
+        boxes = []
+        wanted: dict[int, list[int]] = {}  # member -> the blocks whose CRC-32s the region needs
         for box in entry.layout.boxes_in(bounds):
             with naming(key=key):
                 table = self._table(box.member, digests=digests)
@@ -211,8 +224,12 @@ class ShardedReader(ReaderDefaults):
                 raise FormatError(f"the block table of {self._index.members[box.member].file} has no {entry.dtype} "
                                   f"piece at {list(box.start)} of shape {list(box.shape)}, which the index names",
                                   key=key)
-            found.extend(table.placed(placed, box.member, digests))
-        return found
+            boxes.append((box.member, table, placed))
+            wanted.setdefault(box.member, []).extend(blocks_in(placed, entry, bounds))
+        for position, blocks in wanted.items():
+            with naming(key=key):
+                self._crcs(position, np.array(blocks, np.int64))
+        return [piece for position, table, placed in boxes for piece in table.placed(placed, position, digests)]
 
     def _table(self, position: int, *, digests: bool = False) -> BlockTable:
         """Member ``position``'s block table: its head fetched once (one ranged read), its
@@ -222,28 +239,54 @@ class ShardedReader(ReaderDefaults):
             member = self._index.members[position]
             ref = member.table
             assert ref is not None  # a version 2 index's members all have one
-            path = f"{self._base}/{member.table_file()}"
             if table is None or (digests and table.digests is None):
-                try:
-                    source = RangedFile(path, fs=self._fs)
-                except FileNotFoundError:
-                    raise StoreNotFoundError(f"block table {member.table_file()} that the index names is missing",
-                                             path=self.name) from None
-                try:
-                    with naming(path=path):
-                        if table is None:
-                            head = np.empty(ref.head, np.uint8)
-                            source.fill([(0, head.data.cast("B"))])
-                            table = BlockTable.parse_head(head.tobytes(), ref, member, self._index.step,
-                                                          self._index.attempt)
-                        if digests and table.digests is None:
-                            data = np.empty(ref.digests, np.uint8)
-                            source.fill([(ref.head, data.data.cast("B"))])
-                            table.take_digests(data.tobytes())
-                finally:
-                    source.close()
+                with self._table_file(position) as source:
+                    if table is None:
+                        head = np.empty(ref.head, np.uint8)
+                        source.fill([(0, head.data.cast("B"))])
+                        table = BlockTable.parse_head(head.tobytes(), ref, member, self._index.step,
+                                                      self._index.attempt)
+                    if digests and table.digests is None:
+                        data = np.empty(ref.digests, np.uint8)
+                        source.fill([(ref.digests_at, data.data.cast("B"))])
+                        table.take_digests(data.tobytes())
                 self._tables[position] = table
             return table
+
+    def _crcs(self, position: int, blocks: np.ndarray) -> None:
+        """The pages of member ``position``'s table that hold the CRC-32s of ``blocks``, fetched
+        (those not yet fetched: one ranged read per run of them)."""
+        with self._tables_lock:
+            table = self._tables[position]
+            ref = self._index.members[position].table
+            assert table is not None and ref is not None
+            runs = table.pages_of(blocks)
+            if not runs:
+                return
+            buffers = [(first, np.empty(table.page_span(first, count, ref.head)[1], np.uint8)) for first, count in runs]
+            with self._table_file(position) as source:
+                source.fill([(table.page_span(first, count, ref.head)[0], buffer.data.cast("B"))
+                             for (first, count), (_, buffer) in zip(runs, buffers, strict=True)])
+                for first, buffer in buffers:
+                    table.take_pages(first, buffer.tobytes())
+
+    @contextmanager
+    def _table_file(self, position: int) -> Iterator[RangedFile]:
+        """Member ``position``'s block table, open for ranged reads; errors name it."""
+        member = self._index.members[position]
+        if self._closed:
+            raise StoreClosedError(f"store is closed; cannot read the block table of {member.file}", path=self.name)
+        path = f"{self._base}/{member.table_file()}"
+        try:
+            source = RangedFile(path, fs=self._fs)
+        except FileNotFoundError:
+            raise StoreNotFoundError(f"block table {member.table_file()} that the index names is missing",
+                                     path=self.name) from None
+        try:
+            with naming(path=path):
+                yield source
+        finally:
+            source.close()
 
     def _missing(self, position: int) -> StoreNotFoundError:
         return StoreNotFoundError(f"member {self._index.members[position].file} that the index names is missing",
@@ -308,6 +351,8 @@ class ShardedReader(ReaderDefaults):
 
     def _read_region(self, key: str, region: Any, *, verify: bool) -> np.ndarray:
         entry = self._entry(key)
+        if self._closed:
+            raise StoreClosedError(f"store is closed; cannot read tensor {key!r}", path=self.name)
         bounds = normalized_region(region, entry.shape, key)
         stored = storage_dtype(entry.dtype)
         out = np.empty([stop - start for start, stop in bounds], stored)
@@ -340,6 +385,7 @@ class ShardedReader(ReaderDefaults):
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             for found in self._files.values():
                 found.close()
             self._files.clear()
@@ -382,6 +428,20 @@ class _PieceRead:
                        for axis, ((lo, hi), s) in enumerate(zip(self.box, self.piece.start, strict=True)))
         target = tuple(slice(lo - b, hi - b) for (lo, hi), (b, _) in zip(self.box, bounds, strict=True))
         out[target] = data[source]
+
+
+def blocks_in(placed: Placed, entry: TensorEntry, bounds: list[tuple[int, int]]) -> list[int]:
+    """The blocks of ``placed`` (a piece in its member's table) that hold part of the region
+    ``bounds``: those :class:`_PieceRead` reads, whose CRC-32s a reader needs."""
+    found: list[int] = []
+    count = placed.blocks_per_strip
+    for strip in range(placed.strips):
+        start, shape = placed.strip_box(strip)
+        read = _PieceRead.of(PieceEntry(0, start, shape, 0, placed.rows, (), ""), entry, bounds)
+        if read is not None:
+            first = placed.first + strip * count + read.first
+            found.extend(range(first, first + -(-read.rows // placed.rows)))
+    return found
 
 
 def _runs(reads: list[_PieceRead]) -> list[tuple[int, np.ndarray]]:

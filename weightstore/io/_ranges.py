@@ -10,6 +10,7 @@ CRCs in the index pin the bytes: a member replaced under the index fails its che
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from weightstore.errors import StoreNotFoundError
@@ -35,6 +36,7 @@ class RangedFile:
         self._local: OwnedFile | None = None
         self._object: RemoteObject | None = None
         self._fs, self._path, self._size = fs, "", -1
+        self._exact = False  # whether the backend's fill takes a gap (one written before may not)
         if not where.remote:
             self._local = OwnedFile(where.text)
             self._size = self._local.size
@@ -63,8 +65,10 @@ class RangedFile:
             return
         if self._object is None:
             self._object = backend_for(self._fs).object(self._fs, self._path, self.name)
-        try:
-            self._object.fill([(offset, view) for offset, view in ranges if len(view)])
+            self._exact = "gap" in inspect.signature(self._object.fill).parameters
+        wanted = [(offset, view) for offset, view in ranges if len(view)]
+        try:  # only views that touch are joined: a gap between them is bytes the index says nobody asked for
+            self._object.fill(wanted, gap=0) if self._exact else self._object.fill(wanted)
         except FileNotFoundError:
             raise StoreNotFoundError("the member was removed while it was read", path=self.name) from None
 

@@ -16,7 +16,7 @@ from typing import Any
 from weightstore.errors import FormatError, StoreNotFoundError
 from weightstore.io._buffer import aligned_buffer
 from weightstore.io.location import service, uncached
-from weightstore.io.objects import Backend, Request, requests_for, scatter, window
+from weightstore.io.objects import MERGE_GAP, Backend, Request, requests_for, scatter, window
 
 __all__ = ["BACKEND", "FsspecBackend", "FsspecObject"]
 
@@ -45,8 +45,8 @@ class FsspecObject:
         self.fill([(start, data)], opening=True)
         return size, start, data
 
-    def fill(self, ranges: list[tuple[int, memoryview]], opening: bool = False) -> None:
-        for batch in _batches(requests_for(ranges)):
+    def fill(self, ranges: list[tuple[int, memoryview]], opening: bool = False, gap: int = MERGE_GAP) -> None:
+        for batch in _batches(requests_for(ranges, gap)):
             try:
                 with service(self.name):
                     found = self._fs.cat_ranges([self._path] * len(batch), [request.start for request in batch],
@@ -88,13 +88,14 @@ class FsspecBackend(Backend):
         return FsspecObject(fs, path, name)
 
     def read_tagged(self, fs: Any, path: str, limit: int) -> tuple[bytes | None, str | None]:
-        """The whole object, cut to ``limit`` (no range: S3-like services refuse one on an empty
-        object), and no tag: nothing here could require it unchanged."""
+        """At most ``limit`` bytes of the object, read through a file opened on it (which asks no
+        range of an empty object: S3-like services refuse one), so a hostile object of gigabytes
+        brings no more into memory; and no tag: nothing here could require it unchanged."""
         try:
-            data = fs.cat_file(uncached(fs, path))
+            with fs.open(uncached(fs, path), "rb", block_size=limit, cache_type="none") as handle:
+                return bytes(handle.read(limit)), None
         except FileNotFoundError:
             return None, None
-        return bytes(data[:limit]), None
 
     def put_if(self, fs: Any, path: str, data: bytes, *, create: bool, expect: str | None) -> bool:
         """Creation is checked first, ``expect`` not at all; then a plain write (see the module

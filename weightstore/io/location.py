@@ -23,7 +23,7 @@ __all__ = ["Location", "location_of", "is_url", "filesystem", "protocols", "stor
 
 def is_url(path: object) -> bool:
     """Whether ``path`` names an fsspec URL rather than a local file (``file://`` is local)."""
-    text = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
+    text = os.fsdecode(path) if isinstance(path, (bytes, os.PathLike)) else str(path)
     return "://" in text and not text.startswith("file://")
 
 
@@ -39,10 +39,12 @@ class Location:
 
 
 def location_of(path: Any) -> Location:
-    """The location behind anything weightstore accepts as a file (``Version`` has ``.path``)."""
-    if hasattr(path, "path") and not isinstance(path, (str, os.PathLike)):
+    """The location behind anything weightstore accepts as a file (``Version`` has ``.path``): a
+    ``str``, an ``os.PathLike``, or a ``bytes`` path, decoded as :func:`os.fsdecode` decodes it
+    (as ``open`` and ``os`` take one), so errors name it as text."""
+    if hasattr(path, "path") and not isinstance(path, (str, bytes, os.PathLike)):
         path = path.path
-    text = os.fspath(path)
+    text = os.fsdecode(path)
     if text.startswith("file://"):
         text = text[len("file://"):]
     return Location(text, is_url(text))

@@ -55,8 +55,9 @@ class RemoteObject(Protocol):
         """``(object size, start, bytes)`` of the first ``window`` bytes at the start or end;
         ``size`` and ``details`` (an fsspec info dict) when the caller already knows them."""
 
-    def fill(self, ranges: list[tuple[int, memoryview]], opening: bool = False) -> None:
-        """Fill each view with the object's bytes from its offset (requested as :func:`requests_for` says)."""
+    def fill(self, ranges: list[tuple[int, memoryview]], opening: bool = False, gap: int = MERGE_GAP) -> None:
+        """Fill each view with the object's bytes from its offset (requested as :func:`requests_for` says, views
+        at most ``gap`` bytes apart joined)."""
 
 
 class Backend(abc.ABC):
@@ -100,11 +101,11 @@ class Request:
     targets: list[tuple[int, memoryview]]
 
 
-def requests_for(ranges: list[tuple[int, memoryview]]) -> list[Request]:
+def requests_for(ranges: list[tuple[int, memoryview]], gap: int = MERGE_GAP) -> list[Request]:
     """The requests that fill ``ranges``, made concurrently by a backend: a view larger than
-    :data:`PART_BYTES` in parts of that size, and views at most :data:`MERGE_GAP` apart joined
-    into one request of at most :data:`PART_BYTES` (a scope's tensors lie side by side, each in
-    its own buffer)."""
+    :data:`PART_BYTES` in parts of that size, and views at most ``gap`` (:data:`MERGE_GAP`) apart
+    joined into one request of at most :data:`PART_BYTES` (a scope's tensors lie side by side,
+    each in its own buffer)."""
     parts = sorted(((offset + at, view[at : at + PART_BYTES])
                     for offset, view in ranges for at in range(0, len(view), PART_BYTES)),
                    key=lambda part: part[0])
@@ -112,7 +113,7 @@ def requests_for(ranges: list[tuple[int, memoryview]]) -> list[Request]:
     for at, view in parts:
         end = at + len(view)
         last = requests[-1] if requests else None
-        if last is not None and at <= last.end + MERGE_GAP and max(end, last.end) - last.start <= PART_BYTES:
+        if last is not None and at <= last.end + gap and max(end, last.end) - last.start <= PART_BYTES:
             last.end = max(last.end, end)
             last.targets.append((at, view))
         else:

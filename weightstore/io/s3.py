@@ -17,7 +17,7 @@ from typing import Any
 from weightstore.errors import FormatError, StoreNotFoundError, WeightStoreError
 from weightstore.io._buffer import aligned_buffer
 from weightstore.io.location import protocols, storage_error
-from weightstore.io.objects import READ_CHUNK, Backend, Request, requests_for, scatter, window
+from weightstore.io.objects import MERGE_GAP, READ_CHUNK, Backend, Request, requests_for, scatter, window
 
 __all__ = ["BACKEND", "S3Backend", "S3Object"]
 
@@ -63,8 +63,8 @@ class S3Object:
         if etag and "VersionId" not in self._pinned:
             self._pinned["IfMatch"] = str(etag)
 
-    def fill(self, ranges: list[tuple[int, memoryview]], opening: bool = False) -> None:
-        requests = requests_for(ranges)
+    def fill(self, ranges: list[tuple[int, memoryview]], opening: bool = False, gap: int = MERGE_GAP) -> None:
+        requests = requests_for(ranges, gap)
         if requests:
             self._run(self._fill, requests, opening=opening)
 

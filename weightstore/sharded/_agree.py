@@ -25,6 +25,13 @@ the folder, the step and the call (each process counts its calls of a folder and
 every rank makes them alike): ``weightstore/<incarnation>/<folder digest>/step-<n>/call-<i>/…``.
 The same keys carry a rank's word that it gave up (so rank 0's commit stops at once) and rank
 0's news of the commit (the committed version, or the error every rank then raises).
+
+**Keys are deleted** once no rank reads them again, so a job of 100,000 steps holds a few keys,
+not 300,000 (:meth:`Meeting.sweep`): when rank 0's commit has every rank's done-record, each rank
+has read that call's attempt (it wrote its member in that attempt's folder) and the news of
+every call before (a rank makes its calls one after another: it heard the last commit's news
+before it wrote this member), so rank 0 deletes this call's attempt and every key of the calls
+before; this call's news goes at the next such commit.
 """
 
 from __future__ import annotations
@@ -57,6 +64,8 @@ _alone: str | None = None
 _calls: dict[tuple[str, str, int], int] = {}
 #: per (folder, step): the last meeting at which this process handed out an attempt as rank 0
 _handed_out: dict[tuple[str, int], Meeting] = {}
+#: meetings at which this process was rank 0, whose keys are not deleted yet (:meth:`Meeting.sweep`)
+_unswept: list[Meeting] = []
 _lock = threading.Lock()
 
 
@@ -156,6 +165,9 @@ class Meeting:
             _calls[place] = call + 1
         digest = hashlib.sha256(where.encode()).hexdigest()[:16]
         self.prefix = f"weightstore/{incarnation}/{digest}/step-{step}/call-{call}"
+        if rank == 0 and channel is not None:
+            with _lock:
+                _unswept.append(self)
 
     def attempt(self, claim: Callable[[int], int], timeout: float) -> int:
         """Rank 0 hands out the attempt (``claim(least)``: the first this launch claims at or
@@ -185,6 +197,23 @@ class Meeting:
                                path=self.where)
         self.chosen = int(news["attempt"])
         return self.chosen
+
+    def sweep(self) -> None:
+        """Rank 0, once its commit of this call has every rank's done-record: delete the keys no
+        rank reads again (this call's attempt and word of giving up, every key of this launch's
+        calls before it; see above). A store that refuses leaves them, never failing the commit."""
+        if self.channel is None or self not in _unswept:
+            return
+        with _lock:
+            at = _unswept.index(self)
+            before = [meeting for meeting in _unswept[:at] if meeting.channel is not None
+                      and meeting.channel.owner is self.channel.owner]  # of a store gone: dropped unswept
+            del _unswept[:at]
+        keys = [f"{meeting.prefix}/{what}" for meeting in before for what in ("attempt", "gave-up", "committed")]
+        keys += [f"{self.prefix}/attempt", f"{self.prefix}/gave-up"]
+        with contextlib.suppress(WeightStoreError):
+            for key in keys:
+                self.channel.delete(key)
 
     def tell(self, what: str, news: Mapping[str, Any]) -> None:
         if self.channel is not None:

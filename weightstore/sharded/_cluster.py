@@ -223,6 +223,11 @@ class Channel:
         """``key``'s value once it is set, or ``None`` after ``timeout`` seconds."""
         raise NotImplementedError
 
+    def delete(self, key: str) -> None:
+        """Remove ``key`` where it is set (what no rank will read again: the store stays as small
+        as one step's keys however many steps a job publishes)."""
+        raise NotImplementedError
+
     def lost(self, exc: BaseException) -> WeightStoreError:
         return WeightStoreError(f"lost the job's store ({self.source}): {type(exc).__name__}: {exc}")
 
@@ -268,6 +273,12 @@ class _TorchChannel(Channel):
         except RuntimeError as exc:
             raise self.lost(exc) from None
 
+    def delete(self, key: str) -> None:
+        try:
+            self.store.delete_key(key)  # False where it was not set
+        except RuntimeError as exc:
+            raise self.lost(exc) from None
+
 
 class _JaxChannel(Channel):
     """``jax.distributed``'s coordination service (its key-value store), which process 0 runs."""
@@ -304,6 +315,12 @@ class _JaxChannel(Channel):
         except RuntimeError as exc:
             if "DEADLINE_EXCEEDED" in str(exc):
                 return None
+            raise self.lost(exc) from None
+
+    def delete(self, key: str) -> None:
+        try:
+            self.client.key_value_delete(key)  # nothing where it is not set
+        except RuntimeError as exc:
             raise self.lost(exc) from None
 
 

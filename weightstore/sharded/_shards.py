@@ -62,6 +62,7 @@ from weightstore.formats import Format, format_named
 from weightstore.formats import _sharded_index as shardindex
 from weightstore.formats._sharded_index import (
     INDEX_FORMAT,
+    INDEX_VERSION,
     MEMBER_SUFFIXES,
     BlockTable,
     Box,
@@ -255,11 +256,10 @@ def _write_shard(target: Folder, pieces: Mapping[str, Any], *, step: int, rank: 
                                     member=member_name(rank, suffix), size=size)
         stages.reached("member-temporary")
     stages.reached("member-written")
+    ref = table.ref()
     with members.commit(table_name(rank)).writing() as local, open(local, "wb") as handle:
-        head = table.head_bytes()
-        handle.write(head)
-        handle.write(table.digests or b"")
-    ref = TableRef(len(head), len(table.digests or b""), blake3.blake3(head).hexdigest())
+        handle.write(table.head_bytes())
+        handle.write(table.body_bytes())
     record = DoneRecord(step, attempt, rank, world, Member(member_name(rank, suffix), size, rank, ref), tensors,
                         incarnation)
     with members.commit(done_name(rank)).writing() as local, open(local, "wb") as handle:
@@ -344,6 +344,8 @@ def commit_shards(
 
     doomed()
     found, sizes = _wait_for_ranks(members, world, timeout, failures, doomed)
+    if meeting is not None and meeting.chosen == attempt and meeting.incarnation == incarnation:
+        meeting.sweep()  # every rank wrote its member: none reads this call's attempt, or news before, again
     records = []
     for rank, data in sorted(found.items()):
         with naming(path=members.url(done_name(rank))):
@@ -635,13 +637,16 @@ def _listed(pieces: Mapping[str, Any], where: str, world: int) -> list[_Listed]:
     boxes: list[tuple[str, str, np.ndarray, tuple[int, ...], tuple[int, ...], int, int, tuple[int, ...],
                       tuple[int, ...], int]] = []
     pieces_of: dict[str, int] = {}
-    for number, (key, piece) in enumerate(found):
+    converted: list[tuple[str, str, np.ndarray, tuple[int, ...], tuple[int, ...]]] = []
+    for key, piece in found:
         array = np.asarray(piece.array)
         dtype, data = to_storage(array, key)
         data = np.ascontiguousarray(data).reshape(array.shape)
-        start, shape = _box(piece, array.shape, key, where)
+        converted.append((key, dtype, data, *_box(piece, array.shape, key, where)))
         pieces_of[key] = pieces_of.get(key, 0) + 1
-        columns, strips = _strips(data, start, dtype)
+    tile = shardindex.tile_bytes(sum(data.nbytes for _, _, data, _, _ in converted))
+    for number, (key, dtype, data, start, shape) in enumerate(converted):
+        columns, strips = _strips(data, start, dtype, tile)
         boxes.extend((key, dtype, part, at, shape, rows, number, start, data.shape, columns)
                      for part, at, rows in strips)
     for key, count in pieces_of.items():
@@ -663,13 +668,14 @@ def _listed(pieces: Mapping[str, Any], where: str, world: int) -> list[_Listed]:
     return listed
 
 
-def _strips(data: np.ndarray, start: tuple[int, ...], dtype: str
+def _strips(data: np.ndarray, start: tuple[int, ...], dtype: str, tile: int
             ) -> tuple[int, list[tuple[np.ndarray, tuple[int, ...], int]]]:
     """A piece as it is stored (:func:`~weightstore.formats._sharded_index.piece_cut`): the
     width of its column strips (0: stored whole) and ``(data, start, rows per block)`` of each
-    strip, or of the piece whole. Strips are no pieces of the index: it names the piece, and its
-    member's block table the strips."""
-    columns, rows = piece_cut(data.shape, logical_dtype(dtype).itemsize)
+    strip, or of the piece whole (``tile``: the bytes a tile holds at least, for the rank's
+    member). Strips are no pieces of the index: it names the piece, and its member's block
+    table the strips."""
+    columns, rows = piece_cut(data.shape, logical_dtype(dtype).itemsize, tile)
     if not columns:
         return 0, [(data, start, rows)]
     return columns, [(np.ascontiguousarray(data[:, at : at + columns]), (start[0], start[1] + at, *start[2:]), rows)
@@ -853,6 +859,10 @@ def _merged(records: list[DoneRecord], step: int, attempt: int, world: int, meta
                                f"{record.rank} of {record.world}, not step {step} attempt {attempt} of {world}")
         members.append(Member(f"{attempt_folder(step, attempt)}/{record.member.file}", record.member.size, rank,
                               record.member.table))
+        if record.member.table is not None and records[0].member.table is not None and \
+                record.member.table.paged != records[0].member.table.paged:
+            raise PublishError(f"rank {rank}'s done-record and rank 0's are of two weightstore versions (block tables "
+                               f"paged and not): step {step} attempt {attempt} cannot be one index; publish it again")
     shapes: dict[str, tuple[str, tuple[int, ...]]] = {}
     parts: dict[str, list[Box]] = {}
     owners: dict[str, int] = {}
@@ -883,7 +893,8 @@ def _merged(records: list[DoneRecord], step: int, attempt: int, world: int, meta
         layout = layouts.setdefault(tuple(layout.to_json()), layout)
         check_boxes(key, shape, layout, members, error=PublishError, budget=budget)
         tensors[key] = TensorEntry(dtype, shape, (), layout)
-    return ShardIndex(step, attempt, world, "", members, tensors, metadata, f"weightstore {__version__}", 2,
+    return ShardIndex(step, attempt, world, "", members, tensors, metadata, f"weightstore {__version__}",
+                      INDEX_VERSION if members[0].table is None or members[0].table.paged else 2,
                       list(layouts.values()))
 
 
