@@ -293,6 +293,7 @@ class NpzReader(ReaderDefaults):
             raise UnsafeFileError(f"{what} has an npy header of {header_len} bytes (limit {MAX_NPY_HEADER})", path=self.name)
         if prefix + header_len > len(data):
             raise FormatError(f"{what} is truncated inside its npy header", path=self.name)
+        shape: tuple[int, ...]
         text_scalar = _TEXT_SCALAR_HEADER.fullmatch(bytes(data[prefix : prefix + header_len]))
         if text_scalar is not None:
             order, length = text_scalar.groups()
