@@ -160,8 +160,7 @@ def publish_sharded(
 
     With ``background=True`` each worker reads its share now (into host memory) and the call
     returns a ``concurrent.futures.Future`` of the version at once; meeting the chief, writing
-    and committing run in one publishing thread per process, in the order of the calls
-    (:func:`weightstore.sharded._shards.in_background`).
+    and committing run in one publishing thread per process, in the order of the calls.
 
     ``timeout`` bounds the wait for the slowest worker, counted from the chief's announcing the
     attempt; a worker waits that long and a minute more for the chief's news.

@@ -144,7 +144,7 @@ def publish_sharded(
     process. Process 0 hands out the attempt through ``jax.distributed``'s key-value store, every
     process writes its member, process 0 commits, and every process returns the same committed
     :class:`~weightstore.Version` or raises the same error
-    (:func:`weightstore.sharded._shards.publish_together`); no collective runs. A single
+    (:func:`weightstore.sharded.publish_together`); no collective runs. A single
     process publishes everything as rank 0 of 1.
 
     With ``background=True`` this process's pieces are copied to host memory now and a

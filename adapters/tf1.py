@@ -198,7 +198,7 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
     training ``Saver`` checkpoint assigns into an inference graph, and the values left out are
     listed in ``report.left_out``. Which variables those are comes from the graph (its training
     ops and ``global_step`` collection; for a checkpoint, its ``.meta``) or, for a checkpoint
-    without one, from TF's slot naming (see :mod:`weightstore.adapters._tf1_training`).
+    without one, from TF's slot naming.
 
     That memory only knows what weightstore assigned: after anything else writes the
     variables (``sess.run(init)``, training, ``Saver.restore``), call :func:`forget` (or pass

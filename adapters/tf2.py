@@ -174,7 +174,7 @@ def export_pieces(obj: Any, *, rank: int = 0, world: int = 1, optimizer: bool = 
     a ``ShardedVariable`` (``ParameterServerStrategy``'s), which comes shard by shard, each at
     its offset, never joined; a ``MirroredVariable`` is read from this replica. Under
     ``MultiWorkerMirroredStrategy``, where every worker holds every value, pass the worker's
-    ``rank`` and ``world``: each gets the share :func:`~weightstore.adapters._tf2_sharded.plan`
+    ``rank`` and ``world``: each gets the share the plan
     cuts for it (about ``1/world`` of the bytes), read from its own replica, so no tensor
     crosses the network. :func:`publish_sharded` does all of that on every worker, agreeing
     the attempt through TensorFlow's coordination service too.
@@ -216,7 +216,7 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
 
     A Keras file (``save_weights``'s ``.weights.h5``, ``model.save``'s ``.keras``) or a TF2
     object checkpoint (``tf.train.Checkpoint``, a prefix or its folder) is paired with
-    ``obj``'s variables by ``obj``'s own structure (see :mod:`weightstore.adapters._artifacts`),
+    ``obj``'s variables by ``obj``'s own structure,
     so it assigns into any instance of the architecture. With ``scope``, the file is one of
     the part of ``obj`` at that scope (one member of an ensemble). Optimizer state in the file
     is left out unless ``optimizer=True`` (then the model's optimizer must be built:
@@ -407,7 +407,7 @@ def _keras_layout_renamed(values: Any, obj: Any, found: Mapping[str, tuple[Varia
 
     Keys the walk does not reach keep their names, so a store of another architecture is
     reported as such rather than paired by position; optimizer state is listed as left out
-    unless ``optimizer`` (see :func:`~weightstore.adapters._artifacts.keras_file_names`).
+    unless ``optimizer``.
     """
     keys = values.keys()
     if (not isinstance(obj, keras.layers.Layer) or options.mapping or not keys

@@ -200,7 +200,7 @@ def publish_sharded(
     Rank 0 hands out the attempt through the process group's c10d store, every rank writes its
     member, rank 0 commits, and every rank returns the same committed
     :class:`~weightstore.Version` or raises the same error
-    (:func:`weightstore.sharded._shards.publish_together`). No collective runs: the ranks meet
+    (:func:`weightstore.sharded.publish_together`). No collective runs: the ranks meet
     in the store, so the training step's collectives are never queued behind a publish. Without
     a process group the module is published whole as rank 0 of 1.
 

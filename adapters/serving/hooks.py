@@ -57,7 +57,7 @@ _log = logging.getLogger("weightstore")
 
 
 def is_chief(strategy: Any = None) -> bool:
-    """Whether this task publishes: the one :func:`weightstore.sharded._cluster.is_tf_chief` names (the
+    """Whether this task publishes: the one :func:`weightstore.sharded.is_tf_chief` names (the
     chief, else the master, else worker 0), as the strategy's cluster or ``TF_CONFIG`` says;
     with no cluster, the single process does."""
     resolver = getattr(strategy, "cluster_resolver", None)

@@ -170,7 +170,7 @@ def publish_shard(
         pieces: key -> the whole tensor (an array), a :class:`Piece`, or a list of them.
         step: the version's step; above the step ``LATEST`` names.
         rank, world: this rank (``0 <= rank < world``) and how many ranks write the version;
-            by default from the job's cluster (:mod:`weightstore.sharded._cluster`: ``torch.distributed``,
+            by default from the job's cluster (``torch.distributed``,
             ``jax.distributed``, ``TF_CONFIG``).
         attempt: which try at this step, so a dead attempt's members never mix with this one's;
             by default agreed through the job's store (``torch.distributed``'s c10d store,
@@ -191,7 +191,7 @@ def publish_shard(
         InvalidKeyError, UnsupportedDTypeError, ValueError: a bad key, dtype or piece (nothing written).
         WeightStoreError: ``rank``, ``world`` or ``attempt`` not given and the cluster does not say it.
         ShardTimeoutError: agreeing the attempt or the incarnation, rank 0 or another rank did not
-            take part within :data:`~weightstore.sharded._agree.AGREE_TIMEOUT` seconds.
+            take part within 600 seconds.
     """
     rank, world = cluster.place(rank=rank, world=world)
     _check_ids(step=step, world=world)
@@ -414,7 +414,7 @@ def publish_together(
     rank returns the committed :class:`~weightstore.Version` or raises the same error.
 
     What the adapters' ``publish_sharded`` (``torch``, ``flax``) run once they have this rank's
-    pieces. The ranks meet only through the job's store (:mod:`weightstore.sharded._agree`),
+    pieces. The ranks meet only through the job's store,
     never in a collective, so a call may run in a background thread while the training step's
     collectives go on: rank 0 hands out the attempt; every rank writes its member; a rank whose
     write fails tells rank 0, whose commit then stops at once; rank 0 tells the committed

@@ -76,7 +76,7 @@ def follow(
     interval), and a new version resets it. On an object store a look whose ``LATEST`` has
     the ETag of the last one read is one HEAD request and moves no body (:class:`PointerWatch`).
     With ``notifications`` (an SQS queue URL the bucket's event notifications feed), an event
-    naming ``LATEST`` ends the wait at once (:mod:`weightstore.sync._notify`); polling goes on too.
+    naming ``LATEST`` ends the wait at once; polling goes on too.
     A local folder, whose writes no bucket announces, refuses it. A local folder that does not
     exist yet is waited for, with one logged warning, since a mistyped path waits for good.
     """
@@ -126,8 +126,8 @@ class PointerWatch:
     from a HEAD that moves no body); the same tag as the pointer last read means nothing was
     published, and nothing more is read. :attr:`interval`, the wait before the next look,
     doubles with each look that finds nothing new, up to ``max_poll``, and is back at ``poll``
-    once one does; :meth:`sleep` ends early when ``notifications`` (an SQS queue URL, see
-    :mod:`weightstore.sync._notify`) says ``LATEST`` was written. :func:`follow` and ``Follower``
+    once one does; :meth:`sleep` ends early when ``notifications`` (an SQS queue URL)
+    says ``LATEST`` was written. :func:`follow` and ``Follower``
     poll through it.
     """
 

@@ -168,7 +168,7 @@ def commit_version(target: Folder, step: int, name: str, write: Callable[[str], 
     """The publish protocol around one version file: check the step, clean what killed publishes
     left, record the intent, ``write(created)`` the file ``name``, replace ``LATEST``, prune.
 
-    :func:`publish` writes a plain version file; :func:`weightstore.sharded._shards.commit_shards` a
+    :func:`publish` writes a plain version file; :func:`~weightstore.commit_shards` a
     sharded version's index. On object storage ``LATEST`` is replaced by compare-and-swap on the
     ETag read at the start (``If-Match``; ``If-None-Match: *`` when there was none), so a
     publisher that lost a race gets :class:`PublishError` and ``LATEST`` never goes backwards;
