@@ -12,8 +12,8 @@ version (they were the ones held back by it). The reference is **assign from mem
 ``tf2.assign`` of the same model from a dict of arrays already in memory, the least a swap
 can hold serving for. The target is stall <= 1.5x that. **+anon** is the peak of ``RssAnon``
 while the later versions come in, above what the process held serving the first, against the
-model's bytes: staging a remote version costs about one model (its buffers then become the
-variables'), a local one (views of its mapping, copied in batches) about nothing.
+model's bytes: staging a version costs about one model (its buffers then become the
+variables'; a local one's are copied from its mapping while staging).
 
     python -m benchmarks.serving_bench                             # 32 and 256 MB, local and S3
     python -m benchmarks.serving_bench --size-mb 4 --versions 5    # a smoke check

@@ -32,8 +32,10 @@ def fit(model, callback, epochs: int = 2) -> None:
 
 
 def test_keras_callback_publishes_every_n_batches(tmp_path):
+    """Each interval is a version (in the background a snapshot waiting behind a slow one gives way
+    to a newer one: the test below), so this one publishes in the training thread."""
     model = small_model()
-    callback = PublishCallback(tmp_path, every_n_batches=3, keep=None, metadata={"run": "a"})
+    callback = PublishCallback(tmp_path, every_n_batches=3, keep=None, metadata={"run": "a"}, background=False)
     fit(model, callback)
     assert [e.step for e in versions.list_versions(tmp_path)] == [3, 6, 8]  # and the end of fit
     latest = ws.latest(tmp_path)

@@ -8,7 +8,7 @@ content has not changed since the last assign into the same target (``skip_uncha
 
 **Serving never waits on the network.** A swap first *stages* the version with no lock held:
 every tensor that changed since the last swap is fetched (an object store's ranges) and its
-checksum verified, into memory or, for a local file, as views of its mapping. Only then does
+checksum verified, into memory (of a local file: copied from its mapping). Only then does
 it take the lock, and inside it only writes variables from what was staged, so the longest
 wait to enter ``reading()`` is the time to assign the model from memory, not to download
 it. A sharded version followed into a target whose adapter reads only the regions of the
@@ -32,7 +32,7 @@ bytes more**, and no more during a swap.
 **Memory: the model plus the version being staged** (of a sharded version, its changed
 regions). A remote version is read straight into one buffer per tensor or region, and those
 buffers become the variables' own (the framework adopts them instead of copying: nothing else
-holds them); a local one is staged as views of its mapped file and copied in batches. After
+holds them); a local one is copied from its mapped file into such buffers while staging. After
 each swap the old variables' memory goes back to the system, so the process does not keep a
 freed version's pages around (see :mod:`weightstore.core._heap`).
 
@@ -83,7 +83,7 @@ from weightstore.errors import StorageError, UnsupportedTargetError, VersionGone
 from weightstore.formats import ReaderDefaults
 from weightstore.formats.delta import SUFFIX as DELTA_SUFFIX
 from weightstore.formats.sharded import normalized_region
-from weightstore.io._buffer import aligned_array
+from weightstore.io._buffer import aligned_array, memory_owner
 from weightstore.store._open import Store
 from weightstore.sync._checks import DEFAULT_POLL, checked_count, checked_seconds
 from weightstore.sync._folder import versions_folder
@@ -428,7 +428,8 @@ class Follower:
                        if not skip or digest is None or self._digests.get(key) != digest]
             rebuilt = self._onto_held(store, changed, version) if skip else {}
             arrays = dict(rebuilt)  # handed to the framework as they are: no copy while serving waits
-            arrays.update(store.read([key for key in changed if key not in arrays]))
+            arrays.update((key, _adoptable(array))
+                          for key, array in store.read([key for key in changed if key not in arrays]).items())
             staged = _StagedStore(store, arrays, digests)
             if self.deltas or (self.deltas is None and (self._keeping or version.path.endswith(DELTA_SUFFIX))):
                 self._keeping = True
@@ -536,6 +537,26 @@ def _shared(buffer: np.ndarray) -> bool:
     owner = buffer.base
     # the references: ``buffer``'s base, ``owner`` here, and getrefcount's argument
     return not (isinstance(owner, np.ndarray) and owner.base is None and sys.getrefcount(owner) <= 3)
+
+
+def _adoptable(array: np.ndarray) -> np.ndarray:
+    """A staged tensor the framework can adopt: a remote read's own buffer as it is; a view of
+    a local file's map copied now (:func:`_own_copy`), while serving runs, not in the swap: an
+    assign copies it into fresh memory anyway, and that copy's page faults under the lock made
+    a local swap 1.6x an assign from memory at 32 MB. A small one the assign copies cheaply."""
+    return array if array.nbytes < _OWN_FROM or isinstance(memory_owner(array), np.ndarray) else _own_copy(array)
+
+
+def _own_copy(array: np.ndarray) -> np.ndarray:
+    """``array`` copied into 64-byte-aligned memory of its own, which an assign hands to the
+    framework as the variable's buffer instead of copying it while serving waits."""
+    out = aligned_array(array.nbytes).view(array.dtype).reshape(array.shape)
+    copy_into(out, array)  # on several threads: the fresh pages' faults are most of its cost
+    return out
+
+
+#: smaller tensors are left as views: an assign copies them without aligning them (skeleton's ``_ALIGNED_FROM``)
+_OWN_FROM = 1 << 16
 
 
 class _Staged(ReaderDefaults):

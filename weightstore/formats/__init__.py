@@ -13,10 +13,10 @@ allocated.
 from __future__ import annotations
 
 import importlib
+import posixpath
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -200,7 +200,7 @@ def format_named(name: str) -> Format:
 def format_for_suffix(path: str) -> Format | None:
     """The format a file name asks for, by how it ends (``.npz``, ``.safetensors.index.json``);
     ``None`` when its ending says nothing."""
-    name = PurePosixPath(str(path)).name.lower()
+    name = posixpath.basename(str(path).rstrip("/")).lower()  # not PurePosixPath: 0.05 ms an open
     for fmt in _registry():
         if any(name.endswith(suffix) and len(name) > len(suffix) for suffix in fmt.suffixes):
             return fmt

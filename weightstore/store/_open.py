@@ -5,7 +5,7 @@ Face sharded folder); :mod:`weightstore.store._save` writes."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
@@ -336,7 +336,7 @@ def _open(path: Any, *, verify: bool, format: str | None, mmap: bool) -> Store: 
         if found is not None:
             return found
     try:
-        return _open_file(place, asked, verify, mmap)
+        return _open_file(place, asked or named, verify, mmap)
     except FileNotFoundError as exc:
         if isinstance(exc, WeightStoreError):  # a reader's own word on what is missing
             raise
@@ -367,20 +367,26 @@ def _open_found(place: Place, formats: list[Format], verify: bool, mmap: bool) -
 
 
 def _open_file(place: Place, fmt: Format | None, verify: bool, mmap: bool) -> Store:
-    """A file of format ``fmt``, else of its suffix's, else of its first bytes' (sniffed from
-    the first request of a URL: an npz's index lies at the end, so that costs one more)."""
+    """A file of format ``fmt`` (asked for, or its suffix's), else of its first bytes' (sniffed
+    from the first request of a URL: an npz's index lies at the end, so that costs one more)."""
     location = place.text
     if not place.remote and os.path.isdir(location):
         raise StoreNotFoundError("is a folder, not a weight file", path=location)
     source = place.source()
     try:
-        fmt = fmt or format_for_suffix(location)
-        head = b""  # of a URL whose name says the format, the pickle check costs no request
-        if fmt is None or not place.remote:
-            head = _head(source, location)
-        if fmt is None:
+        sniffed = _head(source, location) if fmt is None else None
+        if sniffed is not None:
             with naming(path=location):
-                fmt = _sniffed(head)
+                fmt = _sniffed(sniffed)
+
+        def head() -> bytes:
+            """The first bytes, for the pickle check of a file its reader refused: read only then
+            (a local file opens once more, a URL whose name says the format pays no request)."""
+            if sniffed is not None:
+                return sniffed
+            return b"" if place.remote else _head(source, location)
+
+        assert fmt is not None
         if isinstance(source, RemoteFile) and fmt.remote_file_object:  # h5py's reads, through an fsspec file
             source.close()
             with service(location):
@@ -410,7 +416,7 @@ def _sniffed(head: bytes) -> Format:
 
 
 @contextmanager
-def _pickle_named(head: bytes, location: str) -> Iterator[None]:
+def _pickle_named(head: Callable[[], bytes], location: str) -> Iterator[None]:
     """Format detection never overrides a file's own valid structure: the reader of the format the
     name (or the magic) chose reads the file first, and only a file it refuses is refused as a
     pickle where its first bytes start one, which says more than the reader's refusal. (A valid
@@ -420,7 +426,7 @@ def _pickle_named(head: bytes, location: str) -> Iterator[None]:
         yield
     except WeightStoreError:
         with naming(path=location):
-            refuse_pickle(head)
+            refuse_pickle(head())
         raise
 
 
