@@ -58,7 +58,7 @@ from weightstore.formats._hdf5_bytes import (
     read_ahead,
 )
 from weightstore.io._local import MappedFile
-from weightstore.io.files import open_regular
+from weightstore.io.files import open_regular, refuse_special_file
 
 MANIFEST_ATTRIBUTE = "weightstore"
 _KERAS_DTYPE_ATTRIBUTE = b"dtype"  # Keras's label of the raw bytes it stores bfloat16 as
@@ -416,6 +416,8 @@ class Hdf5Reader(ReaderDefaults):
                 f"{name}: HDF5 from an object store moves many times the bytes it reads (h5py reads in "
                 "small pieces: a one-scope load moved 51x its bytes); keep remote weights as npz or "
                 "safetensors (ws convert in.h5 out.npz)"), stacklevel=2)
+        if isinstance(location, str):
+            refuse_special_file(location)  # libhdf5 would wait on a FIFO for a writer
         with _as_format_error(name, "not a readable HDF5 file"):
             self._file = h5py.File(location, "r")
         try:
