@@ -86,7 +86,7 @@ from weightstore.errors import (
 )
 from weightstore.formats import Format, Reader, ReaderDefaults, format_for_suffix
 from weightstore.formats._pointer import VERSION_NAME
-from weightstore.io.buffer import aligned_array
+from weightstore.io._buffer import aligned_array
 from weightstore.io.remote import RemoteFile
 from weightstore.io.source import ByteSource, beside, byte_source, prefetch_ranges
 
