@@ -23,8 +23,10 @@ where the graph has a ``Saver``, feeding its restore op for the variable (:func:
 it compiles faster, which is most of the first assign's time): those ops already exist, so repeated assigns never grow the graph and work on a graph that
 ``MonitoredTrainingSession`` has finalized. A naive ``sess.run(v.assign(x))`` adds ops on every
 reload until the process runs out of memory. Every value is read and verified first, then the
-values go in batches of bounded bytes, one run each, so a restore holds a small part of the
-model in extra memory rather than a second copy of it (see
+values go in batches of bounded new memory, one run each, so a restore holds a small part of the
+model in extra memory rather than a second copy of it (a value copied in place, or taken over
+from the mapped file as below, costs none: an assign from an npz or safetensors file is mostly
+one batch, one compile) (see
 :func:`weightstore.adapters.skeleton.run_assign` for what a failure in a later batch means). A
 resource variable takes over the buffer it is fed, so large values are fed from TensorFlow's own
 memory (:func:`weightstore.adapters._tf_staging.staged_feeds`), where numpy copies left the old
