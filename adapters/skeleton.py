@@ -48,13 +48,14 @@ _copier_pool: ThreadPoolExecutor | None = None
 _handed_over: dict[int, np.ndarray] = {}  # address -> array, for the arrays of every handed_over block now open
 _rehearsing: contextvars.ContextVar[bool] = contextvars.ContextVar("weightstore_rehearsing", default=False)
 
-# A batch holds at most max(BATCH_MIN_BYTES, the assign's bytes / BATCH_SHARE): 1/16 of a large
-# model, so its extra memory stays near a tenth of it even with a tensor over the budget (such a
-# tensor is a batch of its own). Not smaller: a TF1 session compiles each batch on its first call
-# (8 ms and 0.5 ms a variable in a 2,000-op graph), on the helper thread during the verify pass,
-# and the more batches the less of that hides. The first tf1.assign of 256 MB, warm, x Saver.restore
-# and extra memory: 64 MB batches 0.74x, 0.31-0.38x; 32 MB 0.81x, 0.25-0.28x; 16 MB 1.1-1.2x,
-# 0.16-0.20x (measured in docs/benchmarks.md's git history).
+# A batch costs at most max(BATCH_MIN_BYTES, the assign's bytes / BATCH_SHARE) of new memory
+# (Target.cost): 1/16 of a large model, so its extra memory stays near a tenth of it even with a
+# tensor over the budget (such a tensor is a batch of its own). Not smaller: a TF1 session compiles
+# each batch on its first call (a fixed 20-40 ms, for a copy of the whole graph, and more a
+# variable), on the helper thread during the verify pass, and the more batches the less of that
+# hides. The first tf1.assign of 256 MB, warm, x Saver.restore and extra memory: 64 MB batches
+# 0.74x, 0.31-0.38x; 32 MB 0.81x, 0.25-0.28x; 16 MB 1.1-1.2x, 0.16-0.20x (measured in
+# docs/benchmarks.md's git history).
 BATCH_MIN_BYTES = 32 << 20
 BATCH_SHARE = 16
 
@@ -83,6 +84,12 @@ class Target:
     holds the parts of the others that ``prepare`` and ``write`` may leave as they are.
     ``ahead``: of a batched target, called with each batch's keys before the verify pass, to get
     ready to write them while the values are read (a TF1 session compiles each batch meanwhile).
+    ``cost``: of a batched target, the new memory writing a key's value takes, in bytes (default:
+    its size): called with the value :attr:`prepare` made, and first with ``None``, for the least
+    it may take (a TF1 resource variable takes over a view of a mapped file and frees its old
+    buffer before a copy is made: nothing). Batches are cut by the least before the verify pass,
+    so that most of an assign from a mapped file compiles as one batch, and any batch whose values
+    turned out to cost more is written in pieces within the budget.
     """
 
     infos: Mapping[str, TargetInfo]
@@ -94,6 +101,7 @@ class Target:
     regions: Callable[[str], list[tuple[slice, ...]] | None] | None = None
     kept: dict[str, frozenset[int]] = field(default_factory=dict)
     ahead: Callable[[list[list[str]]], None] | None = None
+    cost: Callable[[str, Any], int] | None = None
 
 
 def run_assign(target: Target, weights: Any, options: AssignOptions, *, skip_for: Any = None) -> Report:
@@ -183,7 +191,8 @@ def _write_batches(target: Target, source: ValueSource, prepare: Callable[[Value
     """Verify every value, then write them batch by batch; see :func:`run_assign` for failures."""
     sizes = {key: _nbytes(target.infos[key]) for key, _ in todo}
     budget = max(BATCH_MIN_BYTES, sum(sizes.values()) // BATCH_SHARE)
-    chunks = list(_chunks(todo, sizes, budget))
+    cost = target.cost or (lambda key, value: sizes[key])
+    chunks = list(_chunks(todo, {key: cost(key, None) for key, _ in todo}, budget))
     if target.ahead is not None:
         target.ahead([[key for key, _ in chunk] for chunk in chunks])
     kept: dict[str, Any] = {}
@@ -198,8 +207,9 @@ def _write_batches(target: Target, source: ValueSource, prepare: Callable[[Value
                 kept[key] = value
                 held += sizes[key]
             del value  # one not kept is read again in its batch
+    costs = {key: cost(key, kept[key]) if key in kept else sizes[key] for key, _ in todo}  # not kept: read again
     written_before = False
-    for chunk in chunks:
+    for chunk in (piece for whole in chunks for piece in _chunks(whole, costs, budget)):
         try:
             batch = [(key, kept.pop(key) if key in kept else prepare(source, key, value_key))
                      for key, value_key in chunk]

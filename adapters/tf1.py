@@ -23,8 +23,10 @@ where the graph has a ``Saver``, feeding its restore op for the variable (:func:
 it compiles faster, which is most of the first assign's time): those ops already exist, so repeated assigns never grow the graph and work on a graph that
 ``MonitoredTrainingSession`` has finalized. A naive ``sess.run(v.assign(x))`` adds ops on every
 reload until the process runs out of memory. Every value is read and verified first, then the
-values go in batches of bounded bytes, one run each, so a restore holds a small part of the
-model in extra memory rather than a second copy of it (see
+values go in batches of bounded new memory, one run each, so a restore holds a small part of the
+model in extra memory rather than a second copy of it (a value copied in place, or taken over
+from the mapped file as below, costs none: an assign from an npz or safetensors file is mostly
+one batch, one compile) (see
 :func:`weightstore.adapters.skeleton.run_assign` for what a failure in a later batch means). A
 resource variable takes over the buffer it is fed, so large values are fed from TensorFlow's own
 memory (:func:`weightstore.adapters._tf_staging.staged_feeds`), where numpy copies left the old
@@ -57,10 +59,11 @@ with needs("tf", __name__):
 from weightstore.adapters import _tf1_callables, _tf1_training
 from weightstore.adapters._reload import MEMORY
 from weightstore.adapters._report import Plan, TargetInfo
-from weightstore.adapters._tf_staging import shares_mapped, staged_feeds
+from weightstore.adapters._tf_staging import STAGED_FROM, shares_mapped, staged_feeds
 from weightstore.adapters.plan import AssignOptions, AssignWords, Report, Selection, SelectionWords, plan_assign
 from weightstore.adapters.skeleton import Target, run_assign
 from weightstore.core._heap import give_back
+from weightstore.io._buffer import ALIGNMENT
 from weightstore.core.keys import from_tf_name, plan_inward, validate_key
 from weightstore.core.manifest import ML_DTYPES
 from weightstore.errors import AssignmentError, FormatError, InvalidKeyError, SelectionError, WeightStoreError
@@ -254,6 +257,20 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
                                             for i, part in enumerate(targets[key].parts)
                                             if i not in kept.get(key, ())] for keys in batches])
 
+    def cost(key: str, value: np.ndarray | list[np.ndarray | None] | None) -> int:
+        """The new memory writing ``value`` into ``key``'s parts takes (``None``: the least it may,
+        were it a view of a mapped file): nothing for a part copied in place or taking over the file's pages."""
+        target = targets[key]
+        arrays = [None] * len(target.parts) if value is None else cut(value, target.parts)
+        total = 0
+        for part, array in zip(target.parts, arrays, strict=True):
+            size = math.prod(part.variable.shape.as_list() if part.index else target.shape) * target.dtype.itemsize
+            op = _writer(graph, part.variable)[0]
+            if not (array is None and (op.type == "Assign" or (size >= STAGED_FROM and _on_cpu(sess, part.variable)))
+                    or array is not None and _free(sess, op, array, target.dtype, part.variable)):
+                total += size if array is None else array.size * target.dtype.itemsize
+        return total
+
     infos = {key: target.info for key, target in targets.items() if target.shaped}
     infos.update(_as_they_are(sess, [target for target in targets.values() if not target.shaped]))
     empty = {key: target for key, target in targets.items() if key not in infos and (optimizer or not target.training)}
@@ -264,7 +281,7 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
         model = infos if optimizer else {key: info for key, info in infos.items() if not targets[key].training}
         return plan_assign(values, model, options, left_out=left_out), values
 
-    job = Target(infos, write, slot=lambda key: (sess, key), prepare=prepare, plan=plan, batched=True, ahead=ahead, kept=kept,
+    job = Target(infos, write, slot=lambda key: (sess, key), prepare=prepare, plan=plan, batched=True, ahead=ahead, kept=kept, cost=cost,
                  regions=lambda key: [part.index for part in targets[key].parts] if targets[key].parts[0].index else None)
     return run_assign(job, weights, options)
 
@@ -288,9 +305,8 @@ def _run_batch(sess: Any, writers: _tf1_callables.Writers, values: list[tuple[np
     they are handed back (:func:`weightstore.core._heap.give_back`) before the copies are made. A
     device variable gets the staged copies alone: its old buffer is not host memory.
     """
-    in_place = [op.type == "Assign" and array.dtype == dtype and array.flags.c_contiguous
-                for (op, _), (array, dtype) in zip(writers, values, strict=True)]
-    mapped = [op.type == "AssignVariableOp" and shares_mapped(array, dtype) and _on_cpu(sess, variable)
+    in_place = [_in_place(op, array, dtype) for (op, _), (array, dtype) in zip(writers, values, strict=True)]
+    mapped = [_mapped(sess, op, array, dtype, variable)
               for (op, _), (array, dtype), variable in zip(writers, values, variables, strict=True)]
     feeds = [array for array, _ in values]  # as they are: for in-place copies and the first run
 
@@ -304,6 +320,24 @@ def _run_batch(sess: Any, writers: _tf1_callables.Writers, values: list[tuple[np
         give_back()
         stage([i for i in range(len(values)) if mapped[i]])
     _tf1_callables.run(sess, writers, feeds)
+
+
+def _in_place(op: tf.Operation, array: np.ndarray, dtype: np.dtype) -> bool:
+    """Whether a ref variable's ``Assign`` copies ``array`` into the buffer it has (fed as it is)."""
+    return op.type == "Assign" and array.dtype == dtype and array.flags.c_contiguous
+
+
+def _mapped(sess: Any, op: tf.Operation, array: np.ndarray, dtype: np.dtype, variable: tf.Variable) -> bool:
+    """Whether a host resource variable first takes over ``array``, a view of a mapped file, as it is."""
+    return op.type == "AssignVariableOp" and shares_mapped(array, dtype) and _on_cpu(sess, variable)
+
+
+def _free(sess: Any, op: tf.Operation, array: np.ndarray, dtype: np.dtype, variable: tf.Variable) -> bool:
+    """Whether :func:`_run_batch` writes ``array`` in no new memory (see its docstring): copied in
+    place from where it lies (aligned, or TensorFlow copies the feed first, into its pool for good),
+    or taken over from the mapped file."""
+    return ((_in_place(op, array, dtype) and array.ctypes.data % ALIGNMENT == 0)
+            or _mapped(sess, op, array, dtype, variable))
 
 
 def _on_cpu(sess: Any, variable: tf.Variable) -> bool:

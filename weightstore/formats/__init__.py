@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 import posixpath
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -182,10 +182,13 @@ def register(module: str) -> None:
         FORMAT_MODULES.insert(at, module)
 
 
-def _registry() -> list[Format]:
+def _registry() -> Iterator[Format]:
+    """The formats in table order, each module imported only when reached: a lookup that stops at
+    the first match (an ``.npz`` suffix) loads no module after it (0.05 CPU-s of a first assign)."""
     # sys.modules first: import_module of a module already imported still takes the import
     # lock, and every open asks the registry twice (0.1 ms of a 0.8 ms open of a small file)
-    return [(sys.modules.get(module) or importlib.import_module(module)).FORMAT for module in FORMAT_MODULES]
+    for module in list(FORMAT_MODULES):
+        yield (sys.modules.get(module) or importlib.import_module(module)).FORMAT
 
 
 def format_named(name: str) -> Format:
