@@ -63,10 +63,10 @@ from weightstore.adapters._tf_staging import STAGED_FROM, shares_mapped, staged_
 from weightstore.adapters.plan import AssignOptions, AssignWords, Report, Selection, SelectionWords, plan_assign
 from weightstore.adapters.skeleton import Target, run_assign
 from weightstore.core._heap import give_back
-from weightstore.io._buffer import ALIGNMENT
 from weightstore.core.keys import from_tf_name, plan_inward, validate_key
 from weightstore.core.manifest import ML_DTYPES
 from weightstore.errors import AssignmentError, FormatError, InvalidKeyError, SelectionError, WeightStoreError
+from weightstore.io._buffer import ALIGNMENT
 from weightstore.sharded._shards import Piece
 
 __all__ = ["export", "export_pieces", "assign", "variables", "forget"]
