@@ -10,6 +10,14 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files holding a ``slow`` test run first, each file's tests together and in their order:
+    two workers hand out tests in collection order, and the heaviest files sort last by name
+    (``test_shards_*``, ``test_tf_*``), so a run ended on one worker's long tail."""
+    heavy = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in heavy)  # stable: the order within each group stays
+
+
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
     """Checkpoints TF1, TF2 and Keras really write (see ``tf_files.make_all``), made once per module."""
