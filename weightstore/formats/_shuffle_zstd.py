@@ -115,7 +115,7 @@ def max_encoded_size(nbytes: int) -> int:
 _local = threading.local()
 
 
-def _decompressor() -> zstandard.ZstdDecompressor:
+def decompressor() -> zstandard.ZstdDecompressor:
     """One per thread: a decompressor is not thread-safe, and making one per block costs."""
     found = getattr(_local, "decompressor", None)
     if found is None:
@@ -174,7 +174,7 @@ def decode(blob: memoryview, itemsize: int, nbytes: int, path: str, key: str) ->
             if zstandard.frame_content_size(frame) != length:
                 raise FormatError(f"block at byte {start} does not declare its {length} bytes (corrupt)",
                                   path=path, key=key)
-            plain = _decompressor().decompress(frame, max_output_size=length)
+            plain = decompressor().decompress(frame, max_output_size=length)
         except zstandard.ZstdError as exc:
             raise FormatError(f"is corrupt (zstd: {exc})", path=path, key=key) from None
         if len(plain) != length:

@@ -86,6 +86,7 @@ from weightstore.errors import (
 )
 from weightstore.formats import Format, Reader, ReaderDefaults, format_for_suffix
 from weightstore.formats._pointer import VERSION_NAME
+from weightstore.formats._shuffle_zstd import decompressor
 from weightstore.io._buffer import aligned_array
 from weightstore.io.remote import RemoteFile
 from weightstore.io.source import ByteSource, beside, byte_source, prefetch_ranges
@@ -114,13 +115,6 @@ def _compressor() -> zstandard.ZstdCompressor:
     found = getattr(_local, "compressor", None)
     if found is None:
         found = _local.compressor = zstandard.ZstdCompressor(level=_LEVEL, write_content_size=True)
-    return found
-
-
-def _decompressor() -> zstandard.ZstdDecompressor:
-    found = getattr(_local, "decompressor", None)
-    if found is None:
-        found = _local.decompressor = zstandard.ZstdDecompressor()
     return found
 
 
@@ -706,7 +700,7 @@ def _apply_xor(payload: memoryview, out: np.ndarray, block: int, itemsize: int) 
         try:
             if zstandard.frame_content_size(frame) != size:
                 raise FormatError(f"has an xor-zstd frame at byte {start} that does not declare its {size} bytes")
-            plain = _decompressor().decompress(frame, max_output_size=size)
+            plain = decompressor().decompress(frame, max_output_size=size)
         except zstandard.ZstdError as exc:
             raise FormatError(f"has a corrupt xor-zstd frame at byte {start} ({exc})") from None
         if len(plain) != size:
@@ -728,7 +722,7 @@ def _unplaned(frame: memoryview, count: int, size: int, dtype: np.dtype, what: s
     try:
         if zstandard.frame_content_size(frame) != expected:
             raise FormatError(f"has a sparse {what} frame that does not declare its {expected} bytes")
-        plain = _decompressor().decompress(frame, max_output_size=expected) if expected else b""
+        plain = decompressor().decompress(frame, max_output_size=expected) if expected else b""
     except zstandard.ZstdError as exc:
         raise FormatError(f"has a corrupt sparse {what} frame ({exc})") from None
     if len(plain) != expected:
