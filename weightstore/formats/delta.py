@@ -89,7 +89,7 @@ from weightstore.formats._pointer import VERSION_NAME
 from weightstore.formats._shuffle_zstd import decompressor
 from weightstore.io._buffer import aligned_array
 from weightstore.io.remote import RemoteFile
-from weightstore.io.source import ByteSource, beside, byte_source, prefetch_ranges
+from weightstore.io.source import ByteSource, beside, byte_source, open_source, prefetch_ranges
 
 FORMAT_NAME = "weightstore-delta"
 SUFFIX = ".wsdelta"
@@ -766,7 +766,6 @@ def open_reader(location: Any, name: str, *, mmap: bool = True) -> Reader:
 
 
 def _open(location: Any, name: str, mmap: bool, depth: int) -> DeltaReader:
-    source = byte_source(location, name, mmap=mmap)
     own = name.replace("\\", "/").rsplit("/", 1)[-1]
 
     def open_base(base: str, at: int) -> Reader:
@@ -787,16 +786,9 @@ def _open(location: Any, name: str, mmap: bool, depth: int) -> DeltaReader:
         except FileAccessError as exc:
             raise FormatError(f"needs its base {base}, which {exc.message}", path=name) from None
 
-    try:
-        if isinstance(source, RemoteFile):
-            source.start(index_at_end=False)
-        reader = DeltaReader(source, name, open_base, depth, _step_of(own), eager=not isinstance(source, RemoteFile))
-    except BaseException:
-        source.close()
-        raise
-    if isinstance(source, RemoteFile):
-        source.index_read()
-    return reader
+    return open_source(location, name, lambda source: DeltaReader(source, name, open_base, depth, _step_of(own),
+                                                                 eager=not isinstance(source, RemoteFile)),
+                       index_at_end=False, mmap=mmap)
 
 
 def _no_writer(path: str, compress: bool | str) -> Any:
