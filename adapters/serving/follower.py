@@ -522,11 +522,9 @@ class Follower:
 
 
 def _aligned_copy(array: np.ndarray) -> np.ndarray:
-    """``array``'s bytes (uint8, flat) copied into 64-byte-aligned memory of its own: a base copy
-    that a later delta is rebuilt onto and handed to the framework, which adopts only aligned memory."""
-    out = aligned_array(array.nbytes)
-    copy_into(out, np.ascontiguousarray(array).reshape(-1).view(np.uint8))
-    return out
+    """``array``'s bytes (uint8, flat) in an :func:`_own_copy`: a base copy that a later delta is
+    rebuilt onto and handed to the framework, which adopts only aligned memory."""
+    return _own_copy(array).reshape(-1).view(np.uint8)
 
 
 def _shared(buffer: np.ndarray) -> bool:
