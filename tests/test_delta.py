@@ -508,3 +508,39 @@ def test_a_chain_starts_at_the_newest_raw_copy_of_a_tensor(tmp_path):
             rebuilt = store.read_from(key, name, held[key].view(np.uint8))
             assert rebuilt is not None and rebuilt.tobytes() == weights[key].tobytes()
 
+
+
+def test_dense_steps_alternate_with_anchors_and_read_bit_exact(tmp_path):
+    """Each fp32 step moving every element is about half a version: a delta after each anchor,
+    and an anchor where one more delta of the last's size would pass a full version."""
+    rng = np.random.default_rng(10)
+    weights = {"w": rng.standard_normal(100000).astype(np.float32), "b": rng.standard_normal(100).astype(np.float32)}
+    delta = ws.Delta(anchor_every=20)
+    kinds, published = [], []
+    for step in range(1, 8):
+        weights = {key: (value * (1 + rng.standard_normal(value.shape) * 1e-3)).astype(np.float32)
+                   for key, value in weights.items()}
+        published.append((ws.publish(tmp_path, weights, step=step, keep=10, delta=delta), weights))
+        kinds.append(delta.last_kind)
+    assert kinds == ["full", "delta", "full", "delta", "full", "delta", "full"]
+    for version, weights in published:
+        same_bytes(ws.load(version), weights)
+
+
+def test_a_tensor_that_stops_changing_is_stored_same_again(tmp_path):
+    """A tensor XOR-ed densely is XOR-ed straight away the next step; once it stops changing
+    its XOR is nothing, and the step after it is compared first again: ``same``."""
+    rng = np.random.default_rng(11)
+    weights = {"w": rng.standard_normal(100000).astype(np.float32), "v": rng.standard_normal(100000).astype(np.float32)}
+    delta = ws.Delta(anchor_every=20)
+    ws.publish(tmp_path, weights, step=1, delta=delta)
+    weights = {"w": (weights["w"] * np.float32(1.001)).astype(np.float32), "v": weights["v"]}
+    version = ws.publish(tmp_path, weights, step=2, delta=delta)  # w dense, v same
+    codecs = []
+    for step in (3, 4):  # w stops changing: XOR-ed (nothing), then compared first: same
+        version = ws.publish(tmp_path, dict(weights), step=step, delta=delta)
+        assert version.path.endswith(".wsdelta")
+        with ws.open(version) as store:
+            codecs.append(store._reader.codec("w"))
+        same_bytes(ws.load(version), weights)
+    assert codecs == ["xor-zstd", "same"]

@@ -166,7 +166,8 @@ class Encoded:
         return sum(memoryview(part).nbytes for part in self.parts)
 
 
-def encode(new: np.ndarray, base: np.ndarray | None, itemsize: int, *, dense: bool = False) -> Encoded:
+def encode(new: np.ndarray, base: np.ndarray | None, itemsize: int, *, dense: bool = False,
+           sparse: bool = True) -> Encoded:
     """``new`` (a tensor's stored bytes, uint8, C-contiguous) against ``base`` (the base
     version's bytes of the same tensor, same dtype and shape; ``None`` when it has none): the
     smallest of :data:`SAME`, :data:`XOR_ZSTD`, :data:`SPARSE` and :data:`RAW`.
@@ -177,6 +178,9 @@ def encode(new: np.ndarray, base: np.ndarray | None, itemsize: int, *, dense: bo
     form takes more than two bytes per changed element: XOR + zstd took 2.2-2.4 where the
     sparse form took 1.2 (bf16, 2-3.7% changed), and costs most of a publish's CPU (0.7 s/GB).
     ``dense`` (an :func:`estimate` found most elements changed) skips the first pass: XOR + zstd.
+    ``sparse=False`` (the tensor's last delta was XOR + zstd) does not try the sparse form:
+    an fp32 step's changed elements cost more than two bytes each in it, so it was made for
+    nothing (0.24 s/GB of an fp32 Adam step, a tensor 12% changed).
     """
     nbytes = len(new)
     if base is None:
@@ -189,7 +193,7 @@ def encode(new: np.ndarray, base: np.ndarray | None, itemsize: int, *, dense: bo
     total = int(np.count_nonzero(mask))
     if not total:
         return Encoded(SAME, [])
-    best = _sparse(new, base, itemsize, elements, mask) if total <= elements * SPARSE_DENSITY else None
+    best = _sparse(new, base, itemsize, elements, mask) if sparse and total <= elements * SPARSE_DENSITY else None
     if best is None or best.nbytes > 2 * total:
         per_block = BLOCK // itemsize
         changed = [int(np.count_nonzero(mask[start : start + per_block])) for start in range(0, elements, per_block)]
