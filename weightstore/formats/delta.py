@@ -244,10 +244,17 @@ def estimate(new: np.ndarray, base: np.ndarray | None, itemsize: int) -> Estimat
     return Estimate(min(nbytes, sample.nbytes * nbytes // len(new_part)), sample.codec)
 
 
-def _planes(values: np.ndarray, size: int) -> bytes:
+def _planes(values: np.ndarray, size: int) -> np.ndarray:
     """``values`` (``size``-byte items) as byte planes, byte 0 of every item first: the high
-    bytes of small gaps and of XORs of close values are zeros zstd makes nothing of."""
-    return np.ascontiguousarray(values.view(np.uint8).reshape(-1, size).T).tobytes()
+    bytes of small gaps and of XORs of close values are zeros zstd makes nothing of. Items held
+    as words (a fresh array: it is overwritten) are split by :func:`_split_planes`."""
+    planes = np.empty((size, len(values)), np.uint8)
+    word = _UINTS.get(size)
+    if size > 1 and word is not None and values.dtype == word and values.ndim == 1:
+        _split_planes(values, planes)
+    else:
+        planes[:] = values.view(np.uint8).reshape(-1, size).T
+    return planes
 
 
 def _sparse(new: np.ndarray, base: np.ndarray, itemsize: int, elements: int, mask: np.ndarray) -> Encoded:
@@ -261,14 +268,25 @@ def _sparse(new: np.ndarray, base: np.ndarray, itemsize: int, elements: int, mas
         values = np.bitwise_xor(new.view(word)[where], base.view(word)[where])
     else:
         values = np.bitwise_xor(new.reshape(-1, itemsize)[where], base.reshape(-1, itemsize)[where])
-    gap_frame = _compressor().compress(_planes(gaps, gaps.itemsize))
-    value_frame = _compressor().compress(_planes(values, itemsize))
+    gap_frame = _compressor().compress(_planes(gaps, gaps.itemsize).data)
+    value_frame = _compressor().compress(_planes(values, itemsize).data)
     return Encoded(SPARSE, [struct.pack("<QQQ", len(where), len(gap_frame), len(value_frame)), gap_frame, value_frame])
 
 
 def _plane_size(itemsize: int, block: int) -> int:
     """How many byte planes an xor-zstd block of ``itemsize``-byte elements is split into (1: none)."""
     return itemsize if 1 < itemsize <= 16 and block % itemsize == 0 else 1
+
+
+def _split_planes(words: np.ndarray, planes: np.ndarray) -> None:
+    """``words`` (little-endian unsigned integers, overwritten) split into byte ``planes`` (one row
+    per byte, the low byte first): each plane is the words cast to bytes, then the words shift
+    down a byte. Contiguous casts and shifts run on SIMD, where copying a strided column of
+    bytes moves one at a time: 0.41 s/GB against 0.56 for 4-byte items, 0.25 against 0.53 for 2."""
+    np.copyto(planes[0], words, casting="unsafe")  # the low byte: an unsafe cast truncates
+    for byte in range(1, len(planes)):
+        np.right_shift(words, 8, out=words)
+        np.copyto(planes[byte], words, casting="unsafe")
 
 
 def _xor_zstd(new: np.ndarray, base: np.ndarray, changed: list[int], itemsize: int) -> Encoded:
@@ -282,12 +300,20 @@ def _xor_zstd(new: np.ndarray, base: np.ndarray, changed: list[int], itemsize: i
             length = min(BLOCK, nbytes - start)
             buffer = _scratch(2 * length)
             xor, planes = buffer[:length], buffer[length : 2 * length]
-            np.bitwise_xor(new[start : start + length], base[start : start + length], out=xor)
-            if size > 1:  # a plane at a time: faster than copying the transpose at once
-                items, planed = xor.reshape(-1, size), planes.reshape(size, -1)
-                for byte in range(size):
-                    planed[byte] = items[:, byte]
+            word = _UINTS.get(size)
+            if word is not None and size > 1:  # XOR-ed as words, then split (see _split_planes)
+                words = xor.view(word)
+                np.bitwise_xor(new[start : start + length].view(word), base[start : start + length].view(word),
+                               out=words)
+                _split_planes(words, planes.reshape(size, -1))
                 xor = planes
+            else:
+                np.bitwise_xor(new[start : start + length], base[start : start + length], out=xor)
+                if size > 1:  # a plane at a time: faster than copying the transpose at once
+                    items, planed = xor.reshape(-1, size), planes.reshape(size, -1)
+                    for byte in range(size):
+                        planed[byte] = items[:, byte]
+                    xor = planes
             frames[index] = _compressor().compress(xor.data)
 
     frames: list[bytes] = [b""] * count
