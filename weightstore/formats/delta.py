@@ -69,6 +69,7 @@ from weightstore.core.manifest import (
     Manifest,
     build_manifest,
     content_digest,
+    content_hasher,
     from_storage,
     parse_manifest,
     storage_dtype,
@@ -547,9 +548,10 @@ class DeltaReader(ReaderDefaults):
         out = None if codec == RAW else self._base_bytes(key, self._manifest.tensors[key])
         return self._apply_own(key, out)
 
-    def _apply_own(self, key: str, out: np.ndarray | None) -> np.ndarray:
+    def _apply_own(self, key: str, out: np.ndarray | None, hasher: Any = None) -> np.ndarray:
         """This version's change of ``key`` applied to ``out`` (its base's bytes, writable; not
-        needed for ``raw``), in place where it can be."""
+        needed for ``raw``), in place where it can be. ``hasher`` (a :func:`content_hasher`, for
+        a ``sparse`` entry only) is fed the whole result as it is made."""
         info = self._manifest.tensors[key]
         codec, offset, length = self._entries[key]
         payload = memoryview(self._source.read_at(self._payload_start + offset, length))
@@ -563,7 +565,7 @@ class DeltaReader(ReaderDefaults):
             if codec == XOR_ZSTD:
                 _apply_xor(payload, out, self.head.block, storage_dtype(info.dtype).itemsize)
             elif codec == SPARSE:
-                _apply_sparse(payload, out, storage_dtype(info.dtype).itemsize)
+                _apply_sparse(payload, out, storage_dtype(info.dtype).itemsize, hasher)
         return out
 
     def levels(self, held: str) -> list[DeltaReader] | None:
@@ -631,9 +633,12 @@ class DeltaReader(ReaderDefaults):
             out = None
         else:
             out = data if in_place else _aligned_copy(np.asarray(data).reshape(-1).view(np.uint8))
+        # the newest change, when sparse, is hashed as it is applied, a piece at a time while
+        # that piece is in cache: one pass over the tensor's memory instead of two (-20% CPU)
+        hasher = content_hasher() if verify and needed[0]._entries[key][0] == SPARSE else None
         try:
             for level in reversed(needed):
-                out = level._apply_own(key, out)
+                out = level._apply_own(key, out, hasher if level is needed[0] else None)
         except WeightStoreError as exc:
             raise _named_here(exc, self.name, key) from None
         if in_place and out is not data and out is not None and len(out) == len(data):
@@ -641,7 +646,7 @@ class DeltaReader(ReaderDefaults):
             out = data
         info = self._manifest.tensors[key]
         assert out is not None
-        if verify and DIGEST_PREFIX + content_digest(out).hex() != info.digest:
+        if verify and DIGEST_PREFIX + (content_digest(out) if hasher is None else hasher.digest()).hex() != info.digest:
             raise ChecksumError(f"rebuilding it onto {held} does not give the digest its publisher recorded",
                                 path=self.name, key=key)
         return from_storage(out.view(storage_dtype(info.dtype)).reshape(info.shape), info.dtype)
@@ -763,8 +768,10 @@ def _unplaned(frame: memoryview, count: int, size: int, dtype: np.dtype, what: s
     return items.view(dtype).reshape(count, -1)
 
 
-def _apply_sparse(payload: memoryview, out: np.ndarray, itemsize: int) -> None:
-    """XOR the changed elements ``payload`` lists into ``out``; positions must rise and stay inside."""
+def _apply_sparse(payload: memoryview, out: np.ndarray, itemsize: int, hasher: Any = None) -> None:
+    """XOR the changed elements ``payload`` lists into ``out``; positions must rise and stay
+    inside. ``hasher`` (a :func:`content_hasher`) is fed ``out`` a piece at a time, each just
+    after its changes are applied."""
     elements = len(out) // itemsize if itemsize else 0
     positions = _position_dtype(elements)
     if len(payload) < 24:
@@ -774,20 +781,38 @@ def _apply_sparse(payload: memoryview, out: np.ndarray, itemsize: int) -> None:
         raise FormatError(f"has a sparse entry of {count} elements in {len(payload)} bytes, for a tensor of "
                           f"{elements} elements")
     if not count:
+        if hasher is not None:
+            hasher.update(out)
         return
     gaps = _unplaned(payload[24 : 24 + gap_bytes], count, positions.itemsize, positions, "position").reshape(-1)
     values = _unplaned(payload[24 + gap_bytes :], count, itemsize, np.dtype(np.uint8), "value")
     where = np.cumsum(gaps, dtype=np.uint64)  # a wrap past 2**64 shows as a position going down
-    if int(gaps.min()) < 1 or int(where[-1]) > elements or (count > 1 and not bool(np.all(where[1:] > where[:-1]))):
+    # gaps of at least one rise, unless their sum wraps: 32-bit gaps (fewer than 2**32 of them) cannot
+    if int(gaps.min()) < 1 or int(where[-1]) > elements or (
+            positions.itemsize > 4 and count > 1 and not bool(np.all(where[1:] > where[:-1]))):
         raise FormatError("has sparse positions that are out of range or not increasing")
-    at = where.astype(np.intp) - 1
+    at = where.view(np.int64)  # at most ``elements``: the same numbers, in place
+    at -= 1
     word = _UINTS.get(itemsize)
     if word is not None and out.ctypes.data % itemsize == 0:  # as words: a row gather of bytes costs several times more
-        words = out.view(word)
-        words[at] = np.bitwise_xor(words[at], np.ascontiguousarray(values).view(word).reshape(-1))
+        target, changes = out.view(word), np.ascontiguousarray(values).view(word).reshape(-1)
+    else:
+        target, changes = out.reshape(-1, itemsize), values
+    if hasher is None:
+        target[at] = np.bitwise_xor(target[at], changes)
         return
-    rows = out.reshape(-1, itemsize)
-    rows[at] = np.bitwise_xor(rows[at], values)
+    per = max(1, _HASH_PIECE // max(1, itemsize))
+    bounds = np.searchsorted(at, np.arange(0, elements + per, per)).tolist()
+    for index in range(-(-elements // per)):
+        low, high = bounds[index], bounds[index + 1]
+        if high > low:
+            spots = at[low:high]
+            target[spots] = np.bitwise_xor(target[spots], changes[low:high])
+        hasher.update(out[index * per * itemsize : (index + 1) * per * itemsize])
+
+
+#: bytes of a tensor a sparse change is applied to, then hashed, at a time: they stay in cache between
+_HASH_PIECE = 1 << 20
 
 
 def open_reader(location: Any, name: str, *, mmap: bool = True) -> Reader:
