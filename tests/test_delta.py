@@ -508,3 +508,66 @@ def test_a_chain_starts_at_the_newest_raw_copy_of_a_tensor(tmp_path):
             rebuilt = store.read_from(key, name, held[key].view(np.uint8))
             assert rebuilt is not None and rebuilt.tobytes() == weights[key].tobytes()
 
+
+
+def test_dense_steps_alternate_with_anchors_and_read_bit_exact(tmp_path):
+    """Each fp32 step moving every element is about half a version: a delta after each anchor,
+    and an anchor where one more delta of the last's size would pass a full version."""
+    rng = np.random.default_rng(10)
+    weights = {"w": rng.standard_normal(100000).astype(np.float32), "b": rng.standard_normal(100).astype(np.float32)}
+    delta = ws.Delta(anchor_every=20)
+    kinds, published = [], []
+    for step in range(1, 8):
+        weights = {key: (value * (1 + rng.standard_normal(value.shape) * 1e-3)).astype(np.float32)
+                   for key, value in weights.items()}
+        published.append((ws.publish(tmp_path, weights, step=step, keep=10, delta=delta), weights))
+        kinds.append(delta.last_kind)
+    assert kinds == ["full", "delta", "full", "delta", "full", "delta", "full"]
+    for version, weights in published:
+        same_bytes(ws.load(version), weights)
+
+
+def test_a_tensor_that_stops_changing_is_stored_same_again(tmp_path):
+    """A tensor XOR-ed densely is XOR-ed straight away the next step; once it stops changing
+    its XOR is nothing, and the step after it is compared first again: ``same``."""
+    rng = np.random.default_rng(11)
+    weights = {"w": rng.standard_normal(100000).astype(np.float32), "v": rng.standard_normal(100000).astype(np.float32)}
+    delta = ws.Delta(anchor_every=20)
+    ws.publish(tmp_path, weights, step=1, delta=delta)
+    weights = {"w": (weights["w"] * np.float32(1.001)).astype(np.float32), "v": weights["v"]}
+    version = ws.publish(tmp_path, weights, step=2, delta=delta)  # w dense, v same
+    codecs = []
+    for step in (3, 4):  # w stops changing: XOR-ed (nothing), then compared first: same
+        version = ws.publish(tmp_path, dict(weights), step=step, delta=delta)
+        assert version.path.endswith(".wsdelta")
+        with ws.open(version) as store:
+            codecs.append(store._reader.codec("w"))
+        same_bytes(ws.load(version), weights)
+    assert codecs == ["xor-zstd", "same"]
+
+
+@pytest.mark.parametrize("damage", [None, 0, 1_500_000, 2_600_000 - 3])
+def test_a_sparse_change_hashed_as_applied_rebuilds_or_is_refused(tmp_path, damage):
+    """A sparse change applied onto a held copy is hashed a piece at a time as it is applied:
+    over several pieces and a last partial one it rebuilds bit-exact, and a held copy damaged
+    in any piece is refused with the file and the tensor named."""
+    rng = np.random.default_rng(12)
+    weights = {"w": rng.standard_normal(1_300_000).astype(np.float32).astype(ml_dtypes.bfloat16)}  # 2.6 MB
+    delta = ws.Delta()
+    first = ws.publish(tmp_path, weights, step=1, delta=delta)
+    moved = weights["w"].view(np.uint16).copy()
+    moved[rng.integers(0, moved.size, 20000)] += 1
+    moved[-1] += 1
+    version = ws.publish(tmp_path, {"w": moved.view(ml_dtypes.bfloat16)}, step=2, delta=delta)
+    held = weights["w"].view(np.uint8).copy()
+    if damage is not None:
+        held[damage] ^= 0x40
+    with ws.open(version) as store:
+        assert store._reader.codec("w") == "sparse"
+        if damage is None:
+            rebuilt = store.read_from("w", Path(first.path).name, held, in_place=True)
+            assert rebuilt is not None and rebuilt.tobytes() == moved.tobytes()
+        else:
+            with pytest.raises(ws.ChecksumError) as caught:
+                store.read_from("w", Path(first.path).name, held, in_place=True)
+            assert caught.value.key == "w" and Path(version.path).name in str(caught.value.path)
