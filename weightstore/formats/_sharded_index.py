@@ -257,7 +257,7 @@ def block_crcs(data: np.ndarray, block_bytes: int) -> list[int]:
     if not block_bytes or not len(view):
         return []
     checksum = checksums.crc32 if block_bytes >= checksums.RELEASE_GIL_BYTES else isal_zlib.crc32  # large: GIL let go
-    return [checksum(view[at : at + block_bytes]) & 0xFFFFFFFF for at in range(0, len(view), block_bytes)]
+    return [checksum(view[at : at + block_bytes]) for at in range(0, len(view), block_bytes)]  # both unsigned
 
 
 def band_digests(piece: np.ndarray, rows: int) -> list[bytes]:

@@ -419,7 +419,7 @@ class _PieceRead:
         call per block cost more than the checksum), then all compared at once."""
         view, size = raw_bytes(self.buffer), self.block_bytes
         checksum = checksums.crc32 if size >= checksums.RELEASE_GIL_BYTES else isal_zlib.crc32  # large: GIL let go
-        found = [checksum(view[at : at + size]) & 0xFFFFFFFF for at in range(0, len(view), size)]
+        found = [checksum(view[at : at + size]) for at in range(0, len(view), size)]  # both unsigned
         expected = self.piece.crcs[self.first : self.first + len(found)]
         if found != list(expected):
             block = next(at for at, (crc, want) in enumerate(zip(found, expected, strict=True)) if crc != want)

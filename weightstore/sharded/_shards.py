@@ -33,6 +33,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -47,6 +48,7 @@ import blake3
 import numpy as np
 
 from weightstore._version import __version__
+from weightstore.core import _parallel as parallel
 from weightstore.core.keys import validate_key
 from weightstore.core.limits import (
     KEY_BYTES,
@@ -721,20 +723,25 @@ def _box(piece: Piece, array_shape: tuple[int, ...], key: str, where: str) -> tu
 
 class _Digested:
     """``write_file``'s ``beside`` work for a member, on each stored tensor (a piece, or a column
-    strip of one) while it is written: its blocks' CRC-32s, of the bytes as stored, and, at a
-    piece's first, the BLAKE3 digests of the piece's bands of rows, from the piece in memory
-    (:func:`~weightstore.formats._sharded_index.band_digests`); kept for its block table."""
+    strip of one) as it is written: its blocks' CRC-32s, of the bytes as stored (a strip's
+    copy is in cache), and, from a piece's first, the BLAKE3 digests of the piece's bands of
+    rows, from the piece in memory (:func:`~weightstore.formats._sharded_index.band_digests`),
+    on the helper thread while its strips are copied and written; kept for its block table."""
 
     def __init__(self, listed: list[_Listed]):
         self._listed = {item.stored: item for item in listed}
         self.crcs: dict[str, list[int]] = {}
-        self.bands: dict[int, list[bytes]] = {}  # piece -> its bands' digests
+        self._bands: dict[int, parallel.Beside[list[bytes]]] = {}  # piece -> its bands' digests, coming
 
     def __call__(self, stored: str, data: np.ndarray) -> None:
         item = self._listed[stored]
         self.crcs[stored] = block_crcs(data, item.rows * row_bytes(data.shape, data.itemsize))
-        if item.piece not in self.bands:
-            self.bands[item.piece] = band_digests(item.whole, item.rows)
+        if item.piece not in self._bands:
+            self._bands[item.piece] = parallel.beside(functools.partial(band_digests, item.whole, item.rows))
+
+    def bands(self, piece: int) -> list[bytes]:
+        found = self._bands.get(piece)
+        return [] if found is None else found.result()
 
 
 def _described(local: str, where: str, fmt: Format, listed: list[_Listed], digested: _Digested, *, step: int,
@@ -759,7 +766,7 @@ def _described(local: str, where: str, fmt: Format, listed: list[_Listed], diges
             by_piece.setdefault(item.piece, []).append(item)
         for number, strips in by_piece.items():
             first, offsets = len(crcs), []
-            bands = digested.bands.get(number, [])
+            bands = digested.bands(number)
             for item in strips:
                 offset, _ = reader.extent(item.stored)
                 if opened is not None:
