@@ -58,7 +58,7 @@ from weightstore.core.limits import (
     MAX_PIECES_PER_KEY,
     MAX_V1_INDEX_BYTES,
 )
-from weightstore.core.manifest import from_storage, logical_dtype, to_storage
+from weightstore.core.manifest import crc32, from_storage, logical_dtype, to_storage
 from weightstore.errors import FormatError, PublishError, ShardTimeoutError, WeightStoreError, named, naming
 from weightstore.formats import Format, format_named
 from weightstore.formats import _sharded_index as shardindex
@@ -123,8 +123,6 @@ CLAIM = "claimed-by"
 #: how often a waiting coordinator reads ``LATEST`` to see whether its commit can still succeed
 _DOOMED_EVERY = 2.0
 _background_lock = threading.Lock()
-#: bytes at each end of a piece compared with memory, in a member format other than safetensors
-_CHECK_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -770,8 +768,8 @@ def _described(local: str, where: str, fmt: Format, listed: list[_Listed], diges
             for item in strips:
                 offset, _ = reader.extent(item.stored)
                 if opened is not None:
-                    _check_placed(opened, where, offset, item)
-                crcs.extend(digested.crcs.get(item.stored, []))
+                    _check_placed(opened, where, offset, item, digested.crcs[item.stored])
+                crcs.extend(digested.crcs[item.stored])
                 digests.extend(bands)  # a strip's blocks are its bands' tiles, in order
                 offsets.append(offset)
             head = strips[0]
@@ -786,16 +784,16 @@ def _described(local: str, where: str, fmt: Format, listed: list[_Listed], diges
     return table, {key: DoneTensor(shapes[key][0], shapes[key][1], tuple(found)) for key, found in done.items()}
 
 
-def _check_placed(member: BinaryIO, where: str, offset: int, item: _Listed) -> None:
-    """That the member holds the piece's bytes at ``offset`` as they are in memory, judged by
-    its first and last :data:`_CHECK_BYTES`: what goes wrong there is the whole layout (a
-    format that converts the bytes, an extent off by a header), and the block CRC-32s, taken of
-    the bytes in memory, catch any other difference when the piece is read."""
-    raw = item.data.reshape(-1).view(np.uint8)
-    for at in sorted({0, max(0, raw.size - _CHECK_BYTES)}):
-        member.seek(offset + at)
-        if not np.array_equal(np.frombuffer(member.read(_CHECK_BYTES), np.uint8)[: raw.size - at],
-                              raw[at : at + _CHECK_BYTES]):
+def _check_placed(member: BinaryIO, where: str, offset: int, item: _Listed, crcs: list[int]) -> None:
+    """That the member holds the piece's bytes at ``offset`` as they were written, judged by
+    its first and last blocks against their CRC-32s (``crcs``, taken of the bytes as written):
+    what goes wrong there is the whole layout (a format that converts the bytes, an extent off
+    by a header), and the block CRC-32s catch any other difference when the piece is read."""
+    size = item.data.nbytes
+    block = item.rows * row_bytes(item.data.shape, item.data.itemsize)
+    for index in sorted({0, len(crcs) - 1}) if crcs else ():
+        member.seek(offset + index * block)
+        if crc32(member.read(min(block, size - index * block))) != crcs[index]:
             raise WeightStoreError(f"the bytes of {item.stored!r} are not where the format says, as they are in "
                                    "memory; this member format cannot hold it", path=where, key=item.key)
 
