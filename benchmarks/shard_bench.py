@@ -12,14 +12,22 @@ Four tables, one run:
 3. *Bytes a follower fetches per version* (same server): a torch module following versions
    written by 4 ranks, when one of ten tensors (10% of the model) changed; the block digests
    in the index say which tensors are unchanged, so it fetches the changed tensor and the index.
-4. *Write throughput for 1, 2, 4 writers* (local folder, forked processes started together):
+4. *A rank's save and read against ``torch.distributed.checkpoint``* (local folder, one process
+   as rank 1 of 4, its own rows of every tensor in memory it owns, as an FSDP rank holds them):
+   ``publish_shard`` against ``dcp.save`` (both durable: DCP fsyncs its files), then the rank's
+   rows read back by ``read_region`` from the committed version against ``dcp.load`` into
+   tensors of its share; rounds taken in turn, medians of wall and of this process's CPU
+   seconds (every thread), per GB of the share. ``--busy`` spins a CPU-bound neighbour
+   beside them (:func:`benchmarks.common.busy_neighbour`).
+5. *Write throughput for 1, 2, 4 writers* (local folder, forked processes started together):
    the model's bytes over the time from the first writer's start to the last one's end.
-   Each writer is CPU-bound (conversion, CRC-32 and BLAKE3 per block, BLAKE3 per piece, the write); on a
+   Each writer is CPU-bound (the strips' copy, a CRC-32 per block, BLAKE3 per band of rows, the write); on a
    2-core machine 4 writers share 2 cores, so aggregate throughput stops growing at 2 writers.
    The per-writer figure is what scales with hosts: each host writes its own member, and the
    coordinator's work does not grow with the tensor bytes.
 
     python -m benchmarks.shard_bench --size-mb 64
+    python -m benchmarks.shard_bench --vs-dcp --size-mb 1024 [--busy]   # table 4 alone
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from typing import Any
 import numpy as np
 
 import weightstore as ws
-from benchmarks.common import MB, fmt_ratio, machine_line, table
+from benchmarks.common import MB, busy_neighbour, fmt_ratio, machine_line, median, table
 from benchmarks.s3_server import CountingS3, restore_environment, use_environment
 
 BUCKET = "weightstore-shard-bench"
@@ -294,6 +302,72 @@ def read_vs_dcp(size_mb: float, writers: int = 4, readers: int = 3) -> str:
                   "DCP peak / share"], rows)
 
 
+def rank_vs_dcp(size_mb: float, repeat: int = 3, busy: bool = False) -> str:
+    """One rank's save and read against DCP's (table 4 of the module docstring); ``size_mb``
+    is the model's, the rank holds a quarter."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    world, rank = 4, 1
+    model = _model(size_mb)
+    mine = {key: ws.Piece(piece.array.copy(), piece.start, piece.shape)  # owned, as a rank's shard is
+            for key, piece in _pieces(model, rank, world).items()}
+    tensors = {key: torch.from_numpy(piece.array) for key, piece in mine.items()}
+    share = sum(piece.array.nbytes for piece in mine.values())
+    root = tempfile.mkdtemp(prefix="weightstore-shard-dcp-")
+    try:
+        folder = f"{root}/ws"
+        _write(folder, model, world, step=1)  # the other ranks' members, so rank 1's rows read from a version
+        ws.commit_shards(folder, step=1, world=world, attempt=0, timeout=60)
+        dcp.save(tensors, checkpoint_id=f"{root}/dcp-read", no_dist=True)
+        version = ws.latest(folder)
+        rows = slice(mine[next(iter(mine))].start[0], mine[next(iter(mine))].start[0] + tensors[next(iter(mine))].shape[0])
+        del model
+        saved = iter(range(1, 1000))
+
+        def ws_save() -> None:
+            ws.publish_shard(f"{root}/ws-save", mine, step=next(saved), rank=rank, world=world, attempt=0)
+
+        def dcp_save() -> None:
+            dcp.save(tensors, checkpoint_id=f"{root}/dcp-save-{next(saved)}", no_dist=True)
+
+        def ws_read() -> None:
+            with ws.open(version) as store:
+                for key in mine:
+                    store.read_region(key, (rows,))
+
+        def dcp_read() -> None:
+            dcp.load({key: torch.empty(value.shape) for key, value in tensors.items()},
+                     checkpoint_id=f"{root}/dcp-read", no_dist=True)
+
+        cases = {"save": (ws_save, dcp_save), "read": (ws_read, dcp_read)}
+        found: dict[str, list[tuple[float, float]]] = {}
+        with busy_neighbour(busy):
+            for round_ in range(repeat + 1):  # the first round warms up
+                for name, (ours, theirs) in cases.items():
+                    for who, run in (("ws", ours), ("dcp", theirs)):
+                        started, cpu = time.perf_counter(), time.process_time()
+                        run()
+                        if round_:
+                            found.setdefault(f"{name} {who}", []).append(
+                                (time.perf_counter() - started, time.process_time() - cpu))
+                for entry in os.listdir(root):  # each save writes a fresh folder; the page cache is not kept
+                    if entry.startswith(("dcp-save-", "ws-save")):
+                        shutil.rmtree(f"{root}/{entry}", ignore_errors=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    gb = share / (1 << 30)
+    rows_out = []
+    for name in cases:
+        ours, theirs = found[f"{name} ws"], found[f"{name} dcp"]
+        wall = [median([t[0] for t in ours]), median([t[0] for t in theirs])]
+        cpu = [median([t[1] for t in ours]), median([t[1] for t in theirs])]
+        rows_out.append([name, f"{share / MB:,.0f} MB", f"{wall[0]:.3f} ({cpu[0] / gb:.2f} CPU-s/GB)",
+                         f"{wall[1]:.3f} ({cpu[1] / gb:.2f} CPU-s/GB)", fmt_ratio(wall[0] / wall[1]),
+                         fmt_ratio(cpu[0] / cpu[1])])
+    return table(["rank's", "share", "weightstore s", "DCP s", "wall ws/DCP", "CPU ws/DCP"], rows_out)
+
+
 def _writer(folder: str, size_mb: float, rank: int, world: int, start: object, out: object) -> None:
     model = _model(size_mb)
     start.wait()  # type: ignore[attr-defined]
@@ -349,6 +423,9 @@ def bench(size_mb: float) -> None:
     print("Read per rank against torch.distributed.checkpoint: 3 ranks reading by rows what 4 wrote by rows "
           "(local folders, gloo on 127.0.0.1; peak: anonymous memory held above the rank's before the read):\n")
     print(read_vs_dcp(size_mb), "\n")
+    print("One rank (1 of 4) against torch.distributed.checkpoint: its save, and its rows read back "
+          "(local folder; CPU: this process's, every thread):\n")
+    print(rank_vs_dcp(size_mb), "\n")
     print("Write throughput, local folder (CPU-bound: this machine has "
           f"{multiprocessing.cpu_count()} cores; the per-writer figure is what scales with hosts):\n")
     print(write_throughput(size_mb))
@@ -357,7 +434,16 @@ def bench(size_mb: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mb", type=float, default=64)
-    bench(parser.parse_args().size_mb)
+    parser.add_argument("--vs-dcp", action="store_true", help="only table 4: one rank against DCP")
+    parser.add_argument("--busy", action="store_true", help="table 4 beside a CPU-bound neighbour")
+    parser.add_argument("--repeat", type=int, default=3, help="table 4's timed rounds")
+    args = parser.parse_args()
+    if args.vs_dcp:
+        print(f"## One rank against torch.distributed.checkpoint: {args.size_mb:g} MB model, rank 1 of 4"
+              f"{', busy neighbour' if args.busy else ''} ({machine_line()})\n")
+        print(rank_vs_dcp(args.size_mb, args.repeat, args.busy))
+        return
+    bench(args.size_mb)
 
 
 if __name__ == "__main__":

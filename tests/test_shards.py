@@ -323,6 +323,28 @@ def hostile_v2_index(tmp_path, edit):
     return str(path)
 
 
+def test_a_region_digest_follows_the_rows_it_reads_whichever_columns_changed(tmp_path):
+    """A column-striped piece's blocks carry the digest of their band of rows (all columns,
+    hashed once from the piece in memory): a region keeps its digest while its rows keep their
+    bytes, and loses it when any byte of those rows changes, in its columns or not."""
+    folder = tmp_path / "run"
+    w = np.random.default_rng(0).standard_normal((256, 1024), dtype=np.float32)
+    changed = w.copy()
+    changed[200, 1000] += 1  # a row of the bottom half, a column outside the left half
+    digests = []
+    for step, value in ((1, w), (2, changed)):
+        ws.publish_shard(folder, {"w": value}, step=step, rank=0, world=1, attempt=0)
+        version = shards.commit_shards(folder, step=step, world=1, attempt=0, timeout=5, keep=None)
+        with ws.open(version) as store:
+            assert len(store._reader.placed("w")) > 1  # stored as column strips
+            digests.append([store.region_digest("w", region) for region in
+                            ((slice(0, 64),), (slice(192, 256), slice(0, 512)), (slice(192, 256), slice(992, 1024)))])
+            assert store.read_region("w", (slice(192, 256), slice(0, 512))).tobytes() == value[192:, :512].tobytes()
+    assert digests[0][0] == digests[1][0]  # rows untouched
+    assert digests[0][1] != digests[1][1]  # its rows changed, in other columns
+    assert digests[0][2] != digests[1][2]  # its rows and columns changed
+
+
 def test_an_index_of_version_2_still_reads(tmp_path):
     folder = tmp_path / "run"
     shutil.copytree(V2, folder)

@@ -6,7 +6,8 @@ per rank, each an ordinary safetensors, npz or HDF5 file) and, for every global 
 (``start``, ``shape``). Everything per *block* lives with its member, in its **block table**
 (``rank-00003.blocks`` beside it, :class:`BlockTable`): where each piece's bytes (or each of its
 column strips) lie in the member, and a CRC-32 and a BLAKE3 digest for each block of it (whole
-rows along its first axis, :func:`piece_block_rows`). So the index grows with pieces, never
+rows along its first axis, :func:`piece_block_rows`; the digest is of its band: those rows, all
+the piece's columns, :func:`band_digests`). So the index grows with pieces, never
 with blocks; keys that share a partitioning share one *layout* (their list of boxes); and a
 reader of a region fetches the index, then the headers of the tables of the members that hold
 its region (their sizes and BLAKE3 digests are in the index) and the pages of CRC-32s of the
@@ -43,7 +44,9 @@ from typing import Any
 import blake3
 import numpy as np
 import orjson
+from isal import isal_zlib
 
+from weightstore.core import checksums
 from weightstore.core._jsontext import refuse_deep, refuse_dense, text_field
 from weightstore.core._tensortable import fits_an_array
 from weightstore.core.keys import validate_key
@@ -79,7 +82,7 @@ __all__ = ["index_name", "attempt_folder", "member_name", "MEMBER_SUFFIXES", "do
            "PieceEntry", "TensorEntry", "Member", "TableRef", "Layout", "Box", "Placed", "BlockTable", "ShardIndex",
            "DoneRecord", "DoneTensor", "parse_done", "check_parsable", "check_tensor", "check_boxes", "check_share",
            "share_bytes", "key_entry_bytes", "member_entry_bytes", "check_member_bytes", "seal",
-           "block_rows", "piece_block_rows", "piece_cut", "tile_bytes", "block_crcs", "block_digests", "DIGEST_HEX",
+           "block_rows", "piece_block_rows", "piece_cut", "tile_bytes", "block_crcs", "band_digests", "DIGEST_HEX",
            "row_bytes", "rows_of", "strip_columns", "STRIPED_FROM", "STRIP_ROW_BYTES", "STRIP_BLOCKS"]
 
 INDEX_FORMAT = "weightstore-sharded"
@@ -246,17 +249,31 @@ def piece_cut(shape: Sequence[int], itemsize: int, tile: int = MAX_TILE_BYTES) -
 
 
 def block_crcs(data: np.ndarray, block_bytes: int) -> list[int]:
-    """The CRC-32 of each block of ``block_bytes`` of a piece's stored bytes (``data``: uint8, C order)."""
-    return [crc32(data[at : at + block_bytes]) for at in range(0, data.size, block_bytes)] if block_bytes else []
-
-
-def block_digests(data: np.ndarray, block_bytes: int) -> list[str]:
-    """The BLAKE3 digest (hex) of each block of a piece's stored bytes, as :func:`block_crcs`
-    cuts them (slices of a memoryview: a strip's blocks are a few KiB, and an array slice per
-    block cost half again as much as hashing it)."""
+    """The CRC-32 of each block of ``block_bytes`` of a stored tensor (a piece, or a column strip
+    of one: C order, contiguous), the last one shorter: slices of one byte view (a strip's
+    blocks hold a few KiB, where an array slice and the general checksum call per block cost
+    more than the checksum)."""
     view = raw_bytes(data)
-    return [blake3.blake3(view[at : at + block_bytes]).hexdigest() for at in range(0, data.size, block_bytes)] \
-        if block_bytes else []
+    if not block_bytes or not len(view):
+        return []
+    checksum = checksums.crc32 if block_bytes >= checksums.RELEASE_GIL_BYTES else isal_zlib.crc32  # large: GIL let go
+    return [checksum(view[at : at + block_bytes]) for at in range(0, len(view), block_bytes)]  # both unsigned
+
+
+def band_digests(piece: np.ndarray, rows: int) -> list[bytes]:
+    """The BLAKE3 digest of each band of ``rows`` rows of a piece (its stored bytes, C order,
+    contiguous; the last band shorter): what its block table gives each block as its digest,
+    the band that holds the block's rows (a block of a piece stored whole is its band; a tile
+    of a column strip is one of the band's strips). One pass over the piece in the caller's
+    memory, in bands of the whole piece's width: tiles of a few KiB each hashed alone cost
+    twice as much (BLAKE3 hashes 1 KiB chunks side by side), and the strips' own copy is not
+    needed for it. A band changes when any byte of it does, so a region's digest changes
+    when the rows it reads do, whichever columns."""
+    view = raw_bytes(piece)
+    step = rows * row_bytes(piece.shape, piece.itemsize) if piece.size else 0
+    if not step:
+        return []
+    return [blake3.blake3(view[at : at + step]).digest() for at in range(0, len(view), step)]
 
 
 @dataclass(frozen=True)
@@ -733,7 +750,8 @@ class BlockTable:
     little-endian), the header (sealed JSON: step, attempt, rank, member, its size, the blocks,
     the BLAKE3 of the digests, each piece as :meth:`Placed.flat`, and the BLAKE3 of each page
     of CRC-32s), the CRC-32s (4 bytes each, little-endian, in :func:`stored_order`, in pages of
-    :data:`PAGE_CRCS`) and the digests (32 bytes each, in block order). The index gives the
+    :data:`PAGE_CRCS`) and the digests (32 bytes each, in block order: each block's band's,
+    :func:`band_digests`). The index gives the
     size and BLAKE3 of the header; a reader fetches it, then the pages of CRC-32s of the blocks
     it reads. A table of an index of version 2 (header version 1) has its CRC-32s in block order
     inside its head, which a reader fetches whole."""

@@ -33,6 +33,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -47,6 +48,7 @@ import blake3
 import numpy as np
 
 from weightstore._version import __version__
+from weightstore.core import _parallel as parallel
 from weightstore.core.keys import validate_key
 from weightstore.core.limits import (
     KEY_BYTES,
@@ -56,7 +58,7 @@ from weightstore.core.limits import (
     MAX_PIECES_PER_KEY,
     MAX_V1_INDEX_BYTES,
 )
-from weightstore.core.manifest import from_storage, logical_dtype, to_storage
+from weightstore.core.manifest import crc32, from_storage, logical_dtype, to_storage
 from weightstore.errors import FormatError, PublishError, ShardTimeoutError, WeightStoreError, named, naming
 from weightstore.formats import Format, format_named
 from weightstore.formats import _sharded_index as shardindex
@@ -76,8 +78,8 @@ from weightstore.formats._sharded_index import (
     TableRef,
     TensorEntry,
     attempt_folder,
+    band_digests,
     block_crcs,
-    block_digests,
     check_boxes,
     check_parsable,
     check_share,
@@ -121,8 +123,6 @@ CLAIM = "claimed-by"
 #: how often a waiting coordinator reads ``LATEST`` to see whether its commit can still succeed
 _DOOMED_EVERY = 2.0
 _background_lock = threading.Lock()
-#: bytes at each end of a piece compared with memory, in a member format other than safetensors
-_CHECK_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -149,6 +149,7 @@ class _Listed:
     piece_start: tuple[int, ...]
     piece_shape: tuple[int, ...]
     columns: int  # the piece's strip width (0: stored whole)
+    whole: np.ndarray  # the piece's stored bytes, whole (a strip's ``data`` is a view of them)
 
 
 def publish_shard(
@@ -250,9 +251,10 @@ def _write_shard(target: Folder, pieces: Mapping[str, Any], *, step: int, rank: 
     members.create(inner=True)
     with members.commit(member_name(rank, suffix), suffix).writing() as local:
         arrays = {item.stored: from_storage(item.data, item.dtype) for item in listed}
-        write_file(local, fmt, CheckedWeights(arrays, where, fmt), metadata, False)
+        digested = _Digested(listed)
+        write_file(local, fmt, CheckedWeights(arrays, where, fmt), metadata, False, digests=False, beside=digested)
         size = os.path.getsize(local)
-        table, tensors = _described(local, where, fmt, listed, step=step, attempt=attempt, rank=rank,
+        table, tensors = _described(local, where, fmt, listed, digested, step=step, attempt=attempt, rank=rank,
                                     member=member_name(rank, suffix), size=size)
         stages.reached("member-temporary")
     stages.reached("member-written")
@@ -635,7 +637,7 @@ def _listed(pieces: Mapping[str, Any], where: str, world: int) -> list[_Listed]:
                 piece = Piece(array, (0,) * array.ndim, array.shape)
             found.append((key, piece))
     boxes: list[tuple[str, str, np.ndarray, tuple[int, ...], tuple[int, ...], int, int, tuple[int, ...],
-                      tuple[int, ...], int]] = []
+                      tuple[int, ...], int, np.ndarray]] = []
     pieces_of: dict[str, int] = {}
     converted: list[tuple[str, str, np.ndarray, tuple[int, ...], tuple[int, ...]]] = []
     for key, piece in found:
@@ -647,7 +649,7 @@ def _listed(pieces: Mapping[str, Any], where: str, world: int) -> list[_Listed]:
     tile = shardindex.tile_bytes(sum(data.nbytes for _, _, data, _, _ in converted))
     for number, (key, dtype, data, start, shape) in enumerate(converted):
         columns, strips = _strips(data, start, dtype, tile)
-        boxes.extend((key, dtype, part, at, shape, rows, number, start, data.shape, columns)
+        boxes.extend((key, dtype, part, at, shape, rows, number, start, data.shape, columns, data)
                      for part, at, rows in strips)
     for key, count in pieces_of.items():
         if count > MAX_PIECES_PER_KEY:  # a done-record readers would refuse: refused before writing
@@ -656,10 +658,10 @@ def _listed(pieces: Mapping[str, Any], where: str, world: int) -> list[_Listed]:
     for key, *_ in boxes:
         counts[key] = counts.get(key, 0) + 1
     listed = []
-    for key, dtype, data, start, shape, rows, number, piece_start, piece_shape, columns in boxes:
+    for key, dtype, data, start, shape, rows, number, piece_start, piece_shape, columns, whole in boxes:
         stored = key if counts[key] == 1 else f"{key}@{','.join(map(str, start))}"
         listed.append(_Listed(key, stored, dtype, data, start, shape, rows, number, piece_start, tuple(piece_shape),
-                              columns))
+                              columns, whole))
     stored_names = [item.stored for item in listed]
     if len(set(stored_names)) != len(stored_names):
         clashes = {name for name in stored_names if stored_names.count(name) > 1}
@@ -678,7 +680,7 @@ def _strips(data: np.ndarray, start: tuple[int, ...], dtype: str, tile: int
     columns, rows = piece_cut(data.shape, logical_dtype(dtype).itemsize, tile)
     if not columns:
         return 0, [(data, start, rows)]
-    return columns, [(np.ascontiguousarray(data[:, at : at + columns]), (start[0], start[1] + at, *start[2:]), rows)
+    return columns, [(data[:, at : at + columns], (start[0], start[1] + at, *start[2:]), rows)  # copied as written
                      for at in range(0, data.shape[1], columns)]
 
 
@@ -717,16 +719,40 @@ def _box(piece: Piece, array_shape: tuple[int, ...], key: str, where: str) -> tu
     return start, shape
 
 
-def _described(local: str, where: str, fmt: Format, listed: list[_Listed], *, step: int, attempt: int, rank: int,
-               member: str, size: int) -> tuple[BlockTable, dict[str, DoneTensor]]:
+class _Digested:
+    """``write_file``'s ``beside`` work for a member, on each stored tensor (a piece, or a column
+    strip of one) as it is written: its blocks' CRC-32s, of the bytes as stored (a strip's
+    copy is in cache), and, from a piece's first, the BLAKE3 digests of the piece's bands of
+    rows, from the piece in memory (:func:`~weightstore.formats._sharded_index.band_digests`),
+    on the helper thread while its strips are copied and written; kept for its block table."""
+
+    def __init__(self, listed: list[_Listed]):
+        self._listed = {item.stored: item for item in listed}
+        self.crcs: dict[str, list[int]] = {}
+        self._bands: dict[int, parallel.Beside[list[bytes]]] = {}  # piece -> its bands' digests, coming
+
+    def __call__(self, stored: str, data: np.ndarray) -> None:
+        item = self._listed[stored]
+        self.crcs[stored] = block_crcs(data, item.rows * row_bytes(data.shape, data.itemsize))
+        if item.piece not in self._bands:
+            self._bands[item.piece] = parallel.beside(functools.partial(band_digests, item.whole, item.rows))
+
+    def bands(self, piece: int) -> list[bytes]:
+        found = self._bands.get(piece)
+        return [] if found is None else found.result()
+
+
+def _described(local: str, where: str, fmt: Format, listed: list[_Listed], digested: _Digested, *, step: int,
+               attempt: int, rank: int, member: str, size: int) -> tuple[BlockTable, dict[str, DoneTensor]]:
     """The member just written (``local``, published as ``where``, which errors name), described:
-    its block table (where each piece's strips landed, and a CRC-32 and BLAKE3 digest of each
-    block, of the bytes in memory, which the member's own checksum covers too) and the
-    done-record's tensors (each piece's box and digest). Where a format other than safetensors
-    put the bytes is checked against the file: readers will take that range for the piece."""
+    its block table (where each piece's strips landed, the CRC-32 of each block and the BLAKE3
+    digest of the band of rows that holds it, from the work beside the write: ``digested``)
+    and the done-record's tensors (each piece's box and digest: the BLAKE3 of its bands'
+    digests, which replicas written alike share). Where a format other than safetensors put
+    the bytes is checked against the file: readers will take that range for the piece."""
     placed: list[Placed] = []
     crcs: list[int] = []
-    digests: list[str] = []
+    digests: list[bytes] = []
     done: dict[str, list[tuple[tuple[int, ...], tuple[int, ...], str]]] = {}
     shapes: dict[str, tuple[str, tuple[int, ...]]] = {}
     with contextlib.ExitStack() as stack:
@@ -736,42 +762,38 @@ def _described(local: str, where: str, fmt: Format, listed: list[_Listed], *, st
         by_piece: dict[int, list[_Listed]] = {}
         for item in listed:
             by_piece.setdefault(item.piece, []).append(item)
-        for strips in by_piece.values():
-            first, offsets, piece_digests = len(crcs), [], []
+        for number, strips in by_piece.items():
+            first, offsets = len(crcs), []
+            bands = digested.bands(number)
             for item in strips:
                 offset, _ = reader.extent(item.stored)
                 if opened is not None:
-                    _check_placed(opened, where, offset, item)
-                itemsize = logical_dtype(item.dtype).itemsize
-                raw = item.data.reshape(-1).view(np.uint8)
-                block_bytes = item.rows * row_bytes(item.data.shape, itemsize) if item.data.size else 0
-                crcs.extend(block_crcs(raw, block_bytes))
-                digests.extend(block_digests(raw, block_bytes))
+                    _check_placed(opened, where, offset, item, digested.crcs[item.stored])
+                crcs.extend(digested.crcs[item.stored])
+                digests.extend(bands)  # a strip's blocks are its bands' tiles, in order
                 offsets.append(offset)
-                piece_digests.append(reader.info(item.stored).digest or "")
             head = strips[0]
             placed.append(Placed(head.key, head.dtype, head.piece_start, head.piece_shape, head.columns, head.rows,
                                  first, tuple(offsets)))
-            digest = piece_digests[0] if len(piece_digests) == 1 else \
-                "blake3:" + blake3.blake3(",".join(piece_digests).encode()).hexdigest() if all(piece_digests) else ""
+            digest = "blake3:" + blake3.blake3(f"{head.dtype}{list(head.piece_shape)}|".encode() + b"".join(bands)).hexdigest()
             done.setdefault(head.key, []).append((head.piece_start, head.piece_shape, digest))
             shapes.setdefault(head.key, (head.dtype, head.shape))
-    joined = b"".join(bytes.fromhex(d) for d in digests)
+    joined = b"".join(digests)
     table = BlockTable(step=step, attempt=attempt, rank=rank, member=member, size=size, pieces=placed,
                        crcs=np.array(crcs, np.uint32), digests=joined, digests_blake3=blake3.blake3(joined).hexdigest())
     return table, {key: DoneTensor(shapes[key][0], shapes[key][1], tuple(found)) for key, found in done.items()}
 
 
-def _check_placed(member: BinaryIO, where: str, offset: int, item: _Listed) -> None:
-    """That the member holds the piece's bytes at ``offset`` as they are in memory, judged by
-    its first and last :data:`_CHECK_BYTES`: what goes wrong there is the whole layout (a
-    format that converts the bytes, an extent off by a header), and the block CRC-32s, taken of
-    the bytes in memory, catch any other difference when the piece is read."""
-    raw = item.data.reshape(-1).view(np.uint8)
-    for at in sorted({0, max(0, raw.size - _CHECK_BYTES)}):
-        member.seek(offset + at)
-        if not np.array_equal(np.frombuffer(member.read(_CHECK_BYTES), np.uint8)[: raw.size - at],
-                              raw[at : at + _CHECK_BYTES]):
+def _check_placed(member: BinaryIO, where: str, offset: int, item: _Listed, crcs: list[int]) -> None:
+    """That the member holds the piece's bytes at ``offset`` as they were written, judged by
+    its first and last blocks against their CRC-32s (``crcs``, taken of the bytes as written):
+    what goes wrong there is the whole layout (a format that converts the bytes, an extent off
+    by a header), and the block CRC-32s catch any other difference when the piece is read."""
+    size = item.data.nbytes
+    block = item.rows * row_bytes(item.data.shape, item.data.itemsize)
+    for index in sorted({0, len(crcs) - 1}) if crcs else ():
+        member.seek(offset + index * block)
+        if crc32(member.read(min(block, size - index * block))) != crcs[index]:
             raise WeightStoreError(f"the bytes of {item.stored!r} are not where the format says, as they are in "
                                    "memory; this member format cannot hold it", path=where, key=item.key)
 

@@ -14,7 +14,7 @@ import functools
 import json
 import math
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -462,7 +462,7 @@ def _stated_shape(value: Any) -> tuple[int, ...] | None:
 
 def write_file(path: str, fmt: Format, arrays: CheckedWeights, metadata: Mapping[str, Any] | None,
                compress: bool | str, stored_names: Mapping[str, str] | None = None, created: str | None = None,
-               *, digests: bool = True) -> None:
+               *, digests: bool = True, beside: Callable[[str, np.ndarray], object] | None = None) -> None:
     """Write a file tensor by tensor; the caller makes it atomic and durable.
 
     ``stored_names`` (from :func:`file_names`) names tensors in the file other than by their
@@ -475,6 +475,10 @@ def write_file(path: str, fmt: Format, arrays: CheckedWeights, metadata: Mapping
     itself at 0.3) for an answer only a comparison asks; whoever compares a file without
     digests reads its bytes (docs/design.md, Content digests). The CRC-32 that every read
     verifies is recorded either way, from the pass that writes the bytes.
+    ``beside(name, data)``: more work on each tensor's stored bytes (``data``, in the file under
+    ``name``), done as its digest is, on the helper thread while a large one is written, for a
+    caller that needs more of the bytes than the file records (a sharded member's block
+    CRC-32s and digests).
     """
     metadata = checked_metadata(metadata, path)  # before the file exists (callers check earlier, naming theirs)
     stored_names = stored_names or {}
@@ -486,16 +490,19 @@ def write_file(path: str, fmt: Format, arrays: CheckedWeights, metadata: Mapping
         mark_torch_names()
     writeback = Writeback(path)  # the disk starts on what is written while the rest is (see its module)
     try:
-        tensors, hashed = [], []
+        tensors: list[Any] = []
+        hashed: list[bytes] = []
         for key, name, data in arrays.stored():  # read/converted now: one tensor in memory at a time
             # a large tensor is hashed on the helper thread while the writer writes it (both release
             # the GIL); a small one after, still in cache, as a hand-off costs more than its hash
-            hashing = (parallel.beside(functools.partial(content_digest, data))
-                       if digests and data.nbytes >= _HASH_BESIDE else None)
             stored = stored_names.get(key, key)
+            work = _digest_beside(data, stored, digests, beside)
+            hashing = parallel.beside(work) if work is not None and data.nbytes >= _HASH_BESIDE else None
             tensors.append((key if located else stored, name, data.shape, writer.add(stored, name, data)))
-            if digests:
-                hashed.append(content_digest(data) if hashing is None else hashing.result())
+            if work is not None:
+                digest = work() if hashing is None else hashing.result()
+                if digest is not None:
+                    hashed.append(digest)
             writeback.advance(data.nbytes)
             del data
         locations = {**writer.locations, **located}
@@ -506,3 +513,16 @@ def write_file(path: str, fmt: Format, arrays: CheckedWeights, metadata: Mapping
         raise
     finally:
         writeback.close()
+
+
+def _digest_beside(data: np.ndarray, stored: str, digests: bool,
+                   beside: Callable[[str, np.ndarray], object] | None) -> Callable[[], bytes | None] | None:
+    """What :func:`write_file` computes of ``data`` beside its write: its content digest (when
+    ``digests``) and the caller's ``beside`` work; None when neither is asked for."""
+    if beside is None:
+        return functools.partial(content_digest, data) if digests else None
+
+    def both() -> bytes | None:
+        beside(stored, data)
+        return content_digest(data) if digests else None
+    return both
