@@ -23,6 +23,7 @@ room, so a member pruned before it is read again is refused as removed, as on ob
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 import threading
@@ -47,9 +48,12 @@ from weightstore.errors import (
     TargetError,
     WeightStoreError,
     naming,
+    shown_key,
 )
 from weightstore.formats import Format, ReaderDefaults
+from weightstore.formats import delta as delta_format
 from weightstore.formats._sharded_index import (
+    DELTA_MEMBER_SUFFIX,
     BlockTable,
     PieceEntry,
     Placed,
@@ -59,8 +63,10 @@ from weightstore.formats._sharded_index import (
     rows_of,
 )
 from weightstore.io._buffer import aligned_array
+from weightstore.io._local import check_range
 from weightstore.io._ranges import RangedFile
 from weightstore.io.location import location_of
+from weightstore.io.remote import RemoteFile
 from weightstore.io.source import byte_source, read_whole
 
 __all__ = ["FORMAT", "ShardedReader", "normalized_region", "open_members_limit", "blocks_in"]
@@ -124,7 +130,7 @@ class ShardedReader(ReaderDefaults):
         self._tables: list[BlockTable | None] = [None] * len(index.members)  # fetched once each, as needed
         self._tables_lock = threading.Lock()
         # open members, least recently read first, and how many reads use each (never closed while used)
-        self._files: OrderedDict[int, RangedFile] = OrderedDict()
+        self._files: OrderedDict[int, RangedFile | _Rebuilt] = OrderedDict()
         self._users: dict[int, int] = {}
         self._lock = threading.Lock()
         self._closed = False  # a closed reader opens no member again (a plain reader's file is gone too)
@@ -245,7 +251,7 @@ class ShardedReader(ReaderDefaults):
                         head = np.empty(ref.head, np.uint8)
                         source.fill([(0, head.data.cast("B"))])
                         table = BlockTable.parse_head(head.tobytes(), ref, member, self._index.step,
-                                                      self._index.attempt)
+                                                      self._index.attempt, self._extent(position))
                     if digests and table.digests is None:
                         data = np.empty(ref.digests, np.uint8)
                         source.fill([(ref.digests_at, data.data.cast("B"))])
@@ -307,9 +313,19 @@ class ShardedReader(ReaderDefaults):
             raise StoreNotFoundError(f"member {self._index.members[position].file} cannot be read "
                                      f"({exc.strerror or exc})", path=self.name) from None
 
-    def _opened(self, position: int) -> RangedFile:
+    def _extent(self, position: int) -> int | None:
+        """The bytes a delta member rebuilds, proven by its chain (``None`` for a full member)."""
+        if not self._index.members[position].file.endswith(DELTA_MEMBER_SUFFIX):
+            return None
+        with self._member(position) as member:
+            assert isinstance(member, _Rebuilt)
+            return member.extent
+
+    def _opened(self, position: int) -> RangedFile | _Rebuilt:
         try:
-            found = RangedFile(self.member_path(position), fs=self._fs)
+            path = self.member_path(position)
+            found: RangedFile | _Rebuilt = (_Rebuilt(path, self._fs, self.name) if path.endswith(DELTA_MEMBER_SUFFIX)
+                                            else RangedFile(path, fs=self._fs))
             size = found.size
         except FileNotFoundError:
             raise self._missing(position) from None
@@ -321,7 +337,7 @@ class ShardedReader(ReaderDefaults):
         return found
 
     @contextmanager
-    def _member(self, position: int) -> Iterator[RangedFile]:
+    def _member(self, position: int) -> Iterator[RangedFile | _Rebuilt]:
         """Member ``position``, open while the block is read: opened if it is not, and, where that
         makes more open than :func:`open_members_limit` allows, the least recently read one no
         read is using closed."""
@@ -389,6 +405,73 @@ class ShardedReader(ReaderDefaults):
             for found in self._files.values():
                 found.close()
             self._files.clear()
+
+
+class _Rebuilt:
+    """A delta member (:func:`weightstore.formats.delta.open_member`) read like a full one: its
+    stored tensors, rebuilt from its chain and checked against their digests, lie end to end in
+    its manifest's order, where its block table places its pieces; a range is filled from them
+    (the last one rebuilt kept for the ranges after it). The CRC-32s of the blocks are then
+    checked as for any member."""
+
+    def __init__(self, path: str, fs: Any, index: str):
+        self.name, self._index = path, index
+        location: Any = path
+        if location_of(path).remote:
+            if fs is None:
+                from weightstore.io.location import filesystem
+
+                fs, inner = filesystem(path)
+            else:
+                inner = fs._strip_protocol(path)
+            location = RemoteFile(fs, inner, path)
+        try:
+            self._reader = delta_format.open_member(location, path, mmap=False)
+        except WeightStoreError as exc:
+            raise delta_format.named_here(exc, index, None) from None
+        try:
+            self.size = self._reader.file_bytes
+            self.extent = self._reader.proven_bytes()
+        except BaseException as exc:
+            self._reader.close()
+            if isinstance(exc, WeightStoreError):
+                raise delta_format.named_here(exc, index, exc.key) from None
+            raise
+        self._starts: list[int] = []
+        self._keys = self._reader.keys()
+        at = 0
+        for key in self._keys:
+            self._starts.append(at)
+            at += self._reader.info(key).nbytes
+        self._last: tuple[int, np.ndarray] | None = None
+        self._lock = threading.Lock()
+
+    def _stored(self, at: int) -> np.ndarray:
+        with self._lock:
+            if self._last is None or self._last[0] != at:
+                try:
+                    self._last = (at, self._reader.stored_bytes(self._keys[at]))
+                except WeightStoreError as exc:  # named by its global key (the reader's), its stored name said
+                    error = delta_format.named_here(exc, self._index, None)
+                    if error.key is not None:
+                        error.message, error.key = f"{error.message} (stored as {shown_key(error.key)})", None
+                    raise error from None
+            return self._last[1]
+
+    def fill(self, ranges: list[tuple[int, memoryview]]) -> None:
+        for offset, view in ranges:
+            check_range(offset, len(view), self.extent, self.name)
+            target, done = np.frombuffer(view, np.uint8), 0
+            while done < len(target):
+                at = bisect.bisect_right(self._starts, offset + done) - 1
+                data = self._stored(at)
+                begin = offset + done - self._starts[at]
+                part = data[begin : begin + len(target) - done]
+                target[done : done + len(part)] = part
+                done += len(part)
+
+    def close(self) -> None:
+        self._reader.close()
 
 
 class _PieceRead:

@@ -68,6 +68,8 @@ class _Held:
     tensors: dict[str, Stored]
     #: its head, when it is a delta (so the next plan need not read it back)
     head: delta_format.Head | None = None
+    #: a sharded version's member: what its member metadata says of its pieces
+    layout: Any = None
 
 
 @dataclass
@@ -158,17 +160,9 @@ class Delta:
 
     def _encode(self, target: Folder, pointer: Version, base: str, chain: list[str], chain_bytes: int, step: int,
                 tensors: dict[str, Stored]) -> Plan | None:
-        full_bytes = sum(len(item.data) for item in tensors.values())
         held = self._held
         if held is not None and self._holds(held, target, pointer, base):
-            def remembered(key: str, item: Stored) -> np.ndarray | None:
-                return _same_kind(held.tensors.get(key), item)
-
-            # estimated first only where the step may not pay: after a full version, or when
-            # another delta the size of the last would take the chain near a full version (a
-            # sample's cost per tensor is no gain where deltas stay small: bf16 steps)
-            doubt = self._last_payload is None or chain_bytes + 2 * self._last_payload >= full_bytes
-            return _plan(step, base, chain, chain_bytes, full_bytes, tensors, remembered, doubt)
+            return self.from_memory(held, step, base, chain, chain_bytes, tensors)
         with pointer._weightstore_open(verify=True) as store:  # read back: anchor and chain, verified
             def read_back(key: str, item: Stored) -> np.ndarray | None:
                 if key not in store:
@@ -179,7 +173,26 @@ class Delta:
                 array = np.ascontiguousarray(store[key])
                 return array.reshape(-1).view(np.uint8) if array.size else np.empty(0, np.uint8)
 
-            return _plan(step, base, chain, chain_bytes, full_bytes, tensors, read_back, False)
+            return plan_against(step, base, chain, chain_bytes, tensors, read_back)
+
+    def from_memory(self, held: _Held, step: int, base: str, chain: list[str], chain_bytes: int,
+                    tensors: dict[str, Stored]) -> Plan | None:
+        """The plan against ``held``, the remembered version (:func:`_plan`)."""
+        full_bytes = sum(len(item.data) for item in tensors.values())
+
+        def remembered(key: str, item: Stored) -> np.ndarray | None:
+            return _same_kind(held.tensors.get(key), item)
+
+        # estimated first only where the step may not pay: after a full version, or when
+        # another delta the size of the last would take the chain near a full version (a
+        # sample's cost per tensor is no gain where deltas stay small: bf16 steps)
+        doubt = self._last_payload is None or chain_bytes + 2 * self._last_payload >= full_bytes
+        return _plan(step, base, chain, chain_bytes, full_bytes, tensors, remembered, doubt)
+
+    @property
+    def held(self) -> _Held | None:
+        """The version remembered (``None``: none, or ``remember=False``)."""
+        return self._held
 
     @staticmethod
     def _holds(held: _Held, target: Folder, pointer: Version, base: str) -> bool:
@@ -188,11 +201,16 @@ class Delta:
 
     def published(self, target: Folder, version: Version, tensors: dict[str, Stored], plan: Plan | None) -> None:
         """Remember ``version``, just published with ``tensors`` (as ``plan``, or full), as the next delta's base."""
+        self.remembered(_Held(target.where, version.step, version.path.rsplit("/", 1)[-1], version.created, tensors,
+                              None if plan is None else plan.head), plan)
+
+    def remembered(self, held: _Held, plan: Plan | None) -> None:
+        """Remember ``held`` (its tensors copied), just published as ``plan`` (or full)."""
         self.last_kind = "full" if plan is None else "delta"
         self._last_payload = None if plan is None else plan.payload_bytes
         if self.remember:
-            self._held = _Held(target.where, version.step, version.path.rsplit("/", 1)[-1], version.created,
-                               self._copies(tensors), None if plan is None else plan.head)
+            held.tensors = self._copies(held.tensors)
+            self._held = held
 
     def _copies(self, tensors: dict[str, Stored]) -> dict[str, Stored]:
         """Copies of ``tensors`` to remember (the caller may change its arrays once the publish
@@ -220,6 +238,13 @@ def _same_kind(held: Stored | None, item: Stored) -> np.ndarray | None:
     if held is None or held.dtype != item.dtype or held.shape != item.shape:
         return None
     return held.data
+
+
+def plan_against(step: int, base: str, chain: list[str], chain_bytes: int, tensors: dict[str, Stored],
+                 base_of: Callable[[str, Stored], np.ndarray | None]) -> Plan | None:
+    """A plan against bases read back (``base_of``), not estimated first: :func:`_plan`."""
+    return _plan(step, base, chain, chain_bytes, sum(len(item.data) for item in tensors.values()), tensors, base_of,
+                 False)
 
 
 def _plan(step: int, base: str, chain: list[str], chain_bytes: int, full_bytes: int, tensors: dict[str, Stored],
