@@ -22,6 +22,7 @@ serving stall of that swap.
     python -m benchmarks.delta_bench                       # 96 MB synthetic, the default model
     python -m benchmarks.delta_bench --synthetic-mb 16 --width 128 --layers 2
     python -m benchmarks.delta_bench --only none --follow-mb 256   # follower latency and stall only
+    python -m benchmarks.delta_bench --only none --sharded-ranks 2 --synthetic-mb 32   # publish_shard only
 """
 
 from __future__ import annotations
@@ -258,6 +259,44 @@ def bench(*, synthetic_mb: float, layers: int, width: int, followed: int, skippe
         print(table(["store", "model", "latency full", "delta", "ratio", "stall full", "delta", "ratio"], follow_rows))
 
 
+def sharded(ranks: int, size_mb: float, versions: int, anchor_every: int) -> list[list[str]]:
+    """Bytes per version written by ``ranks`` ranks (``publish_shard``, in this process one after
+    another, each 16 tensors' rows split among them) of the synthetic bf16 model, full and with a
+    ``ws.Delta`` per rank, in two local folders; the first (full either way) not counted. Every
+    file of a version counts: members, block tables, done-records, index."""
+    steps = list(synthetic_steps(versions, size_mb))
+    model = sum(value.nbytes for value in steps[0].values())
+    rows, sizes = [], {}
+    with tempfile.TemporaryDirectory() as root:
+        for kind in ("full", "delta"):
+            folder = os.path.join(root, kind)
+            deltas = [ws.Delta(anchor_every=anchor_every) for _ in range(ranks)]
+            cpu = wall = 0.0
+            for step, weights in enumerate(steps, 1):
+                started, spent = time.perf_counter(), time.process_time()
+                for rank in range(ranks):
+                    pieces = {}
+                    for key, value in weights.items():
+                        cut = [len(value) * r // ranks for r in range(ranks + 1)]
+                        pieces[key] = ws.Piece(value[cut[rank] : cut[rank + 1]], (cut[rank],), value.shape)
+                    ws.publish_shard(folder, pieces, step=step, rank=rank, world=ranks, attempt=0,
+                                     delta=deltas[rank] if kind == "delta" else False)
+                ws.commit_shards(folder, step=step, world=ranks, attempt=0, timeout=60, keep=None)
+                if step > 1:
+                    cpu, wall = cpu + time.process_time() - spent, wall + time.perf_counter() - started
+            written = []
+            for step in range(2, versions + 1):
+                attempt = os.path.join(folder, f"step-{step:012d}.attempt-0")
+                written.append(sum(os.path.getsize(os.path.join(attempt, name)) for name in os.listdir(attempt))
+                               + os.path.getsize(os.path.join(folder, f"step-{step:012d}.wsindex")))
+            sizes[kind] = (sum(written) / len(written), cpu, wall)
+    gb = model * (versions - 1) / 1e9
+    for kind, (per, cpu, wall) in sizes.items():
+        rows.append([kind, f"{ranks}", f"{model / 1e6:.1f} MB", f"{per / 1e6:.2f} MB", f"{per / model:.3f}x",
+                     f"{cpu / gb:.2f}", f"{wall / gb:.2f}"])
+    return rows
+
+
 def print_scenarios(rows: list[list[str]], cpu_rows: list[list[str]], followed: int, skipped: int,
                     anchor_every: int) -> None:
     print(f"delta versions: {followed} versions followed one by one, then {skipped} skipped; anchor_every="
@@ -278,7 +317,17 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", choices=["bf16-adam", "fp32-adam", "synthetic", "none"])
     parser.add_argument("--follow-mb", type=float, default=0, help="also time a follower of this many MB (0: not)")
     parser.add_argument("--follow-versions", type=int, default=5)
+    parser.add_argument("--sharded-ranks", type=int, default=0,
+                        help="also measure publish_shard by this many ranks (synthetic model; 0: not)")
     args = parser.parse_args()
+    if args.sharded_ranks:
+        print(machine_line())
+        print(f"sharded versions of {args.sharded_ranks} ranks, synthetic bf16, 2% changed per version; "
+              f"{args.followed + args.skipped} versions, anchor_every={args.anchor_every}; all files of a version")
+        print(table(["kind", "ranks", "model", "bytes / version", "of the model", "publish CPU s/GB", "wall s/GB"],
+                    sharded(args.sharded_ranks, args.synthetic_mb, args.followed + args.skipped, args.anchor_every)))
+        if args.only == ["none"] and not args.follow_mb:
+            return
     bench(synthetic_mb=args.synthetic_mb, layers=args.layers, width=args.width, followed=args.followed,
           skipped=args.skipped, anchor_every=args.anchor_every, only=args.only, follow_mb=args.follow_mb,
           follow_versions=args.follow_versions)
