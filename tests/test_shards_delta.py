@@ -4,12 +4,14 @@ version with delta members reads like any other, and retention keeps the version
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import weightstore as ws
@@ -161,6 +163,13 @@ def test_a_corrupt_or_missing_base_is_a_weightstore_error_naming_version_member_
         ws.load(version)
     assert caught.value.path == version.path and "rank-00001.wsdelta" in str(caught.value)
     assert caught.value.key == "w"
+    base = folder / "step-000000000001.attempt-0" / "rank-00001.safetensors"  # another tensor under its names
+    with ws.open(base) as store:
+        swapped = {key: np.zeros((2, *store[key].shape), store[key].dtype) for key in store}
+        metadata = store.metadata
+    ws.save(base, swapped, metadata=metadata)
+    with pytest.raises(ws.FormatError, match=r"rank-00001.wsdelta: is stored as a change of base .*, not bfloat16"):
+        ws.load(version)  # refused from the sizes alone, before anything the size of the claim is allocated
     (folder / "step-000000000001.attempt-0" / "rank-00000.safetensors").unlink()
     with pytest.raises(ws.WeightStoreError, match=r"rank-00000.wsdelta.*needs its base "
                                                   r"step-000000000001.attempt-0/rank-00000.safetensors, which is missing"):
@@ -169,3 +178,14 @@ def test_a_corrupt_or_missing_base_is_a_weightstore_error_naming_version_member_
     version = publish(folder, 3)
     assert index_of(version).delta is None
     same(ws.load(version), 3)
+
+
+def test_an_index_of_delta_members_without_a_chain_or_with_one_going_up_is_refused(tmp_path):
+    folder = tmp_path / "run"
+    publish(folder, 1)
+    index = index_of(publish(folder, 2))
+    for chain, words in ((None, "names delta members, and no chain"),
+                         (("step-000000000009.wsindex",), "not of indexes of lower steps")):
+        bad = dataclasses.replace(index, delta=None if chain is None else dataclasses.replace(index.delta, chain=chain))
+        with pytest.raises(ws.FormatError, match=words):
+            ShardIndex.parse(bad.to_json())

@@ -411,8 +411,8 @@ class _Rebuilt:
     """A delta member (:func:`weightstore.formats.delta.open_member`) read like a full one: its
     stored tensors, rebuilt from its chain and checked against their digests, lie end to end in
     its manifest's order, where its block table places its pieces; a range is filled from them
-    (the last one rebuilt kept for the ranges after it). The CRC-32s of the blocks are then
-    checked as for any member."""
+    (the last one rebuilt kept for the ranges after it, until one reaches its end). The CRC-32s
+    of the blocks are then checked as for any member."""
 
     def __init__(self, path: str, fs: Any, index: str):
         self.name, self._index = path, index
@@ -469,6 +469,9 @@ class _Rebuilt:
                 part = data[begin : begin + len(target) - done]
                 target[done : done + len(part)] = part
                 done += len(part)
+                if begin + len(part) == len(data):  # read to its end: kept no longer (a whole read keeps none)
+                    with self._lock:
+                        self._last = None if self._last is not None and self._last[0] == at else self._last
 
     def close(self) -> None:
         self._reader.close()
