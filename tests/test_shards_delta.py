@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from weightstore import sync as versions
 from weightstore.formats._sharded_index import ShardIndex
 
 ROOT = Path(__file__).resolve().parents[1]
+BUCKET = "weightstore-shards-delta"
 
 #: each step's model, as the writer processes and the test build it: 2% of ``w``'s bf16 elements
 #: move one ulp a step, ``b`` stays
@@ -189,3 +191,16 @@ def test_an_index_of_delta_members_without_a_chain_or_with_one_going_up_is_refus
         bad = dataclasses.replace(index, delta=None if chain is None else dataclasses.replace(index.delta, chain=chain))
         with pytest.raises(ws.FormatError, match=words):
             ShardIndex.parse(bad.to_json())
+
+
+def test_on_s3_members_are_deltas_read_back_and_read_remote(s3):
+    folder = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    deltas = [ws.Delta(), ws.Delta(remember=False)]  # rank 1 reads its base member back from the bucket
+    for step in (1, 2, 3):
+        version = publish(folder, step, delta=deltas)
+    assert [e.kind for e in versions.list_versions(folder)] == ["sharded", "sharded-delta", "sharded-delta"]
+    same(ws.load(version), 3)
+    with ws.open(version) as store:  # a region: its rows' stored tensors rebuilt from the chain
+        assert store.read_region("w", (slice(40, 41),)).tobytes() == model(3)["w"][40:41].tobytes()
+        assert [m.file.rsplit("/", 1)[1] for m in store._reader.index.members] == ["rank-00000.wsdelta",
+                                                                                   "rank-00001.wsdelta"]
