@@ -63,6 +63,7 @@ from weightstore.core.limits import (
     OVERLAP_PAIRS,
     OVERLAP_PAIRS_PER_BYTE,
     RESERVED_BYTES,
+    VERSION_NAME_DIGITS,
 )
 from weightstore.core.manifest import crc32, logical_dtype, raw_bytes
 from weightstore.errors import (
@@ -463,7 +464,7 @@ class IndexDelta:
                    _count(raw.get("full_bytes"), "delta full_bytes"))
 
 
-_INDEX_NAME = re.compile(r"step-([0-9]{12,})\.wsindex")
+_INDEX_NAME = re.compile(rf"step-([0-9]{{12,{VERSION_NAME_DIGITS}}})\.wsindex")
 
 
 @dataclass
