@@ -204,3 +204,33 @@ def test_on_s3_members_are_deltas_read_back_and_read_remote(s3):
         assert store.read_region("w", (slice(40, 41),)).tobytes() == model(3)["w"][40:41].tobytes()
         assert [m.file.rsplit("/", 1)[1] for m in store._reader.index.members] == ["rank-00000.wsdelta",
                                                                                    "rank-00001.wsdelta"]
+
+
+def test_a_serving_follower_keeps_the_right_weights_through_a_corrupt_delta_and_takes_the_next_anchor(tmp_path):
+    torch = pytest.importorskip("torch")
+    from weightstore.adapters.serving.follower import Follower
+
+    module = torch.nn.ParameterDict({"w": torch.nn.Parameter(torch.zeros(64, 1024, dtype=torch.bfloat16)),
+                                     "b": torch.nn.Parameter(torch.zeros(300))})
+
+    def held():
+        return {"w": module["w"].detach().view(torch.int16).numpy().view(model(1)["w"].dtype),
+                "b": module["b"].detach().numpy()}
+
+    deltas = [ws.Delta(anchor_every=3), ws.Delta(anchor_every=3)]
+    with Follower(module, tmp_path, poll=0.02) as follower:
+        for step in (1, 2):
+            publish(tmp_path, step, delta=deltas)
+            assert follower.wait(step, timeout=60).step == step
+            same(held(), step)
+        publish(tmp_path, 3, delta=deltas)  # a delta whose rank 1 member is damaged
+        member = tmp_path / "step-000000000003.attempt-0" / "rank-00001.wsdelta"
+        data = bytearray(member.read_bytes())
+        data[-2] ^= 0xFF
+        member.write_bytes(bytes(data))
+        with pytest.raises(ws.WeightStoreError, match="rank-00001.wsdelta"):
+            follower.wait(3, timeout=60)
+        same(held(), 2)  # never wrong weights: step 2's, whole
+        assert index_of(publish(tmp_path, 4, delta=deltas)).delta is None  # the next anchor (3 from 1)
+        assert follower.wait(4, timeout=60).step == 4
+        same(held(), 4)
