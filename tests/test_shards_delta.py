@@ -234,3 +234,40 @@ def test_a_serving_follower_keeps_the_right_weights_through_a_corrupt_delta_and_
         assert index_of(publish(tmp_path, 4, delta=deltas)).delta is None  # the next anchor (3 from 1)
         assert follower.wait(4, timeout=60).step == 4
         same(held(), 4)
+
+
+def test_a_follower_of_sharded_deltas_on_s3_fetches_the_deltas_not_the_anchor(s3):
+    """Each rank's delta member is applied onto the follower's held copy (digests checked): a
+    version costs about its deltas, and after missed versions it takes the chain from the version
+    it holds, never more than a full one; the weights are bit-exact each time."""
+    torch = pytest.importorskip("torch")
+    from weightstore.adapters.serving.follower import Follower
+
+    folder = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    module = torch.nn.ParameterDict({"w": torch.nn.Parameter(torch.zeros(64, 1024, dtype=torch.bfloat16)),
+                                     "b": torch.nn.Parameter(torch.zeros(300))})
+
+    def held():
+        return {"w": module["w"].detach().view(torch.int16).numpy().view(model(1)["w"].dtype),
+                "b": module["b"].detach().numpy()}
+
+    deltas = [ws.Delta(anchor_every=20), ws.Delta(anchor_every=20)]
+    full = sum(value.nbytes for value in model(1).values())
+    follower = Follower(module, folder, poll=0.02, deltas=True)
+    fetched = {}
+    try:
+        for steps in ([1], [2], [3], [4], [5, 6, 7, 8, 9]):  # followed one by one, then 4 missed
+            follower.stop()
+            for step in steps:
+                publish(folder, step, delta=deltas)
+            s3.reset()
+            follower.start()
+            assert follower.wait(steps[-1], timeout=60).step == steps[-1]
+            fetched[steps[-1]] = s3.bytes_sent()
+            same(held(), steps[-1])
+    finally:
+        follower.stop()
+    assert {e.kind for e in versions.list_versions(folder) if e.step > 1} == {"sharded-delta"}
+    print({step: round(sent / full, 3) for step, sent in fetched.items()})
+    assert all(fetched[step] < full / 4 for step in (2, 3, 4)), fetched  # the anchor alone is a full version
+    assert fetched[9] < full / 2, fetched
