@@ -256,7 +256,7 @@ def test_a_follower_of_sharded_deltas_on_s3_fetches_the_deltas_not_the_anchor(s3
     follower = Follower(module, folder, poll=0.02, deltas=True)
     fetched = {}
     try:
-        for steps in ([1], [2], [3], [4], [5, 6, 7, 8, 9]):  # followed one by one, then 4 missed
+        for steps in ([1], [2], [3], [4, 5, 6, 7]):  # followed one by one, then 3 missed
             follower.stop()
             for step in steps:
                 publish(folder, step, delta=deltas)
@@ -268,6 +268,26 @@ def test_a_follower_of_sharded_deltas_on_s3_fetches_the_deltas_not_the_anchor(s3
     finally:
         follower.stop()
     assert {e.kind for e in versions.list_versions(folder) if e.step > 1} == {"sharded-delta"}
-    print({step: round(sent / full, 3) for step, sent in fetched.items()})
-    assert all(fetched[step] < full / 4 for step in (2, 3, 4)), fetched  # the anchor alone is a full version
-    assert fetched[9] < full / 2, fetched
+    assert all(fetched[step] < full / 4 for step in (2, 3)), fetched  # the anchor alone is a full version
+    assert fetched[7] < full / 2, fetched
+
+
+def test_a_follower_reads_whole_a_tensor_a_full_member_holds_part_of(tmp_path):
+    """Rank 1 writes its member full: ``w``'s run there cannot be rebuilt onto the held copy, so
+    ``w`` is read whole (rank 0's run already rebuilt in it is let go); the weights are bit-exact."""
+    torch = pytest.importorskip("torch")
+    from weightstore.adapters.serving.follower import Follower
+
+    module = torch.nn.ParameterDict({"w": torch.nn.Parameter(torch.zeros(64, 1024, dtype=torch.bfloat16)),
+                                     "b": torch.nn.Parameter(torch.zeros(300))})
+    deltas = [ws.Delta(), False]
+    with Follower(module, tmp_path, poll=0.02, deltas=True) as follower:
+        for step in (1, 2):
+            publish(tmp_path, step, delta=deltas)
+            assert follower.wait(step, timeout=60).step == step
+            assert follower.error is None
+            w = module["w"].detach().view(torch.int16).numpy()
+            assert w.tobytes() == model(step)["w"].tobytes() and module["b"].detach().numpy().tobytes() == \
+                model(step)["b"].tobytes()
+    assert [e.kind for e in versions.list_versions(tmp_path)] == ["sharded", "sharded-delta"]
+    assert members(tmp_path, 2) == ["rank-00000.wsdelta", "rank-00001.safetensors"]
