@@ -19,8 +19,9 @@ tensors it will read, and only those are fetched (a version that does not fit th
 fails there too). A bad version (a checksum that does
 not match, a file pruned mid-read) fails while staging, before serving is held at all.
 
-**Delta versions** (:class:`weightstore.Delta`) are staged by applying each delta onto a copy
-of the bytes of the version the follower holds, so only the deltas published since are fetched,
+**Delta versions** (:class:`weightstore.Delta`; a sharded version's delta members alike, for
+the tensors written whole) are staged by applying each delta onto a copy of the bytes of the
+version the follower holds, so only the deltas published since are fetched,
 verified against the digests their publisher recorded; when that would move more bytes than
 reading the newest anchor and the deltas after it (what a fresh reader moves), or the held
 version is not in the new one's chain (it missed an anchor), or the chain fails, the tensors are
