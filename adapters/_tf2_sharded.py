@@ -76,6 +76,8 @@ _SHARDED = tf.__internal__.distribute.ShardedVariable
 #: nothing yet)
 _calls: dict[tuple[str, int], int] = {}
 _handed_out: dict[tuple[str, int], int] = {}
+#: the key prefixes of this chief's calls whose keys are not all deleted yet, oldest first (:meth:`_Channel.sweep`)
+_unswept: list[str] = []
 _lock = threading.Lock()
 #: the chief's incarnation (:func:`_incarnation`), announced with each attempt
 _drawn: str | None = None
@@ -221,12 +223,15 @@ def _as_chief(channel: _Channel, target: Folder, pieces: dict[str, list[Piece]],
                                 failures=lambda: channel.failures(outline))
     except ShardTimeoutError as exc:
         channel.tell("committed", {"error": str(exc), "missing": exc.missing})
+        channel.swept_later()
         raise
     except Exception as exc:
         channel.tell("committed", {"error": str(exc)})
+        channel.swept_later()
         raise
     channel.tell("committed", {"step": version.step, "file": version.path.rsplit("/", 1)[-1],
                                "created": version.created, "metadata": version.metadata})
+    channel.sweep()
     return version
 
 
@@ -300,6 +305,28 @@ class _Channel:
         except tf.errors.OpError as exc:
             raise PublishError(f"lost TensorFlow's coordination service telling the workers: {exc.message}",
                                path=self.where) from None
+
+    def swept_later(self) -> None:
+        """The chief, after a call that committed nothing: its keys go at the next commit's :meth:`sweep`."""
+        with _lock:
+            _unswept.append(self.prefix)
+
+    def sweep(self) -> None:
+        """The chief, once this call committed (so every worker wrote its member): delete the keys
+        no worker reads again, as :meth:`weightstore.sharded._agree.Meeting.sweep` does in c10d's
+        and JAX's stores. Every worker has read this call's attempt, and, as a process makes its
+        calls one after another, the news of each call before: so this call's attempt and word of
+        giving up go, and every key of the calls before it; its news of the commit stays until
+        the next. A service that refuses leaves them, never failing the publish."""
+        if self.alone:
+            return
+        with _lock:
+            before = [prefix for prefix in _unswept if prefix != self.prefix]
+            _unswept[:] = [self.prefix]
+        keys = [f"{prefix}/{what}" for prefix in before for what in ("attempt", "gave-up", "committed")]
+        for key in [*keys, f"{self.prefix}/attempt", f"{self.prefix}/gave-up"]:
+            with contextlib.suppress(tf.errors.OpError):  # not there (no worker gave up), or the service failing
+                context.context().delete_config_key_value(key)
 
     def give_up(self, rank: int, why: str, outline: dict[str, list[Any]] | None = None) -> None:
         """Tell the chief that ``rank`` writes nothing, and why (with its plan's outline, if that

@@ -42,6 +42,7 @@ from weightstore.core.keys import MappingRules, Patterns, validate_key
 from weightstore.errors import InvalidKeyError, LayoutError, SelectionError
 from weightstore.sharded._shards import Piece, in_background, publish_together, split_rows
 from weightstore.sync._checks import DEFAULT_KEEP
+from weightstore.sync._delta import Delta
 from weightstore.sync._pinning import Version
 
 __all__ = ["export", "export_pieces", "publish_sharded", "assign", "restore", "variables", "forget"]
@@ -137,6 +138,7 @@ def publish_sharded(
     metadata: Mapping[str, Any] | None = None,
     background: bool = False,
     storage_options: Mapping[str, Any] | None = None,
+    delta: bool | Delta = False,
     **selection: Unpack[SelectionWords],
 ) -> Version | concurrent.futures.Future[Version]:
     """Publish an NNX module or pytree as one sharded version, every process of the
@@ -151,6 +153,10 @@ def publish_sharded(
     ``concurrent.futures.Future`` of the version is returned at once; the writing and the commit
     run in a background thread, one publish after another.
 
+    ``delta``: a :class:`~weightstore.Delta` given to every publish of this rank (or ``True``):
+    each rank writes its member as a delta of its member of the version before, where smaller
+    (``publish_shard``'s ``delta``).
+
     Raises:
         ShardTimeoutError, PublishError: see ``publish_together`` (through the future with
             ``background=True``).
@@ -161,7 +167,7 @@ def publish_sharded(
                   for key, found in pieces.items()}
     call = functools.partial(publish_together, folder, pieces, step=step, rank=jax.process_index(),
                              world=jax.process_count(), timeout=timeout, keep=keep, metadata=metadata,
-                             storage_options=storage_options)
+                             storage_options=storage_options, delta=delta)
     return in_background(call) if background else call()
 
 

@@ -54,6 +54,7 @@ from weightstore.core.names import TORCH, WRITE_NAMINGS, check_naming, key_of_to
 from weightstore.errors import AssignmentError, InvalidKeyError, LayoutError, SelectionError, UnsupportedDTypeError
 from weightstore.sharded._shards import Piece, in_background, publish_together, split_rows
 from weightstore.sync._checks import DEFAULT_KEEP
+from weightstore.sync._delta import Delta
 from weightstore.sync._pinning import Version
 
 __all__ = ["export", "export_pieces", "publish_sharded", "assign", "variables", "tensors", "forget", "to_numpy"]
@@ -192,6 +193,7 @@ def publish_sharded(
     metadata: Mapping[str, Any] | None = None,
     background: bool = False,
     storage_options: Mapping[str, Any] | None = None,
+    delta: bool | Delta = False,
     **selection: Unpack[SelectionWords],
 ) -> Version | concurrent.futures.Future[Version]:
     """Publish ``module`` as one sharded version, every rank of the ``torch.distributed`` job
@@ -209,6 +211,10 @@ def publish_sharded(
     are written and committed in a background thread, one publish after another in the order
     they were made, while the step goes on.
 
+    ``delta``: a :class:`~weightstore.Delta` given to every publish of this rank (or ``True``):
+    each rank writes its member as a delta of its member of the version before, where smaller
+    (``publish_shard``'s ``delta``).
+
     Raises:
         ShardTimeoutError, PublishError: see ``publish_together`` (through the future with
             ``background=True``).
@@ -217,7 +223,7 @@ def publish_sharded(
     grouped = torch.distributed.is_available() and torch.distributed.is_initialized()
     rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if grouped else (0, 1)
     call = functools.partial(publish_together, folder, pieces, step=step, rank=rank, world=world, timeout=timeout,
-                             keep=keep, metadata=metadata, storage_options=storage_options)
+                             keep=keep, metadata=metadata, storage_options=storage_options, delta=delta)
     return in_background(call) if background else call()
 
 

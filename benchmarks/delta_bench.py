@@ -17,11 +17,14 @@ CPU (all threads, ``time.process_time``) and wall time per GB are measured apart
 same steps to two local folders (totals over the steps, three rounds, medians). Ratios are of
 the full version's bytes. ``--follow-mb`` also times a follower of that many MB of bf16 (2%
 changed per version), local and on S3: from ``LATEST`` naming a version to it serving, and the
-serving stall of that swap.
+serving stall of that swap. ``--sharded-ranks`` measures sharded delta versions (``publish_shard``
+by that many ranks): bytes per version, and what a follower fetches per version and after the
+skipped ones, against single-writer delta versions of the same steps.
 
     python -m benchmarks.delta_bench                       # 96 MB synthetic, the default model
     python -m benchmarks.delta_bench --synthetic-mb 16 --width 128 --layers 2
     python -m benchmarks.delta_bench --only none --follow-mb 256   # follower latency and stall only
+    python -m benchmarks.delta_bench --only none --sharded-ranks 2 --synthetic-mb 96 --followed 4 --skipped 6
 """
 
 from __future__ import annotations
@@ -167,31 +170,34 @@ def follow_latency(server: ServerProcess, size_mb: float, versions: int, anchor_
     return rows
 
 
-def scenario(server: ServerProcess, name: str, steps: list[dict[str, np.ndarray]], followed: int, skipped: int,
-             anchor_every: int) -> dict[str, Any]:
+def follow_bytes(server: ServerProcess, publishers: dict[str, Any], steps: list[dict[str, np.ndarray]],
+                 followed: int, skipped: int) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """A ``Follower`` per folder (``deltas=True`` where its name says delta) follows the first
+    ``followed`` versions one by one, stops while ``skipped`` more are published (each folder's
+    ``publishers[folder](folder, weights, step, keep)``) and catches up: bytes the server sent
+    per version (the publisher's own reads included) and for the catch-up; every follower ends
+    holding the trainer's last bytes."""
     from weightstore.adapters.serving.follower import Follower
 
-    full_folder, delta_folder = (f"s3://{BUCKET}/{name}-{kind}-{uuid.uuid4().hex[:8]}" for kind in ("full", "delta"))
     keep = skipped + 2  # the version a follower holds stays while it catches up
-    delta = ws.Delta(anchor_every=anchor_every)
-    targets = {folder: follower_target(steps[0]) for folder in (full_folder, delta_folder)}
-    followers = {folder: Follower(targets[folder], folder, poll=0.02, deltas=folder == delta_folder or None)
+    targets = {folder: follower_target(steps[0]) for folder in publishers}
+    followers = {folder: Follower(targets[folder], folder, poll=0.02, deltas=True if "delta" in folder else None)
                  for folder in targets}
-    fetched: dict[str, list[int]] = {full_folder: [], delta_folder: []}
+    fetched: dict[str, list[int]] = {folder: [] for folder in publishers}
     try:
         for follower in followers.values():
             follower.start()
         for step, weights in enumerate(steps[:followed], 1):
-            for folder in (full_folder, delta_folder):
+            for folder, publish in publishers.items():
                 server.reset()
-                ws.publish(folder, weights, step=step, keep=keep, delta=delta if folder == delta_folder else False)
+                publish(folder, weights, step, keep)
                 followers[folder].wait(step, timeout=600)
                 fetched[folder].append(server.counts()["sent"])
         for follower in followers.values():
             follower.stop()
         for step, weights in enumerate(steps[followed:], followed + 1):
-            ws.publish(full_folder, weights, step=step, keep=keep)
-            ws.publish(delta_folder, weights, step=step, keep=keep, delta=delta)
+            for folder, publish in publishers.items():
+                publish(folder, weights, step, keep)
         caught_up = {}
         for folder, follower in followers.items():
             server.reset()
@@ -199,12 +205,52 @@ def scenario(server: ServerProcess, name: str, steps: list[dict[str, np.ndarray]
             follower.wait(len(steps), timeout=600)
             caught_up[folder] = server.counts()["sent"]
             assert follower.error is None, follower.error
-        last = steps[-1]
-        for key, variable in targets[delta_folder].items():  # the follower holds the trainer's last bytes
-            assert np.asarray(variable.numpy()).tobytes() == last[key].tobytes(), key
+        for target in targets.values():
+            for key, variable in target.items():  # the follower holds the trainer's last bytes
+                assert np.asarray(variable.numpy()).tobytes() == steps[-1][key].tobytes(), key
     finally:
         for follower in followers.values():
             follower.stop()
+    return fetched, caught_up
+
+
+def sharded_follow(server: ServerProcess, ranks: int, size_mb: float, followed: int, skipped: int,
+                   anchor_every: int) -> list[list[str]]:
+    """Bytes a follower fetches per version and after ``skipped`` missed versions, on S3: of
+    sharded delta versions by ``ranks`` ranks (a ``ws.Delta`` each) against single-writer delta
+    versions of the same steps. Ratios of the model's bytes."""
+    steps = list(synthetic_steps(followed + skipped, size_mb))
+    model = sum(value.nbytes for value in steps[0].values())
+    deltas = [ws.Delta(anchor_every=anchor_every) for _ in range(ranks + 1)]
+
+    def publish_sharded(folder: str, weights: dict[str, np.ndarray], step: int, keep: int) -> None:
+        for rank in range(ranks):
+            pieces = {}
+            for key, value in weights.items():
+                cut = [len(value) * r // ranks for r in range(ranks + 1)]
+                pieces[key] = ws.Piece(value[cut[rank] : cut[rank + 1]], (cut[rank],), value.shape)
+            ws.publish_shard(folder, pieces, step=step, rank=rank, world=ranks, attempt=0, delta=deltas[rank])
+        ws.commit_shards(folder, step=step, world=ranks, attempt=0, timeout=60, keep=keep)
+
+    folders = {kind: f"s3://{BUCKET}/follow-{kind}-delta-{uuid.uuid4().hex[:8]}" for kind in ("sharded", "single")}
+    fetched, caught_up = follow_bytes(server, {
+        folders["sharded"]: publish_sharded,
+        folders["single"]: lambda folder, weights, step, keep: ws.publish(folder, weights, step=step, keep=keep,
+                                                                          delta=deltas[-1])},
+        steps, followed, skipped)
+    return [[kind, f"{ranks if kind == 'sharded' else 1}", f"{model / 1e6:.1f} MB",
+             f"{np.mean(fetched[folder][1:]) / model:.3f}x", f"{caught_up[folder] / model:.3f}x"]
+            for kind, folder in folders.items()]
+
+
+def scenario(server: ServerProcess, name: str, steps: list[dict[str, np.ndarray]], followed: int, skipped: int,
+             anchor_every: int) -> dict[str, Any]:
+    full_folder, delta_folder = (f"s3://{BUCKET}/{name}-{kind}-{uuid.uuid4().hex[:8]}" for kind in ("full", "delta"))
+    delta = ws.Delta(anchor_every=anchor_every)
+    fetched, caught_up = follow_bytes(server, {
+        full_folder: lambda folder, weights, step, keep: ws.publish(folder, weights, step=step, keep=keep),
+        delta_folder: lambda folder, weights, step, keep: ws.publish(folder, weights, step=step, keep=keep,
+                                                                     delta=delta)}, steps, followed, skipped)
     listed = {entry.step: entry for entry in ws.sync.list_versions(delta_folder)}
     full_bytes = next(entry.size for entry in ws.sync.list_versions(full_folder))
     deltas = [entry.size for entry in listed.values() if entry.kind == "delta"]
@@ -258,6 +304,44 @@ def bench(*, synthetic_mb: float, layers: int, width: int, followed: int, skippe
         print(table(["store", "model", "latency full", "delta", "ratio", "stall full", "delta", "ratio"], follow_rows))
 
 
+def sharded(ranks: int, size_mb: float, versions: int, anchor_every: int) -> list[list[str]]:
+    """Bytes per version written by ``ranks`` ranks (``publish_shard``, in this process one after
+    another, each 16 tensors' rows split among them) of the synthetic bf16 model, full and with a
+    ``ws.Delta`` per rank, in two local folders; the first (full either way) not counted. Every
+    file of a version counts: members, block tables, done-records, index."""
+    steps = list(synthetic_steps(versions, size_mb))
+    model = sum(value.nbytes for value in steps[0].values())
+    rows, sizes = [], {}
+    with tempfile.TemporaryDirectory() as root:
+        for kind in ("full", "delta"):
+            folder = os.path.join(root, kind)
+            deltas = [ws.Delta(anchor_every=anchor_every) for _ in range(ranks)]
+            cpu = wall = 0.0
+            for step, weights in enumerate(steps, 1):
+                started, spent = time.perf_counter(), time.process_time()
+                for rank in range(ranks):
+                    pieces = {}
+                    for key, value in weights.items():
+                        cut = [len(value) * r // ranks for r in range(ranks + 1)]
+                        pieces[key] = ws.Piece(value[cut[rank] : cut[rank + 1]], (cut[rank],), value.shape)
+                    ws.publish_shard(folder, pieces, step=step, rank=rank, world=ranks, attempt=0,
+                                     delta=deltas[rank] if kind == "delta" else False)
+                ws.commit_shards(folder, step=step, world=ranks, attempt=0, timeout=60, keep=None)
+                if step > 1:
+                    cpu, wall = cpu + time.process_time() - spent, wall + time.perf_counter() - started
+            written = []
+            for step in range(2, versions + 1):
+                attempt = os.path.join(folder, f"step-{step:012d}.attempt-0")
+                written.append(sum(os.path.getsize(os.path.join(attempt, name)) for name in os.listdir(attempt))
+                               + os.path.getsize(os.path.join(folder, f"step-{step:012d}.wsindex")))
+            sizes[kind] = (sum(written) / len(written), cpu, wall)
+    gb = model * (versions - 1) / 1e9
+    for kind, (per, cpu, wall) in sizes.items():
+        rows.append([kind, f"{ranks}", f"{model / 1e6:.1f} MB", f"{per / 1e6:.2f} MB", f"{per / model:.3f}x",
+                     f"{cpu / gb:.2f}", f"{wall / gb:.2f}"])
+    return rows
+
+
 def print_scenarios(rows: list[list[str]], cpu_rows: list[list[str]], followed: int, skipped: int,
                     anchor_every: int) -> None:
     print(f"delta versions: {followed} versions followed one by one, then {skipped} skipped; anchor_every="
@@ -278,7 +362,32 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", choices=["bf16-adam", "fp32-adam", "synthetic", "none"])
     parser.add_argument("--follow-mb", type=float, default=0, help="also time a follower of this many MB (0: not)")
     parser.add_argument("--follow-versions", type=int, default=5)
+    parser.add_argument("--sharded-ranks", type=int, default=0,
+                        help="also measure publish_shard by this many ranks (synthetic model; 0: not)")
     args = parser.parse_args()
+    if args.sharded_ranks:
+        print(machine_line())
+        print(f"sharded versions of {args.sharded_ranks} ranks, synthetic bf16, 2% changed per version; "
+              f"{args.followed + args.skipped} versions, anchor_every={args.anchor_every}; all files of a version")
+        print(table(["kind", "ranks", "model", "bytes / version", "of the model", "publish CPU s/GB", "wall s/GB"],
+                    sharded(args.sharded_ranks, args.synthetic_mb, args.followed + args.skipped, args.anchor_every)))
+        server = ServerProcess()
+        saved = use_environment(server)
+        try:
+            import s3fs
+
+            s3fs.S3FileSystem.clear_instance_cache()
+            s3fs.S3FileSystem().mkdir(BUCKET)
+            rows = sharded_follow(server, args.sharded_ranks, args.synthetic_mb, args.followed, args.skipped,
+                                  args.anchor_every)
+        finally:
+            server.stop()
+            restore_environment(saved)
+        print(f"a follower on S3 (deltas=True): {args.followed} versions one by one, then {args.skipped} skipped; "
+              "bytes the server sent, of the model's")
+        print(table(["versions", "ranks", "model", "fetch / version", f"catch-up after {args.skipped}"], rows))
+        if args.only == ["none"] and not args.follow_mb:
+            return
     bench(synthetic_mb=args.synthetic_mb, layers=args.layers, width=args.width, followed=args.followed,
           skipped=args.skipped, anchor_every=args.anchor_every, only=args.only, follow_mb=args.follow_mb,
           follow_versions=args.follow_versions)

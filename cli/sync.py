@@ -58,13 +58,13 @@ def versions(
         _refuse_serving_base(folder)
         typer.echo(f"{folder}: no versions")
         return
-    typer.echo(f"{'step':>12}  {'written':<20}  {'size':>9}  {'kind':<7}  file")
+    typer.echo(f"{'step':>12}  {'written':<20}  {'size':>9}  {'kind':<13}  file")
     for entry in entries:
         mark = "  <- LATEST" if entry.latest else ""
         size = entry.size if entry.member_bytes is None else entry.size + entry.member_bytes
         shards = "" if entry.members is None else f"  ({entry.members} members, index {human_bytes(entry.size)})"
         base = f"  (base {entry.base})" if entry.base else ""
-        typer.echo(f"{entry.step:>12}  {entry.modified}  {human_bytes(size):>9}  {entry.kind:<7}  "
+        typer.echo(f"{entry.step:>12}  {entry.modified}  {human_bytes(size):>9}  {entry.kind:<13}  "
                    f"{entry.name}{shards}{base}{mark}")
 
 

@@ -118,6 +118,21 @@ WORKER = MODEL + textwrap.dedent("""
     _tf2_sharded._read = reads
     attempt("background", lambda: tf2.publish_sharded(more, model, step=6, strategy=strategy, timeout=30,
                                                        background=True).result())
+    if rank == 0:  # which of the calls' keys the chief's commits left in the coordination service
+        import hashlib
+        from tensorflow.python.eager import context
+        from weightstore.io.folders import folder_for
+
+        def kept(where, step, call, what):
+            digest = hashlib.sha256(folder_for(where).where.encode()).hexdigest()[:16]
+            try:
+                context.context().get_config_key_value(f"weightstore/{digest}/step-{step}/call-{call}/{what}", 1)
+                return True
+            except tf.errors.OpError:
+                return False
+        said["kept"] = [[step, what] for step in range(1, 7) for what in ("attempt", "gave-up", "committed")
+                        if kept(more, step, 0, what)] + [[1, what] for what in ("attempt", "committed")
+                                                         if kept(folder, 1, 0, what)]
     with open(f"{out}/more-{rank}.json", "w") as handle:
         json.dump(said, handle)
 
@@ -247,6 +262,7 @@ def test_a_worker_call_the_chief_never_made_does_not_shift_the_next_and_a_late_c
     _, out = cluster_run
     said = [json.loads((out / f"more-{rank}.json").read_text()) for rank in range(2)]
     assert said[0]["after a call alone"]["step"] == said[1]["after a call alone"]["step"] == 4, said
+    assert said[0]["kept"] == [[6, "committed"]]  # the chief deleted every key no worker reads again
     assert said[1]["alone"]["type"] == "ShardTimeoutError" and said[1]["alone"]["seconds"] < 5, said[1]["alone"]
     assert "no word of the attempt from the chief (rank 0) within 1s" in said[1]["alone"]["message"]
     assert said[1]["after a call alone"]["seconds"] > 3  # it waited past its timeout for the chief

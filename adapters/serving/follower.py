@@ -19,8 +19,9 @@ tensors it will read, and only those are fetched (a version that does not fit th
 fails there too). A bad version (a checksum that does
 not match, a file pruned mid-read) fails while staging, before serving is held at all.
 
-**Delta versions** (:class:`weightstore.Delta`) are staged by applying each delta onto a copy
-of the bytes of the version the follower holds, so only the deltas published since are fetched,
+**Delta versions** (:class:`weightstore.Delta`; a sharded version's delta members alike, for
+the tensors written whole) are staged by applying each delta onto a copy of the bytes of the
+version the follower holds, so only the deltas published since are fetched,
 verified against the digests their publisher recorded; when that would move more bytes than
 reading the newest anchor and the deltas after it (what a fresh reader moves), or the held
 version is not in the new one's chain (it missed an anchor), or the chain fails, the tensors are
@@ -81,7 +82,6 @@ from weightstore.core._heap import give_back
 from weightstore.core.manifest import TensorInfo, logical_dtype
 from weightstore.errors import StorageError, UnsupportedTargetError, VersionGoneError, WeightStoreError, naming
 from weightstore.formats import ReaderDefaults
-from weightstore.formats.delta import SUFFIX as DELTA_SUFFIX
 from weightstore.formats.sharded import normalized_region
 from weightstore.io._buffer import aligned_array, memory_owner
 from weightstore.store._open import Store
@@ -418,20 +418,22 @@ class Follower:
         store = weightstore.open(version)
         try:
             digests = {key: reload_digest(store.info(key)) for key in store}
+            parts = None
             if self._reads_parts and store.reads_regions:
                 recorder = _Rehearsal(store)
                 with rehearsal():
                     self._assign(self.target, Store(recorder, store.path, verify=False), **words)
                 parts = {part: store.read_region(part[0], region) for part, region in recorder.regions.items()}
-                return _StagedStore(store, store.read(list(recorder.wanted)), digests, parts)
-            changed = [key for key, digest in digests.items()
-                       if not skip or digest is None or self._digests.get(key) != digest]
+                changed = list(recorder.wanted)  # the tensors it writes whole (a sharded delta's, onto the held copy)
+            else:
+                changed = [key for key, digest in digests.items()
+                           if not skip or digest is None or self._digests.get(key) != digest]
             rebuilt = self._onto_held(store, changed, version) if skip else {}
             arrays = dict(rebuilt)  # handed to the framework as they are: no copy while serving waits
             arrays.update((key, _adoptable(array))
                           for key, array in store.read([key for key in changed if key not in arrays]).items())
-            staged = _StagedStore(store, arrays, digests)
-            if self.deltas or (self.deltas is None and (self._keeping or version.path.endswith(DELTA_SUFFIX))):
+            staged = _StagedStore(store, arrays, digests, parts)
+            if self.deltas or (self.deltas is None and (self._keeping or _is_delta(store))):
                 self._keeping = True
                 staged.copies = {key: (digests[key], rebuilt[key].reshape(-1).view(np.uint8) if key in rebuilt else
                                        _aligned_copy(array)) for key, array in arrays.items()}
@@ -451,8 +453,7 @@ class Follower:
         of it) is handed to the framework: no copy is made before the swap. Those copies are no
         longer held until the swap is done (:meth:`_keep`): a failure on the way leaves them
         unused, never misread."""
-        if (self.version is None or not self._held or self.deltas is False
-                or not version.path.endswith(DELTA_SUFFIX)):
+        if self.version is None or not self._held or self.deltas is False or not _is_delta(store):
             return {}
         held = self.version.path.rsplit("/", 1)[-1]
         keys = [key for key in changed if key in self._held and self._held[key][0] is not None
@@ -519,6 +520,12 @@ class Follower:
             with self._swapped:
                 if not loop.stop.is_set():
                     self.error, self._following_failed = None, False
+
+
+def _is_delta(store: Store) -> bool:
+    """Whether ``store`` is a delta version (a plain one, or a sharded one with delta members):
+    one that tells what rebuilding from its anchor fetches."""
+    return store.chain_payload([], None) is not None
 
 
 def _aligned_copy(array: np.ndarray) -> np.ndarray:

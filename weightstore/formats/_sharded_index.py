@@ -53,6 +53,7 @@ from weightstore.core.keys import validate_key
 from weightstore.core.limits import (
     BYTES_PER_CONTAINER,
     KEY_BYTES,
+    MAX_DELTA_CHAIN,
     MAX_DONE_BYTES,
     MAX_INDEX_BYTES,
     MAX_INDEX_INTEGER,
@@ -65,6 +66,7 @@ from weightstore.core.limits import (
     OVERLAP_PAIRS,
     OVERLAP_PAIRS_PER_BYTE,
     RESERVED_BYTES,
+    VERSION_NAME_DIGITS,
 )
 from weightstore.core.manifest import crc32, logical_dtype, raw_bytes
 from weightstore.errors import (
@@ -78,7 +80,7 @@ from weightstore.errors import (
 
 __all__ = ["index_name", "attempt_folder", "member_name", "MEMBER_SUFFIXES", "done_name", "table_name", "BLOCK_BYTES",
            "MIN_BLOCK_BYTES", "PIECE_BLOCKS", "MEMBER_TILES", "MIN_TILE_BYTES", "MAX_TILE_BYTES", "PAGE_CRCS",
-           "INDEX_FORMAT", "INDEX_VERSION", "DONE_FORMAT", "BLOCKS_FORMAT", "INCARNATION",
+           "DELTA_MEMBER_SUFFIX", "SHARD_METADATA", "IndexDelta", "INDEX_FORMAT", "INDEX_VERSION", "DONE_FORMAT", "BLOCKS_FORMAT", "INCARNATION",
            "PieceEntry", "TensorEntry", "Member", "TableRef", "Layout", "Box", "Placed", "BlockTable", "ShardIndex",
            "DoneRecord", "DoneTensor", "parse_done", "check_parsable", "check_tensor", "check_boxes", "check_share",
            "share_bytes", "key_entry_bytes", "member_entry_bytes", "check_member_bytes", "seal",
@@ -142,6 +144,11 @@ def attempt_folder(step: int, attempt: int) -> str:
 
 #: the suffixes a member may have: one per format a member is written in
 MEMBER_SUFFIXES = (".safetensors", ".npz", ".h5")
+#: the member metadata entry that maps each stored name to its global key, start and shape
+SHARD_METADATA = "weightstore-shard"
+#: the suffix of a member written as a delta of its rank's member of an older version
+#: (:func:`weightstore.formats.delta.open_member`)
+DELTA_MEMBER_SUFFIX = ".wsdelta"
 
 
 def member_name(rank: int, suffix: str = ".safetensors") -> str:
@@ -150,7 +157,7 @@ def member_name(rank: int, suffix: str = ".safetensors") -> str:
 
 def _member_names(rank: int, folder: str = "") -> set[str]:
     """The names rank ``rank``'s member may have (in ``folder``), one per member format."""
-    return {folder + member_name(rank, suffix) for suffix in MEMBER_SUFFIXES}
+    return {folder + member_name(rank, suffix) for suffix in (*MEMBER_SUFFIXES, DELTA_MEMBER_SUFFIX)}
 
 
 def done_name(rank: int) -> str:
@@ -446,6 +453,37 @@ def check_share(*, world: int, keys: Mapping[str, tuple[str, tuple[int, ...]]], 
                              "hold fewer, larger pieces per rank (column strips do not count)", path=where)
 
 
+@dataclass(frozen=True)
+class IndexDelta:
+    """What an index of a version with delta members says of its chain: the indexes of the
+    versions its members build on (the newest first, down to the anchor: what retention keeps),
+    the bytes of the members since the anchor, this version's included, and of its tensors (what
+    decides the next anchor)."""
+
+    chain: tuple[str, ...]
+    chain_bytes: int
+    full_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"chain": list(self.chain), "chain_bytes": self.chain_bytes, "full_bytes": self.full_bytes}
+
+    @classmethod
+    def parse(cls, raw: Any, step: int) -> IndexDelta:
+        if not isinstance(raw, dict) or not isinstance(raw.get("chain"), list) or not raw["chain"] or \
+                len(raw["chain"]) > MAX_DELTA_CHAIN:
+            raise FormatError(f"delta is not an object of a chain of 1 to {MAX_DELTA_CHAIN} indexes and sizes")
+        steps = [int(found.group(1)) if isinstance(name, str) and (found := _INDEX_NAME.fullmatch(name)) else None
+                 for name in raw["chain"]]
+        if None in steps or any(b >= a for a, b in zip([step, *steps], steps, strict=False)):  # type: ignore[operator]
+            raise FormatError("delta names a chain that is not of indexes of lower steps, each lower than the one "
+                              "before")
+        return cls(tuple(raw["chain"]), _count(raw.get("chain_bytes"), "delta chain_bytes"),
+                   _count(raw.get("full_bytes"), "delta full_bytes"))
+
+
+_INDEX_NAME = re.compile(rf"step-([0-9]{{12,{VERSION_NAME_DIGITS}}})\.wsindex")
+
+
 @dataclass
 class ShardIndex:
     step: int
@@ -458,10 +496,14 @@ class ShardIndex:
     producer: str = ""
     version: int = 3
     layouts: list[Layout] = field(default_factory=list)
+    #: set where some member is a delta (:data:`DELTA_MEMBER_SUFFIX`)
+    delta: IndexDelta | None = None
 
     def to_json(self) -> bytes:
         head = {"format": INDEX_FORMAT, "version": self.version, "step": self.step, "attempt": self.attempt,
                 "world": self.world, "created": self.created, "producer": self.producer, "metadata": self.metadata}
+        if self.delta is not None:
+            head["delta"] = self.delta.to_json()
         if self.version == 1:
             return seal(head | {
                 "members": [{"file": m.file, "size": m.size, "rank": m.rank} for m in self.members],
@@ -493,7 +535,11 @@ class ShardIndex:
             members = _members_v2(raw.get("members"), step, attempt, world, paged=raw["version"] == INDEX_VERSION)
             layouts = _layouts(raw.get("layouts"), world)
             tensors = _tensors_v2(raw.get("tensors"), layouts, members, nbytes=len(data))
-            return cls(step, attempt, world, created, members, tensors, metadata, producer, raw["version"], layouts)
+            delta = None if raw.get("delta") is None else IndexDelta.parse(raw["delta"], step)
+            if delta is None and any(m.file.endswith(DELTA_MEMBER_SUFFIX) for m in members):
+                raise FormatError("names delta members, and no chain of the versions they build on")
+            return cls(step, attempt, world, created, members, tensors, metadata, producer, raw["version"], layouts,
+                       delta)
         members_raw = raw.get("members")
         if not isinstance(members_raw, list) or len(members_raw) != world:
             raise FormatError(f"the index must name {world} members, one per rank")
@@ -611,6 +657,8 @@ class DoneRecord:
     #: which launch of the job wrote it (:data:`INCARNATION`); "" in records of a weightstore
     #: before incarnations, or of a rank that ran outside any cluster
     incarnation: str = ""
+    #: the step of the version a delta member builds on (``None``: the member is full)
+    base: int | None = None
 
     def to_json(self) -> bytes:
         table = self.member.table or TableRef(0, 0, "")
@@ -618,6 +666,7 @@ class DoneRecord:
             "format": DONE_FORMAT, "version": 3 if table.paged else 2, "step": self.step, "attempt": self.attempt, "rank": self.rank,
             "world": self.world, "member": {"file": self.member.file, "size": self.member.size},
             **({"incarnation": self.incarnation} if self.incarnation else {}),
+            **({"base": self.base} if self.base is not None else {}),
             "table": [table.head, table.digests, table.blake3],
             "tensors": {key: [entry.dtype, list(entry.shape), [[*start, *shape, digest]
                                                               for start, shape, digest in entry.pieces]]
@@ -646,6 +695,10 @@ def parse_done(data: bytes) -> DoneRecord:
     incarnation = raw.get("incarnation", "")
     if not isinstance(incarnation, str) or (incarnation and not INCARNATION.fullmatch(incarnation)):
         raise FormatError(f"incarnation is not a job incarnation ({INCARNATION.pattern})")
+    base = raw.get("base")
+    if (base is None) == member.file.endswith(DELTA_MEMBER_SUFFIX) or (base is not None and (
+            _count(base, "base") >= step)):
+        raise FormatError("base must name the lower step a delta member builds on, and only a delta member's")
     tensors_raw = raw.get("tensors")
     if not isinstance(tensors_raw, dict):
         raise FormatError("tensors is not an object")
@@ -670,7 +723,7 @@ def parse_done(data: bytes) -> DoneRecord:
             numbers = tuple(_count(v, "a piece's start and shape", key) for v in piece[:-1])
             pieces.append((numbers[: len(shape)], numbers[len(shape) :], piece[-1]))
         tensors[key] = DoneTensor(entry[0], shape, tuple(pieces))
-    return DoneRecord(step, attempt, rank, world, member, tensors, incarnation)
+    return DoneRecord(step, attempt, rank, world, member, tensors, incarnation, base)
 
 
 #: bytes of one block's BLAKE3 digest in a block table
@@ -850,11 +903,13 @@ class BlockTable:
         self.digests = data
 
     @classmethod
-    def parse_head(cls, data: bytes, ref: TableRef, member: Member, step: int, attempt: int) -> BlockTable:
+    def parse_head(cls, data: bytes, ref: TableRef, member: Member, step: int, attempt: int,
+                   extent: int | None = None) -> BlockTable:
         """The head of ``member``'s table (a paged table's header; an older one's header and
         CRC-32s), checked: its BLAKE3 is the index's (``ref``), its header names this member,
         step and attempt, and its pieces lie inside the member without sharing a byte, their
-        strips and blocks as their shapes say."""
+        strips and blocks as their shapes say. ``extent``: the bytes a delta member rebuilds
+        (its stored tensors end to end, in its manifest's order), which its pieces lie in instead."""
         if len(data) != ref.head or blake3.blake3(data).hexdigest() != ref.blake3:
             raise ChecksumError("is not the block table the index names (its size or BLAKE3 differs)")
         if data[:8] != _TABLE_MAGIC:
@@ -879,14 +934,14 @@ class BlockTable:
         if not isinstance(pages, list) or (ref.paged and len(pages) != -(-blocks // PAGE_CRCS)) or not all(
                 isinstance(page, str) and _HEX_DIGEST.fullmatch(page) for page in pages):
             raise FormatError(f"has no BLAKE3 of each page of {PAGE_CRCS} of its {blocks} CRC-32s")
-        pieces = _placed(raw.get("pieces"), blocks, member)
+        pieces = _placed(raw.get("pieces"), blocks, member, member.size if extent is None else extent)
         table = cls(step=step, attempt=attempt, rank=member.rank, member=raw["member"], size=member.size,
                     pieces=pieces, crcs=crcs, digests=None, digests_blake3=digest, pages=pages)
         table.paged = ref.paged
         return table
 
 
-def _placed(raw: Any, blocks: int, member: Member) -> list[Placed]:
+def _placed(raw: Any, blocks: int, member: Member, extent: int) -> list[Placed]:
     if not isinstance(raw, list):
         raise FormatError("pieces is not a list")
     pieces: list[Placed] = []
@@ -933,9 +988,9 @@ def _placed(raw: Any, blocks: int, member: Member) -> list[Placed]:
         seen.add((key, start))
         for strip, offset in enumerate(offsets):
             length = piece.strip_bytes(strip)
-            if offset + length > member.size:
+            if offset + length > extent:
                 raise FormatError(f"has a piece at byte {offset} of {length} bytes, past the end of member "
-                                  f"{member.file} ({member.size} bytes)", key=key)
+                                  f"{member.file} ({extent} bytes)", key=key)
             if length:
                 spans.append((offset, offset + length, key))
         pieces.append(piece)

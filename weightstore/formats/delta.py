@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import struct
 import threading
 from collections.abc import Callable, Sequence
@@ -64,6 +65,7 @@ from weightstore.core.limits import (
     MAX_DELTA_CHAIN,
     MAX_DELTA_ENTRIES_BYTES,
     MAX_DELTA_HEAD_BYTES,
+    VERSION_NAME_DIGITS,
 )
 from weightstore.core.manifest import (
     Manifest,
@@ -391,14 +393,21 @@ def _prefix(source: ByteSource) -> tuple[int, int, int]:
     return head, entries, manifest
 
 
-def _step_of(name: str) -> int | None:
-    match = VERSION_NAME.match(name)
+#: a base a sharded version's delta member names: the member of its rank in an older step's
+#: attempt folder, relative to the versioned folder (``step-000000000041.attempt-0/rank-00003.safetensors``)
+MEMBER_BASE = re.compile(rf"^step-([0-9]{{1,{VERSION_NAME_DIGITS}}})\.attempt-[0-9]{{1,9}}/"
+                         r"rank-[0-9]{5}\.(?:safetensors|npz|h5|wsdelta)$")
+
+
+def _step_of(name: str, member: bool = False) -> int | None:
+    match = (MEMBER_BASE if member else VERSION_NAME).match(name)
     return int(match.group(1)) if match else None
 
 
-def parse_head(data: bytes, where: str) -> Head:
-    """The head's fields, checked: a plain version name of a lower step as the base, a chain
-    that starts with it and goes down, sizes that are counts."""
+def parse_head(data: bytes, where: str, *, member: bool = False) -> Head:
+    """The head's fields, checked: a plain version name of a lower step as the base (a
+    member's base: :data:`MEMBER_BASE`), a chain that starts with it and goes down, sizes that
+    are counts."""
     with naming(path=where):
         document = jsontext.loads(data, what="delta head", min_bytes=DELTA_BYTES_PER_CONTAINER)
     if not isinstance(document, dict) or document.get("format") != FORMAT_NAME:
@@ -412,10 +421,11 @@ def parse_head(data: bytes, where: str) -> Head:
             and chain and len(chain) <= MAX_DELTA_CHAIN and chain[0] == base
             and all(isinstance(n, str) for n in chain)):
         raise FormatError("has a corrupt delta head (step, base, chain or sizes)", path=where)
-    steps = [_step_of(name) for name in chain]
+    steps = [_step_of(name, member) for name in chain]
     if None in steps or any(b >= a for a, b in zip([step, *steps], steps, strict=False)):  # type: ignore[operator]
         raise FormatError(f"names base {base[:80]!r} (chain {len(chain)} deep), which is not a version file of a "
-                          f"lower step beside it, each lower than the one before", path=where)
+                          f"lower step {'(a member of its rank) ' if member else ''}beside it, each lower than the "
+                          "one before", path=where)
     if not 0 < numbers[2] <= MAX_DELTA_BLOCK:  # type: ignore[operator]
         raise FormatError(f"has a corrupt delta head (blocks of {numbers[2]} bytes)", path=where)
     return Head(step, base, list(chain), *numbers)  # type: ignore[arg-type]
@@ -425,15 +435,16 @@ def _count(value: Any) -> bool:
     return type(value) is int and value >= 0
 
 
-def read_head(location: Any, name: str) -> Head:
+def read_head(location: Any, name: str, *, member: bool = False) -> Head:
     """Only the head of the delta version at ``location`` (a path or remote file): what
-    retention and ``ws versions`` need, without its tensors' entries."""
+    retention and ``ws versions`` need, without its tensors' entries (``member``: of a sharded
+    version's delta member)."""
     source = byte_source(location, name)
     try:
         if isinstance(source, RemoteFile):
             source.start(index_at_end=False)
         head, _, _ = _prefix(source)
-        return parse_head(bytes(source.read_at(_PREFIX.size, head)), name)
+        return parse_head(bytes(source.read_at(_PREFIX.size, head)), name, member=member)
     finally:
         source.close()
 
@@ -445,12 +456,12 @@ class DeltaReader(ReaderDefaults):
     rebuilds onto a version it holds (:meth:`read_from`) never fetches the anchor's index."""
 
     def __init__(self, source: ByteSource, name: str, open_base: Callable[[str, int], Reader], depth: int,
-                 expect_step: int | None, *, eager: bool = True):
+                 expect_step: int | None, *, eager: bool = True, member: bool = False):
         self._source = source
         self.name = name
         head_bytes, entries_bytes, manifest_bytes = _prefix(source)
         at = _PREFIX.size
-        self.head = parse_head(bytes(source.read_at(at, head_bytes)), name)
+        self.head = parse_head(bytes(source.read_at(at, head_bytes)), name, member=member)
         if expect_step is not None and self.head.step != expect_step:
             raise FormatError(f"says it is step {self.head.step}, but is named as step {expect_step}", path=name)
         if depth + len(self.head.chain) > MAX_DELTA_CHAIN + 1:
@@ -524,6 +535,11 @@ class DeltaReader(ReaderDefaults):
     def info(self, key: str) -> TensorInfo:
         return self._manifest.tensors[key]
 
+    @property
+    def file_bytes(self) -> int:
+        """This file's own bytes (not its chain's)."""
+        return self._source.size
+
     def codec(self, key: str) -> str:
         """How ``key`` is stored here (:data:`CODECS`)."""
         return self._entries[key][0]
@@ -533,14 +549,42 @@ class DeltaReader(ReaderDefaults):
 
     def read(self, key: str, *, verify: bool) -> np.ndarray:
         info = self._manifest.tensors[key]
+        out = self.stored_bytes(key, verify=verify)
+        return from_storage(out.view(storage_dtype(info.dtype)).reshape(info.shape), info.dtype)
+
+    def stored_bytes(self, key: str, *, verify: bool = True) -> np.ndarray:
+        """``key``'s stored bytes rebuilt (uint8, a new array), checked against the recorded digest (``verify``)."""
         try:
             out = self.rebuilt(key)
         except WeightStoreError as exc:
-            raise _named_here(exc, self.name, key) from None
-        if verify and DIGEST_PREFIX + content_digest(out).hex() != info.digest:
+            raise named_here(exc, self.name, key) from None
+        if verify and DIGEST_PREFIX + content_digest(out).hex() != self._manifest.tensors[key].digest:
             raise ChecksumError(f"rebuilding it from base {self.head.base} (and its chain) does not give the digest "
                                 "its publisher recorded: the base or the delta is corrupt", path=self.name, key=key)
-        return from_storage(out.view(storage_dtype(info.dtype)).reshape(info.shape), info.dtype)
+        return out
+
+    def proven_bytes(self) -> int:
+        """Bytes of every tensor this version rebuilds, each proven before any is rebuilt: held
+        ``raw`` here (its payload that long), or of the same dtype and shape in its base, down to
+        the anchor, whose file holds them. What a reader may allocate for them; the sizes a
+        hostile delta claims are refused here, not met with memory."""
+        total = 0
+        for key, info in self._manifest.tensors.items():
+            level: Any = self
+            while isinstance(level, DeltaReader) and level._entries[key][0] != RAW:
+                base = level._base
+                try:
+                    held = base.info(key)
+                except KeyError:
+                    raise FormatError(f"is stored as a change of base {level.head.base}, which has no such tensor",
+                                      path=self.name, key=key) from None
+                if held.dtype != info.dtype or tuple(held.shape) != tuple(info.shape):
+                    raise FormatError(f"is stored as a change of base {level.head.base}'s tensor, which is "
+                                      f"{held.dtype} {held.shape}, not {info.dtype} {info.shape}", path=self.name,
+                                      key=key)
+                level = base
+            total += info.nbytes
+        return total
 
     def rebuilt(self, key: str) -> np.ndarray:
         """``key``'s stored bytes rebuilt (uint8, a new writable array), not yet verified."""
@@ -640,7 +684,7 @@ class DeltaReader(ReaderDefaults):
             for level in reversed(needed):
                 out = level._apply_own(key, out, hasher if level is needed[0] else None)
         except WeightStoreError as exc:
-            raise _named_here(exc, self.name, key) from None
+            raise named_here(exc, self.name, key) from None
         if in_place and out is not data and out is not None and len(out) == len(data):
             np.copyto(data, out)
             out = data
@@ -698,7 +742,7 @@ def _aligned_copy(data: np.ndarray) -> np.ndarray:
     return out
 
 
-def _named_here(error: WeightStoreError, name: str, key: str | None) -> WeightStoreError:
+def named_here(error: WeightStoreError, name: str, key: str | None) -> WeightStoreError:
     """``error``, raised reading this version's chain, naming this version (and the file of the
     chain it came from in its message), so that whoever reads a version learns which one failed."""
     if error.path is None or error.path == name:
@@ -820,8 +864,16 @@ def open_reader(location: Any, name: str, *, mmap: bool = True) -> Reader:
     return _open(location, name, mmap, 0)
 
 
-def _open(location: Any, name: str, mmap: bool, depth: int) -> DeltaReader:
-    own = name.replace("\\", "/").rsplit("/", 1)[-1]
+def open_member(location: Any, name: str, *, mmap: bool = True) -> DeltaReader:
+    """A sharded version's delta member at ``location`` (``…/step-….attempt-N/rank-R.wsdelta``):
+    its bases are its rank's members of older steps (:data:`MEMBER_BASE`), opened from the
+    versioned folder above its attempt folder. Its tensors are the member's stored names."""
+    return _open(location, name, mmap, 0, member=True)
+
+
+def _open(location: Any, name: str, mmap: bool, depth: int, *, member: bool = False) -> DeltaReader:
+    parts = name.replace("\\", "/").rsplit("/", 2)
+    own = "/".join(parts[-2:]) if member else parts[-1]
 
     def open_base(base: str, at: int) -> Reader:
         if at > MAX_DELTA_CHAIN:
@@ -831,18 +883,20 @@ def _open(location: Any, name: str, mmap: bool, depth: int) -> DeltaReader:
             raise FormatError(f"names base {base!r}, which is not a version file a delta builds on", path=name)
         try:
             if fmt.name == FORMAT_NAME:
-                return _open(*beside(location, name, base), mmap, at)
-            return fmt.open_reader(*beside(location, name, base), mmap=mmap)
+                return _open(*beside(location, name, base, up=int(member)), mmap, at, member=member)
+            return fmt.open_reader(*beside(location, name, base, up=int(member)), mmap=mmap)
         except (FormatError, StoreClosedError) as exc:  # a damaged base: this version cannot be read
-            raise _named_here(exc, name, None) from None
+            raise named_here(exc, name, None) from None
         except FileNotFoundError:
             raise FormatError(f"needs its base {base}, which is missing (pruned by hand, or never copied with it)",
                               path=name) from None
         except FileAccessError as exc:
             raise FormatError(f"needs its base {base}, which {exc.message}", path=name) from None
 
-    return open_source(location, name, lambda source: DeltaReader(source, name, open_base, depth, _step_of(own),
-                                                                 eager=not isinstance(source, RemoteFile)),
+    return open_source(location, name, lambda source: DeltaReader(source, name, open_base, depth,
+                                                                 _step_of(own, member),
+                                                                 eager=not isinstance(source, RemoteFile),
+                                                                 member=member),
                        index_at_end=False, mmap=mmap)
 
 

@@ -23,6 +23,7 @@ room, so a member pruned before it is read again is refused as removed, as on ob
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 import threading
@@ -49,9 +50,12 @@ from weightstore.errors import (
     TargetError,
     WeightStoreError,
     naming,
+    shown_key,
 )
 from weightstore.formats import Format, ReaderDefaults
+from weightstore.formats import delta as delta_format
 from weightstore.formats._sharded_index import (
+    DELTA_MEMBER_SUFFIX,
     BlockTable,
     PieceEntry,
     Placed,
@@ -61,8 +65,10 @@ from weightstore.formats._sharded_index import (
     rows_of,
 )
 from weightstore.io._buffer import aligned_array
+from weightstore.io._local import check_range
 from weightstore.io._ranges import RangedFile
 from weightstore.io.location import location_of
+from weightstore.io.remote import RemoteFile
 from weightstore.io.source import byte_source, read_whole
 
 __all__ = ["FORMAT", "ShardedReader", "normalized_region", "open_members_limit", "blocks_in"]
@@ -126,7 +132,7 @@ class ShardedReader(ReaderDefaults):
         self._tables: list[BlockTable | None] = [None] * len(index.members)  # fetched once each, as needed
         self._tables_lock = threading.Lock()
         # open members, least recently read first, and how many reads use each (never closed while used)
-        self._files: OrderedDict[int, RangedFile] = OrderedDict()
+        self._files: OrderedDict[int, RangedFile | _Rebuilt] = OrderedDict()
         self._users: dict[int, int] = {}
         self._lock = threading.Lock()
         self._closed = False  # a closed reader opens no member again (a plain reader's file is gone too)
@@ -201,6 +207,68 @@ class ShardedReader(ReaderDefaults):
     def member_path(self, position: int) -> str:
         return f"{self._base}/{self._index.members[position].file}"
 
+    def chain_payload(self, keys: list[str], held: str | None) -> int | None:
+        """Bytes :meth:`read_from` fetches to rebuild ``keys`` onto version ``held`` (an index
+        name in this version's delta chain): each stored run's deltas after its rank's member of
+        ``held``; a tensor with a run that cannot be rebuilt so counts whole. ``held=None``: what
+        a reader holding nothing fetches, ``keys``' bytes and their share of the chain's, told by
+        the index alone. ``None`` when this version is not a delta of ``held``."""
+        delta = self._index.delta
+        if delta is None or (held is not None and held not in delta.chain):
+            return None
+        if held is None:
+            nbytes = sum(self._entry(key).nbytes for key in keys)
+            return nbytes + delta.chain_bytes * nbytes // max(1, delta.full_bytes)
+        total = 0
+        for key in keys:
+            runs = []
+            for piece in self._whole_pieces(key):
+                with self._member(piece.member) as member:
+                    runs.append(member.chain_payload(piece.offset, _held_step(held)) if isinstance(member, _Rebuilt)
+                                else None)
+            total += self._entry(key).nbytes if None in runs else sum(run or 0 for run in runs)
+        return total
+
+    def read_from(self, key: str, held: str, data: np.ndarray, *, verify: bool,
+                  in_place: bool = False) -> np.ndarray | None:
+        """``key`` rebuilt onto ``data``, its bytes in version ``held`` (an index name in this
+        version's delta chain), reading only the deltas after it: each stored run (a piece, or a
+        column strip) is cut from ``data``, rebuilt by its delta member onto its rank's member of
+        ``held`` (:meth:`weightstore.formats.delta.DeltaReader.read_from`, which checks the digest
+        its rank recorded) and put back. ``None`` when a run cannot be rebuilt so (its member is
+        full, or its chain does not pass through ``held``): read ``key`` whole then.
+        ``in_place``: as the delta reader's (a failure, or ``None``, leaves ``data`` half changed)."""
+        delta = self._index.delta
+        if delta is None or held not in delta.chain:
+            return None
+        entry = self._entry(key)
+        stored = storage_dtype(entry.dtype)
+        flat = np.asarray(data).reshape(-1).view(np.uint8)
+        if len(flat) != entry.nbytes:
+            return None
+        out = flat if in_place else aligned_array(len(flat))
+        if not in_place:
+            out[:] = flat
+        whole = out.view(f"V{stored.itemsize}").reshape(entry.shape)  # runs cut and put back by box
+        for piece in self._whole_pieces(key):
+            box = tuple(slice(start, start + size) for start, size in zip(piece.start, piece.shape, strict=True))
+            run = np.ascontiguousarray(whole[box]).reshape(-1).view(np.uint8)
+            with self._member(piece.member) as member, naming(path=self.name, key=key):
+                if not isinstance(member, _Rebuilt) or \
+                        not member.read_from(piece.offset, _held_step(held), run, verify=verify):
+                    return None
+            whole[box] = run.view(whole.dtype).reshape(piece.shape)
+        return from_storage(out.view(stored).reshape(entry.shape), entry.dtype)
+
+    def _whole_pieces(self, key: str) -> list[PieceEntry]:
+        """The stored runs of all of ``key`` that hold a byte (placed; none of an index of version 1)."""
+        with naming(path=self.name):
+            entry = self._entry(key)
+            if entry.layout is None:
+                return []
+            pieces = self._pieces(key, entry, normalized_region((), entry.shape, key))
+        return [piece for piece in pieces if math.prod(piece.shape)]
+
     def placed(self, key: str, region: Any = ()) -> list[PieceEntry]:
         """The stored runs (pieces, or their column strips) of ``key`` that hold part of
         ``region``, placed in their members, with their blocks' CRC-32s and BLAKE3 digests."""
@@ -247,7 +315,7 @@ class ShardedReader(ReaderDefaults):
                         head = np.empty(ref.head, np.uint8)
                         source.fill([(0, head.data.cast("B"))])
                         table = BlockTable.parse_head(head.tobytes(), ref, member, self._index.step,
-                                                      self._index.attempt)
+                                                      self._index.attempt, self._extent(position))
                     if digests and table.digests is None:
                         data = np.empty(ref.digests, np.uint8)
                         source.fill([(ref.digests_at, data.data.cast("B"))])
@@ -309,9 +377,19 @@ class ShardedReader(ReaderDefaults):
             raise StoreNotFoundError(f"member {self._index.members[position].file} cannot be read "
                                      f"({exc.strerror or exc})", path=self.name) from None
 
-    def _opened(self, position: int) -> RangedFile:
+    def _extent(self, position: int) -> int | None:
+        """The bytes a delta member rebuilds, proven by its chain (``None`` for a full member)."""
+        if not self._index.members[position].file.endswith(DELTA_MEMBER_SUFFIX):
+            return None
+        with self._member(position) as member:
+            assert isinstance(member, _Rebuilt)
+            return member.extent
+
+    def _opened(self, position: int) -> RangedFile | _Rebuilt:
         try:
-            found = RangedFile(self.member_path(position), fs=self._fs)
+            path = self.member_path(position)
+            found: RangedFile | _Rebuilt = (_Rebuilt(path, self._fs, self.name) if path.endswith(DELTA_MEMBER_SUFFIX)
+                                            else RangedFile(path, fs=self._fs))
             size = found.size
         except FileNotFoundError:
             raise self._missing(position) from None
@@ -323,7 +401,7 @@ class ShardedReader(ReaderDefaults):
         return found
 
     @contextmanager
-    def _member(self, position: int) -> Iterator[RangedFile]:
+    def _member(self, position: int) -> Iterator[RangedFile | _Rebuilt]:
         """Member ``position``, open while the block is read: opened if it is not, and, where that
         makes more open than :func:`open_members_limit` allows, the least recently read one no
         read is using closed."""
@@ -391,6 +469,121 @@ class ShardedReader(ReaderDefaults):
             for found in self._files.values():
                 found.close()
             self._files.clear()
+
+
+class _Rebuilt:
+    """A delta member (:func:`weightstore.formats.delta.open_member`) read like a full one: its
+    stored tensors, rebuilt from its chain and checked against their digests, lie end to end in
+    its manifest's order, where its block table places its pieces; a range is filled from them
+    (the last one rebuilt kept for the ranges after it, until one reaches its end). The CRC-32s
+    of the blocks are then checked as for any member."""
+
+    def __init__(self, path: str, fs: Any, index: str):
+        self.name, self._index = path, index
+        location: Any = path
+        if location_of(path).remote:
+            if fs is None:
+                from weightstore.io.location import filesystem
+
+                fs, inner = filesystem(path)
+            else:
+                inner = fs._strip_protocol(path)
+            location = RemoteFile(fs, inner, path)
+        try:
+            self._reader = delta_format.open_member(location, path, mmap=False)
+        except WeightStoreError as exc:
+            raise delta_format.named_here(exc, index, None) from None
+        self.size = self._reader.file_bytes
+        self._starts: list[int] = []
+        self._keys = self._reader.keys()
+        at = 0
+        for key in self._keys:
+            self._starts.append(at)
+            at += self._reader.info(key).nbytes
+        #: what its manifest claims; proven by its chain (:meth:`_prove`) before a byte is rebuilt
+        #: from its anchor, so a follower that rebuilds onto its held copy opens no file below it
+        self.extent = at
+        self._proven = False
+        self._last: tuple[int, np.ndarray] | None = None
+        self._lock = threading.Lock()
+
+    def _prove(self) -> None:
+        """The sizes its tensors claim, proven down to its anchor before memory is given them."""
+        if self._proven:
+            return
+        try:
+            self._reader.proven_bytes()
+        except WeightStoreError as exc:
+            raise delta_format.named_here(exc, self._index, exc.key) from None
+        self._proven = True
+
+    def _stored(self, at: int) -> np.ndarray:
+        with self._lock:
+            if self._last is None or self._last[0] != at:
+                try:
+                    self._last = (at, self._reader.stored_bytes(self._keys[at]))
+                except WeightStoreError as exc:
+                    raise self._named(exc) from None
+            return self._last[1]
+
+    def fill(self, ranges: list[tuple[int, memoryview]]) -> None:
+        with self._lock:
+            self._prove()
+        for offset, view in ranges:
+            check_range(offset, len(view), self.extent, self.name)
+            target, done = np.frombuffer(view, np.uint8), 0
+            while done < len(target):
+                at = bisect.bisect_right(self._starts, offset + done) - 1
+                data = self._stored(at)
+                begin = offset + done - self._starts[at]
+                part = data[begin : begin + len(target) - done]
+                target[done : done + len(part)] = part
+                done += len(part)
+                if begin + len(part) == len(data):  # read to its end: kept no longer (a whole read keeps none)
+                    with self._lock:
+                        self._last = None if self._last is not None and self._last[0] == at else self._last
+
+    def _run(self, offset: int, step: int) -> tuple[str, str] | None:
+        """The stored name of the run at ``offset``, and this rank's member of ``step`` in its chain (or ``None``)."""
+        at = bisect.bisect_right(self._starts, offset) - 1
+        if at < 0 or self._starts[at] != offset:
+            return None
+        base = next((name for name in self._reader.head.chain
+                     if (found := delta_format.MEMBER_BASE.match(name)) and int(found.group(1)) == step), None)
+        return None if base is None else (self._keys[at], base)
+
+    def chain_payload(self, offset: int, step: int) -> int | None:
+        """Bytes of the deltas that rebuild the run at ``offset`` onto its bytes in step ``step`` (``None``: cannot)."""
+        run = self._run(offset, step)
+        return None if run is None else self._reader.chain_payload([run[0]], run[1])
+
+    def read_from(self, offset: int, step: int, data: np.ndarray, *, verify: bool) -> bool:
+        """The run at ``offset`` rebuilt in place onto ``data``, its bytes in step ``step``,
+        checked against its digest (``verify``); ``False`` where it cannot be so."""
+        run = self._run(offset, step)
+        if run is None:
+            return False
+        try:
+            found = self._reader.read_from(run[0], run[1], data, verify=verify, in_place=True)
+        except WeightStoreError as exc:
+            raise self._named(exc) from None
+        return found is not None
+
+    def _named(self, exc: WeightStoreError) -> WeightStoreError:
+        """``exc``, raised by this member's chain, naming the index; named by its global key (the
+        reader's), its stored name said."""
+        error = delta_format.named_here(exc, self._index, None)
+        if error.key is not None:
+            error.message, error.key = f"{error.message} (stored as {shown_key(error.key)})", None
+        return error
+
+    def close(self) -> None:
+        self._reader.close()
+
+
+def _held_step(held: str) -> int:
+    """The step of ``held``, an index name of a delta chain (checked as such when the index was parsed)."""
+    return int(held[len("step-") : -len(".wsindex")])
 
 
 class _PieceRead:

@@ -57,15 +57,22 @@ def byte_source(location: Any, name: str, *, mmap: bool = True) -> ByteSource:
     return RemoteFile.from_handle(location, name) or StreamFile(location, name)
 
 
-def beside(location: Any, name: str, file: str) -> tuple[Any, str]:
+def beside(location: Any, name: str, file: str, *, up: int = 0) -> tuple[Any, str]:
     """``(location, name)`` of ``file`` in the folder of the file a reader was given as
     ``location``/``name`` (a local path, or a remote file: then read through the same file
     system), so a reader of several files (an index and its shards) opens them local or remote alike.
-    ``file`` is a plain name the caller has checked (no folder, no ``..``)."""
+    ``file`` is a name the caller has checked (no ``..``); ``up`` folders above that one (a
+    sharded version's member names its base relative to the versioned folder, one up)."""
     if isinstance(location, RemoteFile):
-        url = posixpath.join(posixpath.dirname(name), file)
-        return RemoteFile(location.fs, posixpath.join(posixpath.dirname(location.path), file), url), url
-    path = os.path.join(os.path.dirname(location), file)
+        url, path = posixpath.dirname(name), posixpath.dirname(location.path)
+        for _ in range(up):
+            url, path = posixpath.dirname(url), posixpath.dirname(path)
+        url = posixpath.join(url, file)
+        return RemoteFile(location.fs, posixpath.join(path, file), url), url
+    folder = os.path.dirname(location)
+    for _ in range(up):
+        folder = os.path.dirname(folder)
+    path = os.path.join(folder, file)
     return path, path
 
 

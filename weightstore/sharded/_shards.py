@@ -62,10 +62,13 @@ from weightstore.core.manifest import crc32, from_storage, logical_dtype, to_sto
 from weightstore.errors import FormatError, PublishError, ShardTimeoutError, WeightStoreError, named, naming
 from weightstore.formats import Format, format_named
 from weightstore.formats import _sharded_index as shardindex
+from weightstore.formats import delta as delta_format
 from weightstore.formats._sharded_index import (
+    DELTA_MEMBER_SUFFIX,
     INDEX_FORMAT,
     INDEX_VERSION,
     MEMBER_SUFFIXES,
+    SHARD_METADATA,
     BlockTable,
     Box,
     DoneRecord,
@@ -95,6 +98,7 @@ from weightstore.formats._sharded_index import (
 from weightstore.io.folders import Folder, folder_for
 from weightstore.sharded import _agree as agree
 from weightstore.sharded import _cluster as cluster
+from weightstore.sharded import _delta as member_delta
 from weightstore.store._save import CheckedWeights, write_file
 from weightstore.sync import _stages as stages
 from weightstore.sync._checks import (
@@ -105,6 +109,7 @@ from weightstore.sync._checks import (
     checked_seconds,
     checked_step,
 )
+from weightstore.sync._delta import Delta, Stored, as_delta
 from weightstore.sync._folder import SHARDED_SUFFIX, names_step, require_folder, version_files
 from weightstore.sync._pinning import Version, read_latest
 from weightstore.sync._publish import commit_version
@@ -112,8 +117,6 @@ from weightstore.sync._publish import commit_version
 __all__ = ["Piece", "publish_shard", "commit_shards", "publish_together", "in_background", "next_attempt",
            "claimed_attempt", "clean_folder"]
 
-#: the member metadata entry that maps each stored name to its global key, start and shape
-SHARD_METADATA = "weightstore-shard"
 _ATTEMPT = re.compile(r"^step-(\d{12,})\.attempt-(\d+)$")  # a step past 12 digits (a timestamp) is longer
 #: how often the coordinator looks for done-records, at most (it backs off from 50 ms)
 _POLL = 0.5
@@ -163,6 +166,7 @@ def publish_shard(
     format: str = "safetensors",  # noqa: A002
     storage_options: Mapping[str, Any] | None = None,
     incarnation: str | None = None,
+    delta: bool | Delta = False,
 ) -> None:
     """Write what this rank holds of version ``step``; nothing is visible until :func:`commit_shards`.
 
@@ -184,6 +188,14 @@ def publish_shard(
             refuses members of two); by default drawn once per launch by rank 0 and agreed
             through the job's store, the first time a rank publishes (every rank's first publish
             waits for the others'). Outside a job with a store, none.
+        delta: ``True``, or a :class:`~weightstore.Delta` this rank gives to each of its
+            publishes: write this rank's member as a delta of its member in the version
+            ``LATEST`` names (``rank-00003.wsdelta``: what changed in its own pieces, no byte
+            sent to another rank) when that is smaller; a full version is written every
+            ``anchor_every`` versions, once the chain adds up to a full version, or when the
+            number of ranks changed, alike by every rank (:mod:`weightstore.sharded._delta`). A
+            ``Delta`` keeps a copy of this rank's pieces (1x its share of the model); ``True``
+            reads its base member back.
 
     Raises:
         PublishError: the step is not above the one ``LATEST`` names.
@@ -220,7 +232,7 @@ def publish_shard(
     _, _, attempt = cluster.filled(rank=rank, world=world, attempt=attempt)
     try:
         _write_shard(target, pieces, step=step, rank=rank, world=world, attempt=attempt, fmt=fmt,
-                     incarnation=incarnation or "", storage_options=storage_options)
+                     incarnation=incarnation or "", storage_options=storage_options, delta=as_delta(delta))
     except Exception as exc:  # rank 0's commit would otherwise wait out its timeout for this member
         if meeting is not None and rank:
             meeting.give_up(f"{type(exc).__name__}: {exc}")
@@ -228,7 +240,8 @@ def publish_shard(
 
 
 def _write_shard(target: Folder, pieces: Mapping[str, Any], *, step: int, rank: int, world: int, attempt: int,
-                 fmt: Format, incarnation: str, storage_options: Mapping[str, Any] | None) -> None:
+                 fmt: Format, incarnation: str, storage_options: Mapping[str, Any] | None,
+                 delta: Delta | None = None) -> None:
     _check_ids(step=step, attempt=attempt)
     if incarnation and not shardindex.INCARNATION.fullmatch(incarnation):
         raise ValueError(f"incarnation {incarnation!r} is not a job incarnation ({shardindex.INCARNATION.pattern})")
@@ -247,23 +260,46 @@ def _write_shard(target: Folder, pieces: Mapping[str, Any], *, step: int, rank: 
                            path=target.where)
     record_of = {item.stored: {"key": item.key, "start": list(item.start), "shape": list(item.shape)} for item in listed}
     metadata = {SHARD_METADATA: {"step": step, "attempt": attempt, "rank": rank, "world": world, "pieces": record_of}}
+    stored = {item.stored: Stored(item.dtype, item.data.shape, item.data.reshape(-1).view(np.uint8)
+                                  if item.data.size else np.empty(0, np.uint8)) for item in listed}
+    base = None if delta is None else member_delta.base_version(delta, target, step, world)
+    plan = None if delta is None or base is None else member_delta.plan_member(delta, target, base, rank, step,
+                                                                                   stored, record_of)
+    if plan is not None:
+        suffix = DELTA_MEMBER_SUFFIX
+        where = members.url(member_name(rank, suffix))
     target.create()
     members.create(inner=True)
     with members.commit(member_name(rank, suffix), suffix).writing() as local:
-        arrays = {item.stored: from_storage(item.data, item.dtype) for item in listed}
         digested = _Digested(listed)
-        write_file(local, fmt, CheckedWeights(arrays, where, fmt), metadata, False, digests=False, beside=digested)
+        virtual = None
+        if plan is None:
+            arrays = {item.stored: from_storage(item.data, item.dtype) for item in listed}
+            write_file(local, fmt, CheckedWeights(arrays, where, fmt), metadata, False, digests=False, beside=digested)
+        else:
+            with open(local, "wb") as handle:
+                delta_format.write(handle, plan.head, plan.rows, plan.digests, plan.encoded, metadata,
+                                   f"weightstore {__version__}", "")
+            virtual, at = {}, 0
+            for name, *_ in plan.rows:
+                virtual[name] = at
+                at += len(stored[name].data)
+            for item in listed:  # the block table describes the bytes a reader rebuilds: these
+                digested(item.stored, np.ascontiguousarray(item.data))
         size = os.path.getsize(local)
         table, tensors = _described(local, where, fmt, listed, digested, step=step, attempt=attempt, rank=rank,
-                                    member=member_name(rank, suffix), size=size)
+                                    member=member_name(rank, suffix), size=size, virtual=virtual)
         stages.reached("member-temporary")
     stages.reached("member-written")
+    if delta is not None:
+        member_delta.remember(delta, target, step, f"{attempt_folder(step, attempt)}/{member_name(rank, suffix)}",
+                              stored, plan, record_of)
     ref = table.ref()
     with members.commit(table_name(rank)).writing() as local, open(local, "wb") as handle:
         handle.write(table.head_bytes())
         handle.write(table.body_bytes())
     record = DoneRecord(step, attempt, rank, world, Member(member_name(rank, suffix), size, rank, ref), tensors,
-                        incarnation)
+                        incarnation, None if plan is None or base is None else base.step)
     with members.commit(done_name(rank)).writing() as local, open(local, "wb") as handle:
         handle.write(record.to_json())
     stages.reached("done-written")
@@ -362,6 +398,7 @@ def commit_shards(
                                f"{record.member.size} bytes", path=members.where)
     with naming(path=target.url(name)):
         index = _merged(records, step, attempt, world, metadata, incarnation)
+    index.delta = member_delta.index_delta(target, records, sum(entry.nbytes for entry in index.tensors.values()))
     written: list[bytes] = []  # the index, if this commit created it
     adopted: list[bytes] = []  # the index, if an identical one was there
 
@@ -411,6 +448,7 @@ def publish_together(
     metadata: Mapping[str, Any] | None = None,
     format: str = "safetensors",  # noqa: A002
     storage_options: Mapping[str, Any] | None = None,
+    delta: bool | Delta = False,
 ) -> Version:
     """One call on every rank of a job: write this rank's ``pieces``, rank 0 commits, and every
     rank returns the committed :class:`~weightstore.Version` or raises the same error.
@@ -424,7 +462,8 @@ def publish_together(
     one process needs no store.
 
     ``timeout`` bounds rank 0's wait for the members, counted from its handing out the attempt;
-    the other ranks wait that long and :data:`NEWS_GRACE` more for rank 0's news.
+    the other ranks wait that long and :data:`NEWS_GRACE` more for rank 0's news. ``delta``: as
+    :func:`publish_shard`'s.
 
     Raises:
         ShardTimeoutError: a rank did not write within ``timeout`` (``.missing``), or rank 0
@@ -441,6 +480,7 @@ def publish_together(
     if rank >= world:
         raise ValueError(f"rank {rank} is not below world {world}")
     fmt = format_named(format)
+    planner = as_delta(delta)
     target = folder_for(folder, storage_options)
     channel = cluster.channel()
     if channel is None and world > 1:
@@ -455,7 +495,7 @@ def publish_together(
     if rank == 0:
         try:
             _write_shard(target, pieces, step=step, rank=0, world=world, attempt=attempt, fmt=fmt,
-                         incarnation=incarnation, storage_options=storage_options)
+                         incarnation=incarnation, storage_options=storage_options, delta=planner)
             version = commit_shards(target.where, step=step, world=world, attempt=attempt, incarnation=incarnation,
                                     timeout=round(max(0.0, timeout - (time.monotonic() - started)), 1), keep=keep,
                                     metadata=metadata, storage_options=storage_options, failures=meeting.failures)
@@ -467,7 +507,7 @@ def publish_together(
         return version
     try:
         _write_shard(target, pieces, step=step, rank=rank, world=world, attempt=attempt, fmt=fmt,
-                     incarnation=incarnation, storage_options=storage_options)
+                     incarnation=incarnation, storage_options=storage_options, delta=planner)
     except Exception as exc:  # rank 0's commit would otherwise wait out its timeout for this member
         meeting.give_up(f"{type(exc).__name__}: {exc}")
         raise
@@ -743,22 +783,27 @@ class _Digested:
 
 
 def _described(local: str, where: str, fmt: Format, listed: list[_Listed], digested: _Digested, *, step: int,
-               attempt: int, rank: int, member: str, size: int) -> tuple[BlockTable, dict[str, DoneTensor]]:
+               attempt: int, rank: int, member: str, size: int, virtual: dict[str, int] | None = None
+               ) -> tuple[BlockTable, dict[str, DoneTensor]]:
     """The member just written (``local``, published as ``where``, which errors name), described:
     its block table (where each piece's strips landed, the CRC-32 of each block and the BLAKE3
     digest of the band of rows that holds it, from the work beside the write: ``digested``)
     and the done-record's tensors (each piece's box and digest: the BLAKE3 of its bands'
     digests, which replicas written alike share). Where a format other than safetensors put
-    the bytes is checked against the file: readers will take that range for the piece."""
+    the bytes is checked against the file: readers will take that range for the piece.
+    ``virtual``: a delta member's offset of each stored tensor, where a reader places its
+    rebuilt bytes (:class:`weightstore.formats.sharded._Rebuilt`)."""
     placed: list[Placed] = []
     crcs: list[int] = []
     digests: list[bytes] = []
     done: dict[str, list[tuple[tuple[int, ...], tuple[int, ...], str]]] = {}
     shapes: dict[str, tuple[str, tuple[int, ...]]] = {}
     with contextlib.ExitStack() as stack:
-        reader: Any = fmt.open_reader(local, where, mmap=False)
-        stack.callback(reader.close)
-        opened = None if fmt.name == "safetensors" else stack.enter_context(open(local, "rb"))
+        reader: Any = None
+        if virtual is None:
+            reader = fmt.open_reader(local, where, mmap=False)
+            stack.callback(reader.close)
+        opened = None if fmt.name == "safetensors" or reader is None else stack.enter_context(open(local, "rb"))
         by_piece: dict[int, list[_Listed]] = {}
         for item in listed:
             by_piece.setdefault(item.piece, []).append(item)
@@ -766,7 +811,7 @@ def _described(local: str, where: str, fmt: Format, listed: list[_Listed], diges
             first, offsets = len(crcs), []
             bands = digested.bands(number)
             for item in strips:
-                offset, _ = reader.extent(item.stored)
+                offset = virtual[item.stored] if virtual is not None else reader.extent(item.stored)[0]
                 if opened is not None:
                     _check_placed(opened, where, offset, item, digested.crcs[item.stored])
                 crcs.extend(digested.crcs[item.stored])

@@ -74,6 +74,8 @@ class _Held:
     tensors: dict[str, Stored]
     #: its head, when it is a delta (so the next plan need not read it back)
     head: delta_format.Head | None = None
+    #: a sharded version's member: what its member metadata says of its pieces
+    layout: Any = None
 
 
 @dataclass
@@ -168,23 +170,9 @@ class Delta:
 
     def _encode(self, target: Folder, pointer: Version, base: str, chain: list[str], chain_bytes: int, step: int,
                 tensors: dict[str, Stored]) -> Plan | None:
-        full_bytes = sum(len(item.data) for item in tensors.values())
         held = self._held
         if held is not None and self._holds(held, target, pointer, base):
-            def remembered(key: str, item: Stored) -> np.ndarray | None:
-                return _same_kind(held.tensors.get(key), item)
-
-            # the size of the last delta this object published (a share of its version) predicts
-            # the next: where one more would take the chain past a full version, the anchor is
-            # written now, nothing encoded or estimated (fp32 Adam steps, 0.56x a version each,
-            # alternate with anchors: an estimate cost 0.5 s/GB to say so every other step)
-            last = None if self._last_share is None else int(self._last_share * full_bytes)
-            if last is not None and chain_bytes + last >= full_bytes:
-                return None
-            # estimated first only while no delta's size is known: a delta larger than the last
-            # is then found by encoding, which stops once the chain passes a full version
-            return _plan(step, base, chain, chain_bytes, full_bytes, tensors, remembered, last is None,
-                         self._last_codecs)
+            return self.from_memory(held, step, base, chain, chain_bytes, tensors)
         with pointer._weightstore_open(verify=True) as store:  # read back: anchor and chain, verified
             def read_back(key: str, item: Stored) -> np.ndarray | None:
                 if key not in store:
@@ -195,7 +183,32 @@ class Delta:
                 array = np.ascontiguousarray(store[key])
                 return array.reshape(-1).view(np.uint8) if array.size else np.empty(0, np.uint8)
 
-            return _plan(step, base, chain, chain_bytes, full_bytes, tensors, read_back, False, {})
+            return plan_against(step, base, chain, chain_bytes, tensors, read_back)
+
+    def from_memory(self, held: _Held, step: int, base: str, chain: list[str], chain_bytes: int,
+                    tensors: dict[str, Stored]) -> Plan | None:
+        """The plan against ``held``, the remembered version (:func:`_plan`)."""
+        full_bytes = sum(len(item.data) for item in tensors.values())
+
+        def remembered(key: str, item: Stored) -> np.ndarray | None:
+            return _same_kind(held.tensors.get(key), item)
+
+        # the size of the last delta this object published (a share of its version) predicts
+        # the next: where one more would take the chain past a full version, the anchor is
+        # written now, nothing encoded or estimated (fp32 Adam steps, 0.56x a version each,
+        # alternate with anchors: an estimate cost 0.5 s/GB to say so every other step)
+        last = None if self._last_share is None else int(self._last_share * full_bytes)
+        if last is not None and chain_bytes + last >= full_bytes:
+            return None
+        # estimated first only while no delta's size is known: a delta larger than the last
+        # is then found by encoding, which stops once the chain passes a full version
+        return _plan(step, base, chain, chain_bytes, full_bytes, tensors, remembered, last is None,
+                     self._last_codecs)
+
+    @property
+    def held(self) -> _Held | None:
+        """The version remembered (``None``: none, or ``remember=False``)."""
+        return self._held
 
     @staticmethod
     def _holds(held: _Held, target: Folder, pointer: Version, base: str) -> bool:
@@ -204,14 +217,19 @@ class Delta:
 
     def published(self, target: Folder, version: Version, tensors: dict[str, Stored], plan: Plan | None) -> None:
         """Remember ``version``, just published with ``tensors`` (as ``plan``, or full), as the next delta's base."""
+        self.remembered(_Held(target.where, version.step, version.path.rsplit("/", 1)[-1], version.created, tensors,
+                              None if plan is None else plan.head), plan)
+
+    def remembered(self, held: _Held, plan: Plan | None) -> None:
+        """Remember ``held`` (its tensors copied), just published as ``plan`` (or full)."""
         self.last_kind = "full" if plan is None else "delta"
         if plan is not None:
             self._last_share = plan.payload_bytes / max(1, plan.head.full_bytes)
-            self._last_codecs = {row[0]: (item.codec, item.nbytes / max(1, tensors[row[0]].data.nbytes))
+            self._last_codecs = {row[0]: (item.codec, item.nbytes / max(1, held.tensors[row[0]].data.nbytes))
                                  for row, item in zip(plan.rows, plan.encoded, strict=True)}
         if self.remember:
-            self._held = _Held(target.where, version.step, version.path.rsplit("/", 1)[-1], version.created,
-                               self._copies(tensors), None if plan is None else plan.head)
+            held.tensors = self._copies(held.tensors)
+            self._held = held
 
     def _copies(self, tensors: dict[str, Stored]) -> dict[str, Stored]:
         """Copies of ``tensors`` to remember (the caller may change its arrays once the publish
@@ -239,6 +257,13 @@ def _same_kind(held: Stored | None, item: Stored) -> np.ndarray | None:
     if held is None or held.dtype != item.dtype or held.shape != item.shape:
         return None
     return held.data
+
+
+def plan_against(step: int, base: str, chain: list[str], chain_bytes: int, tensors: dict[str, Stored],
+                 base_of: Callable[[str, Stored], np.ndarray | None]) -> Plan | None:
+    """A plan against bases read back (``base_of``), not estimated first: :func:`_plan`."""
+    return _plan(step, base, chain, chain_bytes, sum(len(item.data) for item in tensors.values()), tensors, base_of,
+                 False, {})
 
 
 def _plan(step: int, base: str, chain: list[str], chain_bytes: int, full_bytes: int, tensors: dict[str, Stored],

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightstore.core import _jsontext as jsontext
-from weightstore.core.limits import MAX_POINTER_BYTES, POINTER_BYTES_PER_CONTAINER
+from weightstore.core.limits import MAX_POINTER_BYTES, MAX_V1_INDEX_BYTES, POINTER_BYTES_PER_CONTAINER
 from weightstore.errors import (
     FormatError,
     PublishError,
@@ -25,6 +25,7 @@ from weightstore.errors import (
 )
 from weightstore.formats import delta as delta_format
 from weightstore.formats._pointer import LATEST, VERSION_NAME
+from weightstore.formats._sharded_index import ShardIndex
 from weightstore.io.files import remove_stale_temporaries
 from weightstore.io.folders import Folder, LocalFolder, folder_for
 from weightstore.sync import _stages as stages
@@ -180,15 +181,27 @@ def prune(folder: Folder, newest: int, keep: int | None) -> None:
 
 
 def needed_bases(folder: Folder, name: str) -> set[str] | None:
-    """Every file version ``name`` builds on (none for a full version); ``None`` when its head does not read."""
-    if not name.endswith(delta_format.SUFFIX):
-        return set()
+    """Every file version ``name`` builds on (none for a full version; a sharded version's, the
+    indexes its delta members build on); ``None`` when its head (or index) does not read."""
     try:
+        if name.endswith(SHARDED_SUFFIX):
+            delta = read_index(folder, name).delta
+            return set() if delta is None else set(delta.chain)
+        if not name.endswith(delta_format.SUFFIX):
+            return set()
         return set(delta_format.read_head(folder.open_binary(name), folder.url(name)).chain)
     except (WeightStoreError, FileNotFoundError) as exc:
         warnings.warn(f"{folder.url(name)}: its head cannot be read ({exc}), so the bases it needs are unknown: "
                       "nothing older is pruned this time", stacklevel=3)
         return None
+
+
+def read_index(folder: Folder, name: str) -> ShardIndex:
+    """The sharded version's index ``name``, parsed (``FileNotFoundError`` when it is gone)."""
+    data = folder.read_small(name, MAX_V1_INDEX_BYTES + 1)
+    if data is None:
+        raise FileNotFoundError(folder.url(name))
+    return ShardIndex.parse(data)
 
 
 def remove_version(folder: Folder, name: str) -> None:

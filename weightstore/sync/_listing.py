@@ -14,7 +14,7 @@ from weightstore.errors import (
 )
 from weightstore.formats import delta as delta_format
 from weightstore.io.folders import Folder
-from weightstore.sync._folder import SHARDED_SUFFIX, require_folder, version_files
+from weightstore.sync._folder import SHARDED_SUFFIX, read_index, require_folder, version_files
 from weightstore.sync._pinning import read_latest
 
 
@@ -31,7 +31,8 @@ class VersionEntry:
     #: a sharded version's member files and their bytes (``None`` for a plain version)
     members: int | None = None
     member_bytes: int | None = None
-    #: ``"full"``, ``"delta"`` (stored as a change of ``base``) or ``"sharded"``
+    #: ``"full"``, ``"delta"`` (stored as a change of ``base``), ``"sharded"`` or ``"sharded-delta"``
+    #: (a sharded version some of whose members are deltas of ``base``'s)
     kind: str = "full"
     #: a delta version's base file (``None`` for the others, and for a delta whose head does not read)
     base: str | None = None
@@ -66,7 +67,11 @@ def version_listing(folder: Any, *, storage_options: Mapping[str, Any] | None = 
 def _kind(folder: Folder, name: str) -> tuple[str, str | None]:
     """How a version is stored, and a delta's base (from its head; ``None`` where it does not read)."""
     if name.endswith(SHARDED_SUFFIX):
-        return "sharded", None
+        try:
+            delta = read_index(folder, name).delta
+        except (WeightStoreError, FileNotFoundError):
+            return "sharded", None
+        return ("sharded", None) if delta is None else ("sharded-delta", delta.chain[0])
     if not name.endswith(delta_format.SUFFIX):
         return "full", None
     try:

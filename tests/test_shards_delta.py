@@ -1,0 +1,293 @@
+"""Sharded delta versions: each rank writes its member as a delta of its own member of the version
+before (no byte sent to another rank), every rank deciding alike when a full version is due; a
+version with delta members reads like any other, and retention keeps the versions it builds on."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import weightstore as ws
+from weightstore import sync as versions
+from weightstore.formats._sharded_index import ShardIndex
+
+ROOT = Path(__file__).resolve().parents[1]
+BUCKET = "weightstore-shards-delta"
+
+#: each step's model, as the writer processes and the test build it: 2% of ``w``'s bf16 elements
+#: move one ulp a step, ``b`` stays
+MODEL = textwrap.dedent("""
+    import numpy as np, ml_dtypes
+    import weightstore as ws
+
+    def model(step):
+        rng = np.random.default_rng(7)
+        w = rng.standard_normal((64, 1024)).astype(ml_dtypes.bfloat16).view(np.uint16)
+        for at in range(2, step + 1):
+            w.reshape(-1)[np.random.default_rng(at).choice(w.size, w.size // 50, replace=False)] += 1
+        return {"w": w.view(ml_dtypes.bfloat16), "b": rng.standard_normal(300).astype(np.float32)}
+
+    def pieces_of(step, rank, world=2):
+        m, rows = model(step), 64 // world
+        held = {"w": ws.Piece(m["w"][rank * rows:(rank + 1) * rows], (rank * rows, 0), (64, 1024))}
+        if rank == 0:
+            held["b"] = m["b"]
+        return held
+""")
+namespace: dict = {}
+exec(MODEL, namespace)  # noqa: S102 - the same model text the writer processes run
+model, pieces_of = namespace["model"], namespace["pieces_of"]
+
+#: a rank of a job publishing steps 1..N in a loop, one ws.Delta for its life; rank 0 commits
+#: each step (keep=2), rank 1 writes a step once the one before is committed (its base)
+WRITER = MODEL + textwrap.dedent("""
+    import sys, time
+    folder, rank, last = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    delta = ws.Delta(anchor_every=3)
+    for step in range(1, last + 1):
+        while step > 1 and ((latest := ws.latest(folder)) is None or latest.step < step - 1):
+            time.sleep(0.01)
+        ws.publish_shard(folder, pieces_of(step, rank), step=step, rank=rank, world=2, attempt=0, delta=delta)
+        if rank == 0:
+            ws.commit_shards(folder, step=step, world=2, attempt=0, timeout=30, keep=2)
+""")
+
+
+def same(got: dict, step: int) -> None:
+    want = model(step)
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype and got[key].tobytes() == value.tobytes(), (step, key)
+
+
+def publish(folder, step, *, world=2, delta=True, keep=None, split=None):
+    """Every rank's share of ``step``, one after another in this process, then the commit."""
+    for rank in range(world):
+        pieces = pieces_of(step, rank, world) if split is None else split(step, rank)
+        ws.publish_shard(folder, pieces, step=step, rank=rank, world=world, attempt=0,
+                         delta=delta[rank] if isinstance(delta, list) else delta)
+    return ws.commit_shards(folder, step=step, world=world, attempt=0, timeout=10, keep=keep)
+
+
+def members(folder, step):
+    return sorted(p.name for p in (Path(folder) / f"step-{step:012d}.attempt-0").glob("rank-*.*")
+                  if p.suffix not in (".done", ".blocks"))
+
+
+def index_of(version):
+    return ShardIndex.parse(Path(version.path).read_bytes())
+
+
+def test_two_writer_processes_publish_deltas_that_a_follower_reads_step_by_step(tmp_path):
+    folder = tmp_path / "run"
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(folder), str(rank), "5"],
+                              env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE)
+             for rank in range(2)]
+    seen = []
+    for version in ws.follow(folder, poll=0.02, timeout=60):  # each yielded version whole, bit for bit
+        try:
+            same(ws.load(version), version.step)
+        except ws.StoreNotFoundError:  # pruned (keep=2) before it was read: the writers went on
+            continue
+        seen.append(version.step)
+        if version.step == 5:
+            break
+    for proc in procs:
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err.decode()
+    assert seen[-1] == 5 and seen == sorted(seen)
+    listed = versions.list_versions(folder)  # 4 is an anchor (3 was two deltas from 1); keep=2
+    assert [(e.step, e.kind, e.base) for e in listed] == [(4, "sharded", None),
+                                                          (5, "sharded-delta", "step-000000000004.wsindex")]
+    assert members(folder, 5) == ["rank-00000.wsdelta", "rank-00001.wsdelta"]
+    assert sorted(p.name for p in folder.iterdir() if p.is_dir()) == [f"step-00000000000{s}.attempt-0" for s in (4, 5)]
+    full = sum((folder / "step-000000000004.attempt-0" / name).stat().st_size for name in members(folder, 4))
+    delta = sum((folder / "step-000000000005.attempt-0" / name).stat().st_size for name in members(folder, 5))
+    assert delta < 0.1 * full, (delta, full)
+
+
+def test_retention_keeps_the_bases_a_kept_version_needs_and_ws_reads_them(tmp_path):
+    from typer.testing import CliRunner
+
+    from weightstore.cli.main import app
+
+    folder = tmp_path / "run"
+    deltas = [ws.Delta(), ws.Delta()]
+    for step in (1, 2, 3):
+        version = publish(folder, step, delta=deltas, keep=1)
+    assert [e.step for e in versions.list_versions(folder)] == [1, 2, 3]  # 3 builds on 2 and 1
+    assert index_of(version).delta.chain == ("step-000000000002.wsindex", "step-000000000001.wsindex")
+    same(ws.load(ws.latest(folder)), 3)
+    with ws.open(version) as store:
+        assert store.read_region("w", (slice(30, 34), slice(5, 900))).tobytes() == model(3)["w"][30:34, 5:900].tobytes()
+    for args in (["verify", version.path], ["versions", str(folder)]):
+        result = CliRunner().invoke(app, args, env={"COLUMNS": "300"})
+        assert result.exit_code == 0, result.output
+    assert "sharded-delta" in result.output
+
+
+def test_a_changed_layout_writes_a_full_version(tmp_path):
+    folder = tmp_path / "run"
+    publish(folder, 1)
+    assert index_of(publish(folder, 2)).delta is not None and members(folder, 2)[0].endswith(".wsdelta")
+    version = publish(folder, 3, world=4)  # four ranks now: every member full, no chain
+    assert index_of(version).delta is None and all(m.endswith(".safetensors") for m in members(folder, 3))
+    same(ws.load(version), 3)
+    assert members(folder, 4) == [] and index_of(publish(folder, 4, world=4)).delta is not None
+
+    def rows(step, rank):  # the same four ranks, the rows cut elsewhere: rank 0's pieces and rank 1's changed
+        w, cut = model(step)["w"], [0, 10, 32, 48, 64]
+        held = {"w": ws.Piece(w[cut[rank]:cut[rank + 1]], (cut[rank], 0), (64, 1024))}
+        return held | ({"b": model(step)["b"]} if rank == 0 else {})
+
+    version = publish(folder, 5, world=4, split=rows)
+    assert [m.rsplit(".", 1)[1] for m in members(folder, 5)] == ["safetensors", "safetensors", "wsdelta", "wsdelta"]
+    same(ws.load(version), 5)
+
+
+def test_a_corrupt_or_missing_base_is_a_weightstore_error_naming_version_member_and_tensor(tmp_path):
+    folder = tmp_path / "run"
+    publish(folder, 1)
+    version = publish(folder, 2)
+    member = folder / "step-000000000002.attempt-0" / "rank-00001.wsdelta"
+    data = bytearray(member.read_bytes())
+    data[-2] ^= 0xFF  # in the payload of rank 1's last tensor, w
+    member.write_bytes(bytes(data))
+    with pytest.raises(ws.WeightStoreError) as caught:
+        ws.load(version)
+    assert caught.value.path == version.path and "rank-00001.wsdelta" in str(caught.value)
+    assert caught.value.key == "w"
+    base = folder / "step-000000000001.attempt-0" / "rank-00001.safetensors"  # another tensor under its names
+    with ws.open(base) as store:
+        swapped = {key: np.zeros((2, *store[key].shape), store[key].dtype) for key in store}
+        metadata = store.metadata
+    ws.save(base, swapped, metadata=metadata)
+    with pytest.raises(ws.FormatError, match=r"rank-00001.wsdelta: is stored as a change of base .*, not bfloat16"):
+        ws.load(version)  # refused from the sizes alone, before anything the size of the claim is allocated
+    (folder / "step-000000000001.attempt-0" / "rank-00000.safetensors").unlink()
+    with pytest.raises(ws.WeightStoreError, match=r"rank-00000.wsdelta.*needs its base "
+                                                  r"step-000000000001.attempt-0/rank-00000.safetensors, which is missing"):
+        ws.load(version)
+    # the next publish reads its bases back: they fail, so it writes full members, which read
+    version = publish(folder, 3)
+    assert index_of(version).delta is None
+    same(ws.load(version), 3)
+
+
+def test_an_index_of_delta_members_without_a_chain_or_with_one_going_up_is_refused(tmp_path):
+    folder = tmp_path / "run"
+    publish(folder, 1)
+    index = index_of(publish(folder, 2))
+    for chain, words in ((None, "names delta members, and no chain"),
+                         (("step-000000000009.wsindex",), "not of indexes of lower steps")):
+        bad = dataclasses.replace(index, delta=None if chain is None else dataclasses.replace(index.delta, chain=chain))
+        with pytest.raises(ws.FormatError, match=words):
+            ShardIndex.parse(bad.to_json())
+
+
+def test_on_s3_members_are_deltas_read_back_and_read_remote(s3):
+    folder = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    deltas = [ws.Delta(), ws.Delta(remember=False)]  # rank 1 reads its base member back from the bucket
+    for step in (1, 2, 3):
+        version = publish(folder, step, delta=deltas)
+    assert [e.kind for e in versions.list_versions(folder)] == ["sharded", "sharded-delta", "sharded-delta"]
+    same(ws.load(version), 3)
+    with ws.open(version) as store:  # a region: its rows' stored tensors rebuilt from the chain
+        assert store.read_region("w", (slice(40, 41),)).tobytes() == model(3)["w"][40:41].tobytes()
+        assert [m.file.rsplit("/", 1)[1] for m in store._reader.index.members] == ["rank-00000.wsdelta",
+                                                                                   "rank-00001.wsdelta"]
+
+
+def test_a_serving_follower_keeps_the_right_weights_through_a_corrupt_delta_and_takes_the_next_anchor(tmp_path):
+    torch = pytest.importorskip("torch")
+    from weightstore.adapters.serving.follower import Follower
+
+    module = torch.nn.ParameterDict({"w": torch.nn.Parameter(torch.zeros(64, 1024, dtype=torch.bfloat16)),
+                                     "b": torch.nn.Parameter(torch.zeros(300))})
+
+    def held():
+        return {"w": module["w"].detach().view(torch.int16).numpy().view(model(1)["w"].dtype),
+                "b": module["b"].detach().numpy()}
+
+    deltas = [ws.Delta(anchor_every=3), ws.Delta(anchor_every=3)]
+    with Follower(module, tmp_path, poll=0.02) as follower:
+        for step in (1, 2):
+            publish(tmp_path, step, delta=deltas)
+            assert follower.wait(step, timeout=60).step == step
+            same(held(), step)
+        publish(tmp_path, 3, delta=deltas)  # a delta whose rank 1 member is damaged
+        member = tmp_path / "step-000000000003.attempt-0" / "rank-00001.wsdelta"
+        data = bytearray(member.read_bytes())
+        data[-2] ^= 0xFF
+        member.write_bytes(bytes(data))
+        with pytest.raises(ws.WeightStoreError, match="rank-00001.wsdelta"):
+            follower.wait(3, timeout=60)
+        same(held(), 2)  # never wrong weights: step 2's, whole
+        assert index_of(publish(tmp_path, 4, delta=deltas)).delta is None  # the next anchor (3 from 1)
+        assert follower.wait(4, timeout=60).step == 4
+        same(held(), 4)
+
+
+def test_a_follower_of_sharded_deltas_on_s3_fetches_the_deltas_not_the_anchor(s3):
+    """Each rank's delta member is applied onto the follower's held copy (digests checked): a
+    version costs about its deltas, and after missed versions it takes the chain from the version
+    it holds, never more than a full one; the weights are bit-exact each time."""
+    torch = pytest.importorskip("torch")
+    from weightstore.adapters.serving.follower import Follower
+
+    folder = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    module = torch.nn.ParameterDict({"w": torch.nn.Parameter(torch.zeros(64, 1024, dtype=torch.bfloat16)),
+                                     "b": torch.nn.Parameter(torch.zeros(300))})
+
+    def held():
+        return {"w": module["w"].detach().view(torch.int16).numpy().view(model(1)["w"].dtype),
+                "b": module["b"].detach().numpy()}
+
+    deltas = [ws.Delta(anchor_every=20), ws.Delta(anchor_every=20)]
+    full = sum(value.nbytes for value in model(1).values())
+    follower = Follower(module, folder, poll=0.02, deltas=True)
+    fetched = {}
+    try:
+        for steps in ([1], [2], [3], [4, 5, 6, 7]):  # followed one by one, then 3 missed
+            follower.stop()
+            for step in steps:
+                publish(folder, step, delta=deltas)
+            s3.reset()
+            follower.start()
+            assert follower.wait(steps[-1], timeout=60).step == steps[-1]
+            fetched[steps[-1]] = s3.bytes_sent()
+            same(held(), steps[-1])
+    finally:
+        follower.stop()
+    assert {e.kind for e in versions.list_versions(folder) if e.step > 1} == {"sharded-delta"}
+    assert all(fetched[step] < full / 4 for step in (2, 3)), fetched  # the anchor alone is a full version
+    assert fetched[7] < full / 2, fetched
+
+
+def test_a_follower_reads_whole_a_tensor_a_full_member_holds_part_of(tmp_path):
+    """Rank 1 writes its member full: ``w``'s run there cannot be rebuilt onto the held copy, so
+    ``w`` is read whole (rank 0's run already rebuilt in it is let go); the weights are bit-exact."""
+    torch = pytest.importorskip("torch")
+    from weightstore.adapters.serving.follower import Follower
+
+    module = torch.nn.ParameterDict({"w": torch.nn.Parameter(torch.zeros(64, 1024, dtype=torch.bfloat16)),
+                                     "b": torch.nn.Parameter(torch.zeros(300))})
+    deltas = [ws.Delta(), False]
+    with Follower(module, tmp_path, poll=0.02, deltas=True) as follower:
+        for step in (1, 2):
+            publish(tmp_path, step, delta=deltas)
+            assert follower.wait(step, timeout=60).step == step
+            assert follower.error is None
+            w = module["w"].detach().view(torch.int16).numpy()
+            assert w.tobytes() == model(step)["w"].tobytes() and module["b"].detach().numpy().tobytes() == \
+                model(step)["b"].tobytes()
+    assert [e.kind for e in versions.list_versions(tmp_path)] == ["sharded", "sharded-delta"]
+    assert members(tmp_path, 2) == ["rank-00000.wsdelta", "rank-00001.safetensors"]
