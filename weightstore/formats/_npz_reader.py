@@ -159,8 +159,13 @@ class NpzReader(ReaderDefaults):
         size = self._source.size
         if size == 0:
             raise FormatError("file is empty", path=self.name)
-        tail_start = max(0, size - (EOCD.size + 0xFFFF))
-        tail = bytes(self._source.read_at(tail_start, size - tail_start))
+        # the end record alone where it has no comment (as the writer writes it), else as far
+        # back as a comment may reach: 64 KB copied (and mapped page by page) for nothing
+        tail_start = size - EOCD.size
+        tail = bytes(self._source.read_at(tail_start, EOCD.size)) if tail_start >= 0 else b""
+        if not (tail.startswith(_zipdir.EOCD_SIG) and tail.endswith(b"\0\0")):
+            tail_start = max(0, size - (EOCD.size + 0xFFFF))
+            tail = bytes(self._source.read_at(tail_start, size - tail_start))
         with naming(path=self.name):
             count, cd_size, cd_offset, eocd_offset = _zipdir.locate_zip64(
                 lambda offset, length: bytes(self._source.read_at(offset, length)), _zipdir.locate(tail, tail_start))
