@@ -11,7 +11,7 @@ documented composition of them:
    (:func:`~weightstore.io.files.temporary_beside`), is fsynced, renamed over the target, and
    the folder is fsynced. A crash before the rename leaves the old file plus a temporary; after
    it, the new file. The temporary of a killed writer is removed by the next write to that
-   target once its PID is dead. Only regular files are replaced: a folder, FIFO, socket or
+   target once its PID is dead (on the writeback thread, while that write goes on). Only regular files are replaced: a folder, FIFO, socket or
    device at the target is refused before anything is written, a symlink is written *through*
    (its target file is replaced, the link stays) by ``ws.save``, but refused in a versioned
    folder (``follow_symlinks=False``: a link planted in a shared folder must not overwrite a
@@ -133,7 +133,9 @@ class RenameCommit(Commit):
 
     def begin(self) -> str:
         self._final = check_writable_target(Path(self.target), follow_symlinks=self._follow_symlinks)
-        remove_stale_temporaries(self._final)
+        # on the writeback thread, beside the write: a scan of the folder a save need not wait for
+        # (it removes only temporaries whose writer is dead, so never this one)
+        behind(remove_stale_temporaries, self._final)
         self._temporary = temporary_beside(self._final)
         return str(self._temporary)
 
