@@ -163,7 +163,8 @@ class TensorTable(Mapping[str, TensorInfo]):
         """``(dtype names, shapes, nbytes, CRCs)`` as lists by row, made on first use: indexing a
         list is the cheapest way to a Python value, and a shape must be a tuple anyway."""
         if self._rows is None:
-            ends = list(itertools.accumulate(_as_list(self._ndims)))
+            ndims = self._ndims
+            ends = list(itertools.accumulate(ndims)) if type(ndims) is list else np.cumsum(ndims).tolist()
             dims = _as_list(self._dims)
             shapes = list(map(tuple, map(dims.__getitem__, map(slice, [0, *ends[:-1]], ends))))
             codes = _as_list(self._dtype_codes)
