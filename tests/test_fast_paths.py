@@ -3,19 +3,22 @@
 The checks that make 50,000 small tensors cheap are second implementations: a bulk key check
 (``keys._maybe_invalid``) before the per-key rule (``keys._key_problem``), a column-wise parse
 of version 1 manifest entries (``manifest._parse_plain_entries``) before the entry-by-entry
-one (``manifest._parse_entries``). The rule is the slow twin; the fast one may only ever say
+one (``manifest._parse_entries``), and the manifest's integer columns checked as Python lists
+for a few tensors (``_tensortable.FEW_ROWS``) rather than as numpy arrays. The rule is the slow twin; the fast one may only ever say
 "nothing to find here" when the rule agrees. (The npz directory and batch read have theirs in
 ``test_npz_fastpath.py::test_damaged_directories_read_alike_on_either_path``.)
 """
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from weightstore import errors
+from weightstore.core import _tensortable, manifest
 from weightstore.core import keys as K
-from weightstore.core import manifest
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -75,3 +78,59 @@ def test_version_1_entries_read_column_wise_as_entry_by_entry(raw):
         assert fast is None
         return
     assert fast is None or fast == slow
+
+
+#: values at the edges of the integer columns' ranges, past 64 bits (which numpy refuses to hold), or no integers
+_EDGES = st.sampled_from([-1, 3, 64, 65, 0xFFFFFFFF, 2**32, 2**62, 2**63 - 1, 2**63, -(2**63), -(2**63) - 1, 2**64,
+                          True, 1.0, None, "1"])
+_INTEGER = st.one_of(st.integers(-2, 6), _EDGES)
+_SOME_INTEGERS = st.lists(_INTEGER, max_size=5)
+
+
+@st.composite
+def _columns(draw) -> dict:
+    """Manifest columns for a few tensors, mostly well formed, with hostile values: integers
+    past 64 bits, negative or out of range, shapes too large for any array (or with a zero
+    dimension), unknown dtypes, keys twice or invalid, a column of the wrong length or type."""
+    count = draw(st.integers(0, 4))
+    ndims = draw(st.lists(st.integers(0, 3), min_size=count, max_size=count))
+    dtypes = draw(st.lists(st.sampled_from(["float32", "int8", "bfloat16", "complex128", "bool"]),
+                           min_size=1, max_size=3, unique=True))
+
+    def column(values, damaged=_SOME_INTEGERS):
+        last_damaged = st.builds(lambda value: [*values[:-1], value], _EDGES) if values else damaged
+        return draw(st.one_of(st.just(values), st.just(values), st.just(values), last_damaged, last_damaged, damaged,
+                              st.sampled_from([None, 0, {}])))
+
+    sizes = st.one_of(st.integers(0, 9), st.sampled_from([2**20, 2**31, 2**40, 2**62, 2**63 - 1]))
+    dims = column(draw(st.lists(sizes, min_size=sum(ndims), max_size=sum(ndims))),
+                  st.lists(_INTEGER, min_size=sum(ndims), max_size=sum(ndims)))
+    keys = draw(st.lists(st.sampled_from(["a", "b/w", "c", "d/e/f"]), min_size=count, max_size=count, unique=True))
+    raw = {
+        "keys": column(keys, st.sampled_from([[*keys, *keys[:1]], ["x/../y", *keys][:count], ["", *keys][:count], [3]])),
+        "dtypes": column(dtypes, st.sampled_from([[*dtypes, "nope"], ["nope", *dtypes], [3, *dtypes], dtypes * 2])),
+        "dtype": column(draw(st.lists(st.integers(0, len(dtypes) - 1), min_size=count, max_size=count))),
+        "ndim": column(ndims),
+        "shape": dims,
+        "crc32": column(draw(st.lists(st.integers(0, 2**32 - 1), min_size=count, max_size=count))),
+    }
+    if draw(st.booleans()):
+        raw["blake3"] = draw(st.sampled_from(["ab" * 32 * count, "AB" * 32 * count, 3]))
+    return raw
+
+
+@SETTINGS
+@given(_columns(), st.sampled_from([2, 3]))
+def test_columns_read_alike_as_lists_and_as_arrays(raw, version):
+    """A manifest's columns checked as Python lists (a few tensors) and as numpy arrays (many)
+    read the same table, or refuse with the same error, words and key alike."""
+    outcomes = []
+    for few_rows in (1 << 30, -1):
+        with patch.object(_tensortable, "FEW_ROWS", few_rows):
+            try:
+                table = _tensortable.parse_columns(raw, manifest._itemsize_or_none, version)
+            except errors.FormatError as exc:
+                outcomes.append(("refused", type(exc), str(exc), exc.key))
+            else:
+                outcomes.append(("read", list(table), table.rows(), [table[key] for key in table]))
+    assert outcomes[0] == outcomes[1]

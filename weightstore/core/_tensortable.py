@@ -53,6 +53,11 @@ OPTIONAL_COLUMNS = {DIGEST_ALGORITHM: 3}
 _HEX_DIGITS = b"0123456789abcdef"
 #: below this, a float product of dimensions is exact enough to prove a size in bounds
 _SURELY_IN_BOUNDS = float(1 << 52)
+#: up to this many tensors, a manifest's integer columns are checked as the Python lists JSON
+#: gave: numpy's fixed cost per call (some 30 calls, 0.2 ms) is more than Python's loops over
+#: a few thousand values cost; above it numpy's whole-column checks win
+FEW_ROWS = 2048
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 #: "no checksum" in the CRC column (version 1 manifests allowed null)
 NO_CRC = -1
 #: shows an untrusted JSON value in a message: a few levels deep and cut short, since orjson reads
@@ -74,12 +79,23 @@ class TensorInfo(NamedTuple):
     digest: str | None = None
 
 
+#: a column of integers: the list JSON gave, for a few tensors, or an int64 array (see :data:`FEW_ROWS`)
+Column = list[int] | np.ndarray
+
+
+def _as_list(column: Column) -> list[int]:
+    return column if type(column) is list else column.tolist()  # type: ignore[union-attr]
+
+
 class TensorTable(Mapping[str, TensorInfo]):
     """Key -> :class:`TensorInfo`, in the file's order, held as columns; checked when built
     (:func:`parse_columns`), so nothing read from it later can be out of range."""
 
-    def __init__(self, keys: list[str], dtype_names: list[str], dtype_codes: np.ndarray, ndims: np.ndarray,
-                 dims: np.ndarray, nbytes: np.ndarray, crcs: np.ndarray, digests: str | None = None):
+    def __init__(self, keys: list[str], dtype_names: list[str], dtype_codes: Column, ndims: Column,
+                 dims: Column, nbytes: Column | None, crcs: Column, digests: str | None = None,
+                 itemsizes: list[int] | None = None):
+        """``nbytes``: each tensor's bytes; or None, and ``itemsizes`` each dtype's item size,
+        for a table whose listing should not pay for them (they are made on first use)."""
         self._keys = keys
         self._digests = digests
         self._dtype_names = dtype_names
@@ -87,6 +103,7 @@ class TensorTable(Mapping[str, TensorInfo]):
         self._ndims = ndims
         self._dims = dims
         self._nbytes = nbytes
+        self._itemsizes = itemsizes
         self._crcs = crcs
         self._rows: tuple[list[str], list[tuple[int, ...]], list[int], list[int]] | None = None
 
@@ -146,12 +163,17 @@ class TensorTable(Mapping[str, TensorInfo]):
         """``(dtype names, shapes, nbytes, CRCs)`` as lists by row, made on first use: indexing a
         list is the cheapest way to a Python value, and a shape must be a tuple anyway."""
         if self._rows is None:
-            ends = np.cumsum(self._ndims).tolist()
-            dims = self._dims.tolist()
-            starts = [0, *ends[:-1]] if ends else []
-            shapes = list(map(tuple, map(dims.__getitem__, map(slice, starts, ends))))
-            self._rows = ([self._dtype_names[c] for c in self._dtype_codes.tolist()], shapes,
-                          self._nbytes.tolist(), self._crcs.tolist())
+            ndims = self._ndims
+            ends = list(itertools.accumulate(ndims)) if type(ndims) is list else np.cumsum(ndims).tolist()
+            dims = _as_list(self._dims)
+            shapes = list(map(tuple, map(dims.__getitem__, map(slice, [0, *ends[:-1]], ends))))
+            codes = _as_list(self._dtype_codes)
+            if self._nbytes is None:
+                itemsizes: list[int] = self._itemsizes  # type: ignore[assignment]  # given with nbytes=None
+                nbytes = list(map(operator.mul, map(math.prod, shapes), map(itemsizes.__getitem__, codes)))
+            else:
+                nbytes = _as_list(self._nbytes)
+            self._rows = (list(map(self._dtype_names.__getitem__, codes)), shapes, nbytes, _as_list(self._crcs))
         return self._rows
 
 
@@ -180,7 +202,12 @@ def parse_columns(raw: dict[str, Any], itemsize_of: Callable[[object], int | Non
     """Check the columns of an untrusted manifest of ``version`` whole: types, lengths and
     ranges, the keys' rules, and that every shape fits an array; ``itemsize_of`` gives a dtype
     name's item size, or None for a name that is no dtype. Errors name no file: the caller's
-    :func:`~weightstore.errors.naming` attaches it."""
+    :func:`~weightstore.errors.naming` attaches it.
+
+    Up to :data:`FEW_ROWS` tensors the integer columns are checked as Python lists, above it as
+    numpy arrays (see there); both refuse the same manifests with the same words, which the
+    differential test ``tests/test_fast_paths.py::test_columns_read_alike_as_lists_and_as_arrays``
+    binds."""
     fields = set(raw)
     optional = [name for name, since in OPTIONAL_COLUMNS.items() if version >= since]
     if not set(COLUMNS) <= fields <= set(COLUMNS + SPARSE_COLUMNS) | set(optional):
@@ -202,21 +229,29 @@ def parse_columns(raw: dict[str, Any], itemsize_of: Callable[[object], int | Non
     texts = [name for name in names if type(name) is str] if type(names) is list else []  # any other: no dtype, below
     if type(names) is not list or len(names) > MAX_DTYPES or len(set(texts)) != len(texts):
         raise FormatError("manifest 'dtypes' is not a list of distinct dtype names")
-    codes = _int_column(raw, "dtype", count, len(names) - 1)
+    few = count <= FEW_ROWS
+    codes = _int_column(raw, "dtype", count, len(names) - 1, few)
     itemsizes = []
     for code, name in enumerate(names):
         itemsize = itemsize_of(name)
         if itemsize is None:
-            users = np.flatnonzero(codes == code)
-            if users.size:  # the tensor named as a version 1 manifest's entry names it
-                raise FormatError(f"unknown dtype {short_repr(name)}", key=keys[users[0]])
+            user = next((row for row, used in enumerate(codes) if used == code), None)
+            if user is not None:  # the tensor named as a version 1 manifest's entry names it
+                raise FormatError(f"unknown dtype {short_repr(name)}", key=keys[user])
             raise FormatError(f"manifest: unknown dtype {short_repr(name)}")
         itemsizes.append(itemsize)
-    ndims = _int_column(raw, "ndim", count, MAX_NDIM)
-    dims = _int_column(raw, "shape", int(ndims.sum()), MAX_ARRAY_BYTES)
-    crcs = _int_column(raw, "crc32", count, 0xFFFFFFFF)
-    nbytes = _sizes(keys, ndims, dims, np.asarray(itemsizes, dtype=np.int64)[codes])
-    return TensorTable(keys, names, codes, ndims, dims, nbytes, crcs, _digest_column(raw, count))
+    ndims = _int_column(raw, "ndim", count, MAX_NDIM, few)
+    dims = _int_column(raw, "shape", sum(ndims) if few else int(ndims.sum()), MAX_ARRAY_BYTES, few)
+    crcs = _int_column(raw, "crc32", count, 0xFFFFFFFF, few)
+    if few:  # each tensor's bytes are made on first use (listing keys needs none)
+        nbytes = None
+        # the largest dimension to the most dimensions, times the largest item, bounds every
+        # tensor's bytes: within the bound no shape needs a look of its own
+        if max(max(dims, default=1), 1) ** max(ndims, default=0) * max(itemsizes, default=1) > MAX_ARRAY_BYTES:
+            _check_few_sizes(keys, ndims, dims, list(map(itemsizes.__getitem__, codes)))
+    else:
+        nbytes = _sizes(keys, ndims, dims, np.asarray(itemsizes, dtype=np.int64)[codes])
+    return TensorTable(keys, names, codes, ndims, dims, nbytes, crcs, _digest_column(raw, count), itemsizes)
 
 
 def _digest_column(raw: dict[str, Any], count: int) -> str | None:
@@ -241,22 +276,44 @@ def fits_an_array(shape: tuple[int, ...], itemsize: int) -> bool:
     return math.prod(max(size, 1) for size in shape) * itemsize <= MAX_ARRAY_BYTES
 
 
-def _int_column(raw: dict[str, Any], field: str, count: int, most: int) -> np.ndarray:
-    """A list of ``count`` integers from 0 to ``most`` as int64 (``true`` is no integer here)."""
+def _int_column(raw: dict[str, Any], field: str, count: int, most: int, few: bool) -> Any:
+    """A list of ``count`` integers from 0 to ``most`` (``true`` is no integer here): the list
+    itself when ``few``, else as int64; either way one past 64 bits is refused, as numpy
+    refuses to hold it."""
     column = raw[field]
     if type(column) is not list or len(column) != count:
         raise FormatError(f"manifest column {field!r} is not a list of {count} integers")
     if set(map(type, column)) - {int}:
         raise FormatError(f"manifest column {field!r} holds something other than integers")
-    try:
-        values = np.array(column, dtype=np.int64)
-    except OverflowError:
-        raise FormatError(f"manifest column {field!r} holds an integer past 64 bits") from None
-    if values.size and (values.min() < 0 or values.max() > most):
-        bad = int(np.flatnonzero((values < 0) | (values > most))[0])
+    if few:
+        values: Any = column
+        low, high = min(column, default=0), max(column, default=0)
+        if low < _INT64_MIN or high > _INT64_MAX:
+            raise FormatError(f"manifest column {field!r} holds an integer past 64 bits")
+    else:
+        try:
+            values = np.array(column, dtype=np.int64)
+        except OverflowError:
+            raise FormatError(f"manifest column {field!r} holds an integer past 64 bits") from None
+        low, high = (values.min(), values.max()) if column else (0, 0)
+    if column and (low < 0 or high > most):
+        bad = next(i for i, value in enumerate(column) if not 0 <= value <= most)
         raise FormatError(f"manifest column {field!r} holds {column[bad]} (entry {bad}), "
                           f"outside 0..{most}")
     return values
+
+
+def _check_few_sizes(keys: list[str], ndims: list[int], dims: list[int], itemsizes: list[int]) -> None:
+    """:func:`_sizes`'s refusal for a few tensors, on lists: exact Python integers throughout."""
+    ends = list(itertools.accumulate(ndims))
+    shapes = list(map(dims.__getitem__, map(slice, [0, *ends[:-1]], ends)))
+    nbytes = list(map(operator.mul, map(math.prod, shapes), itemsizes))
+    # numpy counts a zero dimension as one (:func:`fits_an_array`); without one, the bytes are the bound
+    bounded = nbytes if 0 not in dims else [
+        math.prod(max(size, 1) for size in shape) * itemsize for shape, itemsize in zip(shapes, itemsizes, strict=True)]
+    if max(bounded, default=0) > MAX_ARRAY_BYTES:
+        i = next(row for row, size in enumerate(bounded) if size > MAX_ARRAY_BYTES)
+        raise FormatError(f"tensor {keys[i]!r} has a shape {tuple(shapes[i])} too large for any array")
 
 
 def _sizes(keys: list[str], ndims: np.ndarray, dims: np.ndarray, itemsizes: np.ndarray) -> np.ndarray:

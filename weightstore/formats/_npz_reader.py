@@ -159,8 +159,13 @@ class NpzReader(ReaderDefaults):
         size = self._source.size
         if size == 0:
             raise FormatError("file is empty", path=self.name)
-        tail_start = max(0, size - (EOCD.size + 0xFFFF))
-        tail = bytes(self._source.read_at(tail_start, size - tail_start))
+        # the end record alone where it has no comment (as the writer writes it), else as far
+        # back as a comment may reach: 64 KB copied (and mapped page by page) for nothing
+        tail_start = size - EOCD.size
+        tail = bytes(self._source.read_at(tail_start, EOCD.size)) if tail_start >= 0 else b""
+        if not (tail.startswith(_zipdir.EOCD_SIG) and tail.endswith(b"\0\0")):
+            tail_start = max(0, size - (EOCD.size + 0xFFFF))
+            tail = bytes(self._source.read_at(tail_start, size - tail_start))
         with naming(path=self.name):
             count, cd_size, cd_offset, eocd_offset = _zipdir.locate_zip64(
                 lambda offset, length: bytes(self._source.read_at(offset, length)), _zipdir.locate(tail, tail_start))
@@ -297,7 +302,7 @@ class NpzReader(ReaderDefaults):
         text_scalar = _TEXT_SCALAR_HEADER.fullmatch(bytes(data[prefix : prefix + header_len]))
         if text_scalar is not None:
             order, length = text_scalar.groups()
-            shape, fortran, dtype = (), False, np.dtype(f"{order.decode()}U{int(length)}")
+            shape, fortran, dtype = (), False, np.dtype(f"{order.decode()}U{int(length)}")  # passes the checks below
         else:
             read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
             try:
@@ -305,16 +310,16 @@ class NpzReader(ReaderDefaults):
             except Exception as exc:  # junk raises ValueError, SyntaxError, tokenize's TokenError, ...
                 detail = (str(exc).splitlines() or [type(exc).__name__])[0][:120]
                 raise FormatError(f"{what} has an unreadable npy header ({detail})", path=self.name) from None
-        if len(shape) > MAX_NDIM or not all(not isinstance(d, bool) and d >= 0 for d in shape):
-            raise FormatError(f"{what} has an invalid shape {shape!r}", path=self.name)
-        if dtype.hasobject:
-            raise UnsafeFileError(f"{what} holds an object array; weightstore never unpickles", path=self.name)
-        if dtype.names is not None:
-            raise UnsafeFileError(f"{what} holds a structured array; only plain numeric arrays are read", path=self.name)
-        if dtype.subdtype is not None or dtype.itemsize == 0:
-            raise FormatError(f"{what} has dtype {dtype.str!r}; only plain numeric arrays are read", path=self.name)
-        if math.prod(max(d, 1) for d in shape) * dtype.itemsize > MAX_ARRAY_BYTES:
-            raise FormatError(f"{what} has a shape {shape} too large for any array", path=self.name)
+            if len(shape) > MAX_NDIM or not all(not isinstance(d, bool) and d >= 0 for d in shape):
+                raise FormatError(f"{what} has an invalid shape {shape!r}", path=self.name)
+            if dtype.hasobject:
+                raise UnsafeFileError(f"{what} holds an object array; weightstore never unpickles", path=self.name)
+            if dtype.names is not None:
+                raise UnsafeFileError(f"{what} holds a structured array; only plain numeric arrays are read", path=self.name)
+            if dtype.subdtype is not None or dtype.itemsize == 0:
+                raise FormatError(f"{what} has dtype {dtype.str!r}; only plain numeric arrays are read", path=self.name)
+            if math.prod(max(d, 1) for d in shape) * dtype.itemsize > MAX_ARRAY_BYTES:
+                raise FormatError(f"{what} has a shape {shape} too large for any array", path=self.name)
         expected = math.prod(shape) * dtype.itemsize
         start = prefix + header_len
         if size - start != expected:

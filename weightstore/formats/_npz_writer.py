@@ -157,19 +157,18 @@ class NpzWriter:
         # the zip CRC covers the npy header too; combining saves a second pass over the data
         crc = 0 if patched else isal_zlib.crc32_combine(isal_zlib.crc32(header), data_crc, len(payload))
         # the encoded size is only bounded, not known: ZIP64 when it might pass 4 GB
-        zip64 = size >= (0xF0000000 if deflate or shuffle else ZIP64_LIMIT) or self._file.tell() >= ZIP64_LIMIT
+        offset = self._offset  # counted, not asked: each ``tell`` of a file being written costs a system call
+        zip64 = size >= (0xF0000000 if deflate or shuffle else ZIP64_LIMIT) or offset >= ZIP64_LIMIT
         encoded = name.encode("utf-8")
-        offset = self._file.tell()
         zip64_extra = struct.pack("<HHQQ", 1, 16, size, size) if zip64 else b""
         fixed = offset + LOCAL.size + len(encoded) + len(zip64_extra) + 4
         padding = struct.pack("<HH", _PAD_ID, -fixed % ALIGNMENT) + b"\0" * (-fixed % ALIGNMENT)
         method = DEFLATED if deflate else STORED
         sizes = (ZIP64_LIMIT, ZIP64_LIMIT) if zip64 else (size, size)
-        self._file.write(
-            LOCAL.pack(LOCAL_SIG, 45 if zip64 else 20, UTF8_FLAG, method, *self._time, crc, *sizes,
-                        len(encoded), len(zip64_extra) + len(padding))
-            + encoded + zip64_extra + padding
-        )
+        local = (LOCAL.pack(LOCAL_SIG, 45 if zip64 else 20, UTF8_FLAG, method, *self._time, crc, *sizes,
+                            len(encoded), len(zip64_extra) + len(padding))
+                 + encoded + zip64_extra + padding)
+        self._file.write(local)
         if deflate:
             data_crc, compressed = self._deflate(header, payload)
         elif shuffle:
@@ -193,7 +192,7 @@ class NpzWriter:
                 self._file.write(struct.pack("<QQ", size, compressed))
             self._file.seek(end)
         self._written += (encoded, offset, crc, compressed, size, method)
-        self._offset = self._file.tell()
+        self._offset = offset + len(local) + compressed
         return data_crc
 
     def _deflate(self, header: bytes, payload: memoryview) -> tuple[int, int]:
@@ -210,12 +209,11 @@ class NpzWriter:
     def commit(self, manifest_text: str) -> None:
         manifest = np.array(manifest_text)
         self._add_member(MANIFEST_MEMBER, npy_header(manifest.dtype, ()), manifest)
-        directory_offset = self._file.tell()
-        self._file.write(self._central_directory())
-        directory_size = self._file.tell() - directory_offset
+        directory_offset = self._offset
+        directory_size = self._file.write(self._central_directory())
         count = len(self._written) // _WRITTEN_FIELDS
         if count >= 0xFFFF or directory_offset >= ZIP64_LIMIT or directory_size >= ZIP64_LIMIT:
-            record_offset = self._file.tell()
+            record_offset = directory_offset + directory_size
             self._file.write(EOCD64.pack(EOCD64_SIG, 44, 45, 45, 0, 0, count, count, directory_size, directory_offset))
             self._file.write(LOCATOR64.pack(LOCATOR64_SIG, 0, record_offset, 1))
             count, directory_size, directory_offset = 0xFFFF, ZIP64_LIMIT, ZIP64_LIMIT

@@ -28,6 +28,9 @@ EOCD64 = struct.Struct("<4sQ2H2I4Q")
 LOCATOR64 = struct.Struct("<4sIQI")
 LOCAL = struct.Struct("<4s5H3I2H")
 CENTRAL_SIZE = 46
+#: one entry's fixed part as ``struct`` reads it (:data:`CENTRAL_RECORD`'s fields): for one
+#: entry, a tenth of numpy's cost
+_CENTRAL = struct.Struct("<4s6H3I5HII")
 LOCAL_SIG, CENTRAL_SIG = b"PK\x03\x04", b"PK\x01\x02"
 EOCD_SIG, EOCD64_SIG, LOCATOR64_SIG = b"PK\x05\x06", b"PK\x06\x06", b"PK\x06\x07"
 STORED, DEFLATED = 0, 8
@@ -342,15 +345,15 @@ def last_member(directory: bytes, cd_offset: int, name: str) -> Member | None:
     start = len(directory) - CENTRAL_SIZE - len(raw)
     if start < 0 or directory[start + CENTRAL_SIZE :] != raw:
         return None
-    entry = np.frombuffer(directory, CENTRAL_RECORD, 1, start)[0]
-    method, compressed, size, offset = int(entry["method"]), int(entry["compressed"]), int(entry["size"]), int(entry["offset"])
-    if (entry["sig"] != CENTRAL_SIG or entry["name_len"] != len(raw) or entry["extra_len"] or entry["comment_len"]
-            or entry["flags"] & ENCRYPTED_FLAG or ZIP64_LIMIT in (compressed, size, offset)
+    (sig, _, _, flags, method, _, _, crc, compressed, size, name_len, extra_len, comment_len, _, _, _,
+     offset) = _CENTRAL.unpack_from(directory, start)
+    if (sig != CENTRAL_SIG or name_len != len(raw) or extra_len or comment_len
+            or flags & ENCRYPTED_FLAG or ZIP64_LIMIT in (compressed, size, offset)
             or not (method == STORED and size == compressed
                     or method == DEFLATED and size <= compressed * MAX_DEFLATE_RATIO + DEFLATE_SLACK_BYTES)
             or offset + LOCAL.size + len(raw) + compressed > cd_offset):
         return None
-    return Member(name, offset, int(entry["crc"]), compressed, size, method, cd_offset, raw)
+    return Member(name, offset, crc, compressed, size, method, cd_offset, raw)
 
 
 def spans(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:

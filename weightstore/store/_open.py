@@ -331,12 +331,13 @@ def _open(path: Any, *, verify: bool, format: str | None, mmap: bool) -> Store: 
         if found is None:
             raise StoreNotFoundError(f"holds nothing the {named.name} format reads", path=place.text)
         return found
-    if asked is None and not place.remote and not (named is not None and place.is_file()):
+    is_file = named is not None and not place.remote and place.is_file()
+    if asked is None and not place.remote and not is_file:
         found = _open_found(place, finders(), verify, mmap)  # a store file never asks: nor loads their readers
         if found is not None:
             return found
     try:
-        return _open_file(place, asked or named, verify, mmap)
+        return _open_file(place, asked or named, verify, mmap, is_file=is_file)
     except FileNotFoundError as exc:
         if isinstance(exc, WeightStoreError):  # a reader's own word on what is missing
             raise
@@ -366,11 +367,12 @@ def _open_found(place: Place, formats: list[Format], verify: bool, mmap: bool) -
     return None
 
 
-def _open_file(place: Place, fmt: Format | None, verify: bool, mmap: bool) -> Store:
+def _open_file(place: Place, fmt: Format | None, verify: bool, mmap: bool, *, is_file: bool = False) -> Store:
     """A file of format ``fmt`` (asked for, or its suffix's), else of its first bytes' (sniffed
-    from the first request of a URL: an npz's index lies at the end, so that costs one more)."""
+    from the first request of a URL: an npz's index lies at the end, so that costs one more).
+    ``is_file``: a regular file was found there already (so it is no folder)."""
     location = place.text
-    if not place.remote and os.path.isdir(location):
+    if not place.remote and not is_file and os.path.isdir(location):
         raise StoreNotFoundError("is a folder, not a weight file", path=location)
     source = place.source()
     try:
