@@ -443,7 +443,11 @@ def _collect_targets(graph: tf.Graph) -> dict[str, _Target]:
         whole.trainable &= name in trainable
         index = tuple(slice(o, o + s) for o, s in zip(slice_info.var_offset, slice_info.var_shape, strict=True))
         whole.parts.append(_Part(variable, index))
-    training = _tf1_training.in_graph({op.name: (op.type, [t.op.name for t in op.inputs]) for op in graph.get_operations()},
+    operations = graph.get_operations()
+    types = [op.type for op in operations]
+    trained = any(map(_tf1_training.trains, types))  # an inference graph: no op's inputs are followed
+    training = _tf1_training.in_graph({op.name: (kind, [t.op.name for t in op.inputs] if trained else [])
+                                      for op, kind in zip(operations, types, strict=True)},
                                      [v.op.name for v in graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_STEP)])
     for target in targets.values():
         target.training = any(part.variable.op.name in training for part in target.parts)
