@@ -24,7 +24,7 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-__all__ = ["by_naming", "in_checkpoint", "in_graph"]
+__all__ = ["by_naming", "in_checkpoint", "in_graph", "trains"]
 
 _TRAINING_OP = re.compile(r"(Resource)?(Sparse)?Apply[A-Z]\w*")
 _VARIABLE_OPS = frozenset({"VarHandleOp", "VariableV2", "Variable"})
@@ -42,6 +42,12 @@ def in_graph(nodes: Mapping[str, tuple[str, list[str]]], global_steps: Iterable[
         if _TRAINING_OP.fullmatch(op_type):
             found.update(variable for variable in (_variable(nodes, name) for name in inputs[1:]) if variable)
     return found
+
+
+def trains(op_type: str) -> bool:
+    """Whether an op of this type is a training op, whose inputs :func:`in_graph` follows: where
+    a graph has none, its ops' inputs need not be listed (a few microseconds an op)."""
+    return _TRAINING_OP.fullmatch(op_type) is not None
 
 
 def in_checkpoint(prefix: str, keys: Iterable[str]) -> set[str]:

@@ -27,13 +27,24 @@ order).
 :func:`shares_mapped` names the values TensorFlow can take over for nothing: views of a mapped
 file that it wraps rather than copies (:mod:`weightstore.adapters.tf1` feeds them first, so the
 variables' old buffers are free before the ``Empty`` ops ask for new ones).
+
+A buffer TensorFlow frees goes back to the system when it is large (glibc unmaps it), so each
+``Empty`` buffer was fresh memory: 64,000 page faults per 256 MB, half the CPU of a repeated cold
+``tf1.assign``. A session therefore remembers, weakly, the staged array it fed each variable
+(:func:`lend`); when the variable lets it go for the file's pages, :func:`reclaim` takes it back,
+once TensorFlow holds no reference to it, and the next value is copied into it: memory already
+faulted in, and the same memory the variable held, so the model is still held once. Between
+assigns only weak references are kept, so an array the variables drop (re-initialized, restored
+by other means, the session closed) is freed as before.
 """
 
 from __future__ import annotations
 
 import math
 import mmap
+import sys
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -47,7 +58,7 @@ with needs("tf", __name__):
 from weightstore.adapters.skeleton import copy_into, is_handed_over, private_copy
 from weightstore.io._buffer import ALIGNMENT, memory_owner
 
-__all__ = ["shares_mapped", "staged_copy", "staged_feeds"]
+__all__ = ["held_back", "lend", "reclaim", "shares_mapped", "staged_copy", "staged_feeds"]
 
 #: smaller values keep a :func:`private_copy`: the ``Empty`` op's fixed cost (about 35 us) is more
 #: than a copy of them into heap memory numpy reuses (docs/benchmarks.md's git history), and their share of a
@@ -118,6 +129,66 @@ def shares_mapped(array: np.ndarray, dtype: np.dtype) -> bool:
             and array.nbytes >= STAGED_FROM and array.flags.c_contiguous and array.ctypes.data % ALIGNMENT == 0)
 
 
+def lend(sess: Any, names: list[str], feeds: list[np.ndarray]) -> None:
+    """Remember, weakly, that the variables ``names`` of ``sess`` were fed these staged arrays."""
+    lent = _lent(sess)
+    if lent is not None:
+        with _lent_lock:
+            for name, feed in zip(names, feeds, strict=True):
+                lent[name] = weakref.ref(feed)
+
+
+def held_back(sess: Any, names: list[str]) -> list[np.ndarray | None]:
+    """The arrays :func:`lend` last recorded for ``names``, where they are still alive (held by
+    their variables, most likely), each taken out of the record so one assign alone may reclaim it.
+    The caller holds them across the run that makes the variables let go, then :func:`reclaim`."""
+    lent = _lent(sess)
+    if not lent:
+        return [None] * len(names)
+    with _lent_lock:
+        refs = [lent.pop(name, None) for name in names]
+    return [None if ref is None else ref() for ref in refs]
+
+
+def reclaim(held: list[np.ndarray | None], values: list[tuple[np.ndarray, np.dtype]]) -> list[np.ndarray | None]:
+    """Each value copied into its held array, where TensorFlow no longer refers to that array and
+    it fits the value (same bytes); ``None`` where not (the array, if any, is left to be freed).
+
+    An array TensorFlow still refers to (a run in another thread reading the old value, or a
+    variable that copied rather than took over) is never written: the only references left are
+    ``held``'s and this function's, which ``sys.getrefcount`` counts exactly."""
+    out: list[np.ndarray | None] = []
+    for i, (array, dtype) in enumerate(values):
+        buffer = held[i]
+        held[i] = None
+        dtype = np.dtype(dtype)
+        size = math.prod(array.shape) * dtype.itemsize
+        # references: ``buffer`` here and getrefcount's argument, nothing else
+        if (buffer is None or sys.getrefcount(buffer) > 2 or buffer.nbytes != size or not buffer.flags.c_contiguous
+                or not buffer.flags.writeable or buffer.ctypes.data % ALIGNMENT):
+            out.append(None)
+            continue
+        target = buffer.reshape(-1).view(np.uint8).view(dtype).reshape(array.shape)
+        copy_into(target, array)
+        out.append(target)
+    return out
+
+
+def _lent(sess: Any) -> dict[str, weakref.ref] | None:
+    """The session's record of what :func:`lend` fed its variables (``None``: a session that
+    takes no attributes). On the session, so it goes with it."""
+    lent = getattr(sess, "_weightstore_lent", None)
+    if lent is None:
+        try:
+            lent = sess._weightstore_lent = {}
+        except AttributeError:
+            return None
+    return lent
+
+
+_lent_lock = threading.Lock()
+
+
 def _empty(dtype: np.dtype, shapes: list[tuple[int, ...]]) -> list[np.ndarray] | None:
     """Writable uninitialized arrays in TensorFlow's memory, or ``None`` (the dtype remembered as
     unstageable) where TensorFlow has no such dtype or no CPU ``Empty`` kernel for it."""
@@ -142,8 +213,10 @@ class _Stager:
     def __init__(self, dtype: np.dtype):
         self._dtype = tf.as_dtype(dtype)
         self._graph = tf.Graph()
-        self._session = tf.compat.v1.Session(graph=self._graph,
-                                             config=tf.compat.v1.ConfigProto(device_count={"GPU": 0}))
+        config = tf.compat.v1.ConfigProto(device_count={"GPU": 0})
+        # nothing to optimize in a chain of Empty ops: Grappler took most of its first run's compile
+        config.graph_options.rewrite_options.disable_meta_optimizer = True
+        self._session = tf.compat.v1.Session(graph=self._graph, config=config)
         self._ops: list[tuple[Any, Any]] = []  # (shape placeholder, Empty's output)
         self._chains = 0
         self._lock = threading.Lock()

@@ -59,7 +59,7 @@ with needs("tf", __name__):
 from weightstore.adapters import _tf1_callables, _tf1_training
 from weightstore.adapters._reload import MEMORY
 from weightstore.adapters._report import Plan, TargetInfo
-from weightstore.adapters._tf_staging import STAGED_FROM, shares_mapped, staged_feeds
+from weightstore.adapters._tf_staging import STAGED_FROM, held_back, lend, reclaim, shares_mapped, staged_feeds
 from weightstore.adapters.plan import AssignOptions, AssignWords, Report, Selection, SelectionWords, plan_assign
 from weightstore.adapters.skeleton import Target, run_assign
 from weightstore.core._heap import give_back
@@ -299,7 +299,10 @@ def _run_batch(sess: Any, writers: _tf1_callables.Writers, values: list[tuple[np
     memory, the batch runs twice instead: the variables first take over the file's pages (the
     right values, in no memory of the process's own), which frees their old buffers; the staged
     copies, made only then, reuse those very buffers, and the second run hands them over and lets
-    the file go. Both runs feed the same tensors to the same ops, so one compiled callable serves
+    the file go. Where a variable's old buffer was the staged copy of an earlier assign, the new
+    value is copied into that very array (:func:`~weightstore.adapters._tf_staging.reclaim`, once
+    TensorFlow no longer refers to it): memory already faulted in, where a fresh ``Empty`` buffer
+    cost a page fault every 4 KiB (a repeated cold assign of 256 MB: 0.30 CPU-s to 0.12-0.20). Both runs feed the same tensors to the same ops, so one compiled callable serves
     both. An old buffer that was a fed numpy array (a variable keeps an aligned one as it is) goes
     back to the C heap, which keeps its pages for allocations TensorFlow's pool never makes, so
     they are handed back (:func:`weightstore.core._heap.give_back`) before the copies are made. A
@@ -316,10 +319,21 @@ def _run_batch(sess: Any, writers: _tf1_callables.Writers, values: list[tuple[np
 
     stage([i for i in range(len(values)) if not in_place[i] and not mapped[i]])
     if any(mapped):
+        chosen = [i for i in range(len(values)) if mapped[i]]
+        held = held_back(sess, [variables[i].op.name for i in chosen])
         _tf1_callables.run(sess, writers, feeds)
-        give_back()
-        stage([i for i in range(len(values)) if mapped[i]])
+        reclaimed = reclaim(held, [values[i] for i in chosen])
+        del held  # what was not reclaimed is freed now, before the new copies
+        for i, feed in zip(chosen, reclaimed, strict=True):
+            if feed is not None:
+                feeds[i] = feed
+        fresh = [i for i, feed in zip(chosen, reclaimed, strict=True) if feed is None]
+        if fresh:
+            give_back()
+            stage(fresh)
     _tf1_callables.run(sess, writers, feeds)
+    staged = [i for i in range(len(values)) if feeds[i] is not values[i][0]]
+    lend(sess, [variables[i].op.name for i in staged], [feeds[i] for i in staged])
 
 
 def _in_place(op: tf.Operation, array: np.ndarray, dtype: np.dtype) -> bool:
@@ -429,7 +443,11 @@ def _collect_targets(graph: tf.Graph) -> dict[str, _Target]:
         whole.trainable &= name in trainable
         index = tuple(slice(o, o + s) for o, s in zip(slice_info.var_offset, slice_info.var_shape, strict=True))
         whole.parts.append(_Part(variable, index))
-    training = _tf1_training.in_graph({op.name: (op.type, [t.op.name for t in op.inputs]) for op in graph.get_operations()},
+    operations = graph.get_operations()
+    types = [op.type for op in operations]
+    trained = any(map(_tf1_training.trains, types))  # an inference graph: no op's inputs are followed
+    training = _tf1_training.in_graph({op.name: (kind, [t.op.name for t in op.inputs] if trained else [])
+                                      for op, kind in zip(operations, types, strict=True)},
                                      [v.op.name for v in graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_STEP)])
     for target in targets.values():
         target.training = any(part.variable.op.name in training for part in target.parts)

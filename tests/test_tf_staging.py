@@ -240,3 +240,31 @@ def test_the_first_assign_in_a_process_does_not_keep_a_second_model(tmp_path, sc
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["right"]
     assert out["kept"] < 0.25 * out["model"], out  # numpy copies, adopted, left 1.0x in TF's pool
+
+
+def test_a_repeated_tf1_assign_copies_into_the_buffers_its_variables_let_go_of(tmp_path):
+    """A second assign from a mapped file copies each value into the staged buffer the variable
+    held, once the variable has let go of it (no new memory to fault in), never into one that
+    anything else still refers to; and the session remembers them only weakly."""
+    first = {"a": values(np.dtype("float32"), 10), "b": values(np.dtype("float32"), 11)}
+    second = {"a": values(np.dtype("float32"), 12), "b": values(np.dtype("float32"), 13)}
+    ws.save(tmp_path / "first.npz", first)
+    ws.save(tmp_path / "second.npz", second)
+    graph = tf.Graph()
+    with graph.as_default(), tf.compat.v1.Session(graph=graph) as sess:
+        made = {key: tf.compat.v1.get_variable(key, (ROWS, 8), tf.float32, tf.compat.v1.random_normal_initializer())
+                for key in first}
+        initialize = tf.compat.v1.global_variables_initializer()
+        sess.run(initialize)
+        tf1.assign(sess, tmp_path / "first.npz")
+        kept = sess._weightstore_lent["a"]()  # as if something still read a's old buffer
+        b_address = sess._weightstore_lent["b"]().ctypes.data
+        tf1.assign(sess, tmp_path / "second.npz")
+        assert sess._weightstore_lent["b"]().ctypes.data == b_address
+        assert sess._weightstore_lent["a"]() is not kept
+        np.testing.assert_array_equal(kept, first["a"])
+        for key, variable in made.items():
+            np.testing.assert_array_equal(sess.run(variable), second[key])
+        del kept
+        sess.run(initialize)  # the variables drop the staged buffers, which nothing keeps alive
+        assert all(ref() is None for ref in sess._weightstore_lent.values())
