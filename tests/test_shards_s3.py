@@ -18,11 +18,12 @@ from weightstore.sharded import _shards as shards
 from weightstore.sync import _stages as stages
 
 BUCKET = "weightstore-shards"
-#: 23 MiB in rows of 16 KiB, 375 rows a writer and 500 a reader: a reader's region starts and
-#: ends inside blocks (6 rows: 1/64 of a piece) of the pieces, so it fetches up to two partial
-#: blocks of rows beyond its 7.8 MiB share; a reader of a third of the columns starts and
-#: ends inside column strips (64 columns), and fetches up to two partial strips more
-ROWS, COLS = 1500, 4096
+#: 8.1 MiB in rows of 16 KiB, 129 rows a writer and 172 a reader: the pieces are stored as
+#: column strips (64 columns) in tiles of 4 rows, and a reader's region starts and ends inside
+#: tiles (rows 43 and 86 of a piece), so it fetches up to two partial tiles of rows beyond its
+#: 2.7 MiB share; a reader of a third of the columns starts and ends inside column strips, and
+#: fetches up to two partial strips more. The fewest rows that keep both (CPU: the suite's budget)
+ROWS, COLS = 516, 4096
 
 
 @pytest.fixture
