@@ -126,7 +126,9 @@ WORKER = MODEL + textwrap.dedent("""
         def kept(where, step, call, what):
             digest = hashlib.sha256(folder_for(where).where.encode()).hexdigest()[:16]
             try:
-                context.context().get_config_key_value(f"weightstore/{digest}/step-{step}/call-{call}/{what}", 1)
+                # a present key answers at once; 250 ms leaves a busy machine's round trip time
+                # (1 ms did not: a kept key read as deleted), and bounds the wait on each absent one
+                context.context().get_config_key_value(f"weightstore/{digest}/step-{step}/call-{call}/{what}", 250)
                 return True
             except tf.errors.OpError:
                 return False
