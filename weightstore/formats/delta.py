@@ -581,17 +581,8 @@ class DeltaReader(ReaderDefaults):
         for key, info in self._manifest.tensors.items():
             level: Any = self
             while isinstance(level, DeltaReader) and level._entries[key][0] != RAW:
-                base = level._base
-                try:
-                    held = base.info(key)
-                except KeyError:
-                    raise FormatError(f"is stored as a change of base {level.head.base}, which has no such tensor",
-                                      path=self.name, key=key) from None
-                if held.dtype != info.dtype or tuple(held.shape) != tuple(info.shape):
-                    raise FormatError(f"is stored as a change of base {level.head.base}'s tensor, which is "
-                                      f"{held.dtype} {held.shape}, not {info.dtype} {info.shape}", path=self.name,
-                                      key=key)
-                level = base
+                level._check_base(key, info, self.name)
+                level = level._base
             total += info.nbytes
         return total
 
@@ -704,16 +695,21 @@ class DeltaReader(ReaderDefaults):
                                 path=self.name, key=key)
         return from_storage(out.view(storage_dtype(info.dtype)).reshape(info.shape), info.dtype)
 
-    def _base_bytes(self, key: str, info: TensorInfo) -> np.ndarray:
-        base = self._base
+    def _check_base(self, key: str, info: TensorInfo, where: str) -> None:
+        """That the base holds ``key`` as ``info`` (dtype and shape), a change of which this
+        version stores; ``where``: the file a refusal names."""
         try:
-            held = base.info(key)
+            held = self._base.info(key)
         except KeyError:
             raise FormatError(f"is stored as a change of base {self.head.base}, which has no such tensor",
-                              path=self.name, key=key) from None
+                              path=where, key=key) from None
         if held.dtype != info.dtype or tuple(held.shape) != tuple(info.shape):
             raise FormatError(f"is stored as a change of base {self.head.base}'s tensor, which is {held.dtype} "
-                              f"{held.shape}, not {info.dtype} {info.shape}", path=self.name, key=key)
+                              f"{held.shape}, not {info.dtype} {info.shape}", path=where, key=key)
+
+    def _base_bytes(self, key: str, info: TensorInfo) -> np.ndarray:
+        self._check_base(key, info, self.name)
+        base = self._base
         if isinstance(base, DeltaReader):
             return base.rebuilt(key)
         try:

@@ -44,18 +44,14 @@ from weightstore.formats._sharded_index import (
 from weightstore.io.folders import Folder
 from weightstore.sync._delta import Delta, Plan, Stored, _Held, plan_against
 from weightstore.sync._folder import SHARDED_SUFFIX, read_index
-from weightstore.sync._pinning import read_latest
 
 _log = logging.getLogger("weightstore")
 
 def base_version(delta: Delta, target: Folder, step: int, world: int) -> ShardIndex | None:
     """The version this step's members may be deltas of (what every rank reads alike), or
     ``None`` when the version must be written full (see the module)."""
-    try:
-        pointer = read_latest(target)
-    except WeightStoreError:
-        return None
-    if pointer is None or pointer.step >= step or delta.anchor_every <= 1:
+    pointer = delta.base_pointer(target, step)
+    if pointer is None:
         return None
     name = pointer.path.rsplit("/", 1)[-1]
     if not name.endswith(SHARDED_SUFFIX):

@@ -139,11 +139,8 @@ class Delta:
     def plan(self, target: Folder, step: int, tensors: dict[str, Stored]) -> Plan | None:
         """A delta against the version ``LATEST`` names, or ``None`` when a full version is due
         (see the module); a base that cannot be read back is logged and costs a full version."""
-        try:
-            pointer = read_latest(target)
-        except WeightStoreError:
-            return None
-        if pointer is None or pointer.step >= step or self.anchor_every <= 1:
+        pointer = self.base_pointer(target, step)
+        if pointer is None:
             return None
         base = pointer.path.rsplit("/", 1)[-1]
         if base.endswith(SHARDED_SUFFIX) or not VERSION_NAME.match(base):
@@ -167,6 +164,17 @@ class Delta:
             _log.warning("weightstore: publishing step %d to %s: base %s cannot be read back (%s); writing a full "
                          "version", step, target.where, base, exc)
             return None
+
+    def base_pointer(self, target: Folder, step: int) -> Version | None:
+        """The version ``LATEST`` names where a delta of ``step`` may be based on it (readable,
+        older than ``step``, and deltas not turned off by ``anchor_every=1``), else ``None``."""
+        try:
+            pointer = read_latest(target)
+        except WeightStoreError:
+            return None
+        if pointer is None or pointer.step >= step or self.anchor_every <= 1:
+            return None
+        return pointer
 
     def _encode(self, target: Folder, pointer: Version, base: str, chain: list[str], chain_bytes: int, step: int,
                 tensors: dict[str, Stored]) -> Plan | None:
