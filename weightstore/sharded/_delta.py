@@ -50,7 +50,7 @@ _log = logging.getLogger("weightstore")
 def base_version(delta: Delta, target: Folder, step: int, world: int) -> ShardIndex | None:
     """The version this step's members may be deltas of (what every rank reads alike), or
     ``None`` when the version must be written full (see the module)."""
-    pointer = delta.base_pointer(target, step)
+    pointer = delta._base_pointer(target, step)
     if pointer is None:
         return None
     name = pointer.path.rsplit("/", 1)[-1]
@@ -77,7 +77,7 @@ def plan_member(delta: Delta, target: Folder, base: ShardIndex, rank: int, step:
     them; and each stored tensor's dtype and shape), or the delta does not pay. A base member that cannot be read back is logged and
     costs a full member."""
     file = base.members[rank].file
-    held = delta.held
+    held = delta._held
     shapes = {name: (item.dtype, item.shape) for name, item in tensors.items()}
     try:
         if held is not None and (held.where, held.step, held.name) == (target.where, base.step, file):
@@ -89,7 +89,7 @@ def plan_member(delta: Delta, target: Folder, base: ShardIndex, rank: int, step:
             chain, chain_bytes = _chain(file, head)
             if chain is None:
                 return None
-            return delta.from_memory(held, step, file, chain, chain_bytes, tensors)
+            return delta._from_memory(held, step, file, chain, chain_bytes, tensors)
         with _open_member(target, file) as reader:
             infos = [reader.info(name) for name in reader.keys()]  # noqa: SIM118 - a Reader, not a dict
             if _layout_of(reader) != layout or shapes != {info.key: (info.dtype, tuple(info.shape)) for info in infos}:
@@ -144,7 +144,7 @@ def _layout_of(reader: Any) -> Any:
 def remember(delta: Delta, target: Folder, step: int, file: str, tensors: dict[str, Stored], plan: Plan | None,
              layout: dict[str, Any]) -> None:
     """After writing this rank's member ``file`` of ``step``: remember it as the next delta's base."""
-    delta.remembered(_Held(target.where, step, file, "", tensors, None if plan is None else plan.head, layout), plan)
+    delta._remember(_Held(target.where, step, file, "", tensors, None if plan is None else plan.head, layout), plan)
 
 
 def index_delta(target: Folder, records: list[DoneRecord], full_bytes: int) -> IndexDelta | None:

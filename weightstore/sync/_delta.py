@@ -139,7 +139,7 @@ class Delta:
     def plan(self, target: Folder, step: int, tensors: dict[str, Stored]) -> Plan | None:
         """A delta against the version ``LATEST`` names, or ``None`` when a full version is due
         (see the module); a base that cannot be read back is logged and costs a full version."""
-        pointer = self.base_pointer(target, step)
+        pointer = self._base_pointer(target, step)
         if pointer is None:
             return None
         base = pointer.path.rsplit("/", 1)[-1]
@@ -165,7 +165,7 @@ class Delta:
                          "version", step, target.where, base, exc)
             return None
 
-    def base_pointer(self, target: Folder, step: int) -> Version | None:
+    def _base_pointer(self, target: Folder, step: int) -> Version | None:
         """The version ``LATEST`` names where a delta of ``step`` may be based on it (readable,
         older than ``step``, and deltas not turned off by ``anchor_every=1``), else ``None``."""
         try:
@@ -180,7 +180,7 @@ class Delta:
                 tensors: dict[str, Stored]) -> Plan | None:
         held = self._held
         if held is not None and self._holds(held, target, pointer, base):
-            return self.from_memory(held, step, base, chain, chain_bytes, tensors)
+            return self._from_memory(held, step, base, chain, chain_bytes, tensors)
         with pointer._weightstore_open(verify=True) as store:  # read back: anchor and chain, verified
             def read_back(key: str, item: Stored) -> np.ndarray | None:
                 if key not in store:
@@ -193,7 +193,7 @@ class Delta:
 
             return plan_against(step, base, chain, chain_bytes, tensors, read_back)
 
-    def from_memory(self, held: _Held, step: int, base: str, chain: list[str], chain_bytes: int,
+    def _from_memory(self, held: _Held, step: int, base: str, chain: list[str], chain_bytes: int,
                     tensors: dict[str, Stored]) -> Plan | None:
         """The plan against ``held``, the remembered version (:func:`_plan`)."""
         full_bytes = sum(len(item.data) for item in tensors.values())
@@ -213,11 +213,6 @@ class Delta:
         return _plan(step, base, chain, chain_bytes, full_bytes, tensors, remembered, last is None,
                      self._last_codecs)
 
-    @property
-    def held(self) -> _Held | None:
-        """The version remembered (``None``: none, or ``remember=False``)."""
-        return self._held
-
     @staticmethod
     def _holds(held: _Held, target: Folder, pointer: Version, base: str) -> bool:
         """Whether the remembered version is the one ``LATEST`` names (same folder, step, file, time)."""
@@ -225,10 +220,10 @@ class Delta:
 
     def published(self, target: Folder, version: Version, tensors: dict[str, Stored], plan: Plan | None) -> None:
         """Remember ``version``, just published with ``tensors`` (as ``plan``, or full), as the next delta's base."""
-        self.remembered(_Held(target.where, version.step, version.path.rsplit("/", 1)[-1], version.created, tensors,
+        self._remember(_Held(target.where, version.step, version.path.rsplit("/", 1)[-1], version.created, tensors,
                               None if plan is None else plan.head), plan)
 
-    def remembered(self, held: _Held, plan: Plan | None) -> None:
+    def _remember(self, held: _Held, plan: Plan | None) -> None:
         """Remember ``held`` (its tensors copied), just published as ``plan`` (or full)."""
         self.last_kind = "full" if plan is None else "delta"
         if plan is not None:
