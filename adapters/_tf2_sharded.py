@@ -316,13 +316,14 @@ class _Channel:
         no worker reads again, as :meth:`weightstore.sharded._agree.Meeting.sweep` does in c10d's
         and JAX's stores. Every worker has read this call's attempt, and, as a process makes its
         calls one after another, the news of each call before: so this call's attempt and word of
-        giving up go, and every key of the calls before it; its news of the commit stays until
-        the next. A service that refuses leaves them, never failing the publish."""
+        giving up go, and every key of the calls to this folder before it; its news of the
+        commit stays until the next. A service that refuses leaves them, never failing the publish."""
         if self.alone:
             return
+        folder = self.prefix.split("/step-")[0] + "/"  # another folder's calls are its own commits' to sweep
         with _lock:
-            before = [prefix for prefix in _unswept if prefix != self.prefix]
-            _unswept[:] = [self.prefix]
+            before = [prefix for prefix in _unswept if prefix != self.prefix and prefix.startswith(folder)]
+            _unswept[:] = [prefix for prefix in _unswept if not prefix.startswith(folder)] + [self.prefix]
         keys = [f"{prefix}/{what}" for prefix in before for what in ("attempt", "gave-up", "committed")]
         for key in [*keys, f"{self.prefix}/attempt", f"{self.prefix}/gave-up"]:
             with contextlib.suppress(tf.errors.OpError):  # not there (no worker gave up), or the service failing

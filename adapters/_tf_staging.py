@@ -43,6 +43,7 @@ from __future__ import annotations
 import math
 import mmap
 import sys
+import sysconfig
 import threading
 import weakref
 from typing import Any
@@ -66,6 +67,11 @@ __all__ = ["held_back", "lend", "reclaim", "shares_mapped", "staged_copy", "stag
 STAGED_FROM = 1 << 20
 _unstageable: set[np.dtype] = set()  # dtypes TensorFlow has no CPU ``Empty`` kernel (or no type) for
 _DIMENSION_LIMIT = 1 << 31  # ``Empty`` takes its shape as int32
+#: whether ``sys.getrefcount`` counts every reference, which reusing a let-go array relies on:
+#: true of CPython with the GIL up to 3.13; 3.14 may count fewer (borrowed stack references)
+#: and free-threaded builds split the count, so there no array is reused
+_EXACT_REFCOUNTS = (sys.implementation.name == "cpython" and sys.version_info < (3, 14)
+                    and not sysconfig.get_config_var("Py_GIL_DISABLED"))
 
 
 def staged_copy(array: np.ndarray, dtype: np.dtype) -> Any:
@@ -164,7 +170,7 @@ def reclaim(held: list[np.ndarray | None], values: list[tuple[np.ndarray, np.dty
         dtype = np.dtype(dtype)
         size = math.prod(array.shape) * dtype.itemsize
         # references: ``buffer`` here and getrefcount's argument, nothing else
-        if (buffer is None or sys.getrefcount(buffer) > 2 or buffer.nbytes != size or not buffer.flags.c_contiguous
+        if (buffer is None or not _EXACT_REFCOUNTS or sys.getrefcount(buffer) > 2 or buffer.nbytes != size or not buffer.flags.c_contiguous
                 or not buffer.flags.writeable or buffer.ctypes.data % ALIGNMENT):
             out.append(None)
             continue

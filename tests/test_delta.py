@@ -571,3 +571,19 @@ def test_a_sparse_change_hashed_as_applied_rebuilds_or_is_refused(tmp_path, dama
             with pytest.raises(ws.ChecksumError) as caught:
                 store.read_from("w", Path(first.path).name, held, in_place=True)
             assert caught.value.key == "w" and Path(version.path).name in str(caught.value.path)
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_held_copy_of_another_size_is_not_rebuilt_onto_and_is_left_as_it_was(tmp_path, in_place):
+    """Bytes held that are not the tensor's size (a hostile member's manifest against its index,
+    a held tensor of another shape) are never taken for the rebuilt version: ``None`` (read it
+    whole), whatever the newest change's codec, and the held bytes untouched."""
+    weights = {"w": np.arange(1000, dtype=np.float32)}
+    delta = ws.Delta()
+    first = ws.publish(tmp_path, weights, step=1, delta=delta)
+    version = ws.publish(tmp_path, {"w": weights["w"] + 1}, step=2, delta=delta)  # every element: raw or xor
+    for held in (np.arange(999, dtype=np.float32), np.arange(1001, dtype=np.float32)):
+        before = held.copy()
+        with ws.open(version) as store:
+            assert store.read_from("w", Path(first.path).name, held.view(np.uint8), in_place=in_place) is None
+        assert held.tobytes() == before.tobytes()

@@ -155,9 +155,11 @@ def member_name(rank: int, suffix: str = ".safetensors") -> str:
     return f"rank-{rank:05d}{suffix}"
 
 
-def _member_names(rank: int, folder: str = "") -> set[str]:
-    """The names rank ``rank``'s member may have (in ``folder``), one per member format."""
-    return {folder + member_name(rank, suffix) for suffix in (*MEMBER_SUFFIXES, DELTA_MEMBER_SUFFIX)}
+def _member_names(rank: int, folder: str = "", *, deltas: bool = True) -> set[str]:
+    """The names rank ``rank``'s member may have (in ``folder``), one per member format
+    (``deltas=False``: not a delta member, which indexes before block tables cannot describe)."""
+    suffixes = (*MEMBER_SUFFIXES, DELTA_MEMBER_SUFFIX) if deltas else MEMBER_SUFFIXES
+    return {folder + member_name(rank, suffix) for suffix in suffixes}
 
 
 def done_name(rank: int) -> str:
@@ -548,7 +550,7 @@ class ShardIndex:
             if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) or entry.get("rank") != rank:
                 raise FormatError(f"member {rank} is not a file entry of rank {rank}")
             expected = f"{attempt_folder(step, attempt)}/{member_name(rank)}"
-            if entry["file"] not in _member_names(rank, f"{attempt_folder(step, attempt)}/"):
+            if entry["file"] not in _member_names(rank, f"{attempt_folder(step, attempt)}/", deltas=False):
                 raise FormatError(f"member {rank} must be {expected!r} (or another member format's suffix), "
                                   f"not {entry['file'][:200]!r}")
             members.append(Member(entry["file"], _count(entry.get("size"), f"member {rank} size"), rank))

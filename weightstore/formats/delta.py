@@ -190,9 +190,10 @@ def encode(new: np.ndarray, base: np.ndarray | None, itemsize: int, *, dense: bo
     form takes more than two bytes per changed element: XOR + zstd took 2.2-2.4 where the
     sparse form took 1.2 (bf16, 2-3.7% changed), and costs most of a publish's CPU (0.7 s/GB).
     ``dense`` (an :func:`estimate` found most elements changed) skips the first pass: XOR + zstd.
-    ``sparse=False`` (the tensor's last delta was XOR + zstd) does not try the sparse form:
-    an fp32 step's changed elements cost more than two bytes each in it, so it was made for
-    nothing (0.24 s/GB of an fp32 Adam step, a tensor 12% changed).
+    ``sparse=False`` (the tensor's last delta was XOR + zstd) does not try the sparse form
+    above :data:`SPARSE_ALWAYS` of the elements: an fp32 step's changed elements cost more
+    than two bytes each in it, so it was made for nothing (0.24 s/GB of an fp32 Adam step, a
+    tensor 12% changed).
     """
     nbytes = len(new)
     if base is None:
@@ -205,7 +206,8 @@ def encode(new: np.ndarray, base: np.ndarray | None, itemsize: int, *, dense: bo
     total = int(np.count_nonzero(mask))
     if not total:
         return Encoded(SAME, [])
-    best = _sparse(new, base, itemsize, elements, mask) if sparse and total <= elements * SPARSE_DENSITY else None
+    tried = total <= elements * (SPARSE_DENSITY if sparse else SPARSE_ALWAYS)
+    best = _sparse(new, base, itemsize, elements, mask) if tried else None
     if best is None or best.nbytes > 2 * total:
         per_block = BLOCK // itemsize
         changed = [int(np.count_nonzero(mask[start : start + per_block])) for start in range(0, elements, per_block)]
@@ -217,6 +219,9 @@ def encode(new: np.ndarray, base: np.ndarray | None, itemsize: int, *, dense: bo
 
 #: the most changed elements (a fraction) for which the sparse form is tried
 SPARSE_DENSITY = 0.25
+#: ... and with ``sparse=False``: a tensor XOR-ed last step whose change became small again (a
+#: bf16 step of 2%: 1.9 bytes per changed element sparse, 2.9 XOR-ed) returns to the sparse form
+SPARSE_ALWAYS = 0.05
 
 #: the share of a tensor's bytes :func:`estimate` encodes, in slices of :data:`_SLICE` bytes spread over it
 SAMPLE_FRACTION = 1 / 32
@@ -665,6 +670,8 @@ class DeltaReader(ReaderDefaults):
         chain, or a tensor on the way is not a change of the one before (then read it whole:
         :meth:`read`). ``in_place``: ``data`` (uint8, writable) is rebuilt where it lies, no
         copy made (a failure leaves it half changed), and the result is a view of it."""
+        if np.asarray(data).nbytes != self._manifest.tensors[key].nbytes:  # not this tensor's bytes (a
+            return None  # hostile member's size against its index box): read whole, proven there
         levels = self.levels(held)
         needed = None if levels is None else self._needed(key, levels)
         if needed is None:
@@ -685,7 +692,7 @@ class DeltaReader(ReaderDefaults):
                 out = level._apply_own(key, out, hasher if level is needed[0] else None)
         except WeightStoreError as exc:
             raise named_here(exc, self.name, key) from None
-        if in_place and out is not data and out is not None and len(out) == len(data):
+        if in_place and out is not data and out is not None:
             np.copyto(data, out)
             out = data
         info = self._manifest.tensors[key]

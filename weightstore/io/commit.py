@@ -154,6 +154,8 @@ class RenameCommit(Commit):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._temporary)
             self._temporary = None
+            # a save that failed (a disk filled by killed writers' temporaries) frees theirs too
+            behind(_after_replace, None, self._final)
 
     def exists(self) -> bool:
         return os.path.lexists(self.target)

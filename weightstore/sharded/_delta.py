@@ -47,6 +47,7 @@ from weightstore.sync._folder import SHARDED_SUFFIX, read_index
 
 _log = logging.getLogger("weightstore")
 
+
 def base_version(delta: Delta, target: Folder, step: int, world: int) -> ShardIndex | None:
     """The version this step's members may be deltas of (what every rank reads alike), or
     ``None`` when the version must be written full (see the module)."""
@@ -74,8 +75,8 @@ def plan_member(delta: Delta, target: Folder, base: ShardIndex, rank: int, step:
                 layout: dict[str, Any]) -> Plan | None:
     """This rank's member as a delta of its member in ``base``, or ``None`` to write it full:
     its pieces are not those that member held (``layout``: what the member's metadata says of
-    them; and each stored tensor's dtype and shape), or the delta does not pay. A base member that cannot be read back is logged and
-    costs a full member."""
+    them; and each stored tensor's dtype and shape), or the delta does not pay. A base member
+    that cannot be read back is logged and costs a full member."""
     file = base.members[rank].file
     held = delta._held
     shapes = {name: (item.dtype, item.shape) for name, item in tensors.items()}

@@ -260,8 +260,11 @@ def _write_shard(target: Folder, pieces: Mapping[str, Any], *, step: int, rank: 
                            path=target.where)
     record_of = {item.stored: {"key": item.key, "start": list(item.start), "shape": list(item.shape)} for item in listed}
     metadata = {SHARD_METADATA: {"step": step, "attempt": attempt, "rank": rank, "world": world, "pieces": record_of}}
-    stored = {item.stored: Stored(item.dtype, item.data.shape, item.data.reshape(-1).view(np.uint8)
-                                  if item.data.size else np.empty(0, np.uint8)) for item in listed}
+    # a delta's bytes of each stored tensor (a strip's copy, contiguous), made only for a delta:
+    # a full member's strips are copied as they are written
+    stored = {} if delta is None else {
+        item.stored: Stored(item.dtype, item.data.shape, item.data.reshape(-1).view(np.uint8)
+                            if item.data.size else np.empty(0, np.uint8)) for item in listed}
     base = None if delta is None else member_delta.base_version(delta, target, step, world)
     plan = None if delta is None or base is None else member_delta.plan_member(delta, target, base, rank, step,
                                                                                    stored, record_of)
@@ -285,7 +288,7 @@ def _write_shard(target: Folder, pieces: Mapping[str, Any], *, step: int, rank: 
                 virtual[name] = at
                 at += len(stored[name].data)
             for item in listed:  # the block table describes the bytes a reader rebuilds: these
-                digested(item.stored, np.ascontiguousarray(item.data))
+                digested(item.stored, stored[item.stored].data.view(item.data.dtype).reshape(item.data.shape))
         size = os.path.getsize(local)
         table, tensors = _described(local, where, fmt, listed, digested, step=step, attempt=attempt, rank=rank,
                                     member=member_name(rank, suffix), size=size, virtual=virtual)
