@@ -170,8 +170,8 @@ def reclaim(held: list[np.ndarray | None], values: list[tuple[np.ndarray, np.dty
         dtype = np.dtype(dtype)
         size = math.prod(array.shape) * dtype.itemsize
         # references: ``buffer`` here and getrefcount's argument, nothing else
-        if (buffer is None or not _EXACT_REFCOUNTS or sys.getrefcount(buffer) > 2 or buffer.nbytes != size or not buffer.flags.c_contiguous
-                or not buffer.flags.writeable or buffer.ctypes.data % ALIGNMENT):
+        if (buffer is None or not _EXACT_REFCOUNTS or sys.getrefcount(buffer) > 2 or buffer.nbytes != size
+                or not buffer.flags.c_contiguous or not buffer.flags.writeable or buffer.ctypes.data % ALIGNMENT):
             out.append(None)
             continue
         target = buffer.reshape(-1).view(np.uint8).view(dtype).reshape(array.shape)

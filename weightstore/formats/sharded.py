@@ -67,7 +67,7 @@ from weightstore.formats._sharded_index import (
 from weightstore.io._buffer import aligned_array
 from weightstore.io._local import check_range
 from weightstore.io._ranges import RangedFile
-from weightstore.io.location import location_of
+from weightstore.io.location import location_of, on_filesystem
 from weightstore.io.remote import RemoteFile
 from weightstore.io.source import byte_source, read_whole
 
@@ -482,13 +482,7 @@ class _Rebuilt:
         self.name, self._index = path, index
         location: Any = path
         if location_of(path).remote:
-            if fs is None:
-                from weightstore.io.location import filesystem
-
-                fs, inner = filesystem(path)
-            else:
-                inner = fs._strip_protocol(path)
-            location = RemoteFile(fs, inner, path)
+            location = RemoteFile(*on_filesystem(path, fs), path)
         try:
             self._reader = delta_format.open_member(location, path, mmap=False)
         except WeightStoreError as exc:

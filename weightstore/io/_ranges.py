@@ -16,7 +16,7 @@ from typing import Any
 from weightstore.errors import StoreNotFoundError
 from weightstore.io._local import OwnedFile, check_range
 from weightstore.io.backends import backend_for
-from weightstore.io.location import location_of, service, uncached
+from weightstore.io.location import location_of, on_filesystem, service, uncached
 from weightstore.io.objects import RemoteObject
 
 __all__ = ["RangedFile"]
@@ -40,12 +40,8 @@ class RangedFile:
         if not where.remote:
             self._local = OwnedFile(where.text)
             self._size = self._local.size
-        elif fs is None:
-            from weightstore.io.location import filesystem
-
-            self._fs, self._path = filesystem(where.text)
         else:
-            self._path = fs._strip_protocol(where.text)
+            self._fs, self._path = on_filesystem(where.text, fs)
 
     @property
     def size(self) -> int:

@@ -70,6 +70,12 @@ def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tu
                                  "fsspec reads (s3://, gs://, az://, http(s)://, memory://, ...)", path=url) from None
 
 
+def on_filesystem(url: str, fs: Any = None) -> tuple[Any, str]:
+    """``url``'s file system and its path there: ``fs`` where the caller already has one (its
+    storage options hold for every file of a version), else the URL's own (:func:`filesystem`)."""
+    return filesystem(url) if fs is None else (fs, fs._strip_protocol(url))
+
+
 def uncached(fs: Any, path: str) -> str:
     """``path``, with whatever ``fs`` cached about it in this process dropped, for a read that
     must see what another process wrote since: s3fs (and other fsspec file systems) answer
