@@ -291,3 +291,42 @@ def test_a_follower_reads_whole_a_tensor_a_full_member_holds_part_of(tmp_path):
                 model(step)["b"].tobytes()
     assert [e.kind for e in versions.list_versions(tmp_path)] == ["sharded", "sharded-delta"]
     assert members(tmp_path, 2) == ["rank-00000.wsdelta", "rank-00001.safetensors"]
+
+
+def test_a_reader_counts_each_delta_member_s_chain_against_its_open_files_and_refuses_one_over(tmp_path,
+                                                                                                monkeypatch):
+    """Each member of step 6 holds 6 files open (itself and 5 bases down to its anchor): under a
+    budget of 8 files the two are opened in turn, never both, and read bit-exact; under 5 the
+    chain alone is over, refused naming version, member and tensor, with no descriptor left open."""
+    from weightstore.formats import sharded
+
+    folder = tmp_path / "run"
+    deltas = [ws.Delta(anchor_every=10), ws.Delta(anchor_every=10)]
+    for step in range(1, 7):
+        version = publish(folder, step, delta=deltas)
+    assert len(index_of(version).delta.chain) == 5
+
+    def descriptors() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    before = descriptors()
+    monkeypatch.setattr(sharded, "open_files_limit", lambda: 8)
+    with ws.open(version) as store:
+        assert descriptors() == before  # 12 files would not fit: none opened yet
+        same({key: store[key] for key in store}, 6)
+        assert store._reader._open_files == 6 and descriptors() == before + 6
+        assert store.read_region("w", (slice(0, 2),)).tobytes() == model(6)["w"][:2].tobytes()  # rank 0 again
+        assert store._reader._open_files == 6 and descriptors() == before + 6
+    assert descriptors() == before
+    monkeypatch.setattr(sharded, "open_files_limit", lambda: 5)
+    with ws.open(version) as store:
+        with pytest.raises(ws.SizeLimitError) as caught:
+            store.read_region("w", (slice(40, 41),))
+        assert caught.value.path == version.path and caught.value.key == "w"
+        assert "rank-00001.wsdelta" in str(caught.value) and "6 files down to its anchor" in str(caught.value)
+        assert descriptors() == before
+    assert descriptors() == before
+    monkeypatch.setattr(sharded, "open_files_limit", lambda: 12)
+    with ws.open(version) as store:  # both fit: opened whole at open, as ever
+        assert store._reader._open_files == 12 and descriptors() == before + 12
+        same({key: store[key] for key in store}, 6)

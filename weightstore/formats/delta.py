@@ -81,6 +81,7 @@ from weightstore.errors import (
     ChecksumError,
     FileAccessError,
     FormatError,
+    SizeLimitError,
     StoreClosedError,
     TargetError,
     UnsafeFileError,
@@ -470,7 +471,7 @@ class DeltaReader(ReaderDefaults):
     rebuilds onto a version it holds (:meth:`read_from`) never fetches the anchor's index."""
 
     def __init__(self, source: ByteSource, name: str, open_base: Callable[[str, int], Reader], depth: int,
-                 expect_step: int | None, *, eager: bool = True, member: bool = False):
+                 expect_step: int | None, *, eager: bool = True, member: bool = False, most_files: int | None = None):
         self._source = source
         self.name = name
         head_bytes, entries_bytes, manifest_bytes = _prefix(source)
@@ -480,6 +481,10 @@ class DeltaReader(ReaderDefaults):
             raise FormatError(f"says it is step {self.head.step}, but is named as step {expect_step}", path=name)
         if depth + len(self.head.chain) > MAX_DELTA_CHAIN + 1:
             raise FormatError(f"is more than {MAX_DELTA_CHAIN} deltas from its anchor", path=name)
+        if eager and most_files is not None and depth + len(self.head.chain) + 1 > most_files:
+            raise SizeLimitError(f"is read with its chain held open, {len(self.head.chain) + 1} files down to its "
+                                 f"anchor, more than the {most_files} a reader may hold (a quarter of the soft limit "
+                                 "on open files, RLIMIT_NOFILE: raise it, ulimit -n)", path=name)
         at += head_bytes
         entries = bytes(source.read_at(at, entries_bytes))
         at += entries_bytes
@@ -548,6 +553,12 @@ class DeltaReader(ReaderDefaults):
 
     def info(self, key: str) -> TensorInfo:
         return self._manifest.tensors[key]
+
+    @property
+    def open_files(self) -> int:
+        """The files it holds open: its own and, where its chain is opened with it (local), each base's."""
+        base = self._opened
+        return 1 + (0 if base is None else base.open_files if isinstance(base, DeltaReader) else 1)
 
     @property
     def file_bytes(self) -> int:
@@ -768,7 +779,7 @@ def named_here(error: WeightStoreError, name: str, key: str | None) -> WeightSto
     return named
 
 
-_SIMPLE = (FormatError, ChecksumError, UnsafeFileError)
+_SIMPLE = (FormatError, ChecksumError, UnsafeFileError, SizeLimitError)
 
 
 def _apply_xor(payload: memoryview, out: np.ndarray, block: int, itemsize: int) -> None:
@@ -876,14 +887,17 @@ def open_reader(location: Any, name: str, *, mmap: bool = True) -> Reader:
     return _open(location, name, mmap, 0)
 
 
-def open_member(location: Any, name: str, *, mmap: bool = True) -> DeltaReader:
+def open_member(location: Any, name: str, *, mmap: bool = True, most_files: int | None = None) -> DeltaReader:
     """A sharded version's delta member at ``location`` (``…/step-….attempt-N/rank-R.wsdelta``):
     its bases are its rank's members of older steps (:data:`MEMBER_BASE`), opened from the
-    versioned folder above its attempt folder. Its tensors are the member's stored names."""
-    return _open(location, name, mmap, 0, member=True)
+    versioned folder above its attempt folder. Its tensors are the member's stored names.
+    ``most_files``: the files its local chain may hold open (:attr:`DeltaReader.open_files`);
+    a longer chain is a ``SizeLimitError`` before any base is opened."""
+    return _open(location, name, mmap, 0, member=True, most_files=most_files)
 
 
-def _open(location: Any, name: str, mmap: bool, depth: int, *, member: bool = False) -> DeltaReader:
+def _open(location: Any, name: str, mmap: bool, depth: int, *, member: bool = False,
+          most_files: int | None = None) -> DeltaReader:
     parts = name.replace("\\", "/").rsplit("/", 2)
     own = "/".join(parts[-2:]) if member else parts[-1]
 
@@ -895,9 +909,10 @@ def _open(location: Any, name: str, mmap: bool, depth: int, *, member: bool = Fa
             raise FormatError(f"names base {base!r}, which is not a version file a delta builds on", path=name)
         try:
             if fmt.name == FORMAT_NAME:
-                return _open(*beside(location, name, base, up=int(member)), mmap, at, member=member)
+                return _open(*beside(location, name, base, up=int(member)), mmap, at, member=member,
+                             most_files=most_files)
             return fmt.open_reader(*beside(location, name, base, up=int(member)), mmap=mmap)
-        except (FormatError, StoreClosedError) as exc:  # a damaged base: this version cannot be read
+        except (FormatError, StoreClosedError, SizeLimitError) as exc:  # a damaged base: this version cannot be read
             raise named_here(exc, name, None) from None
         except FileNotFoundError:
             raise FormatError(f"needs its base {base}, which is missing (pruned by hand, or never copied with it)",
@@ -908,7 +923,7 @@ def _open(location: Any, name: str, mmap: bool, depth: int, *, member: bool = Fa
     return open_source(location, name, lambda source: DeltaReader(source, name, open_base, depth,
                                                                  _step_of(own, member),
                                                                  eager=not isinstance(source, RemoteFile),
-                                                                 member=member),
+                                                                 member=member, most_files=most_files),
                        index_at_end=False, mmap=mmap)
 
 
