@@ -497,6 +497,7 @@ class DeltaReader(ReaderDefaults):
         self._entries = self._parse_entries(entries)
         self._open_base = functools.partial(open_base, self.head.base, depth + 1)
         self._opened: Reader | None = None
+        self._opening = threading.Lock()  # tensors are rebuilt in parallel: the base is opened once
         if eager:
             self._opened = self._open_base()
 
@@ -504,7 +505,9 @@ class DeltaReader(ReaderDefaults):
     def _base(self) -> Reader:
         """The base's reader, opened when first needed (at once where ``eager``)."""
         if self._opened is None:
-            self._opened = self._open_base()
+            with self._opening:
+                if self._opened is None:
+                    self._opened = self._open_base()
         return self._opened
 
     def _parse_entries(self, data: bytes) -> dict[str, tuple[str, int, int]]:

@@ -31,7 +31,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -513,8 +513,9 @@ class _Rebuilt:
     """A delta member (:func:`weightstore.formats.delta.open_member`) read like a full one: its
     stored tensors, rebuilt from its chain and checked against their digests, lie end to end in
     its manifest's order, where its block table places its pieces; a range is filled from them
-    (the last one rebuilt kept for the ranges after it, until one reaches its end). The CRC-32s
-    of the blocks are then checked as for any member."""
+    (the last one rebuilt kept for the ranges after it, until one reaches its end). Reads in
+    several threads rebuild different tensors in parallel, and one tensor once for all the reads
+    that want it meanwhile. The CRC-32s of the blocks are then checked as for any member."""
 
     def __init__(self, path: str, fs: Any, index: str, most_files: int | None):
         self.name, self._index = path, index
@@ -537,7 +538,9 @@ class _Rebuilt:
         #: from its anchor, so a follower that rebuilds onto its held copy opens no file below it
         self.extent = at
         self._proven = False
-        self._last: tuple[int, np.ndarray] | None = None
+        #: its stored tensors (by position) that reads hold or are rebuilding, and the last one
+        #: left before its end by a read, kept for the ranges after it
+        self._wanted: dict[int, _Wanted] = {}
         self._lock = threading.Lock()
 
     def _prove(self) -> None:
@@ -550,31 +553,59 @@ class _Rebuilt:
             raise delta_format.named_here(exc, self._index, exc.key) from None
         self._proven = True
 
-    def _stored(self, at: int) -> np.ndarray:
+    def _want(self, at: int) -> _Wanted:
+        """Stored tensor ``at`` for one more read: rebuilt here if no read holds it, else the
+        rebuild another read made or is making (waited for at ``.bytes.result()``). So a tensor
+        is rebuilt once however many reads want it at a time, and other tensors meanwhile."""
         with self._lock:
-            if self._last is None or self._last[0] != at:
-                try:
-                    self._last = (at, self._reader.stored_bytes(self._keys[at]))
-                except WeightStoreError as exc:
-                    raise self._named(exc) from None
-            return self._last[1]
+            wanted = self._wanted.get(at)
+            mine = wanted is None
+            if wanted is None:
+                wanted = self._wanted[at] = _Wanted()
+            wanted.reads += 1
+        if mine:
+            try:
+                wanted.bytes.set_result(self._reader.stored_bytes(self._keys[at]))
+            except BaseException as exc:  # every read waiting for it raises it, and lets it go
+                wanted.bytes.set_exception(self._named(exc) if isinstance(exc, WeightStoreError) else exc)
+        return wanted
+
+    def _let_go(self, at: int, wanted: _Wanted, *, ended: bool) -> None:
+        """One read done with stored tensor ``at``. Once none holds it, it is forgotten where
+        that read reached its end (a whole read keeps none) or it failed; else it is kept as the
+        last one, the one kept before forgotten."""
+        with self._lock:
+            wanted.reads -= 1
+            if wanted.reads or self._wanted.get(at) is not wanted:
+                return
+            if ended or wanted.bytes.exception() is not None:
+                del self._wanted[at]
+                return
+            for other in [other for other, found in self._wanted.items() if other != at and not found.reads]:
+                del self._wanted[other]
 
     def fill(self, ranges: list[tuple[int, memoryview]]) -> None:
         with self._lock:
             self._prove()
-        for offset, view in ranges:
-            check_range(offset, len(view), self.extent, self.name)
-            target, done = np.frombuffer(view, np.uint8), 0
-            while done < len(target):
-                at = bisect.bisect_right(self._starts, offset + done) - 1
-                data = self._stored(at)
-                begin = offset + done - self._starts[at]
-                part = data[begin : begin + len(target) - done]
-                target[done : done + len(part)] = part
-                done += len(part)
-                if begin + len(part) == len(data):  # read to its end: kept no longer (a whole read keeps none)
-                    with self._lock:
-                        self._last = None if self._last is not None and self._last[0] == at else self._last
+        held: dict[int, _Wanted] = {}
+        try:
+            for offset, view in ranges:
+                check_range(offset, len(view), self.extent, self.name)
+                target, done = np.frombuffer(view, np.uint8), 0
+                while done < len(target):
+                    at = bisect.bisect_right(self._starts, offset + done) - 1
+                    if at not in held:
+                        held[at] = self._want(at)
+                    data = held[at].bytes.result()
+                    begin = offset + done - self._starts[at]
+                    part = data[begin : begin + len(target) - done]
+                    target[done : done + len(part)] = part
+                    done += len(part)
+                    if begin + len(part) == len(data):  # read to its end
+                        self._let_go(at, held.pop(at), ended=True)
+        finally:
+            for at, wanted in held.items():
+                self._let_go(at, wanted, ended=False)
 
     def _run(self, offset: int, step: int) -> tuple[str, str] | None:
         """The stored name of the run at ``offset``, and this rank's member of ``step`` in its chain (or ``None``)."""
@@ -612,6 +643,17 @@ class _Rebuilt:
 
     def close(self) -> None:
         self._reader.close()
+
+
+class _Wanted:
+    """A delta member's stored tensor that reads want: its bytes, rebuilt once, and how many
+    reads hold it."""
+
+    __slots__ = ("bytes", "reads")
+
+    def __init__(self) -> None:
+        self.bytes: Future[np.ndarray] = Future()
+        self.reads = 0
 
 
 def _files_held(member: RangedFile | _Rebuilt) -> int:
