@@ -262,14 +262,16 @@ def estimate(new: np.ndarray, base: np.ndarray | None, itemsize: int) -> Estimat
     return Estimate(min(nbytes, sample.nbytes * nbytes // len(new_part)), sample.codec)
 
 
-def _planes(values: np.ndarray, size: int) -> np.ndarray:
+def _planes(values: np.ndarray, size: int, *, overwrite: bool = False) -> np.ndarray:
     """``values`` (``size``-byte items) as byte planes, byte 0 of every item first: the high
     bytes of small gaps and of XORs of close values are zeros zstd makes nothing of. Items held
-    as words (a fresh array: it is overwritten) are split by :func:`_split_planes`."""
+    as words are split by :func:`_split_planes`, which shifts them where they lie: ``values``
+    itself where ``overwrite`` (an array the caller made for this, never a user's weights or a
+    held copy), else a copy of them."""
     planes = np.empty((size, len(values)), np.uint8)
     word = _UINTS.get(size)
     if size > 1 and word is not None and values.dtype == word and values.ndim == 1:
-        _split_planes(values, planes)
+        _split_planes(values if overwrite else values.copy(), planes)
     else:
         planes[:] = values.view(np.uint8).reshape(-1, size).T
     return planes
@@ -286,8 +288,9 @@ def _sparse(new: np.ndarray, base: np.ndarray, itemsize: int, elements: int, mas
         values = np.bitwise_xor(new.view(word)[where], base.view(word)[where])
     else:
         values = np.bitwise_xor(new.reshape(-1, itemsize)[where], base.reshape(-1, itemsize)[where])
-    gap_frame = _compressor().compress(_planes(gaps, gaps.itemsize).data)
-    value_frame = _compressor().compress(_planes(values, itemsize).data)
+    # both made here (np.diff, astype, the XOR: fresh arrays, not views of new or base): overwritten
+    gap_frame = _compressor().compress(_planes(gaps, gaps.itemsize, overwrite=True).data)
+    value_frame = _compressor().compress(_planes(values, itemsize, overwrite=True).data)
     return Encoded(SPARSE, [struct.pack("<QQQ", len(where), len(gap_frame), len(value_frame)), gap_frame, value_frame])
 
 
