@@ -17,9 +17,17 @@ from weightstore.errors import StoreNotFoundError
 from weightstore.io._local import OwnedFile, check_range
 from weightstore.io.backends import backend_for
 from weightstore.io.location import location_of, on_filesystem, service, uncached
-from weightstore.io.objects import RemoteObject
+from weightstore.io.objects import MERGE_GAP, RemoteObject
 
 __all__ = ["RangedFile"]
+
+
+def joinable_gap(ranges: list[tuple[int, memoryview]]) -> int:
+    """The largest gap between two wanted views that one request reads across: at most
+    :data:`~weightstore.io.objects.MERGE_GAP` and 1/16 of the smallest view, so what is read and
+    dropped stays under 1/16 of what was asked for (an npz member's headers between its column
+    strips cost no request each; a neighbour's piece between two small ones is not fetched)."""
+    return min(MERGE_GAP, min((len(view) for _, view in ranges), default=0) // 16)
 
 
 class RangedFile:
@@ -63,8 +71,8 @@ class RangedFile:
             self._object = backend_for(self._fs).object(self._fs, self._path, self.name)
             self._exact = "gap" in inspect.signature(self._object.fill).parameters
         wanted = [(offset, view) for offset, view in ranges if len(view)]
-        try:  # only views that touch are joined: a gap between them is bytes the index says nobody asked for
-            self._object.fill(wanted, gap=0) if self._exact else self._object.fill(wanted)
+        try:
+            self._object.fill(wanted, gap=joinable_gap(wanted)) if self._exact else self._object.fill(wanted)
         except FileNotFoundError:
             raise StoreNotFoundError("the member was removed while it was read", path=self.name) from None
 
