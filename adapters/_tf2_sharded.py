@@ -62,6 +62,7 @@ from weightstore.sharded import _cluster as cluster
 from weightstore.sharded._shards import Piece, claimed_attempt, commit_shards, in_background, publish_shard
 from weightstore.store._save import checked_metadata
 from weightstore.sync._checks import DEFAULT_KEEP
+from weightstore.sync._delta import Delta, as_delta
 from weightstore.sync._pinning import Version
 
 __all__ = ["publish_sharded", "share", "plan", "Segment"]
@@ -150,6 +151,7 @@ def publish_sharded(
     optimizer: bool = False,
     background: bool = False,
     storage_options: Mapping[str, Any] | None = None,
+    delta: bool | Delta = False,
     **selection: Unpack[SelectionWords],
 ) -> Version | concurrent.futures.Future[Version]:
     """Publish ``model``'s variables as one sharded version, each worker writing its share.
@@ -167,6 +169,11 @@ def publish_sharded(
     ``timeout`` bounds the wait for the slowest worker, counted from the chief's announcing the
     attempt; a worker waits that long and a minute more for the chief's news.
 
+    ``delta``: a :class:`~weightstore.Delta` given to every publish of this worker (or ``True``):
+    each worker writes its member as a delta of its member of the version before, where smaller
+    (``publish_shard``'s ``delta``). Every worker cuts the same plan each time, so its share
+    stays its own while the model's keys, shapes and the cluster do.
+
     Raises:
         ShardTimeoutError: a worker did not write its share within ``timeout`` (``.missing``
             names it), or a worker heard nothing from the chief; nothing is published.
@@ -180,6 +187,7 @@ def publish_sharded(
 
     variables = tf2.selected(model, optimizer=optimizer, **selection)
     metadata = checked_metadata(metadata)  # on every worker, so that all of them refuse it alike
+    planner = as_delta(delta)
     rank, world = _place(strategy)
     outline = _outline(_segments(variables))
     target = folder_for(folder, storage_options)
@@ -194,15 +202,16 @@ def publish_sharded(
         raise
     if rank == 0:
         call = functools.partial(_as_chief, channel, target, pieces, outline, world, timeout, keep, metadata,
-                                 storage_options)
+                                 storage_options, planner)
     else:
-        call = functools.partial(_as_worker, channel, target, pieces, outline, rank, world, timeout, storage_options)
+        call = functools.partial(_as_worker, channel, target, pieces, outline, rank, world, timeout, storage_options,
+                                 planner)
     return in_background(call) if background else call()
 
 
 def _as_chief(channel: _Channel, target: Folder, pieces: dict[str, list[Piece]], outline: dict[str, list[Any]],
               world: int, timeout: float, keep: int | None, metadata: Mapping[str, Any] | None,
-              storage_options: Mapping[str, Any] | None) -> Version:
+              storage_options: Mapping[str, Any] | None, delta: Delta | None) -> Version:
     step = channel.step
     try:
         attempt = claimed_attempt(target, step, _incarnation(), _handed_out.get(channel.place, -1) + 1,
@@ -216,7 +225,7 @@ def _as_chief(channel: _Channel, target: Folder, pieces: dict[str, list[Piece]],
     announced = time.monotonic()
     try:
         publish_shard(target.where, pieces, step=step, rank=0, world=world, attempt=attempt,
-                      storage_options=storage_options, incarnation=_incarnation())
+                      storage_options=storage_options, incarnation=_incarnation(), delta=delta or False)
         version = commit_shards(target.where, step=step, world=world, attempt=attempt, keep=keep, metadata=metadata,
                                 timeout=round(max(0.0, timeout - (time.monotonic() - announced)), 1),
                                 storage_options=storage_options, incarnation=_incarnation(),
@@ -236,7 +245,8 @@ def _as_chief(channel: _Channel, target: Folder, pieces: dict[str, list[Piece]],
 
 
 def _as_worker(channel: _Channel, target: Folder, pieces: dict[str, list[Piece]], outline: dict[str, list[Any]],
-               rank: int, world: int, timeout: float, storage_options: Mapping[str, Any] | None) -> Version:
+               rank: int, world: int, timeout: float, storage_options: Mapping[str, Any] | None,
+               delta: Delta | None) -> Version:
     news = channel.hear("attempt", timeout + _NEWS_GRACE, "the attempt")
     heard = time.monotonic()
     if news.get("world") != world:
@@ -251,7 +261,7 @@ def _as_worker(channel: _Channel, target: Folder, pieces: dict[str, list[Piece]]
     try:
         publish_shard(target.where, pieces, step=channel.step, rank=rank, world=world,
                       attempt=int(news["attempt"]), storage_options=storage_options,
-                      incarnation=str(news.get("incarnation", "")))
+                      incarnation=str(news.get("incarnation", "")), delta=delta or False)
     except Exception as exc:  # the chief would otherwise wait out its timeout for this member
         channel.give_up(rank, f"{type(exc).__name__}: {exc}")
         raise

@@ -19,7 +19,8 @@ the full version's bytes. ``--follow-mb`` also times a follower of that many MB 
 changed per version), local and on S3: from ``LATEST`` naming a version to it serving, and the
 serving stall of that swap. ``--sharded-ranks`` measures sharded delta versions (``publish_shard``
 by that many ranks): bytes per version, and what a follower fetches per version and after the
-skipped ones, against single-writer delta versions of the same steps.
+skipped ones, against single-writer delta versions of the same steps, and what a follower that
+stages regions (TF1 partitioned variables) fetches.
 
     python -m benchmarks.delta_bench                       # 96 MB synthetic, the default model
     python -m benchmarks.delta_bench --synthetic-mb 16 --width 128 --layers 2
@@ -30,6 +31,7 @@ skipped ones, against single-writer delta versions of the same steps.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import tempfile
 import time
@@ -170,17 +172,37 @@ def follow_latency(server: ServerProcess, size_mb: float, versions: int, anchor_
     return rows
 
 
+def partitioned_target(weights: dict[str, np.ndarray], parts: int) -> Any:
+    """A TF1 session holding ``weights``' shapes, each variable partitioned ``parts`` ways by rows:
+    a follower stages the regions of its parts, not whole tensors."""
+    import tensorflow as tf
+
+    v1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        for key, value in weights.items():
+            v1.get_variable(key, value.shape, tf.bfloat16, v1.zeros_initializer(),
+                            partitioner=v1.fixed_size_partitioner(parts))
+        init = v1.global_variables_initializer()
+    session = v1.Session(graph=graph)
+    session.run(init)
+    graph.finalize()
+    return session
+
+
 def follow_bytes(server: ServerProcess, publishers: dict[str, Any], steps: list[dict[str, np.ndarray]],
-                 followed: int, skipped: int) -> tuple[dict[str, list[int]], dict[str, int]]:
+                 followed: int, skipped: int, targets: dict[str, Any] | None = None
+                 ) -> tuple[dict[str, list[int]], dict[str, int]]:
     """A ``Follower`` per folder (``deltas=True`` where its name says delta) follows the first
     ``followed`` versions one by one, stops while ``skipped`` more are published (each folder's
     ``publishers[folder](folder, weights, step, keep)``) and catches up: bytes the server sent
     per version (the publisher's own reads included) and for the catch-up; every follower ends
-    holding the trainer's last bytes."""
+    holding the trainer's last bytes. A folder's target is ``tf.Variable``\\ s, or ``targets``'."""
+    from weightstore.adapters import tf1
     from weightstore.adapters.serving.follower import Follower
 
     keep = skipped + 2  # the version a follower holds stays while it catches up
-    targets = {folder: follower_target(steps[0]) for folder in publishers}
+    targets = {folder: (targets or {}).get(folder) or follower_target(steps[0]) for folder in publishers}
     followers = {folder: Follower(targets[folder], folder, poll=0.02, deltas=True if "delta" in folder else None)
                  for folder in targets}
     fetched: dict[str, list[int]] = {folder: [] for folder in publishers}
@@ -205,9 +227,11 @@ def follow_bytes(server: ServerProcess, publishers: dict[str, Any], steps: list[
             follower.wait(len(steps), timeout=600)
             caught_up[folder] = server.counts()["sent"]
             assert follower.error is None, follower.error
-        for target in targets.values():
-            for key, variable in target.items():  # the follower holds the trainer's last bytes
-                assert np.asarray(variable.numpy()).tobytes() == steps[-1][key].tobytes(), key
+        for target in targets.values():  # the follower holds the trainer's last bytes
+            held = tf1.export(target) if not isinstance(target, dict) else {
+                key: variable.numpy() for key, variable in target.items()}
+            for key, value in held.items():
+                assert np.asarray(value).tobytes() == steps[-1][key].tobytes(), key
     finally:
         for follower in followers.values():
             follower.stop()
@@ -218,27 +242,33 @@ def sharded_follow(server: ServerProcess, ranks: int, size_mb: float, followed: 
                    anchor_every: int) -> list[list[str]]:
     """Bytes a follower fetches per version and after ``skipped`` missed versions, on S3: of
     sharded delta versions by ``ranks`` ranks (a ``ws.Delta`` each) against single-writer delta
-    versions of the same steps. Ratios of the model's bytes."""
+    versions of the same steps, and of the sharded versions followed into TF1 variables
+    partitioned ``ranks`` ways (its parts the ranks' pieces) and ``ranks + 1`` ways (parts across
+    pieces), whose follower stages regions. Ratios of the model's bytes."""
     steps = list(synthetic_steps(followed + skipped, size_mb))
     model = sum(value.nbytes for value in steps[0].values())
-    deltas = [ws.Delta(anchor_every=anchor_every) for _ in range(ranks + 1)]
+    kinds = {"sharded": ranks, "single": 1, f"sharded, regions of {ranks} parts": ranks,
+             f"sharded, regions of {ranks + 1} parts": ranks}
+    deltas = {kind: [ws.Delta(anchor_every=anchor_every) for _ in range(ranks)] for kind in kinds}
 
-    def publish_sharded(folder: str, weights: dict[str, np.ndarray], step: int, keep: int) -> None:
+    def publish_sharded(folder: str, weights: dict[str, np.ndarray], step: int, keep: int, kind: str) -> None:
         for rank in range(ranks):
             pieces = {}
             for key, value in weights.items():
                 cut = [len(value) * r // ranks for r in range(ranks + 1)]
                 pieces[key] = ws.Piece(value[cut[rank] : cut[rank + 1]], (cut[rank],), value.shape)
-            ws.publish_shard(folder, pieces, step=step, rank=rank, world=ranks, attempt=0, delta=deltas[rank])
+            ws.publish_shard(folder, pieces, step=step, rank=rank, world=ranks, attempt=0, delta=deltas[kind][rank])
         ws.commit_shards(folder, step=step, world=ranks, attempt=0, timeout=60, keep=keep)
 
-    folders = {kind: f"s3://{BUCKET}/follow-{kind}-delta-{uuid.uuid4().hex[:8]}" for kind in ("sharded", "single")}
+    def publish_single(folder: str, weights: dict[str, np.ndarray], step: int, keep: int, kind: str) -> None:
+        ws.publish(folder, weights, step=step, keep=keep, delta=deltas[kind][0])
+
+    folders = {kind: f"s3://{BUCKET}/follow-{kind.split(',')[0]}-delta-{uuid.uuid4().hex[:8]}" for kind in kinds}
     fetched, caught_up = follow_bytes(server, {
-        folders["sharded"]: publish_sharded,
-        folders["single"]: lambda folder, weights, step, keep: ws.publish(folder, weights, step=step, keep=keep,
-                                                                          delta=deltas[-1])},
-        steps, followed, skipped)
-    return [[kind, f"{ranks if kind == 'sharded' else 1}", f"{model / 1e6:.1f} MB",
+        folder: functools.partial(publish_single if kind == "single" else publish_sharded, kind=kind)
+        for kind, folder in folders.items()}, steps, followed, skipped, targets={
+        folders[kind]: partitioned_target(steps[0], int(kind.split()[-2])) for kind in kinds if "regions" in kind})
+    return [[kind, f"{kinds[kind]}", f"{model / 1e6:.1f} MB",
              f"{np.mean(fetched[folder][1:]) / model:.3f}x", f"{caught_up[folder] / model:.3f}x"]
             for kind, folder in folders.items()]
 

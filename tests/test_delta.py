@@ -587,3 +587,36 @@ def test_a_held_copy_of_another_size_is_not_rebuilt_onto_and_is_left_as_it_was(t
         with ws.open(version) as store:
             assert store.read_from("w", Path(first.path).name, held.view(np.uint8), in_place=in_place) is None
         assert held.tobytes() == before.tobytes()
+
+
+def test_publishing_deltas_never_changes_the_caller_s_weights_or_the_held_copy(tmp_path):
+    """The encoder shifts words in place to split them into byte planes (``_planes``): only
+    arrays of its own. A user's weights and the publisher's held copy of the version before come
+    out of a delta of every codec (sparse, XOR + zstd, dense, raw) with their bytes unchanged."""
+    rng = np.random.default_rng(4)
+    base = rng.standard_normal((64, 1024)).astype(np.float32)
+    changes = {"sparse": base.copy(), "xor": base * np.float32(1.0001), "raw": rng.integers(0, 2**32, base.shape, np.uint32)
+               .view(np.float32)}
+    changes["sparse"][::7, ::5] += 1
+    for name, new in changes.items():
+        before = new.tobytes(), base.tobytes()
+        for dense in (False, True):
+            found = delta_format.encode(new.reshape(-1).view(np.uint8), base.reshape(-1).view(np.uint8), 4,
+                                        dense=dense)
+            assert (new.tobytes(), base.tobytes()) == before, (name, dense)
+        assert found.codec == {"sparse": "xor-zstd", "xor": "xor-zstd", "raw": "raw"}[name], (name, found.codec)
+    assert delta_format.encode(changes["sparse"].reshape(-1).view(np.uint8), base.reshape(-1).view(np.uint8),
+                               4).codec == "sparse"
+    gaps = np.arange(1, 9, dtype="<u4")
+    assert delta_format._planes(gaps, 4).tobytes() == gaps.view(np.uint8).reshape(-1, 4).T.tobytes()
+    assert gaps.tolist() == list(range(1, 9))
+
+    folder, planner = tmp_path / "run", ws.Delta()
+    weights = {"w": base}
+    for step, new in enumerate(changes.values(), start=1):
+        weights = {"w": new}
+        kept = {key: value.tobytes() for key, value in weights.items()}
+        ws.publish(folder, weights, step=step, delta=planner)
+        assert {key: value.tobytes() for key, value in weights.items()} == kept, step
+        assert planner._held is not None and planner._held.tensors["w"].data.tobytes() == kept["w"], step
+        same_bytes(ws.load(ws.latest(folder)), weights)

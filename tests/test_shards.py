@@ -1061,7 +1061,7 @@ UNDER_FILE_LIMIT = textwrap.dedent("""
     import numpy as np
     resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
     import weightstore as ws
-    from weightstore.formats.sharded import open_members_limit
+    from weightstore.formats.sharded import open_files_limit
     path, world = sys.argv[1], int(sys.argv[2])
     expected = np.arange(world * 2 * 3, dtype=np.float32).reshape(world * 2, 3)
     most = 0
@@ -1080,7 +1080,7 @@ UNDER_FILE_LIMIT = textwrap.dedent("""
             assert exc.path == path and "rank-00003.safetensors" in str(exc), exc
         else:
             raise AssertionError("a removed member was read")
-    print(open_members_limit(), most)
+    print(open_files_limit(), most)
 """)
 
 
@@ -1102,7 +1102,7 @@ def test_a_version_of_more_members_than_open_files_allow_reads_with_bounded_desc
 
 
 def test_a_version_of_few_members_stays_readable_when_pruned_while_open(tmp_path):
-    """At most open_members_limit() members: all opened at open, so a member removed under an
+    """Members of at most open_files_limit() files: all opened at open, so a member removed under an
     open reader (a pruned version) is still read."""
     folder = tmp_path / "run"
     for rank in range(4):

@@ -291,3 +291,92 @@ def test_a_follower_reads_whole_a_tensor_a_full_member_holds_part_of(tmp_path):
                 model(step)["b"].tobytes()
     assert [e.kind for e in versions.list_versions(tmp_path)] == ["sharded", "sharded-delta"]
     assert members(tmp_path, 2) == ["rank-00000.wsdelta", "rank-00001.safetensors"]
+
+
+def test_a_reader_counts_each_delta_member_s_chain_against_its_open_files_and_refuses_one_over(tmp_path,
+                                                                                                monkeypatch):
+    """Each member of step 6 holds 6 files open (itself and 5 bases down to its anchor): under a
+    budget of 8 files the two are opened in turn, never both, and read bit-exact; under 5 the
+    chain alone is over, refused naming version, member and tensor, with no descriptor left open."""
+    from weightstore.formats import sharded
+
+    folder = tmp_path / "run"
+    deltas = [ws.Delta(anchor_every=10), ws.Delta(anchor_every=10)]
+    for step in range(1, 7):
+        version = publish(folder, step, delta=deltas)
+    assert len(index_of(version).delta.chain) == 5
+
+    def descriptors() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    before = descriptors()
+    monkeypatch.setattr(sharded, "open_files_limit", lambda: 8)
+    with ws.open(version) as store:
+        assert descriptors() == before  # 12 files would not fit: none opened yet
+        same({key: store[key] for key in store}, 6)
+        assert store._reader._open_files == 6 and descriptors() == before + 6
+        assert store.read_region("w", (slice(0, 2),)).tobytes() == model(6)["w"][:2].tobytes()  # rank 0 again
+        assert store._reader._open_files == 6 and descriptors() == before + 6
+    assert descriptors() == before
+    monkeypatch.setattr(sharded, "open_files_limit", lambda: 5)
+    with ws.open(version) as store:
+        with pytest.raises(ws.SizeLimitError) as caught:
+            store.read_region("w", (slice(40, 41),))
+        assert caught.value.path == version.path and caught.value.key == "w"
+        assert "rank-00001.wsdelta" in str(caught.value) and "6 files down to its anchor" in str(caught.value)
+        assert descriptors() == before
+    assert descriptors() == before
+    monkeypatch.setattr(sharded, "open_files_limit", lambda: 12)
+    with ws.open(version) as store:  # both fit: opened whole at open, as ever
+        assert store._reader._open_files == 12 and descriptors() == before + 12
+        same({key: store[key] for key in store}, 6)
+
+
+def test_threads_reading_a_delta_member_rebuild_its_tensors_in_parallel_each_once(tmp_path, monkeypatch):
+    """Four tensors of one delta member, each read by three threads at once: the four are rebuilt
+    at the same time (each rebuild waits for the other three), each once (its rebuild waits
+    until all three of its reads hold it), and every read gets the tensor bit-exact."""
+    import threading
+
+    from weightstore.formats import delta as delta_format
+
+    def weights(step):
+        rng = np.random.default_rng(3)
+        found = {f"k{i}": rng.standard_normal((128, 128)).astype(np.float32) for i in range(4)}
+        for value in found.values():
+            value[step, :3] += step  # a few elements move a step
+        return found
+
+    folder, planner = tmp_path / "run", ws.Delta()
+    for step in (1, 2):
+        ws.publish_shard(folder, weights(step), step=step, rank=0, world=1, attempt=0, delta=planner)
+        version = ws.commit_shards(folder, step=step, world=1, attempt=0, timeout=10)
+    assert members(folder, 2) == ["rank-00000.wsdelta"]
+    want, rebuilds, together = weights(2), {}, threading.Barrier(4, timeout=60)
+    stored_bytes = delta_format.DeltaReader.stored_bytes
+
+    def rebuilding(self, key, **words):
+        rebuilds[key] = rebuilds.get(key, 0) + 1
+        together.wait()  # the other tensors are being rebuilt now too
+        entry = member._wanted[member._keys.index(key)]
+        while entry.reads < 3:  # this tensor's other two reads wait for this rebuild
+            threading.Event().wait(0.001)
+        return stored_bytes(self, key, **words)
+
+    monkeypatch.setattr(delta_format.DeltaReader, "stored_bytes", rebuilding)
+    got: dict = {}
+    with ws.open(version) as store:
+        (member,) = store._reader._files.values()
+
+        def read(key, at):
+            got[key, at] = store[key]
+
+        threads = [threading.Thread(target=read, args=(key, at)) for key in want for at in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert member._wanted == {}  # each read to its end: none kept
+    assert rebuilds == {key: 1 for key in want}
+    assert sorted(got) == sorted((key, at) for key in want for at in range(3))
+    assert all(value.tobytes() == want[key].tobytes() for (key, _), value in got.items())

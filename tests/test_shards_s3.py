@@ -101,7 +101,7 @@ def chunk(rows, rank, world):
     return min(rows, rank * size), min(rows, (rank + 1) * size)
 
 
-@pytest.mark.parametrize("world", [2, 4, 8, 16])
+@pytest.mark.parametrize("world", [2, 4, 16])  # 8 (readers 7 and 9) lies between 4 and 16: 8 CPU-s on moto
 def test_readers_of_another_world_size_fetch_their_share(server, folder, world):
     """FSDP2-style writers (each tensor by its first axis), read back by world + 1 and world - 1
     readers: each fetches at most 1.1x its share of member bytes (the issue saw 1.26-1.73x when

@@ -141,6 +141,18 @@ WORKER = MODEL + textwrap.dedent("""
     with open(f"{out}/more-{rank}.json", "w") as handle:
         json.dump(said, handle)
 
+    # deltas: steps 2 and 3 move one element on each side of the plan's cut, alike on every worker;
+    # rank 0 keeps a copy of its share, rank 1 reads its member back
+    kernel, planner = model.get_layer("wide").kernel, ws.Delta() if rank == 0 else True
+    for step in (1, 2, 3):
+        if step > 1:
+            moved = kernel.numpy()
+            moved[[3, 500], [7, 200]] += step
+            kernel.assign(moved)
+        tf2.publish_sharded(f"{out}/deltas", model, step=step, strategy=strategy, timeout=60, delta=planner)
+        if rank == 0:
+            ws.save(f"{out}/deltas-{step}.safetensors", tf2.export(model))
+
     def outage(name):
         if name == "done-written":
             raise ws.StorageError("injected outage")
@@ -277,6 +289,25 @@ def test_a_worker_call_the_chief_never_made_does_not_shift_the_next_and_a_late_c
 
 
 @pytest.mark.slow
+def test_each_worker_writes_its_member_as_a_delta_of_its_own_and_the_versions_read_bit_exact(cluster_run):
+    from weightstore import sync as versions
+
+    _, out = cluster_run
+    listed = versions.list_versions(out / "deltas")
+    assert [(e.step, e.kind) for e in listed] == [(1, "sharded"), (2, "sharded-delta"), (3, "sharded-delta")]
+    for entry in listed:
+        with ws.open(out / f"deltas-{entry.step}.safetensors") as store:
+            want = {key: store[key] for key in store}
+        loaded = ws.load(entry.path)
+        assert sorted(loaded) == sorted(want)
+        assert all(loaded[key].tobytes() == value.tobytes() for key, value in want.items()), entry.step
+        suffix = ".safetensors" if entry.step == 1 else ".wsdelta"
+        assert sorted(p.name for p in (out / "deltas" / f"step-{entry.step:012d}.attempt-0").glob(f"rank-*{suffix}")) \
+            == [f"rank-0000{rank}{suffix}" for rank in range(2)]
+    assert all(entry.member_bytes < listed[0].member_bytes / 20 for entry in listed[1:]), listed
+
+
+@pytest.mark.slow
 def test_a_background_publish_gives_every_worker_the_version_and_the_chief_s_incarnation(cluster_run):
     _, out = cluster_run
     said = [json.loads((out / f"more-{rank}.json").read_text())["background"] for rank in range(2)]
@@ -394,4 +425,7 @@ def test_what_would_need_a_collective_or_is_not_json_is_refused_before_anything_
     with pytest.raises(TypeError, match="metadata must be JSON-serializable"):
         tf2.publish_sharded(tmp_path / "run", {"w": tf.Variable(1.0)}, step=1, strategy=tf.distribute.get_strategy(),
                             metadata={"when": object()})
+    with pytest.raises(TypeError, match="delta must be True, False or a ws.Delta, not str"):
+        tf2.publish_sharded(tmp_path / "run", {"w": tf.Variable(1.0)}, step=1, strategy=tf.distribute.get_strategy(),
+                            delta="yes")
     assert not (tmp_path / "run").exists()

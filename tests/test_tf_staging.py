@@ -227,17 +227,63 @@ def _glibc() -> bool:
         return False
 
 
+#: imports TensorFlow once, then runs each case (a line: script and arguments) in a child forked
+#: from it: a process whose first assign it is, without a TensorFlow import (5 CPU-s) per case
+FORKING = textwrap.dedent("""
+    import json, os, sys, traceback
+    import numpy as np, tensorflow as tf  # no op run here: the child's TF memory is its own
+    import weightstore as ws
+    for line in sys.stdin:
+        script, *sys.argv[1:] = json.loads(line)
+        child = os.fork()
+        if not child:
+            code = 0
+            try:
+                exec(script, {"__name__": "__main__"})
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        print(json.dumps({"exit": os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])}), flush=True)
+""")
+
+
+@pytest.fixture(scope="module")
+def fresh_process(tmp_path_factory):
+    """``run(script, *args)``: the exit status and printed lines of ``script`` run with ``args``
+    in a fresh process (forked from one that has imported TensorFlow, see :data:`FORKING`)."""
+    log = tmp_path_factory.mktemp("forked") / "stderr"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="1")  # x86 TF's default (conftest: off)
+    with open(log, "w") as stderr:
+        driver = subprocess.Popen([sys.executable, "-c", FORKING], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=stderr, text=True, env=env)
+
+    def run(script: str, *args: str) -> tuple[int, list[str]]:
+        driver.stdin.write(json.dumps([script, *args]) + "\n")
+        driver.stdin.flush()
+        printed = []
+        while (line := driver.stdout.readline()) and not line.startswith('{"exit"'):
+            printed.append(line)
+        assert line, f"the forking process ended: {log.read_text()[-3000:]}"
+        code = json.loads(line)["exit"]
+        return code, printed + ([] if code == 0 else [log.read_text()[-3000:]])
+
+    yield run
+    driver.stdin.close()
+    driver.wait(60)
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RssAnon from /proc")
 @pytest.mark.parametrize("script, start", [
     (FIRST_ASSIGN, ""), (FIRST_ASSIGN_TF1, "initializers"),
     pytest.param(FIRST_ASSIGN_TF1, "fed", marks=pytest.mark.skipif(not _glibc(), reason="glibc's heap")),
 ], ids=["tf2", "tf1", "tf1-fed-heap-arrays"])
-def test_the_first_assign_in_a_process_does_not_keep_a_second_model(tmp_path, script, start):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="1")  # x86 TF's default (conftest: off)
-    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "m.npz"), start], capture_output=True,
-                          text=True, timeout=180, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+def test_the_first_assign_in_a_process_does_not_keep_a_second_model(fresh_process, tmp_path, script, start):
+    code, printed = fresh_process(script, str(tmp_path / "m.npz"), start)
+    assert code == 0, printed
+    out = json.loads(printed[-1])
     assert out["right"]
     assert out["kept"] < 0.25 * out["model"], out  # numpy copies, adopted, left 1.0x in TF's pool
 

@@ -173,8 +173,9 @@ OVERLAP_PAIRS = 1 << 24
 #: pairs of pieces compared per byte of index, where that is more than :data:`OVERLAP_PAIRS`: a bounded time per byte
 #: parsed (an 11 MB "staircase" index once cost 42 s)
 OVERLAP_PAIRS_PER_BYTE = 2
-#: member files one sharded reader holds open (also at most a quarter of the soft limit on open files)
-MAX_OPEN_MEMBERS = 1024
+#: files one sharded reader's members hold open, a delta member's chain counted (also at most a quarter of the
+#: soft limit on open files)
+MAX_OPEN_MEMBER_FILES = 1024
 #: attempts of one step a launch tries to claim before giving up: each claimed by another launch means launches racing
 #: without end
 MAX_CLAIMS = 64

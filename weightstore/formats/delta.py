@@ -81,6 +81,7 @@ from weightstore.errors import (
     ChecksumError,
     FileAccessError,
     FormatError,
+    SizeLimitError,
     StoreClosedError,
     TargetError,
     UnsafeFileError,
@@ -261,14 +262,16 @@ def estimate(new: np.ndarray, base: np.ndarray | None, itemsize: int) -> Estimat
     return Estimate(min(nbytes, sample.nbytes * nbytes // len(new_part)), sample.codec)
 
 
-def _planes(values: np.ndarray, size: int) -> np.ndarray:
+def _planes(values: np.ndarray, size: int, *, overwrite: bool = False) -> np.ndarray:
     """``values`` (``size``-byte items) as byte planes, byte 0 of every item first: the high
     bytes of small gaps and of XORs of close values are zeros zstd makes nothing of. Items held
-    as words (a fresh array: it is overwritten) are split by :func:`_split_planes`."""
+    as words are split by :func:`_split_planes`, which shifts them where they lie: ``values``
+    itself where ``overwrite`` (an array the caller made for this, never a user's weights or a
+    held copy), else a copy of them."""
     planes = np.empty((size, len(values)), np.uint8)
     word = _UINTS.get(size)
     if size > 1 and word is not None and values.dtype == word and values.ndim == 1:
-        _split_planes(values, planes)
+        _split_planes(values if overwrite else values.copy(), planes)
     else:
         planes[:] = values.view(np.uint8).reshape(-1, size).T
     return planes
@@ -285,8 +288,9 @@ def _sparse(new: np.ndarray, base: np.ndarray, itemsize: int, elements: int, mas
         values = np.bitwise_xor(new.view(word)[where], base.view(word)[where])
     else:
         values = np.bitwise_xor(new.reshape(-1, itemsize)[where], base.reshape(-1, itemsize)[where])
-    gap_frame = _compressor().compress(_planes(gaps, gaps.itemsize).data)
-    value_frame = _compressor().compress(_planes(values, itemsize).data)
+    # both made here (np.diff, astype, the XOR: fresh arrays, not views of new or base): overwritten
+    gap_frame = _compressor().compress(_planes(gaps, gaps.itemsize, overwrite=True).data)
+    value_frame = _compressor().compress(_planes(values, itemsize, overwrite=True).data)
     return Encoded(SPARSE, [struct.pack("<QQQ", len(where), len(gap_frame), len(value_frame)), gap_frame, value_frame])
 
 
@@ -470,7 +474,7 @@ class DeltaReader(ReaderDefaults):
     rebuilds onto a version it holds (:meth:`read_from`) never fetches the anchor's index."""
 
     def __init__(self, source: ByteSource, name: str, open_base: Callable[[str, int], Reader], depth: int,
-                 expect_step: int | None, *, eager: bool = True, member: bool = False):
+                 expect_step: int | None, *, eager: bool = True, member: bool = False, most_files: int | None = None):
         self._source = source
         self.name = name
         head_bytes, entries_bytes, manifest_bytes = _prefix(source)
@@ -480,6 +484,10 @@ class DeltaReader(ReaderDefaults):
             raise FormatError(f"says it is step {self.head.step}, but is named as step {expect_step}", path=name)
         if depth + len(self.head.chain) > MAX_DELTA_CHAIN + 1:
             raise FormatError(f"is more than {MAX_DELTA_CHAIN} deltas from its anchor", path=name)
+        if eager and most_files is not None and depth + len(self.head.chain) + 1 > most_files:
+            raise SizeLimitError(f"is read with its chain held open, {len(self.head.chain) + 1} files down to its "
+                                 f"anchor, more than the {most_files} a reader may hold (a quarter of the soft limit "
+                                 "on open files, RLIMIT_NOFILE: raise it, ulimit -n)", path=name)
         at += head_bytes
         entries = bytes(source.read_at(at, entries_bytes))
         at += entries_bytes
@@ -492,6 +500,7 @@ class DeltaReader(ReaderDefaults):
         self._entries = self._parse_entries(entries)
         self._open_base = functools.partial(open_base, self.head.base, depth + 1)
         self._opened: Reader | None = None
+        self._opening = threading.Lock()  # tensors are rebuilt in parallel: the base is opened once
         if eager:
             self._opened = self._open_base()
 
@@ -499,7 +508,9 @@ class DeltaReader(ReaderDefaults):
     def _base(self) -> Reader:
         """The base's reader, opened when first needed (at once where ``eager``)."""
         if self._opened is None:
-            self._opened = self._open_base()
+            with self._opening:
+                if self._opened is None:
+                    self._opened = self._open_base()
         return self._opened
 
     def _parse_entries(self, data: bytes) -> dict[str, tuple[str, int, int]]:
@@ -548,6 +559,12 @@ class DeltaReader(ReaderDefaults):
 
     def info(self, key: str) -> TensorInfo:
         return self._manifest.tensors[key]
+
+    @property
+    def open_files(self) -> int:
+        """The files it holds open: its own and, where its chain is opened with it (local), each base's."""
+        base = self._opened
+        return 1 + (0 if base is None else base.open_files if isinstance(base, DeltaReader) else 1)
 
     @property
     def file_bytes(self) -> int:
@@ -768,7 +785,7 @@ def named_here(error: WeightStoreError, name: str, key: str | None) -> WeightSto
     return named
 
 
-_SIMPLE = (FormatError, ChecksumError, UnsafeFileError)
+_SIMPLE = (FormatError, ChecksumError, UnsafeFileError, SizeLimitError)
 
 
 def _apply_xor(payload: memoryview, out: np.ndarray, block: int, itemsize: int) -> None:
@@ -876,14 +893,17 @@ def open_reader(location: Any, name: str, *, mmap: bool = True) -> Reader:
     return _open(location, name, mmap, 0)
 
 
-def open_member(location: Any, name: str, *, mmap: bool = True) -> DeltaReader:
+def open_member(location: Any, name: str, *, mmap: bool = True, most_files: int | None = None) -> DeltaReader:
     """A sharded version's delta member at ``location`` (``…/step-….attempt-N/rank-R.wsdelta``):
     its bases are its rank's members of older steps (:data:`MEMBER_BASE`), opened from the
-    versioned folder above its attempt folder. Its tensors are the member's stored names."""
-    return _open(location, name, mmap, 0, member=True)
+    versioned folder above its attempt folder. Its tensors are the member's stored names.
+    ``most_files``: the files its local chain may hold open (:attr:`DeltaReader.open_files`);
+    a longer chain is a ``SizeLimitError`` before any base is opened."""
+    return _open(location, name, mmap, 0, member=True, most_files=most_files)
 
 
-def _open(location: Any, name: str, mmap: bool, depth: int, *, member: bool = False) -> DeltaReader:
+def _open(location: Any, name: str, mmap: bool, depth: int, *, member: bool = False,
+          most_files: int | None = None) -> DeltaReader:
     parts = name.replace("\\", "/").rsplit("/", 2)
     own = "/".join(parts[-2:]) if member else parts[-1]
 
@@ -895,9 +915,10 @@ def _open(location: Any, name: str, mmap: bool, depth: int, *, member: bool = Fa
             raise FormatError(f"names base {base!r}, which is not a version file a delta builds on", path=name)
         try:
             if fmt.name == FORMAT_NAME:
-                return _open(*beside(location, name, base, up=int(member)), mmap, at, member=member)
+                return _open(*beside(location, name, base, up=int(member)), mmap, at, member=member,
+                             most_files=most_files)
             return fmt.open_reader(*beside(location, name, base, up=int(member)), mmap=mmap)
-        except (FormatError, StoreClosedError) as exc:  # a damaged base: this version cannot be read
+        except (FormatError, StoreClosedError, SizeLimitError) as exc:  # a damaged base: this version cannot be read
             raise named_here(exc, name, None) from None
         except FileNotFoundError:
             raise FormatError(f"needs its base {base}, which is missing (pruned by hand, or never copied with it)",
@@ -908,7 +929,7 @@ def _open(location: Any, name: str, mmap: bool, depth: int, *, member: bool = Fa
     return open_source(location, name, lambda source: DeltaReader(source, name, open_base, depth,
                                                                  _step_of(own, member),
                                                                  eager=not isinstance(source, RemoteFile),
-                                                                 member=member),
+                                                                 member=member, most_files=most_files),
                        index_at_end=False, mmap=mmap)
 
 

@@ -13,12 +13,14 @@ block digests of the members that hold a region, whether its blocks changed betw
 versions. Members are never opened as stores: the index and tables say where everything is, so
 their headers are never fetched. An index of version 1 holds its block tables itself.
 
-A local version holds its members open as files, at most :func:`open_members_limit` at once (a
-quarter of the soft limit on open files): one of that many members or fewer is opened whole when
-it is opened, so pruning cannot pull it away from its reader; a larger one (1,100 ranks under the
-default limit of 1,024 files) is checked member by member at open (each exists, as large as the
-index says) and its members are opened as they are read, the least recently read closed to make
-room, so a member pruned before it is read again is refused as removed, as on object storage.
+A local version holds its members open as files, at most :func:`open_files_limit` files at once
+(a quarter of the soft limit on open files; a delta member holds its chain's files too): one
+whose members fit is opened whole when it is opened, so pruning cannot pull it away from its
+reader; a larger one (1,100 ranks under the default limit of 1,024 files) is checked member by
+member at open (each exists, as large as the index says) and its members are opened as they are
+read, the least recently read closed to make room, so a member pruned before it is read again is
+refused as removed, as on object storage. A delta member whose chain alone would hold more files
+than that is refused when read (``SizeLimitError``), never opened to run out of descriptors.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -39,12 +41,13 @@ from isal import isal_zlib
 
 from weightstore.core import checksums
 from weightstore.core._tensortable import TensorInfo
-from weightstore.core.limits import MAX_OPEN_MEMBERS, MAX_V1_INDEX_BYTES
+from weightstore.core.limits import MAX_OPEN_MEMBER_FILES, MAX_V1_INDEX_BYTES
 from weightstore.core.manifest import from_storage, raw_bytes, storage_dtype
 from weightstore.errors import (
     ChecksumError,
     FormatError,
     KeyNotInStoreError,
+    SizeLimitError,
     StoreClosedError,
     StoreNotFoundError,
     TargetError,
@@ -71,17 +74,18 @@ from weightstore.io.location import location_of, on_filesystem
 from weightstore.io.remote import RemoteFile
 from weightstore.io.source import byte_source, read_whole
 
-__all__ = ["FORMAT", "ShardedReader", "normalized_region", "open_members_limit", "blocks_in"]
+__all__ = ["FORMAT", "ShardedReader", "normalized_region", "open_files_limit", "blocks_in"]
 
 Region = tuple[slice, ...]
 #: remote members read at once for one region (each request of a member's ranges is itself concurrent)
 _MEMBERS_AT_ONCE = 8
 
 
-def open_members_limit() -> int:
-    """The member files one local sharded reader holds open at once: a quarter of this process's
-    soft limit on open files (``RLIMIT_NOFILE``; 1,024 by default, so 256), leaving the rest to
-    the process and to other readers, at least 4 and at most 1,024."""
+def open_files_limit() -> int:
+    """The files one local sharded reader's members hold open at once (a delta member's chain
+    counted): a quarter of this process's soft limit on open files (``RLIMIT_NOFILE``; 1,024 by
+    default, so 256), leaving the rest to the process and to other readers, at least 4 and at
+    most 1,024."""
     try:
         import resource
 
@@ -89,8 +93,8 @@ def open_members_limit() -> int:
     except (ImportError, OSError, ValueError):  # no such limit to ask (Windows)
         return 256
     if soft == resource.RLIM_INFINITY or soft < 0:
-        return MAX_OPEN_MEMBERS
-    return max(4, min(MAX_OPEN_MEMBERS, soft // 4))
+        return MAX_OPEN_MEMBER_FILES
+    return max(4, min(MAX_OPEN_MEMBER_FILES, soft // 4))
 
 
 def normalized_region(region: Any, shape: Sequence[int], key: str) -> list[tuple[int, int]]:
@@ -136,19 +140,40 @@ class ShardedReader(ReaderDefaults):
         self._users: dict[int, int] = {}
         self._lock = threading.Lock()
         self._closed = False  # a closed reader opens no member again (a plain reader's file is gone too)
-        self._most_open = len(index.members) if self._remote else open_members_limit()
-        if self._remote:  # a remote member holds no file open: described now, asked its size when read
+        #: the files the open members hold, and how many they may (a remote member holds none)
+        self._open_files = 0
+        self._most_files = None if self._remote else open_files_limit()
+        if self._remote:  # described now, asked its size when read
             return
         try:
-            if len(index.members) <= self._most_open:  # opened now: a version pruned while read keeps them
-                for position in range(len(index.members)):
-                    self._files[position] = self._opened(position)
-            else:
+            if not self._opened_whole():
                 for position in range(len(index.members)):
                     self._check_size(position, self._stat_size(position))
         except BaseException:
             self.close()
             raise
+
+    def _opened_whole(self) -> bool:
+        """Every member opened now, where their files fit :func:`open_files_limit` (a version
+        pruned while read keeps them); else none is left open."""
+        assert self._most_files is not None
+        if len(self._index.members) > self._most_files:
+            return False
+        for position in range(len(self._index.members)):
+            try:
+                found = self._files[position] = self._opened(position)
+            except SizeLimitError:  # a chain of more files than may be open: refused when read, naming the tensor
+                break
+            self._open_files += _files_held(found)
+            if self._open_files > self._most_files:
+                break
+        else:
+            return True
+        for found in self._files.values():
+            found.close()
+        self._files.clear()
+        self._open_files = 0
+        return False
 
     @property
     def index(self) -> ShardIndex:
@@ -388,8 +413,8 @@ class ShardedReader(ReaderDefaults):
     def _opened(self, position: int) -> RangedFile | _Rebuilt:
         try:
             path = self.member_path(position)
-            found: RangedFile | _Rebuilt = (_Rebuilt(path, self._fs, self.name) if path.endswith(DELTA_MEMBER_SUFFIX)
-                                            else RangedFile(path, fs=self._fs))
+            found: RangedFile | _Rebuilt = (_Rebuilt(path, self._fs, self.name, self._most_files)
+                                            if path.endswith(DELTA_MEMBER_SUFFIX) else RangedFile(path, fs=self._fs))
             size = found.size
         except FileNotFoundError:
             raise self._missing(position) from None
@@ -403,23 +428,35 @@ class ShardedReader(ReaderDefaults):
     @contextmanager
     def _member(self, position: int) -> Iterator[RangedFile | _Rebuilt]:
         """Member ``position``, open while the block is read: opened if it is not, and, where that
-        makes more open than :func:`open_members_limit` allows, the least recently read one no
-        read is using closed."""
+        makes more files open than :func:`open_files_limit` allows, the least recently read ones
+        no read is using closed (room for one file made before it is opened, the rest once its
+        chain is open: one member's chain over at the most, for that moment)."""
         with self._lock:
             found = self._files.get(position)
             if found is None:
+                self._close_idle(room=1)
                 found = self._files[position] = self._opened(position)
+                self._open_files += _files_held(found)
             self._files.move_to_end(position)
             self._users[position] = self._users.get(position, 0) + 1
+            self._close_idle()
         try:
             yield found
         finally:
             with self._lock:
                 self._users[position] -= 1
-                if len(self._files) > self._most_open:  # least recently read first
-                    idle = [at for at in self._files if not self._users.get(at)]
-                    for at in idle[: len(self._files) - self._most_open]:
-                        self._files.pop(at).close()
+                self._close_idle()
+
+    def _close_idle(self, room: int = 0) -> None:
+        """Close the least recently read members no read is using until the files the rest hold,
+        and ``room`` more, fit :func:`open_files_limit` (under the lock)."""
+        if self._most_files is None:
+            return
+        for at in [at for at in self._files if not self._users.get(at)]:
+            if self._open_files + room <= self._most_files:
+                return
+            self._open_files -= _files_held(self._files[at])
+            self._files.pop(at).close()
 
     def read(self, key: str, *, verify: bool) -> np.ndarray:
         return self.read_region(key, (), verify=verify)
@@ -469,25 +506,28 @@ class ShardedReader(ReaderDefaults):
             for found in self._files.values():
                 found.close()
             self._files.clear()
+            self._open_files = 0
 
 
 class _Rebuilt:
     """A delta member (:func:`weightstore.formats.delta.open_member`) read like a full one: its
     stored tensors, rebuilt from its chain and checked against their digests, lie end to end in
     its manifest's order, where its block table places its pieces; a range is filled from them
-    (the last one rebuilt kept for the ranges after it, until one reaches its end). The CRC-32s
-    of the blocks are then checked as for any member."""
+    (the last one rebuilt kept for the ranges after it, until one reaches its end). Reads in
+    several threads rebuild different tensors in parallel, and one tensor once for all the reads
+    that want it meanwhile. The CRC-32s of the blocks are then checked as for any member."""
 
-    def __init__(self, path: str, fs: Any, index: str):
+    def __init__(self, path: str, fs: Any, index: str, most_files: int | None):
         self.name, self._index = path, index
         location: Any = path
         if location_of(path).remote:
             location = RemoteFile(*on_filesystem(path, fs), path)
         try:
-            self._reader = delta_format.open_member(location, path, mmap=False)
+            self._reader = delta_format.open_member(location, path, mmap=False, most_files=most_files)
         except WeightStoreError as exc:
             raise delta_format.named_here(exc, index, None) from None
         self.size = self._reader.file_bytes
+        self.files = self._reader.open_files
         self._starts: list[int] = []
         self._keys = self._reader.keys()
         at = 0
@@ -498,7 +538,9 @@ class _Rebuilt:
         #: from its anchor, so a follower that rebuilds onto its held copy opens no file below it
         self.extent = at
         self._proven = False
-        self._last: tuple[int, np.ndarray] | None = None
+        #: its stored tensors (by position) that reads hold or are rebuilding, and the last one
+        #: left before its end by a read, kept for the ranges after it
+        self._wanted: dict[int, _Wanted] = {}
         self._lock = threading.Lock()
 
     def _prove(self) -> None:
@@ -511,31 +553,59 @@ class _Rebuilt:
             raise delta_format.named_here(exc, self._index, exc.key) from None
         self._proven = True
 
-    def _stored(self, at: int) -> np.ndarray:
+    def _want(self, at: int) -> _Wanted:
+        """Stored tensor ``at`` for one more read: rebuilt here if no read holds it, else the
+        rebuild another read made or is making (waited for at ``.bytes.result()``). So a tensor
+        is rebuilt once however many reads want it at a time, and other tensors meanwhile."""
         with self._lock:
-            if self._last is None or self._last[0] != at:
-                try:
-                    self._last = (at, self._reader.stored_bytes(self._keys[at]))
-                except WeightStoreError as exc:
-                    raise self._named(exc) from None
-            return self._last[1]
+            wanted = self._wanted.get(at)
+            mine = wanted is None
+            if wanted is None:
+                wanted = self._wanted[at] = _Wanted()
+            wanted.reads += 1
+        if mine:
+            try:
+                wanted.bytes.set_result(self._reader.stored_bytes(self._keys[at]))
+            except BaseException as exc:  # every read waiting for it raises it, and lets it go
+                wanted.bytes.set_exception(self._named(exc) if isinstance(exc, WeightStoreError) else exc)
+        return wanted
+
+    def _let_go(self, at: int, wanted: _Wanted, *, ended: bool) -> None:
+        """One read done with stored tensor ``at``. Once none holds it, it is forgotten where
+        that read reached its end (a whole read keeps none) or it failed; else it is kept as the
+        last one, the one kept before forgotten."""
+        with self._lock:
+            wanted.reads -= 1
+            if wanted.reads or self._wanted.get(at) is not wanted:
+                return
+            if ended or wanted.bytes.exception() is not None:
+                del self._wanted[at]
+                return
+            for other in [other for other, found in self._wanted.items() if other != at and not found.reads]:
+                del self._wanted[other]
 
     def fill(self, ranges: list[tuple[int, memoryview]]) -> None:
         with self._lock:
             self._prove()
-        for offset, view in ranges:
-            check_range(offset, len(view), self.extent, self.name)
-            target, done = np.frombuffer(view, np.uint8), 0
-            while done < len(target):
-                at = bisect.bisect_right(self._starts, offset + done) - 1
-                data = self._stored(at)
-                begin = offset + done - self._starts[at]
-                part = data[begin : begin + len(target) - done]
-                target[done : done + len(part)] = part
-                done += len(part)
-                if begin + len(part) == len(data):  # read to its end: kept no longer (a whole read keeps none)
-                    with self._lock:
-                        self._last = None if self._last is not None and self._last[0] == at else self._last
+        held: dict[int, _Wanted] = {}
+        try:
+            for offset, view in ranges:
+                check_range(offset, len(view), self.extent, self.name)
+                target, done = np.frombuffer(view, np.uint8), 0
+                while done < len(target):
+                    at = bisect.bisect_right(self._starts, offset + done) - 1
+                    if at not in held:
+                        held[at] = self._want(at)
+                    data = held[at].bytes.result()
+                    begin = offset + done - self._starts[at]
+                    part = data[begin : begin + len(target) - done]
+                    target[done : done + len(part)] = part
+                    done += len(part)
+                    if begin + len(part) == len(data):  # read to its end
+                        self._let_go(at, held.pop(at), ended=True)
+        finally:
+            for at, wanted in held.items():
+                self._let_go(at, wanted, ended=False)
 
     def _run(self, offset: int, step: int) -> tuple[str, str] | None:
         """The stored name of the run at ``offset``, and this rank's member of ``step`` in its chain (or ``None``)."""
@@ -573,6 +643,21 @@ class _Rebuilt:
 
     def close(self) -> None:
         self._reader.close()
+
+
+class _Wanted:
+    """A delta member's stored tensor that reads want: its bytes, rebuilt once, and how many
+    reads hold it."""
+
+    __slots__ = ("bytes", "reads")
+
+    def __init__(self) -> None:
+        self.bytes: Future[np.ndarray] = Future()
+        self.reads = 0
+
+
+def _files_held(member: RangedFile | _Rebuilt) -> int:
+    return member.files if isinstance(member, _Rebuilt) else 1
 
 
 def _held_step(held: str) -> int:
