@@ -1,4 +1,4 @@
-"""The processes of the random-kill test (``test_shards_kills.py``): writers, a coordinator and
+"""The processes of the kill test (``test_shards_kills.py``): writers, a coordinator and
 a follower of one versioned folder, forked by a launcher that imported all this once (run as a
 script: ``launch`` reads what to start from its standard input). A fork starts in milliseconds;
 an interpreter importing weightstore takes a second and more on a loaded machine.
@@ -10,6 +10,7 @@ own (safetensors, npz, HDF5 in turn).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -20,6 +21,7 @@ import ml_dtypes
 import numpy as np
 
 import weightstore as ws
+from weightstore.formats import format_named
 from weightstore.sharded import _shards as shards
 from weightstore.sync import _stages as stages
 
@@ -140,6 +142,12 @@ def launch() -> None:
     write), and numpy's OpenBLAS, which starts a pool on import, is told to run none
     (``OPENBLAS_NUM_THREADS=1``, set by ``test_shards_kills.py``). Each fork checks it still is so."""
     roles = {"writer": writer, "coordinator": coordinator, "follower": follower}
+    # what every child would import for itself (a second and more of each one's CPU): the member
+    # formats' modules, h5py's among them, and the S3 folders' file system
+    for name in FORMATS:
+        format_named(name)
+    with contextlib.suppress(ImportError):  # no s3fs: the local test alone runs
+        import s3fs  # noqa: F401
     for line in sys.stdin:
         command, *args = json.loads(line)
         if command == "wait":

@@ -10,6 +10,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -29,21 +30,33 @@ def job_env(**extra: str) -> dict[str, str]:
     return env
 
 
-#: one rank of a 2-rank gloo job (``sys.argv``: folder, rank, port, what to do)
-ONE_CALL = textwrap.dedent("""
-    import sys
+#: the two processes of a 2-rank gloo job, which are, in turn, the ranks of five launches of it
+#: (``sys.argv``: rank, a folder for the launches' folders, a port for each launch, and the port
+#: of a TCPStore the test holds); each launch is its own process group (a new store: a new
+#: incarnation), made and destroyed in turn, as starting torch in each rank of each launch cost
+#: most of these tests. Each line printed starts with the launch's name:
+#: - "one-call": a publish in one call, in the background, one a rank's write refuses, one of a
+#:   step LATEST passed;
+#: - "keys": 6 steps in one call each, rank 0 printing the store's keys after each;
+#: - "zombie", then "replacement": a launch preempted while its rank 1 still writes step 5, and
+#:   the one replacing it, writing step 5 at the same attempt;
+#: - "first", then "second": ranks whose job store is a TCPStore that outlives them, as torchrun's
+#:   agent's does, learning each launch's incarnation through it (the second's rank 0 comes late).
+JOBS = textwrap.dedent("""
+    import datetime, os, sys, time
     import numpy as np
     import torch
     import torch.distributed as dist
     from torch import nn
     import weightstore as ws
     from weightstore.adapters import torch as wt
-    from weightstore.sharded import _shards
+    from weightstore.formats._sharded_index import parse_done
+    from weightstore.sharded import _agree, _cluster, _shards
 
-    folder, rank, port = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 8))
+    rank, out, ports, store_port = int(sys.argv[1]), sys.argv[2], sys.argv[3:7], int(sys.argv[7])
+
+    def say(launch, what, value):
+        print(f"{launch} {what}: {value}", flush=True)
 
     def outcome(call):
         try:
@@ -52,26 +65,102 @@ ONE_CALL = textwrap.dedent("""
         except ws.WeightStoreError as exc:
             return f"{type(exc).__name__}: {exc}"
 
-    print("one call:", outcome(lambda: wt.publish_sharded(folder, model, step=1, timeout=30)))
-    with torch.no_grad():
-        model[0].weight.add_(1)
-    future = wt.publish_sharded(folder, model, step=2, timeout=30, background=True)
-    with torch.no_grad():
-        model[0].weight.add_(1)  # after the snapshot: the version holds the values at the call
-    print("background:", outcome(future.result))
-    pieces = {"w": np.ones(3)} if rank == 0 else {"not a key/": np.ones(3)}
-    print("refused:", outcome(lambda: _shards.publish_together(folder, pieces, step=3, timeout=600)))
-    print("behind:", outcome(lambda: wt.publish_sharded(folder, model, step=2, timeout=600)))
-    dist.destroy_process_group()
+    def one_call(folder):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 8))
+        say("one-call", "one call", outcome(lambda: wt.publish_sharded(folder, model, step=1, timeout=30)))
+        with torch.no_grad():
+            model[0].weight.add_(1)
+        future = wt.publish_sharded(folder, model, step=2, timeout=30, background=True)
+        with torch.no_grad():
+            model[0].weight.add_(1)  # after the snapshot: the version holds the values at the call
+        say("one-call", "background", outcome(future.result))
+        pieces = {"w": np.ones(3)} if rank == 0 else {"not a key/": np.ones(3)}
+        say("one-call", "refused", outcome(lambda: _shards.publish_together(folder, pieces, step=3, timeout=600)))
+        say("one-call", "behind", outcome(lambda: wt.publish_sharded(folder, model, step=2, timeout=600)))
+
+    def many_steps(folder):
+        store = dist.distributed_c10d._get_default_store()
+        kernel = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
+        for step in range(1, 7):
+            piece = {"k": _shards.Piece(kernel[rank * 4:rank * 4 + 4] + step, (rank * 4, 0), (8, 3))}
+            _shards.publish_together(folder, piece, step=step, timeout=60)
+            if rank == 0:
+                say("keys", "keys", store.num_keys())
+        dist.barrier()
+
+    def launch(folder, role):
+        kernel = np.arange(8 * 3, dtype=np.float32).reshape(8, 3) + (100 if role == "zombie" else 0)
+        mine = {"k": ws.Piece(kernel[rank * 4:rank * 4 + 4], (rank * 4, 0), (8, 3))}
+        say(role, "incarnation", ws.sharded.job_incarnation())
+        if role == "zombie":
+            ws.publish_shard(folder, mine, step=4, attempt=0)
+            if rank == 0:
+                ws.commit_shards(folder, step=4, attempt=0, timeout=60)
+            dist.barrier()
+            if rank == 1:  # rank 0 is preempted before step 5; this one still writes it, as the README once said
+                ws.publish_shard(folder, mine, step=5, attempt=0)
+                with open(f"{folder}/step-000000000005.attempt-0/rank-00001.done", "rb") as done:  # before the retry removes it
+                    say(role, "done-record of", parse_done(done.read()).incarnation)
+            return
+        flag = os.path.join(os.path.dirname(folder), "refused")
+        if rank == 0:  # the replacement, also at attempt 0 of step 5: rank 1's member is the zombie's
+            ws.publish_shard(folder, mine, step=5, attempt=0)
+            try:
+                ws.commit_shards(folder, step=5, attempt=0, timeout=60)
+            except ws.PublishError as exc:
+                say(role, "refused", exc)
+            open(flag, "w").close()
+        else:
+            while not os.path.exists(flag):
+                time.sleep(0.05)
+        ws.publish_shard(folder, mine, step=5)  # agreed: above every attempt the folder holds
+        if rank == 0:
+            say(role, "committed", ws.commit_shards(folder, step=5, timeout=60).path)
+
+    def store_launch(name, delay):
+        time.sleep(delay)
+        store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=datetime.timedelta(seconds=60))
+        channel = object.__new__(_cluster._TorchChannel)
+        channel.store, channel.owner, channel.timeout_error = store, store, dist.DistStoreError
+        say(name, "incarnation", _agree.incarnation(channel, rank, 2, timeout=60))
+
+    for (name, job), port in zip([("one-call", one_call), ("keys", many_steps), ("zombie", launch),
+                                  ("replacement", launch)], ports, strict=True):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        if job is launch:
+            launch(f"{out}/launches/run", name)
+        else:
+            job(f"{out}/{name}")
+        dist.destroy_process_group()
+    store_launch("first", 0)
+    store_launch("second", 2 if rank == 0 else 0)  # rank 1 reads the store while it holds only the first's keys
 """)
 
 
-def test_one_call_on_every_torch_rank_returns_the_committed_version_or_the_same_error(tmp_path):
-    folder, port = tmp_path / "run", free_port()
-    ranks = run_together([[sys.executable, "-c", ONE_CALL, str(folder), str(rank), str(port)] for rank in range(2)],
-                         [job_env()] * 2, timeout=120)
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """The two processes of :data:`JOBS`, run once for the module's tests: the folder of the
+    launches' folders, and what each launch's ranks said (``said[launch][rank][what]``)."""
+    out = tmp_path_factory.mktemp("jobs")
+    (out / "launches").mkdir()
+    server = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ports = [str(free_port()) for _ in range(4)]
+    ranks = run_together([[sys.executable, "-c", JOBS, str(rank), str(out), *ports, str(server.port)]
+                          for rank in range(2)], [job_env()] * 2, timeout=240)
     assert [rank.returncode for rank in ranks] == [0, 0], [rank.stderr[-3000:] for rank in ranks]
-    said = [dict(line.split(": ", 1) for line in rank.stdout.splitlines() if ": " in line) for rank in ranks]
+    said: dict[str, list[dict[str, list[str]]]] = {}
+    for at, rank in enumerate(ranks):
+        for line in rank.stdout.splitlines():
+            launch, rest = line.split(" ", 1)
+            what, value = rest.split(": ", 1)
+            said.setdefault(launch, [{}, {}])[at].setdefault(what, []).append(value)
+    return SimpleNamespace(out=out, said=said)
+
+
+def test_one_call_on_every_torch_rank_returns_the_committed_version_or_the_same_error(jobs):
+    folder = jobs.out / "one-call"
+    said = [{what: values[0] for what, values in rank.items()} for rank in jobs.said["one-call"]]
     assert said[0]["one call"] == said[1]["one call"] == "1 step-000000000001.wsindex"
     assert said[0]["background"] == said[1]["background"] == "2 step-000000000002.wsindex"
     torch.manual_seed(0)
@@ -124,64 +213,22 @@ def test_one_call_on_every_jax_process_returns_the_committed_version(tmp_path):
     assert records[0].incarnation and records[0].incarnation == records[1].incarnation
 
 
-#: a rank of one launch of a 2-rank job (``sys.argv``: folder, rank, port, role)
-LAUNCH = textwrap.dedent("""
-    import os, sys, time
-    import numpy as np
-    import torch.distributed as dist
-    import weightstore as ws
+def test_a_zombie_and_its_replacement_writing_one_step_are_refused_naming_both_launches(jobs):
+    folder = jobs.out / "launches" / "run"
 
-    folder, rank, port, role = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    kernel = np.arange(8 * 3, dtype=np.float32).reshape(8, 3) + (100 if role == "zombie" else 0)
-    mine = {"k": ws.Piece(kernel[rank * 4:rank * 4 + 4], (rank * 4, 0), (8, 3))}
-    print("incarnation:", ws.sharded.job_incarnation())
-    if role == "zombie":
-        ws.publish_shard(folder, mine, step=4, attempt=0)
-        if rank == 0:
-            ws.commit_shards(folder, step=4, attempt=0, timeout=60)
-        dist.barrier()
-        if rank == 1:  # rank 0 is preempted before step 5; this one still writes it, as the README once said
-            ws.publish_shard(folder, mine, step=5, attempt=0)
-        sys.exit(0)
-    flag = os.path.join(os.path.dirname(folder), "refused")
-    if rank == 0:  # the replacement, also at attempt 0 of step 5: rank 1's member is the zombie's
-        ws.publish_shard(folder, mine, step=5, attempt=0)
-        try:
-            ws.commit_shards(folder, step=5, attempt=0, timeout=60)
-        except ws.PublishError as exc:
-            print("refused:", exc)
-        open(flag, "w").close()
-    else:
-        while not os.path.exists(flag):
-            time.sleep(0.05)
-    ws.publish_shard(folder, mine, step=5)  # agreed: above every attempt the folder holds
-    if rank == 0:
-        print("committed:", ws.commit_shards(folder, step=5, timeout=60).path)
-""")
+    def drawn(launch):
+        incarnations = {rank["incarnation"][0] for rank in jobs.said[launch]}
+        assert len(incarnations) == 1  # every rank of a launch has its incarnation
+        return incarnations.pop()
 
-
-def test_a_zombie_and_its_replacement_writing_one_step_are_refused_naming_both_launches(tmp_path):
-    folder = tmp_path / "run"
-
-    def launch(role):
-        port = free_port()
-        ranks = run_together([[sys.executable, "-c", LAUNCH, str(folder), str(rank), str(port), role]
-                              for rank in range(2)], [job_env()] * 2, timeout=120)
-        assert [rank.returncode for rank in ranks] == [0, 0], [rank.stderr[-3000:] for rank in ranks]
-        drawn = {rank.stdout.split("incarnation: ")[1].split()[0] for rank in ranks}
-        assert len(drawn) == 1  # every rank of a launch has its incarnation
-        return ranks, drawn.pop()
-
-    _, theirs = launch("zombie")
-    assert parse_done((folder / "step-000000000005.attempt-0" / "rank-00001.done").read_bytes()).incarnation == theirs
-    replacement, ours = launch("replacement")
+    theirs, ours = drawn("zombie"), drawn("replacement")
+    assert jobs.said["zombie"][1]["done-record of"] == [theirs]
     assert ours != theirs
-    refusal = replacement[0].stdout.split("refused: ")[1].splitlines()[0]
+    refusal = jobs.said["replacement"][0]["refused"][0]
     assert f"rank 1's done-record is of job incarnation {theirs}, rank 0's of {ours}" in refusal, refusal
     assert "step 5 attempt 0" in refusal
     # the retry the error asks for: the store agrees attempt 1, whose members are all the replacement's
-    assert replacement[0].stdout.split("committed: ")[1].split()[0].endswith("step-000000000005.wsindex")
+    assert jobs.said["replacement"][0]["committed"][0].endswith("step-000000000005.wsindex")
     assert ws.latest(folder).step == 5
     assert ws.load(ws.latest(folder))["k"].tobytes() == np.arange(24, dtype=np.float32).tobytes()
     attempt = folder / "step-000000000005.attempt-1"
@@ -219,7 +266,7 @@ def _raised(folder: Path) -> list[BaseException]:
 
 
 #: one rank under torchrun: publishes steps until LATEST reaches 3 (resuming after LATEST on a
-#: restart); in the first launch, rank 3 is SIGKILLed just before its step-2 publish
+#: restart); in the first launch, rank 1 is SIGKILLed just before its step-2 publish
 TORCHRUN = textwrap.dedent("""
     import os, signal, sys
     import torch
@@ -235,7 +282,7 @@ TORCHRUN = textwrap.dedent("""
     for step in range((latest.step if latest else 0) + 1, 4):
         torch.manual_seed(step)
         model = nn.Linear(32, 16)
-        if step == 2 and rank == 3 and not os.path.exists(flag):
+        if step == 2 and rank == 1 and not os.path.exists(flag):
             open(flag, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
         version = wt.publish_sharded(folder, model, step=step, timeout=40)
@@ -247,8 +294,8 @@ TORCHRUN = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_torchrun_two_nodes_a_killed_rank_and_a_restart_end_in_one_version_every_rank_agrees_on(tmp_path):
-    """Two torchrun agents (2 nodes x 2 ranks) on 127.0.0.1. After rank 3 is killed, its node's
-    agent restarts its workers with TORCHELASTIC_RESTART_COUNT 1, the other node's with 0 (it
+    """Two torchrun agents (2 nodes x 1 rank) on 127.0.0.1. After rank 1 is killed, its node's
+    agent restarts its worker with TORCHELASTIC_RESTART_COUNT 1, the other node's with 0 (it
     did not fail): the attempt comes from the store, so they agree. The c10d rendezvous gives
     each launch a fresh TCPStore (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): gloo itself cannot
     rendezvous again through the agent's shared store, which keeps the dead launch's keys."""
@@ -257,7 +304,7 @@ def test_torchrun_two_nodes_a_killed_rank_and_a_restart_end_in_one_version_every
     script.write_text(TORCHRUN)
     env = job_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
     nodes = run_together([[sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
-                           "--nproc-per-node=2", "--max-restarts=2", "--rdzv-backend=c10d",
+                           "--nproc-per-node=1", "--max-restarts=2", "--rdzv-backend=c10d",
                            f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=agree", "--monitor-interval=0.5",
                            str(script), str(folder), str(flag)] for node in range(2)], [env] * 2, timeout=150)
     assert [node.returncode for node in nodes] == [0, 0], [node.stderr[-4000:] for node in nodes]
@@ -268,11 +315,11 @@ def test_torchrun_two_nodes_a_killed_rank_and_a_restart_end_in_one_version_every
         head, path = line.split(": ")
         _, rank, _, restart, _, step = head.split()
         final.setdefault(int(step), {})[int(rank)] = (int(restart), path)
-    assert sorted(final[3]) == [0, 1, 2, 3], said  # every rank of the last launch returned step 3
+    assert sorted(final[3]) == [0, 1], said  # every rank of the last launch returned step 3
     assert len({path for _, path in final[3].values()}) == 1 and ws.latest(folder).step == 3
     restarts = {rank: restart for rank, (restart, _) in final[3].items()}
     # the killed rank's node counted a restart, the other did not: TORCHELASTIC_RESTART_COUNT disagrees
-    assert (restarts[0], restarts[1], restarts[2], restarts[3]) == (0, 0, 1, 1), said
+    assert (restarts[0], restarts[1]) == (0, 1), said
     assert {path for _, path in final[2].values()} == {str(folder / "step-000000000002.wsindex")}
     # one attempt folder a step: the dead try's, if it left one, went with the commit of its step
     assert sorted(p.name.split(".")[0] for p in folder.iterdir() if ".attempt-" in p.name) == [
@@ -282,38 +329,12 @@ def test_torchrun_two_nodes_a_killed_rank_and_a_restart_end_in_one_version_every
     assert np.array_equal(ws.load(ws.latest(folder))["weight"], model.weight.detach().numpy())
 
 
-#: a rank of one launch whose job store is a TCPStore that outlives it, as torchrun's agent's
-#: does: it learns the launch's incarnation through that store (``sys.argv``: port, rank, delay)
-STORE_RANK = textwrap.dedent("""
-    import datetime, sys, time
-    import torch.distributed as dist
-    from weightstore.sharded import _agree, _cluster
-
-    port, rank, delay = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-    time.sleep(delay)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
-    channel = object.__new__(_cluster._TorchChannel)
-    channel.store, channel.owner, channel.timeout_error = store, store, dist.DistStoreError
-    print("incarnation:", _agree.incarnation(channel, rank, 2, timeout=60))
-""")
-
-
-def test_a_store_that_outlives_a_launch_never_gives_the_next_launch_the_old_incarnation(tmp_path):
+def test_a_store_that_outlives_a_launch_never_gives_the_next_launch_the_old_incarnation(jobs):
     """torchrun's agent keeps its TCPStore across the launches it restarts, with the keys the
     dead launch's ranks left. The next launch's rank 1 starts well before its rank 0,
     and still learn the new incarnation, never the one the store holds."""
-    server = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-
-    def launch(delays):
-        ranks = run_together([[sys.executable, "-c", STORE_RANK, str(server.port), str(rank), str(delay)]
-                              for rank, delay in enumerate(delays)], [job_env()] * 2, timeout=120)
-        assert [rank.returncode for rank in ranks] == [0] * 2, [rank.stderr[-3000:] for rank in ranks]
-        drawn = {rank.stdout.split("incarnation: ")[1].split()[0] for rank in ranks}
-        assert len(drawn) == 1, drawn
-        return drawn.pop()
-
-    first = launch([0, 0])
-    second = launch([2, 0])  # rank 1 reads the store while it holds only the first launch's keys
+    first, second = ({rank["incarnation"][0] for rank in jobs.said[launch]} for launch in ("first", "second"))
+    assert len(first) == len(second) == 1, (first, second)
     assert second != first
 
 
@@ -333,34 +354,10 @@ def test_two_launches_whose_rank_0s_read_the_folder_at_once_claim_different_atte
     assert shards.claimed_attempt(target, 5, "replacement", least=1) == 2  # a retry: above what the folder holds
 
 
-#: rank ``sys.argv[2]`` of a 2-rank gloo job publishing 6 steps in one call each; rank 0 prints the store's keys
-MANY_STEPS = textwrap.dedent("""
-    import sys
-    import numpy as np
-    import torch.distributed as dist
-    from weightstore.sharded import _shards
-
-    folder, rank, port = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    store = dist.distributed_c10d._get_default_store()
-    kernel = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
-    for step in range(1, 7):
-        piece = {"k": _shards.Piece(kernel[rank * 4:rank * 4 + 4] + step, (rank * 4, 0), (8, 3))}
-        _shards.publish_together(folder, piece, step=step, timeout=60)
-        if rank == 0:
-            print("keys:", store.num_keys(), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-""")
-
-
-def test_the_keys_of_committed_steps_leave_the_job_store(tmp_path):
+def test_the_keys_of_committed_steps_leave_the_job_store(jobs):
     """Each publish meets at keys of its own in the job's store; rank 0 deletes them once no rank
     reads them again, so the store of a job of many steps holds one step's keys, not all."""
-    folder, port = tmp_path / "run", free_port()
-    ranks = run_together([[sys.executable, "-c", MANY_STEPS, str(folder), str(rank), str(port)] for rank in range(2)],
-                         [job_env()] * 2, timeout=120)
-    assert [rank.returncode for rank in ranks] == [0, 0], [rank.stderr[-3000:] for rank in ranks]
-    keys = [int(line.split()[-1]) for line in ranks[0].stdout.splitlines() if line.startswith("keys:")]
+    keys = [int(value) for value in jobs.said["keys"][0]["keys"]]
     assert len(keys) == 6 and keys[1:] == [keys[1]] * 5, keys  # two keys a step before
+    folder = jobs.out / "keys"
     assert ws.load(ws.latest(folder))["k"].tobytes() == (np.arange(24, dtype=np.float32).reshape(8, 3) + 6).tobytes()

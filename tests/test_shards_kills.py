@@ -1,20 +1,21 @@
-"""Random SIGKILLs of the writers and the coordinator of sharded versions, with a follower
-checking every version it sees (real processes, a local folder and the loopback S3 server).
+"""SIGKILLs of the writers and the coordinator of sharded versions at every stage of the
+protocol, with a follower checking every version it sees (real processes, a local folder and
+the loopback S3 server).
 
-Each round publishes one step: four writer processes and a coordinator, some of them SIGKILLed
-at a seeded random point (a stage of the publish, or a random moment). A round that did not
-commit is retried as a job launcher would: the coordinator alone with the same attempt when
-every rank's done-record is there, else every rank with the next attempt. Meanwhile a
-``ws.follow`` process checks that every version it sees holds exactly what its step should,
-whole and read by thirds, and that steps never go back. At the end a step left dead (a
-coordinator killed between its index and ``LATEST``, and a try missing a rank) is removed by
-``ws clean``, and the folder holds only the versions ``LATEST`` reaches and their members.
+Each round publishes one step: four writer processes and a coordinator, one of them SIGKILLed
+at a stage of the publish (:data:`SCHEDULE` names every stage once, in the order each step's
+tries meet them). A try that did not commit is retried as a job launcher would: the coordinator
+alone with the same attempt when every rank's done-record is there, else every rank with the
+next attempt. Meanwhile a ``ws.follow`` process checks that every version it sees holds exactly
+what its step should, whole and read by thirds, and that steps never go back. At the end a step
+left dead (a coordinator killed between its index and ``LATEST``, then a try missing a rank whose
+coordinator and a writer are killed at a moment, not a stage) is removed by ``ws clean``, and the
+folder holds only the versions ``LATEST`` reaches and their members.
 """
 
 import contextlib
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -35,8 +36,20 @@ from weightstore.io.folders import folder_for  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BUCKET = "weightstore-kills"
-#: the most random kills a run makes, and the most tries one step gets
-KILLS, TRIES = 12, 8
+#: the kills of each step's tries, in turn (a try past its step's list kills none): every stage
+#: of the protocol once. The coordinator's stages come first, each killing the coordinator the
+#: last try left, until one after LATEST publishes; then a writer at each of its stages, each try
+#: a new attempt (the last one's coordinator, finding every done-record, commits and is killed
+#: while pruning step 1: four versions, keep=3)
+SCHEDULE = [
+    [{"coordinator": stage} for stage in ("index-written", "version-written", "latest-temporary", "locked",
+                                          "cleaned", "latest-written")],
+    [{"coordinator": "pruned"}],
+    [{"writer-0": "member-temporary"}, {"writer-1": "member-written"},
+     {"writer-3": "done-written", "coordinator": "pruning"}],
+]
+#: the most tries one step gets
+TRIES = 8
 
 pytestmark = pytest.mark.slow
 
@@ -86,36 +99,28 @@ def _done(folder, step, attempt):
     return all(done_name(rank) in names for rank in range(shard_kills.WORLD))
 
 
-def _plan(rng, kills, roles):
-    """Who to kill in this try and where: ``{role: stage or seconds}``, at most one victim."""
-    if kills <= 0 or rng.random() < 0.3:
-        return {}
-    role = "coordinator" if rng.random() < 0.5 else rng.choice(roles[:-1] or roles)
-    stages = shard_kills.COORDINATOR_STAGES if role == "coordinator" else shard_kills.WRITER_STAGES
-    return {role: rng.choice(stages) if rng.random() < 0.6 else rng.uniform(0.0, 0.3)}
-
-
 def _try(launcher, folder, step, attempt, *, writers, plan):
-    """One try at ``step``: the writers (if any) and a coordinator, killed per ``plan``. A
-    coordinator left waiting for a writer that died is stopped, as the job's launcher tearing the
-    try down would."""
+    """One try at ``step``: the writers (if any) and a coordinator, killed per ``plan`` (at a
+    stage, or after some seconds). A coordinator left waiting for a writer that died is stopped,
+    as the job's launcher tearing the try down would. Returns each one's exit code (-9: killed)."""
     def stage_of(role):
         return plan.get(role) if isinstance(plan.get(role), str) else ""
 
     pids = {f"writer-{rank}": launcher.start("writer", folder, step, rank, attempt, stage_of(f"writer-{rank}"))
             for rank in range(writers)}
     pids["coordinator"] = launcher.start("coordinator", folder, step, attempt, stage_of("coordinator"))
-    timed = next(((role, at) for role, at in plan.items() if isinstance(at, float)), None)
-    if timed is not None:
-        time.sleep(timed[1])
-        os.kill(pids[timed[0]], signal.SIGKILL)  # not reaped yet: the pid is still this child's
-    for role, pid in pids.items():
-        if role != "coordinator":
-            assert launcher.wait(pid) in (0, -9), role
+    started = time.monotonic()
+    for role, at in sorted(((role, at) for role, at in plan.items() if isinstance(at, float)), key=lambda kill: kill[1]):
+        time.sleep(max(0.0, started + at - time.monotonic()))
+        os.kill(pids[role], signal.SIGKILL)  # not reaped yet: the pid is still this child's
+    codes = {role: launcher.wait(pid) for role, pid in pids.items() if role != "coordinator"}
+    assert all(code in (0, -9) for code in codes.values()), codes
     if writers and not _done(folder, step, attempt):
         time.sleep(0.2)
         os.kill(pids["coordinator"], signal.SIGKILL)
-    assert launcher.wait(pids["coordinator"]) in (0, -9, shard_kills.TIMED_OUT)
+    codes["coordinator"] = launcher.wait(pids["coordinator"])
+    assert codes["coordinator"] in (0, -9, shard_kills.TIMED_OUT)
+    return codes
 
 
 def _published(folder, step):
@@ -123,22 +128,18 @@ def _published(folder, step):
     return latest is not None and latest.step == step
 
 
-def run_rounds(launcher, folder, *, steps, seed, tmp_path):
-    rng = random.Random(seed)
+def run_rounds(launcher, folder, *, tmp_path):
     log, stop = tmp_path / "seen.jsonl", tmp_path / "stop"
     ws.publish(folder, shard_kills.expected(1), step=1, metadata={"step": 1})
     follower = launcher.start("follower", folder, str(log), str(stop))
-    kills = KILLS
+    killed = []  # (role, stage) of each kill that took place
     try:
-        for step in range(2, 2 + steps):
+        for step, plans in enumerate(SCHEDULE, start=2):
             attempt, writers = 0, shard_kills.WORLD
-            for _ in range(TRIES):
-                roles = [f"writer-{rank}" for rank in range(writers)] + ["coordinator"]
-                # the first try always loses its coordinator between the index and LATEST
-                first = step == 2 and attempt == 0 and writers == shard_kills.WORLD
-                plan = {"coordinator": "index-written"} if first else _plan(rng, kills, roles)
-                _try(launcher, folder, step, attempt, writers=writers, plan=plan)
-                kills -= bool(plan)
+            for tried in range(TRIES):
+                plan = plans[tried] if tried < len(plans) else {}
+                codes = _try(launcher, folder, step, attempt, writers=writers, plan=plan)
+                killed += [(role, stage) for role, stage in plan.items() if codes[role] == -9]
                 if _published(folder, step):
                     break
                 if _done(folder, step, attempt):
@@ -147,11 +148,13 @@ def run_rounds(launcher, folder, *, steps, seed, tmp_path):
                     attempt, writers = attempt + 1, shard_kills.WORLD
             else:
                 pytest.fail(f"step {step} was not published in {TRIES} tries")
-        final = 1 + steps
+            assert tried >= len(plans) - 1, f"step {step} was published before its kill {plans[tried + 1]}"
+        final = 1 + len(SCHEDULE)
         # a step left dead: a coordinator killed between its index and LATEST, and a try missing rank 3
+        # whose coordinator and a writer are killed at a moment
         dead = final + 1
         _try(launcher, folder, dead, 0, writers=shard_kills.WORLD, plan={"coordinator": "index-written"})
-        _try(launcher, folder, dead, 1, writers=3, plan={"coordinator": 0.0})
+        _try(launcher, folder, dead, 1, writers=3, plan={"coordinator": 0.0, "writer-0": 0.05})
         wait_until(lambda: log.exists() and f'["seen", {final}]' in log.read_text(),
                    what=f"the follower seeing step {final}", every=0.1)
     finally:
@@ -163,7 +166,9 @@ def run_rounds(launcher, folder, *, steps, seed, tmp_path):
     assert code == 0
     seen = [value for kind, value in reports if kind == "seen"]
     assert seen == sorted(set(seen)) and seen[-1] == final and len(seen) >= 2, seen
-    assert kills < KILLS  # the seed made kills
+    # every stage of the protocol met its kill
+    assert sorted(stage for role, stage in killed if role == "coordinator") == sorted(shard_kills.COORDINATOR_STAGES)
+    assert sorted(stage for role, stage in killed if role != "coordinator") == sorted(shard_kills.WRITER_STAGES)
     return final, dead
 
 
@@ -185,13 +190,13 @@ def check_clean(folder, final, dead):
     shard_kills.check(folder, version)
 
 
-def test_random_kills_of_writers_and_coordinator_in_a_local_folder(launcher, tmp_path):
+def test_kills_of_writers_and_coordinator_at_every_stage_in_a_local_folder(launcher, tmp_path):
     folder = str(tmp_path / "run")
-    final, dead = run_rounds(launcher, folder, steps=8, seed=23, tmp_path=tmp_path)
+    final, dead = run_rounds(launcher, folder, tmp_path=tmp_path)
     check_clean(folder, final, dead)
 
 
-def test_random_kills_of_writers_and_coordinator_on_s3(server, launcher, tmp_path):
+def test_kills_of_writers_and_coordinator_at_every_stage_on_s3(server, launcher, tmp_path):
     folder = f"s3://{BUCKET}/{uuid.uuid4().hex}"  # the launcher's children reach the server by the environment
-    final, dead = run_rounds(launcher, folder, steps=4, seed=5, tmp_path=tmp_path)
+    final, dead = run_rounds(launcher, folder, tmp_path=tmp_path)
     check_clean(folder, final, dead)

@@ -1,5 +1,7 @@
 """PyTorch DTensor feeds: a 2-process gloo group on 127.0.0.1 publishes FSDP2-sharded parameters
-and reads them back in a tensor-parallel sharding, each rank fetching only its shards (S3)."""
+and reads them back in a tensor-parallel sharding, each rank fetching only its shards (S3); DTensors
+on submeshes; FSDP2 versions read by jobs of other world sizes. The jobs' ranks are one launch of
+processes (:data:`JOBS`), whose results the tests check."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import sys
 import textwrap
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,11 +26,23 @@ import weightstore as ws  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 BUCKET = "weightstore-shards-torch"
 
-#: one rank: builds the model (same seed on both), shards it with FSDP2 and publishes its
-#: shards; rank 0 commits. Then both read the version into the same model laid out for tensor
-#: parallelism (first Linear by output rows, second by input columns, its bias replicated),
-#: and save what each holds, for the test to check against the model whole.
-RANK = textwrap.dedent("""
+#: one of three processes that are, in turn, ranks of six jobs, each its own process group made
+#: and destroyed in turn (``sys.argv``: rank, a folder for each job's output, the S3 folder, a
+#: port for each job): one launch of processes serves them all, as starting torch in each rank
+#: of each job cost most of these tests. Ranks 0 and 1:
+#: - "fsdp2-tp": build the model (same seed on both), shard it with FSDP2 and publish its shards
+#:   to S3; rank 0 commits. Then both read the version into the same model laid out for tensor
+#:   parallelism (first Linear by output rows, second by input columns, its bias replicated),
+#:   and save what each holds, for the test to check against the model whole.
+#: - "tp": a (dp=1, tp=2) mesh, the first Linear tensor parallel over "tp", the second, outside
+#:   the plan, sharded by FSDP2 over "dp" alone, so both tp ranks hold its shard.
+#: - "pp": a (pp=2, dp=1) mesh, each rank a pipeline stage of one Linear, sharded over its "dp":
+#:   the same kind of DTensor, holding another layer on each rank.
+#: Then three FSDP2 jobs, of all three: 2 ranks write step 2, 3 ranks read it and write step 3,
+#: 2 ranks read that and write step 4. Each reads the latest version (if any) into its own
+#: FSDP2-sharded model and checks every parameter whole against the model that wrote it (seed:
+#: the writers' world), then publishes its own model's shards.
+JOBS = textwrap.dedent("""
     import sys
 
     import numpy as np
@@ -41,61 +56,117 @@ RANK = textwrap.dedent("""
     import weightstore as ws
     from weightstore.adapters import torch as wt
 
-    folder, rank, port, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    mesh = init_device_mesh("cpu", (2,))
+    rank, out, s3_folder, ports = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:]
 
-    def model(seed):
-        torch.manual_seed(seed)
-        return nn.Sequential(nn.Linear(1024, 768), nn.ReLU(), nn.Linear(768, 1024), nn.BatchNorm1d(1024))
+    def join(world, port):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
-    writer = model(1)
-    fully_shard(writer, mesh=mesh)
-    pieces = wt.export_pieces(writer)
-    ws.publish_shard(folder, pieces, step=1, rank=rank, world=2, attempt=0)
-    if rank == 0:
-        ws.commit_shards(folder, step=1, world=2, attempt=0, timeout=60)
-    dist.barrier()
-    reader = parallelize_module(model(2), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    report = wt.assign(reader, ws.latest(folder))
-    held = {key: wt.to_numpy(wt._torch_shards.local_tensor(tensor), key) for key, tensor in wt.tensors(reader).items()}
-    again = parallelize_module(model(3), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    wt.assign(again, ws.load(ws.latest(folder)))  # from a dict of whole tensors: each rank cuts its shard
-    for key, tensor in wt.tensors(again).items():
-        assert wt.to_numpy(wt._torch_shards.local_tensor(tensor), key).tobytes() == held[key].tobytes(), key
-    held["pieces"] = np.array(sorted(pieces))
-    held["assigned"] = np.array(sorted(report.assigned))
-    from torch.distributed.tensor import DTensor, Partial
+    def fsdp2_read_tensor_parallel(folder):
+        mesh = init_device_mesh("cpu", (2,))
 
-    summed = nn.Module()  # a DTensor of partial sums: no part of its value, refused naming the key
-    summed.w = nn.Parameter(DTensor.from_local(torch.ones(2, 2), mesh, [Partial()]))
-    try:
-        wt.export_pieces(summed)
-    except ws.TargetError as exc:
-        assert exc.key == "w" and "partial sums" in str(exc), exc
-    else:
-        raise AssertionError("a Partial DTensor was exported")
-    np.savez(out, **{key.replace("/", "|"): value for key, value in held.items()})
-    dist.destroy_process_group()
+        def model(seed):
+            torch.manual_seed(seed)
+            return nn.Sequential(nn.Linear(1024, 768), nn.ReLU(), nn.Linear(768, 1024), nn.BatchNorm1d(1024))
+
+        writer = model(1)
+        fully_shard(writer, mesh=mesh)
+        pieces = wt.export_pieces(writer)
+        ws.publish_shard(folder, pieces, step=1, rank=rank, world=2, attempt=0)
+        if rank == 0:
+            ws.commit_shards(folder, step=1, world=2, attempt=0, timeout=60)
+        dist.barrier()
+        reader = parallelize_module(model(2), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        report = wt.assign(reader, ws.latest(folder))
+        held = {key: wt.to_numpy(wt._torch_shards.local_tensor(tensor), key)
+                for key, tensor in wt.tensors(reader).items()}
+        again = parallelize_module(model(3), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        wt.assign(again, ws.load(ws.latest(folder)))  # from a dict of whole tensors: each rank cuts its shard
+        for key, tensor in wt.tensors(again).items():
+            assert wt.to_numpy(wt._torch_shards.local_tensor(tensor), key).tobytes() == held[key].tobytes(), key
+        held["pieces"] = np.array(sorted(pieces))
+        held["assigned"] = np.array(sorted(report.assigned))
+        from torch.distributed.tensor import DTensor, Partial
+
+        summed = nn.Module()  # a DTensor of partial sums: no part of its value, refused naming the key
+        summed.w = nn.Parameter(DTensor.from_local(torch.ones(2, 2), mesh, [Partial()]))
+        try:
+            wt.export_pieces(summed)
+        except ws.TargetError as exc:
+            assert exc.key == "w" and "partial sums" in str(exc), exc
+        else:
+            raise AssertionError("a Partial DTensor was exported")
+        np.savez(f"{out}/fsdp2-tp/{rank}.npz", **{key.replace("/", "|"): value for key, value in held.items()})
+
+    def two_d(layout):
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 4))
+        if layout == "tp":
+            mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+            model = parallelize_module(model, mesh["tp"], {"0": ColwiseParallel()})
+            fully_shard(model[1], mesh=mesh["dp"])
+        else:
+            mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("pp", "dp"))
+            model[1 - rank] = nn.Identity()  # this rank's stage keeps its layer's name
+            fully_shard(model[rank], mesh=mesh["dp"])
+        folder = f"{out}/{layout}"
+        ws.publish_shard(folder, wt.export_pieces(model), step=1, attempt=0)
+        dist.barrier()
+        if rank == 0:
+            ws.commit_shards(folder, step=1, attempt=0, timeout=30)
+
+    def fsdp2_worlds(world, step):
+        folder = f"{out}/worlds"
+
+        def model(seed):
+            torch.manual_seed(seed)
+            return nn.Sequential(nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 5))
+
+        mesh = init_device_mesh("cpu", (world,))
+        before = ws.latest(folder)
+        if before is not None:
+            reader = model(0)
+            fully_shard(reader, mesh=mesh)
+            wt.assign(reader, before)
+            written = model(before.step)  # the writers' seed is their world, which is their step
+            for (name, mine), theirs in zip(reader.named_parameters(), written.parameters(), strict=True):
+                assert mine.full_tensor().detach().numpy().tobytes() == theirs.detach().numpy().tobytes(), name
+            print(f"world {world} read", before.step, flush=True)
+        writer = model(world)
+        fully_shard(writer, mesh=mesh)
+        print(f"world {world} wrote", wt.publish_sharded(folder, writer, step=step, timeout=60).step, flush=True)
+
+    jobs = [(2, lambda: fsdp2_read_tensor_parallel(s3_folder)), (2, lambda: two_d("tp")), (2, lambda: two_d("pp")),
+            (2, lambda: fsdp2_worlds(2, 2)), (3, lambda: fsdp2_worlds(3, 3)), (2, lambda: fsdp2_worlds(2, 4))]
+    for (world, job), port in zip(jobs, ports, strict=True):
+        if rank < world:
+            join(world, port)
+            job()
+            dist.destroy_process_group()
 """)
 
 
-def run_ranks(folder, server, tmp_path):
-    port = free_port()
-    env = {**os.environ, **server.environment(), "PYTHONPATH": str(ROOT)}
-    ranks = run_together([[sys.executable, "-c", RANK, folder, str(rank), str(port), str(tmp_path / f"{rank}.npz")]
-                          for rank in range(2)], [env] * 2, timeout=240)
-    for rank in ranks:
-        assert rank.returncode == 0, (rank.stdout + rank.stderr)[-3000:]
-    return [{key.replace("|", "/"): value for key, value in np.load(tmp_path / f"{rank}.npz").items()} for rank in range(2)]
-
-
-def test_fsdp2_shards_published_by_two_ranks_read_back_tensor_parallel(server, tmp_path):
+@pytest.fixture(scope="module")
+def jobs(server, tmp_path_factory):
+    """The three processes of :data:`JOBS`, run once for the module's tests: what each printed,
+    the folder of each job's output, the S3 folder, and the bytes of members the S3 readers fetched."""
+    out = tmp_path_factory.mktemp("jobs")
+    (out / "fsdp2-tp").mkdir()
     folder = f"s3://{BUCKET}/{uuid.uuid4().hex}"
     server.reset()
-    held = run_ranks(folder, server, tmp_path)
+    env = {**os.environ, **server.environment(), "PYTHONPATH": str(ROOT)}
+    ports = [str(free_port()) for _ in range(6)]
+    ranks = run_together([[sys.executable, "-c", JOBS, str(rank), str(out), folder, *ports] for rank in range(3)],
+                         [env] * 3, timeout=300)
+    for rank in ranks:
+        assert rank.returncode == 0, (rank.stdout + rank.stderr)[-3000:]
     fetched = sum(r.sent for r in server.requests if r.method == "GET" and r.path.endswith(".safetensors"))
-    with ws.open(ws.latest(folder)) as store:
+    return SimpleNamespace(said=[rank.stdout.splitlines() for rank in ranks], out=out, folder=folder, fetched=fetched)
+
+
+def test_fsdp2_shards_published_by_two_ranks_read_back_tensor_parallel(jobs):
+    held = [{key.replace("|", "/"): value for key, value in np.load(jobs.out / "fsdp2-tp" / f"{rank}.npz").items()}
+            for rank in range(2)]
+    with ws.open(ws.latest(jobs.folder)) as store:
         whole = {key: store[key] for key in store}
     torch.manual_seed(1)  # the writers' model, whole
     model = torch.nn.Sequential(torch.nn.Linear(1024, 768), torch.nn.ReLU(), torch.nn.Linear(768, 1024),
@@ -115,7 +186,7 @@ def test_fsdp2_shards_published_by_two_ranks_read_back_tensor_parallel(server, t
         assert held[rank]["3/running_var"].tobytes() == expected["3/running_var"].tobytes()
     # the two readers together fetched each sharded byte once: their shards, not the whole model
     # twice (then each loaded the version whole, for the assign from a dict: the model's bytes)
-    fetched -= 2 * sum(value.nbytes for value in expected.values())
+    fetched = jobs.fetched - 2 * sum(value.nbytes for value in expected.values())
     sharded = sum(expected[key].nbytes for key in ("0/weight", "0/bias", "2/weight"))
     replicated = sum(value.nbytes for key, value in expected.items() if key not in ("0/weight", "0/bias", "2/weight"))
     assert sharded <= fetched <= 1.1 * sharded + 2 * replicated, fetched / sharded
@@ -135,116 +206,21 @@ def test_export_pieces_of_plain_tensors_splits_rows_between_ranks():
     assert [part["bias"][0].shape for part in halves] == [(5,), (5,)]
 
 
-#: one of two ranks. "tp": a (dp=1, tp=2) mesh, the first Linear tensor parallel over "tp", the
-#: second, outside the plan, sharded by FSDP2 over "dp" alone, so both tp ranks hold its shard.
-#: "pp": a (pp=2, dp=1) mesh, each rank a pipeline stage of one Linear, sharded over its "dp":
-#: the same kind of DTensor, holding another layer on each rank.
-TWO_D = textwrap.dedent("""
-    import sys
-
-    import torch
-    import torch.distributed as dist
-    from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-
-    import weightstore as ws
-    from weightstore.adapters import torch as wt
-
-    folder, rank, port, layout = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    torch.manual_seed(1)
-    model = nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 4))
-    if layout == "tp":
-        mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
-        model = parallelize_module(model, mesh["tp"], {"0": ColwiseParallel()})
-        fully_shard(model[1], mesh=mesh["dp"])
-    else:
-        mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("pp", "dp"))
-        model[1 - rank] = nn.Identity()  # this rank's stage keeps its layer's name
-        fully_shard(model[rank], mesh=mesh["dp"])
-    ws.publish_shard(folder, wt.export_pieces(model), step=1, attempt=0)
-    dist.barrier()
-    if rank == 0:
-        ws.commit_shards(folder, step=1, attempt=0, timeout=30)
-    dist.destroy_process_group()
-""")
-
-
 @pytest.mark.parametrize("layout", ["tp", "pp"])
-def test_a_dtensor_on_a_submesh_is_published_whole_once(tmp_path, layout):
+def test_a_dtensor_on_a_submesh_is_published_whole_once(jobs, layout):
     """Tensor parallelism's copies of a submesh hold one shard alike (written by each, kept once);
     pipeline stages on one hold other layers (each must be written: a rule keeping one copy of
     the submesh left every stage but the first out of the version)."""
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    ranks = run_together([[sys.executable, "-c", TWO_D, str(tmp_path / "run"), str(rank), str(port), layout]
-                          for rank in range(2)], [env] * 2, timeout=120)
-    for rank in ranks:
-        assert rank.returncode == 0, (rank.stdout + rank.stderr)[-3000:]
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 4))
-    loaded = ws.load(ws.latest(tmp_path / "run"))
+    loaded = ws.load(ws.latest(jobs.out / layout))
     assert {key: value.tobytes() for key, value in loaded.items()} == {
         key.replace(".", "/"): value.detach().numpy().tobytes() for key, value in model.state_dict().items()}
 
 
-#: one of three processes that are, in turn, ranks of three FSDP2 jobs (``sys.argv``: folder,
-#: rank, then a port for each job): 2 ranks write step 2, 3 ranks read it and write step 3, 2
-#: ranks read that and write step 4. One launch of processes serves the three jobs (each its
-#: own process group, made and destroyed in turn), as starting torch seven times cost most of
-#: this test. Each job reads the latest version (if any) into its own FSDP2-sharded model and
-#: checks every parameter whole against the model that wrote it (seed: the writers' world),
-#: then publishes its own model's shards
-FSDP_WORLD = textwrap.dedent("""
-    import sys
-    import torch
-    import torch.distributed as dist
-    from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    import weightstore as ws
-    from weightstore.adapters import torch as wt
-
-    folder, rank, ports = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-
-    def model(seed):
-        torch.manual_seed(seed)
-        return nn.Sequential(nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 5))
-
-    for (world, step), port in zip(((2, 2), (3, 3), (2, 4)), ports, strict=True):
-        if rank >= world:
-            continue
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        mesh = init_device_mesh("cpu", (world,))
-        before = ws.latest(folder)
-        if before is not None:
-            reader = model(0)
-            fully_shard(reader, mesh=mesh)
-            wt.assign(reader, before)
-            written = model(before.step)  # the writers' seed is their world, which is their step
-            for (name, mine), theirs in zip(reader.named_parameters(), written.parameters(), strict=True):
-                assert mine.full_tensor().detach().numpy().tobytes() == theirs.detach().numpy().tobytes(), name
-            print(f"world {world} read", before.step, flush=True)
-        writer = model(world)
-        fully_shard(writer, mesh=mesh)
-        print(f"world {world} wrote", wt.publish_sharded(folder, writer, step=step, timeout=60).step, flush=True)
-        dist.destroy_process_group()
-""")
-
-
-@pytest.mark.slow  # three jobs of torch processes
-def test_fsdp2_versions_of_two_ranks_read_by_three_and_of_three_by_two_bit_exact(tmp_path):
+@pytest.mark.slow
+def test_fsdp2_versions_of_two_ranks_read_by_three_and_of_three_by_two_bit_exact(jobs):
     """FSDP2 writers of one world size, readers of another (uneven shards: 5 rows over 2 and 3
     ranks), every parameter bit-exact: 2 ranks write step 2, 3 read it and write step 3, 2 read it."""
-    folder = str(tmp_path / "run")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    ports = [str(free_port()) for _ in range(3)]
-    ranks = run_together([[sys.executable, "-c", FSDP_WORLD, folder, str(rank), *ports] for rank in range(3)],
-                         [env] * 3, timeout=240)
-    for rank in ranks:
-        assert rank.returncode == 0, (rank.stdout + rank.stderr)[-3000:]
-    said = [rank.stdout.splitlines() for rank in ranks]
     both = ["world 2 wrote 2", "world 3 read 2", "world 3 wrote 3", "world 2 read 3", "world 2 wrote 4"]
-    assert said == [both, both, ["world 3 read 2", "world 3 wrote 3"]], said
+    assert jobs.said == [both, both, ["world 3 read 2", "world 3 wrote 3"]], jobs.said
