@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import io
 import struct
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from isal import isal_zlib
 
 import weightstore as ws
 from weightstore.core import _parallel as parallel
@@ -64,6 +66,33 @@ def test_crc_at_the_real_thresholds_equals_zlib(size):
     data = random_bytes(size, seed=size)
     assert crc.crc32(memoryview(data)) == zlib.crc32(data)
     assert crc32(data.view(np.float32) if size % 4 == 0 else data) == zlib.crc32(data)
+
+
+@pytest.mark.parametrize("kernel", ["crc32_gzip_refl", "crc32_gzip_refl_avx2"])
+def test_each_isal_kernel_equals_zlib_at_every_length_and_alignment(kernel):
+    """The kernel called by name where ISA-L's dispatcher would not pick it gives zlib's CRC-32
+    for short tails, odd starts and a continued CRC alike (skipped where the CPU lacks it)."""
+    if kernel != "crc32_gzip_refl" and crc._kernel_name() != kernel:
+        pytest.skip(f"this CPU takes {crc._kernel_name()}")
+    native = crc._CRC_FN((kernel, ctypes.CDLL(isal_zlib.__file__)))
+    data = random_bytes(70_000, seed=7)
+    for size in [*range(0, 260, 7), 511, 512, 513, 4099, 65_536, 69_000]:
+        for start in (0, 1, 15, 33):
+            piece = data[start : start + size]
+            for initial in (0, 0xDEADBEEF):
+                assert native(initial, piece.ctypes.data, piece.nbytes) == zlib.crc32(piece, initial), (size, start)
+
+
+@pytest.mark.parametrize(("flags", "kernel"), [
+    ("fpu sse4_2 pclmulqdq avx avx2 vaes vpclmulqdq", "crc32_gzip_refl_avx2"),  # no GFNI: by8 by ISA-L's choice
+    ("fpu sse4_2 pclmulqdq avx avx2", "crc32_gzip_refl"),  # no VPCLMULQDQ
+    ("fpu sse4_2 pclmulqdq avx avx2 avx512f gfni vaes vpclmulqdq", "crc32_gzip_refl"),  # ISA-L picks its AVX-512 kernel
+])
+def test_the_avx2_kernel_only_where_the_cpu_has_it_and_isal_would_not_pick_better(tmp_path, flags, kernel):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
+    assert crc._kernel_name(str(cpuinfo)) == (kernel if sys.platform.startswith("linux") else "crc32_gzip_refl")
+    assert crc._kernel_name(str(tmp_path / "missing")) == "crc32_gzip_refl"
 
 
 def test_threaded_path_only_above_the_threshold(for_each_calls):
