@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from pathlib import Path
 
@@ -296,8 +297,11 @@ def test_a_follower_reads_whole_a_tensor_a_full_member_holds_part_of(tmp_path):
 def test_a_reader_counts_each_delta_member_s_chain_against_its_open_files_and_refuses_one_over(tmp_path,
                                                                                                 monkeypatch):
     """Each member of step 6 holds 6 files open (itself and 5 bases down to its anchor): under a
-    budget of 8 files the two are opened in turn, never both, and read bit-exact; under 5 the
-    chain alone is over, refused naming version, member and tensor, with no descriptor left open."""
+    budget of 8 files the two are opened in turn, never both, nor a block table beside a chain
+    being opened (at most 8 descriptors more at any open), and read bit-exact; under 5 the chain
+    alone is over, refused naming version, member and tensor, with no descriptor left open. A
+    member closed, then pruned, is refused naming version and tensor when asked what a read from
+    a held version would fetch."""
     from weightstore.formats import sharded
 
     folder = tmp_path / "run"
@@ -310,13 +314,24 @@ def test_a_reader_counts_each_delta_member_s_chain_against_its_open_files_and_re
         return len(os.listdir("/proc/self/fd"))
 
     before = descriptors()
+    peak = [0]
+    os_open = os.open
+
+    def counted(*args, **words):  # every file weightstore reads is opened here: the count peaks just after one
+        fd = os_open(*args, **words)
+        peak[0] = max(peak[0], descriptors() - before)
+        return fd
+
     monkeypatch.setattr(sharded, "open_files_limit", lambda: 8)
     with ws.open(version) as store:
         assert descriptors() == before  # 12 files would not fit: none opened yet
+        monkeypatch.setattr(os, "open", counted)
         same({key: store[key] for key in store}, 6)
         assert store._reader._open_files == 6 and descriptors() == before + 6
         assert store.read_region("w", (slice(0, 2),)).tobytes() == model(6)["w"][:2].tobytes()  # rank 0 again
         assert store._reader._open_files == 6 and descriptors() == before + 6
+        monkeypatch.setattr(os, "open", os_open)
+    assert 6 <= peak[0] <= 8, peak
     assert descriptors() == before
     monkeypatch.setattr(sharded, "open_files_limit", lambda: 5)
     with ws.open(version) as store:
@@ -330,6 +345,14 @@ def test_a_reader_counts_each_delta_member_s_chain_against_its_open_files_and_re
     with ws.open(version) as store:  # both fit: opened whole at open, as ever
         assert store._reader._open_files == 12 and descriptors() == before + 12
         same({key: store[key] for key in store}, 6)
+    monkeypatch.setattr(sharded, "open_files_limit", lambda: 8)
+    with ws.open(version) as store:
+        assert store["w"].tobytes() == model(6)["w"].tobytes()  # both tables read; rank 1's member left open
+        (Path(version.path).parent / "step-000000000006.attempt-0" / "rank-00000.wsdelta").unlink()
+        with pytest.raises(ws.StoreNotFoundError) as caught:
+            store.chain_payload(["w"], index_of(version).delta.chain[-1])
+        assert caught.value.path == version.path and caught.value.key == "w"
+        assert "rank-00000.wsdelta" in str(caught.value)
 
 
 def test_threads_reading_a_delta_member_rebuild_its_tensors_in_parallel_each_once(tmp_path, monkeypatch):
@@ -359,7 +382,9 @@ def test_threads_reading_a_delta_member_rebuild_its_tensors_in_parallel_each_onc
         rebuilds[key] = rebuilds.get(key, 0) + 1
         together.wait()  # the other tensors are being rebuilt now too
         entry = member._wanted[member._keys.index(key)]
+        deadline = time.monotonic() + 60
         while entry.reads < 3:  # this tensor's other two reads wait for this rebuild
+            assert time.monotonic() < deadline, f"{key}: {entry.reads} of 3 reads hold it after 60 s"
             threading.Event().wait(0.001)
         return stored_bytes(self, key, **words)
 
@@ -371,11 +396,12 @@ def test_threads_reading_a_delta_member_rebuild_its_tensors_in_parallel_each_onc
         def read(key, at):
             got[key, at] = store[key]
 
-        threads = [threading.Thread(target=read, args=(key, at)) for key in want for at in range(3)]
+        threads = [threading.Thread(target=read, args=(key, at), daemon=True) for key in want for at in range(3)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join(timeout=120)
+        assert not any(thread.is_alive() for thread in threads)
         assert member._wanted == {}  # each read to its end: none kept
     assert rebuilds == {key: 1 for key in want}
     assert sorted(got) == sorted((key, at) for key in want for at in range(3))

@@ -19,8 +19,10 @@ whose members fit is opened whole when it is opened, so pruning cannot pull it a
 reader; a larger one (1,100 ranks under the default limit of 1,024 files) is checked member by
 member at open (each exists, as large as the index says) and its members are opened as they are
 read, the least recently read closed to make room, so a member pruned before it is read again is
-refused as removed, as on object storage. A delta member whose chain alone would hold more files
-than that is refused when read (``SizeLimitError``), never opened to run out of descriptors.
+refused as removed, as on object storage. A member is opened in the files left: a delta member
+whose chain does not fit them is refused before a base opens, the idle members closed and it is
+opened again in the whole budget; one whose chain alone holds more files than that is refused
+when read (``SizeLimitError``), never opened to run out of descriptors.
 """
 
 from __future__ import annotations
@@ -160,13 +162,14 @@ class ShardedReader(ReaderDefaults):
         if len(self._index.members) > self._most_files:
             return False
         for position in range(len(self._index.members)):
-            try:
-                found = self._files[position] = self._opened(position)
-            except SizeLimitError:  # a chain of more files than may be open: refused when read, naming the tensor
+            room = self._most_files - self._open_files
+            if room < 1:
+                break
+            try:  # a chain over the files left is refused before a base opens (read later, or refused then)
+                found = self._files[position] = self._opened(position, room)
+            except SizeLimitError:
                 break
             self._open_files += _files_held(found)
-            if self._open_files > self._most_files:
-                break
         else:
             return True
         for found in self._files.values():
@@ -247,11 +250,12 @@ class ShardedReader(ReaderDefaults):
         total = 0
         for key in keys:
             runs = []
-            for piece in self._whole_pieces(key):
-                with self._member(piece.member) as member:
-                    runs.append(member.chain_payload(piece.offset, _held_step(held)) if isinstance(member, _Rebuilt)
-                                else None)
-            total += self._entry(key).nbytes if None in runs else sum(run or 0 for run in runs)
+            with naming(path=self.name, key=key):
+                for piece in self._whole_pieces(key):
+                    with self._member(piece.member) as member:
+                        runs.append(member.chain_payload(piece.offset, _held_step(held))
+                                    if isinstance(member, _Rebuilt) else None)
+                total += self._entry(key).nbytes if None in runs else sum(run or 0 for run in runs)
         return total
 
     def read_from(self, key: str, held: str, data: np.ndarray, *, verify: bool,
@@ -328,19 +332,22 @@ class ShardedReader(ReaderDefaults):
 
     def _table(self, position: int, *, digests: bool = False) -> BlockTable:
         """Member ``position``'s block table: its head fetched once (one ranged read), its
-        digests once asked for (another)."""
+        digests once asked for (another). A delta member's extent is asked before the table's
+        file opens, so that file (not counted in :func:`open_files_limit`) is never open while
+        the member's chain is being opened."""
         with self._tables_lock:
             table = self._tables[position]
             member = self._index.members[position]
             ref = member.table
             assert ref is not None  # a version 2 index's members all have one
             if table is None or (digests and table.digests is None):
+                extent = self._extent(position) if table is None else None
                 with self._table_file(position) as source:
                     if table is None:
                         head = np.empty(ref.head, np.uint8)
                         source.fill([(0, head.data.cast("B"))])
                         table = BlockTable.parse_head(head.tobytes(), ref, member, self._index.step,
-                                                      self._index.attempt, self._extent(position))
+                                                      self._index.attempt, extent)
                     if digests and table.digests is None:
                         data = np.empty(ref.digests, np.uint8)
                         source.fill([(ref.digests_at, data.data.cast("B"))])
@@ -410,10 +417,12 @@ class ShardedReader(ReaderDefaults):
             assert isinstance(member, _Rebuilt)
             return member.extent
 
-    def _opened(self, position: int) -> RangedFile | _Rebuilt:
+    def _opened(self, position: int, most_files: int | None) -> RangedFile | _Rebuilt:
+        """Member ``position`` opened, a delta member's chain in at most ``most_files`` files
+        (else ``SizeLimitError`` before a base opens), its size checked against the index's."""
         try:
             path = self.member_path(position)
-            found: RangedFile | _Rebuilt = (_Rebuilt(path, self._fs, self.name, self._most_files)
+            found: RangedFile | _Rebuilt = (_Rebuilt(path, self._fs, self.name, most_files)
                                             if path.endswith(DELTA_MEMBER_SUFFIX) else RangedFile(path, fs=self._fs))
             size = found.size
         except FileNotFoundError:
@@ -427,19 +436,18 @@ class ShardedReader(ReaderDefaults):
 
     @contextmanager
     def _member(self, position: int) -> Iterator[RangedFile | _Rebuilt]:
-        """Member ``position``, open while the block is read: opened if it is not, and, where that
-        makes more files open than :func:`open_files_limit` allows, the least recently read ones
-        no read is using closed (room for one file made before it is opened, the rest once its
-        chain is open: one member's chain over at the most, for that moment)."""
+        """Member ``position``, open while the block is read: opened if it is not, in the files
+        :func:`open_files_limit` leaves, the least recently read members no read is using closed
+        to make room. Room for its own file is made first; a delta member whose chain needs more
+        than is left is refused before a base opens, every idle member closed and it is opened
+        again in the whole budget (over it only by members other reads are using meanwhile)."""
         with self._lock:
             found = self._files.get(position)
             if found is None:
-                self._close_idle(room=1)
-                found = self._files[position] = self._opened(position)
+                found = self._files[position] = self._opened_in_room(position)
                 self._open_files += _files_held(found)
             self._files.move_to_end(position)
             self._users[position] = self._users.get(position, 0) + 1
-            self._close_idle()
         try:
             yield found
         finally:
@@ -447,10 +455,24 @@ class ShardedReader(ReaderDefaults):
                 self._users[position] -= 1
                 self._close_idle()
 
+    def _opened_in_room(self, position: int) -> RangedFile | _Rebuilt:
+        """Member ``position`` opened as :meth:`_member` says (under the lock)."""
+        if self._most_files is None:  # remote: holds no file
+            return self._opened(position, None)
+        self._close_idle(room=1)
+        left = max(1, self._most_files - self._open_files)
+        try:
+            return self._opened(position, left)
+        except SizeLimitError:
+            if left >= self._most_files:  # its chain alone is over the budget
+                raise
+            self._close_idle(room=self._most_files)  # every idle member
+        return self._opened(position, self._most_files)
+
     def _close_idle(self, room: int = 0) -> None:
         """Close the least recently read members no read is using until the files the rest hold,
         and ``room`` more, fit :func:`open_files_limit` (under the lock)."""
-        if self._most_files is None:
+        if self._most_files is None or self._open_files + room <= self._most_files:
             return
         for at in [at for at in self._files if not self._users.get(at)]:
             if self._open_files + room <= self._most_files:
@@ -555,7 +577,7 @@ class _Rebuilt:
 
     def _want(self, at: int) -> _Wanted:
         """Stored tensor ``at`` for one more read: rebuilt here if no read holds it, else the
-        rebuild another read made or is making (waited for at ``.bytes.result()``). So a tensor
+        rebuild another read made or is making (waited for at ``.rebuilt.result()``). So a tensor
         is rebuilt once however many reads want it at a time, and other tensors meanwhile."""
         with self._lock:
             wanted = self._wanted.get(at)
@@ -565,9 +587,9 @@ class _Rebuilt:
             wanted.reads += 1
         if mine:
             try:
-                wanted.bytes.set_result(self._reader.stored_bytes(self._keys[at]))
+                wanted.rebuilt.set_result(self._reader.stored_bytes(self._keys[at]))
             except BaseException as exc:  # every read waiting for it raises it, and lets it go
-                wanted.bytes.set_exception(self._named(exc) if isinstance(exc, WeightStoreError) else exc)
+                wanted.rebuilt.set_exception(self._named(exc) if isinstance(exc, WeightStoreError) else exc)
         return wanted
 
     def _let_go(self, at: int, wanted: _Wanted, *, ended: bool) -> None:
@@ -578,7 +600,7 @@ class _Rebuilt:
             wanted.reads -= 1
             if wanted.reads or self._wanted.get(at) is not wanted:
                 return
-            if ended or wanted.bytes.exception() is not None:
+            if ended or wanted.rebuilt.exception() is not None:
                 del self._wanted[at]
                 return
             for other in [other for other, found in self._wanted.items() if other != at and not found.reads]:
@@ -596,7 +618,7 @@ class _Rebuilt:
                     at = bisect.bisect_right(self._starts, offset + done) - 1
                     if at not in held:
                         held[at] = self._want(at)
-                    data = held[at].bytes.result()
+                    data = held[at].rebuilt.result()
                     begin = offset + done - self._starts[at]
                     part = data[begin : begin + len(target) - done]
                     target[done : done + len(part)] = part
@@ -649,10 +671,10 @@ class _Wanted:
     """A delta member's stored tensor that reads want: its bytes, rebuilt once, and how many
     reads hold it."""
 
-    __slots__ = ("bytes", "reads")
+    __slots__ = ("rebuilt", "reads")
 
     def __init__(self) -> None:
-        self.bytes: Future[np.ndarray] = Future()
+        self.rebuilt: Future[np.ndarray] = Future()
         self.reads = 0
 
 

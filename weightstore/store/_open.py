@@ -191,7 +191,13 @@ class Store(Mapping):
         """Bytes :meth:`read_from` fetches for ``keys`` from version file ``held`` (``None``: what
         reading them from a delta version's anchor fetches); ``None`` where it cannot."""
         method = getattr(self._reader, "chain_payload", None)
-        return cast("int | None", method(keys, held)) if callable(method) else None
+        if not callable(method):
+            return None
+        try:
+            return cast("int | None", method(keys, held))
+        except WeightStoreError as exc:
+            attach(exc, path=self.path)
+            raise
 
     def read(self, keys: Iterable[str] | None = None, *, max_bytes: int | None = None) -> dict[str, np.ndarray]:
         """Several tensors at once, refusing before reading if they exceed ``max_bytes``."""
