@@ -724,6 +724,40 @@ def test_a_session_keeps_its_latest_batches_compiled_and_is_freed_when_dropped(t
         assert dropped() is None
 
 
+def test_the_first_assign_compiles_its_batch_once_started_before_the_file_is_opened(tmp_path, monkeypatch):
+    """The first assign into a session starts compiling the batch it will run before opening the
+    file, and runs that very callable though the file lists the keys in another order; an assign
+    of a subset then compiles its own, with no guess (the session compiled before)."""
+    weights = six_values()
+    path = tmp_path / "w.npz"
+    ws.save(path, dict(reversed(weights.items())))
+    compiled: list[tuple[str, ...]] = []
+    compile_ = _tf1_callables._compile
+    monkeypatch.setattr(_tf1_callables, "_compile",
+                        lambda sess, signature: compiled.append(signature[0]) or compile_(sess, signature))
+    started_before_open: list[bool] = []
+    open_values = skeleton.open_values
+
+    def opened(weights):
+        started_before_open.append(not sess._weightstore_callables.empty())
+        return open_values(weights)
+
+    monkeypatch.setattr(skeleton, "open_values", opened)
+    graph = tf.Graph()
+    with graph.as_default():
+        variables = six_variables()
+        init = v1.global_variables_initializer()
+    with v1.Session(graph=graph) as sess:
+        sess.run(init)
+        assert tf1.assign(sess, path).assigned == list(reversed(weights))
+        assert started_before_open == [True]
+        assert len(compiled) == 1 and len(compiled[0]) == 6
+        for got, expected in zip(values(sess, variables), weights.values(), strict=True):
+            np.testing.assert_array_equal(got, expected)
+        tf1.assign(sess, path, include="layer_1/w")
+        assert [len(signature) for signature in compiled] == [6, 1]
+
+
 @pytest.mark.parametrize("fmt", ["npz", "h5"])
 def test_a_bad_value_in_a_later_batch_changes_nothing(tmp_path, two_per_batch, batches_counted, fmt):
     weights = six_values()
