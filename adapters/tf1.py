@@ -613,21 +613,29 @@ _RESTORE_TYPES = frozenset({"RestoreV2", "Restore", "RestoreSlice"})
 
 
 def _restore_writer(graph: tf.Graph, variable: tf.Variable) -> tuple[tf.Operation, tf.Tensor] | None:
-    """The assign op of the graph's ``Saver`` for ``variable``, and the tensor it is given (the
-    restore op's output, or the ``Identity`` of it), where there is one that nothing else reads.
+    """The assign op of the graph's ``Saver`` for ``variable``, and the tensor to feed it: the
+    restore op's output it is given, directly or through an ``Identity`` (a resource variable's),
+    where nothing else reads either.
 
     Fed, it writes the variable as the initializer does, but compiles in about half the time:
     a session runs Grappler over the fan-in of every fed tensor, which for an initializer is its
     whole initializer (``random_normal``: six ops a variable), and for a restore op one op shared
     by every variable. The first assign in a process compiles each of its batches, so that fan-in
-    was most of its time."""
+    was most of its time. The restore op's output is fed rather than its ``Identity``: Grappler
+    then drops the ``Identity`` (which passes the fed buffer on as it is) as it does for the
+    ``Saver``, 512 nodes for 256 variables where feeding it kept 774, and compiles in about a fifth
+    less CPU time."""
     handle = variable.op.outputs[0]
     for op in handle.consumers():
         if op.type not in _ASSIGN_TYPES or op.control_inputs or len(op.inputs) != 2 or op.inputs[0] is not handle:
             continue
         tensor = op.inputs[1]
-        source = tensor.op.inputs[0].op if tensor.op.type == "Identity" and len(tensor.op.inputs) == 1 else tensor.op
-        if (source.type in _RESTORE_TYPES and not tensor.op.control_inputs and tensor.consumers() == [op]
-                and graph.is_feedable(tensor)):
+        if tensor.consumers() != [op]:
+            continue
+        if tensor.op.type == "Identity" and len(tensor.op.inputs) == 1 and not tensor.op.control_inputs:
+            tensor = tensor.op.inputs[0]
+            if tensor.consumers() != [op.inputs[1].op]:
+                continue
+        if tensor.op.type in _RESTORE_TYPES and graph.is_feedable(tensor):
             return op, tensor
     return None

@@ -351,6 +351,8 @@ def test_a_graph_with_a_saver_is_written_through_its_restore_ops_and_the_saver_s
         graph.finalize()
         writers = {v.op.name: tf1._writer(graph, v)[0] for v in made}
         assert all(op.name.startswith("save/") for op in writers.values())
+        # fed at the restore op itself, not at a resource variable's Identity of it
+        assert {tf1._writer(graph, v)[1].op.type for v in made} == {"RestoreV2"}
         tf1.assign(sess, tmp_path / "w.npz")
         exported = tf1.export(sess)
         for key, value in values_in.items():
