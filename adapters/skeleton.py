@@ -190,7 +190,7 @@ def _write_batches(target: Target, source: ValueSource, prepare: Callable[[Value
                    todo: list[tuple[str, str]], digests: Mapping[str, str | None], report: Report) -> None:
     """Verify every value, then write them batch by batch; see :func:`run_assign` for failures."""
     sizes = {key: _nbytes(target.infos[key]) for key, _ in todo}
-    budget = max(BATCH_MIN_BYTES, sum(sizes.values()) // BATCH_SHARE)
+    budget = batch_budget(sum(sizes.values()))
     cost = target.cost or (lambda key, value: sizes[key])
     chunks = list(_chunks(todo, {key: cost(key, None) for key, _ in todo}, budget))
     if target.ahead is not None:
@@ -226,6 +226,11 @@ def _write_batches(target: Target, source: ValueSource, prepare: Callable[[Value
             ) from exc
         _remember(target, written, digests, report)
         written_before = True
+
+
+def batch_budget(nbytes: int) -> int:
+    """The new memory one batch of an assign of ``nbytes`` may take (see :data:`BATCH_MIN_BYTES`)."""
+    return max(BATCH_MIN_BYTES, nbytes // BATCH_SHARE)
 
 
 def _chunks(todo: list[tuple[str, str]], sizes: Mapping[str, int], budget: int) -> Iterator[list[tuple[str, str]]]:

@@ -351,6 +351,8 @@ def test_a_graph_with_a_saver_is_written_through_its_restore_ops_and_the_saver_s
         graph.finalize()
         writers = {v.op.name: tf1._writer(graph, v)[0] for v in made}
         assert all(op.name.startswith("save/") for op in writers.values())
+        # fed at the restore op itself, not at a resource variable's Identity of it
+        assert {tf1._writer(graph, v)[1].op.type for v in made} == {"RestoreV2"}
         tf1.assign(sess, tmp_path / "w.npz")
         exported = tf1.export(sess)
         for key, value in values_in.items():
@@ -722,6 +724,41 @@ def test_a_session_keeps_its_latest_batches_compiled_and_is_freed_when_dropped(t
     with paused_gc():
         del sess
         assert dropped() is None
+
+
+def test_the_first_assign_compiles_its_batch_once_started_before_the_file_is_opened(tmp_path, monkeypatch):
+    """The first assign into a session starts compiling the batch it will run before opening the
+    file, and runs that very callable though the file lists the keys in another order; an assign
+    of a subset then compiles its own, with no guess (the session compiled before)."""
+    weights = six_values()
+    path = tmp_path / "w.npz"
+    ws.save(path, dict(reversed(weights.items())))
+    compiled: list[tuple[str, ...]] = []
+    compile_ = _tf1_callables._compile
+    monkeypatch.setattr(_tf1_callables, "_compile",
+                        lambda sess, signature: compiled.append(signature[0]) or compile_(sess, signature))
+    started_before_open: list[bool] = []
+    open_values = skeleton.open_values
+
+    def opened(weights):
+        table = getattr(sess, "_weightstore_callables", None)
+        started_before_open.append(table is not None and not table.empty())
+        return open_values(weights)
+
+    monkeypatch.setattr(skeleton, "open_values", opened)
+    graph = tf.Graph()
+    with graph.as_default():
+        variables = six_variables()
+        init = v1.global_variables_initializer()
+    with v1.Session(graph=graph) as sess:
+        sess.run(init)
+        assert tf1.assign(sess, path).assigned == list(reversed(weights))
+        assert started_before_open == [True]
+        assert len(compiled) == 1 and len(compiled[0]) == 6
+        for got, expected in zip(values(sess, variables), weights.values(), strict=True):
+            np.testing.assert_array_equal(got, expected)
+        tf1.assign(sess, path, include="layer_1/w")
+        assert [len(signature) for signature in compiled] == [6, 1]
 
 
 @pytest.mark.parametrize("fmt", ["npz", "h5"])
