@@ -54,22 +54,30 @@ def pieces(step: int, rank: int) -> dict[str, object]:
     return held
 
 
-def _kill_at(stage: str) -> None:
+def _kill_at(role: str, stage: str) -> None:
+    """SIGKILL this process at ``stage``, first saying so on stderr (:func:`said_killed` reads it):
+    an exit by SIGKILL alone could be the test's own kill, at another moment."""
     def hook(name: str) -> None:
         if name == stage:
+            os.write(2, f"{role} killed at {stage}\n".encode())  # one write: whole among the other children's
             os.kill(os.getpid(), 9)
 
     stages.hook = hook
 
 
+def said_killed(stderr: str) -> dict[str, str]:
+    """The stage each child that :func:`_kill_at` killed said it died at, by role, in ``stderr``."""
+    return dict(line.split(" killed at ") for line in stderr.splitlines() if " killed at " in line)
+
+
 def writer(folder: str, step: int, rank: int, attempt: int, stage: str) -> None:
-    _kill_at(stage)
+    _kill_at(f"writer-{rank}", stage)
     ws.publish_shard(folder, pieces(step, rank), step=step, rank=rank, world=WORLD, attempt=attempt,
                      format=FORMATS[step % len(FORMATS)])
 
 
 def coordinator(folder: str, step: int, attempt: int, stage: str) -> None:
-    _kill_at(stage)
+    _kill_at("coordinator", stage)
     try:
         shards.commit_shards(folder, step=step, world=WORLD, attempt=attempt, timeout=60, keep=3,
                              metadata={"step": step})

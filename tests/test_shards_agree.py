@@ -5,6 +5,7 @@ jax.distributed)."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 import textwrap
 import threading
@@ -31,10 +32,12 @@ def job_env(**extra: str) -> dict[str, str]:
 
 
 #: the two processes of a 2-rank gloo job, which are, in turn, the ranks of five launches of it
-#: (``sys.argv``: rank, a folder for the launches' folders, a port for each launch, and the port
-#: of a TCPStore the test holds); each launch is its own process group (a new store: a new
-#: incarnation), made and destroyed in turn, as starting torch in each rank of each launch cost
-#: most of these tests. Each line printed starts with the launch's name:
+#: (``sys.argv``: rank, a folder for the launches' folders, and the ports of TCPStores the test
+#: holds, one for each of the first four launches and one for the last two); each of the first
+#: four is its own process group (a new store: a new incarnation), made and destroyed in turn, as
+#: starting torch in each rank of each launch cost most of these tests. A rank whose launch raises
+#: prints why and exits at once; its peer gives up in 60 s. Each line printed starts with the
+#: launch's name:
 #: - "one-call": a publish in one call, in the background, one a rank's write refuses, one of a
 #:   step LATEST passed;
 #: - "keys": 6 steps in one call each, rank 0 printing the store's keys after each;
@@ -43,7 +46,7 @@ def job_env(**extra: str) -> dict[str, str]:
 #: - "first", then "second": ranks whose job store is a TCPStore that outlives them, as torchrun's
 #:   agent's does, learning each launch's incarnation through it (the second's rank 0 comes late).
 JOBS = textwrap.dedent("""
-    import datetime, os, sys, time
+    import datetime, os, sys, time, traceback
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -125,36 +128,47 @@ JOBS = textwrap.dedent("""
         channel.store, channel.owner, channel.timeout_error = store, store, dist.DistStoreError
         say(name, "incarnation", _agree.incarnation(channel, rank, 2, timeout=60))
 
-    for (name, job), port in zip([("one-call", one_call), ("keys", many_steps), ("zombie", launch),
-                                  ("replacement", launch)], ports, strict=True):
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        if job is launch:
-            launch(f"{out}/launches/run", name)
-        else:
-            job(f"{out}/{name}")
-        dist.destroy_process_group()
-    store_launch("first", 0)
-    store_launch("second", 2 if rank == 0 else 0)  # rank 1 reads the store while it holds only the first's keys
+    def launches():
+        for (name, job), port in zip([("one-call", one_call), ("keys", many_steps), ("zombie", launch),
+                                      ("replacement", launch)], ports, strict=True):
+            store = dist.TCPStore("127.0.0.1", int(port), is_master=False, timeout=datetime.timedelta(seconds=60))
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+            if job is launch:
+                launch(f"{out}/launches/run", name)
+            else:
+                job(f"{out}/{name}")
+            dist.destroy_process_group()
+        store_launch("first", 0)
+        store_launch("second", 2 if rank == 0 else 0)  # rank 1 reads the store while it holds only the first's keys
+
+    try:
+        launches()
+    except BaseException:  # not the interpreter's exit, which can wait on the group's peer
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 """)
 
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
-    """The two processes of :data:`JOBS`, run once for the module's tests: the folder of the
-    launches' folders, and what each launch's ranks said (``said[launch][rank][what]``)."""
+    """The two processes of :data:`JOBS`, run once for the module's tests (``./tasks test`` gives
+    a file's tests to one worker): the folder of the launches' folders, and what each launch's
+    ranks said (``said[launch][rank][what]``)."""
     out = tmp_path_factory.mktemp("jobs")
     (out / "launches").mkdir()
-    server = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ports = [str(free_port()) for _ in range(4)]
-    ranks = run_together([[sys.executable, "-c", JOBS, str(rank), str(out), *ports, str(server.port)]
+    # every store listening before the launch starts: a port picked early could be taken
+    stores = [torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(5)]
+    ranks = run_together([[sys.executable, "-c", JOBS, str(rank), str(out), *(str(store.port) for store in stores)]
                           for rank in range(2)], [job_env()] * 2, timeout=240)
     assert [rank.returncode for rank in ranks] == [0, 0], [rank.stderr[-3000:] for rank in ranks]
     said: dict[str, list[dict[str, list[str]]]] = {}
     for at, rank in enumerate(ranks):
-        for line in rank.stdout.splitlines():
-            launch, rest = line.split(" ", 1)
-            what, value = rest.split(": ", 1)
-            said.setdefault(launch, [{}, {}])[at].setdefault(what, []).append(value)
+        for line in rank.stdout.splitlines():  # "launch what: value"; any other line (a library's) is skipped
+            if (said_line := re.fullmatch(r"(\S+) ([^:]+): (.*)", line)) is not None:
+                launch, what, value = said_line.groups()
+                said.setdefault(launch, [{}, {}])[at].setdefault(what, []).append(value)
     return SimpleNamespace(out=out, said=said)
 
 

@@ -57,14 +57,19 @@ pytestmark = pytest.mark.slow
 class Launcher:
     """The launcher of ``shard_kills.py``: a process that imported weightstore once and forks each
     writer, coordinator and follower on request, so each starts in milliseconds. The test SIGKILLs
-    them by pid itself; a child is reaped only when waited for, so its pid is never reused before."""
+    them by pid itself; a child is reaped only when waited for, so its pid is never reused before.
+    Their standard error goes to the file ``stderr``, read by :meth:`said`."""
 
-    def __init__(self):
+    def __init__(self, stderr: Path):
+        self.stderr, self.read = stderr, 0
         # one thread, so that forking is safe (see shard_kills.launch); a session of its own, so
-        # that whatever a failed test leaves running is stopped with it
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("shard_kills.py"))],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
-                                     env={**os.environ, "PYTHONPATH": str(ROOT), "OPENBLAS_NUM_THREADS": "1"})
+        # that whatever a failed test leaves running is stopped with it. Appending: each child's
+        # line lands whole
+        with open(stderr, "ab") as err:
+            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("shard_kills.py"))],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+                                         start_new_session=True,
+                                         env={**os.environ, "PYTHONPATH": str(ROOT), "OPENBLAS_NUM_THREADS": "1"})
 
     def _ask(self, *command):
         self.proc.stdin.write(json.dumps(command) + "\n")
@@ -77,6 +82,14 @@ class Launcher:
     def wait(self, pid):
         return self._ask("wait", pid)
 
+    def said(self):
+        """What the children wrote to standard error since the last call."""
+        with open(self.stderr, "rb") as err:
+            err.seek(self.read)
+            text = err.read()
+        self.read += len(text)
+        return text.decode(errors="replace")
+
     def close(self):
         self.proc.stdin.close()
         try:
@@ -84,11 +97,12 @@ class Launcher:
         finally:
             with contextlib.suppress(ProcessLookupError):  # every child already gone: nothing to stop
                 os.killpg(self.proc.pid, signal.SIGKILL)
+            sys.stderr.write(self.stderr.read_text(errors="replace"))  # shown with a failed test's report
 
 
 @pytest.fixture
-def launcher():
-    started = Launcher()
+def launcher(tmp_path):
+    started = Launcher(tmp_path / "launched.stderr")
     yield started
     started.close()
 
@@ -102,7 +116,8 @@ def _done(folder, step, attempt):
 def _try(launcher, folder, step, attempt, *, writers, plan):
     """One try at ``step``: the writers (if any) and a coordinator, killed per ``plan`` (at a
     stage, or after some seconds). A coordinator left waiting for a writer that died is stopped,
-    as the job's launcher tearing the try down would. Returns each one's exit code (-9: killed)."""
+    as the job's launcher tearing the try down would. Returns each one's exit code (-9: killed),
+    and the stage each one killed at a stage said it died at."""
     def stage_of(role):
         return plan.get(role) if isinstance(plan.get(role), str) else ""
 
@@ -120,7 +135,9 @@ def _try(launcher, folder, step, attempt, *, writers, plan):
         os.kill(pids["coordinator"], signal.SIGKILL)
     codes["coordinator"] = launcher.wait(pids["coordinator"])
     assert codes["coordinator"] in (0, -9, shard_kills.TIMED_OUT)
-    return codes
+    said = shard_kills.said_killed(launcher.said())
+    assert all(codes[role] == -9 and stage == stage_of(role) for role, stage in said.items()), (said, codes)
+    return codes, said
 
 
 def _published(folder, step):
@@ -132,14 +149,14 @@ def run_rounds(launcher, folder, *, tmp_path):
     log, stop = tmp_path / "seen.jsonl", tmp_path / "stop"
     ws.publish(folder, shard_kills.expected(1), step=1, metadata={"step": 1})
     follower = launcher.start("follower", folder, str(log), str(stop))
-    killed = []  # (role, stage) of each kill that took place
+    killed = []  # (role, stage) of each kill that took place, as the killed one said
     try:
         for step, plans in enumerate(SCHEDULE, start=2):
             attempt, writers = 0, shard_kills.WORLD
             for tried in range(TRIES):
                 plan = plans[tried] if tried < len(plans) else {}
-                codes = _try(launcher, folder, step, attempt, writers=writers, plan=plan)
-                killed += [(role, stage) for role, stage in plan.items() if codes[role] == -9]
+                _, said = _try(launcher, folder, step, attempt, writers=writers, plan=plan)
+                killed += said.items()
                 if _published(folder, step):
                     break
                 if _done(folder, step, attempt):

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed.tensor")
 pytest.importorskip("s3fs")
 
-from processes import free_port, run_together  # noqa: E402
+from processes import run_together  # noqa: E402
 
 import weightstore as ws  # noqa: E402
 
@@ -27,9 +27,11 @@ ROOT = Path(__file__).resolve().parents[1]
 BUCKET = "weightstore-shards-torch"
 
 #: one of three processes that are, in turn, ranks of six jobs, each its own process group made
-#: and destroyed in turn (``sys.argv``: rank, a folder for each job's output, the S3 folder, a
-#: port for each job): one launch of processes serves them all, as starting torch in each rank
-#: of each job cost most of these tests. Ranks 0 and 1:
+#: and destroyed in turn (``sys.argv``: rank, a folder for each job's output, the S3 folder, the
+#: port of each job's TCPStore, which the test holds): one launch of processes serves them all, as
+#: starting torch in each rank of each job cost most of these tests. A rank whose job raises prints
+#: why and exits at once; its peers give up within 60 s (the process group's timeout), a rank still
+#: to join its first job within 180 s. Ranks 0 and 1:
 #: - "fsdp2-tp": build the model (same seed on both), shard it with FSDP2 and publish its shards
 #:   to S3; rank 0 commits. Then both read the version into the same model laid out for tensor
 #:   parallelism (first Linear by output rows, second by input columns, its bias replicated),
@@ -43,7 +45,7 @@ BUCKET = "weightstore-shards-torch"
 #: FSDP2-sharded model and checks every parameter whole against the model that wrote it (seed:
 #: the writers' world), then publishes its own model's shards.
 JOBS = textwrap.dedent("""
-    import sys
+    import datetime, os, sys, traceback
 
     import numpy as np
     import torch
@@ -59,7 +61,12 @@ JOBS = textwrap.dedent("""
     rank, out, s3_folder, ports = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:]
 
     def join(world, port):
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        # every rank waits here for its peers, rank 2 for four jobs of ranks 0 and 1; then each
+        # collective of the group waits at most 60 s
+        store = dist.TCPStore("127.0.0.1", int(port), is_master=False, timeout=datetime.timedelta(seconds=180))
+        store.set(f"arrived/{rank}", "")
+        store.wait([f"arrived/{peer}" for peer in range(world)])
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
 
     def fsdp2_read_tensor_parallel(folder):
         mesh = init_device_mesh("cpu", (2,))
@@ -139,24 +146,33 @@ JOBS = textwrap.dedent("""
             (2, lambda: fsdp2_worlds(2, 2)), (3, lambda: fsdp2_worlds(3, 3)), (2, lambda: fsdp2_worlds(2, 4))]
     for (world, job), port in zip(jobs, ports, strict=True):
         if rank < world:
-            join(world, port)
-            job()
-            dist.destroy_process_group()
+            try:
+                join(world, port)
+                job()
+                dist.destroy_process_group()
+            except BaseException:  # not the interpreter's exit, which can wait on the group's peers
+                traceback.print_exc()
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(1)
 """)
 
 
 @pytest.fixture(scope="module")
 def jobs(server, tmp_path_factory):
-    """The three processes of :data:`JOBS`, run once for the module's tests: what each printed,
-    the folder of each job's output, the S3 folder, and the bytes of members the S3 readers fetched."""
+    """The three processes of :data:`JOBS`, run once for the module's tests (``./tasks test`` gives
+    a file's tests to one worker): what each printed, the folder of each job's output, the S3
+    folder, and the bytes of members the S3 readers fetched."""
     out = tmp_path_factory.mktemp("jobs")
     (out / "fsdp2-tp").mkdir()
     folder = f"s3://{BUCKET}/{uuid.uuid4().hex}"
     server.reset()
     env = {**os.environ, **server.environment(), "PYTHONPATH": str(ROOT)}
-    ports = [str(free_port()) for _ in range(6)]
+    # each job's store, listening before the launch starts: a port picked early could be taken
+    stores = [torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(6)]
+    ports = [str(store.port) for store in stores]
     ranks = run_together([[sys.executable, "-c", JOBS, str(rank), str(out), folder, *ports] for rank in range(3)],
-                         [env] * 3, timeout=300)
+                         [env] * 3, timeout=240)  # within pytest's 300 s, which counts this fixture
     for rank in ranks:
         assert rank.returncode == 0, (rank.stdout + rank.stderr)[-3000:]
     fetched = sum(r.sent for r in server.requests if r.method == "GET" and r.path.endswith(".safetensors"))

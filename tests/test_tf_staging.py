@@ -3,9 +3,11 @@ exact values for every dtype, variables that stay independent of the file, of th
 arrays and of earlier reads, and a first assign in a process that does not leave it holding the
 model twice."""
 
+import contextlib
 import ctypes
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -182,8 +184,8 @@ FIRST_ASSIGN = textwrap.dedent("""
 FIRST_ASSIGN_TF1 = textwrap.dedent("""
     import ctypes, gc, json, sys
     fed = sys.argv[2] == "fed"
-    if fed:
-        ctypes.CDLL(None).mallopt(-3, 256 << 20)  # M_MMAP_THRESHOLD: numpy's arrays come from the C heap
+    if fed:  # M_MMAP_THRESHOLD, for the allocations after it (numpy is imported already when forked):
+        ctypes.CDLL(None).mallopt(-3, 256 << 20)  # the fed arrays come from the C heap, not mmap (checked)
     import numpy as np, tensorflow as tf
     import weightstore as ws
     from weightstore.adapters import skeleton, tf1
@@ -196,6 +198,11 @@ FIRST_ASSIGN_TF1 = textwrap.dedent("""
         with open("/proc/self/status") as status:
             return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon"))
 
+    def on_heap(array):  # else glibc returns it on free: nothing left to trim, the case asserts nothing
+        with open("/proc/self/maps") as maps:
+            spans = [line.split() for line in maps if line.rstrip().endswith("[heap]")]
+        return any(int(lo, 16) <= array.ctypes.data < int(hi, 16) for lo, hi in (span[0].split("-") for span in spans))
+
     graph = tf.Graph()
     with graph.as_default():  # 128 MB
         model = [tf.compat.v1.get_variable(f"w{i}", [1 << 20]) for i in range(32)]
@@ -205,6 +212,7 @@ FIRST_ASSIGN_TF1 = textwrap.dedent("""
         for variable in model:
             value = aligned_array(4 << 20).view(np.float32)
             value[:] = -1
+            assert on_heap(value), "a fed array was mapped, not on the heap"
             sess.run(variable.initializer, {variable.initializer.inputs[1]: value})
         del value
     else:  # set by the graph's own initializers: TF's memory
@@ -228,15 +236,23 @@ def _glibc() -> bool:
 
 
 #: imports TensorFlow once, then runs each case (a line: script and arguments) in a child forked
-#: from it: a process whose first assign it is, without a TensorFlow import (5 CPU-s) per case
-FORKING = textwrap.dedent("""
-    import json, os, sys, traceback
+#: from it: a process whose first assign it is, without a TensorFlow import (5 CPU-s) per case.
+#: Forking is safe only while this process runs one thread (a child forked while another thread
+#: held a lock, the allocator's or the import lock, would wait for it forever): numpy's OpenBLAS
+#: pool is told to start none (``OPENBLAS_NUM_THREADS=1``, set by :func:`run_in_fork`), TensorFlow
+#: starts its pools on the first op, which only the children run, and each fork checks it is so.
+#: A child still running after 170 s is ended by SIGALRM, before pytest's timeout (300 s).
+FORK_SERVER = textwrap.dedent("""
+    import json, os, signal, sys, traceback
     import numpy as np, tensorflow as tf  # no op run here: the child's TF memory is its own
     import weightstore as ws
     for line in sys.stdin:
         script, *sys.argv[1:] = json.loads(line)
+        if len(os.listdir("/proc/self/task")) != 1:
+            raise RuntimeError(f"{len(os.listdir('/proc/self/task'))} threads: a forked child could hang on a lock")
         child = os.fork()
         if not child:
+            signal.alarm(170)
             code = 0
             try:
                 exec(script, {"__name__": "__main__"})
@@ -251,28 +267,34 @@ FORKING = textwrap.dedent("""
 
 
 @pytest.fixture(scope="module")
-def fresh_process(tmp_path_factory):
-    """``run(script, *args)``: the exit status and printed lines of ``script`` run with ``args``
-    in a fresh process (forked from one that has imported TensorFlow, see :data:`FORKING`)."""
+def run_in_fork(tmp_path_factory):
+    """``run_in_fork(script, *args)``: the exit status and printed lines of ``script`` run with
+    ``args`` in a fresh process, forked from one that has imported TensorFlow (:data:`FORK_SERVER`);
+    -14 (SIGALRM) for a child that ran past 170 s."""
     log = tmp_path_factory.mktemp("forked") / "stderr"
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="1")  # x86 TF's default (conftest: off)
-    with open(log, "w") as stderr:
-        driver = subprocess.Popen([sys.executable, "-c", FORKING], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=stderr, text=True, env=env)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="1",  # x86 TF's default (conftest: off)
+               OPENBLAS_NUM_THREADS="1")
+    with open(log, "w") as stderr:  # a session of its own: teardown stops the server and any child with it
+        server = subprocess.Popen([sys.executable, "-c", FORK_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=stderr, text=True, env=env, start_new_session=True)
 
     def run(script: str, *args: str) -> tuple[int, list[str]]:
-        driver.stdin.write(json.dumps([script, *args]) + "\n")
-        driver.stdin.flush()
+        server.stdin.write(json.dumps([script, *args]) + "\n")
+        server.stdin.flush()
         printed = []
-        while (line := driver.stdout.readline()) and not line.startswith('{"exit"'):
+        while (line := server.stdout.readline()) and not line.startswith('{"exit"'):
             printed.append(line)
         assert line, f"the forking process ended: {log.read_text()[-3000:]}"
         code = json.loads(line)["exit"]
         return code, printed + ([] if code == 0 else [log.read_text()[-3000:]])
 
     yield run
-    driver.stdin.close()
-    driver.wait(60)
+    server.stdin.close()
+    try:
+        server.wait(60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # both already gone: nothing to stop
+            os.killpg(server.pid, signal.SIGKILL)
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RssAnon from /proc")
@@ -280,8 +302,8 @@ def fresh_process(tmp_path_factory):
     (FIRST_ASSIGN, ""), (FIRST_ASSIGN_TF1, "initializers"),
     pytest.param(FIRST_ASSIGN_TF1, "fed", marks=pytest.mark.skipif(not _glibc(), reason="glibc's heap")),
 ], ids=["tf2", "tf1", "tf1-fed-heap-arrays"])
-def test_the_first_assign_in_a_process_does_not_keep_a_second_model(fresh_process, tmp_path, script, start):
-    code, printed = fresh_process(script, str(tmp_path / "m.npz"), start)
+def test_the_first_assign_in_a_process_does_not_keep_a_second_model(run_in_fork, tmp_path, script, start):
+    code, printed = run_in_fork(script, str(tmp_path / "m.npz"), start)
     assert code == 0, printed
     out = json.loads(printed[-1])
     assert out["right"]
