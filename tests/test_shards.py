@@ -3,7 +3,6 @@
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -13,6 +12,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from processes import fork_together
 
 import weightstore as ws
 from weightstore import sync as versions
@@ -58,57 +58,31 @@ model, pieces_of = namespace["model"], namespace["pieces_of"]
 #: rank 1's piece of dense/kernel (24 x 2048 float32, 192 KiB) as its member stores it: strips of 64 columns
 KERNEL_STRIPS = [f"dense/kernel@24,{column}" for column in range(0, 2048, 64)]
 
-#: the writer processes of one attempt, forked from one interpreter that imported weightstore and
-#: the member format once (a fork starts in milliseconds; a fresh interpreter importing weightstore
-#: takes a second and more of CPU on a loaded machine). Each child SIGKILLs itself at the stage its
-#: rank is told to; the launcher prints every child's exit code (-9 for SIGKILL). Forking is safe
-#: as in ``shard_kills.py``: this process runs one thread (no BLAS pool: OPENBLAS_NUM_THREADS=1).
-WRITERS = MODEL + textwrap.dedent("""
-    import json, os, sys, traceback
-    from weightstore.formats import format_named
+WRITER = MODEL + textwrap.dedent("""
+    import os, sys
     from weightstore.sync import _stages as stages
-    folder, step, attempt, kills, ranks = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]), json.loads(sys.argv[5])
-    format_named("safetensors")
-    assert len(os.listdir("/proc/self/task")) == 1, "a second thread: a forked writer could hang on its lock"
-    children = []
-    for rank in ranks:
-        pid = os.fork()
-        if pid == 0:
-            code = 0
-            try:
-                def stage(name, kill_at=kills.get(str(rank))):
-                    if name == kill_at:
-                        os.kill(os.getpid(), 9)
-                stages.hook = stage
-                ws.publish_shard(folder, pieces_of(rank), step=step, rank=rank, world=4, attempt=attempt)
-            except BaseException:
-                traceback.print_exc()
-                code = 1
-            finally:
-                sys.stderr.flush()
-                os._exit(code)
-        children.append(pid)
-    print(json.dumps([os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children]))
+    folder, rank, attempt, kill_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    def stage(name):
+        if name == kill_at:
+            os.kill(os.getpid(), 9)
+    stages.hook = stage
+    ws.publish_shard(folder, pieces_of(rank), step=int(sys.argv[5]), rank=rank, world=4, attempt=attempt)
 """)
+
+
+#: what every writer imports, once, in the interpreter they are forked from
+WRITER_IMPORTS = "import ml_dtypes, weightstore\nfrom weightstore.formats import format_named\nformat_named('safetensors')"
 
 
 def write_ranks(folder, *, step=2, attempt=0, kill=None, ranks=range(4)):
     """Writer processes at once, one per rank; ``kill``: (rank, stage) that rank SIGKILLs itself at."""
-    kills = {str(kill[0]): kill[1]} if kill else {}
-    proc = subprocess.Popen([sys.executable, "-c", WRITERS, str(folder), str(step), str(attempt), json.dumps(kills),
-                             json.dumps(list(ranks))], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True,  # its writers die with it on a timeout
-                            env={**os.environ, "PYTHONPATH": str(ROOT), "OPENBLAS_NUM_THREADS": "1"})
-    try:
-        out, err = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"the writers did not finish within 120 s:\n{out}{err}")
-    assert proc.returncode == 0, out + err
-    codes = json.loads(out)
-    assert all(code in (0, -9) for code in codes), err
-    return codes
+    writers = fork_together(WRITER_IMPORTS, WRITER, [[str(folder), str(rank), str(attempt),
+                                                      kill[1] if kill and kill[0] == rank else "", str(step)]
+                                                     for rank in ranks],
+                            [{**os.environ, "PYTHONPATH": str(ROOT)}] * len(ranks), timeout=120)
+    for writer in writers:
+        assert writer.returncode in (0, -9), writer.stderr
+    return [writer.returncode for writer in writers]
 
 
 def test_four_writers_read_back_in_any_partitioning(tmp_path):
