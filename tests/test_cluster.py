@@ -2,13 +2,12 @@
 
 import json
 import os
-import sys
 import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
-from processes import free_port, run_together
+from processes import fork_together, free_port
 
 import weightstore as ws
 from weightstore.formats._sharded_index import parse_done
@@ -94,9 +93,10 @@ def test_without_an_attempt_or_a_cluster_the_error_says_what_to_pass(tmp_path, m
     assert not (tmp_path / "run" / "step-000000000001.attempt-1").exists()
 
 
-#: one rank of a job that runs twice, as a torch.distributed job, then (its process group
-#: destroyed, torch still imported) as a jax.distributed one, in a folder each: joins the
-#: framework's cluster, writes its half of "k"; rank 0 commits and prints each version's path
+#: one rank of two (forked from one interpreter that imported torch and jax) of a job that runs
+#: twice, as a torch.distributed job, then (its process group destroyed, torch still imported)
+#: as a jax.distributed one, in a folder each: joins the framework's cluster, writes its half of
+#: "k"; rank 0 commits and prints each version's path
 RANK = textwrap.dedent("""
     import os, sys
     import numpy as np
@@ -130,8 +130,8 @@ def test_a_torch_then_a_jax_cluster_give_rank_and_world_and_their_store_agrees_t
            "COORDINATOR": f"127.0.0.1:{coordinator}", "WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "2",
            "JAX_PLATFORMS": "cpu"}
     env.pop("TF_CONFIG", None)
-    ranks = run_together([[sys.executable, "-c", RANK, str(tmp_path)]] * 2,
-                         [{**env, "RANK": str(rank)} for rank in range(2)], timeout=120)
+    ranks = fork_together("import numpy, weightstore, torch.distributed, jax", RANK, [[str(tmp_path)]] * 2,
+                          [{**env, "RANK": str(rank)} for rank in range(2)], timeout=120)
     assert [rank.returncode for rank in ranks] == [0, 0], [rank.stderr[-3000:] for rank in ranks]
     printed = ranks[0].stdout.split()
     assert [(framework, Path(path).name) for framework, path in zip(printed[::2], printed[1::2], strict=True)] == [

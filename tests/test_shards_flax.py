@@ -5,7 +5,6 @@ a PyTorch job of 2 ranks in its own sharding; and JAX's own shards published and
 from __future__ import annotations
 
 import os
-import sys
 import textwrap
 import uuid
 from pathlib import Path
@@ -17,7 +16,7 @@ pytest.importorskip("jax")
 pytest.importorskip("flax")
 pytest.importorskip("s3fs")
 
-from processes import free_port, run_together  # noqa: E402
+from processes import fork_together, free_port  # noqa: E402
 
 import weightstore as ws  # noqa: E402
 
@@ -25,8 +24,14 @@ ROOT = Path(__file__).resolve().parents[1]
 BUCKET = "weightstore-shards-flax"
 ROWS, COLS = 1024, 768
 
-#: one process of a job of two that runs a JAX job, then a PyTorch one (one interpreter each,
-#: importing weightstore once, rather than one per job).
+#: what both processes import, once, in the interpreter they are forked from
+JOB_IMPORTS = textwrap.dedent("""
+    import jax, s3fs, torch, torch.distributed
+    import weightstore.adapters.flax, weightstore.adapters.torch
+""")
+
+#: one process of a job of two that runs a JAX job, then a PyTorch one (each process forked from
+#: one interpreter that imported both, rather than an interpreter per process and job).
 #:
 #: JAX: two CPU devices each, a 2x2 mesh over both processes. Restores the version into a pytree
 #: whose kernel is sharded over both mesh axes and whose bias is replicated along one, saves each
@@ -39,8 +44,7 @@ ROWS, COLS = 1024, 768
 #: PyTorch: a module holding dense/kernel split by columns and dense/bias replicated, as DTensors
 #: on a 2-rank CPU mesh; assigns the TF1 version and saves its local shards.
 JOB = textwrap.dedent("""
-    import os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    import sys
     import jax
     import numpy as np
     from jax.experimental import multihost_utils
@@ -101,9 +105,11 @@ JOB = textwrap.dedent("""
 
 def run_job(server, tmp_path, folder, tf1_version):
     """Both processes of :data:`JOB`; what each saved from its JAX and its PyTorch job."""
-    ports, env = (str(free_port()), str(free_port())), {**os.environ, **server.environment(), "PYTHONPATH": str(ROOT)}
-    ranks = run_together([[sys.executable, "-c", JOB, folder, str(rank), *ports, str(tmp_path / f"process{rank}"),
-                           tf1_version] for rank in range(2)], [env] * 2, timeout=240)
+    ports = (str(free_port()), str(free_port()))
+    env = {**os.environ, **server.environment(), "PYTHONPATH": str(ROOT),
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}  # two CPU devices in each process
+    ranks = fork_together(JOB_IMPORTS, JOB, [[folder, str(rank), *ports, str(tmp_path / f"process{rank}"), tf1_version]
+                                             for rank in range(2)], [env] * 2, timeout=240)
     for rank in ranks:
         assert rank.returncode == 0, (rank.stdout + rank.stderr)[-3000:]
     return [{job: dict(np.load(tmp_path / f"process{rank}-{job}.npz")) for job in ("jax", "torch")} for rank in range(2)]
