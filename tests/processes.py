@@ -4,8 +4,12 @@ for, and never left behind."""
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -57,4 +61,82 @@ def run_together(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, 
     if not finished:
         pytest.fail(f"the job did not finish within {timeout} s:\n" +
                     "\n".join(f"[{at}] {result.stdout[-1500:]}{result.stderr[-1500:]}" for at, result in enumerate(results)))
+    return results
+
+
+#: the parent of :func:`fork_together`'s ranks: runs the prelude once, forks a rank per entry of
+#: the spec (its argv, environment and output files), prints their exit codes (-9: SIGKILL)
+_LAUNCHER = """
+import json, os, sys, traceback
+spec = json.loads(sys.stdin.read())
+exec(compile(spec["prelude"], "<prelude>", "exec"), {"__name__": "__prelude__"})
+threads = len(os.listdir("/proc/self/task"))
+if threads != 1:
+    raise RuntimeError(f"the prelude left {threads} threads running: a forked rank could wait forever on a lock "
+                       "one of them held")
+children = []
+for rank in spec["ranks"]:
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            for fd, path in ((1, rank["out"]), (2, rank["err"])):
+                os.dup2(os.open(path, os.O_WRONLY | os.O_TRUNC), fd)
+            sys.stdout.reconfigure(line_buffering=True)  # what a rank killed for hanging printed is shown
+            sys.argv = ["-c", *rank["argv"]]
+            os.environ.clear()
+            os.environ.update(rank["env"])
+            exec(compile(spec["body"], "<rank>", "exec"), {"__name__": "__main__"})
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    children.append(pid)
+print(json.dumps([os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children]), flush=True)
+"""
+
+
+def fork_together(prelude: str, body: str, argvs: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]], *,
+                  timeout: float) -> list[subprocess.CompletedProcess[str]]:
+    """Like :func:`run_together` for ranks that all run the Python ``body`` (each with its
+    ``sys.argv[1:]`` and environment), forked from one interpreter that ran ``prelude`` (the
+    imports they share) once: a fork starts in milliseconds, an interpreter importing
+    weightstore, torch or jax takes seconds of CPU on a loaded machine.
+
+    Forking is safe only from a process of one thread (a child forked while another held a lock
+    would wait for it forever): the prelude must start none (importing numpy, weightstore, torch
+    or jax starts none once OpenBLAS is told to run no pool, which the launcher's environment
+    does), and the launcher checks it. What every rank's environment holds alike is the
+    launcher's, so the prelude's imports see it. The launcher and its ranks are one process
+    group, killed whole if they do not all finish within ``timeout`` seconds; the test then
+    fails with each rank's last output."""
+    with contextlib.ExitStack() as stack:
+        files = [[stack.enter_context(tempfile.NamedTemporaryFile("w+")) for _ in range(2)] for _ in argvs]
+        shared = {key: value for key, value in envs[0].items() if all(env.get(key) == value for env in envs)}
+        spec = {"prelude": prelude, "body": body,
+                "ranks": [{"argv": list(argv), "env": dict(env), "out": out.name, "err": err.name}
+                          for argv, env, (out, err) in zip(argvs, envs, files, strict=True)]}
+        launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                    env={**shared, "OPENBLAS_NUM_THREADS": "1"})
+        try:
+            codes, errors = launcher.communicate(json.dumps(spec), timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            codes, errors = launcher.communicate()
+        results = []
+        for argv, (out, err) in zip(argvs, files, strict=True):
+            out.seek(0)
+            err.seek(0)
+            results.append(subprocess.CompletedProcess(list(argv), None, out.read(), err.read()))
+    if launcher.returncode != 0:
+        pytest.fail(f"the ranks did not finish within {timeout} s or their launcher failed:\n{errors[-3000:]}\n" +
+                    "\n".join(f"[{at}] {result.stdout[-1500:]}{result.stderr[-1500:]}" for at, result in enumerate(results)))
+    for result, code in zip(results, json.loads(codes), strict=True):
+        result.returncode = code
     return results

@@ -2,13 +2,12 @@
 
 import json
 import os
-import sys
 import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
-from processes import free_port, run_together
+from processes import fork_together, free_port
 
 import weightstore as ws
 from weightstore.formats._sharded_index import parse_done
@@ -94,50 +93,58 @@ def test_without_an_attempt_or_a_cluster_the_error_says_what_to_pass(tmp_path, m
     assert not (tmp_path / "run" / "step-000000000001.attempt-1").exists()
 
 
-#: one rank of a job: joins its framework's cluster, writes its half of "k"; rank 0 commits
+#: one rank of two (forked from one interpreter that imported torch and jax) of a job that runs
+#: twice, as a torch.distributed job, then (its process group destroyed, torch still imported)
+#: as a jax.distributed one, in a folder each: joins the framework's cluster, writes its half of
+#: "k"; rank 0 commits and prints each version's path
 RANK = textwrap.dedent("""
-    import sys
+    import os, sys
     import numpy as np
     import weightstore as ws
-    folder, framework = sys.argv[1], sys.argv[2]
-    if framework == "torch":
-        import torch.distributed as dist
-        dist.init_process_group("gloo", init_method="env://")
-    else:
-        import os, jax
-        jax.distributed.initialize(os.environ["COORDINATOR"], num_processes=2, process_id=int(os.environ["RANK"]))
-    rank = ws.sharded.membership().rank
     kernel = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
-    for step in (5, 6):  # the attempt and the incarnation agreed through the job's store, never from its environment
-        ws.publish_shard(folder, {"k": ws.Piece(kernel[rank * 4:rank * 4 + 4], (rank * 4, 0), (8, 3))}, step=step)
-        if rank == 0:
-            print(ws.commit_shards(folder, step=step, timeout=60).path)
-    if framework == "torch":
-        dist.destroy_process_group()
-    else:
-        jax.distributed.shutdown()
+    for framework in ("torch", "jax"):
+        folder = os.path.join(sys.argv[1], framework)
+        if framework == "torch":
+            import torch.distributed as dist
+            dist.init_process_group("gloo", init_method="env://")
+        else:
+            import jax
+            jax.distributed.initialize(os.environ["COORDINATOR"], num_processes=2, process_id=int(os.environ["RANK"]))
+        membership = ws.sharded.membership()
+        assert membership.source == ("torch.distributed" if framework == "torch" else "jax.distributed"), membership
+        rank = membership.rank
+        for step in (5, 6):  # the attempt and the incarnation agreed through the job's store, never from its environment
+            ws.publish_shard(folder, {"k": ws.Piece(kernel[rank * 4:rank * 4 + 4], (rank * 4, 0), (8, 3))}, step=step)
+            if rank == 0:
+                print(framework, ws.commit_shards(folder, step=step, timeout=60).path)
+        if framework == "torch":
+            dist.destroy_process_group()
+        else:
+            jax.distributed.shutdown()
 """)
 
 
-@pytest.mark.parametrize("framework", ["torch", "jax"])
-def test_a_torch_or_jax_cluster_gives_rank_and_world_and_its_store_agrees_the_attempt(tmp_path, framework):
-    folder = tmp_path / "run"
-    port = free_port()
+def test_a_torch_then_a_jax_cluster_give_rank_and_world_and_their_store_agrees_the_attempt(tmp_path):
+    port, coordinator = free_port(), free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "COORDINATOR": f"127.0.0.1:{port}", "WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "2",
+           "COORDINATOR": f"127.0.0.1:{coordinator}", "WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "2",
            "JAX_PLATFORMS": "cpu"}
     env.pop("TF_CONFIG", None)
-    ranks = run_together([[sys.executable, "-c", RANK, str(folder), framework]] * 2,
-                         [{**env, "RANK": str(rank)} for rank in range(2)], timeout=120)
+    ranks = fork_together("import numpy, weightstore, torch.distributed, jax", RANK, [[str(tmp_path)]] * 2,
+                          [{**env, "RANK": str(rank)} for rank in range(2)], timeout=120)
     assert [rank.returncode for rank in ranks] == [0, 0], [rank.stderr[-3000:] for rank in ranks]
-    assert [Path(line).name for line in ranks[0].stdout.split()] == ["step-000000000005.wsindex",
-                                                                      "step-000000000006.wsindex"]
-    assert ws.latest(folder).step == 6
-    assert ws.load(ws.latest(folder))["k"].tobytes() == np.arange(24, dtype=np.float32).tobytes()
-    # TORCHELASTIC_RESTART_COUNT=2 is not the attempt: the store agreed 0, the folder's first
-    attempt = folder / "step-000000000006.attempt-0"
-    assert sorted(p.name for p in attempt.iterdir()) == [
-        "claimed-by", "rank-00000.blocks", "rank-00000.done", "rank-00000.safetensors", "rank-00001.blocks",
-        "rank-00001.done", "rank-00001.safetensors"]
-    records = [parse_done((attempt / f"rank-0000{rank}.done").read_bytes()) for rank in range(2)]
-    assert records[0].incarnation and records[0].incarnation == records[1].incarnation
+    printed = ranks[0].stdout.split()
+    assert [(framework, Path(path).name) for framework, path in zip(printed[::2], printed[1::2], strict=True)] == [
+        ("torch", "step-000000000005.wsindex"), ("torch", "step-000000000006.wsindex"),
+        ("jax", "step-000000000005.wsindex"), ("jax", "step-000000000006.wsindex")]
+    for framework in ("torch", "jax"):
+        folder = tmp_path / framework
+        assert ws.latest(folder).step == 6
+        assert ws.load(ws.latest(folder))["k"].tobytes() == np.arange(24, dtype=np.float32).tobytes()
+        # TORCHELASTIC_RESTART_COUNT=2 is not the attempt: the store agreed 0, the folder's first
+        attempt = folder / "step-000000000006.attempt-0"
+        assert sorted(p.name for p in attempt.iterdir()) == [
+            "claimed-by", "rank-00000.blocks", "rank-00000.done", "rank-00000.safetensors", "rank-00001.blocks",
+            "rank-00001.done", "rank-00001.safetensors"], framework
+        records = [parse_done((attempt / f"rank-0000{rank}.done").read_bytes()) for rank in range(2)]
+        assert records[0].incarnation and records[0].incarnation == records[1].incarnation, framework

@@ -12,6 +12,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from processes import fork_together
 
 import weightstore as ws
 from weightstore import sync as versions
@@ -69,18 +70,19 @@ WRITER = MODEL + textwrap.dedent("""
 """)
 
 
-def write_ranks(folder, *, step=2, attempt=0, kill=None, env=None, ranks=range(4)):
+#: what every writer imports, once, in the interpreter they are forked from
+WRITER_IMPORTS = "import ml_dtypes, weightstore\nfrom weightstore.formats import format_named\nformat_named('safetensors')"
+
+
+def write_ranks(folder, *, step=2, attempt=0, kill=None, ranks=range(4)):
     """Writer processes at once, one per rank; ``kill``: (rank, stage) that rank SIGKILLs itself at."""
-    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(folder), str(rank), str(attempt),
-                               kill[1] if kill and kill[0] == rank else "", str(step)],
-                              env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, stderr=subprocess.PIPE)
-             for rank in ranks]
-    codes = []
-    for proc in procs:
-        _, err = proc.communicate(timeout=120)
-        codes.append(proc.returncode)
-        assert proc.returncode in (0, -9), err.decode()
-    return codes
+    writers = fork_together(WRITER_IMPORTS, WRITER, [[str(folder), str(rank), str(attempt),
+                                                      kill[1] if kill and kill[0] == rank else "", str(step)]
+                                                     for rank in ranks],
+                            [{**os.environ, "PYTHONPATH": str(ROOT)}] * len(ranks), timeout=120)
+    for writer in writers:
+        assert writer.returncode in (0, -9), writer.stderr
+    return [writer.returncode for writer in writers]
 
 
 def test_four_writers_read_back_in_any_partitioning(tmp_path):

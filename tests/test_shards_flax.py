@@ -5,7 +5,6 @@ a PyTorch job of 2 ranks in its own sharding; and JAX's own shards published and
 from __future__ import annotations
 
 import os
-import sys
 import textwrap
 import uuid
 from pathlib import Path
@@ -17,7 +16,7 @@ pytest.importorskip("jax")
 pytest.importorskip("flax")
 pytest.importorskip("s3fs")
 
-from processes import free_port, run_together  # noqa: E402
+from processes import fork_together, free_port  # noqa: E402
 
 import weightstore as ws  # noqa: E402
 
@@ -25,23 +24,39 @@ ROOT = Path(__file__).resolve().parents[1]
 BUCKET = "weightstore-shards-flax"
 ROWS, COLS = 1024, 768
 
-#: one JAX process of two, two CPU devices each: a 2x2 mesh over both. Restores the version
-#: into a pytree whose kernel is sharded over both mesh axes and whose bias is replicated
-#: along one, saves each local shard, then publishes the restored tree's own shards as step 2
-#: (process 0 commits) for the test to read whole.
-JAX_PROCESS = textwrap.dedent("""
-    import os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+#: what both processes import, once, in the interpreter they are forked from
+JOB_IMPORTS = textwrap.dedent("""
+    import jax, s3fs, torch, torch.distributed
+    import weightstore.adapters.flax, weightstore.adapters.torch
+""")
+
+#: one process of a job of two that runs a JAX job, then a PyTorch one (each process forked from
+#: one interpreter that imported both, rather than an interpreter per process and job).
+#:
+#: JAX: two CPU devices each, a 2x2 mesh over both processes. Restores the version into a pytree
+#: whose kernel is sharded over both mesh axes and whose bias is replicated along one, saves each
+#: local shard, then publishes the restored tree's own shards as step 2 (process 0 commits) for
+#: the test to read whole. Then both processes meet at a barrier and process 0 writes a marker
+#: object (``<folder>.between-jobs``): every S3 request the server recorded before the marker's
+#: PUT is the JAX job's, every one after it the PyTorch job's (whose ranks start only once both
+#: have joined its process group, after the marker).
+#:
+#: PyTorch: a module holding dense/kernel split by columns and dense/bias replicated, as DTensors
+#: on a 2-rank CPU mesh; assigns the TF1 version and saves its local shards.
+JOB = textwrap.dedent("""
+    import sys
     import jax
     import numpy as np
+    from jax.experimental import multihost_utils
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     import weightstore as ws
     from weightstore.adapters import flax as wf
 
-    folder, process, port, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    folder, process, jax_port, torch_port, out, tf1_version = sys.argv[1:7]
+    process = int(process)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process)
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{jax_port}", num_processes=2, process_id=process)
     mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("x", "y"))
     grid, columns = NamedSharding(mesh, P("x", "y")), NamedSharding(mesh, P("y"))
     tree = {"dense": {"kernel": jax.make_array_from_callback((1024, 768), grid, lambda i: np.zeros((1024, 768),
@@ -57,18 +72,15 @@ JAX_PROCESS = textwrap.dedent("""
             held[f"{key}|{box}"] = np.asarray(shard.data)
     pieces = wf.export_pieces({**restored, "steps": jax.numpy.arange(12.0).reshape(4, 3)})  # local to each process
     held["steps-rows"] = np.array([(piece.start[0], len(piece.array)) for piece in pieces["steps"]])
-    np.savez(out, **held)
+    np.savez(f"{out}-jax.npz", **held)
     ws.publish_shard(folder, pieces, step=2, rank=process, world=2, attempt=0)
     if process == 0:
         ws.commit_shards(folder, step=2, world=2, attempt=0, timeout=60)
-""")
+    multihost_utils.sync_global_devices("the JAX job is done")
+    if process == 0:
+        import s3fs
+        s3fs.S3FileSystem().pipe(folder + ".between-jobs", b"")
 
-#: one PyTorch rank of two: a module holding dense/kernel split by columns and dense/bias
-#: replicated, as DTensors on a 2-rank CPU mesh; saves its local shards.
-TORCH_RANK = textwrap.dedent("""
-    import sys
-
-    import numpy as np
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -77,26 +89,30 @@ TORCH_RANK = textwrap.dedent("""
 
     from weightstore.adapters import torch as wt
 
-    folder, rank, port, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{torch_port}", rank=process, world_size=2)
+    dist.barrier()
     mesh = init_device_mesh("cpu", (2,))
     model = nn.Module()
     model.dense = nn.Module()
     model.dense.kernel = nn.Parameter(distribute_tensor(torch.zeros(1024, 768), mesh, [Shard(1)]))
     model.dense.bias = nn.Parameter(distribute_tensor(torch.zeros(768), mesh, [Replicate()]))
-    wt.assign(model, sys.argv[5])  # the TF1 version, by its index's path
-    np.savez(out, kernel=model.dense.kernel.to_local().detach().numpy(), bias=model.dense.bias.to_local().detach().numpy())
+    wt.assign(model, tf1_version)  # the TF1 version, by its index's path
+    np.savez(f"{out}-torch.npz", kernel=model.dense.kernel.to_local().detach().numpy(),
+             bias=model.dense.bias.to_local().detach().numpy())
     dist.destroy_process_group()
 """)
 
 
-def run_job(script, server, tmp_path, name, *extra):
-    port, env = free_port(), {**os.environ, **server.environment(), "PYTHONPATH": str(ROOT)}
-    ranks = run_together([[sys.executable, "-c", script, extra[0], str(rank), str(port), str(tmp_path / f"{name}{rank}.npz"),
-                           *extra[1:]] for rank in range(2)], [env] * 2, timeout=300)
+def run_job(server, tmp_path, folder, tf1_version):
+    """Both processes of :data:`JOB`; what each saved from its JAX and its PyTorch job."""
+    ports = (str(free_port()), str(free_port()))
+    env = {**os.environ, **server.environment(), "PYTHONPATH": str(ROOT),
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}  # two CPU devices in each process
+    ranks = fork_together(JOB_IMPORTS, JOB, [[folder, str(rank), *ports, str(tmp_path / f"process{rank}"), tf1_version]
+                                             for rank in range(2)], [env] * 2, timeout=240)
     for rank in ranks:
         assert rank.returncode == 0, (rank.stdout + rank.stderr)[-3000:]
-    return [dict(np.load(tmp_path / f"{name}{rank}.npz")) for rank in range(2)]
+    return [{job: dict(np.load(tmp_path / f"process{rank}-{job}.npz")) for job in ("jax", "torch")} for rank in range(2)]
 
 
 def publish_from_tf1(folder):
@@ -128,9 +144,11 @@ def test_a_tf1_version_restores_into_jax_sharded_2x2_and_torch_dtensors(server, 
     version, expected = publish_from_tf1(folder)
     kernel, bias = expected["dense/kernel"], expected["dense/bias"]
     server.reset()
-    held = run_job(JAX_PROCESS, server, tmp_path, "jax", folder)
-    fetched = sum(r.sent for r in server.requests if r.method == "GET" and "step-000000000001.attempt-0/rank-" in r.path)
-    for process, shards in enumerate(held):
+    saved = run_job(server, tmp_path, folder, version.path)
+    marker = next(at for at, r in enumerate(server.requests) if r.method == "PUT" and r.path.endswith(".between-jobs"))
+    fetched = sum(r.sent for r in server.requests[:marker]  # by the JAX job alone
+                  if r.method == "GET" and "step-000000000001.attempt-0/rank-" in r.path)
+    for process, shards in enumerate(process["jax"] for process in saved):
         kernels = {name: value for name, value in shards.items() if name.startswith("kernel|")}
         assert len(kernels) == 2  # this process's two devices: one quarter each
         for name, value in kernels.items():
@@ -148,8 +166,7 @@ def test_a_tf1_version_restores_into_jax_sharded_2x2_and_torch_dtensors(server, 
         assert ws.latest(folder).step == 2
         assert store["dense/kernel"].tobytes() == kernel.tobytes() and store["dense/bias"].tobytes() == bias.tobytes()
         assert store["steps"].tobytes() == np.arange(12.0, dtype=np.float32).reshape(4, 3).tobytes()
-    ranks = run_job(TORCH_RANK, server, tmp_path, "torch", folder, version.path)
-    for rank, shards in enumerate(ranks):
+    for rank, shards in enumerate(process["torch"] for process in saved):
         assert shards["kernel"].tobytes() == np.ascontiguousarray(kernel[:, rank * 384:(rank + 1) * 384]).tobytes()
         assert shards["bias"].tobytes() == bias.tobytes()
 
