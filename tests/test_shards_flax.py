@@ -77,6 +77,9 @@ JOB = textwrap.dedent("""
     if process == 0:
         ws.commit_shards(folder, step=2, world=2, attempt=0, timeout=60)
     multihost_utils.sync_global_devices("the JAX job is done")
+    # both leave the JAX cluster together: a process still in it when the other (the service's
+    # host) ends aborts on the lost service
+    jax.distributed.shutdown()
     if process == 0:
         import s3fs
         s3fs.S3FileSystem().pipe(folder + ".between-jobs", b"")
