@@ -62,14 +62,17 @@ def compile_ahead(sess: Any, batches: list[Writers]) -> None:
             table.start(sess, _signature(writers)[0])
 
 
-def guess(sess: Any, writers: Writers) -> None:
-    """Start compiling the batch the first assign into ``sess`` most likely runs, where the
-    session has compiled no set before (a later assign knows its batches, and a hot reload
-    writes a subset). A wrong guess costs the helper's CPU, not the assign's wait: a batch
-    whose compile the helper has not started compiles on the thread that needs it."""
+def guess(sess: Any, likely: Callable[[], Writers | None]) -> None:
+    """Start compiling the batch the first assign into ``sess`` most likely runs (``likely()``,
+    asked only then; ``None``: no guess), where the session has compiled no set before (a later
+    assign knows its batches, and a hot reload writes a subset). A wrong guess costs the helper's
+    CPU, not the assign's wait: a batch whose compile the helper has not started compiles on the
+    thread that needs it."""
     table = _table(sess)
     if table is not None and table.empty():
-        table.start(sess, _signature(writers)[0])
+        writers = likely()
+        if writers:
+            table.start(sess, _signature(writers)[0])
 
 
 def run(sess: Any, writers: Writers, feeds: list[np.ndarray]) -> None:

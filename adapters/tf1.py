@@ -291,16 +291,24 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
 def _guess(sess: Any, graph: tf.Graph, targets: dict[str, _Target], likely: list[str],
            cost: Callable[[str, None], int]) -> None:
     """Have the session start compiling, before the file is even opened, the one batch an assign
-    of every variable ``likely`` writes: where their least costs fit one batch's budget, as the
-    batches are cut (:func:`weightstore.adapters.skeleton.batch_budget`), any subset the plan
-    keeps is one batch, most likely all of them (see :func:`_tf1_callables.guess`)."""
-    try:
-        if not likely or sum(cost(key, None) for key in likely) > batch_budget(
-                sum(math.prod(targets[key].shape) * targets[key].dtype.itemsize for key in likely)):
-            return
-        writers = [_writer(graph, part.variable) for key in likely for part in targets[key].parts]
-    except WeightStoreError:  # a variable that cannot be written: the assign says so, in its turn
-        return
+    of every variable ``likely`` writes, where it is the session's first: where their least
+    costs fit one batch's budget, as the batches are cut
+    (:func:`weightstore.adapters.skeleton.batch_budget`), the plan most likely keeps them all
+    in one batch (see :func:`_tf1_callables.guess`). No guess where a variable has no writer of
+    its own yet: the op made for it is added only by an assign that writes it."""
+
+    def writers() -> _tf1_callables.Writers | None:
+        variables = [part.variable for key in likely for part in targets[key].parts]
+        if not variables or any(_own_writer(graph, variable) is None for variable in variables):
+            return None
+        try:
+            least = sum(cost(key, None) for key in likely)
+        except WeightStoreError:  # a variable that cannot be written: the assign says so, in its turn
+            return None
+        if least > batch_budget(sum(math.prod(targets[key].shape) * targets[key].dtype.itemsize for key in likely)):
+            return None
+        return [_writer(graph, variable) for variable in variables]
+
     _tf1_callables.guess(sess, writers)
 
 
@@ -576,9 +584,10 @@ def _writer(graph: tf.Graph, variable: tf.Variable) -> tuple[tf.Operation, tf.Te
     return writers[name]
 
 
-def _find_writer(graph: tf.Graph, variable: tf.Variable) -> tuple[tf.Operation, tf.Tensor]:
-    """The op that writes ``variable`` and the tensor to feed it: a ``Saver``'s restore op for it
-    where the graph has one (:func:`_restore_writer`), else its initializer when it may."""
+def _own_writer(graph: tf.Graph, variable: tf.Variable) -> tuple[tf.Operation, tf.Tensor] | None:
+    """An op of the graph that writes ``variable`` alone, and the tensor to feed it: a ``Saver``'s
+    restore op for it where the graph has one (:func:`_restore_writer`), else its initializer
+    when it may; ``None`` where neither does."""
     restore = _restore_writer(graph, variable)
     if restore is not None:
         return restore
@@ -588,6 +597,15 @@ def _find_writer(graph: tf.Graph, variable: tf.Variable) -> tuple[tf.Operation, 
         writers = [op for op in tensor.consumers() if op.type in _ASSIGN_TYPES]
         if graph.is_feedable(tensor) and writers == [initializer]:
             return initializer, tensor
+    return None
+
+
+def _find_writer(graph: tf.Graph, variable: tf.Variable) -> tuple[tf.Operation, tf.Tensor]:
+    """The op that writes ``variable`` and the tensor to feed it: :func:`_own_writer`, else one
+    assign op made for it."""
+    own = _own_writer(graph, variable)
+    if own is not None:
+        return own
     # The initial value is shared with other ops (tf.Variable(t) twice): feeding it would write
     # one value into every variable made from it. Such a variable gets one assign op, made once.
     if not hasattr(graph, "_weightstore_assign_ops"):  # on the graph, for the reason _targets says

@@ -12,8 +12,8 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Files holding a ``slow`` test run first, each file's tests together and in their order:
-    two workers hand out tests in collection order, and the heaviest files sort last by name
-    (``test_shards_*``, ``test_tf_*``), so a run ended on one worker's long tail."""
+    ``./tasks test``'s workers take whole files in collection order, and the heaviest files sort
+    last by name (``test_shards_*``, ``test_tf_*``), so a run ended on one worker's long tail."""
     heavy = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in heavy)  # stable: the order within each group stays
 

@@ -89,7 +89,7 @@ for rank in spec["ranks"]:
             exec(compile(spec["body"], "<rank>", "exec"), {"__name__": "__main__"})
             code = 0
         except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
+            code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
         except BaseException:
             traceback.print_exc()
         finally:
@@ -129,6 +129,9 @@ def fork_together(prelude: str, body: str, argvs: Sequence[Sequence[str]], envs:
         except subprocess.TimeoutExpired:
             os.killpg(launcher.pid, signal.SIGKILL)
             codes, errors = launcher.communicate()
+        finally:  # pytest's own timeout, Ctrl-C, or a launcher that died with ranks forked: none outlives the test
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(launcher.pid, signal.SIGKILL)
         results = []
         for argv, (out, err) in zip(argvs, files, strict=True):
             out.seek(0)

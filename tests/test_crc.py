@@ -86,13 +86,22 @@ def test_each_isal_kernel_equals_zlib_at_every_length_and_alignment(kernel):
 @pytest.mark.parametrize(("flags", "kernel"), [
     ("fpu sse4_2 pclmulqdq avx avx2 vaes vpclmulqdq", "crc32_gzip_refl_avx2"),  # no GFNI: by8 by ISA-L's choice
     ("fpu sse4_2 pclmulqdq avx avx2", "crc32_gzip_refl"),  # no VPCLMULQDQ
-    ("fpu sse4_2 pclmulqdq avx avx2 avx512f gfni vaes vpclmulqdq", "crc32_gzip_refl"),  # ISA-L picks its AVX-512 kernel
+    ("fpu sse4_2 pclmulqdq avx avx2 avx512f gfni vaes vpclmulqdq", "crc32_gzip_refl"),  # left to ISA-L's dispatcher
 ])
 def test_the_avx2_kernel_only_where_the_cpu_has_it_and_isal_would_not_pick_better(tmp_path, flags, kernel):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
     assert crc._kernel_name(str(cpuinfo)) == (kernel if sys.platform.startswith("linux") else "crc32_gzip_refl")
     assert crc._kernel_name(str(tmp_path / "missing")) == "crc32_gzip_refl"
+
+
+def test_a_kernel_that_disagrees_with_isal_zlib_is_never_used():
+    """A kernel called by name is checked once before any CRC is taken with it: one whose
+    contract differs (here: the CRC not inverted, or off by one byte) is refused."""
+    real = crc._CRC_FN(("crc32_gzip_refl", ctypes.CDLL(isal_zlib.__file__)))
+    assert crc._agrees(real)
+    assert not crc._agrees(lambda initial, address, length: real(initial, address, length) ^ 0xFFFFFFFF)
+    assert not crc._agrees(lambda initial, address, length: real(initial, address, max(0, length - 1)))
 
 
 def test_threaded_path_only_above_the_threshold(for_each_calls):

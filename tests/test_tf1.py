@@ -859,3 +859,24 @@ def test_a_closed_session_or_no_session_is_refused_before_anything_is_planned(tm
     for wrong in (None, tf.keras.Sequential()):
         with pytest.raises(TypeError, match="expected a tf.compat.v1.Session"):
             tf1.assign(wrong, tmp_path / "w.npz")
+
+
+def test_a_failed_first_assign_adds_no_op_to_a_graph_whose_variables_share_an_initial_value(tmp_path):
+    """Variables made from one tensor need an assign op each, made by the assign that writes
+    them; the first assign's guess at its batch never makes them, so a file that is not there
+    leaves the graph as it was."""
+    graph = tf.Graph()
+    with graph.as_default():
+        shared = tf.constant([1.0, 2.0])
+        a, b = v1.Variable(shared, name="a"), v1.Variable(shared, name="b")
+        init = v1.global_variables_initializer()
+    with v1.Session(graph=graph) as sess:
+        sess.run(init)
+        ops = len(graph.get_operations())
+        with pytest.raises(ws.StoreNotFoundError, match="missing.npz"):
+            tf1.assign(sess, tmp_path / "missing.npz")
+        assert len(graph.get_operations()) == ops
+        ws.save(tmp_path / "w.npz", {"a": np.float32([3, 4]), "b": np.float32([5, 6])})
+        tf1.assign(sess, tmp_path / "w.npz")
+        np.testing.assert_array_equal(sess.run(a), [3, 4])
+        np.testing.assert_array_equal(sess.run(b), [5, 6])

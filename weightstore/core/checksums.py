@@ -17,8 +17,10 @@ the library does not export that symbol, every CRC runs on the caller's thread t
 never executes (it holds AVX2 and VPCLMULQDQ instructions only); a CPU or VM without them
 (the AMD EPYC VM the benchmarks ran on) got the 128-bit ``by8`` kernel: 0.096 CPU-s/GB, the
 whole of a durable safetensors save's CPU beyond ``save_file``'s (0.30-0.37). So where Linux
-reports AVX2 and VPCLMULQDQ and no AVX-512 (whose kernel the dispatcher picks by itself), we
-call the AVX2 kernel by name: 0.060 CPU-s/GB there, the same CRCs (:func:`_kernel_name`).
+reports AVX2 and VPCLMULQDQ and no AVX-512 (a CPU with AVX-512 is left to the dispatcher, whose
+AVX-512 kernel asks for a whole set of its extensions), we call the AVX2 kernel by name: 0.060
+CPU-s/GB there (:func:`_kernel_name`). It is checked against ``isal_zlib.crc32`` once before
+its first use, and left for the dispatcher's choice if it ever disagrees (:func:`_agrees`).
 """
 
 from __future__ import annotations
@@ -55,10 +57,25 @@ def _isal_crc() -> Callable[[int, int, int], int] | None:
         library = ctypes.CDLL(isal_zlib.__file__)
     except OSError:
         return None
-    for name in (_kernel_name(), "crc32_gzip_refl"):
+    for name in dict.fromkeys((_kernel_name(), "crc32_gzip_refl")):
         with contextlib.suppress(AttributeError):  # an ISA-L without the AVX2 kernel: its dispatcher's choice
-            return _CRC_FN((name, library))
+            kernel = _CRC_FN((name, library))
+            if _agrees(kernel):
+                return kernel
     return None
+
+
+def _agrees(kernel: Callable[[int, int, int], int]) -> bool:
+    """Whether ``kernel`` gives ``isal_zlib.crc32``'s CRCs, from odd offsets, over lengths on
+    both sides of its block sizes and continued: a kernel called by name is checked once before
+    any file is written with it, so another ISA-L's contract can never write a wrong CRC."""
+    data = np.frombuffer(bytes(range(256)) * 260, np.uint8)
+    address = data.ctypes.data
+    for start, length, crc in ((0, 0, 0), (1, 1, 0), (1, 255, 0), (3, 4099, 7), (1, 65539, 0xFFFFFFFF)):
+        expected = isal_zlib.crc32(data[start:start + length].tobytes(), crc) & 0xFFFFFFFF
+        if kernel(crc, address + start, length) != expected:
+            return False
+    return True
 
 
 def _kernel_name(cpuinfo: str = "/proc/cpuinfo") -> str:
@@ -70,7 +87,7 @@ def _kernel_name(cpuinfo: str = "/proc/cpuinfo") -> str:
             for line in info:
                 if line.startswith("flags"):
                     flags = set(line.partition(":")[2].split())
-                    if {"avx2", "vpclmulqdq"} <= flags and "avx512f" not in flags:
+                    if {"avx", "avx2", "pclmulqdq", "vpclmulqdq"} <= flags and "avx512f" not in flags:
                         return "crc32_gzip_refl_avx2"
                     break
     return "crc32_gzip_refl"
