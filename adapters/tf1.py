@@ -297,9 +297,10 @@ def _guess(sess: Any, graph: tf.Graph, targets: dict[str, _Target], likely: list
     in one batch (see :func:`_tf1_callables.guess`). No guess where a variable has no writer of
     its own yet: the op made for it is added only by an assign that writes it."""
 
-    def writers() -> _tf1_callables.Writers | None:
-        variables = [part.variable for key in likely for part in targets[key].parts]
-        if not variables or any(_own_writer(graph, variable) is None for variable in variables):
+    def batch() -> _tf1_callables.Writers | None:
+        own = [_own_writer(graph, part.variable) for key in likely for part in targets[key].parts]
+        writers = [writer for writer in own if writer is not None]
+        if not writers or len(writers) < len(own):
             return None
         try:
             least = sum(cost(key, None) for key in likely)
@@ -307,9 +308,9 @@ def _guess(sess: Any, graph: tf.Graph, targets: dict[str, _Target], likely: list
             return None
         if least > batch_budget(sum(math.prod(targets[key].shape) * targets[key].dtype.itemsize for key in likely)):
             return None
-        return [_writer(graph, variable) for variable in variables]
+        return writers
 
-    _tf1_callables.guess(sess, writers)
+    _tf1_callables.guess(sess, batch)
 
 
 def _run_batch(sess: Any, writers: _tf1_callables.Writers, values: list[tuple[np.ndarray, np.dtype]],

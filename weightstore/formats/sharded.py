@@ -169,7 +169,7 @@ class ShardedReader(ReaderDefaults):
                 found = self._files[position] = self._opened(position, room)
             except SizeLimitError:
                 break
-            self._open_files += _files_held(found)
+            self._open_files += found.files
         else:
             return True
         for found in self._files.values():
@@ -445,7 +445,7 @@ class ShardedReader(ReaderDefaults):
             found = self._files.get(position)
             if found is None:
                 found = self._files[position] = self._opened_in_room(position)
-                self._open_files += _files_held(found)
+                self._open_files += found.files
             self._files.move_to_end(position)
             self._users[position] = self._users.get(position, 0) + 1
         try:
@@ -477,7 +477,7 @@ class ShardedReader(ReaderDefaults):
         for at in [at for at in self._files if not self._users.get(at)]:
             if self._open_files + room <= self._most_files:
                 return
-            self._open_files -= _files_held(self._files[at])
+            self._open_files -= self._files[at].files
             self._files.pop(at).close()
 
     def read(self, key: str, *, verify: bool) -> np.ndarray:
@@ -676,10 +676,6 @@ class _Wanted:
     def __init__(self) -> None:
         self.rebuilt: Future[np.ndarray] = Future()
         self.reads = 0
-
-
-def _files_held(member: RangedFile | _Rebuilt) -> int:
-    return member.files if isinstance(member, _Rebuilt) else 1
 
 
 def _held_step(held: str) -> int:

@@ -38,6 +38,9 @@ class RangedFile:
     for (one ``HEAD``) before its first read, so no range past its end is ever allocated.
     """
 
+    #: the files it holds open (a sharded reader counts them against its budget)
+    files = 1
+
     def __init__(self, location: str, *, fs: Any = None):
         where = location_of(location)
         self.name = where.text

@@ -194,7 +194,7 @@ class Delta:
             return plan_against(step, base, chain, chain_bytes, tensors, read_back)
 
     def _from_memory(self, held: _Held, step: int, base: str, chain: list[str], chain_bytes: int,
-                    tensors: dict[str, Stored]) -> Plan | None:
+                     tensors: dict[str, Stored]) -> Plan | None:
         """The plan against ``held``, the remembered version (:func:`_plan`)."""
         full_bytes = sum(len(item.data) for item in tensors.values())
 
@@ -221,7 +221,7 @@ class Delta:
     def published(self, target: Folder, version: Version, tensors: dict[str, Stored], plan: Plan | None) -> None:
         """Remember ``version``, just published with ``tensors`` (as ``plan``, or full), as the next delta's base."""
         self._remember(_Held(target.where, version.step, version.path.rsplit("/", 1)[-1], version.created, tensors,
-                              None if plan is None else plan.head), plan)
+                             None if plan is None else plan.head), plan)
 
     def _remember(self, held: _Held, plan: Plan | None) -> None:
         """Remember ``held`` (its tensors copied), just published as ``plan`` (or full)."""
