@@ -251,9 +251,17 @@ def write_checksummed(payload: memoryview, write: Callable[[memoryview], object]
     """
     for start in range(0, len(payload), WRITE_CHUNK):
         piece = payload[start : start + WRITE_CHUNK]
-        for at in range(0, len(piece), CRC_CHUNK):
-            crc = _crc.crc32(piece[at : at + CRC_CHUNK], crc)
+        crc = crc32_before_write(piece, crc)
         write(piece)
+    return crc & 0xFFFFFFFF
+
+
+def crc32_before_write(block: memoryview, crc: int = 0) -> int:
+    """CRC-32 of a block about to be written (continuing ``crc``), :data:`CRC_CHUNK` at a time
+    on this thread: read once from memory, it is still in cache for the write, and no piece
+    waits on a hand-off to the helper thread."""
+    for at in range(0, len(block), CRC_CHUNK):
+        crc = _crc.crc32(block[at : at + CRC_CHUNK], crc)
     return crc & 0xFFFFFFFF
 
 

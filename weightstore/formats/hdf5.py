@@ -19,7 +19,6 @@ from typing import NamedTuple
 
 import h5py
 import numpy as np
-from isal import isal_zlib
 
 from weightstore.core.keys import RESERVED_PREFIX, join_scope
 from weightstore.core.limits import HDF5_FILTER_SLACK_BYTES, MAX_HDF5_DEPTH, MAX_HDF5_FILTER_RATIO, MAX_MANIFEST_BYTES
@@ -29,6 +28,7 @@ from weightstore.core.manifest import (
     TensorInfo,
     checksum,
     crc32,
+    crc32_before_write,
     dtype_name,
     from_storage,
     parse_manifest,
@@ -185,9 +185,9 @@ def _write_rows(dataset: h5py.Dataset, data: np.ndarray) -> int:
     crc = 0
     for start in range(0, data.shape[0], rows):
         block = data[start : start + rows]
-        crc = isal_zlib.crc32(raw_bytes(block), crc)
+        crc = crc32_before_write(raw_bytes(block), crc)  # ISA-L's faster kernel, without the GIL
         dataset[start : start + rows] = block
-    return crc & 0xFFFFFFFF
+    return crc
 
 
 def _keras_labelled(dataset: h5py.h5d.DatasetID, stored: np.dtype) -> np.dtype | None:
