@@ -417,7 +417,9 @@ class Follower:
         sharded version followed into a target that writes parts of tensors (a TF1 session's
         partitioned variables, a torch module's DTensors) stages what a rehearsal of the assign
         (:func:`~weightstore.adapters.skeleton.rehearsal`, no byte read) asks for: the regions
-        of the parts whose blocks changed, and the tensors it writes whole.
+        of the parts whose blocks changed, and the tensors it writes whole. Of a delta version,
+        tensors and regions are rebuilt onto the copies held where they can be
+        (:meth:`_onto_held`, :meth:`_parts_onto_held`), the rest read.
         """
         store = weightstore.open(version)
         try:
