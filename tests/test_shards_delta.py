@@ -460,7 +460,8 @@ def test_a_follower_of_tf1_parts_whose_held_copy_is_not_the_base_reads_them_from
     strip that does not rebuild its rank's digest: logged, the regions are read from the anchor
     and chain, bit-exact, and the next version is rebuilt onto the copies of those. The store
     rebuilds a region only from held regions that cover its strips, of a version in its chain,
-    and refuses bytes that are not that version's, naming the version and the tensor."""
+    and refuses bytes that are not that version's, or bounds that are not a region's of the size
+    given, naming the version and the tensor."""
     from weightstore.adapters import tf1
     from weightstore.adapters.serving.follower import Follower
 
@@ -493,3 +494,8 @@ def test_a_follower_of_tf1_parts_whose_held_copy_is_not_the_base_reads_them_from
         with pytest.raises(ws.ChecksumError) as caught:  # step 2's bytes given as step 1's
             store.read_regions_from("w", "step-000000000001.wsindex", have, regions[:1])
         assert caught.value.path == version.path and caught.value.key == "w"
+        for bad_have, bad_wanted in (([(regions[0], model(2)["w"][:21])], regions[:1]),  # a row short
+                                     (have, [((0, 65), (0, 1024))]), (have, [((0, 22),)])):  # outside; an axis short
+            with pytest.raises(ws.TargetError) as caught:
+                store.read_regions_from("w", "step-000000000002.wsindex", bad_have, bad_wanted)
+            assert caught.value.path == version.path and caught.value.key == "w"

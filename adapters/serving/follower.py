@@ -436,10 +436,6 @@ class Follower:
                 parts.update((part, store.read_region(part[0], region)) for part, region in recorder.regions.items()
                              if part not in parts)
                 changed = list(recorder.wanted)  # the tensors it writes whole (a sharded delta's, onto the held copy)
-                # each region's digest in this version, staged or held: what a held copy must match to be a base
-                kept = [item for item in self._held if isinstance(item, tuple) and item[0] in tensors]
-                digests.update((part, store.region_digest(part[0], tuple(slice(lo, hi) for lo, hi in part[1])))
-                               for part in dict.fromkeys([*parts, *kept]))
             else:
                 changed = [key for key, digest in tensors.items()
                            if not skip or digest is None or self._digests.get(key) != digest]
@@ -447,8 +443,13 @@ class Follower:
             arrays = dict(rebuilt)  # handed to the framework as they are: no copy while serving waits
             arrays.update((key, _adoptable(array))
                           for key, array in store.read([key for key in changed if key not in arrays]).items())
+            keeping = self.deltas or (self.deltas is None and (self._keeping or _is_delta(store)))
+            if keeping and parts is not None:  # each region's digest here, staged or held: what a held copy must match
+                held = [item for item in self._held if isinstance(item, tuple) and item[0] in tensors]
+                digests.update((part, store.region_digest(part[0], tuple(slice(lo, hi) for lo, hi in part[1])))
+                               for part in dict.fromkeys([*parts, *held]))
             staged = _StagedStore(store, arrays, digests, parts)
-            if self.deltas or (self.deltas is None and (self._keeping or _is_delta(store))):
+            if keeping:
                 self._keeping = True
                 made: dict[_Item, np.ndarray] = dict([*rebuilt.items(), *onto.items()])
                 staging: list[tuple[_Item, np.ndarray]] = [*arrays.items(), *(parts or {}).items()]

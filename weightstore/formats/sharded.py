@@ -287,12 +287,20 @@ class ShardedReader(ReaderDefaults):
         regions that cover it (a run across two of them from both), rebuilt as :meth:`read_from`
         rebuilds one (its digest checked), and copied into the wanted regions it holds part of.
         A region is ``None`` where one of its runs cannot be rebuilt so (the held regions do not
-        cover it, its member is full, its chain does not pass through ``held``): read it then."""
-        entry = self._entry(key)
-        held_boxes = [_boxed(np.asarray(data).reshape(-1).view(np.uint8), entry, bounds) for bounds, data in have
-                      if np.asarray(data).nbytes == math.prod(hi - lo for lo, hi in bounds) * entry.itemsize]
-        outs = [_boxed(aligned_array(math.prod(hi - lo for lo, hi in bounds) * entry.itemsize), entry, bounds)
-                for bounds in wanted]
+        cover it, its member is full, its chain does not pass through ``held``): read it then.
+        Bounds outside the tensor, or held bytes not of their region's size, are a ``TargetError``."""
+        with naming(path=self.name):
+            entry = self._entry(key)
+            held_boxes = []
+            for bounds, data in have:
+                flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+                box = _bounds_of(bounds, entry, key)
+                if len(flat) != math.prod(hi - lo for lo, hi in box) * entry.itemsize:
+                    raise TargetError(f"a held region at {box} has {len(flat)} bytes, not its "
+                                      f"{math.prod(hi - lo for lo, hi in box) * entry.itemsize}", key=key)
+                held_boxes.append(_boxed(flat, entry, box))
+            outs = [_boxed(aligned_array(math.prod(hi - lo for lo, hi in box) * entry.itemsize), entry, box)
+                    for box in (_bounds_of(bounds, entry, key) for bounds in wanted)]
         done = self._rebuild_runs(key, held, held_boxes, outs, verify=verify)
         stored = storage_dtype(entry.dtype)
         return [from_storage(out.data.view(stored), entry.dtype) if ok else None
@@ -748,6 +756,14 @@ class _Boxed:
 def _boxed(flat: np.ndarray, entry: TensorEntry, bounds: Sequence[tuple[int, int]]) -> _Boxed:
     """``flat`` (uint8, the region's bytes in C order) as the region ``bounds`` of ``entry``'s tensor."""
     return _Boxed(bounds, flat.view(f"V{entry.itemsize}").reshape([hi - lo for lo, hi in bounds]))
+
+
+def _bounds_of(bounds: Sequence[tuple[int, int]], entry: TensorEntry, key: str) -> list[tuple[int, int]]:
+    """``bounds`` (``(start, stop)`` per axis) checked as a region of ``entry``'s tensor (:func:`normalized_region`)."""
+    if len(bounds) != len(entry.shape) or not all(isinstance(axis, (tuple, list)) and len(axis) == 2 for axis in bounds):
+        raise TargetError(f"a region's bounds are (start, stop) for each of the {len(entry.shape)} axes, not "
+                          f"{list(bounds)!r}"[:300], key=key)
+    return normalized_region(tuple(slice(lo, hi) for lo, hi in bounds), entry.shape, key)
 
 
 def _overlap(a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]) -> list[tuple[int, int]] | None:
