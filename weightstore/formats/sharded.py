@@ -10,8 +10,10 @@ from each member only the blocks that
 intersect what is asked, in one ranged read per run of them, and verifies each block's CRC-32
 before a byte of it is used. :meth:`ShardedReader.region_digest` says, from the index and the
 block digests of the members that hold a region, whether its blocks changed between two
-versions. Members are never opened as stores: the index and tables say where everything is, so
-their headers are never fetched. An index of version 1 holds its block tables itself.
+versions; :meth:`~ShardedReader.read_from` and :meth:`~ShardedReader.read_regions_from` rebuild a
+version of delta members, stored run by stored run, onto the tensors or regions a follower holds
+of an older one. Members are never opened as stores: the index and tables say where everything
+is, so their headers are never fetched. An index of version 1 holds its block tables itself.
 
 A local version holds its members open as files, at most :func:`open_files_limit` files at once
 (a quarter of the soft limit on open files; a delta member holds its chain's files too): one
