@@ -499,3 +499,30 @@ def test_a_follower_of_tf1_parts_whose_held_copy_is_not_the_base_reads_them_from
             with pytest.raises(ws.TargetError) as caught:
                 store.read_regions_from("w", "step-000000000002.wsindex", bad_have, bad_wanted)
             assert caught.value.path == version.path and caught.value.key == "w"
+
+
+def test_a_follower_of_tf1_parts_reads_the_regions_a_full_member_holds_part_of(tmp_path, monkeypatch):
+    """Rank 1 writes its member full: the part of rows 0-22 (rank 0's strips alone) is rebuilt
+    onto the held copies, the two that hold rank 1's rows are read from the version; bit-exact."""
+    from weightstore.adapters import tf1
+    from weightstore.adapters.serving.follower import Follower
+
+    rebuilt = []
+    read_regions_from = ws.Store.read_regions_from
+
+    def spied(self, key, held, have, wanted):
+        found = read_regions_from(self, key, held, have, wanted)
+        rebuilt.extend((bounds[0], array is not None) for bounds, array in zip(wanted, found, strict=True))
+        return found
+
+    monkeypatch.setattr(ws.Store, "read_regions_from", spied)
+    session = tf1_parts(3)
+    deltas = [ws.Delta(), False]
+    with Follower(session, tmp_path, poll=0.02, deltas=True) as follower:
+        for step in (1, 2):
+            publish(tmp_path, step, delta=deltas)
+            assert follower.wait(step, timeout=60).step == step
+            assert follower.error is None
+            same(tf1.export(session), step)
+    assert members(tmp_path, 2) == ["rank-00000.wsdelta", "rank-00001.safetensors"]
+    assert sorted(rebuilt) == [((0, 22), True), ((22, 43), False), ((43, 64), False)]
