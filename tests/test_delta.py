@@ -377,6 +377,21 @@ def test_a_changed_byte_of_a_delta_versions_metadata_is_refused(tmp_path, old, n
     assert result.exit_code == 1 and "manifest is corrupt" in result.output
 
 
+def test_a_delta_written_before_the_manifest_seal_still_reads(tmp_path):
+    ws.publish(tmp_path, {"w": np.arange(4000.0)}, step=1, delta=True)
+    ws.publish(tmp_path, {"w": np.r_[np.arange(3999.0), 7.0]}, step=2, metadata={"lr": 0.5}, delta=True)
+    path = tmp_path / "step-000000000002.wsdelta"
+    data = path.read_bytes()
+    _, head, entries, manifest = struct.unpack_from("<8sQQQ", data)
+    at = 32 + head + entries
+    sealed = data[at:at + manifest]
+    unsealed = sealed[:sealed.rindex(b', "checksum": ')] + b"}"
+    path.write_bytes(struct.pack("<8sQQQ", delta_format.MAGIC, head, entries, len(unsealed)) + data[32:at] + unsealed
+                     + data[at + manifest:])
+    with ws.open(path) as store:
+        assert store.metadata == {"lr": 0.5} and store["w"][-1] == 7.0
+
+
 def test_a_delta_of_a_tensor_the_base_lacks_is_refused(based):
     folder, w = based
     write_delta(folder / "step-000000000002.wsdelta", "step-000000000001.npz", {"v": ("same", [], w)})
