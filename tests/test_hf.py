@@ -344,3 +344,13 @@ def test_a_changed_index_of_a_folder_weightstore_wrote_is_refused_naming_it(tmp_
     with pytest.raises(FormatError) as caught:
         ws.load(folder)
     assert INDEX in str(caught.value.path)
+
+
+def test_an_index_weightstore_wrote_before_its_checksum_still_reads(tmp_path):
+    folder = tmp_path / "out"
+    ws.save(folder, weights(), max_shard_size=900, metadata={"step": 3})
+    document = json.loads((folder / INDEX).read_text())
+    del document["weightstore"]["checksum"]
+    (folder / INDEX).write_text(json.dumps(document, indent=2))
+    with ws.open(folder) as store:
+        assert store.metadata == {"step": 3} and store.has_checksums and len(store.read()) == 5
