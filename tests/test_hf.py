@@ -331,6 +331,7 @@ def test_index_metadata_nested_past_what_repr_can_show_is_refused_naming_the_ind
     lambda document: document["metadata"].update(step=4),  # a digit changed
     lambda document: document["weight_map"].pop("model.layers.4.weight"),  # a shard left out: one tensor fewer
     lambda document: document["weightstore"].update(checksun=document["weightstore"].pop("checksum")),
+    lambda document: document["weightstore"].update(checksum=None),
 ])
 def test_a_changed_index_of_a_folder_weightstore_wrote_is_refused_naming_it(tmp_path, change):
     """Found by fuzzing: no shard's checksum covers the index's metadata or which shards there

@@ -235,8 +235,8 @@ def _check_index(document: dict[str, Any], producer: dict[str, Any], name: str) 
     unknown = sorted(set(producer) - _PRODUCER_FIELDS)
     if unknown:
         raise FormatError(f"index's {PRODUCER_KEY!r} object has fields {_clip(unknown)} no writer makes", path=name)
-    recorded = producer.get("checksum")
-    if recorded is not None:
+    if "checksum" in producer:  # a null is no checksum a writer makes, not an index without one
+        recorded = producer["checksum"]
         actual = _index_checksum(document.get("metadata"), document["weight_map"])
         if actual != recorded:
             raise ChecksumError(f"index is corrupt or was changed (checksum {actual}, recorded {_clip(recorded)})",
