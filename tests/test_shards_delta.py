@@ -4,6 +4,7 @@ version with delta members reads like any other, and retention keeps the version
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import subprocess
@@ -313,10 +314,8 @@ def test_a_reader_counts_each_delta_member_s_chain_against_its_open_files_and_re
     def descriptors() -> int:  # those open on the version's files: other threads of the worker open files too
         found = 0
         for fd in os.listdir("/proc/self/fd"):
-            try:
+            with contextlib.suppress(OSError):  # closed since it was listed
                 found += os.readlink(f"/proc/self/fd/{fd}").startswith(str(folder))
-            except OSError:  # closed since it was listed
-                pass
         return found
 
     before = descriptors()
