@@ -360,6 +360,38 @@ def test_a_truncated_delta_is_refused(tmp_path, cut):
         ws.load(path)
 
 
+@pytest.mark.parametrize("old, new", [(b'"lr": 0.5', b'"lr": 0.7'), (b'"created": "2', b'"created": "3')])
+def test_a_changed_byte_of_a_delta_versions_metadata_is_refused(tmp_path, old, new):
+    """Found by fuzzing: no tensor's digest covers the metadata or the creation time; the
+    manifest's own CRC-32 does, as a safetensors file's does."""
+    ws.publish(tmp_path, {"w": np.arange(4000.0)}, step=1, metadata={"lr": 0.5}, delta=True)
+    ws.publish(tmp_path, {"w": np.r_[np.arange(3999.0), 7.0]}, step=2, metadata={"lr": 0.5}, delta=True)
+    path = tmp_path / "step-000000000002.wsdelta"
+    assert ws.load(path)["w"][-1] == 7.0  # a delta of step 1, read whole
+    data = path.read_bytes()
+    assert data.count(old) == 1
+    path.write_bytes(data.replace(old, new))
+    error = refused(path, key=None, error=ws.ChecksumError)
+    assert "manifest is corrupt" in str(error)
+    result = CliRunner().invoke(app, ["verify", str(path)])
+    assert result.exit_code == 1 and "manifest is corrupt" in result.output
+
+
+def test_a_delta_written_before_the_manifest_seal_still_reads(tmp_path):
+    ws.publish(tmp_path, {"w": np.arange(4000.0)}, step=1, delta=True)
+    ws.publish(tmp_path, {"w": np.r_[np.arange(3999.0), 7.0]}, step=2, metadata={"lr": 0.5}, delta=True)
+    path = tmp_path / "step-000000000002.wsdelta"
+    data = path.read_bytes()
+    _, head, entries, manifest = struct.unpack_from("<8sQQQ", data)
+    at = 32 + head + entries
+    sealed = data[at:at + manifest]
+    unsealed = sealed[:sealed.rindex(b', "checksum": ')] + b"}"
+    path.write_bytes(struct.pack("<8sQQQ", delta_format.MAGIC, head, entries, len(unsealed)) + data[32:at] + unsealed
+                     + data[at + manifest:])
+    with ws.open(path) as store:
+        assert store.metadata == {"lr": 0.5} and store["w"][-1] == 7.0
+
+
 def test_a_delta_of_a_tensor_the_base_lacks_is_refused(based):
     folder, w = based
     write_delta(folder / "step-000000000002.wsdelta", "step-000000000001.npz", {"v": ("same", [], w)})

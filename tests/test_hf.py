@@ -325,3 +325,33 @@ def test_index_metadata_nested_past_what_repr_can_show_is_refused_naming_the_ind
     assert caught.value.path == str(index)
     result = CliRunner().invoke(app, ["ls", "--json", str(tmp_path)])
     assert result.exit_code == 1 and '"type": "FormatError"' in result.output
+
+
+@pytest.mark.parametrize("change", [
+    lambda document: document["metadata"].update(step=4),  # a digit changed
+    lambda document: document["weight_map"].pop("model.layers.4.weight"),  # a shard left out: one tensor fewer
+    lambda document: document["weightstore"].update(checksun=document["weightstore"].pop("checksum")),
+    lambda document: document["weightstore"].update(checksum=None),
+])
+def test_a_changed_index_of_a_folder_weightstore_wrote_is_refused_naming_it(tmp_path, change):
+    """Found by fuzzing: no shard's checksum covers the index's metadata or which shards there
+    are, so a changed metadata value or a dropped entry read back as they stood; the index's
+    own CRC-32 covers both. A folder transformers wrote has none and reads as before."""
+    folder = tmp_path / "out"
+    ws.save(folder, weights(), max_shard_size=900, metadata={"step": 3})
+    document = json.loads((folder / INDEX).read_text())
+    change(document)
+    (folder / INDEX).write_text(json.dumps(document, indent=2))
+    with pytest.raises(FormatError) as caught:
+        ws.load(folder)
+    assert INDEX in str(caught.value.path)
+
+
+def test_an_index_weightstore_wrote_before_its_checksum_still_reads(tmp_path):
+    folder = tmp_path / "out"
+    ws.save(folder, weights(), max_shard_size=900, metadata={"step": 3})
+    document = json.loads((folder / INDEX).read_text())
+    del document["weightstore"]["checksum"]
+    (folder / INDEX).write_text(json.dumps(document, indent=2))
+    with ws.open(folder) as store:
+        assert store.metadata == {"step": 3} and store.has_checksums and len(store.read()) == 5

@@ -34,7 +34,9 @@ ROOT = Path(__file__).resolve().parents[2]
 REGRESSIONS = ROOT / "tests" / "data" / "regressions"
 WORK = ROOT / ".fuzz"
 NAMES = ["npz", "npz-many", "npz-compressed", "hdf5", "numpy-savez", "latest", "safetensors", "tf-index",
-         "tf-object-graph", "keras", "keras-config", "npz-numpy"]
+         "tf-object-graph", "keras", "keras-config", "npz-numpy", "sharded-index", "delta", "delta-base",
+         "sharded-done", "sharded-blocks", "sharded-member", "hf-index", "tf-data", "cli-delta",
+         "sharded-delta"]
 #: per input: libFuzzer stops on an input that takes longer (a super-linear parse: 4,096 slices
 #: took 10-20 s) or makes the process's memory pass this (a 200 KB index made 1.2 GB of keys)
 TIMEOUT_SECONDS = 5
@@ -68,17 +70,17 @@ def _supervise(names: list[str], seconds: int) -> int:
         return 0
     if result.returncode in (0, -signal.SIGINT, -signal.SIGTERM):  # done, or stopped by someone
         return 0
-    kept = _keep_current()
+    kept = _keep_current(WORK / "work" / "+".join(names))
     print(f"fuzz: the fuzzer stopped (exit {result.returncode}); the input is kept as {kept}", file=sys.stderr)
     return 1
 
 
-def _keep_current() -> Path | None:
+def _keep_current(work: Path) -> Path | None:
     """The file a crashed, hung or bloated child was reading, copied to the regressions."""
-    marker = WORK / "work" / "KEPT"
+    marker = work / "KEPT"
     if marker.exists():  # the child kept it itself (an exception, or different arrays)
         return Path(marker.read_text())
-    current = sorted((WORK / "work").glob("**/mutant*")) + sorted((WORK / "work").glob("**/LATEST"))
+    current = sorted(work.glob("**/mutant*")) + sorted(work.glob("*/versions/LATEST"))  # the latest target's
     if not current:
         return None
     source = current[0]
@@ -96,8 +98,11 @@ def _fuzz(names: list[str], libfuzzer: list[str]) -> None:
     with atheris.instrument_imports():
         import weightstore  # noqa: F401  (instrumented for coverage)
         from fuzz.targets import TARGETS, Finding, Session
+    # weightstore imports ml_dtypes at the first dtype name it does not know: 8 s on a busy
+    # machine, which the per-input time limit would call a hang
+    import ml_dtypes  # noqa: F401
 
-    work = WORK / "work"
+    work = WORK / "work" / "+".join(names)  # one per set of targets: runs of other sets go on beside it
     shutil.rmtree(work, ignore_errors=True)
     sessions = []
     for name in names:
@@ -113,8 +118,12 @@ def _fuzz(names: list[str], libfuzzer: list[str]) -> None:
         if not data:
             return
         session = sessions[data[0] % len(sessions)]
+        current = work / session.target.name / f"mutant{session.target.suffix}"
+        if session.target.mutated is not None:  # a copy where a crash or hang leaves it for the parent
+            current.write_bytes(data[1:])
         try:
             session.check(data[1:])
+            current.unlink(missing_ok=True)
         except Finding as finding:
             suffix = session.target.suffix or ".latest"
             kept = REGRESSIONS / f"fuzz-{hashlib.sha256(data[1:]).hexdigest()[:12]}{suffix}"

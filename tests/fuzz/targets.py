@@ -10,6 +10,13 @@ Targets with a ``reader`` feed one parser its bytes (a TF2 object graph, a ``.ke
 or read two ways (the npz fast path against ``np.load``): the property is then that the reader
 returns or raises a WeightStoreError, and that the two ways agree. A file that is more than
 one (a TF checkpoint's ``.index`` and data) keeps its other files beside each mutant.
+
+Targets with ``mutated`` fuzz one file of a folder that holds several (a delta version over
+its bases, a sharded version's done-record, block table or member, a Hugging Face index):
+each mutant replaces that file, and what a user opens (the version, the folder; after a
+commit, for a done-record) is read. A finding there is kept as the mutant alone, which a
+regression test must put back in its folder (the replay of ``tests/data/regressions`` reads
+lone files).
 """
 
 from __future__ import annotations
@@ -46,6 +53,14 @@ class Target:
     name: str
     suffix: str
     make_seed: Callable[[Path], None]
+    #: a file inside a folder of several (a delta and its bases, a sharded version's records):
+    #: ``make_seed`` makes the folder, a mutant replaces its file ``mutated``, and ``opened``
+    #: (given the folder; it may commit first) says what is read, the mutant alone if None
+    mutated: str | None = None
+    opened: Callable[[Path], Path] | None = None
+    #: what a mutant is made into before it is read: a seal or sizes made anew, as a hostile
+    #: writer would make them, so that mutations reach the parser behind them
+    fixup: Callable[[bytes], bytes] | None = None
     #: whether the format checks its manifest, so metadata too must read back unchanged (HDF5 keeps
     #: the manifest in an attribute no checksum covers: a changed metadata value reads as changed)
     checks_metadata: bool = True
@@ -160,6 +175,101 @@ def _commit_shards(path: Path) -> None:
     path.write_bytes(Path(version.path).read_bytes())
 
 
+def _publish_deltas(folder: Path) -> None:
+    """Versions 1 (npz), 2 and 3 (deltas) of ``folder``: between them tensors change in a few
+    elements (sparse), all over (XOR + zstd), not at all (same), or appear (raw)."""
+    rng = np.random.default_rng(7)
+    weights = sample_weights() | {"wide": np.arange(4000, dtype=np.float32)}
+    for step in (1, 2, 3):
+        if step > 1:
+            weights = dict(weights)
+            wide = weights["wide"].copy()
+            wide[rng.choice(wide.size, 200, replace=False)] = rng.standard_normal(200)
+            weights["wide"] = wide
+            weights["dense/kernel"] = weights["dense/kernel"] * step
+            weights[f"new_{step}"] = np.arange(step, dtype=np.int64)
+        ws.publish(folder, weights, step=step, delta=True, metadata={"lr": 0.5})
+
+
+def _two_ranks(folder: Path) -> None:
+    """Two ranks' shards of step 1, not yet committed: a piece held by each rank, whole tensors."""
+    kernel = sample_weights()["dense/kernel"]
+    for rank in range(2):
+        held = {"dense/kernel": ws.Piece(kernel[3 * rank:3 * rank + 3], (3 * rank, 0), kernel.shape)}
+        if rank:
+            held |= {k: v for k, v in sample_weights().items() if k != "dense/kernel"}
+        ws.publish_shard(folder, held, step=1, rank=rank, world=2, attempt=0)
+
+
+def _sharded_deltas(folder: Path) -> None:
+    """Steps 1 (full members) and 2 (each rank's member a delta of its own of step 1), committed."""
+    weights = sample_weights()
+    for step in (1, 2):
+        kernel = weights["dense/kernel"] * step
+        for rank in range(2):
+            held = {"dense/kernel": ws.Piece(kernel[3 * rank:3 * rank + 3], (3 * rank, 0), kernel.shape)}
+            if rank:
+                held |= {k: v for k, v in weights.items() if k != "dense/kernel"}
+            ws.publish_shard(folder, held, step=step, rank=rank, world=2, attempt=0, delta=True)
+        ws.commit_shards(folder, step=step, world=2, attempt=0, timeout=10)
+
+
+def _committed(folder: Path) -> None:
+    _two_ranks(folder)
+    ws.commit_shards(folder, step=1, world=2, attempt=0, timeout=10)
+
+
+def _commit_again(folder: Path) -> Path:
+    """Commit step 1 from its done-records as they are now (the last commit undone)."""
+    for name in ("LATEST", "step-000000000001.wsindex"):
+        (folder / name).unlink(missing_ok=True)
+    return Path(ws.commit_shards(folder, step=1, world=2, attempt=0, timeout=5).path)
+
+
+def _cli(path: Path) -> None:
+    """The ``ws`` verbs that read a version and its folder; what escapes them is raised (``--debug``)."""
+    from typer.testing import CliRunner
+
+    from weightstore.cli.main import app
+
+    for args in (["verify", path], ["ls", "--json", path], ["versions", "--json", path.parent]):
+        result = CliRunner().invoke(app, ["--debug", *map(str, args)])
+        if result.exception is not None and not isinstance(result.exception, SystemExit):
+            raise result.exception
+
+
+def reframe(data: bytes) -> bytes:
+    """A delta version's section sizes made anew from where its three JSON sections now end (as
+    it is where they do not parse), so that a mutant's head, entries and manifest are parsed."""
+    from weightstore.formats import delta
+
+    if not data.startswith(delta.MAGIC):
+        return data
+    text, at, sizes = data.decode("latin-1"), delta._PREFIX.size, []  # latin-1: a character per byte
+    for _ in range(3):
+        try:
+            end = json.JSONDecoder().raw_decode(text, at)[1]
+        except ValueError:
+            return data
+        sizes.append(end - at)
+        at = end
+    return delta._PREFIX.pack(delta.MAGIC, *sizes) + data[delta._PREFIX.size:]
+
+
+def reseal(data: bytes) -> bytes:
+    """``data`` with its CRC-32 seal made anew (as it is where it has none)."""
+    from weightstore.core.manifest import crc32
+
+    at = data.rfind(b',"crc32":')
+    if at < 0:
+        return data
+    return data[:at] + b',"crc32":%d}' % crc32(np.frombuffer(data[:at], np.uint8))
+
+
+_ATTEMPT = "step-000000000001.attempt-0"
+_INDEX = "step-000000000001.wsindex"
+
+
 TARGETS = {
     "npz": Target("npz", ".npz", lambda p: ws.save(p, sample_weights(), metadata={"lr": 0.5})),
     "npz-many": Target("npz-many", ".npz", lambda p: ws.save(p, many_weights())),
@@ -178,6 +288,27 @@ TARGETS = {
     "npz-numpy": Target("npz-numpy", ".npz", lambda p: ws.save(p, sample_weights()), reader=_read_like_numpy),
     # the index says nothing the members' block CRCs do not check, but its metadata is its own
     "sharded-index": Target("sharded-index", ".wsindex", _commit_shards, checks_metadata=False),
+    "delta": Target("delta", ".wsdelta", _publish_deltas, mutated="step-000000000003.wsdelta", fixup=reframe),
+    # a damaged base under an intact delta: what the top of the chain reads
+    "delta-base": Target("delta-base", ".wsdelta", _publish_deltas, mutated="step-000000000002.wsdelta",
+                         opened=lambda tree: tree / "step-000000000003.wsdelta"),
+    "cli-delta": Target("cli-delta", ".wsdelta", _publish_deltas, mutated="step-000000000003.wsdelta",
+                        fixup=reframe, reader=_cli),
+    # resealed: what a rank wrote (a key left out, another dtype) is committed as it says
+    "sharded-done": Target("sharded-done", ".done", _two_ranks, fixup=reseal, reader=lambda path: read_file(path),
+                           mutated=f"{_ATTEMPT}/rank-00001.done", opened=_commit_again),
+    "sharded-blocks": Target("sharded-blocks", ".blocks", _committed, checks_metadata=False,
+                             mutated=f"{_ATTEMPT}/rank-00001.blocks", opened=lambda tree: tree / _INDEX),
+    "sharded-member": Target("sharded-member", ".safetensors", _committed, checks_metadata=False,
+                             mutated=f"{_ATTEMPT}/rank-00001.safetensors", opened=lambda tree: tree / _INDEX),
+    "sharded-delta": Target("sharded-delta", ".wsdelta", _sharded_deltas, checks_metadata=False,
+                            mutated="step-000000000002.attempt-0/rank-00001.wsdelta", fixup=reframe,
+                            opened=lambda tree: tree / "step-000000000002.wsindex"),
+    "hf-index": Target("hf-index", ".json", lambda p: ws.save(p, sample_weights(), max_shard_size=2000),
+                       mutated="model.safetensors.index.json", opened=lambda tree: tree),
+    "tf-data": Target("tf-data", ".data-00000-of-00001", lambda tree: _save_checkpoint(tree / "ckpt.index"),
+                      checks_metadata=False,
+                      mutated="ckpt.data-00000-of-00001", opened=lambda tree: tree / "ckpt.index"),
 }
 
 
@@ -199,8 +330,9 @@ def read_file(path: Path) -> tuple[dict[str, np.ndarray], dict, bool]:
         return arrays, dict(store.metadata), store.has_checksums
 
 
-def check_file(path: Path, expected: tuple[dict[str, np.ndarray], dict, bool] | None, checks_metadata: bool) -> str:
-    """Read a mutant; ``"refused"`` or ``"same"``, else raise :class:`Finding`.
+def check_file(opened: Callable[[], Path], expected: tuple[dict[str, np.ndarray], dict, bool] | None,
+               checks_metadata: bool) -> str:
+    """Read a mutant (the file ``opened`` returns); ``"refused"`` or ``"same"``, else raise :class:`Finding`.
 
     ``expected`` is what the seed file reads as; a mutant that reads must read as exactly that
     (same keys, dtypes, shapes, bytes and, where the format checks its manifest, the same
@@ -210,7 +342,7 @@ def check_file(path: Path, expected: tuple[dict[str, np.ndarray], dict, bool] | 
     npz cannot get there (its manifest member is CRC-checked and named twice).
     """
     try:
-        arrays, metadata, has_manifest = read_file(path)
+        arrays, metadata, has_manifest = read_file(opened())
     except ws.WeightStoreError:
         return "refused"
     except Exception as exc:
@@ -244,10 +376,11 @@ def check_latest(folder: Path) -> str:
     return "same"
 
 
-def check_reader(reader: Callable[[Path], object], path: Path) -> str:
-    """A target's own reader on a mutant: ``"refused"`` or ``"same"``, else :class:`Finding`."""
+def check_reader(reader: Callable[[Path], object], opened: Callable[[], Path]) -> str:
+    """A target's own reader on a mutant (the file ``opened`` returns): ``"refused"`` or ``"same"``,
+    else :class:`Finding`."""
     try:
-        reader(path)
+        reader(opened())
     except ws.WeightStoreError:
         return "refused"
     except Finding:
@@ -267,6 +400,12 @@ class Session:
             target.make_seed(self.where)
             self.seed = (self.where / "LATEST").read_bytes()
             self.expected = None
+        elif target.mutated is not None:
+            self.where = folder / "tree"
+            self.where.mkdir()
+            target.make_seed(self.where)
+            self.seed = (self.where / target.mutated).read_bytes()
+            self.expected = None if target.reader else read_file(self._opened())
         else:
             self.where = folder
             self.seed = target.seed(folder)
@@ -278,17 +417,34 @@ class Session:
 
     def check(self, data: bytes) -> str:
         """Write ``data`` where the target's file goes and check it; :class:`Finding` if it breaks the property."""
+        if self.target.fixup is not None:
+            data = self.target.fixup(data)
         if self.target.name == "latest":
             (self.where / "LATEST").write_bytes(data)
             return check_latest(self.where)
+        if self.target.mutated is not None:
+            mutant = self.where / self.target.mutated
+            mutant.write_bytes(data)
+            try:
+                if self.target.reader is not None:
+                    return check_reader(self.target.reader, self._opened)
+                return check_file(self._opened, self.expected, self.target.checks_metadata)
+            finally:
+                mutant.write_bytes(self.seed)
         path = self.where / f"mutant{self.target.suffix}"
         path.write_bytes(data)
         try:
             if self.target.reader is not None:
-                return check_reader(self.target.reader, path)
-            return check_file(path, self.expected, self.target.checks_metadata)
+                return check_reader(self.target.reader, lambda: path)
+            return check_file(lambda: path, self.expected, self.target.checks_metadata)
         finally:
             os.unlink(path)
+
+    def _opened(self) -> Path:
+        """What a tree target reads: its mutated file, or what ``opened`` makes of the folder."""
+        assert self.target.mutated is not None
+        opened = self.target.opened
+        return opened(self.where) if opened is not None else self.where / self.target.mutated
 
 
 def fuzz_batch(name: str, seed: int, count: int, folder: Path, *, log=None) -> dict[str, int]:

@@ -39,7 +39,7 @@ from weightstore.core._tensortable import (
 )
 from weightstore.core.keys import validate_keys
 from weightstore.core.limits import MANIFEST_BYTES_PER_CONTAINER, MAX_MANIFEST_BYTES, MAX_NDIM
-from weightstore.errors import FormatError, InvalidKeyError, UnsupportedDTypeError, naming
+from weightstore.errors import ChecksumError, FormatError, InvalidKeyError, UnsupportedDTypeError, naming
 
 FORMAT_NAME = "weightstore"
 #: 3: a BLAKE3 digest per tensor (the ``blake3`` column); 2: tensors as columns
@@ -329,8 +329,30 @@ def build_manifest(
     return f'{head[:-1]}, "tensors": {columns[:-1]}{sparse}}}}}'
 
 
-def parse_manifest(text: str, where: str) -> Manifest:
-    """Check an untrusted manifest field by field; any surprise is a :class:`FormatError` naming ``where``."""
+#: a sealed manifest's last field: the CRC-32 of the manifest without it (the text up to it, then ``}``)
+_SEAL = re.compile(r', "checksum": "(crc32:[0-9a-f]{8})"\}\Z')
+
+
+def seal_manifest(text: str) -> str:
+    """``text`` (a manifest that no checksum of its container covers: a safetensors header's,
+    a delta version's) ending in its own CRC-32, so that a changed byte of its metadata, which
+    no tensor's checksum covers, is found at open as an npz manifest member's zip CRC finds it."""
+    return f'{text[:-1]}, "checksum": "{checksum(text.encode("utf-8", "surrogatepass"))}"}}'
+
+
+def parse_manifest(text: str, where: str, *, sealed: bool = False) -> Manifest:
+    """Check an untrusted manifest field by field; any surprise is a :class:`FormatError` naming ``where``.
+
+    ``sealed``: the manifest may end in its CRC-32 (:func:`seal_manifest`), checked first (a
+    :class:`ChecksumError`); a file written before the seal has none and reads as before, and
+    a damaged seal is a field no manifest has."""
+    seal = _SEAL.search(text) if sealed else None
+    if seal is not None:
+        text = text[: seal.start()] + "}"
+        actual = checksum(text.encode("utf-8", "surrogatepass"))
+        if actual != seal.group(1):
+            raise ChecksumError(f"manifest is corrupt or was changed (checksum {actual}, recorded {seal.group(1)})",
+                                path=where)
     with naming(path=where):  # the checks below name the key, not the file
         return _parsed_manifest(text)
 

@@ -26,7 +26,8 @@ Layout, all integers little-endian::
     head JSON     {"format": "weightstore-delta", "version": 1, "step", "base", "chain",
                    "chain_bytes", "full_bytes", "block"}
     entries JSON  {"codec": [...], "offset": [...], "length": [...]}  (manifest key order)
-    manifest JSON (weightstore's manifest of the resulting tensors, user metadata)
+    manifest JSON (weightstore's manifest of the resulting tensors, user metadata), ending in its
+                  own CRC-32 as a safetensors file's does (no tensor's digest covers the metadata)
     payloads      (offsets relative to here)
 
 ``chain`` lists the base, its base, ... down to the anchor (what retention must keep);
@@ -74,6 +75,7 @@ from weightstore.core.manifest import (
     content_hasher,
     from_storage,
     parse_manifest,
+    seal_manifest,
     storage_dtype,
     to_storage,
 )
@@ -384,8 +386,8 @@ def write(file: BinaryIO, head: Head, rows: Sequence[TensorRow], digests: Sequen
     head_text = json.dumps(head.document()).encode()
     entries_text = json.dumps({"codec": [item.codec for item in encoded], "offset": offsets,
                                "length": lengths}).encode()
-    manifest_text = build_manifest(rows, metadata, producer, digests=digests, created=created).encode("utf-8",
-                                                                                                   "surrogatepass")
+    manifest_text = seal_manifest(build_manifest(rows, metadata, producer, digests=digests, created=created)).encode(
+        "utf-8", "surrogatepass")
     file.write(_PREFIX.pack(MAGIC, len(head_text), len(entries_text), len(manifest_text)))
     file.write(head_text)
     file.write(entries_text)
@@ -493,7 +495,7 @@ class DeltaReader(ReaderDefaults):
         at += entries_bytes
         text = bytes(source.read_at(at, manifest_bytes))
         try:
-            self._manifest: Manifest = parse_manifest(text.decode("utf-8", "surrogatepass"), name)
+            self._manifest: Manifest = parse_manifest(text.decode("utf-8", "surrogatepass"), name, sealed=True)
         except UnicodeDecodeError:
             raise FormatError("has a manifest that is not UTF-8", path=name) from None
         self._payload_start = at + manifest_bytes

@@ -10,7 +10,9 @@ when opened: it must hold exactly the tensors the index maps to it, no more and 
 shard name must be a plain file name beside the index (no folder, no ``..``), so a hostile
 index cannot send reads elsewhere. Shards are safetensors files, read by the safetensors
 reader over the same byte sources (mapped, owned, or ranged GETs for a URL); a shard
-weightstore wrote carries its manifest, so its tensors are verified by checksum as usual.
+weightstore wrote carries its manifest, so its tensors are verified by checksum as usual, and
+its index records the CRC-32 of its metadata and weight map (which no shard's checksum covers),
+checked at open.
 
 Writing (:func:`plan_shards`, :func:`index_document`) splits tensors in order into shards
 of at most ``max_shard_size`` bytes (a larger tensor gets a shard of its own), as
@@ -29,8 +31,9 @@ import numpy as np
 
 from weightstore.core import _jsontext as jsontext
 from weightstore.core.limits import HF_INDEX_BYTES_PER_CONTAINER, MAX_HF_INDEX_BYTES
-from weightstore.core.manifest import TensorInfo
+from weightstore.core.manifest import TensorInfo, checksum
 from weightstore.errors import (
+    ChecksumError,
     FileAccessError,
     FormatError,
     KeyNotInStoreError,
@@ -50,6 +53,9 @@ INDEX_SUFFIX = ".safetensors.index.json"
 FORMAT_NAME = "hf-sharded"
 #: a key in the index that marks a folder weightstore wrote (``transformers`` ignores it)
 PRODUCER_KEY = "weightstore"
+#: the fields of that object: who wrote the folder, when, and the CRC-32 of what the index says
+#: (:func:`_index_checksum`; folders written before it have none)
+_PRODUCER_FIELDS = frozenset({"producer", "created", "checksum"})
 _SHARD_NAME = re.compile(r"[^/\\\x00]+\.safetensors")
 #: the torch.save files a model folder may hold instead, and their sharded index's ending
 _TORCH_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -110,8 +116,11 @@ class ShardedReader(ReaderDefaults):
         with naming(path=name):
             jsontext.refuse_deep(metadata, "index metadata")
         self.metadata: dict[str, Any] = {k: v for k, v in metadata.items() if k != "total_size"}
-        self.has_checksums = isinstance(document.get(PRODUCER_KEY), dict)
-        self.created = str(document[PRODUCER_KEY].get("created", "")) if self.has_checksums else ""
+        producer = document.get(PRODUCER_KEY)
+        self.has_checksums = isinstance(producer, dict)
+        if isinstance(producer, dict):
+            _check_index(document, producer, name)
+        self.created = str(producer.get("created", "")) if isinstance(producer, dict) else ""
         self._shards: dict[str, Any] = {}  # kept once closed: their headers still answer info()
         self._closed = False
         self._key_in_shard: dict[str, str] = {}
@@ -213,6 +222,27 @@ def _parse_index(text: bytes, name: str) -> dict[str, Any]:
     return document
 
 
+def _index_checksum(metadata: Any, weight_map: Any) -> str:
+    """The CRC-32 of what a weightstore index says (its metadata and weight map, as JSON written
+    one way): no shard's checksum covers the user metadata or which shards there are, so
+    without it a changed byte of the metadata, or an entry gone from the map, read as written."""
+    text = json.dumps([metadata, weight_map], ensure_ascii=False, separators=(",", ":"))
+    return checksum(text.encode("utf-8", "surrogatepass"))
+
+
+def _check_index(document: dict[str, Any], producer: dict[str, Any], name: str) -> None:
+    """A weightstore index's own checksum, where it records one; a damaged field name is one no writer makes."""
+    unknown = sorted(set(producer) - _PRODUCER_FIELDS)
+    if unknown:
+        raise FormatError(f"index's {PRODUCER_KEY!r} object has fields {_clip(unknown)} no writer makes", path=name)
+    if "checksum" in producer:  # a null is no checksum a writer makes, not an index without one
+        recorded = producer["checksum"]
+        actual = _index_checksum(document.get("metadata"), document["weight_map"])
+        if actual != recorded:
+            raise ChecksumError(f"index is corrupt or was changed (checksum {actual}, recorded {_clip(recorded)})",
+                                path=name)
+
+
 def _clip(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
@@ -266,6 +296,7 @@ def index_document(shards: Mapping[str, list[str]], total_size: int, metadata: M
                    producer: Mapping[str, str]) -> bytes:
     """The index of ``shards`` (file name -> tensor names), as ``save_pretrained`` writes it."""
     weight_map = {name: shard for shard, names in shards.items() for name in names}
-    document = {"metadata": {"total_size": total_size, **metadata}, "weight_map": weight_map,
-                PRODUCER_KEY: dict(producer)}
+    described = {"total_size": total_size, **metadata}
+    document = {"metadata": described, "weight_map": weight_map,
+                PRODUCER_KEY: {**producer, "checksum": _index_checksum(described, weight_map)}}
     return json.dumps(document, indent=2, ensure_ascii=False).encode("utf-8")

@@ -48,7 +48,6 @@ import contextlib
 import functools
 import math
 import os
-import re
 import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -75,6 +74,7 @@ from weightstore.core.manifest import (
     logical_dtype,
     parse_manifest,
     raw_bytes,
+    seal_manifest,
     write_checksummed,
 )
 from weightstore.errors import (
@@ -93,8 +93,6 @@ from weightstore.io.source import ByteSource, open_source, prefetch_ranges
 
 #: the ``__metadata__`` entry that holds our manifest
 MANIFEST_KEY = "weightstore"
-#: the manifest's last field: the CRC-32 of the manifest without it (the text up to it, then ``}``)
-_SEAL = re.compile(r', "checksum": "(crc32:[0-9a-f]{8})"\}\Z')
 METADATA_KEY = "__metadata__"
 ALIGNMENT = 64
 _LENGTH = struct.Struct("<Q")
@@ -108,6 +106,12 @@ _MOVE_CHUNK = 16 << 20
 #: own buffered file copied every chunk of up to its buffer's size into that buffer first:
 #: 0.07 CPU-s/GB of a save that the kernel's copy alone makes 0.3
 _DIRECT_BYTES = 256 << 10
+#: a tensor at least this big asks the plan whether the file outgrows :data:`_HOLD_BYTES` (once):
+#: a sharded member's column strips are made for the write and are often under
+#: :data:`_DIRECT_BYTES` (a 16 MB piece's are 256 KB); held, the first 64 MB of them stayed
+#: as fresh copies, a page fault and a zeroed page per 4 KiB (a 128 MB member: 1.6-1.9 CPU-s/GB
+#: streamed, 2.2-2.7 held). Smaller tensors never work the plan out
+_PLAN_FROM = 64 << 10
 _GATHER_BYTES = 1 << 20
 #: tensors at least this big are announced to the source (it reads ahead of them) before they are read
 _PREFETCH_BYTES = 1 << 20
@@ -196,7 +200,7 @@ class SafetensorsWriter:
         tensor = _Pending(key, code, data.shape, size, raw_bytes(data) if size else memoryview(b""))
         self._tensors.append(tensor)
         if self._data_start is None:
-            if self._held_bytes + size <= _HOLD_BYTES and not (size >= _DIRECT_BYTES and self._plan_outgrows_hold()):
+            if self._held_bytes + size <= _HOLD_BYTES and not (size >= _PLAN_FROM and self._plan_outgrows_hold()):
                 self._held.append(tensor)
                 self._held_bytes += size
                 return crc32(data)  # the array, not its byte view: cheaper for a small one
@@ -210,8 +214,8 @@ class SafetensorsWriter:
         """Whether the plan says the file will hold more than :data:`_HOLD_BYTES`: then nothing
         is held for an exact header, every tensor streams as it comes, checksummed in the pass
         that writes it, and a tensor made for the write (a sharded member's column strip) is let
-        go at once instead of being kept until the hold is full. Asked once, of a large tensor
-        only (a file of small tensors never works the plan out)."""
+        go at once instead of being kept until the hold is full. Asked once, of a tensor of
+        :data:`_PLAN_FROM` or more (a file of small tensors never works the plan out)."""
         if self._plan is None:
             self._plan = self._planned() if self._planned is not None else []
         return sum(info.nbytes for info in self._plan) > _HOLD_BYTES
@@ -294,8 +298,7 @@ class SafetensorsWriter:
         self._file.close()
 
     def _header(self, manifest_text: str) -> bytes:
-        sealed = f'{manifest_text[:-1]}, "checksum": "{checksum(manifest_text.encode("utf-8"))}"}}'
-        document: dict[str, Any] = {METADATA_KEY: {**self._header_metadata, MANIFEST_KEY: sealed}}
+        document: dict[str, Any] = {METADATA_KEY: {**self._header_metadata, MANIFEST_KEY: seal_manifest(manifest_text)}}
         for t in self._tensors:  # json writes tuples as arrays
             document[t.key] = {"dtype": t.code, "shape": t.shape, "data_offsets": (t.begin, t.begin + t.size)}
         return orjson.dumps(document)  # compact UTF-8, as json.dumps(ensure_ascii=False) but 10x faster
@@ -369,7 +372,7 @@ class SafetensorsReader(ReaderDefaults):
         metadata = self._check_metadata(document.pop(METADATA_KEY, None))
         self._tensors = self._check_tensors(document)
         manifest_text = metadata.get(MANIFEST_KEY)
-        manifest = self._parse_manifest(manifest_text) if manifest_text is not None else None
+        manifest = parse_manifest(manifest_text, self.name, sealed=True) if manifest_text is not None else None
         self.has_checksums = manifest is not None
         #: key -> the header's name for it, where the two differ (a file written with ``names="torch"``)
         self.stored_names: dict[str, str] = {}
@@ -435,18 +438,6 @@ class SafetensorsReader(ReaderDefaults):
                 raise FormatError(f"safetensors {METADATA_KEY} entry {_clip(key)} holds a lone surrogate, "
                                   "which is no Unicode text", path=self.name) from None
         return metadata
-
-    def _parse_manifest(self, text: str) -> Manifest:
-        """Our manifest, its CRC-32 checked first where it ends in one (every file written since
-        the seal was added; older ones have none, and a damaged seal is a field no manifest has)."""
-        seal = _SEAL.search(text)
-        if seal is not None:
-            text = text[: seal.start()] + "}"
-            actual = checksum(text.encode("utf-8"))
-            if actual != seal.group(1):
-                raise ChecksumError(f"manifest is corrupt or was changed (checksum {actual}, recorded "
-                                    f"{seal.group(1)})", path=self.name)
-        return parse_manifest(text, self.name)
 
     def _check_tensors(self, document: dict[str, Any]) -> dict[str, _Tensor]:
         """Every entry well-formed, its bytes exactly its dtype times its shape, and the
