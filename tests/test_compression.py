@@ -111,6 +111,18 @@ def test_hdf5_shuffle_is_gzip_and_shuffle_filters_h5py_reads(tmp_path):
     assert ws.load(path)["dense/kernel"].tobytes() == original["dense/kernel"].tobytes()
 
 
+@pytest.mark.parametrize("compress", [False, True])
+def test_hdf5_tensor_of_many_write_blocks_reads_back_in_h5py_and_verified(tmp_path, compress):
+    """A tensor over 4 MB is written in blocks of rows (of whole chunks when compressed)."""
+    path = tmp_path / "m.h5"
+    kernel = trained_like((1500, 1031))  # 6.2 MB: two blocks, the last a part
+    ws.save(path, {"dense/kernel": kernel}, compress=compress)
+    with h5py.File(path, "r") as f:
+        assert f["dense/kernel"].compression == ("gzip" if compress else None)
+        np.testing.assert_array_equal(f["dense/kernel"][()], kernel)
+    assert ws.load(path)["dense/kernel"].tobytes() == kernel.tobytes()
+
+
 @pytest.mark.parametrize("compress", ["zstd", 2, "True", None, np.array([True, False])])
 def test_unknown_compress_option_is_refused_naming_the_file(tmp_path, compress):
     path = tmp_path / "m.npz"

@@ -46,6 +46,56 @@ def test_writeback_of_a_growing_file_waits_for_its_requests(tmp_path, small_step
     assert path.stat().st_size == 4 << 17
 
 
+@pytest.mark.parametrize("suffix", [".npz", ".safetensors", ".h5"])
+def test_saved_file_holds_no_blocks_past_its_end(tmp_path, suffix):
+    """A save reserves its tensors' blocks first (ext4, XFS); the file keeps only what it holds.
+    One tensor spans several 4 MB writes and ends inside one (each checksummed as written)."""
+    weights = {f"layer_{i}/w": np.random.default_rng(i).standard_normal(300_000, dtype=np.float32) for i in range(8)}
+    weights["embedding"] = np.random.default_rng(9).standard_normal((2600, 1031), dtype=np.float32)
+    path = tmp_path / f"w{suffix}"
+    ws.save(path, weights)
+    assert path.stat().st_blocks * 512 <= path.stat().st_size + (64 << 10)  # its extent tree aside
+    for key, value in ws.load(path).items():
+        np.testing.assert_array_equal(value, weights[key])
+
+
+def test_writeback_gives_back_blocks_reserved_past_what_was_written(tmp_path):
+    path = tmp_path / "short.bin"
+    with open(path, "wb") as out:
+        started = _writeback.Writeback(str(path), reserve=16 << 20)
+        out.write(os.urandom(1 << 20))
+        out.flush()
+        started.advance(1 << 20)
+        started.close()
+    assert path.stat().st_size == 1 << 20
+    assert path.stat().st_blocks * 512 <= (1 << 20) + (64 << 10)
+
+
+class _Misstated:
+    """An array-like whose ``nbytes`` fails: saved from what it converts to."""
+
+    def __init__(self, array):
+        self._array = array
+        self.dtype, self.shape = array.dtype, array.shape
+
+    def __array__(self, dtype=None, copy=None):
+        return self._array
+
+    @property
+    def nbytes(self):
+        raise RuntimeError("not known")
+
+
+def test_save_of_values_whose_sizes_fail_or_are_missing(tmp_path):
+    weights = {"a": _Misstated(np.arange(1 << 20, dtype=np.float32)), "b": np.ones(1 << 19, np.float32), "c": [1.0, 2.0]}
+    path = tmp_path / "w.safetensors"
+    ws.save(path, weights)
+    loaded = ws.load(path)
+    np.testing.assert_array_equal(loaded["a"], np.arange(1 << 20, dtype=np.float32))
+    np.testing.assert_array_equal(loaded["c"], [1.0, 2.0])
+    assert path.stat().st_blocks * 512 <= path.stat().st_size + (64 << 10)
+
+
 def test_writeback_of_a_missing_file_does_nothing(tmp_path):
     missing = _writeback.Writeback(str(tmp_path / "none"))
     missing.advance(1 << 30)

@@ -59,8 +59,13 @@ _PLAIN_ENTRY_FIELDS = frozenset({"dtype", "shape", "checksum"})
 _CHECKSUM_TEXT = re.compile(CHECKSUM_PREFIX + "[0-9a-f]{8}")
 #: how a tensor's bytes may be encoded beyond what the format itself says (npz ``compress="shuffle"``)
 CODECS = frozenset({"shuffle-zstd"})
-#: bytes checksummed and written at a time: small enough to stay in cache between the two
+#: bytes checksummed at a time: small enough to stay in cache for the write that follows
 CRC_CHUNK = 1 << 20
+#: bytes handed to one write, checksummed :data:`CRC_CHUNK` at a time just before (still in the
+#: last-level cache). Larger writes cost the kernel less per byte: it puts them in larger page
+#: cache folios (256 MB + fsync on ext4, Linux 6.18: 0.50 CPU-s/GB in 256 KB writes, 0.42 in
+#: 1 MB, 0.37 in 4 MB, as whole tensors)
+WRITE_CHUNK = 4 << 20
 
 _NUMERIC_KINDS = frozenset("biufc")
 #: numpy's own names for what weightstore stores: never ml_dtypes kinds, so asked about without it
@@ -244,10 +249,19 @@ def write_checksummed(payload: memoryview, write: Callable[[memoryview], object]
     the tensor from memory once, not once for the checksum and again for the write. The
     checksum releases the GIL, so a save in the background does not stall the trainer.
     """
-    for start in range(0, len(payload), CRC_CHUNK):
-        chunk = payload[start : start + CRC_CHUNK]
-        crc = _crc.crc32(chunk, crc)
-        write(chunk)
+    for start in range(0, len(payload), WRITE_CHUNK):
+        piece = payload[start : start + WRITE_CHUNK]
+        crc = crc32_before_write(piece, crc)
+        write(piece)
+    return crc & 0xFFFFFFFF
+
+
+def crc32_before_write(block: memoryview, crc: int = 0) -> int:
+    """CRC-32 of a block about to be written (continuing ``crc``), :data:`CRC_CHUNK` at a time
+    on this thread: read once from memory, it is still in cache for the write, and no piece
+    waits on a hand-off to the helper thread."""
+    for at in range(0, len(block), CRC_CHUNK):
+        crc = _crc.crc32(block[at : at + CRC_CHUNK], crc)
     return crc & 0xFFFFFFFF
 
 

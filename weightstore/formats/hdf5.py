@@ -19,7 +19,6 @@ from typing import NamedTuple
 
 import h5py
 import numpy as np
-from isal import isal_zlib
 
 from weightstore.core.keys import RESERVED_PREFIX, join_scope
 from weightstore.core.limits import HDF5_FILTER_SLACK_BYTES, MAX_HDF5_DEPTH, MAX_HDF5_FILTER_RATIO, MAX_MANIFEST_BYTES
@@ -29,6 +28,7 @@ from weightstore.core.manifest import (
     TensorInfo,
     checksum,
     crc32,
+    crc32_before_write,
     dtype_name,
     from_storage,
     parse_manifest,
@@ -176,18 +176,24 @@ class _Reading(NamedTuple):
 _WRITE_BLOCK = 4 << 20
 
 
-def _write_rows(dataset: h5py.Dataset, data: np.ndarray) -> int:
+def _write_rows(dataset: h5py.h5d.DatasetID, data: np.ndarray, memory_type: h5py.h5t.TypeID) -> int:
     """Write ``data`` in blocks of whole rows (of whole chunks, when chunked, so no chunk is
-    written twice) and return its CRC-32, each block checksummed just before it is written."""
+    written twice) and return its CRC-32, each block checksummed just before it is written.
+    Through HDF5's own calls: h5py's slicing took 0.1 CPU-s/GB of a 1 GB save in Python."""
     rows = max(1, _WRITE_BLOCK // max(1, data[0].nbytes))
-    if dataset.chunks:
-        rows = -(-rows // dataset.chunks[0]) * dataset.chunks[0]
+    creation = dataset.get_create_plist()
+    if creation.get_layout() == h5py.h5d.CHUNKED:
+        chunk_rows = creation.get_chunk()[0]
+        rows = -(-rows // chunk_rows) * chunk_rows
+    space = dataset.get_space()
+    corner = (0,) * (data.ndim - 1)
     crc = 0
     for start in range(0, data.shape[0], rows):
         block = data[start : start + rows]
-        crc = isal_zlib.crc32(raw_bytes(block), crc)
-        dataset[start : start + rows] = block
-    return crc & 0xFFFFFFFF
+        crc = crc32_before_write(raw_bytes(block), crc)  # ISA-L's faster kernel, without the GIL
+        space.select_hyperslab((start, *corner), block.shape)
+        dataset.write(h5py.h5s.create_simple(block.shape), space, block, memory_type)
+    return crc
 
 
 def _keras_labelled(dataset: h5py.h5d.DatasetID, stored: np.dtype) -> np.dtype | None:
@@ -315,7 +321,8 @@ class Hdf5Writer:
         if compressed:  # True and "shuffle" alike: HDF5's own shuffle filter, which h5py reads
             options = {"compression": "gzip", "compression_opts": 4, "shuffle": data.dtype.itemsize > 1}
             if data.nbytes > _WRITE_BLOCK:
-                return _write_rows(parent.create_dataset(leaf, shape=data.shape, dtype=data.dtype, **options), data)
+                created = parent.create_dataset(leaf, shape=data.shape, dtype=data.dtype, **options)
+                return _write_rows(created.id, data, self._types_of(data.dtype)[1])
             parent.create_dataset(leaf, data=data, **options)
             return crc32(data)
         return self._write_plain(self._create_plain(parent, leaf, data.shape, data.dtype), data)
@@ -350,7 +357,7 @@ class Hdf5Writer:
     def _write_plain(self, dataset: h5py.h5d.DatasetID, data: np.ndarray) -> int:
         """Write an uncompressed dataset in full; its CRC-32."""
         if data.nbytes > _WRITE_BLOCK:
-            return _write_rows(h5py.Dataset(dataset), data)
+            return _write_rows(dataset, data, self._types_of(data.dtype)[1])
         dataset.write(h5py.h5s.ALL, h5py.h5s.ALL, data, self._types_of(data.dtype)[1])
         return crc32(data)
 

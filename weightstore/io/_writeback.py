@@ -9,6 +9,16 @@ for the disk's queue) to start writing each :data:`WRITEBACK_BYTES` as soon as t
 so the disk works while the next tensors are converted, hashed and copied, and the fsync at the
 end waits only for the last stretch. Where the call is missing (not Linux) it does nothing.
 Its thread also takes other disk work a save need not wait for (:func:`behind`).
+
+**Reserving the file's blocks.** Written into a file that has none yet, each 4 KB block is
+reserved as it is written (ext4's delayed allocation: a quota charge and an extent-cache entry
+per block) and allocated when written back. Told how many bytes the file will hold at least,
+:class:`Writeback` reserves them first in one ``fallocate(FALLOC_FL_KEEP_SIZE)``: unwritten
+extents, which the writes fill and the write-back marks written. A durable 256 MB safetensors
+save took 0.40-0.41 CPU-s/GB without, 0.32-0.36 with (ext4, Linux 6.18; ``save_file`` + fsync
+0.32-0.38). Only on ext4 and XFS, which reserve extents without touching the data: tmpfs zeroes
+every page it is asked for (0.65 -> 0.76 CPU-s/GB there). The size stays what is written;
+blocks reserved past the end of a file that came out shorter are given back at :meth:`close`.
 """
 
 from __future__ import annotations
@@ -31,19 +41,39 @@ _writer: ThreadPoolExecutor | None = None
 _writer_lock = threading.Lock()
 
 
-def _sync_file_range() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]  # ctypes' private type
+_FALLOC_FL_KEEP_SIZE = 1
+#: ``statfs.f_type`` of the file systems reserved on: ext4 (and ext2/3), XFS
+_RESERVES_EXTENTS = frozenset({0xEF53, 0x58465342})
+#: a file reserved for holds at least this many bytes: below, the two calls cost more than they save
+RESERVE_FROM = 1 << 20
+
+
+def _libc(name: str, *argtypes: Any) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]  # ctypes' private type
     if not sys.platform.startswith("linux"):
         return None
     try:
-        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+        function = ctypes.CDLL(None, use_errno=True)[name]
     except (OSError, AttributeError):
         return None
-    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.argtypes = list(argtypes)
     function.restype = ctypes.c_int
     return function
 
 
-_SYNC = _sync_file_range()
+_SYNC = _libc("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+_FALLOCATE = _libc("fallocate", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+_FSTATFS = _libc("fstatfs", ctypes.c_int, ctypes.c_void_p)
+
+
+def _reserve(fd: int, size: int) -> bool:
+    """Reserve the first ``size`` bytes' blocks of ``fd``'s file, where its file system does
+    so cheaply (see the module docstring); whether it did."""
+    if _FALLOCATE is None or _FSTATFS is None:
+        return False
+    info = ctypes.create_string_buffer(128)  # struct statfs (120 bytes); f_type is its first field, a long
+    if _FSTATFS(fd, info) or ctypes.c_long.from_buffer(info).value not in _RESERVES_EXTENTS:
+        return False
+    return not _FALLOCATE(fd, _FALLOC_FL_KEEP_SIZE, 0, size)  # ENOSPC and the like: the writes will say so
 
 
 def behind(work: Callable[..., object], *args: Any) -> Future[object]:
@@ -59,19 +89,23 @@ def behind(work: Callable[..., object], *args: Any) -> Future[object]:
 class Writeback:
     """Start writing ``path`` back to the disk as it grows; :meth:`advance` after each write.
 
-    It holds a read-only descriptor of its own, so the writer's file object (buffered, or
-    libhdf5's) is never touched; :meth:`close` waits for the requests made, so the descriptor
-    is not closed under one.
+    ``reserve``: bytes the file will hold at least, whose blocks are reserved first (see the
+    module docstring). It holds a descriptor of its own, so the writer's file object (buffered,
+    or libhdf5's) is never touched; :meth:`close` waits for the requests made, so the
+    descriptor is not closed under one.
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, reserve: int = 0):
         self._fd = -1
+        self._reserved = 0
         self._started = 0  # bytes before this offset were handed to the kernel
         self._handed = 0  # bytes given to the writer since the file's size was last asked
         self._pending: Future[None] | None = None
         if _SYNC is not None:
             with contextlib.suppress(OSError):
-                self._fd = os.open(path, os.O_RDONLY)
+                self._fd = os.open(path, os.O_WRONLY if reserve >= RESERVE_FROM else os.O_RDONLY)
+            if self._fd >= 0 and reserve >= RESERVE_FROM and _reserve(self._fd, reserve):
+                self._reserved = reserve
 
     def advance(self, handed: int) -> None:
         """Hand the bytes written since the last request to the kernel, if there are enough.
@@ -96,6 +130,11 @@ class Writeback:
             return
         if self._pending is not None:
             self._pending.result()
+        if self._reserved:  # a failed save's file goes anyway: never an error of its own here
+            with contextlib.suppress(OSError):
+                size = os.fstat(self._fd).st_size
+                if size < self._reserved:
+                    os.ftruncate(self._fd, size)  # gives back the blocks reserved past the end
         os.close(self._fd)
         self._fd = -1
 

@@ -13,6 +13,7 @@ import copy
 import functools
 import json
 import math
+import operator
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -418,6 +419,26 @@ class CheckedWeights(Mapping):
             planned.append(self.info(key)._replace(key=stored_names.get(key, key)))
         return planned
 
+    def known_bytes(self) -> int:
+        """About the bytes these tensors' stored forms hold, from what each states without being
+        converted or read (an array's ``nbytes``, a store's index): what an uncompressed file of
+        them holds at least, unless a value misstates it (what
+        :class:`~weightstore.io._writeback.Writeback` reserves, and gives back if the file comes
+        out shorter). A value that states nothing (a TF tensor) counts nothing."""
+        total = 0
+        for key, value in self._values.items():
+            if type(value) is np.ndarray:
+                total += value.nbytes
+            elif value is None:  # a store's tensor
+                assert isinstance(self._weights, Store)
+                total += self._weights.info(key).nbytes
+            else:  # a torch or JAX array states it; a value whose nbytes fails is left to its conversion
+                try:  # noqa: SIM105  # not suppress(): a context manager per tensor costs more than this
+                    total += operator.index(value.nbytes)
+                except Exception:
+                    pass
+        return total
+
     def only(self, keys: Iterable[str]) -> CheckedWeights:
         """These checked tensors, in this order (one shard of a sharded save)."""
         part = copy.copy(self)
@@ -488,7 +509,8 @@ def write_file(path: str, fmt: Format, arrays: CheckedWeights, metadata: Mapping
     mark_torch_names = getattr(writer, "mark_torch_names", None)
     if stored_names and mark_torch_names is not None:
         mark_torch_names()
-    writeback = Writeback(path)  # the disk starts on what is written while the rest is (see its module)
+    # the disk starts on what is written while the rest is, into blocks reserved at once (see its module)
+    writeback = Writeback(path, 0 if compress else arrays.known_bytes())
     try:
         tensors: list[Any] = []
         hashed: list[bytes] = []
