@@ -4,6 +4,7 @@ Face sharded folder); :mod:`weightstore.store._save` writes."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -64,7 +65,6 @@ class Store(Mapping):
     def __init__(self, reader: Reader, path: str, verify: bool, format: str = ""):  # noqa: A002
         self._reader = reader
         self._keys = reader.keys()
-        self._key_set = frozenset(self._keys)
         self.path = path
         self.verify = verify
         #: the name of the format in the table that read it (``"safetensors"``, ``"tf-checkpoint"``)
@@ -219,6 +219,11 @@ class Store(Mapping):
             return []
         with naming(path=self.path):
             return self._reader.read_many(keys, verify=self.verify)
+
+    @functools.cached_property
+    def _key_set(self) -> frozenset[str]:
+        """Made on the first ``in``: an open that lists the keys, or reads them all, needs none."""
+        return frozenset(self._keys)
 
     def __contains__(self, key: object) -> bool:
         return key in self._key_set
