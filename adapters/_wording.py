@@ -53,20 +53,23 @@ def _scope_fix(values: Iterable[str], targets: Iterable[str], renamed: bool) -> 
     scope explains most of the keys. ``renamed``: the values' keys are as the caller's
     ``scope``/``mapping`` made them, so those are what to change."""
     value_set, target_set = set(values), set(targets)
-    extra = _extra_scope(value_set - target_set, target_set)
+    extra = _extra_scopes(value_set - target_set, target_set, len(value_set - target_set))
     if extra:
-        fix = "change scope= or mapping=, which put them there" if renamed else f"pass mapping={{{extra!r}: ''}}"
-        return f"the values are under {extra!r} and the variables are not: {fix}"
-    missing = _extra_scope(target_set - value_set, value_set)
+        fix = "change scope= or mapping=, which put them there" if renamed else f"pass mapping={{{extra[0]!r}: ''}}"
+        return f"the values are under {extra[0]!r} and the variables are not: {fix}"
+    # each scope under which half of the values find their variable: an ensemble's members all do
+    missing = _extra_scopes(target_set - value_set, value_set, len(value_set))
     if missing:
-        fix = "put them under it with scope= or mapping=" if renamed else f"pass scope={missing!r}"
-        return f"the variables are under {missing!r} and the values are not: {fix}"
+        scopes = " and ".join(filter(None, [", ".join(map(repr, missing[:-1])), repr(missing[-1])]))
+        fix = ("put them under it with scope= or mapping=" if renamed else
+               f"pass scope={missing[0]!r}" + (" (or another of them)" if len(missing) > 1 else ""))
+        return f"the variables are under {scopes} and the values are not: {fix}"
     return ""
 
 
-def _extra_scope(keys: Collection[str], others: Collection[str]) -> str:
-    """The scope (up to three segments) that, taken off, turns at least half of ``keys`` into
-    keys of ``others``; "" if none does."""
+def _extra_scopes(keys: Collection[str], others: Collection[str], needed: int) -> list[str]:
+    """The scopes (up to three segments) that, taken off, turn at least half of ``needed`` of
+    ``keys`` into keys of ``others``, the most such keys first (ties in name order)."""
     counts: dict[str, int] = {}
     for key in keys:
         parts = key.split("/")
@@ -74,8 +77,7 @@ def _extra_scope(keys: Collection[str], others: Collection[str]) -> str:
             if "/".join(parts[depth:]) in others:
                 scope = "/".join(parts[:depth])
                 counts[scope] = counts.get(scope, 0) + 1
-    best = max(sorted(counts), key=counts.__getitem__, default="")  # ties (an ensemble's members): the first
-    return best if best and counts[best] * 2 >= len(keys) else ""
+    return sorted((scope for scope, count in counts.items() if count * 2 >= needed), key=lambda s: (-counts[s], s))
 
 
 def pair_problem(dtype: np.dtype, shape: tuple[int, ...], target: TargetInfo, cast: bool) -> str:

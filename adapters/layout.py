@@ -590,7 +590,7 @@ def selected_refusals(refused: Mapping[str, str], *, scope: str | None, mapping:
     return kept
 
 
-def _refuse_keras_file(path: str | None) -> None:
+def refuse_keras_file(path: str | None) -> None:
     """A Keras file names tensors by Keras's save walk (``layers/dense/vars/0``): no layout rule
     can say which is which without the Keras model that wrote it, so say how to key it by that model."""
     if path is None or not path.endswith((keras_file.KERAS_SUFFIX, keras_file.WEIGHTS_SUFFIX, keras_sharded.SUFFIX)):
@@ -650,7 +650,7 @@ def plan_laid_out(values: ValueSource, targets: Mapping[str, TargetInfo], option
     the shapes would pair (a Flax ``ConvTranspose``'s kernel, neither flipped nor swapped as
     Keras's is).
     """
-    _refuse_keras_file(values.path)
+    refuse_keras_file(values.path)
     refused: list[Mismatch] = []
     view: ValueSource = values
     scope, mapping = options.scope, options.mapping

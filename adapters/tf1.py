@@ -60,6 +60,7 @@ from weightstore.adapters import _tf1_callables, _tf1_training
 from weightstore.adapters._reload import MEMORY
 from weightstore.adapters._report import Plan, TargetInfo
 from weightstore.adapters._tf_staging import STAGED_FROM, held_back, lend, reclaim, shares_mapped, staged_feeds
+from weightstore.adapters.layout import refuse_keras_file
 from weightstore.adapters.plan import AssignOptions, AssignWords, Report, Selection, SelectionWords, plan_assign
 from weightstore.adapters.skeleton import Target, batch_budget, run_assign
 from weightstore.core._heap import give_back
@@ -276,6 +277,7 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
     empty = {key: target for key, target in targets.items() if key not in infos and (optimizer or not target.training)}
 
     def plan(values: Any, options: AssignOptions) -> tuple[Plan, Any]:
+        refuse_keras_file(values.path)  # named by Keras's save walk: no graph names its variables so
         left_out = () if optimizer else _tf1_training.in_checkpoint(values.where, values.keys())
         infos.update(_shaped_as_values(values, options, empty, left_out))  # the Target below reads infos too
         model = infos if optimizer else {key: info for key, info in infos.items() if not targets[key].training}

@@ -441,13 +441,14 @@ def verify(store: Annotated[str, typer.Argument(help="The weight store to check.
     """
     import weightstore
     from weightstore.errors import ChecksumError, shown_key
+    from weightstore.formats import tf_checkpoint
 
     _json(as_json)
     with weightstore.open(store) as opened:
         problems = compare.verify(opened)
-        total, has_checksums = len(opened), opened.has_checksums
+        total, has_checksums, by_tf = len(opened), opened.has_checksums, opened.format == tf_checkpoint.FORMAT.name
     if settings.json and not problems:
-        render.emit("verify", {"path": store, "count": total, "checksums": has_checksums, "problems": []})
+        render.emit("verify", {"path": store, "count": total, "checksums": has_checksums or by_tf, "problems": []})
         return
     if len(problems) == 1:
         raise ChecksumError(f"{problems[0].message} (1 of {count(total, 'tensor')} corrupt)", path=store,
@@ -458,6 +459,8 @@ def verify(store: Annotated[str, typer.Argument(help="The weight store to check.
                             keys=[problem.key for problem in problems])
     if has_checksums:
         note(f"{store}: ok, {count(total, 'tensor')}, checksums match")
+    elif by_tf:  # no manifest, but every tensor read was checked against the CRC-32C TF's index records
+        note(f"{store}: ok, {count(total, 'tensor')}, TF's CRC-32C checksums match")
     else:
         note(f"{store}: readable, {count(total, 'tensor')}; no weightstore manifest, so no checksums to check")
 

@@ -581,6 +581,22 @@ def test_verify_names_the_corrupt_tensor(store, tmp_path):
                                                                            ["dense/b"])
 
 
+
+def test_verify_of_a_tf_checkpoint_says_its_own_checksums_were_checked(store, tmp_path):
+    """A TF checkpoint's tensors carry TF's CRC-32C, which verify checks (a flipped byte exits 1
+    naming the tensor): an intact one said "no checksums to check", as if nothing had been."""
+    prefix = tmp_path / "ens.ckpt"
+    assert run("import", store, "--into", prefix, "--scope", "model_001").exit_code == 0
+    result = run("verify", prefix)
+    assert result.exit_code == 0 and "no checksums" not in result.stderr
+    assert f"{prefix}: ok, 3 tensors, TF's CRC-32C checksums match" in result.stderr
+    assert json.loads(run("verify", prefix, "--json").stdout)["checksums"] is True
+    data = Path(f"{prefix}.data-00000-of-00001")
+    contents = bytearray(data.read_bytes())
+    contents[0] ^= 0xFF  # the first tensor the data file holds
+    data.write_bytes(bytes(contents))
+    one_error_line(run("verify", prefix), "tensor 'model_001/", "is corrupt (CRC-32C", "(1 of 3 tensors corrupt)")
+
 def test_verify_json_lists_every_corrupt_tensor(store):
     """Scripts read the corrupt keys from ``error.keys``; ``key`` stays null when several are at fault."""
     _corrupt_members(store, "dense/b", "head/w")

@@ -540,6 +540,26 @@ def test_a_keras_file_given_to_torch_says_it_needs_its_keras_model(tmp_path, suf
         f"with `ws export {path} -o m.npz --model-keys` (a .keras file; --model m.keras for a .weights.h5)")
 
 
+
+@pytest.mark.parametrize("suffix", [".weights.h5", ".keras"])
+def test_a_keras_file_given_to_tf1_says_it_needs_its_keras_model(tmp_path, suffix):
+    """A TF1 graph of the same layers (head/kernel, head/bias) said the file and the graph
+    "look like different architectures": the Keras file's save-walk names are what keep them apart."""
+    from weightstore.adapters import tf1
+
+    path = tmp_path / f"m{suffix}"
+    model = small_dense()
+    (model.save_weights if suffix == ".weights.h5" else model.save)(path)
+    graph = tf.Graph()
+    with graph.as_default(), tf.compat.v1.Session(graph=graph) as sess:
+        with tf.compat.v1.variable_scope("head"):
+            tf.compat.v1.get_variable("kernel", (3, 2)), tf.compat.v1.get_variable("bias", (2,))
+        sess.run(tf.compat.v1.global_variables_initializer())
+        with pytest.raises(ws.AssignmentError) as caught:
+            tf1.assign(sess, str(path))
+    assert str(caught.value).startswith(f"{path}: is a Keras file, whose tensors Keras names by its save walk")
+    assert "different architectures" not in str(caught.value)
+
 class ListHeld(keras.Model):
     """Layers in a plain Python list: Keras tracks them, TF's checkpoint walk does not."""
 

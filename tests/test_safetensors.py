@@ -161,12 +161,13 @@ def test_compress_is_refused(tmp_path):
                                                (64, 0, 256 << 10), (64, 0, 8)],
                          ids=["held", "streamed", "header-outgrows-its-room", "planned-streamed-from-the-first"])
 def test_every_writer_layout_is_a_valid_file(tmp_path, monkeypatch, hold, slack, direct):
-    """``direct`` 8: every tensor counts as large, so the writer asks the plan (the file holds
-    more than ``hold``) and streams from the first tensor, its header's room estimated from
-    every planned tensor."""
+    """``direct`` 8: every tensor counts as large, written from its memory, and asks the plan
+    (the file holds more than ``hold``), so the writer streams from the first tensor, its
+    header's room estimated from every planned tensor."""
     monkeypatch.setattr(st_format, "_HOLD_BYTES", hold)
     monkeypatch.setattr(st_format, "_HEADER_SLACK", slack)
     monkeypatch.setattr(st_format, "_DIRECT_BYTES", direct)
+    monkeypatch.setattr(st_format, "_PLAN_FROM", direct)
     weights = {f"layer_{i:03d}/" + "k" * 40: sample([np.float32, np.float16, np.int8][i % 3], (i % 7 + 1, 5), i)
                for i in range(150)}
     path = tmp_path / "w.safetensors"

@@ -727,6 +727,31 @@ def test_strips_are_power_of_two_columns_and_keep_a_key_under_its_piece_limit(sh
         assert world * -(-shape[1] // columns) <= MAX_PIECES_PER_KEY // 2
 
 
+def test_a_large_member_lets_each_column_strip_go_once_written(tmp_path, monkeypatch):
+    """A member past the writer's hold streams from its first strip, however small the strips
+    (here 64 KiB, under the size written straight from memory): none is kept back for an exact
+    header, so the save holds about a strip and a gathered write at a time, not the hold's
+    worth of copies (each a fresh page per 4 KiB)."""
+    import tracemalloc
+
+    from weightstore.formats import safetensors as st_format
+
+    monkeypatch.setattr(st_format, "_HOLD_BYTES", 8 << 20)
+    pieces = {f"layer_{i}": ws.Piece(np.full((256, 4096), i, np.float32), (256, 0), (1024, 4096)) for i in range(4)}
+    ws.publish_shard(tmp_path / "warm", pieces, step=1, rank=1, world=4, attempt=0)  # imports and caches, untraced
+    tracemalloc.start()
+    try:
+        ws.publish_shard(tmp_path / "run", pieces, step=1, rank=1, world=4, attempt=0)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 6 << 20, peak  # held, the 16 MB member kept the hold's 8 MB of strips (9 MB at its peak)
+    member = tmp_path / "run" / "step-000000000001.attempt-0" / "rank-00001.safetensors"
+    with ws.open(member) as store:
+        assert len(store) == 256 and all(store[name].shape == (256, 64) for name in store)
+        assert (store["layer_3@256,4032"] == 3).all()
+
+
 def test_a_key_whose_ranks_together_pass_its_piece_limit_is_not_committed(tmp_path, monkeypatch):
     """Each done-record is under the limit, their sum is not: the coordinator refuses it, as
     every reader would refuse the index, and LATEST stays where it was."""

@@ -310,8 +310,14 @@ def test_a_reader_counts_each_delta_member_s_chain_against_its_open_files_and_re
         version = publish(folder, step, delta=deltas)
     assert len(index_of(version).delta.chain) == 5
 
-    def descriptors() -> int:
-        return len(os.listdir("/proc/self/fd"))
+    def descriptors() -> int:  # those open on the version's files: other threads of the worker open files too
+        found = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                found += os.readlink(f"/proc/self/fd/{fd}").startswith(str(folder))
+            except OSError:  # closed since it was listed
+                pass
+        return found
 
     before = descriptors()
     peak = [0]
@@ -406,3 +412,123 @@ def test_threads_reading_a_delta_member_rebuild_its_tensors_in_parallel_each_onc
     assert rebuilds == {key: 1 for key in want}
     assert sorted(got) == sorted((key, at) for key in want for at in range(3))
     assert all(value.tobytes() == want[key].tobytes() for (key, _), value in got.items())
+
+
+def tf1_parts(parts: int):
+    """A finalized TF1 session holding the model, ``w`` partitioned by rows ``parts`` ways (3: rows
+    0-22, 22-43, 43-64, across the two ranks' pieces of 32 rows, each stored as column strips)."""
+    tf = pytest.importorskip("tensorflow")
+    v1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.get_variable("w", (64, 1024), tf.bfloat16, v1.zeros_initializer(),
+                        partitioner=v1.fixed_size_partitioner(parts))
+        v1.get_variable("b", (300,), tf.float32, v1.zeros_initializer())
+        init = v1.global_variables_initializer()
+    session = v1.Session(graph=graph)
+    session.run(init)
+    graph.finalize()
+    return session
+
+
+def test_a_follower_of_tf1_parts_across_the_writers_pieces_fetches_the_deltas_not_the_anchor(s3):
+    """Each region a TF1 follower stages is rebuilt from its copies of the regions it held: each
+    rank's strip is assembled from the held regions it lies across (its rows 0-32 from two
+    parts), its deltas since applied and its digest checked. A version costs about its deltas,
+    the catch-up after missed versions less than a full version; the weights are bit-exact."""
+    from weightstore.adapters import tf1
+    from weightstore.adapters.serving.follower import Follower
+
+    session = tf1_parts(3)
+    folder = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    deltas = [ws.Delta(), ws.Delta()]
+    full = sum(value.nbytes for value in model(1).values())
+    follower = Follower(session, folder, poll=0.02, deltas=True)
+    fetched = {}
+    try:
+        for steps in ([1], [2], [3], [4, 5, 6]):  # followed one by one, then 2 missed
+            follower.stop()
+            for step in steps:
+                publish(folder, step, delta=deltas)
+            s3.reset()
+            follower.start()
+            assert follower.wait(steps[-1], timeout=60).step == steps[-1]
+            fetched[steps[-1]] = s3.bytes_sent()
+            same(tf1.export(session), steps[-1])
+    finally:
+        follower.stop()
+    assert fetched[1] > full  # the first, whole
+    assert all(fetched[step] < full / 4 for step in (2, 3)) and fetched[6] < full / 2, fetched
+
+
+def test_a_follower_of_tf1_parts_whose_held_copy_is_not_the_base_reads_them_from_the_anchor(tmp_path, caplog):
+    """A held region whose bytes are not those of the version held (changed in memory) gives a
+    strip that does not rebuild its rank's digest: logged, the regions are read from the anchor
+    and chain, bit-exact, and the next version is rebuilt onto the copies of those. The store
+    rebuilds a region only from held regions that cover its strips, of a version in its chain,
+    and refuses bytes that are not that version's, or bounds that are not a region's of the size
+    given, naming the version and the tensor."""
+    from weightstore.adapters import tf1
+    from weightstore.adapters.serving.follower import Follower
+
+    session = tf1_parts(3)
+    deltas = [ws.Delta(), ws.Delta()]
+    with Follower(session, tmp_path, poll=0.02, deltas=True) as follower:
+        publish(tmp_path, 1, delta=deltas)
+        assert follower.wait(1, timeout=60).step == 1
+        held = next(buffer for item, (_, buffer) in follower._held.items() if item == ("w", ((22, 43), (0, 1024))))
+        held[100] ^= 0xFF  # row 22, which rank 0's strips rebuild from (rows 0-32)
+        with caplog.at_level("WARNING"):
+            publish(tmp_path, 2, delta=deltas)
+            assert follower.wait(2, timeout=60).step == 2
+        assert "applying step 2 onto step 1 failed" in caplog.text and "does not give the digest" in caplog.text
+        same(tf1.export(session), 2)
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            version = publish(tmp_path, 3, delta=deltas)
+            assert follower.wait(3, timeout=60).step == 3
+        assert caplog.text == ""
+        same(tf1.export(session), 3)
+    regions = [((0, 22), (0, 1024)), ((22, 43), (0, 1024)), ((43, 64), (0, 1024))]
+    have = [(bounds, model(2)["w"][slice(*bounds[0])]) for bounds in regions]
+    with ws.open(version) as store:
+        rebuilt = store.read_regions_from("w", "step-000000000002.wsindex", have, regions)
+        assert [array.tobytes() for array in rebuilt] == [model(3)["w"][slice(*bounds[0])].tobytes()
+                                                          for bounds in regions]
+        assert store.read_regions_from("w", "step-000000000002.wsindex", have[:1], regions[:1]) == [None]
+        assert store.read_regions_from("w", "step-000000000009.wsindex", have, regions[:1]) == [None]  # not its chain
+        with pytest.raises(ws.ChecksumError) as caught:  # step 2's bytes given as step 1's
+            store.read_regions_from("w", "step-000000000001.wsindex", have, regions[:1])
+        assert caught.value.path == version.path and caught.value.key == "w"
+        for bad_have, bad_wanted in (([(regions[0], model(2)["w"][:21])], regions[:1]),  # a row short
+                                     (have, [((0, 65), (0, 1024))]), (have, [((0, 22),)])):  # outside; an axis short
+            with pytest.raises(ws.TargetError) as caught:
+                store.read_regions_from("w", "step-000000000002.wsindex", bad_have, bad_wanted)
+            assert caught.value.path == version.path and caught.value.key == "w"
+
+
+def test_a_follower_of_tf1_parts_reads_the_regions_a_full_member_holds_part_of(tmp_path, monkeypatch):
+    """Rank 1 writes its member full: the part of rows 0-22 (rank 0's strips alone) is rebuilt
+    onto the held copies, the two that hold rank 1's rows are read from the version; bit-exact."""
+    from weightstore.adapters import tf1
+    from weightstore.adapters.serving.follower import Follower
+
+    rebuilt = []
+    read_regions_from = ws.Store.read_regions_from
+
+    def spied(self, key, held, have, wanted):
+        found = read_regions_from(self, key, held, have, wanted)
+        rebuilt.extend((bounds[0], array is not None) for bounds, array in zip(wanted, found, strict=True))
+        return found
+
+    monkeypatch.setattr(ws.Store, "read_regions_from", spied)
+    session = tf1_parts(3)
+    deltas = [ws.Delta(), False]
+    with Follower(session, tmp_path, poll=0.02, deltas=True) as follower:
+        for step in (1, 2):
+            publish(tmp_path, step, delta=deltas)
+            assert follower.wait(step, timeout=60).step == step
+            assert follower.error is None
+            same(tf1.export(session), step)
+    assert members(tmp_path, 2) == ["rank-00000.wsdelta", "rank-00001.safetensors"]
+    assert sorted(rebuilt) == [((0, 22), True), ((22, 43), False), ((43, 64), False)]

@@ -20,8 +20,9 @@ fails there too). A bad version (a checksum that does
 not match, a file pruned mid-read) fails while staging, before serving is held at all.
 
 **Delta versions** (:class:`weightstore.Delta`; a sharded version's delta members alike, for
-the tensors written whole) are staged by applying each delta onto a copy of the bytes of the
-version the follower holds, so only the deltas published since are fetched,
+the tensors written whole and the regions of parts) are staged by applying each delta onto a
+copy of the bytes of the version the follower holds (of a region, the copies of the held regions
+its writer's piece lies across), so only the deltas published since are fetched,
 verified against the digests their publisher recorded; when that would move more bytes than
 reading the newest anchor and the deltas after it (what a fresh reader moves), or the held
 version is not in the new one's chain (it missed an anchor), or the chain fails, the tensors are
@@ -95,6 +96,8 @@ __all__ = ["Follower"]
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
 _Bounds = tuple[tuple[int, int], ...]  # a region as (start, stop) along each axis
+_Part = tuple[str, _Bounds]  # a region of a tensor, by key
+_Item = str | _Part  # what a follower holds a copy of: a tensor, or a region of one
 
 
 class _Outcome(enum.Enum):
@@ -228,12 +231,13 @@ class Follower:
         adapter = _adapter(target, self.options)
         self._assign: Callable[..., Report] = adapter.assign
         self._reads_parts: bool = getattr(adapter, "ASSIGN_READS_REGIONS", False)
-        self._digests: dict[str, str | None] = {}  # key -> content digest, as the last swap staged it
-        #: key -> (digest, bytes) of the version held, kept once a delta version came: the next
-        #: delta is applied onto them (see :meth:`_onto_held`)
-        self._held: dict[str, tuple[str | None, np.ndarray]] = {}
-        #: key -> the buffer handed to the framework at the last swap, the next base copy's once it lets go
-        self._spares: dict[str, np.ndarray] = {}
+        #: key (or region) -> content digest in the version of the last swap
+        self._digests: dict[_Item, str | None] = {}
+        #: key (or region the target writes) -> (digest, bytes) of the version held, kept once a
+        #: delta version came: the next delta is applied onto them (:meth:`_onto_held`, :meth:`_parts_onto_held`)
+        self._held: dict[_Item, tuple[str | None, np.ndarray]] = {}
+        #: key (or region) -> the buffer handed to the framework at the last swap, the next base copy's once it lets go
+        self._spares: dict[_Item, np.ndarray] = {}
         self._keeping = False  # whether swaps keep copies (see ``deltas``)
         self.deltas = deltas
 
@@ -413,34 +417,55 @@ class Follower:
         sharded version followed into a target that writes parts of tensors (a TF1 session's
         partitioned variables, a torch module's DTensors) stages what a rehearsal of the assign
         (:func:`~weightstore.adapters.skeleton.rehearsal`, no byte read) asks for: the regions
-        of the parts whose blocks changed, and the tensors it writes whole.
+        of the parts whose blocks changed, and the tensors it writes whole. Of a delta version,
+        tensors and regions are rebuilt onto the copies held where they can be
+        (:meth:`_onto_held`, :meth:`_parts_onto_held`), the rest read.
         """
         store = weightstore.open(version)
         try:
-            digests = {key: reload_digest(store.info(key)) for key in store}
-            parts = None
+            tensors = {key: reload_digest(store.info(key)) for key in store}
+            digests: dict[_Item, str | None] = dict(tensors.items())
+            parts: dict[_Part, np.ndarray] | None = None
+            onto: dict[_Part, np.ndarray] = {}
             if self._reads_parts and store.reads_regions:
                 recorder = _Rehearsal(store)
                 with rehearsal():
                     self._assign(self.target, Store(recorder, store.path, verify=False), **words)
-                parts = {part: store.read_region(part[0], region) for part, region in recorder.regions.items()}
+                onto = self._parts_onto_held(store, list(recorder.regions), version) if skip else {}
+                parts = dict(onto)  # handed to the framework as they are, as rebuilt tensors
+                parts.update((part, store.read_region(part[0], region)) for part, region in recorder.regions.items()
+                             if part not in parts)
                 changed = list(recorder.wanted)  # the tensors it writes whole (a sharded delta's, onto the held copy)
             else:
-                changed = [key for key, digest in digests.items()
+                changed = [key for key, digest in tensors.items()
                            if not skip or digest is None or self._digests.get(key) != digest]
             rebuilt = self._onto_held(store, changed, version) if skip else {}
             arrays = dict(rebuilt)  # handed to the framework as they are: no copy while serving waits
             arrays.update((key, _adoptable(array))
                           for key, array in store.read([key for key in changed if key not in arrays]).items())
+            keeping = self.deltas or (self.deltas is None and (self._keeping or _is_delta(store)))
+            if keeping and parts is not None:  # each region's digest here, staged or held: what a held copy must match
+                held = [item for item in self._held if isinstance(item, tuple) and item[0] in tensors]
+                digests.update((part, store.region_digest(part[0], tuple(slice(lo, hi) for lo, hi in part[1])))
+                               for part in dict.fromkeys([*parts, *held]))
             staged = _StagedStore(store, arrays, digests, parts)
-            if self.deltas or (self.deltas is None and (self._keeping or _is_delta(store))):
+            if keeping:
                 self._keeping = True
-                staged.copies = {key: (digests[key], rebuilt[key].reshape(-1).view(np.uint8) if key in rebuilt else
-                                       _aligned_copy(array)) for key, array in arrays.items()}
+                made: dict[_Item, np.ndarray] = dict([*rebuilt.items(), *onto.items()])
+                staging: list[tuple[_Item, np.ndarray]] = [*arrays.items(), *(parts or {}).items()]
+                staged.copies = {item: (digests[item], made[item].reshape(-1).view(np.uint8) if item in made else
+                                        _aligned_copy(array)) for item, array in staging}
             return staged
         except BaseException:
             store.close()
             raise
+
+    def _held_version(self, store: Store) -> str | None:
+        """The file name of the version held, where ``store`` may be rebuilt onto its held
+        copies (a delta version, a copy kept, deltas not turned off); else ``None``."""
+        if self.version is None or not self._held or self.deltas is False or not _is_delta(store):
+            return None
+        return self.version.path.rsplit("/", 1)[-1]
 
     def _onto_held(self, store: Store, changed: list[str], version: Version) -> dict[str, np.ndarray]:
         """The tensors of ``changed`` rebuilt onto the copies of the version held, reading only the
@@ -453,9 +478,9 @@ class Follower:
         of it) is handed to the framework: no copy is made before the swap. Those copies are no
         longer held until the swap is done (:meth:`_keep`): a failure on the way leaves them
         unused, never misread."""
-        if self.version is None or not self._held or self.deltas is False or not _is_delta(store):
+        held = self._held_version(store)
+        if held is None:
             return {}
-        held = self.version.path.rsplit("/", 1)[-1]
         keys = [key for key in changed if key in self._held and self._held[key][0] is not None
                 and self._held[key][0] == self._digests.get(key)]
         chain = store.chain_payload(keys, held)
@@ -464,23 +489,69 @@ class Follower:
             return {}
         buffers = [self._held.pop(key)[1] for key in keys]  # rebuilt in place: no longer the held version's bytes
         found: list[np.ndarray | None] = [None] * len(keys)
-        failures: list[WeightStoreError] = []
 
         def rebuild(index: int) -> None:
-            if not failures:
-                try:
-                    found[index] = store.read_from(keys[index], held, buffers[index], in_place=True)
-                except WeightStoreError as exc:
-                    failures.append(exc)
+            found[index] = store.read_from(keys[index], held, buffers[index], in_place=True)
 
-        parallel.for_each(len(keys), rebuild)
-        if failures:
-            _log.warning("weightstore follower of %s: applying step %d onto step %d failed (%s); reading the rest "
-                         "from its anchor", self.folder, version.step, self.version.step, failures[0])
+        if not self._rebuilt_all(len(keys), rebuild, version):
             return {}
         return {key: array for key, array in zip(keys, found, strict=True) if array is not None}
 
-    def _keep(self, copies: dict[str, tuple[str | None, np.ndarray]], digests: dict[str, str | None]) -> None:
+    def _parts_onto_held(self, store: Store, wanted: list[_Part], version: Version) -> dict[_Part, np.ndarray]:
+        """The regions ``wanted`` (of a target that writes parts of tensors) rebuilt onto the
+        copies of the regions held, reading only the deltas published since, as
+        :meth:`_onto_held` for tensors (:meth:`weightstore.Store.read_regions_from`): each stored
+        run of a wanted region is assembled from the held regions it lies across (the writers'
+        pieces need not be the target's parts), its rank's deltas since the version held are
+        applied and the digest its rank recorded is checked. A region with a run the held copies
+        do not cover, or whose member is full, is left out (read from the anchor); a chain that
+        fails is logged, and all are read from the anchor. The held copies stay as they were.
+
+        The held version is in this one's chain, so no anchor lies between them: its deltas
+        since move fewer bytes than that anchor and its deltas would."""
+        held = self._held_version(store)
+        if held is None:
+            return {}
+        have: dict[str, list[tuple[_Bounds, np.ndarray]]] = {}
+        for item, (digest, buffer) in self._held.items():
+            if isinstance(item, tuple) and digest is not None and digest == self._digests.get(item):
+                have.setdefault(item[0], []).append((item[1], buffer))
+        regions: dict[str, list[_Bounds]] = {}
+        for key, bounds in wanted:
+            if key in have:
+                regions.setdefault(key, []).append(bounds)
+        keys = list(regions)
+        found: list[list[np.ndarray | None]] = [[] for _ in keys]
+
+        def rebuild(index: int) -> None:
+            key = keys[index]
+            found[index] = store.read_regions_from(key, held, list(have[key]), list(regions[key]))
+
+        if not self._rebuilt_all(len(keys), rebuild, version):
+            return {}
+        return {(key, bounds): array for key, arrays in zip(keys, found, strict=True)
+                for bounds, array in zip(regions[key], arrays, strict=True) if array is not None}
+
+    def _rebuilt_all(self, count: int, rebuild: Callable[[int], None], version: Version) -> bool:
+        """Run ``rebuild`` on each of ``count`` tensors, on all cores at once; ``False`` (logged)
+        when one failed, so that all are read from the anchor instead (the rest are not begun)."""
+        failures: list[WeightStoreError] = []
+
+        def one(index: int) -> None:
+            if not failures:
+                try:
+                    rebuild(index)
+                except WeightStoreError as exc:
+                    failures.append(exc)
+
+        parallel.for_each(count, one)
+        if failures:
+            assert self.version is not None
+            _log.warning("weightstore follower of %s: applying step %d onto step %d failed (%s); reading the rest "
+                         "from its anchor", self.folder, version.step, self.version.step, failures[0])
+        return not failures
+
+    def _keep(self, copies: dict[_Item, tuple[str | None, np.ndarray]], digests: dict[_Item, str | None]) -> None:
         """Keep ``copies`` (a swap's staged bytes, by key) as the next delta's base.
 
         A copy the framework adopted as a variable's buffer (a rebuilt tensor, handed over) is
@@ -491,7 +562,8 @@ class Follower:
         framework's own, never more than one buffer of each per tensor."""
         spares = self._spares
         self._spares = {key: spare for key, spare in spares.items() if key in digests and key not in copies}
-        kept = {key: found for key, found in self._held.items() if key in digests}
+        kept = {item: found for item, found in self._held.items()  # those still this version's bytes
+                if found[0] is not None and found[0] == digests.get(item)}
         for key, (digest, buffer) in copies.items():
             spare = spares.pop(key, None)
             if not _shared(buffer):
@@ -621,7 +693,7 @@ class _StagedRegions(_Staged):
     """A staged sharded version: also the regions staged of its tensors (by key and bounds);
     a region not staged is read (only its blocks) from the version's own store."""
 
-    def __init__(self, store: Store, arrays: dict[str, np.ndarray], parts: dict[tuple[str, _Bounds], np.ndarray]):
+    def __init__(self, store: Store, arrays: dict[str, np.ndarray], parts: dict[_Part, np.ndarray]):
         super().__init__(store, arrays)
         self._parts = parts
 
@@ -649,7 +721,7 @@ class _Rehearsal(_StagedRegions):
     def __init__(self, store: Store):
         super().__init__(store, {}, {})
         self.wanted: dict[str, None] = {}  # tensors read whole, in the order asked
-        self.regions: dict[tuple[str, _Bounds], Any] = {}  # (key, bounds) -> the region as asked
+        self.regions: dict[_Part, Any] = {}  # (key, bounds) -> the region as asked
 
     def read(self, key: str, *, verify: bool) -> np.ndarray:
         self.wanted[key] = None
@@ -679,14 +751,14 @@ class _StagedStore(Store):
     """What a swap assigns from: a :class:`Store` over :class:`_Staged`, with the content digests
     of the version's tensors (the follower's memory of what the target holds once it is in)."""
 
-    def __init__(self, store: Store, arrays: dict[str, np.ndarray], digests: dict[str, str | None],
-                 parts: dict[tuple[str, _Bounds], np.ndarray] | None = None):
+    def __init__(self, store: Store, arrays: dict[str, np.ndarray], digests: dict[_Item, str | None],
+                 parts: dict[_Part, np.ndarray] | None = None):
         staged = _StagedRegions(store, arrays, parts or {}) if store.reads_regions else _Staged(store, arrays)
         super().__init__(staged, store.path, verify=False)  # staging verified what it read
         self.arrays = [*arrays.values(), *(parts or {}).values()]
         self.digests = digests
-        #: copies of the staged tensors' bytes, kept as the next delta's base once the swap is done
-        self.copies: dict[str, tuple[str | None, np.ndarray]] | None = None
+        #: copies of the staged tensors' (and regions') bytes, kept as the next delta's base once the swap is done
+        self.copies: dict[_Item, tuple[str | None, np.ndarray]] | None = None
 
     def close(self) -> None:
         self.arrays = []

@@ -108,6 +108,12 @@ _MOVE_CHUNK = 16 << 20
 #: own buffered file copied every chunk of up to its buffer's size into that buffer first:
 #: 0.07 CPU-s/GB of a save that the kernel's copy alone makes 0.3
 _DIRECT_BYTES = 256 << 10
+#: a tensor at least this big asks the plan whether the file outgrows :data:`_HOLD_BYTES` (once):
+#: a sharded member's column strips are made for the write and are often under
+#: :data:`_DIRECT_BYTES` (a 16 MB piece's are 256 KB); held, the first 64 MB of them stayed
+#: as fresh copies, a page fault and a zeroed page per 4 KiB (a 128 MB member: 1.6-1.9 CPU-s/GB
+#: streamed, 2.2-2.7 held). Smaller tensors never work the plan out
+_PLAN_FROM = 64 << 10
 _GATHER_BYTES = 1 << 20
 #: tensors at least this big are announced to the source (it reads ahead of them) before they are read
 _PREFETCH_BYTES = 1 << 20
@@ -196,7 +202,7 @@ class SafetensorsWriter:
         tensor = _Pending(key, code, data.shape, size, raw_bytes(data) if size else memoryview(b""))
         self._tensors.append(tensor)
         if self._data_start is None:
-            if self._held_bytes + size <= _HOLD_BYTES and not (size >= _DIRECT_BYTES and self._plan_outgrows_hold()):
+            if self._held_bytes + size <= _HOLD_BYTES and not (size >= _PLAN_FROM and self._plan_outgrows_hold()):
                 self._held.append(tensor)
                 self._held_bytes += size
                 return crc32(data)  # the array, not its byte view: cheaper for a small one
@@ -210,8 +216,8 @@ class SafetensorsWriter:
         """Whether the plan says the file will hold more than :data:`_HOLD_BYTES`: then nothing
         is held for an exact header, every tensor streams as it comes, checksummed in the pass
         that writes it, and a tensor made for the write (a sharded member's column strip) is let
-        go at once instead of being kept until the hold is full. Asked once, of a large tensor
-        only (a file of small tensors never works the plan out)."""
+        go at once instead of being kept until the hold is full. Asked once, of a tensor of
+        :data:`_PLAN_FROM` or more (a file of small tensors never works the plan out)."""
         if self._plan is None:
             self._plan = self._planned() if self._planned is not None else []
         return sum(info.nbytes for info in self._plan) > _HOLD_BYTES

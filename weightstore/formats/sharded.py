@@ -10,8 +10,10 @@ from each member only the blocks that
 intersect what is asked, in one ranged read per run of them, and verifies each block's CRC-32
 before a byte of it is used. :meth:`ShardedReader.region_digest` says, from the index and the
 block digests of the members that hold a region, whether its blocks changed between two
-versions. Members are never opened as stores: the index and tables say where everything is, so
-their headers are never fetched. An index of version 1 holds its block tables itself.
+versions; :meth:`~ShardedReader.read_from` and :meth:`~ShardedReader.read_regions_from` rebuild a
+version of delta members, stored run by stored run, onto the tensors or regions a follower holds
+of an older one. Members are never opened as stores: the index and tables say where everything
+is, so their headers are never fetched. An index of version 1 holds its block tables itself.
 
 A local version holds its members open as files, at most :func:`open_files_limit` files at once
 (a quarter of the soft limit on open files; a delta member holds its chain's files too): one
@@ -267,27 +269,74 @@ class ShardedReader(ReaderDefaults):
         its rank recorded) and put back. ``None`` when a run cannot be rebuilt so (its member is
         full, or its chain does not pass through ``held``): read ``key`` whole then.
         ``in_place``: as the delta reader's (a failure, or ``None``, leaves ``data`` half changed)."""
-        delta = self._index.delta
-        if delta is None or held not in delta.chain:
-            return None
         entry = self._entry(key)
-        stored = storage_dtype(entry.dtype)
         flat = np.asarray(data).reshape(-1).view(np.uint8)
         if len(flat) != entry.nbytes:
             return None
         out = flat if in_place else aligned_array(len(flat))
         if not in_place:
             out[:] = flat
-        whole = out.view(f"V{stored.itemsize}").reshape(entry.shape)  # runs cut and put back by box
-        for piece in self._whole_pieces(key):
-            box = tuple(slice(start, start + size) for start, size in zip(piece.start, piece.shape, strict=True))
-            run = np.ascontiguousarray(whole[box]).reshape(-1).view(np.uint8)
+        whole = _boxed(out, entry, [(0, size) for size in entry.shape])
+        done = self._rebuild_runs(key, held, [whole], [whole], verify=verify, in_place=True)
+        return from_storage(out.view(storage_dtype(entry.dtype)).reshape(entry.shape), entry.dtype) if done[0] else None
+
+    def read_regions_from(self, key: str, held: str, have: Sequence[tuple[Sequence[tuple[int, int]], np.ndarray]],
+                          wanted: Sequence[Sequence[tuple[int, int]]], *, verify: bool) -> list[np.ndarray | None]:
+        """The regions ``wanted`` of ``key`` (``(start, stop)`` per axis), rebuilt from ``have``:
+        regions of ``key`` (bounds, and their bytes in version ``held``, an index name in this
+        version's delta chain) that a reader of parts holds, reading only the deltas after
+        ``held``. Each stored run that holds part of a wanted region is assembled from the held
+        regions that cover it (a run across two of them from both), rebuilt as :meth:`read_from`
+        rebuilds one (its digest checked), and copied into the wanted regions it holds part of.
+        A region is ``None`` where one of its runs cannot be rebuilt so (the held regions do not
+        cover it, its member is full, its chain does not pass through ``held``): read it then.
+        Bounds outside the tensor, or held bytes not of their region's size, are a ``TargetError``."""
+        with naming(path=self.name):
+            entry = self._entry(key)
+            held_boxes = []
+            for bounds, data in have:
+                flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+                box = _bounds_of(bounds, entry, key)
+                if len(flat) != math.prod(hi - lo for lo, hi in box) * entry.itemsize:
+                    raise TargetError(f"a held region at {box} has {len(flat)} bytes, not its "
+                                      f"{math.prod(hi - lo for lo, hi in box) * entry.itemsize}", key=key)
+                held_boxes.append(_boxed(flat, entry, box))
+            outs = [_boxed(aligned_array(math.prod(hi - lo for lo, hi in box) * entry.itemsize), entry, box)
+                    for box in (_bounds_of(bounds, entry, key) for bounds in wanted)]
+        done = self._rebuild_runs(key, held, held_boxes, outs, verify=verify)
+        stored = storage_dtype(entry.dtype)
+        return [from_storage(out.data.view(stored), entry.dtype) if ok else None
+                for out, ok in zip(outs, done, strict=True)]
+
+    def _rebuild_runs(self, key: str, held: str, have: list[_Boxed], outs: list[_Boxed], *, verify: bool,
+                      in_place: bool = False) -> list[bool]:
+        """Fill ``outs`` (regions of ``key``) with their bytes in this version, rebuilt run by run
+        onto the bytes of version ``held`` that ``have`` hold (regions that do not overlap), and
+        whether each out was wholly rebuilt. Each run is rebuilt in a buffer of its own, assembled
+        from the held regions it lies across, so ``have`` is left as it was; ``in_place`` (``have``
+        is ``outs``): where it lies whole in one of them. Runs only failed outs need are skipped."""
+        delta, entry = self._index.delta, self._entry(key)
+        done = [delta is not None and held in delta.chain and entry.layout is not None for _ in outs]
+        if not any(done):
+            return done
+        with naming(path=self.name):
+            runs = {(piece.member, piece.offset): piece for out in outs
+                    for piece in self._pieces(key, entry, out.bounds) if math.prod(piece.shape)}
+        for piece in runs.values():
+            box = [(start, start + size) for start, size in zip(piece.start, piece.shape, strict=True)]
+            needing = [at for at, out in enumerate(outs) if done[at] and _overlap(out.bounds, box) is not None]
+            if not needing:
+                continue
+            run = _assembled(have, box, entry, in_place=in_place)
             with self._member(piece.member) as member, naming(path=self.name, key=key):
-                if not isinstance(member, _Rebuilt) or \
-                        not member.read_from(piece.offset, _held_step(held), run, verify=verify):
-                    return None
-            whole[box] = run.view(whole.dtype).reshape(piece.shape)
-        return from_storage(out.view(stored).reshape(entry.shape), entry.dtype)
+                if run is None or not isinstance(member, _Rebuilt) or \
+                        not member.read_from(piece.offset, _held_step(held), run.flat, verify=verify):
+                    for at in needing:
+                        done[at] = False
+                    continue
+            for at in needing:
+                outs[at].put(run)
+        return done
 
     def _whole_pieces(self, key: str) -> list[PieceEntry]:
         """The stored runs of all of ``key`` that hold a byte (placed; none of an index of version 1)."""
@@ -676,6 +725,72 @@ class _Wanted:
     def __init__(self) -> None:
         self.rebuilt: Future[np.ndarray] = Future()
         self.reads = 0
+
+
+class _Boxed:
+    """A region of a tensor in memory: its bounds (``(start, stop)`` per axis) and its bytes,
+    an array of the region's shape whose items are the tensor's stored items, of any dtype alike
+    (``V<itemsize>``), as :meth:`ShardedReader._rebuild_runs` cuts and fills them."""
+
+    def __init__(self, bounds: Sequence[tuple[int, int]], data: np.ndarray):
+        self.bounds: list[tuple[int, int]] = [(lo, hi) for lo, hi in bounds]
+        self.data = data
+
+    def view(self, bounds: Sequence[tuple[int, int]]) -> np.ndarray:
+        """The part of it that ``bounds`` (inside its own) names."""
+        return self.data[tuple(slice(lo - at, hi - at) for (lo, hi), (at, _) in zip(bounds, self.bounds, strict=True))]
+
+    @property
+    def flat(self) -> np.ndarray:
+        """Its bytes, uint8 (a view: it is contiguous)."""
+        return self.data.reshape(-1).view(np.uint8)
+
+    def put(self, other: _Boxed) -> None:
+        """Copy into it the part of ``other`` that lies inside it (none where that is itself)."""
+        common = _overlap(self.bounds, other.bounds)
+        if common is None:
+            return
+        target, source = self.view(common), other.view(common)
+        if (target.ctypes.data, target.strides) != (source.ctypes.data, source.strides):
+            target[...] = source
+
+
+def _boxed(flat: np.ndarray, entry: TensorEntry, bounds: Sequence[tuple[int, int]]) -> _Boxed:
+    """``flat`` (uint8, the region's bytes in C order) as the region ``bounds`` of ``entry``'s tensor."""
+    return _Boxed(bounds, flat.view(f"V{entry.itemsize}").reshape([hi - lo for lo, hi in bounds]))
+
+
+def _bounds_of(bounds: Sequence[tuple[int, int]], entry: TensorEntry, key: str) -> list[tuple[int, int]]:
+    """``bounds`` (``(start, stop)`` per axis) checked as a region of ``entry``'s tensor (:func:`normalized_region`)."""
+    if len(bounds) != len(entry.shape) or not all(isinstance(axis, (tuple, list)) and len(axis) == 2 for axis in bounds):
+        raise TargetError(f"a region's bounds are (start, stop) for each of the {len(entry.shape)} axes, not "
+                          f"{list(bounds)!r}"[:300], key=key)
+    return normalized_region(tuple(slice(lo, hi) for lo, hi in bounds), entry.shape, key)
+
+
+def _overlap(a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]) -> list[tuple[int, int]] | None:
+    """The bounds both regions hold, or ``None`` when they share no item."""
+    common = [(max(alo, blo), min(ahi, bhi)) for (alo, ahi), (blo, bhi) in zip(a, b, strict=True)]
+    return None if any(lo >= hi for lo, hi in common) else common
+
+
+def _assembled(have: list[_Boxed], box: list[tuple[int, int]], entry: TensorEntry, *, in_place: bool) -> _Boxed | None:
+    """The bytes of the run ``box`` from the regions ``have`` (which do not overlap): a view of
+    the one that holds it all where ``in_place`` and it is contiguous there, else a buffer of its
+    own filled from every region it lies across; ``None`` when they do not cover it."""
+    touching = [(region, common) for region in have if (common := _overlap(region.bounds, box)) is not None]
+    if in_place and len(touching) == 1 and touching[0][1] == box:
+        part = touching[0][0].view(box)
+        if part.flags.c_contiguous:
+            return _Boxed(box, part)
+    parts = [common for _, common in touching]
+    if sum(math.prod(hi - lo for lo, hi in common) for common in parts) != math.prod(hi - lo for lo, hi in box) or any(
+            _overlap(a, b) is not None for at, a in enumerate(parts) for b in parts[at + 1 :]):
+        return None
+    run = _boxed(aligned_array(math.prod(hi - lo for lo, hi in box) * entry.itemsize), entry, box)
+    for region, _ in touching:
+        run.put(region)
+    return run
 
 
 def _held_step(held: str) -> int:

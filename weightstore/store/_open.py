@@ -187,6 +187,22 @@ class Store(Mapping):
             attach(exc, path=self.path)
             raise
 
+    def read_regions_from(self, key: str, held: str, have: list[tuple[Any, np.ndarray]],
+                          wanted: list[Any]) -> list[np.ndarray | None]:
+        """The regions ``wanted`` of ``key`` (each as ``(start, stop)`` per axis), rebuilt onto
+        ``have`` (regions of ``key`` the caller holds: bounds, and their bytes in version file
+        ``held``), reading only what changed since, as :meth:`read_from` for regions; each
+        ``None`` where this store cannot (not a sharded delta version, ``held`` not in its
+        chain, a stored run of it outside ``have``): read that region as usual then."""
+        method = getattr(self._reader, "read_regions_from", None)
+        if not callable(method):
+            return [None for _ in wanted]
+        try:
+            return cast("list[np.ndarray | None]", method(key, held, have, wanted, verify=self.verify))
+        except WeightStoreError as exc:
+            attach(exc, path=self.path)
+            raise
+
     def chain_payload(self, keys: list[str], held: str | None) -> int | None:
         """Bytes :meth:`read_from` fetches for ``keys`` from version file ``held`` (``None``: what
         reading them from a delta version's anchor fetches); ``None`` where it cannot."""
