@@ -12,17 +12,19 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterator
 
 
-@contextlib.contextmanager
-def paused_gc() -> Iterator[None]:
-    """No cyclic collection inside the block; a collector the caller already disabled stays so."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
+class paused_gc(contextlib.AbstractContextManager):  # noqa: N801 - used as the function it was
+    """No cyclic collection inside the block; a collector the caller already disabled stays so.
+    A plain class: a generator's context costs four times as much, and every open enters one."""
+
+    __slots__ = ("_paused",)
+
+    def __enter__(self) -> None:
+        self._paused = gc.isenabled()
+        if self._paused:
+            gc.disable()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._paused:
+            gc.enable()

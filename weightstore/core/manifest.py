@@ -499,7 +499,7 @@ def _parse_json(text: str) -> Any:
     the stdlib then decides, exactly as when it read every manifest; metadata that may hold
     an integer past 64 bits is read by the stdlib too, which keeps it exact."""
     try:
-        document = orjson.loads(text.encode("utf-8", "surrogatepass"))
+        document = orjson.loads(text)  # a lone surrogate fails it, as invalid UTF-8 would
     except orjson.JSONDecodeError:
         return json.loads(text, parse_constant=_refuse_constant)
     if isinstance(document, dict) and _holds_rounded_integer(document.get("metadata")):

@@ -344,7 +344,7 @@ class NpzReader(ReaderDefaults):
         dtype, shape, _, start = self._parse_npy(member, data)
         if dtype.kind != "U" or shape != ():
             raise FormatError("manifest member is not a text scalar", path=self.name)
-        text = bytes(data[start:]).decode("utf-32-le" if dtype.byteorder in "<=|" else "utf-32-be", "replace")
+        text = str(data[start:], "utf-32-le" if dtype.byteorder in "<=|" else "utf-32-be", "replace")  # no copy first
         return parse_manifest(text.rstrip("\0"), self.name)
 
     # -- the Reader protocol -----------------------------------------------------------------

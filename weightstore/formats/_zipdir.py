@@ -77,13 +77,12 @@ class Directory:
     string end to end.
     """
 
-    def __init__(self, names: list[str] | Callable[[], list[str]], name_blob: bytes, name_ends: list[int],
+    def __init__(self, names: list[str] | Callable[[], list[str]], name_blob: bytes, name_lens: np.ndarray,
                  columns: dict[str, list[int]] | dict[str, np.ndarray]):
         self._names = names
         self._name_blob = name_blob
-        self._name_ends = name_ends
+        self._arrays: dict[str, np.ndarray] = {"name_lens": name_lens}
         self._columns = columns
-        self._arrays: dict[str, np.ndarray] = {}
 
     @functools.cached_property
     def names(self) -> list[str]:
@@ -98,6 +97,11 @@ class Directory:
     def index(self) -> dict[str, int]:
         """Name -> position; made on first use (a reader that knows positions never asks)."""
         return dict(zip(self.names, range(len(self.names)), strict=True))
+
+    @functools.cached_property
+    def _name_ends(self) -> list[int]:
+        """Where each name ends in the names' bytes (made on first use: listing keys needs none)."""
+        return self.column("name_ends").tolist()
 
     def raw_name(self, i: int) -> bytes:
         return self._name_blob[self._name_ends[i - 1] if i else 0 : self._name_ends[i]]
@@ -115,11 +119,9 @@ class Directory:
         array, for checks on many members at once (made on first use)."""
         array = self._arrays.get(name)
         if array is None:
-            if name in ("name_lens", "name_ends"):
-                ends = np.asarray(self._name_ends, dtype=np.int64)
-                self._arrays["name_ends"] = ends
-                self._arrays["name_lens"] = np.diff(ends, prepend=0)
-                return self._arrays[name]
+            if name == "name_ends":
+                array = self._arrays[name] = np.cumsum(self._arrays["name_lens"], dtype=np.int64)
+                return array
             array = self._arrays[name] = np.asarray(self._columns[_COLUMN_OF[name]], dtype=np.int64)
         return array
 
@@ -238,7 +240,7 @@ def parse(directory: bytes, count: int, cd_offset: int) -> Directory:
                 raise UnsafeFileError(f"member {name!r} appears twice")
             seen.add(name)
     columns["limit"] = _limits(names, name_lens, columns, cd_offset)
-    return Directory(names, b"".join(raw_names), np.cumsum(records["name_len"], dtype=np.int64).tolist(), columns)
+    return Directory(names, b"".join(raw_names), records["name_len"].astype(np.int64), columns)
 
 
 def _entry_positions(directory: bytes, count: int) -> list[int]:
@@ -362,9 +364,18 @@ def spans(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarr
     return data[np.repeat(starts - firsts, lengths) + np.arange(int(lengths.sum()))]
 
 
-#: a directory entry's signature as an integer, and the record dtype that reads it so
+#: a directory entry's signature as an integer
 _CENTRAL_SIG_INT = int.from_bytes(CENTRAL_SIG, "little")
-_SIGNATURE = np.dtype({"names": ["sig"], "formats": ["<u4"], "offsets": [0], "itemsize": CENTRAL_RECORD.itemsize})
+#: the fields of an entry :func:`parse_expected` reads, the signature as an integer (numpy
+#: compares bytes 10x slower) and the name's, extra field's and comment's lengths (with the
+#: disk number after them) as one, so that one comparison checks the three
+_EXPECTED_RECORD = np.dtype({
+    "names": ["sig", "flags", "method", "crc", "compressed", "size", "lengths", "offset"],
+    "formats": ["<u4", "<u2", "<u2", "<u4", "<u4", "<u4", "<u8", "<u4"],
+    "offsets": [0, 8, 10, 16, 20, 24, 28, 42], "itemsize": CENTRAL_SIZE,
+})
+#: ``lengths`` without the disk number: the name's length alone, where extra field and comment are empty
+_NAME_EXTRA_COMMENT = (1 << 48) - 1
 #: True, False, ... : each entry's fixed fields, then its name (tiled once, not per directory)
 _FIXED_THEN_NAME = np.tile(np.array([True, False]), 1 << 16)
 
@@ -395,21 +406,21 @@ def parse_expected(directory: bytes, end: int, names: Callable[[], list[str]], n
     fixed = fixed_fields(name_lens)
     if raw[~fixed].tobytes() != name_blob:
         return None
-    # array methods, frombuffer rather than a view: numpy's wrappers and its view check of a
-    # record dtype cost more than the work itself for a directory of 100 entries
-    packed = raw[fixed].tobytes()
-    records = np.frombuffer(packed, CENTRAL_RECORD)
-    signatures = np.frombuffer(packed, _SIGNATURE)["sig"]  # as integers: numpy compares bytes 10x slower
+    # frombuffer rather than a view, few whole-column steps and one test of them all: numpy's
+    # cost per call is more than its work on a directory of 100 entries
+    records = np.frombuffer(raw[fixed].tobytes(), _EXPECTED_RECORD)
     offsets, compressed, sizes = (records[field].astype(np.int64) for field in ("offset", "compressed", "size"))
     methods = records["method"]
     limits = np.concatenate((offsets[1:], [end]))
-    if not ((signatures == _CENTRAL_SIG_INT).all() and (records["name_len"] == name_lens).all()
-            and not (records["extra_len"] | records["comment_len"] | (records["flags"] & ENCRYPTED_FLAG)).any()
-            and (((methods == STORED) & (sizes == compressed))
-                 | ((methods == DEFLATED) & (sizes <= compressed * MAX_DEFLATE_RATIO + DEFLATE_SLACK_BYTES))).all()
-            and not ((offsets == ZIP64_LIMIT) | (compressed == ZIP64_LIMIT) | (sizes == ZIP64_LIMIT)).any()
-            and (offsets + LOCAL.size + name_lens + compressed <= limits).all()):  # in order, none overlapping
+    # in order, none overlapping, the last before ``end`` (the manifest's offset, below the ZIP64
+    # marker): so no offset or compressed size is a marker, nor a stored member's size
+    wrong = ((records["sig"] != _CENTRAL_SIG_INT) | ((records["lengths"] & _NAME_EXTRA_COMMENT) != name_lens)
+             | (offsets + LOCAL.size + name_lens + compressed > limits) | (records["flags"] & ENCRYPTED_FLAG))
+    if (wrong | (sizes != compressed) | methods).any() and (wrong.any() or not (
+            ((methods == STORED) & (sizes == compressed))
+            | ((methods == DEFLATED) & (sizes <= compressed * MAX_DEFLATE_RATIO + DEFLATE_SLACK_BYTES)
+               & (sizes != ZIP64_LIMIT))).all()):  # not all stored: a deflated member's rules
         return None
     columns = {"offset": offsets, "crc": records["crc"], "compressed": compressed, "size": sizes, "method": methods,
                "limit": limits}
-    return Directory(names, name_blob, np.cumsum(name_lens).tolist(), columns)
+    return Directory(names, name_blob, name_lens, columns)

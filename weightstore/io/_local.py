@@ -1,6 +1,6 @@
 """Local byte sources: a file mapped, read with ``pread`` into owned memory, or a stream.
 
-Each opens its file through :func:`~weightstore.io.files.open_regular`, so a FIFO or device is
+Each opens its file through :func:`~weightstore.io.files.open_regular_unbuffered`, so a FIFO or device is
 refused at open instead of blocking. Each refuses a range outside the file before reading it,
 so no reader needs to trust a length it was given.
 
@@ -24,7 +24,7 @@ long as any array made from it lives. A file truncated or rewritten *in place* b
 file's end kills the process with SIGBUS. :class:`SizeGuard` is the one check against that: a
 reader of a mapped file calls :meth:`SizeGuard.check` (through ``ByteSource.check_unchanged``)
 before each read, and an open store's next read then refuses cleanly. Any reader that maps a
-file itself holds a guard made at open (``SizeGuard.of(handle, path)``).
+file itself holds a guard made at open (``SizeGuard(fileno, size, path)``).
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, BinaryIO
+from typing import Any
 
 from weightstore.errors import FormatError, StoreClosedError
 from weightstore.io._buffer import aligned_buffer
-from weightstore.io.files import open_regular
+from weightstore.io.files import open_regular_unbuffered
 
 __all__ = ["READ_AHEAD", "SizeGuard", "MappedFile", "OwnedFile", "StreamFile", "check_range"]
 
@@ -112,11 +112,6 @@ class SizeGuard:
     def __init__(self, fileno: int, size: int, name: str):
         self._fileno, self.size, self.name = fileno, size, name
 
-    @classmethod
-    def of(cls, handle: BinaryIO, name: str) -> SizeGuard:
-        """The guard of the open file ``handle`` (kept open as long as the guard is used)."""
-        return cls(handle.fileno(), os.fstat(handle.fileno()).st_size, name)
-
     def check(self, what: str, *, key: str | None = None) -> None:
         """Refuse, naming ``what``, to read a file whose size changed since it was opened.
 
@@ -136,14 +131,9 @@ class _LocalFile:
 
     def __init__(self, path: str):
         self.name = path
-        self._handle = open_regular(path)  # open for the store's whole life, closed by close()
+        self._handle, self.size = open_regular_unbuffered(path)  # open for the store's whole life, closed by close()
         self._closed = False
-        try:
-            self._guard = SizeGuard.of(self._handle, path)
-        except BaseException:
-            self._handle.close()
-            raise
-        self.size = self._guard.size
+        self._guard = SizeGuard(self._handle.fileno(), self.size, path)
         self._ahead = (0, 0)  # the stretch last announced to the kernel, where reading ahead goes on
 
     def read_into(self, offset: int, buffer: memoryview) -> None:

@@ -15,6 +15,7 @@ PID is dead (:func:`remove_stale_temporaries`).
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import re
 import secrets
@@ -25,7 +26,7 @@ from typing import BinaryIO
 from weightstore.errors import FileAccessError, FormatError, StoreNotFoundError, TargetError
 
 __all__ = [
-    "TEMP_MARK", "kind_of", "open_regular", "refuse_special_file", "check_writable_target",
+    "TEMP_MARK", "kind_of", "open_regular", "open_regular_unbuffered", "refuse_special_file", "check_writable_target",
     "fsync_path", "fsync_folder", "temporary_beside", "remove_stale_temporaries",
 ]
 
@@ -38,10 +39,12 @@ _KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK,
 
 def kind_of(mode: int) -> str | None:
     """What a non-regular file is, in words; ``None`` for a regular file."""
+    if stat.S_ISREG(mode):  # asked first: every open of a weight file asks
+        return None
     for test, name in _KINDS:
         if test(mode):
             return name
-    return None if stat.S_ISREG(mode) else "not a regular file"
+    return "not a regular file"
 
 
 def _not_regular(kind: str, path: str) -> FormatError:
@@ -57,6 +60,28 @@ def open_regular(path: str) -> BinaryIO:
     ``FileNotFoundError``, as :func:`open` would; any other refusal of the system's (no
     permission, a symlink loop, a name too long) a :class:`FileAccessError` naming the file.
     """
+    fd, _ = _open_regular_fd(path)
+    try:
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def open_regular_unbuffered(path: str) -> tuple[io.FileIO, int]:
+    """:func:`open_regular`'s file unbuffered, and its size when opened: for a reader by
+    position, which a buffer never serves (a buffered file costs three more system calls, a
+    tenth of opening a file of 100 small tensors)."""
+    fd, size = _open_regular_fd(path)
+    try:
+        return io.FileIO(fd, "r"), size
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _open_regular_fd(path: str) -> tuple[int, int]:
+    """The descriptor of the regular file ``path``, open for reading, and its size (see :func:`open_regular`)."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
@@ -64,11 +89,12 @@ def open_regular(path: str) -> BinaryIO:
     except OSError as exc:
         raise FileAccessError(f"cannot be opened ({exc.strerror or exc})", path=path) from None
     try:
-        kind = kind_of(os.fstat(fd).st_mode)
+        status = os.fstat(fd)
+        kind = kind_of(status.st_mode)
         if kind is not None:
             raise _not_regular(kind, path)
         os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
+        return fd, status.st_size
     except BaseException:
         os.close(fd)
         raise

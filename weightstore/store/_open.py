@@ -4,9 +4,10 @@ Face sharded folder); :mod:`weightstore.store._save` writes."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 import numpy as np
@@ -64,7 +65,6 @@ class Store(Mapping):
     def __init__(self, reader: Reader, path: str, verify: bool, format: str = ""):  # noqa: A002
         self._reader = reader
         self._keys = reader.keys()
-        self._key_set = frozenset(self._keys)
         self.path = path
         self.verify = verify
         #: the name of the format in the table that read it (``"safetensors"``, ``"tf-checkpoint"``)
@@ -235,6 +235,11 @@ class Store(Mapping):
             return []
         with naming(path=self.path):
             return self._reader.read_many(keys, verify=self.verify)
+
+    @functools.cached_property
+    def _key_set(self) -> frozenset[str]:
+        """Made on the first ``in``: an open that lists the keys, or reads them all, needs none."""
+        return frozenset(self._keys)
 
     def __contains__(self, key: object) -> bool:
         return key in self._key_set
@@ -439,19 +444,23 @@ def _sniffed(head: bytes) -> Format:
         raise
 
 
-@contextmanager
-def _pickle_named(head: Callable[[], bytes], location: str) -> Iterator[None]:
+class _pickle_named(AbstractContextManager):  # noqa: N801 - used as the function it was
     """Format detection never overrides a file's own valid structure: the reader of the format the
     name (or the magic) chose reads the file first, and only a file it refuses is refused as a
     pickle where its first bytes start one, which says more than the reader's refusal. (A valid
     safetensors file whose header is 640, 896, 1,152 or 1,408 bytes long starts with pickle's
-    magic: its length's first two bytes are ``80 02`` to ``80 05``.)"""
-    try:
-        yield
-    except WeightStoreError:
-        with naming(path=location):
-            refuse_pickle(head())
-        raise
+    magic: its length's first two bytes are ``80 02`` to ``80 05``.) A plain class: every open
+    enters one, and a generator's context costs four times as much."""
+
+    __slots__ = ("_head", "_location")
+
+    def __init__(self, head: Callable[[], bytes], location: str):
+        self._head, self._location = head, location
+
+    def __exit__(self, kind: object, exc: BaseException | None, traceback: object) -> None:
+        if isinstance(exc, WeightStoreError):
+            with naming(path=self._location):
+                refuse_pickle(self._head())
 
 
 def _refuse_published_folder(place: Place) -> None:
