@@ -60,9 +60,10 @@ def _scope_fix(values: Iterable[str], targets: Iterable[str], renamed: bool) -> 
     # each scope under which half of the values find their variable: an ensemble's members all do
     missing = _extra_scopes(target_set - value_set, value_set, len(value_set))
     if missing:
-        scopes = " and ".join(filter(None, [", ".join(map(repr, missing[:-1])), repr(missing[-1])]))
-        fix = ("put them under it with scope= or mapping=" if renamed else
-               f"pass scope={missing[0]!r}" + (" (or another of them)" if len(missing) > 1 else ""))
+        named = [*map(repr, missing[:3]), *([f"{len(missing) - 3} more"] if len(missing) > 3 else [])]
+        scopes = " and ".join(filter(None, [", ".join(named[:-1]), named[-1]]))
+        fix = (("put them under " + ("it" if len(missing) == 1 else "one of them")) + " with scope= or mapping="
+               if renamed else f"pass scope={missing[0]!r}" + (" (or another of them)" if len(missing) > 1 else ""))
         return f"the variables are under {scopes} and the values are not: {fix}"
     return ""
 

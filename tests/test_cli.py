@@ -581,7 +581,6 @@ def test_verify_names_the_corrupt_tensor(store, tmp_path):
                                                                            ["dense/b"])
 
 
-
 def test_verify_of_a_tf_checkpoint_says_its_own_checksums_were_checked(store, tmp_path):
     """A TF checkpoint's tensors carry TF's CRC-32C, which verify checks (a flipped byte exits 1
     naming the tensor): an intact one said "no checksums to check", as if nothing had been."""
@@ -596,6 +595,7 @@ def test_verify_of_a_tf_checkpoint_says_its_own_checksums_were_checked(store, tm
     contents[0] ^= 0xFF  # the first tensor the data file holds
     data.write_bytes(bytes(contents))
     one_error_line(run("verify", prefix), "tensor 'model_001/", "is corrupt (CRC-32C", "(1 of 3 tensors corrupt)")
+
 
 def test_verify_json_lists_every_corrupt_tensor(store):
     """Scripts read the corrupt keys from ``error.keys``; ``key`` stays null when several are at fault."""

@@ -540,7 +540,6 @@ def test_a_keras_file_given_to_torch_says_it_needs_its_keras_model(tmp_path, suf
         f"with `ws export {path} -o m.npz --model-keys` (a .keras file; --model m.keras for a .weights.h5)")
 
 
-
 @pytest.mark.parametrize("suffix", [".weights.h5", ".keras"])
 def test_a_keras_file_given_to_tf1_says_it_needs_its_keras_model(tmp_path, suffix):
     """A TF1 graph of the same layers (head/kernel, head/bias) said the file and the graph

@@ -200,7 +200,6 @@ def test_keys_one_scope_apart_name_the_scope_or_mapping_that_pairs_them(tmp_path
         np.testing.assert_array_equal(values(sess, variables), [[0] * 3, [1] * 3, [2] * 3])
 
 
-
 def test_an_ensemble_graph_given_an_unscoped_file_without_scope_names_the_scopes_that_pair_it(tmp_path):
     """The ensembles job without its ``scope=``: three members of one architecture, and a member's
     unscoped file pairs under each of them. It said the file and the graph "look like different
@@ -219,6 +218,13 @@ def test_an_ensemble_graph_given_an_unscoped_file_without_scope_names_the_scopes
         assert "different architectures" not in str(caught.value)
         assert sorted(tf1.assign(sess, tmp_path / "m.npz", scope="model_002").assigned) == [
             f"model_002/{k}" for k in sorted(names)]
+        for member in range(4, 41):  # forty members: three named, the rest counted
+            for k in names:
+                v1.get_variable(f"model_{member:03d}/{k}", [3], initializer=v1.zeros_initializer())
+        with pytest.raises(AssignmentError, match="the keys differ by a scope: ") as caught:
+            tf1.assign(sess, tmp_path / "m.npz")
+        assert "under 'model_001', 'model_002', 'model_003' and 37 more and the values are not" in str(caught.value)
+
 
 def test_a_wrong_scope_given_is_what_the_message_says_to_change():
     """Values put under ``model_001/`` by the caller's own ``scope=`` are not fixed by a mapping
