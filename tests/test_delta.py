@@ -363,7 +363,7 @@ def test_a_truncated_delta_is_refused(tmp_path, cut):
 @pytest.mark.parametrize("old, new", [(b'"lr": 0.5', b'"lr": 0.7'), (b'"created": "2', b'"created": "3')])
 def test_a_changed_byte_of_a_delta_versions_metadata_is_refused(tmp_path, old, new):
     """Found by fuzzing: no tensor's digest covers the metadata or the creation time; the
-    manifest's own CRC-32 does, as a safetensors file's does."""
+    manifest's CRC-32, which the delta's head records, does."""
     ws.publish(tmp_path, {"w": np.arange(4000.0)}, step=1, metadata={"lr": 0.5}, delta=True)
     ws.publish(tmp_path, {"w": np.r_[np.arange(3999.0), 7.0]}, step=2, metadata={"lr": 0.5}, delta=True)
     path = tmp_path / "step-000000000002.wsdelta"
@@ -377,19 +377,33 @@ def test_a_changed_byte_of_a_delta_versions_metadata_is_refused(tmp_path, old, n
     assert result.exit_code == 1 and "manifest is corrupt" in result.output
 
 
-def test_a_delta_written_before_the_manifest_seal_still_reads(tmp_path):
+def _edit_head(path, edit):
+    """The delta version at ``path`` with its head's fields changed by ``edit`` (given the head's dict)."""
+    data = path.read_bytes()
+    _, head, entries, manifest = struct.unpack_from("<8sQQQ", data)
+    document = json.loads(data[32:32 + head])
+    edit(document)
+    new_head = json.dumps(document).encode()
+    path.write_bytes(struct.pack("<8sQQQ", delta_format.MAGIC, len(new_head), entries, manifest) + new_head
+                     + data[32 + head:])
+
+
+def test_a_delta_written_before_the_manifest_crc_still_reads(tmp_path):
+    """A delta of a writer before the manifest's CRC-32: its head has no ``manifest_crc``."""
     ws.publish(tmp_path, {"w": np.arange(4000.0)}, step=1, delta=True)
     ws.publish(tmp_path, {"w": np.r_[np.arange(3999.0), 7.0]}, step=2, metadata={"lr": 0.5}, delta=True)
     path = tmp_path / "step-000000000002.wsdelta"
-    data = path.read_bytes()
-    _, head, entries, manifest = struct.unpack_from("<8sQQQ", data)
-    at = 32 + head + entries
-    sealed = data[at:at + manifest]
-    unsealed = sealed[:sealed.rindex(b', "checksum": ')] + b"}"
-    path.write_bytes(struct.pack("<8sQQQ", delta_format.MAGIC, head, entries, len(unsealed)) + data[32:at] + unsealed
-                     + data[at + manifest:])
+    _edit_head(path, lambda head: head.pop("manifest_crc"))
     with ws.open(path) as store:
         assert store.metadata == {"lr": 0.5} and store["w"][-1] == 7.0
+
+
+def test_a_delta_head_whose_manifest_crc_is_not_text_is_refused(tmp_path):
+    ws.publish(tmp_path, {"w": np.arange(4000.0)}, step=1, delta=True)
+    ws.publish(tmp_path, {"w": np.r_[np.arange(3999.0), 7.0]}, step=2, delta=True)
+    path = tmp_path / "step-000000000002.wsdelta"
+    _edit_head(path, lambda head: head.update(manifest_crc=12345678))
+    assert "corrupt delta head" in str(refused(path, key=None))
 
 
 def test_a_delta_of_a_tensor_the_base_lacks_is_refused(based):

@@ -81,7 +81,7 @@ def _sections(data: bytes) -> list[bytes]:
 
 
 def mutant(seed: bytes, rng: random.Random) -> bytes:
-    """One mutant of ``seed``: a delta version's head or entries (its manifest is sealed), or the whole document."""
+    """One mutant of ``seed``: a delta version's head or entries (its head has its manifest's CRC-32), or the whole document."""
     if seed.startswith(delta.MAGIC):
         sections = _sections(seed)
         which = rng.randrange(2)

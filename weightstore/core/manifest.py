@@ -334,9 +334,10 @@ _SEAL = re.compile(r', "checksum": "(crc32:[0-9a-f]{8})"\}\Z')
 
 
 def seal_manifest(text: str) -> str:
-    """``text`` (a manifest that no checksum of its container covers: a safetensors header's,
-    a delta version's) ending in its own CRC-32, so that a changed byte of its metadata, which
-    no tensor's checksum covers, is found at open as an npz manifest member's zip CRC finds it."""
+    """``text`` (a manifest that no checksum of its container covers: a safetensors header's)
+    ending in its own CRC-32, so that a changed byte of its metadata, which no tensor's checksum
+    covers, is found at open as an npz manifest member's zip CRC finds it. (A delta version
+    keeps its manifest's CRC-32 in its head, a field older readers ignore.)"""
     return f'{text[:-1]}, "checksum": "{checksum(text.encode("utf-8", "surrogatepass"))}"}}'
 
 

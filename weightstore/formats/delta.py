@@ -24,15 +24,18 @@ Layout, all integers little-endian::
 
     magic "\\x93WSDELTA" | u64 head bytes | u64 entries bytes | u64 manifest bytes
     head JSON     {"format": "weightstore-delta", "version": 1, "step", "base", "chain",
-                   "chain_bytes", "full_bytes", "block"}
+                   "chain_bytes", "full_bytes", "block", "manifest_crc"}
     entries JSON  {"codec": [...], "offset": [...], "length": [...]}  (manifest key order)
-    manifest JSON (weightstore's manifest of the resulting tensors, user metadata), ending in its
-                  own CRC-32 as a safetensors file's does (no tensor's digest covers the metadata)
+    manifest JSON (weightstore's manifest of the resulting tensors, user metadata)
     payloads      (offsets relative to here)
 
 ``chain`` lists the base, its base, ... down to the anchor (what retention must keep);
 ``chain_bytes`` adds up the payload bytes of the deltas since the anchor, this one included
-(what decides the next anchor).
+(what decides the next anchor). ``manifest_crc`` is the manifest's CRC-32: no tensor's digest
+covers its metadata or creation time, so a changed byte there is found by it at open. It is a
+field of the head, not of the manifest, because readers before it ignore a head field they do
+not know but refuse a manifest field (they read these files as before); a delta written before
+it has none and reads unchecked, as it did.
 
 **Hostile input.** Every size is checked against the file's own before anything is allocated:
 a zstd frame must declare exactly its block's bytes and is decoded with that as its bound;
@@ -71,11 +74,11 @@ from weightstore.core.limits import (
 from weightstore.core.manifest import (
     Manifest,
     build_manifest,
+    checksum,
     content_digest,
     content_hasher,
     from_storage,
     parse_manifest,
-    seal_manifest,
     storage_dtype,
     to_storage,
 )
@@ -363,6 +366,9 @@ class Head:
     #: bytes of the tensors this version rebuilds
     full_bytes: int
     block: int = BLOCK
+    #: the manifest's CRC-32 as a read head records it (``crc32:...``); ``None`` in a delta
+    #: written before it was recorded, and in a head to be written (:func:`write` adds it)
+    manifest_crc: str | None = None
 
     @property
     def depth(self) -> int:
@@ -383,11 +389,11 @@ def write(file: BinaryIO, head: Head, rows: Sequence[TensorRow], digests: Sequen
         offsets.append(at)
         lengths.append(item.nbytes)
         at += item.nbytes
-    head_text = json.dumps(head.document()).encode()
+    manifest_text = build_manifest(rows, metadata, producer, digests=digests, created=created).encode("utf-8",
+                                                                                                   "surrogatepass")
+    head_text = json.dumps(head.document() | {"manifest_crc": checksum(manifest_text)}).encode()
     entries_text = json.dumps({"codec": [item.codec for item in encoded], "offset": offsets,
                                "length": lengths}).encode()
-    manifest_text = seal_manifest(build_manifest(rows, metadata, producer, digests=digests, created=created)).encode(
-        "utf-8", "surrogatepass")
     file.write(_PREFIX.pack(MAGIC, len(head_text), len(entries_text), len(manifest_text)))
     file.write(head_text)
     file.write(entries_text)
@@ -427,7 +433,8 @@ def _step_of(name: str, member: bool = False) -> int | None:
 def parse_head(data: bytes, where: str, *, member: bool = False) -> Head:
     """The head's fields, checked: a plain version name of a lower step as the base (a
     member's base: :data:`MEMBER_BASE`), a chain that starts with it and goes down, sizes that
-    are counts."""
+    are counts, a manifest CRC-32 that is text (or none: a delta written before it). A field it
+    does not know is ignored: a later writer may add one without stopping this reader."""
     with naming(path=where):
         document = jsontext.loads(data, what="delta head", min_bytes=DELTA_BYTES_PER_CONTAINER)
     if not isinstance(document, dict) or document.get("format") != FORMAT_NAME:
@@ -437,10 +444,11 @@ def parse_head(data: bytes, where: str, *, member: bool = False) -> Head:
                           "weightstore does not read", path=where)
     step, base, chain = document.get("step"), document.get("base"), document.get("chain")
     numbers = [document.get(field) for field in ("chain_bytes", "full_bytes", "block")]
+    manifest_crc = document.get("manifest_crc")
     if not (_count(step) and all(map(_count, numbers)) and isinstance(base, str) and isinstance(chain, list)
             and chain and len(chain) <= MAX_DELTA_CHAIN and chain[0] == base
-            and all(isinstance(n, str) for n in chain)):
-        raise FormatError("has a corrupt delta head (step, base, chain or sizes)", path=where)
+            and all(isinstance(n, str) for n in chain) and (manifest_crc is None or isinstance(manifest_crc, str))):
+        raise FormatError("has a corrupt delta head (step, base, chain, sizes or manifest CRC)", path=where)
     steps = [_step_of(name, member) for name in chain]
     if None in steps or any(b >= a for a, b in zip([step, *steps], steps, strict=False)):  # type: ignore[operator]
         raise FormatError(f"names base {base[:80]!r} (chain {len(chain)} deep), which is not a version file of a "
@@ -448,7 +456,8 @@ def parse_head(data: bytes, where: str, *, member: bool = False) -> Head:
                           "one before", path=where)
     if not 0 < numbers[2] <= MAX_DELTA_BLOCK:  # type: ignore[operator]
         raise FormatError(f"has a corrupt delta head (blocks of {numbers[2]} bytes)", path=where)
-    return Head(step, base, list(chain), *numbers)  # type: ignore[arg-type]
+    chain_bytes, full_bytes, block = numbers
+    return Head(step, base, list(chain), chain_bytes, full_bytes, block, manifest_crc)  # type: ignore[arg-type]
 
 
 def _count(value: Any) -> bool:
@@ -494,8 +503,12 @@ class DeltaReader(ReaderDefaults):
         entries = bytes(source.read_at(at, entries_bytes))
         at += entries_bytes
         text = bytes(source.read_at(at, manifest_bytes))
+        recorded = self.head.manifest_crc
+        if recorded is not None and (actual := checksum(text)) != recorded:
+            raise ChecksumError(f"manifest is corrupt or was changed (checksum {actual}, recorded {recorded[:40]!r})",
+                                path=name)
         try:
-            self._manifest: Manifest = parse_manifest(text.decode("utf-8", "surrogatepass"), name, sealed=True)
+            self._manifest: Manifest = parse_manifest(text.decode("utf-8", "surrogatepass"), name)
         except UnicodeDecodeError:
             raise FormatError("has a manifest that is not UTF-8", path=name) from None
         self._payload_start = at + manifest_bytes
