@@ -460,7 +460,8 @@ def test_a_follower_of_tf1_parts_across_the_writers_pieces_fetches_the_deltas_no
     assert all(fetched[step] < full / 4 for step in (2, 3)) and fetched[6] < full / 2, fetched
 
 
-def test_a_follower_of_tf1_parts_whose_held_copy_is_not_the_base_reads_them_from_the_anchor(tmp_path, caplog):
+def test_a_follower_of_tf1_parts_whose_held_copy_is_not_the_base_reads_them_from_the_anchor(tmp_path, caplog,
+                                                                                            monkeypatch):
     """A held region whose bytes are not those of the version held (changed in memory) gives a
     strip that does not rebuild its rank's digest: logged, the regions are read from the anchor
     and chain, bit-exact, and the next version is rebuilt onto the copies of those. The store
@@ -470,6 +471,16 @@ def test_a_follower_of_tf1_parts_whose_held_copy_is_not_the_base_reads_them_from
     from weightstore.adapters import tf1
     from weightstore.adapters.serving.follower import Follower
 
+    rebuilt = []
+    read_regions_from = ws.Store.read_regions_from
+
+    def spied(self, key, held, have, wanted):
+        found = read_regions_from(self, key, held, have, wanted)
+        rebuilt.extend((self.path[-len("1.wsindex"):], bounds[0], array is not None)
+                       for bounds, array in zip(wanted, found, strict=True))
+        return found
+
+    monkeypatch.setattr(ws.Store, "read_regions_from", spied)
     session = tf1_parts(3)
     deltas = [ws.Delta(), ws.Delta()]
     with Follower(session, tmp_path, poll=0.02, deltas=True) as follower:
@@ -488,6 +499,9 @@ def test_a_follower_of_tf1_parts_whose_held_copy_is_not_the_base_reads_them_from
             assert follower.wait(3, timeout=60).step == 3
         assert caplog.text == ""
         same(tf1.export(session), 3)
+    # step 2's rebuilt regions were let go (the failure); step 3's each rebuilt onto the held copies
+    assert sorted(found for found in rebuilt if found[0] == "3.wsindex") == \
+        [("3.wsindex", rows, True) for rows in ((0, 22), (22, 43), (43, 64))]
     regions = [((0, 22), (0, 1024)), ((22, 43), (0, 1024)), ((43, 64), (0, 1024))]
     have = [(bounds, model(2)["w"][slice(*bounds[0])]) for bounds in regions]
     with ws.open(version) as store:
@@ -531,3 +545,139 @@ def test_a_follower_of_tf1_parts_reads_the_regions_a_full_member_holds_part_of(t
             same(tf1.export(session), step)
     assert members(tmp_path, 2) == ["rank-00000.wsdelta", "rank-00001.safetensors"]
     assert sorted(rebuilt) == [((0, 22), True), ((22, 43), False), ((43, 64), False)]
+
+
+def scalar_model_w(step: int) -> np.ndarray:
+    w = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
+    w[:, 0] = step
+    return w
+
+
+def scalar_pieces(step: int, rank: int) -> dict:
+    """Step ``step`` of a model of ``w`` (64, 64) whose first column moves, rows split between
+    two ranks (each member a delta until its chain adds up to it), and a scalar ``s`` on rank 0."""
+    w = scalar_model_w(step)
+    pieces: dict = {"w": ws.Piece(w[rank * 32 : (rank + 1) * 32], (rank * 32, 0), (64, 64))}
+    if rank == 0:
+        pieces["s"] = np.float32(step)
+    return pieces
+
+
+def open_files_under(folder) -> list[str]:
+    fds = Path("/proc/self/fd")
+    found = []
+    for fd in fds.iterdir():
+        with contextlib.suppress(OSError):
+            found.append(os.readlink(fd))
+    return [path for path in found if path.startswith(str(folder))]
+
+
+def test_a_scalar_of_a_sharded_delta_rebuilds_onto_its_held_bytes_and_a_closed_store_opens_no_member(tmp_path):
+    """A 0-d tensor is rebuilt onto its bytes of the version before like any other, whole and as
+    its one region. A closed store refuses before it opens a member again; bounds that are not
+    integers with 0 <= start <= stop <= size are a TargetError naming the version and tensor."""
+    deltas = [ws.Delta(), ws.Delta()]
+    for step in (1, 2):
+        version = publish(tmp_path, step, delta=deltas, split=scalar_pieces)
+    held, before = "step-000000000001.wsindex", np.array([1], np.float32).view(np.uint8)
+    assert [m.split(".")[-1] for m in members(tmp_path, 2)] == ["wsdelta", "wsdelta"]
+    store = ws.open(version)
+    with store:
+        assert store.read_from("s", held, before.copy()).tobytes() == np.float32(2).tobytes()
+        assert store.read_from("s", held, before.copy(), in_place=True).tobytes() == np.float32(2).tobytes()
+        assert [a.tobytes() for a in store.read_regions_from("s", held, [((), np.float32(1))], [()])] == \
+            [np.float32(2).tobytes()]
+        rows = [((0, 40), (0, 64)), ((40, 64), (0, 64))]  # rows 0-32 from both
+        have = [(bounds, scalar_model_w(1)[slice(*bounds[0])]) for bounds in rows]
+        assert [a.tobytes() for a in store.read_regions_from("w", held, have, rows)] == \
+            [scalar_model_w(2)[slice(*bounds[0])].tobytes() for bounds in rows]
+        for bad in (((-3, 64), (0, 64)), ((5, 2), (0, 64)), ((0, 65), (0, 64)), ((0.0, 64), (0, 64)), (5, (0, 64)), 5):
+            with pytest.raises(ws.TargetError) as caught:
+                store.read_regions_from("w", held, have, [bad])
+            assert caught.value.path == version.path and caught.value.key == "w", bad
+            with pytest.raises(ws.TargetError) as caught:
+                store.read_regions_from("w", held, [(bad, have[0][1])], rows)
+            assert caught.value.path == version.path and caught.value.key == "w", bad
+    assert open_files_under(tmp_path) == []
+    for read in (lambda: store.read_from("w", held, scalar_model_w(1)),
+                 lambda: store.read_from("s", held, before.copy(), in_place=True),
+                 lambda: store.read_regions_from("w", held, have, rows)):
+        with pytest.raises(ws.StoreClosedError):
+            read()
+        assert open_files_under(tmp_path) == []
+
+
+def test_a_tf1_follower_of_a_scalar_takes_each_sharded_delta_rebuilt_and_reads_the_anchor_when_a_rebuild_breaks(
+        tmp_path, monkeypatch, caplog):
+    """A session holding ``w`` (64, 64) and a scalar takes every delta version, both rebuilt onto
+    its held copies; a rebuild that fails with any error, not only a WeightStoreError, is logged
+    and the version read from its anchor and chain: never wrong weights, never a stuck follower."""
+    tf = pytest.importorskip("tensorflow")
+    from weightstore.adapters import tf1
+    from weightstore.adapters.serving.follower import Follower
+
+    v1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.get_variable("w", (64, 64), tf.float32, v1.zeros_initializer())
+        v1.get_variable("s", (), tf.float32, v1.zeros_initializer())
+        init = v1.global_variables_initializer()
+    session = v1.Session(graph=graph)
+    session.run(init)
+    graph.finalize()
+    rebuilt = []
+    read_from = ws.Store.read_from
+
+    def spied(self, key, held, data, *, in_place=False):
+        if key == "s" and self.path.endswith("step-000000000004.wsindex"):
+            raise RuntimeError("a bug in a rebuild")
+        found = read_from(self, key, held, data, in_place=in_place)
+        rebuilt.append((self.path[-len("1.wsindex"):], key, found is not None))
+        return found
+
+    monkeypatch.setattr(ws.Store, "read_from", spied)
+    deltas = [ws.Delta(), ws.Delta()]
+    with Follower(session, tmp_path, poll=0.02, deltas=True) as follower:
+        for step in (1, 2, 3, 4, 5):
+            with caplog.at_level("WARNING"):
+                publish(tmp_path, step, delta=deltas, split=scalar_pieces)
+                assert follower.wait(step, timeout=60).step == step
+            assert follower.error is None
+            assert ("applying step 4 onto step 3 failed" in caplog.text) == (step == 4) and \
+                ("a bug in a rebuild" in caplog.text) == (step == 4), caplog.text
+            caplog.clear()
+            got = tf1.export(session)
+            assert got["s"].tobytes() == np.float32(step).tobytes()
+            assert got["w"].tobytes() == scalar_model_w(step).tobytes()
+    # step 4's ``w`` may be rebuilt before its ``s`` fails: all of it is read from the anchor anyway
+    assert sorted(set(rebuilt) - {("4.wsindex", "w", True)}) == \
+        [(f"{step}.wsindex", key, True) for step in (2, 3, 5) for key in ("s", "w")]
+
+
+def test_a_tf1_follower_passes_over_the_held_regions_of_a_tensor_whose_shape_changed(tmp_path):
+    """Step 2 stores ``w`` with half its rows: the regions held of it lie outside it, so they are
+    let go, not asked for a digest that fails the version; ``strict=False`` leaves the session's
+    ``w`` as it was and takes ``b``; step 3, ``w`` as before, is read whole, bit-exact."""
+    from weightstore.adapters import tf1
+    from weightstore.adapters.serving.follower import Follower
+
+    def halved(step, rank):
+        pieces = pieces_of(step, rank)
+        pieces["w"] = ws.Piece(model(step)["w"][rank * 16 : (rank + 1) * 16], (rank * 16, 0), (32, 1024))
+        return pieces
+
+    session = tf1_parts(3)
+    deltas = [ws.Delta(), ws.Delta()]
+    with Follower(session, tmp_path, poll=0.02, deltas=True, strict=False) as follower:
+        publish(tmp_path, 1, delta=deltas)
+        assert follower.wait(1, timeout=60).step == 1
+        assert any(isinstance(item, tuple) and item[1][0] == (43, 64) for item in follower._held)
+        publish(tmp_path, 2, delta=deltas, split=halved)
+        assert follower.wait(2, timeout=60).step == 2
+        assert follower.error is None
+        got = tf1.export(session)
+        assert got["b"].tobytes() == model(2)["b"].tobytes() and got["w"].tobytes() == model(1)["w"].tobytes()
+        publish(tmp_path, 3, delta=deltas)
+        assert follower.wait(3, timeout=60).step == 3
+        assert follower.error is None
+        same(tf1.export(session), 3)

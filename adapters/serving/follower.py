@@ -81,7 +81,7 @@ from weightstore.adapters.skeleton import copy_into, handed_over, rehearsal
 from weightstore.core import _parallel as parallel
 from weightstore.core._heap import give_back
 from weightstore.core.manifest import TensorInfo, logical_dtype
-from weightstore.errors import StorageError, UnsupportedTargetError, VersionGoneError, WeightStoreError, naming
+from weightstore.errors import StorageError, UnsupportedTargetError, VersionGoneError, naming
 from weightstore.formats import ReaderDefaults
 from weightstore.formats.sharded import normalized_region
 from weightstore.io._buffer import aligned_array, memory_owner
@@ -428,6 +428,9 @@ class Follower:
             parts: dict[_Part, np.ndarray] | None = None
             onto: dict[_Part, np.ndarray] = {}
             if self._reads_parts and store.reads_regions:
+                # a held region its tensor's shape no longer holds is a copy of no part of it
+                self._held = {item: found for item, found in self._held.items() if not isinstance(item, tuple)
+                              or item[0] not in tensors or _inside(item[1], store.info(item[0]).shape)}
                 recorder = _Rehearsal(store)
                 with rehearsal():
                     self._assign(self.target, Store(recorder, store.path, verify=False), **words)
@@ -534,14 +537,16 @@ class Follower:
 
     def _rebuilt_all(self, count: int, rebuild: Callable[[int], None], version: Version) -> bool:
         """Run ``rebuild`` on each of ``count`` tensors, on all cores at once; ``False`` (logged)
-        when one failed, so that all are read from the anchor instead (the rest are not begun)."""
-        failures: list[WeightStoreError] = []
+        when one failed, so that all are read from the anchor instead (the rest are not begun).
+        Any error counts, not only a ``WeightStoreError``: the anchor's bytes are right
+        whatever went wrong here, and one that escaped would fail every later delta version."""
+        failures: list[Exception] = []
 
         def one(index: int) -> None:
             if not failures:
                 try:
                     rebuild(index)
-                except WeightStoreError as exc:
+                except Exception as exc:  # any: see the docstring
                     failures.append(exc)
 
         parallel.for_each(count, one)
@@ -598,6 +603,11 @@ def _is_delta(store: Store) -> bool:
     """Whether ``store`` is a delta version (a plain one, or a sharded one with delta members):
     one that tells what rebuilding from its anchor fetches."""
     return store.chain_payload([], None) is not None
+
+
+def _inside(bounds: _Bounds, shape: tuple[int, ...]) -> bool:
+    """Whether the region ``bounds`` lies within a tensor of ``shape``."""
+    return len(bounds) == len(shape) and all(0 <= lo <= hi <= size for (lo, hi), size in zip(bounds, shape, strict=True))
 
 
 def _aligned_copy(array: np.ndarray) -> np.ndarray:

@@ -269,7 +269,7 @@ class ShardedReader(ReaderDefaults):
         its rank recorded) and put back. ``None`` when a run cannot be rebuilt so (its member is
         full, or its chain does not pass through ``held``): read ``key`` whole then.
         ``in_place``: as the delta reader's (a failure, or ``None``, leaves ``data`` half changed)."""
-        entry = self._entry(key)
+        entry = self._open_entry(key)
         flat = np.asarray(data).reshape(-1).view(np.uint8)
         if len(flat) != entry.nbytes:
             return None
@@ -292,7 +292,7 @@ class ShardedReader(ReaderDefaults):
         cover it, its member is full, its chain does not pass through ``held``): read it then.
         Bounds outside the tensor, or held bytes not of their region's size, are a ``TargetError``."""
         with naming(path=self.name):
-            entry = self._entry(key)
+            entry = self._open_entry(key)
             held_boxes = []
             for bounds, data in have:
                 flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
@@ -529,6 +529,14 @@ class ShardedReader(ReaderDefaults):
             self._open_files -= self._files[at].files
             self._files.pop(at).close()
 
+    def _open_entry(self, key: str) -> TensorEntry:
+        """``key``'s entry, for a read that opens members: refused on a closed store before one
+        is opened again (it would stay open)."""
+        entry = self._entry(key)
+        if self._closed:
+            raise StoreClosedError(f"store is closed; cannot read tensor {key!r}", path=self.name)
+        return entry
+
     def read(self, key: str, *, verify: bool) -> np.ndarray:
         return self.read_region(key, (), verify=verify)
 
@@ -538,9 +546,7 @@ class ShardedReader(ReaderDefaults):
             return self._read_region(key, region, verify=verify)
 
     def _read_region(self, key: str, region: Any, *, verify: bool) -> np.ndarray:
-        entry = self._entry(key)
-        if self._closed:
-            raise StoreClosedError(f"store is closed; cannot read tensor {key!r}", path=self.name)
+        entry = self._open_entry(key)
         bounds = normalized_region(region, entry.shape, key)
         stored = storage_dtype(entry.dtype)
         out = np.empty([stop - start for start, stop in bounds], stored)
@@ -738,7 +744,8 @@ class _Boxed:
 
     def view(self, bounds: Sequence[tuple[int, int]]) -> np.ndarray:
         """The part of it that ``bounds`` (inside its own) names."""
-        return self.data[tuple(slice(lo - at, hi - at) for (lo, hi), (at, _) in zip(bounds, self.bounds, strict=True))]
+        index: tuple[Any, ...] = tuple(slice(lo - at, hi - at) for (lo, hi), (at, _) in zip(bounds, self.bounds, strict=True))
+        return self.data[index + (Ellipsis,)]  # the Ellipsis: a 0-d region is a view too, not a numpy.void scalar
 
     @property
     def flat(self) -> np.ndarray:
@@ -761,11 +768,16 @@ def _boxed(flat: np.ndarray, entry: TensorEntry, bounds: Sequence[tuple[int, int
 
 
 def _bounds_of(bounds: Sequence[tuple[int, int]], entry: TensorEntry, key: str) -> list[tuple[int, int]]:
-    """``bounds`` (``(start, stop)`` per axis) checked as a region of ``entry``'s tensor (:func:`normalized_region`)."""
-    if len(bounds) != len(entry.shape) or not all(isinstance(axis, (tuple, list)) and len(axis) == 2 for axis in bounds):
-        raise TargetError(f"a region's bounds are (start, stop) for each of the {len(entry.shape)} axes, not "
-                          f"{list(bounds)!r}"[:300], key=key)
-    return normalized_region(tuple(slice(lo, hi) for lo, hi in bounds), entry.shape, key)
+    """``bounds`` (``(start, stop)`` per axis) checked as a region of ``entry``'s tensor: integers
+    with ``0 <= start <= stop <= size``, as a follower records its parts; what a slice would
+    count from the end or clamp to empty is refused, not read as another region."""
+    shape = entry.shape
+    if isinstance(bounds, (tuple, list)) and len(bounds) == len(shape) and all(
+            isinstance(axis, (tuple, list)) and len(axis) == 2 and all(isinstance(at, (int, np.integer)) for at in axis)
+            and 0 <= axis[0] <= axis[1] <= size for axis, size in zip(bounds, shape, strict=True)):
+        return [(int(lo), int(hi)) for lo, hi in bounds]
+    raise TargetError(f"a region's bounds are (start, stop) for each of the {len(shape)} axes of {list(shape)}, "
+                      f"integers with 0 <= start <= stop <= the axis's size, not {bounds!r}"[:300], key=key)
 
 
 def _overlap(a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]) -> list[tuple[int, int]] | None:
