@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import subprocess
 import sys
 import time
 
@@ -62,13 +63,121 @@ def test_saved_file_holds_no_blocks_past_its_end(tmp_path, suffix):
 def test_writeback_gives_back_blocks_reserved_past_what_was_written(tmp_path):
     path = tmp_path / "short.bin"
     with open(path, "wb") as out:
-        started = _writeback.Writeback(str(path), reserve=16 << 20)
+        started = _writeback.Writeback(str(path), reserve=lambda: 16 << 20)
         out.write(os.urandom(1 << 20))
         out.flush()
         started.advance(1 << 20)
         started.close()
     assert path.stat().st_size == 1 << 20
     assert path.stat().st_blocks * 512 <= (1 << 20) + (64 << 10)
+
+
+def _reserving(path):
+    """Skip unless ``path``'s file system is one the writeback reserves blocks on (ext4, XFS)."""
+    if _writeback._FSTATFS is None:
+        pytest.skip("no fstatfs here")
+    info = ctypes.create_string_buffer(128)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert not _writeback._FSTATFS(fd, info)
+    finally:
+        os.close(fd)
+    if ctypes.c_long.from_buffer(info).value not in (0xEF53, 0x58465342):
+        pytest.skip("blocks are reserved on ext4 and XFS only")
+
+
+def test_writeback_reserves_the_blocks_it_is_told_of_at_once(tmp_path):
+    path = tmp_path / "reserved.bin"
+    path.touch()
+    _reserving(tmp_path)
+    started = _writeback.Writeback(str(path), reserve=lambda: 16 << 20)
+    try:
+        assert path.stat().st_blocks * 512 >= 16 << 20
+        assert path.stat().st_size == 0
+    finally:
+        started.close()
+    assert path.stat().st_blocks * 512 <= 64 << 10
+
+
+def test_writeback_gives_back_what_a_failed_reservation_kept(tmp_path, monkeypatch):
+    """An fallocate that fails ENOSPC on ext4 keeps what it allocated: given back all the same."""
+    path = tmp_path / "failed.bin"
+    path.touch()
+    _reserving(tmp_path)
+    real = _writeback._FALLOCATE
+
+    def allocates_then_fails(fd, mode, offset, length):
+        real(fd, mode, offset, length)
+        return -1
+    monkeypatch.setattr(_writeback, "_FALLOCATE", allocates_then_fails)
+    _writeback.Writeback(str(path), reserve=lambda: 16 << 20).close()
+    assert path.stat().st_blocks * 512 <= 64 << 10
+
+
+def test_writeback_of_a_file_it_cannot_write_still_writes_it_back(tmp_path, monkeypatch, small_steps):
+    """A file created read-only (umask 0o277) is written back, unreserved (root writes any file,
+    so its O_WRONLY open is refused here the way a user's is)."""
+    path = tmp_path / "read-only.bin"
+    path.touch()
+    opened = os.open
+
+    def refuses_writing(name, flags, *args):
+        if flags & os.O_WRONLY:
+            raise PermissionError(13, "Permission denied", name)
+        return opened(name, flags, *args)
+    monkeypatch.setattr(os, "open", refuses_writing)
+    if _writeback._SYNC is None:
+        pytest.skip("no sync_file_range here")
+    real, requests = _writeback._SYNC, []
+    monkeypatch.setattr(_writeback, "_SYNC", lambda *args: requests.append(args[1:3]) or real(*args))
+    started = _writeback.Writeback(str(path), reserve=lambda: 16 << 20)
+    with open(path, "ab") as out:
+        out.write(os.urandom(1 << 17))
+        out.flush()
+        started.advance(1 << 17)
+    started.close()
+    assert requests == [(0, 1 << 17)]
+
+
+class _Overstated:
+    """An array-like whose ``nbytes`` claims 64 MB: the save reserves them, the file holds 16 KB."""
+
+    def __init__(self, array):
+        self._array = array
+        self.dtype, self.shape = array.dtype, array.shape
+
+    def __array__(self, dtype=None, copy=None):
+        return self._array
+
+    nbytes = 64 << 20
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".safetensors", ".h5"])
+def test_save_of_a_value_that_overstates_its_size_holds_no_blocks_past_its_end(tmp_path, suffix):
+    _reserving(tmp_path)
+    path = tmp_path / f"w{suffix}"
+    ws.save(path, {"w": _Overstated(np.arange(4096, dtype=np.float32))})
+    assert path.stat().st_blocks * 512 <= path.stat().st_size + (64 << 10)
+    np.testing.assert_array_equal(ws.load(path)["w"], np.arange(4096, dtype=np.float32))
+
+
+def test_save_frees_killed_saves_temporaries_before_it_reserves(tmp_path, monkeypatch):
+    """A killed save's temporary holds every block it reserved (0 bytes by size): the next save
+    of the target removes it before reserving, or a small file system would refuse it."""
+    _reserving(tmp_path)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".w.safetensors.wstmp-{dead.pid}-0123abcd"
+    stale.touch()
+    real = _writeback._FALLOCATE
+    left = []
+
+    def noting(fd, mode, offset, length):
+        left.append(stale.exists())
+        return real(fd, mode, offset, length)
+    monkeypatch.setattr(_writeback, "_FALLOCATE", noting)
+    ws.save(tmp_path / "w.safetensors", {"w": np.ones(1 << 20, np.float32)})
+    assert left == [False]
 
 
 class _Misstated:

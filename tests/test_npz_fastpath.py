@@ -253,3 +253,16 @@ def test_a_lookalike_of_the_manifest_entry_at_the_directory_end_is_not_read_as_i
     with ws.open(path) as store:
         assert store.metadata == {"who": "real"}
         assert store["w"].tobytes() == GOOD.tobytes()
+
+
+def test_an_entry_at_the_zip64_marker_is_not_proved_past_4_gib():
+    """The fast path proves entries against ``end``, the manifest's offset, which lies below the
+    ZIP64 marker in any file it is given; past it an offset of 0xFFFFFFFF is the marker, which
+    :func:`_zipdir.parse` refuses, so the fast path answers nothing."""
+    name = b"w.npy"
+    entry = struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 20, 20, 0, 0, 0, 0, 0, 16, 16, len(name), 0, 0, 0, 0, 0,
+                        _zipdir.ZIP64_LIMIT) + name
+    name_lens = np.array([len(name)], np.int64)
+    assert _zipdir.parse_expected(entry, 5 << 30, lambda: ["w.npy"], name, name_lens) is None
+    ordinary = entry[:-len(name) - 4] + struct.pack("<I", 0) + name
+    assert _zipdir.parse_expected(ordinary, 1 << 20, lambda: ["w.npy"], name, name_lens) is not None

@@ -395,12 +395,16 @@ def parse_expected(directory: bytes, end: int, names: Callable[[], list[str]], n
     ``end``): proved on whole columns, with no step per entry. ``None`` for anything else,
     which :func:`parse` then reads entry by entry (and names what is wrong).
 
+    ``end`` must lie below the ZIP64 marker (``ZIP64_LIMIT``), as the manifest's offset does in a
+    file with no ZIP64 records: only then can no entry's offset be the marker, which
+    :func:`parse` refuses; past it, ``None``.
+
     Fast twin of :func:`parse`, which is the rule: what this returns, :func:`parse` returns too.
     Bound by the differential test
     ``tests/test_npz_fastpath.py::test_damaged_directories_read_alike_on_either_path`` (damaged
     directories read, or refused, alike on either path)."""
     count = len(name_lens)
-    if not count or CENTRAL_SIZE * count + int(name_lens.sum()) != len(directory):
+    if end >= ZIP64_LIMIT or not count or CENTRAL_SIZE * count + int(name_lens.sum()) != len(directory):
         return None
     raw = np.frombuffer(directory, np.uint8)
     fixed = fixed_fields(name_lens)

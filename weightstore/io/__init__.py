@@ -1,8 +1,9 @@
 """The I/O layer: every byte weightstore reads or writes crosses the boundary here.
 
 Formats (:mod:`weightstore.formats`) parse and build containers; they never name a temporary
-for a write, call ``fsync`` or talk to a storage service themselves, and a local file they open
-goes through :func:`~weightstore.io.files.open_regular`. The readers that hand a file to a
+for a write, call ``fsync`` or talk to a storage service themselves, and a local file they
+open goes through :func:`~weightstore.io.files.open_regular` (or its unbuffered twin
+:func:`~weightstore.io.files.open_regular_unbuffered`). The readers that hand a file to a
 library of its own (h5py for HDF5 and a ``.keras`` archive's weights, unpacked to a scratch
 folder; a TF checkpoint's bundle files) open it by path; the rest read their bytes through
 :mod:`~weightstore.io.source`. What they need is here, one responsibility a module:

@@ -18,7 +18,12 @@ extents, which the writes fill and the write-back marks written. A durable 256 M
 save took 0.40-0.41 CPU-s/GB without, 0.32-0.36 with (ext4, Linux 6.18; ``save_file`` + fsync
 0.32-0.38). Only on ext4 and XFS, which reserve extents without touching the data: tmpfs zeroes
 every page it is asked for (0.65 -> 0.76 CPU-s/GB there). The size stays what is written;
-blocks reserved past the end of a file that came out shorter are given back at :meth:`close`.
+blocks reserved past the end of a file that came out shorter (a value that overstated its size,
+or an ``fallocate`` that failed part way, ENOSPC keeping what it had allocated) are given back at
+:meth:`close`. A reservation larger than the file system's free space is not tried. The
+temporaries that killed writers left beside the same target hold their reservations (0 bytes by
+size, every block held), so they are removed first: otherwise a small file system's next save of
+that target would fail for want of the space they hold.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, cast
+
+from weightstore.io.files import remove_stale_temporaries, target_of_temporary
 
 __all__ = ["WRITEBACK_BYTES", "Writeback", "behind"]
 
@@ -65,15 +72,30 @@ _FALLOCATE = _libc("fallocate", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctyp
 _FSTATFS = _libc("fstatfs", ctypes.c_int, ctypes.c_void_p)
 
 
-def _reserve(fd: int, size: int) -> bool:
-    """Reserve the first ``size`` bytes' blocks of ``fd``'s file, where its file system does
-    so cheaply (see the module docstring); whether it did."""
+def _reserves_extents(fd: int) -> bool:
+    """Whether ``fd``'s file system reserves blocks cheaply (see the module docstring)."""
     if _FALLOCATE is None or _FSTATFS is None:
         return False
     info = ctypes.create_string_buffer(128)  # struct statfs (120 bytes); f_type is its first field, a long
-    if _FSTATFS(fd, info) or ctypes.c_long.from_buffer(info).value not in _RESERVES_EXTENTS:
+    return not _FSTATFS(fd, info) and ctypes.c_long.from_buffer(info).value in _RESERVES_EXTENTS
+
+
+def _reserve(fd: int, path: str, size: int) -> bool:
+    """Try to reserve the first ``size`` bytes' blocks of ``fd``'s file (``path``); whether it
+    was tried, and so may hold blocks past the file's end, even if it failed (ENOSPC on ext4
+    keeps what it allocated; the writes will say what is wrong)."""
+    target = target_of_temporary(path)
+    if target is not None:  # killed writers' temporaries hold their reservations: free them first
+        remove_stale_temporaries(target)
+    try:
+        stats = os.fstatvfs(fd)
+    except OSError:
         return False
-    return not _FALLOCATE(fd, _FALLOC_FL_KEEP_SIZE, 0, size)  # ENOSPC and the like: the writes will say so
+    if size > stats.f_bavail * stats.f_frsize:  # cannot be had (and never past fallocate's int64)
+        return False
+    assert _FALLOCATE is not None
+    _FALLOCATE(fd, _FALLOC_FL_KEEP_SIZE, 0, size)
+    return True
 
 
 def behind(work: Callable[..., object], *args: Any) -> Future[object]:
@@ -89,23 +111,37 @@ def behind(work: Callable[..., object], *args: Any) -> Future[object]:
 class Writeback:
     """Start writing ``path`` back to the disk as it grows; :meth:`advance` after each write.
 
-    ``reserve``: bytes the file will hold at least, whose blocks are reserved first (see the
-    module docstring). It holds a descriptor of its own, so the writer's file object (buffered,
-    or libhdf5's) is never touched; :meth:`close` waits for the requests made, so the
-    descriptor is not closed under one.
+    ``reserve``: asked, only where the file system reserves blocks cheaply, how many bytes the
+    file will hold at least, whose blocks are then reserved first (see the module docstring).
+    It holds a descriptor of its own, so the writer's file object (buffered, or libhdf5's) is
+    never touched; :meth:`close` waits for the requests made, so the descriptor is not closed
+    under one.
     """
 
-    def __init__(self, path: str, reserve: int = 0):
+    def __init__(self, path: str, reserve: Callable[[], int] | None = None):
         self._fd = -1
         self._reserved = 0
         self._started = 0  # bytes before this offset were handed to the kernel
         self._handed = 0  # bytes given to the writer since the file's size was last asked
         self._pending: Future[None] | None = None
-        if _SYNC is not None:
+        if _SYNC is None:
+            return
+        if reserve is not None:
+            try:
+                self._fd = os.open(path, os.O_WRONLY)
+            except OSError:  # a file created read-only (umask 0o277): written back all the same, unreserved
+                reserve = None
+        if self._fd < 0:
             with contextlib.suppress(OSError):
-                self._fd = os.open(path, os.O_WRONLY if reserve >= RESERVE_FROM else os.O_RDONLY)
-            if self._fd >= 0 and reserve >= RESERVE_FROM and _reserve(self._fd, reserve):
-                self._reserved = reserve
+                self._fd = os.open(path, os.O_RDONLY)
+        if reserve is not None and self._fd >= 0 and _reserves_extents(self._fd):
+            try:
+                size = reserve()
+            except BaseException:  # the caller's save fails: not with a descriptor left open
+                self.close()
+                raise
+            if size >= RESERVE_FROM and _reserve(self._fd, path, size):
+                self._reserved = size
 
     def advance(self, handed: int) -> None:
         """Hand the bytes written since the last request to the kernel, if there are enough.

@@ -424,7 +424,8 @@ class CheckedWeights(Mapping):
         converted or read (an array's ``nbytes``, a store's index): what an uncompressed file of
         them holds at least, unless a value misstates it (what
         :class:`~weightstore.io._writeback.Writeback` reserves, and gives back if the file comes
-        out shorter). A value that states nothing (a TF tensor) counts nothing."""
+        out shorter; asked only where it reserves). A value that states nothing (a TF tensor) counts
+        nothing."""
         total = 0
         for key, value in self._values.items():
             if type(value) is np.ndarray:
@@ -509,9 +510,10 @@ def write_file(path: str, fmt: Format, arrays: CheckedWeights, metadata: Mapping
     mark_torch_names = getattr(writer, "mark_torch_names", None)
     if stored_names and mark_torch_names is not None:
         mark_torch_names()
-    # the disk starts on what is written while the rest is, into blocks reserved at once (see its module)
-    writeback = Writeback(path, 0 if compress else arrays.known_bytes())
+    writeback: Writeback | None = None
     try:
+        # the disk starts on what is written while the rest is, into blocks reserved at once (see its module)
+        writeback = Writeback(path, None if compress else arrays.known_bytes)
         tensors: list[Any] = []
         hashed: list[bytes] = []
         for key, name, data in arrays.stored():  # read/converted now: one tensor in memory at a time
@@ -534,7 +536,8 @@ def write_file(path: str, fmt: Format, arrays: CheckedWeights, metadata: Mapping
         writer.abort()
         raise
     finally:
-        writeback.close()
+        if writeback is not None:
+            writeback.close()
 
 
 def _digest_beside(data: np.ndarray, stored: str, digests: bool,
