@@ -304,6 +304,7 @@ def test_a_reader_counts_each_delta_member_s_chain_against_its_open_files_and_re
     member closed, then pruned, is refused naming version and tensor when asked what a read from
     a held version would fetch."""
     from weightstore.formats import sharded
+    from weightstore.io._writeback import behind
 
     folder = tmp_path / "run"
     deltas = [ws.Delta(anchor_every=10), ws.Delta(anchor_every=10)]
@@ -318,6 +319,7 @@ def test_a_reader_counts_each_delta_member_s_chain_against_its_open_files_and_re
                 found += os.readlink(f"/proc/self/fd/{fd}").startswith(str(folder))
         return found
 
+    behind(lambda: None).result()  # the commits' closes of the files they replaced, left to the writeback thread
     before = descriptors()
     peak = [0]
     os_open = os.open
