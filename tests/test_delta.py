@@ -516,6 +516,14 @@ def test_xor_zstd_rebuilds_every_item_size(dtype):
     assert out.tobytes() == new.tobytes()
 
 
+@pytest.mark.parametrize("dense", [False, True])
+def test_an_empty_tensor_is_encoded_raw_in_either_path(dense):
+    """An empty tensor has no element to compare: RAW, no bytes, whichever path an estimate chose."""
+    empty = np.zeros(0, np.uint8)
+    encoded = delta_format.encode(empty, empty.copy(), 4, dense=dense)
+    assert encoded.codec == "raw" and encoded.nbytes == 0
+
+
 def test_a_step_whose_estimate_does_not_pay_is_written_full(tmp_path):
     rng = np.random.default_rng(8)
     weights = {"w": rng.standard_normal(200000).astype(np.float32), "b": rng.standard_normal(300).astype(np.float32)}

@@ -577,7 +577,8 @@ def open_files_under(folder) -> list[str]:
 def test_a_scalar_of_a_sharded_delta_rebuilds_onto_its_held_bytes_and_a_closed_store_opens_no_member(tmp_path):
     """A 0-d tensor is rebuilt onto its bytes of the version before like any other, whole and as
     its one region. A closed store refuses before it opens a member again; bounds that are not
-    integers with 0 <= start <= stop <= size are a TargetError naming the version and tensor."""
+    integers with 0 <= start <= stop <= size (a bool too, though Python counts it one) are a
+    TargetError naming the version and tensor."""
     deltas = [ws.Delta(), ws.Delta()]
     for step in (1, 2):
         version = publish(tmp_path, step, delta=deltas, split=scalar_pieces)
@@ -593,7 +594,8 @@ def test_a_scalar_of_a_sharded_delta_rebuilds_onto_its_held_bytes_and_a_closed_s
         have = [(bounds, scalar_model_w(1)[slice(*bounds[0])]) for bounds in rows]
         assert [a.tobytes() for a in store.read_regions_from("w", held, have, rows)] == \
             [scalar_model_w(2)[slice(*bounds[0])].tobytes() for bounds in rows]
-        for bad in (((-3, 64), (0, 64)), ((5, 2), (0, 64)), ((0, 65), (0, 64)), ((0.0, 64), (0, 64)), (5, (0, 64)), 5):
+        for bad in (((-3, 64), (0, 64)), ((5, 2), (0, 64)), ((0, 65), (0, 64)), ((0.0, 64), (0, 64)), ((0, 40), (False, 64)),
+                    (5, (0, 64)), 5):
             with pytest.raises(ws.TargetError) as caught:
                 store.read_regions_from("w", held, have, [bad])
             assert caught.value.path == version.path and caught.value.key == "w", bad

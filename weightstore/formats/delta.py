@@ -205,7 +205,7 @@ def encode(new: np.ndarray, base: np.ndarray | None, itemsize: int, *, dense: bo
     tensor 12% changed).
     """
     nbytes = len(new)
-    if base is None:
+    if base is None or not nbytes:  # an empty tensor: nothing to compare, and RAW costs no bytes
         return Encoded(RAW, [new])
     if dense:
         xor = _xor_zstd(new, base, [1] * -(-nbytes // BLOCK), itemsize, _DENSE_LEVEL)

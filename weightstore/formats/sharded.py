@@ -773,7 +773,7 @@ def _bounds_of(bounds: Sequence[tuple[int, int]], entry: TensorEntry, key: str) 
     count from the end or clamp to empty is refused, not read as another region."""
     shape = entry.shape
     if isinstance(bounds, (tuple, list)) and len(bounds) == len(shape) and all(
-            isinstance(axis, (tuple, list)) and len(axis) == 2 and all(isinstance(at, (int, np.integer)) for at in axis)
+            isinstance(axis, (tuple, list)) and len(axis) == 2 and all(isinstance(at, (int, np.integer)) and not isinstance(at, bool) for at in axis)
             and 0 <= axis[0] <= axis[1] <= size for axis, size in zip(bounds, shape, strict=True)):
         return [(int(lo), int(hi)) for lo, hi in bounds]
     raise TargetError(f"a region's bounds are (start, stop) for each of the {len(shape)} axes of {list(shape)}, "

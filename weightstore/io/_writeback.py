@@ -137,11 +137,11 @@ class Writeback:
         if reserve is not None and self._fd >= 0 and _reserves_extents(self._fd):
             try:
                 size = reserve()
-            except BaseException:  # the caller's save fails: not with a descriptor left open
+                if size >= RESERVE_FROM and _reserve(self._fd, path, size):
+                    self._reserved = size
+            except BaseException:  # the caller's save fails (or is interrupted): not with a descriptor left open
                 self.close()
                 raise
-            if size >= RESERVE_FROM and _reserve(self._fd, path, size):
-                self._reserved = size
 
     def advance(self, handed: int) -> None:
         """Hand the bytes written since the last request to the kernel, if there are enough.
