@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import signal
 import subprocess
@@ -15,9 +14,7 @@ import pytest
 import weightstore as ws
 from polling import wait_until
 from weightstore.formats import hdf5, npz
-from weightstore.io import files
 from weightstore.io._writeback import behind
-from weightstore.io.files import remove_stale_temporaries
 
 SUFFIXES = [".npz", ".h5"]
 WRITERS = {".npz": npz.NpzWriter, ".h5": hdf5.Hdf5Writer}
@@ -173,99 +170,6 @@ def test_temporaries_of_live_writers_are_left_alone(tmp_path):
     behind(int).result()  # the save looks for stale temporaries on the writeback thread, after it commits
     assert live.exists() and other_target.exists()
     assert not dead.exists()
-
-
-def _dead_pid() -> int:
-    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    return int(ended.stdout)
-
-
-@pytest.mark.parametrize("suffix", [*SUFFIXES, ".safetensors"])
-def test_a_locked_temporary_whose_pid_looks_dead_is_a_live_writers_elsewhere_and_kept(tmp_path, suffix):
-    """A writer in another container has a PID that looks dead here; its temporary's flock says it
-    lives (held here by another open file, as that writer's own is). An unlocked one is a killed writer's."""
-    path = tmp_path / f"w{suffix}"
-    dead_pid = _dead_pid()
-    held, killed = (tmp_path / f".{path.name}.wstmp-{dead_pid}-{tail}" for tail in ("0123abcd", "4567cdef"))
-    for leftover in (held, killed):
-        leftover.write_bytes(b"partial")
-    lock = os.open(held, os.O_WRONLY)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        ws.save(path, {"w": np.ones(1 << 19, np.float32)})  # 2 MB: swept before its blocks are reserved too
-        behind(int).result()  # and on the writeback thread, after it commits
-        remove_stale_temporaries(path)
-        assert held.read_bytes() == b"partial"
-        assert not killed.exists()
-    finally:
-        os.close(lock)
-    ws.save(path, {"w": np.zeros(2)})
-    behind(int).result()
-    assert leftovers(tmp_path, path) == []
-
-
-def test_a_temporary_swept_before_its_writer_locks_it_is_made_again(tmp_path, monkeypatch):
-    """Created, then locked: a sweep that cannot see this PID may take the new file in between;
-    the writer then finds its name gone once it holds the lock, and makes another."""
-    real, swept = fcntl.flock, []
-
-    def swept_first(fd, operation):
-        if not swept:
-            swept.append(os.readlink(f"/proc/self/fd/{fd}"))
-            files._remove_unless_locked(swept[0])
-        return real(fd, operation)
-    monkeypatch.setattr(files.fcntl, "flock", swept_first)
-    temporary, lock = files.create_temporary(tmp_path / "w.npz")
-    try:
-        assert str(temporary) != swept[0] and files.target_of_temporary(temporary) == tmp_path / "w.npz"
-        assert os.path.samestat(os.stat(temporary), os.fstat(lock))
-    finally:
-        os.close(lock)
-
-
-_PAUSED_WRITER = """
-import sys
-import numpy as np
-import weightstore as ws
-
-class Paused:  # a tensor whose conversion waits for a line on stdin: the save is held mid-write
-    dtype, shape, nbytes = np.dtype(np.float32), (1 << 18,), 1 << 20
-
-    def __array__(self, dtype=None, copy=None):
-        print("paused", flush=True)
-        sys.stdin.readline()
-        return np.full(1 << 18, 7, np.float32)
-
-ws.save(sys.argv[1], {"a": np.full(1 << 18, 3, np.float32), "b": Paused()})
-print("done", flush=True)
-"""
-
-
-@pytest.mark.parametrize("suffix", [*SUFFIXES, ".safetensors"])
-def test_a_save_and_its_sweeps_leave_another_containers_save_of_the_target_to_complete(tmp_path, suffix, monkeypatch):
-    """A real process held mid-save of the target whose PID looks dead here (another PID
-    namespace: simulated by the PID check): this process's save of the same target, its sweeps
-    before and after, leave the other's temporary, and the other's save then completes."""
-    path = tmp_path / f"w{suffix}"
-    child = subprocess.Popen([sys.executable, "-c", _PAUSED_WRITER, str(path)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
-    try:
-        assert child.stdout.readline().strip() == "paused"
-        (temporary,) = leftovers(tmp_path, path)
-        monkeypatch.setattr(files, "_process_alive", lambda pid: False)
-        ws.save(path, {"mine": np.zeros(1 << 19, np.float32)})
-        behind(int).result()
-        remove_stale_temporaries(path)
-        assert leftovers(tmp_path, path) == [temporary]
-        child.stdin.write("go\n")
-        child.stdin.flush()
-        assert child.stdout.readline().strip() == "done"
-    finally:
-        child.kill()
-        child.wait(timeout=30)
-    loaded = ws.load(path)
-    assert sorted(loaded) == ["a", "b"] and float(loaded["b"][0]) == 7.0
-    assert leftovers(tmp_path, path) == []
 
 
 @pytest.mark.parametrize("suffix", SUFFIXES)

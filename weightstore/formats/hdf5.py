@@ -266,7 +266,6 @@ class Hdf5Writer:
         cache[2] = 0  # chunk cache bytes
         access.set_cache(*cache)
         access.set_sieve_buf_size(0)
-        access.set_file_locking(False, True)  # the temporary is locked already, by its commit (io/files.py)
         with _as_write_error(path):
             self._file = h5py.File(h5py.h5f.create(os.fsencode(path), h5py.h5f.ACC_TRUNC, fapl=access))
         self._compress = compress

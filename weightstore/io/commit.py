@@ -8,13 +8,10 @@ documented composition of them:
 
 1. *Rename* (:class:`RenameCommit`; every local file: ``save``, version files, ``LATEST``, a TF
    checkpoint's ``checkpoint`` state file). The data goes to a temporary beside the target
-   (:func:`~weightstore.io.files.create_temporary`), is fsynced, renamed over the target, and
+   (:func:`~weightstore.io.files.temporary_beside`), is fsynced, renamed over the target, and
    the folder is fsynced. A crash before the rename leaves the old file plus a temporary; after
    it, the new file. The temporary of a killed writer is removed by the next write to that
-   target once its PID is dead and its lock free (the writer holds an exclusive ``flock`` on its
-   temporary from creating it until the rename, so one in another container, whose PID looks
-   dead here, keeps it): on the writeback thread once that write is committed, and first, before
-   a save reserves its blocks (:mod:`~weightstore.io._writeback`). Only regular files are replaced: a folder, FIFO, socket or
+   target once its PID is dead (on the writeback thread, once that write is committed). Only regular files are replaced: a folder, FIFO, socket or
    device at the target is refused before anything is written, a symlink is written *through*
    (its target file is replaced, the link stays) by ``ws.save``, but refused in a versioned
    folder (``follow_symlinks=False``: a link planted in a shared folder must not overwrite a
@@ -38,8 +35,7 @@ documented composition of them:
    renamed in beside the old ones, and renaming ``.index`` over the old one is the single
    commit point. A crash before it leaves the old checkpoint whole (plus unreferenced data
    files); after it, the new one whole (plus the old data files). Either leftover, and
-   temporaries of killed writers (judged by their PID alone: TensorFlow creates those files, so
-   they carry no lock), are removed by the next write to the prefix. The one
+   temporaries of killed writers, are removed by the next write to the prefix. The one
    exception: when no unused shard count is small enough for the entries (one entry replacing
    a one-shard checkpoint), the data is written as one shard and renamed over the old one
    before ``.index``; a crash between those renames leaves the old index over the new data,
@@ -66,7 +62,6 @@ from weightstore.errors import StoreNotFoundError, WeightStoreError, WriteError
 from weightstore.io._writeback import behind
 from weightstore.io.files import (
     check_writable_target,
-    create_temporary,
     fsync_folder,
     fsync_path,
     remove_stale_temporaries,
@@ -134,28 +129,22 @@ class RenameCommit(Commit):
         self.target = str(target)
         self._final = Path(target)
         self._temporary: Path | None = None
-        #: the descriptor holding the temporary's lock, from :meth:`begin` until it is renamed or removed
-        self._lock: int | None = None
         self._follow_symlinks = follow_symlinks
 
     def begin(self) -> str:
         self._final = check_writable_target(Path(self.target), follow_symlinks=self._follow_symlinks)
-        self._temporary, self._lock = create_temporary(self._final)
+        self._temporary = temporary_beside(self._final)
         return str(self._temporary)
 
     def finalize(self) -> None:
         assert self._temporary is not None, "begin() first"
-        if self._lock is None:
-            fsync_path(self._temporary)
-        else:
-            os.fsync(self._lock)
+        fsync_path(self._temporary)
         with contextlib.suppress(FileNotFoundError):
             os.chmod(self._temporary, stat.S_IMODE(os.stat(self._final).st_mode))  # a re-save keeps 0600
         replaced = _hold(self._final)
         try:
             os.replace(self._temporary, self._final)
             self._temporary = None
-            self._unlock()
             fsync_folder(self._final.parent)
         finally:
             behind(_after_replace, replaced, self._final)
@@ -165,14 +154,8 @@ class RenameCommit(Commit):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._temporary)
             self._temporary = None
-            self._unlock()
             # a save that failed (a disk filled by killed writers' temporaries) frees theirs too
             behind(_after_replace, None, self._final)
-
-    def _unlock(self) -> None:
-        if self._lock is not None:
-            os.close(self._lock)
-            self._lock = None
 
     def exists(self) -> bool:
         return os.path.lexists(self.target)

@@ -9,12 +9,7 @@ its target through :func:`check_writable_target`; all three decide with :func:`k
 **Temporaries.** A write goes to ``.NAME.wstmp-PID-RANDOM`` beside its target
 (:func:`temporary_beside`: same folder, so the same file system, so a rename can commit it). A
 writer killed mid-write leaves its temporary; the next write to that target removes those whose
-PID is dead (:func:`remove_stale_temporaries`). A PID is only this host's, this container's:
-another container saving the same target on a shared volume (another host, on NFS) has a PID
-that looks dead here while it writes. So a writer creates its temporary itself and holds an
-exclusive ``flock`` on it until its commit is done (:func:`create_temporary`), and a temporary
-is removed only once the lock is taken too: a killed writer's lock died with it, a live one's
-is held wherever it runs. Where there is no ``fcntl`` (not POSIX) the dead PID alone decides.
+PID is dead (:func:`remove_stale_temporaries`).
 """
 
 from __future__ import annotations
@@ -28,17 +23,11 @@ import stat
 from pathlib import Path
 from typing import BinaryIO
 
-try:
-    import fcntl
-except ImportError:  # not POSIX: temporaries are not locked, a dead PID alone decides
-    fcntl = None  # type: ignore[assignment]
-
 from weightstore.errors import FileAccessError, FormatError, StoreNotFoundError, TargetError
 
 __all__ = [
     "TEMP_MARK", "kind_of", "open_regular", "open_regular_unbuffered", "refuse_special_file", "check_writable_target",
-    "fsync_path", "fsync_folder", "temporary_beside", "create_temporary", "target_of_temporary",
-    "remove_stale_temporaries",
+    "fsync_path", "fsync_folder", "temporary_beside", "target_of_temporary", "remove_stale_temporaries",
 ]
 
 #: marks the temporary file a write puts beside its target (``.NAME.wstmp-PID-RANDOM``)
@@ -184,34 +173,6 @@ def temporary_beside(target: Path) -> Path:
     return target.with_name(f".{target.name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
 
 
-def create_temporary(target: Path) -> tuple[Path, int | None]:
-    """A temporary beside ``target`` (:func:`temporary_beside`), created empty (with the mode a
-    writer's ``open(path, "wb")`` gives it), and a descriptor holding an exclusive ``flock`` on
-    it, which the caller closes once the temporary is renamed or removed; ``None`` and no file
-    where there is no ``fcntl``. The writer opens the existing file for writing as it would
-    have created it (libhdf5 without its own lock, which this one would refuse).
-
-    Created first and locked after, a temporary could be swept in between by a writer that
-    cannot see this PID; so the lock is taken and then the name checked to still be this file,
-    else another name is tried.
-    """
-    if fcntl is None:
-        return temporary_beside(target), None
-    for _ in range(3):
-        path = temporary_beside(target)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            with contextlib.suppress(FileNotFoundError):
-                if os.path.samestat(os.stat(path), os.fstat(fd)):
-                    return path, fd
-        except BaseException:
-            os.close(fd)
-            raise
-        os.close(fd)
-    raise FileNotFoundError(2, "temporaries beside it were removed as soon as they were made", str(target))
-
-
 def target_of_temporary(path: str | Path) -> Path | None:
     """The target that :func:`temporary_beside` named ``path`` for, or None if it names none."""
     path = Path(path)
@@ -222,47 +183,16 @@ def target_of_temporary(path: str | Path) -> Path | None:
 def remove_stale_temporaries(target: Path, suffix: str = "") -> None:
     """Remove temporaries of earlier writes to ``target`` whose process has died (SIGKILL).
 
-    One whose PID looks dead is removed only if its ``flock`` can be taken (see the module
-    docstring): held, it is a live writer's in another PID namespace. A file that cannot be
-    opened or locked (no permission, a lock the file system refuses) is judged by its PID alone.
     ``suffix`` is a pattern for what a writer appends after the temporary's name (the file
-    endings of a TF checkpoint written under a temporary prefix: TensorFlow creates those
-    files, unlocked, so they are judged by their PID alone).
+    endings of a TF checkpoint written under a temporary prefix).
     """
     pattern = re.compile(re.escape(f".{target.name}{TEMP_MARK}") + r"(\d+)-[0-9a-f]+" + suffix + "$")
     with contextlib.suppress(OSError):
         for entry in os.scandir(target.parent):
             match = pattern.match(entry.name)
             if match and not _process_alive(int(match.group(1))):
-                _remove_unless_locked(entry.path)
-
-
-def _remove_unless_locked(path: str) -> None:
-    """Unlink ``path`` unless another open file holds its ``flock``; unlinked while this one
-    holds it, so a writer that locks it after finds its name gone (:func:`create_temporary`)."""
-    fd = -1
-    if fcntl is not None:
-        for flags in (os.O_WRONLY, os.O_RDONLY):  # NFS locks only what is open for writing
-            try:
-                fd = os.open(path, flags | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-                break
-            except FileNotFoundError:
-                return
-            except OSError:
-                continue
-    try:
-        if fd >= 0:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return  # a live writer's
-            except OSError:
-                pass
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-    finally:
-        if fd >= 0:
-            os.close(fd)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
 
 
 def _process_alive(pid: int) -> bool:

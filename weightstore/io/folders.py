@@ -26,7 +26,7 @@ from typing import Any, BinaryIO
 from weightstore.errors import FileAccessError, FormatError, PublishError, TargetError, WriteError
 from weightstore.io.backends import backend_for
 from weightstore.io.commit import Commit, RenameCommit, UploadCommit
-from weightstore.io.files import TEMP_MARK, check_writable_target, create_temporary, fsync_folder, fsync_path, kind_of
+from weightstore.io.files import TEMP_MARK, check_writable_target, fsync_folder, fsync_path, kind_of, temporary_beside
 from weightstore.io.location import filesystem, location_of, service, uncached
 from weightstore.io.remote import RemoteFile
 
@@ -218,7 +218,7 @@ class LocalFolder(Folder):
         if create and os.path.lexists(target):
             return False
         check_writable_target(target, follow_symlinks=False)
-        temporary, lock = create_temporary(target)
+        temporary = temporary_beside(target)
         try:
             with open(temporary, "wb") as handle:
                 handle.write(data)
@@ -233,8 +233,6 @@ class LocalFolder(Folder):
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(temporary)
-            if lock is not None:
-                os.close(lock)
         fsync_folder(self.root)
         return True
 
