@@ -11,7 +11,10 @@ documented composition of them:
    (:func:`~weightstore.io.files.temporary_beside`), is fsynced, renamed over the target, and
    the folder is fsynced. A crash before the rename leaves the old file plus a temporary; after
    it, the new file. The temporary of a killed writer is removed by the next write to that
-   target once its PID is dead (on the writeback thread, once that write is committed). Only regular files are replaced: a folder, FIFO, socket or
+   target once its PID is dead (on the writeback thread, once that write is committed; a save
+   that reserves its blocks also removes them first, see :mod:`weightstore.io._writeback`). The
+   PID is this host's: a writer in another PID namespace sharing the folder (a container on a
+   shared volume, another host) must write other targets. Only regular files are replaced: a folder, FIFO, socket or
    device at the target is refused before anything is written, a symlink is written *through*
    (its target file is replaced, the link stays) by ``ws.save``, but refused in a versioned
    folder (``follow_symlinks=False``: a link planted in a shared folder must not overwrite a
