@@ -293,6 +293,16 @@ def checksum(buffer) -> str:
     return checksum_text(crc32(buffer))
 
 
+def check_recorded(buffer, recorded: object, what: str, where: str) -> None:
+    """Refuse ``buffer`` (the bytes of ``what``: a manifest, an index, which no tensor's checksum
+    covers) unless its CRC-32 is ``recorded``: a :class:`ChecksumError` naming ``where``."""
+    actual = checksum(buffer)
+    if actual != recorded:
+        shown = repr(recorded)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        raise ChecksumError(f"{what} is corrupt or was changed (checksum {actual}, recorded {shown})", path=where)
+
+
 def shape_nbytes(shape: tuple[int, ...], itemsize: int) -> int:
     return math.prod(shape) * itemsize
 
@@ -350,10 +360,7 @@ def parse_manifest(text: str, where: str, *, sealed: bool = False) -> Manifest:
     seal = _SEAL.search(text) if sealed else None
     if seal is not None:
         text = text[: seal.start()] + "}"
-        actual = checksum(text.encode("utf-8", "surrogatepass"))
-        if actual != seal.group(1):
-            raise ChecksumError(f"manifest is corrupt or was changed (checksum {actual}, recorded {seal.group(1)})",
-                                path=where)
+        check_recorded(text.encode("utf-8", "surrogatepass"), seal.group(1), "manifest", where)
     with naming(path=where):  # the checks below name the key, not the file
         return _parsed_manifest(text)
 

@@ -74,6 +74,7 @@ from weightstore.core.limits import (
 from weightstore.core.manifest import (
     Manifest,
     build_manifest,
+    check_recorded,
     checksum,
     content_digest,
     content_hasher,
@@ -522,9 +523,8 @@ class DeltaReader(ReaderDefaults):
         at += entries_bytes
         text = bytes(source.read_at(at, manifest_bytes))
         recorded = self.head.manifest_crc
-        if recorded is not None and (actual := checksum(text)) != recorded:
-            raise ChecksumError(f"manifest is corrupt or was changed (checksum {actual}, recorded {recorded[:40]!r})",
-                                path=name)
+        if recorded is not None:
+            check_recorded(text, recorded, "manifest", name)
         try:
             self._manifest: Manifest = parse_manifest(text.decode("utf-8", "surrogatepass"), name)
         except UnicodeDecodeError:

@@ -31,9 +31,8 @@ import numpy as np
 
 from weightstore.core import _jsontext as jsontext
 from weightstore.core.limits import HF_INDEX_BYTES_PER_CONTAINER, MAX_HF_INDEX_BYTES
-from weightstore.core.manifest import TensorInfo, checksum
+from weightstore.core.manifest import TensorInfo, check_recorded, checksum
 from weightstore.errors import (
-    ChecksumError,
     FileAccessError,
     FormatError,
     KeyNotInStoreError,
@@ -54,7 +53,7 @@ FORMAT_NAME = "hf-sharded"
 #: a key in the index that marks a folder weightstore wrote (``transformers`` ignores it)
 PRODUCER_KEY = "weightstore"
 #: the fields of that object: who wrote the folder, when, and the CRC-32 of what the index says
-#: (:func:`_index_checksum`; folders written before it have none)
+#: (:func:`_described`; folders written before it have none)
 _PRODUCER_FIELDS = frozenset({"producer", "created", "checksum"})
 _SHARD_NAME = re.compile(r"[^/\\\x00]+\.safetensors")
 #: the torch.save files a model folder may hold instead, and their sharded index's ending
@@ -222,12 +221,11 @@ def _parse_index(text: bytes, name: str) -> dict[str, Any]:
     return document
 
 
-def _index_checksum(metadata: Any, weight_map: Any) -> str:
-    """The CRC-32 of what a weightstore index says (its metadata and weight map, as JSON written
-    one way): no shard's checksum covers the user metadata or which shards there are, so
-    without it a changed byte of the metadata, or an entry gone from the map, read as written."""
-    text = json.dumps([metadata, weight_map], ensure_ascii=False, separators=(",", ":"))
-    return checksum(text.encode("utf-8", "surrogatepass"))
+def _described(metadata: Any, weight_map: Any) -> bytes:
+    """What a weightstore index's CRC-32 covers: its metadata and weight map, as JSON written one
+    way. No shard's checksum covers the user metadata or which shards there are, so without it a
+    changed byte of the metadata, or an entry gone from the map, read as written."""
+    return json.dumps([metadata, weight_map], ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
 
 
 def _check_index(document: dict[str, Any], producer: dict[str, Any], name: str) -> None:
@@ -236,11 +234,7 @@ def _check_index(document: dict[str, Any], producer: dict[str, Any], name: str) 
     if unknown:
         raise FormatError(f"index's {PRODUCER_KEY!r} object has fields {_clip(unknown)} no writer makes", path=name)
     if "checksum" in producer:  # a null is no checksum a writer makes, not an index without one
-        recorded = producer["checksum"]
-        actual = _index_checksum(document.get("metadata"), document["weight_map"])
-        if actual != recorded:
-            raise ChecksumError(f"index is corrupt or was changed (checksum {actual}, recorded {_clip(recorded)})",
-                                path=name)
+        check_recorded(_described(document.get("metadata"), document["weight_map"]), producer["checksum"], "index", name)
 
 
 def _clip(value: Any) -> str:
@@ -298,5 +292,5 @@ def index_document(shards: Mapping[str, list[str]], total_size: int, metadata: M
     weight_map = {name: shard for shard, names in shards.items() for name in names}
     described = {"total_size": total_size, **metadata}
     document = {"metadata": described, "weight_map": weight_map,
-                PRODUCER_KEY: {**producer, "checksum": _index_checksum(described, weight_map)}}
+                PRODUCER_KEY: {**producer, "checksum": checksum(_described(described, weight_map))}}
     return json.dumps(document, indent=2, ensure_ascii=False).encode("utf-8")
