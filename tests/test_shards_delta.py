@@ -88,6 +88,22 @@ def index_of(version):
     return ShardIndex.parse(Path(version.path).read_bytes())
 
 
+def fetched_by_round(follower, folder, rounds, deltas, s3, held) -> dict[int, int]:
+    """The bytes the S3 server sent while ``follower`` took each round of steps, published while it
+    was stopped (by each round's last step), each checked bit-exact against what ``held()`` gives."""
+    fetched = {}
+    for steps in rounds:
+        follower.stop()
+        for step in steps:
+            publish(folder, step, delta=deltas)
+        s3.reset()
+        follower.start()
+        assert follower.wait(steps[-1], timeout=60).step == steps[-1]
+        fetched[steps[-1]] = s3.bytes_sent()
+        same(held(), steps[-1])
+    return fetched
+
+
 def test_two_writer_processes_publish_deltas_that_a_follower_reads_step_by_step(tmp_path):
     folder = tmp_path / "run"
     procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(folder), str(rank), "5"],
@@ -256,17 +272,8 @@ def test_a_follower_of_sharded_deltas_on_s3_fetches_the_deltas_not_the_anchor(s3
     deltas = [ws.Delta(anchor_every=20), ws.Delta(anchor_every=20)]
     full = sum(value.nbytes for value in model(1).values())
     follower = Follower(module, folder, poll=0.02, deltas=True)
-    fetched = {}
-    try:
-        for steps in ([1], [2], [3], [4, 5, 6, 7]):  # followed one by one, then 3 missed
-            follower.stop()
-            for step in steps:
-                publish(folder, step, delta=deltas)
-            s3.reset()
-            follower.start()
-            assert follower.wait(steps[-1], timeout=60).step == steps[-1]
-            fetched[steps[-1]] = s3.bytes_sent()
-            same(held(), steps[-1])
+    try:  # followed one by one, then 3 missed
+        fetched = fetched_by_round(follower, folder, ([1], [2], [3], [4, 5, 6, 7]), deltas, s3, held)
     finally:
         follower.stop()
     assert {e.kind for e in versions.list_versions(folder) if e.step > 1} == {"sharded-delta"}
@@ -445,17 +452,9 @@ def test_a_follower_of_tf1_parts_across_the_writers_pieces_fetches_the_deltas_no
     deltas = [ws.Delta(), ws.Delta()]
     full = sum(value.nbytes for value in model(1).values())
     follower = Follower(session, folder, poll=0.02, deltas=True)
-    fetched = {}
-    try:
-        for steps in ([1], [2], [3], [4, 5, 6]):  # followed one by one, then 2 missed
-            follower.stop()
-            for step in steps:
-                publish(folder, step, delta=deltas)
-            s3.reset()
-            follower.start()
-            assert follower.wait(steps[-1], timeout=60).step == steps[-1]
-            fetched[steps[-1]] = s3.bytes_sent()
-            same(tf1.export(session), steps[-1])
+    try:  # followed one by one, then 2 missed
+        fetched = fetched_by_round(follower, folder, ([1], [2], [3], [4, 5, 6]), deltas, s3,
+                                   lambda: tf1.export(session))
     finally:
         follower.stop()
     assert fetched[1] > full  # the first, whole
