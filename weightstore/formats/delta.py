@@ -121,7 +121,7 @@ _LEVEL = 1
 #: change it costs a third more bytes, so that keeps level 1
 _DENSE_LEVEL = -1
 # XOR, not the integer difference of the bit patterns (new - old as int32, wrapping), measured
-# on Keras fp32 Adam steps (issue 41): zigzagged ((d << 1) ^ (d >> 31)) it leaves the
+# on Keras fp32 Adam steps: zigzagged ((d << 1) ^ (d >> 31)) it leaves the
 # sign/exponent plane 98.6% zeros where the XOR leaves 96%, for 2-3% fewer bytes, but its three
 # more passes per block cost what zstd saves there (encode 0.98-1.09x the XOR's); offset by
 # 2**23 instead (one more pass) it took 0.83-0.87x the encode CPU and 0.80-0.86x the decode's
