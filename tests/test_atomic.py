@@ -138,7 +138,7 @@ def test_sigkill_mid_write_leaves_previous_file_and_next_save_cleans_up(tmp_path
     assert leftovers(tmp_path, path) == [temporary]  # a kill leaves its temporary behind ...
     assert (tmp_path / temporary).stat().st_size < 200 << 20
     ws.save(path, {"next": np.zeros(2)})  # ... and the next save to that target removes it
-    behind(int).result()  # (on the writeback thread, once the save is committed: wait for it)
+    behind(int).result()  # (on the writeback thread: wait for it)
     assert leftovers(tmp_path, path) == []
     assert list(ws.load(path)) == ["next"]
 
@@ -167,7 +167,7 @@ def test_temporaries_of_live_writers_are_left_alone(tmp_path):
     for leftover in (live, dead, other_target):
         leftover.write_bytes(b"partial")
     ws.save(path, {"w": np.zeros(2)})
-    behind(int).result()  # the save looks for stale temporaries on the writeback thread, after it commits
+    behind(int).result()  # the save looks for stale temporaries on the writeback thread
     assert live.exists() and other_target.exists()
     assert not dead.exists()
 

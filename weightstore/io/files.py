@@ -27,12 +27,11 @@ from weightstore.errors import FileAccessError, FormatError, StoreNotFoundError,
 
 __all__ = [
     "TEMP_MARK", "kind_of", "open_regular", "open_regular_unbuffered", "refuse_special_file", "check_writable_target",
-    "fsync_path", "fsync_folder", "temporary_beside", "target_of_temporary", "remove_stale_temporaries",
+    "fsync_path", "fsync_folder", "temporary_beside", "remove_stale_temporaries",
 ]
 
 #: marks the temporary file a write puts beside its target (``.NAME.wstmp-PID-RANDOM``)
 TEMP_MARK = ".wstmp-"
-_TEMPORARY_NAME = re.compile(r"\.(.+)" + re.escape(TEMP_MARK) + r"\d+-[0-9a-f]+$")
 
 _KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
@@ -171,13 +170,6 @@ TEMPORARY_EXTRA = 1 + len(TEMP_MARK) + 7 + 1 + 8
 def temporary_beside(target: Path) -> Path:
     """A fresh temporary name beside ``target`` that :func:`remove_stale_temporaries` recognises."""
     return target.with_name(f".{target.name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
-
-
-def target_of_temporary(path: str | Path) -> Path | None:
-    """The target that :func:`temporary_beside` named ``path`` for, or None if it names none."""
-    path = Path(path)
-    match = _TEMPORARY_NAME.match(path.name)
-    return None if match is None else path.with_name(match.group(1))
 
 
 def remove_stale_temporaries(target: Path, suffix: str = "") -> None:
