@@ -181,8 +181,8 @@ def test_save_frees_killed_saves_temporaries_before_it_reserves(tmp_path, monkey
 
 
 def test_writeback_interrupted_while_reserving_closes_its_descriptor(tmp_path, monkeypatch):
-    """Not only a failed ``reserve()``: any exception while reserving (Ctrl-C while it waits for
-    the writeback thread) leaves no descriptor open."""
+    """Not only a failed ``reserve()``: any exception while reserving (Ctrl-C in ``fallocate``)
+    leaves no descriptor open."""
     _reserving(tmp_path)
     path = tmp_path / "w.safetensors"
     path.touch()

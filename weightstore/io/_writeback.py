@@ -23,9 +23,8 @@ or an ``fallocate`` that failed part way, ENOSPC keeping what it had allocated) 
 :meth:`close`. A reservation larger than the file system's free space is not tried. The
 temporaries that killed writers left beside the same target hold their reservations (0 bytes by
 size, every block held), so they must be removed first: otherwise a small file system's next save
-of that target would fail for want of the space they hold. The commit queues that sweep on this
-module's thread as the write begins (:class:`~weightstore.io.commit.RenameCommit`), and the
-reservation is made on the same thread, which runs its work in order, so after it.
+of that target would fail for want of the space they hold. The commit removes them as the write
+begins (:meth:`~weightstore.io.commit.RenameCommit.begin`), before any reservation.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, cast
 
 __all__ = ["WRITEBACK_BYTES", "Writeback", "behind"]
@@ -83,8 +82,7 @@ def _reserves_extents(fd: int) -> bool:
 def _reserve(fd: int, size: int) -> bool:
     """Try to reserve the first ``size`` bytes' blocks of ``fd``'s file; whether it was tried,
     and so may hold blocks past the file's end, even if it failed (ENOSPC on ext4 keeps what it
-    allocated; the writes will say what is wrong). Run on the writeback thread, after the
-    commit's sweep of killed writers' temporaries (see the module docstring)."""
+    allocated; the writes will say what is wrong)."""
     try:
         stats = os.fstatvfs(fd)
     except OSError:
@@ -121,7 +119,7 @@ class Writeback:
         self._reserved = 0
         self._started = 0  # bytes before this offset were handed to the kernel
         self._handed = 0  # bytes given to the writer since the file's size was last asked
-        self._pending: Future[Any] | None = None
+        self._pending: Future[None] | None = None
         if _SYNC is None:
             return
         if reserve is not None:
@@ -135,10 +133,8 @@ class Writeback:
         if reserve is not None and self._fd >= 0 and _reserves_extents(self._fd):
             try:
                 size = reserve()
-                if size >= RESERVE_FROM:
-                    self._pending = behind(_reserve, self._fd, size)
-                    if self._pending.result():
-                        self._reserved = size
+                if size >= RESERVE_FROM and _reserve(self._fd, size):
+                    self._reserved = size
             except BaseException:  # the caller's save fails (or is interrupted): not with a descriptor left open
                 self.close()
                 raise
@@ -165,7 +161,7 @@ class Writeback:
         if self._fd < 0:
             return
         if self._pending is not None:
-            wait([self._pending])  # never raised here: a reservation's failure was, where it was made
+            self._pending.result()
         if self._reserved:  # a failed save's file goes anyway: never an error of its own here
             with contextlib.suppress(OSError):
                 size = os.fstat(self._fd).st_size
