@@ -18,7 +18,6 @@ import weightstore as ws
 from polling import wait_until
 from weightstore.formats import hdf5, npz
 from weightstore.io import files
-from weightstore.io._writeback import behind
 
 SUFFIXES = [".npz", ".h5"]
 WRITERS = {".npz": npz.NpzWriter, ".h5": hdf5.Hdf5Writer}
@@ -142,7 +141,6 @@ def test_sigkill_mid_write_leaves_previous_file_and_next_save_cleans_up(tmp_path
     assert leftovers(tmp_path, path) == [temporary]  # a kill leaves its temporary behind ...
     assert (tmp_path / temporary).stat().st_size < 200 << 20
     ws.save(path, {"next": np.zeros(2)})  # ... and the next save to that target removes it
-    behind(int).result()  # (on the writeback thread: wait for it)
     assert leftovers(tmp_path, path) == []
     assert list(ws.load(path)) == ["next"]
 
@@ -179,7 +177,6 @@ def test_temporaries_of_live_writers_are_left_alone(tmp_path):
     for leftover in (live, dead, live_older, dead_older, other_target):
         leftover.write_bytes(b"partial")
     ws.save(path, {"w": np.zeros(2)})
-    behind(int).result()  # the save looks for stale temporaries on the writeback thread
     assert live.exists() and live_older.exists() and other_target.exists()
     assert not dead.exists() and not dead_older.exists()
 
@@ -196,7 +193,6 @@ def test_temporaries_of_another_pid_namespace_go_only_once_untouched_for_a_day(t
     long_ago = time.time() - files.STALE_AFTER - 60
     os.utime(old, (long_ago, long_ago))
     ws.save(path, {"w": np.zeros(2)})
-    behind(int).result()
     assert fresh.exists() and not old.exists()
     assert list(ws.load(path)) == ["w"]
 
@@ -239,7 +235,6 @@ def test_a_live_writer_in_another_pid_namespace_keeps_its_temporary(tmp_path):
         with pytest.raises(ProcessLookupError):
             os.kill(int(pid), 0)  # its PID is nobody's here: today's PID rule alone would remove it
         ws.save(path, {"here": np.zeros(2)})
-        behind(int).result()
         assert os.path.exists(temporary)
         writer.stdin.write("go on\n")
         writer.stdin.close()

@@ -12,10 +12,10 @@ documented composition of them:
    the folder is fsynced. A crash before the rename leaves the old file plus a temporary; after
    it, the new file. The temporary of a killed writer is removed by the next write to that
    target, as that write begins (so before a save that reserves its blocks reserves them, see
-   :mod:`weightstore.io._writeback`): once its PID is dead
-   if the temporary names this PID namespace, once untouched for a day if it names another (a
-   container on a shared volume, another host: its PIDs mean nothing here), see
-   :mod:`weightstore.io.files`. Only regular files are replaced: a folder, FIFO, socket or
+   :mod:`weightstore.io._writeback`): once its PID is dead if the temporary names this PID
+   namespace, once untouched for a day if it names another (a container on a shared volume,
+   another host: its PIDs mean nothing here), see :mod:`weightstore.io.files`. Only regular
+   files are replaced: a folder, FIFO, socket or
    device at the target is refused before anything is written, a symlink is written *through*
    (its target file is replaced, the link stays) by ``ws.save``, but refused in a versioned
    folder (``follow_symlinks=False``: a link planted in a shared folder must not overwrite a
