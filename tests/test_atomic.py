@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -14,7 +17,7 @@ import pytest
 import weightstore as ws
 from polling import wait_until
 from weightstore.formats import hdf5, npz
-from weightstore.io._writeback import behind
+from weightstore.io import files
 
 SUFFIXES = [".npz", ".h5"]
 WRITERS = {".npz": npz.NpzWriter, ".h5": hdf5.Hdf5Writer}
@@ -138,7 +141,6 @@ def test_sigkill_mid_write_leaves_previous_file_and_next_save_cleans_up(tmp_path
     assert leftovers(tmp_path, path) == [temporary]  # a kill leaves its temporary behind ...
     assert (tmp_path / temporary).stat().st_size < 200 << 20
     ws.save(path, {"next": np.zeros(2)})  # ... and the next save to that target removes it
-    behind(int).result()  # (on the writeback thread, once the save is committed: wait for it)
     assert leftovers(tmp_path, path) == []
     assert list(ws.load(path)) == ["next"]
 
@@ -157,19 +159,91 @@ def _wait_for_growing_temporary(folder, path, child, size):
     return wait_until(grown, what="the writer's temporary file", every=0.0005)[0]
 
 
-def test_temporaries_of_live_writers_are_left_alone(tmp_path):
-    path = tmp_path / "w.npz"
+def _dead_pid():
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead_pid = int(ended.stdout)
-    live = tmp_path / f".w.npz.wstmp-{os.getpid()}-0123abcd"
-    dead = tmp_path / f".w.npz.wstmp-{dead_pid}-4567cdef"
-    other_target = tmp_path / f".other.npz.wstmp-{dead_pid}-89abcdef"
-    for leftover in (live, dead, other_target):
+    return int(ended.stdout)
+
+
+def test_temporaries_of_live_writers_are_left_alone(tmp_path):
+    """Temporaries named by this PID namespace, or by older weightstore (no namespace), go once
+    their PID is dead; a live writer's, or another target's, stay."""
+    path = tmp_path / "w.npz"
+    dead_pid, space = _dead_pid(), files._pid_space()
+    live = tmp_path / f".w.npz.wstmp-{os.getpid()}-{space}-0123abcd"
+    dead = tmp_path / f".w.npz.wstmp-{dead_pid}-{space}-4567cdef"
+    live_older = tmp_path / f".w.npz.wstmp-{os.getpid()}-0123abcd"
+    dead_older = tmp_path / f".w.npz.wstmp-{dead_pid}-4567cdef"
+    other_target = tmp_path / f".other.npz.wstmp-{dead_pid}-{space}-89abcdef"
+    for leftover in (live, dead, live_older, dead_older, other_target):
         leftover.write_bytes(b"partial")
     ws.save(path, {"w": np.zeros(2)})
-    behind(int).result()  # the save looks for stale temporaries on the writeback thread, after it commits
-    assert live.exists() and other_target.exists()
-    assert not dead.exists()
+    assert live.exists() and live_older.exists() and other_target.exists()
+    assert not dead.exists() and not dead_older.exists()
+
+
+def test_temporaries_of_another_pid_namespace_go_only_once_untouched_for_a_day(tmp_path):
+    """Another namespace's PID means nothing here (dead here, its writer may be writing): its
+    temporary stays while its mtime is recent, and goes once it has not moved for STALE_AFTER."""
+    path = tmp_path / "w.npz"
+    elsewhere = "0" * 12 if files._pid_space() != "0" * 12 else "1" * 12
+    fresh = tmp_path / f".w.npz.wstmp-{_dead_pid()}-{elsewhere}-0123abcd"
+    old = tmp_path / f".w.npz.wstmp-{_dead_pid()}-{elsewhere}-4567cdef"
+    for leftover in (fresh, old):
+        leftover.write_bytes(b"partial")
+    long_ago = time.time() - files.STALE_AFTER - 60
+    os.utime(old, (long_ago, long_ago))
+    ws.save(path, {"w": np.zeros(2)})
+    assert fresh.exists() and not old.exists()
+    assert list(ws.load(path)) == ["w"]
+
+
+_WRITER_ELSEWHERE = """
+import json, os, sys
+from weightstore.io.commit import RenameCommit
+target, alive_here = sys.argv[1], set(json.loads(sys.argv[2]))
+while True:  # PIDs here count up from 2: the writer takes the first one that is dead in the test's namespace
+    pid = os.fork()
+    if pid == 0:
+        if os.getpid() in alive_here:
+            os._exit(3)
+        with RenameCommit(target).writing() as local:
+            with open(local, "wb") as handle:
+                handle.write(open(sys.argv[3], "rb").read())
+            print(os.getpid(), local, flush=True)
+            sys.stdin.readline()  # the other namespace saves the same target meanwhile
+        os._exit(0)
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    if code != 3:
+        sys.exit(code)
+"""
+
+
+def test_a_live_writer_in_another_pid_namespace_keeps_its_temporary(tmp_path):
+    """A container on a shared volume: its writer's PID is dead here, yet its save of the same
+    target, going on beside one of ours, commits."""
+    if not shutil.which("unshare") or subprocess.run(["unshare", "-Upf", "--mount-proc", "true"],
+                                                      capture_output=True).returncode:
+        pytest.skip("no unshare, or unshare -Upf --mount-proc refused here (no unprivileged user namespaces)")
+    path, theirs = tmp_path / "w.npz", tmp_path / "theirs.npz"
+    ws.save(theirs, {"there": np.ones(3)})
+    alive_here = sorted(int(name) for name in os.listdir("/proc") if name.isdigit())
+    writer = subprocess.Popen(["unshare", "-Upf", "--mount-proc", sys.executable, "-c", _WRITER_ELSEWHERE, str(path),
+                               json.dumps(alive_here), str(theirs)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        pid, temporary = writer.stdout.readline().split()
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(pid), 0)  # its PID is nobody's here: today's PID rule alone would remove it
+        ws.save(path, {"here": np.zeros(2)})
+        assert os.path.exists(temporary)
+        writer.stdin.write("go on\n")
+        writer.stdin.close()
+        assert writer.wait(timeout=60) == 0
+    finally:
+        writer.kill()
+        writer.wait()
+    assert list(ws.load(path)) == ["there"]  # its save committed last
+    assert leftovers(tmp_path, path) == ["theirs.npz"]
 
 
 @pytest.mark.parametrize("suffix", SUFFIXES)

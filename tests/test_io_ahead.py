@@ -181,15 +181,15 @@ def test_save_frees_killed_saves_temporaries_before_it_reserves(tmp_path, monkey
 
 
 def test_writeback_interrupted_while_reserving_closes_its_descriptor(tmp_path, monkeypatch):
-    """Not only a failed ``reserve()``: any exception while reserving (Ctrl-C in the sweep of the
-    folder) leaves no descriptor open."""
+    """Not only a failed ``reserve()``: any exception while reserving (Ctrl-C in ``fallocate``)
+    leaves no descriptor open."""
     _reserving(tmp_path)
-    path = tmp_path / f".w.safetensors.wstmp-{os.getpid()}-0123abcd"
+    path = tmp_path / "w.safetensors"
     path.touch()
 
-    def interrupted(target, suffix=""):
+    def interrupted(fd, size):
         raise KeyboardInterrupt
-    monkeypatch.setattr(_writeback, "remove_stale_temporaries", interrupted)
+    monkeypatch.setattr(_writeback, "_reserve", interrupted)
     before = sorted(os.listdir("/proc/self/fd"))
     with pytest.raises(KeyboardInterrupt):
         _writeback.Writeback(str(path), reserve=lambda: 16 << 20)

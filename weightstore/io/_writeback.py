@@ -22,8 +22,9 @@ blocks reserved past the end of a file that came out shorter (a value that overs
 or an ``fallocate`` that failed part way, ENOSPC keeping what it had allocated) are given back at
 :meth:`close`. A reservation larger than the file system's free space is not tried. The
 temporaries that killed writers left beside the same target hold their reservations (0 bytes by
-size, every block held), so they are removed first: otherwise a small file system's next save of
-that target would fail for want of the space they hold.
+size, every block held), so they must be removed first: otherwise a small file system's next save
+of that target would fail for want of the space they hold. The commit removes them as the write
+begins (:meth:`~weightstore.io.commit.RenameCommit.begin`), before any reservation.
 """
 
 from __future__ import annotations
@@ -36,8 +37,6 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, cast
-
-from weightstore.io.files import remove_stale_temporaries, target_of_temporary
 
 __all__ = ["WRITEBACK_BYTES", "Writeback", "behind"]
 
@@ -80,13 +79,10 @@ def _reserves_extents(fd: int) -> bool:
     return not _FSTATFS(fd, info) and ctypes.c_long.from_buffer(info).value in _RESERVES_EXTENTS
 
 
-def _reserve(fd: int, path: str, size: int) -> bool:
-    """Try to reserve the first ``size`` bytes' blocks of ``fd``'s file (``path``); whether it
-    was tried, and so may hold blocks past the file's end, even if it failed (ENOSPC on ext4
-    keeps what it allocated; the writes will say what is wrong)."""
-    target = target_of_temporary(path)
-    if target is not None:  # killed writers' temporaries hold their reservations: free them first
-        remove_stale_temporaries(target)
+def _reserve(fd: int, size: int) -> bool:
+    """Try to reserve the first ``size`` bytes' blocks of ``fd``'s file; whether it was tried,
+    and so may hold blocks past the file's end, even if it failed (ENOSPC on ext4 keeps what it
+    allocated; the writes will say what is wrong)."""
     try:
         stats = os.fstatvfs(fd)
     except OSError:
@@ -137,7 +133,7 @@ class Writeback:
         if reserve is not None and self._fd >= 0 and _reserves_extents(self._fd):
             try:
                 size = reserve()
-                if size >= RESERVE_FROM and _reserve(self._fd, path, size):
+                if size >= RESERVE_FROM and _reserve(self._fd, size):
                     self._reserved = size
             except BaseException:  # the caller's save fails (or is interrupted): not with a descriptor left open
                 self.close()

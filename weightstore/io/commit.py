@@ -11,10 +11,11 @@ documented composition of them:
    (:func:`~weightstore.io.files.temporary_beside`), is fsynced, renamed over the target, and
    the folder is fsynced. A crash before the rename leaves the old file plus a temporary; after
    it, the new file. The temporary of a killed writer is removed by the next write to that
-   target once its PID is dead (on the writeback thread, once that write is committed; a save
-   that reserves its blocks also removes them first, see :mod:`weightstore.io._writeback`). The
-   PID is this host's: a writer in another PID namespace sharing the folder (a container on a
-   shared volume, another host) must write other targets. Only regular files are replaced: a folder, FIFO, socket or
+   target, as that write begins (so before a save that reserves its blocks reserves them, see
+   :mod:`weightstore.io._writeback`): once its PID is dead if the temporary names this PID
+   namespace, once untouched for a day if it names another (a container on a shared volume,
+   another host: its PIDs mean nothing here), see :mod:`weightstore.io.files`. Only regular
+   files are replaced: a folder, FIFO, socket or
    device at the target is refused before anything is written, a symlink is written *through*
    (its target file is replaced, the link stays) by ``ws.save``, but refused in a versioned
    folder (``follow_symlinks=False``: a link planted in a shared folder must not overwrite a
@@ -136,6 +137,10 @@ class RenameCommit(Commit):
 
     def begin(self) -> str:
         self._final = check_writable_target(Path(self.target), follow_symlinks=self._follow_symlinks)
+        # the one sweep of killed writers' temporaries of the target, before the write: their blocks
+        # are free before it reserves its own. Here, not on the writeback thread: a reservation
+        # waiting there would wait behind the last save's close of the file it replaced (4-7 ms)
+        remove_stale_temporaries(self._final)
         self._temporary = temporary_beside(self._final)
         return str(self._temporary)
 
@@ -150,28 +155,17 @@ class RenameCommit(Commit):
             self._temporary = None
             fsync_folder(self._final.parent)
         finally:
-            behind(_after_replace, replaced, self._final)
+            if replaced is not None:
+                behind(os.close, replaced)
 
     def discard(self) -> None:
         if self._temporary is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._temporary)
             self._temporary = None
-            # a save that failed (a disk filled by killed writers' temporaries) frees theirs too
-            behind(_after_replace, None, self._final)
 
     def exists(self) -> bool:
         return os.path.lexists(self.target)
-
-
-def _after_replace(replaced: int | None, target: Path) -> None:
-    """What a rename commit leaves to the writeback thread (one hand-off): the last close of the
-    file it replaced (see :func:`_hold`), then the scan of the folder for temporaries of killed
-    writers to the same target, which a save need not wait for (a scan of a large folder took
-    0.66 ms)."""
-    if replaced is not None:
-        os.close(replaced)
-    remove_stale_temporaries(target)
 
 
 def _hold(path: Path) -> int | None:

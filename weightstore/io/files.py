@@ -6,20 +6,29 @@ loss. So every local reader opens through :func:`open_regular` (or checks with
 :func:`refuse_special_file` where another library opens the file), and every writer resolves
 its target through :func:`check_writable_target`; all three decide with :func:`kind_of`.
 
-**Temporaries.** A write goes to ``.NAME.wstmp-PID-RANDOM`` beside its target
-(:func:`temporary_beside`: same folder, so the same file system, so a rename can commit it). A
-writer killed mid-write leaves its temporary; the next write to that target removes those whose
-PID is dead (:func:`remove_stale_temporaries`).
+**Temporaries.** A write goes to ``.NAME.wstmp-PID-SPACE-RANDOM`` beside its target
+(:func:`temporary_beside`: same folder, so the same file system, so a rename can commit it).
+``SPACE`` names the PID namespace the writer's PID belongs to (:func:`_pid_space`). A writer
+killed mid-write leaves its temporary; the next write to that target removes it
+(:func:`remove_stale_temporaries`) when its PID is dead *and* ``SPACE`` is this process's, since
+a PID means nothing outside its namespace: a writer in a container sharing the folder, or on
+another host over NFS, has PIDs that may be dead here while it writes. A temporary of another
+space is removed only once untouched for :data:`STALE_AFTER` (a day). A name without ``SPACE``
+(``.NAME.wstmp-PID-RANDOM``, written by older weightstore) keeps the PID rule alone.
+No lock decides it: libhdf5 locks the files it opens itself and fails under one of ours.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import io
 import os
 import re
 import secrets
 import stat
+import time
 from pathlib import Path
 from typing import BinaryIO
 
@@ -27,12 +36,11 @@ from weightstore.errors import FileAccessError, FormatError, StoreNotFoundError,
 
 __all__ = [
     "TEMP_MARK", "kind_of", "open_regular", "open_regular_unbuffered", "refuse_special_file", "check_writable_target",
-    "fsync_path", "fsync_folder", "temporary_beside", "target_of_temporary", "remove_stale_temporaries",
+    "fsync_path", "fsync_folder", "temporary_beside", "remove_stale_temporaries",
 ]
 
-#: marks the temporary file a write puts beside its target (``.NAME.wstmp-PID-RANDOM``)
+#: marks the temporary file a write puts beside its target (``.NAME.wstmp-PID-SPACE-RANDOM``)
 TEMP_MARK = ".wstmp-"
-_TEMPORARY_NAME = re.compile(r"\.(.+)" + re.escape(TEMP_MARK) + r"\d+-[0-9a-f]+$")
 
 _KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
@@ -163,36 +171,69 @@ def fsync_folder(folder: str | Path) -> None:
         os.close(fd)
 
 
+#: hex digits of a temporary's ``SPACE`` (48 bits: two of a thousand namespaces sharing a folder
+#: get the same one with odds of 2e-9, and a PID of one must then be dead in the other)
+_SPACE_HEX = 12
 #: the most bytes :func:`temporary_beside` adds to a name: a dot, the mark, a pid (at most 7
-#: digits on Linux), a dash and 8 hex digits; a name must leave room for them under 255 bytes
-TEMPORARY_EXTRA = 1 + len(TEMP_MARK) + 7 + 1 + 8
+#: digits on Linux), a dash, the space, a dash and 8 hex digits; a name must leave room for them
+#: under 255 bytes
+TEMPORARY_EXTRA = 1 + len(TEMP_MARK) + 7 + 1 + _SPACE_HEX + 1 + 8
+#: a temporary named by another PID namespace is removed once unmodified for this many seconds.
+#: Its writer's PID cannot be asked, but a live writer's writes move the mtime; a day leaves room
+#: for any pause of a live one (a slow conversion between two writes, a stopped or suspended
+#: process, clocks of NFS hosts minutes apart). Should one outlive it, its rename fails
+#: (``FileNotFoundError``): its save fails whole and the target keeps the file it had.
+STALE_AFTER = 24 * 3600
 
 
 def temporary_beside(target: Path) -> Path:
     """A fresh temporary name beside ``target`` that :func:`remove_stale_temporaries` recognises."""
-    return target.with_name(f".{target.name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+    return target.with_name(f".{target.name}{TEMP_MARK}{os.getpid()}-{_pid_space()}-{secrets.token_hex(4)}")
 
 
-def target_of_temporary(path: str | Path) -> Path | None:
-    """The target that :func:`temporary_beside` named ``path`` for, or None if it names none."""
-    path = Path(path)
-    match = _TEMPORARY_NAME.match(path.name)
-    return None if match is None else path.with_name(match.group(1))
+@functools.cache
+def _pid_space() -> str:
+    """This process's PID namespace, as a temporary names it: a hash of the host's boot (a
+    container sees its host's ``boot_id``) and the namespace's inode (one per namespace), read
+    once, as a fork keeps both. Where ``/proc`` cannot tell, a random one: the process's own
+    live temporaries keep its PID rule, and every other's waits for :data:`STALE_AFTER`."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as handle:
+            boot = handle.read().strip()
+        space = os.stat("/proc/self/ns/pid")
+    except OSError:
+        return secrets.token_hex(_SPACE_HEX // 2)
+    seen = boot + f"/{space.st_dev}/{space.st_ino}".encode()
+    return hashlib.blake2b(seen, digest_size=_SPACE_HEX // 2).hexdigest()
 
 
 def remove_stale_temporaries(target: Path, suffix: str = "") -> None:
-    """Remove temporaries of earlier writes to ``target`` whose process has died (SIGKILL).
+    """Remove temporaries of earlier writes to ``target`` whose writer has died (SIGKILL).
 
-    ``suffix`` is a pattern for what a writer appends after the temporary's name (the file
-    endings of a TF checkpoint written under a temporary prefix).
+    Dead means: named by this PID namespace and its PID is gone; named by another, unmodified
+    for :data:`STALE_AFTER`; named without one (older weightstore), its PID is gone (see the
+    module docstring). ``suffix`` is a pattern for what a writer appends after the temporary's
+    name (the file endings of a TF checkpoint written under a temporary prefix).
     """
-    pattern = re.compile(re.escape(f".{target.name}{TEMP_MARK}") + r"(\d+)-[0-9a-f]+" + suffix + "$")
+    head = f".{target.name}{TEMP_MARK}"
+    pattern = re.compile(rf"(\d+)-(?:([0-9a-f]{{{_SPACE_HEX}}})-)?[0-9a-f]+{suffix}$")
     with contextlib.suppress(OSError):
-        for entry in os.scandir(target.parent):
-            match = pattern.match(entry.name)
-            if match and not _process_alive(int(match.group(1))):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
+        names = os.listdir(target.parent)  # a listing, and names compared first: the folder may be large
+        for name in names:
+            match = name.startswith(head) and pattern.match(name, len(head))
+            if match and _dead(target.parent / name, int(match.group(1)), match.group(2)):
+                with contextlib.suppress(OSError):  # gone already, or a folder: the next one may still go
+                    os.unlink(target.parent / name)
+
+
+def _dead(path: Path, pid: int, space: str | None) -> bool:
+    """Whether the writer of the temporary ``path``, named by ``pid`` in ``space``, is gone."""
+    if space is None or space == _pid_space():
+        return not _process_alive(pid)
+    try:
+        return time.time() - os.lstat(path).st_mtime > STALE_AFTER
+    except OSError:  # gone already, or not ours to ask: left alone
+        return False
 
 
 def _process_alive(pid: int) -> bool:
