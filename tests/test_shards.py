@@ -238,10 +238,20 @@ def test_the_same_part_written_by_two_ranks_is_kept_once_and_diverged_replicas_r
 
 def test_bad_pieces_are_refused_before_anything_is_written(tmp_path):
     folder = tmp_path / "run"
-    with pytest.raises(ValueError, match="does not fit"):
+    member = str(folder / "step-000000000001.attempt-0" / "rank-00000.safetensors")
+    with pytest.raises(ws.PublishError, match=r"'w': a piece's array of shape \[3, 2\] at \[4, 0\] does not fit") as caught:
         ws.publish_shard(folder, {"w": ws.Piece(np.zeros((3, 2)), (4, 0), (6, 2))}, step=1, rank=0, world=1, attempt=0)
-    with pytest.raises(ws.UnsupportedDTypeError):
+    assert (caught.value.path, caught.value.key) == (member, "w")
+    with pytest.raises(ws.PublishError, match="start at the same index") as caught:
+        ws.publish_shard(folder, {"w": [ws.Piece(np.zeros((3, 2)), (0, 0), (6, 2))] * 2}, step=1, rank=0, world=1,
+                         attempt=0)
+    assert (caught.value.path, caught.value.key) == (member, "w")
+    with pytest.raises(ws.UnsupportedDTypeError) as caught:
         ws.publish_shard(folder, {"w": np.array(["x"], object)}, step=1, rank=0, world=1, attempt=0)
+    assert (caught.value.path, caught.value.key) == (member, "w")
+    with pytest.raises(ws.InvalidKeyError) as caught:
+        ws.publish_shard(folder, {"a//b": np.zeros(2)}, step=1, rank=0, world=1, attempt=0)
+    assert (caught.value.path, caught.value.key) == (member, "a//b")
     with pytest.raises(ValueError, match="rank 2 is not below world 2"):
         ws.publish_shard(folder, {"w": np.zeros(2)}, step=1, rank=2, world=2, attempt=0)
     with pytest.raises(ValueError, match="a start of piece of 'w' must be a non-negative int, not 0.9"):
@@ -768,10 +778,11 @@ def test_a_key_whose_ranks_together_pass_its_piece_limit_is_not_committed(tmp_pa
                          step=2, rank=rank, world=2, attempt=0)
     with pytest.raises(ws.PublishError, match="6 pieces, over 4") as caught:
         shards.commit_shards(folder, step=2, world=2, attempt=0, timeout=5)
-    with pytest.raises(ValueError, match="'w' has 5 pieces"):  # one rank alone: refused before writing
+    with pytest.raises(ws.SizeLimitError, match="'w': has 5 pieces") as alone:  # one rank: refused before writing
         ws.publish_shard(folder, {"w": [ws.Piece(a[row : row + 1], (row, 0), (6, 2)) for row in range(5)]},
                          step=3, rank=0, world=1, attempt=0)
     assert not (folder / "step-000000000003.attempt-0").exists()
+    assert alone.value.key == "w" and alone.value.path.endswith("rank-00000.safetensors")
     assert caught.value.key == "w" and caught.value.path.endswith("step-000000000002.wsindex")
     assert ws.latest(folder).step == 1 and not (folder / "step-000000000002.wsindex").exists()
 

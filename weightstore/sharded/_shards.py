@@ -59,7 +59,15 @@ from weightstore.core.limits import (
     MAX_V1_INDEX_BYTES,
 )
 from weightstore.core.manifest import crc32, from_storage, logical_dtype, to_storage
-from weightstore.errors import FormatError, PublishError, ShardTimeoutError, WeightStoreError, named, naming
+from weightstore.errors import (
+    FormatError,
+    PublishError,
+    ShardTimeoutError,
+    SizeLimitError,
+    WeightStoreError,
+    named,
+    naming,
+)
 from weightstore.formats import Format, format_named
 from weightstore.formats import _sharded_index as shardindex
 from weightstore.formats import delta as delta_format
@@ -201,7 +209,9 @@ def publish_shard(
         PublishError: the step is not above the one ``LATEST`` names.
         SizeLimitError: this rank's pieces or keys would take the version's index past its bounds
             (``docs/sharded.md``, Bounds; nothing written).
-        InvalidKeyError, UnsupportedDTypeError, ValueError: a bad key, dtype or piece (nothing written).
+        InvalidKeyError, UnsupportedDTypeError, PublishError: a bad key, dtype, or a piece that does not
+            fit its tensor or starts where another of its key does, naming the member and the key
+            (nothing written).
         WeightStoreError: ``rank``, ``world`` or ``attempt`` not given and the cluster does not say it.
         ShardTimeoutError: agreeing the attempt or the incarnation, rank 0 or another rank did not
             take part within 600 seconds.
@@ -673,7 +683,8 @@ def _listed(pieces: Mapping[str, Any], where: str, world: int) -> list[_Listed]:
         raise TypeError(f"pieces must map a key to an array, a Piece or a list of them, not {type(pieces).__name__}")
     found: list[tuple[str, Piece]] = []
     for key, value in pieces.items():
-        validate_key(key)
+        with naming(path=where, key=key if isinstance(key, str) else None):
+            validate_key(key)
         for piece in _pieces_of(key, value):
             if not isinstance(piece, Piece):
                 array = np.asarray(piece)
@@ -685,7 +696,8 @@ def _listed(pieces: Mapping[str, Any], where: str, world: int) -> list[_Listed]:
     converted: list[tuple[str, str, np.ndarray, tuple[int, ...], tuple[int, ...]]] = []
     for key, piece in found:
         array = np.asarray(piece.array)
-        dtype, data = to_storage(array, key)
+        with naming(path=where, key=key):
+            dtype, data = to_storage(array, key)
         data = np.ascontiguousarray(data).reshape(array.shape)
         converted.append((key, dtype, data, *_box(piece, array.shape, key, where)))
         pieces_of[key] = pieces_of.get(key, 0) + 1
@@ -696,7 +708,7 @@ def _listed(pieces: Mapping[str, Any], where: str, world: int) -> list[_Listed]:
                      for part, at, rows in strips)
     for key, count in pieces_of.items():
         if count > MAX_PIECES_PER_KEY:  # a done-record readers would refuse: refused before writing
-            raise ValueError(f"{where}: {key!r} has {count} pieces, over {MAX_PIECES_PER_KEY}")
+            raise SizeLimitError(f"has {count} pieces, over {MAX_PIECES_PER_KEY}", path=where, key=key)
     counts: dict[str, int] = {}
     for key, *_ in boxes:
         counts[key] = counts.get(key, 0) + 1
@@ -707,9 +719,9 @@ def _listed(pieces: Mapping[str, Any], where: str, world: int) -> list[_Listed]:
                               columns, whole))
     stored_names = [item.stored for item in listed]
     if len(set(stored_names)) != len(stored_names):
-        clashes = {name for name in stored_names if stored_names.count(name) > 1}
-        raise ValueError(f"{where}: pieces of one key start at the same index, or a key looks like a piece's stored "
-                         f"name: {named(sorted(clashes))}")
+        clashes = sorted({name for name in stored_names if stored_names.count(name) > 1})
+        raise PublishError(f"pieces of one key start at the same index, or a key looks like a piece's stored name: "
+                           f"{named(clashes)}", path=where, key=clashes[0].split("@")[0] if len(clashes) == 1 else None)
     return listed
 
 
@@ -757,8 +769,8 @@ def _box(piece: Piece, array_shape: tuple[int, ...], key: str, where: str) -> tu
                         f"{piece.start!r} and {piece.shape!r}") from None
     if len(start) != len(shape) or len(array_shape) != len(shape) or any(s < 0 for s in start + shape) or any(
             s + n > d for s, n, d in zip(start, array_shape, shape, strict=True)):
-        raise ValueError(f"{where}: piece of {key!r}: an array of shape {list(array_shape)} at {list(start)} does not "
-                         f"fit a tensor of shape {list(shape)}")
+        raise PublishError(f"a piece's array of shape {list(array_shape)} at {list(start)} does not fit the tensor's "
+                           f"shape {list(shape)}", path=where, key=key)
     return start, shape
 
 
