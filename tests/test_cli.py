@@ -989,6 +989,13 @@ def test_import_into_an_object_checkpoint_refuses_keys_it_lacks(made, store, tmp
                    f"{target}: the TF2 object-based checkpoint has no variable 'dense/w', 'dense/b', 'head/w'; "
                    "tf.train.Checkpoint.restore ignores entries its object graph does not name",
                    "model keys (dense/kernel) go into a live model instead: tf2.assign")
+    ws.save(tmp_path / "extra.npz", {"net/w": np.ones((2, 2), np.float32), "net/extra": np.ones(2, np.float32)})
+    done = subprocess.run([sys.executable, "-m", "weightstore", "import", str(tmp_path / "extra.npz"), "--into", target,
+                           "--json"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    error = json.loads(done.stdout)["error"]  # one key at fault: --json names it, as docs/cli.md says
+    assert (error["type"], error["path"], error["key"], error["keys"]) == ("SelectionError", target, "net/extra",
+                                                                         ["net/extra"])
     ws.save(tmp_path / "w.npz", {"net/w": np.ones((3, 3), np.float32)})
     one_error_line(run("import", tmp_path / "w.npz", "--into", target),
                    "tensor 'net/w': is float32 [2, 2] in the checkpoint, the imported tensor is float32 [3, 3]")
