@@ -729,6 +729,47 @@ def test_python_m_weightstore(store):
     assert json.loads(done.stdout)["count"] == 3
 
 
+def _documented_json_fields() -> dict[str, tuple[list[str], dict[str, list[str]]]]:
+    """docs/cli.md's table of ``--json`` fields: command -> (top-level fields, nested "each:" fields)."""
+    text = (Path(__file__).parents[1] / "docs" / "cli.md").read_text()
+    table = {}
+    for commands, fields in re.findall(r"^\| (`[a-z].*?`) \| (.+) \|$", text, re.MULTILINE):
+        nested = {name: re.findall(r"`(\w+)`", inner) for name, inner in
+                  re.findall(r"`(\w+)` \(each[^:]*: ([^)]*)\)", fields)}
+        top = re.findall(r"`(\w+)`", re.sub(r"\([^)]*\)", "", fields))
+        for command in re.findall(r"`(\w+)`", commands):
+            table[command] = (top, nested)
+    return table
+
+
+def test_every_command_prints_the_json_fields_docs_cli_md_lists(tmp_path):
+    """The contract: every command has --json with one documented shape. Each command runs as
+    people run it (a process), and its object has exactly the fields the table names."""
+    documented = _documented_json_fields()
+    a, b, run_folder = tmp_path / "a.npz", tmp_path / "b.npz", tmp_path / "run"
+    ws.save(a, {"w": np.zeros(3, np.float32), "v": np.ones(2, np.float32)})
+    ws.save(b, {"w": np.ones(3, np.float32), "v": np.ones(2, np.float32)})
+    ws.publish(run_folder, {"w": np.zeros(3, np.float32)}, step=1)
+    commands = {
+        "ls": ["ls", a], "export": ["export", a, "-o", tmp_path / "e.npz"],
+        "import": ["import", a, "--into", tmp_path / "i.npz", "--scope", "m"],
+        "convert": ["convert", a, tmp_path / "c.h5"], "diff": ["diff", a, b], "verify": ["verify", a],
+        "versions": ["versions", run_folder], "follow": ["follow", run_folder, "--timeout", "0"],
+        "clean": ["clean", run_folder],
+    }
+    assert set(commands) == set(documented)
+    for command, args in commands.items():
+        done = subprocess.run([sys.executable, "-m", "weightstore", *map(str, args), "--json"], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == (1 if command == "diff" else 0), (command, done.stderr)
+        document = json.loads(done.stdout.splitlines()[0] if command == "follow" else done.stdout)
+        top, nested = documented[command]
+        assert list(document) == ["command", "ok", *top], command
+        assert (document["command"], document["ok"]) == (command, True)
+        for name, fields in nested.items():
+            assert document[name] and list(document[name][0]) == fields, (command, name)
+
+
 # -- the CLI as people type it ----------------------------------------------------------------
 
 def test_export_trainable_only_also_keeps_chosen_statistics(made, tmp_path):
