@@ -762,6 +762,25 @@ def test_a_large_member_lets_each_column_strip_go_once_written(tmp_path, monkeyp
         assert (store["layer_3@256,4032"] == 3).all()
 
 
+def test_a_commit_of_another_world_size_than_its_ranks_fails_at_once(tmp_path):
+    """Ranks that wrote a version of 2 and a coordinator told 3 (a relaunch with another size):
+    rank 2 never comes, so the commit fails on the first record it reads, naming it, rather
+    than waiting out its timeout (ShardTimeoutError); LATEST stays where it was."""
+    folder = tmp_path / "run"
+    ws.publish(folder, {"a": np.zeros(1)}, step=1)
+    a = np.arange(8, dtype=np.float32).reshape(4, 2)
+    for rank in range(2):
+        ws.publish_shard(folder, {"w": ws.Piece(a[2 * rank : 2 * rank + 2], (2 * rank, 0), a.shape)}, step=2,
+                         rank=rank, world=2, attempt=0)
+    for world in (3, 1):
+        with pytest.raises(ws.PublishError, match=f"done-record is for step 2 attempt 0 rank 0 of 2, not step 2 "
+                                                  f"attempt 0 of {world}") as caught:
+            shards.commit_shards(folder, step=2, world=world, attempt=0, timeout=60)
+        assert caught.value.path == str(folder / "step-000000000002.attempt-0" / "rank-00000.done")
+    assert ws.latest(folder).step == 1
+    assert shards.commit_shards(folder, step=2, world=2, attempt=0, timeout=60).step == 2
+
+
 def test_a_key_whose_ranks_together_pass_its_piece_limit_is_not_committed(tmp_path, monkeypatch):
     """Each done-record is under the limit, their sum is not: the coordinator refuses it, as
     every reader would refuse the index, and LATEST stays where it was."""

@@ -394,13 +394,10 @@ def commit_shards(
                                "was published", path=target.where)
 
     doomed()
-    found, sizes = _wait_for_ranks(members, world, timeout, failures, doomed)
+    found, sizes = _wait_for_ranks(members, step, attempt, world, timeout, failures, doomed)
     if meeting is not None and meeting.chosen == attempt and meeting.incarnation == incarnation:
         meeting.sweep()  # every rank wrote its member: none reads this call's attempt, or news before, again
-    records = []
-    for rank, data in sorted(found.items()):
-        with naming(path=members.url(done_name(rank))):
-            records.append(parse_done(data))
+    records = [record for _, record in sorted(found.items())]
     if any(sizes.get(record.member.file) != record.member.size for record in records):
         sizes = {entry.name: entry.size for entry in members.files()}  # a listing made while one was renamed in
     for record in records:  # from the listing that found the last done-record: no request more
@@ -860,15 +857,19 @@ def _check_placed(member: BinaryIO, where: str, offset: int, item: _Listed, crcs
 
 # -- the coordinator's side --------------------------------------------------------------------
 
-def _wait_for_ranks(members: Folder, world: int, timeout: float, failures: Callable[[], Mapping[int, str]] | None,
-                    doomed: Callable[[], None] = lambda: None) -> tuple[dict[int, bytes], dict[str, int]]:
-    """Every rank's done-record, as it appears (one listing per look, each record read once),
-    and the sizes of the files in the last listing (each member is whole before its record).
-    A rank's done-record outweighs its word that it gave up: its member is whole. ``doomed``
-    is asked every :data:`_DOOMED_EVERY` seconds whether the commit can still succeed (it raises if not)."""
+def _wait_for_ranks(members: Folder, step: int, attempt: int, world: int, timeout: float,
+                    failures: Callable[[], Mapping[int, str]] | None,
+                    doomed: Callable[[], None] = lambda: None) -> tuple[dict[int, DoneRecord], dict[str, int]]:
+    """Every rank's done-record, parsed as it appears (one listing per look, each record read
+    once), and the sizes of the files in the last listing (each member is whole before its
+    record). A record of another step, attempt, rank or world fails the commit at once, as
+    nothing can make it succeed (ranks launched with another world size would leave it waiting
+    out its timeout for ranks that never come). A rank's done-record outweighs its word that it
+    gave up: its member is whole. ``doomed`` is asked every :data:`_DOOMED_EVERY` seconds
+    whether the commit can still succeed (it raises if not)."""
     deadline = time.monotonic() + timeout
     asked = time.monotonic()
-    found: dict[int, bytes] = {}
+    found: dict[int, DoneRecord] = {}
     wanted = {done_name(rank): rank for rank in range(world)}
     pause = 0.05
     while True:
@@ -878,7 +879,8 @@ def _wait_for_ranks(members: Folder, world: int, timeout: float, failures: Calla
             if rank is not None and rank not in found:
                 data = members.read_small(entry.name, MAX_DONE_BYTES + 1)
                 if data is not None:
-                    found[rank] = data
+                    with naming(path=members.url(entry.name)):
+                        found[rank] = _belonging(parse_done(data), step, attempt, rank, world)
         if len(found) == world:
             return found, {entry.name: entry.size for entry in listing}
         for rank, why in sorted((failures() if failures is not None else {}).items()):
@@ -896,6 +898,15 @@ def _wait_for_ranks(members: Folder, world: int, timeout: float, failures: Calla
                                     f"within {timeout:g}s; nothing was published", path=members.where, missing=missing)
         time.sleep(min(pause, remaining))
         pause = min(pause * 2, _POLL)
+
+
+def _belonging(record: DoneRecord, step: int, attempt: int, rank: int, world: int) -> DoneRecord:
+    """``record``, found as rank ``rank``'s, if it is of this commit's step, attempt and world."""
+    if (record.step, record.attempt, record.rank, record.world) != (step, attempt, rank, world):
+        raise PublishError(f"rank {rank}'s done-record is for step {record.step} attempt {record.attempt} rank "
+                           f"{record.rank} of {record.world}, not step {step} attempt {attempt} of {world}; nothing "
+                           "was published")
+    return record
 
 
 _Part = tuple[int, tuple[int, ...], tuple[int, ...], str]  # member, start, shape, digest
@@ -935,10 +946,7 @@ def _merged(records: list[DoneRecord], step: int, attempt: int, world: int, meta
                                f"zombie and its replacement?) wrote step {step} attempt {attempt}; nothing was "
                                "published (commit a later step)")
     members = []
-    for rank, record in enumerate(records):
-        if (record.step, record.attempt, record.rank, record.world) != (step, attempt, rank, world):
-            raise PublishError(f"rank {rank}'s done-record is for step {record.step} attempt {record.attempt} rank "
-                               f"{record.rank} of {record.world}, not step {step} attempt {attempt} of {world}")
+    for rank, record in enumerate(records):  # each of this step, attempt, rank and world (_belonging)
         members.append(Member(f"{attempt_folder(step, attempt)}/{record.member.file}", record.member.size, rank,
                               record.member.table))
         if record.member.table is not None and records[0].member.table is not None and \
