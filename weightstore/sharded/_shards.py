@@ -358,8 +358,9 @@ def commit_shards(
         ShardTimeoutError: some rank did not finish within ``timeout`` seconds (``.missing``
             names them); nothing is published.
         PublishError: the step is not above the one ``LATEST`` names (at once); a rank without
-            a done-record gave up (``failures``: naming the rank and its reason); done-records of
-            two job incarnations (naming both); pieces that overlap, leave a gap ("cover") or disagree on dtype or shape
+            a done-record gave up (``failures``: naming the rank and its reason); a done-record of
+            another step, attempt or world (at once, naming it: ranks launched with another world
+            size); done-records of two job incarnations (naming both); pieces that overlap, leave a gap ("cover") or disagree on dtype or shape
             (naming the key); two ranks' pieces of one part whose bytes differ (replicas that
             diverged: one of a part written alike is kept); a step that does not go forward;
             another coordinator committed this step or a later one first; the keys of every rank together
