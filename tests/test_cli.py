@@ -894,7 +894,7 @@ def _import_selection_that_keeps_nothing(tmp_path) -> tuple[list[str], str, str 
 
 def _mapping_that_merges_two_keys(tmp_path) -> tuple[list[str], str, str | None]:
     source = _two_keys(tmp_path)
-    return ["import", source, "--into", str(tmp_path / "out.npz"), "--map", "dense/w=x", "--map", "dense/b=x"], source, None
+    return ["import", source, "--into", str(tmp_path / "out.npz"), "--map", "dense/w=x", "--map", "dense/b=x"], source, "x"
 
 
 def _corrupt_tensor_converted(tmp_path) -> tuple[list[str], str, str | None]:
