@@ -146,11 +146,13 @@ def replace_in_object_checkpoint(prefix: str, weights: Mapping[str, np.ndarray])
     present = set(reader.keys())
     unknown = [key for key in weights if key not in present]
     if unknown:
-        raise SelectionError(f"the TF2 object-based checkpoint has no variable {named(unknown, shown=_SHOWN)}; "
+        lone = unknown[0] if len(unknown) == 1 else None  # the error's key, so not named again
+        which = "such variable" if lone is not None else f"variable {named(unknown, shown=_SHOWN)}"
+        raise SelectionError(f"the TF2 object-based checkpoint has no {which}; "
                              "tf.train.Checkpoint.restore ignores entries its object graph does not name, "
                              "so ws only replaces existing ones, under the names ws ls lists; model keys "
                              "(dense/kernel) go into a live model instead: tf2.assign, then the model's own "
-                             "Checkpoint.write", path=prefix)
+                             "Checkpoint.write", path=prefix, key=lone)
     replaced: dict[str, np.ndarray] = {}
     for key, value in weights.items():
         array, info = np.asarray(value), reader.info(key)

@@ -397,10 +397,12 @@ def test_object_checkpoint_shape_and_dtype_mismatches_write_nothing(made, tmp_pa
 def test_object_checkpoint_refuses_keys_it_does_not_have(made, tmp_path):
     target = copy_checkpoint(made["module"], tmp_path)
     before = (tmp_path / (os.path.basename(target) + ".index")).read_bytes()
-    with pytest.raises(SelectionError, match=re.escape(f"{target}: the TF2 object-based checkpoint has no variable "
-                                                       "'net/extra'; tf.train.Checkpoint.restore ignores")):
+    with pytest.raises(SelectionError, match=re.escape(f"{target}: tensor 'net/extra': the TF2 object-based "
+                                                       "checkpoint has no such variable; tf.train.Checkpoint.restore "
+                                                       "ignores")) as caught:
         _checkpoints.replace_in_object_checkpoint(target, {"net/w": np.ones((2, 2), np.float32),
                                                           "net/extra": np.ones(2, np.float32)})
+    assert (caught.value.path, caught.value.key) == (target, "net/extra")  # one key at fault: ws --json names it
     assert (tmp_path / (os.path.basename(target) + ".index")).read_bytes() == before
     with pytest.raises(FormatError, match="is a name-based"):
         _checkpoints.replace_in_object_checkpoint(copy_checkpoint(made["tf1"], tmp_path), {})

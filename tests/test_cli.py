@@ -729,6 +729,47 @@ def test_python_m_weightstore(store):
     assert json.loads(done.stdout)["count"] == 3
 
 
+def _documented_json_fields() -> dict[str, tuple[list[str], dict[str, list[str]]]]:
+    """docs/cli.md's table of ``--json`` fields: command -> (top-level fields, nested "each:" fields)."""
+    text = (Path(__file__).parents[1] / "docs" / "cli.md").read_text()
+    table = {}
+    for commands, fields in re.findall(r"^\| (`[a-z].*?`) \| (.+) \|$", text, re.MULTILINE):
+        nested = {name: re.findall(r"`(\w+)`", inner) for name, inner in
+                  re.findall(r"`(\w+)` \(each[^:]*: ([^)]*)\)", fields)}
+        top = re.findall(r"`(\w+)`", re.sub(r"\([^)]*\)", "", fields))
+        for command in re.findall(r"`(\w+)`", commands):
+            table[command] = (top, nested)
+    return table
+
+
+def test_every_command_prints_the_json_fields_docs_cli_md_lists(tmp_path):
+    """The contract: every command has --json with one documented shape. Each command runs as
+    people run it (a process), and its object has exactly the fields the table names."""
+    documented = _documented_json_fields()
+    a, b, run_folder = tmp_path / "a.npz", tmp_path / "b.npz", tmp_path / "run"
+    ws.save(a, {"w": np.zeros(3, np.float32), "v": np.ones(2, np.float32)})
+    ws.save(b, {"w": np.ones(3, np.float32), "v": np.ones(2, np.float32)})
+    ws.publish(run_folder, {"w": np.zeros(3, np.float32)}, step=1)
+    commands = {
+        "ls": ["ls", a], "export": ["export", a, "-o", tmp_path / "e.npz"],
+        "import": ["import", a, "--into", tmp_path / "i.npz", "--scope", "m"],
+        "convert": ["convert", a, tmp_path / "c.h5"], "diff": ["diff", a, b], "verify": ["verify", a],
+        "versions": ["versions", run_folder], "follow": ["follow", run_folder, "--timeout", "0"],
+        "clean": ["clean", run_folder],
+    }
+    assert set(commands) == set(documented)
+    for command, args in commands.items():
+        done = subprocess.run([sys.executable, "-m", "weightstore", *map(str, args), "--json"], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == (1 if command == "diff" else 0), (command, done.stderr)
+        document = json.loads(done.stdout.splitlines()[0] if command == "follow" else done.stdout)
+        top, nested = documented[command]
+        assert list(document) == ["command", "ok", *top], command
+        assert (document["command"], document["ok"]) == (command, True)
+        for name, fields in nested.items():
+            assert document[name] and list(document[name][0]) == fields, (command, name)
+
+
 # -- the CLI as people type it ----------------------------------------------------------------
 
 def test_export_trainable_only_also_keeps_chosen_statistics(made, tmp_path):
@@ -853,7 +894,7 @@ def _import_selection_that_keeps_nothing(tmp_path) -> tuple[list[str], str, str 
 
 def _mapping_that_merges_two_keys(tmp_path) -> tuple[list[str], str, str | None]:
     source = _two_keys(tmp_path)
-    return ["import", source, "--into", str(tmp_path / "out.npz"), "--map", "dense/w=x", "--map", "dense/b=x"], source, None
+    return ["import", source, "--into", str(tmp_path / "out.npz"), "--map", "dense/w=x", "--map", "dense/b=x"], source, "x"
 
 
 def _corrupt_tensor_converted(tmp_path) -> tuple[list[str], str, str | None]:
@@ -989,6 +1030,13 @@ def test_import_into_an_object_checkpoint_refuses_keys_it_lacks(made, store, tmp
                    f"{target}: the TF2 object-based checkpoint has no variable 'dense/w', 'dense/b', 'head/w'; "
                    "tf.train.Checkpoint.restore ignores entries its object graph does not name",
                    "model keys (dense/kernel) go into a live model instead: tf2.assign")
+    ws.save(tmp_path / "extra.npz", {"net/w": np.ones((2, 2), np.float32), "net/extra": np.ones(2, np.float32)})
+    done = subprocess.run([sys.executable, "-m", "weightstore", "import", str(tmp_path / "extra.npz"), "--into", target,
+                           "--json"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    error = json.loads(done.stdout)["error"]  # one key at fault: --json names it, as docs/cli.md says
+    assert (error["type"], error["path"], error["key"], error["keys"]) == ("SelectionError", target, "net/extra",
+                                                                         ["net/extra"])
     ws.save(tmp_path / "w.npz", {"net/w": np.ones((3, 3), np.float32)})
     one_error_line(run("import", tmp_path / "w.npz", "--into", target),
                    "tensor 'net/w': is float32 [2, 2] in the checkpoint, the imported tensor is float32 [3, 3]")

@@ -147,16 +147,29 @@ def test_mapping_collisions_and_bad_rules():
     with pytest.raises(ws.InvalidKeyError) as info:
         ws.remap({"a/w": 1, "b/w": 2}, mapping=["a=c", "b=c"])
     assert "'a/w'" in str(info.value) and "'b/w'" in str(info.value) and "c/w" in str(info.value)
+    assert info.value.key == "c/w"  # the key two keys would share
     with pytest.raises(ws.InvalidKeyError) as info:
         ws.remap({"w": 1}, mapping=["no-equals-sign"])
     assert "no-equals-sign" in str(info.value)
-    with pytest.raises(ws.InvalidKeyError):
+    with pytest.raises(ws.InvalidKeyError) as info:
         ws.remap({"w": 1}, mapping=["w="])  # would leave an empty key
+    assert info.value.key == "w"
     with pytest.raises(ws.InvalidKeyError):
         ws.remap({"w": 1}, mapping=["w=../up"])
     with pytest.raises(ws.SelectionError, match="mapping a/b=q never applies: the earlier rule a=p renames"):
         ws.remap({"a/b/w": 1, "a/c": 2}, mapping=["a=p", "a/b=q"])  # a shadowed rule is a mistake, not ignored
     assert ws.remap({"a/b/w": 1, "a/c": 2}, mapping=["a/b=q", "a=p"]) == {"q/w": 1, "p/c": 2}
+
+
+def test_a_mapping_that_breaks_a_files_keys_names_the_file_and_the_key(tmp_path):
+    path = tmp_path / "m.npz"
+    ws.save(path, {"a/w": np.ones(1), "b/w": np.ones(1)})
+    with pytest.raises(ws.InvalidKeyError, match="tensor 'c/w': keys 'a/w' and 'b/w' both become it") as info:
+        ws.load(path, mapping=["a=c", "b=c"])
+    assert (info.value.path, info.value.key) == (str(path), "c/w")
+    with pytest.raises(ws.InvalidKeyError, match="tensor 'a/w': mapping a/w= turns it into an empty key") as info:
+        ws.load(path, mapping=["a/w="])
+    assert (info.value.path, info.value.key) == (str(path), "a/w")
 
 
 def test_a_mapping_rule_that_matches_no_key_is_refused_naming_the_closest(tmp_path):

@@ -238,10 +238,20 @@ def test_the_same_part_written_by_two_ranks_is_kept_once_and_diverged_replicas_r
 
 def test_bad_pieces_are_refused_before_anything_is_written(tmp_path):
     folder = tmp_path / "run"
-    with pytest.raises(ValueError, match="does not fit"):
+    member = str(folder / "step-000000000001.attempt-0" / "rank-00000.safetensors")
+    with pytest.raises(ws.PublishError, match=r"'w': a piece's array of shape \[3, 2\] at \[4, 0\] does not fit") as caught:
         ws.publish_shard(folder, {"w": ws.Piece(np.zeros((3, 2)), (4, 0), (6, 2))}, step=1, rank=0, world=1, attempt=0)
-    with pytest.raises(ws.UnsupportedDTypeError):
+    assert (caught.value.path, caught.value.key) == (member, "w")
+    with pytest.raises(ws.PublishError, match="start at the same index") as caught:
+        ws.publish_shard(folder, {"w": [ws.Piece(np.zeros((3, 2)), (0, 0), (6, 2))] * 2}, step=1, rank=0, world=1,
+                         attempt=0)
+    assert (caught.value.path, caught.value.key) == (member, "w")
+    with pytest.raises(ws.UnsupportedDTypeError) as caught:
         ws.publish_shard(folder, {"w": np.array(["x"], object)}, step=1, rank=0, world=1, attempt=0)
+    assert (caught.value.path, caught.value.key) == (member, "w")
+    with pytest.raises(ws.InvalidKeyError) as caught:
+        ws.publish_shard(folder, {"a//b": np.zeros(2)}, step=1, rank=0, world=1, attempt=0)
+    assert (caught.value.path, caught.value.key) == (member, "a//b")
     with pytest.raises(ValueError, match="rank 2 is not below world 2"):
         ws.publish_shard(folder, {"w": np.zeros(2)}, step=1, rank=2, world=2, attempt=0)
     with pytest.raises(ValueError, match="a start of piece of 'w' must be a non-negative int, not 0.9"):
@@ -752,6 +762,25 @@ def test_a_large_member_lets_each_column_strip_go_once_written(tmp_path, monkeyp
         assert (store["layer_3@256,4032"] == 3).all()
 
 
+def test_a_commit_of_another_world_size_than_its_ranks_fails_at_once(tmp_path):
+    """Ranks that wrote a version of 2 and a coordinator told 3 (a relaunch with another size):
+    rank 2 never comes, so the commit fails on the first record it reads, naming it, rather
+    than waiting out its timeout (ShardTimeoutError); LATEST stays where it was."""
+    folder = tmp_path / "run"
+    ws.publish(folder, {"a": np.zeros(1)}, step=1)
+    a = np.arange(8, dtype=np.float32).reshape(4, 2)
+    for rank in range(2):
+        ws.publish_shard(folder, {"w": ws.Piece(a[2 * rank : 2 * rank + 2], (2 * rank, 0), a.shape)}, step=2,
+                         rank=rank, world=2, attempt=0)
+    for world in (3, 1):
+        with pytest.raises(ws.PublishError, match=f"done-record is for step 2 attempt 0 rank 0 of 2, not step 2 "
+                                                  f"attempt 0 of {world}") as caught:
+            shards.commit_shards(folder, step=2, world=world, attempt=0, timeout=60)
+        assert caught.value.path == str(folder / "step-000000000002.attempt-0" / "rank-00000.done")
+    assert ws.latest(folder).step == 1
+    assert shards.commit_shards(folder, step=2, world=2, attempt=0, timeout=60).step == 2
+
+
 def test_a_key_whose_ranks_together_pass_its_piece_limit_is_not_committed(tmp_path, monkeypatch):
     """Each done-record is under the limit, their sum is not: the coordinator refuses it, as
     every reader would refuse the index, and LATEST stays where it was."""
@@ -768,10 +797,11 @@ def test_a_key_whose_ranks_together_pass_its_piece_limit_is_not_committed(tmp_pa
                          step=2, rank=rank, world=2, attempt=0)
     with pytest.raises(ws.PublishError, match="6 pieces, over 4") as caught:
         shards.commit_shards(folder, step=2, world=2, attempt=0, timeout=5)
-    with pytest.raises(ValueError, match="'w' has 5 pieces"):  # one rank alone: refused before writing
+    with pytest.raises(ws.SizeLimitError, match="'w': has 5 pieces") as alone:  # one rank: refused before writing
         ws.publish_shard(folder, {"w": [ws.Piece(a[row : row + 1], (row, 0), (6, 2)) for row in range(5)]},
                          step=3, rank=0, world=1, attempt=0)
     assert not (folder / "step-000000000003.attempt-0").exists()
+    assert alone.value.key == "w" and alone.value.path.endswith("rank-00000.safetensors")
     assert caught.value.key == "w" and caught.value.path.endswith("step-000000000002.wsindex")
     assert ws.latest(folder).step == 1 and not (folder / "step-000000000002.wsindex").exists()
 

@@ -23,7 +23,7 @@ weightstore class or the builtin they already handle::
     ├── StoreClosedError(ValueError)       a tensor asked of a store after ``close()``
     ├── AssignmentError(ValueError)        assign found missing/unexpected/mismatched keys
     ├── LayoutError(ValueError)            a tensor no layout rule converts (Keras <-> PyTorch/Flax)
-    ├── PublishError(RuntimeError)         a second publisher, or steps that go back
+    ├── PublishError(RuntimeError)         a second publisher, steps that go back, pieces that do not tile a tensor
     ├── ShardTimeoutError(TimeoutError)    a rank of a sharded version never finished its part
     ├── UnsupportedTargetError(TypeError)  an object no adapter takes, or that a follower cannot assign into
     └── MissingDependencyError(ImportError) an optional extra is not installed

@@ -258,7 +258,7 @@ def map_key(key: str, rules: Sequence[tuple[str, str]]) -> str:
             rest = "" if key == source else strip_scope(key, source)
             mapped = join_scope(target, rest)
             if not mapped:
-                raise InvalidKeyError(f"mapping {source}={target} turns key {key!r} into an empty key")
+                raise InvalidKeyError(f"mapping {source}={target} turns it into an empty key", key=key)
             return mapped
     return key
 
@@ -382,8 +382,8 @@ def _refuse_collisions(renamed: dict[str, str], sources: list[str], scope: str, 
         new = map_key(strip_scope(source, scope), rules)
         if new in seen:
             raise InvalidKeyError(
-                f"keys {seen[new]!r} and {source!r} both become {new!r}{_where(where)}; "
-                "change the mapping so each key has its own name"
+                f"keys {seen[new]!r} and {source!r} both become it{_where(where)}; "
+                "change the mapping so each key has its own name", key=new
             )
         seen[new] = source
 

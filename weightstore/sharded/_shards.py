@@ -59,7 +59,15 @@ from weightstore.core.limits import (
     MAX_V1_INDEX_BYTES,
 )
 from weightstore.core.manifest import crc32, from_storage, logical_dtype, to_storage
-from weightstore.errors import FormatError, PublishError, ShardTimeoutError, WeightStoreError, named, naming
+from weightstore.errors import (
+    FormatError,
+    PublishError,
+    ShardTimeoutError,
+    SizeLimitError,
+    WeightStoreError,
+    named,
+    naming,
+)
 from weightstore.formats import Format, format_named
 from weightstore.formats import _sharded_index as shardindex
 from weightstore.formats import delta as delta_format
@@ -201,7 +209,9 @@ def publish_shard(
         PublishError: the step is not above the one ``LATEST`` names.
         SizeLimitError: this rank's pieces or keys would take the version's index past its bounds
             (``docs/sharded.md``, Bounds; nothing written).
-        InvalidKeyError, UnsupportedDTypeError, ValueError: a bad key, dtype or piece (nothing written).
+        InvalidKeyError, UnsupportedDTypeError, PublishError: a bad key, dtype, or a piece that does not
+            fit its tensor or starts where another of its key does, naming the member and the key
+            (nothing written).
         WeightStoreError: ``rank``, ``world`` or ``attempt`` not given and the cluster does not say it.
         ShardTimeoutError: agreeing the attempt or the incarnation, rank 0 or another rank did not
             take part within 600 seconds.
@@ -348,8 +358,9 @@ def commit_shards(
         ShardTimeoutError: some rank did not finish within ``timeout`` seconds (``.missing``
             names them); nothing is published.
         PublishError: the step is not above the one ``LATEST`` names (at once); a rank without
-            a done-record gave up (``failures``: naming the rank and its reason); done-records of
-            two job incarnations (naming both); pieces that overlap, leave a gap ("cover") or disagree on dtype or shape
+            a done-record gave up (``failures``: naming the rank and its reason); a done-record of
+            another step, attempt or world (at once, naming it: ranks launched with another world
+            size); done-records of two job incarnations (naming both); pieces that overlap, leave a gap ("cover") or disagree on dtype or shape
             (naming the key); two ranks' pieces of one part whose bytes differ (replicas that
             diverged: one of a part written alike is kept); a step that does not go forward;
             another coordinator committed this step or a later one first; the keys of every rank together
@@ -384,13 +395,10 @@ def commit_shards(
                                "was published", path=target.where)
 
     doomed()
-    found, sizes = _wait_for_ranks(members, world, timeout, failures, doomed)
+    found, sizes = _wait_for_ranks(members, step, attempt, world, timeout, failures, doomed)
     if meeting is not None and meeting.chosen == attempt and meeting.incarnation == incarnation:
         meeting.sweep()  # every rank wrote its member: none reads this call's attempt, or news before, again
-    records = []
-    for rank, data in sorted(found.items()):
-        with naming(path=members.url(done_name(rank))):
-            records.append(parse_done(data))
+    records = [record for _, record in sorted(found.items())]
     if any(sizes.get(record.member.file) != record.member.size for record in records):
         sizes = {entry.name: entry.size for entry in members.files()}  # a listing made while one was renamed in
     for record in records:  # from the listing that found the last done-record: no request more
@@ -673,7 +681,8 @@ def _listed(pieces: Mapping[str, Any], where: str, world: int) -> list[_Listed]:
         raise TypeError(f"pieces must map a key to an array, a Piece or a list of them, not {type(pieces).__name__}")
     found: list[tuple[str, Piece]] = []
     for key, value in pieces.items():
-        validate_key(key)
+        with naming(path=where, key=key if isinstance(key, str) else None):
+            validate_key(key)
         for piece in _pieces_of(key, value):
             if not isinstance(piece, Piece):
                 array = np.asarray(piece)
@@ -685,7 +694,8 @@ def _listed(pieces: Mapping[str, Any], where: str, world: int) -> list[_Listed]:
     converted: list[tuple[str, str, np.ndarray, tuple[int, ...], tuple[int, ...]]] = []
     for key, piece in found:
         array = np.asarray(piece.array)
-        dtype, data = to_storage(array, key)
+        with naming(path=where, key=key):
+            dtype, data = to_storage(array, key)
         data = np.ascontiguousarray(data).reshape(array.shape)
         converted.append((key, dtype, data, *_box(piece, array.shape, key, where)))
         pieces_of[key] = pieces_of.get(key, 0) + 1
@@ -696,7 +706,7 @@ def _listed(pieces: Mapping[str, Any], where: str, world: int) -> list[_Listed]:
                      for part, at, rows in strips)
     for key, count in pieces_of.items():
         if count > MAX_PIECES_PER_KEY:  # a done-record readers would refuse: refused before writing
-            raise ValueError(f"{where}: {key!r} has {count} pieces, over {MAX_PIECES_PER_KEY}")
+            raise SizeLimitError(f"has {count} pieces, over {MAX_PIECES_PER_KEY}", path=where, key=key)
     counts: dict[str, int] = {}
     for key, *_ in boxes:
         counts[key] = counts.get(key, 0) + 1
@@ -707,9 +717,9 @@ def _listed(pieces: Mapping[str, Any], where: str, world: int) -> list[_Listed]:
                               columns, whole))
     stored_names = [item.stored for item in listed]
     if len(set(stored_names)) != len(stored_names):
-        clashes = {name for name in stored_names if stored_names.count(name) > 1}
-        raise ValueError(f"{where}: pieces of one key start at the same index, or a key looks like a piece's stored "
-                         f"name: {named(sorted(clashes))}")
+        clashes = sorted({name for name in stored_names if stored_names.count(name) > 1})
+        raise PublishError(f"pieces of one key start at the same index, or a key looks like a piece's stored name: "
+                           f"{named(clashes)}", path=where, key=clashes[0].split("@")[0] if len(clashes) == 1 else None)
     return listed
 
 
@@ -757,8 +767,8 @@ def _box(piece: Piece, array_shape: tuple[int, ...], key: str, where: str) -> tu
                         f"{piece.start!r} and {piece.shape!r}") from None
     if len(start) != len(shape) or len(array_shape) != len(shape) or any(s < 0 for s in start + shape) or any(
             s + n > d for s, n, d in zip(start, array_shape, shape, strict=True)):
-        raise ValueError(f"{where}: piece of {key!r}: an array of shape {list(array_shape)} at {list(start)} does not "
-                         f"fit a tensor of shape {list(shape)}")
+        raise PublishError(f"a piece's array of shape {list(array_shape)} at {list(start)} does not fit the tensor's "
+                           f"shape {list(shape)}", path=where, key=key)
     return start, shape
 
 
@@ -848,15 +858,19 @@ def _check_placed(member: BinaryIO, where: str, offset: int, item: _Listed, crcs
 
 # -- the coordinator's side --------------------------------------------------------------------
 
-def _wait_for_ranks(members: Folder, world: int, timeout: float, failures: Callable[[], Mapping[int, str]] | None,
-                    doomed: Callable[[], None] = lambda: None) -> tuple[dict[int, bytes], dict[str, int]]:
-    """Every rank's done-record, as it appears (one listing per look, each record read once),
-    and the sizes of the files in the last listing (each member is whole before its record).
-    A rank's done-record outweighs its word that it gave up: its member is whole. ``doomed``
-    is asked every :data:`_DOOMED_EVERY` seconds whether the commit can still succeed (it raises if not)."""
+def _wait_for_ranks(members: Folder, step: int, attempt: int, world: int, timeout: float,
+                    failures: Callable[[], Mapping[int, str]] | None,
+                    doomed: Callable[[], None] = lambda: None) -> tuple[dict[int, DoneRecord], dict[str, int]]:
+    """Every rank's done-record, parsed as it appears (one listing per look, each record read
+    once), and the sizes of the files in the last listing (each member is whole before its
+    record). A record of another step, attempt, rank or world fails the commit at once, as
+    nothing can make it succeed (ranks launched with another world size would leave it waiting
+    out its timeout for ranks that never come). A rank's done-record outweighs its word that it
+    gave up: its member is whole. ``doomed`` is asked every :data:`_DOOMED_EVERY` seconds
+    whether the commit can still succeed (it raises if not)."""
     deadline = time.monotonic() + timeout
     asked = time.monotonic()
-    found: dict[int, bytes] = {}
+    found: dict[int, DoneRecord] = {}
     wanted = {done_name(rank): rank for rank in range(world)}
     pause = 0.05
     while True:
@@ -866,7 +880,8 @@ def _wait_for_ranks(members: Folder, world: int, timeout: float, failures: Calla
             if rank is not None and rank not in found:
                 data = members.read_small(entry.name, MAX_DONE_BYTES + 1)
                 if data is not None:
-                    found[rank] = data
+                    with naming(path=members.url(entry.name)):
+                        found[rank] = _belonging(parse_done(data), step, attempt, rank, world)
         if len(found) == world:
             return found, {entry.name: entry.size for entry in listing}
         for rank, why in sorted((failures() if failures is not None else {}).items()):
@@ -884,6 +899,15 @@ def _wait_for_ranks(members: Folder, world: int, timeout: float, failures: Calla
                                     f"within {timeout:g}s; nothing was published", path=members.where, missing=missing)
         time.sleep(min(pause, remaining))
         pause = min(pause * 2, _POLL)
+
+
+def _belonging(record: DoneRecord, step: int, attempt: int, rank: int, world: int) -> DoneRecord:
+    """``record``, found as rank ``rank``'s, if it is of this commit's step, attempt and world."""
+    if (record.step, record.attempt, record.rank, record.world) != (step, attempt, rank, world):
+        raise PublishError(f"rank {rank}'s done-record is for step {record.step} attempt {record.attempt} rank "
+                           f"{record.rank} of {record.world}, not step {step} attempt {attempt} of {world}; nothing "
+                           "was published")
+    return record
 
 
 _Part = tuple[int, tuple[int, ...], tuple[int, ...], str]  # member, start, shape, digest
@@ -923,10 +947,7 @@ def _merged(records: list[DoneRecord], step: int, attempt: int, world: int, meta
                                f"zombie and its replacement?) wrote step {step} attempt {attempt}; nothing was "
                                "published (commit a later step)")
     members = []
-    for rank, record in enumerate(records):
-        if (record.step, record.attempt, record.rank, record.world) != (step, attempt, rank, world):
-            raise PublishError(f"rank {rank}'s done-record is for step {record.step} attempt {record.attempt} rank "
-                               f"{record.rank} of {record.world}, not step {step} attempt {attempt} of {world}")
+    for rank, record in enumerate(records):  # each of this step, attempt, rank and world (_belonging)
         members.append(Member(f"{attempt_folder(step, attempt)}/{record.member.file}", record.member.size, rank,
                               record.member.table))
         if record.member.table is not None and records[0].member.table is not None and \
