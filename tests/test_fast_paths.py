@@ -3,8 +3,9 @@
 The checks that make 50,000 small tensors cheap are second implementations: a bulk key check
 (``keys._maybe_invalid``) before the per-key rule (``keys._key_problem``), a column-wise parse
 of version 1 manifest entries (``manifest._parse_plain_entries``) before the entry-by-entry
-one (``manifest._parse_entries``), and the manifest's integer columns checked as Python lists
-for a few tensors (``_tensortable.FEW_ROWS``) rather than as numpy arrays. The rule is the slow twin; the fast one may only ever say
+one (``manifest._parse_entries``), the manifest's integer columns checked as Python lists
+for a few tensors (``_tensortable.FEW_ROWS``) rather than as numpy arrays, and JSON from a file
+read by orjson where it writes the text back unchanged (``_jsontext._canonical``). The rule is the slow twin; the fast one may only ever say
 "nothing to find here" when the rule agrees. (The npz directory and batch read have theirs in
 ``test_npz_fastpath.py::test_damaged_directories_read_alike_on_either_path``.)
 """
@@ -17,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from weightstore import errors
-from weightstore.core import _tensortable, manifest
+from weightstore.core import _jsontext, _tensortable, manifest
 from weightstore.core import keys as K
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -133,4 +134,44 @@ def test_columns_read_alike_as_lists_and_as_arrays(raw, version):
                 outcomes.append(("refused", type(exc), str(exc), exc.key))
             else:
                 outcomes.append(("read", list(table), table.rows(), [table[key] for key in table]))
+    assert outcomes[0] == outcomes[1]
+
+
+#: JSON values at the edges of what orjson and the stdlib read alike: integers past 64 bits,
+#: floats written otherwise than orjson writes them, escapes, a lone surrogate, NaN
+_JSON_LEAVES = st.sampled_from(["0", "-0", "7", "1.0", "1e2", "0.1", "18446744073709551615", "18446744073709551616",
+                                "-9223372036854775809", '"a"', '"\\u00e9"', '"é"', '"\\ud800"', '"\\/"', '"\\n"',
+                                '"\\u001f"', "true", "null", "NaN", "-Infinity", "[1,2"])
+
+
+def _json_object(children: st.SearchStrategy[str]) -> st.SearchStrategy[str]:
+    member = st.tuples(st.sampled_from(["a", "b", "a.b", "é"]), children)  # "a" twice now and then
+    return st.builds(lambda members, gap: "{" + f",{gap}".join(f'"{name}":{gap}{value}' for name, value in members) + "}",
+                     st.lists(member, max_size=3), st.sampled_from(["", "", " "]))
+
+
+_JSON_TEXT = st.recursive(_JSON_LEAVES, lambda children: st.one_of(
+    _json_object(children), st.builds(lambda items: "[" + ",".join(items) + "]", st.lists(children, max_size=3))),
+    max_leaves=8)
+
+
+@SETTINGS
+@given(_JSON_TEXT, st.sampled_from(["", "    ", " \n"]), st.booleans(), st.sampled_from([0, 3, 300]))
+def test_json_reads_alike_as_written_and_otherwise(text, padding, as_bytes, depth):
+    """JSON from a file reads the same whether orjson's parse is taken (text it writes back
+    unchanged) or the stdlib's with its hook: the same document, value types alike, or the same
+    refusal (a name twice, NaN, a lone surrogate, nesting past what ``repr`` can show)."""
+    text = "[" * depth + text + "]" * depth + padding
+    data = text.encode("utf-8", "surrogatepass") if as_bytes else text
+    outcomes = []
+    for fast in (True, False):
+        with patch.object(_jsontext, "_canonical", _jsontext._canonical if fast else lambda _: _jsontext._NOT_CANONICAL):
+            try:
+                document = _jsontext.loads(data, what="header", min_bytes=1)
+            except errors.WeightStoreError as exc:
+                outcomes.append(("refused", type(exc), str(exc)))
+            except RecursionError:  # the stdlib's parse of 300 levels, which only the rule reaches
+                outcomes.append(("refused", RecursionError, ""))
+            else:
+                outcomes.append(("read", repr(document)))
     assert outcomes[0] == outcomes[1]
