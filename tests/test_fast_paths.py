@@ -12,6 +12,7 @@ read by orjson where it writes the text back unchanged (``_jsontext._canonical``
 
 from __future__ import annotations
 
+import math
 from unittest.mock import patch
 
 from hypothesis import HealthCheck, given, settings
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 from weightstore import errors
 from weightstore.core import _jsontext, _tensortable, manifest
 from weightstore.core import keys as K
+from weightstore.formats import safetensors
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -175,3 +177,49 @@ def test_json_reads_alike_as_written_and_otherwise(text, padding, as_bytes, dept
             else:
                 outcomes.append(("read", repr(document)))
     assert outcomes[0] == outcomes[1]
+
+
+_ST_ITEMSIZE = {"F32": 4, "U8": 1, "I16": 2, "BF16": 2}
+
+
+@st.composite
+def _st_header(draw) -> tuple[dict, int]:
+    """Header entries and a data buffer's size: mostly entries laid end to end with the offsets
+    their dtype and shape need, now and then one that leaves a gap or overlaps, a zero
+    dimension, a field hostile or missing, a buffer longer or shorter than the entries."""
+    document: dict[str, object] = {}
+    cursor = 0
+    for name in draw(st.lists(st.sampled_from(["a", "b", "c.d"]), unique=True, max_size=3)):
+        code = draw(st.sampled_from([*_ST_ITEMSIZE, *_ST_ITEMSIZE, "F4", "XX", 3]))
+        shape = draw(st.lists(st.integers(1, 3), max_size=2) | st.lists(st.integers(0, 2), max_size=2))
+        begin = max(0, cursor + draw(st.sampled_from([0, 0, 0, 0, 2, -2])))
+        cursor = begin + math.prod(shape) * _ST_ITEMSIZE.get(code, 4)  # type: ignore[call-overload]
+        entry = {"dtype": code, "shape": shape, "data_offsets": [begin, cursor]}
+        field = draw(st.sampled_from(["", "", "", "", "", "", "", "", "", "dtype", "shape", "data_offsets", "gone", "whole"]))
+        if field == "gone":
+            del entry[draw(st.sampled_from(sorted(entry)))]
+        elif field == "whole":
+            entry = draw(st.sampled_from([None, [], "F32"]))  # type: ignore[assignment]
+        elif field:
+            entry[field] = draw(st.sampled_from([None, "2", [[2]], [-1], [True], [2.0], [2**64], [0], [0, 4, 8], [-4, 0]]))
+        document[name] = entry
+    return document, max(0, cursor + draw(st.sampled_from([0, 0, 0, 4, -2])))
+
+
+@SETTINGS
+@given(_st_header())
+def test_safetensors_headers_read_alike_column_wise_and_entry_by_entry(header):
+    """``safetensors._plain_tensors`` either hands a header's entries over (``None``) or reads
+    exactly the tensors ``_check_tensors``'s loop reads; whatever the loop refuses, it hands over."""
+    document, data_size = header
+    reader = safetensors.SafetensorsReader.__new__(safetensors.SafetensorsReader)
+    reader.name, reader._data_start = "w.safetensors", 0
+    reader._source = type("Sized", (), {"size": data_size})()
+    fast = safetensors._plain_tensors(document, data_size)
+    with patch.object(safetensors, "_plain_tensors", lambda *_: None):
+        try:
+            slow = reader._check_tensors(document)
+        except errors.WeightStoreError:
+            assert fast is None
+            return
+    assert fast is None or fast == slow
