@@ -4,8 +4,10 @@ The checks that make 50,000 small tensors cheap are second implementations: a bu
 (``keys._maybe_invalid``) before the per-key rule (``keys._key_problem``), a column-wise parse
 of version 1 manifest entries (``manifest._parse_plain_entries``) before the entry-by-entry
 one (``manifest._parse_entries``), the manifest's integer columns checked as Python lists
-for a few tensors (``_tensortable.FEW_ROWS``) rather than as numpy arrays, and JSON from a file
-read by orjson where it writes the text back unchanged (``_jsontext._canonical``). The rule is the slow twin; the fast one may only ever say
+for a few tensors (``_tensortable.FEW_ROWS``) rather than as numpy arrays, JSON from a file
+read by orjson where it writes the text back unchanged (``_jsontext._canonical``), a safetensors
+header's entries checked column by column (``safetensors._plain_tensors``), and a file's torch
+names made keys all at once (``names.keys_of_torch_names``). The rule is the slow twin; the fast one may only ever say
 "nothing to find here" when the rule agrees. (The npz directory and batch read have theirs in
 ``test_npz_fastpath.py::test_damaged_directories_read_alike_on_either_path``.)
 """
@@ -21,6 +23,7 @@ from hypothesis import strategies as st
 from weightstore import errors
 from weightstore.core import _jsontext, _tensortable, manifest
 from weightstore.core import keys as K
+from weightstore.core.names import key_of_torch_name, keys_of_torch_names
 from weightstore.formats import safetensors
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -223,3 +226,18 @@ def test_safetensors_headers_read_alike_column_wise_and_entry_by_entry(header):
             assert fast is None
             return
     assert fast is None or fast == slow
+
+
+@SETTINGS
+@given(st.lists(st.lists(st.sampled_from([*_PIECES.elements, "a.b", ".", "..", "a."]), max_size=4).map("".join),
+                min_size=1, max_size=4))
+def test_torch_names_become_keys_alike_at_once_and_one_by_one(names):
+    """``keys_of_torch_names`` turns a file's torch names into exactly the keys
+    ``key_of_torch_name`` makes of each, or refuses with its words for the first it refuses."""
+    def outcome(turn):
+        try:
+            return turn()
+        except errors.InvalidKeyError as exc:
+            return ("refused", str(exc))
+
+    assert outcome(lambda: keys_of_torch_names(names)) == outcome(lambda: [key_of_torch_name(name) for name in names])

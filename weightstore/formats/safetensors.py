@@ -387,10 +387,7 @@ class SafetensorsReader(ReaderDefaults):
             with naming(path=self.name):
                 names = foreign_keys(((name, name) for name in sorted(self._tensors)), "tensor")
             self._by_key = {key: self._tensors[name] for key, name in names.items()}
-            self._infos: Mapping[str, TensorInfo] = {
-                key: TensorInfo(key, _NAME_OF_CODE[t.code], t.shape, t.end - t.begin, None)
-                for key, t in self._by_key.items()
-            }
+            self._infos: Mapping[str, TensorInfo] = {}  # each made when asked: listing keys needs none
             self.metadata: dict[str, Any] = metadata
             self.created = ""
         else:
@@ -522,8 +519,9 @@ class SafetensorsReader(ReaderDefaults):
 
     def info(self, key: str) -> TensorInfo:
         info = self._infos.get(key)
-        if info is None:
-            raise KeyNotInStoreError("no such tensor", path=self.name, key=key)
+        if info is None:  # a file without a manifest (whose every key is in _by_key), or no such key
+            t = self._tensor(key)
+            info = TensorInfo(key, _NAME_OF_CODE[t.code], t.shape, t.end - t.begin, None)
         return info
 
     def _tensor(self, key: str) -> _Tensor:
@@ -614,7 +612,7 @@ class SafetensorsReader(ReaderDefaults):
         return True
 
     def _verify(self, key: str, data: Any) -> None:
-        expected = self._infos[key].checksum
+        expected = self.info(key).checksum
         if expected:
             actual = checksum(data)
             if actual != expected:
