@@ -384,9 +384,10 @@ class SafetensorsReader(ReaderDefaults):
         #: key -> the header's name for it, where the two differ (a file written with ``names="torch"``)
         self.stored_names: dict[str, str] = {}
         if manifest is None:
+            in_order = sorted(self._tensors)
             with naming(path=self.name):
-                names = foreign_keys(((name, name) for name in sorted(self._tensors)), "tensor")
-            self._by_key = {key: self._tensors[name] for key, name in names.items()}
+                names = foreign_keys(zip(in_order, in_order, strict=True), "tensor")
+            self._by_key = dict(zip(names, map(self._tensors.__getitem__, names.values()), strict=True))
             self._infos: Mapping[str, TensorInfo] = {}  # each made when asked: listing keys needs none
             self.metadata: dict[str, Any] = metadata
             self.created = ""
