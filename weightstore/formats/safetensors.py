@@ -51,7 +51,7 @@ import math
 import operator
 import os
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple, cast
 
@@ -358,8 +358,34 @@ class _Tensor(NamedTuple):
     end: int
 
 
-#: ``_Tensor(*fields)`` without the named tuple's generated ``__new__`` frame (and mappable over tuples)
-_new_tensor = tuple.__new__
+class _Columns(Mapping):
+    """Name -> :class:`_Tensor` of a header :func:`_plain_tensors` proved, each made when asked:
+    an open that lists the keys makes none (a file of 100 tensors spent a tenth of its open
+    making them all)."""
+
+    def __init__(self, names: list[str], codes: list[str], dtypes: list[np.dtype], shapes: list[list[int]],
+                 begins: list[int], ends: list[int]):
+        self._row = dict(zip(names, range(len(names)), strict=True))
+        self._names, self._codes, self._dtypes, self._shapes, self._begins, self._ends = \
+            names, codes, dtypes, shapes, begins, ends
+
+    def codes_and_shapes(self, names: list[str]) -> tuple[list[str], list[tuple[int, ...]]]:
+        """The dtype codes and shapes of ``names``, in that order, with no :class:`_Tensor` made."""
+        rows = list(map(self._row.__getitem__, names))
+        return list(map(self._codes.__getitem__, rows)), list(map(tuple, map(self._shapes.__getitem__, rows)))
+
+    def __getitem__(self, name: str) -> _Tensor:
+        i = self._row[name]
+        return _Tensor(name, self._codes[i], self._dtypes[i], tuple(self._shapes[i]), self._begins[i], self._ends[i])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._row
 
 
 FORMAT_NAME = "safetensors"
@@ -387,13 +413,15 @@ class SafetensorsReader(ReaderDefaults):
             in_order = sorted(self._tensors)
             with naming(path=self.name):
                 names = foreign_keys(zip(in_order, in_order, strict=True), "tensor")
-            self._by_key = dict(zip(names, map(self._tensors.__getitem__, names.values()), strict=True))
+            self._by_key = names
             self._infos: Mapping[str, TensorInfo] = {}  # each made when asked: listing keys needs none
             self.metadata: dict[str, Any] = metadata
             self.created = ""
         else:
+            keys = manifest.tensors.key_list()
+            locations = manifest.locations
+            self._by_key = dict(zip(keys, map(locations.get, keys, keys) if locations else keys, strict=True))
             self._check_manifest(manifest)
-            self._by_key = {key: self._tensors[manifest.locations.get(key, key)] for key in manifest.tensors}
             self.stored_names = {key: name for key, name in manifest.locations.items() if name != key}
             self._infos = manifest.tensors
             self.metadata = manifest.metadata
@@ -444,7 +472,7 @@ class SafetensorsReader(ReaderDefaults):
                                   "which is no Unicode text", path=self.name) from None
         return metadata
 
-    def _check_tensors(self, document: dict[str, Any]) -> dict[str, _Tensor]:
+    def _check_tensors(self, document: dict[str, Any]) -> Mapping[str, _Tensor]:
         """Every entry well-formed, its bytes exactly its dtype times its shape, and the
         entries together tiling the data buffer: no overlap, no gap, nothing past the file."""
         data_size = self._source.size - self._data_start
@@ -498,13 +526,19 @@ class SafetensorsReader(ReaderDefaults):
 
     def _check_manifest(self, manifest: Manifest) -> None:
         """The manifest lists each tensor of the header once: by its key, or by the name its
-        location gives (a file written with ``names="torch"`` names ``a/b`` ``a.b``)."""
-        stored_as = {key: manifest.locations.get(key, key) for key in manifest.tensors}
+        location gives (a file written with ``names="torch"`` names ``a/b`` ``a.b``), with its
+        dtype and shape; compared column by column where the header's were (:class:`_Columns`),
+        and tensor by tensor, to name the first that differs, otherwise."""
+        stored_as = self._by_key
         listed, present = set(stored_as.values()), set(self._tensors)
         if listed != present or len(listed) != len(stored_as):
             raise FormatError(f"manifest and header disagree (listed but absent: {named(sorted(listed - present))}; "
                               f"present but unlisted: {named(sorted(present - listed))})", path=self.name)
         dtype_names, shapes, _, _ = manifest.tensors.rows()  # by row: no TensorInfo made per tensor
+        if isinstance(self._tensors, _Columns):
+            codes, stored_shapes = self._tensors.codes_and_shapes(list(stored_as.values()))
+            if codes == list(map(_SPEC_CODES.get, dtype_names)) and stored_shapes == shapes:
+                return
         for key, dtype_name, shape in zip(manifest.tensors, dtype_names, shapes, strict=True):
             tensor = self._tensors[stored_as[key]]
             if _SPEC_CODES.get(dtype_name) != tensor.code:
@@ -526,10 +560,10 @@ class SafetensorsReader(ReaderDefaults):
         return info
 
     def _tensor(self, key: str) -> _Tensor:
-        tensor = self._by_key.get(key)
-        if tensor is None:
+        name = self._by_key.get(key)
+        if name is None:
             raise KeyNotInStoreError("no such tensor", path=self.name, key=key)
-        return tensor
+        return self._tensors[name]
 
     def extent(self, key: str) -> tuple[int, int]:
         """``(offset, length)`` of a tensor's bytes in the file (a sharded version's index records it)."""
@@ -585,7 +619,7 @@ class SafetensorsReader(ReaderDefaults):
 
     def keys_by_name(self) -> dict[str, str]:
         """Each tensor's name in the header -> its key (they differ in a file written with ``names="torch"``)."""
-        return {tensor.name: key for key, tensor in self._by_key.items()}
+        return {name: key for key, name in self._by_key.items()}
 
     def prefetch(self, keys: list[str]) -> None:
         """Announce the tensors read next: a remote source fetches them at once, a local one
@@ -623,7 +657,7 @@ class SafetensorsReader(ReaderDefaults):
         self._source.close()
 
 
-def _plain_tensors(document: dict[str, Any], data_size: int) -> dict[str, _Tensor] | None:
+def _plain_tensors(document: dict[str, Any], data_size: int) -> Mapping[str, _Tensor] | None:
     """The tensors of a header whose every entry is well formed, of a known dtype and no zero
     dimension, and which tile the data buffer exactly, checked column by column at C speed
     (``map`` over the entries, no Python step per tensor); ``None`` when anything needs
@@ -656,9 +690,7 @@ def _plain_tensors(document: dict[str, Any], data_size: int) -> dict[str, _Tenso
     starts, stops = list(map(begins.__getitem__, order)), list(map(ends.__getitem__, order))
     if starts[0] != 0 or stops[-1] != data_size or starts[1:] != stops[:-1]:
         return None
-    names = list(document)
-    return dict(zip(names, map(_new_tensor, itertools.repeat(_Tensor),
-                               zip(names, codes, dtypes, map(tuple, shapes), begins, ends, strict=True)), strict=True))
+    return _Columns(list(document), codes, dtypes, shapes, begins, ends)
 
 
 def _clip(value: Any) -> str:
