@@ -194,7 +194,7 @@ def _st_header(draw) -> tuple[dict, int]:
     cursor = 0
     for name in draw(st.lists(st.sampled_from(["a", "b", "c.d"]), unique=True, max_size=3)):
         code = draw(st.sampled_from([*_ST_ITEMSIZE, *_ST_ITEMSIZE, "F4", "XX", 3]))
-        shape = draw(st.lists(st.integers(1, 3), max_size=2) | st.lists(st.integers(0, 2), max_size=2))
+        shape = draw(st.lists(st.integers(1, 3), max_size=2) | st.lists(st.integers(0, 2), max_size=2) | st.just([0, 2**62]))
         begin = max(0, cursor + draw(st.sampled_from([0, 0, 0, 0, 2, -2])))
         cursor = begin + math.prod(shape) * _ST_ITEMSIZE.get(code, 4)  # type: ignore[call-overload]
         entry = {"dtype": code, "shape": shape, "data_offsets": [begin, cursor]}

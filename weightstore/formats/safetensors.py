@@ -363,11 +363,11 @@ class _Columns(Mapping):
     an open that lists the keys makes none (a file of 100 tensors spent a tenth of its open
     making them all)."""
 
-    def __init__(self, names: list[str], codes: list[str], dtypes: list[np.dtype], shapes: list[list[int]],
+    def __init__(self, names: list[str], codes: list[str], dtype_of: dict[str, np.dtype], shapes: list[list[int]],
                  begins: list[int], ends: list[int]):
         self._row = dict(zip(names, range(len(names)), strict=True))
-        self._names, self._codes, self._dtypes, self._shapes, self._begins, self._ends = \
-            names, codes, dtypes, shapes, begins, ends
+        self._names, self._codes, self._dtype_of, self._shapes, self._begins, self._ends = \
+            names, codes, dtype_of, shapes, begins, ends
 
     def codes_and_shapes(self, names: list[str]) -> tuple[list[str], list[tuple[int, ...]]]:
         """The dtype codes and shapes of ``names``, in that order, with no :class:`_Tensor` made."""
@@ -376,7 +376,8 @@ class _Columns(Mapping):
 
     def __getitem__(self, name: str) -> _Tensor:
         i = self._row[name]
-        return _Tensor(name, self._codes[i], self._dtypes[i], tuple(self._shapes[i]), self._begins[i], self._ends[i])
+        code = self._codes[i]
+        return _Tensor(name, code, self._dtype_of[code], tuple(self._shapes[i]), self._begins[i], self._ends[i])
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
@@ -678,19 +679,22 @@ def _plain_tensors(document: dict[str, Any], data_size: int) -> Mapping[str, _Te
             or set(map(type, offsets)) != _JUST_LIST or set(map(len, offsets)) != _JUST_TWO):
         return None
     dims, bounds = list(itertools.chain.from_iterable(shapes)), list(itertools.chain.from_iterable(offsets))
-    if (set(map(type, bounds)) != _JUST_INT or dims and (set(map(type, dims)) != _JUST_INT or min(dims) <= 0)
-            or min(bounds) < 0 or max(bounds) > data_size):
+    if (operator.countOf(map(type, bounds), int) != len(bounds)
+            or dims and (operator.countOf(map(type, dims), int) != len(dims) or min(dims) <= 0)):
         return None
     begins, ends = bounds[0::2], bounds[1::2]
-    dtypes = list(map(dtype_of.__getitem__, codes))
-    if list(map(operator.mul, map(math.prod, shapes), map(operator.attrgetter("itemsize"), dtypes))) != list(
-            map(operator.sub, ends, begins)):
+    itemsizes = map(operator.attrgetter("itemsize"), map(dtype_of.__getitem__, codes))
+    if list(map(operator.mul, map(math.prod, shapes), itemsizes)) != list(map(operator.sub, ends, begins)):
         return None
-    order = sorted(range(len(entries)), key=begins.__getitem__)
-    starts, stops = list(map(begins.__getitem__, order)), list(map(ends.__getitem__, order))
+    # so each tensor holds a byte or more: laid end to end from 0 to the buffer's end, in the
+    # header's order or the data's, none starts before 0 or ends past the buffer
+    starts, stops = begins, ends
+    if begins[1:] != ends[:-1]:
+        order = sorted(range(len(entries)), key=begins.__getitem__)
+        starts, stops = list(map(begins.__getitem__, order)), list(map(ends.__getitem__, order))
     if starts[0] != 0 or stops[-1] != data_size or starts[1:] != stops[:-1]:
         return None
-    return _Columns(list(document), codes, dtypes, shapes, begins, ends)
+    return _Columns(list(document), codes, dtype_of, shapes, begins, ends)
 
 
 def _clip(value: Any) -> str:
