@@ -358,6 +358,10 @@ class _Tensor(NamedTuple):
     end: int
 
 
+#: ``_Tensor(*fields)`` without the named tuple's generated ``__new__`` frame (and mappable over tuples)
+_new_tensor = tuple.__new__
+
+
 class _Columns(Mapping):
     """Name -> :class:`_Tensor` of a header :func:`_plain_tensors` proved, each made when asked:
     an open that lists the keys makes none (a file of 100 tensors spent a tenth of its open
@@ -373,6 +377,14 @@ class _Columns(Mapping):
         """The dtype codes and shapes of ``names``, in that order, with no :class:`_Tensor` made."""
         rows = list(map(self._row.__getitem__, names))
         return list(map(self._codes.__getitem__, rows)), list(map(tuple, map(self._shapes.__getitem__, rows)))
+
+    def made(self, names: list[str]) -> list[_Tensor]:
+        """``[self[name] for name in names]``, made in C (``map``), not a Python call per tensor."""
+        rows = list(map(self._row.__getitem__, names))
+        codes = list(map(self._codes.__getitem__, rows))
+        return list(map(_new_tensor, itertools.repeat(_Tensor), zip(
+            names, codes, map(self._dtype_of.__getitem__, codes), map(tuple, map(self._shapes.__getitem__, rows)),
+            map(self._begins.__getitem__, rows), map(self._ends.__getitem__, rows), strict=True)))
 
     def __getitem__(self, name: str) -> _Tensor:
         i = self._row[name]
@@ -566,6 +578,16 @@ class SafetensorsReader(ReaderDefaults):
             raise KeyNotInStoreError("no such tensor", path=self.name, key=key)
         return self._tensors[name]
 
+    def _tensors_of(self, keys: list[str]) -> list[_Tensor]:
+        """:meth:`_tensor` of each key, made together (50,000 of them, no Python call each)."""
+        try:
+            names = list(map(self._by_key.__getitem__, keys))
+        except KeyError:
+            return [self._tensor(key) for key in keys]  # names the missing key
+        if isinstance(self._tensors, _Columns):
+            return self._tensors.made(names)
+        return list(map(self._tensors.__getitem__, names))
+
     def extent(self, key: str) -> tuple[int, int]:
         """``(offset, length)`` of a tensor's bytes in the file (a sharded version's index records it)."""
         tensor = self._tensor(key)
@@ -598,7 +620,7 @@ class SafetensorsReader(ReaderDefaults):
         if len(keys) < _FEW or mapping is None or not self.has_checksums:
             return [self.read(key, verify=verify) for key in keys]
         self._source.check_unchanged(f"{len(keys)} tensors")
-        tensors = [self._tensor(key) for key in keys]  # announced to the kernel by the store (prefetch)
+        tensors = self._tensors_of(keys)  # announced to the kernel by the store (prefetch)
         table = cast(TensorTable, self._infos)
         crcs = table.rows()[3]
         rows = table.positions(keys).tolist()
@@ -626,7 +648,7 @@ class SafetensorsReader(ReaderDefaults):
         """Announce the tensors read next: a remote source fetches them at once, a local one
         has the kernel read the stretch they span in one request (read tensor by tensor, a cold
         256 MB file took 0.15-0.18 s; announced at once, 0.09 s)."""
-        tensors = [self._tensor(key) for key in keys]
+        tensors = self._tensors_of(keys)
         if isinstance(self._source, MappedFile):
             if tensors:
                 start = min(t.begin for t in tensors)
