@@ -3,22 +3,28 @@
 The checks that make 50,000 small tensors cheap are second implementations: a bulk key check
 (``keys._maybe_invalid``) before the per-key rule (``keys._key_problem``), a column-wise parse
 of version 1 manifest entries (``manifest._parse_plain_entries``) before the entry-by-entry
-one (``manifest._parse_entries``), and the manifest's integer columns checked as Python lists
-for a few tensors (``_tensortable.FEW_ROWS``) rather than as numpy arrays. The rule is the slow twin; the fast one may only ever say
+one (``manifest._parse_entries``), the manifest's integer columns checked as Python lists
+for a few tensors (``_tensortable.FEW_ROWS``) rather than as numpy arrays, JSON from a file
+read by orjson where it writes the text back unchanged (``_jsontext._canonical``), a safetensors
+header's entries checked column by column (``safetensors._plain_tensors``), and a file's torch
+names made keys all at once (``names.keys_of_torch_names``). The rule is the slow twin; the fast one may only ever say
 "nothing to find here" when the rule agrees. (The npz directory and batch read have theirs in
 ``test_npz_fastpath.py::test_damaged_directories_read_alike_on_either_path``.)
 """
 
 from __future__ import annotations
 
+import math
 from unittest.mock import patch
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from weightstore import errors
-from weightstore.core import _tensortable, manifest
+from weightstore.core import _jsontext, _tensortable, manifest
 from weightstore.core import keys as K
+from weightstore.core.names import key_of_torch_name, keys_of_torch_names
+from weightstore.formats import safetensors
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -134,3 +140,104 @@ def test_columns_read_alike_as_lists_and_as_arrays(raw, version):
             else:
                 outcomes.append(("read", list(table), table.rows(), [table[key] for key in table]))
     assert outcomes[0] == outcomes[1]
+
+
+#: JSON values at the edges of what orjson and the stdlib read alike: integers past 64 bits,
+#: floats written otherwise than orjson writes them, escapes, a lone surrogate, NaN
+_JSON_LEAVES = st.sampled_from(["0", "-0", "7", "1.0", "1e2", "0.1", "18446744073709551615", "18446744073709551616",
+                                "-9223372036854775809", '"a"', '"\\u00e9"', '"é"', '"\\ud800"', '"\\/"', '"\\n"',
+                                '"\\u001f"', "true", "null", "NaN", "-Infinity", "[1,2"])
+
+
+def _json_object(children: st.SearchStrategy[str]) -> st.SearchStrategy[str]:
+    member = st.tuples(st.sampled_from(["a", "b", "a.b", "é"]), children)  # "a" twice now and then
+    return st.builds(lambda members, gap: "{" + f",{gap}".join(f'"{name}":{gap}{value}' for name, value in members) + "}",
+                     st.lists(member, max_size=3), st.sampled_from(["", "", " "]))
+
+
+_JSON_TEXT = st.recursive(_JSON_LEAVES, lambda children: st.one_of(
+    _json_object(children), st.builds(lambda items: "[" + ",".join(items) + "]", st.lists(children, max_size=3))),
+    max_leaves=8)
+
+
+@SETTINGS
+@given(_JSON_TEXT, st.sampled_from(["", "    ", " \n"]), st.booleans(), st.sampled_from([0, 3, 300]))
+def test_json_reads_alike_as_written_and_otherwise(text, padding, as_bytes, depth):
+    """JSON from a file reads the same whether orjson's parse is taken (text it writes back
+    unchanged) or the stdlib's with its hook: the same document, value types alike, or the same
+    refusal (a name twice, NaN, a lone surrogate, nesting past what ``repr`` can show)."""
+    text = "[" * depth + text + "]" * depth + padding
+    data = text.encode("utf-8", "surrogatepass") if as_bytes else text
+    outcomes = []
+    for fast in (True, False):
+        with patch.object(_jsontext, "_canonical", _jsontext._canonical if fast else lambda _: _jsontext._NOT_CANONICAL):
+            try:
+                document = _jsontext.loads(data, what="header", min_bytes=1)
+            except errors.WeightStoreError as exc:
+                outcomes.append(("refused", type(exc), str(exc)))
+            except RecursionError:  # the stdlib's parse of 300 levels, which only the rule reaches
+                outcomes.append(("refused", RecursionError, ""))
+            else:
+                outcomes.append(("read", repr(document)))
+    assert outcomes[0] == outcomes[1]
+
+
+_ST_ITEMSIZE = {"F32": 4, "U8": 1, "I16": 2, "BF16": 2}
+
+
+@st.composite
+def _st_header(draw) -> tuple[dict, int]:
+    """Header entries and a data buffer's size: mostly entries laid end to end with the offsets
+    their dtype and shape need, now and then one that leaves a gap or overlaps, a zero
+    dimension, a field hostile or missing, a buffer longer or shorter than the entries."""
+    document: dict[str, object] = {}
+    cursor = 0
+    for name in draw(st.lists(st.sampled_from(["a", "b", "c.d"]), unique=True, max_size=3)):
+        code = draw(st.sampled_from([*_ST_ITEMSIZE, *_ST_ITEMSIZE, "F4", "XX", 3]))
+        shape = draw(st.lists(st.integers(1, 3), max_size=2) | st.lists(st.integers(0, 2), max_size=2) | st.just([0, 2**62]))
+        begin = max(0, cursor + draw(st.sampled_from([0, 0, 0, 0, 2, -2])))
+        cursor = begin + math.prod(shape) * _ST_ITEMSIZE.get(code, 4)  # type: ignore[call-overload]
+        entry = {"dtype": code, "shape": shape, "data_offsets": [begin, cursor]}
+        field = draw(st.sampled_from(["", "", "", "", "", "", "", "", "", "dtype", "shape", "data_offsets", "gone", "whole"]))
+        if field == "gone":
+            del entry[draw(st.sampled_from(sorted(entry)))]
+        elif field == "whole":
+            entry = draw(st.sampled_from([None, [], "F32"]))  # type: ignore[assignment]
+        elif field:
+            entry[field] = draw(st.sampled_from([None, "2", [[2]], [-1], [True], [2.0], [2**64], [0], [0, 4, 8], [-4, 0]]))
+        document[name] = entry
+    return document, max(0, cursor + draw(st.sampled_from([0, 0, 0, 4, -2])))
+
+
+@SETTINGS
+@given(_st_header())
+def test_safetensors_headers_read_alike_column_wise_and_entry_by_entry(header):
+    """``safetensors._plain_tensors`` either hands a header's entries over (``None``) or reads
+    exactly the tensors ``_check_tensors``'s loop reads; whatever the loop refuses, it hands over."""
+    document, data_size = header
+    reader = safetensors.SafetensorsReader.__new__(safetensors.SafetensorsReader)
+    reader.name, reader._data_start = "w.safetensors", 0
+    reader._source = type("Sized", (), {"size": data_size})()
+    fast = safetensors._plain_tensors(document, data_size)
+    with patch.object(safetensors, "_plain_tensors", lambda *_: None):
+        try:
+            slow = reader._check_tensors(document)
+        except errors.WeightStoreError:
+            assert fast is None
+            return
+    assert fast is None or fast == slow and fast.made(list(slow)[::-1]) == list(slow.values())[::-1]
+
+
+@SETTINGS
+@given(st.lists(st.lists(st.sampled_from([*_PIECES.elements, "a.b", ".", "..", "a."]), max_size=4).map("".join),
+                min_size=1, max_size=4))
+def test_torch_names_become_keys_alike_at_once_and_one_by_one(names):
+    """``keys_of_torch_names`` turns a file's torch names into exactly the keys
+    ``key_of_torch_name`` makes of each, or refuses with its words for the first it refuses."""
+    def outcome(turn):
+        try:
+            return turn()
+        except errors.InvalidKeyError as exc:
+            return ("refused", str(exc))
+
+    assert outcome(lambda: keys_of_torch_names(names)) == outcome(lambda: [key_of_torch_name(name) for name in names])

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from weightstore.core.keys import OUTPUT_SUFFIX, validate_key
+from weightstore.core.keys import OUTPUT_SUFFIX, validate_key, validate_keys
 from weightstore.core.manifest import TensorInfo
 from weightstore.errors import FormatError, InvalidKeyError
 
@@ -241,8 +241,17 @@ def foreign_keys(names: Iterable[tuple[str, str]], what: str) -> dict[str, str]:
     :class:`FormatError` naming it, as do two names that drop to the same key (the reader
     names the file, with :func:`weightstore.errors.naming`).
     """
-    keys: dict[str, str] = {}
-    for name, member in names:
+    pairs = list(names)
+    try:  # the usual file: every name a key as it is, checked at once (no key ends in an output suffix)
+        validate_keys([name for name, _ in pairs])
+    except InvalidKeyError:
+        pass  # a suffix to drop, or a name to refuse by name: one at a time below
+    else:
+        keys = dict(pairs)
+        if len(keys) == len(pairs):
+            return keys
+    keys = {}
+    for name, member in pairs:
         key = OUTPUT_SUFFIX.sub("", name)
         try:
             validate_key(key)

@@ -17,19 +17,21 @@ from weightstore.errors import FormatError, InvalidKeyError, KeyNotInStoreError
 from weightstore.formats import Reader
 
 
-def names_by_key(reader: Reader, key_of: Callable[[str], str]) -> dict[str, str]:
-    """Key -> ``reader``'s name, each name ``n`` read as ``key_of(n)``; refused with a
-    :class:`FormatError` naming the file if a name makes no key or two make one."""
-    name_of: dict[str, str] = {}
+def names_by_key(reader: Reader, keys_of: Callable[[list[str]], list[str]]) -> dict[str, str]:
+    """Key -> ``reader``'s name, the names read as keys by ``keys_of`` (all at once, in order);
+    refused with a :class:`FormatError` naming the file if a name makes no key or two make one."""
     names = reader.keys()
-    for name in names:
-        try:
-            key = key_of(name)
-        except InvalidKeyError as exc:
-            raise FormatError(str(exc), path=reader.name) from None
-        if key in name_of:
-            raise FormatError(f"tensors {name_of[key]!r} and {name!r} both read as key {key!r}", path=reader.name)
-        name_of[key] = name
+    try:
+        keys = keys_of(names)
+    except InvalidKeyError as exc:
+        raise FormatError(str(exc), path=reader.name) from None
+    name_of = dict(zip(keys, names, strict=True))
+    if len(name_of) != len(names):
+        first: dict[str, str] = {}
+        for key, name in zip(keys, names, strict=True):
+            if key in first:
+                raise FormatError(f"tensors {first[key]!r} and {name!r} both read as key {key!r}", path=reader.name)
+            first[key] = name
     return name_of
 
 

@@ -16,7 +16,7 @@ from weightstore.core._gcpause import paused_gc
 from weightstore.core.keys import MappingRules, Patterns, plan_outward
 from weightstore.core.limits import MAX_POINTER_BYTES
 from weightstore.core.manifest import TensorInfo, logical_dtype
-from weightstore.core.names import FILE, READ_NAMINGS, TORCH_FORMATS, check_naming, key_of_torch_name, reads_as_torch
+from weightstore.core.names import FILE, READ_NAMINGS, TORCH_FORMATS, check_naming, keys_of_torch_names, reads_as_torch
 from weightstore.errors import KeyNotInStoreError, SizeLimitError, StoreNotFoundError, WeightStoreError, attach, naming
 from weightstore.formats import (
     Format,
@@ -326,7 +326,7 @@ def _named(store: Store, names: str | None) -> Store:
         return store
     reader = store._reader
     try:
-        renamed = RenamedReader(reader, names_by_key(reader, key_of_torch_name))
+        renamed = RenamedReader(reader, names_by_key(reader, keys_of_torch_names))
     except BaseException:
         store.close()
         raise
