@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -57,3 +58,19 @@ def s3(server):
     server.reset()
     yield server
     server.intercept = None
+
+
+@pytest.fixture(scope="session")
+def tf_fork(tmp_path_factory):
+    """``tf_fork(script, *argv, cwd=, env=, timeout=)``: ``script`` run in a process of its own,
+    forked from one that imported TensorFlow and Keras once for this worker
+    (``processes.TFForkServer``); its exit code and output, as ``subprocess.run`` gives them."""
+    if importlib.util.find_spec("tensorflow") is None:  # found, not imported: the children import it
+        pytest.skip("tensorflow is not installed")
+    import processes
+
+    server = processes.TFForkServer(tmp_path_factory.mktemp("forked"))
+    try:
+        yield server.run
+    finally:
+        server.close()

@@ -143,3 +143,97 @@ def fork_together(prelude: str, body: str, argvs: Sequence[Sequence[str]], envs:
     for result, code in zip(results, json.loads(codes), strict=True):
         result.returncode = code
     return results
+
+
+#: the parent of :func:`tf_fork_server`'s children: imports TensorFlow and Keras once (5-6 CPU-s
+#: on a loaded machine, most of what a fresh interpreter of such a test spends), then runs each
+#: request (a line: the script, its argv, folder, environment, output files and time limit) in a
+#: child forked from it, printing the child's exit code (-9: SIGKILL, -14: past its time limit).
+#: Forking is safe only while this process runs one thread (a child forked while another thread
+#: held a lock, the allocator's or the import lock, would wait for it forever): numpy's OpenBLAS
+#: pool is told to start none (``OPENBLAS_NUM_THREADS=1``), TensorFlow starts its pools on the
+#: first op and Keras its own on the first model, which only the children run, and each fork
+#: checks it is so. A child reads its environment as a fresh interpreter would: ``os.environ`` is
+#: the request's, and ``tempfile`` looks at ``TMPDIR`` again (the imports here cached ``/tmp``).
+_TF_FORK_SERVER = """
+import json, os, signal, sys, tempfile, traceback
+import numpy as np, tensorflow as tf, keras  # no op run, no model built here: a child's are its own
+import weightstore as ws
+for line in sys.stdin:
+    request = json.loads(line)
+    if len(os.listdir("/proc/self/task")) != 1:
+        raise RuntimeError(f"{len(os.listdir('/proc/self/task'))} threads: a forked child could hang on a lock")
+    child = os.fork()
+    if not child:
+        code = 1
+        try:
+            signal.alarm(request["timeout"])
+            for fd, path in ((1, request["out"]), (2, request["err"])):
+                os.dup2(os.open(path, os.O_WRONLY | os.O_TRUNC), fd)
+            os.chdir(request["cwd"])
+            if request["env"] is not None:
+                os.environ.clear()
+                os.environ.update(request["env"])
+            tempfile.tempdir = None
+            sys.argv = ["-c", *request["argv"]]
+            exec(compile(request["script"], request["name"], "exec"), {"__name__": "__main__"})
+            code = 0
+        except SystemExit as exc:
+            code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    print(json.dumps(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])), flush=True)
+"""
+
+
+class TFForkServer:
+    """Runs Python scripts each in a process of its own, forked from one that imported TensorFlow
+    and Keras (:data:`_TF_FORK_SERVER`): a test whose subject is a process (its first model, its
+    first assign, its memory, a program run as pasted) without a TensorFlow import per process.
+    The server runs in ``folder``'s session of its own: :meth:`close` stops it and any child."""
+
+    def __init__(self, folder: str | os.PathLike[str]) -> None:
+        self._folder = folder
+        self._root = root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+        self._env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "OPENBLAS_NUM_THREADS": "1", "PYTHONPATH": path,
+                     "TF_ENABLE_ONEDNN_OPTS": "1"}  # x86 TF's default, which a user's process gets (conftest: off)
+        self._log = open(os.path.join(folder, "server.stderr"), "w+")  # noqa: SIM115 - closed by close()
+        self._server = subprocess.Popen([sys.executable, "-c", _TF_FORK_SERVER], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=self._log, text=True, env=self._env,
+                                        cwd=root, start_new_session=True)
+
+    def run(self, script: str, *argv: str, cwd: str | os.PathLike[str] | None = None,
+            env: Mapping[str, str] | None = None, timeout: int = 170,
+            name: str = "<forked>") -> subprocess.CompletedProcess[str]:
+        """``script`` run as ``__main__`` with ``sys.argv[1:] == argv`` in ``cwd`` (the server's,
+        the repository root, if None) and ``env`` (the server's if None, which is the caller's
+        with TensorFlow quiet and ``OPENBLAS_NUM_THREADS=1``), ended by SIGALRM after ``timeout``
+        seconds (before pytest's own timeout): its exit code and output, as ``subprocess.run``'s."""
+        with tempfile.NamedTemporaryFile("w+", dir=self._folder) as out, \
+                tempfile.NamedTemporaryFile("w+", dir=self._folder) as err:
+            request = {"script": script, "argv": list(argv), "cwd": os.fspath(cwd or self._root),
+                       "env": None if env is None else dict(env), "out": out.name, "err": err.name,
+                       "timeout": timeout, "name": name}
+            assert self._server.stdin and self._server.stdout
+            self._server.stdin.write(json.dumps(request) + "\n")
+            self._server.stdin.flush()
+            line = self._server.stdout.readline()
+            if not line:
+                self._log.seek(0)
+                pytest.fail(f"the forking process ended: {self._log.read()[-3000:]}")
+            return subprocess.CompletedProcess([name, *argv], json.loads(line), out.read(), err.read())
+
+    def close(self) -> None:
+        try:
+            if self._server.stdin:
+                self._server.stdin.close()
+            self._server.wait(60)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # both already gone: nothing to stop
+                os.killpg(self._server.pid, signal.SIGKILL)
+            self._log.close()
