@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from processes import fork_together
 
 import weightstore as ws
 from weightstore import sync as versions
@@ -176,12 +177,25 @@ KILLED_PUBLISHER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("stage", ["version-temporary", "version-written", "latest-written", "pruning"])
-def test_publisher_killed_on_s3(s3, folder, stage):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    result = subprocess.run([sys.executable, "-c", KILLED_PUBLISHER, folder, stage, json.dumps(s3)], env=env,
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == -signal.SIGKILL, result.stderr
+KILLED_STAGES = ["version-temporary", "version-written", "latest-written", "pruning"]
+
+
+@pytest.fixture(scope="module")
+def killed_at(s3):
+    """The folder of a publisher SIGKILLed at each stage, by stage: the publishers run at once,
+    forked from one interpreter that imported weightstore and s3fs (``processes.fork_together``)."""
+    folders = {stage: f"s3://{BUCKET}/{uuid.uuid4().hex}" for stage in KILLED_STAGES}
+    publishers = fork_together("import numpy, s3fs, weightstore", KILLED_PUBLISHER,
+                               [[folder, stage, json.dumps(s3)] for stage, folder in folders.items()],
+                               [{**os.environ, "PYTHONPATH": str(ROOT)}] * len(folders), timeout=120)
+    for publisher in publishers:
+        assert publisher.returncode == -signal.SIGKILL, publisher.stderr
+    return folders
+
+
+@pytest.mark.parametrize("stage", KILLED_STAGES)
+def test_publisher_killed_on_s3(s3, killed_at, stage):
+    folder = killed_at[stage]
     expected = 4 if stage in ("latest-written", "pruning") else 3
     version = ws.latest(folder, storage_options=s3)
     assert version.step == expected
