@@ -62,15 +62,15 @@ def s3(server):
 
 @pytest.fixture(scope="session")
 def tf_fork(tmp_path_factory):
-    """``tf_fork(script, *argv, cwd=, env=, timeout=)``: ``script`` run in a process of its own,
-    forked from one that imported TensorFlow and Keras once for this worker
-    (``processes.TFForkServer``); its exit code and output, as ``subprocess.run`` gives them."""
+    """``processes.TFForkServer`` of this worker: ``tf_fork.run(script, *argv, cwd=, env=, timeout=)``
+    runs ``script`` in a process of its own, forked from one that imported TensorFlow and Keras
+    once, and gives its exit code and output as ``subprocess.run`` does."""
     if importlib.util.find_spec("tensorflow") is None:  # found, not imported: the children import it
         pytest.skip("tensorflow is not installed")
     import processes
 
     server = processes.TFForkServer(tmp_path_factory.mktemp("forked"))
     try:
-        yield server.run
+        yield server
     finally:
         server.close()

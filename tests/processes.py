@@ -12,7 +12,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import IO
 
 import pytest
@@ -145,7 +146,7 @@ def fork_together(prelude: str, body: str, argvs: Sequence[Sequence[str]], envs:
     return results
 
 
-#: the parent of :func:`tf_fork_server`'s children: imports TensorFlow and Keras once (5-6 CPU-s
+#: the parent of :class:`TFForkServer`'s children: imports TensorFlow and Keras once (5-6 CPU-s
 #: on a loaded machine, most of what a fresh interpreter of such a test spends), then runs each
 #: request (a line: the script, its argv, folder, environment, output files and time limit) in a
 #: child forked from it, printing the child's exit code (-9: SIGKILL, -14: past its time limit).
@@ -168,8 +169,9 @@ for line in sys.stdin:
         code = 1
         try:
             signal.alarm(request["timeout"])
-            for fd, path in ((1, request["out"]), (2, request["err"])):
-                os.dup2(os.open(path, os.O_WRONLY | os.O_TRUNC), fd)
+            for fd, path, flags in ((1, request["out"], os.O_WRONLY), (2, request["err"], os.O_WRONLY),
+                                    (0, request["in"], os.O_RDONLY)):  # in this order: the FIFOs' other ends
+                os.dup2(os.open(path, flags), fd)
             os.chdir(request["cwd"])
             if request["env"] is not None:
                 os.environ.clear()
@@ -212,21 +214,37 @@ class TFForkServer:
             name: str = "<forked>") -> subprocess.CompletedProcess[str]:
         """``script`` run as ``__main__`` with ``sys.argv[1:] == argv`` in ``cwd`` (the server's,
         the repository root, if None) and ``env`` (the server's if None, which is the caller's
-        with TensorFlow quiet and ``OPENBLAS_NUM_THREADS=1``), ended by SIGALRM after ``timeout``
-        seconds (before pytest's own timeout): its exit code and output, as ``subprocess.run``'s."""
-        with tempfile.NamedTemporaryFile("w+", dir=self._folder) as out, \
-                tempfile.NamedTemporaryFile("w+", dir=self._folder) as err:
-            request = {"script": script, "argv": list(argv), "cwd": os.fspath(cwd or self._root),
-                       "env": None if env is None else dict(env), "out": out.name, "err": err.name,
-                       "timeout": timeout, "name": name}
-            assert self._server.stdin and self._server.stdout
-            self._server.stdin.write(json.dumps(request) + "\n")
-            self._server.stdin.flush()
+        with TensorFlow quiet and ``OPENBLAS_NUM_THREADS=1``), its standard input empty, ended by
+        SIGALRM after ``timeout`` seconds (before pytest's own timeout): its exit code and
+        output, as ``subprocess.run`` gives them."""
+        return self.start(script, *argv, cwd=cwd, env=env, timeout=timeout, name=name)()
+
+    def start(self, script: str, *argv: str, cwd: str | os.PathLike[str] | None = None,
+              env: Mapping[str, str] | None = None, timeout: int = 170, name: str = "<forked>",
+              stdin: str | os.PathLike[str] | None = None,
+              stdout: str | os.PathLike[str] | None = None) -> Callable[[], subprocess.CompletedProcess[str]]:
+        """:meth:`run` without waiting: the call that waits for it. To talk with the child while it
+        runs, ``stdin`` and ``stdout`` name FIFOs it opens in that order (open their other ends
+        in the same order); its ``stdout`` is then not returned."""
+        out = stdout or tempfile.mkstemp(dir=self._folder)[1]
+        err = tempfile.mkstemp(dir=self._folder)[1]
+        request = {"script": script, "argv": list(argv), "cwd": os.fspath(cwd or self._root),
+                   "env": None if env is None else dict(env), "in": os.fspath(stdin or os.devnull),
+                   "out": os.fspath(out), "err": err, "timeout": timeout, "name": name}
+        assert self._server.stdin and self._server.stdout
+        self._server.stdin.write(json.dumps(request) + "\n")
+        self._server.stdin.flush()
+
+        def wait() -> subprocess.CompletedProcess[str]:
+            assert self._server.stdout
             line = self._server.stdout.readline()
             if not line:
                 self._log.seek(0)
                 pytest.fail(f"the forking process ended: {self._log.read()[-3000:]}")
-            return subprocess.CompletedProcess([name, *argv], json.loads(line), out.read(), err.read())
+            printed = "" if stdout else Path(out).read_text()
+            return subprocess.CompletedProcess([name, *argv], json.loads(line), printed, Path(err).read_text())
+
+        return wait
 
     def close(self) -> None:
         try:

@@ -56,7 +56,7 @@ for name in ("examples.keras_ensemble", "examples.tf1_ensemble"):
 
 @pytest.mark.slow
 def test_examples_run_as_modules(tf_fork):
-    done = tf_fork(AS_MODULES, cwd=ROOT, timeout=180, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    done = tf_fork.run(AS_MODULES, cwd=ROOT, timeout=180, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert done.returncode == 0, done.stderr
     keras_part, tf1_part = done.stdout.split("member_1.npz holds", 1)  # the TF1 ensemble's first line
     assert "keras  with x = 10: 11, 12, 13" in keras_part

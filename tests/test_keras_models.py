@@ -292,7 +292,7 @@ def test_in_a_fresh_process_keys_are_the_layer_names_keras_shows(tf_fork):
     (forked from one that imported Keras and built no model: ``conftest.tf_fork``)."""
     import json
 
-    done = tf_fork(FIRST_IN_PROCESS, timeout=240)
+    done = tf_fork.run(FIRST_IN_PROCESS, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     for name, pairs in json.loads(done.stdout.splitlines()[-1]).items():
         for key, layer_path in pairs:

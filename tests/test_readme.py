@@ -42,6 +42,6 @@ def test_readme_program_runs_as_pasted(program, tmp_path, request, tf_fork):
     if "s3://" in program:
         server = request.getfixturevalue("server")
         env.update(server.environment(), WS_BUCKET=BUCKET)
-    done = tf_fork(program, cwd=tmp_path, env=env, timeout=240, name="program.py")
+    done = tf_fork.run(program, cwd=tmp_path, env=env, timeout=240, name="program.py")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert "followed" in done.stdout, done.stdout

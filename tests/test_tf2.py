@@ -609,7 +609,7 @@ DISTRIBUTED = textwrap.dedent("""
 def test_mirrored_variables_and_device_to_device_copy(tmp_path, tf_fork):
     """In a process of its own (forked from one that imported TensorFlow and ran no op:
     ``conftest.tf_fork``), whose two logical CPUs are set before its runtime starts."""
-    done = tf_fork(DISTRIBUTED, str(tmp_path / "m.npz"), timeout=120)
+    done = tf_fork.run(DISTRIBUTED, str(tmp_path / "m.npz"), timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["mirrored"] == "MirroredVariable"

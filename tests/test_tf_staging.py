@@ -239,7 +239,7 @@ def _glibc() -> bool:
 def test_the_first_assign_in_a_process_does_not_keep_a_second_model(tf_fork, tmp_path, script, start):
     """Run in a process forked from one that imported TensorFlow (``conftest.tf_fork``): a
     process whose first assign it is, without a TensorFlow import per case."""
-    done = tf_fork(script, str(tmp_path / "m.npz"), start)
+    done = tf_fork.run(script, str(tmp_path / "m.npz"), start)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     out = json.loads(done.stdout.splitlines()[-1])
     assert out["right"]
