@@ -62,14 +62,17 @@ def s3(server):
 
 @pytest.fixture(scope="session")
 def tf_fork(tmp_path_factory):
-    """``processes.TFForkServer`` of this worker: ``tf_fork.run(script, *argv, cwd=, env=, timeout=)``
-    runs ``script`` in a process of its own, forked from one that imported TensorFlow and Keras
-    once, and gives its exit code and output as ``subprocess.run`` does."""
+    """A ``processes.ForkServer`` of this worker whose children start with TensorFlow and Keras
+    imported (no op run, no model built): ``tf_fork.run(script, *argv, cwd=, env=, timeout=)``
+    gives a script's exit code and output as ``subprocess.run`` does, without a TensorFlow import
+    per process. Its environment is x86 TensorFlow's default, which a user's process gets (this
+    file turns oneDNN off for the tests' own processes)."""
     if importlib.util.find_spec("tensorflow") is None:  # found, not imported: the children import it
         pytest.skip("tensorflow is not installed")
     import processes
 
-    server = processes.TFForkServer(tmp_path_factory.mktemp("forked"))
+    server = processes.ForkServer(tmp_path_factory.mktemp("forked"), "import numpy, tensorflow, keras, weightstore",
+                                  env={"TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "1"})
     try:
         yield server
     finally:

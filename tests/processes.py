@@ -146,20 +146,20 @@ def fork_together(prelude: str, body: str, argvs: Sequence[Sequence[str]], envs:
     return results
 
 
-#: the parent of :class:`TFForkServer`'s children: imports TensorFlow and Keras once (5-6 CPU-s
-#: on a loaded machine, most of what a fresh interpreter of such a test spends), then runs each
-#: request (a line: the script, its argv, folder, environment, output files and time limit) in a
-#: child forked from it, printing the child's exit code (-9: SIGKILL, -14: past its time limit).
-#: Forking is safe only while this process runs one thread (a child forked while another thread
-#: held a lock, the allocator's or the import lock, would wait for it forever): numpy's OpenBLAS
-#: pool is told to start none (``OPENBLAS_NUM_THREADS=1``), TensorFlow starts its pools on the
-#: first op and Keras its own on the first model, which only the children run, and each fork
-#: checks it is so. A child reads its environment as a fresh interpreter would: ``os.environ`` is
-#: the request's, and ``tempfile`` looks at ``TMPDIR`` again (the imports here cached ``/tmp``).
-_TF_FORK_SERVER = """
+#: the parent of :class:`ForkServer`'s children: runs its imports once (TensorFlow and Keras:
+#: 5-6 CPU-s on a loaded machine, most of what a fresh interpreter of such a test spends), then
+#: runs each request (a line: the script, its argv, folder, environment, output files and time
+#: limit) in a child forked from it, printing the child's exit code (-9: SIGKILL, -14: past its
+#: time limit). Forking is safe only while this process runs one thread (a child forked while
+#: another thread held a lock, the allocator's or the import lock, would wait for it forever):
+#: numpy's OpenBLAS pool is told to start none (``OPENBLAS_NUM_THREADS=1``), TensorFlow starts its
+#: pools on the first op and Keras its own on the first model, which only the children run, and
+#: each fork checks it is so. A child reads its environment as a fresh interpreter would:
+#: ``os.environ`` is the request's, and ``tempfile`` looks at ``TMPDIR`` again (TensorFlow's
+#: import cached ``/tmp``).
+_FORK_SERVER = """
 import json, os, signal, sys, tempfile, traceback
-import numpy as np, tensorflow as tf, keras  # no op run, no model built here: a child's are its own
-import weightstore as ws
+exec(compile(sys.argv[1], "<imports>", "exec"), {"__name__": "__imports__"})
 for line in sys.stdin:
     request = json.loads(line)
     if len(os.listdir("/proc/self/task")) != 1:
@@ -192,20 +192,20 @@ for line in sys.stdin:
 """
 
 
-class TFForkServer:
-    """Runs Python scripts each in a process of its own, forked from one that imported TensorFlow
-    and Keras (:data:`_TF_FORK_SERVER`): a test whose subject is a process (its first model, its
-    first assign, its memory, a program run as pasted) without a TensorFlow import per process.
-    The server runs in ``folder``'s session of its own: :meth:`close` stops it and any child."""
+class ForkServer:
+    """Runs Python scripts each in a process of its own, forked from one that ran ``imports``
+    (:data:`_FORK_SERVER`): a test whose subject is a process (its first model, its first assign,
+    its memory, a program run as pasted, a crash) without an interpreter's start and imports per
+    process. ``env`` is added to the caller's environment for the server (and so for a child given
+    none of its own). The server runs in a session of its own: :meth:`close` stops it and any child."""
 
-    def __init__(self, folder: str | os.PathLike[str]) -> None:
+    def __init__(self, folder: str | os.PathLike[str], imports: str, env: Mapping[str, str] | None = None) -> None:
         self._folder = folder
         self._root = root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-        self._env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "OPENBLAS_NUM_THREADS": "1", "PYTHONPATH": path,
-                     "TF_ENABLE_ONEDNN_OPTS": "1"}  # x86 TF's default, which a user's process gets (conftest: off)
+        self._env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONPATH": path, **(env or {})}
         self._log = open(os.path.join(folder, "server.stderr"), "w+")  # noqa: SIM115 - closed by close()
-        self._server = subprocess.Popen([sys.executable, "-c", _TF_FORK_SERVER], stdin=subprocess.PIPE,
+        self._server = subprocess.Popen([sys.executable, "-c", _FORK_SERVER, imports], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=self._log, text=True, env=self._env,
                                         cwd=root, start_new_session=True)
 
@@ -213,10 +213,9 @@ class TFForkServer:
             env: Mapping[str, str] | None = None, timeout: int = 170,
             name: str = "<forked>") -> subprocess.CompletedProcess[str]:
         """``script`` run as ``__main__`` with ``sys.argv[1:] == argv`` in ``cwd`` (the server's,
-        the repository root, if None) and ``env`` (the server's if None, which is the caller's
-        with TensorFlow quiet and ``OPENBLAS_NUM_THREADS=1``), its standard input empty, ended by
-        SIGALRM after ``timeout`` seconds (before pytest's own timeout): its exit code and
-        output, as ``subprocess.run`` gives them."""
+        the repository root, if None) and ``env`` (the server's if None), its standard input
+        empty, ended by SIGALRM after ``timeout`` seconds (before pytest's own timeout): its exit
+        code and output, as ``subprocess.run`` gives them."""
         return self.start(script, *argv, cwd=cwd, env=env, timeout=timeout, name=name)()
 
     def start(self, script: str, *argv: str, cwd: str | os.PathLike[str] | None = None,
@@ -226,8 +225,7 @@ class TFForkServer:
         """:meth:`run` without waiting: the call that waits for it. To talk with the child while it
         runs, ``stdin`` and ``stdout`` name FIFOs it opens in that order (open their other ends
         in the same order); its ``stdout`` is then not returned."""
-        out = stdout or tempfile.mkstemp(dir=self._folder)[1]
-        err = tempfile.mkstemp(dir=self._folder)[1]
+        out, err = stdout or self._new_file(), self._new_file()
         request = {"script": script, "argv": list(argv), "cwd": os.fspath(cwd or self._root),
                    "env": None if env is None else dict(env), "in": os.fspath(stdin or os.devnull),
                    "out": os.fspath(out), "err": err, "timeout": timeout, "name": name}
@@ -245,6 +243,11 @@ class TFForkServer:
             return subprocess.CompletedProcess([name, *argv], json.loads(line), printed, Path(err).read_text())
 
         return wait
+
+    def _new_file(self) -> str:
+        made, path = tempfile.mkstemp(dir=self._folder)
+        os.close(made)
+        return path
 
     def close(self) -> None:
         try:
