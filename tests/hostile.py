@@ -6,18 +6,15 @@ one that ``zipfile`` would refuse to write: duplicate names, overlapping members
 
 from __future__ import annotations
 
-import atexit
-import math
 import struct
 import subprocess
-import tempfile
 import zipfile
 import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-from processes import ForkServer
+from processes import run_forked
 
 _LOCAL = struct.Struct("<4s5H3I2H")
 _CENTRAL = struct.Struct("<4s6H3I5H2I")
@@ -167,16 +164,12 @@ def peak_rss_growth(code: str, *, timeout: float = 120) -> tuple[int, str]:
     return int(growth[-1].split()[1]), result.stdout
 
 
-#: the worker's server that :func:`run_isolated` forks its processes from, started on first use
-_isolating: list[ForkServer] = []
-
-
 def run_isolated(code: str, *, timeout: float = 60, address_space: int | None = None,
                  file_size: int | None = None) -> subprocess.CompletedProcess:
     """Run ``code`` in a process of its own after ``import weightstore as ws``, under resource
     limits, so that a crash (SIGBUS, SIGSEGV), a hang or a runaway allocation is reported, not
     fatal. The process is forked from one that imported numpy, h5py and weightstore once for this
-    worker (``processes.ForkServer``): not an interpreter's start and imports each.
+    worker (``processes.run_forked``): not an interpreter's start and imports each.
 
     ``address_space`` caps virtual memory above what the process maps when it starts (h5py and
     numpy map a lot); ``file_size`` caps any file written, with SIGXFSZ ignored so a write past
@@ -197,11 +190,7 @@ def run_isolated(code: str, *, timeout: float = 60, address_space: int | None = 
         )
     )
     script = "import numpy as np, weightstore as ws, weightstore.formats.hdf5\n" + limits + code
-    if not _isolating:
-        _isolating.append(ForkServer(tempfile.mkdtemp(prefix="isolated-"), "import numpy, h5py, weightstore, "
-                                                                            "weightstore.formats.hdf5"))
-        atexit.register(_isolating[0].close)
-    return _isolating[0].run(script, timeout=max(1, math.ceil(timeout)))
+    return run_forked(script, timeout=timeout)
 
 
 def raises_naming(exc_type, *names):

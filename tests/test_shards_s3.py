@@ -273,17 +273,18 @@ def _names(folder):
 
 
 def kill_coordinator_after_index(folder, *, step, world, attempt, metadata=None):
-    """A coordinator process SIGKILLed between its index and LATEST."""
+    """A coordinator process SIGKILLed between its index and LATEST (forked: ``processes.run_forked``,
+    with this process's environment, which points S3 clients at the loopback server)."""
     import os
-    import subprocess
+
+    from processes import run_forked
 
     script = ("import os, sys; from weightstore.sharded import _shards as shards; from weightstore.sync import _stages as stages\n"
               "stages.hook = lambda s: s == 'index-written' and os.kill(os.getpid(), 9)\n"
               f"shards.commit_shards({folder!r}, step={step}, world={world}, attempt={attempt}, timeout=10, "
               f"metadata={metadata!r})\n")
-    root = str(Path(__file__).resolve().parents[1])
-    proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": root}, timeout=120)
-    assert proc.returncode == -9
+    proc = run_forked(script, env=os.environ, timeout=120)
+    assert proc.returncode == -9, proc.stderr
 
 
 def test_a_retry_of_the_step_a_killed_coordinator_left_commits(server, folder):

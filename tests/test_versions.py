@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import typer
-from processes import fork_together
+from processes import fork_together, run_forked
 from typer.testing import CliRunner
 
 import weightstore as ws
@@ -255,9 +255,7 @@ def test_publisher_killed_at_each_stage(killed_at, stage):
 
 def test_killed_first_publish_leaves_nothing_a_reader_sees(tmp_path):
     script = KILLED_PUBLISHER.replace("for step in (1, 2, 3):", "for step in ():")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    result = subprocess.run([sys.executable, "-c", script, str(tmp_path), "version-written"], env=env,
-                            capture_output=True, text=True, timeout=60)
+    result = run_forked(script, str(tmp_path), "version-written", timeout=60)  # a publisher process of its own
     assert result.returncode == -signal.SIGKILL, result.stderr
     assert ws.latest(tmp_path) is None
     assert list(ws.follow(tmp_path, timeout=0)) == []
