@@ -152,8 +152,8 @@ def fork_together(prelude: str, body: str, argvs: Sequence[Sequence[str]], envs:
 #: the parent of :class:`ForkServer`'s children: runs its imports once (TensorFlow and Keras:
 #: 5-6 CPU-s on a loaded machine, most of what a fresh interpreter of such a test spends), then
 #: runs each request (a line: the script, its argv, folder, environment, output files and time
-#: limit) in a child forked from it, printing the child's exit code (-9: SIGKILL, -14: past its
-#: time limit). Forking is safe only while this process runs one thread (a child forked while
+#: limit) in a child forked from it, printing which child ended (its stderr file) and its exit
+#: code (-9: SIGKILL, -14: past its time limit). Forking is safe only while this process runs one thread (a child forked while
 #: another thread held a lock, the allocator's or the import lock, would wait for it forever):
 #: numpy's OpenBLAS pool is told to start none (``OPENBLAS_NUM_THREADS=1``), TensorFlow starts its
 #: pools on the first op and Keras its own on the first model, which only the children run, and
@@ -191,7 +191,7 @@ for line in sys.stdin:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
-    print(json.dumps(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])), flush=True)
+    print(json.dumps([request["err"], os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])]), flush=True)
 """
 
 
@@ -238,12 +238,16 @@ class ForkServer:
 
         def wait() -> subprocess.CompletedProcess[str]:
             assert self._server.stdout
-            line = self._server.stdout.readline()
-            if not line:
-                self._log.seek(0)
-                pytest.fail(f"the forking process ended: {self._log.read()[-3000:]}")
+            while True:  # an earlier child's end that no one waited for (its test timed out) is passed over
+                line = self._server.stdout.readline()
+                if not line:
+                    self._log.seek(0)
+                    pytest.fail(f"the forking process ended: {self._log.read()[-3000:]}")
+                ended, code = json.loads(line)
+                if ended == err:
+                    break
             printed = "" if stdout else Path(out).read_text()
-            return subprocess.CompletedProcess([name, *argv], json.loads(line), printed, Path(err).read_text())
+            return subprocess.CompletedProcess([name, *argv], code, printed, Path(err).read_text())
 
         return wait
 
