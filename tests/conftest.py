@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -57,3 +58,22 @@ def s3(server):
     server.reset()
     yield server
     server.intercept = None
+
+
+@pytest.fixture(scope="session")
+def tf_fork(tmp_path_factory):
+    """A ``processes.ForkServer`` of this worker whose children start with TensorFlow and Keras
+    imported (no op run, no model built): ``tf_fork.run(script, *argv, cwd=, env=, timeout=)``
+    gives a script's exit code and output as ``subprocess.run`` does, without a TensorFlow import
+    per process. Its environment is x86 TensorFlow's default, which a user's process gets (this
+    file turns oneDNN off for the tests' own processes)."""
+    if importlib.util.find_spec("tensorflow") is None:  # found, not imported: the children import it
+        pytest.skip("tensorflow is not installed")
+    import processes
+
+    server = processes.ForkServer(tmp_path_factory.mktemp("forked"), "import numpy, tensorflow, keras, weightstore",
+                                  env={"TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "1"})
+    try:
+        yield server
+    finally:
+        server.close()

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import struct
 import subprocess
-import sys
 import zipfile
 import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+from processes import run_forked
 
 _LOCAL = struct.Struct("<4s5H3I2H")
 _CENTRAL = struct.Struct("<4s6H3I5H2I")
@@ -166,12 +166,15 @@ def peak_rss_growth(code: str, *, timeout: float = 120) -> tuple[int, str]:
 
 def run_isolated(code: str, *, timeout: float = 60, address_space: int | None = None,
                  file_size: int | None = None) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh Python after ``import weightstore as ws``, under resource limits,
-    so that a crash (SIGBUS, SIGSEGV), a hang or a runaway allocation is reported, not fatal.
+    """Run ``code`` in a process of its own after ``import weightstore as ws``, under resource
+    limits, so that a crash (SIGBUS, SIGSEGV), a hang or a runaway allocation is reported, not
+    fatal. The process is forked from one that imported numpy, h5py and weightstore once for this
+    worker (``processes.run_forked``): not an interpreter's start and imports each.
 
-    ``address_space`` caps virtual memory above what the interpreter maps at start-up (h5py and
+    ``address_space`` caps virtual memory above what the process maps when it starts (h5py and
     numpy map a lot); ``file_size`` caps any file written, with SIGXFSZ ignored so a write past
-    it fails with EFBIG the way a full disk fails with ENOSPC.
+    it fails with EFBIG the way a full disk fails with ENOSPC. Past ``timeout`` seconds the
+    process is ended by SIGALRM (exit code -14).
     """
     limits = (
         "import resource, signal\n"
@@ -187,7 +190,7 @@ def run_isolated(code: str, *, timeout: float = 60, address_space: int | None = 
         )
     )
     script = "import numpy as np, weightstore as ws, weightstore.formats.hdf5\n" + limits + code
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout)
+    return run_forked(script, timeout=timeout)
 
 
 def raises_naming(exc_type, *names):

@@ -3,16 +3,20 @@ for, and never left behind."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
+import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import IO
 
 import pytest
@@ -143,3 +147,140 @@ def fork_together(prelude: str, body: str, argvs: Sequence[Sequence[str]], envs:
     for result, code in zip(results, json.loads(codes), strict=True):
         result.returncode = code
     return results
+
+
+#: the parent of :class:`ForkServer`'s children: runs its imports once (TensorFlow and Keras:
+#: 5-6 CPU-s on a loaded machine, most of what a fresh interpreter of such a test spends), then
+#: runs each request (a line: the script, its argv, folder, environment, output files and time
+#: limit) in a child forked from it, printing which child ended (its stderr file) and its exit
+#: code (-9: SIGKILL, -14: past its time limit). Forking is safe only while this process runs one thread (a child forked while
+#: another thread held a lock, the allocator's or the import lock, would wait for it forever):
+#: numpy's OpenBLAS pool is told to start none (``OPENBLAS_NUM_THREADS=1``), TensorFlow starts its
+#: pools on the first op and Keras its own on the first model, which only the children run, and
+#: each fork checks it is so. A child reads its environment as a fresh interpreter would:
+#: ``os.environ`` is the request's, and ``tempfile`` looks at ``TMPDIR`` again (TensorFlow's
+#: import cached ``/tmp``).
+_FORK_SERVER = """
+import json, os, signal, sys, tempfile, traceback
+exec(compile(sys.argv[1], "<imports>", "exec"), {"__name__": "__imports__"})
+for line in sys.stdin:
+    request = json.loads(line)
+    if len(os.listdir("/proc/self/task")) != 1:
+        raise RuntimeError(f"{len(os.listdir('/proc/self/task'))} threads: a forked child could hang on a lock")
+    child = os.fork()
+    if not child:
+        code = 1
+        try:
+            signal.alarm(request["timeout"])
+            for fd, path, flags in ((1, request["out"], os.O_WRONLY), (2, request["err"], os.O_WRONLY),
+                                    (0, request["in"], os.O_RDONLY)):  # in this order: the FIFOs' other ends
+                os.dup2(os.open(path, flags), fd)
+            os.chdir(request["cwd"])
+            if request["env"] is not None:
+                os.environ.clear()
+                os.environ.update(request["env"])
+            tempfile.tempdir = None
+            sys.argv = ["-c", *request["argv"]]
+            exec(compile(request["script"], request["name"], "exec"), {"__name__": "__main__"})
+            code = 0
+        except SystemExit as exc:
+            code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    print(json.dumps([request["err"], os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])]), flush=True)
+"""
+
+
+class ForkServer:
+    """Runs Python scripts each in a process of its own, forked from one that ran ``imports``
+    (:data:`_FORK_SERVER`): a test whose subject is a process (its first model, its first assign,
+    its memory, a program run as pasted, a crash) without an interpreter's start and imports per
+    process. ``env`` is added to the caller's environment for the server (and so for a child given
+    none of its own). The server runs in a session of its own: :meth:`close` stops it and any child."""
+
+    def __init__(self, folder: str | os.PathLike[str], imports: str, env: Mapping[str, str] | None = None) -> None:
+        self._folder = folder
+        self._root = root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+        self._env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONPATH": path, **(env or {})}
+        self._log = open(os.path.join(folder, "server.stderr"), "w+")  # noqa: SIM115 - closed by close()
+        self._server = subprocess.Popen([sys.executable, "-c", _FORK_SERVER, imports], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=self._log, text=True, env=self._env,
+                                        cwd=root, start_new_session=True)
+
+    def run(self, script: str, *argv: str, cwd: str | os.PathLike[str] | None = None,
+            env: Mapping[str, str] | None = None, timeout: int = 170,
+            name: str = "<forked>") -> subprocess.CompletedProcess[str]:
+        """``script`` run as ``__main__`` with ``sys.argv[1:] == argv`` in ``cwd`` (the server's,
+        the repository root, if None) and ``env`` (the server's if None), its standard input
+        empty, ended by SIGALRM after ``timeout`` seconds (before pytest's own timeout): its exit
+        code and output, as ``subprocess.run`` gives them."""
+        return self.start(script, *argv, cwd=cwd, env=env, timeout=timeout, name=name)()
+
+    def start(self, script: str, *argv: str, cwd: str | os.PathLike[str] | None = None,
+              env: Mapping[str, str] | None = None, timeout: int = 170, name: str = "<forked>",
+              stdin: str | os.PathLike[str] | None = None,
+              stdout: str | os.PathLike[str] | None = None) -> Callable[[], subprocess.CompletedProcess[str]]:
+        """:meth:`run` without waiting: the call that waits for it. To talk with the child while it
+        runs, ``stdin`` and ``stdout`` name FIFOs it opens in that order (open their other ends
+        in the same order); its ``stdout`` is then not returned."""
+        out, err = stdout or self._new_file(), self._new_file()
+        request = {"script": script, "argv": list(argv), "cwd": os.fspath(cwd or self._root),
+                   "env": None if env is None else dict(env), "in": os.fspath(stdin or os.devnull),
+                   "out": os.fspath(out), "err": err, "timeout": timeout, "name": name}
+        assert self._server.stdin and self._server.stdout
+        self._server.stdin.write(json.dumps(request) + "\n")
+        self._server.stdin.flush()
+
+        def wait() -> subprocess.CompletedProcess[str]:
+            assert self._server.stdout
+            while True:  # an earlier child's end that no one waited for (its test timed out) is passed over
+                line = self._server.stdout.readline()
+                if not line:
+                    self._log.seek(0)
+                    pytest.fail(f"the forking process ended: {self._log.read()[-3000:]}")
+                ended, code = json.loads(line)
+                if ended == err:
+                    break
+            printed = "" if stdout else Path(out).read_text()
+            return subprocess.CompletedProcess([name, *argv], code, printed, Path(err).read_text())
+
+        return wait
+
+    def _new_file(self) -> str:
+        made, path = tempfile.mkstemp(dir=self._folder)
+        os.close(made)
+        return path
+
+    def close(self) -> None:
+        try:
+            if self._server.stdin:
+                self._server.stdin.close()
+            self._server.wait(60)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # both already gone: nothing to stop
+                os.killpg(self._server.pid, signal.SIGKILL)
+            self._log.close()
+
+
+#: the worker's :func:`run_forked` server, started on first use
+_plain: list[ForkServer] = []
+
+
+def run_forked(script: str, *argv: str, env: Mapping[str, str] | None = None,
+               timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``script`` in a process of its own (:meth:`ForkServer.run`), forked from one this worker
+    started once that imported numpy, h5py, s3fs and weightstore: a test of what one process does
+    (a SIGKILL at a stage, a crash, a resource limit) without an interpreter's start and imports
+    (0.5-1.5 CPU-s) each. ``env`` None: the worker's environment when the server started."""
+    if not _plain:
+        folder = tempfile.mkdtemp(prefix="forked-")
+        _plain.append(ForkServer(folder, "import importlib.util, numpy, h5py, weightstore, weightstore.formats.hdf5\n"
+                                         "if importlib.util.find_spec('s3fs'):\n    import s3fs"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        atexit.register(_plain[0].close)  # first: run last to first
+    return _plain[0].run(script, *argv, env=env, timeout=max(1, math.ceil(timeout)))

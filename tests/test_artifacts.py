@@ -338,7 +338,11 @@ def small_net(name=None, compiled=False):
     return model
 
 
-def trained_with_optimizer():
+@pytest.fixture(scope="module")
+def trained():
+    """A small net trained two epochs with Adam (its slots filled, its step counted), for the tests
+    that save it and its optimizer and assign them elsewhere: trained once, as none of them
+    changes it (a fit traces a training step, about 1 CPU-s each)."""
     model = small_net()
     model.compile(keras.optimizers.Adam(0.1), "mse")
     model.fit(np.random.default_rng(0).random((16, 4)), np.ones((16, 2)), epochs=2, verbose=0)
@@ -347,8 +351,8 @@ def trained_with_optimizer():
 
 @pytest.mark.parametrize("written", ["save", "write"])  # write: no ``checkpoint`` state file, the folder's only one
 @pytest.mark.parametrize("layout", ["model=", "root"])
-def test_tf2_checkpoint_with_optimizer_state_assigns_the_model_only(tmp_path, layout, written):
-    model = trained_with_optimizer()
+def test_tf2_checkpoint_with_optimizer_state_assigns_the_model_only(tmp_path, layout, written, trained):
+    model = trained
     checkpoint = (tf.train.Checkpoint(model=model, optimizer=model.optimizer) if layout == "model="
                   else tf.train.Checkpoint(model))
     prefix = (checkpoint.save(str(tmp_path / "ckpt" / "ckpt")) if written == "save"
@@ -364,8 +368,8 @@ def test_tf2_checkpoint_with_optimizer_state_assigns_the_model_only(tmp_path, la
         assert all(np.array_equal(loaded[key], value) for key, value in tf2.export(model).items())
 
 
-def test_optimizer_state_is_assigned_when_asked_for(tmp_path):
-    model = trained_with_optimizer()
+def test_optimizer_state_is_assigned_when_asked_for(tmp_path, trained):
+    model = trained
     prefix = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(str(tmp_path / "ckpt" / "ckpt"))
     model.save_weights(tmp_path / "m.weights.h5")
     expected = tf2.export(model, optimizer=True)
@@ -381,10 +385,10 @@ def test_optimizer_state_is_assigned_when_asked_for(tmp_path):
         tf2.assign(small_net(), prefix, optimizer=True)
 
 
-def test_optimizer_state_into_an_unbuilt_or_other_optimizer_changes_nothing(tmp_path):
+def test_optimizer_state_into_an_unbuilt_or_other_optimizer_changes_nothing(tmp_path, trained):
     """An unbuilt Adam holds its step and rate but no slots, an SGD fewer variables than an Adam:
     asked for the optimizer state, an assign of either must not write half of it."""
-    model = trained_with_optimizer()
+    model = trained
     prefix = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(str(tmp_path / "ckpt" / "ckpt"))
     model.save_weights(tmp_path / "m.weights.h5")
     ws.save(tmp_path / "m.npz", tf2.export(model, optimizer=True))
@@ -403,8 +407,8 @@ def test_optimizer_state_into_an_unbuilt_or_other_optimizer_changes_nothing(tmp_
         assert all(np.array_equal(after[key], value) for key, value in before.items())
 
 
-def test_optimizer_state_in_a_store_is_left_out_unless_asked_for(tmp_path):
-    model = trained_with_optimizer()
+def test_optimizer_state_in_a_store_is_left_out_unless_asked_for(tmp_path, trained):
+    model = trained
     ws.save(tmp_path / "m.npz", tf2.export(model, optimizer=True))
     model.save_weights(tmp_path / "m.weights.h5")
     ws.save(tmp_path / "keras-keyed.npz", ws.load(tmp_path / "m.weights.h5"))  # layers/dense/vars/0, optimizer/vars/3

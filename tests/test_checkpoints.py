@@ -9,8 +9,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import zipfile
 
 import numpy as np
@@ -312,11 +310,12 @@ _checkpoints.write_checkpoint(sys.argv[1], {"a": np.full(2, 9, np.float32), "b":
 """
 
 
-def test_a_write_killed_before_the_index_swap_leaves_the_old_checkpoint(tmp_path):
+def test_a_write_killed_before_the_index_swap_leaves_the_old_checkpoint(tmp_path, tf_fork):
+    """The writer is a process of its own, forked from one that imported TensorFlow (``conftest.tf_fork``)."""
     prefix = str(tmp_path / "m.ckpt")
     old = {"a": np.ones(2, np.float32), "b": np.zeros(3, np.float32)}
     _checkpoints.write_checkpoint(prefix, old)
-    done = subprocess.run([sys.executable, "-c", KILLED_BEFORE_INDEX, prefix], capture_output=True, timeout=120)
+    done = tf_fork.run(KILLED_BEFORE_INDEX, prefix, timeout=120)
     assert done.returncode == -signal.SIGKILL, done.stderr
     left = sorted(os.listdir(tmp_path))
     assert "m.ckpt.data-00000-of-00002" in left and any(".wstmp-" in name for name in left)

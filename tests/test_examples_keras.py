@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -46,8 +44,9 @@ def test_selective_restore_gives_identical_predictions(tmp_path):
         result["assigned"])
 
 
-# each module run as ``python -m`` runs it (runpy, as __main__), one after the other in one fresh
-# interpreter: TensorFlow's import, most of the cost, is paid once for both
+# each module run as ``python -m`` runs it (runpy, as __main__), one after the other in one process
+# of their own, forked from one that imported TensorFlow (``conftest.tf_fork``): TensorFlow's
+# import, most of the cost, is paid once for this worker's processes
 AS_MODULES = """
 import runpy
 for name in ("examples.keras_ensemble", "examples.tf1_ensemble"):
@@ -56,9 +55,8 @@ for name in ("examples.keras_ensemble", "examples.tf1_ensemble"):
 
 
 @pytest.mark.slow
-def test_examples_run_as_modules():
-    done = subprocess.run([sys.executable, "-c", AS_MODULES], cwd=ROOT, capture_output=True,
-                          text=True, timeout=180, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+def test_examples_run_as_modules(tf_fork):
+    done = tf_fork.run(AS_MODULES, cwd=ROOT, timeout=180, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert done.returncode == 0, done.stderr
     keras_part, tf1_part = done.stdout.split("member_1.npz holds", 1)  # the TF1 ensemble's first line
     assert "keras  with x = 10: 11, 12, 13" in keras_part

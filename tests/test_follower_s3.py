@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 import threading
@@ -279,28 +278,33 @@ SERVING_PROCESS = textwrap.dedent("""
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RssAnon from /proc")
 @pytest.mark.parametrize("where", ["s3", "local"])
-def test_a_serving_process_holds_the_model_and_one_version_at_most(s3, folder, tmp_path, where):
+def test_a_serving_process_holds_the_model_and_one_version_at_most(s3, folder, tmp_path, where, tf_fork):
     """Once serving, a process following 5 more versions of a 32 MB model (2 MB tensors) grows by
     at most about the version being staged: it once grew by twice the model on S3 (the staged
-    version, the assign's copy of it, and the client's buffers of the body)."""
+    version, the assign's copy of it, and the client's buffers of the body). The process is
+    forked from one that imported TensorFlow (``conftest.tf_fork``), told each step through a FIFO."""
     target = folder if where == "s3" else str(tmp_path / "run")  # the child reaches the server as this process does
     tensors, floats = 16, (2 << 20) // 4
     model_bytes = tensors * floats * 4
+    steps, said = tmp_path / "steps", tmp_path / "said"
+    os.mkfifo(steps)
+    os.mkfifo(said)
     env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3")
-    serving = subprocess.Popen([sys.executable, "-c", SERVING_PROCESS, target, str(tensors), str(floats)], env=env,
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    serving = tf_fork.start(SERVING_PROCESS, target, str(tensors), str(floats), env=env, timeout=240, stdin=steps,
+                            stdout=said)
     try:
-        assert serving.stdout.readline().strip() == "ready"
-        for step in range(1, 7):
-            ws.publish(target, {f"layer_{i}/w": np.full(floats, step + i, np.float32) for i in range(tensors)},
-                       step=step, keep=2)
-            serving.stdin.write(f"{step}\n")
-            serving.stdin.flush()
-            assert serving.stdout.readline().strip() == str(step)
-        serving.stdin.close()
-        extra = json.loads(serving.stdout.readline())["extra"]
+        with open(said) as out, open(steps, "w") as into:  # the order the child opens them in
+            assert out.readline().strip() == "ready"
+            for step in range(1, 7):
+                ws.publish(target, {f"layer_{i}/w": np.full(floats, step + i, np.float32) for i in range(tensors)},
+                           step=step, keep=2)
+                into.write(f"{step}\n")
+                into.flush()
+                assert out.readline().strip() == str(step)
+            into.close()
+            extra = json.loads(out.readline())["extra"]
     finally:
-        if serving.poll() is None:
-            serving.kill()
-        serving.wait(60)
+        done = serving()  # its input closed: it has ended, or ends now
+        sys.stderr.write(done.stderr[-3000:])  # shown with a failed test's report
+    assert done.returncode == 0
     assert extra < 1.6 * model_bytes, f"{extra / model_bytes:.2f}x the model"

@@ -377,14 +377,13 @@ def test_torch_assign_into_tensors_that_cannot_be_written_in_place_changes_nothi
 # -- memory: .keras configs are never used to allocate -----------------------------------------
 
 @pytest.mark.slow
-def test_keras_config_claiming_gigabytes_builds_its_model_in_no_memory(tmp_path):
+def test_keras_config_claiming_gigabytes_builds_its_model_in_no_memory(tmp_path, tf_fork):
     """``ws export --model-keys`` of a small archive whose Dense claims a billion units (a
     12 GB kernel) allocated it; the model is now built without initializing its variables,
     and the weights, of another shape than the config claims, are refused.
-    One subprocess makes a real tiny archive, edits its config, then runs the command under
-    a 4 GB address-space limit, so a regression fails instead of exhausting the machine."""
-    import subprocess
-
+    One process (forked from one that imported Keras: ``conftest.tf_fork``) makes a real tiny
+    archive, edits its config, then runs the command under a 4 GB address-space limit, so a
+    regression fails instead of exhausting the machine."""
     pytest.importorskip("keras")
     script = (
         "import os, resource, sys, zipfile\n"
@@ -405,8 +404,8 @@ def test_keras_config_claiming_gigabytes_builds_its_model_in_no_memory(tmp_path)
         "sys.argv = ['ws', 'export', claims, '-o', out, '--model-keys']\n"
         "main()\n"
     )
-    result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "small.keras"), str(tmp_path / "claims.keras"),
-                             str(tmp_path / "out.npz")], capture_output=True, text=True, timeout=240)
+    result = tf_fork.run(script, str(tmp_path / "small.keras"), str(tmp_path / "claims.keras"), str(tmp_path / "out.npz"),
+                     timeout=240)
     assert "ARCHIVE" in result.stdout, result.stderr[-2000:]
     assert int(result.stdout.split("ARCHIVE ")[1].split()[0]) < 64 << 10
     assert "OOM" not in result.stderr and "MemoryError" not in result.stderr, result.stderr[-2000:]  # allocated

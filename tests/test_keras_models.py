@@ -287,16 +287,12 @@ print(json.dumps(out))
 """
 
 
-def test_in_a_fresh_process_keys_are_the_layer_names_keras_shows():
-    """Keras's own names (``layer.name``, ``model.summary()``) for the first model of a process."""
+def test_in_a_fresh_process_keys_are_the_layer_names_keras_shows(tf_fork):
+    """Keras's own names (``layer.name``, ``model.summary()``) for the first model of a process
+    (forked from one that imported Keras and built no model: ``conftest.tf_fork``)."""
     import json
-    import os
-    import subprocess
-    import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-c", FIRST_IN_PROCESS], cwd=root, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": root, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    done = tf_fork.run(FIRST_IN_PROCESS, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     for name, pairs in json.loads(done.stdout.splitlines()[-1]).items():
         for key, layer_path in pairs:

@@ -12,7 +12,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from processes import fork_together
+from processes import fork_together, run_forked
 
 import weightstore as ws
 from weightstore import sync as versions
@@ -153,8 +153,8 @@ def test_a_killed_coordinator_leaves_nothing_visible_and_the_retry_commits(tmp_p
     script = ("import sys; from weightstore.sharded import _shards as shards; from weightstore.sync import _stages as stages; import os\n"
               "stages.hook = lambda s: s == 'index-written' and os.kill(os.getpid(), 9)\n"
               f"shards.commit_shards({str(folder)!r}, step=2, world=4, attempt=0, timeout=5)\n")
-    proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
-    assert proc.returncode == -9
+    proc = run_forked(script, timeout=60)  # a coordinator process of its own
+    assert proc.returncode == -9, proc.stderr
     assert (folder / "step-000000000002.wsindex").exists() and ws.latest(folder).step == 1
     for rank in range(4 if retry else 0):
         ws.publish_shard(folder, pieces_of(rank), step=2, rank=rank, world=4, attempt=retry)

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from processes import free_port, run_together
+from processes import fork_together, free_port, run_together
 
 import weightstore as ws
 from weightstore.formats._sharded_index import parse_done
@@ -160,8 +160,10 @@ def jobs(tmp_path_factory):
     (out / "launches").mkdir()
     # every store listening before the launch starts: a port picked early could be taken
     stores = [torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(5)]
-    ranks = run_together([[sys.executable, "-c", JOBS, str(rank), str(out), *(str(store.port) for store in stores)]
-                          for rank in range(2)], [job_env()] * 2, timeout=240)
+    # forked from one interpreter that imported torch and weightstore: not a rank's import of them each
+    ranks = fork_together("import numpy, torch, torch.distributed, weightstore", JOBS,
+                          [[str(rank), str(out), *(str(store.port) for store in stores)] for rank in range(2)],
+                          [job_env()] * 2, timeout=240)
     assert [rank.returncode for rank in ranks] == [0, 0], [rank.stderr[-3000:] for rank in ranks]
     said: dict[str, list[dict[str, list[str]]]] = {}
     for at, rank in enumerate(ranks):
@@ -213,8 +215,8 @@ JAX_CALL = textwrap.dedent("""
 
 def test_one_call_on_every_jax_process_returns_the_committed_version(tmp_path):
     folder, port = tmp_path / "run", free_port()
-    procs = run_together([[sys.executable, "-c", JAX_CALL, str(folder), str(rank)] for rank in range(2)],
-                         [job_env(COORDINATOR=f"127.0.0.1:{port}")] * 2, timeout=120)
+    procs = fork_together("import numpy, jax, weightstore", JAX_CALL, [[str(folder), str(rank)] for rank in range(2)],
+                          [job_env(COORDINATOR=f"127.0.0.1:{port}")] * 2, timeout=120)
     assert [proc.returncode for proc in procs] == [0, 0], [proc.stderr[-3000:] for proc in procs]
     lines = [[line for line in proc.stdout.splitlines() if line.startswith("version:")] for proc in procs]
     assert lines[0] == lines[1] == [f"version: {step} step-00000000000{step}.wsindex" for step in (1, 2, 3)]

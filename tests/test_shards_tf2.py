@@ -2,7 +2,6 @@
 
 import json
 import os
-import sys
 import textwrap
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from weightstore.formats._sharded_index import BLOCK_BYTES
 
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
-from processes import free_port, run_together  # noqa: E402
+from processes import fork_together, free_port  # noqa: E402
 
 from weightstore.adapters import tf2  # noqa: E402
 from weightstore.adapters._tf2_sharded import Segment, plan  # noqa: E402
@@ -179,7 +178,9 @@ WORKER = MODEL + textwrap.dedent("""
 @pytest.fixture(scope="module")
 def cluster_run(tmp_path_factory):
     """Two workers on 127.0.0.1, each its own process with its own TF_CONFIG, run once for the
-    module's tests (``./tasks test`` gives a file's tests to one worker)."""
+    module's tests (``./tasks test`` gives a file's tests to one worker): forked from one
+    interpreter that imported TensorFlow and Keras (``processes.fork_together``), which reads
+    TF_CONFIG only when a worker makes its strategy."""
     tmp = tmp_path_factory.mktemp("mwms")
     folder, out = tmp / "run", tmp / "out"
     out.mkdir()
@@ -187,7 +188,8 @@ def cluster_run(tmp_path_factory):
     envs = [{**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2",
              "TF_CONFIG": json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})}
             for index in range(2)]
-    chief, worker = run_together([[sys.executable, "-c", WORKER, str(folder), str(out)]] * 2, envs, timeout=240)
+    chief, worker = fork_together("import numpy, tensorflow, keras, weightstore", WORKER, [[str(folder), str(out)]] * 2,
+                                  envs, timeout=240)
     assert chief.returncode == 0, chief.stderr[-3000:]
     assert worker.returncode == -9, worker.stderr[-3000:]  # it killed itself, as planned
     return folder, out

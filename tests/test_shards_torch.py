@@ -6,7 +6,6 @@ processes (:data:`JOBS`), whose results the tests check."""
 from __future__ import annotations
 
 import os
-import sys
 import textwrap
 import uuid
 from pathlib import Path
@@ -19,7 +18,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed.tensor")
 pytest.importorskip("s3fs")
 
-from processes import run_together  # noqa: E402
+from processes import fork_together  # noqa: E402
 
 import weightstore as ws  # noqa: E402
 
@@ -171,8 +170,10 @@ def jobs(server, tmp_path_factory):
     # each job's store, listening before the launch starts: a port picked early could be taken
     stores = [torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(6)]
     ports = [str(store.port) for store in stores]
-    ranks = run_together([[sys.executable, "-c", JOBS, str(rank), str(out), folder, *ports] for rank in range(3)],
-                         [env] * 3, timeout=240)  # within pytest's 300 s, which counts this fixture
+    # forked from one interpreter that imported torch and weightstore: a rank's import of them each
+    ranks = fork_together("import numpy, torch, torch.distributed, weightstore", JOBS,
+                          [[str(rank), str(out), folder, *ports] for rank in range(3)],
+                          [env] * 3, timeout=240)  # within pytest's 300 s, which counts this fixture
     for rank in ranks:
         assert rank.returncode == 0, (rank.stdout + rank.stderr)[-3000:]
     fetched = sum(r.sent for r in server.requests if r.method == "GET" and r.path.endswith(".safetensors"))

@@ -2,9 +2,6 @@
 
 import gc
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import ml_dtypes
@@ -609,10 +606,10 @@ DISTRIBUTED = textwrap.dedent("""
 """)
 
 
-def test_mirrored_variables_and_device_to_device_copy(tmp_path):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    done = subprocess.run([sys.executable, "-c", DISTRIBUTED, str(tmp_path / "m.npz")], capture_output=True,
-                          text=True, timeout=120, env=env)
+def test_mirrored_variables_and_device_to_device_copy(tmp_path, tf_fork):
+    """In a process of its own (forked from one that imported TensorFlow and ran no op:
+    ``conftest.tf_fork``), whose two logical CPUs are set before its runtime starts."""
+    done = tf_fork.run(DISTRIBUTED, str(tmp_path / "m.npz"), timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["mirrored"] == "MirroredVariable"

@@ -3,13 +3,9 @@ exact values for every dtype, variables that stay independent of the file, of th
 arrays and of earlier reads, and a first assign in a process that does not leave it holding the
 model twice."""
 
-import contextlib
 import ctypes
 import json
 import os
-import signal
-import subprocess
-import sys
 import textwrap
 
 import ml_dtypes
@@ -235,66 +231,19 @@ def _glibc() -> bool:
         return False
 
 
-#: imports TensorFlow once, then runs each case (a line: script and arguments) in a child forked
-#: from it: a process whose first assign it is, without a TensorFlow import (5 CPU-s) per case.
-#: Forking is safe only while this process runs one thread (a child forked while another thread
-#: held a lock, the allocator's or the import lock, would wait for it forever): numpy's OpenBLAS
-#: pool is told to start none (``OPENBLAS_NUM_THREADS=1``, set by :func:`run_in_fork`), TensorFlow
-#: starts its pools on the first op, which only the children run, and each fork checks it is so.
-#: A child still running after 170 s is ended by SIGALRM, before pytest's timeout (300 s).
-FORK_SERVER = textwrap.dedent("""
-    import json, os, signal, sys, traceback
-    import numpy as np, tensorflow as tf  # no op run here: the child's TF memory is its own
-    import weightstore as ws
-    for line in sys.stdin:
-        script, *sys.argv[1:] = json.loads(line)
-        if len(os.listdir("/proc/self/task")) != 1:
-            raise RuntimeError(f"{len(os.listdir('/proc/self/task'))} threads: a forked child could hang on a lock")
-        child = os.fork()
-        if not child:
-            signal.alarm(170)
-            code = 0
-            try:
-                exec(script, {"__name__": "__main__"})
-            except BaseException:
-                traceback.print_exc()
-                code = 1
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-        print(json.dumps({"exit": os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])}), flush=True)
-""")
-
-
 @pytest.fixture(scope="module")
-def run_in_fork(tmp_path_factory):
-    """``run_in_fork(script, *args)``: the exit status and printed lines of ``script`` run with
-    ``args`` in a fresh process, forked from one that has imported TensorFlow (:data:`FORK_SERVER`);
-    -14 (SIGALRM) for a child that ran past 170 s."""
-    log = tmp_path_factory.mktemp("forked") / "stderr"
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="1",  # x86 TF's default (conftest: off)
-               OPENBLAS_NUM_THREADS="1")
-    with open(log, "w") as stderr:  # a session of its own: teardown stops the server and any child with it
-        server = subprocess.Popen([sys.executable, "-c", FORK_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=stderr, text=True, env=env, start_new_session=True)
+def tf_only(tmp_path_factory):
+    """Processes forked from one that imported TensorFlow alone (``processes.ForkServer``), as
+    these cases always were, not also Keras as ``conftest.tf_fork``'s are: on that server one
+    ``-n 3`` run of three measured the fed case keeping 1.04x the model, cause not found."""
+    from processes import ForkServer
 
-    def run(script: str, *args: str) -> tuple[int, list[str]]:
-        server.stdin.write(json.dumps([script, *args]) + "\n")
-        server.stdin.flush()
-        printed = []
-        while (line := server.stdout.readline()) and not line.startswith('{"exit"'):
-            printed.append(line)
-        assert line, f"the forking process ended: {log.read_text()[-3000:]}"
-        code = json.loads(line)["exit"]
-        return code, printed + ([] if code == 0 else [log.read_text()[-3000:]])
-
-    yield run
-    server.stdin.close()
+    server = ForkServer(tmp_path_factory.mktemp("forked"), "import numpy, tensorflow, weightstore",
+                        env={"TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "1"})  # x86 TF's default
     try:
-        server.wait(60)
+        yield server
     finally:
-        with contextlib.suppress(ProcessLookupError):  # both already gone: nothing to stop
-            os.killpg(server.pid, signal.SIGKILL)
+        server.close()
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RssAnon from /proc")
@@ -302,10 +251,12 @@ def run_in_fork(tmp_path_factory):
     (FIRST_ASSIGN, ""), (FIRST_ASSIGN_TF1, "initializers"),
     pytest.param(FIRST_ASSIGN_TF1, "fed", marks=pytest.mark.skipif(not _glibc(), reason="glibc's heap")),
 ], ids=["tf2", "tf1", "tf1-fed-heap-arrays"])
-def test_the_first_assign_in_a_process_does_not_keep_a_second_model(run_in_fork, tmp_path, script, start):
-    code, printed = run_in_fork(script, str(tmp_path / "m.npz"), start)
-    assert code == 0, printed
-    out = json.loads(printed[-1])
+def test_the_first_assign_in_a_process_does_not_keep_a_second_model(tf_only, tmp_path, script, start):
+    """Run in a process forked from one that imported TensorFlow (:func:`tf_only`): a process
+    whose first assign it is, without a TensorFlow import per case."""
+    done = tf_only.run(script, str(tmp_path / "m.npz"), start)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    out = json.loads(done.stdout.splitlines()[-1])
     assert out["right"]
     assert out["kept"] < 0.25 * out["model"], out  # numpy copies, adopted, left 1.0x in TF's pool
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import typer
+from processes import fork_together, run_forked
 from typer.testing import CliRunner
 
 import weightstore as ws
@@ -227,30 +228,34 @@ KILLED_PUBLISHER = textwrap.dedent("""
 """)
 
 
-def run_killed_publisher(folder, stage: str) -> None:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    result = subprocess.run([sys.executable, "-c", KILLED_PUBLISHER, str(folder), stage], env=env,
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == -signal.SIGKILL, result.stderr
+@pytest.fixture(scope="module")
+def killed_at(tmp_path_factory):
+    """The folder of a publisher SIGKILLed at each stage, by stage: the publishers run at once,
+    forked from one interpreter that imported weightstore (``processes.fork_together``)."""
+    folders = {stage: tmp_path_factory.mktemp(stage) for stage in STAGES}
+    publishers = fork_together("import numpy, weightstore", KILLED_PUBLISHER,
+                               [[str(folder), stage] for stage, folder in folders.items()],
+                               [{**os.environ, "PYTHONPATH": str(ROOT)}] * len(folders), timeout=120)
+    for publisher in publishers:
+        assert publisher.returncode == -signal.SIGKILL, publisher.stderr
+    return folders
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_publisher_killed_at_each_stage(tmp_path, stage):
-    run_killed_publisher(tmp_path, stage)
-    version = ws.latest(tmp_path)
+def test_publisher_killed_at_each_stage(killed_at, stage):
+    folder = killed_at[stage]
+    version = ws.latest(folder)
     expected = 4 if STAGES.index(stage) >= STAGES.index("latest-written") else 3
     assert version.step == expected
     assert_whole(ws.load(version), expected)
-    assert [v.step for v in ws.follow(tmp_path, timeout=0)] == [expected]
-    ws.publish(tmp_path, weights_at(5), step=5, keep=2)
-    assert files(tmp_path) == [".publish.lock", "LATEST", f"step-00000000000{expected}.npz", "step-000000000005.npz"]
+    assert [v.step for v in ws.follow(folder, timeout=0)] == [expected]
+    ws.publish(folder, weights_at(5), step=5, keep=2)
+    assert files(folder) == [".publish.lock", "LATEST", f"step-00000000000{expected}.npz", "step-000000000005.npz"]
 
 
 def test_killed_first_publish_leaves_nothing_a_reader_sees(tmp_path):
     script = KILLED_PUBLISHER.replace("for step in (1, 2, 3):", "for step in ():")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    result = subprocess.run([sys.executable, "-c", script, str(tmp_path), "version-written"], env=env,
-                            capture_output=True, text=True, timeout=60)
+    result = run_forked(script, str(tmp_path), "version-written", timeout=60)  # a publisher process of its own
     assert result.returncode == -signal.SIGKILL, result.stderr
     assert ws.latest(tmp_path) is None
     assert list(ws.follow(tmp_path, timeout=0)) == []

@@ -1,5 +1,6 @@
 """Versioned folders on S3: the real s3fs client against moto's S3 server on 127.0.0.1."""
 
+import contextlib
 import json
 import logging
 import os
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from processes import fork_together
 
 import weightstore as ws
 from weightstore import sync as versions
@@ -175,12 +177,25 @@ KILLED_PUBLISHER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("stage", ["version-temporary", "version-written", "latest-written", "pruning"])
-def test_publisher_killed_on_s3(s3, folder, stage):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    result = subprocess.run([sys.executable, "-c", KILLED_PUBLISHER, folder, stage, json.dumps(s3)], env=env,
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == -signal.SIGKILL, result.stderr
+KILLED_STAGES = ["version-temporary", "version-written", "latest-written", "pruning"]
+
+
+@pytest.fixture(scope="module")
+def killed_at(s3):
+    """The folder of a publisher SIGKILLed at each stage, by stage: the publishers run at once,
+    forked from one interpreter that imported weightstore and s3fs (``processes.fork_together``)."""
+    folders = {stage: f"s3://{BUCKET}/{uuid.uuid4().hex}" for stage in KILLED_STAGES}
+    publishers = fork_together("import numpy, s3fs, weightstore", KILLED_PUBLISHER,
+                               [[folder, stage, json.dumps(s3)] for stage, folder in folders.items()],
+                               [{**os.environ, "PYTHONPATH": str(ROOT)}] * len(folders), timeout=120)
+    for publisher in publishers:
+        assert publisher.returncode == -signal.SIGKILL, publisher.stderr
+    return folders
+
+
+@pytest.mark.parametrize("stage", KILLED_STAGES)
+def test_publisher_killed_on_s3(s3, killed_at, stage):
+    folder = killed_at[stage]
     expected = 4 if stage in ("latest-written", "pruning") else 3
     version = ws.latest(folder, storage_options=s3)
     assert version.step == expected
@@ -290,21 +305,42 @@ def test_an_abandoned_follow_generator_exits_quietly(s3, folder, tmp_path, where
     assert "Traceback" not in result.stderr and "Exception ignored" not in result.stderr, result.stderr
 
 
-PUBLISH_FROM_ANOTHER_PROCESS = textwrap.dedent("""
+PUBLISHER_PROCESS = textwrap.dedent("""
     import json, sys
     import numpy as np
     import weightstore as ws
-    folder, step, options = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
-    ws.publish(folder, {f"layer_{i}/w": np.full((4,), step, np.float32) for i in range(3)}, step=step,
-               storage_options=options)
+    folder, options = sys.argv[1], json.loads(sys.argv[2])
+    for line in sys.stdin:  # a step to publish
+        step = int(line)
+        ws.publish(folder, {f"layer_{i}/w": np.full((4,), step, np.float32) for i in range(3)}, step=step,
+                   storage_options=options)
+        print(step, flush=True)
 """)
 
 
-def publish_elsewhere(folder: str, step: int, options: dict) -> None:
+@contextlib.contextmanager
+def publisher_elsewhere(folder: str, options: dict):
+    """``publish(step)``, published by another process (another s3fs, with listings of its own):
+    one for the test, not one interpreter per step."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-c", PUBLISH_FROM_ANOTHER_PROCESS, folder, str(step), json.dumps(options)],
-                          env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    proc = subprocess.Popen([sys.executable, "-c", PUBLISHER_PROCESS, folder, json.dumps(options)], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def publish(step: int) -> None:
+        proc.stdin.write(f"{step}\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == str(step), "the other process did not publish (its stderr above)"
+
+    try:
+        yield publish
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def test_follow_sees_what_another_process_published_after_this_one_listed(s3, folder):
@@ -312,19 +348,20 @@ def test_follow_sees_what_another_process_published_after_this_one_listed(s3, fo
     assert versions.list_versions(folder.rsplit("/", 1)[0], storage_options=s3) is not None  # the bucket, listed
     with pytest.raises(ws.StoreNotFoundError):
         versions.list_versions(folder, storage_options=s3)  # the folder, listed before it exists
-    publish_elsewhere(folder, 1, s3)  # the first LATEST, from another process
-    assert ws.latest(folder, storage_options=s3).step == 1
-    assert [entry.step for entry in versions.list_versions(folder, storage_options=s3)] == [1]
-    publish_elsewhere(folder, 2, s3)  # a version this process's listing never saw
-    following = ws.follow(folder, timeout=5, poll=0.05, storage_options=s3)
-    try:
-        version = next(following)
-        assert version.step == 2
-        assert_whole(ws.load(version), 2)
-        publish_elsewhere(folder, 3, s3)
-        assert_whole(ws.load(next(following)), 3)
-    finally:
-        following.close()
+    with publisher_elsewhere(folder, s3) as publish_elsewhere:
+        publish_elsewhere(1)  # the first LATEST, from another process
+        assert ws.latest(folder, storage_options=s3).step == 1
+        assert [entry.step for entry in versions.list_versions(folder, storage_options=s3)] == [1]
+        publish_elsewhere(2)  # a version this process's listing never saw
+        following = ws.follow(folder, timeout=5, poll=0.05, storage_options=s3)
+        try:
+            version = next(following)
+            assert version.step == 2
+            assert_whole(ws.load(version), 2)
+            publish_elsewhere(3)
+            assert_whole(ws.load(next(following)), 3)
+        finally:
+            following.close()
     assert_whole(ws.load(ws.latest(folder, storage_options=s3)), 3)
 
 
