@@ -3,6 +3,7 @@
 import logging
 import os
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -248,3 +249,31 @@ def test_the_publishing_thread_is_no_daemon_whoever_asks(tmp_path, gate):
     caller.join(30)
     assert threads and threads[0] is not None and not threads[0].daemon
     gate.set()
+
+
+def test_a_process_that_returns_mid_publish_publishes_its_last_snapshot(tmp_path):
+    """A script that returns (or calls sys.exit) without close(): the publish in flight is written
+    even though the interpreter's exit has begun, which makes thread pools refuse new work."""
+    script = f"""
+import sys, threading, time
+import numpy as np
+import weightstore as ws
+from weightstore.sync import _stages as stages
+
+def hold(name):  # the write goes on only once the interpreter's exit has begun
+    if name == "locked":
+        while not threading._SHUTTING_DOWN:  # private: set as threading's exit hooks start
+            time.sleep(0.05)
+
+stages.hook = hold
+publisher = ws.BackgroundPublisher({str(tmp_path / "run")!r}, keep=2)
+publisher.publish({{"w": np.arange(4, dtype=np.float32)}}, step=7)
+sys.exit(3)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr
+    assert "failed" not in done.stderr, done.stderr
+    version = ws.latest(tmp_path / "run")
+    assert version is not None and version.step == 7
+    assert np.array_equal(ws.load(version)["w"], np.arange(4, dtype=np.float32))
+    assert sorted(os.listdir(tmp_path / "run")) == [".publish.lock", "LATEST", "step-000000000007.npz"]

@@ -30,8 +30,10 @@ until it is written or given up, so a retry writes the same weights.
 **The end.** :meth:`~BackgroundPublisher.wait` and :meth:`~BackgroundPublisher.close` wait (at
 most ``timeout`` seconds) for everything asked for, then return the last version published and
 log what is still pending. The publishing thread is not a daemon: a process that exits while a
-publish is still retrying (a trainer that finished during an outage) lets it finish first,
-``retry_for`` at most, so the final weights still arrive once storage is back. A process killed
+publish is being written or still retrying (a trainer that finished during an outage, or never
+called ``close``) lets it finish first, ``retry_for`` at most, so the final weights still arrive
+once storage is back; it is waited for before the interpreter's thread pools stop taking work
+(:mod:`weightstore.core._exiting`), which the write still needs. A process killed
 mid-write leaves the folder as a killed :func:`weightstore.publish` does.
 
 Example::
@@ -59,6 +61,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightstore.core import _parallel as parallel
+from weightstore.core._exiting import finish_before_exit
 from weightstore.errors import PublishError, StorageError, WeightStoreError, WriteError
 from weightstore.formats import format_named
 from weightstore.store._save import checked_metadata
@@ -165,6 +168,7 @@ class BackgroundPublisher:
                 self._thread = threading.Thread(target=self._run, name=f"weightstore-publish-{self.folder}",
                                                 daemon=False)
                 self._thread.start()
+                finish_before_exit(self._thread)
             self._changed.notify_all()
         if replaced is not None:
             replaced.future.cancel()
