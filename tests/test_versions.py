@@ -246,6 +246,21 @@ def test_publisher_killed_at_each_stage(tmp_path, stage):
     assert files(tmp_path) == [".publish.lock", "LATEST", f"step-00000000000{expected}.npz", "step-000000000005.npz"]
 
 
+@pytest.mark.parametrize("stage", ["version-temporary", "latest-temporary"])
+def test_a_restart_whose_pid_the_killed_publisher_had_removes_its_temporaries(tmp_path, stage):
+    """Restarted on another node, or in a fresh container, a trainer often gets the PID of the one
+    killed mid-write (a container's trainer is often PID 1): its temporary, as large as a
+    version, must not outlive it for want of a dead PID."""
+    run_killed_publisher(tmp_path, stage)
+    for name in os.listdir(tmp_path):
+        if ".wstmp-" in name:
+            os.rename(tmp_path / name, tmp_path / re.sub(r"wstmp-\d+-", f"wstmp-{os.getpid()}-", name))
+    assert any(".wstmp-" in name for name in files(tmp_path))
+    ws.publish(tmp_path, weights_at(5), step=5, keep=2)
+    assert files(tmp_path) == [".publish.lock", "LATEST", "step-000000000003.npz", "step-000000000005.npz"]
+    assert ws.latest(tmp_path).step == 5
+
+
 def test_killed_first_publish_leaves_nothing_a_reader_sees(tmp_path):
     script = KILLED_PUBLISHER.replace("for step in (1, 2, 3):", "for step in ():")
     env = dict(os.environ, PYTHONPATH=str(ROOT))

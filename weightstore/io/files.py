@@ -180,17 +180,20 @@ def target_of_temporary(path: str | Path) -> Path | None:
     return None if match is None else path.with_name(match.group(1))
 
 
-def remove_stale_temporaries(target: Path, suffix: str = "") -> None:
+def remove_stale_temporaries(target: Path, suffix: str = "", *, locked: bool = False) -> None:
     """Remove temporaries of earlier writes to ``target`` whose process has died (SIGKILL).
 
     ``suffix`` is a pattern for what a writer appends after the temporary's name (the file
-    endings of a TF checkpoint written under a temporary prefix).
+    endings of a TF checkpoint written under a temporary prefix). ``locked``: the caller holds
+    the lock every writer of ``target`` takes, so each temporary there is a dead writer's, its
+    PID alive here or not: a writer killed on another node sharing the folder, or in a container
+    whose restarted process got the same PID (a trainer is often PID 1), left it.
     """
     pattern = re.compile(re.escape(f".{target.name}{TEMP_MARK}") + r"(\d+)-[0-9a-f]+" + suffix + "$")
     with contextlib.suppress(OSError):
         for entry in os.scandir(target.parent):
             match = pattern.match(entry.name)
-            if match and not _process_alive(int(match.group(1))):
+            if match and (locked or not _process_alive(int(match.group(1)))):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(entry.path)
 

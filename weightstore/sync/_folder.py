@@ -108,7 +108,7 @@ class FolderState:
         lock keeps other publishers out), the versions killed publishes wrote but never named."""
         if isinstance(self.folder, LocalFolder):
             for name in self.folder.temporaries():
-                remove_stale_temporaries(self.folder.root / name)
+                remove_stale_temporaries(self.folder.root / name, locked=True)
             self.remove_unpublished()
             if self.intent is not None:
                 self.folder.remove(INTENT)
