@@ -90,7 +90,9 @@ class FolderState:
                           "counts as current and the next publish names its own version", stacklevel=4)
         if self.pointer is not None and step <= self.pointer.step:
             raise PublishError(f"step {step} is not after step {self.pointer.step}, which LATEST names; steps must "
-                               "increase (is another trainer publishing to this folder?)", path=where)
+                               "increase (is another trainer publishing to this folder, or was this one restarted "
+                               f"from an older checkpoint? then its publishes go through once its step passes "
+                               f"{self.pointer.step})", path=where)
         rolled_back = self.above_latest()
         if self.pointer is not None and rolled_back and step <= rolled_back[-1]:
             raise PublishError(
