@@ -286,3 +286,31 @@ sys.exit(3)
     assert np.array_equal(ws.load(version)["w"], np.arange(4, dtype=np.float32))
     if where == "local":
         assert sorted(os.listdir(folder)) == [".publish.lock", "LATEST", "step-000000000007.npz"]
+
+
+def test_the_backoff_is_the_storages_so_newer_snapshots_do_not_hammer_a_failing_one(tmp_path, monkeypatch):
+    """A trainer hands over a snapshot each step: each used to be tried at once, so the failing
+    storage was asked once a step and logged once a step, whatever the backoff said."""
+    from weightstore.sync import _background
+
+    attempts = []
+
+    def down(folder, weights, *, step, **options):
+        attempts.append(step)
+        raise ws.StorageError("down", path=str(folder))
+
+    monkeypatch.setattr(_background, "publish", down)
+    publisher = ws.BackgroundPublisher(tmp_path, retry_backoff=3600)
+    first = publisher.publish(weights(1), step=1)
+    while not attempts:
+        threading.Event().wait(0.01)
+    newer = [publisher.publish(weights(step), step=step) for step in range(2, 6)]
+    with pytest.raises(ws.StorageError):
+        first.result(60)  # it gave way to a newer snapshot
+    assert all(future.cancelled() for future in newer[:-1])
+    assert publisher.wait(timeout=0.5) is None  # time enough for an attempt made at once
+    assert attempts == [1] and not newer[-1].done()  # the newest waits out the pause, untried
+    monkeypatch.setattr(_background, "publish", ws.publish)
+    publisher._resume_at = 0.0  # the hour passes
+    publisher.publish(weights(6), step=6)
+    assert publisher.close(60).step == 6 and ws.latest(tmp_path).step == 6
