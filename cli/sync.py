@@ -7,6 +7,7 @@ errors, which its wrapper turns into one-line exit-1 messages.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import warnings
 from typing import Annotated
@@ -14,6 +15,7 @@ from typing import Annotated
 import typer
 
 from weightstore.cli.render import emit, human_bytes, settings
+from weightstore.errors import StorageError
 from weightstore.sync._checks import DEFAULT_POLL
 
 
@@ -91,7 +93,7 @@ def follow(
 
     A FOLDER that does not exist is refused (exit 1, naming it): a mistyped path would
     otherwise wait forever. Pass --wait when it is only not there yet (a trainer about to
-    publish its first version).
+    publish its first version). A storage outage is waited out, from the start on.
 
     \b
     Example:
@@ -107,7 +109,11 @@ def follow(
         raise typer.BadParameter(str(exc), param_hint="--notifications") from None
     _refuse_serving_base(folder)  # numbered SavedModel folders are never ws.publish's
     if not wait:
-        require_folder(folder, hint="pass --wait to wait for it to appear")
+        try:
+            require_folder(folder, hint="pass --wait to wait for it to appear")
+        except StorageError as exc:  # whether it exists cannot be told now: the outage is waited out, as below
+            logging.getLogger("weightstore").warning("weightstore: following %s: %s; waiting for the storage",
+                                                     folder, exc)
     for version in follow_versions(folder, poll=poll, timeout=timeout, after=after, max_poll=max_poll,
                                    notifications=notifications):
         if as_json:  # a stream: one object per line, so a reader can act on each as it lands

@@ -3,6 +3,7 @@
 import logging
 import os
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -248,3 +249,68 @@ def test_the_publishing_thread_is_no_daemon_whoever_asks(tmp_path, gate):
     caller.join(30)
     assert threads and threads[0] is not None and not threads[0].daemon
     gate.set()
+
+
+BUCKET = "weightstore-background"
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_process_that_returns_mid_publish_publishes_its_last_snapshot(tmp_path, request, where):
+    """A script that returns (or calls sys.exit) without close(): the publish in flight is written
+    even though the interpreter's exit has begun, which makes thread pools refuse new work (on
+    S3 the exit hung, asyncio's resolver refusing it)."""
+    if where == "s3":
+        request.getfixturevalue("s3")  # the child inherits the environment that points at it
+    folder = str(tmp_path / "run") if where == "local" else f"s3://{BUCKET}/{tmp_path.name}"
+    script = f"""
+import sys, threading, time
+import numpy as np
+import weightstore as ws
+from weightstore.sync import _stages as stages
+
+def hold(name):  # the write goes on only once the interpreter's exit has begun
+    if name == "locked":
+        while not threading._SHUTTING_DOWN:  # private: set as threading's exit hooks start
+            time.sleep(0.05)
+
+stages.hook = hold
+publisher = ws.BackgroundPublisher({folder!r}, keep=2)
+publisher.publish({{"w": np.arange(4, dtype=np.float32)}}, step=7)
+sys.exit(3)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr
+    assert "failed" not in done.stderr, done.stderr
+    version = ws.latest(folder)
+    assert version is not None and version.step == 7
+    assert np.array_equal(ws.load(version)["w"], np.arange(4, dtype=np.float32))
+    if where == "local":
+        assert sorted(os.listdir(folder)) == [".publish.lock", "LATEST", "step-000000000007.npz"]
+
+
+def test_the_backoff_is_the_storages_so_newer_snapshots_do_not_hammer_a_failing_one(tmp_path, monkeypatch):
+    """A trainer hands over a snapshot each step: each used to be tried at once, so the failing
+    storage was asked once a step and logged once a step, whatever the backoff said."""
+    from weightstore.sync import _background
+
+    attempts = []
+
+    def down(folder, weights, *, step, **options):
+        attempts.append(step)
+        raise ws.StorageError("down", path=str(folder))
+
+    monkeypatch.setattr(_background, "publish", down)
+    publisher = ws.BackgroundPublisher(tmp_path, retry_backoff=3600)
+    first = publisher.publish(weights(1), step=1)
+    while not attempts:
+        threading.Event().wait(0.01)
+    newer = [publisher.publish(weights(step), step=step) for step in range(2, 6)]
+    with pytest.raises(ws.StorageError):
+        first.result(60)  # it gave way to a newer snapshot
+    assert all(future.cancelled() for future in newer[:-1])
+    assert publisher.wait(timeout=0.5) is None  # time enough for an attempt made at once
+    assert attempts == [1] and not newer[-1].done()  # the newest waits out the pause, untried
+    monkeypatch.setattr(_background, "publish", ws.publish)
+    publisher._resume_at = 0.0  # the hour passes
+    publisher.publish(weights(6), step=6)
+    assert publisher.close(60).step == 6 and ws.latest(tmp_path).step == 6

@@ -639,6 +639,9 @@ def test_a_folder_of_versions_given_as_a_file_names_its_latest_version(store, tm
     with pytest.raises(ws.StoreNotFoundError, match="folder of ws.publish versions"):
         ws.load(run_folder)
     assert run("ls", latest).exit_code == 0
+    os.remove(run_folder / "LATEST")
+    os.mkfifo(run_folder / "LATEST")  # a hostile folder: never opened, and still named for what it is
+    one_error_line(run("ls", run_folder), "run: is a folder of ws.publish versions", "one of its step-* files")
 
 
 def test_a_keras_zip_bomb_is_one_error_line(tmp_path):

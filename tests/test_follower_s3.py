@@ -153,6 +153,31 @@ def test_a_version_whose_download_failed_is_fetched_again(s3, folder, model):
         assert np.all(model.get_layer("hidden").kernel.numpy() == 2)
 
 
+def test_a_follower_started_during_an_outage_waits_it_out(s3, folder, model):
+    """A serving process started while the storage is down: wait() gets the version once the storage
+    answers (it raised the outage's StorageError at once, as it does a damaged folder's error)."""
+    ws.publish(folder, weights_at(model, 3), step=3)
+    waiting, refused = threading.Event(), []
+
+    def down_until_waited_on(environ):
+        """Refuse every request until wait() has been called and three more were refused."""
+        if len(refused) < 3:
+            if waiting.is_set():
+                refused.append(environ["PATH_INFO"])
+            return 503, b"<Error><Code>SlowDown</Code><Message>down</Message></Error>"
+        return None
+
+    s3.intercept = down_until_waited_on
+    with Follower(model, folder, poll=0.05) as follower:
+        deadline = time.monotonic() + 60
+        while not isinstance(follower.error, ws.StorageError) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert isinstance(follower.error, ws.StorageError)
+        waiting.set()
+        assert follower.wait(timeout=60).step == 3 and follower.error is None
+    assert len(refused) == 3 and np.all(model.get_layer("hidden").kernel.numpy() == 3)
+
+
 def test_an_idle_follower_asks_for_the_pointer_without_moving_it(s3, folder):
     """Each look is a HEAD (ETag unchanged: no body); LATEST's body moves only when it changed."""
     from weightstore import sync as versions

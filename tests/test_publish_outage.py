@@ -3,6 +3,8 @@
 Against the loopback S3 server, which answers every request 503 while the outage lasts.
 """
 
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -87,3 +89,26 @@ def test_fit_goes_on_through_an_outage_and_the_folder_ends_on_the_trained_weight
     assert callback.wait(60).step == 32
     for key, value in tf2.export(model).items():
         np.testing.assert_array_equal(ws.load(ws.latest(folder))[key], value)
+
+
+def test_ws_follow_started_during_an_outage_waits_it_out(s3, outage):
+    """The installed command: an outage at its start is waited out as one later on, not exit 1."""
+    folder = f"s3://{BUCKET}/follow-from-an-outage"
+    ws.publish(folder, weights(1), step=1)
+    s3.reset()
+    outage.start()
+    follower = subprocess.Popen([sys.executable, "-m", "weightstore", "follow", folder, "--after", "1",
+                                 "--timeout", "60", "--poll", "0.1"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while s3.count() < 10:  # the command's looks, refused past what s3fs retries itself
+            assert follower.poll() is None, follower.communicate()
+            threading.Event().wait(0.05)
+        outage.end()
+        ws.publish(folder, weights(2), step=2)
+        line = follower.stdout.readline()
+    finally:
+        follower.kill()
+    _, err = follower.communicate()
+    assert line.split() == ["2", f"{folder}/step-000000000002.npz"], err
+    assert "waiting for the storage" in err and "Traceback" not in err

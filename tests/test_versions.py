@@ -253,6 +253,40 @@ def test_publisher_killed_at_each_stage(killed_at, stage):
     assert files(folder) == [".publish.lock", "LATEST", f"step-00000000000{expected}.npz", "step-000000000005.npz"]
 
 
+@pytest.mark.parametrize("stage", ["version-temporary", "latest-temporary"])
+def test_a_restart_whose_pid_the_killed_publisher_had_removes_its_temporaries(tmp_path, stage):
+    """Restarted on another node, or in a fresh container, a trainer often gets the PID of the one
+    killed mid-write (a container's trainer is often PID 1): its temporary, as large as a
+    version, must not outlive it for want of a dead PID."""
+    run_killed_publisher(tmp_path, stage)
+    for name in os.listdir(tmp_path):
+        if ".wstmp-" in name:
+            os.rename(tmp_path / name, tmp_path / re.sub(r"wstmp-\d+-", f"wstmp-{os.getpid()}-", name))
+    assert any(".wstmp-" in name for name in files(tmp_path))
+    ws.publish(tmp_path, weights_at(5), step=5, keep=2)
+    assert files(tmp_path) == [".publish.lock", "LATEST", "step-000000000003.npz", "step-000000000005.npz"]
+    assert ws.latest(tmp_path).step == 5
+
+
+def test_a_trainer_restarted_from_an_older_checkpoint_publishes_once_its_step_passes_latest(tmp_path, caplog):
+    """What docs/sync.md promises: the restarted run's publishes are refused (logged, counted, never
+    raised) until its step passes the newest version's, which readers go on being given."""
+    for step in (100, 200, 300):
+        ws.publish(tmp_path, weights_at(step), step=step, keep=2)
+    with ws.BackgroundPublisher(tmp_path, keep=2) as restarted:
+        for step in (150, 250):
+            restarted.publish(weights_at(step), step=step)
+            assert restarted.wait(60) is None
+        assert restarted.failures == 2 and "once its step passes 300" in str(restarted.last_error)
+        assert ws.latest(tmp_path).step == 300
+        assert [v.step for v in ws.follow(tmp_path, timeout=0)] == [300]
+        restarted.publish(weights_at(310), step=310)
+        assert restarted.wait(60).step == 310
+    assert "restarted from an older checkpoint" in caplog.text
+    assert files(tmp_path) == [".publish.lock", "LATEST", "step-000000000300.npz", "step-000000000310.npz"]
+    assert_whole(ws.load(ws.latest(tmp_path)), 310)
+
+
 def test_killed_first_publish_leaves_nothing_a_reader_sees(tmp_path):
     script = KILLED_PUBLISHER.replace("for step in (1, 2, 3):", "for step in ():")
     result = run_forked(script, str(tmp_path), "version-written", timeout=60)  # a publisher process of its own

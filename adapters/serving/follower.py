@@ -299,7 +299,10 @@ class Follower:
         and the wanted version is not in: a first version that does not fit the target, or a
         damaged folder, ends the wait instead of blocking it forever; a version that did not fit
         but is below ``step`` does not end a wait for ``step`` (publish a version that fits, then
-        wait for its step). The follower keeps following; an assign failure clears when a later
+        wait for its step). A storage outage (:class:`StorageError`) is waited out instead, as
+        :func:`weightstore.follow` waits it out, and raised only when ``timeout`` passes while
+        the storage still fails: a serving process started during an outage gets its version once
+        the storage answers. The follower keeps following; an assign failure clears when a later
         version is assigned, a failure to read the folder as soon as the folder reads cleanly again.
         """
         def arrived() -> bool:
@@ -309,12 +312,15 @@ class Follower:
             return self.error is not None and not (step is not None and self._failed_step is not None
                                                    and self._failed_step < step)
 
+        def ended() -> bool:  # an outage passes: only a failure that stays ends the wait early
+            return arrived() or (failed() and not isinstance(self.error, StorageError))
+
         self._lock.refuse_inside_reading("wait()")
         if self._loop_now is None and not arrived():  # nothing would ever arrive
             raise RuntimeError("this Follower is not following: start it (with Follower(...) as f, or f.start()) "
                                "before waiting")
         with self._swapped:
-            self._swapped.wait_for(lambda: arrived() or failed(), timeout)
+            self._swapped.wait_for(ended, timeout)
             if arrived():
                 return self.version
             if failed():

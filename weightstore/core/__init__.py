@@ -6,5 +6,6 @@
 * :mod:`~weightstore.core.checksums`: CRC-32C checksums and content digests;
 * :mod:`~weightstore.core.limits`: every size, count and depth bound readers and writers enforce;
 * private helpers: array conversion, optional imports, JSON text, the tensor table, thread
-  pools, pausing the garbage collector, giving freed heap back.
+  pools, finishing background publishes at exit, pausing the garbage collector, giving freed heap
+  back.
 """

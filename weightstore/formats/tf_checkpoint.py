@@ -196,10 +196,14 @@ def _prefix_in_folder(folder: str) -> str:
 
 
 def _refuse_published_folder(folder: str) -> None:
-    """A folder ``ws.publish`` writes holds versions, not one file: name one, rather than "no TF checkpoint"."""
-    if not os.path.isfile(os.path.join(folder, LATEST)):
+    """A folder ``ws.publish`` writes holds versions, not one file: name one, rather than "no TF checkpoint".
+
+    A ``LATEST`` that is no file (a FIFO, a socket) still marks such a folder; it is never
+    opened (a FIFO would block the read), and the message then names no version."""
+    pointer = os.path.join(folder, LATEST)
+    if not os.path.lexists(pointer) or os.path.isdir(pointer):
         return
-    latest = local_latest_name(folder)  # None for a damaged LATEST: the folder is still one of versions
+    latest = local_latest_name(folder) if os.path.isfile(pointer) else None  # None for a damaged LATEST too
     raise StoreNotFoundError(published_folder_message(folder, latest), path=folder)
 
 

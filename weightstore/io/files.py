@@ -207,13 +207,16 @@ def _pid_space() -> str:
     return hashlib.blake2b(seen, digest_size=_SPACE_HEX // 2).hexdigest()
 
 
-def remove_stale_temporaries(target: Path, suffix: str = "") -> None:
+def remove_stale_temporaries(target: Path, suffix: str = "", *, locked: bool = False) -> None:
     """Remove temporaries of earlier writes to ``target`` whose writer has died (SIGKILL).
 
     Dead means: named by this PID namespace and its PID is gone; named by another, unmodified
     for :data:`STALE_AFTER`; named without one (older weightstore), its PID is gone (see the
-    module docstring). ``suffix`` is a pattern for what a writer appends after the temporary's
-    name (the file endings of a TF checkpoint written under a temporary prefix).
+    module docstring). ``locked``: the caller holds the lock every writer of ``target`` takes,
+    so each temporary there is a dead writer's, whatever its name says: a writer killed on
+    another node sharing the folder, or in a container whose restarted process got the same PID
+    (a trainer is often PID 1), left it. ``suffix`` is a pattern for what a writer appends after
+    the temporary's name (the file endings of a TF checkpoint written under a temporary prefix).
     """
     head = f".{target.name}{TEMP_MARK}"
     pattern = re.compile(rf"(\d+)-(?:([0-9a-f]{{{_SPACE_HEX}}})-)?[0-9a-f]+{suffix}$")
@@ -221,7 +224,7 @@ def remove_stale_temporaries(target: Path, suffix: str = "") -> None:
         names = os.listdir(target.parent)  # a listing, and names compared first: the folder may be large
         for name in names:
             match = name.startswith(head) and pattern.match(name, len(head))
-            if match and _dead(target.parent / name, int(match.group(1)), match.group(2)):
+            if match and (locked or _dead(target.parent / name, int(match.group(1)), match.group(2))):
                 with contextlib.suppress(OSError):  # gone already, or a folder: the next one may still go
                     os.unlink(target.parent / name)
 

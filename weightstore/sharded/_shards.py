@@ -49,6 +49,7 @@ import numpy as np
 
 from weightstore._version import __version__
 from weightstore.core import _parallel as parallel
+from weightstore.core._exiting import finish_before_exit
 from weightstore.core.keys import validate_key
 from weightstore.core.limits import (
     KEY_BYTES,
@@ -540,7 +541,9 @@ def in_background(call: Callable[[], Version]) -> concurrent.futures.Future[Vers
     with _background_lock:
         if _background is None:
             _background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightstore-sharded")
-        return _background.submit(call)
+        future = _background.submit(call)
+    finish_before_exit(future)  # a process exiting meanwhile finishes the publish: see core._exiting
+    return future
 
 
 def split_rows(shape: Sequence[int], rank: int, world: int) -> tuple[slice, ...] | None:

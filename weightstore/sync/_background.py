@@ -30,8 +30,10 @@ until it is written or given up, so a retry writes the same weights.
 **The end.** :meth:`~BackgroundPublisher.wait` and :meth:`~BackgroundPublisher.close` wait (at
 most ``timeout`` seconds) for everything asked for, then return the last version published and
 log what is still pending. The publishing thread is not a daemon: a process that exits while a
-publish is still retrying (a trainer that finished during an outage) lets it finish first,
-``retry_for`` at most, so the final weights still arrive once storage is back. A process killed
+publish is being written or still retrying (a trainer that finished during an outage, or never
+called ``close``) lets it finish first, ``retry_for`` at most, so the final weights still arrive
+once storage is back; it is waited for before the interpreter's thread pools stop taking work
+(:mod:`weightstore.core._exiting`), which the write still needs. A process killed
 mid-write leaves the folder as a killed :func:`weightstore.publish` does.
 
 Example::
@@ -59,6 +61,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightstore.core import _parallel as parallel
+from weightstore.core._exiting import finish_before_exit
 from weightstore.errors import PublishError, StorageError, WeightStoreError, WriteError
 from weightstore.formats import format_named
 from weightstore.store._save import checked_metadata
@@ -138,6 +141,9 @@ class BackgroundPublisher:
         self._writing: _Job | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
+        #: while the storage fails: the pause before the next attempt, whichever snapshot it writes
+        self._pause = self.retry_backoff
+        self._resume_at = 0.0
         self.last: Version | None = None
         """The last version this publisher completed."""
         self.failures = 0
@@ -165,6 +171,7 @@ class BackgroundPublisher:
                 self._thread = threading.Thread(target=self._run, name=f"weightstore-publish-{self.folder}",
                                                 daemon=False)
                 self._thread.start()
+                finish_before_exit(self._thread)
             self._changed.notify_all()
         if replaced is not None:
             replaced.future.cancel()
@@ -239,10 +246,15 @@ class BackgroundPublisher:
         """Publish ``job``, retrying while storage fails, until done, given up or replaced: the
         version published, or the error that ended it. A retry first asks whether the attempt
         that failed published all the same (its error came after ``LATEST`` moved, or a timed-out
-        swap that the storage had applied): then that version is the outcome."""
+        swap that the storage had applied): then that version is the outcome. The backoff is the
+        storage's, not the snapshot's: a newer snapshot replacing one that failed waits out the
+        rest of the pause, which doubles on, so a trainer handing over a snapshot every second
+        does not try the failing storage every second."""
         failing_since: float | None = None
-        pause = self.retry_backoff
         while True:
+            paused = self._resume_at - time.monotonic()
+            if paused > 0 and self._replaced_within(paused) and self.last_error is not None:
+                return self.last_error  # the storage still failing, and a newer snapshot to write instead
             try:
                 version = publish(self.folder, job.weights, step=job.step, metadata=job.metadata,
                                   delta=self._delta or False, **self._options)
@@ -252,11 +264,13 @@ class BackgroundPublisher:
                 if published is not None:
                     self.last = published
                     return published
-                retry = self._failed(job, error, time.monotonic() - failing_since)
-                if not retry or self._replaced_within(pause):
+                if _retryable(error):  # the storage's pause: a newer snapshot waits it out as well
+                    self._resume_at = time.monotonic() + self._pause
+                    self._pause = min(self._pause * 2, self.max_backoff)
+                if not self._failed(job, error, time.monotonic() - failing_since):
                     return error
-                pause = min(pause * 2, self.max_backoff)
                 continue
+            self._pause, self._resume_at = self.retry_backoff, 0.0
             self.last = version
             return version
 

@@ -90,7 +90,9 @@ class FolderState:
                           "counts as current and the next publish names its own version", stacklevel=4)
         if self.pointer is not None and step <= self.pointer.step:
             raise PublishError(f"step {step} is not after step {self.pointer.step}, which LATEST names; steps must "
-                               "increase (is another trainer publishing to this folder?)", path=where)
+                               "increase (is another trainer publishing to this folder, or was this one restarted "
+                               f"from an older checkpoint? then its publishes go through once its step passes "
+                               f"{self.pointer.step})", path=where)
         rolled_back = self.above_latest()
         if self.pointer is not None and rolled_back and step <= rolled_back[-1]:
             raise PublishError(
@@ -108,7 +110,7 @@ class FolderState:
         lock keeps other publishers out), the versions killed publishes wrote but never named."""
         if isinstance(self.folder, LocalFolder):
             for name in self.folder.temporaries():
-                remove_stale_temporaries(self.folder.root / name)
+                remove_stale_temporaries(self.folder.root / name, locked=True)
             self.remove_unpublished()
             if self.intent is not None:
                 self.folder.remove(INTENT)
