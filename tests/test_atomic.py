@@ -18,6 +18,7 @@ import weightstore as ws
 from polling import wait_until
 from weightstore.formats import hdf5, npz
 from weightstore.io import files
+from weightstore.io.files import TEMP_MARK
 
 SUFFIXES = [".npz", ".h5"]
 WRITERS = {".npz": npz.NpzWriter, ".h5": hdf5.Hdf5Writer}
@@ -244,6 +245,97 @@ def test_a_live_writer_in_another_pid_namespace_keeps_its_temporary(tmp_path):
         writer.wait()
     assert list(ws.load(path)) == ["there"]  # its save committed last
     assert leftovers(tmp_path, path) == ["theirs.npz"]
+
+
+_FORKED_INTO_A_NEW_NAMESPACE = """
+import ctypes, json, os, sys
+from weightstore.io import files
+from weightstore.io.files import TEMP_MARK
+target, alive_here = sys.argv[1], set(json.loads(sys.argv[2]))
+files.temporary_beside(files.Path(target))  # the parent's space, asked before
+if ctypes.CDLL(None, use_errno=True).unshare(0x20000000):  # CLONE_NEWPID: for the children forked from now on
+    sys.exit(5)
+if os.fork():
+    sys.exit(os.waitstatus_to_exitcode(os.wait()[1]))
+while True:  # the namespace's init (PID 1) forks writers until one has a PID dead in the test's namespace
+    pid = os.fork()
+    if pid == 0:
+        if os.getpid() in alive_here:
+            os._exit(3)
+        temporary = files.temporary_beside(files.Path(target))
+        temporary.write_bytes(b"partial")
+        print(os.getpid(), temporary, flush=True)
+        sys.stdin.readline()
+        os._exit(0 if temporary.exists() else 4)
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    if code != 3:
+        os._exit(code)
+"""
+
+
+def test_a_writer_forked_into_a_new_pid_namespace_names_its_own(tmp_path):
+    """A process that asked for its space, then forked a writer into a new PID namespace: the
+    writer's PID is dead here, and its temporary must not name this namespace, or a save here
+    removes it while it writes."""
+    if not shutil.which("unshare") or subprocess.run(["unshare", "-Ur", "true"], capture_output=True).returncode:
+        pytest.skip("no unshare, or unshare -Ur refused here (no unprivileged user namespaces)")
+    path = tmp_path / "w.npz"
+    alive_here = sorted(int(name) for name in os.listdir("/proc") if name.isdigit())
+    writer = subprocess.Popen(["unshare", "-Ur", sys.executable, "-c", _FORKED_INTO_A_NEW_NAMESPACE, str(path),
+                               json.dumps(alive_here)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        pid, temporary = writer.stdout.readline().split()
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(pid), 0)
+        ws.save(path, {"here": np.zeros(2)})
+        assert os.path.exists(temporary)
+        writer.stdin.write("go on\n")
+        writer.stdin.close()
+        assert writer.wait(timeout=60) == 0
+    finally:
+        writer.kill()
+        writer.wait()
+
+
+def test_without_proc_every_process_of_a_host_names_the_same_space(tmp_path):
+    """Where no PID namespace can be read (macOS), the host's space: a killed writer's temporary
+    goes with the next save (the PID rule), not a day later."""
+    without_proc = ("import os, sys; from weightstore.io import files; stat = os.stat\n"
+                    "def no_proc(path, *a, **k):\n"
+                    "    if str(path).startswith('/proc'): raise FileNotFoundError(path)\n"
+                    "    return stat(path, *a, **k)\n"
+                    "files.os.stat = no_proc\n")
+    killed = subprocess.run([sys.executable, "-c", without_proc + "t = files.temporary_beside(files.Path(sys.argv[1]));"
+                             " t.write_bytes(b'partial'); print(t)", str(tmp_path / "w.npz")],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    subprocess.run([sys.executable, "-c", without_proc + "import numpy, weightstore as ws;"
+                    " ws.save(sys.argv[1], {'w': numpy.zeros(2)})", str(tmp_path / "w.npz")], check=True)
+    assert not os.path.exists(killed)
+    assert os.listdir(tmp_path) == ["w.npz"]
+
+
+@pytest.mark.parametrize("length", [222, 254, 255])
+def test_a_name_as_long_as_a_file_system_allows_saves(tmp_path, length):
+    """The temporary of a long name is a shortened name plus a hash of it, under the 255 bytes a
+    file system allows, and a killed writer's is still found by the next save."""
+    path = tmp_path / ("é" * 10 + "a" * (length - 24) + ".npz")
+    assert len(path.name.encode()) == length
+    dead = files.temporary_beside(path)
+    dead = dead.with_name(dead.name.replace(f"{TEMP_MARK}{os.getpid()}-", f"{TEMP_MARK}{_dead_pid()}-"))
+    dead.write_bytes(b"partial")
+    assert len(dead.name.encode()) <= 255
+    ws.save(path, {"w": np.zeros(2)})
+    ws.save(path, {"w": np.ones(2)})
+    assert ws.load(path)["w"].tolist() == [1, 1]
+    assert leftovers(tmp_path, path) == []
+
+
+def test_a_name_longer_than_a_file_system_allows_is_refused_naming_it(tmp_path):
+    path = tmp_path / ("a" * 252 + ".npz")
+    with pytest.raises(ws.TargetError) as info:
+        ws.save(path, {"w": np.zeros(2)})
+    assert str(path) in str(info.value)
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("suffix", SUFFIXES)

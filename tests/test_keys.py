@@ -170,6 +170,10 @@ def test_a_mapping_that_breaks_a_files_keys_names_the_file_and_the_key(tmp_path)
     with pytest.raises(ws.InvalidKeyError, match="tensor 'a/w': mapping a/w= turns it into an empty key") as info:
         ws.load(path, mapping=["a/w="])
     assert (info.value.path, info.value.key) == (str(path), "a/w")
+    ws.save(path, {"net/a/w": np.ones(1), "net/b/w": np.ones(1)})
+    with pytest.raises(ws.InvalidKeyError, match="tensor 'net/a/w': mapping a/w= turns it into an empty key") as info:
+        ws.load(path, scope="net", mapping=["a/w="])  # the key as the file has it, not relative to the scope
+    assert (info.value.path, info.value.key) == (str(path), "net/a/w")
 
 
 def test_a_mapping_rule_that_matches_no_key_is_refused_naming_the_closest(tmp_path):

@@ -239,13 +239,25 @@ def test_the_same_part_written_by_two_ranks_is_kept_once_and_diverged_replicas_r
 def test_bad_pieces_are_refused_before_anything_is_written(tmp_path):
     folder = tmp_path / "run"
     member = str(folder / "step-000000000001.attempt-0" / "rank-00000.safetensors")
-    with pytest.raises(ws.PublishError, match=r"'w': a piece's array of shape \[3, 2\] at \[4, 0\] does not fit") as caught:
-        ws.publish_shard(folder, {"w": ws.Piece(np.zeros((3, 2)), (4, 0), (6, 2))}, step=1, rank=0, world=1, attempt=0)
-    assert (caught.value.path, caught.value.key) == (member, "w")
-    with pytest.raises(ws.PublishError, match="start at the same index") as caught:
-        ws.publish_shard(folder, {"w": [ws.Piece(np.zeros((3, 2)), (0, 0), (6, 2))] * 2}, step=1, rank=0, world=1,
-                         attempt=0)
-    assert (caught.value.path, caught.value.key) == (member, "w")
+    bad = {  # every bad piece: one error, a PublishError and a ValueError, naming the member and the key
+        r"a piece's array of shape \[3, 2\] at \[4, 0\] does not fit": ws.Piece(np.zeros((3, 2)), (4, 0), (6, 2)),
+        "start at the same index": [ws.Piece(np.zeros((3, 2)), (0, 0), (6, 2))] * 2,
+        r"a start must be a non-negative int, not 0.9": ws.Piece(np.zeros((3, 2)), (0.9, 0), (6, 2)),
+        r"a start must be a non-negative int, not -1": ws.Piece(np.zeros((3, 2)), (-1, 0), (6, 2)),
+        r"a start must be a non-negative int, not '0'": ws.Piece(np.zeros((3, 2)), ("0", 0), (6, 2)),
+        r"a dimension of the shape must be a non-negative int": ws.Piece(np.zeros((3, 2)), (0, 0), (6, -2)),
+        "start and shape must be sequences of ints": ws.Piece(np.zeros((3, 2)), 0, (6, 2)),
+        "a list holds Pieces only": [ws.Piece(np.zeros((3, 2)), (0, 0), (6, 2)), np.zeros((3, 2))],
+    }
+    for words, value in bad.items():
+        with pytest.raises(ws.PieceError, match=words) as caught:
+            ws.publish_shard(folder, {"w": value}, step=1, rank=0, world=1, attempt=0)
+        assert (caught.value.path, caught.value.key) == (member, "w")
+        assert isinstance(caught.value, ws.PublishError) and isinstance(caught.value, ValueError)
+    with pytest.raises(ws.PieceError, match="start at the same index") as caught:  # the key, '@' and all
+        ws.publish_shard(folder, {"enc@v2/w": [ws.Piece(np.zeros((3, 2)), (0, 0), (6, 2))] * 2}, step=1, rank=0,
+                         world=1, attempt=0)
+    assert caught.value.key == "enc@v2/w"
     with pytest.raises(ws.UnsupportedDTypeError) as caught:
         ws.publish_shard(folder, {"w": np.array(["x"], object)}, step=1, rank=0, world=1, attempt=0)
     assert (caught.value.path, caught.value.key) == (member, "w")
@@ -254,12 +266,6 @@ def test_bad_pieces_are_refused_before_anything_is_written(tmp_path):
     assert (caught.value.path, caught.value.key) == (member, "a//b")
     with pytest.raises(ValueError, match="rank 2 is not below world 2"):
         ws.publish_shard(folder, {"w": np.zeros(2)}, step=1, rank=2, world=2, attempt=0)
-    with pytest.raises(ValueError, match="a start of piece of 'w' must be a non-negative int, not 0.9"):
-        ws.publish_shard(folder, {"w": ws.Piece(np.zeros((3, 2)), (0.9, 0), (6, 2))}, step=1, rank=0, world=1,
-                         attempt=0)
-    with pytest.raises(TypeError, match="a list holds Pieces only"):
-        ws.publish_shard(folder, {"w": [ws.Piece(np.zeros((3, 2)), (0, 0), (6, 2)), np.zeros((3, 2))]}, step=1,
-                         rank=0, world=1, attempt=0)
     with pytest.raises(ValueError, match="timeout must be seconds"):
         shards.commit_shards(folder, step=1, world=1, attempt=0, timeout=float("nan"))
     assert not folder.exists() or not any(folder.rglob("*.safetensors"))

@@ -24,6 +24,7 @@ weightstore class or the builtin they already handle::
     ├── AssignmentError(ValueError)        assign found missing/unexpected/mismatched keys
     ├── LayoutError(ValueError)            a tensor no layout rule converts (Keras <-> PyTorch/Flax)
     ├── PublishError(RuntimeError)         a second publisher, steps that go back, pieces that do not tile a tensor
+    │   └── PieceError(ValueError)         a piece publish_shard cannot place (bad start, shape or list)
     ├── ShardTimeoutError(TimeoutError)    a rank of a sharded version never finished its part
     ├── UnsupportedTargetError(TypeError)  an object no adapter takes, or that a follower cannot assign into
     └── MissingDependencyError(ImportError) an optional extra is not installed
@@ -56,6 +57,7 @@ __all__ = [
     "AssignmentError",
     "LayoutError",
     "PublishError",
+    "PieceError",
     "ShardTimeoutError",
     "UnsupportedTargetError",
     "MissingDependencyError",
@@ -210,6 +212,13 @@ class LayoutError(WeightStoreError, ValueError):
 
 class PublishError(WeightStoreError, RuntimeError):
     pass
+
+
+class PieceError(PublishError, ValueError):
+    """A piece :func:`~weightstore.publish_shard` cannot place: a start or shape that is no
+    sequence of non-negative ints or does not fit its tensor, a list of Pieces and arrays, two
+    pieces of a key at one index. A bad argument, so a ``ValueError`` too, as it was before
+    ``PublishError`` named the member and the key."""
 
 
 class ShardTimeoutError(WeightStoreError, TimeoutError):

@@ -251,14 +251,16 @@ def parse_mapping(mapping: MappingRules) -> list[tuple[str, str]]:
     return rules
 
 
-def map_key(key: str, rules: Sequence[tuple[str, str]]) -> str:
-    """Rewrite ``key`` by the first rule whose FROM scope matches it."""
+def map_key(key: str, rules: Sequence[tuple[str, str]], scope: str = "") -> str:
+    """Rewrite ``key`` by the first rule whose FROM scope matches it. ``key`` is relative to
+    ``scope``: an error names the key as the file has it, scope and all."""
     for source, target in rules:
         if in_scope(key, source):
             rest = "" if key == source else strip_scope(key, source)
             mapped = join_scope(target, rest)
             if not mapped:
-                raise InvalidKeyError(f"mapping {source}={target} turns it into an empty key", key=key)
+                raise InvalidKeyError(f"mapping {source}={target} turns it into an empty key",
+                                      key=join_scope(scope, key))
             return mapped
     return key
 
@@ -327,7 +329,7 @@ def plan_outward(
     if rules:
         relative = [strip_scope(k, norm_scope) for k in under]
         _require_rules_match(relative, rules, where)
-        renamed = {map_key(k, rules): source for k, source in zip(relative, under, strict=True)}
+        renamed = {map_key(k, rules, norm_scope): source for k, source in zip(relative, under, strict=True)}
     else:  # the common case, without a call per key: 50,000 keys
         cut = len(norm_scope) + 1 if norm_scope else 0
         renamed = {k[cut:]: k for k in under} if cut else dict(zip(under, under, strict=True))

@@ -457,12 +457,8 @@ class SafetensorsReader(ReaderDefaults):
                               f"({size} bytes; truncated, or not a safetensors file)", path=self.name)
         self._data_start = _LENGTH.size + length
         raw = bytes(self._source.read_at(_LENGTH.size, length))
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise FormatError(f"safetensors header is not UTF-8 (byte {exc.start})", path=self.name) from None
-        with naming(path=self.name):
-            document = jsontext.loads(text, what="safetensors header", min_bytes=SAFETENSORS_BYTES_PER_CONTAINER)
+        with naming(path=self.name):  # the bytes as they are: decoded only where the fast parse declines them
+            document = jsontext.loads(raw, what="safetensors header", min_bytes=SAFETENSORS_BYTES_PER_CONTAINER)
         if not isinstance(document, dict):
             raise FormatError("safetensors header is not a JSON object", path=self.name)
         return document

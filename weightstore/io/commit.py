@@ -160,7 +160,7 @@ class RenameCommit(Commit):
 
     def discard(self) -> None:
         if self._temporary is not None:
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):  # never hides why the write failed (a name too long, say)
                 os.unlink(self._temporary)
             self._temporary = None
 
@@ -225,6 +225,8 @@ def commit_for(location: Location, *, suffix: str = "",
 _DATA_FILE = re.compile(r"\.data-\d{5}-of-(\d{5})$")
 #: what a checkpoint writer appends to the temporary prefix (``-partN``: a sharded write's pieces)
 _TEMPORARY_ENDINGS = r"(?:-part\d+)?(?:\.index|\.data-\d{5}-of-\d{5})?"
+#: the most bytes of those endings (a thousand pieces), which a temporary prefix leaves room for
+_TEMPORARY_ROOM = len("-part999.data-00000-of-00001")
 
 
 class IndexLastCommit(Commit):
@@ -248,14 +250,14 @@ class IndexLastCommit(Commit):
         target = Path(self.target)
         if not target.parent.is_dir():
             raise StoreNotFoundError(f"folder {str(target.parent)!r} does not exist", path=self.target)
-        remove_stale_temporaries(target, _TEMPORARY_ENDINGS)
+        remove_stale_temporaries(target, _TEMPORARY_ENDINGS, room=_TEMPORARY_ROOM)
         taken = {int(match.group(1)) for path in checkpoint_files(self.target)
                  if (match := _DATA_FILE.search(path))}
         self.shards = next(n for n in range(1, len(taken) + 2) if n not in taken)
         self._fresh_names = self.shards <= self._entries
         if not self._fresh_names:
             self.shards = 1  # the exception of the module docstring: data renamed over the old data
-        self._temporary = str(temporary_beside(target))
+        self._temporary = str(temporary_beside(target, room=_TEMPORARY_ROOM))
         try:  # a checkpoint rewritten keeps the permission bits of the one it replaces (0600 stays 0600)
             self._mode: int | None = stat.S_IMODE(os.stat(self.target + ".index").st_mode)
         except FileNotFoundError:

@@ -8,7 +8,8 @@ its target through :func:`check_writable_target`; all three decide with :func:`k
 
 **Temporaries.** A write goes to ``.NAME.wstmp-PID-SPACE-RANDOM`` beside its target
 (:func:`temporary_beside`: same folder, so the same file system, so a rename can commit it).
-``SPACE`` names the PID namespace the writer's PID belongs to (:func:`_pid_space`). A writer
+``SPACE`` names the PID namespace the writer's PID belongs to (:func:`_pid_space`; the host's
+where none can be read). A writer
 killed mid-write leaves its temporary; the next write to that target removes it
 (:func:`remove_stale_temporaries`) when its PID is dead *and* ``SPACE`` is this process's, since
 a PID means nothing outside its namespace: a writer in a container sharing the folder, or on
@@ -27,11 +28,13 @@ import io
 import os
 import re
 import secrets
+import socket
 import stat
 import time
 from pathlib import Path
 from typing import BinaryIO
 
+from weightstore.core.limits import FILE_NAME_BYTES
 from weightstore.errors import FileAccessError, FormatError, StoreNotFoundError, TargetError
 
 __all__ = [
@@ -175,9 +178,10 @@ def fsync_folder(folder: str | Path) -> None:
 #: get the same one with odds of 2e-9, and a PID of one must then be dead in the other)
 _SPACE_HEX = 12
 #: the most bytes :func:`temporary_beside` adds to a name: a dot, the mark, a pid (at most 7
-#: digits on Linux), a dash, the space, a dash and 8 hex digits; a name must leave room for them
-#: under 255 bytes
+#: digits on Linux), a dash, the space, a dash and 8 hex digits
 TEMPORARY_EXTRA = 1 + len(TEMP_MARK) + 7 + 1 + _SPACE_HEX + 1 + 8
+#: hex digits of the hash that stands for the cut-off end of a name too long to carry whole
+_CUT_HEX = 8
 #: a temporary named by another PID namespace is removed once unmodified for this many seconds.
 #: Its writer's PID cannot be asked, but a live writer's writes move the mtime; a day leaves room
 #: for any pause of a live one (a slow conversion between two writes, a stopped or suspended
@@ -186,28 +190,73 @@ TEMPORARY_EXTRA = 1 + len(TEMP_MARK) + 7 + 1 + _SPACE_HEX + 1 + 8
 STALE_AFTER = 24 * 3600
 
 
-def temporary_beside(target: Path) -> Path:
-    """A fresh temporary name beside ``target`` that :func:`remove_stale_temporaries` recognises."""
-    return target.with_name(f".{target.name}{TEMP_MARK}{os.getpid()}-{_pid_space()}-{secrets.token_hex(4)}")
+def temporary_beside(target: Path, *, room: int = 0) -> Path:
+    """A fresh temporary name beside ``target`` that :func:`remove_stale_temporaries` recognises.
+
+    ``room`` is how many bytes the writer appends to it (a TF checkpoint's file endings).
+    """
+    return target.with_name(f"{_temporary_head(target, room)}{os.getpid()}-{_pid_space()}-{secrets.token_hex(4)}")
+
+
+def _temporary_head(target: Path, room: int = 0) -> str:
+    """What every temporary of ``target`` starts with: ``.NAME.wstmp-``, where a name too long to
+    leave room for the rest under :data:`FILE_NAME_BYTES` has its end replaced by ``~`` and a
+    hash of the whole name, so any name a file system takes can be saved. A name it cannot take
+    at all is a :class:`TargetError` naming it."""
+    name = target.name.encode(errors="surrogateescape")
+    if len(name) > FILE_NAME_BYTES:
+        raise TargetError(f"has a name of {len(name)} bytes; a file system allows at most {FILE_NAME_BYTES}",
+                          path=str(target))
+    keep = FILE_NAME_BYTES - TEMPORARY_EXTRA - room
+    if len(name) <= keep:
+        return f".{target.name}{TEMP_MARK}"
+    cut = hashlib.blake2b(name, digest_size=_CUT_HEX // 2).hexdigest()
+    short = name[:keep - 1 - _CUT_HEX].decode(errors="ignore")  # whole characters only
+    return f".{short}~{cut}{TEMP_MARK}"
+
+
+#: the space of this process's PID namespace, by the namespace (see :func:`_pid_space`)
+_SPACES: dict[tuple[int, int], str] = {}
+
+
+def _pid_space() -> str:
+    """This process's PID namespace, as a temporary names it: a hash of the host's boot (a
+    container sees its host's ``boot_id``) and the namespace's inode (one per namespace). Asked
+    each time (one ``stat``): a child forked after ``unshare(CLONE_NEWPID)`` or ``setns`` keeps
+    its parent's memory but has PIDs of another namespace. Where ``/proc`` cannot tell (macOS),
+    the host's (:func:`_host_space`)."""
+    try:
+        space = os.stat("/proc/self/ns/pid")
+    except OSError:
+        return _host_space()
+    seen = (space.st_dev, space.st_ino)
+    known = _SPACES.get(seen)
+    if known is None:
+        try:
+            with open("/proc/sys/kernel/random/boot_id", "rb") as handle:
+                boot = handle.read().strip()
+        except OSError:
+            return _host_space()
+        known = _SPACES[seen] = _hashed(boot + f"/{space.st_dev}/{space.st_ino}".encode())
+    return known
 
 
 @functools.cache
-def _pid_space() -> str:
-    """This process's PID namespace, as a temporary names it: a hash of the host's boot (a
-    container sees its host's ``boot_id``) and the namespace's inode (one per namespace), read
-    once, as a fork keeps both. Where ``/proc`` cannot tell, a random one: the process's own
-    live temporaries keep its PID rule, and every other's waits for :data:`STALE_AFTER`."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id", "rb") as handle:
-            boot = handle.read().strip()
-        space = os.stat("/proc/self/ns/pid")
-    except OSError:
-        return secrets.token_hex(_SPACE_HEX // 2)
-    seen = boot + f"/{space.st_dev}/{space.st_ino}".encode()
+def _host_space() -> str:
+    """The space of a host without PID namespaces to read: a hash of its name and its boot time
+    (to the minute), so every process of one boot shares it and the PID rule applies among them,
+    while another host's writers, or ones of an earlier boot, get the day. Clocks that disagree
+    (the wall clock stepped since) give another space: the safe side, the day's wait."""
+    clock = getattr(time, "CLOCK_BOOTTIME", getattr(time, "CLOCK_MONOTONIC", None))  # counting sleep
+    since_boot = time.monotonic() if clock is None else time.clock_gettime(clock)
+    return _hashed(f"{socket.gethostname()}/{round((time.time() - since_boot) / 60)}".encode())
+
+
+def _hashed(seen: bytes) -> str:
     return hashlib.blake2b(seen, digest_size=_SPACE_HEX // 2).hexdigest()
 
 
-def remove_stale_temporaries(target: Path, suffix: str = "", *, locked: bool = False) -> None:
+def remove_stale_temporaries(target: Path, suffix: str = "", *, room: int = 0, locked: bool = False) -> None:
     """Remove temporaries of earlier writes to ``target`` whose writer has died (SIGKILL).
 
     Dead means: named by this PID namespace and its PID is gone; named by another, unmodified
@@ -216,9 +265,10 @@ def remove_stale_temporaries(target: Path, suffix: str = "", *, locked: bool = F
     so each temporary there is a dead writer's, whatever its name says: a writer killed on
     another node sharing the folder, or in a container whose restarted process got the same PID
     (a trainer is often PID 1), left it. ``suffix`` is a pattern for what a writer appends after
-    the temporary's name (the file endings of a TF checkpoint written under a temporary prefix).
+    the temporary's name (the file endings of a TF checkpoint written under a temporary prefix),
+    and ``room`` the most bytes it appends, as :func:`temporary_beside` was told.
     """
-    head = f".{target.name}{TEMP_MARK}"
+    head = _temporary_head(target, room)
     pattern = re.compile(rf"(\d+)-(?:([0-9a-f]{{{_SPACE_HEX}}})-)?[0-9a-f]+{suffix}$")
     with contextlib.suppress(OSError):
         names = os.listdir(target.parent)  # a listing, and names compared first: the folder may be large

@@ -231,7 +231,7 @@ class LocalFolder(Folder):
             else:
                 os.replace(temporary, target)
         finally:
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):  # never hides why the write failed
                 os.unlink(temporary)
         fsync_folder(self.root)
         return True

@@ -62,6 +62,7 @@ from weightstore.core.limits import (
 from weightstore.core.manifest import crc32, from_storage, logical_dtype, to_storage
 from weightstore.errors import (
     FormatError,
+    PieceError,
     PublishError,
     ShardTimeoutError,
     SizeLimitError,
@@ -210,9 +211,10 @@ def publish_shard(
         PublishError: the step is not above the one ``LATEST`` names.
         SizeLimitError: this rank's pieces or keys would take the version's index past its bounds
             (``docs/sharded.md``, Bounds; nothing written).
-        InvalidKeyError, UnsupportedDTypeError, PublishError: a bad key, dtype, or a piece that does not
-            fit its tensor or starts where another of its key does, naming the member and the key
-            (nothing written).
+        InvalidKeyError, UnsupportedDTypeError, PieceError: a bad key, dtype, or piece (a start or
+            shape that is no sequence of non-negative ints or does not fit its tensor, a list mixing
+            Pieces and arrays, two pieces of a key at one index), naming the member and the key
+            (nothing written). ``PieceError`` is a ``PublishError`` and a ``ValueError``.
         WeightStoreError: ``rank``, ``world`` or ``attempt`` not given and the cluster does not say it.
         ShardTimeoutError: agreeing the attempt or the incarnation, rank 0 or another rank did not
             take part within 600 seconds.
@@ -686,7 +688,7 @@ def _listed(pieces: Mapping[str, Any], where: str, world: int) -> list[_Listed]:
     for key, value in pieces.items():
         with naming(path=where, key=key if isinstance(key, str) else None):
             validate_key(key)
-        for piece in _pieces_of(key, value):
+        for piece in _pieces_of(key, value, where):
             if not isinstance(piece, Piece):
                 array = np.asarray(piece)
                 piece = Piece(array, (0,) * array.ndim, array.shape)
@@ -721,8 +723,9 @@ def _listed(pieces: Mapping[str, Any], where: str, world: int) -> list[_Listed]:
     stored_names = [item.stored for item in listed]
     if len(set(stored_names)) != len(stored_names):
         clashes = sorted({name for name in stored_names if stored_names.count(name) > 1})
-        raise PublishError(f"pieces of one key start at the same index, or a key looks like a piece's stored name: "
-                           f"{named(clashes)}", path=where, key=clashes[0].split("@")[0] if len(clashes) == 1 else None)
+        keys = {item.key for item in listed if item.stored in clashes}
+        raise PieceError(f"pieces of one key start at the same index, or a key looks like a piece's stored name: "
+                         f"{named(clashes)}", path=where, key=next(iter(keys)) if len(keys) == 1 else None)
     return listed
 
 
@@ -750,28 +753,29 @@ def _check_index_share(listed: list[_Listed], world: int, member: str, where: st
                 where=where)
 
 
-def _pieces_of(key: str, value: Any) -> list[Any]:
+def _pieces_of(key: str, value: Any, where: str) -> list[Any]:
     """A key's value as a list of pieces: a list or tuple of :class:`Piece` is one, anything else
     one array (``[1.0, 2.0]`` too, as everywhere else in weightstore)."""
     if isinstance(value, (list, tuple)) and value and any(isinstance(item, Piece) for item in value):
         if not all(isinstance(item, Piece) for item in value):
-            raise TypeError(f"pieces of {key!r}: a list holds Pieces only, not Pieces and arrays (an array is the "
-                            "whole tensor: pass it alone)")
+            raise PieceError("a list holds Pieces only, not Pieces and arrays (an array is the whole tensor: pass it "
+                             "alone)", path=where, key=key)
         return list(value)
     return [value]
 
 
 def _box(piece: Piece, array_shape: tuple[int, ...], key: str, where: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     try:
-        start = tuple(checked_count(f"a start of piece of {key!r}", s) for s in piece.start)
-        shape = tuple(checked_count(f"a dimension of the shape of {key!r}", s) for s in piece.shape)
-    except TypeError:
-        raise TypeError(f"{where}: piece of {key!r}: start and shape must be sequences of ints, not "
-                        f"{piece.start!r} and {piece.shape!r}") from None
-    if len(start) != len(shape) or len(array_shape) != len(shape) or any(s < 0 for s in start + shape) or any(
+        start = tuple(checked_count("a start", s) for s in piece.start)
+        shape = tuple(checked_count("a dimension of the shape", s) for s in piece.shape)
+    except (TypeError, ValueError) as exc:
+        why = str(exc) if isinstance(exc, ValueError) else "start and shape must be sequences of ints"
+        raise PieceError(f"a piece's start {piece.start!r} and shape {piece.shape!r}: {why}", path=where,
+                         key=key) from None
+    if len(start) != len(shape) or len(array_shape) != len(shape) or any(
             s + n > d for s, n, d in zip(start, array_shape, shape, strict=True)):
-        raise PublishError(f"a piece's array of shape {list(array_shape)} at {list(start)} does not fit the tensor's "
-                           f"shape {list(shape)}", path=where, key=key)
+        raise PieceError(f"a piece's array of shape {list(array_shape)} at {list(start)} does not fit the tensor's "
+                         f"shape {list(shape)}", path=where, key=key)
     return start, shape
 
 
