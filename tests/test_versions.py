@@ -208,6 +208,8 @@ def test_a_storage_without_compare_and_swap_refuses_to_publish_before_writing(tm
 
 STAGES = ["locked", "cleaned", "version-temporary", "version-written", "latest-temporary",
           "latest-written", "pruning", "pruned"]
+#: the stages whose killed publisher leaves a temporary, for a restart that gets its PID
+RESTARTED_AT = ["version-temporary", "latest-temporary"]
 
 KILLED_PUBLISHER = textwrap.dedent("""
     import os, signal, sys
@@ -233,8 +235,9 @@ def killed_at(tmp_path_factory):
     """The folder of a publisher SIGKILLed at each stage, by stage: the publishers run at once,
     forked from one interpreter that imported weightstore (``processes.fork_together``)."""
     folders = {stage: tmp_path_factory.mktemp(stage) for stage in STAGES}
+    folders |= {f"restart-{stage}": tmp_path_factory.mktemp(f"restart-{stage}") for stage in RESTARTED_AT}
     publishers = fork_together("import numpy, weightstore", KILLED_PUBLISHER,
-                               [[str(folder), stage] for stage, folder in folders.items()],
+                               [[str(folder), stage.removeprefix("restart-")] for stage, folder in folders.items()],
                                [{**os.environ, "PYTHONPATH": str(ROOT)}] * len(folders), timeout=120)
     for publisher in publishers:
         assert publisher.returncode == -signal.SIGKILL, publisher.stderr
@@ -253,19 +256,19 @@ def test_publisher_killed_at_each_stage(killed_at, stage):
     assert files(folder) == [".publish.lock", "LATEST", f"step-00000000000{expected}.npz", "step-000000000005.npz"]
 
 
-@pytest.mark.parametrize("stage", ["version-temporary", "latest-temporary"])
-def test_a_restart_whose_pid_the_killed_publisher_had_removes_its_temporaries(tmp_path, stage):
+@pytest.mark.parametrize("stage", RESTARTED_AT)
+def test_a_restart_whose_pid_the_killed_publisher_had_removes_its_temporaries(killed_at, stage):
     """Restarted on another node, or in a fresh container, a trainer often gets the PID of the one
     killed mid-write (a container's trainer is often PID 1): its temporary, as large as a
     version, must not outlive it for want of a dead PID."""
-    run_killed_publisher(tmp_path, stage)
-    for name in os.listdir(tmp_path):
+    folder = killed_at[f"restart-{stage}"]
+    for name in os.listdir(folder):
         if ".wstmp-" in name:
-            os.rename(tmp_path / name, tmp_path / re.sub(r"wstmp-\d+-", f"wstmp-{os.getpid()}-", name))
-    assert any(".wstmp-" in name for name in files(tmp_path))
-    ws.publish(tmp_path, weights_at(5), step=5, keep=2)
-    assert files(tmp_path) == [".publish.lock", "LATEST", "step-000000000003.npz", "step-000000000005.npz"]
-    assert ws.latest(tmp_path).step == 5
+            os.rename(folder / name, folder / re.sub(r"wstmp-\d+-", f"wstmp-{os.getpid()}-", name))
+    assert any(".wstmp-" in name for name in files(folder))
+    ws.publish(folder, weights_at(5), step=5, keep=2)
+    assert files(folder) == [".publish.lock", "LATEST", "step-000000000003.npz", "step-000000000005.npz"]
+    assert ws.latest(folder).step == 5
 
 
 def test_a_trainer_restarted_from_an_older_checkpoint_publishes_once_its_step_passes_latest(tmp_path, caplog):
