@@ -213,8 +213,10 @@ def _builtin(node: dict[str, Any]) -> bool:
 
 
 def _policy(config: dict[str, Any]) -> Any:
+    """The layer's dtype policy name (``int8_from_float32`` for a quantized one), whatever JSON holds it."""
     policy = config.get("dtype")
-    return policy.get("config", {}).get("name") if isinstance(policy, dict) else policy
+    inner = policy.get("config") if isinstance(policy, dict) else None
+    return inner.get("name") if isinstance(inner, dict) else policy
 
 
 def _segments(walk: _Walk) -> dict[int, str]:
