@@ -507,6 +507,15 @@ def test_keras_archive_whose_config_and_weights_disagree_keeps_its_own_names(tmp
         assert store._reader.keys_note == why
 
 
+def test_keras_archive_dtype_policy_of_any_json_shape_is_no_error(tmp_path):
+    """A policy whose ``config`` is no object says nothing of quantization: the table keys the file."""
+    dense = '{"module": "keras.layers", "class_name": "Dense", "config": {"name": "head", "use_bias": false, ' \
+            '"dtype": {"class_name": "DTypePolicy", "config": [7]}}}'
+    path = _keras_archive(tmp_path / "m.keras", config=_sequential(dense), tensors=("layers/dense/vars/0",))
+    with ws.open(path) as store:
+        assert store.keys() == ["head/kernel"]
+
+
 @pytest.mark.parametrize(("config", "words"), [
     ('{"module": "keras", "class_name": "Sequential", "config": {"name": "s", "layers": 7}}', "no list of layers"),
     (_sequential('"dense"'), "not an object with a class_name and a config"),

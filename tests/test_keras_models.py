@@ -738,8 +738,12 @@ def _attention_block():
     return keras.Model(inputs, keras.layers.EinsumDense("abc,cd->abd", output_shape=(None, 4), bias_axes="d")(normed))
 
 
+def _adapted_normalization():
+    return normalized(RNG.normal(5, 3, (16, 3)).astype("float32"))  # its statistics are variables
+
+
 @pytest.mark.parametrize("build", [_sequential_dense_bn, _functional_with_nested_model, _small_cnn, _recurrent,
-                                   _attention_block])
+                                   _attention_block, _adapted_normalization])
 def test_a_keras_archive_opens_keyed_as_tf2_exports_its_model(tmp_path, build):
     build()  # a model built before: Keras's counter names the next one's layers dense_3…, which export renumbers
     model = build()

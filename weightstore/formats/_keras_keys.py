@@ -63,6 +63,11 @@ def _batch_norm(config: dict[str, Any]) -> list[str]:
     return [*_scale_center(config), "moving_mean", "moving_variance"]
 
 
+def _normalization(config: dict[str, Any]) -> list[str]:
+    """An adapted ``Normalization`` (no ``mean`` given) holds its statistics as variables."""
+    return ["mean", "variance", "count"] if config.get("mean") is None else []
+
+
 def _none(config: dict[str, Any]) -> list[str]:
     return []
 
@@ -74,7 +79,9 @@ _OWN: dict[str, Callable[[dict[str, Any]], list[str]]] = {
                                        "Conv3DTranspose", "DepthwiseConv1D", "DepthwiseConv2D")},
     "SeparableConv1D": _separable, "SeparableConv2D": _separable,
     "BatchNormalization": _batch_norm, "LayerNormalization": _scale_center, "GroupNormalization": _scale_center,
-    "LSTMCell": _cell, "GRUCell": _cell, "SimpleRNNCell": _cell,
+    "Normalization": _normalization, "LSTMCell": _cell,
+    "GRUCell": _cell, "SimpleRNNCell": _cell,
+    "LayerScale": lambda config: ["variable"],  # keras.applications' ConvNeXt: an unnamed weight
     **{name: _none for name in (
         "InputLayer", "Activation", "ReLU", "LeakyReLU", "ELU", "Softmax", "Dropout",
         "SpatialDropout1D", "SpatialDropout2D", "SpatialDropout3D", "GaussianNoise", "GaussianDropout",
@@ -83,7 +90,8 @@ _OWN: dict[str, Callable[[dict[str, Any]], list[str]]] = {
         "MaxPooling1D", "MaxPooling2D", "MaxPooling3D", "AveragePooling1D", "AveragePooling2D", "AveragePooling3D",
         "GlobalMaxPooling1D", "GlobalMaxPooling2D", "GlobalMaxPooling3D", "GlobalAveragePooling1D",
         "GlobalAveragePooling2D", "GlobalAveragePooling3D", "Add", "Subtract", "Multiply", "Average", "Maximum",
-        "Minimum", "Concatenate", "Dot", "Rescaling", "UnitNormalization", "Identity", "Masking")},
+        "Minimum", "Concatenate", "Dot", "Rescaling", "UnitNormalization", "Identity", "Masking",
+        "CustomScaleLayer")},  # the last: keras.applications' InceptionResNetV2
 }
 #: a recurrent layer's one sublayer: class -> the name its cell gets
 _CELLS = {"LSTM": "lstm_cell", "GRU": "gru_cell", "SimpleRNN": "simple_rnn_cell"}
@@ -156,8 +164,7 @@ class _Walk:
                 raise _Unknown(f"its layer {own_name!r} is quantized or LoRA-enabled, which the table does not know")
             self._own(kind, config, file_path, layer)
         else:
-            raise _Unknown(f"its layer {own_name!r} is a {kind}, which is not one of Keras's built-in layers the "
-                           "table knows")
+            raise _Unknown(f"its layer {own_name!r} is a {kind}, which the table of Keras's layers does not cover")
 
     def _made(self, kind: str, name: str, parent: _Layer) -> _Layer:
         """A layer a built-in layer makes itself (an LSTM's cell), which its config does not list."""
