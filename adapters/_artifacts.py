@@ -55,8 +55,12 @@ _NEAR_ROOT = 2  # edges from the checkpoint's root within which the model's own 
 
 
 def open_artifact(path: Any) -> weightstore.Store:
-    """Any file ``ws`` reads (store, TF checkpoint, Keras file) with the file's own keys."""
-    return weightstore.open(path)
+    """Any file ``ws`` reads (store, TF checkpoint, Keras file) with the file's own keys: a
+    ``.keras`` archive's too (``layers/dense/vars/0``, which Keras's save walk over a model pairs
+    with its variables), not the model keys :func:`weightstore.open` gives it from its config."""
+    store = weightstore.open(path)
+    file_named = getattr(store._reader, "file_named", None)
+    return store if file_named is None else weightstore.Store(file_named(), store.path, store.verify, store.format)
 
 
 def is_model_file(path: Any) -> bool:

@@ -5,6 +5,8 @@ by the paths its save walk gives each layer (``layers/dense/vars/0``), and nothi
 weight store merged into that file under other names (``dense/kernel``) would be a second,
 unread copy. So an import into a Keras file replaces datasets in place of the same path, shape
 and a dtype that holds the value exactly, and refuses any other name, listing the file's own.
+A ``.keras`` archive keyed like its model (``dense/kernel``, as ``ws ls`` lists it) takes those
+keys too, each written at the path Keras reads it from.
 The new file replaces the old by rename (:class:`~weightstore.io.commit.RenameCommit`): a
 reader sees the old file or the new one.
 """
@@ -51,11 +53,16 @@ def _checked(target: str, weights: Mapping[str, np.ndarray]) -> dict[str, np.nda
     """Every value as the dtype its dataset has, after checking name, shape and dtype; nothing written yet."""
     with weightstore.open(target) as store:
         names = store.keys()
+        stored = store.stored_names()  # a .keras archive's model keys (dense/kernel) -> the names Keras reads
+        model_key_of = {name: key for key, name in stored.items()}
         converted = {}
         for key, value in weights.items():
+            if key not in names:  # the file's own name (layers/dense/vars/0) for a tensor keyed like the model
+                key = model_key_of.get(key, key)
             if key not in names:
+                also = f", or the model keys `ws ls {target}` lists" if stored else ""
                 raise KeyNotInStoreError(
-                    f"is a Keras file, which Keras reads by its own tensor names only (layers/<layer>/vars/<i>), "
+                    f"is a Keras file, which Keras reads by its own tensor names only (layers/<layer>/vars/<i>{also}), "
                     f"and has no such tensor{suggest(key, names)}; import a store with the file's names "
                     f"(`ws export {target} -o names.npz` writes them), or assign in Python and save again: "
                     f"tf2.assign(model, weights); model.save_weights(...)", path=target, key=key)
@@ -67,7 +74,7 @@ def _checked(target: str, weights: Mapping[str, np.ndarray]) -> dict[str, np.nda
                 raise FormatError(f"holds {describe(dtype, tuple(info.shape))}; the import gives "
                                   f"{describe(array.dtype, array.shape)}, which Keras could not load in its place",
                                   path=target, key=key)
-            converted[key] = array.astype(dtype, copy=False)
+            converted[stored.get(key, key)] = array.astype(dtype, copy=False)
     return converted
 
 

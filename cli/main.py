@@ -180,7 +180,8 @@ def export(
     shuffle: Shuffle = False,
     model_keys: Annotated[bool, typer.Option(
         "--model-keys", help="Key a .keras SOURCE like its model (dense/kernel, as tf2.export keys it), building "
-                             "the model from the archive's config in Keras's safe mode.")] = False,
+                             "the model from the archive's config in Keras's safe mode (a .keras of Keras's "
+                             "built-in layers is keyed so without it; for custom layers, --trainable-only).")] = False,
     model: Annotated[str | None, typer.Option(
         "--model", metavar="FILE.keras", help="Key a Keras file or TF2 checkpoint SOURCE like the model of this "
                                               ".keras file (implies --model-keys).")] = None,
@@ -275,6 +276,9 @@ def ls(
             })
             return
         _note_skipped(opened)
+        if opened.keys_note:
+            note(f"keys are the file's own names, not its model's: {opened.keys_note} (ws export --model-keys "
+                 "builds the model in Keras to key them)")
         console = render.stdout()
         console.print(render.printable(f"{opened.path} ({opened.kind})"), soft_wrap=True)  # a line of its own: never folded
         console.print(render.listing_table(infos))

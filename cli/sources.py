@@ -35,6 +35,8 @@ class Source(Store):
         self.kind: str = reader.kind or _store_kind(store)
         #: entries that are not numeric tensors (string variables), left out of the keys
         self.skipped: list[str] = list(reader.skipped)
+        #: why a .keras archive keeps its own names (``layers/dense/vars/0``), not its model's keys
+        self.keys_note: str = getattr(reader, "keys_note", "")
         self._meta_graph: str | None = reader.meta_graph
         #: keys of the trainable variables of the model the keys come from, else None
         self.model_trainable: set[str] | None = None

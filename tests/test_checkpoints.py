@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import weightstore as ws
-from hostile import hostile_keras
+from hostile import hostile_keras, raises_naming
 from weightstore.errors import ChecksumError, FormatError, SelectionError, StoreNotFoundError, UnsafeFileError
 from weightstore.formats.tf_checkpoint import OBJECT_GRAPH_KEY, CheckpointReader, resolve_prefix
 
@@ -23,6 +23,7 @@ tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 from tf_files import Net, copy_checkpoint, restore_with_saver, same_architecture  # noqa: E402
 from weightstore.adapters import _checkpoints  # noqa: E402
+from weightstore.adapters import tf2 as tf2_adapter  # noqa: E402
 from weightstore.cli import sources  # noqa: E402
 
 
@@ -175,10 +176,9 @@ def test_tf2_module_keys_are_attribute_paths(tmp_path):
         np.testing.assert_array_equal(source["tower/alias/b"], tower.blocks[1].b.numpy())
 
 
-@pytest.mark.parametrize("name", ["model.weights.h5", "model.keras"])
-def test_keras_files_read_as_their_hdf5_layout(made, name):
+def test_a_weights_file_reads_as_its_hdf5_layout(made):
     model = made["model"]
-    with sources.open_source(made["root"] / name) as source:
+    with sources.open_source(made["root"] / "model.weights.h5") as source:
         assert source.kind == "Keras weights file"
         np.testing.assert_array_equal(source["layers/dense/vars/0"], model.get_layer("d1").kernel.numpy())
         np.testing.assert_array_equal(source["layers/batch_normalization/vars/3"],
@@ -186,16 +186,36 @@ def test_keras_files_read_as_their_hdf5_layout(made, name):
         assert len([k for k in source if k.startswith("layers/")]) == len(model.weights)
 
 
-def test_keras_archive_config_is_never_read(made, tmp_path):
-    archive = tmp_path / "odd.keras"
-    with zipfile.ZipFile(made["root"] / "model.keras") as original, zipfile.ZipFile(archive, "w") as copy:
-        copy.writestr("config.json", "this is not json and would break any deserializer")
-        copy.writestr("model.weights.h5", original.read("model.weights.h5"))
-    renamed = tmp_path / "weights_without_suffix"
-    renamed.write_bytes(archive.read_bytes())
-    for path in (archive, renamed):
+def test_a_keras_archive_reads_keyed_like_its_model(made):
+    model = made["model"]
+    with sources.open_source(made["root"] / "model.keras") as source:
+        assert source.kind == "Keras weights file"
+        np.testing.assert_array_equal(source["d1/kernel"], model.get_layer("d1").kernel.numpy())
+        np.testing.assert_array_equal(source["bn/moving_variance"], model.get_layer("bn").moving_variance.numpy())
+        assert source.stored_names()["bn/moving_variance"] == "layers/batch_normalization/vars/3"
+        assert [k for k in source if not k.startswith("optimizer/")] == list(tf2_adapter.export(model))
+
+
+def test_keras_archive_config_is_read_as_data_only(made, tmp_path):
+    """A class the config names is never looked up, let alone run: the file keeps its own names;
+    a config that is no JSON is refused, naming it, rather than read with guessed keys."""
+    with zipfile.ZipFile(made["root"] / "model.keras") as original:
+        weights = original.read("model.weights.h5")
+
+    def archive(path, config):
+        with zipfile.ZipFile(path, "w") as copy:
+            copy.writestr("config.json", config)
+            copy.writestr("model.weights.h5", weights)
+        return path
+
+    config = '{"module": "os", "class_name": "system", "config": {"name": "rm -rf /"}}'
+    for path in (archive(tmp_path / "odd.keras", config), archive(tmp_path / "odd_without_suffix", config)):
         with sources.open_source(path) as source:
             assert "layers/dense/vars/0" in source
+            assert source.keys_note == "its layer 'rm -rf /' is a system from os, not one of Keras's built-in layers"
+    broken = archive(tmp_path / "broken.keras", "this is not json and would break any deserializer")
+    with raises_naming(FormatError, broken, "config.json"):
+        sources.open_source(broken)
 
 
 

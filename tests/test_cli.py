@@ -165,14 +165,16 @@ def test_export_tf2_checkpoint_without_optimizer_slots(made, tmp_path):
     np.testing.assert_array_equal(loaded["w"], made["net"]["net/w"])
 
 
-@pytest.mark.parametrize("name", ["model.weights.h5", "model.keras"])
-def test_export_keras_files(made, tmp_path, name):
+@pytest.mark.parametrize(("name", "scope", "kernel", "bias"), [("model.weights.h5", "layers/dense", "vars/0", "vars/1"),
+                                                              ("model.keras", "d1", "kernel", "bias")])
+def test_export_keras_files(made, tmp_path, name, scope, kernel, bias):
+    """A .weights.h5 records no layer names, a .keras archive's config does: it is keyed like its model."""
     out = tmp_path / "k.npz"
-    result = run("export", made["root"] / name, "-o", out, "--scope", "layers/dense", "--compress")
+    result = run("export", made["root"] / name, "-o", out, "--scope", scope, "--compress")
     assert result.exit_code == 0, result.output
     loaded = ws.load(out)
-    assert sorted(loaded) == ["vars/0", "vars/1"]
-    np.testing.assert_array_equal(loaded["vars/0"], made["model"].get_layer("d1").kernel.numpy())
+    assert sorted(loaded) == sorted([kernel, bias])
+    np.testing.assert_array_equal(loaded[kernel], made["model"].get_layer("d1").kernel.numpy())
 
 
 def test_export_store_maps_then_selects(store, tmp_path):
@@ -952,8 +954,8 @@ def test_json_errors_carry_the_file_and_the_key(tmp_path, damaged):
 def _keras_file_given_a_key_it_lacks(made, tmp_path) -> tuple[list[str], str, str | None]:
     target = str(tmp_path / "model.keras")
     shutil.copy(made["root"] / "model.keras", target)
-    ws.save(tmp_path / "w.npz", {"d1/kernel": np.ones((3, 4), np.float32)})
-    return ["import", str(tmp_path / "w.npz"), "--into", target, "--overwrite"], target, "d1/kernel"
+    ws.save(tmp_path / "w.npz", {"d9/kernel": np.ones((3, 4), np.float32)})
+    return ["import", str(tmp_path / "w.npz"), "--into", target, "--overwrite"], target, "d9/kernel"
 
 
 def _keras_file_given_a_wrong_shape(made, tmp_path) -> tuple[list[str], str, str | None]:

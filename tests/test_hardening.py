@@ -460,7 +460,8 @@ def test_object_graph_edges_that_no_int_reads_key_their_variables(tmp_path, edge
 
 # -- .keras archives ---------------------------------------------------------------------------
 
-def _keras_archive(path: Path, *, extra_members: int = 0) -> Path:
+def _keras_archive(path: Path, *, extra_members: int = 0, config: str = '{"class_name": "Sequential", "config": {}}',
+                   tensors: tuple[str, ...] = ("layers/dense/vars/0",)) -> Path:
     """A ``.keras`` archive made by hand: config, metadata and a Keras-style weights file."""
     import io
     import zipfile
@@ -469,14 +470,62 @@ def _keras_archive(path: Path, *, extra_members: int = 0) -> Path:
 
     weights = io.BytesIO()
     with h5py.File(weights, "w") as handle:
-        handle["layers/dense/vars/0"] = np.ones((3, 4), np.float32)
+        for name in tensors:
+            handle[name] = np.ones((3, 4), np.float32)
     with zipfile.ZipFile(path, "w") as archive:
         for number in range(extra_members):
             archive.writestr(f"assets/{number}", b"")
         archive.writestr("metadata.json", "{}")
-        archive.writestr("config.json", '{"class_name": "Sequential", "config": {}}')
+        archive.writestr("config.json", config)
         archive.writestr("model.weights.h5", weights.getvalue())
     return path
+
+
+def _sequential(*layers: str) -> str:
+    """A Sequential's config.json around ``layers`` (each a layer's JSON), as Keras writes it."""
+    return ('{"module": "keras", "class_name": "Sequential", "config": {"name": "sequential", "layers": ['
+            + ", ".join(layers) + "]}}")
+
+
+_DENSE = '{"module": "keras.layers", "class_name": "Dense", "config": {"name": "%s", "use_bias": %s}}'
+
+
+@pytest.mark.parametrize(("config", "tensors", "why"), [
+    (_sequential(_DENSE % ("head", "true")), ("layers/dense/vars/0",),
+     "its config gives 'layers/dense/vars/1' a variable the file does not hold"),
+    (_sequential(_DENSE % ("head", "false")), ("layers/dense/vars/0", "layers/dense/vars/1000000000"),
+     "the file holds 'layers/dense/vars/1000000000', which its config gives no built-in layer"),
+    (_sequential(_DENSE % ("head", "false")), ("layers/dense_1/vars/0", "layers/dense/vars/0"),
+     "the file holds 'layers/dense_1/vars/0', which its config gives no built-in layer"),
+], ids=["fewer-vars", "a-billionth-var", "another-layer"])
+def test_keras_archive_whose_config_and_weights_disagree_keeps_its_own_names(tmp_path, config, tensors, why):
+    """Never keys guessed from a config the weights contradict: the whole file keeps Keras's paths."""
+    path = _keras_archive(tmp_path / "m.keras", config=config, tensors=tensors)
+    with ws.open(path) as store:
+        assert sorted(store.keys()) == sorted(tensors)
+        assert store._reader.keys_note == why
+
+
+def test_keras_archive_dtype_policy_of_any_json_shape_is_no_error(tmp_path):
+    """A policy whose ``config`` is no object says nothing of quantization: the table keys the file."""
+    dense = '{"module": "keras.layers", "class_name": "Dense", "config": {"name": "head", "use_bias": false, ' \
+            '"dtype": {"class_name": "DTypePolicy", "config": [7]}}}'
+    path = _keras_archive(tmp_path / "m.keras", config=_sequential(dense), tensors=("layers/dense/vars/0",))
+    with ws.open(path) as store:
+        assert store.keys() == ["head/kernel"]
+
+
+@pytest.mark.parametrize(("config", "words"), [
+    ('{"module": "keras", "class_name": "Sequential", "config": {"name": "s", "layers": 7}}', "no list of layers"),
+    (_sequential('"dense"'), "not an object with a class_name and a config"),
+    (_sequential(_DENSE % ("a/../b", "false")), "makes no key"),
+    (_sequential(_DENSE % ("head", "false"), '{"module": "keras.layers", "class_name": "Dense", '
+                 '"config": {"name": "head", "use_bias": false}}'), "one key 'head/kernel'"),
+], ids=["layers-not-a-list", "layer-not-an-object", "name-makes-no-key", "two-layers-one-key"])
+def test_keras_archive_with_a_config_keras_never_writes_is_refused_naming_it(tmp_path, config, words):
+    path = _keras_archive(tmp_path / "m.keras", config=config, tensors=("layers/dense/vars/0", "layers/dense_1/vars/0"))
+    with raises_naming(errors.FormatError, path, "config.json", words):
+        ws.open(path)
 
 
 def test_keras_archive_missing_its_first_bytes_is_a_format_error(tmp_path):

@@ -16,6 +16,7 @@ import pytest
 keras = pytest.importorskip("keras")
 torch = pytest.importorskip("torch")
 
+import weightstore as ws  # noqa: E402
 from examples import keras_applications_to_torchvision as recipe  # noqa: E402
 from weightstore.adapters import tf2  # noqa: E402
 from weightstore.adapters import torch as torch_adapter  # noqa: E402
@@ -212,3 +213,15 @@ def test_mobilenet_v2_into_torchvisions_mobilenet_v2_as_the_recipe_says(mobilene
     unpadded = MobileNetV2()  # symmetric padding and torchvision's epsilon: not what Keras computes
     torch_adapter.assign(unpadded, mobilenet_v2_weights, layout="keras", mapping=recipe.mobilenet_v2_mapping())
     assert differs(mobilenet_v2_logits, torch_logits(unpadded, images))
+
+
+@pytest.mark.parametrize("fixture", ["keras_mobilenet_v2", "keras_resnet50"])
+def test_a_saved_application_opens_keyed_as_tf2_exports_it(request, tmp_path, fixture):
+    """The .keras archive's config alone keys its tensors: no Keras builds anything to read it."""
+    model = request.getfixturevalue(fixture)
+    model.save(tmp_path / "m.keras")
+    exported = tf2.export(model)
+    with ws.open(tmp_path / "m.keras") as store:
+        assert store.keys() == list(exported)
+        for key, value in exported.items():
+            np.testing.assert_array_equal(store[key], value)

@@ -443,9 +443,29 @@ def test_ws_import_into_a_keras_file_replaces_what_load_weights_reads(tmp_path, 
     assert done.exit_code == 0, done.output
     loaded = small_dense()
     loaded.load_weights(path)
-    assert sorted(fix) == ["layers/dense/vars/0", "layers/dense/vars/1"]  # Keras's save walk names it by class
-    np.testing.assert_array_equal(loaded.layers[0].kernel.numpy(), fix["layers/dense/vars/0"])
-    np.testing.assert_array_equal(loaded.layers[0].bias.numpy(), fix["layers/dense/vars/1"])
+    # a .keras archive is keyed like its model; a .weights.h5 by Keras's save walk, which names by class
+    kernel, bias = ("head/kernel", "head/bias") if suffix == ".keras" else ("layers/dense/vars/0", "layers/dense/vars/1")
+    assert sorted(fix) == sorted([kernel, bias])
+    np.testing.assert_array_equal(loaded.layers[0].kernel.numpy(), fix[kernel])
+    np.testing.assert_array_equal(loaded.layers[0].bias.numpy(), fix[bias])
+
+
+def test_ws_import_into_a_keras_archive_takes_the_files_own_names_too(tmp_path):
+    path = tmp_path / "m.keras"
+    small_dense().save(path)
+    ws.save(tmp_path / "fix.npz", {"layers/dense/vars/0": np.full((3, 2), 7, np.float32),
+                                   "head/bias": np.full(2, 5, np.float32)})
+    done = ws_command("import", tmp_path / "fix.npz", "--into", path, "--overwrite")
+    assert done.exit_code == 0, done.output
+    loaded = keras.models.load_model(path)
+    np.testing.assert_array_equal(loaded.layers[0].kernel.numpy(), np.full((3, 2), 7))
+    np.testing.assert_array_equal(loaded.layers[0].bias.numpy(), np.full(2, 5))
+    ws.save(tmp_path / "stray.npz", {"layers/dense/vars/7": np.zeros(2, np.float32)})
+    refused = ws_command("import", tmp_path / "stray.npz", "--into", path, "--overwrite")
+    text = " ".join(refused.output.split())
+    assert refused.exit_code != 0
+    assert (f"{path}: tensor 'layers/dense/vars/7': is a Keras file, which Keras reads by its own tensor names only "
+            f"(layers/<layer>/vars/<i>, or the model keys `ws ls {path}` lists), and has no such tensor") in text
 
 
 def test_ws_import_of_model_keys_into_a_keras_file_is_refused_saying_what_to_do(tmp_path):
@@ -679,3 +699,100 @@ def test_lora_keras_files_of_ensembles_and_quantized_layers_and_what_an_assign_k
     again = tf2.assign(follower_side, version)  # the factors' memory was forgotten: written again
     assert {"d/lora_kernel_a", "d/lora_kernel_b"} <= set(again.assigned)
     np.testing.assert_array_equal(follower_side(x), randomized(lora_member("m"))(x))
+
+
+# --- a .keras archive read on its own: keyed as tf2.export keys its model -------------------
+
+def _sequential_dense_bn():
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.BatchNormalization(),
+                             keras.layers.Dense(2, use_bias=False), keras.layers.BatchNormalization(center=False)])
+
+
+def _functional_with_nested_model():
+    inner = keras.Sequential([keras.Input((3,)), keras.layers.Dense(3), keras.layers.LayerNormalization()])
+    inputs = keras.Input((4,))
+    return keras.Model(inputs, keras.layers.Dense(1)(inner(keras.layers.Dense(3)(inputs))))
+
+
+def _small_cnn():
+    layers = keras.layers
+    return keras.Sequential([keras.Input((8, 8, 3)), layers.Conv2D(4, 3), layers.BatchNormalization(),
+                             layers.DepthwiseConv2D(3), layers.SeparableConv2D(4, 1), layers.Conv2DTranspose(2, 2),
+                             layers.GroupNormalization(2), layers.MaxPooling2D(), layers.Flatten(), layers.Dense(2)])
+
+
+def _recurrent():
+    layers = keras.layers
+    return keras.Sequential([keras.Input((5,)), layers.Embedding(10, 4), layers.LSTM(3, return_sequences=True),
+                             layers.Bidirectional(layers.GRU(2, return_sequences=True)), layers.SimpleRNN(2)])
+
+
+def _attention_block():
+    inputs = keras.Input((5, 4))
+    attended = keras.layers.MultiHeadAttention(2, 3)(inputs, inputs)
+    normed = keras.layers.LayerNormalization()(keras.layers.Add()([inputs, attended]))
+    return keras.Model(inputs, keras.layers.EinsumDense("abc,cd->abd", output_shape=(None, 4), bias_axes="d")(normed))
+
+
+def _adapted_normalization():
+    return normalized(RNG.normal(5, 3, (16, 3)).astype("float32"))  # its statistics are variables
+
+
+@pytest.mark.parametrize("build", [_sequential_dense_bn, _functional_with_nested_model, _small_cnn, _recurrent,
+                                   _attention_block, _adapted_normalization])
+def test_a_keras_archive_opens_keyed_as_tf2_exports_its_model(tmp_path, build):
+    build()  # a model built before: Keras's counter names the next one's layers dense_3…, which export renumbers
+    model = build()
+    model.save(tmp_path / "m.keras")
+    exported = tf2.export(model)
+    with ws.open(tmp_path / "m.keras") as store:
+        assert store.keys() == list(exported)
+        for key, value in exported.items():
+            np.testing.assert_array_equal(store[key], value)
+    assert not ws.load(tmp_path / "m.keras").keys() - exported.keys()
+
+
+def test_a_keras_archive_of_a_compiled_model_keeps_its_optimizer_state_under_keras_names(tmp_path):
+    model = _sequential_dense_bn()
+    model.compile("adam", "mse")
+    model.fit(np.zeros((4, 4), np.float32), np.zeros((4, 2), np.float32), verbose=0)
+    model.save(tmp_path / "m.keras")
+    with_state = tf2.export(model, optimizer=True)
+    with ws.open(tmp_path / "m.keras") as store:
+        assert store.keys() == list(with_state)
+        np.testing.assert_array_equal(store["optimizer/vars/1"], with_state["optimizer/vars/1"])
+
+
+@keras.saving.register_keras_serializable(package="weightstore_tests")
+class Scaled(keras.layers.Layer):
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(input_shape[-1],), initializer="ones")
+
+    def call(self, inputs):
+        return inputs * self.scale
+
+
+def test_a_keras_archive_with_a_custom_layer_keeps_its_own_names_whole_and_ls_says_why(tmp_path):
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="head"), Scaled()])
+    model.save(tmp_path / "m.keras")
+    with ws.open(tmp_path / "m.keras") as store:
+        assert store.keys() == ["layers/dense/vars/0", "layers/dense/vars/1", "layers/scaled/vars/0"]
+    listed = ws_command("ls", tmp_path / "m.keras")
+    assert listed.exit_code == 0, listed.output
+    text = " ".join(listed.output.split())
+    assert ("keys are the file's own names, not its model's: its layer 'scaled' is a Scaled from "
+            "test_keras_models, not one of Keras's built-in layers") in text
+    keyed = tmp_path / "keyed.npz"  # --model-keys builds the model, custom class and all, in Keras's safe mode
+    assert ws_command("export", tmp_path / "m.keras", "-o", keyed, "--model-keys").exit_code == 0
+    assert sorted(ws.load(keyed)) == ["head/bias", "head/kernel", "scaled/variable"]
+
+
+@pytest.mark.parametrize("build", [_recurrent, _attention_block])
+def test_tf2_assign_of_a_keras_archive_predicts_as_load_model(tmp_path, build):
+    model = build()
+    model.save(tmp_path / "m.keras")
+    inputs = (np.arange(10).reshape(2, 5) % 10 if build is _recurrent
+              else RNG.normal(size=(2, 5, 4))).astype("float32")
+    fresh = build()
+    tf2.assign(fresh, str(tmp_path / "m.keras"))
+    np.testing.assert_array_equal(fresh(inputs), keras.models.load_model(tmp_path / "m.keras")(inputs))

@@ -4,9 +4,12 @@ A ``.weights.h5`` file is plain HDF5 and is read by :mod:`weightstore.formats.hd
 without a manifest; its keys are its dataset paths (``layers/dense/vars/0``). A ``.keras``
 archive is a zip holding that same weights file as ``model.weights.h5`` beside
 ``config.json`` and ``metadata.json``. Its weights member is copied out, after checks that
-refuse zip bombs before a byte is inflated, and read the same way. The config is read only
-when asked for (:func:`read_config`), as bounded JSON, and never deserialized into a model:
-nothing in the file is ever executed.
+refuse zip bombs before a byte is inflated, and read the same way. Its tensors are keyed as
+``tf2.export`` keys the model the config describes (``dense/kernel``), worked out from the
+config as bounded JSON (:func:`read_config`, :mod:`weightstore.formats._keras_keys`), never
+deserialized into a model: nothing in the file is ever executed. Where the config has a layer
+that table does not know, the whole file keeps its own names (:attr:`KerasArchiveReader.keys_note`
+says why); :meth:`KerasArchiveReader.file_named` gives them for writers and the model-walk pairing.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from weightstore.core.limits import (
 )
 from weightstore.core.manifest import TensorInfo
 from weightstore.errors import FormatError, StoreNotFoundError, TargetError, UnsafeFileError, WeightStoreError, naming
-from weightstore.formats import Format, ReaderDefaults, _zipdir, format_for_suffix, format_named
+from weightstore.formats import Format, Reader, ReaderDefaults, _keras_keys, _zipdir, format_for_suffix, format_named
+from weightstore.formats._renamed import RenamedReader
 from weightstore.io.files import open_regular, refuse_special_file
 from weightstore.io.places import Place
 
@@ -61,7 +65,8 @@ def is_keras_archive(path: str) -> bool:
 
 
 class KerasArchiveReader(ReaderDefaults):
-    """The Reader protocol over a ``.keras`` archive's weights, unpacked to a private folder."""
+    """The Reader protocol over a ``.keras`` archive's weights, unpacked to a private folder,
+    keyed like its model where the config allows (else by the file's own names)."""
 
     kind = KIND
 
@@ -69,18 +74,36 @@ class KerasArchiveReader(ReaderDefaults):
         self.name = path
         self.skipped: list[str] = []
         self._scratch = tempfile.mkdtemp(prefix="weightstore-keras-")
+        self._file: Reader | None = None
         try:
             local = os.path.join(self._scratch, WEIGHTS_MEMBER)
             with _open_archive(path) as archive, open(local, "wb") as out:
                 for chunk in _member_chunks(path, archive, WEIGHTS_MEMBER):
                     out.write(chunk)
-            self._reader = format_named("hdf5").open_reader(local, f"{path}:{WEIGHTS_MEMBER}")
+            self._file = format_named("hdf5").open_reader(local, f"{path}:{WEIGHTS_MEMBER}")
+            names, why = _keras_keys.model_names(read_config(path), self._file.keys(), path)
+            #: why the tensors keep the file's own names (``layers/dense/vars/0``); empty where keyed like the model
+            self.keys_note = why
+            self._reader: Any = RenamedReader(self._file, names) if names is not None else self._file
         except BaseException:
-            shutil.rmtree(self._scratch, ignore_errors=True)
+            self.close()
             raise
         self.metadata: dict[str, Any] = {}
         self.created = ""
         self.has_checksums = False
+
+    @property
+    def stored_names(self) -> dict[str, str]:
+        """Key -> the file's own name for it (``dense/kernel`` -> ``layers/dense/vars/0``)."""
+        return dict(getattr(self._reader, "stored_names", {}))
+
+    def file_named(self) -> Reader:
+        """This reader under the file's own names, as Keras's loader reads them; closing it closes this."""
+        return RenamedReader(self, {name: key for key, name in self._name_pairs()})
+
+    def _name_pairs(self) -> list[tuple[str, str]]:
+        stored = self.stored_names
+        return [(key, stored.get(key, key)) for key in self.keys()]
 
     def keys(self) -> list[str]:
         return self._reader.keys()
@@ -96,7 +119,8 @@ class KerasArchiveReader(ReaderDefaults):
 
     def close(self) -> None:
         try:
-            self._reader.close()
+            if self._file is not None:
+                self._file.close()
         finally:
             shutil.rmtree(self._scratch, ignore_errors=True)
 
