@@ -11,7 +11,6 @@ from typing import Any, Protocol
 import numpy as np
 
 import weightstore
-from weightstore.adapters._artifacts import open_artifact
 from weightstore.adapters._reload import reload_digest
 from weightstore.core._arrays import as_numpy
 from weightstore.core.manifest import logical_dtype
@@ -31,6 +30,10 @@ class ValueSource(Protocol):
 
     #: :meth:`read_region` fetches only the region (a sharded version); else it reads the value whole
     regional: bool
+
+    #: why a ``.keras`` archive's values keep the file's own names (``layers/dense/vars/0``), not
+    #: its model's keys (:attr:`~weightstore.formats.keras_file.KerasArchiveReader.keys_note`); else empty
+    keys_note: str
 
     def keys(self) -> list[str]: ...
     def dtype(self, key: str) -> np.dtype: ...
@@ -58,11 +61,8 @@ class Values:
             self._store = weights
         elif isinstance(weights, Mapping):
             self._arrays = {k: as_numpy(v, k) for k, v in weights.items()}
-        elif isinstance(weights, (str, os.PathLike)):
-            self._store = open_artifact(weights)
-            self._owned = True
-        elif hasattr(weights, "path"):
-            self._store = weightstore.open(weights)
+        elif isinstance(weights, (str, os.PathLike)) or hasattr(weights, "path"):
+            self._store = weightstore.open(weights)  # a .keras archive keyed like its model, where its config allows
             self._owned = True
         else:
             raise TypeError(f"weights must be a dict, a path, a Store or a Version, not {type(weights).__name__}")
@@ -71,6 +71,7 @@ class Values:
         self.where = self.path or "the weight dictionary"
         self.exact_keys = self._store is not None and self._store.exact_keys  # keys paired by structure: no hints
         self.missing_note: str = getattr(self._store, "missing_note", "")  # why a file cannot hold some variables
+        self.keys_note: str = getattr(self._store._reader, "keys_note", "") if self._store is not None else ""
         self.regional = self._store is not None and self._store.reads_regions
 
     def keys(self) -> list[str]:
@@ -127,6 +128,7 @@ class RenamedValues:
         self.where = values.where
         self.exact_keys = values.exact_keys
         self.regional = values.regional
+        self.keys_note = values.keys_note
 
     def keys(self) -> list[str]:
         return list(self._old)

@@ -590,15 +590,23 @@ def selected_refusals(refused: Mapping[str, str], *, scope: str | None, mapping:
     return kept
 
 
-def refuse_keras_file(path: str | None) -> None:
-    """A Keras file names tensors by Keras's save walk (``layers/dense/vars/0``): no layout rule
-    can say which is which without the Keras model that wrote it, so say how to key it by that model."""
-    if path is None or not path.endswith((keras_file.KERAS_SUFFIX, keras_file.WEIGHTS_SUFFIX, keras_sharded.SUFFIX)):
-        return
-    raise AssignmentError(
-        "is a Keras file, whose tensors Keras names by its save walk (layers/<layer>/vars/<i>), not by layer: "
-        "key it by its Keras model first, in Python with tf2.assign(model, path) then tf2.export(model), or with "
-        f"`ws export {path} -o m.npz --model-keys` (a .keras file; --model m.keras for a .weights.h5)", path=path)
+def refuse_keras_file(values: ValueSource) -> None:
+    """Refuse values under Keras's own names (``layers/dense/vars/0``), which no layout rule or
+    graph can tell apart without the Keras model that wrote them, saying how to key them by that
+    model: a ``.weights.h5`` (or sharded ``.weights.json``), and a ``.keras`` archive whose config
+    could not key it (``keys_note`` says why). A ``.keras`` keyed like its model holds
+    ``tf2.export``'s keys, and pairs as a store that ``tf2.export`` wrote does."""
+    path = values.path
+    if values.keys_note:
+        raise AssignmentError(
+            f"is a .keras archive that keeps Keras's own tensor names (layers/<layer>/vars/<i>), not its model's, "
+            f"as {values.keys_note}: key it by its Keras model first, in Python with tf2.assign(model, path) then "
+            f"tf2.export(model), or with `ws export {path} -o m.npz --model-keys`", path=path)
+    if path is not None and path.endswith((keras_file.WEIGHTS_SUFFIX, keras_sharded.SUFFIX)):
+        raise AssignmentError(
+            "is a Keras weights file, whose tensors Keras names by its save walk (layers/<layer>/vars/<i>), not by "
+            "layer: key it by its Keras model first, in Python with tf2.assign(model, path) then tf2.export(model), "
+            f"or with `ws export {path} -o m.npz --model m.keras`", path=path)
 
 
 class LaidOutValues:
@@ -610,6 +618,7 @@ class LaidOutValues:
         self.path = values.path
         self.where = values.where
         self.exact_keys = values.exact_keys
+        self.keys_note = values.keys_note
         self.regional = False  # a converted value is built whole from what it comes from
 
     def keys(self) -> list[str]:
@@ -650,7 +659,7 @@ def plan_laid_out(values: ValueSource, targets: Mapping[str, TargetInfo], option
     the shapes would pair (a Flax ``ConvTranspose``'s kernel, neither flipped nor swapped as
     Keras's is).
     """
-    refuse_keras_file(values.path)
+    refuse_keras_file(values)
     refused: list[Mismatch] = []
     view: ValueSource = values
     scope, mapping = options.scope, options.mapping

@@ -277,7 +277,7 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
     empty = {key: target for key, target in targets.items() if key not in infos and (optimizer or not target.training)}
 
     def plan(values: Any, options: AssignOptions) -> tuple[Plan, Any]:
-        refuse_keras_file(values.path)  # named by Keras's save walk: no graph names its variables so
+        refuse_keras_file(values)  # Keras's own names: no graph names its variables so
         left_out = () if optimizer else _tf1_training.in_checkpoint(values.where, values.keys())
         infos.update(_shaped_as_values(values, options, empty, left_out))  # the Target below reads infos too
         model = infos if optimizer else {key: info for key, info in infos.items() if not targets[key].training}

@@ -540,40 +540,61 @@ def test_a_typo_is_still_offered_its_variable():
     assert "different architectures" not in str(caught.value)
 
 
-@pytest.mark.parametrize("suffix", [".weights.h5", ".keras"])
-def test_a_keras_file_given_to_torch_says_it_needs_its_keras_model(tmp_path, suffix):
+def test_a_keras_weights_file_given_to_torch_says_it_needs_its_keras_model(tmp_path):
     torch = pytest.importorskip("torch")
     from weightstore.adapters import torch as torch_adapter
 
-    path = tmp_path / f"m{suffix}"
-    model = small_dense()
-    (model.save_weights if suffix == ".weights.h5" else model.save)(path)
+    path = tmp_path / "m.weights.h5"
+    small_dense().save_weights(path)
     with pytest.raises(ws.AssignmentError) as caught:
         torch_adapter.assign(torch.nn.Linear(3, 2), str(path), layout="keras")
     assert str(caught.value) == (
-        f"{path}: is a Keras file, whose tensors Keras names by its save walk (layers/<layer>/vars/<i>), not by "
-        "layer: key it by its Keras model first, in Python with tf2.assign(model, path) then tf2.export(model), or "
-        f"with `ws export {path} -o m.npz --model-keys` (a .keras file; --model m.keras for a .weights.h5)")
+        f"{path}: is a Keras weights file, whose tensors Keras names by its save walk (layers/<layer>/vars/<i>), "
+        "not by layer: key it by its Keras model first, in Python with tf2.assign(model, path) then "
+        f"tf2.export(model), or with `ws export {path} -o m.npz --model m.keras`")
 
 
-@pytest.mark.parametrize("suffix", [".weights.h5", ".keras"])
-def test_a_keras_file_given_to_tf1_says_it_needs_its_keras_model(tmp_path, suffix):
-    """A TF1 graph of the same layers (head/kernel, head/bias) said the file and the graph
-    "look like different architectures": the Keras file's save-walk names are what keep them apart."""
+def test_a_keras_archive_keeping_its_own_names_given_to_torch_says_why(tmp_path):
+    """Only a .keras whose config the table cannot key is refused, and the message says which layer."""
+    torch = pytest.importorskip("torch")
+    from weightstore.adapters import torch as torch_adapter
+
+    path = tmp_path / "m.keras"
+    keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="head"), Scaled(name="scale")]).save(path)
+    with pytest.raises(ws.AssignmentError) as caught:
+        torch_adapter.assign(torch.nn.Linear(3, 2), str(path), layout="keras")
+    assert str(caught.value) == (
+        f"{path}: is a .keras archive that keeps Keras's own tensor names (layers/<layer>/vars/<i>), not its "
+        "model's, as its layer 'scale' is a Scaled from test_keras_models, not one of Keras's built-in layers: "
+        "key it by its Keras model first, in Python with tf2.assign(model, path) then tf2.export(model), or with "
+        f"`ws export {path} -o m.npz --model-keys`")
+
+
+def test_a_keras_archive_pairs_with_a_tf1_graph_of_its_layer_names(tmp_path):
+    """A .keras read on its own is keyed like its model (head/kernel, head/bias), as a store
+    tf2.export wrote is: a TF1 graph of the same layers takes it and computes what Keras does.
+    A .weights.h5 keeps Keras's save-walk names, which no graph has, and is refused saying so."""
     from weightstore.adapters import tf1
 
-    path = tmp_path / f"m{suffix}"
     model = small_dense()
-    (model.save_weights if suffix == ".weights.h5" else model.save)(path)
+    model.save(tmp_path / "m.keras")
+    model.save_weights(tmp_path / "m.weights.h5")
+    x = RNG.normal(size=(4, 3)).astype("float32")
+    expected = np.asarray(model(x))
     graph = tf.Graph()
     with graph.as_default(), tf.compat.v1.Session(graph=graph) as sess:
         with tf.compat.v1.variable_scope("head"):
-            tf.compat.v1.get_variable("kernel", (3, 2)), tf.compat.v1.get_variable("bias", (2,))
+            kernel, bias = tf.compat.v1.get_variable("kernel", (3, 2)), tf.compat.v1.get_variable("bias", (2,))
         sess.run(tf.compat.v1.global_variables_initializer())
+        report = tf1.assign(sess, str(tmp_path / "m.keras"))
+        assert sorted(report.assigned) == ["head/bias", "head/kernel"]
+        np.testing.assert_allclose(sess.run(tf.matmul(x, kernel) + bias), expected, atol=1e-6)
         with pytest.raises(ws.AssignmentError) as caught:
-            tf1.assign(sess, str(path))
-    assert str(caught.value).startswith(f"{path}: is a Keras file, whose tensors Keras names by its save walk")
+            tf1.assign(sess, str(tmp_path / "m.weights.h5"))
+    assert str(caught.value).startswith(f"{tmp_path / 'm.weights.h5'}: is a Keras weights file, whose tensors Keras "
+                                        "names by its save walk")
     assert "different architectures" not in str(caught.value)
+
 
 class ListHeld(keras.Model):
     """Layers in a plain Python list: Keras tracks them, TF's checkpoint walk does not."""
@@ -780,8 +801,8 @@ def test_a_keras_archive_with_a_custom_layer_keeps_its_own_names_whole_and_ls_sa
     listed = ws_command("ls", tmp_path / "m.keras")
     assert listed.exit_code == 0, listed.output
     text = " ".join(listed.output.split())
-    assert ("keys are the file's own names, not its model's: its layer 'scaled' is a Scaled from "
-            "test_keras_models, not one of Keras's built-in layers") in text
+    why = "its layer 'scaled' is a Scaled from test_keras_models, not one of Keras's built-in layers"
+    assert f"keys are the file's own names, not its model's: {why}" in text
     keyed = tmp_path / "keyed.npz"  # --model-keys builds the model, custom class and all, in Keras's safe mode
     assert ws_command("export", tmp_path / "m.keras", "-o", keyed, "--model-keys").exit_code == 0
     assert sorted(ws.load(keyed)) == ["head/bias", "head/kernel", "scaled/variable"]

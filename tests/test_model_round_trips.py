@@ -152,3 +152,22 @@ def test_pytorch_to_flax_predicts_the_same(name):
     module = make_flax()
     assert flax_adapter.assign(module, torch_adapter.export(source, layout="keras"), layout="keras").ok
     np.testing.assert_allclose(np.asarray(module(inputs)), predict(source, inputs), atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_keras_archive_ports_to_pytorch_and_flax_as_its_model_does(name, tmp_path):
+    """A ``.keras`` file read on its own is keyed as ``tf2.export`` keys its model, so
+    ``layout="keras"`` takes it straight into a PyTorch or Flax module of the same layers."""
+    make_torch, make_keras, make_flax, shape = MODELS[name]
+    model = make_keras()
+    assert tf2.assign(model, torch_adapter.export(trained_like(make_torch()), layout="keras")).ok  # nothing left at init
+    model.save(tmp_path / "m.keras")
+    inputs = np.random.default_rng(1).normal(size=shape).astype("float32")
+    expected = np.asarray(model(inputs, training=False))
+    module = make_torch().eval()
+    assert torch_adapter.assign(module, str(tmp_path / "m.keras"), layout="keras").ok
+    np.testing.assert_allclose(predict(module, inputs), expected, atol=TOLERANCE)
+    if make_flax is not None:
+        flax_module = make_flax()
+        assert flax_adapter.assign(flax_module, tmp_path / "m.keras", layout="keras").ok
+        np.testing.assert_allclose(np.asarray(flax_module(inputs)), expected, atol=TOLERANCE)
