@@ -272,7 +272,7 @@ def ls(
                 "count": len(infos), "nbytes": sum(i.nbytes for i in infos),
                 "tensors": [{"key": i.key, "dtype": i.dtype, "shape": list(i.shape), "nbytes": i.nbytes,
                              "checksum": i.checksum} for i in infos],
-                "skipped": list(opened.skipped),
+                "skipped": list(opened.skipped), "keys_note": opened.keys_note,
             })
             return
         _note_skipped(opened)

@@ -4,6 +4,8 @@ from their variables, keys as Keras names layers, selections that must match som
 Every check compares with what Keras's own ``load_weights`` leaves, on models built here.
 """
 
+import json
+
 import numpy as np
 import pytest
 
@@ -803,6 +805,9 @@ def test_a_keras_archive_with_a_custom_layer_keeps_its_own_names_whole_and_ls_sa
     text = " ".join(listed.output.split())
     why = "its layer 'scaled' is a Scaled from test_keras_models, not one of Keras's built-in layers"
     assert f"keys are the file's own names, not its model's: {why}" in text
+    assert json.loads(ws_command("ls", tmp_path / "m.keras", "--json").stdout)["keys_note"] == why
+    small_dense().save(tmp_path / "keyed.keras")
+    assert json.loads(ws_command("ls", tmp_path / "keyed.keras", "--json").stdout)["keys_note"] == ""
     keyed = tmp_path / "keyed.npz"  # --model-keys builds the model, custom class and all, in Keras's safe mode
     assert ws_command("export", tmp_path / "m.keras", "-o", keyed, "--model-keys").exit_code == 0
     assert sorted(ws.load(keyed)) == ["head/bias", "head/kernel", "scaled/variable"]
