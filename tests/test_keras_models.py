@@ -796,3 +796,14 @@ def test_tf2_assign_of_a_keras_archive_predicts_as_load_model(tmp_path, build):
     fresh = build()
     tf2.assign(fresh, str(tmp_path / "m.keras"))
     np.testing.assert_array_equal(fresh(inputs), keras.models.load_model(tmp_path / "m.keras")(inputs))
+
+
+def test_a_quantized_models_keras_archive_keeps_its_own_names_and_says_why(tmp_path):
+    """Keras 3.15 writes a quantized layer's policy as ``{"mode", "source_name"}``, no name: the
+    table, which keys no int8 scale, leaves the file whole for the quantization, not by luck."""
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, name="head")])
+    model.quantize("int8")
+    model.save(tmp_path / "m.keras")
+    with ws.open(tmp_path / "m.keras") as store:
+        assert all(key.startswith("layers/dense/vars/") for key in store)
+        assert store._reader.keys_note == "its layer 'head' is quantized or LoRA-enabled, which the table does not know"
