@@ -466,6 +466,14 @@ def test_ws_import_into_a_keras_archive_takes_the_files_own_names_too(tmp_path):
     assert refused.exit_code != 0
     assert (f"{path}: tensor 'layers/dense/vars/7': is a Keras file, which Keras reads by its own tensor names only "
             f"(layers/<layer>/vars/<i>, or the model keys `ws ls {path}` lists), and has no such tensor") in text
+    before = path.read_bytes()
+    ws.save(tmp_path / "both.npz", {"head/kernel": np.zeros((3, 2), np.float32),
+                                    "layers/dense/vars/0": np.ones((3, 2), np.float32)})
+    refused = ws_command("import", tmp_path / "both.npz", "--into", path, "--overwrite")
+    text = " ".join(refused.output.split())
+    assert refused.exit_code != 0 and path.read_bytes() == before
+    assert (f"{path}: tensor 'head/kernel': the import gives this tensor twice, as 'head/kernel' and as "
+            "'layers/dense/vars/0'; keep one") in text
 
 
 def test_ws_import_of_model_keys_into_a_keras_file_is_refused_saying_what_to_do(tmp_path):
