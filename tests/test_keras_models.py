@@ -788,8 +788,8 @@ def test_a_keras_archive_with_a_custom_layer_keeps_its_own_names_whole_and_ls_sa
     listed = ws_command("ls", tmp_path / "m.keras")
     assert listed.exit_code == 0, listed.output
     text = " ".join(listed.output.split())
-    assert ("keys are the file's own names, not its model's: its layer 'scaled' is a Scaled from "
-            "test_keras_models, not one of Keras's built-in layers") in text
+    assert ("keys are the file's own names, not its model's: its layer 'scaled' is a 'Scaled' from "
+            "'test_keras_models', not one of Keras's built-in layers") in text
     keyed = tmp_path / "keyed.npz"  # --model-keys builds the model, custom class and all, in Keras's safe mode
     assert ws_command("export", tmp_path / "m.keras", "-o", keyed, "--model-keys").exit_code == 0
     assert sorted(ws.load(keyed)) == ["head/bias", "head/kernel", "scaled/variable"]
