@@ -38,6 +38,7 @@ from typing import Any
 
 import weightstore
 from weightstore.errors import AssignmentError, FormatError, WeightStoreError
+from weightstore.formats import keras_file
 from weightstore.formats._renamed import RenamedReader
 from weightstore.formats.keras_preset import TASK_PREFIX, WithTaskReader, is_preset_folder, task_weights
 from weightstore.formats.tf_checkpoint import CheckpointReader, resolve_prefix, saved_model_prefix
@@ -58,6 +59,11 @@ def open_artifact(path: Any) -> weightstore.Store:
     """Any file ``ws`` reads (store, TF checkpoint, Keras file) with the file's own keys: a
     ``.keras`` archive's too (``layers/dense/vars/0``, which Keras's save walk over a model pairs
     with its variables), not the model keys :func:`weightstore.open` gives it from its config."""
+    place = place_of(path) if isinstance(path, (str, os.PathLike)) else None
+    if place is not None and not place.remote and keras_file.is_keras_archive(place.text):
+        # the save walk pairs the file's names with the model: a config that cannot be keyed never stops it
+        reader = keras_file.KerasArchiveReader(place.text, own_names=True)
+        return weightstore.Store(reader, place.text, True, keras_file.FORMAT.name)
     store = weightstore.open(path)
     file_named = getattr(store._reader, "file_named", None)
     return store if file_named is None else weightstore.Store(file_named(), store.path, store.verify, store.format)

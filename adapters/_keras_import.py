@@ -26,7 +26,7 @@ import weightstore
 from weightstore.adapters._casts import describe, widens
 from weightstore.core.keys import suggest
 from weightstore.core.manifest import logical_dtype
-from weightstore.errors import FormatError, KeyNotInStoreError, naming
+from weightstore.errors import FormatError, KeyNotInStoreError, SelectionError, naming, shown_key
 from weightstore.formats import keras_file
 from weightstore.io.commit import RenameCommit
 
@@ -56,9 +56,9 @@ def _checked(target: str, weights: Mapping[str, np.ndarray]) -> dict[str, np.nda
         stored = store.stored_names()  # a .keras archive's model keys (dense/kernel) -> the names Keras reads
         model_key_of = {name: key for key, name in stored.items()}
         converted = {}
-        for key, value in weights.items():
-            if key not in names:  # the file's own name (layers/dense/vars/0) for a tensor keyed like the model
-                key = model_key_of.get(key, key)
+        given_as: dict[str, str] = {}  # the file's own name -> the import's key for it
+        for given, value in weights.items():
+            key = given if given in names else model_key_of.get(given, given)  # layers/dense/vars/0 -> dense/kernel
             if key not in names:
                 also = f", or the model keys `ws ls {target}` lists" if stored else ""
                 raise KeyNotInStoreError(
@@ -74,7 +74,12 @@ def _checked(target: str, weights: Mapping[str, np.ndarray]) -> dict[str, np.nda
                 raise FormatError(f"holds {describe(dtype, tuple(info.shape))}; the import gives "
                                   f"{describe(array.dtype, array.shape)}, which Keras could not load in its place",
                                   path=target, key=key)
-            converted[stored.get(key, key)] = array.astype(dtype, copy=False)
+            name = stored.get(key, key)
+            if name in given_as:  # both spellings of one tensor: which the import meant is not ours to guess
+                raise SelectionError(f"the import gives this tensor twice, as {shown_key(given_as[name])} and as "
+                                     f"{shown_key(given)}; keep one", path=target, key=key)
+            given_as[name] = given
+            converted[name] = array.astype(dtype, copy=False)
     return converted
 
 

@@ -63,7 +63,7 @@ import contextlib
 import functools
 import re
 import sys
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, NamedTuple, Union
 
 import numpy as np
@@ -112,6 +112,7 @@ from weightstore.core.keys import (
     validate_key,
 )
 from weightstore.errors import AssignmentError, InvalidKeyError, SelectionError
+from weightstore.formats._keras_naming import Ranking, automatic, deduplicated, snake_case
 from weightstore.formats.tf_checkpoint import best_paths
 from weightstore.sharded._shards import Piece
 
@@ -617,7 +618,7 @@ class _Node(NamedTuple):
 
 
 class _Walk:
-    """One walk of a root's variables: keys by :class:`_Naming`, old keys by :func:`_segments`."""
+    """One walk of a root's variables: keys by :class:`_Naming`, old keys by :func:`~weightstore.formats._keras_naming.deduplicated`."""
 
     def __init__(self, root: Any, found: dict[str, tuple[Variable, bool]], aliases: dict[str, str]):
         self.naming = _Naming(root)
@@ -646,94 +647,29 @@ class _Walk:
         children = list(layer._flatten_layers(include_self=False, recursive=False))
         below = {id(w) for child in children for w in child.weights}
         own = [w for w in layer.weights if id(w) not in below]
-        for var, name in zip(own, _segments((w.name, "variable") for w in own), strict=True):
+        for var, name in zip(own, deduplicated((w.name, "variable") for w in own), strict=True):
             self.walk(var, join_scope(path, name), join_scope(old, name), trainable_ids)
         for name, var in saved_outside_weights(layer).items():
             self.walk(var, join_scope(path, name), join_scope(old, name), trainable_ids)
-        olds = _segments((c.name, _snake_case(type(c).__name__)) for c in children)
+        olds = deduplicated((c.name, snake_case(type(c).__name__)) for c in children)
         for child, name, old_name in zip(children, self.naming.segments(children), olds, strict=True):
             self.walk(child, join_scope(path, name), join_scope(old, old_name), trainable_ids)
 
 
 class _Naming:
-    """Key segments for a root's Keras layers: Keras's own automatic names, numbered from the root.
-
-    Keras names a layer ``<snake-cased class>`` or ``<snake-cased class>_<n>`` from one counter
-    per process (``Bidirectional`` names its copies ``forward_<name>`` and ``backward_<name>``),
-    so the first model built in a process shows ``dense``, ``dense_1``… and a second
-    ``dense_2``, ``dense_3``…. Here the automatic names under one root are ranked by that
-    counter, the root's own included, and the rank replaces it: the numbering Keras would have
-    given had this been the first model of the process, for every instance alike. Names the
-    user chose are kept as they are.
-    """
+    """Key segments for a root's Keras layers: :class:`~weightstore.formats._keras_naming.Ranking`
+    over every layer under the root, the root's own included (``Bidirectional`` copies by ``id``)."""
 
     def __init__(self, root: Any):
         layers = _keras_layers(root)
-        self._copies = {id(copy) for layer in layers if isinstance(layer, keras.layers.Bidirectional)
-                        for copy in (layer.forward_layer, layer.backward_layer)}
-        numbers: dict[str, set[int]] = {}
-        for layer in layers:
-            parsed = _automatic(layer, self._copies)
-            if parsed is not None:
-                numbers.setdefault(parsed[1], set()).add(parsed[2])
-        self._rank = {base: {n: i for i, n in enumerate(sorted(found))} for base, found in numbers.items()}
+        copies = {id(copy) for layer in layers if isinstance(layer, keras.layers.Bidirectional)
+                  for copy in (layer.forward_layer, layer.backward_layer)}
+        self._parsed = {id(layer): automatic(layer.name, type(layer).__name__, copy=id(layer) in copies)
+                        for layer in layers}
+        self._ranking = Ranking(self._parsed.values())
 
     def segments(self, children: list[keras.layers.Layer]) -> list[str]:
-        names = []
-        for child in children:
-            parsed = _automatic(child, self._copies)
-            if parsed is None:
-                names.append(child.name)
-                continue
-            prefix, base, number = parsed
-            rank = self._rank[base][number]
-            names.append(f"{prefix}{base}" if rank == 0 else f"{prefix}{base}_{rank}")
-        if len(set(names)) == len(names):
-            return names
-        return _segments((name, name) for name in names)  # siblings sharing a name (subclassed models): _1, _2…
-
-
-def _automatic(layer: keras.layers.Layer, copies: Collection[int]) -> tuple[str, str, int] | None:
-    """``(prefix, base, n)`` for a name Keras made up (``dense_3``; ``forward_lstm`` for one of
-    the ``copies`` a ``Bidirectional`` makes, by ``id``), else None: a ``forward_dense`` of the
-    user's own is a name the user chose."""
-    base = _snake_case(type(layer).__name__)
-    match = re.fullmatch(rf"(forward_|backward_)?{re.escape(base)}(?:_(\d+))?", layer.name)
-    if match is None or (match.group(1) and id(layer) not in copies):
-        return None
-    return match.group(1) or "", base, int(match.group(2) or 0)
-
-
-def _segments(items: Iterable[tuple[str, str]]) -> list[str]:
-    """Sibling names as earlier releases keyed them: chosen names kept, automatic ones
-    (``base`` or ``base_<n>``) renumbered in the parent's layer order."""
-    marked = [(name, base, name == base or re.fullmatch(re.escape(base) + r"_\d+", name) is not None)
-              for name, base in items]
-    taken = {name for name, _, automatic in marked if not automatic}
-    used: set[str] = set()
-    segments = []
-    for name, base, automatic in marked:
-        segment = _unused(base, taken) if automatic else _unused(name, taken) if name in used else name
-        taken.add(segment)
-        used.add(segment)
-        segments.append(segment)
-    return segments
-
-
-def _unused(base: str, taken: set[str]) -> str:
-    if base not in taken:
-        return base
-    n = 1
-    while f"{base}_{n}" in taken:
-        n += 1
-    return f"{base}_{n}"
-
-
-def _snake_case(name: str) -> str:
-    """Keras's own ``naming.to_snake_case``, the stem of its automatic layer names."""
-    name = re.sub(r"\W+", "", name)
-    name = re.sub("(.)([A-Z][a-z]+)", r"\1_\2", name)
-    return re.sub("([a-z])([A-Z])", r"\1_\2", name).lower()
+        return self._ranking.segments((child.name, self._parsed.get(id(child))) for child in children)
 
 
 def _add(found: dict, key: str, var: Variable, seen: set[int], *, trainable: bool | None = None,

@@ -181,7 +181,8 @@ def export(
     model_keys: Annotated[bool, typer.Option(
         "--model-keys", help="Key a .keras SOURCE like its model (dense/kernel, as tf2.export keys it), building "
                              "the model from the archive's config in Keras's safe mode (a .keras of Keras's "
-                             "built-in layers is keyed so without it; for custom layers, --trainable-only).")] = False,
+                             "built-in layers is keyed so without it; it is needed for custom layers, and for "
+                             "--trainable-only, which asks the built model which variables train).")] = False,
     model: Annotated[str | None, typer.Option(
         "--model", metavar="FILE.keras", help="Key a Keras file or TF2 checkpoint SOURCE like the model of this "
                                               ".keras file (implies --model-keys).")] = None,

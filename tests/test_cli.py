@@ -82,6 +82,15 @@ def test_help_shows_each_paragraph_whole_not_as_the_docstring_wrapped_it(args, s
     assert sentence in result.stdout, result.stdout
 
 
+def test_export_help_says_when_a_keras_archive_needs_model_keys():
+    """--trainable-only on a .keras asks the model Keras builds: its help says so in words."""
+    result = run("export", "--help")
+    assert result.exit_code == 0
+    text = " ".join(result.stdout.replace("│", " ").split())
+    assert ("built-in layers is keyed so without it; it is needed for custom layers, and for --trainable-only, which "
+            "asks the built model which variables train") in text, text
+
+
 @pytest.mark.parametrize("command", [[], *([c] for c in COMMANDS)])
 def test_help_names_values_in_words_not_python_types(command):
     result = run(*command, "--help")

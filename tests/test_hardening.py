@@ -460,8 +460,8 @@ def test_object_graph_edges_that_no_int_reads_key_their_variables(tmp_path, edge
 
 # -- .keras archives ---------------------------------------------------------------------------
 
-def _keras_archive(path: Path, *, extra_members: int = 0, config: str = '{"class_name": "Sequential", "config": {}}',
-                   tensors: tuple[str, ...] = ("layers/dense/vars/0",)) -> Path:
+def _keras_archive(path: Path, *, extra_members: int = 0,
+                   config: str | None = '{"class_name": "Sequential", "config": {}}', tensors: tuple[str, ...] = ("layers/dense/vars/0",)) -> Path:
     """A ``.keras`` archive made by hand: config, metadata and a Keras-style weights file."""
     import io
     import zipfile
@@ -476,7 +476,8 @@ def _keras_archive(path: Path, *, extra_members: int = 0, config: str = '{"class
         for number in range(extra_members):
             archive.writestr(f"assets/{number}", b"")
         archive.writestr("metadata.json", "{}")
-        archive.writestr("config.json", config)
+        if config is not None:
+            archive.writestr("config.json", config)
         archive.writestr("model.weights.h5", weights.getvalue())
     return path
 
@@ -518,14 +519,118 @@ def test_keras_archive_dtype_policy_of_any_json_shape_is_no_error(tmp_path):
 @pytest.mark.parametrize(("config", "words"), [
     ('{"module": "keras", "class_name": "Sequential", "config": {"name": "s", "layers": 7}}', "no list of layers"),
     (_sequential('"dense"'), "not an object with a class_name and a config"),
-    (_sequential(_DENSE % ("a/../b", "false")), "makes no key"),
-    (_sequential(_DENSE % ("head", "false"), '{"module": "keras.layers", "class_name": "Dense", '
-                 '"config": {"name": "head", "use_bias": false}}'), "one key 'head/kernel'"),
-], ids=["layers-not-a-list", "layer-not-an-object", "name-makes-no-key", "two-layers-one-key"])
+], ids=["layers-not-a-list", "layer-not-an-object"])
 def test_keras_archive_with_a_config_keras_never_writes_is_refused_naming_it(tmp_path, config, words):
     path = _keras_archive(tmp_path / "m.keras", config=config, tensors=("layers/dense/vars/0", "layers/dense_1/vars/0"))
     with raises_naming(errors.FormatError, path, "config.json", words):
         ws.open(path)
+
+
+def test_keras_archive_of_siblings_named_alike_is_keyed_as_tf2_keys_its_model(tmp_path):
+    """A Conv2D the user named ``dense`` beside an automatic Dense: Keras loads it, so ws reads it,
+    with ``tf2.export``'s keys, and ``tf2.assign`` puts it into a twin of the model."""
+    keras = pytest.importorskip("keras")
+    from weightstore.adapters import tf2
+
+    layers = keras.layers
+    keras.Sequential([keras.Input((3,)), layers.Dense(2)])  # an earlier Dense: the next is no longer 'dense'
+
+    def build():
+        return keras.Sequential([keras.Input((4, 4, 1)), layers.Conv2D(2, 3, name="dense"), layers.Flatten(),
+                                 layers.Dense(2)])
+
+    model = build()
+    path = tmp_path / "m.keras"
+    model.save(path)
+    expected = tf2.export(model)
+    with ws.open(path) as store:
+        assert store.keys() == list(expected) == ["dense/kernel", "dense/bias", "dense_1/kernel", "dense_1/bias"]
+        assert store._reader.keys_note == ""
+        for key, value in expected.items():
+            np.testing.assert_array_equal(store[key], value)
+    twin = build()
+    tf2.assign(twin, str(path))
+    for mine, theirs in zip(twin.weights, model.weights, strict=True):
+        np.testing.assert_array_equal(mine.numpy(), theirs.numpy())
+
+
+def test_tf2_assign_of_a_keras_archive_pairs_by_its_own_names_whatever_its_config(tmp_path):
+    """Keras's save walk over the live model pairs the file's names: a config ``ws.open`` refuses
+    to key the archive by never stops an assign into the model."""
+    import zipfile
+
+    keras = pytest.importorskip("keras")
+    from weightstore.adapters import tf2
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.save(tmp_path / "m.keras")
+    path = tmp_path / "odd.keras"
+    with zipfile.ZipFile(tmp_path / "m.keras") as saved, zipfile.ZipFile(path, "w") as odd:
+        for member in saved.namelist():
+            odd.writestr(member, '{"module": "keras", "class_name": "Sequential", "config": {"name": "s", "layers": 7}}' if member == "config.json"
+                         else saved.read(member))
+    with raises_naming(errors.FormatError, path, "config.json", "no list of layers"):
+        ws.open(path)
+    twin = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    tf2.assign(twin, str(path))
+    for mine, theirs in zip(twin.weights, model.weights, strict=True):
+        np.testing.assert_array_equal(mine.numpy(), theirs.numpy())
+
+
+@pytest.mark.parametrize(("names", "keys"), [
+    (("dense_\u0663", "dense_3"), ["dense_\u0663/kernel", "dense/kernel"]),
+    (("dense_" + "9" * 5000,), ["dense_" + "9" * 5000 + "/kernel"]),
+], ids=["unicode-digit", "5000-digits"])
+def test_keras_archive_names_keras_never_makes_up_are_the_users_own(tmp_path, names, keys):
+    """Only ASCII digits, at most 18, make a name automatic: ``dense_\u0663`` is no ``dense_3``,
+    and a 5,000-digit counter is no ValueError from ``int``."""
+    tensors = tuple(f"layers/dense{'_' + str(i) if i else ''}/vars/0" for i in range(len(names)))
+    path = _keras_archive(tmp_path / "m.keras", config=_sequential(*(_DENSE % (name, "false") for name in names)),
+                          tensors=tensors)
+    with ws.open(path) as store:
+        assert store.keys() == keys
+        assert store._reader.keys_note == ""
+
+
+def test_tf2_names_keras_never_makes_up_are_the_users_own():
+    keras = pytest.importorskip("keras")
+    from weightstore.adapters import tf2
+
+    long = "dense_" + "9" * 5000
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2, name="dense_\u0663", use_bias=False),
+                              keras.layers.Dense(2, name=long, use_bias=False)])
+    assert list(tf2.export(model)) == ["dense_\u0663/kernel", f"{long}/kernel"]
+
+
+@pytest.mark.parametrize(("config", "words"), [
+    (None, "its config.json cannot be read (.keras archive holds no config.json)"),
+    ("{not json", "its config.json cannot be read (config.json"),
+    (_sequential(_DENSE % ("dense", "false")) + " " * 400, "its config.json cannot be read (config.json declares "),
+    (_sequential(_DENSE % ("..", "false")), "its config names a layer that makes no key"),
+    (_sequential(_DENSE % ("a/../b", "false")), "its config names a layer that makes no key"),
+], ids=["no-config", "not-json", "oversized", "dot-dot", "name-makes-no-key"])
+def test_keras_archive_whose_config_cannot_key_it_keeps_its_own_names(tmp_path, monkeypatch, config, words):
+    """The weights read without the config, as before it was read: under the file's own names,
+    ``keys_note`` saying why (an oversized config is never parsed)."""
+    from weightstore.formats import keras_file
+
+    monkeypatch.setattr(keras_file, "MAX_KERAS_CONFIG_BYTES", 400)
+    path = _keras_archive(tmp_path / "m.keras", config=config, tensors=("layers/dense/vars/0",))
+    with ws.open(path) as store:
+        assert store.keys() == ["layers/dense/vars/0"]
+        assert store._reader.keys_note.startswith(words), store._reader.keys_note
+
+
+def test_keras_archive_class_names_reach_ws_ls_escaped_and_bounded(tmp_path):
+    """A config's class and module names go into the note ``ws ls`` prints: no terminal escape
+    gets there whole, and a megabyte-long name is cut short."""
+    evil = "\x1b]0;pwned\x07" + "A" * 1_000_000
+    layer = json.dumps({"module": evil, "class_name": evil, "config": {"name": evil}})
+    path = _keras_archive(tmp_path / "m.keras", config=_sequential(layer), tensors=("layers/dense/vars/0",))
+    with ws.open(path) as store:
+        note = store._reader.keys_note
+    assert "\x1b" not in note and "\x07" not in note and "\\x1b" in note
+    assert "is a" in note and len(note) < 2000
 
 
 def test_keras_archive_missing_its_first_bytes_is_a_format_error(tmp_path):

@@ -468,6 +468,14 @@ def test_ws_import_into_a_keras_archive_takes_the_files_own_names_too(tmp_path):
     assert refused.exit_code != 0
     assert (f"{path}: tensor 'layers/dense/vars/7': is a Keras file, which Keras reads by its own tensor names only "
             f"(layers/<layer>/vars/<i>, or the model keys `ws ls {path}` lists), and has no such tensor") in text
+    before = path.read_bytes()
+    ws.save(tmp_path / "both.npz", {"head/kernel": np.zeros((3, 2), np.float32),
+                                    "layers/dense/vars/0": np.ones((3, 2), np.float32)})
+    refused = ws_command("import", tmp_path / "both.npz", "--into", path, "--overwrite")
+    text = " ".join(refused.output.split())
+    assert refused.exit_code != 0 and path.read_bytes() == before
+    assert (f"{path}: tensor 'head/kernel': the import gives this tensor twice, as 'head/kernel' and as "
+            "'layers/dense/vars/0'; keep one") in text
 
 
 def test_ws_import_of_model_keys_into_a_keras_file_is_refused_saying_what_to_do(tmp_path):
@@ -803,7 +811,7 @@ def test_a_keras_archive_with_a_custom_layer_keeps_its_own_names_whole_and_ls_sa
     listed = ws_command("ls", tmp_path / "m.keras")
     assert listed.exit_code == 0, listed.output
     text = " ".join(listed.output.split())
-    why = "its layer 'scaled' is a Scaled from test_keras_models, not one of Keras's built-in layers"
+    why = "its layer 'scaled' is a 'Scaled' from 'test_keras_models', not one of Keras's built-in layers"
     assert f"keys are the file's own names, not its model's: {why}" in text
     assert json.loads(ws_command("ls", tmp_path / "m.keras", "--json").stdout)["keys_note"] == why
     small_dense().save(tmp_path / "keyed.keras")
@@ -822,3 +830,14 @@ def test_tf2_assign_of_a_keras_archive_predicts_as_load_model(tmp_path, build):
     fresh = build()
     tf2.assign(fresh, str(tmp_path / "m.keras"))
     np.testing.assert_array_equal(fresh(inputs), keras.models.load_model(tmp_path / "m.keras")(inputs))
+
+
+def test_a_quantized_models_keras_archive_keeps_its_own_names_and_says_why(tmp_path):
+    """Keras 3.15 writes a quantized layer's policy as ``{"mode", "source_name"}``, no name: the
+    table, which keys no int8 scale, leaves the file whole for the quantization, not by luck."""
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, name="head")])
+    model.quantize("int8")
+    model.save(tmp_path / "m.keras")
+    with ws.open(tmp_path / "m.keras") as store:
+        assert all(key.startswith("layers/dense/vars/") for key in store)
+        assert store._reader.keys_note == "its layer 'head' is quantized or LoRA-enabled, which the table does not know"

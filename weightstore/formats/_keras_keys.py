@@ -12,18 +12,19 @@ are named by :data:`_OWN` below. Nothing is deserialized or run.
 The table is trusted only where the file agrees with it: a class it does not know, a layer
 whose ``vars`` the file holds more or fewer of, or any tensor the walk does not reach (other
 than the optimizer's ``optimizer/vars/<i>``, which ``tf2.export`` keys so too) leaves the whole
-file with its own names, and :func:`model_names` says why. A config that is not what Keras
-writes (a layer that is no object, a name that makes no key, two layers one key) is refused.
+file with its own names, and :func:`model_names` says why, as does a layer name that makes no
+key. A config that is not what Keras writes (a layer that is no object, no list of layers) is
+refused. Layer names become key segments as ``tf2`` makes them (:mod:`._keras_naming`).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from weightstore.core.keys import validate_key
-from weightstore.errors import FormatError, InvalidKeyError
+from weightstore.errors import FormatError, InvalidKeyError, shown_key
+from weightstore.formats._keras_naming import Ranking, automatic, snake_case
 
 #: what the file keeps under its own names, as ``tf2.export(model, optimizer=True)`` keys it too
 _OPTIMIZER = "optimizer/"
@@ -100,30 +101,15 @@ _ATTENTION = (("query_dense", "query"), ("key_dense", "key"), ("value_dense", "v
               ("output_dense", "attention_output"))
 
 
-def _snake_case(name: str) -> str:
-    """Keras's ``naming.to_snake_case``: the stem of its automatic names and of its saved paths."""
-    name = re.sub(r"\W+", "", name)
-    name = re.sub("(.)([A-Z][a-z]+)", r"\1_\2", name)
-    return re.sub("([a-z])([A-Z])", r"\1_\2", name).lower()
-
-
 class _Layer:
-    """One layer of the config (or one a built-in layer makes): class, name, parent, and
-    whether a ``Bidirectional`` made it as a copy of its layer."""
+    """One layer of the config (or one a built-in layer makes): class, name, parent, and its
+    automatic name parsed once (a ``Bidirectional``'s copies alone may carry ``forward_``)."""
 
     def __init__(self, kind: str, name: str, parent: _Layer | None, *, copy: bool = False):
         self.kind = kind
         self.name = name
         self.parent = parent
-        self.copy = copy
-
-    def automatic(self) -> tuple[str, str, int] | None:
-        """``(prefix, base, n)`` where Keras made the name up (``dense_3``), as ``tf2`` reads it."""
-        base = _snake_case(self.kind)
-        match = re.fullmatch(rf"(forward_|backward_)?{re.escape(base)}(?:_(\d+))?", self.name)
-        if match is None or (match.group(1) and not self.copy):
-            return None
-        return match.group(1) or "", base, int(match.group(2) or 0)
+        self.automatic = automatic(name, kind, copy=copy)
 
 
 class _Walk:
@@ -140,8 +126,8 @@ class _Walk:
         kind, config = _class_and_config(node, self.where, file_path)
         own_name = config.get("name") if name is None else name
         if not _builtin(node):
-            raise _Unknown(f"its layer {own_name or kind!r} is a {kind} from {node.get('module')}, not one of "
-                           "Keras's built-in layers")
+            raise _Unknown(f"its layer {_shown(own_name or kind)} is a {_shown(kind)} from {_shown(node.get('module'))}, "
+                           "not one of Keras's built-in layers")
         if not isinstance(own_name, str):
             raise FormatError(f"config.json gives the layer at {file_path or 'the root'} no name", path=self.where,
                               key=file_path or None)
@@ -155,16 +141,16 @@ class _Walk:
             self._bidirectional(config, file_path, layer)
         elif kind == "MultiHeadAttention":
             if config.get("use_gate"):
-                raise _Unknown(f"its layer {own_name!r} is a gated MultiHeadAttention, which the table does not know")
+                raise _Unknown(f"its layer {_shown(own_name)} is a gated MultiHeadAttention, which the table does not know")
             for attribute, sub_name in _ATTENTION:
                 self._own("EinsumDense", {"bias_axes": _flag(config, "use_bias")}, f"{file_path}/{attribute}",
                           self._made("EinsumDense", sub_name, layer))
         elif kind in _OWN:
-            if config.get("lora_rank") or str(_policy(config)).startswith(("int", "float8")):
-                raise _Unknown(f"its layer {own_name!r} is quantized or LoRA-enabled, which the table does not know")
+            if config.get("lora_rank") or _quantized(config):
+                raise _Unknown(f"its layer {_shown(own_name)} is quantized or LoRA-enabled, which the table does not know")
             self._own(kind, config, file_path, layer)
         else:
-            raise _Unknown(f"its layer {own_name!r} is a {kind}, which the table of Keras's layers does not cover")
+            raise _Unknown(f"its layer {_shown(own_name)} is a {_shown(kind)}, which the table of Keras's layers does not cover")
 
     def _made(self, kind: str, name: str, parent: _Layer) -> _Layer:
         """A layer a built-in layer makes itself (an LSTM's cell), which its config does not list."""
@@ -186,7 +172,7 @@ class _Walk:
             kind = _class_and_config(node, self.where, file_path)[0]
             if kind == "InputLayer":  # Sequential.layers and Functional.layers leave them out
                 continue
-            stem = _snake_case(kind)
+            stem = snake_case(kind)
             used[stem] = used.get(stem, -1) + 1
             saved = f"{stem}_{used[stem]}" if used[stem] else stem
             self.layer(node, f"{file_path}/layers/{saved}", layer)
@@ -204,6 +190,11 @@ class _Walk:
                        name=prefix + inner.removeprefix(prefix) if prefix else inner)
 
 
+def _shown(value: Any) -> str:
+    """A name from the config as a note shows it: escaped (``ws ls`` prints notes to a terminal) and bounded."""
+    return shown_key(value) if isinstance(value, str) else repr(value)[:80]
+
+
 def _class_and_config(node: Any, where: str, file_path: str) -> tuple[str, dict[str, Any]]:
     if not isinstance(node, dict) or not isinstance(node.get("class_name"), str) \
             or not isinstance(node.get("config"), dict):
@@ -219,28 +210,31 @@ def _builtin(node: dict[str, Any]) -> bool:
             and (module == "keras" or module.startswith("keras.")))
 
 
-def _policy(config: dict[str, Any]) -> Any:
-    """The layer's dtype policy name (``int8_from_float32`` for a quantized one), whatever JSON holds it."""
+def _quantized(config: dict[str, Any]) -> bool:
+    """Whether the layer's dtype policy is a quantized one, in any of the JSON shapes Keras writes:
+    a policy name (``int8_from_float32``) or, from Keras 3.15, a ``QuantizedDTypePolicy`` (or
+    ``QuantizedFloat8DTypePolicy``) whose config holds ``mode`` and ``source_name`` and no name."""
     policy = config.get("dtype")
-    inner = policy.get("config") if isinstance(policy, dict) else None
-    return inner.get("name") if isinstance(inner, dict) else policy
+    if not isinstance(policy, dict):
+        return str(policy).startswith(("int", "float8"))
+    inner = policy.get("config")
+    if str(policy.get("class_name")).startswith("Quantized") or isinstance(inner, dict) and "mode" in inner:
+        return True
+    return isinstance(inner, dict) and str(inner.get("name")).startswith(("int", "float8"))
 
 
 def _segments(walk: _Walk) -> dict[int, str]:
-    """Layer id -> its key segment: automatic names ranked over the root as ``tf2`` ranks them."""
-    numbers: dict[str, set[int]] = {}
+    """Layer id -> its key segment, as ``tf2`` names it: automatic names ranked over the root,
+    then siblings that share a segment told apart."""
+    ranking = Ranking(layer.automatic for layer in walk.layers)
+    siblings: dict[int, list[_Layer]] = {}
     for layer in walk.layers:
-        if (parsed := layer.automatic()) is not None:
-            numbers.setdefault(parsed[1], set()).add(parsed[2])
-    rank = {base: {n: i for i, n in enumerate(sorted(found))} for base, found in numbers.items()}
+        siblings.setdefault(id(layer.parent), []).append(layer)
     segments = {}
-    for layer in walk.layers:
-        parsed = layer.automatic()
-        if parsed is None:
-            segments[id(layer)] = layer.name
-        else:
-            prefix, base, number = parsed
-            segments[id(layer)] = f"{prefix}{base}" if rank[base][number] == 0 else f"{prefix}{base}_{rank[base][number]}"
+    for group in siblings.values():
+        for layer, segment in zip(group, ranking.segments((layer.name, layer.automatic) for layer in group),
+                                  strict=True):
+            segments[id(layer)] = segment
     return segments
 
 
@@ -271,17 +265,16 @@ def model_names(config: dict[str, Any], file_keys: list[str], where: str) -> tup
         try:
             key = validate_key(_key(layer, variable, segments))
         except InvalidKeyError as exc:
-            raise FormatError(f"config.json names a layer that makes no key ({exc})", path=where, key=file_key) from None
-        if key in names:
-            raise FormatError(f"config.json gives tensors {names[key]!r} and {file_key!r} one key {key!r}",
-                              path=where, key=file_key)
+            return None, f"its config names a layer that makes no key ({exc.message})"
+        if key in names:  # siblings are told apart, so only names with a '/' in them get here
+            return None, f"its config gives {shown_key(names[key])} and {shown_key(file_key)} one key {shown_key(key)}"
         names[key] = file_key
     held = set(file_keys)
     planned = set(names.values())
     if missing := sorted(planned - held):
-        return None, f"its config gives {missing[0]!r} a variable the file does not hold"
+        return None, f"its config gives {shown_key(missing[0])} a variable the file does not hold"
     if extra := next(_unreached(file_keys, planned), None):
-        return None, f"the file holds {extra!r}, which its config gives no built-in layer"
+        return None, f"the file holds {shown_key(extra)}, which its config gives no built-in layer"
     state = sorted((key for key in file_keys if key.startswith(_OPTIMIZER)), key=_natural)
     names.update((key, key) for key in state)  # in optimizer.variables order, as tf2.export lists them
     return names, ""

@@ -70,18 +70,29 @@ class KerasArchiveReader(ReaderDefaults):
 
     kind = KIND
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, *, own_names: bool = False):
+        """``own_names``: key by the file's own names and leave the config unread, for pairing
+        by a live model's save walk, which needs none of it."""
         self.name = path
         self.skipped: list[str] = []
         self._scratch = tempfile.mkdtemp(prefix="weightstore-keras-")
         self._file: Reader | None = None
         try:
             local = os.path.join(self._scratch, WEIGHTS_MEMBER)
-            with _open_archive(path) as archive, open(local, "wb") as out:
-                for chunk in _member_chunks(path, archive, WEIGHTS_MEMBER):
-                    out.write(chunk)
-            self._file = format_named("hdf5").open_reader(local, f"{path}:{WEIGHTS_MEMBER}")
-            names, why = _keras_keys.model_names(read_config(path), self._file.keys(), path)
+            with _open_archive(path) as archive:  # one handle: the config read is of the weights' archive
+                with open(local, "wb") as out:
+                    for chunk in _member_chunks(path, archive, WEIGHTS_MEMBER):
+                        out.write(chunk)
+                self._file = format_named("hdf5").open_reader(local, f"{path}:{WEIGHTS_MEMBER}")
+                config: dict[str, Any] | None = None
+                names, why = None, ""
+                try:
+                    if not own_names:
+                        config = _archive_config(path, archive, MAX_KERAS_CONFIG_BYTES)
+                except (FormatError, UnsafeFileError) as exc:  # the weights read without it, by their own names
+                    why = f"its {CONFIG_MEMBER} cannot be read ({exc.message})"
+            if config is not None:
+                names, why = _keras_keys.model_names(config, self._file.keys(), path)
             #: why the tensors keep the file's own names (``layers/dense/vars/0``); empty where keyed like the model
             self.keys_note = why
             self._reader: Any = RenamedReader(self._file, names) if names is not None else self._file
@@ -140,11 +151,16 @@ def read_config(path: str | os.PathLike, *, max_bytes: int = MAX_KERAS_CONFIG_BY
     """
     text = os.fspath(path)
     with _open_archive(text) as archive:
-        info = _member(text, archive, CONFIG_MEMBER)
-        if info.file_size > max_bytes:
-            raise UnsafeFileError(f"{CONFIG_MEMBER} declares {info.file_size} bytes, over the {max_bytes}-byte limit",
-                                  path=text)
-        raw = b"".join(_member_chunks(text, archive, CONFIG_MEMBER))
+        return _archive_config(text, archive, max_bytes)
+
+
+def _archive_config(text: str, archive: zipfile.ZipFile, max_bytes: int) -> dict[str, Any]:
+    """:func:`read_config` from an open archive."""
+    info = _member(text, archive, CONFIG_MEMBER)
+    if info.file_size > max_bytes:
+        raise UnsafeFileError(f"{CONFIG_MEMBER} declares {info.file_size} bytes, over the {max_bytes}-byte limit",
+                              path=text)
+    raw = b"".join(_member_chunks(text, archive, CONFIG_MEMBER))
     with naming(path=text):  # Keras writes with Python's json, which writes NaN and Infinity
         config = jsontext.loads(raw, what=CONFIG_MEMBER, min_bytes=KERAS_CONFIG_BYTES_PER_CONTAINER, nonfinite=True)
     if not isinstance(config, dict):

@@ -1,0 +1,99 @@
+"""How ``tf2.export`` names Keras layers in keys, shared by the live-model walk (``adapters.tf2``)
+and the config walk of a ``.keras`` archive (:mod:`weightstore.formats._keras_keys`), so the
+two give one model the same keys.
+
+Keras names a layer ``<snake-cased class>`` or ``<snake-cased class>_<n>`` from one counter
+per process (``Bidirectional`` names its copies ``forward_<name>`` and ``backward_<name>``),
+so the first model built in a process shows ``dense``, ``dense_1``… and a second ``dense_2``,
+``dense_3``…. :class:`Ranking` ranks the automatic names under one root by that counter and
+the rank replaces it: the numbering Keras would have given had this been the first model of
+the process. Names the user chose are kept; siblings that still share a segment (a ``Conv2D``
+the user named ``dense`` beside an automatic ``dense_7``) are told apart by :func:`deduplicated`.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Iterable
+
+#: an automatic name's counter: ASCII digits only (``\\d`` takes ``٣``), and few enough that
+#: ``int`` never meets its digit limit on a hostile name
+_NUMBER = re.compile(r"_([0-9]{1,18})")
+_COPY_PREFIXES = ("forward_", "backward_")
+
+#: ``(prefix, base, n)``: ``dense_3`` is ``("", "dense", 3)``, a Bidirectional's ``backward_lstm`` ``("backward_", "lstm", 0)``
+Automatic = tuple[str, str, int]
+
+
+@functools.lru_cache(maxsize=1024)
+def snake_case(class_name: str) -> str:
+    """Keras's ``naming.to_snake_case``: the stem of its automatic names and of its saved paths
+    (cached: one class is asked for once per layer)."""
+    name = re.sub(r"\W+", "", class_name)
+    name = re.sub("(.)([A-Z][a-z]+)", r"\1_\2", name)
+    return re.sub("([a-z])([A-Z])", r"\1_\2", name).lower()
+
+
+def automatic(name: str, class_name: str, *, copy: bool) -> Automatic | None:
+    """``(prefix, base, n)`` where Keras made ``name`` up for a layer of ``class_name``, else None.
+    ``copy``: the layer is one a ``Bidirectional`` made, the only kind whose ``forward_`` or
+    ``backward_`` prefix is Keras's (a ``forward_dense`` of the user's own is a chosen name)."""
+    base = snake_case(class_name)
+    prefix = next((p for p in _COPY_PREFIXES if name.startswith(p)), "") if copy else ""
+    rest = name[len(prefix):]
+    if rest == base:
+        return prefix, base, 0
+    if not rest.startswith(base) or (match := _NUMBER.fullmatch(rest, len(base))) is None:
+        return None
+    return prefix, base, int(match.group(1))
+
+
+class Ranking:
+    """The automatic names of one root's layers (each parsed once, by the caller), ranked per base."""
+
+    def __init__(self, parsed: Iterable[Automatic | None]):
+        numbers: dict[str, set[int]] = {}
+        for found in parsed:
+            if found is not None:
+                numbers.setdefault(found[1], set()).add(found[2])
+        self._rank = {base: {n: i for i, n in enumerate(sorted(found))} for base, found in numbers.items()}
+
+    def segments(self, siblings: Iterable[tuple[str, Automatic | None]]) -> list[str]:
+        """The key segments of one parent's layers, given as ``(name, automatic(name))`` in the parent's order."""
+        names = []
+        for name, parsed in siblings:
+            if parsed is None:
+                names.append(name)
+                continue
+            prefix, base, number = parsed
+            rank = self._rank[base][number]
+            names.append(f"{prefix}{base}" if rank == 0 else f"{prefix}{base}_{rank}")
+        if len(set(names)) == len(names):
+            return names
+        return deduplicated((name, name) for name in names)  # siblings sharing a name: _1, _2…
+
+
+def deduplicated(items: Iterable[tuple[str, str]]) -> list[str]:
+    """Sibling segments from ``(name, base)`` pairs: chosen names kept, automatic ones (``base`` or
+    ``base_<n>``) renumbered in the parent's order past the chosen ones, so no two siblings share one."""
+    marked = [(name, base, name == base or (name.startswith(base) and _NUMBER.fullmatch(name, len(base)) is not None))
+              for name, base in items]
+    taken = {name for name, _, is_automatic in marked if not is_automatic}
+    used: set[str] = set()
+    segments = []
+    for name, base, is_automatic in marked:
+        segment = _unused(base, taken) if is_automatic else _unused(name, taken) if name in used else name
+        taken.add(segment)
+        used.add(segment)
+        segments.append(segment)
+    return segments
+
+
+def _unused(base: str, taken: set[str]) -> str:
+    if base not in taken:
+        return base
+    n = 1
+    while f"{base}_{n}" in taken:
+        n += 1
+    return f"{base}_{n}"
