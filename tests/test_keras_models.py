@@ -575,7 +575,7 @@ def test_a_keras_archive_keeping_its_own_names_given_to_torch_says_why(tmp_path)
         torch_adapter.assign(torch.nn.Linear(3, 2), str(path), layout="keras")
     assert str(caught.value) == (
         f"{path}: is a .keras archive that keeps Keras's own tensor names (layers/<layer>/vars/<i>), not its "
-        "model's, as its layer 'scale' is a Scaled from test_keras_models, not one of Keras's built-in layers: "
+        "model's, as its layer 'scale' is a 'Scaled' from 'test_keras_models', not one of Keras's built-in layers: "
         "key it by its Keras model first, in Python with tf2.assign(model, path) then tf2.export(model), or with "
         f"`ws export {path} -o m.npz --model-keys`")
 
