@@ -288,6 +288,33 @@ sys.exit(3)
         assert sorted(os.listdir(folder)) == [".publish.lock", "LATEST", "step-000000000007.npz"]
 
 
+def test_a_child_forked_while_a_publish_is_in_flight_exits(tmp_path):
+    """The work waited for at exit is the parent's: a helper process forked while a background
+    publish was in flight (a data loader's worker) hung at its exit, waiting for a future that
+    no thread of its own would ever finish."""
+    script = """
+import os, sys, threading
+from weightstore.sharded._shards import in_background
+release = threading.Event()
+future = in_background(lambda: release.wait(60))  # a background sharded publish in flight
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)
+for _ in range(300):
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        break
+    threading.Event().wait(0.1)
+else:
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+release.set()
+sys.exit(0 if done else 5)  # 5: the child hung at its exit
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
 def test_the_backoff_is_the_storages_so_newer_snapshots_do_not_hammer_a_failing_one(tmp_path, monkeypatch):
     """A trainer hands over a snapshot each step: each used to be tried at once, so the failing
     storage was asked once a step and logged once a step, whatever the backoff said."""
