@@ -157,9 +157,20 @@ class TargetError(WeightStoreError, ValueError):
 
 
 class StorageError(WeightStoreError, OSError):
-    """The storage failed (an object store outage, refused credentials), not the file: retrying may help."""
+    """The storage failed (an object store outage, refused credentials), not the file: retrying may help.
+
+    ``transient``: whether the failure may pass by itself (a connection refused or reset, a
+    timeout, the service's own fault or throttling: 5xx, ``SlowDown``), so a follower waits it
+    out; False where it stays until someone acts (credentials refused, a bucket access is denied
+    to, a host name that names no host), so a follower raises it at once.
+    """
 
     __str__ = WeightStoreError.__str__
+
+    def __init__(self, message: str = "", *, path: str | None = None, key: str | None = None,
+                 transient: bool = True) -> None:
+        super().__init__(message, path=path, key=key)
+        self.transient = transient
 
 
 class FileAccessError(WeightStoreError, OSError):
