@@ -320,14 +320,24 @@ def test_the_backoff_is_the_storages_so_newer_snapshots_do_not_hammer_a_failing_
     storage was asked once a step and logged once a step, whatever the backoff said."""
     from weightstore.sync import _background
 
-    attempts = []
+    attempts, decided = [], threading.Event()  # the newest snapshot tried, or pausing untried
 
     def down(folder, weights, *, step, **options):
         attempts.append(step)
+        if step != 1:
+            decided.set()
         raise ws.StorageError("down", path=str(folder))
 
     monkeypatch.setattr(_background, "publish", down)
     publisher = ws.BackgroundPublisher(tmp_path, retry_backoff=3600)
+    pause = publisher._replaced_within
+
+    def pausing(seconds):
+        if publisher._writing is not None and publisher._writing.step == 5:
+            decided.set()
+        return pause(seconds)
+
+    monkeypatch.setattr(publisher, "_replaced_within", pausing)
     first = publisher.publish(weights(1), step=1)
     while not attempts:
         threading.Event().wait(0.01)
@@ -335,9 +345,13 @@ def test_the_backoff_is_the_storages_so_newer_snapshots_do_not_hammer_a_failing_
     with pytest.raises(ws.StorageError):
         first.result(60)  # it gave way to a newer snapshot
     assert all(future.cancelled() for future in newer[:-1])
-    assert publisher.wait(timeout=0.5) is None  # time enough for an attempt made at once
+    assert decided.wait(60)
     assert attempts == [1] and not newer[-1].done()  # the newest waits out the pause, untried
     monkeypatch.setattr(_background, "publish", ws.publish)
     publisher._resume_at = 0.0  # the hour passes
     publisher.publish(weights(6), step=6)
+    # replaced untried, it says so, not step 1's error; and no attempt of its failed to count
+    with pytest.raises(ws.StorageError, match="step 5 was not published: the newer snapshot of step 6 replaced it"):
+        newer[-1].result(60)
     assert publisher.close(60).step == 6 and ws.latest(tmp_path).step == 6
+    assert publisher.failures == 1
