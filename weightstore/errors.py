@@ -228,8 +228,9 @@ class PublishError(WeightStoreError, RuntimeError):
 class PieceError(PublishError, ValueError):
     """A piece :func:`~weightstore.publish_shard` cannot place: a start or shape that is no
     sequence of non-negative ints or does not fit its tensor, a list of Pieces and arrays, two
-    pieces of a key at one index. A bad argument, so a ``ValueError`` too, as it was before
-    ``PublishError`` named the member and the key."""
+    pieces of a key at one index. A bad argument, so a ``ValueError`` too. Before it named the
+    member and the key, a start or shape of non-ints and a list mixing Pieces and arrays raised
+    ``TypeError``, which no longer catches them: catch ``ValueError`` or this class."""
 
 
 class ShardTimeoutError(WeightStoreError, TimeoutError):
