@@ -93,7 +93,8 @@ def follow(
 
     A FOLDER that does not exist is refused (exit 1, naming it): a mistyped path would
     otherwise wait forever. Pass --wait when it is only not there yet (a trainer about to
-    publish its first version). A storage outage is waited out, from the start on.
+    publish its first version). A storage outage is waited out, from the start on;
+    a failure that stays (credentials refused, a host name that names no host) exits 1.
 
     \b
     Example:
@@ -111,7 +112,9 @@ def follow(
     if not wait:
         try:
             require_folder(folder, hint="pass --wait to wait for it to appear")
-        except StorageError as exc:  # whether it exists cannot be told now: the outage is waited out, as below
+        except StorageError as exc:  # whether it exists cannot be told now: an outage is waited out, as below
+            if not exc.transient:
+                raise
             logging.getLogger("weightstore").warning("weightstore: following %s: %s; waiting for the storage",
                                                      folder, exc)
     for version in follow_versions(folder, poll=poll, timeout=timeout, after=after, max_poll=max_poll,

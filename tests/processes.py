@@ -68,10 +68,43 @@ def run_together(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, 
     return results
 
 
+#: how a forked child ends, shared by :data:`_LAUNCHER` and :data:`_FORK_SERVER`: as a real
+#: interpreter does (its exit code from ``SystemExit``, whose message goes to stderr; non-daemon
+#: threads joined and threading's exit hooks run, then ``atexit``'s), then ``os._exit``, so that
+#: nothing of the parent's (its pytest, its buffers) runs again in the child
+_ENDING = """
+import atexit, threading, traceback
+
+def exit_code(exc):
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    print(exc.code, file=sys.stderr)
+    return 1
+
+def end(code):
+    try:
+        shutdown = getattr(threading, "_shutdown", None)  # CPython's: private, hence looked up
+        if shutdown is not None:
+            shutdown()
+        atexit._run_exitfuncs()
+    except SystemExit as exc:
+        code = exit_code(exc)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+"""
+
+
 #: the parent of :func:`fork_together`'s ranks: runs the prelude once, forks a rank per entry of
 #: the spec (its argv, environment and output files), prints their exit codes (-9: SIGKILL)
 _LAUNCHER = """
 import json, os, sys, traceback
+""" + _ENDING + """
 spec = json.loads(sys.stdin.read())
 exec(compile(spec["prelude"], "<prelude>", "exec"), {"__name__": "__prelude__"})
 threads = len(os.listdir("/proc/self/task"))
@@ -93,13 +126,11 @@ for rank in spec["ranks"]:
             exec(compile(spec["body"], "<rank>", "exec"), {"__name__": "__main__"})
             code = 0
         except SystemExit as exc:
-            code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+            code = exit_code(exc)
         except BaseException:
             traceback.print_exc()
         finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+            end(code)
     children.append(pid)
 print(json.dumps([os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children]), flush=True)
 """
@@ -162,8 +193,9 @@ def fork_together(prelude: str, body: str, argvs: Sequence[Sequence[str]], envs:
 #: import cached ``/tmp``).
 _FORK_SERVER = """
 import json, os, signal, sys, tempfile, traceback
+""" + _ENDING + """
 exec(compile(sys.argv[1], "<imports>", "exec"), {"__name__": "__imports__"})
-for line in sys.stdin:
+for line in iter(sys.stdin.buffer.raw.readline, b""):  # unbuffered: a child inherits no read-ahead request
     request = json.loads(line)
     if len(os.listdir("/proc/self/task")) != 1:
         raise RuntimeError(f"{len(os.listdir('/proc/self/task'))} threads: a forked child could hang on a lock")
@@ -175,6 +207,7 @@ for line in sys.stdin:
             for fd, path, flags in ((1, request["out"], os.O_WRONLY), (2, request["err"], os.O_WRONLY),
                                     (0, request["in"], os.O_RDONLY)):  # in this order: the FIFOs' other ends
                 os.dup2(os.open(path, flags), fd)
+            sys.stdin = open(0, closefd=False)  # the request's input, not the server's stdin object
             os.chdir(request["cwd"])
             if request["env"] is not None:
                 os.environ.clear()
@@ -184,13 +217,11 @@ for line in sys.stdin:
             exec(compile(request["script"], request["name"], "exec"), {"__name__": "__main__"})
             code = 0
         except SystemExit as exc:
-            code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+            code = exit_code(exc)
         except BaseException:
             traceback.print_exc()
         finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+            end(code)
     print(json.dumps([request["err"], os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])]), flush=True)
 """
 
@@ -208,6 +239,7 @@ class ForkServer:
         path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
         self._env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONPATH": path, **(env or {})}
         self._log = open(os.path.join(folder, "server.stderr"), "w+")  # noqa: SIM115 - closed by close()
+        self._ended: dict[str, int] = {}  # exit codes of the children that ended, by their stderr file
         self._server = subprocess.Popen([sys.executable, "-c", _FORK_SERVER, imports], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=self._log, text=True, env=self._env,
                                         cwd=root, start_new_session=True)
@@ -238,14 +270,14 @@ class ForkServer:
 
         def wait() -> subprocess.CompletedProcess[str]:
             assert self._server.stdout
-            while True:  # an earlier child's end that no one waited for (its test timed out) is passed over
+            while err not in self._ended:  # a child's end read while waiting for another's is kept for it
                 line = self._server.stdout.readline()
                 if not line:
                     self._log.seek(0)
                     pytest.fail(f"the forking process ended: {self._log.read()[-3000:]}")
                 ended, code = json.loads(line)
-                if ended == err:
-                    break
+                self._ended[ended] = code
+            code = self._ended.pop(err)
             printed = "" if stdout else Path(out).read_text()
             return subprocess.CompletedProcess([name, *argv], code, printed, Path(err).read_text())
 

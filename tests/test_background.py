@@ -288,19 +288,56 @@ sys.exit(3)
         assert sorted(os.listdir(folder)) == [".publish.lock", "LATEST", "step-000000000007.npz"]
 
 
+def test_a_child_forked_while_a_publish_is_in_flight_exits(tmp_path):
+    """The work waited for at exit is the parent's: a helper process forked while a background
+    publish was in flight (a data loader's worker) hung at its exit, waiting for a future that
+    no thread of its own would ever finish."""
+    script = """
+import os, sys, threading
+from weightstore.sharded._shards import in_background
+release = threading.Event()
+future = in_background(lambda: release.wait(60))  # a background sharded publish in flight
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)
+for _ in range(300):
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        break
+    threading.Event().wait(0.1)
+else:
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+release.set()
+sys.exit(0 if done else 5)  # 5: the child hung at its exit
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
 def test_the_backoff_is_the_storages_so_newer_snapshots_do_not_hammer_a_failing_one(tmp_path, monkeypatch):
     """A trainer hands over a snapshot each step: each used to be tried at once, so the failing
     storage was asked once a step and logged once a step, whatever the backoff said."""
     from weightstore.sync import _background
 
-    attempts = []
+    attempts, decided = [], threading.Event()  # the newest snapshot tried, or pausing untried
 
     def down(folder, weights, *, step, **options):
         attempts.append(step)
+        if step != 1:
+            decided.set()
         raise ws.StorageError("down", path=str(folder))
 
     monkeypatch.setattr(_background, "publish", down)
     publisher = ws.BackgroundPublisher(tmp_path, retry_backoff=3600)
+    pause = publisher._replaced_within
+
+    def pausing(seconds):
+        if publisher._writing is not None and publisher._writing.step == 5:
+            decided.set()
+        return pause(seconds)
+
+    monkeypatch.setattr(publisher, "_replaced_within", pausing)
     first = publisher.publish(weights(1), step=1)
     while not attempts:
         threading.Event().wait(0.01)
@@ -308,9 +345,13 @@ def test_the_backoff_is_the_storages_so_newer_snapshots_do_not_hammer_a_failing_
     with pytest.raises(ws.StorageError):
         first.result(60)  # it gave way to a newer snapshot
     assert all(future.cancelled() for future in newer[:-1])
-    assert publisher.wait(timeout=0.5) is None  # time enough for an attempt made at once
+    assert decided.wait(60)
     assert attempts == [1] and not newer[-1].done()  # the newest waits out the pause, untried
     monkeypatch.setattr(_background, "publish", ws.publish)
     publisher._resume_at = 0.0  # the hour passes
     publisher.publish(weights(6), step=6)
+    # replaced untried, it says so, not step 1's error; and no attempt of its failed to count
+    with pytest.raises(ws.StorageError, match="step 5 was not published: the newer snapshot of step 6 replaced it"):
+        newer[-1].result(60)
     assert publisher.close(60).step == 6 and ws.latest(tmp_path).step == 6
+    assert publisher.failures == 1

@@ -660,7 +660,7 @@ def test_every_error_is_a_weightstore_error_and_its_builtin():
         "StoreClosedError": ValueError, "WriteError": OSError,
         "AssignmentError": ValueError, "PublishError": RuntimeError, "MissingDependencyError": ImportError,
         "TargetError": ValueError, "StorageError": OSError, "FileAccessError": OSError, "LayoutError": ValueError,
-        "ShardTimeoutError": TimeoutError, "UnsupportedTargetError": TypeError,
+        "ShardTimeoutError": TimeoutError, "UnsupportedTargetError": TypeError, "PieceError": ValueError,
     }
     assert set(errors.__all__) == set(refines) | {"WeightStoreError"}
     for name, builtin in refines.items():
@@ -670,6 +670,7 @@ def test_every_error_is_a_weightstore_error_and_its_builtin():
     assert issubclass(errors.ChecksumError, errors.FormatError)
     assert issubclass(errors.UnsafeFileError, errors.FormatError)
     assert issubclass(errors.VersionGoneError, errors.StoreNotFoundError)
+    assert issubclass(errors.PieceError, errors.PublishError)
     assert not issubclass(errors.FileAccessError, errors.StorageError)  # a follower retries only the latter
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
 import sys
 import textwrap
 import threading
@@ -333,3 +335,50 @@ def test_a_serving_process_holds_the_model_and_one_version_at_most(s3, folder, t
         sys.stderr.write(done.stderr[-3000:])  # shown with a failed test's report
     assert done.returncode == 0
     assert extra < 1.6 * model_bytes, f"{extra / model_bytes:.2f}x the model"
+
+
+def refusing(code: str, status: int):
+    """A server intercept answering every request with S3's error ``code`` (a HEAD's, bodiless)."""
+    body = f"<Error><Code>{code}</Code><Message>refused</Message></Error>".encode()
+    return lambda environ: (status, b"" if environ["REQUEST_METHOD"] == "HEAD" else body)
+
+
+def test_storage_failures_say_whether_they_pass(s3, folder, monkeypatch):
+    """A follower waits out only what may pass: throttling, the service's faults, a server that
+    is down; refused credentials stay until someone acts."""
+    import s3fs
+
+    ws.publish(folder, {"w": np.zeros(4, np.float32)}, step=1)
+    for code, status, passes in [("SlowDown", 503, True), ("InternalError", 500, True),
+                                 ("InvalidAccessKeyId", 403, False), ("AccessDenied", 403, False)]:
+        s3.intercept = refusing(code, status)
+        with pytest.raises(ws.StorageError) as raised:
+            ws.latest(folder)
+        assert raised.value.transient is passes, code
+    s3.intercept = None
+    with socket.socket() as closed:  # bound, never listening: every connection refused, as by a stopped server
+        closed.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{closed.getsockname()[1]}")
+        s3fs.S3FileSystem.clear_instance_cache()
+        with pytest.raises(ws.StorageError) as raised:
+            ws.latest(folder)
+        assert raised.value.transient
+    monkeypatch.undo()
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_refused_credentials_end_a_wait_and_ws_follow_at_once(s3, folder, model):
+    """``wait()`` with no timeout, and ``ws follow``, waited a permanent failure out forever."""
+    ws.publish(folder, weights_at(model, 3), step=3)
+    s3.intercept = refusing("InvalidAccessKeyId", 403)
+    with Follower(model, folder, poll=0.05) as follower, pytest.raises(ws.StorageError) as raised:
+        follower.wait(timeout=60)  # the bug: None after the minute
+    assert not raised.value.transient and folder in str(raised.value)
+    ws_cli = os.path.join(os.path.dirname(sys.executable), "ws")
+    done = subprocess.run([ws_cli, "follow", folder], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "InvalidAccessKeyId" not in done.stdout, done.stderr
+    assert done.stderr.startswith("error: ") and folder in done.stderr, done.stderr
+    s3.intercept = None
+    missing = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/typo"
+    done = subprocess.run([ws_cli, "follow", missing], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and missing in done.stderr, done.stderr

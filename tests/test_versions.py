@@ -271,6 +271,28 @@ def test_a_restart_whose_pid_the_killed_publisher_had_removes_its_temporaries(ki
     assert ws.latest(folder).step == 5
 
 
+def test_a_publish_removes_only_the_temporaries_of_names_written_under_its_lock(tmp_path, monkeypatch):
+    """The lock shuts out publishers only: a live ``ws.save`` beside the versions, or a sharded
+    coordinator putting its index back after its commit, holds none, and its temporary (named by
+    a live PID: this process's) must outlive another's publish. LATEST's and the intent's are a
+    dead publisher's whatever PID they carry; where no lock is taken (no fcntl), nothing is."""
+    from weightstore.io.files import temporary_beside
+    from weightstore.io.folders import LocalFolder
+
+    ws.publish(tmp_path, weights_at(1), step=1)
+    live = [temporary_beside(tmp_path / name) for name in ("best.npz", "step-000000000009.wsindex")]
+    locked = [temporary_beside(tmp_path / name) for name in ("LATEST", ".publishing")]
+    for temporary in live + locked:
+        temporary.write_bytes(b"partial")
+    monkeypatch.setattr(LocalFolder, "locks", False)
+    ws.publish(tmp_path, weights_at(2), step=2)
+    assert all(temporary.exists() for temporary in live + locked)
+    monkeypatch.setattr(LocalFolder, "locks", True)
+    ws.publish(tmp_path, weights_at(3), step=3)
+    assert all(temporary.exists() for temporary in live) and not any(t.exists() for t in locked)
+    assert_whole(ws.load(ws.latest(tmp_path)), 3)
+
+
 def test_a_trainer_restarted_from_an_older_checkpoint_publishes_once_its_step_passes_latest(tmp_path, caplog):
     """What docs/sync.md promises: the restarted run's publishes are refused (logged, counted, never
     raised) until its step passes the newest version's, which readers go on being given."""

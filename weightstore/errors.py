@@ -157,9 +157,20 @@ class TargetError(WeightStoreError, ValueError):
 
 
 class StorageError(WeightStoreError, OSError):
-    """The storage failed (an object store outage, refused credentials), not the file: retrying may help."""
+    """The storage failed (an object store outage, refused credentials), not the file: retrying may help.
+
+    ``transient``: whether the failure may pass by itself (a connection refused or reset, a
+    timeout, the service's own fault or throttling: 5xx, ``SlowDown``), so a follower waits it
+    out; False where it stays until someone acts (credentials refused, a bucket access is denied
+    to, a host name that names no host), so a follower raises it at once.
+    """
 
     __str__ = WeightStoreError.__str__
+
+    def __init__(self, message: str = "", *, path: str | None = None, key: str | None = None,
+                 transient: bool = True) -> None:
+        super().__init__(message, path=path, key=key)
+        self.transient = transient
 
 
 class FileAccessError(WeightStoreError, OSError):
@@ -217,8 +228,9 @@ class PublishError(WeightStoreError, RuntimeError):
 class PieceError(PublishError, ValueError):
     """A piece :func:`~weightstore.publish_shard` cannot place: a start or shape that is no
     sequence of non-negative ints or does not fit its tensor, a list of Pieces and arrays, two
-    pieces of a key at one index. A bad argument, so a ``ValueError`` too, as it was before
-    ``PublishError`` named the member and the key."""
+    pieces of a key at one index. A bad argument, so a ``ValueError`` too. Before it named the
+    member and the key, a start or shape of non-ints and a list mixing Pieces and arrays raised
+    ``TypeError``, which no longer catches them: catch ``ValueError`` or this class."""
 
 
 class ShardTimeoutError(WeightStoreError, TimeoutError):

@@ -299,10 +299,11 @@ class Follower:
         and the wanted version is not in: a first version that does not fit the target, or a
         damaged folder, ends the wait instead of blocking it forever; a version that did not fit
         but is below ``step`` does not end a wait for ``step`` (publish a version that fits, then
-        wait for its step). A storage outage (:class:`StorageError`) is waited out instead, as
-        :func:`weightstore.follow` waits it out, and raised only when ``timeout`` passes while
-        the storage still fails: a serving process started during an outage gets its version once
-        the storage answers. The follower keeps following; an assign failure clears when a later
+        wait for its step). A storage outage (a :class:`StorageError` that is ``transient``) is
+        waited out instead, as :func:`weightstore.follow` waits it out, and raised only when
+        ``timeout`` passes while the storage still fails: a serving process started during an
+        outage gets its version once the storage answers. A storage failure that stays (refused
+        credentials, a host name that names no host) is raised at once. The follower keeps following; an assign failure clears when a later
         version is assigned, a failure to read the folder as soon as the folder reads cleanly again.
         """
         def arrived() -> bool:
@@ -313,7 +314,7 @@ class Follower:
                                                    and self._failed_step < step)
 
         def ended() -> bool:  # an outage passes: only a failure that stays ends the wait early
-            return arrived() or (failed() and not isinstance(self.error, StorageError))
+            return arrived() or (failed() and not (isinstance(self.error, StorageError) and self.error.transient))
 
         self._lock.refuse_inside_reading("wait()")
         if self._loop_now is None and not arrived():  # nothing would ever arrive

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import concurrent.futures.thread  # registers its exit hook now, so that this module's runs first
+import os
 import threading
 from typing import Any
 
@@ -53,6 +54,18 @@ def _wait_for_all() -> None:
         else:
             concurrent.futures.wait([work])
 
+
+def _forget_all_in_child() -> None:
+    """A forked child has none of its parent's threads, and none of their work will finish in
+    it: waiting for it at exit would hang the child forever. Its lock may have been held by a
+    parent thread at the fork, so it is made anew."""
+    global _waited_lock
+    _waited.clear()
+    _waited_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows
+    os.register_at_fork(after_in_child=_forget_all_in_child)
 
 _register = getattr(threading, "_register_atexit", None)  # CPython 3.9+; private, hence looked up
 if _register is not None:

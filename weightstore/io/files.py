@@ -16,7 +16,9 @@ a PID means nothing outside its namespace: a writer in a container sharing the f
 another host over NFS, has PIDs that may be dead here while it writes. A temporary of another
 space is removed only once untouched for :data:`STALE_AFTER` (a day). A name without ``SPACE``
 (``.NAME.wstmp-PID-RANDOM``, written by older weightstore) keeps the PID rule alone.
-No lock decides it: libhdf5 locks the files it opens itself and fails under one of ours.
+A save takes no lock (libhdf5 locks the files it opens itself and fails under one of ours), so
+these rules decide for every temporary but those whose every writer holds a versioned folder's
+publish lock: a publish holding it removes those whatever they are named by (``locked``).
 """
 
 from __future__ import annotations

@@ -30,6 +30,11 @@ from weightstore.io.files import TEMP_MARK, check_writable_target, fsync_folder,
 from weightstore.io.location import filesystem, location_of, service, uncached
 from weightstore.io.remote import RemoteFile
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: no advisory lock
+    fcntl = None  # type: ignore[assignment]
+
 __all__ = ["ONE_WRITER", "FileEntry", "Folder", "LocalFolder", "RemoteFolder", "folder_for"]
 
 #: the storage option (``storage_options={"one_writer": True}``) by which a caller vouches that
@@ -265,11 +270,12 @@ class LocalFolder(Folder):
                            if TEMP_MARK in entry.name})
         return []
 
+    #: whether :meth:`lock` shuts other publishers out (``fcntl``: not on Windows)
+    locks = fcntl is not None
+
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
-        try:
-            import fcntl
-        except ImportError:  # pragma: no cover - Windows: no advisory lock
+        if fcntl is None:  # pragma: no cover - Windows: no advisory lock
             yield
             return
         try:  # never through a link planted at the name: it would create a file wherever it points

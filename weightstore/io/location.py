@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -91,8 +92,50 @@ def protocols(fs: Any) -> tuple[str, ...]:
 
 
 def storage_error(exc: BaseException, where: str) -> StorageError:
-    """A failure of the storage service itself (network, credentials, outage), as a weightstore error."""
-    return StorageError(f"storage failed ({type(exc).__name__}: {str(exc).strip() or 'no detail'})", path=where)
+    """A failure of the storage service itself (network, credentials, outage), as a weightstore
+    error that says whether it may pass (:func:`transient`)."""
+    return StorageError(f"storage failed ({type(exc).__name__}: {str(exc).strip() or 'no detail'})", path=where,
+                        transient=transient(exc))
+
+
+#: the service's answers that say "later": throttling and timeouts (S3's codes, and statuses)
+_LATER = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
+                    "RequestTimeout", "408", "429"})
+
+
+def service_answer(exc: BaseException) -> tuple[str, int] | None:
+    """The error code and HTTP status the service answered with, from the first exception in
+    ``exc``'s chain that carries botocore's ``response`` (s3fs keeps it as the cause of what it
+    raises); ``None`` where the service never answered (no connection, a host not found)."""
+    seen = 0
+    while exc is not None and seen < 8:
+        response = getattr(exc, "response", None)
+        if isinstance(response, Mapping):
+            error = response.get("Error") or {}
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+            return str(error.get("Code") or status or ""), int(status)
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1  # type: ignore[assignment]
+    return None
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether a storage failure may pass by itself: the service answered 5xx or "later"
+    (:data:`_LATER`), or never answered because the connection was refused, reset or timed out
+    (a server down or restarting). Not: any other answer (403 credentials refused, 404 a bucket
+    that is not there, 400) nor a host name that resolves to nothing (a mistyped endpoint), which
+    stay until someone acts. A failure of neither kind counts as passing, as every one did."""
+    answer = service_answer(exc)
+    if answer is not None:
+        code, status = answer
+        return status >= 500 or code in _LATER
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, socket.gaierror):
+            return exc.errno == socket.EAI_AGAIN  # a name server that did not answer, not a name it does not know
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1  # type: ignore[assignment]
+    return True
 
 
 @contextlib.contextmanager

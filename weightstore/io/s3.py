@@ -16,7 +16,7 @@ from typing import Any
 
 from weightstore.errors import FormatError, StoreNotFoundError, WeightStoreError
 from weightstore.io._buffer import aligned_buffer
-from weightstore.io.location import protocols, storage_error
+from weightstore.io.location import protocols, service_answer, storage_error
 from weightstore.io.objects import MERGE_GAP, READ_CHUNK, Backend, Request, requests_for, scatter, window
 
 __all__ = ["BACKEND", "S3Backend", "S3Object"]
@@ -136,14 +136,8 @@ class _EmptyObject(Exception):
 
 def _s3_code(exc: BaseException) -> str | None:
     """The S3 error code behind an exception s3fs translated (it keeps the botocore error as the cause)."""
-    seen = 0
-    while exc is not None and seen < 5:
-        response = getattr(exc, "response", None)
-        if isinstance(response, Mapping):
-            error = response.get("Error") or {}
-            return str(error.get("Code") or response.get("ResponseMetadata", {}).get("HTTPStatusCode") or "")
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1  # type: ignore[assignment]
-    return None
+    answer = service_answer(exc)
+    return None if answer is None else answer[0]
 
 
 class S3Backend(Backend):

@@ -253,8 +253,11 @@ class BackgroundPublisher:
         failing_since: float | None = None
         while True:
             paused = self._resume_at - time.monotonic()
-            if paused > 0 and self._replaced_within(paused) and self.last_error is not None:
-                return self.last_error  # the storage still failing, and a newer snapshot to write instead
+            newer = self._replaced_within(paused) if paused > 0 else None
+            if newer is not None:  # the storage still failing: the newer snapshot is written instead
+                return StorageError(f"step {job.step} was not published: the newer snapshot of step {newer.step} "
+                                    f"replaced it while the storage was failing ({self.last_error})",
+                                    path=str(self.folder))
             try:
                 version = publish(self.folder, job.weights, step=job.step, metadata=job.metadata,
                                   delta=self._delta or False, **self._options)
@@ -295,11 +298,11 @@ class BackgroundPublisher:
                        error, self.last.step if self.last else "none")
         return retry
 
-    def _replaced_within(self, seconds: float) -> bool:
-        """Sleep ``seconds``, or less where a newer snapshot arrives: whether one did."""
+    def _replaced_within(self, seconds: float) -> _Job | None:
+        """Sleep ``seconds``, or less where a newer snapshot arrives: the one that did, if one did."""
         with self._changed:
             self._changed.wait_for(lambda: self._pending is not None, seconds)
-            return self._pending is not None
+            return self._pending
 
     def _log_unfinished(self) -> None:
         newest = self._pending or self._writing

@@ -110,10 +110,22 @@ class FolderState:
         lock keeps other publishers out), the versions killed publishes wrote but never named."""
         if isinstance(self.folder, LocalFolder):
             for name in self.folder.temporaries():
-                remove_stale_temporaries(self.folder.root / name, locked=True)
+                remove_stale_temporaries(self.folder.root / name, locked=self._written_locked(name))
             self.remove_unpublished()
             if self.intent is not None:
                 self.folder.remove(INTENT)
+
+    def _written_locked(self, name: str) -> bool:
+        """Whether every writer of ``name`` holds the folder's lock, which this publish holds, so
+        its temporaries are a dead publisher's whatever their PID says: ``LATEST``, the intent,
+        and the version of the step a killed publish's intent names (written after the intent).
+        Any other name may be a live writer's that takes no lock: a ``ws.save`` beside the
+        versions, or a sharded coordinator's index put back after its commit let the lock go;
+        those keep the PID rule. Where the lock shuts nobody out (no ``fcntl``), no name."""
+        if not (isinstance(self.folder, LocalFolder) and self.folder.locks):
+            return False
+        match = VERSION_NAME.match(name)
+        return name in (LATEST, INTENT) or (match is not None and int(match.group(1)) == self.intent)
 
     def remove_unpublished(self, step: int | None = None) -> None:
         """Remove the versions above ``LATEST`` that a killed publish's intent names, but ``step``'s.

@@ -1,8 +1,10 @@
 """Following a versioned folder: :func:`latest`, :func:`follow` and the cheap looks of :class:`PointerWatch`.
 
 **Outages.** A storage service that fails (an object store down for a while) raises
-:class:`StorageError`; :func:`follow` keeps looking, every ``poll`` seconds, and raises it only
-when ``timeout`` passes while the service is still failing.
+:class:`StorageError`; where the failure may pass (``transient``: no connection, a timeout, 5xx,
+``SlowDown``) :func:`follow` keeps looking, every ``poll`` seconds, and raises it only when
+``timeout`` passes while the service is still failing; one that stays (credentials refused, a
+host name that names no host) is raised at once.
 
 **URLs.** Anything fsspec opens. Credentials and endpoints come from ``storage_options=`` or
 from the environment as the client reads it (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``…).
@@ -94,7 +96,7 @@ def _follow(watch: PointerWatch, timeout: float | None, after: int | None) -> It
         try:
             version = watch.newer(last, followed=followed)
         except StorageError as exc:
-            if deadline is not None and time.monotonic() >= deadline:
+            if not exc.transient or (deadline is not None and time.monotonic() >= deadline):
                 raise
             _log.warning("weightstore: following %s: %s; retrying in %ss", watch.source.where, exc, watch.interval)
             version = None

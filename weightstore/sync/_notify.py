@@ -52,10 +52,10 @@ class QueueWake:
             self._client: Any = session.create_client("sqs", region_name=region)
         except botocore.exceptions.NoRegionError:
             raise StorageError("no AWS region is configured and the queue URL names none: set AWS_DEFAULT_REGION to "
-                               "the queue's region", path=queue_url) from None
+                               "the queue's region", path=queue_url, transient=False) from None
         except botocore.exceptions.BotoCoreError as exc:
             raise StorageError(f"cannot make an SQS client for this queue ({exc}); check the AWS settings "
-                               "(AWS_DEFAULT_REGION, AWS_ENDPOINT_URL_SQS)", path=queue_url) from None
+                               "(AWS_DEFAULT_REGION, AWS_ENDPOINT_URL_SQS)", path=queue_url, transient=False) from None
         self._failing = False
         self._deletes_failing = False
 
