@@ -63,7 +63,7 @@ import contextlib
 import functools
 import re
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple, Union
 
 import numpy as np
