@@ -231,10 +231,19 @@ def test_a_live_writer_in_another_pid_namespace_keeps_its_temporary(tmp_path):
     writer = subprocess.Popen(["unshare", "-Upf", "--mount-proc", sys.executable, "-c", _WRITER_ELSEWHERE, str(path),
                                json.dumps(alive_here), str(theirs)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True)
+    _save_beside_a_live_writer(writer, path)
+    assert list(ws.load(path)) == ["there"]  # its save committed last
+    assert leftovers(tmp_path, path) == ["theirs.npz"]
+
+
+def _save_beside_a_live_writer(writer: subprocess.Popen, path) -> None:
+    """Save ``path`` while ``writer`` (another PID namespace's process, which printed its PID and
+    its temporary of ``path``) still writes: its PID is nobody's here, so the PID rule alone would
+    remove its temporary; it must survive, and the writer then commits."""
     try:
         pid, temporary = writer.stdout.readline().split()
         with pytest.raises(ProcessLookupError):
-            os.kill(int(pid), 0)  # its PID is nobody's here: today's PID rule alone would remove it
+            os.kill(int(pid), 0)
         ws.save(path, {"here": np.zeros(2)})
         assert os.path.exists(temporary)
         writer.stdin.write("go on\n")
@@ -243,8 +252,6 @@ def test_a_live_writer_in_another_pid_namespace_keeps_its_temporary(tmp_path):
     finally:
         writer.kill()
         writer.wait()
-    assert list(ws.load(path)) == ["there"]  # its save committed last
-    assert leftovers(tmp_path, path) == ["theirs.npz"]
 
 
 _FORKED_INTO_A_NEW_NAMESPACE = """
@@ -283,18 +290,7 @@ def test_a_writer_forked_into_a_new_pid_namespace_names_its_own(tmp_path):
     alive_here = sorted(int(name) for name in os.listdir("/proc") if name.isdigit())
     writer = subprocess.Popen(["unshare", "-Ur", sys.executable, "-c", _FORKED_INTO_A_NEW_NAMESPACE, str(path),
                                json.dumps(alive_here)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        pid, temporary = writer.stdout.readline().split()
-        with pytest.raises(ProcessLookupError):
-            os.kill(int(pid), 0)
-        ws.save(path, {"here": np.zeros(2)})
-        assert os.path.exists(temporary)
-        writer.stdin.write("go on\n")
-        writer.stdin.close()
-        assert writer.wait(timeout=60) == 0
-    finally:
-        writer.kill()
-        writer.wait()
+    _save_beside_a_live_writer(writer, path)
 
 
 def test_without_proc_every_process_of_a_host_names_the_same_space(tmp_path):
