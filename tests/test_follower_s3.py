@@ -367,6 +367,37 @@ def test_storage_failures_say_whether_they_pass(s3, folder, monkeypatch):
     s3fs.S3FileSystem.clear_instance_cache()
 
 
+def test_a_refusal_after_the_folder_answered_is_waited_out(s3, folder, model):
+    """Once the folder has answered, a refusal that looks permanent is as often one that passes
+    (an expired token renewed, S3's 403 for a key pruned under a reader without ListBucket):
+    a serving follower's ``wait`` and ``follow`` keep looking and take the next version."""
+    def refused_for_a_second_then(step: int) -> threading.Timer:
+        def answer_again() -> None:
+            s3.intercept = None
+            ws.publish(folder, weights_at(model, step), step=step)
+        s3.intercept = refusing("InvalidAccessKeyId", 403)
+        timer = threading.Timer(1.0, answer_again)
+        timer.start()
+        return timer
+
+    ws.publish(folder, weights_at(model, 1), step=1)
+    versions = ws.follow(folder, poll=0.05, timeout=60)
+    with Follower(model, folder, poll=0.05) as follower:
+        assert next(versions).step == 1 and follower.wait(timeout=60).step == 1
+        timer = refused_for_a_second_then(2)
+        try:
+            assert follower.wait(step=2, timeout=60).step == 2
+        finally:
+            timer.join()
+        assert next(versions).step == 2
+        timer = refused_for_a_second_then(3)
+        try:
+            assert next(versions).step == 3
+        finally:
+            timer.join()
+            s3.intercept = None
+
+
 def test_refused_credentials_end_a_wait_and_ws_follow_at_once(s3, folder, model):
     """``wait()`` with no timeout, and ``ws follow``, waited a permanent failure out forever."""
     ws.publish(folder, weights_at(model, 3), step=3)

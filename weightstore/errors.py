@@ -162,7 +162,9 @@ class StorageError(WeightStoreError, OSError):
     ``transient``: whether the failure may pass by itself (a connection refused or reset, a
     timeout, the service's own fault or throttling: 5xx, ``SlowDown``), so a follower waits it
     out; False where it stays until someone acts (credentials refused, a bucket access is denied
-    to, a host name that names no host), so a follower raises it at once.
+    to, a host name that names no host), so a follower that never got an answer from the folder
+    raises it at once (once it has, it waits every failure out). A publisher retries both kinds
+    for its ``retry_for``: a publish never raises into training.
     """
 
     __str__ = WeightStoreError.__str__

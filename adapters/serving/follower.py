@@ -303,7 +303,8 @@ class Follower:
         waited out instead, as :func:`weightstore.follow` waits it out, and raised only when
         ``timeout`` passes while the storage still fails: a serving process started during an
         outage gets its version once the storage answers. A storage failure that stays (refused
-        credentials, a host name that names no host) is raised at once. The follower keeps following; an assign failure clears when a later
+        credentials, a host name that names no host) is raised at once while no version is in,
+        and waited out like an outage once one is (see :func:`weightstore.follow`). The follower keeps following; an assign failure clears when a later
         version is assigned, a failure to read the folder as soon as the folder reads cleanly again.
         """
         def arrived() -> bool:
@@ -314,7 +315,8 @@ class Follower:
                                                    and self._failed_step < step)
 
         def ended() -> bool:  # an outage passes: only a failure that stays ends the wait early
-            return arrived() or (failed() and not (isinstance(self.error, StorageError) and self.error.transient))
+            return arrived() or (failed() and not (isinstance(self.error, StorageError)
+                                                   and (self.error.transient or self.version is not None)))
 
         self._lock.refuse_inside_reading("wait()")
         if self._loop_now is None and not arrived():  # nothing would ever arrive

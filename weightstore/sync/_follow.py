@@ -4,7 +4,10 @@
 :class:`StorageError`; where the failure may pass (``transient``: no connection, a timeout, 5xx,
 ``SlowDown``) :func:`follow` keeps looking, every ``poll`` seconds, and raises it only when
 ``timeout`` passes while the service is still failing; one that stays (credentials refused, a
-host name that names no host) is raised at once.
+host name that names no host) is raised at once if the folder never answered, and waited out
+like the others once it has (after a first answer such a failure is more often one that passes:
+an expired token renewed, a DNS name of a restarting container, S3's 403 for a key pruned under
+a reader without ``s3:ListBucket``).
 
 **URLs.** Anything fsspec opens. Credentials and endpoints come from ``storage_options=`` or
 from the environment as the client reads it (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``…).
@@ -90,13 +93,14 @@ def follow(
 
 def _follow(watch: PointerWatch, timeout: float | None, after: int | None) -> Iterator[Version]:
     """:func:`follow`'s loop, a generator of its own so that ``follow`` checks its words when called."""
-    last, followed = after, False
+    last, followed, answered = after, False, False
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         try:
             version = watch.newer(last, followed=followed)
+            answered = True
         except StorageError as exc:
-            if not exc.transient or (deadline is not None and time.monotonic() >= deadline):
+            if (not exc.transient and not answered) or (deadline is not None and time.monotonic() >= deadline):
                 raise
             _log.warning("weightstore: following %s: %s; retrying in %ss", watch.source.where, exc, watch.interval)
             version = None
