@@ -68,7 +68,7 @@ def run_together(commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, 
     return results
 
 
-#: how a forked child ends, shared by :data:`_LAUNCHER` and :data:`_FORK_SERVER`: as a real
+#: how a forked child runs and ends, shared by :data:`_LAUNCHER` and :data:`_FORK_SERVER`: as a real
 #: interpreter does (its exit code from ``SystemExit``, whose message goes to stderr; non-daemon
 #: threads joined and threading's exit hooks run, then ``atexit``'s), then ``os._exit``, so that
 #: nothing of the parent's (its pytest, its buffers) runs again in the child
@@ -82,6 +82,21 @@ def exit_code(exc):
         return exc.code
     print(exc.code, file=sys.stderr)
     return 1
+
+def run_as_main(prepare, script, name):
+    # prepare() the child's descriptors and environment, then the script as __main__: whatever
+    # either raises ends the child as an interpreter ends, never runs on in the parent's loop
+    code = 1
+    try:
+        prepare()
+        exec(compile(script, name, "exec"), {"__name__": "__main__"})
+        code = 0
+    except SystemExit as exc:
+        code = exit_code(exc)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        end(code)
 
 def end(code):
     try:
@@ -115,22 +130,14 @@ children = []
 for rank in spec["ranks"]:
     pid = os.fork()
     if pid == 0:
-        code = 1
-        try:
+        def prepare():
             for fd, path in ((1, rank["out"]), (2, rank["err"])):
                 os.dup2(os.open(path, os.O_WRONLY | os.O_TRUNC), fd)
             sys.stdout.reconfigure(line_buffering=True)  # what a rank killed for hanging printed is shown
             sys.argv = ["-c", *rank["argv"]]
             os.environ.clear()
             os.environ.update(rank["env"])
-            exec(compile(spec["body"], "<rank>", "exec"), {"__name__": "__main__"})
-            code = 0
-        except SystemExit as exc:
-            code = exit_code(exc)
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            end(code)
+        run_as_main(prepare, spec["body"], "<rank>")
     children.append(pid)
 print(json.dumps([os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children]), flush=True)
 """
@@ -201,8 +208,7 @@ for line in iter(sys.stdin.buffer.raw.readline, b""):  # unbuffered: a child inh
         raise RuntimeError(f"{len(os.listdir('/proc/self/task'))} threads: a forked child could hang on a lock")
     child = os.fork()
     if not child:
-        code = 1
-        try:
+        def prepare():
             signal.alarm(request["timeout"])
             for fd, path, flags in ((1, request["out"], os.O_WRONLY), (2, request["err"], os.O_WRONLY),
                                     (0, request["in"], os.O_RDONLY)):  # in this order: the FIFOs' other ends
@@ -214,14 +220,7 @@ for line in iter(sys.stdin.buffer.raw.readline, b""):  # unbuffered: a child inh
                 os.environ.update(request["env"])
             tempfile.tempdir = None
             sys.argv = ["-c", *request["argv"]]
-            exec(compile(request["script"], request["name"], "exec"), {"__name__": "__main__"})
-            code = 0
-        except SystemExit as exc:
-            code = exit_code(exc)
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            end(code)
+        run_as_main(prepare, request["script"], request["name"])
     print(json.dumps([request["err"], os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])]), flush=True)
 """
 
