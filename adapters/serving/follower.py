@@ -304,8 +304,9 @@ class Follower:
         ``timeout`` passes while the storage still fails: a serving process started during an
         outage gets its version once the storage answers. A storage failure that stays (refused
         credentials, a host name that names no host) is raised at once while no version is in,
-        and waited out like an outage once one is (see :func:`weightstore.follow`). The follower keeps following; an assign failure clears when a later
-        version is assigned, a failure to read the folder as soon as the folder reads cleanly again.
+        and waited out like an outage once one is (see :func:`weightstore.follow`). The follower
+        keeps following; an assign failure clears when a later version is assigned, a failure to
+        read the folder as soon as the folder reads cleanly again.
         """
         def arrived() -> bool:
             return self.version is not None and (step is None or self.version.step >= step)

@@ -8,8 +8,9 @@ version folder's ``LATEST`` and intent record): an object naming one key twice i
 and Infinity, which no strict JSON writer can write back (``ws ls --json``, a converted file's
 metadata). Text as compact JSON writers write it (orjson, serde_json: the safetensors
 library's headers and ours) is parsed by orjson and proved free of repeated names by writing
-it back byte for byte; any other text goes to the stdlib parser, which looks at each object. A manifest and a shard index, which only weightstore writes and reads and which may
-list 100,000 tensors, are parsed by orjson after :func:`refuse_dense`: a key named twice there
+it back byte for byte; any other text goes to the stdlib parser, which looks at each object.
+A manifest and a shard index, which only weightstore writes and reads and which may list 100,000
+tensors, are parsed by orjson after :func:`refuse_dense`: a key named twice there
 takes its last value (docs/security.md).
 """
 
