@@ -112,7 +112,11 @@ def test_ws_follow_started_during_an_outage_waits_it_out(s3, outage):
         follower.kill()
     _, err = follower.communicate()
     assert line.split() == ["2", f"{folder}/step-000000000002.npz"], err
-    assert "waiting for the storage" in err and "Traceback" not in err
+    said = err.splitlines()  # the outage, when it started and when it ended: not once a retry
+    assert [line for line in said if "waiting for" in line] == [
+        f"weightstore: waiting for {folder}: storage failed (OSError: [Errno 16] Service Unavailable); retrying"], err
+    assert [line for line in said if "answers again" in line] == [f"weightstore: {folder} answers again"], err
+    assert "Traceback" not in err
 
 
 DENIED = (403, b"<Error><Code>InvalidAccessKeyId</Code><Message>The AWS Access Key Id you provided does not exist "
