@@ -23,10 +23,10 @@ disk) is retried with exponential backoff (``retry_backoff`` seconds, doubling u
 ``max_backoff``) for up to ``retry_for`` seconds; a newer snapshot arriving meanwhile is
 written instead. A refusal that stays until someone acts (``StorageError.transient`` False:
 credentials refused, a bucket that does not exist, a host name that names no host) is retried
-so only once this publisher has reached the folder (a version written, as ``follow`` counts an
-answer: then it is more often one that passes, an expired token renewed); before that, the
-snapshot is given up at once and the next one tries again (the credentials may have been
-fixed), after the storage's pause. Any other failure (a step that does not go forward, weights
+only once this publisher has reached the folder (a version written: then, as ``follow``
+reasons, it is more often one that passes, an expired token renewed); before that, the
+snapshot is given up at once and the next one tries again, after the storage's pause (the
+credentials may have been fixed). Any other failure (a step that does not go forward, weights
 no format takes) is not retried. Every failure is logged (the ``weightstore`` logger) and counted
 (:attr:`~BackgroundPublisher.failures`, :attr:`~BackgroundPublisher.last_error`); its future
 raises it for a caller who asks (``future.result()``). The snapshot being retried is held
