@@ -60,9 +60,9 @@ def open_artifact(path: Any) -> weightstore.Store:
     ``.keras`` archive's too (``layers/dense/vars/0``, which Keras's save walk over a model pairs
     with its variables), not the model keys :func:`weightstore.open` gives it from its config."""
     place = place_of(path) if isinstance(path, (str, os.PathLike)) else None
-    if place is not None and not place.remote and keras_file.is_keras_archive(place.text):
+    if place is not None and keras_file.is_keras_archive(place.text):  # a URL: by its suffix
         # the save walk pairs the file's names with the model: a config that cannot be keyed never stops it
-        reader = keras_file.KerasArchiveReader(place.text, own_names=True)
+        reader = keras_file.KerasArchiveReader(place.source(), own_names=True)
         return weightstore.Store(reader, place.text, True, keras_file.FORMAT.name)
     store = weightstore.open(path)
     file_named = getattr(store._reader, "file_named", None)

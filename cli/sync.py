@@ -7,7 +7,6 @@ errors, which its wrapper turns into one-line exit-1 messages.
 from __future__ import annotations
 
 import json
-import logging
 import threading
 import warnings
 from typing import Annotated
@@ -93,8 +92,10 @@ def follow(
 
     A FOLDER that does not exist is refused (exit 1, naming it): a mistyped path would
     otherwise wait forever. Pass --wait when it is only not there yet (a trainer about to
-    publish its first version). A storage outage is waited out, from the start on;
-    a failure that stays (credentials refused, a host name that names no host) exits 1.
+    publish its first version). A storage outage is waited out, from the start on (a
+    connection refused too: a stopped server and a mistyped port look the same), and said
+    on stderr once when it starts and once when it ends; a failure that stays (credentials
+    refused, a host name that names no host) exits 1.
 
     \b
     Example:
@@ -112,11 +113,9 @@ def follow(
     if not wait:
         try:
             require_folder(folder, hint="pass --wait to wait for it to appear")
-        except StorageError as exc:  # whether it exists cannot be told now: an outage is waited out, as below
-            if not exc.transient:
+        except StorageError as exc:  # whether it exists cannot be told now: an outage, which the follow says and
+            if not exc.transient:  # waits out
                 raise
-            logging.getLogger("weightstore").warning("weightstore: following %s: %s; waiting for the storage",
-                                                     folder, exc)
     for version in follow_versions(folder, poll=poll, timeout=timeout, after=after, max_poll=max_poll,
                                    notifications=notifications):
         if as_json:  # a stream: one object per line, so a reader can act on each as it lands

@@ -300,7 +300,7 @@ future = in_background(lambda: release.wait(60))  # a background sharded publish
 pid = os.fork()
 if pid == 0:
     sys.exit(0)
-for _ in range(300):
+for _ in range(900):
     done, status = os.waitpid(pid, os.WNOHANG)
     if done:
         break
@@ -355,3 +355,100 @@ def test_the_backoff_is_the_storages_so_newer_snapshots_do_not_hammer_a_failing_
         newer[-1].result(60)
     assert publisher.close(60).step == 6 and ws.latest(tmp_path).step == 6
     assert publisher.failures == 1
+
+
+FORKED = """
+import multiprocessing, os, sys, threading
+import numpy as np
+import weightstore as ws
+from weightstore.sync import _stages as stages
+
+folder, how, when = sys.argv[1:4]
+parent, written_in_child = os.getpid(), []
+armed, held, release = threading.Event(), threading.Event(), threading.Event()
+
+
+def weights(step, size=1000):
+    return {"w": np.full(size, step, np.float32)}
+
+
+def hook(name):
+    if os.getpid() != parent:
+        written_in_child.extend([name] if name == "version-written" else [])
+    elif name == when and armed.is_set() and not held.is_set():  # step 2, held mid-write until the fork
+        held.set()
+        release.wait(60)
+
+
+stages.hook = hook
+publisher = ws.BackgroundPublisher(folder, retry_backoff=0.05, delta=True)
+publisher.publish(weights(1), step=1).result(60)
+armed.set()
+writing = publisher.publish(weights(2, 1 << 24 if when == "big" else 1000), step=2)  # 64 MiB: a slow write
+while when == "big" and not writing.running():  # being written, not pending: the fork comes mid-write
+    threading.Event().wait(0.001)
+if when == "idle":
+    writing.result(60)
+elif when != "big" and not held.wait(60):
+    sys.exit(6)
+pending = None if when == "idle" else publisher.publish(weights(3), step=3)  # the parent's to write
+
+
+def child():
+    # a fresh publisher: nothing of its own to wait for, the parent's snapshots not written here
+    fresh = publisher.wait(60) is None and not publisher.busy
+    version = publisher.publish(weights(10), step=10).result(60)
+    last = publisher.close(60)
+    sys.exit(0 if fresh and version.step == last.step == 10 and written_in_child == ["version-written"] else 4)
+
+
+if how == "multiprocessing":
+    process = multiprocessing.get_context("fork").Process(target=child)
+    process.start()
+    release.set()
+    process.join(90)
+    code = process.exitcode
+    if code is None:
+        process.kill()
+        sys.exit(5)
+else:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            child()
+        except Exception as exc:
+            print(repr(exc), file=sys.stderr)
+            raise
+    release.set()
+    for _ in range(900):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        threading.Event().wait(0.1)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        sys.exit(5)  # 5: the child hung
+    code = os.waitstatus_to_exitcode(status)
+assert writing.result(60).step == 2
+assert pending is None or pending.exception(60) is None or isinstance(pending.exception(), ws.PublishError)
+publisher.close(60)
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("how", ["os.fork", "multiprocessing"])
+@pytest.mark.parametrize("when", ["version-temporary", "locked", "big", "idle"])
+def test_a_child_forked_beside_a_publisher_publishes_as_a_fresh_one(tmp_path, how, when):
+    """A child forked while its parent's publisher wrote (held mid-write at a stage, or writing
+    a big snapshot) or idled: the child's publish, wait and close work as a new publisher's,
+    writing only its own snapshot; the parent's go on. The child used to wait for a thread it
+    does not have, or on the publish lock its copy of the parent's descriptor kept held."""
+    folder = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-c", FORKED, str(folder), how, when], capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stderr
+    assert ws.latest(folder).step == 10
+    for step in (2, 10):
+        path = next(entry.path for entry in versions.list_versions(folder) if entry.step == step)
+        assert np.all(ws.load(path)["w"] == step)

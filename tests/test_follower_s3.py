@@ -155,9 +155,10 @@ def test_a_version_whose_download_failed_is_fetched_again(s3, folder, model):
         assert np.all(model.get_layer("hidden").kernel.numpy() == 2)
 
 
-def test_a_follower_started_during_an_outage_waits_it_out(s3, folder, model):
+def test_a_follower_started_during_an_outage_waits_it_out(s3, folder, model, caplog):
     """A serving process started while the storage is down: wait() gets the version once the storage
-    answers (it raised the outage's StorageError at once, as it does a damaged folder's error)."""
+    answers (it raised the outage's StorageError at once, as it does a damaged folder's error).
+    The outage is logged when it starts and when it ends, not once a look."""
     ws.publish(folder, weights_at(model, 3), step=3)
     waiting, refused = threading.Event(), []
 
@@ -178,6 +179,11 @@ def test_a_follower_started_during_an_outage_waits_it_out(s3, folder, model):
         waiting.set()
         assert follower.wait(timeout=60).step == 3 and follower.error is None
     assert len(refused) == 3 and np.all(model.get_layer("hidden").kernel.numpy() == 3)
+    said = [record.getMessage() for record in caplog.records if folder in record.getMessage()]
+    started = [line for line in said if "waiting for" in line]
+    assert len(started) == 1 and started[0].startswith(f"weightstore follower: waiting for {folder}: storage "
+                                                       "failed (") and started[0].endswith("; retrying"), said
+    assert [line for line in said if "answers again" in line] == [f"weightstore follower: {folder} answers again"]
 
 
 def test_an_idle_follower_asks_for_the_pointer_without_moving_it(s3, folder):

@@ -17,6 +17,7 @@ from weightstore.adapters import tf2  # noqa: E402
 from weightstore.adapters.serving.follower import Follower  # noqa: E402
 
 RNG = np.random.default_rng(19)
+BUCKET = "weightstore-keras-models"  # the loopback S3 server's (conftest ``server``)
 X = RNG.normal(5, 3, (8, 3)).astype("float32")
 
 
@@ -819,6 +820,31 @@ def test_a_keras_archive_with_a_custom_layer_keeps_its_own_names_whole_and_ls_sa
     keyed = tmp_path / "keyed.npz"  # --model-keys builds the model, custom class and all, in Keras's safe mode
     assert ws_command("export", tmp_path / "m.keras", "-o", keyed, "--model-keys").exit_code == 0
     assert sorted(ws.load(keyed)) == ["head/bias", "head/kernel", "scaled/variable"]
+
+
+def test_tf2_assign_of_a_keras_archive_on_s3_pairs_by_its_own_names_as_a_local_one(tmp_path, s3):
+    """A remote .keras was opened as a zip of arrays (an npz) and failed; it is paired by its
+    own names, as a local one is, so a custom layer class, which its config cannot key, is fine."""
+    import s3fs
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="head"), Scaled()])
+    model.layers[-1].scale.assign([2.0, -3.0])
+    model.save(tmp_path / "m.keras")
+    s3fs.S3FileSystem().put(str(tmp_path / "m.keras"), f"{BUCKET}/m.keras")
+    fresh = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="head"), Scaled()])
+    report = tf2.assign(fresh, f"s3://{BUCKET}/m.keras")
+    assert report.ok and not report.unexpected and not report.left_out
+    reference = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="head"), Scaled()])
+    reference.load_weights(tmp_path / "m.keras")  # Keras's own, of the same file
+    np.testing.assert_array_equal(np.asarray(fresh(X)), np.asarray(reference(X)))
+    with open(tmp_path / "m.keras", "rb") as whole:
+        s3fs.S3FileSystem().pipe(f"{BUCKET}/cut.keras", whole.read()[:-100])  # its zip directory cut off
+    with pytest.raises(ws.FormatError) as cut:
+        tf2.assign(fresh, f"s3://{BUCKET}/cut.keras")
+    assert cut.value.path == f"s3://{BUCKET}/cut.keras"  # the URL, not the copy it was read from
+    with pytest.raises(ws.StoreNotFoundError) as missing:
+        tf2.assign(fresh, f"s3://{BUCKET}/missing.keras")
+    assert missing.value.path == f"s3://{BUCKET}/missing.keras"
 
 
 @pytest.mark.parametrize("build", [_recurrent, _attention_block])

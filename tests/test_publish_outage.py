@@ -3,6 +3,7 @@
 Against the loopback S3 server, which answers every request 503 while the outage lasts.
 """
 
+import logging
 import subprocess
 import sys
 import threading
@@ -111,4 +112,62 @@ def test_ws_follow_started_during_an_outage_waits_it_out(s3, outage):
         follower.kill()
     _, err = follower.communicate()
     assert line.split() == ["2", f"{folder}/step-000000000002.npz"], err
-    assert "waiting for the storage" in err and "Traceback" not in err
+    said = err.splitlines()  # the outage, when it started and when it ended: not once a retry
+    started = [line for line in said if "waiting for" in line]
+    assert len(started) == 1 and started[0].startswith(f"weightstore: waiting for {folder}: storage failed (") \
+        and started[0].endswith("; retrying"), err
+    assert [line for line in said if "answers again" in line] == [f"weightstore: {folder} answers again"], err
+    assert "Traceback" not in err
+
+
+DENIED = (403, b"<Error><Code>InvalidAccessKeyId</Code><Message>The AWS Access Key Id you provided does not exist "
+               b"in our records.</Message></Error>")
+
+
+def test_credentials_refused_before_the_folder_ever_answered_give_the_snapshot_up_at_once(s3, caplog):
+    """Retried for retry_for (600 s) as an outage, refused credentials held every snapshot
+    while training went on, with nothing said but "retrying"; as follow does, a refusal before
+    the first answer is given up at once, and the next snapshot tries again."""
+    folder = f"s3://{BUCKET}/refused"
+    publisher = ws.BackgroundPublisher(folder)  # retry_for: 600 s
+    s3.intercept = lambda environ: DENIED
+    with caplog.at_level(logging.ERROR, logger="weightstore"):
+        error = publisher.publish(weights(1), step=1).exception(60)  # at once: well under retry_for
+    assert isinstance(error, ws.StorageError) and not error.transient and publisher.failures == 1
+    assert any(folder in record.getMessage() and "Access Key Id" in record.getMessage()  # folder and cause
+               and "before the folder ever answered" in record.getMessage() for record in caplog.records)
+    assert isinstance(publisher.publish(weights(2), step=2).exception(60), ws.StorageError)  # training goes on
+    s3.intercept = None  # the credentials fixed
+    assert publisher.publish(weights(3), step=3).result(60).step == 3 and publisher.close(60).step == 3
+
+
+def test_a_bucket_that_does_not_exist_gives_the_snapshot_up_at_once(s3):
+    import s3fs
+
+    folder = "s3://weightstore-not-made-yet/run"
+    publisher = ws.BackgroundPublisher(folder)
+    error = publisher.publish(weights(1), step=1).exception(60)
+    assert isinstance(error, ws.StorageError) and not error.transient and folder in str(error)
+    s3fs.S3FileSystem().mkdir("weightstore-not-made-yet")
+    assert publisher.publish(weights(2), step=2).result(60).step == 2 and publisher.close(60).step == 2
+
+
+def test_a_bucket_removed_once_the_folder_answered_is_retried(s3):
+    """Once the folder has answered, a refusal that looks permanent is more often one that
+    passes: it is retried as an outage is."""
+    import s3fs
+
+    bucket = "weightstore-removed-mid-run"
+    fs = s3fs.S3FileSystem()
+    fs.mkdir(bucket)
+    folder = f"s3://{bucket}/run"
+    publisher = ws.BackgroundPublisher(folder, retry_backoff=0.05, max_backoff=0.2)
+    assert publisher.publish(weights(1), step=1).result(60).step == 1
+    fs.rm(bucket, recursive=True)
+    future = publisher.publish(weights(2), step=2)
+    while publisher.failures < 2:
+        assert not future.done(), future.exception()
+        threading.Event().wait(0.05)
+    assert not publisher.last_error.transient and not future.done()
+    fs.mkdir(bucket)
+    assert future.result(60).step == 2 and publisher.close(60).step == 2

@@ -266,9 +266,61 @@ def test_follow_waits_out_an_outage(s3, caplog):
         ws.publish(url, weights_at(2), step=2, storage_options=options)
         thread.join(30)
         assert errors == [] and seen[-1] == 2
-        assert "storage failed" in caplog.text and "retrying" in caplog.text
+        waited = [record.getMessage() for record in caplog.records if "waiting for" in record.getMessage()]
+        assert len(waited) == 1 and "storage failed" in waited[0] and waited[0].endswith("; retrying")  # said once
+        assert "answers again" in caplog.text
     finally:
         server.stop()
+
+
+def test_ws_follow_says_once_that_it_waits_for_a_closed_port_and_once_that_it_answers():
+    """A mistyped port refuses every connection, as a stopped server does: ``ws follow`` waits
+    (the two look the same), and says so on stderr when the outage starts and when it ends,
+    not once a retry; with --json, stdout holds only JSON lines."""
+    import queue
+
+    import s3fs
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # closed: nothing listens there until the server starts below
+    endpoint = f"http://127.0.0.1:{port}"
+    bucket = f"weightstore-closed-port-{uuid.uuid4().hex[:8]}"  # moto's buckets are the process's, whatever port
+    folder = f"s3://{bucket}/run"
+    env = {**os.environ, **CREDENTIALS, "AWS_ENDPOINT_URL_S3": endpoint, "AWS_MAX_ATTEMPTS": "1",
+           "PYTHONPATH": str(ROOT)}
+    command = subprocess.Popen([sys.executable, "-m", "weightstore", "follow", folder, "--json", "--poll", "0.05",
+                                "--max-poll", "0.05"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=env)
+    watchdog = threading.Timer(120, command.kill)  # the process never outlives the test
+    watchdog.start()
+    said: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [said.put(line) for line in command.stderr], daemon=True).start()
+    server = None
+    try:
+        assert "waiting for" in said.get(timeout=60)
+        retried = threading.Event()
+        retried.wait(1.0)  # some twenty looks refused, none of them said
+        server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()
+        options = {"client_kwargs": {"endpoint_url": endpoint}}
+        s3fs.S3FileSystem.clear_instance_cache()
+        s3fs.S3FileSystem(**options).mkdir(bucket)
+        ws.publish(folder, weights_at(1), step=1, storage_options=options)
+        first = command.stdout.readline()
+    finally:
+        command.kill()
+        watchdog.cancel()
+        out, _ = command.communicate(timeout=60)
+        if server is not None:
+            server.stop()
+    lines = []
+    while not said.empty():
+        lines.append(said.get())
+    assert json.loads(first)["step"] == 1 and all(json.loads(line) for line in out.splitlines())
+    assert [line for line in lines if "waiting for" in line] == [], lines  # the first was taken above
+    assert [line.strip() for line in lines if "answers again" in line] == [f"weightstore: {folder} answers again"]
+    assert "Traceback" not in "".join(lines)
 
 
 def test_follow_raises_a_storage_error_when_the_outage_outlasts_its_timeout(s3):

@@ -162,9 +162,9 @@ class StorageError(WeightStoreError, OSError):
     ``transient``: whether the failure may pass by itself (a connection refused or reset, a
     timeout, the service's own fault or throttling: 5xx, ``SlowDown``), so a follower waits it
     out; False where it stays until someone acts (credentials refused, a bucket access is denied
-    to, a host name that names no host), so a follower that never got an answer from the folder
-    raises it at once (once it has, it waits every failure out). A publisher retries both kinds
-    for its ``retry_for``: a publish never raises into training.
+    to or that does not exist, a host name that names no host), so a follower or background
+    publisher that never got an answer from the folder gives up at once (once it has, it waits
+    every failure out, for its ``retry_for`` where it publishes): a publish never raises into training.
     """
 
     __str__ = WeightStoreError.__str__
@@ -196,8 +196,9 @@ class StoreClosedError(WeightStoreError, ValueError):
 class WriteError(StorageError):
     """A write the file system refused; keeps its ``errno``, so callers that handle ``OSError`` still do."""
 
-    def __init__(self, errno: int, message: str, *, path: str | None = None, key: str | None = None) -> None:
-        super().__init__(message, path=path, key=key)
+    def __init__(self, errno: int, message: str, *, path: str | None = None, key: str | None = None,
+                 transient: bool = True) -> None:
+        super().__init__(message, path=path, key=key, transient=transient)
         self.errno = errno
 
 

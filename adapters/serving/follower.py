@@ -88,7 +88,7 @@ from weightstore.io._buffer import aligned_array, memory_owner
 from weightstore.store._open import Store
 from weightstore.sync._checks import DEFAULT_POLL, checked_count, checked_seconds
 from weightstore.sync._folder import versions_folder
-from weightstore.sync._follow import PointerWatch
+from weightstore.sync._follow import Outage, PointerWatch
 from weightstore.sync._pinning import Version
 
 __all__ = ["Follower"]
@@ -223,6 +223,7 @@ class Follower:
         self.report: Report | None = None
         self.error: BaseException | None = None
         self._following_failed = False  # whether ``error`` came from reading the folder, not assigning
+        self._outage = Outage(str(self.folder), "weightstore follower:")  # said when it starts and ends, not each try
         self._failed_step: int | None = None  # the step whose assign failed, when ``error`` is such a failure
         self._after = None if after is None else checked_count("after", after)
         self._lock = _ReadWriteLock()
@@ -342,6 +343,8 @@ class Follower:
                 version = None
             else:
                 self._folder_healthy(loop)
+                if version is None:
+                    self._outage.over()
             if version is not None and loop.stop.is_set():  # stopped during the look: fetch nothing more
                 version.release()
                 break
@@ -351,6 +354,7 @@ class Follower:
                 finally:
                     version.release()
                 if outcome is _Outcome.DONE:
+                    self._outage.over()
                     last, followed = version.step, True
                     continue  # look again at once: a newer version may have landed meanwhile
                 watch.forget()  # read LATEST again, whatever its tag: this version, or a newer one
@@ -596,7 +600,10 @@ class Follower:
         with self._swapped:
             if loop.stop.is_set():
                 return
-            _log.warning("weightstore follower of %s: %s failed: %s", self.folder, doing, exc)
+            if doing == "following" and isinstance(exc, StorageError):
+                self._outage.failed(exc)
+            else:
+                _log.warning("weightstore follower of %s: %s failed: %s", self.folder, doing, exc)
             self.error, self._failed_step = exc, step
             self._following_failed = doing == "following"
             self._swapped.notify_all()

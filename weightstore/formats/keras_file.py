@@ -10,16 +10,20 @@ config as bounded JSON (:func:`read_config`, :mod:`weightstore.formats._keras_ke
 deserialized into a model: nothing in the file is ever executed. Where the config has a layer
 that table does not know, the whole file keeps its own names (:attr:`KerasArchiveReader.keys_note`
 says why); :meth:`KerasArchiveReader.file_named` gives them for writers and the model-walk pairing.
+An archive on object storage is copied whole into the reader's private folder first (a zip is
+read by seeking about it), and dropped once its weights member is unpacked.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import struct
 import tempfile
 import zipfile
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -36,7 +40,9 @@ from weightstore.errors import FormatError, StoreNotFoundError, TargetError, Uns
 from weightstore.formats import Format, Reader, ReaderDefaults, _keras_keys, _zipdir, format_for_suffix, format_named
 from weightstore.formats._renamed import RenamedReader
 from weightstore.io.files import open_regular, refuse_special_file
+from weightstore.io.location import service
 from weightstore.io.places import Place
+from weightstore.io.remote import RemoteFile
 
 KERAS_SUFFIX = ".keras"
 WEIGHTS_SUFFIX = ".weights.h5"
@@ -70,29 +76,33 @@ class KerasArchiveReader(ReaderDefaults):
 
     kind = KIND
 
-    def __init__(self, path: str, *, own_names: bool = False):
-        """``own_names``: key by the file's own names and leave the config unread, for pairing
+    def __init__(self, path: str | RemoteFile, *, own_names: bool = False):
+        """``path``: the archive's local path, or its object on a store (copied here first).
+        ``own_names``: key by the file's own names and leave the config unread, for pairing
         by a live model's save walk, which needs none of it."""
-        self.name = path
+        self.name = path if isinstance(path, str) else path.name
         self.skipped: list[str] = []
         self._scratch = tempfile.mkdtemp(prefix="weightstore-keras-")
         self._file: Reader | None = None
         try:
+            archive_path = path if isinstance(path, str) else _fetched(path, self._scratch)
             local = os.path.join(self._scratch, WEIGHTS_MEMBER)
-            with _open_archive(path) as archive:  # one handle: the config read is of the weights' archive
-                with open(local, "wb") as out:
-                    for chunk in _member_chunks(path, archive, WEIGHTS_MEMBER):
+            with _named_as(self.name, archive_path), _open_archive(archive_path) as archive:  # the config is
+                with open(local, "wb") as out:  # read from the weights' own archive, through one handle
+                    for chunk in _member_chunks(archive_path, archive, WEIGHTS_MEMBER):
                         out.write(chunk)
-                self._file = format_named("hdf5").open_reader(local, f"{path}:{WEIGHTS_MEMBER}")
+                self._file = format_named("hdf5").open_reader(local, f"{self.name}:{WEIGHTS_MEMBER}")
                 config: dict[str, Any] | None = None
                 names, why = None, ""
                 try:
                     if not own_names:
-                        config = _archive_config(path, archive, MAX_KERAS_CONFIG_BYTES)
+                        config = _archive_config(archive_path, archive, MAX_KERAS_CONFIG_BYTES)
                 except (FormatError, UnsafeFileError) as exc:  # the weights read without it, by their own names
                     why = f"its {CONFIG_MEMBER} cannot be read ({exc.message})"
+            if archive_path != self.name:
+                os.remove(archive_path)  # a store's archive, copied: its weights are out, the copy is no longer needed
             if config is not None:
-                names, why = _keras_keys.model_names(config, self._file.keys(), path)
+                names, why = _keras_keys.model_names(config, self._file.keys(), self.name)
             #: why the tensors keep the file's own names (``layers/dense/vars/0``); empty where keyed like the model
             self.keys_note = why
             self._reader: Any = RenamedReader(self._file, names) if names is not None else self._file
@@ -134,6 +144,30 @@ class KerasArchiveReader(ReaderDefaults):
                 self._file.close()
         finally:
             shutil.rmtree(self._scratch, ignore_errors=True)
+
+
+def _fetched(source: RemoteFile, folder: str) -> str:
+    """A store's archive copied whole into ``folder`` (one GET): a zip is read by seeking about it."""
+    local = os.path.join(folder, "archive" + KERAS_SUFFIX)
+    try:
+        with service(source.name):
+            source.fs.get_file(source.path, local)
+    except FileNotFoundError:
+        raise StoreNotFoundError("no such file", path=source.name) from None
+    finally:
+        source.close()
+    return local
+
+
+@contextlib.contextmanager
+def _named_as(name: str, local: str) -> Iterator[None]:
+    """Errors about ``local`` (a store's archive, copied) name ``name``, the URL the caller gave."""
+    try:
+        yield
+    except WeightStoreError as exc:
+        if exc.path == local and local != name:
+            exc.path = name
+        raise
 
 
 def read_config(path: str | os.PathLike, *, max_bytes: int = MAX_KERAS_CONFIG_BYTES) -> dict[str, Any]:

@@ -94,6 +94,17 @@ def _reserve(fd: int, size: int) -> bool:
     return True
 
 
+def _forget_writer_in_child() -> None:
+    """A forked child has none of its parent's threads: a pool whose thread is gone would take
+    work and never run it, and its lock may have been held by a parent thread at the fork."""
+    global _writer, _writer_lock
+    _writer, _writer_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows
+    os.register_at_fork(after_in_child=_forget_writer_in_child)
+
+
 def behind(work: Callable[..., object], *args: Any) -> Future[object]:
     """Run ``work(*args)`` on the writeback thread: disk work the caller need not wait for
     (the interpreter waits for it at exit)."""

@@ -71,7 +71,7 @@ from weightstore.io.files import (
     remove_stale_temporaries,
     temporary_beside,
 )
-from weightstore.io.location import Location, filesystem, protocols, service
+from weightstore.io.location import Location, filesystem, protocols, service, transient
 
 __all__ = ["UPLOAD_PART_BYTES", "Commit", "RenameCommit", "UploadCommit", "IndexLastCommit", "commit_for",
            "checkpoint_files"]
@@ -120,7 +120,8 @@ class Commit(abc.ABC):
             raise
         except OSError as exc:
             self.discard()
-            raise WriteError(exc.errno or 0, f"writing failed: {exc.strerror or exc}", path=self.target) from exc
+            raise WriteError(exc.errno or 0, f"writing failed: {exc.strerror or exc}", path=self.target,
+                             transient=transient(exc)) from exc  # an object store's answer: a bucket gone stays
         except BaseException:
             self.discard()
             raise

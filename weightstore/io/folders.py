@@ -288,7 +288,9 @@ class LocalFolder(Folder):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
-        finally:
+        finally:  # unlocked, not only closed: a child forked meanwhile holds the lock through its copy of fd
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 
 

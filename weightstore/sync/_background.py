@@ -21,8 +21,13 @@ inherits that priority.
 into the caller. A storage failure (:class:`StorageError`, an ``OSError``: an outage, a full
 disk) is retried with exponential backoff (``retry_backoff`` seconds, doubling up to
 ``max_backoff``) for up to ``retry_for`` seconds; a newer snapshot arriving meanwhile is
-written instead. Any other failure (a step that does not go forward, weights no format takes)
-is not retried. Every failure is logged (the ``weightstore`` logger) and counted
+written instead. A refusal that stays until someone acts (``StorageError.transient`` False:
+credentials refused, a bucket that does not exist, a host name that names no host) is retried
+only once this publisher has reached the folder (a version written: then, as ``follow``
+reasons, it is more often one that passes, an expired token renewed); before that, the
+snapshot is given up at once and the next one tries again, after the storage's pause (the
+credentials may have been fixed). Any other failure (a step that does not go forward, weights
+no format takes) is not retried. Every failure is logged (the ``weightstore`` logger) and counted
 (:attr:`~BackgroundPublisher.failures`, :attr:`~BackgroundPublisher.last_error`); its future
 raises it for a caller who asks (``future.result()``). The snapshot being retried is held
 until it is written or given up, so a retry writes the same weights.
@@ -35,6 +40,13 @@ called ``close``) lets it finish first, ``retry_for`` at most, so the final weig
 once storage is back; it is waited for before the interpreter's thread pools stop taking work
 (:mod:`weightstore.core._exiting`), which the write still needs. A process killed
 mid-write leaves the folder as a killed :func:`weightstore.publish` does.
+
+**A forked child** (a data loader's worker) has none of its parent's threads, and the locks
+they held may stay held: there, each publisher starts afresh as a new one of the same folder
+and options would (no pending snapshot, no last version, its own thread on its first publish;
+a delta publisher's memory of the last version dropped, so the child's first version is read
+against the folder). What the parent had pending is the parent's to write; the futures it
+handed out before the fork never complete in the child.
 
 Example::
 
@@ -56,6 +68,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -82,9 +95,10 @@ DEFAULT_MAX_BACKOFF = 30.0
 #: background publish costs training less than the CPU it spends
 NICENESS = 10
 _log = logging.getLogger("weightstore")
-#: the errors of a write that may pass: space or quota freed, a device or service back
+#: the errors of a write that may pass: space or quota freed, a device or service back; none (None,
+#: 0) is an object store's, whose ``transient`` says whether it may pass
 _PASSING_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EAGAIN, errno.EBUSY, errno.EINTR,
-                             errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED, None})
+                             errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED, 0, None})
 
 
 class PublishFuture(concurrent.futures.Future):
@@ -136,20 +150,36 @@ class BackgroundPublisher:
         self._options = PublishOptions(keep=keep, format=format, storage_options=storage_options)
         #: one for the publisher's life: it keeps the last version published, the next delta's base
         self._delta: Delta | None = Delta() if delta is True else as_delta(delta)
+        self._closed = False
+        self._start_afresh()
+        _publishers.add(self)
+
+    def _start_afresh(self) -> None:
+        """The state of a publisher that has published nothing: at its making, and in a forked
+        child (whose copy of the parent's may name a thread and hold a lock that are not there)."""
         self._changed = threading.Condition()
         self._pending: _Job | None = None
         self._writing: _Job | None = None
         self._thread: threading.Thread | None = None
-        self._closed = False
         #: while the storage fails: the pause before the next attempt, whichever snapshot it writes
         self._pause = self.retry_backoff
         self._resume_at = 0.0
+        #: whether the folder ever answered this publisher (a version written): until it has, a
+        #: refusal that stays (``StorageError.transient`` False) gives a snapshot up at once
+        self._answered = False
         self.last: Version | None = None
         """The last version this publisher completed."""
         self.failures = 0
         """How many publish attempts failed (each retry counts)."""
         self.last_error: BaseException | None = None
         """The error of the last failed attempt, or ``None``."""
+
+    def _forked(self) -> None:
+        """In a forked child: start afresh; a delta publisher's memory (which the parent's thread
+        may have been changing at the fork) is dropped for a new one of the same options."""
+        if self._delta is not None:
+            self._delta = Delta(anchor_every=self._delta.anchor_every, remember=self._delta.remember)
+        self._start_afresh()
 
     def publish(self, weights: Mapping[str, Any], *, step: int,
                 metadata: Mapping[str, Any] | None = None) -> PublishFuture:
@@ -265,7 +295,7 @@ class BackgroundPublisher:
                 failing_since = time.monotonic() if failing_since is None else failing_since
                 published = self._published_anyway(job)
                 if published is not None:
-                    self.last = published
+                    self.last, self._answered = published, True
                     return published
                 if _retryable(error):  # the storage's pause: a newer snapshot waits it out as well
                     self._resume_at = time.monotonic() + self._pause
@@ -274,7 +304,7 @@ class BackgroundPublisher:
                     return error
                 continue
             self._pause, self._resume_at = self.retry_backoff, 0.0
-            self.last = version
+            self.last, self._answered = version, True
             return version
 
     def _published_anyway(self, job: _Job) -> Version | None:
@@ -289,9 +319,13 @@ class BackgroundPublisher:
         """Count and log a failed attempt; whether to try again."""
         self.failures += 1
         self.last_error = error
-        retry = _retryable(error) and spent < self.retry_for
+        refused = isinstance(error, StorageError) and not error.transient and not self._answered
+        retry = _retryable(error) and not refused and spent < self.retry_for
         if retry:
             _log.warning("publishing step %d to %s failed (%s); retrying", job.step, self.folder, error)
+        elif refused:
+            _log.error("publishing step %d to %s was refused before the folder ever answered: %s; given up, the next "
+                       "snapshot tries again", job.step, self.folder, error)
         else:
             _log.error("publishing step %d to %s failed%s: %s; the last version published is %s", job.step,
                        self.folder, " for good" if not _retryable(error) else f" for {spent:.0f} s, given up",
@@ -310,6 +344,19 @@ class BackgroundPublisher:
             _log.warning("step %d is not published to %s yet (%s); the last version published is %s; it goes on "
                          "in the background for up to %.0f s", newest.step, self.folder,
                          self.last_error or "still writing", self.last.step if self.last else "none", self.retry_for)
+
+
+#: every publisher of this process, to start afresh in a forked child
+_publishers: weakref.WeakSet[BackgroundPublisher] = weakref.WeakSet()
+
+
+def _forked_child() -> None:
+    for publisher in list(_publishers):
+        publisher._forked()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows
+    os.register_at_fork(after_in_child=_forked_child)
 
 
 def _below_training() -> None:

@@ -7,7 +7,9 @@
 host name that names no host) is raised at once if the folder never answered, and waited out
 like the others once it has (after a first answer such a failure is more often one that passes:
 an expired token renewed, a DNS name of a restarting container, S3's 403 for a key pruned under
-a reader without ``s3:ListBucket``).
+a reader without ``s3:ListBucket``). An outage is said once when it starts ("waiting for
+<folder>: <cause>; retrying") and once when it ends, on the ``weightstore`` logger, never once a
+retry: a stopped server and a mistyped port look the same, and both are waited out.
 
 **URLs.** Anything fsspec opens. Credentials and endpoints come from ``storage_options=`` or
 from the environment as the client reads it (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``…).
@@ -30,6 +32,7 @@ from weightstore.errors import (
     StorageError,
     StoreNotFoundError,
     VersionGoneError,
+    WeightStoreError,
 )
 from weightstore.formats._pointer import (
     LATEST,
@@ -94,15 +97,17 @@ def follow(
 def _follow(watch: PointerWatch, timeout: float | None, after: int | None) -> Iterator[Version]:
     """:func:`follow`'s loop, a generator of its own so that ``follow`` checks its words when called."""
     last, followed, answered = after, False, False
+    outage = Outage(watch.source.where)
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         try:
             version = watch.newer(last, followed=followed)
             answered = True
+            outage.over()
         except StorageError as exc:
             if (not exc.transient and not answered) or (deadline is not None and time.monotonic() >= deadline):
                 raise
-            _log.warning("weightstore: following %s: %s; retrying in %ss", watch.source.where, exc, watch.interval)
+            outage.failed(exc)
             version = None
         except FormatError as exc:
             if watch.unreadable is None:  # LATEST itself: it names nothing to wait past
@@ -123,6 +128,31 @@ def _follow(watch: PointerWatch, timeout: float | None, after: int | None) -> It
         if remaining is not None and remaining <= 0:
             return
         watch.sleep(watch.interval if remaining is None else min(watch.interval, remaining))
+
+
+class Outage:
+    """A reader's storage outage, said once when it starts and once when it ends: a line a retry
+    buries the rest of the log under one cause, and none at all leaves a mistyped port looking
+    like a folder nobody publishes to."""
+
+    def __init__(self, where: str, said: str = "weightstore:"):
+        self.where = where
+        self.said = said  # how the reader's lines start (a Follower names itself)
+        self.cause: BaseException | None = None
+
+    def failed(self, exc: BaseException) -> None:
+        """A look or read failed; said only if the storage answered the one before."""
+        if self.cause is None:
+            shown = exc.message if isinstance(exc, WeightStoreError) and exc.path == self.where and exc.key is None \
+                else exc
+            _log.warning("%s waiting for %s: %s; retrying", self.said, self.where, shown)
+        self.cause = exc
+
+    def over(self) -> None:
+        """The storage answered: said if it had failed."""
+        if self.cause is not None:
+            _log.warning("%s %s answers again", self.said, self.where)
+            self.cause = None
 
 
 class PointerWatch:
