@@ -63,7 +63,8 @@ def test_keras_callback_counts_batches_as_model_checkpoint_does_under_steps_per_
     model = small_model()
     model.compile(optimizer="sgd", loss="mse", steps_per_execution=8)
     x = np.random.default_rng(0).normal(size=(96, 3)).astype(np.float32)
-    callback = PublishCallback(tmp_path, every_n_batches=20, keep=None, at_end=False)
+    # in the foreground: a background publisher may replace a pending snapshot by a newer one
+    callback = PublishCallback(tmp_path, every_n_batches=20, keep=None, at_end=False, background=False)
     checkpoint = keras.callbacks.ModelCheckpoint(str(tmp_path / "ckpt-{epoch}-{batch}.weights.h5"), save_freq=20,
                                                  save_weights_only=True)
     model.fit(x, x[:, :1], batch_size=2, epochs=2, verbose=0, callbacks=[callback, checkpoint])  # 48 steps an epoch
