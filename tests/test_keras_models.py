@@ -822,9 +822,10 @@ def test_a_keras_archive_with_a_custom_layer_keeps_its_own_names_whole_and_ls_sa
     assert sorted(ws.load(keyed)) == ["head/bias", "head/kernel", "scaled/variable"]
 
 
-def test_tf2_assign_of_a_keras_archive_on_s3_pairs_by_its_own_names_as_a_local_one(tmp_path, s3):
-    """A remote .keras was opened as a zip of arrays (an npz) and failed; it is paired by its
-    own names, as a local one is, so a custom layer class, which its config cannot key, is fine."""
+def test_a_keras_archive_on_s3_opens_as_a_local_one_and_tf2_assign_pairs_it_by_its_own_names(tmp_path, s3):
+    """A remote .keras was opened as a zip of arrays (an npz) and failed; it opens as a local one
+    does, and tf2.assign pairs it by its own names, as a local one, so a custom layer class, which
+    its config cannot key, is fine."""
     import s3fs
 
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="head"), Scaled()])
@@ -837,6 +838,10 @@ def test_tf2_assign_of_a_keras_archive_on_s3_pairs_by_its_own_names_as_a_local_o
     reference = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="head"), Scaled()])
     reference.load_weights(tmp_path / "m.keras")  # Keras's own, of the same file
     np.testing.assert_array_equal(np.asarray(fresh(X)), np.asarray(reference(X)))
+    with ws.open(f"s3://{BUCKET}/m.keras") as remote, ws.open(tmp_path / "m.keras") as local:  # not an npz
+        assert remote.keys() == local.keys() and remote.format == local.format == "keras"
+        for key in local:
+            np.testing.assert_array_equal(remote[key], local[key])
     with open(tmp_path / "m.keras", "rb") as whole:
         s3fs.S3FileSystem().pipe(f"{BUCKET}/cut.keras", whole.read()[:-100])  # its zip directory cut off
     with pytest.raises(ws.FormatError) as cut:

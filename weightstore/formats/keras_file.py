@@ -300,8 +300,11 @@ def refuse_bomb(path: str, info: zipfile.ZipInfo, archive_size: int) -> None:
 
 
 def _find(place: Place) -> Place | None:
-    """The archive itself (:func:`is_keras_archive`); local only: its weights are unpacked from a local zip."""
-    return place if not place.remote and is_keras_archive(place.text) else None
+    """The archive itself: a local file :func:`is_keras_archive` takes, or a URL named ``.keras``
+    (its reader copies it here first; a URL is not asked what it holds, which costs a request)."""
+    if place.remote:
+        return place if place.text.endswith(KERAS_SUFFIX) else None
+    return place if is_keras_archive(place.text) else None
 
 
 def _no_writer(path: str, compress: bool | str) -> Any:
@@ -310,6 +313,6 @@ def _no_writer(path: str, compress: bool | str) -> Any:
 
 
 #: a ``.keras`` archive: recognised by its suffix or, under another name, by the members it holds
-FORMAT = Format(name="keras", suffixes=(), magic=lambda head: False,
+FORMAT = Format(name="keras", suffixes=(KERAS_SUFFIX,), magic=lambda head: False,
                 open_reader=lambda location, name, *, mmap=True: KerasArchiveReader(location),
                 open_writer=_no_writer, compresses=False, writes=False, find=_find)
