@@ -3,6 +3,7 @@
 Against the loopback S3 server, which answers every request 503 while the outage lasts.
 """
 
+import os
 import subprocess
 import sys
 import threading
@@ -112,3 +113,28 @@ def test_ws_follow_started_during_an_outage_waits_it_out(s3, outage):
     _, err = follower.communicate()
     assert line.split() == ["2", f"{folder}/step-000000000002.npz"], err
     assert "waiting for the storage" in err and "Traceback" not in err
+
+
+ENDS_DURING_AN_OUTAGE = """
+import sys
+import keras
+import numpy as np
+from weightstore.adapters.serving.hooks import PublishCallback
+
+model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+model.compile(optimizer="sgd", loss="mse")
+callback = PublishCallback(sys.argv[1], end_timeout=0, retry_for=float(sys.argv[2]))
+x = np.ones((8, 3), np.float32)
+model.fit(x, x[:, :1], batch_size=4, epochs=2, verbose=0, callbacks=[callback])
+print("fit returned", callback.failures, flush=True)
+"""
+
+
+def test_a_script_ends_within_the_callbacks_retry_for_while_the_storage_stays_down(s3, outage, tf_fork):
+    """The process waits at exit for a publish still retrying, ``retry_for`` at most: a callback's
+    own ``retry_for`` bounds that wait (600 s otherwise) while the final weights are given up."""
+    outage.start()
+    done = tf_fork.run(ENDS_DURING_AN_OUTAGE, f"s3://{BUCKET}/ends", "1", env={**os.environ, **s3.environment()},
+                       timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "fit returned" in done.stdout and "given up" in done.stderr and "Traceback" not in done.stderr
