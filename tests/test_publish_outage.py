@@ -4,6 +4,7 @@ Against the loopback S3 server, which answers every request 503 while the outage
 """
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -138,3 +139,35 @@ def test_a_script_ends_within_the_callbacks_retry_for_while_the_storage_stays_do
                        timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "fit returned" in done.stdout and "given up" in done.stderr and "Traceback" not in done.stderr
+
+
+ENDS_WITH_A_PUBLISH_RETRYING = """
+import sys
+import numpy as np
+import weightstore as ws
+
+publisher = ws.BackgroundPublisher(sys.argv[1], retry_backoff=0.1, max_backoff=0.2)
+publisher.publish({"dense/kernel": np.ones((3, 2), np.float32)}, step=1)
+"""
+
+
+def test_ctrl_c_while_the_exit_waits_for_a_retrying_publish_gives_it_up_and_says_so(s3, outage):
+    """A script ended during an outage waits at exit for its publish; Ctrl-C ends that wait: one
+    line names the step left unpublished, and no traceback of weightstore's shows."""
+    folder = f"s3://{BUCKET}/interrupted"
+    outage.start()
+    script = subprocess.Popen([sys.executable, "-c", ENDS_WITH_A_PUBLISH_RETRYING, folder], stderr=subprocess.PIPE,
+                              text=True)
+    try:
+        seen = []
+        while not any("retrying" in line for line in seen):  # the script has ended; its exit waits
+            seen.append(script.stderr.readline())
+            assert seen[-1], "".join(seen)
+        script.send_signal(signal.SIGINT)
+        _, err = script.communicate(timeout=60)
+    finally:
+        script.kill()
+    assert f"interrupted at exit: step 1 is not published to {folder}" in err, err
+    assert "Traceback" not in err, err
+    outage.end()
+    assert ws.latest(folder) is None  # given up: nothing was written once the storage came back
