@@ -218,6 +218,38 @@ def test_a_delta_on_s3_reads_and_follows(s3):
     assert [entry.kind for entry in listed] == ["full", "delta", "delta", "delta"]
 
 
+def test_a_delta_encoded_before_another_publisher_committed_is_refused_not_based_off_the_line(s3, monkeypatch):
+    """Two trainers on one folder (against the rule): a delta is encoded before the folder is
+    locked, so another trainer may commit in between. Committed, it would be based off the line
+    LATEST went down, and retention then pruned a base it needed (two local trainers left every
+    kept version unreadable). It is refused, like a lost race for LATEST, and the folder reads."""
+    from weightstore.sync import _stages as stages
+
+    folder = f"s3://{BUCKET}/two-trainers"
+    rng = np.random.default_rng(0)
+    mine, theirs = model(), model(1)
+    ws.publish(folder, mine, step=1, keep=2, delta=(trainer := ws.Delta()))
+    mine = step_of(mine, rng)
+    ws.publish(folder, mine, step=2, keep=2, delta=trainer)
+
+    def other_trainer_commits(name):
+        if name == "locked":
+            monkeypatch.setattr(stages, "hook", None)
+            ws.publish(folder, theirs, step=3, keep=2)
+
+    monkeypatch.setattr(stages, "hook", other_trainer_commits)
+    with pytest.raises(ws.PublishError, match="LATEST moved to step 3 while step 4 was encoded as a delta of "
+                                              "step-000000000002.wsdelta"):
+        ws.publish(folder, step_of(mine, rng), step=4, keep=2, delta=trainer)
+    assert ws.latest(folder).step == 3
+    for entry in ws.sync.list_versions(folder):
+        ws.load(entry.path)
+    same_bytes(ws.load(ws.latest(folder)), theirs)
+    mine = step_of(mine, rng)
+    ws.publish(folder, mine, step=5, keep=2, delta=trainer)  # based on what LATEST names now: reads
+    same_bytes(ws.load(ws.latest(folder)), mine)
+
+
 # -- hostile and broken input ------------------------------------------------------------------------
 
 def write_delta(path: Path, base: str, tensors: dict[str, tuple[str, list[bytes], np.ndarray]], *, step=None,
