@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import struct
 from pathlib import Path
 
@@ -216,6 +217,42 @@ def test_a_delta_on_s3_reads_and_follows(s3):
     same_bytes(ws.load(version), published[4])
     listed = ws.sync.list_versions(folder)
     assert [entry.kind for entry in listed] == ["full", "delta", "delta", "delta"]
+
+
+def test_a_delta_encoded_before_another_publisher_committed_is_written_whole_not_based_off_the_line(s3, monkeypatch,
+                                                                                                     caplog):
+    """Two trainers on one folder (against the rule, or a forked child of a trainer): a delta is
+    encoded before the folder is locked, so another trainer may commit in between. Committed, it
+    would be based off the line LATEST went down, and retention then pruned a base it needed (two
+    local trainers left every kept version unreadable). Its weights are written whole instead,
+    said in the log, and every kept version reads."""
+    from weightstore.sync import _stages as stages
+
+    folder = f"s3://{BUCKET}/two-trainers"
+    rng = np.random.default_rng(0)
+    mine, theirs = model(), model(1)
+    ws.publish(folder, mine, step=1, keep=2, delta=(trainer := ws.Delta()))
+    mine = step_of(mine, rng)
+    ws.publish(folder, mine, step=2, keep=2, delta=trainer)
+
+    def other_trainer_commits(name):
+        if name == "locked":
+            monkeypatch.setattr(stages, "hook", None)
+            ws.publish(folder, theirs, step=3, keep=2)
+
+    monkeypatch.setattr(stages, "hook", other_trainer_commits)
+    mine = step_of(mine, rng)
+    with caplog.at_level(logging.WARNING, logger="weightstore"):
+        version = ws.publish(folder, mine, step=4, keep=2, delta=trainer)
+    assert version.path.endswith("step-000000000004.npz") and ws.latest(folder).step == 4
+    assert any("LATEST moved to step 3 while step 4 was encoded as a delta of step-000000000002.wsdelta"
+               in record.getMessage() for record in caplog.records)
+    assert [entry.step for entry in ws.sync.list_versions(folder)] == [3, 4]
+    same_bytes(ws.load(ws.sync.list_versions(folder)[0].path), theirs)
+    same_bytes(ws.load(ws.latest(folder)), mine)
+    mine = step_of(mine, rng)
+    assert ws.publish(folder, mine, step=5, keep=2, delta=trainer).path.endswith(".wsdelta")  # onto step 4
+    same_bytes(ws.load(ws.latest(folder)), mine)
 
 
 # -- hostile and broken input ------------------------------------------------------------------------

@@ -280,6 +280,38 @@ def step_weights(model, step: int, changed=None) -> dict:
             for key, value in tf2.export(model).items()}
 
 
+@pytest.mark.parametrize("delta", [False, True])
+def test_a_torch_follower_serves_a_keras_trainers_versions_with_layout_keras(tmp_path, delta):
+    """The cross-framework sync the library is for: Keras trains and publishes, a torch module
+    follows with ``layout="keras"`` (kernels transposed, batch norm renamed), as ``torch.assign``
+    takes it; a TF target, whose versions need no layout, is refused naming the option."""
+    torch = pytest.importorskip("torch")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, name="hidden"),
+                              keras.layers.BatchNormalization(name="norm"), keras.layers.Dense(1, name="out")])
+    model.compile(optimizer="sgd", loss="mse")
+
+    class Served(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.hidden, self.norm, self.out = torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4, eps=1e-3), torch.nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.out(self.norm(self.hidden(x)))
+
+    served = Served().eval()
+    x = np.random.default_rng(1).normal(size=(5, 3)).astype(np.float32)
+    with Follower(served, tmp_path, poll=0.005, layout="keras") as follower:
+        for _ in range(2):  # a second version: unchanged tensors skipped, a delta applied onto the copy held
+            fit(model, PublishCallback(tmp_path, delta=delta), epochs=1)
+            assert follower.wait(int(model.optimizer.iterations), timeout=60).step == int(model.optimizer.iterations)
+            with follower.reading(), torch.no_grad():
+                np.testing.assert_allclose(served(torch.from_numpy(x)).numpy(), model(x, training=False), atol=1e-5)
+    assert follower.error is None
+    with pytest.raises(ws.UnsupportedTargetError, match="layout= converts versions for torch and Flax targets"):
+        Follower(model, tmp_path, layout="keras")
+
+
 def test_follower_swaps_tf2_model_between_calls_and_skips_unchanged(tmp_path):
     model = small_model()
     keys = sorted(tf2.export(model))

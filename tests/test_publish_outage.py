@@ -4,6 +4,8 @@ Against the loopback S3 server, which answers every request 503 while the outage
 """
 
 import logging
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -171,3 +173,60 @@ def test_a_bucket_removed_once_the_folder_answered_is_retried(s3):
     assert not publisher.last_error.transient and not future.done()
     fs.mkdir(bucket)
     assert future.result(60).step == 2 and publisher.close(60).step == 2
+
+
+ENDS_DURING_AN_OUTAGE = """
+import sys
+import keras
+import numpy as np
+from weightstore.adapters.serving.hooks import PublishCallback
+
+model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+model.compile(optimizer="sgd", loss="mse")
+callback = PublishCallback(sys.argv[1], end_timeout=0, retry_for=float(sys.argv[2]))
+x = np.ones((8, 3), np.float32)
+model.fit(x, x[:, :1], batch_size=4, epochs=2, verbose=0, callbacks=[callback])
+print("fit returned", callback.failures, flush=True)
+"""
+
+
+def test_a_script_ends_within_the_callbacks_retry_for_while_the_storage_stays_down(s3, outage, tf_fork):
+    """The process waits at exit for a publish still retrying, ``retry_for`` at most: a callback's
+    own ``retry_for`` bounds that wait (600 s otherwise) while the final weights are given up."""
+    outage.start()
+    done = tf_fork.run(ENDS_DURING_AN_OUTAGE, f"s3://{BUCKET}/ends", "1", env={**os.environ, **s3.environment()},
+                       timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "fit returned" in done.stdout and "given up" in done.stderr and "Traceback" not in done.stderr
+
+
+ENDS_WITH_A_PUBLISH_RETRYING = """
+import sys
+import numpy as np
+import weightstore as ws
+
+publisher = ws.BackgroundPublisher(sys.argv[1], retry_backoff=0.1, max_backoff=0.2)
+publisher.publish({"dense/kernel": np.ones((3, 2), np.float32)}, step=1)
+"""
+
+
+def test_ctrl_c_while_the_exit_waits_for_a_retrying_publish_gives_it_up_and_says_so(s3, outage):
+    """A script ended during an outage waits at exit for its publish; Ctrl-C ends that wait: one
+    line names the step left unpublished, and no traceback of weightstore's shows."""
+    folder = f"s3://{BUCKET}/interrupted"
+    outage.start()
+    script = subprocess.Popen([sys.executable, "-c", ENDS_WITH_A_PUBLISH_RETRYING, folder], stderr=subprocess.PIPE,
+                              text=True)
+    try:
+        seen = []
+        while not any("retrying" in line for line in seen):  # the script has ended; its exit waits
+            seen.append(script.stderr.readline())
+            assert seen[-1], "".join(seen)
+        script.send_signal(signal.SIGINT)
+        _, err = script.communicate(timeout=60)
+    finally:
+        script.kill()
+    assert f"interrupted at exit: step 1 is not published to {folder}" in err, err
+    assert "Traceback" not in err, err
+    outage.end()
+    assert ws.latest(folder) is None  # given up: nothing was written once the storage came back

@@ -61,6 +61,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import functools
+import inspect
 import logging
 import sys
 import threading
@@ -76,6 +78,7 @@ from typing_extensions import Unpack
 import weightstore
 from weightstore.adapters._registry import adapter_for
 from weightstore.adapters._reload import reload_digest, wants_skip
+from weightstore.adapters.layout import Layout
 from weightstore.adapters.plan import AssignOptions, AssignWords, Report
 from weightstore.adapters.skeleton import copy_into, handed_over, rehearsal
 from weightstore.core import _parallel as parallel
@@ -197,6 +200,10 @@ class Follower:
     store's ETag, backing off from ``poll`` to ``max_poll`` while nothing is published), and
     ``notifications`` (an SQS queue URL) wakes it when ``LATEST`` is written.
 
+    ``layout`` (torch and Flax targets): versions in another framework's names and layouts,
+    converted as ``torch.assign(..., layout=)`` converts them (``"keras"``: a Keras trainer's
+    versions served by a torch module).
+
     ``deltas``: of delta versions, apply each onto a copy of the version held, which costs 1x
     the model's memory (see the module). ``None`` (the default) keeps the copy once a delta
     version arrives (that first one is read from its anchor); ``True`` from the first version;
@@ -209,7 +216,8 @@ class Follower:
 
     def __init__(self, target: Any, folder: Any, *, poll: float = DEFAULT_POLL, after: int | None = None,
                  storage_options: Mapping[str, Any] | None = None, max_poll: float | None = None,
-                 notifications: str | None = None, deltas: bool | None = None, **words: Unpack[AssignWords]):
+                 notifications: str | None = None, deltas: bool | None = None,
+                 layout: str | Layout | None = None, **words: Unpack[AssignWords]):
         self.target = target
         self.folder = folder
         # checked here, as follow() checks them, not on the thread that start() begins, whose
@@ -231,6 +239,11 @@ class Follower:
         self._loop_now: _Loop | None = None
         adapter = _adapter(target, self.options)
         self._assign: Callable[..., Report] = adapter.assign
+        if layout is not None:
+            if "layout" not in inspect.signature(adapter.assign).parameters:
+                raise UnsupportedTargetError(f"layout= converts versions for torch and Flax targets; "
+                                             f"{adapter.__name__}.assign takes versions in its own layout")
+            self._assign = functools.partial(adapter.assign, layout=layout)
         self._reads_parts: bool = getattr(adapter, "ASSIGN_READS_REGIONS", False)
         #: key (or region) -> content digest in the version of the last swap
         self._digests: dict[_Item, str | None] = {}

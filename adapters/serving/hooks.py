@@ -18,7 +18,9 @@ the background or not: storage failures are retried with backoff (in the backgro
 failure is logged and counted (``failures``, ``last_error``). The end of training (Keras
 ``on_train_end``, the hook's ``end``) publishes the final weights, unless the last publish
 already holds them, and waits for them at most ``end_timeout`` seconds; then it logs which
-version is the last published, and a publish still retrying goes on in the background.
+version is the last published, and a publish still retrying goes on in the background, for
+``retry_for`` seconds at most (the process waits for it at exit: a short ``retry_for`` lets a
+script end soon during an outage, at the cost of the final weights).
 
 Under tf.distribute (or a ``TF_CONFIG`` cluster) only the chief publishes: the task of type
 ``chief``, or worker 0 when the cluster has no chief. Every worker holds the same weights, and
@@ -43,7 +45,7 @@ with needs("tf", __name__):
 
 from weightstore.adapters.plan import Selection, SelectionWords
 from weightstore.sharded._cluster import is_tf_chief, tf_config_task
-from weightstore.sync._background import BackgroundPublisher
+from weightstore.sync._background import DEFAULT_RETRY_FOR, BackgroundPublisher
 from weightstore.sync._checks import DEFAULT_FORMAT, DEFAULT_KEEP, checked_seconds
 from weightstore.sync._delta import Delta
 from weightstore.sync._pinning import Version
@@ -72,7 +74,7 @@ class _Publisher:
 
     def __init__(self, folder: Any, *, keep: int | None, metadata: Mapping[str, Any] | None, format: str,
                  selection: Selection, storage_options: Mapping[str, Any] | None, background: bool,
-                 end_timeout: float, delta: bool | Delta = False):
+                 end_timeout: float, delta: bool | Delta = False, retry_for: float = DEFAULT_RETRY_FOR):
         self.folder = folder
         self.selection = selection
         self.options = PublishOptions(keep=keep, format=format, storage_options=storage_options)
@@ -80,8 +82,8 @@ class _Publisher:
         self.end_timeout = checked_seconds("end_timeout", end_timeout)
         #: one for the hook's life, kept by the background publisher when there is one
         self.delta: Delta | None = None if background or not delta else (Delta() if delta is True else delta)
-        self.background = (BackgroundPublisher(folder, **self.options, metadata=metadata, delta=delta)
-                           if background else None)
+        self.background = (BackgroundPublisher(folder, **self.options, metadata=metadata, delta=delta,
+                                               retry_for=retry_for) if background else None)
         self._last: Version | None = None
         self._failures = 0
         self._error: BaseException | None = None
@@ -180,7 +182,8 @@ class PublishCallback(_Front, keras.callbacks.Callback):
 
     No publish's failure reaches ``fit`` (see the module): ``failures`` counts them,
     ``last_error`` holds the last, ``last`` is the last version completed. The end of ``fit``
-    waits at most ``end_timeout`` seconds for the final publish. Outside ``fit``, :meth:`wait`
+    waits at most ``end_timeout`` seconds for the final publish; a failing storage is retried for
+    ``retry_for`` seconds at most (in the background). Outside ``fit``, :meth:`wait`
     and :meth:`close` wait for what was handed over. ``delta=True`` publishes delta versions
     (see :class:`weightstore.Delta`: a copy of the last version is kept, 1x the model's memory).
     """
@@ -190,7 +193,7 @@ class PublishCallback(_Front, keras.callbacks.Callback):
                  format: str = DEFAULT_FORMAT,  # noqa: A002
                  storage_options: Mapping[str, Any] | None = None, background: bool = True,
                  end_timeout: float = DEFAULT_END_TIMEOUT, delta: bool | Delta = False,
-                 **selection: Unpack[SelectionWords]):
+                 retry_for: float = DEFAULT_RETRY_FOR, **selection: Unpack[SelectionWords]):
         super().__init__()
         if every_n_batches is None and every_n_epochs is None:
             every_n_epochs = 1
@@ -200,7 +203,8 @@ class PublishCallback(_Front, keras.callbacks.Callback):
         self.every_n_batches, self.every_n_epochs, self.at_end = every_n_batches, every_n_epochs, at_end
         self._publisher = _Publisher(folder, keep=keep, metadata=metadata, format=format,
                                      selection=Selection(**selection), storage_options=storage_options,
-                                     background=background, end_timeout=end_timeout, delta=delta)
+                                     background=background, end_timeout=end_timeout, delta=delta,
+                                     retry_for=retry_for)
         self._batches_since = 0  # batches since the last publish, as ModelCheckpoint counts them
         self._last_batch: int | None = None
         self._epoch = 0
@@ -265,7 +269,8 @@ class PublishHook(_Front, tf.compat.v1.train.SessionRunHook):
 
     With ``background`` (the default) the values are fetched on the training thread and
     written while training goes on; ``end`` (when the session closes) publishes the final step
-    and waits for it at most ``end_timeout`` seconds. No publish's failure reaches the session
+    and waits for it at most ``end_timeout`` seconds; a failing storage is retried for
+    ``retry_for`` seconds at most. No publish's failure reaches the session
     (see the module): ``failures`` counts them and ``last_error`` holds the last. ``delta=True``
     publishes delta versions (see :class:`weightstore.Delta`: a copy of the last version is
     kept, 1x the model's memory).
@@ -276,13 +281,15 @@ class PublishHook(_Front, tf.compat.v1.train.SessionRunHook):
                  format: str = DEFAULT_FORMAT,  # noqa: A002
                  storage_options: Mapping[str, Any] | None = None, is_chief: bool | None = None,
                  background: bool = True, end_timeout: float = DEFAULT_END_TIMEOUT,
-                 delta: bool | Delta = False, **selection: Unpack[SelectionWords]):
+                 delta: bool | Delta = False, retry_for: float = DEFAULT_RETRY_FOR,
+                 **selection: Unpack[SelectionWords]):
         if (every_n_steps is None) == (every_n_secs is None):
             raise ValueError("pass exactly one of every_n_steps and every_n_secs")
         self._timer = tf.compat.v1.train.SecondOrStepTimer(every_secs=every_n_secs, every_steps=every_n_steps)
         self._publisher = _Publisher(folder, keep=keep, metadata=metadata, format=format,
                                      selection=Selection(**selection), storage_options=storage_options,
-                                     background=background, end_timeout=end_timeout, delta=delta)
+                                     background=background, end_timeout=end_timeout, delta=delta,
+                                     retry_for=retry_for)
         self._is_chief = is_chief
         self._global_step: tf.Tensor | None = None
 

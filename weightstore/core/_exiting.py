@@ -10,6 +10,11 @@ final version was lost with the process. So :func:`finish_before_exit` registers
 and futures whose work must end before that hook runs: this module's own hook, registered after
 ``concurrent.futures``'s, runs before it (the hooks run in reverse order) and waits for them.
 Where Python has no such hook (not CPython 3.9+), the threads are joined as before, pools or not.
+
+**Ctrl-C ends the wait.** A user who interrupts that wait (a publish retrying through an outage
+waits ``retry_for`` at most) means to stop: each piece of work's ``give_up`` is called (a
+background publisher logs what it leaves unpublished and retries no more), and the exit goes
+on, with no traceback of this module's. A write already under way still ends as it would.
 """
 
 from __future__ import annotations
@@ -18,41 +23,55 @@ import concurrent.futures
 import concurrent.futures.thread  # registers its exit hook now, so that this module's runs first
 import os
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeAlias
 
 __all__ = ["finish_before_exit"]
 
-_waited: set[threading.Thread | concurrent.futures.Future[Any]] = set()
+_Work: TypeAlias = threading.Thread | concurrent.futures.Future[Any]
+#: each piece of work waited for at exit, with what stops it early when the wait is interrupted
+_waited: dict[_Work, Callable[[], None] | None] = {}
 _waited_lock = threading.Lock()
 
 
-def finish_before_exit(work: threading.Thread | concurrent.futures.Future[Any]) -> None:
+def finish_before_exit(work: _Work, give_up: Callable[[], None] | None = None) -> None:
     """Have the interpreter, at exit, wait for ``work`` (a thread, or a future of a pool's job)
-    before the thread pools stop taking work, so what ``work`` still submits to one runs."""
+    before the thread pools stop taking work, so what ``work`` still submits to one runs.
+    ``give_up`` is called, on the exiting thread, if that wait is interrupted (Ctrl-C)."""
     with _waited_lock:
-        _waited.difference_update([done for done in _waited if isinstance(done, threading.Thread)
-                                   and not done.is_alive()])  # a publisher starts a thread per busy spell
-        _waited.add(work)
+        for done in [done for done in _waited if isinstance(done, threading.Thread) and not done.is_alive()]:
+            del _waited[done]  # a publisher starts a thread per busy spell
+        _waited[work] = give_up
     if isinstance(work, concurrent.futures.Future):
         work.add_done_callback(_forget)
 
 
-def _forget(work: threading.Thread | concurrent.futures.Future[Any]) -> None:
+def _forget(work: _Work) -> None:
     with _waited_lock:
-        _waited.discard(work)
+        _waited.pop(work, None)
 
 
 def _wait_for_all() -> None:
-    while True:
+    waiting: tuple[_Work, Callable[[], None] | None] | None = None
+    try:
+        while True:
+            with _waited_lock:
+                if not _waited:
+                    return
+                waiting = _waited.popitem()
+            work = waiting[0]
+            if isinstance(work, threading.Thread):
+                if work.is_alive() and work is not threading.current_thread():
+                    work.join()
+            else:
+                concurrent.futures.wait([work])
+    except KeyboardInterrupt:
         with _waited_lock:
-            if not _waited:
-                return
-            work = _waited.pop()
-        if isinstance(work, threading.Thread):
-            if work.is_alive() and work is not threading.current_thread():
-                work.join()
-        else:
-            concurrent.futures.wait([work])
+            left = [*([waiting] if waiting is not None else []), *_waited.items()]
+            _waited.clear()
+        for _, give_up in left:
+            if give_up is not None:
+                give_up()
 
 
 def _forget_all_in_child() -> None:

@@ -38,8 +38,9 @@ log what is still pending. The publishing thread is not a daemon: a process that
 publish is being written or still retrying (a trainer that finished during an outage, or never
 called ``close``) lets it finish first, ``retry_for`` at most, so the final weights still arrive
 once storage is back; it is waited for before the interpreter's thread pools stop taking work
-(:mod:`weightstore.core._exiting`), which the write still needs. A process killed
-mid-write leaves the folder as a killed :func:`weightstore.publish` does.
+(:mod:`weightstore.core._exiting`), which the write still needs. Ctrl-C during that wait gives
+up: what is still unpublished is logged and no longer retried (a write under way ends as it
+would). A process killed mid-write leaves the folder as a killed :func:`weightstore.publish` does.
 
 **A forked child** (a data loader's worker) has none of its parent's threads, and the locks
 they held may stay held: there, each publisher starts afresh as a new one of the same folder
@@ -161,6 +162,7 @@ class BackgroundPublisher:
         self._pending: _Job | None = None
         self._writing: _Job | None = None
         self._thread: threading.Thread | None = None
+        self._given_up = False  # interrupted at exit: no retry, nothing pending written
         #: while the storage fails: the pause before the next attempt, whichever snapshot it writes
         self._pause = self.retry_backoff
         self._resume_at = 0.0
@@ -201,7 +203,7 @@ class BackgroundPublisher:
                 self._thread = threading.Thread(target=self._run, name=f"weightstore-publish-{self.folder}",
                                                 daemon=False)
                 self._thread.start()
-                finish_before_exit(self._thread)
+                finish_before_exit(self._thread, self._give_up)
             self._changed.notify_all()
         if replaced is not None:
             replaced.future.cancel()
@@ -284,6 +286,9 @@ class BackgroundPublisher:
         while True:
             paused = self._resume_at - time.monotonic()
             newer = self._replaced_within(paused) if paused > 0 else None
+            if self._given_up:
+                return StorageError(f"step {job.step} was not published: the process was interrupted at exit "
+                                    f"({self.last_error})", path=str(self.folder))
             if newer is not None:  # the storage still failing: the newer snapshot is written instead
                 return StorageError(f"step {job.step} was not published: the newer snapshot of step {newer.step} "
                                     f"replaced it while the storage was failing ({self.last_error})",
@@ -320,7 +325,7 @@ class BackgroundPublisher:
         self.failures += 1
         self.last_error = error
         refused = isinstance(error, StorageError) and not error.transient and not self._answered
-        retry = _retryable(error) and not refused and spent < self.retry_for
+        retry = _retryable(error) and not refused and spent < self.retry_for and not self._given_up
         if retry:
             _log.warning("publishing step %d to %s failed (%s); retrying", job.step, self.folder, error)
         elif refused:
@@ -335,8 +340,23 @@ class BackgroundPublisher:
     def _replaced_within(self, seconds: float) -> _Job | None:
         """Sleep ``seconds``, or less where a newer snapshot arrives: the one that did, if one did."""
         with self._changed:
-            self._changed.wait_for(lambda: self._pending is not None, seconds)
+            self._changed.wait_for(lambda: self._pending is not None or self._given_up, seconds)
             return self._pending
+
+    def _give_up(self) -> None:
+        """At exit, when the wait for this publisher was interrupted: log what stays unpublished,
+        drop the pending snapshot and end the retries (the thread ends after any write under way)."""
+        with self._changed:
+            newest = self._pending or self._writing
+            if newest is not None:
+                _log.warning("interrupted at exit: step %d is not published to %s (%s); the last version published "
+                             "is %s", newest.step, self.folder, self.last_error or "still writing",
+                             self.last.step if self.last else "none")
+            self._given_up = True
+            dropped, self._pending = self._pending, None
+            self._changed.notify_all()
+        if dropped is not None:
+            dropped.future.cancel()
 
     def _log_unfinished(self) -> None:
         newest = self._pending or self._writing

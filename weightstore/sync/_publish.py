@@ -151,7 +151,15 @@ def publish(
         written.append(name)
 
     try:
-        version = commit_version(target, step, name, write_version, metadata, keep)
+        try:
+            version = commit_version(target, step, name, write_version, metadata, keep,
+                                     base=None if plan is None else plan.head.base)
+        except _BaseMoved as moved:  # nothing written yet: the same weights go whole onto the new LATEST
+            _log.warning("%s; it is written as a full version instead", moved)
+            plan, name = None, f"step-{step:012d}{fmt.suffixes[0]}"
+            if tensors is not None:
+                arrays = CheckedWeights(full_weights(tensors), target.url(name), fmt)
+            version = commit_version(target, step, name, write_version, metadata, keep)
         if planner is not None and tensors is not None:
             planner.published(target, version, tensors, plan)
         return version
@@ -163,8 +171,13 @@ def publish(
         raise
 
 
+class _BaseMoved(PublishError):
+    """A delta's base is no longer the version ``LATEST`` names: another publisher's version was
+    committed after the delta was encoded (nothing of this one is written yet)."""
+
+
 def commit_version(target: Folder, step: int, name: str, write: Callable[[str], None],
-                   metadata: Mapping[str, Any] | None, keep: int | None) -> Version:
+                   metadata: Mapping[str, Any] | None, keep: int | None, *, base: str | None = None) -> Version:
     """The publish protocol around one version file: check the step, clean what killed publishes
     left, record the intent, ``write(created)`` the file ``name``, replace ``LATEST``, prune.
 
@@ -173,13 +186,19 @@ def commit_version(target: Folder, step: int, name: str, write: Callable[[str], 
     ETag read at the start (``If-Match``; ``If-None-Match: *`` when there was none), so a
     publisher that lost a race gets :class:`PublishError` and ``LATEST`` never goes backwards;
     where the folder's backend has no compare-and-swap, the publish is refused before anything is
-    written (:meth:`Folder.require_compare_and_swap`).
+    written (:meth:`Folder.require_compare_and_swap`). ``base``, a delta version's, must still be
+    the file ``LATEST`` names: a delta is encoded before the folder is locked, and another
+    publisher's version committed meanwhile would leave it based off the line retention keeps.
     """
     target.require_compare_and_swap(f"replacing {LATEST}")
     with target.lock():
         stages.reached("locked")
         state = FolderState.read(target)
         state.check_step(step)
+        if base is not None and (state.pointer is None or state.pointer.path.rsplit("/", 1)[-1] != base):
+            raise _BaseMoved(f"LATEST moved to step {state.pointer.step if state.pointer else 'none'} while step "
+                             f"{step} was encoded as a delta of {base} (is another trainer publishing to this "
+                             "folder?)", path=target.where)
         state.clean()
         stages.reached("cleaned")
         write_small(target, INTENT, json.dumps({"step": step, "file": name}).encode())
