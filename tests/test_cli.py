@@ -1045,9 +1045,8 @@ def test_import_into_an_object_checkpoint_refuses_keys_it_lacks(made, store, tmp
                    "tf.train.Checkpoint.restore ignores entries its object graph does not name",
                    "model keys (dense/kernel) go into a live model instead: tf2.assign")
     ws.save(tmp_path / "extra.npz", {"net/w": np.ones((2, 2), np.float32), "net/extra": np.ones(2, np.float32)})
-    done = subprocess.run([sys.executable, "-m", "weightstore", "import", str(tmp_path / "extra.npz"), "--into", target,
-                           "--json"], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    done = run("import", tmp_path / "extra.npz", "--into", target, "--json")
+    assert done.exit_code == 1 and "Traceback" not in done.output, done.output
     error = json.loads(done.stdout)["error"]  # one key at fault: --json names it, as docs/cli.md says
     assert (error["type"], error["path"], error["key"], error["keys"]) == ("SelectionError", target, "net/extra",
                                                                          ["net/extra"])
