@@ -740,3 +740,20 @@ def test_publishing_deltas_never_changes_the_caller_s_weights_or_the_held_copy(t
         assert {key: value.tobytes() for key, value in weights.items()} == kept, step
         assert planner._held is not None and planner._held.tensors["w"].data.tobytes() == kept["w"], step
         same_bytes(ws.load(ws.latest(folder)), weights)
+
+
+def test_an_xor_top_record_marking_a_byte_past_its_plane_is_refused(tmp_path):
+    """The top plane is recorded in whole 8-byte words: a record that marks one of the last
+    word's padding bytes would change a byte past the tensor's block; refused, naming it."""
+    w = np.arange(1001, dtype=np.float32)
+    ws.save(tmp_path / "step-000000000001.npz", {"w": w})
+    new = (w * np.float32(1.001) + 1).astype(np.float32)
+    table, frame, *record = xor_top_parts(w, new)
+    words = -(-1001 // 8)
+    marked = np.zeros(words, bool)
+    marked[-1] = True  # the last word: byte 1000 is the plane's, bytes 1001-1007 padding
+    record_bytes = np.packbits(marked).tobytes() + bytes([0b01000000]) + b"\x01"  # its byte 1001
+    table = struct.pack("<III", 1, len(frame), len(record_bytes))
+    write_delta(tmp_path / "step-000000000002.wsdelta", "step-000000000001.npz",
+                {"w": ("xor-top", [table, frame, record_bytes], new)})
+    assert "byte 1001" in str(refused(tmp_path / "step-000000000002.wsdelta"))

@@ -407,8 +407,10 @@ def _top_record(padded: np.ndarray, count: int) -> list[np.ndarray]:
     return [np.packbits(marked), np.packbits(picked != 0), picked[np.flatnonzero(picked)]]
 
 
-def _top_plane(record: memoryview, count: int) -> np.ndarray:
-    """The top plane (``count`` bytes) a :func:`_top_record` holds, its sizes checked against the record's."""
+def _top_changes(record: memoryview, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where the top plane (``count`` bytes) a :func:`_top_record` holds is not zero, and those
+    bytes, its sizes checked against the record's: XOR-ed where they lie, not made into a plane
+    of zeros and XOR-ed whole (a strided pass over every element, for 1-5% of them)."""
     words = -(-count // 8)
     head = -(-words // 8)
     if len(record) < head:
@@ -421,11 +423,12 @@ def _top_plane(record: memoryview, count: int) -> np.ndarray:
     if len(record) != head + marked + len(spots):
         raise FormatError(f"has an xor-top record of {len(record)} bytes where its bitmaps mark "
                           f"{head + marked + len(spots)}")
-    picked = np.zeros(8 * marked, np.uint8)
-    picked[spots] = np.frombuffer(record[head + marked :], np.uint8)
-    plane = np.zeros(words, np.uint64)
-    plane[where] = picked.view(np.uint64)
-    return plane.view(np.uint8)[:count]
+    positions = where[spots >> 3]
+    positions <<= 3
+    positions += spots & 7
+    if len(positions) and int(positions[-1]) >= count:  # only a padding byte of the last word can be past the end
+        raise FormatError(f"has an xor-top record that changes byte {int(positions[-1])} of a {count}-byte plane")
+    return positions, np.frombuffer(record[head + marked :], np.uint8)
 
 
 @dataclass
@@ -915,7 +918,8 @@ def _apply_xor(payload: memoryview, out: np.ndarray, block: int, itemsize: int, 
             return
         items, planed = target.reshape(-1, planes), np.frombuffer(plain, np.uint8).reshape(-1, size // planes)
         if record is not None:
-            np.bitwise_xor(items[:, -1], _top_plane(record, size // planes), out=items[:, -1])
+            positions, values = _top_changes(record, size // planes)
+            items[positions, -1] ^= values
         for byte in range(len(planed)):  # a plane at a time: twice as fast as the transpose at once
             np.bitwise_xor(items[:, byte], planed[byte], out=items[:, byte])
 
