@@ -11,6 +11,12 @@ beside it) and stores each tensor as one of:
   bytes of the XOR of close values are mostly zeros, the low ones noise that zstd's entropy
   coder alone handles; 0.55x of an fp32 Adam step where the unplaned XOR took 0.64x) and a zstd
   frame (level 1; -1 where most elements changed) that declares its size;
+- ``xor-top`` (a dense change, :func:`encode` ``dense=True``, items of 2-16 bytes): as
+  ``xor-zstd`` at level -1, but each block's frame holds every plane but the top one (sign and
+  the exponent's high bits: 95-99% zeros in an fp32 Adam step), which follows the frame as a
+  :func:`_top_record`; a block table of two lengths per block (frame, record). The codec is
+  recorded per tensor: a reader picks its decoder by it, and one from before it refuses the
+  tensor as a corrupt entry naming it;
 - ``sparse``: the positions (``<u4``, or ``<u8`` past 2**32 elements) of the elements that
   changed, as gaps, and the XOR of each with the base's, both byte-planed and zstd-compressed;
 - ``raw``: the new bytes as they are (a tensor the base lacks, or one that changed whole).
