@@ -410,7 +410,8 @@ def _top_record(padded: np.ndarray, count: int) -> list[np.ndarray]:
     words = padded[: -(-count // 8) * 8].view(np.uint64)
     marked = words != 0
     picked = words[np.flatnonzero(marked)].view(np.uint8)
-    return [np.packbits(marked), np.packbits(picked != 0), picked[np.flatnonzero(picked)]]
+    nonzero = picked != 0  # the positions found in it, not in ``picked``: nonzero() of bools is 6x faster
+    return [np.packbits(marked), np.packbits(nonzero), picked[np.flatnonzero(nonzero)]]
 
 
 def _top_changes(record: memoryview, count: int) -> tuple[np.ndarray, np.ndarray]:
@@ -421,11 +422,12 @@ def _top_changes(record: memoryview, count: int) -> tuple[np.ndarray, np.ndarray
     head = -(-words // 8)
     if len(record) < head:
         raise FormatError(f"has a truncated xor-top record ({len(record)} bytes, not {head} of bitmap at least)")
-    where = np.flatnonzero(np.unpackbits(np.frombuffer(record[:head], np.uint8), count=words))
+    # unpacked bits viewed as bools: nonzero() of bools is several times faster than of bytes
+    where = np.flatnonzero(np.unpackbits(np.frombuffer(record[:head], np.uint8), count=words).view(bool))
     marked = len(where)
     if len(record) < head + marked:
         raise FormatError(f"has a truncated xor-top record ({len(record)} bytes for {marked} words marked)")
-    spots = np.flatnonzero(np.unpackbits(np.frombuffer(record[head : head + marked], np.uint8)))
+    spots = np.flatnonzero(np.unpackbits(np.frombuffer(record[head : head + marked], np.uint8)).view(bool))
     if len(record) != head + marked + len(spots):
         raise FormatError(f"has an xor-top record of {len(record)} bytes where its bitmaps mark "
                           f"{head + marked + len(spots)}")
