@@ -12,7 +12,7 @@ beside it) and stores each tensor as one of:
   coder alone handles; 0.55x of an fp32 Adam step where the unplaned XOR took 0.64x) and a zstd
   frame (level 1; -1 where most elements changed) that declares its size;
 - ``xor-top`` (a dense change, :func:`encode` ``dense=True``, items of 2-16 bytes): as
-  ``xor-zstd`` at level -1, but each block's frame holds every plane but the top one (sign and
+  ``xor-zstd`` (at level -4), but each block's frame holds every plane but the top one (sign and
   the exponent's high bits: 95-99% zeros in an fp32 Adam step), which follows the frame as a
   :func:`_top_record`; a block table of two lengths per block (frame, record). The codec is
   recorded per tensor: a reader picks its decoder by it, and one from before it refuses the
@@ -124,8 +124,10 @@ _LEVEL = 1
 #: and for a dense one (``encode(dense=True)``: most elements changed, an fp32 step): its low
 #: planes are noise that level 1 spends its time failing to shrink; level -1 took a third less
 #: CPU for 9% more bytes (fp32 Adam 1e-3: 0.61x a version, not 0.56x), while on a sparse bf16
-#: change it costs a third more bytes, so that keeps level 1
-_DENSE_LEVEL = -1
+#: change it costs a third more bytes, so that keeps level 1. With the top plane out of the
+#: frame (``xor-top``) what is left matches only where elements did not change: -4 took
+#: 0.93-0.95x the encode CPU of -1 for 0.1% more bytes (-10: 0.89-0.92x for 0.4% more)
+_DENSE_LEVEL = -4
 # XOR, not the integer difference of the bit patterns (new - old as int32, wrapping), measured
 # on Keras fp32 Adam steps: zigzagged ((d << 1) ^ (d >> 31)) it leaves the
 # sign/exponent plane 98.6% zeros where the XOR leaves 96%, for 2-3% fewer bytes, but its three
@@ -133,7 +135,8 @@ _DENSE_LEVEL = -1
 # 2**23 instead (one more pass) it took 0.83-0.87x the encode CPU and 0.80-0.86x the decode's
 # for 2% fewer bytes, short of the 20% that would pay for a second codec. A top plane all zero
 # (worth an "all zero" flag) held 0.1% of the bytes; the noise planes stored raw, 6-14% more
-# bytes for 4-16% less CPU.
+# bytes for 4-16% less CPU. The top plane apart as zstd's huffman-only literals (no way to ask
+# zstd for that), or as deflate (ISA-L level 1: 0.4x zstd's CPU there, but 5x its decode): no.
 
 
 # -- encoding (the publisher's side) -------------------------------------------------------------
@@ -409,9 +412,9 @@ def _top_record(padded: np.ndarray, count: int) -> list[np.ndarray]:
     tensor, half of its encode; this takes a third of that for as many bytes."""
     words = padded[: -(-count // 8) * 8].view(np.uint64)
     marked = words != 0
-    picked = words[np.flatnonzero(marked)].view(np.uint8)
+    picked = words[marked.nonzero()[0]].view(np.uint8)
     nonzero = picked != 0  # the positions found in it, not in ``picked``: nonzero() of bools is 6x faster
-    return [np.packbits(marked), np.packbits(nonzero), picked[np.flatnonzero(nonzero)]]
+    return [np.packbits(marked), np.packbits(nonzero), picked[nonzero.nonzero()[0]]]
 
 
 def _top_changes(record: memoryview, count: int) -> tuple[np.ndarray, np.ndarray]:
@@ -423,11 +426,11 @@ def _top_changes(record: memoryview, count: int) -> tuple[np.ndarray, np.ndarray
     if len(record) < head:
         raise FormatError(f"has a truncated xor-top record ({len(record)} bytes, not {head} of bitmap at least)")
     # unpacked bits viewed as bools: nonzero() of bools is several times faster than of bytes
-    where = np.flatnonzero(np.unpackbits(np.frombuffer(record[:head], np.uint8), count=words).view(bool))
+    where = np.unpackbits(np.frombuffer(record[:head], np.uint8), count=words).view(bool).nonzero()[0]
     marked = len(where)
     if len(record) < head + marked:
         raise FormatError(f"has a truncated xor-top record ({len(record)} bytes for {marked} words marked)")
-    spots = np.flatnonzero(np.unpackbits(np.frombuffer(record[head : head + marked], np.uint8)).view(bool))
+    spots = np.unpackbits(np.frombuffer(record[head : head + marked], np.uint8)).view(bool).nonzero()[0]
     if len(record) != head + marked + len(spots):
         raise FormatError(f"has an xor-top record of {len(record)} bytes where its bitmaps mark "
                           f"{head + marked + len(spots)}")
