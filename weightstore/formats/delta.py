@@ -216,7 +216,8 @@ def encode(new: np.ndarray, base: np.ndarray | None, itemsize: int, *, dense: bo
     XOR + zstd (block by block, the XOR never held whole) is then tried only where the sparse
     form takes more than two bytes per changed element: XOR + zstd took 2.2-2.4 where the
     sparse form took 1.2 (bf16, 2-3.7% changed), and costs most of a publish's CPU (0.7 s/GB).
-    ``dense`` (an :func:`estimate` found most elements changed) skips the first pass: XOR + zstd.
+    ``dense`` (an :func:`estimate` found most elements changed) skips the first pass: XOR + zstd,
+    the top plane apart (:data:`XOR_TOP`).
     ``sparse=False`` (the tensor's last delta was XOR + zstd) does not try the sparse form
     above :data:`SPARSE_ALWAYS` of the elements: an fp32 step's changed elements cost more
     than two bytes each in it, so it was made for nothing (0.24 s/GB of an fp32 Adam step, a
