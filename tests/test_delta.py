@@ -540,17 +540,83 @@ def test_tensors_added_removed_or_reshaped_between_versions(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", ["int8", "float16", "float32", "float64", "complex128"])
-def test_xor_zstd_rebuilds_every_item_size(dtype):
-    """The XOR is byte-planed by the item size; every size (one byte: no planes) rebuilds bit-exact."""
+@pytest.mark.parametrize("elements", [70001, 1_300_003])  # one block, or two, of a count no multiple of 8
+@pytest.mark.parametrize("dense", [False, True])
+def test_xor_zstd_rebuilds_every_item_size(dtype, elements, dense):
+    """The XOR is byte-planed by the item size; every size (one byte: no planes) rebuilds
+    bit-exact, a dense change's top plane kept apart (``xor-top``) wherever there are planes."""
     rng = np.random.default_rng(7)
-    base = (rng.standard_normal(70000) * 50).astype(dtype)
+    base = (rng.standard_normal(elements) * 50).astype(dtype)
     new = (base * 1.001 + 1).astype(dtype)  # every element changed: dense
-    encoded = delta_format.encode(new.view(np.uint8), base.view(np.uint8), base.itemsize, dense=True)
-    assert encoded.codec == "xor-zstd"
+    new[: elements // 3] = base[: elements // 3]  # a third unchanged: zero words in the top plane
+    encoded = delta_format.encode(new.view(np.uint8), base.view(np.uint8), base.itemsize, dense=dense, sparse=False)
+    assert encoded.codec == ("xor-top" if dense and base.itemsize > 1 else "xor-zstd")
     out = base.view(np.uint8).copy()
     delta_format._apply_xor(memoryview(b"".join(bytes(memoryview(part)) for part in encoded.parts)), out,
-                            delta_format.BLOCK, base.itemsize)
+                            delta_format.BLOCK, base.itemsize, top=encoded.codec == "xor-top")
     assert out.tobytes() == new.tobytes()
+
+
+def xor_top_parts(w: np.ndarray, new: np.ndarray) -> list[bytes]:
+    """``new`` against ``w`` as the dense encoder writes it: table, frame, top record (parts joined)."""
+    encoded = delta_format.encode(new.view(np.uint8), w.view(np.uint8), 4, dense=True)
+    assert encoded.codec == "xor-top"
+    return [bytes(memoryview(part)) for part in encoded.parts]
+
+
+def test_an_xor_top_delta_published_reads_back_and_older_xor_zstd_still_does(tmp_path):
+    """A dense fp32 step is written ``xor-top``; a version written before it (``xor-zstd``, the
+    top plane inside the frame) reads as it did, its codec recorded per tensor."""
+    rng = np.random.default_rng(9)
+    w = rng.standard_normal(50000).astype(np.float32)
+    ws.save(tmp_path / "step-000000000001.npz", {"w": w})
+    new = (w * np.float32(1.001)).astype(np.float32)
+    old = delta_format._xor_zstd(new.view(np.uint8), w.view(np.uint8), [1], 4, -1)  # the dense form before
+    assert old.codec == "xor-zstd"
+    write_delta(tmp_path / "step-000000000002.wsdelta", "step-000000000001.npz", {"w": ("xor-zstd", old.parts, new)})
+    same_bytes(ws.load(tmp_path / "step-000000000002.wsdelta"), {"w": new})
+    newer = (new * np.float32(1.001)).astype(np.float32)
+    write_delta(tmp_path / "step-000000000003.wsdelta", "step-000000000002.wsdelta",
+                {"w": ("xor-top", xor_top_parts(new, newer), newer)},
+                chain=["step-000000000002.wsdelta", "step-000000000001.npz"])
+    with ws.open(tmp_path / "step-000000000003.wsdelta") as store:
+        assert store._reader.codec("w") == "xor-top"
+        same_bytes(dict(store.items()), {"w": newer})
+
+
+def test_an_unknown_codec_is_refused_naming_the_version_and_tensor(based):
+    folder, w = based
+    write_delta(folder / "step-000000000002.wsdelta", "step-000000000001.npz", {"w": ("xor-lz4", [b"\0" * 8], w)})
+    assert "xor-lz4" in str(refused(folder / "step-000000000002.wsdelta"))
+
+
+@pytest.mark.parametrize("damage", ["short bitmap", "values added", "values dropped", "one-byte items", "frame size"])
+def test_a_damaged_xor_top_entry_is_refused(based, damage):
+    """Every size in an ``xor-top`` entry is checked before it is used: the top record's length
+    against what its bitmaps mark, the frame's declared size against the block's low planes."""
+    folder, w = based
+    new = (w * np.float32(1.001) + 1).astype(np.float32)
+    table, frame, *record = xor_top_parts(w, new)
+    import zstandard
+
+    record_bytes = b"".join(record)
+    if damage == "short bitmap":
+        record_bytes = record_bytes[:10]
+    elif damage == "values added":
+        record_bytes += b"\x01"
+    elif damage == "values dropped":
+        record_bytes = record_bytes[:-1]
+    elif damage == "frame size":
+        frame = zstandard.ZstdCompressor(write_content_size=True).compress(bytes(w.nbytes))  # all four planes
+    table = struct.pack("<III", 1, len(frame), len(record_bytes))
+    result = new
+    if damage == "one-byte items":  # int8: no planes, so no top plane to keep apart
+        result = new.view(np.int8)
+        ws.save(folder / "step-000000000001.npz", {"w": w.view(np.int8)})
+    write_delta(folder / "step-000000000002.wsdelta", "step-000000000001.npz",
+                {"w": ("xor-top", [table, frame, record_bytes], result)})
+    message = str(refused(folder / "step-000000000002.wsdelta"))
+    assert ("xor-top" in message) if damage != "frame size" else ("declare" in message)
 
 
 @pytest.mark.parametrize("dense", [False, True])
@@ -634,7 +700,7 @@ def test_a_tensor_that_stops_changing_is_stored_same_again(tmp_path):
         with ws.open(version) as store:
             codecs.append(store._reader.codec("w"))
         same_bytes(ws.load(version), weights)
-    assert codecs == ["xor-zstd", "same"]
+    assert codecs == ["xor-top", "same"]
 
 
 @pytest.mark.parametrize("damage", [None, 0, 1_500_000, 2_600_000 - 3])
@@ -695,7 +761,7 @@ def test_publishing_deltas_never_changes_the_caller_s_weights_or_the_held_copy(t
             found = delta_format.encode(new.reshape(-1).view(np.uint8), base.reshape(-1).view(np.uint8), 4,
                                         dense=dense)
             assert (new.tobytes(), base.tobytes()) == before, (name, dense)
-        assert found.codec == {"sparse": "xor-zstd", "xor": "xor-zstd", "raw": "raw"}[name], (name, found.codec)
+        assert found.codec == {"sparse": "xor-top", "xor": "xor-top", "raw": "raw"}[name], (name, found.codec)
     assert delta_format.encode(changes["sparse"].reshape(-1).view(np.uint8), base.reshape(-1).view(np.uint8),
                                4).codec == "sparse"
     gaps = np.arange(1, 9, dtype="<u4")
@@ -711,3 +777,20 @@ def test_publishing_deltas_never_changes_the_caller_s_weights_or_the_held_copy(t
         assert {key: value.tobytes() for key, value in weights.items()} == kept, step
         assert planner._held is not None and planner._held.tensors["w"].data.tobytes() == kept["w"], step
         same_bytes(ws.load(ws.latest(folder)), weights)
+
+
+def test_an_xor_top_record_marking_a_byte_past_its_plane_is_refused(tmp_path):
+    """The top plane is recorded in whole 8-byte words: a record that marks one of the last
+    word's padding bytes would change a byte past the tensor's block; refused, naming it."""
+    w = np.arange(1001, dtype=np.float32)
+    ws.save(tmp_path / "step-000000000001.npz", {"w": w})
+    new = (w * np.float32(1.001) + 1).astype(np.float32)
+    table, frame, *record = xor_top_parts(w, new)
+    words = -(-1001 // 8)
+    marked = np.zeros(words, bool)
+    marked[-1] = True  # the last word: byte 1000 is the plane's, bytes 1001-1007 padding
+    record_bytes = np.packbits(marked).tobytes() + bytes([0b01000000]) + b"\x01"  # its byte 1001
+    table = struct.pack("<III", 1, len(frame), len(record_bytes))
+    write_delta(tmp_path / "step-000000000002.wsdelta", "step-000000000001.npz",
+                {"w": ("xor-top", [table, frame, record_bytes], new)})
+    assert "byte 1001" in str(refused(tmp_path / "step-000000000002.wsdelta"))

@@ -29,7 +29,7 @@ from fuzz.targets import TARGETS, Finding, Session
 from weightstore.formats import delta
 
 VALUES: list[Any] = [None, True, 0, 1, -1, 2**31, 2**32, 2**62, 2**63, 2**64, -(2**63), 10**30, 1.5, -0.0, 1e308,
-                     "", "x", "float32", "bfloat16", "same", "raw", "xor-zstd", "sparse", "step-000000000001.npz",
+                     "", "x", "float32", "bfloat16", "same", "raw", "xor-zstd", "xor-top", "sparse", "step-000000000001.npz",
                      "../x.npz", "a/b", "\0", [], {}, [0], [[]], [0, 0], {"a": 1}, "0" * 100]
 
 

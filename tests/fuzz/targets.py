@@ -177,9 +177,12 @@ def _commit_shards(path: Path) -> None:
 
 def _publish_deltas(folder: Path) -> None:
     """Versions 1 (npz), 2 and 3 (deltas) of ``folder``: between them tensors change in a few
-    elements (sparse), all over (XOR + zstd), not at all (same), or appear (raw)."""
+    elements (sparse), all over (XOR + zstd; the second time, by a publisher that remembers the
+    first, with the top plane apart: xor-top), not at all (same), or appear (raw)."""
     rng = np.random.default_rng(7)
-    weights = sample_weights() | {"wide": np.arange(4000, dtype=np.float32)}
+    weights = sample_weights() | {"wide": np.arange(4000, dtype=np.float32),
+                                  "moved": np.linspace(1, 2, 4000, dtype=np.float32)}
+    delta = ws.Delta()
     for step in (1, 2, 3):
         if step > 1:
             weights = dict(weights)
@@ -187,8 +190,9 @@ def _publish_deltas(folder: Path) -> None:
             wide[rng.choice(wide.size, 200, replace=False)] = rng.standard_normal(200)
             weights["wide"] = wide
             weights["dense/kernel"] = weights["dense/kernel"] * step
+            weights["moved"] = weights["moved"] * np.float32(1.001)
             weights[f"new_{step}"] = np.arange(step, dtype=np.int64)
-        ws.publish(folder, weights, step=step, delta=True, metadata={"lr": 0.5})
+        ws.publish(folder, weights, step=step, delta=delta, metadata={"lr": 0.5})
 
 
 def _two_ranks(folder: Path) -> None:

@@ -11,6 +11,12 @@ beside it) and stores each tensor as one of:
   bytes of the XOR of close values are mostly zeros, the low ones noise that zstd's entropy
   coder alone handles; 0.55x of an fp32 Adam step where the unplaned XOR took 0.64x) and a zstd
   frame (level 1; -1 where most elements changed) that declares its size;
+- ``xor-top`` (a dense change, :func:`encode` ``dense=True``, items of 2-16 bytes): as
+  ``xor-zstd`` (at level -4), but each block's frame holds every plane but the top one (sign and
+  the exponent's high bits: 95-99% zeros in an fp32 Adam step), which follows the frame as a
+  :func:`_top_record`; a block table of two lengths per block (frame, record). The codec is
+  recorded per tensor: a reader picks its decoder by it, and one from before it refuses the
+  tensor as a corrupt entry naming it;
 - ``sparse``: the positions (``<u4``, or ``<u8`` past 2**32 elements) of the elements that
   changed, as gaps, and the XOR of each with the base's, both byte-planed and zstd-compressed;
 - ``raw``: the new bytes as they are (a tensor the base lacks, or one that changed whole).
@@ -107,8 +113,8 @@ MAGIC = b"\x93WSDELTA"
 VERSION = 1
 _PREFIX = struct.Struct("<8sQQQ")
 
-SAME, RAW, XOR_ZSTD, SPARSE = "same", "raw", "xor-zstd", "sparse"
-CODECS = (SAME, RAW, XOR_ZSTD, SPARSE)
+SAME, RAW, XOR_ZSTD, SPARSE, XOR_TOP = "same", "raw", "xor-zstd", "sparse", "xor-top"
+CODECS = (SAME, RAW, XOR_ZSTD, SPARSE, XOR_TOP)
 
 #: bytes XOR-ed and compressed at a time: a block stays in cache between the XOR and zstd, both
 #: cores take blocks, and each frame's size is known (and bounded) before it is decoded
@@ -118,8 +124,10 @@ _LEVEL = 1
 #: and for a dense one (``encode(dense=True)``: most elements changed, an fp32 step): its low
 #: planes are noise that level 1 spends its time failing to shrink; level -1 took a third less
 #: CPU for 9% more bytes (fp32 Adam 1e-3: 0.61x a version, not 0.56x), while on a sparse bf16
-#: change it costs a third more bytes, so that keeps level 1
-_DENSE_LEVEL = -1
+#: change it costs a third more bytes, so that keeps level 1. With the top plane out of the
+#: frame (``xor-top``) what is left matches only where elements did not change: -4 took
+#: 0.93-0.95x the encode CPU of -1 for 0.1% more bytes (-10: 0.89-0.92x for 0.4% more)
+_DENSE_LEVEL = -4
 # XOR, not the integer difference of the bit patterns (new - old as int32, wrapping), measured
 # on Keras fp32 Adam steps: zigzagged ((d << 1) ^ (d >> 31)) it leaves the
 # sign/exponent plane 98.6% zeros where the XOR leaves 96%, for 2-3% fewer bytes, but its three
@@ -127,7 +135,8 @@ _DENSE_LEVEL = -1
 # 2**23 instead (one more pass) it took 0.83-0.87x the encode CPU and 0.80-0.86x the decode's
 # for 2% fewer bytes, short of the 20% that would pay for a second codec. A top plane all zero
 # (worth an "all zero" flag) held 0.1% of the bytes; the noise planes stored raw, 6-14% more
-# bytes for 4-16% less CPU.
+# bytes for 4-16% less CPU. The top plane apart as zstd's huffman-only literals (no way to ask
+# zstd for that), or as deflate (ISA-L level 1: 0.4x zstd's CPU there, but 5x its decode): no.
 
 
 # -- encoding (the publisher's side) -------------------------------------------------------------
@@ -152,7 +161,7 @@ def _scratch(nbytes: int) -> np.ndarray:
     if found is not None and len(found) >= nbytes:
         return found
     found = np.empty(nbytes, np.uint8)
-    if nbytes <= 2 * BLOCK:
+    if nbytes <= 2 * BLOCK + 8:
         _local.scratch = found
     return found
 
@@ -207,7 +216,8 @@ def encode(new: np.ndarray, base: np.ndarray | None, itemsize: int, *, dense: bo
     XOR + zstd (block by block, the XOR never held whole) is then tried only where the sparse
     form takes more than two bytes per changed element: XOR + zstd took 2.2-2.4 where the
     sparse form took 1.2 (bf16, 2-3.7% changed), and costs most of a publish's CPU (0.7 s/GB).
-    ``dense`` (an :func:`estimate` found most elements changed) skips the first pass: XOR + zstd.
+    ``dense`` (an :func:`estimate` found most elements changed) skips the first pass: XOR + zstd,
+    the top plane apart (:data:`XOR_TOP`).
     ``sparse=False`` (the tensor's last delta was XOR + zstd) does not try the sparse form
     above :data:`SPARSE_ALWAYS` of the elements: an fp32 step's changed elements cost more
     than two bytes each in it, so it was made for nothing (0.24 s/GB of an fp32 Adam step, a
@@ -217,7 +227,7 @@ def encode(new: np.ndarray, base: np.ndarray | None, itemsize: int, *, dense: bo
     if base is None or not nbytes:  # an empty tensor: nothing to compare, and RAW costs no bytes
         return Encoded(RAW, [new])
     if dense:
-        xor = _xor_zstd(new, base, [1] * -(-nbytes // BLOCK), itemsize, _DENSE_LEVEL)
+        xor = _xor_zstd(new, base, [1] * -(-nbytes // BLOCK), itemsize, _DENSE_LEVEL, top=True)
         return xor if xor.nbytes < nbytes else Encoded(RAW, [new])
     elements = nbytes // itemsize if itemsize else 0
     mask = _changed_mask(new, base, itemsize)
@@ -336,9 +346,11 @@ _SMALL = 2 << 10
 _ONE_FRAME = struct.Struct("<II")
 
 
-def _xor_zstd(new: np.ndarray, base: np.ndarray, changed: list[int], itemsize: int, level: int = _LEVEL) -> Encoded:
+def _xor_zstd(new: np.ndarray, base: np.ndarray, changed: list[int], itemsize: int, level: int = _LEVEL, *,
+              top: bool = False) -> Encoded:
     """The XOR in blocks of :data:`BLOCK` bytes, each byte-planed and a zstd frame of ``level``
-    (an unchanged block's: one of zeros)."""
+    (an unchanged block's: one of zeros). ``top`` (a dense change, every block XOR-ed): each
+    block's top plane is kept out of its frame as a :func:`_top_record`, an :data:`XOR_TOP` entry."""
     nbytes, count, size = len(new), len(changed), _plane_size(itemsize, BLOCK)
     if nbytes <= _SMALL:  # one block, XOR-ed and planed as Python bytes: the same frame, a third of the calls
         xor = (int.from_bytes(new.data, "little") ^ int.from_bytes(base.data, "little")).to_bytes(nbytes, "little")
@@ -346,12 +358,13 @@ def _xor_zstd(new: np.ndarray, base: np.ndarray, changed: list[int], itemsize: i
             xor = b"".join([xor[byte::size] for byte in range(size)])
         frame = _compressor(level if changed[0] else _LEVEL).compress(xor)
         return Encoded(XOR_ZSTD, [_ONE_FRAME.pack(1, len(frame)), frame])
+    top = top and size > 1
 
     def block(index: int) -> None:
         start = index * BLOCK
         if changed[index]:
             length = min(BLOCK, nbytes - start)
-            buffer = _scratch(2 * length)
+            buffer = _scratch(2 * length + 8)
             xor, planes = buffer[:length], buffer[length : 2 * length]
             word = _UINTS.get(size)
             if word is not None and size > 1:  # XOR-ed as words, then split (see _split_planes)
@@ -367,10 +380,22 @@ def _xor_zstd(new: np.ndarray, base: np.ndarray, changed: list[int], itemsize: i
                     for byte in range(size):
                         planed[byte] = items[:, byte]
                     xor = planes
+            if top:  # the top plane ends the planes, and the 8 bytes after them pad it to words
+                low = length - length // size
+                buffer[2 * length : 2 * length + 8] = 0
+                records[index] = _top_record(buffer[length + low : 2 * length + 8], length // size)
+                xor = xor[:low]
             frames[index] = _compressor(level).compress(xor.data)
 
     frames: list[bytes] = [b""] * count
+    records: list[list[Any]] = [[] for _ in range(count)]
     parallel.for_each(count, block)
+    if top:
+        lengths = [len(frame) for frame in frames]
+        sizes = [sum(part.nbytes for part in record) for record in records]
+        table = struct.pack(f"<I{2 * count}I", count, *(n for pair in zip(lengths, sizes, strict=True) for n in pair))
+        return Encoded(XOR_TOP, [table, *(part for frame, record in zip(frames, records, strict=True)
+                                         for part in (frame, *record))])
     zeros: dict[int, bytes] = {}
     for index, frame in enumerate(frames):
         if not frame:
@@ -378,6 +403,44 @@ def _xor_zstd(new: np.ndarray, base: np.ndarray, changed: list[int], itemsize: i
             frames[index] = zeros.get(length) or zeros.setdefault(length, _compressor().compress(bytes(length)))
     table = struct.pack(f"<I{count}I", count, *map(len, frames))
     return Encoded(XOR_ZSTD, [table, *frames])
+
+
+def _top_record(padded: np.ndarray, count: int) -> list[np.ndarray]:
+    """A block's top plane (``count`` bytes, then zeros to whole 8-byte words: ``padded``) as
+    which of its words are not zero (a bitmap), which bytes of those are not (a bitmap, a byte
+    per such word), and those bytes. The sign and exponent's high bits of a dense fp32 step's
+    XOR are 95-99% zeros: zstd found a match between every two of them, 0.4-0.6 s/GB of the
+    tensor, half of its encode; this takes a third of that for as many bytes."""
+    words = padded[: -(-count // 8) * 8].view(np.uint64)
+    marked = words != 0
+    picked = words[marked.nonzero()[0]].view(np.uint8)
+    nonzero = picked != 0  # the positions found in it, not in ``picked``: nonzero() of bools is 6x faster
+    return [np.packbits(marked), np.packbits(nonzero), picked[nonzero.nonzero()[0]]]
+
+
+def _top_changes(record: memoryview, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where the top plane (``count`` bytes) a :func:`_top_record` holds is not zero, and those
+    bytes, its sizes checked against the record's: XOR-ed where they lie, not made into a plane
+    of zeros and XOR-ed whole (a strided pass over every element, for 1-5% of them)."""
+    words = -(-count // 8)
+    head = -(-words // 8)
+    if len(record) < head:
+        raise FormatError(f"has a truncated xor-top record ({len(record)} bytes, not {head} of bitmap at least)")
+    # unpacked bits viewed as bools: nonzero() of bools is several times faster than of bytes
+    where = np.unpackbits(np.frombuffer(record[:head], np.uint8), count=words).view(bool).nonzero()[0]
+    marked = len(where)
+    if len(record) < head + marked:
+        raise FormatError(f"has a truncated xor-top record ({len(record)} bytes for {marked} words marked)")
+    spots = np.unpackbits(np.frombuffer(record[head : head + marked], np.uint8)).view(bool).nonzero()[0]
+    if len(record) != head + marked + len(spots):
+        raise FormatError(f"has an xor-top record of {len(record)} bytes where its bitmaps mark "
+                          f"{head + marked + len(spots)}")
+    positions = where[spots >> 3]
+    positions <<= 3
+    positions += spots & 7
+    if len(positions) and int(positions[-1]) >= count:  # only a padding byte of the last word can be past the end
+        raise FormatError(f"has an xor-top record that changes byte {int(positions[-1])} of a {count}-byte plane")
+    return positions, np.frombuffer(record[head + marked :], np.uint8)
 
 
 @dataclass
@@ -669,8 +732,8 @@ class DeltaReader(ReaderDefaults):
             raise FormatError(f"its base holds {len(out)} bytes, not the {info.nbytes} it changes", path=self.name,
                               key=key)
         with naming(path=self.name, key=key):
-            if codec == XOR_ZSTD:
-                _apply_xor(payload, out, self.head.block, storage_dtype(info.dtype).itemsize)
+            if codec in (XOR_ZSTD, XOR_TOP):
+                _apply_xor(payload, out, self.head.block, storage_dtype(info.dtype).itemsize, top=codec == XOR_TOP)
             elif codec == SPARSE:
                 _apply_sparse(payload, out, storage_dtype(info.dtype).itemsize, hasher)
         return out
@@ -829,37 +892,47 @@ def named_here(error: WeightStoreError, name: str, key: str | None) -> WeightSto
 _SIMPLE = (FormatError, ChecksumError, UnsafeFileError, SizeLimitError)
 
 
-def _apply_xor(payload: memoryview, out: np.ndarray, block: int, itemsize: int) -> None:
+def _apply_xor(payload: memoryview, out: np.ndarray, block: int, itemsize: int, *, top: bool = False) -> None:
     """XOR the frames of ``payload`` (byte-planed, see :func:`_plane_size`) into ``out``, each
-    frame bounded by its block's size."""
+    frame bounded by its block's size; ``top`` (:data:`XOR_TOP`): each frame holds the planes but
+    the top one, which follows it as a :func:`_top_record`."""
     nbytes, planes = len(out), _plane_size(itemsize, block)
-    count = -(-nbytes // block)
-    if len(payload) < 4 + 4 * count or struct.unpack_from("<I", payload)[0] != count:
+    count, per = -(-nbytes // block), 1 + top
+    if top and planes == 1:
+        raise FormatError(f"has an xor-top entry for {itemsize}-byte items in blocks of {block} bytes (no planes)")
+    if len(payload) < 4 + 4 * per * count or struct.unpack_from("<I", payload)[0] != count:
         raise FormatError(f"has a corrupt xor-zstd table (not {count} blocks of {block} bytes)")
-    lengths = struct.unpack_from(f"<{count}I", payload, 4)
-    if 4 + 4 * count + sum(lengths) != len(payload):
+    lengths = struct.unpack_from(f"<{per * count}I", payload, 4)
+    if 4 + 4 * per * count + sum(lengths) != len(payload):
         raise FormatError("has xor-zstd frames that do not add up to its payload (truncated or corrupt)")
-    jobs, at = [], 4 + 4 * count
-    for index, length in enumerate(lengths):
-        jobs.append((payload[at : at + length], index * block, min(block, nbytes - index * block)))
-        at += length
+    jobs, at = [], 4 + 4 * per * count
+    for index in range(count):
+        frame = payload[at : at + lengths[per * index]]
+        at += lengths[per * index]
+        record = payload[at : at + lengths[per * index + 1]] if top else None
+        at += lengths[per * index + 1] if top else 0
+        jobs.append((frame, record, index * block, min(block, nbytes - index * block)))
 
     def one(index: int) -> None:
-        frame, start, size = jobs[index]
+        frame, record, start, size = jobs[index]
+        low = size - size // planes if top else size
         try:
-            if zstandard.frame_content_size(frame) != size:
-                raise FormatError(f"has an xor-zstd frame at byte {start} that does not declare its {size} bytes")
-            plain = decompressor().decompress(frame, max_output_size=size)
+            if zstandard.frame_content_size(frame) != low:
+                raise FormatError(f"has an xor-zstd frame at byte {start} that does not declare its {low} bytes")
+            plain = decompressor().decompress(frame, max_output_size=low)
         except zstandard.ZstdError as exc:
             raise FormatError(f"has a corrupt xor-zstd frame at byte {start} ({exc})") from None
-        if len(plain) != size:
-            raise FormatError(f"has an xor-zstd frame at byte {start} that decodes to {len(plain)} bytes, not {size}")
+        if len(plain) != low:
+            raise FormatError(f"has an xor-zstd frame at byte {start} that decodes to {len(plain)} bytes, not {low}")
         target = out[start : start + size]
         if planes == 1:
             np.bitwise_xor(target, np.frombuffer(plain, np.uint8), out=target)
             return
-        items, planed = target.reshape(-1, planes), np.frombuffer(plain, np.uint8).reshape(planes, -1)
-        for byte in range(planes):  # a plane at a time: twice as fast as the transpose at once
+        items, planed = target.reshape(-1, planes), np.frombuffer(plain, np.uint8).reshape(-1, size // planes)
+        if record is not None:
+            positions, values = _top_changes(record, size // planes)
+            items[positions, -1] ^= values
+        for byte in range(len(planed)):  # a plane at a time: twice as fast as the transpose at once
             np.bitwise_xor(items[:, byte], planed[byte], out=items[:, byte])
 
     parallel.for_each(len(jobs), one)

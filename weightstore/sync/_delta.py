@@ -298,10 +298,10 @@ def _plan(step: int, base: str, chain: list[str], chain_bytes: int, full_bytes: 
             one = delta_format.Encoded(delta_format.RAW, [item.data])
         else:
             codec, share = last.get(key, (None, 0.0))
-            dense = (found.codec in (delta_format.XOR_ZSTD, delta_format.RAW) if found is not None
-                     else codec == delta_format.XOR_ZSTD and share >= DENSE_SHARE)
+            xored = codec in _XORED
+            dense = (found.codec in (*_XORED, delta_format.RAW) if found is not None else xored and share >= DENSE_SHARE)
             one = delta_format.encode(item.data, base_of(key, item), storage_dtype(item.dtype).itemsize, dense=dense,
-                                      sparse=found is not None or codec != delta_format.XOR_ZSTD)
+                                      sparse=found is not None or not xored)
         total += one.nbytes
         if total >= full_bytes or chain_bytes + total >= full_bytes:
             return None
@@ -310,6 +310,10 @@ def _plan(step: int, base: str, chain: list[str], chain_bytes: int, full_bytes: 
         digests.append(content_digest(item.data))
     head = delta_format.Head(step, base, chain, chain_bytes + total, full_bytes)
     return Plan(head, encoded, rows, digests)
+
+
+#: the codecs of a tensor XOR-ed whole (the second: a dense one)
+_XORED = (delta_format.XOR_ZSTD, delta_format.XOR_TOP)
 
 
 def as_delta(delta: Any) -> Delta | None:
