@@ -56,7 +56,7 @@ with needs("tf", __name__):
     import tensorflow as tf
     from tensorflow.core.framework import graph_pb2, types_pb2
 
-from weightstore.adapters.skeleton import copy_into, is_handed_over, private_copy
+from weightstore.adapters.skeleton import copy_all, copy_into, is_handed_over, private_copy
 from weightstore.io._buffer import ALIGNMENT, memory_owner
 
 __all__ = ["held_back", "lend", "reclaim", "shares_mapped", "staged_copy", "staged_feeds", "warm"]
@@ -112,6 +112,7 @@ def staged_feeds(values: list[tuple[np.ndarray, np.dtype]]) -> list[np.ndarray]:
     has no ``Empty`` kernel) :func:`private_copy` made (a handed-over array: itself)."""
     feeds: dict[int, np.ndarray] = {}
     staged: dict[np.dtype, list[int]] = {}
+    copies: list[tuple[np.ndarray, np.ndarray]] = []  # made together, on several threads
     for i, (array, dtype) in enumerate(values):
         dtype = np.dtype(dtype)
         if not _stages(array, dtype):
@@ -125,8 +126,9 @@ def staged_feeds(values: list[tuple[np.ndarray, np.dtype]]) -> list[np.ndarray]:
             if buffers is None:
                 feeds[i] = private_copy(values[i][0], dtype)
             else:
-                copy_into(buffers[n], values[i][0])
+                copies.append((buffers[n], values[i][0]))
                 feeds[i] = buffers[n]
+    copy_all(copies)
     return [feeds[i] for i in range(len(values))]
 
 
@@ -183,6 +185,7 @@ def reclaim(held: list[np.ndarray | None], values: list[tuple[np.ndarray, np.dty
     variable that copied rather than took over) is never written: the only references left are
     ``held``'s and this function's, which ``sys.getrefcount`` counts exactly."""
     out: list[np.ndarray | None] = []
+    copies: list[tuple[np.ndarray, np.ndarray]] = []  # made together, on several threads
     for i, (array, dtype) in enumerate(values):
         buffer = held[i]
         held[i] = None
@@ -194,8 +197,9 @@ def reclaim(held: list[np.ndarray | None], values: list[tuple[np.ndarray, np.dty
             out.append(None)
             continue
         target = buffer.reshape(-1).view(np.uint8).view(dtype).reshape(array.shape)
-        copy_into(target, array)
+        copies.append((target, array))
         out.append(target)
+    copy_all(copies)
     return out
 
 
