@@ -128,7 +128,7 @@ def staged_feeds(values: list[tuple[np.ndarray, np.dtype]]) -> list[np.ndarray]:
             else:
                 copies.append((buffers[n], values[i][0]))
                 feeds[i] = buffers[n]
-    copy_all(copies)
+    copy_all(copies, fresh=True)  # TensorFlow's allocator maps a large buffer anew
     return [feeds[i] for i in range(len(values))]
 
 

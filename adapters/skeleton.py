@@ -34,6 +34,7 @@ from weightstore.adapters._values import Values, ValueSource, open_values
 from weightstore.adapters.plan import AssignOptions, Report, plan_assign
 from weightstore.core._gcpause import paused_gc
 from weightstore.errors import AssignmentError
+from weightstore.core._heap import populate
 from weightstore.io._buffer import (  # TF adopts aligned memory (EIGEN_MAX_ALIGN_BYTES)
     ALIGNMENT,
     aligned_array,
@@ -399,11 +400,13 @@ def copy_into(out: np.ndarray, array: np.ndarray) -> None:
     copy_all([(out, array)])
 
 
-def copy_all(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+def copy_all(pairs: list[tuple[np.ndarray, np.ndarray]], *, fresh: bool = False) -> None:
     """Each ``np.copyto(out, array)``, in pieces of about 16 MB along first axes, the pieces of
     every pair shared out among several threads (numpy releases the GIL): faulting in fresh pages
     is most of a copy's cost, and a batch of values of a few megabytes each, copied one after
-    another, left the other cores idle (the first ``tf1.assign`` of a 256 MB model copies 73)."""
+    another, left the other cores idle (the first ``tf1.assign`` of a 256 MB model copies 73).
+    ``fresh``: the outs are new memory, whose pages each piece faults in first in one system call
+    (:func:`~weightstore.core._heap.populate`)."""
     global _copier_pool
     pieces: list[tuple[np.ndarray, np.ndarray]] = []
     for out, array in pairs:
@@ -415,8 +418,8 @@ def copy_all(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
         pieces += [(out[a:b], array[a:b]) for a, b in itertools.pairwise(bounds)]
     helpers = min(_COPIERS, len(pieces)) - 1
     if helpers < 1 or sum(out.nbytes for out, _ in pieces) < 2 * _PIECE_BYTES:
-        for out, array in pieces:
-            np.copyto(out, array, casting="unsafe")
+        for piece in pieces:
+            _copy(piece, fresh)
         return
     if _copier_pool is None:
         _copier_pool = ThreadPoolExecutor(_COPIERS - 1, thread_name_prefix="weightstore-copy")
@@ -424,7 +427,7 @@ def copy_all(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
 
     def copy() -> None:
         for index in claims:
-            np.copyto(*pieces[index], casting="unsafe")
+            _copy(pieces[index], fresh)
 
     others = [_copier_pool.submit(copy) for _ in range(helpers)]
     try:
@@ -432,3 +435,10 @@ def copy_all(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
     finally:
         for other in others:
             other.result()
+
+
+def _copy(piece: tuple[np.ndarray, np.ndarray], fresh: bool) -> None:
+    out, array = piece
+    if fresh and out.flags.c_contiguous:
+        populate(out.ctypes.data, out.nbytes)
+    np.copyto(out, array, casting="unsafe")
