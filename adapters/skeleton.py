@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 import math
 import mmap
 import os
@@ -33,6 +34,7 @@ from weightstore.adapters._values import Values, ValueSource, open_values
 from weightstore.adapters.plan import AssignOptions, Report, plan_assign
 from weightstore.core._gcpause import paused_gc
 from weightstore.errors import AssignmentError
+from weightstore.core._heap import populate
 from weightstore.io._buffer import (  # TF adopts aligned memory (EIGEN_MAX_ALIGN_BYTES)
     ALIGNMENT,
     aligned_array,
@@ -394,17 +396,49 @@ def private_copy(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 
 def copy_into(out: np.ndarray, array: np.ndarray) -> None:
-    """``np.copyto`` in pieces along the first axis on several threads (numpy releases the GIL)."""
+    """``np.copyto`` in pieces along the first axis on several threads (:func:`copy_all`)."""
+    copy_all([(out, array)])
+
+
+def copy_all(pairs: list[tuple[np.ndarray, np.ndarray]], *, fresh: bool = False) -> None:
+    """Each ``np.copyto(out, array)``, in pieces of about 16 MB along first axes, the pieces of
+    every pair shared out among several threads (numpy releases the GIL): faulting in fresh pages
+    is most of a copy's cost, and a batch of values of a few megabytes each, copied one after
+    another, left the other cores idle (the first ``tf1.assign`` of a 256 MB model copies 73).
+    ``fresh``: the outs are new memory, whose pages each piece faults in first in one system call
+    (:func:`~weightstore.core._heap.populate`)."""
     global _copier_pool
-    pieces = min(_COPIERS, out.nbytes // _PIECE_BYTES, out.shape[0] if out.ndim else 1)
-    if pieces < 2:
-        np.copyto(out, array, casting="unsafe")
+    pieces: list[tuple[np.ndarray, np.ndarray]] = []
+    for out, array in pairs:
+        count = min(out.nbytes // _PIECE_BYTES, out.shape[0] if out.ndim else 1)
+        if count < 2:
+            pieces.append((out, array))
+            continue
+        bounds = [out.shape[0] * i // count for i in range(count + 1)]
+        pieces += [(out[a:b], array[a:b]) for a, b in itertools.pairwise(bounds)]
+    helpers = min(_COPIERS, len(pieces)) - 1
+    if helpers < 1 or sum(out.nbytes for out, _ in pieces) < 2 * _PIECE_BYTES:
+        for piece in pieces:
+            _copy(piece, fresh)
         return
     if _copier_pool is None:
         _copier_pool = ThreadPoolExecutor(_COPIERS - 1, thread_name_prefix="weightstore-copy")
-    bounds = [out.shape[0] * i // pieces for i in range(pieces + 1)]
-    others = [_copier_pool.submit(np.copyto, out[a:b], array[a:b], casting="unsafe")
-              for a, b in zip(bounds[1:-1], bounds[2:], strict=True)]
-    np.copyto(out[:bounds[1]], array[:bounds[1]], casting="unsafe")
-    for piece in others:
-        piece.result()
+    claims = iter(range(len(pieces)))  # next() on it is atomic under the GIL: each piece is copied once
+
+    def copy() -> None:
+        for index in claims:
+            _copy(pieces[index], fresh)
+
+    others = [_copier_pool.submit(copy) for _ in range(helpers)]
+    try:
+        copy()
+    finally:
+        for other in others:
+            other.result()
+
+
+def _copy(piece: tuple[np.ndarray, np.ndarray], fresh: bool) -> None:
+    out, array = piece
+    if fresh and out.flags.c_contiguous:
+        populate(out.ctypes.data, out.nbytes)
+    np.copyto(out, array, casting="unsafe")

@@ -59,7 +59,7 @@ with needs("tf", __name__):
 from weightstore.adapters import _tf1_callables, _tf1_training
 from weightstore.adapters._reload import MEMORY
 from weightstore.adapters._report import Plan, TargetInfo
-from weightstore.adapters._tf_staging import STAGED_FROM, held_back, lend, reclaim, shares_mapped, staged_feeds
+from weightstore.adapters._tf_staging import STAGED_FROM, held_back, lend, reclaim, shares_mapped, staged_feeds, warm
 from weightstore.adapters.layout import refuse_keras_file
 from weightstore.adapters.plan import AssignOptions, AssignWords, Report, Selection, SelectionWords, plan_assign
 from weightstore.adapters.skeleton import Target, batch_budget, run_assign
@@ -292,18 +292,23 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
 
 def _guess(sess: Any, graph: tf.Graph, targets: dict[str, _Target], likely: list[str],
            cost: Callable[[str, None], int]) -> None:
-    """Have the session start compiling, before the file is even opened, the one batch an assign
-    of every variable ``likely`` writes, where it is the session's first: where their least
+    """Have the helper find and compile, while the file is opened and verified, the one batch an
+    assign of every variable ``likely`` writes, where it is the session's first: where their least
     costs fit one batch's budget, as the batches are cut
     (:func:`weightstore.adapters.skeleton.batch_budget`), the plan most likely keeps them all
-    in one batch (see :func:`_tf1_callables.guess`). No guess where a variable has no writer of
-    its own yet: the op made for it is added only by an assign that writes it."""
+    in one batch (see :func:`_tf1_callables.guess`); then have the staging session compile the
+    run that batch's staged copies need (:func:`~weightstore.adapters._tf_staging.warm`): the
+    first assign stages every resource variable's value. No guess where a variable has no writer
+    of its own yet: the op made for it is added only by an assign that writes it."""
+    parts = [(target, part) for target in map(targets.__getitem__, likely) for part in target.parts]
 
     def batch() -> _tf1_callables.Writers | None:
-        own = [_own_writer(graph, part.variable) for key in likely for part in targets[key].parts]
+        known = _known_writers(graph)
+        own = [known.get(part.variable.op.name) or _own_writer(graph, part.variable) for _, part in parts]
         writers = [writer for writer in own if writer is not None]
         if not writers or len(writers) < len(own):
             return None
+        known.update((part.variable.op.name, writer) for (_, part), writer in zip(parts, writers, strict=True))  # as _writer finds them
         try:
             least = sum(cost(key, None) for key in likely)
         except WeightStoreError:  # a variable that cannot be written: the assign says so, in its turn
@@ -312,7 +317,11 @@ def _guess(sess: Any, graph: tf.Graph, targets: dict[str, _Target], likely: list
             return None
         return writers
 
-    _tf1_callables.guess(sess, batch)
+    def staging(writers: _tf1_callables.Writers) -> None:
+        warm([(tuple(part.variable.shape.as_list()) if part.index else target.shape, target.dtype)
+              for (target, part), (op, _) in zip(parts, writers, strict=True) if op.type == "AssignVariableOp"])
+
+    _tf1_callables.guess(sess, batch, staging)
 
 
 def _run_batch(sess: Any, writers: _tf1_callables.Writers, values: list[tuple[np.ndarray, np.dtype]],
@@ -577,14 +586,19 @@ def _writer(graph: tf.Graph, variable: tf.Variable) -> tuple[tf.Operation, tf.Te
     every assign. A new op may consume an initial value and change the answer, so any new op
     forgets them all.
     """
-    known: tuple[int, dict[str, tuple[tf.Operation, tf.Tensor]]] | None = getattr(graph, "_weightstore_writers", None)
-    if known is None or known[0] != graph.version:
-        known = graph._weightstore_writers = (graph.version, {})
-    writers = known[1]
+    writers = _known_writers(graph)
     name = variable.op.name
     if name not in writers:
         writers[name] = _find_writer(graph, variable)
     return writers[name]
+
+
+def _known_writers(graph: tf.Graph) -> dict[str, tuple[tf.Operation, tf.Tensor]]:
+    """The writers :func:`_writer` remembers, by variable name, for the graph as it is."""
+    known: tuple[int, dict[str, tuple[tf.Operation, tf.Tensor]]] | None = getattr(graph, "_weightstore_writers", None)
+    if known is None or known[0] != graph.version:
+        known = graph._weightstore_writers = (graph.version, {})
+    return known[1]
 
 
 def _own_writer(graph: tf.Graph, variable: tf.Variable) -> tuple[tf.Operation, tf.Tensor] | None:
@@ -648,15 +662,18 @@ def _restore_writer(graph: tf.Graph, variable: tf.Variable) -> tuple[tf.Operatio
     less CPU time."""
     handle = variable.op.outputs[0]
     for op in handle.consumers():
-        if op.type not in _ASSIGN_TYPES or op.control_inputs or len(op.inputs) != 2 or op.inputs[0] is not handle:
+        if op.type not in _ASSIGN_TYPES or op.control_inputs:
             continue
-        tensor = op.inputs[1]
-        if tensor.consumers() != [op]:
+        inputs = op.inputs  # a new list each time it is asked for
+        if len(inputs) != 2 or inputs[0] is not handle or inputs[1].consumers() != [op]:
             continue
-        if tensor.op.type == "Identity" and len(tensor.op.inputs) == 1 and not tensor.op.control_inputs:
-            tensor = tensor.op.inputs[0]
-            if tensor.consumers() != [op.inputs[1].op]:
+        tensor = inputs[1]
+        identity = tensor.op
+        if identity.type == "Identity" and not identity.control_inputs:
+            passed = identity.inputs
+            if len(passed) != 1 or passed[0].consumers() != [identity]:
                 continue
+            tensor = passed[0]
         if tensor.op.type in _RESTORE_TYPES and graph.is_feedable(tensor):
             return op, tensor
     return None

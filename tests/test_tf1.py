@@ -753,9 +753,10 @@ def test_a_session_keeps_its_latest_batches_compiled_and_is_freed_when_dropped(t
 
 
 def test_the_first_assign_compiles_its_batch_once_started_before_the_file_is_opened(tmp_path, monkeypatch):
-    """The first assign into a session starts compiling the batch it will run before opening the
-    file, and runs that very callable though the file lists the keys in another order; an assign
-    of a subset then compiles its own, with no guess (the session compiled before)."""
+    """The first assign into a session hands the helper, before opening the file, the finding and
+    compiling of the batch it will run, and runs that very callable though the file lists the
+    keys in another order; an assign of a subset then compiles its own, with no guess (the
+    session compiled before)."""
     weights = six_values()
     path = tmp_path / "w.npz"
     ws.save(path, dict(reversed(weights.items())))
@@ -763,12 +764,14 @@ def test_the_first_assign_compiles_its_batch_once_started_before_the_file_is_ope
     compile_ = _tf1_callables._compile
     monkeypatch.setattr(_tf1_callables, "_compile",
                         lambda sess, signature: compiled.append(signature[0]) or compile_(sess, signature))
-    started_before_open: list[bool] = []
+    handed: list[object] = []
+    beside = _tf1_callables.beside
+    monkeypatch.setattr(_tf1_callables, "beside", lambda job: handed.append(job) or beside(job))
+    handed_before_open: list[int] = []
     open_values = skeleton.open_values
 
     def opened(weights):
-        table = getattr(sess, "_weightstore_callables", None)
-        started_before_open.append(table is not None and not table.empty())
+        handed_before_open.append(len(handed))
         return open_values(weights)
 
     monkeypatch.setattr(skeleton, "open_values", opened)
@@ -779,7 +782,7 @@ def test_the_first_assign_compiles_its_batch_once_started_before_the_file_is_ope
     with v1.Session(graph=graph) as sess:
         sess.run(init)
         assert tf1.assign(sess, path).assigned == list(reversed(weights))
-        assert started_before_open == [True]
+        assert handed_before_open == [1]
         assert len(compiled) == 1 and len(compiled[0]) == 6
         for got, expected in zip(values(sess, variables), weights.values(), strict=True):
             np.testing.assert_array_equal(got, expected)

@@ -121,6 +121,23 @@ def test_staged_buffers_of_growing_batches_are_distinct_and_shaped_as_asked():
             np.testing.assert_array_equal(feed, array)
 
 
+def test_a_warmed_staging_run_is_the_one_the_batch_then_makes():
+    """``warm`` builds the ``Empty`` ops a batch of those shapes will run (on the helper, during the
+    first assign's verify pass), so the batch makes no chain of its own; values too small to stage
+    are left out of the count, and the staged copies hold the values exactly."""
+    dtype = np.dtype("float16")
+    count = max(9, 2 * len(getattr(_tf_staging._stagers.get(dtype), "_ops", ())) + 1)  # longer than any chain before
+    shapes = [(ROWS + i, 8) for i in range(count)]
+    _tf_staging.warm([(shape, dtype) for shape in shapes] + [((4,), dtype)])
+    stager = _tf_staging._stagers[dtype]
+    chains = stager._chains
+    arrays = [values(dtype, i)[:1].repeat(ROWS + i, axis=0) for i in range(count)]
+    feeds = _tf_staging.staged_feeds([(array, dtype) for array in arrays])
+    assert stager._chains == chains and len(stager._ops) == count
+    for feed, array in zip(feeds, arrays, strict=True):
+        np.testing.assert_array_equal(feed, array)
+
+
 def test_assigned_variables_update_in_place_and_earlier_reads_keep_their_values(tmp_path):
     variable = tf.Variable(tf.zeros((ROWS, 8), tf.float32))
     before = variable.read_value()  # shares the variable's buffer, as a background snapshot does
