@@ -33,8 +33,8 @@ from weightstore.adapters._report import Plan, TargetInfo
 from weightstore.adapters._values import Values, ValueSource, open_values
 from weightstore.adapters.plan import AssignOptions, Report, plan_assign
 from weightstore.core._gcpause import paused_gc
-from weightstore.errors import AssignmentError
 from weightstore.core._heap import populate
+from weightstore.errors import AssignmentError
 from weightstore.io._buffer import (  # TF adopts aligned memory (EIGEN_MAX_ALIGN_BYTES)
     ALIGNMENT,
     aligned_array,
