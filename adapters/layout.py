@@ -65,7 +65,7 @@ from weightstore.adapters._casts import describe
 from weightstore.adapters._layer_rules import LayerRule
 from weightstore.adapters._report import Mismatch, Plan, TargetInfo
 from weightstore.adapters._values import ValueSource
-from weightstore.adapters.plan import AssignOptions, plan_assign
+from weightstore.adapters.plan import AssignOptions, optimizer_state, plan_assign
 from weightstore.core.keys import MappingRules, Patterns, join_scope, map_key, normalize_scope, parse_mapping, passes
 from weightstore.errors import AssignmentError, LayoutError
 from weightstore.formats import keras_file, keras_sharded
@@ -660,6 +660,7 @@ def plan_laid_out(values: ValueSource, targets: Mapping[str, TargetInfo], option
     Keras's is).
     """
     refuse_keras_file(values)
+    left_out = optimizer_state(values.keys(), targets, options.scope)  # no module holds a Keras optimizer's state
     refused: list[Mismatch] = []
     view: ValueSource = values
     scope, mapping = options.scope, options.mapping
@@ -670,7 +671,9 @@ def plan_laid_out(values: ValueSource, targets: Mapping[str, TargetInfo], option
             target = targets.get(join_scope(norm_scope, map_key(key, rules)))
             return None if target is None else target.shape
 
-        steps, refusals = from_keras(layout, {key: values.shape(key) for key in list(values.keys())}, target_shape)
+        state = set(left_out)
+        steps, refusals = from_keras(layout, {key: values.shape(key) for key in list(values.keys()) if key not in state},
+                                     target_shape)
         if unconvertible is not None:
             for new in list(steps):
                 why = unconvertible(join_scope(norm_scope, map_key(new, rules)))
@@ -680,7 +683,8 @@ def plan_laid_out(values: ValueSource, targets: Mapping[str, TargetInfo], option
         for key, source, why in selected_refusals(refusals, scope=scope, mapping=mapping, include=options.include,
                                                   exclude=options.exclude):
             refused.append(Mismatch(key, "", describe(values.dtype(source), values.shape(source)), why))
-    plan = plan_assign(view, targets, options, optional=optional, refused=refused, tied=tied)
+    plan = plan_assign(view, targets, options, optional=optional, refused=refused, left_out=left_out, tied=tied)
+    plan.report.left_out = left_out  # a layout converts none of them: named as the values name them
     return plan, view
 
 

@@ -11,6 +11,7 @@ and hot reload's memory (:mod:`~weightstore.adapters._reload`).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 
 import numpy as np
@@ -32,6 +33,19 @@ from weightstore.core.keys import (
 from weightstore.errors import AssignmentError, naming
 
 __all__ = ["Report", "SelectionWords", "AssignWords", "Selection", "AssignOptions", "AssignWarning"]
+
+OPTIMIZER_SCOPE = "optimizer"  # a Keras model's optimizer state, as tf2.export(optimizer=True) and a .keras key it
+INNER_OPTIMIZER = "inner_optimizer"  # the optimizer a LossScaleOptimizer wraps (mixed precision), saved again below it
+OPTIMIZER_KEY = re.compile(rf"{OPTIMIZER_SCOPE}/(?:{INNER_OPTIMIZER}/)?vars/\d+")
+
+
+def optimizer_state(keys: Collection[str], targets: Collection[str], scope: str | None) -> list[str]:
+    """The value ``keys`` that are a Keras model's optimizer state (``optimizer/vars/<i>``) and
+    name no variable of ``targets`` under ``scope``: training state that only ``tf2.assign(...,
+    optimizer=True)`` writes. Every other assign leaves it out (``plan_assign``'s ``left_out``),
+    so the ``.keras`` of a model trained after ``compile`` goes into a module or graph of its layers."""
+    norm_scope = normalize_scope(scope)
+    return [key for key in keys if OPTIMIZER_KEY.fullmatch(key) and join_scope(norm_scope, key) not in targets]
 
 
 def plan_assign(
