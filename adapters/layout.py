@@ -66,7 +66,7 @@ from weightstore.adapters._casts import describe
 from weightstore.adapters._layer_rules import LayerRule
 from weightstore.adapters._report import Mismatch, Plan, TargetInfo
 from weightstore.adapters._values import ValueSource
-from weightstore.adapters.plan import AssignOptions, optimizer_state, plan_assign
+from weightstore.adapters.plan import AssignOptions, plan_assign, training_state
 from weightstore.core.keys import MappingRules, Patterns, join_scope, map_key, normalize_scope, parse_mapping, passes
 from weightstore.errors import AssignmentError, LayoutError
 from weightstore.formats import keras_file, keras_sharded
@@ -672,7 +672,7 @@ def plan_laid_out(values: ValueSource, targets: Mapping[str, TargetInfo], option
     Keras's is).
     """
     refuse_keras_file(values)
-    left_out = optimizer_state(values.keys(), targets, options.scope)  # no module holds a Keras optimizer's state
+    left_out = training_state(values.keys(), targets, options.scope)  # no module holds an optimizer's state
     refused: list[Mismatch] = []
     view: ValueSource = values
     scope, mapping = options.scope, options.mapping

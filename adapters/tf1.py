@@ -67,8 +67,8 @@ from weightstore.adapters.plan import (
     Report,
     Selection,
     SelectionWords,
-    optimizer_state,
     plan_assign,
+    training_state,
 )
 from weightstore.adapters.skeleton import Target, batch_budget, run_assign
 from weightstore.core._heap import give_back
@@ -287,7 +287,7 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
     def plan(values: Any, options: AssignOptions) -> tuple[Plan, Any]:
         refuse_keras_file(values)  # Keras's own names: no graph names its variables so
         left_out = () if optimizer else (_tf1_training.in_checkpoint(values.where, values.keys())
-                                          | set(optimizer_state(values.keys(), targets, options.scope)))
+                                          | set(training_state(values.keys(), targets, options.scope)))
         infos.update(_shaped_as_values(values, options, empty, left_out))  # the Target below reads infos too
         model = infos if optimizer else {key: info for key, info in infos.items() if not targets[key].training}
         return plan_assign(values, model, options, left_out=left_out), values
