@@ -88,8 +88,8 @@ def test_training_checkpoint_assigns_into_an_inference_graph(train_dir, tmp_path
         saved = checkpoint_values(train_dir)
         for key, value in scoped_values(sess).items():
             np.testing.assert_array_equal(value, saved[key])
-    assert str(report) == ("assigned 4 variables; 9 left out as training state (optimizer=True assigns them): "
-                           "'beta1_power', 'beta2_power', 'global_step' and 6 more.")
+    assert str(report) == ("assigned 4 variables; 9 left out as training state (tf1 and tf2 assign them with "
+                           "optimizer=True): 'beta1_power', 'beta2_power', 'global_step' and 6 more.")
 
 
 def test_the_model_dir_itself_assigns_its_latest_checkpoint(train_dir):
