@@ -181,3 +181,21 @@ def test_a_training_checkpoint_goes_into_keras_and_pytorch_without_its_training_
     assert sorted(report.assigned) == ["hidden/bias", "hidden/weight", "out/weight"]
     assert sorted(report.left_out) == TRAINING
     np.testing.assert_array_equal(module["hidden"].weight.detach().numpy(), saved["hidden/kernel"].T)
+
+
+def test_ws_convert_by_layout_leaves_a_training_checkpoints_state_out_and_says_so(train_dir, tmp_path):
+    """`ws convert ckpt t.safetensors --layout keras-to-torch` refused every slot, beta power and
+    the step (no layout rule converts them) and has no --exclude: it leaves them out now, as an
+    assign does, and its caution line lists them."""
+    from typer.testing import CliRunner
+
+    import weightstore as ws
+    from weightstore.cli.main import app
+
+    out = tmp_path / "t.safetensors"
+    result = CliRunner().invoke(app, ["convert", str(train_dir / "model.ckpt-6"), str(out), "--layout", "keras-to-torch"])
+    assert result.exit_code == 0, result.output
+    assert "left out 9 tensors of training state: 'beta1_power', 'beta2_power', 'global_step'" in result.output
+    converted = ws.load(out)
+    assert sorted(converted) == ["bn/running_mean", "hidden/bias", "hidden/weight", "out/weight"]
+    np.testing.assert_array_equal(converted["hidden/weight"], checkpoint_values(train_dir)["hidden/kernel"].T)
