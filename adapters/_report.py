@@ -61,7 +61,7 @@ class Report:
     def __str__(self) -> str:
         parts = [f"assigned {len(self.assigned)} variable{'s' * (len(self.assigned) != 1)}"]
         for title, items in (("skipped as unchanged", self.skipped),
-                             ("left out as training state (optimizer=True assigns them)", self.left_out),
+                             ("left out as training state (tf1 and tf2 assign them with optimizer=True)", self.left_out),
                              ("missing (no value)", self.missing),
                              ("unexpected (no variable)", self.unexpected),
                              ("mismatched", [m.key for m in self.mismatched])):

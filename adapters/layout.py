@@ -17,7 +17,8 @@ guessed:
   the module holding the tensor (``nn.Linear`` is ``dense``; a convolution with
   ``groups == in_channels`` is ``depthwise``); a file records no modules, so
   :func:`kinds_from_names` derives the kind from a scope's tensors (see there), and never
-  finds ``depthwise``: a depthwise layer's kernel is only converted where its module is at hand.
+  finds ``depthwise``: a depthwise layer's kernel converts where its module is at hand, or where
+  ``kinds=`` says ``depthwise`` (one group per channel: a multiplier of 1).
   A transposed convolution's kernel (``[*spatial, out, in]`` in Keras, ``[in, out, *spatial]``
   in PyTorch) converts as a convolution's, by the same reversal of axes.
 
@@ -65,7 +66,7 @@ from weightstore.adapters._casts import describe
 from weightstore.adapters._layer_rules import LayerRule
 from weightstore.adapters._report import Mismatch, Plan, TargetInfo
 from weightstore.adapters._values import ValueSource
-from weightstore.adapters.plan import AssignOptions, plan_assign
+from weightstore.adapters.plan import AssignOptions, plan_assign, training_state
 from weightstore.core.keys import MappingRules, Patterns, join_scope, map_key, normalize_scope, parse_mapping, passes
 from weightstore.errors import AssignmentError, LayoutError
 from weightstore.formats import keras_file, keras_sharded
@@ -428,6 +429,7 @@ def to_keras(layout: Layout, shapes: Mapping[str, tuple[int, ...]],
     """
     layer_steps, refused, used = _plan_layers(layout, shapes, False, sites)
     rest = {key: shape for key, shape in shapes.items() if key not in used}
+    file_groups = sites is None  # no module says a depthwise layer's group count: a file's
     if sites is None:
         found = kinds_from_names(layout, rest)
         found.update(kinds or {})
@@ -439,6 +441,8 @@ def to_keras(layout: Layout, shapes: Mapping[str, tuple[int, ...]],
             continue
         site = sites.get(key, Site(None))
         rule = layout.rule_to_keras(leaf, len(shape), site.kind)
+        if file_groups and rule is not None and rule.fold:
+            site = Site(site.kind, _channels(shape, *rule.fold))
         if rule is None:
             of = f"in a {site.kind!r} layer" if site.kind else "in a layer of unknown kind"
             refused[key] = f"no {layout.name} layout rule for a rank-{len(shape)} {leaf!r} {of}{_EXTEND}"
@@ -450,6 +454,14 @@ def to_keras(layout: Layout, shapes: Mapping[str, tuple[int, ...]],
             step = Step(key, rule, rule.to_keras_shape(shape, site.groups), True, site.groups)
             steps.setdefault(join_scope(scope, rule.keras), []).append(step)
     return _unique(steps, refused), refused
+
+
+def _channels(shape: tuple[int, ...], merge: int, unit: int) -> int:
+    """The group count of a depthwise kernel a file holds (``--kind SCOPE=depthwise``) whose
+    module is not at hand: one group per channel, as a multiplier of 1 (Keras's default) has.
+    A kernel of another multiplier comes out with another shape than its Keras layer's, which
+    an assign refuses."""
+    return [size for axis, size in enumerate(shape) if axis != unit][merge]
 
 
 def _unique(steps: dict[str, list[AnyStep]], refused: dict[str, str]) -> dict[str, AnyStep]:
@@ -660,6 +672,7 @@ def plan_laid_out(values: ValueSource, targets: Mapping[str, TargetInfo], option
     Keras's is).
     """
     refuse_keras_file(values)
+    left_out = training_state(values.keys(), targets, options.scope)  # no module holds an optimizer's state
     refused: list[Mismatch] = []
     view: ValueSource = values
     scope, mapping = options.scope, options.mapping
@@ -670,7 +683,9 @@ def plan_laid_out(values: ValueSource, targets: Mapping[str, TargetInfo], option
             target = targets.get(join_scope(norm_scope, map_key(key, rules)))
             return None if target is None else target.shape
 
-        steps, refusals = from_keras(layout, {key: values.shape(key) for key in list(values.keys())}, target_shape)
+        state = set(left_out)
+        steps, refusals = from_keras(layout, {key: values.shape(key) for key in list(values.keys()) if key not in state},
+                                     target_shape)
         if unconvertible is not None:
             for new in list(steps):
                 why = unconvertible(join_scope(norm_scope, map_key(new, rules)))
@@ -680,7 +695,8 @@ def plan_laid_out(values: ValueSource, targets: Mapping[str, TargetInfo], option
         for key, source, why in selected_refusals(refusals, scope=scope, mapping=mapping, include=options.include,
                                                   exclude=options.exclude):
             refused.append(Mismatch(key, "", describe(values.dtype(source), values.shape(source)), why))
-    plan = plan_assign(view, targets, options, optional=optional, refused=refused, tied=tied)
+    plan = plan_assign(view, targets, options, optional=optional, refused=refused, left_out=left_out, tied=tied)
+    plan.report.left_out = left_out  # a layout converts none of them: named as the values name them
     return plan, view
 
 

@@ -11,10 +11,12 @@ and hot reload's memory (:mod:`~weightstore.adapters._reload`).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
+from weightstore.adapters import _tf1_training
 from weightstore.adapters._casts import describe
 from weightstore.adapters._options import AssignOptions, AssignWords, Selection, SelectionWords, keeps, require_also_use
 from weightstore.adapters._report import AssignWarning, Mismatch, Plan, Report, TargetInfo
@@ -32,6 +34,24 @@ from weightstore.core.keys import (
 from weightstore.errors import AssignmentError, naming
 
 __all__ = ["Report", "SelectionWords", "AssignWords", "Selection", "AssignOptions", "AssignWarning"]
+
+OPTIMIZER_SCOPE = "optimizer"  # a Keras model's optimizer state, as tf2.export(optimizer=True) and a .keras key it
+INNER_OPTIMIZER = "inner_optimizer"  # the optimizer a LossScaleOptimizer wraps (mixed precision), saved again below it
+OPTIMIZER_KEY = re.compile(rf"{OPTIMIZER_SCOPE}/(?:{INNER_OPTIMIZER}/)?vars/\d+")
+
+
+def training_state(keys: Collection[str], targets: Collection[str], scope: str | None) -> list[str]:
+    """The value ``keys`` that are training state and name no variable of ``targets`` under
+    ``scope``: a Keras model's optimizer state (``optimizer/vars/<i>``, as a ``.keras`` of a
+    model trained after ``compile`` holds it) and a TF1 ``Saver`` checkpoint's, as TF names it
+    (``w/Adam``, ``beta1_power``, ``global_step``: :func:`_tf1_training.by_naming`). Every
+    assign leaves them out (``plan_assign``'s ``left_out``) unless the adapter is asked for
+    them (``optimizer=True``), so such a file goes into any model, module or graph of its layers."""
+    norm_scope = normalize_scope(scope)
+    keys = list(keys)
+    state = _tf1_training.by_naming(keys)
+    return [key for key in keys if (key in state or OPTIMIZER_KEY.fullmatch(key))
+            and join_scope(norm_scope, key) not in targets]
 
 
 def plan_assign(

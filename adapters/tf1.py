@@ -61,7 +61,15 @@ from weightstore.adapters._reload import MEMORY
 from weightstore.adapters._report import Plan, TargetInfo
 from weightstore.adapters._tf_staging import STAGED_FROM, held_back, lend, reclaim, shares_mapped, staged_feeds, warm
 from weightstore.adapters.layout import refuse_keras_file
-from weightstore.adapters.plan import AssignOptions, AssignWords, Report, Selection, SelectionWords, plan_assign
+from weightstore.adapters.plan import (
+    AssignOptions,
+    AssignWords,
+    Report,
+    Selection,
+    SelectionWords,
+    plan_assign,
+    training_state,
+)
 from weightstore.adapters.skeleton import Target, batch_budget, run_assign
 from weightstore.core._heap import give_back
 from weightstore.core.keys import from_tf_name, plan_inward, validate_key
@@ -278,7 +286,8 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
 
     def plan(values: Any, options: AssignOptions) -> tuple[Plan, Any]:
         refuse_keras_file(values)  # Keras's own names: no graph names its variables so
-        left_out = () if optimizer else _tf1_training.in_checkpoint(values.where, values.keys())
+        left_out = () if optimizer else (_tf1_training.in_checkpoint(values.where, values.keys())
+                                          | set(training_state(values.keys(), targets, options.scope)))
         infos.update(_shaped_as_values(values, options, empty, left_out))  # the Target below reads infos too
         model = infos if optimizer else {key: info for key, info in infos.items() if not targets[key].training}
         return plan_assign(values, model, options, left_out=left_out), values

@@ -92,6 +92,9 @@ from weightstore.adapters._report import Plan, TargetInfo
 from weightstore.adapters._tf_staging import staged_copy
 from weightstore.adapters._values import RenamedValues
 from weightstore.adapters.plan import (
+    INNER_OPTIMIZER,
+    OPTIMIZER_KEY,
+    OPTIMIZER_SCOPE,
     AssignOptions,
     AssignWords,
     Report,
@@ -99,6 +102,7 @@ from weightstore.adapters.plan import (
     SelectionWords,
     plan_assign,
     settle_tied,
+    training_state,
 )
 from weightstore.adapters.skeleton import Target, private_copy, run_assign
 from weightstore.core.keys import (
@@ -123,9 +127,6 @@ _SHARDED = tf.__internal__.distribute.ShardedVariable
 _VARIABLE_TYPES = (tf.Variable, keras.Variable, _SHARDED)
 _TRACKABLE = tf.__internal__.tracking.AutoTrackable
 _KERAS_LAYOUT = re.compile(r"(?:.+/)?vars/[^/]+")  # Keras's file names: layers/dense/vars/0, optimizer/vars/3
-_OPTIMIZER_SCOPE = "optimizer"  # a model's optimizer state, as export(optimizer=True) keys it: Keras's names
-_INNER_OPTIMIZER = "inner_optimizer"  # the optimizer a LossScaleOptimizer wraps (mixed precision), saved again below it
-_OPTIMIZER_KEY = re.compile(rf"{_OPTIMIZER_SCOPE}/(?:{_INNER_OPTIMIZER}/)?vars/\d+")
 _PART_SUFFIX = re.compile(r"/part_\d+$")
 _GROUPED_BELOW = 1 << 16  # values under this many bytes are written in groups (see _write_batch)
 _GROUP = 64  # most values per group: as fast per variable as larger groups, and a cheap kernel to build
@@ -261,9 +262,7 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
         view = (keras_view
                 or _whole_keys_renamed(values, rekey, targets, options)
                 or _old_keys_renamed(values, aliases, targets, options))
-        value_keys, scope = view.keys(), normalize_scope(options.scope)  # a ValueSource: keys(), not iteration
-        left_out = () if optimizer else [key for key in value_keys if _OPTIMIZER_KEY.fullmatch(key)
-                                         and join_scope(scope, key) not in targets]
+        left_out = () if optimizer else training_state(view.keys(), targets, options.scope)
         planned = plan_assign(view, targets, options, left_out=left_out, tied=tied,
                               optional=(lambda key: key not in lora) if adapter_only
                               else lora.__contains__ if keras_keyed else None)
@@ -413,7 +412,7 @@ def _keras_layout_renamed(values: Any, obj: Any, found: Mapping[str, tuple[Varia
     keys = values.keys()
     if (not isinstance(obj, keras.layers.Layer) or options.mapping or not keys
             or not all(_KERAS_LAYOUT.fullmatch(key) for key in keys)
-            or any(key in found and not _OPTIMIZER_KEY.fullmatch(key) for key in keys)):
+            or any(key in found and not OPTIMIZER_KEY.fullmatch(key) for key in keys)):
         return None
     at = normalize_scope(options.scope)
     try:
@@ -423,7 +422,7 @@ def _keras_layout_renamed(values: Any, obj: Any, found: Mapping[str, tuple[Varia
     by_variable = {id(var): strip_scope(key, at) for key, (var, _) in found.items() if in_scope(key, at) and key != at}
     names = keras_file_names(part, keys, by_variable, optimizer=optimizer)  # model key -> file key
     renames = {file_key: model_key for model_key, file_key in names.items() if model_key != file_key}
-    state = {key for key in keys if _OPTIMIZER_KEY.fullmatch(key)}  # kept, for the plan to list as left out
+    state = {key for key in keys if OPTIMIZER_KEY.fullmatch(key)}  # kept, for the plan to list as left out
     return RenamedValues(values, renames, keep=set(names.values()) | state)
 
 
@@ -535,10 +534,10 @@ def _optimizer_variables(obj: Any) -> Iterator[tuple[str, Variable]]:
         raise SelectionError(f"{_describe(obj)} has no built optimizer: compile it and build its optimizer "
                              "(model.optimizer.build(model.trainable_variables)) before asking for optimizer=True")
     for i, var in enumerate(variables):
-        yield f"{_OPTIMIZER_SCOPE}/vars/{i}", var
-    inner = getattr(optimizer, _INNER_OPTIMIZER, None)
+        yield f"{OPTIMIZER_SCOPE}/vars/{i}", var
+    inner = getattr(optimizer, INNER_OPTIMIZER, None)
     for i, var in enumerate(getattr(inner, "variables", None) or []):
-        yield f"{_OPTIMIZER_SCOPE}/{_INNER_OPTIMIZER}/vars/{i}", var
+        yield f"{OPTIMIZER_SCOPE}/{INNER_OPTIMIZER}/vars/{i}", var
 
 
 def _collect(obj: Any, optimizer: bool = False) -> dict[str, tuple[Variable, bool]]:

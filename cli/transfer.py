@@ -19,7 +19,7 @@ import numpy as np
 import weightstore
 from weightstore.adapters import _checkpoints, _keras_import
 from weightstore.adapters import layout as layouts
-from weightstore.adapters.plan import Selection
+from weightstore.adapters.plan import Selection, training_state
 from weightstore.cli.render import counted, track, working
 from weightstore.cli.sources import Source
 from weightstore.core.keys import MappingRules, Patterns, plan_inward, validate_key
@@ -114,6 +114,11 @@ def convert(source: Source, out: str, *, compress: bool | str, layout: str | Non
     if names is None and layout is None:  # the same tensors in another file
         names = _names_kept(source, written_as, source.keys())
     plan = torch_keys(source.keys()) if layout == "torch-to-keras" else {k: k for k in source}
+    # an optimizer's state (a TF1 Saver checkpoint's slots and step, a Keras model's
+    # optimizer/vars/<i>) has no place in another framework's module, as in an assign
+    left_out = training_state(plan, (), None) if layout is not None and layout.startswith("keras-to-") else []
+    for key in left_out:
+        del plan[key]
     weights = read(source, plan, "converting")
     if layout is not None:
         with naming(path=source.path):
@@ -127,7 +132,8 @@ def convert(source: Source, out: str, *, compress: bool | str, layout: str | Non
     with counted(weights, f"writing {out}") as values:
         weightstore.save(out, values, metadata=source.metadata, compress=compress, names=names,
                          max_shard_size=max_shard_size)
-    return Written(out, "store", len(weights), sum(a.nbytes for a in weights.values()))
+    caution = f"left out {len(left_out)} tensors of training state: {named(left_out)}" if left_out else None
+    return Written(out, "store", len(weights), sum(a.nbytes for a in weights.values()), caution)
 
 
 def is_checkpoint_target(target: str) -> bool:

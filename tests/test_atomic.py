@@ -74,10 +74,12 @@ except OSError as exc:
 
 @pytest.mark.parametrize("suffix", SUFFIXES)
 def test_real_write_error_leaves_previous_file(tmp_path, suffix):
-    """The file system refuses the write half-way (file size limit): a genuine I/O error."""
+    """The file system refuses the write half-way (file size limit): a genuine I/O error, naming
+    the file the caller gave, never the temporary beside it that the save was writing."""
     path, before = previous(tmp_path, suffix)
     result = subprocess.run([sys.executable, "-c", _FILL_DISK, str(path)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 3, result.stdout + result.stderr
+    assert result.stdout.startswith(f"WriteError {path}: "), result.stdout
     assert path.read_bytes() == before
     assert leftovers(tmp_path, path) == []
     assert np.array_equal(ws.load(path)["old/w"], np.arange(100, dtype=np.float32))

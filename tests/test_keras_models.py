@@ -607,6 +607,52 @@ def test_a_keras_archive_pairs_with_a_tf1_graph_of_its_layer_names(tmp_path):
     assert "different architectures" not in str(caught.value)
 
 
+
+def test_a_trained_models_keras_archive_goes_into_torch_flax_and_tf1_without_its_optimizer_state(tmp_path):
+    """A compiled model's .keras holds its optimizer's state (optimizer/vars/<i>), which no
+    module or graph has a variable for: every adapter leaves it out, as tf2.assign does, and
+    lists it in report.left_out, rather than refusing the file a user trained and saved."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("flax.nnx")
+    from flax import nnx
+
+    from weightstore.adapters import flax as flax_adapter
+    from weightstore.adapters import tf1
+    from weightstore.adapters import torch as torch_adapter
+
+    model = small_dense()
+    model.compile(keras.optimizers.Adam(0.1), "mse")
+    model.fit(X, X[:, :2], epochs=1, verbose=0)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    expected = np.asarray(model(X))
+    state = [key for key in ws.load(path) if key.startswith("optimizer/")]
+    assert state  # the step counter, the learning rate, Adam's moments
+
+    module = torch.nn.ModuleDict({"head": torch.nn.Linear(3, 2)})
+    report = torch_adapter.assign(module, path, layout="keras")
+    assert sorted(report.assigned) == ["head/bias", "head/weight"] and sorted(report.left_out) == sorted(state)
+    with torch.no_grad():
+        np.testing.assert_allclose(module["head"](torch.from_numpy(X)).numpy(), expected, atol=1e-5)
+
+    class Head(nnx.Module):
+        def __init__(self):
+            self.head = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+
+    flax_module = Head()
+    report = flax_adapter.assign(flax_module, path, layout="keras")
+    assert sorted(report.left_out) == sorted(state)
+    np.testing.assert_allclose(np.asarray(flax_module.head(X)), expected, atol=1e-5)
+
+    graph = tf.Graph()
+    with graph.as_default(), tf.compat.v1.Session(graph=graph) as sess:
+        with tf.compat.v1.variable_scope("head"):
+            kernel, bias = tf.compat.v1.get_variable("kernel", (3, 2)), tf.compat.v1.get_variable("bias", (2,))
+        sess.run(tf.compat.v1.global_variables_initializer())
+        report = tf1.assign(sess, path)
+        assert sorted(report.assigned) == ["head/bias", "head/kernel"] and sorted(report.left_out) == sorted(state)
+        np.testing.assert_allclose(sess.run(tf.matmul(X, kernel) + bias), expected, atol=1e-5)
+
 class ListHeld(keras.Model):
     """Layers in a plain Python list: Keras tracks them, TF's checkpoint walk does not."""
 

@@ -194,6 +194,25 @@ def test_a_keras_3_depthwise_kernel_in_a_file_is_refused_until_its_kind_is_given
     assert result.exit_code == 2 and "without --layout nothing is converted" in " ".join(result.output.split())
 
 
+
+def test_a_pytorch_depthwise_weight_in_a_file_converts_to_keras_as_its_kind_says(tmp_path):
+    """A PyTorch depthwise ``[4, 1, 3, 3]`` weight reads as a one-input-channel Conv's unless
+    ``--kind`` says otherwise; ``--kind dw=depthwise`` once still gave the Conv's ``[3, 3, 1, 4]``
+    (one group assumed), which no DepthwiseConv2D takes. It gives Keras's ``[3, 3, 4, 1]`` now."""
+    conv = nn.Conv2d(4, 4, 3, groups=4)
+    with torch.no_grad():
+        for tensor in conv.parameters():
+            tensor.normal_()
+    ws.save(tmp_path / "t.npz", {f"dw/{key}": value for key, value in torch_adapter.export(conv).items()})
+    out = tmp_path / "k.npz"
+    result = run("convert", tmp_path / "t.npz", out, "--layout", "torch-to-keras", "--kind", "dw=depthwise")
+    assert result.exit_code == 0, result.output
+    assert ws.load(out)["dw/kernel"].shape == (3, 3, 4, 1)
+    model = keras.Sequential([keras.Input((6, 6, 4)), keras.layers.DepthwiseConv2D(3, name="dw")])
+    assert tf2.assign(model, out).ok
+    inputs = np.random.default_rng(0).normal(size=(1, 6, 6, 4)).astype("float32")
+    np.testing.assert_allclose(np.asarray(model(inputs)), channels_last(conv, inputs), atol=TOLERANCE)
+
 def test_a_keras_archive_tells_its_bias_free_depthwise_kernels_by_its_own_model(tmp_path):
     """A bias-free ``[3, 3, 3, 2]`` kernel passes for a Conv's and a DepthwiseConv's alike; a
     ``.keras`` archive's config says which each layer is, so ``ws convert`` needs no ``--kind``."""

@@ -88,8 +88,8 @@ def test_training_checkpoint_assigns_into_an_inference_graph(train_dir, tmp_path
         saved = checkpoint_values(train_dir)
         for key, value in scoped_values(sess).items():
             np.testing.assert_array_equal(value, saved[key])
-    assert str(report) == ("assigned 4 variables; 9 left out as training state (optimizer=True assigns them): "
-                           "'beta1_power', 'beta2_power', 'global_step' and 6 more.")
+    assert str(report) == ("assigned 4 variables; 9 left out as training state (tf1 and tf2 assign them with "
+                           "optimizer=True): 'beta1_power', 'beta2_power', 'global_step' and 6 more.")
 
 
 def test_the_model_dir_itself_assigns_its_latest_checkpoint(train_dir):
@@ -149,3 +149,53 @@ def test_a_partitioned_model_s_training_checkpoint_leaves_its_slots_out_from_the
         assert report.ok and sorted(report.left_out) == ["beta1_power", "beta2_power", "w/Adam", "w/Adam_1",
                                                          "w/ExponentialMovingAverage"]
         np.testing.assert_array_equal(sess.run(y, {x: batch}), expected)
+
+
+def test_a_training_checkpoint_goes_into_keras_and_pytorch_without_its_training_state(train_dir):
+    """The same Saver checkpoint (Adam's slots and beta powers, the global step) into a Keras
+    model under an ensemble member's scope and into a PyTorch module ported by layout: both
+    leave the training state out and list it, as tf1.assign does, where both refused the
+    checkpoint naming every slot as a value with no variable."""
+    keras = pytest.importorskip("keras")
+    torch = pytest.importorskip("torch")
+    from weightstore.adapters import tf2
+    from weightstore.adapters import torch as torch_adapter
+
+    saved = checkpoint_values(train_dir)
+
+    def member(name):
+        hidden, out = keras.layers.Dense(4, name="hidden"), keras.layers.Dense(1, use_bias=False, name="out")
+        return keras.Sequential([keras.Input((3,)), hidden, out], name=name)
+
+    inputs = keras.Input((3,))
+    ensemble = keras.Model(inputs, [member("model_001")(inputs), member("model_002")(inputs)])
+    report = tf2.assign(ensemble, str(train_dir), scope="model_002", exclude="bn")
+    assert sorted(report.assigned) == ["model_002/hidden/bias", "model_002/hidden/kernel", "model_002/out/kernel"]
+    assert sorted(report.left_out) == TRAINING
+    exported = tf2.export(ensemble, scope="model_002")
+    for key in ("hidden/kernel", "hidden/bias", "out/kernel"):
+        np.testing.assert_array_equal(exported[key], saved[key])
+
+    module = torch.nn.ModuleDict({"hidden": torch.nn.Linear(3, 4), "out": torch.nn.Linear(4, 1, bias=False)})
+    report = torch_adapter.assign(module, str(train_dir), layout="keras", exclude="bn")
+    assert sorted(report.assigned) == ["hidden/bias", "hidden/weight", "out/weight"]
+    assert sorted(report.left_out) == TRAINING
+    np.testing.assert_array_equal(module["hidden"].weight.detach().numpy(), saved["hidden/kernel"].T)
+
+
+def test_ws_convert_by_layout_leaves_a_training_checkpoints_state_out_and_says_so(train_dir, tmp_path):
+    """`ws convert ckpt t.safetensors --layout keras-to-torch` refused every slot, beta power and
+    the step (no layout rule converts them) and has no --exclude: it leaves them out now, as an
+    assign does, and its caution line lists them."""
+    from typer.testing import CliRunner
+
+    import weightstore as ws
+    from weightstore.cli.main import app
+
+    out = tmp_path / "t.safetensors"
+    result = CliRunner().invoke(app, ["convert", str(train_dir / "model.ckpt-6"), str(out), "--layout", "keras-to-torch"])
+    assert result.exit_code == 0, result.output
+    assert "left out 9 tensors of training state: 'beta1_power', 'beta2_power', 'global_step'" in result.output
+    converted = ws.load(out)
+    assert sorted(converted) == ["bn/running_mean", "hidden/bias", "hidden/weight", "out/weight"]
+    np.testing.assert_array_equal(converted["hidden/weight"], checkpoint_values(train_dir)["hidden/kernel"].T)

@@ -110,13 +110,17 @@ class Commit(abc.ABC):
     def writing(self) -> Iterator[str]:
         """A write the file system refuses (disk full, file-size limit, read-only) comes out as
         a :class:`WriteError` naming the target and keeping the ``errno``, so a caller that
-        handles ``OSError`` still does and a background publish says which file failed."""
+        handles ``OSError`` still does and a background publish says which file failed. A writer's
+        own error about the temporary it was given (HDF5's) names the target too: the caller
+        never gave the temporary's name, and it is gone once discarded."""
         path = self.begin()
         try:
             yield path
             self.finalize()
-        except WeightStoreError:
+        except WeightStoreError as exc:
             self.discard()
+            if exc.path == path:
+                exc.path = self.target
             raise
         except OSError as exc:
             self.discard()
