@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from weightstore.core._extras import needs
-from weightstore.core._parallel import beside
+from weightstore.core._parallel import Beside, beside
 
 with needs("tf", __name__):
     import tensorflow as tf
@@ -62,7 +62,8 @@ def compile_ahead(sess: Any, batches: list[Writers]) -> None:
             table.start(sess, _signature(writers)[0])
 
 
-def guess(sess: Any, likely: Callable[[], Writers | None], then: Callable[[Writers], object] | None = None) -> None:
+def guess(sess: Any, likely: Callable[[], Writers | None],
+          then: Callable[[Writers], object] | None = None) -> list[Beside[None]]:
     """Have the helper compile the batch the first assign into ``sess`` most likely runs
     (``likely()``, asked on the helper; ``None``: no guess), where the session has compiled no set
     before (a later assign knows its batches, and a hot reload writes a subset), then call
@@ -70,10 +71,12 @@ def guess(sess: Any, likely: Callable[[], Writers | None], then: Callable[[Write
     staging session compile its run). Finding the writers took 0.03-0.08 s of a 256 MB assign's
     first call, before its file was opened; on the helper it overlaps the open, the plan and the
     verify pass. A wrong guess costs the helper's CPU, not the assign's wait: a batch whose
-    compile the helper has not started compiles on the thread that needs it."""
+    compile the helper has not started compiles on the thread that needs it. Returns the job
+    (none where no guess is made), for the assign to wait on before it looks up a writer itself,
+    which runs it there if the helper never started it: no helper work outlives the assign."""
     table = _table(sess)
     if table is None or not table.empty():
-        return
+        return []
     session = weakref.ref(sess)
 
     def job() -> None:
@@ -84,7 +87,7 @@ def guess(sess: Any, likely: Callable[[], Writers | None], then: Callable[[Write
             if then is not None:
                 then(writers)
 
-    beside(job)
+    return [beside(job)]
 
 
 def run(sess: Any, writers: Writers, feeds: list[np.ndarray]) -> None:

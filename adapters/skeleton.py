@@ -20,8 +20,8 @@ import itertools
 import math
 import mmap
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -32,6 +32,7 @@ from weightstore.adapters._reload import MEMORY, wants_skip
 from weightstore.adapters._report import Plan, TargetInfo
 from weightstore.adapters._values import Values, ValueSource, open_values
 from weightstore.adapters.plan import AssignOptions, Report, plan_assign
+from weightstore.core._forks import Pool
 from weightstore.core._gcpause import paused_gc
 from weightstore.core._heap import populate
 from weightstore.errors import AssignmentError
@@ -46,7 +47,7 @@ __all__ = ["Target", "ValueSource", "handed_over", "private_copy", "range_checke
 _ALIGNED_FROM = 1 << 16  # smaller arrays are copied plainly: aligning them costs more than TF's copy
 _PIECE_BYTES = 16 << 20  # larger copies are split across threads: faulting in fresh pages is most of their cost
 _COPIERS = max(1, min(4, os.cpu_count() or 1))
-_copier_pool: ThreadPoolExecutor | None = None
+_copiers = Pool(_COPIERS - 1, "weightstore-copy") if _COPIERS > 1 else None
 _handed_over: dict[int, np.ndarray] = {}  # address -> array, for the arrays of every handed_over block now open
 _rehearsing: contextvars.ContextVar[bool] = contextvars.ContextVar("weightstore_rehearsing", default=False)
 
@@ -407,7 +408,6 @@ def copy_all(pairs: list[tuple[np.ndarray, np.ndarray]], *, fresh: bool = False)
     another, left the other cores idle (the first ``tf1.assign`` of a 256 MB model copies 73).
     ``fresh``: the outs are new memory, whose pages each piece faults in first in one system call
     (:func:`~weightstore.core._heap.populate`)."""
-    global _copier_pool
     pieces: list[tuple[np.ndarray, np.ndarray]] = []
     for out, array in pairs:
         count = min(out.nbytes // _PIECE_BYTES, out.shape[0] if out.ndim else 1)
@@ -417,19 +417,21 @@ def copy_all(pairs: list[tuple[np.ndarray, np.ndarray]], *, fresh: bool = False)
         bounds = [out.shape[0] * i // count for i in range(count + 1)]
         pieces += [(out[a:b], array[a:b]) for a, b in itertools.pairwise(bounds)]
     helpers = min(_COPIERS, len(pieces)) - 1
-    if helpers < 1 or sum(out.nbytes for out, _ in pieces) < 2 * _PIECE_BYTES:
+    if _copiers is None or helpers < 1 or sum(out.nbytes for out, _ in pieces) < 2 * _PIECE_BYTES:
         for piece in pieces:
             _copy(piece, fresh)
         return
-    if _copier_pool is None:
-        _copier_pool = ThreadPoolExecutor(_COPIERS - 1, thread_name_prefix="weightstore-copy")
-    claims = iter(range(len(pieces)))  # next() on it is atomic under the GIL: each piece is copied once
+    claims, claiming = iter(pieces), threading.Lock()  # each piece copied once, by whichever thread is free
 
     def copy() -> None:
-        for index in claims:
-            _copy(pieces[index], fresh)
+        while True:
+            with claiming:
+                piece = next(claims, None)
+            if piece is None:
+                return
+            _copy(piece, fresh)
 
-    others = [_copier_pool.submit(copy) for _ in range(helpers)]
+    others = [_copiers.submit(copy) for _ in range(helpers)]
     try:
         copy()
     finally:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,6 +73,7 @@ from weightstore.adapters.plan import (
 )
 from weightstore.adapters.skeleton import Target, batch_budget, run_assign
 from weightstore.core._heap import give_back
+from weightstore.core._parallel import Beside
 from weightstore.core.keys import from_tf_name, plan_inward, validate_key
 from weightstore.core.manifest import ML_DTYPES
 from weightstore.errors import AssignmentError, FormatError, InvalidKeyError, SelectionError, WeightStoreError
@@ -225,6 +227,16 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
     # dict, not the Target: a Target whose closures hold it is a cycle, which kept a dropped session
     # (and its variables) alive until the next garbage collection.
     kept: dict[str, frozenset[int]] = {}
+    # The helper's guess (_guess), settled before this assign looks up its first writer: no helper
+    # work outlives the assign, none adds ops to the graph or reads it while this thread does.
+    guessed: list[Beside[None]] = []
+    settling = threading.Lock()
+
+    def writer(variable: tf.Variable) -> tuple[tf.Operation, tf.Tensor]:
+        with settling:
+            while guessed:
+                guessed.pop().result()
+        return _writer(graph, variable)
 
     def prepare(values: Any, key: str, value_key: str) -> np.ndarray | list[np.ndarray | None]:
         """The verified value as the file holds it (a view of a mapped npz costs no memory); of a
@@ -233,7 +245,7 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
         any batch runs."""
         parts = targets[key].parts
         for part in parts:
-            _writer(graph, part.variable)
+            writer(part.variable)
         if parts[0].index and values.regional:  # None: a part hot reload found unchanged, left as it is
             unchanged = kept.get(key, frozenset())
             return [None if i in unchanged else values.read_region(value_key, part.index) for i, part in enumerate(parts)]
@@ -254,7 +266,7 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
             target = targets[key]
             for part, array in zip(target.parts, cut(value, target.parts), strict=True):
                 if array is not None:
-                    writers.append(_writer(graph, part.variable))
+                    writers.append(writer(part.variable))
                     values.append((array, target.dtype))
                     variables.append(part.variable)
         _run_batch(sess, writers, values, variables)
@@ -262,19 +274,20 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
 
     def ahead(batches: list[list[str]]) -> None:
         """Each batch's writers, as :func:`write` will run them (the parts hot reload keeps left out)."""
-        _tf1_callables.compile_ahead(sess, [[_writer(graph, part.variable) for key in keys
+        _tf1_callables.compile_ahead(sess, [[writer(part.variable) for key in keys
                                             for i, part in enumerate(targets[key].parts)
                                             if i not in kept.get(key, ())] for keys in batches])
 
-    def cost(key: str, value: np.ndarray | list[np.ndarray | None] | None) -> int:
+    def cost(key: str, value: np.ndarray | list[np.ndarray | None] | None, ops: list[tf.Operation] | None = None) -> int:
         """The new memory writing ``value`` into ``key``'s parts takes (``None``: the least it may,
-        were it a view of a mapped file): nothing for a part copied in place or taking over the file's pages."""
+        were it a view of a mapped file): nothing for a part copied in place or taking over the file's pages.
+        ``ops``: the parts' writers where the caller found them (the guess, which makes none)."""
         target = targets[key]
         arrays = [None] * len(target.parts) if value is None else cut(value, target.parts)
+        ops = [writer(part.variable)[0] for part in target.parts] if ops is None else ops
         total = 0
-        for part, array in zip(target.parts, arrays, strict=True):
+        for part, array, op in zip(target.parts, arrays, ops, strict=True):
             size = math.prod(part.variable.shape.as_list() if part.index else target.shape) * target.dtype.itemsize
-            op = _writer(graph, part.variable)[0]
             if not (array is None and (op.type == "Assign" or (size >= STAGED_FROM and _on_cpu(sess, part.variable)))
                     or array is not None and _free(sess, op, array, target.dtype, part.variable)):
                 total += size if array is None else array.size * target.dtype.itemsize
@@ -293,14 +306,14 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
         return plan_assign(values, model, options, left_out=left_out), values
 
     if not (options.scope or options.include or options.exclude or options.trainable_only or options.mapping):
-        _guess(sess, graph, targets, [key for key in infos if optimizer or not targets[key].training], cost)
+        guessed.extend(_guess(sess, graph, targets, [key for key in infos if optimizer or not targets[key].training], cost))
     job = Target(infos, write, slot=lambda key: (sess, key), prepare=prepare, plan=plan, batched=True, ahead=ahead, kept=kept, cost=cost,
                  regions=lambda key: [part.index for part in targets[key].parts] if targets[key].parts[0].index else None)
     return run_assign(job, weights, options)
 
 
 def _guess(sess: Any, graph: tf.Graph, targets: dict[str, _Target], likely: list[str],
-           cost: Callable[[str, None], int]) -> None:
+           cost: Callable[[str, None, list[tf.Operation]], int]) -> list[Beside[None]]:
     """Have the helper find and compile, while the file is opened and verified, the one batch an
     assign of every variable ``likely`` writes, where it is the session's first: where their least
     costs fit one batch's budget, as the batches are cut
@@ -308,18 +321,23 @@ def _guess(sess: Any, graph: tf.Graph, targets: dict[str, _Target], likely: list
     in one batch (see :func:`_tf1_callables.guess`); then have the staging session compile the
     run that batch's staged copies need (:func:`~weightstore.adapters._tf_staging.warm`): the
     first assign stages every resource variable's value. No guess where a variable has no writer
-    of its own yet: the op made for it is added only by an assign that writes it."""
+    of its own yet: the op made for it is added only by an assign that writes it. Returns the
+    helper's job, for the assign to wait on before it looks up a writer itself; the job only
+    looks writers up (it makes no op), and remembers them only while the graph gains none."""
     parts = [(target, part) for target in map(targets.__getitem__, likely) for part in target.parts]
 
     def batch() -> _tf1_callables.Writers | None:
+        version = graph.version
         known = _known_writers(graph)
         own = [known.get(part.variable.op.name) or _own_writer(graph, part.variable) for _, part in parts]
         writers = [writer for writer in own if writer is not None]
         if not writers or len(writers) < len(own):
             return None
-        known.update((part.variable.op.name, writer) for (_, part), writer in zip(parts, writers, strict=True))  # as _writer finds them
+        if graph.version == version:  # as _writer finds them, while the graph is as they were found in
+            known.update((part.variable.op.name, writer) for (_, part), writer in zip(parts, writers, strict=True))
+        ops = iter(op for op, _ in writers)
         try:
-            least = sum(cost(key, None) for key in likely)
+            least = sum(cost(key, None, [next(ops) for _ in targets[key].parts]) for key in likely)
         except WeightStoreError:  # a variable that cannot be written: the assign says so, in its turn
             return None
         if least > batch_budget(sum(math.prod(targets[key].shape) * targets[key].dtype.itemsize for key in likely)):
@@ -330,7 +348,7 @@ def _guess(sess: Any, graph: tf.Graph, targets: dict[str, _Target], likely: list
         warm([(tuple(part.variable.shape.as_list()) if part.index else target.shape, target.dtype)
               for (target, part), (op, _) in zip(parts, writers, strict=True) if op.type == "AssignVariableOp"])
 
-    _tf1_callables.guess(sess, batch, staging)
+    return _tf1_callables.guess(sess, batch, staging)
 
 
 def _run_batch(sess: Any, writers: _tf1_callables.Writers, values: list[tuple[np.ndarray, np.dtype]],

@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import threading
+import time
 import warnings
 import weakref
 
@@ -754,9 +756,10 @@ def test_a_session_keeps_its_latest_batches_compiled_and_is_freed_when_dropped(t
 
 def test_the_first_assign_compiles_its_batch_once_started_before_the_file_is_opened(tmp_path, monkeypatch):
     """The first assign into a session hands the helper, before opening the file, the finding and
-    compiling of the batch it will run, and runs that very callable though the file lists the
-    keys in another order; an assign of a subset then compiles its own, with no guess (the
-    session compiled before)."""
+    compiling of the batch it will run (here run at once, as a helper that starts at once would),
+    and the staging session's warm-up for that batch's resource variables; the assign runs that
+    very callable though the file lists the keys in another order; an assign of a subset then
+    compiles its own, with no guess (the session compiled before)."""
     weights = six_values()
     path = tmp_path / "w.npz"
     ws.save(path, dict(reversed(weights.items())))
@@ -764,14 +767,15 @@ def test_the_first_assign_compiles_its_batch_once_started_before_the_file_is_ope
     compile_ = _tf1_callables._compile
     monkeypatch.setattr(_tf1_callables, "_compile",
                         lambda sess, signature: compiled.append(signature[0]) or compile_(sess, signature))
-    handed: list[object] = []
-    beside = _tf1_callables.beside
-    monkeypatch.setattr(_tf1_callables, "beside", lambda job: handed.append(job) or beside(job))
-    handed_before_open: list[int] = []
+    warmed: list[list[tuple[tuple[int, ...], np.dtype]]] = []
+    monkeypatch.setattr(tf1, "warm", warmed.append)
+    beside_ = _tf1_callables.beside
+    monkeypatch.setattr(_tf1_callables, "beside", lambda job: (job(), beside_(lambda: None))[1])  # run at once, in full
+    seen_at_open: list[tuple[int, int]] = []
     open_values = skeleton.open_values
 
     def opened(weights):
-        handed_before_open.append(len(handed))
+        seen_at_open.append((len(compiled), len(warmed)))
         return open_values(weights)
 
     monkeypatch.setattr(skeleton, "open_values", opened)
@@ -782,12 +786,52 @@ def test_the_first_assign_compiles_its_batch_once_started_before_the_file_is_ope
     with v1.Session(graph=graph) as sess:
         sess.run(init)
         assert tf1.assign(sess, path).assigned == list(reversed(weights))
-        assert handed_before_open == [1]
+        assert seen_at_open == [(1, 1)]
         assert len(compiled) == 1 and len(compiled[0]) == 6
+        assert warmed == [[((FLOATS,), np.dtype(np.float32))] * 3]  # the resource variables: layers 0, 2, 4
         for got, expected in zip(values(sess, variables), weights.values(), strict=True):
             np.testing.assert_array_equal(got, expected)
         tf1.assign(sess, path, include="layer_1/w")
         assert [len(signature) for signature in compiled] == [6, 1]
+        assert len(warmed) == 1
+
+
+def test_the_guess_on_the_helper_ends_before_the_assign_returns(tmp_path, monkeypatch):
+    """However late the helper runs the first assign's guess, the assign waits for it (or runs it
+    itself): nothing of it runs after the assign returns, so it adds no op to the graph the user
+    goes on building, even one whose new ops share the variables' initial values."""
+    weights = six_values()
+    path = tmp_path / "w.npz"
+    ws.save(path, weights)
+    handed: list[object] = []
+    beside_ = _tf1_callables.beside
+
+    def late(job):
+        def delayed():
+            if threading.current_thread() is not threading.main_thread():
+                time.sleep(0.3)  # a helper busy elsewhere, or without a core
+            return job()
+        handed.append(beside_(delayed))
+        return handed[-1]
+
+    monkeypatch.setattr(_tf1_callables, "beside", late)
+    graph = tf.Graph()
+    with graph.as_default():
+        variables = six_variables()
+        init = v1.global_variables_initializer()
+    with v1.Session(graph=graph) as sess:
+        sess.run(init)
+        assert tf1.assign(sess, path).assigned == list(weights)
+        assert handed and all(job._future is None or job._future.done() for job in handed)
+        before = {op.name for op in graph.get_operations()}
+        with graph.as_default():
+            for variable in variables:
+                variable.assign(variable.initial_value)  # the user's own graph building goes on
+        time.sleep(0.5)
+        ours = [op.name for op in graph.get_operations() if op.name not in before and "weightstore" in op.name]
+        assert ours == []
+        for got, expected in zip(values(sess, variables), weights.values(), strict=True):
+            np.testing.assert_array_equal(got, expected)
 
 
 @pytest.mark.parametrize("fmt", ["npz", "h5"])

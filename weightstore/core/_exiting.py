@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import concurrent.futures.thread  # registers its exit hook now, so that this module's runs first
-import os
 import threading
 from collections.abc import Callable
 from typing import Any, TypeAlias
+
+from weightstore.core._forks import in_child
 
 __all__ = ["finish_before_exit"]
 
@@ -83,8 +84,7 @@ def _forget_all_in_child() -> None:
     _waited_lock = threading.Lock()
 
 
-if hasattr(os, "register_at_fork"):  # not on Windows
-    os.register_at_fork(after_in_child=_forget_all_in_child)
+in_child(_forget_all_in_child)
 
 _register = getattr(threading, "_register_atexit", None)  # CPython 3.9+; private, hence looked up
 if _register is not None:

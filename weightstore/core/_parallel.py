@@ -15,13 +15,14 @@ faster than one.
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import os
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Generic, TypeVar
+
+from weightstore.core._forks import Pool
 
 R = TypeVar("R")
 
@@ -30,13 +31,7 @@ R = TypeVar("R")
 THREADS = min(2, os.cpu_count() or 1)
 
 
-@functools.lru_cache(maxsize=1)
-def _pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max(1, THREADS - 1), thread_name_prefix="weightstore-worker")
-
-
-# A forked child (a data-loader worker) inherits the pool but not its threads: it gets its own.
-os.register_at_fork(after_in_child=_pool.cache_clear)
+_pool = Pool(max(1, THREADS - 1), "weightstore-worker")
 
 _thread = threading.local()
 
@@ -90,7 +85,7 @@ def for_each(count: int, job: Callable[[int], object]) -> None:
     helpers = []
     for _ in range(THREADS - 1):
         started = threading.Event()
-        helpers.append((started, _pool().submit(claim_and_run, started)))
+        helpers.append((started, _pool.submit(claim_and_run, started)))
     claim_and_run(None)
     # The caller stops once every job is claimed or one failed. A helper that had not
     # started by then finds nothing left to run whenever it starts, so only the ones that
@@ -122,7 +117,7 @@ class Beside(Generic[R]):
 
     def __init__(self, job: Callable[[], R]):
         self._job: Callable[[], R] | None = job
-        self._future: Future[R] | None = None if _alone() else _pool().submit(self._run)
+        self._future: Future[R] | None = None if _alone() else _pool.submit(self._run)
 
     def _run(self) -> R:
         assert self._job is not None  # cleared only once the job ran or was cancelled

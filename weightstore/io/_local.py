@@ -34,9 +34,9 @@ import functools
 import mmap
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from weightstore.core._forks import Pool
 from weightstore.errors import FormatError, StoreClosedError
 from weightstore.io._buffer import aligned_buffer
 from weightstore.io.files import open_regular_unbuffered
@@ -45,8 +45,7 @@ __all__ = ["READ_AHEAD", "SizeGuard", "MappedFile", "OwnedFile", "StreamFile", "
 
 #: how far past a range being read the kernel is asked to fetch a local file
 READ_AHEAD = 64 << 20
-_advisor: ThreadPoolExecutor | None = None  # one thread: the advice queues, the disk reads in order
-_advisor_lock = threading.Lock()
+_advisor = Pool(1, "weightstore-readahead")  # one thread: the advice queues, the disk reads in order
 _CAN_ADVISE = hasattr(os, "posix_fadvise")  # not on macOS, whose own readahead must do
 #: a shorter stretch is left to the kernel's own read-ahead (128 KB by default): handing it to
 #: the advice thread cost the open of a 100 KB file 4 ms of thread hand-off on a busy machine,
@@ -58,10 +57,6 @@ def _advise(fileno: int, offset: int, length: int, piece: int | None) -> None:
     """``posix_fadvise(WILLNEED)`` on a background thread, in advice of ``piece`` bytes (``None``:
     one advice): the call itself allocates the pages and queues the reads, which a reader should
     not wait for."""
-    global _advisor
-    with _advisor_lock:
-        if _advisor is None:
-            _advisor = ThreadPoolExecutor(1, thread_name_prefix="weightstore-readahead")
     _advisor.submit(_fadvise, fileno, offset, length, piece or length)
 
 

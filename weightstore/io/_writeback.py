@@ -33,18 +33,18 @@ import contextlib
 import ctypes
 import os
 import sys
-import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, cast
+
+from weightstore.core._forks import Pool
 
 __all__ = ["WRITEBACK_BYTES", "Writeback", "behind"]
 
 #: how many newly written bytes make the next writeback request
 WRITEBACK_BYTES = 32 << 20
 _SYNC_FILE_RANGE_WRITE = 2
-_writer: ThreadPoolExecutor | None = None
-_writer_lock = threading.Lock()
+_writer = Pool(1, "weightstore-writeback")
 
 
 _FALLOC_FL_KEEP_SIZE = 1
@@ -94,24 +94,9 @@ def _reserve(fd: int, size: int) -> bool:
     return True
 
 
-def _forget_writer_in_child() -> None:
-    """A forked child has none of its parent's threads: a pool whose thread is gone would take
-    work and never run it, and its lock may have been held by a parent thread at the fork."""
-    global _writer, _writer_lock
-    _writer, _writer_lock = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):  # not on Windows
-    os.register_at_fork(after_in_child=_forget_writer_in_child)
-
-
 def behind(work: Callable[..., object], *args: Any) -> Future[object]:
     """Run ``work(*args)`` on the writeback thread: disk work the caller need not wait for
     (the interpreter waits for it at exit)."""
-    global _writer
-    with _writer_lock:
-        if _writer is None:
-            _writer = ThreadPoolExecutor(1, thread_name_prefix="weightstore-writeback")
     return _writer.submit(work, *args)
 
 

@@ -37,7 +37,6 @@ import functools
 import math
 import os
 import re
-import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -50,6 +49,7 @@ import numpy as np
 from weightstore._version import __version__
 from weightstore.core import _parallel as parallel
 from weightstore.core._exiting import finish_before_exit
+from weightstore.core._forks import Pool
 from weightstore.core.keys import validate_key
 from weightstore.core.limits import (
     KEY_BYTES,
@@ -135,7 +135,6 @@ _POLL = 0.5
 CLAIM = "claimed-by"
 #: how often a waiting coordinator reads ``LATEST`` to see whether its commit can still succeed
 _DOOMED_EVERY = 2.0
-_background_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -531,7 +530,7 @@ def publish_together(
 
 
 
-_background: concurrent.futures.ThreadPoolExecutor | None = None
+_background = Pool(1, "weightstore-sharded")
 
 
 def in_background(call: Callable[[], Version]) -> concurrent.futures.Future[Version]:
@@ -539,11 +538,7 @@ def in_background(call: Callable[[], Version]) -> concurrent.futures.Future[Vers
     publishing thread, after the calls before it: so every rank makes its calls in the order it
     made them, and the step goes on while the members are written. The future holds the
     committed version, or the error every rank raises."""
-    global _background
-    with _background_lock:
-        if _background is None:
-            _background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightstore-sharded")
-        future = _background.submit(call)
+    future = _background.submit(call)
     finish_before_exit(future)  # a process exiting meanwhile finishes the publish: see core._exiting
     return future
 

@@ -76,6 +76,7 @@ from typing import Any
 
 from weightstore.core import _parallel as parallel
 from weightstore.core._exiting import finish_before_exit
+from weightstore.core._forks import in_child
 from weightstore.errors import PublishError, StorageError, WeightStoreError, WriteError
 from weightstore.formats import format_named
 from weightstore.store._save import checked_metadata
@@ -375,8 +376,7 @@ def _forked_child() -> None:
         publisher._forked()
 
 
-if hasattr(os, "register_at_fork"):  # not on Windows
-    os.register_at_fork(after_in_child=_forked_child)
+in_child(_forked_child)
 
 
 def _below_training() -> None:

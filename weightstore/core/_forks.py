@@ -1,0 +1,47 @@
+"""What a forked child (a data-loader worker) must not inherit from its parent: pools whose threads it lacks.
+
+A child has none of its parent's threads. A ``ThreadPoolExecutor`` made in the parent takes
+work in the child and never runs it, so whoever waits for that work (a copy, a publish, the
+interpreter at exit) waits forever; and a lock a parent thread held at the fork stays held.
+Every pool of the library is a :class:`Pool`, made on first use and forgotten in a child, which
+makes its own when it needs one; other state is reset through :func:`in_child`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+__all__ = ["Pool", "in_child"]
+
+R = TypeVar("R")
+
+
+def in_child(reset: Callable[[], object]) -> None:
+    """Call ``reset()`` in every child forked from now on (nothing where processes do not fork)."""
+    if hasattr(os, "register_at_fork"):  # not on Windows
+        os.register_at_fork(after_in_child=reset)
+
+
+class Pool:
+    """A ``ThreadPoolExecutor`` of ``threads`` threads named ``name``, made on the first
+    :meth:`submit` in this process: a child forked after its parent used it makes its own."""
+
+    def __init__(self, threads: int, name: str):
+        self._threads, self._name = threads, name
+        self._forget()
+        in_child(self._forget)
+
+    def _forget(self) -> None:
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def submit(self, job: Callable[..., R], *args: Any) -> Future[R]:
+        """Hand ``job(*args)`` to the pool; jobs submitted from one thread start in that order."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix=self._name)
+            return self._pool.submit(job, *args)
