@@ -219,28 +219,31 @@ def test_a_delta_on_s3_reads_and_follows(s3):
     assert [entry.kind for entry in listed] == ["full", "delta", "delta", "delta"]
 
 
-def test_a_delta_encoded_before_another_publisher_committed_is_written_whole_not_based_off_the_line(s3, monkeypatch,
-                                                                                                     caplog):
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_delta_encoded_before_another_publisher_committed_is_written_whole_not_based_off_the_line(
+        where, request, tmp_path, monkeypatch, caplog):
     """Two trainers on one folder (against the rule, or a forked child of a trainer): a delta is
     encoded before the folder is locked, so another trainer may commit in between. Committed, it
     would be based off the line LATEST went down, and retention then pruned a base it needed (two
     local trainers left every kept version unreadable). Its weights are written whole instead,
-    said in the log, and every kept version reads."""
-    from weightstore.sync import _stages as stages
-
-    folder = f"s3://{BUCKET}/two-trainers"
+    said in the log, and every kept version reads; in a local folder as on object storage."""
+    folder = str(tmp_path / "two-trainers") if where == "local" else (
+        request.getfixturevalue("s3") and f"s3://{BUCKET}/two-trainers")
     rng = np.random.default_rng(0)
     mine, theirs = model(), model(1)
     ws.publish(folder, mine, step=1, keep=2, delta=(trainer := ws.Delta()))
     mine = step_of(mine, rng)
     ws.publish(folder, mine, step=2, keep=2, delta=trainer)
 
-    def other_trainer_commits(name):
-        if name == "locked":
-            monkeypatch.setattr(stages, "hook", None)
-            ws.publish(folder, theirs, step=3, keep=2)
+    encode = type(trainer).plan
 
-    monkeypatch.setattr(stages, "hook", other_trainer_commits)
+    def other_trainer_commits_after_the_encode(self, target, step, tensors):  # before this one locks the folder
+        monkeypatch.setattr(type(trainer), "plan", encode)
+        planned = encode(self, target, step, tensors)
+        ws.publish(folder, theirs, step=3, keep=2)
+        return planned
+
+    monkeypatch.setattr(type(trainer), "plan", other_trainer_commits_after_the_encode)
     mine = step_of(mine, rng)
     with caplog.at_level(logging.WARNING, logger="weightstore"):
         version = ws.publish(folder, mine, step=4, keep=2, delta=trainer)
@@ -794,3 +797,63 @@ def test_an_xor_top_record_marking_a_byte_past_its_plane_is_refused(tmp_path):
     write_delta(tmp_path / "step-000000000002.wsdelta", "step-000000000001.npz",
                 {"w": ("xor-top", [table, frame, record_bytes], new)})
     assert "byte 1001" in str(refused(tmp_path / "step-000000000002.wsdelta"))
+
+
+def test_a_delta_with_an_xor_top_entry_says_it_is_newer_to_a_reader_from_before_it(based, monkeypatch):
+    """Only a file holding an xor-top entry is of head version 2: a reader that knows version 1
+    alone refuses it as newer than itself, not as corrupt, and still reads every other delta."""
+    folder, w = based
+    new = (w * np.float32(1.001) + 1).astype(np.float32)
+    write_delta(folder / "step-000000000002.wsdelta", "step-000000000001.npz", {"w": ("xor-top", xor_top_parts(w, new), new)})
+    changed = w.copy()
+    changed[7] += 1
+    small = delta_format.encode(changed.view(np.uint8), w.view(np.uint8), 4)
+    assert small.codec == "xor-zstd"
+    write_delta(folder / "step-000000000003.wsdelta", "step-000000000001.npz", {"w": (small.codec, small.parts, changed)})
+    same_bytes(ws.load(folder / "step-000000000002.wsdelta"), {"w": new})
+    monkeypatch.setattr(delta_format, "VERSIONS", (1,))  # a reader from before xor-top
+    assert "format version 2, which this weightstore does not read" in str(
+        refused(folder / "step-000000000002.wsdelta", key=None))
+    same_bytes(ws.load(folder / "step-000000000003.wsdelta"), {"w": changed})
+
+
+def test_a_hostile_xor_top_record_is_decoded_in_about_a_block_of_memory():
+    """A top record that marks every byte of a block's top plane (a hostile file: 2-byte items,
+    each changed) is decoded in slices: its positions never take more than about a block's bytes,
+    where held whole they took 13x the block (two threads decode at once)."""
+    import tracemalloc
+
+    import zstandard
+
+    block, itemsize = 32 << 20, 2
+    count = block // itemsize
+    frame = zstandard.ZstdCompressor(level=1, write_content_size=True).compress(bytes(block - count))
+    words = -(-count // 8)
+    record = np.packbits(np.ones(words, bool)).tobytes() + b"\xff" * words + b"\x01" * count
+    payload = struct.pack("<III", 1, len(frame), len(record)) + frame + record
+    out = np.zeros(block, np.uint8)
+    tracemalloc.start()
+    try:
+        delta_format._apply_xor(memoryview(payload), out, block, itemsize, top=True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < block * 3 // 2, peak  # the low planes decoded (half the block here), and a slice
+    assert out[itemsize - 1 :: itemsize].min() == 1 and out[::itemsize].max() == 0
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.float32])
+def test_a_dense_change_with_its_top_plane_in_the_frame_is_not_compressed_at_the_xor_top_level(dtype):
+    """Level -4 pays only where the top plane is kept apart: a dense change of 1-byte items, or of
+    a tensor too small to keep it apart, is compressed at level -1 (int8: 11% fewer bytes)."""
+    rng = np.random.default_rng(0)
+    size = 1 << 20 if dtype == np.int8 else 256
+    base = rng.integers(-100, 100, size).astype(dtype)
+    new = (base + rng.integers(-2, 3, size)).astype(dtype)
+    encoded = delta_format.encode(new.view(np.uint8), base.view(np.uint8), base.itemsize, dense=True)
+    assert encoded.codec == "xor-zstd"
+    at_top_level = delta_format._xor_zstd(new.view(np.uint8), base.view(np.uint8), [1], base.itemsize, -4)
+    assert encoded.nbytes < at_top_level.nbytes
+    assert bytes(b"".join(bytes(memoryview(part)) for part in encoded.parts)) == b"".join(
+        bytes(memoryview(part)) for part in delta_format._xor_zstd(
+            new.view(np.uint8), base.view(np.uint8), [1], base.itemsize, -1).parts)

@@ -178,3 +178,32 @@ def test_golden_survives_a_rewrite(tmp_path, name):
         for key in EXPECTED:
             assert again[key].dtype == weights[key].dtype
             assert again[key].tobytes() == weights[key].tobytes(), key
+
+
+#: ``tests/data/delta``: the anchor, then one delta version per codec (``make_golden.deltas``),
+#: each a change of the anchor: step -> (codec, head version, SHA-256 of ``w``'s bytes)
+DELTAS = {
+    2: ("same", 1, "1416b795f8f7049463acafb286c843967a9a84a1a704477662884eff71873408"),
+    3: ("raw", 1, "1fb2cb018b3ced755124cd48ab945b5746353cd060e813ed8919bb5bb7b3e42a"),
+    4: ("xor-zstd", 1, "ebc255a1e039bf952feafaf5a6c941fae5ebb606ea0f2c397f1843bd2d564326"),
+    5: ("sparse", 1, "153d74d584fb14dac4aca10280883036f299ba6e91df30a5cf2c23ecd2bb0a2f"),
+    6: ("xor-top", 2, "ebc255a1e039bf952feafaf5a6c941fae5ebb606ea0f2c397f1843bd2d564326"),
+}
+
+
+@pytest.mark.parametrize("step", sorted(DELTAS))
+def test_golden_delta_version_reads_bit_exact(step):
+    """Every codec a delta version was written with reads back to the bytes its writer had, and
+    only an xor-top entry makes the head version 2 (a reader from before it says it is newer)."""
+    import hashlib
+
+    codec, version, digest = DELTAS[step]
+    path = DATA / "delta" / f"step-{step:012d}.wsdelta"
+    assert json.loads(path.read_bytes()[32:].split(b"}", 1)[0] + b"}")["version"] == version
+    with ws.open(path) as store:
+        assert store._reader.codec("w") == codec and store.metadata == {"codec": codec}
+        w = store["w"]
+    assert w.dtype == np.float32 and w.shape == (1024,)
+    assert hashlib.sha256(w.tobytes()).hexdigest() == digest
+    anchor = ws.load(DATA / "delta" / "step-000000000001.npz")["w"]
+    assert anchor.tolist() == [(i % 97) / 8 - 6 for i in range(1024)]

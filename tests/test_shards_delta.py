@@ -684,3 +684,25 @@ def test_a_tf1_follower_passes_over_the_held_regions_of_a_tensor_whose_shape_cha
         assert follower.wait(3, timeout=60).step == 3
         assert follower.error is None
         same(tf1.export(session), 3)
+
+
+def test_a_sharded_delta_whose_base_is_no_longer_latest_is_refused_not_committed_off_the_line(tmp_path):
+    """Another coordinator (or a plain publish) committed a step after the ranks wrote their
+    members as deltas of the version LATEST named: committed, the index would build on a version
+    off the line and retention would prune its base. Refused, telling to publish the step again;
+    LATEST stays on the other step and every kept version reads."""
+    folder = tmp_path / "run"
+    deltas = [ws.Delta(), ws.Delta()]
+    for step in (1, 2):
+        publish(folder, step, delta=deltas, keep=2)
+    for rank in range(2):
+        ws.publish_shard(folder, pieces_of(4, rank), step=4, rank=rank, world=2, attempt=0, delta=deltas[rank])
+    assert all(name.endswith(".wsdelta") for name in members(folder, 4))
+    ws.publish(folder, model(3), step=3, keep=2)  # the other publisher, between the ranks and the commit
+    with pytest.raises(ws.PublishError) as caught:
+        ws.commit_shards(folder, step=4, world=2, attempt=0, timeout=10, keep=2)
+    message = str(caught.value)
+    assert "LATEST moved to step 3" in message and "publish step 4 again" in message
+    assert ws.latest(folder).step == 3
+    for entry in versions.list_versions(folder):
+        same(ws.load(entry.path), entry.step)

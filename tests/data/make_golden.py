@@ -62,6 +62,54 @@ def main() -> None:
         with h5py.File(HERE / "plain_h5py.h5", "w") as f:
             f["layer/kernel"] = np.arange(4, dtype=np.float32).reshape(2, 2)
             f["layer/bias"] = np.array([0.5, -0.5], dtype=">f4")
+    deltas()
+
+
+#: the golden delta versions, each a change of the anchor (step 1) by one codec; their tensors
+#: are :func:`delta_weights`' (``tests/test_golden.py`` spells out their digests)
+DELTA_CODECS = {2: "same", 3: "raw", 4: "xor-zstd", 5: "sparse", 6: "xor-top"}
+
+
+def delta_weights(step: int) -> np.ndarray:
+    """Step ``step``'s tensor ``w`` (1024 fp32: above the size xor-top keeps its top plane apart for)."""
+    w = ((np.arange(1024) % 97) / 8 - 6).astype(np.float32)
+    if step in (1, 2):
+        return w
+    if step == 3:
+        return (np.arange(1024, dtype=np.uint32) * np.uint32(2654435761)).view(np.float32)  # bits that do not compress
+    if step == 5:
+        spots = np.arange(20) * 997 % 1024  # 20 elements changed to bits that do not compress
+        w[spots] = (np.arange(20, dtype=np.uint32) * np.uint32(2654435761)).view(np.float32)
+        return w
+    return (w * np.float32(1.001)).astype(np.float32)
+
+
+def deltas() -> None:
+    """``delta/``: the anchor and one delta version per codec, each based on the anchor."""
+    import io
+
+    from weightstore.core.manifest import content_digest, crc32, dtype_name
+    from weightstore.formats import delta
+
+    folder = HERE / "delta"
+    folder.mkdir(exist_ok=True)
+    anchor = "step-000000000001.npz"
+    if not (folder / anchor).exists():
+        ws.save(folder / anchor, {"w": delta_weights(1)})
+    base = delta_weights(1).view(np.uint8)
+    for step, codec in DELTA_CODECS.items():
+        path = folder / f"step-{step:012d}.wsdelta"
+        if path.exists():
+            continue
+        new = delta_weights(step)
+        raw = new.view(np.uint8)
+        encoded = delta.encode(raw, None if codec == "raw" else base, 4, dense=codec == "xor-top")
+        assert encoded.codec == codec, (step, encoded.codec)
+        buffer = io.BytesIO()
+        delta.write(buffer, delta.Head(step, anchor, [anchor], encoded.nbytes, raw.nbytes),
+                    [("w", dtype_name(new.dtype), new.shape, crc32(raw))], [content_digest(raw)], [encoded],
+                    {"codec": codec}, "weightstore golden", "2026-12-07T00:00:00.000Z")
+        path.write_bytes(buffer.getvalue())
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ beside it) and stores each tensor as one of:
   ``xor-zstd`` (at level -4), but each block's frame holds every plane but the top one (sign and
   the exponent's high bits: 95-99% zeros in an fp32 Adam step), which follows the frame as a
   :func:`_top_record`; a block table of two lengths per block (frame, record). The codec is
-  recorded per tensor: a reader picks its decoder by it, and one from before it refuses the
-  tensor as a corrupt entry naming it;
+  recorded per tensor: a reader picks its decoder by it; a file that holds one is of head
+  version 2, which a reader from before it refuses as newer than it;
 - ``sparse``: the positions (``<u4``, or ``<u8`` past 2**32 elements) of the elements that
   changed, as gaps, and the XOR of each with the base's, both byte-planed and zstd-compressed;
 - ``raw``: the new bytes as they are (a tensor the base lacks, or one that changed whole).
@@ -29,7 +29,7 @@ may itself be a delta; the chain ends at a full version (an *anchor*: npz, HDF5 
 Layout, all integers little-endian::
 
     magic "\\x93WSDELTA" | u64 head bytes | u64 entries bytes | u64 manifest bytes
-    head JSON     {"format": "weightstore-delta", "version": 1, "step", "base", "chain",
+    head JSON     {"format": "weightstore-delta", "version": 1 or 2, "step", "base", "chain",
                    "chain_bytes", "full_bytes", "block", "manifest_crc"}
     entries JSON  {"codec": [...], "offset": [...], "length": [...]}  (manifest key order)
     manifest JSON (weightstore's manifest of the resulting tensors, user metadata)
@@ -110,7 +110,11 @@ from weightstore.io.source import ByteSource, beside, byte_source, open_source, 
 FORMAT_NAME = "weightstore-delta"
 SUFFIX = ".wsdelta"
 MAGIC = b"\x93WSDELTA"
-VERSION = 1
+#: the head's format version: 2 where an entry is :data:`XOR_TOP`, which a reader from before it
+#: cannot decode (it then says the file is newer than it, not corrupt); 1 otherwise, so every
+#: other delta stays readable by those readers
+VERSION = 2
+VERSIONS = (1, 2)
 _PREFIX = struct.Struct("<8sQQQ")
 
 SAME, RAW, XOR_ZSTD, SPARSE, XOR_TOP = "same", "raw", "xor-zstd", "sparse", "xor-top"
@@ -127,7 +131,10 @@ _LEVEL = 1
 #: change it costs a third more bytes, so that keeps level 1. With the top plane out of the
 #: frame (``xor-top``) what is left matches only where elements did not change: -4 took
 #: 0.93-0.95x the encode CPU of -1 for 0.1% more bytes (-10: 0.89-0.92x for 0.4% more)
-_DENSE_LEVEL = -4
+_TOP_LEVEL = -4
+#: the level of a dense change whose top plane stays in the frame (1-byte items, a tensor of at
+#: most :data:`_SMALL` bytes): -4 took 3-11% more bytes than -1 for an int8 or small fp32 change
+_DENSE_LEVEL = -1
 # XOR, not the integer difference of the bit patterns (new - old as int32, wrapping), measured
 # on Keras fp32 Adam steps: zigzagged ((d << 1) ^ (d >> 31)) it leaves the
 # sign/exponent plane 98.6% zeros where the XOR leaves 96%, for 2-3% fewer bytes, but its three
@@ -227,7 +234,8 @@ def encode(new: np.ndarray, base: np.ndarray | None, itemsize: int, *, dense: bo
     if base is None or not nbytes:  # an empty tensor: nothing to compare, and RAW costs no bytes
         return Encoded(RAW, [new])
     if dense:
-        xor = _xor_zstd(new, base, [1] * -(-nbytes // BLOCK), itemsize, _DENSE_LEVEL, top=True)
+        top = nbytes > _SMALL and _plane_size(itemsize, BLOCK) > 1
+        xor = _xor_zstd(new, base, [1] * -(-nbytes // BLOCK), itemsize, _TOP_LEVEL if top else _DENSE_LEVEL, top=top)
         return xor if xor.nbytes < nbytes else Encoded(RAW, [new])
     elements = nbytes // itemsize if itemsize else 0
     mask = _changed_mask(new, base, itemsize)
@@ -418,29 +426,53 @@ def _top_record(padded: np.ndarray, count: int) -> list[np.ndarray]:
     return [np.packbits(marked), np.packbits(nonzero), picked[nonzero.nonzero()[0]]]
 
 
-def _top_changes(record: memoryview, count: int) -> tuple[np.ndarray, np.ndarray]:
-    """Where the top plane (``count`` bytes) a :func:`_top_record` holds is not zero, and those
-    bytes, its sizes checked against the record's: XOR-ed where they lie, not made into a plane
-    of zeros and XOR-ed whole (a strided pass over every element, for 1-5% of them)."""
+#: marked words of a :func:`_top_record` decoded at a time: its positions are int64, up to 8 per
+#: word (a hostile record marks every byte), so a slice's temporaries stay about 16 MiB, not 30
+#: bytes per byte of the plane (832 MB for a 64 MiB block of 2-byte items)
+_TOP_SLICE = 64 << 10
+_POPCOUNT = np.array([bin(byte).count("1") for byte in range(256)], np.uint8)
+
+
+def _apply_top(record: memoryview, column: np.ndarray) -> None:
+    """XOR the top plane a :func:`_top_record` holds into ``column`` (the top byte of each item,
+    a strided view), where it is not zero: not made into a plane of zeros and XOR-ed whole (a
+    strided pass over every element, for 1-5% of them). Its sizes are checked against the
+    record's before any byte changes, then it is decoded in slices of :data:`_TOP_SLICE` words."""
+    count = len(column)
     words = -(-count // 8)
     head = -(-words // 8)
     if len(record) < head:
         raise FormatError(f"has a truncated xor-top record ({len(record)} bytes, not {head} of bitmap at least)")
-    # unpacked bits viewed as bools: nonzero() of bools is several times faster than of bytes
-    where = np.unpackbits(np.frombuffer(record[:head], np.uint8), count=words).view(bool).nonzero()[0]
-    marked = len(where)
+    word_map = np.frombuffer(record[:head], np.uint8)
+    tail = np.uint8(0xFF << (8 * head - words) & 0xFF)  # the last bitmap byte's bits for words there are
+    marked = int(_POPCOUNT[word_map[:-1]].sum(dtype=np.int64)) + int(_POPCOUNT[word_map[-1] & tail]) if head else 0
     if len(record) < head + marked:
         raise FormatError(f"has a truncated xor-top record ({len(record)} bytes for {marked} words marked)")
-    spots = np.unpackbits(np.frombuffer(record[head : head + marked], np.uint8)).view(bool).nonzero()[0]
-    if len(record) != head + marked + len(spots):
+    byte_map = np.frombuffer(record[head : head + marked], np.uint8)
+    changed = int(_POPCOUNT[byte_map].sum(dtype=np.int64))
+    if len(record) != head + marked + changed:
         raise FormatError(f"has an xor-top record of {len(record)} bytes where its bitmaps mark "
-                          f"{head + marked + len(spots)}")
-    positions = where[spots >> 3]
-    positions <<= 3
-    positions += spots & 7
-    if len(positions) and int(positions[-1]) >= count:  # only a padding byte of the last word can be past the end
-        raise FormatError(f"has an xor-top record that changes byte {int(positions[-1])} of a {count}-byte plane")
-    return positions, np.frombuffer(record[head + marked :], np.uint8)
+                          f"{head + marked + changed}")
+    past = 8 * words - count  # padding bytes of the last word: only it can reach past the plane
+    last = int(byte_map[-1]) & ((1 << past) - 1) if marked and word_map[-1] & tail & (0x80 >> ((words - 1) & 7)) else 0
+    if last:  # byte j of a word is its bitmap's bit 7 - j
+        raise FormatError(f"has an xor-top record that changes byte {8 * words - last.bit_length()} of a "
+                          f"{count}-byte plane")
+    values = np.frombuffer(record[head + marked :], np.uint8)
+    mark_at = value_at = 0
+    for first in range(0, words, _TOP_SLICE):  # a slice of words, on a whole bitmap byte (_TOP_SLICE % 8 == 0)
+        span = min(_TOP_SLICE, words - first)
+        where = np.unpackbits(word_map[first // 8 : first // 8 + -(-span // 8)], count=span).view(bool).nonzero()[0]
+        if not len(where):
+            continue
+        spots = np.unpackbits(byte_map[mark_at : mark_at + len(where)]).view(bool).nonzero()[0]
+        mark_at += len(where)
+        positions = where[spots >> 3]
+        positions += first
+        positions <<= 3
+        positions += spots & 7
+        column[positions] ^= values[value_at : value_at + len(spots)]
+        value_at += len(spots)
 
 
 @dataclass
@@ -465,8 +497,8 @@ class Head:
         """How many deltas lie between the anchor and this version, this one included."""
         return len(self.chain)
 
-    def document(self) -> dict[str, Any]:
-        return {"format": FORMAT_NAME, "version": VERSION, "step": self.step, "base": self.base,
+    def document(self, version: int = 1) -> dict[str, Any]:
+        return {"format": FORMAT_NAME, "version": version, "step": self.step, "base": self.base,
                 "chain": self.chain, "chain_bytes": self.chain_bytes, "full_bytes": self.full_bytes,
                 "block": self.block}
 
@@ -481,7 +513,8 @@ def write(file: BinaryIO, head: Head, rows: Sequence[TensorRow], digests: Sequen
         at += item.nbytes
     manifest_text = build_manifest(rows, metadata, producer, digests=digests, created=created).encode("utf-8",
                                                                                                    "surrogatepass")
-    head_text = json.dumps(head.document() | {"manifest_crc": checksum(manifest_text)}).encode()
+    version = VERSION if any(item.codec == XOR_TOP for item in encoded) else 1
+    head_text = json.dumps(head.document(version) | {"manifest_crc": checksum(manifest_text)}).encode()
     entries_text = json.dumps({"codec": [item.codec for item in encoded], "offset": offsets,
                                "length": lengths}).encode()
     file.write(_PREFIX.pack(MAGIC, len(head_text), len(entries_text), len(manifest_text)))
@@ -529,8 +562,9 @@ def parse_head(data: bytes, where: str, *, member: bool = False) -> Head:
         document = jsontext.loads(data, what="delta head", min_bytes=DELTA_BYTES_PER_CONTAINER)
     if not isinstance(document, dict) or document.get("format") != FORMAT_NAME:
         raise FormatError("is not a delta version (its head is not a weightstore-delta head)", path=where)
-    if document.get("version") != VERSION:
-        raise FormatError(f"is a delta version of format version {str(document.get('version'))[:20]}, which this "
+    version = document.get("version")
+    if type(version) is not int or version not in VERSIONS:
+        raise FormatError(f"is a delta version of format version {str(version)[:20]}, which this "
                           "weightstore does not read", path=where)
     step, base, chain = document.get("step"), document.get("base"), document.get("chain")
     numbers = [document.get(field) for field in ("chain_bytes", "full_bytes", "block")]
@@ -897,14 +931,14 @@ def _apply_xor(payload: memoryview, out: np.ndarray, block: int, itemsize: int, 
     frame bounded by its block's size; ``top`` (:data:`XOR_TOP`): each frame holds the planes but
     the top one, which follows it as a :func:`_top_record`."""
     nbytes, planes = len(out), _plane_size(itemsize, block)
-    count, per = -(-nbytes // block), 1 + top
+    count, per, name = -(-nbytes // block), 1 + top, XOR_TOP if top else XOR_ZSTD
     if top and planes == 1:
         raise FormatError(f"has an xor-top entry for {itemsize}-byte items in blocks of {block} bytes (no planes)")
     if len(payload) < 4 + 4 * per * count or struct.unpack_from("<I", payload)[0] != count:
-        raise FormatError(f"has a corrupt xor-zstd table (not {count} blocks of {block} bytes)")
+        raise FormatError(f"has a corrupt {name} table (not {count} blocks of {block} bytes)")
     lengths = struct.unpack_from(f"<{per * count}I", payload, 4)
     if 4 + 4 * per * count + sum(lengths) != len(payload):
-        raise FormatError("has xor-zstd frames that do not add up to its payload (truncated or corrupt)")
+        raise FormatError(f"has {name} frames that do not add up to its payload (truncated or corrupt)")
     jobs, at = [], 4 + 4 * per * count
     for index in range(count):
         frame = payload[at : at + lengths[per * index]]
@@ -918,20 +952,19 @@ def _apply_xor(payload: memoryview, out: np.ndarray, block: int, itemsize: int, 
         low = size - size // planes if top else size
         try:
             if zstandard.frame_content_size(frame) != low:
-                raise FormatError(f"has an xor-zstd frame at byte {start} that does not declare its {low} bytes")
+                raise FormatError(f"has an {name} frame at byte {start} that does not declare its {low} bytes")
             plain = decompressor().decompress(frame, max_output_size=low)
         except zstandard.ZstdError as exc:
-            raise FormatError(f"has a corrupt xor-zstd frame at byte {start} ({exc})") from None
+            raise FormatError(f"has a corrupt {name} frame at byte {start} ({exc})") from None
         if len(plain) != low:
-            raise FormatError(f"has an xor-zstd frame at byte {start} that decodes to {len(plain)} bytes, not {low}")
+            raise FormatError(f"has an {name} frame at byte {start} that decodes to {len(plain)} bytes, not {low}")
         target = out[start : start + size]
         if planes == 1:
             np.bitwise_xor(target, np.frombuffer(plain, np.uint8), out=target)
             return
         items, planed = target.reshape(-1, planes), np.frombuffer(plain, np.uint8).reshape(-1, size // planes)
         if record is not None:
-            positions, values = _top_changes(record, size // planes)
-            items[positions, -1] ^= values
+            _apply_top(record, items[:, -1])
         for byte in range(len(planed)):  # a plane at a time: twice as fast as the transpose at once
             np.bitwise_xor(items[:, byte], planed[byte], out=items[:, byte])
 

@@ -122,7 +122,7 @@ from weightstore.sync._checks import (
 from weightstore.sync._delta import Delta, Stored, as_delta
 from weightstore.sync._folder import SHARDED_SUFFIX, names_step, require_folder, version_files
 from weightstore.sync._pinning import Version, read_latest
-from weightstore.sync._publish import commit_version
+from weightstore.sync._publish import _BaseMoved, commit_version
 
 __all__ = ["Piece", "publish_shard", "commit_shards", "publish_together", "in_background", "next_attempt",
            "claimed_attempt", "clean_folder"]
@@ -432,7 +432,13 @@ def commit_shards(
         stages.reached("index-written")
 
     try:
-        version = commit_version(target, step, name, write_index, metadata, keep)
+        try:  # delta members build on the version LATEST named when they were encoded: it must still
+            version = commit_version(target, step, name, write_index, metadata, keep,
+                                     base=None if index.delta is None else index.delta.chain[0])
+        except _BaseMoved as moved:  # unlike a plain delta, written already: not rewritten whole here
+            raise PublishError(f"{moved.message}; its members are written as deltas of a version off the line "
+                               f"LATEST now follows, so it was not committed: publish step {step} again (every "
+                               "rank)", path=target.where) from None
     except PublishError:
         if written and not names_step(target, step):  # ours, and LATEST names another: never published
             target.remove(name)
