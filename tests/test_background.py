@@ -3,6 +3,7 @@
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -286,6 +287,49 @@ sys.exit(3)
     assert np.array_equal(ws.load(version)["w"], np.arange(4, dtype=np.float32))
     if where == "local":
         assert sorted(os.listdir(folder)) == [".publish.lock", "LATEST", "step-000000000007.npz"]
+
+
+HELD_MID_WRITE_AT_EXIT = """
+import os, sys, threading, time
+import numpy as np
+import weightstore as ws
+from weightstore.sync import _stages as stages
+
+def hold(name):  # mid-write (the version file written, LATEST not yet) until the test lets go
+    if name == "version-written":
+        print("held", flush=True)
+        while not os.path.exists(sys.argv[2]):
+            time.sleep(0.02)
+
+threading._register_atexit(lambda: print("exiting", flush=True))  # runs just before the exit's wait
+stages.hook = hold
+ws.BackgroundPublisher(sys.argv[1]).publish({"w": np.arange(4, dtype=np.float32)}, step=5)
+"""
+
+
+def test_ctrl_c_while_the_exit_waits_for_a_write_under_way_lets_that_write_land_whole(tmp_path):
+    """Ctrl-C at exit gives a publish up, but a write already under way ends as it would: the
+    process still waits for it (on CPython 3.11 an interrupted join had marked the thread
+    stopped, and the interpreter then ended it mid-write: nothing was published)."""
+    folder, release = tmp_path / "run", tmp_path / "release"
+    script = subprocess.Popen([sys.executable, "-c", HELD_MID_WRITE_AT_EXIT, str(folder), str(release)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = {script.stdout.readline().strip(), script.stdout.readline().strip()}
+        assert seen == {"held", "exiting"}, seen
+        script.send_signal(signal.SIGINT)
+        said = []
+        while not any("still being written" in line for line in said):  # given up, the exit waits on
+            said.append(script.stderr.readline())
+            assert said[-1], "".join(said)
+        release.touch()
+        _, err = script.communicate(timeout=60)
+    finally:
+        script.kill()
+    assert script.returncode == 0 and "Traceback" not in err, "".join(said) + err
+    version = ws.latest(folder)
+    assert version is not None and version.step == 5
+    assert np.array_equal(ws.load(version)["w"], np.arange(4, dtype=np.float32))
 
 
 def test_a_child_forked_while_a_publish_is_in_flight_exits(tmp_path):
