@@ -76,6 +76,7 @@ import numpy as np
 from typing_extensions import Unpack
 
 import weightstore
+from weightstore.adapters import layout as layouts
 from weightstore.adapters._registry import adapter_for
 from weightstore.adapters._reload import reload_digest, wants_skip
 from weightstore.adapters.layout import Layout
@@ -84,7 +85,7 @@ from weightstore.adapters.skeleton import copy_into, handed_over, rehearsal
 from weightstore.core import _parallel as parallel
 from weightstore.core._heap import give_back
 from weightstore.core.manifest import TensorInfo, logical_dtype
-from weightstore.errors import StorageError, UnsupportedTargetError, VersionGoneError, naming
+from weightstore.errors import LayoutError, StorageError, UnsupportedTargetError, VersionGoneError, naming
 from weightstore.formats import ReaderDefaults
 from weightstore.formats.sharded import normalized_region
 from weightstore.io._buffer import aligned_array, memory_owner
@@ -243,7 +244,11 @@ class Follower:
             if "layout" not in inspect.signature(adapter.assign).parameters:
                 raise UnsupportedTargetError(f"layout= converts versions for torch and Flax targets; "
                                              f"{adapter.__name__}.assign takes versions in its own layout")
-            self._assign = functools.partial(adapter.assign, layout=layout)
+            try:  # an unknown one fails here, not on every version
+                chosen = layouts.resolve(layout, adapter.__name__.rsplit(".", 1)[-1])
+            except LayoutError as exc:
+                raise LayoutError(exc.message, path=str(self.folder)) from None
+            self._assign = functools.partial(adapter.assign, layout=chosen)
         self._reads_parts: bool = getattr(adapter, "ASSIGN_READS_REGIONS", False)
         #: key (or region) -> content digest in the version of the last swap
         self._digests: dict[_Item, str | None] = {}
