@@ -142,6 +142,23 @@ def test_a_failed_publish_is_counted_and_logged_never_raised_and_not_retried(tmp
     assert publisher.close().step == 11 and ws.latest(tmp_path).step == 11
 
 
+def test_a_local_write_failing_with_no_errno_is_not_retried(tmp_path, monkeypatch):
+    """A local writer's OSError without an errno (the commit gives it errno 0) fails for good, as
+    before: only an object store's answer without one (a bucket gone) may pass and is retried."""
+    from weightstore.io.commit import RenameCommit
+    from weightstore.sync import _background
+
+    def failing(folder, *args, **kwargs):
+        with RenameCommit(tmp_path / "out.npz").writing():
+            raise OSError("the writer gave up")
+
+    monkeypatch.setattr(_background, "publish", failing)
+    publisher = ws.BackgroundPublisher(tmp_path, retry_for=60, retry_backoff=0.01)
+    with pytest.raises(ws.errors.WriteError, match=f"{tmp_path / 'out.npz'}: writing failed: the writer gave up"):
+        publisher.publish(weights(1), step=1).result(60)
+    assert publisher.failures == 1 and publisher.last_error.errno == 0
+
+
 def test_a_bad_step_is_refused_at_the_call_and_costs_no_later_publish(tmp_path):
     """Checked on the thread, a bad step failed the future and then made the next, good
     publish raise it instead of publishing."""

@@ -79,6 +79,7 @@ from weightstore.core import _parallel as parallel
 from weightstore.core._exiting import finish_before_exit
 from weightstore.errors import PublishError, StorageError, WeightStoreError, WriteError
 from weightstore.formats import format_named
+from weightstore.io.location import service_answer
 from weightstore.store._save import checked_metadata
 from weightstore.sync._checks import DEFAULT_FORMAT, DEFAULT_KEEP, checked_keep, checked_seconds, checked_step
 from weightstore.sync._delta import Delta, as_delta
@@ -97,10 +98,10 @@ DEFAULT_MAX_BACKOFF = 30.0
 #: background publish costs training less than the CPU it spends
 NICENESS = 10
 _log = logging.getLogger("weightstore")
-#: the errors of a write that may pass: space or quota freed, a device or service back; none (None,
-#: 0) is an object store's, whose ``transient`` says whether it may pass
+#: the errors of a write that may pass: space or quota freed, a device or service back; an OSError
+#: with none (``None``) is a storage library's, as every one was taken to be
 _PASSING_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EAGAIN, errno.EBUSY, errno.EINTR,
-                             errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED, 0, None})
+                             errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED, None})
 
 
 class PublishFuture(concurrent.futures.Future):
@@ -406,8 +407,9 @@ def _retryable(error: BaseException) -> bool:
     """A failure of the storage, which may pass (an outage, a full disk): not one of the publish
     itself (a step not forward, a folder that is a file, weights no format takes), nor a write
     the file system will refuse again (a file over its size limit, a read-only file system)."""
-    if isinstance(error, WriteError):
-        return _errno_passes(error)
+    if isinstance(error, WriteError):  # errno 0: none; an object store's answer (a bucket gone) may pass,
+        # its ``transient`` deciding the rest; a local writer's failure without one is its own and stays
+        return _errno_passes(error) if error.errno else service_answer(error) is not None
     if isinstance(error, StorageError):
         return True
     return isinstance(error, OSError) and not isinstance(error, WeightStoreError) and _errno_passes(error)
