@@ -115,8 +115,10 @@ class _Outcome(enum.Enum):
 @dataclass
 class _Loop:
     """One run of a follower's loop: its thread, its own stop event (a loop that :meth:`Follower.stop`
-    did not wait for never runs on beside a later one), and where it is, for ``stop``."""
+    did not wait for never runs on beside a later one), where it is, for ``stop``, and its own
+    :class:`Outage` (a restarted follower says an outage afresh)."""
 
+    outage: Outage
     thread: threading.Thread = field(init=False)
     stop: threading.Event = field(default_factory=threading.Event)
     on_storage: bool = False  # waiting on a request: once it returns, the loop ends, assigning and recording nothing
@@ -232,7 +234,6 @@ class Follower:
         self.report: Report | None = None
         self.error: BaseException | None = None
         self._following_failed = False  # whether ``error`` came from reading the folder, not assigning
-        self._outage = Outage(str(self.folder), "weightstore follower:")  # said when it starts and ends, not each try
         self._failed_step: int | None = None  # the step whose assign failed, when ``error`` is such a failure
         self._after = None if after is None else checked_count("after", after)
         self._lock = _ReadWriteLock()
@@ -265,7 +266,7 @@ class Follower:
         if self._loop_now is None:
             watch = PointerWatch(versions_folder(self.folder, self.storage_options), self.poll, self.max_poll,
                                  self.notifications)
-            loop = _Loop()
+            loop = _Loop(Outage(str(self.folder), "weightstore follower:"))  # said when it starts and ends
             loop.thread = threading.Thread(target=self._loop, args=(watch, loop),
                                            name=f"weightstore-follower {self.folder}", daemon=True)
             self._loop_now = loop
@@ -362,7 +363,7 @@ class Follower:
             else:
                 self._folder_healthy(loop)
                 if version is None:
-                    self._outage.over()
+                    loop.outage.over()
             if version is not None and loop.stop.is_set():  # stopped during the look: fetch nothing more
                 version.release()
                 break
@@ -372,7 +373,7 @@ class Follower:
                 finally:
                     version.release()
                 if outcome is _Outcome.DONE:
-                    self._outage.over()
+                    loop.outage.over()
                     last, followed = version.step, True
                     continue  # look again at once: a newer version may have landed meanwhile
                 watch.forget()  # read LATEST again, whatever its tag: this version, or a newer one
@@ -619,7 +620,7 @@ class Follower:
             if loop.stop.is_set():
                 return
             if doing == "following" and isinstance(exc, StorageError):
-                self._outage.failed(exc)
+                loop.outage.failed(exc)
             else:
                 _log.warning("weightstore follower of %s: %s failed: %s", self.folder, doing, exc)
             self.error, self._failed_step = exc, step
