@@ -18,7 +18,8 @@ Python has no such hook (not CPython 3.9+), the interpreter joins the threads as
 waits ``retry_for`` at most) means to stop: each piece of work's ``give_up`` is called (a
 background publisher logs what it leaves unpublished and retries no more), and the exit waits
 again, for a write already under way to end as it would, so the folder keeps it whole. A
-second Ctrl-C abandons that too. No traceback of this module's either way.
+second Ctrl-C ends that wait too: the write then gets only as far as the stopped thread pools
+let it. No traceback of this module's either way.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def _wait_for_all() -> None:
         for give_up in left:
             if give_up is not None:
                 give_up()
-        with contextlib.suppress(KeyboardInterrupt):  # a second Ctrl-C leaves the writes under way
+        with contextlib.suppress(KeyboardInterrupt):  # a second Ctrl-C: wait no more
             _wait()
 
 

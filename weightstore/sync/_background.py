@@ -40,8 +40,9 @@ called ``close``) lets it finish first, ``retry_for`` at most, so the final weig
 once storage is back; it is waited for before the interpreter's thread pools stop taking work
 (:mod:`weightstore.core._exiting`), which the write still needs. Ctrl-C during that wait gives
 up: what is still unpublished is logged and no longer retried, and the exit waits on for a write
-under way to end as it would (a second Ctrl-C leaves it, as a kill does). A process killed
-mid-write leaves the folder as a killed :func:`weightstore.publish` does.
+under way to end as it would (a second Ctrl-C ends that wait: a write that then needs a thread
+pool fails). A process killed mid-write leaves the folder as a killed
+:func:`weightstore.publish` does.
 
 **A forked child** (a data loader's worker) has none of its parent's threads, and the locks
 they held may stay held: there, each publisher starts afresh as a new one of the same folder
@@ -357,7 +358,7 @@ class BackgroundPublisher:
             newest = self._pending or self._writing
             if newest is not None and newest is self._writing and self.last_error is None:
                 _log.warning("interrupted at exit: step %d is still being written to %s; the exit waits for that "
-                             "write (Ctrl-C again leaves it)", newest.step, self.folder)
+                             "write (Ctrl-C again stops waiting)", newest.step, self.folder)
             elif newest is not None:
                 _log.warning("interrupted at exit: step %d is not published to %s (%s); the last version published "
                              "is %s", newest.step, self.folder, self.last_error or "not written yet",
