@@ -3,6 +3,7 @@
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -139,6 +140,23 @@ def test_a_failed_publish_is_counted_and_logged_never_raised_and_not_retried(tmp
     assert any("step 5" in record.getMessage() and "the last version published is" in record.getMessage()
                for record in caplog.records)
     assert publisher.close().step == 11 and ws.latest(tmp_path).step == 11
+
+
+def test_a_local_write_failing_with_no_errno_is_not_retried(tmp_path, monkeypatch):
+    """A local writer's OSError without an errno (the commit gives it errno 0) fails for good, as
+    before: only an object store's answer without one (a bucket gone) may pass and is retried."""
+    from weightstore.io.commit import RenameCommit
+    from weightstore.sync import _background
+
+    def failing(folder, *args, **kwargs):
+        with RenameCommit(tmp_path / "out.npz").writing():
+            raise OSError("the writer gave up")
+
+    monkeypatch.setattr(_background, "publish", failing)
+    publisher = ws.BackgroundPublisher(tmp_path, retry_for=60, retry_backoff=0.01)
+    with pytest.raises(ws.errors.WriteError, match=f"{tmp_path / 'out.npz'}: writing failed: the writer gave up"):
+        publisher.publish(weights(1), step=1).result(60)
+    assert publisher.failures == 1 and publisher.last_error.errno == 0
 
 
 def test_a_bad_step_is_refused_at_the_call_and_costs_no_later_publish(tmp_path):
@@ -288,6 +306,49 @@ sys.exit(3)
         assert sorted(os.listdir(folder)) == [".publish.lock", "LATEST", "step-000000000007.npz"]
 
 
+HELD_MID_WRITE_AT_EXIT = """
+import os, sys, threading, time
+import numpy as np
+import weightstore as ws
+from weightstore.sync import _stages as stages
+
+def hold(name):  # mid-write (the version file written, LATEST not yet) until the test lets go
+    if name == "version-written":
+        print("held", flush=True)
+        while not os.path.exists(sys.argv[2]):
+            time.sleep(0.02)
+
+threading._register_atexit(lambda: print("exiting", flush=True))  # runs just before the exit's wait
+stages.hook = hold
+ws.BackgroundPublisher(sys.argv[1]).publish({"w": np.arange(4, dtype=np.float32)}, step=5)
+"""
+
+
+def test_ctrl_c_while_the_exit_waits_for_a_write_under_way_lets_that_write_land_whole(tmp_path):
+    """Ctrl-C at exit gives a publish up, but a write already under way ends as it would: the
+    process still waits for it (on CPython 3.11 an interrupted join had marked the thread
+    stopped, and the interpreter then ended it mid-write: nothing was published)."""
+    folder, release = tmp_path / "run", tmp_path / "release"
+    script = subprocess.Popen([sys.executable, "-c", HELD_MID_WRITE_AT_EXIT, str(folder), str(release)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = {script.stdout.readline().strip(), script.stdout.readline().strip()}
+        assert seen == {"held", "exiting"}, seen
+        script.send_signal(signal.SIGINT)
+        said = []
+        while not any("still being written" in line for line in said):  # given up, the exit waits on
+            said.append(script.stderr.readline())
+            assert said[-1], "".join(said)
+        release.touch()
+        _, err = script.communicate(timeout=60)
+    finally:
+        script.kill()
+    assert script.returncode == 0 and "Traceback" not in err, "".join(said) + err
+    version = ws.latest(folder)
+    assert version is not None and version.step == 5
+    assert np.array_equal(ws.load(version)["w"], np.arange(4, dtype=np.float32))
+
+
 def test_a_child_forked_while_a_publish_is_in_flight_exits(tmp_path):
     """The work waited for at exit is the parent's: a helper process forked while a background
     publish was in flight (a data loader's worker) hung at its exit, waiting for a future that
@@ -397,6 +458,8 @@ pending = None if when == "idle" else publisher.publish(weights(3), step=3)  # t
 def child():
     # a fresh publisher: nothing of its own to wait for, the parent's snapshots not written here
     fresh = publisher.wait(60) is None and not publisher.busy
+    while when == "big" and ws.latest(folder).step < 2:  # the parent's step 2 lands first, or 10 is no step forward
+        threading.Event().wait(0.01)
     version = publisher.publish(weights(10), step=10).result(60)
     last = publisher.close(60)
     sys.exit(0 if fresh and version.step == last.step == 10 and written_in_child == ["version-written"] else 4)

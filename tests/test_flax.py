@@ -234,6 +234,29 @@ def test_a_flax_conv_transpose_with_transpose_kernel_takes_keras_kernels_as_they
         np.testing.assert_array_equal(value, tf2.export(layer)[key])
 
 
+def test_a_follower_converts_keras_versions_into_a_flax_module_and_refuses_an_unknown_layout_at_once(tmp_path):
+    """``Follower(module, folder, layout="keras")`` assigns each version as ``assign(layout=)``
+    does; a misspelt layout fails at construction, naming the folder, not on every version."""
+    keras = pytest.importorskip("keras")
+    from weightstore.adapters import tf2
+    from weightstore.adapters.serving.follower import Follower
+
+    layer = keras.layers.Conv2DTranspose(4, 3, padding="same")
+    images = np.random.default_rng(0).normal(size=(1, 5, 5, 6)).astype("float32")
+    layer.build(images.shape)
+    for var in layer.weights:
+        var.assign(np.random.default_rng(1).normal(size=var.shape).astype("float32"))
+    module = nnx.ConvTranspose(6, 4, (3, 3), padding="SAME", transpose_kernel=True, rngs=nnx.Rngs(0))
+    ws.publish(tmp_path, tf2.export(layer), step=1)
+    with Follower(module, tmp_path, poll=0.005, layout="keras") as follower:
+        assert follower.wait(1, timeout=60).step == 1
+        with follower.reading():
+            np.testing.assert_allclose(np.asarray(module(images)), np.asarray(layer(images)), atol=1e-5)
+    assert follower.error is None
+    with pytest.raises(LayoutError, match=f"^{tmp_path}: unknown layout 'kerass'"):
+        Follower(module, tmp_path, layout="kerass")
+
+
 def test_an_assigned_model_holds_its_own_memory_not_the_files(tmp_path):
     """Values from a local npz are views of the mapped file; JAX kept them as the arrays' memory,
     so rewriting the file in place changed the model (and truncating it killed the process)."""

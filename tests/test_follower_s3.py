@@ -186,6 +186,48 @@ def test_a_follower_started_during_an_outage_waits_it_out(s3, folder, model, cap
     assert [line for line in said if "answers again" in line] == [f"weightstore follower: {folder} answers again"]
 
 
+def test_a_follower_says_when_the_outage_changes_cause_and_says_it_afresh_once_restarted(s3, folder, model,
+                                                                                         caplog):
+    """One line per outage, but another when its cause changes kind (503, which passes, then 403,
+    which waits for someone): the first line alone would hide why it goes on. A follower stopped
+    during an outage and started again says its new loop's outage afresh."""
+    ws.publish(folder, weights_at(model, 3), step=3)
+    answers: list[int] = []
+
+    def failing(environ):
+        if answers:
+            status = answers.pop(0)
+            code = "SlowDown" if status == 503 else "AccessDenied"
+            body = f"<Error><Code>{code}</Code><Message>no</Message></Error>".encode()
+            return status, b"" if environ["REQUEST_METHOD"] == "HEAD" else body  # a HEAD's answer has no body
+        return None
+
+    s3.intercept = failing
+
+    def ridden_out(follower):
+        deadline = time.monotonic() + 60
+        while (answers or follower.error is not None) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not answers and follower.error is None
+
+    follower = Follower(model, folder, poll=0.02, max_poll=0.02)
+    answers.extend([503] * 12 + [403] * 6)
+    with follower:
+        ridden_out(follower)
+    answers.extend([503] * 10_000)
+    with follower:  # stopped during an outage
+        deadline = time.monotonic() + 60
+        while not isinstance(follower.error, ws.StorageError) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    answers[:] = [503] * 12
+    with follower:
+        ridden_out(follower)
+    said = [record.getMessage() for record in caplog.records if folder in record.getMessage()]
+    started = [line for line in said if "waiting for" in line]
+    assert len(started) == 4, said
+    assert ["Forbidden" in line for line in started] == [False, True, False, False], said
+
+
 def test_an_idle_follower_asks_for_the_pointer_without_moving_it(s3, folder):
     """Each look is a HEAD (ETag unchanged: no body); LATEST's body moves only when it changed."""
     from weightstore import sync as versions

@@ -128,6 +128,14 @@ def test_keras_callback_rejects_bad_intervals(tmp_path):
         PublishCallback(tmp_path, every_n_batches=0)
 
 
+@pytest.mark.parametrize("background", [True, False])
+def test_a_bad_retry_for_is_refused_whether_the_hook_publishes_in_the_background_or_not(tmp_path, background):
+    with pytest.raises(ValueError, match="retry_for must be seconds"):
+        PublishCallback(tmp_path, background=background, retry_for=-1)
+    with pytest.raises(ValueError, match="retry_for must be seconds"):
+        PublishHook(tmp_path, every_n_steps=1, background=background, retry_for=float("nan"))
+
+
 def tf1_training(folder, hook_options: dict, steps: int = 10):
     """A tiny TF1 trainer under MonitoredTrainingSession; returns the final variable values."""
     with tf.Graph().as_default():
@@ -310,6 +318,8 @@ def test_a_torch_follower_serves_a_keras_trainers_versions_with_layout_keras(tmp
     assert follower.error is None
     with pytest.raises(ws.UnsupportedTargetError, match="layout= converts versions for torch and Flax targets"):
         Follower(model, tmp_path, layout="keras")
+    with pytest.raises(ws.errors.LayoutError, match=f"^{tmp_path}: unknown layout 'kerass'"):
+        Follower(served, tmp_path, layout="kerass")  # at once, not on every version
 
 
 def test_follower_swaps_tf2_model_between_calls_and_skips_unchanged(tmp_path):

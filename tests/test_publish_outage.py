@@ -201,11 +201,12 @@ def test_a_script_ends_within_the_callbacks_retry_for_while_the_storage_stays_do
 
 
 ENDS_WITH_A_PUBLISH_RETRYING = """
-import sys
+import sys, threading
 import numpy as np
 import weightstore as ws
 
-publisher = ws.BackgroundPublisher(sys.argv[1], retry_backoff=0.1, max_backoff=0.2)
+threading._register_atexit(lambda: print("exiting", flush=True))  # runs just before the exit's wait
+publisher = ws.BackgroundPublisher(sys.argv[1], retry_for=60, retry_backoff=0.1, max_backoff=0.2)
 publisher.publish({"dense/kernel": np.ones((3, 2), np.float32)}, step=1)
 """
 
@@ -215,13 +216,14 @@ def test_ctrl_c_while_the_exit_waits_for_a_retrying_publish_gives_it_up_and_says
     line names the step left unpublished, and no traceback of weightstore's shows."""
     folder = f"s3://{BUCKET}/interrupted"
     outage.start()
-    script = subprocess.Popen([sys.executable, "-c", ENDS_WITH_A_PUBLISH_RETRYING, folder], stderr=subprocess.PIPE,
-                              text=True)
+    script = subprocess.Popen([sys.executable, "-c", ENDS_WITH_A_PUBLISH_RETRYING, folder], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
     try:
         seen = []
-        while not any("retrying" in line for line in seen):  # the script has ended; its exit waits
+        while not any("retrying" in line for line in seen):  # logged by the publishing thread
             seen.append(script.stderr.readline())
             assert seen[-1], "".join(seen)
+        assert script.stdout.readline() == "exiting\n", "".join(seen)  # the main thread is at the exit's wait
         script.send_signal(signal.SIGINT)
         _, err = script.communicate(timeout=60)
     finally:

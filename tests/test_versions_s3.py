@@ -295,7 +295,8 @@ def test_ws_follow_says_once_that_it_waits_for_a_closed_port_and_once_that_it_an
     watchdog = threading.Timer(120, command.kill)  # the process never outlives the test
     watchdog.start()
     said: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [said.put(line) for line in command.stderr], daemon=True).start()
+    reader = threading.Thread(target=lambda: [said.put(line) for line in command.stderr], daemon=True)
+    reader.start()
     server = None
     try:
         assert "waiting for" in said.get(timeout=60)
@@ -311,7 +312,9 @@ def test_ws_follow_says_once_that_it_waits_for_a_closed_port_and_once_that_it_an
     finally:
         command.kill()
         watchdog.cancel()
-        out, _ = command.communicate(timeout=60)
+        command.wait(60)
+        out = command.stdout.read()  # stderr is the reader's alone: it reads on to the end, then ends
+        reader.join(10)
         if server is not None:
             server.stop()
     lines = []

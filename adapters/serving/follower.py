@@ -76,6 +76,7 @@ import numpy as np
 from typing_extensions import Unpack
 
 import weightstore
+from weightstore.adapters import layout as layouts
 from weightstore.adapters._registry import adapter_for
 from weightstore.adapters._reload import reload_digest, wants_skip
 from weightstore.adapters.layout import Layout
@@ -84,7 +85,7 @@ from weightstore.adapters.skeleton import copy_into, handed_over, rehearsal
 from weightstore.core import _parallel as parallel
 from weightstore.core._heap import give_back
 from weightstore.core.manifest import TensorInfo, logical_dtype
-from weightstore.errors import StorageError, UnsupportedTargetError, VersionGoneError, naming
+from weightstore.errors import LayoutError, StorageError, UnsupportedTargetError, VersionGoneError, naming
 from weightstore.formats import ReaderDefaults
 from weightstore.formats.sharded import normalized_region
 from weightstore.io._buffer import aligned_array, memory_owner
@@ -114,8 +115,10 @@ class _Outcome(enum.Enum):
 @dataclass
 class _Loop:
     """One run of a follower's loop: its thread, its own stop event (a loop that :meth:`Follower.stop`
-    did not wait for never runs on beside a later one), and where it is, for ``stop``."""
+    did not wait for never runs on beside a later one), where it is, for ``stop``, and its own
+    :class:`Outage` (a restarted follower says an outage afresh)."""
 
+    outage: Outage
     thread: threading.Thread = field(init=False)
     stop: threading.Event = field(default_factory=threading.Event)
     on_storage: bool = False  # waiting on a request: once it returns, the loop ends, assigning and recording nothing
@@ -231,7 +234,6 @@ class Follower:
         self.report: Report | None = None
         self.error: BaseException | None = None
         self._following_failed = False  # whether ``error`` came from reading the folder, not assigning
-        self._outage = Outage(str(self.folder), "weightstore follower:")  # said when it starts and ends, not each try
         self._failed_step: int | None = None  # the step whose assign failed, when ``error`` is such a failure
         self._after = None if after is None else checked_count("after", after)
         self._lock = _ReadWriteLock()
@@ -243,7 +245,11 @@ class Follower:
             if "layout" not in inspect.signature(adapter.assign).parameters:
                 raise UnsupportedTargetError(f"layout= converts versions for torch and Flax targets; "
                                              f"{adapter.__name__}.assign takes versions in its own layout")
-            self._assign = functools.partial(adapter.assign, layout=layout)
+            try:  # an unknown one fails here, not on every version
+                chosen = layouts.resolve(layout, adapter.__name__.rsplit(".", 1)[-1])
+            except LayoutError as exc:
+                raise LayoutError(exc.message, path=str(self.folder)) from None
+            self._assign = functools.partial(adapter.assign, layout=chosen)
         self._reads_parts: bool = getattr(adapter, "ASSIGN_READS_REGIONS", False)
         #: key (or region) -> content digest in the version of the last swap
         self._digests: dict[_Item, str | None] = {}
@@ -260,7 +266,7 @@ class Follower:
         if self._loop_now is None:
             watch = PointerWatch(versions_folder(self.folder, self.storage_options), self.poll, self.max_poll,
                                  self.notifications)
-            loop = _Loop()
+            loop = _Loop(Outage(str(self.folder), "weightstore follower:"))  # said when it starts and ends
             loop.thread = threading.Thread(target=self._loop, args=(watch, loop),
                                            name=f"weightstore-follower {self.folder}", daemon=True)
             self._loop_now = loop
@@ -357,7 +363,7 @@ class Follower:
             else:
                 self._folder_healthy(loop)
                 if version is None:
-                    self._outage.over()
+                    loop.outage.over()
             if version is not None and loop.stop.is_set():  # stopped during the look: fetch nothing more
                 version.release()
                 break
@@ -367,7 +373,7 @@ class Follower:
                 finally:
                     version.release()
                 if outcome is _Outcome.DONE:
-                    self._outage.over()
+                    loop.outage.over()
                     last, followed = version.step, True
                     continue  # look again at once: a newer version may have landed meanwhile
                 watch.forget()  # read LATEST again, whatever its tag: this version, or a newer one
@@ -614,7 +620,7 @@ class Follower:
             if loop.stop.is_set():
                 return
             if doing == "following" and isinstance(exc, StorageError):
-                self._outage.failed(exc)
+                loop.outage.failed(exc)
             else:
                 _log.warning("weightstore follower of %s: %s failed: %s", self.folder, doing, exc)
             self.error, self._failed_step = exc, step

@@ -80,6 +80,7 @@ class _Publisher:
         self.options = PublishOptions(keep=keep, format=format, storage_options=storage_options)
         self.metadata = dict(metadata or {})
         self.end_timeout = checked_seconds("end_timeout", end_timeout)
+        retry_for = checked_seconds("retry_for", retry_for)  # a bad one fails here, whether it is used or not
         #: one for the hook's life, kept by the background publisher when there is one
         self.delta: Delta | None = None if background or not delta else (Delta() if delta is True else delta)
         self.background = (BackgroundPublisher(folder, **self.options, metadata=metadata, delta=delta,

@@ -6,21 +6,27 @@ before it exits. But it first runs the hooks registered with ``threading._regist
 and ``concurrent.futures`` registers one that makes every ``ThreadPoolExecutor`` refuse new
 work ("cannot schedule new futures after interpreter shutdown"). A publish reaching a pool
 after that (weightstore's writeback thread, asyncio's resolver under s3fs) failed, and the
-final version was lost with the process. So :func:`finish_before_exit` registers the threads
-and futures whose work must end before that hook runs: this module's own hook, registered after
-``concurrent.futures``'s, runs before it (the hooks run in reverse order) and waits for them.
-Where Python has no such hook (not CPython 3.9+), the threads are joined as before, pools or not.
+final version was lost with the process. So :func:`finish_before_exit` registers the futures
+whose work must end before that hook runs (a pool's job, or the future a publishing thread
+completes as its loop ends): this module's own hook, registered after ``concurrent.futures``'s,
+runs before it (the hooks run in reverse order) and waits for them. It waits on the futures,
+never joins a thread: on CPython 3.11 an interrupted ``Thread.join`` marks the thread, still
+running, as stopped, and the interpreter then no longer joins it and stops it mid-write. Where
+Python has no such hook (not CPython 3.9+), the interpreter joins the threads as before.
 
 **Ctrl-C ends the wait.** A user who interrupts that wait (a publish retrying through an outage
 waits ``retry_for`` at most) means to stop: each piece of work's ``give_up`` is called (a
-background publisher logs what it leaves unpublished and retries no more), and the exit goes
-on, with no traceback of this module's. A write already under way still ends as it would.
+background publisher logs what it leaves unpublished and retries no more), and the exit waits
+again, for a write already under way to end as it would, so the folder keeps it whole. A
+second Ctrl-C ends that wait too: the write then gets only as far as the stopped thread pools
+let it. No traceback of this module's either way.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import concurrent.futures.thread  # registers its exit hook now, so that this module's runs first
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any, TypeAlias
@@ -29,22 +35,19 @@ from weightstore.core._forks import in_child
 
 __all__ = ["finish_before_exit"]
 
-_Work: TypeAlias = threading.Thread | concurrent.futures.Future[Any]
+_Work: TypeAlias = concurrent.futures.Future[Any]
 #: each piece of work waited for at exit, with what stops it early when the wait is interrupted
 _waited: dict[_Work, Callable[[], None] | None] = {}
 _waited_lock = threading.Lock()
 
 
 def finish_before_exit(work: _Work, give_up: Callable[[], None] | None = None) -> None:
-    """Have the interpreter, at exit, wait for ``work`` (a thread, or a future of a pool's job)
-    before the thread pools stop taking work, so what ``work`` still submits to one runs.
-    ``give_up`` is called, on the exiting thread, if that wait is interrupted (Ctrl-C)."""
+    """Have the interpreter, at exit, wait for ``work`` (a pool's job, or a future that a thread
+    completes when done) before the thread pools stop taking work, so what ``work`` still submits
+    to one runs. ``give_up`` is called, on the exiting thread, if that wait is interrupted (Ctrl-C)."""
     with _waited_lock:
-        for done in [done for done in _waited if isinstance(done, threading.Thread) and not done.is_alive()]:
-            del _waited[done]  # a publisher starts a thread per busy spell
         _waited[work] = give_up
-    if isinstance(work, concurrent.futures.Future):
-        work.add_done_callback(_forget)
+    work.add_done_callback(_forget)
 
 
 def _forget(work: _Work) -> None:
@@ -52,27 +55,30 @@ def _forget(work: _Work) -> None:
         _waited.pop(work, None)
 
 
+def _wait() -> None:
+    """Wait until every piece of work registered, including any registered meanwhile, is done."""
+    while True:
+        with _waited_lock:
+            if not _waited:
+                return
+            waited = list(_waited)
+        done, _ = concurrent.futures.wait(waited)
+        with _waited_lock:  # its _forget may not have run yet
+            for work in done:
+                _waited.pop(work, None)
+
+
 def _wait_for_all() -> None:
-    waiting: tuple[_Work, Callable[[], None] | None] | None = None
     try:
-        while True:
-            with _waited_lock:
-                if not _waited:
-                    return
-                waiting = _waited.popitem()
-            work = waiting[0]
-            if isinstance(work, threading.Thread):
-                if work.is_alive() and work is not threading.current_thread():
-                    work.join()
-            else:
-                concurrent.futures.wait([work])
+        _wait()
     except KeyboardInterrupt:
         with _waited_lock:
-            left = [*([waiting] if waiting is not None else []), *_waited.items()]
-            _waited.clear()
-        for _, give_up in left:
+            left = list(_waited.values())
+        for give_up in left:
             if give_up is not None:
                 give_up()
+        with contextlib.suppress(KeyboardInterrupt):  # a second Ctrl-C: wait no more
+            _wait()
 
 
 def _forget_all_in_child() -> None:

@@ -39,8 +39,10 @@ publish is being written or still retrying (a trainer that finished during an ou
 called ``close``) lets it finish first, ``retry_for`` at most, so the final weights still arrive
 once storage is back; it is waited for before the interpreter's thread pools stop taking work
 (:mod:`weightstore.core._exiting`), which the write still needs. Ctrl-C during that wait gives
-up: what is still unpublished is logged and no longer retried (a write under way ends as it
-would). A process killed mid-write leaves the folder as a killed :func:`weightstore.publish` does.
+up: what is still unpublished is logged and no longer retried, and the exit waits on for a write
+under way to end as it would (a second Ctrl-C ends that wait: a write that then needs a thread
+pool fails). A process killed mid-write leaves the folder as a killed
+:func:`weightstore.publish` does.
 
 **A forked child** (a data loader's worker) has none of its parent's threads, and the locks
 they held may stay held: there, each publisher starts afresh as a new one of the same folder
@@ -79,6 +81,7 @@ from weightstore.core._exiting import finish_before_exit
 from weightstore.core._forks import in_child
 from weightstore.errors import PublishError, StorageError, WeightStoreError, WriteError
 from weightstore.formats import format_named
+from weightstore.io.location import service_answer
 from weightstore.store._save import checked_metadata
 from weightstore.sync._checks import DEFAULT_FORMAT, DEFAULT_KEEP, checked_keep, checked_seconds, checked_step
 from weightstore.sync._delta import Delta, as_delta
@@ -97,10 +100,10 @@ DEFAULT_MAX_BACKOFF = 30.0
 #: background publish costs training less than the CPU it spends
 NICENESS = 10
 _log = logging.getLogger("weightstore")
-#: the errors of a write that may pass: space or quota freed, a device or service back; none (None,
-#: 0) is an object store's, whose ``transient`` says whether it may pass
+#: the errors of a write that may pass: space or quota freed, a device or service back; an OSError
+#: with none (``None``) is a storage library's, as every one was taken to be
 _PASSING_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EAGAIN, errno.EBUSY, errno.EINTR,
-                             errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED, 0, None})
+                             errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED, None})
 
 
 class PublishFuture(concurrent.futures.Future):
@@ -201,10 +204,11 @@ class BackgroundPublisher:
             replaced, self._pending = self._pending, job
             if self._thread is None or not self._thread.is_alive():
                 # never a daemon, whichever thread asked: a process exiting mid-retry lets it finish
-                self._thread = threading.Thread(target=self._run, name=f"weightstore-publish-{self.folder}",
-                                                daemon=False)
+                done: concurrent.futures.Future[None] = concurrent.futures.Future()
+                self._thread = threading.Thread(target=self._run, args=(done,), daemon=False,
+                                                name=f"weightstore-publish-{self.folder}")
                 self._thread.start()
-                finish_before_exit(self._thread, self._give_up)
+                finish_before_exit(done, self._give_up)
             self._changed.notify_all()
         if replaced is not None:
             replaced.future.cancel()
@@ -240,16 +244,20 @@ class BackgroundPublisher:
     def __exit__(self, exc_type: object, exc: BaseException | None, traceback: object) -> None:
         self.close()
 
-    def _run(self) -> None:
-        """The publishing thread: write the pending job, retrying storage failures; exit when idle.
+    def _run(self, done: concurrent.futures.Future[None]) -> None:
+        """The publishing thread: write the pending job, retrying storage failures; exit when idle,
+        completing ``done``, which the interpreter's exit waits on (:mod:`weightstore.core._exiting`).
 
         A job's future is resolved once the job is no longer the one being written, so a
         callback on it (run on this thread) may call :meth:`wait` without waiting for itself.
         The thread runs below the process's priority (:func:`_below_training`), and its hashing
         and checksums stay on it (:func:`weightstore.core._parallel.alone`)."""
-        _below_training()
-        with parallel.alone():
-            self._serve()
+        try:
+            _below_training()
+            with parallel.alone():
+                self._serve()
+        finally:
+            done.set_result(None)
 
     def _serve(self) -> None:
         while True:
@@ -346,12 +354,15 @@ class BackgroundPublisher:
 
     def _give_up(self) -> None:
         """At exit, when the wait for this publisher was interrupted: log what stays unpublished,
-        drop the pending snapshot and end the retries (the thread ends after any write under way)."""
+        drop the pending snapshot and end the retries (the exit still waits for a write under way)."""
         with self._changed:
             newest = self._pending or self._writing
-            if newest is not None:
+            if newest is not None and newest is self._writing and self.last_error is None:
+                _log.warning("interrupted at exit: step %d is still being written to %s; the exit waits for that "
+                             "write (Ctrl-C again stops waiting)", newest.step, self.folder)
+            elif newest is not None:
                 _log.warning("interrupted at exit: step %d is not published to %s (%s); the last version published "
-                             "is %s", newest.step, self.folder, self.last_error or "still writing",
+                             "is %s", newest.step, self.folder, self.last_error or "not written yet",
                              self.last.step if self.last else "none")
             self._given_up = True
             dropped, self._pending = self._pending, None
@@ -397,8 +408,9 @@ def _retryable(error: BaseException) -> bool:
     """A failure of the storage, which may pass (an outage, a full disk): not one of the publish
     itself (a step not forward, a folder that is a file, weights no format takes), nor a write
     the file system will refuse again (a file over its size limit, a read-only file system)."""
-    if isinstance(error, WriteError):
-        return _errno_passes(error)
+    if isinstance(error, WriteError):  # errno 0: none; an object store's answer (a bucket gone) may pass,
+        # its ``transient`` deciding the rest; a local writer's failure without one is its own and stays
+        return _errno_passes(error) if error.errno else service_answer(error) is not None
     if isinstance(error, StorageError):
         return True
     return isinstance(error, OSError) and not isinstance(error, WeightStoreError) and _errno_passes(error)

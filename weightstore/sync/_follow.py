@@ -141,8 +141,9 @@ class Outage:
         self.cause: BaseException | None = None
 
     def failed(self, exc: BaseException) -> None:
-        """A look or read failed; said only if the storage answered the one before."""
-        if self.cause is None:
+        """A look or read failed; said if the storage answered the one before, or the cause changed
+        kind (its type, or whether it may pass: a 503 that became a 403 needs someone to act)."""
+        if self.cause is None or _kind(exc) != _kind(self.cause):
             shown = exc.message if isinstance(exc, WeightStoreError) and exc.path == self.where and exc.key is None \
                 else exc
             _log.warning("%s waiting for %s: %s; retrying", self.said, self.where, shown)
@@ -153,6 +154,10 @@ class Outage:
         if self.cause is not None:
             _log.warning("%s %s answers again", self.said, self.where)
             self.cause = None
+
+
+def _kind(exc: BaseException) -> tuple[type, bool | None]:
+    return type(exc), getattr(exc, "transient", None)
 
 
 class PointerWatch:
