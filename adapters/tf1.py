@@ -227,15 +227,17 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
     # dict, not the Target: a Target whose closures hold it is a cycle, which kept a dropped session
     # (and its variables) alive until the next garbage collection.
     kept: dict[str, frozenset[int]] = {}
-    # The helper's guess (_guess), settled before this assign looks up its first writer: no helper
-    # work outlives the assign, none adds ops to the graph or reads it while this thread does.
+    # The helper's guess (_guess), ended before this assign looks up its first writer: no helper
+    # work outlives the assign, none adds ops to the graph or reads it while this thread does. A
+    # guess no helper has started is dropped, not run here, and a failed one is ignored: it only
+    # gets ahead of work the assign does anyway.
     guessed: list[Beside[None]] = []
     settling = threading.Lock()
 
     def writer(variable: tf.Variable) -> tuple[tf.Operation, tf.Tensor]:
         with settling:
             while guessed:
-                guessed.pop().result()
+                guessed.pop().drop()
         return _writer(graph, variable)
 
     def prepare(values: Any, key: str, value_key: str) -> np.ndarray | list[np.ndarray | None]:

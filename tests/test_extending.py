@@ -407,7 +407,8 @@ TOY_ADAPTER = textwrap.dedent('''
             model.variables, lambda key: True).items()}
 
 
-    def assign(model, weights, **words):
+    def assign(model, weights, *, layout=None, **words):
+        model.layout = layout  # the toy's own layouts: whatever name it is given
         targets = {key: TargetInfo(key, value.dtype, value.shape) for key, value in model.variables.items()}
 
         def write(batch, report):
@@ -460,6 +461,17 @@ def test_a_registered_adapter_is_found_for_its_framework_and_followed(tmp_path, 
             with follower.reading():
                 assert same(model.variables["dense/kernel"], np.full((3, 4), step, np.float32))
     assert follower.report.assigned == ["dense/kernel"]
+
+
+def test_a_registered_adapters_layouts_are_its_own_words_a_follower_passes_on(tmp_path, toy_adapter):
+    from weightstore.adapters.serving.follower import Follower
+
+    framework, _ = toy_adapter
+    model = framework.Model()
+    ws.publish(tmp_path / "run", {"dense/kernel": np.ones((3, 4), np.float32)}, step=1)
+    with Follower(model, tmp_path / "run", poll=0.005, exclude="dense/bias", layout="toy-own") as follower:
+        assert follower.wait(1, timeout=30).step == 1, follower.error
+    assert model.layout == "toy-own"  # not refused as none of the package's layouts
 
 
 class NoFramework:

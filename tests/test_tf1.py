@@ -834,6 +834,28 @@ def test_the_guess_on_the_helper_ends_before_the_assign_returns(tmp_path, monkey
             np.testing.assert_array_equal(got, expected)
 
 
+def test_a_guess_that_fails_on_the_helper_costs_the_assign_nothing(tmp_path, monkeypatch):
+    """The guess only gets ahead of work the assign does anyway: its failure (here the staging
+    warm-up's) is not the assign's, which compiles and stages for itself."""
+    weights = six_values()
+    path = tmp_path / "w.npz"
+    ws.save(path, weights)
+
+    def warm_fails(shapes):
+        raise RuntimeError("the staging warm-up failed")
+
+    monkeypatch.setattr(tf1, "warm", warm_fails)
+    graph = tf.Graph()
+    with graph.as_default():
+        variables = six_variables()
+        init = v1.global_variables_initializer()
+    with v1.Session(graph=graph) as sess:
+        sess.run(init)
+        assert tf1.assign(sess, path).assigned == list(weights)
+        for got, expected in zip(values(sess, variables), weights.values(), strict=True):
+            np.testing.assert_array_equal(got, expected)
+
+
 @pytest.mark.parametrize("fmt", ["npz", "h5"])
 def test_a_bad_value_in_a_later_batch_changes_nothing(tmp_path, two_per_batch, batches_counted, fmt):
     weights = six_values()

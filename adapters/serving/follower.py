@@ -245,10 +245,12 @@ class Follower:
             if "layout" not in inspect.signature(adapter.assign).parameters:
                 raise UnsupportedTargetError(f"layout= converts versions for torch and Flax targets; "
                                              f"{adapter.__name__}.assign takes versions in its own layout")
-            try:  # an unknown one fails here, not on every version
-                chosen = layouts.resolve(layout, adapter.__name__.rsplit(".", 1)[-1])
-            except LayoutError as exc:
-                raise LayoutError(exc.message, path=str(self.folder)) from None
+            chosen: str | Layout = layout
+            if adapter.__name__.startswith("weightstore.adapters."):  # a registered adapter's layouts are its own
+                try:  # an unknown one fails here, not on every version
+                    chosen = layouts.resolve(layout, adapter.__name__.rsplit(".", 1)[-1])
+                except LayoutError as exc:
+                    raise LayoutError(exc.message, path=str(self.folder)) from None
             self._assign = functools.partial(adapter.assign, layout=chosen)
         self._reads_parts: bool = getattr(adapter, "ASSIGN_READS_REGIONS", False)
         #: key (or region) -> content digest in the version of the last swap

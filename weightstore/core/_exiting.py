@@ -18,8 +18,9 @@ Python has no such hook (not CPython 3.9+), the interpreter joins the threads as
 waits ``retry_for`` at most) means to stop: each piece of work's ``give_up`` is called (a
 background publisher logs what it leaves unpublished and retries no more), and the exit waits
 again, for a write already under way to end as it would, so the folder keeps it whole. A
-second Ctrl-C ends that wait too: the write then gets only as far as the stopped thread pools
-let it. No traceback of this module's either way.
+second Ctrl-C ends this wait too, but the interpreter still joins the publishing thread (no
+daemon), whose write then gets only as far as the stopped thread pools let it. No traceback of
+this module's either way.
 """
 
 from __future__ import annotations

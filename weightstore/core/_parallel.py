@@ -19,7 +19,7 @@ import itertools
 import os
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Generic, TypeVar
 
 from weightstore.core._forks import Pool
@@ -131,5 +131,14 @@ class Beside(Generic[R]):
                 assert self._job is not None
                 return self._job()
             return self._future.result()
+        finally:
+            self._job = None
+
+    def drop(self) -> None:
+        """Give the job up: cancelled where no helper has started it, else waited for, its
+        outcome ignored (a guess ahead of the caller's own work, which the caller does anyway)."""
+        try:
+            if self._future is not None and not self._future.cancel():
+                wait([self._future])
         finally:
             self._job = None

@@ -40,9 +40,9 @@ called ``close``) lets it finish first, ``retry_for`` at most, so the final weig
 once storage is back; it is waited for before the interpreter's thread pools stop taking work
 (:mod:`weightstore.core._exiting`), which the write still needs. Ctrl-C during that wait gives
 up: what is still unpublished is logged and no longer retried, and the exit waits on for a write
-under way to end as it would (a second Ctrl-C ends that wait: a write that then needs a thread
-pool fails). A process killed mid-write leaves the folder as a killed
-:func:`weightstore.publish` does.
+under way to end as it would (the publishing thread is no daemon: the interpreter joins it
+anyway; a third Ctrl-C ends the process). A process killed mid-write leaves the folder as a
+killed :func:`weightstore.publish` does.
 
 **A forked child** (a data loader's worker) has none of its parent's threads, and the locks
 they held may stay held: there, each publisher starts afresh as a new one of the same folder
@@ -167,6 +167,7 @@ class BackgroundPublisher:
         self._writing: _Job | None = None
         self._thread: threading.Thread | None = None
         self._given_up = False  # interrupted at exit: no retry, nothing pending written
+        self._failing = False  # whether the snapshot being written has failed an attempt (is retrying)
         #: while the storage fails: the pause before the next attempt, whichever snapshot it writes
         self._pause = self.retry_backoff
         self._resume_at = 0.0
@@ -292,6 +293,7 @@ class BackgroundPublisher:
         rest of the pause, which doubles on, so a trainer handing over a snapshot every second
         does not try the failing storage every second."""
         failing_since: float | None = None
+        self._failing = False
         while True:
             paused = self._resume_at - time.monotonic()
             newer = self._replaced_within(paused) if paused > 0 else None
@@ -307,6 +309,7 @@ class BackgroundPublisher:
                                   delta=self._delta or False, **self._options)
             except BaseException as error:  # counted and handed to the future, never to the trainer
                 failing_since = time.monotonic() if failing_since is None else failing_since
+                self._failing = True
                 published = self._published_anyway(job)
                 if published is not None:
                     self.last, self._answered = published, True
@@ -357,9 +360,10 @@ class BackgroundPublisher:
         drop the pending snapshot and end the retries (the exit still waits for a write under way)."""
         with self._changed:
             newest = self._pending or self._writing
-            if newest is not None and newest is self._writing and self.last_error is None:
-                _log.warning("interrupted at exit: step %d is still being written to %s; the exit waits for that "
-                             "write (Ctrl-C again stops waiting)", newest.step, self.folder)
+            if newest is not None and newest is self._writing and not self._failing:
+                _log.warning("interrupted at exit: step %d is still being written to %s; the process ends once it "
+                             "is written%s", newest.step, self.folder,
+                             f" (the newer step {self._pending.step} is not published)" if self._pending else "")
             elif newest is not None:
                 _log.warning("interrupted at exit: step %d is not published to %s (%s); the last version published "
                              "is %s", newest.step, self.folder, self.last_error or "not written yet",
@@ -408,10 +412,21 @@ def _retryable(error: BaseException) -> bool:
     """A failure of the storage, which may pass (an outage, a full disk): not one of the publish
     itself (a step not forward, a folder that is a file, weights no format takes), nor a write
     the file system will refuse again (a file over its size limit, a read-only file system)."""
-    if isinstance(error, WriteError):  # errno 0: none; an object store's answer (a bucket gone) may pass,
-        # its ``transient`` deciding the rest; a local writer's failure without one is its own and stays
-        return _errno_passes(error) if error.errno else service_answer(error) is not None
+    if isinstance(error, WriteError):  # errno 0: none; an object store's answer (a bucket gone) or a lost
+        # connection may pass, its ``transient`` deciding the rest; a local writer's failure without one stays
+        return _errno_passes(error) if error.errno else service_answer(error) is not None or _connection_lost(error)
     if isinstance(error, StorageError):
         return True
     return isinstance(error, OSError) and not isinstance(error, WeightStoreError) and _errno_passes(error)
 
+
+def _connection_lost(error: BaseException) -> bool:
+    """Whether a connection dropped or timed out on the way to ``error`` (its causes)."""
+    seen: BaseException | None = error
+    for _ in range(64):  # a chain may loop
+        if seen is None:
+            return False
+        if isinstance(seen, (ConnectionError, TimeoutError)):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
