@@ -996,6 +996,16 @@ def test_json_errors_of_an_import_carry_the_target_and_the_key(made, tmp_path, r
     assert {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)} == before  # nothing written
 
 
+def test_a_folder_given_as_the_output_is_told_how_a_folder_is_written(store, tmp_path):
+    there = tmp_path / "there"
+    there.mkdir()
+    for target in (f"{tmp_path / 'new'}/", there):  # a folder's name, and a folder that is there
+        one_error_line(run("convert", store, target), "cannot tell which format",
+                       "a folder of safetensors shards is written with max_shard_size= (ws convert --max-shard-size)")
+    assert not (tmp_path / "new").exists() and os.listdir(there) == []
+    assert "max_shard_size" not in run("convert", store, tmp_path / "out.xyz").output  # a file's name: not said
+
+
 @pytest.mark.parametrize("name", ["out.safetensors.bak", "out.xyz"])
 def test_unknown_output_suffix_is_refused_before_anything_is_read(store, tmp_path, name):
     result = run("export", store, "-o", tmp_path / name)

@@ -218,9 +218,12 @@ def output_format(location: str, format: str | None = None) -> Format:  # noqa: 
     else:
         found = format_for_suffix(location)
         if found is None:
+            # a folder is what a sharded save writes: say so, where the name is a folder's
+            folder = location.endswith("/") or os.path.isdir(location)
             raise TargetError(f"cannot tell which format to write from the file name; name it with one of "
-                              f"{', '.join(known_suffixes())} (or, from Python, pass format= to write any name)",
-                              path=location)
+                              f"{', '.join(known_suffixes())} (or, from Python, pass format= to write any name)"
+                              + ("; a folder of safetensors shards is written with max_shard_size= "
+                                 "(ws convert --max-shard-size)" if folder else ""), path=location)
         fmt = found
     if not fmt.writes:  # a format only read (a sharded index, a checkpoint) refuses in its own words what writes it
         fmt.open_writer(location, False)
