@@ -703,6 +703,18 @@ def six_variables():
                             use_resource=i % 2 == 0) for i in range(6)]
 
 
+@contextlib.contextmanager
+def six_variables_session():
+    """A graph of :func:`six_variables`, initialised in a session of its own: (graph, session, variables)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        variables = six_variables()
+        init = v1.global_variables_initializer()
+    with v1.Session(graph=graph) as sess:
+        sess.run(init)
+        yield graph, sess, variables
+
+
 @pytest.mark.parametrize("route", ["dict", "npz", "h5"])
 def test_batched_assign_equals_one_shot_and_runs_once_per_batch(tmp_path, monkeypatch, batches_counted, route):
     weights = six_values()
@@ -779,12 +791,7 @@ def test_the_first_assign_compiles_its_batch_once_started_before_the_file_is_ope
         return open_values(weights)
 
     monkeypatch.setattr(skeleton, "open_values", opened)
-    graph = tf.Graph()
-    with graph.as_default():
-        variables = six_variables()
-        init = v1.global_variables_initializer()
-    with v1.Session(graph=graph) as sess:
-        sess.run(init)
+    with six_variables_session() as (graph, sess, variables):
         assert tf1.assign(sess, path).assigned == list(reversed(weights))
         assert seen_at_open == [(1, 1)]
         assert len(compiled) == 1 and len(compiled[0]) == 6
@@ -815,12 +822,7 @@ def test_the_guess_on_the_helper_ends_before_the_assign_returns(tmp_path, monkey
         return handed[-1]
 
     monkeypatch.setattr(_tf1_callables, "beside", late)
-    graph = tf.Graph()
-    with graph.as_default():
-        variables = six_variables()
-        init = v1.global_variables_initializer()
-    with v1.Session(graph=graph) as sess:
-        sess.run(init)
+    with six_variables_session() as (graph, sess, variables):
         assert tf1.assign(sess, path).assigned == list(weights)
         assert handed and all(job._future is None or job._future.done() for job in handed)
         before = {op.name for op in graph.get_operations()}
@@ -845,12 +847,7 @@ def test_a_guess_that_fails_on_the_helper_costs_the_assign_nothing(tmp_path, mon
         raise RuntimeError("the staging warm-up failed")
 
     monkeypatch.setattr(tf1, "warm", warm_fails)
-    graph = tf.Graph()
-    with graph.as_default():
-        variables = six_variables()
-        init = v1.global_variables_initializer()
-    with v1.Session(graph=graph) as sess:
-        sess.run(init)
+    with six_variables_session() as (graph, sess, variables):
         assert tf1.assign(sess, path).assigned == list(weights)
         for got, expected in zip(values(sess, variables), weights.values(), strict=True):
             np.testing.assert_array_equal(got, expected)

@@ -128,6 +128,14 @@ def transient(exc: BaseException) -> bool:
     if answer is not None:
         code, status = answer
         return status >= 500 or code in _LATER
+    unanswered = connection_failure(exc)
+    return True if unanswered is None else unanswered
+
+
+def connection_failure(exc: BaseException) -> bool | None:
+    """Whether the connection failure in ``exc``'s chain may pass: True for a connection refused,
+    reset or timed out, or a name server that did not answer; False for a host name that names no
+    host; ``None`` where the chain holds no connection failure."""
     seen = 0
     while exc is not None and seen < 8:
         if isinstance(exc, socket.gaierror):
@@ -135,7 +143,7 @@ def transient(exc: BaseException) -> bool:
         if isinstance(exc, (ConnectionError, TimeoutError)):
             return True
         exc, seen = exc.__cause__ or exc.__context__, seen + 1  # type: ignore[assignment]
-    return True
+    return None
 
 
 @contextlib.contextmanager

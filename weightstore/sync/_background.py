@@ -81,7 +81,7 @@ from weightstore.core._exiting import finish_before_exit
 from weightstore.core._forks import in_child
 from weightstore.errors import PublishError, StorageError, WeightStoreError, WriteError
 from weightstore.formats import format_named
-from weightstore.io.location import service_answer
+from weightstore.io.location import connection_failure, service_answer
 from weightstore.store._save import checked_metadata
 from weightstore.sync._checks import DEFAULT_FORMAT, DEFAULT_KEEP, checked_keep, checked_seconds, checked_step
 from weightstore.sync._delta import Delta, as_delta
@@ -414,19 +414,8 @@ def _retryable(error: BaseException) -> bool:
     the file system will refuse again (a file over its size limit, a read-only file system)."""
     if isinstance(error, WriteError):  # errno 0: none; an object store's answer (a bucket gone) or a lost
         # connection may pass, its ``transient`` deciding the rest; a local writer's failure without one stays
-        return _errno_passes(error) if error.errno else service_answer(error) is not None or _connection_lost(error)
+        return _errno_passes(error) if error.errno else \
+            service_answer(error) is not None or connection_failure(error) is True
     if isinstance(error, StorageError):
         return True
     return isinstance(error, OSError) and not isinstance(error, WeightStoreError) and _errno_passes(error)
-
-
-def _connection_lost(error: BaseException) -> bool:
-    """Whether a connection dropped or timed out on the way to ``error`` (its causes)."""
-    seen: BaseException | None = error
-    for _ in range(64):  # a chain may loop
-        if seen is None:
-            return False
-        if isinstance(seen, (ConnectionError, TimeoutError)):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
