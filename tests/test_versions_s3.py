@@ -273,7 +273,7 @@ def test_follow_waits_out_an_outage(s3, caplog):
         server.stop()
 
 
-def test_ws_follow_says_once_that_it_waits_for_a_closed_port_and_once_that_it_answers():
+def test_ws_follow_says_once_that_it_waits_for_a_closed_port_and_once_that_it_answers(monkeypatch):
     """A mistyped port refuses every connection, as a stopped server does: ``ws follow`` waits
     (the two look the same), and says so on stderr when the outage starts and when it ends,
     not once a retry; with --json, stdout holds only JSON lines."""
@@ -287,7 +287,9 @@ def test_ws_follow_says_once_that_it_waits_for_a_closed_port_and_once_that_it_an
     endpoint = f"http://127.0.0.1:{port}"
     bucket = f"weightstore-closed-port-{uuid.uuid4().hex[:8]}"  # moto's buckets are the process's, whatever port
     folder = f"s3://{bucket}/run"
-    env = {**os.environ, **CREDENTIALS, "AWS_ENDPOINT_URL_S3": endpoint, "AWS_MAX_ATTEMPTS": "1",
+    for name, value in CREDENTIALS.items():  # this process's own client too, however the tests are ordered
+        monkeypatch.setenv(name, value)
+    env = {**os.environ, "AWS_ENDPOINT_URL_S3": endpoint, "AWS_MAX_ATTEMPTS": "1",
            "PYTHONPATH": str(ROOT)}
     command = subprocess.Popen([sys.executable, "-m", "weightstore", "follow", folder, "--json", "--poll", "0.05",
                                 "--max-poll", "0.05"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
