@@ -175,6 +175,43 @@ def test_a_bucket_removed_once_the_folder_answered_is_retried(s3):
     assert future.result(60).step == 2 and publisher.close(60).step == 2
 
 
+def test_a_write_cut_off_by_the_server_dying_mid_upload_is_retried_once_it_is_back_and_lands_whole(s3):
+    """The server is killed while the version's bytes are on their way (its connection reset, no
+    answer: an error with no errno, and no service answer), then restarted with what it stored:
+    the publisher retries, and the version that lands is the whole one, bit-exact."""
+    import s3fs
+
+    folder = f"s3://{BUCKET}/killed-mid-upload"
+    value = {"dense/kernel": np.random.default_rng(0).standard_normal((1024, 1024)).astype(np.float32)}  # 4 MiB
+    killed = threading.Event()
+
+    def kill_mid_upload(environ):
+        if environ["REQUEST_METHOD"] == "PUT" and "/step-" in environ["PATH_INFO"] and not killed.is_set():
+            environ["wsgi.input"].read(1 << 16)  # the first bytes of the body arrived
+            killed.set()
+            s3.kill(environ)
+            return 500, b""  # never sent: the connection is reset
+        return None
+
+    s3.intercept = kill_mid_upload
+    publisher = ws.BackgroundPublisher(folder, retry_backoff=0.1, max_backoff=0.5)
+    future = publisher.publish(value, step=1)
+    while publisher.failures < 1:
+        assert not future.done(), future.exception()
+        threading.Event().wait(0.05)
+    error = publisher.last_error
+    assert killed.is_set() and isinstance(error, ws.StorageError) and error.transient, error
+    assert not error.errno and "step-000000000001" in str(error), error
+    s3.intercept = None
+    s3.restart()
+    assert future.result(60).step == 1 and publisher.close(60).step == 1
+    got = ws.load(ws.latest(folder))  # every checksum verified
+    assert got["dense/kernel"].tobytes() == value["dense/kernel"].tobytes()
+    s3fs.S3FileSystem.clear_instance_cache()
+    names = sorted(path.rpartition("/")[2] for path in s3fs.S3FileSystem().ls(folder, refresh=True))
+    assert names == ["LATEST", "step-000000000001.npz"], names
+
+
 ENDS_DURING_AN_OUTAGE = """
 import sys
 import keras
