@@ -269,3 +269,66 @@ def test_ctrl_c_while_the_exit_waits_for_a_retrying_publish_gives_it_up_and_says
     assert "Traceback" not in err, err
     outage.end()
     assert ws.latest(folder) is None  # given up: nothing was written once the storage came back
+
+
+FIT_ENDS_WITH_A_WRITE_UNDER_WAY = """
+import sys, threading
+import keras
+import numpy as np
+from weightstore.adapters.serving.hooks import PublishCallback
+
+threading._register_atexit(lambda: print("exiting", flush=True))  # runs just before the exit's wait
+model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+model.compile(optimizer="sgd", loss="mse")
+callback = PublishCallback(sys.argv[1], end_timeout=0, retry_for=600)
+x = np.ones((4, 3), np.float32)
+model.fit(x, x[:, :1], batch_size=4, epochs=1, verbose=0, callbacks=[callback])
+"""
+
+
+def test_a_second_ctrl_c_at_exit_ends_the_process_at_once_leaving_the_folder_whole(s3):
+    """A ``PublishCallback`` whose final publish is retrying through an outage, its next attempt's
+    upload then hanging in the storage, holds the script's exit; Ctrl-C gives the publish up but
+    waits for the write under way, and a second Ctrl-C ended only weightstore's wait: the
+    interpreter still joined the publishing thread, so the process hung on with the upload. Now
+    it ends at once, saying which write it abandons, without a traceback, and the folder holds
+    what it held: no version half-written."""
+    folder = f"s3://{BUCKET}/ctrl-c-twice"
+    hang, held, release = threading.Event(), threading.Event(), threading.Event()
+
+    def down_then_hanging(environ):
+        if environ["REQUEST_METHOD"] != "PUT" or "/ctrl-c-twice/step-" not in environ["PATH_INFO"]:
+            return None
+        if not hang.is_set():
+            return DOWN  # an outage: the publish is retrying
+        held.set()
+        release.wait(120)  # the next attempt's upload is under way until the test ends
+        return DOWN
+
+    s3.intercept = down_then_hanging
+    script = subprocess.Popen([sys.executable, "-c", FIT_ENDS_WITH_A_WRITE_UNDER_WAY, folder], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        seen = []
+        while not any("retrying" in line for line in seen):  # logged by the publishing thread
+            seen.append(script.stderr.readline())
+            assert seen[-1], "".join(seen)
+        hang.set()
+        assert script.stdout.readline() == "exiting\n", "".join(seen)  # the main thread is at the exit's wait
+        assert held.wait(120), "no upload was under way"
+        script.send_signal(signal.SIGINT)
+        while not any("interrupted at exit" in line for line in seen):  # the first Ctrl-C was heard
+            seen.append(script.stderr.readline())
+            assert seen[-1], "".join(seen)
+        assert script.poll() is None  # waiting for the write under way, as before
+        script.send_signal(signal.SIGINT)
+        _, err = script.communicate(timeout=30)  # the upload is still held: the process did not wait for it
+        err = "".join(seen) + err
+    finally:
+        script.kill()
+        release.set()
+        s3.intercept = None
+    assert f"interrupted at exit: step 1 is not published to {folder}" in err, err
+    assert f"interrupted again at exit: the process ends now, abandoning the write of step 1 to {folder}" in err, err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    assert ws.latest(folder) is None
