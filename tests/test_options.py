@@ -183,6 +183,10 @@ def test_a_word_no_verb_takes_is_a_type_error_naming_the_verb_called_with_a_clos
             call(bogus=1)
     with pytest.raises(TypeError, match=fr"^{name}\.assign\(\) .* 'strickt'; did you mean 'strict'\?$"):
         calls["assign"](strickt=False)
+    from weightstore.adapters.serving.follower import Follower
+
+    with pytest.raises(TypeError, match=r"^Follower\(\) got an unexpected keyword argument 'scop'; did you mean"):
+        Follower(model, "versions", scop="net")
 
 
 def test_a_word_no_store_verb_takes_is_a_type_error_naming_the_verb_with_a_close_match(tmp_path):
