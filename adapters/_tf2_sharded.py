@@ -54,7 +54,7 @@ with needs("tf", __name__):
     import tensorflow as tf
     from tensorflow.python.eager import context
 
-from weightstore.adapters.plan import SelectionWords
+from weightstore.adapters.plan import Selection, SelectionWords
 from weightstore.errors import PublishError, ShardTimeoutError, WeightStoreError
 from weightstore.formats._sharded_index import BLOCK_BYTES
 from weightstore.io.folders import Folder, folder_for
@@ -185,7 +185,7 @@ def publish_sharded(
     """
     from weightstore.adapters import tf2  # here: tf2 re-exports this module's function
 
-    variables = tf2.selected(model, optimizer=optimizer, **selection)
+    variables = tf2.selected(model, optimizer=optimizer, **Selection.of("tf2.publish_sharded", selection).words())
     metadata = checked_metadata(metadata)  # on every worker, so that all of them refuse it alike
     planner = as_delta(delta)
     rank, world = _place(strategy)
