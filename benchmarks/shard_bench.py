@@ -14,7 +14,8 @@ Four tables, one run:
    in the index say which tensors are unchanged, so it fetches the changed tensor and the index.
 4. *A rank's save and read against ``torch.distributed.checkpoint``* (local folder, one process
    as rank 1 of 4, its own rows of every tensor in memory it owns, as an FSDP rank holds them):
-   ``publish_shard`` against ``dcp.save`` (both durable: DCP fsyncs its files), then the rank's
+   ``publish_shard`` against ``dcp.save`` (both durable: DCP fsyncs its files), with and
+   without block digests (``digests=False``: a checkpoint no follower reads), then the rank's
    rows read back by ``read_region`` from the committed version against ``dcp.load`` into
    tensors of its share; rounds taken in turn, medians of wall and of this process's CPU
    seconds (every thread), per GB of the share. ``--busy`` spins a CPU-bound neighbour
@@ -328,6 +329,10 @@ def rank_vs_dcp(size_mb: float, repeat: int = 3, busy: bool = False) -> str:
         def ws_save() -> None:
             ws.publish_shard(f"{root}/ws-save", mine, step=next(saved), rank=rank, world=world, attempt=0)
 
+        def ws_save_bare() -> None:
+            ws.publish_shard(f"{root}/ws-save", mine, step=next(saved), rank=rank, world=world, attempt=0,
+                             digests=False)
+
         def dcp_save() -> None:
             dcp.save(tensors, checkpoint_id=f"{root}/dcp-save-{next(saved)}", no_dist=True)
 
@@ -340,7 +345,8 @@ def rank_vs_dcp(size_mb: float, repeat: int = 3, busy: bool = False) -> str:
             dcp.load({key: torch.empty(value.shape) for key, value in tensors.items()},
                      checkpoint_id=f"{root}/dcp-read", no_dist=True)
 
-        cases = {"save": (ws_save, dcp_save), "read": (ws_read, dcp_read)}
+        cases = {"save": (ws_save, dcp_save), "save, digests=False": (ws_save_bare, dcp_save),
+                 "read": (ws_read, dcp_read)}
         found: dict[str, list[tuple[float, float]]] = {}
         with busy_neighbour(busy):
             for round_ in range(repeat + 1):  # the first round warms up
