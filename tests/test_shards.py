@@ -398,6 +398,9 @@ def test_a_member_published_without_digests_reads_verified_and_its_regions_have_
     assert np.array_equal(ws.load(version)["w"], w)
     with pytest.raises(ws.PublishError, match=r"ranks 0 and 1 wrote the part at \[0, 0\] with different values"):
         shards.commit_shards(tmp_path / "diverged", step=1, world=2, attempt=0, timeout=5)
+    version = shards.publish_together(tmp_path / "together", {"w": w}, step=1, rank=0, world=1, digests=False)
+    with ws.open(version) as store:
+        assert store.read_region("w", ()).tobytes() == w.tobytes() and store.region_digest("w", ()) is None
 
 
 def test_an_index_of_version_2_still_reads(tmp_path):

@@ -539,7 +539,7 @@ def publish_together(
     try:
         _write_shard(target, pieces, step=step, rank=rank, world=world, attempt=attempt, fmt=fmt,
                      incarnation=incarnation, storage_options=storage_options, delta=planner,
-                         digests=digests)
+                     digests=digests)
     except Exception as exc:  # rank 0's commit would otherwise wait out its timeout for this member
         meeting.give_up(f"{type(exc).__name__}: {exc}")
         raise
@@ -954,7 +954,8 @@ def _once(key: str, part: _Part, boxes: dict[tuple[str, tuple[int, ...], tuple[i
     Replicas that cannot tell which of them writes (a DTensor on a submesh, held alike by each
     copy of it along the mesh's other axes: FSDP2 over a layer tensor parallelism leaves
     alone) each write it; the index keeps the first. The same part with other bytes is a
-    replica that diverged, refused rather than either copy taken.
+    replica that diverged, refused rather than either copy taken. Digests of two kinds (one
+    replica written with block digests, one without: :func:`_piece_digest`) cannot tell.
     """
     box = (key, part[1], part[2])
     first = boxes.setdefault(box, part)
