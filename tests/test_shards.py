@@ -363,6 +363,46 @@ def test_a_region_digest_follows_the_rows_it_reads_whichever_columns_changed(tmp
     assert digests[0][2] != digests[1][2]  # its rows and columns changed
 
 
+def test_a_member_published_without_digests_reads_verified_and_its_regions_have_no_digest(tmp_path):
+    """``digests=False`` (a checkpoint no follower reads) skips the BLAKE3 of every block: its
+    member's table holds CRC-32s only, every block is still verified as it is read, its
+    regions have no digest (a follower reads them again, never trusting a CRC-32), a member
+    with digests beside it keeps its own, and replicas are told alike or diverged by their
+    blocks' CRC-32s."""
+    folder = tmp_path / "run"
+    w = np.random.default_rng(0).standard_normal((256, 1024), dtype=np.float32)
+    for rank in range(2):
+        ws.publish_shard(folder, {"w": ws.Piece(w[128 * rank:128 * (rank + 1)], (128 * rank, 0), w.shape)}, step=1,
+                         rank=rank, world=2, attempt=0, digests=rank == 0)
+    version = shards.commit_shards(folder, step=1, world=2, attempt=0, timeout=5)
+    members = folder / "step-000000000001.attempt-0"
+    with ws.open(version) as store:
+        assert len(store._reader.placed("w")) > 2  # column strips
+        assert store.read_region("w", ()).tobytes() == w.tobytes()
+        assert store.region_digest("w", (slice(0, 128),)) is not None
+        assert store.region_digest("w", (slice(100, 200),)) is None and store.region_digest("w", ()) is None
+    tables = [(members / f"rank-0000{rank}.blocks").stat().st_size for rank in range(2)]
+    assert tables[0] - tables[1] > 32 * 64  # a BLAKE3 digest per block, in rank 0's table only
+    member = members / "rank-00001.safetensors"
+    data = bytearray(member.read_bytes())
+    data[-10] ^= 0xFF  # the last block of rank 1's last strip
+    member.write_bytes(bytes(data))
+    with ws.open(version) as store:
+        with pytest.raises(ws.ChecksumError, match="rank-00001.safetensors is corrupt") as caught:
+            store.read_region("w", (slice(250, 256),))
+        assert caught.value.key == "w" and caught.value.path.endswith(".wsindex")
+    for name, values in (("same", (w, w)), ("diverged", (w, w + 1))):
+        for rank, value in enumerate(values):
+            ws.publish_shard(tmp_path / name, {"w": value}, step=1, rank=rank, world=2, attempt=0, digests=False)
+    version = shards.commit_shards(tmp_path / "same", step=1, world=2, attempt=0, timeout=5)
+    assert np.array_equal(ws.load(version)["w"], w)
+    with pytest.raises(ws.PublishError, match=r"ranks 0 and 1 wrote the part at \[0, 0\] with different values"):
+        shards.commit_shards(tmp_path / "diverged", step=1, world=2, attempt=0, timeout=5)
+    version = shards.publish_together(tmp_path / "together", {"w": w}, step=1, rank=0, world=1, digests=False)
+    with ws.open(version) as store:
+        assert store.read_region("w", ()).tobytes() == w.tobytes() and store.region_digest("w", ()) is None
+
+
 def test_an_index_of_version_2_still_reads(tmp_path):
     folder = tmp_path / "run"
     shutil.copytree(V2, folder)
