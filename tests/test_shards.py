@@ -665,6 +665,30 @@ def test_a_member_that_is_not_what_its_done_record_says_is_refused(tmp_path):
     assert ws.latest(folder) is None
 
 
+def test_a_block_table_that_is_not_what_its_done_record_says_is_refused(tmp_path):
+    """Readers refuse a version whose table is missing, cut or not a file: the commit, which
+    has the table's size in the listing it already made, refuses to publish one."""
+    folder = tmp_path / "run"
+    for rank in range(4):
+        ws.publish_shard(folder, pieces_of(rank), step=1, rank=rank, world=4, attempt=0)
+    table = folder / "step-000000000001.attempt-0" / "rank-00001.blocks"
+    whole = table.read_bytes()
+    table.write_bytes(whole[:-8])  # cut behind the writer's back
+    with pytest.raises(ws.PublishError, match=r"rank 1's block table rank-00001.blocks is \d+ bytes; its done-record "
+                                              rf"says {len(whole)}") as caught:
+        shards.commit_shards(folder, step=1, world=4, attempt=0, timeout=5)
+    assert caught.value.path == str(table.parent)
+    table.unlink()
+    table.mkdir()  # not a file: every reader refuses it
+    with pytest.raises(ws.PublishError, match="rank 1's block table rank-00001.blocks is missing"):
+        shards.commit_shards(folder, step=1, world=4, attempt=0, timeout=5)
+    assert ws.latest(folder) is None
+    table.rmdir()
+    table.write_bytes(whole)
+    version = shards.commit_shards(folder, step=1, world=4, attempt=0, timeout=5)
+    assert ws.load(version)["dense/kernel"].tobytes() == model()["dense/kernel"].tobytes()
+
+
 def test_a_list_of_numbers_is_an_array_not_a_list_of_pieces(tmp_path):
     folder = tmp_path / "run"
     ws.publish_shard(folder, {"w": [1.0, 2.0, 3.0]}, step=1, rank=0, world=1, attempt=0)

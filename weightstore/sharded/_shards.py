@@ -401,14 +401,19 @@ def commit_shards(
     if meeting is not None and meeting.chosen == attempt and meeting.incarnation == incarnation:
         meeting.sweep()  # every rank wrote its member: none reads this call's attempt, or news before, again
     records = [record for _, record in sorted(found.items())]
-    if any(sizes.get(record.member.file) != record.member.size for record in records):
+    # each rank's member and its block table (written before its done-record), as readers will find them: a
+    # table cut, missing or not a file would make every reader refuse the version this commit publishes
+    files = [(record.rank, "member", record.member.file, record.member.size) for record in records] + [
+        (record.rank, "block table", table_name(record.rank), record.member.table.size)
+        for record in records if record.member.table is not None]
+    if any(sizes.get(file) != size for _, _, file, size in files):
         sizes = {entry.name: entry.size for entry in members.files()}  # a listing made while one was renamed in
-    for record in records:  # from the listing that found the last done-record: no request more
-        size = sizes.get(record.member.file)
-        if size != record.member.size:
+    for rank, what, file, expected in files:  # from the listing that found the last done-record: no request more
+        size = sizes.get(file)
+        if size != expected:
             state = "is missing" if size is None else f"is {size} bytes"
-            raise PublishError(f"rank {record.rank}'s member {record.member.file} {state}; its done-record says "
-                               f"{record.member.size} bytes", path=members.where)
+            raise PublishError(f"rank {rank}'s {what} {file} {state}; its done-record says {expected} bytes",
+                               path=members.where)
     with naming(path=target.url(name)):
         index = _merged(records, step, attempt, world, metadata, incarnation)
     index.delta = member_delta.index_delta(target, records, sum(entry.nbytes for entry in index.tensors.values()))
