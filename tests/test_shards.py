@@ -689,6 +689,31 @@ def test_a_block_table_that_is_not_what_its_done_record_says_is_refused(tmp_path
     assert ws.load(version)["dense/kernel"].tobytes() == model()["dense/kernel"].tobytes()
 
 
+def test_an_index_that_is_a_symbolic_link_keeps_its_members_through_commits_and_ws_clean(tmp_path):
+    """Readers follow an index that is a symbolic link (a version linked in from elsewhere); the
+    listing of plain files leaves it out. Its members were taken for a dead attempt: the next
+    commit and ``ws clean`` removed them, and the version LATEST's neighbour named broke."""
+    folder, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for step in (1, 2):
+        for rank in range(4):
+            ws.publish_shard(folder, pieces_of(rank), step=step, rank=rank, world=4, attempt=0)
+        shards.commit_shards(folder, step=step, world=4, attempt=0, timeout=5)
+    for step in (1, 2):
+        index = folder / f"step-{step:012d}.wsindex"
+        index.rename(elsewhere / index.name)
+        index.symlink_to(elsewhere / index.name)
+    for rank in range(4):
+        ws.publish_shard(folder, pieces_of(rank), step=3, rank=rank, world=4, attempt=0)
+    shards.commit_shards(folder, step=3, world=4, attempt=0, timeout=5, keep=None)
+    cleaned = subprocess.run([sys.executable, "-m", "weightstore", "clean", str(folder)], capture_output=True,
+                             text=True, timeout=120)
+    assert cleaned.returncode == 0, cleaned.stderr
+    for step in (1, 2, 3):
+        assert ws.load(folder / f"step-{step:012d}.wsindex")["dense/kernel"].tobytes() == \
+            model()["dense/kernel"].tobytes()
+
+
 def test_a_list_of_numbers_is_an_array_not_a_list_of_pieces(tmp_path):
     folder = tmp_path / "run"
     ws.publish_shard(folder, {"w": [1.0, 2.0, 3.0]}, step=1, rank=0, world=1, attempt=0)

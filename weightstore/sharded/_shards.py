@@ -617,7 +617,8 @@ def clean_attempts(target: Folder, *, keep_step: int, keep_attempt: int) -> list
     indexed = {step for step, entry in version_files(target) if entry.name.endswith(SHARDED_SUFFIX)}
     removed = []
     for sub, step, attempt in _attempts(target):
-        if (step == keep_step and attempt != keep_attempt) or (step < keep_step and step not in indexed):
+        if (step == keep_step and attempt != keep_attempt) or (
+                step < keep_step and step not in indexed and not _unlisted_index(target, step)):
             target.remove_folder(sub)
             removed.append(sub)
     return removed
@@ -654,11 +655,22 @@ def clean_folder(folder: Any, *, storage_options: Mapping[str, Any] | None = Non
         else:
             target.remove(entry.name)
             removed.append(entry.name)
+    listed = {step for step, entry in found if entry.name.endswith(SHARDED_SUFFIX)}
     for sub, step, attempt in _attempts(target):
-        if (step, attempt) not in live and (step, None) not in live:  # an unreadable index may name any attempt
+        # an unreadable index may name any attempt
+        if (step, attempt) not in live and (step, None) not in live and (
+                step in listed or not _unlisted_index(target, step)):
             target.remove_folder(sub)
             removed.append(sub)
     return removed
+
+
+def _unlisted_index(target: Folder, step: int) -> bool:
+    """Whether something the listing of plain files leaves out is at ``step``'s index name: a
+    symbolic link, which readers follow (a version linked in from elsewhere), a FIFO or a folder.
+    Nothing proves that step's attempts dead, as for an index that cannot be read. One request,
+    asked only of a step that has attempts and no listed index."""
+    return target.tag(index_name(step)) is not None
 
 
 def _members_present(target: Folder, index: ShardIndex, storage_options: Mapping[str, Any] | None) -> bool:
