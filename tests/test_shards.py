@@ -714,6 +714,34 @@ def test_an_index_that_is_a_symbolic_link_keeps_its_members_through_commits_and_
             model()["dense/kernel"].tobytes()
 
 
+def test_ws_clean_keeps_a_version_whose_member_is_a_symbolic_link(tmp_path):
+    """Readers follow a member that is a symbolic link; ``ws clean`` took it for missing (its
+    listing of plain files leaves links out) and removed the version as one whose members are
+    gone. A member the listing misses is asked for by name before its index is called dead."""
+    folder, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for step in (1, 2):
+        for rank in range(4):
+            ws.publish_shard(folder, pieces_of(rank), step=step, rank=rank, world=4, attempt=0)
+        shards.commit_shards(folder, step=step, world=4, attempt=0, timeout=5)
+    member = folder / "step-000000000001.attempt-0" / "rank-00002.safetensors"
+    member.rename(elsewhere / member.name)
+    member.symlink_to(elsewhere / member.name)
+    (folder / "step-000000000001.attempt-0" / "rank-00003.safetensors").unlink()  # gone: step 1 is dead
+    (folder / "step-000000000002.attempt-0" / "rank-00002.safetensors").rename(elsewhere / "two")
+    (folder / "step-000000000002.attempt-0" / "rank-00002.safetensors").symlink_to(elsewhere / "two")
+    for rank in range(4):
+        ws.publish_shard(folder, pieces_of(rank), step=3, rank=rank, world=4, attempt=0)
+    shards.commit_shards(folder, step=3, world=4, attempt=0, timeout=5, keep=None)
+    cleaned = subprocess.run([sys.executable, "-m", "weightstore", "clean", str(folder)], capture_output=True,
+                             text=True, timeout=120)
+    assert cleaned.returncode == 0, cleaned.stderr
+    assert not (folder / "step-000000000001.wsindex").exists() and (elsewhere / "rank-00002.safetensors").exists()
+    for step in (2, 3):
+        assert ws.load(folder / f"step-{step:012d}.wsindex")["dense/kernel"].tobytes() == \
+            model()["dense/kernel"].tobytes()
+
+
 def test_a_list_of_numbers_is_an_array_not_a_list_of_pieces(tmp_path):
     folder = tmp_path / "run"
     ws.publish_shard(folder, {"w": [1.0, 2.0, 3.0]}, step=1, rank=0, world=1, attempt=0)

@@ -674,10 +674,18 @@ def _unlisted_index(target: Folder, step: int) -> bool:
 
 
 def _members_present(target: Folder, index: ShardIndex, storage_options: Mapping[str, Any] | None) -> bool:
+    """Whether every member and block table ``index`` names is there. One the listing of plain
+    files misses is asked for by name (a request each, up to the first missing): a symbolic link,
+    which readers follow, is no missing member."""
     members = folder_for(target.url(attempt_folder(index.step, index.attempt)), storage_options)
     present = {entry.name: entry.size for entry in members.files()}
-    return all(present.get(member.file.rsplit("/", 1)[-1], -1) >= member.size and (
-        member.table is None or present.get(table_name(member.rank), -1) >= member.table.head + member.table.digests)
+
+    def there(name: str, size: int) -> bool:
+        listed = present.get(name)
+        return listed >= size if listed is not None else members.tag(name) is not None
+
+    return all(there(member.file.rsplit("/", 1)[-1], member.size) and (
+        member.table is None or there(table_name(member.rank), member.table.head + member.table.digests))
         for member in index.members)
 
 
