@@ -705,6 +705,83 @@ def test_a_member_that_is_not_what_its_done_record_says_is_refused(tmp_path):
     assert ws.latest(folder) is None
 
 
+def test_a_block_table_that_is_not_what_its_done_record_says_is_refused(tmp_path):
+    """Readers refuse a version whose table is missing, cut or not a file: the commit, which
+    has the table's size in the listing it already made, refuses to publish one."""
+    folder = tmp_path / "run"
+    for rank in range(4):
+        ws.publish_shard(folder, pieces_of(rank), step=1, rank=rank, world=4, attempt=0)
+    table = folder / "step-000000000001.attempt-0" / "rank-00001.blocks"
+    whole = table.read_bytes()
+    table.write_bytes(whole[:-8])  # cut behind the writer's back
+    with pytest.raises(ws.PublishError, match=r"rank 1's block table rank-00001.blocks is \d+ bytes; its done-record "
+                                              rf"says {len(whole)}") as caught:
+        shards.commit_shards(folder, step=1, world=4, attempt=0, timeout=5)
+    assert caught.value.path == str(table.parent)
+    table.unlink()
+    table.mkdir()  # not a file: every reader refuses it
+    with pytest.raises(ws.PublishError, match="rank 1's block table rank-00001.blocks is missing"):
+        shards.commit_shards(folder, step=1, world=4, attempt=0, timeout=5)
+    assert ws.latest(folder) is None
+    table.rmdir()
+    table.write_bytes(whole)
+    version = shards.commit_shards(folder, step=1, world=4, attempt=0, timeout=5)
+    assert ws.load(version)["dense/kernel"].tobytes() == model()["dense/kernel"].tobytes()
+
+
+def test_an_index_that_is_a_symbolic_link_keeps_its_members_through_commits_and_ws_clean(tmp_path):
+    """Readers follow an index that is a symbolic link (a version linked in from elsewhere); the
+    listing of plain files leaves it out. Its members were taken for a dead attempt: the next
+    commit and ``ws clean`` removed them, and the version LATEST's neighbour named broke."""
+    folder, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for step in (1, 2):
+        for rank in range(4):
+            ws.publish_shard(folder, pieces_of(rank), step=step, rank=rank, world=4, attempt=0)
+        shards.commit_shards(folder, step=step, world=4, attempt=0, timeout=5)
+    for step in (1, 2):
+        index = folder / f"step-{step:012d}.wsindex"
+        index.rename(elsewhere / index.name)
+        index.symlink_to(elsewhere / index.name)
+    for rank in range(4):
+        ws.publish_shard(folder, pieces_of(rank), step=3, rank=rank, world=4, attempt=0)
+    shards.commit_shards(folder, step=3, world=4, attempt=0, timeout=5, keep=None)
+    cleaned = subprocess.run([sys.executable, "-m", "weightstore", "clean", str(folder)], capture_output=True,
+                             text=True, timeout=120)
+    assert cleaned.returncode == 0, cleaned.stderr
+    for step in (1, 2, 3):
+        assert ws.load(folder / f"step-{step:012d}.wsindex")["dense/kernel"].tobytes() == \
+            model()["dense/kernel"].tobytes()
+
+
+def test_ws_clean_keeps_a_version_whose_member_is_a_symbolic_link(tmp_path):
+    """Readers follow a member that is a symbolic link; ``ws clean`` took it for missing (its
+    listing of plain files leaves links out) and removed the version as one whose members are
+    gone. A member the listing misses is asked for by name before its index is called dead."""
+    folder, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for step in (1, 2):
+        for rank in range(4):
+            ws.publish_shard(folder, pieces_of(rank), step=step, rank=rank, world=4, attempt=0)
+        shards.commit_shards(folder, step=step, world=4, attempt=0, timeout=5)
+    member = folder / "step-000000000001.attempt-0" / "rank-00002.safetensors"
+    member.rename(elsewhere / member.name)
+    member.symlink_to(elsewhere / member.name)
+    (folder / "step-000000000001.attempt-0" / "rank-00003.safetensors").unlink()  # gone: step 1 is dead
+    (folder / "step-000000000002.attempt-0" / "rank-00002.safetensors").rename(elsewhere / "two")
+    (folder / "step-000000000002.attempt-0" / "rank-00002.safetensors").symlink_to(elsewhere / "two")
+    for rank in range(4):
+        ws.publish_shard(folder, pieces_of(rank), step=3, rank=rank, world=4, attempt=0)
+    shards.commit_shards(folder, step=3, world=4, attempt=0, timeout=5, keep=None)
+    cleaned = subprocess.run([sys.executable, "-m", "weightstore", "clean", str(folder)], capture_output=True,
+                             text=True, timeout=120)
+    assert cleaned.returncode == 0, cleaned.stderr
+    assert not (folder / "step-000000000001.wsindex").exists() and (elsewhere / "rank-00002.safetensors").exists()
+    for step in (2, 3):
+        assert ws.load(folder / f"step-{step:012d}.wsindex")["dense/kernel"].tobytes() == \
+            model()["dense/kernel"].tobytes()
+
+
 def test_a_list_of_numbers_is_an_array_not_a_list_of_pieces(tmp_path):
     folder = tmp_path / "run"
     ws.publish_shard(folder, {"w": [1.0, 2.0, 3.0]}, step=1, rank=0, world=1, attempt=0)

@@ -397,6 +397,11 @@ class TableRef:
         """Where the digests start in the table."""
         return self.head + (4 * self.blocks if self.paged else 0)
 
+    @property
+    def size(self) -> int:
+        """The table file's bytes: its head, its paged CRC-32s, its digests."""
+        return self.digests_at + self.digests
+
 
 @dataclass(frozen=True)
 class Member:

@@ -411,14 +411,19 @@ def commit_shards(
     if meeting is not None and meeting.chosen == attempt and meeting.incarnation == incarnation:
         meeting.sweep()  # every rank wrote its member: none reads this call's attempt, or news before, again
     records = [record for _, record in sorted(found.items())]
-    if any(sizes.get(record.member.file) != record.member.size for record in records):
+    # each rank's member and its block table (written before its done-record), as readers will find them: a
+    # table cut, missing or not a file would make every reader refuse the version this commit publishes
+    files = [(record.rank, "member", record.member.file, record.member.size) for record in records] + [
+        (record.rank, "block table", table_name(record.rank), record.member.table.size)
+        for record in records if record.member.table is not None]
+    if any(sizes.get(file) != size for _, _, file, size in files):
         sizes = {entry.name: entry.size for entry in members.files()}  # a listing made while one was renamed in
-    for record in records:  # from the listing that found the last done-record: no request more
-        size = sizes.get(record.member.file)
-        if size != record.member.size:
+    for rank, what, file, expected in files:  # from the listing that found the last done-record: no request more
+        size = sizes.get(file)
+        if size != expected:
             state = "is missing" if size is None else f"is {size} bytes"
-            raise PublishError(f"rank {record.rank}'s member {record.member.file} {state}; its done-record says "
-                               f"{record.member.size} bytes", path=members.where)
+            raise PublishError(f"rank {rank}'s {what} {file} {state}; its done-record says {expected} bytes",
+                               path=members.where)
     with naming(path=target.url(name)):
         index = _merged(records, step, attempt, world, metadata, incarnation)
     index.delta = member_delta.index_delta(target, records, sum(entry.nbytes for entry in index.tensors.values()))
@@ -625,7 +630,8 @@ def clean_attempts(target: Folder, *, keep_step: int, keep_attempt: int) -> list
     indexed = {step for step, entry in version_files(target) if entry.name.endswith(SHARDED_SUFFIX)}
     removed = []
     for sub, step, attempt in _attempts(target):
-        if (step == keep_step and attempt != keep_attempt) or (step < keep_step and step not in indexed):
+        if (step == keep_step and attempt != keep_attempt) or (
+                step < keep_step and step not in indexed and not _unlisted_index(target, step)):
             target.remove_folder(sub)
             removed.append(sub)
     return removed
@@ -662,18 +668,37 @@ def clean_folder(folder: Any, *, storage_options: Mapping[str, Any] | None = Non
         else:
             target.remove(entry.name)
             removed.append(entry.name)
+    listed = {step for step, entry in found if entry.name.endswith(SHARDED_SUFFIX)}
     for sub, step, attempt in _attempts(target):
-        if (step, attempt) not in live and (step, None) not in live:  # an unreadable index may name any attempt
+        # an unreadable index may name any attempt
+        if (step, attempt) not in live and (step, None) not in live and (
+                step in listed or not _unlisted_index(target, step)):
             target.remove_folder(sub)
             removed.append(sub)
     return removed
 
 
+def _unlisted_index(target: Folder, step: int) -> bool:
+    """Whether something the listing of plain files leaves out is at ``step``'s index name: a
+    symbolic link, which readers follow (a version linked in from elsewhere), a FIFO or a folder.
+    Nothing proves that step's attempts dead, as for an index that cannot be read. One request,
+    asked only of a step that has attempts and no listed index."""
+    return target.tag(index_name(step)) is not None
+
+
 def _members_present(target: Folder, index: ShardIndex, storage_options: Mapping[str, Any] | None) -> bool:
+    """Whether every member and block table ``index`` names is there. One the listing of plain
+    files misses is asked for by name (a request each, up to the first missing): a symbolic link,
+    which readers follow, is no missing member."""
     members = folder_for(target.url(attempt_folder(index.step, index.attempt)), storage_options)
     present = {entry.name: entry.size for entry in members.files()}
-    return all(present.get(member.file.rsplit("/", 1)[-1], -1) >= member.size and (
-        member.table is None or present.get(table_name(member.rank), -1) >= member.table.head + member.table.digests)
+
+    def there(name: str, size: int) -> bool:
+        listed = present.get(name)
+        return listed >= size if listed is not None else members.tag(name) is not None
+
+    return all(there(member.file.rsplit("/", 1)[-1], member.size) and (
+        member.table is None or there(table_name(member.rank), member.table.head + member.table.digests))
         for member in index.members)
 
 
