@@ -15,9 +15,10 @@ base is the version ``LATEST`` names; each tensor is encoded against the base's
 - or the delta is no smaller than the full version.
 
 **Memory.** A :class:`Delta` keeps a copy of the last version it published (``remember=True``,
-the default): 1x the model's bytes between publishes, and 2x during one (the new copy is made
-before the old one is let go). Without that copy (a restarted trainer, or ``delta=True`` given
-to single ``publish`` calls) the base is read back from the folder, anchor and chain, verified.
+the default): 1x the model's bytes, copied into the same memory each publish (none is copied
+after a delta that an anchor follows: the anchor reads no base). Without that copy (a restarted
+trainer, or ``delta=True`` given to single ``publish`` calls) the base is read back from the
+folder, anchor and chain, verified.
 """
 
 from __future__ import annotations
@@ -76,6 +77,10 @@ class _Held:
     head: delta_format.Head | None = None
     #: a sharded version's member: what its member metadata says of its pieces
     layout: Any = None
+    #: whether :attr:`tensors` hold this version's bytes; ``False`` after a delta whose successor
+    #: is an anchor (:meth:`Delta._anchor_due`): they are the version before's, kept only as the
+    #: memory the anchor's copy goes into
+    current: bool = True
 
 
 @dataclass
@@ -195,23 +200,27 @@ class Delta:
 
     def _from_memory(self, held: _Held, step: int, base: str, chain: list[str], chain_bytes: int,
                      tensors: dict[str, Stored]) -> Plan | None:
-        """The plan against ``held``, the remembered version (:func:`_plan`)."""
+        """The plan against ``held``, the remembered version (:func:`_plan`); ``None`` where an
+        anchor is due, or ``held`` kept no bytes of its version (as it expected one)."""
         full_bytes = sum(len(item.data) for item in tensors.values())
 
         def remembered(key: str, item: Stored) -> np.ndarray | None:
             return _same_kind(held.tensors.get(key), item)
 
-        # the size of the last delta this object published (a share of its version) predicts
-        # the next: where one more would take the chain past a full version, the anchor is
-        # written now, nothing encoded or estimated (fp32 Adam steps, 0.56x a version each,
-        # alternate with anchors: an estimate cost 0.5 s/GB to say so every other step)
-        last = None if self._last_share is None else int(self._last_share * full_bytes)
-        if last is not None and chain_bytes + last >= full_bytes:
+        if self._anchor_due(chain_bytes, full_bytes) or not held.current:
             return None
+        last = None if self._last_share is None else int(self._last_share * full_bytes)
         # estimated first only while no delta's size is known: a delta larger than the last
         # is then found by encoding, which stops once the chain passes a full version
         return _plan(step, base, chain, chain_bytes, full_bytes, tensors, remembered, last is None,
                      self._last_codecs)
+
+    def _anchor_due(self, chain_bytes: int, full_bytes: int) -> bool:
+        """Whether the next version is written full unencoded: the size of the last delta this
+        object published (a share of its version) predicts the next, and one more would take
+        the chain (``chain_bytes``) past a full version's (fp32 Adam steps, 0.6x a version
+        each, alternate with anchors: an estimate cost 0.5 s/GB to say so every other step)."""
+        return self._last_share is not None and chain_bytes + int(self._last_share * full_bytes) >= full_bytes
 
     @staticmethod
     def _holds(held: _Held, target: Folder, pointer: Version, base: str) -> bool:
@@ -224,15 +233,23 @@ class Delta:
                              None if plan is None else plan.head), plan)
 
     def _remember(self, held: _Held, plan: Plan | None) -> None:
-        """Remember ``held`` (its tensors copied), just published as ``plan`` (or full)."""
+        """Remember ``held`` (its tensors copied), just published as ``plan`` (or full). After
+        a delta whose successor is an anchor (:meth:`_anchor_due`), no base is read for that
+        anchor, so its bytes are not copied (an fp32 publisher saves a copy of the model every
+        other step): the memory of the copy before is kept for the anchor's."""
         self.last_kind = "full" if plan is None else "delta"
         if plan is not None:
             self._last_share = plan.payload_bytes / max(1, plan.head.full_bytes)
             self._last_codecs = {row[0]: (item.codec, item.nbytes / max(1, held.tensors[row[0]].data.nbytes))
                                  for row, item in zip(plan.rows, plan.encoded, strict=True)}
-        if self.remember:
+        if not self.remember:
+            return
+        if plan is not None and self._held is not None and self._anchor_due(plan.head.chain_bytes,
+                                                                           plan.head.full_bytes):
+            held.tensors, held.current = self._held.tensors, False
+        else:
             held.tensors = self._copies(held.tensors)
-            self._held = held
+        self._held = held
 
     def _copies(self, tensors: dict[str, Stored]) -> dict[str, Stored]:
         """Copies of ``tensors`` to remember (the caller may change its arrays once the publish
