@@ -8,10 +8,11 @@ and every adapter means the same by ``scope``, ``include``, ``trainable_only``, 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import TypedDict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any, TypedDict, TypeVar
 
+from weightstore.core._words import refuse_unknown_words
 from weightstore.core.keys import (
     MappingRules,
     Patterns,
@@ -47,6 +48,9 @@ class AssignWords(SelectionWords, total=False):
     skip_unchanged: bool | None
 
 
+_Options = TypeVar("_Options", bound="Selection")
+
+
 @dataclass(frozen=True)
 class Selection:
     """Which variables an export or assign sees; the same words in every adapter.
@@ -60,6 +64,14 @@ class Selection:
     exclude: Patterns = None
     trainable_only: bool = False
     also: Patterns = None
+
+    @classmethod
+    def of(cls: type[_Options], called: str, words: Mapping[str, Any]) -> _Options:
+        """These options from the keywords the user gave ``called`` (``"tf2.assign"``): a word
+        that is none of them is a ``TypeError`` naming ``called``, not this class, with a close
+        match (:func:`~weightstore.core._words.refuse_unknown_words`)."""
+        refuse_unknown_words(called, words, [field.name for field in fields(cls)])
+        return cls(**words)
 
     def keeps(self, key: str, trainable: bool) -> bool:
         """The ``trainable_only`` rule for a variable with scope-relative ``key``."""

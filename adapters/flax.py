@@ -65,7 +65,7 @@ def variables(module: nnx.Module, **selection: Unpack[SelectionWords]) -> dict[s
         raise TypeError(f"expected a flax.nnx.Module, not {type(module).__name__} (a pytree holds values, not "
                         "variables: flax.restore makes a new one)")
     found = _variables(module)
-    chosen = Selection(**selection).choose(found, lambda key: isinstance(found[key], nnx.Param), _describe(module))
+    chosen = Selection.of("flax.variables", selection).choose(found, lambda key: isinstance(found[key], nnx.Param), _describe(module))
     return {key: found[old] for key, old in chosen.items()}
 
 
@@ -86,7 +86,7 @@ def export(
     as trainable. With ``layout``, keys and arrays come out in Keras's names and layouts; a
     tensor no rule converts raises :class:`~weightstore.errors.LayoutError` listing every such key.
     """
-    values, chosen = _selected(obj, Selection(**selection))
+    values, chosen = _selected(obj, Selection.of("flax.export", selection))
     sites = _sites(obj) if isinstance(obj, nnx.Module) else None
     weights = {key: np.array(jax.device_get(values[old]), copy=True) for key, old in chosen.items()}
     if layout is None:
@@ -110,7 +110,7 @@ def export_pieces(obj: Any, **selection: Unpack[SelectionWords]) -> dict[str, li
     so is an array on this process's devices alone in a job of several (each process has its
     own, taken to be equal). Nothing crosses the network. Keys and selection are :func:`export`'s.
     """
-    values, chosen = _selected(obj, Selection(**selection))
+    values, chosen = _selected(obj, Selection.of("flax.export_pieces", selection))
     pieces: dict[str, list[Piece]] = {}
     for key, old in chosen.items():
         value = values[old]
@@ -139,6 +139,7 @@ def publish_sharded(
     background: bool = False,
     storage_options: Mapping[str, Any] | None = None,
     delta: bool | Delta = False,
+    digests: bool = True,
     **selection: Unpack[SelectionWords],
 ) -> Version | concurrent.futures.Future[Version]:
     """Publish an NNX module or pytree as one sharded version, every process of the
@@ -157,17 +158,20 @@ def publish_sharded(
     each rank writes its member as a delta of its member of the version before, where smaller
     (``publish_shard``'s ``delta``).
 
+    ``digests=False``: no BLAKE3 of each block (``publish_shard``'s): for a checkpoint no follower
+    reads, whose every block is still verified as it is read.
+
     Raises:
         ShardTimeoutError, PublishError: see ``publish_together`` (through the future with
             ``background=True``).
     """
-    pieces = export_pieces(obj, **selection)
+    pieces = export_pieces(obj, **Selection.of("flax.publish_sharded", selection).words())
     if background:  # a CPU shard's numpy view shares the device buffer, which a donating step reuses
         pieces = {key: [Piece(np.array(piece.array), piece.start, piece.shape) for piece in found]
                   for key, found in pieces.items()}
     call = functools.partial(publish_together, folder, pieces, step=step, rank=jax.process_index(),
                              world=jax.process_count(), timeout=timeout, keep=keep, metadata=metadata,
-                             storage_options=storage_options, delta=delta)
+                             storage_options=storage_options, delta=delta, digests=digests)
     return in_background(call) if background else call()
 
 
@@ -187,7 +191,7 @@ def assign(
     current = {key: var.get_value() for key, var in found.items()}
     targets = {key: TargetInfo(key, _dtype_of(value), tuple(np.shape(value)), isinstance(found[key], nnx.Param))
                for key, value in current.items()}
-    options = AssignOptions(**words)
+    options = AssignOptions.of("flax.assign", words)
     chosen_layout = _resolved(layout)
 
     def write(batch: list[tuple[str, Any]], report: Report) -> list[str]:

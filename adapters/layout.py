@@ -18,7 +18,9 @@ guessed:
   ``groups == in_channels`` is ``depthwise``); a file records no modules, so
   :func:`kinds_from_names` derives the kind from a scope's tensors (see there), and never
   finds ``depthwise``: a depthwise layer's kernel converts where its module is at hand, or where
-  ``kinds=`` says ``depthwise`` (one group per channel: a multiplier of 1).
+  ``kinds=`` says ``depthwise`` (one group per channel: a multiplier of 1). A kernel that fits
+  both (PyTorch's ``[C, 1, kh, kw]``) converts as a Conv's with a :class:`LayoutWarning` naming
+  it (``ws convert``'s caution line), since a Conv of one input channel is common too.
   A transposed convolution's kernel (``[*spatial, out, in]`` in Keras, ``[in, out, *spatial]``
   in PyTorch) converts as a convolution's, by the same reversal of axes.
 
@@ -56,6 +58,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 
@@ -68,16 +71,22 @@ from weightstore.adapters._report import Mismatch, Plan, TargetInfo
 from weightstore.adapters._values import ValueSource
 from weightstore.adapters.plan import AssignOptions, plan_assign, training_state
 from weightstore.core.keys import MappingRules, Patterns, join_scope, map_key, normalize_scope, parse_mapping, passes
-from weightstore.errors import AssignmentError, LayoutError
+from weightstore.errors import AssignmentError, LayoutError, named
 from weightstore.formats import keras_file, keras_sharded
 
-__all__ = ["Rule", "Layout", "convert", "fold_bias_into_norm"]
+__all__ = ["Rule", "Layout", "LayoutWarning", "convert", "fold_bias_into_norm"]
 
 DENSE, CONV, DEPTHWISE, NORM, EMBEDDING = "dense", "conv", "depthwise", "norm", "embedding"
 #: the kinds a user may give a layer a file cannot tell (``kinds=``, ``ws convert --kind``)
 KINDS = (DENSE, CONV, DEPTHWISE, NORM, EMBEDDING)
 _WEIGHTED = (DENSE, CONV, DEPTHWISE)
 _EXTEND = " (add a Rule with Layout.extended)"
+
+
+class LayoutWarning(UserWarning):
+    """A file's tensors converted as the likelier kind of layer where their names and shapes fit
+    another kind as well (a PyTorch ``[C, 1, kh, kw]`` weight: a Conv's of one input channel, or
+    a depthwise Conv's); ``kinds=`` (``ws convert --kind``) says which and silences it."""
 
 
 @dataclass(frozen=True)
@@ -435,12 +444,15 @@ def to_keras(layout: Layout, shapes: Mapping[str, tuple[int, ...]],
         found.update(kinds or {})
         sites = {key: Site(kind) for key, kind in found.items()}
     steps: dict[str, list[AnyStep]] = {new: [step] for new, step in layer_steps.items()}
+    guessed: list[str] = []
     for key, shape in rest.items():
         scope, _, leaf = key.rpartition("/")
         if leaf in layout.dropped:
             continue
         site = sites.get(key, Site(None))
         rule = layout.rule_to_keras(leaf, len(shape), site.kind)
+        if file_groups and key not in (kinds or {}) and _may_be_depthwise(layout, leaf, tuple(shape), site.kind):
+            guessed.append(key)
         if file_groups and rule is not None and rule.fold:
             site = Site(site.kind, _channels(shape, *rule.fold))
         if rule is None:
@@ -453,7 +465,28 @@ def to_keras(layout: Layout, shapes: Mapping[str, tuple[int, ...]],
         else:
             step = Step(key, rule, rule.to_keras_shape(shape, site.groups), True, site.groups)
             steps.setdefault(join_scope(scope, rule.keras), []).append(step)
+    if guessed:
+        scope = guessed[0].rpartition("/")[0]
+        warnings.warn(LayoutWarning(
+            f"converted {len(guessed)} kernel{'s' if len(guessed) > 1 else ''} of one input channel as a Conv's, which "
+            f"a depthwise Conv's of as many groups as channels would be as well, and a file does not tell apart: "
+            f"{named(guessed)}; for a depthwise layer say so: kinds={{{scope!r}: 'depthwise'}} (ws convert --kind "
+            f"'{scope}=depthwise'; --kind '{scope}=conv' confirms a Conv), or export the module"), stacklevel=3)
     return _unique(steps, refused), refused
+
+
+def _may_be_depthwise(layout: Layout, leaf: str, shape: tuple[int, ...], kind: str | None) -> bool:
+    """Whether a file's kernel that its names make a Conv's fits a depthwise layer's rule as well:
+    PyTorch's ``[C, 1, kh, kw]`` (Flax's ``[kh, kw, 1, C]``) is a Conv's with one input channel or a
+    depthwise Conv's with ``C`` groups (with a multiplier, ``C`` is channels times it), and its
+    bias, one value per output channel either way, tells nothing apart."""
+    if kind != CONV:
+        return False
+    rule = layout.rule_to_keras(leaf, len(shape), DEPTHWISE)
+    if rule is None or rule.fold is None:
+        return False
+    groups = _channels(shape, *rule.fold)
+    return groups > 1 and not rule.fold_problem(shape, groups)
 
 
 def _channels(shape: tuple[int, ...], merge: int, unit: int) -> int:

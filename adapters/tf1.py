@@ -126,7 +126,7 @@ def export(sess: Any, **selection: Unpack[SelectionWords]) -> dict[str, np.ndarr
     needs feeding, and the graph gains no op.
     """
     sess = _open_session(sess)
-    plan, chosen = _chosen(sess, Selection(**selection))
+    plan, chosen = _chosen(sess, Selection.of("tf1.export", selection))
     fetched = _fetched(sess, chosen)
     return {key: _stitch(target, fetched) for key, target in zip(plan, chosen, strict=True)}
 
@@ -140,7 +140,7 @@ def export_pieces(sess: Any, **selection: Unpack[SelectionWords]) -> dict[str, l
     parameter server's parts, say), and the committed version reads back in any partitioning.
     """
     sess = _open_session(sess)
-    plan, chosen = _chosen(sess, Selection(**selection))
+    plan, chosen = _chosen(sess, Selection.of("tf1.export_pieces", selection))
     fetched = _fetched(sess, chosen)
     return {key: [_piece(target, part, np.asarray(next(fetched))) for part in target.parts]
             for key, target in zip(plan, chosen, strict=True)}
@@ -154,7 +154,7 @@ def variables(sess: Any, **selection: Unpack[SelectionWords]) -> dict[str, tf.Va
     ``global_step``) is among them, as in :func:`export`; :func:`assign` writes it only with
     ``optimizer=True``.
     """
-    plan, chosen = _chosen(_open_session(sess), Selection(**selection))
+    plan, chosen = _chosen(_open_session(sess), Selection.of("tf1.variables", selection))
     return {key: [part.variable for part in target.parts] if target.parts[0].index else target.parts[0].variable
             for key, target in zip(plan, chosen, strict=True)}
 
@@ -222,7 +222,7 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
     sess = _open_session(sess)
     graph = sess.graph
     targets = _targets(graph)
-    options = AssignOptions(**words)
+    options = AssignOptions.of("tf1.assign", words)
     # The parts hot reload keeps, filled by run_assign for the Target below. The closures hold this
     # dict, not the Target: a Target whose closures hold it is a cycle, which kept a dropped session
     # (and its variables) alive until the next garbage collection.

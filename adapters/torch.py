@@ -88,14 +88,14 @@ def variables(module: nn.Module, **selection: Unpack[SelectionWords]) -> dict[st
     entry that is no tensor (a quantized module's dtype and packed parameters) is refused: its
     weights are inside it, and leaving it out would export a model without them.
     """
-    found, chosen = _chosen(module, Selection(**selection))
+    found, chosen = _chosen(module, Selection.of("torch.variables", selection))
     return {key: found[old] for key, old in chosen.items()}
 
 
 def tensors(module: nn.Module, **selection: Unpack[SelectionWords]) -> dict[str, torch.Tensor]:
     """Alias of :func:`variables`, the name earlier releases gave it (the verb is ``variables``
     in every adapter)."""
-    return variables(module, **selection)
+    return variables(module, **Selection.of("torch.tensors", selection).words())
 
 
 def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -138,7 +138,7 @@ def export(
     """
     if check_naming(names, WRITE_NAMINGS) == TORCH and layout is not None:
         raise ValueError("names='torch' and layout= do not combine: a layout writes Keras's names")
-    found, chosen = _selected(module, Selection(**selection))
+    found, chosen = _selected(module, Selection.of("torch.export", selection))
     weights = {key: to_numpy(found[old], key) for key, old in chosen.items()}
     if names == TORCH:
         return {torch_name_of_key(key): value for key, value in weights.items()}
@@ -164,7 +164,7 @@ def export_pieces(module: nn.Module, *, rank: int | None = None, world: int | No
     ``torch.distributed``'s. Keys and selection are :func:`export`'s; a rank may hold no piece
     of some keys, which other ranks write.
     """
-    found, chosen = _selected(module, Selection(**selection))
+    found, chosen = _selected(module, Selection.of("torch.export_pieces", selection))
     if rank is None or world is None:
         grouped = torch.distributed.is_available() and torch.distributed.is_initialized()
         rank = (torch.distributed.get_rank() if grouped else 0) if rank is None else rank
@@ -194,6 +194,7 @@ def publish_sharded(
     background: bool = False,
     storage_options: Mapping[str, Any] | None = None,
     delta: bool | Delta = False,
+    digests: bool = True,
     **selection: Unpack[SelectionWords],
 ) -> Version | concurrent.futures.Future[Version]:
     """Publish ``module`` as one sharded version, every rank of the ``torch.distributed`` job
@@ -215,15 +216,18 @@ def publish_sharded(
     each rank writes its member as a delta of its member of the version before, where smaller
     (``publish_shard``'s ``delta``).
 
+    ``digests=False``: no BLAKE3 of each block (``publish_shard``'s): for a checkpoint no follower
+    reads, whose every block is still verified as it is read.
+
     Raises:
         ShardTimeoutError, PublishError: see ``publish_together`` (through the future with
             ``background=True``).
     """
-    pieces = export_pieces(module, **selection)  # the snapshot: copies in host memory
+    pieces = export_pieces(module, **Selection.of("torch.publish_sharded", selection).words())  # the snapshot: copies in host memory
     grouped = torch.distributed.is_available() and torch.distributed.is_initialized()
     rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if grouped else (0, 1)
     call = functools.partial(publish_together, folder, pieces, step=step, rank=rank, world=world, timeout=timeout,
-                             keep=keep, metadata=metadata, storage_options=storage_options, delta=delta)
+                             keep=keep, metadata=metadata, storage_options=storage_options, delta=delta, digests=digests)
     return in_background(call) if background else call()
 
 
@@ -259,7 +263,7 @@ def assign(
                               "run one forward pass first", missing=uninitialized)
     targets = {key: TargetInfo(key, numpy_dtype(tensor, key), tuple(tensor.shape), tensor.requires_grad)
                for key, tensor in found.items()}
-    options = AssignOptions(**words)
+    options = AssignOptions.of("torch.assign", words)
     chosen_layout = None if layout is None else layouts.resolve(layout, "torch")
     local = {key: _torch_shards.local_tensor(tensor) for key, tensor in found.items()}
 

@@ -8,9 +8,11 @@ server, and hold requests until several are in flight at once, to prove concurre
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
+import struct
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -66,7 +68,9 @@ class CountingS3:
         self.most_in_flight = 0
         self._lock = threading.Lock()
         self._moto = DomainDispatcherApplication(create_backend_app)
-        self._server = make_server("127.0.0.1", port, self._app, threaded=True, request_handler=MotoRequestHandler)
+        self._serving = functools.partial(make_server, "127.0.0.1", port, self._app, threaded=True,
+                                          request_handler=MotoRequestHandler)
+        self._server = self._serving()
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     def start(self) -> CountingS3:
@@ -76,6 +80,24 @@ class CountingS3:
     def stop(self) -> None:
         self._server.shutdown()
         self._thread.join()
+
+    def kill(self, environ: dict[str, Any] | None = None) -> None:
+        """Stop as a killed server does, keeping what it stores for :meth:`restart`: its port
+        refuses connections and, given the WSGI ``environ`` of a request in flight (from
+        :attr:`intercept`), that request's connection is reset unanswered (mid-upload, say)."""
+        if environ is not None:
+            connection = environ["werkzeug.socket"]
+            connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = reset
+            connection.shutdown(socket.SHUT_RDWR)
+        self._server.socket.close()  # refused from now on, not left in the listening queue
+        threading.Thread(target=self.stop, daemon=True).start()  # not on a request's thread, which it may be called on
+
+    def restart(self) -> CountingS3:
+        """Serve again on the same port, after :meth:`kill`, what was stored before it."""
+        self._thread.join()
+        self._server = self._serving()
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        return self.start()
 
     def environment(self) -> dict[str, str]:
         return {**CREDENTIALS, "AWS_ENDPOINT_URL_S3": self.endpoint, "AWS_MAX_ATTEMPTS": "1"}

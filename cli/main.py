@@ -181,8 +181,8 @@ def export(
     model_keys: Annotated[bool, typer.Option(
         "--model-keys", help="Key a .keras SOURCE like its model (dense/kernel, as tf2.export keys it), building "
                              "the model from the archive's config in Keras's safe mode (a .keras of Keras's "
-                             "built-in layers is keyed so without it; it is needed for custom layers, and for "
-                             "--trainable-only, which asks the built model which variables train).")] = False,
+                             "built-in layers is keyed so without it; it is needed for custom layers, and "
+                             "--trainable-only implies it, asking the built model which variables train).")] = False,
     model: Annotated[str | None, typer.Option(
         "--model", metavar="FILE.keras", help="Key a Keras file or TF2 checkpoint SOURCE like the model of this "
                                               ".keras file (implies --model-keys).")] = None,
@@ -196,6 +196,7 @@ def export(
       ws export train/ -o model_001.npz --scope tower_0 --exclude '*/Adam*'
       ws export train/ -o small.npz --trainable-only --also '*/bn/moving_*'
       ws export model.keras -o m.npz --model-keys
+      ws export model.keras -o small.npz --trainable-only --also '*/moving_*'
       ws export ckpt/ -o m.npz --model model.keras --trainable-only --also '*/bn/moving_*'
     """
     _json(as_json)
@@ -207,7 +208,8 @@ def export(
 
         raise FormatError("has no model config to key it by (--model-keys); name a .keras file with --model",
                           path=source)
-    keyed_by = model or (source if model_keys else None)
+    # a .keras carries its model, which alone says which variables train: --trainable-only builds it as --model-keys does
+    keyed_by = model or (source if model_keys or trainable_only and source.endswith(".keras") else None)
     opening = sources.open_source(source) if keyed_by is None else sources.open_keyed_like_model(source,
                                                                                                          keyed_by)
     with opening as opened:

@@ -56,7 +56,7 @@ class Source(Store):
         if self.model_trainable is not None:
             return self.model_trainable
         if self._meta_graph is None:
-            fix = ("pass --model model.keras (or --model-keys for a .keras SOURCE), whose model knows, or "
+            fix = ("pass --model model.keras, whose model knows, or "
                    if self.kind in (KIND_TF2, keras_file.KIND) else "")
             raise FormatError(f"--trainable-only needs a TF1 checkpoint's .meta graph or a model; a {self.kind} does "
                               f"not record which variables are trainable: {fix}in Python export from the model, "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -120,8 +121,10 @@ def convert(source: Source, out: str, *, compress: bool | str, layout: str | Non
     for key in left_out:
         del plan[key]
     weights = read(source, plan, "converting")
+    cautions = [f"left out {len(left_out)} tensors of training state: {named(left_out)}"] if left_out else []
     if layout is not None:
-        with naming(path=source.path):
+        with naming(path=source.path), warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always", layouts.LayoutWarning)
             try:
                 weights = layouts.convert(weights, layout, kinds=kinds)
             except LayoutError as exc:
@@ -129,11 +132,15 @@ def convert(source: Source, out: str, *, compress: bool | str, layout: str | Non
                     raise LayoutError(f"{exc.message}\nThe file names its tensors as a PyTorch state_dict does: "
                                       "to convert it into Keras's layouts, use --layout torch-to-keras") from None
                 raise
+        for warning in said:  # a layout's guess is the caution line; any other warning is shown as it was
+            if issubclass(warning.category, layouts.LayoutWarning):
+                cautions.append(str(warning.message))
+            else:
+                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     with counted(weights, f"writing {out}") as values:
         weightstore.save(out, values, metadata=source.metadata, compress=compress, names=names,
                          max_shard_size=max_shard_size)
-    caution = f"left out {len(left_out)} tensors of training state: {named(left_out)}" if left_out else None
-    return Written(out, "store", len(weights), sum(a.nbytes for a in weights.values()), caution)
+    return Written(out, "store", len(weights), sum(a.nbytes for a in weights.values()), "; ".join(cautions) or None)
 
 
 def is_checkpoint_target(target: str) -> bool:

@@ -87,8 +87,8 @@ def test_export_help_says_when_a_keras_archive_needs_model_keys():
     result = run("export", "--help")
     assert result.exit_code == 0
     text = " ".join(result.stdout.replace("│", " ").split())
-    assert ("built-in layers is keyed so without it; it is needed for custom layers, and for --trainable-only, which "
-            "asks the built model which variables train") in text, text
+    assert ("built-in layers is keyed so without it; it is needed for custom layers, and --trainable-only implies it, "
+            "asking the built model which variables train") in text, text
 
 
 @pytest.mark.parametrize("command", [[], *([c] for c in COMMANDS)])
@@ -1159,12 +1159,30 @@ def test_export_trainable_only_asks_the_model_it_is_keyed_like(made, tmp_path, s
             np.testing.assert_array_equal(exported[key], value)
 
 
+def test_export_trainable_only_of_a_keras_archive_asks_its_own_model_without_model_keys(made, tmp_path):
+    """A .keras carries its model: ``--trainable-only`` builds it as ``--model-keys`` would, where it
+    once refused, saying to add ``--model-keys``; the selective export matches ``tf2.export``'s."""
+    from weightstore.adapters import tf2
+
+    for also in (None, "bn/moving_*"):
+        out = tmp_path / f"{also is None}.npz"
+        result = run("export", made["root"] / "model.keras", "-o", out, "--trainable-only",
+                     *(["--also", also] if also else []), "--json")
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["keyed_like"] == str(made["root"] / "model.keras")
+        exported, expected = ws.load(out), tf2.export(made["model"], trainable_only=True, also=also)
+        assert sorted(exported) == sorted(expected) and ("bn/moving_mean" in exported) == bool(also)
+        for key, value in expected.items():
+            np.testing.assert_array_equal(exported[key], value)
+
+
 def test_export_trainable_only_without_a_model_says_how_to_give_one(made, store, tmp_path):
     out = tmp_path / "out.npz"
     for source in (made["root"] / "model.weights.h5", made["root"] / "tf2"):
-        one_error_line(run("export", source, "-o", out, "--trainable-only"),
-                       "does not record which variables are trainable: pass --model model.keras (or --model-keys "
-                       "for a .keras SOURCE)", "tf2.export(model, trainable_only=True)")
+        line = one_error_line(run("export", source, "-o", out, "--trainable-only"),
+                              "does not record which variables are trainable: pass --model model.keras, whose model "
+                              "knows", "tf2.export(model, trainable_only=True)")
+        assert "--model-keys" not in line  # what only a .keras SOURCE needs, and --trainable-only implies there
     line = one_error_line(run("export", store, "-o", out, "--trainable-only"), "tf2.export(model, trainable_only=True)")
     assert "--model" not in line  # a store cannot be keyed like a model
     assert not out.exists()

@@ -7,6 +7,8 @@ same output; the module's export with the layout must give the layer back.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -212,6 +214,41 @@ def test_a_pytorch_depthwise_weight_in_a_file_converts_to_keras_as_its_kind_says
     assert tf2.assign(model, out).ok
     inputs = np.random.default_rng(0).normal(size=(1, 6, 6, 4)).astype("float32")
     np.testing.assert_allclose(np.asarray(model(inputs)), channels_last(conv, inputs), atol=TOLERANCE)
+
+
+def test_a_pytorch_weight_of_one_input_channel_in_a_file_converts_as_a_conv_s_with_a_caution(tmp_path):
+    """A ``[C, 1, kh, kw]`` weight is a Conv's of one input channel (a grayscale first layer) or a
+    depthwise Conv's alike; ``ws convert --layout torch-to-keras`` wrote it as a Conv kernel without
+    a word. It still does, saying so and naming ``--kind``; a Keras DepthwiseConv2D's shape refuses
+    the result, and with ``--kind`` (either kind) or a module at hand nothing is cautioned."""
+    rng = np.random.default_rng(3)
+    weights = {"dw.weight": rng.normal(size=(4, 1, 3, 3)).astype(np.float32), "dw.bias": np.zeros(4, np.float32),
+               "pw.weight": rng.normal(size=(2, 4, 1, 1)).astype(np.float32)}
+    ws.save(tmp_path / "t.safetensors", weights)
+    out = tmp_path / "k.npz"
+    result = run("convert", tmp_path / "t.safetensors", out, "--layout", "torch-to-keras")
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.output.split())
+    assert "converted 1 kernel of one input channel as a Conv's" in said and "'dw/weight'" in said, said
+    assert "--kind 'dw=depthwise'" in said and "pw" not in said.partition("kernel of")[2]
+    assert ws.load(out)["dw/kernel"].shape == (3, 3, 1, 4)
+    model = keras.Sequential([keras.Input((6, 6, 4)), keras.layers.DepthwiseConv2D(3, name="dw")])
+    before = model.get_layer("dw").kernel.numpy()
+    with pytest.raises(AssignmentError, match="dw/kernel"):
+        tf2.assign(model, out, include="dw")  # the target's shape decides: not a depthwise kernel
+    np.testing.assert_array_equal(model.get_layer("dw").kernel.numpy(), before)
+    for kind in ("conv", "depthwise"):  # the last written is the depthwise one
+        result = run("convert", tmp_path / "t.safetensors", out, "--layout", "torch-to-keras", "--kind", f"dw={kind}",
+                     "--json")
+        assert result.exit_code == 0 and '"caution": null' in result.output, result.output
+    assert tf2.assign(model, out, include="dw").ok
+    with pytest.warns(layout.LayoutWarning, match="'c/kernel'.*kinds=\\{'c': 'depthwise'\\}"):  # Flax's [kh, kw, 1, C]
+        layout.convert({"c/kernel": np.ones((3, 3, 1, 4), np.float32)}, "flax-to-keras")
+    module = nn.ModuleDict({"dw": nn.Conv2d(4, 4, 3, groups=4), "gray": nn.Conv2d(1, 4, 3)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", layout.LayoutWarning)  # the module says which each is
+        exported = torch_adapter.export(module, layout="keras")
+    assert exported["dw/kernel"].shape == (3, 3, 4, 1) and exported["gray/kernel"].shape == (3, 3, 1, 4)
 
 def test_a_keras_archive_tells_its_bias_free_depthwise_kernels_by_its_own_model(tmp_path):
     """A bias-free ``[3, 3, 3, 2]`` kernel passes for a Conv's and a DepthwiseConv's alike; a

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 import typing
 
 import pytest
@@ -161,6 +162,53 @@ def test_every_adapter_variables_are_what_its_export_reads_and_its_pieces_hold(n
     assert sorted(pieces) == sorted(exported)
     for key, (piece,) in pieces.items():
         assert piece.start == (0,) and np.asarray(piece.array).tobytes() == exported[key].tobytes(), key
+
+
+@pytest.mark.parametrize("name", ADAPTERS)
+def test_a_word_no_verb_takes_is_a_type_error_naming_the_verb_called_with_a_close_match(name):
+    """``tf2.assign(model, path, scop="x")`` names ``tf2.assign`` and suggests ``scope``, not the
+    options class the words go into; a word like no other gets no suggestion."""
+    import numpy as np
+
+    adapter, model, _ = _model(name)
+    calls = {"assign": lambda **words: adapter.assign(model, {"net/w": np.ones(2, np.float32)}, **words),
+             "export": lambda **words: adapter.export(model, **words),
+             "export_pieces": lambda **words: adapter.export_pieces(model, **words),
+             "variables": lambda **words: adapter.variables(model, **words)}
+    for verb, call in calls.items():
+        with pytest.raises(TypeError, match=fr"^{name}\.{verb}\(\) got an unexpected keyword argument 'scop'; "
+                                            r"did you mean 'scope'\?$"):
+            call(scop="net")
+        with pytest.raises(TypeError, match=fr"^{name}\.{verb}\(\) got an unexpected keyword argument 'bogus'$"):
+            call(bogus=1)
+    with pytest.raises(TypeError, match=fr"^{name}\.assign\(\) .* 'strickt'; did you mean 'strict'\?$"):
+        calls["assign"](strickt=False)
+    from weightstore.adapters.serving.follower import Follower
+
+    with pytest.raises(TypeError, match=r"^Follower\(\) got an unexpected keyword argument 'scop'; did you mean"):
+        Follower(model, "versions", scop="net")
+
+
+def test_a_word_no_store_verb_takes_is_a_type_error_naming_the_verb_with_a_close_match(tmp_path):
+    import numpy as np
+
+    import weightstore as ws
+
+    path, weights = tmp_path / "w.npz", {"w": np.ones(2)}
+    ws.save(path, weights)
+    calls = {"ws.save": lambda **words: ws.save(path, weights, **words),
+             "ws.load": lambda **words: ws.load(path, **words),
+             "ws.open": lambda **words: ws.open(path, **words),
+             "ws.publish": lambda **words: ws.publish(tmp_path / "versions", weights, step=1, **words),
+             "ws.follow": lambda **words: ws.follow(tmp_path / "versions", **words)}
+    for called, call in calls.items():
+        with pytest.raises(TypeError, match=fr"^{re.escape(called)}\(\) got an unexpected keyword argument 'bogus'$"):
+            call(bogus=1)
+    with pytest.raises(TypeError, match=r"^ws\.load\(\) got an unexpected keyword argument 'scop'; did you mean 'scope'\?$"):
+        ws.load(path, scop="x")
+    with pytest.raises(TypeError, match=r"'metdata'; did you mean 'metadata'\?$"):
+        ws.publish(tmp_path / "versions", weights, step=1, metdata={})
+    assert not (tmp_path / "versions").exists()  # refused before anything was written
 
 
 @pytest.mark.parametrize("name", ADAPTERS)

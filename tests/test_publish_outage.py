@@ -175,6 +175,43 @@ def test_a_bucket_removed_once_the_folder_answered_is_retried(s3):
     assert future.result(60).step == 2 and publisher.close(60).step == 2
 
 
+def test_a_write_cut_off_by_the_server_dying_mid_upload_is_retried_once_it_is_back_and_lands_whole(s3):
+    """The server is killed while the version's bytes are on their way (its connection reset, no
+    answer: an error with no errno, and no service answer), then restarted with what it stored:
+    the publisher retries, and the version that lands is the whole one, bit-exact."""
+    import s3fs
+
+    folder = f"s3://{BUCKET}/killed-mid-upload"
+    value = {"dense/kernel": np.random.default_rng(0).standard_normal((1024, 1024)).astype(np.float32)}  # 4 MiB
+    killed = threading.Event()
+
+    def kill_mid_upload(environ):
+        if environ["REQUEST_METHOD"] == "PUT" and "/step-" in environ["PATH_INFO"] and not killed.is_set():
+            environ["wsgi.input"].read(1 << 16)  # the first bytes of the body arrived
+            killed.set()
+            s3.kill(environ)
+            return 500, b""  # never sent: the connection is reset
+        return None
+
+    s3.intercept = kill_mid_upload
+    publisher = ws.BackgroundPublisher(folder, retry_backoff=0.1, max_backoff=0.5)
+    future = publisher.publish(value, step=1)
+    while publisher.failures < 1:
+        assert not future.done(), future.exception()
+        threading.Event().wait(0.05)
+    error = publisher.last_error
+    assert killed.is_set() and isinstance(error, ws.StorageError) and error.transient, error
+    assert not error.errno and "step-000000000001" in str(error), error
+    s3.intercept = None
+    s3.restart()
+    assert future.result(60).step == 1 and publisher.close(60).step == 1
+    got = ws.load(ws.latest(folder))  # every checksum verified
+    assert got["dense/kernel"].tobytes() == value["dense/kernel"].tobytes()
+    s3fs.S3FileSystem.clear_instance_cache()
+    names = sorted(path.rpartition("/")[2] for path in s3fs.S3FileSystem().ls(folder, refresh=True))
+    assert names == ["LATEST", "step-000000000001.npz"], names
+
+
 ENDS_DURING_AN_OUTAGE = """
 import sys
 import keras
@@ -232,3 +269,66 @@ def test_ctrl_c_while_the_exit_waits_for_a_retrying_publish_gives_it_up_and_says
     assert "Traceback" not in err, err
     outage.end()
     assert ws.latest(folder) is None  # given up: nothing was written once the storage came back
+
+
+FIT_ENDS_WITH_A_WRITE_UNDER_WAY = """
+import sys, threading
+import keras
+import numpy as np
+from weightstore.adapters.serving.hooks import PublishCallback
+
+threading._register_atexit(lambda: print("exiting", flush=True))  # runs just before the exit's wait
+model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+model.compile(optimizer="sgd", loss="mse")
+callback = PublishCallback(sys.argv[1], end_timeout=0, retry_for=600)
+x = np.ones((4, 3), np.float32)
+model.fit(x, x[:, :1], batch_size=4, epochs=1, verbose=0, callbacks=[callback])
+"""
+
+
+def test_a_second_ctrl_c_at_exit_ends_the_process_at_once_leaving_the_folder_whole(s3):
+    """A ``PublishCallback`` whose final publish is retrying through an outage, its next attempt's
+    upload then hanging in the storage, holds the script's exit; Ctrl-C gives the publish up but
+    waits for the write under way, and a second Ctrl-C ended only weightstore's wait: the
+    interpreter still joined the publishing thread, so the process hung on with the upload. Now
+    it ends at once, saying which write it abandons, without a traceback, and the folder holds
+    what it held: no version half-written."""
+    folder = f"s3://{BUCKET}/ctrl-c-twice"
+    hang, held, release = threading.Event(), threading.Event(), threading.Event()
+
+    def down_then_hanging(environ):
+        if environ["REQUEST_METHOD"] != "PUT" or "/ctrl-c-twice/step-" not in environ["PATH_INFO"]:
+            return None
+        if not hang.is_set():
+            return DOWN  # an outage: the publish is retrying
+        held.set()
+        release.wait(120)  # the next attempt's upload is under way until the test ends
+        return DOWN
+
+    s3.intercept = down_then_hanging
+    script = subprocess.Popen([sys.executable, "-c", FIT_ENDS_WITH_A_WRITE_UNDER_WAY, folder], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        seen = []
+        while not any("retrying" in line for line in seen):  # logged by the publishing thread
+            seen.append(script.stderr.readline())
+            assert seen[-1], "".join(seen)
+        hang.set()
+        assert script.stdout.readline() == "exiting\n", "".join(seen)  # the main thread is at the exit's wait
+        assert held.wait(120), "no upload was under way"
+        script.send_signal(signal.SIGINT)
+        while not any("interrupted at exit" in line for line in seen):  # the first Ctrl-C was heard
+            seen.append(script.stderr.readline())
+            assert seen[-1], "".join(seen)
+        assert script.poll() is None  # waiting for the write under way, as before
+        script.send_signal(signal.SIGINT)
+        _, err = script.communicate(timeout=30)  # the upload is still held: the process did not wait for it
+        err = "".join(seen) + err
+    finally:
+        script.kill()
+        release.set()
+        s3.intercept = None
+    assert f"interrupted at exit: step 1 is not published to {folder}" in err, err
+    assert f"interrupted again at exit: the process ends now, abandoning the write of step 1 to {folder}" in err, err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    assert ws.latest(folder) is None

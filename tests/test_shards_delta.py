@@ -706,3 +706,17 @@ def test_a_sharded_delta_whose_base_is_no_longer_latest_is_refused_not_committed
     assert ws.latest(folder).step == 3
     for entry in versions.list_versions(folder):
         same(ws.load(entry.path), entry.step)
+    # doing as the message says: every rank publishes step 4 again (the same attempt, the same
+    # Deltas, which now build on what LATEST names), and a follower holding step 3 reads it bit-exact
+    following = ws.follow(folder, after=2, timeout=30)
+    held = next(following)
+    assert held.step == 3
+    same(ws.load(held), 3)
+    version = publish(folder, 4, delta=deltas, keep=2)
+    assert version.step == 4 and ws.latest(folder).step == 4
+    got = next(following)
+    assert got.step == 4
+    same(ws.load(got), 4)
+    following.close()
+    for entry in versions.list_versions(folder):
+        same(ws.load(entry.path), entry.step)

@@ -31,7 +31,7 @@ with needs("tf", __name__):
     import tensorflow as tf
 
 from weightstore.adapters import tf2
-from weightstore.adapters.plan import SelectionWords
+from weightstore.adapters.plan import Selection, SelectionWords
 
 __all__ = ["snapshot"]
 
@@ -45,7 +45,7 @@ def snapshot(obj: Any, **selection: Unpack[SelectionWords]) -> dict[str, Any]:
     :class:`weightstore.BackgroundPublisher`; its values stay those of this moment while
     training continues. A sharded variable is joined when converted.
     """
-    return {key: _read(var) for key, var in tf2.selected(obj, **selection).items()}
+    return {key: _read(var) for key, var in tf2.selected(obj, **Selection.of("snapshot", selection).words()).items()}
 
 
 def _read(var: Any) -> Any:

@@ -5,7 +5,7 @@
 * :mod:`~weightstore.core.manifest`: the manifest a store carries, and :class:`TensorInfo`;
 * :mod:`~weightstore.core.checksums`: CRC-32C checksums and content digests;
 * :mod:`~weightstore.core.limits`: every size, count and depth bound readers and writers enforce;
-* private helpers: array conversion, optional imports, JSON text, the tensor table, thread
-  pools, finishing background publishes at exit, pausing the garbage collector, giving freed heap
-  back.
+* private helpers: array conversion, optional imports, JSON text, unknown keyword arguments
+  refused by name, the tensor table, thread pools, finishing background publishes at exit,
+  pausing the garbage collector, giving freed heap back.
 """

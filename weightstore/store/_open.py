@@ -13,6 +13,7 @@ from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 import numpy as np
 
 from weightstore.core._gcpause import paused_gc
+from weightstore.core._words import checks_words
 from weightstore.core.keys import MappingRules, Patterns, plan_outward
 from weightstore.core.limits import MAX_POINTER_BYTES
 from weightstore.core.manifest import TensorInfo, logical_dtype
@@ -283,6 +284,7 @@ def check_budget(store: Store, keys: Iterable[str], max_bytes: int | None) -> No
         raise SizeLimitError(f"reading {len(keys)} tensors needs {total} bytes, over max_bytes={max_bytes}", path=store.path)
 
 
+@checks_words("ws.open")
 def open(path: Any, *, verify: bool = True, format: str | None = None, mmap: bool = True,  # noqa: A001
          names: str | None = None) -> Store:
     """Open a weight file lazily: only its index is read until a tensor is asked for.
@@ -488,6 +490,7 @@ def _head(source: str | RemoteFile, location: str) -> bytes:
         return handle.read(HEAD_BYTES)
 
 
+@checks_words("ws.load")
 def load(
     path: Any,
     *,

@@ -25,6 +25,7 @@ from weightstore.core import _parallel as parallel
 from weightstore.core._arrays import as_numpy, declared_dtype
 from weightstore.core._jsontext import too_deep
 from weightstore.core._tensortable import TensorInfo
+from weightstore.core._words import checks_words
 from weightstore.core.keys import validate_keys
 from weightstore.core.limits import MAX_JSON_DEPTH
 from weightstore.core.manifest import build_manifest, content_digest, dtype_name, logical_dtype, to_storage, utc_now
@@ -51,6 +52,7 @@ from weightstore.store._open import Store
 _HASH_BESIDE = 1 << 20
 
 
+@checks_words("ws.save")
 def save(
     path: Any,
     weights: Mapping[str, Any],

@@ -27,6 +27,7 @@ import urllib.parse
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from weightstore.core._words import checks_words
 from weightstore.errors import (
     FormatError,
     StorageError,
@@ -54,6 +55,7 @@ def latest(folder: Any, *, storage_options: Mapping[str, Any] | None = None) -> 
     return read_latest(versions_folder(folder, storage_options))
 
 
+@checks_words("ws.follow")
 def follow(
     folder: Any,
     *,

@@ -53,6 +53,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypedDict
 
 from weightstore._version import __version__
+from weightstore.core._words import checks_words
 from weightstore.core.manifest import utc_now
 from weightstore.errors import PublishError, WeightStoreError
 from weightstore.formats import delta as delta_format
@@ -80,6 +81,7 @@ class PublishOptions(TypedDict):
     storage_options: Mapping[str, Any] | None
 
 
+@checks_words("ws.publish")
 def publish(
     folder: Any,
     weights: Mapping[str, Any],
