@@ -25,6 +25,7 @@ stages regions (TF1 partitioned variables) fetches.
     python -m benchmarks.delta_bench                       # 96 MB synthetic, the default model
     python -m benchmarks.delta_bench --synthetic-mb 16 --width 128 --layers 2
     python -m benchmarks.delta_bench --only none --follow-mb 256   # follower latency and stall only
+    python -m benchmarks.delta_bench --only fp32-adam --layers 6 --width 640 --followed 4 --skipped 5 --cpu-only  # 128 MB
     python -m benchmarks.delta_bench --only none --sharded-ranks 2 --synthetic-mb 96 --followed 4 --skipped 6
 """
 
@@ -295,13 +296,18 @@ def scenario(server: ServerProcess, name: str, steps: list[dict[str, np.ndarray]
 
 
 def bench(*, synthetic_mb: float, layers: int, width: int, followed: int, skipped: int, anchor_every: int,
-          only: list[str] | None = None, follow_mb: float = 0, follow_versions: int = 5) -> None:
+          only: list[str] | None = None, follow_mb: float = 0, follow_versions: int = 5, cpu_only: bool = False) -> None:
     count = followed + skipped
     makers = {
         "bf16-adam": lambda: list(keras_steps(count, bf16=True, lr=3e-6, layers=layers, width=width)),
         "fp32-adam": lambda: list(keras_steps(count, bf16=False, lr=1e-3, layers=layers, width=width)),
         "synthetic": lambda: list(synthetic_steps(count, synthetic_mb)),
     }
+    if cpu_only:  # a model of hundreds of MB: its versions through the S3 server and followers take minutes
+        cpu_rows = [cpu_row(name, make()[:9], anchor_every) for name, make in makers.items() if not only or name in only]
+        print(machine_line())
+        print(table(["case", "publish CPU s/GB full", "delta", "ratio", "wall s/GB full", "delta", "ratio"], cpu_rows))
+        return
     server = ServerProcess()
     saved = use_environment(server)
     rows, cpu_rows = [], []
@@ -318,9 +324,7 @@ def bench(*, synthetic_mb: float, layers: int, width: int, followed: int, skippe
             rows.append([name, f"{r['model'] / 1e6:.1f} MB", f"{r['delta_per_version']:.3f}x",
                          f"{r['anchors']}/{r['versions']}", f"{r['follow_full']:.3f}x", f"{r['follow_delta']:.3f}x",
                          f"{r['skip_full']:.3f}x", f"{r['skip_delta']:.3f}x"])
-            c = publish_cpu(steps[: min(len(steps), 9)], anchor_every)
-            cpu_rows.append([name, f"{c['full_cpu']:.2f}", f"{c['delta_cpu']:.2f}", f"{c['delta_cpu'] / c['full_cpu']:.2f}x",
-                             f"{c['full_wall']:.2f}", f"{c['delta_wall']:.2f}", f"{c['delta_wall'] / c['full_wall']:.2f}x"])
+            cpu_rows.append(cpu_row(name, steps[:9], anchor_every))
         follow_rows = follow_latency(server, follow_mb, follow_versions, anchor_every) if follow_mb else []
     finally:
         server.stop()
@@ -332,6 +336,13 @@ def bench(*, synthetic_mb: float, layers: int, width: int, followed: int, skippe
         print(f"follower: LATEST names a version -> it serves (latency), and the serving stall; medians of "
               f"{follow_versions - 1} versions")
         print(table(["store", "model", "latency full", "delta", "ratio", "stall full", "delta", "ratio"], follow_rows))
+
+
+def cpu_row(name: str, steps: list[dict[str, np.ndarray]], anchor_every: int) -> list[str]:
+    """A table row of :func:`publish_cpu`'s figures."""
+    c = publish_cpu(steps, anchor_every)
+    return [name, f"{c['full_cpu']:.2f}", f"{c['delta_cpu']:.2f}", f"{c['delta_cpu'] / c['full_cpu']:.2f}x",
+            f"{c['full_wall']:.2f}", f"{c['delta_wall']:.2f}", f"{c['delta_wall'] / c['full_wall']:.2f}x"]
 
 
 def sharded(ranks: int, size_mb: float, versions: int, anchor_every: int) -> list[list[str]]:
@@ -392,6 +403,8 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", choices=["bf16-adam", "fp32-adam", "synthetic", "none"])
     parser.add_argument("--follow-mb", type=float, default=0, help="also time a follower of this many MB (0: not)")
     parser.add_argument("--follow-versions", type=int, default=5)
+    parser.add_argument("--cpu-only", action="store_true",
+                        help="only the publish CPU of each case (no S3 server, no followers): for models of 64 MB+")
     parser.add_argument("--sharded-ranks", type=int, default=0,
                         help="also measure publish_shard by this many ranks (synthetic model; 0: not)")
     args = parser.parse_args()
@@ -420,7 +433,7 @@ def main() -> None:
             return
     bench(synthetic_mb=args.synthetic_mb, layers=args.layers, width=args.width, followed=args.followed,
           skipped=args.skipped, anchor_every=args.anchor_every, only=args.only, follow_mb=args.follow_mb,
-          follow_versions=args.follow_versions)
+          follow_versions=args.follow_versions, cpu_only=args.cpu_only)
 
 
 if __name__ == "__main__":

@@ -15,9 +15,11 @@ base is the version ``LATEST`` names; each tensor is encoded against the base's
 - or the delta is no smaller than the full version.
 
 **Memory.** A :class:`Delta` keeps a copy of the last version it published (``remember=True``,
-the default): 1x the model's bytes between publishes, and 2x during one (the new copy is made
-before the old one is let go). Without that copy (a restarted trainer, or ``delta=True`` given
-to single ``publish`` calls) the base is read back from the folder, anchor and chain, verified.
+the default): 1x the model's bytes, copied into the same memory each publish (none is copied
+after a delta that an anchor follows: the anchor reads no base), and the memory its last
+delta's payload was made in (0.6x for an fp32 step), which the next reuses. Without that copy
+(a restarted trainer, or ``delta=True`` given to single ``publish`` calls) the base is read
+back from the folder, anchor and chain, verified.
 """
 
 from __future__ import annotations
@@ -76,6 +78,10 @@ class _Held:
     head: delta_format.Head | None = None
     #: a sharded version's member: what its member metadata says of its pieces
     layout: Any = None
+    #: whether :attr:`tensors` hold this version's bytes; ``False`` after a delta whose successor
+    #: is an anchor (:meth:`Delta._anchor_due`): they are the version before's, kept only as the
+    #: memory the anchor's copy goes into
+    current: bool = True
 
 
 @dataclass
@@ -102,8 +108,9 @@ class Delta:
     Args:
         anchor_every: a full version at least every this many versions (1: always full);
             one is written sooner once the deltas since the last add up to a full version.
-        remember: keep a copy of the last published version's tensors (1x the model's memory;
-            2x during a publish), so the next delta needs no read of the folder.
+        remember: keep a copy of the last published version's tensors (1x the model's memory),
+            so the next delta needs no read of the folder, and the memory the last delta's
+            payload was made in, which the next reuses (0.6x the model's for fp32 steps).
 
     Example:
         >>> d = ws.Delta(anchor_every=20)
@@ -124,6 +131,8 @@ class Delta:
         #: how the last delta stored each tensor: its codec and payload as a share of its bytes
         #: (kept across anchors: a tensor changes alike step after step)
         self._last_codecs: dict[str, tuple[str, float]] = {}
+        #: where the deltas' payloads are made, the same memory each time (:class:`~weightstore.formats.delta.Spool`)
+        self._spool = delta_format.Spool()
         self.last_kind: str | None = None
         """``"delta"`` or ``"full"``: how the last version this object planned was written."""
 
@@ -195,23 +204,28 @@ class Delta:
 
     def _from_memory(self, held: _Held, step: int, base: str, chain: list[str], chain_bytes: int,
                      tensors: dict[str, Stored]) -> Plan | None:
-        """The plan against ``held``, the remembered version (:func:`_plan`)."""
+        """The plan against ``held``, the remembered version (:func:`_plan`); ``None`` where an
+        anchor is due, or ``held`` kept no bytes of its version (as it expected one)."""
         full_bytes = sum(len(item.data) for item in tensors.values())
 
         def remembered(key: str, item: Stored) -> np.ndarray | None:
             return _same_kind(held.tensors.get(key), item)
 
-        # the size of the last delta this object published (a share of its version) predicts
-        # the next: where one more would take the chain past a full version, the anchor is
-        # written now, nothing encoded or estimated (fp32 Adam steps, 0.56x a version each,
-        # alternate with anchors: an estimate cost 0.5 s/GB to say so every other step)
-        last = None if self._last_share is None else int(self._last_share * full_bytes)
-        if last is not None and chain_bytes + last >= full_bytes:
+        if self._anchor_due(chain_bytes, full_bytes) or not held.current:
             return None
+        last = None if self._last_share is None else int(self._last_share * full_bytes)
         # estimated first only while no delta's size is known: a delta larger than the last
         # is then found by encoding, which stops once the chain passes a full version
+        self._spool.reset()  # the payload it held is written: a publisher plans one version at a time
         return _plan(step, base, chain, chain_bytes, full_bytes, tensors, remembered, last is None,
-                     self._last_codecs)
+                     self._last_codecs, self._spool)
+
+    def _anchor_due(self, chain_bytes: int, full_bytes: int) -> bool:
+        """Whether the next version is written full unencoded: the size of the last delta this
+        object published (a share of its version) predicts the next, and one more would take
+        the chain (``chain_bytes``) past a full version's (fp32 Adam steps, 0.6x a version
+        each, alternate with anchors: an estimate cost 0.5 s/GB to say so every other step)."""
+        return self._last_share is not None and chain_bytes + int(self._last_share * full_bytes) >= full_bytes
 
     @staticmethod
     def _holds(held: _Held, target: Folder, pointer: Version, base: str) -> bool:
@@ -224,15 +238,23 @@ class Delta:
                              None if plan is None else plan.head), plan)
 
     def _remember(self, held: _Held, plan: Plan | None) -> None:
-        """Remember ``held`` (its tensors copied), just published as ``plan`` (or full)."""
+        """Remember ``held`` (its tensors copied), just published as ``plan`` (or full). After
+        a delta whose successor is an anchor (:meth:`_anchor_due`), no base is read for that
+        anchor, so its bytes are not copied (an fp32 publisher saves a copy of the model every
+        other step): the memory of the copy before is kept for the anchor's."""
         self.last_kind = "full" if plan is None else "delta"
         if plan is not None:
             self._last_share = plan.payload_bytes / max(1, plan.head.full_bytes)
             self._last_codecs = {row[0]: (item.codec, item.nbytes / max(1, held.tensors[row[0]].data.nbytes))
                                  for row, item in zip(plan.rows, plan.encoded, strict=True)}
-        if self.remember:
+        if not self.remember:
+            return
+        if plan is not None and self._held is not None and self._anchor_due(plan.head.chain_bytes,
+                                                                           plan.head.full_bytes):
+            held.tensors, held.current = self._held.tensors, False
+        else:
             held.tensors = self._copies(held.tensors)
-            self._held = held
+        self._held = held
 
     def _copies(self, tensors: dict[str, Stored]) -> dict[str, Stored]:
         """Copies of ``tensors`` to remember (the caller may change its arrays once the publish
@@ -254,6 +276,7 @@ class Delta:
     def forget(self) -> None:
         """Let go of the remembered version (its memory); the next delta reads its base back."""
         self._held = None
+        self._spool = delta_format.Spool()
 
 
 def _same_kind(held: Stored | None, item: Stored) -> np.ndarray | None:
@@ -271,7 +294,7 @@ def plan_against(step: int, base: str, chain: list[str], chain_bytes: int, tenso
 
 def _plan(step: int, base: str, chain: list[str], chain_bytes: int, full_bytes: int, tensors: dict[str, Stored],
           base_of: Callable[[str, Stored], np.ndarray | None], estimate: bool,
-          last: Mapping[str, tuple[str, float]]) -> Plan | None:
+          last: Mapping[str, tuple[str, float]], spool: delta_format.Spool | None = None) -> Plan | None:
     """Encode every tensor against ``base_of``'s bytes; ``None`` once the delta (or the chain
     with it) is no smaller than a full version.
 
@@ -301,7 +324,7 @@ def _plan(step: int, base: str, chain: list[str], chain_bytes: int, full_bytes: 
             xored = codec in _XORED
             dense = (found.codec in (*_XORED, delta_format.RAW) if found is not None else xored and share >= DENSE_SHARE)
             one = delta_format.encode(item.data, base_of(key, item), storage_dtype(item.dtype).itemsize, dense=dense,
-                                      sparse=found is not None or not xored)
+                                      sparse=found is not None or not xored, spool=spool)
         total += one.nbytes
         if total >= full_bytes or chain_bytes + total >= full_bytes:
             return None
