@@ -152,6 +152,7 @@ def publish_sharded(
     background: bool = False,
     storage_options: Mapping[str, Any] | None = None,
     delta: bool | Delta = False,
+    digests: bool = True,
     **selection: Unpack[SelectionWords],
 ) -> Version | concurrent.futures.Future[Version]:
     """Publish ``model``'s variables as one sharded version, each worker writing its share.
@@ -173,6 +174,9 @@ def publish_sharded(
     each worker writes its member as a delta of its member of the version before, where smaller
     (``publish_shard``'s ``delta``). Every worker cuts the same plan each time, so its share
     stays its own while the model's keys, shapes and the cluster do.
+
+    ``digests=False``: no BLAKE3 of each block (``publish_shard``'s): for a checkpoint no follower
+    reads, whose every block is still verified as it is read.
 
     Raises:
         ShardTimeoutError: a worker did not write its share within ``timeout`` (``.missing``
@@ -202,16 +206,16 @@ def publish_sharded(
         raise
     if rank == 0:
         call = functools.partial(_as_chief, channel, target, pieces, outline, world, timeout, keep, metadata,
-                                 storage_options, planner)
+                                 storage_options, planner, digests)
     else:
         call = functools.partial(_as_worker, channel, target, pieces, outline, rank, world, timeout, storage_options,
-                                 planner)
+                                 planner, digests)
     return in_background(call) if background else call()
 
 
 def _as_chief(channel: _Channel, target: Folder, pieces: dict[str, list[Piece]], outline: dict[str, list[Any]],
               world: int, timeout: float, keep: int | None, metadata: Mapping[str, Any] | None,
-              storage_options: Mapping[str, Any] | None, delta: Delta | None) -> Version:
+              storage_options: Mapping[str, Any] | None, delta: Delta | None, digests: bool) -> Version:
     step = channel.step
     try:
         attempt = claimed_attempt(target, step, _incarnation(), _handed_out.get(channel.place, -1) + 1,
@@ -225,7 +229,8 @@ def _as_chief(channel: _Channel, target: Folder, pieces: dict[str, list[Piece]],
     announced = time.monotonic()
     try:
         publish_shard(target.where, pieces, step=step, rank=0, world=world, attempt=attempt,
-                      storage_options=storage_options, incarnation=_incarnation(), delta=delta or False)
+                      storage_options=storage_options, incarnation=_incarnation(), delta=delta or False,
+                      digests=digests)
         version = commit_shards(target.where, step=step, world=world, attempt=attempt, keep=keep, metadata=metadata,
                                 timeout=round(max(0.0, timeout - (time.monotonic() - announced)), 1),
                                 storage_options=storage_options, incarnation=_incarnation(),
@@ -246,7 +251,7 @@ def _as_chief(channel: _Channel, target: Folder, pieces: dict[str, list[Piece]],
 
 def _as_worker(channel: _Channel, target: Folder, pieces: dict[str, list[Piece]], outline: dict[str, list[Any]],
                rank: int, world: int, timeout: float, storage_options: Mapping[str, Any] | None,
-               delta: Delta | None) -> Version:
+               delta: Delta | None, digests: bool) -> Version:
     news = channel.hear("attempt", timeout + _NEWS_GRACE, "the attempt")
     heard = time.monotonic()
     if news.get("world") != world:
@@ -261,7 +266,7 @@ def _as_worker(channel: _Channel, target: Folder, pieces: dict[str, list[Piece]]
     try:
         publish_shard(target.where, pieces, step=channel.step, rank=rank, world=world,
                       attempt=int(news["attempt"]), storage_options=storage_options,
-                      incarnation=str(news.get("incarnation", "")), delta=delta or False)
+                      incarnation=str(news.get("incarnation", "")), delta=delta or False, digests=digests)
     except Exception as exc:  # the chief would otherwise wait out its timeout for this member
         channel.give_up(rank, f"{type(exc).__name__}: {exc}")
         raise

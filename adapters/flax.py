@@ -139,6 +139,7 @@ def publish_sharded(
     background: bool = False,
     storage_options: Mapping[str, Any] | None = None,
     delta: bool | Delta = False,
+    digests: bool = True,
     **selection: Unpack[SelectionWords],
 ) -> Version | concurrent.futures.Future[Version]:
     """Publish an NNX module or pytree as one sharded version, every process of the
@@ -157,6 +158,9 @@ def publish_sharded(
     each rank writes its member as a delta of its member of the version before, where smaller
     (``publish_shard``'s ``delta``).
 
+    ``digests=False``: no BLAKE3 of each block (``publish_shard``'s): for a checkpoint no follower
+    reads, whose every block is still verified as it is read.
+
     Raises:
         ShardTimeoutError, PublishError: see ``publish_together`` (through the future with
             ``background=True``).
@@ -167,7 +171,7 @@ def publish_sharded(
                   for key, found in pieces.items()}
     call = functools.partial(publish_together, folder, pieces, step=step, rank=jax.process_index(),
                              world=jax.process_count(), timeout=timeout, keep=keep, metadata=metadata,
-                             storage_options=storage_options, delta=delta)
+                             storage_options=storage_options, delta=delta, digests=digests)
     return in_background(call) if background else call()
 
 

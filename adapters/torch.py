@@ -194,6 +194,7 @@ def publish_sharded(
     background: bool = False,
     storage_options: Mapping[str, Any] | None = None,
     delta: bool | Delta = False,
+    digests: bool = True,
     **selection: Unpack[SelectionWords],
 ) -> Version | concurrent.futures.Future[Version]:
     """Publish ``module`` as one sharded version, every rank of the ``torch.distributed`` job
@@ -215,6 +216,9 @@ def publish_sharded(
     each rank writes its member as a delta of its member of the version before, where smaller
     (``publish_shard``'s ``delta``).
 
+    ``digests=False``: no BLAKE3 of each block (``publish_shard``'s): for a checkpoint no follower
+    reads, whose every block is still verified as it is read.
+
     Raises:
         ShardTimeoutError, PublishError: see ``publish_together`` (through the future with
             ``background=True``).
@@ -223,7 +227,7 @@ def publish_sharded(
     grouped = torch.distributed.is_available() and torch.distributed.is_initialized()
     rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if grouped else (0, 1)
     call = functools.partial(publish_together, folder, pieces, step=step, rank=rank, world=world, timeout=timeout,
-                             keep=keep, metadata=metadata, storage_options=storage_options, delta=delta)
+                             keep=keep, metadata=metadata, storage_options=storage_options, delta=delta, digests=digests)
     return in_background(call) if background else call()
 
 

@@ -14,11 +14,12 @@ Four tables, one run:
    in the index say which tensors are unchanged, so it fetches the changed tensor and the index.
 4. *A rank's save and read against ``torch.distributed.checkpoint``* (local folder, one process
    as rank 1 of 4, its own rows of every tensor in memory it owns, as an FSDP rank holds them):
-   ``publish_shard`` against ``dcp.save`` (both durable: DCP fsyncs its files), then the rank's
+   ``publish_shard`` against ``dcp.save`` (both durable: DCP fsyncs its files), with and
+   without block digests (``digests=False``: a checkpoint no follower reads), then the rank's
    rows read back by ``read_region`` from the committed version against ``dcp.load`` into
    tensors of its share; rounds taken in turn, medians of wall and of this process's CPU
-   seconds (every thread), per GB of the share. ``--busy`` spins a CPU-bound neighbour
-   beside them (:func:`benchmarks.common.busy_neighbour`).
+   seconds (every thread), per GB of the share, and the median of each round's ratio.
+   ``--busy`` spins a CPU-bound neighbour beside them (:func:`benchmarks.common.busy_neighbour`).
 5. *Write throughput for 1, 2, 4 writers* (local folder, forked processes started together):
    the model's bytes over the time from the first writer's start to the last one's end.
    Each writer is CPU-bound (the strips' copy, a CRC-32 per block, BLAKE3 per band of rows, the write); on a
@@ -328,6 +329,10 @@ def rank_vs_dcp(size_mb: float, repeat: int = 3, busy: bool = False) -> str:
         def ws_save() -> None:
             ws.publish_shard(f"{root}/ws-save", mine, step=next(saved), rank=rank, world=world, attempt=0)
 
+        def ws_save_bare() -> None:
+            ws.publish_shard(f"{root}/ws-save", mine, step=next(saved), rank=rank, world=world, attempt=0,
+                             digests=False)
+
         def dcp_save() -> None:
             dcp.save(tensors, checkpoint_id=f"{root}/dcp-save-{next(saved)}", no_dist=True)
 
@@ -340,31 +345,31 @@ def rank_vs_dcp(size_mb: float, repeat: int = 3, busy: bool = False) -> str:
             dcp.load({key: torch.empty(value.shape) for key, value in tensors.items()},
                      checkpoint_id=f"{root}/dcp-read", no_dist=True)
 
-        cases = {"save": (ws_save, dcp_save), "read": (ws_read, dcp_read)}
+        # in turn each round; a save's folder is removed before the next run (the page cache is not kept)
+        runs = {"save ws": ws_save, "save dcp": dcp_save, "save, digests=False ws": ws_save_bare,
+                "read ws": ws_read, "read dcp": dcp_read}
         found: dict[str, list[tuple[float, float]]] = {}
         with busy_neighbour(busy):
             for round_ in range(repeat + 1):  # the first round warms up
-                for name, (ours, theirs) in cases.items():
-                    for who, run in (("ws", ours), ("dcp", theirs)):
-                        started, cpu = time.perf_counter(), time.process_time()
-                        run()
-                        if round_:
-                            found.setdefault(f"{name} {who}", []).append(
-                                (time.perf_counter() - started, time.process_time() - cpu))
-                for entry in os.listdir(root):  # each save writes a fresh folder; the page cache is not kept
-                    if entry.startswith(("dcp-save-", "ws-save")):
-                        shutil.rmtree(f"{root}/{entry}", ignore_errors=True)
+                for name, run in runs.items():
+                    started, cpu = time.perf_counter(), time.process_time()
+                    run()
+                    if round_:
+                        found.setdefault(name, []).append((time.perf_counter() - started, time.process_time() - cpu))
+                    for entry in os.listdir(root):
+                        if entry.startswith(("dcp-save-", "ws-save")):
+                            shutil.rmtree(f"{root}/{entry}", ignore_errors=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     gb = share / (1 << 30)
     rows_out = []
-    for name in cases:
-        ours, theirs = found[f"{name} ws"], found[f"{name} dcp"]
+    for name, against in (("save", "save dcp"), ("save, digests=False", "save dcp"), ("read", "read dcp")):
+        ours, theirs = found[f"{name} ws"], found[against]
         wall = [median([t[0] for t in ours]), median([t[0] for t in theirs])]
         cpu = [median([t[1] for t in ours]), median([t[1] for t in theirs])]
+        ratios = [median([a[i] / b[i] for a, b in zip(ours, theirs, strict=True)]) for i in (0, 1)]  # round by round
         rows_out.append([name, f"{share / MB:,.0f} MB", f"{wall[0]:.3f} ({cpu[0] / gb:.2f} CPU-s/GB)",
-                         f"{wall[1]:.3f} ({cpu[1] / gb:.2f} CPU-s/GB)", fmt_ratio(wall[0] / wall[1]),
-                         fmt_ratio(cpu[0] / cpu[1])])
+                         f"{wall[1]:.3f} ({cpu[1] / gb:.2f} CPU-s/GB)", fmt_ratio(ratios[0]), fmt_ratio(ratios[1])])
     return table(["rank's", "share", "weightstore s", "DCP s", "wall ws/DCP", "CPU ws/DCP"], rows_out)
 
 

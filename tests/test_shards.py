@@ -363,6 +363,46 @@ def test_a_region_digest_follows_the_rows_it_reads_whichever_columns_changed(tmp
     assert digests[0][2] != digests[1][2]  # its rows and columns changed
 
 
+def test_a_member_published_without_digests_reads_verified_and_its_regions_have_no_digest(tmp_path):
+    """``digests=False`` (a checkpoint no follower reads) skips the BLAKE3 of every block: its
+    member's table holds CRC-32s only, every block is still verified as it is read, its
+    regions have no digest (a follower reads them again, never trusting a CRC-32), a member
+    with digests beside it keeps its own, and replicas are told alike or diverged by their
+    blocks' CRC-32s."""
+    folder = tmp_path / "run"
+    w = np.random.default_rng(0).standard_normal((256, 1024), dtype=np.float32)
+    for rank in range(2):
+        ws.publish_shard(folder, {"w": ws.Piece(w[128 * rank:128 * (rank + 1)], (128 * rank, 0), w.shape)}, step=1,
+                         rank=rank, world=2, attempt=0, digests=rank == 0)
+    version = shards.commit_shards(folder, step=1, world=2, attempt=0, timeout=5)
+    members = folder / "step-000000000001.attempt-0"
+    with ws.open(version) as store:
+        assert len(store._reader.placed("w")) > 2  # column strips
+        assert store.read_region("w", ()).tobytes() == w.tobytes()
+        assert store.region_digest("w", (slice(0, 128),)) is not None
+        assert store.region_digest("w", (slice(100, 200),)) is None and store.region_digest("w", ()) is None
+    tables = [(members / f"rank-0000{rank}.blocks").stat().st_size for rank in range(2)]
+    assert tables[0] - tables[1] > 32 * 64  # a BLAKE3 digest per block, in rank 0's table only
+    member = members / "rank-00001.safetensors"
+    data = bytearray(member.read_bytes())
+    data[-10] ^= 0xFF  # the last block of rank 1's last strip
+    member.write_bytes(bytes(data))
+    with ws.open(version) as store:
+        with pytest.raises(ws.ChecksumError, match="rank-00001.safetensors is corrupt") as caught:
+            store.read_region("w", (slice(250, 256),))
+        assert caught.value.key == "w" and caught.value.path.endswith(".wsindex")
+    for name, values in (("same", (w, w)), ("diverged", (w, w + 1))):
+        for rank, value in enumerate(values):
+            ws.publish_shard(tmp_path / name, {"w": value}, step=1, rank=rank, world=2, attempt=0, digests=False)
+    version = shards.commit_shards(tmp_path / "same", step=1, world=2, attempt=0, timeout=5)
+    assert np.array_equal(ws.load(version)["w"], w)
+    with pytest.raises(ws.PublishError, match=r"ranks 0 and 1 wrote the part at \[0, 0\] with different values"):
+        shards.commit_shards(tmp_path / "diverged", step=1, world=2, attempt=0, timeout=5)
+    version = shards.publish_together(tmp_path / "together", {"w": w}, step=1, rank=0, world=1, digests=False)
+    with ws.open(version) as store:
+        assert store.read_region("w", ()).tobytes() == w.tobytes() and store.region_digest("w", ()) is None
+
+
 def test_an_index_of_version_2_still_reads(tmp_path):
     folder = tmp_path / "run"
     shutil.copytree(V2, folder)
@@ -663,6 +703,83 @@ def test_a_member_that_is_not_what_its_done_record_says_is_refused(tmp_path):
     with pytest.raises(ws.PublishError, match="rank-00000.safetensors is missing; its done-record says"):
         shards.commit_shards(folder, step=1, world=1, attempt=0, timeout=5)
     assert ws.latest(folder) is None
+
+
+def test_a_block_table_that_is_not_what_its_done_record_says_is_refused(tmp_path):
+    """Readers refuse a version whose table is missing, cut or not a file: the commit, which
+    has the table's size in the listing it already made, refuses to publish one."""
+    folder = tmp_path / "run"
+    for rank in range(4):
+        ws.publish_shard(folder, pieces_of(rank), step=1, rank=rank, world=4, attempt=0)
+    table = folder / "step-000000000001.attempt-0" / "rank-00001.blocks"
+    whole = table.read_bytes()
+    table.write_bytes(whole[:-8])  # cut behind the writer's back
+    with pytest.raises(ws.PublishError, match=r"rank 1's block table rank-00001.blocks is \d+ bytes; its done-record "
+                                              rf"says {len(whole)}") as caught:
+        shards.commit_shards(folder, step=1, world=4, attempt=0, timeout=5)
+    assert caught.value.path == str(table.parent)
+    table.unlink()
+    table.mkdir()  # not a file: every reader refuses it
+    with pytest.raises(ws.PublishError, match="rank 1's block table rank-00001.blocks is missing"):
+        shards.commit_shards(folder, step=1, world=4, attempt=0, timeout=5)
+    assert ws.latest(folder) is None
+    table.rmdir()
+    table.write_bytes(whole)
+    version = shards.commit_shards(folder, step=1, world=4, attempt=0, timeout=5)
+    assert ws.load(version)["dense/kernel"].tobytes() == model()["dense/kernel"].tobytes()
+
+
+def test_an_index_that_is_a_symbolic_link_keeps_its_members_through_commits_and_ws_clean(tmp_path):
+    """Readers follow an index that is a symbolic link (a version linked in from elsewhere); the
+    listing of plain files leaves it out. Its members were taken for a dead attempt: the next
+    commit and ``ws clean`` removed them, and the version LATEST's neighbour named broke."""
+    folder, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for step in (1, 2):
+        for rank in range(4):
+            ws.publish_shard(folder, pieces_of(rank), step=step, rank=rank, world=4, attempt=0)
+        shards.commit_shards(folder, step=step, world=4, attempt=0, timeout=5)
+    for step in (1, 2):
+        index = folder / f"step-{step:012d}.wsindex"
+        index.rename(elsewhere / index.name)
+        index.symlink_to(elsewhere / index.name)
+    for rank in range(4):
+        ws.publish_shard(folder, pieces_of(rank), step=3, rank=rank, world=4, attempt=0)
+    shards.commit_shards(folder, step=3, world=4, attempt=0, timeout=5, keep=None)
+    cleaned = subprocess.run([sys.executable, "-m", "weightstore", "clean", str(folder)], capture_output=True,
+                             text=True, timeout=120)
+    assert cleaned.returncode == 0, cleaned.stderr
+    for step in (1, 2, 3):
+        assert ws.load(folder / f"step-{step:012d}.wsindex")["dense/kernel"].tobytes() == \
+            model()["dense/kernel"].tobytes()
+
+
+def test_ws_clean_keeps_a_version_whose_member_is_a_symbolic_link(tmp_path):
+    """Readers follow a member that is a symbolic link; ``ws clean`` took it for missing (its
+    listing of plain files leaves links out) and removed the version as one whose members are
+    gone. A member the listing misses is asked for by name before its index is called dead."""
+    folder, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for step in (1, 2):
+        for rank in range(4):
+            ws.publish_shard(folder, pieces_of(rank), step=step, rank=rank, world=4, attempt=0)
+        shards.commit_shards(folder, step=step, world=4, attempt=0, timeout=5)
+    member = folder / "step-000000000001.attempt-0" / "rank-00002.safetensors"
+    member.rename(elsewhere / member.name)
+    member.symlink_to(elsewhere / member.name)
+    (folder / "step-000000000001.attempt-0" / "rank-00003.safetensors").unlink()  # gone: step 1 is dead
+    (folder / "step-000000000002.attempt-0" / "rank-00002.safetensors").rename(elsewhere / "two")
+    (folder / "step-000000000002.attempt-0" / "rank-00002.safetensors").symlink_to(elsewhere / "two")
+    for rank in range(4):
+        ws.publish_shard(folder, pieces_of(rank), step=3, rank=rank, world=4, attempt=0)
+    shards.commit_shards(folder, step=3, world=4, attempt=0, timeout=5, keep=None)
+    cleaned = subprocess.run([sys.executable, "-m", "weightstore", "clean", str(folder)], capture_output=True,
+                             text=True, timeout=120)
+    assert cleaned.returncode == 0, cleaned.stderr
+    assert not (folder / "step-000000000001.wsindex").exists() and (elsewhere / "rank-00002.safetensors").exists()
+    for step in (2, 3):
+        assert ws.load(folder / f"step-{step:012d}.wsindex")["dense/kernel"].tobytes() == \
+            model()["dense/kernel"].tobytes()
 
 
 def test_a_list_of_numbers_is_an_array_not_a_list_of_pieces(tmp_path):

@@ -378,9 +378,10 @@ class TensorEntry:
 class TableRef:
     """What the index says of a member's block table: ``head`` bytes whose BLAKE3 is ``blake3``,
     and ``digests`` bytes of block digests (what a follower fetches too; the header carries
-    their BLAKE3). A *paged* table (index version 3) has its header alone in its head, then its
-    CRC-32s in pages a reader fetches as it needs them (:meth:`BlockTable.pages_of`), then the
-    digests; an older one has header and CRC-32s in its head, fetched whole."""
+    their BLAKE3; 0: a table of none, from ``publish_shard(digests=False)``). A *paged* table
+    (index version 3) has its header alone in its head, then its CRC-32s in pages a reader
+    fetches as it needs them (:meth:`BlockTable.pages_of`), then the digests; an older one has
+    header and CRC-32s in its head, fetched whole."""
 
     head: int
     digests: int
@@ -395,6 +396,11 @@ class TableRef:
     def digests_at(self) -> int:
         """Where the digests start in the table."""
         return self.head + (4 * self.blocks if self.paged else 0)
+
+    @property
+    def size(self) -> int:
+        """The table file's bytes: its head, its paged CRC-32s, its digests."""
+        return self.digests_at + self.digests
 
 
 @dataclass(frozen=True)
@@ -806,7 +812,8 @@ class BlockTable:
     the BLAKE3 of the digests, each piece as :meth:`Placed.flat`, and the BLAKE3 of each page
     of CRC-32s), the CRC-32s (4 bytes each, little-endian, in :func:`stored_order`, in pages of
     :data:`PAGE_CRCS`) and the digests (32 bytes each, in block order: each block's band's,
-    :func:`band_digests`). The index gives the
+    :func:`band_digests`; none in a member published with ``digests=False``, whose regions
+    have no digest and are read again by every follower). The index gives the
     size and BLAKE3 of the header; a reader fetches it, then the pages of CRC-32s of the blocks
     it reads. A table of an index of version 2 (header version 1) has its CRC-32s in block order
     inside its head, which a reader fetches whole."""
@@ -842,7 +849,7 @@ class BlockTable:
 
     def ref(self) -> TableRef:
         head = self.head_bytes()
-        return TableRef(len(head), DIGEST_BYTES * len(self.crcs), blake3.blake3(head).hexdigest(), True)
+        return TableRef(len(head), len(self.digests or b""), blake3.blake3(head).hexdigest(), True)
 
     def find(self, key: str, start: tuple[int, ...]) -> Placed | None:
         return self._by_box.get((key, start))
@@ -930,7 +937,8 @@ class BlockTable:
             raise FormatError(f"is not the table of {member.file} ({member.size} bytes) of step {step} attempt "
                               f"{attempt}")
         digest = raw.get("blake3")
-        if not isinstance(digest, str) or not _HEX_DIGEST.fullmatch(digest) or ref.digests != DIGEST_BYTES * blocks:
+        if not isinstance(digest, str) or not _HEX_DIGEST.fullmatch(digest) or ref.digests not in (
+                0, DIGEST_BYTES * blocks):  # 0: written without digests
             raise FormatError("has no BLAKE3 of its digests, or the index gives another count of them")
         pages = raw.get("pages") if ref.paged else []
         if not isinstance(pages, list) or (ref.paged and len(pages) != -(-blocks // PAGE_CRCS)) or not all(
@@ -938,7 +946,7 @@ class BlockTable:
             raise FormatError(f"has no BLAKE3 of each page of {PAGE_CRCS} of its {blocks} CRC-32s")
         pieces = _placed(raw.get("pieces"), blocks, member, member.size if extent is None else extent)
         table = cls(step=step, attempt=attempt, rank=member.rank, member=raw["member"], size=member.size,
-                    pieces=pieces, crcs=crcs, digests=None, digests_blake3=digest, pages=pages)
+                    pieces=pieces, crcs=crcs, digests=None if blocks else b"", digests_blake3=digest, pages=pages)
         table.paged = ref.paged
         return table
 

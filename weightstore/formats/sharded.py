@@ -389,6 +389,7 @@ class ShardedReader(ReaderDefaults):
             member = self._index.members[position]
             ref = member.table
             assert ref is not None  # a version 2 index's members all have one
+            digests = digests and bool(ref.digests)  # a table of no digests: no region of its member has one
             if table is None or (digests and table.digests is None):
                 extent = self._extent(position) if table is None else None
                 with self._table_file(position) as source:

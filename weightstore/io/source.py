@@ -90,16 +90,17 @@ def read_whole(source: ByteSource, limit: int, what: str) -> bytes:
 def open_source(location: Any, name: str, read_index: Callable[[ByteSource], R], *, index_at_end: bool,
                 mmap: bool = True) -> R:
     """A reader built over the byte source for ``location``; a remote file fetches the index
-    window where this format keeps its index (``index_at_end``), in one request."""
+    window where this format keeps its index (``index_at_end``) in one request, a mapped one
+    reads it in one ``pread`` and maps the file only for the first tensor read."""
     source = byte_source(location, name, mmap=mmap)
     try:
-        if isinstance(source, RemoteFile):
+        if isinstance(source, (RemoteFile, MappedFile)):
             source.start(index_at_end)
         reader = read_index(source)
     except BaseException:
         source.close()
         raise
-    if isinstance(source, RemoteFile):
+    if isinstance(source, (RemoteFile, MappedFile)):
         source.index_read()
     return reader
 

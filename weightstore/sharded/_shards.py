@@ -176,6 +176,7 @@ def publish_shard(
     storage_options: Mapping[str, Any] | None = None,
     incarnation: str | None = None,
     delta: bool | Delta = False,
+    digests: bool = True,
 ) -> None:
     """Write what this rank holds of version ``step``; nothing is visible until :func:`commit_shards`.
 
@@ -205,6 +206,14 @@ def publish_shard(
             number of ranks changed, alike by every rank (:mod:`weightstore.sharded._delta`). A
             ``Delta`` keeps a copy of this rank's pieces (1x its share of the model); ``True``
             reads its base member back.
+        digests: record each block's BLAKE3 digest in the block table, which a follower
+            compares to skip the regions that did not change (:meth:`Store.region_digest`).
+            ``False`` for a folder no follower reads (a checkpoint a job resumes from): the
+            save skips a BLAKE3 pass over the rank's bytes (0.3 CPU-s/GB, half of
+            ``torch.distributed.checkpoint``'s whole save), every region of this member reads
+            again on each version, replicas of a piece are told alike by their blocks' CRC-32s,
+            and a weightstore older than this one refuses the member's block table
+            (FormatError), never misreads it. Reads verify every block's CRC-32 either way.
 
     Raises:
         PublishError: the step is not above the one ``LATEST`` names.
@@ -244,7 +253,8 @@ def publish_shard(
     _, _, attempt = cluster.filled(rank=rank, world=world, attempt=attempt)
     try:
         _write_shard(target, pieces, step=step, rank=rank, world=world, attempt=attempt, fmt=fmt,
-                     incarnation=incarnation or "", storage_options=storage_options, delta=as_delta(delta))
+                     incarnation=incarnation or "", storage_options=storage_options, delta=as_delta(delta),
+                     digests=digests)
     except Exception as exc:  # rank 0's commit would otherwise wait out its timeout for this member
         if meeting is not None and rank:
             meeting.give_up(f"{type(exc).__name__}: {exc}")
@@ -253,7 +263,7 @@ def publish_shard(
 
 def _write_shard(target: Folder, pieces: Mapping[str, Any], *, step: int, rank: int, world: int, attempt: int,
                  fmt: Format, incarnation: str, storage_options: Mapping[str, Any] | None,
-                 delta: Delta | None = None) -> None:
+                 delta: Delta | None = None, digests: bool = True) -> None:
     _check_ids(step=step, attempt=attempt)
     if incarnation and not shardindex.INCARNATION.fullmatch(incarnation):
         raise ValueError(f"incarnation {incarnation!r} is not a job incarnation ({shardindex.INCARNATION.pattern})")
@@ -286,7 +296,7 @@ def _write_shard(target: Folder, pieces: Mapping[str, Any], *, step: int, rank: 
     target.create()
     members.create(inner=True)
     with members.commit(member_name(rank, suffix), suffix).writing() as local:
-        digested = _Digested(listed)
+        digested = _Digested(listed, digests)
         virtual = None
         if plan is None:
             arrays = {item.stored: from_storage(item.data, item.dtype) for item in listed}
@@ -401,14 +411,19 @@ def commit_shards(
     if meeting is not None and meeting.chosen == attempt and meeting.incarnation == incarnation:
         meeting.sweep()  # every rank wrote its member: none reads this call's attempt, or news before, again
     records = [record for _, record in sorted(found.items())]
-    if any(sizes.get(record.member.file) != record.member.size for record in records):
+    # each rank's member and its block table (written before its done-record), as readers will find them: a
+    # table cut, missing or not a file would make every reader refuse the version this commit publishes
+    files = [(record.rank, "member", record.member.file, record.member.size) for record in records] + [
+        (record.rank, "block table", table_name(record.rank), record.member.table.size)
+        for record in records if record.member.table is not None]
+    if any(sizes.get(file) != size for _, _, file, size in files):
         sizes = {entry.name: entry.size for entry in members.files()}  # a listing made while one was renamed in
-    for record in records:  # from the listing that found the last done-record: no request more
-        size = sizes.get(record.member.file)
-        if size != record.member.size:
+    for rank, what, file, expected in files:  # from the listing that found the last done-record: no request more
+        size = sizes.get(file)
+        if size != expected:
             state = "is missing" if size is None else f"is {size} bytes"
-            raise PublishError(f"rank {record.rank}'s member {record.member.file} {state}; its done-record says "
-                               f"{record.member.size} bytes", path=members.where)
+            raise PublishError(f"rank {rank}'s {what} {file} {state}; its done-record says {expected} bytes",
+                               path=members.where)
     with naming(path=target.url(name)):
         index = _merged(records, step, attempt, world, metadata, incarnation)
     index.delta = member_delta.index_delta(target, records, sum(entry.nbytes for entry in index.tensors.values()))
@@ -468,6 +483,7 @@ def publish_together(
     format: str = "safetensors",  # noqa: A002
     storage_options: Mapping[str, Any] | None = None,
     delta: bool | Delta = False,
+    digests: bool = True,
 ) -> Version:
     """One call on every rank of a job: write this rank's ``pieces``, rank 0 commits, and every
     rank returns the committed :class:`~weightstore.Version` or raises the same error.
@@ -481,8 +497,8 @@ def publish_together(
     one process needs no store.
 
     ``timeout`` bounds rank 0's wait for the members, counted from its handing out the attempt;
-    the other ranks wait that long and :data:`NEWS_GRACE` more for rank 0's news. ``delta``: as
-    :func:`publish_shard`'s.
+    the other ranks wait that long and :data:`NEWS_GRACE` more for rank 0's news. ``delta`` and
+    ``digests``: as :func:`publish_shard`'s.
 
     Raises:
         ShardTimeoutError: a rank did not write within ``timeout`` (``.missing``), or rank 0
@@ -514,7 +530,8 @@ def publish_together(
     if rank == 0:
         try:
             _write_shard(target, pieces, step=step, rank=0, world=world, attempt=attempt, fmt=fmt,
-                         incarnation=incarnation, storage_options=storage_options, delta=planner)
+                         incarnation=incarnation, storage_options=storage_options, delta=planner,
+                         digests=digests)
             version = commit_shards(target.where, step=step, world=world, attempt=attempt, incarnation=incarnation,
                                     timeout=round(max(0.0, timeout - (time.monotonic() - started)), 1), keep=keep,
                                     metadata=metadata, storage_options=storage_options, failures=meeting.failures)
@@ -526,7 +543,8 @@ def publish_together(
         return version
     try:
         _write_shard(target, pieces, step=step, rank=rank, world=world, attempt=attempt, fmt=fmt,
-                     incarnation=incarnation, storage_options=storage_options, delta=planner)
+                     incarnation=incarnation, storage_options=storage_options, delta=planner,
+                     digests=digests)
     except Exception as exc:  # rank 0's commit would otherwise wait out its timeout for this member
         meeting.give_up(f"{type(exc).__name__}: {exc}")
         raise
@@ -612,7 +630,8 @@ def clean_attempts(target: Folder, *, keep_step: int, keep_attempt: int) -> list
     indexed = {step for step, entry in version_files(target) if entry.name.endswith(SHARDED_SUFFIX)}
     removed = []
     for sub, step, attempt in _attempts(target):
-        if (step == keep_step and attempt != keep_attempt) or (step < keep_step and step not in indexed):
+        if (step == keep_step and attempt != keep_attempt) or (
+                step < keep_step and step not in indexed and not _unlisted_index(target, step)):
             target.remove_folder(sub)
             removed.append(sub)
     return removed
@@ -649,18 +668,37 @@ def clean_folder(folder: Any, *, storage_options: Mapping[str, Any] | None = Non
         else:
             target.remove(entry.name)
             removed.append(entry.name)
+    listed = {step for step, entry in found if entry.name.endswith(SHARDED_SUFFIX)}
     for sub, step, attempt in _attempts(target):
-        if (step, attempt) not in live and (step, None) not in live:  # an unreadable index may name any attempt
+        # an unreadable index may name any attempt
+        if (step, attempt) not in live and (step, None) not in live and (
+                step in listed or not _unlisted_index(target, step)):
             target.remove_folder(sub)
             removed.append(sub)
     return removed
 
 
+def _unlisted_index(target: Folder, step: int) -> bool:
+    """Whether something the listing of plain files leaves out is at ``step``'s index name: a
+    symbolic link, which readers follow (a version linked in from elsewhere), a FIFO or a folder.
+    Nothing proves that step's attempts dead, as for an index that cannot be read. One request,
+    asked only of a step that has attempts and no listed index."""
+    return target.tag(index_name(step)) is not None
+
+
 def _members_present(target: Folder, index: ShardIndex, storage_options: Mapping[str, Any] | None) -> bool:
+    """Whether every member and block table ``index`` names is there. One the listing of plain
+    files misses is asked for by name (a request each, up to the first missing): a symbolic link,
+    which readers follow, is no missing member."""
     members = folder_for(target.url(attempt_folder(index.step, index.attempt)), storage_options)
     present = {entry.name: entry.size for entry in members.files()}
-    return all(present.get(member.file.rsplit("/", 1)[-1], -1) >= member.size and (
-        member.table is None or present.get(table_name(member.rank), -1) >= member.table.head + member.table.digests)
+
+    def there(name: str, size: int) -> bool:
+        listed = present.get(name)
+        return listed >= size if listed is not None else members.tag(name) is not None
+
+    return all(there(member.file.rsplit("/", 1)[-1], member.size) and (
+        member.table is None or there(table_name(member.rank), member.table.head + member.table.digests))
         for member in index.members)
 
 
@@ -785,17 +823,19 @@ class _Digested:
     strip of one) as it is written: its blocks' CRC-32s, of the bytes as stored (a strip's
     copy is in cache), and, from a piece's first, the BLAKE3 digests of the piece's bands of
     rows, from the piece in memory (:func:`~weightstore.formats._sharded_index.band_digests`),
-    on the helper thread while its strips are copied and written; kept for its block table."""
+    on the helper thread while its strips are copied and written (none where ``digests`` is
+    false: ``publish_shard(digests=False)``); kept for its block table."""
 
-    def __init__(self, listed: list[_Listed]):
+    def __init__(self, listed: list[_Listed], digests: bool = True):
         self._listed = {item.stored: item for item in listed}
+        self.digests = digests
         self.crcs: dict[str, list[int]] = {}
         self._bands: dict[int, parallel.Beside[list[bytes]]] = {}  # piece -> its bands' digests, coming
 
     def __call__(self, stored: str, data: np.ndarray) -> None:
         item = self._listed[stored]
         self.crcs[stored] = block_crcs(data, item.rows * row_bytes(data.shape, data.itemsize))
-        if item.piece not in self._bands:
+        if self.digests and item.piece not in self._bands:
             self._bands[item.piece] = parallel.beside(functools.partial(band_digests, item.whole, item.rows))
 
     def bands(self, piece: int) -> list[bytes]:
@@ -841,13 +881,24 @@ def _described(local: str, where: str, fmt: Format, listed: list[_Listed], diges
             head = strips[0]
             placed.append(Placed(head.key, head.dtype, head.piece_start, head.piece_shape, head.columns, head.rows,
                                  first, tuple(offsets)))
-            digest = "blake3:" + blake3.blake3(f"{head.dtype}{list(head.piece_shape)}|".encode() + b"".join(bands)).hexdigest()
+            digest = _piece_digest(head, bands) if digested.digests else _piece_digest(head, crcs=crcs[first:])
             done.setdefault(head.key, []).append((head.piece_start, head.piece_shape, digest))
             shapes.setdefault(head.key, (head.dtype, head.shape))
-    joined = b"".join(digests)
+    joined = b"".join(digests)  # empty without digests: a table of none (docs/sharded.md)
     table = BlockTable(step=step, attempt=attempt, rank=rank, member=member, size=size, pieces=placed,
                        crcs=np.array(crcs, np.uint32), digests=joined, digests_blake3=blake3.blake3(joined).hexdigest())
     return table, {key: DoneTensor(shapes[key][0], shapes[key][1], tuple(found)) for key, found in done.items()}
+
+
+def _piece_digest(head: _Listed, bands: list[bytes] | None = None, crcs: list[int] | None = None) -> str:
+    """A piece's digest in the done-record, which tells replicas written alike (:func:`_once`):
+    the BLAKE3 of its bands' digests, which replicas share; of a member without digests, the
+    BLAKE3 of its blocks' CRC-32s (``crc32s:``), equal for equal bytes, and telling replicas
+    that diverged apart short of a collision of every block's CRC-32 (replicas are no adversary)."""
+    shape = f"{head.dtype}{list(head.piece_shape)}|".encode()
+    if crcs is not None:
+        return "crc32s:" + blake3.blake3(shape + np.array(crcs, "<u4").tobytes()).hexdigest()
+    return "blake3:" + blake3.blake3(shape + b"".join(bands or [])).hexdigest()
 
 
 def _check_placed(member: BinaryIO, where: str, offset: int, item: _Listed, crcs: list[int]) -> None:
@@ -928,12 +979,13 @@ def _once(key: str, part: _Part, boxes: dict[tuple[str, tuple[int, ...], tuple[i
     Replicas that cannot tell which of them writes (a DTensor on a submesh, held alike by each
     copy of it along the mesh's other axes: FSDP2 over a layer tensor parallelism leaves
     alone) each write it; the index keeps the first. The same part with other bytes is a
-    replica that diverged, refused rather than either copy taken.
+    replica that diverged, refused rather than either copy taken. Digests of two kinds (one
+    replica written with block digests, one without: :func:`_piece_digest`) cannot tell.
     """
     box = (key, part[1], part[2])
     first = boxes.setdefault(box, part)
-    if first is part or not (first[3] and part[3]):  # no digest to tell: the overlap check refuses it
-        return True
+    if first is part or not (first[3] and part[3]) or first[3].split(":")[0] != part[3].split(":")[0]:
+        return True  # no digest to tell (none, or one of each kind): the overlap check refuses it
     if first[3] != part[3]:
         raise PublishError(f"ranks {first[0]} and {part[0]} wrote the part at {list(part[1])} with "
                            "different values: replicas of it diverged (a buffer DDP does not broadcast, a value "
