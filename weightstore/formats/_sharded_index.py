@@ -398,9 +398,10 @@ class TableRef:
         return self.head + (4 * self.blocks if self.paged else 0)
 
     @property
-    def size(self) -> int:
-        """The table file's bytes: its head, its paged CRC-32s, its digests."""
-        return self.digests_at + self.digests
+    def size(self) -> int | None:
+        """The table file's bytes: its head, its paged CRC-32s, its digests; ``None`` for a paged
+        table without digests, whose count of CRC-32s only its header says (at least ``head``)."""
+        return None if self.paged and not self.digests else self.digests_at + self.digests
 
 
 @dataclass(frozen=True)

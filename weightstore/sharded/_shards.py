@@ -413,16 +413,22 @@ def commit_shards(
     records = [record for _, record in sorted(found.items())]
     # each rank's member and its block table (written before its done-record), as readers will find them: a
     # table cut, missing or not a file would make every reader refuse the version this commit publishes
-    files = [(record.rank, "member", record.member.file, record.member.size) for record in records] + [
-        (record.rank, "block table", table_name(record.rank), record.member.table.size)
-        for record in records if record.member.table is not None]
-    if any(sizes.get(file) != size for _, _, file, size in files):
+    # (a table without digests has as many CRC-32s as its header says: at least its head, then)
+    files = [(record.rank, "member", record.member.file, record.member.size, True) for record in records] + [
+        (record.rank, "block table", table_name(record.rank), record.member.table.size or record.member.table.head,
+         record.member.table.size is not None) for record in records if record.member.table is not None]
+
+    def wrong(size: int | None, expected: int, exact: bool) -> bool:
+        return size is None or size < expected or (exact and size != expected)
+
+    if any(wrong(sizes.get(file), size, exact) for _, _, file, size, exact in files):
         sizes = {entry.name: entry.size for entry in members.files()}  # a listing made while one was renamed in
-    for rank, what, file, expected in files:  # from the listing that found the last done-record: no request more
+    for rank, what, file, expected, exact in files:  # from the listing that found the last done-record: no request more
         size = sizes.get(file)
-        if size != expected:
+        if wrong(size, expected, exact):
             state = "is missing" if size is None else f"is {size} bytes"
-            raise PublishError(f"rank {rank}'s {what} {file} {state}; its done-record says {expected} bytes",
+            says = f"{expected} bytes" if exact else f"at least {expected} bytes"
+            raise PublishError(f"rank {rank}'s {what} {file} {state}; its done-record says {says}",
                                path=members.where)
     with naming(path=target.url(name)):
         index = _merged(records, step, attempt, world, metadata, incarnation)
