@@ -4,11 +4,43 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The controller of an xdist run writes pytest's cache of the test modules' rewritten asserts
+    before its workers start: each worker imports every test module to collect it, and the
+    rewrite (4 CPU-s for this suite's modules) ran in each at once on a fresh clone, none cached
+    yet; they read it whether or not they may write bytecode. Written only where bytecode may be
+    written, as pytest writes it (``./tasks test`` lets it be)."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput") \
+            and not sys.dont_write_bytecode:
+        _cache_rewritten_asserts(config)
+
+
+def _cache_rewritten_asserts(config: pytest.Config) -> None:
+    """What pytest's import hook does for a test module it finds no cache for, done for each
+    ahead of the import (pytest's private functions: nothing is done if they are not there; the
+    workers then rewrite as before). Its cache is keyed by the source's hash, so a stale one is
+    never read."""
+    try:
+        from _pytest.assertion import rewrite
+
+        state = config.stash[rewrite.assertstate_key]
+        for source in [Path(__file__), *sorted(Path(__file__).parent.glob("test_*.py"))]:
+            cache = rewrite.get_cache_dir(source)
+            pyc = cache / (source.name[:-3] + rewrite.PYC_TAIL)
+            if rewrite._read_pyc(source, pyc) is None and rewrite.try_makedirs(cache):
+                source_hash, code = rewrite._rewrite_test(source, config)
+                rewrite._write_pyc(state, code, source_hash, pyc)
+    except (AttributeError, ImportError, KeyError, TypeError, SyntaxError):
+        return  # a module that does not compile fails in the workers, where its tests are reported
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

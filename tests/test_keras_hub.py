@@ -5,12 +5,20 @@ assigned with one call and compared with what keras-hub's own loaders make of th
 
 from __future__ import annotations
 
+import importlib.util
+from types import ModuleType
+
 import numpy as np
 import pytest
 
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
-keras_hub = pytest.importorskip("keras_hub")
+if importlib.util.find_spec("keras_hub") is None:
+    pytest.skip("keras_hub is not installed", allow_module_level=True)
+#: keras-hub, imported by this module's first test (:func:`_keras_hub`), not as it is collected:
+#: each ``./tasks test`` worker imports every test module to collect it, and keras-hub (with
+#: tensorflow-text) cost 0.8 CPU-s in the workers that run none of its tests
+keras_hub: ModuleType
 
 import weightstore as ws  # noqa: E402
 from weightstore.adapters import tf2  # noqa: E402
@@ -18,6 +26,12 @@ from weightstore.adapters import tf2  # noqa: E402
 RNG = np.random.default_rng(39)
 INPUTS = {"token_ids": RNG.integers(0, 50, (2, 16)), "segment_ids": np.zeros((2, 16), "int32"),
           "padding_mask": np.ones((2, 16), "int32")}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _keras_hub() -> None:
+    global keras_hub
+    import keras_hub
 
 
 def bert():
