@@ -173,43 +173,6 @@ def _scratch(nbytes: int) -> np.ndarray:
     return found
 
 
-class Spool:
-    """Memory a publisher keeps a delta's payload in, from one delta to the next: each frame (and
-    xor-top record) is copied into it as it is made, and the compressor's own output let go at
-    once, so the next frame's reuses it. Held together until written, fresh memory each delta
-    cost page faults on 0.55 GB per GB of an fp32 step: 0.3-0.45 s/GB of kernel CPU, where the
-    copy takes 0.05. :meth:`reset` once the payload it holds is written: the next reuses it."""
-
-    #: bytes of memory taken at a time (a frame that does not fit the rest of one starts the next)
-    CHUNK = 16 << 20
-
-    def __init__(self) -> None:
-        self._chunks: list[np.ndarray] = []
-        self._used = 0  # chunks holding this payload; the last filled up to _at
-        self._at = 0
-        self._lock = threading.Lock()
-
-    def reset(self) -> None:
-        """Let the next payload reuse the memory (the one it held is written, or dropped)."""
-        with self._lock:
-            self._used = self._at = 0
-
-    def keep(self, data: Any) -> Any:
-        """A copy of ``data`` (a byte buffer) in this memory; ``data`` itself if over a chunk."""
-        view = np.frombuffer(data, np.uint8)
-        nbytes = len(view)
-        if nbytes > self.CHUNK:
-            return data
-        with self._lock:  # both cores keep frames at once: each copies into a span of its own
-            if not self._used or self._at + nbytes > self.CHUNK:
-                if self._used == len(self._chunks):
-                    self._chunks.append(np.empty(self.CHUNK, np.uint8))
-                self._used, self._at = self._used + 1, 0
-            kept, self._at = self._chunks[self._used - 1][self._at : self._at + nbytes], self._at + nbytes
-        kept[:] = view
-        return kept
-
-
 _UINTS: dict[int, np.dtype] = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
 
@@ -250,7 +213,7 @@ class Encoded:
 
 
 def encode(new: np.ndarray, base: np.ndarray | None, itemsize: int, *, dense: bool = False,
-           sparse: bool = True, spool: Spool | None = None) -> Encoded:
+           sparse: bool = True) -> Encoded:
     """``new`` (a tensor's stored bytes, uint8, C-contiguous) against ``base`` (the base
     version's bytes of the same tensor, same dtype and shape; ``None`` when it has none): the
     smallest of :data:`SAME`, :data:`XOR_ZSTD`, :data:`SPARSE` and :data:`RAW`.
@@ -266,15 +229,13 @@ def encode(new: np.ndarray, base: np.ndarray | None, itemsize: int, *, dense: bo
     above :data:`SPARSE_ALWAYS` of the elements: an fp32 step's changed elements cost more
     than two bytes each in it, so it was made for nothing (0.24 s/GB of an fp32 Adam step, a
     tensor 12% changed).
-    ``spool``: where a publisher keeps the XOR's frames (see :class:`Spool`).
     """
     nbytes = len(new)
     if base is None or not nbytes:  # an empty tensor: nothing to compare, and RAW costs no bytes
         return Encoded(RAW, [new])
     if dense:
         top = nbytes > _SMALL and _plane_size(itemsize, BLOCK) > 1
-        xor = _xor_zstd(new, base, [1] * -(-nbytes // BLOCK), itemsize, _TOP_LEVEL if top else _DENSE_LEVEL, top=top,
-                        spool=spool)
+        xor = _xor_zstd(new, base, [1] * -(-nbytes // BLOCK), itemsize, _TOP_LEVEL if top else _DENSE_LEVEL, top=top)
         return xor if xor.nbytes < nbytes else Encoded(RAW, [new])
     elements = nbytes // itemsize if itemsize else 0
     mask = _changed_mask(new, base, itemsize)
@@ -287,7 +248,7 @@ def encode(new: np.ndarray, base: np.ndarray | None, itemsize: int, *, dense: bo
         per_block = BLOCK // itemsize
         changed = [total] if elements <= per_block else [
             int(np.count_nonzero(mask[start : start + per_block])) for start in range(0, elements, per_block)]
-        xor = _xor_zstd(new, base, changed, itemsize, spool=spool)
+        xor = _xor_zstd(new, base, changed, itemsize)
         if best is None or xor.nbytes < best.nbytes:
             best = xor
     return best if best.nbytes < nbytes else Encoded(RAW, [new])
@@ -394,12 +355,10 @@ _ONE_FRAME = struct.Struct("<II")
 
 
 def _xor_zstd(new: np.ndarray, base: np.ndarray, changed: list[int], itemsize: int, level: int = _LEVEL, *,
-              top: bool = False, spool: Spool | None = None) -> Encoded:
+              top: bool = False) -> Encoded:
     """The XOR in blocks of :data:`BLOCK` bytes, each byte-planed and a zstd frame of ``level``
     (an unchanged block's: one of zeros). ``top`` (a dense change, every block XOR-ed): each
-    block's top plane is kept out of its frame as a :func:`_top_record`, an :data:`XOR_TOP` entry.
-    A frame and record of a block go to ``spool`` where one is given."""
-    keep = (lambda data: data) if spool is None else spool.keep
+    block's top plane is kept out of its frame as a :func:`_top_record`, an :data:`XOR_TOP` entry."""
     nbytes, count, size = len(new), len(changed), _plane_size(itemsize, BLOCK)
     if nbytes <= _SMALL:  # one block, XOR-ed and planed as Python bytes: the same frame, a third of the calls
         xor = (int.from_bytes(new.data, "little") ^ int.from_bytes(base.data, "little")).to_bytes(nbytes, "little")
@@ -432,12 +391,11 @@ def _xor_zstd(new: np.ndarray, base: np.ndarray, changed: list[int], itemsize: i
             if top:  # the top plane ends the planes, and the 8 bytes after them pad it to words
                 low = length - length // size
                 buffer[2 * length : 2 * length + 8] = 0
-                records[index] = [keep(part) for part in _top_record(buffer[length + low : 2 * length + 8],
-                                                                     length // size)]
+                records[index] = _top_record(buffer[length + low : 2 * length + 8], length // size)
                 xor = xor[:low]
-            frames[index] = keep(_compressor(level).compress(xor.data))
+            frames[index] = _compressor(level).compress(xor.data)
 
-    frames: list[Any] = [b""] * count
+    frames: list[bytes] = [b""] * count
     records: list[list[Any]] = [[] for _ in range(count)]
     parallel.for_each(count, block)
     if top:
@@ -448,7 +406,7 @@ def _xor_zstd(new: np.ndarray, base: np.ndarray, changed: list[int], itemsize: i
                                          for part in (frame, *record))])
     zeros: dict[int, bytes] = {}
     for index, frame in enumerate(frames):
-        if not len(frame):
+        if not frame:
             length = min(BLOCK, nbytes - index * BLOCK)
             frames[index] = zeros.get(length) or zeros.setdefault(length, _compressor().compress(bytes(length)))
     table = struct.pack(f"<I{count}I", count, *map(len, frames))

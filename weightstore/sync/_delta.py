@@ -16,10 +16,9 @@ base is the version ``LATEST`` names; each tensor is encoded against the base's
 
 **Memory.** A :class:`Delta` keeps a copy of the last version it published (``remember=True``,
 the default): 1x the model's bytes, copied into the same memory each publish (none is copied
-after a delta that an anchor follows: the anchor reads no base), and the memory its last
-delta's payload was made in (0.6x for an fp32 step), which the next reuses. Without that copy
-(a restarted trainer, or ``delta=True`` given to single ``publish`` calls) the base is read
-back from the folder, anchor and chain, verified.
+after a delta that an anchor follows: the anchor reads no base). Without that copy (a restarted
+trainer, or ``delta=True`` given to single ``publish`` calls) the base is read back from the
+folder, anchor and chain, verified.
 """
 
 from __future__ import annotations
@@ -109,8 +108,7 @@ class Delta:
         anchor_every: a full version at least every this many versions (1: always full);
             one is written sooner once the deltas since the last add up to a full version.
         remember: keep a copy of the last published version's tensors (1x the model's memory),
-            so the next delta needs no read of the folder, and the memory the last delta's
-            payload was made in, which the next reuses (0.6x the model's for fp32 steps).
+            so the next delta needs no read of the folder.
 
     Example:
         >>> d = ws.Delta(anchor_every=20)
@@ -131,8 +129,6 @@ class Delta:
         #: how the last delta stored each tensor: its codec and payload as a share of its bytes
         #: (kept across anchors: a tensor changes alike step after step)
         self._last_codecs: dict[str, tuple[str, float]] = {}
-        #: where the deltas' payloads are made, the same memory each time (:class:`~weightstore.formats.delta.Spool`)
-        self._spool = delta_format.Spool()
         self.last_kind: str | None = None
         """``"delta"`` or ``"full"``: how the last version this object planned was written."""
 
@@ -216,9 +212,8 @@ class Delta:
         last = None if self._last_share is None else int(self._last_share * full_bytes)
         # estimated first only while no delta's size is known: a delta larger than the last
         # is then found by encoding, which stops once the chain passes a full version
-        self._spool.reset()  # the payload it held is written: a publisher plans one version at a time
         return _plan(step, base, chain, chain_bytes, full_bytes, tensors, remembered, last is None,
-                     self._last_codecs, self._spool)
+                     self._last_codecs)
 
     def _anchor_due(self, chain_bytes: int, full_bytes: int) -> bool:
         """Whether the next version is written full unencoded: the size of the last delta this
@@ -276,7 +271,6 @@ class Delta:
     def forget(self) -> None:
         """Let go of the remembered version (its memory); the next delta reads its base back."""
         self._held = None
-        self._spool = delta_format.Spool()
 
 
 def _same_kind(held: Stored | None, item: Stored) -> np.ndarray | None:
@@ -294,7 +288,7 @@ def plan_against(step: int, base: str, chain: list[str], chain_bytes: int, tenso
 
 def _plan(step: int, base: str, chain: list[str], chain_bytes: int, full_bytes: int, tensors: dict[str, Stored],
           base_of: Callable[[str, Stored], np.ndarray | None], estimate: bool,
-          last: Mapping[str, tuple[str, float]], spool: delta_format.Spool | None = None) -> Plan | None:
+          last: Mapping[str, tuple[str, float]]) -> Plan | None:
     """Encode every tensor against ``base_of``'s bytes; ``None`` once the delta (or the chain
     with it) is no smaller than a full version.
 
@@ -324,7 +318,7 @@ def _plan(step: int, base: str, chain: list[str], chain_bytes: int, full_bytes: 
             xored = codec in _XORED
             dense = (found.codec in (*_XORED, delta_format.RAW) if found is not None else xored and share >= DENSE_SHARE)
             one = delta_format.encode(item.data, base_of(key, item), storage_dtype(item.dtype).itemsize, dense=dense,
-                                      sparse=found is not None or not xored, spool=spool)
+                                      sparse=found is not None or not xored)
         total += one.nbytes
         if total >= full_bytes or chain_bytes + total >= full_bytes:
             return None
