@@ -225,6 +225,11 @@ def test_the_same_part_written_by_two_ranks_is_kept_once_and_diverged_replicas_r
         ws.publish_shard(tmp_path / "diverged", {"w": value}, step=1, rank=rank, world=2, attempt=0)
     with pytest.raises(ws.PublishError, match=r"ranks 0 and 1 wrote the part at \[0, 0\] with different values"):
         shards.commit_shards(tmp_path / "diverged", step=1, world=2, attempt=0, timeout=5)
+    for rank in range(2):  # replicas, one with digests and one without: whether they agree cannot be told
+        ws.publish_shard(tmp_path / "mixed", {"w": a}, step=1, rank=rank, world=2, attempt=0, digests=rank == 0)
+    with pytest.raises(ws.PublishError, match=r"one with block digests and one without.*digests=") as caught:
+        shards.commit_shards(tmp_path / "mixed", step=1, world=2, attempt=0, timeout=5)
+    assert caught.value.key == "w"
     for rank, dtype in enumerate((np.float32, np.float64)):  # not replicas: told as a disagreement
         ws.publish_shard(tmp_path / "dtypes", {"w": a.astype(dtype)}, step=1, rank=rank, world=2, attempt=0)
     with pytest.raises(ws.PublishError, match="ranks disagree on it: rank 0 has float32"):
@@ -705,12 +710,14 @@ def test_a_member_that_is_not_what_its_done_record_says_is_refused(tmp_path):
     assert ws.latest(folder) is None
 
 
-def test_a_block_table_that_is_not_what_its_done_record_says_is_refused(tmp_path):
+@pytest.mark.parametrize("digests", [True, False])
+def test_a_block_table_that_is_not_what_its_done_record_says_is_refused(tmp_path, digests):
     """Readers refuse a version whose table is missing, cut or not a file: the commit, which
-    has the table's size in the listing it already made, refuses to publish one."""
+    has the table's size in the listing it already made, refuses to publish one (a table without
+    digests too, whose CRC-32s only its header counts: its done-record gives their bytes)."""
     folder = tmp_path / "run"
     for rank in range(4):
-        ws.publish_shard(folder, pieces_of(rank), step=1, rank=rank, world=4, attempt=0)
+        ws.publish_shard(folder, pieces_of(rank), step=1, rank=rank, world=4, attempt=0, digests=digests)
     table = folder / "step-000000000001.attempt-0" / "rank-00001.blocks"
     whole = table.read_bytes()
     table.write_bytes(whole[:-8])  # cut behind the writer's back

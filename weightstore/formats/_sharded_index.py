@@ -387,9 +387,13 @@ class TableRef:
     digests: int
     blake3: str
     paged: bool = False
+    #: the table's bytes where head and digests cannot say them (a paged table without digests,
+    #: whose CRC-32s only its header counts): given in its done-record, for the commit's check
+    crcs: int | None = None
 
     @property
     def blocks(self) -> int:
+        """The blocks the digests cover (0 in a table without digests)."""
         return self.digests // DIGEST_BYTES
 
     @property
@@ -400,8 +404,10 @@ class TableRef:
     @property
     def size(self) -> int | None:
         """The table file's bytes: its head, its paged CRC-32s, its digests; ``None`` for a paged
-        table without digests, whose count of CRC-32s only its header says (at least ``head``)."""
-        return None if self.paged and not self.digests else self.digests_at + self.digests
+        table without digests whose done-record did not give its CRC-32s' bytes (at least ``head``)."""
+        if self.paged and not self.digests:
+            return None if self.crcs is None else self.head + self.crcs
+        return self.digests_at + self.digests
 
 
 @dataclass(frozen=True)
@@ -676,7 +682,7 @@ class DoneRecord:
             "world": self.world, "member": {"file": self.member.file, "size": self.member.size},
             **({"incarnation": self.incarnation} if self.incarnation else {}),
             **({"base": self.base} if self.base is not None else {}),
-            "table": [table.head, table.digests, table.blake3],
+            "table": [table.head, table.digests, table.blake3, *([] if table.crcs is None else [table.crcs])],
             "tensors": {key: [entry.dtype, list(entry.shape), [[*start, *shape, digest]
                                                               for start, shape, digest in entry.pieces]]
                         for key, entry in self.tensors.items()},
@@ -696,10 +702,14 @@ def parse_done(data: bytes) -> DoneRecord:
         raise FormatError("member is not a file entry")
     if member_raw["file"] not in _member_names(rank):
         raise FormatError(f"member must be {member_name(rank)!r} (or another member format's suffix)")
-    if not isinstance(table, list) or len(table) != 3 or not isinstance(table[2], str) or \
+    if not isinstance(table, list) or len(table) not in (3, 4) or not isinstance(table[2], str) or \
             not _HEX_DIGEST.fullmatch(table[2]):
-        raise FormatError("table is not [head bytes, digest bytes, BLAKE3 of the head]")
-    ref = TableRef(_count(table[0], "table head"), _count(table[1], "table digests"), table[2], raw["version"] == 3)
+        raise FormatError("table is not [head bytes, digest bytes, BLAKE3 of the head(, CRC-32 bytes)]")
+    crcs = _count(table[3], "table CRC-32 bytes") if len(table) == 4 else None
+    if crcs is not None and (crcs % 4 or crcs > 4 * MAX_TABLE_BLOCKS):
+        raise FormatError(f"table CRC-32 bytes {crcs} is not of a size a table has")
+    ref = TableRef(_count(table[0], "table head"), _count(table[1], "table digests"), table[2], raw["version"] == 3,
+                   crcs)
     member = Member(member_raw["file"], _count(member_raw.get("size"), "member size"), rank, ref)
     incarnation = raw.get("incarnation", "")
     if not isinstance(incarnation, str) or (incarnation and not INCARNATION.fullmatch(incarnation)):
@@ -850,7 +860,8 @@ class BlockTable:
 
     def ref(self) -> TableRef:
         head = self.head_bytes()
-        return TableRef(len(head), len(self.digests or b""), blake3.blake3(head).hexdigest(), True)
+        return TableRef(len(head), len(self.digests or b""), blake3.blake3(head).hexdigest(), True,
+                        None if self.digests else 4 * len(self.crcs))
 
     def find(self, key: str, start: tuple[int, ...]) -> Placed | None:
         return self._by_box.get((key, start))

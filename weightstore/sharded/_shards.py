@@ -986,12 +986,17 @@ def _once(key: str, part: _Part, boxes: dict[tuple[str, tuple[int, ...], tuple[i
     copy of it along the mesh's other axes: FSDP2 over a layer tensor parallelism leaves
     alone) each write it; the index keeps the first. The same part with other bytes is a
     replica that diverged, refused rather than either copy taken. Digests of two kinds (one
-    replica written with block digests, one without: :func:`_piece_digest`) cannot tell.
+    replica written with block digests, one without: :func:`_piece_digest`) cannot tell: refused,
+    naming ``digests=``.
     """
     box = (key, part[1], part[2])
     first = boxes.setdefault(box, part)
-    if first is part or not (first[3] and part[3]) or first[3].split(":")[0] != part[3].split(":")[0]:
-        return True  # no digest to tell (none, or one of each kind): the overlap check refuses it
+    if first is part or not (first[3] and part[3]):
+        return True  # no digest to tell: the overlap check refuses it
+    if first[3].split(":")[0] != part[3].split(":")[0]:
+        raise PublishError(f"ranks {first[0]} and {part[0]} wrote the part at {list(part[1])}, one with block "
+                           "digests and one without, so whether they hold the same values cannot be told: give "
+                           "every rank the same publish_shard(digests=...)", key=key)
     if first[3] != part[3]:
         raise PublishError(f"ranks {first[0]} and {part[0]} wrote the part at {list(part[1])} with "
                            "different values: replicas of it diverged (a buffer DDP does not broadcast, a value "

@@ -209,10 +209,9 @@ class Delta:
 
         if self._anchor_due(chain_bytes, full_bytes) or not held.current:
             return None
-        last = None if self._last_share is None else int(self._last_share * full_bytes)
         # estimated first only while no delta's size is known: a delta larger than the last
         # is then found by encoding, which stops once the chain passes a full version
-        return _plan(step, base, chain, chain_bytes, full_bytes, tensors, remembered, last is None,
+        return _plan(step, base, chain, chain_bytes, full_bytes, tensors, remembered, self._last_share is None,
                      self._last_codecs)
 
     def _anchor_due(self, chain_bytes: int, full_bytes: int) -> bool:
