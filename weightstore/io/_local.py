@@ -201,7 +201,6 @@ class MappedFile(_LocalFile):
         super().__init__(path)
         self._map: mmap.mmap | None = None
         self._window: tuple[int, memoryview] | None = None  # (offset, bytes) while the index is read
-        self._mapping = threading.Lock()  # threads sharing a store make one map
 
     def start(self, index_at_end: bool) -> None:
         """Read the :data:`INDEX_WINDOW` bytes at the end or the start of the file, where the
@@ -222,9 +221,12 @@ class MappedFile(_LocalFile):
         one loop (slicing the map costs less than a ``read_at`` per header); ``None`` when empty."""
         if self._map is None and self.size:
             self._check(0, 0)  # never a map of a closed file's descriptor
-            with self._mapping:
-                if self._map is None:
-                    self._map = mmap.mmap(self._handle.fileno(), self.size, access=mmap.ACCESS_READ)
+            self._guard.check("its tensors")  # cut since the open: mmap's ValueError, or SIGBUS past its end
+            made = mmap.mmap(self._handle.fileno(), self.size, access=mmap.ACCESS_READ)
+            # no lock (one held by another thread at a fork stays held in the child): of threads
+            # that mapped at once, the first's map is kept and the others' are dropped unused
+            if self._map is None:
+                self._map = made
         return self._map
 
     def read_at(self, offset: int, length: int) -> memoryview:
