@@ -25,6 +25,7 @@ version 2 file) has no digests, and whoever compares its tensors compares their 
 
 from __future__ import annotations
 
+import array
 import functools
 import itertools
 import math
@@ -58,6 +59,9 @@ _SURELY_IN_BOUNDS = float(1 << 52)
 #: a few thousand values cost; above it numpy's whole-column checks win
 FEW_ROWS = 2048
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+_U32_MAX = 0xFFFFFFFF
+#: the array type code of 32-bit unsigned integers ("I" on every platform CPython supports)
+_U32_CODE = next(code for code in "IL" if array.array(code).itemsize == 4)
 #: "no checksum" in the CRC column (version 1 manifests allowed null)
 NO_CRC = -1
 #: shows an untrusted JSON value in a message: a few levels deep and cut short, since orjson reads
@@ -230,7 +234,7 @@ def parse_columns(raw: dict[str, Any], itemsize_of: Callable[[object], int | Non
     if type(names) is not list or len(names) > MAX_DTYPES or len(set(texts)) != len(texts):
         raise FormatError("manifest 'dtypes' is not a list of distinct dtype names")
     few = count <= FEW_ROWS
-    codes, _ = _int_column(raw, "dtype", count, len(names) - 1, few)
+    codes, _ = _int_column(raw, "dtype", count, len(names) - 1, few, repeats=True)
     itemsizes = []
     for code, name in enumerate(names):
         itemsize = itemsize_of(name)
@@ -240,9 +244,9 @@ def parse_columns(raw: dict[str, Any], itemsize_of: Callable[[object], int | Non
                 raise FormatError(f"unknown dtype {short_repr(name)}", key=keys[user])
             raise FormatError(f"manifest: unknown dtype {short_repr(name)}")
         itemsizes.append(itemsize)
-    ndims, most_dims = _int_column(raw, "ndim", count, MAX_NDIM, few)
+    ndims, most_dims = _int_column(raw, "ndim", count, MAX_NDIM, few, repeats=True)
     dims, largest = _int_column(raw, "shape", sum(ndims) if few else int(ndims.sum()), MAX_ARRAY_BYTES, few)
-    crcs, _ = _int_column(raw, "crc32", count, 0xFFFFFFFF, few)
+    crcs, _ = _int_column(raw, "crc32", count, _U32_MAX, few)
     if few:  # each tensor's bytes are made on first use (listing keys needs none)
         nbytes = None
         # the largest dimension to the most dimensions, times the largest item, bounds every
@@ -286,10 +290,12 @@ def fits_an_array(shape: tuple[int, ...], itemsize: int) -> bool:
     return math.prod(max(size, 1) for size in shape) * itemsize <= MAX_ARRAY_BYTES
 
 
-def _int_column(raw: dict[str, Any], field: str, count: int, most: int, few: bool) -> tuple[Any, int]:
+def _int_column(raw: dict[str, Any], field: str, count: int, most: int, few: bool,
+                repeats: bool = False) -> tuple[Any, int]:
     """A list of ``count`` integers from 0 to ``most`` (``true`` is no integer here): the list
     itself when ``few``, else as int64; either way one past 64 bits is refused, as numpy
-    refuses to hold it. With the largest (0 for none), which the caller's bounds reuse."""
+    refuses to hold it. With the largest (0 for none), which the caller's bounds reuse.
+    ``repeats``: a valid column holds only a few distinct values (a cheaper check when ``few``)."""
     column = raw[field]
     if type(column) is not list or len(column) != count:
         raise FormatError(f"manifest column {field!r} is not a list of {count} integers")
@@ -297,7 +303,12 @@ def _int_column(raw: dict[str, Any], field: str, count: int, most: int, few: boo
         raise FormatError(f"manifest column {field!r} holds something other than integers")
     if few:
         values: Any = column
-        low, high = min(column, default=0), max(column, default=0)
+        if most == _U32_MAX and _all_u32(column):  # the CRCs: no caller needs their largest
+            return values, most
+        # a valid column of dtype codes or ndims holds a few distinct values: min and max of
+        # their set cost half of min and max over the list (of 2,048 distinct dims, twice)
+        distinct = set(column) if repeats else column
+        low, high = min(distinct, default=0), max(distinct, default=0)
         if low < _INT64_MIN or high > _INT64_MAX:
             raise FormatError(f"manifest column {field!r} holds an integer past 64 bits")
     else:
@@ -311,6 +322,17 @@ def _int_column(raw: dict[str, Any], field: str, count: int, most: int, few: boo
         raise FormatError(f"manifest column {field!r} holds {column[bad]} (entry {bad}), "
                           f"outside 0..{most}")
     return values, high
+
+
+def _all_u32(column: list[int]) -> bool:
+    """Whether every value of a list of integers lies in 0..2**32-1: one conversion in C
+    (``array`` refuses any outside), for the CRC column, whose values repeat too seldom for a
+    set to pay (:func:`_int_column`)."""
+    try:
+        array.array(_U32_CODE, column)
+    except OverflowError:
+        return False
+    return True
 
 
 def _check_few_sizes(keys: list[str], ndims: list[int], dims: list[int], itemsizes: list[int]) -> None:
