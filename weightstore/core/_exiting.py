@@ -15,24 +15,19 @@ running, as stopped, and the interpreter then no longer joins it and stops it mi
 Python has no such hook (not CPython 3.9+), the interpreter joins the threads as before.
 
 **Ctrl-C ends the wait.** A user who interrupts that wait (a publish retrying through an outage
-waits ``retry_for`` at most) means to stop: each piece of work's ``give_up(False)`` is called (a
+waits ``retry_for`` at most) means to stop: each piece of work's ``give_up`` is called (a
 background publisher logs what it leaves unpublished and retries no more), and the exit waits
-again, for a write already under way to end as it would, so the folder gets it whole. A second
-Ctrl-C means *now*: each ``give_up(True)`` is called (the publisher says which write it
-abandons) and the interrupt leaves ``threading._shutdown`` before it joins any thread, so the
-interpreter joins neither the publishing thread (no daemon) nor the pools' and ends at once,
-running the ``atexit`` handlers as usual. It once only ended this wait, and the interpreter then
-joined the thread, so the process hung on for as long as the write did (a stalled upload:
-minutes). The write abandoned ends as a killed process's would: every commit is atomic, so the
-folder keeps its last version whole and the step is not published. No traceback either way
-(:func:`_unreported` keeps the interrupt out of the "Exception ignored" report).
+again, for a write already under way to end as it would, so the folder keeps it whole. A
+second Ctrl-C ends this wait too, but the interpreter still joins the publishing thread (no
+daemon), whose write then gets only as far as the stopped thread pools let it. No traceback of
+this module's either way.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import concurrent.futures.thread  # registers its exit hook now, so that this module's runs first
-import sys
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any, TypeAlias
@@ -43,16 +38,14 @@ __all__ = ["finish_before_exit"]
 
 _Work: TypeAlias = concurrent.futures.Future[Any]
 #: each piece of work waited for at exit, with what stops it early when the wait is interrupted
-_waited: dict[_Work, Callable[[bool], None] | None] = {}
+_waited: dict[_Work, Callable[[], None] | None] = {}
 _waited_lock = threading.Lock()
 
 
-def finish_before_exit(work: _Work, give_up: Callable[[bool], None] | None = None) -> None:
+def finish_before_exit(work: _Work, give_up: Callable[[], None] | None = None) -> None:
     """Have the interpreter, at exit, wait for ``work`` (a pool's job, or a future that a thread
     completes when done) before the thread pools stop taking work, so what ``work`` still submits
-    to one runs. ``give_up`` is called, on the exiting thread, if that wait is interrupted (Ctrl-C):
-    with ``False`` the first time (the exit still waits for ``work``), ``True`` the second (it
-    does not: the process ends with ``work`` unfinished)."""
+    to one runs. ``give_up`` is called, on the exiting thread, if that wait is interrupted (Ctrl-C)."""
     with _waited_lock:
         _waited[work] = give_up
     work.add_done_callback(_forget)
@@ -80,33 +73,13 @@ def _wait_for_all() -> None:
     try:
         _wait()
     except KeyboardInterrupt:
-        _give_up(again=False)
-        try:
+        with _waited_lock:
+            left = list(_waited.values())
+        for give_up in left:
+            if give_up is not None:
+                give_up()
+        with contextlib.suppress(KeyboardInterrupt):  # a second Ctrl-C: wait no more
             _wait()
-        except KeyboardInterrupt as again:  # out of threading._shutdown: the interpreter joins no thread
-            _give_up(again=True)
-            _unreported(again)
-            raise
-
-
-def _give_up(*, again: bool) -> None:
-    with _waited_lock:
-        left = list(_waited.values())
-    for give_up in left:
-        if give_up is not None:
-            give_up(again)
-
-
-def _unreported(interrupt: KeyboardInterrupt) -> None:
-    """Keep ``interrupt``, which leaves ``threading._shutdown`` on purpose and which the work's
-    ``give_up`` has said in words, out of the interpreter's "Exception ignored" report of it."""
-    previous = sys.unraisablehook
-
-    def hook(unraisable: Any) -> None:
-        if unraisable.exc_value is not interrupt:
-            previous(unraisable)
-
-    sys.unraisablehook = hook
 
 
 def _forget_all_in_child() -> None:

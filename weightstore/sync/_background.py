@@ -40,9 +40,9 @@ called ``close``) lets it finish first, ``retry_for`` at most, so the final weig
 once storage is back; it is waited for before the interpreter's thread pools stop taking work
 (:mod:`weightstore.core._exiting`), which the write still needs. Ctrl-C during that wait gives
 up: what is still unpublished is logged and no longer retried, and the exit waits on for a write
-under way to end as it would. A second Ctrl-C ends the process at once, the write under way
-abandoned (logged), as a process killed mid-write leaves the folder: as a killed
-:func:`weightstore.publish` does, its last version whole and the step not published.
+under way to end as it would (the publishing thread is no daemon: the interpreter joins it
+anyway; a third Ctrl-C ends the process). A process killed mid-write leaves the folder as a
+killed :func:`weightstore.publish` does.
 
 **A forked child** (a data loader's worker) has none of its parent's threads, and the locks
 they held may stay held: there, each publisher starts afresh as a new one of the same folder
@@ -355,19 +355,9 @@ class BackgroundPublisher:
             self._changed.wait_for(lambda: self._pending is not None or self._given_up, seconds)
             return self._pending
 
-    def _give_up(self, again: bool) -> None:
+    def _give_up(self) -> None:
         """At exit, when the wait for this publisher was interrupted: log what stays unpublished,
-        drop the pending snapshot and end the retries (the exit still waits for a write under way).
-        ``again``: a second interrupt, after which the process ends without waiting for that write."""
-        if again:
-            with self._changed:
-                writing = self._writing
-            if writing is not None:
-                _log.warning("interrupted again at exit: the process ends now, abandoning the write of step %d to "
-                             "%s as a killed process would: that step is not published, and the folder keeps its "
-                             "versions whole (the last this process published: %s)", writing.step, self.folder,
-                             self.last.step if self.last else "none")
-            return
+        drop the pending snapshot and end the retries (the exit still waits for a write under way)."""
         with self._changed:
             newest = self._pending or self._writing
             if newest is not None and newest is self._writing and not self._failing:
