@@ -89,8 +89,14 @@ class CountingS3:
             connection = environ["werkzeug.socket"]
             connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = reset
             connection.shutdown(socket.SHUT_RDWR)
-        self._server.socket.close()  # refused from now on, not left in the listening queue
-        threading.Thread(target=self.stop, daemon=True).start()  # not on a request's thread, which it may be called on
+        server, thread = self._server, self._thread  # this server's: restart() may replace them meanwhile
+        server.socket.close()  # refused from now on, not left in the listening queue
+
+        def stop() -> None:
+            server.shutdown()
+            thread.join()
+
+        threading.Thread(target=stop, daemon=True).start()  # not on a request's thread, which it may be called on
 
     def restart(self) -> CountingS3:
         """Serve again on the same port, after :meth:`kill`, what was stored before it."""

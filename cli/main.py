@@ -171,8 +171,8 @@ def export(
     include: Include = None,
     exclude: Exclude = None,
     trainable_only: Annotated[bool, typer.Option(
-        "--trainable-only", help="Only trainable variables (needs a TF1 checkpoint's .meta, or --model or "
-                                 "--model-keys, whose model knows).")] = False,
+        "--trainable-only", help="Only trainable variables (needs what knows them: a .keras file's own model, "
+                                 "a TF1 checkpoint's .meta, or --model or --model-keys).")] = False,
     also: Annotated[list[str] | None, typer.Option(
         "--also", metavar="PATTERN", help="With --trainable-only, also keep keys under this scope or matching this glob (repeatable).",
     )] = None,

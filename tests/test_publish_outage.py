@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -195,15 +196,20 @@ def test_a_write_cut_off_by_the_server_dying_mid_upload_is_retried_once_it_is_ba
 
     s3.intercept = kill_mid_upload
     publisher = ws.BackgroundPublisher(folder, retry_backoff=0.1, max_backoff=0.5)
-    future = publisher.publish(value, step=1)
-    while publisher.failures < 1:
-        assert not future.done(), future.exception()
-        threading.Event().wait(0.05)
-    error = publisher.last_error
-    assert killed.is_set() and isinstance(error, ws.StorageError) and error.transient, error
-    assert not error.errno and "step-000000000001" in str(error), error
-    s3.intercept = None
-    s3.restart()
+    try:
+        future = publisher.publish(value, step=1)
+        deadline = time.monotonic() + 60
+        while publisher.failures < 1:
+            assert not future.done(), future.exception()
+            assert time.monotonic() < deadline, "the cut-off upload was never reported as a failure"
+            threading.Event().wait(0.05)
+        error = publisher.last_error
+        assert killed.is_set() and isinstance(error, ws.StorageError) and error.transient, error
+        assert not error.errno and "step-000000000001" in str(error), error
+    finally:  # the module's server serves its other tests again, whatever happened here
+        s3.intercept = None
+        if killed.is_set():
+            s3.restart()
     assert future.result(60).step == 1 and publisher.close(60).step == 1
     got = ws.load(ws.latest(folder))  # every checksum verified
     assert got["dense/kernel"].tobytes() == value["dense/kernel"].tobytes()
