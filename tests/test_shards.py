@@ -736,23 +736,26 @@ def test_a_block_table_that_is_not_what_its_done_record_says_is_refused(tmp_path
     assert ws.load(version)["dense/kernel"].tobytes() == model()["dense/kernel"].tobytes()
 
 
+def _four_ranks_publish(folder, *steps, **commit):
+    """Each of ``steps`` published by four ranks and committed (``commit``: commit_shards's words)."""
+    for step in steps:
+        for rank in range(4):
+            ws.publish_shard(folder, pieces_of(rank), step=step, rank=rank, world=4, attempt=0)
+        shards.commit_shards(folder, step=step, world=4, attempt=0, timeout=5, **commit)
+
+
 def test_an_index_that_is_a_symbolic_link_keeps_its_members_through_commits_and_ws_clean(tmp_path):
     """Readers follow an index that is a symbolic link (a version linked in from elsewhere); the
     listing of plain files leaves it out. Its members were taken for a dead attempt: the next
     commit and ``ws clean`` removed them, and the version LATEST's neighbour named broke."""
     folder, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
     elsewhere.mkdir()
-    for step in (1, 2):
-        for rank in range(4):
-            ws.publish_shard(folder, pieces_of(rank), step=step, rank=rank, world=4, attempt=0)
-        shards.commit_shards(folder, step=step, world=4, attempt=0, timeout=5)
+    _four_ranks_publish(folder, 1, 2)
     for step in (1, 2):
         index = folder / f"step-{step:012d}.wsindex"
         index.rename(elsewhere / index.name)
         index.symlink_to(elsewhere / index.name)
-    for rank in range(4):
-        ws.publish_shard(folder, pieces_of(rank), step=3, rank=rank, world=4, attempt=0)
-    shards.commit_shards(folder, step=3, world=4, attempt=0, timeout=5, keep=None)
+    _four_ranks_publish(folder, 3, keep=None)
     cleaned = subprocess.run([sys.executable, "-m", "weightstore", "clean", str(folder)], capture_output=True,
                              text=True, timeout=120)
     assert cleaned.returncode == 0, cleaned.stderr
@@ -767,19 +770,14 @@ def test_ws_clean_keeps_a_version_whose_member_is_a_symbolic_link(tmp_path):
     gone. A member the listing misses is asked for by name before its index is called dead."""
     folder, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
     elsewhere.mkdir()
-    for step in (1, 2):
-        for rank in range(4):
-            ws.publish_shard(folder, pieces_of(rank), step=step, rank=rank, world=4, attempt=0)
-        shards.commit_shards(folder, step=step, world=4, attempt=0, timeout=5)
+    _four_ranks_publish(folder, 1, 2)
     member = folder / "step-000000000001.attempt-0" / "rank-00002.safetensors"
     member.rename(elsewhere / member.name)
     member.symlink_to(elsewhere / member.name)
     (folder / "step-000000000001.attempt-0" / "rank-00003.safetensors").unlink()  # gone: step 1 is dead
     (folder / "step-000000000002.attempt-0" / "rank-00002.safetensors").rename(elsewhere / "two")
     (folder / "step-000000000002.attempt-0" / "rank-00002.safetensors").symlink_to(elsewhere / "two")
-    for rank in range(4):
-        ws.publish_shard(folder, pieces_of(rank), step=3, rank=rank, world=4, attempt=0)
-    shards.commit_shards(folder, step=3, world=4, attempt=0, timeout=5, keep=None)
+    _four_ranks_publish(folder, 3, keep=None)
     cleaned = subprocess.run([sys.executable, "-m", "weightstore", "clean", str(folder)], capture_output=True,
                              text=True, timeout=120)
     assert cleaned.returncode == 0, cleaned.stderr
