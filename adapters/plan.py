@@ -25,13 +25,15 @@ from weightstore.adapters._wording import assign_message, few_assigned, no_such_
 from weightstore.core.keys import (
     in_scope,
     join_scope,
+    map_key,
     normalize_scope,
+    parse_mapping,
     passes,
     plan_inward,
     require_matches,
     strip_scope,
 )
-from weightstore.errors import AssignmentError, naming
+from weightstore.errors import AssignmentError, SelectionError, WeightStoreError, named, naming
 
 __all__ = ["Report", "SelectionWords", "AssignWords", "Selection", "AssignOptions", "AssignWarning"]
 
@@ -87,9 +89,12 @@ def plan_assign(
     every_key = values.keys()
     described = "" if values.path else values.where  # a file is the errors' path, not in their text
     with naming(path=values.path):
-        value_keys = plan_inward([key for key in every_key if key not in left_out] if left_out else every_key,
-                                 scope=norm_scope, mapping=options.mapping, include=include, exclude=exclude,
-                                 where=described)
+        try:
+            value_keys = plan_inward([key for key in every_key if key not in left_out] if left_out else every_key,
+                                     scope=norm_scope, mapping=options.mapping, include=include, exclude=exclude,
+                                     where=described)
+        except SelectionError as error:
+            raise _naming_left_out(error, every_key, left_out, options, described) from None
     selectable = {
         strip_scope(key, norm_scope): info
         for key, info in targets.items()
@@ -182,3 +187,25 @@ def refuse_before_write(conflicts: Sequence[Mismatch], report: Report, *, strict
         raise AssignmentError(f"cannot assign{on}: nothing was changed\n  {len(conflicts)} mismatched:\n{lines}",
                               mismatched=list(conflicts), path=path)
     report.mismatched.extend(conflicts)
+
+
+def _naming_left_out(error: SelectionError, keys: Collection[str], left_out: Collection[str],
+                     options: AssignOptions, where: str) -> SelectionError:
+    """``error`` (a mapping rule or ``include`` word that fits none of the values) retold where
+    the word fits only training state this assign leaves out: "matches no key" of a slot the
+    file holds (``w/ExponentialMovingAverage``) sent the user looking for a typo."""
+    word, found, _ = error.message.partition(" matches no key")
+    if not left_out or not found:
+        return error
+    try:
+        plan_inward(keys, scope=options.scope, mapping=options.mapping, include=options.include,
+                    exclude=options.exclude, where=where)
+    except SelectionError:
+        return error  # some word fits no key, training state or not
+    except WeightStoreError:
+        pass  # the words fit; what they then do wrong is for optimizer=True's assign to say
+    rules = parse_mapping(options.mapping)
+    state = [key for key in left_out if any(in_scope(key, source) for source, _ in rules)
+             or (options.include is not None and passes(map_key(key, rules), options.include))]
+    return SelectionError(f"{word} names only training state, which an assign leaves out (tf1 and tf2 "
+                          f"assign it with optimizer=True): {named(state)}") if state else error

@@ -1,6 +1,7 @@
 """Trainer-side hooks (Keras callback, TF1 SessionRunHook) and the inference-side Follower."""
 
 import json
+import os
 import threading
 import time
 
@@ -530,3 +531,40 @@ def test_a_snapshot_that_fails_never_reaches_fit_in_the_background_either(tmp_pa
     fit(small_model(), callback, epochs=1)  # returns: the export refuses the selection each time
     assert callback.failures >= 1 and isinstance(callback.last_error, ws.SelectionError)
     assert ws.latest(tmp_path) is None
+
+
+def test_a_tf1_follower_passes_over_a_damaged_version_once_as_follow_does(tmp_path, caplog, monkeypatch):
+    """A version whose file is damaged (its manifest member fails its zip CRC): the Follower of a
+    TF1 graph opened it again at every look of a local folder, logging each time, where
+    ``ws.follow`` passes it over once. It is passed over once, the graph keeps step 1's values
+    and ops, the error names the file until step 3 is assigned."""
+    from weightstore.sync import _follow
+
+    looks = []
+    counted = _follow.read_latest
+    monkeypatch.setattr(_follow, "read_latest", lambda source: looks.append(1) or counted(source))
+    v1 = tf.compat.v1
+    with tf.Graph().as_default() as graph, v1.Session(graph=graph) as sess:
+        weight = v1.get_variable("w", (2, 3), initializer=v1.zeros_initializer())
+        graph.finalize()
+        ops = len(graph.get_operations())
+        ws.publish(tmp_path, {"w": np.full((2, 3), 1.0, np.float32)}, step=1)
+        with Follower(sess, tmp_path, poll=0.005, max_poll=0.005) as follower:
+            assert follower.wait(1, timeout=30).step == 1
+            with caplog.at_level("WARNING", logger="weightstore"):
+                side = ws.publish(tmp_path / "side", {"w": np.full((2, 3), 2.0, np.float32)}, step=2)
+                data = bytearray((tmp_path / "side" / os.path.basename(side.path)).read_bytes())
+                data[len(data) // 2] ^= 0xFF
+                damaged = str(tmp_path / os.path.basename(side.path))
+                (tmp_path / os.path.basename(side.path)).write_bytes(bytes(data))
+                os.replace(tmp_path / "side" / "LATEST", tmp_path / "LATEST")  # damaged before LATEST names it
+                wait_until(lambda: follower.error is not None, what="the follower seeing the damage")
+                seen = len(looks)
+                wait_until(lambda: len(looks) >= seen + 5, what="five more looks at LATEST")
+                assert isinstance(follower.error, ws.FormatError) and follower.error.path == damaged
+                assert sess.run(weight).tolist() == [[1.0] * 3] * 2
+            assert caplog.text.count(damaged) == 1, caplog.text
+            ws.publish(tmp_path, {"w": np.full((2, 3), 3.0, np.float32)}, step=3)
+            assert follower.wait(3, timeout=30).step == 3 and follower.error is None
+            assert sess.run(weight).tolist() == [[3.0] * 3] * 2
+        assert len(graph.get_operations()) == ops

@@ -13,7 +13,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 from weightstore.adapters import tf1  # noqa: E402
-from weightstore.errors import AssignmentError  # noqa: E402
+from weightstore.errors import AssignmentError, SelectionError  # noqa: E402
 
 v1 = tf.compat.v1
 MODEL = ["bn/moving_mean", "hidden/bias", "hidden/kernel", "out/kernel"]
@@ -199,3 +199,19 @@ def test_ws_convert_by_layout_leaves_a_training_checkpoints_state_out_and_says_s
     converted = ws.load(out)
     assert sorted(converted) == ["bn/running_mean", "hidden/bias", "hidden/weight", "out/weight"]
     np.testing.assert_array_equal(converted["hidden/weight"], checkpoint_values(train_dir)["hidden/kernel"].T)
+
+
+@pytest.mark.parametrize("words", [{"mapping": {"hidden/kernel/Adam": "adam_kernel"}},
+                                   {"include": "*/Adam"}], ids=["mapping", "include"])
+def test_words_that_name_only_left_out_training_state_say_so(train_dir, words):
+    """A word naming a slot the checkpoint holds was refused as matching "no key", which sent the
+    user looking for a typo: the key is there, left out as training state until optimizer=True."""
+    with inference_session() as sess:
+        before = scoped_values(sess)
+        with pytest.raises(SelectionError) as caught:
+            tf1.assign(sess, str(train_dir), scope="model_002", **words)
+        for key, value in scoped_values(sess).items():
+            np.testing.assert_array_equal(value, before[key])
+    message = str(caught.value)
+    assert message.startswith(str(train_dir / "model.ckpt-6")) and "matches no key" not in message
+    assert "'hidden/kernel/Adam'" in message and "training state" in message and "optimizer=True" in message

@@ -85,7 +85,7 @@ from weightstore.adapters.skeleton import copy_into, handed_over, rehearsal
 from weightstore.core import _parallel as parallel
 from weightstore.core._heap import give_back
 from weightstore.core.manifest import TensorInfo, logical_dtype
-from weightstore.errors import LayoutError, StorageError, UnsupportedTargetError, VersionGoneError, naming
+from weightstore.errors import FormatError, LayoutError, StorageError, UnsupportedTargetError, VersionGoneError, naming
 from weightstore.formats import ReaderDefaults
 from weightstore.formats.sharded import normalized_region
 from weightstore.io._buffer import aligned_array, memory_owner
@@ -359,6 +359,13 @@ class Follower:
             try:
                 with loop.storage():
                     version = watch.newer(last, followed=followed)
+            except FormatError as exc:
+                if watch.unreadable is None:  # LATEST itself: the folder is damaged until it reads cleanly
+                    self._failed(loop, exc, "following")
+                else:  # a damaged version: passed over once as follow passes it, not opened at every look
+                    last = watch.unreadable
+                    self._failed(loop, exc, f"reading step {last}", step=last)
+                version = None
             except Exception as exc:  # a damaged folder: keep serving the current weights, look again
                 self._failed(loop, exc, "following")
                 version = None
