@@ -612,10 +612,10 @@ class SafetensorsReader(ReaderDefaults):
         CRC-32 compared as the integer the manifest holds; any other tensor, or one whose CRC
         differs, goes to :meth:`read`, the rule, which reads it or raises the precise error
         (``tests/test_safetensors.py::test_many_tensors_read_alike_on_either_path``)."""
+        self._source.check_unchanged(f"{len(keys)} tensors")  # before the map: made now, of the size at open
         mapping = self._source.mapping if isinstance(self._source, MappedFile) else None
         if len(keys) < _FEW or mapping is None or not self.has_checksums:
             return [self.read(key, verify=verify) for key in keys]
-        self._source.check_unchanged(f"{len(keys)} tensors")
         tensors = self._tensors_of(keys)  # announced to the kernel by the store (prefetch)
         table = cast(TensorTable, self._infos)
         crcs = table.rows()[3]

@@ -222,9 +222,16 @@ class MappedFile(_LocalFile):
         one loop (slicing the map costs less than a ``read_at`` per header); ``None`` when empty."""
         if self._map is None and self.size:
             self._check(0, 0)  # never a map of a closed file's descriptor
+            # made after the index was read: a file cut since its open has no map of the size
+            # it had (mmap refuses, ValueError), and one shorter is not read from (SIGBUS)
+            self._guard.check("its tensors")
             with self._mapping:
                 if self._map is None:
-                    self._map = mmap.mmap(self._handle.fileno(), self.size, access=mmap.ACCESS_READ)
+                    try:
+                        self._map = mmap.mmap(self._handle.fileno(), self.size, access=mmap.ACCESS_READ)
+                    except ValueError:  # cut between the check and the map
+                        self._guard.check("its tensors")
+                        raise
         return self._map
 
     def read_at(self, offset: int, length: int) -> memoryview:
