@@ -212,6 +212,18 @@ def test_changed_safetensors_metadata_fails_load_and_verify(tmp_path):
     assert result.exit_code != 0 and "checksums match" not in result.output
 
 
+def test_safetensors_manifest_under_a_damaged_entry_name_is_refused_not_read_unverified(tmp_path):
+    """One byte of the entry's name changed made the file a plain safetensors file: its tensors
+    read unverified, so a byte changed in their data too was read as it was (found by fuzzing)."""
+    path = tmp_path / "m.safetensors"
+    ws.save(path, {"w": np.arange(4, dtype=np.float32)})
+    data = bytearray(path.read_bytes().replace(b'"weightstore":"', b'"weightst/re":"'))
+    data[-1] ^= 0x40
+    path.write_bytes(data)
+    with raises_naming(errors.FormatError, path, "weightst/re", "manifest"):
+        ws.open(path)
+
+
 def test_safetensors_written_before_the_manifest_checksum_still_read(tmp_path):
     """A file whose ``__metadata__`` has the manifest but no checksum of it (every file written
     before the checksum existed) reads as before, with its tensors verified."""
