@@ -70,6 +70,21 @@ def test_file_truncated_in_place_under_an_open_store_is_refused_not_sigbus(tmp_p
     assert result.stdout.count("REFUSED") == 2 and data_file in result.stdout and "'b'" in result.stdout
 
 
+@pytest.mark.parametrize("suffix", [".npz", ".safetensors"])
+@pytest.mark.parametrize("read", ["one", "all", "some"])
+def test_file_cut_between_open_and_the_first_read_is_refused_naming_it(tmp_path, suffix, read):
+    """The map is made at the first tensor read, of the size the file had at open (its index
+    came from one pread): a file cut before then made ``mmap`` raise ValueError, from
+    safetensors' ``read`` of 16 tensors or more."""
+    path = tmp_path / f"m{suffix}"
+    ws.save(path, {f"t{i:02d}": np.full(64, i, np.float32) for i in range(20)})
+    with ws.open(path) as store:
+        with open(path, "r+b") as handle:
+            handle.truncate(path.stat().st_size // 2)
+        with raises_naming(errors.FormatError, path, "changed size"):
+            store["t00"] if read == "one" else store.read() if read == "all" else store.read(list(store)[:17])
+
+
 def test_hdf5_data_truncated_in_place_under_an_open_store_is_refused_not_sigbus(tmp_path):
     """HDF5 datasets are views of the mapped file too: cut inside ``b``'s data, with every
     header intact, the read of ``b`` would touch pages past the new end."""
@@ -195,6 +210,18 @@ def test_changed_safetensors_metadata_fails_load_and_verify(tmp_path):
 
     result = CliRunner().invoke(app, ["verify", str(path)])
     assert result.exit_code != 0 and "checksums match" not in result.output
+
+
+def test_safetensors_manifest_under_a_damaged_entry_name_is_refused_not_read_unverified(tmp_path):
+    """One byte of the entry's name changed made the file a plain safetensors file: its tensors
+    read unverified, so a byte changed in their data too was read as it was (found by fuzzing)."""
+    path = tmp_path / "m.safetensors"
+    ws.save(path, {"w": np.arange(4, dtype=np.float32)})
+    data = bytearray(path.read_bytes().replace(b'"weightstore":"', b'"weightst/re":"'))
+    data[-1] ^= 0x40
+    path.write_bytes(data)
+    with raises_naming(errors.FormatError, path, "weightst/re", "manifest"):
+        ws.open(path)
 
 
 def test_safetensors_written_before_the_manifest_checksum_still_read(tmp_path):

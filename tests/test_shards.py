@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from processes import fork_together, run_forked
 
+import hostile
 import weightstore as ws
 from weightstore import sync as versions
 from weightstore.core import limits
@@ -344,6 +345,26 @@ def hostile_v2_index(tmp_path, edit):
     edit(raw)
     path.write_bytes(seal(raw))
     return str(path)
+
+
+def test_a_resealed_index_of_a_huge_tensor_is_refused_before_its_array_is_allocated(tmp_path):
+    """The index says ``w`` has 2**32 + 6 rows, rank 1's box all but its first 3 (the boxes tile
+    it): the reader allocated the 64 GB array (MemoryError) before rank 1's block table, which
+    holds no such piece, refused it (found by fuzzing the index's fields, resealed)."""
+    def huge(raw):
+        raw["tensors"]["w"][1][0] = 2**32 + 6
+        layout = raw["layouts"][raw["tensors"]["w"][2]]
+        assert layout[1:] == [0, 0, 0, 3, 4, 1, 3, 0, 3, 4]  # ndim, then (member, start, shape) per box
+        layout[-2] = 2**32 + 3
+
+    path = hostile_v2_index(tmp_path, huge)
+    result = hostile.run_isolated(
+        "try:\n"
+        f"    ws.open({path!r})['w']\n"
+        "except ws.FormatError as exc:\n"
+        "    print('REFUSED', exc.key, exc)\n", address_space=2 << 30)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "REFUSED w" in result.stdout and path in result.stdout and "rank-00001" in result.stdout
 
 
 def test_a_region_digest_follows_the_rows_it_reads_whichever_columns_changed(tmp_path):

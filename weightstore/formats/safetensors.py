@@ -67,6 +67,7 @@ from weightstore.core.limits import (
     MAX_SAFETENSORS_HEADER_BYTES,
     SAFETENSORS_BYTES_PER_CONTAINER,
 )
+from weightstore.core.manifest import FORMAT_NAME as MANIFEST_FORMAT
 from weightstore.core.manifest import (
     ML_DTYPES,
     Manifest,
@@ -96,6 +97,8 @@ from weightstore.io.source import ByteSource, open_source, prefetch_ranges
 #: the ``__metadata__`` entry that holds our manifest
 MANIFEST_KEY = "weightstore"
 METADATA_KEY = "__metadata__"
+#: how every manifest's text starts: one under another entry's name is ours with its name damaged
+_MANIFEST_START = f'{{"format": "{MANIFEST_FORMAT}"'
 ALIGNMENT = 64
 _LENGTH = struct.Struct("<Q")
 #: tensors held by reference before the writer must commit to a header size and stream
@@ -479,6 +482,9 @@ class SafetensorsReader(ReaderDefaults):
             except UnicodeEncodeError:
                 raise FormatError(f"safetensors {METADATA_KEY} entry {_clip(key)} holds a lone surrogate, "
                                   "which is no Unicode text", path=self.name) from None
+            if key != MANIFEST_KEY and value.startswith(_MANIFEST_START):  # else read unverified, as a plain file
+                raise FormatError(f"safetensors {METADATA_KEY} entry {_clip(key)} holds a weightstore manifest, whose "
+                                  f"entry is {MANIFEST_KEY!r}: the header is damaged", path=self.name)
         return metadata
 
     def _check_tensors(self, document: dict[str, Any]) -> Mapping[str, _Tensor]:
@@ -612,10 +618,10 @@ class SafetensorsReader(ReaderDefaults):
         CRC-32 compared as the integer the manifest holds; any other tensor, or one whose CRC
         differs, goes to :meth:`read`, the rule, which reads it or raises the precise error
         (``tests/test_safetensors.py::test_many_tensors_read_alike_on_either_path``)."""
+        self._source.check_unchanged(f"{len(keys)} tensors")  # before the map: made now, of the size at open
         mapping = self._source.mapping if isinstance(self._source, MappedFile) else None
         if len(keys) < _FEW or mapping is None or not self.has_checksums:
             return [self.read(key, verify=verify) for key in keys]
-        self._source.check_unchanged(f"{len(keys)} tensors")
         tensors = self._tensors_of(keys)  # announced to the kernel by the store (prefetch)
         table = cast(TensorTable, self._infos)
         crcs = table.rows()[3]

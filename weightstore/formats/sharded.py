@@ -550,9 +550,11 @@ class ShardedReader(ReaderDefaults):
         entry = self._open_entry(key)
         bounds = normalized_region(region, entry.shape, key)
         stored = storage_dtype(entry.dtype)
-        out = np.empty([stop - start for start, stop in bounds], stored)
         reads = [read for piece in self._pieces(key, entry, bounds)
                  if (read := _PieceRead.of(piece, entry, bounds)) is not None]
+        # allocated once the block tables hold every box, each inside its member: an index whose
+        # shape and boxes a damaged (resealed) index made huge allocated them first (MemoryError)
+        out = np.empty([stop - start for start, stop in bounds], stored)
         by_member: dict[int, list[_PieceRead]] = {}
         for read in reads:
             by_member.setdefault(read.piece.member, []).append(read)

@@ -222,7 +222,11 @@ class MappedFile(_LocalFile):
         if self._map is None and self.size:
             self._check(0, 0)  # never a map of a closed file's descriptor
             self._guard.check("its tensors")  # cut since the open: mmap's ValueError, or SIGBUS past its end
-            made = mmap.mmap(self._handle.fileno(), self.size, access=mmap.ACCESS_READ)
+            try:
+                made = mmap.mmap(self._handle.fileno(), self.size, access=mmap.ACCESS_READ)
+            except ValueError:  # cut between the check and the map
+                self._guard.check("its tensors")
+                raise
             # no lock (one held by another thread at a fork stays held in the child): of threads
             # that mapped at once, the first's map is kept and the others' are dropped unused
             if self._map is None:
