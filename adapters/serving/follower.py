@@ -234,7 +234,7 @@ class Follower:
         self.report: Report | None = None
         self.error: BaseException | None = None
         self._following_failed = False  # whether ``error`` came from reading the folder, not assigning
-        self._failed_step: int | None = None  # the step whose assign failed, when ``error`` is such a failure
+        self._failed_step: int | None = None  # the step that could not be read or assigned, passed over
         self._after = None if after is None else checked_count("after", after)
         self._lock = _ReadWriteLock()
         self._swapped = threading.Condition()

@@ -706,8 +706,9 @@ def parse_done(data: bytes) -> DoneRecord:
             not _HEX_DIGEST.fullmatch(table[2]):
         raise FormatError("table is not [head bytes, digest bytes, BLAKE3 of the head(, CRC-32 bytes)]")
     crcs = _count(table[3], "table CRC-32 bytes") if len(table) == 4 else None
-    if crcs is not None and (crcs % 4 or crcs > 4 * MAX_TABLE_BLOCKS):
-        raise FormatError(f"table CRC-32 bytes {crcs} is not of a size a table has")
+    if crcs is not None and (crcs % 4 or crcs > 4 * MAX_TABLE_BLOCKS or raw["version"] != 3 or table[1] != 0):
+        raise FormatError(f"table CRC-32 bytes {crcs} is not of a size a table has, or given for a table whose head "
+                          "and digests say it (only a paged table without digests gives it)")
     ref = TableRef(_count(table[0], "table head"), _count(table[1], "table digests"), table[2], raw["version"] == 3,
                    crcs)
     member = Member(member_raw["file"], _count(member_raw.get("size"), "member size"), rank, ref)

@@ -482,7 +482,7 @@ class SafetensorsReader(ReaderDefaults):
             except UnicodeEncodeError:
                 raise FormatError(f"safetensors {METADATA_KEY} entry {_clip(key)} holds a lone surrogate, "
                                   "which is no Unicode text", path=self.name) from None
-            if key != MANIFEST_KEY and value.startswith(_MANIFEST_START):  # else read unverified, as a plain file
+            if MANIFEST_KEY not in metadata and value.startswith(_MANIFEST_START):  # else read unverified, as plain
                 raise FormatError(f"safetensors {METADATA_KEY} entry {_clip(key)} holds a weightstore manifest, whose "
                                   f"entry is {MANIFEST_KEY!r}: the header is damaged", path=self.name)
         return metadata

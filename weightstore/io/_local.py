@@ -224,11 +224,11 @@ class MappedFile(_LocalFile):
             self._guard.check("its tensors")  # cut since the open: mmap's ValueError, or SIGBUS past its end
             try:
                 made = mmap.mmap(self._handle.fileno(), self.size, access=mmap.ACCESS_READ)
-            except ValueError:  # cut between the check and the map
+            except ValueError as exc:  # cut between the check and the map
                 self._guard.check("its tensors")
-                raise
+                raise FormatError(f"cannot map the file: {exc}", path=self.name) from exc
             # no lock (one held by another thread at a fork stays held in the child): of threads
-            # that mapped at once, the first's map is kept and the others' are dropped unused
+            # that mapped at once, one's map is kept and the others' are dropped
             if self._map is None:
                 self._map = made
         return self._map
