@@ -349,6 +349,37 @@ def test_ctrl_c_while_the_exit_waits_for_a_write_under_way_lets_that_write_land_
     assert np.array_equal(ws.load(version)["w"], np.arange(4, dtype=np.float32))
 
 
+GIVING_UP_SLOWLY_AT_EXIT = """
+import concurrent.futures, threading, time
+from weightstore.core._exiting import finish_before_exit
+
+def give_up():  # as slow as a log handler on a busy disk: the second Ctrl-C lands here
+    print("giving up", flush=True)
+    time.sleep(60)
+
+finish_before_exit(concurrent.futures.Future(), give_up)  # work no thread will finish
+threading._register_atexit(lambda: print("exiting", flush=True))  # runs just before the exit's wait
+"""
+
+
+def test_a_second_ctrl_c_while_the_exit_gives_up_ends_the_wait_without_a_traceback():
+    """A double Ctrl-C whose second lands while the first's give-up is still running (logging)
+    ends weightstore's exit wait quietly: it escaped from the interpreter's exit hooks as an
+    "Exception ignored" traceback, skipping the hooks after it."""
+    script = subprocess.Popen([sys.executable, "-c", GIVING_UP_SLOWLY_AT_EXIT], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        assert script.stdout.readline().strip() == "exiting"
+        time.sleep(0.2)  # into the exit's wait
+        script.send_signal(signal.SIGINT)
+        assert script.stdout.readline().strip() == "giving up"
+        script.send_signal(signal.SIGINT)
+        _, err = script.communicate(timeout=30)
+    finally:
+        script.kill()
+    assert script.returncode == 0 and "Traceback" not in err and "Exception ignored" not in err, err
+
+
 def test_a_child_forked_while_a_publish_is_in_flight_exits(tmp_path):
     """The work waited for at exit is the parent's: a helper process forked while a background
     publish was in flight (a data loader's worker) hung at its exit, waiting for a future that

@@ -73,12 +73,12 @@ def _wait_for_all() -> None:
     try:
         _wait()
     except KeyboardInterrupt:
-        with _waited_lock:
-            left = list(_waited.values())
-        for give_up in left:
-            if give_up is not None:
-                give_up()
-        with contextlib.suppress(KeyboardInterrupt):  # a second Ctrl-C: wait no more
+        with contextlib.suppress(KeyboardInterrupt):  # a second Ctrl-C, even while giving up: wait no more
+            with _waited_lock:
+                left = list(_waited.values())
+            for give_up in left:
+                if give_up is not None:
+                    give_up()
             _wait()
 
 
