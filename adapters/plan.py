@@ -194,8 +194,7 @@ def _naming_left_out(error: SelectionError, keys: Collection[str], left_out: Col
     """``error`` (a mapping rule or ``include`` word that fits none of the values) retold where
     the word fits only training state this assign leaves out: "matches no key" of a slot the
     file holds (``w/ExponentialMovingAverage``) sent the user looking for a typo."""
-    word, found, _ = error.message.partition(" matches no key")
-    if not left_out or not found:
+    if not left_out or error.word is None:
         return error
     try:
         plan_inward(keys, scope=options.scope, mapping=options.mapping, include=options.include,
@@ -207,5 +206,5 @@ def _naming_left_out(error: SelectionError, keys: Collection[str], left_out: Col
     rules = parse_mapping(options.mapping)
     state = [key for key in left_out if any(in_scope(key, source) for source, _ in rules)
              or (options.include is not None and passes(map_key(key, rules), options.include))]
-    return SelectionError(f"{word} names only training state, which an assign leaves out (tf1 and tf2 "
+    return SelectionError(f"{error.word} names only training state, which an assign leaves out (tf1 and tf2 "
                           f"assign it with optimizer=True): {named(state)}") if state else error

@@ -115,7 +115,15 @@ class UnsupportedDTypeError(WeightStoreError, TypeError):
 
 
 class SelectionError(WeightStoreError, ValueError):
-    pass
+    """A selection word (scope, include, mapping...) that cannot be honoured.
+
+    ``word``: the word as the message quotes it (``"include '*/Adam'"``) where it matched no
+    key, so a caller that knows more about the keys can retell why."""
+
+    def __init__(self, message: str = "", *, path: str | None = None, key: str | None = None,
+                 word: str | None = None) -> None:
+        super().__init__(message, path=path, key=key)
+        self.word = word
 
 
 class StoreNotFoundError(WeightStoreError, FileNotFoundError):

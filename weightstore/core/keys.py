@@ -303,7 +303,8 @@ def require_matches(keys: Collection[str], patterns: Patterns, word: str, where:
     """
     for pattern in _as_list(patterns):
         if not any(matches(key, pattern) for key in keys):
-            raise SelectionError(f"{word} {pattern!r} matches no key{_where(where)}{closest(pattern, keys)}")
+            raise SelectionError(f"{word} {pattern!r} matches no key{_where(where)}{closest(pattern, keys)}",
+                                 word=f"{word} {pattern!r}")
 
 
 def plan_outward(
@@ -344,7 +345,7 @@ def unmatched_scope(scope: str, keys: Collection[str], where: str = "") -> Selec
         hint = f"; {scope!r} is a tensor, not a scope: select it with include={scope!r}"
     else:
         hint = suggest(scope, scopes_of(keys))
-    return SelectionError(f"scope {scope!r} matches no key{_where(where)}{hint}")
+    return SelectionError(f"scope {scope!r} matches no key{_where(where)}{hint}", word=f"scope {scope!r}")
 
 
 def plan_inward(
@@ -373,7 +374,7 @@ def _require_rules_match(keys: list[str], rules: Sequence[tuple[str, str]], wher
     for source, target in rules:
         if keys and not any(in_scope(key, source) for key in keys):
             raise SelectionError(f"mapping {source}={target} matches no key{_where(where)}"
-                                 f"{suggest(source, scopes_of(keys))}")
+                                 f"{suggest(source, scopes_of(keys))}", word=f"mapping {source}={target}")
 
 
 def _refuse_collisions(renamed: dict[str, str], sources: list[str], scope: str, rules, where: str) -> None:
