@@ -217,17 +217,23 @@ def test_a_keras_transposed_kernel_is_refused_by_a_flax_conv_transpose_not_paire
         flax_adapter.export(linen, layout="keras")
 
 
-def test_a_flax_conv_transpose_with_transpose_kernel_takes_keras_kernels_as_they_are():
-    """With transpose_kernel=True a Flax ConvTranspose keeps Keras's layout, flipped as Keras's is."""
-    keras = pytest.importorskip("keras")
-    from weightstore.adapters import tf2
-
+def _keras_and_flax_conv_transpose(keras):
+    """A built Keras Conv2DTranspose of random weights, a Flax ConvTranspose of Keras's layout
+    (``transpose_kernel=True``) and images for both."""
     layer = keras.layers.Conv2DTranspose(4, 3, padding="same")
     images = np.random.default_rng(0).normal(size=(1, 5, 5, 6)).astype("float32")
     layer.build(images.shape)
     for var in layer.weights:
         var.assign(np.random.default_rng(1).normal(size=var.shape).astype("float32"))
-    module = nnx.ConvTranspose(6, 4, (3, 3), padding="SAME", transpose_kernel=True, rngs=nnx.Rngs(0))
+    return layer, nnx.ConvTranspose(6, 4, (3, 3), padding="SAME", transpose_kernel=True, rngs=nnx.Rngs(0)), images
+
+
+def test_a_flax_conv_transpose_with_transpose_kernel_takes_keras_kernels_as_they_are():
+    """With transpose_kernel=True a Flax ConvTranspose keeps Keras's layout, flipped as Keras's is."""
+    keras = pytest.importorskip("keras")
+    from weightstore.adapters import tf2
+
+    layer, module, images = _keras_and_flax_conv_transpose(keras)
     assert flax_adapter.assign(module, tf2.export(layer), layout="keras").ok
     np.testing.assert_allclose(np.asarray(module(images)), np.asarray(layer(images)), atol=1e-5)
     for key, value in flax_adapter.export(module, layout="keras").items():
@@ -241,12 +247,7 @@ def test_a_follower_converts_keras_versions_into_a_flax_module_and_refuses_an_un
     from weightstore.adapters import tf2
     from weightstore.adapters.serving.follower import Follower
 
-    layer = keras.layers.Conv2DTranspose(4, 3, padding="same")
-    images = np.random.default_rng(0).normal(size=(1, 5, 5, 6)).astype("float32")
-    layer.build(images.shape)
-    for var in layer.weights:
-        var.assign(np.random.default_rng(1).normal(size=var.shape).astype("float32"))
-    module = nnx.ConvTranspose(6, 4, (3, 3), padding="SAME", transpose_kernel=True, rngs=nnx.Rngs(0))
+    layer, module, images = _keras_and_flax_conv_transpose(keras)
     ws.publish(tmp_path, tf2.export(layer), step=1)
     with Follower(module, tmp_path, poll=0.005, layout="keras") as follower:
         assert follower.wait(1, timeout=60).step == 1
