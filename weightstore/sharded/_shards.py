@@ -693,9 +693,10 @@ def _unlisted_index(target: Folder, step: int) -> bool:
 
 
 def _members_present(target: Folder, index: ShardIndex, storage_options: Mapping[str, Any] | None) -> bool:
-    """Whether every member and block table ``index`` names is there. One the listing of plain
-    files misses is asked for by name (a request each, up to the first missing): a symbolic link,
-    which readers follow, is no missing member."""
+    """Whether every member and block table ``index`` names is there, at least as long as the
+    commit found it (a table: :attr:`TableRef.size`, or its head where the index cannot say more).
+    One the listing of plain files misses is asked for by name (a request each, up to the first
+    missing): a symbolic link, which readers follow, is no missing member."""
     members = folder_for(target.url(attempt_folder(index.step, index.attempt)), storage_options)
     present = {entry.name: entry.size for entry in members.files()}
 
@@ -704,7 +705,7 @@ def _members_present(target: Folder, index: ShardIndex, storage_options: Mapping
         return listed >= size if listed is not None else members.tag(name) is not None
 
     return all(there(member.file.rsplit("/", 1)[-1], member.size) and (
-        member.table is None or there(table_name(member.rank), member.table.head + member.table.digests))
+        member.table is None or there(table_name(member.rank), member.table.size or member.table.head))
         for member in index.members)
 
 
