@@ -222,7 +222,7 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
     sess = _open_session(sess)
     graph = sess.graph
     targets = _targets(graph)
-    options = AssignOptions.of("tf1.assign", words)
+    options = AssignOptions.of("tf1.assign", words, assign)
     # The parts hot reload keeps, filled by run_assign for the Target below. The closures hold this
     # dict, not the Target: a Target whose closures hold it is a cycle, which kept a dropped session
     # (and its variables) alive until the next garbage collection.
