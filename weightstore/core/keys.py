@@ -25,6 +25,8 @@ MappingRules = Mapping[str, str] | Sequence[str] | None
 
 RESERVED_PREFIX = "__weightstore"
 _GLOB_CHARS = frozenset("*?[")
+#: keys a mapping rule that matches none shows of the keys it was given, for their naming
+_KEYS_SHOWN = 3
 #: C0, DEL and C1 controls (U+0080-U+009F), which terminals interpret rather than print
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 _MISPRINTING = frozenset({"Cc", "Cf", "Zl", "Zp"})  # Unicode categories: see misprints()
@@ -370,11 +372,16 @@ def plan_inward(
 
 def _require_rules_match(keys: list[str], rules: Sequence[tuple[str, str]], where: str) -> None:
     """Refuse a mapping rule whose FROM scope no key lies in: a typo there would leave the keys
-    it was written to rename as they were, and the mistake would surface later, elsewhere."""
+    it was written to rename as they were, and the mistake would surface later, elsewhere.
+    Without a close scope to suggest, the message shows the first keys, so that a user who
+    guessed the file's naming (a Keras 3 ``.weights.h5`` keys ``layers/dense/vars/0``) can
+    write the rule."""
     for source, target in rules:
         if keys and not any(in_scope(key, source) for key in keys):
-            raise SelectionError(f"mapping {source}={target} matches no key{_where(where)}"
-                                 f"{suggest(source, scopes_of(keys))}", word=f"mapping {source}={target}")
+            shown = ", ".join(map(repr, keys[:_KEYS_SHOWN])) + (", ..." if len(keys) > _KEYS_SHOWN else "")
+            hint = suggest(source, scopes_of(keys)) or f"; its keys look like {shown}"
+            raise SelectionError(f"mapping {source}={target} matches no key{_where(where)}{hint}",
+                                 word=f"mapping {source}={target}")
 
 
 def _refuse_collisions(renamed: dict[str, str], sources: list[str], scope: str, rules, where: str) -> None:
