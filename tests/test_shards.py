@@ -837,6 +837,25 @@ def test_ws_clean_counts_a_block_table_as_the_commit_does(tmp_path, digests):
         assert np.array_equal(ws.load(folder / "step-000000000001.wsindex")["w"], w)
 
 
+def test_a_restart_with_a_smaller_world_in_the_same_attempt_leaves_no_rank_of_the_larger_one(tmp_path):
+    """A job of 5 ranks wrote attempt 0 of a step and died before its commit; restarted with 3
+    ranks and attempt 0 again, it commits. Readers take only the 3 members the index names;
+    the commit removes the files of ranks 3 and 4, which stayed until the step was pruned."""
+    folder = tmp_path / "run"
+    w = np.arange(120 * 16, dtype=np.float32).reshape(120, 16)
+    for world in (5, 3):
+        rows = 120 // world
+        for rank in range(world):
+            ws.publish_shard(folder, {"w": ws.Piece(w[rank * rows:(rank + 1) * rows] + world, (rank * rows, 0),
+                                                    w.shape)}, step=1, rank=rank, world=world, attempt=0)
+    version = shards.commit_shards(folder, step=1, world=3, attempt=0, timeout=5)
+    assert [member.rank for member in ShardIndex.parse(Path(version.path).read_bytes()).members] == [0, 1, 2]
+    with ws.open(version) as store:
+        assert store.read_region("w", (slice(90, 120),)).tobytes() == (w[90:] + 3).tobytes()
+    assert sorted(p.name for p in (folder / "step-000000000001.attempt-0").iterdir()) == sorted(
+        f"rank-0000{rank}{suffix}" for rank in range(3) for suffix in (".safetensors", ".blocks", ".done"))
+
+
 def test_a_list_of_numbers_is_an_array_not_a_list_of_pieces(tmp_path):
     folder = tmp_path / "run"
     ws.publish_shard(folder, {"w": [1.0, 2.0, 3.0]}, step=1, rank=0, world=1, attempt=0)
