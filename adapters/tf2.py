@@ -266,7 +266,7 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
         view = (keras_view
                 or _whole_keys_renamed(values, rekey, targets, options)
                 or _old_keys_renamed(values, aliases, targets, options))
-        left_out = () if optimizer else training_state(view.keys(), targets, options.scope)
+        left_out = () if optimizer else training_state(view.keys(), targets, options.scope, options.mapping)
         planned = plan_assign(view, targets, options, left_out=left_out, tied=tied,
                               optional=(lambda key: key not in lora) if adapter_only
                               else lora.__contains__ if keras_keyed else None)
