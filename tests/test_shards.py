@@ -840,7 +840,8 @@ def test_ws_clean_counts_a_block_table_as_the_commit_does(tmp_path, digests):
 def test_a_restart_with_a_smaller_world_in_the_same_attempt_leaves_no_rank_of_the_larger_one(tmp_path):
     """A job of 5 ranks wrote attempt 0 of a step and died before its commit; restarted with 3
     ranks and attempt 0 again, it commits. Readers take only the 3 members the index names;
-    the commit removes the files of ranks 3 and 4, which stayed until the step was pruned."""
+    the commit (and ``ws clean``) removes the files of ranks 3 and 4, which stayed until the step
+    was pruned."""
     folder = tmp_path / "run"
     w = np.arange(120 * 16, dtype=np.float32).reshape(120, 16)
     for world in (5, 3):
@@ -852,8 +853,20 @@ def test_a_restart_with_a_smaller_world_in_the_same_attempt_leaves_no_rank_of_th
     assert [member.rank for member in ShardIndex.parse(Path(version.path).read_bytes()).members] == [0, 1, 2]
     with ws.open(version) as store:
         assert store.read_region("w", (slice(90, 120),)).tobytes() == (w[90:] + 3).tobytes()
-    assert sorted(p.name for p in (folder / "step-000000000001.attempt-0").iterdir()) == sorted(
-        f"rank-0000{rank}{suffix}" for rank in range(3) for suffix in (".safetensors", ".blocks", ".done"))
+    attempt = folder / "step-000000000001.attempt-0"
+    named = sorted(f"rank-0000{rank}{suffix}" for rank in range(3) for suffix in (".safetensors", ".blocks", ".done"))
+    assert sorted(p.name for p in attempt.iterdir()) == named
+    # a folder an older weightstore left so: ws clean removes them (and nothing the index names)
+    for name in ("rank-00003.safetensors", "rank-00004.done", "rank-00001.wsdelta"):
+        shutil.copy(attempt / "rank-00000.safetensors", attempt / name)
+    cleaned = subprocess.run([sys.executable, "-m", "weightstore", "clean", str(folder), "--json"],
+                             capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert cleaned.returncode == 0, cleaned.stderr
+    assert sorted(json.loads(cleaned.stdout)["removed"]) == [
+        f"step-000000000001.attempt-0/{name}" for name in ("rank-00001.wsdelta", "rank-00003.safetensors",
+                                                           "rank-00004.done")]
+    assert sorted(p.name for p in attempt.iterdir()) == named
+    assert ws.load(version)["w"].tobytes() == (w + 3).tobytes()
 
 
 def test_a_list_of_numbers_is_an_array_not_a_list_of_pieces(tmp_path):

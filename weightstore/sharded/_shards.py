@@ -637,11 +637,7 @@ def clean_attempts(target: Folder, index: ShardIndex, members: Folder, listed: I
     """After committing ``index``: remove its step's other attempts, and attempts of older steps no
     index names (no commit of an older step can succeed any more); attempts of later steps may
     be in flight and stay. In its own attempt folder (``members``, whose files the commit's last
-    listing, ``listed``, names) remove the rank files the index does not name: a member a rank
-    wrote before in another form (a delta refused as ``LATEST`` moved off its base, then written
-    whole) and every file of ranks past its world (a launch of a larger world that wrote this
-    attempt, then restarted smaller). Readers go by the index and never take them; no commit
-    can any more, its step being committed. Returns the names removed."""
+    listing, ``listed``, names) remove what :func:`_remove_unnamed` does. Returns the names removed."""
     indexed = {step for step, entry in version_files(target) if entry.name.endswith(SHARDED_SUFFIX)}
     removed = []
     for sub, step, attempt in _attempts(target):
@@ -649,9 +645,20 @@ def clean_attempts(target: Folder, index: ShardIndex, members: Folder, listed: I
                 step < index.step and step not in indexed and not _unlisted_index(target, step)):
             target.remove_folder(sub)
             removed.append(sub)
+    return removed + _remove_unnamed(index, members, listed)
+
+
+def _remove_unnamed(index: ShardIndex, members: Folder, listed: Iterable[str]) -> list[str]:
+    """Remove from ``index``'s attempt folder (``members``, whose files ``listed`` names) the rank
+    files the index does not name: a member a rank wrote before in another form (a delta refused
+    as ``LATEST`` moved off its base, then written whole into the same attempt) and every file of
+    ranks past its world (a launch of a larger world that wrote this attempt, then restarted
+    smaller). Readers go by the index and never take them; no commit can any more, its step
+    being committed. Returns the names removed."""
     named = {done_name(rank) for rank in range(index.world)} | {
         name for member in index.members
         for name in (member.file.rsplit("/", 1)[-1], *([table_name(member.rank)] if member.table else []))}
+    removed = []
     for name in sorted(set(listed) - named):
         if _RANK_FILE.match(name):
             members.remove(name)
@@ -662,8 +669,10 @@ def clean_attempts(target: Folder, index: ShardIndex, members: Folder, listed: I
 def clean_folder(folder: Any, *, storage_options: Mapping[str, Any] | None = None) -> list[str]:
     """``ws clean``: remove what dead writers and coordinators left in a folder *at rest* (no job
     publishing to it): indexes above the step ``LATEST`` names (a coordinator killed before
-    ``LATEST``), indexes whose members are gone, and every attempt folder no remaining index
-    names. Returns the names removed; a folder that does not exist (a typo) is refused.
+    ``LATEST``), indexes whose members are gone, every attempt folder no remaining index
+    names, and in the attempt folder of each one kept the rank files it does not name
+    (:func:`_remove_unnamed`). Returns the names removed; a folder that does not exist (a typo)
+    is refused.
 
     With ``LATEST`` missing (deleted, or lost with a backup), the newest version counts as
     current, as it does for the next publish: nothing committed is taken for a dead attempt."""
@@ -673,6 +682,7 @@ def clean_folder(folder: Any, *, storage_options: Mapping[str, Any] | None = Non
     current = latest.step if latest is not None else max((step for step, _ in found), default=None)
     removed: list[str] = []
     live: set[tuple[int, int | None]] = set()
+    kept: list[ShardIndex] = []
     for step, entry in found:
         if not entry.name.endswith(SHARDED_SUFFIX):
             continue
@@ -687,6 +697,7 @@ def clean_folder(folder: Any, *, storage_options: Mapping[str, Any] | None = Non
                      and _members_present(target, index, storage_options)):
             if index is not None:
                 live.add((step, index.attempt))
+                kept.append(index)
         else:
             target.remove(entry.name)
             removed.append(entry.name)
@@ -697,6 +708,9 @@ def clean_folder(folder: Any, *, storage_options: Mapping[str, Any] | None = Non
                 step in listed or not _unlisted_index(target, step)):
             target.remove_folder(sub)
             removed.append(sub)
+    for index in kept:
+        members = folder_for(target.url(attempt_folder(index.step, index.attempt)), storage_options)
+        removed += _remove_unnamed(index, members, (entry.name for entry in members.files()))
     return removed
 
 
