@@ -463,6 +463,8 @@ def test_a_member_scope_written_with_torch_dots_is_refused_pointing_at_its_key(t
         torch_adapter.assign(ensemble, path, scope="members.1")
     assert info.value.path == str(path)
     assert "no variable is under scope 'members.1'; did you mean 'members/1'?" in str(info.value)
+    with pytest.raises(AssignmentError, match=r"scope 'members\.1\.'; did you mean 'members/1'\?"):
+        torch_adapter.assign(ensemble, path, scope="members.1.")  # a state_dict prefix, as torch strips one
     assert_unchanged(ensemble, before)
     torch_adapter.assign(ensemble, path, scope="members/1")
 
