@@ -116,7 +116,7 @@ from weightstore.core.keys import (
     validate_key,
 )
 from weightstore.errors import AssignmentError, InvalidKeyError, SelectionError
-from weightstore.formats._keras_naming import Ranking, automatic, deduplicated, snake_case
+from weightstore.formats._keras_naming import Ranking, as_own_root, automatic, deduplicated, snake_case
 from weightstore.formats.tf_checkpoint import best_paths
 from weightstore.sharded._shards import Piece
 
@@ -404,51 +404,29 @@ def _renamed_where_more_pair(values: Any, at: str, renames: Mapping[str, str],
                                   if name in renames})
 
 
-#: a key segment ``<base>_<n>``, as Keras numbers an automatic name (``dense_3``)
-_NUMBERED = re.compile(r"(.+)_([0-9]{1,18})")
-
-
 def _own_root_renamed(values: Any, obj: Any, targets: Mapping[str, TargetInfo], options: AssignOptions) -> Any:
     """``values`` keyed as a larger model numbers a part of it (``ws.load("ensemble.keras",
     scope="member_1")``: ``sequential_1/dense_3``, the ensemble's numbering with the scope cut off)
     renamed as the part numbers its own (``sequential/dense``); None unless every key so renamed
     pairs with a variable of its shape, none as it was.
 
-    The part's own keys rank each automatic name's number among those of its base over the
-    whole root (:class:`~weightstore.formats._keras_naming.Ranking`); ranking the values' layer
-    segments the same way gives them. Only for a Keras model, and not with ``mapping``, which
-    renames keys on purpose; chosen names (``layer_2`` beside ``layer_10``) rank too, so only a
-    renaming that pairs whole is taken, never one that pairs a value with another layer's variable.
+    Renamed by :func:`~weightstore.formats._keras_naming.as_own_root`; only for a Keras model,
+    and not with ``mapping``, which renames keys on purpose; chosen names (``layer_2`` beside
+    ``layer_10``) rank too, so only a renaming that pairs whole is taken, never one that pairs a
+    value with another layer's variable.
     """
     keys = values.keys()  # a ValueSource: keys(), not iteration
     at = normalize_scope(options.scope)
     if (options.mapping or not isinstance(obj, keras.layers.Layer)
             or all(join_scope(at, key) in targets for key in keys)):  # the usual case, at one look-up a key
         return None
-    parsed = {key: [_base_and_number(segment) for segment in key.split("/")[:-1]] for key in keys}
-    numbers: dict[str, set[int]] = {}
-    for segments in parsed.values():
-        for base, number in segments:
-            numbers.setdefault(base, set()).add(number)
-    rank = {base: {n: i for i, n in enumerate(sorted(found))} for base, found in numbers.items()}
-    renames = {}
-    for key, segments in parsed.items():
-        layers = [base if rank[base][number] == 0 else f"{base}_{rank[base][number]}" for base, number in segments]
-        renamed = "/".join([*layers, key.rsplit("/", 1)[-1]])
-        if renamed != key:
-            renames[key] = renamed
+    renames = as_own_root(keys)
     paired = [join_scope(at, new) for new in renames.values()]
     if not renames or len(set(paired)) < len(paired) or any(
             join_scope(at, key) in targets or full not in targets or targets[full].shape != tuple(values.shape(key))
             for (key, _), full in zip(renames.items(), paired, strict=True)):
         return None
     return RenamedValues(values, renames)
-
-
-def _base_and_number(segment: str) -> tuple[str, int]:
-    """``dense_3`` -> ``("dense", 3)``; ``dense`` -> ``("dense", 0)``: Keras's first of a base has no number."""
-    match = _NUMBERED.fullmatch(segment)
-    return (match.group(1), int(match.group(2))) if match else (segment, 0)
 
 
 def _keras_layout_renamed(values: Any, obj: Any, found: Mapping[str, tuple[Variable, bool]],

@@ -426,6 +426,25 @@ def test_one_member_read_by_scope_from_the_ensembles_file_assigns_into_a_lone_in
             np.testing.assert_array_equal(tf2.export(lone)[key], value)
 
 
+def test_a_lone_members_file_imports_into_the_ensembles_keras_file_by_scope(tmp_path):
+    """``ws import member.npz --into ensemble.keras --scope member_1``: the member's own keys
+    (``sequential/dense``) go where the ensemble numbers them (``sequential_1/dense_3``), as
+    ``tf2.assign(ensemble, path, scope=)`` pairs them; Keras loads the member's values."""
+    ensemble, _ = ensemble_of_two()
+    ensemble.save(tmp_path / "ensemble.keras")
+    lone = holding_a_model()
+    for var in lone.weights:
+        var.assign(RNG.normal(size=var.shape).astype("float32"))
+    ws.save(tmp_path / "member.npz", tf2.export(lone))
+    done = subprocess.run([sys.executable, "-m", "weightstore", "import", str(tmp_path / "member.npz"), "--into",
+                           str(tmp_path / "ensemble.keras"), "--scope", "member_1", "--overwrite"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    loaded = keras.saving.load_model(tmp_path / "ensemble.keras")
+    for key, value in tf2.export(lone).items():
+        np.testing.assert_array_equal(tf2.export(loaded, scope="member_1")[key], value)
+
+
 def test_one_member_exported_by_scope_has_its_own_keys_and_assigns_into_a_lone_instance():
     ensemble, members = ensemble_of_two()
     for member in members:
