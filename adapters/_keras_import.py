@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import tempfile
 import zipfile
@@ -24,6 +25,7 @@ import numpy as np
 
 import weightstore
 from weightstore.adapters._casts import describe, widens
+from weightstore.adapters.plan import OPTIMIZER_KEY, OPTIMIZER_SCOPE
 from weightstore.core.keys import in_scope, join_scope, normalize_scope, strip_scope, suggest
 from weightstore.core.manifest import logical_dtype
 from weightstore.errors import FormatError, KeyNotInStoreError, SelectionError, naming, shown_key
@@ -32,6 +34,9 @@ from weightstore.formats._keras_naming import as_own_root
 from weightstore.io.commit import RenameCommit
 
 __all__ = ["is_keras_target", "replace_in_keras_file"]
+
+#: a Keras optimizer's variable under any scope (``member_1/optimizer/vars/0``: a ``.keras`` imported by scope)
+_OPTIMIZER_STATE = re.compile(rf"(?:^|/){OPTIMIZER_KEY.pattern}$")
 
 
 def is_keras_target(path: str) -> bool:
@@ -67,7 +72,8 @@ def _as_the_whole_numbers(target: str, weights: Mapping[str, np.ndarray], scope:
     own = {join_scope(at, part): join_scope(at, whole) for whole, part in
            as_own_root(strip_scope(key, at) for key in names if in_scope(key, at) and key != at).items()}
     whole = {own.get(key, key): value for key, value in weights.items()}
-    return whole if len(whole) == len(weights) and all(key in names for key in whole) else weights
+    pairs = all(key in names or _OPTIMIZER_STATE.search(key) for key in whole)  # state: refused, saying why
+    return whole if len(whole) == len(weights) and pairs else weights
 
 
 def _checked(target: str, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -82,9 +88,11 @@ def _checked(target: str, weights: Mapping[str, np.ndarray]) -> dict[str, np.nda
             key = given if given in names else model_key_of.get(given, given)  # layers/dense/vars/0 -> dense/kernel
             if key not in names:
                 also = f", or the model keys `ws ls {target}` lists" if stored else ""
+                hint = ("; it is a source's optimizer state, which has no place there: leave it out with --exclude "
+                        f"'{OPTIMIZER_SCOPE}/*'" if _OPTIMIZER_STATE.search(key) else suggest(key, names))
                 raise KeyNotInStoreError(
                     f"is a Keras file, which Keras reads by its own tensor names only (layers/<layer>/vars/<i>{also}), "
-                    f"and has no such tensor{suggest(key, names)}; import a store with the file's names "
+                    f"and has no such tensor{hint}; import a store with the file's names "
                     f"(`ws export {target} -o names.npz` writes them), or assign in Python and save again: "
                     f"tf2.assign(model, weights); model.save_weights(...)", path=target, key=key)
             info = store.info(key)

@@ -443,6 +443,16 @@ def test_a_lone_members_file_imports_into_the_ensembles_keras_file_by_scope(tmp_
     loaded = keras.saving.load_model(tmp_path / "ensemble.keras")
     for key, value in tf2.export(lone).items():
         np.testing.assert_array_equal(tf2.export(loaded, scope="member_1")[key], value)
+    lone.compile(keras.optimizers.Adam(), "mse")
+    lone.optimizer.build(lone.trainable_variables)
+    lone.save(tmp_path / "member.keras")  # with its optimizer's state, which the ensemble has no place for
+    args = [sys.executable, "-m", "weightstore", "import", str(tmp_path / "member.keras"), "--into",
+            str(tmp_path / "ensemble.keras"), "--scope", "member_1", "--overwrite"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "'member_1/optimizer/vars/0'" in done.stderr
+    assert "optimizer state, which has no place there: leave it out with --exclude 'optimizer/*'" in done.stderr
+    done = subprocess.run([*args, "--exclude", "optimizer/*"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
 
 
 def test_one_member_exported_by_scope_has_its_own_keys_and_assigns_into_a_lone_instance():
