@@ -417,8 +417,9 @@ def _own_root_renamed(values: Any, obj: Any, targets: Mapping[str, TargetInfo], 
     """
     keys = values.keys()  # a ValueSource: keys(), not iteration
     at = normalize_scope(options.scope)
-    if (options.mapping or not isinstance(obj, keras.layers.Layer)
-            or all(join_scope(at, key) in targets for key in keys)):  # the usual case, at one look-up a key
+    if options.mapping or not isinstance(obj, keras.layers.Layer):
+        return None
+    if all(map(targets.__contains__, [join_scope(at, key) for key in keys] if at else keys)):  # the usual case
         return None
     renames = as_own_root(keys)
     paired = [join_scope(at, new) for new in renames.values()]
