@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import tempfile
 import zipfile
@@ -24,13 +25,18 @@ import numpy as np
 
 import weightstore
 from weightstore.adapters._casts import describe, widens
-from weightstore.core.keys import suggest
+from weightstore.adapters.plan import OPTIMIZER_KEY, OPTIMIZER_SCOPE
+from weightstore.core.keys import in_scope, join_scope, normalize_scope, strip_scope, suggest
 from weightstore.core.manifest import logical_dtype
 from weightstore.errors import FormatError, KeyNotInStoreError, SelectionError, naming, shown_key
 from weightstore.formats import keras_file
+from weightstore.formats._keras_naming import as_own_root
 from weightstore.io.commit import RenameCommit
 
 __all__ = ["is_keras_target", "replace_in_keras_file"]
+
+#: a Keras optimizer's variable under any scope (``member_1/optimizer/vars/0``: a ``.keras`` imported by scope)
+_OPTIMIZER_STATE = re.compile(rf"(?:^|/){OPTIMIZER_KEY.pattern}$")
 
 
 def is_keras_target(path: str) -> bool:
@@ -38,15 +44,36 @@ def is_keras_target(path: str) -> bool:
     return os.path.isfile(path) and (path.endswith(keras_file.WEIGHTS_SUFFIX) or keras_file.is_keras_archive(path))
 
 
-def replace_in_keras_file(target: str, weights: Mapping[str, np.ndarray]) -> None:
-    """Replace the tensors ``weights`` names in the Keras file ``target``, all or none."""
-    converted = _checked(target, weights)
+def replace_in_keras_file(target: str, weights: Mapping[str, np.ndarray], *, scope: str | None = None) -> None:
+    """Replace the tensors ``weights`` names in the Keras file ``target``, all or none.
+
+    ``scope``: the one the import put the keys under. A part's own file (one member of an
+    ensemble, numbered from itself: ``sequential/dense``) goes where the archive's model numbers
+    that part (``sequential_1/dense_3``), where all its keys pair so and not all as they are."""
+    converted = _checked(target, _as_the_whole_numbers(target, weights, scope))
     with RenameCommit(target).writing() as temporary:
         if target.endswith(keras_file.WEIGHTS_SUFFIX):
             shutil.copyfile(target, temporary)
             _write_datasets(temporary, converted)
         else:
             _rewrite_archive(target, temporary, converted)
+
+
+def _as_the_whole_numbers(target: str, weights: Mapping[str, np.ndarray], scope: str | None) -> Mapping[str, np.ndarray]:
+    """``weights`` keyed under ``scope`` as the archive's model keys that part, where every key
+    pairs so and not every one as it is (see :func:`replace_in_keras_file`); else as they are."""
+    at = normalize_scope(scope)
+    if not at:
+        return weights
+    with weightstore.open(target) as store:
+        names = set(store.keys())
+        if not store.stored_names() or all(key in names for key in weights):  # file names, or pairing as they are
+            return weights
+    own = {join_scope(at, part): join_scope(at, whole) for whole, part in
+           as_own_root(strip_scope(key, at) for key in names if in_scope(key, at) and key != at).items()}
+    whole = {own.get(key, key): value for key, value in weights.items()}
+    pairs = all(key in names or _OPTIMIZER_STATE.search(key) for key in whole)  # state: refused, saying why
+    return whole if len(whole) == len(weights) and pairs else weights
 
 
 def _checked(target: str, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -61,9 +88,11 @@ def _checked(target: str, weights: Mapping[str, np.ndarray]) -> dict[str, np.nda
             key = given if given in names else model_key_of.get(given, given)  # layers/dense/vars/0 -> dense/kernel
             if key not in names:
                 also = f", or the model keys `ws ls {target}` lists" if stored else ""
+                hint = ("; it is a source's optimizer state, which has no place there: leave it out with --exclude "
+                        f"'{OPTIMIZER_SCOPE}/*'" if _OPTIMIZER_STATE.search(key) else suggest(key, names))
                 raise KeyNotInStoreError(
                     f"is a Keras file, which Keras reads by its own tensor names only (layers/<layer>/vars/<i>{also}), "
-                    f"and has no such tensor{suggest(key, names)}; import a store with the file's names "
+                    f"and has no such tensor{hint}; import a store with the file's names "
                     f"(`ws export {target} -o names.npz` writes them), or assign in Python and save again: "
                     f"tf2.assign(model, weights); model.save_weights(...)", path=target, key=key)
             info = store.info(key)

@@ -38,7 +38,14 @@ def _apart(values: Iterable[str], targets: Iterable[str], renamed: bool) -> str:
 
 def no_such_scope(scope: str, targets: Iterable[str]) -> str:
     """What to say of a ``scope`` no variable is under: the model's scopes at its depth, the
-    nearest first (``model_02`` for ``model_002``)."""
+    nearest first (``model_02`` for ``model_002``); for ``members.1`` (or the prefix
+    ``members.1.``), written as torch names its modules, the ``members/1`` that pairs (nearer by
+    letters is ``members``, which does not)."""
+    targets = list(targets)
+    slashed = scope.replace(".", "/").rstrip("/")
+    if slashed != scope and any(key.startswith(slashed + "/") for key in targets):
+        return (f"no variable is under scope {scope!r}; did you mean {slashed!r}? (keys join names with '/' "
+                "where torch's state_dict names use '.')")
     depth = scope.count("/") + 1
     scopes = sorted({"/".join(key.split("/")[:depth]) for key in targets if key.count("/") >= depth})
     near = keys_suggest(scope, scopes)

@@ -116,7 +116,7 @@ from weightstore.core.keys import (
     validate_key,
 )
 from weightstore.errors import AssignmentError, InvalidKeyError, SelectionError
-from weightstore.formats._keras_naming import Ranking, automatic, deduplicated, snake_case
+from weightstore.formats._keras_naming import Ranking, as_own_root, automatic, deduplicated, snake_case
 from weightstore.formats.tf_checkpoint import best_paths
 from weightstore.sharded._shards import Piece
 
@@ -265,6 +265,7 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
         keras_keyed = keras_keyed or keras_view is not None
         view = (keras_view
                 or _whole_keys_renamed(values, rekey, targets, options)
+                or _own_root_renamed(values, obj, targets, options)
                 or _old_keys_renamed(values, aliases, targets, options))
         left_out = () if optimizer else training_state(view.keys(), targets, options.scope, options.mapping)
         planned = plan_assign(view, targets, options, left_out=left_out, tied=tied,
@@ -401,6 +402,32 @@ def _renamed_where_more_pair(values: Any, at: str, renames: Mapping[str, str],
         return None
     return RenamedValues(values, {key: strip_scope(renames[name], at) for key, name in zip(keys, full, strict=True)
                                   if name in renames})
+
+
+def _own_root_renamed(values: Any, obj: Any, targets: Mapping[str, TargetInfo], options: AssignOptions) -> Any:
+    """``values`` keyed as a larger model numbers a part of it (``ws.load("ensemble.keras",
+    scope="member_1")``: ``sequential_1/dense_3``, the ensemble's numbering with the scope cut off)
+    renamed as the part numbers its own (``sequential/dense``); None unless every key so renamed
+    pairs with a variable of its shape, none as it was.
+
+    Renamed by :func:`~weightstore.formats._keras_naming.as_own_root`; only for a Keras model,
+    and not with ``mapping``, which renames keys on purpose; chosen names (``layer_2`` beside
+    ``layer_10``) rank too, so only a renaming that pairs whole is taken, never one that pairs a
+    value with another layer's variable.
+    """
+    keys = values.keys()  # a ValueSource: keys(), not iteration
+    at = normalize_scope(options.scope)
+    if options.mapping or not isinstance(obj, keras.layers.Layer):
+        return None
+    if all(map(targets.__contains__, [join_scope(at, key) for key in keys] if at else keys)):  # the usual case
+        return None
+    renames = as_own_root(keys)
+    paired = [join_scope(at, new) for new in renames.values()]
+    if not renames or len(set(paired)) < len(paired) or any(
+            join_scope(at, key) in targets or full not in targets or targets[full].shape != tuple(values.shape(key))
+            for (key, _), full in zip(renames.items(), paired, strict=True)):
+        return None
+    return RenamedValues(values, renames)
 
 
 def _keras_layout_renamed(values: Any, obj: Any, found: Mapping[str, tuple[Variable, bool]],

@@ -56,11 +56,13 @@ class Source(Store):
         if self.model_trainable is not None:
             return self.model_trainable
         if self._meta_graph is None:
-            fix = ("pass --model model.keras, whose model knows, or "
-                   if self.kind in (KIND_TF2, keras_file.KIND) else "")
+            keras_kind = self.kind in (KIND_TF2, keras_file.KIND)
+            fix = "pass --model model.keras, whose model knows, or " if keras_kind else ""
+            # a store may be any framework's: PyTorch's and Flax's exports take the word too
+            others = "" if keras_kind else " (torch.export, flax.export alike)"
             raise FormatError(f"--trainable-only needs a TF1 checkpoint's .meta graph or a model; a {self.kind} does "
                               f"not record which variables are trainable: {fix}in Python export from the model, "
-                              "tf2.export(model, trainable_only=True)", path=self.path)
+                              f"tf2.export(model, trainable_only=True){others}", path=self.path)
         if not os.path.exists(self._meta_graph):
             raise FormatError(f"--trainable-only needs the graph file {self._meta_graph}, which is missing "
                               "(save with Saver(write_meta_graph=True))", path=self.path)

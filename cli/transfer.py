@@ -237,7 +237,7 @@ def import_(source: Source, target: str, *, scope: str | None, mapping: MappingR
     if is_checkpoint_target(target):
         return _import_into_checkpoint(source, target, plan, overwrite)
     if _keras_import.is_keras_target(target):
-        return _import_into_keras(source, target, plan, overwrite)
+        return _import_into_keras(source, target, plan, overwrite, scope)
     try:
         old = weightstore.open(target)
     except StoreNotFoundError:
@@ -323,14 +323,15 @@ def _import_into_checkpoint(source: Source, target: str, plan: Mapping[str, str]
     return Written(target, "TF checkpoint", len(weights), sum(a.nbytes for a in weights.values()), caution)
 
 
-def _import_into_keras(source: Source, target: str, plan: Mapping[str, str], overwrite: bool) -> Written:
+def _import_into_keras(source: Source, target: str, plan: Mapping[str, str], overwrite: bool,
+                       scope: str | None) -> Written:
     """Tensors of a Keras file replaced where Keras reads them (see :mod:`weightstore.adapters._keras_import`)."""
     if not overwrite:
         raise StoreExistsError(f"is a Keras file: an import replaces tensors Keras reads ({len(plan)} of them); "
                                "pass --overwrite to replace them", path=target)
     weights = read(source, plan, "importing")
     with working(f"writing {target}"):
-        _keras_import.replace_in_keras_file(target, weights)
+        _keras_import.replace_in_keras_file(target, weights, scope=scope)
     return Written(target, "Keras file", len(weights), sum(a.nbytes for a in weights.values()))
 
 

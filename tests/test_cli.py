@@ -1196,7 +1196,8 @@ def test_export_trainable_only_without_a_model_says_how_to_give_one(made, store,
                               "does not record which variables are trainable: pass --model model.keras, whose model "
                               "knows", "tf2.export(model, trainable_only=True)")
         assert "--model-keys" not in line  # what only a .keras SOURCE needs, and --trainable-only implies there
-    line = one_error_line(run("export", store, "-o", out, "--trainable-only"), "tf2.export(model, trainable_only=True)")
+    line = one_error_line(run("export", store, "-o", out, "--trainable-only"),
+                          "tf2.export(model, trainable_only=True) (torch.export, flax.export alike)")
     assert "--model" not in line  # a store cannot be keyed like a model
     assert not out.exists()
 

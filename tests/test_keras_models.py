@@ -5,6 +5,8 @@ Every check compares with what Keras's own ``load_weights`` leaves, on models bu
 """
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -400,6 +402,57 @@ def test_under_a_scope_keys_of_the_whole_model_pair_with_the_layers_they_name_th
     own = tf2.export(second)  # the member's own keys: dense, dense_1
     assert tf2.assign(ensemble, {key: value + 1 for key, value in own.items()}, scope="member_1").ok
     np.testing.assert_array_equal(second.layers[1].kernel.numpy(), own["dense_1/kernel"] + 1)
+
+
+def test_one_member_read_by_scope_from_the_ensembles_file_assigns_into_a_lone_instance(tmp_path):
+    """``ws export ensemble.keras --scope member_1`` keys the member as the ensemble numbers it
+    (``sequential_1/dense_3``, as ``tf2.export(ensemble)`` does, the scope cut off): those keys,
+    renumbered as the member's own root would number them, pair with a lone member whole."""
+    ensemble, members = ensemble_of_two()
+    for member in members:
+        for var in member.weights:
+            var.assign(RNG.normal(size=var.shape).astype("float32"))
+    ensemble.save(tmp_path / "ensemble.keras")
+    out = tmp_path / "member_1.npz"
+    done = subprocess.run([sys.executable, "-m", "weightstore", "export", str(tmp_path / "ensemble.keras"),
+                           "-o", str(out), "--scope", "member_1"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "sequential_1/dense_3/kernel" in ws.load(out)  # the ensemble's numbering
+    for weights in (out, ws.load(tmp_path / "ensemble.keras", scope="member_1")):
+        lone = holding_a_model()
+        report = tf2.assign(lone, weights)
+        assert report.ok and len(report.assigned) == len(lone.weights)
+        for key, value in tf2.export(members[1]).items():
+            np.testing.assert_array_equal(tf2.export(lone)[key], value)
+
+
+def test_a_lone_members_file_imports_into_the_ensembles_keras_file_by_scope(tmp_path):
+    """``ws import member.npz --into ensemble.keras --scope member_1``: the member's own keys
+    (``sequential/dense``) go where the ensemble numbers them (``sequential_1/dense_3``), as
+    ``tf2.assign(ensemble, path, scope=)`` pairs them; Keras loads the member's values."""
+    ensemble, _ = ensemble_of_two()
+    ensemble.save(tmp_path / "ensemble.keras")
+    lone = holding_a_model()
+    for var in lone.weights:
+        var.assign(RNG.normal(size=var.shape).astype("float32"))
+    ws.save(tmp_path / "member.npz", tf2.export(lone))
+    done = subprocess.run([sys.executable, "-m", "weightstore", "import", str(tmp_path / "member.npz"), "--into",
+                           str(tmp_path / "ensemble.keras"), "--scope", "member_1", "--overwrite"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    loaded = keras.saving.load_model(tmp_path / "ensemble.keras")
+    for key, value in tf2.export(lone).items():
+        np.testing.assert_array_equal(tf2.export(loaded, scope="member_1")[key], value)
+    lone.compile(keras.optimizers.Adam(), "mse")
+    lone.optimizer.build(lone.trainable_variables)
+    lone.save(tmp_path / "member.keras")  # with its optimizer's state, which the ensemble has no place for
+    args = [sys.executable, "-m", "weightstore", "import", str(tmp_path / "member.keras"), "--into",
+            str(tmp_path / "ensemble.keras"), "--scope", "member_1", "--overwrite"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "'member_1/optimizer/vars/0'" in done.stderr
+    assert "optimizer state, which has no place there: leave it out with --exclude 'optimizer/*'" in done.stderr
+    done = subprocess.run([*args, "--exclude", "optimizer/*"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
 
 
 def test_one_member_exported_by_scope_has_its_own_keys_and_assigns_into_a_lone_instance():

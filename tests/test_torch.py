@@ -444,6 +444,49 @@ def test_not_a_module_is_refused():
         torch_adapter.export({"weight": torch.zeros(2)})
 
 
+class _Ensemble(nn.Module):
+    """Three members in a ModuleList, so ``state_dict`` names them ``members.0.``, ``members.1.``…"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.members = nn.ModuleList([small_net() for _ in range(3)])
+
+
+def test_a_member_scope_written_with_torch_dots_is_refused_pointing_at_its_key(tmp_path):
+    """``scope="members.1"`` (torch's spelling) names no variable; the refusal offers
+    ``members/1``, the scope that pairs, not the bare ``members`` above it."""
+    ensemble = _Ensemble()
+    before = state(ensemble)
+    path = tmp_path / "member.safetensors"
+    ws.save(path, torch_adapter.export(small_net()))
+    with pytest.raises(AssignmentError) as info:
+        torch_adapter.assign(ensemble, path, scope="members.1")
+    assert info.value.path == str(path)
+    assert "no variable is under scope 'members.1'; did you mean 'members/1'?" in str(info.value)
+    with pytest.raises(AssignmentError, match=r"scope 'members\.1\.'; did you mean 'members/1'\?"):
+        torch_adapter.assign(ensemble, path, scope="members.1.")  # a state_dict prefix, as torch strips one
+    assert_unchanged(ensemble, before)
+    torch_adapter.assign(ensemble, path, scope="members/1")
+
+
+def test_a_member_scope_into_a_file_of_torch_names_says_how_to_read_them(tmp_path):
+    """``ws.save`` of ``export(names="torch")`` keeps ``members.1.0.weight`` as the key, so
+    ``scope="members/1"`` matches nothing: the refusal (Python and ``ws``) says the keys are
+    torch names and how to select them, not a far-off ``did you mean 'members.2.1.bias'``."""
+    ensemble = _Ensemble()
+    path = tmp_path / "ensemble.safetensors"
+    ws.save(path, torch_adapter.export(ensemble, names="torch"))
+    with pytest.raises(SelectionError) as info:
+        ws.load(path, scope="members/1")
+    message = str(info.value)
+    assert message.startswith(f"{path}: scope 'members/1' matches no key; its keys are PyTorch state_dict names")
+    assert "names='torch'" in message and "include='members.1.*'" in message
+    assert ws.load(path, scope="members/1", names="torch").keys() == torch_adapter.export(ensemble.members[1]).keys()
+    done = subprocess.run([sys.executable, "-m", "weightstore", "ls", str(path), "--scope", "members/1"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "its keys are PyTorch state_dict names" in done.stderr
+
+
 def test_example_keras_to_torch_gives_the_same_predictions_both_ways(tmp_path, capsys):
     pytest.importorskip("keras")
     from examples import keras_to_torch

@@ -358,9 +358,18 @@ def plan_outward(
 
 def unmatched_scope(scope: str, keys: Collection[str], where: str = "") -> SelectionError:
     """The error for a (normalized) ``scope`` that no key lies under, hinting at the closest key
-    or scope, or at ``include`` when the scope names a tensor: one wording for every command."""
+    or scope, or at ``include`` when the scope names a tensor: one wording for every command.
+
+    Keys kept as PyTorch names (``members.1.0.weight``: ``ws.save`` of ``export(names="torch")``)
+    are one segment each, so no ``/`` scope reaches them; the nearest of them by letters
+    (``members.2.1.bias``) would mislead, so the hint says how to read or select them instead."""
+    dotted = scope.replace("/", ".")
+    torch_named = [key for key in keys if key.startswith(dotted + ".") and "/" not in key]
     if scope in keys:
         hint = f"; {scope!r} is a tensor, not a scope: select it with include={scope!r}"
+    elif torch_named:
+        hint = (f"; its keys are PyTorch state_dict names ({torch_named[0]!r}): read the file with names='torch' "
+                f"(ws.load, ws.open) for scope {scope!r}, or select them as they are with include='{dotted}.*'")
     else:
         hint = suggest(scope, scopes_of(keys))
     return SelectionError(f"scope {scope!r} matches no key{_where(where)}{hint}", word=f"scope {scope!r}")

@@ -97,3 +97,38 @@ def _unused(base: str, taken: set[str]) -> str:
     while f"{base}_{n}" in taken:
         n += 1
     return f"{base}_{n}"
+
+
+#: a key segment ``<base>_<n>``, as Keras numbers an automatic name (``dense_3``)
+_NUMBERED = re.compile(r"(.+)_([0-9]{1,18})")
+
+
+def as_own_root(keys: Iterable[str]) -> dict[str, str]:
+    """Keys of one part of a larger model, as the larger model numbers its layers
+    (``sequential_1/dense_3/kernel``) -> the key the part gives it as its own root
+    (``sequential/dense/kernel``), for each key the two differ in.
+
+    The part's own keys rank each automatic name's number among those of its base over the
+    whole root (:class:`Ranking`); ranking the layer segments of the keys the same way gives
+    them. Chosen names that look numbered (``layer_2`` beside ``layer_10``) rank too: a caller
+    takes the renaming only where it pairs whole.
+    """
+    parsed = {key: [_base_and_number(segment) for segment in key.split("/")[:-1]] for key in keys}
+    numbers: dict[str, set[int]] = {}
+    for segments in parsed.values():
+        for base, number in segments:
+            numbers.setdefault(base, set()).add(number)
+    rank = {base: {n: i for i, n in enumerate(sorted(found))} for base, found in numbers.items()}
+    renames = {}
+    for key, segments in parsed.items():
+        layers = [base if rank[base][number] == 0 else f"{base}_{rank[base][number]}" for base, number in segments]
+        renamed = "/".join([*layers, key.rsplit("/", 1)[-1]])
+        if renamed != key:
+            renames[key] = renamed
+    return renames
+
+
+def _base_and_number(segment: str) -> tuple[str, int]:
+    """``dense_3`` -> ``("dense", 3)``; ``dense`` -> ``("dense", 0)``: Keras's first of a base has no number."""
+    match = _NUMBERED.fullmatch(segment)
+    return (match.group(1), int(match.group(2))) if match else (segment, 0)
