@@ -88,6 +88,7 @@ from weightstore.errors import (
     StoreNotFoundError,
     TargetError,
     UnsafeFileError,
+    attach,
 )
 from weightstore.formats import Format, ReaderDefaults
 from weightstore.formats._pointer import LATEST, local_latest_name, published_folder_message
@@ -704,6 +705,8 @@ class CheckpointReader(ReaderDefaults):
                     self._maps[shard] = MappedFile(path)
                 except FileNotFoundError:
                     raise FormatError("its data file is missing", path=path, key=key) from None
+                except FileAccessError as exc:  # the system's refusal (a link loop, no permission), in its words
+                    raise attach(exc, key=key) from None
                 except OSError as exc:
                     raise FormatError(f"its data file is unreadable ({exc.strerror})", path=path, key=key) from None
             return self._maps[shard]
