@@ -117,9 +117,17 @@ def _open_regular_fd(path: str) -> tuple[int, int]:
 def refuse_special_file(path: str) -> None:
     """Refuse a FIFO, device or folder where a file belongs, for readers another library opens.
 
-    Raises ``FileNotFoundError`` as :func:`open` would when nothing is there.
+    Raises ``FileNotFoundError`` as :func:`open` would when nothing is there, and
+    :class:`FileAccessError` where the system refuses to look (a link loop, a name too long), as
+    :func:`open_regular` does.
     """
-    kind = kind_of(os.stat(path).st_mode)
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise FileAccessError(f"cannot be opened ({exc.strerror or exc})", path=path) from None
+    kind = kind_of(mode)
     if kind is not None:
         raise _not_regular(kind, path)
 
