@@ -760,6 +760,26 @@ def test_latest_naming_a_folder_or_fifo_says_what_it_is(tmp_path, kind):
         ws.load(ws.latest(tmp_path))
 
 
+def test_a_latest_the_system_will_not_open_is_a_file_access_error_naming_it_everywhere(tmp_path):
+    """A ``LATEST`` that is a symbolic link loop: latest, follow, publish and ``ws versions``
+    name it with the system's reason; it leaked as a bare OSError."""
+    ws.publish(tmp_path, weights_at(1), step=1)
+    latest = tmp_path / "LATEST"
+    latest.unlink()
+    latest.symlink_to(latest.name)
+    calls = {"latest": lambda: ws.latest(tmp_path), "follow": lambda: next(ws.follow(tmp_path, timeout=0)),
+             "publish": lambda: ws.publish(tmp_path, weights_at(2), step=2)}
+    for call in calls.values():
+        with pytest.raises(ws.FileAccessError, match="symbolic links") as caught:
+            call()
+        assert caught.value.path == str(latest)
+    from weightstore.cli.main import app
+
+    result = CliRunner().invoke(app, ["versions", str(tmp_path)])
+    assert result.exit_code == 1 and f"{latest}: cannot be opened" in result.output
+    assert latest.is_symlink()  # nothing written through it or over it
+
+
 def test_following_a_folder_that_does_not_exist_says_so_once_and_waits(tmp_path, caplog):
     """A mistyped path waits for good, and the Python API, unlike ws follow, cannot refuse it (a
     server may start before its trainer's first publish): it says so once, and the first
