@@ -780,6 +780,30 @@ def test_a_latest_the_system_will_not_open_is_a_file_access_error_naming_it_ever
     assert latest.is_symlink()  # nothing written through it or over it
 
 
+def test_names_weightstore_never_writes_are_never_pruned_or_cleaned_as_versions_or_attempts(tmp_path):
+    """Only ASCII digits and nothing after the name: ``\\d`` took Arabic-Indic digits and ``$`` a
+    final newline, so a publish pruned, and ``ws clean`` removed, files and folders weightstore
+    never wrote (a user's data beside the versions)."""
+    ws.publish(tmp_path, weights_at(1), step=1)
+    arabic_one = "\u0660" * 11 + "\u0661"
+    squatters = ["step-000000000000.npz\n", f"step-{arabic_one}.npz"]
+    for name in squatters:
+        (tmp_path / name).write_bytes(b"the user's, not a version")
+    folders = [f"step-{arabic_one}.attempt-0", "step-000000000000.attempt-0\n"]
+    for name in folders:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "mine.txt").write_text("the user's")
+    ws.publish(tmp_path, weights_at(2), step=2, keep=1)
+    ws.publish(tmp_path, weights_at(3), step=3, keep=1)
+    from weightstore.cli.main import app
+
+    result = CliRunner().invoke(app, ["clean", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert all((tmp_path / name).is_file() for name in squatters)
+    assert all((tmp_path / name / "mine.txt").is_file() for name in folders)
+    assert 1 not in [version.step for version in versions.list_versions(tmp_path)]  # pruning ran
+
+
 def test_following_a_folder_that_does_not_exist_says_so_once_and_waits(tmp_path, caplog):
     """A mistyped path waits for good, and the Python API, unlike ws follow, cannot refuse it (a
     server may start before its trainer's first publish): it says so once, and the first

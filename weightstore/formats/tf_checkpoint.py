@@ -104,7 +104,7 @@ KIND_TF1 = "TF1 checkpoint"
 KIND_TF2 = "TF2 object-based checkpoint"
 
 _SAVE_COUNTER = "save_counter" + VARIABLE_SUFFIX
-_DATA_FILE = re.compile(r"\.data-\d{5}-of-\d{5}$")
+_DATA_FILE = re.compile(r"\.data-[0-9]{5}-of-[0-9]{5}\Z")
 _DT_STRING = 7
 #: TensorFlow's ``DataType`` numbers (``types.proto``) -> numpy dtype, for every numeric kind
 #: numpy or ml_dtypes can hold byte for byte (TF keeps int4 and int2 one per byte, as ml_dtypes

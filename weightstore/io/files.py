@@ -279,7 +279,7 @@ def remove_stale_temporaries(target: Path, suffix: str = "", *, room: int = 0, l
     and ``room`` the most bytes it appends, as :func:`temporary_beside` was told.
     """
     head = _temporary_head(target, room)
-    pattern = re.compile(rf"(\d+)-(?:([0-9a-f]{{{_SPACE_HEX}}})-)?[0-9a-f]+{suffix}$")
+    pattern = re.compile(rf"([0-9]+)-(?:([0-9a-f]{{{_SPACE_HEX}}})-)?[0-9a-f]+{suffix}\Z")
     with contextlib.suppress(OSError):
         names = os.listdir(target.parent)  # a listing, and names compared first: the folder may be large
         for name in names:
