@@ -37,10 +37,11 @@ from pathlib import Path
 from typing import BinaryIO
 
 from weightstore.core.limits import FILE_NAME_BYTES
-from weightstore.errors import FileAccessError, FormatError, StoreNotFoundError, TargetError
+from weightstore.errors import FileAccessError, FormatError, StorageError, StoreNotFoundError, TargetError
 
 __all__ = [
-    "TEMP_MARK", "kind_of", "open_regular", "open_regular_unbuffered", "refuse_special_file", "check_writable_target",
+    "TEMP_MARK", "kind_of", "open_regular", "open_regular_unbuffered", "refuse_special_file", "unreadable",
+    "check_writable_target",
     "fsync_path", "fsync_folder", "temporary_beside", "remove_stale_temporaries",
 ]
 
@@ -63,6 +64,13 @@ def kind_of(mode: int) -> str | None:
 
 def _not_regular(kind: str, path: str) -> FormatError:
     return FormatError(f"is not a regular file ({kind}); weightstore reads only regular files", path=path)
+
+
+def unreadable(exc: OSError, path: str) -> StorageError:
+    """A read of an open file that the system failed (an I/O error of a disk or a network file
+    system, ``/proc/self/mem``), as the :class:`StorageError` naming the file: the storage
+    failed, not the file's bytes, and no bare ``OSError`` leaves a reader."""
+    return StorageError(f"cannot be read ({exc.strerror or exc})", path=path)
 
 
 def open_regular(path: str) -> BinaryIO:
