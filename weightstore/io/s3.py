@@ -99,6 +99,8 @@ class S3Object:
         it) that ignores ``Range`` answers 200 with the whole object, and a body of the length
         asked for says nothing of where it starts; only ``Content-Range`` does."""
         answered = str(response.get("ContentRange", ""))
+        if not answered and request.start == 0 and response.get("ContentLength") == request.end:
+            return  # the whole object, asked for whole: what a service that answers 200 to it sends
         match = _CONTENT_RANGE.fullmatch(answered)
         if match is None or (int(match.group(1)), int(match.group(2)) + 1) != (request.start, request.end):
             said = f"bytes {match.group(1)}-{match.group(2)}" if match else \
