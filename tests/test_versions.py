@@ -795,6 +795,13 @@ def test_names_weightstore_never_writes_are_never_pruned_or_cleaned_as_versions_
         (tmp_path / name / "mine.txt").write_text("the user's")
     ws.publish(tmp_path, weights_at(2), step=2, keep=1)
     ws.publish(tmp_path, weights_at(3), step=3, keep=1)
+    ws.publish_shard(tmp_path, {"w": [ws.Piece(np.ones(2, np.float32), (0,), (2,))]}, step=4, rank=0, world=1,
+                     attempt=0)
+    ws.commit_shards(tmp_path, step=4, world=1, attempt=0, timeout=5)
+    attempt = tmp_path / "step-000000000004.attempt-0"  # kept: its rank files no index names are swept
+    squatters += [f"{attempt.name}/rank-00009.done\n", f"{attempt.name}/rank-\u0660\u0660\u0660\u0660\u0669.done"]
+    for name in squatters[-2:]:
+        (tmp_path / name).write_bytes(b"the user's, not a rank's")
     from weightstore.cli.main import app
 
     result = CliRunner().invoke(app, ["clean", str(tmp_path)])
