@@ -1118,6 +1118,43 @@ def test_a_bytes_path_is_a_local_path_as_os_takes_it(tmp_path):
         ws.load(os.fsencode(tmp_path / "missing.npz"))
 
 
+def test_a_path_holding_a_nul_byte_is_a_file_access_error_naming_it_at_every_entry_point(tmp_path):
+    """No file name holds a NUL: ``os`` refused it with a bare ``ValueError`` ('embedded null
+    byte') from load, open, save, publish, latest and follow, naming nothing."""
+    weights = {"w": np.arange(3, dtype=np.float32)}
+    for name in ("m\0.npz", "m\0.h5", "m\0.safetensors", "m\0.keras", "ckpt\0", "run\0"):
+        path = f"{tmp_path}/{name}"
+        calls = [lambda p: ws.load(p), lambda p: ws.open(p), lambda p: ws.save(p + ".npz", weights),
+                 lambda p: ws.publish(p, weights, step=1), lambda p: ws.latest(p),
+                 lambda p: next(ws.follow(p, timeout=0))]
+        for call in calls:
+            with pytest.raises(errors.FileAccessError, match="NUL") as caught:
+                call(path)
+            assert caught.value.path is not None and caught.value.path.startswith(f"{tmp_path}/")
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/mem"), reason="Linux's /proc")
+def test_a_read_the_system_fails_is_a_storage_error_naming_the_file(tmp_path, monkeypatch):
+    """An I/O error of the disk (or a network file system) while reading: ``/proc/self/mem`` is
+    a regular file whose first read fails so; a bare ``OSError`` (EIO) left ws.load naming
+    nothing. Where a map or an index is read, the same error is simulated at ``os.pread``."""
+    with raises_naming(errors.StorageError, "/proc/self/mem", "cannot be read (Input/output error)"):
+        ws.load("/proc/self/mem")
+    paths = [tmp_path / f"m{suffix}" for suffix in (".npz", ".safetensors")]
+    for path in paths:
+        ws.save(path, {"w": np.arange(3, dtype=np.float32)})
+
+    def failing(*args):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "pread", failing)
+    monkeypatch.setattr(os, "preadv", failing)
+    for path in paths:
+        with raises_naming(errors.StorageError, path, "cannot be read (Input/output error)"):
+            ws.load(path)
+
+
 # -- keys that print alike, or cannot be stored --------------------------------------------------
 
 @pytest.mark.parametrize("key", [

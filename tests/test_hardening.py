@@ -755,10 +755,12 @@ def test_hugging_face_index_that_no_writer_makes_is_refused_naming_it(tmp_path, 
 
 
 def test_symlink_loop_and_overlong_names_are_file_access_errors_naming_the_file(tmp_path):
-    loop = tmp_path / "loop.npz"
-    loop.symlink_to(loop)
-    overlong = tmp_path / ("y" * 300 + ".npz")
-    for path, why in ((loop, "Too many levels of symbolic links"), (overlong, "File name too long")):
+    loops = [tmp_path / f"loop{suffix}" for suffix in (".npz", ".h5", ".keras")]  # HDF5 and Keras: opened by path
+    for loop in loops:
+        loop.symlink_to(loop)
+    overlong = [tmp_path / ("y" * 300 + suffix) for suffix in (".npz", ".h5")]
+    for path, why in [*((loop, "Too many levels of symbolic links") for loop in loops),
+                      *((path, "File name too long") for path in overlong)]:
         with raises_naming(errors.FileAccessError, path, f"cannot be opened ({why})") as caught:
             ws.load(path)
         assert isinstance(caught.value, OSError) and not isinstance(caught.value, errors.StorageError)  # no retry

@@ -162,10 +162,12 @@ def test_a_folder_sharded_again_holds_only_the_new_shards(tmp_path):
     folder = tmp_path / "out"
     ws.save(folder, weights(), max_shard_size="1KB")
     (folder / "README.md").write_text("kept: not a shard")
-    assert len(list(folder.glob("model-*.safetensors"))) == 3
+    lookalike = "model-\u0660\u0660\u0660\u0660\u0661-of-\u0660\u0660\u0660\u0660\u0663.safetensors"  # Arabic-Indic digits
+    (folder / lookalike).write_text("kept: a name no save writes (\\d matched it)")
+    assert len(list(folder.glob("model-0*.safetensors"))) == 3
     ws.save(folder, weights(), max_shard_size="1MB")
     assert sorted(p.name for p in folder.iterdir()) == ["README.md", "model-00001-of-00001.safetensors",
-                                                        "model.safetensors.index.json"]
+                                                        lookalike, "model.safetensors.index.json"]
     np.testing.assert_equal(ws.load(folder), weights())
 
 

@@ -197,6 +197,30 @@ def test_object_replaced_while_open(s3, suffix):
     assert target in str(caught.value)
 
 
+@pytest.mark.parametrize("suffix", FORMATS)
+@pytest.mark.parametrize("answer", ["whole object", "other range"])
+def test_a_ranged_read_answered_with_other_bytes_is_refused_never_read_as_the_tensor(s3, suffix, answer):
+    """A server (or a proxy before it) that ignores ``Range`` answers 200 with the whole object,
+    one that misplaces it answers bytes from elsewhere: the second body has the length asked
+    for, so only its ``Content-Range`` tells. Unverified, those bytes became the tensor."""
+    target = url(suffix)
+    ws.save(target, WEIGHTS)
+    whole = get(target)
+
+    def lying(environ):
+        wanted = environ.get("HTTP_RANGE", "")
+        if environ["REQUEST_METHOD"] != "GET" or not wanted.startswith("bytes="):
+            return None
+        start, end = (int(bound) for bound in wanted[len("bytes="):].split("-"))
+        return (200, whole) if answer == "whole object" else (206, whole[:end + 1 - start])
+
+    with ws.open(target, verify=False) as store:
+        s3.intercept = lying
+        with pytest.raises(ws.StorageError, match="asked for bytes") as caught:
+            store["block_2/w1"]  # outside the index window: a request of its own, not from byte 0
+    assert caught.value.path == target
+
+
 def test_object_removed_while_open(s3):
     import s3fs
 

@@ -544,6 +544,18 @@ def test_a_closed_checkpoint_refuses_reads(made):
         store["model/w"]
 
 
+def test_a_data_file_the_system_will_not_open_is_a_file_access_error_naming_it_and_the_tensor(tmp_path):
+    """A symbolic link loop where a data file belongs: the system's refusal, said in its words,
+    not a FormatError reading 'unreadable (None)'."""
+    prefix = forged(tmp_path)
+    data = Path(prefix + ".data-00000-of-00001")
+    data.unlink()
+    data.symlink_to(data.name)
+    with ws.open(prefix) as store, pytest.raises(ws.FileAccessError, match="symbolic links") as caught:
+        store["w"]
+    assert caught.value.path == str(data) and caught.value.key == "w"
+
+
 def test_fifos_where_files_belong_are_refused_not_waited_on(tmp_path):
     prefix = forged(tmp_path)
     data = Path(prefix + ".data-00000-of-00001")

@@ -760,6 +760,57 @@ def test_latest_naming_a_folder_or_fifo_says_what_it_is(tmp_path, kind):
         ws.load(ws.latest(tmp_path))
 
 
+def test_a_latest_the_system_will_not_open_is_a_file_access_error_naming_it_everywhere(tmp_path):
+    """A ``LATEST`` that is a symbolic link loop: latest, follow, publish and ``ws versions``
+    name it with the system's reason; it leaked as a bare OSError."""
+    ws.publish(tmp_path, weights_at(1), step=1)
+    latest = tmp_path / "LATEST"
+    latest.unlink()
+    latest.symlink_to(latest.name)
+    calls = {"latest": lambda: ws.latest(tmp_path), "follow": lambda: next(ws.follow(tmp_path, timeout=0)),
+             "publish": lambda: ws.publish(tmp_path, weights_at(2), step=2)}
+    for call in calls.values():
+        with pytest.raises(ws.FileAccessError, match="symbolic links") as caught:
+            call()
+        assert caught.value.path == str(latest)
+    from weightstore.cli.main import app
+
+    result = CliRunner().invoke(app, ["versions", str(tmp_path)])
+    assert result.exit_code == 1 and f"{latest}: cannot be opened" in result.output
+    assert latest.is_symlink()  # nothing written through it or over it
+
+
+def test_names_weightstore_never_writes_are_never_pruned_or_cleaned_as_versions_or_attempts(tmp_path):
+    """Only ASCII digits and nothing after the name: ``\\d`` took Arabic-Indic digits and ``$`` a
+    final newline, so a publish pruned, and ``ws clean`` removed, files and folders weightstore
+    never wrote (a user's data beside the versions)."""
+    ws.publish(tmp_path, weights_at(1), step=1)
+    arabic_one = "\u0660" * 11 + "\u0661"
+    squatters = ["step-000000000000.npz\n", f"step-{arabic_one}.npz"]
+    for name in squatters:
+        (tmp_path / name).write_bytes(b"the user's, not a version")
+    folders = [f"step-{arabic_one}.attempt-0", "step-000000000000.attempt-0\n"]
+    for name in folders:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "mine.txt").write_text("the user's")
+    ws.publish(tmp_path, weights_at(2), step=2, keep=1)
+    ws.publish(tmp_path, weights_at(3), step=3, keep=1)
+    ws.publish_shard(tmp_path, {"w": [ws.Piece(np.ones(2, np.float32), (0,), (2,))]}, step=4, rank=0, world=1,
+                     attempt=0)
+    ws.commit_shards(tmp_path, step=4, world=1, attempt=0, timeout=5)
+    attempt = tmp_path / "step-000000000004.attempt-0"  # kept: its rank files no index names are swept
+    squatters += [f"{attempt.name}/rank-00009.done\n", f"{attempt.name}/rank-\u0660\u0660\u0660\u0660\u0669.done"]
+    for name in squatters[-2:]:
+        (tmp_path / name).write_bytes(b"the user's, not a rank's")
+    from weightstore.cli.main import app
+
+    result = CliRunner().invoke(app, ["clean", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert all((tmp_path / name).is_file() for name in squatters)
+    assert all((tmp_path / name / "mine.txt").is_file() for name in folders)
+    assert 1 not in [version.step for version in versions.list_versions(tmp_path)]  # pruning ran
+
+
 def test_following_a_folder_that_does_not_exist_says_so_once_and_waits(tmp_path, caplog):
     """A mistyped path waits for good, and the Python API, unlike ws follow, cannot refuse it (a
     server may start before its trainer's first publish): it says so once, and the first

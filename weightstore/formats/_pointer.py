@@ -21,7 +21,7 @@ LATEST = "LATEST"
 POINTER_FORMAT = "weightstore-latest"
 #: a version's file name: ASCII digits only (``\d`` takes ``٣``), and few enough that ``int`` reads them
 #: (it refuses over 4,300); a file system names none longer than 255 bytes anyway
-VERSION_NAME = re.compile(rf"^step-([0-9]{{1,{VERSION_NAME_DIGITS}}})(\.[A-Za-z0-9]+)$")
+VERSION_NAME = re.compile(rf"^step-([0-9]{{1,{VERSION_NAME_DIGITS}}})(\.[A-Za-z0-9]+)\Z")
 
 
 def pointer_bytes(step: int, name: str, created: str, metadata: Mapping[str, Any]) -> bytes:

@@ -278,8 +278,8 @@ def plan_shards(sizes: Mapping[str, int], max_bytes: int) -> list[list[str]]:
     return shards
 
 
-#: the shards :func:`shard_names` names, and no other file
-OWN_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+#: the shards :func:`shard_names` names, and no other file (ASCII digits: a save removes stale ones)
+OWN_SHARD = re.compile(r"model-[0-9]{5}-of-[0-9]{5}\.safetensors")
 
 
 def shard_names(count: int) -> list[str]:

@@ -88,6 +88,7 @@ from weightstore.errors import (
     StoreNotFoundError,
     TargetError,
     UnsafeFileError,
+    attach,
 )
 from weightstore.formats import Format, ReaderDefaults
 from weightstore.formats._pointer import LATEST, local_latest_name, published_folder_message
@@ -103,7 +104,7 @@ KIND_TF1 = "TF1 checkpoint"
 KIND_TF2 = "TF2 object-based checkpoint"
 
 _SAVE_COUNTER = "save_counter" + VARIABLE_SUFFIX
-_DATA_FILE = re.compile(r"\.data-\d{5}-of-\d{5}$")
+_DATA_FILE = re.compile(r"\.data-[0-9]{5}-of-[0-9]{5}\Z")
 _DT_STRING = 7
 #: TensorFlow's ``DataType`` numbers (``types.proto``) -> numpy dtype, for every numeric kind
 #: numpy or ml_dtypes can hold byte for byte (TF keeps int4 and int2 one per byte, as ml_dtypes
@@ -704,6 +705,8 @@ class CheckpointReader(ReaderDefaults):
                     self._maps[shard] = MappedFile(path)
                 except FileNotFoundError:
                     raise FormatError("its data file is missing", path=path, key=key) from None
+                except FileAccessError as exc:  # the system's refusal (a link loop, no permission), in its words
+                    raise attach(exc, key=key) from None
                 except OSError as exc:
                     raise FormatError(f"its data file is unreadable ({exc.strerror})", path=path, key=key) from None
             return self._maps[shard]

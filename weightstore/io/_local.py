@@ -39,7 +39,7 @@ from typing import Any
 from weightstore.core._forks import Pool
 from weightstore.errors import FormatError, StoreClosedError
 from weightstore.io._buffer import aligned_buffer
-from weightstore.io.files import open_regular_unbuffered
+from weightstore.io.files import open_regular_unbuffered, unreadable
 
 __all__ = ["INDEX_WINDOW", "READ_AHEAD", "SizeGuard", "MappedFile", "OwnedFile", "StreamFile", "check_range"]
 
@@ -139,7 +139,10 @@ class _LocalFile:
         self._check(offset, len(buffer))
         filled = 0  # positional reads: threads sharing one store never move each other's offset
         while filled < len(buffer):
-            count = os.preadv(self._handle.fileno(), [buffer[filled:]], offset + filled)
+            try:
+                count = os.preadv(self._handle.fileno(), [buffer[filled:]], offset + filled)
+            except OSError as exc:
+                raise unreadable(exc, self.name) from None
             if not count:
                 raise FormatError(f"short read at byte {offset + filled} (file truncated while open?)", path=self.name)
             filled += count
@@ -207,7 +210,10 @@ class MappedFile(_LocalFile):
         reader's index lies; reads inside them are served from it until :meth:`index_read`."""
         length = min(self.size, INDEX_WINDOW)
         offset = self.size - length if index_at_end else 0
-        window = os.pread(self._handle.fileno(), length, offset)
+        try:
+            window = os.pread(self._handle.fileno(), length, offset)
+        except OSError as exc:
+            raise unreadable(exc, self.name) from None
         if len(window) == length:  # else shorter since it was opened: the reads say so, from the map
             self._window = (offset, memoryview(window))
 

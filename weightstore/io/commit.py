@@ -227,9 +227,9 @@ def commit_for(location: Location, *, suffix: str = "",
 
 
 #: a TF checkpoint's data file, by the shard count its name records
-_DATA_FILE = re.compile(r"\.data-\d{5}-of-(\d{5})$")
+_DATA_FILE = re.compile(r"\.data-[0-9]{5}-of-([0-9]{5})\Z")
 #: what a checkpoint writer appends to the temporary prefix (``-partN``: a sharded write's pieces)
-_TEMPORARY_ENDINGS = r"(?:-part\d+)?(?:\.index|\.data-\d{5}-of-\d{5})?"
+_TEMPORARY_ENDINGS = r"(?:-part[0-9]+)?(?:\.index|\.data-[0-9]{5}-of-[0-9]{5})?"
 #: the most bytes of those endings (a thousand pieces), which a temporary prefix leaves room for
 _TEMPORARY_ROOM = len("-part999.data-00000-of-00001")
 

@@ -37,10 +37,11 @@ from pathlib import Path
 from typing import BinaryIO
 
 from weightstore.core.limits import FILE_NAME_BYTES
-from weightstore.errors import FileAccessError, FormatError, StoreNotFoundError, TargetError
+from weightstore.errors import FileAccessError, FormatError, StorageError, StoreNotFoundError, TargetError
 
 __all__ = [
-    "TEMP_MARK", "kind_of", "open_regular", "open_regular_unbuffered", "refuse_special_file", "check_writable_target",
+    "TEMP_MARK", "kind_of", "open_regular", "open_regular_unbuffered", "refuse_special_file", "unreadable",
+    "check_writable_target",
     "fsync_path", "fsync_folder", "temporary_beside", "remove_stale_temporaries",
 ]
 
@@ -63,6 +64,13 @@ def kind_of(mode: int) -> str | None:
 
 def _not_regular(kind: str, path: str) -> FormatError:
     return FormatError(f"is not a regular file ({kind}); weightstore reads only regular files", path=path)
+
+
+def unreadable(exc: OSError, path: str) -> StorageError:
+    """A read of an open file that the system failed (an I/O error of a disk or a network file
+    system, ``/proc/self/mem``), as the :class:`StorageError` naming the file: the storage
+    failed, not the file's bytes, and no bare ``OSError`` leaves a reader."""
+    return StorageError(f"cannot be read ({exc.strerror or exc})", path=path)
 
 
 def open_regular(path: str) -> BinaryIO:
@@ -117,9 +125,17 @@ def _open_regular_fd(path: str) -> tuple[int, int]:
 def refuse_special_file(path: str) -> None:
     """Refuse a FIFO, device or folder where a file belongs, for readers another library opens.
 
-    Raises ``FileNotFoundError`` as :func:`open` would when nothing is there.
+    Raises ``FileNotFoundError`` as :func:`open` would when nothing is there, and
+    :class:`FileAccessError` where the system refuses to look (a link loop, a name too long), as
+    :func:`open_regular` does.
     """
-    kind = kind_of(os.stat(path).st_mode)
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise FileAccessError(f"cannot be opened ({exc.strerror or exc})", path=path) from None
+    kind = kind_of(mode)
     if kind is not None:
         raise _not_regular(kind, path)
 
@@ -271,7 +287,7 @@ def remove_stale_temporaries(target: Path, suffix: str = "", *, room: int = 0, l
     and ``room`` the most bytes it appends, as :func:`temporary_beside` was told.
     """
     head = _temporary_head(target, room)
-    pattern = re.compile(rf"(\d+)-(?:([0-9a-f]{{{_SPACE_HEX}}})-)?[0-9a-f]+{suffix}$")
+    pattern = re.compile(rf"([0-9]+)-(?:([0-9a-f]{{{_SPACE_HEX}}})-)?[0-9a-f]+{suffix}\Z")
     with contextlib.suppress(OSError):
         names = os.listdir(target.parent)  # a listing, and names compared first: the folder may be large
         for name in names:

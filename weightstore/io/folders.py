@@ -178,6 +178,8 @@ class LocalFolder(Folder):
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         except (FileNotFoundError, NotADirectoryError):
             return None
+        except OSError as exc:  # a link loop, no permission: the file's fault, so no retry
+            raise FileAccessError(f"cannot be opened ({exc.strerror or exc})", path=str(path)) from None
         kind = kind_of(os.fstat(fd).st_mode)
         if kind is not None:
             os.close(fd)

@@ -17,7 +17,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightstore.core._extras import install_hint
-from weightstore.errors import MissingDependencyError, StorageError, StoreNotFoundError, WeightStoreError
+from weightstore.errors import (
+    FileAccessError,
+    MissingDependencyError,
+    StorageError,
+    StoreNotFoundError,
+    WeightStoreError,
+)
 
 __all__ = ["Location", "location_of", "is_url", "filesystem", "protocols", "storage_error", "service"]
 
@@ -48,7 +54,10 @@ def location_of(path: Any) -> Location:
     text = os.fsdecode(path)
     if text.startswith("file://"):
         text = text[len("file://"):]
-    return Location(text, is_url(text))
+    remote = is_url(text)
+    if not remote and "\0" in text:  # os refuses it with a bare ValueError, naming nothing
+        raise FileAccessError("cannot be opened (its name holds a NUL byte, which no file name can)", path=text)
+    return Location(text, remote)
 
 
 def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:

@@ -14,13 +14,15 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from weightstore.errors import FormatError, StoreNotFoundError, WeightStoreError
+from weightstore.errors import FormatError, StorageError, StoreNotFoundError, WeightStoreError
 from weightstore.io._buffer import aligned_buffer
 from weightstore.io.location import protocols, service_answer, storage_error
 from weightstore.io.objects import MERGE_GAP, READ_CHUNK, Backend, Request, requests_for, scatter, window
 
 __all__ = ["BACKEND", "S3Backend", "S3Object"]
 
+#: a ranged answer's ``Content-Range``: first and last byte, and the object's size
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
 #: concurrent requests per file when the file system names none (s3fs: ``max_concurrency``)
 DEFAULT_CONCURRENCY = 8
 
@@ -49,7 +51,7 @@ class S3Object:
             return 0, 0, memoryview(b"")
         self._pin(response)
         total, start = len(body), 0
-        match = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", str(response.get("ContentRange", "")))
+        match = _CONTENT_RANGE.fullmatch(str(response.get("ContentRange", "")))
         if match:
             start, total = int(match.group(1)), int(match.group(3))
         if start + len(body) > total:
@@ -73,8 +75,9 @@ class S3Object:
 
         async def one(request: Request) -> None:
             async with gate:
-                _, body = await self._request(f"bytes={request.start}-{request.end - 1}")
+                response, body = await self._request(f"bytes={request.start}-{request.end - 1}")
                 try:  # straight into the targets as it arrives: no copy of the body is ever whole
+                    self._require_range(response, request)
                     at, first = request.start, 0
                     while at < request.end:
                         chunk = await body.read(min(READ_CHUNK, request.end - at))
@@ -90,6 +93,20 @@ class S3Object:
                                   path=self.name)
 
         await asyncio.gather(*(one(request) for request in requests))
+
+    def _require_range(self, response: Mapping[str, Any], request: Request) -> None:
+        """Refuse a ranged answer that holds other bytes than asked: a server (or a proxy before
+        it) that ignores ``Range`` answers 200 with the whole object, and a body of the length
+        asked for says nothing of where it starts; only ``Content-Range`` does."""
+        answered = str(response.get("ContentRange", ""))
+        if not answered and request.start == 0 and response.get("ContentLength") == request.end:
+            return  # the whole object, asked for whole: what a service that answers 200 to it sends
+        match = _CONTENT_RANGE.fullmatch(answered)
+        if match is None or (int(match.group(1)), int(match.group(2)) + 1) != (request.start, request.end):
+            said = f"bytes {match.group(1)}-{match.group(2)}" if match else \
+                f"Content-Range {answered!r}" if answered else "no Content-Range (the whole object?)"
+            raise StorageError(f"asked for bytes {request.start}-{request.end - 1}, the storage answered with {said}",
+                               path=self.name)
 
     async def _request(self, wanted: str, empty_is_ok: bool = False) -> tuple[Mapping[str, Any], Any]:
         """The response to a ranged GET, and its body still to be read (the caller closes it)."""

@@ -127,11 +127,13 @@ from weightstore.sync._publish import _BaseMoved, commit_version
 __all__ = ["Piece", "publish_shard", "commit_shards", "publish_together", "in_background", "next_attempt",
            "claimed_attempt", "clean_folder"]
 
-_ATTEMPT = re.compile(r"^step-(\d{12,})\.attempt-(\d+)$")  # a step past 12 digits (a timestamp) is longer
+#: an attempt folder's name (a step past 12 digits, a timestamp, is longer): ASCII digits and nothing
+#: after them (``\d`` takes ``٣``, ``$`` a final newline), so ``ws clean`` removes no folder weightstore never named
+_ATTEMPT = re.compile(r"^step-([0-9]{12,})\.attempt-([0-9]+)\Z")
 #: a rank's file in an attempt folder: its member (of any format, or a delta), block table
-#: (:func:`table_name`) or done-record (:func:`done_name`)
-_RANK_FILE = re.compile("^rank-\\d{5,}(" + "|".join(
-    re.escape(suffix) for suffix in (*MEMBER_SUFFIXES, DELTA_MEMBER_SUFFIX, ".blocks", ".done")) + ")$")
+#: (:func:`table_name`) or done-record (:func:`done_name`); ASCII digits and nothing after, as :data:`_ATTEMPT`
+_RANK_FILE = re.compile("^rank-[0-9]{5,}(" + "|".join(
+    re.escape(suffix) for suffix in (*MEMBER_SUFFIXES, DELTA_MEMBER_SUFFIX, ".blocks", ".done")) + ")\\Z")
 #: how often the coordinator looks for done-records, at most (it backs off from 50 ms)
 _POLL = 0.5
 #: the file rank 0 creates, create-only, in each attempt folder it hands out, naming its launch

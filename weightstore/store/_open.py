@@ -32,7 +32,7 @@ from weightstore.formats import (
 from weightstore.formats._foreign import HEAD_BYTES, refuse_pickle
 from weightstore.formats._pointer import LATEST, latest_name, published_folder_message
 from weightstore.formats._renamed import RenamedReader, names_by_key
-from weightstore.io.files import open_regular
+from weightstore.io.files import open_regular, unreadable
 from weightstore.io.location import service
 from weightstore.io.places import Place, place_of
 from weightstore.io.remote import RemoteFile
@@ -487,7 +487,10 @@ def _head(source: str | RemoteFile, location: str) -> bytes:
     if isinstance(source, RemoteFile):
         return bytes(source.read_at(0, min(HEAD_BYTES, source.size)))
     with open_regular(source) as handle:
-        return handle.read(HEAD_BYTES)
+        try:
+            return handle.read(HEAD_BYTES)
+        except OSError as exc:
+            raise unreadable(exc, location) from None
 
 
 @checks_words("ws.load")
