@@ -66,11 +66,13 @@ class Selection:
     also: Patterns = None
 
     @classmethod
-    def of(cls: type[_Options], called: str, words: Mapping[str, Any]) -> _Options:
-        """These options from the keywords the user gave ``called`` (``"tf2.assign"``): a word
-        that is none of them is a ``TypeError`` naming ``called``, not this class, with a close
-        match (:func:`~weightstore.core._words.refuse_unknown_words`)."""
-        refuse_unknown_words(called, words, [field.name for field in fields(cls)])
+    def of(cls: type[_Options], called: str, words: Mapping[str, Any],
+           takes: Callable[..., object] | None = None) -> _Options:
+        """These options from the keywords the user gave ``called`` (``"tf2.assign"``, the function
+        ``takes`` where it has parameters of its own): a word that is none of them is a
+        ``TypeError`` naming ``called``, not this class, with a close match among the options and
+        ``takes``'s parameters (:func:`~weightstore.core._words.refuse_unknown_words`)."""
+        refuse_unknown_words(called, words, [field.name for field in fields(cls)], takes)
         return cls(**words)
 
     def keeps(self, key: str, trainable: bool) -> bool:

@@ -189,7 +189,7 @@ def publish_sharded(
     """
     from weightstore.adapters import tf2  # here: tf2 re-exports this module's function
 
-    variables = tf2.selected(model, optimizer=optimizer, **Selection.of("tf2.publish_sharded", selection).words())
+    variables = tf2.selected(model, optimizer=optimizer, **Selection.of("tf2.publish_sharded", selection, publish_sharded).words())
     metadata = checked_metadata(metadata)  # on every worker, so that all of them refuse it alike
     planner = as_delta(delta)
     rank, world = _place(strategy)

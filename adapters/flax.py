@@ -86,7 +86,7 @@ def export(
     as trainable. With ``layout``, keys and arrays come out in Keras's names and layouts; a
     tensor no rule converts raises :class:`~weightstore.errors.LayoutError` listing every such key.
     """
-    values, chosen = _selected(obj, Selection.of("flax.export", selection))
+    values, chosen = _selected(obj, Selection.of("flax.export", selection, export))
     sites = _sites(obj) if isinstance(obj, nnx.Module) else None
     weights = {key: np.array(jax.device_get(values[old]), copy=True) for key, old in chosen.items()}
     if layout is None:
@@ -165,7 +165,7 @@ def publish_sharded(
         ShardTimeoutError, PublishError: see ``publish_together`` (through the future with
             ``background=True``).
     """
-    pieces = export_pieces(obj, **Selection.of("flax.publish_sharded", selection).words())
+    pieces = export_pieces(obj, **Selection.of("flax.publish_sharded", selection, publish_sharded).words())
     if background:  # a CPU shard's numpy view shares the device buffer, which a donating step reuses
         pieces = {key: [Piece(np.array(piece.array), piece.start, piece.shape) for piece in found]
                   for key, found in pieces.items()}
@@ -191,7 +191,7 @@ def assign(
     current = {key: var.get_value() for key, var in found.items()}
     targets = {key: TargetInfo(key, _dtype_of(value), tuple(np.shape(value)), isinstance(found[key], nnx.Param))
                for key, value in current.items()}
-    options = AssignOptions.of("flax.assign", words)
+    options = AssignOptions.of("flax.assign", words, assign)
     chosen_layout = _resolved(layout)
 
     def write(batch: list[tuple[str, Any]], report: Report) -> list[str]:

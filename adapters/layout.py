@@ -705,7 +705,7 @@ def plan_laid_out(values: ValueSource, targets: Mapping[str, TargetInfo], option
     Keras's is).
     """
     refuse_keras_file(values)
-    left_out = training_state(values.keys(), targets, options.scope)  # no module holds an optimizer's state
+    left_out = training_state(values.keys(), targets, options.scope, options.mapping)  # no module holds an optimizer's state
     refused: list[Mismatch] = []
     view: ValueSource = values
     scope, mapping = options.scope, options.mapping

@@ -23,6 +23,8 @@ from weightstore.adapters._report import AssignWarning, Mismatch, Plan, Report, 
 from weightstore.adapters._values import ValueSource
 from weightstore.adapters._wording import assign_message, few_assigned, no_such_scope, pair_problem
 from weightstore.core.keys import (
+    MappingRules,
+    ends_by_rule,
     in_scope,
     join_scope,
     map_key,
@@ -42,18 +44,21 @@ INNER_OPTIMIZER = "inner_optimizer"  # the optimizer a LossScaleOptimizer wraps 
 OPTIMIZER_KEY = re.compile(rf"{OPTIMIZER_SCOPE}/(?:{INNER_OPTIMIZER}/)?vars/\d+")
 
 
-def training_state(keys: Collection[str], targets: Collection[str], scope: str | None) -> list[str]:
+def training_state(keys: Collection[str], targets: Collection[str], scope: str | None,
+                   mapping: MappingRules = None) -> list[str]:
     """The value ``keys`` that are training state and name no variable of ``targets`` under
     ``scope``: a Keras model's optimizer state (``optimizer/vars/<i>``, as a ``.keras`` of a
     model trained after ``compile`` holds it) and a TF1 ``Saver`` checkpoint's, as TF names it
     (``w/Adam``, ``beta1_power``, ``global_step``: :func:`_tf1_training.by_naming`). Every
     assign leaves them out (``plan_assign``'s ``left_out``) unless the adapter is asked for
-    them (``optimizer=True``), so such a file goes into any model, module or graph of its layers."""
-    norm_scope = normalize_scope(scope)
+    them (``optimizer=True``), so such a file goes into any model, module or graph of its layers.
+    A key a ``*/END`` rule of ``mapping`` renames is asked for by name, so never left out: the
+    EMA shadow ``w/ExponentialMovingAverage`` that ``*/ExponentialMovingAverage=*`` reads as ``w``."""
+    norm_scope, rules = normalize_scope(scope), parse_mapping(mapping)
     keys = list(keys)
     state = _tf1_training.by_naming(keys)
     return [key for key in keys if (key in state or OPTIMIZER_KEY.fullmatch(key))
-            and join_scope(norm_scope, key) not in targets]
+            and join_scope(norm_scope, key) not in targets and not ends_by_rule(key, rules)]
 
 
 def plan_assign(

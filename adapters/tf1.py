@@ -74,7 +74,7 @@ from weightstore.adapters.plan import (
 from weightstore.adapters.skeleton import Target, batch_budget, run_assign
 from weightstore.core._heap import give_back
 from weightstore.core._parallel import Beside
-from weightstore.core.keys import from_tf_name, plan_inward, validate_key
+from weightstore.core.keys import ends_by_rule, from_tf_name, parse_mapping, plan_inward, validate_key
 from weightstore.core.manifest import ML_DTYPES
 from weightstore.errors import AssignmentError, FormatError, InvalidKeyError, SelectionError, WeightStoreError
 from weightstore.io._buffer import ALIGNMENT
@@ -222,7 +222,7 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
     sess = _open_session(sess)
     graph = sess.graph
     targets = _targets(graph)
-    options = AssignOptions.of("tf1.assign", words)
+    options = AssignOptions.of("tf1.assign", words, assign)
     # The parts hot reload keeps, filled by run_assign for the Target below. The closures hold this
     # dict, not the Target: a Target whose closures hold it is a cycle, which kept a dropped session
     # (and its variables) alive until the next garbage collection.
@@ -301,8 +301,10 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
 
     def plan(values: Any, options: AssignOptions) -> tuple[Plan, Any]:
         refuse_keras_file(values)  # Keras's own names: no graph names its variables so
-        left_out = () if optimizer else (_tf1_training.in_checkpoint(values.where, values.keys())
-                                          | set(training_state(values.keys(), targets, options.scope)))
+        rules = parse_mapping(options.mapping)  # a key a */END rule renames is asked for (see training_state)
+        left_out = () if optimizer else {key for key in _tf1_training.in_checkpoint(values.where, values.keys())
+                                         if not ends_by_rule(key, rules)} | set(
+            training_state(values.keys(), targets, options.scope, options.mapping))
         infos.update(_shaped_as_values(values, options, empty, left_out))  # the Target below reads infos too
         model = infos if optimizer else {key: info for key, info in infos.items() if not targets[key].training}
         return plan_assign(values, model, options, left_out=left_out), values

@@ -140,7 +140,7 @@ def variables(obj: Any, *, optimizer: bool = False, **selection: Unpack[Selectio
     is here under both, as :func:`assign` takes a value under either; :func:`export` writes it
     under the first. An unbuilt Keras model has none yet (an empty dict).
     """
-    found, plan = _chosen(obj, optimizer, Selection.of("tf2.variables", selection))
+    found, plan = _chosen(obj, optimizer, Selection.of("tf2.variables", selection, variables))
     return {new: found[old][0] for new, old in plan.items()}
 
 
@@ -163,7 +163,7 @@ def export(obj: Any, *, optimizer: bool = False, **selection: Unpack[SelectionWo
     Keras model's optimizer state comes too, as ``optimizer/vars/<i>`` (the order and names
     Keras's own files use).
     """
-    return {key: _read(var) for key, var in _selected(obj, optimizer, Selection.of("tf2.export", selection)).items()}
+    return {key: _read(var) for key, var in _selected(obj, optimizer, Selection.of("tf2.export", selection, export)).items()}
 
 
 def export_pieces(obj: Any, *, rank: int = 0, world: int = 1, optimizer: bool = False,
@@ -183,12 +183,12 @@ def export_pieces(obj: Any, *, rank: int = 0, world: int = 1, optimizer: bool = 
     """
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not one of world {world}'s ranks (0 to {world - 1})")
-    return share(_selected(obj, optimizer, Selection.of("tf2.export_pieces", selection)), rank, world)
+    return share(_selected(obj, optimizer, Selection.of("tf2.export_pieces", selection, export_pieces)), rank, world)
 
 
 def selected(obj: Any, *, optimizer: bool = False, **selection: Unpack[SelectionWords]) -> dict[str, Variable]:
     """Key -> variable for exactly what :func:`export` reads with the same words (for snapshots)."""
-    return _selected(obj, optimizer, Selection.of("tf2.selected", selection))
+    return _selected(obj, optimizer, Selection.of("tf2.selected", selection, selected))
 
 
 def _selected(obj: Any, optimizer: bool, selection: Selection) -> dict[str, Variable]:
@@ -237,7 +237,7 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
     if not found and isinstance(obj, keras.layers.Layer) and not obj.built:
         raise AssignmentError(f"cannot assign into {_describe(obj)}: it is not built, so it has no variables yet; "
                               "build it first (call it on a batch of inputs, or model.build(input_shape))")
-    options = AssignOptions.of("tf2.assign", words)
+    options = AssignOptions.of("tf2.assign", words, assign)
     at = normalize_scope(options.scope)
     found, aliases, rekey = _keyed_as_part(obj, at, found, aliases)
     targets = {
@@ -266,7 +266,7 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
         view = (keras_view
                 or _whole_keys_renamed(values, rekey, targets, options)
                 or _old_keys_renamed(values, aliases, targets, options))
-        left_out = () if optimizer else training_state(view.keys(), targets, options.scope)
+        left_out = () if optimizer else training_state(view.keys(), targets, options.scope, options.mapping)
         planned = plan_assign(view, targets, options, left_out=left_out, tied=tied,
                               optional=(lambda key: key not in lora) if adapter_only
                               else lora.__contains__ if keras_keyed else None)

@@ -161,7 +161,7 @@ def export(
     """
     if check_naming(names, WRITE_NAMINGS) == TORCH and layout is not None:
         raise ValueError("names='torch' and layout= do not combine: a layout writes Keras's names")
-    found, chosen = _selected(module, Selection.of("torch.export", selection))
+    found, chosen = _selected(module, Selection.of("torch.export", selection, export))
     weights = {key: to_numpy(found[old], key) for key, old in chosen.items()}
     if names == TORCH:
         return {torch_name_of_key(key): value for key, value in weights.items()}
@@ -187,7 +187,7 @@ def export_pieces(module: nn.Module, *, rank: int | None = None, world: int | No
     ``torch.distributed``'s. Keys and selection are :func:`export`'s; a rank may hold no piece
     of some keys, which other ranks write.
     """
-    found, chosen = _selected(module, Selection.of("torch.export_pieces", selection))
+    found, chosen = _selected(module, Selection.of("torch.export_pieces", selection, export_pieces))
     if rank is None or world is None:
         grouped = torch.distributed.is_available() and torch.distributed.is_initialized()
         rank = (torch.distributed.get_rank() if grouped else 0) if rank is None else rank
@@ -246,7 +246,7 @@ def publish_sharded(
         ShardTimeoutError, PublishError: see ``publish_together`` (through the future with
             ``background=True``).
     """
-    pieces = export_pieces(module, **Selection.of("torch.publish_sharded", selection).words())  # the snapshot: copies in host memory
+    pieces = export_pieces(module, **Selection.of("torch.publish_sharded", selection, publish_sharded).words())  # the snapshot: copies in host memory
     grouped = torch.distributed.is_available() and torch.distributed.is_initialized()
     rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if grouped else (0, 1)
     call = functools.partial(publish_together, folder, pieces, step=step, rank=rank, world=world, timeout=timeout,
@@ -286,7 +286,7 @@ def assign(
                               "run one forward pass first", missing=uninitialized)
     targets = {key: TargetInfo(key, numpy_dtype(tensor, key), tuple(tensor.shape), tensor.requires_grad)
                for key, tensor in found.items()}
-    options = AssignOptions.of("torch.assign", words)
+    options = AssignOptions.of("torch.assign", words, assign)
     chosen_layout = None if layout is None else layouts.resolve(layout, "torch")
     local = {key: _torch_shards.local_tensor(tensor) for key, tensor in found.items()}
 

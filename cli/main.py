@@ -130,8 +130,9 @@ Names = Annotated[str | None, typer.Option(
                                           "(keys: features/0/weight).")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print the result as one JSON object (see docs/cli.md).")]
 Mapping = Annotated[list[str] | None, typer.Option("--map", "-m", metavar="FROM=TO", callback=_check_rules,
-                                                      help="Rename scope FROM to TO (repeatable; first match wins; "
-                                                           "applied before --include/--exclude).")]
+                                                      help="Rename scope FROM to TO, or with */FROM=*/TO (or *) the "
+                                                           "end of a key: '*/ExponentialMovingAverage=*' (repeatable; "
+                                                           "first match wins; applied before --include/--exclude).")]
 
 
 def _print_version(ctx: typer.Context, wanted: bool) -> None:

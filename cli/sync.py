@@ -145,8 +145,8 @@ def clean(
     as_json: Annotated[bool, typer.Option("--json", help="Print what was removed as one JSON object.")] = False,
 ) -> None:
     """Remove what dead writers and coordinators left in FOLDER: attempt folders of sharded
-    versions that no index names, and indexes LATEST never reached. Run it while no job
-    publishes to FOLDER.
+    versions that no index names, rank files in an index's attempt folder that it does not
+    name, and indexes LATEST never reached. Run it while no job publishes to FOLDER.
 
     \b
     Example:

@@ -73,7 +73,8 @@ def test_every_command_has_help(command):
 
 @pytest.mark.parametrize("args, sentence", [
     (["follow", "--help"], "a mistyped path would otherwise wait forever. Pass --wait when it is only not there yet"),
-    (["--help"], "attempt folders of sharded versions that no index names, and indexes LATEST never reached."),
+    (["--help"], "attempt folders of sharded versions that no index names, rank files in an index's attempt folder "
+                 "that it does not name, and indexes LATEST never reached."),
 ])
 def test_help_shows_each_paragraph_whole_not_as_the_docstring_wrapped_it(args, sentence):
     """A docstring is wrapped at 100 columns in the source; on a wide terminal its paragraph is one line."""
@@ -200,6 +201,18 @@ def test_export_unknown_scope_suggests_a_close_match(made, tmp_path):
 
 
 # -- import --------------------------------------------------------------------------------
+
+def test_import_map_matching_no_key_shows_what_the_keys_look_like(made, tmp_path):
+    """A Keras 3 ``.weights.h5`` keys ``layers/dense/vars/0``, not the model's layer names: a map
+    written for those names matched nothing, and the error said no more, so the user could not
+    write the map without ``ws ls``. With no close scope to suggest, it shows the first keys."""
+    with ws.open(made["root"] / "model.weights.h5") as source:
+        keys = list(source.keys())
+    line = one_error_line(run("import", made["root"] / "model.weights.h5", "--into", tmp_path / "e.npz",
+                              "--map", "d1=student"), "model.weights.h5: mapping d1=student matches no key")
+    assert line.endswith(f"; its keys look like {keys[0]!r}, {keys[1]!r}, {keys[2]!r}, ..."), line
+    assert not (tmp_path / "e.npz").exists()
+
 
 def test_import_into_stores_creates_merges_and_refuses_collisions(store, tmp_path):
     target = tmp_path / "ensemble.npz"

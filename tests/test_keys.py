@@ -186,6 +186,26 @@ def test_a_mapping_rule_that_matches_no_key_is_refused_naming_the_closest(tmp_pa
     assert ws.load(tmp_path / "m.npz", mapping=["dense=foo", "=all"]).keys() == {"foo/kernel", "all/head/w"}
 
 
+def test_a_rule_between_the_ends_of_keys_renames_them_and_takes_the_place_of_the_raw_key(tmp_path):
+    """``*/FROM=*/TO`` (or ``=*``) renames the last segments of every key ending in FROM: an EMA
+    shadow ``w/ExponentialMovingAverage`` is read as ``w``, in place of the raw ``w``; a key without
+    a shadow stays. In the API, the CLI, inward and outward alike; FROM and TO are whole segments."""
+    weights = {"w": 1, "w/ExponentialMovingAverage": 2, "net/b": 3, "net/b/ExponentialMovingAverage": 4, "step": 5}
+    assert ws.remap(weights, mapping={"*/ExponentialMovingAverage": "*"}) == {"w": 2, "net/b": 4, "step": 5}
+    assert ws.remap(weights, mapping=["*/ExponentialMovingAverage=*/ema"], scope="m") == {
+        "m/w": 1, "m/w/ema": 2, "m/net/b": 3, "m/net/b/ema": 4, "m/step": 5}
+    ws.save(tmp_path / "m.npz", {key: np.full(2, value) for key, value in weights.items()})
+    loaded = ws.load(tmp_path / "m.npz", scope="net", mapping="*/ExponentialMovingAverage=*")
+    assert {key: int(value[0]) for key, value in loaded.items()} == {"b": 4}
+    with pytest.raises(ws.SelectionError, match=r"mapping \*/MovingAverage=\* matches no key"):
+        ws.remap(weights, mapping={"*/MovingAverage": "*"})  # whole segments: no key ends in that one
+    with pytest.raises(ws.InvalidKeyError, match="both become it"):
+        ws.remap({"a/x": 1, "a/y": 2}, mapping=["*/x=*", "*/y=*"])
+    for rule in ("*/x=y", "x=*", "x=*/y", "*/x*=*", "*=*"):
+        with pytest.raises(ws.InvalidKeyError, match=r"is neither FROM=TO between scopes nor \*/FROM=\*/TO"):
+            ws.remap(weights, mapping=[rule])
+
+
 # -- the order rules, through real files ----------------------------------------------------------
 
 @pytest.fixture(params=[".npz", ".h5"])

@@ -189,6 +189,40 @@ def test_a_word_no_verb_takes_is_a_type_error_naming_the_verb_called_with_a_clos
         Follower(model, "versions", scop="net")
 
 
+#: per adapter, a verb and a typo of a parameter of its own (not an option word), which Python
+#: hands to its ``**words`` as it takes any keyword it does not bind
+OWN_TYPOS = {"tf1": [("assign", "optimzer", "optimizer")],
+             "tf2": [("assign", "optimzer", "optimizer"), ("export", "optimzer", "optimizer"),
+                     ("export_pieces", "wrld", "world"), ("publish_sharded", "timout", "timeout")],
+             "torch": [("assign", "layot", "layout"), ("export", "layot", "layout"),
+                       ("export_pieces", "rnak", "rank"), ("publish_sharded", "timout", "timeout")],
+             "flax": [("assign", "layot", "layout"), ("export", "layot", "layout"),
+                      ("publish_sharded", "timout", "timeout")]}
+
+
+@pytest.mark.parametrize("name", ADAPTERS)
+def test_a_typo_of_a_verb_s_own_parameter_gets_a_close_match_too(name, tmp_path):
+    """``tf2.assign(model, path, optimzer=True)``: ``optimizer`` is ``tf2.assign``'s own
+    parameter, not an option word, and was no close match; nor ``Follower(..., pol=1)``'s
+    ``poll``. Nothing is written."""
+    import numpy as np
+
+    adapter, model, _ = _model(name)
+    for verb, typo, meant in OWN_TYPOS[name]:
+        arguments = {"assign": (model, {"net/w": np.ones(2, np.float32)}),
+                     "publish_sharded": (tmp_path / "run", model)}.get(verb, (model,))
+        required = {"step": 1, "strategy": None} if verb == "publish_sharded" and name == "tf2" else (
+            {"step": 1} if verb == "publish_sharded" else {})
+        with pytest.raises(TypeError, match=fr"^{name}\.{verb}\(\) got an unexpected keyword argument {typo!r}; "
+                                            fr"did you mean {meant!r}\?$"):
+            getattr(adapter, verb)(*arguments, **required, **{typo: 1})
+    assert not (tmp_path / "run").exists()
+    from weightstore.adapters.serving.follower import Follower
+
+    with pytest.raises(TypeError, match=r"^Follower\(\) got an unexpected keyword argument 'pol'; did you mean 'poll'\?$"):
+        Follower(model, tmp_path / "run", pol=1)
+
+
 def test_a_word_no_store_verb_takes_is_a_type_error_naming_the_verb_with_a_close_match(tmp_path):
     import numpy as np
 

@@ -808,6 +808,67 @@ def test_ws_clean_keeps_a_version_whose_member_is_a_symbolic_link(tmp_path):
             model()["dense/kernel"].tobytes()
 
 
+@pytest.mark.parametrize("digests", [True, False])
+def test_ws_clean_counts_a_block_table_as_the_commit_does(tmp_path, digests):
+    """``ws clean`` counted a block table as its head and digests, where the commit counts its
+    paged CRC-32s too (``TableRef.size``): a table cut within its CRC-32s passed for whole. A
+    table without digests (only its header counts its CRC-32s) is whole at its head, as at the
+    commit: its version is kept."""
+    folder = tmp_path / "run"
+    w = np.random.default_rng(0).standard_normal((256, 1024), dtype=np.float32)
+    for step in (1, 2):
+        for rank in range(2):
+            ws.publish_shard(folder, {"w": ws.Piece(w[128 * rank:128 * (rank + 1)], (128 * rank, 0), w.shape)},
+                             step=step, rank=rank, world=2, attempt=0, digests=digests)
+        shards.commit_shards(folder, step=step, world=2, attempt=0, timeout=5)
+    table = folder / "step-000000000001.attempt-0" / "rank-00001.blocks"
+    blocks = ShardIndex.parse((folder / "step-000000000001.wsindex").read_bytes()).members[1].table.blocks
+    if digests:
+        table.write_bytes(table.read_bytes()[:-4 * blocks])  # as long as its head and digests: cut all the same
+        with ws.open(folder / "step-000000000001.wsindex") as store, \
+                pytest.raises(ws.FormatError, match="rank-00001.blocks.*truncated"):
+            store.region_digest("w", (slice(128, 256),))  # what a follower reads
+    cleaned = subprocess.run([sys.executable, "-m", "weightstore", "clean", str(folder), "--json"],
+                             capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert cleaned.returncode == 0, cleaned.stderr
+    removed = json.loads(cleaned.stdout)["removed"]
+    assert sorted(removed) == (["step-000000000001.attempt-0", "step-000000000001.wsindex"] if digests else [])
+    if not digests:
+        assert np.array_equal(ws.load(folder / "step-000000000001.wsindex")["w"], w)
+
+
+def test_a_restart_with_a_smaller_world_in_the_same_attempt_leaves_no_rank_of_the_larger_one(tmp_path):
+    """A job of 5 ranks wrote attempt 0 of a step and died before its commit; restarted with 3
+    ranks and attempt 0 again, it commits. Readers take only the 3 members the index names;
+    the commit (and ``ws clean``) removes the files of ranks 3 and 4, which stayed until the step
+    was pruned."""
+    folder = tmp_path / "run"
+    w = np.arange(120 * 16, dtype=np.float32).reshape(120, 16)
+    for world in (5, 3):
+        rows = 120 // world
+        for rank in range(world):
+            ws.publish_shard(folder, {"w": ws.Piece(w[rank * rows:(rank + 1) * rows] + world, (rank * rows, 0),
+                                                    w.shape)}, step=1, rank=rank, world=world, attempt=0)
+    version = shards.commit_shards(folder, step=1, world=3, attempt=0, timeout=5)
+    assert [member.rank for member in ShardIndex.parse(Path(version.path).read_bytes()).members] == [0, 1, 2]
+    with ws.open(version) as store:
+        assert store.read_region("w", (slice(90, 120),)).tobytes() == (w[90:] + 3).tobytes()
+    attempt = folder / "step-000000000001.attempt-0"
+    named = sorted(f"rank-0000{rank}{suffix}" for rank in range(3) for suffix in (".safetensors", ".blocks", ".done"))
+    assert sorted(p.name for p in attempt.iterdir()) == named
+    # a folder an older weightstore left so: ws clean removes them (and nothing the index names)
+    for name in ("rank-00003.safetensors", "rank-00004.done", "rank-00001.wsdelta"):
+        shutil.copy(attempt / "rank-00000.safetensors", attempt / name)
+    cleaned = subprocess.run([sys.executable, "-m", "weightstore", "clean", str(folder), "--json"],
+                             capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert cleaned.returncode == 0, cleaned.stderr
+    assert sorted(json.loads(cleaned.stdout)["removed"]) == [
+        f"step-000000000001.attempt-0/{name}" for name in ("rank-00001.wsdelta", "rank-00003.safetensors",
+                                                           "rank-00004.done")]
+    assert sorted(p.name for p in attempt.iterdir()) == named
+    assert ws.load(version)["w"].tobytes() == (w + 3).tobytes()
+
+
 def test_a_list_of_numbers_is_an_array_not_a_list_of_pieces(tmp_path):
     folder = tmp_path / "run"
     ws.publish_shard(folder, {"w": [1.0, 2.0, 3.0]}, step=1, rank=0, world=1, attempt=0)

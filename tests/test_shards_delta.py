@@ -714,6 +714,10 @@ def test_a_sharded_delta_whose_base_is_no_longer_latest_is_refused_not_committed
     same(ws.load(held), 3)
     version = publish(folder, 4, delta=deltas, keep=2)
     assert version.step == 4 and ws.latest(folder).step == 4
+    # the refused try's deltas (LATEST named a plain version, so the ranks wrote whole members) are
+    # no member of the version: its commit removed them rather than leave them until step 4 is pruned
+    assert members(folder, 4) == [Path(member.file).name for member in index_of(version).members] == [
+        "rank-00000.safetensors", "rank-00001.safetensors"]
     got = next(following)
     assert got.step == 4
     same(ws.load(got), 4)

@@ -215,3 +215,35 @@ def test_words_that_name_only_left_out_training_state_say_so(train_dir, words):
     message = str(caught.value)
     assert message.startswith(str(train_dir / "model.ckpt-6")) and "matches no key" not in message
     assert "'hidden/kernel/Adam'" in message and "training state" in message and "optimizer=True" in message
+
+
+def test_an_ema_checkpoint_restores_its_averages_by_one_mapping_rule(tmp_path):
+    """``Saver(ema.variables_to_restore())`` restores ``w`` from ``w/ExponentialMovingAverage``;
+    the ``*/ExponentialMovingAverage=*`` rule (FROM and TO naming the end of a key) does the
+    same: the shadow is read as ``w`` in place of the raw ``w``, a variable without a shadow
+    (the batch-norm statistic) keeps its own value, and the training state is left out as ever."""
+    batch = np.arange(6, dtype=np.float32).reshape(2, 3)
+    with tf.Graph().as_default(), v1.Session() as sess:
+        x, train = training_graph()
+        ema = v1.train.ExponentialMovingAverage(0.5)
+        with tf.control_dependencies([train]):
+            train = ema.apply(v1.trainable_variables())
+        sess.run(v1.global_variables_initializer())
+        for _ in range(5):
+            sess.run(train, {x: batch})
+        prefix = v1.train.Saver().save(sess, str(tmp_path / "model.ckpt"))
+    predictions = {}
+    for how in ("saver", "weightstore"):
+        with tf.Graph().as_default() as graph, v1.Session(graph=graph) as sess:
+            x = v1.placeholder(tf.float32, (None, 3))
+            y = model(x)
+            if how == "saver":
+                v1.train.Saver(v1.train.ExponentialMovingAverage(0.5).variables_to_restore()).restore(sess, prefix)
+            else:
+                graph.finalize()
+                report = tf1.assign(sess, prefix, mapping={"*/ExponentialMovingAverage": "*"})
+                assert report.ok and sorted(report.assigned) == MODEL and sorted(report.left_out) == TRAINING
+            predictions[how] = sess.run(y, {x: batch})
+    raw = tf.train.load_checkpoint(prefix)
+    assert not np.array_equal(raw.get_tensor("out/kernel"), raw.get_tensor("out/kernel/ExponentialMovingAverage"))
+    np.testing.assert_array_equal(predictions["weightstore"], predictions["saver"])

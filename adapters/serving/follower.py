@@ -229,7 +229,7 @@ class Follower:
         self.max_poll = None if max_poll is None else checked_seconds("max_poll", max_poll)
         self.notifications = notifications
         self.storage_options = storage_options
-        self.options = AssignOptions.of("Follower", words)
+        self.options = AssignOptions.of("Follower", words, Follower)
         self.version: Version | None = None
         self.report: Report | None = None
         self.error: BaseException | None = None

@@ -208,7 +208,7 @@ class PublishCallback(_Front, keras.callbacks.Callback):
                 raise ValueError(f"{name} must be an int of at least 1, not {value!r}")
         self.every_n_batches, self.every_n_epochs, self.at_end = every_n_batches, every_n_epochs, at_end
         self._publisher = _Publisher(folder, keep=keep, metadata=metadata, format=format,
-                                     selection=Selection.of("PublishCallback", selection), storage_options=storage_options,
+                                     selection=Selection.of("PublishCallback", selection, PublishCallback), storage_options=storage_options,
                                      background=background, end_timeout=end_timeout, delta=delta,
                                      retry_for=retry_for)
         self._batches_since = 0  # batches since the last publish, as ModelCheckpoint counts them
@@ -328,7 +328,7 @@ class PublishHook(_Front, tf.compat.v1.train.SessionRunHook):
             raise ValueError("pass exactly one of every_n_steps and every_n_secs")
         self._timer = tf.compat.v1.train.SecondOrStepTimer(every_secs=every_n_secs, every_steps=every_n_steps)
         self._publisher = _Publisher(folder, keep=keep, metadata=metadata, format=format,
-                                     selection=Selection.of("PublishHook", selection), storage_options=storage_options,
+                                     selection=Selection.of("PublishHook", selection, PublishHook), storage_options=storage_options,
                                      background=background, end_timeout=end_timeout, delta=delta,
                                      retry_for=retry_for)
         self._is_chief = is_chief

@@ -25,6 +25,10 @@ MappingRules = Mapping[str, str] | Sequence[str] | None
 
 RESERVED_PREFIX = "__weightstore"
 _GLOB_CHARS = frozenset("*?[")
+#: how a mapping rule's FROM (and TO) names the end of a key, not its scope: ``*/ExponentialMovingAverage=*``
+_ENDING = "*/"
+#: keys a mapping rule that matches none shows of the keys it was given, for their naming
+_KEYS_SHOWN = 3
 #: C0, DEL and C1 controls (U+0080-U+009F), which terminals interpret rather than print
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 _MISPRINTING = frozenset({"Cc", "Cf", "Zl", "Zp"})  # Unicode categories: see misprints()
@@ -242,19 +246,33 @@ def parse_mapping(mapping: MappingRules) -> list[tuple[str, str]]:
             source, target = rule.split("=", 1)
             pairs.append((source, target))
     rules = [(normalize_scope(s), normalize_scope(t)) for s, t in pairs]
+    for source, target in rules:
+        ending = source.startswith(_ENDING)
+        if ending != (target == "*" or target.startswith(_ENDING)) or (
+                ending and (is_glob(source[2:]) or is_glob(target[2:]))):
+            raise InvalidKeyError(f"mapping rule {source}={target} is neither FROM=TO between scopes nor "
+                                  "*/FROM=*/TO (or *) between the ends of keys")
     for i, (source, target) in enumerate(rules):  # the first rule whose scope holds a key renames it
         for earlier, earlier_target in rules[:i]:
-            if in_scope(source, earlier):
+            if not source.startswith(_ENDING) and in_scope(source, earlier):
                 raise SelectionError(f"mapping {source}={target} never applies: the earlier rule "
                                      f"{earlier}={earlier_target} renames every key under {earlier!r} first; "
                                      "put the narrower rule first")
     return rules
 
 
+def rule_matches(key: str, source: str) -> bool:
+    """Whether a mapping rule's FROM matches ``key``: a scope it lies in, or ``*/END`` the
+    whole segments it ends with (below at least one)."""
+    return key.endswith(source[1:]) if source.startswith(_ENDING) else in_scope(key, source)
+
+
 def map_key(key: str, rules: Sequence[tuple[str, str]], scope: str = "") -> str:
-    """Rewrite ``key`` by the first rule whose FROM scope matches it. ``key`` is relative to
-    ``scope``: an error names the key as the file has it, scope and all."""
+    """Rewrite ``key`` by the first rule whose FROM matches it (:func:`rule_matches`). ``key``
+    is relative to ``scope``: an error names the key as the file has it, scope and all."""
     for source, target in rules:
+        if source.startswith(_ENDING) and rule_matches(key, source):
+            return join_scope(key[:len(key) - len(source) + 1], target[2:])
         if in_scope(key, source):
             rest = "" if key == source else strip_scope(key, source)
             mapped = join_scope(target, rest)
@@ -330,7 +348,7 @@ def plan_outward(
     if rules:
         relative = [strip_scope(k, norm_scope) for k in under]
         _require_rules_match(relative, rules, where)
-        renamed = {map_key(k, rules, norm_scope): source for k, source in zip(relative, under, strict=True)}
+        renamed, under = _renamed(relative, under, rules, norm_scope)
     else:  # the common case, without a call per key: 50,000 keys
         cut = len(norm_scope) + 1 if norm_scope else 0
         renamed = {k[cut:]: k for k in under} if cut else dict(zip(under, under, strict=True))
@@ -362,7 +380,7 @@ def plan_inward(
     rules = parse_mapping(mapping)
     source_keys = list(keys)
     _require_rules_match(source_keys, rules, where)
-    renamed = {map_key(k, rules): k for k in source_keys}
+    renamed, source_keys = _renamed(source_keys, source_keys, rules)
     _refuse_collisions(renamed, source_keys, "", rules, where)
     selected = _select_or_fail(renamed, include, exclude, where)
     return {join_scope(norm_scope, k): v for k, v in selected.items()}
@@ -370,11 +388,42 @@ def plan_inward(
 
 def _require_rules_match(keys: list[str], rules: Sequence[tuple[str, str]], where: str) -> None:
     """Refuse a mapping rule whose FROM scope no key lies in: a typo there would leave the keys
-    it was written to rename as they were, and the mistake would surface later, elsewhere."""
+    it was written to rename as they were, and the mistake would surface later, elsewhere.
+    Without a close scope to suggest, the message shows the first keys, so that a user who
+    guessed the file's naming (a Keras 3 ``.weights.h5`` keys ``layers/dense/vars/0``) can
+    write the rule."""
     for source, target in rules:
-        if keys and not any(in_scope(key, source) for key in keys):
-            raise SelectionError(f"mapping {source}={target} matches no key{_where(where)}"
-                                 f"{suggest(source, scopes_of(keys))}", word=f"mapping {source}={target}")
+        if keys and not any(rule_matches(key, source) for key in keys):
+            shown = ", ".join(map(repr, keys[:_KEYS_SHOWN])) + (", ..." if len(keys) > _KEYS_SHOWN else "")
+            hint = suggest(source, scopes_of(keys)) or f"; its keys look like {shown}"
+            raise SelectionError(f"mapping {source}={target} matches no key{_where(where)}{hint}",
+                                 word=f"mapping {source}={target}")
+
+
+def _renamed(keys: list[str], sources: list[str], rules: Sequence[tuple[str, str]],
+             scope: str = "") -> tuple[dict[str, str], list[str]]:
+    """New key -> source for ``keys`` (``sources`` as the file names them), and the sources kept.
+    A name a ``*/END`` rule gives takes the place of the key of that name no rule matches: with
+    ``*/ExponentialMovingAverage=*``, ``w/ExponentialMovingAverage`` is read as ``w`` and the raw
+    ``w`` is not, as ``Saver(ema.variables_to_restore())`` restores a graph; a variable without
+    a shadow keeps its own value."""
+    mapped = [(map_key(key, rules, scope), _first_rule(key, rules), source)
+              for key, source in zip(keys, sources, strict=True)]
+    ended = {new for new, rule, _ in mapped if rule is not None and rule.startswith(_ENDING)}
+    kept = [(new, source) for new, rule, source in mapped if rule is not None or new not in ended]
+    return {new: source for new, source in kept}, [source for _, source in kept]
+
+
+def _first_rule(key: str, rules: Sequence[tuple[str, str]]) -> str | None:
+    """The FROM of the rule that renames ``key``; None when no rule matches it."""
+    return next((source for source, _ in rules if rule_matches(key, source)), None)
+
+
+def ends_by_rule(key: str, rules: Sequence[tuple[str, str]]) -> bool:
+    """Whether the rule that renames ``key`` is a ``*/END`` rule: one that names the key itself
+    (an assign never leaves such a key out as training state)."""
+    rule = _first_rule(key, rules)
+    return rule is not None and rule.startswith(_ENDING)
 
 
 def _refuse_collisions(renamed: dict[str, str], sources: list[str], scope: str, rules, where: str) -> None:

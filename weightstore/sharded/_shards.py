@@ -39,7 +39,7 @@ import os
 import re
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -128,6 +128,10 @@ __all__ = ["Piece", "publish_shard", "commit_shards", "publish_together", "in_ba
            "claimed_attempt", "clean_folder"]
 
 _ATTEMPT = re.compile(r"^step-(\d{12,})\.attempt-(\d+)$")  # a step past 12 digits (a timestamp) is longer
+#: a rank's file in an attempt folder: its member (of any format, or a delta), block table
+#: (:func:`table_name`) or done-record (:func:`done_name`)
+_RANK_FILE = re.compile("^rank-\\d{5,}(" + "|".join(
+    re.escape(suffix) for suffix in (*MEMBER_SUFFIXES, DELTA_MEMBER_SUFFIX, ".blocks", ".done")) + ")$")
 #: how often the coordinator looks for done-records, at most (it backs off from 50 ms)
 _POLL = 0.5
 #: the file rank 0 creates, create-only, in each attempt folder it hands out, naming its launch
@@ -466,7 +470,7 @@ def commit_shards(
         raise
     if adopted and target.read_small(name, 1) is None:  # removed as dead between the look and the swap
         target.put_if(name, adopted[0], create=True)
-    clean_attempts(target, keep_step=step, keep_attempt=attempt)
+    clean_attempts(target, index, members, sizes)
     return version
 
 
@@ -629,25 +633,46 @@ def next_attempt(folder: Any, step: int, *, storage_options: Mapping[str, Any] |
                    default=-1)
 
 
-def clean_attempts(target: Folder, *, keep_step: int, keep_attempt: int) -> list[str]:
-    """After committing ``keep_step``: remove its other attempts, and attempts of older steps no
-    index names (no commit of an older step can succeed any more). Attempts of later steps may
-    be in flight and stay. Returns the names removed."""
+def clean_attempts(target: Folder, index: ShardIndex, members: Folder, listed: Iterable[str]) -> list[str]:
+    """After committing ``index``: remove its step's other attempts, and attempts of older steps no
+    index names (no commit of an older step can succeed any more); attempts of later steps may
+    be in flight and stay. In its own attempt folder (``members``, whose files the commit's last
+    listing, ``listed``, names) remove what :func:`_remove_unnamed` does. Returns the names removed."""
     indexed = {step for step, entry in version_files(target) if entry.name.endswith(SHARDED_SUFFIX)}
     removed = []
     for sub, step, attempt in _attempts(target):
-        if (step == keep_step and attempt != keep_attempt) or (
-                step < keep_step and step not in indexed and not _unlisted_index(target, step)):
+        if (step == index.step and attempt != index.attempt) or (
+                step < index.step and step not in indexed and not _unlisted_index(target, step)):
             target.remove_folder(sub)
             removed.append(sub)
+    return removed + _remove_unnamed(index, members, listed)
+
+
+def _remove_unnamed(index: ShardIndex, members: Folder, listed: Iterable[str]) -> list[str]:
+    """Remove from ``index``'s attempt folder (``members``, whose files ``listed`` names) the rank
+    files the index does not name: a member a rank wrote before in another form (a delta refused
+    as ``LATEST`` moved off its base, then written whole into the same attempt) and every file of
+    ranks past its world (a launch of a larger world that wrote this attempt, then restarted
+    smaller). Readers go by the index and never take them; no commit can any more, its step
+    being committed. Returns the names removed."""
+    named = {done_name(rank) for rank in range(index.world)} | {
+        name for member in index.members
+        for name in (member.file.rsplit("/", 1)[-1], *([table_name(member.rank)] if member.table else []))}
+    removed = []
+    for name in sorted(set(listed) - named):
+        if _RANK_FILE.match(name):
+            members.remove(name)
+            removed.append(f"{attempt_folder(index.step, index.attempt)}/{name}")
     return removed
 
 
 def clean_folder(folder: Any, *, storage_options: Mapping[str, Any] | None = None) -> list[str]:
     """``ws clean``: remove what dead writers and coordinators left in a folder *at rest* (no job
     publishing to it): indexes above the step ``LATEST`` names (a coordinator killed before
-    ``LATEST``), indexes whose members are gone, and every attempt folder no remaining index
-    names. Returns the names removed; a folder that does not exist (a typo) is refused.
+    ``LATEST``), indexes whose members are gone, every attempt folder no remaining index
+    names, and in the attempt folder of each one kept the rank files it does not name
+    (:func:`_remove_unnamed`). Returns the names removed; a folder that does not exist (a typo)
+    is refused.
 
     With ``LATEST`` missing (deleted, or lost with a backup), the newest version counts as
     current, as it does for the next publish: nothing committed is taken for a dead attempt."""
@@ -657,6 +682,7 @@ def clean_folder(folder: Any, *, storage_options: Mapping[str, Any] | None = Non
     current = latest.step if latest is not None else max((step for step, _ in found), default=None)
     removed: list[str] = []
     live: set[tuple[int, int | None]] = set()
+    kept: list[ShardIndex] = []
     for step, entry in found:
         if not entry.name.endswith(SHARDED_SUFFIX):
             continue
@@ -671,6 +697,7 @@ def clean_folder(folder: Any, *, storage_options: Mapping[str, Any] | None = Non
                      and _members_present(target, index, storage_options)):
             if index is not None:
                 live.add((step, index.attempt))
+                kept.append(index)
         else:
             target.remove(entry.name)
             removed.append(entry.name)
@@ -681,6 +708,9 @@ def clean_folder(folder: Any, *, storage_options: Mapping[str, Any] | None = Non
                 step in listed or not _unlisted_index(target, step)):
             target.remove_folder(sub)
             removed.append(sub)
+    for index in kept:
+        members = folder_for(target.url(attempt_folder(index.step, index.attempt)), storage_options)
+        removed += _remove_unnamed(index, members, (entry.name for entry in members.files()))
     return removed
 
 
@@ -693,9 +723,10 @@ def _unlisted_index(target: Folder, step: int) -> bool:
 
 
 def _members_present(target: Folder, index: ShardIndex, storage_options: Mapping[str, Any] | None) -> bool:
-    """Whether every member and block table ``index`` names is there. One the listing of plain
-    files misses is asked for by name (a request each, up to the first missing): a symbolic link,
-    which readers follow, is no missing member."""
+    """Whether every member and block table ``index`` names is there, at least as long as the
+    commit found it (a table: :attr:`TableRef.size`, or its head where the index cannot say more).
+    One the listing of plain files misses is asked for by name (a request each, up to the first
+    missing): a symbolic link, which readers follow, is no missing member."""
     members = folder_for(target.url(attempt_folder(index.step, index.attempt)), storage_options)
     present = {entry.name: entry.size for entry in members.files()}
 
@@ -704,7 +735,7 @@ def _members_present(target: Folder, index: ShardIndex, storage_options: Mapping
         return listed >= size if listed is not None else members.tag(name) is not None
 
     return all(there(member.file.rsplit("/", 1)[-1], member.size) and (
-        member.table is None or there(table_name(member.rank), member.table.head + member.table.digests))
+        member.table is None or there(table_name(member.rank), member.table.size or member.table.head))
         for member in index.members)
 
 
