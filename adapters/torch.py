@@ -17,6 +17,13 @@ Values are written in place under ``torch.no_grad()`` with ``tensor.copy_``: no 
 ``Parameter`` is made, so optimizers and hooks holding the module's tensors keep working, and
 ``copy_`` moves the value onto the tensor's own device (CPU, CUDA, MPS) itself.
 
+A wrapper that only runs a model is read as the model it holds: ``torch.compile``'s
+(``_orig_mod.``), ``DistributedDataParallel``'s and ``DataParallel``'s (``module.``). Their
+``state_dict`` names carry the wrapper's prefix, so a trainer publishing its compiled or DDP
+module would write keys that the same model unwrapped (a serving copy, a Keras model by
+layout) does not have; unwrapped, every verb gives and takes the model's own keys, as
+``model.state_dict()`` before wrapping names them.
+
 ``layout="keras"`` (or a :class:`~weightstore.adapters.layout.Layout`) converts Keras/TF names
 and layouts on the way in and out: see :mod:`weightstore.adapters.layout`. Scope, mapping and
 selection then speak the module's names (``conv/weight``, not ``conv/kernel``).
@@ -27,6 +34,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import itertools
+import sys
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -98,11 +106,26 @@ def tensors(module: nn.Module, **selection: Unpack[SelectionWords]) -> dict[str,
     return variables(module, **Selection.of("torch.tensors", selection).words())
 
 
+def _unwrapped(module: nn.Module) -> nn.Module:
+    """The model inside ``torch.compile``'s, DDP's and DataParallel's wrappers (nested too): the
+    module whose ``state_dict`` names are the model's own (see the module docstring)."""
+    wrappers: list[tuple[type, str]] = [(nn.parallel.DistributedDataParallel, "module"), (nn.DataParallel, "module")]
+    compiled = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing was compiled (an import costs ~1 s)
+    if compiled is not None:
+        wrappers.append((compiled.OptimizedModule, "_orig_mod"))
+    while True:
+        inner = next((getattr(module, name) for kind, name in wrappers if isinstance(module, kind)), None)
+        if not isinstance(inner, nn.Module):
+            return module
+        module = inner
+
+
 def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     """Key -> every tensor of ``module``'s ``state_dict`` but ``get_extra_state()``'s, packed
     parameters refused: what :func:`variables` selects from (its docstring says why)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"expected a torch.nn.Module, not {type(module).__name__}")
+    module = _unwrapped(module)
     extra = {f"{prefix}.{EXTRA_STATE}".lstrip(".") for prefix, owner in module.named_modules()
              if type(owner).get_extra_state is not nn.Module.get_extra_state}
     state = {name: value for name, value in module.state_dict(keep_vars=True).items() if name not in extra}
@@ -474,7 +497,7 @@ def _as_tensor(array: np.ndarray) -> torch.Tensor:
 def _sites(module: nn.Module) -> dict[str, layouts.Site]:
     """Key -> the layer kind of the module holding that tensor, for converting to Keras."""
     sites = {}
-    for name, owner in module.named_modules(remove_duplicate=False):
+    for name, owner in _unwrapped(module).named_modules(remove_duplicate=False):
         site = _site(owner)
         own = [*owner.named_parameters(recurse=False), *owner.named_buffers(recurse=False)]
         sites.update({f"{name}.{leaf}".lstrip(".").replace(".", "/"): site for leaf, _ in own})

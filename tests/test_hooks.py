@@ -317,7 +317,8 @@ def test_a_torch_follower_serves_a_keras_trainers_versions_with_layout_keras(tmp
             with follower.reading(), torch.no_grad():
                 np.testing.assert_allclose(served(torch.from_numpy(x)).numpy(), model(x, training=False), atol=1e-5)
     assert follower.error is None
-    with pytest.raises(ws.UnsupportedTargetError, match="layout= converts versions for torch and Flax targets"):
+    with pytest.raises(ws.UnsupportedTargetError, match="layout= converts versions for torch and Flax targets; "
+                       r".*publish export\(module, layout='keras'\)"):
         Follower(model, tmp_path, layout="keras")
     with pytest.raises(ws.errors.LayoutError, match=f"^{tmp_path}: unknown layout 'kerass'"):
         Follower(served, tmp_path, layout="kerass")  # at once, not on every version
@@ -568,3 +569,59 @@ def test_a_tf1_follower_passes_over_a_damaged_version_once_as_follow_does(tmp_pa
             assert follower.wait(3, timeout=30).step == 3 and follower.error is None
             assert sess.run(weight).tolist() == [[3.0] * 3] * 2
         assert len(graph.get_operations()) == ops
+
+
+FIT_THAT_ENDS_EARLY = """
+import sys
+import keras
+import numpy as np
+import weightstore as ws
+from weightstore.adapters import tf2
+from weightstore.adapters.serving.hooks import PublishCallback
+
+folder, ending, background = sys.argv[1], sys.argv[2], sys.argv[3] == "background"
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, name="hidden"), keras.layers.Dense(1, name="out")])
+model.compile(optimizer="sgd", loss="mse")
+
+
+class End(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if int(model.optimizer.iterations) == 6:  # mid-epoch: no interval has published these weights
+            ws.save(folder + ".npz", tf2.export(model))
+            if ending in ("error", "closed"):
+                raise RuntimeError("a bug in a callback")
+            if ending == "interrupt":
+                raise KeyboardInterrupt
+            sys.exit(3)
+
+
+x = np.random.default_rng(0).normal(size=(32, 3)).astype(np.float32)
+callback = PublishCallback(folder, every_n_epochs=1, background=background)
+try:
+    model.fit(x, x[:, :1], batch_size=8, epochs=3, verbose=0, callbacks=[callback, End()])
+except RuntimeError:
+    if ending != "closed":
+        raise
+    callback.close()  # the user is done with it: nothing more is published
+"""
+
+
+@pytest.mark.parametrize("ending, code, background", [("error", 1, "background"), ("interrupt", 1, "foreground"),
+                                                     ("exit", 3, "background"), ("closed", 0, "background")])
+def test_a_fit_that_raises_still_publishes_its_final_weights_before_the_process_exits(tmp_path, tf_fork, ending,
+                                                                                      code, background):
+    """Keras's fit calls no on_train_end when it raises (a bug in a callback, Ctrl-C, sys.exit in a
+    callback): the weights it ended on were never published, and followers kept serving the last
+    epoch's. The exit publishes them."""
+    folder = str(tmp_path / "run")
+    done = tf_fork.run(FIT_THAT_ENDS_EARLY, folder, ending, background, timeout=120)
+    assert done.returncode == code, done.stderr[-2000:]
+    latest = ws.latest(folder)
+    if ending == "closed":  # closed after the fit raised: the last interval's version stays the last
+        assert latest.step == 4 and "failed" not in done.stderr, done.stderr[-2000:]
+        return
+    assert latest is not None and latest.step == 6, (latest, done.stderr[-2000:])
+    trained, published = ws.load(folder + ".npz"), ws.load(latest)
+    assert published.keys() == trained.keys()
+    assert all(np.array_equal(published[key], trained[key]) for key in trained)

@@ -512,3 +512,44 @@ def test_example_tf1_to_torch_serves_without_tensorflow(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "TensorFlow imported in this process: False" in done.stdout
+
+
+def test_a_compiled_or_ddp_wrapped_module_has_its_models_keys_in_a_version_both_ways(tmp_path):
+    """torch.compile's wrapper names every tensor '_orig_mod.…' and DDP's 'module.…': a trainer
+    publishing its compiled or DDP module put those prefixes in every key, so a plain module (or a
+    Keras model with layout="torch") following it was refused, and the reverse. The adapter reads
+    the model inside the wrapper, as a user saving model.state_dict() before wrapping does."""
+    import torch.distributed as dist
+
+    from weightstore.adapters.serving.follower import Follower
+
+    def shifted(by: float) -> nn.Module:
+        net = small_net()
+        with torch.no_grad():
+            for tensor in net.state_dict().values():
+                tensor.add_(by if tensor.is_floating_point() else int(by))
+        return net
+
+    def equal(wrapped: nn.Module, plain: nn.Module) -> bool:  # state_dict names differ by the wrapper's prefix
+        pairs = zip(wrapped.state_dict().values(), plain.state_dict().values(), strict=True)
+        return all(torch.equal(a, b) for a, b in pairs)
+
+    plain = small_net()
+    compiled = torch.compile(shifted(1.0))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.compile(shifted(2.0)))
+        assert torch_adapter.export(compiled).keys() == torch_adapter.export(ddp).keys() == \
+            torch_adapter.export(plain).keys()
+        ws.publish(tmp_path / "run", torch_adapter.export(plain), step=1)
+        for wrapped in (compiled, ddp):
+            with Follower(wrapped, tmp_path / "run", poll=0.05) as follower:
+                assert follower.wait(step=1, timeout=30).step == 1
+            assert equal(wrapped, plain)
+        torch_adapter.assign(ddp, torch_adapter.export(shifted(3.0)))
+        ws.publish(tmp_path / "run", torch_adapter.export(ddp), step=3)  # from the wrapped trainer
+        report = torch_adapter.assign(plain, ws.latest(tmp_path / "run"))
+        assert len(report.assigned) == len(plain.state_dict())
+        assert equal(ddp, plain)
+    finally:
+        dist.destroy_process_group()

@@ -244,7 +244,9 @@ class Follower:
         if layout is not None:
             if "layout" not in inspect.signature(adapter.assign).parameters:
                 raise UnsupportedTargetError(f"layout= converts versions for torch and Flax targets; "
-                                             f"{adapter.__name__}.assign takes versions in its own layout")
+                                             f"{adapter.__name__}.assign takes versions in its own layout: have "
+                                             "the trainer publish in it (a PyTorch or Flax trainer for a Keras "
+                                             "follower: publish export(module, layout='keras'))")
             chosen: str | Layout = layout
             if adapter.__name__.startswith("weightstore.adapters."):  # a registered adapter's layouts are its own
                 try:  # an unknown one fails here, not on every version
