@@ -36,7 +36,7 @@ import functools
 import itertools
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import ml_dtypes
@@ -305,7 +305,7 @@ def assign(
 
     def plan(values: Any, options: AssignOptions) -> tuple[Any, Any]:
         if chosen_layout is None:
-            values = _keyed(values)
+            values = _keyed(values, targets)
         return layouts.plan_laid_out(values, targets, options, layout=chosen_layout, optional=_optional,
                                      tied=_tied(local))
 
@@ -352,9 +352,26 @@ def _chosen(module: nn.Module, chosen_by: Selection) -> tuple[dict[str, torch.Te
     return found, chosen_by.choose(found, lambda key: found[key].requires_grad, _describe(module))
 
 
-def _keyed(values: Any) -> Any:
-    """``values`` with each ``state_dict`` name read as its key (:func:`~weightstore.core.names.torch_keys`)."""
-    renames = {name: key for key, name in torch_keys(values.keys()).items() if key != name}
+#: the first name torch.compile's (``_orig_mod``) and DDP's or DataParallel's (``module``) wrappers
+#: put before their model's ``state_dict`` names
+_WRAPPER_NAMES = ("_orig_mod", "module")
+
+
+def _keyed(values: Any, targets: Collection[str]) -> Any:
+    """``values`` with each ``state_dict`` name read as its key (:func:`~weightstore.core.names.torch_keys`),
+    and a wrapper's name taken off the front of every key where all of them carry it and no
+    target does: a file a user saved from a compiled or DDP module's own ``state_dict``
+    (``_orig_mod.fc.weight``, ``module.fc.weight``) assigns into the model, wrapped or not,
+    as :func:`export` of a wrapper now names its tensors (nested wrappers: each name in turn)."""
+    keys = {name: key for key, name in torch_keys(values.keys()).items()}
+    tops = {target.split("/", 1)[0] for target in targets}
+    while keys:
+        wrapper = next((name for name in _WRAPPER_NAMES if name not in tops
+                        and all(key.startswith(name + "/") for key in keys.values())), None)
+        if wrapper is None:
+            break
+        keys = {name: key[len(wrapper) + 1 :] for name, key in keys.items()}
+    renames = {name: key for name, key in keys.items() if key != name}
     return RenamedValues(values, renames) if renames else values
 
 

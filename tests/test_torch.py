@@ -553,3 +553,30 @@ def test_a_compiled_or_ddp_wrapped_module_has_its_models_keys_in_a_version_both_
         assert equal(ddp, plain)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("prefix", ["_orig_mod.", "module.", "module._orig_mod.", "_orig_mod/"])
+def test_a_file_saved_from_a_wrappers_own_state_dict_assigns_into_the_model(tmp_path, prefix):
+    """compiled.state_dict() names '_orig_mod.fc.weight', a DDP module's 'module.fc.weight' (and
+    weightstore wrote '_orig_mod/…' from a compiled module before it read wrappers as their
+    model): such a file assigns into the plain model, since every key carries the wrapper and the
+    model has no such name; a model that does have a top-level 'module' keeps its own key."""
+    from safetensors.torch import save_file
+
+    source, target = small_net(), small_net()
+    with torch.no_grad():
+        for tensor in source.state_dict().values():
+            tensor.add_(1)
+    path = tmp_path / "wrapped.safetensors"
+    spelled = (lambda name: name.replace(".", "/")) if prefix.endswith("/") else (lambda name: name)
+    save_file({prefix + spelled(name): tensor.contiguous() for name, tensor in source.state_dict().items()}, str(path))
+    report = torch_adapter.assign(target, path)
+    assert len(report.assigned) == len(target.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(source.state_dict().values(), target.state_dict().values(), strict=True))
+
+    holder = nn.Module()
+    holder.module = small_net()  # a model whose own top-level name is 'module': nothing is taken off
+    own = {"module." + name: tensor + 2 for name, tensor in source.state_dict().items()}
+    save_file({name: tensor.contiguous() for name, tensor in own.items()}, str(tmp_path / "own.safetensors"))
+    torch_adapter.assign(holder, tmp_path / "own.safetensors")
+    assert all(torch.equal(own[name], tensor) for name, tensor in holder.state_dict().items())
