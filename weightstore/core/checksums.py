@@ -111,6 +111,14 @@ def crc32(view: memoryview, crc: int = 0) -> int:
         chunk_crcs[index] = native(0, address + start, min(step, size - start))
 
     parallel.for_each(count, chunk)
-    for index, chunk_crc in enumerate(chunk_crcs):
-        crc = isal_zlib.crc32_combine(crc, chunk_crc, min(step, size - index * step))
+    return joined(chunk_crcs, step, size, crc)
+
+
+def joined(crcs: list[int], block_bytes: int, size: int, crc: int = 0) -> int:
+    """CRC-32 of ``size`` bytes, continuing ``crc``, from the CRC-32s of their blocks of
+    ``block_bytes`` (the last one shorter), with ``crc32_combine``: a third of a microsecond a
+    block, not another pass over the bytes. What a sharded member's writer records as each
+    stored tensor's CRC-32, from the block CRC-32s its block table holds anyway."""
+    for index, block_crc in enumerate(crcs):
+        crc = isal_zlib.crc32_combine(crc, block_crc, min(block_bytes, size - index * block_bytes))
     return crc & 0xFFFFFFFF
