@@ -859,7 +859,7 @@ def _described(local: str, where: str, fmt: Format, listed: list[_Listed], diges
                ) -> tuple[BlockTable, dict[str, DoneTensor]]:
     """The member just written (``local``, published as ``where``, which errors name), described:
     its block table (where each piece's strips landed, the CRC-32 of each block and the BLAKE3
-    digest of the band of rows that holds it, from the work beside the write: ``digested``)
+    digest of the band of rows that holds it, from the work before the write: ``digested``)
     and the done-record's tensors (each piece's box and digest: the BLAKE3 of its bands'
     digests, which replicas written alike share). Where a format other than safetensors put
     the bytes is checked against the file: readers will take that range for the piece.
