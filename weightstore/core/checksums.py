@@ -111,6 +111,17 @@ def crc32(view: memoryview, crc: int = 0) -> int:
         chunk_crcs[index] = native(0, address + start, min(step, size - start))
 
     parallel.for_each(count, chunk)
-    for index, chunk_crc in enumerate(chunk_crcs):
-        crc = isal_zlib.crc32_combine(crc, chunk_crc, min(step, size - index * step))
-    return crc & 0xFFFFFFFF
+    return joined(chunk_crcs, step, size, crc)
+
+
+def joined(crcs: list[int], block_bytes: int, size: int, crc: int = 0) -> int:
+    """CRC-32 of ``size`` bytes, continuing ``crc``, from the CRC-32s of their blocks of
+    ``block_bytes`` (the last one shorter), with ``crc32_combine``: 0.2 us a block, not another
+    pass over the bytes. What a sharded member's writer records as each stored tensor's CRC-32,
+    from the block CRC-32s its block table holds anyway."""
+    if not crcs:
+        return crc & 0xFFFFFFFF
+    combine = isal_zlib.crc32_combine
+    for block_crc in crcs[:-1]:
+        crc = combine(crc, block_crc, block_bytes)
+    return combine(crc, crcs[-1], size - (len(crcs) - 1) * block_bytes) & 0xFFFFFFFF

@@ -115,7 +115,9 @@ class Writer(Protocol):
     #: tensors whose bytes a codec encodes (npz ``compress="shuffle"``), for the manifest
     codecs: dict[str, str]
 
-    def add(self, key: str, dtype_name: str, data: np.ndarray) -> int: ...  # the CRC-32 of data, from the write pass
+    #: returns the CRC-32 of data, from the write pass; ``crc``: that CRC-32 where the caller has it already
+    #: (a sharded member's, joined from its block CRC-32s), so an uncompressed write makes no pass for it
+    def add(self, key: str, dtype_name: str, data: np.ndarray, crc: int | None = None) -> int: ...
     def commit(self, manifest_text: str) -> None: ...
     def abort(self) -> None: ...
 

@@ -103,26 +103,26 @@ class NpzWriter:
         self.locations: dict[str, str] = {}
         self.codecs: dict[str, str] = {}
 
-    def add(self, key: str, dtype_name: str, data: np.ndarray) -> int:
+    def add(self, key: str, dtype_name: str, data: np.ndarray, crc: int | None = None) -> int:
         nbytes = data.nbytes
         if self._small and nbytes <= CRC_CHUNK and self._offset < _SMALL_MEMBERS_END:
-            return self._add_small((key + ".npy").encode("utf-8"), data, nbytes)
+            return self._add_small((key + ".npy").encode("utf-8"), data, nbytes, crc)
         if self._compress == "shuffle" and data.ndim and nbytes:
             self.codecs[key] = _shuffle_zstd.CODEC
             return self._add_member(key + _shuffle_zstd.MEMBER_SUFFIX, b"", data, shuffle=True)
-        return self._add_member(key + ".npy", _npy_header_and_crc(data.dtype, data.shape)[0], data)
+        return self._add_member(key + ".npy", _npy_header_and_crc(data.dtype, data.shape)[0], data, crc=crc)
 
     def _flush_pending(self) -> None:
         self._file.write(self._pending)
         self._pending.clear()
 
-    def _add_small(self, name: bytes, data: np.ndarray, nbytes: int) -> int:
+    def _add_small(self, name: bytes, data: np.ndarray, nbytes: int, known: int | None = None) -> int:
         """A small stored member, gathered with others into one write and its offset counted
         rather than asked: a ``write``, ``tell`` or seek costs more than a small tensor's bytes,
         and a file may hold 50,000 of them (so this is one flat function, its constants local)."""
         header, header_crc = _npy_header_and_crc(data.dtype, data.shape)
         payload = data if data.flags.c_contiguous else raw_bytes(data)  # an array is a buffer too, without a view
-        data_crc = isal_zlib.crc32(payload)
+        data_crc = isal_zlib.crc32(payload) if known is None else known
         size = len(header) + nbytes
         offset = self._offset
         fixed = offset + _LOCAL_AND_PAD_ID + len(name)
@@ -140,20 +140,22 @@ class NpzWriter:
         self._written += (name, offset, crc, size, size, STORED)
         return data_crc
 
-    def _add_member(self, name: str, header: bytes, data: np.ndarray, *, shuffle: bool = False) -> int:
+    def _add_member(self, name: str, header: bytes, data: np.ndarray, *, shuffle: bool = False,
+                    crc: int | None = None) -> int:
         """Write one member, checksumming the data as it is written; returns the data's CRC-32.
 
         A large or encoded member's local header goes first with a zero CRC (and size, when
         encoded), patched once the data is written: one pass over the tensor instead of a
         checksum pass before it. A small one is checksummed first (it stays in cache for the
-        write), so thousands of small tensors cost no seeks.
+        write), so thousands of small tensors cost no seeks. A stored one whose CRC-32 the
+        caller gives (``crc``) is neither checksummed nor patched.
         """
         self._flush_pending()
         payload = raw_bytes(data)
         size = len(header) + len(payload)
         deflate = bool(self._compress) and not shuffle and size > 0 and data.ndim > 0
-        patched = deflate or shuffle or len(payload) > CRC_CHUNK
-        data_crc = 0 if patched else crc32(payload)
+        patched = deflate or shuffle or (crc is None and len(payload) > CRC_CHUNK)
+        data_crc = 0 if patched else crc32(payload) if crc is None else crc
         # the zip CRC covers the npy header too; combining saves a second pass over the data
         crc = 0 if patched else isal_zlib.crc32_combine(isal_zlib.crc32(header), data_crc, len(payload))
         # the encoded size is only bounded, not known: ZIP64 when it might pass 4 GB

@@ -297,21 +297,21 @@ class Hdf5Writer:
                 raise _write_error(self._path, exc, info.key) from None
             self._made.add(info.key)
 
-    def add(self, key: str, dtype_name: str, data: np.ndarray) -> int:
+    def add(self, key: str, dtype_name: str, data: np.ndarray, crc: int | None = None) -> int:
         try:  # not _as_write_error: a generator context per tensor cost a tenth of writing 1 KB
-            return self._add(key, data)
+            return self._add(key, data, crc)
         except WeightStoreError:
             raise
         except _H5PY_ERRORS as exc:
             raise _write_error(self._path, exc, key) from None
 
-    def _add(self, key: str, data: np.ndarray) -> int:
+    def _add(self, key: str, data: np.ndarray, crc: int | None) -> int:
         if key in self._made:
             self._made.discard(key)
             path = self.locations.get(key, key)  # moved inside its group since, if it became a scope
             dataset = h5py.h5d.open(self._file.id, path.encode("utf-8"))
             if dataset.shape == data.shape and dataset.dtype == data.dtype:
-                return self._write_plain(dataset, data)
+                return self._write_plain(dataset, data, crc)
             del self._file[path]  # not what was planned: made anew where it was
             parent_path, _, leaf = path.rpartition("/")
             parent = self._file[parent_path] if parent_path else self._file
@@ -325,7 +325,7 @@ class Hdf5Writer:
                 return _write_rows(created.id, data, self._types_of(data.dtype)[1])
             parent.create_dataset(leaf, data=data, **options)
             return crc32(data)
-        return self._write_plain(self._create_plain(parent, leaf, data.shape, data.dtype), data)
+        return self._write_plain(self._create_plain(parent, leaf, data.shape, data.dtype), data, crc)
 
     def _place(self, key: str) -> tuple[h5py.Group, str]:
         """The group and name ``key``'s dataset goes in (a key that is already the scope of
@@ -354,12 +354,12 @@ class Hdf5Writer:
             self._types[dtype] = types
         return types
 
-    def _write_plain(self, dataset: h5py.h5d.DatasetID, data: np.ndarray) -> int:
-        """Write an uncompressed dataset in full; its CRC-32."""
-        if data.nbytes > _WRITE_BLOCK:
+    def _write_plain(self, dataset: h5py.h5d.DatasetID, data: np.ndarray, crc: int | None) -> int:
+        """Write an uncompressed dataset in full; its CRC-32 (``crc`` where given: not checksummed)."""
+        if crc is None and data.nbytes > _WRITE_BLOCK:
             return _write_rows(dataset, data, self._types_of(data.dtype)[1])
         dataset.write(h5py.h5s.ALL, h5py.h5s.ALL, data, self._types_of(data.dtype)[1])
-        return crc32(data)
+        return crc32(data) if crc is None else crc
 
     def _group_for(self, scope: str) -> h5py.Group:
         group = self._groups.get(scope)

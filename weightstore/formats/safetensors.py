@@ -196,9 +196,10 @@ class SafetensorsWriter:
         ``transformers`` requires of every safetensors file it loads."""
         self._header_metadata["format"] = "pt"
 
-    def add(self, key: str, dtype_name: str, data: np.ndarray) -> int:
-        """Write or hold a tensor; its CRC-32 comes from the write when written now, else from a
-        pass over it here (held tensors are written at :meth:`commit`, after the manifest is built)."""
+    def add(self, key: str, dtype_name: str, data: np.ndarray, crc: int | None = None) -> int:
+        """Write or hold a tensor; its CRC-32 is ``crc`` where the caller has it, else comes from
+        the write when written now, else from a pass over it here (held tensors are written at
+        :meth:`commit`, after the manifest is built)."""
         code = _SPEC_CODES.get(dtype_name)
         if code is None:
             raise UnsupportedDTypeError(_unsupported(dtype_name), path=self._path, key=key)
@@ -209,11 +210,14 @@ class SafetensorsWriter:
             if self._held_bytes + size <= _HOLD_BYTES and not (size >= _PLAN_FROM and self._plan_outgrows_hold()):
                 self._held.append(tensor)
                 self._held_bytes += size
-                return crc32(data)  # the array, not its byte view: cheaper for a small one
+                return crc32(data) if crc is None else crc  # the array, not its byte view: cheaper for a small one
             self._start_streaming()  # writes what is held; this tensor follows, as if it had been held
         if size % _KEEPS_ALIGNED:
             self._held.append(tensor)  # would misalign what follows: laid out at the end instead
-            return crc32(data)
+            return crc32(data) if crc is None else crc
+        if crc is not None:
+            self._write(tensor)
+            return crc
         return self._write_checksummed(tensor)
 
     def _plan_outgrows_hold(self) -> bool:

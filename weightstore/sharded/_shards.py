@@ -48,6 +48,7 @@ import numpy as np
 
 from weightstore._version import __version__
 from weightstore.core import _parallel as parallel
+from weightstore.core import checksums
 from weightstore.core._exiting import finish_before_exit
 from weightstore.core._forks import Pool
 from weightstore.core.keys import validate_key
@@ -306,7 +307,7 @@ def _write_shard(target: Folder, pieces: Mapping[str, Any], *, step: int, rank: 
         virtual = None
         if plan is None:
             arrays = {item.stored: from_storage(item.data, item.dtype) for item in listed}
-            write_file(local, fmt, CheckedWeights(arrays, where, fmt), metadata, False, digests=False, beside=digested)
+            write_file(local, fmt, CheckedWeights(arrays, where, fmt), metadata, False, digests=False, before=digested)
         else:
             with open(local, "wb") as handle:
                 delta_format.write(handle, plan.head, plan.rows, plan.digests, plan.encoded, metadata,
@@ -858,9 +859,10 @@ def _box(piece: Piece, array_shape: tuple[int, ...], key: str, where: str) -> tu
 
 
 class _Digested:
-    """``write_file``'s ``beside`` work for a member, on each stored tensor (a piece, or a column
-    strip of one) as it is written: its blocks' CRC-32s, of the bytes as stored (a strip's
-    copy is in cache), and, from a piece's first, the BLAKE3 digests of the piece's bands of
+    """``write_file``'s ``before`` work for a member, on each stored tensor (a piece, or a column
+    strip of one) before it is written: its blocks' CRC-32s, of the bytes as stored (a strip's
+    copy is in cache), joined into the tensor's CRC-32 for the write (which so makes no pass of
+    its own for it), and, from a piece's first, the BLAKE3 digests of the piece's bands of
     rows, from the piece in memory (:func:`~weightstore.formats._sharded_index.band_digests`),
     on the helper thread while its strips are copied and written (none where ``digests`` is
     false: ``publish_shard(digests=False)``); kept for its block table."""
@@ -871,11 +873,14 @@ class _Digested:
         self.crcs: dict[str, list[int]] = {}
         self._bands: dict[int, parallel.Beside[list[bytes]]] = {}  # piece -> its bands' digests, coming
 
-    def __call__(self, stored: str, data: np.ndarray) -> None:
+    def __call__(self, stored: str, data: np.ndarray) -> int:
+        """Its blocks' CRC-32s kept, and their join returned: ``data``'s CRC-32."""
         item = self._listed[stored]
-        self.crcs[stored] = block_crcs(data, item.rows * row_bytes(data.shape, data.itemsize))
-        if self.digests and item.piece not in self._bands:
+        if self.digests and item.piece not in self._bands:  # on the helper thread meanwhile
             self._bands[item.piece] = parallel.beside(functools.partial(band_digests, item.whole, item.rows))
+        block = item.rows * row_bytes(data.shape, data.itemsize)
+        crcs = self.crcs[stored] = block_crcs(data, block)
+        return checksums.joined(crcs, block, data.nbytes)
 
     def bands(self, piece: int) -> list[bytes]:
         found = self._bands.get(piece)
@@ -887,7 +892,7 @@ def _described(local: str, where: str, fmt: Format, listed: list[_Listed], diges
                ) -> tuple[BlockTable, dict[str, DoneTensor]]:
     """The member just written (``local``, published as ``where``, which errors name), described:
     its block table (where each piece's strips landed, the CRC-32 of each block and the BLAKE3
-    digest of the band of rows that holds it, from the work beside the write: ``digested``)
+    digest of the band of rows that holds it, from the work before the write: ``digested``)
     and the done-record's tensors (each piece's box and digest: the BLAKE3 of its bands'
     digests, which replicas written alike share). Where a format other than safetensors put
     the bytes is checked against the file: readers will take that range for the piece.

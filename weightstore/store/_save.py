@@ -489,7 +489,7 @@ def _stated_shape(value: Any) -> tuple[int, ...] | None:
 
 def write_file(path: str, fmt: Format, arrays: CheckedWeights, metadata: Mapping[str, Any] | None,
                compress: bool | str, stored_names: Mapping[str, str] | None = None, created: str | None = None,
-               *, digests: bool = True, beside: Callable[[str, np.ndarray], object] | None = None) -> None:
+               *, digests: bool = True, before: Callable[[str, np.ndarray], int | None] | None = None) -> None:
     """Write a file tensor by tensor; the caller makes it atomic and durable.
 
     ``stored_names`` (from :func:`file_names`) names tensors in the file other than by their
@@ -502,10 +502,12 @@ def write_file(path: str, fmt: Format, arrays: CheckedWeights, metadata: Mapping
     itself at 0.3) for an answer only a comparison asks; whoever compares a file without
     digests reads its bytes (docs/design.md, Content digests). The CRC-32 that every read
     verifies is recorded either way, from the pass that writes the bytes.
-    ``beside(name, data)``: more work on each tensor's stored bytes (``data``, in the file under
-    ``name``), done as its digest is, on the helper thread while a large one is written, for a
-    caller that needs more of the bytes than the file records (a sharded member's block
-    CRC-32s and digests).
+    ``before(name, data)``: more work on each tensor's stored bytes (``data``, in the file under
+    ``name``) for a caller that needs more of them than the file records (a sharded member's
+    block CRC-32s), done on this thread just before the write, while a tensor made for it (a
+    column strip's copy) is in cache. It returns the CRC-32 of ``data`` where its work yields
+    it (joined from the block CRC-32s), which the write records instead of making a pass of
+    its own for it, or None.
     """
     metadata = checked_metadata(metadata, path)  # before the file exists (callers check earlier, naming theirs)
     stored_names = stored_names or {}
@@ -525,13 +527,12 @@ def write_file(path: str, fmt: Format, arrays: CheckedWeights, metadata: Mapping
             # a large tensor is hashed on the helper thread while the writer writes it (both release
             # the GIL); a small one after, still in cache, as a hand-off costs more than its hash
             stored = stored_names.get(key, key)
-            work = _digest_beside(data, stored, digests, beside)
-            hashing = parallel.beside(work) if work is not None and data.nbytes >= _HASH_BESIDE else None
-            tensors.append((key if located else stored, name, data.shape, writer.add(stored, name, data)))
-            if work is not None:
-                digest = work() if hashing is None else hashing.result()
-                if digest is not None:
-                    hashed.append(digest)
+            crc = None if before is None else before(stored, data)
+            hashing = (parallel.beside(functools.partial(content_digest, data))
+                       if digests and data.nbytes >= _HASH_BESIDE else None)
+            tensors.append((key if located else stored, name, data.shape, writer.add(stored, name, data, crc)))
+            if digests:
+                hashed.append(content_digest(data) if hashing is None else hashing.result())
             writeback.advance(data.nbytes)
             del data
         locations = {**writer.locations, **located}
@@ -543,16 +544,3 @@ def write_file(path: str, fmt: Format, arrays: CheckedWeights, metadata: Mapping
     finally:
         if writeback is not None:
             writeback.close()
-
-
-def _digest_beside(data: np.ndarray, stored: str, digests: bool,
-                   beside: Callable[[str, np.ndarray], object] | None) -> Callable[[], bytes | None] | None:
-    """What :func:`write_file` computes of ``data`` beside its write: its content digest (when
-    ``digests``) and the caller's ``beside`` work; None when neither is asked for."""
-    if beside is None:
-        return functools.partial(content_digest, data) if digests else None
-
-    def both() -> bytes | None:
-        beside(stored, data)
-        return content_digest(data) if digests else None
-    return both
