@@ -182,8 +182,10 @@ def export(
     model_keys: Annotated[bool, typer.Option(
         "--model-keys", help="Key a .keras SOURCE like its model (dense/kernel, as tf2.export keys it), building "
                              "the model from the archive's config in Keras's safe mode (a .keras of Keras's "
-                             "built-in layers is keyed so without it; it is needed for custom layers, and "
-                             "--trainable-only implies it, asking the built model which variables train).")] = False,
+                             "built-in layers is keyed so without it; it is needed for the layers ws's table "
+                             "lacks, keras-hub's too, but refuses a class of your own, which no ws process can "
+                             "import; --trainable-only implies it, asking the built model which variables "
+                             "train).")] = False,
     model: Annotated[str | None, typer.Option(
         "--model", metavar="FILE.keras", help="Key a Keras file or TF2 checkpoint SOURCE like the model of this "
                                               ".keras file (implies --model-keys).")] = None,
@@ -282,7 +284,8 @@ def ls(
         _note_skipped(opened)
         if opened.keys_note:
             note(f"keys are the file's own names, not its model's: {opened.keys_note} (ws export --model-keys "
-                 "builds the model in Keras to key them)")
+                 "builds the model in Keras to key them, of Keras's and keras-hub's layers; a class of your own: "
+                 "tf2.load(model, path) in Python)")
         console = render.stdout()
         console.print(render.printable(f"{opened.path} ({opened.kind})"), soft_wrap=True)  # a line of its own: never folded
         console.print(render.listing_table(infos))

@@ -88,7 +88,8 @@ def test_export_help_says_when_a_keras_archive_needs_model_keys():
     result = run("export", "--help")
     assert result.exit_code == 0
     text = " ".join(result.stdout.replace("│", " ").split())
-    assert ("built-in layers is keyed so without it; it is needed for custom layers, and --trainable-only implies it, "
+    assert ("built-in layers is keyed so without it; it is needed for the layers ws's table lacks, keras-hub's too, "
+            "but refuses a class of your own, which no ws process can import; --trainable-only implies it, "
             "asking the built model which variables train") in text, text
 
 

@@ -913,6 +913,9 @@ def test_a_keras_archive_with_a_custom_layer_keeps_its_own_names_whole_and_ls_sa
     text = " ".join(listed.output.split())
     why = "its layer 'scaled' is a 'Scaled' from 'test_keras_models', not one of Keras's built-in layers"
     assert f"keys are the file's own names, not its model's: {why}" in text
+    # a ws process cannot import a user's class: the note names the way that works besides --model-keys
+    assert ("(ws export --model-keys builds the model in Keras to key them, of Keras's and keras-hub's layers; "
+            "a class of your own: tf2.load(model, path) in Python)") in text
     assert json.loads(ws_command("ls", tmp_path / "m.keras", "--json").stdout)["keys_note"] == why
     small_dense().save(tmp_path / "keyed.keras")
     assert json.loads(ws_command("ls", tmp_path / "keyed.keras", "--json").stdout)["keys_note"] == ""
