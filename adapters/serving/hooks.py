@@ -225,12 +225,6 @@ class PublishCallback(_Front, keras.callbacks.Callback):
             self._publish()
         self._publisher.end()
 
-    def close(self, timeout: float | None = None) -> Version | None:
-        """Wait like :meth:`wait`, then refuse further publishes (a fit that raised before: its
-        final weights are then not published at exit either)."""
-        _unfinished.discard(self)
-        return self._publisher.close(timeout)
-
     def _publish_at_exit(self) -> None:
         """The end of a ``fit`` that raised, at the process's exit: hand the final weights over (the
         exit then waits for the write as for any background publish)."""
