@@ -20,10 +20,7 @@ failure is logged and counted (``failures``, ``last_error``). The end of trainin
 already holds them, and waits for them at most ``end_timeout`` seconds; then it logs which
 version is the last published, and a publish still retrying goes on in the background, for
 ``retry_for`` seconds at most (the process waits for it at exit: a short ``retry_for`` lets a
-script end soon during an outage, at the cost of the final weights). A Keras ``fit`` that raises
-(a bug in a callback, Ctrl-C, ``sys.exit`` in a callback) calls no ``on_train_end``: the callback
-publishes the weights it ended on when the process exits instead (the callback and its model are
-held until then, or until its next ``fit`` ends).
+script end soon during an outage, at the cost of the final weights).
 
 Under tf.distribute (or a ``TF_CONFIG`` cluster) only the chief publishes: the task of type
 ``chief``, or worker 0 when the cluster has no chief. Every worker holds the same weights, and
@@ -47,8 +44,6 @@ with needs("tf", __name__):
     import tensorflow as tf
 
 from weightstore.adapters.plan import Selection, SelectionWords
-from weightstore.core._exiting import before_exit
-from weightstore.core._forks import in_child
 from weightstore.sharded._cluster import is_tf_chief, tf_config_task
 from weightstore.sync._background import DEFAULT_RETRY_FOR, BackgroundPublisher
 from weightstore.sync._checks import DEFAULT_FORMAT, DEFAULT_KEEP, checked_seconds
@@ -216,26 +211,12 @@ class PublishCallback(_Front, keras.callbacks.Callback):
         self._epoch = 0
 
     def on_train_begin(self, logs: Any = None) -> None:
-        _unfinished.add(self)
         self._warn_when_only_the_end_publishes(self.params or {})
 
     def on_train_end(self, logs: Any = None) -> None:
-        _unfinished.discard(self)
         if self.at_end:
             self._publish()
         self._publisher.end()
-
-    def _publish_at_exit(self) -> None:
-        """The end of a ``fit`` that raised, at the process's exit: hand the final weights over (the
-        exit then waits for the write as for any background publish)."""
-        if not self.at_end:
-            return
-        _log.warning("a fit publishing to %s raised before it ended: publishing the weights it ended on at exit",
-                     self._publisher.folder)
-        try:
-            self._publish()
-        except Exception as error:  # the exit goes on: waiting for what else is being published
-            _log.error("publishing the final weights to %s at exit failed: %s", self._publisher.folder, error)
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         self._epoch = epoch
@@ -277,21 +258,6 @@ class PublishCallback(_Front, keras.callbacks.Callback):
         step = int(optimizer.iterations.numpy()) if optimizer is not None else self._epoch
         selection = self._publisher.selection.words()
         self._publisher.publish(lambda: snapshot(self.model, **selection), step, {"epoch": self._epoch})
-
-
-#: the callbacks of the fits that began and did not end: Keras's fit calls no on_train_end when it
-#: raises, so the exit publishes their final weights (held, models and all, till then: a fit whose
-#: frames are gone, a ``sys.exit`` in a callback, still has weights to publish)
-_unfinished: set[PublishCallback] = set()
-
-
-def _publish_unfinished_fits() -> None:
-    while _unfinished:
-        _unfinished.pop()._publish_at_exit()
-
-
-before_exit(_publish_unfinished_fits)
-in_child(_unfinished.clear)  # a forked worker's exit publishes nothing of its parent's fit
 
 
 class PublishHook(_Front, tf.compat.v1.train.SessionRunHook):

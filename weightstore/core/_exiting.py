@@ -21,13 +21,6 @@ again, for a write already under way to end as it would, so the folder keeps it 
 second Ctrl-C ends this wait too, but the interpreter still joins the publishing thread (no
 daemon), whose write then gets only as far as the stopped thread pools let it. No traceback of
 this module's either way.
-
-**Work that starts at exit.** Some work can only be asked for once the exit begins: a Keras
-``fit`` that raised (a bug in a callback, Ctrl-C, ``sys.exit`` in a callback) calls no
-``on_train_end``, so its final weights are handed to the publisher only when the process exits.
-:func:`before_exit` actions run first in this module's hook, while the interpreter is whole and
-the thread pools take work; what they register with :func:`finish_before_exit` is waited for as
-above, and Ctrl-C during them gives up as during the wait.
 """
 
 from __future__ import annotations
@@ -41,14 +34,12 @@ from typing import Any, TypeAlias
 
 from weightstore.core._forks import in_child
 
-__all__ = ["before_exit", "finish_before_exit"]
+__all__ = ["finish_before_exit"]
 
 _Work: TypeAlias = concurrent.futures.Future[Any]
 #: each piece of work waited for at exit, with what stops it early when the wait is interrupted
 _waited: dict[_Work, Callable[[], None] | None] = {}
 _waited_lock = threading.Lock()
-#: what runs at exit before the wait, in the order registered
-_actions: list[Callable[[], None]] = []
 
 
 def finish_before_exit(work: _Work, give_up: Callable[[], None] | None = None) -> None:
@@ -58,12 +49,6 @@ def finish_before_exit(work: _Work, give_up: Callable[[], None] | None = None) -
     with _waited_lock:
         _waited[work] = give_up
     work.add_done_callback(_forget)
-
-
-def before_exit(action: Callable[[], None]) -> None:
-    """Have the interpreter, at exit, call ``action`` (which must not raise) before it waits for the
-    work registered with :func:`finish_before_exit`, the work ``action`` registers included."""
-    _actions.append(action)
 
 
 def _forget(work: _Work) -> None:
@@ -86,8 +71,6 @@ def _wait() -> None:
 
 def _wait_for_all() -> None:
     try:
-        for action in _actions:
-            action()
         _wait()
     except KeyboardInterrupt:
         with contextlib.suppress(KeyboardInterrupt):  # a second Ctrl-C, even while giving up: wait no more
