@@ -58,6 +58,7 @@ from weightstore.adapters._report import Mismatch, TargetInfo
 from weightstore.adapters._values import RenamedValues
 from weightstore.adapters.plan import AssignOptions, AssignWords, Report, Selection, SelectionWords, refuse_before_write
 from weightstore.adapters.skeleton import Target, run_assign
+from weightstore.core.keys import join_scope, normalize_scope
 from weightstore.core.names import TORCH, WRITE_NAMINGS, check_naming, key_of_torch_name, torch_keys, torch_name_of_key
 from weightstore.errors import AssignmentError, InvalidKeyError, LayoutError, SelectionError, UnsupportedDTypeError
 from weightstore.sharded._shards import Piece, in_background, publish_together, split_rows
@@ -305,7 +306,7 @@ def assign(
 
     def plan(values: Any, options: AssignOptions) -> tuple[Any, Any]:
         if chosen_layout is None:
-            values = _keyed(values, targets)
+            values = _keyed(values, targets, options)
         return layouts.plan_laid_out(values, targets, options, layout=chosen_layout, optional=_optional,
                                      tied=_tied(local))
 
@@ -357,20 +358,29 @@ def _chosen(module: nn.Module, chosen_by: Selection) -> tuple[dict[str, torch.Te
 _WRAPPER_NAMES = ("_orig_mod", "module")
 
 
-def _keyed(values: Any, targets: Collection[str]) -> Any:
+def _keyed(values: Any, targets: Collection[str], options: AssignOptions) -> Any:
     """``values`` with each ``state_dict`` name read as its key (:func:`~weightstore.core.names.torch_keys`),
-    and a wrapper's name taken off the front of every key where all of them carry it and no
-    target does: a file a user saved from a compiled or DDP module's own ``state_dict``
-    (``_orig_mod.fc.weight``, ``module.fc.weight``) assigns into the model, wrapped or not,
-    as :func:`export` of a wrapper now names its tensors (nested wrappers: each name in turn)."""
+    and a wrapper's name taken off the front of every key where all of them carry it and more of
+    them then pair with a target: a file a user saved from a compiled or DDP module's own
+    ``state_dict`` (``_orig_mod.fc.weight``, ``module.fc.weight``) assigns into the model, as
+    :func:`export` of a wrapper now names its tensors (nested wrappers: each name in turn), while
+    a model whose own child is named ``module`` keeps its keys. A ``mapping`` is the user's own
+    word on what the names mean (``{"module": ""}``): nothing is taken off then."""
     keys = {name: key for key, name in torch_keys(values.keys()).items()}
-    tops = {target.split("/", 1)[0] for target in targets}
-    while keys:
-        wrapper = next((name for name in _WRAPPER_NAMES if name not in tops
-                        and all(key.startswith(name + "/") for key in keys.values())), None)
+    scope = normalize_scope(options.scope)
+
+    def paired(candidate: Mapping[str, str]) -> int:
+        return sum(join_scope(scope, key) in targets for key in candidate.values())
+
+    best, unwrapped = paired(keys), keys
+    while unwrapped and not options.mapping:
+        wrapper = next((name for name in _WRAPPER_NAMES
+                        if all(key.startswith(name + "/") for key in unwrapped.values())), None)
         if wrapper is None:
             break
-        keys = {name: key[len(wrapper) + 1 :] for name, key in keys.items()}
+        unwrapped = {name: key[len(wrapper) + 1 :] for name, key in unwrapped.items()}
+        if paired(unwrapped) > best:
+            best, keys = paired(unwrapped), unwrapped
     renames = {name: key for name, key in keys.items() if key != name}
     return RenamedValues(values, renames) if renames else values
 

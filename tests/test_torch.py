@@ -580,3 +580,17 @@ def test_a_file_saved_from_a_wrappers_own_state_dict_assigns_into_the_model(tmp_
     save_file({name: tensor.contiguous() for name, tensor in own.items()}, str(tmp_path / "own.safetensors"))
     torch_adapter.assign(holder, tmp_path / "own.safetensors")
     assert all(torch.equal(own[name], tensor) for name, tensor in holder.state_dict().items())
+    # DDP around that model names 'module.module.…': one wrapper's name comes off, not the model's own
+    twice = {"module." + name: tensor + 3 for name, tensor in own.items()}
+    save_file({name: tensor.contiguous() for name, tensor in twice.items()}, str(tmp_path / "twice.safetensors"))
+    torch_adapter.assign(holder, tmp_path / "twice.safetensors")
+    assert all(torch.equal(twice["module." + name], tensor) for name, tensor in holder.state_dict().items())
+
+
+def test_a_mapping_of_the_wrappers_name_still_decides_what_the_names_mean():
+    """mapping={'module': ''} (what an older refusal told a DDP user to pass) keeps working: the
+    user's own rule is applied, no wrapper's name is taken off before it."""
+    source, target = small_net(), small_net()
+    values = {"module." + name: tensor.numpy() + 1 for name, tensor in source.state_dict().items()}
+    torch_adapter.assign(target, values, mapping={"module": ""})
+    assert all(np.array_equal(values["module." + name], tensor.numpy()) for name, tensor in target.state_dict().items())
