@@ -1,5 +1,6 @@
 """BackgroundPublisher: publish without waiting for the write, one pending at most, failures never raised."""
 
+import errno
 import logging
 import os
 import shutil
@@ -546,3 +547,23 @@ def test_a_child_forked_beside_a_publisher_publishes_as_a_fresh_one(tmp_path, ho
     for step in (2, 10):
         path = next(entry.path for entry in versions.list_versions(folder) if entry.step == step)
         assert np.all(ws.load(path)["w"] == step)
+
+
+def test_an_open_of_latest_failing_with_eio_is_retried_as_an_outage(tmp_path, monkeypatch):
+    """EIO opening LATEST (a network disk's hiccup) is the storage's, not the file's: the publish is
+    retried and lands, where a link loop or no permission would be refused for good."""
+    ws.publish(tmp_path, weights(1), step=1)
+    real_open, failures = os.open, []
+
+    def flaky_open(path, flags, *args, **kwargs):
+        if str(path).endswith("LATEST") and len(failures) < 2:
+            failures.append(path)
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", flaky_open)
+    with ws.BackgroundPublisher(tmp_path, retry_backoff=0.01) as publisher:
+        assert publisher.publish(weights(2), step=2).result(60).step == 2
+    assert len(failures) == 2 and publisher.failures >= 1  # counted, retried, landed
+    monkeypatch.undo()
+    assert ws.latest(tmp_path).step == 2

@@ -50,6 +50,11 @@ class FileEntry:
     modified: str
 
 
+#: what an open of a small file refuses for good, the file's own fault (a link loop, no
+#: permission, a name too long): any other error (EIO on a network disk) is the storage's, retried
+_REFUSALS = frozenset({errno.ELOOP, errno.EACCES, errno.EPERM, errno.ENAMETOOLONG})
+
+
 class Folder(abc.ABC):
     """The operations a versioned folder needs, whatever holds it.
 
@@ -178,7 +183,9 @@ class LocalFolder(Folder):
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         except (FileNotFoundError, NotADirectoryError):
             return None
-        except OSError as exc:  # a link loop, no permission: the file's fault, so no retry
+        except OSError as exc:
+            if exc.errno not in _REFUSALS:  # EIO, EAGAIN, EBUSY, EINTR on a network disk: retried as outages are
+                raise
             raise FileAccessError(f"cannot be opened ({exc.strerror or exc})", path=str(path)) from None
         kind = kind_of(os.fstat(fd).st_mode)
         if kind is not None:
