@@ -284,3 +284,13 @@ def test_a_forked_child_gets_its_own_helper():
     test process may run TensorFlow's and JAX's threads, which a fork must not copy mid-work."""
     done = subprocess.run([sys.executable, "-c", FORKED_CHILD], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("size, block", [(0, 8), (1, 8), (8, 8), (9, 8), (64, 8), (1000, 64), (65, 64)])
+@pytest.mark.parametrize("start", [0, 0x1234ABCD])
+def test_a_crc_joined_from_block_crcs_is_the_crc_of_the_bytes(size, block, start):
+    """What a sharded member records as a tensor's CRC-32 (joined from its block table's CRC-32s,
+    the last block shorter, continuing a CRC) is exactly zlib's CRC-32 of its bytes."""
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    crcs = [zlib.crc32(data[at : at + block]) for at in range(0, size, block)]
+    assert crc.joined(crcs, block, size, start) == zlib.crc32(data, start)

@@ -895,6 +895,32 @@ def test_a_restart_with_a_smaller_world_in_the_same_attempt_leaves_no_rank_of_th
     assert ws.load(version)["w"].tobytes() == (w + 3).tobytes()
 
 
+def test_a_rank_file_the_commit_cannot_remove_is_left_with_a_warning_not_a_failed_commit(tmp_path, monkeypatch):
+    """The commit sweeps unnamed rank files after LATEST moved: one it may not delete (no delete
+    permission, an object lock) is warned of and left; the commit still returns its version
+    (raising there told every rank a published step had failed, and its retry was refused)."""
+    from weightstore.io.folders import LocalFolder
+
+    folder = tmp_path / "run"
+    w = np.arange(64, dtype=np.float32).reshape(8, 8)
+    for world in (2, 1):
+        for rank in range(world):
+            ws.publish_shard(folder, {"w": ws.Piece(w[rank * 8 // world:(rank + 1) * 8 // world], (rank * 8 // world, 0),
+                                                    w.shape)}, step=1, rank=rank, world=world, attempt=0)
+    real_remove = LocalFolder.remove
+
+    def locked(self, name):
+        if name.startswith("rank-00001"):
+            raise PermissionError(1, "Operation not permitted", name)
+        return real_remove(self, name)
+
+    monkeypatch.setattr(LocalFolder, "remove", locked)
+    with pytest.warns(UserWarning, match="rank-00001.*cannot be removed"):
+        version = shards.commit_shards(folder, step=1, world=1, attempt=0, timeout=5)
+    assert version.step == 1 == ws.latest(folder).step
+    assert ws.load(version)["w"].tobytes() == w.tobytes()
+
+
 def test_a_list_of_numbers_is_an_array_not_a_list_of_pieces(tmp_path):
     folder = tmp_path / "run"
     ws.publish_shard(folder, {"w": [1.0, 2.0, 3.0]}, step=1, rank=0, world=1, attempt=0)

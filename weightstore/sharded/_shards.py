@@ -657,14 +657,21 @@ def _remove_unnamed(index: ShardIndex, members: Folder, listed: Iterable[str]) -
     as ``LATEST`` moved off its base, then written whole into the same attempt) and every file of
     ranks past its world (a launch of a larger world that wrote this attempt, then restarted
     smaller). Readers go by the index and never take them; no commit can any more, its step
-    being committed. Returns the names removed."""
+    being committed. Returns the names removed. A file that cannot be removed (no permission to
+    delete, an object lock) is warned of and left, as a folder's removal leaves what it cannot:
+    the commit that runs this has already moved ``LATEST`` and must not report a published step
+    as failed."""
     named = {done_name(rank) for rank in range(index.world)} | {
         name for member in index.members
         for name in (member.file.rsplit("/", 1)[-1], *([table_name(member.rank)] if member.table else []))}
     removed = []
     for name in sorted(set(listed) - named):
         if _RANK_FILE.match(name):
-            members.remove(name)
+            try:
+                members.remove(name)
+            except (OSError, WeightStoreError) as error:
+                warnings.warn(f"{members.url(name)}: left: it cannot be removed ({error})", stacklevel=2)
+                continue
             removed.append(f"{attempt_folder(index.step, index.attempt)}/{name}")
     return removed
 

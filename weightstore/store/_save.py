@@ -501,13 +501,14 @@ def write_file(path: str, fmt: Format, arrays: CheckedWeights, metadata: Mapping
     not, as the digest costs a second pass over every byte (0.24 CPU-s/GB, more than the write
     itself at 0.3) for an answer only a comparison asks; whoever compares a file without
     digests reads its bytes (docs/design.md, Content digests). The CRC-32 that every read
-    verifies is recorded either way, from the pass that writes the bytes.
+    verifies is recorded either way, from the pass that writes the bytes (or ``before``'s).
     ``before(name, data)``: more work on each tensor's stored bytes (``data``, in the file under
     ``name``) for a caller that needs more of them than the file records (a sharded member's
     block CRC-32s), done on this thread just before the write, while a tensor made for it (a
     column strip's copy) is in cache. It returns the CRC-32 of ``data`` where its work yields
     it (joined from the block CRC-32s), which the write records instead of making a pass of
-    its own for it, or None.
+    its own for it (``writer.add(..., crc=)``: a format registered from outside that takes no
+    ``crc`` is only ever called without it), or None.
     """
     metadata = checked_metadata(metadata, path)  # before the file exists (callers check earlier, naming theirs)
     stored_names = stored_names or {}
@@ -530,7 +531,8 @@ def write_file(path: str, fmt: Format, arrays: CheckedWeights, metadata: Mapping
             crc = None if before is None else before(stored, data)
             hashing = (parallel.beside(functools.partial(content_digest, data))
                        if digests and data.nbytes >= _HASH_BESIDE else None)
-            tensors.append((key if located else stored, name, data.shape, writer.add(stored, name, data, crc)))
+            added = writer.add(stored, name, data) if crc is None else writer.add(stored, name, data, crc=crc)
+            tensors.append((key if located else stored, name, data.shape, added))
             if digests:
                 hashed.append(content_digest(data) if hashing is None else hashing.result())
             writeback.advance(data.nbytes)
