@@ -1131,6 +1131,7 @@ def test_a_path_holding_a_nul_byte_is_a_file_access_error_naming_it_at_every_ent
             with pytest.raises(errors.FileAccessError, match="NUL") as caught:
                 call(path)
             assert caught.value.path is not None and caught.value.path.startswith(f"{tmp_path}/")
+            assert "\\x00" in caught.value.path and "\0" not in str(caught.value)  # shown, never cut
     assert os.listdir(tmp_path) == []
 
 

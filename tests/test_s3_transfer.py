@@ -440,3 +440,28 @@ def test_a_safetensors_file_whose_header_length_starts_like_a_pickle_reads_from_
         target = url(suffix)
         put(target, path.read_bytes())
         assert np.array_equal(ws.load(target)["w"], weights["w"])
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".safetensors"])
+def test_an_opening_part_that_does_not_say_where_it_lies_is_refused(s3, suffix):
+    """A proxy that strips Content-Range from a 206: the open's first request (an npz's last
+    bytes, a safetensors header's first) must not take a part for the whole object."""
+    target = url(suffix)
+    ws.save(target, WEIGHTS)
+    whole = get(target)
+
+    def stripped(environ):
+        wanted = environ.get("HTTP_RANGE", "")
+        if environ["REQUEST_METHOD"] != "GET" or not wanted.startswith("bytes="):
+            return None
+        first, last = wanted[len("bytes="):].split("-")
+        part = whole[-int(last):] if not first else whole[int(first):int(last) + 1]
+        return 206, part
+
+    s3.intercept = stripped
+    with pytest.raises(ws.StorageError, match="where its bytes lie") as caught:
+        ws.load(target)
+    assert caught.value.path == target
+    s3.intercept = lambda environ: (200, whole) if environ["REQUEST_METHOD"] == "GET" else None
+    loaded = ws.load(target)  # a service that ignores Range and says so (200): the whole object, read right
+    assert all(loaded[key].tobytes() == value.tobytes() for key, value in WEIGHTS.items())

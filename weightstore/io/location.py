@@ -56,7 +56,9 @@ def location_of(path: Any) -> Location:
         text = text[len("file://"):]
     remote = is_url(text)
     if not remote and "\0" in text:  # os refuses it with a bare ValueError, naming nothing
-        raise FileAccessError("cannot be opened (its name holds a NUL byte, which no file name can)", path=text)
+        # named with the NUL as \x00: a terminal shows none, and a C log sink cuts the name there
+        raise FileAccessError("cannot be opened (its name holds a NUL byte, which no file name can)",
+                              path=text.replace("\0", "\\x00"))
     return Location(text, remote)
 
 

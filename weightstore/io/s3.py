@@ -22,7 +22,7 @@ from weightstore.io.objects import MERGE_GAP, READ_CHUNK, Backend, Request, requ
 __all__ = ["BACKEND", "S3Backend", "S3Object"]
 
 #: a ranged answer's ``Content-Range``: first and last byte, and the object's size
-_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 #: concurrent requests per file when the file system names none (s3fs: ``max_concurrency``)
 DEFAULT_CONCURRENCY = 8
 
@@ -51,9 +51,16 @@ class S3Object:
             return 0, 0, memoryview(b"")
         self._pin(response)
         total, start = len(body), 0
-        match = _CONTENT_RANGE.fullmatch(str(response.get("ContentRange", "")))
-        if match:
+        answered = str(response.get("ContentRange", ""))
+        match = _CONTENT_RANGE.fullmatch(answered)
+        if match and match.group(3) != "*":
             start, total = int(match.group(1)), int(match.group(3))
+        elif answered or (len(body) >= length and response.get("ResponseMetadata", {}).get("HTTPStatusCode") != 200):
+            # a part (a 206, or a Content-Range without the object's size) that does not say where it
+            # lies in the object: a suffix read's last bytes would be read as its first
+            raise StorageError(f"asked for {wanted}, the storage answered with "
+                               f"{f'Content-Range {answered!r}' if answered else 'a part and no Content-Range'}: "
+                               "where its bytes lie in the object is unknown", path=self.name)
         if start + len(body) > total:
             raise FormatError("the storage returned more bytes than the object holds", path=self.name)
         data = aligned_buffer(len(body), start)
@@ -99,8 +106,8 @@ class S3Object:
         it) that ignores ``Range`` answers 200 with the whole object, and a body of the length
         asked for says nothing of where it starts; only ``Content-Range`` does."""
         answered = str(response.get("ContentRange", ""))
-        if not answered and request.start == 0 and response.get("ContentLength") == request.end:
-            return  # the whole object, asked for whole: what a service that answers 200 to it sends
+        if not answered and request.start == 0 and (response.get("ContentLength") or 0) >= request.end:
+            return  # from the object's first byte (a service ignoring Range sends it whole): only those asked are read
         match = _CONTENT_RANGE.fullmatch(answered)
         if match is None or (int(match.group(1)), int(match.group(2)) + 1) != (request.start, request.end):
             said = f"bytes {match.group(1)}-{match.group(2)}" if match else \
