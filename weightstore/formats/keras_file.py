@@ -39,7 +39,7 @@ from weightstore.core.manifest import TensorInfo
 from weightstore.errors import FormatError, StoreNotFoundError, TargetError, UnsafeFileError, WeightStoreError, naming
 from weightstore.formats import Format, Reader, ReaderDefaults, _keras_keys, _zipdir, format_for_suffix, format_named
 from weightstore.formats._renamed import RenamedReader
-from weightstore.io.files import open_regular, refuse_special_file
+from weightstore.io.files import open_regular, refuse_special_file, unreadable
 from weightstore.io.location import service
 from weightstore.io.places import Place
 from weightstore.io.remote import RemoteFile
@@ -230,15 +230,16 @@ def _refuse_crowded(path: str) -> None:
     with open_regular(path) as handle:
         size = os.fstat(handle.fileno()).st_size
         tail_start = max(0, size - (_zipdir.EOCD.size + 0xFFFF))
-        handle.seek(tail_start)
-        tail = handle.read()
 
-        def read_at(offset: int, length: int) -> bytes:
-            handle.seek(offset)
-            return handle.read(length)
+        def read_at(offset: int, length: int = -1) -> bytes:
+            try:
+                handle.seek(offset)
+                return handle.read(length)
+            except OSError as exc:  # the read the system failed (an I/O error): the storage's, named
+                raise unreadable(exc, path) from None
 
         try:
-            count = _zipdir.locate_zip64(read_at, _zipdir.locate(tail, tail_start))[0]
+            count = _zipdir.locate_zip64(read_at, _zipdir.locate(read_at(tail_start), tail_start))[0]
         except FormatError:
             return
     if count > MAX_KERAS_MEMBERS:
