@@ -519,8 +519,8 @@ def test_a_keras_archive_swapped_after_its_check_is_read_as_checked(tmp_path, mo
     path = _keras_archive(tmp_path / "m.keras")
     checked = keras_file._refuse_crowded
 
-    def swapped(handle, name):  # the swap lands between the check and zipfile's open
-        checked(handle, name)
+    def swapped(*args):  # the swap lands between the check and zipfile's open
+        checked(*args)
         (tmp_path / "other").write_bytes(b"not a zip at all")
         os.replace(tmp_path / "other", path)
 
