@@ -154,10 +154,31 @@ def assign_message(report: Report, where: str, targets: Mapping[str, Any], value
                 lines.append(f"    … and {len(items) - LISTED} more")
             if items is report.missing and note:
                 lines.append(f"  why: {note}")
+    stacked = _stacked_members(report.mismatched, every, value_shape)
+    if stacked:
+        lines.append(f"  every mismatched variable holds {stacked} members stacked on axis 0 (an nnx.vmap-ed "
+                     f"ensemble) and the values are one member's: assign all with each value np.stack-ed from "
+                     f"{stacked} members' files, or one by writing it into row i of export(model)'s values and "
+                     "assigning those")
     if report.missing and pairs and not report.unexpected and not report.mismatched:  # a selective save, likely
         lines.append("  every value paired; if the file holds part of the model on purpose, strict=False assigns it "
                      "and the variables it lacks keep theirs (or select as its export did: trainable_only=, also=)")
     return "\n".join(lines)
+
+
+def _stacked_members(mismatched: list[Any], every: Mapping[str, Any],
+                     value_shape: Callable[[str], tuple[int, ...]]) -> int:
+    """N where every mismatch is a variable of shape (N, *its value's shape): one member's
+    values against a vmap-ed ensemble's stacked ones; 0 otherwise."""
+    counts = set()
+    for item in mismatched:
+        if item.reason != "shapes differ" or item.key not in every:
+            return 0
+        target, value = tuple(every[item.key].shape), tuple(value_shape(item.key))
+        if len(target) != len(value) + 1 or target[1:] != value:
+            return 0
+        counts.add(target[0])
+    return counts.pop() if len(counts) == 1 else 0
 
 
 def _same_leaf(key: str, candidate: str) -> bool:

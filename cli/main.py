@@ -261,6 +261,8 @@ def import_(
 def ls(
     store: Annotated[str, typer.Argument(help="A store, TF checkpoint or Keras file.")],
     scope: Annotated[str | None, typer.Option("--scope", "-s", help="Only keys under this scope.")] = None,
+    include: Include = None,
+    exclude: Exclude = None,
     as_json: AsJson = False,
 ) -> None:
     """List the tensors of STORE: key, dtype, shape and size, with totals and metadata.
@@ -268,10 +270,11 @@ def ls(
     \b
     Example:
       ws ls model.npz --scope model_002
+      ws ls model.npz --include '*/kernel' --exclude 'head/*'
     """
     _json(as_json)
     with sources.open_source(store) as opened:
-        infos = _listable(opened, _under_scope(opened, scope))
+        infos = _listable(opened, _under_scope(opened, scope, include, exclude))
         if settings.json:
             render.emit("ls", {
                 "path": opened.path, "kind": opened.kind, "created": opened.created, "metadata": opened.metadata,
@@ -306,12 +309,14 @@ def _listable(opened: sources.Source, keys: list[str]) -> list[TensorInfo]:
     return infos
 
 
-def _under_scope(opened: sources.Source, scope: str | None) -> list[str]:
-    """The keys ``ls`` lists: the scope itself (TF1's ``w`` beside its slot ``w/Adagrad``) and those under it.
+def _under_scope(opened: sources.Source, scope: str | None, include: list[str] | None,
+                 exclude: list[str] | None) -> list[str]:
+    """The keys ``ls`` lists: the scope itself (TF1's ``w`` beside its slot ``w/Adagrad``) and those under it,
+    and of those the ones ``include``/``exclude`` keep, relative to the scope, as ``ws export`` selects.
 
-    A scope that is invalid or matches nothing fails as ``ws export``'s does: naming the file,
-    with the same hint."""
-    from weightstore.core.keys import in_scope, normalize_scope, unmatched_scope
+    A scope or pattern that is invalid or matches nothing fails as ``ws export``'s does: naming
+    the file, with the same hint."""
+    from weightstore.core.keys import in_scope, normalize_scope, plan_outward, unmatched_scope
     from weightstore.errors import naming
 
     with naming(path=opened.path):
@@ -319,6 +324,9 @@ def _under_scope(opened: sources.Source, scope: str | None) -> list[str]:
         keys = [key for key in opened if in_scope(key, norm)]
         if not keys and opened.keys():
             raise unmatched_scope(norm, opened.keys())
+        if include or exclude:  # export's own selection, so both commands keep the same keys
+            kept = set(plan_outward(keys, scope=norm, include=include, exclude=exclude).values())
+            keys = [key for key in keys if key in kept]
     return keys
 
 

@@ -1156,6 +1156,43 @@ def test_a_read_the_system_fails_is_a_storage_error_naming_the_file(tmp_path, mo
             ws.load(path)
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/mem"), reason="Linux's /proc")
+@pytest.mark.parametrize("name, failing", [("ck", "ck.index"), ("m.weights.json", "m.weights.json"),
+                                           ("m.keras", "m.keras")], ids=["tf-index", "keras-map", "keras-archive"])
+def test_an_index_or_map_read_the_system_fails_is_a_storage_error_naming_it(tmp_path, name, failing):
+    """A TF checkpoint's ``.index``, a Keras sharded map and a ``.keras`` archive's end record
+    are read by their formats' own code: an I/O error there (a link to ``/proc/self/mem``, a
+    regular file whose reads fail) left a bare ``OSError`` naming nothing."""
+    os.symlink("/proc/self/mem", tmp_path / failing)
+    with raises_naming(errors.StorageError, tmp_path / failing, "cannot be read (Input/output error)"):
+        ws.open(tmp_path / name)
+
+
+def test_a_checkpoint_index_that_is_a_link_loop_or_dangling_link_says_so(tmp_path):
+    """``x.index`` a link to itself, or to nothing: ``ws.open("x")`` said "no such file" of a
+    prefix whose index is listed right beside it."""
+    os.symlink("loop.index", tmp_path / "loop.index")
+    os.symlink(tmp_path / "gone", tmp_path / "dangling.index")
+    with raises_naming(errors.FileAccessError, tmp_path / "loop.index", "cannot be opened (Too many levels"):
+        ws.open(tmp_path / "loop")
+    with raises_naming(errors.StoreNotFoundError, tmp_path / "dangling.index", "is a link to", "which is missing"):
+        ws.open(tmp_path / "dangling")
+
+
+@pytest.mark.parametrize("config, weights", [
+    (("config.json",), "model.safetensors"), (("config.json",), "model.safetensors.index.json"),
+    (("config.json", "metadata.json"), "model.weights.h5"),
+], ids=["hf-single", "hf-index", "keras-hub"])
+def test_a_model_folder_whose_weights_file_is_a_link_loop_names_that_file(tmp_path, config, weights):
+    """An HF or keras-hub preset folder whose weights (or index) file is a link loop was "a
+    folder that holds no TF checkpoint": the file that cannot be opened is named."""
+    for name in config:
+        (tmp_path / name).write_text("{}")
+    os.symlink(weights, tmp_path / weights)
+    with raises_naming(errors.FileAccessError, tmp_path / weights, "cannot be opened"):
+        ws.open(tmp_path)
+
+
 # -- keys that print alike, or cannot be stored --------------------------------------------------
 
 @pytest.mark.parametrize("key", [

@@ -439,6 +439,25 @@ def test_ls_scope_lists_the_key_equal_to_the_scope(tmp_path):
     one_error_line(run("ls", path, "--scope", "w/Adgrad"), "scope 'w/Adgrad' matches no key", "did you mean 'w/Adagrad'?")
 
 
+def test_ls_selects_with_include_and_exclude_as_export_does(store, tmp_path):
+    """``ws export`` took --include/--exclude and ``ws ls`` did not: the keys a selection keeps
+    could not be listed before writing them. The real ``ws``, relative to --scope as export's."""
+    def listed(*args):
+        done = subprocess.run([sys.executable, "-m", "weightstore", "ls", str(store), "--json", *args],
+                              capture_output=True, text=True, timeout=120)
+        return done.returncode, json.loads(done.stdout)
+
+    code, document = listed("--include", "*/w", "--exclude", "head/*")
+    assert code == 0 and [t["key"] for t in document["tensors"]] == ["dense/w"] and document["count"] == 1
+    code, document = listed("--scope", "dense", "-x", "b")
+    assert code == 0 and [t["key"] for t in document["tensors"]] == ["dense/w"]
+    assert run("export", store, "-o", tmp_path / "o.npz", "--scope", "dense", "-x", "b").exit_code == 0
+    assert sorted(ws.load(tmp_path / "o.npz")) == ["w"]  # the same selection export writes, keyed without the scope
+    code, document = listed("--include", "dense/ww")
+    assert code == 1 and "include 'dense/ww' matches no key" in document["error"]["message"]
+    assert document["error"]["path"] == str(store)
+
+
 @pytest.mark.parametrize("scope", ["dens", "nope", "/dense", "dense//w"])
 def test_ls_refuses_a_scope_as_export_does(store, tmp_path, scope):
     """The same error, naming the file, with the same closest-key hint, whichever command is asked."""

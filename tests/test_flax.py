@@ -376,3 +376,23 @@ def test_variables_are_what_export_reads_and_what_assign_writes():
     assert sorted(flax_adapter.variables(net, scope="bn", trainable_only=True)) == ["bias", "scale"]
     with pytest.raises(TypeError, match="pytree holds values"):
         flax_adapter.variables({"w": np.ones(2)})
+
+
+def test_a_member_assigned_into_a_vmapped_ensemble_is_told_the_target_stacks_members(tmp_path):
+    """``nnx.vmap`` stacks an ensemble's parameters on axis 0: a member's file was refused as
+    "shapes differ" with no word of why. The message says how many members the target stacks
+    and how to assign them all, or one."""
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def ensemble(rngs):
+        return nnx.Linear(3, 2, kernel_init=ZEROS, rngs=rngs)
+
+    stacked = ensemble(nnx.Rngs(0).fork(split=4))
+    member = flax_adapter.export(nnx.Linear(3, 2, kernel_init=ZEROS, rngs=nnx.Rngs(1)))
+    ws.save(tmp_path / "member.npz", member)
+    with pytest.raises(AssignmentError, match="shapes differ") as info:
+        flax_adapter.assign(stacked, tmp_path / "member.npz")
+    assert "4 members stacked on axis 0" in str(info.value), info.value
+    assert "np.stack" in str(info.value) and "export" in str(info.value)
+    every = {key: np.stack([value] * 4) for key, value in member.items()}  # the way the message gives
+    flax_adapter.assign(stacked, every)
+    np.testing.assert_array_equal(flax_adapter.export(stacked)["kernel"][2], member["kernel"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import struct
 import sys
 from pathlib import Path
@@ -507,6 +508,24 @@ def _keras_archive(path: Path, *, extra_members: int = 0,
             archive.writestr("config.json", config)
         archive.writestr("model.weights.h5", weights.getvalue())
     return path
+
+
+def test_a_keras_archive_swapped_after_its_check_is_read_as_checked(tmp_path, monkeypatch):
+    """The archive is checked to be a regular file, then read: ``zipfile`` given its name opened
+    it again, so a file swapped in between (a FIFO would block) was read instead. It is read
+    through the descriptor checked."""
+    from weightstore.formats import keras_file
+
+    path = _keras_archive(tmp_path / "m.keras")
+    checked = keras_file._refuse_crowded
+
+    def swapped(*args):  # the swap lands between the check and zipfile's open
+        checked(*args)
+        (tmp_path / "other").write_bytes(b"not a zip at all")
+        os.replace(tmp_path / "other", path)
+
+    monkeypatch.setattr(keras_file, "_refuse_crowded", swapped)
+    assert sorted(ws.load(path)) == ["layers/dense/vars/0"]
 
 
 def _sequential(*layers: str) -> str:

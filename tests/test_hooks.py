@@ -502,6 +502,33 @@ def test_follower_error_from_a_damaged_folder_clears_once_it_reads_cleanly(tmp_p
         assert follower.wait(2, timeout=0.3) is None  # waits for step 2 instead of raising the old error
 
 
+def test_a_latest_that_stays_unreadable_is_said_once_by_the_follower(tmp_path, caplog, monkeypatch):
+    """``LATEST`` a link loop for many looks: the Follower logged "following failed" at every
+    poll. It is said once, as an outage is, and once when the folder answers again."""
+    from weightstore.sync import _follow
+
+    looks = []
+    counted = _follow.read_latest
+    monkeypatch.setattr(_follow, "read_latest", lambda source: looks.append(1) or counted(source))
+    model = small_model()
+    ws.publish(tmp_path, step_weights(model, 1), step=1)
+    with Follower(model, tmp_path, poll=0.005, max_poll=0.005) as follower:
+        assert follower.wait(1, timeout=30).step == 1
+        with caplog.at_level("WARNING", logger="weightstore"):
+            os.rename(tmp_path / "LATEST", tmp_path / "LATEST.good")
+            os.symlink("LATEST", tmp_path / "LATEST")
+            wait_until(lambda: follower.error is not None, what="the follower seeing the loop")
+            seen = len(looks)
+            wait_until(lambda: len(looks) >= seen + 5, what="five more looks at LATEST")
+            assert isinstance(follower.error, ws.FileAccessError)
+            os.remove(tmp_path / "LATEST")
+            os.rename(tmp_path / "LATEST.good", tmp_path / "LATEST")
+            wait_until(lambda: follower.error is None, what="the follower's error clearing")
+    said = [record.getMessage() for record in caplog.records]
+    assert sum("LATEST: cannot be opened" in line for line in said) == 1, said
+    assert sum("answers again" in line for line in said) == 1, said
+
+
 def test_a_folder_made_anew_is_followed_back_down_by_follow_and_the_follower(tmp_path, caplog):
     """A run that starts over in a deleted folder publishes step 1 after a follower took step
     20: the pointer went back, and it names what the folder now serves. Both followers take it

@@ -630,8 +630,8 @@ class Follower:
         with self._swapped:
             if loop.stop.is_set():
                 return
-            if doing == "following" and isinstance(exc, StorageError):
-                loop.outage.failed(exc)
+            if doing == "following":  # an outage, or a LATEST that stays unreadable (a link loop, damage):
+                loop.outage.failed(exc)  # said once per cause, and once when the folder answers again
             else:
                 _log.warning("weightstore follower of %s: %s failed: %s", self.folder, doing, exc)
             self.error, self._failed_step = exc, step

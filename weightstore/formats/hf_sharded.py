@@ -78,8 +78,12 @@ def find(place: Place) -> Place | None:
         return None
     names = set(place.names())
     checkpoint = bool(names & _TF_NAMES) or any(name.endswith(".index") for name in names)
-    for name in (INDEX_NAME,) if checkpoint else (HF_SINGLE_FILE, INDEX_NAME):
-        if name in names and place.child(name).is_file():
+    weights = [name for name in ((INDEX_NAME,) if checkpoint else (HF_SINGLE_FILE, INDEX_NAME)) if name in names]
+    for name in weights:
+        if place.child(name).is_file():
+            return place.child(name)
+    for name in weights:  # a link loop, a dangling link, a FIFO: its reader says which, naming the file,
+        if not place.child(name).is_dir():  # rather than "holds no TF checkpoint" naming the folder
             return place.child(name)
     for name in () if checkpoint else _TORCH_WEIGHTS:
         if name in names:

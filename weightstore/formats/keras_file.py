@@ -24,7 +24,7 @@ import tempfile
 import zipfile
 import zlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -39,7 +39,7 @@ from weightstore.core.manifest import TensorInfo
 from weightstore.errors import FormatError, StoreNotFoundError, TargetError, UnsafeFileError, WeightStoreError, naming
 from weightstore.formats import Format, Reader, ReaderDefaults, _keras_keys, _zipdir, format_for_suffix, format_named
 from weightstore.formats._renamed import RenamedReader
-from weightstore.io.files import open_regular, refuse_special_file
+from weightstore.io.files import open_regular, unreadable
 from weightstore.io.location import service
 from weightstore.io.places import Place
 from weightstore.io.remote import RemoteFile
@@ -63,10 +63,9 @@ def is_keras_archive(path: str) -> bool:
     if format_for_suffix(path) is not None or not os.path.isfile(path):
         return False
     try:
-        _refuse_crowded(path)
-        with zipfile.ZipFile(path) as archive:
+        with _open_archive(path) as archive:
             return WEIGHTS_MEMBER in archive.namelist()
-    except (OSError, WeightStoreError, *_ZIP_ERRORS):
+    except (OSError, WeightStoreError):
         return False
 
 
@@ -204,43 +203,47 @@ def _archive_config(text: str, archive: zipfile.ZipFile, max_bytes: int) -> dict
     return config
 
 
-def _open_archive(path: str) -> zipfile.ZipFile:
+@contextlib.contextmanager
+def _open_archive(path: str) -> Iterator[zipfile.ZipFile]:
+    """The archive at ``path``, read through the one descriptor checked to be a regular file
+    (``zipfile`` given the name would open it again: a FIFO swapped in meanwhile would block)."""
     try:
-        refuse_special_file(path)
+        handle = open_regular(path)
     except FileNotFoundError:
         raise StoreNotFoundError("no such file", path=path) from None
-    try:
-        _refuse_crowded(path)
-        return zipfile.ZipFile(path)
-    except WeightStoreError:
-        raise
-    except FileNotFoundError:
-        raise StoreNotFoundError("no such file", path=path) from None
-    except OSError as exc:
-        raise FormatError(f"unreadable ({exc.strerror})", path=path) from None
-    except _ZIP_ERRORS as exc:
-        raise FormatError(f"not a .keras archive (not a readable zip file: {type(exc).__name__})",
-                          path=path) from None
+    with handle:
+        try:
+            _refuse_crowded(handle, path)
+            archive = zipfile.ZipFile(handle)
+        except WeightStoreError:
+            raise
+        except OSError as exc:
+            raise FormatError(f"unreadable ({exc.strerror})", path=path) from None
+        except _ZIP_ERRORS as exc:
+            raise FormatError(f"not a .keras archive (not a readable zip file: {type(exc).__name__})",
+                              path=path) from None
+        with archive:
+            yield archive
 
 
-def _refuse_crowded(path: str) -> None:
+def _refuse_crowded(handle: BinaryIO, path: str) -> None:
     """Refuse, from the end record alone, a directory of more than :data:`MAX_KERAS_MEMBERS` entries,
     before ``zipfile`` makes an object of each. A file without a readable end record is left
     to ``zipfile`` to refuse in its own words."""
-    with open_regular(path) as handle:
-        size = os.fstat(handle.fileno()).st_size
-        tail_start = max(0, size - (_zipdir.EOCD.size + 0xFFFF))
-        handle.seek(tail_start)
-        tail = handle.read()
+    size = os.fstat(handle.fileno()).st_size
+    tail_start = max(0, size - (_zipdir.EOCD.size + 0xFFFF))
 
-        def read_at(offset: int, length: int) -> bytes:
+    def read_at(offset: int, length: int = -1) -> bytes:
+        try:
             handle.seek(offset)
             return handle.read(length)
+        except OSError as exc:  # the read the system failed (an I/O error): the storage's, named
+            raise unreadable(exc, path) from None
 
-        try:
-            count = _zipdir.locate_zip64(read_at, _zipdir.locate(tail, tail_start))[0]
-        except FormatError:
-            return
+    try:
+        count = _zipdir.locate_zip64(read_at, _zipdir.locate(read_at(tail_start), tail_start))[0]
+    except FormatError:
+        return
     if count > MAX_KERAS_MEMBERS:
         raise UnsafeFileError(f".keras archive lists {count} members (at most {MAX_KERAS_MEMBERS} are read)", path=path)
 
@@ -250,7 +253,7 @@ def _member(path: str, archive: zipfile.ZipFile, name: str) -> zipfile.ZipInfo:
         info = archive.getinfo(name)
     except KeyError:
         raise FormatError(f".keras archive holds no {name}", path=path) from None
-    refuse_bomb(path, info, os.path.getsize(path))
+    refuse_bomb(path, info, os.fstat(archive.fp.fileno()).st_size if archive.fp else 0)  # the file read, not the name
     return info
 
 

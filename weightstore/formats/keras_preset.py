@@ -51,8 +51,12 @@ def find(place: Place) -> Place | None:
     names = set(place.names())
     if CONFIG_FILE not in names or METADATA_FILE not in names:
         return None
-    for name in WEIGHTS_FILES:
-        if name in names and place.child(name).is_file():
+    weights = [name for name in WEIGHTS_FILES if name in names]
+    for name in weights:
+        if place.child(name).is_file():
+            return place.child(name)
+    for name in weights:  # a link loop, a dangling link, a FIFO: its reader says which, naming the file,
+        if not place.child(name).is_dir():  # rather than "holds no TF checkpoint" naming the folder
             return place.child(name)
     return None
 

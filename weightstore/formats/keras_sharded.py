@@ -21,7 +21,7 @@ from weightstore.core.limits import KERAS_MAP_BYTES_PER_CONTAINER, MAX_KERAS_MAP
 from weightstore.core.manifest import TensorInfo
 from weightstore.errors import FormatError, KeyNotInStoreError, TargetError, naming
 from weightstore.formats import Format, ReaderDefaults, format_named
-from weightstore.io.files import open_regular
+from weightstore.io.files import open_regular, unreadable
 
 SUFFIX = ".weights.json"
 KIND = "Keras sharded weights"
@@ -86,7 +86,10 @@ class KerasShardedReader(ReaderDefaults):
 def _shard_names(path: str) -> list[str]:
     """The shard files the map at ``path`` names, in first-named order, each checked."""
     with open_regular(path) as handle:
-        data = handle.read(MAX_KERAS_MAP_BYTES + 1)
+        try:
+            data = handle.read(MAX_KERAS_MAP_BYTES + 1)
+        except OSError as exc:
+            raise unreadable(exc, path) from None
     with naming(path=path):
         if len(data) > MAX_KERAS_MAP_BYTES:
             raise FormatError(f"is over {MAX_KERAS_MAP_BYTES} bytes; not a Keras sharded weights map")

@@ -94,7 +94,7 @@ from weightstore.formats import Format, ReaderDefaults
 from weightstore.formats._pointer import LATEST, local_latest_name, published_folder_message
 from weightstore.formats._sstable import Table, crc32c, read_varint, unmask_crc
 from weightstore.io._local import MappedFile
-from weightstore.io.files import open_regular
+from weightstore.io.files import open_regular, unreadable
 from weightstore.io.places import Place
 
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
@@ -150,13 +150,15 @@ def resolve_prefix(path: str) -> str | None:
     """
     if os.path.isdir(path):
         return _prefix_in_folder(path)
+    # lexists: an index that is a link loop or a dangling link is this checkpoint's, and its
+    # reader says which, rather than "no such file" for a prefix whose .index is right there
     for suffix in (".index", ".meta"):
-        if path.endswith(suffix) and os.path.exists(path[: -len(suffix)] + ".index"):
+        if path.endswith(suffix) and os.path.lexists(path[: -len(suffix)] + ".index"):
             return path[: -len(suffix)]
     data = _DATA_FILE.search(path)
-    if data and os.path.exists(path[: data.start()] + ".index"):
+    if data and os.path.lexists(path[: data.start()] + ".index"):
         return path[: data.start()]
-    return path if os.path.exists(path + ".index") else None
+    return path if os.path.lexists(path + ".index") else None
 
 
 def _inside(path: str, folder: str) -> bool:
@@ -537,14 +539,19 @@ class CheckpointReader(ReaderDefaults):
     def _read_index(self) -> bytes:
         path = self.prefix + ".index"
         try:
-            with open_regular(path) as handle:
-                size = os.fstat(handle.fileno()).st_size
-                if size > MAX_TF_INDEX_BYTES:
-                    raise UnsafeFileError(f"checkpoint index is {size} bytes, over the {MAX_TF_INDEX_BYTES}-byte limit",
-                                          path=path)
-                return handle.read(size + 1)  # what the file holds: a buffer of the limit is 256 MB
+            handle = open_regular(path)
         except FileNotFoundError:
-            raise StoreNotFoundError(f"no such checkpoint ({path} is missing)", path=self.prefix) from None
+            missing = f"is a link to {os.readlink(path)!r}, which is missing" if os.path.islink(path) else "is missing"
+            raise StoreNotFoundError(f"no such checkpoint ({path} {missing})", path=self.prefix) from None
+        with handle:
+            size = os.fstat(handle.fileno()).st_size
+            if size > MAX_TF_INDEX_BYTES:
+                raise UnsafeFileError(f"checkpoint index is {size} bytes, over the {MAX_TF_INDEX_BYTES}-byte limit",
+                                      path=path)
+            try:
+                return handle.read(size + 1)  # what the file holds: a buffer of the limit is 256 MB
+            except OSError as exc:  # the read the system failed (an I/O error): the storage's, named
+                raise unreadable(exc, path) from None
 
     def _parse(self, table: Table) -> tuple[Any, dict[str, Any], dict[bytes, Any]]:
         # protobuf is imported only once a checkpoint is read: this module is in the format
