@@ -482,6 +482,9 @@ def test_a_member_scope_into_a_file_of_torch_names_says_how_to_read_them(tmp_pat
     assert message.startswith(f"{path}: scope 'members/1' matches no key; its keys are PyTorch state_dict names")
     assert "names='torch'" in message and "include='members.1.*'" in message
     assert ws.load(path, scope="members/1", names="torch").keys() == torch_adapter.export(ensemble.members[1]).keys()
+    with pytest.raises(SelectionError) as info:  # torch's spelling: read so, the scope joins with '/'
+        ws.load(path, scope="members.1")
+    assert "names='torch' (ws.load, ws.open) and scope 'members/1'" in str(info.value)
     done = subprocess.run([sys.executable, "-m", "weightstore", "ls", str(path), "--scope", "members/1"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "its keys are PyTorch state_dict names" in done.stderr
