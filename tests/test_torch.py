@@ -597,3 +597,22 @@ def test_a_mapping_of_the_wrappers_name_still_decides_what_the_names_mean():
     values = {"module." + name: tensor.numpy() + 1 for name, tensor in source.state_dict().items()}
     torch_adapter.assign(target, values, mapping={"module": ""})
     assert all(np.array_equal(values["module." + name], tensor.numpy()) for name, tensor in target.state_dict().items())
+    # a rule about the model's own names leaves the wrapper's name to be taken off as without one
+    renamed = nn.Sequential()
+    for name, layer in zip(("first", "1", "2", "3"), small_net(), strict=True):
+        renamed.add_module(name, layer)
+    torch_adapter.assign(renamed, values, mapping={"0": "first"})
+    assert np.array_equal(values["module.0.weight"], renamed.first.weight.detach().numpy())
+
+
+def test_a_leading_one_on_one_tensor_is_not_called_a_stacked_ensemble():
+    """A ViT's position embedding (1, 5, 4) given a (5, 4) value is one mismatch, not a vmap-ed
+    ensemble of 1 member: the refusal gives no stacking advice."""
+    module = nn.Module()
+    module.pos_embed = nn.Parameter(torch.zeros(1, 5, 4))
+    module.head = nn.Linear(4, 2)
+    values = {"pos_embed": np.ones((5, 4), np.float32), **{f"head/{name}": tensor.detach().numpy()
+                                                         for name, tensor in module.head.named_parameters()}}
+    with pytest.raises(ws.AssignmentError, match="pos_embed") as caught:
+        torch_adapter.assign(module, values)
+    assert "stacked" not in str(caught.value)
