@@ -529,6 +529,29 @@ def test_a_latest_that_stays_unreadable_is_said_once_by_the_follower(tmp_path, c
     assert sum("answers again" in line for line in said) == 1, said
 
 
+def test_a_bug_in_the_followers_look_is_said_once_with_its_traceback(tmp_path, caplog, monkeypatch):
+    """A failure that is no storage's or folder's (a reader's leaked ValueError, a bug) is logged
+    with its traceback, once while it repeats: not at every look, forever."""
+    from weightstore.sync import _follow
+
+    looks = []
+
+    def broken(source):
+        looks.append(1)
+        raise RuntimeError("a bug in the look")
+
+    model = small_model()
+    ws.publish(tmp_path, step_weights(model, 1), step=1)
+    with Follower(model, tmp_path, poll=0.005, max_poll=0.005) as follower:
+        assert follower.wait(1, timeout=30).step == 1
+        with caplog.at_level("WARNING", logger="weightstore"):
+            monkeypatch.setattr(_follow, "read_latest", broken)
+            wait_until(lambda: len(looks) >= 5, what="five looks at LATEST")
+            assert isinstance(follower.error, RuntimeError)
+    said = [record for record in caplog.records if "a bug in the look" in record.getMessage()]
+    assert len(said) == 1 and said[0].exc_info is not None, [record.getMessage() for record in said]
+
+
 def test_a_folder_made_anew_is_followed_back_down_by_follow_and_the_follower(tmp_path, caplog):
     """A run that starts over in a deleted folder publishes step 1 after a follower took step
     20: the pointer went back, and it names what the folder now serves. Both followers take it

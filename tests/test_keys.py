@@ -216,7 +216,9 @@ def test_a_rule_between_the_ends_of_keys_replaces_a_real_key_only_when_it_remove
 
 
 def test_a_rule_for_the_ends_of_keys_and_a_scope_rule_both_apply():
-    """The end first, then the scope: an EMA checkpoint read into a renamed top scope."""
+    """The scope first, then the end: an EMA checkpoint read into a renamed top scope; a scope
+    rule naming a whole key, written first as narrower rules are, renames it as the file names it;
+    a shadow takes the place only of the variable it shadows, never of another key renamed onto it."""
     weights = {"net/w": 1, "net/w/ExponentialMovingAverage": 2, "net/b": 3, "step": 4}
     expected = {"model/w": 2, "model/b": 3, "step": 4}
     assert ws.remap(weights, mapping=["net=model", "*/ExponentialMovingAverage=*"]) == expected
@@ -226,6 +228,10 @@ def test_a_rule_for_the_ends_of_keys_and_a_scope_rule_both_apply():
     with pytest.raises(ws.SelectionError, match=r"mapping \*/a/b=\* never applies: the earlier rule \*/b=\*"):
         ws.remap({"x/a/b": 1}, mapping=["*/b=*", "*/a/b=*"])
     assert ws.remap({"x/a/b": 1, "y/b": 2}, mapping=["*/a/b=*", "*/b=*/c"]) == {"x": 1, "y/c": 2}
+    assert ws.remap({"net/d/kernel": 1, "net/e/kernel": 2}, mapping={"net/d/kernel": "head/k", "*/kernel": "*/w"}
+                    ) == {"head/k": 1, "net/e/w": 2}
+    with pytest.raises(ws.InvalidKeyError, match="both become it"):
+        ws.remap({"net/w/EMA": 1, "old/w": 2}, mapping={"*/EMA": "*", "old": "net"})
 
 
 def test_a_rule_for_the_ends_of_keys_that_matches_none_suggests_an_ending():

@@ -780,6 +780,28 @@ def test_a_latest_the_system_will_not_open_is_a_file_access_error_naming_it_ever
     assert latest.is_symlink()  # nothing written through it or over it
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/mem"), reason="Linux's /proc")
+def test_a_latest_the_system_fails_to_read_is_a_storage_error_and_a_socket_a_file_access_error(tmp_path):
+    """A LATEST whose read the system fails (EIO: a link to /proc/self/mem) is the storage's, a
+    transient StorageError naming it (a bare OSError leaked); a socket in its place is the file's,
+    a FileAccessError, never retried."""
+    import socket
+
+    ws.publish(tmp_path, weights_at(1), step=1)
+    latest = tmp_path / "LATEST"
+    latest.unlink()
+    latest.symlink_to("/proc/self/mem")
+    with pytest.raises(ws.StorageError, match="cannot be read") as caught:
+        ws.latest(tmp_path)
+    assert caught.value.path == str(latest) and caught.value.transient
+    latest.unlink()
+    with socket.socket(socket.AF_UNIX) as bound:
+        bound.bind(str(latest))
+        with pytest.raises(ws.FileAccessError, match="cannot be opened") as refused:
+            ws.latest(tmp_path)
+    assert refused.value.path == str(latest)
+
+
 def test_names_weightstore_never_writes_are_never_pruned_or_cleaned_as_versions_or_attempts(tmp_path):
     """Only ASCII digits and nothing after the name: ``\\d`` took Arabic-Indic digits and ``$`` a
     final newline, so a publish pruned, and ``ws clean`` removed, files and folders weightstore

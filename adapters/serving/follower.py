@@ -131,6 +131,7 @@ class _Loop:
     stop: threading.Event = field(default_factory=threading.Event)
     on_storage: bool = False  # waiting on a request: once it returns, the loop ends, assigning and recording nothing
     assigning: bool = False  # inside a swap's writes: waited for
+    bug: tuple[type, str] | None = None  # the last look's failure that was no storage's or folder's, said once
 
     @contextlib.contextmanager
     def storage(self) -> Iterator[None]:
@@ -640,8 +641,10 @@ class Follower:
                 return
             if doing == "following" and isinstance(exc, (WeightStoreError, OSError)):  # an outage, or a LATEST
                 loop.outage.failed(exc)  # that stays unreadable (a loop, damage): said once per cause, and at its end
-            elif doing == "following":  # a bug, not the folder: said at every look, with where it came from
-                _log.warning("weightstore follower of %s: following failed: %s", self.folder, exc, exc_info=exc)
+            elif doing == "following":  # a bug, not the folder: said with its traceback, once per cause
+                if loop.bug != (type(exc), str(exc)):
+                    loop.bug = (type(exc), str(exc))
+                    _log.warning("weightstore follower of %s: following failed: %s", self.folder, exc, exc_info=exc)
             else:
                 _log.warning("weightstore follower of %s: %s failed: %s", self.folder, doing, exc)
             self.error, self._failed_step = exc, step

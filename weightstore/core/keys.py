@@ -269,20 +269,26 @@ def rule_matches(key: str, source: str) -> bool:
 
 
 def map_key(key: str, rules: Sequence[tuple[str, str]], scope: str = "") -> str:
-    """Rewrite ``key``'s end by the first ``*/END`` rule it ends with, then the result by the
-    first scope rule it lies in (:func:`rule_matches`): ``*/ExponentialMovingAverage=*`` with
-    ``net=model`` reads ``net/w/ExponentialMovingAverage`` as ``model/w``. ``key`` is relative
-    to ``scope``: an error names the key as the file has it, scope and all."""
-    ended = _end_mapped(key, rules)
+    """Rewrite ``key`` by the first scope rule it lies in (:func:`rule_matches`), then the
+    result's end by the first ``*/END`` rule it ends with: ``net=model`` with
+    ``*/ExponentialMovingAverage=*`` reads ``net/w/ExponentialMovingAverage`` as ``model/w``,
+    and a scope rule naming a whole key (``net/d/kernel=head/k``, written before ``*/kernel=*/w``
+    as narrower rules are) renames it as the file names it. ``key`` is relative to ``scope``: an
+    error names the key as the file has it, scope and all."""
+    return _end_mapped(_scope_mapped(key, rules, scope), rules)
+
+
+def _scope_mapped(key: str, rules: Sequence[tuple[str, str]], scope: str = "") -> str:
+    """``key`` with its prefix rewritten by the first scope rule it lies in, else as it is."""
     for source, target in rules:
-        if not source.startswith(_ENDING) and in_scope(ended, source):
-            rest = "" if ended == source else strip_scope(ended, source)
+        if not source.startswith(_ENDING) and in_scope(key, source):
+            rest = "" if key == source else strip_scope(key, source)
             mapped = join_scope(target, rest)
             if not mapped:
                 raise InvalidKeyError(f"mapping {source}={target} turns it into an empty key",
                                       key=join_scope(scope, key))
             return mapped
-    return ended
+    return key
 
 
 def _end_rule(key: str, rules: Sequence[tuple[str, str]]) -> tuple[str, str] | None:
@@ -425,12 +431,12 @@ def _require_rules_match(keys: list[str], rules: Sequence[tuple[str, str]], wher
     Without a close scope to suggest, the message shows the first keys, so that a user who
     guessed the file's naming (a Keras 3 ``.weights.h5`` keys ``layers/dense/vars/0``) can
     write the rule."""
-    ended = [_end_mapped(key, rules) for key in keys] if any(s.startswith(_ENDING) for s, _ in rules) else keys
+    scoped = [_scope_mapped(key, rules) for key in keys] if any(s.startswith(_ENDING) for s, _ in rules) else keys
     for source, target in rules:
         ending = source.startswith(_ENDING)
-        if keys and not any(rule_matches(key, source) for key in (keys if ending else ended)):
+        if keys and not any(rule_matches(key, source) for key in (scoped if ending else keys)):
             shown = ", ".join(map(repr, keys[:_KEYS_SHOWN])) + (", ..." if len(keys) > _KEYS_SHOWN else "")
-            hint = suggest(source, _endings_of(keys) if ending else scopes_of(ended)) or f"; its keys look like {shown}"
+            hint = suggest(source, _endings_of(scoped) if ending else scopes_of(keys)) or f"; its keys look like {shown}"
             raise SelectionError(f"mapping {source}={target} matches no key{_where(where)}{hint}",
                                  word=f"mapping {source}={target}")
 
@@ -438,23 +444,26 @@ def _require_rules_match(keys: list[str], rules: Sequence[tuple[str, str]], wher
 def _renamed(keys: list[str], sources: list[str], rules: Sequence[tuple[str, str]],
              scope: str = "") -> tuple[dict[str, str], list[str]]:
     """New key -> source for ``keys`` (``sources`` as the file names them), and the sources kept.
-    A name a ``*/END=*`` rule gives (the suffix removed) takes the place of the key of that name
-    whose end no rule rewrote: with ``*/ExponentialMovingAverage=*``, ``w/ExponentialMovingAverage``
+    A name a ``*/END=*`` rule gives (the suffix removed) takes the place of the key it shadows
+    (the same key without that suffix, as the file names it): with ``*/ExponentialMovingAverage=*``, ``w/ExponentialMovingAverage``
     is read as ``w`` and the raw ``w`` is not, as ``Saver(ema.variables_to_restore())`` restores
     a graph; a variable without a shadow keeps its own value. Any other rule's name meeting a
     key's is a collision, refused by :func:`_refuse_collisions`: ``*/gamma=*/scale`` beside a
     real ``bn/scale`` would drop one of them silently."""
-    mapped = [(map_key(key, rules, scope), _end_rule(key, rules), source)
-              for key, source in zip(keys, sources, strict=True)]
-    shadows = {new for new, rule, _ in mapped if rule is not None and rule[1] == "*"}
-    kept = [(new, source) for new, rule, source in mapped if rule is not None or new not in shadows]
+    mapped = []
+    for key, source in zip(keys, sources, strict=True):
+        scoped = _scope_mapped(key, rules, scope)
+        mapped.append((_end_mapped(scoped, rules), _end_rule(scoped, rules), key, source))
+    # a shadow's new name -> the key it shadows, as the file names it (its end rule's suffix off)
+    shadows = {new: _end_mapped(key, rules) for new, rule, key, _ in mapped if rule is not None and rule[1] == "*"}
+    kept = [(new, source) for new, rule, key, source in mapped if rule is not None or shadows.get(new) != key]
     return {new: source for new, source in kept}, [source for _, source in kept]
 
 
 def ends_by_rule(key: str, rules: Sequence[tuple[str, str]]) -> bool:
     """Whether a ``*/END`` rule rewrites ``key``'s end: one that names the key itself (an
     assign never leaves such a key out as training state)."""
-    return _end_rule(key, rules) is not None
+    return _end_rule(_scope_mapped(key, rules), rules) is not None
 
 
 def _refuse_collisions(renamed: dict[str, str], sources: list[str], scope: str, rules, where: str) -> None:

@@ -26,7 +26,15 @@ from typing import Any, BinaryIO
 from weightstore.errors import FileAccessError, FormatError, PublishError, StorageError, TargetError, WriteError
 from weightstore.io.backends import backend_for
 from weightstore.io.commit import Commit, RenameCommit, UploadCommit
-from weightstore.io.files import TEMP_MARK, check_writable_target, fsync_folder, fsync_path, kind_of, temporary_beside
+from weightstore.io.files import (
+    TEMP_MARK,
+    check_writable_target,
+    fsync_folder,
+    fsync_path,
+    kind_of,
+    temporary_beside,
+    unreadable,
+)
 from weightstore.io.location import filesystem, location_of, service, uncached
 from weightstore.io.remote import RemoteFile
 
@@ -193,7 +201,10 @@ class LocalFolder(Folder):
             os.close(fd)
             raise TargetError(f"{name} is {kind}, not a file", path=self.where)
         with os.fdopen(fd, "rb") as handle:
-            return handle.read(limit)
+            try:
+                return handle.read(limit)
+            except OSError as exc:  # the read the system failed (EIO): the storage's, retried
+                raise unreadable(exc, str(path)) from None
 
     def tag(self, name: str) -> object | None:
         """Always new: a local read costs microseconds, and a file's times and inode can repeat."""
