@@ -36,7 +36,7 @@ WORK = ROOT / ".fuzz"
 NAMES = ["npz", "npz-many", "npz-compressed", "hdf5", "numpy-savez", "latest", "safetensors", "tf-index",
          "tf-object-graph", "keras", "keras-config", "npz-numpy", "sharded-index", "delta", "delta-base",
          "sharded-done", "sharded-blocks", "sharded-member", "hf-index", "tf-data", "cli-delta",
-         "sharded-delta"]
+         "sharded-delta", "mapping"]
 #: per input: libFuzzer stops on an input that takes longer (a super-linear parse: 4,096 slices
 #: took 10-20 s) or makes the process's memory pass this (a 200 KB index made 1.2 GB of keys)
 TIMEOUT_SECONDS = 5
