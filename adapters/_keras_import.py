@@ -30,7 +30,7 @@ from weightstore.core.keys import in_scope, join_scope, normalize_scope, strip_s
 from weightstore.core.manifest import logical_dtype
 from weightstore.errors import FormatError, KeyNotInStoreError, SelectionError, naming, shown_key
 from weightstore.formats import keras_file
-from weightstore.formats._keras_naming import as_own_root
+from weightstore.formats._keras_naming import as_own_root, pairs
 from weightstore.io.commit import RenameCommit
 
 __all__ = ["is_keras_target", "replace_in_keras_file"]
@@ -61,19 +61,33 @@ def replace_in_keras_file(target: str, weights: Mapping[str, np.ndarray], *, sco
 
 def _as_the_whole_numbers(target: str, weights: Mapping[str, np.ndarray], scope: str | None) -> Mapping[str, np.ndarray]:
     """``weights`` keyed under ``scope`` as the archive's model keys that part, where every key
-    pairs so and not every one as it is (see :func:`replace_in_keras_file`); else as they are."""
+    pairs so, by name and shape, and not every one as it is (see :func:`replace_in_keras_file`);
+    else as they are. The renumbering ranks the archive's own keys of the part, all of them, so
+    some of the part's keys pair one by one (:func:`pairs`, not whole). Where both readings pair
+    and differ, the import is refused naming both: the member's own ``dense_1`` is the archive's
+    ``dense_1`` as it is and its ``dense_2`` renumbered, and which was meant is not ours to guess."""
     at = normalize_scope(scope)
     if not at:
         return weights
     with weightstore.open(target) as store:
-        names = set(store.keys())
-        if not store.stored_names() or all(key in names for key in weights):  # file names, or pairing as they are
+        if not store.stored_names():  # the file's own names (layers/dense/vars/0): never renumbered
             return weights
+        shapes = {key: tuple(store.info(key).shape) for key in store}
     own = {join_scope(at, part): join_scope(at, whole) for whole, part in
-           as_own_root(strip_scope(key, at) for key in names if in_scope(key, at) and key != at).items()}
-    whole = {own.get(key, key): value for key, value in weights.items()}
-    pairs = all(key in names or _OPTIMIZER_STATE.search(key) for key in whole)  # state: refused, saying why
-    return whole if len(whole) == len(weights) and pairs else weights
+           as_own_root(strip_scope(key, at) for key in shapes if in_scope(key, at) and key != at).items()}
+    layers = [key for key in weights if not _OPTIMIZER_STATE.search(key)]  # state: refused by _checked, saying why
+    as_is = pairs(((key, np.shape(weights[key])) for key in layers), shapes, whole=False)
+    renumbered = pairs(((own.get(key, key), np.shape(weights[key])) for key in layers), shapes, whole=False)
+    moved = next((key for key in layers if key in own), None)
+    if moved is None or not renumbered:
+        return weights
+    if as_is:
+        raise SelectionError(
+            f"the import's keys pair both as they are and as {shown_key(at)} numbers its own layers, where this "
+            f"key is {shown_key(own[moved])}: which tensor is meant is ambiguous; import all of the part's "
+            f"tensors, which pair one way only, or without --scope under the archive's keys (`ws ls {target}`)",
+            path=target, key=moved)
+    return {own.get(key, key): value for key, value in weights.items()}
 
 
 def _checked(target: str, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

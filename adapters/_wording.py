@@ -168,8 +168,11 @@ def assign_message(report: Report, where: str, targets: Mapping[str, Any], value
 
 def _stacked_members(mismatched: list[Any], every: Mapping[str, Any],
                      value_shape: Callable[[str], tuple[int, ...]]) -> int:
-    """N where every mismatch is a variable of shape (N, *its value's shape): one member's
-    values against a vmap-ed ensemble's stacked ones; 0 otherwise."""
+    """N where every mismatch, two at least, is a variable of shape (N, *its value's shape), N at
+    least 2: one member's values against a vmap-ed ensemble's stacked ones; 0 otherwise (one
+    variable with a leading 1, a ViT's position embedding, is no ensemble)."""
+    if len(mismatched) < 2:
+        return 0
     counts = set()
     for item in mismatched:
         if item.reason != "shapes differ" or item.key not in every:
@@ -178,7 +181,7 @@ def _stacked_members(mismatched: list[Any], every: Mapping[str, Any],
         if len(target) != len(value) + 1 or target[1:] != value:
             return 0
         counts.add(target[0])
-    return counts.pop() if len(counts) == 1 else 0
+    return counts.pop() if len(counts) == 1 and min(counts) >= 2 else 0
 
 
 def _same_leaf(key: str, candidate: str) -> bool:

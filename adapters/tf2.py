@@ -116,7 +116,7 @@ from weightstore.core.keys import (
     validate_key,
 )
 from weightstore.errors import AssignmentError, InvalidKeyError, SelectionError
-from weightstore.formats._keras_naming import Ranking, as_own_root, automatic, deduplicated, snake_case
+from weightstore.formats._keras_naming import Ranking, as_own_root, automatic, deduplicated, pairs, snake_case
 from weightstore.formats.tf_checkpoint import best_paths
 from weightstore.sharded._shards import Piece
 
@@ -407,13 +407,15 @@ def _renamed_where_more_pair(values: Any, at: str, renames: Mapping[str, str],
 def _own_root_renamed(values: Any, obj: Any, targets: Mapping[str, TargetInfo], options: AssignOptions) -> Any:
     """``values`` keyed as a larger model numbers a part of it (``ws.load("ensemble.keras",
     scope="member_1")``: ``sequential_1/dense_3``, the ensemble's numbering with the scope cut off)
-    renamed as the part numbers its own (``sequential/dense``); None unless every key so renamed
-    pairs with a variable of its shape, none as it was.
+    renamed as the part numbers its own (``sequential/dense``); None unless the keys so renamed
+    pair with every variable of the part one to one, each of its shape (:func:`pairs`), where
+    they do not all name variables as they are.
 
-    Renamed by :func:`~weightstore.formats._keras_naming.as_own_root`; only for a Keras model,
-    and not with ``mapping``, which renames keys on purpose; chosen names (``layer_2`` beside
-    ``layer_10``) rank too, so only a renaming that pairs whole is taken, never one that pairs a
-    value with another layer's variable.
+    Renamed by :func:`~weightstore.formats._keras_naming.as_own_root`, which ranks the values'
+    own keys: a subset ranks as if it were all the part had, and chosen names (``layer_2``
+    beside ``layer_10``) rank too, so only a renaming that pairs whole is taken, never one that
+    pairs a value with another layer's variable. Only for a Keras model, and not with
+    ``mapping``, which renames keys on purpose.
     """
     keys = values.keys()  # a ValueSource: keys(), not iteration
     at = normalize_scope(options.scope)
@@ -422,10 +424,9 @@ def _own_root_renamed(values: Any, obj: Any, targets: Mapping[str, TargetInfo], 
     if all(map(targets.__contains__, [join_scope(at, key) for key in keys] if at else keys)):  # the usual case
         return None
     renames = as_own_root(keys)
-    paired = [join_scope(at, new) for new in renames.values()]
-    if not renames or len(set(paired)) < len(paired) or any(
-            join_scope(at, key) in targets or full not in targets or targets[full].shape != tuple(values.shape(key))
-            for (key, _), full in zip(renames.items(), paired, strict=True)):
+    part = {key: info.shape for key, info in targets.items() if in_scope(key, at) and key != at}
+    if not renames or not pairs(((join_scope(at, renames.get(key, key)), tuple(values.shape(key))) for key in keys),
+                                part, whole=True):
         return None
     return RenamedValues(values, renames)
 

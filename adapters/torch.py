@@ -58,7 +58,7 @@ from weightstore.adapters._report import Mismatch, TargetInfo
 from weightstore.adapters._values import RenamedValues
 from weightstore.adapters.plan import AssignOptions, AssignWords, Report, Selection, SelectionWords, refuse_before_write
 from weightstore.adapters.skeleton import Target, run_assign
-from weightstore.core.keys import join_scope, normalize_scope
+from weightstore.core.keys import join_scope, normalize_scope, parse_mapping
 from weightstore.core.names import TORCH, WRITE_NAMINGS, check_naming, key_of_torch_name, torch_keys, torch_name_of_key
 from weightstore.errors import AssignmentError, InvalidKeyError, LayoutError, SelectionError, UnsupportedDTypeError
 from weightstore.sharded._shards import Piece, in_background, publish_together, split_rows
@@ -364,18 +364,19 @@ def _keyed(values: Any, targets: Collection[str], options: AssignOptions) -> Any
     them then pair with a target: a file a user saved from a compiled or DDP module's own
     ``state_dict`` (``_orig_mod.fc.weight``, ``module.fc.weight``) assigns into the model, as
     :func:`export` of a wrapper now names its tensors (nested wrappers: each name in turn), while
-    a model whose own child is named ``module`` keeps its keys. A ``mapping`` is the user's own
-    word on what the names mean (``{"module": ""}``): nothing is taken off then."""
+    a model whose own child is named ``module`` keeps its keys. A ``mapping`` rule from a wrapper's
+    name (``{"module": ""}``) is the user's own word on what it means: that name stays for it."""
     keys = {name: key for key, name in torch_keys(values.keys()).items()}
     scope = normalize_scope(options.scope)
 
     def paired(candidate: Mapping[str, str]) -> int:
         return sum(join_scope(scope, key) in targets for key in candidate.values())
 
+    spoken = {source.split("/", 1)[0] for source, _ in parse_mapping(options.mapping)}
     best, unwrapped = paired(keys), keys
-    while unwrapped and not options.mapping:
-        wrapper = next((name for name in _WRAPPER_NAMES
-                        if all(key.startswith(name + "/") for key in unwrapped.values())), None)
+    while unwrapped:
+        wrapper = next((name for name in _WRAPPER_NAMES if name not in spoken
+                        and all(key.startswith(name + "/") for key in unwrapped.values())), None)
         if wrapper is None:
             break
         unwrapped = {name: key[len(wrapper) + 1 :] for name, key in unwrapped.items()}

@@ -132,7 +132,8 @@ AsJson = Annotated[bool, typer.Option("--json", help="Print the result as one JS
 Mapping = Annotated[list[str] | None, typer.Option("--map", "-m", metavar="FROM=TO", callback=_check_rules,
                                                       help="Rename scope FROM to TO, or with */FROM=*/TO (or *) the "
                                                            "end of a key: '*/ExponentialMovingAverage=*' (repeatable; "
-                                                           "first match wins; applied before --include/--exclude).")]
+                                                           "the first end rule, then the first scope rule a key matches; "
+                                                           "applied before --include/--exclude).")]
 
 
 def _print_version(ctx: typer.Context, wanted: bool) -> None:

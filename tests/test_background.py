@@ -565,5 +565,9 @@ def test_an_open_of_latest_failing_with_eio_is_retried_as_an_outage(tmp_path, mo
     with ws.BackgroundPublisher(tmp_path, retry_backoff=0.01) as publisher:
         assert publisher.publish(weights(2), step=2).result(60).step == 2
     assert len(failures) == 2 and publisher.failures >= 1  # counted, retried, landed
+    failures.clear()
+    with pytest.raises(ws.StorageError, match="cannot be opened") as caught:  # a weightstore error, naming it
+        ws.latest(tmp_path)
+    assert caught.value.path == str(tmp_path / "LATEST") and caught.value.transient
     monkeypatch.undo()
     assert ws.latest(tmp_path).step == 2

@@ -576,6 +576,15 @@ def test_keras_archive_dtype_policy_of_any_json_shape_is_no_error(tmp_path):
         assert store.keys() == ["head/kernel"]
 
 
+def test_keras_archive_optimizer_state_named_with_a_non_ascii_digit_opens(tmp_path):
+    """'optimizer/vars/²' passes str.isdigit but is no number int() reads: ordering the
+    optimizer's state by number leaked a bare ValueError from ws.open."""
+    path = _keras_archive(tmp_path / "m.keras", config=_sequential(_DENSE % ("head", "false")),
+                          tensors=("layers/dense/vars/0", "optimizer/vars/2", "optimizer/vars/\u00b2"))
+    with ws.open(path) as store:
+        assert "head/kernel" in store.keys() and "optimizer/vars/\u00b2" in store.keys()
+
+
 @pytest.mark.parametrize(("config", "words"), [
     ('{"module": "keras", "class_name": "Sequential", "config": {"name": "s", "layers": 7}}', "no list of layers"),
     (_sequential('"dense"'), "not an object with a class_name and a config"),

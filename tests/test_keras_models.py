@@ -455,6 +455,83 @@ def test_a_lone_members_file_imports_into_the_ensembles_keras_file_by_scope(tmp_
     assert done.returncode == 0, done.stderr
 
 
+def two_alike_out_of_order():
+    """Two Dense of one shape, the second made first: only the keys tell them apart."""
+    second, first = keras.layers.Dense(3), keras.layers.Dense(3)
+    inputs = keras.Input((3,))
+    return keras.Model(inputs, second(first(inputs)))
+
+
+def an_ensemble_of(build) -> tuple:
+    inputs = keras.Input((3,))
+    members = [build() for _ in range(2)]
+    for i, member in enumerate(members):
+        member.name = f"member_{i}"
+        for var in member.weights:
+            var.assign(RNG.normal(size=var.shape).astype("float32"))
+    return keras.Model(inputs, [member(inputs) for member in members]), members
+
+
+def test_a_members_keys_numbered_by_its_ensemble_renumber_only_where_they_pair_with_every_variable():
+    """A renumbering ranked from some of a member's keys is not the member's own: ``dense_3``
+    alone ranks as ``dense``, which is the other Dense. A subset (``strict=False``) is assigned
+    as it is keyed, never into a variable of the same shape the ranking happens to reach."""
+    ensemble, members = an_ensemble_of(two_alike_out_of_order)
+    part = {key.removeprefix("member_1/"): value for key, value in tf2.export(ensemble).items()
+            if key.startswith("member_1/")}
+    assert sorted(part) == ["dense_2/bias", "dense_2/kernel", "dense_3/bias", "dense_3/kernel"]
+    lone = two_alike_out_of_order()
+    assert tf2.assign(lone, part).ok  # whole: renumbered, each value where the member has it
+    for key, value in tf2.export(members[1]).items():
+        np.testing.assert_array_equal(tf2.export(lone)[key], value)
+    subset = {key: value for key, value in part.items() if key.startswith("dense_3/")}
+    lone = two_alike_out_of_order()
+    before = tf2.export(lone)
+    with pytest.raises(ws.AssignmentError, match="0 of 2 values share a key"):  # not renumbered: keyed as the ensemble
+        tf2.assign(lone, subset, strict=False)
+    for key, value in tf2.export(lone).items():
+        np.testing.assert_array_equal(value, before[key])
+
+
+def test_a_member_keyed_by_its_ensemble_assigns_whole_where_some_keys_also_name_other_variables(tmp_path):
+    """``ws.load(ensemble.keras, scope="member_1")`` keys a member ``dense_1``, ``dense_2``; the
+    member on its own has ``dense``, ``dense_1``: one key names a variable as it is (the wrong
+    one), yet only the renumbering pairs every value with a variable."""
+    inputs = keras.Input((3,))
+    one, two = keras.Sequential([keras.Input((3,)), keras.layers.Dense(3)]), two_alike_out_of_order()
+    one.name, two.name = "member_0", "member_1"
+    for var in two.weights:
+        var.assign(RNG.normal(size=var.shape).astype("float32"))
+    keras.Model(inputs, [one(inputs), two(inputs)]).save(tmp_path / "ensemble.keras")
+    values = ws.load(tmp_path / "ensemble.keras", scope="member_1")
+    assert sorted(values) == ["dense_1/bias", "dense_1/kernel", "dense_2/bias", "dense_2/kernel"]
+    lone = two_alike_out_of_order()
+    assert tf2.assign(lone, values).ok
+    for key, value in tf2.export(two).items():
+        np.testing.assert_array_equal(tf2.export(lone)[key], value)
+
+
+def test_an_import_by_scope_whose_keys_pair_both_as_they_are_and_renumbered_is_refused(tmp_path):
+    """A member's own ``dense_1`` (its first Dense) names the ensemble's ``member_1/dense_1`` (the
+    member's second) as it is and ``member_1/dense_2`` renumbered: which one is not ours to guess."""
+    inputs = keras.Input((3,))
+    one, two = keras.Sequential([keras.Input((3,)), keras.layers.Dense(3)]), two_alike_out_of_order()
+    one.name, two.name = "member_0", "member_1"
+    keras.Model(inputs, [one(inputs), two(inputs)]).save(tmp_path / "ensemble.keras")
+    before = ws.load(tmp_path / "ensemble.keras")
+    own = tf2.export(two_alike_out_of_order())
+    ws.save(tmp_path / "part.npz", {key: value + 1 for key, value in own.items() if key.startswith("dense_1/")})
+    done = subprocess.run([sys.executable, "-m", "weightstore", "import", str(tmp_path / "part.npz"), "--into",
+                           str(tmp_path / "ensemble.keras"), "--scope", "member_1", "--overwrite"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "ensemble.keras" in done.stderr and "'member_1/dense_1/" in done.stderr
+    assert "'member_1/dense_2/" in done.stderr
+    after = ws.load(tmp_path / "ensemble.keras")
+    for key, value in before.items():
+        np.testing.assert_array_equal(after[key], value)
+
+
 def test_one_member_exported_by_scope_has_its_own_keys_and_assigns_into_a_lone_instance():
     ensemble, members = ensemble_of_two()
     for member in members:

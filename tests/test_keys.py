@@ -206,6 +206,34 @@ def test_a_rule_between_the_ends_of_keys_renames_them_and_takes_the_place_of_the
             ws.remap(weights, mapping=[rule])
 
 
+def test_a_rule_between_the_ends_of_keys_replaces_a_real_key_only_when_it_removes_a_suffix():
+    """Only ``*/FROM=*`` (the EMA shadow read as its variable) takes the place of a key of the
+    name it gives; ``*/gamma=*/scale`` beside a real ``bn/scale`` would drop one silently."""
+    with pytest.raises(ws.InvalidKeyError, match="'bn/gamma' and 'bn/scale' both become it") as info:
+        ws.remap({"bn/gamma": 1, "bn/scale": 2}, mapping=["*/gamma=*/scale"])
+    assert info.value.key == "bn/scale"
+    assert ws.remap({"bn/gamma": 1, "head/b": 2}, mapping=["*/gamma=*/scale"]) == {"bn/scale": 1, "head/b": 2}
+
+
+def test_a_rule_for_the_ends_of_keys_and_a_scope_rule_both_apply():
+    """The end first, then the scope: an EMA checkpoint read into a renamed top scope."""
+    weights = {"net/w": 1, "net/w/ExponentialMovingAverage": 2, "net/b": 3, "step": 4}
+    expected = {"model/w": 2, "model/b": 3, "step": 4}
+    assert ws.remap(weights, mapping=["net=model", "*/ExponentialMovingAverage=*"]) == expected
+    assert ws.remap(weights, mapping=["*/ExponentialMovingAverage=*", "net=model"]) == expected
+    assert ws.remap({"net/w/ExponentialMovingAverage": 1}, mapping=["*/ExponentialMovingAverage=*/ema", "net/w=v"]
+                    ) == {"v/ema": 1}
+    with pytest.raises(ws.SelectionError, match=r"mapping \*/a/b=\* never applies: the earlier rule \*/b=\*"):
+        ws.remap({"x/a/b": 1}, mapping=["*/b=*", "*/a/b=*"])
+    assert ws.remap({"x/a/b": 1, "y/b": 2}, mapping=["*/a/b=*", "*/b=*/c"]) == {"x": 1, "y/c": 2}
+
+
+def test_a_rule_for_the_ends_of_keys_that_matches_none_suggests_an_ending():
+    with pytest.raises(ws.SelectionError, match=r"mapping \*/ExponentialMovingAverag=\* matches no key; "
+                                                r"did you mean '\*/ExponentialMovingAverage'\?"):
+        ws.remap({"net/w": 1, "net/w/ExponentialMovingAverage": 2}, mapping=["*/ExponentialMovingAverag=*"])
+
+
 # -- the order rules, through real files ----------------------------------------------------------
 
 @pytest.fixture(params=[".npz", ".h5"])

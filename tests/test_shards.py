@@ -919,6 +919,17 @@ def test_a_rank_file_the_commit_cannot_remove_is_left_with_a_warning_not_a_faile
         version = shards.commit_shards(folder, step=1, world=1, attempt=0, timeout=5)
     assert version.step == 1 == ws.latest(folder).step
     assert ws.load(version)["w"].tobytes() == w.tobytes()
+    # a stale attempt's folder the commit of the next attempt may not remove: warned of, committed
+    ws.publish_shard(folder, {"w": w + 1}, step=2, rank=0, world=1, attempt=0)
+    ws.publish_shard(folder, {"w": w + 2}, step=2, rank=0, world=1, attempt=1)
+
+    def locked_folder(self, name):
+        raise ws.StorageError("AccessDenied (an object lock)", path=name)
+
+    monkeypatch.setattr(LocalFolder, "remove_folder", locked_folder)
+    with pytest.warns(UserWarning, match="step 2 is published.*AccessDenied"):
+        version = shards.commit_shards(folder, step=2, world=1, attempt=1, timeout=5)
+    assert version.step == 2 == ws.latest(folder).step and ws.load(version)["w"].tobytes() == (w + 2).tobytes()
 
 
 def test_a_list_of_numbers_is_an_array_not_a_list_of_pieces(tmp_path):

@@ -233,17 +233,22 @@ def test_an_ema_checkpoint_restores_its_averages_by_one_mapping_rule(tmp_path):
             sess.run(train, {x: batch})
         prefix = v1.train.Saver().save(sess, str(tmp_path / "model.ckpt"))
     predictions = {}
-    for how in ("saver", "weightstore"):
+    for how in ("saver", "weightstore", "into a renamed top scope"):
         with tf.Graph().as_default() as graph, v1.Session(graph=graph) as sess:
             x = v1.placeholder(tf.float32, (None, 3))
-            y = model(x)
+            with v1.variable_scope("student" if how == "into a renamed top scope" else ""):
+                y = model(x)
             if how == "saver":
                 v1.train.Saver(v1.train.ExponentialMovingAverage(0.5).variables_to_restore()).restore(sess, prefix)
             else:
                 graph.finalize()
-                report = tf1.assign(sess, prefix, mapping={"*/ExponentialMovingAverage": "*"})
-                assert report.ok and sorted(report.assigned) == MODEL and sorted(report.left_out) == TRAINING
+                renamed = how != "weightstore"  # the scope rule first: the end is rewritten all the same
+                mapping = ["=student", "*/ExponentialMovingAverage=*"] if renamed else ["*/ExponentialMovingAverage=*"]
+                report = tf1.assign(sess, prefix, mapping=mapping)
+                assert report.ok and sorted(report.left_out) == TRAINING
+                assert sorted(report.assigned) == [f"student/{key}" if renamed else key for key in MODEL]
             predictions[how] = sess.run(y, {x: batch})
     raw = tf.train.load_checkpoint(prefix)
     assert not np.array_equal(raw.get_tensor("out/kernel"), raw.get_tensor("out/kernel/ExponentialMovingAverage"))
     np.testing.assert_array_equal(predictions["weightstore"], predictions["saver"])
+    np.testing.assert_array_equal(predictions["into a renamed top scope"], predictions["saver"])

@@ -571,3 +571,13 @@ def test_fifos_where_files_belong_are_refused_not_waited_on(tmp_path):
     os.mkfifo(tmp_path / "pipe.keras")
     with pytest.raises(FormatError, match=r"pipe\.keras: is not a regular file"):
         ws.open(tmp_path / "pipe.keras")
+
+
+def test_a_checkpoint_folder_beside_a_dangling_safetensors_index_reads_its_checkpoint(made, tmp_path):
+    """A TF checkpoint folder whose model.safetensors.index.json is a dangling link (a Hugging Face
+    export moved away) is read as the checkpoint it holds, not refused on the broken link."""
+    folder = tmp_path / "run"
+    prefix = copy_checkpoint(made["tf2"], folder, "ckpt-1")
+    (folder / "model.safetensors.index.json").symlink_to(tmp_path / "moved-away.json")
+    loaded = ws.load(folder)
+    assert loaded.keys() == ws.load(prefix).keys() and loaded

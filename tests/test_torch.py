@@ -482,6 +482,9 @@ def test_a_member_scope_into_a_file_of_torch_names_says_how_to_read_them(tmp_pat
     assert message.startswith(f"{path}: scope 'members/1' matches no key; its keys are PyTorch state_dict names")
     assert "names='torch'" in message and "include='members.1.*'" in message
     assert ws.load(path, scope="members/1", names="torch").keys() == torch_adapter.export(ensemble.members[1]).keys()
+    with pytest.raises(SelectionError) as info:  # torch's spelling: read so, the scope joins with '/'
+        ws.load(path, scope="members.1")
+    assert "names='torch' (ws.load, ws.open) and scope 'members/1'" in str(info.value)
     done = subprocess.run([sys.executable, "-m", "weightstore", "ls", str(path), "--scope", "members/1"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "its keys are PyTorch state_dict names" in done.stderr
@@ -594,3 +597,22 @@ def test_a_mapping_of_the_wrappers_name_still_decides_what_the_names_mean():
     values = {"module." + name: tensor.numpy() + 1 for name, tensor in source.state_dict().items()}
     torch_adapter.assign(target, values, mapping={"module": ""})
     assert all(np.array_equal(values["module." + name], tensor.numpy()) for name, tensor in target.state_dict().items())
+    # a rule about the model's own names leaves the wrapper's name to be taken off as without one
+    renamed = nn.Sequential()
+    for name, layer in zip(("first", "1", "2", "3"), small_net(), strict=True):
+        renamed.add_module(name, layer)
+    torch_adapter.assign(renamed, values, mapping={"0": "first"})
+    assert np.array_equal(values["module.0.weight"], renamed.first.weight.detach().numpy())
+
+
+def test_a_leading_one_on_one_tensor_is_not_called_a_stacked_ensemble():
+    """A ViT's position embedding (1, 5, 4) given a (5, 4) value is one mismatch, not a vmap-ed
+    ensemble of 1 member: the refusal gives no stacking advice."""
+    module = nn.Module()
+    module.pos_embed = nn.Parameter(torch.zeros(1, 5, 4))
+    module.head = nn.Linear(4, 2)
+    values = {"pos_embed": np.ones((5, 4), np.float32), **{f"head/{name}": tensor.detach().numpy()
+                                                         for name, tensor in module.head.named_parameters()}}
+    with pytest.raises(ws.AssignmentError, match="pos_embed") as caught:
+        torch_adapter.assign(module, values)
+    assert "stacked" not in str(caught.value)

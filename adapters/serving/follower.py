@@ -85,7 +85,15 @@ from weightstore.adapters.skeleton import copy_into, handed_over, rehearsal
 from weightstore.core import _parallel as parallel
 from weightstore.core._heap import give_back
 from weightstore.core.manifest import TensorInfo, logical_dtype
-from weightstore.errors import FormatError, LayoutError, StorageError, UnsupportedTargetError, VersionGoneError, naming
+from weightstore.errors import (
+    FormatError,
+    LayoutError,
+    StorageError,
+    UnsupportedTargetError,
+    VersionGoneError,
+    WeightStoreError,
+    naming,
+)
 from weightstore.formats import ReaderDefaults
 from weightstore.formats.sharded import normalized_region
 from weightstore.io._buffer import aligned_array, memory_owner
@@ -630,8 +638,10 @@ class Follower:
         with self._swapped:
             if loop.stop.is_set():
                 return
-            if doing == "following":  # an outage, or a LATEST that stays unreadable (a link loop, damage):
-                loop.outage.failed(exc)  # said once per cause, and once when the folder answers again
+            if doing == "following" and isinstance(exc, (WeightStoreError, OSError)):  # an outage, or a LATEST
+                loop.outage.failed(exc)  # that stays unreadable (a loop, damage): said once per cause, and at its end
+            elif doing == "following":  # a bug, not the folder: said at every look, with where it came from
+                _log.warning("weightstore follower of %s: following failed: %s", self.folder, exc, exc_info=exc)
             else:
                 _log.warning("weightstore follower of %s: %s failed: %s", self.folder, doing, exc)
             self.error, self._failed_step = exc, step

@@ -252,12 +252,13 @@ def parse_mapping(mapping: MappingRules) -> list[tuple[str, str]]:
                 ending and (is_glob(source[2:]) or is_glob(target[2:]))):
             raise InvalidKeyError(f"mapping rule {source}={target} is neither FROM=TO between scopes nor "
                                   "*/FROM=*/TO (or *) between the ends of keys")
-    for i, (source, target) in enumerate(rules):  # the first rule whose scope holds a key renames it
+    for i, (source, target) in enumerate(rules):  # the first rule of each kind that matches a key renames it
         for earlier, earlier_target in rules[:i]:
-            if not source.startswith(_ENDING) and in_scope(source, earlier):
+            if (earlier.startswith(_ENDING) == source.startswith(_ENDING)
+                    and (source[1:].endswith(earlier[1:]) if source.startswith(_ENDING) else in_scope(source, earlier))):
+                what = f"every key ending {earlier[1:]!r}" if earlier.startswith(_ENDING) else f"every key under {earlier!r}"
                 raise SelectionError(f"mapping {source}={target} never applies: the earlier rule "
-                                     f"{earlier}={earlier_target} renames every key under {earlier!r} first; "
-                                     "put the narrower rule first")
+                                     f"{earlier}={earlier_target} renames {what} first; put the narrower rule first")
     return rules
 
 
@@ -268,19 +269,41 @@ def rule_matches(key: str, source: str) -> bool:
 
 
 def map_key(key: str, rules: Sequence[tuple[str, str]], scope: str = "") -> str:
-    """Rewrite ``key`` by the first rule whose FROM matches it (:func:`rule_matches`). ``key``
-    is relative to ``scope``: an error names the key as the file has it, scope and all."""
+    """Rewrite ``key``'s end by the first ``*/END`` rule it ends with, then the result by the
+    first scope rule it lies in (:func:`rule_matches`): ``*/ExponentialMovingAverage=*`` with
+    ``net=model`` reads ``net/w/ExponentialMovingAverage`` as ``model/w``. ``key`` is relative
+    to ``scope``: an error names the key as the file has it, scope and all."""
+    ended = _end_mapped(key, rules)
     for source, target in rules:
-        if source.startswith(_ENDING) and rule_matches(key, source):
-            return join_scope(key[:len(key) - len(source) + 1], target[2:])
-        if in_scope(key, source):
-            rest = "" if key == source else strip_scope(key, source)
+        if not source.startswith(_ENDING) and in_scope(ended, source):
+            rest = "" if ended == source else strip_scope(ended, source)
             mapped = join_scope(target, rest)
             if not mapped:
                 raise InvalidKeyError(f"mapping {source}={target} turns it into an empty key",
                                       key=join_scope(scope, key))
             return mapped
-    return key
+    return ended
+
+
+def _end_rule(key: str, rules: Sequence[tuple[str, str]]) -> tuple[str, str] | None:
+    """The first ``*/END`` rule ``key`` ends with; None when none does."""
+    return next(((source, target) for source, target in rules
+                 if source.startswith(_ENDING) and key.endswith(source[1:])), None)
+
+
+def _end_mapped(key: str, rules: Sequence[tuple[str, str]]) -> str:
+    """``key`` with its end rewritten by :func:`_end_rule`'s rule, else as it is."""
+    rule = _end_rule(key, rules)
+    return key if rule is None else join_scope(key[:len(key) - len(rule[0]) + 1], rule[1][2:])
+
+
+def _endings_of(keys: Iterable[str]) -> list[str]:
+    """Every ``*/END`` a key ends with, below at least one segment: what a ``*/`` rule might have meant."""
+    names: set[str] = set()
+    for key in keys:
+        parts = key.split("/")
+        names.update(_ENDING + "/".join(parts[i:]) for i in range(1, len(parts)))
+    return sorted(names)
 
 
 def scopes_of(keys: Iterable[str]) -> list[str]:
@@ -367,9 +390,10 @@ def unmatched_scope(scope: str, keys: Collection[str], where: str = "") -> Selec
     torch_named = [key for key in keys if key.startswith(dotted + ".") and "/" not in key]
     if scope in keys:
         hint = f"; {scope!r} is a tensor, not a scope: select it with include={scope!r}"
-    elif torch_named:
+    elif torch_named:  # read so, the keys join with '/' whatever the user's spelling (members.1)
         hint = (f"; its keys are PyTorch state_dict names ({torch_named[0]!r}): read the file with names='torch' "
-                f"(ws.load, ws.open) for scope {scope!r}, or select them as they are with include='{dotted}.*'")
+                f"(ws.load, ws.open) and scope {dotted.replace('.', '/')!r}, or select them as they are with "
+                f"include='{dotted}.*'")
     else:
         hint = suggest(scope, scopes_of(keys))
     return SelectionError(f"scope {scope!r} matches no key{_where(where)}{hint}", word=f"scope {scope!r}")
@@ -401,10 +425,12 @@ def _require_rules_match(keys: list[str], rules: Sequence[tuple[str, str]], wher
     Without a close scope to suggest, the message shows the first keys, so that a user who
     guessed the file's naming (a Keras 3 ``.weights.h5`` keys ``layers/dense/vars/0``) can
     write the rule."""
+    ended = [_end_mapped(key, rules) for key in keys] if any(s.startswith(_ENDING) for s, _ in rules) else keys
     for source, target in rules:
-        if keys and not any(rule_matches(key, source) for key in keys):
+        ending = source.startswith(_ENDING)
+        if keys and not any(rule_matches(key, source) for key in (keys if ending else ended)):
             shown = ", ".join(map(repr, keys[:_KEYS_SHOWN])) + (", ..." if len(keys) > _KEYS_SHOWN else "")
-            hint = suggest(source, scopes_of(keys)) or f"; its keys look like {shown}"
+            hint = suggest(source, _endings_of(keys) if ending else scopes_of(ended)) or f"; its keys look like {shown}"
             raise SelectionError(f"mapping {source}={target} matches no key{_where(where)}{hint}",
                                  word=f"mapping {source}={target}")
 
@@ -412,27 +438,23 @@ def _require_rules_match(keys: list[str], rules: Sequence[tuple[str, str]], wher
 def _renamed(keys: list[str], sources: list[str], rules: Sequence[tuple[str, str]],
              scope: str = "") -> tuple[dict[str, str], list[str]]:
     """New key -> source for ``keys`` (``sources`` as the file names them), and the sources kept.
-    A name a ``*/END`` rule gives takes the place of the key of that name no rule matches: with
-    ``*/ExponentialMovingAverage=*``, ``w/ExponentialMovingAverage`` is read as ``w`` and the raw
-    ``w`` is not, as ``Saver(ema.variables_to_restore())`` restores a graph; a variable without
-    a shadow keeps its own value."""
-    mapped = [(map_key(key, rules, scope), _first_rule(key, rules), source)
+    A name a ``*/END=*`` rule gives (the suffix removed) takes the place of the key of that name
+    whose end no rule rewrote: with ``*/ExponentialMovingAverage=*``, ``w/ExponentialMovingAverage``
+    is read as ``w`` and the raw ``w`` is not, as ``Saver(ema.variables_to_restore())`` restores
+    a graph; a variable without a shadow keeps its own value. Any other rule's name meeting a
+    key's is a collision, refused by :func:`_refuse_collisions`: ``*/gamma=*/scale`` beside a
+    real ``bn/scale`` would drop one of them silently."""
+    mapped = [(map_key(key, rules, scope), _end_rule(key, rules), source)
               for key, source in zip(keys, sources, strict=True)]
-    ended = {new for new, rule, _ in mapped if rule is not None and rule.startswith(_ENDING)}
-    kept = [(new, source) for new, rule, source in mapped if rule is not None or new not in ended]
+    shadows = {new for new, rule, _ in mapped if rule is not None and rule[1] == "*"}
+    kept = [(new, source) for new, rule, source in mapped if rule is not None or new not in shadows]
     return {new: source for new, source in kept}, [source for _, source in kept]
 
 
-def _first_rule(key: str, rules: Sequence[tuple[str, str]]) -> str | None:
-    """The FROM of the rule that renames ``key``; None when no rule matches it."""
-    return next((source for source, _ in rules if rule_matches(key, source)), None)
-
-
 def ends_by_rule(key: str, rules: Sequence[tuple[str, str]]) -> bool:
-    """Whether the rule that renames ``key`` is a ``*/END`` rule: one that names the key itself
-    (an assign never leaves such a key out as training state)."""
-    rule = _first_rule(key, rules)
-    return rule is not None and rule.startswith(_ENDING)
+    """Whether a ``*/END`` rule rewrites ``key``'s end: one that names the key itself (an
+    assign never leaves such a key out as training state)."""
+    return _end_rule(key, rules) is not None
 
 
 def _refuse_collisions(renamed: dict[str, str], sources: list[str], scope: str, rules, where: str) -> None:

@@ -282,7 +282,7 @@ def model_names(config: dict[str, Any], file_keys: list[str], where: str) -> tup
 
 def _natural(key: str) -> list[Any]:
     """``optimizer/vars/2`` before ``optimizer/vars/10``: HDF5 lists names as strings."""
-    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in key.split("/")]
+    return [(0, int(part), "") if part.isascii() and part.isdigit() else (1, 0, part) for part in key.split("/")]
 
 
 def _unreached(file_keys: list[str], planned: set[str]) -> Iterator[str]:

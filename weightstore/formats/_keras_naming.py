@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 #: an automatic name's counter: ASCII digits only (``\\d`` takes ``٣``), and few enough that
 #: ``int`` never meets its digit limit on a hostile name
@@ -110,8 +110,9 @@ def as_own_root(keys: Iterable[str]) -> dict[str, str]:
 
     The part's own keys rank each automatic name's number among those of its base over the
     whole root (:class:`Ranking`); ranking the layer segments of the keys the same way gives
-    them. Chosen names that look numbered (``layer_2`` beside ``layer_10``) rank too: a caller
-    takes the renaming only where it pairs whole.
+    them. Chosen names that look numbered (``layer_2`` beside ``layer_10``) rank too, and keys
+    of some of the part's layers rank as if those were all it had (``dense_3`` alone ranks
+    ``dense``): a caller takes the renaming only where it :func:`pairs`.
     """
     parsed = {key: [_base_and_number(segment) for segment in key.split("/")[:-1]] for key in keys}
     numbers: dict[str, set[int]] = {}
@@ -126,6 +127,21 @@ def as_own_root(keys: Iterable[str]) -> dict[str, str]:
         if renamed != key:
             renames[key] = renamed
     return renames
+
+
+def pairs(given: Iterable[tuple[str, tuple[int, ...]]], targets: Mapping[str, tuple[int, ...]], *,
+          whole: bool) -> bool:
+    """Whether each ``(key, shape)`` of ``given`` names a target of its shape, no two the same one,
+    and, where ``whole``, every target is named: the rule a renaming by :func:`as_own_root` is
+    taken by. ``whole`` where the renaming was ranked from ``given``'s own keys (``tf2.assign``):
+    only all of a part's keys rank as the part numbers itself, and a subset's ranking would pair
+    values with other layers' variables of the same shape."""
+    named: set[str] = set()
+    for key, shape in given:
+        if key in named or targets.get(key) != tuple(shape):
+            return False
+        named.add(key)
+    return not whole or len(named) == len(targets)
 
 
 def _base_and_number(segment: str) -> tuple[str, int]:

@@ -82,9 +82,9 @@ def find(place: Place) -> Place | None:
     for name in weights:
         if place.child(name).is_file():
             return place.child(name)
-    for name in weights:  # a link loop, a dangling link, a FIFO: its reader says which, naming the file,
-        if not place.child(name).is_dir():  # rather than "holds no TF checkpoint" naming the folder
-            return place.child(name)
+    for name in () if checkpoint else weights:  # a link loop, a dangling link, a FIFO: its reader says
+        if not place.child(name).is_dir():  # which, naming the file, rather than "holds no TF checkpoint"
+            return place.child(name)  # (a folder that holds one is read as one, as before)
     for name in () if checkpoint else _TORCH_WEIGHTS:
         if name in names:
             raise FormatError(f"holds its weights as PyTorch torch.save pickles ({name}); {CONVERT_HINT}",

@@ -17,6 +17,7 @@ read by seeking about it), and dropped once its weights member is unpacked.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import struct
@@ -225,8 +226,8 @@ def _open_archive(path: str) -> Iterator[zipfile.ZipFile]:
             archive = zipfile.ZipFile(handle)
         except WeightStoreError:
             raise
-        except OSError as exc:
-            raise FormatError(f"unreadable ({exc.strerror})", path=path) from None
+        except OSError as exc:  # the read the system failed (an I/O error): the storage's, named
+            raise unreadable(exc, path) from None
         except _ZIP_ERRORS as exc:
             raise FormatError(f"not a .keras archive (not a readable zip file: {type(exc).__name__})",
                               path=path) from None
@@ -280,7 +281,10 @@ def _member_chunks(path: str, archive: zipfile.ZipFile, name: str):
         raise
     except _ZIP_ERRORS as exc:
         raise FormatError(f"corrupt .keras archive ({name}: {exc})", path=path) from None
-    except OSError as exc:  # a member before the file's start (its first bytes cut off): EINVAL on seek
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:  # the read the system failed (an I/O error): the storage's, named
+            raise unreadable(exc, path) from None
+        # a member before the file's start (its first bytes cut off): a seek to a negative offset
         raise FormatError(f"corrupt .keras archive ({name} cannot be read: {exc.strerror or exc})", path=path) from None
     if left:
         raise FormatError(f"corrupt .keras archive ({name} ends {left} bytes short of its declared size)", path=path)

@@ -541,7 +541,10 @@ class CheckpointReader(ReaderDefaults):
         try:
             handle = open_regular(path)
         except FileNotFoundError:
-            missing = f"is a link to {os.readlink(path)!r}, which is missing" if os.path.islink(path) else "is missing"
+            try:
+                missing = f"is a link to {os.readlink(path)!r}, which is missing"
+            except OSError:  # no link (or removed since): plainly missing
+                missing = "is missing"
             raise StoreNotFoundError(f"no such checkpoint ({path} {missing})", path=self.prefix) from None
         with handle:
             size = os.fstat(handle.fileno()).st_size

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from weightstore.errors import FileAccessError, FormatError, PublishError, TargetError, WriteError
+from weightstore.errors import FileAccessError, FormatError, PublishError, StorageError, TargetError, WriteError
 from weightstore.io.backends import backend_for
 from weightstore.io.commit import Commit, RenameCommit, UploadCommit
 from weightstore.io.files import TEMP_MARK, check_writable_target, fsync_folder, fsync_path, kind_of, temporary_beside
@@ -51,8 +51,9 @@ class FileEntry:
 
 
 #: what an open of a small file refuses for good, the file's own fault (a link loop, no
-#: permission, a name too long): any other error (EIO on a network disk) is the storage's, retried
-_REFUSALS = frozenset({errno.ELOOP, errno.EACCES, errno.EPERM, errno.ENAMETOOLONG})
+#: permission, a name too long, a socket or device): any other error (EIO on a network disk) is the
+#: storage's, a transient StorageError, retried
+_REFUSALS = frozenset({errno.ELOOP, errno.EACCES, errno.EPERM, errno.ENAMETOOLONG, errno.ENXIO, errno.ENODEV})
 
 
 class Folder(abc.ABC):
@@ -185,7 +186,7 @@ class LocalFolder(Folder):
             return None
         except OSError as exc:
             if exc.errno not in _REFUSALS:  # EIO, EAGAIN, EBUSY, EINTR on a network disk: retried as outages are
-                raise
+                raise StorageError(f"cannot be opened ({exc.strerror or exc})", path=str(path)) from None
             raise FileAccessError(f"cannot be opened ({exc.strerror or exc})", path=str(path)) from None
         kind = kind_of(os.fstat(fd).st_mode)
         if kind is not None:

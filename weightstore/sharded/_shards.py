@@ -473,7 +473,11 @@ def commit_shards(
         raise
     if adopted and target.read_small(name, 1) is None:  # removed as dead between the look and the swap
         target.put_if(name, adopted[0], create=True)
-    clean_attempts(target, index, members, sizes)
+    try:  # LATEST names the step now: tidying that fails (an object lock, an outage) is no failed commit
+        clean_attempts(target, index, members, sizes)
+    except (OSError, WeightStoreError) as error:
+        warnings.warn(f"{target.where}: step {step} is published, but removing what other attempts left failed "
+                      f"({error}); the next commit or `ws clean` removes it", stacklevel=2)
     return version
 
 
