@@ -68,7 +68,9 @@ def _supervise(names: list[str], seconds: int) -> int:
         result = subprocess.run(command, cwd=ROOT / "tests")
     except KeyboardInterrupt:
         return 0
-    if result.returncode in (0, -signal.SIGINT, -signal.SIGTERM):  # done, or stopped by someone
+    # done, or stopped by someone: libFuzzer catches SIGINT/SIGTERM and exits 72 (its
+    # -interrupted_exitcode), which had kept the input being read as a regression that was none
+    if result.returncode in (0, 72, -signal.SIGINT, -signal.SIGTERM):
         return 0
     kept = _keep_current(WORK / "work" / "+".join(names))
     print(f"fuzz: the fuzzer stopped (exit {result.returncode}); the input is kept as {kept}", file=sys.stderr)
