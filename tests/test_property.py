@@ -235,4 +235,4 @@ def test_mapping_rules_refuse_with_their_errors_and_never_merge_two_keys(keys, r
         K.validate_key(new)
     ending_names = {K.map_key(k, parsed) for k in keys if K.ends_by_rule(k, parsed)}
     left_out = set(keys) - {keys[i] for i in renamed.values()}
-    assert all(K._first_rule(k, parsed) is None and k in ending_names for k in left_out), left_out
+    assert all(not K.ends_by_rule(k, parsed) and K.map_key(k, parsed) in ending_names for k in left_out), left_out
