@@ -199,6 +199,18 @@ def test_object_replaced_while_open(s3, suffix):
     assert target in str(caught.value)
 
 
+def answering_ranges(answer):
+    """An intercept of the loopback server that answers each ranged GET with ``answer(first, last)``
+    (the Range header's bounds; ``first`` None for a suffix read), without a Content-Range."""
+    def intercept(environ):
+        wanted = environ.get("HTTP_RANGE", "")
+        if environ["REQUEST_METHOD"] != "GET" or not wanted.startswith("bytes="):
+            return None
+        first, last = wanted[len("bytes="):].split("-")
+        return answer(int(first) if first else None, int(last))
+    return intercept
+
+
 @pytest.mark.parametrize("suffix", FORMATS)
 @pytest.mark.parametrize("answer", ["whole object", "other range"])
 def test_a_ranged_read_answered_with_other_bytes_is_refused_never_read_as_the_tensor(s3, suffix, answer):
@@ -209,15 +221,9 @@ def test_a_ranged_read_answered_with_other_bytes_is_refused_never_read_as_the_te
     ws.save(target, WEIGHTS)
     whole = get(target)
 
-    def lying(environ):
-        wanted = environ.get("HTTP_RANGE", "")
-        if environ["REQUEST_METHOD"] != "GET" or not wanted.startswith("bytes="):
-            return None
-        start, end = (int(bound) for bound in wanted[len("bytes="):].split("-"))
-        return (200, whole) if answer == "whole object" else (206, whole[:end + 1 - start])
-
     with ws.open(target, verify=False) as store:
-        s3.intercept = lying
+        s3.intercept = answering_ranges(lambda first, last: (200, whole) if answer == "whole object"
+                                        else (206, whole[: last + 1 - first]))
         with pytest.raises(ws.StorageError, match="asked for bytes") as caught:
             store["block_2/w1"]  # outside the index window: a request of its own, not from byte 0
     assert caught.value.path == target
@@ -452,15 +458,7 @@ def test_an_opening_part_that_does_not_say_where_it_lies_is_refused(s3, suffix):
     ws.save(target, WEIGHTS)
     whole = get(target)
 
-    def stripped(environ):
-        wanted = environ.get("HTTP_RANGE", "")
-        if environ["REQUEST_METHOD"] != "GET" or not wanted.startswith("bytes="):
-            return None
-        first, last = wanted[len("bytes="):].split("-")
-        part = whole[-int(last):] if not first else whole[int(first):int(last) + 1]
-        return 206, part
-
-    s3.intercept = stripped
+    s3.intercept = answering_ranges(lambda first, last: (206, whole[-last:] if first is None else whole[first : last + 1]))
     with pytest.raises(ws.StorageError, match="where its bytes lie") as caught:
         ws.load(target)
     assert caught.value.path == target
