@@ -49,7 +49,8 @@ class CountingS3:
 
     ``endpoint`` is its URL; :meth:`environment` points botocore (and so s3fs, also for plain
     ``s3://`` URLs with no storage options) at it. :attr:`intercept`, when set, sees each
-    request's WSGI environ first and may return ``(status, body)`` to answer it instead.
+    request's WSGI environ first and may return ``(status, body)`` to answer it instead, or
+    ``(status, body, headers)`` to add headers (a ``Content-Range`` a proxy mangled).
     """
 
     def __init__(self) -> None:
@@ -63,7 +64,7 @@ class CountingS3:
             port = probe.getsockname()[1]
         self.endpoint = f"http://127.0.0.1:{port}"
         self.requests: list[Request] = []
-        self.intercept: Callable[[dict[str, Any]], tuple[int, bytes] | None] | None = None
+        self.intercept: Callable[[dict[str, Any]], tuple[Any, ...] | None] | None = None
         self.in_flight = 0
         self.most_in_flight = 0
         self._lock = threading.Lock()
@@ -135,8 +136,9 @@ class CountingS3:
 
             answer = self.intercept(environ) if self.intercept else None
             if answer is not None:
-                code, body = answer
-                recording_start(f"{code} X", [("Content-Length", str(len(body))), ("Content-Type", "application/xml")])
+                code, body, *added = answer
+                recording_start(f"{code} X", [("Content-Length", str(len(body))), ("Content-Type", "application/xml"),
+                                              *(added[0].items() if added else ())])
                 chunks = [body]
             else:
                 chunks = list(self._moto(environ, recording_start))

@@ -1,6 +1,7 @@
 """A short seeded mutation fuzz of every format, of a versions folder's ``LATEST`` pointer, and of
 the files a version is made of beside others (a delta and its base, a sharded version's
-done-records, members and delta members, a Hugging Face index, a TF checkpoint's data).
+done-records, members and delta members, a Hugging Face index, a TF checkpoint's data), and of
+mapping rules (``*/`` endings among them) over keys they rename.
 
 Each target's mutants (bit flips, interesting bytes, truncations, insertions, deletions,
 splices of a real file) must end in a WeightStoreError or read back exactly the original
@@ -24,12 +25,13 @@ from fuzz.targets import fuzz_batch
 COUNT = {"npz": 300, "npz-many": 300, "npz-compressed": 300, "numpy-savez": 300, "latest": 300, "hdf5": 300,
          "safetensors": 200, "tf-index": 200, "tf-object-graph": 200, "keras-config": 200, "npz-numpy": 200,
          "keras": 100, "sharded-index": 300, "delta": 100, "delta-base": 50, "sharded-done": 30,
-         "sharded-member": 30, "sharded-delta": 30, "hf-index": 60, "tf-data": 50}
+         "sharded-member": 30, "sharded-delta": 30, "hf-index": 60, "tf-data": 50, "mapping": 300}
 
 
 @pytest.mark.parametrize("name", ["npz", "npz-many", "npz-compressed", "numpy-savez", "latest", "safetensors",
                                   "tf-index", "npz-numpy", "keras-config", "sharded-index", "delta", "delta-base",
-                                  "sharded-done", "sharded-member", "sharded-delta", "hf-index", "tf-data"])
+                                  "sharded-done", "sharded-member", "sharded-delta", "hf-index", "tf-data",
+                                  "mapping"])
 def test_mutants_are_refused_or_read_exactly(tmp_path, name):
     outcomes = fuzz_batch(name, seed=20261201, count=COUNT[name], folder=tmp_path)
     assert outcomes.get("refused", 0) > COUNT[name] // 3, outcomes  # the mutations do reach the parsers

@@ -510,6 +510,20 @@ def _keras_archive(path: Path, *, extra_members: int = 0,
     return path
 
 
+@pytest.mark.parametrize("name", ["ckpt.index", "ckpt.data-00000-of-00001"])
+def test_a_checkpoint_file_holding_a_keras_archive_is_the_checkpoints(tmp_path, name):
+    """zipfile finds an archive after any bytes, so a damaged TF index ending in a ``.keras``
+    archive (``./tasks fuzz`` made one) read as that archive's weights: a checkpoint's own file
+    is refused as the checkpoint's; a zip whose name says nothing is still read as Keras."""
+    archive = _keras_archive(tmp_path / "m.keras").read_bytes()
+    (tmp_path / "ckpt.index").write_bytes(b"\x00\x1b" + archive)
+    (tmp_path / name).write_bytes(b"\x00\x1b" + archive)
+    with raises_naming(errors.FormatError, tmp_path / "ckpt.index", "index"):
+        ws.load(tmp_path / name)
+    (tmp_path / "model").write_bytes(archive)
+    assert list(ws.load(tmp_path / "model")) == ["layers/dense/vars/0"]
+
+
 def test_a_keras_archive_swapped_after_its_check_is_read_as_checked(tmp_path, monkeypatch):
     """The archive is checked to be a regular file, then read: ``zipfile`` given its name opened
     it again, so a file swapped in between (a FIFO would block) was read instead. It is read

@@ -9,7 +9,7 @@ import hypothesis.extra.numpy as hnp
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import weightstore as ws
@@ -197,3 +197,42 @@ def test_a_transposed_complex_value_is_range_checked():
     values = np.full((2, 3), 1e300 + 0j).T  # not contiguous: its parts are not one view away
     assert "1e+300, beyond float32's range" in out_of_range(values, np.dtype(np.complex64))
     assert out_of_range(np.ones((2, 3), np.complex128).T, np.dtype(np.complex64)) == ""
+
+
+# -- mapping rules ----------------------------------------------------------------------------------
+
+#: rule sides as users type them, ``*/`` endings among them, and odd ones (globs, slashes, empty)
+_SCOPE_SIDE = st.lists(_TREE_SEGMENTS, min_size=0, max_size=2).map("/".join)
+_ENDING_SIDE = st.lists(_TREE_SEGMENTS, min_size=1, max_size=2).map(lambda parts: "*/" + "/".join(parts))
+_ODD_SIDE = st.one_of(st.sampled_from(["*", "*/", "*//w", "*/w/", "w//", "/w", "*/*", "*/w?", "**/w", "*/../w",
+                                       "*/.", "x=y"]), _FREE_SEGMENTS)
+_RULES = st.lists(st.one_of(st.tuples(_SCOPE_SIDE, _SCOPE_SIDE), st.tuples(_ENDING_SIDE, _ENDING_SIDE),
+                            st.tuples(_ENDING_SIDE, st.just("*")),
+                            st.tuples(st.one_of(_SCOPE_SIDE, _ENDING_SIDE, _ODD_SIDE),
+                                      st.one_of(_SCOPE_SIDE, _ENDING_SIDE, _ODD_SIDE))), max_size=3)
+_TREE_KEYS = st.lists(st.lists(_TREE_SEGMENTS, min_size=1, max_size=3).map("/".join), min_size=1, max_size=10,
+                      unique=True)
+
+
+@SETTINGS
+@given(keys=_TREE_KEYS, rules=_RULES, as_strings=st.booleans())
+def test_mapping_rules_refuse_with_their_errors_and_never_merge_two_keys(keys, rules, as_strings):
+    """Any rules, ``*/`` ones among them: parse_mapping and remap raise InvalidKeyError or
+    SelectionError or rename; what they rename is valid keys, one per source, and the only key
+    left out is a raw one whose name a ``*/END`` rule gives another (the documented EMA read)."""
+    mapping = [f"{s}={t}" for s, t in rules] if as_strings else dict(rules)
+    weights = {key: index for index, key in enumerate(keys)}
+    try:
+        parsed = K.parse_mapping(mapping)
+        renamed = K.remap(weights, mapping=mapping)
+    except (ws.InvalidKeyError, ws.SelectionError) as exc:
+        event(f"refused: {type(exc).__name__}")
+        return
+    event("renamed" if list(renamed) != keys else "unchanged")
+    assert K.parse_mapping([f"{s}={t}" for s, t in parsed]) == parsed  # parsing what it parsed changes nothing
+    assert len(set(renamed.values())) == len(renamed)  # one source per key: nothing merged
+    for new in renamed:
+        K.validate_key(new)
+    ending_names = {K.map_key(k, parsed) for k in keys if K.ends_by_rule(k, parsed)}
+    left_out = set(keys) - {keys[i] for i in renamed.values()}
+    assert all(not K.ends_by_rule(k, parsed) and K.map_key(k, parsed) in ending_names for k in left_out), left_out

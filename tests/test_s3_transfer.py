@@ -8,6 +8,8 @@ import uuid
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 import weightstore as ws
 from weightstore.io import commit, objects, remote
@@ -199,7 +201,8 @@ def test_object_replaced_while_open(s3, suffix):
 
 def answering_ranges(answer):
     """An intercept of the loopback server that answers each ranged GET with ``answer(first, last)``
-    (the Range header's bounds; ``first`` None for a suffix read), without a Content-Range."""
+    (the Range header's bounds; ``first`` None for a suffix read): ``(status, body)``, without a
+    Content-Range, or ``(status, body, headers)``; None leaves the request to the server."""
     def intercept(environ):
         wanted = environ.get("HTTP_RANGE", "")
         if environ["REQUEST_METHOD"] != "GET" or not wanted.startswith("bytes="):
@@ -463,3 +466,58 @@ def test_an_opening_part_that_does_not_say_where_it_lies_is_refused(s3, suffix):
     s3.intercept = lambda environ: (200, whole) if environ["REQUEST_METHOD"] == "GET" else None
     loaded = ws.load(target)  # a service that ignores Range and says so (200): the whole object, read right
     assert all(loaded[key].tobytes() == value.tobytes() for key, value in WEIGHTS.items())
+
+
+_RANGE_FIELD = st.one_of(st.integers(0, 3 << 20), st.sampled_from([0, 1, 2, 1023, 1024, 98303, 98304]))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(data=st.data())
+def test_a_ranged_answer_with_any_status_and_content_range_is_read_right_or_refused(server, data):
+    """One ranged GET (the open's first, ``first()``, or a later one for tensors) answered 200 or
+    206 with the bytes asked, the whole object, a shifted or short part, and any Content-Range
+    (none, right, wrong, ``*``, garbage): what loads is exactly what was saved, or a
+    WeightStoreError names the object."""
+    suffix = data.draw(st.sampled_from(FORMATS), label="suffix")
+    small = data.draw(st.booleans(), label="small")  # under the index window: a suffix read gets it all
+    weights = {"w": np.arange(300, dtype=np.float32)} if small else WEIGHTS
+    target = url(suffix)
+    ws.save(target, weights)
+    whole = get(target)
+    which = data.draw(st.integers(0, 2), label="which ranged GET")
+    status = data.draw(st.sampled_from([200, 206]), label="status")
+    body_kind = data.draw(st.sampled_from(["asked", "whole", "shifted", "short"]), label="body")
+    shift = data.draw(st.integers(1, 64), label="shift")
+    header = data.draw(st.one_of(
+        st.none(), st.just("right"), st.just("right*"),
+        st.tuples(_RANGE_FIELD, _RANGE_FIELD, st.one_of(_RANGE_FIELD, st.just("*"))).map(
+            lambda t: f"bytes {t[0]}-{t[1]}/{t[2]}"),
+        st.sampled_from([f"bytes */{len(whole)}", "bytes 0-/1", "bytes=0-1/2", "bytes -1-2/3", "items 0-1/2", ""])),
+        label="content-range")
+    answered = []
+
+    def mangled(first, last):
+        answered.append((first, last))
+        if len(answered) != which + 1:
+            return None  # moto answers it
+        start = max(len(whole) - last, 0) if first is None else first
+        end = len(whole) if first is None else min(last + 1, len(whole))
+        body = {"asked": whole[start:end], "whole": whole, "shifted": whole[max(start - shift, 0):end - shift],
+                "short": whole[start:end - shift]}[body_kind]
+        if header is None:
+            return status, body
+        said = {"right": f"bytes {start}-{end - 1}/{len(whole)}", "right*": f"bytes {start}-{end - 1}/*"}
+        return status, body, {"Content-Range": said.get(header, header)}
+
+    server.intercept = answering_ranges(mangled)
+    try:
+        loaded = ws.load(target)
+    except ws.WeightStoreError as exc:
+        assert exc.path == target, exc
+        event(f"refused: {type(exc).__name__}")
+        return
+    finally:
+        server.intercept = None
+    assert same(loaded, weights), (answered, status, body_kind, header)
+    event("read" if len(answered) > which else "read, fewer GETs")

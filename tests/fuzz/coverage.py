@@ -36,7 +36,7 @@ WORK = ROOT / ".fuzz"
 NAMES = ["npz", "npz-many", "npz-compressed", "hdf5", "numpy-savez", "latest", "safetensors", "tf-index",
          "tf-object-graph", "keras", "keras-config", "npz-numpy", "sharded-index", "delta", "delta-base",
          "sharded-done", "sharded-blocks", "sharded-member", "hf-index", "tf-data", "cli-delta",
-         "sharded-delta"]
+         "sharded-delta", "mapping"]
 #: per input: libFuzzer stops on an input that takes longer (a super-linear parse: 4,096 slices
 #: took 10-20 s) or makes the process's memory pass this (a 200 KB index made 1.2 GB of keys)
 TIMEOUT_SECONDS = 5
@@ -68,7 +68,9 @@ def _supervise(names: list[str], seconds: int) -> int:
         result = subprocess.run(command, cwd=ROOT / "tests")
     except KeyboardInterrupt:
         return 0
-    if result.returncode in (0, -signal.SIGINT, -signal.SIGTERM):  # done, or stopped by someone
+    # done, or stopped by someone: libFuzzer catches SIGINT/SIGTERM and exits 72 (its
+    # -interrupted_exitcode), which had kept the input being read as a regression that was none
+    if result.returncode in (0, 72, -signal.SIGINT, -signal.SIGTERM):
         return 0
     kept = _keep_current(WORK / "work" / "+".join(names))
     print(f"fuzz: the fuzzer stopped (exit {result.returncode}); the input is kept as {kept}", file=sys.stderr)

@@ -157,6 +157,24 @@ def _read_like_numpy(path: Path) -> object:
     return ours
 
 
+def _write_mapping(path: Path) -> None:
+    """Mapping rules as ``ws import --map`` takes them, one a line: scope rules and ``*/`` endings."""
+    path.write_text("dense/kernel=dense/w\n*/ExponentialMovingAverage=*\n*/bias=*/b\nemb=\n")
+
+
+def _remap_by_rules(path: Path) -> object:
+    """The rules in the file (a line each) over keys they match and miss: renamed one key per
+    key (an EMA shadow takes its raw key's name), or refused with InvalidKeyError/SelectionError."""
+    from weightstore.core.keys import remap
+
+    rules = [line for line in path.read_bytes().decode("utf-8", "surrogateescape").split("\n") if line]
+    keys = ["dense/kernel", "dense/bias", "dense/kernel/ExponentialMovingAverage", "emb/x", "w", "w/bias"]
+    renamed = remap({key: key for key in keys}, mapping=rules)
+    if len(set(renamed.values())) != len(renamed):
+        raise Finding(f"two keys became one: {renamed}")
+    return renamed
+
+
 def _publish(folder: Path) -> None:
     folder.mkdir()
     ws.publish(folder, {"w": np.arange(4, dtype=np.float32)}, step=7)
@@ -310,6 +328,7 @@ TARGETS = {
                             opened=lambda tree: tree / "step-000000000002.wsindex"),
     "hf-index": Target("hf-index", ".json", lambda p: ws.save(p, sample_weights(), max_shard_size=2000),
                        mutated="model.safetensors.index.json", opened=lambda tree: tree),
+    "mapping": Target("mapping", ".map", _write_mapping, reader=_remap_by_rules),
     "tf-data": Target("tf-data", ".data-00000-of-00001", lambda tree: _save_checkpoint(tree / "ckpt.index"),
                       checks_metadata=False,
                       mutated="ckpt.data-00000-of-00001", opened=lambda tree: tree / "ckpt.index"),

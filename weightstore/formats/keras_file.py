@@ -58,10 +58,18 @@ _ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, zlib.error, s
 
 def is_keras_archive(path: str) -> bool:
     """Whether ``path`` is to be read as a ``.keras`` archive: by suffix, or, for a name whose
-    suffix says nothing, a zip holding ``model.weights.h5``. Never raises for a damaged zip."""
+    suffix says nothing, a zip holding ``model.weights.h5``. Never raises for a damaged zip.
+
+    A TF checkpoint's own file (``ckpt.index``, ``ckpt.data-00000-of-00001`` beside its index) is
+    the checkpoint's whatever it holds: zipfile finds an archive after any bytes, so a damaged
+    index ending in one was read as that archive's weights, not refused as the checkpoint's."""
     if path.endswith(KERAS_SUFFIX):
         return True
     if format_for_suffix(path) is not None or not os.path.isfile(path):
+        return False
+    from weightstore.formats.tf_checkpoint import resolve_prefix  # not at import: a .keras open needs none of it
+
+    if resolve_prefix(path) not in (None, path):
         return False
     try:
         with _open_archive(path) as archive:
