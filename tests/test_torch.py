@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import textwrap
 import warnings
 from pathlib import Path
 
@@ -521,41 +522,62 @@ def test_a_compiled_or_ddp_wrapped_module_has_its_models_keys_in_a_version_both_
     """torch.compile's wrapper names every tensor '_orig_mod.…' and DDP's 'module.…': a trainer
     publishing its compiled or DDP module put those prefixes in every key, so a plain module (or a
     Keras model with layout="torch") following it was refused, and the reverse. The adapter reads
-    the model inside the wrapper, as a user saving model.state_dict() before wrapping does."""
-    import torch.distributed as dist
+    the model inside the wrapper, as a user saving model.state_dict() before wrapping does.
 
-    from weightstore.adapters.serving.follower import Follower
+    In a process of its own, without TensorFlow or JAX: torch.compile imports Triton (PyPI's CUDA
+    build of torch brings it), whose libraries crash a process that loaded theirs."""
+    code = textwrap.dedent(f"""
+        import sys
+        from pathlib import Path
 
-    def shifted(by: float) -> nn.Module:
-        net = small_net()
-        with torch.no_grad():
-            for tensor in net.state_dict().values():
-                tensor.add_(by if tensor.is_floating_point() else int(by))
-        return net
+        import torch
+        import torch.distributed as dist
+        from torch import nn
 
-    def equal(wrapped: nn.Module, plain: nn.Module) -> bool:  # state_dict names differ by the wrapper's prefix
-        pairs = zip(wrapped.state_dict().values(), plain.state_dict().values(), strict=True)
-        return all(torch.equal(a, b) for a, b in pairs)
+        import weightstore as ws
+        from weightstore.adapters import torch as torch_adapter
+        from weightstore.adapters.serving.follower import Follower
 
-    plain = small_net()
-    compiled = torch.compile(shifted(1.0))
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
-    try:
-        ddp = torch.nn.parallel.DistributedDataParallel(torch.compile(shifted(2.0)))
-        assert torch_adapter.export(compiled).keys() == torch_adapter.export(ddp).keys() == \
-            torch_adapter.export(plain).keys()
-        ws.publish(tmp_path / "run", torch_adapter.export(plain), step=1)
-        for wrapped in (compiled, ddp):
-            with Follower(wrapped, tmp_path / "run", poll=0.05) as follower:
-                assert follower.wait(step=1, timeout=30).step == 1
-            assert equal(wrapped, plain)
-        torch_adapter.assign(ddp, torch_adapter.export(shifted(3.0)))
-        ws.publish(tmp_path / "run", torch_adapter.export(ddp), step=3)  # from the wrapped trainer
-        report = torch_adapter.assign(plain, ws.latest(tmp_path / "run"))
-        assert len(report.assigned) == len(plain.state_dict())
-        assert equal(ddp, plain)
-    finally:
-        dist.destroy_process_group()
+        assert "tensorflow" not in sys.modules and "jax" not in sys.modules
+        folder = Path({str(tmp_path)!r})
+
+        def shifted(by):
+            torch.manual_seed(0)
+            net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4, 2))
+            with torch.no_grad():
+                for tensor in net.state_dict().values():
+                    tensor.add_(by if tensor.is_floating_point() else int(by))
+            return net
+
+        def equal(wrapped, plain):  # state_dict names differ by the wrapper's prefix
+            pairs = zip(wrapped.state_dict().values(), plain.state_dict().values(), strict=True)
+            return all(torch.equal(a, b) for a, b in pairs)
+
+        plain = shifted(0)
+        compiled = torch.compile(shifted(1.0))
+        dist.init_process_group("gloo", init_method=f"file://{{folder / 'rendezvous'}}", rank=0, world_size=1)
+        try:
+            ddp = torch.nn.parallel.DistributedDataParallel(torch.compile(shifted(2.0)))
+            assert torch_adapter.export(compiled).keys() == torch_adapter.export(ddp).keys() == \
+                torch_adapter.export(plain).keys()
+            ws.publish(folder / "run", torch_adapter.export(plain), step=1)
+            for wrapped in (compiled, ddp):
+                with Follower(wrapped, folder / "run", poll=0.05) as follower:
+                    assert follower.wait(step=1, timeout=30).step == 1
+                assert equal(wrapped, plain)
+            torch_adapter.assign(ddp, torch_adapter.export(shifted(3.0)))
+            ws.publish(folder / "run", torch_adapter.export(ddp), step=3)  # from the wrapped trainer
+            report = torch_adapter.assign(plain, ws.latest(folder / "run"))
+            assert len(report.assigned) == len(plain.state_dict())
+            assert equal(ddp, plain)
+        finally:
+            dist.destroy_process_group()
+        print("wrappers read as their model")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "wrappers read as their model" in done.stdout
 
 
 @pytest.mark.parametrize("prefix", ["_orig_mod.", "module.", "module._orig_mod.", "_orig_mod/"])
