@@ -524,7 +524,7 @@ def test_a_compiled_or_ddp_wrapped_module_has_its_models_keys_in_a_version_both_
     Keras model with layout="torch") following it was refused, and the reverse. The adapter reads
     the model inside the wrapper, as a user saving model.state_dict() before wrapping does.
 
-    In a process of its own, without TensorFlow or JAX: torch.compile imports Triton (PyPI's CUDA
+    In a process of its own, without TensorFlow: torch.compile imports Triton (PyPI's CUDA
     build of torch brings it), whose libraries crash a process that loaded theirs."""
     code = textwrap.dedent(f"""
         import sys
