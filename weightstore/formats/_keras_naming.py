@@ -61,17 +61,17 @@ class Ranking:
 
     def segments(self, siblings: Iterable[tuple[str, Automatic | None]]) -> list[str]:
         """The key segments of one parent's layers, given as ``(name, automatic(name))`` in the parent's order."""
-        names = []
-        for name, parsed in siblings:
-            if parsed is None:
-                names.append(name)
-                continue
-            prefix, base, number = parsed
-            rank = self._rank[base][number]
-            names.append(f"{prefix}{base}" if rank == 0 else f"{prefix}{base}_{rank}")
+        names = [name if parsed is None else self.name(parsed) for name, parsed in siblings]
         if len(set(names)) == len(names):
             return names
         return deduplicated((name, name) for name in names)  # siblings sharing a name: _1, _2…
+
+    def name(self, parsed: Automatic) -> str:
+        """An automatic name as its number ranks among its base's over the root (``dense_3``,
+        the root's second dense: ``dense_1``)."""
+        prefix, base, number = parsed
+        rank = self._rank[base][number]
+        return f"{prefix}{base}" if rank == 0 else f"{prefix}{base}_{rank}"
 
 
 def deduplicated(items: Iterable[tuple[str, str]]) -> list[str]:
@@ -100,7 +100,7 @@ def _unused(base: str, taken: set[str]) -> str:
 
 
 #: a key segment ``<base>_<n>``, as Keras numbers an automatic name (``dense_3``)
-_NUMBERED = re.compile(r"(.+)_([0-9]{1,18})")
+_NUMBERED = re.compile("(.+)" + _NUMBER.pattern)
 
 
 def as_own_root(keys: Iterable[str]) -> dict[str, str]:
@@ -114,16 +114,11 @@ def as_own_root(keys: Iterable[str]) -> dict[str, str]:
     of some of the part's layers rank as if those were all it had (``dense_3`` alone ranks
     ``dense``): a caller takes the renaming only where it :func:`pairs`.
     """
-    parsed = {key: [_base_and_number(segment) for segment in key.split("/")[:-1]] for key in keys}
-    numbers: dict[str, set[int]] = {}
-    for segments in parsed.values():
-        for base, number in segments:
-            numbers.setdefault(base, set()).add(number)
-    rank = {base: {n: i for i, n in enumerate(sorted(found))} for base, found in numbers.items()}
+    parsed = {key: [_as_numbered(segment) for segment in key.split("/")[:-1]] for key in keys}
+    ranking = Ranking(found for segments in parsed.values() for found in segments)
     renames = {}
     for key, segments in parsed.items():
-        layers = [base if rank[base][number] == 0 else f"{base}_{rank[base][number]}" for base, number in segments]
-        renamed = "/".join([*layers, key.rsplit("/", 1)[-1]])
+        renamed = "/".join([*map(ranking.name, segments), key.rsplit("/", 1)[-1]])
         if renamed != key:
             renames[key] = renamed
     return renames
@@ -144,7 +139,7 @@ def pairs(given: Iterable[tuple[str, tuple[int, ...]]], targets: Mapping[str, tu
     return not whole or len(named) == len(targets)
 
 
-def _base_and_number(segment: str) -> tuple[str, int]:
-    """``dense_3`` -> ``("dense", 3)``; ``dense`` -> ``("dense", 0)``: Keras's first of a base has no number."""
+def _as_numbered(segment: str) -> Automatic:
+    """``dense_3`` -> ``("", "dense", 3)``; ``dense`` -> ``("", "dense", 0)``: Keras's first of a base has no number."""
     match = _NUMBERED.fullmatch(segment)
-    return (match.group(1), int(match.group(2))) if match else (segment, 0)
+    return ("", match.group(1), int(match.group(2))) if match else ("", segment, 0)

@@ -696,7 +696,7 @@ def clean_folder(folder: Any, *, storage_options: Mapping[str, Any] | None = Non
     current = latest.step if latest is not None else max((step for step, _ in found), default=None)
     removed: list[str] = []
     live: set[tuple[int, int | None]] = set()
-    kept: list[ShardIndex] = []
+    kept: list[tuple[ShardIndex, Folder, dict[str, int]]] = []  # with its attempt folder, listed
     for step, entry in found:
         if not entry.name.endswith(SHARDED_SUFFIX):
             continue
@@ -707,11 +707,12 @@ def clean_folder(folder: Any, *, storage_options: Mapping[str, Any] | None = Non
             live.add((step, None))
             continue
         named = step == current  # never removed, whatever its state
-        if named or (current is not None and step < current and index is not None
-                     and _members_present(target, index, storage_options)):
-            if index is not None:
+        listing = (_attempt_listing(target, index, storage_options)
+                   if index is not None and (named or (current is not None and step < current)) else None)
+        if named or (index is not None and listing is not None and _members_present(index, *listing)):
+            if index is not None and listing is not None:
                 live.add((step, index.attempt))
-                kept.append(index)
+                kept.append((index, *listing))
         else:
             target.remove(entry.name)
             removed.append(entry.name)
@@ -722,9 +723,8 @@ def clean_folder(folder: Any, *, storage_options: Mapping[str, Any] | None = Non
                 step in listed or not _unlisted_index(target, step)):
             target.remove_folder(sub)
             removed.append(sub)
-    for index in kept:
-        members = folder_for(target.url(attempt_folder(index.step, index.attempt)), storage_options)
-        removed += _remove_unnamed(index, members, (entry.name for entry in members.files()))
+    for index, members, present in kept:
+        removed += _remove_unnamed(index, members, present)
     return removed
 
 
@@ -736,13 +736,20 @@ def _unlisted_index(target: Folder, step: int) -> bool:
     return target.tag(index_name(step)) is not None
 
 
-def _members_present(target: Folder, index: ShardIndex, storage_options: Mapping[str, Any] | None) -> bool:
-    """Whether every member and block table ``index`` names is there, at least as long as the
-    commit found it (a table: :attr:`TableRef.size`, or its head where the index cannot say more).
-    One the listing of plain files misses is asked for by name (a request each, up to the first
-    missing): a symbolic link, which readers follow, is no missing member."""
+def _attempt_listing(target: Folder, index: ShardIndex,
+                     storage_options: Mapping[str, Any] | None) -> tuple[Folder, dict[str, int]]:
+    """``index``'s attempt folder and its plain files' sizes by name: one listing, which both
+    :func:`_members_present` and :func:`_remove_unnamed` read."""
     members = folder_for(target.url(attempt_folder(index.step, index.attempt)), storage_options)
-    present = {entry.name: entry.size for entry in members.files()}
+    return members, {entry.name: entry.size for entry in members.files()}
+
+
+def _members_present(index: ShardIndex, members: Folder, present: Mapping[str, int]) -> bool:
+    """Whether every member and block table ``index`` names is there in its attempt folder
+    (``members``, listed as ``present``), at least as long as the commit found it (a table:
+    :attr:`TableRef.size`, or its head where the index cannot say more). One the listing of
+    plain files misses is asked for by name (a request each, up to the first missing): a
+    symbolic link, which readers follow, is no missing member."""
 
     def there(name: str, size: int) -> bool:
         listed = present.get(name)
