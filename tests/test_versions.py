@@ -485,6 +485,29 @@ def test_a_second_live_trainer_takes_the_folder_over_and_the_first_is_refused(tm
         ws.publish(tmp_path, weights_at(7), step=7)
 
 
+
+def test_a_background_publisher_whose_folder_another_process_took_over_logs_and_counts_the_refusal(tmp_path, caplog):
+    """The training loop is never raised into: the refusal is logged and counted, and followers
+    go on being given the other writer's version."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    with ws.BackgroundPublisher(tmp_path) as publisher:
+        publisher.publish(weights_at(1), step=1)
+        assert publisher.wait(60).step == 1
+        taking_over = subprocess.run([sys.executable, "-c", SECOND_WRITER, str(tmp_path)], env=env, text=True,
+                                     input="2\n", capture_output=True, timeout=120)
+        assert taking_over.stdout == "published\n", taking_over.stderr
+        publisher.publish(weights_at(3), step=3)
+        assert publisher.wait(60).step == 1  # the last version it published
+        assert publisher.failures == 1 and "another writer" in str(publisher.last_error)
+    assert f"pid {taking_over_pid(tmp_path)}" in caplog.text
+    assert ws.latest(tmp_path).step == 2 and np.all(ws.load(ws.latest(tmp_path))["w"] == 2)
+
+
+def taking_over_pid(folder) -> int:
+    """The PID of the process LATEST says wrote it."""
+    return int(json.loads((Path(folder) / "LATEST").read_text())["writer"].split(" pid ")[1].split()[0])
+
+
 # --- CLI --------------------------------------------------------------------------------------
 
 @pytest.fixture
