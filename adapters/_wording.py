@@ -60,19 +60,31 @@ def _scope_fix(values: Iterable[str], targets: Iterable[str], renamed: bool) -> 
     scope explains most of the keys. ``renamed``: the values' keys are as the caller's
     ``scope``/``mapping`` made them, so those are what to change."""
     value_set, target_set = set(values), set(targets)
-    extra = _extra_scopes(value_set - target_set, target_set, len(value_set - target_set))
+    unpaired = value_set - target_set
+    extra = _extra_scopes(unpaired, target_set, len(unpaired))
     if extra:
         fix = "change scope= or mapping=, which put them there" if renamed else f"pass mapping={{{extra[0]!r}: ''}}"
         return f"the values are under {extra[0]!r} and the variables are not: {fix}"
+    # an ensemble's file into one member: under each of its scopes half of the variables find their value
+    members = _extra_scopes(unpaired, target_set, len(target_set))
+    if len(members) > 1:
+        fix = ("change scope= or mapping=, which put them there" if renamed else
+               f"assign one of them, ws.load(path, scope={members[0]!r}) (`ws export --scope` writes one's file)")
+        return (f"the values are under {_listed(members)} (an ensemble, each holding the variables' keys) and the "
+                f"variables are not: {fix}")
     # each scope under which half of the values find their variable: an ensemble's members all do
     missing = _extra_scopes(target_set - value_set, value_set, len(value_set))
     if missing:
-        named = [*map(repr, missing[:3]), *([f"{len(missing) - 3} more"] if len(missing) > 3 else [])]
-        scopes = " and ".join(filter(None, [", ".join(named[:-1]), named[-1]]))
         fix = (("put them under " + ("it" if len(missing) == 1 else "one of them")) + " with scope= or mapping="
                if renamed else f"pass scope={missing[0]!r}" + (" (or another of them)" if len(missing) > 1 else ""))
-        return f"the variables are under {scopes} and the values are not: {fix}"
+        return f"the variables are under {_listed(missing)} and the values are not: {fix}"
     return ""
+
+
+def _listed(scopes: Sequence[str]) -> str:
+    """``'a', 'b' and 'c'``, or ``'a', 'b', 'c' and 2 more``."""
+    named = [*map(repr, scopes[:3]), *([f"{len(scopes) - 3} more"] if len(scopes) > 3 else [])]
+    return " and ".join(filter(None, [", ".join(named[:-1]), named[-1]]))
 
 
 def _extra_scopes(keys: Collection[str], others: Collection[str], needed: int) -> list[str]:
