@@ -45,7 +45,7 @@ from weightstore.formats.tf_checkpoint import CheckpointReader, resolve_prefix, 
 from weightstore.io.places import place_of
 
 __all__ = ["ModelKeyedStore", "open_artifact", "is_model_file", "for_model", "keras_file_names", "is_keras_file",
-           "lora_factors", "is_lora_file", "lora_file_names"]
+           "lora_factors", "is_lora_file", "lora_file_names", "is_legacy_keras_h5"]
 
 _KERAS_SUFFIXES = (".keras", ".weights.h5", ".weights.json")
 #: what keras-hub's ``save_lora_weights`` requires a file's name to end with
@@ -79,6 +79,20 @@ def is_keras_file(path: Any) -> bool:
     """Whether ``path`` names a Keras file (``.keras``, ``.weights.h5``, a sharded ``.weights.json``,
     a keras-hub preset folder, whose weights are one of those)."""
     return isinstance(path, (str, os.PathLike)) and _is_keras(os.fspath(path))
+
+
+def is_legacy_keras_h5(weights: Any) -> bool:
+    """Whether ``weights`` (a path or an open Store) is a legacy Keras HDF5 file: ``model.save("m.h5")``,
+    or Keras 2's ``save_weights``, whose tensors Keras pairs with layers by their order. Never raises."""
+    if isinstance(weights, weightstore.Store):
+        return bool(getattr(weights._reader, "legacy_keras", False))
+    if not isinstance(weights, (str, os.PathLike)) or not os.fspath(weights).endswith((".h5", ".hdf5")):
+        return False
+    try:
+        with weightstore.open(weights) as store:
+            return is_legacy_keras_h5(store)
+    except (OSError, WeightStoreError):
+        return False
 
 
 def is_lora_file(path: Any) -> bool:

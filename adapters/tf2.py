@@ -81,6 +81,7 @@ import weightstore
 from weightstore.adapters._artifacts import (
     for_model,
     is_keras_file,
+    is_legacy_keras_h5,
     is_lora_file,
     is_model_file,
     keras_file_names,
@@ -277,7 +278,16 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
     target = Target(targets, write, slot=lambda key: (found[key][0], ""), plan=plan, batched=True)
     try:
         if not _structured(obj, weights):
-            report = run_assign(target, weights, options)
+            try:
+                report = run_assign(target, weights, options)
+            except AssignmentError as error:
+                if not is_legacy_keras_h5(weights):
+                    raise
+                raise AssignmentError(
+                    "is a legacy Keras HDF5 file (model.save('m.h5'), or Keras 2's save_weights), whose tensors Keras "
+                    "pairs with the model's layers by their order, not by these names: load it with Keras, "
+                    "model.load_weights(path), then save it as weightstore pairs it: ws.save('m.npz', "
+                    "tf2.export(model)) or model.save_weights('m.weights.h5')", path=error.path) from error
         else:
             with for_model(_part_at(obj, at), weights, {strip_scope(key, at): var for key, (var, _) in found.items()
                                                          if in_scope(key, at) and key != at},

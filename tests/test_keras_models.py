@@ -681,6 +681,40 @@ def test_a_typo_is_still_offered_its_variable():
     assert "different architectures" not in str(caught.value)
 
 
+@pytest.mark.parametrize("saved_as", ["model.save", "save_weights"])
+def test_a_legacy_keras_hdf5_file_says_keras_pairs_it_by_layer_order_and_how_to_load_it(tmp_path, saved_as):
+    """A legacy Keras HDF5 file (``model.save("m.h5")``, and Keras 2's ``save_weights``, whose
+    writer Keras 3 keeps) names tensors ``model_weights/bn/net/bn/gamma``, which Keras never pairs
+    by name. The assign said the file and the model "look like different architectures"; it says
+    what the file is and how to load it, and doing so gives Keras's own predictions."""
+    import h5py
+    from keras.src.legacy.saving import legacy_h5_format  # Keras 2's save_weights, as Keras 3 keeps it
+
+    saved = bn_model()
+    saved.compile("adam", "mse")
+    saved.fit(X, X[:, :1], epochs=1, verbose=0)
+    path = tmp_path / "legacy.h5"
+    if saved_as == "model.save":
+        saved.save(path)
+    else:
+        with h5py.File(path, "w") as f:
+            legacy_h5_format.save_weights_to_hdf5_group(f, saved)
+    model = bn_model()
+    before = tf2.export(model)
+    with pytest.raises(ws.AssignmentError) as caught:
+        tf2.assign(model, path)
+    assert caught.value.path == str(path)
+    assert str(caught.value).startswith(f"{path}: is a legacy Keras HDF5 file (model.save('m.h5'), or Keras 2's "
+                                        "save_weights), whose tensors Keras pairs with the model's layers by their order")
+    assert "model.load_weights(path)" in str(caught.value)
+    assert all(np.array_equal(value, before[key]) for key, value in tf2.export(model).items())
+    model.load_weights(path)
+    ws.save(tmp_path / "m.npz", tf2.export(model))
+    served = bn_model()
+    tf2.assign(served, tmp_path / "m.npz")
+    np.testing.assert_array_equal(served(X, training=False), saved(X, training=False))
+
+
 def test_a_keras_weights_file_given_to_torch_says_it_needs_its_keras_model(tmp_path):
     torch = pytest.importorskip("torch")
     from weightstore.adapters import torch as torch_adapter
