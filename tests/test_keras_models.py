@@ -1035,6 +1035,17 @@ def test_a_keras_archive_with_a_custom_layer_keeps_its_own_names_whole_and_ls_sa
     assert sorted(ws.load(keyed)) == ["head/bias", "head/kernel", "scaled/variable"]
 
 
+def test_a_keras_archive_with_a_layer_class_of_a_script_says_so_not_from_none(tmp_path):
+    """A class defined in the script that saved the model (its module ``__main__``, which Keras
+    writes as null): the note said it was "from None"."""
+    in_script = type("InScript", (Scaled,), {"__module__": "__main__"})
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="head"), in_script(name="mine")])
+    model.save(tmp_path / "m.keras")
+    listed = ws_command("ls", tmp_path / "m.keras", "--json")
+    assert json.loads(listed.stdout)["keys_note"] == (
+        "its layer 'mine' is a 'InScript' defined in a script (__main__), not one of Keras's built-in layers")
+
+
 def test_a_keras_archive_on_s3_opens_as_a_local_one_and_tf2_assign_pairs_it_by_its_own_names(tmp_path, s3):
     """A remote .keras was opened as a zip of arrays (an npz) and failed; it opens as a local one
     does, and tf2.assign pairs it by its own names, as a local one, so a custom layer class, which
