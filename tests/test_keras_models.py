@@ -715,6 +715,39 @@ def test_a_legacy_keras_hdf5_file_says_keras_pairs_it_by_layer_order_and_how_to_
     np.testing.assert_array_equal(served(X, training=False), saved(X, training=False))
 
 
+def test_trained_keras_files_imported_by_scope_assign_into_an_ensemble_leaving_each_optimizer_out(tmp_path):
+    """The ensembles job from the shell: each member's ``.keras`` (trained, so holding its Adam
+    state) goes into one store by ``ws import --scope``, which puts that state under the member,
+    ``model_001/optimizer/vars/0``. It was left out only at the top (``optimizer/vars/0``): the
+    ensemble's assign refused 28 unexpected values, and ``ws convert --layout`` had no rule for them."""
+    members = []
+    for i in (1, 2):
+        member = bn_model()
+        member.compile(keras.optimizers.Adam(0.01), "mse")
+        member.fit(X, i * X[:, :1], epochs=1, verbose=0)
+        member.save(tmp_path / f"m{i}.keras")
+        members.append(member)
+        done = subprocess.run([sys.executable, "-m", "weightstore", "import", tmp_path / f"m{i}.keras", "--into",
+                               tmp_path / "ensemble.npz", "--scope", f"model_00{i}"], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+    assert "model_001/optimizer/vars/0" in ws.load(tmp_path / "ensemble.npz")
+    inputs = keras.Input((3,))
+    parts = [keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, name="dense"),
+                               keras.layers.BatchNormalization(name="bn")], name=f"model_00{i}") for i in (1, 2)]
+    ensemble = keras.Model(inputs, keras.layers.Concatenate()([part(inputs) for part in parts]))
+    report = tf2.assign(ensemble, tmp_path / "ensemble.npz")
+    assert sorted(report.assigned) == sorted(tf2.keys(ensemble))
+    assert len(report.left_out) == 2 * len(members[0].optimizer.variables)
+    np.testing.assert_array_equal(ensemble(X, training=False),
+                                  np.hstack([member(X, training=False) for member in members]))
+    pytest.importorskip("torch")
+    done = subprocess.run([sys.executable, "-m", "weightstore", "convert", tmp_path / "ensemble.npz",
+                           tmp_path / "ensemble.safetensors", "--layout", "keras-to-torch"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert sorted(ws.load(tmp_path / "ensemble.safetensors", scope="model_002")) == [
+        "bn/bias", "bn/running_mean", "bn/running_var", "bn/weight", "dense/bias", "dense/weight"]
+
+
 def test_a_keras_weights_file_given_to_torch_says_it_needs_its_keras_model(tmp_path):
     torch = pytest.importorskip("torch")
     from weightstore.adapters import torch as torch_adapter
