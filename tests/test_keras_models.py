@@ -426,6 +426,25 @@ def test_one_member_read_by_scope_from_the_ensembles_file_assigns_into_a_lone_in
             np.testing.assert_array_equal(tf2.export(lone)[key], value)
 
 
+def test_the_ensembles_own_file_given_to_a_lone_member_names_the_members_and_how_to_take_one_out(tmp_path):
+    """``tf2.assign(lone, ensemble.npz)``, the scope forgotten: the ensemble numbers its members'
+    automatic names on (``member_1/sequential_1/dense_3/kernel``), so no key of a member pairs a
+    variable, and the message said the two "look like different architectures". It names the
+    members' scopes and the load that takes one out, and that load assigns."""
+    ensemble, members = ensemble_of_two()
+    for var in ensemble.weights:
+        var.assign(RNG.normal(size=var.shape).astype("float32"))
+    ws.save(tmp_path / "ensemble.npz", tf2.export(ensemble))
+    lone = holding_a_model()
+    with pytest.raises(ws.AssignmentError) as caught:
+        tf2.assign(lone, tmp_path / "ensemble.npz")
+    assert ("the values are under 'member_0' and 'member_1' (an ensemble, each holding the variables' keys) and the "
+            "variables are not: assign one of them, ws.load(path, scope='member_0')") in str(caught.value)
+    tf2.assign(lone, ws.load(tmp_path / "ensemble.npz", scope="member_1"))
+    for key, value in tf2.export(members[1]).items():
+        np.testing.assert_array_equal(tf2.export(lone)[key], value)
+
+
 def test_a_lone_members_file_imports_into_the_ensembles_keras_file_by_scope(tmp_path):
     """``ws import member.npz --into ensemble.keras --scope member_1``: the member's own keys
     (``sequential/dense``) go where the ensemble numbers them (``sequential_1/dense_3``), as
