@@ -63,7 +63,7 @@ def _scope_fix(values: Iterable[str], targets: Iterable[str], renamed: bool) -> 
     ``scope``/``mapping`` made them, so those are what to change."""
     value_set, target_set = set(values), set(targets)
     unpaired = value_set - target_set
-    members = _member_scopes(unpaired, target_set)
+    members = member_scopes(unpaired, target_set)
     if len(members) > 1:
         fix = ("change scope= or mapping=, which put them there" if renamed else
                f"assign one of them, ws.load(path, scope={members[0]!r}) (`ws export --scope` writes one's file)")
@@ -82,7 +82,7 @@ def _scope_fix(values: Iterable[str], targets: Iterable[str], renamed: bool) -> 
     return ""
 
 
-def _member_scopes(values: Collection[str], targets: Collection[str]) -> list[str]:
+def member_scopes(values: Collection[str], targets: Collection[str]) -> list[str]:
     """The scopes (up to three segments) under which ``values`` hold a copy of the variables, an
     ensemble's file given to one member: half of them by key, or every variable by its name's last
     segment (an ensemble's Keras file numbers its members' automatic names on, ``model_002/dense_2/kernel``)."""

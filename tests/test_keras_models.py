@@ -426,21 +426,30 @@ def test_one_member_read_by_scope_from_the_ensembles_file_assigns_into_a_lone_in
             np.testing.assert_array_equal(tf2.export(lone)[key], value)
 
 
-def test_the_ensembles_own_file_given_to_a_lone_member_names_the_members_and_how_to_take_one_out(tmp_path):
+@pytest.mark.parametrize("name, said", [
+    ("ensemble.npz", "the values are under 'member_0' and 'member_1' (an ensemble, each holding the variables' keys) "
+                     "and the variables are not: assign one of them, ws.load(path, scope='member_0')"),
+    ("ensemble.keras", "holds an ensemble, the model's variables under each of 'member_0', 'member_1': assign one "
+                       "member, ws.load(path, scope='member_0')"),
+])
+def test_the_ensembles_own_file_given_to_a_lone_member_names_the_members_and_how_to_take_one_out(tmp_path, name, said):
     """``tf2.assign(lone, ensemble.npz)``, the scope forgotten: the ensemble numbers its members'
     automatic names on (``member_1/sequential_1/dense_3/kernel``), so no key of a member pairs a
-    variable, and the message said the two "look like different architectures". It names the
-    members' scopes and the load that takes one out, and that load assigns."""
+    variable, and the message said the two "look like different architectures" (a ``.keras``'s
+    save walk pairs none either). It names the members' scopes and the load that takes one out,
+    and that load assigns."""
     ensemble, members = ensemble_of_two()
     for var in ensemble.weights:
         var.assign(RNG.normal(size=var.shape).astype("float32"))
-    ws.save(tmp_path / "ensemble.npz", tf2.export(ensemble))
+    if name.endswith(".keras"):
+        ensemble.save(tmp_path / name)
+    else:
+        ws.save(tmp_path / name, tf2.export(ensemble))
     lone = holding_a_model()
     with pytest.raises(ws.AssignmentError) as caught:
-        tf2.assign(lone, tmp_path / "ensemble.npz")
-    assert ("the values are under 'member_0' and 'member_1' (an ensemble, each holding the variables' keys) and the "
-            "variables are not: assign one of them, ws.load(path, scope='member_0')") in str(caught.value)
-    tf2.assign(lone, ws.load(tmp_path / "ensemble.npz", scope="member_1"))
+        tf2.assign(lone, tmp_path / name)
+    assert said in str(caught.value) and caught.value.path == str(tmp_path / name)
+    tf2.assign(lone, ws.load(tmp_path / name, scope="member_1"))
     for key, value in tf2.export(members[1]).items():
         np.testing.assert_array_equal(tf2.export(lone)[key], value)
 
