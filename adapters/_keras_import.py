@@ -25,7 +25,7 @@ import numpy as np
 import weightstore
 from weightstore.adapters._casts import describe, widens
 from weightstore.adapters.plan import OPTIMIZER_SCOPE, OPTIMIZER_STATE
-from weightstore.core.keys import in_scope, join_scope, normalize_scope, strip_scope, suggest
+from weightstore.core.keys import in_scope, join_scope, normalize_scope, strip_scope, suggest, unmatched_scope
 from weightstore.core.manifest import logical_dtype
 from weightstore.errors import FormatError, KeyNotInStoreError, SelectionError, naming, shown_key
 from weightstore.formats import keras_file
@@ -70,6 +70,9 @@ def _as_the_whole_numbers(target: str, weights: Mapping[str, np.ndarray], scope:
         if not store.stored_names():  # the file's own names (layers/dense/vars/0): never renumbered
             return weights
         shapes = {key: tuple(store.info(key).shape) for key in store}
+    if not any(in_scope(key, at) and key != at for key in shapes):  # a typo: say so, not which tensor is nearest
+        with naming(path=target):
+            raise unmatched_scope(at, list(shapes))
     own = {join_scope(at, part): join_scope(at, whole) for whole, part in
            as_own_root(strip_scope(key, at) for key in shapes if in_scope(key, at) and key != at).items()}
     layers = [key for key in weights if not OPTIMIZER_STATE.search(key)]  # state: refused by _checked, saying why

@@ -483,6 +483,22 @@ def test_a_lone_members_file_imports_into_the_ensembles_keras_file_by_scope(tmp_
     assert done.returncode == 0, done.stderr
 
 
+def test_an_import_into_a_keras_archive_under_a_misspelt_scope_names_the_scope(tmp_path):
+    """``--scope member_01`` for ``member_1``: the refusal named the tensor nearest the first key
+    (another member's, as often as not), not the scope that matched nothing; the file is untouched."""
+    ensemble, _ = ensemble_of_two()
+    ensemble.save(tmp_path / "ensemble.keras")
+    before = (tmp_path / "ensemble.keras").read_bytes()
+    ws.save(tmp_path / "member.npz", tf2.export(holding_a_model()))
+    done = subprocess.run([sys.executable, "-m", "weightstore", "import", str(tmp_path / "member.npz"), "--into",
+                           str(tmp_path / "ensemble.keras"), "--scope", "member_01", "--overwrite"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip() == (f"error: {tmp_path / 'ensemble.keras'}: scope 'member_01' matches no key; "
+                                   "did you mean 'member_1'?")
+    assert (tmp_path / "ensemble.keras").read_bytes() == before
+
+
 def two_alike_out_of_order():
     """Two Dense of one shape, the second made first: only the keys tell them apart."""
     second, first = keras.layers.Dense(3), keras.layers.Dense(3)
