@@ -45,7 +45,7 @@ from weightstore.formats.tf_checkpoint import CheckpointReader, resolve_prefix, 
 from weightstore.io.places import place_of
 
 __all__ = ["ModelKeyedStore", "open_artifact", "is_model_file", "for_model", "keras_file_names", "is_keras_file",
-           "lora_factors", "is_lora_file", "lora_file_names", "is_legacy_keras_h5"]
+           "lora_factors", "is_lora_file", "lora_file_names", "is_legacy_keras_h5", "legacy_keras_h5_error"]
 
 _KERAS_SUFFIXES = (".keras", ".weights.h5", ".weights.json")
 #: what keras-hub's ``save_lora_weights`` requires a file's name to end with
@@ -94,6 +94,15 @@ def is_legacy_keras_h5(weights: Any) -> bool:
             return is_legacy_keras_h5(store)
     except (OSError, WeightStoreError):
         return False
+
+
+def legacy_keras_h5_error(path: str | None) -> AssignmentError:
+    """Why a legacy Keras HDF5 file (:func:`is_legacy_keras_h5`) pairs with no model by its names, and what to do."""
+    return AssignmentError(
+        "is a legacy Keras HDF5 file (model.save('m.h5'), or Keras 2's save_weights), whose tensors Keras pairs with "
+        "the model's layers by their order, not by these names: load it with Keras, model.load_weights(path), then "
+        "save it as weightstore pairs it: ws.save('m.npz', tf2.export(model)) or model.save_weights('m.weights.h5')",
+        path=path)
 
 
 def is_lora_file(path: Any) -> bool:

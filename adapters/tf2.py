@@ -86,6 +86,7 @@ from weightstore.adapters._artifacts import (
     is_lora_file,
     is_model_file,
     keras_file_names,
+    legacy_keras_h5_error,
     lora_factors,
     saved_outside_weights,
 )
@@ -286,11 +287,7 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
             except AssignmentError as error:
                 if not is_legacy_keras_h5(weights):
                     raise
-                raise AssignmentError(
-                    "is a legacy Keras HDF5 file (model.save('m.h5'), or Keras 2's save_weights), whose tensors Keras "
-                    "pairs with the model's layers by their order, not by these names: load it with Keras, "
-                    "model.load_weights(path), then save it as weightstore pairs it: ws.save('m.npz', "
-                    "tf2.export(model)) or model.save_weights('m.weights.h5')", path=error.path) from error
+                raise legacy_keras_h5_error(error.path) from error
         else:
             try:
                 with for_model(_part_at(obj, at), weights, {strip_scope(key, at): var for key, (var, _) in found.items()

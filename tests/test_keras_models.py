@@ -757,6 +757,15 @@ def test_a_legacy_keras_hdf5_file_says_keras_pairs_it_by_layer_order_and_how_to_
     served = bn_model()
     tf2.assign(served, tmp_path / "m.npz")
     np.testing.assert_array_equal(served(X, training=False), saved(X, training=False))
+    torch = pytest.importorskip("torch")  # by layout, the same words
+    from weightstore.adapters import torch as torch_adapter
+
+    module = torch.nn.Sequential()
+    module.add_module("dense", torch.nn.Linear(3, 4))
+    module.add_module("bn", torch.nn.BatchNorm1d(4))
+    with pytest.raises(ws.AssignmentError, match=r"is a legacy Keras HDF5 file .*model\.load_weights\(path\)"):
+        torch_adapter.assign(module, path, layout="keras")
+    assert torch_adapter.assign(module, tmp_path / "m.npz", layout="keras").ok
 
 
 def test_trained_keras_files_imported_by_scope_assign_into_an_ensemble_leaving_each_optimizer_out(tmp_path):
