@@ -45,7 +45,7 @@ from weightstore.formats.tf_checkpoint import CheckpointReader, resolve_prefix, 
 from weightstore.io.places import place_of
 
 __all__ = ["ModelKeyedStore", "open_artifact", "is_model_file", "for_model", "keras_file_names", "is_keras_file",
-           "lora_factors", "is_lora_file", "lora_file_names"]
+           "lora_factors", "is_lora_file", "lora_file_names", "is_legacy_keras_h5", "legacy_keras_h5_error"]
 
 _KERAS_SUFFIXES = (".keras", ".weights.h5", ".weights.json")
 #: what keras-hub's ``save_lora_weights`` requires a file's name to end with
@@ -53,6 +53,7 @@ LORA_SUFFIX = ".lora.h5"
 _LORA_KEY = re.compile(r"lora/([0-9]{1,9})/vars/(lora_kernel_a|lora_kernel_b)")
 _LORA_RANK_KEY = "lora/vars/rank"
 _NEAR_ROOT = 2  # edges from the checkpoint's root within which the model's own node is looked for
+_MAX_NODES_LOOKED_AT = 10_000  # a failed pairing looks for the whole model deeper in this many nodes at most
 
 
 def open_artifact(path: Any) -> weightstore.Store:
@@ -79,6 +80,29 @@ def is_keras_file(path: Any) -> bool:
     """Whether ``path`` names a Keras file (``.keras``, ``.weights.h5``, a sharded ``.weights.json``,
     a keras-hub preset folder, whose weights are one of those)."""
     return isinstance(path, (str, os.PathLike)) and _is_keras(os.fspath(path))
+
+
+def is_legacy_keras_h5(weights: Any) -> bool:
+    """Whether ``weights`` (a path or an open Store) is a legacy Keras HDF5 file: ``model.save("m.h5")``,
+    or Keras 2's ``save_weights``, whose tensors Keras pairs with layers by their order. Never raises."""
+    if isinstance(weights, weightstore.Store):
+        return bool(getattr(weights._reader, "legacy_keras", False))
+    if not isinstance(weights, (str, os.PathLike)) or not os.fspath(weights).endswith((".h5", ".hdf5")):
+        return False
+    try:
+        with weightstore.open(weights) as store:
+            return is_legacy_keras_h5(store)
+    except (OSError, WeightStoreError):
+        return False
+
+
+def legacy_keras_h5_error(path: str | None) -> AssignmentError:
+    """Why a legacy Keras HDF5 file (:func:`is_legacy_keras_h5`) pairs with no model by its names, and what to do."""
+    return AssignmentError(
+        "is a legacy Keras HDF5 file (model.save('m.h5'), or Keras 2's save_weights), whose tensors Keras pairs with "
+        "the model's layers by their order, not by these names: load it with Keras, model.load_weights(path), then "
+        "save it as weightstore pairs it: ws.save('m.npz', tf2.export(model)) or model.save_weights('m.weights.h5')",
+        path=path)
 
 
 def is_lora_file(path: Any) -> bool:
@@ -431,6 +455,14 @@ def _checkpoint_names(model: Any, path: str, file_keys: list[str], by_variable: 
         home, found, reached = exported
         best = (_score(found, by_variable), home, found, reached)
     if best is None or not best[0]:
+        deeper = _whole_model_deeper(model, children, by_variable, saved_model=saved_model)
+        if deeper:
+            where = (f"{len(deeper)} times, at {_listed_paths(deeper)} (an ensemble's members)" if len(deeper) > 1
+                     else f"at {deeper[0]!r}")
+            raise FormatError(
+                f"the model ({type(model).__name__}) is not the checkpoint's, nor a part near its root: the checkpoint "
+                f"holds it deeper, {where}; assign the checkpoint into the model that saved it, or take the part out "
+                "of tf2.load(that_model, path) by its scope", path=path)
         raise FormatError(f"no part of this checkpoint has the structure of the model ({type(model).__name__}): "
                           "no variable of the model is in it", path=path)
     _, home, found, reached = best
@@ -445,6 +477,32 @@ def _checkpoint_names(model: Any, path: str, file_keys: list[str], by_variable: 
               and (optimizer or not _optimizer_state(file_key))):
             names.setdefault(file_key, file_key)  # the model has nothing here: reported as unexpected
     return names
+
+
+def _whole_model_deeper(model: Any, children: list[dict[str, int]], by_variable: Mapping[int, str], *,
+                        saved_model: bool) -> list[str]:
+    """The paths of the nodes beyond :data:`_NEAR_ROOT` that hold every variable of ``model``: a
+    checkpoint of a model that holds several of it (an ensemble's), given to one member. Only
+    looked for once a checkpoint has failed to pair: it walks the model from every such node."""
+    near = set(_near_root(children))
+    paths = {0: ""}
+    order = [0]
+    for node in order:  # breadth first: each node's shortest path names it
+        for name, child in children[node].items():
+            if child not in paths:
+                paths[child] = f"{paths[node]}/{name}".lstrip("/")
+                order.append(child)
+    import tensorflow as tf
+
+    edges = set(_trackable_children(tf.train.TrackableView(model), model, saved_model=saved_model))
+    whole = len(set(by_variable))
+    return [paths[node] for node in order[:_MAX_NODES_LOOKED_AT] if node not in near and edges <= children[node].keys()
+            and _score(_match(model, node, children, saved_model=saved_model)[0], by_variable) == whole]
+
+
+def _listed_paths(paths: list[str]) -> str:
+    shown = ", ".join(map(repr, paths[:3]))
+    return shown + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
 
 
 def _score(found: Mapping[int, Any], by_variable: Mapping[int, str]) -> int:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
 import tempfile
 import zipfile
@@ -25,8 +24,8 @@ import numpy as np
 
 import weightstore
 from weightstore.adapters._casts import describe, widens
-from weightstore.adapters.plan import OPTIMIZER_KEY, OPTIMIZER_SCOPE
-from weightstore.core.keys import in_scope, join_scope, normalize_scope, strip_scope, suggest
+from weightstore.adapters.plan import OPTIMIZER_SCOPE, OPTIMIZER_STATE
+from weightstore.core.keys import in_scope, join_scope, normalize_scope, strip_scope, suggest, unmatched_scope
 from weightstore.core.manifest import logical_dtype
 from weightstore.errors import FormatError, KeyNotInStoreError, SelectionError, naming, shown_key
 from weightstore.formats import keras_file
@@ -35,8 +34,6 @@ from weightstore.io.commit import RenameCommit
 
 __all__ = ["is_keras_target", "replace_in_keras_file"]
 
-#: a Keras optimizer's variable under any scope (``member_1/optimizer/vars/0``: a ``.keras`` imported by scope)
-_OPTIMIZER_STATE = re.compile(rf"(?:^|/){OPTIMIZER_KEY.pattern}$")
 
 
 def is_keras_target(path: str) -> bool:
@@ -73,9 +70,12 @@ def _as_the_whole_numbers(target: str, weights: Mapping[str, np.ndarray], scope:
         if not store.stored_names():  # the file's own names (layers/dense/vars/0): never renumbered
             return weights
         shapes = {key: tuple(store.info(key).shape) for key in store}
+    if not any(in_scope(key, at) and key != at for key in shapes):  # a typo: say so, not which tensor is nearest
+        with naming(path=target):
+            raise unmatched_scope(at, list(shapes))
     own = {join_scope(at, part): join_scope(at, whole) for whole, part in
            as_own_root(strip_scope(key, at) for key in shapes if in_scope(key, at) and key != at).items()}
-    layers = [key for key in weights if not _OPTIMIZER_STATE.search(key)]  # state: refused by _checked, saying why
+    layers = [key for key in weights if not OPTIMIZER_STATE.search(key)]  # state: refused by _checked, saying why
     as_is = pairs(((key, np.shape(weights[key])) for key in layers), shapes, whole=False)
     renumbered = pairs(((own.get(key, key), np.shape(weights[key])) for key in layers), shapes, whole=False)
     moved = next((key for key in layers if key in own), None)
@@ -103,7 +103,7 @@ def _checked(target: str, weights: Mapping[str, np.ndarray]) -> dict[str, np.nda
             if key not in names:
                 also = f", or the model keys `ws ls {target}` lists" if stored else ""
                 hint = ("; it is a source's optimizer state, which has no place there: leave it out with --exclude "
-                        f"'{OPTIMIZER_SCOPE}/*'" if _OPTIMIZER_STATE.search(key) else suggest(key, names))
+                        f"'{OPTIMIZER_SCOPE}/*'" if OPTIMIZER_STATE.search(key) else suggest(key, names))
                 raise KeyNotInStoreError(
                     f"is a Keras file, which Keras reads by its own tensor names only (layers/<layer>/vars/<i>{also}), "
                     f"and has no such tensor{hint}; import a store with the file's names "

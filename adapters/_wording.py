@@ -4,6 +4,7 @@ matches offered and the scope that would have paired them."""
 from __future__ import annotations
 
 import difflib
+from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -56,23 +57,51 @@ def no_such_scope(scope: str, targets: Iterable[str]) -> str:
 def _scope_fix(values: Iterable[str], targets: Iterable[str], renamed: bool) -> str:
     """What would pair the keys when one scope is all that keeps them apart: values saved
     under ``model_002/`` going into unscoped variables need that scope taken off (``mapping``),
-    unscoped values going into variables under it need it put on (``scope``); "" when no one
-    scope explains most of the keys. ``renamed``: the values' keys are as the caller's
+    unscoped values going into variables under it need it put on (``scope``), and an ensemble's
+    file given to one member needs one member taken out (``ws.load(path, scope=)``); "" when no
+    one scope explains most of the keys. ``renamed``: the values' keys are as the caller's
     ``scope``/``mapping`` made them, so those are what to change."""
     value_set, target_set = set(values), set(targets)
-    extra = _extra_scopes(value_set - target_set, target_set, len(value_set - target_set))
+    unpaired = value_set - target_set
+    members = member_scopes(unpaired, target_set)
+    if len(members) > 1:
+        fix = ("change scope= or mapping=, which put them there" if renamed else
+               f"assign one of them, ws.load(path, scope={members[0]!r}) (`ws export --scope` writes one's file)")
+        return (f"the values are under {_listed(members)} (an ensemble, each holding the variables' keys) and the "
+                f"variables are not: {fix}")
+    extra = _extra_scopes(unpaired, target_set, len(unpaired))
     if extra:
         fix = "change scope= or mapping=, which put them there" if renamed else f"pass mapping={{{extra[0]!r}: ''}}"
         return f"the values are under {extra[0]!r} and the variables are not: {fix}"
     # each scope under which half of the values find their variable: an ensemble's members all do
     missing = _extra_scopes(target_set - value_set, value_set, len(value_set))
     if missing:
-        named = [*map(repr, missing[:3]), *([f"{len(missing) - 3} more"] if len(missing) > 3 else [])]
-        scopes = " and ".join(filter(None, [", ".join(named[:-1]), named[-1]]))
         fix = (("put them under " + ("it" if len(missing) == 1 else "one of them")) + " with scope= or mapping="
                if renamed else f"pass scope={missing[0]!r}" + (" (or another of them)" if len(missing) > 1 else ""))
-        return f"the variables are under {scopes} and the values are not: {fix}"
+        return f"the variables are under {_listed(missing)} and the values are not: {fix}"
     return ""
+
+
+def member_scopes(values: Collection[str], targets: Collection[str]) -> list[str]:
+    """The scopes (up to three segments) under which ``values`` hold a copy of the variables, an
+    ensemble's file given to one member: half of them by key, or every variable by its name's last
+    segment (an ensemble's Keras file numbers its members' automatic names on, ``model_002/dense_2/kernel``)."""
+    leaves = Counter(key.rsplit("/", 1)[-1] for key in targets)
+    under: dict[str, list[str]] = {}
+    for key in values:
+        parts = key.split("/")
+        for depth in range(1, min(len(parts), 4)):
+            under.setdefault("/".join(parts[:depth]), []).append("/".join(parts[depth:]))
+    copies = {scope for scope, keys in under.items() if sum(key in targets for key in keys) * 2 >= len(targets)
+              or Counter(key.rsplit("/", 1)[-1] for key in keys) == leaves}
+    # the innermost: model_002/tower_0 holds the copy that model_002 holds, and is no second member
+    return sorted(scope for scope in copies if not any(other.startswith(scope + "/") for other in copies))
+
+
+def _listed(scopes: Sequence[str]) -> str:
+    """``'a', 'b' and 'c'``, or ``'a', 'b', 'c' and 2 more``."""
+    named = [*map(repr, scopes[:3]), *([f"{len(scopes) - 3} more"] if len(scopes) > 3 else [])]
+    return " and ".join(filter(None, [", ".join(named[:-1]), named[-1]]))
 
 
 def _extra_scopes(keys: Collection[str], others: Collection[str], needed: int) -> list[str]:

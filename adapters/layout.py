@@ -65,6 +65,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from weightstore.adapters import _layer_rules
+from weightstore.adapters._artifacts import is_legacy_keras_h5, legacy_keras_h5_error
 from weightstore.adapters._casts import describe
 from weightstore.adapters._layer_rules import LayerRule
 from weightstore.adapters._report import Mismatch, Plan, TargetInfo
@@ -728,7 +729,12 @@ def plan_laid_out(values: ValueSource, targets: Mapping[str, TargetInfo], option
         for key, source, why in selected_refusals(refusals, scope=scope, mapping=mapping, include=options.include,
                                                   exclude=options.exclude):
             refused.append(Mismatch(key, "", describe(values.dtype(source), values.shape(source)), why))
-    plan = plan_assign(view, targets, options, optional=optional, refused=refused, left_out=left_out, tied=tied)
+    try:
+        plan = plan_assign(view, targets, options, optional=optional, refused=refused, left_out=left_out, tied=tied)
+    except AssignmentError as error:
+        if values.path is None or not is_legacy_keras_h5(values.path):
+            raise
+        raise legacy_keras_h5_error(values.path) from error
     plan.report.left_out = left_out  # a layout converts none of them: named as the values name them
     return plan, view
 

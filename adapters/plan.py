@@ -42,13 +42,16 @@ __all__ = ["Report", "SelectionWords", "AssignWords", "Selection", "AssignOption
 OPTIMIZER_SCOPE = "optimizer"  # a Keras model's optimizer state, as tf2.export(optimizer=True) and a .keras key it
 INNER_OPTIMIZER = "inner_optimizer"  # the optimizer a LossScaleOptimizer wraps (mixed precision), saved again below it
 OPTIMIZER_KEY = re.compile(rf"{OPTIMIZER_SCOPE}/(?:{INNER_OPTIMIZER}/)?vars/\d+")
+#: a Keras optimizer's variable under any scope (``model_001/optimizer/vars/0``: a ``.keras`` imported by scope)
+OPTIMIZER_STATE = re.compile(rf"(?:^|/){OPTIMIZER_KEY.pattern}$")
 
 
 def training_state(keys: Collection[str], targets: Collection[str], scope: str | None,
                    mapping: MappingRules = None) -> list[str]:
     """The value ``keys`` that are training state and name no variable of ``targets`` under
     ``scope``: a Keras model's optimizer state (``optimizer/vars/<i>``, as a ``.keras`` of a
-    model trained after ``compile`` holds it) and a TF1 ``Saver`` checkpoint's, as TF names it
+    model trained after ``compile`` holds it, under any scope: an ensemble's store of such files
+    imported by scope holds ``model_001/optimizer/vars/<i>``) and a TF1 ``Saver`` checkpoint's, as TF names it
     (``w/Adam``, ``beta1_power``, ``global_step``: :func:`_tf1_training.by_naming`). Every
     assign leaves them out (``plan_assign``'s ``left_out``) unless the adapter is asked for
     them (``optimizer=True``), so such a file goes into any model, module or graph of its layers.
@@ -57,7 +60,7 @@ def training_state(keys: Collection[str], targets: Collection[str], scope: str |
     norm_scope, rules = normalize_scope(scope), parse_mapping(mapping)
     keys = list(keys)
     state = _tf1_training.by_naming(keys)
-    return [key for key in keys if (key in state or OPTIMIZER_KEY.fullmatch(key))
+    return [key for key in keys if (key in state or OPTIMIZER_STATE.search(key))
             and join_scope(norm_scope, key) not in targets and not ends_by_rule(key, rules)]
 
 

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import re
 import sys
 from collections.abc import Iterator, Mapping
@@ -81,9 +82,11 @@ import weightstore
 from weightstore.adapters._artifacts import (
     for_model,
     is_keras_file,
+    is_legacy_keras_h5,
     is_lora_file,
     is_model_file,
     keras_file_names,
+    legacy_keras_h5_error,
     lora_factors,
     saved_outside_weights,
 )
@@ -91,6 +94,7 @@ from weightstore.adapters._reload import MEMORY
 from weightstore.adapters._report import Plan, TargetInfo
 from weightstore.adapters._tf_staging import staged_copy
 from weightstore.adapters._values import RenamedValues
+from weightstore.adapters._wording import member_scopes
 from weightstore.adapters.plan import (
     INNER_OPTIMIZER,
     OPTIMIZER_KEY,
@@ -115,7 +119,8 @@ from weightstore.core.keys import (
     strip_scope,
     validate_key,
 )
-from weightstore.errors import AssignmentError, InvalidKeyError, SelectionError
+from weightstore.errors import AssignmentError, InvalidKeyError, SelectionError, WeightStoreError
+from weightstore.formats import keras_file
 from weightstore.formats._keras_naming import Ranking, as_own_root, automatic, deduplicated, pairs, snake_case
 from weightstore.formats.tf_checkpoint import best_paths
 from weightstore.sharded._shards import Piece
@@ -277,12 +282,26 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
     target = Target(targets, write, slot=lambda key: (found[key][0], ""), plan=plan, batched=True)
     try:
         if not _structured(obj, weights):
-            report = run_assign(target, weights, options)
+            try:
+                report = run_assign(target, weights, options)
+            except AssignmentError as error:
+                if not is_legacy_keras_h5(weights):
+                    raise
+                raise legacy_keras_h5_error(error.path) from error
         else:
-            with for_model(_part_at(obj, at), weights, {strip_scope(key, at): var for key, (var, _) in found.items()
-                                                         if in_scope(key, at) and key != at},
-                           optimizer=optimizer) as paired:
-                report = run_assign(target, paired, options, skip_for=weights)
+            try:
+                with for_model(_part_at(obj, at), weights, {strip_scope(key, at): var for key, (var, _) in found.items()
+                                                             if in_scope(key, at) and key != at},
+                               optimizer=optimizer) as paired:
+                    report = run_assign(target, paired, options, skip_for=weights)
+            except AssignmentError as error:
+                members = [] if at else _ensemble_archive_members(weights, targets)
+                if len(members) < 2:
+                    raise
+                raise AssignmentError(
+                    f"holds an ensemble, the model's variables under each of {', '.join(map(repr, members[:3]))}"
+                    f"{' and more' if len(members) > 3 else ''}: assign one member, ws.load(path, scope={members[0]!r}) "
+                    "(`ws export --scope` writes its file)", path=error.path) from error
         if keras_keyed:
             _zero_lora_factors(lora, found, written, report, options)
         return report
@@ -316,6 +335,20 @@ def forget(obj: Any) -> None:
         found.update(_optimizer_variables(obj))
     for var in found.values():
         MEMORY.forget(var)
+
+
+def _ensemble_archive_members(weights: Any, targets: Mapping[str, TargetInfo]) -> list[str]:
+    """The scopes of a ``.keras`` archive's model that each hold a copy of the model's variables,
+    read by its config's keys (its save walk pairs none of them with a lone member); [] for any
+    other file."""
+    if not isinstance(weights, (str, os.PathLike)) or not keras_file.is_keras_archive(os.fspath(weights)):
+        return []
+    try:
+        with weightstore.open(weights) as store:
+            keys = store.keys()
+    except (OSError, WeightStoreError):
+        return []
+    return member_scopes(set(keys) - set(targets), set(targets))
 
 
 def _structured(obj: Any, weights: Any) -> bool:

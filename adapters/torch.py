@@ -36,7 +36,7 @@ import functools
 import itertools
 import sys
 import warnings
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import ml_dtypes
@@ -382,8 +382,28 @@ def _keyed(values: Any, targets: Collection[str], options: AssignOptions) -> Any
         unwrapped = {name: key[len(wrapper) + 1 :] for name, key in unwrapped.items()}
         if paired(unwrapped) > best:
             best, keys = paired(unwrapped), unwrapped
+    keys = _unwrapped_under_scopes(keys, lambda key: join_scope(scope, key) in targets, spoken)
     renames = {name: key for name, key in keys.items() if key != name}
     return RenamedValues(values, renames) if renames else values
+
+
+def _unwrapped_under_scopes(keys: dict[str, str], pairs: Callable[[str], bool], spoken: Collection[str]) -> dict[str, str]:
+    """``keys`` (name -> key) with a wrapper's name taken out after a scope, key by key, where the
+    key pairs no variable and the key without it does (and no other value has it): a store of
+    wrappers' files each under a scope, as ``ws import ddp.safetensors --into ens.safetensors
+    --scope members/0`` writes them (``members/0/module/0/weight``)."""
+    taken = set(keys.values())
+    unwrapped = dict(keys)
+    for name, key in keys.items():
+        parts = key.split("/")
+        at = next((i for i, part in enumerate(parts[1:-1], 1) if part in _WRAPPER_NAMES and part not in spoken), None)
+        if at is None or pairs(key):
+            continue
+        inner = "/".join(parts[:at] + parts[at + 1 :])
+        if pairs(inner) and inner not in taken:
+            unwrapped[name] = inner
+            taken.add(inner)
+    return unwrapped
 
 
 def _refuse_unwritable(pending: list, found: dict[str, torch.Tensor], report: Report, *, strict: bool,

@@ -514,6 +514,31 @@ def test_tf2_checkpoint_of_another_model_names_the_file(tmp_path):
     assert (caught.value.path, caught.value.key) == (prefix, None)
 
 
+def test_an_ensembles_tf2_checkpoint_given_to_one_member_says_where_the_members_are(tmp_path):
+    """``tf.train.Checkpoint(model=ensemble)`` holds each member deeper than a model's own node is
+    looked for: given to a lone member, it said no part of the checkpoint had the member's
+    structure, when three did. It names them, and the ensemble's load takes one out."""
+    inputs = keras.Input((4,))
+    members = [small_net(name=f"model_00{i}") for i in (1, 2, 3)]
+    ensemble = keras.Model(inputs, [member(inputs) for member in members])
+    rng = np.random.default_rng(3)
+    for var in ensemble.weights:
+        var.assign(rng.normal(size=var.shape).astype(var.dtype))
+    prefix = tf.train.Checkpoint(model=ensemble).write(str(tmp_path / "ensemble"))
+    lone = small_net()
+    with pytest.raises(FormatError) as caught:
+        tf2.assign(lone, prefix)
+    assert caught.value.path == prefix
+    assert str(caught.value).startswith(
+        f"{prefix}: the model (Sequential) is not the checkpoint's, nor a part near its root: the checkpoint holds it "
+        "deeper, 3 times, at 'model/_operations/1', 'model/_operations/2', 'model/_operations/3' (an ensemble's members)")
+    second = {key.removeprefix("model_002/"): value for key, value in tf2.load(ensemble, prefix).items()
+              if key.startswith("model_002/")}
+    tf2.assign(lone, second)
+    x = rng.normal(size=(5, 4)).astype("float32")
+    np.testing.assert_array_equal(lone(x), members[1](x))
+
+
 def test_a_keras_file_into_a_tf_module_is_refused_naming_the_file(tmp_path):
     model, _ = keras_pair()
     model.save_weights(tmp_path / "m.weights.h5")

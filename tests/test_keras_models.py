@@ -464,6 +464,35 @@ def test_a_member_read_out_of_a_trained_ensembles_file_pairs_with_a_lone_model_a
     for key, value in slots.items():
         np.testing.assert_array_equal(exported[key], value + 1)
 
+
+@pytest.mark.parametrize("name, said", [
+    ("ensemble.npz", "the values are under 'member_0' and 'member_1' (an ensemble, each holding the variables' keys) "
+                     "and the variables are not: assign one of them, ws.load(path, scope='member_0')"),
+    ("ensemble.keras", "holds an ensemble, the model's variables under each of 'member_0', 'member_1': assign one "
+                       "member, ws.load(path, scope='member_0')"),
+])
+def test_the_ensembles_own_file_given_to_a_lone_member_names_the_members_and_how_to_take_one_out(tmp_path, name, said):
+    """``tf2.assign(lone, ensemble.npz)``, the scope forgotten: the ensemble numbers its members'
+    automatic names on (``member_1/sequential_1/dense_3/kernel``), so no key of a member pairs a
+    variable, and the message said the two "look like different architectures" (a ``.keras``'s
+    save walk pairs none either). It names the members' scopes and the load that takes one out,
+    and that load assigns."""
+    ensemble, members = ensemble_of_two()
+    for var in ensemble.weights:
+        var.assign(RNG.normal(size=var.shape).astype("float32"))
+    if name.endswith(".keras"):
+        ensemble.save(tmp_path / name)
+    else:
+        ws.save(tmp_path / name, tf2.export(ensemble))
+    lone = holding_a_model()
+    with pytest.raises(ws.AssignmentError) as caught:
+        tf2.assign(lone, tmp_path / name)
+    assert said in str(caught.value) and caught.value.path == str(tmp_path / name)
+    tf2.assign(lone, ws.load(tmp_path / name, scope="member_1"))
+    for key, value in tf2.export(members[1]).items():
+        np.testing.assert_array_equal(tf2.export(lone)[key], value)
+
+
 def test_a_lone_members_file_imports_into_the_ensembles_keras_file_by_scope(tmp_path):
     """``ws import member.npz --into ensemble.keras --scope member_1``: the member's own keys
     (``sequential/dense``) go where the ensemble numbers them (``sequential_1/dense_3``), as
@@ -491,6 +520,22 @@ def test_a_lone_members_file_imports_into_the_ensembles_keras_file_by_scope(tmp_
     assert "optimizer state, which has no place there: leave it out with --exclude 'optimizer/*'" in done.stderr
     done = subprocess.run([*args, "--exclude", "optimizer/*"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_an_import_into_a_keras_archive_under_a_misspelt_scope_names_the_scope(tmp_path):
+    """``--scope member_01`` for ``member_1``: the refusal named the tensor nearest the first key
+    (another member's, as often as not), not the scope that matched nothing; the file is untouched."""
+    ensemble, _ = ensemble_of_two()
+    ensemble.save(tmp_path / "ensemble.keras")
+    before = (tmp_path / "ensemble.keras").read_bytes()
+    ws.save(tmp_path / "member.npz", tf2.export(holding_a_model()))
+    done = subprocess.run([sys.executable, "-m", "weightstore", "import", str(tmp_path / "member.npz"), "--into",
+                           str(tmp_path / "ensemble.keras"), "--scope", "member_01", "--overwrite"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip() == (f"error: {tmp_path / 'ensemble.keras'}: scope 'member_01' matches no key; "
+                                   "did you mean 'member_1'?")
+    assert (tmp_path / "ensemble.keras").read_bytes() == before
 
 
 def two_alike_out_of_order():
@@ -717,6 +762,82 @@ def test_a_typo_is_still_offered_its_variable():
         tf2.assign(model, values)
     assert "no variable 'bn/gama'; did you mean 'bn/gamma'?" in str(caught.value)
     assert "different architectures" not in str(caught.value)
+
+
+@pytest.mark.parametrize("saved_as", ["model.save", "save_weights"])
+def test_a_legacy_keras_hdf5_file_says_keras_pairs_it_by_layer_order_and_how_to_load_it(tmp_path, saved_as):
+    """A legacy Keras HDF5 file (``model.save("m.h5")``, and Keras 2's ``save_weights``, whose
+    writer Keras 3 keeps) names tensors ``model_weights/bn/net/bn/gamma``, which Keras never pairs
+    by name. The assign said the file and the model "look like different architectures"; it says
+    what the file is and how to load it, and doing so gives Keras's own predictions."""
+    import h5py
+    from keras.src.legacy.saving import legacy_h5_format  # Keras 2's save_weights, as Keras 3 keeps it
+
+    saved = bn_model()
+    saved.compile("adam", "mse")
+    saved.fit(X, X[:, :1], epochs=1, verbose=0)
+    path = tmp_path / "legacy.h5"
+    if saved_as == "model.save":
+        saved.save(path)
+    else:
+        with h5py.File(path, "w") as f:
+            legacy_h5_format.save_weights_to_hdf5_group(f, saved)
+    model = bn_model()
+    before = tf2.export(model)
+    with pytest.raises(ws.AssignmentError) as caught:
+        tf2.assign(model, path)
+    assert caught.value.path == str(path)
+    assert str(caught.value).startswith(f"{path}: is a legacy Keras HDF5 file (model.save('m.h5'), or Keras 2's "
+                                        "save_weights), whose tensors Keras pairs with the model's layers by their order")
+    assert "model.load_weights(path)" in str(caught.value)
+    assert all(np.array_equal(value, before[key]) for key, value in tf2.export(model).items())
+    model.load_weights(path)
+    ws.save(tmp_path / "m.npz", tf2.export(model))
+    served = bn_model()
+    tf2.assign(served, tmp_path / "m.npz")
+    np.testing.assert_array_equal(served(X, training=False), saved(X, training=False))
+    torch = pytest.importorskip("torch")  # by layout, the same words
+    from weightstore.adapters import torch as torch_adapter
+
+    module = torch.nn.Sequential()
+    module.add_module("dense", torch.nn.Linear(3, 4))
+    module.add_module("bn", torch.nn.BatchNorm1d(4))
+    with pytest.raises(ws.AssignmentError, match=r"is a legacy Keras HDF5 file .*model\.load_weights\(path\)"):
+        torch_adapter.assign(module, path, layout="keras")
+    assert torch_adapter.assign(module, tmp_path / "m.npz", layout="keras").ok
+
+
+def test_trained_keras_files_imported_by_scope_assign_into_an_ensemble_leaving_each_optimizer_out(tmp_path):
+    """The ensembles job from the shell: each member's ``.keras`` (trained, so holding its Adam
+    state) goes into one store by ``ws import --scope``, which puts that state under the member,
+    ``model_001/optimizer/vars/0``. It was left out only at the top (``optimizer/vars/0``): the
+    ensemble's assign refused 28 unexpected values, and ``ws convert --layout`` had no rule for them."""
+    members = []
+    for i in (1, 2):
+        member = bn_model()
+        member.compile(keras.optimizers.Adam(0.01), "mse")
+        member.fit(X, i * X[:, :1], epochs=1, verbose=0)
+        member.save(tmp_path / f"m{i}.keras")
+        members.append(member)
+        done = subprocess.run([sys.executable, "-m", "weightstore", "import", tmp_path / f"m{i}.keras", "--into",
+                               tmp_path / "ensemble.npz", "--scope", f"model_00{i}"], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+    assert "model_001/optimizer/vars/0" in ws.load(tmp_path / "ensemble.npz")
+    inputs = keras.Input((3,))
+    parts = [keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, name="dense"),
+                               keras.layers.BatchNormalization(name="bn")], name=f"model_00{i}") for i in (1, 2)]
+    ensemble = keras.Model(inputs, keras.layers.Concatenate()([part(inputs) for part in parts]))
+    report = tf2.assign(ensemble, tmp_path / "ensemble.npz")
+    assert sorted(report.assigned) == sorted(tf2.keys(ensemble))
+    assert len(report.left_out) == 2 * len(members[0].optimizer.variables)
+    np.testing.assert_array_equal(ensemble(X, training=False),
+                                  np.hstack([member(X, training=False) for member in members]))
+    pytest.importorskip("torch")
+    done = subprocess.run([sys.executable, "-m", "weightstore", "convert", tmp_path / "ensemble.npz",
+                           tmp_path / "ensemble.safetensors", "--layout", "keras-to-torch"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert sorted(ws.load(tmp_path / "ensemble.safetensors", scope="model_002")) == [
+        "bn/bias", "bn/running_mean", "bn/running_var", "bn/weight", "dense/bias", "dense/weight"]
 
 
 def test_a_keras_weights_file_given_to_torch_says_it_needs_its_keras_model(tmp_path):
@@ -1037,6 +1158,17 @@ def test_a_keras_archive_with_a_custom_layer_keeps_its_own_names_whole_and_ls_sa
     keyed = tmp_path / "keyed.npz"  # --model-keys builds the model, custom class and all, in Keras's safe mode
     assert ws_command("export", tmp_path / "m.keras", "-o", keyed, "--model-keys").exit_code == 0
     assert sorted(ws.load(keyed)) == ["head/bias", "head/kernel", "scaled/variable"]
+
+
+def test_a_keras_archive_with_a_layer_class_of_a_script_says_so_not_from_none(tmp_path):
+    """A class defined in the script that saved the model (its module ``__main__``, which Keras
+    writes as null): the note said it was "from None"."""
+    in_script = type("InScript", (Scaled,), {"__module__": "__main__"})
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="head"), in_script(name="mine")])
+    model.save(tmp_path / "m.keras")
+    listed = ws_command("ls", tmp_path / "m.keras", "--json")
+    assert json.loads(listed.stdout)["keys_note"] == (
+        "its layer 'mine' is a 'InScript' defined in a script (__main__), not one of Keras's built-in layers")
 
 
 def test_a_keras_archive_on_s3_opens_as_a_local_one_and_tf2_assign_pairs_it_by_its_own_names(tmp_path, s3):

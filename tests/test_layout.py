@@ -287,3 +287,22 @@ def test_cli_convert_names_the_file_and_the_tensor_no_rule_covers(tmp_path):
     result = CliRunner().invoke(app, ["convert", str(tmp_path / "odd.npz"), str(tmp_path / "out.npz"),
                                       "--layout", "keras-to-mxnet"])
     assert result.exit_code == 2 and "keras-to-mxnet" in result.output and not (tmp_path / "out.npz").exists()
+
+
+def test_a_mapping_with_a_layout_reads_the_converted_names():
+    """With ``layout="keras"`` a mapping sees the names the layout made (``batch_normalization/weight``):
+    a scope rule reads the same either way, and a rule in Keras's own leaf names (``*/gamma``) is
+    refused naming the converted keys, as frameworks.md says."""
+    module = nn.Module()
+    module.fc, module.norm = nn.Linear(4, 8), nn.BatchNorm1d(8)
+    rng = np.random.default_rng(5)
+    weights = {"dense/kernel": rng.normal(size=(4, 8)).astype("float32"), "dense/bias": np.zeros(8, "float32"),
+               **{f"batch_normalization/{name}": rng.random(8).astype("float32")
+                  for name in ("gamma", "beta", "moving_mean", "moving_variance")}}
+    report = torch_adapter.assign(module, weights, layout="keras", mapping={"dense": "fc", "batch_normalization": "norm"})
+    assert len(report.assigned) == 6
+    np.testing.assert_array_equal(module.fc.weight.detach().numpy(), weights["dense/kernel"].T)
+    np.testing.assert_array_equal(module.norm.weight.detach().numpy(), weights["batch_normalization/gamma"])
+    with pytest.raises(ws.errors.SelectionError, match=r"mapping \*/gamma=\*/weight matches no key.*"
+                                                       r"'batch_normalization/weight'"):
+        torch_adapter.assign(module, weights, layout="keras", mapping=["dense=fc", "*/gamma=*/weight"])

@@ -228,6 +228,28 @@ def test_an_ensemble_graph_given_an_unscoped_file_without_scope_names_the_scopes
         assert "under 'model_001', 'model_002', 'model_003' and 37 more and the values are not" in str(caught.value)
 
 
+def test_an_ensemble_file_into_one_member_graph_names_its_scopes_and_how_to_take_one_out(tmp_path):
+    """The other way: an ensemble's file (three members under ``model_00N/``) assigned into a lone
+    member's graph. It said the two "look like different architectures", as no one scope held half
+    of the file's values; each member's scope pairs every variable, and loading one by scope
+    assigns it."""
+    names = ["dense/kernel", "dense/bias", "head/kernel"]
+    ws.save(tmp_path / "ensemble.npz", {f"model_00{m}/{k}": np.full(3, 10 * m + i, np.float32)
+                                        for m in (1, 2, 3) for i, k in enumerate(names)})
+    with graph_session() as (_, sess):
+        variables = [v1.get_variable(k, [3], initializer=v1.zeros_initializer()) for k in names]
+        sess.run(v1.global_variables_initializer())
+        with pytest.raises(AssignmentError, match="the keys differ by a scope: ") as caught:
+            tf1.assign(sess, tmp_path / "ensemble.npz")
+        assert ("the values are under 'model_001', 'model_002' and 'model_003' (an ensemble, each holding the "
+                "variables' keys) and the variables are not: assign one of them, ws.load(path, scope='model_001')"
+                ) in str(caught.value)
+        assert "different architectures" not in str(caught.value)
+        np.testing.assert_array_equal(values(sess, variables), [[0] * 3] * 3)
+        tf1.assign(sess, ws.load(tmp_path / "ensemble.npz", scope="model_002"))
+        np.testing.assert_array_equal(values(sess, variables), [[20] * 3, [21] * 3, [22] * 3])
+
+
 def test_a_wrong_scope_given_is_what_the_message_says_to_change():
     """Values put under ``model_001/`` by the caller's own ``scope=`` are not fixed by a mapping
     (it applies before the scope): the message names scope= and mapping= as the thing to change."""

@@ -612,6 +612,34 @@ def test_a_file_saved_from_a_wrappers_own_state_dict_assigns_into_the_model(tmp_
     assert all(torch.equal(twice["module." + name], tensor) for name, tensor in holder.state_dict().items())
 
 
+def test_wrappers_files_imported_by_scope_into_an_ensembles_store_assign_into_the_ensemble(tmp_path):
+    """The ensembles job from the shell with DDP and compiled trainers' files: ``ws import
+    ddp.safetensors --into ensemble.safetensors --scope members/0`` keeps the wrapper's name after
+    the scope (``members/0/module/0/weight``), which the assign took off only at the front, so the
+    ensemble and its store "looked like different architectures"."""
+    from safetensors.torch import save_file
+
+    sources = [small_net() for _ in range(2)]
+    for i, (source, prefix) in enumerate(zip(sources, ("module.", "_orig_mod."), strict=True)):
+        with torch.no_grad():
+            for tensor in source.state_dict().values():
+                tensor.add_(i + 1)
+        save_file({prefix + name: tensor.contiguous() for name, tensor in source.state_dict().items()},
+                  str(tmp_path / f"wrapped{i}.safetensors"))
+        done = subprocess.run([sys.executable, "-m", "weightstore", "import", tmp_path / f"wrapped{i}.safetensors",
+                               "--into", tmp_path / "ensemble.safetensors", "--scope", f"members/{i}"],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+    assert "members/0/module/0/weight" in ws.load(tmp_path / "ensemble.safetensors")
+    ensemble = nn.Module()
+    ensemble.members = nn.ModuleList([small_net(), small_net()])
+    report = torch_adapter.assign(ensemble, tmp_path / "ensemble.safetensors")
+    assert len(report.assigned) == len(ensemble.state_dict())
+    for member, source in zip(ensemble.members, sources, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(member.state_dict().values(), source.state_dict().values(),
+                                                     strict=True))
+
+
 def test_a_mapping_of_the_wrappers_name_still_decides_what_the_names_mean():
     """mapping={'module': ''} (what an older refusal told a DDP user to pass) keeps working: the
     user's own rule is applied, no wrapper's name is taken off before it."""

@@ -126,7 +126,7 @@ class _Walk:
         kind, config = _class_and_config(node, self.where, file_path)
         own_name = config.get("name") if name is None else name
         if not _builtin(node):
-            raise _Unknown(f"its layer {_shown(own_name or kind)} is a {_shown(kind)} from {_shown(node.get('module'))}, "
+            raise _Unknown(f"its layer {_shown(own_name or kind)} is a {_shown(kind)} {_origin(node)}, "
                            "not one of Keras's built-in layers")
         if not isinstance(own_name, str):
             raise FormatError(f"config.json gives the layer at {file_path or 'the root'} no name", path=self.where,
@@ -188,6 +188,13 @@ class _Walk:
                 raise FormatError("config.json gives a Bidirectional's layer no name", path=self.where, key=file_path)
             self.layer(node, f"{file_path}/{attribute}", layer, copy=True,
                        name=prefix + inner.removeprefix(prefix) if prefix else inner)
+
+
+def _origin(node: dict[str, Any]) -> str:
+    """Where a layer's class comes from, as its config says: its module, or a script's own class,
+    whose module (``__main__``) Keras writes as null."""
+    module = node.get("module")
+    return "defined in a script (__main__)" if module is None else f"from {_shown(module)}"
 
 
 def _shown(value: Any) -> str:

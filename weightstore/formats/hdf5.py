@@ -61,6 +61,8 @@ from weightstore.io._local import MappedFile
 from weightstore.io.files import open_regular
 
 MANIFEST_ATTRIBUTE = "weightstore"
+LEGACY_KERAS_ATTRIBUTE = "layer_names"  # the layers Keras's legacy HDF5 writer saved, in order
+LEGACY_KERAS_MODEL = "model_weights"  # the group of a legacy HDF5 file of a whole model holding them
 _KERAS_DTYPE_ATTRIBUTE = b"dtype"  # Keras's label of the raw bytes it stores bfloat16 as
 _LABEL_BYTES = 64  # longer than any dtype's name: such an attribute is no label
 VALUE = RESERVED_PREFIX + "_value__"
@@ -462,6 +464,10 @@ class Hdf5Reader(ReaderDefaults):
                     self._raw = read_at, size, self._file.userblock_size
                     self._manifest = self._read_manifest()
                     self._datasets = self._walk(queue)
+                    #: a legacy Keras HDF5 file (``model.save("m.h5")``, Keras 2's ``save_weights``), whose
+                    #: tensors Keras pairs with layers by their order, never by these names
+                    self.legacy_keras = self._manifest is None and any(
+                        LEGACY_KERAS_ATTRIBUTE in group.attrs for group in self._legacy_keras_roots())
                 self._paths = self._keyed(set(self._datasets))
             except BaseException:
                 self._file.close()
@@ -482,6 +488,12 @@ class Hdf5Reader(ReaderDefaults):
         self._infos: dict[str, TensorInfo] = dict(manifest.tensors) if manifest else {}
         self._readings: dict[str, _Reading] = {}
         self._memory_types: dict[np.dtype, h5py.h5t.TypeID] = {}
+
+    def _legacy_keras_roots(self) -> list[h5py.Group]:
+        """Where Keras's legacy HDF5 writer puts the list of layers: the root (weights alone) or
+        ``model_weights`` (a whole model). Called after :meth:`_walk` checked every header."""
+        whole = any(path.startswith(LEGACY_KERAS_MODEL + "/") for path in self._datasets)
+        return [self._file, *([self._file[LEGACY_KERAS_MODEL]] if whole else [])]
 
     def _keyed(self, found: set[str]) -> dict[str, str]:
         """Key -> dataset path. A manifest must name every dataset exactly once, each key at its
