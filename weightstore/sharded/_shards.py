@@ -311,7 +311,7 @@ def _write_shard(target: Folder, pieces: Mapping[str, Any], *, step: int, rank: 
         else:
             with open(local, "wb") as handle:
                 delta_format.write(handle, plan.head, plan.rows, plan.digests, plan.encoded, metadata,
-                                   f"weightstore {__version__}", "")
+                                   f"weightstore {__version__}", "", path=local)
             virtual, at = {}, 0
             for name, *_ in plan.rows:
                 virtual[name] = at

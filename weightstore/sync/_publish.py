@@ -151,7 +151,7 @@ def publish(
             else:
                 with open(local, "wb") as handle:
                     delta_format.write(handle, plan.head, plan.rows, plan.digests, plan.encoded, metadata,
-                                       f"weightstore {__version__}", created)
+                                       f"weightstore {__version__}", created, path=local)
             stages.reached("version-temporary")
         written.append(name)
 
