@@ -376,3 +376,22 @@ def test_replaced_file_is_complete_for_an_open_reader(tmp_path):
         with ws.open(path) as new:
             assert np.array_equal(new["w"], np.arange(10) * 2)
             assert list(new.keys()) == ["w", "extra"]
+
+
+def test_ws_convert_to_hdf5_past_a_file_size_limit_says_why_in_words(tmp_path):
+    """Found as a user: an HDF5 write the file system refused printed HDF5's own line,
+    "[Errno 27] Can't synchronously write data (file write failed: time = ...", where npz and
+    safetensors say "File too large" (or "No space left on device"). The real ws, its writes
+    past 1 MB refused; nothing is left."""
+    source = tmp_path / "w.npz"
+    ws.save(source, {"a": np.ones(1 << 19, np.float32)})
+    limited = ("import resource, runpy, signal, sys\n"
+               "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+               "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))\n"
+               "sys.argv[0] = 'ws'\n"
+               "runpy.run_module('weightstore', run_name='__main__')\n")
+    done = subprocess.run([sys.executable, "-c", limited, "convert", str(source), str(tmp_path / "out.h5")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr == f"error: {tmp_path / 'out.h5'}: tensor 'a': writing HDF5 failed: File too large\n"
+    assert sorted(os.listdir(tmp_path)) == ["w.npz"]
