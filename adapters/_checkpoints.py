@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -210,7 +211,7 @@ def _commit(tf: Any, prefix: str, tensors: Mapping[str, Any]) -> None:
         with commit.writing() as temporary, tf.device("/cpu:0"):
             _save(tf, temporary, tensors, commit.shards)
     except tf.errors.OpError as exc:
-        raise FormatError(f"TensorFlow could not write the checkpoint ({_first_line(exc)})", path=prefix) from None
+        raise FormatError(f"TensorFlow could not write the checkpoint: {_write_cause(exc)}", path=prefix) from None
 
 
 def _save(tf: Any, prefix: str, tensors: Mapping[str, Any], shards: int) -> None:
@@ -235,6 +236,13 @@ def _as_tensor(tf: Any, prefix: str, key: str, value: Any) -> Any:
     except (TypeError, ValueError):
         raise UnsupportedDTypeError(f"has dtype {array.dtype}, which TensorFlow checkpoints cannot hold",
                                     path=prefix, key=key) from None
+
+
+def _write_cause(exc: BaseException) -> str:
+    """What the file system said, of TensorFlow's ``{{function_node ...}} TEMPORARY; File too
+    large [Op:SaveV2]``: the temporary it names is gone, and the op is TensorFlow's business."""
+    line = re.sub(r"^\{\{.*?\}\}\s*|\s*\[Op:\w+\]$", "", _first_line(exc))
+    return line.rpartition("; ")[2] or line
 
 
 def _first_line(exc: BaseException) -> str:

@@ -150,6 +150,11 @@ def is_checkpoint_target(target: str) -> bool:
     checkpoint at the prefix, or any other new name (``model.ckpt``), means a checkpoint.
     """
     if is_url(target):
+        if format_for_suffix(target) is None and not target.endswith(".keras"):
+            # else the store's write refused it asking for a suffix, as if a checkpoint were no choice
+            raise TargetError("a TF checkpoint is written only to a local prefix (model.ckpt); into object "
+                              f"storage, import into a store named with one of {', '.join(known_suffixes())}",
+                              path=target)
         return False
     _refuse_hugging_face_folder(target)  # before the suffix: its index's name ends as a format's does
     if format_for_suffix(target) is not None:

@@ -376,3 +376,43 @@ def test_replaced_file_is_complete_for_an_open_reader(tmp_path):
         with ws.open(path) as new:
             assert np.array_equal(new["w"], np.arange(10) * 2)
             assert list(new.keys()) == ["w", "extra"]
+
+
+_WS_UNDER_A_FILE_SIZE_LIMIT = ("import resource, runpy, signal, sys\n"
+                               "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+                               "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))\n"
+                               "sys.argv[0] = 'ws'\n"
+                               "runpy.run_module('weightstore', run_name='__main__')\n")
+
+
+def ws_under_a_file_size_limit(*args, timeout=60):
+    """The real ``ws`` command in a process of its own whose writes past 1 MB fail (EFBIG)."""
+    return subprocess.run([sys.executable, "-c", _WS_UNDER_A_FILE_SIZE_LIMIT, *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_ws_import_into_a_checkpoint_past_a_file_size_limit_leaves_nothing_and_says_why(tmp_path):
+    """Found as a user: TensorFlow's SaveV2 writes its data file as ``….tempstateN`` and leaves it
+    when the write fails; that file, as large as the data written, stayed hidden beside the
+    checkpoint, and the error named it with TensorFlow's op in braces. The real ws, its writes
+    past 1 MB refused."""
+    pytest.importorskip("tensorflow")
+    source = tmp_path / "w.npz"
+    ws.save(source, {"a": np.ones(1 << 19, np.float32)})
+    done = ws_under_a_file_size_limit("import", source, "--into", tmp_path / "m.ckpt", timeout=120)
+    assert done.returncode == 1
+    assert done.stderr == f"error: {tmp_path / 'm.ckpt'}: TensorFlow could not write the checkpoint: File too large\n"
+    assert sorted(os.listdir(tmp_path)) == ["w.npz"]
+
+
+def test_ws_convert_to_hdf5_past_a_file_size_limit_says_why_in_words(tmp_path):
+    """Found as a user: an HDF5 write the file system refused printed HDF5's own line,
+    "[Errno 27] Can't synchronously write data (file write failed: time = ...", where npz and
+    safetensors say "File too large" (or "No space left on device"). The real ws, its writes
+    past 1 MB refused; nothing is left."""
+    source = tmp_path / "w.npz"
+    ws.save(source, {"a": np.ones(1 << 19, np.float32)})
+    done = ws_under_a_file_size_limit("convert", source, tmp_path / "out.h5")
+    assert done.returncode == 1
+    assert done.stderr == f"error: {tmp_path / 'out.h5'}: tensor 'a': writing HDF5 failed: File too large\n"
+    assert sorted(os.listdir(tmp_path)) == ["w.npz"]

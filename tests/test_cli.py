@@ -279,6 +279,17 @@ def test_import_into_a_name_no_checkpoint_can_have_is_refused_before_writing(sto
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in before)
 
 
+def test_import_into_a_url_without_a_store_suffix_says_checkpoints_are_written_locally(store):
+    """Found as a user: docs/formats.md says a new name without a store suffix is a TF checkpoint
+    prefix; on object storage ws writes none, and the refusal asked only for a store suffix,
+    as if a checkpoint there were no choice. Refused before any request, by the real ws."""
+    done = subprocess.run([sys.executable, "-m", "weightstore", "import", str(store), "--into",
+                           "s3://bucket/run/model.ckpt", "--scope", "m"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("error: s3://bucket/run/model.ckpt: a TF checkpoint is written only to a local")
+    assert ".npz" in done.stderr
+
+
 def test_import_into_tf_checkpoints_keeps_their_files_permissions(store, tmp_path):
     import stat
 

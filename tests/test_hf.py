@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -385,3 +387,55 @@ def test_an_index_without_a_checksum_whose_weight_map_is_cut_is_refused_naming_i
 def test_an_empty_model_weightstore_saved_sharded_reads_back_empty(tmp_path):
     ws.save(tmp_path / "empty", {}, max_shard_size=900)
     assert ws.load(tmp_path / "empty") == {}
+
+
+_UNDER_A_FILE_SIZE_LIMIT = (  # a write past 1 MB fails with EFBIG, as a full disk fails with ENOSPC
+    "import resource, runpy, signal, sys\n"
+    "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+    "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))\n"
+    "sys.argv[0] = 'ws'\n"
+    "runpy.run_module('weightstore', run_name='__main__')\n"
+)
+
+
+def ws_under_a_file_size_limit(*args):
+    """The real ``ws`` command in a process of its own whose writes past 1 MB fail."""
+    return subprocess.run([sys.executable, "-c", _UNDER_A_FILE_SIZE_LIMIT, *map(str, args)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_sharded_convert_that_fails_midway_leaves_no_shards_behind(tmp_path):
+    """The second shard passes the file-size limit: the first, already in place, is removed
+    with the folder the convert made, so no half of a model is left to look like one."""
+    ws.save(tmp_path / "new.npz", {"a": np.ones(1000, np.float32), "b": np.ones(1 << 19, np.float32)})
+    done = ws_under_a_file_size_limit("convert", tmp_path / "new.npz", tmp_path / "out", "--max-shard-size", "100KB")
+    assert done.returncode == 1 and "model-00002-of-00002.safetensors" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_sharded_folder_whose_convert_failed_midway_is_refused_never_read_half_new(tmp_path):
+    """Found as a user: a convert over an existing sharded folder that failed at its second
+    shard (disk full, Ctrl-C) left the new first shard beside the old index and old second
+    shard, and the folder read back as half new, half old weights without a word."""
+    folder = tmp_path / "model"
+    ws.save(folder, {"a": np.zeros(1000, np.float32), "b": np.zeros(1 << 19, np.float32)}, max_shard_size="100KB")
+    ws.save(tmp_path / "new.npz", {"a": np.ones(1000, np.float32), "b": np.ones(1 << 19, np.float32)})
+    done = ws_under_a_file_size_limit("convert", tmp_path / "new.npz", folder, "--max-shard-size", "100KB")
+    assert done.returncode == 1, done.stderr
+    with pytest.raises(FormatError, match="model-00001-of-00002.safetensors"):
+        ws.load(folder)
+
+
+def test_a_shard_of_another_save_beside_an_index_is_refused_naming_it(tmp_path):
+    """What a reader finds while an overwrite is under way, or after one was killed before it
+    could clean up: a shard the index's save did not write. Each shard records the save's time,
+    as the index does."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    ws.save(first, {"a": np.zeros(1000, np.float32), "b": np.zeros(1 << 19, np.float32)}, max_shard_size="100KB")
+    ws.save(second, {"a": np.ones(1000, np.float32), "b": np.ones(1 << 19, np.float32)}, max_shard_size="100KB")
+    shard = "model-00001-of-00002.safetensors"
+    os.replace(second / shard, first / shard)
+    with pytest.raises(FormatError, match="another save") as caught:
+        ws.load(first)
+    assert shard in str(caught.value) and INDEX in str(caught.value.path)

@@ -144,8 +144,13 @@ def _as_write_error(path: str) -> Iterator[None]:
 
 
 def _write_error(path: str, exc: Exception, key: str | None = None) -> WriteError:
+    """Said as other formats' write failures are (``No space left on device``) where the file
+    system gave a cause: HDF5's own line (``[Errno 28] Can't synchronously write data (file
+    write failed: time = ...``) leaves a user to look the number up."""
+    code = getattr(exc, "errno", None) or 0
     detail = (str(exc).splitlines() or [""])[0][:300]
-    return WriteError(getattr(exc, "errno", None) or 0, f"writing HDF5 failed ({detail})", path=path, key=key)
+    return WriteError(code, f"writing HDF5 failed: {os.strerror(code)}" if code else f"writing HDF5 failed ({detail})",
+                      path=path, key=key)
 
 
 @contextlib.contextmanager

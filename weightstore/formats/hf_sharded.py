@@ -150,7 +150,14 @@ class ShardedReader(ReaderDefaults):
         return reader
 
     def _check_shard(self, shard: str, reader: Any) -> None:
-        """The shard holds exactly what the index maps to it, named as the index names them."""
+        """The shard holds exactly what the index maps to it, named as the index names them, and
+        was written by the save that wrote the index (both record its time): an overwrite that
+        failed, or one under way, leaves new shards beside an old index, which never read as
+        a mix of two models."""
+        if self.created and reader.created and reader.created != self.created:
+            raise FormatError(f"shard {shard!r} was written by another save ({reader.created}) than the index "
+                              f"({self.created}): a save of the folder failed or is under way; save it again",
+                              path=self.name)
         keys_by_name = reader.keys_by_name()
         held, listed = set(keys_by_name), self._names_in[shard]
         if held != listed:

@@ -228,8 +228,9 @@ def commit_for(location: Location, *, suffix: str = "",
 
 #: a TF checkpoint's data file, by the shard count its name records
 _DATA_FILE = re.compile(r"\.data-[0-9]{5}-of-([0-9]{5})\Z")
-#: what a checkpoint writer appends to the temporary prefix (``-partN``: a sharded write's pieces)
-_TEMPORARY_ENDINGS = r"(?:-part[0-9]+)?(?:\.index|\.data-[0-9]{5}-of-[0-9]{5})?"
+#: what a checkpoint writer appends to the temporary prefix (``-partN``: a sharded write's pieces;
+#: ``.tempstateN``: TensorFlow's SaveV2 writes a data file under that name, then renames it)
+_TEMPORARY_ENDINGS = r"(?:-part[0-9]+)?(?:\.index|\.data-[0-9]{5}-of-[0-9]{5}(?:\.tempstate[0-9]+)?)?"
 #: the most bytes of those endings (a thousand pieces), which a temporary prefix leaves room for
 _TEMPORARY_ROOM = len("-part999.data-00000-of-00001")
 
@@ -294,10 +295,12 @@ class IndexLastCommit(Commit):
         temporary = self._temporary
         if temporary is None:
             return
-        pieces = [p for i in range(self.shards) for p in checkpoint_files(f"{temporary}-part{i}")]
-        for path in checkpoint_files(temporary) + pieces:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        folder, base = os.path.split(temporary)
+        with contextlib.suppress(FileNotFoundError):  # its files, pieces and TF's .tempstate files (a write refused midway)
+            for name in os.listdir(folder or "."):
+                if name.startswith(base) and re.fullmatch(_TEMPORARY_ENDINGS, name[len(base):]):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(folder, name))
         if self._fresh_names:  # data files the old index never names
             for path in self._moved:
                 with contextlib.suppress(FileNotFoundError):

@@ -9,6 +9,7 @@ input, picks the format and streams tensors into the file.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import copy
 import functools
 import json
@@ -93,7 +94,9 @@ def save(
         max_shard_size: write a Hugging Face sharded folder at ``path`` (a folder, or its
             ``model.safetensors.index.json``) instead: ``model-0000N-of-0000M.safetensors``
             shards of at most this many bytes (or ``"5GB"``, ``"500MiB"``; a larger tensor gets
-            a shard of its own) and the index, written last. Tensors are named PyTorch's way
+            a shard of its own) and the index, written last (a save that fails or is
+            interrupted first removes the shards it wrote; a reader refuses a shard of another
+            save beside the index, never mixing two models). Tensors are named PyTorch's way
             unless ``names="keys"``, so ``transformers`` and ``safetensors`` load the folder.
             Shards of an earlier save the new index does not name are removed after it, and so
             is a ``model.safetensors`` beside ``model.safetensors.index.json``, which
@@ -165,22 +168,41 @@ def _save_sharded(location: str, weights: Mapping[str, Any], metadata: Mapping[s
     target = folder_for(folder)
     if not overwrite and (index_commit.exists() or standard and target.tag(HF_SINGLE_FILE) is not None):
         raise StoreExistsError("sharded folder exists (pass overwrite=True to replace it)", path=index)
-    if not is_url(folder):
+    made_folder = not is_url(folder) and not os.path.isdir(folder)
+    if made_folder:
         os.makedirs(folder, exist_ok=True)
     sizes = {key: arrays.info(key).nbytes for key in arrays}
     plan = hf_sharded.plan_shards(sizes, limit)
     shards = dict(zip(hf_sharded.shard_names(len(plan)), plan, strict=True))
-    created = utc_now()  # one time for the index and its shards, as for a version and its file
-    for shard, keys in shards.items():
-        with commit_for(location_of(f"{folder}/{shard}"), suffix=".safetensors").writing() as local:
-            write_file(local, safetensors.FORMAT, arrays.only(keys), metadata, False,
-                       {key: stored_names[key] for key in keys if key in stored_names}, created, digests=digests)
-    document = hf_sharded.index_document({shard: [stored_names.get(k, k) for k in keys] for shard, keys in shards.items()},
-                                         sum(sizes.values()), metadata,
-                                         {"producer": f"weightstore {__version__}", "created": created})
-    with index_commit.writing() as local, builtins.open(local, "wb") as handle:
-        handle.write(document)
+    created = utc_now()  # one time for the index and its shards: a reader refuses a shard of another save
+    placed: list[str] = []
+    try:
+        for shard, keys in shards.items():
+            with commit_for(location_of(f"{folder}/{shard}"), suffix=".safetensors").writing() as local:
+                write_file(local, safetensors.FORMAT, arrays.only(keys), metadata, False,
+                           {key: stored_names[key] for key in keys if key in stored_names}, created, digests=digests)
+            placed.append(shard)
+        document = hf_sharded.index_document({shard: [stored_names.get(k, k) for k in keys]
+                                              for shard, keys in shards.items()}, sum(sizes.values()), metadata,
+                                             {"producer": f"weightstore {__version__}", "created": created})
+        with index_commit.writing() as local, builtins.open(local, "wb") as handle:
+            handle.write(document)
+    except BaseException:  # a failed or interrupted save (disk full, Ctrl-C) leaves no half of a model
+        _remove_placed_shards(target, placed, folder if made_folder else None)
+        raise
     _remove_stale_shards(target, set(shards), standard)
+
+
+def _remove_placed_shards(folder: Folder, placed: list[str], made: str | None) -> None:
+    """Undo a sharded save that failed before its index landed: the shards it placed go, and
+    the folder it made (``made``) once empty. An earlier save's index left in the folder reads
+    none of them: it refuses a shard gone, or one of another save (see ``ShardedReader``)."""
+    for shard in placed:
+        with contextlib.suppress(OSError, WeightStoreError):  # never hides why the save failed
+            folder.remove(shard)
+    if made is not None:
+        with contextlib.suppress(OSError):
+            os.rmdir(made)
 
 
 def _remove_stale_shards(folder: Folder, kept: set[str], standard: bool) -> None:
