@@ -655,6 +655,26 @@ def test_a_mapping_of_the_wrappers_name_still_decides_what_the_names_mean():
     assert np.array_equal(values["module.0.weight"], renamed.first.weight.detach().numpy())
 
 
+def test_a_mapping_of_a_wrappers_name_after_a_scope_still_decides_what_the_names_mean(tmp_path):
+    """The way to pair a store of wrappers' files under scopes before the assign took the
+    wrapper's name out itself: a mapping from ``members/0/module``. The assign took the name out
+    first, so the user's rule matched no key and the assign was refused; the rule is applied."""
+    sources = [small_net() for _ in range(2)]
+    values = {f"members/{i}/{wrapper}/{name.replace('.', '/')}": tensor.numpy() + i + 1 for i, (source, wrapper)
+              in enumerate(zip(sources, ("module", "_orig_mod"), strict=True))
+              for name, tensor in source.state_dict().items()}
+    ws.save(tmp_path / "ensemble.safetensors", values)
+    ensemble = nn.Module()
+    ensemble.members = nn.ModuleList([small_net(), small_net()])
+    report = torch_adapter.assign(ensemble, tmp_path / "ensemble.safetensors",
+                                  mapping={"members/0/module": "members/0", "members/1/_orig_mod": "members/1"})
+    assert len(report.assigned) == len(ensemble.state_dict())
+    for i, member in enumerate(ensemble.members):
+        wrapper = ("module", "_orig_mod")[i]
+        assert all(np.array_equal(tensor.numpy(), values[f"members/{i}/{wrapper}/{name.replace('.', '/')}"])
+                   for name, tensor in member.state_dict().items())
+
+
 def test_a_leading_one_on_one_tensor_is_not_called_a_stacked_ensemble():
     """A ViT's position embedding (1, 5, 4) given a (5, 4) value is one mismatch, not a vmap-ed
     ensemble of 1 member: the refusal gives no stacking advice."""
