@@ -285,7 +285,7 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
             try:
                 report = run_assign(target, weights, options)
             except AssignmentError as error:
-                if not is_legacy_keras_h5(weights):
+                if options.mapping or not is_legacy_keras_h5(weights):  # a mapping of its names: as any file's
                     raise
                 raise legacy_keras_h5_error(error.path) from error
         else:
