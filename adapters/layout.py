@@ -734,7 +734,7 @@ def plan_laid_out(values: ValueSource, targets: Mapping[str, TargetInfo], option
     except AssignmentError as error:
         if options.mapping or values.path is None or not is_legacy_keras_h5(values.path):
             raise
-        raise legacy_keras_h5_error(values.path) from error
+        raise legacy_keras_h5_error(error) from error
     plan.report.left_out = left_out  # a layout converts none of them: named as the values name them
     return plan, view
 

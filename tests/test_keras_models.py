@@ -488,6 +488,7 @@ def test_the_ensembles_own_file_given_to_a_lone_member_names_the_members_and_how
     with pytest.raises(ws.AssignmentError) as caught:
         tf2.assign(lone, tmp_path / name)
     assert said in str(caught.value) and caught.value.path == str(tmp_path / name)
+    assert sorted(caught.value.missing) == sorted(tf2.keys(lone))  # the plan's keys, for callers
     tf2.assign(lone, ws.load(tmp_path / name, scope="member_1"))
     for key, value in tf2.export(members[1]).items():
         np.testing.assert_array_equal(tf2.export(lone)[key], value)
@@ -790,6 +791,7 @@ def test_a_legacy_keras_hdf5_file_says_keras_pairs_it_by_layer_order_and_how_to_
     assert str(caught.value).startswith(f"{path}: is a legacy Keras HDF5 file (model.save('m.h5'), or Keras 2's "
                                         "save_weights), whose tensors Keras pairs with the model's layers by their order")
     assert "model.load_weights(path)" in str(caught.value)
+    assert sorted(caught.value.missing) == sorted(tf2.keys(model))  # the plan's keys, for callers
     assert all(np.array_equal(value, before[key]) for key, value in tf2.export(model).items())
     model.load_weights(path)
     ws.save(tmp_path / "m.npz", tf2.export(model))
