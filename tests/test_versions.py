@@ -503,6 +503,25 @@ def test_a_background_publisher_whose_folder_another_process_took_over_logs_and_
     assert ws.latest(tmp_path).step == 2 and np.all(ws.load(ws.latest(tmp_path))["w"] == 2)
 
 
+def test_a_latest_restored_from_another_runs_backup_is_no_take_over(tmp_path):
+    """Serving rolled back to an earlier run's version by restoring its LATEST: the live trainer's
+    next step above the versions past LATEST is published and keeps them all, as before LATEST
+    named its writer (it was refused for good, as if the earlier run had published after it)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    earlier = subprocess.run([sys.executable, "-c", SECOND_WRITER, str(tmp_path)], env=env, text=True,
+                             input="1\n2\n", capture_output=True, timeout=120)
+    assert earlier.stdout == "published\npublished\n", earlier.stderr
+    backup = (tmp_path / "LATEST").read_bytes()
+    for step in (3, 4, 5):  # this run goes on from the earlier one's checkpoint
+        ws.publish(tmp_path, weights_at(step), step=step, keep=None)
+    (tmp_path / "LATEST").write_bytes(backup)
+    with pytest.raises(ws.PublishError, match="steps 3, 4, 5 above it were published before"):
+        ws.publish(tmp_path, weights_at(5), step=5, keep=None)
+    ws.publish(tmp_path, weights_at(6), step=6, keep=None)
+    assert [e.step for e in versions.list_versions(tmp_path)] == [1, 2, 3, 4, 5, 6]
+    assert_whole(ws.load(ws.latest(tmp_path)), 6)
+
+
 def taking_over_pid(folder) -> int:
     """The PID of the process LATEST says wrote it."""
     return int(json.loads((Path(folder) / "LATEST").read_text())["writer"].split(" pid ")[1].split()[0])

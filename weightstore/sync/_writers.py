@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+from collections.abc import Collection
 
 from weightstore.core._forks import in_child
 from weightstore.io.folders import Folder, LocalFolder
@@ -55,12 +56,15 @@ def published_here(folder: Folder, step: int) -> None:
     _published[_key(folder)] = step
 
 
-def taken_over(folder: Folder, latest_writer: object, latest_step: int | None) -> str | None:
+def taken_over(folder: Folder, latest_writer: object, latest_step: int | None,
+               above_latest: Collection[int]) -> str | None:
     """Why this process may not publish to ``folder`` (another writer published there after it);
-    ``None`` when it may: it never published there, or ``LATEST`` is its own or names no writer
-    (written by hand, or by a weightstore before writers were recorded)."""
+    ``None`` when it may: it never published there, ``LATEST`` is its own or names no writer
+    (written by hand, or by a weightstore before writers were recorded), or ``LATEST`` was
+    rolled back below this process's last version, which is still there among ``above_latest``
+    (a backup restored: another writer's publish would have had to pass that version's step)."""
     mine = _published.get(_key(folder))
-    if mine is None or not isinstance(latest_writer, str) or latest_writer == _writer:
+    if mine is None or not isinstance(latest_writer, str) or latest_writer == _writer or mine in above_latest:
         return None
     return (f"another writer ({latest_writer}) published step {latest_step} to this folder after this process "
             f"({_writer}) published step {mine}: two trainers publishing to one folder would have followers serve "
