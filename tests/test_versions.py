@@ -503,6 +503,26 @@ def test_a_background_publisher_whose_folder_another_process_took_over_logs_and_
     assert ws.latest(tmp_path).step == 2 and np.all(ws.load(ws.latest(tmp_path))["w"] == 2)
 
 
+def test_a_background_publisher_never_takes_another_writers_version_of_its_step_for_its_own(tmp_path, caplog):
+    """A process that took the folder over published the very step this publisher's next snapshot
+    has: that version is the other process's weights, so the snapshot is refused, logged and
+    counted like any other refusal, and its future raises; it was returned as published."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    with ws.BackgroundPublisher(tmp_path) as publisher:
+        publisher.publish(weights_at(1), step=1)
+        assert publisher.wait(60).step == 1
+        taking_over = subprocess.run([sys.executable, "-c", SECOND_WRITER, str(tmp_path)], env=env, text=True,
+                                     input="2\n", capture_output=True, timeout=120)
+        assert taking_over.stdout == "published\n", taking_over.stderr
+        future = publisher.publish(weights_at(3), step=2)
+        assert publisher.wait(60).step == 1
+        assert publisher.failures == 1 and "another writer" in str(publisher.last_error)
+        with pytest.raises(ws.PublishError, match="another writer"):
+            future.result()
+    assert "another writer" in caplog.text
+    assert np.all(ws.load(ws.latest(tmp_path))["w"] == 2)
+
+
 def test_a_latest_restored_from_another_runs_backup_is_no_take_over(tmp_path):
     """Serving rolled back to an earlier run's version by restoring its LATEST: the live trainer's
     next step above the versions past LATEST is published and keeps them all, as before LATEST

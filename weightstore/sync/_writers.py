@@ -19,6 +19,7 @@ import socket
 from collections.abc import Collection
 
 from weightstore.core._forks import in_child
+from weightstore.formats._pointer import parse_pointer
 from weightstore.io.folders import Folder, LocalFolder
 
 
@@ -35,6 +36,11 @@ _published: dict[str, int] = {}
 
 def writer() -> str:
     return _writer
+
+
+def written_here(pointer: bytes) -> bool:
+    """Whether ``LATEST``'s bytes ``pointer`` name this process as their writer."""
+    return parse_pointer(pointer).get("writer") == _writer
 
 
 def _forked() -> None:
