@@ -57,6 +57,29 @@ def test_a_background_publish_rides_out_an_outage(s3, outage):
     np.testing.assert_array_equal(ws.load(ws.latest(folder))["dense/kernel"], weights(2)["dense/kernel"])
 
 
+def test_the_end_of_an_outage_is_logged_once_as_its_start_is(s3, outage, caplog):
+    """A log that ends on "failed; retrying" leaves whoever reads it wondering whether the run's
+    weights ever arrived: the first version written after the outage says so, once."""
+    folder = f"s3://{BUCKET}/outage-ends"
+    publisher = ws.BackgroundPublisher(folder, retry_backoff=0.1, max_backoff=0.2)
+    assert publisher.publish(weights(1), step=1).result(60).step == 1
+    with caplog.at_level(logging.WARNING, logger="weightstore"):
+        outage.start()
+        future = publisher.publish(weights(2), step=2)
+        while publisher.failures < 3:  # retried, and a newer snapshot written instead
+            threading.Event().wait(0.05)
+        newer = publisher.publish(weights(3), step=3)
+        assert "replaced it" in str(future.exception(60))  # given up for step 3 while the storage still fails
+        outage.end()
+        assert newer.result(60).step == 3
+        assert publisher.publish(weights(4), step=4).result(60).step == 4  # no outage: nothing more said
+    assert publisher.close().step == 4
+    messages = [record.getMessage() for record in caplog.records]
+    assert any("failed" in message and "retrying" in message for message in messages)
+    again = [message for message in messages if "answers again" in message]
+    assert len(again) == 1 and again[0].startswith(f"published step 3 to {folder}: the storage answers again, after ")
+
+
 def test_a_snapshot_is_given_up_after_retry_for_and_the_next_one_is_written(s3, outage):
     folder = f"s3://{BUCKET}/given-up"
     publisher = ws.BackgroundPublisher(folder, retry_for=0.5, retry_backoff=0.1)
