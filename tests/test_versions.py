@@ -317,6 +317,7 @@ def test_a_trainer_restarted_from_an_older_checkpoint_publishes_once_its_step_pa
             restarted.publish(weights_at(step), step=step)
             assert restarted.wait(60) is None
         assert restarted.failures == 2 and "once its step passes 300" in str(restarted.last_error)
+        assert "to serve its weights before that, publish to a new folder" in str(restarted.last_error)
         assert ws.latest(tmp_path).step == 300
         assert [v.step for v in ws.follow(tmp_path, timeout=0)] == [300]
         restarted.publish(weights_at(310), step=310)
