@@ -307,6 +307,7 @@ class BackgroundPublisher:
                 return StorageError(f"step {job.step} was not published: the newer snapshot of step {newer.step} "
                                     f"replaced it while the storage was failing ({self.last_error})",
                                     path=str(self.folder))
+            attempted = time.monotonic()
             try:
                 version = publish(self.folder, job.weights, step=job.step, metadata=job.metadata,
                                   delta=self._delta or False, **self._options)
@@ -319,8 +320,8 @@ class BackgroundPublisher:
                 if _retryable(error):  # the storage's pause: a newer snapshot waits it out as well
                     self._resume_at = time.monotonic() + self._pause
                     self._pause = min(self._pause * 2, self.max_backoff)
-                    if self._storage_failing_since is None:
-                        self._storage_failing_since = time.monotonic()
+                    if self._storage_failing_since is None:  # the attempt's start: a client's own retries
+                        self._storage_failing_since = attempted  # (botocore's) may hide the first 20 s
                 if not self._failed(job, error, time.monotonic() - failing_since):
                     return error
                 continue
