@@ -389,11 +389,20 @@ class BackgroundPublisher:
             dropped.future.cancel()
 
     def _log_unfinished(self) -> None:
-        newest = self._pending or self._writing
-        if newest is not None:
-            _log.warning("step %d is not published to %s yet (%s); the last version published is %s; it goes on "
-                         "in the background for up to %.0f s", newest.step, self.folder,
-                         self.last_error or "still writing", self.last.step if self.last else "none", self.retry_for)
+        """Say what is still unpublished and why: the storage's error only while it still fails
+        (``last_error`` stays after an outage ends), else which step is being written."""
+        newest, writing = self._pending or self._writing, self._writing
+        if newest is None:
+            return
+        if self._storage_failing_since is not None and self.last_error is not None:
+            why = str(self.last_error)
+        elif writing is None or writing is newest:
+            why = "still being written"
+        else:
+            why = f"waiting for step {writing.step}, still being written"
+        _log.warning("step %d is not published to %s yet (%s); the last version published is %s; it goes on "
+                     "in the background for up to %.0f s", newest.step, self.folder, why,
+                     self.last.step if self.last else "none", self.retry_for)
 
 
 #: every publisher of this process, to start afresh in a forked child
