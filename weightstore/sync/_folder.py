@@ -99,7 +99,8 @@ class FolderState:
             raise PublishError(f"step {step} is not after step {self.pointer.step}, which LATEST names; steps must "
                                "increase (is another trainer publishing to this folder, or was this one restarted "
                                f"from an older checkpoint? then its publishes go through once its step passes "
-                               f"{self.pointer.step})", path=where)
+                               f"{self.pointer.step}; to serve its weights before that, publish to a new folder)",
+                               path=where)
         rolled_back = self.above_latest()
         if self.pointer is not None and rolled_back and step <= rolled_back[-1]:
             raise PublishError(
