@@ -409,7 +409,10 @@ def _own_root_renamed(values: Any, obj: Any, targets: Mapping[str, TargetInfo], 
     scope="member_1")``: ``sequential_1/dense_3``, the ensemble's numbering with the scope cut off)
     renamed as the part numbers its own (``sequential/dense``); None unless the keys so renamed
     pair with every variable of the part one to one, each of its shape (:func:`pairs`), where
-    they do not all name variables as they are.
+    they do not all name variables as they are. Optimizer state (``optimizer/vars/<i>``, numbered
+    by the optimizer, not by layers) is neither ranked nor counted on either side: a lone model
+    assigned with ``optimizer=True`` has slots that a member read out of its ensemble's file
+    never holds (the ensemble's optimizer state is the ensemble's), and the plan names them.
 
     Renamed by :func:`~weightstore.formats._keras_naming.as_own_root`, which ranks the values'
     own keys: a subset ranks as if it were all the part had, and chosen names (``layer_2``
@@ -423,9 +426,11 @@ def _own_root_renamed(values: Any, obj: Any, targets: Mapping[str, TargetInfo], 
         return None
     if all(map(targets.__contains__, [join_scope(at, key) for key in keys] if at else keys)):  # the usual case
         return None
-    renames = as_own_root(keys)
-    part = {key: info.shape for key, info in targets.items() if in_scope(key, at) and key != at}
-    if not renames or not pairs(((join_scope(at, renames.get(key, key)), tuple(values.shape(key))) for key in keys),
+    layers = [key for key in keys if not OPTIMIZER_KEY.fullmatch(key)]  # optimizer state has no layer to rank
+    renames = as_own_root(layers)
+    part = {key: info.shape for key, info in targets.items()
+            if in_scope(key, at) and key != at and not OPTIMIZER_KEY.fullmatch(strip_scope(key, at))}
+    if not renames or not pairs(((join_scope(at, renames.get(key, key)), tuple(values.shape(key))) for key in layers),
                                 part, whole=True):
         return None
     return RenamedValues(values, renames)

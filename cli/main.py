@@ -261,7 +261,8 @@ def import_(
 @app.command("ls")
 def ls(
     store: Annotated[str, typer.Argument(help="A store, TF checkpoint or Keras file.")],
-    scope: Annotated[str | None, typer.Option("--scope", "-s", help="Only keys under this scope.")] = None,
+    scope: Annotated[str | None, typer.Option("--scope", "-s", help="Only keys under this scope, and the key it names itself "
+                                                                    "(unless --include is given).")] = None,
     include: Include = None,
     exclude: Exclude = None,
     as_json: AsJson = False,
@@ -312,8 +313,10 @@ def _listable(opened: sources.Source, keys: list[str]) -> list[TensorInfo]:
 
 def _under_scope(opened: sources.Source, scope: str | None, include: list[str] | None,
                  exclude: list[str] | None) -> list[str]:
-    """The keys ``ls`` lists: the scope itself (TF1's ``w`` beside its slot ``w/Adagrad``) and those under it,
-    and of those the ones ``include``/``exclude`` keep, relative to the scope, as ``ws export`` selects.
+    """The keys ``ls`` lists: those under the scope that ``include``/``exclude`` keep, relative to
+    the scope, as ``ws export`` and ``ws.load(scope=...)`` select them, and the key the scope names
+    itself (TF1's ``w`` beside its slot ``w/Adagrad``), which they leave out (it has no name
+    relative to the scope, so no pattern names it), unless ``include`` asks for named keys only.
 
     A scope or pattern that is invalid or matches nothing fails as ``ws export``'s does: naming
     the file, with the same hint."""
@@ -326,8 +329,9 @@ def _under_scope(opened: sources.Source, scope: str | None, include: list[str] |
         if not keys and opened.keys():
             raise unmatched_scope(norm, opened.keys())
         if include or exclude:  # export's own selection, so both commands keep the same keys
-            kept = set(plan_outward(keys, scope=norm, include=include, exclude=exclude).values())
-            keys = [key for key in keys if key in kept]
+            under = [key for key in keys if key != norm]
+            kept = set(plan_outward(under, scope=norm, include=include, exclude=exclude).values()) if under else set()
+            keys = [key for key in keys if key in kept or (key == norm and not include)]
     return keys
 
 

@@ -439,6 +439,25 @@ def test_ls_scope_lists_the_key_equal_to_the_scope(tmp_path):
     one_error_line(run("ls", path, "--scope", "w/Adgrad"), "scope 'w/Adgrad' matches no key", "did you mean 'w/Adagrad'?")
 
 
+def test_ls_scope_with_include_or_exclude_keeps_what_load_keeps_and_the_scope_key(tmp_path):
+    """An exclude that named none of them dropped TF1's ``w`` (the scope's own key) beside its slots.
+    Under the scope, the real ``ws ls`` lists exactly what ``ws.load`` selects; the scope's own key,
+    which no pattern relative to the scope can name, stays unless --include asks for named keys only."""
+    path = tmp_path / "slots.npz"
+    ws.save(path, {key: np.ones(2, np.float32) for key in ("w", "w/Adam", "w/Adam_1", "wx")})
+
+    def listed(*args):
+        done = subprocess.run([sys.executable, "-m", "weightstore", "ls", str(path), "--json", "--scope", "w", *args],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return [t["key"] for t in json.loads(done.stdout)["tensors"]]
+
+    for words, selection in [(("-x", "*_1"), {"exclude": "*_1"}), (("-x", "Adam"), {"exclude": "Adam"}),
+                             (("-i", "Adam*"), {"include": "Adam*"}), ((), {})]:
+        under = sorted("w/" + key for key in ws.load(path, scope="w", **selection))
+        assert listed(*words) == (["w"] if "include" not in selection else []) + under, words
+
+
 def test_ls_selects_with_include_and_exclude_as_export_does(store, tmp_path):
     """``ws export`` took --include/--exclude and ``ws ls`` did not: the keys a selection keeps
     could not be listed before writing them. The real ``ws``, relative to --scope as export's."""

@@ -542,6 +542,31 @@ def test_a_keras_archive_swapped_after_its_check_is_read_as_checked(tmp_path, mo
     assert sorted(ws.load(path)) == ["layers/dense/vars/0"]
 
 
+
+@pytest.mark.parametrize("mmap", [True, False])
+@pytest.mark.parametrize("checked_file", ["removed", "moved"])
+def test_an_hdf5_file_swapped_after_its_check_is_read_as_checked(tmp_path, monkeypatch, mmap, checked_file):
+    """The file is opened and checked to be a regular file (a FIFO would make libhdf5 wait for a
+    writer), then libhdf5 opens it: given the name, it opened whatever the name held by then, so
+    another file renamed over it in between was read. It reads the file checked, whether that
+    was removed by the rename or moved elsewhere first."""
+    path, other = tmp_path / "m.h5", tmp_path / "other.h5"
+    ws.save(path, {"w": np.ones((64, 64), np.float32), "b": np.ones(64, np.float32)})
+    ws.save(other, {"w": np.full((64, 64), 2, np.float32), "b": np.full(64, 2, np.float32)})
+    libhdf5_opens = h5py.File
+
+    def swapped(*args, **kwargs):  # the swap lands between the check and libhdf5's open
+        if other.exists():
+            if checked_file == "moved":
+                os.replace(path, tmp_path / "elsewhere.h5")
+            os.replace(other, path)
+        return libhdf5_opens(*args, **kwargs)
+
+    monkeypatch.setattr(h5py, "File", swapped)
+    with ws.open(path, mmap=mmap) as store:
+        assert {key: float(np.unique(store[key])[0]) for key in store} == {"w": 1.0, "b": 1.0}
+    assert not other.exists()
+
 def _sequential(*layers: str) -> str:
     """A Sequential's config.json around ``layers`` (each a layer's JSON), as Keras writes it."""
     return ('{"module": "keras", "class_name": "Sequential", "config": {"name": "sequential", "layers": ['

@@ -357,3 +357,31 @@ def test_an_index_weightstore_wrote_before_its_checksum_still_reads(tmp_path):
     (folder / INDEX).write_text(json.dumps(document, indent=2))
     with ws.open(folder) as store:
         assert store.metadata == {"step": 3} and store.has_checksums and len(store.read()) == 5
+
+
+@pytest.mark.parametrize("cut", [
+    lambda document: document.pop("weightstore"),  # as transformers writes it: no checksum
+    lambda document: document["weightstore"].pop("checksum"),  # as weightstore wrote it before its checksum
+])
+@pytest.mark.parametrize("which", ["everything", "a shard"])
+def test_an_index_without_a_checksum_whose_weight_map_is_cut_is_refused_naming_it(tmp_path, cut, which):
+    """An index whose weight_map was emptied (or lost every tensor of one shard) read as a model
+    with fewer tensors, none at all, without a word; save_pretrained never writes such a map, and its
+    shards' names count them."""
+    folder = tmp_path / "out"
+    ws.save(folder, weights(), max_shard_size=900)
+    document = json.loads((folder / INDEX).read_text())
+    cut(document)
+    last = max(document["weight_map"].values())
+    document["weight_map"] = {} if which == "everything" else {
+        key: shard for key, shard in document["weight_map"].items() if shard != last}
+    (folder / INDEX).write_text(json.dumps(document))
+    with pytest.raises(FormatError, match="weight_map is (empty|cut)") as caught:
+        ws.load(folder)
+    assert INDEX in str(caught.value.path)
+    assert run("ls", folder).exit_code != 0
+
+
+def test_an_empty_model_weightstore_saved_sharded_reads_back_empty(tmp_path):
+    ws.save(tmp_path / "empty", {}, max_shard_size=900)
+    assert ws.load(tmp_path / "empty") == {}

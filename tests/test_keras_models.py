@@ -426,6 +426,44 @@ def test_one_member_read_by_scope_from_the_ensembles_file_assigns_into_a_lone_in
             np.testing.assert_array_equal(tf2.export(lone)[key], value)
 
 
+
+def test_a_member_read_out_of_a_trained_ensembles_file_pairs_with_a_lone_model_asked_for_its_optimizer(tmp_path):
+    """The renumbering counted the lone model's optimizer slots as part of it (``optimizer=True``),
+    so the member's ``dense_2``/``dense_3`` were not renamed to its ``dense``/``dense_1`` and
+    nothing paired. Trained one step with Adam each: the layers pair; the slots, which the
+    ensemble's file holds only as the ensemble's, are named missing, or come from the lone's own."""
+    def member():
+        return keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(2)])
+
+    def trained(model, outputs):
+        model.compile(optimizer="adam", loss="mse")
+        model.fit(X, [RNG.normal(size=(len(X), 2)).astype("float32")] * outputs, epochs=1, verbose=0)
+        return model
+
+    inputs = keras.Input((3,))
+    members = [member() for _ in range(2)]
+    for i, one in enumerate(members):
+        one.name = f"member_{i}"
+    trained(keras.Model(inputs, [one(inputs) for one in members]), 2).save(tmp_path / "ensemble.keras")
+    values = ws.load(tmp_path / "ensemble.keras", scope="member_1")
+    assert sorted(values) == ["dense_2/bias", "dense_2/kernel", "dense_3/bias", "dense_3/kernel"]
+    lone = trained(member(), 1)
+    slots = {key: value for key, value in tf2.export(lone, optimizer=True).items() if key.startswith("optimizer/")}
+    assert slots
+    with pytest.raises(ws.AssignmentError) as caught:
+        tf2.assign(lone, values, optimizer=True)
+    assert "optimizer/vars/0" in str(caught.value) and "dense_2" not in str(caught.value)
+    with pytest.warns(UserWarning, match="left 10 of 14 variables"):
+        report = tf2.assign(lone, values, optimizer=True, strict=False)
+    assert sorted(report.assigned) == ["dense/bias", "dense/kernel", "dense_1/bias", "dense_1/kernel"]
+    report = tf2.assign(lone, {**values, **{key: value + 1 for key, value in slots.items()}}, optimizer=True)
+    assert report.ok and len(report.assigned) == 4 + len(slots)
+    exported = tf2.export(lone, optimizer=True)
+    for key, value in tf2.export(members[1]).items():
+        np.testing.assert_array_equal(exported[key], value)
+    for key, value in slots.items():
+        np.testing.assert_array_equal(exported[key], value + 1)
+
 def test_a_lone_members_file_imports_into_the_ensembles_keras_file_by_scope(tmp_path):
     """``ws import member.npz --into ensemble.keras --scope member_1``: the member's own keys
     (``sequential/dense``) go where the ensemble numbers them (``sequential_1/dense_3``), as

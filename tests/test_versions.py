@@ -429,9 +429,83 @@ def test_two_publishers_steps_must_increase(tmp_path):
     assert not set(won[0]) & set(won[1]), "a step was published twice"
     assert ws.latest(tmp_path).step == 60
     assert np.all(ws.load(ws.latest(tmp_path))["w"] == 60)
+    # LATEST passed from one to the other once at most: followers never got their models in turn
+    owners = [owner for _, owner in sorted((step, n) for n, steps in enumerate(won) for step in steps)]
+    assert sum(a != b for a, b in zip(owners, owners[1:], strict=False)) <= 1, won
     # a trainer restarted from an older checkpoint is refused until it passes the latest step
     with pytest.raises(ws.PublishError, match="another trainer"):
         ws.publish(tmp_path, {"w": np.zeros(4, np.float32)}, step=10)
+
+
+
+SECOND_WRITER = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import weightstore as ws
+    folder = sys.argv[1]
+    for line in sys.stdin:  # a step to publish per line, each answered once done
+        step = int(line)
+        try:
+            ws.publish(folder, {"w": np.full((4,), step, np.float32)}, step=step)
+            print("published", flush=True)
+        except ws.PublishError as error:
+            print("refused:", error, flush=True)
+""")
+
+
+def test_a_second_live_trainer_takes_the_folder_over_and_the_first_is_refused(tmp_path):
+    """Two live processes whose steps both go up: followers would serve their models in turn. The
+    newer writer (a restarted run) publishes at once; the one it took over from is refused from then
+    on, naming the folder and the other writer, and LATEST's writer changes once."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    first = subprocess.Popen([sys.executable, "-c", SECOND_WRITER, str(tmp_path)], env=env, text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        def ask(step: int) -> str:
+            first.stdin.write(f"{step}\n")
+            first.stdin.flush()
+            return first.stdout.readline()
+
+        assert ask(1) == "published\n"
+        ws.publish(tmp_path, weights_at(2), step=2)  # this process takes the folder over: its first publish there
+        answer = ask(3)
+        assert answer.startswith("refused:") and str(tmp_path) in answer, answer
+        assert f"pid {os.getpid()}" in answer and f"pid {first.pid}" in answer and "step 2" in answer, answer
+        assert ask(4).startswith("refused:")
+        assert ws.latest(tmp_path).step == 2
+        ws.publish(tmp_path, weights_at(5), step=5)  # the writer LATEST names goes on
+        assert_whole(ws.load(ws.latest(tmp_path)), 5)
+        assert first.communicate("", timeout=60)[1] is None and first.returncode == 0
+    finally:
+        first.kill()
+        first.wait()
+    with pytest.raises(ws.PublishError, match="another writer"):  # a third writer took over from this one
+        subprocess.run([sys.executable, "-c", SECOND_WRITER, str(tmp_path)], env=env, text=True, input="6\n",
+                       check=True, capture_output=True)
+        ws.publish(tmp_path, weights_at(7), step=7)
+
+
+
+def test_a_background_publisher_whose_folder_another_process_took_over_logs_and_counts_the_refusal(tmp_path, caplog):
+    """The training loop is never raised into: the refusal is logged and counted, and followers
+    go on being given the other writer's version."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    with ws.BackgroundPublisher(tmp_path) as publisher:
+        publisher.publish(weights_at(1), step=1)
+        assert publisher.wait(60).step == 1
+        taking_over = subprocess.run([sys.executable, "-c", SECOND_WRITER, str(tmp_path)], env=env, text=True,
+                                     input="2\n", capture_output=True, timeout=120)
+        assert taking_over.stdout == "published\n", taking_over.stderr
+        publisher.publish(weights_at(3), step=3)
+        assert publisher.wait(60).step == 1  # the last version it published
+        assert publisher.failures == 1 and "another writer" in str(publisher.last_error)
+    assert f"pid {taking_over_pid(tmp_path)}" in caplog.text
+    assert ws.latest(tmp_path).step == 2 and np.all(ws.load(ws.latest(tmp_path))["w"] == 2)
+
+
+def taking_over_pid(folder) -> int:
+    """The PID of the process LATEST says wrote it."""
+    return int(json.loads((Path(folder) / "LATEST").read_text())["writer"].split(" pid ")[1].split()[0])
 
 
 # --- CLI --------------------------------------------------------------------------------------

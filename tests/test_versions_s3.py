@@ -422,6 +422,19 @@ def test_follow_sees_what_another_process_published_after_this_one_listed(s3, fo
     assert_whole(ws.load(ws.latest(folder, storage_options=s3)), 3)
 
 
+
+def test_a_trainer_whose_folder_another_process_took_over_on_s3_is_refused(s3, folder):
+    """Two live publishers whose steps both go up, on S3 as locally: the process that published
+    last keeps the folder, and the one it took over from is refused, naming both writers."""
+    ws.publish(folder, weights_at(1), step=1, storage_options=s3)
+    with publisher_elsewhere(folder, s3) as publish_elsewhere:
+        publish_elsewhere(2)  # another process's first publish here: it takes the folder over
+        with pytest.raises(ws.PublishError, match=f"another writer .*published step 2.*pid {os.getpid()}") as caught:
+            ws.publish(folder, weights_at(3), step=3, storage_options=s3)
+        assert caught.value.path == folder
+        publish_elsewhere(4)
+    assert_whole(ws.load(ws.latest(folder, storage_options=s3)), 4)
+
 def test_a_sharded_version_reads_its_members_with_the_folders_storage_options(s3, folder):
     """The endpoint is given in storage_options only (not the environment): the members of a
     sharded version are read through the same options as its index."""

@@ -24,10 +24,11 @@ POINTER_FORMAT = "weightstore-latest"
 VERSION_NAME = re.compile(rf"^step-([0-9]{{1,{VERSION_NAME_DIGITS}}})(\.[A-Za-z0-9]+)\Z")
 
 
-def pointer_bytes(step: int, name: str, created: str, metadata: Mapping[str, Any]) -> bytes:
-    """``LATEST``'s content naming version file ``name``."""
+def pointer_bytes(step: int, name: str, created: str, metadata: Mapping[str, Any], writer: str) -> bytes:
+    """``LATEST``'s content naming version file ``name``, published by the process ``writer``
+    (:mod:`weightstore.sync._writers`; older readers ignore the field)."""
     return json.dumps({"format": POINTER_FORMAT, "version": 1, "step": step, "file": name, "created": created,
-                       "metadata": dict(metadata)}, sort_keys=True).encode()
+                       "metadata": dict(metadata), "writer": writer}, sort_keys=True).encode()
 
 
 def parse_pointer(data: bytes) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import math
 import os
 import warnings
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import BinaryIO, NamedTuple
 
 import h5py
 import numpy as np
@@ -58,7 +58,7 @@ from weightstore.formats._hdf5_bytes import (
     read_ahead,
 )
 from weightstore.io._local import MappedFile
-from weightstore.io.files import open_regular, refuse_special_file
+from weightstore.io.files import open_regular
 
 MANIFEST_ATTRIBUTE = "weightstore"
 _KERAS_DTYPE_ATTRIBUTE = b"dtype"  # Keras's label of the raw bytes it stores bfloat16 as
@@ -81,8 +81,9 @@ _H5PY_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError, IndexErr
 
 
 @contextlib.contextmanager
-def _raw_bytes(location) -> Iterator[tuple[ReadAt, int, Callable[[list[int]], None]]]:
-    """``(read_at, size, queue)`` over the file's bytes, beside h5py's own access to it.
+def _raw_bytes(location, descriptor: int | None) -> Iterator[tuple[ReadAt, int, Callable[[list[int]], None]]]:
+    """``(read_at, size, queue)`` over the file's bytes, beside h5py's own access to it
+    (a local file's through ``descriptor``, the one h5py opened).
 
     A local file is read 64 KB at a time (:func:`read_ahead`: its structures lie close
     together), and ``queue(offsets)`` has the kernel read the windows holding those offsets
@@ -90,12 +91,10 @@ def _raw_bytes(location) -> Iterator[tuple[ReadAt, int, Callable[[list[int]], No
     one after another each was a wait for the disk (256 headers: 0.08-0.10 s to open 256 MB).
     A file object (a URL) keeps its own buffering, which decides what is fetched.
     """
-    if isinstance(location, str):
-        with open_regular(location) as handle:
-            descriptor = handle.fileno()
-            size = os.fstat(descriptor).st_size
-            yield (read_ahead(lambda offset, length: os.pread(descriptor, length, offset)), size,
-                   functools.partial(_queue_windows, descriptor, size))
+    if descriptor is not None:
+        size = os.fstat(descriptor).st_size
+        yield (read_ahead(lambda offset, length: os.pread(descriptor, length, offset)), size,
+               functools.partial(_queue_windows, descriptor, size))
         return
     position = location.tell()
     size = location.seek(0, os.SEEK_END)
@@ -393,6 +392,32 @@ class Hdf5Writer:
             self._file.close()
 
 
+def _h5_file(location, descriptor: int | None) -> tuple[h5py.File, BinaryIO | None]:
+    """libhdf5's file of ``location``, opened as the checked file ``descriptor`` where there is one.
+
+    Opened by ``/proc/self/fd/N``, which names that very file (Linux); without ``/proc``, by the
+    name again, which a rename since the check may have swapped. Not h5py's ``driver="fileobj"``:
+    it cost 40% more CPU to open and walk 2,000 datasets and 15-40% to read them, every read a
+    Python call. That driver reads only a file removed since its check (another file renamed over
+    its name), which libhdf5 cannot open by ``/proc`` (it resolves the link, whose target is gone):
+    the file object is returned too, to be closed with the store.
+    """
+    through = f"/proc/self/fd/{descriptor}"
+    if descriptor is None or not os.path.exists(through):
+        return h5py.File(location, "r"), None
+    try:
+        return h5py.File(through, "r"), None
+    except OSError:
+        if os.fstat(descriptor).st_nlink:
+            raise
+    removed = os.fdopen(os.dup(descriptor), "rb")
+    try:
+        return h5py.File(removed, "r"), removed
+    except BaseException:
+        removed.close()
+        raise
+
+
 class RemoteHDF5Warning(UserWarning):
     """An HDF5 file read from an object store: h5py's small reads move many times what is asked."""
 
@@ -423,23 +448,33 @@ class Hdf5Reader(ReaderDefaults):
                 f"{name}: HDF5 from an object store moves many times the bytes it reads (h5py reads in "
                 "small pieces: a one-scope load moved 51x its bytes); keep remote weights as npz or "
                 "safetensors (ws convert in.h5 out.npz)"), stacklevel=2)
-        if isinstance(location, str):
-            # libhdf5 would wait on a FIFO for a writer. It reopens the name (a swap in between is not
-            # caught): h5py's driver="fileobj" over the checked descriptor cost 40% more CPU to open
-            # and walk 2,000 datasets and 15-40% to read them, every read a Python call
-            refuse_special_file(location)
-        with _as_format_error(name, "not a readable HDF5 file"):
-            self._file = h5py.File(location, "r")
+        # a local file is opened and checked once (a FIFO would make libhdf5 wait for a writer), and
+        # everything reads that file: the map, the raw bytes, and libhdf5 through /proc/self/fd
+        self._map = MappedFile(location) if mapped and isinstance(location, str) else None
+        unmapped = open_regular(location) if self._map is None and isinstance(location, str) else None
         try:
-            with _as_format_error(name), _raw_bytes(location) as (read_at, size, queue):
-                self._raw = read_at, size, self._file.userblock_size
-                self._manifest = self._read_manifest()
-                self._datasets = self._walk(queue)
-            self._paths = self._keyed(set(self._datasets))
-            self._map = MappedFile(location) if mapped and isinstance(location, str) else None
+            checked = self._map if self._map is not None else unmapped
+            descriptor = checked.fileno() if checked is not None else None
+            with _as_format_error(name, "not a readable HDF5 file"):
+                self._file, self._removed = _h5_file(location, descriptor)
+            try:
+                with _as_format_error(name), _raw_bytes(location, descriptor) as (read_at, size, queue):
+                    self._raw = read_at, size, self._file.userblock_size
+                    self._manifest = self._read_manifest()
+                    self._datasets = self._walk(queue)
+                self._paths = self._keyed(set(self._datasets))
+            except BaseException:
+                self._file.close()
+                if self._removed is not None:
+                    self._removed.close()
+                raise
         except BaseException:
-            self._file.close()
+            if self._map is not None:
+                self._map.close()
             raise
+        finally:
+            if unmapped is not None:
+                unmapped.close()
         manifest = self._manifest
         self.metadata = manifest.metadata if manifest else {}
         self.created = manifest.created if manifest else ""
@@ -697,6 +732,8 @@ class Hdf5Reader(ReaderDefaults):
 
     def close(self) -> None:
         self._file.close()
+        if self._removed is not None:
+            self._removed.close()
         if self._map is not None:
             self._map.close()
 

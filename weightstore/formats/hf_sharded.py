@@ -22,6 +22,7 @@ of at most ``max_shard_size`` bytes (a larger tensor gets a shard of its own), a
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import Callable, Mapping
@@ -56,6 +57,8 @@ PRODUCER_KEY = "weightstore"
 #: (:func:`_described`; folders written before it have none)
 _PRODUCER_FIELDS = frozenset({"producer", "created", "checksum"})
 _SHARD_NAME = re.compile(r"[^/\\\x00]+\.safetensors")
+#: a shard named as ``save_pretrained`` names them: its number and the count of its shards
+_NUMBERED = re.compile(r"(.*)-([0-9]{1,6})-of-([0-9]{1,6})(\.safetensors)")
 #: the torch.save files a model folder may hold instead, and their sharded index's ending
 _TORCH_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 _TORCH_INDEX_SUFFIX = ".bin.index.json"
@@ -123,6 +126,7 @@ class ShardedReader(ReaderDefaults):
         self.has_checksums = isinstance(producer, dict)
         if isinstance(producer, dict):
             _check_index(document, producer, name)
+        _check_complete(self._names_in, isinstance(producer, dict) and "checksum" in producer, name)
         self.created = str(producer.get("created", "")) if isinstance(producer, dict) else ""
         self._shards: dict[str, Any] = {}  # kept once closed: their headers still answer info()
         self._closed = False
@@ -239,6 +243,27 @@ def _check_index(document: dict[str, Any], producer: dict[str, Any], name: str) 
         raise FormatError(f"index's {PRODUCER_KEY!r} object has fields {_clip(unknown)} no writer makes", path=name)
     if "checksum" in producer:  # a null is no checksum a writer makes, not an index without one
         check_recorded(_described(document.get("metadata"), document["weight_map"]), producer["checksum"], "index", name)
+
+
+def _check_complete(names_in: Mapping[str, set[str]], checksummed: bool, name: str) -> None:
+    """Refuse a weight map that cannot be whole, which would read as a model missing tensors, not a
+    damaged index: one mapping no tensor (``save_pretrained`` never writes one, and weightstore's
+    index of an empty model carries the checksum that says it was written so), or one whose
+    shards are numbered ``-0000N-of-0000M`` and that maps nothing to some of those M. Real
+    Hugging Face indexes carry no checksum, so this is all that tells a cut one."""
+    if not names_in and not checksummed:
+        raise FormatError("index maps no tensor to any shard (its weight_map is empty): a model's index maps "
+                          "every tensor; this one is damaged or cut", path=name)
+    matches = [_NUMBERED.fullmatch(shard) for shard in names_in]
+    numbered = [match for match in matches if match is not None]
+    if not numbered or len(numbered) < len(matches) or len({(m.group(1), int(m.group(3))) for m in numbered}) != 1:
+        return  # named some other way: nothing counts the shards
+    count, present = int(numbered[0].group(3)), {int(match.group(2)) for match in numbered}
+    missing = list(itertools.islice((n for n in range(1, count + 1) if n not in present), 4))  # stops at the 4th
+    if missing:
+        raise FormatError(f"index maps no tensor to shard {named(missing)} of the {count} its shards' names count "
+                          f"({numbered[0].group(1)}-N-of-{numbered[0].group(3)}.safetensors): its weight_map is cut",
+                          path=name)
 
 
 def _clip(value: Any) -> str:

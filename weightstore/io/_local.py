@@ -182,6 +182,11 @@ class _LocalFile:
             raise StoreClosedError("store is closed", path=self.name)
         check_range(offset, length, self.size, self.name)
 
+    def fileno(self) -> int:
+        """The descriptor of the file opened and checked: for a library that opens files itself
+        to open this very one (``/proc/self/fd/N``), not whatever its name names by then."""
+        return self._handle.fileno()
+
     def close(self) -> None:
         self._closed = True
         self._handle.close()

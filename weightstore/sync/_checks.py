@@ -22,6 +22,7 @@ from weightstore.errors import (
 from weightstore.formats._pointer import pointer_bytes
 from weightstore.io.files import TEMPORARY_EXTRA
 from weightstore.store._save import checked_metadata
+from weightstore.sync._writers import writer
 
 #: what a publish keeps and writes, and how often a follower looks, unless told: the one
 #: default of every publisher (publish, BackgroundPublisher, the hooks, sharded commits) and
@@ -66,7 +67,7 @@ def checked_pointer_metadata(metadata: Mapping[str, Any] | None, step: int, name
     read: the version would be published and never reached. Checked before anything is written, with
     this moment standing in for the publish's ``created`` (always as long)."""
     metadata = checked_metadata(metadata, where)
-    size = len(pointer_bytes(step, name, utc_now(), metadata))
+    size = len(pointer_bytes(step, name, utc_now(), metadata, writer()))
     if size > MAX_POINTER_BYTES:
         raise SizeLimitError(f"metadata makes LATEST {size} bytes, over the {MAX_POINTER_BYTES} bytes readers read "
                              "(LATEST writes each non-ASCII character as 6 bytes); make the metadata smaller", path=where)

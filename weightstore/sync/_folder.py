@@ -24,12 +24,13 @@ from weightstore.errors import (
     named,
 )
 from weightstore.formats import delta as delta_format
-from weightstore.formats._pointer import LATEST, VERSION_NAME
+from weightstore.formats._pointer import LATEST, VERSION_NAME, parse_pointer
 from weightstore.formats._sharded_index import ShardIndex, attempt_of, written_in_attempt
 from weightstore.io.files import remove_stale_temporaries
 from weightstore.io.folders import Folder, LocalFolder, folder_for
 from weightstore.sync import _stages as stages
 from weightstore.sync._pinning import Version, pointer_version, read_latest
+from weightstore.sync._writers import taken_over
 
 #: the suffix of a sharded version's index (:mod:`weightstore.sharded._shards`)
 SHARDED_SUFFIX = ".wsindex"
@@ -50,6 +51,8 @@ class FolderState:
     #: whether a LATEST was there, and its ETag (object storage), for the compare-and-swap
     latest_exists: bool = False
     latest_tag: str | None = None
+    #: the process that wrote ``LATEST`` (:mod:`weightstore.sync._writers`), where it says
+    latest_writer: object = None
 
     @classmethod
     def read(cls, folder: Folder) -> FolderState:
@@ -62,7 +65,8 @@ class FolderState:
             pointer, error = pointer_version(folder, data), None
         except FormatError as exc:
             pointer, error = None, exc
-        return cls(folder, pointer, error, version_files(folder), _read_intent(folder), data is not None, tag)
+        writer = parse_pointer(data).get("writer") if pointer is not None and data is not None else None
+        return cls(folder, pointer, error, version_files(folder), _read_intent(folder), data is not None, tag, writer)
 
     @property
     def newest(self) -> int | None:
@@ -88,6 +92,9 @@ class FolderState:
         elif self.pointer is None and self.newest is not None:
             warnings.warn(f"{where}: LATEST is missing but version files exist; the newest, step {self.newest}, "
                           "counts as current and the next publish names its own version", stacklevel=4)
+        taken = taken_over(self.folder, self.latest_writer, None if self.pointer is None else self.pointer.step)
+        if taken is not None:
+            raise PublishError(f"step {step} was not published: {taken}", path=where)
         if self.pointer is not None and step <= self.pointer.step:
             raise PublishError(f"step {step} is not after step {self.pointer.step}, which LATEST names; steps must "
                                "increase (is another trainer publishing to this folder, or was this one restarted "

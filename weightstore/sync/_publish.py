@@ -42,7 +42,9 @@ replaced by compare-and-swap on the ETag read before the check (S3 ``If-Match``;
 :func:`commit_version`), so of two publishers racing there exactly one moves ``LATEST`` and
 the other gets :class:`PublishError`; ``LATEST`` never goes backwards. (Their version files
 are still plain uploads: two publishers of the *same* step share one name, so run one
-publisher per folder there all the same.)
+publisher per folder there all the same.) Two live publishers whose steps both go up are
+refused as well: ``LATEST`` names the process that wrote it, and a process that published to
+the folder before refuses to publish once another took it over (:mod:`weightstore.sync._writers`).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ from weightstore.sync._checks import DEFAULT_FORMAT, DEFAULT_KEEP, checked_keep,
 from weightstore.sync._delta import Delta, as_delta, full_weights
 from weightstore.sync._folder import INTENT, FolderState, names_step, prune, write_small
 from weightstore.sync._pinning import Version
+from weightstore.sync._writers import published_here, writer
 
 _log = logging.getLogger(__name__)
 
@@ -205,10 +208,11 @@ def commit_version(target: Folder, step: int, name: str, write: Callable[[str], 
         stages.reached("cleaned")
         write_small(target, INTENT, json.dumps({"step": step, "file": name}).encode())
         created = utc_now()
-        pointer = pointer_bytes(step, name, created, metadata or {})
+        pointer = pointer_bytes(step, name, created, metadata or {}, writer())
         write(created)
         stages.reached("version-written")
         _write_latest(target, state, pointer, step)
+        published_here(target, step)
         try:  # published: what follows tidies the folder, and its failure unpublishes nothing
             stages.reached("latest-written")
             if not isinstance(target, LocalFolder):
