@@ -236,8 +236,9 @@ _DATA_FILE = re.compile(r"\.data-[0-9]{5}-of-([0-9]{5})\Z")
 #: what a checkpoint writer appends to the temporary prefix (``-partN``: a sharded write's pieces;
 #: ``.tempstateN``: TensorFlow's SaveV2 writes a data file under that name, then renames it)
 _TEMPORARY_ENDINGS = r"(?:-part[0-9]+)?(?:\.index|\.data-[0-9]{5}-of-[0-9]{5}(?:\.tempstate[0-9]+)?)?"
-#: the most bytes of those endings (a thousand pieces), which a temporary prefix leaves room for
-_TEMPORARY_ROOM = len("-part999.data-00000-of-00001")
+#: the most bytes of those endings (a thousand pieces, TensorFlow's 64-bit random number), which a
+#: temporary prefix leaves room for: a prefix TensorFlow itself writes is written through it too
+_TEMPORARY_ROOM = len("-part999.data-00000-of-00001.tempstate18446744073709551615")
 
 
 class IndexLastCommit(Commit):
