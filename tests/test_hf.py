@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -384,8 +385,15 @@ def test_an_index_without_a_checksum_whose_weight_map_is_cut_is_refused_naming_i
     assert run("ls", folder).exit_code != 0
 
 
-def test_an_empty_model_weightstore_saved_sharded_reads_back_empty(tmp_path):
+@pytest.mark.parametrize("written", ["now", "before the checksum"])
+def test_an_empty_model_weightstore_saved_sharded_reads_back_empty(tmp_path, written):
+    """Before its index carried a checksum, weightstore wrote an empty model's index with no
+    checksum and a total_size of 0 (a cut map keeps its total): that folder still reads."""
     ws.save(tmp_path / "empty", {}, max_shard_size=900)
+    if written == "before the checksum":
+        document = json.loads((tmp_path / "empty" / INDEX).read_text())
+        document["weightstore"].pop("checksum")
+        (tmp_path / "empty" / INDEX).write_text(json.dumps(document, indent=2))
     assert ws.load(tmp_path / "empty") == {}
 
 
@@ -425,6 +433,29 @@ def test_a_sharded_folder_whose_convert_failed_midway_is_refused_never_read_half
     assert done.returncode == 1, done.stderr
     with pytest.raises(FormatError, match="model-00001-of-00002.safetensors"):
         ws.load(folder)
+
+
+def test_a_sharded_save_that_fails_after_its_index_landed_keeps_the_shards_it_names(tmp_path, monkeypatch):
+    """The folder's fsync after the index's rename fails (EIO on a network disk; a Ctrl-C there
+    is the same): the save says so, but the index in place names the new shards, and removing
+    them as a save cut short left an index naming missing shards, the earlier model gone too."""
+    folder = tmp_path / "model"
+    ws.save(folder, {"a": np.zeros(1000, np.float32), "b": np.zeros(1 << 16, np.float32)}, max_shard_size="100KB")
+    fsync = os.fsync
+
+    def fails_once_the_index_is_in(fd):
+        fsync(fd)
+        if os.path.isdir(f"/proc/self/fd/{fd}") and (folder / INDEX).stat().st_mtime_ns > saved:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    saved = (folder / INDEX).stat().st_mtime_ns
+    monkeypatch.setattr(os, "fsync", fails_once_the_index_is_in)
+    with pytest.raises(OSError, match="Input/output error"):
+        ws.save(folder, {"a": np.ones(1000, np.float32), "b": np.ones(1 << 16, np.float32)},
+                max_shard_size="100KB", overwrite=True)
+    monkeypatch.undo()
+    loaded = ws.load(folder)
+    assert sorted(loaded) == ["a", "b"] and all(np.all(value == 1) for value in loaded.values())
 
 
 def test_a_shard_of_another_save_beside_an_index_is_refused_naming_it(tmp_path):

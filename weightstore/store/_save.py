@@ -95,8 +95,8 @@ def save(
             ``model.safetensors.index.json``) instead: ``model-0000N-of-0000M.safetensors``
             shards of at most this many bytes (or ``"5GB"``, ``"500MiB"``; a larger tensor gets
             a shard of its own) and the index, written last (a save that fails or is
-            interrupted first removes the shards it wrote; a reader refuses a shard of another
-            save beside the index, never mixing two models). Tensors are named PyTorch's way
+            interrupted before the index is in place removes the shards it wrote; a reader
+            refuses a shard of another save beside the index, never mixing two models). Tensors are named PyTorch's way
             unless ``names="keys"``, so ``transformers`` and ``safetensors`` load the folder.
             Shards of an earlier save the new index does not name are removed after it, and so
             is a ``model.safetensors`` beside ``model.safetensors.index.json``, which
@@ -188,7 +188,8 @@ def _save_sharded(location: str, weights: Mapping[str, Any], metadata: Mapping[s
         with index_commit.writing() as local, builtins.open(local, "wb") as handle:
             handle.write(document)
     except BaseException:  # a failed or interrupted save (disk full, Ctrl-C) leaves no half of a model
-        _remove_placed_shards(target, placed, folder if made_folder else None)
+        if not index_commit.landed:  # else the index in place names them: the whole model is there
+            _remove_placed_shards(target, placed, folder if made_folder else None)
         raise
     _remove_stale_shards(target, set(shards), standard)
 
