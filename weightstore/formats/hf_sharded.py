@@ -325,6 +325,18 @@ def shard_names(count: int) -> list[str]:
     return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
+def save_time(index_text: bytes) -> str:
+    """When the save that wrote this index wrote it (its shards record the same time), or ``""``
+    for an index without one (``save_pretrained``'s, or one that does not parse): no reader can
+    tell that index's shards from another save's."""
+    try:
+        producer = json.loads(index_text).get(PRODUCER_KEY)
+    except (ValueError, AttributeError):
+        return ""
+    created = producer.get("created") if isinstance(producer, dict) else None
+    return created if isinstance(created, str) else ""
+
+
 def index_document(shards: Mapping[str, list[str]], total_size: int, metadata: Mapping[str, Any],
                    producer: Mapping[str, str]) -> bytes:
     """The index of ``shards`` (file name -> tensor names), as ``save_pretrained`` writes it."""

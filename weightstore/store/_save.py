@@ -28,7 +28,7 @@ from weightstore.core._jsontext import too_deep
 from weightstore.core._tensortable import TensorInfo
 from weightstore.core._words import checks_words
 from weightstore.core.keys import validate_keys
-from weightstore.core.limits import MAX_JSON_DEPTH
+from weightstore.core.limits import MAX_HF_INDEX_BYTES, MAX_JSON_DEPTH
 from weightstore.core.manifest import build_manifest, content_digest, dtype_name, logical_dtype, to_storage, utc_now
 from weightstore.core.names import KEYS, TORCH, WRITE_NAMINGS, check_naming, torch_name_of_key
 from weightstore.errors import (
@@ -171,6 +171,8 @@ def _save_sharded(location: str, weights: Mapping[str, Any], metadata: Mapping[s
     made_folder = not is_url(folder) and not os.path.isdir(folder)
     if made_folder:
         os.makedirs(folder, exist_ok=True)
+    elif overwrite:
+        _remove_index_without_save_time(target, index.rpartition("/")[2])
     sizes = {key: arrays.info(key).nbytes for key in arrays}
     plan = hf_sharded.plan_shards(sizes, limit)
     shards = dict(zip(hf_sharded.shard_names(len(plan)), plan, strict=True))
@@ -192,6 +194,16 @@ def _save_sharded(location: str, weights: Mapping[str, Any], metadata: Mapping[s
             _remove_placed_shards(target, placed, folder if made_folder else None)
         raise
     _remove_stale_shards(target, set(shards), standard)
+
+
+def _remove_index_without_save_time(folder: Folder, name: str) -> None:
+    """An index that records no save time (``save_pretrained``'s) goes before this save puts its
+    first shard in place of one it maps: left, a save cut short would leave that shard beside it,
+    read with the old ones as one model. Cut short, the save then leaves no model, as an
+    overwrite of weightstore's own leaves one every reader refuses."""
+    text = folder.read_small(name, MAX_HF_INDEX_BYTES)
+    if text is not None and not hf_sharded.save_time(text):
+        folder.remove(name)
 
 
 def _remove_placed_shards(folder: Folder, placed: list[str], made: str | None) -> None:
