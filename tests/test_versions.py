@@ -53,6 +53,20 @@ def test_publish_then_latest_round_trips(tmp_path):
         assert store.metadata == {"loss": 0.5}
 
 
+def test_opening_the_latest_of_a_folder_without_versions_says_why_it_is_none(tmp_path):
+    """``ws.open(ws.latest(folder))``, as the docs write it, before the first publish: the
+    error says that the folder has no version yet and how to wait for one, not os.fsdecode's
+    bare complaint about None."""
+    torch_adapter = pytest.importorskip("weightstore.adapters.torch")
+    import torch
+
+    assert ws.latest(tmp_path) is None
+    for read in (ws.open, ws.load, lambda v: torch_adapter.assign(torch.nn.Linear(2, 2), v)):
+        with pytest.raises(TypeError, match=r"not None \(ws.latest\(folder\) is None while the folder has no "
+                                            r"version yet: wait for one with ws.follow"):
+            read(ws.latest(tmp_path))
+
+
 def test_hdf5_versions(tmp_path):
     version = ws.publish(tmp_path, weights_at(1), step=1, format="hdf5")
     assert version.path.endswith("step-000000000001.h5")
@@ -303,6 +317,7 @@ def test_a_trainer_restarted_from_an_older_checkpoint_publishes_once_its_step_pa
             restarted.publish(weights_at(step), step=step)
             assert restarted.wait(60) is None
         assert restarted.failures == 2 and "once its step passes 300" in str(restarted.last_error)
+        assert "to serve its weights before that, publish to a new folder" in str(restarted.last_error)
         assert ws.latest(tmp_path).step == 300
         assert [v.step for v in ws.follow(tmp_path, timeout=0)] == [300]
         restarted.publish(weights_at(310), step=310)

@@ -28,7 +28,8 @@ reasons, it is more often one that passes, an expired token renewed); before tha
 snapshot is given up at once and the next one tries again, after the storage's pause (the
 credentials may have been fixed). Any other failure (a step that does not go forward, weights
 no format takes) is not retried. Every failure is logged (the ``weightstore`` logger) and counted
-(:attr:`~BackgroundPublisher.failures`, :attr:`~BackgroundPublisher.last_error`); its future
+(:attr:`~BackgroundPublisher.failures`, :attr:`~BackgroundPublisher.last_error`), and so is the
+first version written after storage failures (the storage answers again); its future
 raises it for a caller who asks (``future.result()``). The snapshot being retried is held
 until it is written or given up, so a retry writes the same weights.
 
@@ -171,6 +172,8 @@ class BackgroundPublisher:
         self._thread: threading.Thread | None = None
         self._given_up = False  # interrupted at exit: no retry, nothing pending written
         self._failing = False  # whether the snapshot being written has failed an attempt (is retrying)
+        #: when the storage began failing this publisher (whichever snapshot), until a version is written again
+        self._storage_failing_since: float | None = None
         #: while the storage fails: the pause before the next attempt, whichever snapshot it writes
         self._pause = self.retry_backoff
         self._resume_at = 0.0
@@ -308,6 +311,7 @@ class BackgroundPublisher:
                 return StorageError(f"step {job.step} was not published: the newer snapshot of step {newer.step} "
                                     f"replaced it while the storage was failing ({self.last_error})",
                                     path=str(self.folder))
+            attempted = time.monotonic()
             try:
                 version = publish(self.folder, job.weights, step=job.step, metadata=job.metadata,
                                   delta=self._delta or False, **self._options)
@@ -316,17 +320,27 @@ class BackgroundPublisher:
                 self._failing = True
                 published = self._published_anyway(job)
                 if published is not None:
-                    self.last, self._answered = published, True
-                    return published
+                    return self._written(published)
                 if _retryable(error):  # the storage's pause: a newer snapshot waits it out as well
                     self._resume_at = time.monotonic() + self._pause
                     self._pause = min(self._pause * 2, self.max_backoff)
+                    if self._storage_failing_since is None:  # the attempt's start: a client's own retries
+                        self._storage_failing_since = attempted  # (botocore's) may hide the first 20 s
                 if not self._failed(job, error, time.monotonic() - failing_since):
                     return error
                 continue
             self._pause, self._resume_at = self.retry_backoff, 0.0
-            self.last, self._answered = version, True
-            return version
+            return self._written(version)
+
+    def _written(self, version: Version) -> Version:
+        """Record ``version`` as the last published; after storage failures, log that it answers
+        again, once, as the first failure was logged: without it a log ends on "retrying"."""
+        self.last, self._answered = version, True
+        if self._storage_failing_since is not None:
+            _log.warning("published step %d to %s: the storage answers again, after %.0f s of failures",
+                         version.step, self.folder, time.monotonic() - self._storage_failing_since)
+            self._storage_failing_since = None
+        return version
 
     def _published_anyway(self, job: _Job) -> Version | None:
         """The version ``LATEST`` names, where this process wrote it at ``job``'s step (a failure
@@ -385,11 +399,20 @@ class BackgroundPublisher:
             dropped.future.cancel()
 
     def _log_unfinished(self) -> None:
-        newest = self._pending or self._writing
-        if newest is not None:
-            _log.warning("step %d is not published to %s yet (%s); the last version published is %s; it goes on "
-                         "in the background for up to %.0f s", newest.step, self.folder,
-                         self.last_error or "still writing", self.last.step if self.last else "none", self.retry_for)
+        """Say what is still unpublished and why: the storage's error only while it still fails
+        (``last_error`` stays after an outage ends), else which step is being written."""
+        newest, writing = self._pending or self._writing, self._writing
+        if newest is None:
+            return
+        if self._storage_failing_since is not None and self.last_error is not None:
+            why = str(self.last_error)
+        elif writing is None or writing is newest:
+            why = "still being written"
+        else:
+            why = f"waiting for step {writing.step}, still being written"
+        _log.warning("step %d is not published to %s yet (%s); the last version published is %s; it goes on "
+                     "in the background for up to %.0f s", newest.step, self.folder, why,
+                     self.last.step if self.last else "none", self.retry_for)
 
 
 #: every publisher of this process, to start afresh in a forked child
