@@ -80,15 +80,18 @@ from typing import Any
 from weightstore.core import _parallel as parallel
 from weightstore.core._exiting import finish_before_exit
 from weightstore.core._forks import in_child
+from weightstore.core.limits import MAX_POINTER_BYTES
 from weightstore.errors import PublishError, StorageError, WeightStoreError, WriteError
 from weightstore.formats import format_named
+from weightstore.formats._pointer import LATEST
 from weightstore.io.location import connection_failure, service_answer
 from weightstore.store._save import checked_metadata
 from weightstore.sync._checks import DEFAULT_FORMAT, DEFAULT_KEEP, checked_keep, checked_seconds, checked_step
 from weightstore.sync._delta import Delta, as_delta
-from weightstore.sync._follow import latest
-from weightstore.sync._pinning import Version
+from weightstore.sync._folder import versions_folder
+from weightstore.sync._pinning import Version, pointer_version
 from weightstore.sync._publish import PublishOptions, publish
+from weightstore.sync._writers import written_here
 
 __all__ = ["BackgroundPublisher", "PublishFuture"]
 
@@ -291,7 +294,8 @@ class BackgroundPublisher:
         """Publish ``job``, retrying while storage fails, until done, given up or replaced: the
         version published, or the error that ended it. A retry first asks whether the attempt
         that failed published all the same (its error came after ``LATEST`` moved, or a timed-out
-        swap that the storage had applied): then that version is the outcome. The backoff is the
+        swap that the storage had applied: ``LATEST`` names this process's version of its step):
+        then that version is the outcome. The backoff is the
         storage's, not the snapshot's: a newer snapshot replacing one that failed waits out the
         rest of the pause, which doubles on, so a trainer handing over a snapshot every second
         does not try the failing storage every second."""
@@ -339,12 +343,18 @@ class BackgroundPublisher:
         return version
 
     def _published_anyway(self, job: _Job) -> Version | None:
-        """The version ``LATEST`` names, where it is ``job``'s step (a failure after the swap)."""
+        """The version ``LATEST`` names, where this process wrote it at ``job``'s step (a failure
+        after the swap); never another process's of that step (one that took the folder over, or
+        won the race), whose weights are not this snapshot's."""
         try:
-            current = latest(self.folder, storage_options=self._options["storage_options"])
+            folder = versions_folder(self.folder, self._options["storage_options"])
+            pointer = folder.read_small(LATEST, MAX_POINTER_BYTES + 1)
+            current = pointer_version(folder, pointer)
         except (WeightStoreError, OSError):
             return None
-        return current if current is not None and current.step == job.step else None
+        if current is None or pointer is None or current.step != job.step or not written_here(pointer):
+            return None
+        return current
 
     def _failed(self, job: _Job, error: BaseException, spent: float) -> bool:
         """Count and log a failed attempt; whether to try again."""
