@@ -293,7 +293,10 @@ def ls(
                  "tf2.load(model, path) in Python)")
         console = render.stdout()
         console.print(render.printable(f"{opened.path} ({opened.kind})"), soft_wrap=True)  # a line of its own: never folded
-        console.print(render.listing_table(infos))
+        if len(infos) <= render.TABLE_ROWS:
+            console.print(render.listing_table(infos))
+        else:
+            typer.echo("\n".join(render.listing_lines(infos)))
         for name, value in opened.metadata.items():
             console.print(render.printable(f"{name}: {value}"), soft_wrap=True)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from rich.cells import cell_len
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -346,6 +347,26 @@ def test_ls_table_json_and_scope(store):
     assert [t["key"] for t in document["tensors"]] == ["dense/w", "dense/b"]
     assert document["nbytes"] == 36 and document["metadata"] == {"run": "a"}
     one_error_line(run("ls", store, "--scope", "dens"), "did you mean 'dense'?")
+
+
+def test_ls_of_many_tensors_lists_every_key_as_plain_columns(tmp_path):
+    """Laying 10,000 rows out as a table took seconds; so many are printed as plain aligned lines,
+    one a tensor, every key whole, with the totals; a file of fewer keeps its table."""
+    keys = [f"layer_{i // 10}/block_{i % 10}/\u5c64kernel" for i in range(10_000)]  # wide characters: columns by cells
+    path = tmp_path / "big.npz"
+    ws.save(path, {key: np.zeros((i % 3, 2), np.float16) for i, key in enumerate(keys)}, metadata={"run": "a"})
+    result = run("ls", path)
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"{path} (weightstore file)" and lines[-1] == "run: a"
+    header, rows, totals = lines[1], lines[2:-2], lines[-2]
+    assert header.split() == ["key", "dtype", "shape", "size"]
+    assert [row.split("  ")[0].rstrip() for row in rows] == keys
+    assert rows[4].split() == [keys[4], "float16", "(1,", "2)", "4", "B"]
+    assert {cell_len(row) for row in [header, *rows, totals]} == {len(header)}
+    assert totals.split() == ["10000", "tensors", "39.1", "KiB"]
+    ws.save(path, {key: np.zeros(2, np.float16) for key in keys[:render.TABLE_ROWS]})
+    assert "┃ key" in run("ls", path).stdout
 
 
 def test_ls_shows_metadata_a_terminal_would_act_on_escaped_and_keys_unfolded_when_piped(tmp_path):
