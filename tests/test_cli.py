@@ -42,9 +42,10 @@ def run(*args: str):
     return CliRunner().invoke(app, [str(a) for a in args])
 
 
-def one_error_line(result, *fragments: str) -> str:
-    """The error a failed command printed: exit 1, one line on stderr, no traceback."""
-    assert result.exit_code == 1, (result.stdout, result.stderr)
+def one_error_line(result, *fragments: str, status: int = 1) -> str:
+    """The error a failed command printed: exit 1 (2 for ``diff`` and ``verify`` that cannot
+    tell), one line on stderr, no traceback."""
+    assert result.exit_code == status, (result.stdout, result.stderr)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert "Traceback" not in result.output
@@ -589,7 +590,27 @@ def test_diff_says_which_pairs_only_their_recorded_digests_called_equal_and_read
     quick = run("diff", tmp_path / "a.npz", tmp_path / "b.npz")
     assert quick.exit_code == 0 and "2 unchanged (2 by their recorded digests, not read; --read reads them)" in quick.stdout
     assert json.loads(run("diff", tmp_path / "a.npz", tmp_path / "b.npz", "--json").stdout)["unchanged_by_digest"] == 2
-    one_error_line(run("diff", tmp_path / "a.npz", tmp_path / "b.npz", "--read"), "b.npz", "'k'", "checksum")
+    one_error_line(run("diff", tmp_path / "a.npz", tmp_path / "b.npz", "--read"), "b.npz", "'k'", "checksum", status=2)
+
+
+def test_diff_and_verify_tell_a_failure_from_their_answer_as_diff_and_cmp_do(tmp_path):
+    """``ws diff corrupt.npz ok.npz`` exited 1, as two files that differ do: a script could not
+    tell them apart. 0 same or intact, 1 different or corrupt, 2 when it cannot tell."""
+    ok, other, absent = tmp_path / "ok.npz", tmp_path / "other.npz", tmp_path / "absent.npz"
+    ws.save(ok, {"w": np.arange(8, dtype=np.float32)})
+    ws.save(other, {"w": np.zeros(8, np.float32)})
+    truncated, flipped = tmp_path / "truncated.npz", tmp_path / "flipped.npz"
+    truncated.write_bytes(ok.read_bytes()[:-40])
+    raw = bytearray(ok.read_bytes())
+    raw[raw.index(np.arange(8, dtype=np.float32).tobytes()) + 4] ^= 1
+    flipped.write_bytes(bytes(raw))
+    expected = [(["diff", ok, ok], 0), (["diff", ok, other], 1), (["diff", truncated, ok], 2),
+                (["diff", ok, flipped], 2), (["diff", ok, absent], 2), (["diff", ok, ok, "--atol", "-1"], 2),
+                (["verify", ok], 0), (["verify", truncated], 1), (["verify", flipped], 1), (["verify", absent], 2)]
+    for args, status in expected:
+        done = subprocess.run([sys.executable, "-m", "weightstore", *map(str, args)], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == status and "Traceback" not in done.stderr, (args, done.stderr)
 
 
 def test_diff_values_nan_and_infinity_rules():
@@ -729,7 +750,8 @@ def test_a_folder_of_versions_given_as_a_file_names_its_latest_version(store, tm
         ws.publish(run_folder, ws.load(store), step=step)
     latest = ws.latest(run_folder).path
     for args in (["ls", run_folder], ["verify", run_folder], ["export", run_folder, "-o", tmp_path / "o.npz"]):
-        one_error_line(run(*args), "run: is a folder of ws.publish versions", f"such as LATEST's {latest}")
+        one_error_line(run(*args), "run: is a folder of ws.publish versions", f"such as LATEST's {latest}",
+                       status=2 if args[0] == "verify" else 1)  # no file to verify: it cannot tell
     assert not (tmp_path / "o.npz").exists()
     with pytest.raises(ws.StoreNotFoundError, match="folder of ws.publish versions"):
         ws.load(run_folder)
