@@ -92,6 +92,12 @@ def _before_double_dash(args: list[str]) -> list[str]:
     return args[: args.index("--")] if "--" in args else args
 
 
+def _interrupted() -> Exit:
+    """Ctrl-C: said in one word, exit 130 (``_weightstore_cli`` says it so while ``ws`` starts)."""
+    typer.echo("interrupted", err=True)
+    return Exit(INTERRUPTED)
+
+
 class GuardedGroup(TyperGroup):
     """A typer group whose subcommands fail with one line instead of a traceback."""
 
@@ -102,6 +108,8 @@ class GuardedGroup(TyperGroup):
         except TyperException as exc:  # a usage error of ``ws`` itself (``ws --bogus ls``)
             _usage_error_as_json(ctx, exc)
             raise
+        except KeyboardInterrupt:  # typer imports what converts the values here (a quarter second)
+            raise _interrupted() from None
 
     def invoke(self, ctx: typer.Context):  # type: ignore[override]
         try:
@@ -112,8 +120,7 @@ class GuardedGroup(TyperGroup):
         except (Exit, Abort):
             raise  # deliberate exits
         except KeyboardInterrupt:
-            typer.echo("interrupted", err=True)
-            raise Exit(INTERRUPTED) from None
+            raise _interrupted() from None
         except Exception as exc:
             if ctx.params.get("debug") or (isinstance(exc, OSError) and exc.errno == errno.EPIPE):
                 raise  # typer's own handler: a traceback, or a quiet exit when a pipe closes

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -847,6 +848,31 @@ def test_python_m_weightstore(store):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["count"] == 3
+
+
+def test_ctrl_c_while_ws_starts_exits_130_quietly(tmp_path):
+    """Ctrl-C in the half second ``ws`` spends importing, before any command runs, printed a
+    traceback of whichever module Python was in. The console script's entry, as pyproject.toml
+    names it and pip calls it, handles it from its first line: an interrupt anywhere in the
+    start, or in the command after it, says "interrupted" and exits 130."""
+    entry = re.search(r'^ws = "([\w.]+):(\w+)"', (Path(__file__).parents[1] / "pyproject.toml").read_text(), re.M)
+    assert entry is not None
+    module, function = entry.groups()
+    script = (f"import sys\nfrom {module} import {function}\n"
+              "print('started', 'weightstore' in sys.modules, flush=True)\n"  # Python's own start is behind
+              f"sys.exit({function}())\n")
+    ws.publish(tmp_path / "run", {"w": np.zeros(2, np.float32)}, step=1)
+    for delay in (0.01, 0.05, 0.1, 0.2, 0.35, 0.5, 0.6, 0.7, 0.8, 1.5):  # imports, typer's parsing, the follow
+        started = subprocess.Popen([sys.executable, "-c", script, "follow", str(tmp_path / "run"), "--after", "1"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert started.stdout.readline() == "started False\n"  # the entry is in place before weightstore's imports
+            time.sleep(delay)
+            started.send_signal(signal.SIGINT)
+            out, err = started.communicate(timeout=60)
+        finally:
+            started.kill()
+        assert (started.returncode, out, err) == (130, "", "interrupted\n"), delay
 
 
 def _documented_json_fields() -> dict[str, tuple[list[str], dict[str, list[str]]]]:
