@@ -15,6 +15,7 @@ from weightstore.adapters._reload import reload_digest
 from weightstore.core._arrays import as_numpy
 from weightstore.core.manifest import logical_dtype
 from weightstore.errors import naming
+from weightstore.io.location import NO_VERSION_YET
 
 
 class ValueSource(Protocol):
@@ -64,6 +65,8 @@ class Values:
         elif isinstance(weights, (str, os.PathLike)) or hasattr(weights, "path"):
             self._store = weightstore.open(weights)  # a .keras archive keyed like its model, where its config allows
             self._owned = True
+        elif weights is None:
+            raise TypeError(NO_VERSION_YET)
         else:
             raise TypeError(f"weights must be a dict, a path, a Store or a Version, not {type(weights).__name__}")
         self._ready: dict[str, np.ndarray] = {}  # read by prefetch, not yet handed out

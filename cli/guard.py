@@ -1,9 +1,10 @@
-"""Turn every failure of every command into one line on stderr and exit status 1.
+"""Turn every failure of every command into one line on stderr and its exit status.
 
 The guard sits on the command group, not on ``main()``, so it covers commands other modules
 register (``cli/sync.py``) and holds under ``typer.testing.CliRunner`` exactly as it does
-for the installed ``ws``. Usage errors stay typer's (exit 2); ``--debug`` lets the
-exception through with its traceback.
+for the installed ``ws``. A failure exits 1, except where a command's answer is 1
+(:data:`ANSWERS`); usage errors stay typer's (exit 2); ``--debug`` lets the exception
+through with its traceback.
 """
 
 from __future__ import annotations
@@ -15,9 +16,17 @@ from typer.core import TyperGroup
 from typer.exceptions import Abort, Exit, TyperException
 
 from weightstore.cli import render
-from weightstore.errors import WeightStoreError
+from weightstore.errors import FormatError, WeightStoreError
 
+FAILED = 1
+#: a usage error (typer's own), and a failure of a command in :data:`ANSWERS`
+TROUBLE = 2
 INTERRUPTED = 130
+#: the commands that answer a question about files exit as ``diff`` and ``cmp`` do: 0 yes (equal,
+#: intact), 1 no (different, corrupt), :data:`TROUBLE` when they cannot tell, so a script can tell
+#: the answer from a failure; mapped to the errors that are their "no" (a damaged file is what
+#: ``verify`` looks for, but leaves ``diff`` unable to compare)
+ANSWERS: dict[str, tuple[type[Exception], ...]] = {"diff": (), "verify": (FormatError,)}
 #: flags of the group that may also be written after the subcommand (``ws ls m.npz -q``)
 GLOBAL_FLAGS = frozenset({"--quiet", "-q", "--debug"})
 #: ``ctx.meta`` key: the command line asked for ``--json``, known before any option is parsed
@@ -45,6 +54,13 @@ def one_line(text: str) -> str:
         if line:
             joined = line if not joined else f"{joined}{' ' if joined.endswith(':') else '; '}{line}"
     return " ".join(joined.split())
+
+
+def failure_status(command: str | None, exc: BaseException) -> int:
+    """The exit status of ``command`` failing with ``exc``: 1, or 2 where 1 is the command's answer."""
+    if command not in ANSWERS or isinstance(exc, ANSWERS[command]):
+        return FAILED
+    return TROUBLE
 
 
 def json_asked(ctx: typer.Context) -> bool:
@@ -76,6 +92,12 @@ def _before_double_dash(args: list[str]) -> list[str]:
     return args[: args.index("--")] if "--" in args else args
 
 
+def _interrupted() -> Exit:
+    """Ctrl-C: said in one word, exit 130 (``_weightstore_cli`` says it so while ``ws`` starts)."""
+    typer.echo("interrupted", err=True)
+    return Exit(INTERRUPTED)
+
+
 class GuardedGroup(TyperGroup):
     """A typer group whose subcommands fail with one line instead of a traceback."""
 
@@ -86,6 +108,8 @@ class GuardedGroup(TyperGroup):
         except TyperException as exc:  # a usage error of ``ws`` itself (``ws --bogus ls``)
             _usage_error_as_json(ctx, exc)
             raise
+        except KeyboardInterrupt:  # typer imports what converts the values here (a quarter second)
+            raise _interrupted() from None
 
     def invoke(self, ctx: typer.Context):  # type: ignore[override]
         try:
@@ -96,8 +120,7 @@ class GuardedGroup(TyperGroup):
         except (Exit, Abort):
             raise  # deliberate exits
         except KeyboardInterrupt:
-            typer.echo("interrupted", err=True)
-            raise Exit(INTERRUPTED) from None
+            raise _interrupted() from None
         except Exception as exc:
             if ctx.params.get("debug") or (isinstance(exc, OSError) and exc.errno == errno.EPIPE):
                 raise  # typer's own handler: a traceback, or a quiet exit when a pipe closes
@@ -105,6 +128,6 @@ class GuardedGroup(TyperGroup):
             if render.settings.json:
                 render.print_json(render.error_document(ctx.invoked_subcommand, exc, message))
             typer.echo(f"error: {message}", err=True)
-            raise Exit(1) from None
+            raise Exit(failure_status(ctx.invoked_subcommand, exc)) from None
         finally:
             render.settings.reset()  # the next invocation in this process (tests, embedding) starts afresh

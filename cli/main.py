@@ -3,7 +3,8 @@
 Commands stay thin: they parse options, call :mod:`transfer` or :mod:`compare`, and print.
 TensorFlow is imported only when a command meets a TF checkpoint, so ``ws ls m.npz`` starts
 in a fraction of a second. Errors of every command, including those :mod:`sync` adds, are
-turned into one line and exit status 1 by :class:`guard.GuardedGroup`.
+turned into one line and exit status 1 (2 for ``diff`` and ``verify``, whose 1 is an answer)
+by :class:`guard.GuardedGroup`.
 """
 
 from __future__ import annotations
@@ -293,7 +294,10 @@ def ls(
                  "tf2.load(model, path) in Python)")
         console = render.stdout()
         console.print(render.printable(f"{opened.path} ({opened.kind})"), soft_wrap=True)  # a line of its own: never folded
-        console.print(render.listing_table(infos))
+        if len(infos) <= render.TABLE_ROWS:
+            console.print(render.listing_table(infos))
+        else:
+            typer.echo("\n".join(render.listing_lines(infos)))
         for name, value in opened.metadata.items():
             console.print(render.printable(f"{name}: {value}"), soft_wrap=True)
 
@@ -348,7 +352,8 @@ def diff(
 ) -> None:
     """Compare the tensors of A and B: added, removed, changed (with the fraction of elements changed) and unchanged.
 
-    Exit status 0 when the tensors are equal, 1 when they differ (metadata is shown, not judged).
+    Exit status 0 when the tensors are equal, 1 when they differ (metadata is shown, not judged),
+    2 when they cannot be compared (a file missing or corrupt), as diff and cmp exit.
     Pairs whose content digests, as their writers recorded them, agree are not read: a copy
     damaged since reads as unchanged unless --read (ws verify checks a file alone).
 
@@ -460,6 +465,9 @@ def convert(
 @app.command()
 def verify(store: Annotated[str, typer.Argument(help="The weight store to check.")], as_json: AsJson = False) -> None:
     """Check the structure of STORE and every tensor's checksum; exit 1 naming what is corrupt.
+
+    Exit status 0 when it is intact, 1 when it is corrupt or no weight file, 2 when it cannot be
+    checked (no such file, a storage outage).
 
     \b
     Example:

@@ -35,6 +35,9 @@ def versions(
 ) -> None:
     """List the versions in FOLDER: step, time, size, full or delta (and its base), and which one LATEST names.
 
+    A delta whose base file is not in FOLDER is marked "missing": it and the deltas after it
+    cannot be read until the next full version.
+
     A damaged LATEST marks none: what is wrong with it goes to stderr (and, with --json, in
     "latest_error"), and the versions are listed all the same.
 
@@ -48,11 +51,15 @@ def versions(
     entries, damage = version_listing(folder)
     if damage is not None:
         typer.echo(f"warning: {damage}", err=True)
+    # a delta whose base is gone (removed by hand, or never copied with it) reads as no version at
+    # all: said here, where one looks first, rather than only when a reader fails on it
+    listed = {entry.name for entry in entries}
     if settings.json:
         emit("versions", {"folder": folder, "versions": [
             {"step": entry.step, "path": entry.path, "modified": entry.modified, "size": entry.size,
              "latest": entry.latest, "members": entry.members, "member_bytes": entry.member_bytes,
-             "kind": entry.kind, "base": entry.base}
+             "kind": entry.kind, "base": entry.base,
+             "base_missing": entry.base is not None and entry.base not in listed}
             for entry in entries], "latest_error": None if damage is None else str(damage)})
         return
     if not entries:
@@ -64,7 +71,7 @@ def versions(
         mark = "  <- LATEST" if entry.latest else ""
         size = entry.size if entry.member_bytes is None else entry.size + entry.member_bytes
         shards = "" if entry.members is None else f"  ({entry.members} members, index {human_bytes(entry.size)})"
-        base = f"  (base {entry.base})" if entry.base else ""
+        base = "" if not entry.base else f"  (base {entry.base}{'' if entry.base in listed else ', missing'})"
         typer.echo(f"{entry.step:>12}  {entry.modified}  {human_bytes(size):>9}  {entry.kind:<13}  "
                    f"{entry.name}{shards}{base}{mark}")
 

@@ -405,6 +405,19 @@ def test_ws_import_into_a_checkpoint_past_a_file_size_limit_leaves_nothing_and_s
     assert sorted(os.listdir(tmp_path)) == ["w.npz"]
 
 
+def test_ws_import_into_a_checkpoint_of_a_name_tensorflow_writes_writes_it(tmp_path):
+    """A prefix of 180 bytes, which TensorFlow's own save writes: the temporary prefix left room
+    for weightstore's endings but not for the ``.tempstateN`` (up to 20 digits) SaveV2 appends to
+    its data file, so the import failed with "File name too long"."""
+    pytest.importorskip("tensorflow")
+    prefix = tmp_path / ("m" * 175 + ".ckpt")
+    ws.save(tmp_path / "w.npz", {"a": np.arange(4, dtype=np.float32)})
+    done = subprocess.run([sys.executable, "-m", "weightstore", "import", tmp_path / "w.npz", "--into", prefix],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert ws.load(prefix)["a"].tolist() == [0, 1, 2, 3]
+
+
 def test_ws_convert_to_hdf5_past_a_file_size_limit_says_why_in_words(tmp_path):
     """Found as a user: an HDF5 write the file system refused printed HDF5's own line,
     "[Errno 27] Can't synchronously write data (file write failed: time = ...", where npz and

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from rich.cells import cell_len
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -41,9 +43,10 @@ def run(*args: str):
     return CliRunner().invoke(app, [str(a) for a in args])
 
 
-def one_error_line(result, *fragments: str) -> str:
-    """The error a failed command printed: exit 1, one line on stderr, no traceback."""
-    assert result.exit_code == 1, (result.stdout, result.stderr)
+def one_error_line(result, *fragments: str, status: int = 1) -> str:
+    """The error a failed command printed: exit 1 (2 for ``diff`` and ``verify`` that cannot
+    tell), one line on stderr, no traceback."""
+    assert result.exit_code == status, (result.stdout, result.stderr)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert "Traceback" not in result.output
@@ -348,6 +351,26 @@ def test_ls_table_json_and_scope(store):
     one_error_line(run("ls", store, "--scope", "dens"), "did you mean 'dense'?")
 
 
+def test_ls_of_many_tensors_lists_every_key_as_plain_columns(tmp_path):
+    """Laying 10,000 rows out as a table took seconds; so many are printed as plain aligned lines,
+    one a tensor, every key whole, with the totals; a file of fewer keeps its table."""
+    keys = [f"layer_{i // 10}/block_{i % 10}/\u5c64kernel" for i in range(10_000)]  # wide characters: columns by cells
+    path = tmp_path / "big.npz"
+    ws.save(path, {key: np.zeros((i % 3, 2), np.float16) for i, key in enumerate(keys)}, metadata={"run": "a"})
+    result = run("ls", path)
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"{path} (weightstore file)" and lines[-1] == "run: a"
+    header, rows, totals = lines[1], lines[2:-2], lines[-2]
+    assert header.split() == ["key", "dtype", "shape", "size"]
+    assert [row.split("  ")[0].rstrip() for row in rows] == keys
+    assert rows[4].split() == [keys[4], "float16", "(1,", "2)", "4", "B"]
+    assert {cell_len(row) for row in [header, *rows, totals]} == {len(header)}
+    assert totals.split() == ["10000", "tensors", "39.1", "KiB"]
+    ws.save(path, {key: np.zeros(2, np.float16) for key in keys[:render.TABLE_ROWS]})
+    assert "┃ key" in run("ls", path).stdout
+
+
 def test_ls_shows_metadata_a_terminal_would_act_on_escaped_and_keys_unfolded_when_piped(tmp_path):
     """A file's metadata reached the terminal with its escape sequences (clear screen, a
     window title); and piped, long keys folded at 80 columns, where grep missed them."""
@@ -583,7 +606,27 @@ def test_diff_says_which_pairs_only_their_recorded_digests_called_equal_and_read
     quick = run("diff", tmp_path / "a.npz", tmp_path / "b.npz")
     assert quick.exit_code == 0 and "2 unchanged (2 by their recorded digests, not read; --read reads them)" in quick.stdout
     assert json.loads(run("diff", tmp_path / "a.npz", tmp_path / "b.npz", "--json").stdout)["unchanged_by_digest"] == 2
-    one_error_line(run("diff", tmp_path / "a.npz", tmp_path / "b.npz", "--read"), "b.npz", "'k'", "checksum")
+    one_error_line(run("diff", tmp_path / "a.npz", tmp_path / "b.npz", "--read"), "b.npz", "'k'", "checksum", status=2)
+
+
+def test_diff_and_verify_tell_a_failure_from_their_answer_as_diff_and_cmp_do(tmp_path):
+    """``ws diff corrupt.npz ok.npz`` exited 1, as two files that differ do: a script could not
+    tell them apart. 0 same or intact, 1 different or corrupt, 2 when it cannot tell."""
+    ok, other, absent = tmp_path / "ok.npz", tmp_path / "other.npz", tmp_path / "absent.npz"
+    ws.save(ok, {"w": np.arange(8, dtype=np.float32)})
+    ws.save(other, {"w": np.zeros(8, np.float32)})
+    truncated, flipped = tmp_path / "truncated.npz", tmp_path / "flipped.npz"
+    truncated.write_bytes(ok.read_bytes()[:-40])
+    raw = bytearray(ok.read_bytes())
+    raw[raw.index(np.arange(8, dtype=np.float32).tobytes()) + 4] ^= 1
+    flipped.write_bytes(bytes(raw))
+    expected = [(["diff", ok, ok], 0), (["diff", ok, other], 1), (["diff", truncated, ok], 2),
+                (["diff", ok, flipped], 2), (["diff", ok, absent], 2), (["diff", ok, ok, "--atol", "-1"], 2),
+                (["verify", ok], 0), (["verify", truncated], 1), (["verify", flipped], 1), (["verify", absent], 2)]
+    for args, status in expected:
+        done = subprocess.run([sys.executable, "-m", "weightstore", *map(str, args)], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == status and "Traceback" not in done.stderr, (args, done.stderr)
 
 
 def test_diff_values_nan_and_infinity_rules():
@@ -723,7 +766,8 @@ def test_a_folder_of_versions_given_as_a_file_names_its_latest_version(store, tm
         ws.publish(run_folder, ws.load(store), step=step)
     latest = ws.latest(run_folder).path
     for args in (["ls", run_folder], ["verify", run_folder], ["export", run_folder, "-o", tmp_path / "o.npz"]):
-        one_error_line(run(*args), "run: is a folder of ws.publish versions", f"such as LATEST's {latest}")
+        one_error_line(run(*args), "run: is a folder of ws.publish versions", f"such as LATEST's {latest}",
+                       status=2 if args[0] == "verify" else 1)  # no file to verify: it cannot tell
     assert not (tmp_path / "o.npz").exists()
     with pytest.raises(ws.StoreNotFoundError, match="folder of ws.publish versions"):
         ws.load(run_folder)
@@ -819,6 +863,31 @@ def test_python_m_weightstore(store):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["count"] == 3
+
+
+def test_ctrl_c_while_ws_starts_exits_130_quietly(tmp_path):
+    """Ctrl-C in the half second ``ws`` spends importing, before any command runs, printed a
+    traceback of whichever module Python was in. The console script's entry, as pyproject.toml
+    names it and pip calls it, handles it from its first line: an interrupt anywhere in the
+    start, or in the command after it, says "interrupted" and exits 130."""
+    entry = re.search(r'^ws = "([\w.]+):(\w+)"', (Path(__file__).parents[1] / "pyproject.toml").read_text(), re.M)
+    assert entry is not None
+    module, function = entry.groups()
+    script = (f"import sys\nfrom {module} import {function}\n"
+              "print('started', 'weightstore' in sys.modules, flush=True)\n"  # Python's own start is behind
+              f"sys.exit({function}())\n")
+    ws.publish(tmp_path / "run", {"w": np.zeros(2, np.float32)}, step=1)
+    for delay in (0.01, 0.05, 0.1, 0.2, 0.35, 0.5, 0.6, 0.7, 0.8, 1.5):  # imports, typer's parsing, the follow
+        started = subprocess.Popen([sys.executable, "-c", script, "follow", str(tmp_path / "run"), "--after", "1"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert started.stdout.readline() == "started False\n"  # the entry is in place before weightstore's imports
+            time.sleep(delay)
+            started.send_signal(signal.SIGINT)
+            out, err = started.communicate(timeout=60)
+        finally:
+            started.kill()
+        assert (started.returncode, out, err) == (130, "", "interrupted\n"), delay
 
 
 def _documented_json_fields() -> dict[str, tuple[list[str], dict[str, list[str]]]]:

@@ -231,6 +231,20 @@ def test_cli_reads_and_lists_delta_versions(tmp_path):
     assert "delta" in result.output and "(base step-000000000002.wsdelta)" in result.output
 
 
+def test_ws_versions_marks_a_delta_whose_base_is_gone(tmp_path):
+    """A base removed by hand makes its deltas unreadable; ``ws versions``, where one looks
+    first, says so on the delta's line, not only a reader failing on it."""
+    publish_steps(tmp_path / "run", 3, delta=ws.Delta())
+    (tmp_path / "run" / "step-000000000001.npz").unlink()
+    result = CliRunner().invoke(app, ["versions", str(tmp_path / "run")], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "(base step-000000000001.npz, missing)" in result.output
+    assert "(base step-000000000002.wsdelta)  <- LATEST" in result.output
+    result = CliRunner().invoke(app, ["versions", str(tmp_path / "run"), "--json"])
+    listed = json.loads(result.output)["versions"]
+    assert [(v["step"], v["base_missing"]) for v in listed] == [(2, True), (3, False)]
+
+
 def test_a_delta_on_s3_reads_and_follows(s3):
     folder = f"s3://{BUCKET}/run"
     published = publish_steps(folder, 4, delta=ws.Delta(), keep=2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -384,8 +385,15 @@ def test_an_index_without_a_checksum_whose_weight_map_is_cut_is_refused_naming_i
     assert run("ls", folder).exit_code != 0
 
 
-def test_an_empty_model_weightstore_saved_sharded_reads_back_empty(tmp_path):
+@pytest.mark.parametrize("written", ["now", "before the checksum"])
+def test_an_empty_model_weightstore_saved_sharded_reads_back_empty(tmp_path, written):
+    """Before its index carried a checksum, weightstore wrote an empty model's index with no
+    checksum and a total_size of 0 (a cut map keeps its total): that folder still reads."""
     ws.save(tmp_path / "empty", {}, max_shard_size=900)
+    if written == "before the checksum":
+        document = json.loads((tmp_path / "empty" / INDEX).read_text())
+        document["weightstore"].pop("checksum")
+        (tmp_path / "empty" / INDEX).write_text(json.dumps(document, indent=2))
     assert ws.load(tmp_path / "empty") == {}
 
 
@@ -425,6 +433,66 @@ def test_a_sharded_folder_whose_convert_failed_midway_is_refused_never_read_half
     assert done.returncode == 1, done.stderr
     with pytest.raises(FormatError, match="model-00001-of-00002.safetensors"):
         ws.load(folder)
+
+
+_KILLED_ONCE_ITS_FIRST_SHARD_IS_IN = """
+import os, runpy, sys
+import weightstore.io.commit as commit
+shard = sys.argv.pop(1)
+before, fsync_folder = os.stat(shard).st_ino, commit.fsync_folder
+def killed_once_in(path):
+    fsync_folder(path)
+    if os.stat(shard).st_ino != before:
+        os._exit(137)  # as SIGKILL (the OOM killer, a preempted node) would: nothing cleans up
+commit.fsync_folder = killed_once_in
+sys.argv[0] = "ws"
+runpy.run_module("weightstore", run_name="__main__")
+"""
+
+
+def test_a_convert_killed_over_a_folder_another_tool_wrote_is_refused_never_read_half_new(tmp_path):
+    """An index ``save_pretrained`` wrote records no save time, so a shard of the new save beside
+    it could not be told from its own: ``ws convert --max-shard-size`` over such a folder, killed
+    once its first shard was in place, read back as half new, half old weights without a word.
+    That index goes before the first shard: the killed overwrite leaves no model to misread."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    for name, key in zip(names, ["a", "b"], strict=True):
+        safetensors.numpy.save_file({key: np.zeros(1 << 16, np.float32)}, str(folder / name))
+    (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": 1 << 19}, "weight_map": dict(zip("ab", names, strict=True))}))
+    assert ws.load(folder)["a"].sum() == 0
+    ws.save(tmp_path / "new.npz", {"a": np.ones(1 << 16, np.float32), "b": np.ones(1 << 16, np.float32)})
+    done = subprocess.run([sys.executable, "-c", _KILLED_ONCE_ITS_FIRST_SHARD_IS_IN, str(folder / names[0]), "convert",
+                           str(tmp_path / "new.npz"), str(folder), "--max-shard-size", "300KB"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 137, done.stderr
+    assert safetensors.numpy.load_file(str(folder / names[0]))["a"].sum() == 1 << 16  # the new shard is in
+    with pytest.raises(ws.WeightStoreError):
+        ws.load(folder)
+
+
+def test_a_sharded_save_that_fails_after_its_index_landed_keeps_the_shards_it_names(tmp_path, monkeypatch):
+    """The folder's fsync after the index's rename fails (EIO on a network disk; a Ctrl-C there
+    is the same): the save says so, but the index in place names the new shards, and removing
+    them as a save cut short left an index naming missing shards, the earlier model gone too."""
+    folder = tmp_path / "model"
+    ws.save(folder, {"a": np.zeros(1000, np.float32), "b": np.zeros(1 << 16, np.float32)}, max_shard_size="100KB")
+    fsync = os.fsync
+
+    def fails_once_the_index_is_in(fd):
+        fsync(fd)
+        if os.path.isdir(f"/proc/self/fd/{fd}") and (folder / INDEX).stat().st_mtime_ns > saved:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    saved = (folder / INDEX).stat().st_mtime_ns
+    monkeypatch.setattr(os, "fsync", fails_once_the_index_is_in)
+    with pytest.raises(OSError, match="Input/output error"):
+        ws.save(folder, {"a": np.ones(1000, np.float32), "b": np.ones(1 << 16, np.float32)},
+                max_shard_size="100KB", overwrite=True)
+    monkeypatch.undo()
+    loaded = ws.load(folder)
+    assert sorted(loaded) == ["a", "b"] and all(np.all(value == 1) for value in loaded.values())
 
 
 def test_a_shard_of_another_save_beside_an_index_is_refused_naming_it(tmp_path):

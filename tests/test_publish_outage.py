@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import weightstore as ws
+from weightstore.sync import _stages as stages
 
 BUCKET = "weightstore-outage"
 DOWN = (503, b"<Error><Code>SlowDown</Code><Message>down</Message></Error>")
@@ -55,6 +56,61 @@ def test_a_background_publish_rides_out_an_outage(s3, outage):
     outage.end()
     assert future.result(60).step == 2 and publisher.close().step == 2
     np.testing.assert_array_equal(ws.load(ws.latest(folder))["dense/kernel"], weights(2)["dense/kernel"])
+
+
+def test_the_end_of_an_outage_is_logged_once_as_its_start_is(s3, outage, caplog):
+    """A log that ends on "failed; retrying" leaves whoever reads it wondering whether the run's
+    weights ever arrived: the first version written after the outage says so, once."""
+    folder = f"s3://{BUCKET}/outage-ends"
+    publisher = ws.BackgroundPublisher(folder, retry_backoff=0.1, max_backoff=0.2)
+    assert publisher.publish(weights(1), step=1).result(60).step == 1
+    with caplog.at_level(logging.WARNING, logger="weightstore"):
+        outage.start()
+        future = publisher.publish(weights(2), step=2)
+        while publisher.failures < 3:  # retried, and a newer snapshot written instead
+            threading.Event().wait(0.05)
+        newer = publisher.publish(weights(3), step=3)
+        assert "replaced it" in str(future.exception(60))  # given up for step 3 while the storage still fails
+        outage.end()
+        assert newer.result(60).step == 3
+        assert publisher.publish(weights(4), step=4).result(60).step == 4  # no outage: nothing more said
+    assert publisher.close().step == 4
+    messages = [record.getMessage() for record in caplog.records]
+    assert any("failed" in message and "retrying" in message for message in messages)
+    again = [message for message in messages if "answers again" in message]
+    assert len(again) == 1 and again[0].startswith(f"published step 3 to {folder}: the storage answers again, after ")
+
+
+def test_a_wait_that_times_out_says_which_step_is_being_written_not_an_outage_long_over(s3, outage, monkeypatch, caplog):
+    """The end of training logs what is still unpublished: a step waiting behind one being
+    written says so, and the error of an outage that already ended is not given as its cause."""
+    folder = f"s3://{BUCKET}/unfinished"
+    publisher = ws.BackgroundPublisher(folder, retry_backoff=0.05)
+    outage.start()
+    future = publisher.publish(weights(1), step=1)
+    while publisher.failures < 1:
+        time.sleep(0.02)
+    outage.end()
+    assert future.result(60).step == 1 and publisher.last_error is not None  # an outage over
+    gate, held = threading.Event(), []
+
+    def hold(stage: str) -> None:  # holds the next publish at its "locked" stage until gate.set()
+        if stage == "locked":
+            held.append(stage)
+            gate.wait(60)
+
+    monkeypatch.setattr(stages, "hook", hold)
+    publisher.publish(weights(2), step=2)
+    while not held:
+        time.sleep(0.01)
+    publisher.publish(weights(3), step=3)
+    with caplog.at_level(logging.WARNING, logger="weightstore"):
+        assert publisher.wait(0.2).step == 1
+    said = [record.getMessage() for record in caplog.records if "is not published" in record.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"step 3 is not published to {folder} yet (waiting for step 2, "
+                                                 "still being written)")
+    gate.set()
+    assert publisher.close(60).step == 3
 
 
 def test_a_snapshot_is_given_up_after_retry_for_and_the_next_one_is_written(s3, outage):
@@ -176,10 +232,11 @@ def test_a_bucket_removed_once_the_folder_answered_is_retried(s3):
     assert future.result(60).step == 2 and publisher.close(60).step == 2
 
 
-def test_a_write_cut_off_by_the_server_dying_mid_upload_is_retried_once_it_is_back_and_lands_whole(s3):
+def test_a_write_cut_off_by_the_server_dying_mid_upload_is_retried_once_it_is_back_and_lands_whole(s3, caplog):
     """The server is killed while the version's bytes are on their way (its connection reset, no
     answer: an error with no errno, and no service answer), then restarted with what it stored:
     the publisher retries, and the version that lands is the whole one, bit-exact."""
+    caplog.set_level(logging.WARNING, logger="weightstore")
     import s3fs
 
     folder = f"s3://{BUCKET}/killed-mid-upload"
@@ -203,9 +260,10 @@ def test_a_write_cut_off_by_the_server_dying_mid_upload_is_retried_once_it_is_ba
             assert not future.done(), future.exception()
             assert time.monotonic() < deadline, "the cut-off upload was never reported as a failure"
             threading.Event().wait(0.05)
-        error = publisher.last_error
+        error = publisher.last_error  # the cut upload's, or a retry's that found the server still down
         assert killed.is_set() and isinstance(error, ws.StorageError) and error.transient, error
-        assert not error.errno and "step-000000000001" in str(error), error
+        cut = [record.args[2] for record in caplog.records if "retrying" in record.getMessage()][0]
+        assert isinstance(cut, ws.StorageError) and not cut.errno and "step-000000000001" in str(cut), cut
     finally:  # the module's server serves its other tests again, whatever happened here
         s3.intercept = None
         if killed.is_set():
@@ -247,6 +305,7 @@ ENDS_WITH_A_PUBLISH_RETRYING = """
 import sys, threading
 import numpy as np
 import weightstore as ws
+from weightstore.sync import _stages as stages
 
 threading._register_atexit(lambda: print("exiting", flush=True))  # runs just before the exit's wait
 publisher = ws.BackgroundPublisher(sys.argv[1], retry_for=60, retry_backoff=0.1, max_backoff=0.2)

@@ -923,7 +923,7 @@ def test_a_rank_file_the_commit_cannot_remove_is_left_with_a_warning_not_a_faile
     ws.publish_shard(folder, {"w": w + 1}, step=2, rank=0, world=1, attempt=0)
     ws.publish_shard(folder, {"w": w + 2}, step=2, rank=0, world=1, attempt=1)
 
-    def locked_folder(self, name):
+    def locked_folder(self, name, owned):
         raise ws.StorageError("AccessDenied (an object lock)", path=name)
 
     monkeypatch.setattr(LocalFolder, "remove_folder", locked_folder)

@@ -53,6 +53,20 @@ def test_publish_then_latest_round_trips(tmp_path):
         assert store.metadata == {"loss": 0.5}
 
 
+def test_opening_the_latest_of_a_folder_without_versions_says_why_it_is_none(tmp_path):
+    """``ws.open(ws.latest(folder))``, as the docs write it, before the first publish: the
+    error says that the folder has no version yet and how to wait for one, not os.fsdecode's
+    bare complaint about None."""
+    torch_adapter = pytest.importorskip("weightstore.adapters.torch")
+    import torch
+
+    assert ws.latest(tmp_path) is None
+    for read in (ws.open, ws.load, lambda v: torch_adapter.assign(torch.nn.Linear(2, 2), v)):
+        with pytest.raises(TypeError, match=r"not None \(ws.latest\(folder\) is None while the folder has no "
+                                            r"version yet: wait for one with ws.follow"):
+            read(ws.latest(tmp_path))
+
+
 def test_hdf5_versions(tmp_path):
     version = ws.publish(tmp_path, weights_at(1), step=1, format="hdf5")
     assert version.path.endswith("step-000000000001.h5")
@@ -303,6 +317,7 @@ def test_a_trainer_restarted_from_an_older_checkpoint_publishes_once_its_step_pa
             restarted.publish(weights_at(step), step=step)
             assert restarted.wait(60) is None
         assert restarted.failures == 2 and "once its step passes 300" in str(restarted.last_error)
+        assert "to serve its weights before that, publish to a new folder" in str(restarted.last_error)
         assert ws.latest(tmp_path).step == 300
         assert [v.step for v in ws.follow(tmp_path, timeout=0)] == [300]
         restarted.publish(weights_at(310), step=310)
@@ -501,6 +516,92 @@ def test_a_background_publisher_whose_folder_another_process_took_over_logs_and_
         assert publisher.failures == 1 and "another writer" in str(publisher.last_error)
     assert f"pid {taking_over_pid(tmp_path)}" in caplog.text
     assert ws.latest(tmp_path).step == 2 and np.all(ws.load(ws.latest(tmp_path))["w"] == 2)
+
+
+def test_a_background_publisher_never_takes_another_writers_version_of_its_step_for_its_own(tmp_path, caplog):
+    """A process that took the folder over published the very step this publisher's next snapshot
+    has: that version is the other process's weights, so the snapshot is refused, logged and
+    counted like any other refusal, and its future raises; it was returned as published."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    with ws.BackgroundPublisher(tmp_path) as publisher:
+        publisher.publish(weights_at(1), step=1)
+        assert publisher.wait(60).step == 1
+        taking_over = subprocess.run([sys.executable, "-c", SECOND_WRITER, str(tmp_path)], env=env, text=True,
+                                     input="2\n", capture_output=True, timeout=120)
+        assert taking_over.stdout == "published\n", taking_over.stderr
+        future = publisher.publish(weights_at(3), step=2)
+        assert publisher.wait(60).step == 1
+        assert publisher.failures == 1 and "another writer" in str(publisher.last_error)
+        with pytest.raises(ws.PublishError, match="another writer"):
+            future.result()
+    assert "another writer" in caplog.text
+    assert np.all(ws.load(ws.latest(tmp_path))["w"] == 2)
+
+
+def test_a_latest_restored_from_another_runs_backup_is_no_take_over(tmp_path):
+    """Serving rolled back to an earlier run's version by restoring its LATEST: the live trainer's
+    next step above the versions past LATEST is published and keeps them all, as before LATEST
+    named its writer (it was refused for good, as if the earlier run had published after it)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    earlier = subprocess.run([sys.executable, "-c", SECOND_WRITER, str(tmp_path)], env=env, text=True,
+                             input="1\n2\n", capture_output=True, timeout=120)
+    assert earlier.stdout == "published\npublished\n", earlier.stderr
+    backup = (tmp_path / "LATEST").read_bytes()
+    for step in (3, 4, 5):  # this run goes on from the earlier one's checkpoint
+        ws.publish(tmp_path, weights_at(step), step=step, keep=None)
+    (tmp_path / "LATEST").write_bytes(backup)
+    with pytest.raises(ws.PublishError, match="steps 3, 4, 5 above it were published before"):
+        ws.publish(tmp_path, weights_at(5), step=5, keep=None)
+    ws.publish(tmp_path, weights_at(6), step=6, keep=None)
+    assert [e.step for e in versions.list_versions(tmp_path)] == [1, 2, 3, 4, 5, 6]
+    assert_whole(ws.load(ws.latest(tmp_path)), 6)
+
+
+FORKED_SNAPSHOTS = textwrap.dedent("""
+    import os, sys
+    import numpy as np
+    import weightstore as ws
+    folder, weights = sys.argv[1], {"w": np.zeros(4, np.float32)}
+    ws.publish(folder, weights, step=1)
+    for step in (2, 3):  # each snapshot written by a child sharing the trainer's pages
+        weights["w"][:] = step
+        child = os.fork()
+        if child == 0:
+            ws.publish(folder, weights, step=step)
+            os._exit(0)
+        assert os.waitpid(child, 0)[1] == 0
+    weights["w"][:] = 4
+    ws.publish(folder, weights, step=4)  # the trainer's own weights again
+    published, go_on = os.pipe(), os.pipe()
+    child = os.fork()
+    if child == 0:  # a child that goes on publishing after its parent did is refused
+        ws.publish(folder, weights, step=5)
+        os.write(published[1], b"5")
+        os.read(go_on[0], 1)
+        try:
+            ws.publish(folder, weights, step=7)
+        except ws.PublishError as error:
+            print("child refused:", error, flush=True)
+        os._exit(0)
+    os.read(published[0], 1)
+    weights["w"][:] = 6
+    ws.publish(folder, weights, step=6)
+    os.write(go_on[1], b"6")
+    assert os.waitpid(child, 0)[1] == 0
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="forks")
+def test_a_trainer_publishing_from_forked_children_goes_on_publishing_itself(tmp_path):
+    """Snapshots written by forked children (no copy of the weights), the first and later
+    versions by the trainer: the children never take the folder from their parent (its next
+    publish was refused for good), and a child publishing again after its parent is refused."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, "-c", FORKED_SNAPSHOTS, str(tmp_path)], env=env, text=True,
+                            capture_output=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("child refused:") and "another writer" in result.stdout, result.stdout
+    assert ws.latest(tmp_path).step == 6 and np.all(ws.load(ws.latest(tmp_path))["w"] == 6)
 
 
 def taking_over_pid(folder) -> int:

@@ -308,8 +308,11 @@ TARGETS = {
     "keras": Target("keras", ".keras", _save_keras_archive, checks_metadata=False),
     "keras-config": Target("keras-config", ".keras", _save_keras_archive, reader=_read_keras_config),
     "npz-numpy": Target("npz-numpy", ".npz", lambda p: ws.save(p, sample_weights()), reader=_read_like_numpy),
-    # the index says nothing the members' block CRCs do not check, but its metadata is its own
-    "sharded-index": Target("sharded-index", ".wsindex", _commit_shards, checks_metadata=False),
+    # resealed, as a hostile writer would (unsealed, nearly every mutant ended at the CRC-32
+    # check): what it then says (a key renamed) is the writer's word, so only an escaped
+    # exception or a hang is a finding, as for a done-record
+    "sharded-index": Target("sharded-index", ".wsindex", _commit_shards, fixup=reseal,
+                            reader=lambda path: read_file(path)),
     "delta": Target("delta", ".wsdelta", _publish_deltas, mutated="step-000000000003.wsdelta", fixup=reframe),
     # a damaged base under an intact delta: what the top of the chain reads
     "delta-base": Target("delta-base", ".wsdelta", _publish_deltas, mutated="step-000000000002.wsdelta",

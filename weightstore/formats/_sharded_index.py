@@ -77,6 +77,7 @@ from weightstore.errors import (
     UnsafeFileError,
     WeightStoreError,
 )
+from weightstore.io.files import TEMP_MARK
 
 __all__ = ["index_name", "attempt_folder", "member_name", "MEMBER_SUFFIXES", "done_name", "table_name", "BLOCK_BYTES",
            "MIN_BLOCK_BYTES", "PIECE_BLOCKS", "MEMBER_TILES", "MIN_TILE_BYTES", "MAX_TILE_BYTES", "PAGE_CRCS",
@@ -169,6 +170,38 @@ def done_name(rank: int) -> str:
 def table_name(rank: int) -> str:
     """The name of rank ``rank``'s block table, beside its member."""
     return f"rank-{rank:05d}.blocks"
+
+
+#: the file rank 0 creates, create-only, in each attempt folder it hands out, naming its launch
+#: (``claimed_attempt``); readers ignore it
+CLAIM = "claimed-by"
+#: an attempt folder's name (a step past 12 digits, a timestamp, is longer): ASCII digits and
+#: nothing after them (``\d`` takes ``٣``, ``$`` a final newline)
+_ATTEMPT_FOLDER = re.compile(r"step-([0-9]{12,})\.attempt-([0-9]+)\Z")
+#: a rank's file in an attempt folder: its member (of any format, or a delta), block table
+#: (:func:`table_name`) or done-record (:func:`done_name`); ASCII digits and nothing after them
+RANK_FILE = re.compile("^rank-[0-9]{5,}(" + "|".join(
+    re.escape(suffix) for suffix in (*MEMBER_SUFFIXES, DELTA_MEMBER_SUFFIX, ".blocks", ".done")) + ")\\Z")
+
+
+def attempt_of(name: str) -> tuple[int, int] | None:
+    """``(step, attempt)`` of a folder named exactly as :func:`attempt_folder` names one; ``None``
+    for any other name (``….attempt-01``, ``….attempt-0`` and a newline, ``….attempt-old``): a
+    folder weightstore never made, which no listing, prune or clean takes for an attempt."""
+    match = _ATTEMPT_FOLDER.match(name)
+    if match is None:
+        return None
+    step, attempt = int(match.group(1)), int(match.group(2))
+    return (step, attempt) if attempt_folder(step, attempt) == name else None
+
+
+def written_in_attempt(name: str) -> bool:
+    """Whether weightstore writes a file named ``name`` in an attempt folder: a rank's file
+    (:data:`RANK_FILE`), the :data:`CLAIM`, or a temporary of one. Removing an attempt folder
+    removes only these: whatever else is in it, a user put there."""
+    if name.startswith(".") and TEMP_MARK in name:
+        name = name[1:name.index(TEMP_MARK)]
+    return name == CLAIM or RANK_FILE.match(name) is not None
 
 
 def rows_of(shape: Sequence[int]) -> int:

@@ -126,7 +126,9 @@ class ShardedReader(ReaderDefaults):
         self.has_checksums = isinstance(producer, dict)
         if isinstance(producer, dict):
             _check_index(document, producer, name)
-        _check_complete(self._names_in, isinstance(producer, dict) and "checksum" in producer, name)
+        # an empty model's index: weightstore's carries the checksum, or (written before it) a total of 0 bytes
+        written_empty = isinstance(producer, dict) and ("checksum" in producer or metadata.get("total_size") == 0)
+        _check_complete(self._names_in, written_empty, name)
         self.created = str(producer.get("created", "")) if isinstance(producer, dict) else ""
         self._shards: dict[str, Any] = {}  # kept once closed: their headers still answer info()
         self._closed = False
@@ -252,13 +254,14 @@ def _check_index(document: dict[str, Any], producer: dict[str, Any], name: str) 
         check_recorded(_described(document.get("metadata"), document["weight_map"]), producer["checksum"], "index", name)
 
 
-def _check_complete(names_in: Mapping[str, set[str]], checksummed: bool, name: str) -> None:
+def _check_complete(names_in: Mapping[str, set[str]], written_empty: bool, name: str) -> None:
     """Refuse a weight map that cannot be whole, which would read as a model missing tensors, not a
-    damaged index: one mapping no tensor (``save_pretrained`` never writes one, and weightstore's
-    index of an empty model carries the checksum that says it was written so), or one whose
+    damaged index: one mapping no tensor (``save_pretrained`` never writes one), unless
+    ``written_empty`` (weightstore's index of an empty model: its checksum says it was written so,
+    and one written before the checksum records a ``total_size`` of 0, which a cut map keeps), or one whose
     shards are numbered ``-0000N-of-0000M`` and that maps nothing to some of those M. Real
     Hugging Face indexes carry no checksum, so this is all that tells a cut one."""
-    if not names_in and not checksummed:
+    if not names_in and not written_empty:
         raise FormatError("index maps no tensor to any shard (its weight_map is empty): a model's index maps "
                           "every tensor; this one is damaged or cut", path=name)
     matches = [_NUMBERED.fullmatch(shard) for shard in names_in]
@@ -320,6 +323,18 @@ OWN_SHARD = re.compile(r"model-[0-9]{5}-of-[0-9]{5}\.safetensors")
 
 def shard_names(count: int) -> list[str]:
     return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def save_time(index_text: bytes) -> str:
+    """When the save that wrote this index wrote it (its shards record the same time), or ``""``
+    for an index without one (``save_pretrained``'s, or one that does not parse): no reader can
+    tell that index's shards from another save's."""
+    try:
+        producer = json.loads(index_text).get(PRODUCER_KEY)
+    except (ValueError, AttributeError):
+        return ""
+    created = producer.get("created") if isinstance(producer, dict) else None
+    return created if isinstance(created, str) else ""
 
 
 def index_document(shards: Mapping[str, list[str]], total_size: int, metadata: Mapping[str, Any],

@@ -89,6 +89,10 @@ class Commit(abc.ABC):
     """
 
     target: str
+    #: whether the file reached the target (the commit point passed), even where a step after it
+    #: failed (the folder's fsync, an interrupt): a caller undoing a composed write (a sharded
+    #: folder's index last) must not undo what that file already names
+    landed = False
 
     @abc.abstractmethod
     def begin(self) -> str:
@@ -157,7 +161,7 @@ class RenameCommit(Commit):
         replaced = _hold(self._final)
         try:
             os.replace(self._temporary, self._final)
-            self._temporary = None
+            self._temporary, self.landed = None, True
             fsync_folder(self._final.parent)
         finally:
             if replaced is not None:
@@ -206,6 +210,7 @@ class UploadCommit(Commit):
         options = {"chunksize": UPLOAD_PART_BYTES} if "s3" in protocols(self._fs) else {}
         with service(self.target):
             self._fs.put_file(local, self._remote, **options)
+        self.landed = True
         self.discard()
 
     def discard(self) -> None:
@@ -231,8 +236,9 @@ _DATA_FILE = re.compile(r"\.data-[0-9]{5}-of-([0-9]{5})\Z")
 #: what a checkpoint writer appends to the temporary prefix (``-partN``: a sharded write's pieces;
 #: ``.tempstateN``: TensorFlow's SaveV2 writes a data file under that name, then renames it)
 _TEMPORARY_ENDINGS = r"(?:-part[0-9]+)?(?:\.index|\.data-[0-9]{5}-of-[0-9]{5}(?:\.tempstate[0-9]+)?)?"
-#: the most bytes of those endings (a thousand pieces), which a temporary prefix leaves room for
-_TEMPORARY_ROOM = len("-part999.data-00000-of-00001")
+#: the most bytes of those endings (a thousand pieces, TensorFlow's 64-bit random number), which a
+#: temporary prefix leaves room for: a prefix TensorFlow itself writes is written through it too
+_TEMPORARY_ROOM = len("-part999.data-00000-of-00001.tempstate18446744073709551615")
 
 
 class IndexLastCommit(Commit):
@@ -284,7 +290,7 @@ class IndexLastCommit(Commit):
                 self._moved.append(prefix + path[len(temporary):])
         fsync_folder(Path(prefix).parent)
         os.replace(temporary + ".index", prefix + ".index")  # the commit point
-        self._temporary = None
+        self._temporary, self.landed = None, True
         kept = {prefix + path[len(temporary):] for path in written}
         for stale in checkpoint_files(prefix):
             if _DATA_FILE.search(stale) and stale not in kept:

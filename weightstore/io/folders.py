@@ -16,9 +16,8 @@ import contextlib
 import datetime
 import errno
 import os
-import shutil
 import stat
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -150,8 +149,11 @@ class Folder(abc.ABC):
         """Names of the folders directly in this one."""
 
     @abc.abstractmethod
-    def remove_folder(self, name: str) -> None:
-        """Remove folder ``name`` and everything in it (nothing if it is gone)."""
+    def remove_folder(self, name: str, owned: Callable[[str], bool]) -> list[str]:
+        """Remove from folder ``name`` the files whose names ``owned`` takes, then the folder if
+        that emptied it; return the names of what stays in it (nothing if it is gone). A
+        file ``owned`` refuses, a folder inside it, or a file that cannot be removed stays:
+        what weightstore did not write there is a user's."""
 
 
 class LocalFolder(Folder):
@@ -177,12 +179,11 @@ class LocalFolder(Folder):
 
     def files(self) -> list[FileEntry]:
         found = []
-        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-            for entry in os.scandir(self.root):
-                with contextlib.suppress(FileNotFoundError):  # removed while we listed
-                    info = entry.stat(follow_symlinks=False)
-                    if stat.S_ISREG(info.st_mode):
-                        found.append(FileEntry(entry.name, info.st_size, _iso(info.st_mtime)))
+        for entry in _entries(self.root):
+            with contextlib.suppress(FileNotFoundError):  # removed while we listed
+                info = entry.stat(follow_symlinks=False)
+                if stat.S_ISREG(info.st_mode):
+                    found.append(FileEntry(entry.name, info.st_size, _iso(info.st_mtime)))
         return found
 
     def read_small(self, name: str, limit: int) -> bytes | None:
@@ -263,12 +264,25 @@ class LocalFolder(Folder):
         return True
 
     def subfolders(self) -> list[str]:
-        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-            return sorted(entry.name for entry in os.scandir(self.root) if entry.is_dir(follow_symlinks=False))
-        return []
+        return sorted(entry.name for entry in _entries(self.root) if entry.is_dir(follow_symlinks=False))
 
-    def remove_folder(self, name: str) -> None:
-        shutil.rmtree(self.root / name, ignore_errors=True)
+    def remove_folder(self, name: str, owned: Callable[[str], bool]) -> list[str]:
+        folder = self.root / name
+        left = []
+        for entry in _entries(folder):
+            if owned(entry.name) and not entry.is_dir(follow_symlinks=False):
+                try:
+                    os.unlink(entry.path)  # a symbolic link: the link, never what it points to
+                    continue
+                except FileNotFoundError:
+                    continue
+                except OSError:  # no permission: it stays, as what rmtree could not remove did
+                    pass
+            left.append(entry.name)
+        if not left:
+            with contextlib.suppress(OSError):  # gone already, or written to meanwhile: it stays
+                os.rmdir(folder)
+        return sorted(left)
 
     def open_binary(self, name: str, *, file_object: bool = False) -> str:
         """The file's path; a folder or FIFO squatting on the name is a :class:`FormatError`
@@ -313,6 +327,20 @@ class LocalFolder(Folder):
             with contextlib.suppress(OSError):
                 fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
+
+
+def _entries(folder: Path) -> list[os.DirEntry[str]]:
+    """What local folder ``folder`` holds (nothing if it is gone or a file). One the system will
+    not list (a symbolic link loop, no permission) is a :class:`FileAccessError` naming it, one
+    whose listing fails (EIO) the storage's :class:`StorageError`: no bare ``OSError`` leaves."""
+    try:
+        with os.scandir(folder) as entries:
+            return list(entries)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as exc:
+        refused = FileAccessError if exc.errno in _REFUSALS else StorageError
+        raise refused(f"cannot be listed ({exc.strerror or exc})", path=str(folder)) from None
 
 
 class RemoteFolder(Folder):
@@ -401,10 +429,23 @@ class RemoteFolder(Folder):
         return sorted(info["name"].rstrip("/").rsplit("/", 1)[-1] for info in listing
                       if info.get("type") == "directory")
 
-    def remove_folder(self, name: str) -> None:
-        with self._service(), contextlib.suppress(FileNotFoundError):
-            self.fs.rm(self._path(name), recursive=True)
+    def remove_folder(self, name: str, owned: Callable[[str], bool]) -> list[str]:
+        prefix = self._path(name)
+        with self._service():
+            self.fs.invalidate_cache(prefix)
+            try:
+                found = [path.rstrip("/")[len(prefix) + 1:] for path in self.fs.find(prefix)]
+            except FileNotFoundError:
+                found = []
+            gone = [name for name in found if "/" not in name and owned(name)]
+            left = sorted({name.split("/", 1)[0] for name in found if name not in gone})
+            with contextlib.suppress(FileNotFoundError):
+                if not left:  # all weightstore's: the prefix goes whole (a store's folder markers with it)
+                    self.fs.rm(prefix, recursive=True)
+                elif gone:
+                    self.fs.rm([f"{prefix}/{name}" for name in gone])
         self.fs.invalidate_cache(self.root)
+        return left
 
 
 def folder_for(folder: Any, storage_options: Mapping[str, Any] | None = None) -> Folder:

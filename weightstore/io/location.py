@@ -45,12 +45,19 @@ class Location:
         return self.text
 
 
+#: what a path of ``None`` most often is: ``ws.open(ws.latest(folder))`` before the first publish
+NO_VERSION_YET = ("a path or a Version was expected, not None (ws.latest(folder) is None while the folder has no "
+                  "version yet: wait for one with ws.follow(folder) or a Follower's wait())")
+
+
 def location_of(path: Any) -> Location:
     """The location behind anything weightstore accepts as a file (``Version`` has ``.path``): a
     ``str``, an ``os.PathLike``, or a ``bytes`` path, decoded as :func:`os.fsdecode` decodes it
     (as ``open`` and ``os`` take one), so errors name it as text."""
     if hasattr(path, "path") and not isinstance(path, (str, bytes, os.PathLike)):
         path = path.path
+    if path is None:  # os.fsdecode's own TypeError names no cause; this is the common one
+        raise TypeError(NO_VERSION_YET)
     text = os.fsdecode(path)
     if text.startswith("file://"):
         text = text[len("file://"):]

@@ -36,7 +36,6 @@ import dataclasses
 import functools
 import math
 import os
-import re
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -75,10 +74,12 @@ from weightstore.formats import Format, format_named
 from weightstore.formats import _sharded_index as shardindex
 from weightstore.formats import delta as delta_format
 from weightstore.formats._sharded_index import (
+    CLAIM,
     DELTA_MEMBER_SUFFIX,
     INDEX_FORMAT,
     INDEX_VERSION,
     MEMBER_SUFFIXES,
+    RANK_FILE,
     SHARD_METADATA,
     BlockTable,
     Box,
@@ -92,6 +93,7 @@ from weightstore.formats._sharded_index import (
     TableRef,
     TensorEntry,
     attempt_folder,
+    attempt_of,
     band_digests,
     block_crcs,
     check_boxes,
@@ -121,25 +123,15 @@ from weightstore.sync._checks import (
     checked_step,
 )
 from weightstore.sync._delta import Delta, Stored, as_delta
-from weightstore.sync._folder import SHARDED_SUFFIX, names_step, require_folder, version_files
+from weightstore.sync._folder import SHARDED_SUFFIX, names_step, remove_attempt, require_folder, version_files
 from weightstore.sync._pinning import Version, read_latest
 from weightstore.sync._publish import _BaseMoved, commit_version
 
 __all__ = ["Piece", "publish_shard", "commit_shards", "publish_together", "in_background", "next_attempt",
            "claimed_attempt", "clean_folder"]
 
-#: an attempt folder's name (a step past 12 digits, a timestamp, is longer): ASCII digits and nothing
-#: after them (``\d`` takes ``٣``, ``$`` a final newline), so ``ws clean`` removes no folder weightstore never named
-_ATTEMPT = re.compile(r"^step-([0-9]{12,})\.attempt-([0-9]+)\Z")
-#: a rank's file in an attempt folder: its member (of any format, or a delta), block table
-#: (:func:`table_name`) or done-record (:func:`done_name`); ASCII digits and nothing after, as :data:`_ATTEMPT`
-_RANK_FILE = re.compile("^rank-[0-9]{5,}(" + "|".join(
-    re.escape(suffix) for suffix in (*MEMBER_SUFFIXES, DELTA_MEMBER_SUFFIX, ".blocks", ".done")) + ")\\Z")
 #: how often the coordinator looks for done-records, at most (it backs off from 50 ms)
 _POLL = 0.5
-#: the file rank 0 creates, create-only, in each attempt folder it hands out, naming its launch
-#: (:func:`claimed_attempt`); readers and cleaning ignore it
-CLAIM = "claimed-by"
 #: how often a waiting coordinator reads ``LATEST`` to see whether its commit can still succeed
 _DOOMED_EVERY = 2.0
 
@@ -648,9 +640,9 @@ def clean_attempts(target: Folder, index: ShardIndex, members: Folder, listed: I
     indexed = {step for step, entry in version_files(target) if entry.name.endswith(SHARDED_SUFFIX)}
     removed = []
     for sub, step, attempt in _attempts(target):
-        if (step == index.step and attempt != index.attempt) or (
-                step < index.step and step not in indexed and not _unlisted_index(target, step)):
-            target.remove_folder(sub)
+        if ((step == index.step and attempt != index.attempt) or (
+                step < index.step and step not in indexed and not _unlisted_index(target, step))) and (
+                remove_attempt(target, sub)):  # what a user put in it stays, with it
             removed.append(sub)
     return removed + _remove_unnamed(index, members, listed)
 
@@ -670,7 +662,7 @@ def _remove_unnamed(index: ShardIndex, members: Folder, listed: Iterable[str]) -
         for name in (member.file.rsplit("/", 1)[-1], *([table_name(member.rank)] if member.table else []))}
     removed = []
     for name in sorted(set(listed) - named):
-        if _RANK_FILE.match(name):
+        if RANK_FILE.match(name):
             try:
                 members.remove(name)
             except (OSError, WeightStoreError) as error:
@@ -720,8 +712,8 @@ def clean_folder(folder: Any, *, storage_options: Mapping[str, Any] | None = Non
     for sub, step, attempt in _attempts(target):
         # an unreadable index may name any attempt
         if (step, attempt) not in live and (step, None) not in live and (
-                step in listed or not _unlisted_index(target, step)):
-            target.remove_folder(sub)
+                step in listed or not _unlisted_index(target, step)) and (
+                remove_attempt(target, sub)):  # what a user put in it stays, with it
             removed.append(sub)
     for index, members, present in kept:
         removed += _remove_unnamed(index, members, present)
@@ -762,8 +754,7 @@ def _members_present(index: ShardIndex, members: Folder, present: Mapping[str, i
 
 def _attempts(target: Folder) -> list[tuple[str, int, int]]:
     """``(name, step, attempt)`` of every attempt folder in ``target``."""
-    return [(sub, int(match.group(1)), int(match.group(2)))
-            for sub in target.subfolders() if (match := _ATTEMPT.match(sub))]
+    return [(sub, *held) for sub in target.subfolders() if (held := attempt_of(sub)) is not None]
 
 
 def _read_index(target: Folder, name: str) -> tuple[ShardIndex | None, WeightStoreError | None]:

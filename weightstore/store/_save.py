@@ -28,7 +28,7 @@ from weightstore.core._jsontext import too_deep
 from weightstore.core._tensortable import TensorInfo
 from weightstore.core._words import checks_words
 from weightstore.core.keys import validate_keys
-from weightstore.core.limits import MAX_JSON_DEPTH
+from weightstore.core.limits import MAX_HF_INDEX_BYTES, MAX_JSON_DEPTH
 from weightstore.core.manifest import build_manifest, content_digest, dtype_name, logical_dtype, to_storage, utc_now
 from weightstore.core.names import KEYS, TORCH, WRITE_NAMINGS, check_naming, torch_name_of_key
 from weightstore.errors import (
@@ -95,8 +95,8 @@ def save(
             ``model.safetensors.index.json``) instead: ``model-0000N-of-0000M.safetensors``
             shards of at most this many bytes (or ``"5GB"``, ``"500MiB"``; a larger tensor gets
             a shard of its own) and the index, written last (a save that fails or is
-            interrupted first removes the shards it wrote; a reader refuses a shard of another
-            save beside the index, never mixing two models). Tensors are named PyTorch's way
+            interrupted before the index is in place removes the shards it wrote; a reader
+            refuses a shard of another save beside the index, never mixing two models). Tensors are named PyTorch's way
             unless ``names="keys"``, so ``transformers`` and ``safetensors`` load the folder.
             Shards of an earlier save the new index does not name are removed after it, and so
             is a ``model.safetensors`` beside ``model.safetensors.index.json``, which
@@ -171,6 +171,8 @@ def _save_sharded(location: str, weights: Mapping[str, Any], metadata: Mapping[s
     made_folder = not is_url(folder) and not os.path.isdir(folder)
     if made_folder:
         os.makedirs(folder, exist_ok=True)
+    elif overwrite:
+        _remove_index_without_save_time(target, index.rpartition("/")[2])
     sizes = {key: arrays.info(key).nbytes for key in arrays}
     plan = hf_sharded.plan_shards(sizes, limit)
     shards = dict(zip(hf_sharded.shard_names(len(plan)), plan, strict=True))
@@ -188,9 +190,20 @@ def _save_sharded(location: str, weights: Mapping[str, Any], metadata: Mapping[s
         with index_commit.writing() as local, builtins.open(local, "wb") as handle:
             handle.write(document)
     except BaseException:  # a failed or interrupted save (disk full, Ctrl-C) leaves no half of a model
-        _remove_placed_shards(target, placed, folder if made_folder else None)
+        if not index_commit.landed:  # else the index in place names them: the whole model is there
+            _remove_placed_shards(target, placed, folder if made_folder else None)
         raise
     _remove_stale_shards(target, set(shards), standard)
+
+
+def _remove_index_without_save_time(folder: Folder, name: str) -> None:
+    """An index that records no save time (``save_pretrained``'s) goes before this save puts its
+    first shard in place of one it maps: left, a save cut short would leave that shard beside it,
+    read with the old ones as one model. Cut short, the save then leaves no model, as an
+    overwrite of weightstore's own leaves one every reader refuses."""
+    text = folder.read_small(name, MAX_HF_INDEX_BYTES)
+    if text is not None and not hf_sharded.save_time(text):
+        folder.remove(name)
 
 
 def _remove_placed_shards(folder: Folder, placed: list[str], made: str | None) -> None:

@@ -28,7 +28,8 @@ reasons, it is more often one that passes, an expired token renewed); before tha
 snapshot is given up at once and the next one tries again, after the storage's pause (the
 credentials may have been fixed). Any other failure (a step that does not go forward, weights
 no format takes) is not retried. Every failure is logged (the ``weightstore`` logger) and counted
-(:attr:`~BackgroundPublisher.failures`, :attr:`~BackgroundPublisher.last_error`); its future
+(:attr:`~BackgroundPublisher.failures`, :attr:`~BackgroundPublisher.last_error`), and so is the
+first version written after storage failures (the storage answers again); its future
 raises it for a caller who asks (``future.result()``). The snapshot being retried is held
 until it is written or given up, so a retry writes the same weights.
 
@@ -79,15 +80,18 @@ from typing import Any
 from weightstore.core import _parallel as parallel
 from weightstore.core._exiting import finish_before_exit
 from weightstore.core._forks import in_child
+from weightstore.core.limits import MAX_POINTER_BYTES
 from weightstore.errors import PublishError, StorageError, WeightStoreError, WriteError
 from weightstore.formats import format_named
+from weightstore.formats._pointer import LATEST
 from weightstore.io.location import connection_failure, service_answer
 from weightstore.store._save import checked_metadata
 from weightstore.sync._checks import DEFAULT_FORMAT, DEFAULT_KEEP, checked_keep, checked_seconds, checked_step
 from weightstore.sync._delta import Delta, as_delta
-from weightstore.sync._follow import latest
-from weightstore.sync._pinning import Version
+from weightstore.sync._folder import versions_folder
+from weightstore.sync._pinning import Version, pointer_version
 from weightstore.sync._publish import PublishOptions, publish
+from weightstore.sync._writers import written_here
 
 __all__ = ["BackgroundPublisher", "PublishFuture"]
 
@@ -168,6 +172,8 @@ class BackgroundPublisher:
         self._thread: threading.Thread | None = None
         self._given_up = False  # interrupted at exit: no retry, nothing pending written
         self._failing = False  # whether the snapshot being written has failed an attempt (is retrying)
+        #: when the storage began failing this publisher (whichever snapshot), until a version is written again
+        self._storage_failing_since: float | None = None
         #: while the storage fails: the pause before the next attempt, whichever snapshot it writes
         self._pause = self.retry_backoff
         self._resume_at = 0.0
@@ -288,7 +294,8 @@ class BackgroundPublisher:
         """Publish ``job``, retrying while storage fails, until done, given up or replaced: the
         version published, or the error that ended it. A retry first asks whether the attempt
         that failed published all the same (its error came after ``LATEST`` moved, or a timed-out
-        swap that the storage had applied): then that version is the outcome. The backoff is the
+        swap that the storage had applied: ``LATEST`` names this process's version of its step):
+        then that version is the outcome. The backoff is the
         storage's, not the snapshot's: a newer snapshot replacing one that failed waits out the
         rest of the pause, which doubles on, so a trainer handing over a snapshot every second
         does not try the failing storage every second."""
@@ -304,6 +311,7 @@ class BackgroundPublisher:
                 return StorageError(f"step {job.step} was not published: the newer snapshot of step {newer.step} "
                                     f"replaced it while the storage was failing ({self.last_error})",
                                     path=str(self.folder))
+            attempted = time.monotonic()
             try:
                 version = publish(self.folder, job.weights, step=job.step, metadata=job.metadata,
                                   delta=self._delta or False, **self._options)
@@ -312,25 +320,41 @@ class BackgroundPublisher:
                 self._failing = True
                 published = self._published_anyway(job)
                 if published is not None:
-                    self.last, self._answered = published, True
-                    return published
+                    return self._written(published)
                 if _retryable(error):  # the storage's pause: a newer snapshot waits it out as well
                     self._resume_at = time.monotonic() + self._pause
                     self._pause = min(self._pause * 2, self.max_backoff)
+                    if self._storage_failing_since is None:  # the attempt's start: a client's own retries
+                        self._storage_failing_since = attempted  # (botocore's) may hide the first 20 s
                 if not self._failed(job, error, time.monotonic() - failing_since):
                     return error
                 continue
             self._pause, self._resume_at = self.retry_backoff, 0.0
-            self.last, self._answered = version, True
-            return version
+            return self._written(version)
+
+    def _written(self, version: Version) -> Version:
+        """Record ``version`` as the last published; after storage failures, log that it answers
+        again, once, as the first failure was logged: without it a log ends on "retrying"."""
+        self.last, self._answered = version, True
+        if self._storage_failing_since is not None:
+            _log.warning("published step %d to %s: the storage answers again, after %.0f s of failures",
+                         version.step, self.folder, time.monotonic() - self._storage_failing_since)
+            self._storage_failing_since = None
+        return version
 
     def _published_anyway(self, job: _Job) -> Version | None:
-        """The version ``LATEST`` names, where it is ``job``'s step (a failure after the swap)."""
+        """The version ``LATEST`` names, where this process wrote it at ``job``'s step (a failure
+        after the swap); never another process's of that step (one that took the folder over, or
+        won the race), whose weights are not this snapshot's."""
         try:
-            current = latest(self.folder, storage_options=self._options["storage_options"])
+            folder = versions_folder(self.folder, self._options["storage_options"])
+            pointer = folder.read_small(LATEST, MAX_POINTER_BYTES + 1)
+            current = pointer_version(folder, pointer)
         except (WeightStoreError, OSError):
             return None
-        return current if current is not None and current.step == job.step else None
+        if current is None or pointer is None or current.step != job.step or not written_here(pointer):
+            return None
+        return current
 
     def _failed(self, job: _Job, error: BaseException, spent: float) -> bool:
         """Count and log a failed attempt; whether to try again."""
@@ -375,11 +399,20 @@ class BackgroundPublisher:
             dropped.future.cancel()
 
     def _log_unfinished(self) -> None:
-        newest = self._pending or self._writing
-        if newest is not None:
-            _log.warning("step %d is not published to %s yet (%s); the last version published is %s; it goes on "
-                         "in the background for up to %.0f s", newest.step, self.folder,
-                         self.last_error or "still writing", self.last.step if self.last else "none", self.retry_for)
+        """Say what is still unpublished and why: the storage's error only while it still fails
+        (``last_error`` stays after an outage ends), else which step is being written."""
+        newest, writing = self._pending or self._writing, self._writing
+        if newest is None:
+            return
+        if self._storage_failing_since is not None and self.last_error is not None:
+            why = str(self.last_error)
+        elif writing is None or writing is newest:
+            why = "still being written"
+        else:
+            why = f"waiting for step {writing.step}, still being written"
+        _log.warning("step %d is not published to %s yet (%s); the last version published is %s; it goes on "
+                     "in the background for up to %.0f s", newest.step, self.folder, why,
+                     self.last.step if self.last else "none", self.retry_for)
 
 
 #: every publisher of this process, to start afresh in a forked child

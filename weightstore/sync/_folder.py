@@ -25,7 +25,7 @@ from weightstore.errors import (
 )
 from weightstore.formats import delta as delta_format
 from weightstore.formats._pointer import LATEST, VERSION_NAME, parse_pointer
-from weightstore.formats._sharded_index import ShardIndex
+from weightstore.formats._sharded_index import ShardIndex, attempt_of, written_in_attempt
 from weightstore.io.files import remove_stale_temporaries
 from weightstore.io.folders import Folder, LocalFolder, folder_for
 from weightstore.sync import _stages as stages
@@ -92,14 +92,16 @@ class FolderState:
         elif self.pointer is None and self.newest is not None:
             warnings.warn(f"{where}: LATEST is missing but version files exist; the newest, step {self.newest}, "
                           "counts as current and the next publish names its own version", stacklevel=4)
-        taken = taken_over(self.folder, self.latest_writer, None if self.pointer is None else self.pointer.step)
+        taken = taken_over(self.folder, self.latest_writer, None if self.pointer is None else self.pointer.step,
+                           self.above_latest())
         if taken is not None:
             raise PublishError(f"step {step} was not published: {taken}", path=where)
         if self.pointer is not None and step <= self.pointer.step:
             raise PublishError(f"step {step} is not after step {self.pointer.step}, which LATEST names; steps must "
                                "increase (is another trainer publishing to this folder, or was this one restarted "
                                f"from an older checkpoint? then its publishes go through once its step passes "
-                               f"{self.pointer.step})", path=where)
+                               f"{self.pointer.step}; to serve its weights before that, publish to a new folder)",
+                               path=where)
         rolled_back = self.above_latest()
         if self.pointer is not None and rolled_back and step <= rolled_back[-1]:
             raise PublishError(
@@ -226,13 +228,27 @@ def read_index(folder: Folder, name: str) -> ShardIndex:
 
 
 def remove_version(folder: Folder, name: str) -> None:
-    """Remove a version file; a sharded version's index first, then every attempt folder of its step."""
+    """Remove a version file; a sharded version's index first, then every attempt folder of its
+    step (:func:`remove_attempt`)."""
     folder.remove(name)
     if name.endswith(SHARDED_SUFFIX):
-        prefix = name[: -len(SHARDED_SUFFIX)] + ".attempt-"
+        step = int(name[len("step-"):-len(SHARDED_SUFFIX)])
         for sub in folder.subfolders():
-            if sub.startswith(prefix):
-                folder.remove_folder(sub)
+            held = attempt_of(sub)
+            if held is not None and held[0] == step:
+                remove_attempt(folder, sub)
+
+
+def remove_attempt(folder: Folder, name: str) -> bool:
+    """Remove attempt folder ``name``: the files weightstore writes there, then the folder.
+    Anything else in it (a user's file or folder) stays, and so does the folder, with a warning
+    naming it. Whether the folder is gone."""
+    left = folder.remove_folder(name, written_in_attempt)
+    if left:
+        shown = ", ".join(left[:3]) + (f" and {len(left) - 3} more" if len(left) > 3 else "")
+        warnings.warn(f"{folder.url(name)}: kept: it holds what weightstore does not write there ({shown})",
+                      UserWarning, stacklevel=3)
+    return not left
 
 
 def names_step(target: Folder, step: int) -> bool:

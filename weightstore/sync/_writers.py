@@ -8,7 +8,8 @@ process that has published to a folder refuses to publish there again once ``LAT
 another writer: the newer writer took the folder over. A process's first publish to a folder
 takes it over whoever wrote before, so a restarted trainer goes on at once, and nothing is
 left behind that a crashed trainer would hold: the check costs no request (``LATEST`` is read
-by every publish anyway) and no lock.
+by every publish anyway) and no lock. A forked child is a writer of its own whose publishes
+do not take the folder from its parent (:func:`_forked`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+from collections.abc import Collection
 
 from weightstore.core._forks import in_child
+from weightstore.formats._pointer import parse_pointer
 from weightstore.io.folders import Folder, LocalFolder
 
 
@@ -36,10 +39,18 @@ def writer() -> str:
     return _writer
 
 
+def written_here(pointer: bytes) -> bool:
+    """Whether ``LATEST``'s bytes ``pointer`` name this process as their writer."""
+    return parse_pointer(pointer).get("writer") == _writer
+
+
 def _forked() -> None:
-    """A forked child is a writer of its own: a publish of its parent's and one of its own would interleave."""
+    """A forked child is a writer of its own, as two trainers forked from one launcher are; its
+    name begins with its parent's, whose publishes go on after the child's (a trainer writing
+    each snapshot from a child that shares its pages, then its final weights itself), while the
+    child's after the parent's are refused."""
     global _writer
-    _writer = _name()
+    _writer = f"{_writer} child {_name()}"
     _published.clear()
 
 
@@ -55,12 +66,18 @@ def published_here(folder: Folder, step: int) -> None:
     _published[_key(folder)] = step
 
 
-def taken_over(folder: Folder, latest_writer: object, latest_step: int | None) -> str | None:
+def taken_over(folder: Folder, latest_writer: object, latest_step: int | None,
+               above_latest: Collection[int]) -> str | None:
     """Why this process may not publish to ``folder`` (another writer published there after it);
-    ``None`` when it may: it never published there, or ``LATEST`` is its own or names no writer
-    (written by hand, or by a weightstore before writers were recorded)."""
+    ``None`` when it may: it never published there, ``LATEST`` is its own or a child's it forked
+    (:func:`_forked`) or names no writer (written by hand, or by a weightstore before writers
+    were recorded), or ``LATEST`` was rolled back below this process's last version, which is
+    still there among ``above_latest`` (a backup restored: another writer's publish would have
+    had to pass that version's step)."""
     mine = _published.get(_key(folder))
-    if mine is None or not isinstance(latest_writer, str) or latest_writer == _writer:
+    if mine is None or not isinstance(latest_writer, str) or mine in above_latest:
+        return None
+    if latest_writer == _writer or latest_writer.startswith(f"{_writer} child "):  # its own, or a forked child's
         return None
     return (f"another writer ({latest_writer}) published step {latest_step} to this folder after this process "
             f"({_writer}) published step {mine}: two trainers publishing to one folder would have followers serve "
