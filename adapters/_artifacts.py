@@ -96,13 +96,15 @@ def is_legacy_keras_h5(weights: Any) -> bool:
         return False
 
 
-def legacy_keras_h5_error(path: str | None) -> AssignmentError:
-    """Why a legacy Keras HDF5 file (:func:`is_legacy_keras_h5`) pairs with no model by its names, and what to do."""
+def legacy_keras_h5_error(refused: AssignmentError) -> AssignmentError:
+    """Why a legacy Keras HDF5 file (:func:`is_legacy_keras_h5`) pairs with no model by its names, and what to do:
+    said of an assign without ``mapping`` only; one that maps its names pairs by them, and its refusal names
+    what did not pair (``b/bias`` missing), as any file's does. ``refused``'s keys are carried for callers."""
     return AssignmentError(
         "is a legacy Keras HDF5 file (model.save('m.h5'), or Keras 2's save_weights), whose tensors Keras pairs with "
         "the model's layers by their order, not by these names: load it with Keras, model.load_weights(path), then "
         "save it as weightstore pairs it: ws.save('m.npz', tf2.export(model)) or model.save_weights('m.weights.h5')",
-        path=path)
+        missing=refused.missing, unexpected=refused.unexpected, mismatched=refused.mismatched, path=refused.path)
 
 
 def is_lora_file(path: Any) -> bool:

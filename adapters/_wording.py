@@ -4,6 +4,7 @@ matches offered and the scope that would have paired them."""
 from __future__ import annotations
 
 import difflib
+import re
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
@@ -13,6 +14,8 @@ import numpy as np
 from weightstore.adapters._casts import castable, widens
 from weightstore.adapters._report import LISTED, TYPO, Mismatch, Report, TargetInfo
 from weightstore.core.keys import suggest as keys_suggest
+
+_KERAS_NUMBER = re.compile(r"_[0-9]+$")  # what Keras puts after an automatic name taken before (dense_3)
 
 
 def few_assigned(where: str, paired: int, targets: Mapping[str, TargetInfo], values: Mapping[str, str],
@@ -84,18 +87,26 @@ def _scope_fix(values: Iterable[str], targets: Iterable[str], renamed: bool) -> 
 
 def member_scopes(values: Collection[str], targets: Collection[str]) -> list[str]:
     """The scopes (up to three segments) under which ``values`` hold a copy of the variables, an
-    ensemble's file given to one member: half of them by key, or every variable by its name's last
-    segment (an ensemble's Keras file numbers its members' automatic names on, ``model_002/dense_2/kernel``)."""
-    leaves = Counter(key.rsplit("/", 1)[-1] for key in targets)
+    ensemble's file given to one member: half of them by key, or every variable by its key with
+    Keras's numbering taken off each name (an ensemble's Keras file numbers its members' automatic
+    names on, ``model_002/dense_2/kernel`` for ``dense/kernel``); the last segments alone would
+    call any scope of as many weights and biases a copy (a transformer layer's ``mlp/fc1``, ``mlp/fc2``)."""
+    unnumbered = Counter(map(_unnumbered, targets))
     under: dict[str, list[str]] = {}
     for key in values:
         parts = key.split("/")
         for depth in range(1, min(len(parts), 4)):
             under.setdefault("/".join(parts[:depth]), []).append("/".join(parts[depth:]))
     copies = {scope for scope, keys in under.items() if sum(key in targets for key in keys) * 2 >= len(targets)
-              or Counter(key.rsplit("/", 1)[-1] for key in keys) == leaves}
+              or Counter(map(_unnumbered, keys)) == unnumbered}
     # the innermost: model_002/tower_0 holds the copy that model_002 holds, and is no second member
     return sorted(scope for scope in copies if not any(other.startswith(scope + "/") for other in copies))
+
+
+def _unnumbered(key: str) -> str:
+    """``key`` with Keras's numbering of automatic names taken off each name: ``sequential/dense``
+    for ``sequential_1/dense_3``."""
+    return "/".join(_KERAS_NUMBER.sub("", name) for name in key.split("/"))
 
 
 def _listed(scopes: Sequence[str]) -> str:

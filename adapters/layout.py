@@ -732,9 +732,9 @@ def plan_laid_out(values: ValueSource, targets: Mapping[str, TargetInfo], option
     try:
         plan = plan_assign(view, targets, options, optional=optional, refused=refused, left_out=left_out, tied=tied)
     except AssignmentError as error:
-        if values.path is None or not is_legacy_keras_h5(values.path):
+        if options.mapping or values.path is None or not is_legacy_keras_h5(values.path):
             raise
-        raise legacy_keras_h5_error(values.path) from error
+        raise legacy_keras_h5_error(error) from error
     plan.report.left_out = left_out  # a layout converts none of them: named as the values name them
     return plan, view
 

@@ -285,9 +285,9 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
             try:
                 report = run_assign(target, weights, options)
             except AssignmentError as error:
-                if not is_legacy_keras_h5(weights):
+                if options.mapping or not is_legacy_keras_h5(weights):  # a mapping of its names: as any file's
                     raise
-                raise legacy_keras_h5_error(error.path) from error
+                raise legacy_keras_h5_error(error) from error
         else:
             try:
                 with for_model(_part_at(obj, at), weights, {strip_scope(key, at): var for key, (var, _) in found.items()
@@ -301,7 +301,8 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
                 raise AssignmentError(
                     f"holds an ensemble, the model's variables under each of {', '.join(map(repr, members[:3]))}"
                     f"{' and more' if len(members) > 3 else ''}: assign one member, ws.load(path, scope={members[0]!r}) "
-                    "(`ws export --scope` writes its file)", path=error.path) from error
+                    "(`ws export --scope` writes its file)", missing=error.missing, unexpected=error.unexpected,
+                    mismatched=error.mismatched, path=error.path) from error
         if keras_keyed:
             _zero_lora_factors(lora, found, written, report, options)
         return report

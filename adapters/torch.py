@@ -372,7 +372,8 @@ def _keyed(values: Any, targets: Collection[str], options: AssignOptions) -> Any
     def paired(candidate: Mapping[str, str]) -> int:
         return sum(join_scope(scope, key) in targets for key in candidate.values())
 
-    spoken = {source.split("/", 1)[0] for source, _ in parse_mapping(options.mapping)}
+    sources = [source.split("/") for source, _ in parse_mapping(options.mapping)]
+    spoken = {parts[0] for parts in sources}
     best, unwrapped = paired(keys), keys
     while unwrapped:
         wrapper = next((name for name in _WRAPPER_NAMES if name not in spoken
@@ -382,7 +383,8 @@ def _keyed(values: Any, targets: Collection[str], options: AssignOptions) -> Any
         unwrapped = {name: key[len(wrapper) + 1 :] for name, key in unwrapped.items()}
         if paired(unwrapped) > best:
             best, keys = paired(unwrapped), unwrapped
-    keys = _unwrapped_under_scopes(keys, lambda key: join_scope(scope, key) in targets, spoken)
+    keys = _unwrapped_under_scopes(keys, lambda key: join_scope(scope, key) in targets,
+                                   {part for parts in sources for part in parts})
     renames = {name: key for name, key in keys.items() if key != name}
     return RenamedValues(values, renames) if renames else values
 
@@ -391,7 +393,8 @@ def _unwrapped_under_scopes(keys: dict[str, str], pairs: Callable[[str], bool], 
     """``keys`` (name -> key) with a wrapper's name taken out after a scope, key by key, where the
     key pairs no variable and the key without it does (and no other value has it): a store of
     wrappers' files each under a scope, as ``ws import ddp.safetensors --into ens.safetensors
-    --scope members/0`` writes them (``members/0/module/0/weight``)."""
+    --scope members/0`` writes them (``members/0/module/0/weight``). A wrapper's name that a
+    ``mapping`` rule names anywhere (``{"members/0/module": "members/0"}``) stays for that rule."""
     taken = set(keys.values())
     unwrapped = dict(keys)
     for name, key in keys.items():

@@ -334,6 +334,8 @@ def _under_scope(opened: sources.Source, scope: str | None, include: list[str] |
             raise unmatched_scope(norm, opened.keys())
         if include or exclude:  # export's own selection, so both commands keep the same keys
             under = [key for key in keys if key != norm]
+            if include and keys and not under:  # only the scope's own key, which --include leaves out: export's refusal
+                raise unmatched_scope(norm, opened.keys())
             kept = set(plan_outward(under, scope=norm, include=include, exclude=exclude).values()) if under else set()
             keys = [key for key in keys if key in kept or (key == norm and not include)]
     return keys

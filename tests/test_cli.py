@@ -492,6 +492,21 @@ def test_ls_scope_with_include_or_exclude_keeps_what_load_keeps_and_the_scope_ke
         assert listed(*words) == (["w"] if "include" not in selection else []) + under, words
 
 
+def test_ls_scope_naming_a_tensor_alone_with_include_is_refused_as_export_refuses_it(tmp_path):
+    """``ws ls --scope w --include 'x*'`` where ``w`` is a tensor with nothing under it listed
+    nothing and exited 0, as if the file held nothing; ``ws export`` says ``w`` is a tensor, not a
+    scope, and so does ``ls``. Without --include the scope's own key is listed, as without words."""
+    path = tmp_path / "plain.npz"
+    ws.save(path, {"w": np.ones(2, np.float32), "wx": np.ones(2, np.float32)})
+    for command in (["ls", path], ["export", path, "-o", tmp_path / "out.npz"]):
+        one_error_line(run(*command, "--scope", "w", "--include", "x*"), "scope 'w' matches no key",
+                       "'w' is a tensor, not a scope")
+    assert [t["key"] for t in json.loads(run("ls", path, "--json", "--scope", "w", "-x", "x*").stdout)["tensors"]] == ["w"]
+    ws.save(tmp_path / "empty.npz", {})  # a file of no tensors lists none, whatever the words
+    for words in (["--include", "x*"], ["--scope", "w", "--include", "x*"]):
+        assert json.loads(run("ls", tmp_path / "empty.npz", "--json", *words).stdout)["count"] == 0
+
+
 def test_ls_selects_with_include_and_exclude_as_export_does(store, tmp_path):
     """``ws export`` took --include/--exclude and ``ws ls`` did not: the keys a selection keeps
     could not be listed before writing them. The real ``ws``, relative to --scope as export's."""

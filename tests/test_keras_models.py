@@ -488,6 +488,7 @@ def test_the_ensembles_own_file_given_to_a_lone_member_names_the_members_and_how
     with pytest.raises(ws.AssignmentError) as caught:
         tf2.assign(lone, tmp_path / name)
     assert said in str(caught.value) and caught.value.path == str(tmp_path / name)
+    assert sorted(caught.value.missing) == sorted(tf2.keys(lone))  # the plan's keys, for callers
     tf2.assign(lone, ws.load(tmp_path / name, scope="member_1"))
     for key, value in tf2.export(members[1]).items():
         np.testing.assert_array_equal(tf2.export(lone)[key], value)
@@ -790,6 +791,7 @@ def test_a_legacy_keras_hdf5_file_says_keras_pairs_it_by_layer_order_and_how_to_
     assert str(caught.value).startswith(f"{path}: is a legacy Keras HDF5 file (model.save('m.h5'), or Keras 2's "
                                         "save_weights), whose tensors Keras pairs with the model's layers by their order")
     assert "model.load_weights(path)" in str(caught.value)
+    assert sorted(caught.value.missing) == sorted(tf2.keys(model))  # the plan's keys, for callers
     assert all(np.array_equal(value, before[key]) for key, value in tf2.export(model).items())
     model.load_weights(path)
     ws.save(tmp_path / "m.npz", tf2.export(model))
@@ -805,6 +807,37 @@ def test_a_legacy_keras_hdf5_file_says_keras_pairs_it_by_layer_order_and_how_to_
     with pytest.raises(ws.AssignmentError, match=r"is a legacy Keras HDF5 file .*model\.load_weights\(path\)"):
         torch_adapter.assign(module, path, layout="keras")
     assert torch_adapter.assign(module, tmp_path / "m.npz", layout="keras").ok
+
+
+def test_a_legacy_keras_hdf5_file_whose_names_a_mapping_pairs_is_refused_naming_what_did_not_pair(tmp_path):
+    """A mapping of a legacy file's names (``model_weights/bn/net/bn`` to ``bn``) pairs it, as
+    Keras's own load does; one tensor short, the refusal said only that Keras pairs such a file
+    by layer order, not what was missing, and ``error.missing`` was empty."""
+    import h5py
+
+    saved = bn_model()
+    for var in saved.weights:
+        var.assign(RNG.random(var.shape).astype("float32"))
+    saved.save(tmp_path / "legacy.h5")
+    rules = {"model_weights/dense/net/dense": "dense", "model_weights/bn/net/bn": "bn"}
+    model = bn_model()
+    assert tf2.assign(model, tmp_path / "legacy.h5", mapping=rules).ok
+    np.testing.assert_array_equal(model(X, training=False),
+                                  keras.models.load_model(tmp_path / "legacy.h5")(X, training=False))
+    with h5py.File(tmp_path / "legacy.h5", "a") as f:
+        del f["model_weights/bn/net/bn/beta"]
+    with pytest.raises(ws.AssignmentError) as caught:
+        tf2.assign(bn_model(), tmp_path / "legacy.h5", mapping=rules)
+    assert caught.value.missing == ["bn/beta"] and "no value for variable 'bn/beta'" in str(caught.value)
+    torch = pytest.importorskip("torch")  # by layout, as the layout names it
+    from weightstore.adapters import torch as torch_adapter
+
+    module = torch.nn.Sequential()
+    module.add_module("dense", torch.nn.Linear(3, 4))
+    module.add_module("bn", torch.nn.BatchNorm1d(4))
+    with pytest.raises(ws.AssignmentError) as caught:
+        torch_adapter.assign(module, tmp_path / "legacy.h5", layout="keras", mapping=rules)
+    assert caught.value.missing == ["bn/bias"]
 
 
 def test_trained_keras_files_imported_by_scope_assign_into_an_ensemble_leaving_each_optimizer_out(tmp_path):

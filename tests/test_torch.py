@@ -655,6 +655,41 @@ def test_a_mapping_of_the_wrappers_name_still_decides_what_the_names_mean():
     assert np.array_equal(values["module.0.weight"], renamed.first.weight.detach().numpy())
 
 
+def test_a_mapping_of_a_wrappers_name_after_a_scope_still_decides_what_the_names_mean(tmp_path):
+    """The way to pair a store of wrappers' files under scopes before the assign took the
+    wrapper's name out itself: a mapping from ``members/0/module``. The assign took the name out
+    first, so the user's rule matched no key and the assign was refused; the rule is applied."""
+    sources = [small_net() for _ in range(2)]
+    values = {f"members/{i}/{wrapper}/{name.replace('.', '/')}": tensor.numpy() + i + 1 for i, (source, wrapper)
+              in enumerate(zip(sources, ("module", "_orig_mod"), strict=True))
+              for name, tensor in source.state_dict().items()}
+    ws.save(tmp_path / "ensemble.safetensors", values)
+    ensemble = nn.Module()
+    ensemble.members = nn.ModuleList([small_net(), small_net()])
+    report = torch_adapter.assign(ensemble, tmp_path / "ensemble.safetensors",
+                                  mapping={"members/0/module": "members/0", "members/1/_orig_mod": "members/1"})
+    assert len(report.assigned) == len(ensemble.state_dict())
+    for i, member in enumerate(ensemble.members):
+        wrapper = ("module", "_orig_mod")[i]
+        assert all(np.array_equal(tensor.numpy(), values[f"members/{i}/{wrapper}/{name.replace('.', '/')}"])
+                   for name, tensor in member.state_dict().items())
+
+
+def test_another_architectures_file_is_not_called_an_ensemble_of_the_model(tmp_path):
+    """A transformer's file given to a small MLP by mistake: each of its layers' ``attn`` and
+    ``mlp`` holds two weights and two biases, as the MLP does, and the refusal called the file
+    an ensemble of the MLP and said to assign ``ws.load(path, scope='layers/0/attn')``, which pairs
+    nothing either. A scope is a member where its keys are the model's, not merely its leaves."""
+    values = {f"layers/{i}/{block}/{layer}/{leaf}": np.ones((8, 8) if leaf == "weight" else 8, np.float32)
+              for i in range(4) for block, layers in (("attn", ("qkv", "proj")), ("mlp", ("fc1", "fc2")))
+              for layer in layers for leaf in ("weight", "bias")}
+    ws.save(tmp_path / "transformer.npz", values)
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    with pytest.raises(AssignmentError, match="look like different architectures") as caught:
+        torch_adapter.assign(mlp, tmp_path / "transformer.npz")
+    assert "ensemble" not in str(caught.value)
+
+
 def test_a_leading_one_on_one_tensor_is_not_called_a_stacked_ensemble():
     """A ViT's position embedding (1, 5, 4) given a (5, 4) value is one mismatch, not a vmap-ed
     ensemble of 1 member: the refusal gives no stacking advice."""
