@@ -293,6 +293,18 @@ def test_import_into_a_url_without_a_store_suffix_says_checkpoints_are_written_l
     assert ".npz" in done.stderr
 
 
+@pytest.mark.parametrize("name", ["m.pt", "notes.TXT"])
+def test_import_into_a_url_of_a_kind_of_file_ws_never_writes_says_so_as_a_local_name_does(store, tmp_path, name):
+    """``--into s3://bucket/m.pt`` was answered that checkpoints are written only locally, while
+    a local ``m.pt`` was told ws does not write ``.pt`` files: the URL gets the local answer,
+    before any request."""
+    local = run("import", store, "--into", tmp_path / name)
+    done = subprocess.run([sys.executable, "-m", "weightstore", "import", str(store), "--into", f"s3://bucket/{name}"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr == f"error: s3://bucket/{name}: {local.stderr.split(': ', 2)[2]}"
+
+
 def test_import_into_tf_checkpoints_keeps_their_files_permissions(store, tmp_path):
     import stat
 
