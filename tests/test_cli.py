@@ -902,6 +902,30 @@ def test_ctrl_c_while_ws_starts_exits_130_quietly(tmp_path):
         assert (started.returncode, out, err) == (130, "", "interrupted\n"), delay
 
 
+SELECTION_WORDS = {"--scope", "--include", "--exclude", "--map", "--trainable-only", "--also"}
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/cli.md"])
+def test_the_selection_words_the_docs_give_each_command_are_the_ones_it_takes(doc):
+    """Found as a user: the docs listed every selection word beside the commands, and ``ws ls
+    --trainable-only`` was no option. Each clause of the sentence that lists them (``--scope``,
+    ``--include``, ``--exclude`` in ``ls``, ...) names words and commands: together, exactly the
+    selection words each command takes."""
+    import typer.main
+
+    text = " ".join((Path(__file__).parents[1] / doc).read_text().split())
+    sentence = re.search(r"The words mean what they mean in [^:]*: (.*?)\.", text)
+    assert sentence, doc
+    documented: dict[str, set[str]] = {}
+    for clause in sentence.group(1).split(";"):
+        for command in re.findall(r"`(?:ws )?([a-z]+)`", clause):
+            documented.setdefault(command, set()).update(re.findall(r"`(--[a-z-]+)`", clause))
+    commands = typer.main.get_command(app).commands  # type: ignore[attr-defined]
+    taken = {name: words for name, command in commands.items()
+             if (words := {opt for param in command.params for opt in param.opts} & SELECTION_WORDS)}
+    assert documented == taken
+
+
 def _documented_json_fields() -> dict[str, tuple[list[str], dict[str, list[str]]]]:
     """docs/cli.md's table of ``--json`` fields: command -> (top-level fields, nested "each:" fields)."""
     text = (Path(__file__).parents[1] / "docs" / "cli.md").read_text()
