@@ -151,6 +151,7 @@ def is_checkpoint_target(target: str) -> bool:
     """
     if is_url(target):
         if format_for_suffix(target) is None and not target.endswith(".keras"):
+            _refuse_other_file(target)  # the answer a local name gets: ws never writes such a file
             # else the store's write refused it asking for a suffix, as if a checkpoint were no choice
             raise TargetError("a TF checkpoint is written only to a local prefix (model.ckpt); into object "
                               f"storage, import into a store named with one of {', '.join(known_suffixes())}",
@@ -219,11 +220,16 @@ def _refuse_unusable_prefix(target: str) -> None:
     ending in ``/`` would make hidden files ``.index`` and ``.data-*`` that nothing reads back,
     and a suffix of another kind of file (``.pt``, ``.txt``) is a mistake that would otherwise
     become a checkpoint without a word."""
-    name = os.path.basename(target)
-    if not name:
+    if not os.path.basename(target):
         raise TargetError(f"ends in {target[-1]!r}, so it names no checkpoint; give a prefix such as "
                           f"{os.path.join(target, 'model.ckpt')}", path=target)
-    suffix = os.path.splitext(name)[1].lower()
+    _refuse_other_file(target)
+
+
+def _refuse_other_file(target: str) -> None:
+    """A name with the suffix of a kind of file ws never writes (``.pt``, ``.txt``) is refused
+    saying so, locally and as a URL alike."""
+    suffix = os.path.splitext(target.rsplit("/", 1)[-1])[1].lower()
     if suffix in _OTHER_FILE_SUFFIXES:
         raise TargetError(f"ws import writes stores ({', '.join(known_suffixes())}), Keras files and TF "
                           f"checkpoints, not {suffix} files; a new checkpoint is named like model.ckpt",

@@ -293,6 +293,18 @@ def test_import_into_a_url_without_a_store_suffix_says_checkpoints_are_written_l
     assert ".npz" in done.stderr
 
 
+@pytest.mark.parametrize("name", ["m.pt", "notes.TXT"])
+def test_import_into_a_url_of_a_kind_of_file_ws_never_writes_says_so_as_a_local_name_does(store, tmp_path, name):
+    """``--into s3://bucket/m.pt`` was answered that checkpoints are written only locally, while
+    a local ``m.pt`` was told ws does not write ``.pt`` files: the URL gets the local answer,
+    before any request."""
+    local = run("import", store, "--into", tmp_path / name)
+    done = subprocess.run([sys.executable, "-m", "weightstore", "import", str(store), "--into", f"s3://bucket/{name}"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr == f"error: s3://bucket/{name}: {local.stderr.split(': ', 2)[2]}"
+
+
 def test_import_into_tf_checkpoints_keeps_their_files_permissions(store, tmp_path):
     import stat
 
@@ -888,6 +900,30 @@ def test_ctrl_c_while_ws_starts_exits_130_quietly(tmp_path):
         finally:
             started.kill()
         assert (started.returncode, out, err) == (130, "", "interrupted\n"), delay
+
+
+SELECTION_WORDS = {"--scope", "--include", "--exclude", "--map", "--trainable-only", "--also"}
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/cli.md"])
+def test_the_selection_words_the_docs_give_each_command_are_the_ones_it_takes(doc):
+    """Found as a user: the docs listed every selection word beside the commands, and ``ws ls
+    --trainable-only`` was no option. Each clause of the sentence that lists them (``--scope``,
+    ``--include``, ``--exclude`` in ``ls``, ...) names words and commands: together, exactly the
+    selection words each command takes."""
+    import typer.main
+
+    text = " ".join((Path(__file__).parents[1] / doc).read_text().split())
+    sentence = re.search(r"The words mean what they mean in [^:]*: (.*?)\.", text)
+    assert sentence, doc
+    documented: dict[str, set[str]] = {}
+    for clause in sentence.group(1).split(";"):
+        for command in re.findall(r"`(?:ws )?([a-z]+)`", clause):
+            documented.setdefault(command, set()).update(re.findall(r"`(--[a-z-]+)`", clause))
+    commands = typer.main.get_command(app).commands  # type: ignore[attr-defined]
+    taken = {name: words for name, command in commands.items()
+             if (words := {opt for param in command.params for opt in param.opts} & SELECTION_WORDS)}
+    assert documented == taken
 
 
 def _documented_json_fields() -> dict[str, tuple[list[str], dict[str, list[str]]]]:

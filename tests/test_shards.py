@@ -863,33 +863,53 @@ def test_ws_clean_counts_a_block_table_as_the_commit_does(tmp_path, digests):
         assert np.array_equal(ws.load(folder / "step-000000000001.wsindex")["w"], w)
 
 
-def test_a_restart_with_a_smaller_world_in_the_same_attempt_leaves_no_rank_of_the_larger_one(tmp_path):
+def test_a_restart_with_another_world_in_the_same_attempt_is_refused_by_every_rank_whatever_the_timing(tmp_path):
     """A job of 5 ranks wrote attempt 0 of a step and died before its commit; restarted with 3
-    ranks and attempt 0 again, it commits. Readers take only the 3 members the index names;
-    the commit (and ``ws clean``) removes the files of ranks 3 and 4, which stayed until the step
-    was pruned."""
+    ranks and attempt 0 again, its commit succeeded or failed by timing (whether it read a
+    rank's old done-record before that rank replaced it). Every rank now refuses, naming the
+    old world and saying to use a higher attempt=, and the commit fails at once saying the same;
+    a job grown into the same attempt alike. Attempt 1 commits, readers take only the 3 members
+    the index names, and the commit removes attempt 0."""
     folder = tmp_path / "run"
     w = np.arange(120 * 16, dtype=np.float32).reshape(120, 16)
-    for world in (5, 3):
+
+    def publish(rank: int, world: int, attempt: int) -> None:
         rows = 120 // world
-        for rank in range(world):
-            ws.publish_shard(folder, {"w": ws.Piece(w[rank * rows:(rank + 1) * rows] + world, (rank * rows, 0),
-                                                    w.shape)}, step=1, rank=rank, world=world, attempt=0)
-    version = shards.commit_shards(folder, step=1, world=3, attempt=0, timeout=5)
+        ws.publish_shard(folder, {"w": ws.Piece(w[rank * rows:(rank + 1) * rows] + world, (rank * rows, 0), w.shape)},
+                         step=1, rank=rank, world=world, attempt=attempt)
+
+    for rank in range(5):
+        publish(rank, 5, 0)
+    for world in (3, 6):
+        for rank in range(3):
+            with pytest.raises(ws.PublishError, match=rf"holds this rank's done-record of a launch of 5 ranks, and "
+                                                      rf"this rank is {rank} of {world}; attempts must increase: "
+                                                      r"publish the step again with a higher attempt="):
+                publish(rank, world, 0)
+    for world in (3, 6):
+        with pytest.raises(ws.PublishError, match=rf"rank \d of 5, not step 1 attempt 0 of {world} \(ranks or a launch "
+                                                  r"of another world wrote it; attempts must increase"):
+            shards.commit_shards(folder, step=1, world=world, attempt=0, timeout=60)
+    assert ws.latest(folder) is None
+    for rank in range(3):
+        publish(rank, 3, 1)
+    version = shards.commit_shards(folder, step=1, world=3, attempt=1, timeout=5)
     assert [member.rank for member in ShardIndex.parse(Path(version.path).read_bytes()).members] == [0, 1, 2]
     with ws.open(version) as store:
         assert store.read_region("w", (slice(90, 120),)).tobytes() == (w[90:] + 3).tobytes()
-    attempt = folder / "step-000000000001.attempt-0"
+    assert not (folder / "step-000000000001.attempt-0").exists()
+    attempt = folder / "step-000000000001.attempt-1"
     named = sorted(f"rank-0000{rank}{suffix}" for rank in range(3) for suffix in (".safetensors", ".blocks", ".done"))
     assert sorted(p.name for p in attempt.iterdir()) == named
-    # a folder an older weightstore left so: ws clean removes them (and nothing the index names)
+    # rank files past the world (a larger launch whose lower ranks never wrote) or of another form, as an older
+    # weightstore left them: ws clean removes them (and nothing the index names)
     for name in ("rank-00003.safetensors", "rank-00004.done", "rank-00001.wsdelta"):
         shutil.copy(attempt / "rank-00000.safetensors", attempt / name)
     cleaned = subprocess.run([sys.executable, "-m", "weightstore", "clean", str(folder), "--json"],
                              capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert cleaned.returncode == 0, cleaned.stderr
     assert sorted(json.loads(cleaned.stdout)["removed"]) == [
-        f"step-000000000001.attempt-0/{name}" for name in ("rank-00001.wsdelta", "rank-00003.safetensors",
+        f"step-000000000001.attempt-1/{name}" for name in ("rank-00001.wsdelta", "rank-00003.safetensors",
                                                            "rank-00004.done")]
     assert sorted(p.name for p in attempt.iterdir()) == named
     assert ws.load(version)["w"].tobytes() == (w + 3).tobytes()
@@ -903,10 +923,9 @@ def test_a_rank_file_the_commit_cannot_remove_is_left_with_a_warning_not_a_faile
 
     folder = tmp_path / "run"
     w = np.arange(64, dtype=np.float32).reshape(8, 8)
-    for world in (2, 1):
-        for rank in range(world):
-            ws.publish_shard(folder, {"w": ws.Piece(w[rank * 8 // world:(rank + 1) * 8 // world], (rank * 8 // world, 0),
-                                                    w.shape)}, step=1, rank=rank, world=world, attempt=0)
+    for rank, world in ((1, 2), (0, 1)):  # a launch of 2 whose rank 0 never wrote, then one of 1
+        ws.publish_shard(folder, {"w": ws.Piece(w[rank * 8 // world:(rank + 1) * 8 // world], (rank * 8 // world, 0),
+                                                w.shape)}, step=1, rank=rank, world=world, attempt=0)
     real_remove = LocalFolder.remove
 
     def locked(self, name):

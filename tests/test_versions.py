@@ -67,6 +67,18 @@ def test_opening_the_latest_of_a_folder_without_versions_says_why_it_is_none(tmp
             read(ws.latest(tmp_path))
 
 
+def test_a_writer_given_none_is_told_a_path_was_expected_not_how_to_wait_for_a_version():
+    """The hint about ``ws.latest`` being None before the first version fits readers only: a
+    save or publish given None (a path variable never set) gets the plain message."""
+    weights = {"a": np.zeros(2, np.float32)}
+    writers = (lambda: ws.save(None, weights), lambda: ws.publish(None, weights, step=1),
+               lambda: ws.publish_shard(None, weights, step=1, rank=0, world=1, attempt=0))
+    for write in writers:
+        with pytest.raises(TypeError) as caught:
+            write()
+        assert str(caught.value) == "a path was expected, not None"
+
+
 def test_hdf5_versions(tmp_path):
     version = ws.publish(tmp_path, weights_at(1), step=1, format="hdf5")
     assert version.path.endswith("step-000000000001.h5")

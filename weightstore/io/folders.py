@@ -449,7 +449,7 @@ class RemoteFolder(Folder):
 
 
 def folder_for(folder: Any, storage_options: Mapping[str, Any] | None = None) -> Folder:
-    location = location_of(folder)
+    location = location_of(folder, reading=False)  # a folder is never what ws.latest gave
     if location.remote:
         return RemoteFolder(location.text, storage_options)
     return LocalFolder(location.text)

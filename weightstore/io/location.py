@@ -50,14 +50,15 @@ NO_VERSION_YET = ("a path or a Version was expected, not None (ws.latest(folder)
                   "version yet: wait for one with ws.follow(folder) or a Follower's wait())")
 
 
-def location_of(path: Any) -> Location:
+def location_of(path: Any, *, reading: bool = True) -> Location:
     """The location behind anything weightstore accepts as a file (``Version`` has ``.path``): a
     ``str``, an ``os.PathLike``, or a ``bytes`` path, decoded as :func:`os.fsdecode` decodes it
-    (as ``open`` and ``os`` take one), so errors name it as text."""
+    (as ``open`` and ``os`` take one), so errors name it as text. ``reading=False`` (a file to
+    write, a folder): a path of ``None`` is refused plainly, as no ``ws.latest`` gave it."""
     if hasattr(path, "path") and not isinstance(path, (str, bytes, os.PathLike)):
         path = path.path
-    if path is None:  # os.fsdecode's own TypeError names no cause; this is the common one
-        raise TypeError(NO_VERSION_YET)
+    if path is None:  # os.fsdecode's own TypeError names no cause; for a reader this is the common one
+        raise TypeError(NO_VERSION_YET if reading else "a path was expected, not None")
     text = os.fsdecode(path)
     if text.startswith("file://"):
         text = text[len("file://"):]

@@ -215,7 +215,9 @@ def publish_shard(
             (FormatError), never misreads it. Reads verify every block's CRC-32 either way.
 
     Raises:
-        PublishError: the step is not above the one ``LATEST`` names.
+        PublishError: the step is not above the one ``LATEST`` names; the attempt holds this
+            rank's done-record of a launch of another world (attempts must increase: nothing
+            written).
         SizeLimitError: this rank's pieces or keys would take the version's index past its bounds
             (``docs/sharded.md``, Bounds; nothing written).
         InvalidKeyError, UnsupportedDTypeError, PieceError: a bad key, dtype, or piece (a start or
@@ -279,6 +281,7 @@ def _write_shard(target: Folder, pieces: Mapping[str, Any], *, step: int, rank: 
     if current is not None and current.step >= step:
         raise PublishError(f"step {step} is not after step {current.step}, which LATEST names; steps must increase",
                            path=target.where)
+    _refuse_another_worlds_attempt(members, step, attempt, rank, world)
     record_of = {item.stored: {"key": item.key, "start": list(item.start), "shape": list(item.shape)} for item in listed}
     metadata = {SHARD_METADATA: {"step": step, "attempt": attempt, "rank": rank, "world": world, "pieces": record_of}}
     # a delta's bytes of each stored tensor (a strip's copy, contiguous), made only for a delta:
@@ -329,6 +332,28 @@ def _write_shard(target: Folder, pieces: Mapping[str, Any], *, step: int, rank: 
     stages.reached("done-written")
 
 
+def _refuse_another_worlds_attempt(members: Folder, step: int, attempt: int, rank: int, world: int) -> None:
+    """Refuse, before writing, an attempt a launch of another world wrote: this rank's own
+    done-record there says another world. Its commit would otherwise succeed or fail by timing
+    (whether the coordinator read a rank's old record before that rank replaced it); so every
+    rank that finds its old record refuses, and the commit then reads an old record for certain."""
+    data = members.read_small(done_name(rank), MAX_DONE_BYTES + 1)
+    if data is None:
+        return
+    try:
+        earlier = parse_done(data)
+    except FormatError:  # damaged: nothing says another world wrote it, and this rank's record replaces it
+        return
+    if earlier.world != world:
+        raise PublishError(f"attempt {attempt} of step {step} holds this rank's done-record of a launch of "
+                           f"{earlier.world} ranks, and this rank is {rank} of {world}; {_HIGHER_ATTEMPT}",
+                           path=members.url(done_name(rank)))
+
+
+#: what to do about an attempt a launch of another world wrote
+_HIGHER_ATTEMPT = "attempts must increase: publish the step again with a higher attempt= (every rank)"
+
+
 def commit_shards(
     folder: Any,
     *,
@@ -371,7 +396,7 @@ def commit_shards(
         PublishError: the step is not above the one ``LATEST`` names (at once); a rank without
             a done-record gave up (``failures``: naming the rank and its reason); a done-record of
             another step, attempt or world (at once, naming it: ranks launched with another world
-            size); done-records of two job incarnations (naming both); pieces that overlap, leave a gap ("cover") or disagree on dtype or shape
+            size, or a launch of another world that wrote this attempt: use a higher one); done-records of two job incarnations (naming both); pieces that overlap, leave a gap ("cover") or disagree on dtype or shape
             (naming the key); two ranks' pieces of one part whose bytes differ (replicas that
             diverged: one of a part written alike is kept); a step that does not go forward;
             another coordinator committed this step or a later one first; the keys of every rank together
@@ -651,8 +676,8 @@ def _remove_unnamed(index: ShardIndex, members: Folder, listed: Iterable[str]) -
     """Remove from ``index``'s attempt folder (``members``, whose files ``listed`` names) the rank
     files the index does not name: a member a rank wrote before in another form (a delta refused
     as ``LATEST`` moved off its base, then written whole into the same attempt) and every file of
-    ranks past its world (a launch of a larger world that wrote this attempt, then restarted
-    smaller). Readers go by the index and never take them; no commit can any more, its step
+    ranks past its world (a launch of a larger world whose lower ranks never wrote this attempt:
+    a rank that finds its own record of another world refuses it). Readers go by the index and never take them; no commit can any more, its step
     being committed. Returns the names removed. A file that cannot be removed (no permission to
     delete, an object lock) is warned of and left, as a folder's removal leaves what it cannot:
     the commit that runs this has already moved ``LATEST`` and must not report a published step
@@ -1016,9 +1041,10 @@ def _wait_for_ranks(members: Folder, step: int, attempt: int, world: int, timeou
 def _belonging(record: DoneRecord, step: int, attempt: int, rank: int, world: int) -> DoneRecord:
     """``record``, found as rank ``rank``'s, if it is of this commit's step, attempt and world."""
     if (record.step, record.attempt, record.rank, record.world) != (step, attempt, rank, world):
+        why = "" if record.world == world else f" (ranks or a launch of another world wrote it; {_HIGHER_ATTEMPT})"
         raise PublishError(f"rank {rank}'s done-record is for step {record.step} attempt {record.attempt} rank "
-                           f"{record.rank} of {record.world}, not step {step} attempt {attempt} of {world}; nothing "
-                           "was published")
+                           f"{record.rank} of {record.world}, not step {step} attempt {attempt} of {world}{why}; "
+                           "nothing was published")
     return record
 
 

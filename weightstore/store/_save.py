@@ -117,7 +117,7 @@ def save(
     Example:
         >>> ws.save("model.npz", {"dense/kernel": np.zeros((3, 4))}, metadata={"step": 10})
     """
-    where = location_of(path)
+    where = location_of(path, reading=False)
     location = where.text
     if max_shard_size is not None:
         if format not in (None, "safetensors") or compress:
