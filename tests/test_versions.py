@@ -501,10 +501,13 @@ def test_a_second_live_trainer_takes_the_folder_over_and_the_first_is_refused(tm
         ws.publish(tmp_path, weights_at(7), step=7)
 
 
-
-def test_a_background_publisher_whose_folder_another_process_took_over_logs_and_counts_the_refusal(tmp_path, caplog):
-    """The training loop is never raised into: the refusal is logged and counted, and followers
-    go on being given the other writer's version."""
+@pytest.mark.parametrize("step", [3, 2], ids=["a later step", "the step the other writer published"])
+def test_a_background_publisher_whose_folder_another_process_took_over_logs_and_counts_the_refusal(tmp_path, caplog,
+                                                                                                   step):
+    """The training loop is never raised into: the refusal is logged and counted (the snapshot's
+    future raises), and followers go on being given the other writer's version. A snapshot of the
+    very step the other process published is refused as well: that version holds the other's
+    weights (it was returned as this publisher's own)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     with ws.BackgroundPublisher(tmp_path) as publisher:
         publisher.publish(weights_at(1), step=1)
@@ -512,31 +515,13 @@ def test_a_background_publisher_whose_folder_another_process_took_over_logs_and_
         taking_over = subprocess.run([sys.executable, "-c", SECOND_WRITER, str(tmp_path)], env=env, text=True,
                                      input="2\n", capture_output=True, timeout=120)
         assert taking_over.stdout == "published\n", taking_over.stderr
-        publisher.publish(weights_at(3), step=3)
+        future = publisher.publish(weights_at(3), step=step)
         assert publisher.wait(60).step == 1  # the last version it published
-        assert publisher.failures == 1 and "another writer" in str(publisher.last_error)
-    assert f"pid {taking_over_pid(tmp_path)}" in caplog.text
-    assert ws.latest(tmp_path).step == 2 and np.all(ws.load(ws.latest(tmp_path))["w"] == 2)
-
-
-def test_a_background_publisher_never_takes_another_writers_version_of_its_step_for_its_own(tmp_path, caplog):
-    """A process that took the folder over published the very step this publisher's next snapshot
-    has: that version is the other process's weights, so the snapshot is refused, logged and
-    counted like any other refusal, and its future raises; it was returned as published."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    with ws.BackgroundPublisher(tmp_path) as publisher:
-        publisher.publish(weights_at(1), step=1)
-        assert publisher.wait(60).step == 1
-        taking_over = subprocess.run([sys.executable, "-c", SECOND_WRITER, str(tmp_path)], env=env, text=True,
-                                     input="2\n", capture_output=True, timeout=120)
-        assert taking_over.stdout == "published\n", taking_over.stderr
-        future = publisher.publish(weights_at(3), step=2)
-        assert publisher.wait(60).step == 1
         assert publisher.failures == 1 and "another writer" in str(publisher.last_error)
         with pytest.raises(ws.PublishError, match="another writer"):
             future.result()
-    assert "another writer" in caplog.text
-    assert np.all(ws.load(ws.latest(tmp_path))["w"] == 2)
+    assert f"pid {taking_over_pid(tmp_path)}" in caplog.text
+    assert ws.latest(tmp_path).step == 2 and np.all(ws.load(ws.latest(tmp_path))["w"] == 2)
 
 
 def test_a_latest_restored_from_another_runs_backup_is_no_take_over(tmp_path):
