@@ -472,6 +472,23 @@ def test_a_convert_killed_over_a_folder_another_tool_wrote_is_refused_never_read
         ws.load(folder)
 
 
+def test_a_convert_failing_at_its_first_shard_over_a_folder_another_tool_wrote_leaves_its_model(tmp_path):
+    """The first shard passes the file-size limit (as a full disk fails it): no shard of the new
+    save was ever placed, yet the save_pretrained index was removed up front, and the folder,
+    which a failed write leaves as it was, no longer loaded."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    for name, key in zip(names, ["a", "b"], strict=True):
+        safetensors.numpy.save_file({key: np.zeros(1 << 16, np.float32)}, str(folder / name))
+    (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": 1 << 19}, "weight_map": dict(zip("ab", names, strict=True))}))
+    ws.save(tmp_path / "new.npz", {"a": np.ones(1 << 19, np.float32), "b": np.ones(1 << 16, np.float32)})
+    done = ws_under_a_file_size_limit("convert", tmp_path / "new.npz", folder, "--max-shard-size", "300KB")
+    assert done.returncode == 1 and names[0] in done.stderr, done.stderr
+    loaded = ws.load(folder)
+    assert sorted(loaded) == ["a", "b"] and all(np.all(value == 0) for value in loaded.values())
+
+
 def test_a_sharded_save_that_fails_after_its_index_landed_keeps_the_shards_it_names(tmp_path, monkeypatch):
     """The folder's fsync after the index's rename fails (EIO on a network disk; a Ctrl-C there
     is the same): the save says so, but the index in place names the new shards, and removing

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -552,6 +553,25 @@ def test_a_latest_restored_from_another_runs_backup_is_no_take_over(tmp_path):
     ws.publish(tmp_path, weights_at(6), step=6, keep=None)
     assert [e.step for e in versions.list_versions(tmp_path)] == [1, 2, 3, 4, 5, 6]
     assert_whole(ws.load(ws.latest(tmp_path)), 6)
+
+
+def test_a_folder_restored_whole_from_another_runs_backup_is_no_take_over(tmp_path):
+    """The folder restored whole (rsync --delete): LATEST and the versions went back to an earlier
+    run's step 2, this trainer's steps 3 to 5 gone with them. It was refused for good, told the
+    earlier run had published step 2 after its step 5, which steps that increase never allow."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    earlier = subprocess.run([sys.executable, "-c", SECOND_WRITER, str(tmp_path / "backup")], env=env, text=True,
+                             input="1\n2\n", capture_output=True, timeout=120)
+    assert earlier.stdout == "published\npublished\n", earlier.stderr
+    run = tmp_path / "run"
+    shutil.copytree(tmp_path / "backup", run)
+    for step in (3, 4, 5):
+        ws.publish(run, weights_at(step), step=step)
+    shutil.rmtree(run)
+    shutil.copytree(tmp_path / "backup", run)
+    ws.publish(run, weights_at(6), step=6)
+    assert [e.step for e in versions.list_versions(run)] == [1, 2, 6]
+    assert_whole(ws.load(ws.latest(run)), 6)
 
 
 FORKED_SNAPSHOTS = textwrap.dedent("""

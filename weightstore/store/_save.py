@@ -171,8 +171,9 @@ def _save_sharded(location: str, weights: Mapping[str, Any], metadata: Mapping[s
     made_folder = not is_url(folder) and not os.path.isdir(folder)
     if made_folder:
         os.makedirs(folder, exist_ok=True)
-    elif overwrite:
-        _remove_index_without_save_time(target, index.rpartition("/")[2])
+    # an index that records no save time goes as the first shard takes its place, not before: a
+    # save failing sooner (disk full, file too large at that shard) leaves the folder as it was
+    foreign = not made_folder and overwrite and _without_save_time(target, index.rpartition("/")[2])
     sizes = {key: arrays.info(key).nbytes for key in arrays}
     plan = hf_sharded.plan_shards(sizes, limit)
     shards = dict(zip(hf_sharded.shard_names(len(plan)), plan, strict=True))
@@ -183,6 +184,9 @@ def _save_sharded(location: str, weights: Mapping[str, Any], metadata: Mapping[s
             with commit_for(location_of(f"{folder}/{shard}"), suffix=".safetensors").writing() as local:
                 write_file(local, safetensors.FORMAT, arrays.only(keys), metadata, False,
                            {key: stored_names[key] for key in keys if key in stored_names}, created, digests=digests)
+                if foreign:
+                    target.remove(index.rpartition("/")[2])
+                    foreign = False
             placed.append(shard)
         document = hf_sharded.index_document({shard: [stored_names.get(k, k) for k in keys]
                                               for shard, keys in shards.items()}, sum(sizes.values()), metadata,
@@ -196,14 +200,14 @@ def _save_sharded(location: str, weights: Mapping[str, Any], metadata: Mapping[s
     _remove_stale_shards(target, set(shards), standard)
 
 
-def _remove_index_without_save_time(folder: Folder, name: str) -> None:
-    """An index that records no save time (``save_pretrained``'s) goes before this save puts its
-    first shard in place of one it maps: left, a save cut short would leave that shard beside it,
-    read with the old ones as one model. Cut short, the save then leaves no model, as an
-    overwrite of weightstore's own leaves one every reader refuses."""
+def _without_save_time(folder: Folder, name: str) -> bool:
+    """Whether ``folder`` holds an index ``name`` that records no save time (``save_pretrained``'s),
+    which must go before this save puts its first shard in place (possibly of one it maps): left,
+    a save cut short would leave that shard beside it, read with the old ones as one model. Cut
+    short after that shard, the save then leaves no model, as an overwrite of weightstore's own
+    leaves one every reader refuses; failed before it, the folder keeps its model."""
     text = folder.read_small(name, MAX_HF_INDEX_BYTES)
-    if text is not None and not hf_sharded.save_time(text):
-        folder.remove(name)
+    return text is not None and not hf_sharded.save_time(text)
 
 
 def _remove_placed_shards(folder: Folder, placed: list[str], made: str | None) -> None:

@@ -92,8 +92,7 @@ class FolderState:
         elif self.pointer is None and self.newest is not None:
             warnings.warn(f"{where}: LATEST is missing but version files exist; the newest, step {self.newest}, "
                           "counts as current and the next publish names its own version", stacklevel=4)
-        taken = taken_over(self.folder, self.latest_writer, None if self.pointer is None else self.pointer.step,
-                           self.above_latest())
+        taken = taken_over(self.folder, self.latest_writer, None if self.pointer is None else self.pointer.step)
         if taken is not None:
             raise PublishError(f"step {step} was not published: {taken}", path=where)
         if self.pointer is not None and step <= self.pointer.step:

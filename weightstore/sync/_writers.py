@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import secrets
 import socket
-from collections.abc import Collection
 
 from weightstore.core._forks import in_child
 from weightstore.formats._pointer import parse_pointer
@@ -66,16 +65,15 @@ def published_here(folder: Folder, step: int) -> None:
     _published[_key(folder)] = step
 
 
-def taken_over(folder: Folder, latest_writer: object, latest_step: int | None,
-               above_latest: Collection[int]) -> str | None:
+def taken_over(folder: Folder, latest_writer: object, latest_step: int | None) -> str | None:
     """Why this process may not publish to ``folder`` (another writer published there after it);
     ``None`` when it may: it never published there, ``LATEST`` is its own or a child's it forked
     (:func:`_forked`) or names no writer (written by hand, or by a weightstore before writers
-    were recorded), or ``LATEST`` was rolled back below this process's last version, which is
-    still there among ``above_latest`` (a backup restored: another writer's publish would have
-    had to pass that version's step)."""
+    were recorded), or ``LATEST`` names a step no later than this process's last (a backup
+    restored, of ``LATEST`` alone or of the whole folder: another writer's publish would have had
+    to pass this process's step, as steps increase)."""
     mine = _published.get(_key(folder))
-    if mine is None or not isinstance(latest_writer, str) or mine in above_latest:
+    if mine is None or not isinstance(latest_writer, str) or (latest_step is not None and latest_step <= mine):
         return None
     if latest_writer == _writer or latest_writer.startswith(f"{_writer} child "):  # its own, or a forked child's
         return None
