@@ -1038,3 +1038,29 @@ def test_following_a_folder_that_does_not_exist_says_so_once_and_waits(tmp_path,
     caplog.clear()
     assert next(ws.follow(folder, timeout=0)).step == 1
     assert "no such folder" not in caplog.text
+
+
+def test_a_background_publish_whose_latest_swap_failed_after_it_landed_still_holds_the_folder(tmp_path, monkeypatch):
+    """``LATEST``'s write raised after the storage had applied it (an answer lost on the way back):
+    the publisher finds its own version there and takes it as published; the folder is then its
+    own as after any publish, so a later take-over by another process refuses it (it took the
+    folder back once, and followers switched models one time more)."""
+    from weightstore.sync import _publish
+
+    write_latest = _publish._write_latest
+
+    def lost_answer(*args, **kwargs):
+        write_latest(*args, **kwargs)
+        monkeypatch.setattr(_publish, "_write_latest", write_latest)
+        raise OSError(5, "EIO after the swap")
+
+    monkeypatch.setattr(_publish, "_write_latest", lost_answer)
+    with ws.BackgroundPublisher(tmp_path, retry_backoff=0.01) as publisher:
+        assert publisher.publish(weights_at(1), step=1).result(60).step == 1
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        taking_over = subprocess.run([sys.executable, "-c", SECOND_WRITER, str(tmp_path)], env=env, text=True,
+                                     input="2\n", capture_output=True, timeout=120)
+        assert taking_over.stdout == "published\n", taking_over.stderr
+        with pytest.raises(ws.PublishError, match="another writer"):
+            publisher.publish(weights_at(3), step=3).result(60)
+    assert ws.latest(tmp_path).step == 2

@@ -91,7 +91,7 @@ from weightstore.sync._delta import Delta, as_delta
 from weightstore.sync._folder import versions_folder
 from weightstore.sync._pinning import Version, pointer_version
 from weightstore.sync._publish import PublishOptions, publish
-from weightstore.sync._writers import written_here
+from weightstore.sync._writers import published_here, written_here
 
 __all__ = ["BackgroundPublisher", "PublishFuture"]
 
@@ -354,6 +354,7 @@ class BackgroundPublisher:
             return None
         if current is None or pointer is None or current.step != job.step or not written_here(pointer):
             return None
+        published_here(folder, current.step)  # as the publish would have: a later take-over is one
         return current
 
     def _failed(self, job: _Job, error: BaseException, spent: float) -> bool:
