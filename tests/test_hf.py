@@ -450,17 +450,24 @@ runpy.run_module("weightstore", run_name="__main__")
 """
 
 
-def test_a_convert_killed_over_a_folder_another_tool_wrote_is_refused_never_read_half_new(tmp_path):
-    """An index ``save_pretrained`` wrote records no save time, so a shard of the new save beside
-    it could not be told from its own: ``ws convert --max-shard-size`` over such a folder, killed
-    once its first shard was in place, read back as half new, half old weights without a word.
-    That index goes before the first shard: the killed overwrite leaves no model to misread."""
+def a_folder_save_pretrained_wrote(tmp_path):
+    """Two shards of zeros and an index as ``save_pretrained`` writes it: no save time recorded."""
     folder = tmp_path / "model"
     folder.mkdir()
     names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     for name, key in zip(names, ["a", "b"], strict=True):
         safetensors.numpy.save_file({key: np.zeros(1 << 16, np.float32)}, str(folder / name))
-    (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": 1 << 19}, "weight_map": dict(zip("ab", names, strict=True))}))
+    weight_map = dict(zip("ab", names, strict=True))
+    (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": 1 << 19}, "weight_map": weight_map}))
+    return folder, names
+
+
+def test_a_convert_killed_over_a_folder_another_tool_wrote_is_refused_never_read_half_new(tmp_path):
+    """An index ``save_pretrained`` wrote records no save time, so a shard of the new save beside
+    it could not be told from its own: ``ws convert --max-shard-size`` over such a folder, killed
+    once its first shard was in place, read back as half new, half old weights without a word.
+    That index goes before the first shard: the killed overwrite leaves no model to misread."""
+    folder, names = a_folder_save_pretrained_wrote(tmp_path)
     assert ws.load(folder)["a"].sum() == 0
     ws.save(tmp_path / "new.npz", {"a": np.ones(1 << 16, np.float32), "b": np.ones(1 << 16, np.float32)})
     done = subprocess.run([sys.executable, "-c", _KILLED_ONCE_ITS_FIRST_SHARD_IS_IN, str(folder / names[0]), "convert",
@@ -476,12 +483,7 @@ def test_a_convert_failing_at_its_first_shard_over_a_folder_another_tool_wrote_l
     """The first shard passes the file-size limit (as a full disk fails it): no shard of the new
     save was ever placed, yet the save_pretrained index was removed up front, and the folder,
     which a failed write leaves as it was, no longer loaded."""
-    folder = tmp_path / "model"
-    folder.mkdir()
-    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
-    for name, key in zip(names, ["a", "b"], strict=True):
-        safetensors.numpy.save_file({key: np.zeros(1 << 16, np.float32)}, str(folder / name))
-    (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": 1 << 19}, "weight_map": dict(zip("ab", names, strict=True))}))
+    folder, names = a_folder_save_pretrained_wrote(tmp_path)
     ws.save(tmp_path / "new.npz", {"a": np.ones(1 << 19, np.float32), "b": np.ones(1 << 16, np.float32)})
     done = ws_under_a_file_size_limit("convert", tmp_path / "new.npz", folder, "--max-shard-size", "300KB")
     assert done.returncode == 1 and names[0] in done.stderr, done.stderr
