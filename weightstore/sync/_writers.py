@@ -35,6 +35,7 @@ _published: dict[str, int] = {}
 
 
 def writer() -> str:
+    """This process's writer name (a forked child's changes at the fork), read at each publish."""
     return _writer
 
 
