@@ -67,12 +67,16 @@ def _layout_fix(values: Iterable[str], targets: Iterable[str]) -> str:
     return ""
 
 
-def no_such_scope(scope: str, targets: Iterable[str]) -> str:
+def no_such_scope(scope: str, targets: Iterable[str], values: Iterable[str] = ()) -> str:
     """What to say of a ``scope`` no variable is under: the model's scopes at its depth, the
     nearest first (``model_02`` for ``model_002``); for ``members.1`` (or the prefix
     ``members.1.``), written as torch names its modules, the ``members/1`` that pairs (nearer by
-    letters is ``members``, which does not)."""
+    letters is ``members``, which does not). Where the ``values`` (scoped) were under ``scope``
+    already, the caller meant to take that part out of the file, which ``ws.load`` does."""
     targets = list(targets)
+    if any(key.startswith(f"{scope}/{scope}/") for key in values):
+        return (f"no variable is under scope {scope!r}, which scope= puts the values under; they are under it "
+                f"already: to take that part of the file out, assign ws.load(path, scope={scope!r})")
     slashed = scope.replace(".", "/").rstrip("/")
     if slashed != scope and any(key.startswith(slashed + "/") for key in targets):
         return (f"no variable is under scope {scope!r}; did you mean {slashed!r}? (keys join names with '/' "
