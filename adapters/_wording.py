@@ -161,12 +161,22 @@ def _extra_scopes(keys: Collection[str], others: Collection[str], needed: int) -
 
 def pair_problem(dtype: np.dtype, shape: tuple[int, ...], target: TargetInfo, cast: bool) -> str:
     if tuple(shape) != tuple(target.shape):
-        return "shapes differ"
+        return "shapes differ" + _depthwise_as_conv(tuple(shape), tuple(target.shape))
     if widens(dtype, target.dtype):
         return ""
     if cast and castable(dtype, target.dtype):
         return ""
     return "dtype does not widen losslessly; pass cast=True to convert" if castable(dtype, target.dtype) else "dtypes are incompatible"
+
+
+def _depthwise_as_conv(shape: tuple[int, ...], target: tuple[int, ...]) -> str:
+    """Why a Keras 3 depthwise kernel ``[*spatial, C, M]`` got a Conv's kernel of one input
+    channel ``[*spatial, 1, C * M]``: a file converted to Keras without ``--kind`` holds it so, as
+    no file tells the two apart (the conversion's caution said it, perhaps in another process)."""
+    if len(target) >= 3 and target[-2] > 1 and shape == (*target[:-2], 1, target[-2] * target[-1]):
+        return ("; the value is a depthwise kernel converted as a Conv's of one input channel: convert the file "
+                "again with --kind SCOPE=depthwise")
+    return ""
 
 
 def assign_message(report: Report, where: str, targets: Mapping[str, Any], values: Mapping[str, str], pairs,

@@ -358,3 +358,24 @@ def test_keras_weights_without_a_layout_are_refused_naming_layout_keras(framewor
                                               r"pass layout='keras'"):
         adapter.assign(module, weights)
     adapter.assign(module, weights, layout="keras")
+
+
+def test_a_depthwise_kernel_converted_as_a_conv_into_keras_is_refused_naming_kind_depthwise(tmp_path):
+    """A Flax depthwise Conv's file converted to Keras without ``--kind`` holds a Conv's kernel
+    ``[h, w, 1, C]`` (the conversion's caution said so, then); assigning it into Keras's
+    ``DepthwiseConv2D`` said only "shapes differ"."""
+    images = np.random.default_rng(0).normal(size=(2, 6, 5, 3)).astype("float32")
+    flax_module = nnx.Conv(3, 3, (3, 2), padding="VALID", feature_group_count=3, rngs=nnx.Rngs(1))
+    flax_module.bias.value = np.random.default_rng(1).normal(size=3).astype("float32")
+    expected = np.asarray(flax_module(images))
+    ws.save(tmp_path / "flax.npz", {f"dw/{key}": value for key, value in flax_adapter.export(flax_module).items()})
+    model = keras.Sequential([keras.Input(images.shape[1:]), keras.layers.DepthwiseConv2D((3, 2), name="dw")])
+    runner = CliRunner()
+    convert = ["convert", str(tmp_path / "flax.npz"), str(tmp_path / "keras.npz"), "--layout", "flax-to-keras"]
+    assert runner.invoke(app, convert).exit_code == 0
+    with pytest.raises(AssignmentError, match=r"shapes differ; the value is a depthwise kernel converted as a "
+                                              r"Conv's of one input channel: convert the file again with --kind"):
+        tf2.assign(model, tmp_path / "keras.npz")
+    assert runner.invoke(app, [*convert, "--kind", "dw=depthwise"]).exit_code == 0
+    tf2.assign(model, tmp_path / "keras.npz")
+    np.testing.assert_allclose(model.predict(images, verbose=0), expected, atol=1e-5)
