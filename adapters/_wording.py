@@ -35,17 +35,48 @@ def few_assigned(where: str, paired: int, targets: Mapping[str, TargetInfo], val
 def _apart(values: Iterable[str], targets: Iterable[str], renamed: bool) -> str:
     """Why few keys pair: one scope between them, or a different architecture."""
     fix = _scope_fix(values, targets, renamed)
-    return (f"the keys differ by a scope: {fix}" if fix else
+    return (f"the keys differ by a scope: {fix}" if fix else _layout_fix(values, targets) or
             "the weights and the model look like different architectures (or differ by a scope: scope= puts "
             "the values under one, mapping={'FROM': 'TO'} renames one)")
 
 
-def no_such_scope(scope: str, targets: Iterable[str]) -> str:
+def _layout_fix(values: Iterable[str], targets: Iterable[str]) -> str:
+    """What converts the values when they are the model's layers named as another framework
+    names them (``fc/weight`` for Keras's ``fc/kernel``, ``bn/gamma`` for PyTorch's
+    ``bn/weight``): at least half of the unpaired values pair by a layout rule's leaf name
+    (one that renames it: a value whose key is a variable's is paired). "" otherwise."""
+    from weightstore.adapters import layout  # here: layout plans its assigns through this module
+
+    target_set = set(targets)
+    unpaired = [key.rpartition("/") for key in set(values) - target_set]
+    for name, table in layout.LAYOUTS.items():
+        framework = {"torch": "PyTorch", "flax": "Flax"}[name]
+        for to_keras in (True, False):
+            leaves = {(r.other, r.keras) if to_keras else (r.keras, r.other) for r in table.rules}
+            pairs = {(scope, leaf, new) for scope, _, leaf in unpaired for old, new in leaves
+                     if leaf == old and f"{scope}/{new}" in target_set}
+            if not pairs or len({(scope, leaf) for scope, leaf, _ in pairs}) * 2 < len(unpaired):
+                continue
+            scope, leaf, new = min(pairs)
+            if to_keras:
+                return (f"the values are {framework}'s names and layouts of the model's layers ({scope}/{leaf} for "
+                        f"{scope}/{new}): convert them first, `ws convert SRC OUT.npz --layout {name}-to-keras`, or "
+                        f"export the module with {name}.export(module, layout='keras')")
+            return (f"the values are Keras's names and layouts of the model's layers ({scope}/{leaf} for "
+                    f"{scope}/{new}): pass layout='keras'")
+    return ""
+
+
+def no_such_scope(scope: str, targets: Iterable[str], values: Iterable[str] = ()) -> str:
     """What to say of a ``scope`` no variable is under: the model's scopes at its depth, the
     nearest first (``model_02`` for ``model_002``); for ``members.1`` (or the prefix
     ``members.1.``), written as torch names its modules, the ``members/1`` that pairs (nearer by
-    letters is ``members``, which does not)."""
+    letters is ``members``, which does not). Where the ``values`` (scoped) were under ``scope``
+    already, the caller meant to take that part out of the file, which ``ws.load`` does."""
     targets = list(targets)
+    if any(key.startswith(f"{scope}/{scope}/") for key in values):
+        return (f"no variable is under scope {scope!r}, which scope= puts the values under; they are under it "
+                f"already: to take that part of the file out, assign ws.load(path, scope={scope!r})")
     slashed = scope.replace(".", "/").rstrip("/")
     if slashed != scope and any(key.startswith(slashed + "/") for key in targets):
         return (f"no variable is under scope {scope!r}; did you mean {slashed!r}? (keys join names with '/' "
@@ -130,12 +161,22 @@ def _extra_scopes(keys: Collection[str], others: Collection[str], needed: int) -
 
 def pair_problem(dtype: np.dtype, shape: tuple[int, ...], target: TargetInfo, cast: bool) -> str:
     if tuple(shape) != tuple(target.shape):
-        return "shapes differ"
+        return "shapes differ" + _depthwise_as_conv(tuple(shape), tuple(target.shape))
     if widens(dtype, target.dtype):
         return ""
     if cast and castable(dtype, target.dtype):
         return ""
     return "dtype does not widen losslessly; pass cast=True to convert" if castable(dtype, target.dtype) else "dtypes are incompatible"
+
+
+def _depthwise_as_conv(shape: tuple[int, ...], target: tuple[int, ...]) -> str:
+    """Why a Keras 3 depthwise kernel ``[*spatial, C, M]`` got a Conv's kernel of one input
+    channel ``[*spatial, 1, C * M]``: a file converted to Keras without ``--kind`` holds it so, as
+    no file tells the two apart (the conversion's caution said it, perhaps in another process)."""
+    if len(target) >= 3 and target[-2] > 1 and shape == (*target[:-2], 1, target[-2] * target[-1]):
+        return ("; the value is a depthwise kernel converted as a Conv's of one input channel: convert the file "
+                "again with --kind SCOPE=depthwise")
+    return ""
 
 
 def assign_message(report: Report, where: str, targets: Mapping[str, Any], values: Mapping[str, str], pairs,
@@ -175,9 +216,10 @@ def assign_message(report: Report, where: str, targets: Mapping[str, Any], value
     if scope_problem:
         lines.append(f"  {scope_problem}")
     common = sum(1 for key in values if key in every)
-    if min(len(targets), len(values)) >= 2 and common * 2 < min(len(targets), len(values)):
-        lines.append(f"  {common} of {len(values)} values share a key with one of {len(targets)} variables: "
-                     f"{_apart(values, every, renamed)}")
+    apart = (_apart(values, every, renamed) if min(len(targets), len(values)) >= 2
+             and common * 2 < min(len(targets), len(values)) else _layout_fix(values, every))
+    if apart:
+        lines.append(f"  {common} of {len(values)} values share a key with one of {len(targets)} variables: {apart}")
     if not pairs and report.ok:
         lines.append("  no value pairs with a variable" + (" (no variables selected)" if not targets else ""))
     sections: list[tuple[str, list[Any], Callable[[Any], str]]] = [

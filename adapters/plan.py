@@ -139,7 +139,7 @@ def plan_assign(
             assign_message(report, described, chosen, value_keys, pairs, targets, lambda key: values.shape(value_keys[key]),
                      trainable_only=options.trainable_only, hints=not values.exact_keys,
                      note=getattr(values, "missing_note", ""), renamed=renamed,
-                     scope_problem=no_such_scope(norm_scope, targets) if empty else ""),
+                     scope_problem=no_such_scope(norm_scope, targets, value_keys) if empty else ""),
             missing=report.missing, unexpected=report.unexpected, mismatched=report.mismatched, path=values.path,
         )
     required = {key: info for key, info in chosen.items() if not (optional and optional(key) and key not in pairs)}

@@ -396,3 +396,19 @@ def test_a_member_assigned_into_a_vmapped_ensemble_is_told_the_target_stacks_mem
     every = {key: np.stack([value] * 4) for key, value in member.items()}  # the way the message gives
     flax_adapter.assign(stacked, every)
     np.testing.assert_array_equal(flax_adapter.export(stacked)["kernel"][2], member["kernel"])
+
+
+def test_scope_naming_a_part_of_an_ensembles_file_says_ws_load_takes_it_out(tmp_path):
+    """``flax.assign(member, ensemble_file, scope="b")`` (scope read as "take b out of the file")
+    said only that no variable is under 'b'; it now names ``ws.load(path, scope='b')``, which works."""
+    pair = nnx.Dict(a=Net(seed=1), b=Net(seed=2))
+    flax_adapter.assign(pair.b, random_weights(seed=3))
+    ws.save(tmp_path / "pair.npz", flax_adapter.export(pair))
+    member = Net(seed=4)
+    with pytest.raises(AssignmentError, match=r"no variable is under scope 'b', which scope= puts the values "
+                                              r"under; they are under it already: to take that part of the file "
+                                              r"out, assign ws.load\(path, scope='b'\)"):
+        flax_adapter.assign(member, tmp_path / "pair.npz", scope="b")
+    flax_adapter.assign(member, ws.load(tmp_path / "pair.npz", scope="b"))
+    for key, value in random_weights(seed=3).items():
+        np.testing.assert_array_equal(flax_adapter.export(member)[key], value)

@@ -306,3 +306,76 @@ def test_a_mapping_with_a_layout_reads_the_converted_names():
     with pytest.raises(ws.errors.SelectionError, match=r"mapping \*/gamma=\*/weight matches no key.*"
                                                        r"'batch_normalization/weight'"):
         torch_adapter.assign(module, weights, layout="keras", mapping=["dense=fc", "*/gamma=*/weight"])
+
+
+def _hf_folder(folder, module) -> None:
+    """``module``'s state_dict as a Hugging Face sharded folder: safetensors shards, torch names, an index."""
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    names = list(module.state_dict())
+    weight_map = {name: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, name in enumerate(names)}
+    for shard in set(weight_map.values()):
+        save_file({n: t.contiguous() for n, t in module.state_dict().items() if weight_map[n] == shard},
+                  str(folder / shard), metadata={"format": "pt"})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def test_a_torch_folder_into_keras_says_to_convert_it_and_the_conversion_predicts_alike(tmp_path):
+    """A Hugging Face folder mapped onto a Keras model's layer names was refused with "the
+    weights and the model look like different architectures": its tensors are PyTorch's
+    (``fc/weight``, ``[out, in]``) and the error never named the conversion that fits them."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8, eps=1e-3), nn.Linear(8, 3)).eval()
+    _hf_folder(tmp_path / "hf", net)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.LayerNormalization(name="norm")(keras.layers.Dense(8, name="fc")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(3, name="proj")(hidden))
+    mapping = {"0": "fc", "1": "norm", "2": "proj"}
+    with pytest.raises(AssignmentError, match=r"PyTorch's names and layouts of the model's layers \(fc/weight for "
+                       r"fc/kernel\): convert them first, `ws convert SRC OUT.npz --layout torch-to-keras`"):
+        tf2.assign(model, tmp_path / "hf", mapping=mapping)
+    result = CliRunner().invoke(app, ["convert", str(tmp_path / "hf"), str(tmp_path / "keras.npz"),
+                                      "--layout", "torch-to-keras"])
+    assert result.exit_code == 0, result.output
+    tf2.assign(model, tmp_path / "keras.npz", mapping=mapping)
+    images = np.random.default_rng(0).normal(size=(4, 6)).astype("float32")
+    np.testing.assert_allclose(model.predict(images, verbose=0), torch_call(net, images), atol=1e-5)
+
+
+@pytest.mark.parametrize("framework", ["torch", "flax"])
+def test_keras_weights_without_a_layout_are_refused_naming_layout_keras(framework):
+    """Keras's tensors given to a PyTorch or Flax module without ``layout="keras"`` said the two
+    "look like different architectures", though every layer is the module's."""
+    layer, _, _ = random_keras("batch_norm")
+    weights = {f"bn/{var.name}": np.asarray(var) for var in layer.weights}
+    if framework == "torch":
+        module, adapter = nn.Sequential(), torch_adapter
+        module.add_module("bn", nn.BatchNorm1d(3, eps=1e-3))
+    else:
+        module, adapter = nnx.Dict(bn=nnx.BatchNorm(3, epsilon=1e-3, use_running_average=True, rngs=RNGS)), flax_adapter
+    with pytest.raises(AssignmentError, match=r"Keras's names and layouts of the model's layers \(bn/.+\): "
+                                              r"pass layout='keras'"):
+        adapter.assign(module, weights)
+    adapter.assign(module, weights, layout="keras")
+
+
+def test_a_depthwise_kernel_converted_as_a_conv_into_keras_is_refused_naming_kind_depthwise(tmp_path):
+    """A Flax depthwise Conv's file converted to Keras without ``--kind`` holds a Conv's kernel
+    ``[h, w, 1, C]`` (the conversion's caution said so, then); assigning it into Keras's
+    ``DepthwiseConv2D`` said only "shapes differ"."""
+    images = np.random.default_rng(0).normal(size=(2, 6, 5, 3)).astype("float32")
+    flax_module = nnx.Conv(3, 3, (3, 2), padding="VALID", feature_group_count=3, rngs=nnx.Rngs(1))
+    flax_module.bias.value = np.random.default_rng(1).normal(size=3).astype("float32")
+    expected = np.asarray(flax_module(images))
+    ws.save(tmp_path / "flax.npz", {f"dw/{key}": value for key, value in flax_adapter.export(flax_module).items()})
+    model = keras.Sequential([keras.Input(images.shape[1:]), keras.layers.DepthwiseConv2D((3, 2), name="dw")])
+    runner = CliRunner()
+    convert = ["convert", str(tmp_path / "flax.npz"), str(tmp_path / "keras.npz"), "--layout", "flax-to-keras"]
+    assert runner.invoke(app, convert).exit_code == 0
+    with pytest.raises(AssignmentError, match=r"shapes differ; the value is a depthwise kernel converted as a "
+                                              r"Conv's of one input channel: convert the file again with --kind"):
+        tf2.assign(model, tmp_path / "keras.npz")
+    assert runner.invoke(app, [*convert, "--kind", "dw=depthwise"]).exit_code == 0
+    tf2.assign(model, tmp_path / "keras.npz")
+    np.testing.assert_allclose(model.predict(images, verbose=0), expected, atol=1e-5)
