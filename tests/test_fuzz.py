@@ -17,9 +17,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from fuzz.targets import fuzz_batch
+import tf_forge
+import weightstore as ws
+from fuzz.targets import fuzz_batch, reseal_table
 
 #: mutants per target: a few seconds in all on a small machine
 COUNT = {"npz": 300, "npz-many": 300, "npz-compressed": 300, "numpy-savez": 300, "latest": 300, "hdf5": 300,
@@ -58,3 +61,16 @@ def test_hdf5_mutants_are_refused_or_read_exactly_in_a_subprocess(tmp_path, name
         + "\n".join(line for line in lines if line.startswith("FINDING")) + result.stderr[-2000:]
     )
     assert any(line.startswith("OUTCOMES") for line in lines)
+
+
+def test_tf_index_mutants_are_resealed_to_reach_the_entries(tmp_path):
+    """A damaged entry in a TF checkpoint index fails its data block's CRC-32C check; resealed
+    (as the tf-index target reseals each mutant) it reaches the entry's protobuf parse."""
+    tf_forge.write(tmp_path / "ckpt", {"w": np.zeros(3, np.float32)})
+    index = tmp_path / "ckpt.index"
+    raw = bytearray(index.read_bytes())
+    raw[raw.index(b"w") + 1] = 0xFF  # the entry's first tag: field 31, wire type 7, which no message has
+    for data, refusal in ((bytes(raw), "fails its CRC-32C check"), (reseal_table(bytes(raw)), "protocol buffer")):
+        index.write_bytes(data)
+        with pytest.raises(ws.FormatError, match=refusal):
+            ws.load(tmp_path / "ckpt")
