@@ -2,9 +2,9 @@
 
 **Regular files only.** A FIFO opened for reading waits for a writer forever; a device or a
 socket is no weight file; replacing ``/dev/null`` or a named pipe with a weight file is data
-loss. So every local reader opens through :func:`open_regular` (or checks with
-:func:`refuse_special_file` where another library opens the file), and every writer resolves
-its target through :func:`check_writable_target`; all three decide with :func:`kind_of`.
+loss. So every local reader opens through :func:`open_regular` (a library that opens the file
+itself is given that descriptor), and every writer resolves its target through
+:func:`check_writable_target`; both decide with :func:`kind_of`.
 
 **Temporaries.** A write goes to ``.NAME.wstmp-PID-SPACE-RANDOM`` beside its target
 (:func:`temporary_beside`: same folder, so the same file system, so a rename can commit it).
@@ -40,7 +40,7 @@ from weightstore.core.limits import FILE_NAME_BYTES
 from weightstore.errors import FileAccessError, FormatError, StorageError, StoreNotFoundError, TargetError
 
 __all__ = [
-    "TEMP_MARK", "kind_of", "open_regular", "open_regular_unbuffered", "refuse_special_file", "unreadable",
+    "TEMP_MARK", "kind_of", "open_regular", "open_regular_unbuffered", "unreadable",
     "check_writable_target",
     "fsync_path", "fsync_folder", "temporary_beside", "remove_stale_temporaries",
 ]
@@ -120,24 +120,6 @@ def _open_regular_fd(path: str) -> tuple[int, int]:
     except BaseException:
         os.close(fd)
         raise
-
-
-def refuse_special_file(path: str) -> None:
-    """Refuse a FIFO, device or folder where a file belongs, for readers another library opens.
-
-    Raises ``FileNotFoundError`` as :func:`open` would when nothing is there, and
-    :class:`FileAccessError` where the system refuses to look (a link loop, a name too long), as
-    :func:`open_regular` does.
-    """
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        raise FileAccessError(f"cannot be opened ({exc.strerror or exc})", path=path) from None
-    kind = kind_of(mode)
-    if kind is not None:
-        raise _not_regular(kind, path)
 
 
 def check_writable_target(target: Path, *, follow_symlinks: bool = True) -> Path:
