@@ -20,6 +20,7 @@ import pytest
 import weightstore as ws
 from weightstore import sync as versions
 from weightstore.formats._sharded_index import ShardIndex
+from weightstore.io._writeback import behind
 
 ROOT = Path(__file__).resolve().parents[1]
 BUCKET = "weightstore-shards-delta"
@@ -565,6 +566,9 @@ def scalar_pieces(step: int, rank: int) -> dict:
 
 
 def open_files_under(folder) -> list[str]:
+    """The files under ``folder`` this process holds open, once the writeback thread has closed what
+    the last commits replaced (a replaced ``LATEST`` is closed there, after the swap)."""
+    behind(lambda: None).result(30)
     fds = Path("/proc/self/fd")
     found = []
     for fd in fds.iterdir():
