@@ -902,6 +902,48 @@ def test_ctrl_c_while_ws_starts_exits_130_quietly(tmp_path):
         assert (started.returncode, out, err) == (130, "", "interrupted\n"), delay
 
 
+def test_ctrl_c_while_python_m_weightstore_starts_exits_130_quietly(tmp_path):
+    """``python -m weightstore`` imports the whole package before its ``__main__`` runs, and a
+    Ctrl-C there printed a traceback of whichever module Python was in (the console script's
+    entry was quiet). The package's first lines make it as quiet: "interrupted", exit 130."""
+    ws.publish(tmp_path / "run", {"w": np.zeros(2, np.float32)}, step=1)
+    for delay in (0.0, 0.05, 0.1, 0.2, 0.35, 0.5, 0.8, 1.5):  # the package, the command's imports, the follow
+        started = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "weightstore", "follow",
+                                    str(tmp_path / "run"), "--after", "1"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            for line in started.stderr:  # each module as its import ends: one of the package's is past its first lines
+                if line.split("|")[-1].strip().startswith("weightstore."):
+                    break
+            time.sleep(delay)
+            started.send_signal(signal.SIGINT)
+            out, err = started.communicate(timeout=60)
+        finally:
+            started.kill()
+        said = [line for line in err.splitlines() if not line.startswith("import time:")]
+        assert (started.returncode, out, said) == (130, "", ["interrupted"]), (delay, err[-2000:])
+
+
+@pytest.mark.parametrize("args", [["ls", "{big}"], ["ls", "--json", "{big}"], ["diff", "{big}", "{small}"],
+                                  ["--help"], ["ls", "--help"], ["--version"]])
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path, store, args):
+    """``ws ls big.npz | head -1`` exited 1 (typer's and rich's answer to a closed pipe), which a
+    script reads as a failure, and from ``ws diff`` as "different". Now it ends as ``ls | head``
+    does: no line on stderr, and the status a shell shows for a command SIGPIPE stopped."""
+    big = tmp_path / "big.npz"
+    ws.save(big, {f"layer_{i}/kernel": np.zeros(4, np.float32) for i in range(3000)})
+    command = [WS, *(arg.format(big=big, small=store) for arg in args)]
+    gone = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    gone.stdout.close()  # a reader that went before the first line (``| true``)
+    assert (gone.wait(timeout=60), gone.stderr.read()) == (141, "")
+    gone.stderr.close()
+    head = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    head.stdout.readline()
+    head.stdout.close()  # ``| head -1``: the output that fitted the pipe was written whole (exit 0), or cut (141)
+    assert (head.wait(timeout=60) in (0, 141), head.stderr.read()) == (True, "")
+    head.stderr.close()
+
+
 SELECTION_WORDS = {"--scope", "--include", "--exclude", "--map", "--trainable-only", "--also"}
 
 
