@@ -771,6 +771,28 @@ def test_missing_and_junk_files(tmp_path):
     one_error_line(run("export", tmp_path / "junk", "-o", tmp_path / "o.npz"), "junk: not a weightstore file")
 
 
+def test_a_file_under_another_formats_suffix_says_so_and_how_to_read_it(store, tmp_path):
+    """A safetensors file saved or downloaded as ``model.npz`` was "not an npz file (no zip
+    directory; truncated or not a zip)", as if damaged. Its first bytes tell: the error says
+    which format they are and what to do; read so, the values are the file's."""
+    weights = ws.load(store)
+    for real, named in ((".safetensors", ".npz"), (".npz", ".safetensors"), (".safetensors", ".h5")):
+        ws.save(tmp_path / f"real{real}", weights)
+        wrong = tmp_path / f"wrong{named}"
+        shutil.copyfile(tmp_path / f"real{real}", wrong)
+        for command in (["ls", wrong], ["convert", wrong, tmp_path / "out.npz"]):
+            done = subprocess.run([WS, *map(str, command)], capture_output=True, text=True, timeout=60)
+            fmt = real.lstrip(".")
+            assert (done.returncode, done.stdout, done.stderr) == (1, "", (
+                f"error: {wrong}: its name says {'hdf5' if named == '.h5' else named.lstrip('.')}, but its first "
+                f"bytes say {fmt}: rename it to end in {real} (or read it with ws.open(path, format={fmt!r}))\n"))
+        with ws.open(wrong, format=real.lstrip(".")) as opened:
+            assert {key: opened[key].tolist() for key in opened} == {k: v.tolist() for k, v in weights.items()}
+    assert not (tmp_path / "out.npz").exists()
+    (tmp_path / "cut.npz").write_bytes((tmp_path / "real.npz").read_bytes()[:200])  # its own format, cut short
+    one_error_line(run("ls", tmp_path / "cut.npz"), "cut.npz: not an npz file (no zip directory; truncated")
+
+
 def test_a_folder_of_versions_given_as_a_file_names_its_latest_version(store, tmp_path):
     """``ws versions run`` then ``ws ls run``: the refusal says what the folder is and which file to give."""
     run_folder = tmp_path / "run"
