@@ -43,16 +43,18 @@ _JSON_ASKED = "weightstore.json"
 
 
 def describe(exc: BaseException) -> str:
-    """One line saying what went wrong, naming the file when the error knows it."""
+    """One line saying what went wrong, naming the file when the error knows it. A name holding
+    a newline is shown escaped (``new\\nline.npz``), as ``ws ls`` shows it, not cut into two of
+    the line's parts; and no character of the line is one a terminal would act on."""
     if isinstance(exc, WeightStoreError):
-        text = str(exc)
+        text = str(exc) if not exc.path else str(exc).replace(exc.path, render.printable(exc.path))
     elif isinstance(exc, OSError) and exc.filename is not None:
-        text = f"{exc.filename}: {exc.strerror or exc}"
+        text = f"{render.printable(str(exc.filename))}: {exc.strerror or exc}"
     elif isinstance(exc, OSError):
         text = str(exc)
     else:
         text = f"internal error ({type(exc).__name__}: {exc}); run with --debug for the traceback"
-    return one_line(text) or type(exc).__name__
+    return render.printable(one_line(text)) or type(exc).__name__
 
 
 def one_line(text: str) -> str:

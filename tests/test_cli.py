@@ -793,6 +793,21 @@ def test_a_file_under_another_formats_suffix_says_so_and_how_to_read_it(store, t
     one_error_line(run("ls", tmp_path / "cut.npz"), "cut.npz: not an npz file (no zip directory; truncated")
 
 
+def test_a_name_with_a_newline_or_an_escape_is_shown_escaped_in_notes_and_errors(store, tmp_path):
+    """``ws ls`` showed ``new\\nline.npz``; an error cut that name into two parts of its line
+    (``absent; x.npz``, as if two things), and the "wrote" note printed it raw: over two lines,
+    and a name holding ESC ran its terminal commands. Both show it as ``ws ls`` does."""
+    newline, escape = tmp_path / "o\nut.h5", tmp_path / "\x1b[31mred.npz"
+    done = subprocess.run([WS, "convert", str(store), str(newline)], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (0, f"wrote 3 tensors (48 B) to {tmp_path}/o\\nut.h5\n")
+    assert ws.load(newline).keys() == ws.load(store).keys()
+    for absent, shown in ((tmp_path / "absent\nx.npz", "absent\\nx.npz"), (escape, "\\x1b[31mred.npz")):
+        done = subprocess.run([WS, "ls", str(absent)], capture_output=True, text=True, timeout=60)
+        assert (done.returncode, done.stderr) == (1, f"error: {tmp_path}/{shown}: no such file or checkpoint\n")
+    done = subprocess.run([WS, "ls", "--json", str(escape)], capture_output=True, text=True, timeout=60)
+    assert json.loads(done.stdout)["error"]["path"] == str(escape)  # a script gets the name as it is
+
+
 def test_a_folder_of_versions_given_as_a_file_names_its_latest_version(store, tmp_path):
     """``ws versions run`` then ``ws ls run``: the refusal says what the folder is and which file to give."""
     run_folder = tmp_path / "run"
