@@ -110,7 +110,9 @@ def _interrupted() -> Exit:
 
 
 def _is_closed_pipe(exc: BaseException) -> bool:
-    return isinstance(exc, OSError) and exc.errno == errno.EPIPE
+    """Whether ``exc`` is the output's reader gone: an EPIPE of the command's own printing, never a
+    weightstore error (a write the file system refused keeps its ``errno``, EPIPE included)."""
+    return isinstance(exc, OSError) and not isinstance(exc, WeightStoreError) and exc.errno == errno.EPIPE
 
 
 def _pipe_closed() -> Exit:

@@ -865,6 +865,25 @@ def test_guard_covers_commands_from_other_modules(tmp_path):
     assert result.exit_code == 1 and "internal error (ZeroDivisionError: boom); run with --debug" in result.stderr
 
 
+def test_a_write_refused_with_epipe_is_an_error_not_a_closed_output():
+    """A closed pipe of the output ends ``ws`` quietly (exit 141); a write the file system refused
+    with EPIPE (a FUSE mount's) is a weightstore error keeping that errno, and still one error line."""
+    import errno
+
+    import typer
+
+    extra = typer.Typer(cls=GuardedGroup)
+
+    @extra.command()
+    def fail() -> None:
+        raise ws.WriteError(errno.EPIPE, "writing failed: Broken pipe", path="/mnt/fuse/x.npz")
+
+    @extra.command()
+    def other() -> None: ...
+
+    one_error_line(CliRunner().invoke(extra, ["fail"]), "/mnt/fuse/x.npz: writing failed: Broken pipe")
+
+
 def test_progress_appears_only_on_a_terminal(monkeypatch):
     monkeypatch.setattr(render, "PROGRESS_DELAY_S", 0.0)
     monkeypatch.setattr(render.settings, "quiet", False)
