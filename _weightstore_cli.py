@@ -8,7 +8,8 @@ then runs on), or a C extension left half initialised crashes the exit. So while
 run, Ctrl-C ends the process at once, where nothing has been written yet; the commands get
 Python's KeyboardInterrupt back, which their writes clean up after. The entry lives outside
 the ``weightstore`` package, since importing anything inside it runs the package's imports
-first.
+first. ``python -m weightstore`` imports the package before its ``__main__``: the package's
+first lines call :func:`starting_as_module`, and ``__main__`` calls :func:`main`.
 """
 
 import os
@@ -20,9 +21,7 @@ INTERRUPTED = 130  # as a shell reports a process stopped by SIGINT
 
 def main() -> None:
     try:
-        starting = signal.getsignal(signal.SIGINT) is signal.default_int_handler  # not where Ctrl-C is ignored (ws &)
-        if starting:
-            signal.signal(signal.SIGINT, _exit_at_once)
+        starting = _exit_at_once_while_starting()
         try:
             from weightstore.cli.main import main as ws
         finally:
@@ -32,6 +31,32 @@ def main() -> None:
     except KeyboardInterrupt:  # typer building the command, before the command's own handling answers
         sys.stderr.write("interrupted\n")
         raise SystemExit(INTERRUPTED) from None
+
+
+def starting_as_module() -> None:
+    """Called first thing by the package while Python imports it for ``python -m weightstore``,
+    whose ``__main__`` then runs :func:`main`; a program that merely imports weightstore (``-m``
+    of a module of its own included) keeps Python's handling."""
+    if _module_run(sys.orig_argv) == "weightstore":
+        _exit_at_once_while_starting()
+
+
+def _module_run(argv: list[str]) -> str | None:
+    """The module ``python -m MODULE`` runs, from the interpreter's own command line."""
+    for at, arg in enumerate(argv[1:], 1):
+        if arg == "-m":
+            return argv[at + 1] if at + 1 < len(argv) else None
+        if arg.startswith("-m"):
+            return arg[2:]
+    return None
+
+
+def _exit_at_once_while_starting() -> bool:
+    """Ctrl-C ends the process at once from now on, unless it is ignored (``ws &``) or handled
+    otherwise; whether it does."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _exit_at_once)
+    return signal.getsignal(signal.SIGINT) is _exit_at_once
 
 
 def _exit_at_once(signum: int, frame: object) -> None:

@@ -4,14 +4,20 @@ The guard sits on the command group, not on ``main()``, so it covers commands ot
 register (``cli/sync.py``) and holds under ``typer.testing.CliRunner`` exactly as it does
 for the installed ``ws``. A failure exits 1, except where a command's answer is 1
 (:data:`ANSWERS`); usage errors stay typer's (exit 2); ``--debug`` lets the exception
-through with its traceback.
+through with its traceback. Output into a pipe whose reader went (``ws ls m.npz | head -1``)
+ends the command quietly, exit :data:`PIPE_CLOSED`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import os
+import sys
+from typing import Any
 
 import typer
+from rich.console import Console
 from typer.core import TyperGroup
 from typer.exceptions import Abort, Exit, TyperException
 
@@ -22,6 +28,9 @@ FAILED = 1
 #: a usage error (typer's own), and a failure of a command in :data:`ANSWERS`
 TROUBLE = 2
 INTERRUPTED = 130
+#: the reader of the output went away (``ws ls big.npz | head -1``): what a shell shows for ``ls``
+#: there, stopped by SIGPIPE (128 + 13), never one of a command's answers (``diff``'s 1 is "different")
+PIPE_CLOSED = 141
 #: the commands that answer a question about files exit as ``diff`` and ``cmp`` do: 0 yes (equal,
 #: intact), 1 no (different, corrupt), :data:`TROUBLE` when they cannot tell, so a script can tell
 #: the answer from a failure; mapped to the errors that are their "no" (a damaged file is what
@@ -34,16 +43,18 @@ _JSON_ASKED = "weightstore.json"
 
 
 def describe(exc: BaseException) -> str:
-    """One line saying what went wrong, naming the file when the error knows it."""
+    """One line saying what went wrong, naming the file when the error knows it. A name holding
+    a newline is shown escaped (``new\\nline.npz``), as ``ws ls`` shows it, not cut into two of
+    the line's parts; and no character of the line is one a terminal would act on."""
     if isinstance(exc, WeightStoreError):
-        text = str(exc)
+        text = str(exc) if not exc.path else str(exc).replace(exc.path, render.printable(exc.path))
     elif isinstance(exc, OSError) and exc.filename is not None:
-        text = f"{exc.filename}: {exc.strerror or exc}"
+        text = f"{render.printable(str(exc.filename))}: {exc.strerror or exc}"
     elif isinstance(exc, OSError):
         text = str(exc)
     else:
         text = f"internal error ({type(exc).__name__}: {exc}); run with --debug for the traceback"
-    return one_line(text) or type(exc).__name__
+    return render.printable(one_line(text)) or type(exc).__name__
 
 
 def one_line(text: str) -> str:
@@ -98,8 +109,48 @@ def _interrupted() -> Exit:
     return Exit(INTERRUPTED)
 
 
+def _is_closed_pipe(exc: BaseException) -> bool:
+    """Whether ``exc`` is the output's reader gone: an EPIPE of the command's own printing, never a
+    weightstore error (a write the file system refused keeps its ``errno``, EPIPE included)."""
+    return isinstance(exc, OSError) and not isinstance(exc, WeightStoreError) and exc.errno == errno.EPIPE
+
+
+def _pipe_closed() -> Exit:
+    """The reader of stdout (or stderr) stopped reading, as ``head`` does after its lines: end at
+    once, saying nothing, as ``ls | head`` does. typer and rich said nothing either but exited 1,
+    which a script reads as a failure (from ``ws diff``, as "different"). Nothing more can reach
+    that reader, and Python's last flush at exit would complain of the pipe: both streams now
+    write to the null device, as Python's documentation of SIGPIPE has it."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError, AttributeError):  # a stream of no file (CliRunner's)
+                os.dup2(devnull, stream.fileno())
+    finally:
+        os.close(devnull)
+    return Exit(PIPE_CLOSED)
+
+
+def _raise_closed_pipe(self: Console) -> None:
+    """rich's answer to a closed pipe, for every console of the command (its tables, typer's help
+    and error boxes): raised as Python raises it, for :func:`_pipe_closed` to answer, where rich
+    would exit 1 itself."""
+    raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
+
 class GuardedGroup(TyperGroup):
     """A typer group whose subcommands fail with one line instead of a traceback."""
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        rich_answer = Console.on_broken_pipe
+        Console.on_broken_pipe = _raise_closed_pipe  # type: ignore[method-assign]
+        try:
+            return super().main(*args, **kwargs)
+        except BrokenPipeError:  # typer printing a usage error, after the guard let it go
+            _pipe_closed()
+            raise SystemExit(PIPE_CLOSED) from None
+        finally:
+            Console.on_broken_pipe = rich_answer  # type: ignore[method-assign]
 
     def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:  # type: ignore[override]
         ctx.meta[_JSON_ASKED] = "--json" in _before_double_dash(args)  # before parsing, which a usage error stops
@@ -110,6 +161,10 @@ class GuardedGroup(TyperGroup):
             raise
         except KeyboardInterrupt:  # typer imports what converts the values here (a quarter second)
             raise _interrupted() from None
+        except OSError as exc:  # ``ws --help | head -1``, ``ws --version | true``
+            if _is_closed_pipe(exc):
+                raise _pipe_closed() from None
+            raise
 
     def invoke(self, ctx: typer.Context):  # type: ignore[override]
         try:
@@ -122,8 +177,10 @@ class GuardedGroup(TyperGroup):
         except KeyboardInterrupt:
             raise _interrupted() from None
         except Exception as exc:
-            if ctx.params.get("debug") or (isinstance(exc, OSError) and exc.errno == errno.EPIPE):
-                raise  # typer's own handler: a traceback, or a quiet exit when a pipe closes
+            if _is_closed_pipe(exc):
+                raise _pipe_closed() from None
+            if ctx.params.get("debug"):
+                raise  # typer's own handler: a traceback
             message = describe(exc)
             if render.settings.json:
                 render.print_json(render.error_document(ctx.invoked_subcommand, exc, message))

@@ -62,9 +62,10 @@ def stderr() -> Console:
 
 
 def note(message: str) -> None:
-    """A status line on stderr, silenced by ``--quiet``."""
+    """A status line on stderr, silenced by ``--quiet``; a file's name in it shown as ``ws ls``
+    shows it (:func:`printable`)."""
     if not settings.quiet:
-        typer.echo(message, err=True)
+        typer.echo(printable(message), err=True)
 
 
 def count(number: int, noun: str) -> str:

@@ -9,6 +9,7 @@ they were.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 import warnings
@@ -324,14 +325,30 @@ def _import_into_checkpoint(source: Source, target: str, plan: Mapping[str, str]
         _refuse_reshaped(source, target, plan)
     state = _checkpoints.state_file_text(target) if new else None
     weights = read(source, plan, "importing")
+    made = _missing_folders(os.path.dirname(target)) if state is not None else []
     with working(f"writing {target}"):
-        if state is not None:
-            os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
-        _checkpoints.write_checkpoint(target, weights)
-        if state is not None:
-            _checkpoints.write_state_file(target, state)
+        try:
+            for folder in reversed(made):
+                os.mkdir(folder)
+            _checkpoints.write_checkpoint(target, weights)
+            if state is not None:
+                _checkpoints.write_state_file(target, state)
+        except BaseException:  # a write that failed leaves nothing, not even the folders it made
+            for folder in made:
+                with contextlib.suppress(OSError):  # one that holds something now is not the import's alone
+                    os.rmdir(folder)
+            raise
     caution = NAME_BASED_CAUTION.format(target=target) if new else None
     return Written(target, "TF checkpoint", len(weights), sum(a.nbytes for a in weights.values()), caution)
+
+
+def _missing_folders(folder: str) -> list[str]:
+    """The folders up to ``folder`` that do not exist yet, deepest first: those an import makes."""
+    missing = []
+    while folder and not os.path.exists(folder):
+        missing.append(folder)
+        folder = os.path.dirname(folder)
+    return missing
 
 
 def _import_into_keras(source: Source, target: str, plan: Mapping[str, str], overwrite: bool,

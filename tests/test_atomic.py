@@ -405,6 +405,20 @@ def test_ws_import_into_a_checkpoint_past_a_file_size_limit_leaves_nothing_and_s
     assert sorted(os.listdir(tmp_path)) == ["w.npz"]
 
 
+def test_ws_import_into_a_new_checkpoint_folder_that_fails_leaves_no_folder(tmp_path):
+    """``ws import --into run/a/m.ckpt`` makes the prefix's folders; a write that failed left them,
+    empty, where the failure was to leave nothing. A folder already there stays."""
+    pytest.importorskip("tensorflow")
+    source = tmp_path / "w.npz"
+    ws.save(source, {"a": np.ones(1 << 19, np.float32)})
+    (tmp_path / "kept").mkdir()
+    for target in (tmp_path / "run" / "a" / "m.ckpt", tmp_path / "kept" / "new" / "m.ckpt"):
+        done = ws_under_a_file_size_limit("import", source, "--into", target, timeout=120)
+        assert (done.returncode, done.stderr) == (1, f"error: {target}: TensorFlow could not write the checkpoint: "
+                                                     "File too large\n")
+    assert sorted(os.listdir(tmp_path)) == ["kept", "w.npz"] and os.listdir(tmp_path / "kept") == []
+
+
 def test_ws_import_into_a_checkpoint_of_a_name_tensorflow_writes_writes_it(tmp_path):
     """A prefix of 180 bytes, which TensorFlow's own save writes: the temporary prefix left room
     for weightstore's endings but not for the ``.tempstateN`` (up to 20 digits) SaveV2 appends to

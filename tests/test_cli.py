@@ -771,6 +771,43 @@ def test_missing_and_junk_files(tmp_path):
     one_error_line(run("export", tmp_path / "junk", "-o", tmp_path / "o.npz"), "junk: not a weightstore file")
 
 
+def test_a_file_under_another_formats_suffix_says_so_and_how_to_read_it(store, tmp_path):
+    """A safetensors file saved or downloaded as ``model.npz`` was "not an npz file (no zip
+    directory; truncated or not a zip)", as if damaged. Its first bytes tell: the error says
+    which format they are and what to do; read so, the values are the file's."""
+    weights = ws.load(store)
+    for real, named in ((".safetensors", ".npz"), (".npz", ".safetensors"), (".safetensors", ".h5")):
+        ws.save(tmp_path / f"real{real}", weights)
+        wrong = tmp_path / f"wrong{named}"
+        shutil.copyfile(tmp_path / f"real{real}", wrong)
+        for command in (["ls", wrong], ["convert", wrong, tmp_path / "out.npz"]):
+            done = subprocess.run([WS, *map(str, command)], capture_output=True, text=True, timeout=60)
+            fmt = real.lstrip(".")
+            assert (done.returncode, done.stdout, done.stderr) == (1, "", (
+                f"error: {wrong}: its name says {'hdf5' if named == '.h5' else named.lstrip('.')}, but its first "
+                f"bytes say {fmt}: rename it to end in {real} (or read it with ws.open(path, format={fmt!r}))\n"))
+        with ws.open(wrong, format=real.lstrip(".")) as opened:
+            assert {key: opened[key].tolist() for key in opened} == {k: v.tolist() for k, v in weights.items()}
+    assert not (tmp_path / "out.npz").exists()
+    (tmp_path / "cut.npz").write_bytes((tmp_path / "real.npz").read_bytes()[:200])  # its own format, cut short
+    one_error_line(run("ls", tmp_path / "cut.npz"), "cut.npz: not an npz file (no zip directory; truncated")
+
+
+def test_a_name_with_a_newline_or_an_escape_is_shown_escaped_in_notes_and_errors(store, tmp_path):
+    """``ws ls`` showed ``new\\nline.npz``; an error cut that name into two parts of its line
+    (``absent; x.npz``, as if two things), and the "wrote" note printed it raw: over two lines,
+    and a name holding ESC ran its terminal commands. Both show it as ``ws ls`` does."""
+    newline, escape = tmp_path / "o\nut.h5", tmp_path / "\x1b[31mred.npz"
+    done = subprocess.run([WS, "convert", str(store), str(newline)], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (0, f"wrote 3 tensors (48 B) to {tmp_path}/o\\nut.h5\n")
+    assert ws.load(newline).keys() == ws.load(store).keys()
+    for absent, shown in ((tmp_path / "absent\nx.npz", "absent\\nx.npz"), (escape, "\\x1b[31mred.npz")):
+        done = subprocess.run([WS, "ls", str(absent)], capture_output=True, text=True, timeout=60)
+        assert (done.returncode, done.stderr) == (1, f"error: {tmp_path}/{shown}: no such file or checkpoint\n")
+    done = subprocess.run([WS, "ls", "--json", str(escape)], capture_output=True, text=True, timeout=60)
+    assert json.loads(done.stdout)["error"]["path"] == str(escape)  # a script gets the name as it is
+
+
 def test_a_folder_of_versions_given_as_a_file_names_its_latest_version(store, tmp_path):
     """``ws versions run`` then ``ws ls run``: the refusal says what the folder is and which file to give."""
     run_folder = tmp_path / "run"
@@ -826,6 +863,25 @@ def test_guard_covers_commands_from_other_modules(tmp_path):
     assert result.exit_code == 1 and result.stderr.strip() == "error: /some/file: Permission denied"
     result = CliRunner().invoke(extra, ["fail", "bug"])
     assert result.exit_code == 1 and "internal error (ZeroDivisionError: boom); run with --debug" in result.stderr
+
+
+def test_a_write_refused_with_epipe_is_an_error_not_a_closed_output():
+    """A closed pipe of the output ends ``ws`` quietly (exit 141); a write the file system refused
+    with EPIPE (a FUSE mount's) is a weightstore error keeping that errno, and still one error line."""
+    import errno
+
+    import typer
+
+    extra = typer.Typer(cls=GuardedGroup)
+
+    @extra.command()
+    def fail() -> None:
+        raise ws.WriteError(errno.EPIPE, "writing failed: Broken pipe", path="/mnt/fuse/x.npz")
+
+    @extra.command()
+    def other() -> None: ...
+
+    one_error_line(CliRunner().invoke(extra, ["fail"]), "/mnt/fuse/x.npz: writing failed: Broken pipe")
 
 
 def test_progress_appears_only_on_a_terminal(monkeypatch):
@@ -900,6 +956,48 @@ def test_ctrl_c_while_ws_starts_exits_130_quietly(tmp_path):
         finally:
             started.kill()
         assert (started.returncode, out, err) == (130, "", "interrupted\n"), delay
+
+
+def test_ctrl_c_while_python_m_weightstore_starts_exits_130_quietly(tmp_path):
+    """``python -m weightstore`` imports the whole package before its ``__main__`` runs, and a
+    Ctrl-C there printed a traceback of whichever module Python was in (the console script's
+    entry was quiet). The package's first lines make it as quiet: "interrupted", exit 130."""
+    ws.publish(tmp_path / "run", {"w": np.zeros(2, np.float32)}, step=1)
+    for delay in (0.0, 0.05, 0.1, 0.2, 0.35, 0.5, 0.8, 1.5):  # the package, the command's imports, the follow
+        started = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "weightstore", "follow",
+                                    str(tmp_path / "run"), "--after", "1"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            for line in started.stderr:  # each module as its import ends: one of the package's is past its first lines
+                if line.split("|")[-1].strip().startswith("weightstore."):
+                    break
+            time.sleep(delay)
+            started.send_signal(signal.SIGINT)
+            out, err = started.communicate(timeout=60)
+        finally:
+            started.kill()
+        said = [line for line in err.splitlines() if not line.startswith("import time:")]
+        assert (started.returncode, out, said) == (130, "", ["interrupted"]), (delay, err[-2000:])
+
+
+@pytest.mark.parametrize("args", [["ls", "{big}"], ["ls", "--json", "{big}"], ["diff", "{big}", "{small}"],
+                                  ["--help"], ["ls", "--help"], ["--version"]])
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path, store, args):
+    """``ws ls big.npz | head -1`` exited 1 (typer's and rich's answer to a closed pipe), which a
+    script reads as a failure, and from ``ws diff`` as "different". Now it ends as ``ls | head``
+    does: no line on stderr, and the status a shell shows for a command SIGPIPE stopped."""
+    big = tmp_path / "big.npz"
+    ws.save(big, {f"layer_{i}/kernel": np.zeros(4, np.float32) for i in range(3000)})
+    command = [WS, *(arg.format(big=big, small=store) for arg in args)]
+    gone = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    gone.stdout.close()  # a reader that went before the first line (``| true``)
+    assert (gone.wait(timeout=60), gone.stderr.read()) == (141, "")
+    gone.stderr.close()
+    head = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    head.stdout.readline()
+    head.stdout.close()  # ``| head -1``: the output that fitted the pipe was written whole (exit 0), or cut (141)
+    assert (head.wait(timeout=60) in (0, 141), head.stderr.read()) == (True, "")
+    head.stderr.close()
 
 
 SELECTION_WORDS = {"--scope", "--include", "--exclude", "--map", "--trainable-only", "--also"}

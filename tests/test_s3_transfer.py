@@ -3,6 +3,8 @@ read and written through the real s3fs client with plain ``s3://`` URLs."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import uuid
 
@@ -411,6 +413,21 @@ def test_ls_of_a_folder_of_versions_on_s3_names_latest_version_as_locally(s3, tm
     put(f"{empty}/notes.txt", b"no weights")
     with pytest.raises(ws.StoreNotFoundError, match="is a folder that no format reads"):  # no LATEST: as before
         ws.load(empty)
+
+
+def test_a_bucket_given_as_a_file_is_a_folder_as_any_other(s3, tmp_path):
+    """``ws ls s3://bucket/`` was "storage failed (ParamValidationError: ... Invalid length for
+    parameter Key ...)": boto's words, under the error that says "retry later". A bucket is
+    refused as a folder that no format reads, as ``s3://bucket/folder/`` is, exit 1 naming it."""
+    put(f"s3://{BUCKET}/{uuid.uuid4().hex}/m.npz", b"")
+    out = str(tmp_path / "o.npz")
+    for command in (["ls", f"s3://{BUCKET}"], ["ls", f"s3://{BUCKET}/"], ["export", f"s3://{BUCKET}/", "-o", out]):
+        done = subprocess.run([sys.executable, "-m", "weightstore", *command], capture_output=True, text=True,
+                              timeout=120)
+        assert (done.returncode, done.stderr) == (1, f"error: {command[1]}: is a folder that no format reads\n")
+    with pytest.raises(ws.StoreNotFoundError, match="is a folder that no format reads"):
+        ws.load(f"s3://{BUCKET}/")
+    assert not (tmp_path / "o.npz").exists()
 
 
 def test_requests_of_an_open_and_a_one_scope_load_are_the_figures_the_docs_give(s3):

@@ -6,6 +6,13 @@ file); ``sync`` (versions of a model, job 1) and ``sharded`` (many writers, one 
 ``adapters`` (frameworks); ``cli`` (the ``ws`` command).
 """
 
+import sys
+
+if sys.argv[:1] == ["-m"]:  # Python is importing this package to run a module with -m: which?
+    import _weightstore_cli
+
+    _weightstore_cli.starting_as_module()  # ``python -m weightstore``: Ctrl-C now exits 130 quietly, as ``ws``
+
 from weightstore import _moved, errors
 from weightstore._version import __version__
 from weightstore.core.keys import remap, select

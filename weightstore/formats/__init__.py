@@ -233,6 +233,18 @@ def sniff(head: bytes) -> Format:
     raise FormatError("not a weightstore file (not npz, HDF5 or safetensors)")
 
 
+def refuse_misnamed(head: bytes, named: Format) -> None:
+    """Raise :class:`FormatError` if ``head``, the first bytes of a file the reader of ``named``
+    (its suffix's format) refused, starts a file of another format: a file saved or downloaded
+    under the wrong name (a safetensors file as ``model.npz``), which the suffix's reader can only
+    call damaged. The caller names the file (:func:`~weightstore.errors.naming`)."""
+    for fmt in _registry():
+        if fmt is not named and fmt.magic(head):
+            suffix = fmt.suffixes[0] if fmt.suffixes else ""
+            raise FormatError(f"its name says {named.name}, but its first bytes say {fmt.name}: rename it to end in "
+                              f"{suffix} (or read it with ws.open(path, format={fmt.name!r}))")
+
+
 def foreign_keys(names: Iterable[tuple[str, str]], what: str) -> dict[str, str]:
     """Key -> member (npz member, HDF5 dataset path) of a file without a manifest.
 

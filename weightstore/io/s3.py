@@ -10,6 +10,7 @@ open fails that request (a :class:`FormatError`) instead of returning a mix of t
 from __future__ import annotations
 
 import asyncio
+import errno
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -38,6 +39,8 @@ class S3Object:
 
     def first(self, index_at_end: bool, length: int, size: int | None,
               details: Mapping[str, Any] | None) -> tuple[int, int, memoryview]:
+        if not self._key:  # a bucket (``s3://bucket/``): no object to ask for, and boto refuses an empty key
+            raise FileNotFoundError(errno.ENOENT, "a bucket, not an object", self.name)
         if size is not None:
             self._pin(details or {})
             start, end = window(index_at_end, size, length)

@@ -27,6 +27,7 @@ from weightstore.formats import (
     format_for_suffix,
     format_named,
     hf_sharded,
+    refuse_misnamed,
     sniff,
 )
 from weightstore.formats._foreign import HEAD_BYTES, refuse_pickle
@@ -423,12 +424,12 @@ def _open_file(place: Place, fmt: Format | None, verify: bool, mmap: bool, *, is
             with service(location):
                 handle = place.open_file()
             try:
-                with _pickle_named(head, location):
+                with _pickle_named(head, location, fmt):
                     return Store(fmt.open_reader(handle, location), location, verify, fmt.name)
             except BaseException:
                 handle.close()
                 raise
-        with _pickle_named(head, location):
+        with _pickle_named(head, location, fmt):
             return Store(fmt.open_reader(source, location, mmap=mmap), location, verify, fmt.name)
     except BaseException:
         if isinstance(source, RemoteFile):
@@ -451,18 +452,22 @@ class _pickle_named(AbstractContextManager):  # noqa: N801 - used as the functio
     name (or the magic) chose reads the file first, and only a file it refuses is refused as a
     pickle where its first bytes start one, which says more than the reader's refusal. (A valid
     safetensors file whose header is 640, 896, 1,152 or 1,408 bytes long starts with pickle's
-    magic: its length's first two bytes are ``80 02`` to ``80 05``.) A plain class: every open
-    enters one, and a generator's context costs four times as much."""
+    magic: its length's first two bytes are ``80 02`` to ``80 05``.) A file whose first bytes
+    are another format's is refused as misnamed (:func:`~weightstore.formats.refuse_misnamed`),
+    the same way. A plain class: every open enters one, and a generator's context costs four
+    times as much."""
 
-    __slots__ = ("_head", "_location")
+    __slots__ = ("_format", "_head", "_location")
 
-    def __init__(self, head: Callable[[], bytes], location: str):
-        self._head, self._location = head, location
+    def __init__(self, head: Callable[[], bytes], location: str, fmt: Format):
+        self._head, self._location, self._format = head, location, fmt
 
     def __exit__(self, kind: object, exc: BaseException | None, traceback: object) -> None:
         if isinstance(exc, WeightStoreError):
             with naming(path=self._location):
-                refuse_pickle(self._head())
+                head = self._head()
+                refuse_pickle(head)
+                refuse_misnamed(head, self._format)
 
 
 def _refuse_published_folder(place: Place) -> None:
