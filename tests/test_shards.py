@@ -389,6 +389,65 @@ def test_a_region_digest_follows_the_rows_it_reads_whichever_columns_changed(tmp
     assert digests[0][2] != digests[1][2]  # its rows and columns changed
 
 
+def test_a_block_changed_to_keep_its_crc32_changes_the_digest_of_its_rows(tmp_path):
+    """Block digests are change digests made of CRCs (each band's CRC-64 beside its blocks'
+    CRC-32s, not a hash of the bytes): a block changed so that its CRC-32 stays the same (a
+    forged collision) still changes the digest of every region that holds its rows, and of no
+    other rows."""
+    from crc_forge import forge_crc32_collision
+
+    folder = tmp_path / "run"
+    w = np.random.default_rng(1).standard_normal((256, 1024), dtype=np.float32)
+    ws.publish_shard(folder, {"w": w}, step=1, rank=0, world=1, attempt=0)
+    first = shards.commit_shards(folder, step=1, world=1, attempt=0, timeout=5, keep=None)
+    with ws.open(first) as store:
+        strip = store._reader.placed("w")[0]
+    rows, columns = strip.rows, strip.shape[1]
+    changed = w.copy()
+    block = np.ascontiguousarray(w[rows:2 * rows, :columns])  # the first strip's second block
+    changed[rows:2 * rows, :columns] = forge_crc32_collision(block, block.flat[0] + 1).reshape(block.shape)
+    ws.publish_shard(folder, {"w": changed}, step=2, rank=0, world=1, attempt=0)
+    second = shards.commit_shards(folder, step=2, world=1, attempt=0, timeout=5, keep=None)
+    with ws.open(first) as before, ws.open(second) as after:
+        assert before._reader.placed("w")[0].crcs == after._reader.placed("w")[0].crcs  # blind to it
+        for region, same in (((slice(0, rows),), True), ((slice(rows, 2 * rows), slice(512, 1024)), False),
+                             ((),  False)):
+            old, new = before.region_digest("w", region), after.region_digest("w", region)
+            assert new.startswith("change:") and (old == new) is same, region
+        assert after.read_region("w", (slice(rows, 2 * rows),)).tobytes() == changed[rows:2 * rows].tobytes()
+
+
+def test_change_digests_never_equal_the_blake3_digests_of_an_older_writer_and_diff_reads_them(tmp_path):
+    """A table written before change digests holds BLAKE3 of each band's bytes: its regions'
+    digests (``blake3:``) never equal this writer's (``change:``), so a follower reads a region
+    again once rather than comparing digests of two kinds. ``ws diff`` compares two versions
+    that may have different authors, against whom a CRC-made digest proves nothing: it reads
+    the pairs whose change digests agree instead of calling them equal unread."""
+    from typer.testing import CliRunner
+
+    from weightstore.cli.main import app
+
+    folder = tmp_path / "run"
+    shutil.copytree(V2, folder)
+    w = np.arange(24, dtype=np.float32).reshape(6, 4)
+    versions_ = {1: ws.latest(folder)}
+    for step in (2, 3):  # the same bytes as the old version's, twice
+        for rank in range(2):
+            ws.publish_shard(folder, {"w": ws.Piece(w[3 * rank:3 * rank + 3], (3 * rank, 0), (6, 4))},
+                             step=step, rank=rank, world=2, attempt=0)
+        versions_[step] = shards.commit_shards(folder, step=step, world=2, attempt=0, timeout=5, keep=None)
+    digests = {}
+    for step, version in versions_.items():
+        with ws.open(version) as store:
+            digests[step] = store.region_digest("w", (slice(1, 5),))
+    assert digests[1].startswith("blake3:") and digests[2].startswith("change:")
+    assert digests[1] != digests[2] == digests[3]
+    diff = CliRunner().invoke(app, ["diff", versions_[2].path, versions_[3].path, "--json"])
+    assert diff.exit_code == 0, diff.output
+    found = json.loads(diff.output)
+    assert found["equal"] and found["unchanged"] == 1 and found["unchanged_by_digest"] == 0
+
+
 @pytest.mark.parametrize("fmt", ["safetensors", "npz", "hdf5"])
 def test_a_member_read_alone_verifies_the_crcs_its_writer_joined_from_its_blocks(tmp_path, fmt):
     """Each stored tensor's CRC-32 in a member's own manifest is joined from its block CRC-32s,
@@ -1191,6 +1250,7 @@ def _piece_field(at):
     (lambda header, crcs: header["pieces"][0].__setitem__(0, "v"), "has no float32 piece at \\[3, 0\\]"),
     (lambda header, crcs: header["pieces"][0].__setitem__(1, "float16"), "has no float32 piece"),
     (lambda header, crcs: header["pieces"][0].__setitem__(2, 40), "too short for its axes"),
+    (lambda header, crcs: header.update(digest="xxh3"), "block digests of a kind this weightstore does not know"),
 ])
 def test_a_hostile_block_table_is_refused_naming_it_and_the_key(tmp_path, table, words):
     path = hostile_v2(tmp_path, table=table)
