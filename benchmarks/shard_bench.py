@@ -22,7 +22,7 @@ Four tables, one run:
    ``--busy`` spins a CPU-bound neighbour beside them (:func:`benchmarks.common.busy_neighbour`).
 5. *Write throughput for 1, 2, 4 writers* (local folder, forked processes started together):
    the model's bytes over the time from the first writer's start to the last one's end.
-   Each writer is CPU-bound (the strips' copy, a CRC-32 per block, BLAKE3 per band of rows, the write); on a
+   Each writer is CPU-bound (the strips' copy, a CRC-32 per block, a CRC-64 per band of rows, the write); on a
    2-core machine 4 writers share 2 cores, so aggregate throughput stops growing at 2 writers.
    The per-writer figure is what scales with hosts: each host writes its own member, and the
    coordinator's work does not grow with the tensor bytes.

@@ -4,7 +4,7 @@ Every rank calls :func:`publish_shard` with the pieces it holds; it writes one m
 (``step-000000000042.attempt-1/rank-00003.safetensors``, an ordinary safetensors file that
 ``ws.open`` and ``safetensors.numpy.load_file`` read alone; or an npz or HDF5 file), then its
 block table (``rank-00003.blocks``: where each piece's bytes lie in the member, a CRC-32 and a
-BLAKE3 digest per block) and, last, a small done-record (``rank-00003.done``) saying what the
+change digest per block) and, last, a small done-record (``rank-00003.done``) saying what the
 member holds: for every piece its global key and its box in the global tensor, and the size
 and BLAKE3 of the table. Before it writes anything, the rank checks that its share keeps the
 version's index within its bounds (:func:`~weightstore.formats._sharded_index.check_share`).
@@ -208,11 +208,12 @@ def publish_shard(
             number of ranks changed, alike by every rank (:mod:`weightstore.sharded._delta`). A
             ``Delta`` keeps a copy of this rank's pieces (1x its share of the model); ``True``
             reads its base member back.
-        digests: record each block's BLAKE3 digest in the block table, which a follower
-            compares to skip the regions that did not change (:meth:`Store.region_digest`).
-            ``False`` for a folder no follower reads (a checkpoint a job resumes from): the
-            save skips a BLAKE3 pass over the rank's bytes (0.3 CPU-s/GB, half of
-            ``torch.distributed.checkpoint``'s whole save), every region of this member reads
+        digests: record each block's change digest in the block table (its band's CRC-64
+            and its blocks' CRC-32s, hashed: trusted against accidents, not against the
+            version's author, docs/sharded.md), which a follower compares to skip the regions
+            that did not change (:meth:`Store.region_digest`). ``False`` for a folder no
+            follower reads (a checkpoint a job resumes from): the save skips a CRC-64 pass over
+            the rank's bytes (0.04 CPU-s/GB), every region of this member reads
             again on each version, replicas of a piece are told alike by their blocks' CRC-32s,
             and a weightstore older than this one refuses the member's block table
             (FormatError), never misreads it. Reads verify every block's CRC-32 either way.
@@ -938,7 +939,7 @@ def _described(local: str, where: str, fmt: Format, listed: list[_Listed], diges
                attempt: int, rank: int, member: str, size: int, virtual: dict[str, int] | None = None
                ) -> tuple[BlockTable, dict[str, DoneTensor]]:
     """The member just written (``local``, published as ``where``, which errors name), described:
-    its block table (where each piece's strips landed, the CRC-32 of each block and the BLAKE3
+    its block table (where each piece's strips landed, the CRC-32 of each block and the change
     digest of the band of rows that holds it, from the work before the write: ``digested``)
     and the done-record's tensors (each piece's box and digest: the BLAKE3 of its bands'
     digests, which replicas written alike share). Where a format other than safetensors put
