@@ -318,6 +318,7 @@ def test_a_corrupt_block_is_refused_naming_the_key(tmp_path):
 
 V1 = ROOT / "tests" / "data" / "sharded_v1"  # a version committed by weightstore before block tables
 V2 = ROOT / "tests" / "data" / "sharded_v2"  # and one of index version 2: block tables read whole
+V3 = ROOT / "tests" / "data" / "sharded_v3"  # and one of version 3 whose tables hold BLAKE3 block digests
 
 
 def hostile_index(tmp_path, edit):
@@ -418,19 +419,25 @@ def test_a_block_changed_to_keep_its_crc32_changes_the_digest_of_its_rows(tmp_pa
 
 
 def test_change_digests_never_equal_the_blake3_digests_of_an_older_writer_and_diff_reads_them(tmp_path):
-    """A table written before change digests holds BLAKE3 of each band's bytes: its regions'
-    digests (``blake3:``) never equal this writer's (``change:``), so a follower reads a region
-    again once rather than comparing digests of two kinds. ``ws diff`` compares two versions
-    that may have different authors, against whom a CRC-made digest proves nothing: it reads
-    the pairs whose change digests agree instead of calling them equal unread."""
+    """A table written before change digests (``tests/data/sharded_v3``, by the weightstore
+    before them) holds BLAKE3 of each band's bytes and reads as ever; its regions' digests
+    (``blake3:``) never equal this writer's (``change:``) of the same bytes, so a follower reads
+    a region again once rather than comparing digests of two kinds. ``ws diff`` compares two
+    versions that may have different authors, against whom a CRC-made digest proves nothing: it
+    reads the pairs whose change digests agree instead of calling them equal unread."""
     from typer.testing import CliRunner
 
     from weightstore.cli.main import app
 
     folder = tmp_path / "run"
-    shutil.copytree(V2, folder)
+    shutil.copytree(V3, folder)
     w = np.arange(24, dtype=np.float32).reshape(6, 4)
+    s = (np.arange(256 * 512) % 251).astype(np.float16).reshape(256, 512)
     versions_ = {1: ws.latest(folder)}
+    with ws.open(versions_[1]) as store:
+        assert store._reader.index.version == 3 and store["w"].tobytes() == w.tobytes()
+        assert store.read_region("s", (slice(10, 200), slice(100, 300))).tobytes() == s[10:200, 100:300].tobytes()
+        assert store.region_digest("s", (slice(0, 8),)).startswith("blake3:")
     for step in (2, 3):  # the same bytes as the old version's, twice
         for rank in range(2):
             ws.publish_shard(folder, {"w": ws.Piece(w[3 * rank:3 * rank + 3], (3 * rank, 0), (6, 4))},
