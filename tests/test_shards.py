@@ -418,6 +418,24 @@ def test_a_block_changed_to_keep_its_crc32_changes_the_digest_of_its_rows(tmp_pa
         assert after.read_region("w", (slice(rows, 2 * rows),)).tobytes() == changed[rows:2 * rows].tobytes()
 
 
+def test_a_writer_whose_isal_has_no_crc64_hashes_its_bands_with_blake3_as_before(tmp_path, monkeypatch):
+    """Where ISA-L's CRC-64 is not available the rank writes BLAKE3 band digests (a table with no
+    ``digest`` kind, as before): regions still carry digests, ``blake3:``, equal while the
+    bytes are and changing with them."""
+    from weightstore.core import checksums
+
+    monkeypatch.setattr(checksums, "crc64", lambda view: None)
+    folder = tmp_path / "run"
+    w = np.random.default_rng(2).standard_normal((256, 1024), dtype=np.float32)
+    found = []
+    for step, value in ((1, w), (2, w), (3, w + 1)):
+        ws.publish_shard(folder, {"w": value}, step=step, rank=0, world=1, attempt=0)
+        with ws.open(shards.commit_shards(folder, step=step, world=1, attempt=0, timeout=5, keep=None)) as store:
+            found.append(store.region_digest("w", (slice(0, 64),)))
+            assert store.read_region("w", (slice(0, 64),)).tobytes() == value[:64].tobytes()
+    assert found[0].startswith("blake3:") and found[0] == found[1] != found[2]
+
+
 def test_change_digests_never_equal_the_blake3_digests_of_an_older_writer_and_diff_reads_them(tmp_path):
     """A table written before change digests (``tests/data/sharded_v3``, by the weightstore
     before them) holds BLAKE3 of each band's bytes and reads as ever; its regions' digests
