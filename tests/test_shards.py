@@ -442,7 +442,8 @@ def test_change_digests_never_equal_the_blake3_digests_of_an_older_writer_and_di
     (``blake3:``) never equal this writer's (``change:``) of the same bytes, so a follower reads
     a region again once rather than comparing digests of two kinds. ``ws diff`` compares two
     versions that may have different authors, against whom a CRC-made digest proves nothing: it
-    reads the pairs whose change digests agree instead of calling them equal unread."""
+    reads the pairs whose change digests agree instead of calling them equal unread. Nor does a
+    version of another folder ever have the same change digests (hot reload from two folders)."""
     from typer.testing import CliRunner
 
     from weightstore.cli.main import app
@@ -467,6 +468,9 @@ def test_change_digests_never_equal_the_blake3_digests_of_an_older_writer_and_di
             digests[step] = store.region_digest("w", (slice(1, 5),))
     assert digests[1].startswith("blake3:") and digests[2].startswith("change:")
     assert digests[1] != digests[2] == digests[3]
+    shutil.copytree(folder, tmp_path / "copy")  # another folder, perhaps of another author: never matches
+    with ws.open(str(tmp_path / "copy" / Path(versions_[3].path).name)) as store:
+        assert store.region_digest("w", (slice(1, 5),)) not in (None, digests[3])
     diff = CliRunner().invoke(app, ["diff", versions_[2].path, versions_[3].path, "--json"])
     assert diff.exit_code == 0, diff.output
     found = json.loads(diff.output)

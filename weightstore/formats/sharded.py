@@ -218,8 +218,9 @@ class ShardedReader(ReaderDefaults):
         blocks' bytes are, and reads no tensor byte (a version 2 index: the block digests of the
         members that hold the region, once each). ``change:`` where a block's digest is a change
         digest (:func:`~weightstore.formats._sharded_index.crc_band_digests`: equal bytes short of
-        a change chosen to collide, which only the version's author could make), ``blake3:``
-        where every one is BLAKE3 of bytes. None from an index written without block digests:
+        a change chosen to collide, which only the version's author could make), hashed with the
+        versions' folder, so it equals only the digests of versions of the same folder;
+        ``blake3:`` where every one is BLAKE3 of bytes. None from an index written without block digests:
         such a region is always read again, never trusted to a CRC-32."""
         with naming(path=self.name):
             entry = self._entry(key)
@@ -237,6 +238,8 @@ class ShardedReader(ReaderDefaults):
             hasher.update(f"|{list(piece.start)}{list(piece.shape)}{piece.rows}@{read.first}:".encode())
             hasher.update(",".join(blocks).encode())
             kind = "change:" if piece.crc_digests else kind
+        if kind == "change:":  # trusted between versions of one folder only: another folder's never matches
+            hasher.update(f"|folder {self._base}".encode())
         return kind + hasher.hexdigest()
 
     def member_path(self, position: int) -> str:
