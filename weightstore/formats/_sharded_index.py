@@ -5,15 +5,15 @@ per rank, each an ordinary safetensors, npz or HDF5 file) and, for every global 
 (pieces) that tile it: which member holds each and where it sits in the global tensor
 (``start``, ``shape``). Everything per *block* lives with its member, in its **block table**
 (``rank-00003.blocks`` beside it, :class:`BlockTable`): where each piece's bytes (or each of its
-column strips) lie in the member, and a CRC-32 and a BLAKE3 digest for each block of it (whole
+column strips) lie in the member, and a CRC-32 and a digest for each block of it (whole
 rows along its first axis, :func:`piece_block_rows`; the digest is of its band: those rows, all
-the piece's columns, :func:`band_digests`). So the index grows with pieces, never
+the piece's columns, :func:`crc_band_digests`, or :func:`band_digests` in older tables). So the index grows with pieces, never
 with blocks; keys that share a partitioning share one *layout* (their list of boxes); and a
 reader of a region fetches the index, then the headers of the tables of the members that hold
 its region (their sizes and BLAKE3 digests are in the index) and the pages of CRC-32s of the
 blocks that hold the region (:class:`BlockTable`), and only those blocks. A follower also fetches the digests of those tables, to skip a region whose
-blocks did not change (the CRC-32 finds damage; only the digest, which cannot be forged, says
-"unchanged"). Each rank's done-record says what its member holds (boxes, no blocks); the
+blocks did not change (the CRC-32 finds damage; only the digest, which nobody but the
+version's author could forge, says "unchanged"). Each rank's done-record says what its member holds (boxes, no blocks); the
 coordinator merges the done-records into the index without reading a tensor byte.
 
 **Bounds** (:data:`MAX_INDEX_BYTES` and what feeds it) are checked by each rank in
@@ -85,7 +85,8 @@ __all__ = ["index_name", "attempt_folder", "member_name", "MEMBER_SUFFIXES", "do
            "PieceEntry", "TensorEntry", "Member", "TableRef", "Layout", "Box", "Placed", "BlockTable", "ShardIndex",
            "DoneRecord", "DoneTensor", "parse_done", "check_parsable", "check_tensor", "check_boxes", "check_share",
            "share_bytes", "key_entry_bytes", "member_entry_bytes", "check_member_bytes", "seal",
-           "block_rows", "piece_block_rows", "piece_cut", "tile_bytes", "block_crcs", "band_digests", "band_crc64s", "crc_band_digests", "CRC_DIGESTS", "DIGEST_HEX",
+           "block_rows", "piece_block_rows", "piece_cut", "tile_bytes", "block_crcs", "band_digests", "band_crc64s",
+           "crc_band_digests", "CRC_DIGESTS", "DIGEST_HEX",
            "row_bytes", "rows_of", "strip_columns", "STRIPED_FROM", "STRIP_ROW_BYTES", "STRIP_BLOCKS"]
 
 INDEX_FORMAT = "weightstore-sharded"
@@ -103,7 +104,7 @@ STRIP_ROW_BYTES = 256
 #: checksummed blocks a strip has, at most, so the index of a large piece stays a small
 #: fraction of it (one CRC-32, about 11 bytes of JSON, per block)
 STRIP_BLOCKS = 64
-#: hex digits of a block's BLAKE3 digest (all 256 bits: a shorter one could be made to collide)
+#: hex digits of a block's digest (BLAKE3's 256 bits, of its band's bytes or of its CRCs)
 DIGEST_HEX = 64
 _HEX_DIGEST = re.compile(rf"[0-9a-f]{{{DIGEST_HEX}}}")
 BLOCKS_FORMAT = "weightstore-shard-blocks"
@@ -345,11 +346,10 @@ def crc_band_digests(crc64s: Sequence[int], strip_crcs: Sequence[Sequence[int]])
     return digests
 
 
-
 @dataclass(frozen=True)
 class PieceEntry:
     """One stored run of a piece, placed: its box in the tensor, its bytes in its member, its
-    blocks' CRC-32s and BLAKE3 digests (``blocks``: None where they were not recorded, or not
+    blocks' CRC-32s and digests (``blocks``: None where they were not recorded, or not
     fetched). An index of version 1 holds these itself, one per column strip; a version 2 index
     holds :class:`Box` es, which a reader places through their member's :class:`BlockTable`."""
 
@@ -714,7 +714,7 @@ def _tensors_v2(raw: Any, layouts: list[Layout], members: list[Member], *, nbyte
 @dataclass(frozen=True)
 class DoneTensor:
     """What a done-record says of one key: dtype, global shape, and each piece's start, shape and
-    BLAKE3 digest of its bytes (replicas written alike are told apart by it at the commit)."""
+    digest (of its bands' digests: replicas written alike are told apart by it at the commit)."""
 
     dtype: str
     shape: tuple[int, ...]
@@ -809,7 +809,7 @@ def parse_done(data: bytes) -> DoneRecord:
     return DoneRecord(step, attempt, rank, world, member, tensors, incarnation, base)
 
 
-#: bytes of one block's BLAKE3 digest in a block table
+#: bytes of one block's digest in a block table
 DIGEST_BYTES = 32
 #: what a table's block digests are when its header's ``digest`` says so: :func:`crc_band_digests`.
 #: A header without it (every table before) holds :func:`band_digests`, BLAKE3 of each band's bytes
@@ -886,11 +886,12 @@ def stored_order(pieces: Sequence[Placed], blocks: int) -> np.ndarray:
 
 class BlockTable:
     """One member's block table (``rank-00003.blocks``): where each of its pieces lies in it and
-    a CRC-32 and BLAKE3 digest per block. The file: ``WSBLOCKS``, the header's length (8 bytes,
+    a CRC-32 and a digest per block. The file: ``WSBLOCKS``, the header's length (8 bytes,
     little-endian), the header (sealed JSON: step, attempt, rank, member, its size, the blocks,
     the BLAKE3 of the digests, each piece as :meth:`Placed.flat`, and the BLAKE3 of each page
     of CRC-32s), the CRC-32s (4 bytes each, little-endian, in :func:`stored_order`, in pages of
     :data:`PAGE_CRCS`) and the digests (32 bytes each, in block order: each block's band's,
+    :func:`crc_band_digests` where the header's ``digest`` says :data:`CRC_DIGESTS`, else
     :func:`band_digests`; none in a member published with ``digests=False``, whose regions
     have no digest and are read again by every follower). The index gives the
     size and BLAKE3 of the header; a reader fetches it, then the pages of CRC-32s of the blocks

@@ -220,8 +220,8 @@ class ShardedReader(ReaderDefaults):
         digest (:func:`~weightstore.formats._sharded_index.crc_band_digests`: equal bytes short of
         a change chosen to collide, which only the version's author could make), hashed with the
         versions' folder, so it equals only the digests of versions of the same folder;
-        ``blake3:`` where every one is BLAKE3 of bytes. None from an index written without block digests:
-        such a region is always read again, never trusted to a CRC-32."""
+        ``blake3:`` where every one is BLAKE3 of bytes. None from an index written without block
+        digests: such a region is always read again, never trusted to a CRC-32."""
         with naming(path=self.name):
             entry = self._entry(key)
             bounds = normalized_region(region, entry.shape, key)
@@ -357,7 +357,7 @@ class ShardedReader(ReaderDefaults):
 
     def placed(self, key: str, region: Any = ()) -> list[PieceEntry]:
         """The stored runs (pieces, or their column strips) of ``key`` that hold part of
-        ``region``, placed in their members, with their blocks' CRC-32s and BLAKE3 digests."""
+        ``region``, placed in their members, with their blocks' CRC-32s and digests."""
         with naming(path=self.name):
             entry = self._entry(key)
             return self._pieces(key, entry, normalized_region(region, entry.shape, key), digests=True)
