@@ -22,13 +22,14 @@ Four tables, one run:
    ``--busy`` spins a CPU-bound neighbour beside them (:func:`benchmarks.common.busy_neighbour`).
 5. *Write throughput for 1, 2, 4 writers* (local folder, forked processes started together):
    the model's bytes over the time from the first writer's start to the last one's end.
-   Each writer is CPU-bound (the strips' copy, a CRC-32 per block, BLAKE3 per band of rows, the write); on a
+   Each writer is CPU-bound (the strips' copy, a CRC-32 per block, a CRC-64 per band of rows, the write); on a
    2-core machine 4 writers share 2 cores, so aggregate throughput stops growing at 2 writers.
    The per-writer figure is what scales with hosts: each host writes its own member, and the
    coordinator's work does not grow with the tensor bytes.
 
     python -m benchmarks.shard_bench --size-mb 64
     python -m benchmarks.shard_bench --vs-dcp --size-mb 1024 [--busy]   # table 4 alone
+    python -m benchmarks.shard_bench --phases --size-mb 1024            # where table 4's save goes
 """
 
 from __future__ import annotations
@@ -373,6 +374,54 @@ def rank_vs_dcp(size_mb: float, repeat: int = 3, busy: bool = False) -> str:
     return table(["rank's", "share", "weightstore s", "DCP s", "wall ws/DCP", "CPU ws/DCP"], rows_out)
 
 
+def save_phases(size_mb: float, repeat: int = 5) -> str:
+    """Where a rank's save goes (``--phases``): each phase of ``publish_shard`` alone, on the
+    rank's share (as table 4), with the library's own functions, CPU seconds of this thread
+    per GB (median of ``repeat``): the strips' copy, their blocks' CRC-32s, the bands' change
+    digests (CRC-64, what is saved now) against their BLAKE3 (before), and the write with and
+    without fsync. What is left of a save's CPU is the table, done-record and index."""
+    from weightstore.formats._sharded_index import band_crc64s, band_digests, block_crcs, piece_cut, tile_bytes
+
+    pieces = [piece.array.copy() for piece in _pieces(_model(size_mb), 1, 4).values()]
+    gb = sum(piece.nbytes for piece in pieces) / (1 << 30)
+    columns, rows = piece_cut(pieces[0].shape, 4, tile_bytes(int(gb * (1 << 30))))
+    width = columns or pieces[0].shape[1]
+    strips = [np.ascontiguousarray(piece[:, at : at + width]) for piece in pieces
+              for at in range(0, piece.shape[1], width)]
+    root = tempfile.mkdtemp(prefix="weightstore-shard-phases-")
+
+    def copy() -> None:  # one strip at a time, let go once written, as the save copies them
+        for piece in pieces:
+            for at in range(0, piece.shape[1], width):
+                np.ascontiguousarray(piece[:, at : at + width])
+
+    def write(durable: bool) -> None:
+        with open(f"{root}/member", "wb", buffering=0) as file:
+            for strip in strips:
+                file.write(strip.data)
+            if durable:
+                os.fsync(file.fileno())
+        os.unlink(f"{root}/member")
+
+    phases = {"copy of the strips": copy,
+              "CRC-32 of each block": lambda: [block_crcs(strip, rows * width * 4) for strip in strips],
+              "CRC-64 of each band (change digests)": lambda: [band_crc64s(piece, rows) for piece in pieces],
+              "BLAKE3 of each band (before)": lambda: [band_digests(piece, rows) for piece in pieces],
+              "write": lambda: write(False), "write and fsync": lambda: write(True)}
+    found = []
+    try:
+        for name, run in phases.items():
+            times = []
+            for _ in range(repeat):
+                cpu = time.thread_time()
+                run()
+                times.append(time.thread_time() - cpu)
+            found.append([name, f"{median(times) / gb:.3f}"])
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return table(["phase", "CPU-s/GB"], found)
+
+
 def _writer(folder: str, size_mb: float, rank: int, world: int, start: object, out: object) -> None:
     model = _model(size_mb)
     start.wait()  # type: ignore[attr-defined]
@@ -442,7 +491,12 @@ def main() -> None:
     parser.add_argument("--vs-dcp", action="store_true", help="only table 4: one rank against DCP")
     parser.add_argument("--busy", action="store_true", help="table 4 beside a CPU-bound neighbour")
     parser.add_argument("--repeat", type=int, default=3, help="table 4's timed rounds")
+    parser.add_argument("--phases", action="store_true", help="where one rank's save goes, phase by phase")
     args = parser.parse_args()
+    if args.phases:
+        print(f"## One rank's save, phase by phase: {args.size_mb:g} MB model, rank 1 of 4 ({machine_line()})\n")
+        print(save_phases(args.size_mb))
+        return
     if args.vs_dcp:
         print(f"## One rank against torch.distributed.checkpoint: {args.size_mb:g} MB model, rank 1 of 4"
               f"{', busy neighbour' if args.busy else ''} ({machine_line()})\n")

@@ -318,6 +318,7 @@ def test_a_corrupt_block_is_refused_naming_the_key(tmp_path):
 
 V1 = ROOT / "tests" / "data" / "sharded_v1"  # a version committed by weightstore before block tables
 V2 = ROOT / "tests" / "data" / "sharded_v2"  # and one of index version 2: block tables read whole
+V3 = ROOT / "tests" / "data" / "sharded_v3"  # and one of version 3 whose tables hold BLAKE3 block digests
 
 
 def hostile_index(tmp_path, edit):
@@ -387,6 +388,93 @@ def test_a_region_digest_follows_the_rows_it_reads_whichever_columns_changed(tmp
     assert digests[0][0] == digests[1][0]  # rows untouched
     assert digests[0][1] != digests[1][1]  # its rows changed, in other columns
     assert digests[0][2] != digests[1][2]  # its rows and columns changed
+
+
+def test_a_block_changed_to_keep_its_crc32_changes_the_digest_of_its_rows(tmp_path):
+    """Block digests are change digests made of CRCs (each band's CRC-64 beside its blocks'
+    CRC-32s, not a hash of the bytes): a block changed so that its CRC-32 stays the same (a
+    forged collision) still changes the digest of every region that holds its rows, and of no
+    other rows."""
+    from crc_forge import forge_crc32_collision
+
+    folder = tmp_path / "run"
+    w = np.random.default_rng(1).standard_normal((256, 1024), dtype=np.float32)
+    ws.publish_shard(folder, {"w": w}, step=1, rank=0, world=1, attempt=0)
+    first = shards.commit_shards(folder, step=1, world=1, attempt=0, timeout=5, keep=None)
+    with ws.open(first) as store:
+        strip = store._reader.placed("w")[0]
+    rows, columns = strip.rows, strip.shape[1]
+    changed = w.copy()
+    block = np.ascontiguousarray(w[rows:2 * rows, :columns])  # the first strip's second block
+    changed[rows:2 * rows, :columns] = forge_crc32_collision(block, block.flat[0] + 1).reshape(block.shape)
+    ws.publish_shard(folder, {"w": changed}, step=2, rank=0, world=1, attempt=0)
+    second = shards.commit_shards(folder, step=2, world=1, attempt=0, timeout=5, keep=None)
+    with ws.open(first) as before, ws.open(second) as after:
+        assert before._reader.placed("w")[0].crcs == after._reader.placed("w")[0].crcs  # blind to it
+        for region, same in (((slice(0, rows),), True), ((slice(rows, 2 * rows), slice(512, 1024)), False),
+                             ((),  False)):
+            old, new = before.region_digest("w", region), after.region_digest("w", region)
+            assert new.startswith("change:") and (old == new) is same, region
+        assert after.read_region("w", (slice(rows, 2 * rows),)).tobytes() == changed[rows:2 * rows].tobytes()
+
+
+def test_a_writer_whose_isal_has_no_crc64_hashes_its_bands_with_blake3_as_before(tmp_path, monkeypatch):
+    """Where ISA-L's CRC-64 is not available the rank writes BLAKE3 band digests (a table with no
+    ``digest`` kind, as before): regions still carry digests, ``blake3:``, equal while the
+    bytes are and changing with them."""
+    from weightstore.core import checksums
+
+    monkeypatch.setattr(checksums, "crc64", lambda view: None)
+    folder = tmp_path / "run"
+    w = np.random.default_rng(2).standard_normal((256, 1024), dtype=np.float32)
+    found = []
+    for step, value in ((1, w), (2, w), (3, w + 1)):
+        ws.publish_shard(folder, {"w": value}, step=step, rank=0, world=1, attempt=0)
+        with ws.open(shards.commit_shards(folder, step=step, world=1, attempt=0, timeout=5, keep=None)) as store:
+            found.append(store.region_digest("w", (slice(0, 64),)))
+            assert store.read_region("w", (slice(0, 64),)).tobytes() == value[:64].tobytes()
+    assert found[0].startswith("blake3:") and found[0] == found[1] != found[2]
+
+
+def test_change_digests_never_equal_the_blake3_digests_of_an_older_writer_and_diff_reads_them(tmp_path):
+    """A table written before change digests (``tests/data/sharded_v3``, by the weightstore
+    before them) holds BLAKE3 of each band's bytes and reads as ever; its regions' digests
+    (``blake3:``) never equal this writer's (``change:``) of the same bytes, so a follower reads
+    a region again once rather than comparing digests of two kinds. ``ws diff`` compares two
+    versions that may have different authors, against whom a CRC-made digest proves nothing: it
+    reads the pairs whose change digests agree instead of calling them equal unread. Nor does a
+    version of another folder ever have the same change digests (hot reload from two folders)."""
+    from typer.testing import CliRunner
+
+    from weightstore.cli.main import app
+
+    folder = tmp_path / "run"
+    shutil.copytree(V3, folder)
+    w = np.arange(24, dtype=np.float32).reshape(6, 4)
+    s = (np.arange(256 * 512) % 251).astype(np.float16).reshape(256, 512)
+    versions_ = {1: ws.latest(folder)}
+    with ws.open(versions_[1]) as store:
+        assert store._reader.index.version == 3 and store["w"].tobytes() == w.tobytes()
+        assert store.read_region("s", (slice(10, 200), slice(100, 300))).tobytes() == s[10:200, 100:300].tobytes()
+        assert store.region_digest("s", (slice(0, 8),)).startswith("blake3:")
+    for step in (2, 3):  # the same bytes as the old version's, twice
+        for rank in range(2):
+            ws.publish_shard(folder, {"w": ws.Piece(w[3 * rank:3 * rank + 3], (3 * rank, 0), (6, 4))},
+                             step=step, rank=rank, world=2, attempt=0)
+        versions_[step] = shards.commit_shards(folder, step=step, world=2, attempt=0, timeout=5, keep=None)
+    digests = {}
+    for step, version in versions_.items():
+        with ws.open(version) as store:
+            digests[step] = store.region_digest("w", (slice(1, 5),))
+    assert digests[1].startswith("blake3:") and digests[2].startswith("change:")
+    assert digests[1] != digests[2] == digests[3]
+    shutil.copytree(folder, tmp_path / "copy")  # another folder, perhaps of another author: never matches
+    with ws.open(str(tmp_path / "copy" / Path(versions_[3].path).name)) as store:
+        assert store.region_digest("w", (slice(1, 5),)) not in (None, digests[3])
+    diff = CliRunner().invoke(app, ["diff", versions_[2].path, versions_[3].path, "--json"])
+    assert diff.exit_code == 0, diff.output
+    found = json.loads(diff.output)
+    assert found["equal"] and found["unchanged"] == 1 and found["unchanged_by_digest"] == 0
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "npz", "hdf5"])
@@ -1191,6 +1279,7 @@ def _piece_field(at):
     (lambda header, crcs: header["pieces"][0].__setitem__(0, "v"), "has no float32 piece at \\[3, 0\\]"),
     (lambda header, crcs: header["pieces"][0].__setitem__(1, "float16"), "has no float32 piece"),
     (lambda header, crcs: header["pieces"][0].__setitem__(2, 40), "too short for its axes"),
+    (lambda header, crcs: header.update(digest="xxh3"), "block digests of a kind this weightstore does not know"),
 ])
 def test_a_hostile_block_table_is_refused_naming_it_and_the_key(tmp_path, table, words):
     path = hostile_v2(tmp_path, table=table)

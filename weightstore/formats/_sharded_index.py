@@ -5,15 +5,15 @@ per rank, each an ordinary safetensors, npz or HDF5 file) and, for every global 
 (pieces) that tile it: which member holds each and where it sits in the global tensor
 (``start``, ``shape``). Everything per *block* lives with its member, in its **block table**
 (``rank-00003.blocks`` beside it, :class:`BlockTable`): where each piece's bytes (or each of its
-column strips) lie in the member, and a CRC-32 and a BLAKE3 digest for each block of it (whole
+column strips) lie in the member, and a CRC-32 and a digest for each block of it (whole
 rows along its first axis, :func:`piece_block_rows`; the digest is of its band: those rows, all
-the piece's columns, :func:`band_digests`). So the index grows with pieces, never
+the piece's columns, :func:`crc_band_digests`, or :func:`band_digests` in older tables). So the index grows with pieces, never
 with blocks; keys that share a partitioning share one *layout* (their list of boxes); and a
 reader of a region fetches the index, then the headers of the tables of the members that hold
 its region (their sizes and BLAKE3 digests are in the index) and the pages of CRC-32s of the
 blocks that hold the region (:class:`BlockTable`), and only those blocks. A follower also fetches the digests of those tables, to skip a region whose
-blocks did not change (the CRC-32 finds damage; only the digest, which cannot be forged, says
-"unchanged"). Each rank's done-record says what its member holds (boxes, no blocks); the
+blocks did not change (the CRC-32 finds damage; only the digest, which nobody but the
+version's author could forge, says "unchanged"). Each rank's done-record says what its member holds (boxes, no blocks); the
 coordinator merges the done-records into the index without reading a tensor byte.
 
 **Bounds** (:data:`MAX_INDEX_BYTES` and what feeds it) are checked by each rank in
@@ -85,7 +85,8 @@ __all__ = ["index_name", "attempt_folder", "member_name", "MEMBER_SUFFIXES", "do
            "PieceEntry", "TensorEntry", "Member", "TableRef", "Layout", "Box", "Placed", "BlockTable", "ShardIndex",
            "DoneRecord", "DoneTensor", "parse_done", "check_parsable", "check_tensor", "check_boxes", "check_share",
            "share_bytes", "key_entry_bytes", "member_entry_bytes", "check_member_bytes", "seal",
-           "block_rows", "piece_block_rows", "piece_cut", "tile_bytes", "block_crcs", "band_digests", "DIGEST_HEX",
+           "block_rows", "piece_block_rows", "piece_cut", "tile_bytes", "block_crcs", "band_digests", "band_crc64s",
+           "crc_band_digests", "CRC_DIGESTS", "DIGEST_HEX",
            "row_bytes", "rows_of", "strip_columns", "STRIPED_FROM", "STRIP_ROW_BYTES", "STRIP_BLOCKS"]
 
 INDEX_FORMAT = "weightstore-sharded"
@@ -103,7 +104,7 @@ STRIP_ROW_BYTES = 256
 #: checksummed blocks a strip has, at most, so the index of a large piece stays a small
 #: fraction of it (one CRC-32, about 11 bytes of JSON, per block)
 STRIP_BLOCKS = 64
-#: hex digits of a block's BLAKE3 digest (all 256 bits: a shorter one could be made to collide)
+#: hex digits of a block's digest (BLAKE3's 256 bits, of its band's bytes or of its CRCs)
 DIGEST_HEX = 64
 _HEX_DIGEST = re.compile(rf"[0-9a-f]{{{DIGEST_HEX}}}")
 BLOCKS_FORMAT = "weightstore-shard-blocks"
@@ -304,13 +305,9 @@ def block_crcs(data: np.ndarray, block_bytes: int) -> list[int]:
 
 def band_digests(piece: np.ndarray, rows: int) -> list[bytes]:
     """The BLAKE3 digest of each band of ``rows`` rows of a piece (its stored bytes, C order,
-    contiguous; the last band shorter): what its block table gives each block as its digest,
-    the band that holds the block's rows (a block of a piece stored whole is its band; a tile
-    of a column strip is one of the band's strips). One pass over the piece in the caller's
-    memory, in bands of the whole piece's width: tiles of a few KiB each hashed alone cost
-    twice as much (BLAKE3 hashes 1 KiB chunks side by side), and the strips' own copy is not
-    needed for it. A band changes when any byte of it does, so a region's digest changes
-    when the rows it reads do, whichever columns."""
+    contiguous; the last band shorter): the block digests of a table without ``digest`` in its
+    header (every table before :data:`CRC_DIGESTS`, and a writer whose ISA-L has no CRC-64).
+    One pass over the piece in the caller's memory, in bands of the whole piece's width."""
     view = raw_bytes(piece)
     step = rows * row_bytes(piece.shape, piece.itemsize) if piece.size else 0
     if not step:
@@ -318,10 +315,41 @@ def band_digests(piece: np.ndarray, rows: int) -> list[bytes]:
     return [blake3.blake3(view[at : at + step]).digest() for at in range(0, len(view), step)]
 
 
+def band_crc64s(piece: np.ndarray, rows: int) -> list[int] | None:
+    """The CRC-64 of each band of ``rows`` rows of a piece (as :func:`band_digests` cuts them),
+    or None where ISA-L's CRC-64 is not available (:func:`weightstore.core.checksums.crc64`):
+    one pass over the piece in the caller's memory, 0.04 CPU-s/GB (BLAKE3: 0.26)."""
+    if checksums.crc64(memoryview(b"")) is None:
+        return None
+    view = raw_bytes(piece)
+    step = rows * row_bytes(piece.shape, piece.itemsize) if piece.size else 0
+    if not step:
+        return []
+    return [checksums.crc64(view[at : at + step]) or 0 for at in range(0, len(view), step)]
+
+
+def crc_band_digests(crc64s: Sequence[int], strip_crcs: Sequence[Sequence[int]]) -> list[bytes]:
+    """The block digests of a table whose header says :data:`CRC_DIGESTS`: per band, the BLAKE3
+    (in its own key-derivation context, so it never equals a digest of bytes) of the band's
+    CRC-64 and its blocks' CRC-32s (one a strip, in strip order; a piece stored whole: its one
+    block). A *change digest*: a band whose bytes changed keeps it only if the change is a
+    multiple of both CRC polynomials, about 2^-96 for a change not chosen to collide, and
+    nothing a writer computes beyond one CRC-64 pass (docs/sharded.md says whom it is trusted
+    against: the version's author is not)."""
+    tiles = np.array(strip_crcs, "<u4").reshape(len(strip_crcs), -1).T
+    base = blake3.blake3(derive_key_context=_CRC_DIGEST_CONTEXT)
+    digests = []
+    for crc, row in zip(crc64s, tiles, strict=True):
+        hasher = base.copy()
+        hasher.update(int(crc).to_bytes(8, "little") + row.tobytes())
+        digests.append(hasher.digest())
+    return digests
+
+
 @dataclass(frozen=True)
 class PieceEntry:
     """One stored run of a piece, placed: its box in the tensor, its bytes in its member, its
-    blocks' CRC-32s and BLAKE3 digests (``blocks``: None where they were not recorded, or not
+    blocks' CRC-32s and digests (``blocks``: None where they were not recorded, or not
     fetched). An index of version 1 holds these itself, one per column strip; a version 2 index
     holds :class:`Box` es, which a reader places through their member's :class:`BlockTable`."""
 
@@ -333,6 +361,8 @@ class PieceEntry:
     crcs: tuple[int, ...]
     digest: str
     blocks: tuple[str, ...] | None = None
+    #: whether ``blocks`` are change digests (:func:`crc_band_digests`), not BLAKE3 of bytes
+    crc_digests: bool = False
 
     def to_json(self) -> dict[str, Any]:
         found = {"member": self.member, "start": list(self.start), "shape": list(self.shape), "offset": self.offset,
@@ -684,7 +714,7 @@ def _tensors_v2(raw: Any, layouts: list[Layout], members: list[Member], *, nbyte
 @dataclass(frozen=True)
 class DoneTensor:
     """What a done-record says of one key: dtype, global shape, and each piece's start, shape and
-    BLAKE3 digest of its bytes (replicas written alike are told apart by it at the commit)."""
+    digest (of its bands' digests: replicas written alike are told apart by it at the commit)."""
 
     dtype: str
     shape: tuple[int, ...]
@@ -779,8 +809,12 @@ def parse_done(data: bytes) -> DoneRecord:
     return DoneRecord(step, attempt, rank, world, member, tensors, incarnation, base)
 
 
-#: bytes of one block's BLAKE3 digest in a block table
+#: bytes of one block's digest in a block table
 DIGEST_BYTES = 32
+#: what a table's block digests are when its header's ``digest`` says so: :func:`crc_band_digests`.
+#: A header without it (every table before) holds :func:`band_digests`, BLAKE3 of each band's bytes
+CRC_DIGESTS = "crc64+crc32"
+_CRC_DIGEST_CONTEXT = "weightstore 2026-12 sharded block change digest: CRC-64/XZ of a band, CRC-32 of its blocks"
 _TABLE_MAGIC = b"WSBLOCKS"
 
 
@@ -852,11 +886,12 @@ def stored_order(pieces: Sequence[Placed], blocks: int) -> np.ndarray:
 
 class BlockTable:
     """One member's block table (``rank-00003.blocks``): where each of its pieces lies in it and
-    a CRC-32 and BLAKE3 digest per block. The file: ``WSBLOCKS``, the header's length (8 bytes,
+    a CRC-32 and a digest per block. The file: ``WSBLOCKS``, the header's length (8 bytes,
     little-endian), the header (sealed JSON: step, attempt, rank, member, its size, the blocks,
     the BLAKE3 of the digests, each piece as :meth:`Placed.flat`, and the BLAKE3 of each page
     of CRC-32s), the CRC-32s (4 bytes each, little-endian, in :func:`stored_order`, in pages of
     :data:`PAGE_CRCS`) and the digests (32 bytes each, in block order: each block's band's,
+    :func:`crc_band_digests` where the header's ``digest`` says :data:`CRC_DIGESTS`, else
     :func:`band_digests`; none in a member published with ``digests=False``, whose regions
     have no digest and are read again by every follower). The index gives the
     size and BLAKE3 of the header; a reader fetches it, then the pages of CRC-32s of the blocks
@@ -864,8 +899,10 @@ class BlockTable:
     inside its head, which a reader fetches whole."""
 
     def __init__(self, *, step: int, attempt: int, rank: int, member: str, size: int, pieces: list[Placed],
-                 crcs: np.ndarray, digests: bytes | None, digests_blake3: str, pages: list[str] | None = None):
+                 crcs: np.ndarray, digests: bytes | None, digests_blake3: str, pages: list[str] | None = None,
+                 digest_kind: str | None = None):
         self.step, self.attempt, self.rank, self.member, self.size = step, attempt, rank, member, size
+        self.digest_kind = digest_kind  # CRC_DIGESTS, or None: BLAKE3 of each band's bytes
         self.pieces, self.crcs, self.digests, self.digests_blake3 = pieces, crcs, digests, digests_blake3
         self._by_box = {(p.key, p.start): p for p in pieces}
         self.position = stored_order(pieces, len(crcs))
@@ -885,7 +922,7 @@ class BlockTable:
         header = seal({"format": BLOCKS_FORMAT, "version": 2, "step": self.step, "attempt": self.attempt,
                        "rank": self.rank, "member": self.member, "size": self.size, "blocks": len(self.crcs),
                        "blake3": self.digests_blake3, "pieces": [p.flat() for p in self.pieces],
-                       "pages": self.pages})
+                       "pages": self.pages, **({"digest": self.digest_kind} if self.digest_kind else {})})
         return _TABLE_MAGIC + len(header).to_bytes(8, "little") + header
 
     def body_bytes(self) -> bytes:
@@ -948,7 +985,7 @@ class BlockTable:
                 blocks = tuple(self.digests[at * DIGEST_BYTES : (at + 1) * DIGEST_BYTES].hex()
                                for at in range(first, first + count))
             found.append(PieceEntry(member, start, shape, piece.offsets[strip], piece.rows, tuple(values.tolist()),
-                                    "", blocks))
+                                    "", blocks, self.digest_kind == CRC_DIGESTS))
         return found
 
     def take_digests(self, data: bytes) -> None:
@@ -986,13 +1023,18 @@ class BlockTable:
         if not isinstance(digest, str) or not _HEX_DIGEST.fullmatch(digest) or ref.digests not in (
                 0, DIGEST_BYTES * blocks):  # 0: written without digests
             raise FormatError("has no BLAKE3 of its digests, or the index gives another count of them")
+        kind = raw.get("digest")
+        if kind not in (None, CRC_DIGESTS):
+            raise FormatError(f"has block digests of a kind this weightstore does not know ({str(kind)[:64]!r}): "
+                              "a newer weightstore wrote it")
         pages = raw.get("pages") if ref.paged else []
         if not isinstance(pages, list) or (ref.paged and len(pages) != -(-blocks // PAGE_CRCS)) or not all(
                 isinstance(page, str) and _HEX_DIGEST.fullmatch(page) for page in pages):
             raise FormatError(f"has no BLAKE3 of each page of {PAGE_CRCS} of its {blocks} CRC-32s")
         pieces = _placed(raw.get("pieces"), blocks, member, member.size if extent is None else extent)
         table = cls(step=step, attempt=attempt, rank=member.rank, member=raw["member"], size=member.size,
-                    pieces=pieces, crcs=crcs, digests=None if blocks else b"", digests_blake3=digest, pages=pages)
+                    pieces=pieces, crcs=crcs, digests=None if blocks else b"", digests_blake3=digest, pages=pages,
+                    digest_kind=kind)
         table.paged = ref.paged
         return table
 

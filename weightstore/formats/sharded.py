@@ -214,15 +214,20 @@ class ShardedReader(ReaderDefaults):
 
     def region_digest(self, key: str, region: Any) -> str | None:
         """The content digest of the part of ``key`` that ``region`` names, for hot reload:
-        BLAKE3 over the BLAKE3 digests and boxes of the blocks that hold it, so it is equal
-        while those blocks' bytes are, and reads no tensor byte (a version 2 index: the block
-        digests of the members that hold the region, once each). None from an index written
-        without block digests: such a region is always read again, never trusted to a CRC-32."""
+        BLAKE3 over the digests and boxes of the blocks that hold it, so it is equal while those
+        blocks' bytes are, and reads no tensor byte (a version 2 index: the block digests of the
+        members that hold the region, once each). ``change:`` where a block's digest is a change
+        digest (:func:`~weightstore.formats._sharded_index.crc_band_digests`: equal bytes short of
+        a change chosen to collide, which only the version's author could make), hashed with the
+        versions' folder, so it equals only the digests of versions of the same folder;
+        ``blake3:`` where every one is BLAKE3 of bytes. None from an index written without block
+        digests: such a region is always read again, never trusted to a CRC-32."""
         with naming(path=self.name):
             entry = self._entry(key)
             bounds = normalized_region(region, entry.shape, key)
             pieces = self._pieces(key, entry, bounds, digests=True)
         hasher = blake3.blake3(f"sharded|{entry.dtype}{list(entry.shape)}{bounds}".encode())
+        kind = "blake3:"
         for piece in sorted(pieces, key=lambda piece: piece.start):
             read = _PieceRead.of(piece, entry, bounds)
             if read is None:
@@ -232,7 +237,10 @@ class ShardedReader(ReaderDefaults):
             blocks = piece.blocks[read.first : read.first + -(-read.rows // piece.rows)]
             hasher.update(f"|{list(piece.start)}{list(piece.shape)}{piece.rows}@{read.first}:".encode())
             hasher.update(",".join(blocks).encode())
-        return "blake3:" + hasher.hexdigest()
+            kind = "change:" if piece.crc_digests else kind
+        if kind == "change:":  # trusted between versions of one folder only: another folder's never matches
+            hasher.update(f"|folder {self._base}".encode())
+        return kind + hasher.hexdigest()
 
     def member_path(self, position: int) -> str:
         return f"{self._base}/{self._index.members[position].file}"
@@ -349,7 +357,7 @@ class ShardedReader(ReaderDefaults):
 
     def placed(self, key: str, region: Any = ()) -> list[PieceEntry]:
         """The stored runs (pieces, or their column strips) of ``key`` that hold part of
-        ``region``, placed in their members, with their blocks' CRC-32s and BLAKE3 digests."""
+        ``region``, placed in their members, with their blocks' CRC-32s and digests."""
         with naming(path=self.name):
             entry = self._entry(key)
             return self._pieces(key, entry, normalized_region(region, entry.shape, key), digests=True)

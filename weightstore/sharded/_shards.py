@@ -4,7 +4,7 @@ Every rank calls :func:`publish_shard` with the pieces it holds; it writes one m
 (``step-000000000042.attempt-1/rank-00003.safetensors``, an ordinary safetensors file that
 ``ws.open`` and ``safetensors.numpy.load_file`` read alone; or an npz or HDF5 file), then its
 block table (``rank-00003.blocks``: where each piece's bytes lie in the member, a CRC-32 and a
-BLAKE3 digest per block) and, last, a small done-record (``rank-00003.done``) saying what the
+change digest per block) and, last, a small done-record (``rank-00003.done``) saying what the
 member holds: for every piece its global key and its box in the global tensor, and the size
 and BLAKE3 of the table. Before it writes anything, the rank checks that its share keeps the
 version's index within its bounds (:func:`~weightstore.formats._sharded_index.check_share`).
@@ -40,7 +40,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 import blake3
 import numpy as np
@@ -75,6 +75,7 @@ from weightstore.formats import _sharded_index as shardindex
 from weightstore.formats import delta as delta_format
 from weightstore.formats._sharded_index import (
     CLAIM,
+    CRC_DIGESTS,
     DELTA_MEMBER_SUFFIX,
     INDEX_FORMAT,
     INDEX_VERSION,
@@ -94,11 +95,13 @@ from weightstore.formats._sharded_index import (
     TensorEntry,
     attempt_folder,
     attempt_of,
+    band_crc64s,
     band_digests,
     block_crcs,
     check_boxes,
     check_parsable,
     check_share,
+    crc_band_digests,
     done_name,
     index_name,
     key_entry_bytes,
@@ -205,11 +208,12 @@ def publish_shard(
             number of ranks changed, alike by every rank (:mod:`weightstore.sharded._delta`). A
             ``Delta`` keeps a copy of this rank's pieces (1x its share of the model); ``True``
             reads its base member back.
-        digests: record each block's BLAKE3 digest in the block table, which a follower
-            compares to skip the regions that did not change (:meth:`Store.region_digest`).
-            ``False`` for a folder no follower reads (a checkpoint a job resumes from): the
-            save skips a BLAKE3 pass over the rank's bytes (0.3 CPU-s/GB, half of
-            ``torch.distributed.checkpoint``'s whole save), every region of this member reads
+        digests: record each block's change digest in the block table (its band's CRC-64
+            and its blocks' CRC-32s, hashed: trusted against accidents, not against the
+            version's author, docs/sharded.md), which a follower compares to skip the regions
+            that did not change (:meth:`Store.region_digest`). ``False`` for a folder no
+            follower reads (a checkpoint a job resumes from): the save skips a CRC-64 pass over
+            the rank's bytes (0.04 CPU-s/GB), every region of this member reads
             again on each version, replicas of a piece are told alike by their blocks' CRC-32s,
             and a weightstore older than this one refuses the member's block table
             (FormatError), never misreads it. Reads verify every block's CRC-32 either way.
@@ -896,36 +900,46 @@ class _Digested:
     """``write_file``'s ``before`` work for a member, on each stored tensor (a piece, or a column
     strip of one) before it is written: its blocks' CRC-32s, of the bytes as stored (a strip's
     copy is in cache), joined into the tensor's CRC-32 for the write (which so makes no pass of
-    its own for it), and, from a piece's first, the BLAKE3 digests of the piece's bands of
-    rows, from the piece in memory (:func:`~weightstore.formats._sharded_index.band_digests`),
-    on the helper thread while its strips are copied and written (none where ``digests`` is
-    false: ``publish_shard(digests=False)``); kept for its block table."""
+    its own for it), and, from a piece's first, the CRC-64 of each of the piece's bands of rows,
+    from the piece in memory (:func:`~weightstore.formats._sharded_index.band_crc64s`), on the
+    helper thread while its strips are copied and written (none where ``digests`` is false:
+    ``publish_shard(digests=False)``); kept for its block table, whose change digests
+    (:func:`~weightstore.formats._sharded_index.crc_band_digests`) are made of both. Where ISA-L
+    has no CRC-64, the bands are hashed with BLAKE3 instead, as before (``kind`` None)."""
 
     def __init__(self, listed: list[_Listed], digests: bool = True):
         self._listed = {item.stored: item for item in listed}
         self.digests = digests
+        self.kind = CRC_DIGESTS if digests and checksums.crc64(memoryview(b"")) is not None else None
         self.crcs: dict[str, list[int]] = {}
-        self._bands: dict[int, parallel.Beside[list[bytes]]] = {}  # piece -> its bands' digests, coming
+        # piece -> its bands' CRC-64s (or BLAKE3 digests, kind None), coming
+        self._bands: dict[int, parallel.Beside[Any]] = {}
 
     def __call__(self, stored: str, data: np.ndarray) -> int:
         """Its blocks' CRC-32s kept, and their join returned: ``data``'s CRC-32."""
         item = self._listed[stored]
         if self.digests and item.piece not in self._bands:  # on the helper thread meanwhile
-            self._bands[item.piece] = parallel.beside(functools.partial(band_digests, item.whole, item.rows))
+            bands = band_crc64s if self.kind == CRC_DIGESTS else band_digests
+            self._bands[item.piece] = parallel.beside(functools.partial(bands, item.whole, item.rows))
         block = item.rows * row_bytes(data.shape, data.itemsize)
         crcs = self.crcs[stored] = block_crcs(data, block)
         return checksums.joined(crcs, block, data.nbytes)
 
-    def bands(self, piece: int) -> list[bytes]:
+    def bands(self, piece: int, strips: list[str]) -> list[bytes]:
+        """The block digest of each band of ``piece``, whose stored tensors are ``strips``."""
         found = self._bands.get(piece)
-        return [] if found is None else found.result()
+        if found is None:
+            return []
+        if self.kind != CRC_DIGESTS:
+            return cast(list[bytes], found.result())
+        return crc_band_digests(found.result(), [self.crcs[stored] for stored in strips])
 
 
 def _described(local: str, where: str, fmt: Format, listed: list[_Listed], digested: _Digested, *, step: int,
                attempt: int, rank: int, member: str, size: int, virtual: dict[str, int] | None = None
                ) -> tuple[BlockTable, dict[str, DoneTensor]]:
     """The member just written (``local``, published as ``where``, which errors name), described:
-    its block table (where each piece's strips landed, the CRC-32 of each block and the BLAKE3
+    its block table (where each piece's strips landed, the CRC-32 of each block and the change
     digest of the band of rows that holds it, from the work before the write: ``digested``)
     and the done-record's tensors (each piece's box and digest: the BLAKE3 of its bands'
     digests, which replicas written alike share). Where a format other than safetensors put
@@ -948,7 +962,7 @@ def _described(local: str, where: str, fmt: Format, listed: list[_Listed], diges
             by_piece.setdefault(item.piece, []).append(item)
         for number, strips in by_piece.items():
             first, offsets = len(crcs), []
-            bands = digested.bands(number)
+            bands = digested.bands(number, [item.stored for item in strips])
             for item in strips:
                 offset = virtual[item.stored] if virtual is not None else reader.extent(item.stored)[0]
                 if opened is not None:
@@ -964,7 +978,8 @@ def _described(local: str, where: str, fmt: Format, listed: list[_Listed], diges
             shapes.setdefault(head.key, (head.dtype, head.shape))
     joined = b"".join(digests)  # empty without digests: a table of none (docs/sharded.md)
     table = BlockTable(step=step, attempt=attempt, rank=rank, member=member, size=size, pieces=placed,
-                       crcs=np.array(crcs, np.uint32), digests=joined, digests_blake3=blake3.blake3(joined).hexdigest())
+                       crcs=np.array(crcs, np.uint32), digests=joined, digests_blake3=blake3.blake3(joined).hexdigest(),
+                       digest_kind=digested.kind if joined else None)
     return table, {key: DoneTensor(shapes[key][0], shapes[key][1], tuple(found)) for key, found in done.items()}
 
 

@@ -162,9 +162,10 @@ class Store(Mapping):
         """A digest that stays equal while the bytes :meth:`read_region` would return for
         ``region`` do, known without reading them (None: not known, so assume they changed).
 
-        A sharded version hashes the BLAKE3 digests its index holds for the blocks that hold the
-        region, so a follower skips a part of a tensor whose blocks did not change; any other
-        store gives the whole tensor's digest (a region is unchanged when its tensor is).
+        A sharded version hashes the digests its index holds for the blocks that hold the
+        region (``change:`` where they are change digests, trusted against accidents only:
+        docs/sharded.md), so a follower skips a part of a tensor whose blocks did not change;
+        any other store gives the whole tensor's digest (a region is unchanged when its tensor is).
         """
         if not self.reads_regions:
             return self.info(key).digest
