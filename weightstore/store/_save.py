@@ -503,7 +503,7 @@ class CheckedWeights(Mapping):
         if value is None:
             value = self._weights[key]
         try:  # not naming(): a context manager per tensor costs more than a small tensor's write
-            return to_storage(as_numpy(value, key), key)
+            return to_storage(value if type(value) is np.ndarray else as_numpy(value, key), key)
         except WeightStoreError as exc:  # a value whose dtype changed since it was checked, a meta tensor
             raise attach(exc, path=self._where, key=key) from None
 
