@@ -51,6 +51,10 @@ _SMALL_MEMBERS_END = 0xF0000000
 _PENDING_BYTES = 1 << 20
 
 
+#: the file object's own buffer (headers of large members, deflated pieces)
+_BUFFER_BYTES = 1 << 16
+
+
 #: the zip extra field that pads a member's data to :data:`ALIGNMENT`, by padding length
 _PAD_ID = 0xD935  # the extra-field id Android's zipalign uses for the same padding
 
@@ -93,7 +97,8 @@ class NpzWriter:
     """
 
     def __init__(self, path: str, compress: bool | str):
-        self._file: BinaryIO = open(path, "wb")  # noqa: SIM115 - open until commit() or abort() closes it
+        # a buffer size given, so the open asks no isatty (an ioctl, a syscall of each save)
+        self._file: BinaryIO = open(path, "wb", buffering=_BUFFER_BYTES)  # noqa: SIM115 - open until commit() or abort() closes it
         self._compress = compress
         self._small = not compress  # small members are gathered (see _add_small) unless encoded
         self._written: list[Any] = []  # _WRITTEN_FIELDS per member, end to end (see _central_directory)
@@ -209,17 +214,26 @@ class NpzWriter:
         return crc & 0xFFFFFFFF, written + self._file.write(engine.flush())
 
     def commit(self, manifest_text: str) -> None:
+        """The manifest, the directory and its end records, gathered with the small members
+        still pending into one write (a file of small tensors is then written in one)."""
         manifest = np.array(manifest_text)
-        self._add_member(MANIFEST_MEMBER, npy_header(manifest.dtype, ()), manifest)
+        if self._small and manifest.nbytes <= CRC_CHUNK and self._offset < _SMALL_MEMBERS_END:
+            self._add_small(MANIFEST_MEMBER.encode("utf-8"), manifest, manifest.nbytes)
+        else:
+            self._add_member(MANIFEST_MEMBER, npy_header(manifest.dtype, ()), manifest)
         directory_offset = self._offset
-        directory_size = self._file.write(self._central_directory())
+        directory = self._central_directory()
+        directory_size = len(directory)
+        pending = self._pending
+        pending += directory
         count = len(self._written) // _WRITTEN_FIELDS
         if count >= 0xFFFF or directory_offset >= ZIP64_LIMIT or directory_size >= ZIP64_LIMIT:
             record_offset = directory_offset + directory_size
-            self._file.write(EOCD64.pack(EOCD64_SIG, 44, 45, 45, 0, 0, count, count, directory_size, directory_offset))
-            self._file.write(LOCATOR64.pack(LOCATOR64_SIG, 0, record_offset, 1))
+            pending += EOCD64.pack(EOCD64_SIG, 44, 45, 45, 0, 0, count, count, directory_size, directory_offset)
+            pending += LOCATOR64.pack(LOCATOR64_SIG, 0, record_offset, 1)
             count, directory_size, directory_offset = 0xFFFF, ZIP64_LIMIT, ZIP64_LIMIT
-        self._file.write(EOCD.pack(EOCD_SIG, 0, 0, count, count, directory_size, directory_offset, 0))
+        pending += EOCD.pack(EOCD_SIG, 0, 0, count, count, directory_size, directory_offset, 0)
+        self._flush_pending()
         self._file.close()
 
     def _central_directory(self) -> bytes:

@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import BinaryIO
 
+from weightstore.core._forks import in_child
 from weightstore.core.limits import FILE_NAME_BYTES
 from weightstore.errors import FileAccessError, FormatError, StorageError, StoreNotFoundError, TargetError
 
@@ -217,14 +218,22 @@ def _temporary_head(target: Path, room: int = 0) -> str:
 
 #: the space of this process's PID namespace, by the namespace (see :func:`_pid_space`)
 _SPACES: dict[tuple[int, int], str] = {}
+#: ``(PID, space)`` of this process once asked (see :func:`_pid_space`)
+_OWN_SPACE: tuple[int, str] | None = None
 
 
 def _pid_space() -> str:
     """This process's PID namespace, as a temporary names it: a hash of the host's boot (a
-    container sees its host's ``boot_id``) and the namespace's inode (one per namespace). Asked
-    each time (one ``stat``): a child forked after ``unshare(CLONE_NEWPID)`` or ``setns`` keeps
-    its parent's memory but has PIDs of another namespace. Where ``/proc`` cannot tell (macOS),
-    the host's (:func:`_host_space`)."""
+    container sees its host's ``boot_id``) and the namespace's inode (one per namespace).
+    Asked once per process (a ``stat`` of ``/proc``, a hundredth of a small save): a process
+    never leaves its PID namespace (``unshare(CLONE_NEWPID)`` and ``setns`` move only the
+    children forked after them), but such a child keeps its parent's memory while it has PIDs
+    of another namespace, so a forked child asks again (:func:`_forget_space`, and a PID that
+    is not the one asked as). Where ``/proc`` cannot tell (macOS), the host's (:func:`_host_space`)."""
+    global _OWN_SPACE
+    pid = os.getpid()
+    if _OWN_SPACE is not None and _OWN_SPACE[0] == pid:
+        return _OWN_SPACE[1]
     try:
         space = os.stat("/proc/self/ns/pid")
     except OSError:
@@ -238,7 +247,17 @@ def _pid_space() -> str:
         except OSError:
             return _host_space()
         known = _SPACES[seen] = _hashed(boot + f"/{space.st_dev}/{space.st_ino}".encode())
+    _OWN_SPACE = (pid, known)
     return known
+
+
+def _forget_space() -> None:
+    """In a forked child: its space is asked again (see :func:`_pid_space`)."""
+    global _OWN_SPACE
+    _OWN_SPACE = None
+
+
+in_child(_forget_space)
 
 
 @functools.cache

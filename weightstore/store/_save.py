@@ -274,9 +274,9 @@ def output_format(location: str, format: str | None = None) -> Format:  # noqa: 
 
 def checked_metadata(metadata: Mapping[str, Any] | None, where: str = "") -> dict[str, Any]:
     """``metadata`` as a dict, refused with a ``TypeError`` naming ``where`` unless it is JSON."""
-    prefix = f"{where}: " if where else ""
-    if metadata is None:
+    if metadata is None or type(metadata) is dict and not metadata:  # nothing to check (every plain save)
         return {}
+    prefix = f"{where}: " if where else ""
     if not isinstance(metadata, Mapping):
         raise TypeError(f"{prefix}metadata must be a mapping, not {type(metadata).__name__}")
     try:
@@ -503,7 +503,7 @@ class CheckedWeights(Mapping):
         if value is None:
             value = self._weights[key]
         try:  # not naming(): a context manager per tensor costs more than a small tensor's write
-            return to_storage(as_numpy(value, key), key)
+            return to_storage(value if type(value) is np.ndarray else as_numpy(value, key), key)
         except WeightStoreError as exc:  # a value whose dtype changed since it was checked, a meta tensor
             raise attach(exc, path=self._where, key=key) from None
 
@@ -529,7 +529,8 @@ def _stated_shape(value: Any) -> tuple[int, ...] | None:
 def write_file(path: str, fmt: Format, arrays: CheckedWeights, metadata: Mapping[str, Any] | None,
                compress: bool | str, stored_names: Mapping[str, str] | None = None, created: str | None = None,
                *, digests: bool = True, before: Callable[[str, np.ndarray], int | None] | None = None) -> None:
-    """Write a file tensor by tensor; the caller makes it atomic and durable.
+    """Write a file tensor by tensor; the caller makes it atomic and durable, and has checked
+    ``metadata`` (:func:`checked_metadata`, naming its target) before the file was begun.
 
     ``stored_names`` (from :func:`file_names`) names tensors in the file other than by their
     keys: where the format can (:attr:`Format.torch_names`), the manifest records each such
@@ -549,7 +550,6 @@ def write_file(path: str, fmt: Format, arrays: CheckedWeights, metadata: Mapping
     its own for it (``writer.add(..., crc=)``: a format registered from outside that takes no
     ``crc`` is only ever called without it), or None.
     """
-    metadata = checked_metadata(metadata, path)  # before the file exists (callers check earlier, naming theirs)
     stored_names = stored_names or {}
     located = stored_names if fmt.torch_names else {}
     writer = (fmt.open_writer(path, compress, functools.partial(arrays.planned, stored_names)) if fmt.planned_writer
