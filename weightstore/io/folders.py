@@ -155,6 +155,12 @@ class Folder(abc.ABC):
         file ``owned`` refuses, a folder inside it, or a file that cannot be removed stays:
         what weightstore did not write there is a user's."""
 
+    def abort_uploads(self, dead: Callable[[str], bool]) -> list[str]:
+        """Abort the unfinished uploads of files in this folder whose names ``dead`` takes (a
+        killed writer's, which an object store keeps unseen); the names aborted. None locally:
+        a killed writer's temporaries are files, removed as such."""
+        return []
+
 
 class LocalFolder(Folder):
     def __init__(self, path: str):
@@ -428,6 +434,10 @@ class RemoteFolder(Folder):
         listing = self._listing()
         return sorted(info["name"].rstrip("/").rsplit("/", 1)[-1] for info in listing
                       if info.get("type") == "directory")
+
+    def abort_uploads(self, dead: Callable[[str], bool]) -> list[str]:
+        with self._service():
+            return self.backend.abort_uploads(self.fs, self.root, dead)
 
     def remove_folder(self, name: str, owned: Callable[[str], bool]) -> list[str]:
         prefix = self._path(name)
