@@ -156,8 +156,9 @@ class Folder(abc.ABC):
         what weightstore did not write there is a user's."""
 
     def abort_uploads(self, dead: Callable[[str], bool]) -> list[str]:
-        """Abort the unfinished uploads of files in this folder whose names ``dead`` takes (a
-        killed writer's, which an object store keeps unseen); the names aborted. None locally:
+        """Abort the unfinished uploads of files in this folder (or a folder in it: ``sub/name``)
+        whose names ``dead`` takes (a killed writer's, which an object store keeps unseen); the
+        names aborted. None locally:
         a killed writer's temporaries are files, removed as such."""
         return []
 

@@ -232,7 +232,7 @@ class S3Backend(Backend):
             listed = sync(fs.loop, fs._call_s3, "list_multipart_uploads", Bucket=bucket, Prefix=prefix, **markers)
             for upload in listed.get("Uploads", []):
                 name = str(upload["Key"])[len(prefix):]
-                if "/" in name or not dead(name):
+                if not dead(name):
                     continue
                 try:
                     sync(fs.loop, fs._call_s3, "abort_multipart_upload", Bucket=bucket, Key=upload["Key"],
