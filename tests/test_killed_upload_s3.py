@@ -122,3 +122,20 @@ def test_ws_clean_aborts_what_killed_uploads_left_in_a_folder_at_rest(s3):
     assert json.loads(clean.stdout)["removed"] == ["the unfinished upload of step-000000000002.npz"]
     assert unfinished_uploads(folder) == []
     assert ws.latest(folder).step == 1
+
+
+def test_a_policy_that_refuses_listing_uploads_costs_the_publish_nothing_but_a_line(s3, caplog):
+    """Without ``s3:ListBucketMultipartUploads`` the abort is refused: said once, and the publish
+    still tidies the folder (the killed publish's intent removed, older versions pruned)."""
+    folder = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    ws.publish(folder, {"w": np.zeros(4, np.float32)}, step=1)
+    killed_mid_upload(s3, PUBLISHER, folder, of="step-000000000002")
+    denied = (403, b"<Error><Code>AccessDenied</Code><Message>denied</Message></Error>")
+    s3.intercept = lambda environ: denied if environ.get("QUERY_STRING", "").startswith("uploads") else None
+    with caplog.at_level(logging.WARNING, logger="weightstore"):
+        for step in (3, 4, 5):
+            assert ws.publish(folder, {"w": np.full(4, step, np.float32)}, step=step, keep=2).step == step
+    s3.intercept = None
+    assert caplog.text.count("unfinished uploads a killed writer may have left were not aborted") == 1
+    assert [version.step for version in ws.sync.list_versions(folder)] == [4, 5]
+    assert unfinished_uploads(folder) == ["step-000000000002.npz"]  # kept, as the line says
