@@ -171,8 +171,7 @@ class Folder(abc.ABC):
     def abort_uploads(self, dead: Callable[[str], bool]) -> list[str]:
         """Abort the unfinished uploads of files in this folder (or a folder in it: ``sub/name``)
         whose names ``dead`` takes (a killed writer's, which an object store keeps unseen); the
-        names aborted. None locally:
-        a killed writer's temporaries are files, removed as such."""
+        names aborted. None locally: a killed writer's temporaries are files, removed as such."""
         return []
 
 

@@ -91,10 +91,11 @@ class Backend(abc.ABC):
         there still has tag ``expect``; False (nothing written) when the condition failed."""
 
     def abort_uploads(self, fs: Any, folder: str, dead: Callable[[str], bool]) -> list[str]:
-        """Abort the unfinished uploads of objects in ``folder`` (a path) whose name there (``sub/name``
-        inside a folder in it) ``dead`` says a dead writer left (S3: a multipart upload a killed process
-        never completed nor aborted, whose parts the service keeps, and bills, until then); the names aborted. A
-        service whose objects appear whole or not at all keeps nothing of a killed upload: none."""
+        """Abort the unfinished uploads of objects in ``folder`` (a path) whose name there
+        (``sub/name`` inside a folder in it) ``dead`` says a dead writer left (S3: a multipart
+        upload a killed process never completed nor aborted, whose parts the service keeps, and
+        bills, until then); the names aborted. A service whose objects appear whole or not at
+        all keeps nothing of a killed upload: none."""
         return []
 
 
