@@ -153,7 +153,8 @@ def clean(
 ) -> None:
     """Remove what dead writers and coordinators left in FOLDER: attempt folders of sharded
     versions that no index names, rank files in an index's attempt folder that it does not
-    name, and indexes LATEST never reached. Run it while no job publishes to FOLDER.
+    name, indexes LATEST never reached, and (on S3) the unfinished uploads of killed writers.
+    Run it while no job publishes to FOLDER.
 
     \b
     Example:

@@ -77,7 +77,8 @@ def test_every_command_has_help(command):
 @pytest.mark.parametrize("args, sentence", [
     (["follow", "--help"], "a mistyped path would otherwise wait forever. Pass --wait when it is only not there yet"),
     (["--help"], "attempt folders of sharded versions that no index names, rank files in an index's attempt folder "
-                 "that it does not name, and indexes LATEST never reached."),
+                 "that it does not name, indexes LATEST never reached, and (on S3) the unfinished uploads of killed "
+                 "writers."),
 ])
 def test_help_shows_each_paragraph_whole_not_as_the_docstring_wrapped_it(args, sentence):
     """A docstring is wrapped at 100 columns in the source; on a wide terminal its paragraph is one line."""

@@ -6,7 +6,10 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import ml_dtypes
@@ -410,7 +413,7 @@ def test_a_chain_that_does_not_rebuild_the_digest_is_refused(based):
     wrong[10] = -1  # the digest of what the delta claims to give, but the base gives the rest
     write_delta(folder / "step-000000000002.wsdelta", "step-000000000001.npz", {"w": ("same", [], wrong)})
     error = refused(folder / "step-000000000002.wsdelta", error=ws.ChecksumError)
-    assert "digest" in str(error)
+    assert "digest" in str(error) and "this delta is corrupt: its base rebuilds whole" in str(error)
 
 
 def test_a_corrupt_base_in_the_chain_is_refused(tmp_path):
@@ -424,6 +427,24 @@ def test_a_corrupt_base_in_the_chain_is_refused(tmp_path):
     assert caught.value.key is not None and "step-000000000003" in str(caught.value.path)
     assert published  # the anchor still reads
     ws.load(tmp_path / "step-000000000001.npz")
+
+
+def test_an_anchor_damaged_after_its_deltas_were_written_is_named_by_each_of_them(tmp_path):
+    """A base corrupted on disk after deltas were built on it fails each of them until the next
+    anchor: each refusal, and ``ws verify``, name that one file, not only each delta's own base."""
+    publish_steps(tmp_path, 4, delta=ws.Delta())
+    anchor = tmp_path / "step-000000000001.npz"
+    data = bytearray(anchor.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside a tensor's bytes: the file still opens
+    anchor.write_bytes(bytes(data))
+    for step in (2, 3, 4):
+        error = refused(tmp_path / f"step-{step:012d}.wsdelta", key=None, error=ws.ChecksumError)
+        assert "in its chain, step-000000000001.npz: is corrupt" in error.message
+    result = subprocess.run([sys.executable, "-m", "weightstore", "verify", str(tmp_path / "step-000000000004.wsdelta")],
+                            env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "in its chain, step-000000000001.npz: is corrupt" in result.stdout + result.stderr
 
 
 @pytest.mark.parametrize("cut", [3, 30, -1])
@@ -539,10 +560,7 @@ sys.exit(3)
 
 @pytest.mark.parametrize("stage", ["version-temporary", "version-written", "latest-written", "pruned"])
 def test_a_delta_publisher_killed_at_each_stage_leaves_a_whole_folder(tmp_path, stage):
-    import os
     import signal
-    import subprocess
-    import sys
 
     root = Path(__file__).resolve().parents[1]
     result = subprocess.run([sys.executable, "-c", KILLED_DELTA_PUBLISHER, str(tmp_path), stage],

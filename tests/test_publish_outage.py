@@ -314,8 +314,9 @@ publisher.publish({"dense/kernel": np.ones((3, 2), np.float32)}, step=1)
 
 
 def test_ctrl_c_while_the_exit_waits_for_a_retrying_publish_gives_it_up_and_says_so(s3, outage):
-    """A script ended during an outage waits at exit for its publish; Ctrl-C ends that wait: one
-    line names the step left unpublished, and no traceback of weightstore's shows."""
+    """A script ended during an outage waits at exit for its publish, and says so as it begins to
+    (with how to end it: no process that looks hung); Ctrl-C ends that wait: one line names the
+    step left unpublished, and no traceback of weightstore's shows."""
     folder = f"s3://{BUCKET}/interrupted"
     outage.start()
     script = subprocess.Popen([sys.executable, "-c", ENDS_WITH_A_PUBLISH_RETRYING, folder], stdout=subprocess.PIPE,
@@ -326,6 +327,12 @@ def test_ctrl_c_while_the_exit_waits_for_a_retrying_publish_gives_it_up_and_says
             seen.append(script.stderr.readline())
             assert seen[-1], "".join(seen)
         assert script.stdout.readline() == "exiting\n", "".join(seen)  # the main thread is at the exit's wait
+        while not any("the process waits at exit" in line for line in seen):  # said once, before or after
+            seen.append(script.stderr.readline())  # a retry's line
+            assert seen[-1], "".join(seen)
+        said = next(line for line in seen if "the process waits at exit" in line)
+        assert f"while publishing step 1 to {folder} is retried" in said, "".join(seen)
+        assert "given up after retry_for=60 s of failures); Ctrl-C gives it up now" in said, "".join(seen)
         script.send_signal(signal.SIGINT)
         _, err = script.communicate(timeout=60)
     finally:

@@ -499,6 +499,7 @@ def test_a_second_live_trainer_takes_the_folder_over_and_the_first_is_refused(tm
         answer = ask(3)
         assert answer.startswith("refused:") and str(tmp_path) in answer, answer
         assert f"pid {os.getpid()}" in answer and f"pid {first.pid}" in answer and "step 2" in answer, answer
+        assert "a notebook's restarted kernel too, takes the folder over" in answer, answer  # the way back
         assert ask(4).startswith("refused:")
         assert ws.latest(tmp_path).step == 2
         ws.publish(tmp_path, weights_at(5), step=5)  # the writer LATEST names goes on

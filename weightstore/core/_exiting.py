@@ -37,17 +37,21 @@ from weightstore.core._forks import in_child
 __all__ = ["finish_before_exit"]
 
 _Work: TypeAlias = concurrent.futures.Future[Any]
+_Say: TypeAlias = Callable[[], None] | None
 #: each piece of work waited for at exit, with what stops it early when the wait is interrupted
-_waited: dict[_Work, Callable[[], None] | None] = {}
+#: and what says why the process does not end yet
+_waited: dict[_Work, tuple[_Say, _Say]] = {}
 _waited_lock = threading.Lock()
 
 
-def finish_before_exit(work: _Work, give_up: Callable[[], None] | None = None) -> None:
+def finish_before_exit(work: _Work, give_up: _Say = None, waiting: _Say = None) -> None:
     """Have the interpreter, at exit, wait for ``work`` (a pool's job, or a future that a thread
     completes when done) before the thread pools stop taking work, so what ``work`` still submits
-    to one runs. ``give_up`` is called, on the exiting thread, if that wait is interrupted (Ctrl-C)."""
+    to one runs. ``give_up`` is called, on the exiting thread, if that wait is interrupted (Ctrl-C);
+    ``waiting`` once as the wait begins, where ``work`` is not done: a process that does not end
+    when its script does (a publish retrying through an outage) says why, and how to end it."""
     with _waited_lock:
-        _waited[work] = give_up
+        _waited[work] = (give_up, waiting)
     work.add_done_callback(_forget)
 
 
@@ -71,11 +75,15 @@ def _wait() -> None:
 
 def _wait_for_all() -> None:
     try:
+        with _waited_lock:
+            said = [waiting for work, (_, waiting) in _waited.items() if waiting is not None and not work.done()]
+        for waiting in said:
+            waiting()
         _wait()
     except KeyboardInterrupt:
         with contextlib.suppress(KeyboardInterrupt):  # a second Ctrl-C, even while giving up: wait no more
             with _waited_lock:
-                left = list(_waited.values())
+                left = [give_up for give_up, _ in _waited.values()]
             for give_up in left:
                 if give_up is not None:
                     give_up()

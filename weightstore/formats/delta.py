@@ -745,8 +745,35 @@ class DeltaReader(ReaderDefaults):
             raise named_here(exc, self.name, key) from None
         if verify and DIGEST_PREFIX + content_digest(out).hex() != self._manifest.tensors[key].digest:
             raise ChecksumError(f"rebuilding it from base {self.head.base} (and its chain) does not give the digest "
-                                "its publisher recorded: the base or the delta is corrupt", path=self.name, key=key)
+                                f"its publisher recorded: {self._corrupt_link(key)}", path=self.name, key=key)
         return out
+
+    def _corrupt_link(self, key: str) -> str:
+        """Which file of this version's chain is corrupt for ``key``, said when its rebuild failed
+        the digest: the anchor checked against its own checksums, then each delta from the oldest
+        against the digest it records. A base damaged after it was written fails every delta built
+        on it until the next anchor, so each of their errors names that one file. The chain is
+        read again for ``key`` on this failure path only (a rebuild checks the digest at the top)."""
+        levels: list[DeltaReader] = []  # the deltas key is rebuilt through, down to one storing it raw
+        level: Any = self
+        while isinstance(level, DeltaReader):
+            levels.append(level)
+            if level._entries[key][0] == RAW:
+                break
+            level = level._base
+        out = None
+        try:
+            if not isinstance(level, DeltaReader):  # the anchor
+                stored = np.ascontiguousarray(to_storage(level.read(key, verify=True), key)[1])
+                out = _aligned_copy(stored.reshape(-1).view(np.uint8) if stored.size else np.empty(0, np.uint8))
+            for level in reversed(levels):
+                out = level._apply_own(key, out)
+                if DIGEST_PREFIX + content_digest(out).hex() != level._manifest.tensors[key].digest:
+                    where = "this delta" if level is self else _file_name(level.name)
+                    return f"{where} is corrupt: its base rebuilds whole, it does not rebuild its recorded digest on it"
+        except WeightStoreError as exc:
+            return f"in its chain, {_file_name(exc.path or levels[-1].head.base)}: {exc.message}"
+        return "the base or the delta is corrupt"
 
     def proven_bytes(self) -> int:
         """Bytes of every tensor this version rebuilds, each proven before any is rebuilt: held
@@ -932,7 +959,7 @@ def named_here(error: WeightStoreError, name: str, key: str | None) -> WeightSto
         error.path = name
         error.key = error.key if error.key is not None else key
         return error
-    where = error.path.replace("\\", "/").rsplit("/", 1)[-1]
+    where = _file_name(error.path)
     named = type(error)(f"in its chain, {where}: {error.message}", path=name,
                         key=error.key if error.key is not None else key) if type(error) in _SIMPLE else (
         FormatError(f"in its chain, {where}: {error.message}", path=name, key=error.key if error.key is not None else key))
@@ -940,6 +967,11 @@ def named_here(error: WeightStoreError, name: str, key: str | None) -> WeightSto
 
 
 _SIMPLE = (FormatError, ChecksumError, UnsafeFileError, SizeLimitError)
+
+
+def _file_name(path: str) -> str:
+    """The last part of ``path``, a file of a version's chain, as an error about another names it."""
+    return path.replace("\\", "/").rsplit("/", 1)[-1]
 
 
 def _apply_xor(payload: memoryview, out: np.ndarray, block: int, itemsize: int, *, top: bool = False) -> None:

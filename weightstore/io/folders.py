@@ -15,6 +15,7 @@ import abc
 import contextlib
 import datetime
 import errno
+import logging
 import os
 import stat
 from collections.abc import Callable, Iterator, Mapping
@@ -22,7 +23,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from weightstore.errors import FileAccessError, FormatError, PublishError, StorageError, TargetError, WriteError
+from weightstore.errors import (
+    FileAccessError,
+    FormatError,
+    PublishError,
+    StorageError,
+    TargetError,
+    WeightStoreError,
+    WriteError,
+)
 from weightstore.io.backends import backend_for
 from weightstore.io.commit import Commit, RenameCommit, UploadCommit
 from weightstore.io.files import (
@@ -43,6 +52,10 @@ except ImportError:  # pragma: no cover - Windows: no advisory lock
     fcntl = None  # type: ignore[assignment]
 
 __all__ = ["ONE_WRITER", "FileEntry", "Folder", "LocalFolder", "RemoteFolder", "folder_for"]
+
+_log = logging.getLogger(__name__)
+#: the folders whose unfinished uploads this process could not look at or abort, said once each
+_not_aborted: set[str] = set()
 
 #: the storage option (``storage_options={"one_writer": True}``) by which a caller vouches that
 #: only one process ever publishes to a remote folder whose backend has no compare-and-swap, so
@@ -154,6 +167,12 @@ class Folder(abc.ABC):
         that emptied it; return the names of what stays in it (nothing if it is gone). A
         file ``owned`` refuses, a folder inside it, or a file that cannot be removed stays:
         what weightstore did not write there is a user's."""
+
+    def abort_uploads(self, dead: Callable[[str], bool]) -> list[str]:
+        """Abort the unfinished uploads of files in this folder (or a folder in it: ``sub/name``)
+        whose names ``dead`` takes (a killed writer's, which an object store keeps unseen); the
+        names aborted. None locally: a killed writer's temporaries are files, removed as such."""
+        return []
 
 
 class LocalFolder(Folder):
@@ -428,6 +447,21 @@ class RemoteFolder(Folder):
         listing = self._listing()
         return sorted(info["name"].rstrip("/").rsplit("/", 1)[-1] for info in listing
                       if info.get("type") == "directory")
+
+    def abort_uploads(self, dead: Callable[[str], bool]) -> list[str]:
+        """As :meth:`Folder.abort_uploads`; a failure (a policy without ``s3:ListBucketMultipartUploads``
+        or ``s3:AbortMultipartUpload``, an outage) is logged and aborts nothing: it must not keep a
+        publish from tidying the rest of the folder."""
+        try:
+            with self._service():
+                return self.backend.abort_uploads(self.fs, self.root, dead)
+        except (OSError, WeightStoreError) as error:
+            if self.where not in _not_aborted:  # once a folder: a sharded commit looks at every commit
+                _not_aborted.add(self.where)
+                _log.warning("%s: unfinished uploads a killed writer may have left were not aborted (%s); the "
+                             "storage keeps them until aborted (an S3 lifecycle rule, AbortIncompleteMultipartUpload, "
+                             "does it)", self.where, error)
+            return []
 
     def remove_folder(self, name: str, owned: Callable[[str], bool]) -> list[str]:
         prefix = self._path(name)

@@ -25,7 +25,7 @@ compare-and-swap.
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -89,6 +89,14 @@ class Backend(abc.ABC):
     def put_if(self, fs: Any, path: str, data: bytes, *, create: bool, expect: str | None) -> bool:
         """Write small object ``path`` only if there is none (``create``), or only if the one
         there still has tag ``expect``; False (nothing written) when the condition failed."""
+
+    def abort_uploads(self, fs: Any, folder: str, dead: Callable[[str], bool]) -> list[str]:
+        """Abort the unfinished uploads of objects in ``folder`` (a path) whose name there
+        (``sub/name`` inside a folder in it) ``dead`` says a dead writer left (S3: a multipart
+        upload a killed process never completed nor aborted, whose parts the service keeps, and
+        bills, until then); the names aborted. A service whose objects appear whole or not at
+        all keeps nothing of a killed upload: none."""
+        return []
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from weightstore.errors import FormatError, StorageError, StoreNotFoundError, WeightStoreError
@@ -221,6 +221,31 @@ class S3Backend(Backend):
         finally:
             fs.invalidate_cache(path)
         return True
+
+    def abort_uploads(self, fs: Any, folder: str, dead: Callable[[str], bool]) -> list[str]:
+        """One ``ListMultipartUploads`` of the folder's prefix (more where the service truncates it),
+        then an ``AbortMultipartUpload`` of each dead one (one already gone is no failure)."""
+        from fsspec.asyn import sync
+
+        bucket, prefix, _ = fs.split_path(folder.rstrip("/") + "/")
+        prefix = prefix if prefix.endswith("/") else prefix + "/"
+        aborted: list[str] = []
+        markers: dict[str, str] = {}
+        while True:
+            listed = sync(fs.loop, fs._call_s3, "list_multipart_uploads", Bucket=bucket, Prefix=prefix, **markers)
+            for upload in listed.get("Uploads", []):
+                name = str(upload["Key"])[len(prefix):]
+                if not dead(name):
+                    continue
+                try:
+                    sync(fs.loop, fs._call_s3, "abort_multipart_upload", Bucket=bucket, Key=upload["Key"],
+                         UploadId=upload["UploadId"])
+                except FileNotFoundError:  # s3fs's NoSuchUpload: completed or aborted meanwhile
+                    continue
+                aborted.append(name)
+            if not listed.get("IsTruncated"):
+                return aborted
+            markers = {"KeyMarker": listed.get("NextKeyMarker", ""), "UploadIdMarker": listed.get("NextUploadIdMarker", "")}
 
 
 BACKEND = S3Backend()

@@ -34,6 +34,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import logging
 import math
 import os
 import time
@@ -73,6 +74,7 @@ from weightstore.errors import (
 from weightstore.formats import Format, format_named
 from weightstore.formats import _sharded_index as shardindex
 from weightstore.formats import delta as delta_format
+from weightstore.formats._pointer import VERSION_NAME
 from weightstore.formats._sharded_index import (
     CLAIM,
     CRC_DIGESTS,
@@ -110,6 +112,7 @@ from weightstore.formats._sharded_index import (
     piece_cut,
     row_bytes,
     table_name,
+    written_in_attempt,
 )
 from weightstore.io.folders import Folder, folder_for
 from weightstore.sharded import _agree as agree
@@ -132,6 +135,8 @@ from weightstore.sync._publish import _BaseMoved, commit_version
 
 __all__ = ["Piece", "publish_shard", "commit_shards", "publish_together", "in_background", "next_attempt",
            "claimed_attempt", "clean_folder"]
+
+_log = logging.getLogger(__name__)
 
 #: how often the coordinator looks for done-records, at most (it backs off from 50 ms)
 _POLL = 0.5
@@ -673,7 +678,28 @@ def clean_attempts(target: Folder, index: ShardIndex, members: Folder, listed: I
                 step < index.step and step not in indexed and not _unlisted_index(target, step))) and (
                 remove_attempt(target, sub)):  # what a user put in it stays, with it
             removed.append(sub)
-    return removed + _remove_unnamed(index, members, listed)
+    aborted = _abort_uploads(target, lambda step, attempt: (step == index.step and attempt != index.attempt) or (
+        step < index.step and step not in indexed))
+    for name in aborted:
+        _log.warning("%s: aborted %s, which a killed rank left", target.where, name)
+    return removed + aborted + _remove_unnamed(index, members, listed)
+
+
+def _abort_uploads(target: Folder, dead: Callable[[int, int], bool], *, versions: bool = False) -> list[str]:
+    """Abort the unfinished uploads of rank files in the attempts ``dead`` takes (by step and
+    attempt), and of version files (``versions``, a folder at rest): a writer killed mid-upload
+    leaves one on S3, its parts kept unseen and billed until aborted, in an attempt folder no
+    listing shows where it was the only file. One request (S3's ``ListMultipartUploads``) where
+    nothing is left; the names aborted, each marked so."""
+
+    def killed(name: str) -> bool:
+        if versions and VERSION_NAME.match(name):
+            return True
+        sub, _, file = name.partition("/")
+        held = attempt_of(sub)
+        return held is not None and written_in_attempt(file) and dead(*held)
+
+    return [f"the unfinished upload of {name}" for name in target.abort_uploads(killed)]
 
 
 def _remove_unnamed(index: ShardIndex, members: Folder, listed: Iterable[str]) -> list[str]:
@@ -744,6 +770,7 @@ def clean_folder(folder: Any, *, storage_options: Mapping[str, Any] | None = Non
                 step in listed or not _unlisted_index(target, step)) and (
                 remove_attempt(target, sub)):  # what a user put in it stays, with it
             removed.append(sub)
+    removed += _abort_uploads(target, lambda step, attempt: True, versions=True)  # at rest: none is under way
     for index, members, present in kept:
         removed += _remove_unnamed(index, members, present)
     return removed

@@ -171,6 +171,7 @@ class BackgroundPublisher:
         self._writing: _Job | None = None
         self._thread: threading.Thread | None = None
         self._given_up = False  # interrupted at exit: no retry, nothing pending written
+        self._exit_said: bool | None = None  # at exit: whether its wait for the retries was said; None: not exiting
         self._failing = False  # whether the snapshot being written has failed an attempt (is retrying)
         #: when the storage began failing this publisher (whichever snapshot), until a version is written again
         self._storage_failing_since: float | None = None
@@ -215,7 +216,7 @@ class BackgroundPublisher:
                 self._thread = threading.Thread(target=self._run, args=(done,), daemon=False,
                                                 name=f"weightstore-publish-{self.folder}")
                 self._thread.start()
-                finish_before_exit(done, self._give_up)
+                finish_before_exit(done, self._give_up, self._exit_begins)
             self._changed.notify_all()
         if replaced is not None:
             replaced.future.cancel()
@@ -365,6 +366,7 @@ class BackgroundPublisher:
         retry = _retryable(error) and not refused and spent < self.retry_for and not self._given_up
         if retry:
             _log.warning("publishing step %d to %s failed (%s); retrying", job.step, self.folder, error)
+            self._say_exit_waits()
         elif refused:
             _log.error("publishing step %d to %s was refused before the folder ever answered: %s; given up, the next "
                        "snapshot tries again", job.step, self.folder, error)
@@ -398,6 +400,24 @@ class BackgroundPublisher:
             self._changed.notify_all()
         if dropped is not None:
             dropped.future.cancel()
+
+    def _exit_begins(self) -> None:
+        """The process's exit begins to wait for this publisher (:func:`finish_before_exit`)."""
+        self._exit_said = False
+        self._say_exit_waits()
+
+    def _say_exit_waits(self) -> None:
+        """Once the exit waits for this publisher and the storage fails (then, or at a retry
+        after): say that the process waits for the retries and how to end it. A script that
+        returned, or a ``fit`` that Ctrl-C stopped, otherwise looks hung, its log on "retrying"."""
+        with self._changed:
+            newest = self._pending or self._writing
+            if self._exit_said is not False or newest is None or self._storage_failing_since is None:
+                return
+            self._exit_said = True
+            _log.warning("the process waits at exit while publishing step %d to %s is retried (the storage failing "
+                         "for %.0f s; given up after retry_for=%.0f s of failures); Ctrl-C gives it up now",
+                         newest.step, self.folder, time.monotonic() - self._storage_failing_since, self.retry_for)
 
     def _log_unfinished(self) -> None:
         """Say what is still unpublished and why: the storage's error only while it still fails

@@ -7,6 +7,7 @@ followed. The protocol that uses them is :mod:`weightstore.sync._publish`'s.
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from collections.abc import Mapping
@@ -31,6 +32,8 @@ from weightstore.io.folders import Folder, LocalFolder, folder_for
 from weightstore.sync import _stages as stages
 from weightstore.sync._pinning import Version, pointer_version, read_latest
 from weightstore.sync._writers import taken_over
+
+_log = logging.getLogger(__name__)
 
 #: the suffix of a sharded version's index (:mod:`weightstore.sharded._shards`)
 SHARDED_SUFFIX = ".wsindex"
@@ -141,11 +144,24 @@ class FolderState:
         On object storage there is no lock, so such a version may be another publisher's in
         flight; it is removed only after this publish's compare-and-swap of ``LATEST``
         succeeded. Its publisher wrote the intent after reading ``LATEST``, so that reading
-        came before this swap, and its own swap now fails: the version is dead.
+        came before this swap, and its own swap now fails: the version is dead. So is its
+        upload of the intent's step if it was killed mid-way (S3 keeps a multipart upload's
+        parts, unseen and billed, until it is aborted): aborted too, with a log line; this
+        publish's own version of that step, if it is one, was complete before its swap.
         """
         for unpublished, entry in self.unpublished():
             if unpublished != step:
                 self.folder.remove(entry.name)  # a sharded one's members: the next commit removes dead attempts
+        if self.intent is not None and not isinstance(self.folder, LocalFolder):
+            dead = self.intent
+
+            def killed(name: str) -> bool:
+                match = VERSION_NAME.match(name)
+                return match is not None and int(match.group(1)) == dead
+
+            for name in self.folder.abort_uploads(killed):
+                _log.warning("%s: aborted the unfinished upload of %s, which a killed publish of step %d left",
+                             self.folder.where, name, dead)
 
 
 def _steps(steps: list[int]) -> str:

@@ -81,5 +81,5 @@ def taken_over(folder: Folder, latest_writer: object, latest_step: int | None) -
     return (f"another writer ({latest_writer}) published step {latest_step} to this folder after this process "
             f"({_writer}) published step {mine}: two trainers publishing to one folder would have followers serve "
             "their models in turn, so the newer one keeps the folder and this process's publishes to it are refused "
-            "(stop one of them, or give each a folder of its own; a process started anew takes the folder over with "
-            "its first publish)")
+            "(stop one of them, or give each a folder of its own; a process started anew, a notebook's restarted kernel "
+            "too, takes the folder over with its first publish)")

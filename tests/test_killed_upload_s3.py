@@ -1,0 +1,141 @@
+"""A writer killed mid-upload on S3 leaves a multipart upload that S3 keeps, unseen and billed,
+until someone aborts it: the next publish to the folder (the restarted trainer's, on any host),
+the commit of a relaunched sharded step, or ``ws clean`` of the folder at rest does."""
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import weightstore as ws
+
+pytest.importorskip("s3fs")
+
+ROOT = Path(__file__).resolve().parents[1]
+BUCKET = "weightstore-killed-upload"
+DOWN = (503, b"<Error><Code>SlowDown</Code><Message>down</Message></Error>")
+
+PUBLISHER = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import weightstore as ws
+    ws.publish(sys.argv[1], {"w": np.ones(5 << 20, np.float32)}, step=2)  # 20 MB: a multipart upload
+""")
+
+RANK = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import weightstore as ws
+    folder, rank, attempt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    rows = np.full((1, 5 << 20), rank, np.float32)  # 20 MB a rank
+    ws.publish_shard(folder, {"w": ws.Piece(rows, (rank, 0), (2, 5 << 20))}, step=1, rank=rank, world=2,
+                     attempt=attempt)
+    if rank == 0 and attempt == 1:
+        print(ws.commit_shards(folder, step=1, world=2, attempt=attempt, timeout=60).step)
+""")
+
+
+def unfinished_uploads(folder: str) -> list[str]:
+    import s3fs
+
+    bucket, prefix = folder[len("s3://"):].split("/", 1)
+    listed = s3fs.S3FileSystem().call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix + "/")
+    return [upload["Key"][len(prefix) + 1:] for upload in listed.get("Uploads", [])]
+
+
+def run(s3, script: str, *argv: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", script, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, **s3.environment(), "PYTHONPATH": str(ROOT)})
+
+
+def killed_mid_upload(s3, script: str, *argv: str, of: str) -> None:
+    """Run ``script`` and SIGKILL it once its first upload part of an object whose path holds
+    ``of`` reaches the server (held there, never stored)."""
+    part_arrived, killed = threading.Event(), threading.Event()
+
+    def hold_the_first_part(environ):
+        if environ["REQUEST_METHOD"] == "PUT" and "partNumber=" in environ.get("QUERY_STRING", "") \
+                and of in environ["PATH_INFO"]:
+            part_arrived.set()
+            killed.wait(60)
+            return DOWN  # to nobody: the writer is dead
+        return None
+
+    s3.intercept = hold_the_first_part
+    writer = run(s3, script, *argv)
+    try:
+        assert part_arrived.wait(60), writer.stderr.read() if writer.poll() is not None else "no part uploaded"
+        writer.send_signal(signal.SIGKILL)
+        assert writer.wait(60) == -signal.SIGKILL
+    finally:
+        killed.set()
+        writer.kill()
+        writer.communicate()
+    s3.intercept = None
+
+
+def test_a_publish_aborts_the_upload_a_publisher_killed_mid_way_left(s3, caplog):
+    folder = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    ws.publish(folder, {"w": np.zeros(4, np.float32)}, step=1)
+    killed_mid_upload(s3, PUBLISHER, folder, of="step-000000000002")
+    assert unfinished_uploads(folder) == ["step-000000000002.npz"]  # what S3 keeps of the killed upload
+    with caplog.at_level(logging.WARNING, logger="weightstore"):
+        assert ws.publish(folder, {"w": np.full(4, 3, np.float32)}, step=3).step == 3  # the restarted trainer
+    assert unfinished_uploads(folder) == []
+    assert "aborted the unfinished upload of step-000000000002.npz, which a killed publish of step 2 left" in caplog.text
+    assert [version.step for version in ws.sync.list_versions(folder)] == [1, 3]
+
+
+def test_the_commit_of_a_relaunched_step_aborts_the_upload_a_killed_rank_left(s3, caplog):
+    folder = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    first = run(s3, RANK, folder, "0", "0")
+    killed_mid_upload(s3, RANK, folder, "1", "0", of="rank-00001")
+    assert first.wait(60) == 0, first.stderr
+    assert unfinished_uploads(folder) == ["step-000000000001.attempt-0/rank-00001.safetensors"]
+    relaunched = [run(s3, RANK, folder, str(rank), "1") for rank in (0, 1)]
+    with caplog.at_level(logging.WARNING, logger="weightstore"):
+        outputs = [rank.communicate(timeout=120) for rank in relaunched]
+    assert [rank.returncode for rank in relaunched] == [0, 0], outputs
+    assert outputs[0][0].strip() == "1"
+    assert "aborted the unfinished upload of step-000000000001.attempt-0/rank-00001.safetensors, which a killed " \
+           "rank left" in outputs[0][1]
+    assert unfinished_uploads(folder) == []
+    assert ws.load(ws.latest(folder))["w"][1, -1] == 1
+
+
+def test_ws_clean_aborts_what_killed_uploads_left_in_a_folder_at_rest(s3):
+    folder = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    ws.publish(folder, {"w": np.zeros(4, np.float32)}, step=1)
+    killed_mid_upload(s3, PUBLISHER, folder, of="step-000000000002")
+    clean = subprocess.run([sys.executable, "-m", "weightstore", "clean", folder, "--json"], capture_output=True,
+                           text=True, timeout=120, env={**os.environ, **s3.environment(), "PYTHONPATH": str(ROOT)})
+    assert clean.returncode == 0, clean.stderr
+    assert json.loads(clean.stdout)["removed"] == ["the unfinished upload of step-000000000002.npz"]
+    assert unfinished_uploads(folder) == []
+    assert ws.latest(folder).step == 1
+
+
+def test_a_policy_that_refuses_listing_uploads_costs_the_publish_nothing_but_a_line(s3, caplog):
+    """Without ``s3:ListBucketMultipartUploads`` the abort is refused: said once, and the publish
+    still tidies the folder (the killed publish's intent removed, older versions pruned)."""
+    folder = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    ws.publish(folder, {"w": np.zeros(4, np.float32)}, step=1)
+    killed_mid_upload(s3, PUBLISHER, folder, of="step-000000000002")
+    denied = (403, b"<Error><Code>AccessDenied</Code><Message>denied</Message></Error>")
+    s3.intercept = lambda environ: denied if environ.get("QUERY_STRING", "").startswith("uploads") else None
+    with caplog.at_level(logging.WARNING, logger="weightstore"):
+        for step in (3, 4, 5):
+            assert ws.publish(folder, {"w": np.full(4, step, np.float32)}, step=step, keep=2).step == step
+    s3.intercept = None
+    assert caplog.text.count("unfinished uploads a killed writer may have left were not aborted") == 1
+    assert [version.step for version in ws.sync.list_versions(folder)] == [4, 5]
+    assert unfinished_uploads(folder) == ["step-000000000002.npz"]  # kept, as the line says
