@@ -465,23 +465,30 @@ def test_a_member_read_out_of_a_trained_ensembles_file_pairs_with_a_lone_model_a
         np.testing.assert_array_equal(exported[key], value + 1)
 
 
-@pytest.mark.parametrize("name, said", [
+@pytest.mark.parametrize("name, said, second", [
     ("ensemble.npz", "the values are under 'member_0' and 'member_1' (an ensemble, each holding the variables' keys) "
-                     "and the variables are not: assign one of them, ws.load(path, scope='member_0')"),
+                     "and the variables are not: assign one of them, ws.load(path, scope='member_0')", "member_1"),
     ("ensemble.keras", "holds an ensemble, the model's variables under each of 'member_0', 'member_1': assign one "
-                       "member, ws.load(path, scope='member_0')"),
+                       "member, ws.load(path, scope='member_0')", "member_1"),
+    ("ensemble.weights.h5", "holds an ensemble, the model's variables under each of 'layers/functional', "
+                            "'layers/functional_1' (Keras names the members by their class, in layer order): assign "
+                            "one member, ws.load(path, scope='layers/functional')", "layers/functional_1"),
 ])
-def test_the_ensembles_own_file_given_to_a_lone_member_names_the_members_and_how_to_take_one_out(tmp_path, name, said):
+def test_the_ensembles_own_file_given_to_a_lone_member_names_the_members_and_how_to_take_one_out(
+        tmp_path, name, said, second):
     """``tf2.assign(lone, ensemble.npz)``, the scope forgotten: the ensemble numbers its members'
     automatic names on (``member_1/sequential_1/dense_3/kernel``), so no key of a member pairs a
     variable, and the message said the two "look like different architectures" (a ``.keras``'s
-    save walk pairs none either). It names the members' scopes and the load that takes one out,
+    save walk pairs none either, nor a ``.weights.h5``'s, whose members Keras names by class,
+    ``layers/functional_1/...``). It names the members' scopes and the load that takes one out,
     and that load assigns."""
     ensemble, members = ensemble_of_two()
     for var in ensemble.weights:
         var.assign(RNG.normal(size=var.shape).astype("float32"))
     if name.endswith(".keras"):
         ensemble.save(tmp_path / name)
+    elif name.endswith(".weights.h5"):
+        ensemble.save_weights(tmp_path / name)
     else:
         ws.save(tmp_path / name, tf2.export(ensemble))
     lone = holding_a_model()
@@ -489,7 +496,7 @@ def test_the_ensembles_own_file_given_to_a_lone_member_names_the_members_and_how
         tf2.assign(lone, tmp_path / name)
     assert said in str(caught.value) and caught.value.path == str(tmp_path / name)
     assert sorted(caught.value.missing) == sorted(tf2.keys(lone))  # the plan's keys, for callers
-    tf2.assign(lone, ws.load(tmp_path / name, scope="member_1"))
+    tf2.assign(lone, ws.load(tmp_path / name, scope=second))
     for key, value in tf2.export(members[1]).items():
         np.testing.assert_array_equal(tf2.export(lone)[key], value)
 
