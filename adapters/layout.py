@@ -18,7 +18,8 @@ guessed:
   ``groups == in_channels`` is ``depthwise``); a file records no modules, so
   :func:`kinds_from_names` derives the kind from a scope's tensors (see there), and never
   finds ``depthwise``: a depthwise layer's kernel converts where its module is at hand, or where
-  ``kinds=`` says ``depthwise`` (one group per channel: a multiplier of 1). A kernel that fits
+  ``kinds=`` says ``depthwise`` (one group per channel: a multiplier of 1; ``depthwise:2`` says a
+  multiplier of 2, which a file holds as twice the channels). A kernel that fits
   both (PyTorch's ``[C, 1, kh, kw]``) converts as a Conv's with a :class:`LayoutWarning` naming
   it (``ws convert``'s caution line), since a Conv of one input channel is common too.
   A transposed convolution's kernel (``[*spatial, out, in]`` in Keras, ``[in, out, *spatial]``
@@ -434,15 +435,18 @@ def to_keras(layout: Layout, shapes: Mapping[str, tuple[int, ...]],
     """Plan converting tensors named the other framework's way into Keras's names and layouts.
 
     ``sites`` gives each key's layer kind (from its module); without it the kinds come from
-    the names (:func:`kinds_from_names`), and ``kinds`` (key -> kind) decides what names leave
-    open. Keys whose leaf is in ``layout.dropped`` are left out.
+    the names (:func:`kinds_from_names`), and ``kinds`` (key -> kind; ``depthwise:M`` for a
+    depthwise layer of multiplier ``M``) decides what names leave open. Keys whose leaf is in
+    ``layout.dropped`` are left out.
     """
     layer_steps, refused, used = _plan_layers(layout, shapes, False, sites)
     rest = {key: shape for key, shape in shapes.items() if key not in used}
     file_groups = sites is None  # no module says a depthwise layer's group count: a file's
+    multipliers: dict[str, int] = {}  # a depthwise layer's, as kinds= says it (depthwise:2)
     if sites is None:
         found = kinds_from_names(layout, rest)
-        found.update(kinds or {})
+        for key, given in (kinds or {}).items():
+            found[key], multipliers[key] = _multiplied(given)
         sites = {key: Site(kind) for key, kind in found.items()}
     steps: dict[str, list[AnyStep]] = {new: [step] for new, step in layer_steps.items()}
     guessed: list[str] = []
@@ -455,7 +459,12 @@ def to_keras(layout: Layout, shapes: Mapping[str, tuple[int, ...]],
         if file_groups and key not in (kinds or {}) and _may_be_depthwise(layout, leaf, tuple(shape), site.kind):
             guessed.append(key)
         if file_groups and rule is not None and rule.fold:
-            site = Site(site.kind, _channels(shape, *rule.fold))
+            channels, multiplier = _channels(shape, *rule.fold), multipliers.get(key, 1)
+            if channels % multiplier:
+                refused[key] = (f"a depthwise kernel {list(shape)} of {channels} channels cannot have a multiplier of "
+                                f"{multiplier}, which does not divide them")
+                continue
+            site = Site(site.kind, channels // multiplier)
         if rule is None:
             of = f"in a {site.kind!r} layer" if site.kind else "in a layer of unknown kind"
             refused[key] = f"no {layout.name} layout rule for a rank-{len(shape)} {leaf!r} {of}{_EXTEND}"
@@ -491,11 +500,22 @@ def _may_be_depthwise(layout: Layout, leaf: str, shape: tuple[int, ...], kind: s
 
 
 def _channels(shape: tuple[int, ...], merge: int, unit: int) -> int:
-    """The group count of a depthwise kernel a file holds (``--kind SCOPE=depthwise``) whose
-    module is not at hand: one group per channel, as a multiplier of 1 (Keras's default) has.
-    A kernel of another multiplier comes out with another shape than its Keras layer's, which
-    an assign refuses."""
+    """The channels of a depthwise kernel a file holds (``--kind SCOPE=depthwise``) whose module
+    is not at hand: its input channels times its multiplier, which the file does not tell apart.
+    As many groups as channels is a multiplier of 1 (Keras's default); ``depthwise:M`` divides
+    them by ``M``. A kernel converted with another multiplier than its layer's comes out with
+    another shape than the layer's, which an assign refuses naming the multiplier."""
     return [size for axis, size in enumerate(shape) if axis != unit][merge]
+
+
+def _multiplied(kind: str) -> tuple[str, int]:
+    """A kind as ``kinds=`` gives it, and the depthwise multiplier it names: ``depthwise:2`` is
+    (``depthwise``, 2); any other kind has 1."""
+    base, colon, multiplier = kind.partition(":")
+    if base not in KINDS or colon and (base != DEPTHWISE or not multiplier.isdigit() or int(multiplier) < 1):
+        raise LayoutError(f"unknown layer kind {kind!r}; use one of {', '.join(KINDS)} (depthwise:M for a depthwise "
+                          "layer of depth multiplier M)")
+    return base, int(multiplier) if colon else 1
 
 
 def _unique(steps: dict[str, list[AnyStep]], refused: dict[str, str]) -> dict[str, AnyStep]:
@@ -591,8 +611,7 @@ def kinds_by_pattern(shapes: Mapping[str, tuple[int, ...]], patterns: Mapping[st
     if not patterns:
         return {}
     for kind in patterns.values():
-        if kind not in KINDS:
-            raise LayoutError(f"unknown layer kind {kind!r}; use one of {', '.join(KINDS)}")
+        _multiplied(kind)
     kinds = {}
     for key in shapes:
         scope = key.rpartition("/")[0]
@@ -745,7 +764,9 @@ def convert(weights: Mapping[str, np.ndarray], direction: str, *,
 
     ``kinds`` (a layer scope or glob -> ``dense``, ``conv``, ``depthwise``, ``norm`` or
     ``embedding``) decides what a file's names and shapes leave open (a Keras 3 depthwise
-    kernel, a bias-free PyTorch Linear or Embedding), which is otherwise refused.
+    kernel, a bias-free PyTorch Linear or Embedding), which is otherwise refused. A depthwise
+    layer of depth multiplier ``M`` is ``depthwise:M`` on the way to Keras: a PyTorch or Flax
+    file holds its kernel as ``channels * M`` filters of one input channel each.
 
     Raises:
         LayoutError: naming every tensor no rule converts.
@@ -755,8 +776,8 @@ def convert(weights: Mapping[str, np.ndarray], direction: str, *,
     name, from_keras_names = DIRECTIONS[direction]
     shapes = {key: np.shape(value) for key, value in weights.items()}
     given = kinds_by_pattern(shapes, kinds)
-    if from_keras_names:
-        steps, refused = from_keras(LAYOUTS[name], shapes, kinds=given)
+    if from_keras_names:  # a Keras kernel holds its multiplier as an axis of its own
+        steps, refused = from_keras(LAYOUTS[name], shapes, kinds={key: _multiplied(kind)[0] for key, kind in given.items()})
     else:
         steps, refused = to_keras(LAYOUTS[name], shapes, kinds=given)
     if refused:

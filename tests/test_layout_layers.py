@@ -216,6 +216,39 @@ def test_a_pytorch_depthwise_weight_in_a_file_converts_to_keras_as_its_kind_says
     np.testing.assert_allclose(np.asarray(model(inputs)), channels_last(conv, inputs), atol=TOLERANCE)
 
 
+def test_a_depthwise_kernel_of_multiplier_2_crosses_files_as_depthwise_2_says_and_is_named_when_it_did_not(tmp_path):
+    """A PyTorch depthwise ``Conv2d(3, 6, groups=3)`` holds ``[6, 1, 3, 3]``: 3 channels of
+    multiplier 2, or 6 of multiplier 1, as no file tells; ``--kind dw=depthwise`` reads 6 of 1,
+    ``[3, 3, 6, 1]``, which Keras's ``DepthwiseConv2D(depth_multiplier=2)`` ``[3, 3, 3, 2]``
+    refused saying only "shapes differ". It names the multiplier now, ``--kind dw=depthwise:2``
+    converts it, and the Keras layer predicts as the PyTorch one; the other way, a bias-free
+    Keras kernel read as a Conv's names ``--kind`` where PyTorch's depthwise weight refuses it."""
+    conv = nn.Conv2d(3, 6, 3, groups=3, bias=False)
+    with torch.no_grad():
+        conv.weight.normal_()
+    ws.save(tmp_path / "t.npz", {f"dw/{key}": value for key, value in torch_adapter.export(conv).items()})
+    model = keras.Sequential([keras.Input((6, 6, 3)), keras.layers.DepthwiseConv2D(3, depth_multiplier=2,
+                                                                                   use_bias=False, name="dw")])
+    out = tmp_path / "k.npz"
+    assert run("convert", tmp_path / "t.npz", out, "--layout", "torch-to-keras", "--kind", "dw=depthwise").exit_code == 0
+    with pytest.raises(AssignmentError, match=r"shapes differ; the value is a depthwise kernel of multiplier 2 "
+                                              r"converted as one of multiplier 1.*--kind SCOPE=depthwise:2"):
+        tf2.assign(model, out)
+    result = run("convert", tmp_path / "t.npz", out, "--layout", "torch-to-keras", "--kind", "dw=depthwise:2")
+    assert result.exit_code == 0, result.output
+    assert tf2.assign(model, out).ok
+    inputs = np.random.default_rng(0).normal(size=(1, 6, 6, 3)).astype("float32")
+    np.testing.assert_allclose(np.asarray(model(inputs)), channels_last(conv, inputs), atol=TOLERANCE)
+    result = run("convert", tmp_path / "t.npz", out, "--layout", "torch-to-keras", "--kind", "dw=depthwise:4")
+    assert result.exit_code == 1 and "of 6 channels cannot have a multiplier of 4" in " ".join(result.output.split())
+    assert run("convert", tmp_path / "t.npz", out, "--layout", "torch-to-keras", "--kind", "dw=conv:2").exit_code == 1
+    ws.save(tmp_path / "k.npz", tf2.export(model))  # back: [3, 3, 3, 2] passes for a Conv's kernel
+    assert run("convert", tmp_path / "k.npz", tmp_path / "t.npz", "--layout", "keras-to-torch").exit_code == 0
+    with pytest.raises(AssignmentError, match=r"shapes differ; the value is a Keras depthwise kernel converted as a "
+                                              r"Conv's: convert the file again with --kind SCOPE=depthwise"):
+        torch_adapter.assign(nn.ModuleDict({"dw": conv}), tmp_path / "t.npz")
+
+
 def test_a_pytorch_weight_of_one_input_channel_in_a_file_converts_as_a_conv_s_with_a_caution(tmp_path):
     """A ``[C, 1, kh, kw]`` weight is a Conv's of one input channel (a grayscale first layer) or a
     depthwise Conv's alike; ``ws convert --layout torch-to-keras`` wrote it as a Conv kernel without
