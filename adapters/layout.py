@@ -786,10 +786,15 @@ def convert(weights: Mapping[str, np.ndarray], direction: str, *,
 
 
 def refusal_message(where: str | None, refused: Mapping[str, str], listed: int = 20) -> str:
+    """Every refused tensor and why, one line per reason: a layer refused whole (a PyTorch
+    ``MultiheadAttention`` from a file) names its tensors once, with its reason once."""
     plural = "s" if len(refused) != 1 else ""
     head = f"{len(refused)} tensor{plural} the layout cannot convert exactly:"
     lines = [f"{where}: {head}" if where else head]
-    lines += [f"  {key}: {why}" for key, why in list(refused.items())[:listed]]
+    by_reason: dict[str, list[str]] = {}
+    for key, why in list(refused.items())[:listed]:
+        by_reason.setdefault(why, []).append(key)
+    lines += [f"  {', '.join(keys)}: {why}" for why, keys in by_reason.items()]
     if len(refused) > listed:
         lines.append(f"  … and {len(refused) - listed} more")
     if any(_KERAS_FILE_NAME.search(key) for key in refused):

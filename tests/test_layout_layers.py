@@ -127,12 +127,16 @@ def test_a_gru_with_reset_before_is_refused_naming_the_fix():
 
 
 def test_attention_from_a_file_needs_the_module_for_its_head_count(tmp_path):
+    """A file's ``in_proj_weight`` does not say its head count: the layer's four tensors are refused
+    together, the reason said once (it was repeated for each tensor, four times in one line)."""
     exported = torch_adapter.export(Attention(6, 2), layout="keras")
     assert exported["attention/query/kernel"].shape == (6, 2, 3)
     ws.save(tmp_path / "t.npz", torch_adapter.export(Attention(6, 2)))
     result = CliRunner().invoke(app, ["convert", str(tmp_path / "t.npz"), str(tmp_path / "k.npz"),
                                       "--layout", "torch-to-keras"])
     assert result.exit_code == 1 and "head count" in result.output and "in_proj_weight" in result.output
+    said = " ".join(result.output.split())
+    assert said.count("head count") == 1 and "attention/out_proj/weight" in said, said
     assert not (tmp_path / "k.npz").exists()
 
 
