@@ -131,6 +131,7 @@ _SHARDED = tf.__internal__.distribute.ShardedVariable
 _VARIABLE_TYPES = (tf.Variable, keras.Variable, _SHARDED)
 _TRACKABLE = tf.__internal__.tracking.AutoTrackable
 _KERAS_LAYOUT = re.compile(r"(?:.+/)?vars/[^/]+")  # Keras's file names: layers/dense/vars/0, optimizer/vars/3
+_MEMBER_OF_KERAS_NAME = re.compile(r"(.+?)/(?:layers|optimizer|vars)/")  # model_001 of model_001/layers/dense/vars/0
 _PART_SUFFIX = re.compile(r"/part_\d+$")
 _GROUPED_BELOW = 1 << 16  # values under this many bytes are written in groups (see _write_batch)
 _GROUP = 64  # most values per group: as fast per variable as larger groups, and a cheap kernel to build
@@ -501,7 +502,39 @@ def _keras_layout_renamed(values: Any, obj: Any, found: Mapping[str, tuple[Varia
     names = keras_file_names(part, keys, by_variable, optimizer=optimizer)  # model key -> file key
     renames = {file_key: model_key for model_key, file_key in names.items() if model_key != file_key}
     state = {key for key in keys if OPTIMIZER_KEY.fullmatch(key)}  # kept, for the plan to list as left out
+    if not renames:
+        names, state = _members_keras_named(part, keys, by_variable, optimizer)
+        renames = {file_key: model_key for model_key, file_key in names.items() if model_key != file_key}
     return RenamedValues(values, renames, keep=set(names.values()) | state)
+
+
+def _members_keras_named(part: Any, keys: list[str], by_variable: Mapping[int, str],
+                         optimizer: bool) -> tuple[dict[str, str], set[str]]:
+    """Model key -> value key for values keyed as Keras files key their tensors, each member's under
+    its scope (``model_001/layers/dense/vars/0``: what ``ws import m.weights.h5 --into ens.npz
+    --scope model_001`` writes), paired by Keras's save walk over the member at that scope, as the
+    member's own file would be; and the members' optimizer state, kept for the plan to list as
+    left out. A scope that names no layer of ``part`` keeps its keys as they are."""
+    by_scope: dict[str, list[str]] = {}
+    for key in keys:
+        found = _MEMBER_OF_KERAS_NAME.match(key)
+        by_scope.setdefault(found.group(1) if found else "", []).append(key)
+    names: dict[str, str] = {}
+    state: set[str] = set()
+    model_keys = set(by_variable.values())
+    for scope, under in by_scope.items():
+        try:
+            member = _part_at(part, scope) if scope else None
+        except SelectionError:
+            member = None
+        if member is None:
+            names.update({key: key for key in under})
+            continue
+        own = [strip_scope(key, scope) for key in under]
+        for model_key, file_key in keras_file_names(member, own, by_variable, optimizer=optimizer).items():
+            names[model_key if model_key in model_keys else join_scope(scope, model_key)] = join_scope(scope, file_key)
+        state.update(join_scope(scope, key) for key in own if OPTIMIZER_KEY.fullmatch(key))
+    return names, state
 
 
 def _old_keys_renamed(values: Any, aliases: Mapping[str, str], targets: Mapping[str, TargetInfo],

@@ -530,6 +530,28 @@ def test_a_lone_members_file_imports_into_the_ensembles_keras_file_by_scope(tmp_
     assert done.returncode == 0, done.stderr
 
 
+def test_members_weights_h5_files_imported_by_scope_assign_into_the_ensemble(tmp_path):
+    """``ws import member_i.weights.h5 --into ensemble.npz --scope member_i`` keeps Keras's own
+    names under each scope (``member_1/layers/dense/vars/0``: a ``.weights.h5`` carries no model
+    keys); the ensemble's assign of that file paired none of them ("different architectures"),
+    though ``tf2.assign(ensemble, member_i.weights.h5, scope=...)`` pairs each. It pairs them by
+    each member's save walk now, and the ensemble predicts as its members' sources, bit for bit."""
+    sources = [holding_a_model() for _ in range(2)]
+    for i, source in enumerate(sources):
+        for var in source.weights:
+            var.assign(RNG.normal(size=var.shape).astype("float32"))
+        source.save_weights(tmp_path / f"m{i}.weights.h5")
+        done = subprocess.run([sys.executable, "-m", "weightstore", "import", str(tmp_path / f"m{i}.weights.h5"),
+                               "--into", str(tmp_path / "ensemble.npz"), "--scope", f"member_{i}"],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+    assert "member_1/layers/sequential/layers/dense/vars/0" in ws.load(tmp_path / "ensemble.npz")
+    ensemble, members = ensemble_of_two()
+    assert tf2.assign(ensemble, tmp_path / "ensemble.npz").ok
+    for member, source in zip(members, sources, strict=True):
+        np.testing.assert_array_equal(member.predict(X, verbose=0), source.predict(X, verbose=0))
+
+
 def test_an_import_into_a_keras_archive_under_a_misspelt_scope_names_the_scope(tmp_path):
     """``--scope member_01`` for ``member_1``: the refusal named the tensor nearest the first key
     (another member's, as often as not), not the scope that matched nothing; the file is untouched."""
