@@ -170,7 +170,8 @@ def _mha_problem(shapes: Shapes, from_keras: bool, heads: int) -> str:
         return ""
     if heads < 1:
         return ("PyTorch's in_proj_weight does not record the head count Keras's kernels are split by; "
-                "convert from the module (torch.export(module, layout='keras')), which knows it")
+                "convert from the module (torch.export(module, layout='keras')), which knows it, or say it: "
+                "ws convert --kind SCOPE=attention:HEADS")
     packed = shapes["in_proj_weight"]
     if len(packed) != 2 or packed[0] != 3 * packed[1] or packed[1] % heads:
         return f"in_proj_weight {list(packed)} is not q, k and v of {heads} heads"

@@ -81,6 +81,9 @@ __all__ = ["Rule", "Layout", "LayoutWarning", "convert", "fold_bias_into_norm"]
 DENSE, CONV, DEPTHWISE, NORM, EMBEDDING = "dense", "conv", "depthwise", "norm", "embedding"
 #: the kinds a user may give a layer a file cannot tell (``kinds=``, ``ws convert --kind``)
 KINDS = (DENSE, CONV, DEPTHWISE, NORM, EMBEDDING)
+#: a multi-head attention layer, given with its head count (``attention:8``), which PyTorch's packed
+#: ``in_proj_weight`` does not record
+ATTENTION = "attention"
 _WEIGHTED = (DENSE, CONV, DEPTHWISE)
 _EXTEND = " (add a Rule with Layout.extended)"
 
@@ -439,14 +442,16 @@ def to_keras(layout: Layout, shapes: Mapping[str, tuple[int, ...]],
     depthwise layer of multiplier ``M``) decides what names leave open. Keys whose leaf is in
     ``layout.dropped`` are left out.
     """
-    layer_steps, refused, used = _plan_layers(layout, shapes, False, sites)
+    counted = {key: _counted(given) for key, given in (kinds or {}).items()}
+    heads = {key: Site(ATTENTION, count) for key, (kind, count) in counted.items() if kind == ATTENTION}
+    layer_steps, refused, used = _plan_layers(layout, shapes, False, heads if sites is None else sites)
     rest = {key: shape for key, shape in shapes.items() if key not in used}
     file_groups = sites is None  # no module says a depthwise layer's group count: a file's
     multipliers: dict[str, int] = {}  # a depthwise layer's, as kinds= says it (depthwise:2)
     if sites is None:
         found = kinds_from_names(layout, rest)
-        for key, given in (kinds or {}).items():
-            found[key], multipliers[key] = _multiplied(given)
+        for key, (kind, count) in counted.items():
+            found[key], multipliers[key] = kind, count
         sites = {key: Site(kind) for key, kind in found.items()}
     steps: dict[str, list[AnyStep]] = {new: [step] for new, step in layer_steps.items()}
     guessed: list[str] = []
@@ -508,14 +513,17 @@ def _channels(shape: tuple[int, ...], merge: int, unit: int) -> int:
     return [size for axis, size in enumerate(shape) if axis != unit][merge]
 
 
-def _multiplied(kind: str) -> tuple[str, int]:
-    """A kind as ``kinds=`` gives it, and the depthwise multiplier it names: ``depthwise:2`` is
-    (``depthwise``, 2); any other kind has 1."""
-    base, colon, multiplier = kind.partition(":")
-    if base not in KINDS or colon and (base != DEPTHWISE or not multiplier.isdigit() or int(multiplier) < 1):
+def _counted(kind: str) -> tuple[str, int]:
+    """A kind as ``kinds=`` gives it, and the count it names that a file does not record: a
+    depthwise layer's multiplier (``depthwise:2``; 1 unsaid), an attention layer's heads
+    (``attention:8``, always said); any other kind has 1."""
+    base, colon, count = kind.partition(":")
+    counts = {DEPTHWISE: colon == "" or count.isdigit() and int(count) >= 1,
+              ATTENTION: count.isdigit() and int(count) >= 1}
+    if not (counts.get(base, False) if base in counts else base in KINDS and not colon):
         raise LayoutError(f"unknown layer kind {kind!r}; use one of {', '.join(KINDS)} (depthwise:M for a depthwise "
-                          "layer of depth multiplier M)")
-    return base, int(multiplier) if colon else 1
+                          "layer of depth multiplier M, attention:HEADS for a multi-head attention layer)")
+    return base, int(count) if colon else 1
 
 
 def _unique(steps: dict[str, list[AnyStep]], refused: dict[str, str]) -> dict[str, AnyStep]:
@@ -611,7 +619,7 @@ def kinds_by_pattern(shapes: Mapping[str, tuple[int, ...]], patterns: Mapping[st
     if not patterns:
         return {}
     for kind in patterns.values():
-        _multiplied(kind)
+        _counted(kind)
     kinds = {}
     for key in shapes:
         scope = key.rpartition("/")[0]
@@ -766,7 +774,8 @@ def convert(weights: Mapping[str, np.ndarray], direction: str, *,
     ``embedding``) decides what a file's names and shapes leave open (a Keras 3 depthwise
     kernel, a bias-free PyTorch Linear or Embedding), which is otherwise refused. A depthwise
     layer of depth multiplier ``M`` is ``depthwise:M`` on the way to Keras: a PyTorch or Flax
-    file holds its kernel as ``channels * M`` filters of one input channel each.
+    file holds its kernel as ``channels * M`` filters of one input channel each; a PyTorch
+    ``MultiheadAttention`` of ``H`` heads is ``attention:H``.
 
     Raises:
         LayoutError: naming every tensor no rule converts.
@@ -777,7 +786,7 @@ def convert(weights: Mapping[str, np.ndarray], direction: str, *,
     shapes = {key: np.shape(value) for key, value in weights.items()}
     given = kinds_by_pattern(shapes, kinds)
     if from_keras_names:  # a Keras kernel holds its multiplier as an axis of its own
-        steps, refused = from_keras(LAYOUTS[name], shapes, kinds={key: _multiplied(kind)[0] for key, kind in given.items()})
+        steps, refused = from_keras(LAYOUTS[name], shapes, kinds={key: _counted(kind)[0] for key, kind in given.items()})
     else:
         steps, refused = to_keras(LAYOUTS[name], shapes, kinds=given)
     if refused:

@@ -126,18 +126,31 @@ def test_a_gru_with_reset_before_is_refused_naming_the_fix():
     assert "gru_cell/bias" in str(caught.value)
 
 
-def test_attention_from_a_file_needs_the_module_for_its_head_count(tmp_path):
+def test_attention_from_a_file_needs_its_head_count_from_the_module_or_kind(tmp_path):
     """A file's ``in_proj_weight`` does not say its head count: the layer's four tensors are refused
-    together, the reason said once (it was repeated for each tensor, four times in one line)."""
-    exported = torch_adapter.export(Attention(6, 2), layout="keras")
+    together, the reason said once (it was repeated for each tensor, four times in one line), and
+    ``--kind attention=attention:2`` says it, converting as the module's own export does."""
+    module = Attention(6, 2)
+    exported = torch_adapter.export(module, layout="keras")
     assert exported["attention/query/kernel"].shape == (6, 2, 3)
-    ws.save(tmp_path / "t.npz", torch_adapter.export(Attention(6, 2)))
+    ws.save(tmp_path / "t.npz", torch_adapter.export(module))
     result = CliRunner().invoke(app, ["convert", str(tmp_path / "t.npz"), str(tmp_path / "k.npz"),
                                       "--layout", "torch-to-keras"])
     assert result.exit_code == 1 and "head count" in result.output and "in_proj_weight" in result.output
     said = " ".join(result.output.split())
     assert said.count("head count") == 1 and "attention/out_proj/weight" in said, said
-    assert not (tmp_path / "k.npz").exists()
+    assert "--kind SCOPE=attention:HEADS" in said and not (tmp_path / "k.npz").exists()
+    convert = ["convert", str(tmp_path / "t.npz"), str(tmp_path / "k.npz"), "--layout", "torch-to-keras", "--kind"]
+    result = CliRunner().invoke(app, [*convert, "attention=attention:4"])
+    assert result.exit_code == 1 and "is not q, k and v of 4 heads" in result.output
+    result = CliRunner().invoke(app, [*convert, "attention=attention"])
+    assert result.exit_code == 1 and "attention:HEADS for a multi-head attention layer" in result.output
+    result = CliRunner().invoke(app, [*convert, "attention=attention:2"])
+    assert result.exit_code == 0, result.output
+    converted = ws.load(tmp_path / "k.npz")
+    assert sorted(converted) == sorted(exported)
+    for key, value in exported.items():
+        np.testing.assert_array_equal(converted[key], value)
 
 
 @pytest.mark.parametrize("bias", [True, False])
