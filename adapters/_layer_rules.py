@@ -18,8 +18,8 @@ at once (keys relative to the layer's scope) and gives the other framework's set
   head_dim]`` and ``attention_output/kernel [heads, head_dim, d]``; PyTorch's
   ``nn.MultiheadAttention`` packs q, k, v into ``in_proj_weight [3d, d]`` (heads ``head_dim``
   rows apart, in order) and keeps ``out_proj`` as a Linear. PyTorch records no head count in
-  its tensors: into Keras it comes from the module (``torch.export(..., layout="keras")``),
-  never from a file. Flax NNX's ``MultiHeadAttention`` keeps Keras's layout, naming the
+  its tensors: into Keras it comes from the module (``torch.export(..., layout="keras")``), or
+  for a file from ``kinds=`` (``ws convert --kind SCOPE=attention:HEADS``). Flax NNX's ``MultiHeadAttention`` keeps Keras's layout, naming the
   output projection ``out``.
 
 Only single-layer, one-direction PyTorch RNNs (``_l0``, no ``_reverse``, no ``proj_size``)

@@ -83,7 +83,7 @@ DENSE, CONV, DEPTHWISE, NORM, EMBEDDING = "dense", "conv", "depthwise", "norm", 
 KINDS = (DENSE, CONV, DEPTHWISE, NORM, EMBEDDING)
 #: a multi-head attention layer, given with its head count (``attention:8``), which PyTorch's packed
 #: ``in_proj_weight`` does not record
-ATTENTION = "attention"
+ATTENTION = _layer_rules.ATTENTION
 _WEIGHTED = (DENSE, CONV, DEPTHWISE)
 _EXTEND = " (add a Rule with Layout.extended)"
 
