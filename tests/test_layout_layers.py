@@ -154,6 +154,39 @@ def test_attention_from_a_file_needs_its_head_count_from_the_module_or_kind(tmp_
 
 
 @pytest.mark.parametrize("bias", [True, False])
+def test_attention_with_keys_and_values_of_other_widths_converts_both_ways(tmp_path, bias):
+    """``nn.MultiheadAttention(8, 2, kdim=4, vdim=6)`` keeps ``q_proj_weight``, ``k_proj_weight``
+    and ``v_proj_weight`` apart (no ``in_proj_weight``); they were refused as tensors "no rule"
+    covers. They convert to Keras's ``MultiHeadAttention(2, 4)`` fed keys of 4 and values of 6
+    (the same outputs), back into the module bit for bit, and from a file with ``--kind``."""
+    torch.manual_seed(0)
+    module = nn.ModuleDict({"att": nn.MultiheadAttention(8, 2, kdim=4, vdim=6, batch_first=True, bias=bias)}).eval()
+    rng = np.random.default_rng(0)
+    query, key, value = (rng.normal(size=shape).astype("float32") for shape in ((2, 5, 8), (2, 7, 4), (2, 7, 6)))
+    with torch.no_grad():
+        expected = module["att"](*map(torch.from_numpy, (query, key, value)), need_weights=False)[0].numpy()
+    exported = torch_adapter.export(module, layout="keras")
+    assert exported["att/key/kernel"].shape == (4, 2, 4) and exported["att/value/kernel"].shape == (6, 2, 4)
+    inputs = [keras.Input((5, 8)), keras.Input((7, 4)), keras.Input((7, 6))]
+    model = keras.Model(inputs, keras.layers.MultiHeadAttention(2, 4, use_bias=bias, name="att")(
+        inputs[0], inputs[2], key=inputs[1]))
+    assert tf2.assign(model, exported).ok
+    np.testing.assert_allclose(np.asarray(model([query, key, value])), expected, atol=TOLERANCE)
+    again = nn.ModuleDict({"att": nn.MultiheadAttention(8, 2, kdim=4, vdim=6, batch_first=True, bias=bias)})
+    assert torch_adapter.assign(again, tf2.export(model), layout="keras").ok
+    for name, tensor in module.state_dict().items():
+        assert torch.equal(again.state_dict()[name], tensor), name
+    ws.save(tmp_path / "t.npz", torch_adapter.export(module))
+    result = run("convert", tmp_path / "t.npz", tmp_path / "k.npz", "--layout", "torch-to-keras", "--kind",
+                 "att=attention:2")
+    assert result.exit_code == 0, result.output
+    converted = ws.load(tmp_path / "k.npz")
+    assert sorted(converted) == sorted(exported)
+    for name, array in exported.items():
+        np.testing.assert_array_equal(converted[name], array)
+
+
+@pytest.mark.parametrize("bias", [True, False])
 def test_keras_attention_into_flax_computes_the_same(bias):
     layer = keras.layers.MultiHeadAttention(num_heads=2, key_dim=3, use_bias=bias)
     inputs, expected = randomized(layer, (2, 4, 6))
