@@ -486,7 +486,8 @@ def to_keras(layout: Layout, shapes: Mapping[str, tuple[int, ...]],
             f"converted {len(guessed)} kernel{'s' if len(guessed) > 1 else ''} of one input channel as a Conv's, which "
             f"a depthwise Conv's of as many groups as channels would be as well, and a file does not tell apart: "
             f"{named(guessed)}; for a depthwise layer say so: layout.to_keras(..., kinds={{{scope!r}: 'depthwise'}}) (ws convert --kind "
-            f"'{scope}=depthwise'; --kind '{scope}=conv' confirms a Conv), or export the module"), stacklevel=3)
+            f"'{scope}=depthwise', '{scope}=depthwise:M' for a depth multiplier M; --kind '{scope}=conv' confirms a Conv), "
+            f"or export the module"), stacklevel=3)
     return _unique(steps, refused), refused
 
 

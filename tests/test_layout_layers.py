@@ -280,6 +280,8 @@ def test_a_depthwise_kernel_of_multiplier_2_crosses_files_as_depthwise_2_says_an
     model = keras.Sequential([keras.Input((6, 6, 3)), keras.layers.DepthwiseConv2D(3, depth_multiplier=2,
                                                                                    use_bias=False, name="dw")])
     out = tmp_path / "k.npz"
+    result = run("convert", tmp_path / "t.npz", out, "--layout", "torch-to-keras")  # read as a Conv's: cautioned
+    assert result.exit_code == 0 and "'dw=depthwise:M' for a depth multiplier M" in " ".join(result.output.split())
     assert run("convert", tmp_path / "t.npz", out, "--layout", "torch-to-keras", "--kind", "dw=depthwise").exit_code == 0
     with pytest.raises(AssignmentError, match=r"shapes differ; the value is a depthwise kernel of multiplier 2 "
                                               r"converted as one of multiplier 1.*--kind SCOPE=depthwise:2"):
