@@ -33,7 +33,7 @@ import contextlib
 import os
 import re
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import weightstore
@@ -280,6 +280,13 @@ def keras_file_names(model: Any, file_keys: list[str], by_variable: Mapping[int,
         elif not isinstance(recorded, keras.Variable) and (optimizer or not _optimizer_state(file_key)):
             names.setdefault(file_key, file_key)  # a tensor this model does not have: reported as unexpected
     return names
+
+
+def keras_file_keys(model: Any, variables: Iterable[Any]) -> set[str]:
+    """The keys Keras's own save walk gives ``variables`` of ``model`` in its files
+    (``layers/dense/vars/0``): how a ``.weights.h5`` names them."""
+    ids = {id(var) for var in variables}
+    return {path for path, var in _keras_paths(model).items() if id(var) in ids}
 
 
 def _keras_paths(model: Any, skip: set[int] | None = None) -> dict[str, Any]:

@@ -17,9 +17,10 @@ at once (keys relative to the layer's scope) and gives the other framework's set
 - **Multi-head attention**: Keras keeps ``query``/``key``/``value`` kernels ``[d, heads,
   head_dim]`` and ``attention_output/kernel [heads, head_dim, d]``; PyTorch's
   ``nn.MultiheadAttention`` packs q, k, v into ``in_proj_weight [3d, d]`` (heads ``head_dim``
-  rows apart, in order) and keeps ``out_proj`` as a Linear. PyTorch records no head count in
-  its tensors: into Keras it comes from the module (``torch.export(..., layout="keras")``),
-  never from a file. Flax NNX's ``MultiHeadAttention`` keeps Keras's layout, naming the
+  rows apart, in order; with ``kdim``/``vdim`` other than ``d``, apart: ``q_proj_weight``,
+  ``k_proj_weight``, ``v_proj_weight``) and keeps ``out_proj`` as a Linear. PyTorch records no head count in
+  its tensors: into Keras it comes from the module (``torch.export(..., layout="keras")``), or
+  for a file from ``kinds=`` (``ws convert --kind SCOPE=attention:HEADS``). Flax NNX's ``MultiHeadAttention`` keeps Keras's layout, naming the
   output projection ``out``.
 
 Only single-layer, one-direction PyTorch RNNs (``_l0``, no ``_reverse``, no ``proj_size``)
@@ -170,7 +171,8 @@ def _mha_problem(shapes: Shapes, from_keras: bool, heads: int) -> str:
         return ""
     if heads < 1:
         return ("PyTorch's in_proj_weight does not record the head count Keras's kernels are split by; "
-                "convert from the module (torch.export(module, layout='keras')), which knows it")
+                "convert from the module (torch.export(module, layout='keras')), which knows it, or say it: "
+                "ws convert --kind SCOPE=attention:HEADS")
     packed = shapes["in_proj_weight"]
     if len(packed) != 2 or packed[0] != 3 * packed[1] or packed[1] % heads:
         return f"in_proj_weight {list(packed)} is not q, k and v of {heads} heads"
@@ -193,6 +195,56 @@ def _mha_to_keras(a: Arrays, heads: int) -> dict[str, np.ndarray]:
     head_dim = model // heads
     parts = np.split(packed, 3)
     out = {f"{p}/kernel": part.T.reshape(model, heads, head_dim) for p, part in zip(_QKV, parts, strict=True)}
+    out["attention_output/kernel"] = a["out_proj/weight"].T.reshape(heads, head_dim, model)
+    if "in_proj_bias" in a:
+        out.update({f"{p}/bias": part.reshape(heads, head_dim)
+                    for p, part in zip(_QKV, np.split(a["in_proj_bias"], 3), strict=True)})
+        out["attention_output/bias"] = a["out_proj/bias"]
+    return out
+
+
+#: ``nn.MultiheadAttention(..., kdim=, vdim=)`` of key or value inputs of another width than the
+#: query's keeps q, k and v apart: ``q_proj_weight [d, d]``, ``k_proj_weight [d, kdim]``, ``v_proj_weight [d, vdim]``
+_MHA_TORCH_APART = ("q_proj_weight", "k_proj_weight", "v_proj_weight", "out_proj/weight")
+
+
+def _mha_apart_problem(shapes: Shapes, from_keras: bool, heads: int) -> str:
+    if from_keras:
+        rank = _ranks(shapes, {key: 3 for key in _MHA_KERAS})
+        if rank:
+            return rank
+        query = shapes["query/kernel"]
+        model = query[0]
+        if query[1] * query[2] != model or any(shapes[f"{p}/kernel"][1:] != query[1:] for p in _QKV):
+            return (f"PyTorch's MultiheadAttention needs query, key and value kernels of [d, heads, d / heads] "
+                    f"(key's and value's first axis any width); these are {[list(shapes[f'{p}/kernel']) for p in _QKV]}")
+        if shapes["attention_output/kernel"] != (query[1], query[2], model):
+            return f"attention_output/kernel {list(shapes['attention_output/kernel'])} does not project back to {model}"
+        return ""
+    if heads < 1:
+        return _mha_problem(shapes, from_keras, heads)
+    weights = [shapes[key] for key in _MHA_TORCH_APART[:3]]
+    model = weights[0][0]
+    if any(len(weight) != 2 or weight[0] != model for weight in weights) or weights[0][1] != model or model % heads:
+        return f"q_proj_weight, k_proj_weight and v_proj_weight {[list(w) for w in weights]} are not q, k and v of {heads} heads"
+    return ""
+
+
+def _mha_apart_to_torch(a: Arrays, heads: int) -> dict[str, np.ndarray]:
+    model = a["query/kernel"].shape[0]
+    out = {name: a[f"{p}/kernel"].reshape(a[f"{p}/kernel"].shape[0], model).T
+           for p, name in zip(_QKV, _MHA_TORCH_APART[:3], strict=True)}
+    out["out_proj/weight"] = a["attention_output/kernel"].reshape(-1, model).T
+    if "query/bias" in a:
+        out["in_proj_bias"] = np.concatenate([a[f"{p}/bias"].reshape(-1) for p in _QKV])
+        out["out_proj/bias"] = a["attention_output/bias"]
+    return out
+
+
+def _mha_apart_to_keras(a: Arrays, heads: int) -> dict[str, np.ndarray]:
+    model = a["q_proj_weight"].shape[0]
+    head_dim = model // heads
+    out = {f"{p}/kernel": a[name].T.reshape(-1, heads, head_dim) for p, name in zip(_QKV, _MHA_TORCH_APART[:3], strict=True)}
     out["attention_output/kernel"] = a["out_proj/weight"].T.reshape(heads, head_dim, model)
     if "in_proj_bias" in a:
         out.update({f"{p}/bias": part.reshape(heads, head_dim)
@@ -225,6 +277,9 @@ TORCH_LAYERS = (
     LayerRule(ATTENTION, _MHA_KERAS + _MHA_KERAS_BIASES, _MHA_TORCH + _MHA_TORCH_BIASES, _mha_to_torch,
               _mha_to_keras, _mha_problem),
     LayerRule(ATTENTION, _MHA_KERAS, _MHA_TORCH, _mha_to_torch, _mha_to_keras, _mha_problem),
+    LayerRule(ATTENTION, _MHA_KERAS + _MHA_KERAS_BIASES, _MHA_TORCH_APART + _MHA_TORCH_BIASES, _mha_apart_to_torch,
+              _mha_apart_to_keras, _mha_apart_problem),
+    LayerRule(ATTENTION, _MHA_KERAS, _MHA_TORCH_APART, _mha_apart_to_torch, _mha_apart_to_keras, _mha_apart_problem),
 )
 
 FLAX_LAYERS = (

@@ -171,11 +171,26 @@ def pair_problem(dtype: np.dtype, shape: tuple[int, ...], target: TargetInfo, ca
 
 def _depthwise_as_conv(shape: tuple[int, ...], target: tuple[int, ...]) -> str:
     """Why a Keras 3 depthwise kernel ``[*spatial, C, M]`` got a Conv's kernel of one input
-    channel ``[*spatial, 1, C * M]``: a file converted to Keras without ``--kind`` holds it so, as
-    no file tells the two apart (the conversion's caution said it, perhaps in another process)."""
-    if len(target) >= 3 and target[-2] > 1 and shape == (*target[:-2], 1, target[-2] * target[-1]):
-        return ("; the value is a depthwise kernel converted as a Conv's of one input channel: convert the file "
-                "again with --kind SCOPE=depthwise")
+    channel ``[*spatial, 1, C * M]``, or (``M`` > 1) a depthwise kernel of multiplier 1
+    ``[*spatial, C * M, 1]``: a file converted to Keras holds it so without ``--kind``, or with
+    ``--kind SCOPE=depthwise``, as no file tells them apart (the conversion's caution said the first,
+    perhaps in another process)."""
+    if len(target) < 3:
+        return ""
+    # out of Keras: [*spatial, C, M] read as a Conv's kernel is PyTorch's [M, C, *spatial] (Flax keeps it)
+    # where the depthwise layer's is [C * M, 1, *spatial] (Flax's [*spatial, 1, C * M])
+    torch_like = target[1] == 1 and shape[2:] == target[2:] and shape[0] * shape[1] == target[0] > shape[1] > 1
+    flax_like = target[-2] == 1 and shape[:-2] == target[:-2] and shape[-2] * shape[-1] == target[-1] > shape[-2] > 1
+    if len(shape) == len(target) and (torch_like or flax_like):
+        return ("; the value is a Keras depthwise kernel converted as a Conv's: convert the file again with "
+                "--kind SCOPE=depthwise")
+    kind = "depthwise" if target[-1] == 1 else f"depthwise:{target[-1]}"
+    if target[-2] > 1 and shape == (*target[:-2], 1, target[-2] * target[-1]):
+        return (f"; the value is a depthwise kernel converted as a Conv's of one input channel: convert the file "
+                f"again with --kind SCOPE={kind}")
+    if target[-1] > 1 and shape == (*target[:-2], target[-2] * target[-1], 1):
+        return (f"; the value is a depthwise kernel of multiplier {target[-1]} converted as one of multiplier 1, "
+                f"which a file does not tell apart: convert the file again with --kind SCOPE={kind}")
     return ""
 
 

@@ -18,7 +18,8 @@ guessed:
   ``groups == in_channels`` is ``depthwise``); a file records no modules, so
   :func:`kinds_from_names` derives the kind from a scope's tensors (see there), and never
   finds ``depthwise``: a depthwise layer's kernel converts where its module is at hand, or where
-  ``kinds=`` says ``depthwise`` (one group per channel: a multiplier of 1). A kernel that fits
+  ``kinds=`` says ``depthwise`` (one group per channel: a multiplier of 1; ``depthwise:2`` says a
+  multiplier of 2, which a file holds as twice the channels). A kernel that fits
   both (PyTorch's ``[C, 1, kh, kw]``) converts as a Conv's with a :class:`LayoutWarning` naming
   it (``ws convert``'s caution line), since a Conv of one input channel is common too.
   A transposed convolution's kernel (``[*spatial, out, in]`` in Keras, ``[in, out, *spatial]``
@@ -80,6 +81,9 @@ __all__ = ["Rule", "Layout", "LayoutWarning", "convert", "fold_bias_into_norm"]
 DENSE, CONV, DEPTHWISE, NORM, EMBEDDING = "dense", "conv", "depthwise", "norm", "embedding"
 #: the kinds a user may give a layer a file cannot tell (``kinds=``, ``ws convert --kind``)
 KINDS = (DENSE, CONV, DEPTHWISE, NORM, EMBEDDING)
+#: a multi-head attention layer, given with its head count (``attention:8``), which PyTorch's packed
+#: ``in_proj_weight`` does not record
+ATTENTION = _layer_rules.ATTENTION
 _WEIGHTED = (DENSE, CONV, DEPTHWISE)
 _EXTEND = " (add a Rule with Layout.extended)"
 
@@ -434,15 +438,20 @@ def to_keras(layout: Layout, shapes: Mapping[str, tuple[int, ...]],
     """Plan converting tensors named the other framework's way into Keras's names and layouts.
 
     ``sites`` gives each key's layer kind (from its module); without it the kinds come from
-    the names (:func:`kinds_from_names`), and ``kinds`` (key -> kind) decides what names leave
-    open. Keys whose leaf is in ``layout.dropped`` are left out.
+    the names (:func:`kinds_from_names`), and ``kinds`` (key -> kind; ``depthwise:M`` for a
+    depthwise layer of multiplier ``M``) decides what names leave open. Keys whose leaf is in
+    ``layout.dropped`` are left out.
     """
-    layer_steps, refused, used = _plan_layers(layout, shapes, False, sites)
+    counted = {key: _counted(given) for key, given in (kinds or {}).items()}
+    heads = {key: Site(ATTENTION, count) for key, (kind, count) in counted.items() if kind == ATTENTION}
+    layer_steps, refused, used = _plan_layers(layout, shapes, False, heads if sites is None else sites)
     rest = {key: shape for key, shape in shapes.items() if key not in used}
     file_groups = sites is None  # no module says a depthwise layer's group count: a file's
+    multipliers: dict[str, int] = {}  # a depthwise layer's, as kinds= says it (depthwise:2)
     if sites is None:
         found = kinds_from_names(layout, rest)
-        found.update(kinds or {})
+        for key, (kind, count) in counted.items():
+            found[key], multipliers[key] = kind, count
         sites = {key: Site(kind) for key, kind in found.items()}
     steps: dict[str, list[AnyStep]] = {new: [step] for new, step in layer_steps.items()}
     guessed: list[str] = []
@@ -455,7 +464,12 @@ def to_keras(layout: Layout, shapes: Mapping[str, tuple[int, ...]],
         if file_groups and key not in (kinds or {}) and _may_be_depthwise(layout, leaf, tuple(shape), site.kind):
             guessed.append(key)
         if file_groups and rule is not None and rule.fold:
-            site = Site(site.kind, _channels(shape, *rule.fold))
+            channels, multiplier = _channels(shape, *rule.fold), multipliers.get(key, 1)
+            if channels % multiplier:
+                refused[key] = (f"a depthwise kernel {list(shape)} of {channels} channels cannot have a multiplier of "
+                                f"{multiplier}, which does not divide them")
+                continue
+            site = Site(site.kind, channels // multiplier)
         if rule is None:
             of = f"in a {site.kind!r} layer" if site.kind else "in a layer of unknown kind"
             refused[key] = f"no {layout.name} layout rule for a rank-{len(shape)} {leaf!r} {of}{_EXTEND}"
@@ -472,7 +486,8 @@ def to_keras(layout: Layout, shapes: Mapping[str, tuple[int, ...]],
             f"converted {len(guessed)} kernel{'s' if len(guessed) > 1 else ''} of one input channel as a Conv's, which "
             f"a depthwise Conv's of as many groups as channels would be as well, and a file does not tell apart: "
             f"{named(guessed)}; for a depthwise layer say so: layout.to_keras(..., kinds={{{scope!r}: 'depthwise'}}) (ws convert --kind "
-            f"'{scope}=depthwise'; --kind '{scope}=conv' confirms a Conv), or export the module"), stacklevel=3)
+            f"'{scope}=depthwise', '{scope}=depthwise:M' for a depth multiplier M; --kind '{scope}=conv' confirms a Conv), "
+            f"or export the module"), stacklevel=3)
     return _unique(steps, refused), refused
 
 
@@ -491,11 +506,25 @@ def _may_be_depthwise(layout: Layout, leaf: str, shape: tuple[int, ...], kind: s
 
 
 def _channels(shape: tuple[int, ...], merge: int, unit: int) -> int:
-    """The group count of a depthwise kernel a file holds (``--kind SCOPE=depthwise``) whose
-    module is not at hand: one group per channel, as a multiplier of 1 (Keras's default) has.
-    A kernel of another multiplier comes out with another shape than its Keras layer's, which
-    an assign refuses."""
+    """The channels of a depthwise kernel a file holds (``--kind SCOPE=depthwise``) whose module
+    is not at hand: its input channels times its multiplier, which the file does not tell apart.
+    As many groups as channels is a multiplier of 1 (Keras's default); ``depthwise:M`` divides
+    them by ``M``. A kernel converted with another multiplier than its layer's comes out with
+    another shape than the layer's, which an assign refuses naming the multiplier."""
     return [size for axis, size in enumerate(shape) if axis != unit][merge]
+
+
+def _counted(kind: str) -> tuple[str, int]:
+    """A kind as ``kinds=`` gives it, and the count it names that a file does not record: a
+    depthwise layer's multiplier (``depthwise:2``; 1 unsaid), an attention layer's heads
+    (``attention:8``, always said); any other kind has 1."""
+    base, colon, count = kind.partition(":")
+    counts = {DEPTHWISE: colon == "" or count.isdigit() and int(count) >= 1,
+              ATTENTION: count.isdigit() and int(count) >= 1}
+    if not (counts.get(base, False) if base in counts else base in KINDS and not colon):
+        raise LayoutError(f"unknown layer kind {kind!r}; use one of {', '.join(KINDS)} (depthwise:M for a depthwise "
+                          "layer of depth multiplier M, attention:HEADS for a multi-head attention layer)")
+    return base, int(count) if colon else 1
 
 
 def _unique(steps: dict[str, list[AnyStep]], refused: dict[str, str]) -> dict[str, AnyStep]:
@@ -591,8 +620,7 @@ def kinds_by_pattern(shapes: Mapping[str, tuple[int, ...]], patterns: Mapping[st
     if not patterns:
         return {}
     for kind in patterns.values():
-        if kind not in KINDS:
-            raise LayoutError(f"unknown layer kind {kind!r}; use one of {', '.join(KINDS)}")
+        _counted(kind)
     kinds = {}
     for key in shapes:
         scope = key.rpartition("/")[0]
@@ -745,7 +773,10 @@ def convert(weights: Mapping[str, np.ndarray], direction: str, *,
 
     ``kinds`` (a layer scope or glob -> ``dense``, ``conv``, ``depthwise``, ``norm`` or
     ``embedding``) decides what a file's names and shapes leave open (a Keras 3 depthwise
-    kernel, a bias-free PyTorch Linear or Embedding), which is otherwise refused.
+    kernel, a bias-free PyTorch Linear or Embedding), which is otherwise refused. A depthwise
+    layer of depth multiplier ``M`` is ``depthwise:M`` on the way to Keras: a PyTorch or Flax
+    file holds its kernel as ``channels * M`` filters of one input channel each; a PyTorch
+    ``MultiheadAttention`` of ``H`` heads is ``attention:H``.
 
     Raises:
         LayoutError: naming every tensor no rule converts.
@@ -755,8 +786,8 @@ def convert(weights: Mapping[str, np.ndarray], direction: str, *,
     name, from_keras_names = DIRECTIONS[direction]
     shapes = {key: np.shape(value) for key, value in weights.items()}
     given = kinds_by_pattern(shapes, kinds)
-    if from_keras_names:
-        steps, refused = from_keras(LAYOUTS[name], shapes, kinds=given)
+    if from_keras_names:  # a Keras kernel holds its multiplier as an axis of its own
+        steps, refused = from_keras(LAYOUTS[name], shapes, kinds={key: _counted(kind)[0] for key, kind in given.items()})
     else:
         steps, refused = to_keras(LAYOUTS[name], shapes, kinds=given)
     if refused:
@@ -765,10 +796,15 @@ def convert(weights: Mapping[str, np.ndarray], direction: str, *,
 
 
 def refusal_message(where: str | None, refused: Mapping[str, str], listed: int = 20) -> str:
+    """Every refused tensor and why, one line per reason: a layer refused whole (a PyTorch
+    ``MultiheadAttention`` from a file) names its tensors once, with its reason once."""
     plural = "s" if len(refused) != 1 else ""
     head = f"{len(refused)} tensor{plural} the layout cannot convert exactly:"
     lines = [f"{where}: {head}" if where else head]
-    lines += [f"  {key}: {why}" for key, why in list(refused.items())[:listed]]
+    by_reason: dict[str, list[str]] = {}
+    for key, why in list(refused.items())[:listed]:
+        by_reason.setdefault(why, []).append(key)
+    lines += [f"  {', '.join(keys)}: {why}" for why, keys in by_reason.items()]
     if len(refused) > listed:
         lines.append(f"  … and {len(refused) - listed} more")
     if any(_KERAS_FILE_NAME.search(key) for key in refused):

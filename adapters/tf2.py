@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import re
 import sys
 from collections.abc import Iterator, Mapping
@@ -85,6 +84,7 @@ from weightstore.adapters._artifacts import (
     is_legacy_keras_h5,
     is_lora_file,
     is_model_file,
+    keras_file_keys,
     keras_file_names,
     legacy_keras_h5_error,
     lora_factors,
@@ -120,7 +120,6 @@ from weightstore.core.keys import (
     validate_key,
 )
 from weightstore.errors import AssignmentError, InvalidKeyError, SelectionError, WeightStoreError
-from weightstore.formats import keras_file
 from weightstore.formats._keras_naming import Ranking, as_own_root, automatic, deduplicated, pairs, snake_case
 from weightstore.formats.tf_checkpoint import best_paths
 from weightstore.sharded._shards import Piece
@@ -132,6 +131,7 @@ _SHARDED = tf.__internal__.distribute.ShardedVariable
 _VARIABLE_TYPES = (tf.Variable, keras.Variable, _SHARDED)
 _TRACKABLE = tf.__internal__.tracking.AutoTrackable
 _KERAS_LAYOUT = re.compile(r"(?:.+/)?vars/[^/]+")  # Keras's file names: layers/dense/vars/0, optimizer/vars/3
+_MEMBER_OF_KERAS_NAME = re.compile(r"(.+?)/(?:layers|optimizer|vars)/")  # model_001 of model_001/layers/dense/vars/0
 _PART_SUFFIX = re.compile(r"/part_\d+$")
 _GROUPED_BELOW = 1 << 16  # values under this many bytes are written in groups (see _write_batch)
 _GROUP = 64  # most values per group: as fast per variable as larger groups, and a cheap kernel to build
@@ -295,14 +295,16 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
                                optimizer=optimizer) as paired:
                     report = run_assign(target, paired, options, skip_for=weights)
             except AssignmentError as error:
-                members = [] if at else _ensemble_archive_members(weights, targets)
+                members, own_names = ([], False) if at else _ensemble_file_members(obj, weights, found, targets)
                 if len(members) < 2:
                     raise
                 raise AssignmentError(
                     f"holds an ensemble, the model's variables under each of {', '.join(map(repr, members[:3]))}"
-                    f"{' and more' if len(members) > 3 else ''}: assign one member, ws.load(path, scope={members[0]!r}) "
-                    "(`ws export --scope` writes its file)", missing=error.missing, unexpected=error.unexpected,
-                    mismatched=error.mismatched, path=error.path) from error
+                    f"{' and more' if len(members) > 3 else ''}"
+                    f"{' (Keras names the members by their class, in layer order)' if own_names else ''}: assign one "
+                    f"member, ws.load(path, scope={members[0]!r}) (`ws export --scope` writes its file)",
+                    missing=error.missing, unexpected=error.unexpected, mismatched=error.mismatched,
+                    path=error.path) from error
         if keras_keyed:
             _zero_lora_factors(lora, found, written, report, options)
         return report
@@ -338,18 +340,24 @@ def forget(obj: Any) -> None:
         MEMORY.forget(var)
 
 
-def _ensemble_archive_members(weights: Any, targets: Mapping[str, TargetInfo]) -> list[str]:
-    """The scopes of a ``.keras`` archive's model that each hold a copy of the model's variables,
-    read by its config's keys (its save walk pairs none of them with a lone member); [] for any
-    other file."""
-    if not isinstance(weights, (str, os.PathLike)) or not keras_file.is_keras_archive(os.fspath(weights)):
-        return []
+def _ensemble_file_members(obj: Any, weights: Any, found: Mapping[str, tuple[Any, bool]],
+                           targets: Mapping[str, TargetInfo]) -> tuple[list[str], bool]:
+    """The scopes of a Keras file that each hold a copy of the model's variables (its save walk
+    pairs none of them with a lone member), and whether they are Keras's own names: a ``.keras``
+    archive is read by its config's keys (``model_002/dense/kernel``), a ``.weights.h5`` by
+    Keras's (``layers/sequential_1/layers/dense/vars/0``); ([], False) for any other file."""
+    if not is_keras_file(weights):
+        return [], False
     try:
         with weightstore.open(weights) as store:
-            keys = store.keys()
+            keys = set(store.keys())
     except (OSError, WeightStoreError):
-        return []
-    return member_scopes(set(keys) - set(targets), set(targets))
+        return [], False
+    members = member_scopes(keys - set(targets), set(targets))
+    if len(members) > 1 or not isinstance(obj, keras.layers.Layer):
+        return members, False
+    own = keras_file_keys(obj, (var for var, _ in found.values()))
+    return member_scopes(keys - own, own), True
 
 
 def _structured(obj: Any, weights: Any) -> bool:
@@ -494,7 +502,39 @@ def _keras_layout_renamed(values: Any, obj: Any, found: Mapping[str, tuple[Varia
     names = keras_file_names(part, keys, by_variable, optimizer=optimizer)  # model key -> file key
     renames = {file_key: model_key for model_key, file_key in names.items() if model_key != file_key}
     state = {key for key in keys if OPTIMIZER_KEY.fullmatch(key)}  # kept, for the plan to list as left out
+    if not renames:
+        names, state = _members_keras_named(part, keys, by_variable, optimizer)
+        renames = {file_key: model_key for model_key, file_key in names.items() if model_key != file_key}
     return RenamedValues(values, renames, keep=set(names.values()) | state)
+
+
+def _members_keras_named(part: Any, keys: list[str], by_variable: Mapping[int, str],
+                         optimizer: bool) -> tuple[dict[str, str], set[str]]:
+    """Model key -> value key for values keyed as Keras files key their tensors, each member's under
+    its scope (``model_001/layers/dense/vars/0``: what ``ws import m.weights.h5 --into ens.npz
+    --scope model_001`` writes), paired by Keras's save walk over the member at that scope, as the
+    member's own file would be; and the members' optimizer state, kept for the plan to list as
+    left out. A scope that names no layer of ``part`` keeps its keys as they are."""
+    by_scope: dict[str, list[str]] = {}
+    for key in keys:
+        found = _MEMBER_OF_KERAS_NAME.match(key)
+        by_scope.setdefault(found.group(1) if found else "", []).append(key)
+    names: dict[str, str] = {}
+    state: set[str] = set()
+    model_keys = set(by_variable.values())
+    for scope, under in by_scope.items():
+        try:
+            member = _part_at(part, scope) if scope else None
+        except SelectionError:
+            member = None
+        if member is None:
+            names.update({key: key for key in under})
+            continue
+        own = [strip_scope(key, scope) for key in under]
+        for model_key, file_key in keras_file_names(member, own, by_variable, optimizer=optimizer).items():
+            names[model_key if model_key in model_keys else join_scope(scope, model_key)] = join_scope(scope, file_key)
+        state.update(join_scope(scope, key) for key in own if OPTIMIZER_KEY.fullmatch(key))
+    return names, state
 
 
 def _old_keys_renamed(values: Any, aliases: Mapping[str, str], targets: Mapping[str, TargetInfo],

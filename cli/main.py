@@ -411,7 +411,8 @@ def convert(
     kind: Annotated[list[str] | None, typer.Option(
         "--kind", metavar="SCOPE=KIND", callback=_check_rules,
         help="With --layout: the kind (dense, conv, depthwise, norm, embedding) of the layers under SCOPE (a scope "
-             "or glob), where the file's names and shapes do not tell (repeatable).")] = None,
+             "or glob), where the file's names and shapes do not tell (repeatable); into Keras, depthwise:M for a "
+             "depth multiplier M, attention:HEADS for a PyTorch MultiheadAttention.")] = None,
     max_shard_size: Annotated[str | None, typer.Option(
         "--max-shard-size", metavar="SIZE", help="Write B as a Hugging Face sharded folder: safetensors shards of at "
                                                  "most SIZE bytes (5GB, 500MiB) and model.safetensors.index.json.",

@@ -412,3 +412,22 @@ def test_scope_naming_a_part_of_an_ensembles_file_says_ws_load_takes_it_out(tmp_
     flax_adapter.assign(member, ws.load(tmp_path / "pair.npz", scope="b"))
     for key, value in random_weights(seed=3).items():
         np.testing.assert_array_equal(flax_adapter.export(member)[key], value)
+
+
+def test_an_orbax_checkpoint_is_refused_naming_orbax_and_how_to_export_it(tmp_path):
+    """Flax's own saver is Orbax; its folder was refused as holding "no TF checkpoint (no
+    'checkpoint' state file, no .index file)", which says nothing to a Flax user. It names
+    Orbax and the restore-then-export that gives a file, which then assigns."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    _, state = nnx.split(model)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "orbax", state)
+    for reads in (ws.load, lambda path: flax_adapter.assign(model, path)):
+        with pytest.raises(ws.StoreNotFoundError, match=r"is an Orbax checkpoint .*flax\.export\(model\)") as caught:
+            reads(tmp_path / "orbax")
+        assert caught.value.path == str(tmp_path / "orbax")
+    with ocp.StandardCheckpointer() as checkpointer:
+        nnx.update(model, checkpointer.restore(tmp_path / "orbax", state))
+    ws.save(tmp_path / "m.npz", flax_adapter.export(model))
+    assert flax_adapter.assign(nnx.Linear(3, 2, rngs=nnx.Rngs(1)), tmp_path / "m.npz").ok

@@ -465,23 +465,30 @@ def test_a_member_read_out_of_a_trained_ensembles_file_pairs_with_a_lone_model_a
         np.testing.assert_array_equal(exported[key], value + 1)
 
 
-@pytest.mark.parametrize("name, said", [
+@pytest.mark.parametrize("name, said, second", [
     ("ensemble.npz", "the values are under 'member_0' and 'member_1' (an ensemble, each holding the variables' keys) "
-                     "and the variables are not: assign one of them, ws.load(path, scope='member_0')"),
+                     "and the variables are not: assign one of them, ws.load(path, scope='member_0')", "member_1"),
     ("ensemble.keras", "holds an ensemble, the model's variables under each of 'member_0', 'member_1': assign one "
-                       "member, ws.load(path, scope='member_0')"),
+                       "member, ws.load(path, scope='member_0')", "member_1"),
+    ("ensemble.weights.h5", "holds an ensemble, the model's variables under each of 'layers/functional', "
+                            "'layers/functional_1' (Keras names the members by their class, in layer order): assign "
+                            "one member, ws.load(path, scope='layers/functional')", "layers/functional_1"),
 ])
-def test_the_ensembles_own_file_given_to_a_lone_member_names_the_members_and_how_to_take_one_out(tmp_path, name, said):
+def test_the_ensembles_own_file_given_to_a_lone_member_names_the_members_and_how_to_take_one_out(
+        tmp_path, name, said, second):
     """``tf2.assign(lone, ensemble.npz)``, the scope forgotten: the ensemble numbers its members'
     automatic names on (``member_1/sequential_1/dense_3/kernel``), so no key of a member pairs a
     variable, and the message said the two "look like different architectures" (a ``.keras``'s
-    save walk pairs none either). It names the members' scopes and the load that takes one out,
+    save walk pairs none either, nor a ``.weights.h5``'s, whose members Keras names by class,
+    ``layers/functional_1/...``). It names the members' scopes and the load that takes one out,
     and that load assigns."""
     ensemble, members = ensemble_of_two()
     for var in ensemble.weights:
         var.assign(RNG.normal(size=var.shape).astype("float32"))
     if name.endswith(".keras"):
         ensemble.save(tmp_path / name)
+    elif name.endswith(".weights.h5"):
+        ensemble.save_weights(tmp_path / name)
     else:
         ws.save(tmp_path / name, tf2.export(ensemble))
     lone = holding_a_model()
@@ -489,7 +496,7 @@ def test_the_ensembles_own_file_given_to_a_lone_member_names_the_members_and_how
         tf2.assign(lone, tmp_path / name)
     assert said in str(caught.value) and caught.value.path == str(tmp_path / name)
     assert sorted(caught.value.missing) == sorted(tf2.keys(lone))  # the plan's keys, for callers
-    tf2.assign(lone, ws.load(tmp_path / name, scope="member_1"))
+    tf2.assign(lone, ws.load(tmp_path / name, scope=second))
     for key, value in tf2.export(members[1]).items():
         np.testing.assert_array_equal(tf2.export(lone)[key], value)
 
@@ -521,6 +528,28 @@ def test_a_lone_members_file_imports_into_the_ensembles_keras_file_by_scope(tmp_
     assert "optimizer state, which has no place there: leave it out with --exclude 'optimizer/*'" in done.stderr
     done = subprocess.run([*args, "--exclude", "optimizer/*"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_members_weights_h5_files_imported_by_scope_assign_into_the_ensemble(tmp_path):
+    """``ws import member_i.weights.h5 --into ensemble.npz --scope member_i`` keeps Keras's own
+    names under each scope (``member_1/layers/dense/vars/0``: a ``.weights.h5`` carries no model
+    keys); the ensemble's assign of that file paired none of them ("different architectures"),
+    though ``tf2.assign(ensemble, member_i.weights.h5, scope=...)`` pairs each. It pairs them by
+    each member's save walk now, and the ensemble predicts as its members' sources, bit for bit."""
+    sources = [holding_a_model() for _ in range(2)]
+    for i, source in enumerate(sources):
+        for var in source.weights:
+            var.assign(RNG.normal(size=var.shape).astype("float32"))
+        source.save_weights(tmp_path / f"m{i}.weights.h5")
+        done = subprocess.run([sys.executable, "-m", "weightstore", "import", str(tmp_path / f"m{i}.weights.h5"),
+                               "--into", str(tmp_path / "ensemble.npz"), "--scope", f"member_{i}"],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+    assert "member_1/layers/sequential/layers/dense/vars/0" in ws.load(tmp_path / "ensemble.npz")
+    ensemble, members = ensemble_of_two()
+    assert tf2.assign(ensemble, tmp_path / "ensemble.npz").ok
+    for member, source in zip(members, sources, strict=True):
+        np.testing.assert_array_equal(member.predict(X, verbose=0), source.predict(X, verbose=0))
 
 
 def test_an_import_into_a_keras_archive_under_a_misspelt_scope_names_the_scope(tmp_path):

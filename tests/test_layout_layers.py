@@ -126,14 +126,64 @@ def test_a_gru_with_reset_before_is_refused_naming_the_fix():
     assert "gru_cell/bias" in str(caught.value)
 
 
-def test_attention_from_a_file_needs_the_module_for_its_head_count(tmp_path):
-    exported = torch_adapter.export(Attention(6, 2), layout="keras")
+def test_attention_from_a_file_needs_its_head_count_from_the_module_or_kind(tmp_path):
+    """A file's ``in_proj_weight`` does not say its head count: the layer's four tensors are refused
+    together, the reason said once (it was repeated for each tensor, four times in one line), and
+    ``--kind attention=attention:2`` says it, converting as the module's own export does."""
+    module = Attention(6, 2)
+    exported = torch_adapter.export(module, layout="keras")
     assert exported["attention/query/kernel"].shape == (6, 2, 3)
-    ws.save(tmp_path / "t.npz", torch_adapter.export(Attention(6, 2)))
+    ws.save(tmp_path / "t.npz", torch_adapter.export(module))
     result = CliRunner().invoke(app, ["convert", str(tmp_path / "t.npz"), str(tmp_path / "k.npz"),
                                       "--layout", "torch-to-keras"])
     assert result.exit_code == 1 and "head count" in result.output and "in_proj_weight" in result.output
-    assert not (tmp_path / "k.npz").exists()
+    said = " ".join(result.output.split())
+    assert said.count("head count") == 1 and "attention/out_proj/weight" in said, said
+    assert "--kind SCOPE=attention:HEADS" in said and not (tmp_path / "k.npz").exists()
+    convert = ["convert", str(tmp_path / "t.npz"), str(tmp_path / "k.npz"), "--layout", "torch-to-keras", "--kind"]
+    result = CliRunner().invoke(app, [*convert, "attention=attention:4"])
+    assert result.exit_code == 1 and "is not q, k and v of 4 heads" in result.output
+    result = CliRunner().invoke(app, [*convert, "attention=attention"])
+    assert result.exit_code == 1 and "attention:HEADS for a multi-head attention layer" in result.output
+    result = CliRunner().invoke(app, [*convert, "attention=attention:2"])
+    assert result.exit_code == 0, result.output
+    converted = ws.load(tmp_path / "k.npz")
+    assert sorted(converted) == sorted(exported)
+    for key, value in exported.items():
+        np.testing.assert_array_equal(converted[key], value)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_attention_with_keys_and_values_of_other_widths_converts_both_ways(tmp_path, bias):
+    """``nn.MultiheadAttention(8, 2, kdim=4, vdim=6)`` keeps ``q_proj_weight``, ``k_proj_weight``
+    and ``v_proj_weight`` apart (no ``in_proj_weight``); they were refused as tensors "no rule"
+    covers. They convert to Keras's ``MultiHeadAttention(2, 4)`` fed keys of 4 and values of 6
+    (the same outputs), back into the module bit for bit, and from a file with ``--kind``."""
+    torch.manual_seed(0)
+    module = nn.ModuleDict({"att": nn.MultiheadAttention(8, 2, kdim=4, vdim=6, batch_first=True, bias=bias)}).eval()
+    rng = np.random.default_rng(0)
+    query, key, value = (rng.normal(size=shape).astype("float32") for shape in ((2, 5, 8), (2, 7, 4), (2, 7, 6)))
+    with torch.no_grad():
+        expected = module["att"](*map(torch.from_numpy, (query, key, value)), need_weights=False)[0].numpy()
+    exported = torch_adapter.export(module, layout="keras")
+    assert exported["att/key/kernel"].shape == (4, 2, 4) and exported["att/value/kernel"].shape == (6, 2, 4)
+    inputs = [keras.Input((5, 8)), keras.Input((7, 4)), keras.Input((7, 6))]
+    model = keras.Model(inputs, keras.layers.MultiHeadAttention(2, 4, use_bias=bias, name="att")(
+        inputs[0], inputs[2], key=inputs[1]))
+    assert tf2.assign(model, exported).ok
+    np.testing.assert_allclose(np.asarray(model([query, key, value])), expected, atol=TOLERANCE)
+    again = nn.ModuleDict({"att": nn.MultiheadAttention(8, 2, kdim=4, vdim=6, batch_first=True, bias=bias)})
+    assert torch_adapter.assign(again, tf2.export(model), layout="keras").ok
+    for name, tensor in module.state_dict().items():
+        assert torch.equal(again.state_dict()[name], tensor), name
+    ws.save(tmp_path / "t.npz", torch_adapter.export(module))
+    result = run("convert", tmp_path / "t.npz", tmp_path / "k.npz", "--layout", "torch-to-keras", "--kind",
+                 "att=attention:2")
+    assert result.exit_code == 0, result.output
+    converted = ws.load(tmp_path / "k.npz")
+    assert sorted(converted) == sorted(exported)
+    for name, array in exported.items():
+        np.testing.assert_array_equal(converted[name], array)
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -214,6 +264,41 @@ def test_a_pytorch_depthwise_weight_in_a_file_converts_to_keras_as_its_kind_says
     assert tf2.assign(model, out).ok
     inputs = np.random.default_rng(0).normal(size=(1, 6, 6, 4)).astype("float32")
     np.testing.assert_allclose(np.asarray(model(inputs)), channels_last(conv, inputs), atol=TOLERANCE)
+
+
+def test_a_depthwise_kernel_of_multiplier_2_crosses_files_as_depthwise_2_says_and_is_named_when_it_did_not(tmp_path):
+    """A PyTorch depthwise ``Conv2d(3, 6, groups=3)`` holds ``[6, 1, 3, 3]``: 3 channels of
+    multiplier 2, or 6 of multiplier 1, as no file tells; ``--kind dw=depthwise`` reads 6 of 1,
+    ``[3, 3, 6, 1]``, which Keras's ``DepthwiseConv2D(depth_multiplier=2)`` ``[3, 3, 3, 2]``
+    refused saying only "shapes differ". It names the multiplier now, ``--kind dw=depthwise:2``
+    converts it, and the Keras layer predicts as the PyTorch one; the other way, a bias-free
+    Keras kernel read as a Conv's names ``--kind`` where PyTorch's depthwise weight refuses it."""
+    conv = nn.Conv2d(3, 6, 3, groups=3, bias=False)
+    with torch.no_grad():
+        conv.weight.normal_()
+    ws.save(tmp_path / "t.npz", {f"dw/{key}": value for key, value in torch_adapter.export(conv).items()})
+    model = keras.Sequential([keras.Input((6, 6, 3)), keras.layers.DepthwiseConv2D(3, depth_multiplier=2,
+                                                                                   use_bias=False, name="dw")])
+    out = tmp_path / "k.npz"
+    result = run("convert", tmp_path / "t.npz", out, "--layout", "torch-to-keras")  # read as a Conv's: cautioned
+    assert result.exit_code == 0 and "'dw=depthwise:M' for a depth multiplier M" in " ".join(result.output.split())
+    assert run("convert", tmp_path / "t.npz", out, "--layout", "torch-to-keras", "--kind", "dw=depthwise").exit_code == 0
+    with pytest.raises(AssignmentError, match=r"shapes differ; the value is a depthwise kernel of multiplier 2 "
+                                              r"converted as one of multiplier 1.*--kind SCOPE=depthwise:2"):
+        tf2.assign(model, out)
+    result = run("convert", tmp_path / "t.npz", out, "--layout", "torch-to-keras", "--kind", "dw=depthwise:2")
+    assert result.exit_code == 0, result.output
+    assert tf2.assign(model, out).ok
+    inputs = np.random.default_rng(0).normal(size=(1, 6, 6, 3)).astype("float32")
+    np.testing.assert_allclose(np.asarray(model(inputs)), channels_last(conv, inputs), atol=TOLERANCE)
+    result = run("convert", tmp_path / "t.npz", out, "--layout", "torch-to-keras", "--kind", "dw=depthwise:4")
+    assert result.exit_code == 1 and "of 6 channels cannot have a multiplier of 4" in " ".join(result.output.split())
+    assert run("convert", tmp_path / "t.npz", out, "--layout", "torch-to-keras", "--kind", "dw=conv:2").exit_code == 1
+    ws.save(tmp_path / "k.npz", tf2.export(model))  # back: [3, 3, 3, 2] passes for a Conv's kernel
+    assert run("convert", tmp_path / "k.npz", tmp_path / "t.npz", "--layout", "keras-to-torch").exit_code == 0
+    with pytest.raises(AssignmentError, match=r"shapes differ; the value is a Keras depthwise kernel converted as a "
+                                              r"Conv's: convert the file again with --kind SCOPE=depthwise"):
+        torch_adapter.assign(nn.ModuleDict({"dw": conv}), tmp_path / "t.npz")
 
 
 def test_a_pytorch_weight_of_one_input_channel_in_a_file_converts_as_a_conv_s_with_a_caution(tmp_path):

@@ -191,11 +191,19 @@ def _prefix_in_folder(folder: str) -> str:
                                  path=folder)
     if not candidates and not versions:
         _refuse_published_folder(folder)
+    if not candidates and any(os.path.exists(os.path.join(folder, name)) for name in _ORBAX_MARKS):
+        raise StoreNotFoundError("is an Orbax checkpoint (Flax's and JAX's saver), which weightstore does not read: "
+                                 "restore it with Orbax into the model (nnx.update(model, restored)), then write "
+                                 "ws.save('m.npz', flax.export(model))", path=folder)
     if not candidates:
         raise StoreNotFoundError(f"is a folder, not a weight file, and holds no TF checkpoint (no '{STATE_FILE}' "
                                  "state file, no .index file)", path=folder)
     raise StoreNotFoundError(f"holds {len(candidates)} checkpoints and no '{STATE_FILE}' state file saying which to "
                              f"read; name one of: {', '.join(candidates)}", path=folder)
+
+
+#: what an Orbax checkpoint's folder holds (``StandardCheckpointer().save``, a ``CheckpointManager``'s step)
+_ORBAX_MARKS = ("_CHECKPOINT_METADATA", "manifest.ocdbt", "_METADATA")
 
 
 def _refuse_published_folder(folder: str) -> None:
