@@ -436,6 +436,27 @@ def test_a_writer_whose_isal_has_no_crc64_hashes_its_bands_with_blake3_as_before
     assert found[0].startswith("blake3:") and found[0] == found[1] != found[2]
 
 
+def test_replicas_hashed_with_and_without_crc64_are_refused_as_of_two_kinds_not_as_diverged(tmp_path, monkeypatch):
+    """Replicas of a part with equal bytes, one from a rank whose ISA-L has no CRC-64 (BLAKE3
+    band digests), cannot be told alike by their digests: the commit refuses them saying so and
+    what to make alike, never that their values diverged; replicas written alike that way
+    commit as ever."""
+    from weightstore.core import checksums
+
+    a = np.random.default_rng(3).standard_normal((64, 64)).astype(np.float32)
+    crc64 = checksums.crc64
+    for rank in range(2):
+        monkeypatch.setattr(checksums, "crc64", crc64 if rank == 0 else (lambda view: None))
+        ws.publish_shard(tmp_path / "mixed", {"w": a}, step=1, rank=rank, world=2, attempt=0)
+    with pytest.raises(ws.PublishError, match=r"ranks 0 and 1 wrote the part at \[0, 0\], one with change digests "
+                       r"and one with BLAKE3 ones.*isal.*digests=False") as caught:
+        shards.commit_shards(tmp_path / "mixed", step=1, world=2, attempt=0, timeout=5)
+    assert caught.value.key == "w" and "diverged" not in str(caught.value)
+    for rank in range(2):  # both without CRC-64: alike
+        ws.publish_shard(tmp_path / "alike", {"w": a}, step=1, rank=rank, world=2, attempt=0)
+    assert np.array_equal(ws.load(shards.commit_shards(tmp_path / "alike", step=1, world=2, attempt=0, timeout=5))["w"], a)
+
+
 def test_change_digests_never_equal_the_blake3_digests_of_an_older_writer_and_diff_reads_them(tmp_path):
     """A table written before change digests (``tests/data/sharded_v3``, by the weightstore
     before them) holds BLAKE3 of each band's bytes and reads as ever; its regions' digests
