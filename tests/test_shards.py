@@ -498,6 +498,33 @@ def test_change_digests_never_equal_the_blake3_digests_of_an_older_writer_and_di
     assert found["equal"] and found["unchanged"] == 1 and found["unchanged_by_digest"] == 0
 
 
+def test_change_digests_are_bound_to_where_the_folder_is_not_the_name_that_reached_it(tmp_path, monkeypatch):
+    """Change digests are trusted between versions of one folder only (another author could
+    choose 12 bytes to keep a band's CRCs): two folders reached by one relative name from two
+    working folders never share a region digest, as a follower with ``skip_unchanged`` would
+    keep one's bytes for the other's; one folder reached by its relative name, its absolute
+    name and a link to it has one."""
+    from crc_forge import forge_crc32_crc64_collision
+
+    a = np.random.default_rng(4).standard_normal(256).astype(np.float32)  # one block, one band
+    forged = forge_crc32_crc64_collision(a, 5.0)  # other bytes, the same CRC-32 and CRC-64
+    for author, value in (("a", a), ("b", forged)):
+        ws.publish_shard(tmp_path / author / "run", {"w": value}, step=1, rank=0, world=1, attempt=0)
+        shards.commit_shards(tmp_path / author / "run", step=1, world=1, attempt=0, timeout=5, keep=None)
+    name = "run/step-000000000001.wsindex"
+    (tmp_path / "link").symlink_to(tmp_path / "b" / "run")
+    digests = {}
+    for author in ("a", "b"):
+        monkeypatch.chdir(tmp_path / author)
+        with ws.open(name) as store:
+            digests[author] = store.region_digest("w", ())
+            assert store["w"].tobytes() == (a if author == "a" else forged).tobytes()
+    assert digests["a"].startswith("change:") and digests["a"] != digests["b"]
+    for other in (tmp_path / "b" / name, tmp_path / "link" / "step-000000000001.wsindex"):
+        with ws.open(other) as store:
+            assert store.region_digest("w", ()) == digests["b"]
+
+
 @pytest.mark.parametrize("fmt", ["safetensors", "npz", "hdf5"])
 def test_a_member_read_alone_verifies_the_crcs_its_writer_joined_from_its_blocks(tmp_path, fmt):
     """Each stored tensor's CRC-32 in a member's own manifest is joined from its block CRC-32s,
