@@ -525,6 +525,33 @@ def test_change_digests_are_bound_to_where_the_folder_is_not_the_name_that_reach
             assert store.region_digest("w", ()) == digests["b"]
 
 
+def test_ws_diff_reads_sharded_versions_whose_block_digests_agree_of_either_kind(tmp_path, monkeypatch):
+    """A block table's BLAKE3 band digests (a rank whose ISA-L has no CRC-64, a table written
+    before change digests) are its author's word too: no read or ``ws verify`` checks them
+    against the bytes. ``ws diff`` of two versions whose authors may differ reads every pair of
+    a sharded version, so an author who claims another's band digests for other bytes is told
+    apart (exit 1), where the digests made them equal unread."""
+    from weightstore.core import checksums
+
+    a = np.random.default_rng(5).standard_normal((64, 64)).astype(np.float32)
+    monkeypatch.setattr(checksums, "crc64", lambda view: None)  # BLAKE3 band digests: blake3: regions
+    band_digests = shards.band_digests
+    for author, value in (("a", a), ("b", a + 1)):
+        if author == "b":  # claims a's bands for its own bytes
+            monkeypatch.setattr(shards, "band_digests", lambda piece, rows: band_digests(a, rows))
+        ws.publish_shard(tmp_path / author, {"w": value}, step=1, rank=0, world=1, attempt=0)
+        shards.commit_shards(tmp_path / author, step=1, world=1, attempt=0, timeout=5, keep=None)
+    paths = [str(tmp_path / author / "step-000000000001.wsindex") for author in "ab"]
+    with ws.open(paths[0]) as left, ws.open(paths[1]) as right:
+        assert left.region_digest("w", ()).startswith("blake3:")
+        assert left.region_digest("w", ()) == right.region_digest("w", ()) and not np.array_equal(left["w"], right["w"])
+    found = subprocess.run([sys.executable, "-m", "weightstore", "diff", *paths, "--json"], capture_output=True,
+                           text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert found.returncode == 1, found.stderr
+    result = json.loads(found.stdout)
+    assert not result["equal"] and result["unchanged_by_digest"] == 0 and result["changed"][0]["key"] == "w"
+
+
 @pytest.mark.parametrize("fmt", ["safetensors", "npz", "hdf5"])
 def test_a_member_read_alone_verifies_the_crcs_its_writer_joined_from_its_blocks(tmp_path, fmt):
     """Each stored tensor's CRC-32 in a member's own manifest is joined from its block CRC-32s,
