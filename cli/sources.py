@@ -30,7 +30,7 @@ class Source(Store):
     """A :class:`Store` over any weight source, with what the CLI needs to know about it."""
 
     def __init__(self, store: Store):
-        super().__init__(store._reader, store.path, verify=store.verify)
+        super().__init__(store._reader, store.path, verify=store.verify, format=store.format)
         reader = store._reader
         self.kind: str = reader.kind or _store_kind(store)
         #: entries that are not numeric tensors (string variables), left out of the keys

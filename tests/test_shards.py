@@ -436,6 +436,27 @@ def test_a_writer_whose_isal_has_no_crc64_hashes_its_bands_with_blake3_as_before
     assert found[0].startswith("blake3:") and found[0] == found[1] != found[2]
 
 
+def test_replicas_hashed_with_and_without_crc64_are_refused_as_of_two_kinds_not_as_diverged(tmp_path, monkeypatch):
+    """Replicas of a part with equal bytes, one from a rank whose ISA-L has no CRC-64 (BLAKE3
+    band digests), cannot be told alike by their digests: the commit refuses them saying so and
+    what to make alike, never that their values diverged; replicas written alike that way
+    commit as ever."""
+    from weightstore.core import checksums
+
+    a = np.random.default_rng(3).standard_normal((64, 64)).astype(np.float32)
+    crc64 = checksums.crc64
+    for rank in range(2):
+        monkeypatch.setattr(checksums, "crc64", crc64 if rank == 0 else (lambda view: None))
+        ws.publish_shard(tmp_path / "mixed", {"w": a}, step=1, rank=rank, world=2, attempt=0)
+    with pytest.raises(ws.PublishError, match=r"ranks 0 and 1 wrote the part at \[0, 0\], one with change digests "
+                       r"and one with BLAKE3 ones.*isal.*digests=False") as caught:
+        shards.commit_shards(tmp_path / "mixed", step=1, world=2, attempt=0, timeout=5)
+    assert caught.value.key == "w" and "diverged" not in str(caught.value)
+    for rank in range(2):  # both without CRC-64: alike
+        ws.publish_shard(tmp_path / "alike", {"w": a}, step=1, rank=rank, world=2, attempt=0)
+    assert np.array_equal(ws.load(shards.commit_shards(tmp_path / "alike", step=1, world=2, attempt=0, timeout=5))["w"], a)
+
+
 def test_change_digests_never_equal_the_blake3_digests_of_an_older_writer_and_diff_reads_them(tmp_path):
     """A table written before change digests (``tests/data/sharded_v3``, by the weightstore
     before them) holds BLAKE3 of each band's bytes and reads as ever; its regions' digests
@@ -475,6 +496,60 @@ def test_change_digests_never_equal_the_blake3_digests_of_an_older_writer_and_di
     assert diff.exit_code == 0, diff.output
     found = json.loads(diff.output)
     assert found["equal"] and found["unchanged"] == 1 and found["unchanged_by_digest"] == 0
+
+
+def test_change_digests_are_bound_to_where_the_folder_is_not_the_name_that_reached_it(tmp_path, monkeypatch):
+    """Change digests are trusted between versions of one folder only (another author could
+    choose 12 bytes to keep a band's CRCs): two folders reached by one relative name from two
+    working folders never share a region digest, as a follower with ``skip_unchanged`` would
+    keep one's bytes for the other's; one folder reached by its relative name, its absolute
+    name and a link to it has one."""
+    from crc_forge import forge_crc32_crc64_collision
+
+    a = np.random.default_rng(4).standard_normal(256).astype(np.float32)  # one block, one band
+    forged = forge_crc32_crc64_collision(a, 5.0)  # other bytes, the same CRC-32 and CRC-64
+    for author, value in (("a", a), ("b", forged)):
+        ws.publish_shard(tmp_path / author / "run", {"w": value}, step=1, rank=0, world=1, attempt=0)
+        shards.commit_shards(tmp_path / author / "run", step=1, world=1, attempt=0, timeout=5, keep=None)
+    name = "run/step-000000000001.wsindex"
+    (tmp_path / "link").symlink_to(tmp_path / "b" / "run")
+    digests = {}
+    for author in ("a", "b"):
+        monkeypatch.chdir(tmp_path / author)
+        with ws.open(name) as store:
+            digests[author] = store.region_digest("w", ())
+            assert store["w"].tobytes() == (a if author == "a" else forged).tobytes()
+    assert digests["a"].startswith("change:") and digests["a"] != digests["b"]
+    for other in (tmp_path / "b" / name, tmp_path / "link" / "step-000000000001.wsindex"):
+        with ws.open(other) as store:
+            assert store.region_digest("w", ()) == digests["b"]
+
+
+def test_ws_diff_reads_sharded_versions_whose_block_digests_agree_of_either_kind(tmp_path, monkeypatch):
+    """A block table's BLAKE3 band digests (a rank whose ISA-L has no CRC-64, a table written
+    before change digests) are its author's word too: no read or ``ws verify`` checks them
+    against the bytes. ``ws diff`` of two versions whose authors may differ reads every pair of
+    a sharded version, so an author who claims another's band digests for other bytes is told
+    apart (exit 1), where the digests made them equal unread."""
+    from weightstore.core import checksums
+
+    a = np.random.default_rng(5).standard_normal((64, 64)).astype(np.float32)
+    monkeypatch.setattr(checksums, "crc64", lambda view: None)  # BLAKE3 band digests: blake3: regions
+    band_digests = shards.band_digests
+    for author, value in (("a", a), ("b", a + 1)):
+        if author == "b":  # claims a's bands for its own bytes
+            monkeypatch.setattr(shards, "band_digests", lambda piece, rows: band_digests(a, rows))
+        ws.publish_shard(tmp_path / author, {"w": value}, step=1, rank=0, world=1, attempt=0)
+        shards.commit_shards(tmp_path / author, step=1, world=1, attempt=0, timeout=5, keep=None)
+    paths = [str(tmp_path / author / "step-000000000001.wsindex") for author in "ab"]
+    with ws.open(paths[0]) as left, ws.open(paths[1]) as right:
+        assert left.region_digest("w", ()).startswith("blake3:")
+        assert left.region_digest("w", ()) == right.region_digest("w", ()) and not np.array_equal(left["w"], right["w"])
+    found = subprocess.run([sys.executable, "-m", "weightstore", "diff", *paths, "--json"], capture_output=True,
+                           text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert found.returncode == 1, found.stderr
+    result = json.loads(found.stdout)
+    assert not result["equal"] and result["unchanged_by_digest"] == 0 and result["changed"][0]["key"] == "w"
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "npz", "hdf5"])

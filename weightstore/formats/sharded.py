@@ -136,6 +136,9 @@ class ShardedReader(ReaderDefaults):
         base = name.rsplit("/", 1)[0] if "/" in name else "."
         self._base, self._fs = base, fs
         self._remote = location_of(name).remote
+        # the folder change digests are bound to: where it is, whatever name reached it (a
+        # relative name means another folder from another working folder; a link, its target)
+        self._folder = base if self._remote else os.path.realpath(location_of(base).text)
         self._digests: dict[str, str | None] = {}  # key -> its whole tensor's region_digest
         self._tables: list[BlockTable | None] = [None] * len(index.members)  # fetched once each, as needed
         self._tables_lock = threading.Lock()
@@ -219,7 +222,8 @@ class ShardedReader(ReaderDefaults):
         members that hold the region, once each). ``change:`` where a block's digest is a change
         digest (:func:`~weightstore.formats._sharded_index.crc_band_digests`: equal bytes short of
         a change chosen to collide, which only the version's author could make), hashed with the
-        versions' folder, so it equals only the digests of versions of the same folder;
+        versions' folder (where it is: a relative name resolved, a link followed), so it equals
+        only the digests of versions of the same folder;
         ``blake3:`` where every one is BLAKE3 of bytes. None from an index written without block
         digests: such a region is always read again, never trusted to a CRC-32."""
         with naming(path=self.name):
@@ -239,7 +243,7 @@ class ShardedReader(ReaderDefaults):
             hasher.update(",".join(blocks).encode())
             kind = "change:" if piece.crc_digests else kind
         if kind == "change:":  # trusted between versions of one folder only: another folder's never matches
-            hasher.update(f"|folder {self._base}".encode())
+            hasher.update(f"|folder {self._folder}".encode())
         return kind + hasher.hexdigest()
 
     def member_path(self, position: int) -> str:

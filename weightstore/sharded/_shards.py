@@ -1000,7 +1000,8 @@ def _described(local: str, where: str, fmt: Format, listed: list[_Listed], diges
             head = strips[0]
             placed.append(Placed(head.key, head.dtype, head.piece_start, head.piece_shape, head.columns, head.rows,
                                  first, tuple(offsets)))
-            digest = _piece_digest(head, bands) if digested.digests else _piece_digest(head, crcs=crcs[first:])
+            digest = _piece_digest(head, bands, kind=digested.kind) if digested.digests else _piece_digest(
+                head, crcs=crcs[first:])
             done.setdefault(head.key, []).append((head.piece_start, head.piece_shape, digest))
             shapes.setdefault(head.key, (head.dtype, head.shape))
     joined = b"".join(digests)  # empty without digests: a table of none (docs/sharded.md)
@@ -1010,15 +1011,20 @@ def _described(local: str, where: str, fmt: Format, listed: list[_Listed], diges
     return table, {key: DoneTensor(shapes[key][0], shapes[key][1], tuple(found)) for key, found in done.items()}
 
 
-def _piece_digest(head: _Listed, bands: list[bytes] | None = None, crcs: list[int] | None = None) -> str:
+def _piece_digest(head: _Listed, bands: list[bytes] | None = None, crcs: list[int] | None = None,
+                  kind: str | None = None) -> str:
     """A piece's digest in the done-record, which tells replicas written alike (:func:`_once`):
-    the BLAKE3 of its bands' digests, which replicas share; of a member without digests, the
-    BLAKE3 of its blocks' CRC-32s (``crc32s:``), equal for equal bytes, and telling replicas
-    that diverged apart short of a collision of every block's CRC-32 (replicas are no adversary)."""
+    the BLAKE3 of its bands' digests, which replicas share, ``change:`` where those are change
+    digests (``kind``) and ``blake3:`` where they are BLAKE3 of the bands' bytes (a rank whose
+    ISA-L has no CRC-64), so that equal replicas hashed the two ways are told as of two kinds,
+    not as diverged; of a member without digests, the BLAKE3 of its blocks' CRC-32s
+    (``crc32s:``), equal for equal bytes, and telling replicas that diverged apart short of a
+    collision of every block's CRC-32 (replicas are no adversary)."""
     shape = f"{head.dtype}{list(head.piece_shape)}|".encode()
     if crcs is not None:
         return "crc32s:" + blake3.blake3(shape + np.array(crcs, "<u4").tobytes()).hexdigest()
-    return "blake3:" + blake3.blake3(shape + b"".join(bands or [])).hexdigest()
+    prefix = "change:" if kind == CRC_DIGESTS else "blake3:"
+    return prefix + blake3.blake3(shape + b"".join(bands or [])).hexdigest()
 
 
 def _check_placed(member: BinaryIO, where: str, offset: int, item: _Listed, crcs: list[int]) -> None:
@@ -1101,17 +1107,21 @@ def _once(key: str, part: _Part, boxes: dict[tuple[str, tuple[int, ...], tuple[i
     copy of it along the mesh's other axes: FSDP2 over a layer tensor parallelism leaves
     alone) each write it; the index keeps the first. The same part with other bytes is a
     replica that diverged, refused rather than either copy taken. Digests of two kinds (one
-    replica written with block digests, one without: :func:`_piece_digest`) cannot tell: refused,
-    naming ``digests=``.
+    replica written with block digests, one without; or one with change digests, one with
+    BLAKE3 ones: :func:`_piece_digest`) cannot tell: refused, naming what to make alike.
     """
     box = (key, part[1], part[2])
     first = boxes.setdefault(box, part)
     if first is part or not (first[3] and part[3]):
         return True  # no digest to tell: the overlap check refuses it
-    if first[3].split(":")[0] != part[3].split(":")[0]:
-        raise PublishError(f"ranks {first[0]} and {part[0]} wrote the part at {list(part[1])}, one with block "
-                           "digests and one without, so whether they hold the same values cannot be told: give "
-                           "every rank the same publish_shard(digests=...)", key=key)
+    kinds = {first[3].split(":")[0], part[3].split(":")[0]}
+    if len(kinds) > 1:
+        why = ("one with block digests and one without, so whether they hold the same values cannot be told: give "
+               "every rank the same publish_shard(digests=...)") if "crc32s" in kinds else (
+               "one with change digests and one with BLAKE3 ones (a rank whose isal package has no CRC-64, or an older "
+               "weightstore), so whether they hold the same values cannot be told: give every rank the same isal and "
+               "weightstore, or publish_shard(digests=False)")
+        raise PublishError(f"ranks {first[0]} and {part[0]} wrote the part at {list(part[1])}, {why}", key=key)
     if first[3] != part[3]:
         raise PublishError(f"ranks {first[0]} and {part[0]} wrote the part at {list(part[1])} with "
                            "different values: replicas of it diverged (a buffer DDP does not broadcast, a value "
