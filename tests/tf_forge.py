@@ -113,14 +113,18 @@ def shared_prefix_index(prefix: Path, count: int) -> str:
     return str(prefix)
 
 
+def string_tensor(values: Sequence[bytes]) -> tuple[bytes, int]:
+    """DT_STRING elements as a tensor bundle stores them (each one's varint length, the masked
+    CRC-32C of the lengths, the bytes), and the CRC-32C of all that the entry records."""
+    widths = b"".join(struct.pack("<I", len(value)) for value in values)
+    masked = struct.pack("<I", mask(crc32c.crc32c(widths)))
+    stored = b"".join(varint(len(value)) for value in values) + masked + b"".join(values)
+    return stored, crc32c.crc32c(b"".join(values), crc32c.crc32c(masked, crc32c.crc32c(widths)))
+
+
 def string_scalar(data: bytes) -> tuple[bytes, int]:
-    """One DT_STRING element as a tensor bundle stores it (varint length, masked CRC-32C of the
-    length, bytes), and the CRC-32C of all that the entry records."""
-    width = struct.pack("<I", len(data))
-    stored = varint(len(data)) + struct.pack("<I", mask(crc32c.crc32c(width))) + data
-    at = len(varint(len(data)))
-    crc = crc32c.crc32c(stored[at + 4 :], crc32c.crc32c(stored[at : at + 4], crc32c.crc32c(width)))
-    return stored, crc
+    """One DT_STRING element as a tensor bundle stores it, and the CRC-32C its entry records."""
+    return string_tensor([data])
 
 
 def with_object_graph(prefix: Path, graph: bytes, tensors: dict[str, np.ndarray] | None = None) -> str:

@@ -22,9 +22,11 @@ lone files).
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +92,93 @@ def _save_checkpoint(path: Path) -> None:
 
     tf_forge.write(path.with_suffix(""), {"dense/kernel": np.arange(48, dtype=np.float32).reshape(6, 8),
                                           "dense/bias": np.linspace(-1, 1, 8), "empty": np.zeros((0, 3))})
+
+
+def rich_checkpoint(tree: Path, data: bytes | None = None) -> Path:
+    """A TF2 checkpoint in ``tree`` with an entry of each kind its data file holds: bf16, int8,
+    int64 and empty tensors, a variable partitioned into two slices, a string tensor, and the
+    object graph that keys them last (so that a mutant may resize it); its ``.index``.
+
+    Given ``data`` (a mutant data file), the index is written anew around it, as a hostile
+    writer would: every CRC-32C, and the object graph's size, from what the mutant holds, so
+    that mutants reach the graph's parse and the arrays rather than end at a checksum.
+    """
+    import ml_dtypes
+
+    import tf_forge
+    from weightstore.formats._sstable import crc32c
+    from weightstore.formats.tf_checkpoint import OBJECT_GRAPH_KEY, VARIABLE_SUFFIX, slice_key
+
+    variables = ["save_counter", "model/bias", "model/codes", "model/empty", "model/kernel", "model/vocab"]
+    graph = _object_graph([(0, 1, "model"), *((1 if "/" in name else 0, node, name.split("/")[-1])
+                                              for node, name in enumerate(variables, 2))], dict(enumerate(variables, 2)))
+    entry = {name: (name + VARIABLE_SUFFIX).encode() for name in variables}
+    kernel = np.arange(48, dtype=np.float32).reshape(6, 8)
+    halves = [[(0, 3), (0, -1)], [(3, 3), (0, -1)]]
+    regions = [  # index key, DataType number, shape, the bytes the seed stores
+        (entry["model/bias"], 14, (8,), np.linspace(-1, 1, 8).astype(ml_dtypes.bfloat16).tobytes()),
+        (entry["model/codes"], 6, (10,), np.arange(-5, 5, dtype=np.int8).tobytes()),
+        (entry["model/empty"], 1, (0, 3), b""),
+        *((slice_key(entry["model/kernel"], half), 1, (3, 8), kernel[half[0][0] :][:3].tobytes()) for half in halves),
+        (entry["model/vocab"], tf_forge.DT_STRING, (3,), tf_forge.string_tensor([b"a", b"bc", b""])[0]),
+        (entry["save_counter"], 9, (), np.int64(3).tobytes()),
+        (OBJECT_GRAPH_KEY.encode(), tf_forge.DT_STRING, (), tf_forge.string_scalar(graph)[0]),
+    ]
+    if data is None:
+        data = b"".join(seed for *_, seed in regions)
+        (tree / "ckpt.data-00000-of-00001").write_bytes(data)
+    items = [(b"", tf_forge.header()), (entry["model/kernel"], tf_forge.entry(shape=kernel.shape, slices=halves))]
+    offset = 0
+    for key, dtype, shape, seed in regions:
+        size = _string_size(data, offset) if key == OBJECT_GRAPH_KEY.encode() else len(seed)
+        stored = data[offset : offset + size]
+        crc = _string_crc(stored, math.prod(shape)) if dtype == tf_forge.DT_STRING else crc32c(stored)
+        items.append((key, tf_forge.entry(dtype=dtype, shape=shape, offset=offset, size=size, crc=crc)))
+        offset += size
+    (tree / "ckpt.index").write_bytes(tf_forge.table(sorted(items)))
+    return tree / "ckpt.index"
+
+
+def _string_size(data: bytes, offset: int) -> int:
+    """The bytes of the one DT_STRING element at ``offset`` (varint length, its CRC, the bytes)
+    by its length field; to the end of ``data`` where that is damaged or reaches past it."""
+    from weightstore.formats._sstable import read_varint
+
+    try:
+        length, at = read_varint(data, offset, len(data), 64, path="mutant", what="a string length")
+    except ws.WeightStoreError:
+        return len(data) - offset
+    return min(at - offset + 4 + length, len(data) - offset)
+
+
+def _string_crc(stored: bytes, count: int) -> int:
+    """The CRC-32C a bundle entry records for ``count`` DT_STRING elements (0 where their
+    lengths do not parse): of each length as 4 bytes (8 past 4 GB), the lengths' CRC, the bytes."""
+    from weightstore.formats._sstable import crc32c, read_varint
+
+    crc, at = 0, 0
+    for _ in range(count):
+        try:
+            length, at = read_varint(stored, at, len(stored), 64, path="mutant", what="a string length")
+        except ws.WeightStoreError:
+            return 0
+        crc = crc32c(struct.pack("<I" if length <= 0xFFFFFFFF else "<Q", length), crc)
+    return crc32c(stored[at + 4 :], crc32c(stored[at : at + 4], crc))
+
+
+def _object_graph(edges: list[tuple[int, int, str]], variables: dict[int, str]) -> bytes:
+    """A ``TrackableObjectGraph`` of these edges (parent, child, name) whose nodes ``variables``
+    names hold the variable of that checkpoint entry name."""
+    from weightstore.formats._tf_protos import TrackableObjectGraph
+    from weightstore.formats.tf_checkpoint import VARIABLE_SUFFIX
+
+    graph = TrackableObjectGraph()
+    nodes = [graph.nodes.add() for _ in range(1 + max(child for _, child, _ in edges))]
+    for parent, child, name in edges:
+        nodes[parent].children.add(node_id=child, local_name=name)
+    for node, name in variables.items():
+        nodes[node].attributes.add(name="VARIABLE_VALUE", checkpoint_key=name + VARIABLE_SUFFIX)
+    return graph.SerializeToString()
 
 
 def sample_object_graph() -> bytes:
@@ -363,9 +452,11 @@ TARGETS = {
     "hf-index": Target("hf-index", ".json", lambda p: ws.save(p, sample_weights(), max_shard_size=2000),
                        mutated="model.safetensors.index.json", opened=lambda tree: tree),
     "mapping": Target("mapping", ".map", _write_mapping, reader=_remap_by_rules),
-    "tf-data": Target("tf-data", ".data-00000-of-00001", lambda tree: _save_checkpoint(tree / "ckpt.index"),
-                      checks_metadata=False,
-                      mutated="ckpt.data-00000-of-00001", opened=lambda tree: tree / "ckpt.index"),
+    # resealed: the index is written anew around each mutant (its CRC-32Cs, the object graph's
+    # size), so only an escaped exception or a hang is a finding, as for tf-index
+    "tf-data": Target("tf-data", ".data-00000-of-00001", rich_checkpoint, reader=lambda path: read_file(path),
+                      mutated="ckpt.data-00000-of-00001",
+                      opened=lambda tree: rich_checkpoint(tree, (tree / "ckpt.data-00000-of-00001").read_bytes())),
 }
 
 
