@@ -4,6 +4,7 @@ Face sharded folder); :mod:`weightstore.store._save` writes."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -18,7 +19,15 @@ from weightstore.core.keys import MappingRules, Patterns, plan_outward
 from weightstore.core.limits import MAX_POINTER_BYTES
 from weightstore.core.manifest import TensorInfo, logical_dtype
 from weightstore.core.names import FILE, READ_NAMINGS, TORCH_FORMATS, check_naming, keys_of_torch_names, reads_as_torch
-from weightstore.errors import KeyNotInStoreError, SizeLimitError, StoreNotFoundError, WeightStoreError, attach, naming
+from weightstore.errors import (
+    KeyNotInStoreError,
+    SizeLimitError,
+    StorageError,
+    StoreNotFoundError,
+    WeightStoreError,
+    attach,
+    naming,
+)
 from weightstore.formats import (
     Format,
     Reader,
@@ -413,11 +422,16 @@ def _open_file(place: Place, fmt: Format | None, verify: bool, mmap: bool, *, is
                 fmt = _sniffed(sniffed)
 
         def head() -> bytes:
-            """The first bytes, for the pickle check of a file its reader refused: read only then
-            (a local file opens once more, a URL whose name says the format pays no request)."""
+            """The first bytes, for the pickle and misnamed checks of a file its reader refused:
+            read only then (a local file opens once more, a URL one more request; one whose read
+            fails, or whose reader closed it, leaves the reader's refusal as it was)."""
             if sniffed is not None:
                 return sniffed
-            return b"" if place.remote else _head(source, location)
+            if not place.remote:
+                return _head(source, location)
+            with contextlib.suppress(WeightStoreError, OSError):
+                return _head(source, location)
+            return b""
 
         assert fmt is not None
         if isinstance(source, RemoteFile) and fmt.remote_file_object:  # h5py's reads, through an fsspec file
@@ -464,7 +478,7 @@ class _pickle_named(AbstractContextManager):  # noqa: N801 - used as the functio
         self._head, self._location, self._format = head, location, fmt
 
     def __exit__(self, kind: object, exc: BaseException | None, traceback: object) -> None:
-        if isinstance(exc, WeightStoreError):
+        if isinstance(exc, WeightStoreError) and not isinstance(exc, StorageError):  # the bytes, not the storage
             with naming(path=self._location):
                 head = self._head()
                 refuse_pickle(head)
