@@ -343,10 +343,13 @@ def _import_into_checkpoint(source: Source, target: str, plan: Mapping[str, str]
 
 
 def _missing_folders(folder: str) -> list[str]:
-    """The folders up to ``folder`` that do not exist yet, deepest first: those an import makes."""
+    """The folders up to ``folder`` that do not exist yet, deepest first: those an import makes.
+    A ``.`` or ``..`` step (``out/./m.ckpt``, ``new/../run/m.ckpt``) is no folder to make: it is
+    there once the folder before it is, as ``os.makedirs`` takes it."""
     missing = []
     while folder and not os.path.exists(folder):
-        missing.append(folder)
+        if os.path.basename(folder) not in (os.curdir, os.pardir):
+            missing.append(folder)
         folder = os.path.dirname(folder)
     return missing
 

@@ -99,6 +99,17 @@ def test_pickle_saved_as_h5(tmp_path):
         ws.load(path)
 
 
+def test_a_file_of_another_format_than_format_asked_says_which_not_its_name(tmp_path):
+    """``ws.open("weights.bin", format="npz")`` of a safetensors file said "its name says npz ...:
+    rename it to end in .safetensors", though its name says nothing: it was ``format=`` that said npz."""
+    ws.save(tmp_path / "real.safetensors", {"w": np.arange(3, dtype=np.float32)})
+    path = write(tmp_path / "weights.bin", (tmp_path / "real.safetensors").read_bytes())
+    with pytest.raises(ws.FormatError) as caught:
+        ws.open(path, format="npz")
+    assert str(caught.value) == (f"{path}: format='npz' was asked for, but its first bytes say safetensors: read it "
+                                 "with ws.open(path, format='safetensors')")
+
+
 @pytest.mark.parametrize("fraction", [0.05, 0.5, 0.95, 0.999])
 def test_truncated_npz(tmp_path, fraction):
     path = good_npz(tmp_path)

@@ -325,6 +325,16 @@ def test_import_into_tf_checkpoints_keeps_their_files_permissions(store, tmp_pat
         assert files and {stat.S_IMODE(os.stat(path).st_mode) for path in files} == {0o600}, target
 
 
+@pytest.mark.parametrize("into", ["out/./m.ckpt", "new/../run/m.ckpt"])
+def test_import_into_a_new_checkpoint_folder_named_with_dot_steps_makes_it(store, tmp_path, into):
+    """``--into out/./m.ckpt`` (a script's ``$DIR/./m.ckpt``) made its folder as ``os.makedirs``
+    does; making each missing folder in turn then tried to make ``out/.`` too, and failed
+    with "File exists"."""
+    prefix = f"{tmp_path}/{into}"  # a str: pathlib drops a "." step
+    assert run("import", store, "--into", prefix).exit_code == 0
+    assert set(tf.train.load_checkpoint(prefix).get_variable_to_shape_map()) == set(ws.load(store))
+
+
 def test_import_into_a_tf_checkpoint_restored_by_saver(store, tmp_path):
     prefix = str(tmp_path / "ens.ckpt")
     assert run("import", store, "--into", prefix, "--scope", "model_001").exit_code == 0

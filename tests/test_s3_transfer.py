@@ -296,6 +296,25 @@ def test_unknown_suffix_is_sniffed_in_the_same_request(s3):
         assert s3.count() == 1 and store.keys() == list(WEIGHTS)
 
 
+@pytest.mark.parametrize("real, named", [(".safetensors", ".npz"), (".npz", ".safetensors"), (".npz", ".h5")])
+def test_a_url_under_another_formats_suffix_says_so_as_a_local_file_does(s3, tmp_path, real, named):
+    """A safetensors object uploaded as ``model.npz`` was "not an npz file (no zip directory;
+    truncated or not a zip)" on S3, where the same file on disk says which format its first bytes
+    are (docs/formats.md): the URL's refusal now reads them too, one request more, and says so."""
+    ws.save(tmp_path / f"real{real}", WEIGHTS)
+    target = url(named)
+    put(target, (tmp_path / f"real{real}").read_bytes())
+    with ws.open(tmp_path / f"real{real}") as local:
+        fmt = local.format
+    with pytest.raises(ws.FormatError) as caught:
+        ws.open(target)
+    assert str(caught.value) == (f"{target}: its name says {'hdf5' if named == '.h5' else named[1:]}, but its first "
+                                 f"bytes say {fmt}: rename it to end in {real} (or read it with ws.open(path, "
+                                 f"format={fmt!r}))")
+    with ws.open(target, format=fmt) as store:
+        assert store.keys() == list(WEIGHTS)
+
+
 def test_a_model_folder_on_s3_is_found_and_read_as_a_local_one(s3, tmp_path):
     """The folder format's ``find`` asks S3 what a local folder is asked (a folder? which files?),
     and only once no file answers the name: its shards are then read with ranged GETs."""

@@ -233,16 +233,21 @@ def sniff(head: bytes) -> Format:
     raise FormatError("not a weightstore file (not npz, HDF5 or safetensors)")
 
 
-def refuse_misnamed(head: bytes, named: Format) -> None:
+def refuse_misnamed(head: bytes, named: Format, *, asked: bool = False) -> None:
     """Raise :class:`FormatError` if ``head``, the first bytes of a file the reader of ``named``
-    (its suffix's format) refused, starts a file of another format: a file saved or downloaded
-    under the wrong name (a safetensors file as ``model.npz``), which the suffix's reader can only
-    call damaged. The caller names the file (:func:`~weightstore.errors.naming`)."""
+    (its suffix's format, or with ``asked`` the one ``format=`` asked for) refused, starts a file
+    of another format: a file saved or downloaded under the wrong name (a safetensors file as
+    ``model.npz``), which the suffix's reader can only call damaged. The caller names the file
+    (:func:`~weightstore.errors.naming`)."""
     for fmt in _registry():
         if fmt is not named and fmt.magic(head):
+            read_so = f"ws.open(path, format={fmt.name!r})"
+            if asked:
+                raise FormatError(f"format={named.name!r} was asked for, but its first bytes say {fmt.name}: "
+                                  f"read it with {read_so}")
             suffix = fmt.suffixes[0] if fmt.suffixes else ""
             raise FormatError(f"its name says {named.name}, but its first bytes say {fmt.name}: rename it to end in "
-                              f"{suffix} (or read it with ws.open(path, format={fmt.name!r}))")
+                              f"{suffix} (or read it with {read_so})")
 
 
 def foreign_keys(names: Iterable[tuple[str, str]], what: str) -> dict[str, str]:

@@ -4,6 +4,7 @@ Face sharded folder); :mod:`weightstore.store._save` writes."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -18,7 +19,15 @@ from weightstore.core.keys import MappingRules, Patterns, plan_outward
 from weightstore.core.limits import MAX_POINTER_BYTES
 from weightstore.core.manifest import TensorInfo, logical_dtype
 from weightstore.core.names import FILE, READ_NAMINGS, TORCH_FORMATS, check_naming, keys_of_torch_names, reads_as_torch
-from weightstore.errors import KeyNotInStoreError, SizeLimitError, StoreNotFoundError, WeightStoreError, attach, naming
+from weightstore.errors import (
+    KeyNotInStoreError,
+    SizeLimitError,
+    StorageError,
+    StoreNotFoundError,
+    WeightStoreError,
+    attach,
+    naming,
+)
 from weightstore.formats import (
     Format,
     Reader,
@@ -368,7 +377,7 @@ def _open(path: Any, *, verify: bool, format: str | None, mmap: bool) -> Store: 
         if found is not None:
             return found
     try:
-        return _open_file(place, asked or named, verify, mmap, is_file=is_file)
+        return _open_file(place, asked or named, verify, mmap, is_file=is_file, asked=asked is not None)
     except FileNotFoundError as exc:
         if isinstance(exc, WeightStoreError):  # a reader's own word on what is missing
             raise
@@ -398,10 +407,12 @@ def _open_found(place: Place, formats: list[Format], verify: bool, mmap: bool) -
     return None
 
 
-def _open_file(place: Place, fmt: Format | None, verify: bool, mmap: bool, *, is_file: bool = False) -> Store:
+def _open_file(place: Place, fmt: Format | None, verify: bool, mmap: bool, *, is_file: bool = False,
+               asked: bool = False) -> Store:
     """A file of format ``fmt`` (asked for, or its suffix's), else of its first bytes' (sniffed
     from the first request of a URL: an npz's index lies at the end, so that costs one more).
-    ``is_file``: a regular file was found there already (so it is no folder)."""
+    ``is_file``: a regular file was found there already (so it is no folder); ``asked``: ``fmt``
+    is the one ``format=`` asked for."""
     location = place.text
     if not place.remote and not is_file and os.path.isdir(location):
         raise StoreNotFoundError("is a folder, not a weight file", path=location)
@@ -413,11 +424,16 @@ def _open_file(place: Place, fmt: Format | None, verify: bool, mmap: bool, *, is
                 fmt = _sniffed(sniffed)
 
         def head() -> bytes:
-            """The first bytes, for the pickle check of a file its reader refused: read only then
-            (a local file opens once more, a URL whose name says the format pays no request)."""
+            """The first bytes, for the pickle and misnamed checks of a file its reader refused:
+            read only then (a local file opens once more, a URL one more request; one whose read
+            fails, or whose reader closed it, leaves the reader's refusal as it was)."""
             if sniffed is not None:
                 return sniffed
-            return b"" if place.remote else _head(source, location)
+            if not place.remote:
+                return _head(source, location)
+            with contextlib.suppress(WeightStoreError, OSError):
+                return _head(source, location)
+            return b""
 
         assert fmt is not None
         if isinstance(source, RemoteFile) and fmt.remote_file_object:  # h5py's reads, through an fsspec file
@@ -425,12 +441,12 @@ def _open_file(place: Place, fmt: Format | None, verify: bool, mmap: bool, *, is
             with service(location):
                 handle = place.open_file()
             try:
-                with _pickle_named(head, location, fmt):
+                with _pickle_named(head, location, fmt, asked):
                     return Store(fmt.open_reader(handle, location), location, verify, fmt.name)
             except BaseException:
                 handle.close()
                 raise
-        with _pickle_named(head, location, fmt):
+        with _pickle_named(head, location, fmt, asked):
             return Store(fmt.open_reader(source, location, mmap=mmap), location, verify, fmt.name)
     except BaseException:
         if isinstance(source, RemoteFile):
@@ -458,17 +474,17 @@ class _pickle_named(AbstractContextManager):  # noqa: N801 - used as the functio
     the same way. A plain class: every open enters one, and a generator's context costs four
     times as much."""
 
-    __slots__ = ("_format", "_head", "_location")
+    __slots__ = ("_asked", "_format", "_head", "_location")
 
-    def __init__(self, head: Callable[[], bytes], location: str, fmt: Format):
-        self._head, self._location, self._format = head, location, fmt
+    def __init__(self, head: Callable[[], bytes], location: str, fmt: Format, asked: bool):
+        self._head, self._location, self._format, self._asked = head, location, fmt, asked
 
     def __exit__(self, kind: object, exc: BaseException | None, traceback: object) -> None:
-        if isinstance(exc, WeightStoreError):
+        if isinstance(exc, WeightStoreError) and not isinstance(exc, StorageError):  # the bytes, not the storage
             with naming(path=self._location):
                 head = self._head()
                 refuse_pickle(head)
-                refuse_misnamed(head, self._format)
+                refuse_misnamed(head, self._format, asked=self._asked)
 
 
 def _refuse_published_folder(place: Place) -> None:
