@@ -325,16 +325,21 @@ def _import_into_checkpoint(source: Source, target: str, plan: Mapping[str, str]
         _refuse_reshaped(source, target, plan)
     state = _checkpoints.state_file_text(target) if new else None
     weights = read(source, plan, "importing")
-    made = _missing_folders(os.path.dirname(target)) if state is not None else []
+    missing = _missing_folders(os.path.dirname(target)) if state is not None else []
+    made: list[str] = []  # by this import, outermost first
     with working(f"writing {target}"):
         try:
-            for folder in reversed(made):
-                os.mkdir(folder)
+            for folder in reversed(missing):
+                try:
+                    os.mkdir(folder)
+                except FileExistsError:  # another import into it made it meanwhile: not this one's to remove
+                    continue
+                made.append(folder)
             _checkpoints.write_checkpoint(target, weights)
             if state is not None:
                 _checkpoints.write_state_file(target, state)
         except BaseException:  # a write that failed leaves nothing, not even the folders it made
-            for folder in made:
+            for folder in reversed(made):
                 with contextlib.suppress(OSError):  # one that holds something now is not the import's alone
                     os.rmdir(folder)
             raise

@@ -335,6 +335,22 @@ def test_import_into_a_new_checkpoint_folder_named_with_dot_steps_makes_it(store
     assert set(tf.train.load_checkpoint(prefix).get_variable_to_shape_map()) == set(ws.load(store))
 
 
+def test_import_into_a_new_folder_another_import_makes_meanwhile_writes_into_it(store, tmp_path, monkeypatch):
+    """Two imports into one new folder at once (``run/a/m1.ckpt``, ``run/a/m2.ckpt``): the other
+    makes ``run/a`` between this one's look and its ``mkdir``, made here to happen every time.
+    The import writes into it, as ``os.makedirs`` let it; its ``mkdir`` failed "File exists"."""
+    real_mkdir = os.mkdir
+
+    def mkdir_after_another(path, *args, **kwargs):
+        real_mkdir(path, *args, **kwargs)  # the other import, just before
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(transfer.os, "mkdir", mkdir_after_another)
+    prefix = f"{tmp_path}/run/a/m1.ckpt"
+    assert run("import", store, "--into", prefix).exit_code == 0
+    assert set(tf.train.load_checkpoint(prefix).get_variable_to_shape_map()) == set(ws.load(store))
+
+
 def test_import_into_a_tf_checkpoint_restored_by_saver(store, tmp_path):
     prefix = str(tmp_path / "ens.ckpt")
     assert run("import", store, "--into", prefix, "--scope", "model_001").exit_code == 0
