@@ -224,3 +224,37 @@ def test_a_truncated_listing_of_uploads_is_followed_to_its_end_and_never_for_eve
     s3.intercept = None
     assert "truncated but does not go on past" in caplog.text
     assert ws.latest(folder).step == 5
+
+
+def test_a_slow_rank_of_a_dead_attempt_whose_upload_a_commit_aborted_is_told_so(s3):
+    """A zombie rank still uploading into attempt 0 when the relaunch commits attempt 1: the
+    commit aborts that upload, and the zombie's publish_shard says why its write failed."""
+    folder = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    held, release = threading.Event(), threading.Event()
+
+    def hold_the_zombies_part(environ):
+        if environ["REQUEST_METHOD"] == "PUT" and "partNumber=" in environ.get("QUERY_STRING", "") \
+                and "attempt-0/rank-00001" in environ["PATH_INFO"] and not held.is_set():
+            held.set()
+            release.wait(60)
+        return None
+
+    def shard(rank: int, attempt: int) -> ws.Version | None:
+        rows = np.full((1, 5 << 20), rank + 10 * attempt, np.float32)  # 20 MB: a multipart upload
+        return ws.publish_shard(folder, {"w": ws.Piece(rows, (rank, 0), (2, 5 << 20))}, step=1, rank=rank, world=2,
+                                attempt=attempt)
+
+    s3.intercept = hold_the_zombies_part
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        zombie = [pool.submit(shard, rank, 0) for rank in (0, 1)]
+        assert held.wait(60)
+        for relaunched in [pool.submit(shard, rank, 1) for rank in (0, 1)]:
+            relaunched.result(timeout=120)
+        assert ws.commit_shards(folder, step=1, world=2, attempt=1, timeout=60).step == 1
+        release.set()
+        zombie[0].result(timeout=120)
+        with pytest.raises(ws.WriteError, match="its upload was aborted while it was sent") as caught:
+            zombie[1].result(timeout=120)
+    s3.intercept = None
+    assert "attempt-0/rank-00001.safetensors" in str(caught.value.path)
+    assert ws.load(ws.latest(folder))["w"][1, -1] == 11
