@@ -413,7 +413,18 @@ def test_a_chain_that_does_not_rebuild_the_digest_is_refused(based):
     wrong[10] = -1  # the digest of what the delta claims to give, but the base gives the rest
     write_delta(folder / "step-000000000002.wsdelta", "step-000000000001.npz", {"w": ("same", [], wrong)})
     error = refused(folder / "step-000000000002.wsdelta", error=ws.ChecksumError)
-    assert "digest" in str(error) and "this delta is corrupt: its base rebuilds whole" in str(error)
+    assert "digest" in str(error) and "this delta is corrupt, or its base step-000000000001.npz is another" in str(error)
+
+
+def test_an_anchor_replaced_by_another_whole_file_is_named_beside_the_delta_built_on_it(tmp_path):
+    """A delta records its base's name, not its bytes: an anchor restored from another copy reads
+    whole, so the first delta's refusal names both files rather than calling that delta corrupt."""
+    publish_steps(tmp_path, 3, delta=ws.Delta())
+    anchor = tmp_path / "step-000000000001.npz"
+    ws.save(anchor, {key: np.zeros_like(value) for key, value in ws.load(anchor).items()})
+    error = refused(tmp_path / "step-000000000003.wsdelta", key=None, error=ws.ChecksumError)
+    assert ("step-000000000002.wsdelta is corrupt, or its base step-000000000001.npz is another whole file than the "
+            "one it was built on") in error.message
 
 
 def test_a_corrupt_base_in_the_chain_is_refused(tmp_path):

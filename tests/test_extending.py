@@ -140,6 +140,34 @@ def test_a_registered_format_round_trips_through_save_and_open(tmp_path, toy_for
     assert same(ws.load(renamed)["dense/bias"], WEIGHTS["dense/bias"])  # found by its magic bytes
 
 
+def test_threads_saving_at_once_wait_for_a_format_module_another_thread_is_importing(tmp_path, monkeypatch):
+    """The first saves of a process, from several threads at once (a rank per thread): each
+    waits for the format's import another thread began, none finds the module half made."""
+    module = f"toy_format_{uuid.uuid4().hex}"
+    (tmp_path / f"{module}.py").write_text("import time\ntime.sleep(0.5)  # h5py's import, say\n" + TOY_FORMAT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(formats, "FORMAT_MODULES", list(formats.FORMAT_MODULES))
+    formats.register(module)
+    failures: list[BaseException] = []
+
+    def save(number: int) -> None:
+        try:
+            ws.save(tmp_path / f"model-{number}.toy", WEIGHTS)
+        except BaseException as error:  # noqa: BLE001 - whatever a thread met is the finding
+            failures.append(error)
+
+    try:
+        threads = [threading.Thread(target=save, args=(number,)) for number in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    finally:
+        sys.modules.pop(module, None)
+    assert failures == []
+    assert all((tmp_path / f"model-{number}.toy").read_bytes().startswith(b"TOYWS") for number in range(4))
+
+
 def test_a_registered_format_reads_on_a_url_and_refuses_damage(tmp_path, toy_format):
     url = f"memory://toy-{tmp_path.name}/model.toy"
     ws.save(url, WEIGHTS)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib
 import posixpath
-import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -184,13 +183,22 @@ def register(module: str) -> None:
         FORMAT_MODULES.insert(at, module)
 
 
+#: each format module's ``FORMAT``, kept once its import finished (see :func:`_registry`)
+_IMPORTED: dict[str, Format] = {}
+
+
 def _registry() -> Iterator[Format]:
     """The formats in table order, each module imported only when reached: a lookup that stops at
     the first match (an ``.npz`` suffix) loads no module after it (0.05 CPU-s of a first assign)."""
-    # sys.modules first: import_module of a module already imported still takes the import
-    # lock, and every open asks the registry twice (0.1 ms of a 0.8 ms open of a small file)
+    # kept once imported: import_module of a module already imported still takes the import lock,
+    # and every open asks the registry twice (0.1 ms of a 0.8 ms open of a small file); never taken
+    # from sys.modules, which holds a module from the start of its import: a thread that found it
+    # there while another still imported it got no FORMAT (AttributeError), where import_module waits
     for module in list(FORMAT_MODULES):
-        yield (sys.modules.get(module) or importlib.import_module(module)).FORMAT
+        found = _IMPORTED.get(module)
+        if found is None:
+            found = _IMPORTED[module] = importlib.import_module(module).FORMAT
+        yield found
 
 
 def format_named(name: str) -> Format:

@@ -752,8 +752,11 @@ class DeltaReader(ReaderDefaults):
         """Which file of this version's chain is corrupt for ``key``, said when its rebuild failed
         the digest: the anchor checked against its own checksums, then each delta from the oldest
         against the digest it records. A base damaged after it was written fails every delta built
-        on it until the next anchor, so each of their errors names that one file. The chain is
-        read again for ``key`` on this failure path only (a rebuild checks the digest at the top)."""
+        on it until the next anchor, so each of their errors names that one file. An anchor that
+        reads whole proves only that it is a whole file, not the one the first delta was built on
+        (a delta records its base's name, not its bytes): where that delta fails, either may be at
+        fault, and both are named. The chain is read again for ``key`` on this failure path only
+        (a rebuild checks the digest at the top)."""
         levels: list[DeltaReader] = []  # the deltas key is rebuilt through, down to one storing it raw
         level: Any = self
         while isinstance(level, DeltaReader):
@@ -762,14 +765,19 @@ class DeltaReader(ReaderDefaults):
                 break
             level = level._base
         out = None
+        on_anchor = not isinstance(level, DeltaReader)
         try:
-            if not isinstance(level, DeltaReader):  # the anchor
+            if on_anchor:
                 stored = np.ascontiguousarray(to_storage(level.read(key, verify=True), key)[1])
                 out = _aligned_copy(stored.reshape(-1).view(np.uint8) if stored.size else np.empty(0, np.uint8))
             for level in reversed(levels):
                 out = level._apply_own(key, out)
                 if DIGEST_PREFIX + content_digest(out).hex() != level._manifest.tensors[key].digest:
                     where = "this delta" if level is self else _file_name(level.name)
+                    if on_anchor and level is levels[-1]:
+                        return (f"{where} is corrupt, or its base {_file_name(level.head.base)} is another whole file "
+                                "than the one it was built on (restored from another copy?): that base reads whole, "
+                                f"{where} does not rebuild its recorded digest on it")
                     return f"{where} is corrupt: its base rebuilds whole, it does not rebuild its recorded digest on it"
         except WeightStoreError as exc:
             return f"in its chain, {_file_name(exc.path or levels[-1].head.base)}: {exc.message}"

@@ -71,7 +71,7 @@ from weightstore.io.files import (
     remove_stale_temporaries,
     temporary_beside,
 )
-from weightstore.io.location import Location, filesystem, protocols, service, transient
+from weightstore.io.location import Location, filesystem, protocols, service, service_answer, transient
 
 __all__ = ["UPLOAD_PART_BYTES", "Commit", "RenameCommit", "UploadCommit", "IndexLastCommit", "commit_for",
            "checkpoint_files"]
@@ -208,8 +208,17 @@ class UploadCommit(Commit):
         assert self._scratch is not None, "begin() first"
         local = os.path.join(self._scratch, "upload" + self._suffix)
         options = {"chunksize": UPLOAD_PART_BYTES} if "s3" in protocols(self._fs) else {}
-        with service(self.target):
-            self._fs.put_file(local, self._remote, **options)
+        try:
+            with service(self.target):
+                self._fs.put_file(local, self._remote, **options)
+        except FileNotFoundError as exc:
+            answer = service_answer(exc)
+            if answer is None or answer[0] != "NoSuchUpload":
+                raise
+            raise WriteError(exc.errno or 0, "its upload was aborted while it was sent: another process took it for "
+                             "a killed writer's (the commit of another attempt or a later step, a publish that moved "
+                             "LATEST past it, or ws clean), so what it writes is dead", path=self.target,
+                             transient=False) from exc
         self.landed = True
         self.discard()
 

@@ -224,11 +224,14 @@ class S3Backend(Backend):
 
     def abort_uploads(self, fs: Any, folder: str, dead: Callable[[str], bool]) -> list[str]:
         """One ``ListMultipartUploads`` of the folder's prefix (more where the service truncates it),
-        then an ``AbortMultipartUpload`` of each dead one (one already gone is no failure)."""
+        then an ``AbortMultipartUpload`` of each dead one (one already gone is no failure). A
+        folder at a bucket's root lists the whole bucket (no prefix). A service that says a listing
+        is truncated but gives no markers past the ones it was asked with is refused
+        (:class:`StorageError`), rather than asked the same page for ever."""
         from fsspec.asyn import sync
 
         bucket, prefix, _ = fs.split_path(folder.rstrip("/") + "/")
-        prefix = prefix if prefix.endswith("/") else prefix + "/"
+        prefix = prefix if not prefix or prefix.endswith("/") else prefix + "/"
         aborted: list[str] = []
         markers: dict[str, str] = {}
         while True:
@@ -245,7 +248,13 @@ class S3Backend(Backend):
                 aborted.append(name)
             if not listed.get("IsTruncated"):
                 return aborted
-            markers = {"KeyMarker": listed.get("NextKeyMarker", ""), "UploadIdMarker": listed.get("NextUploadIdMarker", "")}
+            following = {"KeyMarker": listed.get("NextKeyMarker", ""),
+                         "UploadIdMarker": listed.get("NextUploadIdMarker", "")}
+            if following == (markers or {"KeyMarker": "", "UploadIdMarker": ""}):
+                raise StorageError(f"the listing of unfinished uploads says it is truncated but does not go on past "
+                                   f"{following['KeyMarker'] or 'its start'}", path=f"s3://{bucket}/{prefix}",
+                                   transient=False)
+            markers = following
 
 
 BACKEND = S3Backend()

@@ -147,21 +147,26 @@ class FolderState:
         came before this swap, and its own swap now fails: the version is dead. So is its
         upload of the intent's step if it was killed mid-way (S3 keeps a multipart upload's
         parts, unseen and billed, until it is aborted): aborted too, with a log line; this
-        publish's own version of that step, if it is one, was complete before its swap.
+        publish's own version of that step, if it is one, was complete before its swap. So is
+        an upload of any step up to ``step``: a publisher that read ``LATEST`` after this swap
+        is refused such a step, and one that read it before loses its own swap; a trainer
+        killed mid-upload twice in a row leaves one such upload the intent no longer names.
         """
         for unpublished, entry in self.unpublished():
             if unpublished != step:
                 self.folder.remove(entry.name)  # a sharded one's members: the next commit removes dead attempts
         if self.intent is not None and not isinstance(self.folder, LocalFolder):
-            dead = self.intent
+            intent = self.intent
+            steps: dict[str, int] = {}  # of each name asked about, -1 if no version's
 
             def killed(name: str) -> bool:
                 match = VERSION_NAME.match(name)
-                return match is not None and int(match.group(1)) == dead
+                steps[name] = -1 if match is None else int(match.group(1))
+                return steps[name] == intent or (step is not None and 0 <= steps[name] <= step)
 
             for name in self.folder.abort_uploads(killed):
                 _log.warning("%s: aborted the unfinished upload of %s, which a killed publish of step %d left",
-                             self.folder.where, name, dead)
+                             self.folder.where, name, steps[name])
 
 
 def _steps(steps: list[int]) -> str:
