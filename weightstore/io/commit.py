@@ -143,10 +143,11 @@ class RenameCommit(Commit):
         self.target = str(target)
         self._final = self.target  # a str throughout: pathlib cost a small save 10 us
         self._temporary: str | None = None
+        self._mode: int | None = None  # the replaced file's, as the write began (None: none there)
         self._follow_symlinks = follow_symlinks
 
     def begin(self) -> str:
-        self._final = check_writable_target(self.target, follow_symlinks=self._follow_symlinks)
+        self._final, self._mode = check_writable_target(self.target, follow_symlinks=self._follow_symlinks)
         # the one sweep of killed writers' temporaries of the target, before the write: their blocks
         # are free before it reserves its own. Here, not on the writeback thread: a reservation
         # waiting there would wait behind the last save's close of the file it replaced (4-7 ms).
@@ -158,8 +159,8 @@ class RenameCommit(Commit):
     def finalize(self) -> None:
         assert self._temporary is not None, "begin() first"
         fsync_path(self._temporary)
-        with contextlib.suppress(FileNotFoundError):
-            os.chmod(self._temporary, stat.S_IMODE(os.stat(self._final).st_mode))  # a re-save keeps 0600
+        if self._mode is not None:  # a re-save keeps 0600 (the mode the begin's lstat saw: no stat again)
+            os.chmod(self._temporary, stat.S_IMODE(self._mode))
         replaced = _hold(self._final)
         try:
             os.replace(self._temporary, self._final)

@@ -123,8 +123,9 @@ def _open_regular_fd(path: str) -> tuple[int, int]:
         raise
 
 
-def check_writable_target(target: Path | str, *, follow_symlinks: bool = True) -> str:
-    """The regular file a write to ``target`` replaces: ``target``, or the file a symlink names.
+def check_writable_target(target: Path | str, *, follow_symlinks: bool = True) -> tuple[str, int | None]:
+    """The regular file a write to ``target`` replaces: ``target``, or the file a symlink names;
+    with its mode (``st_mode``), or None where there is none yet.
 
     Refuses, with :class:`TargetError` and before a byte is written, a target that is a folder,
     FIFO, socket or device, and a missing folder with :class:`StoreNotFoundError`. Without
@@ -156,7 +157,7 @@ def check_writable_target(target: Path | str, *, follow_symlinks: bool = True) -
             raise TargetError(f"is {kind}; weightstore only replaces regular files", path=str(target))
     elif not os.path.isdir(folder := os.path.dirname(resolved) or "."):  # a file there has its folder
         raise StoreNotFoundError(f"folder {folder!r} does not exist", path=str(target))
-    return resolved
+    return resolved, mode
 
 
 def fsync_path(path: str | Path) -> None:
