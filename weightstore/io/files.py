@@ -209,7 +209,8 @@ def temporary_beside(target: Path | str, *, room: int = 0) -> Path | str:
     """
     path = os.fspath(target)
     folder, name = os.path.split(path)
-    temporary = os.path.join(folder, f"{_temporary_head(name, path, room)}{os.getpid()}-{_pid_space()}-"
+    pid = os.getpid()  # asked once: a system call each time
+    temporary = os.path.join(folder, f"{_temporary_head(name, path, room)}{pid}-{_pid_space(pid)}-"
                                      f"{secrets.token_hex(4)}")
     return temporary if isinstance(target, str) else Path(temporary)
 
@@ -237,16 +238,17 @@ _SPACES: dict[tuple[int, int], str] = {}
 _OWN_SPACE: tuple[int, str] | None = None
 
 
-def _pid_space() -> str:
+def _pid_space(pid: int | None = None) -> str:
     """This process's PID namespace, as a temporary names it: a hash of the host's boot (a
     container sees its host's ``boot_id``) and the namespace's inode (one per namespace).
     Asked once per process (a ``stat`` of ``/proc``, a hundredth of a small save): a process
     never leaves its PID namespace (``unshare(CLONE_NEWPID)`` and ``setns`` move only the
     children forked after them), but such a child keeps its parent's memory while it has PIDs
     of another namespace, so a forked child asks again (:func:`_forget_space`, and a PID that
-    is not the one asked as). Where ``/proc`` cannot tell (macOS), the host's (:func:`_host_space`)."""
+    is not the one asked as). Where ``/proc`` cannot tell (macOS), the host's (:func:`_host_space`).
+    ``pid``: this process's, where the caller asked it already."""
     global _OWN_SPACE
-    pid = os.getpid()
+    pid = os.getpid() if pid is None else pid
     if _OWN_SPACE is not None and _OWN_SPACE[0] == pid:
         return _OWN_SPACE[1]
     try:
