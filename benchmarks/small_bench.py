@@ -12,6 +12,7 @@ file, fsync of the folder (two fsyncs, as ``ws.save`` does).
     python -m benchmarks.small_bench --tensors 5000 --repeat 3
     python -m benchmarks.small_bench --cpu                 # CPU time, for a machine others load
     python -m benchmarks.small_bench --tensors 100 --repeat 31   # issue 42's small-work targets
+    python -m benchmarks.small_bench --tensors 100 --per-call [--without-fsync]   # CPU per call, in a loop
 """
 
 from __future__ import annotations
@@ -167,6 +168,67 @@ def bench_hdf5(weights: dict[str, np.ndarray], repeat: int = 5, clock=time.perf_
     return results
 
 
+def bench_per_call(tensors: int = 100, size: int = 256, calls: int = 200, *, without_fsync: bool = False) -> dict[str, float]:
+    """Main-thread CPU per call of a durable save and of open + keys, against safetensors', each
+    called ``calls`` times in a loop, the least of five such loops (the cases' loops taking
+    turns): what one call costs this
+    thread, warm, steadier than one cold call's CPU on a shared machine. ``without_fsync``: every
+    ``os.fsync`` (weightstore's two, the peer's one) returns at once, which leaves the CPU beside
+    them, where the kernel's fsync work (most of a small save's, and the noisiest on a loaded disk)
+    cannot hide a change of a few percent. Print and return microseconds per call."""
+    import safetensors.numpy
+    from safetensors import safe_open
+
+    import weightstore as ws
+
+    rng = np.random.default_rng(0)
+    weights = {f"layer_{i // 100:04d}/w_{i % 100:02d}": rng.standard_normal(size).astype(np.float32)
+               for i in range(tensors)}
+    flat = {k.replace("/", "."): v for k, v in weights.items()}
+    real_fsync = os.fsync
+    if without_fsync:
+        os.fsync = lambda fd: None
+    try:
+        with tempfile.TemporaryDirectory(prefix="ws-small-calls-") as folder:
+            npz, st = os.path.join(folder, "w.npz"), os.path.join(folder, "w.safetensors")
+
+            def st_save_durable() -> None:
+                safetensors.numpy.save_file(flat, st)
+                with open(st, "rb+") as handle:
+                    os.fsync(handle.fileno())
+
+            def open_keys() -> None:
+                with ws.open(npz) as store:
+                    store.keys()
+
+            def st_open_keys() -> None:
+                with safe_open(st, "np") as handle:
+                    handle.keys()
+
+            cases = {"save (weightstore npz)": lambda: ws.save(npz, weights),
+                     "save (safetensors save_file + fsync)": st_save_durable,
+                     "open + keys (weightstore npz)": open_keys, "open + keys (safetensors safe_open)": st_open_keys}
+            for run in cases.values():
+                for _ in range(calls // 4 + 1):
+                    run()
+            loops: dict[str, list[float]] = {name: [] for name in cases}
+            for _ in range(5):  # the cases' loops take turns, so a drift of the load meets each alike
+                for name, run in cases.items():
+                    start = time.thread_time()
+                    for _ in range(calls):
+                        run()
+                    loops[name].append((time.thread_time() - start) / calls)
+            spent = {name: min(taken) * 1e6 for name, taken in loops.items()}
+    finally:
+        os.fsync = real_fsync
+    print(f"{tensors} tensors of {size} float32, main-thread CPU per call, least of 5 loops of {calls}"
+          + (", every fsync a no-op" if without_fsync else ""))
+    names = list(spent)
+    for own, peer in ((names[0], names[1]), (names[2], names[3])):
+        print(f"  {own:40s} {spent[own]:8.1f} us  {spent[own] / spent[peer]:5.2f}x {peer} ({spent[peer]:.1f} us)")
+    return spent
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m benchmarks.small_bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tensors", type=int, default=50_000)
@@ -174,5 +236,11 @@ if __name__ == "__main__":
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--cpu", action="store_true",
                         help="time CPU seconds of this process (steadier on a shared machine; fsync waits do not count)")
+    parser.add_argument("--per-call", action="store_true",
+                        help="main-thread CPU per call in a loop, save and open + keys only (see bench_per_call)")
+    parser.add_argument("--without-fsync", action="store_true", help="with --per-call: every os.fsync a no-op")
     args = parser.parse_args()
-    bench(args.tensors, args.size, args.repeat, time.process_time if args.cpu else time.perf_counter)
+    if args.per_call:
+        bench_per_call(args.tensors, args.size, without_fsync=args.without_fsync)
+    else:
+        bench(args.tensors, args.size, args.repeat, time.process_time if args.cpu else time.perf_counter)

@@ -184,6 +184,25 @@ def test_temporaries_of_live_writers_are_left_alone(tmp_path):
     assert not dead.exists() and not dead_older.exists()
 
 
+def test_a_temporary_left_in_a_folder_untouched_since_the_last_save_goes_within_the_minute(tmp_path, monkeypatch):
+    """A process saving one target again lists its folder only once something changed there
+    since its last save of it: a dead writer's temporary begun while that save ran (the folder's
+    time as that save left it) stays until the minute passes, then goes with the next save."""
+    path = tmp_path / "w.npz"
+    ws.save(path, {"w": np.zeros(2)})
+    ws.save(path, {"w": np.ones(2)})
+    seen = os.stat(tmp_path)
+    dead = tmp_path / f".w.npz.wstmp-{_dead_pid()}-{files._pid_space()}-4567cdef"
+    dead.write_bytes(b"partial")
+    os.utime(tmp_path, ns=(seen.st_atime_ns, seen.st_mtime_ns))
+    ws.save(path, {"w": np.full(2, 2.0)})
+    assert dead.exists()
+    monkeypatch.setattr(files, "SWEEP_AGAIN_AFTER", 0.0)
+    ws.save(path, {"w": np.full(2, 3.0)})
+    assert not dead.exists()
+    assert ws.load(path)["w"].tolist() == [3, 3]
+
+
 def test_temporaries_of_another_pid_namespace_go_only_once_untouched_for_a_day(tmp_path):
     """Another namespace's PID means nothing here (dead here, its writer may be writing): its
     temporary stays while its mtime is recent, and goes once it has not moved for STALE_AFTER."""

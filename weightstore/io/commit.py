@@ -12,7 +12,8 @@ documented composition of them:
    the folder is fsynced. A crash before the rename leaves the old file plus a temporary; after
    it, the new file. The temporary of a killed writer is removed by the next write to that
    target, as that write begins (so before a save that reserves its blocks reserves them, see
-   :mod:`weightstore.io._writeback`): once its PID is dead if the temporary names this PID
+   :mod:`weightstore.io._writeback`; one begun while this process wrote the target goes within a
+   minute, see :func:`~weightstore.io.files.remove_stale_temporaries`): once its PID is dead if the temporary names this PID
    namespace, once untouched for a day if it names another (a container on a shared volume,
    another host: its PIDs mean nothing here), see :mod:`weightstore.io.files`. Only regular
    files are replaced: a folder, FIFO, socket or
@@ -140,29 +141,31 @@ class RenameCommit(Commit):
 
     def __init__(self, target: str | Path, *, follow_symlinks: bool = True):
         self.target = str(target)
-        self._final = Path(target)
-        self._temporary: Path | None = None
+        self._final = self.target  # a str throughout: pathlib cost a small save 10 us
+        self._temporary: str | None = None
+        self._mode: int | None = None  # the replaced file's, as the write began (None: none there)
         self._follow_symlinks = follow_symlinks
 
     def begin(self) -> str:
-        self._final = check_writable_target(Path(self.target), follow_symlinks=self._follow_symlinks)
+        self._final, self._mode = check_writable_target(self.target, follow_symlinks=self._follow_symlinks)
         # the one sweep of killed writers' temporaries of the target, before the write: their blocks
         # are free before it reserves its own. Here, not on the writeback thread: a reservation
-        # waiting there would wait behind the last save's close of the file it replaced (4-7 ms)
-        remove_stale_temporaries(self._final)
+        # waiting there would wait behind the last save's close of the file it replaced (4-7 ms).
+        # No listing where nothing changed in the folder since this process's last write of the target
+        remove_stale_temporaries(self._final, unless_clean=True)
         self._temporary = temporary_beside(self._final)
-        return str(self._temporary)
+        return self._temporary
 
     def finalize(self) -> None:
         assert self._temporary is not None, "begin() first"
         fsync_path(self._temporary)
-        with contextlib.suppress(FileNotFoundError):
-            os.chmod(self._temporary, stat.S_IMODE(os.stat(self._final).st_mode))  # a re-save keeps 0600
+        if self._mode is not None:  # a re-save keeps 0600 (the mode the begin's lstat saw: no stat again)
+            os.chmod(self._temporary, stat.S_IMODE(self._mode))
         replaced = _hold(self._final)
         try:
             os.replace(self._temporary, self._final)
             self._temporary, self.landed = None, True
-            fsync_folder(self._final.parent)
+            fsync_folder(os.path.dirname(self._final) or ".", written=self._final)
         finally:
             if replaced is not None:
                 behind(os.close, replaced)
@@ -177,7 +180,7 @@ class RenameCommit(Commit):
         return os.path.lexists(self.target)
 
 
-def _hold(path: Path) -> int | None:
+def _hold(path: str) -> int | None:
     """A descriptor of the file a rename is about to replace, or None (none there, unreadable,
     or not POSIX). Held across the rename, it keeps the old file's blocks from being freed
     inside the rename: on ext4 mounted with ``discard`` that took 4 ms, a third of a durable

@@ -34,7 +34,7 @@ import socket
 import stat
 import time
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, overload
 
 from weightstore.core._forks import in_child
 from weightstore.core.limits import FILE_NAME_BYTES
@@ -123,8 +123,9 @@ def _open_regular_fd(path: str) -> tuple[int, int]:
         raise
 
 
-def check_writable_target(target: Path, *, follow_symlinks: bool = True) -> Path:
-    """The regular file a write to ``target`` replaces: ``target``, or the file a symlink names.
+def check_writable_target(target: Path | str, *, follow_symlinks: bool = True) -> tuple[str, int | None]:
+    """The regular file a write to ``target`` replaces: ``target``, or the file a symlink names;
+    with its mode (``st_mode``), or None where there is none yet.
 
     Refuses, with :class:`TargetError` and before a byte is written, a target that is a folder,
     FIFO, socket or device, and a missing folder with :class:`StoreNotFoundError`. Without
@@ -138,12 +139,12 @@ def check_writable_target(target: Path, *, follow_symlinks: bool = True) -> Path
         mode = None
     except OSError as exc:
         raise TargetError(f"cannot write there ({exc.strerror})", path=str(target)) from None
-    resolved = target
+    resolved = os.fspath(target)
     if mode is not None and stat.S_ISLNK(mode):
         if not follow_symlinks:
             raise TargetError(f"is a symbolic link (to {os.readlink(target)}); a versioned folder's files are never "
                               "written through links: remove it", path=str(target))
-        resolved = Path(os.path.realpath(target))
+        resolved = os.path.realpath(target)
         try:
             mode = os.stat(resolved).st_mode
         except FileNotFoundError:
@@ -154,9 +155,9 @@ def check_writable_target(target: Path, *, follow_symlinks: bool = True) -> Path
         kind = kind_of(mode)
         if kind is not None:
             raise TargetError(f"is {kind}; weightstore only replaces regular files", path=str(target))
-    elif not resolved.parent.is_dir():  # a file there has its folder
-        raise StoreNotFoundError(f"folder {str(resolved.parent)!r} does not exist", path=str(target))
-    return resolved
+    elif not os.path.isdir(folder := os.path.dirname(resolved) or "."):  # a file there has its folder
+        raise StoreNotFoundError(f"folder {folder!r} does not exist", path=str(target))
+    return resolved, mode
 
 
 def fsync_path(path: str | Path) -> None:
@@ -167,10 +168,15 @@ def fsync_path(path: str | Path) -> None:
         os.close(fd)
 
 
-def fsync_folder(folder: str | Path) -> None:
+def fsync_folder(folder: str | Path, *, written: str | None = None) -> None:
+    """fsync ``folder``. ``written``: the target a write just renamed into it, whose sweep
+    (:func:`remove_stale_temporaries`) notes the folder's state as that write leaves it."""
     fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
         os.fsync(fd)
+        swept = _SWEPT_CLEAN.get(written) if written is not None else None
+        if swept is not None and swept[1] is None:
+            _SWEPT_CLEAN[written] = (swept[0], _folder_state(os.fstat(fd)))  # type: ignore[index]
     finally:
         os.close(fd)
 
@@ -191,28 +197,38 @@ _CUT_HEX = 8
 STALE_AFTER = 24 * 3600
 
 
-def temporary_beside(target: Path, *, room: int = 0) -> Path:
-    """A fresh temporary name beside ``target`` that :func:`remove_stale_temporaries` recognises.
+@overload
+def temporary_beside(target: Path, *, room: int = 0) -> Path: ...
+@overload
+def temporary_beside(target: str, *, room: int = 0) -> str: ...
+def temporary_beside(target: Path | str, *, room: int = 0) -> Path | str:
+    """A fresh temporary name beside ``target`` that :func:`remove_stale_temporaries` recognises,
+    of the type given (a commit's path stays a ``str``: ``pathlib`` cost a small save 10 us).
 
     ``room`` is how many bytes the writer appends to it (a TF checkpoint's file endings).
     """
-    return target.with_name(f"{_temporary_head(target, room)}{os.getpid()}-{_pid_space()}-{secrets.token_hex(4)}")
+    path = os.fspath(target)
+    folder, name = os.path.split(path)
+    pid = os.getpid()  # asked once: a system call each time
+    temporary = os.path.join(folder, f"{_temporary_head(name, path, room)}{pid}-{_pid_space(pid)}-"
+                                     f"{secrets.token_hex(4)}")
+    return temporary if isinstance(target, str) else Path(temporary)
 
 
-def _temporary_head(target: Path, room: int = 0) -> str:
-    """What every temporary of ``target`` starts with: ``.NAME.wstmp-``, where a name too long to
-    leave room for the rest under :data:`FILE_NAME_BYTES` has its end replaced by ``~`` and a
-    hash of the whole name, so any name a file system takes can be saved. A name it cannot take
-    at all is a :class:`TargetError` naming it."""
-    name = target.name.encode(errors="surrogateescape")
-    if len(name) > FILE_NAME_BYTES:
-        raise TargetError(f"has a name of {len(name)} bytes; a file system allows at most {FILE_NAME_BYTES}",
-                          path=str(target))
+def _temporary_head(name: str, path: str, room: int = 0) -> str:
+    """What every temporary of the file ``name`` (at ``path``) starts with: ``.NAME.wstmp-``,
+    where a name too long to leave room for the rest under :data:`FILE_NAME_BYTES` has its end
+    replaced by ``~`` and a hash of the whole name, so any name a file system takes can be
+    saved. A name it cannot take at all is a :class:`TargetError` naming it."""
+    raw = name.encode(errors="surrogateescape")
+    if len(raw) > FILE_NAME_BYTES:
+        raise TargetError(f"has a name of {len(raw)} bytes; a file system allows at most {FILE_NAME_BYTES}",
+                          path=path)
     keep = FILE_NAME_BYTES - TEMPORARY_EXTRA - room
-    if len(name) <= keep:
-        return f".{target.name}{TEMP_MARK}"
-    cut = hashlib.blake2b(name, digest_size=_CUT_HEX // 2).hexdigest()
-    short = name[:keep - 1 - _CUT_HEX].decode(errors="ignore")  # whole characters only
+    if len(raw) <= keep:
+        return f".{name}{TEMP_MARK}"
+    cut = hashlib.blake2b(raw, digest_size=_CUT_HEX // 2).hexdigest()
+    short = raw[:keep - 1 - _CUT_HEX].decode(errors="ignore")  # whole characters only
     return f".{short}~{cut}{TEMP_MARK}"
 
 
@@ -222,16 +238,17 @@ _SPACES: dict[tuple[int, int], str] = {}
 _OWN_SPACE: tuple[int, str] | None = None
 
 
-def _pid_space() -> str:
+def _pid_space(pid: int | None = None) -> str:
     """This process's PID namespace, as a temporary names it: a hash of the host's boot (a
     container sees its host's ``boot_id``) and the namespace's inode (one per namespace).
     Asked once per process (a ``stat`` of ``/proc``, a hundredth of a small save): a process
     never leaves its PID namespace (``unshare(CLONE_NEWPID)`` and ``setns`` move only the
     children forked after them), but such a child keeps its parent's memory while it has PIDs
     of another namespace, so a forked child asks again (:func:`_forget_space`, and a PID that
-    is not the one asked as). Where ``/proc`` cannot tell (macOS), the host's (:func:`_host_space`)."""
+    is not the one asked as). Where ``/proc`` cannot tell (macOS), the host's (:func:`_host_space`).
+    ``pid``: this process's, where the caller asked it already."""
     global _OWN_SPACE
-    pid = os.getpid()
+    pid = os.getpid() if pid is None else pid
     if _OWN_SPACE is not None and _OWN_SPACE[0] == pid:
         return _OWN_SPACE[1]
     try:
@@ -252,9 +269,11 @@ def _pid_space() -> str:
 
 
 def _forget_space() -> None:
-    """In a forked child: its space is asked again (see :func:`_pid_space`)."""
+    """In a forked child: its space is asked again (see :func:`_pid_space`), and its first write
+    to a target sweeps it, as a new process's does (see :func:`remove_stale_temporaries`)."""
     global _OWN_SPACE
     _OWN_SPACE = None
+    _SWEPT_CLEAN.clear()
 
 
 in_child(_forget_space)
@@ -275,7 +294,22 @@ def _hashed(seen: bytes) -> str:
     return hashlib.blake2b(seen, digest_size=_SPACE_HEX // 2).hexdigest()
 
 
-def remove_stale_temporaries(target: Path, suffix: str = "", *, room: int = 0, locked: bool = False) -> None:
+#: a target whose folder looks untouched is still swept once this many seconds have passed since
+#: its last sweep (see :func:`remove_stale_temporaries`'s ``unless_clean``)
+SWEEP_AGAIN_AFTER = 60.0
+#: the most targets :data:`_SWEPT_CLEAN` remembers: past it, it starts again empty
+_SWEPT_TARGETS = 4096
+#: target -> ``(time.monotonic() of its last sweep in this process, which left no temporary of it,
+#: its folder's (device, inode, mtime) once this process's write that followed landed, or None)``
+_SWEPT_CLEAN: dict[str, tuple[float, tuple[int, int, int] | None]] = {}
+
+
+def _folder_state(status: os.stat_result) -> tuple[int, int, int]:
+    return status.st_dev, status.st_ino, status.st_mtime_ns
+
+
+def remove_stale_temporaries(target: Path | str, suffix: str = "", *, room: int = 0, locked: bool = False,
+                             unless_clean: bool = False) -> None:
     """Remove temporaries of earlier writes to ``target`` whose writer has died (SIGKILL).
 
     Dead means: named by this PID namespace and its PID is gone; named by another, unmodified
@@ -286,19 +320,46 @@ def remove_stale_temporaries(target: Path, suffix: str = "", *, room: int = 0, l
     (a trainer is often PID 1), left it. ``suffix`` is a pattern for what a writer appends after
     the temporary's name (the file endings of a TF checkpoint written under a temporary prefix),
     and ``room`` the most bytes it appends, as :func:`temporary_beside` was told.
+
+    ``unless_clean``: skip the listing (a fifth of a small save's setup) where this process's
+    last sweep of ``target``, less than :data:`SWEEP_AGAIN_AFTER` ago, left no temporary of it
+    (not even a live writer's) and nothing in the folder has changed since its write that
+    followed (:func:`fsync_folder` ``written=``): the folder's modification time is the same.
+    So a temporary left by a writer killed since is still removed by the next write; one begun
+    while this process wrote the target, or within the file system's timestamp granularity
+    after (a few milliseconds where the kernel stamps coarsely), goes within the minute.
     """
-    head = _temporary_head(target, room)
+    key = os.fspath(target)
+    folder, base = os.path.split(key)
+    if unless_clean:
+        swept = _SWEPT_CLEAN.get(key)
+        if swept is not None and swept[1] is not None and time.monotonic() - swept[0] < SWEEP_AGAIN_AFTER:
+            with contextlib.suppress(OSError):
+                if _folder_state(os.stat(folder or ".")) == swept[1]:
+                    _SWEPT_CLEAN[key] = (swept[0], None)  # the state this write leaves, noted as it lands
+                    return
+    head = _temporary_head(base, key, room)
     pattern = re.compile(rf"([0-9]+)-(?:([0-9a-f]{{{_SPACE_HEX}}})-)?[0-9a-f]+{suffix}\Z")
+    left = True  # unless the listing says otherwise
     with contextlib.suppress(OSError):
-        names = os.listdir(target.parent)  # a listing, and names compared first: the folder may be large
+        names = os.listdir(folder or ".")  # a listing, and names compared first: the folder may be large
+        left = False
         for name in names:
             match = name.startswith(head) and pattern.match(name, len(head))
-            if match and (locked or _dead(target.parent / name, int(match.group(1)), match.group(2))):
+            if match and (locked or _dead(os.path.join(folder, name), int(match.group(1)), match.group(2))):
                 with contextlib.suppress(OSError):  # gone already, or a folder: the next one may still go
-                    os.unlink(target.parent / name)
+                    os.unlink(os.path.join(folder, name))
+                    continue
+            left = left or bool(match)
+    if left:
+        _SWEPT_CLEAN.pop(key, None)
+    else:
+        if len(_SWEPT_CLEAN) >= _SWEPT_TARGETS:
+            _SWEPT_CLEAN.clear()
+        _SWEPT_CLEAN[key] = (time.monotonic(), None)
 
 
-def _dead(path: Path, pid: int, space: str | None) -> bool:
+def _dead(path: str, pid: int, space: str | None) -> bool:
     """Whether the writer of the temporary ``path``, named by ``pid`` in ``space``, is gone."""
     if space is None or space == _pid_space():
         return not _process_alive(pid)
