@@ -1,4 +1,4 @@
-"""TF checkpoint read benchmark (issue 9): weightstore's TF-free reader against TensorFlow's.
+"""TF checkpoint read benchmark: weightstore's TF-free reader against TensorFlow's.
 
 The core benchmark's weights (float32 arrays, 256 B to 100 MB) are saved once by
 TensorFlow's ``SaveV2`` as a name-based checkpoint, then read whole, in one run, by

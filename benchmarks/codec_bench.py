@@ -1,6 +1,6 @@
 """``compress="shuffle"`` (weightstore's shuffle-zstd member) against blosc2 doing the same.
 
-The question (issue 17): keep the private ``\\x93WSZSTD\\x01`` container, or store blosc2's
+The question: keep the private ``\\x93WSZSTD\\x01`` container, or store blosc2's
 published frame, which other tools read? Measured here on trained-like weights (see
 ``core_bench.trained_like``), codec against codec in one process, round-robin so every variant
 sees the same load on a shared machine:

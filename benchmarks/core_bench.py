@@ -1,4 +1,4 @@
-"""Core benchmark (issue 2): weightstore npz and HDF5 against numpy, safetensors and h5py.
+"""Core benchmark: weightstore npz and HDF5 against numpy, safetensors and h5py.
 
 Builds about 1 GB of float32 weights shaped like a small transformer (an embedding matrix,
 18 blocks of kernels, biases and norm scales: 255 arrays from 256 B to 100 MB) and measures,
@@ -331,7 +331,7 @@ def compression_case(folder: str, case: str, repeat: int) -> dict:
     return result | {"bytes": nbytes, "file_bytes": file_bytes, "save": saved, "cpu": cpu}
 
 
-# -- durable saves, each format against its own peer (issue 22) ---------------------------------
+# -- durable saves, each format against its own peer ---------------------------------
 DURABLE = [("ws-npz", "np+fsync"), ("ws-st", "safetensors+fsync"), ("ws-h5", "h5py+fsync")]
 DURABLE_LABELS = {"ws-npz": "weightstore npz", "np+fsync": "np.savez + fsync", "ws-st": "weightstore safetensors",
                   "safetensors+fsync": "safetensors save_file + fsync", "ws-h5": "weightstore HDF5",
@@ -395,14 +395,14 @@ def save_bench(size_mb: float, repeat: int, rounds: int = 3, out=sys.stdout, bus
                      f"{facts['bytes'] / MB / floor:,.0f}", f"{cpu['raw+fsync'] / gb:.2f}", "-"])
         say(table(["durable save", "median s", "x its peer", "x floor", "MB/s", "CPU s/GB", "CPU x peer"], rows))
         say("")
-        say("Targets (issue 42)")
+        say("Targets")
         say(table(["target", "holds", "measured"], [[c, "yes" if ok else "NO", v] for c, ok, v in checks]))
         return {"facts": facts, "medians": m, "cpu": cpu}
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-# -- scale: cost against bytes and against tensor count (issue 22) ------------------------------
+# -- scale: cost against bytes and against tensor count ------------------------------
 SCALE_SIZES_MB = (64, 256, 1024, 4096)
 SCALE_COUNTS = (100, 1_000, 10_000, 100_000)
 SCALE_CASES = {"save:ws-npz": "durable npz save", "load:ws-npz": "verified npz load + sum",
@@ -442,7 +442,7 @@ def scale_bench(sizes_mb: tuple[float, ...], counts: tuple[int, ...], repeat: in
     return results
 
 
-# -- cold loads: every format from the disk, against its peer and a plain read (issue 22) ---------
+# -- cold loads: every format from the disk, against its peer and a plain read ---------
 COLD_LOADS = [("ws-npz", "np"), ("ws-st", "safetensors"), ("ws-h5", "h5py")]
 COLD_LABELS = {"ws-npz": "weightstore npz", "np": "np.load", "ws-st": "weightstore safetensors",
                "safetensors": "safetensors load_file", "ws-h5": "weightstore HDF5", "h5py": "h5py",
@@ -469,7 +469,7 @@ def cold_load_bench(size_mb: float, repeat: int, rounds: int = 3, out=sys.stdout
         rows.append([COLD_LABELS["read"], fmt_seconds(floor), "-", "1.00x"])
         say(table(["cold load", "median s", "x its peer", "x plain read"], rows))
         say("")
-        say("Targets (issue 22)")
+        say("Targets")
         say(table(["target", "holds", "measured"],
                   [[f"{COLD_LABELS[own]} <= 1.0x {COLD_LABELS[peer]}", "yes" if m[own] <= m[peer] else "NO",
                     f"{m[own] / m[peer]:.2f}x"] for own, peer in COLD_LOADS]

@@ -1,4 +1,4 @@
-"""Delta versions (issue 41): bytes per version, bytes a follower fetches, publish CPU, against full versions.
+"""Delta versions: bytes per version, bytes a follower fetches, publish CPU, against full versions.
 
 Three trainers publish every step to two folders on moto's S3 server on 127.0.0.1 (its own
 process, counting every body byte): one with full versions, one with ``delta=ws.Delta(...)``.

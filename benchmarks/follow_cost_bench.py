@@ -1,10 +1,10 @@
-"""What followers cost the store (issue 21): requests and bytes per follower-hour idle, and per version.
+"""What followers cost the store: requests and bytes per follower-hour idle, and per version.
 
 ``--followers`` readers (1 and 16 by default; threads of this process, each with its own
 watch) follow one folder on moto's S3 server on 127.0.0.1, which runs in its own process and
 counts every request and body byte. Two ways of looking at ``LATEST``:
 
-- ``before``: a GET of ``LATEST`` every ``--poll`` seconds (what ``follow`` did before issue 21);
+- ``before``: a GET of ``LATEST`` every ``--poll`` seconds (what ``follow`` did before it looked at ``LATEST``'s ETag);
 - ``conditional``: ``ws.follow`` now: a HEAD while the ETag is unchanged (no body), the interval
   backing off from ``--poll`` to ``--max-poll`` while idle, reset by each new version.
 

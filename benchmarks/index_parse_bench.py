@@ -1,4 +1,4 @@
-"""What a sharded index costs to parse, per KB: a real one against hostile ones (issue 39).
+"""What a sharded index costs to parse, per KB: a real one against hostile ones.
 
 A real index is committed by ``ws.publish_shard`` and ``ws.commit_shards`` (``--world`` ranks,
 ``--keys`` tensors split by rows); the hostile ones are sealed by hand: "staircase" tilings

@@ -1,4 +1,4 @@
-"""Publishing benchmark (issue 11): how long ``model.fit`` is held per publish, and what it costs in memory.
+"""Publishing benchmark: how long ``model.fit`` is held per publish, and what it costs in memory.
 
 A Keras model of about ``size_mb`` of float32 weights (Dense layers, SGD) trains and
 publishes every ``every`` batches, ``publishes`` times a fit, each publish followed by
@@ -22,12 +22,12 @@ end of ``fit`` for the last write. **+anon** is the peak of ``RssAnon`` (``/proc
 sampled every 2 ms) during the fit above that of the fit without saving. Ratios are to
 ``tf-sync``'s blocked time, as the issue's targets are (blocked <= 0.1x, extra <= 0.5x).
 **extra CPU** is the same difference in the process's CPU seconds (all threads), per publish.
-``--busy`` runs every mode beside a CPU-bound neighbour process (issue 42: extra <= 0.5x, quiet
+``--busy`` runs every mode beside a CPU-bound neighbour process (extra <= 0.5x, quiet
 and busy).
 
     python -m benchmarks.publish_bench                  # 256 MB, 3 repetitions
     python -m benchmarks.publish_bench --size-mb 32 --repeat 1   # quick
-    python -m benchmarks.publish_bench --size-mb 270 --only ws-background tf-sync --busy   # issue 42
+    python -m benchmarks.publish_bench --size-mb 270 --only ws-background tf-sync --busy
 """
 
 from __future__ import annotations

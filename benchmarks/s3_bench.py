@@ -1,4 +1,4 @@
-"""Object storage: requests and bytes on the wire, weightstore against plain clients (issue 11).
+"""Object storage: requests and bytes on the wire, weightstore against plain clients.
 
 All in one process against moto's S3 server on 127.0.0.1 (:mod:`benchmarks.s3_server`), which
 counts every request and every body byte it sends and receives. ``size_mb`` of float32 in 8
@@ -17,7 +17,7 @@ Ratios are to the weightstore row of the same format (lower is better for the ot
 
     python -m benchmarks.s3_bench                  # 64 MB, 3 repetitions
     python -m benchmarks.s3_bench --size-mb 256
-    python -m benchmarks.s3_bench --size-mb 64 --repeat 1   # with issue 42's 1/64 selective-load target
+    python -m benchmarks.s3_bench --size-mb 64 --repeat 1   # with the 1/64 selective-load target
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def bench(size_mb: float = 64, repeat: int = 3) -> list[tuple[str, str, dict[str
     for operation, engine, r in results:
         if operation == "load 1/64":
             ratio = r["down"] / selected
-            print(f"target (issue 42): {engine} load of 1/64 <= 1.1x the selected bytes: {ratio:.3f}x "
+            print(f"target: {engine} load of 1/64 <= 1.1x the selected bytes: {ratio:.3f}x "
                   f"({'yes' if ratio <= 1.1 else 'NO'}; {r['down'] / MB:.3f} MB down for {selected / MB:.3f} MB)")
     return results
 

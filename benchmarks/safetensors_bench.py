@@ -1,4 +1,4 @@
-"""safetensors through weightstore against the ``safetensors`` library itself (issue 9).
+"""safetensors through weightstore against the ``safetensors`` library itself.
 
 Two shapes of weights: ``size_mb`` of float32 in 50 tensors, and 50,000 tensors of 256
 floats (50 MB, where per-tensor costs dominate). For each, in one run:

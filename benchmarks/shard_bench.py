@@ -1,4 +1,4 @@
-"""Sharded versions (issue 23): what a commit costs, what each reader fetches, how writers scale.
+"""Sharded versions: what a commit costs, what each reader fetches, how writers scale.
 
 Four tables, one run:
 

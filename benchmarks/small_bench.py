@@ -1,4 +1,4 @@
-"""Many small tensors (issue 11): 50,000 float32 tensors of 256 values, against safetensors.
+"""Many small tensors: 50,000 float32 tensors of 256 values, against safetensors.
 
 Here per-tensor work dominates, not bytes: parsing and checking 50,000 manifest entries at
 open, and, per read, finding the member, checking its npy header and CRC. One process, the
@@ -11,7 +11,7 @@ file, fsync of the folder (two fsyncs, as ``ws.save`` does).
     python -m benchmarks.small_bench                       # 50,000 x 256 float32, 5 runs
     python -m benchmarks.small_bench --tensors 5000 --repeat 3
     python -m benchmarks.small_bench --cpu                 # CPU time, for a machine others load
-    python -m benchmarks.small_bench --tensors 100 --repeat 31   # issue 42's small-work targets
+    python -m benchmarks.small_bench --tensors 100 --repeat 31   # the small-work targets
     python -m benchmarks.small_bench --tensors 100 --per-call [--without-fsync]   # CPU per call, in a loop
 """
 
@@ -106,7 +106,7 @@ def bench(tensors: int = 50_000, size: int = 256, repeat: int = 5, clock=time.pe
                ("durable save", "save (weightstore npz)", "save (safetensors durable replace)", 1.5),
                ("open + keys", "open + keys (weightstore npz)", "open + keys (safetensors safe_open)", 2.0),
                ("verified load", "load (weightstore npz)", "load verify=False (weightstore npz)", 1.3)]
-    print("  targets (issue 42): x peer, wall and CPU")
+    print("  targets: x peer, wall and CPU")
     for what, own, peer, most in targets:
         wall, spent = results[own] / results[peer], cpu[own] / cpu[peer]
         print(f"  {what:14s} <= {most}x {peer:40s} wall {wall:5.2f}x {'yes' if wall <= most else 'NO ':3s}  CPU {spent:5.2f}x")

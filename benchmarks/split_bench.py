@@ -1,4 +1,4 @@
-"""Checksums and shuffle decoding on one thread against two, on a busy machine too (issue 11).
+"""Checksums and shuffle decoding on one thread against two, on a busy machine too.
 
 ``core_bench`` times each case in its own process; on a machine other people share, those
 medians mostly measure the neighbours. Here every variant runs in one process, round-robin,

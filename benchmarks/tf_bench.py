@@ -1,4 +1,4 @@
-"""TensorFlow benchmark (issue 3): weightstore's adapters against TensorFlow's own checkpoints.
+"""TensorFlow benchmark: weightstore's adapters against TensorFlow's own checkpoints.
 
 About 1 GB of float32 variables (the same 255 arrays, 256 B to 100 MB, as the core
 benchmark) is saved and restored, in one run, through
@@ -15,7 +15,7 @@ benchmark) is saved and restored, in one run, through
 Every case runs in its own process that first builds the variables (its memory baseline),
 then warms up once and repeats. ``ws.save`` fsyncs; each peer also gets a ``+fsync`` row.
 
-Then "hold the model once" (issue 11), each against its peer in the same run (two alternated
+Then "hold the model once", each against its peer in the same run (two alternated
 processes each, the better median kept), with the extra anonymous memory (``RssAnon``, sampled
 every millisecond during one more run; file-backed pages of a mapped file are the page
 cache's, not a copy of the model): ``tf2.assign`` against ``Checkpoint.read`` at 4 GB (halved
@@ -30,7 +30,7 @@ executors then) and then the repeated ones, which a follower re-assigning a mode
     python -m benchmarks.tf_bench --only-hold --hold-rows tf2   # one hold row
     python -m benchmarks.tf_bench --only-hold     # only the hold rows
     python -m benchmarks.tf_bench --restore --cold --size-mb 256   # npz/safetensors vs TF, page cache evicted
-    python -m benchmarks.tf_bench --restore --cold --pairs tf1 --tf1-init initializers --size-mb 256  # issue 42
+    python -m benchmarks.tf_bench --restore --cold --pairs tf1 --tf1-init initializers --size-mb 256
     python -m benchmarks.tf_bench --only-hold --hold-rows small --small 50000 --repeat 3   # small tensors
     python -m benchmarks.tf_bench --export-memory --size-mb 256   # tf2.export / snapshot memory
 """
@@ -466,10 +466,10 @@ def report(r: dict, facts: dict, say) -> None:
              f"{r[f'restore:{product}']['peak'] / model:.2f}x"),
         ]
     say("")
-    say("Targets (issue 3)")
+    say("Targets")
     say(table(["target", "holds", "measured"], [[c, "yes" if ok else "NO", v] for c, ok, v in checks]))
 
-# -- restores, warm or cold, with their memory (issue 22) ----------------------------------------
+# -- restores, warm or cold, with their memory ----------------------------------------
 RESTORES = [("ws-tf2", "tf2-ckpt"), ("ws-tf2-st", "tf2-ckpt"), ("ws-tf1", "tf1-saver"), ("ws-tf1-st", "tf1-saver")]
 
 
@@ -523,7 +523,7 @@ def restore_bench(size_mb: float, repeat: int, *, cold: bool = False, rounds: in
         for own, peer in chosen:
             for when in ("first", "median"):
                 ratio = r[own][when] / r[peer][when]
-                # issue 42: a TF1 graph's repeated cold assign within 0.7x Saver.restore
+                # a TF1 graph's repeated cold assign within 0.7x Saver.restore
                 limit = 0.7 if when == "median" and cold and own.startswith("ws-tf1") else 1.0
                 checks.append((f"{own} {'first' if when == 'first' else 'repeated'} <= {limit}x {peer}",
                                ratio <= limit, f"{ratio:.2f}x"))
@@ -543,7 +543,7 @@ def restore_bench(size_mb: float, repeat: int, *, cold: bool = False, rounds: in
         shutil.rmtree(folder, ignore_errors=True)
 
 
-# -- hold the model once (issue 11) -------------------------------------------------------------
+# -- hold the model once -------------------------------------------------------------
 def _fitting_mb(size_mb: float, say) -> float:
     """``size_mb`` halved until three copies (variables, file, the peer's file) fit in free memory."""
     with open("/proc/meminfo") as handle:
@@ -561,7 +561,7 @@ def hold_bench(tf2_mb: float, tf1_mb: float, small: int, repeat: int, out=sys.st
                rows: tuple[str, ...] = ("tf2", "tf1", "small")) -> dict:
     """The three "hold the model once" comparisons (those in ``rows``), each pair in its own folder."""
     say = lambda *a: print(*a, file=out, flush=True)  # noqa: E731
-    say(f"Hold the model once (issue 11): {repeat} runs per case, medians; extra anonymous memory "
+    say(f"Hold the model once: {repeat} runs per case, medians; extra anonymous memory "
         f"sampled in one more run; {machine_line()}")
     tf2_mb = _fitting_mb(tf2_mb, say)
     table_rows, checks, results = [], [], {}
@@ -616,7 +616,7 @@ def hold_bench(tf2_mb: float, tf1_mb: float, small: int, repeat: int, out=sys.st
     say(table(["weights", "restore", "first s", "x peer first", "repeated s", "x peer", "extra anon MB",
                "anon / model", "peak RSS MB"], table_rows))
     say("")
-    say("Targets (issue 11)")
+    say("Targets")
     say(table(["target", "holds", "measured"], [[c, "yes" if ok else "NO", v] for c, ok, v in checks]))
     return results
 

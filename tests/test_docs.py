@@ -69,9 +69,11 @@ def test_readme_lines_fit_100_columns():
 
 
 def test_user_facing_text_has_no_internal_wording():
-    """Issue numbers and development rounds mean nothing to a user reading the docs or a message."""
+    """Issue numbers and development rounds mean nothing to a user reading the docs, a message or a
+    benchmark's output."""
     internal = re.compile(r"\bissue \d+|\bissue #\d+|\b(this|last|previous) round\b|\ba seed needs\b", re.IGNORECASE)
-    for path in [*DOCS, *ROOT.glob("weightstore/**/*.py"), *ROOT.glob("adapters/*.py"), *ROOT.glob("cli/*.py")]:
+    for path in [*DOCS, *ROOT.glob("weightstore/**/*.py"), *ROOT.glob("adapters/*.py"), *ROOT.glob("cli/*.py"),
+                 *ROOT.glob("benchmarks/*.py"), *ROOT.glob("examples/*.py")]:
         found = internal.search(path.read_text())
         assert found is None, f"{path.relative_to(ROOT)}: {found.group(0)!r}"
 

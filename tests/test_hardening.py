@@ -1,4 +1,4 @@
-"""Issue 18's classes of hostile input, each a test: crashes in a subprocess, memory under an
+"""The classes of hostile input, each a test: crashes in a subprocess, memory under an
 address-space limit, time under a timeout, and leaked library exceptions as WeightStoreErrors
 naming the file and tensor."""
 

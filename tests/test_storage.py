@@ -1,4 +1,4 @@
-"""What a write may replace, and what a versioned folder never loses (issue: hardening).
+"""What a write may replace, and what a versioned folder never loses.
 
 Special files are never replaced, symlinks are written through, permissions survive a re-save,
 and a folder whose LATEST went back, or is not a file at all, loses no version and hangs no one.
