@@ -163,3 +163,26 @@ def test_a_folder_on_s3_and_an_outage_there(s3):
     assert result.exit_code == 2, result.output
     assert result.stderr.startswith(f"error: {folder}/{SECOND}: ") and "storage failed" in result.stderr, result.stderr
     assert not result.stdout  # no line says any version is ok or corrupt
+
+
+def test_a_version_pruned_while_verifying_is_skipped(s3):
+    """A publish with ``keep`` removes the oldest version as the verifier reaches it: not corrupt."""
+    import s3fs
+
+    folder = f"s3://{BUCKET}/{uuid.uuid4().hex}/run"
+    for step in (1, 2):
+        ws.publish(folder, {"w": np.full(3, step, np.float32)}, step=step)
+    oldest = f"{folder}/step-000000000001.npz"[len("s3://"):]
+    storage = s3fs.S3FileSystem(skip_instance_cache=True)
+
+    def prune_first(environ):
+        if environ["REQUEST_METHOD"] in ("GET", "HEAD") and environ["PATH_INFO"].endswith(oldest.rsplit("/")[-1]):
+            s3.intercept = None
+            storage.rm_file(oldest)
+        return None
+
+    s3.intercept = prune_first
+    result = run("verify", folder)
+    assert result.exit_code == 0, result.output
+    assert lines(result) == [f"s3://{oldest}: skipped (full): removed while verifying (pruned)",
+                             f"{folder}/step-000000000002.npz: ok (full): 1 tensor"]
