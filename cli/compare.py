@@ -1,4 +1,5 @@
-"""``ws diff`` and ``ws verify``: what differs between two weight sources, and what is corrupt.
+"""``ws diff`` and ``ws verify``: what differs between two weight sources, and what is corrupt
+(in one file, or in every version of a folder ``ws.publish`` writes).
 
 Both read one tensor at a time and ``diff`` compares a pair in slices, so memory holds about
 two tensors whatever the file size.
@@ -14,14 +15,18 @@ other payloads) are a change too.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from weightstore.cli.render import tensor_type, track
 from weightstore.core._tensortable import DIGEST_PREFIX
 from weightstore.core.manifest import TensorInfo
-from weightstore.errors import FormatError
+from weightstore.errors import FormatError, StoreNotFoundError
 from weightstore.store._open import Store
+
+if TYPE_CHECKING:
+    from weightstore.sync._pinning import Version
 
 _CHUNK = 2 << 20  # elements: 16 MB of float64
 
@@ -212,3 +217,104 @@ def verify(store: Store) -> list[Problem]:
             elsewhere = exc.path if exc.path != store.path else None  # a sharded version's member
             problems.append(Problem(key, f"{elsewhere}: {exc.message}" if elsewhere else exc.message))
     return problems
+
+
+@dataclass
+class VersionCheck:
+    """What ``ws verify FOLDER`` found of one version: ``state`` is ``"ok"``, ``"corrupt"`` (its
+    ``problems``, or ``fault`` where it does not open at all) or ``"skipped"`` (``fault`` says why)."""
+
+    step: int
+    path: str
+    kind: str  # as ``ws versions`` says it: full, delta, sharded, sharded-delta
+    state: str = "ok"
+    count: int = 0
+    problems: list[Problem] = field(default_factory=list)
+    fault: str = ""
+
+
+def holds_versions(store: str) -> bool:
+    """Whether ``store`` is a folder ``ws.publish`` writes: it holds ``LATEST`` or a version file
+    (one with ``LATEST`` lost, too). Asked once it is known to be no weight file."""
+    from weightstore.formats._pointer import LATEST
+    from weightstore.sync._folder import require_folder, version_files
+
+    try:
+        folder = require_folder(store)
+    except StoreNotFoundError:  # no such folder, or a file
+        return False
+    return any(entry.name == LATEST for entry in folder.files()) or bool(version_files(folder))
+
+
+def verify_versions(folder: str) -> tuple[list[VersionCheck], FormatError | None]:
+    """:func:`verify` of every version ``ws versions FOLDER`` lists, oldest first, and what is
+    wrong with ``LATEST`` (``None`` when it reads and names a version the folder holds).
+
+    Opening a version is what checks it whole: a delta is rebuilt from its chain and checked
+    against the digests its publisher recorded (so a damaged anchor shows in every delta built on
+    it), a sharded version reads every block of its members. A version being written (above the
+    step ``LATEST`` names) or removed while this runs (a prune) is skipped, not corrupt; a storage
+    outage is raised, since nothing can be told then."""
+    import weightstore
+    from weightstore.sync._listing import version_listing
+
+    entries, damage = version_listing(folder)
+    pointer = _latest(folder) if damage is None else None
+    checks = []
+    for entry in entries:
+        check = VersionCheck(entry.step, entry.path, entry.kind)
+        checks.append(check)
+        if pointer is not None and entry.step > pointer.step:
+            check.state, check.fault = "skipped", f"above LATEST's step {pointer.step}: being written"
+            continue
+        try:
+            with weightstore.open(entry.path) as opened:
+                check.count, check.problems = len(opened), verify(opened)
+        except StoreNotFoundError as exc:  # gone: this version (pruned meanwhile), or a file of its chain
+            if entry.name not in _version_names(folder):
+                check.state, check.fault = "skipped", "removed while verifying (pruned)"
+                continue
+            check.fault = _fault(exc, entry.path)
+        except FormatError as exc:  # its structure, or a file of its chain
+            check.fault = _fault(exc, entry.path)
+        if check.problems or check.fault:
+            check.state = "corrupt"
+    if pointer is not None and damage is None:
+        damage = _latest_lost(folder, pointer.path)
+    return checks, damage
+
+
+def _fault(exc: Exception, path: str) -> str:
+    """What is wrong with the version at ``path``, without its name where the line says it already."""
+    text = str(exc)
+    return text[len(path) + 2:] if text.startswith(f"{path}: ") else text
+
+
+def _latest(folder: str) -> Version | None:
+    """The version ``LATEST`` names now; ``None`` when there is none or it does not read."""
+    from weightstore.sync._folder import require_folder
+    from weightstore.sync._pinning import read_latest
+
+    try:
+        return read_latest(require_folder(folder))
+    except FormatError:
+        return None
+
+
+def _version_names(folder: str) -> set[str]:
+    from weightstore.sync._folder import require_folder, version_files
+
+    return {entry.name for _, entry in version_files(require_folder(folder))}
+
+
+def _latest_lost(folder: str, named: str) -> FormatError | None:
+    """Where ``LATEST`` names a version the folder does not hold (and still does, read again:
+    a publish and its prune may have moved on meanwhile), that damage; else ``None``."""
+    name = named.rsplit("/", 1)[-1]
+    if name in _version_names(folder):
+        return None
+    now = _latest(folder)
+    if now is None or now.path != named or name in _version_names(folder):
+        return None
+    return FormatError(f"LATEST names {name}, which the folder does not hold: followers cannot read it; "
+                       "publish again to repair it", path=folder)

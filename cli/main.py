@@ -464,22 +464,36 @@ def convert(
 
 
 @app.command()
-def verify(store: Annotated[str, typer.Argument(help="The weight store to check.")], as_json: AsJson = False) -> None:
+def verify(store: Annotated[str, typer.Argument(help="The weight store, or folder of ws.publish versions, to check.")],
+           as_json: AsJson = False) -> None:
     """Check the structure of STORE and every tensor's checksum; exit 1 naming what is corrupt.
 
-    Exit status 0 when it is intact, 1 when it is corrupt or no weight file, 2 when it cannot be
-    checked (no such file, a storage outage).
+    STORE may be a folder of ws.publish versions (local or s3://): every version ws versions
+    lists is checked, one line each (ok, corrupt, or skipped: above LATEST, being written, or
+    pruned meanwhile); a delta is rebuilt from its chain and checked against its recorded
+    digests, so a damaged anchor fails every delta built on it, each line naming the anchor.
+
+    Exit status 0 when it is intact, 1 when it is corrupt (any version) or no weight file, 2 when
+    it cannot be checked (no such file, an empty folder, a storage outage).
 
     \b
-    Example:
+    Examples:
       ws verify model.npz
+      ws verify s3://bucket/run
     """
     import weightstore
-    from weightstore.errors import ChecksumError, shown_key
+    from weightstore.errors import ChecksumError, StoreNotFoundError, shown_key
     from weightstore.formats import tf_checkpoint
 
     _json(as_json)
-    with weightstore.open(store) as opened:
+    try:
+        opening = weightstore.open(store)
+    except StoreNotFoundError:
+        if not compare.holds_versions(store):
+            raise
+        _verify_folder(store)
+        return
+    with opening as opened:
         problems = compare.verify(opened)
         total, has_checksums, by_tf = len(opened), opened.has_checksums, opened.format == tf_checkpoint.FORMAT.name
     if settings.json and not problems:
@@ -498,6 +512,41 @@ def verify(store: Annotated[str, typer.Argument(help="The weight store to check.
         note(f"{store}: ok, {count(total, 'tensor')}, TF's CRC-32C checksums match")
     else:
         note(f"{store}: readable, {count(total, 'tensor')}; no weightstore manifest, so no checksums to check")
+
+
+def _verify_folder(folder: str) -> None:
+    """``ws verify FOLDER``: a line per version on stdout (with ``--json``, one object listing
+    them), then exit 1 naming every corrupt version (a damaged ``LATEST`` too), else 0."""
+    from weightstore.cli.guard import describe
+    from weightstore.errors import FormatError, StoreNotFoundError, shown_key
+
+    checks, damage = compare.verify_versions(folder)
+    if not checks and damage is None:  # nothing to tell intact from lost
+        raise StoreNotFoundError("holds no versions to verify (ws versions lists none)", path=folder)
+    corrupt = [check for check in checks if check.state == "corrupt"]
+    failure = None
+    if corrupt or damage is not None:
+        found = [f"{len(corrupt)} of {count(len(checks), 'version')} corrupt: "
+                 f"{named([check.path.rsplit('/', 1)[-1] for check in corrupt], shown=5)}"] if corrupt else []
+        failure = FormatError("; ".join(found + ([damage.message] if damage is not None else [])), path=folder)
+    if settings.json:
+        document = {"command": "verify", "ok": failure is None, "folder": folder, "versions": [
+            {"step": check.step, "path": check.path, "kind": check.kind, "state": check.state, "count": check.count,
+             "problems": [{"key": problem.key, "message": problem.message} for problem in check.problems],
+             "fault": check.fault} for check in checks], "latest_error": None if damage is None else str(damage)}
+        if failure is not None:
+            document["error"] = render.error_document("verify", failure, describe(failure))["error"]
+        render.print_json(document)
+    else:
+        for check in checks:
+            said = check.fault or "; ".join(f"tensor {shown_key(problem.key)}: {problem.message}"
+                                            for problem in check.problems) or f"{count(check.count, 'tensor')}"
+            typer.echo(render.printable(f"{check.path}: {check.state} ({check.kind}): {said}"))
+        if damage is not None:
+            typer.echo(render.printable(f"{damage.path}: corrupt: {damage.message}"))
+    if failure is not None:
+        typer.echo(f"error: {describe(failure)}", err=True)
+        raise typer.Exit(1)
 
 
 def _json(as_json: bool) -> None:

@@ -841,16 +841,18 @@ def test_a_folder_of_versions_given_as_a_file_names_its_latest_version(store, tm
     for step in (1, 2):
         ws.publish(run_folder, ws.load(store), step=step)
     latest = ws.latest(run_folder).path
-    for args in (["ls", run_folder], ["verify", run_folder], ["export", run_folder, "-o", tmp_path / "o.npz"]):
-        one_error_line(run(*args), "run: is a folder of ws.publish versions", f"such as LATEST's {latest}",
-                       status=2 if args[0] == "verify" else 1)  # no file to verify: it cannot tell
+    for args in (["ls", run_folder], ["export", run_folder, "-o", tmp_path / "o.npz"]):
+        one_error_line(run(*args), "run: is a folder of ws.publish versions", f"such as LATEST's {latest}")
     assert not (tmp_path / "o.npz").exists()
+    assert run("verify", run_folder).exit_code == 0  # every version (tests/test_verify_folder.py)
     with pytest.raises(ws.StoreNotFoundError, match="folder of ws.publish versions"):
         ws.load(run_folder)
     assert run("ls", latest).exit_code == 0
     os.remove(run_folder / "LATEST")
     os.mkfifo(run_folder / "LATEST")  # a hostile folder: never opened, and still named for what it is
     one_error_line(run("ls", run_folder), "run: is a folder of ws.publish versions", "one of its step-* files")
+    verified = run("verify", run_folder)  # LATEST is what is wrong with the folder
+    assert verified.exit_code == 1 and "LATEST is a FIFO" in verified.stdout, verified.output
 
 
 def test_a_keras_zip_bomb_is_one_error_line(tmp_path):
@@ -1059,7 +1061,7 @@ def _documented_json_fields() -> dict[str, tuple[list[str], dict[str, list[str]]
         nested = {name: re.findall(r"`(\w+)`", inner) for name, inner in
                   re.findall(r"`(\w+)` \(each[^:]*: ([^)]*)\)", fields)}
         top = re.findall(r"`(\w+)`", re.sub(r"\([^)]*\)", "", fields))
-        for command in re.findall(r"`(\w+)`", commands):
+        for command in re.findall(r"`(\w+(?: [A-Z]+)?)`", commands):  # `verify FOLDER`: another shape
             table[command] = (top, nested)
     return table
 
@@ -1076,7 +1078,7 @@ def test_every_command_prints_the_json_fields_docs_cli_md_lists(tmp_path):
         "ls": ["ls", a], "export": ["export", a, "-o", tmp_path / "e.npz"],
         "import": ["import", a, "--into", tmp_path / "i.npz", "--scope", "m"],
         "convert": ["convert", a, tmp_path / "c.h5"], "diff": ["diff", a, b], "verify": ["verify", a],
-        "versions": ["versions", run_folder], "follow": ["follow", run_folder, "--timeout", "0"],
+        "verify FOLDER": ["verify", run_folder], "versions": ["versions", run_folder], "follow": ["follow", run_folder, "--timeout", "0"],
         "clean": ["clean", run_folder],
     }
     assert set(commands) == set(documented)
@@ -1087,7 +1089,7 @@ def test_every_command_prints_the_json_fields_docs_cli_md_lists(tmp_path):
         document = json.loads(done.stdout.splitlines()[0] if command == "follow" else done.stdout)
         top, nested = documented[command]
         assert list(document) == ["command", "ok", *top], command
-        assert (document["command"], document["ok"]) == (command, True)
+        assert (document["command"], document["ok"]) == (command.split()[0], True)
         for name, fields in nested.items():
             assert document[name] and list(document[name][0]) == fields, (command, name)
 

@@ -1,0 +1,188 @@
+"""``ws verify FOLDER``: every version of a folder ``ws.publish`` writes, checked as a reader reads it.
+
+After an outage or a disk scare, the question is whether the folder is sound: each full version's
+checksums, each delta rebuilt from its chain (a damaged anchor is every delta's fault), each
+sharded version's blocks. Exit 0 intact, 1 corrupt naming each, 2 when it cannot tell.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+
+import numpy as np
+from typer.testing import CliRunner
+
+import weightstore as ws
+from weightstore.cli.main import app
+
+BUCKET = "weightstore-verify"
+ANCHOR, SECOND, THIRD = "step-000000000001.npz", "step-000000000002.wsdelta", "step-000000000003.wsdelta"
+#: the tensor a test damages, and its bytes, found in the anchor's file by them
+STILL = np.linspace(-1.0, 1.0, 2500, dtype=np.float32).reshape(50, 50)
+
+
+def run(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def lines(result) -> list[str]:
+    return result.stdout.strip().splitlines()
+
+
+def publish_deltas(folder):
+    """A full version, then two deltas of it: ``moving`` changes each step, ``still`` never."""
+    moving = np.arange(1000, dtype=np.float32)
+    for step in (1, 2, 3):
+        moving = moving.copy()
+        moving[step] += 1
+        ws.publish(folder, {"moving": moving, "still": STILL}, step=step, delta=True)
+
+
+def flip_a_byte_of(path, tensor: np.ndarray) -> None:
+    data = bytearray(path.read_bytes())
+    data[data.index(tensor.tobytes()) + 100] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_sound_folder_of_full_and_delta_versions_is_intact(tmp_path):
+    folder = tmp_path / "run"
+    publish_deltas(folder)
+    result = run("verify", folder)
+    assert result.exit_code == 0, result.output
+    assert lines(result) == [f"{folder}/{ANCHOR}: ok (full): 2 tensors", f"{folder}/{SECOND}: ok (delta): 2 tensors",
+                             f"{folder}/{THIRD}: ok (delta): 2 tensors"]
+    document = json.loads(run("verify", folder, "--json").stdout)
+    assert (document["ok"], document["folder"], document["latest_error"]) == (True, str(folder), None)
+    assert [(v["step"], v["kind"], v["state"], v["count"]) for v in document["versions"]] == [
+        (1, "full", "ok", 2), (2, "delta", "ok", 2), (3, "delta", "ok", 2)]
+
+
+def test_a_damaged_anchor_makes_every_delta_on_it_corrupt_naming_the_anchor(tmp_path):
+    """``ws versions`` lists such a folder as fine; each delta's rebuilt tensor fails the digest
+    its publisher recorded, and the line says which file of the chain is at fault."""
+    folder = tmp_path / "run"
+    publish_deltas(folder)
+    flip_a_byte_of(folder / ANCHOR, STILL)
+    assert run("versions", folder).exit_code == 0
+    result = run("verify", folder)
+    assert result.exit_code == 1, result.output
+    found = lines(result)
+    assert found[0].startswith(f"{folder}/{ANCHOR}: corrupt (full): tensor 'still': is corrupt (checksum")
+    for line, name in zip(found[1:], (SECOND, THIRD), strict=True):
+        assert line.startswith(f"{folder}/{name}: corrupt (delta): tensor 'still': rebuilding it from base"), line
+        assert f"in its chain, {ANCHOR}: is corrupt" in line
+    assert result.stderr.strip() == (f"error: {folder}: 3 of 3 versions corrupt: '{ANCHOR}', '{SECOND}', "
+                                     f"'{THIRD}'")
+    document = json.loads(run("verify", folder, "--json").stdout)
+    assert document["ok"] is False and document["error"]["type"] == "FormatError"
+    assert [v["state"] for v in document["versions"]] == ["corrupt"] * 3
+    assert [p["key"] for v in document["versions"] for p in v["problems"]] == ["still"] * 3
+
+
+def test_a_delta_whose_base_is_gone_is_corrupt_and_one_being_written_is_skipped(tmp_path):
+    folder = tmp_path / "run"
+    publish_deltas(folder)
+    (folder / ANCHOR).unlink()  # removed by hand: the deltas cannot be read
+    result = run("verify", folder)
+    assert result.exit_code == 1, result.output
+    assert all(line.startswith(f"{folder}/step-") and ": corrupt (delta): " in line for line in lines(result))
+    assert ANCHOR in lines(result)[0]
+    other = tmp_path / "other"
+    publish_deltas(other)
+    (other / "LATEST").write_bytes((other / "LATEST").read_bytes().replace(b'"step": 3', b'"step": 2')
+                                   .replace(THIRD.encode(), SECOND.encode()))  # a publish of step 3 under way
+    result = run("verify", other)
+    assert result.exit_code == 0, result.output
+    assert lines(result)[-1] == f"{other}/{THIRD}: skipped (delta): above LATEST's step 2: being written"
+
+
+def test_a_latest_naming_a_lost_version_is_corrupt(tmp_path):
+    folder = tmp_path / "run"
+    ws.publish(folder, {"w": np.zeros(3, np.float32)}, step=1)
+    ws.publish(folder, {"w": np.ones(3, np.float32)}, step=2)
+    (folder / "step-000000000002.npz").unlink()
+    result = run("verify", folder)
+    assert result.exit_code == 1, result.output
+    assert lines(result) == [f"{folder}/step-000000000001.npz: ok (full): 1 tensor",
+                             f"{folder}: corrupt: LATEST names step-000000000002.npz, which the folder does not "
+                             "hold: followers cannot read it; publish again to repair it"]
+
+
+def test_a_sharded_version_is_read_block_by_block(tmp_path):
+    folder = tmp_path / "run"
+    weights = np.arange(600_000, dtype=np.float32).reshape(1000, 600)
+    ws.publish(folder, {"w": weights[:10]}, step=1)
+    ws.publish_shard(folder, {"w": weights}, step=2, rank=0, world=1, attempt=0)
+    ws.commit_shards(folder, step=2, world=1, attempt=0, timeout=5)
+    index = f"{folder}/step-000000000002.wsindex"
+    result = run("verify", folder)
+    assert result.exit_code == 0, result.output
+    assert lines(result)[1] == f"{index}: ok (sharded): 1 tensor"
+    member = folder / "step-000000000002.attempt-0" / "rank-00000.safetensors"
+    data = bytearray(member.read_bytes())
+    data[-10] ^= 0xFF  # the last block of w
+    member.write_bytes(bytes(data))
+    result = run("verify", folder)
+    assert result.exit_code == 1, result.output
+    assert lines(result)[0].endswith(": ok (full): 1 tensor")
+    assert lines(result)[1].startswith(f"{index}: corrupt (sharded): tensor 'w': ")
+
+
+def test_an_empty_or_missing_folder_cannot_be_told_sound(tmp_path):
+    """Nothing to check is not "intact": exit 2, as for a missing file, from the installed command."""
+    (tmp_path / "empty").mkdir()
+    for folder in (tmp_path / "empty", tmp_path / "absent"):
+        done = subprocess.run([sys.executable, "-m", "weightstore", "verify", str(folder)], capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 2 and not done.stdout, done
+        assert done.stderr.startswith(f"error: {folder}: ") and "Traceback" not in done.stderr
+
+
+def test_a_folder_on_s3_and_an_outage_there(s3):
+    """The same lines for an S3 folder; an outage mid-way cannot tell: exit 2, not "corrupt"."""
+    import s3fs
+
+    folder = f"s3://{BUCKET}/{uuid.uuid4().hex}/run"
+    publish_deltas(folder)
+    result = run("verify", folder)
+    assert result.exit_code == 0, result.output
+    assert lines(result) == [f"{folder}/{ANCHOR}: ok (full): 2 tensors", f"{folder}/{SECOND}: ok (delta): 2 tensors",
+                             f"{folder}/{THIRD}: ok (delta): 2 tensors"]
+    storage = s3fs.S3FileSystem()
+    data = bytearray(storage.cat_file(f"{folder}/{ANCHOR}"[len("s3://"):]))
+    data[data.index(STILL.tobytes()) + 100] ^= 0xFF
+    storage.pipe_file(f"{folder}/{ANCHOR}"[len("s3://"):], bytes(data))
+    result = run("verify", folder)
+    assert result.exit_code == 1 and f"in its chain, {ANCHOR}: is corrupt" in lines(result)[2], result.output
+    down = (503, b"<Error><Code>SlowDown</Code><Message>down</Message></Error>")
+    s3.intercept = lambda environ: down if environ["PATH_INFO"].endswith(SECOND) else None
+    result = run("verify", folder)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith(f"error: {folder}/{SECOND}: ") and "storage failed" in result.stderr, result.stderr
+    assert not result.stdout  # no line says any version is ok or corrupt
+
+
+def test_a_version_pruned_while_verifying_is_skipped(s3):
+    """A publish with ``keep`` removes the oldest version as the verifier reaches it: not corrupt."""
+    import s3fs
+
+    folder = f"s3://{BUCKET}/{uuid.uuid4().hex}/run"
+    for step in (1, 2):
+        ws.publish(folder, {"w": np.full(3, step, np.float32)}, step=step)
+    oldest = f"{folder}/step-000000000001.npz"[len("s3://"):]
+    storage = s3fs.S3FileSystem(skip_instance_cache=True)
+
+    def prune_first(environ):
+        if environ["REQUEST_METHOD"] in ("GET", "HEAD") and environ["PATH_INFO"].endswith(oldest.rsplit("/")[-1]):
+            s3.intercept = None
+            storage.rm_file(oldest)
+        return None
+
+    s3.intercept = prune_first
+    result = run("verify", folder)
+    assert result.exit_code == 0, result.output
+    assert lines(result) == [f"s3://{oldest}: skipped (full): removed while verifying (pruned)",
+                             f"{folder}/step-000000000002.npz: ok (full): 1 tensor"]
