@@ -440,8 +440,8 @@ import os, runpy, sys
 import weightstore.io.commit as commit
 shard = sys.argv.pop(1)
 before, fsync_folder = os.stat(shard).st_ino, commit.fsync_folder
-def killed_once_in(path):
-    fsync_folder(path)
+def killed_once_in(path, **words):
+    fsync_folder(path, **words)
     if os.stat(shard).st_ino != before:
         os._exit(137)  # as SIGKILL (the OOM killer, a preempted node) would: nothing cleans up
 commit.fsync_folder = killed_once_in
