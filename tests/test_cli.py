@@ -1006,7 +1006,11 @@ def test_ctrl_c_while_python_m_weightstore_starts_exits_130_quietly(tmp_path):
         finally:
             started.kill()
         said = [line for line in err.splitlines() if not line.startswith("import time:")]
-        assert (started.returncode, out, said) == (130, "", ["interrupted"]), (delay, err[-2000:])
+        # -2: CPython under -m ends by SIGINT (a shell shows 130 as well) once a KeyboardInterrupt
+        # ended code run from a string (a dataclass's generated methods, while typer imports
+        # pydantic), even one caught and answered since, as here: "interrupted", exit 130
+        assert (started.returncode in (130, -signal.SIGINT), out, said) == (True, "", ["interrupted"]), (
+            delay, started.returncode, err[-2000:])
 
 
 @pytest.mark.parametrize("args", [["ls", "{big}"], ["ls", "--json", "{big}"], ["diff", "{big}", "{small}"],
