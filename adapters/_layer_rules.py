@@ -156,19 +156,29 @@ _MHA_TORCH = ("in_proj_weight", "out_proj/weight")
 _MHA_TORCH_BIASES = ("in_proj_bias", "out_proj/bias")
 
 
+def _keras_mha_problem(shapes: Shapes, widths_apart: bool) -> str:
+    """What keeps Keras's MultiHeadAttention kernels from PyTorch's: query, key and value of
+    ``[d, heads, d / heads]`` (``widths_apart``: key's and value's first axis any width, as
+    ``kdim``/``vdim`` make them), and an output that projects back to ``d``."""
+    rank = _ranks(shapes, {key: 3 for key in _MHA_KERAS})
+    if rank:
+        return rank
+    query = shapes["query/kernel"]
+    model = query[0]
+    alike = [shapes[f"{p}/kernel"][1 if widths_apart else 0:] == query[1 if widths_apart else 0:] for p in _QKV]
+    if query[1] * query[2] != model or not all(alike):
+        shape = "[d, heads, d / heads] (key's and value's first axis any width)" if widths_apart else (
+            "one shape [d, heads, d / heads]")
+        return (f"PyTorch's MultiheadAttention needs query, key and value kernels of {shape}; these are "
+                f"{[list(shapes[f'{p}/kernel']) for p in _QKV]}")
+    if shapes["attention_output/kernel"] != (query[1], query[2], model):
+        return f"attention_output/kernel {list(shapes['attention_output/kernel'])} does not project back to {model}"
+    return ""
+
+
 def _mha_problem(shapes: Shapes, from_keras: bool, heads: int) -> str:
     if from_keras:
-        rank = _ranks(shapes, {key: 3 for key in _MHA_KERAS})
-        if rank:
-            return rank
-        query = shapes["query/kernel"]
-        model = query[0]
-        if any(shapes[f"{p}/kernel"] != query for p in _QKV) or query[1] * query[2] != model:
-            return (f"PyTorch's MultiheadAttention needs query, key and value kernels of one shape [d, heads, "
-                    f"d / heads]; these are {[list(shapes[f'{p}/kernel']) for p in _QKV]}")
-        if shapes["attention_output/kernel"] != (query[1], query[2], model):
-            return f"attention_output/kernel {list(shapes['attention_output/kernel'])} does not project back to {model}"
-        return ""
+        return _keras_mha_problem(shapes, widths_apart=False)
     if heads < 1:
         return ("PyTorch's in_proj_weight does not record the head count Keras's kernels are split by; "
                 "convert from the module (torch.export(module, layout='keras')), which knows it, or say it: "
@@ -210,17 +220,7 @@ _MHA_TORCH_APART = ("q_proj_weight", "k_proj_weight", "v_proj_weight", "out_proj
 
 def _mha_apart_problem(shapes: Shapes, from_keras: bool, heads: int) -> str:
     if from_keras:
-        rank = _ranks(shapes, {key: 3 for key in _MHA_KERAS})
-        if rank:
-            return rank
-        query = shapes["query/kernel"]
-        model = query[0]
-        if query[1] * query[2] != model or any(shapes[f"{p}/kernel"][1:] != query[1:] for p in _QKV):
-            return (f"PyTorch's MultiheadAttention needs query, key and value kernels of [d, heads, d / heads] "
-                    f"(key's and value's first axis any width); these are {[list(shapes[f'{p}/kernel']) for p in _QKV]}")
-        if shapes["attention_output/kernel"] != (query[1], query[2], model):
-            return f"attention_output/kernel {list(shapes['attention_output/kernel'])} does not project back to {model}"
-        return ""
+        return _keras_mha_problem(shapes, widths_apart=True)
     if heads < 1:
         return _mha_problem(shapes, from_keras, heads)
     weights = [shapes[key] for key in _MHA_TORCH_APART[:3]]

@@ -18,6 +18,7 @@ file, fsync of the folder (two fsyncs, as ``ws.save`` does).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import tempfile
 import time
@@ -27,10 +28,32 @@ import numpy as np
 from benchmarks.common import interleaved_medians
 
 
+def _ws_open_keys(path: str) -> None:
+    import weightstore as ws
+
+    with ws.open(path) as store:
+        store.keys()
+
+
+def _st_open_keys(path: str) -> None:
+    from safetensors import safe_open
+
+    with safe_open(path, "np") as handle:
+        handle.keys()
+
+
+def _st_save_durable(flat: dict[str, np.ndarray], path: str) -> None:
+    """What ``ws.save`` does beyond ``save_file``: the bytes on disk before it returns."""
+    import safetensors.numpy
+
+    safetensors.numpy.save_file(flat, path)
+    with open(path, "rb+") as handle:
+        os.fsync(handle.fileno())
+
+
 def bench(tensors: int = 50_000, size: int = 256, repeat: int = 5, clock=time.perf_counter) -> dict[str, float]:
     """Print and return median seconds per case, and weightstore's ratio to safetensors."""
     import safetensors.numpy
-    from safetensors import safe_open
 
     import weightstore as ws
 
@@ -41,22 +64,13 @@ def bench(tensors: int = 50_000, size: int = 256, repeat: int = 5, clock=time.pe
         npz, st = os.path.join(folder, "w.npz"), os.path.join(folder, "w.safetensors")
         flat = {k.replace("/", "."): v for k, v in weights.items()}
 
-        def open_keys() -> None:
-            with ws.open(npz) as store:
-                store.keys()
-
-        def st_open_keys() -> None:
-            with safe_open(st, "np") as handle:
-                handle.keys()
+        open_keys, st_open_keys = functools.partial(_ws_open_keys, npz), functools.partial(_st_open_keys, st)
 
         def st_open_keys_ws() -> None:  # the same file through weightstore (its names read as torch's)
             with ws.open(st) as store:
                 store.keys()
 
-        def st_save_durable() -> None:  # what ws.save does beyond save_file: the bytes on disk before it returns
-            safetensors.numpy.save_file(flat, st)
-            with open(st, "rb+") as handle:
-                os.fsync(handle.fileno())
+        st_save_durable = functools.partial(_st_save_durable, flat, st)
 
         def fsync_at(path: str) -> None:
             fd = os.open(path, os.O_RDONLY)
@@ -176,8 +190,6 @@ def bench_per_call(tensors: int = 100, size: int = 256, calls: int = 200, *, wit
     ``os.fsync`` (weightstore's two, the peer's one) returns at once, which leaves the CPU beside
     them, where the kernel's fsync work (most of a small save's, and the noisiest on a loaded disk)
     cannot hide a change of a few percent. Print and return microseconds per call."""
-    import safetensors.numpy
-    from safetensors import safe_open
 
     import weightstore as ws
 
@@ -192,22 +204,10 @@ def bench_per_call(tensors: int = 100, size: int = 256, calls: int = 200, *, wit
         with tempfile.TemporaryDirectory(prefix="ws-small-calls-") as folder:
             npz, st = os.path.join(folder, "w.npz"), os.path.join(folder, "w.safetensors")
 
-            def st_save_durable() -> None:
-                safetensors.numpy.save_file(flat, st)
-                with open(st, "rb+") as handle:
-                    os.fsync(handle.fileno())
-
-            def open_keys() -> None:
-                with ws.open(npz) as store:
-                    store.keys()
-
-            def st_open_keys() -> None:
-                with safe_open(st, "np") as handle:
-                    handle.keys()
-
             cases = {"save (weightstore npz)": lambda: ws.save(npz, weights),
-                     "save (safetensors save_file + fsync)": st_save_durable,
-                     "open + keys (weightstore npz)": open_keys, "open + keys (safetensors safe_open)": st_open_keys}
+                     "save (safetensors save_file + fsync)": functools.partial(_st_save_durable, flat, st),
+                     "open + keys (weightstore npz)": functools.partial(_ws_open_keys, npz),
+                     "open + keys (safetensors safe_open)": functools.partial(_st_open_keys, st)}
             for run in cases.values():
                 for _ in range(calls // 4 + 1):
                     run()
