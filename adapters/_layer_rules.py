@@ -200,11 +200,15 @@ def _mha_to_torch(a: Arrays, heads: int) -> dict[str, np.ndarray]:
 
 
 def _mha_to_keras(a: Arrays, heads: int) -> dict[str, np.ndarray]:
-    packed = a["in_proj_weight"]
-    model = packed.shape[1]
+    return _projections_to_keras(a, np.split(a["in_proj_weight"], 3), heads)
+
+
+def _projections_to_keras(a: Arrays, projections: list[np.ndarray], heads: int) -> dict[str, np.ndarray]:
+    """Keras's query, key and value kernels (and biases, output) from PyTorch's q, k and v
+    projections (``[d, d]``, or ``[d, kdim]`` for a key of another width): one per head."""
+    model = a["out_proj/weight"].shape[0]
     head_dim = model // heads
-    parts = np.split(packed, 3)
-    out = {f"{p}/kernel": part.T.reshape(model, heads, head_dim) for p, part in zip(_QKV, parts, strict=True)}
+    out = {f"{p}/kernel": part.T.reshape(-1, heads, head_dim) for p, part in zip(_QKV, projections, strict=True)}
     out["attention_output/kernel"] = a["out_proj/weight"].T.reshape(heads, head_dim, model)
     if "in_proj_bias" in a:
         out.update({f"{p}/bias": part.reshape(heads, head_dim)
@@ -242,15 +246,7 @@ def _mha_apart_to_torch(a: Arrays, heads: int) -> dict[str, np.ndarray]:
 
 
 def _mha_apart_to_keras(a: Arrays, heads: int) -> dict[str, np.ndarray]:
-    model = a["q_proj_weight"].shape[0]
-    head_dim = model // heads
-    out = {f"{p}/kernel": a[name].T.reshape(-1, heads, head_dim) for p, name in zip(_QKV, _MHA_TORCH_APART[:3], strict=True)}
-    out["attention_output/kernel"] = a["out_proj/weight"].T.reshape(heads, head_dim, model)
-    if "in_proj_bias" in a:
-        out.update({f"{p}/bias": part.reshape(heads, head_dim)
-                    for p, part in zip(_QKV, np.split(a["in_proj_bias"], 3), strict=True)})
-        out["attention_output/bias"] = a["out_proj/bias"]
-    return out
+    return _projections_to_keras(a, [a[name] for name in _MHA_TORCH_APART[:3]], heads)
 
 
 def _renamed(pairs: Mapping[str, str]) -> Callable[[Arrays, int], dict[str, np.ndarray]]:
