@@ -282,6 +282,8 @@ def verify_versions(folder: str) -> tuple[list[VersionCheck], FormatError | None
             check.state = "corrupt"
     if pointer is not None and damage is None:
         damage = _latest_lost(folder, pointer.path) or _latest_rolled_back(folder, pointer)
+    elif damage is None and entries:
+        damage = _latest_missing(folder)
     return checks, damage
 
 
@@ -323,6 +325,21 @@ def _latest_rolled_back(folder: str, pointer: Version) -> FormatError | None:
     return FormatError(f"LATEST names step {pointer.step}, but step {above[-1]} above it was published before "
                        "(was LATEST restored from an older copy?): followers miss it, and a publish refuses steps "
                        "up to it; publish a later step, or move those files away", path=folder)
+
+
+def _latest_missing(folder: str) -> FormatError | None:
+    """Where the folder holds versions but no ``LATEST`` (read again: a first publish may have
+    written it meanwhile; a killed one's own version does not count), that damage; else ``None``."""
+    from weightstore.sync._folder import FolderState, require_folder
+
+    state = FolderState.read(require_folder(folder))
+    if state.pointer is not None or state.pointer_error is not None:
+        return state.pointer_error
+    published = [step for step, _ in state.versions if step != state.intent]
+    if not published:
+        return None
+    return FormatError(f"holds versions up to step {published[-1]} but no LATEST: followers see none; "
+                       "publish again to repair it", path=folder)
 
 
 def _version_names(folder: str) -> set[str]:

@@ -222,3 +222,21 @@ def test_a_version_pruned_while_verifying_is_skipped(s3):
     assert result.exit_code == 0, result.output
     assert lines(result) == [f"s3://{oldest}: skipped (full): removed while verifying (pruned)",
                              f"{folder}/step-000000000002.npz: ok (full): 1 tensor"]
+
+
+def test_a_folder_whose_latest_is_lost_is_corrupt(tmp_path):
+    """Followers see no version without LATEST (a killed first publish's own version aside)."""
+    folder = tmp_path / "run"
+    publish_deltas(folder)
+    (folder / "LATEST").unlink()
+    result = run("verify", folder)
+    assert result.exit_code == 1, result.output
+    assert lines(result)[-1] == (f"{folder}: corrupt: holds versions up to step 3 but no LATEST: followers see none; "
+                                 "publish again to repair it")
+    first = tmp_path / "first"
+    killed = subprocess.run([sys.executable, "-c", KILLED_PUBLISHER, str(first)], capture_output=True, text=True,
+                            timeout=60)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    result = run("verify", first)
+    assert result.exit_code == 0, result.output
+    assert lines(result) == [f"{first}/step-000000000004.npz: ok (full): 2 tensors"]
