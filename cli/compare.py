@@ -260,11 +260,12 @@ def verify_versions(folder: str) -> tuple[list[VersionCheck], FormatError | None
 
     entries, damage = version_listing(folder)
     pointer = _latest(folder) if damage is None else None
+    writing = _being_written(folder)  # read after the listing: a publish records it before its version
     checks = []
     for entry in entries:
         check = VersionCheck(entry.step, entry.path, entry.kind)
         checks.append(check)
-        if pointer is not None and entry.step > pointer.step:
+        if pointer is not None and entry.step > pointer.step and entry.step == writing:
             check.state, check.fault = "skipped", f"above LATEST's step {pointer.step}: being written"
             continue
         try:
@@ -280,7 +281,9 @@ def verify_versions(folder: str) -> tuple[list[VersionCheck], FormatError | None
         if check.problems or check.fault:
             check.state = "corrupt"
     if pointer is not None and damage is None:
-        damage = _latest_lost(folder, pointer.path)
+        damage = _latest_lost(folder, pointer.path) or _latest_rolled_back(folder, pointer)
+    elif damage is None and entries:
+        damage = _latest_missing(folder)
     return checks, damage
 
 
@@ -299,6 +302,44 @@ def _latest(folder: str) -> Version | None:
         return read_latest(require_folder(folder))
     except FormatError:
         return None
+
+
+def _being_written(folder: str) -> int | None:
+    """The step a publish under way (or killed) is writing, from the intent it records before its
+    version; above ``LATEST``, any other version was published before ``LATEST`` went back."""
+    from weightstore.sync._folder import FolderState, require_folder
+
+    return FolderState.read(require_folder(folder)).intent
+
+
+def _latest_rolled_back(folder: str, pointer: Version) -> FormatError | None:
+    """Where versions no publish under way accounts for lie above the step ``LATEST`` names (and
+    still do, read again: a publish may have moved it on meanwhile), that damage; else ``None``.
+    Followers stay on the older version, and the next publish refuses a step not above them."""
+    from weightstore.sync._folder import FolderState, require_folder
+
+    state = FolderState.read(require_folder(folder))
+    above = state.above_latest()
+    if not above or state.pointer is None or state.pointer.step != pointer.step:
+        return None
+    return FormatError(f"LATEST names step {pointer.step}, but step {above[-1]} above it was published before "
+                       "(was LATEST restored from an older copy?): followers miss it, and a publish refuses steps "
+                       "up to it; publish a later step, or move those files away", path=folder)
+
+
+def _latest_missing(folder: str) -> FormatError | None:
+    """Where the folder holds versions but no ``LATEST`` (read again: a first publish may have
+    written it meanwhile; a killed one's own version does not count), that damage; else ``None``."""
+    from weightstore.sync._folder import FolderState, require_folder
+
+    state = FolderState.read(require_folder(folder))
+    if state.pointer is not None or state.pointer_error is not None:
+        return state.pointer_error
+    published = [step for step, _ in state.versions if step != state.intent]
+    if not published:
+        return None
+    return FormatError(f"holds versions up to step {published[-1]} but no LATEST: followers see none; "
+                       "publish again to repair it", path=folder)
 
 
 def _version_names(folder: str) -> set[str]:

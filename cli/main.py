@@ -469,8 +469,8 @@ def verify(store: Annotated[str, typer.Argument(help="The weight store, or folde
     """Check the structure of STORE and every tensor's checksum; exit 1 naming what is corrupt.
 
     STORE may be a folder of ws.publish versions (local or s3://): every version ws versions
-    lists is checked, one line each (ok, corrupt, or skipped: above LATEST, being written, or
-    pruned meanwhile); a delta is rebuilt from its chain and checked against its recorded
+    lists is checked, one line each (ok, corrupt, or skipped: above LATEST, being written by a
+    publish under way, or pruned meanwhile); a delta is rebuilt from its chain and checked against its recorded
     digests, so a damaged anchor fails every delta built on it, each line naming the anchor.
 
     Exit status 0 when it is intact, 1 when it is corrupt (any version) or no weight file, 2 when

@@ -8,6 +8,7 @@ sharded version's blocks. Exit 0 intact, 1 corrupt naming each, 2 when it cannot
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import uuid
@@ -92,11 +93,46 @@ def test_a_delta_whose_base_is_gone_is_corrupt_and_one_being_written_is_skipped(
     assert ANCHOR in lines(result)[0]
     other = tmp_path / "other"
     publish_deltas(other)
-    (other / "LATEST").write_bytes((other / "LATEST").read_bytes().replace(b'"step": 3', b'"step": 2')
-                                   .replace(THIRD.encode(), SECOND.encode()))  # a publish of step 3 under way
+    killed = subprocess.run([sys.executable, "-c", KILLED_PUBLISHER, str(other)], capture_output=True, text=True,
+                            timeout=60)  # its step 4 written, LATEST not yet: as a publish under way looks
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
     result = run("verify", other)
     assert result.exit_code == 0, result.output
-    assert lines(result)[-1] == f"{other}/{THIRD}: skipped (delta): above LATEST's step 2: being written"
+    assert lines(result)[-1] == f"{other}/step-000000000004.wsdelta: skipped (delta): above LATEST's step 3: being written"
+
+
+KILLED_PUBLISHER = """
+import os, signal, sys
+import numpy as np
+import weightstore as ws
+from weightstore.sync import _stages as stages
+
+def kill(name):
+    if name == "version-written":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+stages.hook = kill
+moving = np.arange(1000, dtype=np.float32)
+moving[1:4] += 1
+ws.publish(sys.argv[1], {"moving": moving, "still": np.linspace(-1.0, 1.0, 2500, dtype=np.float32).reshape(50, 50)},
+           step=4, delta=True)
+"""
+
+
+def test_a_latest_restored_from_an_older_copy_is_corrupt_and_the_versions_above_it_are_checked(tmp_path):
+    """No publish is under way, so a version above LATEST's step is one followers miss and the next
+    publish refuses to go past: not "being written", and still read whole."""
+    folder = tmp_path / "run"
+    publish_deltas(folder)
+    (folder / "LATEST").write_bytes((folder / "LATEST").read_bytes().replace(b'"step": 3', b'"step": 2')
+                                    .replace(THIRD.encode(), SECOND.encode()))
+    result = run("verify", folder)
+    assert result.exit_code == 1, result.output
+    assert lines(result)[-2:] == [
+        f"{folder}/{THIRD}: ok (delta): 2 tensors",
+        f"{folder}: corrupt: LATEST names step 2, but step 3 above it was published before (was LATEST restored "
+        "from an older copy?): followers miss it, and a publish refuses steps up to it; publish a later step, or "
+        "move those files away"]
 
 
 def test_a_latest_naming_a_lost_version_is_corrupt(tmp_path):
@@ -186,3 +222,21 @@ def test_a_version_pruned_while_verifying_is_skipped(s3):
     assert result.exit_code == 0, result.output
     assert lines(result) == [f"s3://{oldest}: skipped (full): removed while verifying (pruned)",
                              f"{folder}/step-000000000002.npz: ok (full): 1 tensor"]
+
+
+def test_a_folder_whose_latest_is_lost_is_corrupt(tmp_path):
+    """Followers see no version without LATEST (a killed first publish's own version aside)."""
+    folder = tmp_path / "run"
+    publish_deltas(folder)
+    (folder / "LATEST").unlink()
+    result = run("verify", folder)
+    assert result.exit_code == 1, result.output
+    assert lines(result)[-1] == (f"{folder}: corrupt: holds versions up to step 3 but no LATEST: followers see none; "
+                                 "publish again to repair it")
+    first = tmp_path / "first"
+    killed = subprocess.run([sys.executable, "-c", KILLED_PUBLISHER, str(first)], capture_output=True, text=True,
+                            timeout=60)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    result = run("verify", first)
+    assert result.exit_code == 0, result.output
+    assert lines(result) == [f"{first}/step-000000000004.npz: ok (full): 2 tensors"]
