@@ -26,6 +26,7 @@ from weightstore.errors import FormatError, StoreNotFoundError
 from weightstore.store._open import Store
 
 if TYPE_CHECKING:
+    from weightstore.sync._folder import FolderState
     from weightstore.sync._pinning import Version
 
 _CHUNK = 2 << 20  # elements: 16 MB of float64
@@ -252,20 +253,21 @@ def verify_versions(folder: str) -> tuple[list[VersionCheck], FormatError | None
 
     Opening a version is what checks it whole: a delta is rebuilt from its chain and checked
     against the digests its publisher recorded (so a damaged anchor shows in every delta built on
-    it), a sharded version reads every block of its members. A version being written (above the
-    step ``LATEST`` names) or removed while this runs (a prune) is skipped, not corrupt; a storage
-    outage is raised, since nothing can be told then."""
+    it), a sharded version reads every block of its members. A version being written (the step a
+    publish under way recorded, above ``LATEST``'s) or removed while this runs (a prune) is
+    skipped, not corrupt; a storage outage is raised, since nothing can be told then. ``LATEST``
+    is read again at the end (:func:`_latest_damage`)."""
     import weightstore
     from weightstore.sync._listing import version_listing
 
     entries, damage = version_listing(folder)
-    pointer = _latest(folder) if damage is None else None
-    writing = _being_written(folder)  # read after the listing: a publish records it before its version
+    before = _state(folder)  # read after the listing: a publish records its intent before its version
+    pointer = before.pointer if damage is None else None
     checks = []
     for entry in entries:
         check = VersionCheck(entry.step, entry.path, entry.kind)
         checks.append(check)
-        if pointer is not None and entry.step > pointer.step and entry.step == writing:
+        if pointer is not None and entry.step > pointer.step and entry.step == before.intent:
             check.state, check.fault = "skipped", f"above LATEST's step {pointer.step}: being written"
             continue
         try:
@@ -280,10 +282,8 @@ def verify_versions(folder: str) -> tuple[list[VersionCheck], FormatError | None
             check.fault = _fault(exc, entry.path)
         if check.problems or check.fault:
             check.state = "corrupt"
-    if pointer is not None and damage is None:
-        damage = _latest_lost(folder, pointer.path) or _latest_rolled_back(folder, pointer)
-    elif damage is None and entries:
-        damage = _latest_missing(folder)
+    if damage is None and (pointer is not None or entries):
+        damage = _latest_damage(folder, pointer)
     return checks, damage
 
 
@@ -293,69 +293,42 @@ def _fault(exc: Exception, path: str) -> str:
     return text[len(path) + 2:] if text.startswith(f"{path}: ") else text
 
 
-def _latest(folder: str) -> Version | None:
-    """The version ``LATEST`` names now; ``None`` when there is none or it does not read."""
-    from weightstore.sync._folder import require_folder
-    from weightstore.sync._pinning import read_latest
+def _state(folder: str) -> FolderState:
+    from weightstore.sync._folder import FolderState, require_folder
 
-    try:
-        return read_latest(require_folder(folder))
-    except FormatError:
+    return FolderState.read(require_folder(folder))
+
+
+def _latest_damage(folder: str, pointer: Version | None) -> FormatError | None:
+    """What is wrong with ``LATEST``, which named ``pointer`` before the versions were verified,
+    read again now (a publish and its prune may have moved it on meanwhile); ``None`` when
+    nothing is. It names a version the folder does not hold; versions no publish under way
+    accounts for lie above its step (restored from an older copy: followers stay behind, and the
+    next publish refuses a step not above them); or it is missing while versions, other than a
+    killed first publish's own, are there."""
+    state = _state(folder)
+    now = state.pointer
+    if pointer is None:
+        if now is not None or state.pointer_error is not None:
+            return state.pointer_error
+        published = [step for step, _ in state.versions if step != state.intent]
+        return FormatError(f"holds versions up to step {published[-1]} but no LATEST: followers see none; "
+                           "publish again to repair it", path=folder) if published else None
+    if now is None or now.path != pointer.path:
         return None
-
-
-def _being_written(folder: str) -> int | None:
-    """The step a publish under way (or killed) is writing, from the intent it records before its
-    version; above ``LATEST``, any other version was published before ``LATEST`` went back."""
-    from weightstore.sync._folder import FolderState, require_folder
-
-    return FolderState.read(require_folder(folder)).intent
-
-
-def _latest_rolled_back(folder: str, pointer: Version) -> FormatError | None:
-    """Where versions no publish under way accounts for lie above the step ``LATEST`` names (and
-    still do, read again: a publish may have moved it on meanwhile), that damage; else ``None``.
-    Followers stay on the older version, and the next publish refuses a step not above them."""
-    from weightstore.sync._folder import FolderState, require_folder
-
-    state = FolderState.read(require_folder(folder))
+    name = pointer.path.rsplit("/", 1)[-1]
+    if name not in {entry.name for _, entry in state.versions}:
+        return FormatError(f"LATEST names {name}, which the folder does not hold: followers cannot read it; "
+                           "publish again to repair it", path=folder)
     above = state.above_latest()
-    if not above or state.pointer is None or state.pointer.step != pointer.step:
-        return None
-    return FormatError(f"LATEST names step {pointer.step}, but step {above[-1]} above it was published before "
-                       "(was LATEST restored from an older copy?): followers miss it, and a publish refuses steps "
-                       "up to it; publish a later step, or move those files away", path=folder)
-
-
-def _latest_missing(folder: str) -> FormatError | None:
-    """Where the folder holds versions but no ``LATEST`` (read again: a first publish may have
-    written it meanwhile; a killed one's own version does not count), that damage; else ``None``."""
-    from weightstore.sync._folder import FolderState, require_folder
-
-    state = FolderState.read(require_folder(folder))
-    if state.pointer is not None or state.pointer_error is not None:
-        return state.pointer_error
-    published = [step for step, _ in state.versions if step != state.intent]
-    if not published:
-        return None
-    return FormatError(f"holds versions up to step {published[-1]} but no LATEST: followers see none; "
-                       "publish again to repair it", path=folder)
+    if above:
+        return FormatError(f"LATEST names step {pointer.step}, but step {above[-1]} above it was published before "
+                           "(was LATEST restored from an older copy?): followers miss it, and a publish refuses "
+                           "steps up to it; publish a later step, or move those files away", path=folder)
+    return None
 
 
 def _version_names(folder: str) -> set[str]:
     from weightstore.sync._folder import require_folder, version_files
 
     return {entry.name for _, entry in version_files(require_folder(folder))}
-
-
-def _latest_lost(folder: str, named: str) -> FormatError | None:
-    """Where ``LATEST`` names a version the folder does not hold (and still does, read again:
-    a publish and its prune may have moved on meanwhile), that damage; else ``None``."""
-    name = named.rsplit("/", 1)[-1]
-    if name in _version_names(folder):
-        return None
-    now = _latest(folder)
-    if now is None or now.path != named or name in _version_names(folder):
-        return None
-    return FormatError(f"LATEST names {name}, which the folder does not hold: followers cannot read it; "
-                       "publish again to repair it", path=folder)
