@@ -117,6 +117,13 @@ class Folder(abc.ABC):
         Not :meth:`read_tagged`: a poll wants the tag without the body, and on any storage
         fsspec reaches; :meth:`read_tagged` wants body and tag from one GET, for :meth:`put_if`."""
 
+    def fingerprint(self, name: str) -> object | None:
+        """What changes when file ``name`` is removed, replaced or written over, told without
+        reading it, for a publisher to see that a version it wrote is no longer as written;
+        ``None`` here: an object store keeps its objects' checksums itself, and a HEAD of each
+        file of a delta chain at every publish would cost more than such a change is likely."""
+        return None
+
     @abc.abstractmethod
     def commit(self, name: str, suffix: str = "") -> Commit:
         """How a new file ``name`` is written and made visible (protocol 1 or 2)."""
@@ -229,6 +236,15 @@ class LocalFolder(Folder):
     def tag(self, name: str) -> object | None:
         """Always new: a local read costs microseconds, and a file's times and inode can repeat."""
         return object() if os.path.lexists(self.root / name) else None
+
+    def fingerprint(self, name: str) -> object | None:
+        """Its inode, size, and modification and change times (``lstat``: a link put in its place
+        is a change too; the change time no one sets by hand); ``None`` when it is gone."""
+        try:
+            info = os.lstat(self.root / name)
+        except OSError:
+            return None
+        return info.st_mode, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns
 
     def commit(self, name: str, suffix: str = "") -> Commit:
         return RenameCommit(self.root / name, follow_symlinks=False)
