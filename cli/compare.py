@@ -252,6 +252,7 @@ def _read_checked(store: Store, key: str, held: Held | None, keep: bool) -> np.n
         except FormatError:  # read whole below: its error names the file of the chain at fault
             pass
     array = store[key]
+    store.check_digests(key, array)  # a sharded version's block digests, which followers trust unread
     if not keep:
         return None
     stored = np.ascontiguousarray(to_storage(array, key)[1])

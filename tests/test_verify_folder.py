@@ -339,3 +339,41 @@ def test_a_chain_is_verified_applying_each_delta_once_not_rebuilding_each_from_i
     assert [line.split(": ")[1] for line in lines(result)] == ["ok (full)"] + ["ok (delta)"] * 7
     assert s3.bytes_sent() < 2 * big.nbytes, s3.bytes_sent()
 
+
+def test_a_sharded_band_digest_that_lies_about_its_bytes_is_corrupt(tmp_path, monkeypatch):
+    """A follower's skip-unchanged trusts each band's recorded digest without reading the band:
+    one that is not its bytes' (a writer's fault) would keep a changed band unread, serving the
+    old weights. Every block reads whole, so only ``ws verify`` making the digests again from
+    the bytes sees it, naming the member, the piece and the band: of a piece stored whole
+    (``tall``) and of one stored as column strips (``w``), whose bands span every strip."""
+    from weightstore.sharded import _shards
+
+    folder = tmp_path / "run"
+    weights = {"w": np.arange(600_000, dtype=np.float32).reshape(1000, 600),
+               "tall": np.arange(300_000, dtype=np.float32).reshape(100_000, 3), "b": np.ones(7, np.float32)}
+    made = _shards.crc_band_digests
+
+    def lying(crc64s, strip_crcs):  # the second band's digest is not of its bytes
+        return [digest if band != 1 else bytes(32) for band, digest in enumerate(made(crc64s, strip_crcs))]
+
+    for step in (1, 2):
+        if step == 2:
+            monkeypatch.setattr(_shards, "crc_band_digests", lying)
+        ws.publish_shard(folder, weights, step=step, rank=0, world=1, attempt=0)
+        ws.commit_shards(folder, step=step, world=1, attempt=0, timeout=5)
+    monkeypatch.undo()
+    index = f"{folder}/step-000000000002.wsindex"
+    assert all(ws.load(index)[key].tobytes() == value.tobytes() for key, value in weights.items())  # CRC-32s hold
+    result = run("verify", folder)
+    assert result.exit_code == 1, result.output
+    assert lines(result)[0] == f"{folder}/step-000000000001.wsindex: ok (sharded): 3 tensors"
+    document = json.loads(run("verify", folder, "--json").stdout)
+    said = "the block digest of band 1 (rows {} on) of its piece at [0, 0] in member " \
+           "step-000000000002.attempt-0/rank-00000.safetensors is not its bytes': a follower would take that band " \
+           "for unchanged when it changed"
+    found = [(p["key"], p["message"]) for p in document["versions"][1]["problems"]]
+    assert [key for key, _ in found] == ["w", "tall"]
+    for _, message in found:
+        assert message == said.format(message.split("(rows ")[1].split(" ")[0]), message
+    result = run("verify", index)
+    assert result.exit_code == 1 and "the block digest of band 1" in result.stderr, result.output
