@@ -14,6 +14,8 @@ other payloads) are a change too.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
@@ -21,12 +23,13 @@ import numpy as np
 
 from weightstore.cli.render import tensor_type, track
 from weightstore.core._tensortable import DIGEST_PREFIX
-from weightstore.core.manifest import TensorInfo
+from weightstore.core.manifest import TensorInfo, to_storage
 from weightstore.errors import FormatError, StoreNotFoundError
 from weightstore.store._open import Store
 
 if TYPE_CHECKING:
     from weightstore.sync._folder import FolderState
+    from weightstore.sync._listing import VersionEntry
     from weightstore.sync._pinning import Version
 
 _CHUNK = 2 << 20  # elements: 16 MB of float64
@@ -206,18 +209,54 @@ class Problem:
     message: str
 
 
-def verify(store: Store) -> list[Problem]:
-    """Read every tensor with its checksum checked; one problem per failing tensor, empty when sound."""
+def verify(store: Store, held: Held | None = None, keep: Held | None = None) -> list[Problem]:
+    """Read every tensor with its checksum checked; one problem per failing tensor, empty when sound.
+
+    ``held``: the version before, whole, where ``store`` is a delta of it: each tensor is
+    rebuilt onto its bytes there (taken, changed in place) and checked against the digest its
+    publisher recorded, as a follower does, rather than rebuilt from the anchor again; one that
+    cannot be (a tensor it has not, a failure) is read whole, whose error names the file of the
+    chain at fault. ``keep``: filled with each tensor's stored bytes that read whole, for the
+    next version."""
     problems = []
     keys = store.keys()
     total = sum(store.info(k).nbytes for k in keys)
     for key in track(((k, store.info(k).nbytes) for k in keys), "verifying", total):
         try:
-            store[key]
+            kept = _read_checked(store, key, held, keep is not None)
+            if keep is not None and kept is not None:
+                keep.tensors[key] = kept
         except FormatError as exc:
             elsewhere = exc.path if exc.path != store.path else None  # a sharded version's member
             problems.append(Problem(key, f"{elsewhere}: {exc.message}" if elsewhere else exc.message))
     return problems
+
+
+@dataclass
+class Held:
+    """A version ``ws verify FOLDER`` found whole (file name), and its tensors' stored bytes,
+    each its own writable copy: what the delta after it is rebuilt onto."""
+
+    name: str
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def _read_checked(store: Store, key: str, held: Held | None, keep: bool) -> np.ndarray | None:
+    """``key`` read with its checksum (or digest) checked: rebuilt onto ``held``'s bytes where
+    it can be, else read whole; where ``keep``, its stored bytes (uint8), writable and its own."""
+    data = None if held is None else held.tensors.pop(key, None)
+    if data is not None and held is not None:
+        try:
+            if store.read_from(key, held.name, data, in_place=True) is not None:
+                return data
+        except FormatError:  # read whole below: its error names the file of the chain at fault
+            pass
+    array = store[key]
+    store.check_digests(key, array)  # a sharded version's block digests, which followers trust unread
+    if not keep:
+        return None
+    stored = np.ascontiguousarray(to_storage(array, key)[1])
+    return stored.reshape(-1).view(np.uint8).copy() if stored.size else np.empty(0, np.uint8)
 
 
 @dataclass
@@ -238,53 +277,85 @@ def holds_versions(store: str) -> bool:
     """Whether ``store`` is a folder ``ws.publish`` writes: it holds ``LATEST`` or a version file
     (one with ``LATEST`` lost, too). Asked once it is known to be no weight file."""
     from weightstore.formats._pointer import LATEST
-    from weightstore.sync._folder import require_folder, version_files
+    from weightstore.sync._folder import not_file_versions, require_folder, version_files
 
     try:
         folder = require_folder(store)
     except StoreNotFoundError:  # no such folder, or a file
         return False
-    return any(entry.name == LATEST for entry in folder.files()) or bool(version_files(folder))
+    return any(entry.name == LATEST for entry in folder.files()) or bool(version_files(folder)) or \
+        bool(not_file_versions(folder))
 
 
-def verify_versions(folder: str) -> tuple[list[VersionCheck], FormatError | None]:
+def empty_folder(store: str) -> bool:
+    """Whether ``store`` is a local folder with nothing in it."""
+    try:
+        return os.path.isdir(store) and not os.listdir(store)
+    except OSError:  # it cannot be listed: not known to be empty
+        return False
+
+
+def verify_versions(folder: str, checked: Callable[[VersionCheck], None] | None = None,
+                    ) -> tuple[list[VersionCheck], FormatError | None]:
     """:func:`verify` of every version ``ws versions FOLDER`` lists, oldest first, and what is
-    wrong with ``LATEST`` (``None`` when it reads and names a version the folder holds).
+    wrong with ``LATEST`` (``None`` when it reads and names a version the folder holds);
+    ``checked`` is given each version's check as soon as it is done.
 
-    Opening a version is what checks it whole: a delta is rebuilt from its chain and checked
-    against the digests its publisher recorded (so a damaged anchor shows in every delta built on
-    it), a sharded version reads every block of its members. A version being written (the step a
+    Opening a version is what checks it whole: a delta is rebuilt and checked against the
+    digests its publisher recorded (so a damaged anchor shows in every delta built on it), a
+    sharded version reads every block of its members. Along a chain each delta is applied once,
+    onto the version before it as just verified (:class:`Held`: one version's tensors in
+    memory), not rebuilt from its anchor for every version. A version being written (the step a
     publish under way recorded, above ``LATEST``'s) or removed while this runs (a prune) is
     skipped, not corrupt; a storage outage is raised, since nothing can be told then. ``LATEST``
-    is read again at the end (:func:`_latest_damage`)."""
-    import weightstore
+    is read again at the end (:func:`_latest_damage`). A version whose name is held by no file
+    (a FIFO, a folder, a link) is corrupt, never opened."""
     from weightstore.sync._listing import version_listing
 
     entries, damage = version_listing(folder)
     before = _state(folder)  # read after the listing: a publish records its intent before its version
     pointer = before.pointer if damage is None else None
     checks = []
-    for entry in entries:
+    held: Held | None = None
+    for at, entry in enumerate(entries):
         check = VersionCheck(entry.step, entry.path, entry.kind)
         checks.append(check)
-        if pointer is not None and entry.step > pointer.step and entry.step == before.intent:
-            check.state, check.fault = "skipped", f"above LATEST's step {pointer.step}: being written"
-            continue
-        try:
-            with weightstore.open(entry.path) as opened:
-                check.count, check.problems = len(opened), verify(opened)
-        except StoreNotFoundError as exc:  # gone: this version (pruned meanwhile), or a file of its chain
-            if entry.name not in _version_names(folder):
-                check.state, check.fault = "skipped", "removed while verifying (pruned)"
-                continue
-            check.fault = _fault(exc, entry.path)
-        except FormatError as exc:  # its structure, or a file of its chain
-            check.fault = _fault(exc, entry.path)
-        if check.problems or check.fault:
-            check.state = "corrupt"
+        following = entries[at + 1] if at + 1 < len(entries) else None
+        keep = Held(entry.name) if following is not None and following.kind == "delta" and \
+            following.base == entry.name else None
+        _check_version(folder, entry, check, before, pointer,
+                       held if held is not None and entry.kind == "delta" and entry.base == held.name else None, keep)
+        held = keep  # what read whole: a tensor that did not is read from the anchor again, naming the fault
+        if checked is not None:
+            checked(check)
     if damage is None and (pointer is not None or entries):
         damage = _latest_damage(folder, pointer)
     return checks, damage
+
+
+def _check_version(folder: str, entry: VersionEntry, check: VersionCheck, before: FolderState,
+                   pointer: Version | None, held: Held | None, keep: Held | None) -> None:
+    """Fill in ``check`` of version ``entry`` (see :func:`verify_versions`)."""
+    import weightstore
+
+    if pointer is not None and entry.step > pointer.step and entry.step == before.intent:
+        check.state, check.fault = "skipped", f"above LATEST's step {pointer.step}: being written"
+        return
+    if entry.not_file is not None:  # never opened: a FIFO would block, a link lead out of the folder
+        check.state, check.fault = "corrupt", f"is {entry.not_file}, not a file: no reader opens it"
+        return
+    try:
+        with weightstore.open(entry.path) as opened:
+            check.count, check.problems = len(opened), verify(opened, held, keep)
+    except StoreNotFoundError as exc:  # gone: this version (pruned meanwhile), or a file of its chain
+        if entry.name not in _version_names(folder):
+            check.state, check.fault = "skipped", "removed while verifying (pruned)"
+            return
+        check.fault = _fault(exc, entry.path)
+    except FormatError as exc:  # its structure, or a file of its chain
+        check.fault = _fault(exc, entry.path)
+    if check.problems or check.fault:
+        check.state = "corrupt"
 
 
 def _fault(exc: Exception, path: str) -> str:
@@ -318,8 +389,9 @@ def _latest_damage(folder: str, pointer: Version | None) -> FormatError | None:
         return None
     name = pointer.path.rsplit("/", 1)[-1]
     if name not in {entry.name for _, entry in state.versions}:
-        return FormatError(f"LATEST names {name}, which the folder does not hold: followers cannot read it; "
-                           "publish again to repair it", path=folder)
+        held = "is no file" if name in state.folder.not_files() else "the folder does not hold"
+        return FormatError(f"LATEST names {name}, which {held}: followers cannot read it; publish again to repair it",
+                           path=folder)
     above = state.above_latest()
     if above:
         return FormatError(f"LATEST names step {pointer.step}, but step {above[-1]} above it was published before "

@@ -469,9 +469,11 @@ def verify(store: Annotated[str, typer.Argument(help="The weight store, or folde
     """Check the structure of STORE and every tensor's checksum; exit 1 naming what is corrupt.
 
     STORE may be a folder of ws.publish versions (local or s3://): every version ws versions
-    lists is checked, one line each (ok, corrupt, or skipped: above LATEST, being written by a
-    publish under way, or pruned meanwhile); a delta is rebuilt from its chain and checked against its recorded
-    digests, so a damaged anchor fails every delta built on it, each line naming the anchor.
+    lists is checked, one line each as it is done (ok, corrupt, or skipped: above LATEST, being
+    written by a publish under way, or pruned meanwhile); a delta is rebuilt (each delta of a
+    chain applied once, onto the version before) and checked against its recorded digests, so a
+    damaged anchor fails every delta built on it, each line naming the anchor. A version's name
+    held by a link, a folder or a FIFO is corrupt, never opened.
 
     Exit status 0 when it is intact, 1 when it is corrupt (any version) or no weight file, 2 when
     it cannot be checked (no such file, an empty folder, a storage outage).
@@ -490,6 +492,9 @@ def verify(store: Annotated[str, typer.Argument(help="The weight store, or folde
         opening = weightstore.open(store)
     except StoreNotFoundError:
         if not compare.holds_versions(store):
+            if compare.empty_folder(store):  # rather than "no TF checkpoint": a run not yet published to
+                raise StoreNotFoundError("is an empty folder: no weight file, and no ws.publish versions to verify",
+                                         path=store) from None
             raise
         _verify_folder(store)
         return
@@ -520,7 +525,12 @@ def _verify_folder(folder: str) -> None:
     from weightstore.cli.guard import describe
     from weightstore.errors import FormatError, StoreNotFoundError, shown_key
 
-    checks, damage = compare.verify_versions(folder)
+    def said(check: compare.VersionCheck) -> None:  # a line as each version is done: a long folder shows progress
+        found = check.fault or "; ".join(f"tensor {shown_key(problem.key)}: {problem.message}"
+                                         for problem in check.problems) or f"{count(check.count, 'tensor')}"
+        typer.echo(render.printable(f"{check.path}: {check.state} ({check.kind}): {found}"))
+
+    checks, damage = compare.verify_versions(folder, None if settings.json else said)
     if not checks and damage is None:  # nothing to tell intact from lost
         raise StoreNotFoundError("holds no versions to verify (ws versions lists none)", path=folder)
     corrupt = [check for check in checks if check.state == "corrupt"]
@@ -537,13 +547,8 @@ def _verify_folder(folder: str) -> None:
         if failure is not None:
             document["error"] = render.error_document("verify", failure, describe(failure))["error"]
         render.print_json(document)
-    else:
-        for check in checks:
-            said = check.fault or "; ".join(f"tensor {shown_key(problem.key)}: {problem.message}"
-                                            for problem in check.problems) or f"{count(check.count, 'tensor')}"
-            typer.echo(render.printable(f"{check.path}: {check.state} ({check.kind}): {said}"))
-        if damage is not None:
-            typer.echo(render.printable(f"{damage.path}: corrupt: {damage.message}"))
+    elif damage is not None:
+        typer.echo(render.printable(f"{damage.path}: corrupt: {damage.message}"))
     if failure is not None:
         typer.echo(f"error: {describe(failure)}", err=True)
         raise typer.Exit(1)

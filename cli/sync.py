@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from weightstore.cli.render import emit, human_bytes, settings
+from weightstore.cli.render import emit, human_bytes, printable, settings
 from weightstore.errors import StorageError
 from weightstore.sync._checks import DEFAULT_POLL
 
@@ -38,6 +38,9 @@ def versions(
     A delta whose base file is not in FOLDER is marked "missing": it and the deltas after it
     cannot be read until the next full version.
 
+    A version name held by no file (a folder, a FIFO, a symbolic link) is listed as "not a
+    file": no reader opens it.
+
     A damaged LATEST marks none: what is wrong with it goes to stderr (and, with --json, in
     "latest_error"), and the versions are listed all the same.
 
@@ -59,7 +62,7 @@ def versions(
             {"step": entry.step, "path": entry.path, "modified": entry.modified, "size": entry.size,
              "latest": entry.latest, "members": entry.members, "member_bytes": entry.member_bytes,
              "kind": entry.kind, "base": entry.base,
-             "base_missing": entry.base is not None and entry.base not in listed}
+             "base_missing": entry.base is not None and entry.base not in listed, "not_file": entry.not_file}
             for entry in entries], "latest_error": None if damage is None else str(damage)})
         return
     if not entries:
@@ -72,6 +75,10 @@ def versions(
         size = entry.size if entry.member_bytes is None else entry.size + entry.member_bytes
         shards = "" if entry.members is None else f"  ({entry.members} members, index {human_bytes(entry.size)})"
         base = "" if not entry.base else f"  (base {entry.base}{'' if entry.base in listed else ', missing'})"
+        if entry.not_file is not None:  # never opened: a FIFO would block, a link lead out of the folder
+            typer.echo(printable(f"{entry.step:>12}  {'-':<20}  {'-':>9}  {entry.kind:<13}  {entry.name}  "
+                                 f"({entry.not_file}: no reader opens it){mark}"))
+            continue
         typer.echo(f"{entry.step:>12}  {entry.modified}  {human_bytes(size):>9}  {entry.kind:<13}  "
                    f"{entry.name}{shards}{base}{mark}")
 

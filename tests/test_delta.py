@@ -427,6 +427,48 @@ def test_an_anchor_replaced_by_another_whole_file_is_named_beside_the_delta_buil
             "one it was built on") in error.message
 
 
+def test_a_trainer_whose_anchor_is_damaged_writes_a_full_version_next_naming_it(tmp_path, caplog):
+    """A publisher that remembers its base never reads the anchor again; damaged under it, the
+    deltas it goes on writing are refused by every reader until its next anchor. Its next
+    publish sees the chain's file changed, reads the base back, and writes that step full, with
+    one log line naming the anchor; a file touched but unchanged keeps the deltas coming."""
+    delta, rng = ws.Delta(anchor_every=10), np.random.default_rng(0)
+    weights = model()
+    for step in (1, 2):
+        weights = step_of(weights, rng)
+        ws.publish(tmp_path, weights, step=step, delta=delta)
+    os.utime(tmp_path / "step-000000000001.npz")  # touched, its bytes intact: read back, and it passes
+    weights = step_of(weights, rng)
+    ws.publish(tmp_path, weights, step=3, delta=delta)
+    anchor = tmp_path / "step-000000000001.npz"
+    data = bytearray(anchor.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside a tensor's bytes: the file still opens
+    anchor.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="weightstore"):
+        for step in (4, 5, 6):
+            weights = step_of(weights, rng)
+            ws.publish(tmp_path, weights, step=step, delta=delta)
+    assert files(tmp_path) == ["step-000000000001.npz", "step-000000000002.wsdelta", "step-000000000003.wsdelta",
+                               "step-000000000004.npz", "step-000000000005.wsdelta", "step-000000000006.wsdelta"]
+    said = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
+    assert len(said) == 1 and "publishing step 4" in said[0] and "writing a full version" in said[0]
+    assert "in its chain, step-000000000001.npz: is corrupt" in said[0]
+    same_bytes(ws.load(ws.latest(tmp_path)), weights)
+
+
+def test_a_trainer_whose_anchor_is_removed_writes_a_full_version_next(tmp_path):
+    """An anchor removed by hand leaves its deltas unreadable: the next delta is not built on them."""
+    delta, rng = ws.Delta(), np.random.default_rng(0)
+    weights = model()
+    for step in (1, 2, 3):
+        weights = step_of(weights, rng)
+        ws.publish(tmp_path, weights, step=step, delta=delta)
+        if step == 2:
+            (tmp_path / "step-000000000001.npz").unlink()
+    assert files(tmp_path)[-1] == "step-000000000003.npz"
+    same_bytes(ws.load(ws.latest(tmp_path)), weights)
+
+
 def test_a_corrupt_base_in_the_chain_is_refused(tmp_path):
     published = publish_steps(tmp_path, 3, delta=ws.Delta())
     middle = tmp_path / "step-000000000002.wsdelta"

@@ -201,6 +201,24 @@ def test_a_corrupt_or_missing_base_is_a_weightstore_error_naming_version_member_
     same(ws.load(version), 3)
 
 
+def test_a_rank_whose_base_member_is_damaged_under_it_writes_its_member_full_next(tmp_path, caplog):
+    """Each rank remembers its member: damaged on disk, the next publish sees the file changed,
+    reads it back, and writes that rank's member full (logging the file), not a delta on it."""
+    folder, deltas = tmp_path / "run", [ws.Delta(), ws.Delta()]
+    publish(folder, 1, delta=deltas)
+    publish(folder, 2, delta=deltas)
+    anchor = folder / "step-000000000001.attempt-0" / "rank-00001.safetensors"
+    data = bytearray(anchor.read_bytes())
+    data[-2] ^= 0xFF  # inside rank 1's tensor w
+    anchor.write_bytes(bytes(data))
+    with caplog.at_level("WARNING", logger="weightstore"):
+        version = publish(folder, 3, delta=deltas)
+    assert members(folder, 3) == ["rank-00000.wsdelta", "rank-00001.safetensors"]
+    assert "its base member step-000000000002.attempt-0/rank-00001.wsdelta cannot be read back" in caplog.text
+    assert "step-000000000001.attempt-0/rank-00001.safetensors" in caplog.text
+    same(ws.load(version), 3)
+
+
 def test_an_index_of_delta_members_without_a_chain_or_with_one_going_up_is_refused(tmp_path):
     folder = tmp_path / "run"
     publish(folder, 1)

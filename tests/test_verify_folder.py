@@ -8,12 +8,15 @@ sharded version's blocks. Exit 0 intact, 1 corrupt naming each, 2 when it cannot
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
+import threading
 import uuid
 
 import numpy as np
+import pytest
 from typer.testing import CliRunner
 
 import weightstore as ws
@@ -198,7 +201,8 @@ def test_a_folder_on_s3_and_an_outage_there(s3):
     result = run("verify", folder)
     assert result.exit_code == 2, result.output
     assert result.stderr.startswith(f"error: {folder}/{SECOND}: ") and "storage failed" in result.stderr, result.stderr
-    assert not result.stdout  # no line says any version is ok or corrupt
+    # each line is printed as its version is checked: the anchor's before the outage, none after it
+    assert [line.split(": ")[:2] for line in lines(result)] == [[f"{folder}/{ANCHOR}", "corrupt (full)"]]
 
 
 def test_a_version_pruned_while_verifying_is_skipped(s3):
@@ -240,3 +244,136 @@ def test_a_folder_whose_latest_is_lost_is_corrupt(tmp_path):
     result = run("verify", first)
     assert result.exit_code == 0, result.output
     assert lines(result) == [f"{first}/step-000000000004.npz: ok (full): 2 tensors"]
+
+
+def test_a_version_name_held_by_a_link_a_folder_or_a_fifo_is_listed_corrupt_and_never_opened(tmp_path):
+    """What sits at a version's name but is no file is listed by ``ws versions`` ("not a file")
+    and corrupt to ``ws verify`` (the real ``ws``: a FIFO opened for reading would hang it), and
+    readers refuse it: a link to another folder's weights is never followed."""
+    folder, outside = tmp_path / "run", tmp_path / "outside"
+    for step in (1, 2, 3, 4):
+        ws.publish(folder, {"w": np.full(3, step, np.float32)}, step=step, keep=None)
+    outside.mkdir()
+    ws.save(outside / "secret.npz", {"w": np.zeros(3, np.float32)})
+    for name in ("step-000000000002.npz", "step-000000000003.npz", "step-000000000004.npz"):
+        (folder / name).unlink()
+    (folder / "step-000000000002.npz").symlink_to(outside / "secret.npz")
+    (folder / "step-000000000003.npz").mkdir()
+    os.mkfifo(folder / "step-000000000004.npz")  # LATEST names it
+    ws_command = [sys.executable, "-m", "weightstore"]
+    listed = subprocess.run([*ws_command, "versions", "--json", str(folder)], capture_output=True, text=True,
+                            timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    assert [(v["step"], v["kind"], v["not_file"], v["latest"]) for v in json.loads(listed.stdout)["versions"]] == [
+        (1, "full", None, False), (2, "not a file", f"a symbolic link (to {outside / 'secret.npz'})", False),
+        (3, "not a file", "a folder", False), (4, "not a file", "a FIFO", True)]
+    result = subprocess.run([*ws_command, "verify", str(folder)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, result.stderr
+    assert result.stdout.splitlines() == [
+        f"{folder}/step-000000000001.npz: ok (full): 1 tensor",
+        f"{folder}/step-000000000002.npz: corrupt (not a file): is a symbolic link (to {outside / 'secret.npz'}), "
+        "not a file: no reader opens it",
+        f"{folder}/step-000000000003.npz: corrupt (not a file): is a folder, not a file: no reader opens it",
+        f"{folder}/step-000000000004.npz: corrupt (not a file): is a FIFO, not a file: no reader opens it",
+        f"{folder}: corrupt: LATEST names step-000000000004.npz, which is no file: followers cannot read it; "
+        "publish again to repair it"]
+    assert result.stderr.startswith(f"error: {folder}: 3 of 4 versions corrupt: ")
+    (folder / "LATEST").write_text((folder / "LATEST").read_text().replace("step-000000000004", "step-000000000002")
+                                   .replace('"step": 4', '"step": 2'))
+    with pytest.raises(ws.FormatError, match="is a symbolic link .*, not a file"):
+        ws.load(ws.latest(folder))
+    assert next(ws.follow(folder, timeout=0), None) is None  # passed over, never the other folder's weights
+
+
+def test_an_empty_folder_has_nothing_to_verify(tmp_path):
+    """Before a run's first publish: said so (exit 2, cannot tell), not "no TF checkpoint"."""
+    (tmp_path / "run").mkdir()
+    result = run("verify", tmp_path / "run")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == (f"error: {tmp_path / 'run'}: is an empty folder: no weight file, and no "
+                                     "ws.publish versions to verify")
+
+
+def test_each_line_is_printed_as_its_version_is_checked(s3):
+    """A long folder shows its progress: the real ``ws``, its output a pipe, prints the first
+    version's line before the second's file is read (which the storage holds back until the
+    test has read that line: a line printed only at the end would keep it waiting)."""
+    folder = f"s3://{BUCKET}/{uuid.uuid4().hex}/run"
+    publish_deltas(folder)
+    gate, held_back, anchor_read = threading.Event(), [], threading.Event()
+
+    def hold_second(environ):  # once the anchor is being verified (the listing reads only the deltas' heads)
+        if environ["PATH_INFO"].endswith(ANCHOR):
+            anchor_read.set()
+        elif environ["PATH_INFO"].endswith(SECOND) and anchor_read.is_set() and not gate.is_set():
+            held_back.append(gate.wait(30))  # False: the first line was not out while the second waited
+        return None
+
+    s3.intercept = hold_second
+    with subprocess.Popen([sys.executable, "-m", "weightstore", "verify", folder], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as verifying:
+        first = verifying.stdout.readline()
+        gate.set()
+        rest, errors = verifying.communicate(timeout=120)
+    assert verifying.returncode == 0, errors
+    assert first == f"{folder}/{ANCHOR}: ok (full): 2 tensors\n"
+    assert all(held_back), "the first line came only once the second version was read"
+    assert rest.splitlines() == [f"{folder}/{SECOND}: ok (delta): 2 tensors", f"{folder}/{THIRD}: ok (delta): 2 tensors"]
+
+
+def test_a_chain_is_verified_applying_each_delta_once_not_rebuilding_each_from_its_anchor(s3):
+    """Every version's recorded digests are checked, yet the anchor is fetched once for the whole
+    chain (each delta rebuilt onto the version before, as verified): rebuilding every delta from
+    the anchor fetched it once a version, k² work for a chain of k."""
+    folder = f"s3://{BUCKET}/{uuid.uuid4().hex}/run"
+    big = np.random.default_rng(0).standard_normal(250_000).astype(np.float32)  # 1 MB that never changes
+    moving = np.arange(1000, dtype=np.float32)
+    delta = ws.Delta(anchor_every=10)
+    for step in range(1, 9):
+        moving = moving.copy()
+        moving[step] += 1
+        ws.publish(folder, {"moving": moving, "big": big}, step=step, delta=delta, keep=None)
+    s3.reset()
+    result = run("verify", folder)
+    assert result.exit_code == 0, result.output
+    assert [line.split(": ")[1] for line in lines(result)] == ["ok (full)"] + ["ok (delta)"] * 7
+    assert s3.bytes_sent() < 2 * big.nbytes, s3.bytes_sent()
+
+
+def test_a_sharded_band_digest_that_lies_about_its_bytes_is_corrupt(tmp_path, monkeypatch):
+    """A follower's skip-unchanged trusts each band's recorded digest without reading the band:
+    one that is not its bytes' (a writer's fault) would keep a changed band unread, serving the
+    old weights. Every block reads whole, so only ``ws verify`` making the digests again from
+    the bytes sees it, naming the member, the piece and the band: of a piece stored whole
+    (``tall``) and of one stored as column strips (``w``), whose bands span every strip."""
+    from weightstore.sharded import _shards
+
+    folder = tmp_path / "run"
+    weights = {"w": np.arange(600_000, dtype=np.float32).reshape(1000, 600),
+               "tall": np.arange(300_000, dtype=np.float32).reshape(100_000, 3), "b": np.ones(7, np.float32)}
+    made = _shards.crc_band_digests
+
+    def lying(crc64s, strip_crcs):  # the second band's digest is not of its bytes
+        return [digest if band != 1 else bytes(32) for band, digest in enumerate(made(crc64s, strip_crcs))]
+
+    for step in (1, 2):
+        if step == 2:
+            monkeypatch.setattr(_shards, "crc_band_digests", lying)
+        ws.publish_shard(folder, weights, step=step, rank=0, world=1, attempt=0)
+        ws.commit_shards(folder, step=step, world=1, attempt=0, timeout=5)
+    monkeypatch.undo()
+    index = f"{folder}/step-000000000002.wsindex"
+    assert all(ws.load(index)[key].tobytes() == value.tobytes() for key, value in weights.items())  # CRC-32s hold
+    result = run("verify", folder)
+    assert result.exit_code == 1, result.output
+    assert lines(result)[0] == f"{folder}/step-000000000001.wsindex: ok (sharded): 3 tensors"
+    document = json.loads(run("verify", folder, "--json").stdout)
+    said = "the block digest of band 1 (rows {} on) of its piece at [0, 0] in member " \
+           "step-000000000002.attempt-0/rank-00000.safetensors is not its bytes': a follower would take that band " \
+           "for unchanged when it changed"
+    found = [(p["key"], p["message"]) for p in document["versions"][1]["problems"]]
+    assert [key for key, _ in found] == ["w", "tall"]
+    for _, message in found:
+        assert message == said.format(message.split("(rows ")[1].split(" ")[0]), message
+    result = run("verify", index)
+    assert result.exit_code == 1 and "the block digest of band 1" in result.stderr, result.output

@@ -68,6 +68,9 @@ from weightstore.formats._sharded_index import (
     Placed,
     ShardIndex,
     TensorEntry,
+    band_crc64s,
+    band_digests,
+    crc_band_digests,
     row_bytes,
     rows_of,
 )
@@ -245,6 +248,43 @@ class ShardedReader(ReaderDefaults):
         if kind == "change:":  # trusted between versions of one folder only: another folder's never matches
             hasher.update(f"|folder {self._folder}".encode())
         return kind + hasher.hexdigest()
+
+    def check_digests(self, key: str, stored: np.ndarray) -> None:
+        """That every block digest recorded for ``key`` (what :meth:`region_digest` hashes, so
+        what a follower's skip-unchanged trusts) is its band's, computed from ``stored``: the
+        tensor's bytes in storage dtype, as a read just verified them block by block. A digest
+        that lies would let a follower skip a region whose bytes changed; it is a
+        :class:`ChecksumError` naming the member, the piece and the band. Checked where the
+        digests can be made again: change digests (where ISA-L has CRC-64, as they were made)
+        and BLAKE3 of bytes, in an index of version 2; a table without digests has none to lie."""
+        with naming(path=self.name, key=key):
+            entry = self._entry(key)
+            if entry.layout is None:
+                return
+            bounds = [(0, n) for n in entry.shape]
+            self._pieces(key, entry, bounds, digests=True)  # every table's digests and block CRC-32s fetched
+            for box in entry.layout.boxes_in(bounds):
+                table = self._table(box.member, digests=True)
+                placed = table.find(key, box.start)
+                assert placed is not None  # _pieces refused a table without it
+                strips = table.placed(placed, box.member, digests=True)
+                if not strips or strips[0].blocks is None or not math.prod(placed.shape):
+                    continue
+                piece = np.ascontiguousarray(stored[tuple(slice(at, at + n) for at, n in zip(placed.start, placed.shape,
+                                                                                           strict=True))])
+                if strips[0].crc_digests:
+                    crc64s = band_crc64s(piece, placed.rows)
+                    if crc64s is None:  # no CRC-64 here to make them again with
+                        return
+                    made = crc_band_digests(crc64s, [strip.crcs for strip in strips])
+                else:
+                    made = band_digests(piece, placed.rows)
+                for band, digest in enumerate(made):
+                    if any(strip.blocks is None or strip.blocks[band] != digest.hex() for strip in strips):
+                        raise ChecksumError(f"the block digest of band {band} (rows {band * placed.rows} on) of its "
+                                            f"piece at {list(placed.start)} in member "
+                                            f"{self._index.members[box.member].file} is not its bytes': a follower "
+                                            "would take that band for unchanged when it changed")
 
     def member_path(self, position: int) -> str:
         return f"{self._base}/{self._index.members[position].file}"

@@ -100,6 +100,12 @@ class Folder(abc.ABC):
     def files(self) -> list[FileEntry]:
         """The plain files directly in the folder (no folders, no special files)."""
 
+    def not_files(self) -> dict[str, str]:
+        """What lies directly in the folder that :meth:`files` leaves out, each named with what
+        it is in words (``"a folder"``, ``"a FIFO"``, ``"a symbolic link (to …)"``): where a
+        version's name is one of them, it is listed as no version that reads, never opened."""
+        return dict.fromkeys(self.subfolders(), "a folder")
+
     @abc.abstractmethod
     def read_small(self, name: str, limit: int) -> bytes | None:
         """At most ``limit`` bytes of file ``name``; ``None`` when there is no such file.
@@ -116,6 +122,13 @@ class Folder(abc.ABC):
 
         Not :meth:`read_tagged`: a poll wants the tag without the body, and on any storage
         fsspec reaches; :meth:`read_tagged` wants body and tag from one GET, for :meth:`put_if`."""
+
+    def fingerprint(self, name: str) -> object | None:
+        """What changes when file ``name`` is removed, replaced or written over, told without
+        reading it, for a publisher to see that a version it wrote is no longer as written;
+        ``None`` here: an object store keeps its objects' checksums itself, and a HEAD of each
+        file of a delta chain at every publish would cost more than such a change is likely."""
+        return None
 
     @abc.abstractmethod
     def commit(self, name: str, suffix: str = "") -> Commit:
@@ -205,6 +218,17 @@ class LocalFolder(Folder):
                     found.append(FileEntry(entry.name, info.st_size, _iso(info.st_mtime)))
         return found
 
+    def not_files(self) -> dict[str, str]:
+        found = {}
+        for entry in _entries(self.root):
+            with contextlib.suppress(FileNotFoundError):  # removed while we listed
+                mode = entry.stat(follow_symlinks=False).st_mode
+                if stat.S_ISLNK(mode):
+                    found[entry.name] = f"a symbolic link (to {os.readlink(entry.path)})"
+                elif not stat.S_ISREG(mode):
+                    found[entry.name] = kind_of(mode) or "not a regular file"
+        return found
+
     def read_small(self, name: str, limit: int) -> bytes | None:
         path = self.root / name
         try:
@@ -229,6 +253,15 @@ class LocalFolder(Folder):
     def tag(self, name: str) -> object | None:
         """Always new: a local read costs microseconds, and a file's times and inode can repeat."""
         return object() if os.path.lexists(self.root / name) else None
+
+    def fingerprint(self, name: str) -> object | None:
+        """Its inode, size, and modification and change times (``lstat``: a link put in its place
+        is a change too; the change time no one sets by hand); ``None`` when it is gone."""
+        try:
+            info = os.lstat(self.root / name)
+        except OSError:
+            return None
+        return info.st_mode, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns
 
     def commit(self, name: str, suffix: str = "") -> Commit:
         return RenameCommit(self.root / name, follow_symlinks=False)
@@ -304,15 +337,20 @@ class LocalFolder(Folder):
         return sorted(left)
 
     def open_binary(self, name: str, *, file_object: bool = False) -> str:
-        """The file's path; a folder or FIFO squatting on the name is a :class:`FormatError`
-        saying so, not the missing file that a pruned version is."""
+        """The file's path; a folder, FIFO or symbolic link squatting on the name is a
+        :class:`FormatError` saying so, not the missing file that a pruned version is. A link is
+        never followed: a version is read from its folder, not from wherever a link points."""
         path = self.root / name
         try:
-            kind = kind_of(os.stat(path).st_mode)
+            mode = os.lstat(path).st_mode
         except (FileNotFoundError, NotADirectoryError):
             raise FileNotFoundError(str(path)) from None
         except OSError as exc:
             raise FileAccessError(f"cannot be opened ({exc.strerror or exc})", path=str(path)) from None
+        if stat.S_ISLNK(mode):
+            raise FormatError(f"is a symbolic link (to {os.readlink(path)}), not a file: a version is read only from "
+                              "its folder's own files", path=str(path))
+        kind = kind_of(mode)
         if kind is not None:
             raise FormatError(f"is {kind}, not a file", path=str(path))
         return str(path)

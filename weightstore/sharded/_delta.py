@@ -90,7 +90,12 @@ def plan_member(delta: Delta, target: Folder, base: ShardIndex, rank: int, step:
             chain, chain_bytes = _chain(file, head)
             if chain is None:
                 return None
-            return delta._from_memory(held, step, file, chain, chain_bytes, tensors)
+            files = {name: target.fingerprint(name) for name in chain}
+            if held.files == files:  # else a file of its chain changed since it was written: read back
+                plan = delta._from_memory(held, step, file, chain, chain_bytes, tensors)
+                if plan is not None:
+                    plan.files = files
+                return plan
         with _open_member(target, file) as reader:
             infos = [reader.info(name) for name in reader.keys()]  # noqa: SIM118 - a Reader, not a dict
             if _layout_of(reader) != layout or shapes != {info.key: (info.dtype, tuple(info.shape)) for info in infos}:
@@ -106,7 +111,11 @@ def plan_member(delta: Delta, target: Folder, base: ShardIndex, rank: int, step:
                 array = np.ascontiguousarray(to_storage(reader.read(key, verify=True), key)[1])
                 return array.reshape(-1).view(np.uint8) if array.size else np.empty(0, np.uint8)
 
-            return plan_against(step, file, chain, chain_bytes, tensors, read_back)
+            files = {name: target.fingerprint(name) for name in chain}
+            plan = plan_against(step, file, chain, chain_bytes, tensors, read_back)
+            if plan is not None:
+                plan.files = files
+            return plan
     except (WeightStoreError, FileNotFoundError) as exc:
         _log.warning("weightstore: publishing rank %d of step %d to %s: its base member %s cannot be read back (%s); "
                      "writing its member full", rank, step, target.where, file, exc)
@@ -145,7 +154,9 @@ def _layout_of(reader: Any) -> Any:
 def remember(delta: Delta, target: Folder, step: int, file: str, tensors: dict[str, Stored], plan: Plan | None,
              layout: dict[str, Any]) -> None:
     """After writing this rank's member ``file`` of ``step``: remember it as the next delta's base."""
-    delta._remember(_Held(target.where, step, file, "", tensors, None if plan is None else plan.head, layout), plan)
+    files = {**({} if plan is None else plan.files), file: target.fingerprint(file)}
+    delta._remember(_Held(target.where, step, file, "", tensors, None if plan is None else plan.head, layout,
+                          files=files), plan)
 
 
 def index_delta(target: Folder, records: list[DoneRecord], full_bytes: int) -> IndexDelta | None:

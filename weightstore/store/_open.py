@@ -17,7 +17,7 @@ from weightstore.core._gcpause import paused_gc
 from weightstore.core._words import checks_words
 from weightstore.core.keys import MappingRules, Patterns, plan_outward
 from weightstore.core.limits import MAX_POINTER_BYTES
-from weightstore.core.manifest import TensorInfo, logical_dtype
+from weightstore.core.manifest import TensorInfo, logical_dtype, to_storage
 from weightstore.core.names import FILE, READ_NAMINGS, TORCH_FORMATS, check_naming, keys_of_torch_names, reads_as_torch
 from weightstore.errors import (
     KeyNotInStoreError,
@@ -180,6 +180,20 @@ class Store(Mapping):
             return self.info(key).digest
         try:
             return cast(RegionReader, self._reader).region_digest(key, region)
+        except WeightStoreError as exc:
+            attach(exc, path=self.path)
+            raise
+
+    def check_digests(self, key: str, array: np.ndarray) -> None:
+        """That the digests recorded for ``key``'s parts, which a follower's skip-unchanged
+        trusts (:meth:`region_digest`) without reading them, are those of ``array``: ``key`` as
+        just read, its checksums checked (``ws verify``). A sharded version's block digests; a
+        format that records none has none to check. :class:`ChecksumError` where one lies."""
+        method = getattr(self._reader, "check_digests", None)
+        if not callable(method):
+            return
+        try:
+            method(key, to_storage(array, key)[1])
         except WeightStoreError as exc:
             attach(exc, path=self.path)
             raise

@@ -19,13 +19,21 @@ the default): 1x the model's bytes, copied into the same memory each publish (no
 after a delta that an anchor follows: the anchor reads no base). Without that copy (a restarted
 trainer, or ``delta=True`` given to single ``publish`` calls) the base is read back from the
 folder, anchor and chain, verified.
+
+**A base changed on disk.** Each file of the remembered version's chain (its anchor and the
+deltas since) is looked at before the next delta is encoded from memory: where one is no longer
+the file this publisher wrote (locally: its inode, size, modification or change time differ;
+removed, replaced, or written over), the base is read back from the folder, verified, instead.
+A chain that fails (a damaged anchor, which every follower would refuse) is logged naming the
+file, and that step is written full: the next deltas build on it. A look costs one ``lstat`` a
+file; bytes that rot under the file system are seen only by a read (``ws verify FOLDER``).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -81,6 +89,9 @@ class _Held:
     #: is an anchor (:meth:`Delta._anchor_due`): they are the version before's, kept only as the
     #: memory the anchor's copy goes into
     current: bool = True
+    #: each file of its chain (itself down to its anchor) as it was when published
+    #: (:meth:`~weightstore.io.folders.Folder.fingerprint`): a file changed since is read back
+    files: dict[str, object] = field(default_factory=dict)
 
 
 @dataclass
@@ -91,6 +102,8 @@ class Plan:
     encoded: list[delta_format.Encoded]
     rows: list[tuple[str, str, tuple[int, ...], int]]
     digests: list[bytes]
+    #: each file of its base's chain as the plan found it (:meth:`Delta._chain_files`)
+    files: dict[str, object] = field(default_factory=dict)
 
     @property
     def payload_bytes(self) -> int:
@@ -164,7 +177,11 @@ class Delta:
                 depth, chain_bytes, chain = 0, 0, [base]
             if depth + 1 >= self.anchor_every or len(chain) > MAX_DELTA_CHAIN:
                 return None
-            return self._encode(target, pointer, base, chain, chain_bytes, step, tensors)
+            files = {name: target.fingerprint(name) for name in chain}
+            plan = self._encode(target, pointer, base, chain, chain_bytes, step, tensors, files)
+            if plan is not None:
+                plan.files = files
+            return plan
         except (WeightStoreError, FileNotFoundError) as exc:
             _log.warning("weightstore: publishing step %d to %s: base %s cannot be read back (%s); writing a full "
                          "version", step, target.where, base, exc)
@@ -182,9 +199,11 @@ class Delta:
         return pointer
 
     def _encode(self, target: Folder, pointer: Version, base: str, chain: list[str], chain_bytes: int, step: int,
-                tensors: dict[str, Stored]) -> Plan | None:
+                tensors: dict[str, Stored], files: dict[str, object]) -> Plan | None:
+        """The plan against the remembered version where it is the base and every file of its
+        chain is as published (``files``: as they are now), else against the base read back."""
         held = self._held
-        if held is not None and self._holds(held, target, pointer, base):
+        if held is not None and self._holds(held, target, pointer, base) and held.files == files:
             return self._from_memory(held, step, base, chain, chain_bytes, tensors)
         with pointer._weightstore_open(verify=True) as store:  # read back: anchor and chain, verified
             def read_back(key: str, item: Stored) -> np.ndarray | None:
@@ -228,8 +247,10 @@ class Delta:
 
     def published(self, target: Folder, version: Version, tensors: dict[str, Stored], plan: Plan | None) -> None:
         """Remember ``version``, just published with ``tensors`` (as ``plan``, or full), as the next delta's base."""
-        self._remember(_Held(target.where, version.step, version.path.rsplit("/", 1)[-1], version.created, tensors,
-                             None if plan is None else plan.head), plan)
+        name = version.path.rsplit("/", 1)[-1]
+        files = {**({} if plan is None else plan.files), name: target.fingerprint(name)}
+        self._remember(_Held(target.where, version.step, name, version.created, tensors,
+                             None if plan is None else plan.head, files=files), plan)
 
     def _remember(self, held: _Held, plan: Plan | None) -> None:
         """Remember ``held`` (its tensors copied), just published as ``plan`` (or full). After

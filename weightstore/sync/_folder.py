@@ -182,6 +182,18 @@ def version_files(folder: Folder) -> list[tuple[int, Any]]:
     return sorted(found, key=lambda item: item[0])
 
 
+def not_file_versions(folder: Folder) -> list[tuple[int, str, str]]:
+    """Version names held by what is no file (a folder, a FIFO, a symbolic link): each one's
+    step, name and what it is (:meth:`Folder.not_files`). No reader opens them; ``ws versions``
+    and ``ws verify`` list them, so a follower's refusal is not the first sign of one."""
+    found = []
+    for name, kind in folder.not_files().items():
+        match = VERSION_NAME.match(name)
+        if match:
+            found.append((int(match.group(1)), name, kind))
+    return sorted(found)
+
+
 def _read_intent(folder: Folder) -> int | None:
     """The step a killed publish was writing, from its intent record; ``None`` when there is none."""
     try:

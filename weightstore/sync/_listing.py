@@ -14,8 +14,11 @@ from weightstore.errors import (
 )
 from weightstore.formats import delta as delta_format
 from weightstore.io.folders import Folder
-from weightstore.sync._folder import SHARDED_SUFFIX, read_index, require_folder, version_files
+from weightstore.sync._folder import SHARDED_SUFFIX, not_file_versions, read_index, require_folder, version_files
 from weightstore.sync._pinning import read_latest
+
+#: the kind of a version whose name is held by no file (a FIFO, a folder, a symbolic link)
+NOT_A_FILE = "not a file"
 
 
 @dataclass(frozen=True)
@@ -32,14 +35,19 @@ class VersionEntry:
     members: int | None = None
     member_bytes: int | None = None
     #: ``"full"``, ``"delta"`` (stored as a change of ``base``), ``"sharded"`` or ``"sharded-delta"``
-    #: (a sharded version some of whose members are deltas of ``base``'s)
+    #: (a sharded version some of whose members are deltas of ``base``'s), or ``"not a file"``
     kind: str = "full"
     #: a delta version's base file (``None`` for the others, and for a delta whose head does not read)
     base: str | None = None
+    #: what holds its name where that is no file (kind ``"not a file"``): ``"a FIFO"``,
+    #: ``"a folder"``, ``"a symbolic link (to …)"``; no reader opens it
+    not_file: str | None = None
 
 
 def list_versions(folder: Any, *, storage_options: Mapping[str, Any] | None = None) -> list[VersionEntry]:
-    """Every version file in ``folder``, oldest first, marking the one ``LATEST`` names.
+    """Every version file in ``folder``, oldest first, marking the one ``LATEST`` names. A
+    version's name held by no file (a folder, a FIFO, a symbolic link) is listed too, of kind
+    ``"not a file"``, its :attr:`~VersionEntry.not_file` saying what it is: no reader opens it.
 
     A damaged ``LATEST`` marks none, with a warning saying what is wrong with it: the listing is
     what one needs then (which versions are there, which step a repairing publish must pass)."""
@@ -59,9 +67,12 @@ def version_listing(folder: Any, *, storage_options: Mapping[str, Any] | None = 
     except FormatError as exc:
         pointer, damage = None, exc
     named = pointer.path.rsplit("/", 1)[-1] if pointer else None
-    return [VersionEntry(step, entry.name, source.url(entry.name), entry.size, entry.modified, entry.name == named,
-                         *_sharded_sizes(source, entry.name), *_kind(source, entry.name))
-            for step, entry in version_files(source)], damage
+    entries = [VersionEntry(step, entry.name, source.url(entry.name), entry.size, entry.modified, entry.name == named,
+                            *_sharded_sizes(source, entry.name), *_kind(source, entry.name))
+               for step, entry in version_files(source)]
+    entries += [VersionEntry(step, name, source.url(name), 0, "", name == named, kind=NOT_A_FILE, not_file=kind)
+                for step, name, kind in not_file_versions(source)]
+    return sorted(entries, key=lambda entry: (entry.step, entry.name)), damage
 
 
 def _kind(folder: Folder, name: str) -> tuple[str, str | None]:
