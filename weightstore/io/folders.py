@@ -118,8 +118,11 @@ class Folder(abc.ABC):
         fsspec reaches; :meth:`read_tagged` wants body and tag from one GET, for :meth:`put_if`."""
 
     @abc.abstractmethod
-    def commit(self, name: str, suffix: str = "") -> Commit:
-        """How a new file ``name`` is written and made visible (protocol 1 or 2)."""
+    def commit(self, name: str, suffix: str = "", *, new: bool = False) -> Commit:
+        """How a new file ``name`` is written and made visible (protocol 1 or 2). ``new``: only
+        where no file has the name when it lands, where the storage can tell (S3: else the
+        commit raises :class:`StoreExistsError`); locally the folder's :meth:`lock` keeps other
+        writers out."""
 
     @abc.abstractmethod
     def remove(self, name: str) -> None: ...
@@ -230,7 +233,7 @@ class LocalFolder(Folder):
         """Always new: a local read costs microseconds, and a file's times and inode can repeat."""
         return object() if os.path.lexists(self.root / name) else None
 
-    def commit(self, name: str, suffix: str = "") -> Commit:
+    def commit(self, name: str, suffix: str = "", *, new: bool = False) -> Commit:
         return RenameCommit(self.root / name, follow_symlinks=False)
 
     def remove(self, name: str) -> None:
@@ -411,8 +414,8 @@ class RemoteFolder(Folder):
         # without an ETag, nothing short of the bytes tells two writes apart (times repeat within a second)
         return info.get("ETag") or info.get("etag") or object()
 
-    def commit(self, name: str, suffix: str = "") -> Commit:
-        return UploadCommit(self.url(name), suffix=suffix, storage_options=self._storage_options)
+    def commit(self, name: str, suffix: str = "", *, new: bool = False) -> Commit:
+        return UploadCommit(self.url(name), suffix=suffix, storage_options=self._storage_options, new=new)
 
     def remove(self, name: str) -> None:
         with self._service(), contextlib.suppress(FileNotFoundError):

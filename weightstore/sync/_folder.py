@@ -138,6 +138,17 @@ class FolderState:
         match = VERSION_NAME.match(name)
         return name in (LATEST, INTENT) or (match is not None and int(match.group(1)) == self.intent)
 
+    def remove_unpublished_of(self, step: int) -> None:
+        """Before this publish uploads ``step``: remove the files of that step above ``LATEST``
+        that a killed publish left (the intent names the step), as the upload of a version
+        replaces no object (a publisher stopped mid-publish must never replace the version of
+        the step that another then published). Were it a live publisher's instead (stopped
+        between its upload and its swap of ``LATEST``), its swap still fails once this one's
+        succeeds."""
+        for unpublished, entry in self.unpublished():
+            if unpublished == step:
+                self.folder.remove(entry.name)
+
     def remove_unpublished(self, step: int | None = None) -> None:
         """Remove the versions above ``LATEST`` that a killed publish's intent names, but ``step``'s.
 
@@ -271,13 +282,18 @@ def remove_attempt(folder: Folder, name: str) -> bool:
     return not left
 
 
-def names_step(target: Folder, step: int) -> bool:
-    """Whether ``LATEST`` names ``step`` now; when it cannot be read, as if it did (keep the file)."""
+def kept_by_latest(target: Folder, step: int, name: str) -> bool:
+    """Whether the file ``name`` of ``step``, which a publish that was then refused wrote, must
+    stay: ``LATEST`` names it, or names a later step (the file is history below it then, and may
+    be another writer's of that step: a publisher stopped mid-publish on one node while a trainer
+    restarted on another published the same step, then more, would remove a published version).
+    When ``LATEST`` cannot be read, as if it named it (keep the file)."""
     try:
         current = read_latest(target)
     except WeightStoreError:
         return True
-    return current is not None and current.step == step
+    return current is not None and (current.step > step or (current.step == step
+                                                             and current.path.rsplit("/", 1)[-1] == name))
 
 
 def versions_folder(folder: Any, storage_options: Mapping[str, Any] | None = None) -> Folder:
