@@ -486,6 +486,52 @@ def test_a_publisher_stopped_mid_publish_never_replaces_the_version_a_restarted_
         assert_whole(ws.load(tmp_path / f"{step}.npz"), step)
 
 
+STOPPED_IN_ITS_FIRST_PUBLISH = textwrap.dedent("""
+    import json, os, signal, sys
+    import numpy as np
+    import weightstore as ws
+    from weightstore.sync import _stages as stages
+    folder, options = sys.argv[1], json.loads(sys.argv[2])
+    # its first publish here, stopped once past its checks (SIGSTOP: a paused node)
+    stages.hook = lambda name: name == "cleaned" and os.kill(os.getpid(), signal.SIGSTOP)
+    for step in (10, 11):
+        try:
+            ws.publish(folder, {f"layer_{i}/w": np.full((4,), -step, np.float32) for i in range(3)}, step=step,
+                       storage_options=options)
+            print(f"published {step}", flush=True)
+        except ws.PublishError as exc:
+            print(f"refused {step}: {exc}", flush=True)
+        stages.hook = None
+""")
+
+
+def test_a_trainer_stopped_in_its_first_publish_never_takes_the_folder_from_its_restart(s3, folder):
+    """Node A's trainer is stopped in its first publish; its restart on node B takes the folder
+    over. Once A goes on, its publishes are refused, that one and the next: A never published
+    here, but a writer new since it began to took over (else A's next publish took the folder
+    back, and B's were refused from then on)."""
+    ws.publish(folder, weights_at(1), step=1, storage_options=s3)  # the run that died
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    node_a = subprocess.Popen([sys.executable, "-c", STOPPED_IN_ITS_FIRST_PUBLISH, folder, json.dumps(s3)], env=env,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        _, status = os.waitpid(node_a.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status)
+        with publisher_elsewhere(folder, s3) as publish_on_b:
+            publish_on_b(2)  # B's first publish: it takes the folder over
+            os.kill(node_a.pid, signal.SIGCONT)
+            said, _ = node_a.communicate(timeout=60)
+            publish_on_b(3)  # B goes on publishing
+    finally:
+        if node_a.poll() is None:
+            node_a.kill()
+            node_a.wait()
+    first, second = said.splitlines()
+    assert first.startswith("refused 10:") and "LATEST changed" in first, said
+    assert second.startswith("refused 11:") and "another writer" in second and "began its first publish" in second
+    assert_whole(ws.load(ws.latest(folder, storage_options=s3)), 3)
+
+
 def test_a_sharded_version_reads_its_members_with_the_folders_storage_options(s3, folder):
     """The endpoint is given in storage_options only (not the environment): the members of a
     sharded version are read through the same options as its index."""

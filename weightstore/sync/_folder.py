@@ -31,7 +31,7 @@ from weightstore.io.files import remove_stale_temporaries
 from weightstore.io.folders import Folder, LocalFolder, folder_for
 from weightstore.sync import _stages as stages
 from weightstore.sync._pinning import Version, pointer_version, read_latest
-from weightstore.sync._writers import taken_over
+from weightstore.sync._writers import taken_over, tried_here
 
 _log = logging.getLogger(__name__)
 
@@ -95,7 +95,8 @@ class FolderState:
         elif self.pointer is None and self.newest is not None:
             warnings.warn(f"{where}: LATEST is missing but version files exist; the newest, step {self.newest}, "
                           "counts as current and the next publish names its own version", stacklevel=4)
-        taken = taken_over(self.folder, self.latest_writer, None if self.pointer is None else self.pointer.step)
+        latest_step = None if self.pointer is None else self.pointer.step
+        taken = taken_over(self.folder, self.latest_writer, latest_step)
         if taken is not None:
             raise PublishError(f"step {step} was not published: {taken}", path=where)
         if self.pointer is not None and step <= self.pointer.step:
@@ -115,6 +116,7 @@ class FolderState:
         if self.pointer is None and self.newest is not None and step <= self.newest:
             raise PublishError(f"step {step} is not after step {self.newest}, which is the newest version file "
                                "(LATEST is missing or damaged); steps must increase", path=where)
+        tried_here(self.folder, self.latest_writer, latest_step)  # it goes on to write
 
     def clean(self) -> None:
         """Before a publish writes: remove dead writers' temporaries and, in a local folder (whose
