@@ -145,8 +145,9 @@ class FolderState:
         that a killed publish left (the intent names the step), as the upload of a version
         replaces no object (a publisher stopped mid-publish must never replace the version of
         the step that another then published). Were it a live publisher's instead (stopped
-        between its upload and its swap of ``LATEST``), its swap still fails once this one's
-        succeeds."""
+        between its upload and its swap of ``LATEST``), its swap fails once this one's has
+        succeeded; one that comes first (it went on between this removal and this swap) names
+        this publisher's file of the step under its own metadata: that window is left open."""
         for unpublished, entry in self.unpublished():
             if unpublished == step:
                 self.folder.remove(entry.name)
