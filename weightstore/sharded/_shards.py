@@ -129,7 +129,7 @@ from weightstore.sync._checks import (
     checked_step,
 )
 from weightstore.sync._delta import Delta, Stored, as_delta
-from weightstore.sync._folder import SHARDED_SUFFIX, kept_by_latest, remove_attempt, require_folder, version_files
+from weightstore.sync._folder import SHARDED_SUFFIX, names_step, remove_attempt, require_folder, version_files
 from weightstore.sync._pinning import Version, read_latest
 from weightstore.sync._publish import _BaseMoved, commit_version
 
@@ -494,7 +494,7 @@ def commit_shards(
                                f"LATEST now follows, so it was not committed: publish step {step} again (every "
                                "rank)", path=target.where) from None
     except PublishError:
-        if written and not kept_by_latest(target, step, name):  # ours, and never published
+        if written and not names_step(target, step):  # ours, and LATEST names another: never published
             target.remove(name)
         raise
     if adopted and target.read_small(name, 1) is None:  # removed as dead between the look and the swap

@@ -285,6 +285,18 @@ def remove_attempt(folder: Folder, name: str) -> bool:
     return not left
 
 
+def names_step(target: Folder, step: int) -> bool:
+    """Whether ``LATEST`` names ``step`` now; when it cannot be read, as if it did (keep the file).
+    A sharded commit that lost its swap of ``LATEST`` removes its index unless so: its index was
+    created only where none was (so it is its own), and below a later ``LATEST`` it would name
+    members the winner's commit may have removed as a dead attempt's."""
+    try:
+        current = read_latest(target)
+    except WeightStoreError:
+        return True
+    return current is not None and current.step == step
+
+
 def kept_by_latest(target: Folder, step: int, name: str) -> bool:
     """Whether the file ``name`` of ``step``, which a publish that was then refused wrote, must
     stay: ``LATEST`` names it, or names a later step (the file is history below it then, and may
