@@ -176,6 +176,31 @@ def test_save_uploads_parts_concurrently_and_appears_only_when_complete(s3, monk
     assert same(ws.load(target), weights)
 
 
+@pytest.mark.parametrize("floats", [1 << 10, 3 << 20], ids=["one PUT", "multipart"])
+def test_a_version_upload_never_replaces_another_writers_version_of_its_step(s3, monkeypatch, floats):
+    """Another writer's version of the step appears while this publish writes its own (a trainer
+    restarted on another node while this one was stopped): the upload is refused, on the single
+    PUT and on the completion of a multipart upload alike, and the other's version stays."""
+    from weightstore.sync import _stages as stages
+
+    monkeypatch.setattr(commit, "UPLOAD_PART_BYTES", 5 << 20)  # S3's smallest part: 12 MB is 3
+    folder = url("").rsplit("/", 1)[0]
+    theirs = {"w": np.full(4, 7, np.float32)}
+    ws.publish(folder, {"w": np.zeros(4, np.float32)}, step=1)
+
+    def the_other_writer_publishes(stage):
+        if stage == "version-temporary":
+            monkeypatch.setattr(stages, "hook", None)
+            ws.publish(folder, theirs, step=2)
+
+    monkeypatch.setattr(stages, "hook", the_other_writer_publishes)
+    with pytest.raises(ws.PublishError, match="another writer wrote its own step-000000000002.npz"):
+        ws.publish(folder, {"w": np.ones(floats, np.float32)}, step=2)
+    assert ws.latest(folder).step == 2 and same(ws.load(ws.latest(folder)), theirs)
+    multipart = [r for r in s3.requests if r.method == "POST" and "uploadId=" in r.query]  # its completions
+    assert len(multipart) == (1 if floats > 1 << 10 else 0)  # the refused completion
+
+
 # -- a hostile or failing store ----------------------------------------------------------------
 
 @pytest.mark.parametrize("suffix", FORMATS)

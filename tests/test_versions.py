@@ -514,6 +514,55 @@ def test_a_second_live_trainer_takes_the_folder_over_and_the_first_is_refused(tm
         ws.publish(tmp_path, weights_at(7), step=7)
 
 
+STOPPED_WHILE_PUBLISHING = textwrap.dedent("""
+    import os, signal, sys
+    import numpy as np
+    import weightstore as ws
+    from weightstore.sync import _stages as stages
+    folder = sys.argv[1]
+    ws.publish(folder, {"w": np.full((4,), 3, np.float32)}, step=3)
+    # stopped (SIGSTOP: a node paused, a VM migrated) in the middle of its next publish
+    stages.hook = lambda name: name == "version-temporary" and os.kill(os.getpid(), signal.SIGSTOP)
+    ws.publish(folder, {"w": np.full((4,), 4, np.float32)}, step=4)
+    stages.hook = None
+    try:
+        ws.publish(folder, {"w": np.full((4,), 6, np.float32)}, step=6)
+    except ws.PublishError as exc:
+        sys.exit(f"refused: {exc}")
+""")
+
+
+def test_a_publish_waiting_on_a_stopped_publishers_lock_says_whose_it_waits_for(tmp_path, caplog):
+    """A trainer stopped mid-publish holds the folder's lock, and its restart elsewhere waits for
+    it: the wait is said (the holder's host and PID), and once the stopped one goes on, the
+    restarted one takes the folder over and the stopped one's next publish is refused."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    stopped = subprocess.Popen([sys.executable, "-c", STOPPED_WHILE_PUBLISHING, str(tmp_path)], env=env,
+                               stderr=subprocess.PIPE, text=True)
+    outcome: list = []
+    try:
+        _, status = os.waitpid(stopped.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status), stopped.stderr.read()
+        restarted = threading.Thread(target=lambda: outcome.append(ws.publish(tmp_path, weights_at(5), step=5)))
+        with caplog.at_level("WARNING", logger="weightstore"):
+            restarted.start()
+            deadline = time.monotonic() + 30
+            while "waiting for its publish lock" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert f"pid {stopped.pid}" in caplog.text and "SIGSTOP" in caplog.text, caplog.text
+            assert not outcome  # still waiting: the stopped publisher holds the lock
+            os.kill(stopped.pid, signal.SIGCONT)
+            restarted.join(60)
+        _, error = stopped.communicate(timeout=60)
+    finally:
+        if stopped.poll() is None:
+            stopped.kill()
+            stopped.wait()
+    assert outcome and outcome[0].step == 5 and "got its publish lock after waiting" in caplog.text
+    assert stopped.returncode == 1 and "another writer" in error and "published step 5" in error, error
+    assert_whole(ws.load(ws.latest(tmp_path)), 5)
+
+
 @pytest.mark.parametrize("step", [3, 2], ids=["a later step", "the step the other writer published"])
 def test_a_background_publisher_whose_folder_another_process_took_over_logs_and_counts_the_refusal(tmp_path, caplog,
                                                                                                    step):

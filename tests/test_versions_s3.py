@@ -435,6 +435,103 @@ def test_a_trainer_whose_folder_another_process_took_over_on_s3_is_refused(s3, f
         publish_elsewhere(4)
     assert_whole(ws.load(ws.latest(folder, storage_options=s3)), 4)
 
+STOPPED_PUBLISHER = textwrap.dedent("""
+    import json, os, signal, sys
+    import numpy as np
+    import weightstore as ws
+    from weightstore.sync import _stages as stages
+    folder, options = sys.argv[1], json.loads(sys.argv[2])
+    def weights(step):  # node A's, told apart from node B's by their sign
+        return {f"layer_{i}/w": np.full((4,), -step, np.float32) for i in range(3)}
+    for step in (1, 2, 3):
+        ws.publish(folder, weights(step), step=step, storage_options=options)
+    # stopped (SIGSTOP: a node paused, a VM migrated) with step 4 written, not yet uploaded
+    stages.hook = lambda name: name == "version-temporary" and os.kill(os.getpid(), signal.SIGSTOP)
+    try:
+        ws.publish(folder, weights(4), step=4, storage_options=options)
+    except ws.PublishError as exc:
+        sys.exit(f"refused: {exc}")
+""")
+
+
+@pytest.mark.parametrize("published_after", [4, 5])
+def test_a_publisher_stopped_mid_publish_never_replaces_the_version_a_restarted_trainer_published(
+        s3, folder, tmp_path, published_after):
+    """Node A is stopped with step 4 written but not uploaded; the trainer, restarted on node B
+    from its step-3 checkpoint, publishes steps 4 (and 5). When A resumes, its upload must not
+    replace B's step 4 (followers would serve A's weights as B's), nor its refused publish remove
+    it (a published version lost)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    node_a = subprocess.Popen([sys.executable, "-c", STOPPED_PUBLISHER, folder, json.dumps(s3)], env=env,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        _, status = os.waitpid(node_a.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status), node_a.stderr.read()
+        with publisher_elsewhere(folder, s3) as publish_on_b:
+            for step in range(4, published_after + 1):
+                publish_on_b(step)
+        os.kill(node_a.pid, signal.SIGCONT)
+        _, error = node_a.communicate(timeout=60)
+    finally:
+        if node_a.poll() is None:
+            node_a.kill()
+            node_a.wait()
+    assert node_a.returncode == 1 and "another writer wrote its own step-000000000004.npz" in error, error
+    assert ws.latest(folder, storage_options=s3).step == published_after
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**s3)
+    for step in range(4, published_after + 1):  # B's weights, not A's
+        fs.get(f"{folder}/step-{step:012d}.npz", str(tmp_path / f"{step}.npz"))
+        assert_whole(ws.load(tmp_path / f"{step}.npz"), step)
+
+
+STOPPED_IN_ITS_FIRST_PUBLISH = textwrap.dedent("""
+    import json, os, signal, sys
+    import numpy as np
+    import weightstore as ws
+    from weightstore.sync import _stages as stages
+    folder, options = sys.argv[1], json.loads(sys.argv[2])
+    # its first publish here, stopped once past its checks (SIGSTOP: a paused node)
+    stages.hook = lambda name: name == "cleaned" and os.kill(os.getpid(), signal.SIGSTOP)
+    for step in (10, 11):
+        try:
+            ws.publish(folder, {f"layer_{i}/w": np.full((4,), -step, np.float32) for i in range(3)}, step=step,
+                       storage_options=options)
+            print(f"published {step}", flush=True)
+        except ws.PublishError as exc:
+            print(f"refused {step}: {exc}", flush=True)
+        stages.hook = None
+""")
+
+
+def test_a_trainer_stopped_in_its_first_publish_never_takes_the_folder_from_its_restart(s3, folder):
+    """Node A's trainer is stopped in its first publish; its restart on node B takes the folder
+    over. Once A goes on, its publishes are refused, that one and the next: A never published
+    here, but a writer new since it began to took over (else A's next publish took the folder
+    back, and B's were refused from then on)."""
+    ws.publish(folder, weights_at(1), step=1, storage_options=s3)  # the run that died
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    node_a = subprocess.Popen([sys.executable, "-c", STOPPED_IN_ITS_FIRST_PUBLISH, folder, json.dumps(s3)], env=env,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        _, status = os.waitpid(node_a.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status)
+        with publisher_elsewhere(folder, s3) as publish_on_b:
+            publish_on_b(2)  # B's first publish: it takes the folder over
+            os.kill(node_a.pid, signal.SIGCONT)
+            said, _ = node_a.communicate(timeout=60)
+            publish_on_b(3)  # B goes on publishing
+    finally:
+        if node_a.poll() is None:
+            node_a.kill()
+            node_a.wait()
+    first, second = said.splitlines()
+    assert first.startswith("refused 10:") and "LATEST changed" in first, said
+    assert second.startswith("refused 11:") and "another writer" in second and "began its first publish" in second
+    assert_whole(ws.load(ws.latest(folder, storage_options=s3)), 3)
+
+
 def test_a_sharded_version_reads_its_members_with_the_folders_storage_options(s3, folder):
     """The endpoint is given in storage_options only (not the environment): the members of a
     sharded version are read through the same options as its index."""

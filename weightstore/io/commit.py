@@ -27,7 +27,10 @@ documented composition of them:
    least two parts (:data:`UPLOAD_PART_BYTES`) goes as a multipart upload whose parts are sent
    concurrently (s3fs's ``max_concurrency`` storage option, default 10), and the object appears
    only at CompleteMultipartUpload. A crash leaves the old object; an unfinished multipart
-   upload is invisible (s3fs aborts it when a part fails).
+   upload is invisible (s3fs aborts it when a part fails). ``new=True`` makes the upload only
+   where no object has the name (S3's ``If-None-Match: *``, on the PUT or on the completion):
+   a version file, whose name is its step, so that a publisher stopped mid-publish and resumed
+   after another took the folder over never replaces the other's version of that step.
 3. *Pointer last* (versioned folders, :mod:`weightstore.sync._publish`). Each version file is
    committed by 1 or 2, and only then the small ``LATEST`` pointer, by the same protocol.
    Readers reach versions only through ``LATEST``, so a crash between the two leaves a version
@@ -63,7 +66,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from weightstore.errors import StoreNotFoundError, WeightStoreError, WriteError
+from weightstore.errors import StorageError, StoreExistsError, StoreNotFoundError, WeightStoreError, WriteError
 from weightstore.io._writeback import behind
 from weightstore.io.files import (
     check_writable_target,
@@ -197,10 +200,14 @@ def _hold(path: str) -> int | None:
 class UploadCommit(Commit):
     """Protocol 2: written in a local scratch folder, then sent in one upload."""
 
-    def __init__(self, url: str, *, suffix: str = "", storage_options: Mapping[str, Any] | None = None):
+    def __init__(self, url: str, *, suffix: str = "", storage_options: Mapping[str, Any] | None = None,
+                 new: bool = False):
         self.target = url
         self._fs, self._remote = filesystem(url, storage_options)
         self._suffix = suffix
+        #: upload only where no object has the name (S3); elsewhere the caller's lock or promise
+        #: of one writer stands for it
+        self._new = new
         self._scratch: str | None = None
 
     def begin(self) -> str:
@@ -210,10 +217,18 @@ class UploadCommit(Commit):
     def finalize(self) -> None:
         assert self._scratch is not None, "begin() first"
         local = os.path.join(self._scratch, "upload" + self._suffix)
-        options = {"chunksize": UPLOAD_PART_BYTES} if "s3" in protocols(self._fs) else {}
+        on_s3 = "s3" in protocols(self._fs)
+        options: dict[str, Any] = {"chunksize": UPLOAD_PART_BYTES} if on_s3 else {}
+        if self._new and on_s3:
+            options["mode"] = "create"
         try:
             with service(self.target):
                 self._fs.put_file(local, self._remote, **options)
+        except StorageError as exc:
+            if not (self._new and on_s3 and _already_there(exc)):
+                raise
+            raise StoreExistsError("was not uploaded: another writer's object of that name appeared while it was "
+                                   "written", path=self.target) from exc
         except FileNotFoundError as exc:
             answer = service_answer(exc)
             if answer is None or answer[0] != "NoSuchUpload":
@@ -233,6 +248,14 @@ class UploadCommit(Commit):
     def exists(self) -> bool:
         with service(self.target):
             return bool(self._fs.exists(self._remote))
+
+
+def _already_there(exc: BaseException) -> bool:
+    """Whether a conditional upload failed because an object has the name now (S3 answers 412, or
+    409 for two conditional writes at once; s3fs gives the first as ``FileExistsError``)."""
+    answer = service_answer(exc)
+    return isinstance(exc.__cause__, FileExistsError) or (
+        answer is not None and answer[0] in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"))
 
 
 def commit_for(location: Location, *, suffix: str = "",

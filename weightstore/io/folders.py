@@ -17,7 +17,9 @@ import datetime
 import errno
 import logging
 import os
+import socket
 import stat
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,8 +133,11 @@ class Folder(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def commit(self, name: str, suffix: str = "") -> Commit:
-        """How a new file ``name`` is written and made visible (protocol 1 or 2)."""
+    def commit(self, name: str, suffix: str = "", *, new: bool = False) -> Commit:
+        """How a new file ``name`` is written and made visible (protocol 1 or 2). ``new``: only
+        where no file has the name when it lands, where the storage can tell (S3: else the
+        commit raises :class:`StoreExistsError`); locally the folder's :meth:`lock` keeps other
+        writers out."""
 
     @abc.abstractmethod
     def remove(self, name: str) -> None: ...
@@ -263,7 +268,7 @@ class LocalFolder(Folder):
             return None
         return info.st_mode, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns
 
-    def commit(self, name: str, suffix: str = "") -> Commit:
+    def commit(self, name: str, suffix: str = "", *, new: bool = False) -> Commit:
         return RenameCommit(self.root / name, follow_symlinks=False)
 
     def remove(self, name: str) -> None:
@@ -378,12 +383,55 @@ class LocalFolder(Folder):
             raise TargetError("holds .publish.lock as a symbolic link; a versioned folder's files are never written "
                               "through links: remove it", path=self.where) from None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            _take_lock(fd, self.where)
             yield
         finally:  # unlocked, not only closed: a child forked meanwhile holds the lock through its copy of fd
             with contextlib.suppress(OSError):
                 fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
+
+
+#: the most bytes of ``.publish.lock`` read to say who holds it
+_HOLDER_BYTES = 200
+#: seconds a publish waits for the folder's lock before it says whose it is (another publish of
+#: the folder, a sharded commit racing this one, holds it for about as long as a write takes)
+LOCK_QUIET_FOR = 2.0
+
+
+def _take_lock(fd: int, where: str) -> None:
+    """Lock ``.publish.lock`` (open at ``fd``) for this process, then write in it who holds it.
+
+    A publish holds the lock while it writes; one held longer is a publisher stopped in the
+    middle (SIGSTOP, a suspended node or VM, a debugger) or stuck on its storage, which keeps
+    every other publisher of the folder waiting until it goes on or dies (the kernel lets go of a
+    dead process's lock at once). So a publish that has waited :data:`LOCK_QUIET_FOR` says, once,
+    whose lock it waits for and since when, and once it has it, how long it waited: no publish
+    waits without a word."""
+    started, pause = time.monotonic(), 0.005
+    while not _locked_now(fd):
+        if time.monotonic() - started < LOCK_QUIET_FOR:
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
+            continue
+        said = os.pread(fd, _HOLDER_BYTES, 0).decode("utf-8", "replace")
+        holder = "".join(c if c.isprintable() else " " for c in said).strip() or "a process that does not say who"
+        _log.warning("%s: waiting for its publish lock (.publish.lock), held by %s; a publisher stopped while it "
+                     "publishes (SIGSTOP, a suspended node) keeps it until it goes on or is killed", where, holder)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        _log.warning("%s: got its publish lock after waiting %.0f s", where, time.monotonic() - started)
+        break
+    with contextlib.suppress(OSError):  # a lock file it may not write still locks: only the words are lost
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{socket.gethostname()} pid {os.getpid()}, since {_iso(time.time())}".encode(), 0)
+
+
+def _locked_now(fd: int) -> bool:
+    """Whether the lock on ``fd`` was free and is this process's now."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def _entries(folder: Path) -> list[os.DirEntry[str]]:
@@ -449,8 +497,8 @@ class RemoteFolder(Folder):
         # without an ETag, nothing short of the bytes tells two writes apart (times repeat within a second)
         return info.get("ETag") or info.get("etag") or object()
 
-    def commit(self, name: str, suffix: str = "") -> Commit:
-        return UploadCommit(self.url(name), suffix=suffix, storage_options=self._storage_options)
+    def commit(self, name: str, suffix: str = "", *, new: bool = False) -> Commit:
+        return UploadCommit(self.url(name), suffix=suffix, storage_options=self._storage_options, new=new)
 
     def remove(self, name: str) -> None:
         with self._service(), contextlib.suppress(FileNotFoundError):

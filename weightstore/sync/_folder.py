@@ -31,7 +31,7 @@ from weightstore.io.files import remove_stale_temporaries
 from weightstore.io.folders import Folder, LocalFolder, folder_for
 from weightstore.sync import _stages as stages
 from weightstore.sync._pinning import Version, pointer_version, read_latest
-from weightstore.sync._writers import taken_over
+from weightstore.sync._writers import taken_over, tried_here
 
 _log = logging.getLogger(__name__)
 
@@ -95,7 +95,8 @@ class FolderState:
         elif self.pointer is None and self.newest is not None:
             warnings.warn(f"{where}: LATEST is missing but version files exist; the newest, step {self.newest}, "
                           "counts as current and the next publish names its own version", stacklevel=4)
-        taken = taken_over(self.folder, self.latest_writer, None if self.pointer is None else self.pointer.step)
+        latest_step = None if self.pointer is None else self.pointer.step
+        taken = taken_over(self.folder, self.latest_writer, latest_step)
         if taken is not None:
             raise PublishError(f"step {step} was not published: {taken}", path=where)
         if self.pointer is not None and step <= self.pointer.step:
@@ -115,6 +116,7 @@ class FolderState:
         if self.pointer is None and self.newest is not None and step <= self.newest:
             raise PublishError(f"step {step} is not after step {self.newest}, which is the newest version file "
                                "(LATEST is missing or damaged); steps must increase", path=where)
+        tried_here(self.folder, self.latest_writer, latest_step)  # it goes on to write
 
     def clean(self) -> None:
         """Before a publish writes: remove dead writers' temporaries and, in a local folder (whose
@@ -137,6 +139,18 @@ class FolderState:
             return False
         match = VERSION_NAME.match(name)
         return name in (LATEST, INTENT) or (match is not None and int(match.group(1)) == self.intent)
+
+    def remove_unpublished_of(self, step: int) -> None:
+        """Before this publish uploads ``step``: remove the files of that step above ``LATEST``
+        that a killed publish left (the intent names the step), as the upload of a version
+        replaces no object (a publisher stopped mid-publish must never replace the version of
+        the step that another then published). Were it a live publisher's instead (stopped
+        between its upload and its swap of ``LATEST``), its swap fails once this one's has
+        succeeded; one that comes first (it went on between this removal and this swap) names
+        this publisher's file of the step under its own metadata: that window is left open."""
+        for unpublished, entry in self.unpublished():
+            if unpublished == step:
+                self.folder.remove(entry.name)
 
     def remove_unpublished(self, step: int | None = None) -> None:
         """Remove the versions above ``LATEST`` that a killed publish's intent names, but ``step``'s.
@@ -284,12 +298,29 @@ def remove_attempt(folder: Folder, name: str) -> bool:
 
 
 def names_step(target: Folder, step: int) -> bool:
-    """Whether ``LATEST`` names ``step`` now; when it cannot be read, as if it did (keep the file)."""
+    """Whether ``LATEST`` names ``step`` now; when it cannot be read, as if it did (keep the file).
+    A sharded commit that lost its swap of ``LATEST`` removes its index unless so: its index was
+    created only where none was (so it is its own), and below a later ``LATEST`` it would name
+    members the winner's commit may have removed as a dead attempt's."""
     try:
         current = read_latest(target)
     except WeightStoreError:
         return True
     return current is not None and current.step == step
+
+
+def kept_by_latest(target: Folder, step: int, name: str) -> bool:
+    """Whether the file ``name`` of ``step``, which a publish that was then refused wrote, must
+    stay: ``LATEST`` names it, or names a later step (the file is history below it then, and may
+    be another writer's of that step: a publisher stopped mid-publish on one node while a trainer
+    restarted on another published the same step, then more, would remove a published version).
+    When ``LATEST`` cannot be read, as if it named it (keep the file)."""
+    try:
+        current = read_latest(target)
+    except WeightStoreError:
+        return True
+    return current is not None and (current.step > step or (current.step == step
+                                                             and current.path.rsplit("/", 1)[-1] == name))
 
 
 def versions_folder(folder: Any, storage_options: Mapping[str, Any] | None = None) -> Folder:

@@ -40,9 +40,12 @@ publishes serialise on an advisory lock (``.publish.lock``), so two processes ca
 interleave the check and the write; on object stores there is no lock, but ``LATEST`` is
 replaced by compare-and-swap on the ETag read before the check (S3 ``If-Match``; see
 :func:`commit_version`), so of two publishers racing there exactly one moves ``LATEST`` and
-the other gets :class:`PublishError`; ``LATEST`` never goes backwards. (Their version files
-are still plain uploads: two publishers of the *same* step share one name, so run one
-publisher per folder there all the same.) Two live publishers whose steps both go up are
+the other gets :class:`PublishError`; ``LATEST`` never goes backwards. A version file is
+uploaded only where no object has its name (S3's ``If-None-Match: *``): of two publishers of
+the *same* step (a trainer stopped mid-publish on one node, resumed after a restart on another
+published that step), the later upload is refused, never replacing the version ``LATEST``
+names; and a publisher whose swap of ``LATEST`` failed removes its file only while ``LATEST`` is below its step
+(:func:`~weightstore.sync._folder.kept_by_latest`). Two live publishers whose steps both go up are
 refused as well: ``LATEST`` names the process that wrote it, and a process that published to
 the folder before refuses to publish once another took it over (:mod:`weightstore.sync._writers`).
 """
@@ -57,7 +60,7 @@ from typing import Any, TypedDict
 from weightstore._version import __version__
 from weightstore.core._words import checks_words
 from weightstore.core.manifest import utc_now
-from weightstore.errors import PublishError, WeightStoreError
+from weightstore.errors import PublishError, StoreExistsError, WeightStoreError
 from weightstore.formats import delta as delta_format
 from weightstore.formats import format_named
 from weightstore.formats._pointer import (
@@ -69,7 +72,7 @@ from weightstore.store._save import CheckedWeights, write_file
 from weightstore.sync import _stages as stages
 from weightstore.sync._checks import DEFAULT_FORMAT, DEFAULT_KEEP, checked_keep, checked_pointer_metadata, checked_step
 from weightstore.sync._delta import Delta, as_delta, full_weights
-from weightstore.sync._folder import INTENT, FolderState, names_step, prune, write_small
+from weightstore.sync._folder import INTENT, FolderState, kept_by_latest, prune, write_small
 from weightstore.sync._pinning import Version
 from weightstore.sync._writers import published_here, writer
 
@@ -145,33 +148,39 @@ def publish(
         name = f"step-{step:012d}{delta_format.SUFFIX}"
 
     def write_version(created: str) -> None:
-        with target.commit(name, fmt.suffixes[0] if plan is None else delta_format.SUFFIX).writing() as local:
-            if plan is None:
-                write_file(local, fmt, arrays, metadata, False, created=created)
-            else:
-                with open(local, "wb") as handle:
-                    delta_format.write(handle, plan.head, plan.rows, plan.digests, plan.encoded, metadata,
-                                       f"weightstore {__version__}", created, path=local)
-            stages.reached("version-temporary")
+        suffix = fmt.suffixes[0] if plan is None else delta_format.SUFFIX
+        try:
+            with target.commit(name, suffix, new=True).writing() as local:
+                if plan is None:
+                    write_file(local, fmt, arrays, metadata, False, created=created)
+                else:
+                    with open(local, "wb") as handle:
+                        delta_format.write(handle, plan.head, plan.rows, plan.digests, plan.encoded, metadata,
+                                           f"weightstore {__version__}", created, path=local)
+                stages.reached("version-temporary")
+        except StoreExistsError:
+            raise PublishError(f"step {step} was not published: another writer wrote its own {name} to this folder "
+                               "while this process wrote it (a trainer restarted elsewhere took the folder over "
+                               "while this one was stopped or slow); that version stays", path=target.where) from None
         written.append(name)
 
     try:
         try:
             version = commit_version(target, step, name, write_version, metadata, keep,
-                                     base=None if plan is None else plan.head.base)
+                                     base=None if plan is None else plan.head.base, new=True)
         except _BaseMoved as moved:  # nothing written yet: the same weights go whole onto the new LATEST
             _log.warning("%s; it is written as a full version instead", moved)
             plan, name = None, f"step-{step:012d}{fmt.suffixes[0]}"
             if tensors is not None:
                 arrays = CheckedWeights(full_weights(tensors), target.url(name), fmt)
-            version = commit_version(target, step, name, write_version, metadata, keep)
+            version = commit_version(target, step, name, write_version, metadata, keep, new=True)
         if planner is not None and tensors is not None:
             planner.published(target, version, tensors, plan)
         return version
     except PublishError:
         # a race lost on object storage: left above LATEST with no intent naming it, the file
         # would read as a restored LATEST's newer version and refuse this very step's retry
-        if written and not names_step(target, step):
+        if written and not kept_by_latest(target, step, name):
             target.remove(name)
         raise
 
@@ -182,7 +191,8 @@ class _BaseMoved(PublishError):
 
 
 def commit_version(target: Folder, step: int, name: str, write: Callable[[str], None],
-                   metadata: Mapping[str, Any] | None, keep: int | None, *, base: str | None = None) -> Version:
+                   metadata: Mapping[str, Any] | None, keep: int | None, *, base: str | None = None,
+                   new: bool = False) -> Version:
     """The publish protocol around one version file: check the step, clean what killed publishes
     left, record the intent, ``write(created)`` the file ``name``, replace ``LATEST``, prune.
 
@@ -194,6 +204,9 @@ def commit_version(target: Folder, step: int, name: str, write: Callable[[str], 
     written (:meth:`Folder.require_compare_and_swap`). ``base``, a delta version's, must still be
     the file ``LATEST`` names: a delta is encoded before the folder is locked, and another
     publisher's version committed meanwhile would leave it based off the line retention keeps.
+    ``new``: ``write`` uploads only where no object has the name (a plain version), so the file
+    of this step that a killed publish left is removed first (a sharded index is compared with
+    the one there instead).
     """
     target.require_compare_and_swap(f"replacing {LATEST}")
     with target.lock():
@@ -205,6 +218,8 @@ def commit_version(target: Folder, step: int, name: str, write: Callable[[str], 
                              f"{step} was encoded as a delta of {base} (is another trainer publishing to this "
                              "folder?)", path=target.where)
         state.clean()
+        if new and not isinstance(target, LocalFolder):
+            state.remove_unpublished_of(step)
         stages.reached("cleaned")
         write_small(target, INTENT, json.dumps({"step": step, "file": name}).encode())
         created = utc_now()
