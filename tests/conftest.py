@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -14,11 +15,19 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """The controller of an xdist run writes pytest's cache of the test modules' rewritten asserts
+    """Ctrl-C reaches the processes the tests start: a shell without job control (a script's
+    ``./tasks test &``, some CI runners) starts its background commands with SIGINT ignored, which
+    every process after inherits, Python included (it installs no handler then), so the tests that
+    interrupt a trainer or ``ws`` waited for an exit that never came. Python's own handler here
+    puts the default back in each process started from this one.
+
+    The controller of an xdist run writes pytest's cache of the test modules' rewritten asserts
     before its workers start: each worker imports every test module to collect it, and the
     rewrite (4 CPU-s for this suite's modules) ran in each at once on a fresh clone, none cached
     yet; they read it whether or not they may write bytecode. Written only where bytecode may be
     written, as pytest writes it (``./tasks test`` lets it be)."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput") \
             and not sys.dont_write_bytecode:
         _cache_rewritten_asserts(config)
