@@ -282,11 +282,11 @@ def keras_file_names(model: Any, file_keys: list[str], by_variable: Mapping[int,
     return names
 
 
-def keras_file_keys(model: Any, variables: Iterable[Any]) -> set[str]:
+def keras_file_keys(model: Any, variables: Iterable[Any]) -> dict[str, Any]:
     """The keys Keras's own save walk gives ``variables`` of ``model`` in its files
-    (``layers/dense/vars/0``): how a ``.weights.h5`` names them."""
+    (``layers/dense/vars/0``: how a ``.weights.h5`` names them), each with its variable."""
     ids = {id(var) for var in variables}
-    return {path for path, var in _keras_paths(model).items() if id(var) in ids}
+    return {path: var for path, var in _keras_paths(model).items() if id(var) in ids}
 
 
 def _keras_paths(model: Any, skip: set[int] | None = None) -> dict[str, Any]:

@@ -17,6 +17,19 @@ from weightstore.core.keys import suggest as keys_suggest
 
 _KERAS_NUMBER = re.compile(r"_[0-9]+$")  # what Keras puts after an automatic name taken before (dense_3)
 
+#: key -> its tensor's shape, or None where the caller does not know it
+Shapes = Callable[[str], "tuple[int, ...] | None"]
+
+
+def _unknown(key: str) -> None:
+    """No shape known (a caller with keys alone): scopes are told apart by their keys."""
+    return None
+
+
+def _shape(shape_of: Shapes, key: str) -> tuple[int, ...] | None:
+    shape = shape_of(key)
+    return None if shape is None else tuple(shape)
+
 
 def few_assigned(where: str, paired: int, targets: Mapping[str, TargetInfo], values: Mapping[str, str],
                   renamed: bool, mismatched: Sequence[Mismatch]) -> str:
@@ -32,9 +45,10 @@ def few_assigned(where: str, paired: int, targets: Mapping[str, TargetInfo], val
     return text
 
 
-def _apart(values: Iterable[str], targets: Iterable[str], renamed: bool) -> str:
+def _apart(values: Iterable[str], targets: Iterable[str], renamed: bool, value_shape: Shapes = _unknown,
+           target_shape: Shapes = _unknown) -> str:
     """Why few keys pair: one scope between them, or a different architecture."""
-    fix = _scope_fix(values, targets, renamed)
+    fix = _scope_fix(values, targets, renamed, value_shape, target_shape)
     return (f"the keys differ by a scope: {fix}" if fix else _layout_fix(values, targets) or
             "the weights and the model look like different architectures (or differ by a scope: scope= puts "
             "the values under one, mapping={'FROM': 'TO'} renames one)")
@@ -88,48 +102,79 @@ def no_such_scope(scope: str, targets: Iterable[str], values: Iterable[str] = ()
     return f"no variable is under scope {scope!r}{near or shown}"
 
 
-def _scope_fix(values: Iterable[str], targets: Iterable[str], renamed: bool) -> str:
+def _scope_fix(values: Iterable[str], targets: Iterable[str], renamed: bool, value_shape: Shapes = _unknown,
+               target_shape: Shapes = _unknown) -> str:
     """What would pair the keys when one scope is all that keeps them apart: values saved
     under ``model_002/`` going into unscoped variables need that scope taken off (``mapping``),
     unscoped values going into variables under it need it put on (``scope``), and an ensemble's
     file given to one member needs one member taken out (``ws.load(path, scope=)``); "" when no
     one scope explains most of the keys. ``renamed``: the values' keys are as the caller's
-    ``scope``/``mapping`` made them, so those are what to change."""
+    ``scope``/``mapping`` made them, so those are what to change. Of an ensemble's members, the
+    one proposed has the shapes too (``value_shape``, ``target_shape``, where known): members of
+    other widths share every key."""
     value_set, target_set = set(values), set(targets)
     unpaired = value_set - target_set
     members = member_scopes(unpaired, target_set)
     if len(members) > 1:
+        fitting = member_scopes(unpaired, target_set, value_shape, target_shape)
         fix = ("change scope= or mapping=, which put them there" if renamed else
-               f"assign one of them, ws.load(path, scope={members[0]!r}) (`ws export --scope` writes one's file)")
-        return (f"the values are under {_listed(members)} (an ensemble, each holding the variables' keys) and the "
-                f"variables are not: {fix}")
+               f"assign one of them, ws.load(path, scope={fitting[0]!r}) (`ws export --scope` writes one's file)"
+               if fitting else "but none holds the variables' shapes: the model is none of the members")
+        narrowed = of_those(members, fitting, "variables")
+        return (f"the values are under {_listed(members)} (an ensemble, each holding the variables' keys"
+                f"{'; ' + narrowed if narrowed else ''}) and the variables are not: {fix}")
     extra = _extra_scopes(unpaired, target_set, len(unpaired))
     if extra:
         fix = "change scope= or mapping=, which put them there" if renamed else f"pass mapping={{{extra[0]!r}: ''}}"
         return f"the values are under {extra[0]!r} and the variables are not: {fix}"
-    # each scope under which half of the values find their variable: an ensemble's members all do
+    # each scope under which half of the values find their variable: an ensemble's members all do;
+    # by shape, the members the values are (Keras numbers each member's automatic names on)
     missing = _extra_scopes(target_set - value_set, value_set, len(value_set))
     if missing:
-        fix = (("put them under " + ("it" if len(missing) == 1 else "one of them")) + " with scope= or mapping="
-               if renamed else f"pass scope={missing[0]!r}" + (" (or another of them)" if len(missing) > 1 else ""))
-        return f"the variables are under {_listed(missing)} and the values are not: {fix}"
+        fitting = member_scopes(target_set - value_set, value_set, target_shape, value_shape)
+        missing = sorted({*missing, *fitting})
+        if renamed:
+            fix = "put them under " + ("it" if len(missing) == 1 else "one of them") + " with scope= or mapping="
+        elif not fitting:
+            fix = "but none of them has the values' shapes: the values are of another model"
+        else:
+            fix = f"pass scope={fitting[0]!r}" + (" (or another of them)" if len(fitting) > 1 else "")
+        narrowed = of_those(missing, fitting, "values")
+        return (f"the variables are under {_listed(missing)}{f' ({narrowed})' if narrowed else ''} and the values "
+                f"are not: {fix}")
     return ""
 
 
-def member_scopes(values: Collection[str], targets: Collection[str]) -> list[str]:
+def of_those(scopes: Sequence[str], fitting: Sequence[str], whose: str) -> str:
+    """``of those, only 'b' has the values' shapes`` (``whose``: ``values``) where shapes leave
+    fewer ``scopes`` than keys; "" otherwise."""
+    if not fitting or len(fitting) == len(scopes):
+        return ""
+    owner = f"the {whose}'" if whose.endswith("s") else f"the {whose}'s"
+    return f"of those, only {_listed(fitting)} {'has' if len(fitting) == 1 else 'have'} {owner} shapes"
+
+
+def member_scopes(values: Collection[str], targets: Collection[str], value_shape: Shapes = _unknown,
+                  target_shape: Shapes = _unknown) -> list[str]:
     """The scopes (up to three segments) under which ``values`` hold a copy of the variables, an
     ensemble's file given to one member: half of them by key, or every variable by its key with
     Keras's numbering taken off each name (an ensemble's Keras file numbers its members' automatic
     names on, ``model_002/dense_2/kernel`` for ``dense/kernel``); the last segments alone would
-    call any scope of as many weights and biases a copy (a transformer layer's ``mlp/fc1``, ``mlp/fc2``)."""
-    unnumbered = Counter(map(_unnumbered, targets))
-    under: dict[str, list[str]] = {}
+    call any scope of as many weights and biases a copy (a transformer layer's ``mlp/fc1``, ``mlp/fc2``).
+    With ``value_shape`` and ``target_shape`` a copy holds each of its variables' shape too: of
+    members of different widths, which share every key, only the one the variables are."""
+    unnumbered = Counter((_unnumbered(key), _shape(target_shape, key)) for key in targets)
+    under: dict[str, list[tuple[str, str]]] = {}
     for key in values:
         parts = key.split("/")
         for depth in range(1, min(len(parts), 4)):
-            under.setdefault("/".join(parts[:depth]), []).append("/".join(parts[depth:]))
-    copies = {scope for scope, keys in under.items() if sum(key in targets for key in keys) * 2 >= len(targets)
-              or Counter(map(_unnumbered, keys)) == unnumbered}
+            under.setdefault("/".join(parts[:depth]), []).append(("/".join(parts[depth:]), key))
+
+    def fits(inner: str, key: str) -> bool:
+        return inner in targets and _shape(value_shape, key) == _shape(target_shape, inner)
+
+    copies = {scope for scope, keys in under.items() if sum(fits(inner, key) for inner, key in keys) * 2 >= len(targets)
+              or Counter((_unnumbered(inner), _shape(value_shape, key)) for inner, key in keys) == unnumbered}
     # the innermost: model_002/tower_0 holds the copy that model_002 holds, and is no second member
     return sorted(scope for scope in copies if not any(other.startswith(scope + "/") for other in copies))
 
@@ -146,14 +191,17 @@ def _listed(scopes: Sequence[str]) -> str:
     return " and ".join(filter(None, [", ".join(named[:-1]), named[-1]]))
 
 
-def _extra_scopes(keys: Collection[str], others: Collection[str], needed: int) -> list[str]:
+def _extra_scopes(keys: Collection[str], others: Collection[str], needed: int, key_shape: Shapes = _unknown,
+                  other_shape: Shapes = _unknown) -> list[str]:
     """The scopes (up to three segments) that, taken off, turn at least half of ``needed`` of
-    ``keys`` into keys of ``others``, the most such keys first (ties in name order)."""
+    ``keys`` into keys of ``others`` (of the same shape, where ``key_shape`` and ``other_shape``
+    know them), the most such keys first (ties in name order)."""
     counts: dict[str, int] = {}
     for key in keys:
         parts = key.split("/")
         for depth in range(1, min(len(parts), 4)):
-            if "/".join(parts[depth:]) in others:
+            inner = "/".join(parts[depth:])
+            if inner in others and _shape(key_shape, key) == _shape(other_shape, inner):
                 scope = "/".join(parts[:depth])
                 counts[scope] = counts.get(scope, 0) + 1
     return sorted((scope for scope, count in counts.items() if count * 2 >= needed), key=lambda s: (-counts[s], s))
@@ -231,7 +279,7 @@ def assign_message(report: Report, where: str, targets: Mapping[str, Any], value
     if scope_problem:
         lines.append(f"  {scope_problem}")
     common = sum(1 for key in values if key in every)
-    apart = (_apart(values, every, renamed) if min(len(targets), len(values)) >= 2
+    apart = (_apart(values, every, renamed, value_shape, target_shape) if min(len(targets), len(values)) >= 2
              and common * 2 < min(len(targets), len(values)) else _layout_fix(values, every))
     if apart:
         lines.append(f"  {common} of {len(values)} values share a key with one of {len(targets)} variables: {apart}")

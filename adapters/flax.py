@@ -8,7 +8,9 @@ references, so hot reload remembers checksums per module and key.
 
 **Pytrees** (``{"params": {"Dense_0": {"kernel": …}}, "batch_stats": …}``, a ``FrozenDict``,
 lists): keys are the tree paths joined with ``/`` (``params/Dense_0/kernel``); every array
-leaf is a target, other leaves are left alone. :func:`restore` returns a new tree and never
+leaf is a target, other leaves are left alone. Trainable means under ``params`` in Linen's
+variables dict (``batch_stats`` and other collections are not what an optimizer trains), and
+every leaf of any other tree (a bare params tree). :func:`restore` returns a new tree and never
 changes the one it was given, since JAX code treats trees as values.
 
 ``layout="keras"`` converts Keras/TF names and layouts (``gamma`` ↔ ``scale``,
@@ -82,8 +84,9 @@ def export(
     """A new weight dictionary of an NNX module's variables or a pytree's array leaves.
 
     ``trainable_only`` keeps a module's ``nnx.Param`` variables, plus those whose key matches
-    ``also`` (``also="*/mean"`` adds batch norm's ``BatchStat``s); every leaf of a pytree counts
-    as trainable. With ``layout``, keys and arrays come out in Keras's names and layouts; a
+    ``also`` (``also="*/mean"`` adds batch norm's ``BatchStat``s); of a pytree, Linen's
+    ``params`` collection (``also="batch_stats/*"`` adds the statistics), or every leaf of a tree
+    without one. With ``layout``, keys and arrays come out in Keras's names and layouts; a
     tensor no rule converts raises :class:`~weightstore.errors.LayoutError` listing every such key.
     """
     values, chosen = _selected(obj, Selection.of("flax.export", selection, export))
@@ -220,6 +223,8 @@ def restore(
     mapping: MappingRules = None,
     include: Patterns = None,
     exclude: Patterns = None,
+    trainable_only: bool = False,
+    also: Patterns = None,
     strict: bool = True,
     cast: bool = False,
     layout: str | layouts.Layout | None = None,
@@ -229,12 +234,16 @@ def restore(
     Leaves without a value keep the old one (with ``strict=False``); each new leaf has the
     old leaf's type (a JAX array on the same device and sharding, or a numpy array; for an
     abstract leaf of ``nnx.eval_shape``, a JAX array on the sharding it names).
+    ``trainable_only``/``also`` restore what :func:`export` saved with them (a Linen variables
+    dict's ``params``, plus ``also="batch_stats/*"``), the other leaves keeping theirs.
     """
     leaves = _leaves(tree)
-    targets = {key: TargetInfo(key, _dtype_of(leaf), tuple(np.shape(leaf))) for key, leaf in leaves.items()}
+    trainable = _trainable_leaves(tree, leaves)
+    targets = {key: TargetInfo(key, _dtype_of(leaf), tuple(np.shape(leaf)), trainable[key])
+               for key, leaf in leaves.items()}
     with open_values(weights) as values:
-        options = AssignOptions(scope=scope, mapping=mapping, include=include, exclude=exclude, strict=strict,
-                                cast=cast)
+        options = AssignOptions(scope=scope, mapping=mapping, include=include, exclude=exclude,
+                                trainable_only=trainable_only, also=also, strict=strict, cast=cast)
         plan, source = layouts.plan_laid_out(values, targets, options, layout=_resolved(layout),
                                              unconvertible=_linen_transposed_kernel)
         prepare = range_checked(_placed_leaf(leaves), targets) if cast else _placed_leaf(leaves)
@@ -263,7 +272,7 @@ def _selected(obj: Any, chosen_by: Selection) -> tuple[dict[str, Any], dict[str,
         trainable = {key: isinstance(var, nnx.Param) for key, var in found.items()}
     else:
         values = _leaves(obj)
-        trainable = dict.fromkeys(values, True)
+        trainable = _trainable_leaves(obj, values)
     abstract = next((key for key, value in values.items() if isinstance(value, jax.ShapeDtypeStruct)), None)
     if abstract is not None:
         raise SelectionError(f"{_describe(obj)} is abstract (nnx.eval_shape): it has shapes but no values to export",
@@ -328,6 +337,18 @@ def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ..
     """A shard's ``index`` (slices that may be open) as explicit ``start:stop`` slices on every axis."""
     return tuple(slice(*(index[axis] if axis < len(index) else slice(None)).indices(size)[:2])
                  for axis, size in enumerate(shape))
+
+
+#: the collection of Linen's variables dict an optimizer trains (``{"params": …, "batch_stats": …}``)
+_LINEN_PARAMS = "params"
+
+
+def _trainable_leaves(tree: Any, leaves: Mapping[str, Any]) -> dict[str, bool]:
+    """Key -> whether the leaf is trainable: under ``params`` in a Linen variables dict (a
+    mapping with that collection), every leaf of any other tree."""
+    if isinstance(tree, Mapping) and _LINEN_PARAMS in tree:
+        return {key: key.startswith(_LINEN_PARAMS + "/") for key in leaves}
+    return dict.fromkeys(leaves, True)
 
 
 def _leaves(tree: Any) -> dict[str, Any]:

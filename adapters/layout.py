@@ -174,13 +174,15 @@ class Layout:
 
     ``kernel`` is the other framework's name for a layer's main weight, which
     :func:`kinds_from_names` reads the layer kind from; ``dropped`` are leaf names with no
-    Keras counterpart, left out on the way to Keras.
+    Keras counterpart, left out on the way to Keras; ``unported`` (leaf name, why) are those of
+    a computation no Keras layer does, refused saying so rather than asking for a rule.
     """
 
     name: str
     rules: tuple[Rule, ...]
     kernel: str
     dropped: tuple[str, ...] = ()
+    unported: tuple[tuple[str, str], ...] = ()
     #: layers whose tensors convert together (LSTM, GRU, attention), tried before ``rules``
     layers: tuple[LayerRule, ...] = ()
 
@@ -230,6 +232,10 @@ KERAS_TO_TORCH = Layout(
     ),
     kernel="weight",
     dropped=("num_batches_tracked",),
+    unported=tuple((leaf, f"is MultiheadAttention(add_bias_kv=True)'s learned {what}, appended to every sequence's "
+                          f"{what}s: Keras's MultiHeadAttention (and Flax's) has no such variable and computes no such "
+                          "step, so no layout or Rule ports it exactly; port a module built with add_bias_kv=False")
+                   for leaf, what in (("bias_k", "key"), ("bias_v", "value"))),
     layers=_layer_rules.TORCH_LAYERS,
 )
 
@@ -470,7 +476,9 @@ def to_keras(layout: Layout, shapes: Mapping[str, tuple[int, ...]],
                                 f"{multiplier}, which does not divide them")
                 continue
             site = Site(site.kind, channels // multiplier)
-        if rule is None:
+        if rule is None and leaf in dict(layout.unported):
+            refused[key] = dict(layout.unported)[leaf]
+        elif rule is None:
             of = f"in a {site.kind!r} layer" if site.kind else "in a layer of unknown kind"
             refused[key] = f"no {layout.name} layout rule for a rank-{len(shape)} {leaf!r} {of}{_EXTEND}"
             if site.kind is None:

@@ -94,7 +94,7 @@ from weightstore.adapters._reload import MEMORY
 from weightstore.adapters._report import Plan, TargetInfo
 from weightstore.adapters._tf_staging import staged_copy
 from weightstore.adapters._values import RenamedValues
-from weightstore.adapters._wording import member_scopes
+from weightstore.adapters._wording import member_scopes, of_those
 from weightstore.adapters.plan import (
     INNER_OPTIMIZER,
     OPTIMIZER_KEY,
@@ -295,14 +295,17 @@ def assign(obj: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[A
                                optimizer=optimizer) as paired:
                     report = run_assign(target, paired, options, skip_for=weights)
             except AssignmentError as error:
-                members, own_names = ([], False) if at else _ensemble_file_members(obj, weights, found, targets)
+                members, fitting, own_names = ([], [], False) if at else _ensemble_file_members(obj, weights, found,
+                                                                                                 targets)
                 if len(members) < 2:
                     raise
+                fix = (f"assign one member, ws.load(path, scope={fitting[0]!r}) (`ws export --scope` writes its file)"
+                       if fitting else "none of them has the model's shapes: the model is none of the members")
+                notes = "; ".join(filter(None, ["Keras names the members by their class, in layer order" if own_names
+                                                else "", of_those(members, fitting, "model")]))
                 raise AssignmentError(
                     f"holds an ensemble, the model's variables under each of {', '.join(map(repr, members[:3]))}"
-                    f"{' and more' if len(members) > 3 else ''}"
-                    f"{' (Keras names the members by their class, in layer order)' if own_names else ''}: assign one "
-                    f"member, ws.load(path, scope={members[0]!r}) (`ws export --scope` writes its file)",
+                    f"{' and more' if len(members) > 3 else ''}{f' ({notes})' if notes else ''}: {fix}",
                     missing=error.missing, unexpected=error.unexpected, mismatched=error.mismatched,
                     path=error.path) from error
         if keras_keyed:
@@ -341,23 +344,28 @@ def forget(obj: Any) -> None:
 
 
 def _ensemble_file_members(obj: Any, weights: Any, found: Mapping[str, tuple[Any, bool]],
-                           targets: Mapping[str, TargetInfo]) -> tuple[list[str], bool]:
-    """The scopes of a Keras file that each hold a copy of the model's variables (its save walk
-    pairs none of them with a lone member), and whether they are Keras's own names: a ``.keras``
-    archive is read by its config's keys (``model_002/dense/kernel``), a ``.weights.h5`` by
-    Keras's (``layers/sequential_1/layers/dense/vars/0``); ([], False) for any other file."""
+                           targets: Mapping[str, TargetInfo]) -> tuple[list[str], list[str], bool]:
+    """The scopes of a Keras file that each hold a copy of the model's variables by key (its save
+    walk pairs none of them with a lone member), those of them that hold each variable's shape
+    too (members of other widths share every key), and whether they are Keras's own names: a
+    ``.keras`` archive is read by its config's keys (``model_002/dense/kernel``), a
+    ``.weights.h5`` by Keras's (``layers/sequential_1/layers/dense/vars/0``); ([], [], False) for
+    any other file."""
     if not is_keras_file(weights):
-        return [], False
+        return [], [], False
     try:
         with weightstore.open(weights) as store:
-            keys = set(store.keys())
+            shapes = {key: store.info(key).shape for key in store}
     except (OSError, WeightStoreError):
-        return [], False
+        return [], [], False
+    keys = set(shapes)
     members = member_scopes(keys - set(targets), set(targets))
     if len(members) > 1 or not isinstance(obj, keras.layers.Layer):
-        return members, False
+        fitting = member_scopes(keys - set(targets), set(targets), shapes.get, lambda key: targets[key].shape)
+        return members, fitting, False
     own = keras_file_keys(obj, (var for var, _ in found.values()))
-    return member_scopes(keys - own, own), True
+    fitting = member_scopes(keys - own.keys(), own.keys(), shapes.get, lambda key: tuple(own[key].shape))
+    return member_scopes(keys - own.keys(), own.keys()), fitting, True
 
 
 def _structured(obj: Any, weights: Any) -> bool:

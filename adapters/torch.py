@@ -58,7 +58,7 @@ from weightstore.adapters._report import Mismatch, TargetInfo
 from weightstore.adapters._values import RenamedValues
 from weightstore.adapters.plan import AssignOptions, AssignWords, Report, Selection, SelectionWords, refuse_before_write
 from weightstore.adapters.skeleton import Target, run_assign
-from weightstore.core.keys import join_scope, normalize_scope, parse_mapping
+from weightstore.core.keys import in_scope, join_scope, normalize_scope, parse_mapping, passes, strip_scope
 from weightstore.core.names import TORCH, WRITE_NAMINGS, check_naming, key_of_torch_name, torch_keys, torch_name_of_key
 from weightstore.errors import AssignmentError, InvalidKeyError, LayoutError, SelectionError, UnsupportedDTypeError
 from weightstore.sharded._shards import Piece, in_background, publish_together, split_rows
@@ -168,9 +168,11 @@ def export(
         return {torch_name_of_key(key): value for key, value in weights.items()}
     if layout is None:
         return weights
-    sites = _sites(module)
-    steps, refused = layouts.to_keras(layouts.resolve(layout, "torch"), {k: v.shape for k, v in weights.items()},
+    sites, chosen_layout = _sites(module), layouts.resolve(layout, "torch")
+    steps, refused = layouts.to_keras(chosen_layout, {k: v.shape for k, v in weights.items()},
                                       {key: sites.get(old, layouts.Site(None)) for key, old in chosen.items()})
+    unported = _unported(module, chosen_layout)
+    refused.update({key: unported[old] for key, old in chosen.items() if old in unported})
     if refused:
         raise LayoutError(layouts.refusal_message(f"exporting {_describe(module)}", refused))
     return {new: step.build(weights.__getitem__) for new, step in steps.items()}
@@ -289,6 +291,12 @@ def assign(
                for key, tensor in found.items()}
     options = AssignOptions.of("torch.assign", words, assign)
     chosen_layout = None if layout is None else layouts.resolve(layout, "torch")
+    if chosen_layout is not None:
+        at = normalize_scope(options.scope)
+        unported = {key: why for key, why in _unported(module, chosen_layout).items()
+                    if in_scope(key, at) and passes(strip_scope(key, at), options.include, options.exclude)}
+        if unported:
+            raise LayoutError(layouts.refusal_message(f"assigning into {_describe(module)}", unported))
     local = {key: _torch_shards.local_tensor(tensor) for key, tensor in found.items()}
 
     def prepare(source: Any, key: str, value_key: str) -> np.ndarray:
@@ -553,6 +561,28 @@ def _sites(module: nn.Module) -> dict[str, layouts.Site]:
         own = [*owner.named_parameters(recurse=False), *owner.named_buffers(recurse=False)]
         sites.update({f"{name}.{leaf}".lstrip(".").replace(".", "/"): site for leaf, _ in own})
     return sites
+
+
+def _unported(module: nn.Module, layout: layouts.Layout) -> dict[str, str]:
+    """Key -> why, for the tensors of layers that compute what their Keras counterpart does not,
+    so that no values, to Keras or from it, make the two predict alike: ``MultiheadAttention``
+    with ``add_bias_kv=True`` (its ``bias_k``/``bias_v``, in ``layout.unported``'s words) or
+    ``add_zero_attn=True`` (every tensor of the layer: it appends a zero key and value, which
+    Keras's ``MultiHeadAttention`` does not, and converted alone they would predict otherwise)."""
+    said = dict(layout.unported)
+    refused = {}
+    for name, owner in _unwrapped(module).named_modules():
+        if not isinstance(owner, nn.MultiheadAttention):
+            continue
+        own = {f"{name}.{leaf}".lstrip(".").replace(".", "/"): leaf for leaf, _ in owner.named_parameters()}
+        for key, leaf in own.items():
+            if owner.add_zero_attn:
+                refused[key] = ("is of a MultiheadAttention(add_zero_attn=True), which appends a zero key and value "
+                                "to every sequence: Keras's MultiHeadAttention does not, so converted it would "
+                                "predict otherwise; port a module built with add_zero_attn=False")
+            elif leaf in said:
+                refused[key] = said[leaf]
+    return refused
 
 
 def _site(module: nn.Module) -> layouts.Site:

@@ -127,7 +127,7 @@ def _compression(compress: bool, shuffle: bool) -> bool | str:
     return "shuffle" if shuffle else compress
 Names = Annotated[str | None, typer.Option(
     "--names", metavar="torch|keys", callback=_check_names, help="Name the written tensors as PyTorch's state_dict does (torch: "
-                                          "features.0.weight; into safetensors, the default for a source named so) or by their keys "
+                                          "features.0.weight; the default for a source named so) or by their keys "
                                           "(keys: features/0/weight).")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print the result as one JSON object (see docs/cli.md).")]
 Mapping = Annotated[list[str] | None, typer.Option("--map", "-m", metavar="FROM=TO", callback=_check_rules,
@@ -406,7 +406,7 @@ def convert(
     names: Annotated[str | None, typer.Option(
         "--names", metavar="torch|keys", callback=_check_names, help="Name the written tensors as PyTorch's state_dict does (torch: "
                                               "features.0.weight; the default with --layout keras-to-torch, and "
-                                              "without --layout into safetensors for a source named so) or by their keys (keys: "
+                                              "without --layout for a source named so) or by their keys (keys: "
                                               "features/0/weight).")] = None,
     kind: Annotated[list[str] | None, typer.Option(
         "--kind", metavar="SCOPE=KIND", callback=_check_rules,

@@ -40,7 +40,6 @@ from weightstore.errors import (
 )
 from weightstore.formats import format_for_suffix, hf_sharded, known_suffixes, sniff
 from weightstore.formats._foreign import HF_SINGLE_FILE
-from weightstore.formats.safetensors import FORMAT as safetensors_format
 from weightstore.formats.tf_checkpoint import resolve_prefix
 from weightstore.io.location import is_url
 from weightstore.store._save import output_format
@@ -77,7 +76,7 @@ def export(source: Source, out: str, *, selection: Selection, mapping: MappingRu
     """The tensors ``selection`` keeps, as an adapter's export keeps them; ``also`` matches the
     keys after scope and mapping (``--also '*/bn/moving_*'``: batch-norm statistics beside the
     trainable weights). ``names`` is :func:`weightstore.save`'s; by default, as the source names them."""
-    written_as = output_format(out).name
+    output_format(out)  # a name no format writes is refused before anything is read
     check_naming(names, WRITE_NAMINGS)
     # first: a source that cannot say what is trainable is the error, not an --also that misses its keys
     trainable = source.trainable_keys() if selection.trainable_only else set()
@@ -86,7 +85,7 @@ def export(source: Source, out: str, *, selection: Selection, mapping: MappingRu
     if not plan:
         raise SelectionError("selects no tensor", path=source.path)
     if names is None:
-        names = _names_kept(source, written_as, plan)
+        names = _names_kept(source, plan)
     weights = read(source, plan, "reading")
     with counted(weights, f"writing {out}") as values:
         weightstore.save(out, values, metadata=provenance(source), compress=compress, names=names)
@@ -112,9 +111,10 @@ def convert(source: Source, out: str, *, compress: bool | str, layout: str | Non
     (:func:`layouts.convert`)."""
     if check_naming(names, WRITE_NAMINGS) is None and layout == "keras-to-torch":
         names = TORCH
-    written_as = output_format(out).name if max_shard_size is None else safetensors_format.name
+    if max_shard_size is None:
+        output_format(out)  # a name no format writes is refused before anything is read
     if names is None and layout is None:  # the same tensors in another file
-        names = _names_kept(source, written_as, source.keys())
+        names = _names_kept(source, source.keys())
     plan = torch_keys(source.keys()) if layout == "torch-to-keras" else {k: k for k in source}
     # an optimizer's state (a TF1 Saver checkpoint's slots and step, a Keras model's
     # optimizer/vars/<i>) has no place in another framework's module, as in an assign
@@ -289,12 +289,12 @@ def _without_torch_name(keys: Iterable[str]) -> str | None:
     return None
 
 
-def _names_kept(source: Source, written_as: str, keys: Iterable[str]) -> str | None:
+def _names_kept(source: Source, keys: Iterable[str]) -> str | None:
     """``torch`` where a source whose file names its tensors as a ``state_dict`` does is written
-    as safetensors, whose names stand beside its keys, and every key written has such a name (a
-    ``--map`` may have put a ``.`` in a segment); else None, the keys. In npz and HDF5 the names
-    would replace the keys (``features.0.weight``, under no scope), so those keep keys."""
-    if written_as != safetensors_format.name or _naming_of(source) != TORCH or _without_torch_name(keys) is not None:
+    again, and every key written has such a name (a ``--map`` may have put a ``.`` in a segment);
+    else None, the keys. Every format keeps the keys beside such names (safetensors each key, npz
+    and HDF5 a word in the manifest), so ``load_state_dict`` takes the copy as it took the source."""
+    if _naming_of(source) != TORCH or _without_torch_name(keys) is not None:
         return None
     return TORCH
 

@@ -60,6 +60,41 @@ def test_trainable_only_with_also_keeps_batch_stats_on_export_and_assign():
         flax_adapter.assign(Net(), {k: v for k, v in weights.items() if k != "bn/var"}, trainable_only=True)
 
 
+def test_a_linen_variables_dict_trains_its_params_and_restores_batch_stats_only_when_asked(tmp_path):
+    """In Linen's ``{"params": …, "batch_stats": …}`` every leaf counted as trainable, so
+    ``trainable_only=True`` saved the statistics too, and ``restore`` took no ``trainable_only``:
+    a selective file went back only with ``strict=False``. ``params`` is what trains; ``also``
+    adds the statistics, and a restore so selected keeps the other leaves (predictions equal
+    to Linen's own ``apply`` of the expected variables)."""
+    import flax.linen as linen
+
+    class Model(linen.Module):
+        @linen.compact
+        def __call__(self, x, train=False):
+            x = linen.BatchNorm(use_running_average=not train)(linen.Dense(8)(x))
+            return linen.Dense(1)(linen.relu(x))
+
+    model, x = Model(), np.random.default_rng(0).standard_normal((16, 4)).astype("float32")
+
+    def trained(seed):
+        variables = model.init(jax.random.PRNGKey(seed), x)
+        _, moved = model.apply(variables, x, train=True, mutable=["batch_stats"])
+        return {"params": variables["params"], "batch_stats": moved["batch_stats"]}
+
+    source, target = trained(0), trained(1)
+    trainable = flax_adapter.export(source, trainable_only=True)
+    assert trainable and all(key.startswith("params/") for key in trainable)
+    ws.save(tmp_path / "params.npz", trainable)
+    restored = flax_adapter.restore(target, tmp_path / "params.npz", trainable_only=True)
+    expected = model.apply({"params": source["params"], "batch_stats": target["batch_stats"]}, x)
+    np.testing.assert_array_equal(model.apply(restored, x), expected)
+    ws.save(tmp_path / "both.npz", flax_adapter.export(source, trainable_only=True, also="batch_stats/*"))
+    restored = flax_adapter.restore(target, tmp_path / "both.npz", trainable_only=True, also="batch_stats/*")
+    np.testing.assert_array_equal(model.apply(restored, x), model.apply(source, x))
+    bare = flax_adapter.export(source["params"], trainable_only=True)  # a bare params tree: every leaf
+    assert sorted(f"params/{key}" for key in bare) == sorted(trainable)
+
+
 def test_assign_in_place_through_a_store(tmp_path):
     weights = random_weights()
     ws.save(tmp_path / "w.npz", weights)

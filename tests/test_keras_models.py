@@ -501,6 +501,63 @@ def test_the_ensembles_own_file_given_to_a_lone_member_names_the_members_and_how
         np.testing.assert_array_equal(tf2.export(lone)[key], value)
 
 
+def _widths_ensemble(widths):
+    """An ensemble of one Sequential per width, ``model_001``, ``model_002``…: members that
+    share every key (Keras numbers each member's automatic names on) and differ in shapes."""
+    def member(width, name=None):
+        return keras.Sequential([keras.Input((4,)), keras.layers.Dense(width), keras.layers.Dense(1)], name=name)
+
+    inputs = keras.Input((4,))
+    parts = [member(width, f"model_{i:03d}") for i, width in enumerate(widths, start=1)]
+    ensemble = keras.Model(inputs, keras.layers.Concatenate()([part(inputs) for part in parts]))
+    for var in ensemble.weights:
+        var.assign(RNG.normal(size=var.shape).astype("float32"))
+    return ensemble, parts, member
+
+
+@pytest.mark.parametrize("name, said", [
+    ("ensemble.npz", "(an ensemble, each holding the variables' keys; of those, only 'model_002' has the variables' "
+                     "shapes) and the variables are not: assign one of them, ws.load(path, scope='model_002')"),
+    ("ensemble.keras", "(of those, only 'model_002' has the model's shapes): assign one member, "
+                       "ws.load(path, scope='model_002')"),
+    ("ensemble.weights.h5", "(Keras names the members by their class, in layer order; of those, only "
+                            "'layers/sequential_1' has the model's shapes): assign one member, "
+                            "ws.load(path, scope='layers/sequential_1')"),
+    ("member.npz", "the variables are under 'model_001' and 'model_002' (of those, only 'model_002' has the "
+                   "values' shapes) and the values are not: pass scope='model_002'"),
+])
+def test_the_ensemble_hint_proposes_the_member_of_the_models_shapes(tmp_path, name, said):
+    """Members of different widths share every key: an ensemble's file given to a lone member
+    (or a member's file to the ensemble, the scope forgotten) proposed the first member by name,
+    whose shapes the model does not have, so following the hint failed again. The hint names the
+    member whose shapes fit, and following it assigns the values (predictions equal)."""
+    ensemble, parts, member = _widths_ensemble([8, 16])
+    lone = member(16)
+    lone.set_weights([RNG.normal(size=w.shape).astype("float32") for w in lone.get_weights()])
+    x = RNG.normal(size=(5, 4)).astype("float32")
+    path = tmp_path / name
+    if name == "member.npz":
+        ws.save(path, tf2.export(lone))
+        source, target = lone, parts[1]
+    else:
+        if name.endswith(".keras"):
+            ensemble.save(path)
+        elif name.endswith(".weights.h5"):
+            ensemble.save_weights(path)
+        else:
+            ws.save(path, tf2.export(ensemble))
+        source, target = parts[1], lone
+    with pytest.raises(ws.AssignmentError) as caught:
+        tf2.assign(ensemble if name == "member.npz" else lone, path)
+    assert said in str(caught.value)
+    scope = str(caught.value).rsplit("scope=", 1)[1].split("'")[1]  # followed as a user would
+    if name == "member.npz":
+        tf2.assign(ensemble, path, scope=scope)
+    else:
+        tf2.assign(lone, ws.load(path, scope=scope))
+    np.testing.assert_array_equal(np.asarray(target(x)), np.asarray(source(x)))
+
+
 def test_a_lone_members_file_imports_into_the_ensembles_keras_file_by_scope(tmp_path):
     """``ws import member.npz --into ensemble.keras --scope member_1``: the member's own keys
     (``sequential/dense``) go where the ensemble numbers them (``sequential_1/dense_3``), as

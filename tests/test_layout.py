@@ -234,9 +234,11 @@ def test_cli_convert_with_a_layout_round_trips(tmp_path):
     result = runner.invoke(app, ["convert", str(tmp_path / "keras.npz"), str(tmp_path / "torch.npz"),
                                  "--layout", "keras-to-torch"])
     assert result.exit_code == 0, result.output
-    torch_weights = ws.load(tmp_path / "torch.npz")  # named as load_state_dict takes them
+    with np.load(tmp_path / "torch.npz") as file:  # named as load_state_dict takes them
+        torch_weights = {name: file[name] for name in file.files if name != "__weightstore__"}
     assert sorted(torch_weights) == ["bn.bias", "bn.running_mean", "bn.running_var", "bn.weight", "conv.weight",
                                      "fc.bias", "fc.weight"]
+    assert sorted(ws.load(tmp_path / "torch.npz")) == [name.replace(".", "/") for name in sorted(torch_weights)]
     assert torch_weights["conv.weight"].shape == (5, 2, 3, 3) and torch_weights["fc.weight"].shape == (4, 3)
     result = runner.invoke(app, ["convert", str(tmp_path / "torch.npz"), str(tmp_path / "back.h5"),
                                  "--layout", "torch-to-keras"])

@@ -153,6 +153,33 @@ def test_attention_from_a_file_needs_its_head_count_from_the_module_or_kind(tmp_
         np.testing.assert_array_equal(converted[key], value)
 
 
+@pytest.mark.parametrize("flag, refused", [("add_bias_kv", ["attention/bias_k", "attention/bias_v"]),
+                                           ("add_zero_attn", ["attention/in_proj_weight", "attention/out_proj/bias"])])
+def test_attention_keras_cannot_compute_is_refused_saying_so_both_ways(tmp_path, flag, refused):
+    """``MultiheadAttention(add_bias_kv=True)``'s ``bias_k``/``bias_v`` were refused as "no rule
+    (add a Rule with Layout.extended)", though no rule can make Keras's MultiHeadAttention append a
+    learned key and value; ``add_zero_attn=True`` (no tensor of its own) converted silently into
+    a Keras layer that predicts otherwise, and Keras's values went into such a module alike. Each
+    is refused, from the module and from its file, naming the flag to port without."""
+    module = nn.ModuleDict({"attention": nn.MultiheadAttention(6, 2, batch_first=True, **{flag: True})})
+    before = {key: value.clone() for key, value in module.state_dict().items()}
+    with pytest.raises(LayoutError) as caught:
+        torch_adapter.export(module, layout="keras")
+    said = str(caught.value)
+    assert all(key in said for key in refused) and f"{flag}=False" in said and "Layout.extended" not in said
+    layer = keras.layers.MultiHeadAttention(num_heads=2, key_dim=3)
+    randomized(layer, (2, 4, 6))
+    with pytest.raises(LayoutError, match=f"{flag}=False"):
+        torch_adapter.assign(module, tf2.export(layer), layout="keras", scope="attention")
+    assert all(torch.equal(module.state_dict()[key], value) for key, value in before.items())
+    if flag == "add_bias_kv":  # a file of it: its own tensors say what it is
+        ws.save(tmp_path / "t.npz", module.state_dict())
+        result = run("convert", tmp_path / "t.npz", tmp_path / "k.npz", "--layout", "torch-to-keras",
+                     "--kind", "attention=attention:2")
+        said = " ".join(result.output.split())
+        assert result.exit_code == 1 and "attention/bias_k" in said and "add_bias_kv=False" in said, said
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_attention_with_keys_and_values_of_other_widths_converts_both_ways(tmp_path, bias):
     """``nn.MultiheadAttention(8, 2, kdim=4, vdim=6)`` keeps ``q_proj_weight``, ``k_proj_weight``

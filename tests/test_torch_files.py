@@ -117,6 +117,32 @@ def test_torch_names_are_refused_where_no_key_reads_back(tmp_path):
         torch_adapter.export(module)
 
 
+@pytest.mark.parametrize("suffix", [".npz", ".h5", ".safetensors"])
+def test_a_saved_state_dict_remembers_its_torch_names(tmp_path, suffix):
+    """``ws.save`` of ``state_dict()`` kept ``features.0.weight`` as npz and HDF5 keys: a scope,
+    ``--include '1/*'`` or ``ws import --scope`` (``members/0/1.weight``) then matched nothing
+    or mixed both spellings. The file keeps the names ``load_state_dict`` takes, and is read by
+    the keys ``torch.export`` gives, through every verb and a copy of the file."""
+    source = net(0)
+    path = tmp_path / f"m{suffix}"
+    ws.save(path, source.state_dict())
+    with ws.open(path) as store:
+        assert store.keys() == list(torch_adapter.export(source)) and store.has_checksums
+        assert [store.stored_names()[key] for key in store] == list(source.state_dict())  # np.load's, h5py's
+    assert ws.load(path, scope="1").keys() == torch_adapter.export(source[1]).keys()
+    target = net(1)
+    assert torch_adapter.assign(target, path).ok
+    assert_same_state(source, target)
+    copy = tmp_path / f"copy{suffix}"
+    assert run("convert", path, copy).exit_code == 0
+    with ws.open(copy) as store:
+        assert [store.stored_names()[key] for key in store] == list(source.state_dict())
+    assert run("import", path, "--into", tmp_path / "ens.npz", "--scope", "members/0").exit_code == 0
+    assert list(ws.load(tmp_path / "ens.npz")) == [f"members/0/{key}" for key in torch_adapter.export(source)]
+    listed = run("ls", path)
+    assert listed.exit_code == 0 and "1/running_mean" in listed.output and "1.running_mean" not in listed.output
+
+
 def test_names_torch_reads_an_npz_of_a_state_dict(tmp_path):
     source = net(0)
     np.savez(tmp_path / "sd.npz", **{k: v.numpy() for k, v in source.state_dict().items()})
@@ -155,7 +181,7 @@ def test_ws_export_keeps_a_foreign_files_metadata_under_its_own_names(tmp_path):
     assert result.exit_code == 0, result.output
     with ws.open(out) as store:
         assert store.metadata == {"source": str(path), "source_kind": "file without a weightstore manifest", "format": "pt", "n": "1"}
-        assert store.keys() == ["a.w"]
+        assert store.keys() == ["a/w"] and store.stored_names() == {"a/w": "a.w"}  # npz remembers the names
 
 
 # -- torch.save files: recognised, never unpickled ----------------------------------------------

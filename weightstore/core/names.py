@@ -13,6 +13,11 @@ names cross a boundary: ``torch.export(..., names="torch")`` returns ``state_dic
 ``ws.save(..., names="torch")`` and ``ws convert --names torch`` write them into the file,
 ``ws.open(..., names="torch")`` reads a file's names as them. ``names="file"``
 (:data:`FILE`) keeps a foreign file's names as they are written.
+
+A file written so remembers it: safetensors records each key beside its name; npz and HDF5,
+whose tensors have no second name, carry :data:`NAMES_METADATA` in the manifest's metadata, and
+are read by their keys again. ``ws.save`` of a ``state_dict`` itself (torch tensors under torch
+names, :func:`is_state_dict`) writes its names so without being asked.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ KEYS = "keys"
 READ_NAMINGS = (TORCH, FILE)
 #: what ``names=`` accepts on writing (``None`` or ``"keys"``: keys as they are)
 WRITE_NAMINGS = (TORCH, KEYS)
+#: the manifest metadata entry of an npz or HDF5 file whose tensor names are PyTorch's (value
+#: :data:`TORCH`): those formats hold no key beside a name, so this tells readers to read them as keys
+NAMES_METADATA = "weightstore-names"
 #: the formats whose foreign files PyTorch and Hugging Face write, read by their names when those are torch names
 TORCH_FORMATS = frozenset({"safetensors", "hf-sharded"})
 
@@ -99,3 +107,14 @@ def reads_as_torch(names: Iterable[str]) -> bool:
     """Whether a foreign file's tensor names are PyTorch's: some hold ``.`` and none holds ``/``."""
     joined = "\0".join(names)  # one search of them all, not a step per name
     return "/" not in joined and "." in joined
+
+
+def is_state_dict(weights: object) -> bool:
+    """Whether ``weights`` is a PyTorch ``state_dict`` (or ``named_parameters``) as PyTorch gives
+    it: torch tensors under names that read as torch's (:func:`reads_as_torch`). Such names are
+    no keys (``ws.load(f, scope="features")`` would find nothing under ``features.0.weight``):
+    ``ws.save`` writes them as ``names="torch"`` does. Asked without importing torch."""
+    if not isinstance(weights, dict) or not weights or not all(isinstance(name, str) for name in weights):
+        return False
+    tensors = all(type(value).__module__.partition(".")[0] == "torch" for value in weights.values())
+    return tensors and reads_as_torch(weights)

@@ -18,7 +18,16 @@ from weightstore.core._words import checks_words
 from weightstore.core.keys import MappingRules, Patterns, plan_outward
 from weightstore.core.limits import MAX_POINTER_BYTES
 from weightstore.core.manifest import TensorInfo, logical_dtype, to_storage
-from weightstore.core.names import FILE, READ_NAMINGS, TORCH_FORMATS, check_naming, keys_of_torch_names, reads_as_torch
+from weightstore.core.names import (
+    FILE,
+    NAMES_METADATA,
+    READ_NAMINGS,
+    TORCH,
+    TORCH_FORMATS,
+    check_naming,
+    keys_of_torch_names,
+    reads_as_torch,
+)
 from weightstore.errors import (
     KeyNotInStoreError,
     SizeLimitError,
@@ -83,8 +92,11 @@ class Store(Mapping):
 
     @property
     def metadata(self) -> dict[str, Any]:
-        """What the writer passed as ``metadata`` (``{}`` for a file without a manifest)."""
-        return self._reader.metadata
+        """What the writer passed as ``metadata`` (``{}`` for a file without a manifest); the
+        entry an npz or HDF5 file of PyTorch's names carries for readers is weightstore's own
+        (:meth:`stored_names` tells those names)."""
+        metadata = self._reader.metadata
+        return {k: v for k, v in metadata.items() if k != NAMES_METADATA} if NAMES_METADATA in metadata else metadata
 
     @property
     def created(self) -> str:
@@ -325,7 +337,8 @@ def open(path: Any, *, verify: bool = True, format: str | None = None, mmap: boo
         names: how a foreign file's tensor names become keys (:mod:`weightstore.core.names`).
             ``None``: as the file says: a safetensors file written by PyTorch or Hugging Face
             (names with ``.``, none with ``/``) reads ``features.0.weight`` as
-            ``features/0/weight``; other names are keys as written. ``"torch"``: read every
+            ``features/0/weight``, as is an npz or HDF5 file saved with ``names="torch"``
+            (its manifest says so); other names are keys as written. ``"torch"``: read every
             name as PyTorch's (an ``np.savez`` of a ``state_dict``); ``"file"``: as written.
 
     Returns:
@@ -362,9 +375,11 @@ def _named(store: Store, names: str | None) -> Store:
 
 def _torch_named(store: Store) -> bool:
     """Whether what wrote the file named its tensors PyTorch's way: a safetensors file without
-    a manifest, or a sharded folder (weightstore names shards so too), whose names read so."""
+    a manifest, a sharded folder (weightstore names shards so too), or a file whose manifest's
+    metadata says so (an npz or HDF5 file saved with ``names="torch"``), whose names read so."""
     written_by_torch = not store.has_checksums or store.format == hf_sharded.FORMAT_NAME
-    return store.format in TORCH_FORMATS and written_by_torch and reads_as_torch(store.keys())
+    said = store._reader.metadata.get(NAMES_METADATA) == TORCH
+    return (said or store.format in TORCH_FORMATS and written_by_torch) and reads_as_torch(store.keys())
 
 
 def _open(path: Any, *, verify: bool, format: str | None, mmap: bool) -> Store:  # noqa: A002

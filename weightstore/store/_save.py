@@ -30,7 +30,16 @@ from weightstore.core._words import checks_words
 from weightstore.core.keys import validate_keys
 from weightstore.core.limits import MAX_HF_INDEX_BYTES, MAX_JSON_DEPTH
 from weightstore.core.manifest import build_manifest, content_digest, dtype_name, logical_dtype, to_storage, utc_now
-from weightstore.core.names import KEYS, TORCH, WRITE_NAMINGS, check_naming, torch_name_of_key
+from weightstore.core.names import (
+    KEYS,
+    NAMES_METADATA,
+    TORCH,
+    WRITE_NAMINGS,
+    check_naming,
+    is_state_dict,
+    keys_of_torch_names,
+    torch_name_of_key,
+)
 from weightstore.errors import (
     FormatError,
     InvalidKeyError,
@@ -89,8 +98,12 @@ def save(
             ``features/0/weight`` is ``features.0.weight``), so ``safetensors.torch.load_file``
             (or ``np.load``) gives a ``state_dict`` that ``load_state_dict`` takes as is. A
             safetensors file remembers the keys, so weightstore reads them back; in npz and
-            HDF5 the torch names are the keys. A key with ``.`` inside a segment is refused.
-            ``None`` or ``"keys"``: tensors are named by their keys.
+            HDF5 the manifest's metadata says so (``"weightstore-names": "torch"``) and the
+            names are read as keys again. A key with ``.`` inside a segment is refused.
+            ``None`` or ``"keys"``: tensors are named by their keys; ``None`` with a PyTorch
+            ``state_dict`` itself (torch tensors under ``features.0.weight`` names): as
+            ``"torch"`` with the names read as keys, so the file is read by the keys
+            ``torch.export`` gives (``features/0/weight``) and ``load_state_dict`` still takes it.
         max_shard_size: write a Hugging Face sharded folder at ``path`` (a folder, or its
             ``model.safetensors.index.json``) instead: ``model-0000N-of-0000M.safetensors``
             shards of at most this many bytes (or ``"5GB"``, ``"500MiB"``; a larger tensor gets
@@ -119,6 +132,10 @@ def save(
     """
     where = location_of(path, reading=False)
     location = where.text
+    if names is None and is_state_dict(weights):
+        with naming(path=location):
+            weights = dict(zip(keys_of_torch_names(list(weights)), weights.values(), strict=True))
+        names = TORCH
     if max_shard_size is not None:
         if format not in (None, "safetensors") or compress:
             raise TargetError("a sharded folder holds uncompressed safetensors shards", path=location)
@@ -245,6 +262,16 @@ def file_names(keys: Iterable[str], names: str | None) -> dict[str, str]:
     if names in (None, KEYS):
         return {}
     return {key: torch_name_of_key(key) for key in keys}
+
+
+def _naming_recorded(metadata: Mapping[str, Any] | None, fmt: Format, torch_named: bool) -> Mapping[str, Any] | None:
+    """``metadata`` saying whether the file's tensor names are PyTorch's where the format keeps no
+    key beside a name (npz, HDF5: :data:`~weightstore.core.names.NAMES_METADATA`), so readers read
+    them as keys; an entry copied from another file's metadata says nothing of this one, and goes."""
+    if not torch_named and not (metadata and NAMES_METADATA in metadata):
+        return metadata
+    kept = {key: value for key, value in (metadata or {}).items() if key != NAMES_METADATA}
+    return {**kept, NAMES_METADATA: TORCH} if torch_named and not fmt.torch_names else kept
 
 
 def output_format(location: str, format: str | None = None) -> Format:  # noqa: A002
@@ -552,6 +579,7 @@ def write_file(path: str, fmt: Format, arrays: CheckedWeights, metadata: Mapping
     """
     stored_names = stored_names or {}
     located = stored_names if fmt.torch_names else {}
+    metadata = _naming_recorded(metadata, fmt, bool(stored_names))
     writer = (fmt.open_writer(path, compress, functools.partial(arrays.planned, stored_names)) if fmt.planned_writer
               else fmt.open_writer(path, compress))
     mark_torch_names = getattr(writer, "mark_torch_names", None)
