@@ -304,3 +304,15 @@ def test_a_conv_bn_linear_model_saved_by_safetensors_torch_reads_whatever_its_he
     assert_same_state(fresh, source)
     result = run("ls", path)
     assert result.exit_code == 0 and "0/weight" in result.output, result.output
+
+
+def test_a_published_state_dict_is_a_version_of_its_keys(tmp_path):
+    """A version published from ``state_dict()`` kept ``features.0.weight`` as its keys, where
+    ``ws.save`` of the same dict reads back by ``features/0/weight``: a follower's ``scope=``
+    found nothing. Published or saved, the keys are the ones ``torch.export`` gives."""
+    source = net(0)
+    version = ws.publish(tmp_path / "run", source.state_dict(), step=1)
+    assert ws.load(version, scope="1").keys() == torch_adapter.export(source[1]).keys()
+    target = net(1)
+    assert torch_adapter.assign(target, ws.latest(tmp_path / "run")).ok
+    assert_same_state(source, target)

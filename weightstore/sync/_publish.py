@@ -60,7 +60,8 @@ from typing import Any, TypedDict
 from weightstore._version import __version__
 from weightstore.core._words import checks_words
 from weightstore.core.manifest import utc_now
-from weightstore.errors import PublishError, StoreExistsError, WeightStoreError
+from weightstore.core.names import is_state_dict, keys_of_torch_names
+from weightstore.errors import PublishError, StoreExistsError, WeightStoreError, naming
 from weightstore.formats import delta as delta_format
 from weightstore.formats import format_named
 from weightstore.formats._pointer import (
@@ -103,7 +104,9 @@ def publish(
 
     Args:
         folder: a local folder (created if missing) or an fsspec URL.
-        weights: key -> array, or an open store.
+        weights: key -> array, or an open store; a PyTorch ``state_dict`` is published under
+            its keys (``features/0/weight``), as :func:`~weightstore.save` reads it back, so
+            a follower's ``scope=`` finds its tensors.
         step: above the step ``LATEST`` names and every version file it does not account for.
         keep: how many versions stay (``None``: all); never fewer than two, so the version a
             reader has just found through ``LATEST`` survives the next publish.
@@ -136,6 +139,9 @@ def publish(
     fmt = format_named(format)
     target = folder_for(folder, storage_options)
     name = f"step-{step:012d}{fmt.suffixes[0]}"
+    if is_state_dict(weights):
+        with naming(path=target.url(name)):
+            weights = dict(zip(keys_of_torch_names(list(weights)), weights.values(), strict=True))
     arrays = CheckedWeights(weights, target.url(name), fmt)
     metadata = checked_pointer_metadata(metadata, step, name, target.url(name))
     target.create()
