@@ -102,6 +102,7 @@ from weightstore.errors import (
 )
 from weightstore.formats import Format, Reader, ReaderDefaults, format_for_suffix
 from weightstore.formats._pointer import VERSION_NAME
+from weightstore.formats._renamed import by_saved_keys
 from weightstore.formats._shuffle_zstd import decompressor
 from weightstore.io._buffer import aligned_array
 from weightstore.io._writeback import Writeback
@@ -1120,7 +1121,7 @@ def _open(location: Any, name: str, mmap: bool, depth: int, *, member: bool = Fa
             if fmt.name == FORMAT_NAME:
                 return _open(*beside(location, name, base, up=int(member)), mmap, at, member=member,
                              most_files=most_files)
-            return fmt.open_reader(*beside(location, name, base, up=int(member)), mmap=mmap)
+            return by_saved_keys(fmt.open_reader(*beside(location, name, base, up=int(member)), mmap=mmap))
         except (FormatError, StoreClosedError, SizeLimitError) as exc:  # a damaged base: this version cannot be read
             raise named_here(exc, name, None) from None
         except FileNotFoundError:
