@@ -161,13 +161,15 @@ def test_an_anchor_damaged_under_running_followers_is_named_to_one_that_restarts
             same(held_by(restarted), weights)
 
 
-@pytest.mark.parametrize(("where", "fmt"), [("local", "npz"), ("local", "hdf5"), ("local", "safetensors"),
-                                            ("s3", "npz"), ("s3", "safetensors")])
+@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.parametrize("fmt", ["npz", "hdf5", "safetensors"])
+@pytest.mark.filterwarnings("ignore::weightstore.formats.hdf5.RemoteHDF5Warning")
 def test_a_state_dict_published_as_deltas_keeps_its_names_and_follows(tmp_path, request, where, fmt):
     """A version of ``state_dict()`` is a file like ``ws.save``'s, named as ``load_state_dict``
     takes it (``safetensors.torch.load_file`` and ``np.load`` of a version gave those names
     before versions were read by keys), and read by its keys: by a follower, and as the base of
-    the delta versions after it, locally and on S3."""
+    the delta versions after it, locally and on S3 (where an HDF5 anchor, given to h5py as
+    ranged reads, was refused under every delta)."""
     folder = f"s3://{BUCKET}/{uuid.uuid4().hex}" if where == "s3" else str(tmp_path)
     if where == "s3":
         request.getfixturevalue("s3")
