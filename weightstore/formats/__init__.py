@@ -13,6 +13,7 @@ allocated.
 from __future__ import annotations
 
 import importlib
+import operator
 import posixpath
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -270,7 +271,7 @@ def foreign_keys(names: Iterable[tuple[str, str]], what: str) -> dict[str, str]:
     """
     pairs = list(names)
     try:  # the usual file: every name a key as it is, checked at once (no key ends in an output suffix)
-        validate_keys([name for name, _ in pairs])
+        validate_keys(list(map(operator.itemgetter(0), pairs)))  # not a comprehension: 700 bytecodes of 100 names
     except InvalidKeyError:
         pass  # a suffix to drop, or a name to refuse by name: one at a time below
     else:

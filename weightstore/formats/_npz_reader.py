@@ -42,10 +42,10 @@ from weightstore.io.source import ByteSource, prefetch_ranges
 _INFLATE_CHUNK = 1 << 20
 
 
-#: the npy header numpy writes for a text scalar (every manifest's): read without numpy
-#: (its ``literal_eval`` of the header took 0.1 ms, an eighth of opening a file of 100 tensors,
-#: and an open of a small file that calls numpy not at all spares a cold process its first
-#: calls); any other header, however like it, goes to numpy, whose reading this gives for these bytes
+#: the npy header numpy writes for a text scalar (every manifest's): read without numpy (its
+#: ``literal_eval`` of the header took 0.1 ms, an eighth of opening a file of 100 tensors, and
+#: a dtype made of it, a few microseconds more); any other header, however like it, goes to
+#: numpy, whose reading this gives for these bytes
 _TEXT_SCALAR_HEADER = re.compile(rb"\{'descr': '([<>])U([1-9][0-9]{0,8})', 'fortran_order': False, 'shape': \(\), \} *\n")
 _NPY_V1 = b"\x93NUMPY\x01\x00"
 
