@@ -217,11 +217,13 @@ def parse_columns(raw: dict[str, Any], itemsize_of: Callable[[object], int | Non
         raise FormatError(f"manifest tensor columns are {sorted(raw)}, not {list(COLUMNS)} "
                           f"(and optionally {[*SPARSE_COLUMNS, *optional]})")
     keys = raw["keys"]
-    if type(keys) is not list or not _all_text(keys):
+    if type(keys) is not list:
         raise FormatError("manifest 'keys' is not a list of strings")
     try:
-        validate_keys(keys)
+        validate_keys(keys)  # which refuses a key that is no str too: asked which, only then
     except InvalidKeyError as exc:
+        if not _all_text(keys):
+            raise FormatError("manifest 'keys' is not a list of strings") from None
         raise FormatError(f"manifest has an {exc.message}", key=exc.key) from None
     count = len(keys)
     if len(set(keys)) != count:
