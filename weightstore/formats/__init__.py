@@ -164,13 +164,16 @@ class Format:
 #: :attr:`Format.find` are tried: each entry names a module that defines ``FORMAT``, imported
 #: when a file is first opened or saved (so ``import weightstore`` does not load h5py). A format
 #: of the package is added here; one from elsewhere (a plugin, a test) with :func:`register`.
-#: The TF checkpoint stays last: its ``find`` refuses a folder that no format before it reads,
-#: saying what a checkpoint folder would hold.
-FORMAT_MODULES: list[str] = ["weightstore.formats.npz", "weightstore.formats.hdf5", "weightstore.formats.safetensors",
+#: HDF5 comes after every format whose module is light: its module imports h5py (60 ms of a
+#: process's first open), which a lookup passing it would import for a ``.safetensors`` file, a
+#: version or an index. No suffix or magic of one format is another's, so the order decides
+#: nothing else. The TF checkpoint stays last: its ``find`` refuses a folder that no format
+#: before it reads, saying what a checkpoint folder would hold.
+FORMAT_MODULES: list[str] = ["weightstore.formats.npz", "weightstore.formats.safetensors",
                              "weightstore.formats.delta", "weightstore.formats.sharded",
                              "weightstore.formats.hf_sharded",
                              "weightstore.formats.keras_sharded", "weightstore.formats.keras_preset",
-                             "weightstore.formats.keras_file",
+                             "weightstore.formats.keras_file", "weightstore.formats.hdf5",
                              "weightstore.formats.tf_checkpoint"]
 _LAST = "weightstore.formats.tf_checkpoint"
 
