@@ -10,8 +10,9 @@ while the verify pass reads and checks the file, and each batch runs as soon as 
 The first assign into a session starts sooner still (:func:`guess`): before its file is opened
 and planned (a cold npz's directory read and the plan took 0.15-0.2 s of a 256 MB assign's
 first call, while the compile of its one batch ran past the verify pass on a loaded machine),
-the helper finds the batch it most likely runs and compiles it. A set is known by its names
-whatever their order, so the plan may list the keys in the file's order.
+the helper finds the batch it most likely runs and compiles it, the assign waiting only while
+it finds the writers (:class:`Guess`): the compile goes on while the file is read and verified.
+A set is known by its names whatever their order, so the plan may list the keys in the file's order.
 
 A session keeps its callables for the last :data:`KEPT` sets it ran. ``session.run`` keeps an
 executor for every set it ever saw, and a follower's hot reloads write another subset of the
@@ -37,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from weightstore.core._extras import needs
-from weightstore.core._parallel import Beside, beside
+from weightstore.core._parallel import beside
 
 with needs("tf", __name__):
     import tensorflow as tf
@@ -45,7 +46,7 @@ with needs("tf", __name__):
     from tensorflow.python.client import pywrap_tf_session as c_api
     from tensorflow.python.client.session import BaseSession
 
-__all__ = ["KEPT", "compile_ahead", "guess", "run"]
+__all__ = ["KEPT", "Guess", "compile_ahead", "guess", "run"]
 
 #: sets of feeds and fetches a session keeps compiled: a whole assign is at most a few dozen batches
 KEPT = 64
@@ -63,7 +64,7 @@ def compile_ahead(sess: Any, batches: list[Writers]) -> None:
 
 
 def guess(sess: Any, likely: Callable[[], Writers | None],
-          then: Callable[[Writers], object] | None = None) -> list[Beside[None]]:
+          then: Callable[[Writers], object] | None = None) -> Guess | None:
     """Have the helper compile the batch the first assign into ``sess`` most likely runs
     (``likely()``, asked on the helper; ``None``: no guess), where the session has compiled no set
     before (a later assign knows its batches, and a hot reload writes a subset), then call
@@ -71,23 +72,77 @@ def guess(sess: Any, likely: Callable[[], Writers | None],
     staging session compile its run). Finding the writers took 0.03-0.08 s of a 256 MB assign's
     first call, before its file was opened; on the helper it overlaps the open, the plan and the
     verify pass. A wrong guess costs the helper's CPU, not the assign's wait: a batch whose
-    compile the helper has not started compiles on the thread that needs it. Returns the job
-    (none where no guess is made), for the assign to wait on before it looks up a writer itself,
-    which runs it there if the helper never started it: no helper work outlives the assign."""
+    compile the helper has not started compiles on the thread that needs it. Returns the
+    :class:`Guess` (``None`` where none is made), for the assign to settle before it looks up a
+    writer itself and to end before it returns."""
     table = _table(sess)
     if table is None or not table.empty():
-        return []
+        return None
     session = weakref.ref(sess)
 
-    def job() -> None:
+    def found() -> Writers | None:
         sess = session()
-        writers = likely() if sess is not None and table.empty() else None
-        if writers and sess is not None:
+        return likely() if sess is not None and table.empty() else None
+
+    def compiled(writers: Writers) -> None:
+        sess = session()
+        if sess is not None:
             table.compile(sess, _signature(writers)[0])
             if then is not None:
                 then(writers)
 
-    return [beside(job)]
+    return Guess(found, compiled)
+
+
+class Guess:
+    """The helper's guess at a first assign's batch, in two stages: finding its writers, which
+    reads the graph, then compiling them, which reads only what the session holds.
+
+    The assign waits for the first stage alone (:meth:`settle`) before it looks up a writer
+    itself: no helper reads the graph while the assign might add an op to it. The compile then
+    runs beside the verify pass, which reads the file meanwhile: a cold 256 MB file's read and
+    the batch's compile (0.15-0.2 CPU-s, 0.3-0.7 s on a loaded machine) took turns before, and
+    the first assign's wall was about their sum. The batch's run waits for its compile where it
+    needs it (:class:`_Compiled`), and :meth:`end` for the rest, so no helper work outlives the
+    assign. A guess no helper has started when the assign settles is dropped, not run there,
+    and a failed one is ignored: it only gets ahead of work the assign does anyway.
+    """
+
+    def __init__(self, found: Callable[[], Writers | None], compiled: Callable[[Writers], None]):
+        self._lock = threading.Lock()
+        self._state = "waiting"  # then "finding" (on the helper), or "dropped"
+        self._found = threading.Event()
+        self._stages = found, compiled
+        self._job = beside(self._run)
+
+    def _run(self) -> None:
+        with self._lock:
+            if self._state == "dropped":
+                return
+            self._state = "finding"
+        found, compiled = self._stages
+        try:
+            writers = found()
+        finally:
+            self._found.set()
+        if writers:
+            compiled(writers)
+
+    def settle(self) -> None:
+        """Return once the helper reads the graph no more: at once where it has not begun the
+        guess (which it then never begins), else once it has found the writers."""
+        if self._found.is_set():  # settled: each writer the assign looks up asks again
+            return
+        with self._lock:
+            if self._state == "waiting":
+                self._state = "dropped"
+        if self._state == "finding":
+            self._found.wait()
+
+    def end(self) -> None:
+        """Give up what is left of the guess: waited for where a helper runs it, its outcome ignored."""
+        self.settle()
+        self._job.drop()
 
 
 def run(sess: Any, writers: Writers, feeds: list[np.ndarray]) -> None:

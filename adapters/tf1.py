@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import math
 import re
-import threading
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,7 +72,6 @@ from weightstore.adapters.plan import (
 )
 from weightstore.adapters.skeleton import Target, batch_budget, run_assign
 from weightstore.core._heap import give_back
-from weightstore.core._parallel import Beside
 from weightstore.core.keys import ends_by_rule, from_tf_name, parse_mapping, plan_inward, validate_key
 from weightstore.core.manifest import ML_DTYPES
 from weightstore.errors import AssignmentError, FormatError, InvalidKeyError, SelectionError, WeightStoreError
@@ -227,17 +225,13 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
     # dict, not the Target: a Target whose closures hold it is a cycle, which kept a dropped session
     # (and its variables) alive until the next garbage collection.
     kept: dict[str, frozenset[int]] = {}
-    # The helper's guess (_guess), ended before this assign looks up its first writer: no helper
-    # work outlives the assign, none adds ops to the graph or reads it while this thread does. A
-    # guess no helper has started is dropped, not run here, and a failed one is ignored: it only
-    # gets ahead of work the assign does anyway.
-    guessed: list[Beside[None]] = []
-    settling = threading.Lock()
+    # The helper's guess (_guess), settled before this assign looks up its first writer (no helper
+    # reads the graph while this thread might add an op to it) and ended before it returns.
+    guessed: list[_tf1_callables.Guess] = []
 
     def writer(variable: tf.Variable) -> tuple[tf.Operation, tf.Tensor]:
-        with settling:
-            while guessed:
-                guessed.pop().drop()
+        for guess in guessed:
+            guess.settle()
         return _writer(graph, variable)
 
     def prepare(values: Any, key: str, value_key: str) -> np.ndarray | list[np.ndarray | None]:
@@ -310,14 +304,20 @@ def assign(sess: Any, weights: Any, *, optimizer: bool = False, **words: Unpack[
         return plan_assign(values, model, options, left_out=left_out), values
 
     if not (options.scope or options.include or options.exclude or options.trainable_only or options.mapping):
-        guessed.extend(_guess(sess, graph, targets, [key for key in infos if optimizer or not targets[key].training], cost))
+        guess = _guess(sess, graph, targets, [key for key in infos if optimizer or not targets[key].training], cost)
+        if guess is not None:
+            guessed.append(guess)
     job = Target(infos, write, slot=lambda key: (sess, key), prepare=prepare, plan=plan, batched=True, ahead=ahead, kept=kept, cost=cost,
                  regions=lambda key: [part.index for part in targets[key].parts] if targets[key].parts[0].index else None)
-    return run_assign(job, weights, options)
+    try:
+        return run_assign(job, weights, options)
+    finally:
+        while guessed:  # out of the list: the guess holds closures that hold it (through cost)
+            guessed.pop().end()
 
 
 def _guess(sess: Any, graph: tf.Graph, targets: dict[str, _Target], likely: list[str],
-           cost: Callable[[str, None, list[tf.Operation]], int]) -> list[Beside[None]]:
+           cost: Callable[[str, None, list[tf.Operation]], int]) -> _tf1_callables.Guess | None:
     """Have the helper find and compile, while the file is opened and verified, the one batch an
     assign of every variable ``likely`` writes, where it is the session's first: where their least
     costs fit one batch's budget, as the batches are cut
@@ -326,8 +326,9 @@ def _guess(sess: Any, graph: tf.Graph, targets: dict[str, _Target], likely: list
     run that batch's staged copies need (:func:`~weightstore.adapters._tf_staging.warm`): the
     first assign stages every resource variable's value. No guess where a variable has no writer
     of its own yet: the op made for it is added only by an assign that writes it. Returns the
-    helper's job, for the assign to wait on before it looks up a writer itself; the job only
-    looks writers up (it makes no op), and remembers them only while the graph gains none."""
+    guess, which the assign settles before it looks up a writer itself and ends before it
+    returns; its first stage only looks writers up (it makes no op), and remembers them only while
+    the graph gains none."""
     parts = [(target, part) for target in map(targets.__getitem__, likely) for part in target.parts]
 
     def batch() -> _tf1_callables.Writers | None:

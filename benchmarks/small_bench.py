@@ -13,6 +13,7 @@ file, fsync of the folder (two fsyncs, as ``ws.save`` does).
     python -m benchmarks.small_bench --cpu                 # CPU time, for a machine others load
     python -m benchmarks.small_bench --tensors 100 --repeat 31   # the small-work targets
     python -m benchmarks.small_bench --tensors 100 --per-call [--without-fsync]   # CPU per call, in a loop
+    python -m benchmarks.small_bench --tensors 100 --repeat 101 --cold-open   # each open after the same work
 """
 
 from __future__ import annotations
@@ -182,6 +183,54 @@ def bench_hdf5(weights: dict[str, np.ndarray], repeat: int = 5, clock=time.perf_
     return results
 
 
+def bench_cold_open(tensors: int = 100, size: int = 256, repeat: int = 101) -> dict[str, float]:
+    """CPU of one open + keys, each open right after the same work, a durable replace of another
+    file (``save_file``, two fsyncs, a rename: the process sleeps, its caches go cold), the opens
+    taking turns in an order rotated each round. In :func:`bench`, ``safe_open`` runs right after
+    weightstore's open of the same weights and so finds warm what that one found cold; here no
+    case follows another. Print and return median microseconds, with each ratio to ``safe_open``."""
+    import safetensors.numpy
+
+    import weightstore as ws
+
+    rng = np.random.default_rng(0)
+    weights = {f"layer_{i // 100:04d}/w_{i % 100:02d}": rng.standard_normal(size).astype(np.float32)
+               for i in range(tensors)}
+    flat = {k.replace("/", "."): v for k, v in weights.items()}
+    with tempfile.TemporaryDirectory(prefix="ws-small-cold-") as folder:
+        npz, st, scratch = (os.path.join(folder, name) for name in ("w.npz", "w.safetensors", "scratch.safetensors"))
+        ws.save(npz, weights)
+        safetensors.numpy.save_file(flat, st)
+
+        def chill() -> None:  # what bench's open follows: a durable replace (of a file no case opens)
+            _st_save_durable(flat, scratch + ".tmp")
+            os.replace(scratch + ".tmp", scratch)
+            fd = os.open(folder, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+        cases = {"open + keys (weightstore npz)": functools.partial(_ws_open_keys, npz),
+                 "open + keys (safetensors safe_open)": functools.partial(_st_open_keys, st),
+                 "open + keys (weightstore .safetensors)": functools.partial(_ws_open_keys, st)}
+        names = list(cases)
+        spent: dict[str, list[float]] = {name: [] for name in names}
+        for round_ in range(repeat + 1):
+            for name in names[round_ % 3 :] + names[: round_ % 3]:
+                chill()
+                start = time.process_time()
+                cases[name]()
+                if round_:
+                    spent[name].append(time.process_time() - start)
+    medians = {name: sorted(values)[len(values) // 2] * 1e6 for name, values in spent.items()}
+    peer = medians["open + keys (safetensors safe_open)"]
+    print(f"{tensors} tensors of {size} float32, CPU of one open, each after a durable replace, median of {repeat}")
+    for name, value in medians.items():
+        print(f"  {name:40s} {value:8.1f} us  {value / peer:5.2f}x safe_open")
+    return medians
+
+
 def bench_per_call(tensors: int = 100, size: int = 256, calls: int = 200, *, without_fsync: bool = False) -> dict[str, float]:
     """Main-thread CPU per call of a durable save and of open + keys, against safetensors', each
     called ``calls`` times in a loop, the least of five such loops (the cases' loops taking
@@ -239,8 +288,12 @@ if __name__ == "__main__":
     parser.add_argument("--per-call", action="store_true",
                         help="main-thread CPU per call in a loop, save and open + keys only (see bench_per_call)")
     parser.add_argument("--without-fsync", action="store_true", help="with --per-call: every os.fsync a no-op")
+    parser.add_argument("--cold-open", action="store_true",
+                        help="CPU of one open + keys, each after the same work (see bench_cold_open)")
     args = parser.parse_args()
-    if args.per_call:
+    if args.cold_open:
+        bench_cold_open(args.tensors, args.size, args.repeat)
+    elif args.per_call:
         bench_per_call(args.tensors, args.size, without_fsync=args.without_fsync)
     else:
         bench(args.tensors, args.size, args.repeat, time.process_time if args.cpu else time.perf_counter)

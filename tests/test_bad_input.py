@@ -701,6 +701,19 @@ def test_import_weightstore_does_not_import_any_framework():
     assert result.stdout.strip() == "[]", result.stdout
 
 
+@pytest.mark.parametrize("suffix", [".npz", ".safetensors"])
+def test_saving_and_opening_a_file_of_another_format_does_not_import_h5py(tmp_path, suffix):
+    """h5py (some 60 ms and 10 MB of a process) is imported for HDF5 files only: finding the
+    format of an npz or safetensors file by its suffix passes no HDF5 entry."""
+    path = tmp_path / f"m{suffix}"
+    code = ("import sys, numpy as np, weightstore as ws\n"
+            f"ws.save({str(path)!r}, {{'w': np.ones(3, np.float32)}})\n"
+            f"with ws.open({str(path)!r}) as store: store['w']\n"
+            "print('h5py' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert result.stdout.strip() == "False", result.stdout + result.stderr
+
+
 def test_messages_name_the_file_not_a_repr(tmp_path):
     path = write(tmp_path / "garbage.npz", b"PK\x03\x04" + b"\0" * 100)
     with pytest.raises(errors.FormatError) as info:

@@ -257,6 +257,9 @@ def test_missing_and_junk_sources(tmp_path):
     with pytest.raises(FormatError, match=r"junk\.ckpt\.index: not a TensorFlow checkpoint index"):
         sources.open_source(tmp_path / "junk.ckpt")
     (tmp_path / "empty").mkdir()
+    with pytest.raises(StoreNotFoundError, match=r"empty: is an empty folder, not a weight file$"):
+        sources.open_source(tmp_path / "empty")
+    (tmp_path / "empty" / "notes.txt").write_text("")
     with pytest.raises(StoreNotFoundError, match=r"empty: is a folder, not a weight file, and holds no TF checkpoint "
                                                  r"\(no 'checkpoint' state file, no \.index file\)"):
         sources.open_source(tmp_path / "empty")

@@ -234,6 +234,42 @@ def manifest_npy(metadata: dict) -> bytes:
     return hostile.npy_raw(f"<U{len(text)}", (), text.encode("utf-32-le"))
 
 
+@pytest.mark.parametrize(("form", "read"), [
+    ("as-written", True), ("big-endian", True), ("npy-version-2", True), ("wider-padding", True),
+    ("declares-one-more-character", False), ("an-array-of-one", False), ("bytes-not-text", False)])
+def test_the_manifest_member_reads_as_numpy_reads_it_in_any_npy_form(tmp_path, form, read):
+    """The manifest's npy header, as numpy writes it, is read without numpy; any other form is
+    read by numpy's parse, and what either reads is the text ``np.load`` reads there."""
+    text = build_manifest([("w", "float32", (4,), zlib.crc32(GOOD.tobytes()))], {"who": "me"}, "test")
+    descr, payload, shape = f"<U{len(text)}", text.encode("utf-32-le"), ()
+    header, version = None, 1
+    if form == "big-endian":
+        descr, payload = f">U{len(text)}", text.encode("utf-32-be")
+    elif form == "npy-version-2":
+        version = 2
+    elif form == "wider-padding":
+        header = f"{{'descr': '{descr}', 'fortran_order': False, 'shape': (), }}" + " " * 64
+    elif form == "declares-one-more-character":
+        descr = f"<U{len(text) + 1}"
+    elif form == "an-array-of-one":
+        shape = (1,)
+    elif form == "bytes-not-text":
+        descr, payload = f"|S{len(payload)}", payload
+    manifest = hostile.npy_raw(descr, shape, payload, header_text=header, version=version)
+    path = tmp_path / "m.npz"
+    path.write_bytes(hostile.zip_bytes([hostile.Member("w.npy", hostile.npy(GOOD)),
+                                        hostile.Member("__weightstore__.npy", manifest)]))
+    if not read:
+        with pytest.raises(errors.FormatError) as refused:
+            ws.open(path)
+        assert str(path) in str(refused.value)
+        return
+    with np.load(path) as archive:
+        assert str(archive["__weightstore__"]) == text
+    with ws.open(path) as store:
+        assert store.metadata == {"who": "me"} and store["w"].tobytes() == GOOD.tobytes()
+
+
 @pytest.mark.parametrize("lookalike", ["another-manifest", "pointing-at-a-tensor"])
 def test_a_lookalike_of_the_manifest_entry_at_the_directory_end_is_not_read_as_it(tmp_path, lookalike):
     """The manifest's entry is first in the directory; the last entry's comment ends with what

@@ -201,6 +201,43 @@ def test_a_version_upload_never_replaces_another_writers_version_of_its_step(s3,
     assert len(multipart) == (1 if floats > 1 << 10 else 0)  # the refused completion
 
 
+@pytest.mark.parametrize("floats", [1 << 10, 3 << 20], ids=["one PUT", "multipart"])
+def test_a_version_upload_whose_answer_was_lost_is_published_when_the_clients_retry_is_refused(s3, monkeypatch,
+                                                                                               floats):
+    """The version's upload lands, but its answer is lost (the connection reset): the client
+    sends it again (s3fs retries a lost connection), and S3 refuses the retry, as an object has
+    the name now, the one the first try landed. That is this publish's own version, published;
+    it was refused as another writer's (and a BackgroundPublisher gave the step up for good)."""
+    import socket
+    import struct
+
+    monkeypatch.setattr(commit, "UPLOAD_PART_BYTES", 5 << 20)  # S3's smallest part: 12 MB is 3
+    folder = url("").rsplit("/", 1)[0]
+    ws.publish(folder, {"w": np.zeros(4, np.float32)}, step=1)
+    mine = {"w": np.arange(floats, dtype=np.float32)}
+    tries: list[str] = []
+
+    def landed_but_answer_lost(environ):
+        completes = "uploadId=" in environ.get("QUERY_STRING", "") and environ["REQUEST_METHOD"] == "POST"
+        uploads = completes or (environ["REQUEST_METHOD"] == "PUT" and "uploadId=" not in environ["QUERY_STRING"])
+        if not uploads or "/step-000000000002" not in environ["PATH_INFO"]:
+            return None
+        tries.append(environ["REQUEST_METHOD"])
+        if len(tries) > 1:  # the retry: refused, an object has the name (moto completes a done upload again)
+            return None if not completes else (412, b"<Error><Code>PreconditionFailed</Code></Error>")
+        list(s3._moto(environ, lambda *answer: None))  # landed ...
+        connection = environ["werkzeug.socket"]  # ... and its answer lost: the connection reset
+        connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        connection.shutdown(socket.SHUT_RDWR)
+        return 500, b""
+
+    s3.intercept = landed_but_answer_lost
+    version = ws.publish(folder, mine, step=2)
+    s3.intercept = None
+    assert len(tries) == 2 and version.step == 2 and ws.latest(folder).step == 2
+    assert same(ws.load(ws.latest(folder)), mine)
+
+
 # -- a hostile or failing store ----------------------------------------------------------------
 
 @pytest.mark.parametrize("suffix", FORMATS)

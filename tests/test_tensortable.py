@@ -10,6 +10,7 @@ the same tensors.
 from __future__ import annotations
 
 import json
+import re
 import zipfile
 
 import ml_dtypes
@@ -268,3 +269,14 @@ def test_a_deeply_nested_value_is_a_format_error(version, tensors):
     text = f'{{"format": "weightstore", "version": {version}, "tensors": {tensors}}}'.replace("DEEP", DEEP)
     with raises_naming(errors.FormatError, "m.npz"):
         parse_manifest(text, "m.npz")
+
+
+@pytest.mark.parametrize(("keys", "words"), [
+    (["dense/kernel", 3], "manifest 'keys' is not a list of strings"),
+    (["dense//kernel", 3], "manifest 'keys' is not a list of strings"),  # whatever else is wrong, a non-string says so
+    ([None, "dense/bias"], "manifest 'keys' is not a list of strings"),
+    (["dense//kernel", "dense/bias"], "invalid key: it has an empty segment"),
+])
+def test_keys_that_are_no_strings_are_refused_as_such_before_any_rule_of_keys(keys, words):
+    with pytest.raises(errors.FormatError, match=re.escape(words)):
+        parse(columns(keys=keys))

@@ -22,6 +22,7 @@ tf = pytest.importorskip("tensorflow")
 
 import weightstore as ws  # noqa: E402
 from weightstore.adapters import _tf1_callables, skeleton, tf1  # noqa: E402
+from weightstore.adapters._values import Values  # noqa: E402
 from weightstore.adapters.plan import AssignWarning  # noqa: E402
 from weightstore.core._gcpause import paused_gc  # noqa: E402
 from weightstore.errors import AssignmentError, ChecksumError, FormatError, SelectionError  # noqa: E402
@@ -854,6 +855,44 @@ def test_the_guess_on_the_helper_ends_before_the_assign_returns(tmp_path, monkey
         time.sleep(0.5)
         ours = [op.name for op in graph.get_operations() if op.name not in before and "weightstore" in op.name]
         assert ours == []
+        for got, expected in zip(values(sess, variables), weights.values(), strict=True):
+            np.testing.assert_array_equal(got, expected)
+
+
+def test_the_first_assign_verifies_its_file_while_the_helper_compiles_its_batch(tmp_path, monkeypatch):
+    """The guess's compile runs beside the verify pass, not before it: the assign waits for the
+    helper only while it looks the writers up, then reads and checks the file while the batch
+    compiles (a cold file's read and the compile took turns, and the first call's wall was their
+    sum). Here the compile goes on only once the file is being read, which it never would if the
+    assign waited for it first; the batch then runs that very callable."""
+    weights = six_values()
+    path = tmp_path / "w.npz"
+    ws.save(path, weights)
+    compiling, reading = threading.Event(), threading.Event()
+    compiled: list[tuple[bool, bool]] = []  # (on the helper, the file read meanwhile)
+    compile_ = _tf1_callables._compile
+
+    def compile_once_reading(sess, signature):
+        compiling.set()
+        compiled.append((threading.current_thread() is not threading.main_thread(), reading.wait(timeout=5)))
+        return compile_(sess, signature)
+
+    monkeypatch.setattr(_tf1_callables, "_compile", compile_once_reading)
+    open_values, prefetch = skeleton.open_values, Values.prefetch
+
+    def opened(weights):
+        assert compiling.wait(timeout=10)  # the helper has begun the guess and found its writers
+        return open_values(weights)
+
+    def read(self, keys):
+        reading.set()
+        return prefetch(self, keys)
+
+    monkeypatch.setattr(skeleton, "open_values", opened)
+    monkeypatch.setattr(Values, "prefetch", read)
+    with six_variables_session() as (graph, sess, variables):
+        assert tf1.assign(sess, path).assigned == list(weights)
+        assert compiled == [(True, True)]
         for got, expected in zip(values(sess, variables), weights.values(), strict=True):
             np.testing.assert_array_equal(got, expected)
 

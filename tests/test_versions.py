@@ -1,5 +1,6 @@
 """Versioned folders on local disk and memory://: publish, latest, follow, retention, faults."""
 
+import io
 import json
 import os
 import re
@@ -78,6 +79,21 @@ def test_a_writer_given_none_is_told_a_path_was_expected_not_how_to_wait_for_a_v
         with pytest.raises(TypeError) as caught:
             write()
         assert str(caught.value) == "a path was expected, not None"
+
+
+def test_a_file_object_given_as_a_path_is_told_weightstore_takes_names(tmp_path):
+    """``ws.open(io.BytesIO(data))`` failed inside ``os.fsdecode`` ("expected str, bytes or
+    os.PathLike object, not BytesIO"), naming nothing weightstore takes; readers and writers
+    now say a path or URL was expected, and why a file object is none."""
+    ws.save(tmp_path / "w.npz", weights_at(1))
+    with open(tmp_path / "w.npz", "rb") as handle:
+        for call in (ws.open, ws.load, lambda f: ws.save(f, weights_at(1))):
+            with pytest.raises(TypeError, match=r"^a path or URL was expected, not a file object \(BufferedReader\)"):
+                call(handle)
+            with pytest.raises(TypeError, match=r"^a path or URL was expected, not a file object \(BytesIO\)"):
+                call(io.BytesIO(b""))
+    with pytest.raises(TypeError, match=r"^a path or URL was expected, not float$"):
+        ws.open(3.5)
 
 
 def test_hdf5_versions(tmp_path):

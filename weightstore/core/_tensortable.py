@@ -212,17 +212,18 @@ def parse_columns(raw: dict[str, Any], itemsize_of: Callable[[object], int | Non
     numpy arrays (see there); both refuse the same manifests with the same words, which the
     differential test ``tests/test_fast_paths.py::test_columns_read_alike_as_lists_and_as_arrays``
     binds."""
-    fields = set(raw)
-    optional = [name for name, since in OPTIONAL_COLUMNS.items() if version >= since]
-    if not set(COLUMNS) <= fields <= set(COLUMNS + SPARSE_COLUMNS) | set(optional):
-        raise FormatError(f"manifest tensor columns are {sorted(fields)}, not {list(COLUMNS)} "
+    if not _REQUIRED <= raw.keys() <= _allowed_columns(version):
+        optional = [name for name, since in OPTIONAL_COLUMNS.items() if version >= since]
+        raise FormatError(f"manifest tensor columns are {sorted(raw)}, not {list(COLUMNS)} "
                           f"(and optionally {[*SPARSE_COLUMNS, *optional]})")
     keys = raw["keys"]
-    if type(keys) is not list or not _all_text(keys):
+    if type(keys) is not list:
         raise FormatError("manifest 'keys' is not a list of strings")
     try:
-        validate_keys(keys)
+        validate_keys(keys)  # which refuses a key that is no str too: asked which, only then
     except InvalidKeyError as exc:
+        if not _all_text(keys):
+            raise FormatError("manifest 'keys' is not a list of strings") from None
         raise FormatError(f"manifest has an {exc.message}", key=exc.key) from None
     count = len(keys)
     if len(set(keys)) != count:
@@ -256,6 +257,15 @@ def parse_columns(raw: dict[str, Any], itemsize_of: Callable[[object], int | Non
     else:
         nbytes = _sizes(keys, ndims, dims, np.asarray(itemsizes, dtype=np.int64)[codes])
     return TensorTable(keys, names, codes, ndims, dims, nbytes, crcs, _digest_column(raw, count), itemsizes)
+
+
+_REQUIRED = frozenset(COLUMNS)
+
+
+@functools.lru_cache(maxsize=8)
+def _allowed_columns(version: int) -> frozenset[str]:
+    """The columns a manifest of ``version`` may hold (made once per version, not per open)."""
+    return frozenset((*COLUMNS, *SPARSE_COLUMNS, *(name for name, since in OPTIONAL_COLUMNS.items() if version >= since)))
 
 
 def _all_text(values: list[Any]) -> bool:

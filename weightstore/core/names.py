@@ -113,8 +113,10 @@ def is_state_dict(weights: object) -> bool:
     """Whether ``weights`` is a PyTorch ``state_dict`` (or ``named_parameters``) as PyTorch gives
     it: torch tensors under names that read as torch's (:func:`reads_as_torch`). Such names are
     no keys (``ws.load(f, scope="features")`` would find nothing under ``features.0.weight``):
-    ``ws.save`` writes them as ``names="torch"`` does. Asked without importing torch."""
+    ``ws.save`` writes them as ``names="torch"`` does. Asked without importing torch, and of
+    the values the dict holds (``dict.values``), never of a subclass's ``__getitem__``: a lazy
+    mapping's tensors are not fetched to be asked, nor any before the save's own checks."""
     if not isinstance(weights, dict) or not weights or not all(isinstance(name, str) for name in weights):
         return False
-    tensors = all(type(value).__module__.partition(".")[0] == "torch" for value in weights.values())
-    return tensors and reads_as_torch(weights)
+    return reads_as_torch(weights) and all(type(value).__module__.partition(".")[0] == "torch"
+                                           for value in dict.values(weights))

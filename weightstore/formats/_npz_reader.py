@@ -42,10 +42,12 @@ from weightstore.io.source import ByteSource, prefetch_ranges
 _INFLATE_CHUNK = 1 << 20
 
 
-#: the npy header numpy writes for a text scalar (every manifest's): read without numpy's
-#: ``literal_eval`` of it (0.1 ms, an eighth of opening a file of 100 tensors); any other
-#: header, however like it, goes to numpy, whose reading this gives for these bytes
+#: the npy header numpy writes for a text scalar (every manifest's): read without numpy (its
+#: ``literal_eval`` of the header took 0.1 ms, an eighth of opening a file of 100 tensors, and
+#: a dtype made of it, a few microseconds more); any other header, however like it, goes to
+#: numpy, whose reading this gives for these bytes
 _TEXT_SCALAR_HEADER = re.compile(rb"\{'descr': '([<>])U([1-9][0-9]{0,8})', 'fortran_order': False, 'shape': \(\), \} *\n")
+_NPY_V1 = b"\x93NUMPY\x01\x00"
 
 
 #: most bytes one inflate call may return: bounds the transient copy beside the output buffer
@@ -274,9 +276,9 @@ class NpzReader(ReaderDefaults):
         """Check a member's npy header; ``size`` is the whole member's when ``data`` is only its head.
 
         numpy parses the header (``read_array_header_1_0``/``_2_0``: the same rules ``np.load``
-        applies; a text scalar's as numpy writes it, the manifest's, is read by
-        :data:`_TEXT_SCALAR_HEADER` to the same result; a version 3 header is read as version 2, which differs only in decoding bytes
-        no plain numeric header holds). Around it, our policy: a bounded header length, read
+        applies; a version 3 header is read as version 2, which differs only in decoding bytes
+        no plain numeric header holds; the manifest's, as numpy writes it, never comes here:
+        :func:`_text_scalar`). Around it, our policy: a bounded header length, read
         only from bytes the member holds; no object or structured dtype; sizes that are no
         bools or negatives; and a shape whose bytes are exactly what the member holds.
         Members of this project's own files never come here but for the manifest:
@@ -299,27 +301,22 @@ class NpzReader(ReaderDefaults):
         if prefix + header_len > len(data):
             raise FormatError(f"{what} is truncated inside its npy header", path=self.name)
         shape: tuple[int, ...]
-        text_scalar = _TEXT_SCALAR_HEADER.fullmatch(bytes(data[prefix : prefix + header_len]))
-        if text_scalar is not None:
-            order, length = text_scalar.groups()
-            shape, fortran, dtype = (), False, np.dtype(f"{order.decode()}U{int(length)}")  # passes the checks below
-        else:
-            read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
-            try:
-                shape, fortran, dtype = read_header(io.BytesIO(data[8 : prefix + header_len]), max_header_size=MAX_NPY_HEADER)
-            except Exception as exc:  # junk raises ValueError, SyntaxError, tokenize's TokenError, ...
-                detail = (str(exc).splitlines() or [type(exc).__name__])[0][:120]
-                raise FormatError(f"{what} has an unreadable npy header ({detail})", path=self.name) from None
-            if len(shape) > MAX_NDIM or not all(not isinstance(d, bool) and d >= 0 for d in shape):
-                raise FormatError(f"{what} has an invalid shape {shape!r}", path=self.name)
-            if dtype.hasobject:
-                raise UnsafeFileError(f"{what} holds an object array; weightstore never unpickles", path=self.name)
-            if dtype.names is not None:
-                raise UnsafeFileError(f"{what} holds a structured array; only plain numeric arrays are read", path=self.name)
-            if dtype.subdtype is not None or dtype.itemsize == 0:
-                raise FormatError(f"{what} has dtype {dtype.str!r}; only plain numeric arrays are read", path=self.name)
-            if math.prod(max(d, 1) for d in shape) * dtype.itemsize > MAX_ARRAY_BYTES:
-                raise FormatError(f"{what} has a shape {shape} too large for any array", path=self.name)
+        read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+        try:
+            shape, fortran, dtype = read_header(io.BytesIO(data[8 : prefix + header_len]), max_header_size=MAX_NPY_HEADER)
+        except Exception as exc:  # junk raises ValueError, SyntaxError, tokenize's TokenError, ...
+            detail = (str(exc).splitlines() or [type(exc).__name__])[0][:120]
+            raise FormatError(f"{what} has an unreadable npy header ({detail})", path=self.name) from None
+        if len(shape) > MAX_NDIM or not all(not isinstance(d, bool) and d >= 0 for d in shape):
+            raise FormatError(f"{what} has an invalid shape {shape!r}", path=self.name)
+        if dtype.hasobject:
+            raise UnsafeFileError(f"{what} holds an object array; weightstore never unpickles", path=self.name)
+        if dtype.names is not None:
+            raise UnsafeFileError(f"{what} holds a structured array; only plain numeric arrays are read", path=self.name)
+        if dtype.subdtype is not None or dtype.itemsize == 0:
+            raise FormatError(f"{what} has dtype {dtype.str!r}; only plain numeric arrays are read", path=self.name)
+        if math.prod(max(d, 1) for d in shape) * dtype.itemsize > MAX_ARRAY_BYTES:
+            raise FormatError(f"{what} has a shape {shape} too large for any array", path=self.name)
         expected = math.prod(shape) * dtype.itemsize
         start = prefix + header_len
         if size - start != expected:
@@ -341,10 +338,14 @@ class NpzReader(ReaderDefaults):
         data = self._member_bytes(member, 4 * MAX_MANIFEST_BYTES + MAX_NPY_HEADER)
         if isal_zlib.crc32(raw_bytes(data)) & 0xFFFFFFFF != member.crc:
             raise ChecksumError(f"manifest member {member.name!r} is corrupt (zip CRC-32 mismatch)", path=self.name)
-        dtype, shape, _, start = self._parse_npy(member, data)
-        if dtype.kind != "U" or shape != ():
-            raise FormatError("manifest member is not a text scalar", path=self.name)
-        text = str(data[start:], "utf-32-le" if dtype.byteorder in "<=|" else "utf-32-be", "replace")  # no copy first
+        text_at = _text_scalar(data)
+        if text_at is None:  # any other header: numpy's reading of it decides
+            dtype, shape, _, start = self._parse_npy(member, data)
+            if dtype.kind != "U" or shape != ():
+                raise FormatError("manifest member is not a text scalar", path=self.name)
+            text_at = "utf-32-le" if dtype.byteorder in "<=|" else "utf-32-be", start
+        encoding, start = text_at
+        text = str(data[start:], encoding, "replace")  # no copy first
         return parse_manifest(text.rstrip("\0"), self.name)
 
     # -- the Reader protocol -----------------------------------------------------------------
@@ -503,6 +504,20 @@ class NpzReader(ReaderDefaults):
 
     def close(self) -> None:
         self._source.close()
+
+
+def _text_scalar(data: memoryview) -> tuple[str, int] | None:
+    """``(encoding, start)`` of the text in ``data``, if it is a text scalar as numpy writes one
+    (a version 1 header that :data:`_TEXT_SCALAR_HEADER` matches, then exactly the text it
+    declares): what :meth:`NpzReader._parse_npy` reads there, without numpy. ``None`` for any
+    other bytes, which that reads (and refuses, naming what is wrong)."""
+    if len(data) < 10 or data[:8] != _NPY_V1:
+        return None
+    header_len = int.from_bytes(data[8:10], "little")
+    found = _TEXT_SCALAR_HEADER.fullmatch(bytes(data[10 : 10 + header_len])) if header_len <= MAX_NPY_HEADER else None
+    if found is None or len(data) - 10 - header_len != 4 * int(found[2]):
+        return None
+    return "utf-32-le" if found[1] == b"<" else "utf-32-be", 10 + header_len
 
 
 def _same_keys(listed: list[str], members: dict[str, str]) -> bool:

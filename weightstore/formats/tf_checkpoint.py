@@ -195,6 +195,8 @@ def _prefix_in_folder(folder: str) -> str:
         raise StoreNotFoundError("is an Orbax checkpoint (Flax's and JAX's saver), which weightstore does not read: "
                                  "restore it with Orbax into the model (nnx.update(model, restored)), then write "
                                  "ws.save('m.npz', flax.export(model))", path=folder)
+    if not candidates and not os.listdir(folder):
+        raise StoreNotFoundError("is an empty folder, not a weight file", path=folder)
     if not candidates:
         raise StoreNotFoundError(f"is a folder, not a weight file, and holds no TF checkpoint (no '{STATE_FILE}' "
                                  "state file, no .index file)", path=folder)

@@ -245,7 +245,9 @@ class MappedFile(_LocalFile):
         return self._map
 
     def read_at(self, offset: int, length: int) -> memoryview:
-        self._check(offset, length)
+        # :meth:`_check`'s test inline (an open of an npz reads here five times); it raises, naming the file
+        if self._closed or offset < 0 or length < 0 or offset + length > self.size:
+            self._check(offset, length)
         window = self._window
         if window is not None and window[0] <= offset and offset + length <= window[0] + len(window[1]):
             return window[1][offset - window[0] : offset - window[0] + length]

@@ -30,7 +30,9 @@ documented composition of them:
    upload is invisible (s3fs aborts it when a part fails). ``new=True`` makes the upload only
    where no object has the name (S3's ``If-None-Match: *``, on the PUT or on the completion):
    a version file, whose name is its step, so that a publisher stopped mid-publish and resumed
-   after another took the folder over never replaces the other's version of that step.
+   after another took the folder over never replaces the other's version of that step. Such an
+   upload carries a token of its own (:data:`UPLOAD_TOKEN`), so the client's retry of a request
+   whose answer was lost after the object landed, refused, finds its own object: landed.
 3. *Pointer last* (versioned folders, :mod:`weightstore.sync._publish`). Each version file is
    committed by 1 or 2, and only then the small ``LATEST`` pointer, by the same protocol.
    Readers reach versions only through ``LATEST``, so a crash between the two leaves a version
@@ -59,6 +61,7 @@ import abc
 import contextlib
 import os
 import re
+import secrets
 import shutil
 import stat
 import tempfile
@@ -83,6 +86,9 @@ __all__ = ["UPLOAD_PART_BYTES", "Commit", "RenameCommit", "UploadCommit", "Index
 #: part size of a multipart upload to S3 (at least 5 MiB, S3's floor): s3fs's own default of
 #: 50 MiB sends anything under 100 MiB as one serial PUT
 UPLOAD_PART_BYTES = 8 << 20
+#: the user metadata (``x-amz-meta-…``) an upload made only where no object has the name carries:
+#: a token of its own, that tells its retry, refused, the object it landed itself from another's
+UPLOAD_TOKEN = "weightstore-upload"
 
 
 class Commit(abc.ABC):
@@ -219,24 +225,29 @@ class UploadCommit(Commit):
         local = os.path.join(self._scratch, "upload" + self._suffix)
         on_s3 = "s3" in protocols(self._fs)
         options: dict[str, Any] = {"chunksize": UPLOAD_PART_BYTES} if on_s3 else {}
+        token = secrets.token_hex(16)
         if self._new and on_s3:
-            options["mode"] = "create"
+            options.update(mode="create", Metadata={UPLOAD_TOKEN: token})
         try:
             with service(self.target):
                 self._fs.put_file(local, self._remote, **options)
         except StorageError as exc:
             if not (self._new and on_s3 and _already_there(exc)):
                 raise
-            raise StoreExistsError("was not uploaded: another writer's object of that name appeared while it was "
-                                   "written", path=self.target) from exc
+            if not self._uploaded_with(token):
+                raise StoreExistsError("was not uploaded: another writer's object of that name appeared while it "
+                                       "was written", path=self.target) from exc
         except FileNotFoundError as exc:
             answer = service_answer(exc)
             if answer is None or answer[0] != "NoSuchUpload":
                 raise
-            raise WriteError(exc.errno or 0, "its upload was aborted while it was sent: another process took it for "
-                             "a killed writer's (the commit of another attempt or a later step, a publish that moved "
-                             "LATEST past it, or ws clean), so what it writes is dead", path=self.target,
-                             transient=False) from exc
+            # s3fs aborts an upload whose completion failed: one the first try of a completion
+            # whose answer was lost completed is no upload any more, and its retry was refused
+            if not (self._new and on_s3 and self._uploaded_with(token)):
+                raise WriteError(exc.errno or 0, "its upload was aborted while it was sent: another process took it "
+                                 "for a killed writer's (the commit of another attempt or a later step, a publish "
+                                 "that moved LATEST past it, or ws clean), so what it writes is dead",
+                                 path=self.target, transient=False) from exc
         self.landed = True
         self.discard()
 
@@ -248,6 +259,16 @@ class UploadCommit(Commit):
     def exists(self) -> bool:
         with service(self.target):
             return bool(self._fs.exists(self._remote))
+
+    def _uploaded_with(self, token: str) -> bool:
+        """Whether the object at the name is this commit's own upload (it carries ``token``): a
+        request whose answer was lost (a timeout, a reset connection) after the object landed is
+        sent again by the client (botocore, s3fs), and that retry meets its own object."""
+        try:
+            with service(self.target):
+                return bool(self._fs.metadata(self._remote).get(UPLOAD_TOKEN) == token)
+        except FileNotFoundError:  # two conditional writes at once (409), neither landed yet
+            return False
 
 
 def _already_there(exc: BaseException) -> bool:

@@ -59,6 +59,12 @@ def location_of(path: Any, *, reading: bool = True) -> Location:
         path = path.path
     if path is None:  # os.fsdecode's own TypeError names no cause; for a reader this is the common one
         raise TypeError(NO_VERSION_YET if reading else "a path was expected, not None")
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        kind = type(path).__name__
+        if hasattr(path, "read") or hasattr(path, "write"):  # io.BytesIO, an open file
+            raise TypeError(f"a path or URL was expected, not a file object ({kind}): weightstore opens and "
+                            "writes files by name, as its readers map them and its writers replace them whole")
+        raise TypeError(f"a path or URL was expected, not {kind}")
     text = os.fsdecode(path)
     if text.startswith("file://"):
         text = text[len("file://"):]
