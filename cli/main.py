@@ -24,8 +24,8 @@ from weightstore.cli.guard import GuardedGroup, json_asked
 from weightstore.cli.render import count, human_bytes, note, settings
 from weightstore.core.keys import passes
 from weightstore.core.manifest import TensorInfo
-from weightstore.core.names import TORCH, WRITE_NAMINGS, check_naming, reads_as_torch, torch_keys
-from weightstore.errors import UnsupportedDTypeError, named
+from weightstore.core.names import TORCH, WRITE_NAMINGS, check_naming, keys_of_torch_names, reads_as_torch, torch_keys
+from weightstore.errors import InvalidKeyError, UnsupportedDTypeError, named
 
 
 class _Group(GuardedGroup):
@@ -382,8 +382,15 @@ def diff(
 def _state_dict_of_old(store: sources.Source, other: sources.Source) -> bool:
     """Whether ``store`` holds a ``state_dict``'s names as its keys (``features.0.weight``: saved
     before ``ws.save`` read them as keys, or by ``np.savez``) and ``other`` holds them as names
-    read by keys (``features/0/weight``): compared as they are, every tensor reads as removed and added."""
-    return not store.stored_names() and reads_as_torch(store.keys()) and transfer.naming_of(other) == TORCH
+    read by keys (``features/0/weight``): compared as they are, every tensor reads as removed and
+    added. Names that make no key (``a..b``) are compared as they are."""
+    if store.stored_names() or not reads_as_torch(store.keys()) or transfer.naming_of(other) != TORCH:
+        return False
+    try:
+        keys_of_torch_names(store.keys())
+    except InvalidKeyError:
+        return False
+    return True
 
 
 def _percent(fraction: float | None) -> str:

@@ -338,3 +338,6 @@ def test_ws_diff_pairs_a_state_dict_saved_before_its_names_were_read_as_keys(tmp
     ws.save(tmp_path / "keys.npz", {"3.bias": np.zeros(2, np.float32)})  # a file of keys alone is as it was
     result = run("diff", tmp_path / "keys.npz", old)
     assert result.exit_code == 1 and "8 added, 0 removed, 1 changed" in result.output, result.output
+    ws.save(tmp_path / "odd.npz", {"3..bias": np.zeros(2, np.float32)})  # no key reads so: compared as it is
+    result = run("diff", tmp_path / "odd.npz", new)
+    assert result.exit_code == 1 and "9 added, 1 removed" in result.output, result.output
