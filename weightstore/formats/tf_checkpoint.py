@@ -66,7 +66,7 @@ from typing import Any
 
 import numpy as np
 
-from weightstore.core._tensortable import fits_an_array, short_repr
+from weightstore.core._tensortable import fits_an_array
 from weightstore.core.keys import from_tf_name, validate_key
 from weightstore.core.limits import (
     MAX_NDIM,
@@ -89,6 +89,7 @@ from weightstore.errors import (
     TargetError,
     UnsafeFileError,
     attach,
+    short_repr,
 )
 from weightstore.formats import Format, ReaderDefaults
 from weightstore.formats._pointer import LATEST, local_latest_name, published_folder_message
