@@ -236,7 +236,8 @@ def manifest_npy(metadata: dict) -> bytes:
 
 @pytest.mark.parametrize(("form", "read"), [
     ("as-written", True), ("big-endian", True), ("npy-version-2", True), ("wider-padding", True),
-    ("declares-one-more-character", False), ("an-array-of-one", False), ("bytes-not-text", False)])
+    ("declares-one-more-character", False), ("an-array-of-one", False), ("bytes-not-text", False),
+    ("a-width-no-dtype-holds", False)])
 def test_the_manifest_member_reads_as_numpy_reads_it_in_any_npy_form(tmp_path, form, read):
     """The manifest's npy header, as numpy writes it, is read without numpy; any other form is
     read by numpy's parse, and what either reads is the text ``np.load`` reads there."""
@@ -251,6 +252,8 @@ def test_the_manifest_member_reads_as_numpy_reads_it_in_any_npy_form(tmp_path, f
         header = f"{{'descr': '{descr}', 'fortran_order': False, 'shape': (), }}" + " " * 64
     elif form == "declares-one-more-character":
         descr = f"<U{len(text) + 1}"
+    elif form == "a-width-no-dtype-holds":  # 4 GB a character: numpy's dtype() raised TypeError, not ours
+        descr = "<U999999999"
     elif form == "an-array-of-one":
         shape = (1,)
     elif form == "bytes-not-text":

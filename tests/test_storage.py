@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -277,6 +278,36 @@ def test_ws_ls_of_a_fifo_is_refused_not_waited_on(tmp_path):
                             timeout=60)
     assert result.returncode == 1
     assert f"{fifo}: is not a regular file (a FIFO)" in result.stderr
+
+
+UNLISTABLE_READER = textwrap.dedent("""
+    import sys
+    import weightstore as ws
+    from weightstore.formats.tf_checkpoint import resolve_prefix  # the TF adapters' and ws import --into's
+    for call in (ws.open, ws.load, resolve_prefix):
+        try:
+            call(sys.argv[1])
+        except ws.WeightStoreError as exc:
+            print(type(exc).__name__, exc, sep="|")
+""")
+
+
+def test_a_folder_that_may_not_be_listed_is_refused_naming_it(tmp_path):
+    """A folder the user may enter but not list (mode 0o300, a drop box) given as a weight file:
+    the format finders' listing of it, and the check whether it is empty, raised the system's
+    PermissionError, a bare OSError naming nothing weightstore took."""
+    folder = tmp_path / "drop"
+    folder.mkdir(mode=0o300)
+    command = [sys.executable, "-c", UNLISTABLE_READER, str(folder)]
+    if os.geteuid() == 0:  # root lists any folder; without the two capabilities that let it, as a user would
+        if shutil.which("setpriv") is None:
+            pytest.skip("run as root, and no setpriv to drop the capabilities that skip permission checks")
+        command = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", *command]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [f"FileAccessError|{folder}: cannot be listed (Permission denied)"] * 2 + [
+        f"StoreNotFoundError|{folder}: is a folder, not a weight file, and holds no TF checkpoint "
+        "(no 'checkpoint' state file, no .index file)"]
 
 
 def test_reading_a_device_is_refused(tmp_path):

@@ -261,8 +261,10 @@ V2_TENSORS = '"keys": ["w"], "dtypes": ["float32"], "dtype": [0], "ndim": [0], "
     ("1", '{"w": {"dtype": "float32", "shape": [], "checksum": DEEP}}'),
     ("1", '{"w": {"dtype": DEEP, "shape": [], "checksum": null}}'),
     ("1", '{"w": {"dtype": "float32", "shape": [], "checksum": null, "location": DEEP}}'),
+    ("3", '{"keys": [DEEP], "dtypes": ["float32"], "dtype": [0], "ndim": [0], "shape": [], "crc32": [0]}'),
+    ("3", '{"keys": ["w", DEEP], "dtypes": ["float32"], "dtype": [0, 0], "ndim": [0, 0], "shape": [], "crc32": [0, 0]}'),
 ], ids=["v2-dtypes", "v2-second-dtype", "v2-location", "v2-codec", "version", "v1-shape", "v1-checksum", "v1-dtype",
-        "v1-location"])
+        "v1-location", "v3-key", "v3-second-key"])
 def test_a_deeply_nested_value_is_a_format_error(version, tensors):
     """A value nested a thousand deep where a string or number belongs: refused as any wrong
     value is (its message shows it cut short), not a RecursionError from printing it."""

@@ -33,6 +33,7 @@ weightstore class or the builtin they already handle::
 from __future__ import annotations
 
 import contextlib
+import reprlib
 from collections.abc import Iterable
 from typing import Any, TypeVar
 
@@ -65,6 +66,11 @@ __all__ = [
 
 _E = TypeVar("_E", bound="WeightStoreError")
 _SHOWN_KEY_CHARS = 200
+#: shows an untrusted value in a message: a few levels deep and cut short, since orjson reads
+#: values nested 1,024 deep, past the depth at which ``repr`` raises RecursionError
+_SHORT_REPR = reprlib.Repr()
+_SHORT_REPR.maxlevel, _SHORT_REPR.maxstring, _SHORT_REPR.maxother = 3, 80, 80
+short_repr = _SHORT_REPR.repr
 
 
 class WeightStoreError(Exception):

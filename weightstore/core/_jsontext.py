@@ -21,9 +21,8 @@ from typing import Any
 
 import orjson
 
-from weightstore.core._tensortable import short_repr
 from weightstore.core.limits import MAX_JSON_DEPTH
-from weightstore.errors import FormatError, UnsafeFileError
+from weightstore.errors import FormatError, UnsafeFileError, short_repr
 
 __all__ = ["refuse_dense", "loads", "too_deep", "refuse_deep", "text_field"]
 

@@ -30,7 +30,6 @@ import functools
 import itertools
 import math
 import operator
-import reprlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -39,7 +38,7 @@ import orjson
 
 from weightstore.core.keys import validate_keys
 from weightstore.core.limits import MAX_ARRAY_BYTES, MAX_DTYPES, MAX_NDIM
-from weightstore.errors import FormatError, InvalidKeyError
+from weightstore.errors import FormatError, InvalidKeyError, short_repr
 
 CHECKSUM_ALGORITHM = "crc32"
 CHECKSUM_PREFIX = CHECKSUM_ALGORITHM + ":"
@@ -64,11 +63,6 @@ _U32_MAX = 0xFFFFFFFF
 _U32_CODE = next(code for code in "IL" if array.array(code).itemsize == 4)
 #: "no checksum" in the CRC column (version 1 manifests allowed null)
 NO_CRC = -1
-#: shows an untrusted JSON value in a message: a few levels deep and cut short, since orjson reads
-#: values nested 1,024 deep, past the depth at which ``repr`` raises RecursionError
-_SHORT_REPR = reprlib.Repr()
-_SHORT_REPR.maxlevel, _SHORT_REPR.maxstring, _SHORT_REPR.maxother = 3, 80, 80
-short_repr = _SHORT_REPR.repr
 
 
 class TensorInfo(NamedTuple):

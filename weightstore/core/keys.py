@@ -17,7 +17,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TypeVar
 
 from weightstore.core.limits import MAX_KEY_BYTES
-from weightstore.errors import InvalidKeyError, SelectionError
+from weightstore.errors import InvalidKeyError, SelectionError, short_repr
 
 V = TypeVar("V")
 Patterns = str | Sequence[str] | None
@@ -55,8 +55,8 @@ def from_tf_name(name: str) -> str:
 
 def validate_key(key: object) -> str:
     """Return ``key`` if it is a valid key, else raise :class:`InvalidKeyError` naming it."""
-    if not isinstance(key, str):
-        raise InvalidKeyError(f"invalid key: {key!r} is not a string")
+    if not isinstance(key, str):  # shown cut short: a manifest's 'keys' may hold any JSON value, nested 1,024 deep
+        raise InvalidKeyError(f"invalid key: {short_repr(key)} is not a string")
     problem = _key_problem(key)
     if problem:
         raise InvalidKeyError(f"invalid key: {problem}", key=key)

@@ -66,7 +66,7 @@ from typing import Any
 
 import numpy as np
 
-from weightstore.core._tensortable import fits_an_array, short_repr
+from weightstore.core._tensortable import fits_an_array
 from weightstore.core.keys import from_tf_name, validate_key
 from weightstore.core.limits import (
     MAX_NDIM,
@@ -89,6 +89,7 @@ from weightstore.errors import (
     TargetError,
     UnsafeFileError,
     attach,
+    short_repr,
 )
 from weightstore.formats import Format, ReaderDefaults
 from weightstore.formats._pointer import LATEST, local_latest_name, published_folder_message
@@ -195,13 +196,23 @@ def _prefix_in_folder(folder: str) -> str:
         raise StoreNotFoundError("is an Orbax checkpoint (Flax's and JAX's saver), which weightstore does not read: "
                                  "restore it with Orbax into the model (nnx.update(model, restored)), then write "
                                  "ws.save('m.npz', flax.export(model))", path=folder)
-    if not candidates and not os.listdir(folder):
+    if not candidates and _is_empty(folder):
         raise StoreNotFoundError("is an empty folder, not a weight file", path=folder)
     if not candidates:
         raise StoreNotFoundError(f"is a folder, not a weight file, and holds no TF checkpoint (no '{STATE_FILE}' "
                                  "state file, no .index file)", path=folder)
     raise StoreNotFoundError(f"holds {len(candidates)} checkpoints and no '{STATE_FILE}' state file saying which to "
                              f"read; name one of: {', '.join(candidates)}", path=folder)
+
+
+def _is_empty(folder: str) -> bool:
+    """Whether ``folder`` holds nothing; False where it cannot be listed (no permission to read
+    it), which is then refused, as any folder without a checkpoint is, by what it lacks."""
+    try:
+        with os.scandir(folder) as entries:
+            return next(entries, None) is None
+    except OSError:
+        return False
 
 
 #: what an Orbax checkpoint's folder holds (``StandardCheckpointer().save``, a ``CheckpointManager``'s step)

@@ -14,6 +14,7 @@ import os
 import posixpath
 from typing import Any
 
+from weightstore.errors import FileAccessError
 from weightstore.io.location import Location, filesystem, location_of, service, uncached
 from weightstore.io.remote import RemoteFile
 
@@ -55,6 +56,8 @@ class Place:
                 return os.listdir(self.text)
             except (FileNotFoundError, NotADirectoryError):
                 return []
+            except OSError as exc:  # a folder the user may not list: the system's refusal, naming it
+                raise FileAccessError(f"cannot be listed ({exc.strerror or exc})", path=self.text) from None
         with service(self.text):
             try:
                 listed = self._fs.ls(uncached(self._fs, self._path), detail=False)

@@ -34,9 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightstore.core._jsontext import too_deep
-from weightstore.core._tensortable import short_repr
 from weightstore.core.limits import MAX_JSON_DEPTH
-from weightstore.errors import WeightStoreError
+from weightstore.errors import WeightStoreError, short_repr
 
 __all__ = ["Membership", "membership", "rank_in_tf_cluster", "is_tf_chief", "tf_config_task", "Channel",
            "channel"]
