@@ -50,6 +50,15 @@ NO_VERSION_YET = ("a path or a Version was expected, not None (ws.latest(folder)
                   "version yet: wait for one with ws.follow(folder) or a Follower's wait())")
 
 
+def _what_to_pass_for(handle: Any) -> str:
+    """What to give instead of a file object: an open file's own name where it has one (``open``'s
+    ``name`` is the path it was given; ``os.fdopen``'s is a descriptor number, no path)."""
+    name = getattr(handle, "name", None)
+    if isinstance(name, (str, bytes)):
+        return f"pass its name instead: {os.fsdecode(name)!r}"
+    return "write its bytes to a file and pass that file's name"
+
+
 def location_of(path: Any, *, reading: bool = True) -> Location:
     """The location behind anything weightstore accepts as a file (``Version`` has ``.path``): a
     ``str``, an ``os.PathLike``, or a ``bytes`` path, decoded as :func:`os.fsdecode` decodes it
@@ -63,7 +72,8 @@ def location_of(path: Any, *, reading: bool = True) -> Location:
         kind = type(path).__name__
         if hasattr(path, "read") or hasattr(path, "write"):  # io.BytesIO, an open file
             raise TypeError(f"a path or URL was expected, not a file object ({kind}): weightstore opens and "
-                            "writes files by name, as its readers map them and its writers replace them whole")
+                            "writes files by name, as its readers map them and its writers replace them whole; "
+                            + _what_to_pass_for(path))
         raise TypeError(f"a path or URL was expected, not {kind}")
     text = os.fsdecode(path)
     if text.startswith("file://"):
