@@ -110,6 +110,8 @@ def test_a_file_object_given_as_a_path_is_told_what_to_pass_instead(tmp_path):
         for nameless in (io.BytesIO(path.read_bytes()), by_descriptor):
             with pytest.raises(TypeError, match=r"; write its bytes to a file and pass that file's name$"):
                 ws.open(nameless)
+    with pytest.raises(TypeError, match=r"; give the name of the file or folder to write$"):
+        ws.save(io.BytesIO(), weights_at(1))
 
 
 def test_hdf5_versions(tmp_path):
