@@ -664,18 +664,17 @@ class DeltaReader(ReaderDefaults):
         """Open each base of this version's local chain down to its anchor, one after the other,
         not each inside the one above: a reader's stack stays the same however deep its chain (a
         chain of 165 small deltas opened within each other passed Python's 1,000 frames, and a
-        sound chain read as corrupt). A base that fails is named as it was inside the one above."""
+        sound chain read as corrupt). A base that fails is named once, as a remote chain's is:
+        "in its chain, <the delta above it>: ..." (nested once a level, a missing anchor below 130
+        deltas made a 4 KB message for each, and ``ws verify`` printed 370 KB)."""
         levels: list[DeltaReader] = [self]
         try:
             while True:
                 level = levels[-1]
                 try:
                     level._opened = level._open_base()
-                except (FormatError, StoreClosedError, SizeLimitError) as exc:
-                    named: WeightStoreError = exc
-                    for above in reversed(levels[:-1]):  # as each open_base above named it
-                        named = named_here(named, above.name, None)
-                    raise named from None
+                except (FormatError, StoreClosedError, SizeLimitError) as exc:  # named by the delta above it
+                    raise named_here(exc, self.name, None) from None
                 if not isinstance(level._opened, DeltaReader):
                     return
                 levels.append(level._opened)
