@@ -119,7 +119,7 @@ class Delta:
 
     Args:
         anchor_every: a full version at least every this many versions (1: always full; at
-            most 101, as a reader follows at most 100 deltas to their anchor); one is written
+            most 1,001, as a reader follows at most 1,000 deltas to their anchor); one is written
             sooner once the deltas since the last add up to a full version.
         remember: keep a copy of the last published version's tensors (1x the model's memory),
             so the next delta needs no read of the folder.
