@@ -271,12 +271,18 @@ def import_(source: Source, target: str, *, scope: str | None, mapping: MappingR
 
 def _refuse_unnameable(target: str, plan: Mapping[str, str]) -> None:
     """Keys a file named as a ``state_dict`` cannot take: one with ``.`` inside a segment would
-    read back as another key (``block.1/w`` as ``block/1/w``)."""
+    read back as another key (``block.1/w`` as ``block/1/w``). The ``--map`` proposed renames the
+    source's key up to its first such segment, as a mapping sees keys before ``--scope`` adds its
+    own (``0.bias`` imported under ``old``: ``--map '0.bias=NEW'``)."""
     key = _without_torch_name(plan)
     if key is not None:
+        segments = plan[key].split("/")
+        dotted = next((i for i, segment in enumerate(segments) if "." in segment), None)
+        # no dotted segment in the source: the user's own --map put the '.' there, no source rule to propose
+        example = f" (--map '{'/'.join(segments[:dotted + 1])}=NEW')" if dotted is not None else ""
         raise TargetError(f"names its tensors as a PyTorch state_dict does, and the imported key {key!r} has a "
-                          "'.' inside a segment, which no such name keeps apart; rename it with --map "
-                          f"(--map '{key.rpartition('/')[0] or key}=NEW')", path=target)
+                          f"'.' inside a segment, which no such name keeps apart; rename it with --map{example}",
+                          path=target)
 
 
 def _without_torch_name(keys: Iterable[str]) -> str | None:

@@ -259,6 +259,13 @@ def test_import_into_a_safetensors_file_named_as_a_state_dict_keeps_its_names(tm
                    "state_dict does, and the imported key 'block.1/weight' has a '.' inside a segment",
                    "--map 'block.1=NEW'")
     assert target.read_bytes() == before
+    # under a scope, the rule proposed is in the source's keys, which a mapping sees: it works as given
+    ws.save(tmp_path / "raw.npz", {"0.bias": np.ones(2, np.float32)})
+    one_error_line(run("import", tmp_path / "raw.npz", "--into", target, "--scope", "old"),
+                   "the imported key 'old/0.bias' has a '.' inside a segment", "(--map '0.bias=NEW')")
+    assert target.read_bytes() == before
+    assert run("import", tmp_path / "raw.npz", "--into", target, "--scope", "old", "--map", "0.bias=NEW").exit_code == 0
+    assert "old.NEW" in load_file(str(target))
 
 
 @pytest.mark.parametrize("name, meant", [("w.npzz", "w.npz"), ("w.safetensor", "w.safetensors"),

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -468,6 +470,21 @@ def test_a_member_scope_written_with_torch_dots_is_refused_pointing_at_its_key(t
         torch_adapter.assign(ensemble, path, scope="members.1.")  # a state_dict prefix, as torch strips one
     assert_unchanged(ensemble, before)
     torch_adapter.assign(ensemble, path, scope="members/1")
+
+
+def test_a_file_object_given_to_assign_is_told_to_pass_a_name(tmp_path):
+    """``torch.assign(net, open(f, "rb"))`` said weights must be a dict, a path, a Store or a
+    Version, not BufferedReader; it says, as ``ws.load`` does, that files go by name, and which."""
+    net = torch.nn.Linear(3, 2)
+    path = tmp_path / "net.safetensors"
+    ws.save(path, net.state_dict())
+    with open(path, "rb") as handle:
+        with pytest.raises(TypeError, match=rf"not a file object \(BufferedReader\).*; pass its name instead: "
+                                            rf"{re.escape(repr(str(path)))}$"):
+            torch_adapter.assign(net, handle)
+        assert torch_adapter.assign(net, handle.name).assigned
+    with pytest.raises(TypeError, match=r"not a file object \(BytesIO\).*; write its bytes to a file"):
+        torch_adapter.assign(net, io.BytesIO(path.read_bytes()))
 
 
 def test_a_member_scope_into_a_file_of_torch_names_says_how_to_read_them(tmp_path):

@@ -280,7 +280,8 @@ def test_a_version_name_held_by_a_link_a_folder_or_a_fifo_is_listed_corrupt_and_
     assert result.stderr.startswith(f"error: {folder}: 3 of 4 versions corrupt: ")
     (folder / "LATEST").write_text((folder / "LATEST").read_text().replace("step-000000000004", "step-000000000002")
                                    .replace('"step": 4', '"step": 2'))
-    with pytest.raises(ws.FormatError, match="is a symbolic link .*, not a file"):
+    with pytest.raises(ws.FormatError, match="is a symbolic link .*, not a file: .*; to read it, put the file itself "
+                                             "in the link's place$"):
         ws.load(ws.latest(folder))
     assert next(ws.follow(folder, timeout=0), None) is None  # passed over, never the other folder's weights
 

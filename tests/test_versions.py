@@ -96,6 +96,24 @@ def test_a_file_object_given_as_a_path_is_told_weightstore_takes_names(tmp_path)
         ws.open(3.5)
 
 
+def test_a_file_object_given_as_a_path_is_told_what_to_pass_instead(tmp_path):
+    """The refusal said why a file object is no path but not what to give: an open file is told
+    its own name, which works as the path, and one with no name (``io.BytesIO``, ``os.fdopen``'s
+    descriptor) to write its bytes to a file first."""
+    path = tmp_path / "w.npz"
+    ws.save(path, weights_at(1))
+    with open(path, "rb") as handle:
+        with pytest.raises(TypeError, match=rf"; pass its name instead: {re.escape(repr(str(path)))}$"):
+            ws.load(handle)
+        assert ws.load(handle.name).keys() == weights_at(1).keys()  # what the message says works
+    with os.fdopen(os.open(path, os.O_RDONLY), "rb") as by_descriptor:
+        for nameless in (io.BytesIO(path.read_bytes()), by_descriptor):
+            with pytest.raises(TypeError, match=r"; write its bytes to a file and pass that file's name$"):
+                ws.open(nameless)
+    with pytest.raises(TypeError, match=r"; give the name of the file or folder to write$"):
+        ws.save(io.BytesIO(), weights_at(1))
+
+
 def test_hdf5_versions(tmp_path):
     version = ws.publish(tmp_path, weights_at(1), step=1, format="hdf5")
     assert version.path.endswith("step-000000000001.h5")

@@ -116,11 +116,10 @@ SSTABLE_KEY_BYTES_SLACK = 1 << 20
 # -- delta versions and the shuffle-zstd codec ------------------------------------------------------
 #: bytes of one delta block, which one zstd frame decodes to: what one frame may make a reader allocate
 MAX_DELTA_BLOCK = 64 << 20
-#: bases a delta reader follows to its anchor: a bound on the files one read opens, and on its stack (a reader
-#: opens a chain base by base, about five Python frames each: 1,000 deltas passed Python's limit of 1,000 frames
-#: at about 165, a sound chain then read as corrupt); publishers anchor no later (``anchor_every`` is at most this
-#: plus one)
-MAX_DELTA_CHAIN = 100
+#: bases a delta reader follows to its anchor: a bound on the files one read opens (publishers anchor far sooner:
+#: ``anchor_every`` is at most this plus one); a reader opens and rebuilds a chain in loops, so its stack is the
+#: same however deep the chain
+MAX_DELTA_CHAIN = 1000
 #: bytes of a delta version's head, which lists its chain: 1,000 names of at most 255 bytes fit
 MAX_DELTA_HEAD_BYTES = 1 << 20
 #: bytes of a delta version's entries (and its manifest): three numbers or names per tensor, like the manifest's columns

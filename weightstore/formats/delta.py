@@ -54,6 +54,7 @@ and ends (no cycle), at most :data:`MAX_DELTA_CHAIN` deep. A missing or unreadab
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import re
@@ -628,7 +629,8 @@ class DeltaReader(ReaderDefaults):
     rebuilds onto a version it holds (:meth:`read_from`) never fetches the anchor's index."""
 
     def __init__(self, source: ByteSource, name: str, open_base: Callable[[str, int], Reader], depth: int,
-                 expect_step: int | None, *, eager: bool = True, member: bool = False, most_files: int | None = None):
+                 expect_step: int | None, *, eager: bool = True, member: bool = False, most_files: int | None = None,
+                 chained: bool = False):
         self._source = source
         self.name = name
         head_bytes, entries_bytes, manifest_bytes = _prefix(source)
@@ -658,8 +660,31 @@ class DeltaReader(ReaderDefaults):
         self._open_base = functools.partial(open_base, self.head.base, depth + 1)
         self._opened: Reader | None = None
         self._opening = threading.Lock()  # tensors are rebuilt in parallel: the base is opened once
-        if eager:
-            self._opened = self._open_base()
+        if eager and not chained:  # chained: a base of a local chain, opened by its top (_open_chain)
+            self._open_chain()
+
+    def _open_chain(self) -> None:
+        """Open each base of this version's local chain down to its anchor, one after the other,
+        not each inside the one above: a reader's stack stays the same however deep its chain (a
+        chain of 165 small deltas opened within each other passed Python's 1,000 frames, and a
+        sound chain read as corrupt). A base that fails is named once, as a remote chain's is:
+        "in its chain, <the delta above it>: ..." (nested once a level, a missing anchor below 130
+        deltas made a 4 KB message for each, and ``ws verify`` printed 370 KB)."""
+        levels: list[DeltaReader] = [self]
+        try:
+            while True:
+                level = levels[-1]
+                try:
+                    level._opened = level._open_base()
+                except (FormatError, StoreClosedError, SizeLimitError) as exc:  # named by the delta above it
+                    raise named_here(exc, self.name, None) from None
+                if not isinstance(level._opened, DeltaReader):
+                    return
+                levels.append(level._opened)
+        except BaseException:  # this file is closed by whoever opened it (open_source), the bases here
+            if len(levels) > 1:
+                levels[1].close()
+            raise
 
     @property
     def _base(self) -> Reader:
@@ -720,8 +745,19 @@ class DeltaReader(ReaderDefaults):
     @property
     def open_files(self) -> int:
         """The files it holds open: its own and, where its chain is opened with it (local), each base's."""
-        base = self._opened
-        return 1 + (0 if base is None else base.open_files if isinstance(base, DeltaReader) else 1)
+        count, level = 1, self._opened
+        while isinstance(level, DeltaReader):
+            count, level = count + 1, level._opened
+        return count + (level is not None)
+
+    def _chain(self) -> list[DeltaReader]:
+        """This version and each delta of its chain opened so far, this one first."""
+        found: list[DeltaReader] = []
+        level: Reader | None = self
+        while isinstance(level, DeltaReader):
+            found.append(level)
+            level = level._opened
+        return found
 
     @property
     def file_bytes(self) -> int:
@@ -801,10 +837,23 @@ class DeltaReader(ReaderDefaults):
         return total
 
     def rebuilt(self, key: str) -> np.ndarray:
-        """``key``'s stored bytes rebuilt (uint8, a new writable array), not yet verified."""
-        codec = self._entries[key][0]
-        out = None if codec == RAW else self._base_bytes(key, self._manifest.tensors[key])
-        return self._apply_own(key, out)
+        """``key``'s stored bytes rebuilt (uint8, a new writable array), not yet verified: the
+        deltas it changes through found down to one storing it raw or the anchor, then applied
+        from the oldest, in a loop (a stack the same however deep the chain)."""
+        levels: list[DeltaReader] = [self]
+        out = None
+        while levels[-1]._entries[key][0] != RAW:
+            level = levels[-1]
+            level._check_base(key, level._manifest.tensors[key], level.name)
+            base = level._base
+            if not isinstance(base, DeltaReader):
+                out = level._anchor_bytes(key, base)
+                break
+            levels.append(base)
+        for level in reversed(levels):
+            out = level._apply_own(key, out)
+        assert out is not None
+        return out
 
     def _apply_own(self, key: str, out: np.ndarray | None, hasher: Any = None) -> np.ndarray:
         """This version's change of ``key`` applied to ``out`` (its base's bytes, writable; not
@@ -923,11 +972,8 @@ class DeltaReader(ReaderDefaults):
             raise FormatError(f"is stored as a change of base {self.head.base}'s tensor, which is {held.dtype} "
                               f"{held.shape}, not {info.dtype} {info.shape}", path=where, key=key)
 
-    def _base_bytes(self, key: str, info: TensorInfo) -> np.ndarray:
-        self._check_base(key, info, self.name)
-        base = self._base
-        if isinstance(base, DeltaReader):
-            return base.rebuilt(key)
+    def _anchor_bytes(self, key: str, base: Reader) -> np.ndarray:
+        """``key``'s stored bytes in ``base``, this version's anchor (uint8, a new writable array)."""
         try:
             array = base.read(key, verify=False)
         except FileNotFoundError as exc:
@@ -937,22 +983,34 @@ class DeltaReader(ReaderDefaults):
         return _aligned_copy(stored.reshape(-1).view(np.uint8) if stored.size else np.empty(0, np.uint8))
 
     def prefetch(self, keys: list[str]) -> None:
-        def ranges() -> list[tuple[int, int]]:
-            return [(self._payload_start + self._entries[key][1], self._entries[key][2]) for key in keys
-                    if key in self._entries and self._entries[key][2]]
+        """Warn each file of the chain of the ranges ``keys`` are rebuilt from, in a loop down to
+        the anchor (a stack the same however deep the chain)."""
+        level: Reader = self
+        while isinstance(level, DeltaReader):
+            prefetch_ranges(level._source, functools.partial(level._ranges, keys))
+            keys = [key for key in keys if key in level._entries and level._entries[key][0] != RAW]
+            if not keys:
+                return
+            level = level._base
+            held = set(level.keys())
+            keys = [key for key in keys if key in held]
+        level.prefetch(keys)
 
-        prefetch_ranges(self._source, ranges)
-        needed = [key for key in keys if key in self._entries and self._entries[key][0] not in (RAW,)]
-        if needed:
-            self._base.prefetch([key for key in needed if key in set(self._base.keys())])
+    def _ranges(self, keys: list[str]) -> list[tuple[int, int]]:
+        """The payload ranges of ``keys`` in this file."""
+        return [(self._payload_start + self._entries[key][1], self._entries[key][2]) for key in keys
+                if key in self._entries and self._entries[key][2]]
 
     def close(self) -> None:
-        try:
-            self._source.close()
-        finally:
-            if self._opened is not None:
-                self._opened.close()
-
+        """Close this file and each of its chain opened, in a loop, not each inside the one above;
+        every one is closed, whichever fails."""
+        levels = self._chain()
+        anchor = levels[-1]._opened
+        with contextlib.ExitStack() as closing:  # runs the last pushed first: this file, then down
+            if anchor is not None:
+                closing.callback(anchor.close)
+            for level in reversed(levels):
+                closing.callback(level._source.close)
 
 def _aligned_copy(data: np.ndarray) -> np.ndarray:
     """A copy of ``data`` (uint8) in 64-byte-aligned memory of its own: what a rebuilt tensor is
@@ -1109,7 +1167,7 @@ def open_member(location: Any, name: str, *, mmap: bool = True, most_files: int 
 
 
 def _open(location: Any, name: str, mmap: bool, depth: int, *, member: bool = False,
-          most_files: int | None = None) -> DeltaReader:
+          most_files: int | None = None, chained: bool = False) -> DeltaReader:
     parts = name.replace("\\", "/").rsplit("/", 2)
     own = "/".join(parts[-2:]) if member else parts[-1]
 
@@ -1122,7 +1180,7 @@ def _open(location: Any, name: str, mmap: bool, depth: int, *, member: bool = Fa
         try:
             if fmt.name == FORMAT_NAME:
                 return _open(*beside(location, name, base, up=int(member)), mmap, at, member=member,
-                             most_files=most_files)
+                             most_files=most_files, chained=True)
             located, url = beside(location, name, base, up=int(member))
             if isinstance(located, RemoteFile) and fmt.remote_file_object:
                 return by_saved_keys(_through_file_object(fmt, located, url))
@@ -1138,7 +1196,8 @@ def _open(location: Any, name: str, mmap: bool, depth: int, *, member: bool = Fa
     return open_source(location, name, lambda source: DeltaReader(source, name, open_base, depth,
                                                                  _step_of(own, member),
                                                                  eager=not isinstance(source, RemoteFile),
-                                                                 member=member, most_files=most_files),
+                                                                 member=member, most_files=most_files,
+                                                                 chained=chained),
                        index_at_end=False, mmap=mmap)
 
 

@@ -354,7 +354,8 @@ class LocalFolder(Folder):
             raise FileAccessError(f"cannot be opened ({exc.strerror or exc})", path=str(path)) from None
         if stat.S_ISLNK(mode):
             raise FormatError(f"is a symbolic link (to {os.readlink(path)}), not a file: a version is read only from "
-                              "its folder's own files", path=str(path))
+                              "its folder's own files; to read it, put the file itself in the link's place",
+                              path=str(path))
         kind = kind_of(mode)
         if kind is not None:
             raise FormatError(f"is {kind}, not a file", path=str(path))

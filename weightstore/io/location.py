@@ -50,6 +50,24 @@ NO_VERSION_YET = ("a path or a Version was expected, not None (ws.latest(folder)
                   "version yet: wait for one with ws.follow(folder) or a Follower's wait())")
 
 
+def refused_file_object(value: Any, *, reading: bool = True) -> TypeError | None:
+    """The refusal of a file object (``io.BytesIO``, an open file) given where a path goes, saying
+    what to pass instead: an open file's own name where it has one (``open``'s ``name`` is the
+    path it was given; ``os.fdopen``'s is a descriptor number, no path). ``None`` for anything
+    that is no file object."""
+    if not (hasattr(value, "read") or hasattr(value, "write")) or isinstance(value, (str, bytes, os.PathLike)):
+        return None
+    name = getattr(value, "name", None)
+    if isinstance(name, (str, bytes)):
+        instead = f"pass its name instead: {os.fsdecode(name)!r}"
+    elif reading:
+        instead = "write its bytes to a file and pass that file's name"
+    else:
+        instead = "give the name of the file or folder to write"
+    return TypeError(f"a path or URL was expected, not a file object ({type(value).__name__}): weightstore opens "
+                     f"and writes files by name, as its readers map them and its writers replace them whole; {instead}")
+
+
 def location_of(path: Any, *, reading: bool = True) -> Location:
     """The location behind anything weightstore accepts as a file (``Version`` has ``.path``): a
     ``str``, an ``os.PathLike``, or a ``bytes`` path, decoded as :func:`os.fsdecode` decodes it
@@ -60,11 +78,8 @@ def location_of(path: Any, *, reading: bool = True) -> Location:
     if path is None:  # os.fsdecode's own TypeError names no cause; for a reader this is the common one
         raise TypeError(NO_VERSION_YET if reading else "a path was expected, not None")
     if not isinstance(path, (str, bytes, os.PathLike)):
-        kind = type(path).__name__
-        if hasattr(path, "read") or hasattr(path, "write"):  # io.BytesIO, an open file
-            raise TypeError(f"a path or URL was expected, not a file object ({kind}): weightstore opens and "
-                            "writes files by name, as its readers map them and its writers replace them whole")
-        raise TypeError(f"a path or URL was expected, not {kind}")
+        raise refused_file_object(path, reading=reading) or TypeError(
+            f"a path or URL was expected, not {type(path).__name__}")
     text = os.fsdecode(path)
     if text.startswith("file://"):
         text = text[len("file://"):]

@@ -96,14 +96,16 @@ def save(
         format: ``"npz"``, ``"hdf5"`` or ``"safetensors"``, whatever the suffix says.
         names: ``"torch"`` names each tensor in the file as PyTorch does (key
             ``features/0/weight`` is ``features.0.weight``), so ``safetensors.torch.load_file``
-            (or ``np.load``) gives a ``state_dict`` that ``load_state_dict`` takes as is. A
+            gives a ``state_dict`` that ``load_state_dict`` takes as is (``np.load`` gives its
+            names as numpy arrays, beside the npz's ``__weightstore__`` manifest member). A
             safetensors file remembers the keys, so weightstore reads them back; in npz and
             HDF5 the manifest's metadata says so (``"weightstore-names": "torch"``, an entry
             of weightstore's own, refused in ``metadata``) and the names are read as keys again. A key with ``.`` inside a segment is refused.
             ``None`` or ``"keys"``: tensors are named by their keys; ``None`` with a PyTorch
             ``state_dict`` itself (torch tensors under ``features.0.weight`` names): as
             ``"torch"`` with the names read as keys, so the file is read by the keys
-            ``torch.export`` gives (``features/0/weight``) and ``load_state_dict`` still takes it.
+            ``torch.export`` gives (``features/0/weight``) and ``load_state_dict`` still takes it;
+            ``"keys"`` with a ``state_dict`` keeps its names as the keys (``features.0.weight``).
         max_shard_size: write a Hugging Face sharded folder at ``path`` (a folder, or its
             ``model.safetensors.index.json``) instead: ``model-0000N-of-0000M.safetensors``
             shards of at most this many bytes (or ``"5GB"``, ``"500MiB"``; a larger tensor gets

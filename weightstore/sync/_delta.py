@@ -118,8 +118,9 @@ class Delta:
     :class:`~weightstore.BackgroundPublisher` makes one for its whole life.
 
     Args:
-        anchor_every: a full version at least every this many versions (1: always full);
-            one is written sooner once the deltas since the last add up to a full version.
+        anchor_every: a full version at least every this many versions (1: always full; at
+            most 1,001, as a reader follows at most 1,000 deltas to their anchor); one is written
+            sooner once the deltas since the last add up to a full version.
         remember: keep a copy of the last published version's tensors (1x the model's memory),
             so the next delta needs no read of the folder.
 
