@@ -171,7 +171,7 @@ def export(
     sites, chosen_layout = _sites(module), layouts.resolve(layout, "torch")
     steps, refused = layouts.to_keras(chosen_layout, {k: v.shape for k, v in weights.items()},
                                       {key: sites.get(old, layouts.Site(None)) for key, old in chosen.items()})
-    unported = _unported(module, chosen_layout)
+    unported = {key: why for layer in _unported(module, chosen_layout).values() for key, why in layer.items()}
     refused.update({key: unported[old] for key, old in chosen.items() if old in unported})
     if refused:
         raise LayoutError(layouts.refusal_message(f"exporting {_describe(module)}", refused))
@@ -291,12 +291,9 @@ def assign(
                for key, tensor in found.items()}
     options = AssignOptions.of("torch.assign", words, assign)
     chosen_layout = None if layout is None else layouts.resolve(layout, "torch")
-    if chosen_layout is not None:
-        at = normalize_scope(options.scope)
-        unported = {key: why for key, why in _unported(module, chosen_layout).items()
-                    if in_scope(key, at) and passes(strip_scope(key, at), options.include, options.exclude)}
-        if unported:
-            raise LayoutError(layouts.refusal_message(f"assigning into {_describe(module)}", unported))
+    unported = {} if chosen_layout is None else _unported(module, chosen_layout)
+    if options.strict:  # a layer selected would be refused as missing its values all the same: say why
+        _refuse_unported(module, _unported_selected(unported, options))
     local = {key: _torch_shards.local_tensor(tensor) for key, tensor in found.items()}
 
     def prepare(source: Any, key: str, value_key: str) -> np.ndarray:
@@ -315,8 +312,10 @@ def assign(
     def plan(values: Any, options: AssignOptions) -> tuple[Any, Any]:
         if chosen_layout is None:
             values = _keyed(values, targets, options)
-        return layouts.plan_laid_out(values, targets, options, layout=chosen_layout, optional=_optional,
+        laid = layouts.plan_laid_out(values, targets, options, layout=chosen_layout, optional=_optional,
                                      tied=_tied(local))
+        _refuse_unported(module, _unported_paired(unported, laid[0].pairs))
+        return laid
 
     def regions(key: str) -> list[tuple[slice, ...]] | None:
         """A DTensor's local shard: hot reload compares the digest of its region alone."""
@@ -563,26 +562,50 @@ def _sites(module: nn.Module) -> dict[str, layouts.Site]:
     return sites
 
 
-def _unported(module: nn.Module, layout: layouts.Layout) -> dict[str, str]:
-    """Key -> why, for the tensors of layers that compute what their Keras counterpart does not,
-    so that no values, to Keras or from it, make the two predict alike: ``MultiheadAttention``
-    with ``add_bias_kv=True`` (its ``bias_k``/``bias_v``, in ``layout.unported``'s words) or
-    ``add_zero_attn=True`` (every tensor of the layer: it appends a zero key and value, which
-    Keras's ``MultiHeadAttention`` does not, and converted alone they would predict otherwise)."""
+def _unported(module: nn.Module, layout: layouts.Layout) -> dict[str, dict[str, str]]:
+    """Layer key -> {key: why}, for the tensors of layers that compute what their Keras
+    counterpart does not, so that no values, to Keras or from it, make the two predict alike:
+    ``MultiheadAttention`` with ``add_bias_kv=True`` (its ``bias_k``/``bias_v``, in
+    ``layout.unported``'s words) or ``add_zero_attn=True`` (every tensor of the layer: it appends
+    a zero key and value, which Keras's ``MultiHeadAttention`` does not, and converted alone they
+    would predict otherwise)."""
     said = dict(layout.unported)
-    refused = {}
+    refused: dict[str, dict[str, str]] = {}
     for name, owner in _unwrapped(module).named_modules():
         if not isinstance(owner, nn.MultiheadAttention):
             continue
         own = {f"{name}.{leaf}".lstrip(".").replace(".", "/"): leaf for leaf, _ in owner.named_parameters()}
         for key, leaf in own.items():
             if owner.add_zero_attn:
-                refused[key] = ("is of a MultiheadAttention(add_zero_attn=True), which appends a zero key and value "
-                                "to every sequence: Keras's MultiHeadAttention does not, so converted it would "
-                                "predict otherwise; port a module built with add_zero_attn=False")
+                why = ("is of a MultiheadAttention(add_zero_attn=True), which appends a zero key and value to every "
+                       "sequence: Keras's MultiHeadAttention does not, so converted it would predict otherwise; "
+                       "port a module built with add_zero_attn=False")
             elif leaf in said:
-                refused[key] = said[leaf]
+                why = said[leaf]
+            else:
+                continue
+            refused.setdefault(name.replace(".", "/"), {})[key] = why
     return refused
+
+
+def _unported_selected(unported: Mapping[str, Mapping[str, str]], options: AssignOptions) -> dict[str, str]:
+    """Key -> why, of the tensors of :func:`_unported`'s layers that ``options`` selects."""
+    at = normalize_scope(options.scope)
+    return {key: why for keys in unported.values() for key, why in keys.items()
+            if in_scope(key, at) and passes(strip_scope(key, at), options.include, options.exclude)}
+
+
+def _unported_paired(unported: Mapping[str, Mapping[str, str]], paired: Collection[str]) -> dict[str, str]:
+    """Key -> why, of :func:`_unported`'s layers any of whose tensors a plan gives a value: with
+    ``strict=False`` a layer no value goes into stays as it was, as any variable without a value
+    does (a Keras model's Dense layers into a module that has such attention beside them)."""
+    return {key: why for layer, keys in unported.items()
+            if any(not layer or key.startswith(layer + "/") for key in paired) for key, why in keys.items()}
+
+
+def _refuse_unported(module: nn.Module, refused: Mapping[str, str]) -> None:
+    if refused:
+        raise LayoutError(layouts.refusal_message(f"assigning into {_describe(module)}", refused))
 
 
 def _site(module: nn.Module) -> layouts.Site:

@@ -9,6 +9,7 @@ by :class:`guard.GuardedGroup`.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Annotated
 
@@ -23,8 +24,8 @@ from weightstore.cli.guard import GuardedGroup, json_asked
 from weightstore.cli.render import count, human_bytes, note, settings
 from weightstore.core.keys import passes
 from weightstore.core.manifest import TensorInfo
-from weightstore.core.names import WRITE_NAMINGS, check_naming, torch_keys
-from weightstore.errors import UnsupportedDTypeError, named
+from weightstore.core.names import TORCH, WRITE_NAMINGS, check_naming, keys_of_torch_names, reads_as_torch, torch_keys
+from weightstore.errors import InvalidKeyError, UnsupportedDTypeError, named
 
 
 class _Group(GuardedGroup):
@@ -356,13 +357,19 @@ def diff(
     2 when they cannot be compared (a file missing or corrupt), as diff and cmp exit.
     Pairs whose content digests, as their writers recorded them, agree are not read: a copy
     damaged since reads as unchanged unless --read (ws verify checks a file alone).
+    A state_dict file keyed 3.bias (saved before ws.save read such names as keys) is
+    compared with one read as 3/bias by 3/bias.
 
     \b
     Example:
       ws diff before.npz after.npz --atol 1e-6
     """
     _json(as_json)
-    with sources.open_source(a) as left, sources.open_source(b) as right:
+    with contextlib.ExitStack() as opened:
+        left, right = (opened.enter_context(sources.open_source(path)) for path in (a, b))
+        # a state_dict saved before its names were read as keys, against one saved since: by keys alike
+        left, right = (opened.enter_context(sources.open_source(path, TORCH)) if _state_dict_of_old(mine, other)
+                       else mine for path, mine, other in ((a, left, right), (b, right, left)))
         result = compare.diff(left, right, atol=atol, read=read)
     if settings.json:
         render.emit("diff", {"a": a, "b": b, "atol": atol, **result.to_json()})
@@ -370,6 +377,20 @@ def diff(
         _print_diff(a, b, result)
     if not result.equal:
         raise typer.Exit(1)
+
+
+def _state_dict_of_old(store: sources.Source, other: sources.Source) -> bool:
+    """Whether ``store`` holds a ``state_dict``'s names as its keys (``features.0.weight``: saved
+    before ``ws.save`` read them as keys, or by ``np.savez``) and ``other`` holds them as names
+    read by keys (``features/0/weight``): compared as they are, every tensor reads as removed and
+    added. Names that make no key (``a..b``) are compared as they are."""
+    if store.stored_names() or not reads_as_torch(store.keys()) or transfer.naming_of(other) != TORCH:
+        return False
+    try:
+        keys_of_torch_names(store.keys())
+    except InvalidKeyError:
+        return False
+    return True
 
 
 def _percent(fraction: float | None) -> str:

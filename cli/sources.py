@@ -69,12 +69,13 @@ class Source(Store):
         return _trainable_from_meta(self._meta_graph)
 
 
-def open_source(path: str | os.PathLike) -> Source:
-    """Open anything :func:`weightstore.open` reads, labelled with its kind for the CLI's messages."""
+def open_source(path: str | os.PathLike, names: str | None = None) -> Source:
+    """Open anything :func:`weightstore.open` reads (``names`` as it takes them), labelled with
+    its kind for the CLI's messages."""
     text = os.fspath(path)
     if not is_url(text) and not os.path.lexists(text) and resolve_prefix(text) is None:
         raise StoreNotFoundError("no such file or checkpoint", path=text)
-    return Source(weightstore.open(text))
+    return Source(weightstore.open(text, names=names))
 
 
 def open_keyed_like_model(path: str | os.PathLike, model_file: str | os.PathLike) -> Source:

@@ -129,7 +129,7 @@ def convert(source: Source, out: str, *, compress: bool | str, layout: str | Non
             try:
                 weights = layouts.convert(weights, layout, kinds=kinds)
             except LayoutError as exc:
-                if layout == "keras-to-torch" and _naming_of(source) == TORCH:  # it is PyTorch's already
+                if layout == "keras-to-torch" and naming_of(source) == TORCH:  # it is PyTorch's already
                     raise LayoutError(f"{exc.message}\nThe file names its tensors as a PyTorch state_dict does: "
                                       "to convert it into Keras's layouts, use --layout torch-to-keras") from None
                 raise
@@ -259,7 +259,7 @@ def import_(source: Source, target: str, *, scope: str | None, mapping: MappingR
         return Written(target, "store", len(weights), sum(a.nbytes for a in weights.values()))
     with old:
         _refuse_clashes(target, old.keys(), plan, overwrite)
-        names = _naming_of(old)
+        names = naming_of(old)
         if names == TORCH:
             _refuse_unnameable(target, plan)
         merged = {key: old[key] for key in old if key not in plan}
@@ -300,12 +300,12 @@ def _names_kept(source: Source, keys: Iterable[str]) -> str | None:
     again, and every key written has such a name (a ``--map`` may have put a ``.`` in a segment);
     else None, the keys. Every format keeps the keys beside such names (safetensors each key, npz
     and HDF5 a word in the manifest), so ``load_state_dict`` takes the copy as it took the source."""
-    if _naming_of(source) != TORCH or _without_torch_name(keys) is not None:
+    if naming_of(source) != TORCH or _without_torch_name(keys) is not None:
         return None
     return TORCH
 
 
-def _naming_of(store: weightstore.Store) -> str | None:
+def naming_of(store: weightstore.Store) -> str | None:
     """``torch`` for a store whose file names its tensors as a ``state_dict`` does
     (``features.0.weight``, read as the key ``features/0/weight``): merged into, it keeps them
     so, or ``load_state_dict`` would no longer find them."""

@@ -1269,6 +1269,20 @@ def test_metadata_keys_json_would_write_alike_are_refused(tmp_path, metadata, sa
     assert ws.open(tmp_path / "m.npz").metadata == {"id2label": {"0": "cat", "1": "dog"}}
 
 
+@pytest.mark.parametrize("suffix", [".npz", ".h5", ".safetensors"])
+def test_metadata_of_weightstores_own_names_entry_is_refused_not_dropped(tmp_path, suffix):
+    """An npz or HDF5 file of PyTorch's names says so under ``weightstore-names``: a caller's own
+    entry of that name was written nowhere, its file read back without it; or, saying "torch",
+    would have a file's ``a.b`` read as ``a/b``. Refused before anything is written, whatever
+    the format; a publish too."""
+    for call in (lambda: ws.save(tmp_path / f"m{suffix}", {"a.b": np.ones(2)}, metadata={"weightstore-names": "torch"}),
+                 lambda: ws.publish(tmp_path / "run", {"w": np.ones(2)}, step=1, format=suffix.lstrip(".").replace(
+                     "h5", "hdf5"), metadata={"run": 1, "weightstore-names": "mine"})):
+        with pytest.raises(TypeError, match="metadata 'weightstore-names' is weightstore's own"):
+            call()
+    assert not (tmp_path / f"m{suffix}").exists() and not (tmp_path / "run").exists()
+
+
 def test_an_hdf5_key_nested_deeper_than_readers_go_is_refused_before_writing(tmp_path):
     deepest = "/".join(["a"] * 256)
     ws.save(tmp_path / "ok.h5", {deepest: np.ones(1)})

@@ -180,6 +180,28 @@ def test_attention_keras_cannot_compute_is_refused_saying_so_both_ways(tmp_path,
         assert result.exit_code == 1 and "attention/bias_k" in said and "add_bias_kv=False" in said, said
 
 
+@pytest.mark.parametrize("flag", ["add_bias_kv", "add_zero_attn"])
+def test_such_attention_beside_the_layers_assigned_stays_as_it_was_with_strict_false(flag):
+    """A module with such attention took a Keras model's other layers with ``strict=False``, the
+    attention left as it was, as any variable without a value; that was refused for the attention
+    no value went into. Values that do go into it are refused still, ``strict=False`` or not."""
+    module = nn.ModuleDict({"attention": nn.MultiheadAttention(6, 2, batch_first=True, **{flag: True}),
+                            "head": nn.Linear(6, 3)})
+    attention = {key: value.clone() for key, value in module["attention"].state_dict().items()}
+    dense = keras.layers.Dense(3)
+    randomized(dense, (2, 6))
+    values = {f"head/{key}": value for key, value in tf2.export(dense).items()}  # a Keras model's layer "head"
+    report = torch_adapter.assign(module, values, layout="keras", strict=False)
+    assert sorted(report.assigned) == ["head/bias", "head/weight"]
+    np.testing.assert_array_equal(module["head"].weight.detach().numpy(), dense.kernel.numpy().T)
+    assert all(torch.equal(module["attention"].state_dict()[key], value) for key, value in attention.items())
+    layer = keras.layers.MultiHeadAttention(num_heads=2, key_dim=3)
+    randomized(layer, (2, 4, 6))
+    with pytest.raises(LayoutError, match=f"{flag}=False"):
+        torch_adapter.assign(module, tf2.export(layer), layout="keras", scope="attention", strict=False)
+    assert all(torch.equal(module["attention"].state_dict()[key], value) for key, value in attention.items())
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_attention_with_keys_and_values_of_other_widths_converts_both_ways(tmp_path, bias):
     """``nn.MultiheadAttention(8, 2, kdim=4, vdim=6)`` keeps ``q_proj_weight``, ``k_proj_weight``

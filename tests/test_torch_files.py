@@ -316,3 +316,28 @@ def test_a_published_state_dict_is_a_version_of_its_keys(tmp_path):
     target = net(1)
     assert torch_adapter.assign(target, ws.latest(tmp_path / "run")).ok
     assert_same_state(source, target)
+
+
+def test_ws_diff_pairs_a_state_dict_saved_before_its_names_were_read_as_keys(tmp_path):
+    """``ws.save`` of ``state_dict()`` kept ``3.bias`` as the key before it read the name as
+    ``3/bias``: yesterday's file against today's of the same weights listed every tensor as
+    removed and added, and exited 1. Each is read by the keys of the other now, either way round."""
+    source = net(0)
+    old, new = tmp_path / "old.npz", tmp_path / "new.npz"
+    ws.save(old, {name: value.numpy() for name, value in source.state_dict().items()})  # as saved before
+    ws.save(new, source.state_dict())
+    for a, b in ((old, new), (new, old)):
+        result = run("diff", a, b)
+        assert result.exit_code == 0 and "0 added, 0 removed, 0 changed, 9 unchanged" in result.output, result.output
+    with torch.no_grad():
+        source[3].bias.add_(1.0)
+    ws.save(new, source.state_dict(), overwrite=True)
+    result = run("diff", old, new)
+    assert result.exit_code == 1 and "0 added, 0 removed, 1 changed" in result.output, result.output
+    assert "3/bias" in result.output and "3.bias" not in result.output
+    ws.save(tmp_path / "keys.npz", {"3.bias": np.zeros(2, np.float32)})  # a file of keys alone is as it was
+    result = run("diff", tmp_path / "keys.npz", old)
+    assert result.exit_code == 1 and "8 added, 0 removed, 1 changed" in result.output, result.output
+    ws.save(tmp_path / "odd.npz", {"3..bias": np.zeros(2, np.float32)})  # no key reads so: compared as it is
+    result = run("diff", tmp_path / "odd.npz", new)
+    assert result.exit_code == 1 and "9 added, 1 removed" in result.output, result.output

@@ -8,11 +8,12 @@ file's own names, and this maps keys onto them and back.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from weightstore.core.manifest import TensorInfo
+from weightstore.core.names import NAMES_METADATA, TORCH, keys_of_torch_names, reads_as_torch
 from weightstore.errors import FormatError, InvalidKeyError, KeyNotInStoreError
 from weightstore.formats import Reader
 
@@ -33,6 +34,26 @@ def names_by_key(reader: Reader, keys_of: Callable[[list[str]], list[str]]) -> d
                 raise FormatError(f"tensors {first[key]!r} and {name!r} both read as key {key!r}", path=reader.name)
             first[key] = name
     return name_of
+
+
+def said_torch(reader: Reader) -> bool:
+    """Whether ``reader``'s manifest says its names are PyTorch's (:data:`NAMES_METADATA`: an npz
+    or HDF5 file saved with ``names="torch"``, or a version published from a ``state_dict``) and
+    they read so: such a file is read by its keys."""
+    return reader.metadata.get(NAMES_METADATA) == TORCH and reads_as_torch(reader.keys())
+
+
+def by_saved_keys(reader: Reader) -> Reader:
+    """``reader`` read by the keys its file was saved with, where :func:`said_torch`: what
+    ``ws.open`` does, for whatever opens a file's reader itself (a delta version's base, a version
+    on object storage), so that every reader of the file sees the same keys."""
+    if not said_torch(reader):
+        return reader
+    try:
+        return cast(Reader, RenamedReader(reader, names_by_key(reader, keys_of_torch_names)))
+    except BaseException:
+        reader.close()
+        raise
 
 
 class RenamedReader:

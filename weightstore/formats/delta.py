@@ -103,9 +103,12 @@ from weightstore.errors import (
 )
 from weightstore.formats import Format, Reader, ReaderDefaults, format_for_suffix
 from weightstore.formats._pointer import VERSION_NAME
+from weightstore.formats._renamed import by_saved_keys
 from weightstore.formats._shuffle_zstd import decompressor
 from weightstore.io._buffer import aligned_array
 from weightstore.io._writeback import Writeback
+from weightstore.io.location import service
+from weightstore.io.places import Place
 from weightstore.io.remote import RemoteFile
 from weightstore.io.source import ByteSource, beside, byte_source, open_source, prefetch_ranges
 
@@ -1178,7 +1181,10 @@ def _open(location: Any, name: str, mmap: bool, depth: int, *, member: bool = Fa
             if fmt.name == FORMAT_NAME:
                 return _open(*beside(location, name, base, up=int(member)), mmap, at, member=member,
                              most_files=most_files, chained=True)
-            return fmt.open_reader(*beside(location, name, base, up=int(member)), mmap=mmap)
+            located, url = beside(location, name, base, up=int(member))
+            if isinstance(located, RemoteFile) and fmt.remote_file_object:
+                return by_saved_keys(_through_file_object(fmt, located, url))
+            return by_saved_keys(fmt.open_reader(located, url, mmap=mmap))
         except (FormatError, StoreClosedError, SizeLimitError) as exc:  # a damaged base: this version cannot be read
             raise named_here(exc, name, None) from None
         except FileNotFoundError:
@@ -1193,6 +1199,19 @@ def _open(location: Any, name: str, mmap: bool, depth: int, *, member: bool = Fa
                                                                  member=member, most_files=most_files,
                                                                  chained=chained),
                        index_at_end=False, mmap=mmap)
+
+
+def _through_file_object(fmt: Format, located: RemoteFile, url: str) -> Reader:
+    """A remote base of a format that reads through an fsspec file object (h5py's reads), as
+    ``ws.open`` of its URL reads it: given ranged reads, h5py refused the anchor of every delta."""
+    located.close()
+    with service(url):
+        handle = Place(url, remote=True, fs=located.fs, path=located.path).open_file()
+    try:
+        return fmt.open_reader(handle, url)
+    except BaseException:
+        handle.close()
+        raise
 
 
 def _no_writer(path: str, compress: bool | str) -> Any:

@@ -22,7 +22,6 @@ from weightstore.core.names import (
     FILE,
     NAMES_METADATA,
     READ_NAMINGS,
-    TORCH,
     TORCH_FORMATS,
     check_naming,
     keys_of_torch_names,
@@ -50,7 +49,7 @@ from weightstore.formats import (
 )
 from weightstore.formats._foreign import HEAD_BYTES, refuse_pickle
 from weightstore.formats._pointer import LATEST, latest_name, published_folder_message
-from weightstore.formats._renamed import RenamedReader, names_by_key
+from weightstore.formats._renamed import RenamedReader, names_by_key, said_torch
 from weightstore.io.files import open_regular, unreadable
 from weightstore.io.location import service
 from weightstore.io.places import Place, place_of
@@ -378,8 +377,8 @@ def _torch_named(store: Store) -> bool:
     a manifest, a sharded folder (weightstore names shards so too), or a file whose manifest's
     metadata says so (an npz or HDF5 file saved with ``names="torch"``), whose names read so."""
     written_by_torch = not store.has_checksums or store.format == hf_sharded.FORMAT_NAME
-    said = store._reader.metadata.get(NAMES_METADATA) == TORCH
-    return (said or store.format in TORCH_FORMATS and written_by_torch) and reads_as_torch(store.keys())
+    return said_torch(store._reader) or store.format in TORCH_FORMATS and written_by_torch and reads_as_torch(
+        store.keys())
 
 
 def _open(path: Any, *, verify: bool, format: str | None, mmap: bool) -> Store:  # noqa: A002

@@ -99,8 +99,8 @@ def save(
             gives a ``state_dict`` that ``load_state_dict`` takes as is (``np.load`` gives its
             names as numpy arrays, beside the npz's ``__weightstore__`` manifest member). A
             safetensors file remembers the keys, so weightstore reads them back; in npz and
-            HDF5 the manifest's metadata says so (``"weightstore-names": "torch"``) and the
-            names are read as keys again. A key with ``.`` inside a segment is refused.
+            HDF5 the manifest's metadata says so (``"weightstore-names": "torch"``, an entry
+            of weightstore's own, refused in ``metadata``) and the names are read as keys again. A key with ``.`` inside a segment is refused.
             ``None`` or ``"keys"``: tensors are named by their keys; ``None`` with a PyTorch
             ``state_dict`` itself (torch tensors under ``features.0.weight`` names): as
             ``"torch"`` with the names read as keys, so the file is read by the keys
@@ -267,13 +267,12 @@ def file_names(keys: Iterable[str], names: str | None) -> dict[str, str]:
 
 
 def _naming_recorded(metadata: Mapping[str, Any] | None, fmt: Format, torch_named: bool) -> Mapping[str, Any] | None:
-    """``metadata`` saying whether the file's tensor names are PyTorch's where the format keeps no
+    """``metadata`` saying that the file's tensor names are PyTorch's where the format keeps no
     key beside a name (npz, HDF5: :data:`~weightstore.core.names.NAMES_METADATA`), so readers read
-    them as keys; an entry copied from another file's metadata says nothing of this one, and goes."""
-    if not torch_named and not (metadata and NAMES_METADATA in metadata):
+    them as keys; a caller's metadata never holds the entry (:func:`checked_metadata`)."""
+    if not torch_named or fmt.torch_names:
         return metadata
-    kept = {key: value for key, value in (metadata or {}).items() if key != NAMES_METADATA}
-    return {**kept, NAMES_METADATA: TORCH} if torch_named and not fmt.torch_names else kept
+    return {**(metadata or {}), NAMES_METADATA: TORCH}
 
 
 def output_format(location: str, format: str | None = None) -> Format:  # noqa: A002
@@ -312,6 +311,9 @@ def checked_metadata(metadata: Mapping[str, Any] | None, where: str = "") -> dic
         json.dumps(dict(metadata), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as exc:
         raise TypeError(f"{prefix}metadata must be JSON-serializable: {exc}") from None
+    if NAMES_METADATA in metadata:  # kept, it would be dropped on writing, or misread a file's names as PyTorch's
+        raise TypeError(f"{prefix}metadata {NAMES_METADATA!r} is weightstore's own word of whether the file's "
+                        "tensor names are PyTorch's; name the entry otherwise")
     if too_deep(metadata):
         raise TypeError(f"{prefix}metadata must nest at most {MAX_JSON_DEPTH} levels deep, as readers read it")
     try:

@@ -34,6 +34,7 @@ from weightstore.errors import (
 )
 from weightstore.formats import Reader, format_for_suffix, format_named
 from weightstore.formats._pointer import LATEST, parse_pointer
+from weightstore.formats._renamed import by_saved_keys
 from weightstore.io.folders import Folder, folder_for
 from weightstore.store._open import Store
 
@@ -171,7 +172,7 @@ def _open_version(folder: Folder, version: Version, verify: bool) -> Store:
         except FileNotFoundError as exc:  # pruned between the look and the map, or a sharded version's member lost
             raise _gone_or(exc, folder, version) from None
     try:
-        reader = _RemovedIsGone(fmt.open_reader(handle, version.path), folder, version)
+        reader = _RemovedIsGone(by_saved_keys(fmt.open_reader(handle, version.path)), folder, version)
         return Store(cast(Reader, reader), version.path, verify)
     except FileNotFoundError as exc:
         handle.close()

@@ -60,7 +60,7 @@ from typing import Any, TypedDict
 from weightstore._version import __version__
 from weightstore.core._words import checks_words
 from weightstore.core.manifest import utc_now
-from weightstore.core.names import is_state_dict, keys_of_torch_names
+from weightstore.core.names import TORCH, is_state_dict, keys_of_torch_names
 from weightstore.errors import PublishError, StoreExistsError, WeightStoreError, naming
 from weightstore.formats import delta as delta_format
 from weightstore.formats import format_named
@@ -69,7 +69,7 @@ from weightstore.formats._pointer import (
     pointer_bytes,
 )
 from weightstore.io.folders import Folder, LocalFolder, folder_for
-from weightstore.store._save import CheckedWeights, write_file
+from weightstore.store._save import CheckedWeights, file_names, write_file
 from weightstore.sync import _stages as stages
 from weightstore.sync._checks import DEFAULT_FORMAT, DEFAULT_KEEP, checked_keep, checked_pointer_metadata, checked_step
 from weightstore.sync._delta import Delta, as_delta, full_weights
@@ -104,9 +104,10 @@ def publish(
 
     Args:
         folder: a local folder (created if missing) or an fsspec URL.
-        weights: key -> array, or an open store; a PyTorch ``state_dict`` is published under
-            its keys (``features/0/weight``), as :func:`~weightstore.save` reads it back, so
-            a follower's ``scope=`` finds its tensors.
+        weights: key -> array, or an open store; a PyTorch ``state_dict`` is published as
+            :func:`~weightstore.save` writes one: read by its keys (``features/0/weight``), so
+            a follower's ``scope=`` finds its tensors, and named in the file as
+            ``load_state_dict`` takes it (``safetensors.torch.load_file``, ``np.load``).
         step: above the step ``LATEST`` names and every version file it does not account for.
         keep: how many versions stay (``None``: all); never fewer than two, so the version a
             reader has just found through ``LATEST`` survives the next publish.
@@ -139,9 +140,11 @@ def publish(
     fmt = format_named(format)
     target = folder_for(folder, storage_options)
     name = f"step-{step:012d}{fmt.suffixes[0]}"
+    stored_names: dict[str, str] = {}  # a state_dict's own names, which load_state_dict takes from the file
     if is_state_dict(weights):
         with naming(path=target.url(name)):
             weights = dict(zip(keys_of_torch_names(list(weights)), weights.values(), strict=True))
+            stored_names = file_names(weights, TORCH)
     arrays = CheckedWeights(weights, target.url(name), fmt)
     metadata = checked_pointer_metadata(metadata, step, name, target.url(name))
     target.create()
@@ -158,7 +161,7 @@ def publish(
         try:
             with target.commit(name, suffix, new=True).writing() as local:
                 if plan is None:
-                    write_file(local, fmt, arrays, metadata, False, created=created)
+                    write_file(local, fmt, arrays, metadata, False, stored_names, created=created)
                 else:
                     with open(local, "wb") as handle:
                         delta_format.write(handle, plan.head, plan.rows, plan.digests, plan.encoded, metadata,
