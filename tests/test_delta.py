@@ -997,7 +997,7 @@ def test_a_chain_deeper_than_the_stack_allowed_reads_back_from_a_deep_caller(tmp
     if os.path.isdir("/proc/self/fd"):  # closing it closes every file of its chain, each held open
         files = len(os.listdir("/proc/self/fd"))
         with ws.open(tmp_path / f"step-{deltas + 1:012d}.wsdelta") as store:
-            assert len(os.listdir("/proc/self/fd")) > files + deltas
+            assert len(os.listdir("/proc/self/fd")) >= files + deltas  # the anchor may be mapped, its descriptor closed
         assert len(os.listdir("/proc/self/fd")) == files, store
     result = CliRunner().invoke(app, ["verify", str(tmp_path)])
     assert result.exit_code == 0, result.output
