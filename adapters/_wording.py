@@ -308,9 +308,10 @@ def assign_message(report: Report, where: str, targets: Mapping[str, Any], value
                      "assigning those")
     left_out = _statistics_left_out(report.missing, every) if not trainable_only else ""
     if report.missing and pairs and not report.unexpected and not report.mismatched and left_out:
-        lines.append(f"  every value paired; the file holds no batch statistics (no non-trainable variable), as an "
-                     f"export with trainable_only=True writes it: assign with trainable_only=True (or strict=False) "
-                     f"to keep the model's own, or include them on export with trainable_only=True, {left_out}")
+        lines.append(f"  every value paired; the file holds none of the model's non-trainable variables (batch "
+                     f"statistics, frozen layers), as an export with trainable_only=True writes it: assign with "
+                     f"trainable_only=True (or strict=False) to keep the model's own, or include them on export "
+                     f"with trainable_only=True, {left_out}")
     elif report.missing and pairs and not report.unexpected and not report.mismatched:  # a selective save, likely
         lines.append("  every value paired; if the file holds part of the model on purpose, strict=False assigns it "
                      "and the variables it lacks keep theirs (or select as its export did: trainable_only=, also=)")

@@ -88,7 +88,7 @@ def test_a_linen_variables_dict_trains_its_params_and_restores_batch_stats_only_
     ws.save(tmp_path / "params.npz", trainable)
     with pytest.raises(AssignmentError) as strict:  # a plain restore: says what the file lacks and how to add it
         flax_adapter.restore(target, tmp_path / "params.npz")
-    assert "the file holds no batch statistics" in str(strict.value)
+    assert "the file holds none of the model's non-trainable variables" in str(strict.value)
     assert "include them on export with trainable_only=True, also='batch_stats/*'" in str(strict.value)
     restored = flax_adapter.restore(target, tmp_path / "params.npz", trainable_only=True)
     expected = model.apply({"params": source["params"], "batch_stats": target["batch_stats"]}, x)
