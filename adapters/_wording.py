@@ -4,6 +4,7 @@ matches offered and the scope that would have paired them."""
 from __future__ import annotations
 
 import difflib
+import os
 import re
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -305,10 +306,28 @@ def assign_message(report: Report, where: str, targets: Mapping[str, Any], value
                      f"ensemble) and the values are one member's: assign all with each value np.stack-ed from "
                      f"{stacked} members' files, or one by writing it into row i of export(model)'s values and "
                      "assigning those")
-    if report.missing and pairs and not report.unexpected and not report.mismatched:  # a selective save, likely
+    left_out = _statistics_left_out(report.missing, every) if not trainable_only else ""
+    if report.missing and pairs and not report.unexpected and not report.mismatched and left_out:
+        lines.append(f"  every value paired; the file holds none of the model's non-trainable variables (batch "
+                     f"statistics, frozen layers), as an export with trainable_only=True writes it: assign with "
+                     f"trainable_only=True (or strict=False) to keep the model's own, or include them on export "
+                     f"with trainable_only=True, {left_out}")
+    elif report.missing and pairs and not report.unexpected and not report.mismatched:  # a selective save, likely
         lines.append("  every value paired; if the file holds part of the model on purpose, strict=False assigns it "
                      "and the variables it lacks keep theirs (or select as its export did: trainable_only=, also=)")
     return "\n".join(lines)
+
+
+def _statistics_left_out(missing: list[str], every: Mapping[str, Any]) -> str:
+    """The ``also=`` that adds ``missing`` to an export with ``trainable_only=True``, where every
+    one is non-trainable (a Linen dict's ``batch_stats/*``, Keras's ``*/moving_*``); "" otherwise."""
+    if not missing or any(key not in every or every[key].trainable for key in missing):
+        return ""
+    heads = {key.split("/", 1)[0] for key in missing}
+    if len(heads) == 1 and all("/" in key for key in missing):
+        return f"also={heads.pop() + '/*'!r}"
+    ending = os.path.commonprefix([key.rsplit("/", 1)[-1] for key in missing])
+    return f"also={'*/' + ending + '*'!r}" if ending else "also= naming them"
 
 
 def _stacked_members(mismatched: list[Any], every: Mapping[str, Any],

@@ -106,7 +106,8 @@ def follow(
 
     A FOLDER that does not exist is refused (exit 1, naming it): a mistyped path would
     otherwise wait forever. Pass --wait when it is only not there yet (a trainer about to
-    publish its first version). A storage outage is waited out, from the start on (a
+    publish its first version). A folder with no version yet is said once on stderr, and
+    waited on. A storage outage is waited out, from the start on (a
     connection refused too: a stopped server and a mistyped port look the same), and said
     on stderr once when it starts and once when it ends; a failure that stays (credentials
     refused, a host name that names no host) exits 1.
@@ -130,6 +131,7 @@ def follow(
         except StorageError as exc:  # whether it exists cannot be told now: an outage, which the follow says and
             if not exc.transient:  # waits out
                 raise
+    _say_when_unpublished(folder)
     for version in follow_versions(folder, poll=poll, timeout=timeout, after=after, max_poll=max_poll,
                                    notifications=notifications):
         if as_json:  # a stream: one object per line, so a reader can act on each as it lands
@@ -137,6 +139,21 @@ def follow(
                                    "created": version.created, "metadata": version.metadata}, ensure_ascii=False))
         else:
             typer.echo(f"{version.step}\t{version.path}")
+
+
+def _say_when_unpublished(folder: str) -> None:
+    """A local folder with no ``LATEST`` yet is followed in silence, which looks like a hang:
+    said once on stderr. One that does not exist the follow says itself; an object store is not
+    asked (a request more, and an outage waited out before the follow's own looks)."""
+    import os
+
+    from weightstore.formats._pointer import LATEST
+    from weightstore.io.folders import LocalFolder
+    from weightstore.sync._folder import versions_folder
+
+    source = versions_folder(folder)
+    if isinstance(source, LocalFolder) and source.exists() and not os.path.lexists(source.root / LATEST):
+        typer.echo(f"weightstore: following {folder}: no version yet; waiting for its first version", err=True)
 
 
 def _refuse_serving_base(folder: str) -> None:

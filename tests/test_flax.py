@@ -65,7 +65,8 @@ def test_a_linen_variables_dict_trains_its_params_and_restores_batch_stats_only_
     ``trainable_only=True`` saved the statistics too, and ``restore`` took no ``trainable_only``:
     a selective file went back only with ``strict=False``. ``params`` is what trains; ``also``
     adds the statistics, and a restore so selected keeps the other leaves (predictions equal
-    to Linen's own ``apply`` of the expected variables)."""
+    to Linen's own ``apply`` of the expected variables). A strict restore of the params alone
+    says that the file holds no statistics, and the ``also=`` that adds them."""
     import flax.linen as linen
 
     class Model(linen.Module):
@@ -85,6 +86,10 @@ def test_a_linen_variables_dict_trains_its_params_and_restores_batch_stats_only_
     trainable = flax_adapter.export(source, trainable_only=True)
     assert trainable and all(key.startswith("params/") for key in trainable)
     ws.save(tmp_path / "params.npz", trainable)
+    with pytest.raises(AssignmentError) as strict:  # a plain restore: says what the file lacks and how to add it
+        flax_adapter.restore(target, tmp_path / "params.npz")
+    assert "the file holds none of the model's non-trainable variables" in str(strict.value)
+    assert "include them on export with trainable_only=True, also='batch_stats/*'" in str(strict.value)
     restored = flax_adapter.restore(target, tmp_path / "params.npz", trainable_only=True)
     expected = model.apply({"params": source["params"], "batch_stats": target["batch_stats"]}, x)
     np.testing.assert_array_equal(model.apply(restored, x), expected)

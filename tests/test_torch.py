@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import subprocess
@@ -490,7 +491,8 @@ def test_a_file_object_given_to_assign_is_told_to_pass_a_name(tmp_path):
 def test_a_member_scope_into_a_file_of_torch_names_says_how_to_read_them(tmp_path):
     """``ws.save`` of ``export(names="torch")`` keeps ``members.1.0.weight`` as the key, so
     ``scope="members/1"`` matches nothing: the refusal (Python and ``ws``) says the keys are
-    torch names and how to select them, not a far-off ``did you mean 'members.2.1.bias'``."""
+    torch names and how to select them (from ``ws`` too, which reads no ``names``), not a far-off
+    ``did you mean 'members.2.1.bias'``."""
     ensemble = _Ensemble()
     path = tmp_path / "ensemble.safetensors"
     ws.save(path, torch_adapter.export(ensemble, names="torch"))
@@ -506,6 +508,11 @@ def test_a_member_scope_into_a_file_of_torch_names_says_how_to_read_them(tmp_pat
     done = subprocess.run([sys.executable, "-m", "weightstore", "ls", str(path), "--scope", "members/1"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "its keys are PyTorch state_dict names" in done.stderr
+    assert "--include 'members.1.*'" in done.stderr  # what ws itself can do: it reads no names='torch'
+    listed = subprocess.run([sys.executable, "-m", "weightstore", "ls", str(path), "--include", "members.1.*", "--json"],
+                            capture_output=True, text=True, timeout=120)
+    assert {row["key"] for row in json.loads(listed.stdout)["tensors"]} == \
+        {f"members.1.{key.replace('/', '.')}" for key in torch_adapter.export(ensemble.members[1])}
 
 
 def test_example_keras_to_torch_gives_the_same_predictions_both_ways(tmp_path, capsys):

@@ -780,6 +780,24 @@ def test_ws_follow_of_a_missing_folder_says_so_unless_told_to_wait(tmp_path):
     assert out.split() == ["3", str(missing / "step-000000000003.npz")]
 
 
+def test_ws_follow_of_an_empty_folder_says_once_that_it_waits_for_the_first_version(tmp_path):
+    """An existing folder with nothing published yet is waited on, not in silence: a wrong path
+    and a trainer that has not published look alike otherwise."""
+    def ws_follow(folder):
+        return subprocess.run([sys.executable, "-m", "weightstore", "follow", str(folder), "--timeout", "0.2",
+                               "--poll", "0.05"], capture_output=True, text=True, timeout=120)
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    waited = ws_follow(empty)
+    assert waited.returncode == 0 and waited.stdout == "", waited.stderr
+    assert waited.stderr.count("waiting for its first version") == 1 and str(empty) in waited.stderr
+    ws.publish(empty, weights_at(1), step=1)
+    followed = ws_follow(empty)
+    assert followed.stdout.split() == ["1", str(empty / "step-000000000001.npz")]
+    assert "waiting" not in followed.stderr
+
+
 @pytest.mark.parametrize("command", ["versions", "follow"])
 def test_cli_sync_help_shows_an_example(command):
     from weightstore.cli.main import app

@@ -391,7 +391,8 @@ def unmatched_scope(scope: str, keys: Collection[str], where: str = "") -> Selec
 
     Keys kept as PyTorch names (``members.1.0.weight``: ``ws.save`` of ``export(names="torch")``)
     are one segment each, so no ``/`` scope reaches them; the nearest of them by letters
-    (``members.2.1.bias``) would mislead, so the hint says how to read or select them instead."""
+    (``members.2.1.bias``) would mislead, so the hint says how to read or select them instead,
+    in Python and with ``ws`` (whose readers take no ``names``: ``--include`` is its way)."""
     dotted = scope.replace("/", ".")
     torch_named = [key for key in keys if key.startswith(dotted + ".") and "/" not in key]
     if scope in keys:
@@ -399,7 +400,7 @@ def unmatched_scope(scope: str, keys: Collection[str], where: str = "") -> Selec
     elif torch_named:  # read so, the keys join with '/' whatever the user's spelling (members.1)
         hint = (f"; its keys are PyTorch state_dict names ({torch_named[0]!r}): read the file with names='torch' "
                 f"(ws.load, ws.open) and scope {dotted.replace('.', '/')!r}, or select them as they are with "
-                f"include='{dotted}.*'")
+                f"include='{dotted}.*' (ws ls, ws export: --include '{dotted}.*')")
     else:
         hint = suggest(scope, scopes_of(keys))
     return SelectionError(f"scope {scope!r} matches no key{_where(where)}{hint}", word=f"scope {scope!r}")

@@ -58,11 +58,18 @@ def parse_pointer(data: bytes) -> dict[str, Any]:
     return pointer
 
 
-def published_folder_message(folder: str, latest: str | None) -> str:
+def published_folder_message(folder: str, latest: str | None, held_by: str | None = None) -> str:
     """What a reader given the versioned folder ``folder`` (a path or URL) where a file was
     expected says: what it is, and which file to give (``latest``: the file ``LATEST`` names,
-    ``None`` where it names none readable); the same words locally and on object storage."""
-    example = f"such as LATEST's {folder.rstrip('/')}/{latest}" if latest else "one of its step-* files"
+    ``None`` where it names none readable); the same words locally and on object storage.
+    ``held_by``: what holds ``latest``'s name where it is no file (``"a symbolic link (to …)"``),
+    which no reader of versions opens: said, rather than suggested."""
+    where = f"{folder.rstrip('/')}/{latest}"
+    if latest and held_by:
+        return (f"is a folder of ws.publish versions, not one weight file; LATEST's {where} is {held_by}, which no "
+                f"reader of versions opens: put the file itself in its place, or name another version (ws versions "
+                f"{folder} lists them)")
+    example = f"such as LATEST's {where}" if latest else "one of its step-* files"
     return (f"is a folder of ws.publish versions, not one weight file; name a version, {example} "
             f"(ws versions {folder} lists them; in Python: ws.load(ws.latest(folder)))")
 

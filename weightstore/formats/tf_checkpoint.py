@@ -96,6 +96,7 @@ from weightstore.formats._pointer import LATEST, local_latest_name, published_fo
 from weightstore.formats._sstable import Table, crc32c, read_varint, unmask_crc
 from weightstore.io._local import MappedFile
 from weightstore.io.files import open_regular, unreadable
+from weightstore.io.folders import LocalFolder
 from weightstore.io.places import Place
 
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
@@ -223,12 +224,14 @@ def _refuse_published_folder(folder: str) -> None:
     """A folder ``ws.publish`` writes holds versions, not one file: name one, rather than "no TF checkpoint".
 
     A ``LATEST`` that is no file (a FIFO, a socket) still marks such a folder; it is never
-    opened (a FIFO would block the read), and the message then names no version."""
+    opened (a FIFO would block the read), and the message then names no version. Nor is the
+    version it names suggested where that is no file (a symbolic link): what holds it is said."""
     pointer = os.path.join(folder, LATEST)
     if not os.path.lexists(pointer) or os.path.isdir(pointer):
         return
     latest = local_latest_name(folder) if os.path.isfile(pointer) else None  # None for a damaged LATEST too
-    raise StoreNotFoundError(published_folder_message(folder, latest), path=folder)
+    held_by = None if latest is None else LocalFolder(folder).not_files().get(latest)
+    raise StoreNotFoundError(published_folder_message(folder, latest, held_by), path=folder)
 
 
 def saved_model_prefix(folder: str) -> str | None:
