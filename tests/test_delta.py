@@ -258,6 +258,23 @@ def test_a_delta_on_s3_reads_and_follows(s3):
     assert [entry.kind for entry in listed] == ["full", "delta", "delta", "delta"]
 
 
+def test_a_base_missing_in_a_chain_on_s3_is_named_from_the_version_read(s3):
+    """A remote chain's bases are opened when first read, the prefetch of ``ws.load`` first: a
+    base missing there was named from the delta above it, not the version read (``ws.load`` of
+    step 6 said step 4 needs its base step 3), as a rebuild names it, and no file is left open."""
+    import s3fs
+
+    folder = f"s3://{BUCKET}/missing-base"
+    publish_steps(folder, 6, delta=ws.Delta())
+    assert [entry.kind for entry in ws.sync.list_versions(folder)] == ["full"] + ["delta"] * 5
+    s3fs.S3FileSystem().rm_file(f"{folder}/step-000000000003.wsdelta")
+    with pytest.raises(ws.FormatError) as caught:
+        ws.load(f"{folder}/step-000000000006.wsdelta")
+    assert caught.value.path == f"{folder}/step-000000000006.wsdelta"
+    assert caught.value.message == ("in its chain, step-000000000004.wsdelta: needs its base step-000000000003.wsdelta, "
+                                    "which is missing (pruned by hand, or never copied with it)")
+
+
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_a_delta_encoded_before_another_publisher_committed_is_written_whole_not_based_off_the_line(
         where, request, tmp_path, monkeypatch, caplog):

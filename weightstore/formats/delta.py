@@ -993,17 +993,22 @@ class DeltaReader(ReaderDefaults):
 
     def prefetch(self, keys: list[str]) -> None:
         """Warn each file of the chain of the ranges ``keys`` are rebuilt from, in a loop down to
-        the anchor (a stack the same however deep the chain)."""
+        the anchor (a stack the same however deep the chain). A remote base is opened here,
+        first; one that fails is named from this version, as a rebuild names it (it was named
+        from the delta above it: ``ws.load`` of step 6 said step 4 needs a missing step 3)."""
         level: Reader = self
-        while isinstance(level, DeltaReader):
-            prefetch_ranges(level._source, functools.partial(level._ranges, keys))
-            keys = [key for key in keys if key in level._entries and level._entries[key][0] != RAW]
-            if not keys:
-                return
-            level = level._base
-            held = set(level.keys())
-            keys = [key for key in keys if key in held]
-        level.prefetch(keys)
+        try:
+            while isinstance(level, DeltaReader):
+                prefetch_ranges(level._source, functools.partial(level._ranges, keys))
+                keys = [key for key in keys if key in level._entries and level._entries[key][0] != RAW]
+                if not keys:
+                    return
+                level = level._base
+                held = set(level.keys())
+                keys = [key for key in keys if key in held]
+            level.prefetch(keys)
+        except WeightStoreError as exc:
+            raise named_here(exc, self.name, None) from None
 
     def _ranges(self, keys: list[str]) -> list[tuple[int, int]]:
         """The payload ranges of ``keys`` in this file."""
