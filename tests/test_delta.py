@@ -258,6 +258,23 @@ def test_a_delta_on_s3_reads_and_follows(s3):
     assert [entry.kind for entry in listed] == ["full", "delta", "delta", "delta"]
 
 
+def test_a_base_missing_in_a_chain_on_s3_is_named_from_the_version_read(s3):
+    """A remote chain's bases are opened when first read, the prefetch of ``ws.load`` first: a
+    base missing there was named from the delta above it, not the version read (``ws.load`` of
+    step 6 said step 4 needs its base step 3), as a rebuild names it, and no file is left open."""
+    import s3fs
+
+    folder = f"s3://{BUCKET}/missing-base"
+    publish_steps(folder, 6, delta=ws.Delta())
+    assert [entry.kind for entry in ws.sync.list_versions(folder)] == ["full"] + ["delta"] * 5
+    s3fs.S3FileSystem().rm_file(f"{folder}/step-000000000003.wsdelta")
+    with pytest.raises(ws.FormatError) as caught:
+        ws.load(f"{folder}/step-000000000006.wsdelta")
+    assert caught.value.path == f"{folder}/step-000000000006.wsdelta"
+    assert caught.value.message == ("in its chain, step-000000000004.wsdelta: needs its base step-000000000003.wsdelta, "
+                                    "which is missing (pruned by hand, or never copied with it)")
+
+
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_a_delta_encoded_before_another_publisher_committed_is_written_whole_not_based_off_the_line(
         where, request, tmp_path, monkeypatch, caplog):
@@ -1019,3 +1036,30 @@ def test_a_base_missing_deep_in_a_chain_is_named_once(tmp_path):
     assert caught.value.path.endswith("step-000000000012.wsdelta")
     assert caught.value.message == ("in its chain, step-000000000002.wsdelta: needs its base step-000000000001.npz, "
                                     "which is missing (pruned by hand, or never copied with it)")
+
+
+def test_a_chain_is_held_in_memory_linear_in_its_depth(tmp_path):
+    """Each head of a chain lists every base below it: checked name by name and kept as parsed,
+    in every head, a chain of 1,000 took half a million name matches to open (0.85 s) and held
+    46 MB of names. A base's chain equal to what the head above it says is taken as checked
+    there, and held as that list: a version 160 deep holds about what 40 deep does per delta."""
+    import tracemalloc
+
+    delta = ws.Delta(anchor_every=200)
+    weights = {"w": np.zeros(1 << 16, np.float32)}
+    for step in range(1, 162):
+        weights["w"][step] += 1
+        ws.publish(tmp_path, weights, step=step, delta=delta, keep=None)
+    assert [path.suffix for path in sorted(tmp_path.glob("step-*"))] == [".npz"] + [".wsdelta"] * 160
+
+    def held_per_delta(depth: int) -> float:
+        tracemalloc.start()
+        try:
+            with ws.open(tmp_path / f"step-{depth + 1:012d}.wsdelta") as store:
+                held = tracemalloc.get_traced_memory()[0]
+                assert store["w"][depth] == 1
+        finally:
+            tracemalloc.stop()
+        return held / depth
+
+    assert held_per_delta(160) < 1.3 * held_per_delta(40)

@@ -143,6 +143,18 @@ def test_a_saved_state_dict_remembers_its_torch_names(tmp_path, suffix):
     assert listed.exit_code == 0 and "1/running_mean" in listed.output and "1.running_mean" not in listed.output
 
 
+@pytest.mark.parametrize("name", ["scale..x", "scale.", ".scale"])
+def test_a_dict_of_tensors_under_names_torch_never_gives_is_saved_and_published_as_written(tmp_path, name):
+    """A dict of torch tensors whose dotted names make no key (an empty module name, which
+    PyTorch never gives) is no state_dict: saved and published under its names as written, as
+    before state_dicts were told apart; it was refused ("torch name 'scale..x' is no key")."""
+    weights = {name: torch.ones(2), "c.d": torch.zeros(1)}
+    ws.save(tmp_path / "m.npz", weights)
+    assert sorted(ws.load(tmp_path / "m.npz")) == sorted(weights)
+    ws.publish(tmp_path / "run", weights, step=1)
+    assert sorted(ws.load(ws.latest(tmp_path / "run"))) == sorted(weights)
+
+
 def test_names_torch_reads_an_npz_of_a_state_dict(tmp_path):
     source = net(0)
     np.savez(tmp_path / "sd.npz", **{k: v.numpy() for k, v in source.state_dict().items()})

@@ -115,8 +115,16 @@ def is_state_dict(weights: object) -> bool:
     no keys (``ws.load(f, scope="features")`` would find nothing under ``features.0.weight``):
     ``ws.save`` writes them as ``names="torch"`` does. Asked without importing torch, and of
     the values the dict holds (``dict.values``), never of a subclass's ``__getitem__``: a lazy
-    mapping's tensors are not fetched to be asked, nor any before the save's own checks."""
+    mapping's tensors are not fetched to be asked, nor any before the save's own checks. Names
+    PyTorch never gives (``a..b``, ``a.``: an empty module name) make a dict of the caller's own
+    keys, saved as written, as before state_dicts were told apart (it was refused: no key)."""
     if not isinstance(weights, dict) or not weights or not all(isinstance(name, str) for name in weights):
         return False
-    return reads_as_torch(weights) and all(type(value).__module__.partition(".")[0] == "torch"
-                                           for value in dict.values(weights))
+    if not (reads_as_torch(weights) and all(type(value).__module__.partition(".")[0] == "torch"
+                                            for value in dict.values(weights))):
+        return False
+    try:
+        keys_of_torch_names(list(weights))
+    except InvalidKeyError:
+        return False
+    return True
