@@ -8,6 +8,7 @@ server, and hold requests until several are in flight at once, to prove concurre
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -68,6 +69,10 @@ class CountingS3:
         self.in_flight = 0
         self.most_in_flight = 0
         self._lock = threading.Lock()
+        #: one lock per object name, held while moto writes it: S3 applies each write of an object
+        #: whole, but moto's two PUTs of one name at once share a buffer one of them closes (a 500,
+        #: "I/O operation on closed file", to one of two coordinators racing to write one index)
+        self._writing: dict[str, threading.Lock] = {}
         self._moto = DomainDispatcherApplication(create_backend_app)
         self._serving = functools.partial(make_server, "127.0.0.1", port, self._app, threaded=True,
                                           request_handler=MotoRequestHandler)
@@ -141,7 +146,8 @@ class CountingS3:
                                               *(added[0].items() if added else ())])
                 chunks = [body]
             else:
-                chunks = list(self._moto(environ, recording_start))
+                with self._object_written(environ):
+                    chunks = list(self._moto(environ, recording_start))
         finally:
             with self._lock:
                 self.in_flight -= 1
@@ -151,6 +157,15 @@ class CountingS3:
         with self._lock:
             self.requests.append(request)
         return iter(chunks)
+
+    def _object_written(self, environ: dict[str, Any]) -> threading.Lock | contextlib.nullcontext[None]:
+        """The lock of the object a request writes whole (a PUT, a multipart completion, a
+        DELETE); none for reads and for the parts of an upload, which S3 takes at once."""
+        method, query = environ["REQUEST_METHOD"], environ.get("QUERY_STRING", "")
+        if method not in ("PUT", "POST", "DELETE") or "partNumber=" in query:
+            return contextlib.nullcontext()
+        with self._lock:
+            return self._writing.setdefault(environ.get("PATH_INFO", ""), threading.Lock())
 
 
 def use_environment(server: CountingS3 | ServerProcess) -> dict[str, str | None]:
