@@ -844,7 +844,8 @@ def test_a_name_with_a_newline_or_an_escape_is_shown_escaped_in_notes_and_errors
 
 def test_a_folder_of_versions_given_as_a_file_names_its_latest_version(store, tmp_path):
     """``ws versions run`` then ``ws ls run``: the refusal says what the folder is and which file to give
-    (never LATEST's where a symbolic link holds its name: what holds it is said instead)."""
+    (never LATEST's where a symbolic link holds its name: what holds it is said instead; nor where
+    its file was removed)."""
     run_folder = tmp_path / "run"
     for step in (1, 2):
         ws.publish(run_folder, ws.load(store), step=step)
@@ -860,6 +861,9 @@ def test_a_folder_of_versions_given_as_a_file_names_its_latest_version(store, tm
     os.symlink(tmp_path / "moved.npz", latest)  # LATEST's name held by a link, which no reader of versions opens
     said = one_error_line(run("ls", run_folder), f"LATEST's {latest} is a symbolic link", "put the file itself")
     assert "such as" not in said and "ws.latest" not in said
+    os.remove(latest)  # removed by hand: a step-* file is suggested, not LATEST's, which is no more
+    said = one_error_line(run("ls", run_folder), "run: is a folder of ws.publish versions", "one of its step-* files")
+    assert "such as" not in said
     os.remove(run_folder / "LATEST")
     os.mkfifo(run_folder / "LATEST")  # a hostile folder: never opened, and still named for what it is
     one_error_line(run("ls", run_folder), "run: is a folder of ws.publish versions", "one of its step-* files")

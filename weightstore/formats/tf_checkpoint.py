@@ -230,6 +230,8 @@ def _refuse_published_folder(folder: str) -> None:
     if not os.path.lexists(pointer) or os.path.isdir(pointer):
         return
     latest = local_latest_name(folder) if os.path.isfile(pointer) else None  # None for a damaged LATEST too
+    if latest is not None and not os.path.lexists(os.path.join(folder, latest)):
+        latest = None  # removed since it was published: suggested, it would send the user to "no such file"
     held_by = None if latest is None else LocalFolder(folder).not_files().get(latest)
     raise StoreNotFoundError(published_folder_message(folder, latest, held_by), path=folder)
 
