@@ -8,6 +8,7 @@ import contextlib
 import json
 import math
 import os
+import random
 import shutil
 import signal
 import socket
@@ -23,7 +24,18 @@ import pytest
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now, for a job's coordinator."""
+    """A TCP port on 127.0.0.1 that nothing listens on now, for a job's coordinator, taken below
+    the kernel's ephemeral range: a port the kernel hands out (``bind`` to 0) is what it gives
+    the next outgoing connection too (an S3 client of another test), which took a coordinator's
+    port between this choice and its listen (EADDRINUSE, a launch that failed)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    for port in random.sample(range(10_000, low), min(50, max(low - 10_000, 0))):
+        with socket.socket() as probe, contextlib.suppress(OSError):
+            probe.bind(("127.0.0.1", port))
+            return port
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
