@@ -14,7 +14,6 @@ other payloads) are a change too.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
@@ -285,14 +284,6 @@ def holds_versions(store: str) -> bool:
         return False
     return any(entry.name == LATEST for entry in folder.files()) or bool(version_files(folder)) or \
         bool(not_file_versions(folder))
-
-
-def empty_folder(store: str) -> bool:
-    """Whether ``store`` is a local folder with nothing in it."""
-    try:
-        return os.path.isdir(store) and not os.listdir(store)
-    except OSError:  # it cannot be listed: not known to be empty
-        return False
 
 
 def verify_versions(folder: str, checked: Callable[[VersionCheck], None] | None = None,

@@ -513,7 +513,7 @@ def verify(store: Annotated[str, typer.Argument(help="The weight store, or folde
         opening = weightstore.open(store)
     except StoreNotFoundError:
         if not compare.holds_versions(store):
-            if compare.empty_folder(store):  # rather than "no TF checkpoint": a run not yet published to
+            if tf_checkpoint.is_empty_folder(store):  # a run not yet published to: said as verify sees it
                 raise StoreNotFoundError("is an empty folder: no weight file, and no ws.publish versions to verify",
                                          path=store) from None
             raise

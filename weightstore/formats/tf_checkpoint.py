@@ -197,7 +197,7 @@ def _prefix_in_folder(folder: str) -> str:
         raise StoreNotFoundError("is an Orbax checkpoint (Flax's and JAX's saver), which weightstore does not read: "
                                  "restore it with Orbax into the model (nnx.update(model, restored)), then write "
                                  "ws.save('m.npz', flax.export(model))", path=folder)
-    if not candidates and _is_empty(folder):
+    if not candidates and is_empty_folder(folder):
         raise StoreNotFoundError("is an empty folder, not a weight file", path=folder)
     if not candidates:
         raise StoreNotFoundError(f"is a folder, not a weight file, and holds no TF checkpoint (no '{STATE_FILE}' "
@@ -206,9 +206,9 @@ def _prefix_in_folder(folder: str) -> str:
                              f"read; name one of: {', '.join(candidates)}", path=folder)
 
 
-def _is_empty(folder: str) -> bool:
-    """Whether ``folder`` holds nothing; False where it cannot be listed (no permission to read
-    it), which is then refused, as any folder without a checkpoint is, by what it lacks."""
+def is_empty_folder(folder: str) -> bool:
+    """Whether ``folder`` is a local folder holding nothing; False where it is none or cannot be
+    listed (no permission to read it), which is then refused by what it lacks."""
     try:
         with os.scandir(folder) as entries:
             return next(entries, None) is None
