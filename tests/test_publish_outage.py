@@ -341,3 +341,22 @@ def test_ctrl_c_while_the_exit_waits_for_a_retrying_publish_gives_it_up_and_says
     assert "Traceback" not in err, err
     outage.end()
     assert ws.latest(folder) is None  # given up: nothing was written once the storage came back
+
+
+def test_a_first_publish_whose_latest_write_failed_is_completed_by_the_retry(s3):
+    """The first publish to an empty folder lands its version, then S3 fails ``LATEST``'s PUT (a
+    500): the landed file must not count as a newer version refusing the retry of its own step."""
+    folder = f"s3://{BUCKET}/first-latest-fails"
+    failed = threading.Event()
+
+    def latest_fails_once(environ):
+        if environ["REQUEST_METHOD"] == "PUT" and environ["PATH_INFO"].endswith("/LATEST") and not failed.is_set():
+            failed.set()
+            return 500, b"<Error><Code>InternalError</Code></Error>"
+        return None
+
+    s3.intercept = latest_fails_once
+    publisher = ws.BackgroundPublisher(folder, retry_backoff=0.05, max_backoff=0.2)
+    assert publisher.publish(weights(1), step=1).result(60).step == 1
+    assert failed.is_set() and publisher.failures == 1 and publisher.close(60).step == 1
+    np.testing.assert_array_equal(ws.load(ws.latest(folder))["dense/kernel"], weights(1)["dense/kernel"])

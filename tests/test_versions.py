@@ -1171,3 +1171,36 @@ def test_a_background_publish_whose_latest_swap_failed_after_it_landed_still_hol
         with pytest.raises(ws.PublishError, match="another writer"):
             publisher.publish(weights_at(3), step=3).result(60)
     assert ws.latest(tmp_path).step == 2
+
+
+def fail_once_at(stage: str):
+    """A stage hook that raises EIO the first time a publish reaches ``stage`` (a full disk, a
+    storage that fails ``LATEST``'s write), and lets every later publish through."""
+    failed = threading.Event()
+
+    def hook(name: str) -> None:
+        if name == stage and not failed.is_set():
+            failed.set()
+            raise OSError(5, f"EIO at {stage}")
+
+    return hook
+
+
+def test_a_first_publish_whose_latest_swap_failed_is_completed_by_its_retry(tmp_path, monkeypatch):
+    """The first publish to a folder wrote its version, then failing to write ``LATEST`` left that
+    file as the newest: the retry of the same step by the same process must publish it, not
+    refuse it as "not after step 1" for good (a BackgroundPublisher retries storage failures)."""
+    from weightstore.sync import _stages as stages
+
+    monkeypatch.setattr(stages, "hook", fail_once_at("latest-temporary"))
+    with ws.BackgroundPublisher(tmp_path / "background", retry_backoff=0.01) as publisher:
+        assert publisher.publish(weights_at(1), step=1).result(60).step == 1
+    assert publisher.failures == 1 and ws.latest(tmp_path / "background").step == 1
+    assert files(tmp_path / "background") == [".publish.lock", "LATEST", "step-000000000001.npz"]
+
+    monkeypatch.setattr(stages, "hook", fail_once_at("latest-temporary"))
+    with pytest.raises(ws.WriteError, match="EIO at latest-temporary"):
+        ws.publish(tmp_path / "plain", weights_at(1), step=1)
+    ws.publish(tmp_path / "plain", weights_at(2), step=1)  # the retry's weights are the ones published
+    assert_whole(ws.load(ws.latest(tmp_path / "plain")), 2)
+    assert files(tmp_path / "plain") == [".publish.lock", "LATEST", "step-000000000001.npz"]
