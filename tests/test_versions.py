@@ -752,7 +752,9 @@ def test_cli_follow(tmp_path, cli):
     result = CliRunner().invoke(cli, ["follow", str(tmp_path), "--timeout", "0.05", "--poll", "0.01"])
     assert result.exit_code == 0 and result.output.split() == ["2", str(tmp_path / "step-000000000002.npz")]
     result = CliRunner().invoke(cli, ["follow", str(tmp_path), "--after", "2", "--timeout", "0.05", "--json"])
-    assert result.exit_code == 0 and result.output == ""
+    assert result.exit_code == 0 and result.stdout == ""  # what it waits for goes to stderr, out of the stream
+    assert result.stderr == f"weightstore: following {tmp_path}: its latest version is step 2; waiting for a " \
+                            "version above step 2\n"
     for args in (["versions", "--help"], ["follow", "--help"]):
         assert CliRunner().invoke(cli, args).exit_code == 0
     for poll in ("1e12", "nan"):  # no wait a thread can make: a usage error, not an internal one
@@ -796,6 +798,17 @@ def test_ws_follow_of_an_empty_folder_says_once_that_it_waits_for_the_first_vers
     followed = ws_follow(empty)
     assert followed.stdout.split() == ["1", str(empty / "step-000000000001.npz")]
     assert "waiting" not in followed.stderr
+
+
+def test_ws_follow_after_a_step_past_the_latest_says_once_what_it_waits_for(tmp_path):
+    """``--after 1000`` where the newest version is step 3 waits for step 1001 on: said, not in silence."""
+    for step in (1, 2, 3):
+        ws.publish(tmp_path, weights_at(step), step=step)
+    waited = subprocess.run([sys.executable, "-m", "weightstore", "follow", str(tmp_path), "--after", "1000",
+                             "--timeout", "0.2", "--poll", "0.05"], capture_output=True, text=True, timeout=120)
+    assert waited.returncode == 0 and waited.stdout == "", waited.stderr
+    assert waited.stderr == (f"weightstore: following {tmp_path}: its latest version is step 3; waiting for a version "
+                             "above step 1000\n")
 
 
 @pytest.mark.parametrize("command", ["versions", "follow"])
