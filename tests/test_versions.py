@@ -64,8 +64,8 @@ def test_opening_the_latest_of_a_folder_without_versions_says_why_it_is_none(tmp
 
     assert ws.latest(tmp_path) is None
     for read in (ws.open, ws.load, lambda v: torch_adapter.assign(torch.nn.Linear(2, 2), v)):
-        with pytest.raises(TypeError, match=r"not None \(ws.latest\(folder\) is None while the folder has no "
-                                            r"version yet: wait for one with ws.follow"):
+        with pytest.raises(ws.NotAPathError, match=r"not None \(ws.latest\(folder\) is None while the folder has "
+                                                   r"no version yet: wait for one with ws.follow"):
             read(ws.latest(tmp_path))
 
 
@@ -76,7 +76,7 @@ def test_a_writer_given_none_is_told_a_path_was_expected_not_how_to_wait_for_a_v
     writers = (lambda: ws.save(None, weights), lambda: ws.publish(None, weights, step=1),
                lambda: ws.publish_shard(None, weights, step=1, rank=0, world=1, attempt=0))
     for write in writers:
-        with pytest.raises(TypeError) as caught:
+        with pytest.raises(ws.NotAPathError) as caught:
             write()
         assert str(caught.value) == "a path was expected, not None"
 
@@ -84,15 +84,19 @@ def test_a_writer_given_none_is_told_a_path_was_expected_not_how_to_wait_for_a_v
 def test_a_file_object_given_as_a_path_is_told_weightstore_takes_names(tmp_path):
     """``ws.open(io.BytesIO(data))`` failed inside ``os.fsdecode`` ("expected str, bytes or
     os.PathLike object, not BytesIO"), naming nothing weightstore takes; readers and writers
-    now say a path or URL was expected, and why a file object is none."""
+    now say a path or URL was expected, and why a file object is none. The refusal is a
+    WeightStoreError, as every bad input's, and still the TypeError code caught before."""
     ws.save(tmp_path / "w.npz", weights_at(1))
     with open(tmp_path / "w.npz", "rb") as handle:
-        for call in (ws.open, ws.load, lambda f: ws.save(f, weights_at(1))):
-            with pytest.raises(TypeError, match=r"^a path or URL was expected, not a file object \(BufferedReader\)"):
+        for call in (ws.open, ws.load, lambda f: ws.save(f, weights_at(1)), ws.latest, ws.follow,
+                     lambda f: ws.publish(f, weights_at(1), step=1), ws.BackgroundPublisher):
+            with pytest.raises(ws.NotAPathError,
+                               match=r"^a path or URL was expected, not a file object \(BufferedReader\)"):
                 call(handle)
-            with pytest.raises(TypeError, match=r"^a path or URL was expected, not a file object \(BytesIO\)"):
+            with pytest.raises(TypeError, match=r"^a path or URL was expected, not a file object \(BytesIO\)") as caught:
                 call(io.BytesIO(b""))
-    with pytest.raises(TypeError, match=r"^a path or URL was expected, not float$"):
+            assert isinstance(caught.value, ws.WeightStoreError)
+    with pytest.raises(ws.NotAPathError, match=r"^a path or URL was expected, not float$"):
         ws.open(3.5)
 
 

@@ -84,7 +84,7 @@ from weightstore.core.limits import MAX_POINTER_BYTES
 from weightstore.errors import PublishError, StorageError, WeightStoreError, WriteError
 from weightstore.formats import format_named
 from weightstore.formats._pointer import LATEST
-from weightstore.io.location import connection_failure, service_answer
+from weightstore.io.location import connection_failure, location_of, service_answer
 from weightstore.store._save import checked_metadata
 from weightstore.sync._checks import DEFAULT_FORMAT, DEFAULT_KEEP, checked_keep, checked_seconds, checked_step
 from weightstore.sync._delta import Delta, as_delta
@@ -151,6 +151,7 @@ class BackgroundPublisher:
     ):
         keep = checked_keep(keep)
         format_named(format)  # an unknown format fails here, not on the first background publish
+        location_of(folder, reading=False)  # so does a folder that is no path (None, a file object)
         self.folder = folder
         self.metadata = checked_metadata(metadata, str(folder))
         self.retry_for = checked_seconds("retry_for", retry_for)
