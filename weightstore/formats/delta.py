@@ -817,24 +817,24 @@ class DeltaReader(ReaderDefaults):
             level = level._base
         out = None
         on_anchor = not isinstance(level, DeltaReader)
+        reading = levels[-1].head.base  # the file read, as the chain names it (a sharded member's with its attempt)
         try:
             if on_anchor:
                 stored = np.ascontiguousarray(to_storage(level.read(key, verify=True), key)[1])
                 out = _aligned_copy(stored.reshape(-1).view(np.uint8) if stored.size else np.empty(0, np.uint8))
-            for level in reversed(levels):
+            for at in reversed(range(len(levels))):
+                level, reading = levels[at], self.name if at == 0 else levels[at - 1].head.base
                 out = level._apply_own(key, out)
                 if DIGEST_PREFIX + content_digest(out).hex() != level._manifest.tensors[key].digest:
-                    where = "this delta" if level is self else _file_name(level.name)
-                    said = "" if level is self else "in its chain, "
+                    where, said = ("this delta", "") if at == 0 else (reading, "in its chain, ")
                     if on_anchor and level is levels[-1]:
-                        return (f"{said}{where} is corrupt, or its base {_file_name(level.head.base)} is another whole "
-                                "file than the one it was built on (restored from another copy?): that base reads "
-                                f"whole, {where} does not rebuild the digest its publisher recorded on it")
+                        return (f"{said}{where} is corrupt, or its base {level.head.base} is another whole file than "
+                                "the one it was built on (restored from another copy?): that base reads whole, "
+                                f"{where} does not rebuild the digest its publisher recorded on it")
                     return (f"{said}{where} is corrupt: its base rebuilds whole, {where} does not rebuild the digest "
                             "its publisher recorded on it")
         except WeightStoreError as exc:
-            where = exc.path or levels[-1].head.base
-            return exc.message if where == self.name else f"in its chain, {_file_name(where)}: {exc.message}"
+            return exc.message if reading == self.name else f"in its chain, {reading}: {exc.message}"
         return None
 
     def proven_bytes(self) -> int:
