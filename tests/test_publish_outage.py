@@ -172,7 +172,7 @@ def test_ws_follow_started_during_an_outage_waits_it_out(s3, outage):
     _, err = follower.communicate()
     assert line.split() == ["2", f"{folder}/step-000000000002.npz"], err
     said = err.splitlines()  # the outage, when it started and when it ended: not once a retry
-    started = [line for line in said if "waiting for" in line]
+    started = [line for line in said if line.startswith("weightstore: waiting for")]  # not what the follow waits for
     assert len(started) == 1 and started[0].startswith(f"weightstore: waiting for {folder}: storage failed (") \
         and started[0].endswith("; retrying"), err
     assert [line for line in said if "answers again" in line] == [f"weightstore: {folder} answers again"], err
