@@ -444,11 +444,11 @@ def parse_expected(directory: bytes, end: int, names: Callable[[], list[str]], n
 
 
 #: up to this many entries :func:`parse_expected` proves the usual directory (every member
-#: stored) in one Python loop over ``struct`` reads: numpy's fixed cost per call, paid in full
-#: by an open whose caches went cold (a first open, one after a wait: 0.2 ms of 0.6 for 100
-#: tensors), is more than the loop's work on a few thousand entries. Above it, or for any other
-#: directory, numpy's columns.
-FEW_ENTRIES = 2048
+#: stored) in one Python loop over ``struct`` reads, which an open of a few tensors then makes
+#: without a numpy call: numpy's cost per call, paid in full by an open whose caches went cold
+#: (a first open, one after a wait), was 0.2 ms of the 0.6 a cold open of 100 tensors took. The
+#: loop costs some 0.3 us an entry, so above this numpy's columns cost less, cold or warm.
+FEW_ENTRIES = 128
 #: one entry's fixed part as :func:`_few_as_written` reads it: signature, flags, method, CRC,
 #: compressed size, size, the four lengths (name, extra field, comment, disk number) as one
 #: integer (as in :data:`_EXPECTED_RECORD`), offset
