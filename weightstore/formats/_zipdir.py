@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import operator
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -72,14 +72,14 @@ class Member(NamedTuple):
 class Directory:
     """The members of a zip, by name, in directory order; checked in full when built.
 
-    Columns come as lists or arrays; a :class:`Member` (made only for the names a reader asks
-    about) takes its values from lists (a Python int from a list is cheaper than one from an
+    Columns come as lists, tuples or arrays; a :class:`Member` (made only for the names a reader asks
+    about) takes its values from sequences (a Python int from a list is cheaper than one from an
     array), checks on many members from arrays (:meth:`column`). The names' bytes are one
     string end to end.
     """
 
     def __init__(self, names: list[str] | Callable[[], list[str]], name_blob: bytes, name_lens: list[int] | np.ndarray,
-                 columns: dict[str, list[int]] | dict[str, np.ndarray]):
+                 columns: dict[str, list[int]] | dict[str, tuple[int, ...]] | dict[str, np.ndarray]):
         self._names = names
         self._name_blob = name_blob
         self._name_lens = name_lens
@@ -92,8 +92,9 @@ class Directory:
         return self._names if isinstance(self._names, list) else self._names()
 
     @functools.cached_property
-    def _lists(self) -> dict[str, list[int]]:
-        return {field: values if isinstance(values, list) else values.tolist() for field, values in self._columns.items()}
+    def _lists(self) -> dict[str, Sequence[int]]:
+        return {field: values if isinstance(values, (list, tuple)) else values.tolist()
+                for field, values in self._columns.items()}
 
     @functools.cached_property
     def index(self) -> dict[str, int]:
@@ -449,29 +450,39 @@ def parse_expected(directory: bytes, end: int, names: Callable[[], list[str]], n
 #: (a first open, one after a wait), was 0.2 ms of the 0.6 a cold open of 100 tensors took. The
 #: loop costs some 0.3 us an entry, so above this numpy's columns cost less, cold or warm.
 FEW_ENTRIES = 128
-#: one entry's fixed part as :func:`_few_as_written` reads it: signature, flags, method, CRC,
-#: compressed size, size, the four lengths (name, extra field, comment, disk number) as one
-#: integer (as in :data:`_EXPECTED_RECORD`), offset
-_ENTRY_AS_WRITTEN = struct.Struct("<I4xHH4xIIIQ6xI")
+#: one entry as :func:`_few_as_written` reads it: signature, flags, method, CRC, compressed
+#: size, size, the four lengths (name, extra field, comment, disk number) as one integer (as in
+#: :data:`_EXPECTED_RECORD`), offset, then the name (``%d``: its length)
+_ENTRY_AS_WRITTEN = "<I4xHH4xIIIQ6xI%ds"
+#: name length -> the ``unpack_from`` of its entry (:func:`_entry_reader`)
+_ENTRY_READERS: dict[int, Callable[[bytes, int], tuple]] = {}
+
+
+def _entry_reader(name_len: int) -> Callable[[bytes, int], tuple]:
+    """The reader of an entry whose name is ``name_len`` bytes long, kept for the next entry of
+    that length (a model's names take a few dozen lengths; at most 4,096 are kept)."""
+    reader = struct.Struct(_ENTRY_AS_WRITTEN % name_len).unpack_from
+    if len(_ENTRY_READERS) < 4096:
+        _ENTRY_READERS[name_len] = reader
+    return reader
 
 
 def _few_as_written(directory: bytes, end: int, names: Callable[[], list[str]], name_blob: bytes,
                     name_lens: list[int]) -> Directory | None:
     """:func:`parse_expected`'s answer for a directory of stored members, read entry by entry
-    and proved on whole lists; ``None`` where it proves nothing (a deflated member, a damaged
-    entry), which the numpy path then reads and decides."""
-    unpack = _ENTRY_AS_WRITTEN.unpack_from
-    entries, raw_names, position = [], [], 0
+    (one ``struct`` call each, its name included) and proved on whole columns; ``None`` where
+    it proves nothing (a deflated member, a damaged entry), which the numpy path then reads and
+    decides."""
+    readers, entries, position = _ENTRY_READERS, [], 0
     for name_len in name_lens:  # where each entry lies, if every length is as expected (checked below)
-        entries.append(unpack(directory, position))
-        raw_names.append(directory[position + CENTRAL_SIZE : position + CENTRAL_SIZE + name_len])
+        entries.append((readers.get(name_len) or _entry_reader(name_len))(directory, position))
         position += CENTRAL_SIZE + name_len
-    sigs, flags, methods, crcs, compressed, sizes, lengths, offsets = map(list, zip(*entries, strict=True))
-    limits = [*offsets[1:], end]
+    sigs, flags, methods, crcs, compressed, sizes, lengths, offsets, raw_names = zip(*entries, strict=True)
+    limits = (*offsets[1:], end)
     # each member's local header (fixed part and name) and data end before the next member's
     # offset (or ``end``): so in order, none overlapping, no offset or size a ZIP64 marker
     reach = map(operator.add, map(operator.add, offsets, compressed), name_lens)
-    if (sigs.count(_CENTRAL_SIG_INT) != len(sigs) or lengths != name_lens or b"".join(raw_names) != name_blob
+    if (sigs.count(_CENTRAL_SIG_INT) != len(sigs) or list(lengths) != name_lens or b"".join(raw_names) != name_blob
             or methods.count(STORED) != len(methods) or sizes != compressed
             or any(flag & ENCRYPTED_FLAG for flag in set(flags))
             or not all(map(operator.le, map(LOCAL.size.__add__, reach), limits))):
