@@ -72,10 +72,10 @@ class Member(NamedTuple):
 class Directory:
     """The members of a zip, by name, in directory order; checked in full when built.
 
-    Columns come as lists, tuples or arrays; a :class:`Member` (made only for the names a reader asks
-    about) takes its values from sequences (a Python int from a list is cheaper than one from an
-    array), checks on many members from arrays (:meth:`column`). The names' bytes are one
-    string end to end.
+    Columns come as lists, tuples or arrays; a :class:`Member` (made only for the names a
+    reader asks about) takes its values from sequences (a Python int from a list is cheaper
+    than one from an array), checks on many members from arrays (:meth:`column`). The names'
+    bytes are one string end to end.
     """
 
     def __init__(self, names: list[str] | Callable[[], list[str]], name_blob: bytes, name_lens: list[int] | np.ndarray,
@@ -447,8 +447,9 @@ def parse_expected(directory: bytes, end: int, names: Callable[[], list[str]], n
 #: up to this many entries :func:`parse_expected` proves the usual directory (every member
 #: stored) in one Python loop over ``struct`` reads, which an open of a few tensors then makes
 #: without a numpy call: numpy's cost per call, paid in full by an open whose caches went cold
-#: (a first open, one after a wait), was 0.2 ms of the 0.6 a cold open of 100 tensors took. The
-#: loop costs some 0.3 us an entry, so above this numpy's columns cost less, cold or warm.
+#: (a first open, one after a wait), was 0.13-0.2 ms of the 0.6 a cold open of 100 tensors took.
+#: The loop costs some 0.25 us an entry: warm, numpy's columns cost as much at 100 entries and
+#: less above; cold, the loop costs less up to some 200.
 FEW_ENTRIES = 128
 #: one entry as :func:`_few_as_written` reads it: signature, flags, method, CRC, compressed
 #: size, size, the four lengths (name, extra field, comment, disk number) as one integer (as in
