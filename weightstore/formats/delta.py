@@ -617,16 +617,17 @@ def _count(value: Any) -> bool:
     return type(value) is int and value >= 0
 
 
-def read_head(location: Any, name: str, *, member: bool = False) -> Head:
+def read_head(location: Any, name: str, *, member: bool = False, checked: list[str] | None = None) -> Head:
     """Only the head of the delta version at ``location`` (a path or remote file): what
     retention and ``ws versions`` need, without its tensors' entries (``member``: of a sharded
-    version's delta member)."""
+    version's delta member). ``checked``: the chain it should list, as :func:`parse_head` takes it
+    (a listing passes its base and the chain the base's head listed)."""
     source = byte_source(location, name)
     try:
         if isinstance(source, RemoteFile):
             source.start(index_at_end=False)
         head, _, _ = _prefix(source)
-        return parse_head(bytes(source.read_at(_PREFIX.size, head)), name, member=member)
+        return parse_head(bytes(source.read_at(_PREFIX.size, head)), name, member=member, checked=checked)
     finally:
         source.close()
 
@@ -669,7 +670,7 @@ class DeltaReader(ReaderDefaults):
         self._open_base = functools.partial(open_base, self.head.base, depth + 1, self.head.chain[1:])
         self._opened: Reader | None = None
         self._opening = threading.Lock()  # tensors are rebuilt in parallel: the base is opened once
-        if eager and not chained:  # chained: a base of a local chain, opened by its top (_open_chain)
+        if eager and not chained:  # chained: a local chain's base, opened by its top (_open_chain); or chain=False
             self._open_chain()
 
     def _open_chain(self) -> None:
@@ -1166,9 +1167,13 @@ def _apply_sparse(payload: memoryview, out: np.ndarray, itemsize: int, hasher: A
 _HASH_PIECE = 1 << 20
 
 
-def open_reader(location: Any, name: str, *, mmap: bool = True) -> Reader:
-    """The delta version at ``location``, its chain of bases opened beside it."""
-    return _open(location, name, mmap, 0)
+def open_reader(location: Any, name: str, *, mmap: bool = True, chain: bool = True,
+                checked: list[str] | None = None) -> Reader:
+    """The delta version at ``location``, its chain of bases opened beside it. ``chain=False``:
+    each base is opened when first read instead, as a remote one is (a reader that holds the
+    base's bytes proven rebuilds onto them and opens none: ``ws verify FOLDER``); ``checked``:
+    the chain its head should list, as :func:`parse_head` takes it."""
+    return _open(location, name, mmap, 0, chained=not chain, checked=checked)
 
 
 def open_member(location: Any, name: str, *, mmap: bool = True, most_files: int | None = None) -> DeltaReader:
