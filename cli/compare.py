@@ -299,11 +299,11 @@ def verify_versions(folder: str, checked: Callable[[VersionCheck], None] | None 
     sharded version reads every block of its members. Along a chain each delta is applied once,
     onto the version before it as just verified (:class:`Held`: one version's tensors in
     memory), not rebuilt from its anchor for every version, and opened without its chain (each
-    file of a chain is opened once, not by every version above it). A version being written (the step a
-    publish under way recorded, above ``LATEST``'s) or removed while this runs (a prune) is
-    skipped, not corrupt; a storage outage is raised, since nothing can be told then. ``LATEST``
-    is read again at the end (:func:`_latest_damage`). A version whose name is held by no file
-    (a FIFO, a folder, a link) is corrupt, never opened."""
+    file of a chain is opened once, not by every version above it). A version being written (the
+    step a publish under way recorded, above ``LATEST``'s) or removed while this runs (a prune)
+    is skipped, not corrupt; a storage outage is raised, since nothing can be told then.
+    ``LATEST`` is read again at the end (:func:`_latest_damage`). A version whose name is held
+    by no file (a FIFO, a folder, a link) is corrupt, never opened."""
     from weightstore.sync._listing import version_listing
 
     entries, damage = version_listing(folder)
