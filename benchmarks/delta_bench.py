@@ -397,8 +397,8 @@ def depth_costs(depth: int, tensors: int = 16, elements: int = 4096) -> list[lis
     """Seconds each verb takes on a chain ``depth`` deltas deep (``anchor_every=depth + 1``):
     ``tensors`` fp32 tensors of ``elements``, one element of one of them changed per step (a
     chain that deep must stay under a full version's bytes). The ``ws`` commands run as the
-    real command (a fresh process each: its start-up is the first row); the rest in this
-    process. A follower (a torch module, ``deltas=True``) starts at the middle of the chain and
+    real command (a fresh process each: ``ws --version`` times its start-up), each asserted to
+    succeed (``ws diff``: to find the change); the rest in this process. A follower (a torch module, ``deltas=True``) starts at the middle of the chain and
     catches up to its head; a fresh one starts at the head; the last publish is timed remembering
     its base (``keep=5``, the default: it prunes nothing, each version is needed) and, on a copy
     of the folder, reading it back."""
@@ -429,8 +429,9 @@ def depth_costs(depth: int, tensors: int = 16, elements: int = 4096) -> list[lis
         weights[f"t{step % tensors:02d}"][step % elements] += 1
         ws.publish(folder, weights, step=step, delta=delta, keep=keep)
 
-    def command(*args: str) -> None:
-        subprocess.run([sys.executable, "-m", "weightstore", *args], check=False, capture_output=True)
+    def command(*args: str, status: int = 0) -> None:
+        done = subprocess.run([sys.executable, "-m", "weightstore", *args], check=False, capture_output=True)
+        assert done.returncode == status, done.stderr.decode()[-2000:]
 
     with tempfile.TemporaryDirectory(dir=os.environ.get("WS_BENCH_DIR")) as root:
         folder, head = os.path.join(root, "run"), depth + 1
@@ -459,7 +460,8 @@ def depth_costs(depth: int, tensors: int = 16, elements: int = 4096) -> list[lis
         timed("ws --version (start-up)", lambda: command("--version"))
         timed("ws versions", lambda: command("versions", folder))
         timed("ws ls of the head", lambda: command("ls", top))
-        timed("ws diff anchor head", lambda: command("diff", os.path.join(folder, "step-000000000001.npz"), top))
+        timed("ws diff anchor head", lambda: command("diff", os.path.join(folder, "step-000000000001.npz"), top,
+                                                               status=1))
         timed("ws verify", lambda: command("verify", folder))
     return rows
 
