@@ -27,6 +27,7 @@ stages regions (TF1 partitioned variables) fetches.
     python -m benchmarks.delta_bench --only none --follow-mb 256   # follower latency and stall only
     python -m benchmarks.delta_bench --only fp32-adam --layers 6 --width 640 --followed 4 --skipped 5 --cpu-only  # 128 MB
     python -m benchmarks.delta_bench --only none --sharded-ranks 2 --synthetic-mb 96 --followed 4 --skipped 6
+    python -m benchmarks.delta_bench --depth 1000                # each verb on a chain 1,000 deep
 """
 
 from __future__ import annotations
@@ -392,6 +393,79 @@ def print_scenarios(rows: list[list[str]], cpu_rows: list[list[str]], followed: 
     print(table(["case", "publish CPU s/GB full", "delta", "ratio", "wall s/GB full", "delta", "ratio"], cpu_rows))
 
 
+def depth_costs(depth: int, tensors: int = 16, elements: int = 4096) -> list[list[str]]:
+    """Seconds each verb takes on a chain ``depth`` deltas deep (``anchor_every=depth + 1``):
+    ``tensors`` fp32 tensors of ``elements``, one element of one of them changed per step (a
+    chain that deep must stay under a full version's bytes). The ``ws`` commands run as the
+    real command (a fresh process each: ``ws --version`` times its start-up), each asserted to
+    succeed (``ws diff``: to find the change); the rest in this process. A follower (a torch module, ``deltas=True``) starts at the middle of the chain and
+    catches up to its head; a fresh one starts at the head; the last publish is timed remembering
+    its base (``keep=5``, the default: it prunes nothing, each version is needed) and, on a copy
+    of the folder, reading it back."""
+    import shutil
+    import subprocess
+    import sys
+
+    import torch
+
+    from weightstore.adapters.serving.follower import Follower
+
+    weights = {f"t{index:02d}": np.zeros(elements, np.float32) for index in range(tensors)}
+    rows: list[list[str]] = []
+
+    def timed(verb: str, run: Any) -> Any:
+        started = time.perf_counter()
+        result = run()
+        rows.append([verb, f"{time.perf_counter() - started:.3f}"])
+        return result
+
+    def module() -> torch.nn.Module:
+        held = torch.nn.Module()
+        for key, value in weights.items():
+            held.register_parameter(key, torch.nn.Parameter(torch.zeros(value.shape), requires_grad=False))
+        return held
+
+    def publish(folder: str, step: int, delta: ws.Delta, keep: int | None = None) -> None:
+        weights[f"t{step % tensors:02d}"][step % elements] += 1
+        ws.publish(folder, weights, step=step, delta=delta, keep=keep)
+
+    def command(*args: str, status: int = 0) -> None:
+        done = subprocess.run([sys.executable, "-m", "weightstore", *args], check=False, capture_output=True)
+        assert done.returncode == status, done.stderr.decode()[-2000:]
+
+    with tempfile.TemporaryDirectory(dir=os.environ.get("WS_BENCH_DIR")) as root:
+        folder, head = os.path.join(root, "run"), depth + 1
+        delta = ws.Delta(anchor_every=depth + 1)
+        middle = depth // 2 + 1
+        for step in range(1, middle + 1):
+            publish(folder, step, delta)
+        follower = Follower(module(), folder, poll=0.01, deltas=True).start()
+        follower.wait(middle, timeout=600)
+        follower.stop()
+        for step in range(middle + 1, head):
+            publish(folder, step, delta)
+        saved = {key: value.copy() for key, value in weights.items()}
+        shutil.copytree(folder, os.path.join(root, "copy"))
+        timed(f"ws.publish onto depth {depth - 1} (base remembered, keep=5)", lambda: publish(folder, head, delta, 5))
+        weights.update(saved)
+        timed(f"ws.publish onto depth {depth - 1} (base read back)", lambda: publish(
+            os.path.join(root, "copy"), head, ws.Delta(anchor_every=depth + 1, remember=False)))
+        timed(f"follower catching up {head - middle} versions", lambda: (follower.start(), follower.wait(
+            head, timeout=600), follower.stop()))
+        timed("follower starting fresh", lambda: (fresh := Follower(module(), folder, poll=0.01, deltas=True).start(),
+                                                   fresh.wait(head, timeout=600), fresh.stop()))
+        top = os.path.join(folder, f"step-{head:012d}.wsdelta")
+        timed("ws.open of the head", lambda: ws.open(top).close())
+        timed("ws.latest + ws.load", lambda: ws.load(ws.latest(folder)))
+        timed("ws --version (start-up)", lambda: command("--version"))
+        timed("ws versions", lambda: command("versions", folder))
+        timed("ws ls of the head", lambda: command("ls", top))
+        timed("ws diff anchor head", lambda: command("diff", os.path.join(folder, "step-000000000001.npz"), top,
+                                                               status=1))
+        timed("ws verify", lambda: command("verify", folder))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--synthetic-mb", type=float, default=96)
@@ -407,7 +481,14 @@ def main() -> None:
                         help="only the publish CPU of each case (no S3 server, no followers): for models of 64 MB+")
     parser.add_argument("--sharded-ranks", type=int, default=0,
                         help="also measure publish_shard by this many ranks (synthetic model; 0: not)")
+    parser.add_argument("--depth", type=int, default=0,
+                        help="only time each verb on a chain this many deltas deep (small tensors; 0: not)")
     args = parser.parse_args()
+    if args.depth:
+        print(machine_line())
+        print(f"a chain {args.depth} deltas deep: 16 fp32 tensors of 16 KiB, one element changed per version")
+        print(table(["verb", "seconds"], depth_costs(args.depth)))
+        return
     if args.sharded_ranks:
         print(machine_line())
         print(f"sharded versions of {args.sharded_ranks} ranks, synthetic bf16, 2% changed per version; "

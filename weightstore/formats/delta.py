@@ -617,16 +617,17 @@ def _count(value: Any) -> bool:
     return type(value) is int and value >= 0
 
 
-def read_head(location: Any, name: str, *, member: bool = False) -> Head:
+def read_head(location: Any, name: str, *, member: bool = False, checked: list[str] | None = None) -> Head:
     """Only the head of the delta version at ``location`` (a path or remote file): what
     retention and ``ws versions`` need, without its tensors' entries (``member``: of a sharded
-    version's delta member)."""
+    version's delta member). ``checked``: the chain it should list, as :func:`parse_head` takes it
+    (a listing passes its base and the chain the base's head listed)."""
     source = byte_source(location, name)
     try:
         if isinstance(source, RemoteFile):
             source.start(index_at_end=False)
         head, _, _ = _prefix(source)
-        return parse_head(bytes(source.read_at(_PREFIX.size, head)), name, member=member)
+        return parse_head(bytes(source.read_at(_PREFIX.size, head)), name, member=member, checked=checked)
     finally:
         source.close()
 
@@ -669,7 +670,7 @@ class DeltaReader(ReaderDefaults):
         self._open_base = functools.partial(open_base, self.head.base, depth + 1, self.head.chain[1:])
         self._opened: Reader | None = None
         self._opening = threading.Lock()  # tensors are rebuilt in parallel: the base is opened once
-        if eager and not chained:  # chained: a base of a local chain, opened by its top (_open_chain)
+        if eager and not chained:  # chained: a local chain's base, opened by its top (_open_chain); or chain=False
             self._open_chain()
 
     def _open_chain(self) -> None:
@@ -714,17 +715,19 @@ class DeltaReader(ReaderDefaults):
         if codecs is None or offsets is None or lengths is None:
             raise FormatError("has delta entries that do not list every tensor of its manifest", path=self.name)
         payload = self._source.size - self._payload_start
+        if keys and not self._manifest.tensors.has_digests:
+            raise FormatError("records no digest of the tensor it rebuilds", path=self.name, key=keys[0])
         found: dict[str, tuple[str, int, int]] = {}
-        for key, codec, offset, length in zip(keys, codecs, offsets, lengths, strict=True):
-            info = self._manifest.tensors[key]
+        # each tensor's bytes from the table's column: a TensorInfo made per tensor cost a quarter
+        # of opening a chain 1,000 deep
+        for key, codec, offset, length, nbytes in zip(keys, codecs, offsets, lengths,
+                                                      self._manifest.tensors.rows()[2], strict=True):
             if codec not in CODECS or not _count(offset) or not _count(length) or offset + length > payload:
                 raise FormatError(f"has a corrupt delta entry ({str(codec)[:20]} at {str(offset)[:20]}, "
                                   f"{str(length)[:20]} bytes, in {payload} bytes of payload)", path=self.name, key=key)
-            if (codec == SAME and length) or (codec == RAW and length != info.nbytes):
-                raise FormatError(f"has a {codec} entry of {length} bytes for a tensor of {info.nbytes}",
+            if (codec == SAME and length) or (codec == RAW and length != nbytes):
+                raise FormatError(f"has a {codec} entry of {length} bytes for a tensor of {nbytes}",
                                   path=self.name, key=key)
-            if info.digest is None:
-                raise FormatError("records no digest of the tensor it rebuilds", path=self.name, key=key)
             found[key] = (codec, offset, length)
         return found
 
@@ -851,16 +854,18 @@ class DeltaReader(ReaderDefaults):
         from the oldest, in a loop (a stack the same however deep the chain)."""
         levels: list[DeltaReader] = [self]
         out = None
+        info = self._manifest.tensors[key]
         while levels[-1]._entries[key][0] != RAW:
             level = levels[-1]
-            level._check_base(key, level._manifest.tensors[key], level.name)
+            info = level._check_base(key, info, level.name)
             base = level._base
             if not isinstance(base, DeltaReader):
                 out = level._anchor_bytes(key, base)
                 break
             levels.append(base)
         for level in reversed(levels):
-            out = level._apply_own(key, out)
+            if level._entries[key][0] != SAME:  # the base's bytes, of its dtype and shape (checked above)
+                out = level._apply_own(key, out)
         assert out is not None
         return out
 
@@ -969,9 +974,10 @@ class DeltaReader(ReaderDefaults):
                                 path=self.name, key=key)
         return from_storage(out.view(storage_dtype(info.dtype)).reshape(info.shape), info.dtype)
 
-    def _check_base(self, key: str, info: TensorInfo, where: str) -> None:
+    def _check_base(self, key: str, info: TensorInfo, where: str) -> TensorInfo:
         """That the base holds ``key`` as ``info`` (dtype and shape), a change of which this
-        version stores; ``where``: the file a refusal names."""
+        version stores; ``where``: the file a refusal names. The base's own info of it, which
+        the check of the base's base takes (asked once a level of a chain 1,000 deep)."""
         try:
             held = self._base.info(key)
         except KeyError:
@@ -980,6 +986,7 @@ class DeltaReader(ReaderDefaults):
         if held.dtype != info.dtype or tuple(held.shape) != tuple(info.shape):
             raise FormatError(f"is stored as a change of base {self.head.base}'s tensor, which is {held.dtype} "
                               f"{held.shape}, not {info.dtype} {info.shape}", path=where, key=key)
+        return held
 
     def _anchor_bytes(self, key: str, base: Reader) -> np.ndarray:
         """``key``'s stored bytes in ``base``, this version's anchor (uint8, a new writable array)."""
@@ -1166,9 +1173,13 @@ def _apply_sparse(payload: memoryview, out: np.ndarray, itemsize: int, hasher: A
 _HASH_PIECE = 1 << 20
 
 
-def open_reader(location: Any, name: str, *, mmap: bool = True) -> Reader:
-    """The delta version at ``location``, its chain of bases opened beside it."""
-    return _open(location, name, mmap, 0)
+def open_reader(location: Any, name: str, *, mmap: bool = True, chain: bool = True,
+                checked: list[str] | None = None) -> Reader:
+    """The delta version at ``location``, its chain of bases opened beside it. ``chain=False``:
+    each base is opened when first read instead, as a remote one is (a reader that holds the
+    base's bytes proven rebuilds onto them and opens none: ``ws verify FOLDER``); ``checked``:
+    the chain its head should list, as :func:`parse_head` takes it."""
+    return _open(location, name, mmap, 0, chained=not chain, checked=checked)
 
 
 def open_member(location: Any, name: str, *, mmap: bool = True, most_files: int | None = None) -> DeltaReader:
