@@ -120,6 +120,12 @@ class Commit(abc.ABC):
     def exists(self) -> bool:
         """Whether something is at the target already (what a save without ``overwrite`` refuses)."""
 
+    def still_landed(self) -> bool:
+        """Whether the target still holds what this commit landed, where the storage can tell: a
+        publisher that goes on after a pause must not name another writer's object as its own.
+        True here: a local folder's lock keeps other writers of its versions out."""
+        return True
+
     @contextlib.contextmanager
     def writing(self) -> Iterator[str]:
         """A write the file system refuses (disk full, file-size limit, read-only) comes out as
@@ -215,6 +221,8 @@ class UploadCommit(Commit):
         #: of one writer stands for it
         self._new = new
         self._scratch: str | None = None
+        #: the token the upload carried (:data:`UPLOAD_TOKEN`), once an upload with one landed
+        self._landed_token: str | None = None
 
     def begin(self) -> str:
         self._scratch = tempfile.mkdtemp(prefix="weightstore-upload-")
@@ -249,6 +257,7 @@ class UploadCommit(Commit):
                                  "that moved LATEST past it, or ws clean), so what it writes is dead",
                                  path=self.target, transient=False) from exc
         self.landed = True
+        self._landed_token = token if self._new and on_s3 else None
         self.discard()
 
     def discard(self) -> None:
@@ -259,6 +268,11 @@ class UploadCommit(Commit):
     def exists(self) -> bool:
         with service(self.target):
             return bool(self._fs.exists(self._remote))
+
+    def still_landed(self) -> bool:
+        """One HEAD: whether the object still carries this upload's token (an upload without one
+        is taken to: nothing tells it apart)."""
+        return self._landed_token is None or self._uploaded_with(self._landed_token)
 
     def _uploaded_with(self, token: str) -> bool:
         """Whether the object at the name is this commit's own upload (it carries ``token``): a
