@@ -474,6 +474,48 @@ def test_a_trainer_whose_anchor_is_damaged_writes_a_full_version_next_naming_it(
     same_bytes(ws.load(ws.latest(tmp_path)), weights)
 
 
+@pytest.mark.parametrize("anchor_is", ["replaced", "damaged", "removed"])
+def test_a_trainer_on_s3_whose_anchor_changed_writes_a_full_version_next_at_no_request_more(s3, anchor_is, caplog):
+    """On S3 a publisher looks at no file of its chain, but it lists the folder every publish:
+    the listing's ETag, size and time of each file of the chain, compared with the listing
+    after that file was published, tell an anchor replaced (with another whole file), damaged
+    or removed under it. The next step is written full, with one warning naming the anchor,
+    rather than deltas no follower rebuilds; and a delta publish makes as many requests
+    however long its chain."""
+    import s3fs
+
+    folder = f"s3://{BUCKET}/anchor-{anchor_is}"
+    delta, rng, weights = ws.Delta(anchor_every=20), np.random.default_rng(0), model()
+    requests = []
+    for step in range(1, 6):
+        weights = step_of(weights, rng)
+        s3.reset()
+        ws.publish(folder, weights, step=step, delta=delta)
+        requests.append((s3.count(), s3.count("HEAD"), s3.count("GET")))
+    assert delta.last_kind == "delta"
+    assert requests[2] == requests[3] == requests[4], requests  # chains of 2, 3 and 4 files
+    anchor = f"{folder}/step-000000000001.npz"
+    fs = s3fs.S3FileSystem()
+    if anchor_is == "removed":
+        fs.rm_file(anchor)
+    elif anchor_is == "replaced":  # another whole file: it reads, but is not what the deltas build on
+        ws.save(anchor, {key: np.zeros_like(value) for key, value in weights.items()}, overwrite=True)
+    else:
+        data = bytearray(fs.cat_file(anchor))
+        data[len(data) // 2] ^= 0xFF  # inside a tensor's bytes: the file still opens
+        fs.pipe_file(anchor, bytes(data))
+    with caplog.at_level(logging.WARNING, logger="weightstore"):
+        for step in (6, 7):
+            weights = step_of(weights, rng)
+            ws.publish(folder, weights, step=step, delta=delta)
+    kinds = [(entry.step, entry.kind) for entry in ws.sync.list_versions(folder)]
+    assert kinds[-2:] == [(6, "full"), (7, "delta")], kinds
+    said = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
+    assert len(said) == 1 and "step-000000000001.npz, which step 6 was encoded as a delta on" in said[0], said
+    assert "written as a full version" in said[0]
+    same_bytes(ws.load(ws.latest(folder)), weights)
+
+
 def test_a_trainer_whose_anchor_is_removed_writes_a_full_version_next(tmp_path):
     """An anchor removed by hand leaves its deltas unreadable: the next delta is not built on them."""
     delta, rng = ws.Delta(), np.random.default_rng(0)

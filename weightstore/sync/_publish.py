@@ -69,7 +69,7 @@ from weightstore.formats._pointer import (
     pointer_bytes,
 )
 from weightstore.io.commit import Commit
-from weightstore.io.folders import Folder, LocalFolder, folder_for
+from weightstore.io.folders import Folder, LocalFolder, folder_for, unchanged
 from weightstore.store._save import CheckedWeights, file_names, write_file
 from weightstore.sync import _stages as stages
 from weightstore.sync._checks import DEFAULT_FORMAT, DEFAULT_KEEP, checked_keep, checked_pointer_metadata, checked_step
@@ -181,7 +181,8 @@ def publish(
     try:
         try:
             version = commit_version(target, step, name, write_version, metadata, keep,
-                                     base=None if plan is None else plan.head.base, new=True, own=still_written)
+                                     base=None if plan is None else plan.head.base, new=True, own=still_written,
+                                     chain={} if plan is None else plan.files)
         except _BaseMoved as moved:  # nothing written yet: the same weights go whole onto the new LATEST
             _log.warning("%s; it is written as a full version instead", moved)
             plan, name = None, f"step-{step:012d}{fmt.suffixes[0]}"
@@ -206,7 +207,8 @@ class _BaseMoved(PublishError):
 
 def commit_version(target: Folder, step: int, name: str, write: Callable[[str], None],
                    metadata: Mapping[str, Any] | None, keep: int | None, *, base: str | None = None,
-                   new: bool = False, own: Callable[[], bool] | None = None) -> Version:
+                   new: bool = False, own: Callable[[], bool] | None = None,
+                   chain: Mapping[str, object] | None = None) -> Version:
     """The publish protocol around one version file: check the step, clean what killed publishes
     left, record the intent, ``write(created)`` the file ``name``, replace ``LATEST``, prune.
 
@@ -218,6 +220,11 @@ def commit_version(target: Folder, step: int, name: str, write: Callable[[str], 
     written (:meth:`Folder.require_compare_and_swap`). ``base``, a delta version's, must still be
     the file ``LATEST`` names: a delta is encoded before the folder is locked, and another
     publisher's version committed meanwhile would leave it based off the line retention keeps.
+    ``chain``: the files of that base's chain as the delta's plan took them (name ->
+    :meth:`~weightstore.io.folders.Folder.fingerprint`), which must be unchanged once the folder
+    is read: on an object store that listing is the first look at them (the plan's came from
+    memory), so an anchor replaced or removed since it was published costs a full version, not
+    deltas that no reader rebuilds.
     ``new``: ``write`` uploads only where no object has the name (a plain version), so the file
     of this step that a killed publish left is removed first (a sharded index is compared with
     the one there instead). ``own``: whether the file written is still this publish's, asked
@@ -235,6 +242,11 @@ def commit_version(target: Folder, step: int, name: str, write: Callable[[str], 
             raise _BaseMoved(f"LATEST moved to step {state.pointer.step if state.pointer else 'none'} while step "
                              f"{step} was encoded as a delta of {base} (is another trainer publishing to this "
                              "folder?)", path=target.where)
+        changed = [name for name, was in (chain or {}).items() if not unchanged({name: was},
+                                                                                {name: target.fingerprint(name)})]
+        if changed:
+            raise _BaseMoved(f"{changed[0]}, which step {step} was encoded as a delta on, was removed, replaced or "
+                             "written over since it was published", path=target.url(changed[0]))
         state.clean()
         if new and not isinstance(target, LocalFolder):
             state.remove_unpublished_of(step)
