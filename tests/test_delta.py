@@ -516,6 +516,33 @@ def test_a_trainer_on_s3_whose_anchor_changed_writes_a_full_version_next_at_no_r
     same_bytes(ws.load(ws.latest(folder)), weights)
 
 
+def test_a_follower_on_s3_never_serves_a_delta_whose_anchor_was_replaced_after_it_was_built(s3):
+    """A delta names its base, not its bytes; the digests it records of what it rebuilds are
+    checked by every read: an anchor replaced on S3 by another whole file (a copy restored
+    from elsewhere) after its deltas were written makes each of them refused when read, through
+    ``ws.latest`` as through ``ws.follow`` (whose version opens: its chain is read with its
+    tensors), never read as weights; the next version that reads is followed."""
+    folder = f"s3://{BUCKET}/replaced-under-followers"
+    published = publish_steps(folder, 3, delta=ws.Delta())
+    anchor = f"{folder}/step-000000000001.npz"
+    ws.save(anchor, {key: np.zeros_like(value) for key, value in published[1].items()}, overwrite=True)
+    with pytest.raises(ws.ChecksumError, match="is another whole file than the one it was built on"):
+        ws.load(ws.latest(folder))
+    following = ws.follow(folder, poll=0.05, timeout=30)
+    version = next(following)
+    assert version.step == 3
+    with ws.open(version) as store:
+        for key, value in published[3].items():
+            if value.size:  # an empty tensor is the same in any file
+                with pytest.raises(ws.ChecksumError, match="is another whole file than the one it was built on"):
+                    store[key]
+    ws.publish(folder, published[3], step=4)
+    version = next(following)
+    assert version.step == 4
+    same_bytes(ws.load(version), published[3])
+    following.close()
+
+
 def test_a_trainer_whose_anchor_is_removed_writes_a_full_version_next(tmp_path):
     """An anchor removed by hand leaves its deltas unreadable: the next delta is not built on them."""
     delta, rng = ws.Delta(), np.random.default_rng(0)
