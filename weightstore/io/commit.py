@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import logging
 import os
 import re
 import secrets
@@ -78,10 +79,20 @@ from weightstore.io.files import (
     remove_stale_temporaries,
     temporary_beside,
 )
-from weightstore.io.location import Location, filesystem, protocols, service, service_answer, transient
+from weightstore.io.location import (
+    Location,
+    condition_refused,
+    filesystem,
+    protocols,
+    service,
+    service_answer,
+    transient,
+)
 
 __all__ = ["UPLOAD_PART_BYTES", "Commit", "RenameCommit", "UploadCommit", "IndexLastCommit", "commit_for",
            "checkpoint_files"]
+
+_log = logging.getLogger(__name__)
 
 #: part size of a multipart upload to S3 (at least 5 MiB, S3's floor): s3fs's own default of
 #: 50 MiB sends anything under 100 MiB as one serial PUT
@@ -234,11 +245,26 @@ class UploadCommit(Commit):
         on_s3 = "s3" in protocols(self._fs)
         options: dict[str, Any] = {"chunksize": UPLOAD_PART_BYTES} if on_s3 else {}
         token = secrets.token_hex(16)
-        if self._new and on_s3:
-            options.update(mode="create", Metadata={UPLOAD_TOKEN: token})
+        store = _store_of(self._fs) if self._new and on_s3 else None
+        if store is not None:
+            options.update(Metadata={UPLOAD_TOKEN: token})
+            if store not in _unconditional:
+                options.update(mode="create")
         try:
             with service(self.target):
-                self._fs.put_file(local, self._remote, **options)
+                try:
+                    self._fs.put_file(local, self._remote, **options)
+                except OSError as exc:
+                    if options.get("mode") != "create" or not condition_refused(exc):
+                        raise
+                    del options["mode"]  # once, plainly: an answer it gives again is no refusal of the condition
+                    self._fs.put_file(local, self._remote, **options)
+                    _unconditional.add(str(store))
+                    _log.warning("%s refuses uploads made only where no object has the name (If-None-Match: *; it "
+                                 "answered %s), so weightstore uploads version files there unconditionally: a "
+                                 "publisher paused mid-publish while a trainer restarted elsewhere published the "
+                                 "same step can replace that version (its token still tells each publisher whether "
+                                 "the object is its own before it names it in LATEST)", store, _answered(exc))
         except StorageError as exc:
             if not (self._new and on_s3 and _already_there(exc)):
                 raise
@@ -283,6 +309,22 @@ class UploadCommit(Commit):
                 return bool(self._fs.metadata(self._remote).get(UPLOAD_TOKEN) == token)
         except FileNotFoundError:  # two conditional writes at once (409), neither landed yet
             return False
+
+
+#: the S3 endpoints (:func:`_store_of`) that refused a conditional upload, which are sent
+#: unconditionally from then on in this process
+_unconditional: set[str] = set()
+
+
+def _store_of(fs: Any) -> str:
+    """The S3 endpoint ``fs`` sends its requests to: what an S3-compatible store is told by."""
+    client = getattr(fs, "s3", None)
+    return str(getattr(getattr(client, "meta", None), "endpoint_url", None) or "S3")
+
+
+def _answered(exc: BaseException) -> str:
+    answer = service_answer(exc)
+    return "nothing" if answer is None else f"{answer[1]} {answer[0]}"
 
 
 def _already_there(exc: BaseException) -> bool:
