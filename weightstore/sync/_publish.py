@@ -205,12 +205,15 @@ class _BaseMoved(PublishError):
     committed after the delta was encoded (nothing of this one is written yet)."""
 
 
-def commit_version(target: Folder, step: int, name: str, write: Callable[[str], None],
+def commit_version(target: Folder, step: int, name: str, write: Callable[[str], str | None],
                    metadata: Mapping[str, Any] | None, keep: int | None, *, base: str | None = None,
                    new: bool = False, own: Callable[[], bool] | None = None,
                    chain: Mapping[str, object] | None = None) -> Version:
     """The publish protocol around one version file: check the step, clean what killed publishes
     left, record the intent, ``write(created)`` the file ``name``, replace ``LATEST``, prune.
+    ``write`` returns the ``created`` time its file records where that is not the one it was
+    given (a sharded commit adopting the identical index a killed one wrote), so that ``LATEST``
+    records its file's, which readers check.
 
     :func:`publish` writes a plain version file; :func:`~weightstore.commit_shards` a
     sharded version's index. On object storage ``LATEST`` is replaced by compare-and-swap on the
@@ -253,8 +256,8 @@ def commit_version(target: Folder, step: int, name: str, write: Callable[[str], 
         stages.reached("cleaned")
         write_small(target, INTENT, json.dumps({"step": step, "file": name}).encode())
         created = utc_now()
+        created = write(created) or created
         pointer = pointer_bytes(step, name, created, metadata or {}, writer())
-        write(created)
         stages.reached("version-written")
         if own is not None and not own():
             raise PublishError(f"step {step} was not published: another writer put its own {name} in place of this "
