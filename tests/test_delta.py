@@ -474,6 +474,75 @@ def test_a_trainer_whose_anchor_is_damaged_writes_a_full_version_next_naming_it(
     same_bytes(ws.load(ws.latest(tmp_path)), weights)
 
 
+@pytest.mark.parametrize("anchor_is", ["replaced", "damaged", "removed"])
+def test_a_trainer_on_s3_whose_anchor_changed_writes_a_full_version_next_at_no_request_more(s3, anchor_is, caplog):
+    """On S3 a publisher looks at no file of its chain, but it lists the folder every publish:
+    the listing's ETag, size and time of each file of the chain, compared with the listing
+    after that file was published, tell an anchor replaced (with another whole file), damaged
+    or removed under it. The next step is written full, with one warning naming the anchor,
+    rather than deltas no follower rebuilds; and a delta publish makes as many requests
+    however long its chain."""
+    import s3fs
+
+    folder = f"s3://{BUCKET}/anchor-{anchor_is}"
+    delta, rng, weights = ws.Delta(anchor_every=20), np.random.default_rng(0), model()
+    requests = []
+    for step in range(1, 6):
+        weights = step_of(weights, rng)
+        s3.reset()
+        ws.publish(folder, weights, step=step, delta=delta)
+        requests.append((s3.count(), s3.count("HEAD"), s3.count("GET")))
+    assert delta.last_kind == "delta"
+    assert requests[2] == requests[3] == requests[4], requests  # chains of 2, 3 and 4 files
+    anchor = f"{folder}/step-000000000001.npz"
+    fs = s3fs.S3FileSystem()
+    if anchor_is == "removed":
+        fs.rm_file(anchor)
+    elif anchor_is == "replaced":  # another whole file: it reads, but is not what the deltas build on
+        ws.save(anchor, {key: np.zeros_like(value) for key, value in weights.items()}, overwrite=True)
+    else:
+        data = bytearray(fs.cat_file(anchor))
+        data[len(data) // 2] ^= 0xFF  # inside a tensor's bytes: the file still opens
+        fs.pipe_file(anchor, bytes(data))
+    with caplog.at_level(logging.WARNING, logger="weightstore"):
+        for step in (6, 7):
+            weights = step_of(weights, rng)
+            ws.publish(folder, weights, step=step, delta=delta)
+    kinds = [(entry.step, entry.kind) for entry in ws.sync.list_versions(folder)]
+    assert kinds[-2:] == [(6, "full"), (7, "delta")], kinds
+    said = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
+    assert len(said) == 1 and "step-000000000001.npz, which step 6 was encoded as a delta on" in said[0], said
+    assert "written as a full version" in said[0]
+    same_bytes(ws.load(ws.latest(folder)), weights)
+
+
+def test_a_follower_on_s3_never_serves_a_delta_whose_anchor_was_replaced_after_it_was_built(s3):
+    """A delta names its base, not its bytes; the digests it records of what it rebuilds are
+    checked by every read: an anchor replaced on S3 by another whole file (a copy restored
+    from elsewhere) after its deltas were written makes each of them refused when read, through
+    ``ws.latest`` as through ``ws.follow`` (whose version opens: its chain is read with its
+    tensors), never read as weights; the next version that reads is followed."""
+    folder = f"s3://{BUCKET}/replaced-under-followers"
+    published = publish_steps(folder, 3, delta=ws.Delta())
+    anchor = f"{folder}/step-000000000001.npz"
+    ws.save(anchor, {key: np.zeros_like(value) for key, value in published[1].items()}, overwrite=True)
+    with pytest.raises(ws.ChecksumError, match="is another whole file than the one it was built on"):
+        ws.load(ws.latest(folder))
+    following = ws.follow(folder, poll=0.05, timeout=30)
+    version = next(following)
+    assert version.step == 3
+    with ws.open(version) as store:
+        for key, value in published[3].items():
+            if value.size:  # an empty tensor is the same in any file
+                with pytest.raises(ws.ChecksumError, match="is another whole file than the one it was built on"):
+                    store[key]
+    ws.publish(folder, published[3], step=4)
+    version = next(following)
+    assert version.step == 4
+    same_bytes(ws.load(version), published[3])
+    following.close()
+
+
 def test_a_trainer_whose_anchor_is_removed_writes_a_full_version_next(tmp_path):
     """An anchor removed by hand leaves its deltas unreadable: the next delta is not built on them."""
     delta, rng = ws.Delta(), np.random.default_rng(0)

@@ -27,6 +27,10 @@ removed, replaced, or written over), the base is read back from the folder, veri
 A chain that fails (a damaged anchor, which every follower would refuse) is logged naming the
 file, and that step is written full: the next deltas build on it. A look costs one ``lstat`` a
 file; bytes that rot under the file system are seen only by a read (``ws verify FOLDER``).
+On an object store, where a look at each file would be a request, the look is the listing of
+the folder every publish makes anyway (:meth:`~weightstore.io.folders.RemoteFolder.fingerprint`),
+compared with the listing after each file was published once the commit has listed the folder:
+a file changed since costs that step a full version, logged naming the file.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from weightstore.core.manifest import content_digest, crc32, from_storage, stora
 from weightstore.errors import WeightStoreError
 from weightstore.formats import delta as delta_format
 from weightstore.formats._pointer import VERSION_NAME
-from weightstore.io.folders import Folder
+from weightstore.io.folders import Folder, unchanged
 from weightstore.store._save import CheckedWeights
 from weightstore.sync._folder import SHARDED_SUFFIX
 from weightstore.sync._pinning import Version, read_latest
@@ -102,7 +106,8 @@ class Plan:
     encoded: list[delta_format.Encoded]
     rows: list[tuple[str, str, tuple[int, ...], int]]
     digests: list[bytes]
-    #: each file of its base's chain as the plan found it (:meth:`Delta._chain_files`)
+    #: each file of its base's chain as published, or as the plan read it back; the commit
+    #: compares the folder's listing with it (:func:`~weightstore.sync._publish.commit_version`)
     files: dict[str, object] = field(default_factory=dict)
 
     @property
@@ -180,7 +185,7 @@ class Delta:
                 return None
             files = {name: target.fingerprint(name) for name in chain}
             plan = self._encode(target, pointer, base, chain, chain_bytes, step, tensors, files)
-            if plan is not None:
+            if plan is not None and not plan.files:
                 plan.files = files
             return plan
         except (WeightStoreError, FileNotFoundError) as exc:
@@ -204,8 +209,11 @@ class Delta:
         """The plan against the remembered version where it is the base and every file of its
         chain is as published (``files``: as they are now), else against the base read back."""
         held = self._held
-        if held is not None and self._holds(held, target, pointer, base) and held.files == files:
-            return self._from_memory(held, step, base, chain, chain_bytes, tensors)
+        if held is not None and self._holds(held, target, pointer, base) and unchanged(held.files, files):
+            plan = self._from_memory(held, step, base, chain, chain_bytes, tensors)
+            if plan is not None:  # as published: what an object store's listing is compared with at the commit
+                plan.files = dict(held.files)
+            return plan
         with pointer._weightstore_open(verify=True) as store:  # read back: anchor and chain, verified
             def read_back(key: str, item: Stored) -> np.ndarray | None:
                 if key not in store:
