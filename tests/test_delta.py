@@ -1160,3 +1160,18 @@ def test_a_delta_written_while_the_same_delta_publishes_elsewhere_reads_back(tmp
     same_bytes(ws.load(other), steps[0])
     assert found and found[0].path.endswith(".wsdelta")
     same_bytes(ws.load(found[0]), steps[1])
+
+
+@pytest.mark.parametrize(("change", "codec"), [("dense", "xor-top"), ("xor", "xor-zstd"), ("raw", "raw")])
+def test_an_xor_encode_gives_the_crc_of_the_new_bytes_it_took_in_passing(change, codec):
+    """A tensor XOR-ed in blocks is checksummed block by block as it is XOR-ed (the block in
+    cache), not in a pass of its own: the CRC-32 it gives is the new bytes', also where the XOR
+    did not pay (raw)."""
+    rng = np.random.default_rng(9)
+    base = rng.standard_normal(3 * (1 << 20) + 7).astype(np.float32)
+    new = {"dense": base + np.float32(1e-3) * rng.standard_normal(base.shape).astype(np.float32),
+           "xor": base * np.float32(1.0001),
+           "raw": rng.integers(0, 2**32, base.shape, np.uint32).view(np.float32)}[change]
+    new.view(np.uint32)[::3001] ^= 1
+    found = delta_format.encode(new.view(np.uint8), base.view(np.uint8), 4, dense=change == "dense", sparse=False)
+    assert found.codec == codec and found.crc == crc32(new.view(np.uint8))

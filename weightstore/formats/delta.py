@@ -69,6 +69,7 @@ import zstandard
 
 from weightstore.core import _jsontext as jsontext
 from weightstore.core import _parallel as parallel
+from weightstore.core import checksums
 from weightstore.core._tensortable import DIGEST_PREFIX, TensorInfo, TensorRow
 from weightstore.core.limits import (
     DELTA_BYTES_PER_CONTAINER,
@@ -85,6 +86,7 @@ from weightstore.core.manifest import (
     checksum,
     content_digest,
     content_hasher,
+    crc32_before_write,
     from_storage,
     parse_manifest,
     storage_dtype,
@@ -210,6 +212,9 @@ class Encoded:
 
     codec: str
     parts: list[Any]
+    #: the CRC-32 of the tensor's new bytes where the encode took it in passing (XOR-ed in
+    #: blocks: each block's while that block is in cache for the XOR), else ``None``
+    crc: int | None = None
     #: the payload's bytes, added up once: a plan asks it of every tensor several times
     nbytes: int = field(init=False)
 
@@ -245,7 +250,7 @@ def encode(new: np.ndarray, base: np.ndarray | None, itemsize: int, *, dense: bo
         top = nbytes > _SMALL and _plane_size(itemsize, BLOCK) > 1
         xor = _xor_zstd(new, base, [1] * -(-nbytes // BLOCK), itemsize, _TOP_LEVEL if top else _DENSE_LEVEL, top=top,
                         spend=spend)
-        return xor if xor.nbytes < nbytes else Encoded(RAW, [new])
+        return xor if xor.nbytes < nbytes else Encoded(RAW, [new], xor.crc)
     elements = nbytes // itemsize if itemsize else 0
     mask = _changed_mask(new, base, itemsize)
     total = int(np.count_nonzero(mask))
@@ -260,7 +265,8 @@ def encode(new: np.ndarray, base: np.ndarray | None, itemsize: int, *, dense: bo
         xor = _xor_zstd(new, base, changed, itemsize, spend=spend)
         if best is None or xor.nbytes < best.nbytes:
             best = xor
-    return best if best.nbytes < nbytes else Encoded(RAW, [new])
+        best.crc = xor.crc
+    return best if best.nbytes < nbytes else Encoded(RAW, [new], best.crc)
 
 
 #: the most changed elements (a fraction) for which the sparse form is tried
@@ -381,8 +387,9 @@ def _xor_zstd(new: np.ndarray, base: np.ndarray, changed: list[int], itemsize: i
 
     def block(index: int) -> None:
         start = index * BLOCK
+        length = min(BLOCK, nbytes - start)
+        crcs[index] = crc32_before_write(new[start : start + length].data)
         if changed[index]:
-            length = min(BLOCK, nbytes - start)
             buffer = _scratch(2 * length + 8)
             xor, planes = buffer[:length], buffer[length : 2 * length]
             word = _UINTS.get(size)
@@ -410,20 +417,22 @@ def _xor_zstd(new: np.ndarray, base: np.ndarray, changed: list[int], itemsize: i
 
     frames: list[Any] = [b""] * count  # bytes, or views of the base where spent
     records: list[list[Any]] = [[] for _ in range(count)]
+    crcs = [0] * count
     parallel.for_each(count, block)
+    crc = checksums.joined(crcs, BLOCK, nbytes)
     if top:
         lengths = [len(frame) for frame in frames]
         sizes = [sum(part.nbytes for part in record) for record in records]
         table = struct.pack(f"<I{2 * count}I", count, *(n for pair in zip(lengths, sizes, strict=True) for n in pair))
         return Encoded(XOR_TOP, [table, *(part for frame, record in zip(frames, records, strict=True)
-                                         for part in (frame, *record))])
+                                         for part in (frame, *record))], crc)
     zeros: dict[int, bytes] = {}
     for index, frame in enumerate(frames):
         if not len(frame):
             length = min(BLOCK, nbytes - index * BLOCK)
             frames[index] = zeros.get(length) or zeros.setdefault(length, _compressor().compress(bytes(length)))
     table = struct.pack(f"<I{count}I", count, *map(len, frames))
-    return Encoded(XOR_ZSTD, [table, *frames])
+    return Encoded(XOR_ZSTD, [table, *frames], crc)
 
 
 def _spend(memory: np.ndarray, parts: list[Any]) -> list[Any]:

@@ -386,7 +386,7 @@ def _plan(step: int, base: str, chain: list[str], chain_bytes: int, full_bytes: 
         if total >= full_bytes or chain_bytes + total >= full_bytes:
             return None
         encoded.append(one)
-        rows.append((key, item.dtype, item.shape, crc32(item.data)))
+        rows.append((key, item.dtype, item.shape, crc32(item.data) if one.crc is None else one.crc))
         digests.append(content_digest(item.data))
     head = delta_format.Head(step, base, chain, chain_bytes + total, full_bytes)
     return Plan(head, encoded, rows, digests)
