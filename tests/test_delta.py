@@ -16,6 +16,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+import zstandard
 from typer.testing import CliRunner
 
 import weightstore as ws
@@ -1175,3 +1176,28 @@ def test_an_xor_encode_gives_the_crc_of_the_new_bytes_it_took_in_passing(change,
     new.view(np.uint32)[::3001] ^= 1
     found = delta_format.encode(new.view(np.uint8), base.view(np.uint8), 4, dense=change == "dense", sparse=False)
     assert found.codec == codec and found.crc == crc32(new.view(np.uint8))
+
+
+@pytest.mark.parametrize("change", ["noise", "rows"])
+def test_noise_low_planes_are_written_as_stored_zstd_blocks_and_rebuild(change):
+    """An fp32 Adam step's low byte planes are noise: a spent dense block writes them as a zstd
+    frame of stored blocks (what zstd would make of them, without its search for matches), any
+    zstd decoder reads it, and the block rebuilds; planes that do shrink (rows that did not
+    change) are still compressed."""
+    rng = np.random.default_rng(10)
+    base = rng.standard_normal(2 * (1 << 20) - 4096).astype(np.float32)  # two blocks
+    new = base * (1 + np.float32(0.05) * rng.standard_normal(base.shape).astype(np.float32))  # 5%: small weights, Adam
+    if change == "rows":
+        new[::2] = base[::2]  # every other element unchanged: zeros zstd finds
+    spent = delta_format.encode(new.view(np.uint8), base.copy().view(np.uint8), 4, dense=True, spend=True)
+    assert spent.codec == "xor-top"
+    table = np.frombuffer(bytes(spent.parts[0]), "<u4")
+    frame = bytes(spent.parts[1])
+    low = 3 * (1 << 20)  # the first block's three low planes
+    stored = frame[4] == 0xE0 and len(frame) == 13 + 3 * 24 + low
+    assert stored == (change == "noise") and table[1] == len(frame)
+    assert len(zstandard.ZstdDecompressor().decompress(frame)) == low
+    out = base.view(np.uint8).copy()
+    delta_format._apply_xor(memoryview(b"".join(bytes(memoryview(part)) for part in spent.parts)), out,
+                            delta_format.BLOCK, 4, top=True)
+    assert out.tobytes() == new.view(np.uint8).tobytes()
