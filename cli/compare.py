@@ -24,7 +24,7 @@ from weightstore.cli.render import tensor_type, track
 from weightstore.core._tensortable import DIGEST_PREFIX
 from weightstore.core.manifest import TensorInfo, to_storage
 from weightstore.errors import FormatError, StoreNotFoundError, named
-from weightstore.store._open import Store
+from weightstore.store._open import Store, open_onto_base
 
 if TYPE_CHECKING:
     from weightstore.sync._folder import FolderState
@@ -248,6 +248,8 @@ class Held:
 
     name: str
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    #: the chain a delta of it lists: its name, then its own chain (``None``: the listing did not tell)
+    chain: list[str] | None = None
 
 
 def _read_checked(store: Store, key: str, held: Held | None, keep: bool) -> np.ndarray | None:
@@ -306,11 +308,12 @@ def verify_versions(folder: str, checked: Callable[[VersionCheck], None] | None 
     digests its publisher recorded (so a damaged anchor shows in every delta built on it), a
     sharded version reads every block of its members. Along a chain each delta is applied once,
     onto the version before it as just verified (:class:`Held`: one version's tensors in
-    memory), not rebuilt from its anchor for every version. A version being written (the step a
-    publish under way recorded, above ``LATEST``'s) or removed while this runs (a prune) is
-    skipped, not corrupt; a storage outage is raised, since nothing can be told then. ``LATEST``
-    is read again at the end (:func:`_latest_damage`). A version whose name is held by no file
-    (a FIFO, a folder, a link) is corrupt, never opened."""
+    memory), not rebuilt from its anchor for every version, and opened without its chain (each
+    file of a chain is opened once, not by every version above it). A version being written (the
+    step a publish under way recorded, above ``LATEST``'s) or removed while this runs (a prune)
+    is skipped, not corrupt; a storage outage is raised, since nothing can be told then.
+    ``LATEST`` is read again at the end (:func:`_latest_damage`). A version whose name is held
+    by no file (a FIFO, a folder, a link) is corrupt, never opened."""
     from weightstore.sync._listing import version_listing
 
     entries, damage = version_listing(folder)
@@ -318,11 +321,15 @@ def verify_versions(folder: str, checked: Callable[[VersionCheck], None] | None 
     pointer = before.pointer if damage is None else None
     checks = []
     held: Held | None = None
+    chain: list[str] | None = None  # the chain a delta of the version before lists, as the listing tells
     for at, entry in enumerate(entries):
         check = VersionCheck(entry.step, entry.path, entry.kind)
         checks.append(check)
         following = entries[at + 1] if at + 1 < len(entries) else None
-        keep = Held(entry.name) if following is not None and following.kind == "delta" and \
+        own = [] if entry.kind == "full" else chain if entry.kind == "delta" and chain and chain[0] == entry.base \
+            else None
+        chain = None if own is None else [entry.name, *own]
+        keep = Held(entry.name, chain=chain) if following is not None and following.kind == "delta" and \
             following.base == entry.name else None
         _check_version(folder, entry, check, before, pointer,
                        held if held is not None and entry.kind == "delta" and entry.base == held.name else None, keep)
@@ -346,7 +353,7 @@ def _check_version(folder: str, entry: VersionEntry, check: VersionCheck, before
         check.state, check.fault = "corrupt", f"is {entry.not_file}, not a file: no reader opens it"
         return
     try:
-        with weightstore.open(entry.path) as opened:
+        with weightstore.open(entry.path) if held is None else open_onto_base(entry.path, held.chain) as opened:
             check.count, check.problems = len(opened), verify(opened, held, keep)
     except StoreNotFoundError as exc:  # gone: this version (pruned meanwhile), or a file of its chain
         if entry.name not in _version_names(folder):

@@ -492,9 +492,9 @@ def verify(store: Annotated[str, typer.Argument(help="The weight store, or folde
     STORE may be a folder of ws.publish versions (local or s3://): every version ws versions
     lists is checked, one line each as it is done (ok, corrupt, or skipped: above LATEST, being
     written by a publish under way, or pruned meanwhile); a delta is rebuilt (each delta of a
-    chain applied once, onto the version before) and checked against its recorded digests, so a
-    damaged anchor fails every delta built on it, each line naming the anchor. A version's name
-    held by a link, a folder or a FIFO is corrupt, never opened.
+    chain opened and applied once, onto the version before) and checked against its recorded
+    digests, so a damaged anchor fails every delta built on it, each line naming the anchor. A
+    version's name held by a link, a folder or a FIFO is corrupt, never opened.
 
     Exit status 0 when it is intact, 1 when it is corrupt (any version) or no weight file, 2 when
     it cannot be checked (no such file, an empty folder, a storage outage).

@@ -16,6 +16,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+import zstandard
 from typer.testing import CliRunner
 
 import weightstore as ws
@@ -492,6 +493,75 @@ def test_a_trainer_whose_anchor_is_damaged_writes_a_full_version_next_naming_it(
     assert len(said) == 1 and "publishing step 4" in said[0] and "writing a full version" in said[0]
     assert "in its chain, step-000000000001.npz: is corrupt" in said[0]
     same_bytes(ws.load(ws.latest(tmp_path)), weights)
+
+
+@pytest.mark.parametrize("anchor_is", ["replaced", "damaged", "removed"])
+def test_a_trainer_on_s3_whose_anchor_changed_writes_a_full_version_next_at_no_request_more(s3, anchor_is, caplog):
+    """On S3 a publisher looks at no file of its chain, but it lists the folder every publish:
+    the listing's ETag, size and time of each file of the chain, compared with the listing
+    after that file was published, tell an anchor replaced (with another whole file), damaged
+    or removed under it. The next step is written full, with one warning naming the anchor,
+    rather than deltas no follower rebuilds; and a delta publish makes as many requests
+    however long its chain."""
+    import s3fs
+
+    folder = f"s3://{BUCKET}/anchor-{anchor_is}"
+    delta, rng, weights = ws.Delta(anchor_every=20), np.random.default_rng(0), model()
+    requests = []
+    for step in range(1, 6):
+        weights = step_of(weights, rng)
+        s3.reset()
+        ws.publish(folder, weights, step=step, delta=delta)
+        requests.append((s3.count(), s3.count("HEAD"), s3.count("GET")))
+    assert delta.last_kind == "delta"
+    assert requests[2] == requests[3] == requests[4], requests  # chains of 2, 3 and 4 files
+    anchor = f"{folder}/step-000000000001.npz"
+    fs = s3fs.S3FileSystem()
+    if anchor_is == "removed":
+        fs.rm_file(anchor)
+    elif anchor_is == "replaced":  # another whole file: it reads, but is not what the deltas build on
+        ws.save(anchor, {key: np.zeros_like(value) for key, value in weights.items()}, overwrite=True)
+    else:
+        data = bytearray(fs.cat_file(anchor))
+        data[len(data) // 2] ^= 0xFF  # inside a tensor's bytes: the file still opens
+        fs.pipe_file(anchor, bytes(data))
+    with caplog.at_level(logging.WARNING, logger="weightstore"):
+        for step in (6, 7):
+            weights = step_of(weights, rng)
+            ws.publish(folder, weights, step=step, delta=delta)
+    kinds = [(entry.step, entry.kind) for entry in ws.sync.list_versions(folder)]
+    assert kinds[-2:] == [(6, "full"), (7, "delta")], kinds
+    said = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
+    assert len(said) == 1 and "step-000000000001.npz, which step 6 was encoded as a delta on" in said[0], said
+    assert "written as a full version" in said[0]
+    same_bytes(ws.load(ws.latest(folder)), weights)
+
+
+def test_a_follower_on_s3_never_serves_a_delta_whose_anchor_was_replaced_after_it_was_built(s3):
+    """A delta names its base, not its bytes; the digests it records of what it rebuilds are
+    checked by every read: an anchor replaced on S3 by another whole file (a copy restored
+    from elsewhere) after its deltas were written makes each of them refused when read, through
+    ``ws.latest`` as through ``ws.follow`` (whose version opens: its chain is read with its
+    tensors), never read as weights; the next version that reads is followed."""
+    folder = f"s3://{BUCKET}/replaced-under-followers"
+    published = publish_steps(folder, 3, delta=ws.Delta())
+    anchor = f"{folder}/step-000000000001.npz"
+    ws.save(anchor, {key: np.zeros_like(value) for key, value in published[1].items()}, overwrite=True)
+    with pytest.raises(ws.ChecksumError, match="is another whole file than the one it was built on"):
+        ws.load(ws.latest(folder))
+    following = ws.follow(folder, poll=0.05, timeout=30)
+    version = next(following)
+    assert version.step == 3
+    with ws.open(version) as store:
+        for key, value in published[3].items():
+            if value.size:  # an empty tensor is the same in any file
+                with pytest.raises(ws.ChecksumError, match="is another whole file than the one it was built on"):
+                    store[key]
+    ws.publish(folder, published[3], step=4)
+    version = next(following)
+    assert version.step == 4
+    same_bytes(ws.load(version), published[3])
+    following.close()
 
 
 def test_a_trainer_whose_anchor_is_removed_writes_a_full_version_next(tmp_path):
@@ -1093,3 +1163,131 @@ def test_a_chain_is_held_in_memory_linear_in_its_depth(tmp_path):
         return held / depth
 
     assert held_per_delta(160) < 1.3 * held_per_delta(40)
+
+
+def dense_steps(rng: np.random.Generator, weights: dict[str, np.ndarray], count: int):
+    """``count`` fp32 Adam-like steps: every element of every tensor moves a little."""
+    for _ in range(count):
+        weights = {key: value + np.float32(1e-3) * rng.standard_normal(value.shape).astype(np.float32)
+                   for key, value in weights.items()}
+        yield weights
+
+
+def test_a_dense_delta_is_made_in_the_memory_of_the_base_it_spends_and_decodes():
+    """``encode(spend=True)``: each block's frame and top record are moved into the base's bytes
+    of that block (the publisher's own copy, read already), not held in fresh memory until written;
+    they decode to the new bytes as the compressor's output does."""
+    rng = np.random.default_rng(6)
+    base = rng.standard_normal(3 * (1 << 20) - 1024).astype(np.float32)  # three 4 MiB blocks, the last short
+    new = base + np.float32(1e-3) * rng.standard_normal(base.shape).astype(np.float32)
+    flat_new, flat_base = new.view(np.uint8), base.copy().view(np.uint8)
+    kept = delta_format.encode(flat_new, flat_base.copy(), 4, dense=True)
+    spent = delta_format.encode(flat_new, flat_base, 4, dense=True, spend=True)
+    assert spent.codec == kept.codec == "xor-top"
+    assert b"".join(map(bytes, spent.parts)) == b"".join(map(bytes, kept.parts))
+    assert all(np.shares_memory(np.frombuffer(part, np.uint8), flat_base) for part in spent.parts[1:])
+    assert not any(np.shares_memory(np.frombuffer(part, np.uint8), flat_base) for part in kept.parts)
+
+
+def test_a_publish_that_fails_after_spending_its_base_is_followed_by_versions_that_read_back(tmp_path):
+    """A delta is made in the memory of the publisher's copy of its base: a publish that fails
+    once it is encoded (here: at the folder's lock) leaves no base in memory, so the next is
+    written full, not encoded against the payload left there, and every version reads back."""
+    from weightstore.sync import _stages as stages
+
+    rng = np.random.default_rng(7)
+    folder, planner = tmp_path / "run", ws.Delta(anchor_every=20)
+    steps = list(dense_steps(rng, {"w": rng.standard_normal((512, 2048)).astype(np.float32)}, 4))
+    ws.publish(folder, steps[0], step=1, delta=planner)
+
+    def fail(name: str) -> None:
+        if name == "locked":
+            raise OSError(28, "No space left on device")
+
+    stages.hook = fail
+    try:
+        with pytest.raises(OSError, match="No space"):
+            ws.publish(folder, steps[1], step=2, delta=planner)
+    finally:
+        stages.hook = None
+    for step, weights in enumerate(steps[1:], start=2):
+        version = ws.publish(folder, weights, step=step, delta=planner)
+        same_bytes(ws.load(version), weights)
+    assert files(folder) == ["step-000000000001.npz", "step-000000000002.npz", "step-000000000003.wsdelta",
+                             "step-000000000004.npz"]
+
+
+def test_a_delta_written_while_the_same_delta_publishes_elsewhere_reads_back(tmp_path):
+    """Two publishes given one ``Delta`` overlap (a background publisher and a foreground one):
+    the first's payload lies in the memory of the remembered copy it spent, which the second,
+    finishing first, must not copy its weights into; the first's version reads back whole."""
+    import threading
+
+    from weightstore.sync import _stages as stages
+
+    rng = np.random.default_rng(8)
+    planner = ws.Delta(anchor_every=20)
+    steps = list(dense_steps(rng, {"w": rng.standard_normal((512, 2048)).astype(np.float32)}, 2))
+    ws.publish(tmp_path / "a", steps[0], step=1, delta=planner)
+    encoded, release = threading.Event(), threading.Event()
+
+    def hold(name: str) -> None:
+        if name == "locked" and threading.current_thread().name == "first":
+            encoded.set()
+            release.wait(60)
+
+    found: list[BaseException | ws.Version] = []
+    first = threading.Thread(target=lambda: found.append(ws.publish(tmp_path / "a", steps[1], step=2, delta=planner)),
+                             name="first")
+    stages.hook = hold
+    try:
+        first.start()
+        assert encoded.wait(60)
+        other = ws.publish(tmp_path / "b", steps[0], step=1, delta=planner)  # done while the first is held
+    finally:
+        release.set()
+        first.join(60)
+        stages.hook = None
+    same_bytes(ws.load(other), steps[0])
+    assert found and found[0].path.endswith(".wsdelta")
+    same_bytes(ws.load(found[0]), steps[1])
+
+
+@pytest.mark.parametrize(("change", "codec"), [("dense", "xor-top"), ("xor", "xor-zstd"), ("raw", "raw")])
+def test_an_xor_encode_gives_the_crc_of_the_new_bytes_it_took_in_passing(change, codec):
+    """A tensor XOR-ed in blocks is checksummed block by block as it is XOR-ed (the block in
+    cache), not in a pass of its own: the CRC-32 it gives is the new bytes', also where the XOR
+    did not pay (raw)."""
+    rng = np.random.default_rng(9)
+    base = rng.standard_normal(3 * (1 << 20) + 7).astype(np.float32)
+    new = {"dense": base + np.float32(1e-3) * rng.standard_normal(base.shape).astype(np.float32),
+           "xor": base * np.float32(1.0001),
+           "raw": rng.integers(0, 2**32, base.shape, np.uint32).view(np.float32)}[change]
+    new.view(np.uint32)[::3001] ^= 1
+    found = delta_format.encode(new.view(np.uint8), base.view(np.uint8), 4, dense=change == "dense", sparse=False)
+    assert found.codec == codec and found.crc == crc32(new.view(np.uint8))
+
+
+@pytest.mark.parametrize("change", ["noise", "rows"])
+def test_noise_low_planes_are_written_as_stored_zstd_blocks_and_rebuild(change):
+    """An fp32 Adam step's low byte planes are noise: a spent dense block writes them as a zstd
+    frame of stored blocks (what zstd would make of them, without its search for matches), any
+    zstd decoder reads it, and the block rebuilds; planes that do shrink (rows that did not
+    change) are still compressed."""
+    rng = np.random.default_rng(10)
+    base = rng.standard_normal(2 * (1 << 20) - 4096).astype(np.float32)  # two blocks
+    new = base * (1 + np.float32(0.05) * rng.standard_normal(base.shape).astype(np.float32))  # 5%: small weights, Adam
+    if change == "rows":
+        new[::2] = base[::2]  # every other element unchanged: zeros zstd finds
+    spent = delta_format.encode(new.view(np.uint8), base.copy().view(np.uint8), 4, dense=True, spend=True)
+    assert spent.codec == "xor-top"
+    table = np.frombuffer(bytes(spent.parts[0]), "<u4")
+    frame = bytes(spent.parts[1])
+    low = 3 * (1 << 20)  # the first block's three low planes
+    stored = frame[4] == 0xE0 and len(frame) == 13 + 3 * 24 + low
+    assert stored == (change == "noise") and table[1] == len(frame)
+    assert len(zstandard.ZstdDecompressor().decompress(frame)) == low
+    out = base.view(np.uint8).copy()
+    delta_format._apply_xor(memoryview(b"".join(bytes(memoryview(part)) for part in spent.parts)), out,
+                            delta_format.BLOCK, 4, top=True)
+    assert out.tobytes() == new.view(np.uint8).tobytes()

@@ -3,6 +3,7 @@ read and written through the real s3fs client with plain ``s3://`` URLs."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import threading
@@ -237,6 +238,82 @@ def test_a_version_upload_whose_answer_was_lost_is_published_when_the_clients_re
     s3.intercept = None
     assert len(tries) == 2 and version.step == 2 and ws.latest(folder).step == 2
     assert same(ws.load(ws.latest(folder)), mine)
+
+
+REFUSALS = {"501 NotImplemented": (501, b"<Error><Code>NotImplemented</Code><Message>If-None-Match</Message></Error>"),
+            "400 InvalidArgument": (400, b"<Error><Code>InvalidArgument</Code><Message>If-None-Match</Message></Error>"),
+            "400 NotImplemented": (400, b"<Error><Code>NotImplemented</Code><Message>no</Message></Error>")}
+
+
+def version_uploads(environ) -> str | None:
+    """``"conditional"`` or ``"plain"`` for the request that makes a version file appear (its
+    single PUT, or its multipart completion), else ``None``."""
+    method, query = environ["REQUEST_METHOD"], environ.get("QUERY_STRING", "")
+    lands = (method == "POST" and "uploadId=" in query) or (method == "PUT" and "partNumber=" not in query)
+    if not lands or "/step-" not in environ["PATH_INFO"]:
+        return None
+    return "conditional" if environ.get("HTTP_IF_NONE_MATCH") else "plain"
+
+
+@pytest.mark.parametrize("refusal", list(REFUSALS))
+@pytest.mark.parametrize("floats", [1 << 10, 3 << 20], ids=["one PUT", "multipart"])
+def test_a_store_that_refuses_conditional_uploads_gets_plain_ones_with_one_warning(s3, monkeypatch, caplog, floats,
+                                                                                    refusal):
+    """Some S3-compatible stores answer If-None-Match on a PUT or a multipart completion with
+    501 or 400 instead of ignoring it: every version failed there. The refused upload is sent
+    once more without it, and so is every later one to that store, with one warning naming the
+    store and the protection lost; the token still tells a publisher its own object."""
+    monkeypatch.setattr(commit, "UPLOAD_PART_BYTES", 5 << 20)  # S3's smallest part: 12 MB is 3
+    monkeypatch.setattr(commit, "_unconditional", set())
+    folder = url("").rsplit("/", 1)[0]
+    seen: list[str] = []
+
+    def no_conditions(environ):
+        kind = version_uploads(environ)
+        if kind is not None:
+            seen.append(kind)
+        return REFUSALS[refusal] if kind == "conditional" else None
+
+    s3.intercept = no_conditions
+    with caplog.at_level(logging.WARNING, logger="weightstore"):
+        for step in (1, 2, 3):
+            ws.publish(folder, {"w": np.full(floats, step, np.float32)}, step=step)
+    assert seen == ["conditional", "plain", "plain", "plain"], seen
+    said = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
+    assert len(said) == 1 and s3.endpoint in said[0] and "If-None-Match" in said[0], said
+    assert "can replace that version" in said[0]
+    assert ws.latest(folder).step == 3 and np.all(ws.load(ws.latest(folder))["w"] == 3)
+
+
+def test_an_upload_refused_again_without_its_condition_fails_once_never_for_ever(s3, monkeypatch, caplog):
+    """A 400 InvalidArgument that is not about the condition (the plain upload gets it too) is
+    raised after that one plain try, and the store keeps its conditional uploads."""
+    monkeypatch.setattr(commit, "_unconditional", set())
+    folder = url("").rsplit("/", 1)[0]
+    seen: list[str] = []
+
+    def refuses_every_version(environ):
+        kind = version_uploads(environ)
+        if kind is not None:
+            seen.append(kind)
+        return REFUSALS["400 InvalidArgument"] if kind is not None else None
+
+    s3.intercept = refuses_every_version
+    with pytest.raises(ws.StorageError) as caught:
+        ws.publish(folder, {"w": np.ones(4, np.float32)}, step=1)
+    assert seen == ["conditional", "plain"] and not caught.value.transient
+    assert not commit._unconditional and "refuses uploads" not in caplog.text
+
+
+def test_a_store_that_refuses_a_conditional_latest_says_so_and_is_not_waited_out(s3):
+    """LATEST is replaced only by compare-and-swap: a store that answers If-None-Match or If-Match
+    with 501 cannot hold a versioned folder, said at once, not retried as an outage."""
+    folder = url("").rsplit("/", 1)[0]
+    s3.intercept = lambda environ: REFUSALS["501 NotImplemented"] if environ["PATH_INFO"].endswith("/LATEST") and (
+        environ.get("HTTP_IF_NONE_MATCH") or environ.get("HTTP_IF_MATCH")) else None
+    with pytest.raises(ws.StorageError, match="refuses conditional writes .*replacing LATEST") as caught:
+        ws.publish(folder, {"w": np.ones(4, np.float32)}, step=1)
+    assert not caught.value.transient and caught.value.path == f"{folder}/LATEST"
 
 
 # -- a hostile or failing store ----------------------------------------------------------------

@@ -841,6 +841,32 @@ def test_a_version_and_its_file_record_one_created_time(tmp_path):
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", version.created)
 
 
+def with_created(path, created: str) -> None:
+    """Rewrite npz file ``path`` with its manifest's ``created`` time replaced by ``created``."""
+    with np.load(path) as loaded:
+        members = {name: loaded[name] for name in loaded.files}
+    manifest = json.loads(str(members["__weightstore__"]))
+    members["__weightstore__"] = np.array(json.dumps({**manifest, "created": created}))
+    with open(path, "wb") as handle:
+        np.savez(handle, **members)
+
+
+def test_latest_naming_a_file_another_publish_wrote_is_refused_but_a_file_of_an_older_weightstore_reads(tmp_path):
+    """Readers take a version only where its file was written by the publish whose record LATEST
+    holds (both record its created time): else one publisher's metadata would be served with
+    another's weights. A file of a weightstore that recorded its time in seconds (+00:00) is no
+    such file: it reads, and so does one written by hand without a time."""
+    run = tmp_path / "run"
+    version = ws.publish(run, {"w": np.ones(2, np.float32)}, step=1)
+    with_created(run / "step-000000000001.npz", "2026-01-01T00:00:00.000Z")  # another publish's file
+    with pytest.raises(ws.FormatError, match="written by another, at 2026-01-01T00:00:00.000Z") as caught:
+        ws.load(ws.latest(run))
+    assert caught.value.path == version.path
+    for created in (version.created[:19] + "+00:00", ""):
+        with_created(run / "step-000000000001.npz", created)
+        assert ws.load(ws.latest(run))["w"].tolist() == [1, 1]
+
+
 def test_a_pointer_naming_a_field_twice_is_refused(tmp_path):
     """Which ``step`` a JSON reader takes of two is its whim: a LATEST naming one twice is refused, not read either way."""
     run = tmp_path / "run"

@@ -487,6 +487,78 @@ def test_a_publisher_stopped_mid_publish_never_replaces_the_version_a_restarted_
         assert_whole(ws.load(tmp_path / f"{step}.npz"), step)
 
 
+PAUSED_PUBLISHER = textwrap.dedent("""
+    import json, os, signal, sys
+    import numpy as np
+    import weightstore as ws
+    from weightstore.sync import _stages as stages
+    folder, options, sign, pause = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    by = "A" if sign > 0 else "B"
+    if by == "A":
+        for step in (1, 2, 3):
+            ws.publish(folder, {"w": np.full(4, step, np.float32)}, step=step, storage_options=options)
+    stages.hook = lambda name: name == pause and os.kill(os.getpid(), signal.SIGSTOP)
+    try:
+        ws.publish(folder, {"w": np.full(4, 4 * sign, np.float32)}, step=4, metadata={"by": by},
+                   storage_options=options)
+        print("published", flush=True)
+    except ws.PublishError as exc:
+        print("refused:", exc, flush=True)
+""")
+
+
+def paused(folder: str, options: dict, sign: int, pause: str) -> subprocess.Popen:
+    """A publisher of step 4 (A: sign 1, after steps 1-3; B: sign -1), stopped once at stage ``pause``."""
+    process = subprocess.Popen([sys.executable, "-c", PAUSED_PUBLISHER, folder, json.dumps(options), str(sign), pause],
+                               env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, text=True)
+    _, status = os.waitpid(process.pid, os.WUNTRACED)
+    assert os.WIFSTOPPED(status), process.communicate()
+    return process
+
+
+def resumed(process: subprocess.Popen) -> str:
+    os.kill(process.pid, signal.SIGCONT)
+    return process.communicate(timeout=60)[0]
+
+
+@pytest.mark.parametrize("a_paused_at", ["version-written", "latest-temporary"])
+def test_latest_never_serves_one_publishers_record_on_anothers_file_of_its_step(s3, folder, a_paused_at, caplog):
+    """A is paused between its upload of step 4 and its swap of LATEST; its restart B takes A's file
+    for a killed publish's leftover, removes it, uploads its own step 4 and is paused before its
+    swap; A goes on first. Before its swap A sees the object is not its own and is refused, so B's
+    step 4 is published. Where A was paused past that look, its swap names B's file under A's
+    record: readers refuse that version (it is never served with the other's metadata), a
+    follower passes over it, and the next publish is served."""
+    a = paused(folder, s3, 1, a_paused_at)
+    b = None
+    try:
+        b = paused(folder, s3, -1, "version-written")
+        said_a, said_b = resumed(a), resumed(b)
+    finally:
+        for process in (a, b):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait()
+    latest = ws.latest(folder, storage_options=s3)
+    assert latest.step == 4
+    if a_paused_at == "version-written":
+        assert said_a.startswith("refused:") and "another writer put its own step-000000000004.npz" in said_a, said_a
+        assert said_b.startswith("published"), said_b
+        assert latest.metadata == {"by": "B"}
+        np.testing.assert_array_equal(ws.load(latest)["w"], np.full(4, -4, np.float32))
+        return
+    assert said_a.startswith("published") and said_b.startswith("refused:"), (said_a, said_b)
+    with pytest.raises(ws.FormatError, match="record of a publish made at .* written by another") as caught:
+        ws.load(latest)
+    assert caught.value.path == latest.path
+    with caplog.at_level(logging.WARNING, logger="weightstore"):
+        assert next(ws.follow(folder, storage_options=s3, poll=0.05, timeout=0.3), None) is None
+    assert "passing over version 4" in caplog.text
+    with publisher_elsewhere(folder, s3) as publish:
+        publish(5)
+    assert_whole(ws.load(ws.latest(folder, storage_options=s3)), 5)
+
+
 STOPPED_IN_ITS_FIRST_PUBLISH = textwrap.dedent("""
     import json, os, signal, sys
     import numpy as np

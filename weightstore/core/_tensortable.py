@@ -143,6 +143,11 @@ class TensorTable(Mapping[str, TensorInfo]):
     def __len__(self) -> int:
         return len(self._keys)
 
+    @property
+    def has_digests(self) -> bool:
+        """Whether each tensor's content digest is recorded (files before version 3 record none)."""
+        return self._digests is not None
+
     def key_list(self) -> list[str]:
         """The keys in the file's order (a new list)."""
         return list(self._keys)

@@ -107,7 +107,7 @@ class NpzReader(ReaderDefaults):
         if not joined.isascii():
             return None
         head = directory[: len(directory) - _zipdir.CENTRAL_SIZE - len(MANIFEST_MEMBER)]
-        name_lens = np.fromiter(map(len, keys), np.int64, len(keys)) + len(".npy")
+        name_lens = [length + 4 for length in map(len, keys)]  # each name is the key and ".npy"
         members = _zipdir.parse_expected(head, manifest_member.offset, lambda: [key + ".npy" for key in keys],
                                         joined.encode("ascii"), name_lens)
         self._only_npy = members is not None

@@ -14,7 +14,7 @@ beside it) and stores each tensor as one of:
 - ``xor-top`` (a dense change, :func:`encode` ``dense=True``, items of 2-16 bytes): as
   ``xor-zstd`` (at level -4), but each block's frame holds every plane but the top one (sign and
   the exponent's high bits: 95-99% zeros in an fp32 Adam step), which follows the frame as a
-  :func:`_top_record`; a block table of two lengths per block (frame, record). The codec is
+  :func:`_top_record` (planes that are noise: a frame of zstd's stored blocks, :func:`_noise`); a block table of two lengths per block (frame, record). The codec is
   recorded per tensor: a reader picks its decoder by it; a file that holds one is of head
   version 2, which a reader from before it refuses as newer than it;
 - ``sparse``: the positions (``<u4``, or ``<u8`` past 2**32 elements) of the elements that
@@ -69,6 +69,7 @@ import zstandard
 
 from weightstore.core import _jsontext as jsontext
 from weightstore.core import _parallel as parallel
+from weightstore.core import checksums
 from weightstore.core._tensortable import DIGEST_PREFIX, TensorInfo, TensorRow
 from weightstore.core.limits import (
     DELTA_BYTES_PER_CONTAINER,
@@ -85,6 +86,7 @@ from weightstore.core.manifest import (
     checksum,
     content_digest,
     content_hasher,
+    crc32_before_write,
     from_storage,
     parse_manifest,
     storage_dtype,
@@ -149,6 +151,7 @@ _DENSE_LEVEL = -1
 # (worth an "all zero" flag) held 0.1% of the bytes; the noise planes stored raw, 6-14% more
 # bytes for 4-16% less CPU. The top plane apart as zstd's huffman-only literals (no way to ask
 # zstd for that), or as deflate (ISA-L level 1: 0.4x zstd's CPU there, but 5x its decode): no.
+# A C kernel for the XOR and the planes: an fp32 delta publish 0.89x, anchors nothing; not kept.
 
 
 # -- encoding (the publisher's side) -------------------------------------------------------------
@@ -210,6 +213,9 @@ class Encoded:
 
     codec: str
     parts: list[Any]
+    #: the CRC-32 of the tensor's new bytes where the encode took it in passing (XOR-ed in
+    #: blocks: each block's while that block is in cache for the XOR), else ``None``
+    crc: int | None = None
     #: the payload's bytes, added up once: a plan asks it of every tensor several times
     nbytes: int = field(init=False)
 
@@ -218,7 +224,7 @@ class Encoded:
 
 
 def encode(new: np.ndarray, base: np.ndarray | None, itemsize: int, *, dense: bool = False,
-           sparse: bool = True) -> Encoded:
+           sparse: bool = True, spend: bool = False) -> Encoded:
     """``new`` (a tensor's stored bytes, uint8, C-contiguous) against ``base`` (the base
     version's bytes of the same tensor, same dtype and shape; ``None`` when it has none): the
     smallest of :data:`SAME`, :data:`XOR_ZSTD`, :data:`SPARSE` and :data:`RAW`.
@@ -234,14 +240,18 @@ def encode(new: np.ndarray, base: np.ndarray | None, itemsize: int, *, dense: bo
     above :data:`SPARSE_ALWAYS` of the elements: an fp32 step's changed elements cost more
     than two bytes each in it, so it was made for nothing (0.24 s/GB of an fp32 Adam step, a
     tensor 12% changed).
+    ``spend=True``: ``base`` is the caller's own copy, not needed once this returns (a
+    publisher's remembered version): the XOR's frames are moved into its memory as they are
+    made (:func:`_spend`), so the result may be views of ``base``.
     """
     nbytes = len(new)
     if base is None or not nbytes:  # an empty tensor: nothing to compare, and RAW costs no bytes
         return Encoded(RAW, [new])
     if dense:
         top = nbytes > _SMALL and _plane_size(itemsize, BLOCK) > 1
-        xor = _xor_zstd(new, base, [1] * -(-nbytes // BLOCK), itemsize, _TOP_LEVEL if top else _DENSE_LEVEL, top=top)
-        return xor if xor.nbytes < nbytes else Encoded(RAW, [new])
+        xor = _xor_zstd(new, base, [1] * -(-nbytes // BLOCK), itemsize, _TOP_LEVEL if top else _DENSE_LEVEL, top=top,
+                        spend=spend)
+        return xor if xor.nbytes < nbytes else Encoded(RAW, [new], xor.crc)
     elements = nbytes // itemsize if itemsize else 0
     mask = _changed_mask(new, base, itemsize)
     total = int(np.count_nonzero(mask))
@@ -253,10 +263,11 @@ def encode(new: np.ndarray, base: np.ndarray | None, itemsize: int, *, dense: bo
         per_block = BLOCK // itemsize
         changed = [total] if elements <= per_block else [
             int(np.count_nonzero(mask[start : start + per_block])) for start in range(0, elements, per_block)]
-        xor = _xor_zstd(new, base, changed, itemsize)
+        xor = _xor_zstd(new, base, changed, itemsize, spend=spend)
         if best is None or xor.nbytes < best.nbytes:
             best = xor
-    return best if best.nbytes < nbytes else Encoded(RAW, [new])
+        best.crc = xor.crc
+    return best if best.nbytes < nbytes else Encoded(RAW, [new], best.crc)
 
 
 #: the most changed elements (a fraction) for which the sparse form is tried
@@ -360,10 +371,12 @@ _ONE_FRAME = struct.Struct("<II")
 
 
 def _xor_zstd(new: np.ndarray, base: np.ndarray, changed: list[int], itemsize: int, level: int = _LEVEL, *,
-              top: bool = False) -> Encoded:
+              top: bool = False, spend: bool = False) -> Encoded:
     """The XOR in blocks of :data:`BLOCK` bytes, each byte-planed and a zstd frame of ``level``
     (an unchanged block's: one of zeros). ``top`` (a dense change, every block XOR-ed): each
-    block's top plane is kept out of its frame as a :func:`_top_record`, an :data:`XOR_TOP` entry."""
+    block's top plane is kept out of its frame as a :func:`_top_record`, an :data:`XOR_TOP` entry.
+    ``spend``: each block's frame and record are moved into ``base``'s bytes of that block
+    once it is XOR-ed (:func:`_spend`)."""
     nbytes, count, size = len(new), len(changed), _plane_size(itemsize, BLOCK)
     if nbytes <= _SMALL:  # one block, XOR-ed and planed as Python bytes: the same frame, a third of the calls
         xor = (int.from_bytes(new.data, "little") ^ int.from_bytes(base.data, "little")).to_bytes(nbytes, "little")
@@ -375,8 +388,9 @@ def _xor_zstd(new: np.ndarray, base: np.ndarray, changed: list[int], itemsize: i
 
     def block(index: int) -> None:
         start = index * BLOCK
+        length = min(BLOCK, nbytes - start)
+        crcs[index] = crc32_before_write(new[start : start + length].data)
         if changed[index]:
-            length = min(BLOCK, nbytes - start)
             buffer = _scratch(2 * length + 8)
             xor, planes = buffer[:length], buffer[length : 2 * length]
             word = _UINTS.get(size)
@@ -398,24 +412,92 @@ def _xor_zstd(new: np.ndarray, base: np.ndarray, changed: list[int], itemsize: i
                 buffer[2 * length : 2 * length + 8] = 0
                 records[index] = _top_record(buffer[length + low : 2 * length + 8], length // size)
                 xor = xor[:low]
-            frames[index] = _compressor(level).compress(xor.data)
+            region = base[start : start + length]  # this block of the base is read: spent, it takes what was made of it
+            stored = spend and top and _noise(xor, length // size) and _stored_frame(xor, region)
+            if stored:
+                frames[index], records[index] = region[:stored], _spend(region[stored:], records[index])
+            else:
+                frames[index] = _compressor(level).compress(xor.data)
+                if spend:
+                    frames[index], *records[index] = _spend(region, [frames[index], *records[index]])
 
-    frames: list[bytes] = [b""] * count
+    frames: list[Any] = [b""] * count  # bytes, or views of the base where spent
     records: list[list[Any]] = [[] for _ in range(count)]
+    crcs = [0] * count
     parallel.for_each(count, block)
+    crc = checksums.joined(crcs, BLOCK, nbytes)
     if top:
         lengths = [len(frame) for frame in frames]
         sizes = [sum(part.nbytes for part in record) for record in records]
         table = struct.pack(f"<I{2 * count}I", count, *(n for pair in zip(lengths, sizes, strict=True) for n in pair))
         return Encoded(XOR_TOP, [table, *(part for frame, record in zip(frames, records, strict=True)
-                                         for part in (frame, *record))])
+                                         for part in (frame, *record))], crc)
     zeros: dict[int, bytes] = {}
     for index, frame in enumerate(frames):
-        if not frame:
+        if not len(frame):
             length = min(BLOCK, nbytes - index * BLOCK)
             frames[index] = zeros.get(length) or zeros.setdefault(length, _compressor().compress(bytes(length)))
     table = struct.pack(f"<I{count}I", count, *map(len, frames))
-    return Encoded(XOR_ZSTD, [table, *frames])
+    return Encoded(XOR_ZSTD, [table, *frames], crc)
+
+
+#: slices of the highest low plane :func:`_noise` compresses, and their bytes
+_PROBES, _PROBE = 3, 32 << 10
+_ZSTD_MAGIC = struct.pack("<I", 0xFD2FB528)
+#: a zstd frame header: one segment (no window size), an 8-byte content size, no checksum
+_STORED_HEAD = struct.Struct("<4sBQ")
+#: the most bytes one zstd block holds
+_ZSTD_BLOCK = 128 << 10
+
+
+def _noise(low: np.ndarray, plane: int) -> bool:
+    """Whether an xor-top block's low planes (``low``, planes of ``plane`` bytes) are noise zstd
+    cannot shrink: slices spread over the highest of them (the least noisy) do not compress.
+    An fp32 Adam step's are (1.00003x at level -4: zstd stores them, after 0.5 ms per 3 MB
+    looking for matches), except where elements did not change (an embedding's rows: 0.12x)."""
+    if plane < _PROBE:
+        return False
+    highest = low[len(low) - plane :]
+    compressor = _compressor(_TOP_LEVEL)
+    for start in np.linspace(0, plane - _PROBE, _PROBES).astype(np.int64).tolist():
+        if len(compressor.compress(highest[start : start + _PROBE].data)) < _PROBE:
+            return False
+    return True
+
+
+def _stored_frame(data: np.ndarray, out: np.ndarray) -> int:
+    """``data`` written into ``out`` as a zstd frame of stored (raw) blocks, declaring its size,
+    which any zstd decoder reads: what zstd makes of noise, for a copy's CPU (0.15 ms per 3 MB,
+    not 0.5). The frame's length, or 0 where it does not fit in ``out``."""
+    count = -(-len(data) // _ZSTD_BLOCK)
+    nbytes = _STORED_HEAD.size + 3 * count + len(data)
+    if nbytes > len(out):
+        return 0
+    out[: _STORED_HEAD.size] = np.frombuffer(_STORED_HEAD.pack(_ZSTD_MAGIC, 0xE0, len(data)), np.uint8)
+    at = _STORED_HEAD.size
+    for first in range(0, len(data), _ZSTD_BLOCK):
+        size = min(_ZSTD_BLOCK, len(data) - first)
+        out[at : at + 3] = np.frombuffer((size << 3 | (first + size >= len(data))).to_bytes(3, "little"), np.uint8)
+        out[at + 3 : at + 3 + size] = data[first : first + size]
+        at += 3 + size
+    return nbytes
+
+
+def _spend(memory: np.ndarray, parts: list[Any]) -> list[Any]:
+    """``parts`` (a block's frame and top record) copied into ``memory`` (the base's bytes of
+    that block, XOR-ed already and needed no more), where they fit, as views of it: the
+    compressor's output is let go at once and its memory taken again by the next block's.
+    Held together until written, a delta's frames were fresh pages faulted in every publish
+    (14,000 faults per delta of a 128 MB fp32 model, its encode 0.88 -> 0.68 CPU-s/GB without)."""
+    sizes = [memoryview(part).nbytes for part in parts]
+    if sum(sizes) > len(memory):
+        return parts
+    placed, at = [], 0
+    for part, size in zip(parts, sizes, strict=True):
+        memory[at : at + size] = np.frombuffer(part, np.uint8)
+        placed.append(memory[at : at + size])
+        at += size
+    return placed
 
 
 def _top_record(padded: np.ndarray, count: int) -> list[np.ndarray]:
@@ -617,16 +699,17 @@ def _count(value: Any) -> bool:
     return type(value) is int and value >= 0
 
 
-def read_head(location: Any, name: str, *, member: bool = False) -> Head:
+def read_head(location: Any, name: str, *, member: bool = False, checked: list[str] | None = None) -> Head:
     """Only the head of the delta version at ``location`` (a path or remote file): what
     retention and ``ws versions`` need, without its tensors' entries (``member``: of a sharded
-    version's delta member)."""
+    version's delta member). ``checked``: the chain it should list, as :func:`parse_head` takes it
+    (a listing passes its base and the chain the base's head listed)."""
     source = byte_source(location, name)
     try:
         if isinstance(source, RemoteFile):
             source.start(index_at_end=False)
         head, _, _ = _prefix(source)
-        return parse_head(bytes(source.read_at(_PREFIX.size, head)), name, member=member)
+        return parse_head(bytes(source.read_at(_PREFIX.size, head)), name, member=member, checked=checked)
     finally:
         source.close()
 
@@ -669,7 +752,7 @@ class DeltaReader(ReaderDefaults):
         self._open_base = functools.partial(open_base, self.head.base, depth + 1, self.head.chain[1:])
         self._opened: Reader | None = None
         self._opening = threading.Lock()  # tensors are rebuilt in parallel: the base is opened once
-        if eager and not chained:  # chained: a base of a local chain, opened by its top (_open_chain)
+        if eager and not chained:  # chained: a local chain's base, opened by its top (_open_chain); or chain=False
             self._open_chain()
 
     def _open_chain(self) -> None:
@@ -714,17 +797,19 @@ class DeltaReader(ReaderDefaults):
         if codecs is None or offsets is None or lengths is None:
             raise FormatError("has delta entries that do not list every tensor of its manifest", path=self.name)
         payload = self._source.size - self._payload_start
+        if keys and not self._manifest.tensors.has_digests:
+            raise FormatError("records no digest of the tensor it rebuilds", path=self.name, key=keys[0])
         found: dict[str, tuple[str, int, int]] = {}
-        for key, codec, offset, length in zip(keys, codecs, offsets, lengths, strict=True):
-            info = self._manifest.tensors[key]
+        # each tensor's bytes from the table's column: a TensorInfo made per tensor cost a quarter
+        # of opening a chain 1,000 deep
+        for key, codec, offset, length, nbytes in zip(keys, codecs, offsets, lengths,
+                                                      self._manifest.tensors.rows()[2], strict=True):
             if codec not in CODECS or not _count(offset) or not _count(length) or offset + length > payload:
                 raise FormatError(f"has a corrupt delta entry ({str(codec)[:20]} at {str(offset)[:20]}, "
                                   f"{str(length)[:20]} bytes, in {payload} bytes of payload)", path=self.name, key=key)
-            if (codec == SAME and length) or (codec == RAW and length != info.nbytes):
-                raise FormatError(f"has a {codec} entry of {length} bytes for a tensor of {info.nbytes}",
+            if (codec == SAME and length) or (codec == RAW and length != nbytes):
+                raise FormatError(f"has a {codec} entry of {length} bytes for a tensor of {nbytes}",
                                   path=self.name, key=key)
-            if info.digest is None:
-                raise FormatError("records no digest of the tensor it rebuilds", path=self.name, key=key)
             found[key] = (codec, offset, length)
         return found
 
@@ -857,16 +942,18 @@ class DeltaReader(ReaderDefaults):
         from the oldest, in a loop (a stack the same however deep the chain)."""
         levels: list[DeltaReader] = [self]
         out = None
+        info = self._manifest.tensors[key]
         while levels[-1]._entries[key][0] != RAW:
             level = levels[-1]
-            level._check_base(key, level._manifest.tensors[key], level.name)
+            info = level._check_base(key, info, level.name)
             base = level._base
             if not isinstance(base, DeltaReader):
                 out = level._anchor_bytes(key, base)
                 break
             levels.append(base)
         for level in reversed(levels):
-            out = level._apply_own(key, out)
+            if level._entries[key][0] != SAME:  # the base's bytes, of its dtype and shape (checked above)
+                out = level._apply_own(key, out)
         assert out is not None
         return out
 
@@ -975,9 +1062,10 @@ class DeltaReader(ReaderDefaults):
                                 path=self.name, key=key)
         return from_storage(out.view(storage_dtype(info.dtype)).reshape(info.shape), info.dtype)
 
-    def _check_base(self, key: str, info: TensorInfo, where: str) -> None:
+    def _check_base(self, key: str, info: TensorInfo, where: str) -> TensorInfo:
         """That the base holds ``key`` as ``info`` (dtype and shape), a change of which this
-        version stores; ``where``: the file a refusal names."""
+        version stores; ``where``: the file a refusal names. The base's own info of it, which
+        the check of the base's base takes (asked once a level of a chain 1,000 deep)."""
         try:
             held = self._base.info(key)
         except KeyError:
@@ -986,6 +1074,7 @@ class DeltaReader(ReaderDefaults):
         if held.dtype != info.dtype or tuple(held.shape) != tuple(info.shape):
             raise FormatError(f"is stored as a change of base {self.head.base}'s tensor, which is {held.dtype} "
                               f"{held.shape}, not {info.dtype} {info.shape}", path=where, key=key)
+        return held
 
     def _anchor_bytes(self, key: str, base: Reader) -> np.ndarray:
         """``key``'s stored bytes in ``base``, this version's anchor (uint8, a new writable array)."""
@@ -1172,9 +1261,13 @@ def _apply_sparse(payload: memoryview, out: np.ndarray, itemsize: int, hasher: A
 _HASH_PIECE = 1 << 20
 
 
-def open_reader(location: Any, name: str, *, mmap: bool = True) -> Reader:
-    """The delta version at ``location``, its chain of bases opened beside it."""
-    return _open(location, name, mmap, 0)
+def open_reader(location: Any, name: str, *, mmap: bool = True, chain: bool = True,
+                checked: list[str] | None = None) -> Reader:
+    """The delta version at ``location``, its chain of bases opened beside it. ``chain=False``:
+    each base is opened when first read instead, as a remote one is (a reader that holds the
+    base's bytes proven rebuilds onto them and opens none: ``ws verify FOLDER``); ``checked``:
+    the chain its head should list, as :func:`parse_head` takes it."""
+    return _open(location, name, mmap, 0, chained=not chain, checked=checked)
 
 
 def open_member(location: Any, name: str, *, mmap: bool = True, most_files: int | None = None) -> DeltaReader:

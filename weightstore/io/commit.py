@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import logging
 import os
 import re
 import secrets
@@ -78,10 +79,20 @@ from weightstore.io.files import (
     remove_stale_temporaries,
     temporary_beside,
 )
-from weightstore.io.location import Location, filesystem, protocols, service, service_answer, transient
+from weightstore.io.location import (
+    Location,
+    condition_refused,
+    filesystem,
+    protocols,
+    service,
+    service_answer,
+    transient,
+)
 
 __all__ = ["UPLOAD_PART_BYTES", "Commit", "RenameCommit", "UploadCommit", "IndexLastCommit", "commit_for",
            "checkpoint_files"]
+
+_log = logging.getLogger(__name__)
 
 #: part size of a multipart upload to S3 (at least 5 MiB, S3's floor): s3fs's own default of
 #: 50 MiB sends anything under 100 MiB as one serial PUT
@@ -119,6 +130,12 @@ class Commit(abc.ABC):
     @abc.abstractmethod
     def exists(self) -> bool:
         """Whether something is at the target already (what a save without ``overwrite`` refuses)."""
+
+    def still_landed(self) -> bool:
+        """Whether the target still holds what this commit landed, where the storage can tell: a
+        publisher that goes on after a pause must not name another writer's object as its own.
+        True here: a local folder's lock keeps other writers of its versions out."""
+        return True
 
     @contextlib.contextmanager
     def writing(self) -> Iterator[str]:
@@ -215,6 +232,8 @@ class UploadCommit(Commit):
         #: of one writer stands for it
         self._new = new
         self._scratch: str | None = None
+        #: the token the upload carried (:data:`UPLOAD_TOKEN`), once an upload with one landed
+        self._landed_token: str | None = None
 
     def begin(self) -> str:
         self._scratch = tempfile.mkdtemp(prefix="weightstore-upload-")
@@ -226,11 +245,26 @@ class UploadCommit(Commit):
         on_s3 = "s3" in protocols(self._fs)
         options: dict[str, Any] = {"chunksize": UPLOAD_PART_BYTES} if on_s3 else {}
         token = secrets.token_hex(16)
-        if self._new and on_s3:
-            options.update(mode="create", Metadata={UPLOAD_TOKEN: token})
+        store = _store_of(self._fs) if self._new and on_s3 else None
+        if store is not None:
+            options.update(Metadata={UPLOAD_TOKEN: token})
+            if store not in _unconditional:
+                options.update(mode="create")
         try:
             with service(self.target):
-                self._fs.put_file(local, self._remote, **options)
+                try:
+                    self._fs.put_file(local, self._remote, **options)
+                except OSError as exc:
+                    if options.get("mode") != "create" or not condition_refused(exc):
+                        raise
+                    del options["mode"]  # once, plainly: an answer it gives again is no refusal of the condition
+                    self._fs.put_file(local, self._remote, **options)
+                    _unconditional.add(str(store))
+                    _log.warning("%s refuses uploads made only where no object has the name (If-None-Match: *; it "
+                                 "answered %s), so weightstore uploads version files there unconditionally: a "
+                                 "publisher paused mid-publish while a trainer restarted elsewhere published the "
+                                 "same step can replace that version (its token still tells each publisher whether "
+                                 "the object is its own before it names it in LATEST)", store, _answered(exc))
         except StorageError as exc:
             if not (self._new and on_s3 and _already_there(exc)):
                 raise
@@ -249,6 +283,7 @@ class UploadCommit(Commit):
                                  "that moved LATEST past it, or ws clean), so what it writes is dead",
                                  path=self.target, transient=False) from exc
         self.landed = True
+        self._landed_token = token if self._new and on_s3 else None
         self.discard()
 
     def discard(self) -> None:
@@ -260,6 +295,11 @@ class UploadCommit(Commit):
         with service(self.target):
             return bool(self._fs.exists(self._remote))
 
+    def still_landed(self) -> bool:
+        """One HEAD: whether the object still carries this upload's token (an upload without one
+        is taken to: nothing tells it apart)."""
+        return self._landed_token is None or self._uploaded_with(self._landed_token)
+
     def _uploaded_with(self, token: str) -> bool:
         """Whether the object at the name is this commit's own upload (it carries ``token``): a
         request whose answer was lost (a timeout, a reset connection) after the object landed is
@@ -269,6 +309,22 @@ class UploadCommit(Commit):
                 return bool(self._fs.metadata(self._remote).get(UPLOAD_TOKEN) == token)
         except FileNotFoundError:  # two conditional writes at once (409), neither landed yet
             return False
+
+
+#: the S3 endpoints (:func:`_store_of`) that refused a conditional upload, which are sent
+#: unconditionally from then on in this process
+_unconditional: set[str] = set()
+
+
+def _store_of(fs: Any) -> str:
+    """The S3 endpoint ``fs`` sends its requests to: what an S3-compatible store is told by."""
+    client = getattr(fs, "s3", None)
+    return str(getattr(getattr(client, "meta", None), "endpoint_url", None) or "S3")
+
+
+def _answered(exc: BaseException) -> str:
+    answer = service_answer(exc)
+    return "nothing" if answer is None else f"{answer[1]} {answer[0]}"
 
 
 def _already_there(exc: BaseException) -> bool:

@@ -53,7 +53,7 @@ try:
 except ImportError:  # pragma: no cover - Windows: no advisory lock
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["ONE_WRITER", "FileEntry", "Folder", "LocalFolder", "RemoteFolder", "folder_for"]
+__all__ = ["ONE_WRITER", "UNSEEN", "FileEntry", "Folder", "LocalFolder", "RemoteFolder", "folder_for", "unchanged"]
 
 _log = logging.getLogger(__name__)
 #: the folders whose unfinished uploads this process could not look at or abort, said once each
@@ -70,6 +70,25 @@ class FileEntry:
     name: str
     size: int
     modified: str
+
+
+class _Unseen:
+    def __repr__(self) -> str:
+        return "UNSEEN"
+
+
+#: what :meth:`Folder.fingerprint` answers where it cannot tell without a request (an object the
+#: folder has not listed, or wrote since it listed): compared with anything, it differs in nothing
+#: (:func:`unchanged`)
+UNSEEN: object = _Unseen()
+
+
+def unchanged(was: Mapping[str, object], now: Mapping[str, object]) -> bool:
+    """Whether files fingerprinted ``was`` (name -> :meth:`Folder.fingerprint`) are the same
+    files, by what ``now`` says of each: the same names, and no fingerprint seen both times that
+    differs (:data:`UNSEEN` on either side tells nothing)."""
+    return was.keys() == now.keys() and all(
+        was[name] is UNSEEN or after is UNSEEN or was[name] == after for name, after in now.items())
 
 
 #: what an open of a small file refuses for good, the file's own fault (a link loop, no
@@ -127,10 +146,10 @@ class Folder(abc.ABC):
 
     def fingerprint(self, name: str) -> object | None:
         """What changes when file ``name`` is removed, replaced or written over, told without
-        reading it, for a publisher to see that a version it wrote is no longer as written;
-        ``None`` here: an object store keeps its objects' checksums itself, and a HEAD of each
-        file of a delta chain at every publish would cost more than such a change is likely."""
-        return None
+        reading it or a request of its own, for a publisher to see that a version it wrote is no
+        longer as written; ``None`` when it is gone, :data:`UNSEEN` where that cannot be told
+        (here: every file)."""
+        return UNSEEN
 
     @abc.abstractmethod
     def commit(self, name: str, suffix: str = "", *, new: bool = False) -> Commit:
@@ -454,6 +473,8 @@ class RemoteFolder(Folder):
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None):
         self.where = url.rstrip("/")
+        #: each file's fingerprint by the last listing of the folder (``None``: not listed yet)
+        self._listed: dict[str, object] | None = None
         options = dict(storage_options or {})
         self._one_writer = bool(options.pop(ONE_WRITER, False))
         self._storage_options = options
@@ -482,9 +503,25 @@ class RemoteFolder(Folder):
                 return []
 
     def files(self) -> list[FileEntry]:
-        listing = self._listing()
-        return [FileEntry(info["name"].rstrip("/").rsplit("/", 1)[-1], int(info.get("size") or 0), _modified(info))
-                for info in listing if info.get("type") != "directory"]
+        listing = [info for info in self._listing() if info.get("type") != "directory"]
+        entries = [FileEntry(info["name"].rstrip("/").rsplit("/", 1)[-1], int(info.get("size") or 0), _modified(info))
+                   for info in listing]
+        self._listed = {entry.name: (info.get("ETag") or info.get("etag"), entry.size, entry.modified)
+                        for entry, info in zip(entries, listing, strict=True)}
+        return entries
+
+    def fingerprint(self, name: str) -> object | None:
+        """Its ETag, size and modification time as the folder's last listing gave them (a
+        publisher lists its folder each publish: no request more); :data:`UNSEEN` before a listing,
+        for a file written since, and for a file in a folder inside this one."""
+        if self._listed is None or "/" in name:
+            return UNSEEN
+        return self._listed.get(name)
+
+    def _written(self, name: str) -> None:
+        """Forget what the last listing said of ``name``, written or removed since."""
+        if self._listed is not None:
+            self._listed[name] = UNSEEN
 
     def read_small(self, name: str, limit: int) -> bytes | None:
         return self.read_tagged(name, limit)[0]
@@ -499,9 +536,11 @@ class RemoteFolder(Folder):
         return info.get("ETag") or info.get("etag") or object()
 
     def commit(self, name: str, suffix: str = "", *, new: bool = False) -> Commit:
+        self._written(name)
         return UploadCommit(self.url(name), suffix=suffix, storage_options=self._storage_options, new=new)
 
     def remove(self, name: str) -> None:
+        self._written(name)
         with self._service(), contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self._path(name))
 
@@ -527,6 +566,7 @@ class RemoteFolder(Folder):
 
     def put_if(self, name: str, data: bytes, *, create: bool = False, expect: str | None = None) -> bool:
         self.require_compare_and_swap(f"writing {name}")
+        self._written(name)
         with self._service():
             return self.backend.put_if(self.fs, self._path(name), data, create=create, expect=expect)
 

@@ -161,6 +161,19 @@ def service_answer(exc: BaseException) -> tuple[str, int] | None:
     return None
 
 
+def condition_refused(exc: BaseException) -> bool:
+    """Whether a write's condition (``If-None-Match``, ``If-Match``) was refused as unknown to
+    the store, not as unmet: some S3-compatible stores (versions of MinIO, Ceph, R2) answer it on
+    a PUT or a multipart completion with 501 ``NotImplemented`` or 400 ``InvalidArgument`` or
+    ``NotImplemented``, which no retry of the same request changes."""
+    answer = service_answer(exc)
+    if answer is None:
+        return False
+    code, status = answer
+    return status == 501 or code in ("NotImplemented", "501") or (
+        status == 400 and code in ("InvalidArgument", "NotImplemented"))
+
+
 def transient(exc: BaseException) -> bool:
     """Whether a storage failure may pass by itself: the service answered 5xx or "later"
     (:data:`_LATER`), or never answered because the connection was refused, reset or timed out

@@ -17,7 +17,7 @@ from typing import Any
 
 from weightstore.errors import FormatError, StorageError, StoreNotFoundError, WeightStoreError
 from weightstore.io._buffer import aligned_buffer
-from weightstore.io.location import protocols, service_answer, storage_error
+from weightstore.io.location import condition_refused, protocols, service_answer, storage_error
 from weightstore.io.objects import MERGE_GAP, READ_CHUNK, Backend, Request, requests_for, scatter, window
 
 __all__ = ["BACKEND", "S3Backend", "S3Object"]
@@ -217,6 +217,11 @@ class S3Backend(Backend):
             if isinstance(exc, FileExistsError) or _s3_code(exc) in ("PreconditionFailed", "412",
                                                                     "ConditionalRequestConflict", "409"):
                 return False
+            if condition and condition_refused(exc):  # a 501 is no outage: a publisher must not wait it out
+                raise StorageError(f"the store refuses conditional writes ({next(iter(condition))}; it answered "
+                                   f"{_s3_code(exc)}), which replacing {key.rsplit('/', 1)[-1]} needs so that two "
+                                   "publishers never overwrite each other unseen: use a store that has them (AWS S3, "
+                                   "a recent MinIO, R2)", path=f"s3://{path}", transient=False) from exc
             raise
         finally:
             fs.invalidate_cache(path)

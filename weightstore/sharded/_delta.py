@@ -41,7 +41,7 @@ from weightstore.formats._sharded_index import (
     ShardIndex,
     index_name,
 )
-from weightstore.io.folders import Folder
+from weightstore.io.folders import Folder, unchanged
 from weightstore.sync._delta import Delta, Plan, Stored, _Held, plan_against
 from weightstore.sync._folder import SHARDED_SUFFIX, read_index
 
@@ -91,7 +91,7 @@ def plan_member(delta: Delta, target: Folder, base: ShardIndex, rank: int, step:
             if chain is None:
                 return None
             files = {name: target.fingerprint(name) for name in chain}
-            if held.files == files:  # else a file of its chain changed since it was written: read back
+            if unchanged(held.files, files):  # else a file of its chain changed since it was written: read back
                 plan = delta._from_memory(held, step, file, chain, chain_bytes, tensors)
                 if plan is not None:
                     plan.files = files

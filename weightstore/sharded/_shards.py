@@ -469,21 +469,23 @@ def commit_shards(
     written: list[bytes] = []  # the index, if this commit created it
     adopted: list[bytes] = []  # the index, if an identical one was there
 
-    def write_index(created: str) -> None:
+    def write_index(created: str) -> str:
         index.created = created
         data = index.to_json()
         with naming(path=target.url(name)):  # what every reader would refuse is never committed
             check_parsable(data, INDEX_FORMAT, MAX_INDEX_BYTES, PublishError)
         if target.put_if(name, data, create=True):
             written.append(data)
-        elif _same_index(target, name, index):
-            adopted.append(data)
+        elif (there := _same_index(target, name, index)) is not None:
+            index.created = there.created  # LATEST records the time of the index it names, as readers check
+            adopted.append(index.to_json())
         else:
             raise PublishError(f"an index for step {step} exists that LATEST does not name and that is not this "
                                f"commit's (attempt {attempt}, these members and metadata): another coordinator is "
                                "committing this step, or one died after writing it (commit a later step, or run "
                                "ws clean)", path=target.url(name))
         stages.reached("index-written")
+        return index.created
 
     try:
         try:  # delta members build on the version LATEST named when they were encoded: it must still
@@ -621,14 +623,15 @@ def split_rows(shape: Sequence[int], rank: int, world: int) -> tuple[slice, ...]
     return (slice(start, stop), *(slice(0, size) for size in shape[1:])) if stop > start else None
 
 
-def _same_index(target: Folder, name: str, index: ShardIndex) -> bool:
-    """Whether the index at ``name`` is the one this commit would write (but for its time): one a
+def _same_index(target: Folder, name: str, index: ShardIndex) -> ShardIndex | None:
+    """The index at ``name`` where it is the one this commit would write (but for its time): one a
     coordinator of this step and attempt wrote before it died between the index and ``LATEST``,
     or one racing this commit. Either way committing it is committing these very members.
     Compared as written, not as objects: metadata read back holds lists where the caller's had
     tuples."""
     found, _ = _read_index(target, name)
-    return found is not None and dataclasses.replace(found, created=index.created).to_json() == index.to_json()
+    same = found is not None and dataclasses.replace(found, created=index.created).to_json() == index.to_json()
+    return found if same else None
 
 
 def claimed_attempt(target: Folder, step: int, incarnation: str, least: int = 0, *,

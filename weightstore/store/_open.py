@@ -359,6 +359,24 @@ def open(path: Any, *, verify: bool = True, format: str | None = None, mmap: boo
     return _named(store, check_naming(names, READ_NAMINGS))
 
 
+def open_onto_base(path: Any, chain: list[str] | None = None) -> Store:
+    """:func:`open` of the delta version ``path`` without its chain: each base is opened when a
+    tensor is first read whole, not with it. For a reader that holds the base's tensors, proven,
+    and rebuilds onto them (``ws verify FOLDER``): opened whole, each version of a chain 1,000
+    deep opened every file below it, and verifying the chain took time quadratic in its depth.
+    ``chain``: the chain its head should list (its base, then the base's chain), taken as
+    checked where the head lists just that."""
+    import dataclasses
+
+    from weightstore.formats import delta
+
+    fmt = dataclasses.replace(delta.FORMAT, open_reader=functools.partial(delta.open_reader, chain=False,
+                                                                           checked=chain))
+    with paused_gc():
+        store = _open_file(place_of(path), fmt, True, True)
+    return _named(store, None)
+
+
 def _named(store: Store, names: str | None) -> Store:
     """``store`` with its keys formed from its file's names as ``names`` says (see :func:`open`)."""
     if names == FILE or names is None and not _torch_named(store):

@@ -159,8 +159,10 @@ class FolderState:
         replaces no object (a publisher stopped mid-publish must never replace the version of
         the step that another then published). Were it a live publisher's instead (stopped
         between its upload and its swap of ``LATEST``), its swap fails once this one's has
-        succeeded; one that comes first (it went on between this removal and this swap) names
-        this publisher's file of the step under its own metadata: that window is left open."""
+        succeeded; one that goes on first looks at its object's upload token before its swap and
+        is refused, and one that went on between that look and its swap would name this
+        publisher's file under its own record, which readers refuse
+        (:func:`~weightstore.sync._pinning.own_record`) until the next publish."""
         for unpublished, entry in self.unpublished():
             if unpublished == step:
                 self.folder.remove(entry.name)

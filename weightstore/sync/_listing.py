@@ -67,28 +67,37 @@ def version_listing(folder: Any, *, storage_options: Mapping[str, Any] | None = 
     except FormatError as exc:
         pointer, damage = None, exc
     named = pointer.path.rsplit("/", 1)[-1] if pointer else None
-    entries = [VersionEntry(step, entry.name, source.url(entry.name), entry.size, entry.modified, entry.name == named,
-                            *_sharded_sizes(source, entry.name), *_kind(source, entry.name))
-               for step, entry in version_files(source)]
+    entries = []
+    chain: list[str] | None = None  # the chain a delta of the version before lists, where that one's was read
+    for step, entry in version_files(source):
+        kind, base, own = _kind(source, entry.name, chain)
+        chain = None if own is None else [entry.name, *own]
+        entries.append(VersionEntry(step, entry.name, source.url(entry.name), entry.size, entry.modified,
+                                    entry.name == named, *_sharded_sizes(source, entry.name), kind, base))
     entries += [VersionEntry(step, name, source.url(name), 0, "", name == named, kind=NOT_A_FILE, not_file=kind)
                 for step, name, kind in not_file_versions(source)]
     return sorted(entries, key=lambda entry: (entry.step, entry.name)), damage
 
 
-def _kind(folder: Folder, name: str) -> tuple[str, str | None]:
-    """How a version is stored, and a delta's base (from its head; ``None`` where it does not read)."""
+def _kind(folder: Folder, name: str, expected: list[str] | None) -> tuple[str, str | None, list[str] | None]:
+    """How a version is stored, a delta's base (from its head; ``None`` where it does not read)
+    and the chain its head lists (``[]`` for a full version; ``None`` for a sharded one, or one
+    that does not read). ``expected``: the chain a delta of the version before lists, where
+    known; a head that lists just that is not checked name by name again (each head of a chain
+    1,000 deep lists every base below it: checked whole, a listing matched half a million names)."""
     if name.endswith(SHARDED_SUFFIX):
         try:
             delta = read_index(folder, name).delta
         except (WeightStoreError, FileNotFoundError):
-            return "sharded", None
-        return ("sharded", None) if delta is None else ("sharded-delta", delta.chain[0])
+            return "sharded", None, None
+        return ("sharded", None, None) if delta is None else ("sharded-delta", delta.chain[0], None)
     if not name.endswith(delta_format.SUFFIX):
-        return "full", None
+        return "full", None, []
     try:
-        return "delta", delta_format.read_head(folder.open_binary(name), folder.url(name)).base
+        head = delta_format.read_head(folder.open_binary(name), folder.url(name), checked=expected)
     except (WeightStoreError, FileNotFoundError):
-        return "delta", None
+        return "delta", None, None
+    return "delta", head.base, head.chain
 
 
 def _sharded_sizes(folder: Folder, name: str) -> tuple[int | None, int | None]:

@@ -19,6 +19,7 @@ means "only for versions"; pass ``True``/``False`` to force it), and list them i
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -168,18 +169,41 @@ def _open_version(folder: Folder, version: Version, verify: bool) -> Store:
         from weightstore.store._open import open as open_store
 
         try:
-            return open_store(handle, verify=verify)
+            return own_record(open_store(handle, verify=verify), version)
         except FileNotFoundError as exc:  # pruned between the look and the map, or a sharded version's member lost
             raise _gone_or(exc, folder, version) from None
     try:
         reader = _RemovedIsGone(by_saved_keys(fmt.open_reader(handle, version.path)), folder, version)
-        return Store(cast(Reader, reader), version.path, verify)
+        return own_record(Store(cast(Reader, reader), version.path, verify), version)
     except FileNotFoundError as exc:
         handle.close()
         raise _gone_or(exc, folder, version) from None
     except BaseException:
         handle.close()
         raise
+
+
+#: the form of the ``created`` time a version's file and ``LATEST`` both record (to the millisecond)
+_ONE_FORM = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{3}Z")
+
+
+def own_record(store: Store, version: Version) -> Store:
+    """``store``, the file ``version`` names, where it was written by the publish whose record
+    ``version`` is (the ``created`` time both record, to the millisecond); else closed, and a
+    :class:`FormatError`: two publishers of one step on an object store, one paused between
+    its upload and its swap of ``LATEST`` while a trainer restarted elsewhere put its own file in
+    place of the paused one's, would have readers serve one's weights under the other's
+    metadata. A record or file whose time is not in the one form both have recorded since
+    (:func:`~weightstore.core.manifest.utc_now`: written by hand, or a file of a weightstore that
+    recorded seconds) is taken as it is."""
+    if _ONE_FORM.fullmatch(version.created) and _ONE_FORM.fullmatch(store.created) \
+            and store.created != version.created:
+        store.close()
+        raise FormatError(f"LATEST names it with the record of a publish made at {version.created}, but the file was "
+                          f"written by another, at {store.created} (two publishers of step {version.step}: one "
+                          "paused while another took the folder over); it is not read, and the next publish names "
+                          "a version of its own", path=version.path)
+    return store
 
 
 def _gone_or(missing: FileNotFoundError, folder: Folder, version: Version) -> Exception:

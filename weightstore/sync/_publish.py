@@ -69,7 +69,8 @@ from weightstore.formats._pointer import (
     LATEST,
     pointer_bytes,
 )
-from weightstore.io.folders import Folder, LocalFolder, folder_for
+from weightstore.io.commit import Commit
+from weightstore.io.folders import Folder, LocalFolder, folder_for, unchanged
 from weightstore.store._save import CheckedWeights, file_names, write_file
 from weightstore.sync import _stages as stages
 from weightstore.sync._checks import DEFAULT_FORMAT, DEFAULT_KEEP, checked_keep, checked_pointer_metadata, checked_step
@@ -149,7 +150,7 @@ def publish(
     arrays = CheckedWeights(weights, target.url(name), fmt)
     metadata = checked_pointer_metadata(metadata, step, name, target.url(name))
     target.create()
-    written: list[str] = []  # the version file, once this publish wrote it
+    written: list[Commit] = []  # the version file's commit, once this publish wrote it
     tensors = planner.stored(arrays) if planner is not None else None
     plan = planner.plan(target, step, tensors) if planner is not None and tensors is not None else None
     if tensors is not None and plan is None:
@@ -159,8 +160,9 @@ def publish(
 
     def write_version(created: str) -> None:
         suffix = fmt.suffixes[0] if plan is None else delta_format.SUFFIX
+        commit = target.commit(name, suffix, new=True)
         try:
-            with target.commit(name, suffix, new=True).writing() as local:
+            with commit.writing() as local:
                 if plan is None:
                     write_file(local, fmt, arrays, metadata, False, stored_names, created=created)
                 else:
@@ -172,25 +174,29 @@ def publish(
             raise PublishError(f"step {step} was not published: another writer wrote its own {name} to this folder "
                                "while this process wrote it (a trainer restarted elsewhere took the folder over "
                                "while this one was stopped or slow); that version stays", path=target.where) from None
-        written.append(name)
+        written.append(commit)
+
+    def still_written() -> bool:
+        return not written or written[-1].still_landed()
 
     try:
         try:
             version = commit_version(target, step, name, write_version, metadata, keep,
-                                     base=None if plan is None else plan.head.base, new=True)
+                                     base=None if plan is None else plan.head.base, new=True, own=still_written,
+                                     chain={} if plan is None else plan.files)
         except _BaseMoved as moved:  # nothing written yet: the same weights go whole onto the new LATEST
             _log.warning("%s; it is written as a full version instead", moved)
             plan, name = None, f"step-{step:012d}{fmt.suffixes[0]}"
             if tensors is not None:
                 arrays = CheckedWeights(full_weights(tensors), target.url(name), fmt)
-            version = commit_version(target, step, name, write_version, metadata, keep, new=True)
+            version = commit_version(target, step, name, write_version, metadata, keep, new=True, own=still_written)
         if planner is not None and tensors is not None:
             planner.published(target, version, tensors, plan)
         return version
     except PublishError:
         # a race lost on object storage: left above LATEST with no intent naming it, the file
         # would read as a restored LATEST's newer version and refuse this very step's retry
-        if written and not kept_by_latest(target, step, name):
+        if written and not kept_by_latest(target, step, name) and written[-1].still_landed():
             target.remove(name)
         raise
 
@@ -200,11 +206,15 @@ class _BaseMoved(PublishError):
     committed after the delta was encoded (nothing of this one is written yet)."""
 
 
-def commit_version(target: Folder, step: int, name: str, write: Callable[[str], None],
+def commit_version(target: Folder, step: int, name: str, write: Callable[[str], str | None],
                    metadata: Mapping[str, Any] | None, keep: int | None, *, base: str | None = None,
-                   new: bool = False) -> Version:
+                   new: bool = False, own: Callable[[], bool] | None = None,
+                   chain: Mapping[str, object] | None = None) -> Version:
     """The publish protocol around one version file: check the step, clean what killed publishes
     left, record the intent, ``write(created)`` the file ``name``, replace ``LATEST``, prune.
+    ``write`` returns the ``created`` time its file records where that is not the one it was
+    given (a sharded commit adopting the identical index a killed one wrote), so that ``LATEST``
+    records its file's, which readers check.
 
     :func:`publish` writes a plain version file; :func:`~weightstore.commit_shards` a
     sharded version's index. On object storage ``LATEST`` is replaced by compare-and-swap on the
@@ -214,9 +224,18 @@ def commit_version(target: Folder, step: int, name: str, write: Callable[[str], 
     written (:meth:`Folder.require_compare_and_swap`). ``base``, a delta version's, must still be
     the file ``LATEST`` names: a delta is encoded before the folder is locked, and another
     publisher's version committed meanwhile would leave it based off the line retention keeps.
+    ``chain``: the files of that base's chain as the delta's plan took them (name ->
+    :meth:`~weightstore.io.folders.Folder.fingerprint`), which must be unchanged once the folder
+    is read: on an object store that listing is the first look at them (the plan's came from
+    memory), so an anchor replaced or removed since it was published costs a full version, not
+    deltas that no reader rebuilds.
     ``new``: ``write`` uploads only where no object has the name (a plain version), so the file
     of this step that a killed publish left is removed first (a sharded index is compared with
-    the one there instead).
+    the one there instead). ``own``: whether the file written is still this publish's, asked
+    just before ``LATEST`` is replaced: a publisher paused between its upload and its swap (SIGSTOP,
+    a suspended node) may find that a trainer restarted meanwhile took its file for a killed
+    publish's and uploaded its own in its place, which ``LATEST`` must not name under this
+    publish's record (readers refuse such a record too: :func:`~weightstore.sync._pinning.own_record`).
     """
     target.require_compare_and_swap(f"replacing {LATEST}")
     with target.lock():
@@ -227,15 +246,24 @@ def commit_version(target: Folder, step: int, name: str, write: Callable[[str], 
             raise _BaseMoved(f"LATEST moved to step {state.pointer.step if state.pointer else 'none'} while step "
                              f"{step} was encoded as a delta of {base} (is another trainer publishing to this "
                              "folder?)", path=target.where)
+        changed = [name for name, was in (chain or {}).items() if not unchanged({name: was},
+                                                                                {name: target.fingerprint(name)})]
+        if changed:
+            raise _BaseMoved(f"{changed[0]}, which step {step} was encoded as a delta on, was removed, replaced or "
+                             "written over since it was published", path=target.url(changed[0]))
         state.clean()
         if new and not isinstance(target, LocalFolder):
             state.remove_unpublished_of(step)
         stages.reached("cleaned")
         write_small(target, INTENT, intent_bytes(step, name))
         created = utc_now()
+        created = write(created) or created
         pointer = pointer_bytes(step, name, created, metadata or {}, writer())
-        write(created)
         stages.reached("version-written")
+        if own is not None and not own():
+            raise PublishError(f"step {step} was not published: another writer put its own {name} in place of this "
+                               "process's while it was paused between its upload and its swap of LATEST (a trainer "
+                               "restarted elsewhere took the folder over); that version stays", path=target.where)
         _write_latest(target, state, pointer, step)
         published_here(target, step)
         try:  # published: what follows tidies the folder, and its failure unpublishes nothing
