@@ -2,7 +2,8 @@
 
 Commands stay thin: they parse options, call :mod:`transfer` or :mod:`compare`, and print.
 TensorFlow is imported only when a command meets a TF checkpoint, so ``ws ls m.npz`` starts
-in a fraction of a second. Errors of every command, including those :mod:`sync` adds, are
+in a fraction of a second; each command imports its own helpers, so ``ws --help`` and
+``ws --version`` import no numpy. Errors of every command, including those :mod:`sync` adds, are
 turned into one line and exit status 1 (2 for ``diff`` and ``verify``, whose 1 is an answer)
 by :class:`guard.GuardedGroup`.
 """
