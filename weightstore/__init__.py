@@ -17,8 +17,12 @@ if sys.argv[:1] == ["-m"]:  # Python is importing this package to run a module w
 
     _weightstore_cli.starting_as_module()  # ``python -m weightstore``: Ctrl-C now exits 130 quietly, as ``ws``
 
+# ``threading``'s exit hooks run in reverse order of registration: weightstore's (the exit waits
+# for the background publishes under way, ``_exiting``) is registered at ``import weightstore``,
+# as ever, so a hook a program registers after this import runs before that wait
 from weightstore import _lazy, _moved, errors
 from weightstore._version import __version__
+from weightstore.core import _exiting  # noqa: F401
 from weightstore.errors import *  # noqa: F401,F403
 
 if TYPE_CHECKING:
