@@ -27,6 +27,7 @@ from typer.testing import CliRunner
 import tf_forge
 import weightstore as ws
 from hostile import hostile_keras
+from in_turn import ws_in_turn
 from weightstore.cli import render, transfer
 from weightstore.cli.guard import GuardedGroup
 from weightstore.cli.main import app
@@ -669,10 +670,8 @@ def test_diff_and_verify_tell_a_failure_from_their_answer_as_diff_and_cmp_do(tmp
     expected = [(["diff", ok, ok], 0), (["diff", ok, other], 1), (["diff", truncated, ok], 2),
                 (["diff", ok, flipped], 2), (["diff", ok, absent], 2), (["diff", ok, ok, "--atol", "-1"], 2),
                 (["verify", ok], 0), (["verify", truncated], 1), (["verify", flipped], 1), (["verify", absent], 2)]
-    for args, status in expected:
-        done = subprocess.run([sys.executable, "-m", "weightstore", *map(str, args)], capture_output=True, text=True,
-                              timeout=60)
-        assert done.returncode == status and "Traceback" not in done.stderr, (args, done.stderr)
+    for (args, status), (returned, _, stderr) in zip(expected, ws_in_turn([args for args, _ in expected]), strict=True):
+        assert returned == status and "Traceback" not in stderr, (args, stderr)
 
 
 def test_diff_values_nan_and_infinity_rules():
@@ -1088,7 +1087,8 @@ def _documented_json_fields() -> dict[str, tuple[list[str], dict[str, list[str]]
 
 def test_every_command_prints_the_json_fields_docs_cli_md_lists(tmp_path):
     """The contract: every command has --json with one documented shape. Each command runs as
-    people run it (a process), and its object has exactly the fields the table names."""
+    the ``ws`` script runs it (its entry, its stdout alone), and its object has exactly the
+    fields the table names."""
     documented = _documented_json_fields()
     a, b, run_folder = tmp_path / "a.npz", tmp_path / "b.npz", tmp_path / "run"
     ws.save(a, {"w": np.zeros(3, np.float32), "v": np.ones(2, np.float32)})
@@ -1102,11 +1102,10 @@ def test_every_command_prints_the_json_fields_docs_cli_md_lists(tmp_path):
         "clean": ["clean", run_folder],
     }
     assert set(commands) == set(documented)
-    for command, args in commands.items():
-        done = subprocess.run([sys.executable, "-m", "weightstore", *map(str, args), "--json"], capture_output=True,
-                              text=True, timeout=120)
-        assert done.returncode == (1 if command == "diff" else 0), (command, done.stderr)
-        document = json.loads(done.stdout.splitlines()[0] if command == "follow" else done.stdout)
+    runs = ws_in_turn([[*args, "--json"] for args in commands.values()])
+    for command, (status, stdout, stderr) in zip(commands, runs, strict=True):
+        assert status == (1 if command == "diff" else 0), (command, stderr)
+        document = json.loads(stdout.splitlines()[0] if command == "follow" else stdout)
         top, nested = documented[command]
         assert list(document) == ["command", "ok", *top], command
         assert (document["command"], document["ok"]) == (command.split()[0], True)
