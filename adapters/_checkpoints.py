@@ -6,20 +6,20 @@ Reading needs no TensorFlow: :func:`weightstore.open` reads TF checkpoints
 TensorFlow: writing name-based checkpoints (:func:`write_checkpoint`) and the ``checkpoint``
 state file that makes them findable (:func:`state_file_text`), and replacing values in TF2
 object-based ones (:func:`replace_in_object_checkpoint`). TensorFlow is imported only then
-(:func:`tensorflow`), and under the CLI without its start-up chatter (:func:`silence_tensorflow`).
+(:func:`tensorflow`), and under the CLI without its start-up chatter (:mod:`._tf_quiet`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from weightstore.adapters._tf_quiet import quietly
 from weightstore.core._extras import install_hint
 from weightstore.errors import (
     FormatError,
@@ -37,20 +37,6 @@ from weightstore.formats.tf_checkpoint import (
 from weightstore.io.commit import IndexLastCommit, RenameCommit
 
 _SHOWN = 5  # keys named in an error; the rest are counted
-_silent = False
-
-
-def silence_tensorflow() -> None:
-    """Keep TensorFlow's start-up chatter off stderr, where the CLI promises one-line errors.
-
-    Some of it is printed by native code before any logging setting applies, so the import
-    itself runs with file descriptor 2 pointed at ``/dev/null``; the log level is forced, not
-    defaulted, since a ``TF_CPP_MIN_LOG_LEVEL=0`` left in a shell would otherwise bring the C++
-    lines back (``ws --debug`` shows them).
-    """
-    global _silent
-    _silent = True
-    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
 
 
 def tensorflow(needed_for: str, path: str):
@@ -61,23 +47,6 @@ def tensorflow(needed_for: str, path: str):
         return tf
     except ImportError:
         raise MissingDependencyError(f"{needed_for} needs TensorFlow: {install_hint('tf')}", path=path) from None
-
-
-@contextlib.contextmanager
-def quietly() -> Iterator[None]:
-    """File descriptor 2 on ``/dev/null`` when the CLI silenced TensorFlow (see :func:`silence_tensorflow`)."""
-    if not _silent:
-        yield
-        return
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
 
 
 def entry_changed(prefix: str, key: str, was: tuple[str, Any], now: tuple[str, Any]) -> SelectionError:

@@ -61,7 +61,7 @@ from weightstore.io.folders import Folder, folder_for
 from weightstore.sharded import _cluster as cluster
 from weightstore.sharded._shards import Piece, claimed_attempt, commit_shards, in_background, publish_shard
 from weightstore.store._save import checked_metadata
-from weightstore.sync._checks import DEFAULT_KEEP
+from weightstore.sync._defaults import DEFAULT_KEEP
 from weightstore.sync._delta import Delta, as_delta
 from weightstore.sync._pinning import Version
 

@@ -43,7 +43,7 @@ from weightstore.adapters.skeleton import Target, private_copy, range_checked, r
 from weightstore.core.keys import MappingRules, Patterns, validate_key
 from weightstore.errors import InvalidKeyError, LayoutError, SelectionError
 from weightstore.sharded._shards import Piece, in_background, publish_together, split_rows
-from weightstore.sync._checks import DEFAULT_KEEP
+from weightstore.sync._defaults import DEFAULT_KEEP
 from weightstore.sync._delta import Delta
 from weightstore.sync._pinning import Version
 

@@ -62,7 +62,7 @@ from weightstore.core.keys import in_scope, join_scope, normalize_scope, parse_m
 from weightstore.core.names import TORCH, WRITE_NAMINGS, check_naming, key_of_torch_name, torch_keys, torch_name_of_key
 from weightstore.errors import AssignmentError, InvalidKeyError, LayoutError, SelectionError, UnsupportedDTypeError
 from weightstore.sharded._shards import Piece, in_background, publish_together, split_rows
-from weightstore.sync._checks import DEFAULT_KEEP
+from weightstore.sync._defaults import DEFAULT_KEEP
 from weightstore.sync._delta import Delta
 from weightstore.sync._pinning import Version
 

@@ -2,7 +2,8 @@
 
 Commands stay thin: they parse options, call :mod:`transfer` or :mod:`compare`, and print.
 TensorFlow is imported only when a command meets a TF checkpoint, so ``ws ls m.npz`` starts
-in a fraction of a second. Errors of every command, including those :mod:`sync` adds, are
+in a fraction of a second; each command imports its own helpers, so ``ws --help`` and
+``ws --version`` import no numpy. Errors of every command, including those :mod:`sync` adds, are
 turned into one line and exit status 1 (2 for ``diff`` and ``verify``, whose 1 is an answer)
 by :class:`guard.GuardedGroup`.
 """
@@ -11,21 +12,22 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from weightstore._version import __version__
-from weightstore.adapters import _checkpoints
-from weightstore.adapters.layout import DIRECTIONS
-from weightstore.adapters.plan import Selection
-from weightstore.cli import compare, render, sources, sync, transfer
+from weightstore.adapters._tf_quiet import silence_tensorflow
+from weightstore.cli import render, sync
 from weightstore.cli.guard import GuardedGroup, json_asked
 from weightstore.cli.render import count, human_bytes, note, settings
 from weightstore.core.keys import passes
-from weightstore.core.manifest import TensorInfo
 from weightstore.core.names import TORCH, WRITE_NAMINGS, check_naming, keys_of_torch_names, reads_as_torch, torch_keys
 from weightstore.errors import InvalidKeyError, UnsupportedDTypeError, named
+
+if TYPE_CHECKING:
+    from weightstore.cli import compare, sources, transfer
+    from weightstore.core.manifest import TensorInfo
 
 
 class _Group(GuardedGroup):
@@ -114,6 +116,8 @@ def _check_names(names: str | None) -> str | None:
 def _check_layout(layout: str | None) -> str | None:
     """An unknown ``--layout`` word is a usage error (exit 2) before any file is opened, like
     any other bad option value."""
+    from weightstore.adapters.layout import DIRECTIONS
+
     if layout is not None and layout not in DIRECTIONS:
         raise typer.BadParameter(f"{layout!r}; use one of {', '.join(DIRECTIONS)}")
     return layout
@@ -162,7 +166,7 @@ def options(
     """
     settings.quiet, settings.debug, settings.json = quiet, debug, as_json
     if not debug:
-        _checkpoints.silence_tensorflow()
+        silence_tensorflow()
 
 
 @app.command()
@@ -205,6 +209,9 @@ def export(
       ws export model.keras -o small.npz --trainable-only --also '*/moving_*'
       ws export ckpt/ -o m.npz --model model.keras --trainable-only --also '*/bn/moving_*'
     """
+    from weightstore.adapters.plan import Selection
+    from weightstore.cli import sources, transfer
+
     _json(as_json)
     if also and not trainable_only:
         raise typer.BadParameter("--also adds to what --trainable-only keeps; give --trainable-only too",
@@ -252,6 +259,8 @@ def import_(
       ws import fixed.npz --into ckpt/ckpt-3 --include 'model/_operations/1/*'   # a key ws ls lists
       ws import fix.npz --into m.weights.h5 --overwrite
     """
+    from weightstore.cli import sources, transfer
+
     _json(as_json)
     with sources.open_source(store) as opened:
         written = transfer.import_(opened, into, scope=scope, mapping=mapping, include=include, exclude=exclude,
@@ -276,6 +285,8 @@ def ls(
       ws ls model.npz --scope model_002
       ws ls model.npz --include '*/kernel' --exclude 'head/*'
     """
+    from weightstore.cli import sources
+
     _json(as_json)
     with sources.open_source(store) as opened:
         infos = _listable(opened, _under_scope(opened, scope, include, exclude))
@@ -364,6 +375,8 @@ def diff(
     Example:
       ws diff before.npz after.npz --atol 1e-6
     """
+    from weightstore.cli import compare, sources
+
     _json(as_json)
     with contextlib.ExitStack() as opened:
         left, right = (opened.enter_context(sources.open_source(path)) for path in (a, b))
@@ -384,6 +397,8 @@ def _state_dict_of_old(store: sources.Source, other: sources.Source) -> bool:
     before ``ws.save`` read them as keys, or by ``np.savez``) and ``other`` holds them as names
     read by keys (``features/0/weight``): compared as they are, every tensor reads as removed and
     added. Names that make no key (``a..b``) are compared as they are."""
+    from weightstore.cli import transfer
+
     if store.stored_names() or not reads_as_torch(store.keys()) or transfer.naming_of(other) != TORCH:
         return False
     try:
@@ -453,6 +468,8 @@ def convert(
       ws convert torch.safetensors keras.npz --layout torch-to-keras
       ws convert model.npz hf-folder/ --max-shard-size 5GB
     """
+    from weightstore.cli import sources, transfer
+
     _json(as_json)
     from_keras = bool(layout and layout.startswith("keras-to-"))
     if kind and not layout:
@@ -505,6 +522,7 @@ def verify(store: Annotated[str, typer.Argument(help="The weight store, or folde
       ws verify s3://bucket/run
     """
     import weightstore
+    from weightstore.cli import compare
     from weightstore.errors import ChecksumError, StoreNotFoundError
     from weightstore.formats import tf_checkpoint
 
@@ -542,6 +560,7 @@ def verify(store: Annotated[str, typer.Argument(help="The weight store, or folde
 def _verify_folder(folder: str) -> None:
     """``ws verify FOLDER``: a line per version on stdout (with ``--json``, one object listing
     them), then exit 1 naming every corrupt version (a damaged ``LATEST`` too), else 0."""
+    from weightstore.cli import compare
     from weightstore.cli.guard import describe
     from weightstore.errors import FormatError, StoreNotFoundError
 

@@ -15,9 +15,8 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import numpy as np
 import typer
 from rich import progress as rich_progress
 from rich.cells import cell_len
@@ -25,8 +24,12 @@ from rich.console import Console
 from rich.table import Table
 
 from weightstore.core.keys import misprints
-from weightstore.core.manifest import TensorInfo
 from weightstore.errors import ChecksumError
+
+if TYPE_CHECKING:  # numpy and the manifest only annotate here: ``ws --help`` imports neither
+    import numpy as np
+
+    from weightstore.core.manifest import TensorInfo
 
 T = TypeVar("T")
 PROGRESS_DELAY_S = 0.5

@@ -16,7 +16,7 @@ import typer
 
 from weightstore.cli.render import emit, human_bytes, printable, settings
 from weightstore.errors import StorageError
-from weightstore.sync._checks import DEFAULT_POLL
+from weightstore.sync._defaults import DEFAULT_POLL
 
 
 def register(app: typer.Typer) -> None:

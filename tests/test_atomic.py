@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import weightstore as ws
+from in_turn import ws_in_turn
 from polling import wait_until
 from weightstore.formats import hdf5, npz
 from weightstore.io import files
@@ -410,44 +411,51 @@ def ws_under_a_file_size_limit(*args, timeout=60):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_ws_import_into_a_checkpoint_past_a_file_size_limit_leaves_nothing_and_says_why(tmp_path):
+@pytest.fixture(scope="module")
+def ws_imports_into_checkpoints(tmp_path_factory):
+    """``ws import`` into TF checkpoints, its writes past 1 MB refused: into ``m.ckpt``; into
+    ``run/a/m.ckpt`` and ``kept/new/m.ckpt``, whose folders it makes (``kept`` was there); into a
+    prefix of 180 bytes (16 bytes written). The folder of each case, and each target with the
+    (status, stdout, stderr) of its ``ws import``."""
+    pytest.importorskip("tensorflow")
+    folders = {name: tmp_path_factory.mktemp(name) for name in ("alone", "folders", "long")}
+    for name in ("alone", "folders"):
+        ws.save(folders[name] / "w.npz", {"a": np.ones(1 << 19, np.float32)})
+    ws.save(folders["long"] / "w.npz", {"a": np.arange(4, dtype=np.float32)})
+    (folders["folders"] / "kept").mkdir()
+    targets = {"alone": [folders["alone"] / "m.ckpt"],
+               "folders": [folders["folders"] / "run" / "a" / "m.ckpt", folders["folders"] / "kept" / "new" / "m.ckpt"],
+               "long": [folders["long"] / ("m" * 175 + ".ckpt")]}
+    commands = [["import", folders[name] / "w.npz", "--into", target] for name in targets for target in targets[name]]
+    done = iter(ws_in_turn(commands, file_size_limit=1 << 20))  # TensorFlow imported once for the four
+    return {name: (folders[name], [(target, next(done)) for target in targets[name]]) for name in targets}
+
+
+def test_ws_import_into_a_checkpoint_past_a_file_size_limit_leaves_nothing_and_says_why(ws_imports_into_checkpoints):
     """Found as a user: TensorFlow's SaveV2 writes its data file as ``….tempstateN`` and leaves it
     when the write fails; that file, as large as the data written, stayed hidden beside the
     checkpoint, and the error named it with TensorFlow's op in braces. The real ws, its writes
     past 1 MB refused."""
-    pytest.importorskip("tensorflow")
-    source = tmp_path / "w.npz"
-    ws.save(source, {"a": np.ones(1 << 19, np.float32)})
-    done = ws_under_a_file_size_limit("import", source, "--into", tmp_path / "m.ckpt", timeout=120)
-    assert done.returncode == 1
-    assert done.stderr == f"error: {tmp_path / 'm.ckpt'}: TensorFlow could not write the checkpoint: File too large\n"
-    assert sorted(os.listdir(tmp_path)) == ["w.npz"]
+    folder, [(target, done)] = ws_imports_into_checkpoints["alone"]
+    assert done == (1, "", f"error: {target}: TensorFlow could not write the checkpoint: File too large\n")
+    assert sorted(os.listdir(folder)) == ["w.npz"]
 
 
-def test_ws_import_into_a_new_checkpoint_folder_that_fails_leaves_no_folder(tmp_path):
+def test_ws_import_into_a_new_checkpoint_folder_that_fails_leaves_no_folder(ws_imports_into_checkpoints):
     """``ws import --into run/a/m.ckpt`` makes the prefix's folders; a write that failed left them,
     empty, where the failure was to leave nothing. A folder already there stays."""
-    pytest.importorskip("tensorflow")
-    source = tmp_path / "w.npz"
-    ws.save(source, {"a": np.ones(1 << 19, np.float32)})
-    (tmp_path / "kept").mkdir()
-    for target in (tmp_path / "run" / "a" / "m.ckpt", tmp_path / "kept" / "new" / "m.ckpt"):
-        done = ws_under_a_file_size_limit("import", source, "--into", target, timeout=120)
-        assert (done.returncode, done.stderr) == (1, f"error: {target}: TensorFlow could not write the checkpoint: "
-                                                     "File too large\n")
-    assert sorted(os.listdir(tmp_path)) == ["kept", "w.npz"] and os.listdir(tmp_path / "kept") == []
+    folder, runs = ws_imports_into_checkpoints["folders"]
+    for target, done in runs:
+        assert done == (1, "", f"error: {target}: TensorFlow could not write the checkpoint: File too large\n")
+    assert sorted(os.listdir(folder)) == ["kept", "w.npz"] and os.listdir(folder / "kept") == []
 
 
-def test_ws_import_into_a_checkpoint_of_a_name_tensorflow_writes_writes_it(tmp_path):
+def test_ws_import_into_a_checkpoint_of_a_name_tensorflow_writes_writes_it(ws_imports_into_checkpoints):
     """A prefix of 180 bytes, which TensorFlow's own save writes: the temporary prefix left room
     for weightstore's endings but not for the ``.tempstateN`` (up to 20 digits) SaveV2 appends to
     its data file, so the import failed with "File name too long"."""
-    pytest.importorskip("tensorflow")
-    prefix = tmp_path / ("m" * 175 + ".ckpt")
-    ws.save(tmp_path / "w.npz", {"a": np.arange(4, dtype=np.float32)})
-    done = subprocess.run([sys.executable, "-m", "weightstore", "import", tmp_path / "w.npz", "--into", prefix],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    _, [(prefix, (status, _, stderr))] = ws_imports_into_checkpoints["long"]
+    assert status == 0, stderr
     assert ws.load(prefix)["a"].tolist() == [0, 1, 2, 3]
 
 

@@ -27,6 +27,7 @@ from typer.testing import CliRunner
 import tf_forge
 import weightstore as ws
 from hostile import hostile_keras
+from in_turn import ws_in_turn
 from weightstore.cli import render, transfer
 from weightstore.cli.guard import GuardedGroup
 from weightstore.cli.main import app
@@ -526,16 +527,14 @@ def test_ls_scope_with_include_or_exclude_keeps_what_load_keeps_and_the_scope_ke
     path = tmp_path / "slots.npz"
     ws.save(path, {key: np.ones(2, np.float32) for key in ("w", "w/Adam", "w/Adam_1", "wx")})
 
-    def listed(*args):
-        done = subprocess.run([sys.executable, "-m", "weightstore", "ls", str(path), "--json", "--scope", "w", *args],
-                              capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr
-        return [t["key"] for t in json.loads(done.stdout)["tensors"]]
-
-    for words, selection in [(("-x", "*_1"), {"exclude": "*_1"}), (("-x", "Adam"), {"exclude": "Adam"}),
-                             (("-i", "Adam*"), {"include": "Adam*"}), ((), {})]:
+    cases = [(("-x", "*_1"), {"exclude": "*_1"}), (("-x", "Adam"), {"exclude": "Adam"}),
+             (("-i", "Adam*"), {"include": "Adam*"}), ((), {})]
+    runs = ws_in_turn([["ls", path, "--json", "--scope", "w", *words] for words, _ in cases])
+    for (words, selection), (status, stdout, stderr) in zip(cases, runs, strict=True):
+        assert status == 0, stderr
         under = sorted("w/" + key for key in ws.load(path, scope="w", **selection))
-        assert listed(*words) == (["w"] if "include" not in selection else []) + under, words
+        listed = [t["key"] for t in json.loads(stdout)["tensors"]]
+        assert listed == (["w"] if "include" not in selection else []) + under, words
 
 
 def test_ls_scope_naming_a_tensor_alone_with_include_is_refused_as_export_refuses_it(tmp_path):
@@ -669,10 +668,8 @@ def test_diff_and_verify_tell_a_failure_from_their_answer_as_diff_and_cmp_do(tmp
     expected = [(["diff", ok, ok], 0), (["diff", ok, other], 1), (["diff", truncated, ok], 2),
                 (["diff", ok, flipped], 2), (["diff", ok, absent], 2), (["diff", ok, ok, "--atol", "-1"], 2),
                 (["verify", ok], 0), (["verify", truncated], 1), (["verify", flipped], 1), (["verify", absent], 2)]
-    for args, status in expected:
-        done = subprocess.run([sys.executable, "-m", "weightstore", *map(str, args)], capture_output=True, text=True,
-                              timeout=60)
-        assert done.returncode == status and "Traceback" not in done.stderr, (args, done.stderr)
+    for (args, status), (returned, _, stderr) in zip(expected, ws_in_turn([args for args, _ in expected]), strict=True):
+        assert returned == status and "Traceback" not in stderr, (args, stderr)
 
 
 def test_diff_values_nan_and_infinity_rules():
@@ -810,17 +807,20 @@ def test_a_file_under_another_formats_suffix_says_so_and_how_to_read_it(store, t
     directory; truncated or not a zip)", as if damaged. Its first bytes tell: the error says
     which format they are and what to do; read so, the values are the file's."""
     weights = ws.load(store)
-    for real, named in ((".safetensors", ".npz"), (".npz", ".safetensors"), (".safetensors", ".h5")):
+    cases = [(".safetensors", ".npz"), (".npz", ".safetensors"), (".safetensors", ".h5")]
+    for real, named in cases:
         ws.save(tmp_path / f"real{real}", weights)
-        wrong = tmp_path / f"wrong{named}"
-        shutil.copyfile(tmp_path / f"real{real}", wrong)
-        for command in (["ls", wrong], ["convert", wrong, tmp_path / "out.npz"]):
-            done = subprocess.run([WS, *map(str, command)], capture_output=True, text=True, timeout=60)
-            fmt = real.lstrip(".")
-            assert (done.returncode, done.stdout, done.stderr) == (1, "", (
+        shutil.copyfile(tmp_path / f"real{real}", tmp_path / f"wrong{named}")
+    commands = [[command, tmp_path / f"wrong{named}", *rest] for _, named in cases
+                for command, *rest in (["ls"], ["convert", tmp_path / "out.npz"])]
+    runs = iter(ws_in_turn(commands))
+    for real, named in cases:
+        wrong, fmt = tmp_path / f"wrong{named}", real.lstrip(".")
+        for _ in ("ls", "convert"):
+            assert next(runs) == (1, "", (
                 f"error: {wrong}: its name says {'hdf5' if named == '.h5' else named.lstrip('.')}, but its first "
                 f"bytes say {fmt}: rename it to end in {real} (or read it with ws.open(path, format={fmt!r}))\n"))
-        with ws.open(wrong, format=real.lstrip(".")) as opened:
+        with ws.open(wrong, format=fmt) as opened:
             assert {key: opened[key].tolist() for key in opened} == {k: v.tolist() for k, v in weights.items()}
     assert not (tmp_path / "out.npz").exists()
     (tmp_path / "cut.npz").write_bytes((tmp_path / "real.npz").read_bytes()[:200])  # its own format, cut short
@@ -1088,7 +1088,8 @@ def _documented_json_fields() -> dict[str, tuple[list[str], dict[str, list[str]]
 
 def test_every_command_prints_the_json_fields_docs_cli_md_lists(tmp_path):
     """The contract: every command has --json with one documented shape. Each command runs as
-    people run it (a process), and its object has exactly the fields the table names."""
+    the ``ws`` script runs it (its entry, its stdout alone), and its object has exactly the
+    fields the table names."""
     documented = _documented_json_fields()
     a, b, run_folder = tmp_path / "a.npz", tmp_path / "b.npz", tmp_path / "run"
     ws.save(a, {"w": np.zeros(3, np.float32), "v": np.ones(2, np.float32)})
@@ -1102,11 +1103,10 @@ def test_every_command_prints_the_json_fields_docs_cli_md_lists(tmp_path):
         "clean": ["clean", run_folder],
     }
     assert set(commands) == set(documented)
-    for command, args in commands.items():
-        done = subprocess.run([sys.executable, "-m", "weightstore", *map(str, args), "--json"], capture_output=True,
-                              text=True, timeout=120)
-        assert done.returncode == (1 if command == "diff" else 0), (command, done.stderr)
-        document = json.loads(done.stdout.splitlines()[0] if command == "follow" else done.stdout)
+    runs = ws_in_turn([[*args, "--json"] for args in commands.values()])
+    for command, (status, stdout, stderr) in zip(commands, runs, strict=True):
+        assert status == (1 if command == "diff" else 0), (command, stderr)
+        document = json.loads(stdout.splitlines()[0] if command == "follow" else stdout)
         top, nested = documented[command]
         assert list(document) == ["command", "ok", *top], command
         assert (document["command"], document["ok"]) == (command.split()[0], True)

@@ -287,7 +287,7 @@ def test_adapter_for_decides_by_the_type_s_bases_and_a_container_s_first_leaf(tm
 
 
 def test_every_publisher_and_follower_shares_one_set_of_defaults():
-    """keep, format and poll are declared once (weightstore.sync._checks), and every entry point has them."""
+    """keep, format and poll are declared once (weightstore.sync._defaults), and every entry point has them."""
     pytest.importorskip("tensorflow")
     import weightstore as ws
     from weightstore.adapters import tf2
@@ -295,15 +295,15 @@ def test_every_publisher_and_follower_shares_one_set_of_defaults():
     from weightstore.cli import sync
     from weightstore.sharded import _shards as shards
     from weightstore.sync import _background as background
-    from weightstore.sync import _checks
+    from weightstore.sync import _defaults
 
     def default(function: typing.Callable, name: str) -> object:
         return inspect.signature(function).parameters[name].default
 
     for publisher in (ws.publish, background.BackgroundPublisher, hooks.PublishCallback, hooks.PublishHook,
                       shards.commit_shards, tf2.publish_sharded):
-        assert default(publisher, "keep") == _checks.DEFAULT_KEEP, publisher
+        assert default(publisher, "keep") == _defaults.DEFAULT_KEEP, publisher
     for publisher in (ws.publish, background.BackgroundPublisher, hooks.PublishCallback, hooks.PublishHook):
-        assert default(publisher, "format") == _checks.DEFAULT_FORMAT, publisher
+        assert default(publisher, "format") == _defaults.DEFAULT_FORMAT, publisher
     for looker in (ws.follow, follower.Follower, sync.follow):
-        assert default(looker, "poll") == _checks.DEFAULT_POLL, looker
+        assert default(looker, "poll") == _defaults.DEFAULT_POLL, looker

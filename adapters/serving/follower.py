@@ -98,7 +98,8 @@ from weightstore.formats import ReaderDefaults
 from weightstore.formats.sharded import normalized_region
 from weightstore.io._buffer import aligned_array, memory_owner
 from weightstore.store._open import Store
-from weightstore.sync._checks import DEFAULT_POLL, checked_count, checked_seconds
+from weightstore.sync._checks import checked_count, checked_seconds
+from weightstore.sync._defaults import DEFAULT_POLL
 from weightstore.sync._folder import versions_folder
 from weightstore.sync._follow import Outage, PointerWatch
 from weightstore.sync._pinning import Version

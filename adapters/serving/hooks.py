@@ -46,7 +46,8 @@ with needs("tf", __name__):
 from weightstore.adapters.plan import Selection, SelectionWords
 from weightstore.sharded._cluster import is_tf_chief, tf_config_task
 from weightstore.sync._background import DEFAULT_RETRY_FOR, BackgroundPublisher
-from weightstore.sync._checks import DEFAULT_FORMAT, DEFAULT_KEEP, checked_seconds
+from weightstore.sync._checks import checked_seconds
+from weightstore.sync._defaults import DEFAULT_FORMAT, DEFAULT_KEEP
 from weightstore.sync._delta import Delta
 from weightstore.sync._pinning import Version
 from weightstore.sync._publish import PublishOptions

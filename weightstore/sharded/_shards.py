@@ -121,13 +121,13 @@ from weightstore.sharded import _delta as member_delta
 from weightstore.store._save import CheckedWeights, write_file
 from weightstore.sync import _stages as stages
 from weightstore.sync._checks import (
-    DEFAULT_KEEP,
     checked_count,
     checked_keep,
     checked_pointer_metadata,
     checked_seconds,
     checked_step,
 )
+from weightstore.sync._defaults import DEFAULT_KEEP
 from weightstore.sync._delta import Delta, Stored, as_delta
 from weightstore.sync._folder import SHARDED_SUFFIX, names_step, remove_attempt, require_folder, version_files
 from weightstore.sync._pinning import Version, read_latest

@@ -86,7 +86,8 @@ from weightstore.formats import format_named
 from weightstore.formats._pointer import LATEST
 from weightstore.io.location import connection_failure, location_of, service_answer
 from weightstore.store._save import checked_metadata
-from weightstore.sync._checks import DEFAULT_FORMAT, DEFAULT_KEEP, checked_keep, checked_seconds, checked_step
+from weightstore.sync._checks import checked_keep, checked_seconds, checked_step
+from weightstore.sync._defaults import DEFAULT_FORMAT, DEFAULT_KEEP
 from weightstore.sync._delta import Delta, as_delta
 from weightstore.sync._folder import versions_folder
 from weightstore.sync._pinning import Version, pointer_version

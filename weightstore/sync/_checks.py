@@ -24,18 +24,6 @@ from weightstore.io.files import TEMPORARY_EXTRA
 from weightstore.store._save import checked_metadata
 from weightstore.sync._writers import writer
 
-#: what a publish keeps and writes, and how often a follower looks, unless told: the one
-#: default of every publisher (publish, BackgroundPublisher, the hooks, sharded commits) and
-#: every follower (follow, Follower, ws follow)
-DEFAULT_KEEP = 5
-
-
-DEFAULT_FORMAT = "npz"
-
-
-DEFAULT_POLL = 1.0
-
-
 #: a file name has at most :data:`FILE_NAME_BYTES`: ``step-``, the digits, at most 12 more (``.safetensors``,
 #: ``.attempt-999``), and what the temporary it is written as adds
 _MAX_STEP_DIGITS = FILE_NAME_BYTES - TEMPORARY_EXTRA - len("step-") - 12

@@ -39,7 +39,8 @@ from weightstore.formats._pointer import (
     LATEST,
 )
 from weightstore.io.folders import Folder, LocalFolder
-from weightstore.sync._checks import DEFAULT_POLL, checked_count, checked_seconds
+from weightstore.sync._checks import checked_count, checked_seconds
+from weightstore.sync._defaults import DEFAULT_POLL
 from weightstore.sync._folder import check_notifications, versions_folder
 from weightstore.sync._pinning import Version, read_latest
 

@@ -73,7 +73,8 @@ from weightstore.io.commit import Commit
 from weightstore.io.folders import Folder, LocalFolder, folder_for, unchanged
 from weightstore.store._save import CheckedWeights, file_names, write_file
 from weightstore.sync import _stages as stages
-from weightstore.sync._checks import DEFAULT_FORMAT, DEFAULT_KEEP, checked_keep, checked_pointer_metadata, checked_step
+from weightstore.sync._checks import checked_keep, checked_pointer_metadata, checked_step
+from weightstore.sync._defaults import DEFAULT_FORMAT, DEFAULT_KEEP
 from weightstore.sync._delta import Delta, as_delta, full_weights
 from weightstore.sync._folder import INTENT, FolderState, intent_bytes, kept_by_latest, prune, write_small
 from weightstore.sync._pinning import Version
