@@ -299,7 +299,9 @@ def verify_versions(folder: str, checked: Callable[[VersionCheck], None] | None 
     sharded version reads every block of its members. Along a chain each delta is applied once,
     onto the version before it as just verified (:class:`Held`: one version's tensors in
     memory), not rebuilt from its anchor for every version, and opened without its chain (each
-    file of a chain is opened once, not by every version above it). A version being written (the
+    file of a chain is opened once, not by every version above it); where none of the version
+    before read whole, with its chain, as a reader opens it (a fault there named once, not once
+    a tensor). A version being written (the
     step a publish under way recorded, above ``LATEST``'s) or removed while this runs (a prune)
     is skipped, not corrupt; a storage outage is raised, since nothing can be told then.
     ``LATEST`` is read again at the end (:func:`_latest_damage`). A version whose name is held
@@ -342,6 +344,8 @@ def _check_version(folder: str, entry: VersionEntry, check: VersionCheck, before
     if entry.not_file is not None:  # never opened: a FIFO would block, a link lead out of the folder
         check.state, check.fault = "corrupt", f"is {entry.not_file}, not a file: no reader opens it"
         return
+    if held is not None and not held.tensors:  # none read whole: opened as a reader opens it, its chain's fault named once
+        held = None
     try:
         with weightstore.open(entry.path) if held is None else open_onto_base(entry.path, held.chain) as opened:
             check.count, check.problems = len(opened), verify(opened, held, keep)
