@@ -132,6 +132,26 @@ def test_a_delta_verified_onto_the_version_before_is_corrupt_as_a_reader_says(tm
     assert lines(result)[2] == f"{folder}/{THIRD}: corrupt (delta): {reader_fault(folder / THIRD)}"
 
 
+def test_a_delta_on_a_base_holding_its_tensor_as_another_dtype_is_corrupt_as_a_reader_says(tmp_path):
+    """The versions below a delta restored from another run's copy, which held the same bytes as
+    float32, not int32: a reader refuses the delta (a change of another dtype's tensor), and
+    so does ``ws verify``, which rebuilt it onto the bytes verified there and called it ok."""
+    folder, other = tmp_path / "run", tmp_path / "other"
+    for where, dtype in ((folder, np.int32), (other, np.float32)):
+        weights = np.arange(4096, dtype=np.int32)
+        for step in (1, 2, 3):
+            weights = weights.copy()
+            weights[step * 7] += 1
+            ws.publish(where, {"w": weights.view(dtype)}, step=step, delta=True)
+    for name in (ANCHOR, SECOND):
+        (folder / name).write_bytes((other / name).read_bytes())
+    result = run("verify", folder)
+    assert result.exit_code == 1, result.output
+    assert lines(result)[1:] == [f"{folder}/{SECOND}: ok (delta): 1 tensor",
+                                 f"{folder}/{THIRD}: corrupt (delta): {reader_fault(folder / THIRD)}"]
+    assert "not int32" in lines(result)[2]
+
+
 KILLED_PUBLISHER = """
 import os, signal, sys
 import numpy as np
