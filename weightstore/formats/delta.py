@@ -877,18 +877,21 @@ class DeltaReader(ReaderDefaults):
         except WeightStoreError as exc:
             raise named_here(exc, self.name, key) from None
         if verify and DIGEST_PREFIX + content_digest(out).hex() != self._manifest.tensors[key].digest:
-            raise ChecksumError(f"rebuilding it from base {self.head.base} (and its chain) does not give the digest "
-                                f"its publisher recorded: {self._corrupt_link(key)}", path=self.name, key=key)
+            raise ChecksumError(self._corrupt_link(key) or (
+                f"rebuilding it from base {self.head.base} (and its chain) does not give the digest its publisher "
+                "recorded: the base or the delta is corrupt"), path=self.name, key=key)
         return out
 
-    def _corrupt_link(self, key: str) -> str:
+    def _corrupt_link(self, key: str) -> str | None:
         """Which file of this version's chain is corrupt for ``key``, said when its rebuild failed
-        the digest: the anchor checked against its own checksums, then each delta from the oldest
-        against the digest it records. A base damaged after it was written fails every delta built
-        on it until the next anchor, so each of their errors names that one file. An anchor that
-        reads whole proves only that it is a whole file, not the one the first delta was built on
-        (a delta records its base's name, not its bytes): where that delta fails, either may be at
-        fault, and both are named. The chain is read again for ``key`` on this failure path only
+        the digest (``None`` where none is found): the anchor checked against its own checksums,
+        then each delta from the oldest against the digest it records. A base damaged after it was
+        written fails every delta built on it until the next anchor, so each of their errors names
+        that one file, as what is wrong with it ("in its chain, step-….npz: is corrupt (checksum
+        …)"), not inside a second message about the digest, which named the base twice. An anchor
+        that reads whole proves only that it is a whole file, not the one the first delta was built
+        on (a delta records its base's name, not its bytes): where that delta fails, either may be
+        at fault, and both are named. The chain is read again for ``key`` on this failure path only
         (a rebuild checks the digest at the top)."""
         levels: list[DeltaReader] = []  # the deltas key is rebuilt through, down to one storing it raw
         level: Any = self
@@ -899,22 +902,25 @@ class DeltaReader(ReaderDefaults):
             level = level._base
         out = None
         on_anchor = not isinstance(level, DeltaReader)
+        reading = levels[-1].head.base  # the file read, as the chain names it (a sharded member's with its attempt)
         try:
             if on_anchor:
                 stored = np.ascontiguousarray(to_storage(level.read(key, verify=True), key)[1])
                 out = _aligned_copy(stored.reshape(-1).view(np.uint8) if stored.size else np.empty(0, np.uint8))
-            for level in reversed(levels):
+            for at in reversed(range(len(levels))):
+                level, reading = levels[at], self.name if at == 0 else levels[at - 1].head.base
                 out = level._apply_own(key, out)
                 if DIGEST_PREFIX + content_digest(out).hex() != level._manifest.tensors[key].digest:
-                    where = "this delta" if level is self else _file_name(level.name)
+                    where, said = ("this delta", "") if at == 0 else (reading, "in its chain, ")
                     if on_anchor and level is levels[-1]:
-                        return (f"{where} is corrupt, or its base {_file_name(level.head.base)} is another whole file "
-                                "than the one it was built on (restored from another copy?): that base reads whole, "
-                                f"{where} does not rebuild its recorded digest on it")
-                    return f"{where} is corrupt: its base rebuilds whole, it does not rebuild its recorded digest on it"
+                        return (f"{said}{where} is corrupt, or its base {level.head.base} is another whole file than "
+                                "the one it was built on (restored from another copy?): that base reads whole, "
+                                f"{where} does not rebuild the digest its publisher recorded on it")
+                    return (f"{said}{where} is corrupt: its base rebuilds whole, {where} does not rebuild the digest "
+                            "its publisher recorded on it")
         except WeightStoreError as exc:
-            return f"in its chain, {_file_name(exc.path or levels[-1].head.base)}: {exc.message}"
-        return "the base or the delta is corrupt"
+            return exc.message if reading == self.name else f"in its chain, {reading}: {exc.message}"
+        return None
 
     def proven_bytes(self) -> int:
         """Bytes of every tensor this version rebuilds, each proven before any is rebuilt: held
