@@ -222,7 +222,8 @@ def verify(store: Store, held: Held | None = None, keep: Held | None = None) -> 
     """Read every tensor with its checksum checked; one problem per failing tensor, empty when sound.
 
     ``held``: the version before, whole, where ``store`` is a delta of it: each tensor is
-    rebuilt onto its bytes there (taken, changed in place) and checked against the digest its
+    rebuilt onto its bytes there (taken, changed in place; where it held a tensor of the same
+    dtype and shape, as a reader requires) and checked against the digest its
     publisher recorded, as a follower does, rather than rebuilt from the anchor again; one that
     cannot be (a tensor it has not, a failure) is read whole, whose error names the file of the
     chain at fault. ``keep``: filled with each tensor's stored bytes that read whole, for the
@@ -234,7 +235,8 @@ def verify(store: Store, held: Held | None = None, keep: Held | None = None) -> 
         try:
             kept = _read_checked(store, key, held, keep is not None)
             if keep is not None and kept is not None:
-                keep.tensors[key] = kept
+                info = store.info(key)
+                keep.tensors[key], keep.kinds[key] = kept, (info.dtype, tuple(info.shape))
         except FormatError as exc:
             elsewhere = exc.path if exc.path != store.path else None  # a sharded version's member
             problems.append(Problem(key, f"{elsewhere}: {exc.message}" if elsewhere else exc.message))
@@ -250,13 +252,17 @@ class Held:
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
     #: the chain a delta of it lists: its name, then its own chain (``None``: the listing did not tell)
     chain: list[str] | None = None
+    #: each tensor's dtype and shape: a delta is rebuilt onto one only where it is a change of a
+    #: tensor of its own dtype and shape, which a reader checks (of the same bytes, it refuses it)
+    kinds: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
 
 
 def _read_checked(store: Store, key: str, held: Held | None, keep: bool) -> np.ndarray | None:
     """``key`` read with its checksum (or digest) checked: rebuilt onto ``held``'s bytes where
     it can be, else read whole; where ``keep``, its stored bytes (uint8), writable and its own."""
     data = None if held is None else held.tensors.pop(key, None)
-    if data is not None and held is not None:
+    info = store.info(key)
+    if data is not None and held is not None and held.kinds.get(key) == (info.dtype, tuple(info.shape)):
         try:
             if store.read_from(key, held.name, data, in_place=True) is not None:
                 return data
@@ -309,7 +315,9 @@ def verify_versions(folder: str, checked: Callable[[VersionCheck], None] | None 
     sharded version reads every block of its members. Along a chain each delta is applied once,
     onto the version before it as just verified (:class:`Held`: one version's tensors in
     memory), not rebuilt from its anchor for every version, and opened without its chain (each
-    file of a chain is opened once, not by every version above it). A version being written (the
+    file of a chain is opened once, not by every version above it); where none of the version
+    before read whole, with its chain, as a reader opens it (a fault there named once, not once
+    a tensor). A version being written (the
     step a publish under way recorded, above ``LATEST``'s) or removed while this runs (a prune)
     is skipped, not corrupt; a storage outage is raised, since nothing can be told then.
     ``LATEST`` is read again at the end (:func:`_latest_damage`). A version whose name is held
@@ -352,6 +360,8 @@ def _check_version(folder: str, entry: VersionEntry, check: VersionCheck, before
     if entry.not_file is not None:  # never opened: a FIFO would block, a link lead out of the folder
         check.state, check.fault = "corrupt", f"is {entry.not_file}, not a file: no reader opens it"
         return
+    if held is not None and not held.tensors:  # none read whole: opened as a reader opens it, its chain's fault named once
+        held = None
     try:
         with weightstore.open(entry.path) if held is None else open_onto_base(entry.path, held.chain) as opened:
             check.count, check.problems = len(opened), verify(opened, held, keep)

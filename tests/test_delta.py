@@ -250,6 +250,25 @@ def test_ws_versions_marks_a_delta_whose_base_is_gone(tmp_path):
     assert [(v["step"], v["base_missing"]) for v in listed] == [(2, True), (3, False)]
 
 
+def test_a_listing_takes_a_heads_chain_as_checked_only_where_it_is_of_its_files_step(tmp_path):
+    """A listing checks each head's chain once, taking the chain the delta listed before it
+    lists as checked: only where that head is of its own file's step. Here the file of step 3
+    says step 10 (its chain checked below 10, its base step 5), and the head of step 4 lists
+    steps 3 then 5, which is no chain: its head is no more read as sound than a reader takes it."""
+    source, folder = tmp_path / "source", tmp_path / "run"
+    ws.publish(source, {"w": np.arange(4000.0)}, step=1, delta=True)
+    ws.publish(source, {"w": np.r_[np.arange(3999.0), 7.0]}, step=2, delta=True)
+    folder.mkdir()
+    ws.save(folder / "step-000000000005.npz", {"w": np.arange(4000.0)})
+    heads = {"step-000000000003.wsdelta": (10, ["step-000000000005.npz"]),
+             "step-000000000004.wsdelta": (4, ["step-000000000003.wsdelta", "step-000000000005.npz"])}
+    for name, (step, chain) in heads.items():
+        (folder / name).write_bytes((source / "step-000000000002.wsdelta").read_bytes())
+        _edit_head(folder / name, lambda head, step=step, chain=chain: head.update(step=step, base=chain[0], chain=chain))
+    assert [(entry.step, entry.base) for entry in ws.sync.list_versions(folder)] == [
+        (3, "step-000000000005.npz"), (4, None), (5, None)]
+
+
 def test_a_delta_on_s3_reads_and_follows(s3):
     folder = f"s3://{BUCKET}/run"
     published = publish_steps(folder, 4, delta=ws.Delta(), keep=2)

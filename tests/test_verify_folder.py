@@ -107,6 +107,53 @@ def test_a_delta_whose_base_is_gone_is_corrupt_and_one_being_written_is_skipped(
     assert lines(result)[-1] == f"{other}/step-000000000004.wsdelta: skipped (delta): above LATEST's step 3: being written"
 
 
+def reader_fault(path) -> str:
+    """What a reader says of the version at ``path``, without the path (as a ``ws verify`` line says it)."""
+    with pytest.raises(ws.FormatError) as refused:
+        ws.load(path)
+    assert str(refused.value).startswith(f"{path}: ")
+    return str(refused.value)[len(f"{path}: "):]
+
+
+@pytest.mark.parametrize("damage", ["its-own-file-truncated", "the-head-of-its-base-damaged"])
+def test_a_delta_verified_onto_the_version_before_is_corrupt_as_a_reader_says(tmp_path, damage):
+    """A delta of a version that was just verified is opened onto it, not with its chain: what is
+    wrong with it is said once, as a reader says it, not told to be renamed (its own fault), nor
+    repeated for each tensor (its chain's: a chain 30 deep of 200 tensors printed 1 MB)."""
+    folder = tmp_path / "run"
+    publish_deltas(folder)
+    if damage == "its-own-file-truncated":
+        with open(folder / THIRD, "r+b") as handle:
+            handle.truncate((folder / THIRD).stat().st_size - 10)  # its last payload
+    else:
+        data = bytearray((folder / SECOND).read_bytes())
+        data[12] ^= 0xFF  # its header's sizes
+        (folder / SECOND).write_bytes(bytes(data))
+    result = run("verify", folder)
+    assert result.exit_code == 1, result.output
+    assert lines(result)[2] == f"{folder}/{THIRD}: corrupt (delta): {reader_fault(folder / THIRD)}"
+
+
+def test_a_delta_on_a_base_holding_its_tensor_as_another_dtype_is_corrupt_as_a_reader_says(tmp_path):
+    """The versions below a delta restored from another run's copy, which held the same bytes as
+    float32, not int32: a reader refuses the delta (a change of another dtype's tensor), and
+    so does ``ws verify``, which rebuilt it onto the bytes verified there and called it ok."""
+    folder, other = tmp_path / "run", tmp_path / "other"
+    for where, dtype in ((folder, np.int32), (other, np.float32)):
+        weights = np.arange(4096, dtype=np.int32)
+        for step in (1, 2, 3):
+            weights = weights.copy()
+            weights[step * 7] += 1
+            ws.publish(where, {"w": weights.view(dtype)}, step=step, delta=True)
+    for name in (ANCHOR, SECOND):
+        (folder / name).write_bytes((other / name).read_bytes())
+    result = run("verify", folder)
+    assert result.exit_code == 1, result.output
+    assert lines(result)[1:] == [f"{folder}/{SECOND}: ok (delta): 1 tensor",
+                                 f"{folder}/{THIRD}: corrupt (delta): {reader_fault(folder / THIRD)}"]
+    assert "not int32" in lines(result)[2]
+
+
 KILLED_PUBLISHER = """
 import os, signal, sys
 import numpy as np

@@ -252,7 +252,7 @@ def refuse_misnamed(head: bytes, named: Format, *, asked: bool = False) -> None:
     ``model.npz``), which the suffix's reader can only call damaged. The caller names the file
     (:func:`~weightstore.errors.naming`)."""
     for fmt in _registry():
-        if fmt is not named and fmt.magic(head):
+        if fmt.name != named.name and fmt.magic(head):  # by name: a reader may open with a copy of one (ws verify)
             read_so = f"ws.open(path, format={fmt.name!r})"
             if asked:
                 raise FormatError(f"format={named.name!r} was asked for, but its first bytes say {fmt.name}: "

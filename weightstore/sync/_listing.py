@@ -70,7 +70,7 @@ def version_listing(folder: Any, *, storage_options: Mapping[str, Any] | None = 
     entries = []
     chain: list[str] | None = None  # the chain a delta of the version before lists, where that one's was read
     for step, entry in version_files(source):
-        kind, base, own = _kind(source, entry.name, chain)
+        kind, base, own = _kind(source, entry.name, step, chain)
         chain = None if own is None else [entry.name, *own]
         entries.append(VersionEntry(step, entry.name, source.url(entry.name), entry.size, entry.modified,
                                     entry.name == named, *_sharded_sizes(source, entry.name), kind, base))
@@ -79,10 +79,13 @@ def version_listing(folder: Any, *, storage_options: Mapping[str, Any] | None = 
     return sorted(entries, key=lambda entry: (entry.step, entry.name)), damage
 
 
-def _kind(folder: Folder, name: str, expected: list[str] | None) -> tuple[str, str | None, list[str] | None]:
+def _kind(folder: Folder, name: str, step: int, expected: list[str] | None,
+          ) -> tuple[str, str | None, list[str] | None]:
     """How a version is stored, a delta's base (from its head; ``None`` where it does not read)
-    and the chain its head lists (``[]`` for a full version; ``None`` for a sharded one, or one
-    that does not read). ``expected``: the chain a delta of the version before lists, where
+    and the chain its head lists (``[]`` for a full version; ``None`` for a sharded one, one
+    that does not read, or one whose head says another step than its name, ``step``: its chain
+    was checked below that step, not below this file's). ``expected``: the chain a delta of the
+    version before lists, where
     known; a head that lists just that is not checked name by name again (each head of a chain
     1,000 deep lists every base below it: checked whole, a listing matched half a million names)."""
     if name.endswith(SHARDED_SUFFIX):
@@ -97,7 +100,7 @@ def _kind(folder: Folder, name: str, expected: list[str] | None) -> tuple[str, s
         head = delta_format.read_head(folder.open_binary(name), folder.url(name), checked=expected)
     except (WeightStoreError, FileNotFoundError):
         return "delta", None, None
-    return "delta", head.base, head.chain
+    return "delta", head.base, head.chain if head.step == step else None
 
 
 def _sharded_sizes(folder: Folder, name: str) -> tuple[int | None, int | None]:
