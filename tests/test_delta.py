@@ -1270,3 +1270,23 @@ def test_noise_low_planes_are_written_as_stored_zstd_blocks_and_rebuild(change):
     delta_format._apply_xor(memoryview(b"".join(bytes(memoryview(part)) for part in spent.parts)), out,
                             delta_format.BLOCK, 4, top=True)
     assert out.tobytes() == new.view(np.uint8).tobytes()
+
+
+def test_a_delta_pickles_and_deep_copies_and_the_copy_publishes_deltas(tmp_path):
+    """A ``Delta`` handed to a spawned process is pickled, and one kept in a trainer's config may
+    be deep-copied: its lock (which hands the remembered copy's memory between publishes) is
+    not copied, the copy gets its own, and its memory of the last version is its own too."""
+    import copy
+    import pickle
+
+    weights = np.random.default_rng(11).standard_normal((512, 2048)).astype(np.float32)
+    steps = [{"w": weights + np.float32(step) * (np.arange(weights.size) % 97 == 0).reshape(weights.shape)}
+             for step in range(3)]  # 1% of the elements change a step: deltas, no anchor due
+    assert pickle.loads(pickle.dumps(ws.Delta(anchor_every=7))).anchor_every == 7
+    planner = ws.Delta(anchor_every=20)
+    ws.publish(tmp_path, steps[0], step=1, delta=planner)
+    twin = copy.deepcopy(planner)
+    for step, delta in ((2, twin), (3, planner)):  # the twin from its memory, the original from the folder
+        version = ws.publish(tmp_path, steps[step - 1], step=step, delta=delta)
+        assert version.path.endswith(".wsdelta")
+        same_bytes(ws.load(version), steps[step - 1])

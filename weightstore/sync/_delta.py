@@ -160,6 +160,17 @@ class Delta:
         self.last_kind: str | None = None
         """``"delta"`` or ``"full"``: how the last version this object planned was written."""
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (a ``Delta`` handed to a spawned process) or deep-copied without its lock,
+        which neither can copy: the copy's memory is its own, and so is its new lock."""
+        state = self.__dict__.copy()
+        del state["_memory_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._memory_lock = threading.Lock()
+
     def stored(self, arrays: CheckedWeights) -> dict[str, Stored]:
         """Every tensor's bytes, converted once (views of the caller's arrays where they are
         already in storage form: :meth:`published` copies what it remembers)."""
