@@ -1196,6 +1196,38 @@ def test_a_publish_that_fails_after_spending_its_base_is_followed_by_versions_th
                              "step-000000000004.npz"]
 
 
+def test_a_publish_that_fails_after_a_sparse_delta_is_followed_by_a_delta_from_memory(tmp_path):
+    """A sparse step's delta (bf16, 2% of the elements) is made in fresh memory, not in the
+    publisher's copy of its base: a publish that fails once it is encoded leaves that copy the
+    base's, so the retry is a delta again, not a full version, and reads back."""
+    from weightstore.sync import _stages as stages
+
+    rng = np.random.default_rng(12)
+    weights = rng.standard_normal((2048, 1024)).astype(ml_dtypes.bfloat16)
+    steps = [weights]
+    for _ in range(2):  # a bf16 step: 2% of the elements move by their last mantissa bit
+        weights = weights.copy()
+        weights.view(np.uint16).reshape(-1)[rng.integers(0, weights.size, weights.size // 50)] ^= 1
+        steps.append(weights)
+    planner = ws.Delta(anchor_every=20)
+    ws.publish(tmp_path, {"w": steps[0]}, step=1, delta=planner)
+    ws.publish(tmp_path, {"w": steps[1]}, step=2, delta=planner)
+
+    def fail(name: str) -> None:
+        if name == "locked":
+            raise OSError(28, "No space left on device")
+
+    stages.hook = fail
+    try:
+        with pytest.raises(OSError, match="No space"):
+            ws.publish(tmp_path, {"w": steps[2]}, step=3, delta=planner)
+    finally:
+        stages.hook = None
+    version = ws.publish(tmp_path, {"w": steps[2]}, step=3, delta=planner)
+    assert files(tmp_path) == ["step-000000000001.npz", "step-000000000002.wsdelta", "step-000000000003.wsdelta"]
+    same_bytes(ws.load(version), {"w": steps[2]})
+
+
 def test_a_delta_written_while_the_same_delta_publishes_elsewhere_reads_back(tmp_path):
     """Two publishes given one ``Delta`` overlap (a background publisher and a foreground one):
     the first's payload lies in the memory of the remembered copy it spent, which the second,
