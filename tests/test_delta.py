@@ -1279,17 +1279,21 @@ def test_an_xor_encode_gives_the_crc_of_the_new_bytes_it_took_in_passing(change,
     assert found.codec == codec and found.crc == crc32(new.view(np.uint8))
 
 
-@pytest.mark.parametrize("change", ["noise", "rows"])
+@pytest.mark.parametrize("change", ["noise", "rows", "heads"])
 def test_noise_low_planes_are_written_as_stored_zstd_blocks_and_rebuild(change):
     """An fp32 Adam step's low byte planes are noise: a spent dense block writes them as a zstd
     frame of stored blocks (what zstd would make of them, without its search for matches), any
     zstd decoder reads it, and the block rebuilds; planes that do shrink (rows that did not
-    change) are still compressed."""
+    change, every other one or spans of them: pruned heads, a quarter of the block) are still
+    compressed."""
     rng = np.random.default_rng(10)
     base = rng.standard_normal(2 * (1 << 20) - 4096).astype(np.float32)  # two blocks
     new = base * (1 + np.float32(0.05) * rng.standard_normal(base.shape).astype(np.float32))  # 5%: small weights, Adam
     if change == "rows":
         new[::2] = base[::2]  # every other element unchanged: zeros zstd finds
+    if change == "heads":
+        for first in (3, 11):  # two spans of 128 rows of 1,024 elements unchanged, a quarter of the first block
+            new[first << 16 : (first + 2) << 16] = base[first << 16 : (first + 2) << 16]
     spent = delta_format.encode(new.view(np.uint8), base.copy().view(np.uint8), 4, dense=True, spend=True)
     assert spent.codec == "xor-top"
     table = np.frombuffer(bytes(spent.parts[0]), "<u4")
