@@ -1236,6 +1236,38 @@ def test_a_publish_that_fails_after_spending_its_base_is_followed_by_versions_th
                              "step-000000000004.npz"]
 
 
+def test_a_publish_that_fails_after_a_sparse_delta_is_followed_by_a_delta_from_memory(tmp_path):
+    """A sparse step's delta (bf16, 2% of the elements) is made in fresh memory, not in the
+    publisher's copy of its base: a publish that fails once it is encoded leaves that copy the
+    base's, so the retry is a delta again, not a full version, and reads back."""
+    from weightstore.sync import _stages as stages
+
+    rng = np.random.default_rng(12)
+    weights = rng.standard_normal((2048, 1024)).astype(ml_dtypes.bfloat16)
+    steps = [weights]
+    for _ in range(2):  # a bf16 step: 2% of the elements move by their last mantissa bit
+        weights = weights.copy()
+        weights.view(np.uint16).reshape(-1)[rng.integers(0, weights.size, weights.size // 50)] ^= 1
+        steps.append(weights)
+    planner = ws.Delta(anchor_every=20)
+    ws.publish(tmp_path, {"w": steps[0]}, step=1, delta=planner)
+    ws.publish(tmp_path, {"w": steps[1]}, step=2, delta=planner)
+
+    def fail(name: str) -> None:
+        if name == "locked":
+            raise OSError(28, "No space left on device")
+
+    stages.hook = fail
+    try:
+        with pytest.raises(OSError, match="No space"):
+            ws.publish(tmp_path, {"w": steps[2]}, step=3, delta=planner)
+    finally:
+        stages.hook = None
+    version = ws.publish(tmp_path, {"w": steps[2]}, step=3, delta=planner)
+    assert files(tmp_path) == ["step-000000000001.npz", "step-000000000002.wsdelta", "step-000000000003.wsdelta"]
+    same_bytes(ws.load(version), {"w": steps[2]})
+
+
 def test_a_delta_written_while_the_same_delta_publishes_elsewhere_reads_back(tmp_path):
     """Two publishes given one ``Delta`` overlap (a background publisher and a foreground one):
     the first's payload lies in the memory of the remembered copy it spent, which the second,
@@ -1287,17 +1319,21 @@ def test_an_xor_encode_gives_the_crc_of_the_new_bytes_it_took_in_passing(change,
     assert found.codec == codec and found.crc == crc32(new.view(np.uint8))
 
 
-@pytest.mark.parametrize("change", ["noise", "rows"])
+@pytest.mark.parametrize("change", ["noise", "rows", "heads"])
 def test_noise_low_planes_are_written_as_stored_zstd_blocks_and_rebuild(change):
     """An fp32 Adam step's low byte planes are noise: a spent dense block writes them as a zstd
     frame of stored blocks (what zstd would make of them, without its search for matches), any
     zstd decoder reads it, and the block rebuilds; planes that do shrink (rows that did not
-    change) are still compressed."""
+    change, every other one or spans of them: pruned heads, a quarter of the block) are still
+    compressed."""
     rng = np.random.default_rng(10)
     base = rng.standard_normal(2 * (1 << 20) - 4096).astype(np.float32)  # two blocks
     new = base * (1 + np.float32(0.05) * rng.standard_normal(base.shape).astype(np.float32))  # 5%: small weights, Adam
     if change == "rows":
         new[::2] = base[::2]  # every other element unchanged: zeros zstd finds
+    if change == "heads":
+        for first in (3, 11):  # two spans of 128 rows of 1,024 elements unchanged, a quarter of the first block
+            new[first << 16 : (first + 2) << 16] = base[first << 16 : (first + 2) << 16]
     spent = delta_format.encode(new.view(np.uint8), base.copy().view(np.uint8), 4, dense=True, spend=True)
     assert spent.codec == "xor-top"
     table = np.frombuffer(bytes(spent.parts[0]), "<u4")
@@ -1310,3 +1346,23 @@ def test_noise_low_planes_are_written_as_stored_zstd_blocks_and_rebuild(change):
     delta_format._apply_xor(memoryview(b"".join(bytes(memoryview(part)) for part in spent.parts)), out,
                             delta_format.BLOCK, 4, top=True)
     assert out.tobytes() == new.view(np.uint8).tobytes()
+
+
+def test_a_delta_pickles_and_deep_copies_and_the_copy_publishes_deltas(tmp_path):
+    """A ``Delta`` handed to a spawned process is pickled, and one kept in a trainer's config may
+    be deep-copied: its lock (which hands the remembered copy's memory between publishes) is
+    not copied, the copy gets its own, and its memory of the last version is its own too."""
+    import copy
+    import pickle
+
+    weights = np.random.default_rng(11).standard_normal((512, 2048)).astype(np.float32)
+    steps = [{"w": weights + np.float32(step) * (np.arange(weights.size) % 97 == 0).reshape(weights.shape)}
+             for step in range(3)]  # 1% of the elements change a step: deltas, no anchor due
+    assert pickle.loads(pickle.dumps(ws.Delta(anchor_every=7))).anchor_every == 7
+    planner = ws.Delta(anchor_every=20)
+    ws.publish(tmp_path, steps[0], step=1, delta=planner)
+    twin = copy.deepcopy(planner)
+    for step, delta in ((2, twin), (3, planner)):  # the twin from its memory, the original from the folder
+        version = ws.publish(tmp_path, steps[step - 1], step=step, delta=delta)
+        assert version.path.endswith(".wsdelta")
+        same_bytes(ws.load(version), steps[step - 1])

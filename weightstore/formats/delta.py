@@ -216,6 +216,9 @@ class Encoded:
     #: the CRC-32 of the tensor's new bytes where the encode took it in passing (XOR-ed in
     #: blocks: each block's while that block is in cache for the XOR), else ``None``
     crc: int | None = None
+    #: whether making it wrote into ``base`` (``spend=True``, an XOR in blocks was made): those
+    #: bytes are no longer the base's, whichever codec was kept
+    spent: bool = False
     #: the payload's bytes, added up once: a plan asks it of every tensor several times
     nbytes: int = field(init=False)
 
@@ -251,7 +254,7 @@ def encode(new: np.ndarray, base: np.ndarray | None, itemsize: int, *, dense: bo
         top = nbytes > _SMALL and _plane_size(itemsize, BLOCK) > 1
         xor = _xor_zstd(new, base, [1] * -(-nbytes // BLOCK), itemsize, _TOP_LEVEL if top else _DENSE_LEVEL, top=top,
                         spend=spend)
-        return xor if xor.nbytes < nbytes else Encoded(RAW, [new], xor.crc)
+        return xor if xor.nbytes < nbytes else Encoded(RAW, [new], xor.crc, xor.spent)
     elements = nbytes // itemsize if itemsize else 0
     mask = _changed_mask(new, base, itemsize)
     total = int(np.count_nonzero(mask))
@@ -266,8 +269,8 @@ def encode(new: np.ndarray, base: np.ndarray | None, itemsize: int, *, dense: bo
         xor = _xor_zstd(new, base, changed, itemsize, spend=spend)
         if best is None or xor.nbytes < best.nbytes:
             best = xor
-        best.crc = xor.crc
-    return best if best.nbytes < nbytes else Encoded(RAW, [new], best.crc)
+        best.crc, best.spent = xor.crc, xor.spent
+    return best if best.nbytes < nbytes else Encoded(RAW, [new], best.crc, best.spent)
 
 
 #: the most changed elements (a fraction) for which the sparse form is tried
@@ -431,18 +434,23 @@ def _xor_zstd(new: np.ndarray, base: np.ndarray, changed: list[int], itemsize: i
         sizes = [sum(part.nbytes for part in record) for record in records]
         table = struct.pack(f"<I{2 * count}I", count, *(n for pair in zip(lengths, sizes, strict=True) for n in pair))
         return Encoded(XOR_TOP, [table, *(part for frame, record in zip(frames, records, strict=True)
-                                         for part in (frame, *record))], crc)
+                                         for part in (frame, *record))], crc, spend)
     zeros: dict[int, bytes] = {}
     for index, frame in enumerate(frames):
         if not len(frame):
             length = min(BLOCK, nbytes - index * BLOCK)
             frames[index] = zeros.get(length) or zeros.setdefault(length, _compressor().compress(bytes(length)))
     table = struct.pack(f"<I{count}I", count, *map(len, frames))
-    return Encoded(XOR_ZSTD, [table, *frames], crc)
+    return Encoded(XOR_ZSTD, [table, *frames], crc, spend)
 
 
-#: slices of the highest low plane :func:`_noise` compresses, and their bytes
-_PROBES, _PROBE = 3, 32 << 10
+#: slices of the highest low plane :func:`_noise` compresses, and their bytes: one every 45,000
+#: elements of an fp32 block, so a span of unchanged elements that long (a pruned head's rows)
+#: holds one; 3 slices of 32 KiB (the same bytes, 0.03 ms less a block) let such spans between
+#: them be stored raw, not compressed to nothing (a delta 1.3-2x its size)
+_PROBES, _PROBE = 24, 4 << 10
+#: the smallest plane :func:`_noise` probes; a smaller one is compressed
+_PROBED_PLANE = 32 << 10
 _ZSTD_MAGIC = struct.pack("<I", 0xFD2FB528)
 #: a zstd frame header: one segment (no window size), an 8-byte content size, no checksum
 _STORED_HEAD = struct.Struct("<4sBQ")
@@ -455,11 +463,11 @@ def _noise(low: np.ndarray, plane: int) -> bool:
     cannot shrink: slices spread over the highest of them (the least noisy) do not compress.
     An fp32 Adam step's are (1.00003x at level -4: zstd stores them, after 0.5 ms per 3 MB
     looking for matches), except where elements did not change (an embedding's rows: 0.12x)."""
-    if plane < _PROBE:
+    if plane < _PROBED_PLANE:
         return False
     highest = low[len(low) - plane :]
     compressor = _compressor(_TOP_LEVEL)
-    for start in np.linspace(0, plane - _PROBE, _PROBES).astype(np.int64).tolist():
+    for start in np.linspace(0, plane - _PROBE, min(_PROBES, plane // _PROBE)).astype(np.int64).tolist():
         if len(compressor.compress(highest[start : start + _PROBE].data)) < _PROBE:
             return False
     return True

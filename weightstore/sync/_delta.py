@@ -18,7 +18,8 @@ base is the version ``LATEST`` names; each tensor is encoded against the base's
 the default): 1x the model's bytes, copied into the same memory each publish (none is copied
 after a delta that an anchor follows: the anchor reads no base). A delta's XOR-ed payload is
 made in that copy's memory as each block of it is read (:meth:`Delta._claim`): no fresh pages
-per delta, and a publish that fails once its delta is encoded is followed by a full version.
+per delta; a publish that fails once its delta was made there (XOR-ed: a dense step's) is
+followed by a full version, one whose delta was not (a sparse step's) by a delta.
 Without that copy (a restarted trainer, or ``delta=True`` given to single ``publish`` calls) the
 base is read back from the folder, anchor and chain, verified.
 
@@ -160,6 +161,17 @@ class Delta:
         self.last_kind: str | None = None
         """``"delta"`` or ``"full"``: how the last version this object planned was written."""
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (a ``Delta`` handed to a spawned process) or deep-copied without its lock,
+        which neither can copy: the copy's memory is its own, and so is its new lock."""
+        state = self.__dict__.copy()
+        del state["_memory_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._memory_lock = threading.Lock()
+
     def stored(self, arrays: CheckedWeights) -> dict[str, Stored]:
         """Every tensor's bytes, converted once (views of the caller's arrays where they are
         already in storage form: :meth:`published` copies what it remembers)."""
@@ -243,9 +255,10 @@ class Delta:
 
         if self._anchor_due(chain_bytes, full_bytes):
             return None
-        spent = self._claim(held)
-        if spent is None:
+        claimed = self._claim(held)
+        if claimed is None:
             return None
+        spent = held.tensors
 
         def remembered(key: str, item: Stored) -> np.ndarray | None:
             return _same_kind(spent.get(key), item)
@@ -254,25 +267,29 @@ class Delta:
         # is then found by encoding, which stops once the chain passes a full version
         plan = _plan(step, base, chain, chain_bytes, full_bytes, tensors, remembered, self._last_share is None,
                      self._last_codecs, spend=True)
-        if plan is not None:
+        if plan is not None and any(one.spent for one in plan.encoded):
             plan.spent = spent
-        else:  # the version is written full, and copied into this memory after
-            with self._memory_lock:
-                if self._held is not None and not self._held.tensors:
-                    self._held.tensors = spent
+            return plan
+        with self._memory_lock:
+            if self._held is claimed:
+                if plan is None:  # the version is written full, and copied into this memory after
+                    claimed.tensors = spent
+                else:  # nothing made in the copy (a sparse step's delta): still its version's, should this fail
+                    self._held = held
         return plan
 
-    def _claim(self, held: _Held) -> dict[str, Stored] | None:
-        """The remembered version's tensors, taken for one plan to encode against and then
-        spend (its payload is made in their memory: no fresh pages per delta), or ``None``
-        where they hold no version's bytes: written over by a plan before (``current`` is
-        false from then on, so a publish that failed after encoding is followed by a full
-        version), or taken by an overlapping publish given this object."""
+    def _claim(self, held: _Held) -> _Held | None:
+        """Take the remembered version's tensors (``held``'s) for one plan to encode against and
+        then spend (its payload is made in their memory: no fresh pages per delta): what is
+        remembered meanwhile, with no tensors and not current; or ``None`` where they hold no
+        version's bytes: written over by a plan before (``current`` is false from then on, so
+        a publish that failed after its delta was made there is followed by a full version),
+        or taken by an overlapping publish given this object."""
         with self._memory_lock:
             if self._held is not held or not held.current:
                 return None
             self._held = replace(held, tensors={}, current=False)
-            return held.tensors
+            return self._held
 
     def _memory(self, plan: Plan | None) -> dict[str, Stored]:
         """Memory for the next remembered version: what ``plan`` spent, else the remembered
