@@ -129,6 +129,46 @@ def test_the_snapshot_is_let_go_once_its_publish_is_done(tmp_path, gate):
     assert ws.load(ws.latest(tmp_path))["t"].sum() == 512 * 1024
 
 
+def test_a_failed_attempt_holds_neither_its_snapshot_nor_its_delta_once_a_retry_published(tmp_path):
+    """``last_error`` stays after an outage ends, and its traceback held the failed attempt's
+    frames: its snapshot and a dense delta's payload (1x the model each, a 7B fp32 model's 28 GB
+    twice) until the next failure. Once the retry published, the publisher holds what one that
+    never failed holds: the version it remembers for the next delta."""
+    import gc
+    import tracemalloc
+
+    rng = np.random.default_rng(0)
+    first = {f"w{i}": rng.standard_normal(1 << 20, dtype=np.float32) for i in range(4)}  # 16 MB
+    held = {}
+    for fails in (False, True):
+        failed = []
+
+        def fail_once(name, step=[0], fails=fails, failed=failed):  # noqa: B006 - the step the publish is at
+            if fails and name == "version-written" and not failed and step[0] == 3:
+                failed.append(name)
+                raise OSError(errno.EIO, "injected I/O error")
+
+        stages.hook = fail_once
+        tracemalloc.start()
+        try:
+            with ws.BackgroundPublisher(tmp_path / str(fails), delta=True, retry_backoff=0.01) as publisher:
+                weights = first
+                for step in range(1, 5):
+                    fail_once.__defaults__[0][0] = step
+                    weights = {key: value * np.float32(1.001) for key, value in weights.items()}
+                    publisher.publish(weights, step=step).result(60)
+                expected = weights["w0"].tolist()
+                del weights
+                gc.collect()
+                held[fails] = tracemalloc.get_traced_memory()[0]
+                assert publisher.failures == int(fails) and (publisher.last_error is not None) == fails
+        finally:
+            tracemalloc.stop()
+            stages.hook = None
+        assert ws.load(ws.latest(tmp_path / str(fails)))["w0"].tolist() == expected
+    assert held[True] < held[False] + (4 << 20), held  # a snapshot or a payload is 16 MB
+
+
 def test_a_failed_publish_is_counted_and_logged_never_raised_and_not_retried(tmp_path, caplog):
     ws.publish(tmp_path, weights(10), step=10)  # another trainer got there first
     publisher = ws.BackgroundPublisher(tmp_path, retry_backoff=0.01)

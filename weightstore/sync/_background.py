@@ -72,6 +72,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -293,6 +294,9 @@ class BackgroundPublisher:
                 job.future.set_exception(outcome)
             elif outcome is not None:
                 job.future.set_result(outcome)
+            # the snapshot let go: a failed attempt's traceback (last_error, the future's error)
+            # reaches _write's frame, and so this job, until the next failure replaces it
+            job.weights = {}
 
     def _write(self, job: _Job) -> Version | BaseException:
         """Publish ``job``, retrying while storage fails, until done, given up or replaced: the
@@ -364,7 +368,7 @@ class BackgroundPublisher:
     def _failed(self, job: _Job, error: BaseException, spent: float) -> bool:
         """Count and log a failed attempt; whether to try again."""
         self.failures += 1
-        self.last_error = error
+        self.last_error = _without_locals(error)
         refused = isinstance(error, StorageError) and not error.transient and not self._answered
         retry = _retryable(error) and not refused and spent < self.retry_for and not self._given_up
         if retry:
@@ -484,3 +488,19 @@ def _retryable(error: BaseException) -> bool:
     if isinstance(error, StorageError):
         return True
     return isinstance(error, OSError) and not isinstance(error, WeightStoreError) and _errno_passes(error)
+
+
+def _without_locals(error: BaseException) -> BaseException:
+    """``error`` with the variables of the finished frames it passed through let go (its
+    traceback's lines kept): it outlives the attempt as :attr:`BackgroundPublisher.last_error`,
+    and a failed publish's frames hold its tensors and a delta's encoded payload (up to 1x the
+    model each), which a publisher kept through an outage and after it."""
+    pending, seen = [error], set()
+    while pending:
+        each = pending.pop()
+        if id(each) in seen:
+            continue
+        seen.add(id(each))
+        traceback.clear_frames(each.__traceback__)  # a frame still running (the caller's) is skipped
+        pending.extend(chained for chained in (each.__cause__, each.__context__) if chained is not None)
+    return error
