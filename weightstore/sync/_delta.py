@@ -316,8 +316,10 @@ class Delta:
         """Remember ``version``, just published with ``tensors`` (as ``plan``, or full), as the next delta's base."""
         name = version.path.rsplit("/", 1)[-1]
         files = {**({} if plan is None else plan.files), name: target.fingerprint(name)}
+        if self.remember:  # what nothing compares is not listed
+            files = _seen(target, files)
         self._remember(_Held(target.where, version.step, name, version.created, tensors,
-                             None if plan is None else plan.head, files=_seen(target, files)), plan)
+                             None if plan is None else plan.head, files=files), plan)
 
     def _remember(self, held: _Held, plan: Plan | None) -> None:
         """Remember ``held`` (its tensors copied), just published as ``plan`` (or full). After
