@@ -556,6 +556,33 @@ def test_a_trainer_on_s3_whose_anchor_changed_writes_a_full_version_next_at_no_r
     same_bytes(ws.load(ws.latest(folder)), weights)
 
 
+@pytest.mark.parametrize("case", ["keep=None", "restarted"])
+def test_a_trainer_on_s3_notices_a_replaced_anchor_without_retention_or_after_reading_its_base_back(s3, case, caplog):
+    """Each file of the chain is compared with the listing as it was once published: a publisher
+    with no retention (``keep=None``: no listing after its upload) and one restarted (its first
+    delta reads its base back) still notice an anchor replaced under them, and write the next
+    step full, rather than deltas on the replaced file that no reader rebuilds."""
+    folder = f"s3://{BUCKET}/unseen-{case}"
+    keep = None if case == "keep=None" else 5
+    delta, rng, weights = ws.Delta(anchor_every=20), np.random.default_rng(0), model()
+    for step in (1, 2, 3):
+        if case == "restarted" and step == 3:
+            delta = ws.Delta(anchor_every=20)
+        weights = step_of(weights, rng)
+        ws.publish(folder, weights, step=step, delta=delta, keep=keep)
+    assert delta.last_kind == "delta"
+    ws.save(f"{folder}/step-000000000001.npz", {key: np.zeros_like(value) for key, value in weights.items()},
+            overwrite=True)
+    with caplog.at_level(logging.WARNING, logger="weightstore"):
+        for step in (4, 5):
+            weights = step_of(weights, rng)
+            ws.publish(folder, weights, step=step, delta=delta, keep=keep)
+    kinds = [(entry.step, entry.kind) for entry in ws.sync.list_versions(folder)]
+    assert kinds[-2:] == [(4, "full"), (5, "delta")], kinds
+    assert "step-000000000001.npz, which step 4 was encoded as a delta on" in caplog.text
+    same_bytes(ws.load(ws.latest(folder)), weights)
+
+
 def test_a_follower_on_s3_never_serves_a_delta_whose_anchor_was_replaced_after_it_was_built(s3):
     """A delta names its base, not its bytes; the digests it records of what it rebuilds are
     checked by every read: an anchor replaced on S3 by another whole file (a copy restored

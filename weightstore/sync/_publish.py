@@ -54,6 +54,7 @@ the folder before refuses to publish once another took it over (:mod:`weightstor
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any, TypedDict
@@ -197,8 +198,10 @@ def publish(
     except PublishError:
         # a race lost on object storage: left above LATEST with no intent naming it, the file
         # would read as a restored LATEST's newer version and refuse this very step's retry
-        if written and not kept_by_latest(target, step, name) and written[-1].still_landed():
-            target.remove(name)
+        # (a look or removal that fails, an outage, leaves it as an outage mid-publish does: the lost race is raised)
+        with contextlib.suppress(WeightStoreError, OSError):
+            if written and not kept_by_latest(target, step, name) and written[-1].still_landed():
+                target.remove(name)
         raise
 
 
