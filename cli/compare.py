@@ -386,7 +386,7 @@ def _latest_damage(folder: str, pointer: Version | None) -> FormatError | None:
     if now is None or now.path != pointer.path:
         return None
     name = pointer.path.rsplit("/", 1)[-1]
-    if name not in {entry.name for _, entry in state.versions}:
+    if name not in {held for _, held in state.versions}:
         held = "is no file" if name in state.folder.not_files() else "the folder does not hold"
         return FormatError(f"LATEST names {name}, which {held}: followers cannot read it; publish again to repair it",
                            path=folder)

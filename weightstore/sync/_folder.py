@@ -11,7 +11,7 @@ import logging
 import os
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from weightstore.core import _jsontext as jsontext
@@ -49,37 +49,45 @@ class FolderState:
     folder: Folder
     pointer: Version | None
     pointer_error: FormatError | None
-    versions: list[tuple[int, Any]]
+    #: each version file's step and name, by step
+    versions: list[tuple[int, str]]
     intent: int | None
     #: whether a LATEST was there, and its ETag (object storage), for the compare-and-swap
     latest_exists: bool = False
     latest_tag: str | None = None
     #: the process that wrote ``LATEST`` (:mod:`weightstore.sync._writers`), where it says
     latest_writer: object = None
+    #: every file's name, as the one listing of the folder gave them
+    names: list[str] = field(default_factory=list)
 
     @classmethod
     def read(cls, folder: Folder) -> FolderState:
+        """What a publish must know, from one listing of the folder (names only: no stat of each
+        of 10,000 versions) and a read of ``LATEST`` and of the intent."""
         try:
             data, tag = folder.read_tagged(LATEST, MAX_POINTER_BYTES + 1)
         except TargetError as exc:
+            names = folder.names()
             return cls(folder, None, FormatError(f"{exc.message}; the next publish replaces it", path=exc.path),
-                       version_files(folder), _read_intent(folder), True)
+                       version_names(names), _read_intent(folder), True, names=names)
+        names = folder.names()  # after LATEST: it names no version this listing could miss
+        versions = version_names(names)
         try:
             pointer, error = pointer_version(folder, data), None
         except FormatError as exc:
             pointer, error = None, exc
         writer = parse_pointer(data).get("writer") if pointer is not None and data is not None else None
-        return cls(folder, pointer, error, version_files(folder), _read_intent(folder), data is not None, tag, writer)
+        return cls(folder, pointer, error, versions, _read_intent(folder), data is not None, tag, writer, names)
 
     @property
     def newest(self) -> int | None:
         return self.versions[-1][0] if self.versions else None
 
-    def unpublished(self) -> list[tuple[int, Any]]:
+    def unpublished(self) -> list[tuple[int, str]]:
         """Version files above the one LATEST names that a killed publish's intent accounts for."""
         if self.pointer is None:
             return []
-        return [(step, entry) for step, entry in self.versions if step > self.pointer.step and step == self.intent]
+        return [(step, name) for step, name in self.versions if step > self.pointer.step and step == self.intent]
 
     def above_latest(self) -> list[int]:
         """Steps above LATEST's that no intent accounts for: a LATEST that was rolled back."""
@@ -122,7 +130,7 @@ class FolderState:
         """Before a publish writes: remove dead writers' temporaries and, in a local folder (whose
         lock keeps other publishers out), the versions killed publishes wrote but never named."""
         if isinstance(self.folder, LocalFolder):
-            for name in self.folder.temporaries():
+            for name in self.folder.temporaries(self.names):
                 remove_stale_temporaries(self.folder.root / name, locked=self._written_locked(name))
             self.remove_unpublished()
             if self.intent is not None:
@@ -150,9 +158,10 @@ class FolderState:
         is refused, and one that went on between that look and its swap would name this
         publisher's file under its own record, which readers refuse
         (:func:`~weightstore.sync._pinning.own_record`) until the next publish."""
-        for unpublished, entry in self.unpublished():
+        for unpublished, name in self.unpublished():
             if unpublished == step:
-                self.folder.remove(entry.name)
+                self.folder.remove(name)
+                self.versions.remove((unpublished, name))
 
     def remove_unpublished(self, step: int | None = None) -> None:
         """Remove the versions above ``LATEST`` that a killed publish's intent names, but ``step``'s.
@@ -168,9 +177,10 @@ class FolderState:
         is refused such a step, and one that read it before loses its own swap; a trainer
         killed mid-upload twice in a row leaves one such upload the intent no longer names.
         """
-        for unpublished, entry in self.unpublished():
+        for unpublished, name in self.unpublished():
             if unpublished != step:
-                self.folder.remove(entry.name)  # a sharded one's members: the next commit removes dead attempts
+                self.folder.remove(name)  # a sharded one's members: the next commit removes dead attempts
+                self.versions.remove((unpublished, name))
         if self.intent is not None and not isinstance(self.folder, LocalFolder):
             intent = self.intent
             steps: dict[str, int] = {}  # of each name asked about, -1 if no version's
@@ -198,6 +208,16 @@ def version_files(folder: Folder) -> list[tuple[int, Any]]:
     return sorted(found, key=lambda item: item[0])
 
 
+def version_names(names: list[str]) -> list[tuple[int, str]]:
+    """The step and name of each version file among ``names``, by step."""
+    found = []
+    for name in names:
+        match = VERSION_NAME.match(name)
+        if match:
+            found.append((int(match.group(1)), name))
+    return sorted(found)
+
+
 def not_file_versions(folder: Folder) -> list[tuple[int, str, str]]:
     """Version names held by what is no file (a folder, a FIFO, a symbolic link): each one's
     step, name and what it is (:meth:`Folder.not_files`). No reader opens them; ``ws versions``
@@ -223,14 +243,16 @@ def _read_intent(folder: Folder) -> int | None:
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
-def write_small(folder: Folder, name: str, data: bytes) -> None:
-    with folder.commit(name).writing() as local, open(local, "wb") as handle:
+def write_small(folder: Folder, name: str, data: bytes, *, swept: bool = False) -> None:
+    with folder.commit(name, swept=swept).writing() as local, open(local, "wb") as handle:
         handle.write(data)
 
 
-def prune(folder: Folder, newest: int, keep: int | None) -> None:
+def prune(folder: Folder, newest: int, keep: int | None, versions: list[tuple[int, str]] | None = None) -> None:
     """Remove the versions past the newest ``keep`` (up to step ``newest``), but never a base a
     kept delta version needs; the newest first, so a delta is never left without its base.
+    ``versions``: the folder's version files (step, name) where the caller knows them (a local
+    publish, whose lock has kept other publishers out since it listed the folder), else listed.
 
     The oldest kept version's chain is all that is needed: a kept delta's chain runs from its
     anchor to itself, and where that anchor is older than the oldest kept version, so is the
@@ -239,15 +261,16 @@ def prune(folder: Folder, newest: int, keep: int | None) -> None:
     warning."""
     if keep is None:
         return
-    entries = [entry for step, entry in version_files(folder) if step <= newest]
-    if len(entries) <= keep:
+    listed = versions if versions is not None else version_names(folder.names())
+    names = [name for step, name in listed if step <= newest]
+    if len(names) <= keep:
         return
-    needed = needed_bases(folder, entries[-keep].name)
+    needed = needed_bases(folder, names[-keep])
     if needed is None:
         return
-    for entry in reversed(entries[:-keep]):
-        if entry.name not in needed:
-            remove_version(folder, entry.name)
+    for name in reversed(names[:-keep]):
+        if name not in needed:
+            remove_version(folder, name)
             stages.reached("pruning")
 
 
