@@ -47,7 +47,7 @@ from weightstore.core.manifest import content_digest, crc32, from_storage, stora
 from weightstore.errors import WeightStoreError
 from weightstore.formats import delta as delta_format
 from weightstore.formats._pointer import VERSION_NAME
-from weightstore.io.folders import Folder, unchanged
+from weightstore.io.folders import UNSEEN, Folder, unchanged
 from weightstore.store._save import CheckedWeights
 from weightstore.sync._folder import SHARDED_SUFFIX
 from weightstore.sync._pinning import Version, read_latest
@@ -255,9 +255,15 @@ class Delta:
         return (held.where, held.step, held.name, held.created) == (target.where, pointer.step, base, pointer.created)
 
     def published(self, target: Folder, version: Version, tensors: dict[str, Stored], plan: Plan | None) -> None:
-        """Remember ``version``, just published with ``tensors`` (as ``plan``, or full), as the next delta's base."""
+        """Remember ``version``, just published with ``tensors`` (as ``plan``, or full), as the next
+        delta's base. A file of its chain whose fingerprint was not seen as it was published (on
+        an object store, the version published last: nothing lists the folder after its upload
+        where ``keep=None`` prunes nothing) takes the one this publish's listing gave, so a file
+        replaced after that is still noticed (before, it never was)."""
         name = version.path.rsplit("/", 1)[-1]
-        files = {**({} if plan is None else plan.files), name: target.fingerprint(name)}
+        chain = {} if plan is None else plan.files
+        files = {**{base: target.fingerprint(base) if was is UNSEEN else was for base, was in chain.items()},
+                 name: target.fingerprint(name)}
         self._remember(_Held(target.where, version.step, name, version.created, tensors,
                              None if plan is None else plan.head, files=files), plan)
 
