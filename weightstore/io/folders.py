@@ -250,12 +250,9 @@ class LocalFolder(Folder):
         return found
 
     def names(self) -> list[str]:
-        found = []
-        for entry in _entries(self.root):
-            with contextlib.suppress(FileNotFoundError):  # removed while we listed (where the type needs a stat)
-                if entry.is_file(follow_symlinks=False):
-                    found.append(entry.name)
-        return found
+        # the type the listing gave (a stat only where the file system gives none: then one
+        # removed while we listed is no file, as is_file says)
+        return [entry.name for entry in _entries(self.root) if entry.is_file(follow_symlinks=False)]
 
     def not_files(self) -> dict[str, str]:
         found = {}
