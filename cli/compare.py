@@ -215,12 +215,20 @@ def verify(store: Store, held: Held | None = None, keep: Held | None = None) -> 
     rebuilt onto its bytes there (taken, changed in place) and checked against the digest its
     publisher recorded, as a follower does, rather than rebuilt from the anchor again; one that
     cannot be (a tensor it has not, a failure) is read whole, whose error names the file of the
-    chain at fault. ``keep``: filled with each tensor's stored bytes that read whole, for the
-    next version."""
+    chain at fault. A tensor that did not read whole in ``held`` and is stored here as a change
+    of it is reported as built on that fault, not rebuilt from the anchor again (which made a
+    chain damaged low down cost time quadratic in its depth). ``keep``: filled with each
+    tensor's stored bytes that read whole, and each fault, for the next version."""
     problems = []
     keys = store.keys()
     total = sum(store.info(k).nbytes for k in keys)
     for key in track(((k, store.info(k).nbytes) for k in keys), "verifying", total):
+        fault = None if held is None else held.faults.get(key)
+        if fault is not None and held is not None and store.changes_base(key):
+            problems.append(Problem(key, f"rebuilding it from base {held.name}: {fault}"))
+            if keep is not None:
+                keep.faults[key] = fault
+            continue
         try:
             kept = _read_checked(store, key, held, keep is not None)
             if keep is not None and kept is not None:
@@ -228,6 +236,8 @@ def verify(store: Store, held: Held | None = None, keep: Held | None = None) -> 
         except FormatError as exc:
             elsewhere = exc.path if exc.path != store.path else None  # a sharded version's member
             problems.append(Problem(key, f"{elsewhere}: {exc.message}" if elsewhere else exc.message))
+            if keep is not None:
+                keep.faults[key] = f"in its chain, {keep.name}: {problems[-1].message}"
     return problems
 
 
@@ -238,6 +248,8 @@ class Held:
 
     name: str
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    #: what keeps each tensor that did not read whole from reading, naming the file at fault
+    faults: dict[str, str] = field(default_factory=dict)
     #: the chain a delta of it lists: its name, then its own chain (``None``: the listing did not tell)
     chain: list[str] | None = None
 

@@ -259,7 +259,7 @@ class Delta:
         delta's base. A file of its chain whose fingerprint was not seen as it was published (on
         an object store, the version published last: nothing lists the folder after its upload
         where ``keep=None`` prunes nothing) takes the one this publish's listing gave, so a file
-        replaced after that is still noticed (before, it never was)."""
+        replaced after that is still noticed."""
         name = version.path.rsplit("/", 1)[-1]
         chain = {} if plan is None else plan.files
         files = {**{base: target.fingerprint(base) if was is UNSEEN else was for base, was in chain.items()},
