@@ -398,7 +398,7 @@ def _latest_damage(folder: str, pointer: Version | None) -> FormatError | None:
     if now is None or now.path != pointer.path:
         return None
     name = pointer.path.rsplit("/", 1)[-1]
-    if name not in {held for _, held in state.versions}:
+    if name not in {file for _, file in state.versions}:
         held = "is no file" if name in state.folder.not_files() else "the folder does not hold"
         return FormatError(f"LATEST names {name}, which {held}: followers cannot read it; publish again to repair it",
                            path=folder)
