@@ -15,7 +15,7 @@ from weightstore.adapters._reload import reload_digest
 from weightstore.core._arrays import as_numpy
 from weightstore.core.manifest import logical_dtype
 from weightstore.errors import naming
-from weightstore.io.location import NO_VERSION_YET, refused_file_object
+from weightstore.io.location import refused_path
 
 
 class ValueSource(Protocol):
@@ -65,11 +65,8 @@ class Values:
         elif isinstance(weights, (str, os.PathLike)) or hasattr(weights, "path"):
             self._store = weightstore.open(weights)  # a .keras archive keyed like its model, where its config allows
             self._owned = True
-        elif weights is None:
-            raise TypeError(NO_VERSION_YET)
         else:
-            raise refused_file_object(weights) or TypeError(
-                f"weights must be a dict, a path, a Store or a Version, not {type(weights).__name__}")
+            raise refused_path(weights, expected="a dict, a path, a Store or a Version")
         self._ready: dict[str, np.ndarray] = {}  # read by prefetch, not yet handed out
         self.path = self._store.path if self._store is not None else None
         self.where = self.path or "the weight dictionary"

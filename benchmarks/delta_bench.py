@@ -14,7 +14,8 @@ delta folder's follower is made with ``deltas=True``, so it keeps a copy of what
 the first version on), then stops while
 ``--skipped`` more are published and catches up at once (the bytes of that catch-up). Publish
 CPU (all threads, ``time.process_time``) and wall time per GB are measured apart, publishing the
-same steps to two local folders (totals over the steps, three rounds, medians). Ratios are of
+same steps to two local folders (totals over the steps, ``--rounds`` pairs in turn: medians, and a
+ratio per pair, its median and spread). Ratios are of
 the full version's bytes. ``--follow-mb`` also times a follower of that many MB of bf16 (2%
 changed per version), local and on S3: from ``LATEST`` naming a version to it serving, and the
 serving stall of that swap. ``--sharded-ranks`` measures sharded delta versions (``publish_shard``
@@ -25,7 +26,7 @@ stages regions (TF1 partitioned variables) fetches.
     python -m benchmarks.delta_bench                       # 96 MB synthetic, the default model
     python -m benchmarks.delta_bench --synthetic-mb 16 --width 128 --layers 2
     python -m benchmarks.delta_bench --only none --follow-mb 256   # follower latency and stall only
-    python -m benchmarks.delta_bench --only fp32-adam --layers 6 --width 640 --followed 4 --skipped 5 --cpu-only  # 128 MB
+    python -m benchmarks.delta_bench --only fp32-adam --layers 6 --width 640 --followed 4 --skipped 5 --cpu-only --rounds 7
     python -m benchmarks.delta_bench --only none --sharded-ranks 2 --synthetic-mb 96 --followed 4 --skipped 6
     python -m benchmarks.delta_bench --depth 1000                # each verb on a chain 1,000 deep
 """
@@ -95,11 +96,12 @@ def follower_target(weights: dict[str, np.ndarray]) -> dict[str, Any]:
             for key, value in weights.items()}
 
 
-def publish_cpu(steps: list[dict[str, np.ndarray]], anchor_every: int, rounds: int = 3) -> dict[str, float]:
+def publish_cpu(steps: list[dict[str, np.ndarray]], anchor_every: int, rounds: int = 3) -> dict[str, Any]:
     """CPU and wall seconds per GB of publishing ``steps`` to a local folder, full and delta,
-    ``rounds`` times in turn: the medians of each round's total over the steps after the first
-    (a full version either way). Totals, not a median step: a publisher whose deltas alternate
-    with anchors (fp32) pays for both."""
+    ``rounds`` pairs in turn: the medians of each round's total over the steps after the first
+    (a full version either way), and of each pair's ratio with its spread (``*_ratios``): a
+    machine whose speed drifts moves both of a pair. Totals, not a median step: a publisher
+    whose deltas alternate with anchors (fp32) pays for both."""
     found: dict[str, list[float]] = {}
     gb = sum(value.nbytes for value in steps[0].values()) / 1e9 * (len(steps) - 1)
     for _ in range(rounds):
@@ -115,7 +117,11 @@ def publish_cpu(steps: list[dict[str, np.ndarray]], anchor_every: int, rounds: i
                         wall += time.perf_counter() - started
             found.setdefault(f"{mode}_cpu", []).append(cpu / gb)
             found.setdefault(f"{mode}_wall", []).append(wall / gb)
-    return {name: float(np.median(values)) for name, values in found.items()}
+    medians: dict[str, Any] = {name: float(np.median(values)) for name, values in found.items()}
+    for kind in ("cpu", "wall"):
+        medians[f"{kind}_ratios"] = [delta / full for full, delta in zip(found[f"full_{kind}"], found[f"delta_{kind}"],
+                                                                          strict=True)]
+    return medians
 
 
 def follow_latency(server: ServerProcess, size_mb: float, versions: int, anchor_every: int) -> list[list[str]]:
@@ -297,7 +303,8 @@ def scenario(server: ServerProcess, name: str, steps: list[dict[str, np.ndarray]
 
 
 def bench(*, synthetic_mb: float, layers: int, width: int, followed: int, skipped: int, anchor_every: int,
-          only: list[str] | None = None, follow_mb: float = 0, follow_versions: int = 5, cpu_only: bool = False) -> None:
+          only: list[str] | None = None, follow_mb: float = 0, follow_versions: int = 5, cpu_only: bool = False,
+          rounds: int = 3) -> None:
     count = followed + skipped
     makers = {
         "bf16-adam": lambda: list(keras_steps(count, bf16=True, lr=3e-6, layers=layers, width=width)),
@@ -305,9 +312,11 @@ def bench(*, synthetic_mb: float, layers: int, width: int, followed: int, skippe
         "synthetic": lambda: list(synthetic_steps(count, synthetic_mb)),
     }
     if cpu_only:  # a model of hundreds of MB: its versions through the S3 server and followers take minutes
-        cpu_rows = [cpu_row(name, make()[:9], anchor_every) for name, make in makers.items() if not only or name in only]
+        cpu_rows = [cpu_row(name, make()[:9], anchor_every, rounds) for name, make in makers.items()
+                    if not only or name in only]
         print(machine_line())
-        print(table(["case", "publish CPU s/GB full", "delta", "ratio", "wall s/GB full", "delta", "ratio"], cpu_rows))
+        print(f"publish CPU: {rounds} pairs (full, delta) in turn")
+        print(table(CPU_COLUMNS, cpu_rows))
         return
     server = ServerProcess()
     saved = use_environment(server)
@@ -325,7 +334,7 @@ def bench(*, synthetic_mb: float, layers: int, width: int, followed: int, skippe
             rows.append([name, f"{r['model'] / 1e6:.1f} MB", f"{r['delta_per_version']:.3f}x",
                          f"{r['anchors']}/{r['versions']}", f"{r['follow_full']:.3f}x", f"{r['follow_delta']:.3f}x",
                          f"{r['skip_full']:.3f}x", f"{r['skip_delta']:.3f}x"])
-            cpu_rows.append(cpu_row(name, steps[:9], anchor_every))
+            cpu_rows.append(cpu_row(name, steps[:9], anchor_every, rounds))
         follow_rows = follow_latency(server, follow_mb, follow_versions, anchor_every) if follow_mb else []
     finally:
         server.stop()
@@ -339,11 +348,18 @@ def bench(*, synthetic_mb: float, layers: int, width: int, followed: int, skippe
         print(table(["store", "model", "latency full", "delta", "ratio", "stall full", "delta", "ratio"], follow_rows))
 
 
-def cpu_row(name: str, steps: list[dict[str, np.ndarray]], anchor_every: int) -> list[str]:
-    """A table row of :func:`publish_cpu`'s figures."""
-    c = publish_cpu(steps, anchor_every)
-    return [name, f"{c['full_cpu']:.2f}", f"{c['delta_cpu']:.2f}", f"{c['delta_cpu'] / c['full_cpu']:.2f}x",
-            f"{c['full_wall']:.2f}", f"{c['delta_wall']:.2f}", f"{c['delta_wall'] / c['full_wall']:.2f}x"]
+CPU_COLUMNS = ["case", "publish CPU s/GB full", "delta", "ratio (pairs' median)", "spread", "wall s/GB full", "delta",
+               "ratio", "spread"]
+
+
+def cpu_row(name: str, steps: list[dict[str, np.ndarray]], anchor_every: int, rounds: int = 3) -> list[str]:
+    """A table row of :func:`publish_cpu`'s figures: medians, and the ratio of each pair's
+    median with the lowest and highest pair's."""
+    c = publish_cpu(steps, anchor_every, rounds)
+    cpu, wall = c["cpu_ratios"], c["wall_ratios"]
+    return [name, f"{c['full_cpu']:.2f}", f"{c['delta_cpu']:.2f}", f"{np.median(cpu):.2f}x",
+            f"{min(cpu):.2f}-{max(cpu):.2f}", f"{c['full_wall']:.2f}", f"{c['delta_wall']:.2f}",
+            f"{np.median(wall):.2f}x", f"{min(wall):.2f}-{max(wall):.2f}"]
 
 
 def sharded(ranks: int, size_mb: float, versions: int, anchor_every: int) -> list[list[str]]:
@@ -390,7 +406,7 @@ def print_scenarios(rows: list[list[str]], cpu_rows: list[list[str]], followed: 
           f"{anchor_every}; ratios of a full version's bytes")
     print(table(["case", "model", "delta file / version", "anchors/versions", "follower fetch / version (full)",
                  "(delta)", f"catch-up after {skipped} (full)", "(delta)"], rows))
-    print(table(["case", "publish CPU s/GB full", "delta", "ratio", "wall s/GB full", "delta", "ratio"], cpu_rows))
+    print(table(CPU_COLUMNS, cpu_rows))
 
 
 def depth_costs(depth: int, tensors: int = 16, elements: int = 4096) -> list[list[str]]:
@@ -479,6 +495,8 @@ def main() -> None:
     parser.add_argument("--follow-versions", type=int, default=5)
     parser.add_argument("--cpu-only", action="store_true",
                         help="only the publish CPU of each case (no S3 server, no followers): for models of 64 MB+")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="pairs (full, delta) of publishes whose CPU is measured, in turn; ratios are medians of pairs'")
     parser.add_argument("--sharded-ranks", type=int, default=0,
                         help="also measure publish_shard by this many ranks (synthetic model; 0: not)")
     parser.add_argument("--depth", type=int, default=0,
@@ -514,7 +532,7 @@ def main() -> None:
             return
     bench(synthetic_mb=args.synthetic_mb, layers=args.layers, width=args.width, followed=args.followed,
           skipped=args.skipped, anchor_every=args.anchor_every, only=args.only, follow_mb=args.follow_mb,
-          follow_versions=args.follow_versions, cpu_only=args.cpu_only)
+          follow_versions=args.follow_versions, cpu_only=args.cpu_only, rounds=args.rounds)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import numpy as np
 from weightstore.cli.render import tensor_type, track
 from weightstore.core._tensortable import DIGEST_PREFIX
 from weightstore.core.manifest import TensorInfo, to_storage
-from weightstore.errors import FormatError, StoreNotFoundError
+from weightstore.errors import FormatError, StoreNotFoundError, named
 from weightstore.store._open import Store, open_onto_base
 
 if TYPE_CHECKING:
@@ -206,6 +206,16 @@ class Problem:
 
     key: str
     message: str
+
+
+def said_once(problems: list[Problem]) -> str:
+    """``problems`` as one line, each fault said once with the tensors it failed: a file of a
+    remote delta's chain that is missing (its bases are opened as tensors are read, where a local
+    chain fails once, as it opens) fails every tensor alike, and was said again for each."""
+    failed: dict[str, list[str]] = {}
+    for problem in problems:
+        failed.setdefault(problem.message, []).append(problem.key)
+    return "; ".join(f"tensor{'s' if len(keys) > 1 else ''} {named(keys)}: {message}" for message, keys in failed.items())
 
 
 def verify(store: Store, held: Held | None = None, keep: Held | None = None) -> list[Problem]:

@@ -505,7 +505,7 @@ def verify(store: Annotated[str, typer.Argument(help="The weight store, or folde
       ws verify s3://bucket/run
     """
     import weightstore
-    from weightstore.errors import ChecksumError, StoreNotFoundError, shown_key
+    from weightstore.errors import ChecksumError, StoreNotFoundError
     from weightstore.formats import tf_checkpoint
 
     _json(as_json)
@@ -529,9 +529,8 @@ def verify(store: Annotated[str, typer.Argument(help="The weight store, or folde
         raise ChecksumError(f"{problems[0].message} (1 of {count(total, 'tensor')} corrupt)", path=store,
                             key=problems[0].key)
     if problems:
-        listed = "; ".join(f"tensor {shown_key(problem.key)}: {problem.message}" for problem in problems)
-        raise ChecksumError(f"{len(problems)} of {count(total, 'tensor')} corrupt: {listed}", path=store,
-                            keys=[problem.key for problem in problems])
+        raise ChecksumError(f"{len(problems)} of {count(total, 'tensor')} corrupt: {compare.said_once(problems)}",
+                            path=store, keys=[problem.key for problem in problems])
     if has_checksums:
         note(f"{store}: ok, {count(total, 'tensor')}, checksums match")
     elif by_tf:  # no manifest, but every tensor read was checked against the CRC-32C TF's index records
@@ -544,11 +543,10 @@ def _verify_folder(folder: str) -> None:
     """``ws verify FOLDER``: a line per version on stdout (with ``--json``, one object listing
     them), then exit 1 naming every corrupt version (a damaged ``LATEST`` too), else 0."""
     from weightstore.cli.guard import describe
-    from weightstore.errors import FormatError, StoreNotFoundError, shown_key
+    from weightstore.errors import FormatError, StoreNotFoundError
 
     def said(check: compare.VersionCheck) -> None:  # a line as each version is done: a long folder shows progress
-        found = check.fault or "; ".join(f"tensor {shown_key(problem.key)}: {problem.message}"
-                                         for problem in check.problems) or f"{count(check.count, 'tensor')}"
+        found = check.fault or compare.said_once(check.problems) or f"{count(check.count, 'tensor')}"
         typer.echo(render.printable(f"{check.path}: {check.state} ({check.kind}): {found}"))
 
     checks, damage = compare.verify_versions(folder, None if settings.json else said)

@@ -6,6 +6,7 @@ errors, which its wrapper turns into one-line exit-1 messages.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import warnings
@@ -106,8 +107,8 @@ def follow(
 
     A FOLDER that does not exist is refused (exit 1, naming it): a mistyped path would
     otherwise wait forever. Pass --wait when it is only not there yet (a trainer about to
-    publish its first version). A folder with no version yet is said once on stderr, and
-    waited on. A storage outage is waited out, from the start on (a
+    publish its first version). A folder with no version yet, or none above --after, is
+    said once on stderr (what it waits for), and waited on. A storage outage is waited out, from the start on (a
     connection refused too: a stopped server and a mistyped port look the same), and said
     on stderr once when it starts and once when it ends; a failure that stays (credentials
     refused, a host name that names no host) exits 1.
@@ -117,7 +118,7 @@ def follow(
       ws follow s3://bucket/run --after 1000 --timeout 600
     """
     from weightstore.sync._folder import check_notifications, require_folder, versions_folder
-    from weightstore.sync._follow import follow as follow_versions
+    from weightstore.sync._follow import PointerWatch, following
 
     as_json = settings.json = settings.json or as_json  # so a failure is reported as JSON too
     try:
@@ -131,9 +132,8 @@ def follow(
         except StorageError as exc:  # whether it exists cannot be told now: an outage, which the follow says and
             if not exc.transient:  # waits out
                 raise
-    _say_when_unpublished(folder)
-    for version in follow_versions(folder, poll=poll, timeout=timeout, after=after, max_poll=max_poll,
-                                   notifications=notifications):
+    watch = PointerWatch(versions_folder(folder), poll, max_poll, notifications)
+    for version in following(watch, timeout, after, waiting=functools.partial(_say_what_it_waits_for, folder, after)):
         if as_json:  # a stream: one object per line, so a reader can act on each as it lands
             typer.echo(json.dumps({"command": "follow", "ok": True, "step": version.step, "path": version.path,
                                    "created": version.created, "metadata": version.metadata}, ensure_ascii=False))
@@ -141,19 +141,20 @@ def follow(
             typer.echo(f"{version.step}\t{version.path}")
 
 
-def _say_when_unpublished(folder: str) -> None:
-    """A local folder with no ``LATEST`` yet is followed in silence, which looks like a hang:
-    said once on stderr. One that does not exist the follow says itself; an object store is not
-    asked (a request more, and an outage waited out before the follow's own looks)."""
-    import os
-
-    from weightstore.formats._pointer import LATEST
+def _say_what_it_waits_for(folder: str, after: int | None, named: int | None) -> None:
+    """A follow whose first look finds nothing to print (no version yet, ``named`` ``None``; or
+    none above ``--after``) waits in silence, which looks like a hang: said once on stderr. A local
+    folder that does not exist the follow has said already."""
     from weightstore.io.folders import LocalFolder
     from weightstore.sync._folder import versions_folder
 
     source = versions_folder(folder)
-    if isinstance(source, LocalFolder) and source.exists() and not os.path.lexists(source.root / LATEST):
-        typer.echo(f"weightstore: following {folder}: no version yet; waiting for its first version", err=True)
+    above = "" if after is None else f" above step {after}"
+    if named is None and not (isinstance(source, LocalFolder) and not source.exists()):
+        typer.echo(f"weightstore: following {folder}: no version yet; waiting for its first version{above}", err=True)
+    elif named is not None:
+        typer.echo(f"weightstore: following {folder}: its latest version is step {named}; waiting for a "
+                   f"version{above}", err=True)
 
 
 def _refuse_serving_base(folder: str) -> None:

@@ -672,6 +672,7 @@ def test_every_error_is_a_weightstore_error_and_its_builtin():
         "AssignmentError": ValueError, "PublishError": RuntimeError, "MissingDependencyError": ImportError,
         "TargetError": ValueError, "StorageError": OSError, "FileAccessError": OSError, "LayoutError": ValueError,
         "ShardTimeoutError": TimeoutError, "UnsupportedTargetError": TypeError, "PieceError": ValueError,
+        "NotAPathError": TypeError,
     }
     assert set(errors.__all__) == set(refines) | {"WeightStoreError"}
     for name, builtin in refines.items():

@@ -16,6 +16,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+import zstandard
 from typer.testing import CliRunner
 
 import weightstore as ws
@@ -274,6 +275,26 @@ def test_a_base_missing_in_a_chain_on_s3_is_named_from_the_version_read(s3):
     assert caught.value.path == f"{folder}/step-000000000006.wsdelta"
     assert caught.value.message == ("in its chain, step-000000000004.wsdelta: needs its base step-000000000003.wsdelta, "
                                     "which is missing (pruned by hand, or never copied with it)")
+
+
+def test_ws_verify_says_a_base_missing_on_s3_once_for_every_tensor_it_fails(s3):
+    """A remote chain's bases are opened as its tensors are read, so a missing one fails every
+    tensor alike: ``ws verify`` (of the folder, and of the version) said that fault again for each
+    tensor, in a line as long as the model's keys; it says it once, with the tensors it fails."""
+    import s3fs
+    from typer.testing import CliRunner
+
+    from weightstore.cli.main import app
+
+    folder = f"s3://{BUCKET}/missing-base-verify"
+    publish_steps(folder, 3, delta=ws.Delta())
+    s3fs.S3FileSystem().rm_file(f"{folder}/step-000000000002.wsdelta")
+    for target in (folder, f"{folder}/step-000000000003.wsdelta"):
+        result = CliRunner().invoke(app, ["verify", target])
+        assert result.exit_code == 1, result.output
+        said = " ".join(result.output.split())
+        assert said.count("needs its base step-000000000002.wsdelta, which is missing") == 1, said
+        assert "tensors 'dense/kernel', 'dense/bias', 'embed' and 3 more: needs its base" in said, said
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
@@ -582,7 +603,8 @@ def test_an_anchor_damaged_after_its_deltas_were_written_is_named_by_each_of_the
     anchor.write_bytes(bytes(data))
     for step in (2, 3, 4):
         error = refused(tmp_path / f"step-{step:012d}.wsdelta", key=None, error=ws.ChecksumError)
-        assert "in its chain, step-000000000001.npz: is corrupt" in error.message
+        assert error.message.startswith("in its chain, step-000000000001.npz: is corrupt (checksum crc32:")
+        assert str(error).count("step-000000000001.npz") == 1  # said once, not as the base too
     result = subprocess.run([sys.executable, "-m", "weightstore", "verify", str(tmp_path / "step-000000000004.wsdelta")],
                             env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])),
                             capture_output=True, text=True, timeout=120)
@@ -1144,3 +1166,131 @@ def test_a_chain_is_held_in_memory_linear_in_its_depth(tmp_path):
         return held / depth
 
     assert held_per_delta(160) < 1.3 * held_per_delta(40)
+
+
+def dense_steps(rng: np.random.Generator, weights: dict[str, np.ndarray], count: int):
+    """``count`` fp32 Adam-like steps: every element of every tensor moves a little."""
+    for _ in range(count):
+        weights = {key: value + np.float32(1e-3) * rng.standard_normal(value.shape).astype(np.float32)
+                   for key, value in weights.items()}
+        yield weights
+
+
+def test_a_dense_delta_is_made_in_the_memory_of_the_base_it_spends_and_decodes():
+    """``encode(spend=True)``: each block's frame and top record are moved into the base's bytes
+    of that block (the publisher's own copy, read already), not held in fresh memory until written;
+    they decode to the new bytes as the compressor's output does."""
+    rng = np.random.default_rng(6)
+    base = rng.standard_normal(3 * (1 << 20) - 1024).astype(np.float32)  # three 4 MiB blocks, the last short
+    new = base + np.float32(1e-3) * rng.standard_normal(base.shape).astype(np.float32)
+    flat_new, flat_base = new.view(np.uint8), base.copy().view(np.uint8)
+    kept = delta_format.encode(flat_new, flat_base.copy(), 4, dense=True)
+    spent = delta_format.encode(flat_new, flat_base, 4, dense=True, spend=True)
+    assert spent.codec == kept.codec == "xor-top"
+    assert b"".join(map(bytes, spent.parts)) == b"".join(map(bytes, kept.parts))
+    assert all(np.shares_memory(np.frombuffer(part, np.uint8), flat_base) for part in spent.parts[1:])
+    assert not any(np.shares_memory(np.frombuffer(part, np.uint8), flat_base) for part in kept.parts)
+
+
+def test_a_publish_that_fails_after_spending_its_base_is_followed_by_versions_that_read_back(tmp_path):
+    """A delta is made in the memory of the publisher's copy of its base: a publish that fails
+    once it is encoded (here: at the folder's lock) leaves no base in memory, so the next is
+    written full, not encoded against the payload left there, and every version reads back."""
+    from weightstore.sync import _stages as stages
+
+    rng = np.random.default_rng(7)
+    folder, planner = tmp_path / "run", ws.Delta(anchor_every=20)
+    steps = list(dense_steps(rng, {"w": rng.standard_normal((512, 2048)).astype(np.float32)}, 4))
+    ws.publish(folder, steps[0], step=1, delta=planner)
+
+    def fail(name: str) -> None:
+        if name == "locked":
+            raise OSError(28, "No space left on device")
+
+    stages.hook = fail
+    try:
+        with pytest.raises(OSError, match="No space"):
+            ws.publish(folder, steps[1], step=2, delta=planner)
+    finally:
+        stages.hook = None
+    for step, weights in enumerate(steps[1:], start=2):
+        version = ws.publish(folder, weights, step=step, delta=planner)
+        same_bytes(ws.load(version), weights)
+    assert files(folder) == ["step-000000000001.npz", "step-000000000002.npz", "step-000000000003.wsdelta",
+                             "step-000000000004.npz"]
+
+
+def test_a_delta_written_while_the_same_delta_publishes_elsewhere_reads_back(tmp_path):
+    """Two publishes given one ``Delta`` overlap (a background publisher and a foreground one):
+    the first's payload lies in the memory of the remembered copy it spent, which the second,
+    finishing first, must not copy its weights into; the first's version reads back whole."""
+    import threading
+
+    from weightstore.sync import _stages as stages
+
+    rng = np.random.default_rng(8)
+    planner = ws.Delta(anchor_every=20)
+    steps = list(dense_steps(rng, {"w": rng.standard_normal((512, 2048)).astype(np.float32)}, 2))
+    ws.publish(tmp_path / "a", steps[0], step=1, delta=planner)
+    encoded, release = threading.Event(), threading.Event()
+
+    def hold(name: str) -> None:
+        if name == "locked" and threading.current_thread().name == "first":
+            encoded.set()
+            release.wait(60)
+
+    found: list[BaseException | ws.Version] = []
+    first = threading.Thread(target=lambda: found.append(ws.publish(tmp_path / "a", steps[1], step=2, delta=planner)),
+                             name="first")
+    stages.hook = hold
+    try:
+        first.start()
+        assert encoded.wait(60)
+        other = ws.publish(tmp_path / "b", steps[0], step=1, delta=planner)  # done while the first is held
+    finally:
+        release.set()
+        first.join(60)
+        stages.hook = None
+    same_bytes(ws.load(other), steps[0])
+    assert found and found[0].path.endswith(".wsdelta")
+    same_bytes(ws.load(found[0]), steps[1])
+
+
+@pytest.mark.parametrize(("change", "codec"), [("dense", "xor-top"), ("xor", "xor-zstd"), ("raw", "raw")])
+def test_an_xor_encode_gives_the_crc_of_the_new_bytes_it_took_in_passing(change, codec):
+    """A tensor XOR-ed in blocks is checksummed block by block as it is XOR-ed (the block in
+    cache), not in a pass of its own: the CRC-32 it gives is the new bytes', also where the XOR
+    did not pay (raw)."""
+    rng = np.random.default_rng(9)
+    base = rng.standard_normal(3 * (1 << 20) + 7).astype(np.float32)
+    new = {"dense": base + np.float32(1e-3) * rng.standard_normal(base.shape).astype(np.float32),
+           "xor": base * np.float32(1.0001),
+           "raw": rng.integers(0, 2**32, base.shape, np.uint32).view(np.float32)}[change]
+    new.view(np.uint32)[::3001] ^= 1
+    found = delta_format.encode(new.view(np.uint8), base.view(np.uint8), 4, dense=change == "dense", sparse=False)
+    assert found.codec == codec and found.crc == crc32(new.view(np.uint8))
+
+
+@pytest.mark.parametrize("change", ["noise", "rows"])
+def test_noise_low_planes_are_written_as_stored_zstd_blocks_and_rebuild(change):
+    """An fp32 Adam step's low byte planes are noise: a spent dense block writes them as a zstd
+    frame of stored blocks (what zstd would make of them, without its search for matches), any
+    zstd decoder reads it, and the block rebuilds; planes that do shrink (rows that did not
+    change) are still compressed."""
+    rng = np.random.default_rng(10)
+    base = rng.standard_normal(2 * (1 << 20) - 4096).astype(np.float32)  # two blocks
+    new = base * (1 + np.float32(0.05) * rng.standard_normal(base.shape).astype(np.float32))  # 5%: small weights, Adam
+    if change == "rows":
+        new[::2] = base[::2]  # every other element unchanged: zeros zstd finds
+    spent = delta_format.encode(new.view(np.uint8), base.copy().view(np.uint8), 4, dense=True, spend=True)
+    assert spent.codec == "xor-top"
+    table = np.frombuffer(bytes(spent.parts[0]), "<u4")
+    frame = bytes(spent.parts[1])
+    low = 3 * (1 << 20)  # the first block's three low planes
+    stored = frame[4] == 0xE0 and len(frame) == 13 + 3 * 24 + low
+    assert stored == (change == "noise") and table[1] == len(frame)
+    assert len(zstandard.ZstdDecompressor().decompress(frame)) == low
+    out = base.view(np.uint8).copy()
+    delta_format._apply_xor(memoryview(b"".join(bytes(memoryview(part)) for part in spent.parts)), out,
+                            delta_format.BLOCK, 4, top=True)
+    assert out.tobytes() == new.view(np.uint8).tobytes()

@@ -172,7 +172,7 @@ def test_ws_follow_started_during_an_outage_waits_it_out(s3, outage):
     _, err = follower.communicate()
     assert line.split() == ["2", f"{folder}/step-000000000002.npz"], err
     said = err.splitlines()  # the outage, when it started and when it ended: not once a retry
-    started = [line for line in said if "waiting for" in line]
+    started = [line for line in said if line.startswith("weightstore: waiting for")]  # not what the follow waits for
     assert len(started) == 1 and started[0].startswith(f"weightstore: waiting for {folder}: storage failed (") \
         and started[0].endswith("; retrying"), err
     assert [line for line in said if "answers again" in line] == [f"weightstore: {folder} answers again"], err
@@ -341,3 +341,27 @@ def test_ctrl_c_while_the_exit_waits_for_a_retrying_publish_gives_it_up_and_says
     assert "Traceback" not in err, err
     outage.end()
     assert ws.latest(folder) is None  # given up: nothing was written once the storage came back
+
+
+def test_a_first_publish_whose_latest_write_failed_is_completed_by_the_retry(s3, caplog):
+    """The first publish to an empty folder lands its version, then S3 fails ``LATEST``'s PUT (a
+    500): the landed file must not count as a newer version refusing the retry of its own step.
+    The failure's log line names the folder once, not again inside the storage's error."""
+    folder = f"s3://{BUCKET}/first-latest-fails"
+    failed = threading.Event()
+
+    def latest_fails_once(environ):
+        if environ["REQUEST_METHOD"] == "PUT" and environ["PATH_INFO"].endswith("/LATEST") and not failed.is_set():
+            failed.set()
+            return 500, b"<Error><Code>InternalError</Code></Error>"
+        return None
+
+    s3.intercept = latest_fails_once
+    publisher = ws.BackgroundPublisher(folder, retry_backoff=0.05, max_backoff=0.2)
+    with caplog.at_level(logging.WARNING, logger="weightstore"):
+        assert publisher.publish(weights(1), step=1).result(60).step == 1
+    assert failed.is_set() and publisher.failures == 1 and publisher.close(60).step == 1
+    retrying = [record.getMessage() for record in caplog.records if "retrying" in record.getMessage()]
+    assert len(retrying) == 1 and retrying[0].startswith(f"publishing step 1 to {folder} failed (storage failed (")
+    assert retrying[0].count(folder) == 1, retrying
+    np.testing.assert_array_equal(ws.load(ws.latest(folder))["dense/kernel"], weights(1)["dense/kernel"])

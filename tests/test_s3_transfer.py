@@ -9,6 +9,7 @@ import sys
 import threading
 import uuid
 
+import fsspec
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -563,6 +564,13 @@ def test_ls_of_a_folder_of_versions_on_s3_names_latest_version_as_locally(s3, tm
         with pytest.raises(ws.StoreNotFoundError, match="folder of ws.publish versions") as caught:
             ws.load(folder)
         assert caught.value.path == folder and not isinstance(caught.value, ws.VersionGoneError)
+    assert outputs[remote].replace(remote, "FOLDER") == outputs[local].replace(local, "FOLDER")
+    for folder in (remote, local):  # LATEST's version removed: a step-* file is suggested, not that one
+        fs, path = fsspec.core.url_to_fs(ws.latest(folder).path)
+        fs.rm_file(path)
+        result = CliRunner().invoke(app, ["ls", folder])
+        outputs[folder] = " ".join(result.output.split())
+        assert "name a version, one of its step-* files" in outputs[folder] and "such as" not in outputs[folder]
     assert outputs[remote].replace(remote, "FOLDER") == outputs[local].replace(local, "FOLDER")
     put(f"{remote}/LATEST", b"garbage")  # a damaged LATEST: still a folder of versions
     with pytest.raises(ws.StoreNotFoundError, match="name a version, one of its step-\\* files"):

@@ -1704,3 +1704,27 @@ def test_a_done_record_carries_its_job_incarnation_and_older_records_read_withou
         raw = json.loads(record.to_json()[: record.to_json().rindex(b',"crc32"')] + b"}")
         with pytest.raises(ws.FormatError, match="incarnation is not a job incarnation"):
             parse_done(seal({**raw, "incarnation": bad}))
+
+
+def test_a_first_commit_whose_latest_swap_failed_is_completed_by_its_retry(tmp_path, monkeypatch):
+    """As a plain first publish's: the index landed, ``LATEST``'s write failed; the coordinator's
+    retry of the same step commits it rather than refusing it as "not after step 2"."""
+    from weightstore.sync import _stages as stages
+
+    failed = threading.Event()
+
+    def latest_fails_once(name):
+        if name == "latest-temporary" and not failed.is_set():
+            failed.set()
+            raise OSError(5, "EIO writing LATEST")
+
+    folder = tmp_path / "run"
+    for rank in range(4):
+        ws.publish_shard(folder, pieces_of(rank), step=2, rank=rank, world=4, attempt=0)
+    monkeypatch.setattr(stages, "hook", latest_fails_once)
+    with pytest.raises(ws.WriteError, match="EIO writing LATEST"):
+        shards.commit_shards(folder, step=2, world=4, attempt=0, timeout=5)
+    assert ws.latest(folder) is None
+    version = shards.commit_shards(folder, step=2, world=4, attempt=0, timeout=5)
+    assert ws.latest(folder).step == 2 == version.step
+    assert ws.load(version)["two"].tobytes() == model()["two"].tobytes()

@@ -351,3 +351,28 @@ def test_attempts_are_claimed_create_only_and_one_rank_publishes_in_one_call(ser
     monkeypatch.undo()
     version = shards.publish_together(folder, {"w": np.arange(6.0)}, step=4, rank=0, world=1, timeout=30)
     assert version.step == 4 and ws.load(ws.latest(folder))["w"].tolist() == list(np.arange(6.0))
+
+
+def test_a_first_commit_whose_latest_write_failed_is_completed_by_its_retry(server, folder):
+    """The index of a folder's first version landed, then S3 failed ``LATEST``'s PUT (a 500): the
+    coordinator's retry of the same step commits it, not refuses it as "not after step 1"."""
+    weights = np.arange(64, dtype=np.float32).reshape(8, 8)
+    write(folder, weights, 2, step=1)
+    failed = threading.Event()
+
+    def latest_fails_once(environ):
+        if environ["REQUEST_METHOD"] == "PUT" and environ["PATH_INFO"].endswith("/LATEST") and not failed.is_set():
+            failed.set()
+            return 500, b"<Error><Code>InternalError</Code></Error>"
+        return None
+
+    server.intercept = latest_fails_once
+    try:
+        with pytest.raises(ws.StorageError):
+            shards.commit_shards(folder, step=1, world=2, attempt=0, timeout=5)
+        assert ws.latest(folder) is None
+        version = shards.commit_shards(folder, step=1, world=2, attempt=0, timeout=5)
+    finally:
+        server.intercept = None
+    assert ws.latest(folder).step == 1 == version.step
+    assert ws.load(version)["w"].tobytes() == weights.tobytes()

@@ -484,7 +484,7 @@ def test_a_file_object_given_to_assign_is_told_to_pass_a_name(tmp_path):
                                             rf"{re.escape(repr(str(path)))}$"):
             torch_adapter.assign(net, handle)
         assert torch_adapter.assign(net, handle.name).assigned
-    with pytest.raises(TypeError, match=r"not a file object \(BytesIO\).*; write its bytes to a file"):
+    with pytest.raises(ws.NotAPathError, match=r"not a file object \(BytesIO\).*; write its bytes to a file"):
         torch_adapter.assign(net, io.BytesIO(path.read_bytes()))
 
 

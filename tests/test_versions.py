@@ -64,8 +64,8 @@ def test_opening_the_latest_of_a_folder_without_versions_says_why_it_is_none(tmp
 
     assert ws.latest(tmp_path) is None
     for read in (ws.open, ws.load, lambda v: torch_adapter.assign(torch.nn.Linear(2, 2), v)):
-        with pytest.raises(TypeError, match=r"not None \(ws.latest\(folder\) is None while the folder has no "
-                                            r"version yet: wait for one with ws.follow"):
+        with pytest.raises(ws.NotAPathError, match=r"not None \(ws.latest\(folder\) is None while the folder has "
+                                                   r"no version yet: wait for one with ws.follow"):
             read(ws.latest(tmp_path))
 
 
@@ -76,7 +76,7 @@ def test_a_writer_given_none_is_told_a_path_was_expected_not_how_to_wait_for_a_v
     writers = (lambda: ws.save(None, weights), lambda: ws.publish(None, weights, step=1),
                lambda: ws.publish_shard(None, weights, step=1, rank=0, world=1, attempt=0))
     for write in writers:
-        with pytest.raises(TypeError) as caught:
+        with pytest.raises(ws.NotAPathError) as caught:
             write()
         assert str(caught.value) == "a path was expected, not None"
 
@@ -84,15 +84,19 @@ def test_a_writer_given_none_is_told_a_path_was_expected_not_how_to_wait_for_a_v
 def test_a_file_object_given_as_a_path_is_told_weightstore_takes_names(tmp_path):
     """``ws.open(io.BytesIO(data))`` failed inside ``os.fsdecode`` ("expected str, bytes or
     os.PathLike object, not BytesIO"), naming nothing weightstore takes; readers and writers
-    now say a path or URL was expected, and why a file object is none."""
+    now say a path or URL was expected, and why a file object is none. The refusal is a
+    WeightStoreError, as every bad input's, and still the TypeError code caught before."""
     ws.save(tmp_path / "w.npz", weights_at(1))
     with open(tmp_path / "w.npz", "rb") as handle:
-        for call in (ws.open, ws.load, lambda f: ws.save(f, weights_at(1))):
-            with pytest.raises(TypeError, match=r"^a path or URL was expected, not a file object \(BufferedReader\)"):
+        for call in (ws.open, ws.load, lambda f: ws.save(f, weights_at(1)), ws.latest, ws.follow,
+                     lambda f: ws.publish(f, weights_at(1), step=1), ws.BackgroundPublisher):
+            with pytest.raises(ws.NotAPathError,
+                               match=r"^a path or URL was expected, not a file object \(BufferedReader\)"):
                 call(handle)
-            with pytest.raises(TypeError, match=r"^a path or URL was expected, not a file object \(BytesIO\)"):
+            with pytest.raises(TypeError, match=r"^a path or URL was expected, not a file object \(BytesIO\)") as caught:
                 call(io.BytesIO(b""))
-    with pytest.raises(TypeError, match=r"^a path or URL was expected, not float$"):
+            assert isinstance(caught.value, ws.WeightStoreError)
+    with pytest.raises(ws.NotAPathError, match=r"^a path or URL was expected, not float$"):
         ws.open(3.5)
 
 
@@ -752,7 +756,9 @@ def test_cli_follow(tmp_path, cli):
     result = CliRunner().invoke(cli, ["follow", str(tmp_path), "--timeout", "0.05", "--poll", "0.01"])
     assert result.exit_code == 0 and result.output.split() == ["2", str(tmp_path / "step-000000000002.npz")]
     result = CliRunner().invoke(cli, ["follow", str(tmp_path), "--after", "2", "--timeout", "0.05", "--json"])
-    assert result.exit_code == 0 and result.output == ""
+    assert result.exit_code == 0 and result.stdout == ""  # what it waits for goes to stderr, out of the stream
+    assert result.stderr == f"weightstore: following {tmp_path}: its latest version is step 2; waiting for a " \
+                            "version above step 2\n"
     for args in (["versions", "--help"], ["follow", "--help"]):
         assert CliRunner().invoke(cli, args).exit_code == 0
     for poll in ("1e12", "nan"):  # no wait a thread can make: a usage error, not an internal one
@@ -796,6 +802,17 @@ def test_ws_follow_of_an_empty_folder_says_once_that_it_waits_for_the_first_vers
     followed = ws_follow(empty)
     assert followed.stdout.split() == ["1", str(empty / "step-000000000001.npz")]
     assert "waiting" not in followed.stderr
+
+
+def test_ws_follow_after_a_step_past_the_latest_says_once_what_it_waits_for(tmp_path):
+    """``--after 1000`` where the newest version is step 3 waits for step 1001 on: said, not in silence."""
+    for step in (1, 2, 3):
+        ws.publish(tmp_path, weights_at(step), step=step)
+    waited = subprocess.run([sys.executable, "-m", "weightstore", "follow", str(tmp_path), "--after", "1000",
+                             "--timeout", "0.2", "--poll", "0.05"], capture_output=True, text=True, timeout=120)
+    assert waited.returncode == 0 and waited.stdout == "", waited.stderr
+    assert waited.stderr == (f"weightstore: following {tmp_path}: its latest version is step 3; waiting for a version "
+                             "above step 1000\n")
 
 
 @pytest.mark.parametrize("command", ["versions", "follow"])
@@ -1197,6 +1214,39 @@ def test_a_background_publish_whose_latest_swap_failed_after_it_landed_still_hol
         with pytest.raises(ws.PublishError, match="another writer"):
             publisher.publish(weights_at(3), step=3).result(60)
     assert ws.latest(tmp_path).step == 2
+
+
+def fail_once_at(stage: str):
+    """A stage hook that raises EIO the first time a publish reaches ``stage`` (a full disk, a
+    storage that fails ``LATEST``'s write), and lets every later publish through."""
+    failed = threading.Event()
+
+    def hook(name: str) -> None:
+        if name == stage and not failed.is_set():
+            failed.set()
+            raise OSError(5, f"EIO at {stage}")
+
+    return hook
+
+
+def test_a_first_publish_whose_latest_swap_failed_is_completed_by_its_retry(tmp_path, monkeypatch):
+    """The first publish to a folder wrote its version, then failing to write ``LATEST`` left that
+    file as the newest: the retry of the same step by the same process must publish it, not
+    refuse it as "not after step 1" for good (a BackgroundPublisher retries storage failures)."""
+    from weightstore.sync import _stages as stages
+
+    monkeypatch.setattr(stages, "hook", fail_once_at("latest-temporary"))
+    with ws.BackgroundPublisher(tmp_path / "background", retry_backoff=0.01) as publisher:
+        assert publisher.publish(weights_at(1), step=1).result(60).step == 1
+    assert publisher.failures == 1 and ws.latest(tmp_path / "background").step == 1
+    assert files(tmp_path / "background") == [".publish.lock", "LATEST", "step-000000000001.npz"]
+
+    monkeypatch.setattr(stages, "hook", fail_once_at("latest-temporary"))
+    with pytest.raises(ws.WriteError, match="EIO at latest-temporary"):
+        ws.publish(tmp_path / "plain", weights_at(1), step=1)
+    ws.publish(tmp_path / "plain", weights_at(2), step=1)  # the retry's weights are the ones published
+    assert_whole(ws.load(ws.latest(tmp_path / "plain")), 2)
+    assert files(tmp_path / "plain") == [".publish.lock", "LATEST", "step-000000000001.npz"]
 
 
 def _folder_calls(monkeypatch, folder) -> dict[str, list[str]]:

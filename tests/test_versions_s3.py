@@ -323,7 +323,8 @@ def test_ws_follow_says_once_that_it_waits_for_a_closed_port_and_once_that_it_an
     while not said.empty():
         lines.append(said.get())
     assert json.loads(first)["step"] == 1 and all(json.loads(line) for line in out.splitlines())
-    assert [line for line in lines if "waiting for" in line] == [], lines  # the first was taken above
+    # the outage's start was the line taken above; a first look that found nothing published may say so
+    assert [line for line in lines if "waiting for" in line and "no version yet" not in line] == [], lines
     assert [line.strip() for line in lines if "answers again" in line] == [f"weightstore: {folder} answers again"]
     assert "Traceback" not in "".join(lines)
 
@@ -654,3 +655,22 @@ def test_the_loser_of_a_publish_race_on_s3_can_publish_its_step_again(s3, folder
     assert "step-000000000011.npz" not in names(s3, folder)
     assert ws.publish(folder, weights_at(11), step=11, storage_options=s3).step == 11
     assert_whole(ws.load(ws.latest(folder, storage_options=s3)), 11)
+
+
+def test_ws_follow_on_s3_says_once_what_it_waits_for(s3, folder):
+    """``--wait`` on a folder with nothing published, and ``--after`` past the newest version,
+    wait: said once on stderr, as for a local folder, rather than in silence."""
+    env = {**os.environ, "AWS_ENDPOINT_URL_S3": s3["client_kwargs"]["endpoint_url"], "PYTHONPATH": str(ROOT)}
+
+    def ws_follow(*args):
+        return subprocess.run([sys.executable, "-m", "weightstore", "follow", *args, "--timeout", "0.2", "--poll",
+                               "0.05"], capture_output=True, text=True, timeout=120, env=env)
+
+    empty = ws_follow(folder, "--wait")
+    assert empty.returncode == 0 and empty.stdout == "", empty.stderr
+    assert empty.stderr == f"weightstore: following {folder}: no version yet; waiting for its first version\n"
+    ws.publish(folder, weights_at(3), step=3, storage_options=s3)
+    after = ws_follow(folder, "--after", "1000")
+    assert after.returncode == 0 and after.stdout == "", after.stderr
+    assert after.stderr == (f"weightstore: following {folder}: its latest version is step 3; waiting for a version "
+                            "above step 1000\n")

@@ -27,6 +27,7 @@ weightstore class or the builtin they already handle::
     │   └── PieceError(ValueError)         a piece publish_shard cannot place (bad start, shape or list)
     ├── ShardTimeoutError(TimeoutError)    a rank of a sharded version never finished its part
     ├── UnsupportedTargetError(TypeError)  an object no adapter takes, or that a follower cannot assign into
+    ├── NotAPathError(TypeError)           no path where a path goes: None (ws.latest before a version), a file object
     └── MissingDependencyError(ImportError) an optional extra is not installed
 """
 
@@ -61,6 +62,7 @@ __all__ = [
     "PieceError",
     "ShardTimeoutError",
     "UnsupportedTargetError",
+    "NotAPathError",
     "MissingDependencyError",
 ]
 
@@ -261,6 +263,13 @@ class ShardTimeoutError(WeightStoreError, TimeoutError):
 class UnsupportedTargetError(WeightStoreError, TypeError):
     """An object of no framework an adapter is registered for (``weightstore.adapters.adapter_for``),
     or one its adapter cannot assign into in place, which a follower needs (a Flax parameter tree)."""
+
+
+class NotAPathError(WeightStoreError, TypeError):
+    """What is no path given where one goes (a file to read or write, a folder): ``None``, most
+    often ``ws.latest(folder)`` before the first version; a file object (``io.BytesIO``, an open
+    file), since files are read and written by name. The message says what to pass instead. A
+    ``TypeError`` too, as it was before it was a :class:`WeightStoreError`."""
 
 
 class MissingDependencyError(WeightStoreError, ImportError):

@@ -20,6 +20,7 @@ from weightstore.core._extras import install_hint
 from weightstore.errors import (
     FileAccessError,
     MissingDependencyError,
+    NotAPathError,
     StorageError,
     StoreNotFoundError,
     WeightStoreError,
@@ -50,13 +51,17 @@ NO_VERSION_YET = ("a path or a Version was expected, not None (ws.latest(folder)
                   "version yet: wait for one with ws.follow(folder) or a Follower's wait())")
 
 
-def refused_file_object(value: Any, *, reading: bool = True) -> TypeError | None:
-    """The refusal of a file object (``io.BytesIO``, an open file) given where a path goes, saying
-    what to pass instead: an open file's own name where it has one (``open``'s ``name`` is the
-    path it was given; ``os.fdopen``'s is a descriptor number, no path). ``None`` for anything
-    that is no file object."""
-    if not (hasattr(value, "read") or hasattr(value, "write")) or isinstance(value, (str, bytes, os.PathLike)):
-        return None
+def refused_path(value: Any, *, reading: bool = True, expected: str = "a path or URL") -> NotAPathError:
+    """The refusal of ``value``, which is no path, given where one goes (``expected``: what does),
+    saying what to pass instead. ``None`` is most often, to a reader, ``ws.latest(folder)`` before the
+    first publish (``reading=False``: a file to write, refused plainly, as no ``ws.latest`` gave it);
+    a file object (``io.BytesIO``, an open file) is told its own name where it has one (``open``'s
+    ``name`` is the path it was given; ``os.fdopen``'s is a descriptor number, no path). Every
+    reader, writer and assign refuses through here."""
+    if value is None:  # os.fsdecode's own TypeError names no cause
+        return NotAPathError(NO_VERSION_YET if reading else "a path was expected, not None")
+    if not (hasattr(value, "read") or hasattr(value, "write")):
+        return NotAPathError(f"{expected} was expected, not {type(value).__name__}")
     name = getattr(value, "name", None)
     if isinstance(name, (str, bytes)):
         instead = f"pass its name instead: {os.fsdecode(name)!r}"
@@ -64,22 +69,20 @@ def refused_file_object(value: Any, *, reading: bool = True) -> TypeError | None
         instead = "write its bytes to a file and pass that file's name"
     else:
         instead = "give the name of the file or folder to write"
-    return TypeError(f"a path or URL was expected, not a file object ({type(value).__name__}): weightstore opens "
-                     f"and writes files by name, as its readers map them and its writers replace them whole; {instead}")
+    return NotAPathError(f"a path or URL was expected, not a file object ({type(value).__name__}): weightstore "
+                         f"opens and writes files by name, as its readers map them and its writers replace them "
+                         f"whole; {instead}")
 
 
 def location_of(path: Any, *, reading: bool = True) -> Location:
     """The location behind anything weightstore accepts as a file (``Version`` has ``.path``): a
     ``str``, an ``os.PathLike``, or a ``bytes`` path, decoded as :func:`os.fsdecode` decodes it
-    (as ``open`` and ``os`` take one), so errors name it as text. ``reading=False`` (a file to
-    write, a folder): a path of ``None`` is refused plainly, as no ``ws.latest`` gave it."""
+    (as ``open`` and ``os`` take one), so errors name it as text; anything else is refused
+    (:func:`refused_path`)."""
     if hasattr(path, "path") and not isinstance(path, (str, bytes, os.PathLike)):
         path = path.path
-    if path is None:  # os.fsdecode's own TypeError names no cause; for a reader this is the common one
-        raise TypeError(NO_VERSION_YET if reading else "a path was expected, not None")
     if not isinstance(path, (str, bytes, os.PathLike)):
-        raise refused_file_object(path, reading=reading) or TypeError(
-            f"a path or URL was expected, not {type(path).__name__}")
+        raise refused_path(path, reading=reading)
     text = os.fsdecode(path)
     if text.startswith("file://"):
         text = text[len("file://"):]

@@ -554,7 +554,10 @@ def _refuse_published_folder(place: Place) -> None:
         data = bytes(source.read_at(0, min(source.size, MAX_POINTER_BYTES + 1)))
     finally:
         source.close()
-    raise StoreNotFoundError(published_folder_message(place.text, latest_name(data)), path=place.text)
+    latest = latest_name(data)
+    if latest is not None and not place.child(latest).is_file():
+        latest = None  # removed since it was published: suggested, it would send the user to "no such file"
+    raise StoreNotFoundError(published_folder_message(place.text, latest), path=place.text)
 
 
 def _head(source: str | RemoteFile, location: str) -> bytes:

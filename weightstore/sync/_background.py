@@ -84,7 +84,7 @@ from weightstore.core.limits import MAX_POINTER_BYTES
 from weightstore.errors import PublishError, StorageError, WeightStoreError, WriteError
 from weightstore.formats import format_named
 from weightstore.formats._pointer import LATEST
-from weightstore.io.location import connection_failure, service_answer
+from weightstore.io.location import connection_failure, location_of, service_answer
 from weightstore.store._save import checked_metadata
 from weightstore.sync._checks import DEFAULT_FORMAT, DEFAULT_KEEP, checked_keep, checked_seconds, checked_step
 from weightstore.sync._delta import Delta, as_delta
@@ -151,6 +151,8 @@ class BackgroundPublisher:
     ):
         keep = checked_keep(keep)
         format_named(format)  # an unknown format fails here, not on the first background publish
+        #: the folder as its errors name it (a folder that is no path, None or a file object, fails here too)
+        self._where = location_of(folder, reading=False).text.rstrip("/")
         self.folder = folder
         self.metadata = checked_metadata(metadata, str(folder))
         self.retry_for = checked_seconds("retry_for", retry_for)
@@ -307,10 +309,10 @@ class BackgroundPublisher:
             newer = self._replaced_within(paused) if paused > 0 else None
             if self._given_up:
                 return StorageError(f"step {job.step} was not published: the process was interrupted at exit "
-                                    f"({self.last_error})", path=str(self.folder))
+                                    f"({self._said(self.last_error)})", path=str(self.folder))
             if newer is not None:  # the storage still failing: the newer snapshot is written instead
                 return StorageError(f"step {job.step} was not published: the newer snapshot of step {newer.step} "
-                                    f"replaced it while the storage was failing ({self.last_error})",
+                                    f"replaced it while the storage was failing ({self._said(self.last_error)})",
                                     path=str(self.folder))
             attempted = time.monotonic()
             try:
@@ -365,16 +367,24 @@ class BackgroundPublisher:
         refused = isinstance(error, StorageError) and not error.transient and not self._answered
         retry = _retryable(error) and not refused and spent < self.retry_for and not self._given_up
         if retry:
-            _log.warning("publishing step %d to %s failed (%s); retrying", job.step, self.folder, error)
+            _log.warning("publishing step %d to %s failed (%s); retrying", job.step, self.folder, self._said(error))
             self._say_exit_waits()
         elif refused:
             _log.error("publishing step %d to %s was refused before the folder ever answered: %s; given up, the next "
-                       "snapshot tries again", job.step, self.folder, error)
+                       "snapshot tries again", job.step, self.folder, self._said(error))
         else:
             _log.error("publishing step %d to %s failed%s: %s; the last version published is %s", job.step,
                        self.folder, " for good" if not _retryable(error) else f" for {spent:.0f} s, given up",
-                       error, self.last.step if self.last else "none")
+                       self._said(error), self.last.step if self.last else "none")
         return retry
+
+    def _said(self, error: BaseException | None) -> object:
+        """``error`` as a line that names this folder already says it: without the folder again
+        ("publishing step 2 to s3://b/run failed (storage failed (...))", not "(s3://b/run: ...)");
+        the error itself where it names another file, for the log record to carry."""
+        if isinstance(error, WeightStoreError) and error.key is None and (error.path or "").rstrip("/") == self._where:
+            return error.message
+        return "" if error is None else error
 
     def _replaced_within(self, seconds: float) -> _Job | None:
         """Sleep ``seconds``, or less where a newer snapshot arrives: the one that did, if one did."""
@@ -393,7 +403,7 @@ class BackgroundPublisher:
                              f" (the newer step {self._pending.step} is not published)" if self._pending else "")
             elif newest is not None:
                 _log.warning("interrupted at exit: step %d is not published to %s (%s); the last version published "
-                             "is %s", newest.step, self.folder, self.last_error or "not written yet",
+                             "is %s", newest.step, self.folder, self._said(self.last_error) or "not written yet",
                              self.last.step if self.last else "none")
             self._given_up = True
             dropped, self._pending = self._pending, None
@@ -426,7 +436,7 @@ class BackgroundPublisher:
         if newest is None:
             return
         if self._storage_failing_since is not None and self.last_error is not None:
-            why = str(self.last_error)
+            why = str(self._said(self.last_error))
         elif writing is None or writing is newest:
             why = "still being written"
         else:

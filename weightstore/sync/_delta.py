@@ -16,9 +16,11 @@ base is the version ``LATEST`` names; each tensor is encoded against the base's
 
 **Memory.** A :class:`Delta` keeps a copy of the last version it published (``remember=True``,
 the default): 1x the model's bytes, copied into the same memory each publish (none is copied
-after a delta that an anchor follows: the anchor reads no base). Without that copy (a restarted
-trainer, or ``delta=True`` given to single ``publish`` calls) the base is read back from the
-folder, anchor and chain, verified.
+after a delta that an anchor follows: the anchor reads no base). A delta's XOR-ed payload is
+made in that copy's memory as each block of it is read (:meth:`Delta._claim`): no fresh pages
+per delta, and a publish that fails once its delta is encoded is followed by a full version.
+Without that copy (a restarted trainer, or ``delta=True`` given to single ``publish`` calls) the
+base is read back from the folder, anchor and chain, verified.
 
 **A base changed on disk.** Each file of the remembered version's chain (its anchor and the
 deltas since) is looked at before the next delta is encoded from memory: where one is no longer
@@ -36,8 +38,9 @@ a file changed since costs that step a full version, logged naming the file.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -109,6 +112,9 @@ class Plan:
     #: each file of its base's chain as published, or as the plan read it back; the commit
     #: compares the folder's listing with it (:func:`~weightstore.sync._publish.commit_version`)
     files: dict[str, object] = field(default_factory=dict)
+    #: the remembered version's tensors whose memory the payload was made in (:meth:`Delta._claim`):
+    #: the :class:`Delta`'s again once this plan is written
+    spent: dict[str, Stored] | None = None
 
     @property
     def payload_bytes(self) -> int:
@@ -142,6 +148,9 @@ class Delta:
         self.anchor_every = anchor_every
         self.remember = remember
         self._held: _Held | None = None
+        #: taken to hand the remembered tensors' memory from one owner to the next (a plan that
+        #: spends it, a copy into it): two publishes given this object may overlap
+        self._memory_lock = threading.Lock()
         #: payload bytes of the last delta this object published, as a share of its version's
         #: (``None``: none yet); kept across anchors, as it predicts the next delta's
         self._last_share: float | None = None
@@ -232,15 +241,47 @@ class Delta:
         anchor is due, or ``held`` kept no bytes of its version (as it expected one)."""
         full_bytes = sum(len(item.data) for item in tensors.values())
 
-        def remembered(key: str, item: Stored) -> np.ndarray | None:
-            return _same_kind(held.tensors.get(key), item)
-
-        if self._anchor_due(chain_bytes, full_bytes) or not held.current:
+        if self._anchor_due(chain_bytes, full_bytes):
             return None
+        spent = self._claim(held)
+        if spent is None:
+            return None
+
+        def remembered(key: str, item: Stored) -> np.ndarray | None:
+            return _same_kind(spent.get(key), item)
+
         # estimated first only while no delta's size is known: a delta larger than the last
         # is then found by encoding, which stops once the chain passes a full version
-        return _plan(step, base, chain, chain_bytes, full_bytes, tensors, remembered, self._last_share is None,
-                     self._last_codecs)
+        plan = _plan(step, base, chain, chain_bytes, full_bytes, tensors, remembered, self._last_share is None,
+                     self._last_codecs, spend=True)
+        if plan is not None:
+            plan.spent = spent
+        else:  # the version is written full, and copied into this memory after
+            with self._memory_lock:
+                if self._held is not None and not self._held.tensors:
+                    self._held.tensors = spent
+        return plan
+
+    def _claim(self, held: _Held) -> dict[str, Stored] | None:
+        """The remembered version's tensors, taken for one plan to encode against and then
+        spend (its payload is made in their memory: no fresh pages per delta), or ``None``
+        where they hold no version's bytes: written over by a plan before (``current`` is
+        false from then on, so a publish that failed after encoding is followed by a full
+        version), or taken by an overlapping publish given this object."""
+        with self._memory_lock:
+            if self._held is not held or not held.current:
+                return None
+            self._held = replace(held, tensors={}, current=False)
+            return held.tensors
+
+    def _memory(self, plan: Plan | None) -> dict[str, Stored]:
+        """Memory for the next remembered version: what ``plan`` spent, else the remembered
+        version's (taken: whoever holds the tensors is their only user)."""
+        if plan is not None and plan.spent is not None:
+            return plan.spent
+        with self._memory_lock:
+            held, self._held = self._held, None
+        return held.tensors if held is not None else {}
 
     def _anchor_due(self, chain_bytes: int, full_bytes: int) -> bool:
         """Whether the next version is written full unencoded: the size of the last delta this
@@ -279,33 +320,32 @@ class Delta:
                                  for row, item in zip(plan.rows, plan.encoded, strict=True)}
         if not self.remember:
             return
-        if plan is not None and self._held is not None and self._anchor_due(plan.head.chain_bytes,
-                                                                           plan.head.full_bytes):
-            held.tensors, held.current = self._held.tensors, False
+        memory = self._memory(plan)
+        if plan is not None and self._anchor_due(plan.head.chain_bytes, plan.head.full_bytes):
+            held.tensors, held.current = memory, False
         else:
-            held.tensors = self._copies(held.tensors)
+            held.tensors = _copies(held.tensors, memory)
         self._held = held
-
-    def _copies(self, tensors: dict[str, Stored]) -> dict[str, Stored]:
-        """Copies of ``tensors`` to remember (the caller may change its arrays once the publish
-        returns), written into the buffers of the version remembered before where they fit: the
-        same memory each time, so no fresh pages to fault in (a copy into new memory cost as
-        much CPU as the XOR and zstd together)."""
-        old = self._held.tensors if self._held is not None else {}
-        self._held = None
-        copies = {}
-        for key, item in tensors.items():
-            reuse = old.get(key)
-            if reuse is not None and len(reuse.data) == len(item.data):
-                np.copyto(reuse.data, item.data)
-                copies[key] = Stored(item.dtype, item.shape, reuse.data)
-            else:
-                copies[key] = Stored(item.dtype, item.shape, item.data.copy())
-        return copies
 
     def forget(self) -> None:
         """Let go of the remembered version (its memory); the next delta reads its base back."""
         self._held = None
+
+
+def _copies(tensors: dict[str, Stored], old: dict[str, Stored]) -> dict[str, Stored]:
+    """Copies of ``tensors`` to remember (the caller may change its arrays once the publish
+    returns), written into the buffers of ``old`` (the version remembered before) where they
+    fit: the same memory each time, so no fresh pages to fault in (a copy into new memory
+    cost as much CPU as the XOR and zstd together)."""
+    copies = {}
+    for key, item in tensors.items():
+        reuse = old.get(key)
+        if reuse is not None and len(reuse.data) == len(item.data):
+            np.copyto(reuse.data, item.data)
+            copies[key] = Stored(item.dtype, item.shape, reuse.data)
+        else:
+            copies[key] = Stored(item.dtype, item.shape, item.data.copy())
+    return copies
 
 
 def _same_kind(held: Stored | None, item: Stored) -> np.ndarray | None:
@@ -323,7 +363,7 @@ def plan_against(step: int, base: str, chain: list[str], chain_bytes: int, tenso
 
 def _plan(step: int, base: str, chain: list[str], chain_bytes: int, full_bytes: int, tensors: dict[str, Stored],
           base_of: Callable[[str, Stored], np.ndarray | None], estimate: bool,
-          last: Mapping[str, tuple[str, float]]) -> Plan | None:
+          last: Mapping[str, tuple[str, float]], *, spend: bool = False) -> Plan | None:
     """Encode every tensor against ``base_of``'s bytes; ``None`` once the delta (or the chain
     with it) is no smaller than a full version.
 
@@ -334,7 +374,9 @@ def _plan(step: int, base: str, chain: list[str], chain_bytes: int, full_bytes: 
     goes straight to XOR + zstd. Without, ``last`` (how the last delta stored each tensor) does
     that: a tensor it XOR-ed is XOR-ed again, straight away (no comparison first) where that
     XOR took a quarter of its bytes or more (fp32 Adam kernels: 0.55); a tensor that stopped
-    changing so much is compared first again the step after."""
+    changing so much is compared first again the step after. ``spend``: ``base_of``'s bytes are
+    the publisher's own copy, which each tensor's payload is made in once it is encoded
+    (:func:`~weightstore.formats.delta.encode`)."""
     estimates: dict[str, delta_format.Estimate] = {}
     if estimate:
         for key, item in tensors.items():
@@ -353,12 +395,12 @@ def _plan(step: int, base: str, chain: list[str], chain_bytes: int, full_bytes: 
             xored = codec in _XORED
             dense = (found.codec in (*_XORED, delta_format.RAW) if found is not None else xored and share >= DENSE_SHARE)
             one = delta_format.encode(item.data, base_of(key, item), storage_dtype(item.dtype).itemsize, dense=dense,
-                                      sparse=found is not None or not xored)
+                                      sparse=found is not None or not xored, spend=spend)
         total += one.nbytes
         if total >= full_bytes or chain_bytes + total >= full_bytes:
             return None
         encoded.append(one)
-        rows.append((key, item.dtype, item.shape, crc32(item.data)))
+        rows.append((key, item.dtype, item.shape, crc32(item.data) if one.crc is None else one.crc))
         digests.append(content_digest(item.data))
     head = delta_format.Head(step, base, chain, chain_bytes + total, full_bytes)
     return Plan(head, encoded, rows, digests)

@@ -7,6 +7,7 @@ followed. The protocol that uses them is :mod:`weightstore.sync._publish`'s.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import warnings
@@ -31,7 +32,7 @@ from weightstore.io.files import remove_stale_temporaries
 from weightstore.io.folders import Folder, LocalFolder, folder_for
 from weightstore.sync import _stages as stages
 from weightstore.sync._pinning import Version, pointer_version, read_latest
-from weightstore.sync._writers import taken_over, tried_here
+from weightstore.sync._writers import taken_over, tried_here, writer
 
 _log = logging.getLogger(__name__)
 
@@ -57,6 +58,8 @@ class FolderState:
     latest_tag: str | None = None
     #: the process that wrote ``LATEST`` (:mod:`weightstore.sync._writers`), where it says
     latest_writer: object = None
+    #: the process that wrote the intent, where it says
+    intent_writer: object = None
     #: every file's name, as the one listing of the folder gave them
     names: list[str] = field(default_factory=list)
 
@@ -68,26 +71,36 @@ class FolderState:
             data, tag = folder.read_tagged(LATEST, MAX_POINTER_BYTES + 1)
         except TargetError as exc:
             names = folder.names()
+            intent, intent_writer = _read_intent(folder)
             return cls(folder, None, FormatError(f"{exc.message}; the next publish replaces it", path=exc.path),
-                       version_names(names), _read_intent(folder), True, names=names)
+                       version_names(names), intent, True, intent_writer=intent_writer, names=names)
         names = folder.names()  # after LATEST: it names no version this listing could miss
         versions = version_names(names)
         try:
             pointer, error = pointer_version(folder, data), None
         except FormatError as exc:
             pointer, error = None, exc
-        writer = parse_pointer(data).get("writer") if pointer is not None and data is not None else None
-        return cls(folder, pointer, error, versions, _read_intent(folder), data is not None, tag, writer, names)
+        latest_writer = parse_pointer(data).get("writer") if pointer is not None and data is not None else None
+        intent, intent_writer = _read_intent(folder)
+        return cls(folder, pointer, error, versions, intent, data is not None, tag, latest_writer, intent_writer, names)
 
     @property
     def newest(self) -> int | None:
-        return self.versions[-1][0] if self.versions else None
+        """The newest version file's step, but a version :meth:`unpublished` counts."""
+        left = {step for step, _ in self.unpublished()}
+        return next((step for step, _ in reversed(self.versions) if step not in left), None)
 
     def unpublished(self) -> list[tuple[int, str]]:
-        """Version files above the one LATEST names that a killed publish's intent accounts for."""
-        if self.pointer is None:
+        """Version files above the one LATEST names that a killed publish's intent accounts for.
+
+        Without a readable ``LATEST``, only the intent's version of a publish of this process:
+        its own first publish whose ``LATEST`` write failed (a 500, a full disk), which its retry
+        of the same step then writes again and completes. Another's (a first publish killed, or
+        ``LATEST`` deleted by hand while one was under way) stays, its step counting as current."""
+        if self.pointer is None and self.intent_writer != writer():
             return []
-        return [(step, name) for step, name in self.versions if step > self.pointer.step and step == self.intent]
+        above = -1 if self.pointer is None else self.pointer.step
+        return [(step, name) for step, name in self.versions if step > above and step == self.intent]
 
     def above_latest(self) -> list[int]:
         """Steps above LATEST's that no intent accounts for: a LATEST that was rolled back."""
@@ -230,17 +243,26 @@ def not_file_versions(folder: Folder) -> list[tuple[int, str, str]]:
     return sorted(found)
 
 
-def _read_intent(folder: Folder) -> int | None:
-    """The step a killed publish was writing, from its intent record; ``None`` when there is none."""
+def intent_bytes(step: int, name: str) -> bytes:
+    """The intent record of a publish of ``step`` writing the file ``name``, by this process."""
+    return json.dumps({"step": step, "file": name, "writer": writer()}).encode()
+
+
+def _read_intent(folder: Folder) -> tuple[int | None, object]:
+    """The step a killed (or failed) publish was writing, and the process that wrote it, from its
+    intent record (a writer ``None`` where it does not say); ``(None, None)`` when there is none."""
     try:
         data = folder.read_small(INTENT, 4096)
     except TargetError:
-        return None
+        return None, None
     try:
-        step = jsontext.loads(data, what=INTENT, min_bytes=POINTER_BYTES_PER_CONTAINER)["step"] if data else None
+        record = jsontext.loads(data, what=INTENT, min_bytes=POINTER_BYTES_PER_CONTAINER) if data else None
+        step = record["step"] if record is not None else None
     except (FormatError, TypeError, KeyError):
-        return None
-    return step if isinstance(step, int) and not isinstance(step, bool) else None
+        return None, None
+    if not isinstance(step, int) or isinstance(step, bool):
+        return None, None
+    return step, record.get("writer") if isinstance(record, dict) else None
 
 
 def write_small(folder: Folder, name: str, data: bytes, *, swept: bool = False) -> None:

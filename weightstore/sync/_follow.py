@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from weightstore.core._words import checks_words
@@ -93,11 +93,16 @@ def follow(
     timeout = None if timeout is None else checked_seconds("timeout", timeout)
     after = None if after is None else checked_count("after", after)
     watch = PointerWatch(versions_folder(folder, storage_options), poll, max_poll, notifications)
-    return _follow(watch, timeout, after)
+    return following(watch, timeout, after)
 
 
-def _follow(watch: PointerWatch, timeout: float | None, after: int | None) -> Iterator[Version]:
-    """:func:`follow`'s loop, a generator of its own so that ``follow`` checks its words when called."""
+def following(watch: PointerWatch, timeout: float | None, after: int | None, *,
+              waiting: Callable[[int | None], object] | None = None) -> Iterator[Version]:
+    """:func:`follow`'s loop over ``watch``, its arguments checked: a generator of its own so that
+    ``follow`` checks its words when called. ``waiting`` (``ws follow``'s, which says what it
+    waits for) is given, once, the step ``LATEST`` names (``None``: none) where the first look
+    the folder answers finds nothing to yield: no request more, and an outage at the start is
+    waited out first."""
     last, followed, answered = after, False, False
     outage = Outage(watch.source.where)
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -106,6 +111,9 @@ def _follow(watch: PointerWatch, timeout: float | None, after: int | None) -> It
             version = watch.newer(last, followed=followed)
             answered = True
             outage.over()
+            if waiting is not None and version is None:
+                waiting(watch.named)
+            waiting = None
         except StorageError as exc:
             if (not exc.transient and not answered) or (deadline is not None and time.monotonic() >= deadline):
                 raise
@@ -116,6 +124,7 @@ def _follow(watch: PointerWatch, timeout: float | None, after: int | None) -> It
                 raise
             _log.warning("weightstore: following %s: passing over version %d, which cannot be read (%s); "
                          "waiting for a later one", watch.source.where, watch.unreadable, exc)
+            waiting = None  # said: what it waits for
             last = watch.unreadable  # waited past as a version taken is: not opened again every look
             version = None
         if version is not None:
@@ -185,6 +194,8 @@ class PointerWatch:
         self._fresh = True
         #: the step of the version the last look found damaged (its file does not open), if it did
         self.unreadable: int | None = None
+        #: the step ``LATEST`` named when last read (``None``: no ``LATEST``)
+        self.named: int | None = None
         self.wake = None
         check_notifications(source, notifications)
         if notifications is not None:
@@ -246,6 +257,7 @@ class PointerWatch:
         gone = None
         while True:
             version = read_latest(self.source)
+            self.named = None if version is None else version.step
             if version is None or (last is not None and (version.step == last if back else version.step <= last)):
                 return None
             went_back = last is not None and version.step < last  # only asked for with ``back``

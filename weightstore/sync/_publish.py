@@ -27,7 +27,9 @@ version file and its pointer) never costs versions: the newest version file's st
 as current, so the next publish must be above it (with a warning), and that publish removes
 nothing but temporaries of dead writers. A complete version file a killed *first* publish left
 is therefore kept: it holds real weights of that step, readers never saw it, and retention
-prunes it like any older version.
+prunes it like any older version. The intent names its process, so a first publish whose
+``LATEST`` write failed (a 500, a full disk) is no such file to the process that wrote it: its
+retry of the step (a :class:`BackgroundPublisher`'s) writes it again and completes the publish.
 
 **A ``LATEST`` that is not a file** (a FIFO, a folder) is reported as damaged and never opened
 for reading (a FIFO would block the reader forever); the next publish replaces a FIFO, socket
@@ -52,7 +54,6 @@ the folder before refuses to publish once another took it over (:mod:`weightstor
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any, TypedDict
@@ -74,7 +75,7 @@ from weightstore.store._save import CheckedWeights, file_names, write_file
 from weightstore.sync import _stages as stages
 from weightstore.sync._checks import DEFAULT_FORMAT, DEFAULT_KEEP, checked_keep, checked_pointer_metadata, checked_step
 from weightstore.sync._delta import Delta, as_delta, full_weights
-from weightstore.sync._folder import INTENT, FolderState, kept_by_latest, prune, write_small
+from weightstore.sync._folder import INTENT, FolderState, intent_bytes, kept_by_latest, prune, write_small
 from weightstore.sync._pinning import Version
 from weightstore.sync._writers import published_here, writer
 
@@ -254,7 +255,7 @@ def commit_version(target: Folder, step: int, name: str, write: Callable[[str], 
         if new and not isinstance(target, LocalFolder):
             state.remove_unpublished_of(step)
         stages.reached("cleaned")
-        write_small(target, INTENT, json.dumps({"step": step, "file": name}).encode(), swept=True)
+        write_small(target, INTENT, intent_bytes(step, name), swept=True)
         created = utc_now()
         created = write(created) or created
         pointer = pointer_bytes(step, name, created, metadata or {}, writer())
