@@ -226,7 +226,7 @@ def verify(store: Store, held: Held | None = None, keep: Held | None = None) -> 
     publisher recorded, as a follower does, rather than rebuilt from the anchor again; one that
     cannot be (a tensor it has not, a failure) is read whole, whose error names the file of the
     chain at fault. A tensor that did not read whole in ``held`` and is stored here as a change
-    of it is reported as built on that fault, not rebuilt from the anchor again (which made a
+    of it is reported with that fault, naming the file, not rebuilt from the anchor again (which made a
     chain damaged low down cost time quadratic in its depth). ``keep``: filled with each
     tensor's stored bytes that read whole, and each fault, for the next version."""
     problems = []
@@ -235,7 +235,7 @@ def verify(store: Store, held: Held | None = None, keep: Held | None = None) -> 
     for key in track(((k, store.info(k).nbytes) for k in keys), "verifying", total):
         fault = None if held is None else held.faults.get(key)
         if fault is not None and held is not None and store.changes_base(key):
-            problems.append(Problem(key, f"rebuilding it from base {held.name}: {fault}"))
+            problems.append(Problem(key, fault))
             if keep is not None:
                 keep.faults[key] = fault
             continue
@@ -246,8 +246,9 @@ def verify(store: Store, held: Held | None = None, keep: Held | None = None) -> 
         except FormatError as exc:
             elsewhere = exc.path if exc.path != store.path else None  # a sharded version's member
             problems.append(Problem(key, f"{elsewhere}: {exc.message}" if elsewhere else exc.message))
-            if keep is not None:
-                keep.faults[key] = f"in its chain, {keep.name}: {problems[-1].message}"
+            if keep is not None:  # said as a file of its chain says it (once: a fault found lower down already is)
+                said = problems[-1].message
+                keep.faults[key] = said if said.startswith("in its chain, ") else f"in its chain, {keep.name}: {said}"
     return problems
 
 

@@ -454,8 +454,8 @@ def test_a_chain_damaged_low_down_names_that_file_above_it_opening_each_file_a_b
     assert all(": ok (" in line for line in found[:damaged - 1]), found[:damaged - 1]
     assert f"{folder}/{name}: corrupt (delta): tensor 'w'" in found[damaged - 1]
     for line in found[damaged:]:
-        assert ": corrupt (delta): tensor 'w': rebuilding it from base step-" in line, line
-        assert f"in its chain, {name}: " in line, line
+        assert f": corrupt (delta): tensor 'w': in its chain, {name}: " in line, line
+        assert line.count(name) == 1, line
     document = json.loads(run("verify", folder, "--json").stdout)
     assert [v["state"] for v in document["versions"]] == ["ok"] * (damaged - 1) + ["corrupt"] * (deltas + 2 - damaged)
     assert {p["key"] for v in document["versions"] for p in v["problems"]} == {"w"}
