@@ -514,23 +514,26 @@ def test_a_trainer_whose_anchor_is_damaged_writes_a_full_version_next_naming_it(
     same_bytes(ws.load(ws.latest(tmp_path)), weights)
 
 
+@pytest.mark.parametrize("keep", [5, None])
 @pytest.mark.parametrize("anchor_is", ["replaced", "damaged", "removed"])
-def test_a_trainer_on_s3_whose_anchor_changed_writes_a_full_version_next_at_no_request_more(s3, anchor_is, caplog):
+def test_a_trainer_on_s3_whose_anchor_changed_writes_a_full_version_next_at_no_request_more(s3, anchor_is, keep,
+                                                                                           caplog):
     """On S3 a publisher looks at no file of its chain, but it lists the folder every publish:
     the listing's ETag, size and time of each file of the chain, compared with the listing
     after that file was published, tell an anchor replaced (with another whole file), damaged
     or removed under it. The next step is written full, with one warning naming the anchor,
     rather than deltas no follower rebuilds; and a delta publish makes as many requests
-    however long its chain."""
+    however long its chain. With ``keep=None`` nothing lists the folder after a version's
+    upload: the next publish's listing is the first look at it, and is what a change is told by."""
     import s3fs
 
-    folder = f"s3://{BUCKET}/anchor-{anchor_is}"
+    folder = f"s3://{BUCKET}/anchor-{anchor_is}-{keep}"
     delta, rng, weights = ws.Delta(anchor_every=20), np.random.default_rng(0), model()
     requests = []
     for step in range(1, 6):
         weights = step_of(weights, rng)
         s3.reset()
-        ws.publish(folder, weights, step=step, delta=delta)
+        ws.publish(folder, weights, step=step, delta=delta, keep=keep)
         requests.append((s3.count(), s3.count("HEAD"), s3.count("GET")))
     assert delta.last_kind == "delta"
     assert requests[2] == requests[3] == requests[4], requests  # chains of 2, 3 and 4 files
@@ -547,7 +550,7 @@ def test_a_trainer_on_s3_whose_anchor_changed_writes_a_full_version_next_at_no_r
     with caplog.at_level(logging.WARNING, logger="weightstore"):
         for step in (6, 7):
             weights = step_of(weights, rng)
-            ws.publish(folder, weights, step=step, delta=delta)
+            ws.publish(folder, weights, step=step, delta=delta, keep=keep)
     kinds = [(entry.step, entry.kind) for entry in ws.sync.list_versions(folder)]
     assert kinds[-2:] == [(6, "full"), (7, "delta")], kinds
     said = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]

@@ -313,7 +313,8 @@ class Delta:
         return (held.where, held.step, held.name, held.created) == (target.where, pointer.step, base, pointer.created)
 
     def published(self, target: Folder, version: Version, tensors: dict[str, Stored], plan: Plan | None) -> None:
-        """Remember ``version``, just published with ``tensors`` (as ``plan``, or full), as the next delta's base."""
+        """Remember ``version``, just published with ``tensors`` (as ``plan``, or full), as the next
+        delta's base, with each file of its chain as the folder lists it (:func:`_seen`)."""
         name = version.path.rsplit("/", 1)[-1]
         files = {**({} if plan is None else plan.files), name: target.fingerprint(name)}
         if self.remember:  # what nothing compares is not listed
