@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 #: module prefixes, lowest layer first; a module belongs to the longest prefix it starts with
 LAYERS = [
-    ["weightstore.errors", "weightstore._version", "weightstore._moved"],
+    ["weightstore.errors", "weightstore._version", "weightstore._moved", "weightstore._lazy"],
     ["weightstore.core"],
     ["weightstore.io"],
     ["weightstore.formats"],
