@@ -514,23 +514,26 @@ def test_a_trainer_whose_anchor_is_damaged_writes_a_full_version_next_naming_it(
     same_bytes(ws.load(ws.latest(tmp_path)), weights)
 
 
+@pytest.mark.parametrize("keep", [5, None])
 @pytest.mark.parametrize("anchor_is", ["replaced", "damaged", "removed"])
-def test_a_trainer_on_s3_whose_anchor_changed_writes_a_full_version_next_at_no_request_more(s3, anchor_is, caplog):
+def test_a_trainer_on_s3_whose_anchor_changed_writes_a_full_version_next_at_no_request_more(s3, anchor_is, keep,
+                                                                                           caplog):
     """On S3 a publisher looks at no file of its chain, but it lists the folder every publish:
     the listing's ETag, size and time of each file of the chain, compared with the listing
     after that file was published, tell an anchor replaced (with another whole file), damaged
     or removed under it. The next step is written full, with one warning naming the anchor,
     rather than deltas no follower rebuilds; and a delta publish makes as many requests
-    however long its chain."""
+    however long its chain. With ``keep=None`` nothing lists the folder after a version's
+    upload: the next publish's listing is the first look at it, and is what a change is told by."""
     import s3fs
 
-    folder = f"s3://{BUCKET}/anchor-{anchor_is}"
+    folder = f"s3://{BUCKET}/anchor-{anchor_is}-{keep}"
     delta, rng, weights = ws.Delta(anchor_every=20), np.random.default_rng(0), model()
     requests = []
     for step in range(1, 6):
         weights = step_of(weights, rng)
         s3.reset()
-        ws.publish(folder, weights, step=step, delta=delta)
+        ws.publish(folder, weights, step=step, delta=delta, keep=keep)
         requests.append((s3.count(), s3.count("HEAD"), s3.count("GET")))
     assert delta.last_kind == "delta"
     assert requests[2] == requests[3] == requests[4], requests  # chains of 2, 3 and 4 files
@@ -547,12 +550,39 @@ def test_a_trainer_on_s3_whose_anchor_changed_writes_a_full_version_next_at_no_r
     with caplog.at_level(logging.WARNING, logger="weightstore"):
         for step in (6, 7):
             weights = step_of(weights, rng)
-            ws.publish(folder, weights, step=step, delta=delta)
+            ws.publish(folder, weights, step=step, delta=delta, keep=keep)
     kinds = [(entry.step, entry.kind) for entry in ws.sync.list_versions(folder)]
     assert kinds[-2:] == [(6, "full"), (7, "delta")], kinds
     said = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
     assert len(said) == 1 and "step-000000000001.npz, which step 6 was encoded as a delta on" in said[0], said
     assert "written as a full version" in said[0]
+    same_bytes(ws.load(ws.latest(folder)), weights)
+
+
+@pytest.mark.parametrize("case", ["keep=None", "restarted"])
+def test_a_trainer_on_s3_notices_a_replaced_anchor_without_retention_or_after_reading_its_base_back(s3, case, caplog):
+    """Each file of the chain is compared with the listing as it was once published: a publisher
+    with no retention (``keep=None``: no listing after its upload) and one restarted (its first
+    delta reads its base back) still notice an anchor replaced under them, and write the next
+    step full, rather than deltas on the replaced file that no reader rebuilds."""
+    folder = f"s3://{BUCKET}/unseen-{case}"
+    keep = None if case == "keep=None" else 5
+    delta, rng, weights = ws.Delta(anchor_every=20), np.random.default_rng(0), model()
+    for step in (1, 2, 3):
+        if case == "restarted" and step == 3:
+            delta = ws.Delta(anchor_every=20)
+        weights = step_of(weights, rng)
+        ws.publish(folder, weights, step=step, delta=delta, keep=keep)
+    assert delta.last_kind == "delta"
+    ws.save(f"{folder}/step-000000000001.npz", {key: np.zeros_like(value) for key, value in weights.items()},
+            overwrite=True)
+    with caplog.at_level(logging.WARNING, logger="weightstore"):
+        for step in (4, 5):
+            weights = step_of(weights, rng)
+            ws.publish(folder, weights, step=step, delta=delta, keep=keep)
+    kinds = [(entry.step, entry.kind) for entry in ws.sync.list_versions(folder)]
+    assert kinds[-2:] == [(4, "full"), (5, "delta")], kinds
+    assert "step-000000000001.npz, which step 4 was encoded as a delta on" in caplog.text
     same_bytes(ws.load(ws.latest(folder)), weights)
 
 

@@ -305,6 +305,54 @@ def test_an_upload_refused_again_without_its_condition_fails_once_never_for_ever
     assert not commit._unconditional and "refuses uploads" not in caplog.text
 
 
+def test_a_publish_that_lost_the_race_for_latest_says_so_even_where_its_tidying_fails(s3):
+    """A publish whose compare-and-swap of LATEST is refused (another publisher committed first)
+    raises PublishError, which no retry passes; the look at its own file that follows failing
+    (an outage) does not turn it into a transient StorageError that a BackgroundPublisher retries."""
+    folder = url("").rsplit("/", 1)[0]
+    ws.publish(folder, {"w": np.ones(4, np.float32)}, step=1)
+    lost: list[str] = []
+
+    def lost_then_unavailable(environ):
+        method, path = environ["REQUEST_METHOD"], environ["PATH_INFO"]
+        if method == "PUT" and path.endswith("/LATEST") and environ.get("HTTP_IF_MATCH"):
+            lost.append(path)
+            return 412, b"<Error><Code>PreconditionFailed</Code><Message>no</Message></Error>"
+        return (503, b"") if lost and method in ("HEAD", "GET") and "/step-000000000002" in path else None
+
+    s3.intercept = lost_then_unavailable
+    with pytest.raises(ws.PublishError, match="LATEST changed while step 2 was being published"):
+        ws.publish(folder, {"w": np.full(4, 2, np.float32)}, step=2)
+    assert lost and ws.latest(folder).step == 1
+
+
+def test_a_refusal_of_a_multipart_uploads_part_leaves_the_uploads_conditional(s3, monkeypatch, caplog):
+    """A 400 InvalidArgument to a part of a multipart upload (a request that carries no
+    condition: a proxy's hiccup) is no refusal of If-None-Match: the publish fails as before,
+    and the next version is still uploaded only where none has its name."""
+    monkeypatch.setattr(commit, "UPLOAD_PART_BYTES", 5 << 20)
+    monkeypatch.setattr(commit, "_unconditional", set())
+    folder = url("").rsplit("/", 1)[0]
+    seen: list[str] = []
+
+    def one_bad_part(environ):
+        if environ["REQUEST_METHOD"] == "PUT" and "partNumber=" in environ.get("QUERY_STRING", "") and not seen:
+            seen.append("part refused")
+            return REFUSALS["400 InvalidArgument"]
+        kind = version_uploads(environ)
+        if kind is not None:
+            seen.append(kind)
+        return None
+
+    s3.intercept = one_bad_part
+    with pytest.raises(ws.StorageError):
+        ws.publish(folder, {"w": np.ones(3 << 20, np.float32)}, step=1)
+    ws.publish(folder, {"w": np.full(4, 2, np.float32)}, step=2)
+    assert seen[0] == "part refused" and "plain" not in seen and seen[-1] == "conditional", seen
+    assert not commit._unconditional and "refuses uploads" not in caplog.text
+    assert ws.latest(folder).step == 2
+
+
 def test_a_store_that_refuses_a_conditional_latest_says_so_and_is_not_waited_out(s3):
     """LATEST is replaced only by compare-and-swap: a store that answers If-None-Match or If-Match
     with 501 cannot hold a versioned folder, said at once, not retried as an outage."""

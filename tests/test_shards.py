@@ -1,5 +1,6 @@
 """Sharded versions: many writer processes, one coordinator, readers partitioned their own way."""
 
+import datetime
 import json
 import os
 import shutil
@@ -293,6 +294,30 @@ def test_follow_latest_and_retention_treat_a_sharded_version_like_any(tmp_path):
     assert [entry.step for entry in versions.list_versions(folder)] == [3, 4]
     version = next(ws.follow(folder, after=2, timeout=1))
     assert version.step == 4
+
+
+def test_a_sharded_version_whose_latest_records_a_retried_commits_later_time_reads(tmp_path):
+    """A coordinator killed between its index and LATEST, retried, adopts the identical index it
+    left; weightstore before readers compared times recorded the retry's time in LATEST, later
+    than the index's: those folders read, and a follower serves them. An index written after its
+    LATEST record is another commit's: refused."""
+    folder = tmp_path / "run"
+    for rank in range(2):
+        ws.publish_shard(folder, {"w": ws.Piece(np.full((2, 3), rank, np.float32), (2 * rank, 0), (4, 3))},
+                         step=1, rank=rank, world=2, attempt=0)
+    version = shards.commit_shards(folder, step=1, world=2, attempt=0, timeout=5)
+    pointer = json.loads((folder / "LATEST").read_bytes())
+    recorded = datetime.datetime.fromisoformat(version.created.replace("Z", "+00:00"))
+    for later, reads in ((3, True), (-3, False)):
+        moved = recorded + datetime.timedelta(seconds=later)
+        created = moved.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+        (folder / "LATEST").write_text(json.dumps({**pointer, "created": created}))
+        if reads:
+            assert ws.load(ws.latest(folder))["w"].tolist() == [[0.0] * 3] * 2 + [[1.0] * 3] * 2
+            assert next(ws.follow(folder, timeout=1)).step == 1
+        else:
+            with pytest.raises(ws.FormatError, match="written by another"):
+                ws.load(ws.latest(folder))
 
 
 def test_a_corrupt_block_is_refused_naming_the_key(tmp_path):

@@ -1262,3 +1262,50 @@ def test_a_first_publish_whose_latest_swap_failed_is_completed_by_its_retry(tmp_
     ws.publish(tmp_path / "plain", weights_at(2), step=1)  # the retry's weights are the ones published
     assert_whole(ws.load(ws.latest(tmp_path / "plain")), 2)
     assert files(tmp_path / "plain") == [".publish.lock", "LATEST", "step-000000000001.npz"]
+
+
+def _folder_calls(monkeypatch, folder) -> dict[str, list[str]]:
+    """The listings of ``folder`` (``os.scandir``, ``os.listdir``) and the stats of files in it
+    (``os.stat``, ``os.lstat``) this process makes from now on, each with the name it asked of."""
+    calls: dict[str, list[str]] = {"list": [], "stat": []}
+    root = os.fspath(folder)
+
+    def counted(kind, real):
+        def call(path=".", *args, **kwargs):
+            text = os.fspath(path) if not isinstance(path, int) else ""
+            if text.rstrip("/") == root:
+                calls[kind].append(text)
+            elif os.path.dirname(text) == root:
+                calls[kind].append(os.path.basename(text))
+            return real(path, *args, **kwargs)
+        return call
+
+    monkeypatch.setattr(os, "scandir", counted("list", os.scandir))
+    monkeypatch.setattr(os, "listdir", counted("list", os.listdir))
+    monkeypatch.setattr(os, "stat", counted("stat", os.stat))
+    monkeypatch.setattr(os, "lstat", counted("stat", os.lstat))
+    return calls
+
+
+@pytest.mark.parametrize("keep", [None, 5])
+def test_a_publish_lists_its_folder_once_and_stats_no_older_version_however_many(tmp_path, monkeypatch, keep):
+    """A trainer keeping every version fills its folder with thousands: each publish lists the
+    folder once (names only: no stat of each version, no time formatted for it), and stats none
+    of the versions before it, so its cost does not grow with the folder (pruning included)."""
+    run, seen = tmp_path / "run", {}
+    for step in range(1, 61):
+        if step in (11, 60):
+            calls = _folder_calls(monkeypatch, run)
+            ws.publish(run, weights_at(step), step=step, keep=keep)
+            seen[step] = calls
+            monkeypatch.undo()
+        else:
+            ws.publish(run, weights_at(step), step=step, keep=keep)
+    for calls in seen.values():
+        assert len(calls["list"]) == 1, calls["list"]
+        older = [name for name in calls["stat"] if name.startswith("step-") and name != "step-000000000060.npz"
+                 and name != "step-000000000011.npz"]
+        assert older == [], older
+    assert len(seen[11]["stat"]) == len(seen[60]["stat"]), seen
+    assert len([name for name in files(run) if name.startswith("step-")]) == (60 if keep is None else 5)
+    assert_whole(ws.load(ws.latest(run)), 60)

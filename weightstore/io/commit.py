@@ -165,12 +165,15 @@ class Commit(abc.ABC):
 class RenameCommit(Commit):
     """Protocol 1: a temporary beside the target, fsync, rename over it, fsync the folder."""
 
-    def __init__(self, target: str | Path, *, follow_symlinks: bool = True):
+    def __init__(self, target: str | Path, *, follow_symlinks: bool = True, swept: bool = False):
         self.target = str(target)
         self._final = self.target  # a str throughout: pathlib cost a small save 10 us
         self._temporary: str | None = None
         self._mode: int | None = None  # the replaced file's, as the write began (None: none there)
         self._follow_symlinks = follow_symlinks
+        #: the caller swept the target's folder of dead writers' temporaries just now, under the
+        #: lock every writer of the target takes: no listing of it again
+        self._swept = swept
 
     def begin(self) -> str:
         self._final, self._mode = check_writable_target(self.target, follow_symlinks=self._follow_symlinks)
@@ -178,7 +181,8 @@ class RenameCommit(Commit):
         # are free before it reserves its own. Here, not on the writeback thread: a reservation
         # waiting there would wait behind the last save's close of the file it replaced (4-7 ms).
         # No listing where nothing changed in the folder since this process's last write of the target
-        remove_stale_temporaries(self._final, unless_clean=True)
+        if not self._swept:
+            remove_stale_temporaries(self._final, unless_clean=True)
         self._temporary = temporary_beside(self._final)
         return self._temporary
 

@@ -121,6 +121,11 @@ class Folder(abc.ABC):
     def files(self) -> list[FileEntry]:
         """The plain files directly in the folder (no folders, no special files)."""
 
+    def names(self) -> list[str]:
+        """The names of what :meth:`files` lists, all a publish needs of a folder that may hold
+        10,000 versions: locally without a stat and a formatted time for each file."""
+        return [entry.name for entry in self.files()]
+
     def not_files(self) -> dict[str, str]:
         """What lies directly in the folder that :meth:`files` leaves out, each named with what
         it is in words (``"a folder"``, ``"a FIFO"``, ``"a symbolic link (to …)"``): where a
@@ -152,11 +157,13 @@ class Folder(abc.ABC):
         return UNSEEN
 
     @abc.abstractmethod
-    def commit(self, name: str, suffix: str = "", *, new: bool = False) -> Commit:
+    def commit(self, name: str, suffix: str = "", *, new: bool = False, swept: bool = False) -> Commit:
         """How a new file ``name`` is written and made visible (protocol 1 or 2). ``new``: only
         where no file has the name when it lands, where the storage can tell (S3: else the
         commit raises :class:`StoreExistsError`); locally the folder's :meth:`lock` keeps other
-        writers out."""
+        writers out. ``swept``: the caller holds :meth:`lock` and has removed dead writers'
+        temporaries from the folder since it took it (a publish's one listing), so the write
+        lists the folder for them no more."""
 
     @abc.abstractmethod
     def remove(self, name: str) -> None: ...
@@ -242,6 +249,11 @@ class LocalFolder(Folder):
                     found.append(FileEntry(entry.name, info.st_size, _iso(info.st_mtime)))
         return found
 
+    def names(self) -> list[str]:
+        # the type the listing gave (a stat only where the file system gives none: then one
+        # removed while we listed is no file, as is_file says)
+        return [entry.name for entry in _entries(self.root) if entry.is_file(follow_symlinks=False)]
+
     def not_files(self) -> dict[str, str]:
         found = {}
         for entry in _entries(self.root):
@@ -280,15 +292,16 @@ class LocalFolder(Folder):
 
     def fingerprint(self, name: str) -> object | None:
         """Its inode, size, and modification and change times (``lstat``: a link put in its place
-        is a change too; the change time no one sets by hand); ``None`` when it is gone."""
+        is a change too; the change time no one sets by hand); ``None`` when it is gone. A
+        publish of a delta asks it of each file of its chain: a joined string, no pathlib."""
         try:
-            info = os.lstat(self.root / name)
+            info = os.lstat(os.path.join(self.where, name))
         except OSError:
             return None
         return info.st_mode, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns
 
-    def commit(self, name: str, suffix: str = "", *, new: bool = False) -> Commit:
-        return RenameCommit(self.root / name, follow_symlinks=False)
+    def commit(self, name: str, suffix: str = "", *, new: bool = False, swept: bool = False) -> Commit:
+        return RenameCommit(self.root / name, follow_symlinks=False, swept=swept)
 
     def remove(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -380,12 +393,11 @@ class LocalFolder(Folder):
             raise FormatError(f"is {kind}, not a file", path=str(path))
         return str(path)
 
-    def temporaries(self) -> list[str]:
-        """Names of the targets that have temporaries beside them (``.NAME.wstmp-…``)."""
-        with contextlib.suppress(FileNotFoundError):
-            return sorted({entry.name.split(TEMP_MARK)[0][1:] for entry in os.scandir(self.root)
-                           if TEMP_MARK in entry.name})
-        return []
+    @staticmethod
+    def temporaries(names: list[str]) -> list[str]:
+        """Names of the targets that have temporaries (``.NAME.wstmp-…``) among ``names``, the
+        folder's files as :meth:`names` listed them."""
+        return sorted({name.split(TEMP_MARK)[0][1:] for name in names if TEMP_MARK in name})
 
     #: whether :meth:`lock` shuts other publishers out (``fcntl``: not on Windows)
     locks = fcntl is not None
@@ -535,7 +547,7 @@ class RemoteFolder(Folder):
         # without an ETag, nothing short of the bytes tells two writes apart (times repeat within a second)
         return info.get("ETag") or info.get("etag") or object()
 
-    def commit(self, name: str, suffix: str = "", *, new: bool = False) -> Commit:
+    def commit(self, name: str, suffix: str = "", *, new: bool = False, swept: bool = False) -> Commit:
         self._written(name)
         return UploadCommit(self.url(name), suffix=suffix, storage_options=self._storage_options, new=new)
 

@@ -161,13 +161,28 @@ def service_answer(exc: BaseException) -> tuple[str, int] | None:
     return None
 
 
+def _operation(exc: BaseException | None) -> str | None:
+    """The S3 operation (``PutObject``, ``UploadPart``) whose answer is in ``exc``'s chain, as
+    botocore names it; ``None`` where none is named."""
+    for _ in range(8):
+        if exc is None:
+            return None
+        if isinstance(getattr(exc, "response", None), Mapping):
+            name = getattr(exc, "operation_name", None)
+            return name if isinstance(name, str) else None
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def condition_refused(exc: BaseException) -> bool:
     """Whether a write's condition (``If-None-Match``, ``If-Match``) was refused as unknown to
     the store, not as unmet: some S3-compatible stores (versions of MinIO, Ceph, R2) answer it on
     a PUT or a multipart completion with 501 ``NotImplemented`` or 400 ``InvalidArgument`` or
-    ``NotImplemented``, which no retry of the same request changes."""
+    ``NotImplemented``, which no retry of the same request changes. Only the request that
+    carries the condition tells it so: such an answer to a multipart upload's part (a proxy's
+    hiccup) is no refusal of it, and taking it as one made the process's uploads unconditional."""
     answer = service_answer(exc)
-    if answer is None:
+    if answer is None or _operation(exc) not in (None, "PutObject", "CompleteMultipartUpload"):
         return False
     code, status = answer
     return status == 501 or code in ("NotImplemented", "501") or (

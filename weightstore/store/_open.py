@@ -209,6 +209,13 @@ class Store(Mapping):
             attach(exc, path=self.path)
             raise
 
+    def changes_base(self, key: str) -> bool:
+        """Whether ``key`` is stored here as a change of its base's bytes (a delta version's
+        tensor not stored whole), so that whatever keeps it from reading whole in the base keeps
+        it from reading here too; False for every other format."""
+        method = getattr(self._reader, "codec", None)
+        return callable(method) and method(key) != "raw"
+
     def read_from(self, key: str, held: str, data: np.ndarray, *, in_place: bool = False) -> np.ndarray | None:
         """``key`` rebuilt onto ``data`` (its bytes in version file ``held``, which the caller
         holds), reading only what changed since: a delta version whose chain passes through

@@ -51,7 +51,7 @@ from weightstore.core.manifest import content_digest, crc32, from_storage, stora
 from weightstore.errors import WeightStoreError
 from weightstore.formats import delta as delta_format
 from weightstore.formats._pointer import VERSION_NAME
-from weightstore.io.folders import Folder, unchanged
+from weightstore.io.folders import UNSEEN, Folder, unchanged
 from weightstore.store._save import CheckedWeights
 from weightstore.sync._folder import SHARDED_SUFFIX
 from weightstore.sync._pinning import Version, read_latest
@@ -313,9 +313,12 @@ class Delta:
         return (held.where, held.step, held.name, held.created) == (target.where, pointer.step, base, pointer.created)
 
     def published(self, target: Folder, version: Version, tensors: dict[str, Stored], plan: Plan | None) -> None:
-        """Remember ``version``, just published with ``tensors`` (as ``plan``, or full), as the next delta's base."""
+        """Remember ``version``, just published with ``tensors`` (as ``plan``, or full), as the next
+        delta's base, with each file of its chain as the folder lists it (:func:`_seen`)."""
         name = version.path.rsplit("/", 1)[-1]
         files = {**({} if plan is None else plan.files), name: target.fingerprint(name)}
+        if self.remember:  # what nothing compares is not listed
+            files = _seen(target, files)
         self._remember(_Held(target.where, version.step, name, version.created, tensors,
                              None if plan is None else plan.head, files=files), plan)
 
@@ -341,6 +344,25 @@ class Delta:
     def forget(self) -> None:
         """Let go of the remembered version (its memory); the next delta reads its base back."""
         self._held = None
+
+
+def _seen(target: Folder, files: dict[str, object]) -> dict[str, object]:
+    """``files`` (name -> :meth:`~weightstore.io.folders.Folder.fingerprint`) with each
+    :data:`~weightstore.io.folders.UNSEEN` one as the folder lists it now, once a version is
+    published: a file of the chain a plan read back (not compared at the commit: it was read,
+    verified) and the version just written, which a listing after it gives only where
+    retention listed the folder. Kept unseen, a file would never be compared again, and an
+    anchor replaced under the publisher would get deltas no reader rebuilds. The folder is
+    listed once more only where it has not listed the version (``keep=None``); a listing that
+    fails leaves them unseen: the version is published."""
+    if all(was is not UNSEEN for was in files.values()):
+        return files
+    try:
+        if any(target.fingerprint(name) is UNSEEN for name, was in files.items() if was is UNSEEN and "/" not in name):
+            target.files()
+    except (WeightStoreError, OSError):
+        return files
+    return {name: target.fingerprint(name) if was is UNSEEN else was for name, was in files.items()}
 
 
 def _copies(tensors: dict[str, Stored], old: dict[str, Stored]) -> dict[str, Stored]:

@@ -12,7 +12,7 @@ import logging
 import os
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from weightstore.core import _jsontext as jsontext
@@ -50,7 +50,8 @@ class FolderState:
     folder: Folder
     pointer: Version | None
     pointer_error: FormatError | None
-    versions: list[tuple[int, Any]]
+    #: each version file's step and name, by step
+    versions: list[tuple[int, str]]
     intent: int | None
     #: whether a LATEST was there, and its ETag (object storage), for the compare-and-swap
     latest_exists: bool = False
@@ -59,22 +60,29 @@ class FolderState:
     latest_writer: object = None
     #: the process that wrote the intent, where it says
     intent_writer: object = None
+    #: every file's name, as the one listing of the folder gave them
+    names: list[str] = field(default_factory=list)
 
     @classmethod
     def read(cls, folder: Folder) -> FolderState:
+        """What a publish must know, from one listing of the folder (names only: no stat of each
+        of 10,000 versions) and a read of ``LATEST`` and of the intent."""
         try:
             data, tag = folder.read_tagged(LATEST, MAX_POINTER_BYTES + 1)
         except TargetError as exc:
-            versions, (intent, intent_writer) = version_files(folder), _read_intent(folder)
+            names = folder.names()
+            intent, intent_writer = _read_intent(folder)
             return cls(folder, None, FormatError(f"{exc.message}; the next publish replaces it", path=exc.path),
-                       versions, intent, True, intent_writer=intent_writer)
+                       version_names(names), intent, True, intent_writer=intent_writer, names=names)
+        names = folder.names()  # after LATEST: it names no version this listing could miss
+        versions = version_names(names)
         try:
             pointer, error = pointer_version(folder, data), None
         except FormatError as exc:
             pointer, error = None, exc
         latest_writer = parse_pointer(data).get("writer") if pointer is not None and data is not None else None
-        versions, (intent, intent_writer) = version_files(folder), _read_intent(folder)
-        return cls(folder, pointer, error, versions, intent, data is not None, tag, latest_writer, intent_writer)
+        intent, intent_writer = _read_intent(folder)
+        return cls(folder, pointer, error, versions, intent, data is not None, tag, latest_writer, intent_writer, names)
 
     @property
     def newest(self) -> int | None:
@@ -82,7 +90,7 @@ class FolderState:
         left = {step for step, _ in self.unpublished()}
         return next((step for step, _ in reversed(self.versions) if step not in left), None)
 
-    def unpublished(self) -> list[tuple[int, Any]]:
+    def unpublished(self) -> list[tuple[int, str]]:
         """Version files above the one LATEST names that a killed publish's intent accounts for.
 
         Without a readable ``LATEST``, only the intent's version of a publish of this process:
@@ -92,7 +100,7 @@ class FolderState:
         if self.pointer is None and self.intent_writer != writer():
             return []
         above = -1 if self.pointer is None else self.pointer.step
-        return [(step, entry) for step, entry in self.versions if step > above and step == self.intent]
+        return [(step, name) for step, name in self.versions if step > above and step == self.intent]
 
     def above_latest(self) -> list[int]:
         """Steps above LATEST's that no intent accounts for: a LATEST that was rolled back."""
@@ -135,7 +143,7 @@ class FolderState:
         """Before a publish writes: remove dead writers' temporaries and, in a local folder (whose
         lock keeps other publishers out), the versions killed publishes wrote but never named."""
         if isinstance(self.folder, LocalFolder):
-            for name in self.folder.temporaries():
+            for name in self.folder.temporaries(self.names):
                 remove_stale_temporaries(self.folder.root / name, locked=self._written_locked(name))
             self.remove_unpublished()
             if self.intent is not None:
@@ -163,9 +171,10 @@ class FolderState:
         is refused, and one that went on between that look and its swap would name this
         publisher's file under its own record, which readers refuse
         (:func:`~weightstore.sync._pinning.own_record`) until the next publish."""
-        for unpublished, entry in self.unpublished():
+        for unpublished, name in self.unpublished():
             if unpublished == step:
-                self.folder.remove(entry.name)
+                self.folder.remove(name)
+                self.versions.remove((unpublished, name))
 
     def remove_unpublished(self, step: int | None = None) -> None:
         """Remove the versions above ``LATEST`` that a killed publish's intent names, but ``step``'s.
@@ -181,9 +190,10 @@ class FolderState:
         is refused such a step, and one that read it before loses its own swap; a trainer
         killed mid-upload twice in a row leaves one such upload the intent no longer names.
         """
-        for unpublished, entry in self.unpublished():
+        for unpublished, name in self.unpublished():
             if unpublished != step:
-                self.folder.remove(entry.name)  # a sharded one's members: the next commit removes dead attempts
+                self.folder.remove(name)  # a sharded one's members: the next commit removes dead attempts
+                self.versions.remove((unpublished, name))
         if self.intent is not None and not isinstance(self.folder, LocalFolder):
             intent = self.intent
             steps: dict[str, int] = {}  # of each name asked about, -1 if no version's
@@ -209,6 +219,16 @@ def version_files(folder: Folder) -> list[tuple[int, Any]]:
         if match:
             found.append((int(match.group(1)), entry))
     return sorted(found, key=lambda item: item[0])
+
+
+def version_names(names: list[str]) -> list[tuple[int, str]]:
+    """The step and name of each version file among ``names``, by step."""
+    found = []
+    for name in names:
+        match = VERSION_NAME.match(name)
+        if match:
+            found.append((int(match.group(1)), name))
+    return sorted(found)
 
 
 def not_file_versions(folder: Folder) -> list[tuple[int, str, str]]:
@@ -245,14 +265,16 @@ def _read_intent(folder: Folder) -> tuple[int | None, object]:
     return step, record.get("writer") if isinstance(record, dict) else None
 
 
-def write_small(folder: Folder, name: str, data: bytes) -> None:
-    with folder.commit(name).writing() as local, open(local, "wb") as handle:
+def write_small(folder: Folder, name: str, data: bytes, *, swept: bool = False) -> None:
+    with folder.commit(name, swept=swept).writing() as local, open(local, "wb") as handle:
         handle.write(data)
 
 
-def prune(folder: Folder, newest: int, keep: int | None) -> None:
+def prune(folder: Folder, newest: int, keep: int | None, versions: list[tuple[int, str]] | None = None) -> None:
     """Remove the versions past the newest ``keep`` (up to step ``newest``), but never a base a
     kept delta version needs; the newest first, so a delta is never left without its base.
+    ``versions``: the folder's version files (step, name) where the caller knows them (a local
+    publish, whose lock has kept other publishers out since it listed the folder), else listed.
 
     The oldest kept version's chain is all that is needed: a kept delta's chain runs from its
     anchor to itself, and where that anchor is older than the oldest kept version, so is the
@@ -261,15 +283,16 @@ def prune(folder: Folder, newest: int, keep: int | None) -> None:
     warning."""
     if keep is None:
         return
-    entries = [entry for step, entry in version_files(folder) if step <= newest]
-    if len(entries) <= keep:
+    listed = versions if versions is not None else version_names(folder.names())
+    names = [name for step, name in listed if step <= newest]
+    if len(names) <= keep:
         return
-    needed = needed_bases(folder, entries[-keep].name)
+    needed = needed_bases(folder, names[-keep])
     if needed is None:
         return
-    for entry in reversed(entries[:-keep]):
-        if entry.name not in needed:
-            remove_version(folder, entry.name)
+    for name in reversed(names[:-keep]):
+        if name not in needed:
+            remove_version(folder, name)
             stages.reached("pruning")
 
 

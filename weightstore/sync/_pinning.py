@@ -36,6 +36,7 @@ from weightstore.errors import (
 from weightstore.formats import Reader, format_for_suffix, format_named
 from weightstore.formats._pointer import LATEST, parse_pointer
 from weightstore.formats._renamed import by_saved_keys
+from weightstore.formats._sharded_index import index_name
 from weightstore.io.folders import Folder, folder_for
 from weightstore.store._open import Store
 
@@ -195,9 +196,13 @@ def own_record(store: Store, version: Version) -> Store:
     place of the paused one's, would have readers serve one's weights under the other's
     metadata. A record or file whose time is not in the one form both have recorded since
     (:func:`~weightstore.core.manifest.utc_now`: written by hand, or a file of a weightstore that
-    recorded seconds) is taken as it is."""
+    recorded seconds) is taken as it is. So is a sharded version's index written before its
+    record: an index is only created where none is, and a retried commit adopts the identical
+    one its killed coordinator left (its members and metadata), which weightstore before this
+    check recorded in ``LATEST`` under the retry's later time."""
     if _ONE_FORM.fullmatch(version.created) and _ONE_FORM.fullmatch(store.created) \
-            and store.created != version.created:
+            and store.created != version.created \
+            and not (version.path.endswith(index_name(version.step)) and store.created < version.created):
         store.close()
         raise FormatError(f"LATEST names it with the record of a publish made at {version.created}, but the file was "
                           f"written by another, at {store.created} (two publishers of step {version.step}: one "

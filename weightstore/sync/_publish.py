@@ -54,6 +54,7 @@ the folder before refuses to publish once another took it over (:mod:`weightstor
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any, TypedDict
@@ -161,7 +162,7 @@ def publish(
 
     def write_version(created: str) -> None:
         suffix = fmt.suffixes[0] if plan is None else delta_format.SUFFIX
-        commit = target.commit(name, suffix, new=True)
+        commit = target.commit(name, suffix, new=True, swept=True)  # by commit_version's clean
         try:
             with commit.writing() as local:
                 if plan is None:
@@ -197,8 +198,10 @@ def publish(
     except PublishError:
         # a race lost on object storage: left above LATEST with no intent naming it, the file
         # would read as a restored LATEST's newer version and refuse this very step's retry
-        if written and not kept_by_latest(target, step, name) and written[-1].still_landed():
-            target.remove(name)
+        # (a look or removal that fails, an outage, leaves it as an outage mid-publish does: the lost race is raised)
+        with contextlib.suppress(WeightStoreError, OSError):
+            if written and not kept_by_latest(target, step, name) and written[-1].still_landed():
+                target.remove(name)
         raise
 
 
@@ -256,7 +259,7 @@ def commit_version(target: Folder, step: int, name: str, write: Callable[[str], 
         if new and not isinstance(target, LocalFolder):
             state.remove_unpublished_of(step)
         stages.reached("cleaned")
-        write_small(target, INTENT, intent_bytes(step, name))
+        write_small(target, INTENT, intent_bytes(step, name), swept=True)
         created = utc_now()
         created = write(created) or created
         pointer = pointer_bytes(step, name, created, metadata or {}, writer())
@@ -272,7 +275,10 @@ def commit_version(target: Folder, step: int, name: str, write: Callable[[str], 
             if not isinstance(target, LocalFolder):
                 state.remove_unpublished(step)  # only now: see FolderState.remove_unpublished
             target.remove(INTENT)
-            prune(target, step, None if keep is None else max(keep, 2))
+            listed = None  # on object storage, listed anew: the first look at what this publish uploaded
+            if isinstance(target, LocalFolder):
+                listed = sorted({*state.versions, (step, name)})
+            prune(target, step, None if keep is None else max(keep, 2), listed)
             stages.reached("pruned")
         except (WeightStoreError, OSError) as error:
             _log.warning("published step %d to %s; tidying the folder after it failed (%s); the next publish "
@@ -284,7 +290,7 @@ def _write_latest(target: Folder, state: FolderState, pointer: bytes, step: int)
     """Replace ``LATEST``: by rename under the folder's lock locally, by compare-and-swap remotely."""
     if isinstance(target, LocalFolder):
         target.replace_special(LATEST)
-        with target.commit(LATEST).writing() as local:
+        with target.commit(LATEST, swept=True).writing() as local:  # swept by commit_version's clean
             with open(local, "wb") as handle:
                 handle.write(pointer)
             stages.reached("latest-temporary")
