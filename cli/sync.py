@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from weightstore.cli.render import emit, human_bytes, printable, settings
+from weightstore.cli.render import emit, human_bytes, note, printable, settings
 from weightstore.errors import StorageError
 from weightstore.sync._defaults import DEFAULT_POLL
 
@@ -143,7 +143,8 @@ def follow(
 
 def _say_what_it_waits_for(folder: str, after: int | None, named: int | None) -> None:
     """A follow whose first look finds nothing to print (no version yet, ``named`` ``None``; or
-    none above ``--after``) waits in silence, which looks like a hang: said once on stderr. A local
+    none above ``--after``) waits in silence, which looks like a hang: said once on stderr, as a
+    status line (``--quiet`` silences it; a name's control characters are escaped). A local
     folder that does not exist the follow has said already."""
     from weightstore.io.folders import LocalFolder
     from weightstore.sync._folder import versions_folder
@@ -151,10 +152,9 @@ def _say_what_it_waits_for(folder: str, after: int | None, named: int | None) ->
     source = versions_folder(folder)
     above = "" if after is None else f" above step {after}"
     if named is None and not (isinstance(source, LocalFolder) and not source.exists()):
-        typer.echo(f"weightstore: following {folder}: no version yet; waiting for its first version{above}", err=True)
+        note(f"weightstore: following {folder}: no version yet; waiting for its first version{above}")
     elif named is not None:
-        typer.echo(f"weightstore: following {folder}: its latest version is step {named}; waiting for a "
-                   f"version{above}", err=True)
+        note(f"weightstore: following {folder}: its latest version is step {named}; waiting for a version{above}")
 
 
 def _refuse_serving_base(folder: str) -> None:

@@ -87,3 +87,21 @@ print(caught[0].category.__name__, caught[0].lineno, ws.cluster.__name__)
 """
     done = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout == "DeprecationWarning 6 weightstore.sharded._cluster\n", done.stderr
+
+
+def test_a_layers_modules_are_reached_as_attributes_after_a_plain_import():
+    """``import weightstore`` used to import every layer, so ``ws.io.objects.PART_BYTES`` (the
+    part size docs/object-storage.md names) was there to read or set; each layer's submodules are
+    now imported on first use, whatever an earlier call happened to import, and ``dir()`` lists them."""
+    code = """
+import weightstore as ws
+assert ws.io.objects.PART_BYTES > 0 and ws.io.commit.UPLOAD_PART_BYTES > 0
+assert ws.io.backends.register and ws.core.keys.remap is ws.remap and ws.formats.delta.FORMAT
+assert ws.sync._publish.publish is ws.publish and ws.store._save.save is ws.save and ws.sharded._shards
+assert {"objects", "location"} <= set(dir(ws.io)) and "_publish" in dir(ws.sync)
+for missing in ("no_such_module", "__wrapped__"):
+    assert not hasattr(ws.io, missing)
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout == "ok\n", done.stderr

@@ -815,6 +815,21 @@ def test_ws_follow_after_a_step_past_the_latest_says_once_what_it_waits_for(tmp_
                              "above step 1000\n")
 
 
+def test_ws_follow_says_what_it_waits_for_as_a_status_line(tmp_path):
+    """A status line as any: ``--quiet`` silences it, and a folder's name is escaped in it (a
+    newline would split the one line a log reader splits on)."""
+    folder = tmp_path / "run\nnext"
+    ws.publish(folder, weights_at(3), step=3)
+    follow = [sys.executable, "-m", "weightstore", "follow", str(folder), "--after", "1000", "--timeout", "0.2",
+              "--poll", "0.05"]
+    said = subprocess.run(follow, capture_output=True, text=True, timeout=120)
+    assert said.returncode == 0 and said.stdout == "", said.stderr
+    assert said.stderr == (f"weightstore: following {tmp_path}/run\\nnext: its latest version is step 3; waiting for "
+                           "a version above step 1000\n")
+    quiet = subprocess.run([*follow[:3], "-q", *follow[3:]], capture_output=True, text=True, timeout=120)
+    assert quiet.returncode == 0 and quiet.stdout == quiet.stderr == "", quiet.stderr
+
+
 @pytest.mark.parametrize("command", ["versions", "follow"])
 def test_cli_sync_help_shows_an_example(command):
     from weightstore.cli.main import app

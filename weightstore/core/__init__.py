@@ -9,3 +9,9 @@
   refused by name, the tensor table, thread pools, finishing background publishes at exit,
   pausing the garbage collector, giving freed heap back.
 """
+
+from weightstore import _lazy
+
+#: each submodule imported on first use, as when ``import weightstore`` imported every layer
+#: (``weightstore.io.objects.PART_BYTES``): :mod:`weightstore._lazy`
+__getattr__, __dir__ = _lazy.on_first_use(globals(), {})

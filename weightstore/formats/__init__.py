@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from weightstore import _lazy
 from weightstore.core.keys import OUTPUT_SUFFIX, validate_key, validate_keys
 from weightstore.core.manifest import TensorInfo
 from weightstore.errors import FormatError, InvalidKeyError
@@ -292,3 +293,8 @@ def foreign_keys(names: Iterable[tuple[str, str]], what: str) -> dict[str, str]:
             raise FormatError(f"{what}s {keys[key]!r} and {member!r} both read as key {key!r}")
         keys[key] = member
     return keys
+
+
+#: each submodule imported on first use, as when ``import weightstore`` imported every layer
+#: (``weightstore.io.objects.PART_BYTES``): :mod:`weightstore._lazy`
+__getattr__, __dir__ = _lazy.on_first_use(globals(), {})

@@ -34,3 +34,9 @@ folder; a TF checkpoint's bundle files) open it by path; the rest read their byt
 * :mod:`~weightstore.io.places`: the questions a format recognised by where it lies (a model
   folder) asks of a local path or a URL, answered alike.
 """
+
+from weightstore import _lazy
+
+#: each submodule imported on first use, as when ``import weightstore`` imported every layer
+#: (``weightstore.io.objects.PART_BYTES``): :mod:`weightstore._lazy`
+__getattr__, __dir__ = _lazy.on_first_use(globals(), {})

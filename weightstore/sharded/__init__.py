@@ -9,6 +9,7 @@ are agreed through the job's own store (:func:`job_incarnation`), and
 region, is a format like any other (``weightstore.formats.sharded``).
 """
 
+from weightstore import _lazy
 from weightstore.sharded._agree import job_incarnation
 from weightstore.sharded._cluster import Membership, is_tf_chief, membership, rank_in_tf_cluster, tf_config_task
 from weightstore.sharded._shards import (
@@ -23,3 +24,7 @@ from weightstore.sharded._shards import (
 __all__ = ["Piece", "publish_shard", "commit_shards", "publish_together", "next_attempt", "clean_folder",
            "job_incarnation",
            "Membership", "membership", "rank_in_tf_cluster", "is_tf_chief", "tf_config_task"]
+
+#: each submodule imported on first use, as when ``import weightstore`` imported every layer
+#: (``weightstore.io.objects.PART_BYTES``): :mod:`weightstore._lazy`
+__getattr__, __dir__ = _lazy.on_first_use(globals(), {})

@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from weightstore.sync._pinning import Version
     from weightstore.sync._publish import PublishOptions, publish
 
-#: each imported on first use (:mod:`weightstore._lazy`): ``ws follow`` never imports the publisher
+#: each imported on first use (:mod:`weightstore._lazy`): ``ws follow`` never imports the publisher;
+#: so is each submodule
 __getattr__, __dir__ = _lazy.on_first_use(globals(), {
     **dict.fromkeys(["BackgroundPublisher", "PublishFuture"], "weightstore.sync._background"),
     "Delta": "weightstore.sync._delta",
