@@ -1238,16 +1238,10 @@ def test_a_dense_delta_is_made_in_the_memory_of_the_base_it_spends_and_decodes()
     assert not any(np.shares_memory(np.frombuffer(part, np.uint8), flat_base) for part in kept.parts)
 
 
-def test_a_publish_that_fails_after_spending_its_base_is_followed_by_versions_that_read_back(tmp_path):
-    """A delta is made in the memory of the publisher's copy of its base: a publish that fails
-    once it is encoded (here: at the folder's lock) leaves no base in memory, so the next is
-    written full, not encoded against the payload left there, and every version reads back."""
+@contextlib.contextmanager
+def disk_full_once_locked():
+    """The next publish fails at the folder's lock, once its delta is encoded: the disk is full."""
     from weightstore.sync import _stages as stages
-
-    rng = np.random.default_rng(7)
-    folder, planner = tmp_path / "run", ws.Delta(anchor_every=20)
-    steps = list(dense_steps(rng, {"w": rng.standard_normal((512, 2048)).astype(np.float32)}, 4))
-    ws.publish(folder, steps[0], step=1, delta=planner)
 
     def fail(name: str) -> None:
         if name == "locked":
@@ -1255,10 +1249,22 @@ def test_a_publish_that_fails_after_spending_its_base_is_followed_by_versions_th
 
     stages.hook = fail
     try:
-        with pytest.raises(OSError, match="No space"):
-            ws.publish(folder, steps[1], step=2, delta=planner)
+        yield
     finally:
         stages.hook = None
+
+
+def test_a_publish_that_fails_after_spending_its_base_is_followed_by_versions_that_read_back(tmp_path):
+    """A delta is made in the memory of the publisher's copy of its base: a publish that fails
+    once it is encoded (here: at the folder's lock) leaves no base in memory, so the next is
+    written full, not encoded against the payload left there, and every version reads back."""
+    rng = np.random.default_rng(7)
+    folder, planner = tmp_path / "run", ws.Delta(anchor_every=20)
+    steps = list(dense_steps(rng, {"w": rng.standard_normal((512, 2048)).astype(np.float32)}, 4))
+    ws.publish(folder, steps[0], step=1, delta=planner)
+
+    with pytest.raises(OSError, match="No space"), disk_full_once_locked():
+        ws.publish(folder, steps[1], step=2, delta=planner)
     for step, weights in enumerate(steps[1:], start=2):
         version = ws.publish(folder, weights, step=step, delta=planner)
         same_bytes(ws.load(version), weights)
@@ -1270,8 +1276,6 @@ def test_a_publish_that_fails_after_a_sparse_delta_is_followed_by_a_delta_from_m
     """A sparse step's delta (bf16, 2% of the elements) is made in fresh memory, not in the
     publisher's copy of its base: a publish that fails once it is encoded leaves that copy the
     base's, so the retry is a delta again, not a full version, and reads back."""
-    from weightstore.sync import _stages as stages
-
     rng = np.random.default_rng(12)
     weights = rng.standard_normal((2048, 1024)).astype(ml_dtypes.bfloat16)
     steps = [weights]
@@ -1283,16 +1287,8 @@ def test_a_publish_that_fails_after_a_sparse_delta_is_followed_by_a_delta_from_m
     ws.publish(tmp_path, {"w": steps[0]}, step=1, delta=planner)
     ws.publish(tmp_path, {"w": steps[1]}, step=2, delta=planner)
 
-    def fail(name: str) -> None:
-        if name == "locked":
-            raise OSError(28, "No space left on device")
-
-    stages.hook = fail
-    try:
-        with pytest.raises(OSError, match="No space"):
-            ws.publish(tmp_path, {"w": steps[2]}, step=3, delta=planner)
-    finally:
-        stages.hook = None
+    with pytest.raises(OSError, match="No space"), disk_full_once_locked():
+        ws.publish(tmp_path, {"w": steps[2]}, step=3, delta=planner)
     version = ws.publish(tmp_path, {"w": steps[2]}, step=3, delta=planner)
     assert files(tmp_path) == ["step-000000000001.npz", "step-000000000002.wsdelta", "step-000000000003.wsdelta"]
     same_bytes(ws.load(version), {"w": steps[2]})
