@@ -254,7 +254,8 @@ def test_a_listing_takes_a_heads_chain_as_checked_only_where_it_is_of_its_files_
     """A listing checks each head's chain once, taking the chain the delta listed before it
     lists as checked: only where that head is of its own file's step. Here the file of step 3
     says step 10 (its chain checked below 10, its base step 5), and the head of step 4 lists
-    steps 3 then 5, which is no chain: its head is no more read as sound than a reader takes it."""
+    steps 3 then 5, which is no chain: neither is listed as a delta of a base, as readers
+    refuse both (step 3 was listed as step 5's delta)."""
     source, folder = tmp_path / "source", tmp_path / "run"
     ws.publish(source, {"w": np.arange(4000.0)}, step=1, delta=True)
     ws.publish(source, {"w": np.r_[np.arange(3999.0), 7.0]}, step=2, delta=True)
@@ -266,7 +267,10 @@ def test_a_listing_takes_a_heads_chain_as_checked_only_where_it_is_of_its_files_
         (folder / name).write_bytes((source / "step-000000000002.wsdelta").read_bytes())
         _edit_head(folder / name, lambda head, step=step, chain=chain: head.update(step=step, base=chain[0], chain=chain))
     assert [(entry.step, entry.base) for entry in ws.sync.list_versions(folder)] == [
-        (3, "step-000000000005.npz"), (4, None), (5, None)]
+        (3, None), (4, None), (5, None)]
+    for name in heads:
+        with pytest.raises(ws.FormatError):
+            ws.load(folder / name)
 
 
 def test_a_delta_on_s3_reads_and_follows(s3):

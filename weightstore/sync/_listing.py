@@ -82,9 +82,9 @@ def version_listing(folder: Any, *, storage_options: Mapping[str, Any] | None = 
 def _kind(folder: Folder, name: str, step: int, expected: list[str] | None,
           ) -> tuple[str, str | None, list[str] | None]:
     """How a version is stored, a delta's base (from its head; ``None`` where it does not read)
-    and the chain its head lists (``[]`` for a full version; ``None`` for a sharded one, one
-    that does not read, or one whose head says another step than its name, ``step``: its chain
-    was checked below that step, not below this file's). ``expected``: the chain a delta of the
+    and the chain its head lists (``[]`` for a full version; ``None`` for a sharded one, and a
+    delta that does not read: one whose head says another step than its name, ``step``, does
+    not, as a reader refuses it). ``expected``: the chain a delta of the
     version before lists, where
     known; a head that lists just that is not checked name by name again (each head of a chain
     1,000 deep lists every base below it: checked whole, a listing matched half a million names)."""
@@ -100,7 +100,9 @@ def _kind(folder: Folder, name: str, step: int, expected: list[str] | None,
         head = delta_format.read_head(folder.open_binary(name), folder.url(name), checked=expected)
     except (WeightStoreError, FileNotFoundError):
         return "delta", None, None
-    return "delta", head.base, head.chain if head.step == step else None
+    if head.step != step:  # a head of another step than its name's, which every reader refuses
+        return "delta", None, None
+    return "delta", head.base, head.chain
 
 
 def _sharded_sizes(folder: Folder, name: str) -> tuple[int | None, int | None]:
