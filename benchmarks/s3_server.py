@@ -87,6 +87,21 @@ class CountingS3:
         self._server.shutdown()
         self._thread.join()
 
+    def fail_once(self, method: str, name: str) -> threading.Event:
+        """Answer the next ``method`` request for an object called ``name`` with a 500, once,
+        as an S3 having a bad second does; the event is set once it has."""
+        failed = threading.Event()
+
+        def fail(environ: dict[str, Any]) -> tuple[Any, ...] | None:
+            if environ["REQUEST_METHOD"] == method and environ["PATH_INFO"].endswith(f"/{name}") \
+                    and not failed.is_set():
+                failed.set()
+                return 500, b"<Error><Code>InternalError</Code></Error>"
+            return None
+
+        self.intercept = fail
+        return failed
+
     def kill(self, environ: dict[str, Any] | None = None) -> None:
         """Stop as a killed server does, keeping what it stores for :meth:`restart`: its port
         refuses connections and, given the WSGI ``environ`` of a request in flight (from

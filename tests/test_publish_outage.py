@@ -348,15 +348,7 @@ def test_a_first_publish_whose_latest_write_failed_is_completed_by_the_retry(s3,
     500): the landed file must not count as a newer version refusing the retry of its own step.
     The failure's log line names the folder once, not again inside the storage's error."""
     folder = f"s3://{BUCKET}/first-latest-fails"
-    failed = threading.Event()
-
-    def latest_fails_once(environ):
-        if environ["REQUEST_METHOD"] == "PUT" and environ["PATH_INFO"].endswith("/LATEST") and not failed.is_set():
-            failed.set()
-            return 500, b"<Error><Code>InternalError</Code></Error>"
-        return None
-
-    s3.intercept = latest_fails_once
+    failed = s3.fail_once("PUT", "LATEST")
     publisher = ws.BackgroundPublisher(folder, retry_backoff=0.05, max_backoff=0.2)
     with caplog.at_level(logging.WARNING, logger="weightstore"):
         assert publisher.publish(weights(1), step=1).result(60).step == 1

@@ -358,19 +358,11 @@ def test_a_first_commit_whose_latest_write_failed_is_completed_by_its_retry(serv
     coordinator's retry of the same step commits it, not refuses it as "not after step 1"."""
     weights = np.arange(64, dtype=np.float32).reshape(8, 8)
     write(folder, weights, 2, step=1)
-    failed = threading.Event()
-
-    def latest_fails_once(environ):
-        if environ["REQUEST_METHOD"] == "PUT" and environ["PATH_INFO"].endswith("/LATEST") and not failed.is_set():
-            failed.set()
-            return 500, b"<Error><Code>InternalError</Code></Error>"
-        return None
-
-    server.intercept = latest_fails_once
+    failed = server.fail_once("PUT", "LATEST")
     try:
         with pytest.raises(ws.StorageError):
             shards.commit_shards(folder, step=1, world=2, attempt=0, timeout=5)
-        assert ws.latest(folder) is None
+        assert failed.is_set() and ws.latest(folder) is None
         version = shards.commit_shards(folder, step=1, world=2, attempt=0, timeout=5)
     finally:
         server.intercept = None
