@@ -60,6 +60,7 @@ assert publish is ws.publish is _publish.publish and BackgroundPublisher is _bac
 assert publish_shard is _shards.publish_shard and list_versions is _listing.list_versions
 assert set(ws.__all__) <= set(dir(ws)) and set(ws.sync.__all__) <= set(dir(ws.sync))
 assert {"sync", "sharded", "store"} <= set(dir(ws))
+assert not {"functools", "TYPE_CHECKING"} & (set(dir(ws)) | set(dir(ws.sync)))  # what building them needed
 assert pickle.loads(pickle.dumps((ws.Delta, ws.save, ws.TensorInfo))) == (ws.Delta, ws.save, ws.TensorInfo)
 ws.save(sys.argv[1], {"a": [1.0, 2.0]})
 assert ws.load(sys.argv[1])["a"].tolist() == [1.0, 2.0]

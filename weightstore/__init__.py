@@ -41,6 +41,7 @@ __getattr__, __dir__ = _lazy.on_first_use(globals(), {
     **dict.fromkeys(["publish", "latest", "follow", "Version", "BackgroundPublisher", "Delta"], "weightstore.sync"),
     **dict.fromkeys(["Piece", "publish_shard", "commit_shards"], "weightstore.sharded"),
 }, modules=["core", "io", "formats", "store", "sync", "sharded"], otherwise=functools.partial(_moved.attribute, __name__))
+del functools, TYPE_CHECKING  # what building the package needed is no name of it (dir(weightstore))
 
 __all__ = ["__version__", "load", "open", "remap", "save", "select", "Store", "TensorInfo",
            "publish", "latest", "follow", "Version",

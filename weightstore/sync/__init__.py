@@ -32,6 +32,7 @@ __getattr__, __dir__ = _lazy.on_first_use(globals(), {
     "Version": "weightstore.sync._pinning",
     **dict.fromkeys(["PublishOptions", "publish"], "weightstore.sync._publish"),
 })
+del TYPE_CHECKING  # no name of the package (dir(weightstore.sync))
 
 __all__ = ["Delta", "Version", "VersionEntry", "PublishOptions", "PointerWatch", "publish", "latest", "follow",
            "list_versions", "BackgroundPublisher", "PublishFuture"]
