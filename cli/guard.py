@@ -103,6 +103,20 @@ def _before_double_dash(args: list[str]) -> list[str]:
     return args[: args.index("--")] if "--" in args else args
 
 
+def _caused_by_interrupt(exc: BaseException) -> bool:
+    """Whether a Ctrl-C is what ``exc`` wraps: Python 3.11 reports one that came while a class
+    was being made (a ``cached_property``'s ``__set_name__``, as a command imports the modules it
+    uses) as a RuntimeError caused by the KeyboardInterrupt, which read as an internal error."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, KeyboardInterrupt):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return False
+
+
 def _interrupted() -> Exit:
     """Ctrl-C: said in one word, exit 130 (``_weightstore_cli`` says it so while ``ws`` starts)."""
     typer.echo("interrupted", err=True)
@@ -177,6 +191,8 @@ class GuardedGroup(TyperGroup):
         except KeyboardInterrupt:
             raise _interrupted() from None
         except Exception as exc:
+            if _caused_by_interrupt(exc):
+                raise _interrupted() from None
             if _is_closed_pipe(exc):
                 raise _pipe_closed() from None
             if ctx.params.get("debug"):

@@ -978,6 +978,31 @@ def test_python_m_weightstore(store):
     assert json.loads(done.stdout)["count"] == 3
 
 
+def test_ctrl_c_that_python_wraps_in_another_error_exits_130_quietly(tmp_path):
+    """Python 3.11 turns a Ctrl-C that comes while a class is made (a ``cached_property``'s
+    ``__set_name__``, as ``ws ls`` imports the store's modules) into a RuntimeError caused by it,
+    which ``ws`` printed as an internal error, exit 1, where the Ctrl-C tests' timing hit it."""
+    ws.save(tmp_path / "m.npz", {"w": np.zeros(2, np.float32)})
+    script = """
+import sys
+from weightstore.cli import sources
+
+def opened_while_a_class_was_made(*args, **kwargs):
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt as exc:
+        raise RuntimeError("Error calling __set_name__ on 'cached_property' instance '_key_set' in 'Store'") from exc
+
+sources.open_source = opened_while_a_class_was_made
+sys.argv = ["ws", "ls", sys.argv[1]]
+from _weightstore_cli import main
+main()
+"""
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "m.npz")], capture_output=True, text=True,
+                          timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (130, "", "interrupted\n")
+
+
 #: what ``ws follow run --after 1`` says on stderr once it has looked, before the Ctrl-C
 WAITS_ABOVE_1 = "its latest version is step 1; waiting for a version above step 1"
 
