@@ -53,7 +53,7 @@ try:
 except ImportError:  # pragma: no cover - Windows: no advisory lock
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["ONE_WRITER", "UNSEEN", "FileEntry", "Folder", "LocalFolder", "RemoteFolder", "folder_for", "unchanged"]
+__all__ = ["ONE_WRITER", "UNSEEN", "FileEntry", "Folder", "LocalFolder", "RemoteFolder", "folder_for", "same_file", "unchanged"]
 
 _log = logging.getLogger(__name__)
 #: the folders whose unfinished uploads this process could not look at or abort, said once each
@@ -83,12 +83,16 @@ class _Unseen:
 UNSEEN: object = _Unseen()
 
 
+def same_file(was: object, now: object) -> bool:
+    """Whether two :meth:`Folder.fingerprint` answers of one name tell the same file: equal, or
+    one of them :data:`UNSEEN` (which tells nothing)."""
+    return was is UNSEEN or now is UNSEEN or was == now
+
+
 def unchanged(was: Mapping[str, object], now: Mapping[str, object]) -> bool:
     """Whether files fingerprinted ``was`` (name -> :meth:`Folder.fingerprint`) are the same
-    files, by what ``now`` says of each: the same names, and no fingerprint seen both times that
-    differs (:data:`UNSEEN` on either side tells nothing)."""
-    return was.keys() == now.keys() and all(
-        was[name] is UNSEEN or after is UNSEEN or was[name] == after for name, after in now.items())
+    files, by what ``now`` says of each: the same names, each the :func:`same_file`."""
+    return was.keys() == now.keys() and all(same_file(was[name], after) for name, after in now.items())
 
 
 #: what an open of a small file refuses for good, the file's own fault (a link loop, no

@@ -71,7 +71,7 @@ from weightstore.formats._pointer import (
     pointer_bytes,
 )
 from weightstore.io.commit import Commit
-from weightstore.io.folders import Folder, LocalFolder, folder_for, unchanged
+from weightstore.io.folders import Folder, LocalFolder, folder_for, same_file
 from weightstore.store._save import CheckedWeights, file_names, write_file
 from weightstore.sync import _stages as stages
 from weightstore.sync._checks import checked_keep, checked_pointer_metadata, checked_step
@@ -250,8 +250,7 @@ def commit_version(target: Folder, step: int, name: str, write: Callable[[str], 
             raise _BaseMoved(f"LATEST moved to step {state.pointer.step if state.pointer else 'none'} while step "
                              f"{step} was encoded as a delta of {base} (is another trainer publishing to this "
                              "folder?)", path=target.where)
-        changed = [name for name, was in (chain or {}).items() if not unchanged({name: was},
-                                                                                {name: target.fingerprint(name)})]
+        changed = [name for name, was in (chain or {}).items() if not same_file(was, target.fingerprint(name))]
         if changed:
             raise _BaseMoved(f"{changed[0]}, which step {step} was encoded as a delta on, was removed, replaced or "
                              "written over since it was published", path=target.url(changed[0]))
